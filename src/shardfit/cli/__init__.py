@@ -1,0 +1,1 @@
+"""The `shardfit` command line."""

@@ -1,0 +1,89 @@
+"""Deterministic batching: which rows each rank sees at each step follows from (seed, epoch, step) alone.
+
+That makes resume exact (the data position is just the step) and lets every rank know the token count of the
+whole global batch without communication, so the loss is normalised the same way at any world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardfit.data.packing import PackedRow
+from shardfit.data.tokenize import IGNORE
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    n_real_tokens: int
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True),
+                     self.targets.to(device, non_blocking=True), self.n_real_tokens)
+
+
+def collate(rows: list[PackedRow], pad_id: int) -> Batch:
+    """Right-pad rows to the longest. Padding restarts its positions at 0, so it is a block of its own."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    tgt = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r)
+        ids[i, :n] = torch.tensor(r.input_ids)
+        pos[i, :n] = torch.tensor(r.position_ids)
+        tgt[i, :n] = torch.tensor(r.targets)
+        if n < width:
+            pos[i, n:] = torch.arange(width - n)
+    return Batch(ids, pos, tgt, sum(len(r) for r in rows))
+
+
+@dataclass
+class StepPlan:
+    """The micro-batches of one optimizer step for one rank, and the target count of the global batch."""
+
+    micro_batches: list[list[PackedRow]]
+    global_targets: int
+    global_tokens: int
+
+
+class Schedule:
+    """Epoch-seeded permutation of rows, cut into global batches of micro_batch * world * grad_accum rows.
+
+    The last global batch of an epoch is completed by wrapping to the start of the permutation, so every rank runs
+    the same number of forwards (FSDP needs that) and no row is dropped.
+    """
+
+    def __init__(self, rows: list[PackedRow], micro_batch: int, grad_accum: int, world: int, rank: int, seed: int):
+        self.rows, self.mb, self.accum, self.world, self.rank, self.seed = rows, micro_batch, grad_accum, world, rank, seed
+        self.global_rows = micro_batch * grad_accum * world
+        self.steps_per_epoch = max(1, -(-len(rows) // self.global_rows))
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        perm = torch.randperm(len(self.rows), generator=g).tolist()
+        need = self.steps_per_epoch * self.global_rows
+        while len(perm) < need:
+            perm += perm[: need - len(perm)]
+        return perm
+
+    def step(self, global_step: int) -> StepPlan:
+        """Rows for optimizer step `global_step` (0-based, counted across epochs)."""
+        epoch, k = divmod(global_step, self.steps_per_epoch)
+        order = self._order(epoch)
+        chunk = order[k * self.global_rows:(k + 1) * self.global_rows]
+        rows = [self.rows[i] for i in chunk]
+        global_targets = sum(r.n_targets for r in rows)
+        # Micro-batch m of rank r takes a contiguous slice: identical to single-process order when world=1.
+        micro = []
+        for m in range(self.accum):
+            base = (m * self.world + self.rank) * self.mb
+            micro.append(rows[base:base + self.mb])
+        return StepPlan(micro, global_targets, sum(len(r) for r in rows))
+
+    def epoch_of(self, global_step: int) -> float:
+        return global_step / self.steps_per_epoch

@@ -1,0 +1,60 @@
+"""Sequence packing: several examples per row, positions restarting at 0 for each.
+
+Restarted `position_ids` with no attention mask make transformers build a block-diagonal causal mask (or use the
+flash-attention variable-length path), so no token attends across an example boundary. Labels are shifted per
+example before packing, so no example is trained to predict the first token of the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardfit.data.tokenize import IGNORE, Encoded
+
+
+@dataclass
+class PackedRow:
+    input_ids: list[int]
+    targets: list[int]
+    position_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_targets(self) -> int:
+        return sum(1 for t in self.targets if t != IGNORE)
+
+
+def _row(examples: list[Encoded]) -> PackedRow:
+    ids: list[int] = []
+    targets: list[int] = []
+    pos: list[int] = []
+    for ex in examples:
+        ids += ex.input_ids
+        targets += ex.targets
+        pos += list(range(len(ex.input_ids)))
+    return PackedRow(ids, targets, pos)
+
+
+def pack(examples: list[Encoded], max_len: int) -> list[PackedRow]:
+    """First-fit-decreasing bin packing of examples into rows of at most `max_len` tokens (deterministic)."""
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    bins: list[list[int]] = []
+    space: list[int] = []
+    for i in order:
+        n = len(examples[i].input_ids)
+        for b, free in enumerate(space):
+            if n <= free:
+                bins[b].append(i)
+                space[b] -= n
+                break
+        else:
+            bins.append([i])
+            space.append(max_len - n)
+    return [_row([examples[i] for i in sorted(b)]) for b in bins]
+
+
+def no_pack(examples: list[Encoded]) -> list[PackedRow]:
+    """One example per row (packing off)."""
+    return [_row([ex]) for ex in examples]

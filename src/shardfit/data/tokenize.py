@@ -1,0 +1,82 @@
+"""Chat-template tokenisation with labels on assistant tokens only.
+
+The conversation is rendered once by the tokenizer's own chat template. Each assistant turn's character span is
+found by rendering the prefix up to it, so the span covers exactly what the template emits for that turn (content
+and end-of-turn marker). Tokens whose text starts inside a span are trained; everything else is masked to -100.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+IGNORE = -100
+
+# Used only when a tokenizer ships no template (tiny test tokenizers, some base models): ChatML, as Qwen and SmolLM use.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Encoded:
+    """One tokenised example. `targets[t]` is the label for the prediction made at position t (already shifted)."""
+
+    input_ids: list[int]
+    targets: list[int]
+
+    @property
+    def n_targets(self) -> int:
+        return sum(1 for t in self.targets if t != IGNORE)
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a template-less tokenizer ChatML, so every model can format turns the same way."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the [start, end) character spans of every assistant turn in it."""
+    text = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
+    search_from = 0
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1])
+        if text.startswith(before) and text.startswith(through):
+            start, end = len(before), len(through)
+        else:
+            # Templates that rewrite earlier turns (e.g. strip reasoning) are not prefix-stable: find the content.
+            start = text.find(msg["content"], search_from)
+            if start < 0:
+                continue
+            end = start + len(msg["content"])
+        spans.append((start, end))
+        search_from = end
+    return text, spans
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], max_len: int) -> Encoded:
+    """Tokenise a conversation, label assistant tokens, shift labels, and truncate to `max_len`."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    labels = [IGNORE] * len(ids)
+    for k, (a, _b) in enumerate(enc["offset_mapping"]):
+        for s, e in spans:
+            if s <= a < e:
+                labels[k] = ids[k]
+                break
+    ids, labels = ids[:max_len], labels[:max_len]
+    targets = labels[1:] + [IGNORE]
+    return Encoded(ids, targets)

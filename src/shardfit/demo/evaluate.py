@@ -1,0 +1,72 @@
+"""Exact-match accuracy of greedy answers on held-out prompts, and the before/after table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardfit.data.formats import to_messages
+
+
+@dataclass
+class Answered:
+    prompt: str
+    expected: str
+    answer: str
+
+    @property
+    def correct(self) -> bool:
+        return self.answer.strip() == self.expected.strip()
+
+
+@torch.no_grad()
+def generate_answers(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], fmt: str = "alpaca",
+                     max_new_tokens: int = 40, batch_size: int = 16) -> list[Answered]:
+    """Greedy answers for the user turns of `rows`, compared with each row's last assistant turn."""
+    model.eval()
+    device = next(model.parameters()).device
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation continues from the right edge of every prompt
+    out: list[Answered] = []
+    try:
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i:i + batch_size]
+            convs = [to_messages(r, fmt) for r in chunk]
+            prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True)
+                       for c in convs]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cpu"):
+                gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id, use_cache=True)
+            for conv, seq in zip(convs, gen[:, enc["input_ids"].shape[1]:], strict=True):
+                text = tokenizer.decode(seq, skip_special_tokens=True)
+                out.append(Answered(conv[-2]["content"], conv[-1]["content"], text.strip()))
+    finally:
+        tokenizer.padding_side = side
+    return out
+
+
+def accuracy(answers: list[Answered]) -> float:
+    return sum(a.correct for a in answers) / max(1, len(answers))
+
+
+def report(before: list[Answered], after: list[Answered], samples: int = 3) -> str:
+    """A printable before/after table with a few sample answers."""
+    lines = ["", "Held-out exact-match accuracy (names and cities never seen in training)",
+             f"  {'model':<34}{'correct':>10}{'accuracy':>11}",
+             f"  {'SmolLM2-135M-Instruct (base)':<34}{sum(a.correct for a in before):>6}/{len(before):<3}"
+             f"{accuracy(before):>11.1%}",
+             f"  {'+ shardfit LoRA fine-tune':<34}{sum(a.correct for a in after):>6}/{len(after):<3}"
+             f"{accuracy(after):>11.1%}", ""]
+    for b, a in list(zip(before, after, strict=True))[:samples]:
+        note = b.prompt.splitlines()[-1]
+        lines += [f"  note:     {note}", f"  expected: {a.expected}",
+                  f"  base:     {_short(b.answer)}", f"  tuned:    {a.answer}  {'OK' if a.correct else 'WRONG'}", ""]
+    return "\n".join(lines)
+
+
+def _short(text: str, n: int = 90) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."

@@ -1,0 +1,1 @@
+"""Models: find weights (HF folder, GGUF, bundled), load them for a strategy, and set up what trains."""

@@ -1,0 +1,90 @@
+"""What trains: LoRA adapters (peft), the whole model, or chosen modules (freeze)."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any
+
+import torch
+
+from shardfit.errors import UserError
+
+
+def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    """Wrap `model` with peft LoRA adapters; adapters are kept in fp32 whatever the base dtype."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.targets
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                        task_type="CAUSAL_LM", bias="none")
+    try:
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as e:
+        raise UserError(f"'lora.targets': {e}") from None
+    for p in peft_model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return peft_model
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatch(name, pattern) or re.search(rf"(^|\.){re.escape(pattern)}(\.|$)", name) is not None
+
+
+def apply_freeze(model: torch.nn.Module, trainable: list[str]) -> torch.nn.Module:
+    """Train only parameters whose name matches a pattern (glob, or a dotted module path such as `layers.11`)."""
+    hit = 0
+    for name, p in model.named_parameters():
+        on = any(_matches(name, pat) for pat in trainable)
+        p.requires_grad_(on)
+        if on:
+            hit += 1
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+    if hit == 0:
+        names = [n for n, _ in model.named_parameters()][:6]
+        raise UserError(f"'freeze_trainable': no parameter matches {trainable}. Parameter names look like: "
+                        f"{', '.join(names)} ...")
+    return model
+
+
+def freeze_modules(model: torch.nn.Module, patterns: list[str]) -> int:
+    """Freeze parameters under the named modules (e.g. a vision tower); returns how many were frozen."""
+    n = 0
+    for name, p in model.named_parameters():
+        if any(_matches(name, pat) for pat in patterns):
+            p.requires_grad_(False)
+            n += 1
+    return n
+
+
+def drop_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """Remove submodules the text training forward never uses (e.g. an audio talker); returns what was removed."""
+    removed = []
+    for name in names:
+        for full, _module in list(model.named_modules()):
+            if full == name or full.endswith("." + name):
+                parent_name, _, child = full.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                if child in parent._modules:
+                    del parent._modules[child]
+                    setattr(parent, child, None)
+                    removed.append(full)
+    return removed
+
+
+def setup_trainable(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
+    """Apply the config's method; returns the model whose trainable parameters the optimizer updates."""
+    if cfg.drop_modules:
+        drop_modules(model, cfg.drop_modules)
+    if cfg.method in ("lora", "qlora"):
+        model = apply_lora(model, cfg.lora)
+    elif cfg.method == "freeze":
+        model = apply_freeze(model, cfg.freeze_trainable)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    if cfg.freeze_modules:
+        freeze_modules(model, cfg.freeze_modules)
+    return model

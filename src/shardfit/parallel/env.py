@@ -1,0 +1,64 @@
+"""The distributed environment of this process, read from what torchrun sets (or a single process)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def under_launcher() -> bool:
+    """True when torchrun (or another launcher) started this process as one rank of a group."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(timeout_s: int = 1800) -> DistEnv:
+    """Join the process group torchrun prepared: nccl on GPUs, gloo on CPU; a plain process gets world 1."""
+    if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return DistEnv(0, 1, 0, device, None)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return DistEnv(rank, world, local_rank, device, backend)
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown(env: DistEnv) -> None:
+    """Leave the group; the barrier first, because FSDP2 otherwise sometimes aborts at exit."""
+    if env.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

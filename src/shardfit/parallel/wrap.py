@@ -1,0 +1,75 @@
+"""Wrap the loss module for a strategy with PyTorch's own engines: DDP, or FSDP2 `fully_shard`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfit.parallel.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+SHARDED = ("zero2", "zero3", "zero3_offload")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers: the natural FSDP units (one all-gather per block)."""
+    from shardfit.train.loss import decoder_and_head
+
+    decoder, _ = decoder_and_head(model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        layers = next((m for m in decoder.modules() if isinstance(m, nn.ModuleList)), None)
+    return list(layers) if layers is not None else []
+
+
+def _mp_policy(precision: str) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    # Low-precision compute and all-gathers, fp32 gradient reduction (the numerically safe choice).
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str) -> nn.Module:
+    """Place and wrap `module` (a `CausalLMLoss`) for `strategy`; returns the module to call and step."""
+    if strategy in ("single", "model_parallel") or not env.distributed:
+        return module.to(env.device) if strategy != "model_parallel" else module
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        module.to(env.device)
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        return DDP(module, device_ids=ids)
+    if strategy in SHARDED:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        mesh = init_device_mesh(env.device.type, (env.world,))
+        kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mp_policy(precision),
+                                  "reshard_after_forward": strategy != "zero2"}
+        if strategy == "zero3_offload":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        else:
+            module.to(env.device)
+        for block in transformer_blocks(module.model):
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+    raise ValueError(f"unknown strategy {strategy}")
+
+
+def set_grad_sync(model: nn.Module, enabled: bool) -> Any:
+    """A context (DDP) or a flag (FSDP2) that skips gradient communication on non-final micro-batches."""
+    import contextlib
+
+    if hasattr(model, "no_sync"):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()

@@ -1,0 +1,1 @@
+"""Train: the loss, the optimizer and schedule, checkpoints, metrics, export, and the loop that ties them."""

@@ -1,0 +1,60 @@
+"""Final outputs: `adapter/` (PEFT format) or `model/` (a Hugging Face folder), and `shardfit export --merge`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from shardfit.parallel.env import DistEnv
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if hasattr(module, "module") and hasattr(module, "no_sync") else module
+
+
+def gather_full_state(wrapped: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state of the inner model on CPU; a collective, so every rank must call it."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    sd = get_model_state_dict(_unwrap(wrapped), options=opts)
+    # The loss module holds the model as `.model`; the model's own names are what save_pretrained expects.
+    return {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+
+
+def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Path, env: DistEnv,
+               is_lora: bool) -> Path:
+    """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks."""
+    sd = gather_full_state(wrapped, trainable_only=is_lora)
+    out = Path(run_dir) / ("adapter" if is_lora else "model")
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        config = getattr(model, "config", None)
+        if config is not None:
+            config.use_cache = True  # training turns the KV cache off; the saved model is for generation
+        model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
+        if config is not None:
+            config.use_cache = False
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def merge_adapter(base_model: str, adapter_dir: Path, out_dir: Path, dtype: torch.dtype,
+                  trust_remote_code: bool = False) -> Path:
+    """Load the base, apply the adapter, merge it into the weights, and save a plain HF folder with tokenizer."""
+    from peft import PeftModel
+
+    from shardfit.models.load import load_model, load_tokenizer
+    from shardfit.models.source import resolve_model
+
+    source = resolve_model(base_model)
+    model = load_model(source, torch.float32, trust_remote_code)
+    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    merged = model.merge_and_unload().to(dtype)
+    merged.config.use_cache = True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(out_dir), safe_serialization=True)
+    load_tokenizer(source, trust_remote_code).save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,123 @@
+"""Chunked cross-entropy that never materialises full-vocabulary fp32 logits for the batch.
+
+Only positions that carry a label go through the output head (prompt tokens are skipped entirely), in chunks of
+`chunk` rows. The gradient of each chunk is computed in the forward pass and the chunk's logits are freed at once,
+so peak logits memory is `chunk x vocab` floats instead of `batch x seq x vocab`, with no recomputation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardfit.data.tokenize import IGNORE
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of CE(h @ W^T, y), with grads for h and (if it trains) W computed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk: int,
+                compute_dtype: torch.dtype) -> torch.Tensor:
+        want_w = weight.requires_grad
+        w = weight.to(compute_dtype)
+        grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s:s + chunk].to(compute_dtype)
+            yc = y[s:s + chunk]
+            logits = (hc @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+            # d(CE)/d(logits) = softmax - onehot, computed in place over the chunk's logits.
+            logits.sub_(lse[:, None]).exp_()
+            logits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1.0
+            g = logits.to(compute_dtype)
+            grad_h[s:s + chunk] = (g @ w).to(h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.t().float(), hc.float())
+            del logits, g
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.want_w = want_w
+        ctx.w_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.want_w else None
+        return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int = 1024,
+                          compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+    """Summed CE of `head(hidden)` against `targets` (already shifted; IGNORE skipped), and the target count.
+
+    `targets` is moved to the hidden states' device first, so a model split across devices never mixes them.
+    """
+    targets = targets.to(hidden.device)
+    keep = targets != IGNORE
+    h = hidden[keep]
+    y = targets[keep]
+    n = int(y.numel())
+    if n == 0:
+        # Keep the graph connected so DDP/FSDP see every parameter used on every rank.
+        return hidden.sum() * 0.0, 0
+    if compute_dtype is None:
+        compute_dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) \
+            else h.dtype
+    weight = getattr(head, "weight", None)
+    plain = type(head) is nn.Linear and head.bias is None and weight is not None
+    if plain:
+        with torch.autocast(h.device.type, enabled=False):
+            return _LinearCrossEntropy.apply(h, weight, y, chunk, compute_dtype), n
+    # A wrapped head (LoRA on lm_head, a bias): recompute each chunk's logits in backward instead.
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(hc).float(), yc, reduction="sum")
+
+    total = sum(checkpoint(piece, h[s:s + chunk], y[s:s + chunk], use_reentrant=False)
+                for s in range(0, h.shape[0], chunk))
+    return total, n  # type: ignore[return-value]
+
+
+def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Reference: summed CE over full logits (used by tests and evaluation of tiny models)."""
+    targets = targets.to(logits.device)
+    n = int((targets != IGNORE).sum())
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                           reduction="sum"), n
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer body and output head of a causal LM (through a peft wrapper if present)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if decoder is None or head is None:
+        raise TypeError(f"{type(base).__name__} exposes no decoder/output head; shardfit trains causal LMs")
+    return decoder, head
+
+
+class CausalLMLoss(nn.Module):
+    """The module that parallel wrappers wrap: forward(batch) -> (summed loss, target count).
+
+    Running the body and the chunked loss inside one forward keeps FSDP's root all-gather covering the head.
+    """
+
+    def __init__(self, model: nn.Module, chunk: int = 1024):
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        decoder, head = decoder_and_head(self.model)
+        out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return chunked_cross_entropy(hidden, head, targets, self.chunk)

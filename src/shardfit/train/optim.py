@@ -1,0 +1,33 @@
+"""AdamW and the cosine schedule with linear warmup."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; the fused kernel where every parameter is a plain local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    plain = all(not isinstance(p, DTensor) for p in params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                                 fused=plain)
+    except RuntimeError:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
+
+
+def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                       min_ratio: float = 0.0) -> LambdaLR:
+    """Linear warmup to the peak lr over `warmup_steps`, then cosine decay to `min_ratio` of it at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return LambdaLR(optimizer, factor)
