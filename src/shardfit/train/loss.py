@@ -16,6 +16,11 @@ from torch import nn
 from shardfit.data.tokenize import IGNORE
 
 
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax in at least fp32 (bf16 logits lose the small probabilities), never lower than the input."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows of CE(h @ W^T, y), with grads for h and (if it trains) W computed chunk by chunk."""
 
@@ -25,12 +30,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_w = weight.requires_grad
         w = weight.to(compute_dtype)
         grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32 accumulation for bf16/fp16 heads
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         for s in range(0, h.shape[0], chunk):
             hc = h[s:s + chunk].to(compute_dtype)
             yc = y[s:s + chunk]
-            logits = (hc @ w.t()).float()
+            logits = _upcast(hc @ w.t())
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
             # d(CE)/d(logits) = softmax - onehot, computed in place over the chunk's logits.
@@ -39,7 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = logits.to(compute_dtype)
             grad_h[s:s + chunk] = (g @ w).to(h.dtype)
             if grad_w is not None:
-                grad_w.addmm_(g.t().float(), hc.float())
+                grad_w.addmm_(g.t().to(acc), hc.to(acc))
             del logits, g
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.want_w = want_w
@@ -79,7 +85,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     from torch.utils.checkpoint import checkpoint
 
     def piece(hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(head(hc).float(), yc, reduction="sum")
+        return F.cross_entropy(_upcast(head(hc)), yc, reduction="sum")
 
     total = sum(checkpoint(piece, h[s:s + chunk], y[s:s + chunk], use_reentrant=False)
                 for s in range(0, h.shape[0], chunk))
@@ -90,7 +96,7 @@ def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
     """Reference: summed CE over full logits (used by tests and evaluation of tiny models)."""
     targets = targets.to(logits.device)
     n = int((targets != IGNORE).sum())
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+    return F.cross_entropy(_upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                            reduction="sum"), n
 
 

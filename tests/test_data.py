@@ -1,0 +1,127 @@
+"""Data: the three formats, assistant-only masking, bad rows with file:line, packing layout, schedule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardfit.data.dataset import DataStats, load_conversations
+from shardfit.data.formats import ALPACA, OPENAI, SHAREGPT, detect_format, to_messages
+from shardfit.data.loader import Schedule, collate
+from shardfit.data.packing import no_pack, pack
+from shardfit.data.tokenize import IGNORE, encode_messages
+from shardfit.errors import UserError
+
+ALPACA_ROW = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+SHAREGPT_ROW = {"conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "Hi"},
+                                  {"from": "gpt", "value": "Hello."}, {"from": "human", "value": "Bye"},
+                                  {"from": "gpt", "value": "Goodbye."}]}
+OPENAI_ROW = {"messages": [{"role": "user", "content": "Capital of France?"},
+                           {"role": "assistant", "content": "Paris."}]}
+
+
+def test_detect_and_convert_each_format() -> None:
+    assert detect_format(ALPACA_ROW) == ALPACA
+    assert detect_format(SHAREGPT_ROW) == SHAREGPT
+    assert detect_format(OPENAI_ROW) == OPENAI
+    assert to_messages(ALPACA_ROW, ALPACA) == [{"role": "user", "content": "Add the numbers.\n\n2 and 3"},
+                                               {"role": "assistant", "content": "5"}]
+    msgs = to_messages(SHAREGPT_ROW, SHAREGPT)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    assert to_messages(OPENAI_ROW, OPENAI)[1] == {"role": "assistant", "content": "Paris."}
+
+
+@pytest.mark.parametrize("row", [ALPACA_ROW, SHAREGPT_ROW, OPENAI_ROW])
+def test_only_assistant_tokens_are_trained(tokenizer, row: dict) -> None:
+    fmt = detect_format(row)
+    messages = to_messages(row, fmt)
+    enc = encode_messages(tokenizer, messages, max_len=512)
+    trained = [enc.input_ids[i + 1] for i, t in enumerate(enc.targets) if t != IGNORE]
+    assert trained == [t for t in enc.targets if t != IGNORE]  # targets are the next tokens
+    text = tokenizer.decode(trained)
+    expected = "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
+    assert text == expected
+    # Nothing of the prompt is trained.
+    for m in messages:
+        if m["role"] != "assistant":
+            assert m["content"] not in text
+
+
+def test_truncation(tokenizer) -> None:
+    enc = encode_messages(tokenizer, to_messages(SHAREGPT_ROW, SHAREGPT), max_len=20)
+    assert len(enc.input_ids) == 20 and enc.targets[-1] == IGNORE
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_bad_row_names_file_and_line(tmp_path: Path) -> None:
+    f = _write(tmp_path / "d.jsonl", [ALPACA_ROW, ALPACA_ROW, {"instruction": "x"}, ALPACA_ROW])
+    with pytest.raises(UserError, match=r"d.jsonl:3: alpaca row without 'output'.*skip_bad_rows"):
+        load_conversations(str(f), False, DataStats())
+    f = _write(tmp_path / "e.jsonl", [OPENAI_ROW, '{"messages": [oops'])
+    with pytest.raises(UserError, match=r"e.jsonl:2: not valid JSON"):
+        load_conversations(str(f), False, DataStats())
+    f = _write(tmp_path / "g.jsonl", [{"text": "no format"}])
+    with pytest.raises(UserError, match=r"g.jsonl:1: unknown format"):
+        load_conversations(str(f), False, DataStats())
+
+
+def test_skip_bad_rows_counts(tmp_path: Path) -> None:
+    f = _write(tmp_path / "d.jsonl", [ALPACA_ROW, "{broken", {"instruction": "x"}, ALPACA_ROW])
+    stats = DataStats()
+    conv = load_conversations(str(f), True, stats)
+    assert len(conv) == 2 and stats.skipped == 2
+    assert stats.skipped_where == [f"{f}:2", f"{f}:3"]
+
+
+def test_json_array_file(tmp_path: Path) -> None:
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps([SHAREGPT_ROW, SHAREGPT_ROW]))
+    assert len(load_conversations(str(f), False, DataStats())) == 2
+    f.write_text(json.dumps([SHAREGPT_ROW, {"conversations": [{"from": "alien", "value": "x"}]}]))
+    with pytest.raises(UserError, match=r"d.json: item 1: conversations\[0\]: unknown speaker 'alien'"):
+        load_conversations(str(f), False, DataStats())
+
+
+def test_packing_layout(tokenizer) -> None:
+    examples = [encode_messages(tokenizer, to_messages(r, detect_format(r)), 512)
+                for r in (ALPACA_ROW, SHAREGPT_ROW, OPENAI_ROW, ALPACA_ROW)]
+    rows = pack(examples, max_len=128)
+    assert sum(len(r) for r in rows) == sum(len(e.input_ids) for e in examples)
+    assert all(len(r) <= 128 for r in rows) and len(rows) < len(examples)
+    for r in rows:  # positions restart at 0 at each example boundary
+        starts = [i for i, p in enumerate(r.position_ids) if p == 0]
+        assert starts[0] == 0 and len(starts) >= 1
+    assert len(no_pack(examples)) == 4
+
+
+def test_collate_pads_as_separate_block() -> None:
+    from shardfit.data.packing import PackedRow
+
+    rows = [PackedRow([5, 6, 7], [6, 7, IGNORE], [0, 1, 2]), PackedRow([8], [IGNORE], [0])]
+    b = collate(rows, pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2], [0, 0, 1]]
+    assert b.targets[1].tolist() == [IGNORE] * 3 and b.n_real_tokens == 4
+
+
+def test_schedule_same_global_batch_at_any_world_size() -> None:
+    from shardfit.data.packing import PackedRow
+
+    rows = [PackedRow([i], [i], [0]) for i in range(10)]
+    single = Schedule(rows, micro_batch=2, grad_accum=2, world=1, rank=0, seed=3)
+    r0 = Schedule(rows, micro_batch=2, grad_accum=1, world=2, rank=0, seed=3)
+    r1 = Schedule(rows, micro_batch=2, grad_accum=1, world=2, rank=1, seed=3)
+    assert single.steps_per_epoch == r0.steps_per_epoch == 3  # 10 rows, 4 per step, last step wraps
+    for step in range(4):
+        a = [r.input_ids[0] for mb in single.step(step).micro_batches for r in mb]
+        b = [r.input_ids[0] for mb in r0.step(step).micro_batches + r1.step(step).micro_batches for r in mb]
+        assert sorted(a) == sorted(b)
+        assert single.step(step).global_targets == r0.step(step).global_targets
+    epoch0 = [r.input_ids[0] for s in range(3) for mb in single.step(s).micro_batches for r in mb]
+    assert set(epoch0) == set(range(10))  # no row dropped

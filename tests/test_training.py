@@ -1,0 +1,137 @@
+"""Single-process training end to end: methods, outputs, PEFT reload, merged export, kill-and-resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardfit.config import load_config
+from shardfit.parallel.env import init_distributed
+from shardfit.train.loop import train
+from tests.conftest import read_jsonl, run_cli, write_config
+
+BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
+            eval_steps=100, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0, resume="auto")
+
+
+def _cfg(tmp_path: Path, model: Path, data: Path, **over) -> Path:
+    keys = dict(BASE, model=str(model), data=str(data), output_dir=str(tmp_path / "run"))
+    keys.update(over)
+    return write_config(tmp_path / "c.yaml", **keys)
+
+
+def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, max_steps=6, eval_split=0.1))
+    result = train(cfg, init_distributed(), quiet=True)
+    run = result.run_dir
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "adapter/adapter_config.json",
+                 "adapter/adapter_model.safetensors", "checkpoints/step-6/trainer.pt"):
+        assert (run / name).exists(), name
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mem_gib", "wall_s"):
+        assert key in metrics[0]
+    assert metrics[-1]["tokens"] > metrics[0]["tokens"] > 0 and isinstance(metrics[0]["mem_gib"], list)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("steps", "train_loss", "eval_loss", "tokens_per_s", "peak_mem_gib", "wall_s", "strategy",
+                "world_size"):
+        assert key in summary
+    assert summary["strategy"] == "single" and summary["world_size"] == 1 and summary["eval_loss"] is not None
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 100, 200, 300, 400]])
+    result.model.eval()
+    with torch.no_grad():
+        want = result.model(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        untouched = base(input_ids=ids).logits
+        reloaded = PeftModel.from_pretrained(base, run / "adapter")
+        got = reloaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(untouched, want, atol=1e-4)  # the adapter changed the model
+
+    r = run_cli("export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        gen_a = merged.generate(ids, max_new_tokens=8, do_sample=False)
+        gen_b = result.model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert gen_a.tolist() == gen_b.tolist()
+
+
+def test_full_finetune_saves_hf_model(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    cfg = load_config(_cfg(tmp_path, tiny_qwen2, small_data, method="full", lr=1e-3, max_steps=4,
+                           grad_ckpt="full", precision="bf16"))
+    result = train(cfg, init_distributed(), quiet=True)
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(result.run_dir / "model", dtype=torch.float32)
+    before = load_file(str(tiny_qwen2 / "model.safetensors"))
+    after = saved.state_dict()
+    changed = [k for k, v in before.items() if not torch.equal(v.float(), after[k].float())]
+    assert len(changed) == len(before)  # every weight trains in a full fine-tune
+
+
+def test_freeze_trains_only_chosen_modules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, method="freeze", freeze_trainable=["layers.1"],
+                           lr=1e-3, max_steps=3))
+    result = train(cfg, init_distributed(), quiet=True)
+    before = load_file(str(tiny_llama / "model.safetensors"))
+    after = load_file(str(result.run_dir / "model" / "model.safetensors"))
+    for k, v in before.items():
+        same = torch.equal(v.float(), after[k].float())
+        assert same != ("layers.1." in k), k
+
+
+def _adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    over = dict(max_steps=12, save_steps=3, lora={"rank": 4, "alpha": 8, "dropout": 0.1})  # dropout: RNG matters
+    (tmp_path / "a").mkdir()
+    clean = _cfg(tmp_path / "a", tiny_llama, small_data, **over)
+    r = run_cli("train", str(clean))
+    assert r.returncode == 0, r.stderr
+
+    (tmp_path / "b").mkdir()
+    killed = _cfg(tmp_path / "b", tiny_llama, small_data, **over)
+    run_b = tmp_path / "b" / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardfit", "train", str(killed)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run_b / "checkpoints" / "step-3" / "trainer.pt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_b / "summary.json").exists(), "the run finished before it was killed"
+    r = run_cli("train", str(killed))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((run_b / "summary.json").read_text())
+    assert summary["resumed_from_step"] >= 3
+
+    a, b = _adapter(tmp_path / "a" / "run"), _adapter(run_b)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    steps = [m["step"] for m in read_jsonl(run_b / "metrics.jsonl") if "loss" in m]
+    assert steps == list(range(1, 13))  # the log reads as one run
+
+
+def test_resume_never_starts_over_and_bad_resume_path(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg_file = _cfg(tmp_path, tiny_llama, small_data, max_steps=2, resume="nowhere/step-9")
+    r = run_cli("train", str(cfg_file))
+    assert r.returncode == 2 and "'resume'" in r.stderr and "Traceback" not in r.stderr
