@@ -53,9 +53,12 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str) -
         mesh = init_device_mesh(env.device.type, (env.world,))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mp_policy(precision),
                                   "reshard_after_forward": strategy != "zero2"}
-        if strategy == "zero3_offload":
+        if strategy == "zero3_offload" and env.device.type != "cpu":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         else:
+            # On a CPU-only machine the shards already live in host memory: zero3_offload is zero3 there.
+            if strategy == "zero3_offload" and env.is_main:
+                log.info("zero3_offload on CPU: shards already live in host memory, running as zero3")
             module.to(env.device)
         for block in transformer_blocks(module.model):
             fully_shard(block, **kwargs)

@@ -28,6 +28,8 @@ def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Pa
                is_lora: bool) -> Path:
     """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks."""
     sd = gather_full_state(wrapped, trainable_only=is_lora)
+    if not is_lora:
+        sd = _drop_tied_copies(model, sd)
     out = Path(run_dir) / ("adapter" if is_lora else "model")
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -39,6 +41,17 @@ def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Pa
             config.use_cache = False
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def _drop_tied_copies(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gathered FSDP state dict names a tied weight twice; keep the source, as save_pretrained expects."""
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        return sd
+    for target, source in tied.items():
+        if target in sd and source in sd and torch.equal(sd[target], sd[source]):
+            del sd[target]
+    return sd
 
 
 def merge_adapter(base_model: str, adapter_dir: Path, out_dir: Path, dtype: torch.dtype,

@@ -66,7 +66,8 @@ def resolve_strategy(cfg: Config, env: DistEnv) -> str:
     return strategy
 
 
-def _check_device_map(cfg: Config, env: DistEnv, strategy: str) -> None:
+def check_device_map(cfg: Config, strategy: str) -> None:
+    """A user `device_map` never reaches from_pretrained outside model_parallel: warn, or refuse when strict."""
     if cfg.device_map is None or strategy == "model_parallel":
         return
     why = (f"'device_map: {cfg.device_map}' splits one process's model over several GPUs (an inference feature); "
@@ -125,7 +126,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     strategy = resolve_strategy(cfg, env)
-    _check_device_map(cfg, env, strategy)
+    check_device_map(cfg, strategy)
 
     # Data first: a bad row should fail in seconds, before a long model load.
     if model is None or tokenizer is None:
