@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -39,7 +40,66 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shardfit.plan.build import format_table, make_plan, plot
+    from shardfit.plan.estimate import STRATEGIES, Workload
+    from shardfit.plan.hardware import detect, parse_gpus
+    from shardfit.plan.shapes import resolve_shape
+
+    if args.config:
+        from shardfit.config import load_config
+        from shardfit.models.source import resolve_model
+        from shardfit.plan.choose import workload_of
+
+        cfg = load_config(args.config, check_files=False)
+        source = resolve_model(cfg.model)
+        shape = resolve_shape(cfg.model if source.gguf_file else source.folder)
+        w = workload_of(cfg)
+    elif args.model:
+        shape = resolve_shape(args.model)
+        w = Workload()
+    else:
+        raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
+    overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
+                 "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank}
+    w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
+    strategies = STRATEGIES if args.strategy in (None, "all") else (args.strategy,)
+    if args.strategy not in (None, "all") and args.strategy not in STRATEGIES:
+        raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(STRATEGIES)} or all.")
+    plan = make_plan(shape, w, hw, strategies)
+    if args.simulate:
+        raise UserError("--simulate is not available yet in this version; the figures above are analytic.")
+    print(json.dumps(plan, indent=2) if args.json else format_table(plan))
+    if args.plot:
+        plot(plan, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0 if plan["recommended"] else 3
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory of every strategy, before anything is loaded")
+    p.add_argument("config", nargs="?")
+    p.add_argument("--model", default=None, help="HF id from the catalog, a local folder or a config.json")
+    p.add_argument("--gpus", default=None, help="8x24GB, 4xA100-80G, 2xH100, 1x4090 (default: this machine)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--cpu-mem", type=float, default=None, metavar="GIB", help="host RAM per node, for offload")
+    p.add_argument("--method", choices=("full", "lora", "qlora", "freeze"), default=None)
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--grad-ckpt", choices=("none", "full"), default=None)
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None)
+    p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
+    p.add_argument("--simulate", action="store_true", help="measure one fake-tensor step (not yet available)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("export", help="copy the adapter, or merge it into a Hugging Face model folder")
     p.add_argument("run_dir")
     p.add_argument("--merge", action="store_true", help="merge LoRA into the base weights")

@@ -28,6 +28,7 @@ from shardfit.models.adapters import setup_trainable
 from shardfit.models.load import load_for_training
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.wrap import SHARDED, set_grad_sync, wrap_model
+from shardfit.plan.choose import auto_strategy, plan_for_run, refuse_if_oom
 from shardfit.train import checkpoint as ckpt
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
@@ -49,13 +50,11 @@ class TrainResult:
     summary: dict[str, Any]
 
 
-def resolve_strategy(cfg: Config, env: DistEnv) -> str:
+def resolve_strategy(cfg: Config, env: DistEnv, plan: dict[str, Any] | None = None) -> str:
     """The strategy actually used. `auto` asks the planner; a multi-rank strategy in one process runs as single."""
     strategy = cfg.strategy
     if strategy == "auto":
-        from shardfit.plan.choose import auto_strategy
-
-        strategy = auto_strategy(cfg, env)
+        strategy = auto_strategy(cfg, env, plan)
     if strategy == "model_parallel" and env.distributed:
         raise UserError("'strategy': model_parallel splits one process's model over its local GPUs and cannot run "
                         "under a multi-rank launch. Use zero3 (sharded) with --nproc, or model_parallel without it.")
@@ -125,8 +124,10 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     t_start = time.perf_counter()
     run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
-    strategy = resolve_strategy(cfg, env)
+    plan = plan if plan is not None else plan_for_run(cfg, env)
+    strategy = resolve_strategy(cfg, env, plan)
     check_device_map(cfg, strategy)
+    refuse_if_oom(plan, strategy, cfg.force)
 
     # Data first: a bad row should fail in seconds, before a long model load.
     if model is None or tokenizer is None:

@@ -1,0 +1,188 @@
+"""Analytic per-GPU memory of each strategy for a model shape, workload and hardware.
+
+Bytes per parameter follow from the method and precision; sharding divides what the strategy shards by the world
+size; activations follow from the tokens per micro-batch and the layer widths. What fake tensors cannot see on a
+real GPU is added last (see `runtime_overhead`):
+- CUDA context: 0.3-0.6 GiB per process on recent GPUs (PyTorch "CUDA semantics" notes; measured context sizes in
+  pytorch/pytorch#20532 and NVIDIA's CUDA lazy-loading notes); 0.5 GiB is used.
+- NCCL: communicator buffers of NCCL_BUFFSIZE (4 MiB default) per channel and peer (NCCL env docs); 0.5 GiB
+  covers 8-GPU rings and trees.
+- The caching allocator reserves more than it allocates (block rounding, fragmentation; PyTorch CUDA memory
+  management docs); 8 % on top of the tensor peak is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.shapes import ModelShape
+
+GIB = 2**30
+STRATEGIES = ("single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel")
+SPEED_ORDER = ("single", "ddp", "zero2", "zero3", "model_parallel", "zero3_offload")  # fastest first
+CUDA_CONTEXT_GIB = 0.5
+NCCL_GIB = 0.5
+ALLOCATOR_RESERVE = 0.08
+LOSS_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    method: str = "lora"
+    precision: str = "bf16"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_ckpt: str = "full"
+    optimizer: str = "adamw"
+    lora_rank: int = 8
+
+
+@dataclass
+class Breakdown:
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    temporaries: float = 0.0
+    runtime_overhead: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class Candidate:
+    strategy: str
+    fits: bool
+    per_gpu_gib: Breakdown
+    cpu_gib: float
+    estimator: str = "analytic"
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["per_gpu_gib"] = {k: round(v, 3) for k, v in d["per_gpu_gib"].items()}
+        d["cpu_gib"] = round(d["cpu_gib"], 3)
+        d.pop("extra")
+        return d
+
+
+def trainable_params(shape: ModelShape, w: Workload) -> int:
+    if w.method in ("lora", "qlora"):
+        return shape.lora_params(w.lora_rank)
+    if w.method == "freeze":
+        return 2 * shape.layer_params() + shape.hidden  # default: the last two blocks and the final norm
+    return shape.params()
+
+
+def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for the whole model, before any sharding."""
+    p, t = shape.params(), trainable_params(shape, w)
+    low = 4 if w.precision == "fp32" else 2
+    if w.method == "full":
+        weights = p * 4.0  # fp32 master weights; autocast/FSDP cast per layer on the fly
+    else:
+        frozen = p - (t if w.method == "freeze" else 0)
+        per = low
+        if w.method == "qlora":
+            linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
+            # NF4 with double quantisation: 0.5 byte + ~0.127 bit of constants per weight (QLoRA paper, sec. 3).
+            weights_frozen = linear * (0.5 + 0.127 / 8) + (frozen - linear) * low
+        else:
+            weights_frozen = frozen * per
+        weights = weights_frozen + t * 4.0
+    grads = t * 4.0
+    optim = t * (2.0 if w.optimizer == "adamw8bit" else 8.0)
+    return weights, grads, optim
+
+
+def activation_bytes(shape: ModelShape, w: Workload, layers: int) -> float:
+    """Saved activations of `layers` blocks for one micro-batch (16-bit), flash/SDPA attention (no s^2 scores)."""
+    tokens = w.seq_len * w.micro_batch
+    a = 4 if w.precision == "fp32" else 2
+    q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
+    mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
+    # Saved per token per block: 2 norm inputs + 2 norm outputs, q/k/v, attention output, and gate/up/act/product.
+    per_block = a * (4 * shape.hidden + q + 2 * kv + q + 4 * mlp) + 4 * 2  # + fp32 norm statistics
+    if w.grad_ckpt == "full":
+        # Only each block's input is kept; one block is recomputed at a time during backward.
+        return tokens * (layers * a * shape.hidden + per_block)
+    return tokens * layers * per_block
+
+
+def logits_bytes(shape: ModelShape, w: Workload) -> float:
+    """shardfit's chunked loss: one chunk of fp32 logits plus its gradient, never the whole batch."""
+    rows = min(LOSS_CHUNK, w.seq_len * w.micro_batch)
+    return rows * shape.vocab * (4 + 2)
+
+
+def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:
+    """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits."""
+    n = hw.world
+    weights, grads, optim = state_bytes(shape, w)
+    low = 4 if w.precision == "fp32" else 2
+    layer_16 = shape.layer_params() * low
+    # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
+    layer_grads = shape.layer_params() * low if w.method == "full" else trainable_params(shape, w) / shape.layers * 4
+    tokens = w.seq_len * w.micro_batch
+    cpu = 0.0
+    notes = ""
+    layers = shape.layers
+    if strategy in ("single", "ddp"):
+        div_w = div_g = div_o = 1
+        temp = 2 * 25 * 2**20 if strategy == "ddp" and n > 1 else 0  # DDP gradient buckets (25 MiB default)
+    elif strategy == "zero2":
+        div_w, div_g, div_o = 1, n, n
+        temp = layer_grads
+    elif strategy == "zero3":
+        div_w = div_g = div_o = n
+        temp = layer_16 * 2 + layer_grads  # all-gathered current and prefetched block, and one block's grads
+    elif strategy == "zero3_offload":
+        cpu = weights / n + grads / n + optim / n
+        weights = grads = optim = 0.0
+        div_w = div_g = div_o = 1
+        temp = layer_16 * 2 + layer_grads + shape.embed_params() * low  # root unit (embeddings) unsharded too
+    else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
+        g = hw.gpus_per_node
+        share = (-(-shape.layers // g)) / shape.layers
+        div_w = div_g = div_o = 1 / share if g > 1 else 1
+        layers = -(-shape.layers // g)
+        temp = 0
+    act = activation_bytes(shape, w, layers)
+    logit = logits_bytes(shape, w)
+    temp += tokens * shape.hidden * 4 * 2  # gradient of the residual stream flowing back, fp32
+    b = Breakdown(weights / div_w / GIB, grads / div_g / GIB, optim / div_o / GIB, act / GIB, logit / GIB,
+                  temp / GIB)
+    tensors = b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
+    b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 and strategy not in (
+        "single", "model_parallel") else 0.0)
+    b.total = tensors + b.runtime_overhead
+    fits = b.total <= hw.gpu_mem_gib
+    if strategy == "zero3_offload" and hw.cpu_mem_gib is not None and cpu * hw.gpus_per_node > hw.cpu_mem_gib:
+        fits = False
+        notes = f"host RAM too small for offloaded shards: {cpu * hw.gpus_per_node:.0f} GiB per node needed"
+    if strategy == "model_parallel" and hw.nodes > 1:
+        fits, notes = False, "model_parallel splits one process over one node's GPUs; use zero3 across nodes"
+    if not notes:
+        notes = _note(strategy, b, hw, weights)
+    return Candidate(strategy, fits, b, cpu / GIB, notes=notes)
+
+
+def _note(strategy: str, b: Breakdown, hw: Hardware, weights: float) -> str:
+    cap = hw.gpu_mem_gib
+    if strategy in ("single", "ddp") and b.total > cap:
+        if b.weights > cap:
+            return f"full replica per GPU: weights alone need {b.weights:.0f} GiB of {cap:.0f} GiB"
+        return f"full replica per GPU: {b.total:.1f} GiB of {cap:.0f} GiB"
+    if strategy == "single" and hw.world > 1:
+        return "uses one GPU only"
+    if strategy == "zero3_offload":
+        return "params, grads and optimizer state in host RAM; slowest (PCIe traffic every step)"
+    if strategy == "model_parallel":
+        return "layers split over local GPUs; one GPU computes at a time"
+    if b.total > cap:
+        biggest = max(("weights", b.weights), ("activations", b.activations), ("optimizer", b.optimizer),
+                      key=lambda kv: kv[1])
+        return f"{b.total:.1f} GiB > {cap:.0f} GiB; largest part: {biggest[0]} {biggest[1]:.1f} GiB"
+    return f"{cap - b.total:.1f} GiB headroom"

@@ -1,0 +1,66 @@
+"""GPU specs: `8x24GB`, `4xA100-80G`, `2xH100`, `1x4090`; and detection of the local machine."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from shardfit.errors import UserError
+
+# Usable memory in GiB as the driver reports it (nvidia-smi "total"), not the marketing number.
+CARDS = {
+    "4090": 23.6, "3090": 23.6, "3090ti": 23.6, "4080": 15.6, "3080": 9.8, "a6000": 47.5, "l40s": 44.5, "l40": 44.5,
+    "l4": 22.0, "a10": 22.0, "a10g": 22.0, "t4": 14.6, "v100": 31.7, "v100-32g": 31.7, "v100-16g": 15.8,
+    "a100": 79.2, "a100-40g": 39.4, "a100-80g": 79.2, "h100": 79.2, "h100-80g": 79.2, "h200": 139.8,
+    "h20": 94.5, "a800": 79.2, "h800": 79.2, "b200": 178.0, "mi300x": 191.5, "5090": 31.4,
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gib: float
+    cpu_mem_gib: float | None = None
+    name: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> Hardware:
+    """Parse `NxMEM` or `NxCARD` (MEM like 24GB / 24GiB / 24G / 24)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(.+?)\s*", spec)
+    count, what = (int(m.group(1)), m.group(2)) if m else (1, spec.strip())
+    key = what.lower().replace("nvidia", "").replace(" ", "").strip("-").replace("gb", "g")
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)?", what.lower())
+    if key in CARDS:  # before sizes: `1x4090` is a card, not 4090 GiB
+        mem = CARDS[key]
+    elif size:
+        mem = float(size.group(1))
+    else:
+        raise UserError(f"--gpus {spec}: unknown card '{what}'. Known: {', '.join(sorted(CARDS))}; "
+                        f"or give a size such as 8x24GB.")
+    if count < 1 or mem <= 0:
+        raise UserError(f"--gpus {spec}: need at least one GPU with positive memory.")
+    return Hardware(nodes, count, mem, cpu_mem_gib, what)
+
+
+def host_mem_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
+
+
+def detect(nodes: int = 1) -> Hardware:
+    """The local GPUs, or (no GPU) the CPU treated as one device with the host's memory."""
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        return Hardware(nodes, n, props.total_memory / 2**30, host_mem_gib(), props.name)
+    return Hardware(nodes, 1, host_mem_gib() or 16.0, host_mem_gib(), "cpu")

@@ -1,0 +1,95 @@
+"""A model's shape (layers, widths, vocab) from a catalog id, a config.json, or a local folder; and its counts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardfit.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    id: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+    head_dim: int | None = None
+    experts: int = 1
+    top_k: int = 1
+    extra_params: int = 0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of every linear layer in one decoder block (each expert's MLP counted)."""
+        q, kv = self.heads * self.hd, self.kv_heads * self.hd
+        attn = [(self.hidden, q), (self.hidden, kv), (self.hidden, kv), (q, self.hidden)]
+        mlp = [(self.hidden, self.intermediate)] * 2 + [(self.intermediate, self.hidden)]
+        return attn + mlp * self.experts + ([(self.hidden, self.experts)] if self.experts > 1 else [])
+
+    def layer_params(self) -> int:
+        return sum(i * o for i, o in self.linear_shapes()) + 2 * self.hidden
+
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.embed_params() + self.hidden + self.extra_params
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter size for `all-linear` targets (every linear in every block; not the output head)."""
+        return self.layers * sum(rank * (i + o) for i, o in self.linear_shapes() if o != self.experts)
+
+
+@cache
+def catalog() -> dict[str, dict[str, Any]]:
+    return yaml.safe_load((Path(__file__).with_name("catalog.yaml")).read_text())
+
+
+def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
+    text = cfg.get("text_config") or cfg.get("thinker_config", {}).get("text_config") or cfg
+    try:
+        heads = text["num_attention_heads"]
+        return ModelShape(
+            id=name, layers=text["num_hidden_layers"], hidden=text["hidden_size"],
+            intermediate=text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"],
+            heads=heads, kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
+            vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
+            tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            experts=text.get("num_local_experts") or text.get("num_experts") or 1,
+            top_k=text.get("num_experts_per_tok") or 1)
+    except KeyError as e:
+        raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
+
+
+def resolve_shape(model: str) -> ModelShape:
+    """The shape of `model`: a catalog id, a config.json path, a HF folder, or a bundled GGUF model."""
+    entries = catalog()
+    if model in entries:
+        return ModelShape(id=model, **entries[model])
+    lower = {k.lower(): k for k in entries}
+    if model.lower() in lower:
+        key = lower[model.lower()]
+        return ModelShape(id=key, **entries[key])
+    p = Path(model).expanduser()
+    if p.is_file() and p.name.endswith(".json"):
+        return _from_config(json.loads(p.read_text()), model)
+    if p.is_dir() and (p / "config.json").is_file():
+        return _from_config(json.loads((p / "config.json").read_text()), model)
+    import difflib
+
+    close = difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
+    raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")
