@@ -64,7 +64,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     return model
 
 
-def load_for_training(cfg: Any) -> tuple[torch.nn.Module, Any]:
+def load_for_training(cfg: Any, strategy: str = "single") -> tuple[torch.nn.Module, Any]:
     """Model and tokenizer for a config. LoRA/freeze keep frozen weights in the compute dtype to save memory;
     full fine-tuning keeps fp32 master weights (autocast does the low-precision compute)."""
     source = resolve_model(cfg.model)
@@ -73,5 +73,14 @@ def load_for_training(cfg: Any) -> tuple[torch.nn.Module, Any]:
     if cfg.precision == "fp16" and cfg.method != "full":
         # fp16 frozen weights are fine, but trainable ones must stay fp32 (see models/adapters.py).
         dtype = torch.float16
-    model = load_model(source, dtype, cfg.trust_remote_code)
+    device_map = None
+    if strategy == "model_parallel":
+        from shardfit.errors import UserError
+        from shardfit.models.placement import model_parallel_map
+
+        try:
+            device_map = model_parallel_map(source, dtype, cfg.trust_remote_code)
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"'strategy: model_parallel': {e}.") from None
+    model = load_model(source, dtype, cfg.trust_remote_code, device_map=device_map)
     return model, tok

@@ -26,6 +26,7 @@ from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.load import load_for_training
+from shardfit.models.placement import input_device
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.wrap import SHARDED, set_grad_sync, wrap_model
 from shardfit.plan.choose import auto_strategy, plan_for_run, refuse_if_oom
@@ -89,7 +90,7 @@ def _rows(examples: list, cfg: Config) -> list[PackedRow]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, rows: list[PackedRow], micro_batch: int, pad_id: int, env: DistEnv,
-             amp: Any) -> float | None:
+             amp: Any, device: torch.device | None = None) -> float | None:
     """Mean token loss over `rows`; every rank runs the same number of forwards (FSDP needs that)."""
     if not rows:
         return None
@@ -100,7 +101,7 @@ def evaluate(model: torch.nn.Module, rows: list[PackedRow], micro_batch: int, pa
     for k in range(per_rank):
         idx = k * env.world + env.rank
         real = idx < len(batches)
-        batch = collate(batches[idx if real else 0], pad_id).to(env.device)
+        batch = collate(batches[idx if real else 0], pad_id).to(device or env.device)
         with amp:
             loss_sum, n = model(batch.input_ids, batch.position_ids, batch.targets)
         if real:
@@ -131,7 +132,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
 
     # Data first: a bad row should fail in seconds, before a long model load.
     if model is None or tokenizer is None:
-        model, tokenizer = load_for_training(cfg)
+        model, tokenizer = load_for_training(cfg, strategy)
     train_ex, eval_ex, stats = build_datasets(cfg, tokenizer)
     rows, eval_rows = _rows(train_ex, cfg), _rows(eval_ex, cfg)
     pad_id = tokenizer.pad_token_id
@@ -141,6 +142,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = CausalLMLoss(model, cfg.loss_chunk)
     wrapped = wrap_model(module, strategy, env, cfg.precision)
+    in_device = input_device(module) if strategy == "model_parallel" else env.device
     params = [p for p in wrapped.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in params) * (env.world if strategy in SHARDED else 1)
     optimizer = build_optimizer(params, cfg.lr, cfg.weight_decay)
@@ -182,7 +184,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
         scale = env.world / max(plan_step.global_targets, 1)
         for m, micro in enumerate(plan_step.micro_batches):
             last = m == len(plan_step.micro_batches) - 1
-            batch = collate(micro, pad_id).to(env.device)
+            batch = collate(micro, pad_id).to(in_device)
             with set_grad_sync(wrapped, last), amp:
                 loss_sum, _ = wrapped(batch.input_ids, batch.position_ids, batch.targets)
             (loss_sum * scale).backward()
@@ -215,14 +217,14 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
             window_loss.zero_()
             window_steps, window_tokens, window_t0 = 0, 0, time.perf_counter()
         if eval_rows and (done % cfg.eval_steps == 0 and done != total_steps):
-            eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp)
+            eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp, in_device)
             metrics.write({"step": done, "eval_loss": eval_loss})
         if done % cfg.save_steps == 0 and done != total_steps:
             ckpt.save_checkpoint(run_dir, done, tokens, wrapped, optimizer, scheduler, env, cfg.save_limit)
     bar.close()
 
     if eval_rows:
-        eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp)
+        eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp, in_device)
         metrics.write({"step": total_steps, "eval_loss": eval_loss})
     ckpt.save_checkpoint(run_dir, total_steps, tokens, wrapped, optimizer, scheduler, env, cfg.save_limit)
     is_lora = cfg.method in ("lora", "qlora")

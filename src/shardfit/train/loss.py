@@ -79,6 +79,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     weight = getattr(head, "weight", None)
     plain = type(head) is nn.Linear and head.bias is None and weight is not None
     if plain:
+        h, y = h.to(weight.device), y.to(weight.device)  # model_parallel: the head may sit on another GPU
         with torch.autocast(h.device.type, enabled=False):
             return _LinearCrossEntropy.apply(h, weight, y, chunk, compute_dtype), n
     # A wrapped head (LoRA on lm_head, a bias): recompute each chunk's logits in backward instead.
