@@ -106,9 +106,8 @@ def test_train_refuses_predicted_oom(tmp_path: Path, tiny_llama: Path, small_dat
     from shardfit.config import load_config
     from shardfit.errors import DoesNotFitError
     from shardfit.parallel.env import init_distributed
-    from shardfit.plan.choose import refuse_if_oom
-
     from shardfit.plan.build import make_plan
+    from shardfit.plan.choose import refuse_if_oom
     from shardfit.plan.estimate import Workload
 
     plan = make_plan(resolve_shape("meta-llama/Llama-3.1-70B"), Workload(method="full"), parse_gpus("1x24GB"))

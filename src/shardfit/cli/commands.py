@@ -80,7 +80,65 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan["recommended"] else 3
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from shardfit.diagnose.engine import diagnose
+
+    if args.file in (None, "-"):
+        text = sys.stdin.read()
+    else:
+        p = Path(args.file)
+        if not p.is_file():
+            raise UserError(f"diagnose: no such file {p}; pass a log file, or - to read the pasted log from stdin.")
+        text = p.read_text(errors="replace")
+    findings = diagnose(text)
+    if args.json:
+        print(json.dumps({"findings": [f.to_json() for f in findings]}, indent=2, ensure_ascii=False))
+        return 0
+    if not findings:
+        print("no known cause matched. Paste the whole log (the first error and the lines around it help most).")
+        return 0
+    for i, f in enumerate(findings, 1):
+        print(f"{i}. {f.title}  [{f.category}, confidence {f.confidence:.2f}]")
+        print(f"   cause: {f.root_cause}")
+        print(f"   fix:   {f.fix}")
+        print(f"   shardfit: {f.prevented_by}")
+        print()
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    from shardfit.check.findings import is_ok
+    from shardfit.check.run import check_config, format_findings
+    from shardfit.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    strategy, findings = check_config(cfg, args.nproc)
+    ok = is_ok(findings)
+    if args.json:
+        print(json.dumps({"ok": ok, "findings": [f.to_json() for f in findings]}, indent=2))
+    else:
+        print(format_findings(strategy, findings))
+    return 0 if ok else 1
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("check", help="preflight: find placement, sharding and precision problems before training")
+    c.add_argument("config")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--nproc", type=int, default=None, help="ranks the run will use (default: from the strategy)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+
+    d = sub.add_parser("diagnose", help="paste an error log from any framework: root cause and fix")
+    d.add_argument("file", nargs="?", default=None, help="log file, or - (default) for stdin")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_diagnose)
+
     p = sub.add_parser("plan", help="per-GPU memory of every strategy, before anything is loaded")
     p.add_argument("config", nargs="?")
     p.add_argument("--model", default=None, help="HF id from the catalog, a local folder or a config.json")

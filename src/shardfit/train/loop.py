@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from shardfit.check.findings import is_ok
+from shardfit.check.rules import old_gc_api, placement_rules
+from shardfit.check.run import preflight
 from shardfit.config import Config
 from shardfit.data.dataset import build_datasets
 from shardfit.data.loader import Schedule, collate
@@ -28,7 +31,7 @@ from shardfit.models.adapters import setup_trainable
 from shardfit.models.load import load_for_training
 from shardfit.models.placement import input_device
 from shardfit.parallel.env import DistEnv, barrier
-from shardfit.parallel.wrap import SHARDED, set_grad_sync, wrap_model
+from shardfit.parallel.wrap import SHARDED, set_grad_sync, transformer_blocks, wrap_model
 from shardfit.plan.choose import auto_strategy, plan_for_run, refuse_if_oom
 from shardfit.train import checkpoint as ckpt
 from shardfit.train.export import save_final
@@ -82,6 +85,31 @@ def _autocast(cfg: Config, env: DistEnv, strategy: str) -> Any:
     if dtype is None or strategy in SHARDED:  # FSDP2's MixedPrecisionPolicy already computes in low precision
         return contextlib.nullcontext()
     return torch.autocast(env.device.type, dtype=dtype)
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder block.
+
+    transformers' own switch is used when the model supports it; remote code that still implements the pre-4.35
+    `_set_gradient_checkpointing(module, value)` gets torch's checkpoint wrapper around its blocks instead."""
+    if not old_gc_api(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    blocks = set(map(id, transformer_blocks(model)))
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in blocks)
+
+
+def _report(findings: list, env: DistEnv) -> None:
+    """Log what the preflight fixed or warns about; refuse to start on an error it could not fix."""
+    for f in findings:
+        if env.is_main and f.severity != "info":
+            log.warning("%s: %s (%s)%s", f.rule, f.message, f.fix, " [fixed]" if f.auto_fixed else "")
+    if not is_ok(findings):
+        bad = [f for f in findings if f.severity == "error" and not f.auto_fixed]
+        raise UserError("preflight found errors it cannot fix:\n" + "\n".join(
+            f"  {f.rule} at {f.where}: {f.message}\n    fix: {f.fix}" for f in bad))
 
 
 def _rows(examples: list, cfg: Config) -> list[PackedRow]:
@@ -138,10 +166,14 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     pad_id = tokenizer.pad_token_id
 
     model = setup_trainable(model, cfg)
+    findings = preflight(model, cfg, strategy, env.world, None, fix=True)
     if cfg.grad_ckpt == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     module = CausalLMLoss(model, cfg.loss_chunk)
     wrapped = wrap_model(module, strategy, env, cfg.precision)
+    if strategy not in ("model_parallel", "zero3_offload"):
+        findings += placement_rules(module, env.device, fix=True)
+    _report(findings, env)
     in_device = input_device(module) if strategy == "model_parallel" else env.device
     params = [p for p in wrapped.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in params) * (env.world if strategy in SHARDED else 1)

@@ -1,0 +1,240 @@
+"""Preflight rules. Each takes what it needs, returns findings, and fixes in place only where `fix=True`
+and the fix cannot change what the user meant (moving a buffer, freezing a module the forward never runs)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfit.check.findings import Finding
+
+MULTI_RANK = ("ddp", "zero2", "zero3", "zero3_offload")
+SHARDED = ("zero2", "zero3", "zero3_offload")
+# Submodules that only serve generation outputs other than text; text fine-tuning never runs them.
+GENERATION_ONLY = ("talker", "token2wav")
+
+
+def device_map_rules(cfg: Any, strategy: str, world: int) -> list[Finding]:
+    """A device map under a distributed launch, or together with ZeRO-3."""
+    if cfg.device_map is None or strategy == "model_parallel":
+        return []
+    out = []
+    fixed = not cfg.strict
+    if world > 1 or strategy in MULTI_RANK:
+        out.append(Finding(
+            "device_map_in_distributed", "error", "config: device_map",
+            f"device_map={cfg.device_map!r} splits one process's model over several GPUs; under strategy {strategy} "
+            f"each rank needs its own replica or shard, and accelerate refuses to train such a model "
+            f"(\"You can't train a model that has been loaded with device_map='auto' in any distributed mode\").",
+            "remove device_map (shardfit ignores it under a launcher unless strict: true), or use strategy: "
+            "model_parallel in one process", fixed))
+    if strategy in ("zero3", "zero3_offload"):
+        out.append(Finding(
+            "device_map_with_zero3", "error", "config: device_map",
+            "a device map places whole layers itself, while ZeRO-3 shards every parameter across ranks; the two "
+            "placements conflict (DeepSpeed: 'Zero-3 is not compatible with low_cpu_mem_usage=True or with passing "
+            "a device_map').", "remove device_map; zero3 loads on each rank and shards with fully_shard", fixed))
+    return out
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    from shardfit.train.loss import decoder_and_head
+
+    try:
+        return decoder_and_head(model)
+    except (TypeError, AttributeError):
+        return None
+
+
+def unused_module_rules(model: nn.Module, strategy: str, fix: bool) -> list[Finding]:
+    """Top-level modules outside the text forward (decoder + head): talkers, vocoders, vision/audio towers.
+
+    shardfit's training forward runs exactly the decoder and the head, so everything else is unused by
+    construction. Generation-only modules are dropped; others are frozen (a DDP rank would otherwise wait for
+    gradients that never come, and ZeRO-3 would leave them unplaced on the CPU)."""
+    pair = _decoder_and_head(model)
+    if pair is None:
+        return []
+    used = {id(m) for m in pair[0].modules()} | {id(m) for m in pair[1].modules()}
+    used_params = {id(p) for m in pair for p in m.parameters()}
+    out = []
+    for name, module in list(_outer_modules(model, used)):
+        params = [p for p in module.parameters() if id(p) not in used_params]
+        if not params:
+            continue
+        n = sum(p.numel() for p in params)
+        trainable = any(p.requires_grad for p in params)
+        leaf = name.rpartition(".")[2]
+        if leaf in GENERATION_ONLY:
+            msg = (f"{name} ({n / 1e6:.1f}M params) only produces speech; the text forward never runs it, and under "
+                   f"{strategy} it would stay unplaced (the 'cuda:0 and cpu' error of ZeRO-3 runs)")
+            if fix:
+                from shardfit.models.adapters import drop_modules
+
+                drop_modules(model, [name])
+            out.append(Finding("unused_module", "warning", name, msg, f"drop_modules: [{leaf}]", fix))
+            continue
+        severity = "error" if trainable and strategy == "ddp" else "warning" if trainable else "info"
+        msg = f"{name} ({n / 1e6:.1f}M params) is not used by the text training forward"
+        if trainable:
+            msg += "; as trainable parameters they get no gradient (DDP: 'Expected to have finished reduction')"
+            if fix:
+                for p in params:
+                    p.requires_grad_(False)
+        out.append(Finding("unused_module", severity, name, msg, f"freeze_modules: [{leaf}] or drop_modules: [{leaf}]",
+                           fix and trainable))
+    return out
+
+
+def _outer_modules(model: nn.Module, used: set[int]) -> Iterable[tuple[str, nn.Module]]:
+    """Maximal submodules that neither are nor contain a used module."""
+    def walk(prefix: str, module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if id(child) in used:
+                continue
+            if any(id(m) in used for m in child.modules()):
+                yield from walk(full, child)
+            else:
+                yield full, child
+    return walk("", model)
+
+
+def placement_rules(model: nn.Module, device: torch.device, fix: bool) -> list[Finding]:
+    """Parameters on the meta device (never loaded), and parameters/buffers on another device than the rank's."""
+    out = []
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        out.append(Finding("meta_parameters", "error", meta[0],
+                           f"{len(meta)} parameters are on the meta device (never loaded), e.g. {meta[0]}",
+                           "load without low_cpu_mem_usage/device_map offload; check missing keys in the checkpoint"))
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        stray = [(n, t) for n, t in items if not t.is_meta and t.device != device]
+        if not stray:
+            continue
+        devs = sorted({str(t.device) for _, t in stray})
+        if fix:
+            for _, t in stray:
+                t.data = t.data.to(device)
+        rule = "buffer_on_wrong_device" if kind == "buffer" else "parameter_on_wrong_device"
+        out.append(Finding(rule, "error", stray[0][0],
+                           f"{len(stray)} {kind}s on {', '.join(devs)} instead of {device}, e.g. {stray[0][0]} "
+                           f"(rotary caches and position ids created on the CPU cause 'cuda:0 and cpu' errors)",
+                           f"move them to {device} after loading", fix))
+    return out
+
+
+def fsdp_unit_rules(model: nn.Module, strategy: str, precision: str, fix: bool) -> list[Finding]:
+    """Per FSDP unit (each decoder block, then the rest): dtypes, integer storage, tied weights across units."""
+    if strategy not in SHARDED:
+        return []
+    from shardfit.parallel.wrap import transformer_blocks
+
+    blocks = transformer_blocks(model)
+    in_block = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    units: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        units.setdefault(f"block {in_block[id(p)]}" if id(p) in in_block else "root", []).append((name, p))
+    out = []
+    for unit, params in units.items():
+        ints = [n for n, p in params if not p.is_floating_point()]
+        if ints:
+            out.append(Finding("fsdp_quantized_storage", "error", f"{unit}: {ints[0]}",
+                               f"{len(ints)} parameters in {unit} have integer storage (4/8-bit weights as uint8); "
+                               f"FSDP shards float tensors of one dtype",
+                               "QLoRA under FSDP: bnb_4bit_quant_storage=torch.bfloat16 (shardfit's qlora does this)"))
+        dtypes = {p.dtype for _, p in params if p.is_floating_point()}
+        if len(dtypes) > 1 and precision == "fp32":
+            if fix:
+                for _, p in params:
+                    if p.is_floating_point():
+                        p.data = p.data.float()
+            out.append(Finding("fsdp_mixed_dtype", "error", unit, f"{unit} mixes {sorted(map(str, dtypes))}",
+                               "one dtype per unit: fp32 everywhere with precision fp32", fix))
+    mixed = [u for u, params in units.items() if len({p.requires_grad for _, p in params}) > 1]
+    if mixed:
+        out.append(Finding("fsdp_mixed_requires_grad", "info", f"{len(mixed)} units ({mixed[0]}, ...)",
+                           "FSDP units mix frozen and trainable parameters (LoRA); FSDP1 flat parameters reject "
+                           "this ('Must flatten tensors with uniform requires_grad')",
+                           "nothing to do: FSDP2 fully_shard shards per parameter"))
+    # Tied weights: one tensor reachable from two modules must sit in one unit.
+    owners: dict[int, set[str]] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(f"{mname}.{pname}")
+    for names in owners.values():
+        if len(names) > 1:
+            units_of = {_unit_of(n, blocks, model) for n in names}
+            if len(units_of) > 1:
+                out.append(Finding("fsdp_tied_weights_split", "error", ", ".join(sorted(names)),
+                                   f"tied weights {sorted(names)} fall into different FSDP units {sorted(units_of)}",
+                                   "keep embeddings and head in the root unit (shardfit's wrapping does)"))
+    return out
+
+
+def _unit_of(param_name: str, blocks: list[nn.Module], model: nn.Module) -> str:
+    module_name = param_name.rpartition(".")[0]
+    module = model.get_submodule(module_name) if module_name else model
+    for i, b in enumerate(blocks):
+        if any(m is module for m in b.modules()):
+            return f"block {i}"
+    return "root"
+
+
+def old_gc_api(model: nn.Module) -> bool:
+    """True when the model's code overrides `_set_gradient_checkpointing(module, value)` (pre-4.35 API)."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = getattr(type(base), "_set_gradient_checkpointing", None)
+    if own is None or own is getattr(PreTrainedModel, "_set_gradient_checkpointing", None):
+        return False
+    params = list(inspect.signature(own).parameters)
+    return "value" in params or ("module" in params and "enable" not in params)
+
+
+def grad_ckpt_rules(model: nn.Module, cfg: Any) -> list[Finding]:
+    if cfg.grad_ckpt != "full" or not old_gc_api(model):
+        return []
+    return [Finding("gc_remote_code_old_api", "warning", type(model).__name__,
+                    "the model's remote code overrides the old _set_gradient_checkpointing(module, value) API; "
+                    "transformers' gradient_checkpointing_enable() fails on it ('got an unexpected keyword argument "
+                    "enable')", "shardfit wraps the decoder blocks with torch checkpointing itself", True)]
+
+
+def precision_rules(model: nn.Module, cfg: Any, fix: bool) -> list[Finding]:
+    """fp16 trainable weights with fp16 mixed precision: the gradient scaler cannot unscale fp16 gradients."""
+    bad = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if cfg.precision != "fp16" or not bad:
+        return []
+    if fix:
+        for _, p in bad:
+            p.data = p.data.float()
+    return [Finding("fp16_trainable_weights", "error", bad[0][0],
+                    f"{len(bad)} trainable parameters are fp16; fp16 mixed precision would fail with 'Attempting to "
+                    f"unscale FP16 gradients'", "keep trainable parameters in fp32 (or use bf16)", fix)]
+
+
+def visible_gpu_rules(strategy: str, world: int) -> list[Finding]:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n > 1 and world == 1 and strategy != "model_parallel":
+        return [Finding("several_gpus_one_process", "info", "launch",
+                        f"{n} GPUs are visible to one process; shardfit uses one of them (never nn.DataParallel)",
+                        "shardfit train --nproc N to use them all, or strategy: model_parallel")]
+    return []
+
+
+def plan_rules(plan: dict | None, strategy: str, force: bool) -> list[Finding]:
+    if plan is None:
+        return []
+    c = next((c for c in plan["candidates"] if c["strategy"] == strategy), None)
+    if c is None or c["fits"]:
+        return []
+    best = plan.get("recommended")
+    return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {strategy}",
+                    f"predicted {c['per_gpu_gib']['total']:.1f} GiB per GPU of {plan['hardware']['gpu_mem_gib']:.0f}: "
+                    f"{c['notes']}", f"strategy: {best}" if best else "see `shardfit plan` for alternatives")]

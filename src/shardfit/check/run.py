@@ -1,0 +1,94 @@
+"""Run the preflight rules: on a weightless (meta) model for `shardfit check`, on the real one inside `train`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfit.check import rules
+from shardfit.check.findings import Finding
+
+
+def preflight(model: nn.Module, cfg: Any, strategy: str, world: int, plan: dict | None, fix: bool) -> list[Finding]:
+    """Every rule that needs no placed model (config, unused modules, FSDP units, precision, checkpointing)."""
+    out = rules.device_map_rules(cfg, strategy, world)
+    out += rules.unused_module_rules(model, strategy, fix)
+    out += rules.fsdp_unit_rules(model, strategy, cfg.precision, fix)
+    out += rules.grad_ckpt_rules(model, cfg)
+    out += rules.precision_rules(model, cfg, fix)
+    out += rules.visible_gpu_rules(strategy, world)
+    out += rules.plan_rules(plan, strategy, cfg.force)
+    return out
+
+
+def meta_model(cfg: Any) -> nn.Module:
+    """The config's model with its trainable setup, built on the meta device: structure only, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardfit.models.adapters import apply_freeze, apply_lora
+    from shardfit.models.load import DTYPES
+    from shardfit.models.source import resolve_model
+
+    source = resolve_model(cfg.model)
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    dtype = torch.float32 if cfg.method == "full" else DTYPES[cfg.precision]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    if cfg.method in ("lora", "qlora"):
+        model = apply_lora(model, cfg.lora)
+    elif cfg.method == "freeze":
+        model = apply_freeze(model, cfg.freeze_trainable)
+    return model
+
+
+def check_config(cfg: Any, world: int | None = None) -> tuple[str, list[Finding]]:
+    """Findings for a config as its strategy would run it; returns (strategy, findings)."""
+    from shardfit.check.rules import MULTI_RANK
+    from shardfit.plan.build import make_plan
+    from shardfit.plan.choose import workload_of
+    from shardfit.plan.hardware import detect
+    from shardfit.plan.shapes import resolve_shape
+
+    hw = detect()
+    strategy = cfg.strategy
+    if world is None:
+        world = hw.gpus_per_node if strategy in MULTI_RANK or strategy == "auto" else 1
+    model = meta_model(cfg)
+    plan = None
+    try:
+        from shardfit.models.source import resolve_model
+
+        source = resolve_model(cfg.model)
+        shape = resolve_shape(cfg.model if source.gguf_file else source.folder)
+        import dataclasses
+
+        plan = make_plan(shape, workload_of(cfg), dataclasses.replace(hw, gpus_per_node=max(world, 1)))
+    except Exception:  # noqa: BLE001 - the plan is advisory here; the other rules still run
+        plan = None
+    if strategy == "auto":
+        strategy = (plan or {}).get("recommended") or ("single" if world == 1 else "zero3")
+    findings = preflight(model, cfg, strategy, world, plan, fix=False)
+    # On a meta-built model anything that is NOT meta was created on a real device by the model's own code:
+    # exactly the buffers that ZeRO-3 would leave behind on the CPU.
+    real = [(n, b) for n, b in list(model.named_parameters()) + list(model.named_buffers()) if not b.is_meta]
+    if real:
+        findings.append(Finding("buffer_on_wrong_device", "error", real[0][0],
+                                f"{len(real)} tensors are created on {real[0][1].device} by the model's code "
+                                f"(e.g. {real[0][0]}), outside the placement of weights: under ZeRO-3 they stay there",
+                                "shardfit moves buffers to the rank's device before training", True))
+    return strategy, findings
+
+
+def format_findings(strategy: str, findings: list[Finding]) -> str:
+    if not findings:
+        return f"ok: no findings (strategy {strategy})"
+    lines = [f"strategy {strategy}: {len(findings)} finding(s)"]
+    for f in findings:
+        mark = "fixed" if f.auto_fixed else f.severity
+        lines.append(f"  [{mark:>7}] {f.rule} at {f.where}\n            {f.message}\n            fix: {f.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""`shardfit check` and the preflight inside `train`: each rule fires on a setup that has the problem, and stays
+silent on a correct one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from shardfit.check import rules
+from shardfit.check.findings import is_ok
+from shardfit.check.run import check_config
+from shardfit.config import load_config
+from tests.conftest import ROOT, run_cli, write_config
+
+
+def _cfg(tmp_path: Path, model: Path, data: Path, **over):
+    keys = dict(model=str(model), data=str(data), max_seq_len=128, micro_batch=2, max_steps=2, precision="fp32",
+                output_dir=str(tmp_path / "run"))
+    keys.update(over)
+    return load_config(write_config(tmp_path / "c.yaml", **keys))
+
+
+def _rules(findings) -> set[str]:
+    return {f.rule for f in findings}
+
+
+def _llama(tiny_llama: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+
+
+def test_device_map_rules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg = _cfg(tmp_path, tiny_llama, small_data, device_map="auto")
+    found = rules.device_map_rules(cfg, "zero3", 2)
+    assert _rules(found) == {"device_map_in_distributed", "device_map_with_zero3"}
+    assert all(f.auto_fixed for f in found)  # ignored with a warning
+    strict = _cfg(tmp_path, tiny_llama, small_data, device_map="auto", strict=True)
+    assert not is_ok(rules.device_map_rules(strict, "ddp", 2))
+    assert rules.device_map_rules(_cfg(tmp_path, tiny_llama, small_data), "zero3", 2) == []
+    assert rules.device_map_rules(cfg, "model_parallel", 1) == []
+
+
+def test_unused_generation_modules_dropped_and_trainable_towers_frozen(tiny_llama: Path) -> None:
+    model = _llama(tiny_llama)
+    assert rules.unused_module_rules(model, "zero3", fix=True) == []  # silent on a plain causal LM
+    model.talker = nn.Linear(8, 8)  # Qwen-Omni style speech head, kept on the CPU
+    model.visual = nn.Linear(8, 8)  # a vision tower the text forward never runs
+    found = rules.unused_module_rules(model, "ddp", fix=False)
+    by_where = {f.where: f for f in found}
+    assert by_where["talker"].fix == "drop_modules: [talker]" and "cuda:0 and cpu" in by_where["talker"].message
+    assert by_where["visual"].severity == "error"  # trainable and unused under DDP
+    found = rules.unused_module_rules(model, "ddp", fix=True)
+    assert model.talker is None and not model.visual.weight.requires_grad
+    assert all(f.auto_fixed for f in found) and is_ok(found)
+
+
+def test_fsdp_unit_rules(tiny_llama: Path) -> None:
+    model = _llama(tiny_llama)
+    assert rules.fsdp_unit_rules(model, "zero3", "fp32", fix=False) == []  # tied embed/head both in the root unit
+    assert rules.fsdp_unit_rules(model, "ddp", "fp32", fix=False) == []
+    model.model.layers[0].mlp.down_proj.weight.data = model.model.layers[0].mlp.down_proj.weight.data.bfloat16()
+    found = rules.fsdp_unit_rules(model, "zero3", "fp32", fix=True)
+    assert "fsdp_mixed_dtype" in _rules(found) and is_ok(found)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    model.model.layers[1].register_parameter("qweight", nn.Parameter(torch.zeros(4, dtype=torch.uint8),
+                                                                     requires_grad=False))
+    model.model.layers[0].self_attn.o_proj.weight = model.model.embed_tokens.weight  # a tie across units
+    found = rules.fsdp_unit_rules(model, "zero3", "bf16", fix=False)
+    assert {"fsdp_quantized_storage", "fsdp_tied_weights_split"} <= _rules(found) and not is_ok(found)
+
+
+def test_precision_rule(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    model = _llama(tiny_llama)
+    cfg16 = _cfg(tmp_path, tiny_llama, small_data, precision="fp16", method="full")
+    assert rules.precision_rules(model, cfg16, fix=True) == []
+    model.lm_head.weight.data = model.lm_head.weight.data.half()
+    found = rules.precision_rules(model, cfg16, fix=True)
+    assert _rules(found) == {"fp16_trainable_weights"} and found[0].auto_fixed
+    assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_plan_rule() -> None:
+    from shardfit.plan.build import make_plan
+    from shardfit.plan.estimate import Workload
+    from shardfit.plan.hardware import parse_gpus
+    from shardfit.plan.shapes import resolve_shape
+
+    big = make_plan(resolve_shape("Qwen/Qwen2-VL-72B-Instruct"), Workload(), parse_gpus("8x24GB"))
+    found = rules.plan_rules(big, "ddp", force=False)
+    assert found[0].rule == "predicted_oom" and "full replica" in found[0].message and not is_ok(found)
+    small = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M-Instruct"), Workload(), parse_gpus("1x24GB"))
+    assert rules.plan_rules(small, "single", force=False) == []
+
+
+def test_several_gpus_rule(monkeypatch) -> None:
+    assert rules.visible_gpu_rules("single", 1) == [] or torch.cuda.device_count() > 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _rules(rules.visible_gpu_rules("single", 1)) == {"several_gpus_one_process"}
+    assert rules.visible_gpu_rules("model_parallel", 1) == [] and rules.visible_gpu_rules("ddp", 4) == []
+
+
+REMOTE_CONFIG = '''
+from transformers import LlamaConfig
+
+
+class {name}Config(LlamaConfig):
+    model_type = "{mtype}"
+'''
+
+REMOTE_MODEL = '''
+import torch
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaModel
+
+from .configuration_{mtype} import {name}Config
+
+
+class {name}ForCausalLM(LlamaForCausalLM):
+    config_class = {name}Config
+{body}
+'''
+
+OLD_GC = '''
+    supports_gradient_checkpointing = True
+
+    def _set_gradient_checkpointing(self, module, value=False):
+        if isinstance(module, LlamaModel):
+            module.gradient_checkpointing = value
+'''
+
+CPU_ROPE = '''
+    def __init__(self, config):
+        super().__init__(config)
+        # Remote code that builds its rotary cache explicitly on the CPU (as old ChatGLM/InternLM code did).
+        self.register_buffer("rope_cache", torch.ones(64, device="cpu"), persistent=False)
+'''
+
+
+def _remote_model(tmp_path: Path, tiny_llama: Path, name: str, body: str) -> Path:
+    out = tmp_path / name.lower()
+    shutil.copytree(tiny_llama, out)
+    mtype = name.lower()
+    (out / f"configuration_{mtype}.py").write_text(textwrap.dedent(REMOTE_CONFIG.format(name=name, mtype=mtype)))
+    (out / f"modeling_{mtype}.py").write_text(REMOTE_MODEL.format(name=name, mtype=mtype, body=body))
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type=mtype, architectures=[f"{name}ForCausalLM"],
+                  auto_map={"AutoConfig": f"configuration_{mtype}.{name}Config",
+                            "AutoModelForCausalLM": f"modeling_{mtype}.{name}ForCausalLM"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_old_gradient_checkpointing_api_is_detected_and_still_trains(tmp_path: Path, tiny_llama: Path,
+                                                                     small_data: Path) -> None:
+    old = _remote_model(tmp_path, tiny_llama, "OldGc", OLD_GC)
+    cfg = _cfg(tmp_path, old, small_data, grad_ckpt="full", trust_remote_code=True, method="full", lr=1e-3)
+    _, found = check_config(cfg, 1)
+    assert "gc_remote_code_old_api" in _rules(found)
+    _, clean = check_config(_cfg(tmp_path, tiny_llama, small_data, grad_ckpt="full"), 1)
+    assert "gc_remote_code_old_api" not in _rules(clean)
+    from shardfit.parallel.env import init_distributed
+    from shardfit.train.loop import train
+
+    result = train(cfg, init_distributed(), quiet=True)
+    assert result.summary["steps"] == 2 and result.summary["train_loss"] is not None
+    # The blocks really are checkpointed (torch's wrapper, since the model's own API is the old one).
+    assert any("CheckpointWrapper" in type(m).__name__ for m in result.model.modules())
+
+
+def test_cpu_created_buffer_is_found(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    rope = _remote_model(tmp_path, tiny_llama, "CpuRope", CPU_ROPE)
+    _, found = check_config(_cfg(tmp_path, rope, small_data, trust_remote_code=True, strategy="zero3"), 2)
+    hits = [f for f in found if f.rule == "buffer_on_wrong_device"]
+    assert hits and "rope_cache" in hits[0].where
+    _, clean = check_config(_cfg(tmp_path, tiny_llama, small_data, strategy="zero3"), 2)
+    assert "buffer_on_wrong_device" not in _rules(clean)
+
+
+def test_train_refuses_unfixable_error(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=str(small_data), device_map="auto",
+                       strict=True, strategy="ddp", max_steps=1, output_dir=str(tmp_path / "run"))
+    r = run_cli("check", str(cfg), "--nproc", "2", "--json", timeout=120)
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and out["ok"] is False
+    assert {"rule", "severity", "where", "message", "fix", "auto_fixed"} == set(out["findings"][0])
+
+
+def test_check_demo_config_is_clean() -> None:
+    r = run_cli("check", str(ROOT / "src" / "shardfit" / "demo" / "demo.yaml"), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] is True
+    assert [f for f in out["findings"] if f["severity"] != "info"] == []
+
+
+@pytest.mark.parametrize("bad", ["missing.yaml"])
+def test_check_bad_input_exit_2(tmp_path: Path, bad: str) -> None:
+    r = run_cli("check", str(tmp_path / bad), timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -1,0 +1,72 @@
+"""`shardfit diagnose`: every category of CONTRACTS.md has a cause and realistic logs that rank it first."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardfit.diagnose.engine import diagnose, load_causes
+from tests.conftest import ROOT, run_cli
+
+CORPUS = Path(__file__).with_name("diagnose_corpus")
+LOGS = sorted(CORPUS.glob("*.log"))
+
+
+def _contract_categories() -> set[str]:
+    contracts = ROOT.parent / "shared" / "CONTRACTS.md"
+    if not contracts.is_file():
+        pytest.skip("shared/CONTRACTS.md not beside the repo")
+    section = contracts.read_text().split("Category ids")[1].split("## 6.")[0]
+    return set(re.findall(r"`([a-z0-9_]+)`", section))
+
+
+def test_every_contract_category_has_a_cause_and_a_log() -> None:
+    ids = {c.id for c in load_causes()}
+    categories = _contract_categories()
+    assert categories <= ids, categories - ids
+    logged = {p.name.split(".")[0] for p in LOGS}
+    assert categories <= logged, categories - logged
+
+
+@pytest.mark.parametrize("log", LOGS, ids=[p.name for p in LOGS])
+def test_corpus_log_ranks_its_category_first(log: Path) -> None:
+    expected = log.name.split(".")[0]
+    findings = diagnose(log.read_text())
+    assert findings, "no finding"
+    assert findings[0].category == expected, [(f.category, f.confidence) for f in findings]
+
+
+def test_same_error_line_different_context() -> None:
+    line = "RuntimeError: Expected all tensors to be on the same device, but found at least two devices, {}!"
+    split = diagnose("model loaded with device_map='auto'\n" + line.format("cuda:0 and cuda:1"))
+    stray = diagnose("deepspeed zero3 config, Qwen2.5-Omni talker\n" + line.format("cuda:0 and cpu"))
+    assert split[0].category == "device_map_auto_cross_device"
+    assert stray[0].category == "zero3_cpu_submodule"
+    assert split[0].fix != stray[0].fix
+
+
+def test_nothing_matches_gives_empty_list() -> None:
+    assert diagnose("everything is fine, loss=0.42 at step 100") == []
+
+
+def test_cli_json_contract(tmp_path: Path) -> None:
+    log = CORPUS / "oom_full_replica_per_rank.1.log"
+    r = run_cli("diagnose", str(log), "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    f = out["findings"][0]
+    assert set(f) == {"category", "confidence", "title", "root_cause", "fix", "prevented_by"}
+    assert f["category"] == "oom_full_replica_per_rank" and 0 < f["confidence"] <= 1
+    confidences = [x["confidence"] for x in out["findings"]]
+    assert confidences == sorted(confidences, reverse=True)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "shardfit", "diagnose", "-"], input=log.read_text(), text=True,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0 and "full replica" in r.stdout
+    r = run_cli("diagnose", str(tmp_path / "missing.log"), timeout=60)
+    assert r.returncode == 2 and "no such file" in r.stderr
