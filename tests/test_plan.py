@@ -119,3 +119,45 @@ def test_train_refuses_predicted_oom(tmp_path: Path, tiny_llama: Path, small_dat
     result = train(load_config(cfg), init_distributed(), quiet=True)
     written = json.loads((result.run_dir / "plan.json").read_text())
     assert written["recommended"] == "single" and written["model"]["layers"] == 2
+
+
+def test_simulate_matches_real_tracked_step(tiny_llama: Path) -> None:
+    """The fake-tensor step measures what the same step needs with real tensors (single process, LoRA)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoModelForCausalLM
+
+    from shardfit.config.schema import LoraSettings
+    from shardfit.models.adapters import apply_lora
+    from shardfit.plan.estimate import Workload
+    from shardfit.plan.simulate import measure_step, simulate, skip_frozen_grad_hooks, to_breakdown
+    from shardfit.train.loss import CausalLMLoss
+
+    w = Workload(method="lora", precision="fp32", seq_len=128, micro_batch=2, grad_ckpt="none", lora_rank=4)
+    hw = parse_gpus("1x24GB")
+    fake = simulate(resolve_shape(str(tiny_llama)), w, hw, "single", str(tiny_llama))
+    assert fake.estimator == "simulated"
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32),
+                       LoraSettings(rank=4, alpha=8))
+    module = CausalLMLoss(model, all_labelled=True)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 1000, (2, 128))
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer)
+    skip_frozen_grad_hooks(tracker, module)
+    real = to_breakdown(measure_step(module, optimizer, (ids, None, ids), tracker), hw, "single")
+    got, want = fake.per_gpu_gib, real
+    for part in ("weights", "grads", "optimizer", "total"):
+        assert getattr(got, part) == pytest.approx(getattr(want, part), rel=0.05), part
+
+
+def test_offload_host_ram_limit() -> None:
+    from shardfit.plan.estimate import Workload, estimate
+
+    shape = resolve_shape("meta-llama/Llama-3.1-70B")
+    roomy = estimate(shape, Workload(method="full"), parse_gpus("8x24GB", cpu_mem_gib=2048), "zero3_offload")
+    tight = estimate(shape, Workload(method="full"), parse_gpus("8x24GB", cpu_mem_gib=256), "zero3_offload")
+    assert roomy.fits and roomy.cpu_gib * 8 == pytest.approx(70.6e9 * 16 / 2**30, rel=0.02)
+    assert not tight.fits and "host RAM too small" in tight.notes

@@ -57,9 +57,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         source = resolve_model(cfg.model)
         shape = resolve_shape(cfg.model if source.gguf_file else source.folder)
         w = workload_of(cfg)
+        sim_source = None if source.gguf_file else source.folder  # a GGUF file has no config.json to build from
     elif args.model:
         shape = resolve_shape(args.model)
         w = Workload()
+        sim_source = args.model if Path(args.model).exists() else None
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
@@ -71,7 +73,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(STRATEGIES)} or all.")
     plan = make_plan(shape, w, hw, strategies)
     if args.simulate:
-        raise UserError("--simulate is not available yet in this version; the figures above are analytic.")
+        from shardfit.plan.simulate import simulate_plan
+
+        plan = simulate_plan(plan, shape, w, hw, sim_source)
     print(json.dumps(plan, indent=2) if args.json else format_table(plan))
     if args.plot:
         plot(plan, args.plot)
@@ -153,7 +157,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None)
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
-    p.add_argument("--simulate", action="store_true", help="measure one fake-tensor step (not yet available)")
+    p.add_argument("--simulate", action="store_true",
+                   help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.set_defaults(func=cmd_plan)

@@ -123,6 +123,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     weights, grads, optim = state_bytes(shape, w)
     low = 4 if w.precision == "fp32" else 2
     layer_16 = shape.layer_params() * low
+    root_16 = (shape.embed_params() + shape.hidden) * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else trainable_params(shape, w) / shape.layers * 4
     tokens = w.seq_len * w.micro_batch
@@ -137,12 +138,14 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         temp = layer_grads
     elif strategy == "zero3":
         div_w = div_g = div_o = n
-        temp = layer_16 * 2 + layer_grads  # all-gathered current and prefetched block, and one block's grads
+        # FSDP2 keeps the root unit (embeddings, head) unsharded for the whole step, and a block's all-gather
+        # buffer coexists with its unsharded copy at the peak: measured with FSDPMemTracker (plan --simulate).
+        temp = 2 * (root_16 + layer_16) + layer_grads
     elif strategy == "zero3_offload":
         cpu = weights / n + grads / n + optim / n
         weights = grads = optim = 0.0
         div_w = div_g = div_o = 1
-        temp = layer_16 * 2 + layer_grads + shape.embed_params() * low  # root unit (embeddings) unsharded too
+        temp = 2 * (root_16 + layer_16) + layer_grads
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
@@ -159,9 +162,10 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         "single", "model_parallel") else 0.0)
     b.total = tensors + b.runtime_overhead
     fits = b.total <= hw.gpu_mem_gib
-    if strategy == "zero3_offload" and hw.cpu_mem_gib is not None and cpu * hw.gpus_per_node > hw.cpu_mem_gib:
+    host_gib = cpu / GIB * hw.gpus_per_node
+    if strategy == "zero3_offload" and hw.cpu_mem_gib is not None and host_gib > hw.cpu_mem_gib:
         fits = False
-        notes = f"host RAM too small for offloaded shards: {cpu * hw.gpus_per_node:.0f} GiB per node needed"
+        notes = f"host RAM too small for offloaded shards: {host_gib:.0f} GiB per node needed"
     if strategy == "model_parallel" and hw.nodes > 1:
         fits, notes = False, "model_parallel splits one process over one node's GPUs; use zero3 across nodes"
     if not notes:

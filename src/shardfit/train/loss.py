@@ -60,15 +60,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int = 1024,
-                          compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+                          compute_dtype: torch.dtype | None = None,
+                          all_labelled: bool = False) -> tuple[torch.Tensor, int]:
     """Summed CE of `head(hidden)` against `targets` (already shifted; IGNORE skipped), and the target count.
 
     `targets` is moved to the hidden states' device first, so a model split across devices never mixes them.
+    `all_labelled` skips the selection of labelled positions (its output size depends on the data, which a
+    fake-tensor simulation cannot know): every position then goes through the head, the worst case.
     """
     targets = targets.to(hidden.device)
-    keep = targets != IGNORE
-    h = hidden[keep]
-    y = targets[keep]
+    if all_labelled:
+        h, y = hidden.flatten(0, 1), targets.flatten()
+    else:
+        keep = targets != IGNORE
+        h, y = hidden[keep], targets[keep]
     n = int(y.numel())
     if n == 0:
         # Keep the graph connected so DDP/FSDP see every parameter used on every rank.
@@ -117,14 +122,15 @@ class CausalLMLoss(nn.Module):
     Running the body and the chunked loss inside one forward keeps FSDP's root all-gather covering the head.
     """
 
-    def __init__(self, model: nn.Module, chunk: int = 1024):
+    def __init__(self, model: nn.Module, chunk: int = 1024, all_labelled: bool = False):
         super().__init__()
         self.model = model
         self.chunk = chunk
+        self.all_labelled = all_labelled
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         decoder, head = decoder_and_head(self.model)
         out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return chunked_cross_entropy(hidden, head, targets, self.chunk)
+        return chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
