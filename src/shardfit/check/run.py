@@ -25,10 +25,10 @@ def preflight(model: nn.Module, cfg: Any, strategy: str, world: int, plan: dict 
 
 def meta_model(cfg: Any) -> nn.Module:
     """The config's model with its trainable setup, built on the meta device: structure only, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from shardfit.models.adapters import apply_freeze, apply_lora
-    from shardfit.models.load import DTYPES
+    from shardfit.models.load import DTYPES, build_from_config
     from shardfit.models.source import resolve_model
 
     source = resolve_model(cfg.model)
@@ -38,7 +38,7 @@ def meta_model(cfg: Any) -> nn.Module:
     config = AutoConfig.from_pretrained(source.folder, **kwargs)
     dtype = torch.float32 if cfg.method == "full" else DTYPES[cfg.precision]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model = build_from_config(config, dtype, cfg.trust_remote_code)
     if cfg.method in ("lora", "qlora"):
         model = apply_lora(model, cfg.lora)
     elif cfg.method == "freeze":

@@ -40,7 +40,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
                device_map: Any = None) -> torch.nn.Module:
     """A causal LM on the CPU in `dtype` (or placed by `device_map`, model_parallel only)."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if source.gguf_file:
@@ -51,7 +51,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     try:
         config = AutoConfig.from_pretrained(source.folder, **{k: v for k, v in kwargs.items() if k != "dtype"
                                                                and k != "device_map"})
-        model = AutoModelForCausalLM.from_pretrained(source.folder, config=config, **kwargs)
+        model = model_class(config).from_pretrained(source.folder, config=config, **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(f"'model': cannot load {source.name}: {e}") from None
     if source.gguf_file:
@@ -62,6 +62,31 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
         model.is_quantized = False
     model.config.use_cache = False
     return model
+
+
+def model_class(config: Any) -> Any:
+    """The class that loads a config: a causal LM, or a composite whose text model shardfit trains (Qwen-Omni)."""
+    from transformers import AutoModelForCausalLM
+
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return AutoModelForCausalLM  # its error message names the unsupported config
+
+
+def build_from_config(config: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A randomly initialised (or, under `torch.device("meta")`, weightless) model of the config's class."""
+    from transformers import AutoModelForCausalLM
+
+    cls = model_class(config)
+    if cls is AutoModelForCausalLM:
+        return cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    return cls._from_config(config, dtype=dtype)
 
 
 def load_for_training(cfg: Any, strategy: str = "single") -> tuple[torch.nn.Module, Any]:

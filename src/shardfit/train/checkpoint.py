@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,10 @@ def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Modul
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(env)
-    dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=str(tmp), no_dist=not env.distributed)
+    with warnings.catch_warnings():
+        # One process saves on purpose; DCP's notice about it would print at every checkpoint.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=str(tmp), no_dist=not env.distributed)
     torch.save(_rng_state(), tmp / f"rng-{env.rank}.pt")
     if env.is_main:
         torch.save({"step": step, "tokens": tokens, "scheduler": scheduler.state_dict(), "world": env.world},
@@ -121,7 +125,9 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     env: DistEnv) -> Resumed:
     """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size changed."""
-    dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=str(path), no_dist=not env.distributed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=str(path), no_dist=not env.distributed)
     meta = torch.load(path / "trainer.pt", weights_only=False)
     scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-{env.rank}.pt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,10 @@ def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Pa
         config = getattr(model, "config", None)
         if config is not None:
             config.use_cache = True  # training turns the KV cache off; the saved model is for generation
-        model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
+        with warnings.catch_warnings():
+            # GGUF-loaded bases have no config.json beside them; peft's notice about it is noise here.
+            warnings.filterwarnings("ignore", message="Could not find a config file")
+            model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
         if config is not None:
             config.use_cache = False
         tokenizer.save_pretrained(str(out))

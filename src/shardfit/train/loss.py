@@ -107,9 +107,15 @@ def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
 
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The transformer body and output head of a causal LM (through a peft wrapper if present)."""
+    """The transformer body and output head of a causal LM (through a peft wrapper if present).
+
+    Composite models train their text model: Qwen-Omni's `thinker` (its talker and token2wav are not part of
+    the text forward), and models whose head and decoder are reachable through `get_output_embeddings` /
+    `get_decoder` (Qwen2-VL's language model)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
+    if getattr(base, "thinker", None) is not None:
+        base = base.thinker
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
     if decoder is None or head is None:
         raise TypeError(f"{type(base).__name__} exposes no decoder/output head; shardfit trains causal LMs")
