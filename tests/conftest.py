@@ -92,3 +92,40 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600,
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tiny_omni_config():
+    """A Qwen2.5-Omni config shrunk in every part (thinker text/vision/audio, talker, token2wav)."""
+    from transformers import Qwen2_5OmniConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    text = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=2, rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                  fullatt_block_indexes=[0])
+    audio = dict(encoder_layers=1, d_model=32, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=32)
+    talker = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, embedding_size=32, head_dim=8, rope_parameters=rope)
+    dit = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ff_mult=1, emb_dim=16, head_dim=16,
+               enc_emb_dim=16, enc_dim=32, enc_channels=[32, 32, 32, 32, 64], enc_attention_channels=16,
+               enc_se_channels=16, num_embeds=64, mel_dim=16, repeats=2)
+    bigvgan = dict(mel_dim=16, upsample_initial_channel=32, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
+                   resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]])
+    return Qwen2_5OmniConfig(thinker_config=dict(text_config=text, vision_config=vision, audio_config=audio),
+                             talker_config=talker, token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
+
+
+@pytest.fixture(scope="session")
+def tiny_omni(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A saved tiny Qwen2.5-Omni (thinker + talker + token2wav) with the tokenizer and a speaker map."""
+    import shutil
+
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-omni")
+    Qwen2_5OmniForConditionalGeneration(tiny_omni_config()).save_pretrained(out)
+    torch.save({}, out / "spk_dict.pt")  # real Omni checkpoints ship spk_dict.pt; its loader requires one
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out

@@ -95,3 +95,32 @@ def test_zero3_checkpoint_resumes_on_other_world_size(tmp_path: Path, tiny_llama
     one_rank = _weights(run, "lora")
     for k in two_rank:
         torch.testing.assert_close(one_rank[k], two_rank[k], rtol=1e-4, atol=1e-5)
+
+
+def test_qwen_omni_text_model_trains_under_zero3(tmp_path: Path, tiny_omni: Path, small_data: Path) -> None:
+    cfg = _cfg(tmp_path, tiny_omni, small_data, "omni", strategy="zero3", max_steps=3)
+    r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "talker and token2wav not loaded" in r.stderr
+    run = tmp_path / "omni"
+    assert len(_losses(run)) == 3 and (run / "adapter" / "adapter_model.safetensors").is_file()
+    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert adapter and not any("talker" in k or "token2wav" in k for k in adapter)
+
+
+def test_qwen_omni_talker_kept_is_reported_not_a_device_error(tiny_omni: Path) -> None:
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from shardfit.check.findings import is_ok
+    from shardfit.check.rules import unused_module_rules
+    from tests.conftest import tiny_omni_config
+
+    model = Qwen2_5OmniForConditionalGeneration(tiny_omni_config())  # talker and token2wav kept, on the CPU
+    found = {f.where: f for f in unused_module_rules(model, "zero3", fix=False)}
+    for name in ("talker", "token2wav"):
+        assert found[name].fix == f"drop_modules: [{name}]"
+        assert "would stay unplaced" in found[name].message and "cuda:0 and cpu" in found[name].message
+    # The thinker's audio and vision towers are outside the text forward too.
+    assert any(w.endswith("audio_tower") for w in found) and any(w.endswith("visual") for w in found)
+    fixed = unused_module_rules(model, "zero3", fix=True)
+    assert model.talker is None and model.token2wav is None and is_ok(fixed)

@@ -74,6 +74,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     env = init_distributed()
     if not env.is_main:
         logging.getLogger("shardfit").setLevel(logging.ERROR)
+    ok = False
     try:
         if args.config is None:
             from shardfit.demo.run import run_demo
@@ -89,8 +90,9 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 s = result.summary
                 print(f"done: {s['steps']} steps, train loss {s['train_loss']}, eval loss {s['eval_loss']}, "
                       f"{s['tokens_per_s']} tokens/s; outputs in {result.run_dir}")
+        ok = True
     finally:
-        shutdown(env)
+        shutdown(env, ok)
     return 0
 
 

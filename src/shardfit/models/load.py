@@ -51,9 +51,18 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     try:
         config = AutoConfig.from_pretrained(source.folder, **{k: v for k, v in kwargs.items() if k != "dtype"
                                                                and k != "device_map"})
+        if getattr(config, "enable_audio_output", False):
+            # Qwen-Omni: the talker and token2wav only produce speech. Text training never runs them, and left
+            # in a ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built.
+            config.enable_audio_output = False
+            log.info("%s: talker and token2wav not loaded (text training)", source.name)
         model = model_class(config).from_pretrained(source.folder, config=config, **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(f"'model': cannot load {source.name}: {e}") from None
+    if getattr(model, "thinker", None) is not None:
+        # Qwen-Omni: text training trains the thinker (its own PreTrainedModel, with embeddings and head); the
+        # adapter and any merged model are the thinker's, loadable by Qwen2_5OmniThinkerForConditionalGeneration.
+        model = model.thinker
     if source.gguf_file:
         # GGUF weights are de-quantized on load; drop the quantizer marks so saving and merging write plain weights.
         model.hf_quantizer = None

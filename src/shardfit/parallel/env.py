@@ -57,8 +57,10 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def shutdown(env: DistEnv) -> None:
-    """Leave the group; the barrier first, because FSDP2 otherwise sometimes aborts at exit."""
+def shutdown(env: DistEnv, ok: bool = True) -> None:
+    """Leave the group: after success with a barrier first (FSDP2 otherwise sometimes aborts at exit); after a
+    failure without one, so this rank exits and torchrun stops the others instead of all waiting forever."""
     if env.distributed and dist.is_initialized():
-        dist.barrier()
+        if ok:
+            dist.barrier()
         dist.destroy_process_group()
