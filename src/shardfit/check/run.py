@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from shardfit.check import rules
 from shardfit.check.findings import Finding
+from shardfit.errors import UserError
 
 
 def preflight(model: nn.Module, cfg: Any, strategy: str, world: int, plan: dict | None, fix: bool) -> list[Finding]:
@@ -50,9 +52,8 @@ def check_config(cfg: Any, world: int | None = None) -> tuple[str, list[Finding]
     """Findings for a config as its strategy would run it; returns (strategy, findings)."""
     from shardfit.check.rules import MULTI_RANK
     from shardfit.plan.build import make_plan
-    from shardfit.plan.choose import workload_of
+    from shardfit.plan.choose import shape_of_config, workload_of
     from shardfit.plan.hardware import detect
-    from shardfit.plan.shapes import resolve_shape
 
     hw = detect()
     strategy = cfg.strategy
@@ -61,14 +62,9 @@ def check_config(cfg: Any, world: int | None = None) -> tuple[str, list[Finding]
     model = meta_model(cfg)
     plan = None
     try:
-        from shardfit.models.source import resolve_model
-
-        source = resolve_model(cfg.model)
-        shape = resolve_shape(cfg.model if source.gguf_file else source.folder)
-        import dataclasses
-
+        shape, _ = shape_of_config(cfg)
         plan = make_plan(shape, workload_of(cfg), dataclasses.replace(hw, gpus_per_node=max(world, 1)))
-    except Exception:  # noqa: BLE001 - the plan is advisory here; the other rules still run
+    except UserError:  # a shape the planner cannot read: the other rules still run
         plan = None
     if strategy == "auto":
         strategy = (plan or {}).get("recommended") or ("single" if world == 1 else "zero3")

@@ -50,14 +50,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.config:
         from shardfit.config import load_config
-        from shardfit.models.source import resolve_model
-        from shardfit.plan.choose import workload_of
+        from shardfit.plan.choose import shape_of_config, workload_of
 
         cfg = load_config(args.config, check_files=False)
-        source = resolve_model(cfg.model)
-        shape = resolve_shape(cfg.model if source.gguf_file else source.folder)
+        shape, sim_source = shape_of_config(cfg)
         w = workload_of(cfg)
-        sim_source = None if source.gguf_file else source.folder  # a GGUF file has no config.json to build from
     elif args.model:
         shape = resolve_shape(args.model)
         w = Workload()

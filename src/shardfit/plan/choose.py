@@ -8,7 +8,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.build import format_table, make_plan
 from shardfit.plan.estimate import Workload
 from shardfit.plan.hardware import Hardware, detect, host_mem_gib
-from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.shapes import ModelShape, resolve_shape
 
 
 def workload_of(cfg: Any) -> Workload:
@@ -26,13 +26,21 @@ def hardware_of(env: Any) -> Hardware:
     return Hardware(1, env.world, mem / env.world, mem, "cpu")
 
 
-def plan_for_run(cfg: Any, env: Any) -> dict | None:
-    """The plan of a training run, or None when the model's shape cannot be read (e.g. a remote hub id)."""
+def shape_of_config(cfg: Any) -> tuple[ModelShape, str | None]:
+    """The shape of a config's model, and the folder whose config.json a simulation can build from (None for
+    GGUF and catalog-only ids). A bundled GGUF model's shape comes from the catalog under its hub id."""
     from shardfit.models.source import resolve_model
 
+    source = resolve_model(cfg.model)
+    if source.gguf_file:
+        return resolve_shape(cfg.model), None
+    return resolve_shape(source.folder), source.folder
+
+
+def plan_for_run(cfg: Any, env: Any) -> dict | None:
+    """The plan of a training run, or None when the model's shape cannot be read (e.g. a remote hub id)."""
     try:
-        source = resolve_model(cfg.model)
-        shape = resolve_shape(cfg.model if source.gguf_file else source.folder)
+        shape, _ = shape_of_config(cfg)
     except UserError:
         return None
     return make_plan(shape, workload_of(cfg), hardware_of(env))
