@@ -104,9 +104,6 @@ def load_for_training(cfg: Any, strategy: str = "single") -> tuple[torch.nn.Modu
     source = resolve_model(cfg.model)
     tok = load_tokenizer(source, cfg.trust_remote_code)
     dtype = torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]
-    if cfg.precision == "fp16" and cfg.method != "full":
-        # fp16 frozen weights are fine, but trainable ones must stay fp32 (see models/adapters.py).
-        dtype = torch.float16
     device_map = None
     if strategy == "model_parallel":
         from shardfit.errors import UserError
