@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +129,102 @@ def test_qwen_omni_talker_kept_is_reported_not_a_device_error(tiny_omni: Path) -
     assert any(w.endswith("audio_tower") for w in found) and any(w.endswith("visual") for w in found)
     fixed = unused_module_rules(model, "zero3", fix=True)
     assert model.talker is None and model.token2wav is None and is_ok(fixed)
+
+
+def _worker_pid(marker: str, local_rank: int) -> int | None:
+    """The torchrun worker whose command line holds `marker` and whose LOCAL_RANK is `local_rank` (Linux /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in cmdline and b"torch.distributed.run" not in cmdline \
+                and f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank to kill through /proc")
+def test_killed_rank_restarts_and_ends_equal_to_clean_run(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    over = dict(strategy="zero3", max_steps=12, save_steps=3)
+    clean = _cfg(tmp_path, tiny_llama, small_data, "clean", **over)
+    r = run_cli("train", str(clean), "--nproc", "2", env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    killed = _cfg(tmp_path, tiny_llama, small_data, "killed", **over)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "shardfit", "train", str(killed), "--nproc", "2",
+                             "--max-restarts", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **ENV}, text=True)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step-3" / "trainer.pt").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    victim = _worker_pid(str(killed), local_rank=1)
+    assert victim is not None, "rank 1 not found"
+    os.kill(victim, signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the restarted group did not finish") from None
+    assert proc.returncode == 0, err[-3000:]
+    assert "local_rank: 1" in err and "exitcode: -9" in err  # torchrun saw the kill and restarted the group
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from_step"] >= 3
+    want, have = _weights(tmp_path / "clean", "lora"), _weights(run, "lora")
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=0, atol=0)  # same world size, same order: bit-exact
+    steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+    assert steps == list(range(1, 13))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(cfgs: list[Path], rendezvous: str, cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents on this machine, one rank each, as two nodes would run them."""
+    port = _free_port()
+    procs = []
+    for node, cfg in enumerate(cfgs):
+        link = (["--rdzv-endpoint", f"127.0.0.1:{port}"] if rendezvous == "c10d" else
+                ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)])
+        procs.append(subprocess.Popen([sys.executable, "-m", "shardfit", "train", str(cfg), "--nproc", "1",
+                                       "--nnodes", "2", *link], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, **ENV}, cwd=cwds[node] if cwds else None))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_node_launch_matches_single_process(tmp_path: Path, tiny_llama: Path, small_data: Path, single_runs,
+                                                rendezvous: str) -> None:
+    cfg = _cfg(tmp_path, tiny_llama, small_data, "mn", strategy="zero3")
+    results = _two_nodes([cfg, cfg], rendezvous)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "mn"
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    for a, b in zip(_losses(single_runs["lora"]), _losses(run), strict=True):
+        assert b == pytest.approx(a, rel=1e-5)
+
+
+def test_two_nodes_without_shared_output_dir_is_refused(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    cfgs = []
+    for d in cwds:
+        d.mkdir()
+        cfgs.append(write_config(d / "c.yaml", **dict(BASE, model=str(tiny_llama), data=str(small_data),
+                                                      output_dir="run", strategy="zero3")))
+    results = _two_nodes(cfgs, "static", cwds)
+    assert all(r.returncode != 0 for r in results)
+    assert "is not shared: 1 of 2 ranks cannot see" in results[0].stderr
+    assert not (cwds[0] / "run" / "checkpoints").exists()

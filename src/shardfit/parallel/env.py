@@ -47,9 +47,23 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **_restart_safe_store(rank, world, timeout))
     return DistEnv(rank, world, local_rank, device, backend)
+
+
+def _restart_safe_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun the ranks share the agent's TCPStore, and it outlives a restart (`--max-restarts`). The
+    group's address keys of the killed attempt are still in it, and a new rank that reads one before its peer
+    has overwritten it connects to a dead process and waits out the whole timeout (gloo's full-mesh connect).
+    Giving every attempt its own key prefix makes a restarted group start from an empty namespace."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # rank 0 hosts a fresh store per attempt: nothing stale to read
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardfit/attempt-{attempt}", store), "rank": rank, "world_size": world}
 
 
 def barrier(env: DistEnv) -> None:

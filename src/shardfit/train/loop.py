@@ -184,6 +184,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     scheduler = cosine_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
 
     start_step, tokens = 0, 0
+    ckpt.require_shared_dir(run_dir, env)
     resume_from = ckpt.find_resume(run_dir, cfg.resume)
     if resume_from is not None:
         r = ckpt.load_checkpoint(resume_from, wrapped, optimizer, scheduler, env)
