@@ -70,3 +70,19 @@ def test_cli_json_contract(tmp_path: Path) -> None:
     assert r.returncode == 0 and "full replica" in r.stdout
     r = run_cli("diagnose", str(tmp_path / "missing.log"), timeout=60)
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_public_issue_logs_rank_the_right_category_first() -> None:
+    """Error output from public issue threads (tests/diagnose_public/cases.yaml, with their URLs): the target of
+    issue 5 is the right category first in at least 85% of real logs."""
+    import yaml
+
+    cases = yaml.safe_load(Path(__file__).with_name("diagnose_public").joinpath("cases.yaml").read_text())
+    assert len(cases) >= 50 and len({c["expected"] for c in cases}) >= 15
+    misses = []
+    for case in cases:
+        findings = diagnose(case["log"])
+        top = findings[0].category if findings else None
+        if top != case["expected"]:
+            misses.append((case["url"], case["expected"], top))
+    assert len(misses) <= 0.15 * len(cases), misses
