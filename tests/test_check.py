@@ -205,3 +205,26 @@ def test_check_demo_config_is_clean() -> None:
 def test_check_bad_input_exit_2(tmp_path: Path, bad: str) -> None:
     r = run_cli("check", str(tmp_path / bad), timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_check_72b_under_ddp_on_8x24gb_from_the_catalog(tmp_path: Path, small_data: Path) -> None:
+    """The seed failure: a 72B LoRA under DDP on eight 24 GB cards. No download: the shape is the catalog's."""
+    cfg = write_config(tmp_path / "c.yaml", model="Qwen/Qwen2-VL-72B-Instruct", data=str(small_data),
+                       method="lora", strategy="ddp", max_seq_len=2048, micro_batch=1, output_dir=str(tmp_path / "r"))
+    r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--json", timeout=300, env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    oom = next(f for f in json.loads(r.stdout)["findings"] if f["rule"] == "predicted_oom")
+    assert oom["severity"] == "error" and "full replica per GPU" in oom["message"]
+    assert "GiB per GPU" in oom["fix"]  # names a change that fits, with its predicted memory
+    # The same config with the change the fix names passes the memory rule.
+    assert "model_parallel at" in oom["fix"]
+    r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--set", "strategy=model_parallel", "--set", "grad_ckpt=full",
+                "--json", timeout=300, env={"HF_HUB_OFFLINE": "1"})
+    assert "predicted_oom" not in {f["rule"] for f in json.loads(r.stdout)["findings"]}, r.stdout
+
+
+def test_check_unknown_hub_id_is_bad_input(tmp_path: Path, small_data: Path) -> None:
+    cfg = write_config(tmp_path / "c.yaml", model="nobody/not-a-model", data=str(small_data))
+    r = run_cli("check", str(cfg), timeout=120, env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "nobody/not-a-model" in r.stderr and "catalog" in r.stderr

@@ -237,4 +237,10 @@ def plan_rules(plan: dict | None, strategy: str, force: bool) -> list[Finding]:
     best = plan.get("recommended")
     return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {strategy}",
                     f"predicted {c['per_gpu_gib']['total']:.1f} GiB per GPU of {plan['hardware']['gpu_mem_gib']:.0f}: "
-                    f"{c['notes']}", f"strategy: {best}" if best else "see `shardfit plan` for alternatives")]
+                    f"{c['notes']}", f"strategy: {best}" if best else _nearest_fix(plan))]
+
+
+def _nearest_fix(plan: dict) -> str:
+    """When no strategy fits as configured: the planner's nearest change that makes one fit."""
+    alts = plan.get("alternatives") or []
+    return "; or ".join(alts[:2]) if alts else "more or larger GPUs (see `shardfit plan`)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,10 @@ def meta_model(cfg: Any) -> nn.Module:
     kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
-    config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    if Path(source.folder).is_dir():
+        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    else:
+        config = _hub_config(cfg.model, kwargs)
     dtype = torch.float32 if cfg.method == "full" else DTYPES[cfg.precision]
     with torch.device("meta"):
         model = build_from_config(config, dtype, cfg.trust_remote_code)
@@ -48,22 +52,43 @@ def meta_model(cfg: Any) -> nn.Module:
     return model
 
 
-def check_config(cfg: Any, world: int | None = None) -> tuple[str, list[Finding]]:
-    """Findings for a config as its strategy would run it; returns (strategy, findings)."""
+def _hub_config(model_id: str, kwargs: dict[str, Any]) -> Any:
+    """A hub id's config without the network: the local HF cache, else the bundled catalog's shape as a plain
+    decoder (the text model: what the sharding, precision and memory rules look at)."""
+    from transformers import AutoConfig
+
+    from shardfit.plan.shapes import catalog, resolve_shape
+    from shardfit.plan.simulate import hf_config_for
+
+    try:
+        return AutoConfig.from_pretrained(model_id, local_files_only=True, **kwargs)
+    except OSError:
+        if model_id in catalog():
+            return hf_config_for(resolve_shape(model_id), None)
+    raise UserError(f"'model': {model_id} is neither a local folder, in the Hugging Face cache, nor in shardfit's "
+                    "catalog (shardfit/plan/catalog.yaml); download it first (huggingface-cli download) or point "
+                    "at its config.json folder.")
+
+
+def check_config(cfg: Any, world: int | None = None, hw: Any = None) -> tuple[str, list[Finding]]:
+    """Findings for a config as its strategy would run it on `hw` (default: this machine); returns (strategy,
+    findings). `world` defaults to every GPU of `hw` for multi-rank strategies."""
     from shardfit.check.rules import MULTI_RANK
     from shardfit.plan.build import make_plan
     from shardfit.plan.choose import shape_of_config, workload_of
     from shardfit.plan.hardware import detect
 
-    hw = detect()
+    hw = hw or detect()
     strategy = cfg.strategy
     if world is None:
-        world = hw.gpus_per_node if strategy in MULTI_RANK or strategy == "auto" else 1
+        world = hw.gpus_per_node * hw.nodes if strategy in MULTI_RANK or strategy == "auto" else 1
     model = meta_model(cfg)
     plan = None
     try:
         shape, _ = shape_of_config(cfg)
-        plan = make_plan(shape, workload_of(cfg), dataclasses.replace(hw, gpus_per_node=max(world, 1)))
+        # model_parallel is one process over every local GPU; the others use one GPU per rank.
+        per_node = hw.gpus_per_node if strategy == "model_parallel" else max(world // hw.nodes, 1)
+        plan = make_plan(shape, workload_of(cfg), dataclasses.replace(hw, gpus_per_node=per_node))
     except UserError:  # a shape the planner cannot read: the other rules still run
         plan = None
     if strategy == "auto":

@@ -116,9 +116,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     from shardfit.check.findings import is_ok
     from shardfit.check.run import check_config, format_findings
     from shardfit.config import load_config
+    from shardfit.plan.hardware import parse_gpus
 
     cfg = load_config(args.config, args.overrides)
-    strategy, findings = check_config(cfg, args.nproc)
+    hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None
+    strategy, findings = check_config(cfg, args.nproc, hw)
     ok = is_ok(findings)
     if args.json:
         print(json.dumps({"ok": ok, "findings": [f.to_json() for f in findings]}, indent=2))
@@ -132,6 +134,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--nproc", type=int, default=None, help="ranks the run will use (default: from the strategy)")
+    c.add_argument("--gpus", default=None, help="check for these GPUs, e.g. 8x24GB (default: this machine)")
+    c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
 
