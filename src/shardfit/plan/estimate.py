@@ -97,18 +97,42 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     return weights, grads, optim
 
 
-def activation_bytes(shape: ModelShape, w: Workload, layers: int) -> float:
-    """Saved activations of `layers` blocks for one micro-batch (16-bit), flash/SDPA attention (no s^2 scores)."""
-    tokens = w.seq_len * w.micro_batch
+def autocast_fp32_master(w: Workload, strategy: str) -> bool:
+    """Full fine-tunes keep fp32 weights and run under autocast unless FSDP casts them (MixedPrecisionPolicy)."""
+    return w.method == "full" and w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
+
+
+def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What autograd saves per token in one decoder block without checkpointing (SDPA attention, no s^2 scores).
+
+    Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
+    RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the fp32 normalised value);
+    about six hidden-size 16-bit tensors (norm casts and outputs, the attention output reshaped for o_proj); q after
+    RoPE, k, v and the attention output, plus fp32 log-sum-exp per head; four MLP tensors (gate, up, act, product);
+    LoRA's rank-sized A outputs for the seven projections."""
     a = 4 if w.precision == "fp32" else 2
-    q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
+    h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
-    # Saved per token per block: 2 norm inputs + 2 norm outputs, q/k/v, attention output, and gate/up/act/product.
-    per_block = a * (4 * shape.hidden + q + 2 * kv + q + 4 * mlp) + 4 * 2  # + fp32 norm statistics
+    norms = 2 * 4 * h + (2 * 4 * h if w.method == "full" else 0)
+    attn = a * (2 * q + 2 * kv) + 4 * shape.heads
+    lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
+    return norms + 6 * a * h + attn + 4 * a * mlp + lora
+
+
+def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str = "single") -> float:
+    """Saved activations of `layers` blocks for one micro-batch.
+
+    With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), and one
+    block is recomputed at a time during backward. Autocast also keeps the 16-bit copy of every weight it cast
+    until backward has used it: 2 bytes per block parameter for a full fine-tune over fp32 master weights."""
+    tokens = w.seq_len * w.micro_batch
+    per_block = block_activation_bytes_per_token(shape, w, strategy)
+    cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.grad_ckpt == "full":
-        # Only each block's input is kept; one block is recomputed at a time during backward.
-        return tokens * (layers * a * shape.hidden + per_block)
-    return tokens * layers * per_block
+        # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
+        resid = 4 if w.precision == "fp32" or autocast_fp32_master(w, strategy) else 2
+        return tokens * (layers * resid * shape.hidden + per_block) + cast
+    return tokens * layers * per_block + layers * cast
 
 
 def logits_bytes(shape: ModelShape, w: Workload) -> float:
@@ -152,7 +176,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         layers = -(-shape.layers // g)
         temp = 0
-    act = activation_bytes(shape, w, layers)
+    act = activation_bytes(shape, w, layers, strategy)
     logit = logits_bytes(shape, w)
     temp += tokens * shape.hidden * 4 * 2  # gradient of the residual stream flowing back, fp32
     b = Breakdown(weights / div_w / GIB, grads / div_g / GIB, optim / div_o / GIB, act / GIB, logit / GIB,
