@@ -1,0 +1,39 @@
+"""Run under torchrun by tests/test_plan.py: one real zero3 (FSDP2) LoRA step on gloo ranks, tracked with
+FSDPMemTracker; rank 0 writes the peak per category (GiB) as JSON to argv[2]."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from transformers import AutoModelForCausalLM
+
+from shardfit.config.schema import LoraSettings
+from shardfit.models.adapters import apply_lora
+from shardfit.parallel.env import init_distributed, shutdown
+from shardfit.parallel.wrap import wrap_model
+from shardfit.plan.simulate import measure_step
+from shardfit.train.loss import CausalLMLoss
+
+
+def main(model_dir: str, out: str) -> None:
+    env = init_distributed()
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                       LoraSettings(rank=4, alpha=8))
+    module = wrap_model(CausalLMLoss(model, all_labelled=True), "zero3", env, "fp32")
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 1000, (2, 128))
+    tracker = FSDPMemTracker(module, optimizer)
+    tracker.track_inputs((ids,))
+    cats = measure_step(module, optimizer, (ids, None, ids), tracker)
+    if env.is_main:
+        with open(out, "w") as f:
+            json.dump(cats, f)
+    shutdown(env, True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
