@@ -228,3 +228,36 @@ def test_check_unknown_hub_id_is_bad_input(tmp_path: Path, small_data: Path) -> 
     r = run_cli("check", str(cfg), timeout=120, env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "nobody/not-a-model" in r.stderr and "catalog" in r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "single"])
+def test_reentrant_checkpointing_rules(tiny_llama: Path, strategy: str) -> None:
+    from shardfit.config.schema import LoraSettings
+    from shardfit.models.adapters import apply_lora
+
+    model = apply_lora(_llama(tiny_llama), LoraSettings(rank=4, alpha=8))
+    # Older transformers (and many training scripts) turn on reentrant checkpointing.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    # Recent transformers add an input-grad hook for PEFT models here; older ones and hand-rolled loops do not.
+    model.disable_input_require_grads()
+    found = {f.rule for f in rules.reentrant_ckpt_rules(model, strategy, fix=False)}
+    assert found == ({"gc_ddp_reentrant", "gc_inputs_no_grad"} if strategy == "ddp" else {"gc_inputs_no_grad"})
+    fixed = rules.reentrant_ckpt_rules(model, strategy, fix=True)
+    assert fixed and all(f.auto_fixed for f in fixed) and is_ok(fixed)
+    assert rules.reentrant_ckpt_rules(model, strategy, fix=False) == []  # non-reentrant now: silent
+    # And the adapters really get gradients after the fix (the failure it prevents is silent: no error, no grads).
+    model.train()
+    ids = torch.randint(0, 1000, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    lora = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora and all(p.grad is not None for p in lora)
+
+
+def test_reentrant_rules_silent_on_shardfit_checkpointing(tiny_llama: Path) -> None:
+    from shardfit.config.schema import LoraSettings
+    from shardfit.models.adapters import apply_lora
+    from shardfit.train.loop import enable_checkpointing
+
+    model = apply_lora(_llama(tiny_llama), LoraSettings(rank=4, alpha=8))
+    enable_checkpointing(model)
+    assert rules.reentrant_ckpt_rules(model, "ddp", fix=False) == []

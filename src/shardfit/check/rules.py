@@ -206,6 +206,44 @@ def grad_ckpt_rules(model: nn.Module, cfg: Any) -> list[Finding]:
                     "enable')", "shardfit wraps the decoder blocks with torch checkpointing itself", True)]
 
 
+def _reentrant_blocks(model: nn.Module) -> list[str]:
+    """Modules whose transformers checkpointing is on and reentrant (its default when no kwargs are given)."""
+    out = []
+    for name, m in model.named_modules():
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) and fn is not None:
+            if getattr(fn, "keywords", {}).get("use_reentrant", True):
+                out.append(name or type(m).__name__)
+    return out
+
+
+def reentrant_ckpt_rules(model: nn.Module, strategy: str, fix: bool) -> list[Finding]:
+    """Reentrant checkpointing breaks DDP (a parameter is marked ready twice) and, with frozen embeddings (LoRA),
+    gets inputs that do not require grad, so the adapters inside get no gradient at all."""
+    where = _reentrant_blocks(model)
+    if not where:
+        return []
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    frozen_inputs = emb is not None and not any(p.requires_grad for p in emb.parameters()) \
+        and getattr(model, "_require_grads_hook", None) is None
+    if fix:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    out = []
+    remedy = "non-reentrant checkpointing: gradient_checkpointing_enable(gradient_checkpointing_kwargs=" \
+              "{'use_reentrant': False})"
+    if strategy == "ddp":
+        out.append(Finding("gc_ddp_reentrant", "error", where[0],
+                           "reentrant gradient checkpointing under DDP: backward re-runs each block and DDP sees "
+                           "its parameters marked ready twice ('Expected to mark a variable ready only once')",
+                           remedy, fix))
+    if frozen_inputs:
+        out.append(Finding("gc_inputs_no_grad", "error", where[0],
+                           "reentrant gradient checkpointing with frozen input embeddings: the blocks' inputs do not "
+                           "require grad, so nothing inside them (LoRA adapters) gets a gradient ('None of the inputs "
+                           "have requires_grad=True')", remedy + ", or model.enable_input_require_grads()", fix))
+    return out
+
+
 def precision_rules(model: nn.Module, cfg: Any, fix: bool) -> list[Finding]:
     """fp16 trainable weights with fp16 mixed precision: the gradient scaler cannot unscale fp16 gradients."""
     bad = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]

@@ -20,6 +20,7 @@ def preflight(model: nn.Module, cfg: Any, strategy: str, world: int, plan: dict 
     out += rules.unused_module_rules(model, strategy, fix)
     out += rules.fsdp_unit_rules(model, strategy, cfg.precision, fix)
     out += rules.grad_ckpt_rules(model, cfg)
+    out += rules.reentrant_ckpt_rules(model, strategy, fix)
     out += rules.precision_rules(model, cfg, fix)
     out += rules.visible_gpu_rules(strategy, world)
     out += rules.plan_rules(plan, strategy, cfg.force)
