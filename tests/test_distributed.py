@@ -228,3 +228,22 @@ def test_two_nodes_without_shared_output_dir_is_refused(tmp_path: Path, tiny_lla
     assert all(r.returncode != 0 for r in results)
     assert "is not shared: 1 of 2 ranks cannot see" in results[0].stderr
     assert not (cwds[0] / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_zero3_untied_embedding_unit_matches_single_process(tmp_path: Path, tiny_qwen2: Path, small_data: Path,
+                                                            method: str) -> None:
+    """An untied input embedding is its own FSDP2 unit; with full fine-tuning its gradient crosses that unit."""
+    lr = 1e-2 if method == "lora" else 1e-3
+    single = _cfg(tmp_path, tiny_qwen2, small_data, "single", method=method, grad_accum=2, lr=lr)
+    r = run_cli("train", str(single), env={"OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    sharded = _cfg(tmp_path, tiny_qwen2, small_data, "zero3", method=method, strategy="zero3", lr=lr)
+    r = run_cli("train", str(sharded), "--nproc", "2", env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for a, b in zip(_losses(tmp_path / "single"), _losses(tmp_path / "zero3"), strict=True):
+        assert b == pytest.approx(a, rel=1e-5)
+    want, have = _weights(tmp_path / "single", method), _weights(tmp_path / "zero3", method)
+    assert want.keys() == have.keys()
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-5)

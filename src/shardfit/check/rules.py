@@ -132,13 +132,14 @@ def fsdp_unit_rules(model: nn.Module, strategy: str, precision: str, fix: bool) 
     """Per FSDP unit (each decoder block, then the rest): dtypes, integer storage, tied weights across units."""
     if strategy not in SHARDED:
         return []
-    from shardfit.parallel.wrap import transformer_blocks
+    from shardfit.parallel.wrap import fsdp_units, transformer_blocks
 
-    blocks = transformer_blocks(model)
-    in_block = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    n_blocks = len(transformer_blocks(model))
+    unit_modules = fsdp_units(model)
+    in_unit = {id(p): _unit_name(i, n_blocks) for i, u in enumerate(unit_modules) for p in u.parameters()}
     units: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
-        units.setdefault(f"block {in_block[id(p)]}" if id(p) in in_block else "root", []).append((name, p))
+        units.setdefault(in_unit.get(id(p), "root"), []).append((name, p))
     out = []
     for unit, params in units.items():
         ints = [n for n, p in params if not p.is_floating_point()]
@@ -168,7 +169,7 @@ def fsdp_unit_rules(model: nn.Module, strategy: str, precision: str, fix: bool) 
             owners.setdefault(id(p), set()).add(f"{mname}.{pname}")
     for names in owners.values():
         if len(names) > 1:
-            units_of = {_unit_of(n, blocks, model) for n in names}
+            units_of = {_unit_of(n, unit_modules, n_blocks, model) for n in names}
             if len(units_of) > 1:
                 out.append(Finding("fsdp_tied_weights_split", "error", ", ".join(sorted(names)),
                                    f"tied weights {sorted(names)} fall into different FSDP units {sorted(units_of)}",
@@ -176,12 +177,16 @@ def fsdp_unit_rules(model: nn.Module, strategy: str, precision: str, fix: bool) 
     return out
 
 
-def _unit_of(param_name: str, blocks: list[nn.Module], model: nn.Module) -> str:
+def _unit_name(i: int, n_blocks: int) -> str:
+    return f"block {i}" if i < n_blocks else "input embedding"
+
+
+def _unit_of(param_name: str, units: list[nn.Module], n_blocks: int, model: nn.Module) -> str:
     module_name = param_name.rpartition(".")[0]
     module = model.get_submodule(module_name) if module_name else model
-    for i, b in enumerate(blocks):
-        if any(m is module for m in b.modules()):
-            return f"block {i}"
+    for i, u in enumerate(units):
+        if any(m is module for m in u.modules()):
+            return _unit_name(i, n_blocks)
     return "root"
 
 

@@ -26,6 +26,39 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers) if layers is not None else []
 
 
+def untied_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The input embedding when it does not share its weight with the output head (then it can be its own FSDP
+    unit); None when tied, because a tied pair must stay in one unit."""
+    from shardfit.train.loss import decoder_and_head
+
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if get is not None else None
+    if emb is None or getattr(emb, "weight", None) is None:
+        return None
+    _, head = decoder_and_head(model)
+    if head is None or getattr(head, "weight", None) is emb.weight:
+        return None
+    return emb
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules shardfit shards on their own, in order: every decoder block, then an untied input embedding.
+    Everything else (the head, the final norm) is the root unit. A large-vocabulary model's embedding is as big as
+    several blocks; in the root it would stay gathered for the whole step, on its own it is freed right after use."""
+    units = transformer_blocks(model)
+    emb = untied_input_embedding(model)
+    return units + ([emb] if emb is not None else [])
+
+
+def shard(module: nn.Module, model: nn.Module, **kwargs: Any) -> None:
+    """`fully_shard` each unit of `model`, then `module` (the root holding the loss) with the same settings."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in fsdp_units(model):
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+
+
 def _mp_policy(precision: str) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -48,7 +81,7 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str) -
         return DDP(module, device_ids=ids)
     if strategy in SHARDED:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
         mesh = init_device_mesh(env.device.type, (env.world,))
         kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mp_policy(precision),
@@ -60,9 +93,7 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str) -
             if strategy == "zero3_offload" and env.is_main:
                 log.info("zero3_offload on CPU: shards already live in host memory, running as zero3")
             module.to(env.device)
-        for block in transformer_blocks(module.model):
-            fully_shard(block, **kwargs)
-        fully_shard(module, **kwargs)
+        shard(module, module.model, **kwargs)
         return module
     raise ValueError(f"unknown strategy {strategy}")
 

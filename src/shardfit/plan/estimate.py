@@ -148,6 +148,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     low = 4 if w.precision == "fp32" else 2
     layer_16 = shape.layer_params() * low
     root_16 = (shape.embed_params() + shape.hidden) * low
+    own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else trainable_params(shape, w) / shape.layers * 4
     tokens = w.seq_len * w.micro_batch
@@ -162,14 +163,16 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         temp = layer_grads
     elif strategy == "zero3":
         div_w = div_g = div_o = n
-        # FSDP2 keeps the root unit (embeddings, head) unsharded for the whole step, and a block's all-gather
+        # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and a block's all-gather
         # buffer coexists with its unsharded copy at the peak: measured with FSDPMemTracker (plan --simulate).
-        temp = 2 * (root_16 + layer_16) + layer_grads
+        # An untied input embedding is a unit of its own (parallel/wrap.py), freed right after the embedding runs:
+        # one embedding-sized copy less at the peak (Qwen2.5-7B on 4 ranks: simulated 4.94 -> 4.07 GiB).
+        temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
     elif strategy == "zero3_offload":
         cpu = weights / n + grads / n + optim / n
         weights = grads = optim = 0.0
         div_w = div_g = div_o = 1
-        temp = 2 * (root_16 + layer_16) + layer_grads
+        temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers

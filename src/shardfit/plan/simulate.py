@@ -140,17 +140,13 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             base.tie_weights()  # to_empty gives each parameter its own storage; tied weights must share one again
             module = CausalLMLoss(model, all_labelled=True)
             if mesh is not None:
-                from torch.distributed.fsdp import fully_shard
                 from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy
 
-                from shardfit.parallel.wrap import transformer_blocks
+                from shardfit.parallel.wrap import shard
 
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                     if w.precision != "fp32" else MixedPrecisionPolicy()
-                kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": strategy == "zero3"}
-                for block in transformer_blocks(model):
-                    fully_shard(block, **kwargs)
-                fully_shard(module, **kwargs)
+                shard(module, model, mesh=mesh, mp_policy=mp, reshard_after_forward=strategy == "zero3")
             params = [p for p in module.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-4)
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
