@@ -56,9 +56,11 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
         if args.config:
             from shardfit.config import load_config
+            from shardfit.models.load import require_method_support
             from shardfit.train.loop import check_device_map
 
             cfg = load_config(args.config, args.overrides)  # fail fast, once, before starting ranks
+            require_method_support(cfg)
             if cfg.strict:
                 check_device_map(cfg, cfg.strategy)
         passthrough = ["train"] + ([args.config] if args.config else [])

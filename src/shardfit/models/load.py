@@ -98,9 +98,21 @@ def build_from_config(config: Any, dtype: torch.dtype, trust_remote_code: bool =
     return cls._from_config(config, dtype=dtype)
 
 
+def require_method_support(cfg: Any) -> None:
+    """Refuse what this build cannot train instead of silently training something else: QLoRA's 4-bit weights
+    need bitsandbytes' CUDA kernels, and shardfit's QLoRA loader is not written yet (the planner does model it)."""
+    if cfg.method == "qlora":
+        from shardfit.errors import UserError
+
+        raise UserError("'method: qlora' cannot be trained by this version of shardfit: 4-bit (NF4) weights need "
+                        "bitsandbytes on a CUDA GPU, and the QLoRA loader is not implemented yet. Use 'method: lora' "
+                        "(frozen weights in bf16), or plan a QLoRA run with `shardfit plan --method qlora`.")
+
+
 def load_for_training(cfg: Any, strategy: str = "single") -> tuple[torch.nn.Module, Any]:
     """Model and tokenizer for a config. LoRA/freeze keep frozen weights in the compute dtype to save memory;
     full fine-tuning keeps fp32 master weights (autocast does the low-precision compute)."""
+    require_method_support(cfg)
     source = resolve_model(cfg.model)
     tok = load_tokenizer(source, cfg.trust_remote_code)
     dtype = torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]

@@ -28,7 +28,7 @@ from shardfit.data.loader import Schedule, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
-from shardfit.models.load import load_for_training
+from shardfit.models.load import load_for_training, require_method_support
 from shardfit.models.placement import input_device
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.wrap import SHARDED, set_grad_sync, transformer_blocks, wrap_model
@@ -151,6 +151,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
           plan: dict[str, Any] | None = None, quiet: bool = False) -> TrainResult:
     """Run a fine-tune described by `cfg` on this process's share of the work; returns the trained model."""
     t_start = time.perf_counter()
+    require_method_support(cfg)
     run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     plan = plan if plan is not None else plan_for_run(cfg, env)
