@@ -261,3 +261,20 @@ def test_reentrant_rules_silent_on_shardfit_checkpointing(tiny_llama: Path) -> N
     model = apply_lora(_llama(tiny_llama), LoraSettings(rank=4, alpha=8))
     enable_checkpointing(model)
     assert rules.reentrant_ckpt_rules(model, "ddp", fix=False) == []
+
+
+def test_quantized_model_placement_rule(tiny_llama: Path) -> None:
+    """Read from the same metadata transformers sets on a bitsandbytes model (is_loaded_in_4bit, hf_device_map) and
+    accelerate checks; no GPU or bitsandbytes needed to exercise the rule itself."""
+    model = _llama(tiny_llama)
+    cpu = torch.device("cpu")
+    assert rules.quantized_placement_rules(model, cpu, 2) == []  # not quantized: silent
+    model.is_loaded_in_4bit = True
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
+    (spread,) = rules.quantized_placement_rules(model, torch.device("cuda", 0), 2)
+    assert spread.rule == "quantized_model_device" and "cuda:0, cuda:1" in spread.message
+    assert "LOCAL_RANK" in spread.fix
+    model.hf_device_map = {"": 0}
+    (other,) = rules.quantized_placement_rules(model, torch.device("cuda", 1), 2)  # rank 1 got rank 0's GPU
+    assert "loaded on cuda:0" in other.message and "cuda:1" in other.message
+    assert rules.quantized_placement_rules(model, torch.device("cuda", 0), 2) == []  # its own GPU: silent

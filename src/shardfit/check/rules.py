@@ -128,6 +128,29 @@ def placement_rules(model: nn.Module, device: torch.device, fix: bool) -> list[F
     return out
 
 
+def quantized_placement_rules(model: nn.Module, device: torch.device, world: int) -> list[Finding]:
+    """A 4/8-bit (bitsandbytes) model placed over several devices, or on another device than this rank's.
+    Quantized weights are placed at load time and cannot move afterwards, so nothing can fix it here; accelerate
+    makes the same check from the same `hf_device_map` ("You can't train a model that has been loaded in 8-bit or
+    4-bit precision on a different device")."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not (getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)):
+        return []
+    placed = {str(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d))
+              for d in (getattr(base, "hf_device_map", None) or {}).values()}
+    if not placed:
+        placed = {str(p.device) for p in base.parameters()}
+    fix = "load each rank's copy on its own GPU: device_map={'': int(os.environ['LOCAL_RANK'])}, and never call .to()"
+    if len(placed) > 1:
+        return [Finding("quantized_model_device", "error", "model",
+                        f"the 4/8-bit model is spread over {', '.join(sorted(placed))}; quantized weights cannot be "
+                        f"trained split over devices{' under a launcher' if world > 1 else ''}", fix)]
+    if placed != {str(device)}:
+        return [Finding("quantized_model_device", "error", "model",
+                        f"the 4/8-bit model was loaded on {placed.pop()}, but this rank computes on {device}", fix)]
+    return []
+
+
 def fsdp_unit_rules(model: nn.Module, strategy: str, precision: str, fix: bool) -> list[Finding]:
     """Per FSDP unit (each decoder block, then the rest): dtypes, integer storage, tied weights across units."""
     if strategy not in SHARDED:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import yaml
 
 from shardfit.check.findings import is_ok
-from shardfit.check.rules import old_gc_api, placement_rules
+from shardfit.check.rules import old_gc_api, placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
 from shardfit.data.dataset import build_datasets
@@ -168,6 +168,8 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
 
     model = setup_trainable(model, cfg)
     findings = preflight(model, cfg, strategy, env.world, None, fix=True)
+    quantized = quantized_placement_rules(model, env.device, env.world)
+    _report(quantized, env)  # before anything below tries to move weights that cannot move
     if cfg.grad_ckpt == "full":
         enable_checkpointing(model)
     module = CausalLMLoss(model, cfg.loss_chunk)
