@@ -82,7 +82,7 @@ def check_config(cfg: Any, world: int | None = None, hw: Any = None) -> tuple[st
     hw = hw or detect()
     strategy = cfg.strategy
     if world is None:
-        world = hw.gpus_per_node * hw.nodes if strategy in MULTI_RANK or strategy == "auto" else 1
+        world = hw.world if strategy in MULTI_RANK or strategy == "auto" else 1
     model = meta_model(cfg)
     plan = None
     try:

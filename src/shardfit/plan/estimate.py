@@ -102,7 +102,7 @@ def autocast_fp32_master(w: Workload, strategy: str) -> bool:
     return w.method == "full" and w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
 
 
-def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+def block_activation_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     """What autograd saves per token in one decoder block without checkpointing (SDPA attention, no s^2 scores).
 
     Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
@@ -126,7 +126,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     block is recomputed at a time during backward. Autocast also keeps the 16-bit copy of every weight it cast
     until backward has used it: 2 bytes per block parameter for a full fine-tune over fp32 master weights."""
     tokens = w.seq_len * w.micro_batch
-    per_block = block_activation_bytes_per_token(shape, w, strategy)
+    per_block = block_activation_bytes_per_token(shape, w)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.grad_ckpt == "full":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
@@ -151,6 +151,11 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else trainable_params(shape, w) / shape.layers * 4
+    # zero3 (also offloaded): FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and a
+    # block's all-gather buffer coexists with its unsharded copy at the peak: measured with FSDPMemTracker (plan
+    # --simulate). An untied input embedding is a unit of its own (parallel/wrap.py), freed right after it runs:
+    # one embedding-sized copy less at the peak (Qwen2.5-7B on 4 ranks: simulated 4.94 -> 4.07 GiB).
+    fsdp_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
     tokens = w.seq_len * w.micro_batch
     cpu = 0.0
     notes = ""
@@ -163,16 +168,12 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         temp = layer_grads
     elif strategy == "zero3":
         div_w = div_g = div_o = n
-        # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and a block's all-gather
-        # buffer coexists with its unsharded copy at the peak: measured with FSDPMemTracker (plan --simulate).
-        # An untied input embedding is a unit of its own (parallel/wrap.py), freed right after the embedding runs:
-        # one embedding-sized copy less at the peak (Qwen2.5-7B on 4 ranks: simulated 4.94 -> 4.07 GiB).
-        temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        temp = fsdp_temp
     elif strategy == "zero3_offload":
         cpu = weights / n + grads / n + optim / n
         weights = grads = optim = 0.0
         div_w = div_g = div_o = 1
-        temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        temp = fsdp_temp
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
