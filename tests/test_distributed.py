@@ -247,3 +247,19 @@ def test_zero3_untied_embedding_unit_matches_single_process(tmp_path: Path, tiny
     assert want.keys() == have.keys()
     for k in want:
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+def test_zero3_with_compiled_blocks_matches_single_process(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                           single_runs) -> None:
+    """torch.compile'd blocks under FSDP2 (compile first, then shard, as torchtitan does) on 2 ranks."""
+    cfg = _cfg(tmp_path, tiny_llama, small_data, "run", strategy="zero3", compile=True)
+    r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, got = _losses(single_runs["lora"]), _losses(tmp_path / "run")
+    assert len(got) == len(ref) == 6
+    for a, b in zip(ref, got, strict=True):
+        assert b == pytest.approx(a, rel=1e-4)
+    want, have = _weights(single_runs["lora"], "lora"), _weights(tmp_path / "run", "lora")
+    assert want.keys() == have.keys()
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=1e-3, atol=1e-5)

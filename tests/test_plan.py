@@ -262,3 +262,76 @@ def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str) ->
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05), part
     ta, ts = a.total - a.runtime_overhead, s.total - s.runtime_overhead
     assert 0.95 * ts <= ta <= 1.5 * ts, (ta, ts)
+
+
+def test_full_logits_loss_bytes_match_a_real_step() -> None:
+    """`--loss full` charges FULL_LOSS_BYTES per logit element: what transformers' own loss really holds at its
+    peak (fp32 log-softmax and gradients; the model output is dropped before backward, as the Trainer does),
+    measured on a real step of a model whose logits dwarf everything else."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardfit.plan.estimate import FULL_LOSS_BYTES
+    from shardfit.plan.simulate import skip_frozen_grad_hooks
+
+    tokens, vocab = 512, 32768
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for p in model.parameters():
+        p.requires_grad_(p is model.model.norm.weight)  # a gradient must reach the logits, nothing else of size
+    ids = torch.randint(0, vocab, (1, tokens))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    skip_frozen_grad_hooks(tracker, model)
+    with tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+    peak = {getattr(k, "value", k): v for d in tracker.get_tracker_snapshot("peak").values() for k, v in d.items()}
+    per_logit = (peak["Total"] - peak["Parameter"] - peak.get("Buffer", 0)) / (tokens * vocab)
+    assert per_logit == pytest.approx(FULL_LOSS_BYTES, rel=0.05)
+
+
+def test_full_logits_loss_in_plan_and_simulation(capsys) -> None:
+    """A run through the model's own loss (HF Trainer style) needs far more than shardfit's chunked loss at long
+    sequences; the estimate and the fake-tensor step of that loss agree on it."""
+    from shardfit.plan.estimate import Workload, estimate
+    from shardfit.plan.shapes import ModelShape
+    from shardfit.plan.simulate import simulate
+
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora", "--seq",
+                 "16384", "--loss", "full", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora", "--seq",
+                 "16384", "--json"]) == 0
+    chunked = json.loads(capsys.readouterr().out)
+    assert full["workload"]["loss"] == "full" and chunked["workload"]["loss"] == "chunked"
+    logits = [next(c for c in p["candidates"] if c["strategy"] == "single")["per_gpu_gib"]["logits"]
+              for p in (full, chunked)]
+    assert logits[0] == pytest.approx(16384 * 128256 * 12 / 2**30, rel=0.01) and logits[1] < 1.0
+
+    shape = ModelShape("tiny-llama", 2, 64, 128, 4, 2, 32768, False, None)
+    w = Workload(method="lora", precision="bf16", seq_len=512, micro_batch=1, grad_ckpt="none", loss="full")
+    hw = parse_gpus("1x80GB")
+    a, s = estimate(shape, w, hw, "single").per_gpu_gib, simulate(shape, w, hw, "single", None).per_gpu_gib
+    ta, ts = a.total - a.runtime_overhead, s.total - s.runtime_overhead
+    assert a.logits / ts > 0.8  # logits dominate this shape
+    assert 0.95 * ts <= ta <= 1.15 * ts, (ta, ts)
+
+
+def test_published_measurements_script_verdicts() -> None:
+    """bench/plan_vs_published.py reads every published case and gets the fits/OOM verdict right in >= 90%."""
+    import importlib.util
+
+    import yaml
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "plan_vs_published.py"
+    spec = importlib.util.spec_from_file_location("plan_vs_published", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    data = yaml.safe_load(mod.CASES.read_text())
+    result = mod.evaluate(data)
+    assert len(result["cases"]) == len(data["cases"]) >= 9
+    for row in result["cases"]:
+        assert row["source"] in data["sources"] and row["predicted_total_gib"] > 0
+    assert result["verdicts_right"] >= 0.9 * result["verdicts"]

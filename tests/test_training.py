@@ -143,3 +143,33 @@ def test_qlora_is_refused_not_silently_lora(tmp_path: Path, tiny_llama: Path, sm
     r = run_cli("train", str(_cfg(tmp_path, tiny_llama, small_data, method="qlora", max_steps=1)))
     assert r.returncode == 2 and "'method: qlora' cannot be trained" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "adapter").exists()
+
+
+@pytest.mark.parametrize("grad_ckpt", ["none", "full"])
+def test_compiled_blocks_train_like_eager(tmp_path: Path, tiny_qwen2: Path, small_data: Path, grad_ckpt: str) -> None:
+    """compile: true changes how the step runs, not what it computes: same losses, same adapter, same outputs."""
+    runs = {}
+    for flag in (False, True):
+        out = tmp_path / f"compile-{flag}"
+        out.mkdir()
+        cfg = load_config(_cfg(out, tiny_qwen2, small_data, max_steps=4, eval_split=0.1, compile=flag,
+                               grad_ckpt=grad_ckpt, resume="never"))
+        runs[flag] = train(cfg, init_distributed(), quiet=True).run_dir
+    eager, compiled = (read_jsonl(runs[f] / "metrics.jsonl") for f in (False, True))
+    losses = [[m["loss"] for m in ms if "loss" in m] for ms in (eager, compiled)]
+    assert len(losses[0]) == 4
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
+    evals = [json.loads((r / "summary.json").read_text())["eval_loss"] for r in (runs[False], runs[True])]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-4)
+    a, b = _adapter(runs[False]), _adapter(runs[True])
+    assert a.keys() == b.keys() and a  # compiled blocks keep their parameter names (no _orig_mod prefix)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+
+
+def test_compile_without_a_cpu_compiler_is_a_clear_error(tmp_path: Path, tiny_qwen2: Path,
+                                                         small_data: Path) -> None:
+    r = run_cli("train", str(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1, compile=True)),
+                env={"PATH": str(tmp_path), "CXX": "no-such-c++"})  # no compiler on PATH
+    assert r.returncode == 2, r.stderr
+    assert "compile: true" in r.stderr and "C++ compiler" in r.stderr and "compile: false" in r.stderr

@@ -43,6 +43,7 @@ class Config:
     epochs: int = 1
     max_steps: int | None = None
     grad_ckpt: str = "none"
+    compile: bool = False
     loss_chunk: int = 1024
     save_steps: int = 200
     save_limit: int = 3

@@ -26,9 +26,11 @@ class Batch:
                      self.targets.to(device, non_blocking=True), self.n_real_tokens)
 
 
-def collate(rows: list[PackedRow], pad_id: int) -> Batch:
-    """Right-pad rows to the longest. Padding restarts its positions at 0, so it is a block of its own."""
-    width = max(len(r) for r in rows)
+def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Batch:
+    """Right-pad rows to the longest, or to `width` (fixed shapes for compiled blocks).
+
+    Padding restarts its positions at 0, so it is a block of its own."""
+    width = max([len(r) for r in rows] + [width or 0])
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
     tgt = torch.full((len(rows), width), IGNORE, dtype=torch.long)

@@ -83,7 +83,8 @@ def format_table(plan: dict) -> str:
     m, hw, w = plan["model"], plan["hardware"], plan["workload"]
     lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params, {m['trainable_params'] / 1e6:.1f}M trainable "
              f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
-             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']})",
+             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
+             + (", full-logits loss)" if w.get("loss") == "full" else ")"),
              f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) x {hw['gpu_mem_gib']:.1f} GiB", "",
              f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
              f"{'runtime':>8}{'total':>9}  fits  notes"]

@@ -25,6 +25,11 @@ CUDA_CONTEXT_GIB = 0.5
 NCCL_GIB = 0.5
 ALLOCATOR_RESERVE = 0.08
 LOSS_CHUNK = 1024
+# transformers' own causal-LM loss (what the HF Trainer, LLaMA-Factory, axolotl and TRL run) over every position:
+# in backward the saved fp32 log-softmax, its incoming gradient and the gradient it produces, all fp32 (the bf16
+# logits are already gone: the Trainer drops the model output before backward). Measured per logit element with
+# MemTracker on a real step (tests/test_plan.py): 12.0 bytes with transformers 5.23 and with 4.47.1.
+FULL_LOSS_BYTES = 12
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class Workload:
     grad_ckpt: str = "full"
     optimizer: str = "adamw"
     lora_rank: int = 8
+    loss: str = "chunked"  # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer)
 
 
 @dataclass
@@ -136,7 +142,10 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
 
 def logits_bytes(shape: ModelShape, w: Workload) -> float:
-    """shardfit's chunked loss: one chunk of fp32 logits plus its gradient, never the whole batch."""
+    """shardfit's chunked loss: one chunk of fp32 logits plus its gradient, never the whole batch. With `full`,
+    every position's logits at once, as transformers' loss computes them (FULL_LOSS_BYTES)."""
+    if w.loss == "full":
+        return w.seq_len * w.micro_batch * shape.vocab * FULL_LOSS_BYTES
     rows = min(LOSS_CHUNK, w.seq_len * w.micro_batch)
     return rows * shape.vocab * (4 + 2)
 

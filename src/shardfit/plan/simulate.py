@@ -110,6 +110,18 @@ def to_breakdown(cats: dict[str, float], hw: Hardware, strategy: str) -> Breakdo
     return b
 
 
+class ModelOwnLoss(torch.nn.Module):
+    """`loss: full`: the step as the HF Trainer runs it, through the model's own loss over full logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        out = self.model(input_ids=input_ids, labels=targets, use_cache=False)
+        return out.loss, targets.numel()
+
+
 def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source: str | None = None) -> Candidate:
     """Measure `strategy` with fake tensors; logits are inside activations/temporaries (one chunk at a time)."""
     import torch.distributed as dist
@@ -138,7 +150,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             model.to_empty(device="cpu")
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             base.tie_weights()  # to_empty gives each parameter its own storage; tied weights must share one again
-            module = CausalLMLoss(model, all_labelled=True)
+            module = ModelOwnLoss(model) if w.loss == "full" else CausalLMLoss(model, all_labelled=True)
             if mesh is not None:
                 from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy
 

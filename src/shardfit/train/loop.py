@@ -34,6 +34,7 @@ from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.wrap import SHARDED, set_grad_sync, transformer_blocks, wrap_model
 from shardfit.plan.choose import auto_strategy, plan_for_run, refuse_if_oom
 from shardfit.train import checkpoint as ckpt
+from shardfit.train.compile import compile_blocks, require_compiler
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import MetricsLog, gather_floats, peak_mem_gib, progress, truncate_after
@@ -118,7 +119,7 @@ def _rows(examples: list, cfg: Config) -> list[PackedRow]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, rows: list[PackedRow], micro_batch: int, pad_id: int, env: DistEnv,
-             amp: Any, device: torch.device | None = None) -> float | None:
+             amp: Any, device: torch.device | None = None, width: int | None = None) -> float | None:
     """Mean token loss over `rows`; every rank runs the same number of forwards (FSDP needs that)."""
     if not rows:
         return None
@@ -129,7 +130,7 @@ def evaluate(model: torch.nn.Module, rows: list[PackedRow], micro_batch: int, pa
     for k in range(per_rank):
         idx = k * env.world + env.rank
         real = idx < len(batches)
-        batch = collate(batches[idx if real else 0], pad_id).to(device or env.device)
+        batch = collate(batches[idx if real else 0], pad_id, width).to(device or env.device)
         with amp:
             loss_sum, n = model(batch.input_ids, batch.position_ids, batch.targets)
         if real:
@@ -152,6 +153,8 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     """Run a fine-tune described by `cfg` on this process's share of the work; returns the trained model."""
     t_start = time.perf_counter()
     require_method_support(cfg)
+    if cfg.compile:
+        require_compiler(env.device)
     run_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     plan = plan if plan is not None else plan_for_run(cfg, env)
@@ -172,6 +175,9 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     _report(quantized, env)  # before anything below tries to move weights that cannot move
     if cfg.grad_ckpt == "full":
         enable_checkpointing(model)
+    if cfg.compile:
+        compile_blocks(model, env.device)  # after checkpointing and before FSDP2, as torchtitan orders them
+    width = cfg.max_seq_len if cfg.compile else None
     module = CausalLMLoss(model, cfg.loss_chunk)
     wrapped = wrap_model(module, strategy, env, cfg.precision)
     if strategy not in ("model_parallel", "zero3_offload"):
@@ -220,7 +226,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
         scale = env.world / max(plan_step.global_targets, 1)
         for m, micro in enumerate(plan_step.micro_batches):
             last = m == len(plan_step.micro_batches) - 1
-            batch = collate(micro, pad_id).to(in_device)
+            batch = collate(micro, pad_id, width).to(in_device)
             with set_grad_sync(wrapped, last), amp:
                 loss_sum, _ = wrapped(batch.input_ids, batch.position_ids, batch.targets)
             (loss_sum * scale).backward()
@@ -253,14 +259,14 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
             window_loss.zero_()
             window_steps, window_tokens, window_t0 = 0, 0, time.perf_counter()
         if eval_rows and (done % cfg.eval_steps == 0 and done != total_steps):
-            eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp, in_device)
+            eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp, in_device, width)
             metrics.write({"step": done, "eval_loss": eval_loss})
         if done % cfg.save_steps == 0 and done != total_steps:
             ckpt.save_checkpoint(run_dir, done, tokens, wrapped, optimizer, scheduler, env, cfg.save_limit)
     bar.close()
 
     if eval_rows:
-        eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp, in_device)
+        eval_loss = evaluate(wrapped, eval_rows, cfg.micro_batch, pad_id, env, amp, in_device, width)
         metrics.write({"step": total_steps, "eval_loss": eval_loss})
     ckpt.save_checkpoint(run_dir, total_steps, tokens, wrapped, optimizer, scheduler, env, cfg.save_limit)
     is_lora = cfg.method in ("lora", "qlora")
