@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/compare.py
+	$(PY) bench/plan_vs_published.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -48,13 +48,14 @@ class Workload:
     micro_batch: int  # shardfit packed rows per step
     lr: float
     epochs: int = 1
-    compile: bool = True  # shardfit's `compile: true` (the Trainer runs as those tools default: eager)
+    compile: bool = True  # shardfit's `compile: true` (the Trainer runs eager, as those tools do by default)
 
 
 WORKLOADS = {
     "smollm2-135m-lora": Workload("smollm2-135m-lora", "smollm2", "lora", "demo", 256, 4, 1e-3),
+    # Four narrow blocks under a 49k-token head: compiling the blocks buys nothing here and costs its compile time.
     "qwen2-small-full-longtail": Workload("qwen2-small-full-longtail", "qwen2-small", "full", "longtail", 1024, 2,
-                                          5e-4),
+                                          5e-4, compile=False),
 }
 
 
@@ -63,13 +64,13 @@ def _longtail(out: Path) -> tuple[Path, Path]:
     rng = random.Random(7)
     notes = [json.loads(line) for line in (DEMO / "train.jsonl").read_text().splitlines()]
     rows = []
-    for _ in range(360):
+    for _ in range(260):
         k = min(1 + int(rng.expovariate(0.35)), 24)
         picked = rng.sample(notes, k)
         rows.append({"instruction": "Extract every contact record from these notes, one per line.",
                      "input": "\n".join(n["input"] for n in picked),
                      "output": "\n".join(n["output"] for n in picked)})
-    train, held = rows[:320], rows[320:]
+    train, held = rows[:230], rows[230:]
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (out / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
@@ -163,13 +164,13 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_shardfit(w: Workload, paths: dict, out: Path) -> dict:
+def run_shardfit(w: Workload, paths: dict, out: Path, eager: bool = False) -> dict:
     from shardfit.data.dataset import build_datasets
     from shardfit.models.load import load_for_training
     from shardfit.parallel.env import init_distributed
     from shardfit.train.loop import train
 
-    cfg = dataclasses.replace(_config(w, paths, out), compile=w.compile)
+    cfg = dataclasses.replace(_config(w, paths, out), compile=w.compile and not eager)
     model, tok = load_for_training(cfg)  # loading is outside the timed part, as for the Trainer
     t0 = time.perf_counter()
     with PeakRss() as mem:
@@ -230,7 +231,7 @@ def child(args: argparse.Namespace) -> None:
     w = WORKLOADS[args.workload]
     paths = json.loads(args.paths)
     out = Path(args.out_dir)
-    res = (run_shardfit if args.run == "shardfit" else run_trainer)(w, paths, out)
+    res = run_shardfit(w, paths, out, args.eager) if args.run == "shardfit" else run_trainer(w, paths, out)
     res["tokens_per_s"] = res["tokens"] / res["wall_s"]
     res["process_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     Path(args.result).write_text(json.dumps(res))
@@ -240,6 +241,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    p.add_argument("--eager", action="store_true", help="shardfit without compile: true (to see what compiling adds)")
     p.add_argument("--run", choices=("shardfit", "trainer"), help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
@@ -266,7 +268,8 @@ def main() -> None:
                 env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()),
                            TORCHINDUCTOR_CACHE_DIR=str(work / "inductor-cache"))
                 cmd = [sys.executable, __file__, "--run", who, "--workload", name, "--paths", json.dumps(paths),
-                       "--out-dir", str(work / f"{name}-{who}-{i}"), "--result", str(result)]
+                       "--out-dir", str(work / f"{name}-{who}-{i}"), "--result", str(result)] + \
+                    (["--eager"] if args.eager else [])
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if r.returncode != 0:
                     sys.stderr.write(r.stderr[-4000:])
@@ -288,7 +291,7 @@ def main() -> None:
             "per_run_tokens_per_s": {who: [round(r["tokens_per_s"], 1) for r in rs] for who, rs in runs.items()},
             "per_run_peak_mem_gib": {who: [round(r["peak_mem_gib"], 3) for r in rs] for who, rs in runs.items()}})
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / ("eager.json" if args.eager else "latest.json")).write_text(json.dumps(report, indent=2))
     print(markdown(report))
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardfit.check.findings import Finding
+from shardfit.models.checkpointing import enable_hf_checkpointing
 
 MULTI_RANK = ("ddp", "zero2", "zero3", "zero3_offload")
 SHARDED = ("zero2", "zero3", "zero3_offload")
@@ -255,10 +256,11 @@ def reentrant_ckpt_rules(model: nn.Module, strategy: str, fix: bool) -> list[Fin
     frozen_inputs = emb is not None and not any(p.requires_grad for p in emb.parameters()) \
         and getattr(model, "_require_grads_hook", None) is None
     if fix:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     out = []
-    remedy = "non-reentrant checkpointing: gradient_checkpointing_enable(gradient_checkpointing_kwargs=" \
-              "{'use_reentrant': False})"
+    remedy = "non-reentrant checkpointing: activation_checkpointing_enable(activation_checkpointing_kwargs=" \
+              "{'use_reentrant': False}) (gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) before " \
+              "transformers 5)"
     if strategy == "ddp":
         out.append(Finding("gc_ddp_reentrant", "error", where[0],
                            "reentrant gradient checkpointing under DDP: backward re-runs each block and DDP sees "

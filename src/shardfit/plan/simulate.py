@@ -54,6 +54,7 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
 
     from shardfit.config.schema import LoraSettings
     from shardfit.models.adapters import apply_lora
+    from shardfit.models.checkpointing import enable_hf_checkpointing
 
     dtype = torch.float32 if w.method == "full" or w.precision == "fp32" else torch.bfloat16
     with torch.device("meta"):
@@ -61,7 +62,7 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
         if w.method in ("lora", "qlora"):
             model = apply_lora(model, LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank))
     if w.grad_ckpt == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     return model
 
 

@@ -28,6 +28,7 @@ from shardfit.data.loader import Schedule, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
+from shardfit.models.checkpointing import enable_hf_checkpointing
 from shardfit.models.load import load_for_training, require_method_support
 from shardfit.models.placement import input_device
 from shardfit.parallel.env import DistEnv, barrier
@@ -94,7 +95,7 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
     transformers' own switch is used when the model supports it; remote code that still implements the pre-4.35
     `_set_gradient_checkpointing(module, value)` gets torch's checkpoint wrapper around its blocks instead."""
     if not old_gc_api(model):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
