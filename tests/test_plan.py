@@ -164,7 +164,8 @@ def test_offload_host_ram_limit() -> None:
     assert not tight.fits and "host RAM too small" in tight.notes
 
 
-def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, seq: int = 256) -> float:
+def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, seq: int = 256,
+                           attention: str = "sdpa") -> float:
     """Bytes autograd keeps for backward after one forward of the training module (saved-tensor hooks; weights
     themselves excluded), per token: the quantity the analytic activation estimate models."""
     import torch
@@ -172,17 +173,18 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
 
     from shardfit.config.schema import LoraSettings
     from shardfit.models.adapters import apply_lora
+    from shardfit.models.checkpointing import enable_hf_checkpointing
     from shardfit.train.loss import CausalLMLoss
 
     cls = LlamaConfig if arch == "llama" else Qwen2Config
     config = cls(hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False, attn_implementation="sdpa")
+                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False, attn_implementation=attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
     if method == "lora":
         model = apply_lora(model, LoraSettings(rank=8, alpha=16))
     if grad_ckpt == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     module = CausalLMLoss(model, all_labelled=True)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     kept: dict[int, int] = {}
@@ -198,18 +200,19 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     return sum(kept.values()) / (2 * seq)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize("grad_ckpt", ["none", "full"])
-def test_activation_estimate_matches_saved_tensors(arch: str, method: str, grad_ckpt: str) -> None:
+@pytest.mark.parametrize(("arch", "method", "grad_ckpt", "attention"), [
+    (arch, method, ckpt, "sdpa") for arch in ("llama", "qwen2") for method in ("lora", "full")
+    for ckpt in ("none", "full")] + [("llama", "lora", "none", "eager"), ("qwen2", "full", "none", "eager")])
+def test_activation_estimate_matches_saved_tensors(arch: str, method: str, grad_ckpt: str, attention: str) -> None:
     """Per decoder block, what the analytic estimate counts equals what autograd really saves, within 5%."""
     from shardfit.plan.estimate import Workload, activation_bytes
     from shardfit.plan.shapes import ModelShape
 
-    per_block = _saved_bytes_per_token(arch, method, grad_ckpt, 4) - _saved_bytes_per_token(arch, method,
-                                                                                             grad_ckpt, 2)
+    per_block = _saved_bytes_per_token(arch, method, grad_ckpt, 4, attention=attention) - \
+        _saved_bytes_per_token(arch, method, grad_ckpt, 2, attention=attention)
     shape = ModelShape(f"tiny-{arch}", 2, 256, 704, 8, 2, 4096, False, None)
-    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8)
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
+                 attention=attention)
     tokens = 512
     two = activation_bytes(shape, w, 2, "single") - activation_bytes(shape, w, 0, "single")
     predicted = two / 2 / tokens

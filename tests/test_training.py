@@ -173,3 +173,22 @@ def test_compile_without_a_cpu_compiler_is_a_clear_error(tmp_path: Path, tiny_qw
                 env={"PATH": str(tmp_path), "CXX": "no-such-c++"})  # no compiler on PATH
     assert r.returncode == 2, r.stderr
     assert "compile: true" in r.stderr and "C++ compiler" in r.stderr and "compile: false" in r.stderr
+
+
+def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """`attn_implementation: eager` trains like the default SDPA kernel (packed rows included); a kernel that is
+    not installed stops at load with exit 2 naming the key."""
+    runs = {}
+    for attn in ("auto", "eager"):
+        out = tmp_path / attn
+        out.mkdir()
+        cfg = load_config(_cfg(out, tiny_qwen2, small_data, max_steps=3, attn_implementation=attn, resume="never"))
+        result = train(cfg, init_distributed(), quiet=True)
+        runs[attn] = [m["loss"] for m in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in m]
+        assert result.model.config._attn_implementation == ("sdpa" if attn == "auto" else "eager")
+    torch.testing.assert_close(runs["eager"], runs["auto"], rtol=1e-4, atol=0)
+
+    r = run_cli("train", str(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1,
+                                  attn_implementation="flash_attention_2")))
+    assert r.returncode == 2 and "'attn_implementation: flash_attention_2'" in r.stderr, r.stderr[-2000:]
+    assert "attn_implementation: auto" in r.stderr

@@ -10,6 +10,7 @@ STRATEGIES = ("auto", "single", "ddp", "zero2", "zero3", "zero3_offload", "model
 PRECISIONS = ("bf16", "fp16", "fp32")
 GRAD_CKPT = ("none", "full")
 BACKENDS = ("fsdp2",)
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Config:
     max_steps: int | None = None
     grad_ckpt: str = "none"
     compile: bool = False
+    attn_implementation: str = "auto"
     loss_chunk: int = 1024
     save_steps: int = 200
     save_limit: int = 3
@@ -72,4 +74,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision": PRECISIONS,
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
+    "attn_implementation": ATTENTION,
 }

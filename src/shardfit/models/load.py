@@ -37,8 +37,9 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False,
-               device_map: Any = None) -> torch.nn.Module:
-    """A causal LM on the CPU in `dtype` (or placed by `device_map`, model_parallel only)."""
+               device_map: Any = None, attn_implementation: str = "auto") -> torch.nn.Module:
+    """A causal LM on the CPU in `dtype` (or placed by `device_map`, model_parallel only), with transformers'
+    default attention kernel or the one `attn_implementation` names."""
     import transformers
     from transformers import AutoConfig
 
@@ -56,8 +57,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
             # in a ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built.
             config.enable_audio_output = False
             log.info("%s: talker and token2wav not loaded (text training)", source.name)
+        if attn_implementation != "auto":
+            kwargs["attn_implementation"] = attn_implementation
         model = model_class(config).from_pretrained(source.folder, config=config, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
+        msg = str(e).lower()
+        if attn_implementation != "auto" and ("attention" in msg or "attn" in msg):
+            raise UserError(f"'attn_implementation: {attn_implementation}': cannot load {source.name}: {e} "
+                            "Use attn_implementation: auto (transformers' default, SDPA) or sdpa.") from None
         raise UserError(f"'model': cannot load {source.name}: {e}") from None
     if getattr(model, "thinker", None) is not None:
         # Qwen-Omni: text training trains the thinker (its own PreTrainedModel, with embeddings and head); the
@@ -125,5 +132,6 @@ def load_for_training(cfg: Any, strategy: str = "single") -> tuple[torch.nn.Modu
             device_map = model_parallel_map(source, dtype, cfg.trust_remote_code)
         except (RuntimeError, ValueError) as e:
             raise UserError(f"'strategy: model_parallel': {e}.") from None
-    model = load_model(source, dtype, cfg.trust_remote_code, device_map=device_map)
+    model = load_model(source, dtype, cfg.trust_remote_code, device_map=device_map,
+                       attn_implementation=cfg.attn_implementation)
     return model, tok

@@ -42,6 +42,7 @@ class Workload:
     optimizer: str = "adamw"
     lora_rank: int = 8
     loss: str = "chunked"  # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer)
+    attention: str = "sdpa"  # sdpa (and flash/flex kernels): no seq^2 scores kept; eager: the scores are saved
 
 
 @dataclass
@@ -122,6 +123,10 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     norms = 2 * 4 * h + (2 * 4 * h if w.method == "full" else 0)
     attn = a * (2 * q + 2 * kv) + 4 * shape.heads
     lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
+    if w.attention == "eager":
+        # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
+        # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp.
+        attn = a * (2 * q + 2 * q) + shape.heads * w.seq_len * (4 + a)
     return norms + 6 * a * h + attn + 4 * a * mlp + lora
 
 

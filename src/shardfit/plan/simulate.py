@@ -58,7 +58,8 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
 
     dtype = torch.float32 if w.method == "full" or w.precision == "fp32" else torch.bfloat16
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation="eager" if w.attention == "eager" else "sdpa")
         if w.method in ("lora", "qlora"):
             model = apply_lora(model, LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank))
     if w.grad_ckpt == "full":
