@@ -59,7 +59,8 @@ def shard(module: nn.Module, model: nn.Module, **kwargs: Any) -> None:
     fully_shard(module, **kwargs)
 
 
-def _mp_policy(precision: str) -> Any:
+def mp_policy(precision: str) -> Any:
+    """FSDP2's mixed precision for a config precision (used by training and by `plan --simulate`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -84,7 +85,7 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str) -
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         mesh = init_device_mesh(env.device.type, (env.world,))
-        kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mp_policy(precision),
+        kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy(precision),
                                   "reshard_after_forward": strategy != "zero2"}
         if strategy == "zero3_offload" and env.device.type != "cpu":
             kwargs["offload_policy"] = CPUOffloadPolicy()

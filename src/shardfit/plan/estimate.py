@@ -110,7 +110,7 @@ def autocast_fp32_master(w: Workload, strategy: str) -> bool:
 
 
 def block_activation_bytes_per_token(shape: ModelShape, w: Workload) -> float:
-    """What autograd saves per token in one decoder block without checkpointing (SDPA attention, no s^2 scores).
+    """What autograd saves per token in one decoder block without checkpointing.
 
     Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
     RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the fp32 normalised value);
@@ -121,12 +121,13 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
     norms = 2 * 4 * h + (2 * 4 * h if w.method == "full" else 0)
-    attn = a * (2 * q + 2 * kv) + 4 * shape.heads
-    lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
     if w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
-        # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp.
+        # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
         attn = a * (2 * q + 2 * q) + shape.heads * w.seq_len * (4 + a)
+    else:
+        attn = a * (2 * q + 2 * kv) + 4 * shape.heads
+    lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
     return norms + 6 * a * h + attn + 4 * a * mlp + lora
 
 

@@ -154,13 +154,10 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             base.tie_weights()  # to_empty gives each parameter its own storage; tied weights must share one again
             module = ModelOwnLoss(model) if w.loss == "full" else CausalLMLoss(model, all_labelled=True)
             if mesh is not None:
-                from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy
+                from shardfit.parallel.wrap import mp_policy, shard
 
-                from shardfit.parallel.wrap import shard
-
-                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                    if w.precision != "fp32" else MixedPrecisionPolicy()
-                shard(module, model, mesh=mesh, mp_policy=mp, reshard_after_forward=strategy == "zero3")
+                shard(module, model, mesh=mesh, mp_policy=mp_policy(w.precision),
+                      reshard_after_forward=strategy == "zero3")
             params = [p for p in module.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-4)
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)

@@ -30,12 +30,10 @@ def require_compiler(device: torch.device) -> None:
                         "compile: false.")
 
 
-def compile_blocks(model: nn.Module, device: torch.device) -> int:
-    """Compile every decoder block of `model` in place; returns how many were compiled."""
-    require_compiler(device)  # also checked at the start of train(); here for callers that compile directly
+def compile_blocks(model: nn.Module) -> None:
+    """Compile every decoder block of `model` in place (call `require_compiler` first, before any slow work)."""
     blocks = transformer_blocks(model)
     if not blocks:
         raise UserError(f"'compile: true' found no decoder blocks in {type(model).__name__}; set compile: false.")
     for block in blocks:
         block.compile(dynamic=False)
-    return len(blocks)

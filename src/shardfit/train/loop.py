@@ -177,7 +177,7 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     if cfg.grad_ckpt == "full":
         enable_checkpointing(model)
     if cfg.compile:
-        compile_blocks(model, env.device)  # after checkpointing and before FSDP2, as torchtitan orders them
+        compile_blocks(model)  # after checkpointing and before FSDP2, as torchtitan orders them
     width = cfg.max_seq_len if cfg.compile else None
     module = CausalLMLoss(model, cfg.loss_chunk)
     wrapped = wrap_model(module, strategy, env, cfg.precision)
