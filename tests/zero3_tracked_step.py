@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_plan.py: one real zero3 (FSDP2) LoRA step on gloo ranks, tracked with
-FSDPMemTracker; rank 0 writes the peak per category (GiB) as JSON to argv[2]."""
+shardfit's FSDPMemTracker (the loss's tensors as Logits); rank 0 writes the peak per category (GiB)
+as JSON to argv[2]."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ import json
 import sys
 
 import torch
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from transformers import AutoModelForCausalLM
 
 from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.parallel.env import init_distributed, shutdown
 from shardfit.parallel.wrap import wrap_model
-from shardfit.plan.simulate import measure_step
-from shardfit.train.loss import CausalLMLoss
+from shardfit.plan.simulate import StepFSDPMemTracker, measure_step
+from shardfit.train.loss import CausalLMLoss, decoder_and_head
+from shardfit.train.optim import build_optimizer
 
 
 def main(model_dir: str, out: str) -> None:
@@ -24,9 +25,9 @@ def main(model_dir: str, out: str) -> None:
     model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                        LoraSettings(rank=4, alpha=8))
     module = wrap_model(CausalLMLoss(model, all_labelled=True), "zero3", env, "fp32")
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
     ids = torch.randint(0, 1000, (2, 128))
-    tracker = FSDPMemTracker(module, optimizer)
+    tracker = StepFSDPMemTracker(decoder_and_head(model)[0], module, optimizer)
     tracker.track_inputs((ids,))
     cats = measure_step(module, optimizer, (ids, None, ids), tracker)
     if env.is_main:

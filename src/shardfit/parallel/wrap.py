@@ -79,7 +79,8 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str) -
 
         module.to(env.device)
         ids = [env.device.index] if env.device.type == "cuda" else None
-        return DDP(module, device_ids=ids)
+        # Gradients as views into DDP's buckets: one copy of them instead of two.
+        return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
     if strategy in SHARDED:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy

@@ -36,7 +36,9 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
         tries.append(("turn on gradient checkpointing (--grad-ckpt full)", dataclasses.replace(w, grad_ckpt="full"),
                       hw))
     if w.micro_batch > 1:
-        tries.append((f"micro-batch 1 with grad_accum {w.micro_batch}", dataclasses.replace(w, micro_batch=1), hw))
+        accum = w.grad_accum * w.micro_batch
+        tries.append((f"micro-batch 1 with grad_accum {accum}",
+                      dataclasses.replace(w, micro_batch=1, grad_accum=accum), hw))
     if w.seq_len > 512:
         tries.append((f"shorter sequences (--seq {w.seq_len // 2})", dataclasses.replace(w, seq_len=w.seq_len // 2),
                       hw))

@@ -14,7 +14,7 @@ from shardfit.plan.shapes import ModelShape, resolve_shape
 def workload_of(cfg: Any) -> Workload:
     return Workload(method=cfg.method, precision=cfg.precision, seq_len=cfg.max_seq_len, micro_batch=cfg.micro_batch,
                     grad_ckpt=cfg.grad_ckpt, optimizer="adamw", lora_rank=cfg.lora.rank,
-                    attention="eager" if cfg.attn_implementation == "eager" else "sdpa")
+                    attention="eager" if cfg.attn_implementation == "eager" else "sdpa", grad_accum=cfg.grad_accum)
 
 
 def hardware_of(env: Any) -> Hardware:

@@ -43,6 +43,7 @@ class Workload:
     lora_rank: int = 8
     loss: str = "chunked"  # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer)
     attention: str = "sdpa"  # sdpa (and flash/flex kernels): no seq^2 scores kept; eager: the scores are saved
+    grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Candidate:
     cpu_gib: float
     estimator: str = "analytic"
     notes: str = ""
+    peak_phase: str = "forward"  # where the step peaks: forward (at the loss), backward or optimizer
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -109,15 +111,19 @@ def autocast_fp32_master(w: Workload, strategy: str) -> bool:
     return w.method == "full" and w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
 
 
-def block_activation_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """What autograd saves per token in one decoder block without checkpointing.
 
     Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
     RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the fp32 normalised value);
     about six hidden-size 16-bit tensors (norm casts and outputs, the attention output reshaped for o_proj); q after
     RoPE, k, v and the attention output, plus fp32 log-sum-exp per head; four MLP tensors (gate, up, act, product);
-    LoRA's rank-sized A outputs for the seven projections."""
+    LoRA's rank-sized A outputs for the seven projections. LoRA without autocast (FSDP's 16-bit parameters) saves
+    four hidden-size tensors fewer: under autocast peft casts each adapter's input to the adapter's fp32 dtype and
+    autocast casts it back, a new 16-bit copy per projection input."""
     a = 4 if w.precision == "fp32" else 2
+    autocast = w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
+    hidden_16 = 6 if w.method == "full" or autocast else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
     norms = 2 * 4 * h + (2 * 4 * h if w.method == "full" else 0)
@@ -128,79 +134,140 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
     lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
-    return norms + 6 * a * h + attn + 4 * a * mlp + lora
+    return norms + hidden_16 * a * h + attn + 4 * a * mlp + lora
 
 
 def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str = "single") -> float:
-    """Saved activations of `layers` blocks for one micro-batch.
+    """Saved activations of `layers` blocks for one micro-batch, as backward finds them (the recomputed block of
+    checkpointing included).
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), and one
     block is recomputed at a time during backward. Autocast also keeps the 16-bit copy of every weight it cast
     until backward has used it: 2 bytes per block parameter for a full fine-tune over fp32 master weights."""
     tokens = w.seq_len * w.micro_batch
-    per_block = block_activation_bytes_per_token(shape, w)
+    per_block = block_activation_bytes_per_token(shape, w, strategy)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.grad_ckpt == "full":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
-        resid = 4 if w.precision == "fp32" or autocast_fp32_master(w, strategy) else 2
-        return tokens * (layers * resid * shape.hidden + per_block) + cast
+        return tokens * (layers * residual_bytes(w, strategy) * shape.hidden + per_block) + cast
     return tokens * layers * per_block + layers * cast
 
 
-def logits_bytes(shape: ModelShape, w: Workload) -> float:
-    """shardfit's chunked loss: one chunk of fp32 logits plus its gradient, never the whole batch. With `full`,
-    every position's logits at once, as transformers' loss computes them (FULL_LOSS_BYTES)."""
+def residual_bytes(w: Workload, strategy: str) -> int:
+    """Bytes per element of the residual stream: fp32 when autocast runs over fp32 master weights (the embedding
+    output is fp32 and every residual add keeps it so), else the compute precision."""
+    return 4 if w.precision == "fp32" or autocast_fp32_master(w, strategy) else 2
+
+
+def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str) -> float:
+    """What the body holds when the loss runs (the peak of the forward pass), for one micro-batch.
+
+    Blocks: everything they save, or only their inputs when checkpointed. After the last block: its output, the
+    final norm's fp32 input, its normalised value when the norm weight trains and its output (the loss input), and
+    rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the autocast
+    region ends after the loss (the whole body for a full fine-tune over fp32 masters, the adapters for LoRA)."""
+    tokens = w.seq_len * w.micro_batch
+    r = residual_bytes(w, strategy)
+    h = shape.hidden
+    per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else r * h
+    norm_trains = w.method == "full"
+    head = r * h + (4 * h if r != 4 else 0) + r * h * (2 if norm_trains else 1) + shape.hd * 2 * 4
+    sharded = strategy in ("zero2", "zero3", "zero3_offload")
+    cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
+    if w.method in ("lora", "qlora") and not sharded and w.precision != "fp32":
+        cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
+    return tokens * (layers * per_block + head) + cast
+
+
+def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """The loss at its peak. shardfit's chunked loss: one chunk of fp32 logits and its 16-bit gradient, the
+    gradient handed back to the body, and when the head trains its fp32 gradient (accumulated chunk by chunk),
+    a 16-bit copy of an fp32 head and the fp32 chunk input. With `full`, every position's logits at once, as
+    transformers' loss computes them (FULL_LOSS_BYTES)."""
+    tokens = w.seq_len * w.micro_batch
     if w.loss == "full":
-        return w.seq_len * w.micro_batch * shape.vocab * FULL_LOSS_BYTES
-    rows = min(LOSS_CHUNK, w.seq_len * w.micro_batch)
-    return rows * shape.vocab * (4 + 2)
+        return tokens * shape.vocab * FULL_LOSS_BYTES
+    c = 4 if w.precision == "fp32" else 2
+    rows = min(LOSS_CHUNK, tokens)
+    b = rows * shape.vocab * (4 + c) + tokens * shape.hidden * residual_bytes(w, strategy)
+    if w.method == "full":
+        head = shape.vocab * shape.hidden
+        b += head * 4 + rows * shape.hidden * 4
+        if autocast_fp32_master(w, strategy):
+            b += head * c
+    return b
 
 
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:
-    """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits."""
+    """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits.
+
+    The step is estimated at its three candidate peaks: the loss at the end of the forward pass (all saved
+    activations and the loss's buffers), backward (gradients filling while activations are released) and the
+    optimizer step (gradients, states and the multi-tensor update's temporary). The largest is the peak, and its
+    breakdown is the one reported, so the columns add up to what is allocated at one moment."""
     n = hw.world
     weights, grads, optim = state_bytes(shape, w)
+    t_all = trainable_params(shape, w)
     low = 4 if w.precision == "fp32" else 2
     layer_16 = shape.layer_params() * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
-    layer_grads = shape.layer_params() * low if w.method == "full" else trainable_params(shape, w) / shape.layers * 4
-    # zero3 (also offloaded): FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and a
-    # block's all-gather buffer coexists with its unsharded copy at the peak: measured with FSDPMemTracker (plan
-    # --simulate). An untied input embedding is a unit of its own (parallel/wrap.py), freed right after it runs:
-    # one embedding-sized copy less at the peak (Qwen2.5-7B on 4 ranks: simulated 4.94 -> 4.07 GiB).
-    fsdp_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+    layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * 4
     tokens = w.seq_len * w.micro_batch
     cpu = 0.0
     notes = ""
     layers = shape.layers
+    foreach = 0.0  # the multi-tensor AdamW's temporary (FSDP's DTensor parameters; plain ones use the fused kernel)
+    fwd_temp = bwd_temp = 0.0
+    persistent_grads = False
     if strategy in ("single", "ddp"):
         div_w = div_g = div_o = 1
-        temp = 2 * 25 * 2**20 if strategy == "ddp" and n > 1 else 0  # DDP gradient buckets (25 MiB default)
+        persistent_grads = strategy == "ddp" and n > 1  # DDP's gradient buckets live for the whole run
     elif strategy == "zero2":
         div_w, div_g, div_o = 1, n, n
-        temp = layer_grads
-    elif strategy == "zero3":
+        bwd_temp = layer_grads
+        foreach = t_all * 4 / n
+    elif strategy in ("zero3", "zero3_offload"):
         div_w = div_g = div_o = n
-        temp = fsdp_temp
-    elif strategy == "zero3_offload":
-        cpu = weights / n + grads / n + optim / n
-        weights = grads = optim = 0.0
-        div_w = div_g = div_o = 1
-        temp = fsdp_temp
+        # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
+        # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
+        # untied input embedding is a unit of its own (parallel/wrap.py), freed right after it runs.
+        fwd_temp = root_16 - own_embedding_16 + layer_16
+        # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
+        bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        foreach = t_all * 4 / n
+        if strategy == "zero3_offload":
+            cpu = weights / n + grads / n + optim / n
+            weights = grads = optim = foreach = 0.0
+            div_w = div_g = div_o = 1
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         layers = -(-shape.layers // g)
-        temp = 0
-    act = activation_bytes(shape, w, layers, strategy)
-    logit = logits_bytes(shape, w)
-    temp += tokens * shape.hidden * 4 * 2  # gradient of the residual stream flowing back, fp32
-    b = Breakdown(weights / div_w / GIB, grads / div_g / GIB, optim / div_o / GIB, act / GIB, logit / GIB,
-                  temp / GIB)
-    tensors = b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
+    wr, gr, opt = weights / div_w, grads / div_g, optim / div_o  # per rank
+    g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
+    embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
+    residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
+    moments = {
+        "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy),
+                             logits_bytes(shape, w, strategy), fwd_temp),
+        # Backward at its start (every activation still saved) and at its end (every gradient made).
+        "backward": max(
+            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy),
+                      logits_bytes(shape, w, strategy) if w.loss == "full" else 0.0, bwd_temp + residual_grads),
+            # The input embedding's gradient comes last, after the first block has released its activations.
+            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy), 0.0,
+                      bwd_temp + residual_grads),
+            key=_tensors),
+        "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, 0.0, 0.0),
+    }
+    phase = max(moments, key=lambda k: _tensors(moments[k]))
+    b = moments[phase]
+    for f in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        setattr(b, f, getattr(b, f) / GIB)
+    tensors = _tensors(b)
     b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 and strategy not in (
         "single", "model_parallel") else 0.0)
     b.total = tensors + b.runtime_overhead
@@ -213,7 +280,11 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         fits, notes = False, "model_parallel splits one process over one node's GPUs; use zero3 across nodes"
     if not notes:
         notes = _note(strategy, b, hw, weights)
-    return Candidate(strategy, fits, b, cpu / GIB, notes=notes)
+    return Candidate(strategy, fits, b, cpu / GIB, peak_phase=phase, notes=notes)
+
+
+def _tensors(b: Breakdown) -> float:
+    return b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
 
 
 def _note(strategy: str, b: Breakdown, hw: Hardware, weights: float) -> str:

@@ -9,10 +9,15 @@ in the analytic estimate. No weights are read and nothing real is allocated, so 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType
 
 from shardfit.plan.estimate import ALLOCATOR_RESERVE, CUDA_CONTEXT_GIB, GIB, NCCL_GIB, Breakdown, Candidate, Workload
 from shardfit.plan.hardware import Hardware
@@ -27,6 +32,7 @@ COLUMNS = {
     "Activation": "activations", "Inputs": "activations",
     "Temp": "temporaries", "Unsharded Param": "temporaries", "Unsharded Grad": "temporaries",
     "All Gather": "temporaries", "Reduce Scatter": "temporaries", "Other": "temporaries",
+    "Logits": "logits",
 }
 
 
@@ -80,13 +86,114 @@ def skip_frozen_grad_hooks(tracker: Any, module: torch.nn.Module) -> None:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
 
 
+class _LossRef(_RefType):
+    LOGITS = "Logits"
+
+
+class LossAttribution:
+    """Mixin for torch's MemTracker / FSDPMemTracker that files what the loss creates under its own category.
+
+    The trackers file every tensor by when it was made (forward: Activation, backward: Temp). Tensors made after
+    the decoder body's forward and before its backward starts belong to the loss (logits, their softmax and
+    gradients, the gradient handed back to the body): they become "Logits", the plan's logits column. Each
+    category's own maximum over the step is kept as well (`part_peaks`)."""
+
+    def __init__(self, body: torch.nn.Module, *args: Any) -> None:
+        super().__init__(*args)
+        self._body = body
+        self._after_body = self._body_bw = False
+        self._propagating = 0
+        self.phase_peaks: dict[str, dict[str, int]] = {}
+
+        def before(*_: Any) -> None:
+            self._after_body = self._body_bw = False
+
+        def after(*_: Any) -> None:
+            self._after_body = True
+
+        body.register_forward_pre_hook(before)
+        body.register_forward_hook(after)
+
+    def _in_loss(self) -> bool:
+        if not self._after_body:
+            return False
+        if self._mod_tracker.is_bw and self._mod_tracker.get_known_fqn(self._body) in self._mod_tracker.parents:
+            self._body_bw = True
+        return not self._body_bw
+
+    @contextlib.contextmanager
+    def ignoring_sharding_propagation(self) -> Iterator[None]:
+        """DTensor derives output shapes by running each new op on global-shape fake tensors in the active fake
+        mode, which under a fake-tensor simulation is the tracker's own: those tensors would be counted. Real runs
+        make them in a throw-away fake mode (no memory), so they are ignored here (a foreach optimizer step over
+        a whole model would otherwise count every parameter at full size)."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(prop: Any, op_schema: Any) -> Any:
+            self._propagating += 1
+            try:
+                return original(prop, op_schema)
+            finally:
+                self._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        if self._propagating:
+            return
+        if reftype.value in ("Activation", "Temp") and self._in_loss():
+            reftype = _LossRef.LOGITS
+        super()._track(reftype, t)  # type: ignore[misc]
+
+    def phase(self) -> str:
+        """Where the step is: forward (the loss included), backward, or optimizer (gradient clipping, the update)."""
+        if self._in_opt:
+            return "optimizer"
+        if self._mod_tracker.is_bw:
+            return "backward"
+        return "forward" if len(self._mod_tracker.parents) > 1 else "optimizer"
+
+    def peak_phase(self) -> str:
+        """The phase of the step's overall peak."""
+        return max(self.phase_peaks, key=lambda k: self.phase_peaks[k]["Total"])
+
+    def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
+        snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
+        snap.setdefault(_LossRef.LOGITS, 0)
+        super()._update_snap(u_type, winfo, *args, **kwargs)  # type: ignore[misc]
+        snap = self._curr_mem_snap.get(winfo.device)
+        if snap:
+            best = self.phase_peaks.setdefault(self.phase(), {})
+            if snap["Total"] > best.get("Total", -1):
+                best.clear()
+                best.update((getattr(k, "value", k), v) for k, v in snap.items())
+
+
+class StepMemTracker(LossAttribution, MemTracker):
+    """MemTracker with the loss's tensors filed as Logits."""
+
+
+class StepFSDPMemTracker(LossAttribution, FSDPMemTracker):
+    """FSDPMemTracker with the loss's tensors filed as Logits."""
+
+
 def measure_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, tracker: Any,
-                 steps: int = 2) -> dict[str, float]:
-    """Peak bytes per tracker category over `steps` training steps (GiB)."""
+                 steps: int = 2, amp: Any = contextlib.nullcontext) -> dict[str, float]:
+    """Peak bytes per tracker category over `steps` training steps (GiB), each step as the training loop runs
+    it: forward under `amp()`, backward, gradient clipping, optimizer step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     with tracker:
         for _ in range(steps):
-            loss, _ = module(*batch)
+            with amp():
+                loss, _ = module(*batch)
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad()
             tracker.reset_mod_stats()
@@ -125,12 +232,12 @@ class ModelOwnLoss(torch.nn.Module):
 
 
 def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source: str | None = None) -> Candidate:
-    """Measure `strategy` with fake tensors; logits are inside activations/temporaries (one chunk at a time)."""
+    """Measure `strategy` with fake tensors: the breakdown at the step's peak moment."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    from shardfit.train.loss import CausalLMLoss
+    from shardfit.train.loss import CausalLMLoss, decoder_and_head
+    from shardfit.train.optim import build_optimizer
 
     if strategy not in SIMULATED:
         raise ValueError(f"--simulate covers {', '.join(SIMULATED)}; {strategy} stays analytic")
@@ -158,28 +265,28 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
 
                 shard(module, model, mesh=mesh, mp_policy=mp_policy(w.precision),
                       reshard_after_forward=strategy == "zero3")
-            params = [p for p in module.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(params, lr=1e-4)
+            optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
             batch = (ids, None, ids)
+            body = decoder_and_head(model)[0]
             if mesh is not None:
-                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-                tracker = FSDPMemTracker(module, optimizer)
+                tracker = StepFSDPMemTracker(body, module, optimizer)
                 tracker.track_inputs(batch[:1])
             else:
-                tracker = MemTracker()
+                tracker = StepMemTracker(body)
                 tracker.track_external(module, optimizer)
                 skip_frozen_grad_hooks(tracker, module)
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=w.precision != "fp32" and mesh is None)
-            with autocast:
-                cats = measure_step(module, optimizer, batch, tracker)
+            amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
+                                    enabled=w.precision != "fp32" and mesh is None)
+            with tracker.ignoring_sharding_propagation():
+                cats = measure_step(module, optimizer, batch, tracker, amp=amp)
     finally:
         if own_group:
             dist.destroy_process_group()
     b = to_breakdown(cats, hw, strategy)
+    phase = tracker.peak_phase()
     return Candidate(strategy, b.total <= hw.gpu_mem_gib, b, 0.0, "simulated",
-                     "fake-tensor step: logits are counted in activations/temporaries")
+                     f"fake-tensor step, peak in the {phase} pass", peak_phase=phase)
 
 
 def simulate_plan(plan: dict, shape: ModelShape, w: Workload, hw: Hardware, source: str | None) -> dict:

@@ -45,7 +45,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = logits.to(compute_dtype)
             grad_h[s:s + chunk] = (g @ w).to(h.dtype)
             if grad_w is not None:
-                grad_w.addmm_(g.t().to(acc), hc.to(acc))
+                # The fp32 gradient itself, not a widened copy of `g`: exact, and no third chunk-sized buffer.
+                grad_w.addmm_(logits.t().to(acc), hc.to(acc))
             del logits, g
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.want_w = want_w
