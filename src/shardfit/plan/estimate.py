@@ -106,9 +106,14 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     return weights, grads, optim
 
 
+def runs_autocast(w: Workload, strategy: str) -> bool:
+    """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy)."""
+    return w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
+
+
 def autocast_fp32_master(w: Workload, strategy: str) -> bool:
-    """Full fine-tunes keep fp32 weights and run under autocast unless FSDP casts them (MixedPrecisionPolicy)."""
-    return w.method == "full" and w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
+    """Full fine-tunes keep fp32 weights, cast by autocast on the fly unless FSDP casts them."""
+    return w.method == "full" and runs_autocast(w, strategy)
 
 
 def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
@@ -122,8 +127,7 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     four hidden-size tensors fewer: under autocast peft casts each adapter's input to the adapter's fp32 dtype and
     autocast casts it back, a new 16-bit copy per projection input."""
     a = 4 if w.precision == "fp32" else 2
-    autocast = w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
-    hidden_16 = 6 if w.method == "full" or autocast else 2
+    hidden_16 = 6 if w.method == "full" or runs_autocast(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
     norms = 2 * 4 * h + (2 * 4 * h if w.method == "full" else 0)
@@ -172,9 +176,8 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else r * h
     norm_trains = w.method == "full"
     head = r * h + (4 * h if r != 4 else 0) + r * h * (2 if norm_trains else 1) + shape.hd * 2 * 4
-    sharded = strategy in ("zero2", "zero3", "zero3_offload")
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    if w.method in ("lora", "qlora") and not sharded and w.precision != "fp32":
+    if w.method in ("lora", "qlora") and runs_autocast(w, strategy):
         cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
     return tokens * (layers * per_block + head) + cast
 
