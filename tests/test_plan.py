@@ -288,6 +288,29 @@ def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str) ->
     assert ta == pytest.approx(ts, rel=0.06)
 
 
+@pytest.mark.parametrize("grad_ckpt", ["none", "full"])
+@pytest.mark.parametrize("loss", ["full", "full_shift"])
+def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
+    """The HF QLoRA recipe (transformers' own loss, peft's fp32 embeddings/norms/head) at its peak moment: the loss
+    at the end of the forward pass (transformers 4.46-4.48's shifted copy) or its gradient, before any checkpointed
+    block is recomputed. The estimate and the fake-tensor step agree on the moment and on every column."""
+    from shardfit.plan.estimate import Workload, estimate
+    from shardfit.plan.shapes import ModelShape
+    from shardfit.plan.simulate import simulate
+
+    shape = ModelShape("tiny-llama", 4, 256, 704, 8, 2, 4096, False, None)
+    w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
+                 loss=loss, frozen_fp32=True)
+    hw = parse_gpus("1x80GB")
+    ca, cs = estimate(shape, w, hw, "single"), simulate(shape, w, hw, "single", None)
+    a, s = ca.per_gpu_gib, cs.per_gpu_gib
+    assert ca.peak_phase == cs.peak_phase == ("forward" if loss == "full_shift" else "backward")
+    for part in ("weights", "grads", "optimizer", "logits"):
+        assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.02, abs=1e-5), part
+    assert a.activations == pytest.approx(s.activations, rel=0.06)
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)
+
+
 def test_optimizer_peak_agrees_with_simulate() -> None:
     """A sharded full fine-tune of short rows peaks in the optimizer step: weights, gradients, AdamW's states and
     the multi-tensor update's fp32 temporary per parameter; estimate and simulation agree on every column."""
@@ -350,6 +373,15 @@ def test_full_logits_loss_in_plan_and_simulation(capsys) -> None:
     logits = [next(c for c in p["candidates"] if c["strategy"] == "single")["per_gpu_gib"]["logits"]
               for p in (full, chunked)]
     assert logits[0] == pytest.approx(16384 * 128256 * 12 / 2**30, rel=0.01) and logits[1] < 1.0
+    # The TRL/axolotl 4-bit recipe on transformers 4.46-4.48: fp32 embeddings/norms/head, shifted logits copy.
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora", "--seq",
+                 "16384", "--loss", "full_shift", "--frozen-fp32", "--json"]) == 0
+    hf = json.loads(capsys.readouterr().out)
+    assert hf["workload"]["loss"] == "full_shift" and hf["workload"]["frozen_fp32"] is True
+    single = [next(c for c in p["candidates"] if c["strategy"] == "single") for p in (hf, full)]
+    assert single[0]["peak_phase"] == "forward"
+    assert single[0]["per_gpu_gib"]["weights"] - single[1]["per_gpu_gib"]["weights"] == pytest.approx(
+        2 * 128256 * 4096 * 2 / 2**30, rel=0.01)  # embedding and head at 4 bytes instead of 2
 
     shape = ModelShape("tiny-llama", 2, 64, 128, 4, 2, 32768, False, None)
     w = Workload(method="lora", precision="bf16", seq_len=512, micro_batch=1, grad_ckpt="none", loss="full")
@@ -361,7 +393,8 @@ def test_full_logits_loss_in_plan_and_simulation(capsys) -> None:
 
 
 def test_published_measurements_script_verdicts() -> None:
-    """bench/plan_vs_published.py reads every published case and gets the fits/OOM verdict right in >= 90%."""
+    """bench/plan_vs_published.py reads every published case; the planner says OOM where nothing ran, and where
+    a run just fit its card (peak at the card's memory) it predicts that peak within 5%, the median within 10%."""
     import importlib.util
 
     import yaml
@@ -375,4 +408,6 @@ def test_published_measurements_script_verdicts() -> None:
     assert len(result["cases"]) == len(data["cases"]) >= 9
     for row in result["cases"]:
         assert row["source"] in data["sources"] and row["predicted_total_gib"] > 0
-    assert result["verdicts_right"] >= 0.9 * result["verdicts"]
+    assert all(row["verdict_right"] for row in result["cases"] if row["published"] == "OOM")
+    assert all(abs(row["error"]) < 0.05 for row in result["cases"] if "error" in row)
+    assert result["median_abs_error"] < 0.10

@@ -80,29 +80,38 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
     return plan
 
 
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+
+
 def format_table(plan: dict) -> str:
     """A readable table of the plan for the terminal."""
     m, hw, w = plan["model"], plan["hardware"], plan["workload"]
     lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params, {m['trainable_params'] / 1e6:.1f}M trainable "
              f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
              f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
-             + (", full-logits loss)" if w.get("loss") == "full" else ")"),
+             + _loss_label(w.get("loss", "chunked")) + (", frozen fp32" if w.get("frozen_fp32") else "") + ")",
              f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) x {hw['gpu_mem_gib']:.1f} GiB", "",
              f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
-             f"{'runtime':>8}{'total':>9}  fits  notes"]
+             f"{'runtime':>8}{'total':>9}  peak  fits  notes"]
     for c in plan["candidates"]:
         g = c["per_gpu_gib"]
         lines.append(f"{c['strategy']:<15}{g['weights']:>8.2f}{g['grads']:>8.2f}{g['optimizer']:>8.2f}"
                      f"{g['activations']:>8.2f}{g['logits']:>8.2f}{g['temporaries']:>8.2f}"
-                     f"{g['runtime_overhead']:>8.2f}{g['total']:>9.2f}  {'yes ' if c['fits'] else 'NO  '}  "
+                     f"{g['runtime_overhead']:>8.2f}{g['total']:>9.2f}  {PHASE_SHORT.get(c['peak_phase'], ''):<4}  "
+                     f"{'yes ' if c['fits'] else 'NO  '}  "
                      f"{c['notes']}" + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] else ""))
-    lines += ["", "per-GPU GiB; total = tensors + runtime (CUDA context, NCCL, allocator reserve)", ""]
+    lines += ["", "per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); "
+                  "total = tensors + runtime (CUDA context, NCCL, allocator reserve)", ""]
     if plan["recommended"]:
         lines.append(f"recommended: {plan['recommended']} ({plan['reason']})")
     else:
         lines.append("nothing fits. Nearest alternatives:")
         lines += [f"  - {a}" for a in plan.get("alternatives", [])] or ["  - none found"]
     return "\n".join(lines)
+
+
+def _loss_label(loss: str) -> str:
+    return {"full": ", full-logits loss", "full_shift": ", full-logits loss with shifted copy"}.get(loss, "")
 
 
 def plot(plan: dict, path: str) -> None:

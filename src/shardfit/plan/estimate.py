@@ -25,11 +25,14 @@ CUDA_CONTEXT_GIB = 0.5
 NCCL_GIB = 0.5
 ALLOCATOR_RESERVE = 0.08
 LOSS_CHUNK = 1024
-# transformers' own causal-LM loss (what the HF Trainer, LLaMA-Factory, axolotl and TRL run) over every position:
-# in backward the saved fp32 log-softmax, its incoming gradient and the gradient it produces, all fp32 (the bf16
-# logits are already gone: the Trainer drops the model output before backward). Measured per logit element with
-# MemTracker on a real step (tests/test_plan.py): 12.0 bytes with transformers 5.23 and with 4.47.1.
+# transformers' own causal-LM loss (what the HF Trainer, LLaMA-Factory, axolotl and TRL run) over every position.
+# In backward: the saved fp32 log-softmax, its incoming gradient and the gradient it produces, all fp32 (the 16-bit
+# logits are gone: the Trainer drops the model output before backward). Measured per logit element with MemTracker
+# on a real step (tests/test_plan.py): 12.0 bytes. At the end of the forward pass the 16-bit logits, their fp32
+# upcast and the log-softmax are alive at once; transformers 4.46-4.48 also copied the shifted fp32 logits
+# (`loss: full_shift`; from 4.49 the labels are shifted instead).
 FULL_LOSS_BYTES = 12
+FULL_LOSSES = ("full", "full_shift")
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,14 @@ class Workload:
     grad_ckpt: str = "full"
     optimizer: str = "adamw"
     lora_rank: int = 8
-    loss: str = "chunked"  # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer)
+    # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer); full_shift: the same with
+    # transformers 4.46-4.48, which copied the shifted logits
+    loss: str = "chunked"
     attention: str = "sdpa"  # sdpa (and flash/flex kernels): no seq^2 scores kept; eager: the scores are saved
     grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
+    # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
+    # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
+    frozen_fp32: bool = False
 
 
 @dataclass
@@ -93,14 +101,11 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         weights = p * 4.0  # fp32 master weights; autocast/FSDP cast per layer on the fly
     else:
         frozen = p - (t if w.method == "freeze" else 0)
-        per = low
-        if w.method == "qlora":
-            linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
-            # NF4 with double quantisation: 0.5 byte + ~0.127 bit of constants per weight (QLoRA paper, sec. 3).
-            weights_frozen = linear * (0.5 + 0.127 / 8) + (frozen - linear) * low
-        else:
-            weights_frozen = frozen * per
-        weights = weights_frozen + t * 4.0
+        linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
+        # NF4 with double quantisation: 0.5 byte + ~0.127 bit of constants per weight (QLoRA paper, sec. 3).
+        per_linear = 0.5 + 0.127 / 8 if w.method == "qlora" else low
+        per_other = 4 if w.frozen_fp32 else low
+        weights = linear * per_linear + (frozen - linear) * per_other + t * 4.0
     grads = t * 4.0
     optim = t * (2.0 if w.optimizer == "adamw8bit" else 8.0)
     return weights, grads, optim
@@ -158,18 +163,23 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
 
 def residual_bytes(w: Workload, strategy: str) -> int:
-    """Bytes per element of the residual stream: fp32 when autocast runs over fp32 master weights (the embedding
-    output is fp32 and every residual add keeps it so), else the compute precision."""
-    return 4 if w.precision == "fp32" or autocast_fp32_master(w, strategy) else 2
+    """Bytes per element of the residual stream: fp32 when autocast runs over an fp32 embedding (fp32 master
+    weights, or `frozen_fp32`): the embedding output is fp32 and every residual add keeps it so; else the compute
+    precision."""
+    fp32_embedding = runs_autocast(w, strategy) and (w.method == "full" or w.frozen_fp32)
+    return 4 if w.precision == "fp32" or fp32_embedding else 2
 
 
-def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str) -> float:
-    """What the body holds when the loss runs (the peak of the forward pass), for one micro-batch.
+def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str,
+                             phase: str = "forward") -> float:
+    """What the body holds when the loss runs (`phase` forward) or takes its gradient (backward), for one
+    micro-batch.
 
     Blocks: everything they save, or only their inputs when checkpointed. After the last block: its output, the
     final norm's fp32 input, its normalised value when the norm weight trains and its output (the loss input), and
     rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the autocast
-    region ends after the loss (the whole body for a full fine-tune over fp32 masters, the adapters for LoRA)."""
+    region ends after the loss (the whole body for a full fine-tune over fp32 masters, the adapters for LoRA); in
+    backward only the copies autograd saved remain, none when the blocks are checkpointed."""
     tokens = w.seq_len * w.micro_batch
     r = residual_bytes(w, strategy)
     h = shape.hidden
@@ -179,20 +189,34 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.method in ("lora", "qlora") and runs_autocast(w, strategy):
         cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
+    if phase == "backward" and w.grad_ckpt == "full":
+        cast = 0
     return tokens * (layers * per_block + head) + cast
 
 
-def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
-    """The loss at its peak. shardfit's chunked loss: one chunk of fp32 logits and its 16-bit gradient, the
-    gradient handed back to the body, and when the head trains its fp32 gradient (accumulated chunk by chunk),
-    a 16-bit copy of an fp32 head and the fp32 chunk input. With `full`, every position's logits at once, as
-    transformers' loss computes them (FULL_LOSS_BYTES)."""
+def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase: str = "forward") -> float:
+    """The loss at its peak in `phase` (forward: the loss computed; backward: its gradient).
+
+    shardfit's chunked loss makes its gradient in the forward pass: one chunk of fp32 logits and its 16-bit
+    gradient, the gradient handed back to the body, and when the head trains its fp32 gradient (accumulated chunk
+    by chunk), a 16-bit copy of an fp32 head and the fp32 chunk input. With a full loss, every position's logits at
+    once, as transformers' loss computes them (FULL_LOSS_BYTES in backward)."""
     tokens = w.seq_len * w.micro_batch
-    if w.loss == "full":
-        return tokens * shape.vocab * FULL_LOSS_BYTES
     c = 4 if w.precision == "fp32" else 2
+    # A frozen fp32 head under autocast: its 16-bit cast is not cached (autocast caches trainable leaves only),
+    # and the matmul keeps it for the gradient of its input until the head's backward.
+    head_cast = shape.vocab * shape.hidden * c if w.frozen_fp32 and w.method != "full" and runs_autocast(
+        w, strategy) else 0
+    if w.loss in FULL_LOSSES:
+        if phase == "backward":
+            per = FULL_LOSS_BYTES
+        else:  # the 16-bit logits (unless already fp32), the fp32 upcast, the log-softmax, the shifted copy
+            per = (c if c != 4 else 0) + 4 + 4 + (4 if w.loss == "full_shift" else 0)
+        return tokens * shape.vocab * per + head_cast
+    if phase == "backward":
+        return 0.0
     rows = min(LOSS_CHUNK, tokens)
-    b = rows * shape.vocab * (4 + c) + tokens * shape.hidden * residual_bytes(w, strategy)
+    b = rows * shape.vocab * (4 + c) + tokens * shape.hidden * residual_bytes(w, strategy) + head_cast
     if w.method == "full":
         head = shape.vocab * shape.hidden
         b += head * 4 + rows * shape.hidden * 4
@@ -256,10 +280,12 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     moments = {
         "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy),
                              logits_bytes(shape, w, strategy), fwd_temp),
-        # Backward at its start (every activation still saved) and at its end (every gradient made).
+        # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
+        # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": max(
-            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy),
-                      logits_bytes(shape, w, strategy) if w.loss == "full" else 0.0, bwd_temp + residual_grads),
+            Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward"),
+                      logits_bytes(shape, w, strategy, "backward"), fwd_temp),
+            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy), 0.0, bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy), 0.0,
                       bwd_temp + residual_grads),

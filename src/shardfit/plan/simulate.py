@@ -19,7 +19,16 @@ import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _RefType
 
-from shardfit.plan.estimate import ALLOCATOR_RESERVE, CUDA_CONTEXT_GIB, GIB, NCCL_GIB, Breakdown, Candidate, Workload
+from shardfit.plan.estimate import (
+    ALLOCATOR_RESERVE,
+    CUDA_CONTEXT_GIB,
+    FULL_LOSSES,
+    GIB,
+    NCCL_GIB,
+    Breakdown,
+    Candidate,
+    Workload,
+)
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 
@@ -68,9 +77,22 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
                                                  attn_implementation="eager" if w.attention == "eager" else "sdpa")
         if w.method in ("lora", "qlora"):
             model = apply_lora(model, LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank))
+        if w.frozen_fp32:
+            upcast_frozen_outside_blocks(model)
     if w.grad_ckpt == "full":
         enable_hf_checkpointing(model)
     return model
+
+
+def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
+    """What peft's prepare_model_for_kbit_training does to a 4-bit model: every frozen 16-bit weight that is not
+    quantized (embeddings, norms, head; the blocks' linear layers are) becomes fp32."""
+    from shardfit.train.loss import decoder_and_head
+
+    quantized = {id(m.weight) for m in decoder_and_head(model)[0].modules() if isinstance(m, torch.nn.Linear)}
+    for p in model.parameters():
+        if not p.requires_grad and id(p) not in quantized and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()
 
 
 class _NoHook:
@@ -222,13 +244,21 @@ def to_breakdown(cats: dict[str, float], hw: Hardware, strategy: str) -> Breakdo
 class ModelOwnLoss(torch.nn.Module):
     """`loss: full`: the step as the HF Trainer runs it, through the model's own loss over full logits."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, shift_copy: bool = False):
         super().__init__()
         self.model = model
+        self.shift_copy = shift_copy
 
     def forward(self, input_ids: torch.Tensor, position_ids: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        out = self.model(input_ids=input_ids, labels=targets, use_cache=False)
-        return out.loss, targets.numel()
+        if not self.shift_copy:
+            return self.model(input_ids=input_ids, labels=targets, use_cache=False).loss, targets.numel()
+        # transformers 4.46-4.48's loss, step by step: fp32 upcast, then a contiguous copy of the shifted logits.
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        upcast = logits.float()
+        shifted = upcast[..., :-1, :].contiguous()
+        loss = torch.nn.functional.cross_entropy(shifted.view(-1, shifted.shape[-1]), targets[..., 1:].reshape(-1),
+                                                 reduction="mean")
+        return loss, targets.numel()
 
 
 def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source: str | None = None) -> Candidate:
@@ -259,7 +289,8 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             model.to_empty(device="cpu")
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             base.tie_weights()  # to_empty gives each parameter its own storage; tied weights must share one again
-            module = ModelOwnLoss(model) if w.loss == "full" else CausalLMLoss(model, all_labelled=True)
+            module = (ModelOwnLoss(model, shift_copy=w.loss == "full_shift") if w.loss in FULL_LOSSES
+                      else CausalLMLoss(model, all_labelled=True))
             if mesh is not None:
                 from shardfit.parallel.wrap import mp_policy, shard
 
