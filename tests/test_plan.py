@@ -217,7 +217,8 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     for ckpt in ("none", "full")] + [("llama", "lora", "none", "eager", "single"),
                                      ("qwen2", "full", "none", "eager", "single"),
                                      ("llama", "lora", "none", "sdpa", "zero3"),
-                                     ("qwen2", "lora", "none", "sdpa", "zero3")])
+                                     ("qwen2", "lora", "none", "sdpa", "zero3"),
+                                     ("qwen2", "full", "none", "sdpa", "zero3")])
 def test_activation_estimate_matches_saved_tensors(arch: str, method: str, grad_ckpt: str, attention: str,
                                                    strategy: str) -> None:
     """Per decoder block, what the analytic estimate counts equals what autograd really saves, within 5%: under
@@ -270,7 +271,8 @@ def test_simulate_matches_real_zero3_step_on_two_ranks(tmp_path: Path, tiny_llam
 def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str) -> None:
     """Both report the breakdown at the step's peak moment (here the loss, at the end of the forward pass): the
     same moment, the state columns, the loss's buffers and FSDP's temporaries within 5%, the saved activations
-    within 16% (the per-block count is checked against autograd itself in the test above) and the total within 6%."""
+    within 10% (the per-block count is checked against autograd itself in the test above; the fake step also
+    materialises two causal masks a real SDPA step does not) and the total within 6%."""
     from shardfit.plan.estimate import Workload, estimate
     from shardfit.plan.shapes import ModelShape
     from shardfit.plan.simulate import simulate
@@ -283,7 +285,7 @@ def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str) ->
     assert ca.peak_phase == cs.peak_phase == "forward"
     for part in ("weights", "grads", "optimizer", "logits", "temporaries"):
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05, abs=1e-4), part
-    assert a.activations == pytest.approx(s.activations, rel=0.16)
+    assert a.activations == pytest.approx(s.activations, rel=0.10)
     ta, ts = a.total - a.runtime_overhead, s.total - s.runtime_overhead
     assert ta == pytest.approx(ts, rel=0.06)
 

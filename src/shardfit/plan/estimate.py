@@ -125,17 +125,17 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     """What autograd saves per token in one decoder block without checkpointing.
 
     Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
-    RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the fp32 normalised value);
-    about six hidden-size 16-bit tensors (norm casts and outputs, the attention output reshaped for o_proj); q after
-    RoPE, k, v and the attention output, plus fp32 log-sum-exp per head; four MLP tensors (gate, up, act, product);
-    LoRA's rank-sized A outputs for the seven projections. LoRA without autocast (FSDP's 16-bit parameters) saves
-    four hidden-size tensors fewer: under autocast peft casts each adapter's input to the adapter's fp32 dtype and
-    autocast casts it back, a new 16-bit copy per projection input."""
+    RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the normalised value in the
+    residual stream's dtype); about six hidden-size 16-bit tensors under autocast (norm casts and outputs, the
+    attention output reshaped for o_proj); q after RoPE, k, v and the attention output, plus fp32 log-sum-exp per
+    head; four MLP tensors (gate, up, act, product); LoRA's rank-sized A outputs for the seven projections. Without
+    autocast (FSDP's 16-bit parameters) four of the six hidden-size tensors are not made: they are autocast's casts
+    (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for LoRA)."""
     a = 4 if w.precision == "fp32" else 2
-    hidden_16 = 6 if w.method == "full" or runs_autocast(w, strategy) else 2
+    hidden_16 = 6 if runs_autocast(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
-    norms = 2 * 4 * h + (2 * 4 * h if w.method == "full" else 0)
+    norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
     if w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
