@@ -296,10 +296,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     b = moments[phase]
     for f in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
         setattr(b, f, getattr(b, f) / GIB)
-    tensors = _tensors(b)
-    b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 and strategy not in (
-        "single", "model_parallel") else 0.0)
-    b.total = tensors + b.runtime_overhead
+    add_runtime_overhead(b, hw, strategy)
     fits = b.total <= hw.gpu_mem_gib
     host_gib = cpu / GIB * hw.gpus_per_node
     if strategy == "zero3_offload" and hw.cpu_mem_gib is not None and host_gib > hw.cpu_mem_gib:
@@ -314,6 +311,15 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
 
 def _tensors(b: Breakdown) -> float:
     return b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
+
+
+def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
+    """Fill in what a real GPU adds to the tensor peak (GiB) and the total: allocator reserve, CUDA context, and
+    NCCL buffers when several ranks of the strategy talk."""
+    tensors = _tensors(b)
+    talks = hw.world > 1 and strategy not in ("single", "model_parallel")
+    b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if talks else 0.0)
+    b.total = tensors + b.runtime_overhead
 
 
 def _note(strategy: str, b: Breakdown, hw: Hardware, weights: float) -> str:

@@ -20,14 +20,13 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _RefType
 
 from shardfit.plan.estimate import (
-    ALLOCATOR_RESERVE,
-    CUDA_CONTEXT_GIB,
     FULL_LOSSES,
     GIB,
-    NCCL_GIB,
     Breakdown,
     Candidate,
     Workload,
+    add_runtime_overhead,
+    estimate,
 )
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
@@ -117,8 +116,8 @@ class LossAttribution:
 
     The trackers file every tensor by when it was made (forward: Activation, backward: Temp). Tensors made after
     the decoder body's forward and before its backward starts belong to the loss (logits, their softmax and
-    gradients, the gradient handed back to the body): they become "Logits", the plan's logits column. Each
-    category's own maximum over the step is kept as well (`part_peaks`)."""
+    gradients, the gradient handed back to the body): they become "Logits", the plan's logits column. The
+    snapshot at each phase's own peak (forward, backward, optimizer) is kept as well (`phase_peaks`)."""
 
     def __init__(self, body: torch.nn.Module, *args: Any) -> None:
         super().__init__(*args)
@@ -234,10 +233,7 @@ def to_breakdown(cats: dict[str, float], hw: Hardware, strategy: str) -> Breakdo
         col = COLUMNS.get(name)
         if col is not None:
             setattr(b, col, getattr(b, col) + gib)
-    tensors = b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
-    comm = NCCL_GIB if hw.world > 1 and strategy != "single" else 0.0
-    b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + comm
-    b.total = tensors + b.runtime_overhead
+    add_runtime_overhead(b, hw, strategy)
     return b
 
 
@@ -325,8 +321,6 @@ def simulate_plan(plan: dict, shape: ModelShape, w: Workload, hw: Hardware, sour
     from shardfit.plan.build import recommend
 
     cands = []
-    from shardfit.plan.estimate import estimate
-
     for c in plan["candidates"]:
         if c["strategy"] in SIMULATED:
             cands.append(simulate(shape, w, hw, c["strategy"], source))
