@@ -130,7 +130,14 @@ def test_simulate_matches_real_tracked_step(tiny_llama: Path) -> None:
     from shardfit.config.schema import LoraSettings
     from shardfit.models.adapters import apply_lora
     from shardfit.plan.estimate import Workload
-    from shardfit.plan.simulate import StepMemTracker, measure_step, simulate, skip_frozen_grad_hooks, to_breakdown
+    from shardfit.plan.simulate import (
+        StepMemTracker,
+        measure_step,
+        packed_positions,
+        simulate,
+        skip_frozen_grad_hooks,
+        to_breakdown,
+    )
     from shardfit.train.loss import CausalLMLoss, decoder_and_head
     from shardfit.train.optim import build_optimizer
 
@@ -148,19 +155,11 @@ def test_simulate_matches_real_tracked_step(tiny_llama: Path) -> None:
     tracker = StepMemTracker(decoder_and_head(model)[0])
     tracker.track_external(module, optimizer)
     skip_frozen_grad_hooks(tracker, module)
-    real = to_breakdown(measure_step(module, optimizer, (ids, None, ids), tracker), hw, "single")
+    real = to_breakdown(measure_step(module, optimizer, (ids, packed_positions(2, 128), ids), tracker), hw, "single")
     got, want = fake.per_gpu_gib, real
     assert got.logits > 0
-    for part in ("weights", "grads", "optimizer", "logits", "temporaries", "total"):
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "total"):
         assert getattr(got, part) == pytest.approx(getattr(want, part), rel=0.05, abs=1e-4), part
-    assert 0 <= got.activations - want.activations <= FAKE_MASKS_GIB * 1.05
-
-
-# What the fake step holds beyond the real one, both seen in the trackers' tensor lists: transformers cannot check
-# fake input data, so it materialises the causal mask ([batch, 1, seq, seq] fp32, two kept) that a real unpadded
-# batch skips (packed rows, with position_ids restarting per example, get such a mask in real training too); and
-# the CPU flash kernel's shape function returns a log-sum-exp twice the real one's size (4 x 16 KiB more here).
-FAKE_MASKS_GIB = (2 * 2 * 128 * 128 * 4 + 4 * 16384) / 2**30
 
 
 def test_offload_host_ram_limit() -> None:
@@ -183,11 +182,14 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     from shardfit.config.schema import LoraSettings
     from shardfit.models.adapters import apply_lora
     from shardfit.models.checkpointing import enable_hf_checkpointing
+    from shardfit.plan.simulate import packed_positions
     from shardfit.train.loss import CausalLMLoss
 
     cls = LlamaConfig if arch == "llama" else Qwen2Config
+    # flash: what flash-attention saves, as SDPA saves it over rows of one unpadded example (no mask built)
     config = cls(hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False, attn_implementation=attention)
+                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False,
+                 attn_implementation="sdpa" if attention == "flash" else attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
     if method == "lora":
@@ -206,9 +208,10 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
         return t
 
     ids = torch.randint(0, 4096, (2, seq))
+    positions = None if attention == "flash" else packed_positions(2, seq)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(ids, None, ids)
+        module(ids, positions, ids)
     return sum(kept.values()) / (2 * seq)
 
 
@@ -216,13 +219,16 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     (arch, method, ckpt, "sdpa", "single") for arch in ("llama", "qwen2") for method in ("lora", "full")
     for ckpt in ("none", "full")] + [("llama", "lora", "none", "eager", "single"),
                                      ("qwen2", "full", "none", "eager", "single"),
+                                     ("llama", "lora", "none", "flash", "single"),
+                                     ("qwen2", "full", "full", "flash", "single"),
                                      ("llama", "lora", "none", "sdpa", "zero3"),
-                                     ("qwen2", "lora", "none", "sdpa", "zero3"),
+                                     ("qwen2", "lora", "none", "flash", "zero3"),
                                      ("qwen2", "full", "none", "sdpa", "zero3")])
 def test_activation_estimate_matches_saved_tensors(arch: str, method: str, grad_ckpt: str, attention: str,
                                                    strategy: str) -> None:
     """Per decoder block, what the analytic estimate counts equals what autograd really saves, within 5%: under
-    autocast (single, ddp) and with 16-bit parameters and no autocast (FSDP2's mixed precision)."""
+    autocast (single, ddp) and with 16-bit parameters and no autocast (FSDP2's mixed precision); over packed rows
+    (sdpa, eager: a block-diagonal mask) and rows of one example (flash: no mask)."""
     from shardfit.plan.estimate import Workload, activation_bytes
     from shardfit.plan.shapes import ModelShape
 
@@ -260,34 +266,59 @@ def test_simulate_matches_real_zero3_step_on_two_ranks(tmp_path: Path, tiny_llam
     real = to_breakdown(json.loads(out.read_text()), hw, "zero3")
     w = Workload(method="lora", precision="fp32", seq_len=128, micro_batch=2, grad_ckpt="none", lora_rank=4)
     fake = simulate(resolve_shape(str(tiny_llama)), w, hw, "zero3", str(tiny_llama)).per_gpu_gib
-    for part in ("weights", "grads", "optimizer", "logits", "temporaries", "total"):
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "total"):
         assert getattr(fake, part) == pytest.approx(getattr(real, part), rel=0.05, abs=1e-4), part
-    assert 0 <= fake.activations - real.activations <= FAKE_MASKS_GIB * 1.05
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["single", "zero3"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str) -> None:
-    """Both report the breakdown at the step's peak moment (here the loss, at the end of the forward pass): the
-    same moment, the state columns, the loss's buffers and FSDP's temporaries within 5%, the saved activations
-    within 10% (the per-block count is checked against autograd itself in the test above; the fake step also
-    materialises two causal masks a real SDPA step does not) and the total within 6%."""
-    from shardfit.plan.estimate import Workload, estimate
+def _analytic_and_simulated(arch: str, strategy: str, w: object) -> tuple:
+    from shardfit.plan.estimate import estimate
     from shardfit.plan.shapes import ModelShape
     from shardfit.plan.simulate import simulate
 
     shape = ModelShape(f"tiny-{arch}", 4, 256, 704, 8, 2, 4096, False, None)
-    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="none", lora_rank=8)
     hw = parse_gpus("2x80GB" if strategy == "zero3" else "1x80GB")
-    ca, cs = estimate(shape, w, hw, strategy), simulate(shape, w, hw, strategy, None)
+    return estimate(shape, w, hw, strategy), simulate(shape, w, hw, strategy, None)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "eager"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("strategy", ["single", "zero3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, attention: str) -> None:
+    """Both report the breakdown at the step's peak moment (here the loss, at the end of the forward pass): the
+    same moment, and every column within 5% (0.1 MiB for near-empty ones), for each attention kernel: SDPA over
+    packed rows (its per-block mask), flash (no mask), eager (the scores)."""
+    from shardfit.plan.estimate import Workload
+
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="none", lora_rank=8,
+                 attention=attention)
+    ca, cs = _analytic_and_simulated(arch, strategy, w)
     a, s = ca.per_gpu_gib, cs.per_gpu_gib
     assert ca.peak_phase == cs.peak_phase == "forward"
-    for part in ("weights", "grads", "optimizer", "logits", "temporaries"):
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05, abs=1e-4), part
-    assert a.activations == pytest.approx(s.activations, rel=0.10)
-    ta, ts = a.total - a.runtime_overhead, s.total - s.runtime_overhead
-    assert ta == pytest.approx(ts, rel=0.06)
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)
+
+
+@pytest.mark.parametrize(("arch", "strategy", "method", "attention"), [
+    ("llama", "single", "lora", "sdpa"), ("qwen2", "single", "full", "sdpa"), ("llama", "single", "full", "flash"),
+    ("qwen2", "single", "lora", "flash"), ("llama", "zero3", "lora", "sdpa"), ("qwen2", "zero3", "lora", "flash")])
+def test_checkpointed_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, attention: str) -> None:
+    """Checkpointed blocks, peak at the loss: the blocks' inputs, SDPA's mask kept for the recomputation, the
+    loss. Every column within 5% on one process; under FSDP one hidden-size tensor (0.3 MiB here) is filed by the
+    tracker outside activations, so there the total is compared (within 2%)."""
+    from shardfit.plan.estimate import Workload
+
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="full", lora_rank=8,
+                 attention=attention)
+    ca, cs = _analytic_and_simulated(arch, strategy, w)
+    a, s = ca.per_gpu_gib, cs.per_gpu_gib
+    assert ca.peak_phase == cs.peak_phase == "forward"
+    parts = ("weights", "grads", "optimizer", "logits") + (("activations", "temporaries") if strategy == "single"
+                                                           else ())
+    for part in parts:
+        assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05, abs=1e-4), part
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.02)
 
 
 @pytest.mark.parametrize("grad_ckpt", ["none", "full"])
@@ -295,7 +326,9 @@ def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str) ->
 def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
     """The HF QLoRA recipe (transformers' own loss, peft's fp32 embeddings/norms/head) at its peak moment: the loss
     at the end of the forward pass (transformers 4.46-4.48's shifted copy) or its gradient, before any checkpointed
-    block is recomputed. The estimate and the fake-tensor step agree on the moment and on every column."""
+    block is recomputed. The estimate and the fake-tensor step agree on the moment and on every column: activations
+    within 10% (one hidden-size tensor after the last block, 0.25 MiB here, is held in one and not the other, in
+    either direction by case; its holder is not identified), the others within 2% and the total within 3%."""
     from shardfit.plan.estimate import Workload, estimate
     from shardfit.plan.shapes import ModelShape
     from shardfit.plan.simulate import simulate
@@ -309,7 +342,7 @@ def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
     assert ca.peak_phase == cs.peak_phase == ("forward" if loss == "full_shift" else "backward")
     for part in ("weights", "grads", "optimizer", "logits"):
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.02, abs=1e-5), part
-    assert a.activations == pytest.approx(s.activations, rel=0.06)
+    assert a.activations == pytest.approx(s.activations, rel=0.10)
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)
 
 
@@ -412,6 +445,34 @@ def test_full_logits_loss_in_plan_and_simulation(capsys) -> None:
     ta, ts = a.total - a.runtime_overhead, s.total - s.runtime_overhead
     assert a.logits / ts > 0.8  # logits dominate this shape
     assert 0.95 * ts <= ta <= 1.15 * ts, (ta, ts)
+
+
+def test_attention_mask_in_plan(capsys) -> None:
+    """SDPA over packed rows keeps a 16-bit seq x seq mask per block and k/v repeated to every head; flash attention
+    keeps neither. `--attention` picks the column, and a config's attn_implementation maps onto it."""
+    from types import SimpleNamespace
+
+    from shardfit.plan.choose import workload_of
+
+    def single(attention: str, ckpt: str) -> dict:
+        assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x141GB", "--seq", "8192",
+                     "--grad-ckpt", ckpt, "--attention", attention, "--strategy", "single", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["workload"]["attention"] == attention
+        return plan["candidates"][0]["per_gpu_gib"]
+
+    mask, repeated_kv = 8192 * 8192 * 2, 8192 * 2 * 2 * (4096 - 1024)  # per block, Llama 3.1 8B, batch 1
+    sdpa, flash = single("sdpa", "none"), single("flash", "none")
+    assert sdpa["activations"] - flash["activations"] == pytest.approx(32 * (mask + repeated_kv) / 2**30, rel=0.01)
+    sdpa, flash = single("sdpa", "full"), single("flash", "full")  # the recomputed block's copy and one bool mask
+    assert sdpa["activations"] - flash["activations"] == pytest.approx((mask + repeated_kv + 8192**2) / 2**30,
+                                                                       rel=0.01)
+    cfg = SimpleNamespace(method="lora", precision="bf16", max_seq_len=512, micro_batch=1, grad_ckpt="full",
+                          lora=SimpleNamespace(rank=8), grad_accum=1)
+    kernels = {"auto": "sdpa", "sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash",
+               "flex_attention": "flash"}
+    for name, column in kernels.items():
+        assert workload_of(SimpleNamespace(**vars(cfg), attn_implementation=name)).attention == column
 
 
 def test_published_measurements_script_verdicts() -> None:

@@ -1,5 +1,5 @@
-"""Run under torchrun by tests/test_plan.py: one real zero3 (FSDP2) LoRA step on gloo ranks, tracked with
-shardfit's FSDPMemTracker (the loss's tensors as Logits); rank 0 writes the peak per category (GiB)
+"""Run under torchrun by tests/test_plan.py: one real zero3 (FSDP2) LoRA step on gloo ranks over packed rows,
+tracked with shardfit's FSDPMemTracker (the loss's tensors as Logits); rank 0 writes the peak per category (GiB)
 as JSON to argv[2]."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.parallel.env import init_distributed, shutdown
 from shardfit.parallel.wrap import wrap_model
-from shardfit.plan.simulate import StepFSDPMemTracker, measure_step
+from shardfit.plan.simulate import StepFSDPMemTracker, measure_step, packed_positions
 from shardfit.train.loss import CausalLMLoss, decoder_and_head
 from shardfit.train.optim import build_optimizer
 
@@ -29,7 +29,7 @@ def main(model_dir: str, out: str) -> None:
     ids = torch.randint(0, 1000, (2, 128))
     tracker = StepFSDPMemTracker(decoder_and_head(model)[0], module, optimizer)
     tracker.track_inputs((ids,))
-    cats = measure_step(module, optimizer, (ids, None, ids), tracker)
+    cats = measure_step(module, optimizer, (ids, packed_positions(2, 128), ids), tracker)
     if env.is_main:
         with open(out, "w") as f:
             json.dump(cats, f)

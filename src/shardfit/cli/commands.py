@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from shardfit.errors import UserError
+from shardfit.plan.estimate import ATTENTIONS
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -63,7 +64,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
                  "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
-                 "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32}
+                 "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
+                 "attention": args.attention}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     strategies = STRATEGIES if args.strategy in (None, "all") else (args.strategy,)
@@ -165,6 +167,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frozen-fp32", action="store_true", default=None,
                    help="frozen embeddings, norms and head in fp32, as peft's prepare_model_for_kbit_training leaves "
                         "them (to predict a TRL / axolotl QLoRA run)")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
+                        "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
     p.add_argument("--grad-accum", type=int, default=None, metavar="N",
                    help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
     p.add_argument("--strategy", default=None, help="one strategy, or all (default)")

@@ -10,11 +10,15 @@ from shardfit.plan.estimate import Workload
 from shardfit.plan.hardware import Hardware, detect, host_mem_gib
 from shardfit.plan.shapes import ModelShape, resolve_shape
 
+# transformers' attention implementations by what they keep: a dense mask (sdpa, and transformers' default) or not.
+ATTENTION_MEMORY = {"eager": "eager", "flash_attention_2": "flash", "flex_attention": "flash"}
+
 
 def workload_of(cfg: Any) -> Workload:
+    """What the planner needs of a training config."""
     return Workload(method=cfg.method, precision=cfg.precision, seq_len=cfg.max_seq_len, micro_batch=cfg.micro_batch,
                     grad_ckpt=cfg.grad_ckpt, optimizer="adamw", lora_rank=cfg.lora.rank,
-                    attention="eager" if cfg.attn_implementation == "eager" else "sdpa", grad_accum=cfg.grad_accum)
+                    attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum)
 
 
 def hardware_of(env: Any) -> Hardware:

@@ -33,6 +33,7 @@ LOSS_CHUNK = 1024
 # (`loss: full_shift`; from 4.49 the labels are shifted instead).
 FULL_LOSS_BYTES = 12
 FULL_LOSSES = ("full", "full_shift")
+ATTENTIONS = ("sdpa", "flash", "eager")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class Workload:
     # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer); full_shift: the same with
     # transformers 4.46-4.48, which copied the shifted logits
     loss: str = "chunked"
-    attention: str = "sdpa"  # sdpa (and flash/flex kernels): no seq^2 scores kept; eager: the scores are saved
+    # sdpa: torch's SDPA over shardfit's rows, which hold several examples (packing) or padding, so transformers
+    # builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention (variable lengths,
+    # no dense mask), or SDPA over rows of one unpadded example; eager: the scores are saved
+    attention: str = "sdpa"
     grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
     # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
     # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
@@ -128,7 +132,8 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the normalised value in the
     residual stream's dtype); about six hidden-size 16-bit tensors under autocast (norm casts and outputs, the
     attention output reshaped for o_proj); q after RoPE, k, v and the attention output, plus fp32 log-sum-exp per
-    head; four MLP tensors (gate, up, act, product); LoRA's rank-sized A outputs for the seven projections. Without
+    head (k/v repeated to every head and the mask as a bias when SDPA runs with a mask); four MLP tensors (gate,
+    up, act, product); LoRA's rank-sized A outputs for the seven projections. Without
     autocast (FSDP's 16-bit parameters) four of the six hidden-size tensors are not made: they are autocast's casts
     (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for LoRA)."""
     a = 4 if w.precision == "fp32" else 2
@@ -140,6 +145,11 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
         attn = a * (2 * q + 2 * q) + shape.heads * w.seq_len * (4 + a)
+    elif w.attention == "sdpa":
+        # With a mask, SDPA converts it to an additive bias in the compute dtype per call and keeps it for its
+        # backward (seq_len per token, every block), and transformers repeats k/v to every head, as it hands GQA to
+        # SDPA only without a mask (transformers' sdpa_attention.use_gqa_in_sdpa).
+        attn = a * (2 * q + 2 * q) + 4 * shape.heads + a * w.seq_len
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
     lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
@@ -158,8 +168,18 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.grad_ckpt == "full":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
-        return tokens * (layers * residual_bytes(w, strategy) * shape.hidden + per_block) + cast
+        return tokens * (layers * residual_bytes(w, strategy) * shape.hidden + per_block) + cast + held_mask_bytes(
+            w, strategy)
     return tokens * layers * per_block + layers * cast
+
+
+def held_mask_bytes(w: Workload, strategy: str) -> float:
+    """The mask transformers builds once per forward ([batch, seq, seq]: bool for SDPA, additive in the residual
+    dtype for eager). Checkpointed blocks keep it as an input until their backward; without checkpointing it is
+    gone once the body returns (SDPA's per-block copies are counted with the blocks)."""
+    if w.grad_ckpt != "full" or w.attention == "flash":
+        return 0.0
+    return w.micro_batch * w.seq_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
 
 
 def residual_bytes(w: Workload, strategy: str) -> int:
@@ -176,22 +196,28 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     micro-batch.
 
     Blocks: everything they save, or only their inputs when checkpointed. After the last block: its output, the
-    final norm's fp32 input, its normalised value when the norm weight trains and its output (the loss input), and
-    rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the autocast
-    region ends after the loss (the whole body for a full fine-tune over fp32 masters, the adapters for LoRA); in
-    backward only the copies autograd saved remain, none when the blocks are checkpointed."""
+    final norm's fp32 input, its normalised value when the norm weight trains, its output (the loss input) where
+    the loss keeps it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held
+    until the autocast region ends after the loss (the whole body for a full fine-tune over fp32 masters, the
+    adapters for LoRA unless checkpointed); in backward only the copies autograd saved remain, none when the blocks
+    are checkpointed."""
     tokens = w.seq_len * w.micro_batch
     r = residual_bytes(w, strategy)
     h = shape.hidden
     per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else r * h
     norm_trains = w.method == "full"
-    head = r * h + (4 * h if r != 4 else 0) + r * h * (2 if norm_trains else 1) + shape.hd * 2 * 4
+    if w.loss in FULL_LOSSES:  # the head's matmul keeps its (16-bit) input only when the head trains
+        loss_input = (4 if w.precision == "fp32" else 2) if w.method == "full" else 0
+    else:  # shardfit's chunked loss holds it to run each chunk's backward
+        loss_input = r
+    head = r * h + (4 * h if r != 4 else 0) + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    if w.method in ("lora", "qlora") and runs_autocast(w, strategy):
+    if w.method in ("lora", "qlora") and runs_autocast(w, strategy) and w.grad_ckpt == "none":
+        # Not held when the blocks are checkpointed: a real tracked step shows none (tests/test_plan.py).
         cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
     if phase == "backward" and w.grad_ckpt == "full":
         cast = 0
-    return tokens * (layers * per_block + head) + cast
+    return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy)
 
 
 def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase: str = "forward") -> float:

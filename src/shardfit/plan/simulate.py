@@ -72,8 +72,7 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
 
     dtype = torch.float32 if w.method == "full" or w.precision == "fp32" else torch.bfloat16
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation="eager" if w.attention == "eager" else "sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_kernel(w))
         if w.method in ("lora", "qlora"):
             model = apply_lora(model, LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank))
         if w.frozen_fp32:
@@ -81,6 +80,39 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
     if w.grad_ckpt == "full":
         enable_hf_checkpointing(model)
     return model
+
+
+UNMASKED_SDPA = "shardfit_unmasked_sdpa"
+
+
+def _unmasked_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def attention_kernel(w: Workload) -> str:
+    """The transformers attention implementation whose memory the simulation measures for `w.attention`.
+
+    `flash` (flash-attention 2's variable-length kernel: q, k, v, output and log-sum-exp saved, no dense mask) is
+    stood in for by causal SDPA without a mask, which saves the same on CPU. It is registered under a name of its
+    own with no mask function, so transformers builds no mask for it: fake tensors cannot show transformers that a
+    row holds one example, so it would otherwise build one."""
+    if w.attention == "eager":
+        return "eager"
+    if w.attention == "sdpa":
+        return "sdpa"
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(UNMASKED_SDPA, _unmasked_sdpa)
+    return UNMASKED_SDPA
+
+
+def packed_positions(batch: int, seq: int) -> torch.Tensor:
+    """Position ids of rows holding two examples each, as the loader packs them: with SDPA or eager attention
+    transformers builds a [batch, seq, seq] block-diagonal mask from them, as it does in training."""
+    return (torch.arange(seq) % max(1, (seq + 1) // 2)).expand(batch, seq).contiguous()
 
 
 def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
@@ -247,9 +279,10 @@ class ModelOwnLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         if not self.shift_copy:
-            return self.model(input_ids=input_ids, labels=targets, use_cache=False).loss, targets.numel()
+            return self.model(input_ids=input_ids, position_ids=position_ids, labels=targets,
+                              use_cache=False).loss, targets.numel()
         # transformers 4.46-4.48's loss, step by step: fp32 upcast, then a contiguous copy of the shifted logits.
-        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         upcast = logits.float()
         shifted = upcast[..., :-1, :].contiguous()
         loss = torch.nn.functional.cross_entropy(shifted.view(-1, shifted.shape[-1]), targets[..., 1:].reshape(-1),
@@ -294,7 +327,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                       reshard_after_forward=strategy == "zero3")
             optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
-            batch = (ids, None, ids)
+            batch = (ids, packed_positions(w.micro_batch, w.seq_len), ids)
             body = decoder_and_head(model)[0]
             if mesh is not None:
                 tracker = StepFSDPMemTracker(body, module, optimizer)
