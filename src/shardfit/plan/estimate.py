@@ -133,9 +133,9 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     residual stream's dtype); about six hidden-size 16-bit tensors under autocast (norm casts and outputs, the
     attention output reshaped for o_proj); q after RoPE, k, v and the attention output, plus fp32 log-sum-exp per
     head (k/v repeated to every head and the mask as a bias when SDPA runs with a mask); four MLP tensors (gate,
-    up, act, product); LoRA's rank-sized A outputs for the seven projections. Without
-    autocast (FSDP's 16-bit parameters) four of the six hidden-size tensors are not made: they are autocast's casts
-    (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for LoRA)."""
+    up, act, product); LoRA's rank-sized A outputs for the seven projections. Without autocast (FSDP's 16-bit
+    parameters) four of the six hidden-size tensors are not made: they are autocast's casts (of the fp32 residual
+    stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for LoRA)."""
     a = 4 if w.precision == "fp32" else 2
     hidden_16 = 6 if runs_autocast(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
