@@ -271,6 +271,7 @@ def test_simulate_matches_real_zero3_step_on_two_ranks(tmp_path: Path, tiny_llam
 
 
 def _analytic_and_simulated(arch: str, strategy: str, w: object) -> tuple:
+    """The estimate and the fake-tensor step of `w` on a tiny 4-block model (zero3: 2 ranks)."""
     from shardfit.plan.estimate import estimate
     from shardfit.plan.shapes import ModelShape
     from shardfit.plan.simulate import simulate
@@ -329,15 +330,11 @@ def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
     block is recomputed. The estimate and the fake-tensor step agree on the moment and on every column: activations
     within 10% (one hidden-size tensor after the last block, 0.25 MiB here, is held in one and not the other, in
     either direction by case; its holder is not identified), the others within 2% and the total within 3%."""
-    from shardfit.plan.estimate import Workload, estimate
-    from shardfit.plan.shapes import ModelShape
-    from shardfit.plan.simulate import simulate
+    from shardfit.plan.estimate import Workload
 
-    shape = ModelShape("tiny-llama", 4, 256, 704, 8, 2, 4096, False, None)
     w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
                  loss=loss, frozen_fp32=True)
-    hw = parse_gpus("1x80GB")
-    ca, cs = estimate(shape, w, hw, "single"), simulate(shape, w, hw, "single", None)
+    ca, cs = _analytic_and_simulated("llama", "single", w)
     a, s = ca.per_gpu_gib, cs.per_gpu_gib
     assert ca.peak_phase == cs.peak_phase == ("forward" if loss == "full_shift" else "backward")
     for part in ("weights", "grads", "optimizer", "logits"):
@@ -349,14 +346,10 @@ def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
 def test_optimizer_peak_agrees_with_simulate() -> None:
     """A sharded full fine-tune of short rows peaks in the optimizer step: weights, gradients, AdamW's states and
     the multi-tensor update's fp32 temporary per parameter; estimate and simulation agree on every column."""
-    from shardfit.plan.estimate import Workload, estimate
-    from shardfit.plan.shapes import ModelShape
-    from shardfit.plan.simulate import simulate
+    from shardfit.plan.estimate import Workload
 
-    shape = ModelShape("tiny-llama", 4, 256, 704, 8, 2, 4096, False, None)
     w = Workload(method="full", precision="bf16", seq_len=16, micro_batch=1, grad_ckpt="full")
-    hw = parse_gpus("2x80GB")
-    ca, cs = estimate(shape, w, hw, "zero3"), simulate(shape, w, hw, "zero3", None)
+    ca, cs = _analytic_and_simulated("llama", "zero3", w)
     assert ca.peak_phase == cs.peak_phase == "optimizer"
     for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "total"):
         assert getattr(ca.per_gpu_gib, part) == pytest.approx(getattr(cs.per_gpu_gib, part), rel=0.05,
@@ -368,14 +361,10 @@ def test_backward_peak_agrees_with_simulate() -> None:
     parameters and gradients); estimate and simulation agree on the moment, the state and the tensor total. How
     backward's total splits between gradients, activations and FSDP's buffers differs (the estimate takes the end
     of backward; FSDP's peak comes in its middle), so the split is not compared."""
-    from shardfit.plan.estimate import Workload, estimate
-    from shardfit.plan.shapes import ModelShape
-    from shardfit.plan.simulate import simulate
+    from shardfit.plan.estimate import Workload
 
-    shape = ModelShape("tiny-llama", 4, 256, 704, 8, 2, 4096, False, None)
     w = Workload(method="full", precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="full")
-    hw = parse_gpus("2x80GB")
-    ca, cs = estimate(shape, w, hw, "zero3"), simulate(shape, w, hw, "zero3", None)
+    ca, cs = _analytic_and_simulated("llama", "zero3", w)
     a, s = ca.per_gpu_gib, cs.per_gpu_gib
     assert ca.peak_phase == cs.peak_phase == "backward"
     for part in ("weights", "optimizer"):

@@ -100,7 +100,7 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
 def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes for the whole model, before any sharding."""
     p, t = shape.params(), trainable_params(shape, w)
-    low = 4 if w.precision == "fp32" else 2
+    low = compute_bytes(w)
     if w.method == "full":
         weights = p * 4.0  # fp32 master weights; autocast/FSDP cast per layer on the fly
     else:
@@ -113,6 +113,11 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     grads = t * 4.0
     optim = t * (2.0 if w.optimizer == "adamw8bit" else 8.0)
     return weights, grads, optim
+
+
+def compute_bytes(w: Workload) -> int:
+    """Bytes per element in the compute precision: 2 for bf16 and fp16, 4 for fp32."""
+    return 4 if w.precision == "fp32" else 2
 
 
 def runs_autocast(w: Workload, strategy: str) -> bool:
@@ -136,7 +141,7 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     up, act, product); LoRA's rank-sized A outputs for the seven projections. Without autocast (FSDP's 16-bit
     parameters) four of the six hidden-size tensors are not made: they are autocast's casts (of the fp32 residual
     stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for LoRA)."""
-    a = 4 if w.precision == "fp32" else 2
+    a = compute_bytes(w)
     hidden_16 = 6 if runs_autocast(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
@@ -187,7 +192,7 @@ def residual_bytes(w: Workload, strategy: str) -> int:
     weights, or `frozen_fp32`): the embedding output is fp32 and every residual add keeps it so; else the compute
     precision."""
     fp32_embedding = runs_autocast(w, strategy) and (w.method == "full" or w.frozen_fp32)
-    return 4 if w.precision == "fp32" or fp32_embedding else 2
+    return 4 if fp32_embedding else compute_bytes(w)
 
 
 def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str,
@@ -207,7 +212,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else r * h
     norm_trains = w.method == "full"
     if w.loss in FULL_LOSSES:  # the head's matmul keeps its (16-bit) input only when the head trains
-        loss_input = (4 if w.precision == "fp32" else 2) if w.method == "full" else 0
+        loss_input = compute_bytes(w) if w.method == "full" else 0
     else:  # shardfit's chunked loss holds it to run each chunk's backward
         loss_input = r
     head = r * h + (4 * h if r != 4 else 0) + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
@@ -228,7 +233,7 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     by chunk), a 16-bit copy of an fp32 head and the fp32 chunk input. With a full loss, every position's logits at
     once, as transformers' loss computes them (FULL_LOSS_BYTES in backward)."""
     tokens = w.seq_len * w.micro_batch
-    c = 4 if w.precision == "fp32" else 2
+    c = compute_bytes(w)
     # A frozen fp32 head under autocast: its 16-bit cast is not cached (autocast caches trainable leaves only),
     # and the matmul keeps it for the gradient of its input until the head's backward.
     head_cast = shape.vocab * shape.hidden * c if w.frozen_fp32 and w.method != "full" and runs_autocast(
@@ -261,7 +266,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     n = hw.world
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
-    low = 4 if w.precision == "fp32" else 2
+    low = compute_bytes(w)
     layer_16 = shape.layer_params() * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
