@@ -2,10 +2,13 @@
 
     python bench/plan_vs_published.py          # prints the table, writes bench/results/plan_vs_published.json
 
-For a `max_context` case the run at `seq` just fit the card, so its real peak lay just under the card's memory:
-the error reported is the predicted total at `seq` over the card's memory, minus one. The planner's own largest
-fitting sequence length is printed beside the published one. An `oom` case is right when the planner says that
-nothing of the smallest length the same source ran anywhere fits the card.
+Each case is predicted with the settings its source ran (the source's defaults, then the case's own keys):
+- measured: the error is the predicted total over the reported peak, minus one; the verdict is whether the
+  planner agrees that the run fit the card.
+- max_context: the run at `seq` just fit the card, so its real peak lay just under the card's memory: the error is
+  the predicted total at `seq` over the card's memory, minus one. The planner's own largest fitting sequence
+  length is printed beside the published one.
+- oom: right when the planner says that the run does not fit.
 """
 
 from __future__ import annotations
@@ -21,24 +24,30 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from shardfit.plan.estimate import Workload, estimate  # noqa: E402
-from shardfit.plan.hardware import parse_gpus  # noqa: E402
+from shardfit.plan.estimate import GIB, Workload, estimate  # noqa: E402
+from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import resolve_shape  # noqa: E402
 
 CASES = ROOT / "bench" / "published_memory.yaml"
 OUT = ROOT / "bench" / "results" / "plan_vs_published.json"
 WORKLOAD_KEYS = {f.name for f in dataclasses.fields(Workload)} - {"seq_len"}
+UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
+
+
+def hardware(case: dict) -> Hardware:
+    gpu = case["gpu"]
+    return parse_gpus(gpu if "x" in gpu.lower().split("-")[0] else f"1x{gpu}")
 
 
 def predicted_total(case: dict, seq: int) -> float:
-    """Per-GPU GiB the planner predicts for the single-GPU run of `case` at sequence length `seq`."""
+    """Per-GPU GiB the planner predicts for `case` at sequence length `seq`."""
     w = Workload(seq_len=seq, **{k: v for k, v in case.items() if k in WORKLOAD_KEYS})
-    return estimate(resolve_shape(case["model"]), w, parse_gpus(f"1x{case['gpu']}"), "single").per_gpu_gib.total
+    return estimate(resolve_shape(case["model"]), w, hardware(case), case.get("strategy", "single")).per_gpu_gib.total
 
 
 def max_fitting_seq(case: dict) -> int:
     """The largest sequence length (to 1 token) the planner says fits the card; 0 when none does."""
-    cap = parse_gpus(f"1x{case['gpu']}").gpu_mem_gib
+    cap = hardware(case).gpu_mem_gib
     lo, hi = 0, 1 << 22
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -49,38 +58,60 @@ def max_fitting_seq(case: dict) -> int:
     return lo
 
 
-def evaluate(spec: dict) -> dict:
-    """Each case with the planner's prediction, the error, and whether the fits/does-not-fit verdict is right."""
-    rows = []
-    cases = [{**spec["defaults"], **c} for c in spec["cases"]]
-    smallest = {}
-    for c in cases:
-        if not c.get("oom"):
-            smallest[c["model"]] = min(smallest.get(c["model"], 1 << 30), c["seq"])
-    for c in cases:
-        cap = parse_gpus(f"1x{c['gpu']}").gpu_mem_gib
-        seq = smallest[c["model"]] if c.get("oom") else c["seq"]
-        total = predicted_total(c, seq)
-        row = {"model": c["model"], "gpu": c["gpu"], "gpu_gib": cap, "seq": seq, "published": "OOM" if c.get("oom")
-               else f"fits at {seq}", "predicted_total_gib": round(total, 2), "predicted_max_seq": max_fitting_seq(c),
-               "verdict_right": (total > cap) if c.get("oom") else (total <= cap), "source": c["source"]}
-        if not c.get("oom"):
-            row["error"] = round(total / cap - 1, 4)
-        rows.append(row)
+def evaluate_case(c: dict, source: str, smallest_seq: int) -> dict:
+    """One case with the planner's prediction, the error, and whether the fits/does-not-fit verdict is right."""
+    cap = hardware(c).gpu_mem_gib
+    kind = c["kind"]
+    seq = c.get("seq", smallest_seq)
+    total = predicted_total(c, seq)
+    row = {"source": source, "model": c["model"], "gpu": c["gpu"], "strategy": c.get("strategy", "single"),
+           "gpu_gib": cap, "seq": seq, "kind": kind, "predicted_total_gib": round(total, 2)}
+    if kind == "oom":
+        row.update(published="OOM", verdict_right=total > cap)
+    elif kind == "max_context":
+        row.update(published=f"fits at {seq}", verdict_right=total <= cap, error=round(total / cap - 1, 4),
+                   predicted_max_seq=max_fitting_seq(c))
+    else:
+        peak = c["peak"] * UNITS[c["unit"]]
+        row.update(published=f"{c['peak']} {c['unit']}", published_gib=round(peak, 2), verdict_right=total <= cap,
+                   error=round(total / peak - 1, 4))
+    return row
+
+
+def summary(rows: list[dict]) -> dict:
     errors = [abs(r["error"]) for r in rows if "error" in r]
-    return {"cases": rows, "median_abs_error": round(statistics.median(errors), 4),
-            "verdicts_right": sum(r["verdict_right"] for r in rows), "verdicts": len(rows),
-            "sources": spec["sources"]}
+    return {"median_abs_error": round(statistics.median(errors), 4) if errors else None,
+            "verdicts_right": sum(r["verdict_right"] for r in rows), "verdicts": len(rows)}
+
+
+def evaluate(spec: dict) -> dict:
+    """Every case of every source, with a summary per source and over all."""
+    rows, per_source = [], {}
+    for name, src in spec["sources"].items():
+        cases = [{**src["defaults"], **c} for c in src["cases"]]
+        smallest: dict[str, int] = {}
+        for c in cases:
+            if "seq" in c:
+                smallest[c["model"]] = min(smallest.get(c["model"], 1 << 30), c["seq"])
+        src_rows = [evaluate_case(c, name, smallest.get(c["model"], 0)) for c in cases]
+        per_source[name] = {**summary(src_rows), "text": src["text"]}
+        rows += src_rows
+    return {"cases": rows, **summary(rows), "sources": per_source}
 
 
 def markdown(result: dict) -> str:
-    lines = ["| model | GPU | published (HF + FA2) | predicted total GiB | error | planner's max seq | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| source | model | GPU | strategy | tokens | published | predicted GiB | error | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         err = f"{r['error']:+.1%}" if "error" in r else "-"
-        lines.append(f"| {r['model']} | {r['gpu']} | {r['published']} | {r['predicted_total_gib']:.1f} | {err} | "
-                     f"{r['predicted_max_seq']:,} | {'right' if r['verdict_right'] else 'WRONG'} |")
-    lines.append(f"\nmedian |error| {result['median_abs_error']:.1%}; verdicts right "
+        lines.append(f"| {r['source']} | {r['model']} | {r['gpu']} | {r['strategy']} | {r['seq']:,} | "
+                     f"{r['published']} | {r['predicted_total_gib']:.1f} | {err} | "
+                     f"{'right' if r['verdict_right'] else 'WRONG'} |")
+    lines.append("")
+    for name, s in result["sources"].items():
+        lines.append(f"{name}: median |error| {s['median_abs_error']:.1%}; verdicts right "
+                     f"{s['verdicts_right']}/{s['verdicts']}")
+    lines.append(f"all: median |error| {result['median_abs_error']:.1%}; verdicts right "
                  f"{result['verdicts_right']}/{result['verdicts']}")
     return "\n".join(lines)
 

@@ -122,13 +122,18 @@ def test_train_refuses_predicted_oom(tmp_path: Path, tiny_llama: Path, small_dat
     assert written["recommended"] == "single" and written["model"]["layers"] == 2
 
 
-def test_simulate_matches_real_tracked_step(tiny_llama: Path) -> None:
-    """The fake-tensor step measures what the same step needs with real tensors (single process, LoRA)."""
+@pytest.mark.parametrize(("precision", "grad_ckpt"), [("fp32", "none"), ("bf16", "full")])
+def test_simulate_matches_real_tracked_step(tiny_llama: Path, precision: str, grad_ckpt: str) -> None:
+    """The fake-tensor step measures what the same step needs with real tensors (single process, LoRA; in bf16
+    with checkpointing, autocast's copies of the fp32 adapters included)."""
+    import functools
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from shardfit.config.schema import LoraSettings
     from shardfit.models.adapters import apply_lora
+    from shardfit.models.checkpointing import enable_hf_checkpointing
     from shardfit.plan.estimate import Workload
     from shardfit.plan.simulate import (
         StepMemTracker,
@@ -141,21 +146,26 @@ def test_simulate_matches_real_tracked_step(tiny_llama: Path) -> None:
     from shardfit.train.loss import CausalLMLoss, decoder_and_head
     from shardfit.train.optim import build_optimizer
 
-    w = Workload(method="lora", precision="fp32", seq_len=128, micro_batch=2, grad_ckpt="none", lora_rank=4)
+    w = Workload(method="lora", precision=precision, seq_len=128, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=4)
     hw = parse_gpus("1x24GB")
     fake = simulate(resolve_shape(str(tiny_llama)), w, hw, "single", str(tiny_llama))
     assert fake.estimator == "simulated"
 
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32),
-                       LoraSettings(rank=4, alpha=8))
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype), LoraSettings(rank=4, alpha=8))
+    if grad_ckpt == "full":
+        enable_hf_checkpointing(model)
+    model.train()  # as the training loop runs it (from_pretrained returns it in eval mode: no checkpointing)
     module = CausalLMLoss(model, all_labelled=True)
     optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
     ids = torch.randint(0, 1000, (2, 128))
     tracker = StepMemTracker(decoder_and_head(model)[0])
     tracker.track_external(module, optimizer)
     skip_frozen_grad_hooks(tracker, module)
-    real = to_breakdown(measure_step(module, optimizer, (ids, packed_positions(2, 128), ids), tracker), hw, "single")
+    amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
+    real = to_breakdown(measure_step(module, optimizer, (ids, packed_positions(2, 128), ids), tracker, amp=amp), hw,
+                        "single")
     got, want = fake.per_gpu_gib, real
     assert got.logits > 0
     for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "total"):
@@ -198,6 +208,7 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
         model.to(torch.bfloat16)
     if grad_ckpt == "full":
         enable_hf_checkpointing(model)
+    model.train()  # as the training loop runs it (from_pretrained returns it in eval mode: no checkpointing)
     module = CausalLMLoss(model, all_labelled=True)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     kept: dict[int, int] = {}
@@ -305,9 +316,8 @@ def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, at
     ("llama", "single", "lora", "sdpa"), ("qwen2", "single", "full", "sdpa"), ("llama", "single", "full", "flash"),
     ("qwen2", "single", "lora", "flash"), ("llama", "zero3", "lora", "sdpa"), ("qwen2", "zero3", "lora", "flash")])
 def test_checkpointed_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, attention: str) -> None:
-    """Checkpointed blocks, peak at the loss: the blocks' inputs, SDPA's mask kept for the recomputation, the
-    loss. Every column within 5% on one process; under FSDP one hidden-size tensor (0.3 MiB here) is filed by the
-    tracker outside activations, so there the total is compared (within 2%)."""
+    """Checkpointed blocks, peak at the loss: the blocks' inputs, SDPA's mask kept for the recomputation, autocast's
+    16-bit copies of fp32 adapters, the loss. Every column within 5%, on one process and under FSDP."""
     from shardfit.plan.estimate import Workload
 
     w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="full", lora_rank=8,
@@ -315,9 +325,7 @@ def test_checkpointed_analytic_agrees_with_simulate(arch: str, strategy: str, me
     ca, cs = _analytic_and_simulated(arch, strategy, w)
     a, s = ca.per_gpu_gib, cs.per_gpu_gib
     assert ca.peak_phase == cs.peak_phase == "forward"
-    parts = ("weights", "grads", "optimizer", "logits") + (("activations", "temporaries") if strategy == "single"
-                                                           else ())
-    for part in parts:
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05, abs=1e-4), part
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.02)
 
@@ -328,8 +336,7 @@ def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
     """The HF QLoRA recipe (transformers' own loss, peft's fp32 embeddings/norms/head) at its peak moment: the loss
     at the end of the forward pass (transformers 4.46-4.48's shifted copy) or its gradient, before any checkpointed
     block is recomputed. The estimate and the fake-tensor step agree on the moment and on every column: activations
-    within 10% (one hidden-size tensor after the last block, 0.25 MiB here, is held in one and not the other, in
-    either direction by case; its holder is not identified), the others within 2% and the total within 3%."""
+    within 5%, the others within 2% and the total within 3%."""
     from shardfit.plan.estimate import Workload
 
     w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
@@ -339,8 +346,31 @@ def test_hf_recipe_agrees_with_simulate(loss: str, grad_ckpt: str) -> None:
     assert ca.peak_phase == cs.peak_phase == ("forward" if loss == "full_shift" else "backward")
     for part in ("weights", "grads", "optimizer", "logits"):
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.02, abs=1e-5), part
-    assert a.activations == pytest.approx(s.activations, rel=0.10)
+    assert a.activations == pytest.approx(s.activations, rel=0.05)
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)
+
+
+@pytest.mark.parametrize(("arch", "strategy", "method", "attention", "grad_ckpt", "loss", "adapters_16bit"), [
+    ("llama", "single", "lora", "flash", "full", "full_shift16", True),
+    ("qwen2", "single", "lora", "sdpa", "none", "chunked", True),
+    ("llama", "zero3", "lora", "flash", "none", "full_shift16", False),
+    ("qwen2", "single", "full", "sdpa", "full", "full_shift16", False)])
+def test_older_stacks_agree_with_simulate(arch: str, strategy: str, method: str, attention: str, grad_ckpt: str,
+                                          loss: str, adapters_16bit: bool) -> None:
+    """What older stacks ran: LoRA adapters in the base model's 16-bit dtype (peft < 0.12: 16-bit states, no
+    autocast casts of the adapters or their inputs) and a GPT-2-style loss that copies the shifted 16-bit logits
+    (12 bytes per logit under autocast, 6 with FSDP's 16-bit parameters and no autocast). Estimate and fake-tensor
+    step agree on the peak moment and on every column within 5%."""
+    from shardfit.plan.estimate import Workload
+
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
+                 attention=attention, loss=loss, adapters_16bit=adapters_16bit)
+    ca, cs = _analytic_and_simulated(arch, strategy, w)
+    a, s = ca.per_gpu_gib, cs.per_gpu_gib
+    assert ca.peak_phase == cs.peak_phase == "forward"
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05, abs=1e-4), part
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.02)
 
 
 def test_optimizer_peak_agrees_with_simulate() -> None:
@@ -465,8 +495,9 @@ def test_attention_mask_in_plan(capsys) -> None:
 
 
 def test_published_measurements_script_verdicts() -> None:
-    """bench/plan_vs_published.py reads every published case; the planner says OOM where nothing ran, and where
-    a run just fit its card (peak at the card's memory) it predicts that peak within 5%, the median within 10%."""
+    """bench/plan_vs_published.py reads every published case of every source; the planner says OOM where nothing
+    ran; where a run just fit its card it predicts that peak within 5%; reported peaks within 20% (Qwen-1.8B's
+    short rows sit 15-18% under, unexplained); the median error of each source within 10%."""
     import importlib.util
 
     import yaml
@@ -477,9 +508,12 @@ def test_published_measurements_script_verdicts() -> None:
     spec.loader.exec_module(mod)
     data = yaml.safe_load(mod.CASES.read_text())
     result = mod.evaluate(data)
-    assert len(result["cases"]) == len(data["cases"]) >= 9
+    assert len(data["sources"]) >= 2
+    assert len(result["cases"]) == sum(len(src["cases"]) for src in data["sources"].values()) >= 20
     for row in result["cases"]:
         assert row["source"] in data["sources"] and row["predicted_total_gib"] > 0
-    assert all(row["verdict_right"] for row in result["cases"] if row["published"] == "OOM")
-    assert all(abs(row["error"]) < 0.05 for row in result["cases"] if "error" in row)
+    assert all(row["verdict_right"] for row in result["cases"] if row["kind"] == "oom")
+    assert all(abs(row["error"]) < 0.05 for row in result["cases"] if row["kind"] == "max_context")
+    assert all(abs(row["error"]) < 0.20 for row in result["cases"] if row["kind"] == "measured")
+    assert all(s["median_abs_error"] < 0.10 for s in result["sources"].values())
     assert result["median_abs_error"] < 0.10

@@ -65,7 +65,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
                  "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
                  "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
-                 "attention": args.attention}
+                 "attention": args.attention, "adapters_16bit": args.adapters_16bit}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     strategies = STRATEGIES if args.strategy in (None, "all") else (args.strategy,)
@@ -160,13 +160,18 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-ckpt", choices=("none", "full"), default=None)
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None)
     p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--loss", choices=("chunked", "full", "full_shift"), default=None,
+    p.add_argument("--loss", choices=("chunked", "full", "full_shift", "full_shift16"), default=None,
                    help="chunked: shardfit's loss (default); full: logits of every position at once, as transformers' "
                         "own loss computes them (to predict an HF Trainer / LLaMA-Factory / axolotl / TRL run); "
-                        "full_shift: the same with transformers 4.46-4.48, whose loss copied the shifted logits")
+                        "full_shift: the same with transformers 4.46-4.48, whose loss copied the shifted fp32 "
+                        "logits; full_shift16: a GPT-2-style loss that copies the shifted 16-bit logits (older "
+                        "remote code, e.g. Qwen v1)")
     p.add_argument("--frozen-fp32", action="store_true", default=None,
                    help="frozen embeddings, norms and head in fp32, as peft's prepare_model_for_kbit_training leaves "
                         "them (to predict a TRL / axolotl QLoRA run)")
+    p.add_argument("--adapters-16bit", action="store_true", default=None,
+                   help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32 (peft "
+                        "before 0.12, LLaMA-Factory's pure_bf16)")
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
                         "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")

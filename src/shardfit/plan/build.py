@@ -89,7 +89,8 @@ def format_table(plan: dict) -> str:
     lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params, {m['trainable_params'] / 1e6:.1f}M trainable "
              f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
              f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
-             + _loss_label(w.get("loss", "chunked")) + (", frozen fp32" if w.get("frozen_fp32") else "") + ")",
+             + _loss_label(w.get("loss", "chunked")) + (", frozen fp32" if w.get("frozen_fp32") else "")
+             + (", 16-bit adapters" if w.get("adapters_16bit") and w["method"] in ("lora", "qlora") else "") + ")",
              f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) x {hw['gpu_mem_gib']:.1f} GiB", "",
              f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
              f"{'runtime':>8}{'total':>9}  peak  fits  notes"]
@@ -111,7 +112,8 @@ def format_table(plan: dict) -> str:
 
 
 def _loss_label(loss: str) -> str:
-    return {"full": ", full-logits loss", "full_shift": ", full-logits loss with shifted copy"}.get(loss, "")
+    return {"full": ", full-logits loss", "full_shift": ", full-logits loss with shifted copy",
+            "full_shift16": ", full-logits loss with shifted 16-bit copy"}.get(loss, "")
 
 
 def plot(plan: dict, path: str) -> None:

@@ -32,7 +32,7 @@ LOSS_CHUNK = 1024
 # upcast and the log-softmax are alive at once; transformers 4.46-4.48 also copied the shifted fp32 logits
 # (`loss: full_shift`; from 4.49 the labels are shifted instead).
 FULL_LOSS_BYTES = 12
-FULL_LOSSES = ("full", "full_shift")
+FULL_LOSSES = ("full", "full_shift", "full_shift16")
 ATTENTIONS = ("sdpa", "flash", "eager")
 
 
@@ -46,7 +46,8 @@ class Workload:
     optimizer: str = "adamw"
     lora_rank: int = 8
     # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer); full_shift: the same with
-    # transformers 4.46-4.48, which copied the shifted logits
+    # transformers 4.46-4.48, which copied the shifted fp32 logits; full_shift16: a GPT-2-style loss that copies the
+    # shifted 16-bit logits and leaves the upcast to autocast's cross-entropy (remote code such as Qwen v1's)
     loss: str = "chunked"
     # sdpa: torch's SDPA over shardfit's rows, which hold several examples (packing) or padding, so transformers
     # builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention (variable lengths,
@@ -56,6 +57,9 @@ class Workload:
     # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
     # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
     frozen_fp32: bool = False
+    # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
+    # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
+    adapters_16bit: bool = False
 
 
 @dataclass
@@ -109,15 +113,26 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         # NF4 with double quantisation: 0.5 byte + ~0.127 bit of constants per weight (QLoRA paper, sec. 3).
         per_linear = 0.5 + 0.127 / 8 if w.method == "qlora" else low
         per_other = 4 if w.frozen_fp32 else low
-        weights = linear * per_linear + (frozen - linear) * per_other + t * 4.0
-    grads = t * 4.0
-    optim = t * (2.0 if w.optimizer == "adamw8bit" else 8.0)
+        weights = linear * per_linear + (frozen - linear) * per_other + t * trainable_bytes(w)
+    grads = t * trainable_bytes(w)
+    optim = t * (2.0 if w.optimizer == "adamw8bit" else 2.0 * trainable_bytes(w))  # AdamW's states match the weight
     return weights, grads, optim
 
 
 def compute_bytes(w: Workload) -> int:
     """Bytes per element in the compute precision: 2 for bf16 and fp16, 4 for fp32."""
     return 4 if w.precision == "fp32" else 2
+
+
+def trainable_bytes(w: Workload) -> int:
+    """Bytes per element of the trainable weights and their gradients: fp32, except 16-bit LoRA adapters."""
+    return compute_bytes(w) if w.adapters_16bit and w.method in ("lora", "qlora") else 4
+
+
+def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
+    """Autocast runs over fp32 trainable weights (a full fine-tune's masters, fp32 adapters), so it makes 16-bit
+    copies of their inputs and of the weights themselves; 16-bit adapters need none."""
+    return runs_autocast(w, strategy) and trainable_bytes(w) == 4
 
 
 def runs_autocast(w: Workload, strategy: str) -> bool:
@@ -139,10 +154,11 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     attention output reshaped for o_proj); q after RoPE, k, v and the attention output, plus fp32 log-sum-exp per
     head (k/v repeated to every head and the mask as a bias when SDPA runs with a mask); four MLP tensors (gate,
     up, act, product); LoRA's rank-sized A outputs for the seven projections. Without autocast (FSDP's 16-bit
-    parameters) four of the six hidden-size tensors are not made: they are autocast's casts (of the fp32 residual
-    stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for LoRA)."""
+    parameters), or with 16-bit adapters, four of the six hidden-size tensors are not made: they are autocast's
+    casts (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for
+    LoRA)."""
     a = compute_bytes(w)
-    hidden_16 = 6 if runs_autocast(w, strategy) else 2
+    hidden_16 = 6 if casts_fp32_trainables(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
@@ -200,11 +216,11 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     """What the body holds when the loss runs (`phase` forward) or takes its gradient (backward), for one
     micro-batch.
 
-    Blocks: everything they save, or only their inputs when checkpointed. After the last block: its output, the
-    final norm's fp32 input, its normalised value when the norm weight trains, its output (the loss input) where
-    the loss keeps it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held
-    until the autocast region ends after the loss (the whole body for a full fine-tune over fp32 masters, the
-    adapters for LoRA unless checkpointed); in backward only the copies autograd saved remain, none when the blocks
+    Blocks: everything they save, or only their inputs when checkpointed. After the last block: the final norm's
+    fp32 input, its normalised value when the norm weight trains, its output (the loss input) where the loss keeps
+    it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the
+    autocast region ends after the loss (the whole body for a full fine-tune over fp32 masters, fp32 LoRA
+    adapters); in backward only the copies autograd saved remain, none when the blocks
     are checkpointed."""
     tokens = w.seq_len * w.micro_batch
     r = residual_bytes(w, strategy)
@@ -215,10 +231,11 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
         loss_input = compute_bytes(w) if w.method == "full" else 0
     else:  # shardfit's chunked loss holds it to run each chunk's backward
         loss_input = r
-    head = r * h + (4 * h if r != 4 else 0) + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
+    # The last block's output itself is not kept: the final norm saves its fp32 upcast (the output itself when
+    # the residual stream is fp32).
+    head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    if w.method in ("lora", "qlora") and runs_autocast(w, strategy) and w.grad_ckpt == "none":
-        # Not held when the blocks are checkpointed: a real tracked step shows none (tests/test_plan.py).
+    if w.method in ("lora", "qlora") and casts_fp32_trainables(w, strategy):
         cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
     if phase == "backward" and w.grad_ckpt == "full":
         cast = 0
@@ -234,15 +251,19 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     once, as transformers' loss computes them (FULL_LOSS_BYTES in backward)."""
     tokens = w.seq_len * w.micro_batch
     c = compute_bytes(w)
-    # A frozen fp32 head under autocast: its 16-bit cast is not cached (autocast caches trainable leaves only),
-    # and the matmul keeps it for the gradient of its input until the head's backward.
-    head_cast = shape.vocab * shape.hidden * c if w.frozen_fp32 and w.method != "full" and runs_autocast(
+    # An fp32 head under autocast (a full fine-tune's master, or frozen in fp32): the matmul keeps its 16-bit cast
+    # for the gradient of its input until the head's backward.
+    head_cast = shape.vocab * shape.hidden * c if (w.frozen_fp32 or w.method == "full") and runs_autocast(
         w, strategy) else 0
     if w.loss in FULL_LOSSES:
+        # The log-softmax runs in fp32 (the loss upcasts, or autocast does), except for a loss over 16-bit logits
+        # that leaves the upcast to autocast when no autocast runs.
+        soft = c if w.loss == "full_shift16" and not runs_autocast(w, strategy) else 4
         if phase == "backward":
-            per = FULL_LOSS_BYTES
-        else:  # the 16-bit logits (unless already fp32), the fp32 upcast, the log-softmax, the shifted copy
-            per = (c if c != 4 else 0) + 4 + 4 + (4 if w.loss == "full_shift" else 0)
+            per = FULL_LOSS_BYTES * soft // 4
+        else:  # the 16-bit logits, the shifted copy, the fp32 logits (the upcast), the log-softmax
+            shifted = {"full_shift": 4, "full_shift16": c}.get(w.loss, 0)
+            per = (c if c != 4 else 0) + shifted + (4 if soft == 4 else 0) + soft
         return tokens * shape.vocab * per + head_cast
     if phase == "backward":
         return 0.0
@@ -251,8 +272,6 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     if w.method == "full":
         head = shape.vocab * shape.hidden
         b += head * 4 + rows * shape.hidden * 4
-        if autocast_fp32_master(w, strategy):
-            b += head * c
     return b
 
 
@@ -271,7 +290,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
-    layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * 4
+    layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
     tokens = w.seq_len * w.micro_batch
     cpu = 0.0
     notes = ""
@@ -285,7 +304,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     elif strategy == "zero2":
         div_w, div_g, div_o = 1, n, n
         bwd_temp = layer_grads
-        foreach = t_all * 4 / n
+        foreach = t_all * trainable_bytes(w) / n
     elif strategy in ("zero3", "zero3_offload"):
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
@@ -294,7 +313,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         fwd_temp = root_16 - own_embedding_16 + layer_16
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
         bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
-        foreach = t_all * 4 / n
+        foreach = t_all * trainable_bytes(w) / n
         if strategy == "zero3_offload":
             cpu = weights / n + grads / n + optim / n
             weights = grads = optim = foreach = 0.0

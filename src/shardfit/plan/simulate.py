@@ -75,6 +75,10 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_kernel(w))
         if w.method in ("lora", "qlora"):
             model = apply_lora(model, LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank))
+            if w.adapters_16bit:
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.data = p.data.to(dtype)
         if w.frozen_fp32:
             upcast_frozen_outside_blocks(model)
     if w.grad_ckpt == "full":
@@ -270,20 +274,24 @@ def to_breakdown(cats: dict[str, float], hw: Hardware, strategy: str) -> Breakdo
 
 
 class ModelOwnLoss(torch.nn.Module):
-    """`loss: full`: the step as the HF Trainer runs it, through the model's own loss over full logits."""
+    """`loss: full*`: the step as the HF Trainer runs it, through the model's own loss over full logits.
 
-    def __init__(self, model: torch.nn.Module, shift_copy: bool = False):
+    `loss` full is transformers' current loss; full_shift is transformers 4.46-4.48's (fp32 upcast, then a
+    contiguous copy of the shifted logits); full_shift16 is the GPT-2-style loss of older remote code (a contiguous
+    copy of the shifted 16-bit logits, upcast by autocast inside cross-entropy)."""
+
+    def __init__(self, model: torch.nn.Module, loss: str = "full"):
         super().__init__()
         self.model = model
-        self.shift_copy = shift_copy
+        self.loss = loss
 
     def forward(self, input_ids: torch.Tensor, position_ids: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if not self.shift_copy:
+        if self.loss == "full":
             return self.model(input_ids=input_ids, position_ids=position_ids, labels=targets,
                               use_cache=False).loss, targets.numel()
-        # transformers 4.46-4.48's loss, step by step: fp32 upcast, then a contiguous copy of the shifted logits.
+        # The model's forward still holds its 16-bit logits while its loss function upcasts them.
         logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        upcast = logits.float()
+        upcast = logits.float() if self.loss == "full_shift" else logits
         shifted = upcast[..., :-1, :].contiguous()
         loss = torch.nn.functional.cross_entropy(shifted.view(-1, shifted.shape[-1]), targets[..., 1:].reshape(-1),
                                                  reduction="mean")
@@ -318,7 +326,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             model.to_empty(device="cpu")
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             base.tie_weights()  # to_empty gives each parameter its own storage; tied weights must share one again
-            module = (ModelOwnLoss(model, shift_copy=w.loss == "full_shift") if w.loss in FULL_LOSSES
+            module = (ModelOwnLoss(model, w.loss) if w.loss in FULL_LOSSES
                       else CausalLMLoss(model, all_labelled=True))
             if mesh is not None:
                 from shardfit.parallel.wrap import mp_policy, shard
