@@ -220,8 +220,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     fp32 input, its normalised value when the norm weight trains, its output (the loss input) where the loss keeps
     it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the
     autocast region ends after the loss (the whole body for a full fine-tune over fp32 masters, fp32 LoRA
-    adapters); in backward only the copies autograd saved remain, none when the blocks
-    are checkpointed."""
+    adapters); in backward only the copies autograd saved remain, none when the blocks are checkpointed."""
     tokens = w.seq_len * w.micro_batch
     r = residual_bytes(w, strategy)
     h = shape.hidden
