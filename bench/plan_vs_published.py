@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardfit.plan.estimate import GIB, Workload, estimate  # noqa: E402
-from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
+from shardfit.plan.hardware import parse_gpus  # noqa: E402
 from shardfit.plan.shapes import resolve_shape  # noqa: E402
 
 CASES = ROOT / "bench" / "published_memory.yaml"
@@ -34,20 +34,16 @@ WORKLOAD_KEYS = {f.name for f in dataclasses.fields(Workload)} - {"seq_len"}
 UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
 
 
-def hardware(case: dict) -> Hardware:
-    gpu = case["gpu"]
-    return parse_gpus(gpu if "x" in gpu.lower().split("-")[0] else f"1x{gpu}")
-
-
 def predicted_total(case: dict, seq: int) -> float:
     """Per-GPU GiB the planner predicts for `case` at sequence length `seq`."""
     w = Workload(seq_len=seq, **{k: v for k, v in case.items() if k in WORKLOAD_KEYS})
-    return estimate(resolve_shape(case["model"]), w, hardware(case), case.get("strategy", "single")).per_gpu_gib.total
+    strategy = case.get("strategy", "single")
+    return estimate(resolve_shape(case["model"]), w, parse_gpus(case["gpu"]), strategy).per_gpu_gib.total
 
 
 def max_fitting_seq(case: dict) -> int:
     """The largest sequence length (to 1 token) the planner says fits the card; 0 when none does."""
-    cap = hardware(case).gpu_mem_gib
+    cap = parse_gpus(case["gpu"]).gpu_mem_gib
     lo, hi = 0, 1 << 22
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -60,7 +56,7 @@ def max_fitting_seq(case: dict) -> int:
 
 def evaluate_case(c: dict, source: str, smallest_seq: int) -> dict:
     """One case with the planner's prediction, the error, and whether the fits/does-not-fit verdict is right."""
-    cap = hardware(c).gpu_mem_gib
+    cap = parse_gpus(c["gpu"]).gpu_mem_gib
     kind = c["kind"]
     seq = c.get("seq", smallest_seq)
     total = predicted_total(c, seq)

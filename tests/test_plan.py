@@ -208,7 +208,6 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
         model.to(torch.bfloat16)
     if grad_ckpt == "full":
         enable_hf_checkpointing(model)
-    model.train()  # as the training loop runs it (from_pretrained returns it in eval mode: no checkpointing)
     module = CausalLMLoss(model, all_labelled=True)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     kept: dict[int, int] = {}
