@@ -158,10 +158,11 @@ def _remote_model(tmp_path: Path, tiny_llama: Path, name: str, body: str) -> Pat
     return out
 
 
+@pytest.mark.parametrize("grad_ckpt", ["full", "selective"])
 def test_old_gradient_checkpointing_api_is_detected_and_still_trains(tmp_path: Path, tiny_llama: Path,
-                                                                     small_data: Path) -> None:
+                                                                     small_data: Path, grad_ckpt: str) -> None:
     old = _remote_model(tmp_path, tiny_llama, "OldGc", OLD_GC)
-    cfg = _cfg(tmp_path, old, small_data, grad_ckpt="full", trust_remote_code=True, method="full", lr=1e-3)
+    cfg = _cfg(tmp_path, old, small_data, grad_ckpt=grad_ckpt, trust_remote_code=True, method="full", lr=1e-3)
     _, found = check_config(cfg, 1)
     assert "gc_remote_code_old_api" in _rules(found)
     _, clean = check_config(_cfg(tmp_path, tiny_llama, small_data, grad_ckpt="full"), 1)

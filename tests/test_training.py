@@ -167,6 +167,23 @@ def test_compiled_blocks_train_like_eager(tmp_path: Path, tiny_qwen2: Path, smal
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 
 
+def test_selective_checkpointing_trains_like_none(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """`grad_ckpt: selective` changes what backward recomputes, not what it computes: same losses and adapter as
+    without checkpointing."""
+    runs = {}
+    for ckpt in ("none", "selective"):
+        out = tmp_path / ckpt
+        out.mkdir()
+        cfg = load_config(_cfg(out, tiny_qwen2, small_data, max_steps=3, grad_ckpt=ckpt, resume="never"))
+        runs[ckpt] = train(cfg, init_distributed(), quiet=True).run_dir
+    losses = [[m["loss"] for m in read_jsonl(runs[c] / "metrics.jsonl") if "loss" in m] for c in runs]
+    assert len(losses[0]) == 3
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    a, b = _adapter(runs["none"]), _adapter(runs["selective"])
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
 def test_compile_without_a_cpu_compiler_is_a_clear_error(tmp_path: Path, tiny_qwen2: Path,
                                                          small_data: Path) -> None:
     r = run_cli("train", str(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1, compile=True)),

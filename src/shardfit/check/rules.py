@@ -227,7 +227,7 @@ def old_gc_api(model: nn.Module) -> bool:
 
 
 def grad_ckpt_rules(model: nn.Module, cfg: Any) -> list[Finding]:
-    if cfg.grad_ckpt != "full" or not old_gc_api(model):
+    if cfg.grad_ckpt == "none" or not old_gc_api(model):
         return []
     return [Finding("gc_remote_code_old_api", "warning", type(model).__name__,
                     "the model's remote code overrides the old _set_gradient_checkpointing(module, value) API; "

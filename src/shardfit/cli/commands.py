@@ -7,6 +7,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+from shardfit.config.schema import GRAD_CKPT
 from shardfit.errors import UserError
 from shardfit.plan.estimate import ATTENTIONS
 
@@ -157,7 +158,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--grad-ckpt", choices=("none", "full"), default=None)
+    p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None)
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None)
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--loss", choices=("chunked", "full", "full_shift", "full_shift16"), default=None,

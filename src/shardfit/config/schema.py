@@ -8,7 +8,7 @@ from typing import Any
 METHODS = ("lora", "qlora", "full", "freeze")
 STRATEGIES = ("auto", "single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
-GRAD_CKPT = ("none", "full")
+GRAD_CKPT = ("none", "full", "selective")
 BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 

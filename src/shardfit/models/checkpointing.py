@@ -1,14 +1,62 @@
-"""transformers' own activation checkpointing switch, non-reentrant, under whichever name the version has."""
+"""Activation checkpointing of every decoder block: full (only the block's input is kept) or selective (the
+outputs of the attention kernel and of every other matmul are kept too, so backward recomputes the cheap ops
+only), through transformers' own switch, non-reentrant, under whichever name the version has."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 NON_REENTRANT = {"use_reentrant": False}
 
 
-def enable_hf_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing of every decoder block through transformers' API.
+def _attention_kernels() -> set[Any]:
+    """The fused attention ops whose outputs (output and log-sum-exp) selective checkpointing keeps: SDPA's
+    kernels on every backend, and flash-attention 2's own ops where the installed flash_attn registers them."""
+    aten = torch.ops.aten
+    ops = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_cudnn_attention.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default}
+    for name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
+        try:
+            ops.add(getattr(torch.ops.flash_attn, name).default)
+        except (AttributeError, RuntimeError):
+            pass
+    return ops
+
+
+def selective_context() -> Any:
+    """Fresh checkpoint contexts for one block call: torchtitan's op-level policy, which keeps the outputs of the
+    attention kernel and of every other matmul (the first, third, ...; a matmul with a bias counts too) and
+    recomputes the rest (norms, activations, RoPE, the other matmuls) in backward. Counting restarts for each
+    call, and the recomputation counts separately, so both pick the same matmuls."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    attention = _attention_kernels()
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if func in matmuls:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in attention
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_kwargs(selective: bool) -> dict[str, Any]:
+    """Keyword arguments for torch.utils.checkpoint.checkpoint: non-reentrant, with the selective policy."""
+    return {**NON_REENTRANT, "context_fn": selective_context} if selective else dict(NON_REENTRANT)
+
+
+def enable_hf_checkpointing(model: nn.Module, selective: bool = False) -> None:
+    """Non-reentrant checkpointing of every decoder block through transformers' API (`selective`: keep what
+    `selective_context` keeps).
 
     transformers 5 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable` and warns that the
     old name goes in v6; the new name is used where it exists, so neither a warning nor v6 breaks the call.
@@ -19,8 +67,8 @@ def enable_hf_checkpointing(model: nn.Module) -> None:
     removed again."""
     new = getattr(model, "activation_checkpointing_enable", None)
     if new is not None:
-        new(activation_checkpointing_kwargs=dict(NON_REENTRANT))
+        new(activation_checkpointing_kwargs=checkpoint_kwargs(selective))
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(NON_REENTRANT))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(selective))
     if hasattr(model, "disable_input_require_grads"):
         model.disable_input_require_grads()

@@ -33,8 +33,8 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
     """The nearest changes that make something fit, checked with the same estimator."""
     tries: list[tuple[str, Workload, Hardware]] = []
     if w.grad_ckpt != "full":
-        tries.append(("turn on gradient checkpointing (--grad-ckpt full)", dataclasses.replace(w, grad_ckpt="full"),
-                      hw))
+        what = "checkpoint whole blocks" if w.grad_ckpt == "selective" else "turn on gradient checkpointing"
+        tries.append((f"{what} (--grad-ckpt full)", dataclasses.replace(w, grad_ckpt="full"), hw))
     if w.micro_batch > 1:
         accum = w.grad_accum * w.micro_batch
         tries.append((f"micro-batch 1 with grad_accum {accum}",

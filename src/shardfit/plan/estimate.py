@@ -42,6 +42,8 @@ class Workload:
     precision: str = "bf16"
     seq_len: int = 2048
     micro_batch: int = 1
+    # none; full: each block keeps only its input; selective: also its attention kernel's and every other matmul's
+    # outputs (torchtitan's op-level policy, models/checkpointing.py)
     grad_ckpt: str = "full"
     optimizer: str = "adamw"
     lora_rank: int = 8
@@ -177,20 +179,43 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     return norms + hidden_16 * a * h + attn + 4 * a * mlp + lora
 
 
+def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
+    """Output width of each matmul of one decoder block, in the order they run: q, k, v, o, gate, up, down, each
+    followed by its LoRA A and B. A mixture of experts counts as one MLP of top-k experts' width."""
+    q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
+    mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
+    outs = [q, kv, kv, shape.hidden, mlp, mlp, shape.hidden]
+    if w.method in ("lora", "qlora"):
+        return [width for out in outs for width in (out, w.lora_rank, out)]
+    return outs
+
+
+def checkpointed_block_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What a checkpointed block keeps from its forward to its backward, per token: its input, and with selective
+    checkpointing the outputs it is told to keep: every other matmul's (the first, third, ...) and the attention
+    kernel's (its output and fp32 log-sum-exp per head; eager attention runs no kernel)."""
+    kept = residual_bytes(w, strategy) * shape.hidden
+    if w.grad_ckpt == "selective":
+        kept += compute_bytes(w) * sum(matmul_widths(shape, w)[0::2])
+        if w.attention != "eager":
+            kept += compute_bytes(w) * shape.heads * shape.hd + 4 * shape.heads
+    return kept
+
+
 def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str = "single") -> float:
     """Saved activations of `layers` blocks for one micro-batch, as backward finds them (the recomputed block of
     checkpointing included).
 
-    With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), and one
-    block is recomputed at a time during backward. Autocast also keeps the 16-bit copy of every weight it cast
+    With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
+    what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast also keeps the 16-bit copy of every weight it cast
     until backward has used it: 2 bytes per block parameter for a full fine-tune over fp32 master weights."""
     tokens = w.seq_len * w.micro_batch
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    if w.grad_ckpt == "full":
+    if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
-        return tokens * (layers * residual_bytes(w, strategy) * shape.hidden + per_block) + cast + held_mask_bytes(
-            w, strategy)
+        kept = checkpointed_block_bytes_per_token(shape, w, strategy)
+        return tokens * (layers * kept + per_block) + cast + held_mask_bytes(w, strategy)
     return tokens * layers * per_block + layers * cast
 
 
@@ -198,7 +223,7 @@ def held_mask_bytes(w: Workload, strategy: str) -> float:
     """The mask transformers builds once per forward ([batch, seq, seq]: bool for SDPA, additive in the residual
     dtype for eager). Checkpointed blocks keep it as an input until their backward; without checkpointing it is
     gone once the body returns (SDPA's per-block copies are counted with the blocks)."""
-    if w.grad_ckpt != "full" or w.attention == "flash":
+    if w.grad_ckpt == "none" or w.attention == "flash":
         return 0.0
     return w.micro_batch * w.seq_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
 
@@ -216,7 +241,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     """What the body holds when the loss runs (`phase` forward) or takes its gradient (backward), for one
     micro-batch.
 
-    Blocks: everything they save, or only their inputs when checkpointed. After the last block: the final norm's
+    Blocks: everything they save, or what checkpointed blocks keep (`checkpointed_block_bytes_per_token`). After the last block: the final norm's
     fp32 input, its normalised value when the norm weight trains, its output (the loss input) where the loss keeps
     it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the
     autocast region ends after the loss (the whole body for a full fine-tune over fp32 masters, fp32 LoRA
@@ -224,7 +249,8 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     tokens = w.seq_len * w.micro_batch
     r = residual_bytes(w, strategy)
     h = shape.hidden
-    per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else r * h
+    per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else \
+        checkpointed_block_bytes_per_token(shape, w, strategy)
     norm_trains = w.method == "full"
     if w.loss in FULL_LOSSES:  # the head's matmul keeps its (16-bit) input only when the head trains
         loss_input = compute_bytes(w) if w.method == "full" else 0
@@ -236,7 +262,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.method in ("lora", "qlora") and casts_fp32_trainables(w, strategy):
         cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
-    if phase == "backward" and w.grad_ckpt == "full":
+    if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
     return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy)
 

@@ -81,8 +81,8 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
                         p.data = p.data.to(dtype)
         if w.frozen_fp32:
             upcast_frozen_outside_blocks(model)
-    if w.grad_ckpt == "full":
-        enable_hf_checkpointing(model)
+    if w.grad_ckpt != "none":
+        enable_hf_checkpointing(model, selective=w.grad_ckpt == "selective")
     return model
 
 

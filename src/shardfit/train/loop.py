@@ -7,6 +7,7 @@ come from `shardfit.parallel` and `train.checkpoint`; with world size 1 they red
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from shardfit.data.loader import Schedule, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
-from shardfit.models.checkpointing import enable_hf_checkpointing
+from shardfit.models.checkpointing import enable_hf_checkpointing, selective_context
 from shardfit.models.load import load_for_training, require_method_support
 from shardfit.models.placement import input_device
 from shardfit.parallel.env import DistEnv, barrier
@@ -89,18 +90,23 @@ def _autocast(cfg: Config, env: DistEnv, strategy: str) -> Any:
     return torch.autocast(env.device.type, dtype=dtype)
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every decoder block.
+def enable_checkpointing(model: torch.nn.Module, selective: bool = False) -> None:
+    """Non-reentrant activation checkpointing of every decoder block, full or `selective`.
 
     transformers' own switch is used when the model supports it; remote code that still implements the pre-4.35
     `_set_gradient_checkpointing(module, value)` gets torch's checkpoint wrapper around its blocks instead."""
     if not old_gc_api(model):
-        enable_hf_checkpointing(model)
+        enable_hf_checkpointing(model, selective)
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     blocks = set(map(id, transformer_blocks(model)))
-    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in blocks)
+    # The wrapper is non-reentrant by default and sets use_reentrant itself: only the policy is passed on.
+    wrapper = functools.partial(checkpoint_wrapper, context_fn=selective_context) if selective else checkpoint_wrapper
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in blocks)
 
 
 def _report(findings: list, env: DistEnv) -> None:
@@ -174,8 +180,8 @@ def train(cfg: Config, env: DistEnv, model: torch.nn.Module | None = None, token
     findings = preflight(model, cfg, strategy, env.world, None, fix=True)
     quantized = quantized_placement_rules(model, env.device, env.world)
     _report(quantized, env)  # before anything below tries to move weights that cannot move
-    if cfg.grad_ckpt == "full":
-        enable_checkpointing(model)
+    if cfg.grad_ckpt != "none":
+        enable_checkpointing(model, selective=cfg.grad_ckpt == "selective")
     if cfg.compile:
         compile_blocks(model)  # after checkpointing and before FSDP2, as torchtitan orders them
     width = cfg.max_seq_len if cfg.compile else None
