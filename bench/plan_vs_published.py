@@ -9,6 +9,10 @@ Each case is predicted with the settings its source ran (the source's defaults, 
   the predicted total at `seq` over the card's memory, minus one. The planner's own largest fitting sequence
   length is printed beside the published one.
 - oom: right when the planner says that the run does not fit.
+
+`nodes` spreads `gpu` over several nodes. `reading: reserved` marks a peak read with
+torch.cuda.max_memory_reserved(), which holds neither the CUDA context nor NCCL's buffers: it is compared with the
+predicted tensor peak plus the allocator's reserve (the total without those two).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from shardfit.plan.estimate import GIB, Workload, estimate  # noqa: E402
-from shardfit.plan.hardware import parse_gpus  # noqa: E402
+from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, Workload, estimate  # noqa: E402
+from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import resolve_shape  # noqa: E402
 
 CASES = ROOT / "bench" / "published_memory.yaml"
@@ -34,16 +38,24 @@ WORKLOAD_KEYS = {f.name for f in dataclasses.fields(Workload)} - {"seq_len"}
 UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
 
 
+def hardware(case: dict) -> Hardware:
+    return parse_gpus(case["gpu"], nodes=case.get("nodes", 1))
+
+
 def predicted_total(case: dict, seq: int) -> float:
-    """Per-GPU GiB the planner predicts for `case` at sequence length `seq`."""
+    """Per-GPU GiB the planner predicts for `case` at sequence length `seq`: the total, or with `reading:
+    reserved` what the caching allocator holds (the tensor peak and its reserve)."""
     w = Workload(seq_len=seq, **{k: v for k, v in case.items() if k in WORKLOAD_KEYS})
     strategy = case.get("strategy", "single")
-    return estimate(resolve_shape(case["model"]), w, parse_gpus(case["gpu"]), strategy).per_gpu_gib.total
+    b = estimate(resolve_shape(case["model"]), w, hardware(case), strategy).per_gpu_gib
+    if case.get("reading") == "reserved":
+        return (b.total - b.runtime_overhead) * (1 + ALLOCATOR_RESERVE)
+    return b.total
 
 
 def max_fitting_seq(case: dict) -> int:
     """The largest sequence length (to 1 token) the planner says fits the card; 0 when none does."""
-    cap = parse_gpus(case["gpu"]).gpu_mem_gib
+    cap = hardware(case).gpu_mem_gib
     lo, hi = 0, 1 << 22
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -56,12 +68,15 @@ def max_fitting_seq(case: dict) -> int:
 
 def evaluate_case(c: dict, source: str, smallest_seq: int) -> dict:
     """One case with the planner's prediction, the error, and whether the fits/does-not-fit verdict is right."""
-    cap = parse_gpus(c["gpu"]).gpu_mem_gib
+    hw = hardware(c)
+    cap = hw.gpu_mem_gib
     kind = c["kind"]
     seq = c.get("seq", smallest_seq)
     total = predicted_total(c, seq)
-    row = {"source": source, "model": c["model"], "gpu": c["gpu"], "strategy": c.get("strategy", "single"),
-           "gpu_gib": cap, "seq": seq, "kind": kind, "predicted_total_gib": round(total, 2)}
+    gpus = c["gpu"] if hw.nodes == 1 else f"{hw.nodes} nodes x {c['gpu']}"
+    row = {"source": source, "model": c["model"], "gpu": gpus, "strategy": c.get("strategy", "single"),
+           "gpu_gib": cap, "seq": seq, "kind": kind, "reading": c.get("reading", "total"),
+           "predicted_total_gib": round(total, 2)}
     if kind == "oom":
         row.update(published="OOM", verdict_right=total > cap)
     elif kind == "max_context":
