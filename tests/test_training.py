@@ -145,7 +145,7 @@ def test_qlora_is_refused_not_silently_lora(tmp_path: Path, tiny_llama: Path, sm
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-@pytest.mark.parametrize("grad_ckpt", ["none", "full"])
+@pytest.mark.parametrize("grad_ckpt", ["none", "full", "selective"])
 def test_compiled_blocks_train_like_eager(tmp_path: Path, tiny_qwen2: Path, small_data: Path, grad_ckpt: str) -> None:
     """compile: true changes how the step runs, not what it computes: same losses, same adapter, same outputs."""
     runs = {}

@@ -207,8 +207,9 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     checkpointing included).
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
-    what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast also keeps the 16-bit copy of every weight it cast
-    until backward has used it: 2 bytes per block parameter for a full fine-tune over fp32 master weights."""
+    what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
+    also keeps the 16-bit copy of every weight it cast until backward has used it: 2 bytes per block parameter for
+    a full fine-tune over fp32 master weights."""
     tokens = w.seq_len * w.micro_batch
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
@@ -241,11 +242,12 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     """What the body holds when the loss runs (`phase` forward) or takes its gradient (backward), for one
     micro-batch.
 
-    Blocks: everything they save, or what checkpointed blocks keep (`checkpointed_block_bytes_per_token`). After the last block: the final norm's
-    fp32 input, its normalised value when the norm weight trains, its output (the loss input) where the loss keeps
-    it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32 weight cast so far, held until the
-    autocast region ends after the loss (the whole body for a full fine-tune over fp32 masters, fp32 LoRA
-    adapters); in backward only the copies autograd saved remain, none when the blocks are checkpointed."""
+    Blocks: everything they save, or what checkpointed blocks keep (`checkpointed_block_bytes_per_token`). After
+    the last block: the final norm's fp32 input, its normalised value when the norm weight trains, its output (the
+    loss input) where the loss keeps it, and rotary cos/sin. Autocast's cache: the 16-bit copy of every fp32
+    weight cast so far, held until the autocast region ends after the loss (the whole body for a full fine-tune
+    over fp32 masters, fp32 LoRA adapters); in backward only the copies autograd saved remain, none when the
+    blocks are checkpointed."""
     tokens = w.seq_len * w.micro_batch
     r = residual_bytes(w, strategy)
     h = shape.hidden
