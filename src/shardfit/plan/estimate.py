@@ -63,6 +63,11 @@ class Workload:
     # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
     adapters_16bit: bool = False
 
+    @property
+    def trains_adapters(self) -> bool:
+        """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
+        return self.method in ("lora", "qlora")
+
 
 @dataclass
 class Breakdown:
@@ -96,7 +101,7 @@ class Candidate:
 
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
-    if w.method in ("lora", "qlora"):
+    if w.trains_adapters:
         return shape.lora_params(w.lora_rank)
     if w.method == "freeze":
         return 2 * shape.layer_params() + shape.hidden  # default: the last two blocks and the final norm
@@ -128,7 +133,7 @@ def compute_bytes(w: Workload) -> int:
 
 def trainable_bytes(w: Workload) -> int:
     """Bytes per element of the trainable weights and their gradients: fp32, except 16-bit LoRA adapters."""
-    return compute_bytes(w) if w.adapters_16bit and w.method in ("lora", "qlora") else 4
+    return compute_bytes(w) if w.adapters_16bit and w.trains_adapters else 4
 
 
 def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
@@ -175,7 +180,7 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         attn = a * (2 * q + 2 * q) + 4 * shape.heads + a * w.seq_len
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
-    lora = 7 * a * w.lora_rank if w.method in ("lora", "qlora") else 0
+    lora = 7 * a * w.lora_rank if w.trains_adapters else 0
     return norms + hidden_16 * a * h + attn + 4 * a * mlp + lora
 
 
@@ -185,7 +190,7 @@ def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
     q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
     outs = [q, kv, kv, shape.hidden, mlp, mlp, shape.hidden]
-    if w.method in ("lora", "qlora"):
+    if w.trains_adapters:
         return [width for out in outs for width in (out, w.lora_rank, out)]
     return outs
 
@@ -262,7 +267,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     # the residual stream is fp32).
     head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    if w.method in ("lora", "qlora") and casts_fp32_trainables(w, strategy):
+    if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0

@@ -73,7 +73,7 @@ def _build(config: Any, w: Workload) -> torch.nn.Module:
     dtype = torch.float32 if w.method == "full" or w.precision == "fp32" else torch.bfloat16
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_kernel(w))
-        if w.method in ("lora", "qlora"):
+        if w.trains_adapters:
             model = apply_lora(model, LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank))
             if w.adapters_16bit:
                 for p in model.parameters():
