@@ -7,9 +7,9 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from shardfit.config.schema import GRAD_CKPT
+from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import UserError
-from shardfit.plan.estimate import ATTENTIONS
+from shardfit.plan.estimate import ATTENTIONS, FULL_LOSSES
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -154,14 +154,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", default=None, help="8x24GB, 4xA100-80G, 2xH100, 1x4090 (default: this machine)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--cpu-mem", type=float, default=None, metavar="GIB", help="host RAM per node, for offload")
-    p.add_argument("--method", choices=("full", "lora", "qlora", "freeze"), default=None)
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    p.add_argument("--method", choices=METHODS, default=None)
+    p.add_argument("--precision", choices=PRECISIONS, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None)
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None)
     p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--loss", choices=("chunked", "full", "full_shift", "full_shift16"), default=None,
+    p.add_argument("--loss", choices=("chunked", *FULL_LOSSES), default=None,
                    help="chunked: shardfit's loss (default); full: logits of every position at once, as transformers' "
                         "own loss computes them (to predict an HF Trainer / LLaMA-Factory / axolotl / TRL run); "
                         "full_shift: the same with transformers 4.46-4.48, whose loss copied the shifted fp32 "
