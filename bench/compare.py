@@ -85,7 +85,7 @@ def _qwen2_small(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from shardfit.models.load import load_tokenizer
+    from shardfit.models.build import load_tokenizer
     from shardfit.models.source import resolve_model
 
     if (out / "config.json").is_file():
@@ -169,13 +169,15 @@ def _rss() -> int:
 
 def run_shardfit(w: Workload, paths: dict, out: Path, eager: bool = False) -> dict:
     from shardfit.data.dataset import build_datasets
-    from shardfit.models.load import load_for_training
+    from shardfit.models.build import build_model, load_tokenizer
+    from shardfit.models.source import resolve_model
     from shardfit.parallel.env import init_distributed
-    from shardfit.train.loop import train
+    from shardfit.train.recipe import train
 
     cfg = dataclasses.replace(_config(w, paths, out), compile=w.compile and not eager,
                               attn_implementation="auto" if eager else w.attention)
-    model, tok = load_for_training(cfg)  # loading is outside the timed part, as for the Trainer
+    # Loading is outside the timed part, as for the Trainer.
+    model, tok = build_model(cfg, "single", weights=True), load_tokenizer(resolve_model(cfg.model))
     t0 = time.perf_counter()
     with PeakRss() as mem:
         result = train(cfg, init_distributed(), model=model, tokenizer=tok, quiet=True)
@@ -192,13 +194,11 @@ def run_trainer(w: Workload, paths: dict, out: Path) -> dict:
     from shardfit.data.dataset import build_datasets
     from shardfit.data.packing import pack
     from shardfit.data.tokenize import IGNORE
-    from shardfit.models.adapters import apply_lora
-    from shardfit.models.load import load_for_training
+    from shardfit.models.build import build_model, load_tokenizer
+    from shardfit.models.source import resolve_model
 
     cfg = _config(w, paths, out)
-    model, tok = load_for_training(cfg)
-    if w.method == "lora":
-        model = apply_lora(model, cfg.lora)
+    model, tok = build_model(cfg, "single", weights=True), load_tokenizer(resolve_model(cfg.model))  # LoRA applied
     train_ex, eval_ex, _ = build_datasets(cfg, tok)
     # As many examples per step as shardfit's packed rows hold: the same tokens per optimizer step.
     rows = pack(train_ex, cfg.max_seq_len)

@@ -28,9 +28,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, Workload, estimate  # noqa: E402
+from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, estimate  # noqa: E402
 from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import resolve_shape  # noqa: E402
+from shardfit.plan.workload import Workload  # noqa: E402
 
 CASES = ROOT / "bench" / "published_memory.yaml"
 OUT = ROOT / "bench" / "results" / "plan_vs_published.json"

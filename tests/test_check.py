@@ -11,12 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, Qwen2_5OmniForConditionalGeneration
 
 from shardfit.check import rules
 from shardfit.check.findings import is_ok
 from shardfit.check.run import check_config
 from shardfit.config import load_config
-from tests.conftest import ROOT, run_cli, write_config
+from shardfit.config.schema import LoraSettings
+from shardfit.models.adapters import apply_lora
+from shardfit.models.checkpointing import enable_checkpointing
+from shardfit.parallel.env import init_distributed
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.plan import make_plan
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+from shardfit.strategy import get as S
+from shardfit.train.recipe import train
+from tests.helpers import ROOT, run_cli, tiny_omni_config, write_config
 
 
 def _cfg(tmp_path: Path, model: Path, data: Path, **over):
@@ -31,48 +42,46 @@ def _rules(findings) -> set[str]:
 
 
 def _llama(tiny_llama: Path) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
 
 
 def test_device_map_rules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     cfg = _cfg(tmp_path, tiny_llama, small_data, device_map="auto")
-    found = rules.device_map_rules(cfg, "zero3", 2)
+    found = rules.device_map_rules(cfg, S("zero3"), 2)
     assert _rules(found) == {"device_map_in_distributed", "device_map_with_zero3"}
     assert all(f.auto_fixed for f in found)  # ignored with a warning
     strict = _cfg(tmp_path, tiny_llama, small_data, device_map="auto", strict=True)
-    assert not is_ok(rules.device_map_rules(strict, "ddp", 2))
-    assert rules.device_map_rules(_cfg(tmp_path, tiny_llama, small_data), "zero3", 2) == []
-    assert rules.device_map_rules(cfg, "model_parallel", 1) == []
+    assert not is_ok(rules.device_map_rules(strict, S("ddp"), 2))
+    assert rules.device_map_rules(_cfg(tmp_path, tiny_llama, small_data), S("zero3"), 2) == []
+    assert rules.device_map_rules(cfg, S("model_parallel"), 1) == []
 
 
 def test_unused_generation_modules_dropped_and_trainable_towers_frozen(tiny_llama: Path) -> None:
     model = _llama(tiny_llama)
-    assert rules.unused_module_rules(model, "zero3", fix=True) == []  # silent on a plain causal LM
+    assert rules.unused_module_rules(model, S("zero3"), fix=True) == []  # silent on a plain causal LM
     model.talker = nn.Linear(8, 8)  # Qwen-Omni style speech head, kept on the CPU
     model.visual = nn.Linear(8, 8)  # a vision tower the text forward never runs
-    found = rules.unused_module_rules(model, "ddp", fix=False)
+    found = rules.unused_module_rules(model, S("ddp"), fix=False)
     by_where = {f.where: f for f in found}
     assert by_where["talker"].fix == "drop_modules: [talker]" and "cuda:0 and cpu" in by_where["talker"].message
     assert by_where["visual"].severity == "error"  # trainable and unused under DDP
-    found = rules.unused_module_rules(model, "ddp", fix=True)
+    found = rules.unused_module_rules(model, S("ddp"), fix=True)
     assert model.talker is None and not model.visual.weight.requires_grad
     assert all(f.auto_fixed for f in found) and is_ok(found)
 
 
 def test_fsdp_unit_rules(tiny_llama: Path) -> None:
     model = _llama(tiny_llama)
-    assert rules.fsdp_unit_rules(model, "zero3", "fp32", fix=False) == []  # tied embed/head both in the root unit
-    assert rules.fsdp_unit_rules(model, "ddp", "fp32", fix=False) == []
+    assert rules.fsdp_unit_rules(model, S("zero3"), "fp32", fix=False) == []  # tied embed/head both in the root unit
+    assert rules.fsdp_unit_rules(model, S("ddp"), "fp32", fix=False) == []
     model.model.layers[0].mlp.down_proj.weight.data = model.model.layers[0].mlp.down_proj.weight.data.bfloat16()
-    found = rules.fsdp_unit_rules(model, "zero3", "fp32", fix=True)
+    found = rules.fsdp_unit_rules(model, S("zero3"), "fp32", fix=True)
     assert "fsdp_mixed_dtype" in _rules(found) and is_ok(found)
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     model.model.layers[1].register_parameter("qweight", nn.Parameter(torch.zeros(4, dtype=torch.uint8),
                                                                      requires_grad=False))
     model.model.layers[0].self_attn.o_proj.weight = model.model.embed_tokens.weight  # a tie across units
-    found = rules.fsdp_unit_rules(model, "zero3", "bf16", fix=False)
+    found = rules.fsdp_unit_rules(model, S("zero3"), "bf16", fix=False)
     assert {"fsdp_quantized_storage", "fsdp_tied_weights_split"} <= _rules(found) and not is_ok(found)
 
 
@@ -87,24 +96,19 @@ def test_precision_rule(tmp_path: Path, tiny_llama: Path, small_data: Path) -> N
 
 
 def test_plan_rule() -> None:
-    from shardfit.plan.build import make_plan
-    from shardfit.plan.estimate import Workload
-    from shardfit.plan.hardware import parse_gpus
-    from shardfit.plan.shapes import resolve_shape
-
     big = make_plan(resolve_shape("Qwen/Qwen2-VL-72B-Instruct"), Workload(), parse_gpus("8x24GB"))
-    found = rules.plan_rules(big, "ddp", force=False)
+    found = rules.plan_rules(big, S("ddp"), force=False)
     assert found[0].rule == "predicted_oom" and "full replica" in found[0].message and not is_ok(found)
     small = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M-Instruct"), Workload(), parse_gpus("1x24GB"))
-    assert rules.plan_rules(small, "single", force=False) == []
+    assert rules.plan_rules(small, S("single"), force=False) == []
 
 
 def test_several_gpus_rule(monkeypatch) -> None:
-    assert rules.visible_gpu_rules("single", 1) == [] or torch.cuda.device_count() > 1
+    assert rules.visible_gpu_rules(S("single"), 1) == [] or torch.cuda.device_count() > 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert _rules(rules.visible_gpu_rules("single", 1)) == {"several_gpus_one_process"}
-    assert rules.visible_gpu_rules("model_parallel", 1) == [] and rules.visible_gpu_rules("ddp", 4) == []
+    assert _rules(rules.visible_gpu_rules(S("single"), 1)) == {"several_gpus_one_process"}
+    assert rules.visible_gpu_rules(S("model_parallel"), 1) == [] and rules.visible_gpu_rules(S("ddp"), 4) == []
 
 
 REMOTE_CONFIG = '''
@@ -167,8 +171,6 @@ def test_old_gradient_checkpointing_api_is_detected_and_still_trains(tmp_path: P
     assert "gc_remote_code_old_api" in _rules(found)
     _, clean = check_config(_cfg(tmp_path, tiny_llama, small_data, grad_ckpt="full"), 1)
     assert "gc_remote_code_old_api" not in _rules(clean)
-    from shardfit.parallel.env import init_distributed
-    from shardfit.train.loop import train
 
     result = train(cfg, init_distributed(), quiet=True)
     assert result.summary["steps"] == 2 and result.summary["train_loss"] is not None
@@ -233,19 +235,16 @@ def test_check_unknown_hub_id_is_bad_input(tmp_path: Path, small_data: Path) -> 
 
 @pytest.mark.parametrize("strategy", ["ddp", "single"])
 def test_reentrant_checkpointing_rules(tiny_llama: Path, strategy: str) -> None:
-    from shardfit.config.schema import LoraSettings
-    from shardfit.models.adapters import apply_lora
-
     model = apply_lora(_llama(tiny_llama), LoraSettings(rank=4, alpha=8))
     # Older transformers (and many training scripts) turn on reentrant checkpointing.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     # Recent transformers add an input-grad hook for PEFT models here; older ones and hand-rolled loops do not.
     model.disable_input_require_grads()
-    found = {f.rule for f in rules.reentrant_ckpt_rules(model, strategy, fix=False)}
+    found = {f.rule for f in rules.reentrant_ckpt_rules(model, S(strategy), fix=False)}
     assert found == ({"gc_ddp_reentrant", "gc_inputs_no_grad"} if strategy == "ddp" else {"gc_inputs_no_grad"})
-    fixed = rules.reentrant_ckpt_rules(model, strategy, fix=True)
+    fixed = rules.reentrant_ckpt_rules(model, S(strategy), fix=True)
     assert fixed and all(f.auto_fixed for f in fixed) and is_ok(fixed)
-    assert rules.reentrant_ckpt_rules(model, strategy, fix=False) == []  # non-reentrant now: silent
+    assert rules.reentrant_ckpt_rules(model, S(strategy), fix=False) == []  # non-reentrant now: silent
     # And the adapters really get gradients after the fix (the failure it prevents is silent: no error, no grads).
     model.train()
     ids = torch.randint(0, 1000, (2, 16))
@@ -255,13 +254,9 @@ def test_reentrant_checkpointing_rules(tiny_llama: Path, strategy: str) -> None:
 
 
 def test_reentrant_rules_silent_on_shardfit_checkpointing(tiny_llama: Path) -> None:
-    from shardfit.config.schema import LoraSettings
-    from shardfit.models.adapters import apply_lora
-    from shardfit.train.loop import enable_checkpointing
-
     model = apply_lora(_llama(tiny_llama), LoraSettings(rank=4, alpha=8))
     enable_checkpointing(model)
-    assert rules.reentrant_ckpt_rules(model, "ddp", fix=False) == []
+    assert rules.reentrant_ckpt_rules(model, S("ddp"), fix=False) == []
 
 
 def test_quantized_model_placement_rule(tiny_llama: Path) -> None:
@@ -279,3 +274,29 @@ def test_quantized_model_placement_rule(tiny_llama: Path) -> None:
     (other,) = rules.quantized_placement_rules(model, torch.device("cuda", 1), 2)  # rank 1 got rank 0's GPU
     assert "loaded on cuda:0" in other.message and "cuda:1" in other.message
     assert rules.quantized_placement_rules(model, torch.device("cuda", 0), 2) == []  # its own GPU: silent
+
+
+def test_qwen_omni_talker_kept_is_reported_not_a_device_error() -> None:
+    """An Omni model built whole (as other tools load it): the speech modules are named for dropping."""
+    model = Qwen2_5OmniForConditionalGeneration(tiny_omni_config())  # talker and token2wav kept, on the CPU
+    found = {f.where: f for f in rules.unused_module_rules(model, S("zero3"), fix=False)}
+    for name in ("talker", "token2wav"):
+        assert found[name].fix == f"drop_modules: [{name}]"
+        assert "would stay unplaced" in found[name].message and "cuda:0 and cpu" in found[name].message
+    # The thinker's audio and vision towers are outside the text forward too.
+    assert any(w.endswith("audio_tower") for w in found) and any(w.endswith("visual") for w in found)
+    fixed = rules.unused_module_rules(model, S("zero3"), fix=True)
+    assert model.talker is None and model.token2wav is None and is_ok(fixed)
+
+
+@pytest.mark.parametrize("drop", [[], ["talker", "token2wav"]])
+def test_check_omni_under_ddp_gives_consistent_drop_advice(tmp_path: Path, tiny_omni: Path, small_data: Path,
+                                                          drop: list[str]) -> None:
+    """check builds the model as train does (talker and token2wav never built for text training): it never asks for
+    a drop_modules entry the config already has, nor for the speech modules at all."""
+    cfg = _cfg(tmp_path, tiny_omni, small_data, strategy="ddp", drop_modules=drop)
+    strategy, found = check_config(cfg, 2)
+    assert strategy == "ddp" and is_ok(found)
+    assert not any("talker" in f.fix or "token2wav" in f.fix for f in found), [f.fix for f in found]
+    towers = {f.where.rpartition(".")[2] for f in found if f.rule == "unused_module"}
+    assert towers == {"audio_tower", "visual"}  # the thinker's towers: outside the text forward, frozen

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from shardfit.models.checkpointing import enable_hf_checkpointing
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
@@ -22,9 +25,6 @@ class _CountMatmuls(TorchDispatchMode):
 
 def _backward(arch: str, mode: str, layers: int = 2) -> tuple[int, dict[str, torch.Tensor]]:
     """Matmuls run by backward (the recomputation included) and the gradients, for one step of a tiny model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    from shardfit.models.checkpointing import enable_hf_checkpointing
 
     cls = LlamaConfig if arch == "llama" else Qwen2Config
     config = cls(hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=4,

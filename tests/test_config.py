@@ -8,7 +8,7 @@ import pytest
 
 from shardfit.config import load_config
 from shardfit.errors import UserError
-from tests.conftest import run_cli, write_config
+from tests.helpers import run_cli, write_config
 
 
 def test_yaml_and_overrides(tmp_path: Path, small_data: Path) -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from shardfit.data.dataset import DataStats, load_conversations
 from shardfit.data.formats import ALPACA, OPENAI, SHAREGPT, detect_format, to_messages
-from shardfit.data.loader import Schedule, collate
-from shardfit.data.packing import no_pack, pack
+from shardfit.data.loader import BatchSchedule, collate
+from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.data.tokenize import IGNORE, encode_messages
 from shardfit.errors import UserError
 
@@ -101,8 +101,6 @@ def test_packing_layout(tokenizer) -> None:
 
 
 def test_collate_pads_as_separate_block() -> None:
-    from shardfit.data.packing import PackedRow
-
     rows = [PackedRow([5, 6, 7], [6, 7, IGNORE], [0, 1, 2]), PackedRow([8], [IGNORE], [0])]
     b = collate(rows, pad_id=0)
     assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
@@ -111,12 +109,10 @@ def test_collate_pads_as_separate_block() -> None:
 
 
 def test_schedule_same_global_batch_at_any_world_size() -> None:
-    from shardfit.data.packing import PackedRow
-
     rows = [PackedRow([i], [i], [0]) for i in range(10)]
-    single = Schedule(rows, micro_batch=2, grad_accum=2, world=1, rank=0, seed=3)
-    r0 = Schedule(rows, micro_batch=2, grad_accum=1, world=2, rank=0, seed=3)
-    r1 = Schedule(rows, micro_batch=2, grad_accum=1, world=2, rank=1, seed=3)
+    single = BatchSchedule(rows, micro_batch=2, grad_accum=2, world=1, rank=0, seed=3)
+    r0 = BatchSchedule(rows, micro_batch=2, grad_accum=1, world=2, rank=0, seed=3)
+    r1 = BatchSchedule(rows, micro_batch=2, grad_accum=1, world=2, rank=1, seed=3)
     assert single.steps_per_epoch == r0.steps_per_epoch == 3  # 10 rows, 4 per step, last step wraps
     for step in range(4):
         a = [r.input_ids[0] for mb in single.step(step).micro_batches for r in mb]

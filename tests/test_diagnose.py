@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shardfit.diagnose.engine import diagnose, load_causes
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 
 CORPUS = Path(__file__).with_name("diagnose_corpus")
 LOGS = sorted(CORPUS.glob("*.log"))
@@ -62,8 +65,6 @@ def test_cli_json_contract(tmp_path: Path) -> None:
     assert f["category"] == "oom_full_replica_per_rank" and 0 < f["confidence"] <= 1
     confidences = [x["confidence"] for x in out["findings"]]
     assert confidences == sorted(confidences, reverse=True)
-    import subprocess
-    import sys
 
     r = subprocess.run([sys.executable, "-m", "shardfit", "diagnose", "-"], input=log.read_text(), text=True,
                        capture_output=True, timeout=60)
@@ -75,8 +76,6 @@ def test_cli_json_contract(tmp_path: Path) -> None:
 def test_public_issue_logs_rank_the_right_category_first() -> None:
     """Error output from public issue threads (tests/diagnose_public/cases.yaml, with their URLs): the target of
     issue 5 is the right category first in at least 85% of real logs."""
-    import yaml
-
     cases = yaml.safe_load(Path(__file__).with_name("diagnose_public").joinpath("cases.yaml").read_text())
     assert len(cases) >= 50 and len({c["expected"] for c in cases}) >= 15
     misses = []

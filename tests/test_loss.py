@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from shardfit.data.formats import detect_format, to_messages
 from shardfit.data.loader import collate
 from shardfit.data.packing import no_pack, pack
 from shardfit.data.tokenize import IGNORE, encode_messages
 from shardfit.train.loss import CausalLMLoss, chunked_cross_entropy, plain_cross_entropy
+from tests.helpers import DEMO_DATA
 
 
 @pytest.mark.parametrize("head_trains", [False, True])
@@ -53,10 +57,6 @@ def test_no_targets_keeps_graph() -> None:
 
 
 def _examples(tokenizer, n: int = 6):
-    import json
-
-    from tests.conftest import DEMO_DATA
-
     rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[:n]]
     rows.append({"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"},
                                    {"from": "human", "value": "How are you?"}, {"from": "gpt", "value": "Fine."}]})
@@ -65,8 +65,6 @@ def _examples(tokenizer, n: int = 6):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_loss_equals_unpacked(tiny_llama, tokenizer, attn: str) -> None:
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation=attn)
     model.eval()
     module = CausalLMLoss(model, chunk=64)

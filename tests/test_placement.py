@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from shardfit.config import load_config
 from shardfit.models.placement import device_map_for, split_layers
+from shardfit.parallel.env import init_distributed
+from shardfit.train.recipe import train
+from tests.helpers import write_config
 
 
 def test_split_is_balanced_by_memory() -> None:
@@ -20,8 +25,6 @@ def test_split_is_balanced_by_memory() -> None:
 
 
 def test_device_map_keeps_embeddings_norm_and_head_together(tiny_llama: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     cfg = AutoConfig.from_pretrained(tiny_llama)
     cfg.num_hidden_layers = 6
     with torch.device("meta"):
@@ -42,11 +45,6 @@ def test_device_map_keeps_embeddings_norm_and_head_together(tiny_llama: Path) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_model_parallel_trains_on_two_gpus(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    from shardfit.config import load_config
-    from shardfit.parallel.env import init_distributed
-    from shardfit.train.loop import train
-    from tests.conftest import write_config
-
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=str(small_data), strategy="model_parallel",
                        max_seq_len=128, micro_batch=2, max_steps=3, output_dir=str(tmp_path / "run"))
     result = train(load_config(cfg), init_distributed(), quiet=True)

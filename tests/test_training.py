@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from shardfit.config import load_config
 from shardfit.parallel.env import init_distributed
-from shardfit.train.loop import train
-from tests.conftest import read_jsonl, run_cli, write_config
+from shardfit.train.recipe import train
+from tests.helpers import read_jsonl, run_cli, write_config
 
 BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
             eval_steps=100, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0, resume="auto")
@@ -47,9 +49,6 @@ def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, smal
         assert key in summary
     assert summary["strategy"] == "single" and summary["world_size"] == 1 and summary["eval_loss"] is not None
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     ids = torch.tensor([[1, 100, 200, 300, 400]])
     result.model.eval()
     with torch.no_grad():
@@ -75,7 +74,6 @@ def test_full_finetune_saves_hf_model(tmp_path: Path, tiny_qwen2: Path, small_da
     cfg = load_config(_cfg(tmp_path, tiny_qwen2, small_data, method="full", lr=1e-3, max_steps=4,
                            grad_ckpt="full", precision="bf16"))
     result = train(cfg, init_distributed(), quiet=True)
-    from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(result.run_dir / "model", dtype=torch.float32)
     before = load_file(str(tiny_qwen2 / "model.safetensors"))

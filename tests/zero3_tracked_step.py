@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_plan.py: one real zero3 (FSDP2) LoRA step on gloo ranks over packed rows,
+"""Run under torchrun by tests/test_simulate.py: one real zero3 (FSDP2) LoRA step on gloo ranks over packed rows,
 tracked with shardfit's FSDPMemTracker (the loss's tensors as Logits); rank 0 writes the peak per category (GiB)
 as JSON to argv[2]."""
 
@@ -12,10 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
+from shardfit.models.anatomy import decoder_and_head
 from shardfit.parallel.env import init_distributed, shutdown
-from shardfit.parallel.wrap import wrap_model
-from shardfit.plan.simulate import StepFSDPMemTracker, measure_step, packed_positions
-from shardfit.train.loss import CausalLMLoss, decoder_and_head
+from shardfit.parallel.parallelize import parallelize
+from shardfit.simulate.step import packed_positions
+from shardfit.simulate.tracker import StepFSDPMemTracker, measure_step
+from shardfit.strategy import get as get_strategy
+from shardfit.train.loss import CausalLMLoss
 from shardfit.train.optim import build_optimizer
 
 
@@ -24,7 +27,8 @@ def main(model_dir: str, out: str) -> None:
     torch.manual_seed(0)
     model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                        LoraSettings(rank=4, alpha=8))
-    module = wrap_model(CausalLMLoss(model, all_labelled=True), "zero3", env, "fp32")
+    module = parallelize(CausalLMLoss(model, all_labelled=True), get_strategy("zero3"), device=env.device,
+                         world=env.world, precision="fp32")
     optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
     ids = torch.randint(0, 1000, (2, 128))
     tracker = StepFSDPMemTracker(decoder_and_head(model)[0], module, optimizer)

@@ -3,29 +3,33 @@ and the fix cannot change what the user meant (moving a buffer, freezing a modul
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
 from shardfit.check.findings import Finding
-from shardfit.models.checkpointing import enable_hf_checkpointing
+from shardfit.config import Config
+from shardfit.models.adapters import drop_modules
+from shardfit.models.anatomy import base_model, decoder_and_head, transformer_blocks
+from shardfit.models.checkpointing import enable_hf_checkpointing, old_gc_api
+from shardfit.parallel.parallelize import fsdp_units
+from shardfit.plan.plan import Plan
+from shardfit.strategy import Strategy
 
-MULTI_RANK = ("ddp", "zero2", "zero3", "zero3_offload")
-SHARDED = ("zero2", "zero3", "zero3_offload")
 # Submodules that only serve generation outputs other than text; text fine-tuning never runs them.
 GENERATION_ONLY = ("talker", "token2wav")
 
 
-def device_map_rules(cfg: Any, strategy: str, world: int) -> list[Finding]:
-    """A device map under a distributed launch, or together with ZeRO-3."""
-    if cfg.device_map is None or strategy == "model_parallel":
+def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:
+    """A device map under a distributed launch, or together with ZeRO-3. shardfit never passes it outside
+    model_parallel, so it is fixed by ignoring it, unless `strict` makes that an error."""
+    if cfg.device_map is None or s.engine == "device_map":
         return []
     out = []
     fixed = not cfg.strict
-    if world > 1 or strategy in MULTI_RANK:
+    strategy = s.name
+    if world > 1 or s.multi_rank:
         out.append(Finding(
             "device_map_in_distributed", "error", "config: device_map",
             f"device_map={cfg.device_map!r} splits one process's model over several GPUs; under strategy {strategy} "
@@ -33,7 +37,7 @@ def device_map_rules(cfg: Any, strategy: str, world: int) -> list[Finding]:
             f"(\"You can't train a model that has been loaded with device_map='auto' in any distributed mode\").",
             "remove device_map (shardfit ignores it under a launcher unless strict: true), or use strategy: "
             "model_parallel in one process", fixed))
-    if strategy in ("zero3", "zero3_offload"):
+    if s.shards_params:
         out.append(Finding(
             "device_map_with_zero3", "error", "config: device_map",
             "a device map places whole layers itself, while ZeRO-3 shards every parameter across ranks; the two "
@@ -43,15 +47,13 @@ def device_map_rules(cfg: Any, strategy: str, world: int) -> list[Finding]:
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    from shardfit.train.loss import decoder_and_head
-
     try:
         return decoder_and_head(model)
     except (TypeError, AttributeError):
         return None
 
 
-def unused_module_rules(model: nn.Module, strategy: str, fix: bool) -> list[Finding]:
+def unused_module_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Finding]:
     """Top-level modules outside the text forward (decoder + head): talkers, vocoders, vision/audio towers.
 
     shardfit's training forward runs exactly the decoder and the head, so everything else is unused by
@@ -72,14 +74,12 @@ def unused_module_rules(model: nn.Module, strategy: str, fix: bool) -> list[Find
         leaf = name.rpartition(".")[2]
         if leaf in GENERATION_ONLY:
             msg = (f"{name} ({n / 1e6:.1f}M params) only produces speech; the text forward never runs it, and under "
-                   f"{strategy} it would stay unplaced (the 'cuda:0 and cpu' error of ZeRO-3 runs)")
+                   f"{s.name} it would stay unplaced (the 'cuda:0 and cpu' error of ZeRO-3 runs)")
             if fix:
-                from shardfit.models.adapters import drop_modules
-
                 drop_modules(model, [name])
             out.append(Finding("unused_module", "warning", name, msg, f"drop_modules: [{leaf}]", fix))
             continue
-        severity = "error" if trainable and strategy == "ddp" else "warning" if trainable else "info"
+        severity = "error" if trainable and s.engine == "ddp" else "warning" if trainable else "info"
         msg = f"{name} ({n / 1e6:.1f}M params) is not used by the text training forward"
         if trainable:
             msg += "; as trainable parameters they get no gradient (DDP: 'Expected to have finished reduction')"
@@ -134,7 +134,7 @@ def quantized_placement_rules(model: nn.Module, device: torch.device, world: int
     Quantized weights are placed at load time and cannot move afterwards, so nothing can fix it here; accelerate
     makes the same check from the same `hf_device_map` ("You can't train a model that has been loaded in 8-bit or
     4-bit precision on a different device")."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if not (getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)):
         return []
     placed = {str(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d))
@@ -152,12 +152,10 @@ def quantized_placement_rules(model: nn.Module, device: torch.device, world: int
     return []
 
 
-def fsdp_unit_rules(model: nn.Module, strategy: str, precision: str, fix: bool) -> list[Finding]:
+def fsdp_unit_rules(model: nn.Module, s: Strategy, precision: str, fix: bool) -> list[Finding]:
     """Per FSDP unit (each decoder block, then the rest): dtypes, integer storage, tied weights across units."""
-    if strategy not in SHARDED:
+    if not s.sharded:
         return []
-    from shardfit.parallel.wrap import fsdp_units, transformer_blocks
-
     n_blocks = len(transformer_blocks(model))
     unit_modules = fsdp_units(model)
     in_unit = {id(p): _unit_name(i, n_blocks) for i, u in enumerate(unit_modules) for p in u.parameters()}
@@ -214,19 +212,7 @@ def _unit_of(param_name: str, units: list[nn.Module], n_blocks: int, model: nn.M
     return "root"
 
 
-def old_gc_api(model: nn.Module) -> bool:
-    """True when the model's code overrides `_set_gradient_checkpointing(module, value)` (pre-4.35 API)."""
-    from transformers import PreTrainedModel
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    own = getattr(type(base), "_set_gradient_checkpointing", None)
-    if own is None or own is getattr(PreTrainedModel, "_set_gradient_checkpointing", None):
-        return False
-    params = list(inspect.signature(own).parameters)
-    return "value" in params or ("module" in params and "enable" not in params)
-
-
-def grad_ckpt_rules(model: nn.Module, cfg: Any) -> list[Finding]:
+def grad_ckpt_rules(model: nn.Module, cfg: Config) -> list[Finding]:
     if cfg.grad_ckpt == "none" or not old_gc_api(model):
         return []
     return [Finding("gc_remote_code_old_api", "warning", type(model).__name__,
@@ -246,7 +232,7 @@ def _reentrant_blocks(model: nn.Module) -> list[str]:
     return out
 
 
-def reentrant_ckpt_rules(model: nn.Module, strategy: str, fix: bool) -> list[Finding]:
+def reentrant_ckpt_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Finding]:
     """Reentrant checkpointing breaks DDP (a parameter is marked ready twice) and, with frozen embeddings (LoRA),
     gets inputs that do not require grad, so the adapters inside get no gradient at all."""
     where = _reentrant_blocks(model)
@@ -261,7 +247,7 @@ def reentrant_ckpt_rules(model: nn.Module, strategy: str, fix: bool) -> list[Fin
     remedy = "non-reentrant checkpointing: activation_checkpointing_enable(activation_checkpointing_kwargs=" \
               "{'use_reentrant': False}) (gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) before " \
               "transformers 5)"
-    if strategy == "ddp":
+    if s.engine == "ddp":
         out.append(Finding("gc_ddp_reentrant", "error", where[0],
                            "reentrant gradient checkpointing under DDP: backward re-runs each block and DDP sees "
                            "its parameters marked ready twice ('Expected to mark a variable ready only once')",
@@ -274,7 +260,7 @@ def reentrant_ckpt_rules(model: nn.Module, strategy: str, fix: bool) -> list[Fin
     return out
 
 
-def precision_rules(model: nn.Module, cfg: Any, fix: bool) -> list[Finding]:
+def precision_rules(model: nn.Module, cfg: Config, fix: bool) -> list[Finding]:
     """fp16 trainable weights with fp16 mixed precision: the gradient scaler cannot unscale fp16 gradients."""
     bad = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
     if cfg.precision != "fp16" or not bad:
@@ -287,28 +273,27 @@ def precision_rules(model: nn.Module, cfg: Any, fix: bool) -> list[Finding]:
                     f"unscale FP16 gradients'", "keep trainable parameters in fp32 (or use bf16)", fix)]
 
 
-def visible_gpu_rules(strategy: str, world: int) -> list[Finding]:
+def visible_gpu_rules(s: Strategy, world: int) -> list[Finding]:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n > 1 and world == 1 and strategy != "model_parallel":
+    if n > 1 and world == 1 and s.engine != "device_map":
         return [Finding("several_gpus_one_process", "info", "launch",
                         f"{n} GPUs are visible to one process; shardfit uses one of them (never nn.DataParallel)",
                         "shardfit train --nproc N to use them all, or strategy: model_parallel")]
     return []
 
 
-def plan_rules(plan: dict | None, strategy: str, force: bool) -> list[Finding]:
-    if plan is None:
+def plan_rules(plan: Plan | None, s: Strategy, force: bool) -> list[Finding]:
+    """The plan's verdict on the strategy: predicted out-of-memory is an error (a warning with `force`)."""
+    c = plan.candidate(s.name) if plan is not None else None
+    if c is None or c.fits:
         return []
-    c = next((c for c in plan["candidates"] if c["strategy"] == strategy), None)
-    if c is None or c["fits"]:
-        return []
-    best = plan.get("recommended")
-    return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {strategy}",
-                    f"predicted {c['per_gpu_gib']['total']:.1f} GiB per GPU of {plan['hardware']['gpu_mem_gib']:.0f}: "
-                    f"{c['notes']}", f"strategy: {best}" if best else _nearest_fix(plan))]
+    fix = f"strategy: {plan.recommended}" if plan.recommended else _nearest_fix(plan)
+    return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {s.name}",
+                    f"predicted {c.per_gpu_gib.total:.1f} GiB per GPU of {plan.hardware.gpu_mem_gib:.0f}: "
+                    f"{c.notes}", fix)]
 
 
-def _nearest_fix(plan: dict) -> str:
+def _nearest_fix(plan: Plan) -> str:
     """When no strategy fits as configured: the planner's nearest change that makes one fit."""
-    alts = plan.get("alternatives") or []
+    alts = plan.alternatives or []
     return "; or ".join(alts[:2]) if alts else "more or larger GPUs (see `shardfit plan`)"

@@ -45,7 +45,7 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Bat
 
 
 @dataclass
-class StepPlan:
+class StepRows:
     """The micro-batches of one optimizer step for one rank, and the target count of the global batch."""
 
     micro_batches: list[list[PackedRow]]
@@ -53,7 +53,7 @@ class StepPlan:
     global_tokens: int
 
 
-class Schedule:
+class BatchSchedule:
     """Epoch-seeded permutation of rows, cut into global batches of micro_batch * world * grad_accum rows.
 
     The last global batch of an epoch is completed by wrapping to the start of the permutation, so every rank runs
@@ -74,7 +74,7 @@ class Schedule:
             perm += perm[: need - len(perm)]
         return perm
 
-    def step(self, global_step: int) -> StepPlan:
+    def step(self, global_step: int) -> StepRows:
         """Rows for optimizer step `global_step` (0-based, counted across epochs)."""
         epoch, k = divmod(global_step, self.steps_per_epoch)
         order = self._order(epoch)
@@ -86,7 +86,7 @@ class Schedule:
         for m in range(self.accum):
             base = (m * self.world + self.rank) * self.mb
             micro.append(rows[base:base + self.mb])
-        return StepPlan(micro, global_targets, sum(len(r) for r in rows))
+        return StepRows(micro, global_targets, sum(len(r) for r in rows))
 
     def epoch_of(self, global_step: int) -> float:
         return global_step / self.steps_per_epoch

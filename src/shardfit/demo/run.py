@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -9,7 +10,10 @@ from pathlib import Path
 
 from shardfit.config import load_config
 from shardfit.demo.evaluate import accuracy, generate_answers, report
-from shardfit.parallel.env import DistEnv
+from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.source import resolve_model
+from shardfit.parallel.env import DistEnv, resolve_precision
+from shardfit.train.recipe import train
 
 DEMO_DIR = Path(__file__).resolve().parent
 
@@ -20,17 +24,16 @@ def demo_config_path() -> Path:
 
 def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
     """Evaluate the base model, fine-tune it, evaluate again; print the table and return the numbers."""
-    from shardfit.models.load import load_for_training
-    from shardfit.train.loop import train
-
     t0 = time.perf_counter()
     cfg = load_config(demo_config_path(), overrides)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
     heldout = [json.loads(line) for line in Path(cfg.eval_data).read_text().splitlines() if line.strip()]
     if env.is_main:
         print(f"shardfit demo: LoRA fine-tune of {cfg.model} on a record-extraction task "
               f"({sum(1 for _ in open(cfg.data))} train / {len(heldout)} held-out examples)")
-    model, tok = load_for_training(cfg)
-    model.to(env.device)
+    tok = load_tokenizer(resolve_model(cfg.model))
+    # The model as training builds it: its fresh LoRA adapters add nothing yet, so this is the base model's answer.
+    model = build_model(cfg, "single", weights=True).to(env.device)
     before = generate_answers(model, tok, heldout) if env.is_main else []
     if env.is_main:
         print(f"base model: {accuracy(before):.1%} exact match before training")

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 
+from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 
 
-def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     """Wrap `model` with peft LoRA adapters; adapters are kept in fp32 whatever the base dtype."""
-    from peft import LoraConfig, get_peft_model
-
     targets = lora.targets
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                         task_type="CAUSAL_LM", bias="none")
@@ -74,7 +73,7 @@ def drop_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
     return removed
 
 
-def setup_trainable(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
+def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     """Apply the config's method; returns the model whose trainable parameters the optimizer updates."""
     if cfg.drop_modules:
         drop_modules(model, cfg.drop_modules)

@@ -1,13 +1,24 @@
 """Activation checkpointing of every decoder block: full (only the block's input is kept) or selective (the
 outputs of the attention kernel and of every other matmul are kept too, so backward recomputes the cheap ops
-only), through transformers' own switch, non-reentrant, under whichever name the version has."""
+only), non-reentrant: through transformers' own switch under whichever name the version has, or torch's wrapper
+for remote code that still implements the pre-4.35 API."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers import PreTrainedModel
+
+from shardfit.models.anatomy import base_model, transformer_blocks
 
 NON_REENTRANT = {"use_reentrant": False}
 
@@ -32,8 +43,6 @@ def selective_context() -> Any:
     attention kernel and of every other matmul (the first, third, ...; a matmul with a bias counts too) and
     recomputes the rest (norms, activations, RoPE, the other matmuls) in backward. Counting restarts for each
     call, and the recomputation counts separately, so both pick the same matmuls."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
     attention = _attention_kernels()
     counts = {False: 0, True: 0}
@@ -72,3 +81,25 @@ def enable_hf_checkpointing(model: nn.Module, selective: bool = False) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(selective))
     if hasattr(model, "disable_input_require_grads"):
         model.disable_input_require_grads()
+
+
+def old_gc_api(model: nn.Module) -> bool:
+    """True when the model's code overrides `_set_gradient_checkpointing(module, value)` (pre-4.35 API), which
+    transformers' own switch cannot drive ('got an unexpected keyword argument enable')."""
+    own = getattr(type(base_model(model)), "_set_gradient_checkpointing", None)
+    if own is None or own is getattr(PreTrainedModel, "_set_gradient_checkpointing", None):
+        return False
+    params = list(inspect.signature(own).parameters)
+    return "value" in params or ("module" in params and "enable" not in params)
+
+
+def enable_checkpointing(model: nn.Module, selective: bool = False) -> None:
+    """Non-reentrant activation checkpointing of every decoder block, full or `selective`: transformers' switch
+    when the model supports it, else torch's checkpoint wrapper around its blocks."""
+    if not old_gc_api(model):
+        enable_hf_checkpointing(model, selective)
+        return
+    blocks = set(map(id, transformer_blocks(model)))
+    # The wrapper is non-reentrant by default and sets use_reentrant itself: only the policy is passed on.
+    wrapper = functools.partial(checkpoint_wrapper, context_fn=selective_context) if selective else checkpoint_wrapper
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in blocks)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfit.errors import UserError
+
 
 def split_layers(n_layers: int, capacity: list[float], first_device_fixed: float, layer_cost: float) -> list[int]:
     """How many consecutive blocks each device takes: proportional to what is left after fixed costs."""
@@ -73,33 +75,14 @@ def device_map_for(model: nn.Module, devices: list[int], capacity_bytes: list[fl
     return dmap
 
 
-def model_parallel_map(source: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> dict[str, Any]:
-    """The balanced map for a model source over every visible GPU, from free memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def balanced_device_map(model: nn.Module) -> dict[str, Any]:
+    """The balanced map of `model` (built on the meta device) over every visible GPU, from their free memory."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        raise RuntimeError("model_parallel needs at least two visible GPUs in one process")
-    kwargs = {"trust_remote_code": trust_remote_code}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
-    config = AutoConfig.from_pretrained(source.folder, **kwargs)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        raise UserError("'strategy: model_parallel' needs at least two visible GPUs in one process; with one GPU "
+                        "use strategy: single, with several ranks zero3.")
     devices = list(range(torch.cuda.device_count()))
     free = [float(torch.cuda.mem_get_info(d)[0]) for d in devices]
-    return device_map_for(model, devices, free)
-
-
-def input_device(module: nn.Module) -> torch.device:
-    """Where inputs must go: the device of the input embedding (model_parallel) or of any parameter."""
-    from shardfit.train.loss import decoder_and_head
-
-    inner = getattr(module, "model", module)
     try:
-        decoder, _ = decoder_and_head(inner)
-        emb = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
-        if emb is not None:
-            return emb.weight.device
-    except TypeError:
-        pass
-    return next(module.parameters()).device
+        return device_map_for(model, devices, free)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"'strategy: model_parallel': {e}.") from None

@@ -22,6 +22,11 @@ class ModelSource:
     gguf_file: str | None = None
     name: str = ""
 
+    @property
+    def is_local(self) -> bool:
+        """The weights are on this disk (a folder or a GGUF file); otherwise `folder` is a hub id."""
+        return Path(self.folder).is_dir()
+
 
 def _package_dir(package: str) -> Path | None:
     spec = importlib.util.find_spec(package)  # find, never import: the package's own code is not ours to run

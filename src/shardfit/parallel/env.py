@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -78,3 +80,34 @@ def shutdown(env: DistEnv, ok: bool = True) -> None:
         if ok:
             dist.barrier()
         dist.destroy_process_group()
+
+
+@functools.cache
+def cpu_matmul_gflops(dtype: torch.dtype) -> float:
+    """This CPU's matmul speed in `dtype` (a 10 ms probe, measured once per process). CPUs without bf16 units
+    (no AVX512-BF16/AMX) run bf16 matmuls on a slow fallback: 1.6 against 119 GFLOP/s for fp32 on 2 EPYC cores."""
+    a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
+    a @ b  # warm-up: the first call picks kernels
+    reps, t0 = 4, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return reps * 2 * 256**3 / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
+def fast_cpu_bf16() -> bool:
+    """bf16 matmuls on this CPU are at least as fast as fp32 ones."""
+    return cpu_matmul_gflops(torch.bfloat16) >= cpu_matmul_gflops(torch.float32)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """The compute precision `auto` stands for on `device_type`: bf16 on GPUs that support it (else fp16), bf16 on
+    CPUs whose bf16 matmuls are fast (else fp32). Any other value is returned as it is."""
+    if precision != "auto":
+        return precision
+    if device_type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if fast_cpu_bf16() else "fp32"

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from shardfit import strategy as strategies
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import FULL_LOSSES, Workload
 
 GIB = 2**30
-STRATEGIES = ("single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel")
-SPEED_ORDER = ("single", "ddp", "zero2", "zero3", "model_parallel", "zero3_offload")  # fastest first
 CUDA_CONTEXT_GIB = 0.5
 NCCL_GIB = 0.5
 ALLOCATOR_RESERVE = 0.08
@@ -32,41 +32,6 @@ LOSS_CHUNK = 1024
 # upcast and the log-softmax are alive at once; transformers 4.46-4.48 also copied the shifted fp32 logits
 # (`loss: full_shift`; from 4.49 the labels are shifted instead).
 FULL_LOSS_BYTES = 12
-FULL_LOSSES = ("full", "full_shift", "full_shift16")
-ATTENTIONS = ("sdpa", "flash", "eager")
-
-
-@dataclass(frozen=True)
-class Workload:
-    method: str = "lora"
-    precision: str = "bf16"
-    seq_len: int = 2048
-    micro_batch: int = 1
-    # none; full: each block keeps only its input; selective: also its attention kernel's and every other matmul's
-    # outputs (torchtitan's op-level policy, models/checkpointing.py)
-    grad_ckpt: str = "full"
-    optimizer: str = "adamw"
-    lora_rank: int = 8
-    # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer); full_shift: the same with
-    # transformers 4.46-4.48, which copied the shifted fp32 logits; full_shift16: a GPT-2-style loss that copies the
-    # shifted 16-bit logits and leaves the upcast to autocast's cross-entropy (remote code such as Qwen v1's)
-    loss: str = "chunked"
-    # sdpa: torch's SDPA over shardfit's rows, which hold several examples (packing) or padding, so transformers
-    # builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention (variable lengths,
-    # no dense mask), or SDPA over rows of one unpadded example; eager: the scores are saved
-    attention: str = "sdpa"
-    grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
-    # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
-    # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
-    frozen_fp32: bool = False
-    # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
-    # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
-    adapters_16bit: bool = False
-
-    @property
-    def trains_adapters(self) -> bool:
-        """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
-        return self.method in ("lora", "qlora")
 
 
 @dataclass
@@ -144,7 +109,7 @@ def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
 
 def runs_autocast(w: Workload, strategy: str) -> bool:
     """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy)."""
-    return w.precision != "fp32" and strategy not in ("zero2", "zero3", "zero3_offload")
+    return w.precision != "fp32" and strategies.get(strategy).autocast
 
 
 def autocast_fp32_master(w: Workload, strategy: str) -> bool:
@@ -330,23 +295,24 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     foreach = 0.0  # the multi-tensor AdamW's temporary (FSDP's DTensor parameters; plain ones use the fused kernel)
     fwd_temp = bwd_temp = 0.0
     persistent_grads = False
-    if strategy in ("single", "ddp"):
+    s = strategies.get(strategy)
+    if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
-        persistent_grads = strategy == "ddp" and n > 1  # DDP's gradient buckets live for the whole run
-    elif strategy == "zero2":
+        persistent_grads = s.engine == "ddp" and n > 1  # DDP's gradient buckets live for the whole run
+    elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
         bwd_temp = layer_grads
         foreach = t_all * trainable_bytes(w) / n
-    elif strategy in ("zero3", "zero3_offload"):
+    elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
-        # untied input embedding is a unit of its own (parallel/wrap.py), freed right after it runs.
+        # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         fwd_temp = root_16 - own_embedding_16 + layer_16
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
         bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
         foreach = t_all * trainable_bytes(w) / n
-        if strategy == "zero3_offload":
+        if s.offload:
             cpu = weights / n + grads / n + optim / n
             weights = grads = optim = foreach = 0.0
             div_w = div_g = div_o = 1
@@ -381,13 +347,13 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     add_runtime_overhead(b, hw, strategy)
     fits = b.total <= hw.gpu_mem_gib
     host_gib = cpu / GIB * hw.gpus_per_node
-    if strategy == "zero3_offload" and hw.cpu_mem_gib is not None and host_gib > hw.cpu_mem_gib:
+    if s.offload and hw.cpu_mem_gib is not None and host_gib > hw.cpu_mem_gib:
         fits = False
         notes = f"host RAM too small for offloaded shards: {host_gib:.0f} GiB per node needed"
-    if strategy == "model_parallel" and hw.nodes > 1:
+    if s.engine == "device_map" and hw.nodes > 1:
         fits, notes = False, "model_parallel splits one process over one node's GPUs; use zero3 across nodes"
     if not notes:
-        notes = _note(strategy, b, hw, weights)
+        notes = _note(s, b, hw)
     return Candidate(strategy, fits, b, cpu / GIB, peak_phase=phase, notes=notes)
 
 
@@ -399,22 +365,22 @@ def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     """Fill in what a real GPU adds to the tensor peak (GiB) and the total: allocator reserve, CUDA context, and
     NCCL buffers when several ranks of the strategy talk."""
     tensors = _tensors(b)
-    talks = hw.world > 1 and strategy not in ("single", "model_parallel")
+    talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if talks else 0.0)
     b.total = tensors + b.runtime_overhead
 
 
-def _note(strategy: str, b: Breakdown, hw: Hardware, weights: float) -> str:
+def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware) -> str:
     cap = hw.gpu_mem_gib
-    if strategy in ("single", "ddp") and b.total > cap:
+    if s.engine in ("plain", "ddp") and b.total > cap:
         if b.weights > cap:
             return f"full replica per GPU: weights alone need {b.weights:.0f} GiB of {cap:.0f} GiB"
         return f"full replica per GPU: {b.total:.1f} GiB of {cap:.0f} GiB"
-    if strategy == "single" and hw.world > 1:
+    if s.engine == "plain" and hw.world > 1:
         return "uses one GPU only"
-    if strategy == "zero3_offload":
+    if s.offload:
         return "params, grads and optimizer state in host RAM; slowest (PCIe traffic every step)"
-    if strategy == "model_parallel":
+    if s.engine == "device_map":
         return "layers split over local GPUs; one GPU computes at a time"
     if b.total > cap:
         biggest = max(("weights", b.weights), ("activations", b.activations), ("optimizer", b.optimizer),

@@ -57,10 +57,20 @@ def host_mem_gib() -> float | None:
 
 def detect(nodes: int = 1) -> Hardware:
     """The local GPUs, or (no GPU) the CPU treated as one device with the host's memory."""
-    import torch
+    import torch  # only to ask the driver: the rest of the planner runs without torch
 
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         props = torch.cuda.get_device_properties(0)
         return Hardware(nodes, n, props.total_memory / 2**30, host_mem_gib(), props.name)
     return Hardware(nodes, 1, host_mem_gib() or 16.0, host_mem_gib(), "cpu")
+
+
+def job_hardware(device_type: str, world: int) -> Hardware:
+    """The hardware of a running job of `world` ranks: its GPUs, or on a CPU machine the host RAM they share."""
+    if device_type == "cuda":
+        hw = detect()
+        return Hardware(max(1, world // hw.gpus_per_node), min(hw.gpus_per_node, world), hw.gpu_mem_gib,
+                        hw.cpu_mem_gib, hw.name)
+    mem = host_mem_gib() or 16.0
+    return Hardware(1, world, mem / world, mem, "cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -88,8 +89,20 @@ def resolve_shape(model: str) -> ModelShape:
         return _from_config(json.loads(p.read_text()), model)
     if p.is_dir() and (p / "config.json").is_file():
         return _from_config(json.loads((p / "config.json").read_text()), model)
-    import difflib
-
     close = difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
     raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")
+
+
+def hf_config(shape: ModelShape) -> Any:
+    """A transformers config of the shape's architecture family (Qwen2 for Qwen ids, else Llama): what a weightless
+    model is built from when no config.json is at hand (a catalog id)."""
+    from transformers import LlamaConfig, Qwen2Config  # configs only; the planner itself needs no transformers
+
+    cls = Qwen2Config if "qwen" in shape.id.lower() else LlamaConfig
+    kwargs = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+                  tie_word_embeddings=shape.tied, max_position_embeddings=131072)
+    if shape.head_dim:
+        kwargs["head_dim"] = shape.head_dim
+    return cls(**kwargs)

@@ -152,11 +152,35 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=str(path), no_dist=not env.distributed)
-    meta = torch.load(path / "trainer.pt", weights_only=False)
+    meta = torch.load(path / "trainer.pt", weights_only=True)
     scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-{env.rank}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=True))
     if env.distributed:
         dist.barrier()
     return Resumed(int(meta["step"]), int(meta["tokens"]), path)
+
+
+class Checkpointer:
+    """The run's checkpoints: where training resumes from, and a save every `every` steps before the last (the
+    last step is saved by `save`), keeping the newest `keep`."""
+
+    def __init__(self, run_dir: Path, env: DistEnv, *, every: int, keep: int, total_steps: int):
+        self.run_dir, self.env, self.every, self.keep, self.total = Path(run_dir), env, every, keep, total_steps
+
+    def resume(self, resume: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               lr_schedule: Any) -> Resumed | None:
+        """Check that every rank sees the run directory, then restore the checkpoint `resume` names, if any."""
+        require_shared_dir(self.run_dir, self.env)
+        path = find_resume(self.run_dir, resume)
+        return None if path is None else load_checkpoint(path, module, optimizer, lr_schedule, self.env)
+
+    def maybe_save(self, step: int, tokens: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   lr_schedule: Any) -> None:
+        if step % self.every == 0 and step != self.total:
+            self.save(step, tokens, module, optimizer, lr_schedule)
+
+    def save(self, step: int, tokens: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             lr_schedule: Any) -> Path:
+        return save_checkpoint(self.run_dir, step, tokens, module, optimizer, lr_schedule, self.env, self.keep)

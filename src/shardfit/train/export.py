@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from shardfit.config import Config
+from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
 
 
@@ -58,20 +63,15 @@ def _drop_tied_copies(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str
     return sd
 
 
-def merge_adapter(base_model: str, adapter_dir: Path, out_dir: Path, dtype: torch.dtype,
-                  trust_remote_code: bool = False) -> Path:
-    """Load the base, apply the adapter, merge it into the weights, and save a plain HF folder with tokenizer."""
-    from peft import PeftModel
-
-    from shardfit.models.load import load_model, load_tokenizer
-    from shardfit.models.source import resolve_model
-
-    source = resolve_model(base_model)
-    model = load_model(source, torch.float32, trust_remote_code)
+def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
+    """Build the run's base model (as training built it, in fp32), apply the adapter, merge it into the weights,
+    and save a plain HF folder with the tokenizer."""
+    base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
+    model = build_model(base_cfg, "single", weights=True)
     model = PeftModel.from_pretrained(model, str(adapter_dir))
     merged = model.merge_and_unload().to(dtype)
     merged.config.use_cache = True
     out_dir.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(out_dir), safe_serialization=True)
-    load_tokenizer(source, trust_remote_code).save_pretrained(str(out_dir))
+    load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
     return out_dir

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
+from shardfit.models.anatomy import decoder_and_head
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
         with torch.autocast(h.device.type, enabled=False):
             return _LinearCrossEntropy.apply(h, weight, y, chunk, compute_dtype), n
     # A wrapped head (LoRA on lm_head, a bias): recompute each chunk's logits in backward instead.
-    from torch.utils.checkpoint import checkpoint
-
     def piece(hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(_upcast(head(hc)), yc, reduction="sum")
 
@@ -105,22 +105,6 @@ def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
     n = int((targets != IGNORE).sum())
     return F.cross_entropy(_upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                            reduction="sum"), n
-
-
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The transformer body and output head of a causal LM (through a peft wrapper if present).
-
-    Composite models train their text model: Qwen-Omni's `thinker` (its talker and token2wav are not part of
-    the text forward), and models whose head and decoder are reachable through `get_output_embeddings` /
-    `get_decoder` (Qwen2-VL's language model)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base, "thinker", None) is not None:
-        base = base.thinker
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    if decoder is None or head is None:
-        raise TypeError(f"{type(base).__name__} exposes no decoder/output head; shardfit trains causal LMs")
-    return decoder, head
 
 
 class CausalLMLoss(nn.Module):

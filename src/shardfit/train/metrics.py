@@ -1,15 +1,18 @@
-"""Run outputs: metrics.jsonl, summary.json, memory per rank, optional TensorBoard, and the progress bar."""
+"""What a run reports while it trains: metrics.jsonl, memory per rank, optional TensorBoard, the progress bar, and
+the step logger that decides when to write."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from shardfit.parallel.env import DistEnv
 
@@ -71,7 +74,48 @@ def truncate_after(path: Path, step: int) -> None:
 
 def progress(total: int, initial: int, enabled: bool) -> Any:
     """A tqdm bar on rank 0 (loss, tokens/s, ETA); silent elsewhere."""
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
                 desc="train", unit="step")
+
+
+class StepLogger:
+    """The training loss and throughput over a window of steps, written every `every` steps (and at the last):
+    one metrics.jsonl line, and the progress bar's loss and tokens/s. Every rank calls it (the window's loss and
+    the memory of each rank are gathered), rank 0 writes."""
+
+    def __init__(self, metrics: MetricsLog, env: DistEnv, every: int, total_steps: int, start_step: int,
+                 epoch_of: Any, t_start: float, show: bool):
+        self.metrics, self.env, self.every, self.total = metrics, env, every, total_steps
+        self.epoch_of, self.t_start = epoch_of, t_start
+        self.bar = progress(total_steps, start_step, show)
+        self.losses: list[float] = []  # one per written window: summary.json's train_loss is the last
+        self._loss = torch.zeros((), dtype=torch.float64, device=env.device)
+        self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
+
+    def add_loss(self, loss_sum: torch.Tensor, global_targets: int) -> None:
+        """A micro-batch's summed loss, as a share of its step's mean over the global batch."""
+        self._loss += loss_sum.detach().double() / max(global_targets, 1)
+
+    def end_step(self, step: int, tokens: int, step_tokens: int, grad_norm: torch.Tensor, lr: float) -> None:
+        """Count a finished optimizer step; write the window when `step` is on the cadence or the last."""
+        self._steps += 1
+        self._tokens += step_tokens
+        self.bar.update(1)
+        if step % self.every and step != self.total:
+            return
+        if self.env.distributed:
+            dist.all_reduce(self._loss)
+        loss = float(self._loss) / self._steps
+        self.losses.append(loss)
+        tps = self._tokens / max(time.perf_counter() - self._t0, 1e-9)
+        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.metrics.write({"step": step, "epoch": round(self.epoch_of(step), 4), "loss": round(loss, 6), "lr": lr,
+                            "grad_norm": round(float(gn), 6), "tokens": tokens, "tokens_per_s": round(tps, 2),
+                            "mem_gib": [round(x, 4) for x in gather_floats(peak_mem_gib(self.env.device), self.env)],
+                            "wall_s": round(time.perf_counter() - self.t_start, 3)})
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}")
+        self._loss.zero_()
+        self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
+
+    def close(self) -> None:
+        self.bar.close()

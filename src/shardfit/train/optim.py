@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 
 def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; the fused kernel where every parameter is a plain local tensor, else
     the multi-tensor (foreach) one, which is what CUDA picks by default and what the planner counts."""
-    from torch.distributed.tensor import DTensor
-
     plain = all(not isinstance(p, DTensor) for p in params)
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardfit.errors import UserError
-from shardfit.parallel.wrap import transformer_blocks
+from shardfit.models.anatomy import transformer_blocks
 
 
 def require_compiler(device: torch.device) -> None:

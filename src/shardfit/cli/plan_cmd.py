@@ -1,0 +1,101 @@
+"""`shardfit plan`: per-GPU memory of every strategy before anything is loaded (torch only for --simulate)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from shardfit.config import load_config
+from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
+from shardfit.errors import UserError
+from shardfit.plan.hardware import detect, parse_gpus
+from shardfit.plan.plan import make_plan
+from shardfit.plan.render import format_table, plot
+from shardfit.plan.shapes import catalog, resolve_shape
+from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, Workload, workload_of
+from shardfit.strategy import NAMES
+
+EXAMPLE = "example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory of every strategy, before anything is loaded", epilog=EXAMPLE)
+    p.add_argument("config", nargs="?")
+    p.add_argument("--model", default=None, help="HF id from the catalog, a local folder or a config.json")
+    p.add_argument("--list-models", action="store_true", help="list the catalog's model ids and exit")
+    p.add_argument("--gpus", default=None, help="8x24GB, 4xA100-80G, 2xH100, 1x4090 (default: this machine)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--cpu-mem", type=float, default=None, metavar="GIB", help="host RAM per node, for offload")
+    p.add_argument("--method", choices=METHODS, default=None)
+    p.add_argument("--precision", choices=PRECISIONS, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
+    p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--loss", choices=LOSSES, default=None,
+                   help="chunked: shardfit's loss (default); full: logits of every position at once, as transformers' "
+                        "own loss computes them (to predict an HF Trainer / LLaMA-Factory / axolotl / TRL run); "
+                        "full_shift: the same with transformers 4.46-4.48, whose loss copied the shifted fp32 "
+                        "logits; full_shift16: a GPT-2-style loss that copies the shifted 16-bit logits (older "
+                        "remote code, e.g. Qwen v1)")
+    p.add_argument("--frozen-fp32", action="store_true", default=None,
+                   help="frozen embeddings, norms and head in fp32, as peft's prepare_model_for_kbit_training leaves "
+                        "them (to predict a TRL / axolotl QLoRA run)")
+    p.add_argument("--adapters-16bit", action="store_true", default=None,
+                   help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32 (peft "
+                        "before 0.12, LLaMA-Factory's pure_bf16)")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
+                        "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
+    p.add_argument("--grad-accum", type=int, default=None, metavar="N",
+                   help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
+    p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
+    p.add_argument("--simulate", action="store_true",
+                   help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.set_defaults(func=run)
+
+
+def local_precision() -> str:
+    """What precision `auto` means on this machine's device."""
+    from shardfit.parallel.env import cuda_available, resolve_precision  # torch: detect() has loaded it already
+
+    return resolve_precision("auto", "cuda" if cuda_available() else "cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_models:
+        print("\n".join(sorted(catalog())))
+        return 0
+    if args.config:
+        cfg = load_config(args.config, check_files=False)
+        shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
+    elif args.model:
+        shape, w, source = resolve_shape(args.model), Workload(), args.model
+    else:
+        raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
+    overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
+                 "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
+                 "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
+                 "attention": args.attention, "adapters_16bit": args.adapters_16bit}
+    w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
+    if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
+        w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())
+    if args.strategy not in (None, "all") and args.strategy not in NAMES:
+        raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
+    plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
+    if args.simulate:
+        from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating
+
+        plan = simulate_plan(plan, shape, w, hw, source if Path(source).exists() else None)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan))
+    if args.plot:
+        plot(plan, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0 if plan.recommended else 3

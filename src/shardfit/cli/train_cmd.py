@@ -1,0 +1,80 @@
+"""`shardfit train`: the demo (no config) or a fine-tune, in this process or relaunched under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shardfit.config import load_config
+from shardfit.errors import UserError
+from shardfit.strategy import get as get_strategy
+
+EXAMPLE = "example: shardfit train my.yaml --set lr=1e-4 --nproc 2"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="fine-tune (no CONFIG: the built-in demo)", epilog=EXAMPLE)
+    p.add_argument("config", nargs="?", help="YAML config; omit for the built-in demo")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set lr=1e-4 --set lora.rank=16")
+    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: all GPUs; 1 on CPU)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--rdzv-endpoint", default=None, help="host:port of a c10d rendezvous (elastic multi-node)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank dies")
+    p.set_defaults(func=run)
+
+
+def _validate_before_launch(args: argparse.Namespace, world: int) -> None:
+    """Fail once, in seconds, before starting ranks that would each fail the same way."""
+    from shardfit.check.rules import device_map_rules  # torch and transformers: only to train
+    from shardfit.models.build import require_method_support
+    from shardfit.train.recipe import refuse_unfixable
+
+    cfg = load_config(args.config, args.overrides)
+    require_method_support(cfg)
+    refuse_unfixable(device_map_rules(cfg, get_strategy("single" if cfg.strategy == "auto" else cfg.strategy), world))
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardfit.parallel.env import init_distributed, shutdown, under_launcher  # torch: only to train
+    from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
+
+    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}.")
+    if (nproc > 1 or args.nnodes > 1) and not under_launcher():
+        if args.config:
+            _validate_before_launch(args, nproc * args.nnodes)
+        passthrough = ["train"] + ([args.config] if args.config else [])
+        for item in args.overrides:
+            passthrough += ["--set", item]
+        cmd = torchrun_command(passthrough, nproc, args.nnodes, args.node_rank, args.master_addr,
+                               args.master_port, args.rdzv_endpoint, args.max_restarts)
+        print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
+        return relaunch(cmd)
+
+    env = init_distributed()
+    if not env.is_main:
+        logging.getLogger("shardfit").setLevel(logging.ERROR)
+    ok = False
+    try:
+        if args.config is None:
+            from shardfit.demo.run import run_demo
+
+            run_demo(env, args.overrides)
+        else:
+            from shardfit.train.recipe import train
+
+            result = train(load_config(args.config, args.overrides), env)
+            if env.is_main:
+                s = result.summary
+                print(f"done: {s['steps']} steps, train loss {s['train_loss']}, eval loss {s['eval_loss']}, "
+                      f"{s['tokens_per_s']} tokens/s; outputs in {result.run_dir}")
+        ok = True
+    finally:
+        shutdown(env, ok)
+    return 0

@@ -1,0 +1,69 @@
+"""Where things are in a model: the text model that trains, its decoder body, output head, repeated blocks and
+input embedding. Every stage asks here, so composite models (a peft wrapper, Qwen-Omni's thinker, Qwen2-VL's
+language model) are handled once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The model whose text forward shardfit trains: Qwen-Omni's thinker (its talker and token2wav only produce
+    speech), else the base model."""
+    base = base_model(model)
+    thinker = getattr(base, "thinker", None)
+    return thinker if thinker is not None else base
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer body and output head of a causal LM (through a peft wrapper and an Omni thinker).
+
+    Models whose head and decoder are reachable through `get_output_embeddings` / `get_decoder` (Qwen2-VL's
+    language model among them) are covered; anything else is not a model shardfit trains (TypeError)."""
+    base = text_model(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if decoder is None or head is None:
+        raise TypeError(f"{type(base).__name__} exposes no decoder/output head; shardfit trains causal LMs")
+    return decoder, head
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers, in order (the units of FSDP, checkpointing and compilation)."""
+    decoder, _ = decoder_and_head(model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        layers = next((m for m in decoder.modules() if isinstance(m, nn.ModuleList)), None)
+    return list(layers) if layers is not None else []
+
+
+def untied_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The input embedding when it does not share its weight with the output head; None when tied (a tied pair
+    must stay together) or absent."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if get is not None else None
+    if emb is None or getattr(emb, "weight", None) is None:
+        return None
+    _, head = decoder_and_head(model)
+    if head is None or getattr(head, "weight", None) is emb.weight:
+        return None
+    return emb
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a batch must go: the device of the input embedding (under model_parallel the first block's GPU),
+    else of any parameter."""
+    try:
+        decoder, _ = decoder_and_head(model)
+    except TypeError:
+        decoder = None
+    emb = decoder.get_input_embeddings() if decoder is not None and hasattr(decoder, "get_input_embeddings") else None
+    if emb is not None:
+        return emb.weight.device
+    return next(model.parameters()).device

@@ -1,0 +1,160 @@
+"""THE construction path of a model: `build_model` is what `train` (real weights), `check` and `plan --simulate`
+(weightless, on the meta device) call, so all three see the same modules, dtypes and trainable parameters.
+
+Order: resolve where the weights are -> the transformers config (Qwen-Omni's speech output switched off) -> the
+weights' dtype -> load (or build on meta) -> keep the text model (Omni's thinker) -> drop, adapt and freeze what the
+config says. Never a device map under a distributed launch: every rank loads the whole model on the CPU and the
+parallel stage moves or shards it. Only `model_parallel` (one process) places modules with a device map.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from shardfit.config import Config
+from shardfit.data.tokenize import ensure_chat_template
+from shardfit.errors import UserError
+from shardfit.models.adapters import setup_trainable
+from shardfit.models.anatomy import text_model
+from shardfit.models.placement import balanced_device_map
+from shardfit.models.source import ModelSource, resolve_model
+from shardfit.plan.shapes import catalog, hf_config, resolve_shape
+from shardfit.strategy import Strategy
+from shardfit.strategy import get as get_strategy
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def weight_dtype(cfg: Config) -> torch.dtype:
+    """The dtype weights are loaded in: a full fine-tune keeps fp32 master weights (autocast or FSDP's mixed
+    precision computes in low precision); LoRA and freeze keep the frozen weights in the compute dtype."""
+    return torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]
+
+
+def require_method_support(cfg: Config) -> None:
+    """Refuse what this build cannot train instead of silently training something else."""
+    if cfg.method == "qlora":
+        raise UserError("'method: qlora' cannot be trained by this version of shardfit: 4-bit (NF4) weights need "
+                        "bitsandbytes on a CUDA GPU, and the QLoRA loader is not implemented yet. Use 'method: lora' "
+                        "(frozen weights in bf16), or plan a QLoRA run with `shardfit plan --method qlora`.")
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of a model source, with a chat template and a pad token guaranteed."""
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        tok = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    except OSError as e:
+        raise UserError(f"'model': cannot load a tokenizer from {source.name}: {e}") from None
+    ensure_chat_template(tok)
+    return tok
+
+
+def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
+    """The transformers config of the config's model. Without weights, a hub id that is not a local folder comes
+    from the Hugging Face cache or, failing that, from the bundled catalog's shape (no network either way)."""
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if weights or source.is_local:
+        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.model, local_files_only=True, **kwargs)
+        except OSError:
+            if cfg.model not in catalog():
+                raise UserError(f"'model': {cfg.model} is neither a local folder, in the Hugging Face cache, nor in "
+                                "shardfit's catalog (`shardfit plan --list-models`); download it first "
+                                "(huggingface-cli download) or point at its folder.") from None
+            config = hf_config(resolve_shape(cfg.model))
+    if getattr(config, "enable_audio_output", False):
+        # Qwen-Omni: the talker and token2wav only produce speech. Text training never runs them, and left in a
+        # ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built.
+        config.enable_audio_output = False
+        log.info("%s: talker and token2wav not loaded (text training)", source.name)
+    return config
+
+
+def model_class(config: Any) -> Any:
+    """The class that loads a config: a causal LM, or a composite whose text model shardfit trains (Qwen-Omni)."""
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return AutoModelForCausalLM  # its error message names the unsupported config
+
+
+def _attention(cfg: Config) -> dict[str, Any]:
+    return {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
+
+
+def meta_model(config: Any, dtype: torch.dtype, cfg: Config) -> nn.Module:
+    """A weightless model of the config's class on the meta device: structure and dtypes, no memory."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        if cls is AutoModelForCausalLM:
+            return cls.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **_attention(cfg))
+        return cls._from_config(config, dtype=dtype, **_attention(cfg))
+
+
+def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Config, s: Strategy) -> nn.Module:
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **_attention(cfg)}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if s.engine == "device_map":
+        # A dict is the user's own placement; anything else gets shardfit's balanced split (head, norm and
+        # embeddings together on the first GPU), which accelerate's "auto" does not guarantee.
+        kwargs["device_map"] = cfg.device_map if isinstance(cfg.device_map, dict) else \
+            balanced_device_map(meta_model(config, dtype, cfg))
+    try:
+        return model_class(config).from_pretrained(source.folder, config=config, **kwargs)
+    except (OSError, ValueError, ImportError) as e:
+        msg = str(e).lower()
+        if cfg.attn_implementation != "auto" and ("attention" in msg or "attn" in msg):
+            raise UserError(f"'attn_implementation: {cfg.attn_implementation}': cannot load {source.name}: {e} "
+                            "Use attn_implementation: auto (transformers' default, SDPA) or sdpa.") from None
+        raise UserError(f"'model': cannot load {source.name}: {e}") from None
+
+
+def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config: Any = None) -> nn.Module:
+    """The config's model with its trainable setup (LoRA, freeze, dropped and frozen modules).
+
+    `weights`: load the real weights (training), or build on the meta device (check, simulate). `config`: a
+    transformers config to build from instead of the one the config's model names (a simulation of a catalog
+    shape)."""
+    require_method_support(cfg)
+    s = get_strategy(strategy) if isinstance(strategy, str) else strategy
+    dtype = weight_dtype(cfg)
+    transformers.logging.set_verbosity_error()
+    if config is None or weights:
+        source = resolve_model(cfg.model)
+        config = config if config is not None else model_config(cfg, source, weights=weights)
+    if weights:
+        model = _load_weights(config, source, dtype, cfg, s)
+        if source.gguf_file:
+            # GGUF weights are de-quantized on load; drop the quantizer marks so saving and merging write plain
+            # weights.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.is_quantized = False
+    else:
+        model = meta_model(config, dtype, cfg)
+    # Qwen-Omni: the thinker (its own PreTrainedModel, with embeddings and head) is what trains; the adapter and
+    # any merged model are the thinker's, loadable by Qwen2_5OmniThinkerForConditionalGeneration.
+    model = text_model(model)
+    model.config.use_cache = False
+    torch.manual_seed(cfg.seed)  # adapters start the same whatever ran before
+    return setup_trainable(model, cfg)

@@ -1,0 +1,101 @@
+"""Make a training module ready for its strategy, in one order (as torchtitan's `parallelize_llama` reads):
+activation checkpointing -> compiled blocks -> the strategy's engine (DDP, or FSDP2 `fully_shard` per unit).
+
+`train` and `plan --simulate` both call `parallelize`; the simulation passes a mesh over a fake process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from shardfit.models.anatomy import transformer_blocks, untied_input_embedding
+from shardfit.models.checkpointing import enable_checkpointing
+from shardfit.parallel.compile import compile_blocks
+from shardfit.strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded on their own, in order: every decoder block, then an untied input embedding.
+    Everything else (the head, the final norm) is the root unit. A large-vocabulary model's embedding is as big as
+    several blocks; in the root it would stay gathered for the whole step, on its own it is freed right after use."""
+    emb = untied_input_embedding(model)
+    return transformer_blocks(model) + ([emb] if emb is not None else [])
+
+
+def mp_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for a config precision: low-precision compute and all-gathers, fp32 gradient
+    reduction (the numerically safe choice)."""
+    dtype = LOW_PRECISION.get(precision)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard(module: nn.Module, model: nn.Module, s: Strategy, mesh: DeviceMesh, precision: str) -> None:
+    """`fully_shard` each unit of `model`, then `module` (the root holding the loss), with the strategy's
+    resharding and offload and the precision's mixed-precision policy."""
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy(precision),
+                              "reshard_after_forward": s.reshard_after_forward}
+    if s.offload and mesh.device_type != "cpu":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in fsdp_units(model):
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+
+
+def place(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move `module` to `device` unless every tensor is there already (then moving would only copy; under
+    `plan --simulate` it would swap fake tensors that are already in place)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device != device for t in tensors):
+        module.to(device)
+    return module
+
+
+def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: int, precision: str,
+                grad_ckpt: str = "none", compile: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Checkpoint, compile and wrap `module` (a loss module holding the model as `.model`) for strategy `s` on
+    `world` ranks; returns the module to call and step. `mesh` defaults to one over the rank's device type."""
+    model = module.model
+    if grad_ckpt != "none":
+        enable_checkpointing(model, selective=grad_ckpt == "selective")
+    if compile:
+        compile_blocks(model)  # after checkpointing and before FSDP2, as torchtitan orders them
+    if s.engine == "device_map":
+        return module  # from_pretrained placed the modules
+    if world == 1 or s.engine == "plain":
+        return place(module, device)
+    if s.engine == "ddp":
+        place(module, device)
+        ids = [device.index] if device.type == "cuda" else None
+        # Gradients as views into DDP's buckets: one copy of them instead of two.
+        return DistributedDataParallel(module, device_ids=ids, gradient_as_bucket_view=True)
+    if s.sharded:
+        if s.offload and device.type == "cpu":
+            log.info("%s on CPU: shards already live in host memory, running as zero3", s.name)
+        if not (s.offload and device.type != "cpu"):
+            place(module, device)
+        shard(module, model, s, mesh if mesh is not None else init_device_mesh(device.type, (world,)), precision)
+        return module
+    raise ValueError(f"strategy {s.name}: engine {s.engine} has no branch in parallelize")
+
+
+def set_grad_sync(model: nn.Module, enabled: bool) -> Any:
+    """A context (DDP) or a flag (FSDP2) that skips gradient communication on non-final micro-batches."""
+    if hasattr(model, "no_sync"):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()

@@ -1,0 +1,130 @@
+"""A plan: every strategy's per-GPU memory for one model, workload and hardware, the recommendation and why.
+
+`Plan` is what the other stages read (`candidate`, `fits`); `to_json` is its public form (docs/reference.md), written
+by `shardfit plan --json` and into a run's plan.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from shardfit import __version__
+from shardfit.plan.estimate import Candidate, estimate, trainable_params
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import Workload
+from shardfit.strategy import NAMES, SPEED_ORDER
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model as the plan reports it: sizes, and what the optimizer updates (LoRA: the adapter)."""
+
+    id: str
+    params: int
+    trainable_params: int
+    layers: int
+    hidden: int
+    vocab: int
+
+
+@dataclass
+class Plan:
+    model: ModelInfo
+    hardware: Hardware
+    workload: Workload
+    candidates: list[Candidate]
+    recommended: str | None
+    reason: str
+    alternatives: list[str] | None = None  # the nearest changes that make something fit, when nothing does
+
+    def candidate(self, strategy: str) -> Candidate | None:
+        """The estimate of `strategy`, or None when the plan did not consider it."""
+        return next((c for c in self.candidates if c.strategy == strategy), None)
+
+    def fits(self, strategy: str) -> bool | None:
+        """Whether `strategy` is predicted to fit; None when the plan did not consider it."""
+        c = self.candidate(strategy)
+        return None if c is None else c.fits
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "shardfit_version": __version__,
+            "model": dataclasses.asdict(self.model),
+            "hardware": {"nodes": self.hardware.nodes, "gpus_per_node": self.hardware.gpus_per_node,
+                         "gpu_mem_gib": round(self.hardware.gpu_mem_gib, 2),
+                         "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None},
+            "workload": dataclasses.asdict(self.workload),
+            "candidates": [c.to_json() for c in self.candidates],
+            "recommended": self.recommended,
+            "reason": self.reason,
+        }
+        if self.alternatives is not None:
+            out["alternatives"] = self.alternatives
+        return out
+
+
+def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
+    """The fastest strategy that fits: least communication, no offload unless nothing else fits."""
+    by_name = {c.strategy: c for c in cands}
+    order = list(SPEED_ORDER)
+    if hw.world > 1:
+        order.remove("single")  # one GPU of many is never the fastest way to use them
+        order.insert(order.index("model_parallel"), "single")
+    for name in order:
+        c = by_name.get(name)
+        if c is not None and c.fits:
+            faster = [by_name[n] for n in order[:order.index(name)] if n in by_name]
+            why = "; ".join(f"{f.strategy}: {f.notes}" for f in faster if not f.fits)
+            reason = f"{name} is the fastest strategy that fits ({c.per_gpu_gib.total:.1f} of " \
+                     f"{hw.gpu_mem_gib:.0f} GiB per GPU)"
+            return name, reason + (f". Not {why}" if why else "")
+    return None, "nothing fits this hardware"
+
+
+def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
+    """The nearest changes that make something fit, checked with the same estimator."""
+    tries: list[tuple[str, Workload, Hardware]] = []
+    if w.grad_ckpt != "full":
+        what = "checkpoint whole blocks" if w.grad_ckpt == "selective" else "turn on gradient checkpointing"
+        tries.append((f"{what} (--grad-ckpt full)", dataclasses.replace(w, grad_ckpt="full"), hw))
+    if w.micro_batch > 1:
+        accum = w.grad_accum * w.micro_batch
+        tries.append((f"micro-batch 1 with grad_accum {accum}",
+                      dataclasses.replace(w, micro_batch=1, grad_accum=accum), hw))
+    if w.seq_len > 512:
+        tries.append((f"shorter sequences (--seq {w.seq_len // 2})", dataclasses.replace(w, seq_len=w.seq_len // 2),
+                      hw))
+    if w.method in ("full", "freeze"):
+        tries.append(("LoRA instead of a full fine-tune (--method lora)", dataclasses.replace(w, method="lora"), hw))
+    if w.method != "qlora":
+        tries.append(("QLoRA: 4-bit frozen weights (--method qlora)", dataclasses.replace(w, method="qlora"), hw))
+    if w.optimizer == "adamw" and w.method == "full":
+        tries.append(("8-bit AdamW (--optimizer adamw8bit)", dataclasses.replace(w, optimizer="adamw8bit"), hw))
+    tries.append((f"twice the GPUs ({hw.nodes * 2} nodes x {hw.gpus_per_node})", w,
+                  dataclasses.replace(hw, nodes=hw.nodes * 2)))
+    out = []
+    for label, w2, hw2 in tries:
+        cands = [estimate(shape, w2, hw2, s) for s in NAMES]
+        best, _ = recommend(cands, hw2)
+        if best is not None:
+            c = next(c for c in cands if c.strategy == best)
+            out.append(f"{label}: {best} at {c.per_gpu_gib.total:.1f} GiB per GPU")
+    return out
+
+
+def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[str, ...] = NAMES) -> Plan:
+    """Estimate every strategy of `strategies`, recommend the fastest that fits, and list the nearest changes when
+    none does."""
+    cands = [estimate(shape, w, hw, s) for s in strategies]
+    best, reason = recommend(cands, hw)
+    model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab)
+    return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None)
+
+
+def with_candidates(plan: Plan, cands: list[Candidate]) -> Plan:
+    """The plan with other estimates of its strategies (e.g. simulated), the recommendation re-derived."""
+    best, reason = recommend(cands, plan.hardware)
+    return dataclasses.replace(plan, candidates=cands, recommended=best, reason=reason)

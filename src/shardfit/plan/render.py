@@ -1,0 +1,69 @@
+"""The plan as people read it: a terminal table and a bar chart. Both show the numbers of `Plan.to_json`."""
+
+from __future__ import annotations
+
+from shardfit.plan.plan import Plan
+
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
+
+
+def format_table(plan: Plan) -> str:
+    """A readable table of the plan for the terminal (rounded as in the JSON)."""
+    d = plan.to_json()
+    m, hw, w = d["model"], d["hardware"], d["workload"]
+    lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params, {m['trainable_params'] / 1e6:.1f}M trainable "
+             f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
+             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
+             + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
+             + (", 16-bit adapters" if w["adapters_16bit"] and w["method"] in ("lora", "qlora") else "") + ")",
+             f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) x {hw['gpu_mem_gib']:.1f} GiB", "",
+             f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
+             f"{'runtime':>8}{'total':>9}  peak  fits  notes"]
+    for c in d["candidates"]:
+        g = c["per_gpu_gib"]
+        lines.append(f"{c['strategy']:<15}{g['weights']:>8.2f}{g['grads']:>8.2f}{g['optimizer']:>8.2f}"
+                     f"{g['activations']:>8.2f}{g['logits']:>8.2f}{g['temporaries']:>8.2f}"
+                     f"{g['runtime_overhead']:>8.2f}{g['total']:>9.2f}  {PHASE_SHORT.get(c['peak_phase'], ''):<4}  "
+                     f"{'yes ' if c['fits'] else 'NO  '}  "
+                     f"{c['notes']}" + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] else ""))
+    lines += ["", "per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); "
+                  "total = tensors + runtime (CUDA context, NCCL, allocator reserve)", ""]
+    if d["recommended"]:
+        lines.append(f"recommended: {d['recommended']} ({d['reason']})")
+    else:
+        lines.append("nothing fits. Nearest alternatives:")
+        lines += [f"  - {a}" for a in d.get("alternatives", [])] or ["  - none found"]
+    return "\n".join(lines)
+
+
+def _loss_label(loss: str) -> str:
+    return {"full": ", full-logits loss", "full_shift": ", full-logits loss with shifted copy",
+            "full_shift16": ", full-logits loss with shifted 16-bit copy"}.get(loss, "")
+
+
+def plot(plan: Plan, path: str) -> None:
+    """Stacked bars per strategy against the GPU capacity line."""
+    import matplotlib  # optional and slow to import: only when a plot is asked for
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = plan.to_json()
+    names = [c["strategy"] for c in d["candidates"]]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = [0.0] * len(names)
+    for part in PARTS:
+        vals = [c["per_gpu_gib"][part] for c in d["candidates"]]
+        ax.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    cap = d["hardware"]["gpu_mem_gib"]
+    ax.axhline(cap, color="red", linestyle="--", label=f"GPU memory {cap:.0f} GiB")
+    ax.set_ylim(0, max(cap * 1.6, min(max(bottom), cap * 6)))
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{d['model']['id']} ({d['workload']['method']}) on {d['hardware']['nodes']}x"
+                 f"{d['hardware']['gpus_per_node']} GPUs")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

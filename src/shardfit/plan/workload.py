@@ -1,0 +1,59 @@
+"""The workload the planner sizes: what trains, in which precision, over how many tokens, with which kernels.
+
+`workload_of` reads it from a training config; `shardfit plan` flags override single fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardfit.config import Config
+
+# transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
+# in three generations: see `Workload.loss`.
+FULL_LOSSES = ("full", "full_shift", "full_shift16")
+LOSSES = ("chunked", *FULL_LOSSES)
+ATTENTIONS = ("sdpa", "flash", "eager")
+OPTIMIZERS = ("adamw", "adamw8bit")
+# transformers' attention implementations by what they keep: a dense mask (sdpa, and transformers' default) or not.
+ATTENTION_MEMORY = {"eager": "eager", "flash_attention_2": "flash", "flex_attention": "flash"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    method: str = "lora"
+    precision: str = "bf16"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    # none; full: each block keeps only its input; selective: also its attention kernel's and every other matmul's
+    # outputs (torchtitan's op-level policy, models/checkpointing.py)
+    grad_ckpt: str = "full"
+    optimizer: str = "adamw"
+    lora_rank: int = 8
+    # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer); full_shift: the same with
+    # transformers 4.46-4.48, which copied the shifted fp32 logits; full_shift16: a GPT-2-style loss that copies the
+    # shifted 16-bit logits and leaves the upcast to autocast's cross-entropy (remote code such as Qwen v1's)
+    loss: str = "chunked"
+    # sdpa: torch's SDPA over shardfit's rows, which hold several examples (packing) or padding, so transformers
+    # builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention (variable lengths,
+    # no dense mask), or SDPA over rows of one unpadded example; eager: the scores are saved
+    attention: str = "sdpa"
+    grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
+    # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
+    # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
+    frozen_fp32: bool = False
+    # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
+    # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
+    adapters_16bit: bool = False
+
+    @property
+    def trains_adapters(self) -> bool:
+        """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
+        return self.method in ("lora", "qlora")
+
+
+def workload_of(cfg: Config) -> Workload:
+    """What the planner needs of a training config."""
+    return Workload(method=cfg.method, precision=cfg.precision, seq_len=cfg.max_seq_len, micro_batch=cfg.micro_batch,
+                    grad_ckpt=cfg.grad_ckpt, optimizer="adamw", lora_rank=cfg.lora.rank,
+                    attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum)

@@ -1,0 +1,191 @@
+"""`shardfit plan --simulate`: one real training step of the actual transformers model on fake tensors.
+
+The model is built by `models.build.build_model` on the meta device (no memory), given fake storage inside
+`FakeTensorMode`, made ready by `parallel.parallelize` exactly as `train` does (LoRA, checkpointing, FSDP2
+`fully_shard` per block over a fake process group of the planned world size), and run for two steps (the second
+with optimizer states) under torch's memory trackers. The tracker's peak, by category, is what one rank's tensors
+need; the runtime overhead of a real GPU is added as in the analytic estimate. No weights are read and nothing
+real is allocated, so a 72B config runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import AttentionInterface, AutoConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from shardfit.config import Config, LoraSettings
+from shardfit.models.anatomy import base_model, decoder_and_head
+from shardfit.models.build import build_model
+from shardfit.parallel.parallelize import parallelize
+from shardfit.plan.estimate import Candidate, estimate
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.plan import Plan, with_candidates
+from shardfit.plan.shapes import ModelShape, hf_config
+from shardfit.plan.workload import FULL_LOSSES, Workload
+from shardfit.simulate.tracker import (
+    StepFSDPMemTracker,
+    StepMemTracker,
+    measure_step,
+    skip_frozen_grad_hooks,
+    to_breakdown,
+)
+from shardfit.strategy import get as get_strategy
+from shardfit.train.loss import CausalLMLoss
+from shardfit.train.optim import build_optimizer
+
+
+def hf_config_for(shape: ModelShape, source: str | None) -> Any:
+    """The transformers config to build: the model's own config.json when we have it (a vision-language model's
+    text model), else one from the shape."""
+    if source is not None:
+        p = Path(source)
+        folder = p.parent if p.is_file() else p
+        if (folder / "config.json").is_file():
+            cfg = AutoConfig.from_pretrained(folder)
+            return getattr(cfg, "text_config", None) if "vl" in cfg.model_type else cfg
+    return hf_config(shape)
+
+
+UNMASKED_SDPA = "shardfit_unmasked_sdpa"
+
+
+def _unmasked_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def attention_kernel(w: Workload) -> str:
+    """The transformers attention implementation whose memory the simulation measures for `w.attention`.
+
+    `flash` (flash-attention 2's variable-length kernel: q, k, v, output and log-sum-exp saved, no dense mask) is
+    stood in for by causal SDPA without a mask, which saves the same on CPU. It is registered under a name of its
+    own with no mask function, so transformers builds no mask for it: fake tensors cannot show transformers that a
+    row holds one example, so it would otherwise build one."""
+    if w.attention == "eager":
+        return "eager"
+    if w.attention == "sdpa":
+        return "sdpa"
+    AttentionInterface.register(UNMASKED_SDPA, _unmasked_sdpa)
+    return UNMASKED_SDPA
+
+
+def packed_positions(batch: int, seq: int) -> torch.Tensor:
+    """Position ids of rows holding two examples each, as the loader packs them: with SDPA or eager attention
+    transformers builds a [batch, seq, seq] block-diagonal mask from them, as it does in training."""
+    return (torch.arange(seq) % max(1, (seq + 1) // 2)).expand(batch, seq).contiguous()
+
+
+def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
+    """What peft's prepare_model_for_kbit_training does to a 4-bit model: every frozen 16-bit weight that is not
+    quantized (embeddings, norms, head; the blocks' linear layers are) becomes fp32."""
+    quantized = {id(m.weight) for m in decoder_and_head(model)[0].modules() if isinstance(m, torch.nn.Linear)}
+    for p in model.parameters():
+        if not p.requires_grad and id(p) not in quantized and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()
+
+
+def workload_config(w: Workload, model: str) -> Config:
+    """The training config whose model `build_model` builds for workload `w` (kernel names as the simulation
+    stands them in: see `attention_kernel`)."""
+    return Config(model=model, method=w.method, precision=w.precision, grad_ckpt=w.grad_ckpt,
+                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank), attn_implementation=attention_kernel(w))
+
+
+def tools_recipe(model: torch.nn.Module, w: Workload) -> None:
+    """What other tools' recipes change that shardfit's own build does not: 16-bit adapters (peft < 0.12,
+    LLaMA-Factory's pure_bf16) and peft's fp32 embeddings, norms and head for k-bit training."""
+    if w.adapters_16bit and w.trains_adapters:
+        low = torch.float32 if w.precision == "fp32" else torch.bfloat16
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(low)
+    if w.frozen_fp32:
+        upcast_frozen_outside_blocks(model)
+
+
+class ModelOwnLoss(torch.nn.Module):
+    """`loss: full*`: the step as the HF Trainer runs it, through the model's own loss over full logits.
+
+    `loss` full is transformers' current loss; full_shift is transformers 4.46-4.48's (fp32 upcast, then a
+    contiguous copy of the shifted logits); full_shift16 is the GPT-2-style loss of older remote code (a contiguous
+    copy of the shifted 16-bit logits, upcast by autocast inside cross-entropy)."""
+
+    def __init__(self, model: torch.nn.Module, loss: str = "full"):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self.loss == "full":
+            return self.model(input_ids=input_ids, position_ids=position_ids, labels=targets,
+                              use_cache=False).loss, targets.numel()
+        # The model's forward still holds its 16-bit logits while its loss function upcasts them.
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        upcast = logits.float() if self.loss == "full_shift" else logits
+        shifted = upcast[..., :-1, :].contiguous()
+        loss = torch.nn.functional.cross_entropy(shifted.view(-1, shifted.shape[-1]), targets[..., 1:].reshape(-1),
+                                                 reduction="mean")
+        return loss, targets.numel()
+
+
+def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source: str | None = None) -> Candidate:
+    """Measure `strategy` with fake tensors: the breakdown at the step's peak moment."""
+    s = get_strategy(strategy)
+    if not s.simulable:
+        raise ValueError(f"--simulate cannot run {strategy}; it stays analytic")
+    world = hw.world if s.sharded else 1
+    own_group = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        own_group = True
+    try:
+        # The mesh is made outside fake mode: it holds real process groups.
+        mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
+        cfg = workload_config(w, source or shape.id)
+        model = build_model(cfg, s, weights=False, config=hf_config_for(shape, source))
+        tools_recipe(model, w)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            base_model(model).tie_weights()  # to_empty gives each parameter its own storage; ties must share one
+            module = (ModelOwnLoss(model, w.loss) if w.loss in FULL_LOSSES
+                      else CausalLMLoss(model, all_labelled=True))
+            module = parallelize(module, s, device=torch.device("cpu"), world=world, precision=w.precision,
+                                 grad_ckpt=w.grad_ckpt, mesh=mesh)
+            optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
+            ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
+            batch = (ids, packed_positions(w.micro_batch, w.seq_len), ids)
+            body = decoder_and_head(model)[0]
+            if mesh is not None:
+                tracker = StepFSDPMemTracker(body, module, optimizer)
+                tracker.track_inputs(batch[:1])
+            else:
+                tracker = StepMemTracker(body)
+                tracker.track_external(module, optimizer)
+                skip_frozen_grad_hooks(tracker, module)
+            amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
+                                    enabled=w.precision != "fp32" and mesh is None)
+            with tracker.ignoring_sharding_propagation():
+                cats = measure_step(module, optimizer, batch, tracker, amp=amp)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    b = to_breakdown(cats, hw, strategy)
+    phase = tracker.peak_phase()
+    return Candidate(strategy, b.total <= hw.gpu_mem_gib, b, 0.0, "simulated",
+                     f"fake-tensor step, peak in the {phase} pass", peak_phase=phase)
+
+
+def simulate_plan(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, source: str | None) -> Plan:
+    """Replace the analytic candidates that can be simulated with measured ones; re-derive the recommendation."""
+    cands = [simulate(shape, w, hw, c.strategy, source) if get_strategy(c.strategy).simulable
+             else estimate(shape, w, hw, c.strategy) for c in plan.candidates]
+    return with_candidates(plan, cands)
