@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from shardfit.config import load_config
 from shardfit.parallel.env import init_distributed
 from shardfit.train.recipe import train
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
 BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
             eval_steps=100, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0, resume="auto")
@@ -37,6 +38,14 @@ def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, smal
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "adapter/adapter_config.json",
                  "adapter/adapter_model.safetensors", "checkpoints/step-6/trainer.pt"):
         assert (run / name).exists(), name
+    # Everything docs/reference.md lists for a run directory is there, and nothing the run wrote is unlisted.
+    layout = (ROOT / "docs" / "reference.md").read_text().split("<!-- run-dir")[1].split("<!-- end: run-dir")[0]
+    entries = dict(re.findall(r"^(\S+?)/?\s{2,}(.*)$", layout.split("```")[1], re.M))
+    required = {name for name, what in entries.items() if "(only when" not in what}
+    present = {p.name for p in run.iterdir()}
+    assert required <= present <= set(entries), (required - present, present - set(entries))
+    preflight = json.loads((run / "preflight.json").read_text())
+    assert preflight["strategy"] == "single" and preflight["ok"] is True
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     for key in ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mem_gib", "wall_s"):
@@ -45,7 +54,7 @@ def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, smal
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     summary = json.loads((run / "summary.json").read_text())
     for key in ("steps", "train_loss", "eval_loss", "tokens_per_s", "peak_mem_gib", "wall_s", "strategy",
-                "world_size"):
+                "world_size", "resumed_from_step", "trainable_params", "tokens", "skipped_rows"):
         assert key in summary
     assert summary["strategy"] == "single" and summary["world_size"] == 1 and summary["eval_loss"] is not None
 

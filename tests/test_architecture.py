@@ -1,0 +1,51 @@
+"""The shape of the code: no import cycles between subpackages, torch-free start-up for plan and diagnose, one
+strategy table read by the config."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from shardfit import strategy
+from shardfit.config.schema import CHOICES
+from tests.helpers import ROOT
+
+
+def _import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_import_cycles_between_subpackages() -> None:
+    ig = _import_graph()
+    graph = ig.graph()
+    assert {"plan", "models", "parallel", "check", "train", "simulate"} <= set(graph)
+    assert ig.cycles(graph) == []
+    # The flow runs one way: the planner never reaches into the stages after it.
+    assert not graph["plan"] & {"models", "parallel", "check", "train", "simulate", "data"}
+    assert "simulate" not in graph["check"] | graph["train"]  # private torch trackers stay behind --simulate
+
+
+def test_function_local_imports_of_shardfit_only_in_the_cli() -> None:
+    """Lazy imports of shardfit's own modules exist only where a command loads its stage when it runs (so `plan`
+    and `diagnose` start without torch); everywhere else imports are at the top."""
+    local = [i for i in _import_graph().imports() if i.local and i.target.startswith("shardfit")]
+    assert local and all(i.module.startswith("shardfit.cli.") for i in local), local
+
+
+def test_plan_and_diagnose_start_without_torch() -> None:
+    code = ("import sys; import shardfit.cli.main as m; m.build_parser(); "
+            "m.main(['plan', '--model', 'meta-llama/Llama-3.1-8B', '--gpus', '8x24GB', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_config_strategies_are_the_table() -> None:
+    assert CHOICES["strategy"] == ("auto", *strategy.NAMES)
+    assert {s.engine for s in strategy.TABLE} <= {"plain", "ddp", "fsdp2", "device_map"}  # parallelize's branches
+    assert strategy.SPEED_ORDER[0] == "single" and set(strategy.SPEED_ORDER) == set(strategy.NAMES)
