@@ -79,7 +79,8 @@ _FRAMEISH = re.compile(r'^(?:File "|File \S+\.py|\S+\.py:\d+ in |Traceback|Durin
 _EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)|return code\s*=\s*(-?\d+)|exit(?:ed with)? code\s*:?\s*(-?\d+)"
                    r"|exit status\s*(-?\d+)", re.I)
 _SIGNAL = re.compile(r"terminated with signal (SIG\w+)|Signal \d+ \((SIG\w+)\) received"
-                     r"|killed by signal: ([\w ]+?)[.\n]|received signal (SIG\w+)|^(Killed)\s*$|(Segmentation fault)|(Bus error)", re.I | re.M)
+                     r"|killed by signal: ([\w ]+?)[.\n]|received signal (SIG\w+)|^(Killed)\s*$"
+                     r"|(Segmentation fault)|(Bus error)", re.I | re.M)
 
 _VERSION_NAMES = {
     "torch": "torch", "pytorch": "torch", "transformers": "transformers", "deepspeed": "deepspeed",
