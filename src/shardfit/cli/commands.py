@@ -87,30 +87,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     import json
-    import sys
 
-    from shardfit.diagnose.engine import diagnose
+    from shardfit.diagnose.engine import analyze
+    from shardfit.diagnose.report import format_text, read_input, to_json
 
-    if args.file in (None, "-"):
-        text = sys.stdin.read()
-    else:
-        p = Path(args.file)
-        if not p.is_file():
-            raise UserError(f"diagnose: no such file {p}; pass a log file, or - to read the pasted log from stdin.")
-        text = p.read_text(errors="replace")
-    findings = diagnose(text)
-    if args.json:
-        print(json.dumps({"findings": [f.to_json() for f in findings]}, indent=2, ensure_ascii=False))
-        return 0
-    if not findings:
-        print("no known cause matched. Paste the whole log (the first error and the lines around it help most).")
-        return 0
-    for i, f in enumerate(findings, 1):
-        print(f"{i}. {f.title}  [{f.category}, confidence {f.confidence:.2f}]")
-        print(f"   cause: {f.root_cause}")
-        print(f"   fix:   {f.fix}")
-        print(f"   shardfit: {f.prevented_by}")
-        print()
+    analysis = analyze(read_input(args.file))
+    out = json.dumps(to_json(analysis), indent=2, ensure_ascii=False) + "\n" if args.json else format_text(analysis)
+    print(out, end="")
     return 0
 
 

@@ -240,7 +240,10 @@ def analyze(data: bytes | str, knowledge: Knowledge | None = None, limit: int = 
         evidence.append(s.evidence)
     for i in range(1, len(findings)):  # ranked best first: a lower finding never shows more confidence
         findings[i].confidence = min(findings[i].confidence, findings[i - 1].confidence)
-    return Analysis(p, findings, evidence, [(s.cause.id, round(s.score, 2)) for s in ranked[:8]])
+    from shardfit.diagnose.similar import nearest
+
+    return Analysis(p, findings, evidence, [(s.cause.id, round(s.score, 2)) for s in ranked[:8]],
+                    nearest(p, prefer=findings[0].category if findings else None))
 
 
 def generic_steps(p: Parsed, knowledge: Knowledge | None = None) -> list[str]:

@@ -266,6 +266,9 @@ def _exceptions(lines: list[str]) -> list[Exc]:
             nxt = lines[j]
             if len(msg) > 600 or re.match(r"^(\w+ \d+|\[?\d{4}-|[A-Z]\d{4}|\w+:\d+:\d+ \[\d+\]|\[|.*%\|)", nxt):
                 break
+            # a wrapped message continues: the line so far is cut mid-sentence, or the next one starts lowercase
+            if msg and re.search(r"[.!?)\]'\"`]$", msg) and not re.match(r"[a-z(]", nxt):
+                break
             msg = f"{msg} {nxt}".strip() if msg else nxt
             j += 1
         key = f"{etype}: {msg[:200]}"
