@@ -45,8 +45,8 @@ def test_wrapped_message_matches_as_if_unwrapped() -> None:
 
 
 def test_exception_message_continuation_is_rejoined() -> None:
-    p = _parse("RuntimeError: DataLoader worker (pid 47) is killed by signal: Bus\nerror. It is possible that dataloader's"
-               " workers are out of shared\nmemory. Please try to raise your shared memory limit.\n")
+    p = _parse("RuntimeError: DataLoader worker (pid 47) is killed by signal: Bus\nerror. It is possible that "
+               "dataloader's workers are out of shared\nmemory. Please try to raise your shared memory limit.\n")
     assert p.exception.message.endswith("raise your shared memory limit.")
     assert _parse("RuntimeError: boom!\nNext line of the log\n").exception.message == "boom!"
 

@@ -101,11 +101,13 @@ def test_shipped_calibration_and_similar_index_are_up_to_date() -> None:
      "partition. Multiple gradient reduction is currently not supported", "gc_ddp_reentrant"),
     ("  File \".../deepspeed/__init__.py\", line 171, in initialize\nRuntimeError: You can't move a model that has "
      "some modules offloaded to cpu or disk.", "device_map_auto_in_distributed"),
-    ("deepspeed/ops/csrc/adam/cpu_adam.cpp\nfatal error: Python.h: No such file or directory", "env_deepspeed_op_build"),
+    ("deepspeed/ops/csrc/adam/cpu_adam.cpp\nfatal error: Python.h: No such file or directory",
+     "env_deepspeed_op_build"),
     ("Running tokenizer on dataset:  47%|████▊ | 1695000/3634744 [30:09<33:25, 967.30 examples/s]Traceback (most "
      "recent call last):\n  File \".../transformers/training_args.py\", line 2035, in main_process_first",
      "nccl_timeout_preprocessing"),
-    ("zero_stage: 3\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB", "oom_activation_not_sharded"),
+    ("zero_stage: 3\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB",
+     "oom_activation_not_sharded"),
     ("zero_optimization stage 3, offload_optimizer device cpu\n  File \".../deepspeed/runtime/zero/stage3.py\", line "
      "2117, in unscale_and_clip_grads\nRuntimeError: Expected all tensors to be on the same device, but found at "
      "least two devices, cuda:0 and cpu!", "library_version_regression"),
@@ -159,8 +161,8 @@ def test_unrelated_errors_abstain(log: str) -> None:
 
 def test_abstain_still_reports_what_was_parsed(tmp_path: Path) -> None:
     log = tmp_path / "err.log"
-    log.write_text('Traceback (most recent call last):\n  File "/x/site-packages/datasets/arrow_dataset.py", line 3450, '
-                   "in _map_single\nKeyError: 'instruction'\ntransformers 4.41.2\n")
+    log.write_text('Traceback (most recent call last):\n  File "/x/site-packages/datasets/arrow_dataset.py", '
+                   "line 3450, in _map_single\nKeyError: 'instruction'\ntransformers 4.41.2\n")
     r = run_cli("diagnose", str(log), "--json", timeout=60)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
