@@ -131,3 +131,15 @@ def test_binary_garbage_is_handled() -> None:
     assert a.parsed.scanned_chars <= EVIDENCE_CHARS
     assert a.findings == [] or a.findings[0].confidence < 0.8
     assert analyze(b"").findings == [] and analyze("\x00\x01\x02\xff").findings == []
+
+
+def test_fixed_width_terminal_wrapping_is_undone() -> None:
+    msg = ("ValueError: Must flatten tensors with uniform dtype but got torch.bfloat16 and torch.float32 while "
+           "wrapping model.layers.0 with FullyShardedDataParallel (use_orig_params=False, "
+           "sharding_strategy=FULL_SHARD)")
+    wrapped = "\n".join(msg[i:i + 79] for i in range(0, len(msg), 79))
+    assert max(len(x) for x in wrapped.splitlines()) == 79 and len(wrapped.splitlines()) == 3
+    assert diagnose(wrapped)[0].category == "fsdp_mixed_dtype"
+    assert normalise(wrapped) == [msg]
+    # lines of varied length are left alone (no width to undo)
+    assert normalise("a" * 70 + "\n" + "b" * 90 + "\nshort") == ["a" * 70, "b" * 90, "short"]

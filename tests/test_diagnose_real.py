@@ -205,3 +205,11 @@ def test_big_file_through_the_cli(tmp_path: Path) -> None:
     out = json.loads(r.stdout)
     assert out["findings"][0]["category"] == "fsdp_lora_requires_grad"
     assert out["parsed"]["scanned_chars"] < 1_000_000 < out["parsed"]["input_chars"]
+
+
+def test_mangled_dev_logs_still_diagnosed() -> None:
+    """The dev logs hard-wrapped at 79 columns, rank-prefixed, coloured and interleaved with \\r progress bars."""
+    from tests.diagnose_real.perturb import mangle
+
+    m = evaluate([dict(c, log=mangle(c["log"], i)) for i, c in enumerate(load_cases("dev"))])
+    assert m["top1"] >= 0.95 and m["abstain_unrelated"] >= 0.95 and m["wrong_at_08"] < 0.03

@@ -197,6 +197,28 @@ def _decode(data: bytes | str) -> tuple[str, int]:
     return data.decode("utf-8", "replace"), n
 
 
+def unwrap(lines: list[str]) -> list[str]:
+    """Re-join lines a fixed-width terminal wrapped: when no line is longer than some width W >= 60 and several lines
+    are exactly W long, a line of length W continues on the next one (possibly mid-word)."""
+    lengths = [len(x) for x in lines if len(x) >= 60]
+    if len(lengths) < 2:
+        return lines
+    width = max(lengths)
+    if lengths.count(width) < 2 or width > MAX_LINE:
+        return lines
+    out: list[str] = []
+    carry = ""
+    for line in lines:
+        if len(line) == width and not line.rstrip().endswith(("│", "┃", "|")):
+            carry += line
+            continue
+        out.append(carry + line)
+        carry = ""
+    if carry:
+        out.append(carry)
+    return out
+
+
 def normalise(text: str) -> list[str]:
     """Clean lines of the log in order, repeated lines folded (first position, last wording)."""
     text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
@@ -204,7 +226,7 @@ def normalise(text: str) -> list[str]:
     text = _GLUE.sub("\n", text)
     out: list[str] = []
     index: dict[str, int] = {}
-    for raw in text.split("\n"):
+    for raw in unwrap(text.split("\n")):
         for start in range(0, max(len(raw), 1), MAX_LINE):
             line = raw[start:start + MAX_LINE]
             for _ in range(4):
