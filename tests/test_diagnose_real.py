@@ -75,6 +75,27 @@ def test_dev_part_and_hand_written_corpus_stay_right() -> None:
     assert syn["top1"] >= 0.98
 
 
+# The ids of CONTRACTS.md section 5 (issue 20 added ten): never renamed, never removed. test_diagnose.py checks them
+# against CONTRACTS.md when that file is beside the repository; this list keeps the check where it is not.
+CONTRACT_IDS = """
+device_map_auto_in_distributed device_map_auto_cross_device zero3_device_map_conflict zero3_cpu_submodule
+zero3_cpu_buffer_rotary zero3_save_empty_params oom_full_replica_per_rank oom_activation_not_sharded host_ram_oom
+fsdp_lora_requires_grad fsdp_mixed_dtype fsdp_qlora_quant_storage fsdp_tied_embeddings gc_ddp_reentrant
+gc_remote_code_old_api gc_inputs_no_grad ddp_unused_parameters dataparallel_accidental quantized_model_device_placement
+meta_device_loading meta_device_offload fp16_unscale nccl_timeout_save nccl_timeout_preprocessing nccl_p2p_hang
+env_deepspeed_op_build resume_world_size_mismatch fp16_nan_loss extension_abi_mismatch tokenizer_embedding_mismatch
+shm_too_small more_ranks_than_gpus nccl_env_setup library_version_regression dist_port_in_use
+gpu_arch_unsupported""".split()
+
+
+def test_category_ids_are_kept_and_documented() -> None:
+    ids = [c.id for c in load_causes()]
+    assert len(ids) == len(set(ids))
+    assert set(CONTRACT_IDS) <= set(ids), set(CONTRACT_IDS) - set(ids)
+    doc = (TESTS.parent / "docs" / "diagnose.md").read_text()
+    assert all(f"| {i} " in doc or f"| **{i}** " in doc for i in ids), [i for i in ids if f"{i} " not in doc]
+
+
 def test_every_cause_has_a_hand_written_log() -> None:
     logged = {p.name.split(".")[0] for p in CORPUS.glob("*.log")}
     assert {c.id for c in load_causes()} <= logged
