@@ -39,7 +39,7 @@ def commands() -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     out = ["```"]
-    for name, p in sub.choices.items():
+    for p in sub.choices.values():
         usage = " ".join(p.format_usage().split())
         out.append(usage.removeprefix("usage: "))
         if p.epilog:

@@ -1,4 +1,4 @@
-"""A preflight finding (CONTRACTS.md section 4)."""
+"""A preflight finding (the schema of `check --json`, docs/reference.md)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardfit.config import Config
 from shardfit.data.formats import BadRow, detect_format, to_messages
 from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
@@ -63,7 +64,7 @@ def encode_all(tokenizer: Any, conversations: list[list[dict[str, str]]], max_le
     return out
 
 
-def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[Encoded], list[Encoded], DataStats]:
+def build_datasets(cfg: Config, tokenizer: Any) -> tuple[list[Encoded], list[Encoded], DataStats]:
     """Train and eval examples for a config: `eval_data` if given, else `eval_split` of `data` (seeded)."""
     stats = DataStats()
     train_conv = load_conversations(cfg.data, cfg.skip_bad_rows, stats)

@@ -1,30 +1,71 @@
-"""Score a pasted log against the known causes in causes.yaml and rank the matches."""
+"""Score a parsed log against the known causes in causes.yaml, rank them, and attach a calibrated confidence.
+
+Causes are data. Each cause lists `signatures` (at least one must match for the cause to be considered) and
+`context` (adds to or, with a negative weight, subtracts from the score), and may list `veto` items that rule it
+out. An item tests one field of the parsed log:
+
+    phrase:   literal text, case- and whitespace-insensitive (survives wrapping and re-spacing); a list = any of them
+    re:       a regex on the normalised log text (case-insensitive, multi-line)
+    exc:      a regex on the final exception ("Type: message"); any_exc: on any exception in the log
+    frame:    a regex on a traceback frame ("package/path/file.py:function")
+    fact:     a named fact of the parse (`facts:` in causes.yaml, or computed: zero3, multi_rank, exit-9, ...)
+
+plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count).
+The score of a cause is the sum of the weights of its matched items; the confidence shown is a calibrated mapping
+of the score and of the margin over the runner-up (calibration.yaml, fitted on the dev part of the real corpus).
+"""
 
 from __future__ import annotations
 
-import math
+import bisect
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
 import yaml
 
+from shardfit.diagnose.parse import Parsed, parse, squash
+from shardfit.diagnose.similar import nearest
 from shardfit.errors import UserError
+
+HERE = Path(__file__).parent
+MIN_SCORE = 2.0  # below this nothing is reported (the abstain path)
+KINDS = ("phrase", "re", "exc", "any_exc", "frame", "fact")
 
 
 @dataclass(frozen=True)
-class Pattern:
-    regex: re.Pattern
+class Item:
+    kind: str
+    value: object  # compiled regex, tuple of squashed phrases, or tuple of fact names
     weight: float
+    when: tuple[str, ...] = ()
+    unless: tuple[str, ...] = ()
+    label: str = ""
+
+    def matches(self, p: Parsed) -> bool:
+        if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
+            return False
+        if self.kind == "phrase":
+            return any(ph in p.squashed for ph in self.value)
+        if self.kind == "re":
+            return self.value.search(p.text) is not None
+        if self.kind == "exc":
+            return p.exception is not None and self.value.search(str(p.exception)) is not None
+        if self.kind == "any_exc":
+            return any(self.value.search(str(e)) for e in p.exceptions)
+        if self.kind == "frame":
+            return any(self.value.search(f) for f in p.frames)
+        return all(f in p.facts for f in self.value)
 
 
 @dataclass(frozen=True)
 class Cause:
     id: str
     title: str
-    signatures: tuple[Pattern, ...]
-    context: tuple[Pattern, ...]
+    signatures: tuple[Item, ...]
+    context: tuple[Item, ...]
+    veto: tuple[Item, ...]
     root_cause: str
     fix: str
     prevented_by: str
@@ -43,60 +84,187 @@ class Finding:
         return asdict(self)
 
 
-def _patterns(items: list[dict], where: str) -> tuple[Pattern, ...]:
-    out = []
-    for item in items or []:
-        try:
-            out.append(Pattern(re.compile(item["re"], re.IGNORECASE | re.DOTALL), float(item["w"])))
-        except (re.error, KeyError, TypeError) as e:
-            raise UserError(f"{where}: bad pattern {item!r}: {e}") from None
-    return tuple(out)
+@dataclass
+class Scored:
+    cause: Cause
+    score: float
+    strongest: float
+    evidence: list[str]
+
+
+@dataclass
+class Analysis:
+    parsed: Parsed
+    findings: list[Finding]
+    evidence: list[list[str]]
+    scores: list[tuple[str, float]]
+    similar: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    causes: tuple[Cause, ...]
+    facts: dict[str, re.Pattern]
+    generic: tuple[tuple[re.Pattern, str], ...]
+
+
+def _as_tuple(x) -> tuple[str, ...]:
+    return (x,) if isinstance(x, str) else tuple(x or ())
+
+
+def _item(raw: dict, where: str) -> Item:
+    kinds = [k for k in KINDS if k in raw]
+    if len(kinds) != 1 or "w" not in raw:
+        raise UserError(f"{where}: an item needs exactly one of {', '.join(KINDS)} and a weight w: {raw!r}")
+    kind = kinds[0]
+    val = raw[kind]
+    try:
+        if kind == "phrase":
+            phrases = [val] if isinstance(val, str) else list(val)
+            value: object = tuple(squash(x) for x in phrases)
+            label = f'"{phrases[0]}"'
+        elif kind == "fact":
+            value = (val,) if isinstance(val, str) else tuple(val)
+            label = f"fact {'+'.join(value)}"
+        else:
+            flags = re.I | re.M if kind == "re" else re.I | re.S
+            value = re.compile(val, flags)
+            label = f"{kind} /{val}/"
+    except (re.error, TypeError) as e:
+        raise UserError(f"{where}: bad {kind} {val!r}: {e}") from None
+    return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label)
+
+
+def load_knowledge(path: Path | None = None) -> Knowledge:
+    """Parse a causes file (the bundled one by default); errors name the cause and the item."""
+    return _load(str(path or HERE / "causes.yaml"))
 
 
 def load_causes(path: Path | None = None) -> list[Cause]:
-    """Parse a causes file (the bundled one by default); errors name the cause."""
-    path = path or Path(__file__).with_name("causes.yaml")
-    return _load(str(path))
+    return list(load_knowledge(path).causes)
 
 
 @cache
-def _load(path: str) -> list[Cause]:
+def _load(path: str) -> Knowledge:
     raw = yaml.safe_load(Path(path).read_text())
+    if isinstance(raw, list):  # the v1 format: a bare list of causes
+        raw = {"causes": raw}
+    facts = {}
+    for name, pat in (raw.get("facts") or {}).items():
+        try:
+            facts[name] = re.compile(pat, re.I | re.M)
+        except re.error as e:
+            raise UserError(f"{path}: fact {name}: bad regex: {e}") from None
     causes = []
-    for i, entry in enumerate(raw):
+    ids = set()
+    for i, entry in enumerate(raw.get("causes") or []):
         where = f"{path}: cause {entry.get('id', i)}"
         for key in ("id", "title", "signatures", "root_cause", "fix", "prevented_by"):
             if key not in entry:
                 raise UserError(f"{where}: missing '{key}'")
-        causes.append(Cause(entry["id"], entry["title"], _patterns(entry["signatures"], where),
-                            _patterns(entry.get("context", []), where), " ".join(entry["root_cause"].split()),
-                            " ".join(entry["fix"].split()), entry["prevented_by"]))
-    return causes
+        if entry["id"] in ids:
+            raise UserError(f"{where}: duplicate id")
+        ids.add(entry["id"])
+        items = {k: tuple(_item(x, where) for x in entry.get(k) or []) for k in ("signatures", "context", "veto")}
+        causes.append(Cause(entry["id"], entry["title"], items["signatures"], items["context"], items["veto"],
+                            " ".join(entry["root_cause"].split()), " ".join(entry["fix"].split()),
+                            entry["prevented_by"]))
+    generic = tuple((re.compile(g["exc"], re.I | re.S), " ".join(g["step"].split())) for g in raw.get("generic") or [])
+    return Knowledge(tuple(causes), facts, generic)
 
 
-def _normalise(text: str) -> str:
-    # Logs arrive with ANSI colours, \r progress bars and wrapped lines; the regexes want plain text.
-    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
-    return text.replace("\r", "\n")
+def score(cause: Cause, p: Parsed) -> Scored | None:
+    """Matched weight of a cause (None when no signature matches or a veto does)."""
+    sig = [it for it in cause.signatures if it.matches(p)]
+    if not sig or any(it.matches(p) for it in cause.veto):
+        return None
+    ctx = [it for it in cause.context if it.matches(p)]
+    total = sum(it.weight for it in sig) + sum(it.weight for it in ctx)
+    evidence = [f"{it.label} (+{it.weight:g})" for it in sig] + [f"{it.label} ({it.weight:+g})" for it in ctx]
+    return Scored(cause, total, max(it.weight for it in sig), evidence)
 
 
-def score(cause: Cause, text: str) -> float:
-    """Sum of matched signature weights (0 when none matches) plus matched context weights, floored at 0."""
-    sig = sum(p.weight for p in cause.signatures if p.regex.search(text))
-    if sig == 0:
-        return 0.0
-    ctx = sum(p.weight for p in cause.context if p.regex.search(text))
-    return max(sig + ctx, 0.0)
+@cache
+def _calibration(path: str) -> tuple[list[float], list[float]]:
+    f = Path(path)
+    if not f.is_file():
+        return [], []
+    table = yaml.safe_load(f.read_text()) or {}
+    pts = sorted((float(k), float(v)) for k, v in (table.get("points") or {}).items())
+    return [x for x, _ in pts], [y for _, y in pts]
 
 
-def diagnose(text: str, causes: list[Cause] | None = None, limit: int = 3) -> list[Finding]:
-    """Ranked findings for a pasted log, best first; an empty list when no known cause matches."""
-    causes = causes if causes is not None else load_causes()
-    text = _normalise(text)
-    scored = sorted(((score(c, text), i, c) for i, c in enumerate(causes)), key=lambda t: (-t[0], t[1]))
-    out = []
-    for s, _, c in scored[:limit]:
-        if s <= 0:
+def evidence_strength(top: float, runner_up: float) -> float:
+    """The quantity confidence is calibrated on: the top score, discounted when a rival cause is close."""
+    margin = top - runner_up
+    return top - max(0.0, 1.5 - margin)
+
+
+def confidence(strength: float, calibration: Path | None = None) -> float:
+    """Piecewise-linear map of evidence strength to the probability the finding is right (calibration.yaml)."""
+    xs, ys = _calibration(str(calibration or HERE / "calibration.yaml"))
+    if not xs:
+        return round(max(0.05, min(0.97, strength / 8)), 2)
+    if strength <= xs[0]:
+        return ys[0]
+    if strength >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, strength)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return round(y0 + (y1 - y0) * (strength - x0) / (x1 - x0), 2)
+
+
+def rank(p: Parsed, knowledge: Knowledge) -> list[Scored]:
+    scored = [s for c in knowledge.causes if (s := score(c, p)) is not None]
+    order = {c.id: i for i, c in enumerate(knowledge.causes)}
+    scored.sort(key=lambda s: (-s.score, -s.strongest, order[s.cause.id]))
+    return scored
+
+
+def analyze(data: bytes | str, knowledge: Knowledge | None = None, limit: int = 3,
+            calibration: Path | None = None) -> Analysis:
+    """Parse a log and rank the known causes; findings is empty when nothing reaches MIN_SCORE (abstain)."""
+    knowledge = knowledge or load_knowledge()
+    p = parse(data, knowledge.facts)
+    ranked = rank(p, knowledge)
+    findings: list[Finding] = []
+    evidence: list[list[str]] = []
+    for i, s in enumerate(ranked[:limit]):
+        if s.score < MIN_SCORE:
             break
-        out.append(Finding(c.id, round(1 - math.exp(-s / 2.0), 3), c.title, c.root_cause, c.fix, c.prevented_by))
-    return out
+        best_other = max((o.score for j, o in enumerate(ranked) if j != i), default=0.0)
+        rival = best_other if i == 0 else ranked[0].score
+        strength = evidence_strength(s.score, rival) if i == 0 else min(s.score, rival) - 1.5
+        c = s.cause
+        findings.append(Finding(c.id, confidence(strength, calibration), c.title, c.root_cause, c.fix,
+                                c.prevented_by))
+        evidence.append(s.evidence)
+    for i in range(1, len(findings)):  # ranked best first: a lower finding never shows more confidence
+        findings[i].confidence = min(findings[i].confidence, findings[i - 1].confidence)
+    return Analysis(p, findings, evidence, [(s.cause.id, round(s.score, 2)) for s in ranked[:8]],
+                    nearest(p, prefer=findings[0].category if findings else None))
+
+
+def generic_steps(p: Parsed, knowledge: Knowledge | None = None) -> list[str]:
+    """What to do next when no known cause matched: hints keyed on the exception, then the general checklist."""
+    knowledge = knowledge or load_knowledge()
+    steps = []
+    if p.exception:
+        steps += [step for pat, step in knowledge.generic if pat.search(str(p.exception))]
+    steps += [
+        "Find the FIRST error in the log: with several ranks the last lines are usually the launcher stopping the "
+        "other ranks (SIGTERM, ChildFailedError, 'Killing subprocess'), not the cause.",
+        "Rerun on one GPU (CUDA_VISIBLE_DEVICES=0, no launcher) to tell a model/data error from a distributed one.",
+        "For hangs and NCCL errors: NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL; for CUDA errors: "
+        "CUDA_LAUNCH_BLOCKING=1 to get the failing op.",
+        "Paste the whole log (launch command, versions, the first traceback) to `shardfit diagnose -`.",
+    ]
+    return steps
+
+
+def diagnose(text: bytes | str, causes: list[Cause] | None = None, limit: int = 3) -> list[Finding]:
+    """Ranked findings for a pasted log, best first; an empty list when no known cause matches."""
+    knowledge = load_knowledge()
+    if causes is not None:
+        knowledge = Knowledge(tuple(causes), knowledge.facts, knowledge.generic)
+    return analyze(text, knowledge, limit).findings

@@ -1,0 +1,428 @@
+"""Turn a pasted log (any size, any framework, possibly mangled) into the fields diagnosis rules match on.
+
+Three stages, each bounded so that no input size makes diagnosis slow:
+
+1. `select_regions`: from a large input keep the head (launch command, config), the tail (where the failure is) and
+   windows around the first and last error anchors in between. At most `REGION_BYTES` bytes go further.
+2. `normalise`: strip ANSI codes, split `\\r` progress bars and lines glued to them, drop per-rank / per-node /
+   timestamp prefixes and box-drawing borders, collapse whitespace, and fold repeated lines (eight ranks printing
+   the same traceback count once).
+3. `parse`: extract the exceptions (type + message, wrapped continuation lines re-joined), the traceback frames
+   (file, function), launcher exit codes and signals, library versions and configuration facts (ZeRO stage, offload,
+   device_map, world size, dtype, ...).
+
+The rules then see the normalised evidence text (at most `EVIDENCE_CHARS` characters; `Parsed.scanned_chars` says
+how many), a whitespace-free lowercase copy of it (so a message wrapped or re-spaced by a terminal still matches
+a phrase), and the structured fields.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+HEAD_BYTES = 64 * 1024
+TAIL_BYTES = 512 * 1024
+WINDOW_BYTES = 16 * 1024
+EVIDENCE_CHARS = 256 * 1024  # hard cap on what the rule patterns see
+MAX_LINE = 2000  # longer lines (binary junk, minified JSON) are cut into pieces of this size
+
+# Markers of the failure region in the middle of a huge log (searched with bytes.find: fast, no regex).
+ANCHORS = (b"Traceback (most", b"Error", b"error:", b"Exception", b"NCCL WARN", b"Killed", b"exitcode",
+           b"out of memory")
+REGION_BYTES = HEAD_BYTES + TAIL_BYTES + len(ANCHORS) * 2 * 2 * WINDOW_BYTES  # hard cap on what is decoded
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+_CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Break lines that a progress bar or another rank glued onto the previous output.
+_GLUE = re.compile(
+    r"(?:(?<=/s\])|(?<=/it\]))(?=\s*\S)"
+    r"|(?<=\S)(?=Traceback \(most recent call last\))"
+    r"|(?<=\S)(?=\[rank\d+\]:)"
+    r"|(?<=\S)(?=(?:ERROR|WARNING):torch\.distributed)"
+    r"|(?<=\])(?=\[[EWI]\s?\d*\s*[\w.]*ProcessGroupNCCL)"
+    r"|(?<=\])(?=\[[EW] [\w.]+\.cpp:\d+\])")
+_PREFIXES = re.compile(
+    r"^(?:\[rank\s*\d+\]:\s?"                       # torch >= 2.2 per-rank prefix
+    r"|\[default\d+\]:\s?"                          # torchrun --tee / accelerate
+    r"|\[\d+,\d+\]<std(?:out|err)>:\s?"             # mpirun
+    r"|\((?:\w+\s+)?pid=\d+(?:,\s*ip=[\d.]+)?\)\s?"  # ray workers
+    r"|std(?:out|err):\s?"
+    r"|\d{1,3}(?:\.\d{1,3}){3}:\s"                  # pdsh / deepspeed multi-node host prefix
+    r"|node\d+:\s"
+    r"|\[\d{1,7}\]\s(?=\S)"                         # log viewers' line numbers
+    r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z?\s"  # container runtime timestamps
+    r"|>\s?"                                        # quoted in a reply
+    r"|[│┃|]\s)"                                    # rich / box borders
+)
+_BOX_TAIL = re.compile(r"\s[│┃]\s*$")
+_BOX_ONLY = re.compile(r"^[\s│┃╭╰╮╯─━═]*$")
+_SPACES = re.compile(r"[ \t\f\v\u00a0]+")
+_RANKED = re.compile(r"\[rank\d+\]|\[default\d+\]:|\[\d+,\d+\]<std|local_rank")
+_DEDUP_KEY = re.compile(r"[\d█▏▎▍▌▋▊▉#]+")
+
+# `SomeError: message` at the start of a (prefix-stripped) line; dotted module paths allowed.
+_EXC = re.compile(
+    r"^(?:[A-Za-z_][\w]*\.)*"
+    r"([A-Z][A-Za-z0-9_]*(?:Error|Exception|Exit|Failure|Interrupt|Warning)|StopIteration|KeyboardInterrupt)"
+    r"(?:\s*:\s?(.*)|\s*$)")
+_WRAPPER_TYPES = {"ChildFailedError", "ProcessRaisedException", "ProcessExitedException", "RayTaskError",
+                  "CalledProcessError", "SystemExit", "KeyboardInterrupt", "CheckpointException"}
+_FRAME_PATTERNS = (
+    re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[\w<>.]+)'),
+    re.compile(r"File (?P<file>\S+\.py):(?P<line>\d+),? in (?P<func>[\w<>.]+)"),
+    re.compile(r"(?P<file>\S+\.py):(?P<line>\d+) in (?P<func>[\w<>.]+)"),
+    re.compile(r"(?P<file>/\S+\.py) in (?P<func>[\w<>.]+)\("),
+)
+_FRAMEISH = re.compile(r'^(?:File "|File \S+\.py|\S+\.py:\d+ in |Traceback|During handling|The above exception|'
+                       r'\^+$|~+$|\[\w+\]|\d{4}-\d\d-\d\d|[IWEF]\d{4} )')
+_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)|return code\s*=\s*(-?\d+)|exit(?:ed with)? code\s*:?\s*(-?\d+)"
+                   r"|exit status\s*(-?\d+)", re.I)
+_SIGNAL = re.compile(r"terminated with signal (SIG\w+)|Signal \d+ \((SIG\w+)\) received"
+                     r"|killed by signal: ([\w ]+?)[.\n]|received signal (SIG\w+)|^(Killed)\s*$"
+                     r"|(Segmentation fault)|(Bus error)", re.I | re.M)
+
+_VERSION_NAMES = {
+    "torch": "torch", "pytorch": "torch", "transformers": "transformers", "deepspeed": "deepspeed",
+    "accelerate": "accelerate", "peft": "peft", "trl": "trl", "flash-attn": "flash-attn", "flash_attn": "flash-attn",
+    "flashattn": "flash-attn", "bitsandbytes": "bitsandbytes", "vllm": "vllm", "datasets": "datasets",
+    "xformers": "xformers", "llamafactory": "llamafactory", "nccl": "nccl", "cuda": "cuda", "triton": "triton",
+    "unsloth": "unsloth", "ms-swift": "ms-swift", "driver": "driver",
+}
+_VERSION = re.compile(
+    r"(?<![\w/.-])`?(pytorch|torch|transformers|deepspeed|accelerate|peft|trl|flash[-_]?attn|bitsandbytes|vllm|datasets"
+    r"|xformers|llamafactory|nccl|cuda|triton|unsloth|ms-swift|driver)`?"
+    r"(?:\s*\(GPU\?\))?(?:\s+info)?(?:[\s:=]*version)?[\s:=(]*v?(\d+\.\d+(?:\.\d+)?(?:[.+][\w.]*)?)", re.I)
+
+_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
+_ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
+_PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
+_MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
+_WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
+                    r"GPUS_PER_NODE|dist_world_size|world[ _]size)[\s:=]+(\d+)", re.I)
+_STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)|\bzero(\d)\b'
+                    r"|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py|\bds_(?:config_)?(\d)\.json"
+                    r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|stage_1_and_2\.py()", re.I)
+
+
+@dataclass
+class Exc:
+    type: str
+    message: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}" if self.message else self.type
+
+
+@dataclass
+class Parsed:
+    """What was understood of a log. `facts` are named booleans the rules test; the rest is shown to the user."""
+
+    input_chars: int = 0
+    scanned_chars: int = 0
+    lines: list[str] = field(default_factory=list)
+    text: str = ""
+    squashed: str = ""
+    exceptions: list[Exc] = field(default_factory=list)
+    exception: Exc | None = None
+    frames: list[str] = field(default_factory=list)
+    exit_codes: list[int] = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
+    zero_stage: int | None = None
+    world_size: int | None = None
+    device_map: str | None = None
+    dtype: str | None = None
+    model_size_b: float | None = None
+    nccl_ops: list[tuple[int, str, int | None]] = field(default_factory=list)
+    facts: set[str] = field(default_factory=set)
+
+    @property
+    def failing_frame(self) -> str | None:
+        """The innermost frame of the last traceback outside torch/python internals, else the innermost one."""
+        for f in reversed(self.frames):
+            if not re.match(r"(torch/nn/modules/module\.py|python3\.\d+/|runpy\.py|<frozen|threading\.py)", f):
+                return f
+        return self.frames[-1] if self.frames else None
+
+    def summary(self) -> dict:
+        return {
+            "exception": str(self.exception) if self.exception else None,
+            "failing_frame": self.failing_frame,
+            "exit_codes": sorted(set(self.exit_codes)),
+            "signals": sorted(set(self.signals)),
+            "versions": dict(sorted(self.versions.items())),
+            "zero_stage": self.zero_stage,
+            "world_size": self.world_size,
+            "device_map": self.device_map,
+            "dtype": self.dtype,
+            "facts": sorted(self.facts),
+            "input_chars": self.input_chars,
+            "scanned_chars": self.scanned_chars,
+        }
+
+
+def select_regions(data: bytes) -> bytes:
+    """Head, tail and windows around the first/last error anchors of `data`; `data` itself when it is small."""
+    if len(data) <= REGION_BYTES:
+        return data
+    mid_lo, mid_hi = HEAD_BYTES, len(data) - TAIL_BYTES
+    spans = [(0, HEAD_BYTES)]
+    for anchor in ANCHORS:
+        for pos in (data.find(anchor, mid_lo, mid_hi), data.rfind(anchor, mid_lo, mid_hi)):
+            if pos >= 0:
+                spans.append((max(mid_lo, pos - WINDOW_BYTES), min(mid_hi, pos + WINDOW_BYTES)))
+    spans.append((mid_hi, len(data)))
+    spans.sort()
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return b"\n".join(data[lo:hi] for lo, hi in merged)
+
+
+def _decode(data: bytes | str) -> tuple[str, int]:
+    if isinstance(data, str):
+        n = len(data)
+        if n > REGION_BYTES:  # a huge str: treat it like bytes so the same bounds apply
+            data = select_regions(data.encode("utf-8", "replace"))
+        else:
+            return data, n
+    else:
+        n = len(data)
+        data = select_regions(data)
+    return data.decode("utf-8", "replace"), n
+
+
+def unwrap(lines: list[str]) -> list[str]:
+    """Re-join lines a fixed-width terminal wrapped: when no line is longer than some width W >= 60 and several lines
+    are exactly W long, a line of length W continues on the next one (possibly mid-word)."""
+    lengths = [len(x) for x in lines if len(x) >= 60]
+    if len(lengths) < 2:
+        return lines
+    width = max(lengths)
+    if lengths.count(width) < 2 or width > MAX_LINE:
+        return lines
+    out: list[str] = []
+    carry = ""
+    for line in lines:
+        if len(line) == width and not line.rstrip().endswith(("│", "┃", "|")):
+            carry += line
+            continue
+        out.append(carry + line)
+        carry = ""
+    if carry:
+        out.append(carry)
+    return out
+
+
+def normalise(text: str) -> list[str]:
+    """Clean lines of the log in order, repeated lines folded (first position, last wording)."""
+    text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+    text = _CTRL.sub("", text)
+    text = _GLUE.sub("\n", text)
+    out: list[str] = []
+    index: dict[str, int] = {}
+    for raw in unwrap(text.split("\n")):
+        for start in range(0, max(len(raw), 1), MAX_LINE):
+            line = raw[start:start + MAX_LINE]
+            for _ in range(4):
+                stripped = _PREFIXES.sub("", line.lstrip(" \t"), count=1)
+                if stripped == line.lstrip(" \t"):
+                    break
+                line = stripped
+            line = _BOX_TAIL.sub("", line)
+            line = _SPACES.sub(" ", line).strip()
+            if not line or _BOX_ONLY.match(line):
+                continue
+            key = _DEDUP_KEY.sub("#", line)
+            if key in index:
+                out[index[key]] = line
+            else:
+                index[key] = len(out)
+                out.append(line)
+    return out
+
+
+def _evidence(lines: list[str]) -> list[str]:
+    """At most EVIDENCE_CHARS characters: everything when it fits, else the head, the error-like lines, the tail."""
+    if sum(len(x) + 1 for x in lines) <= EVIDENCE_CHARS:
+        return lines
+    salient = re.compile(r"error|exception|traceback|warn|fail|killed|signal|nccl|cuda|deepspeed|zero|fsdp|launch|"
+                         r"exit|memory|timeout|nan\b|stage|offload|device|version|assert|denied|refused|fault|"
+                         r"File \"|\.py\b|--\w|:\s*(true|false|\d)", re.I)
+    head, tail = lines[:200], lines[-400:]
+    middle = [x for x in lines[200:-400] if salient.search(x)]
+    budget = EVIDENCE_CHARS - sum(len(x) + 1 for x in head + tail)
+    keep: list[str] = []
+    for line in reversed(middle):
+        budget -= len(line) + 1
+        if budget < 0:
+            break
+        keep.append(line)
+    out = head + keep[::-1] + tail
+    while sum(len(x) + 1 for x in out) > EVIDENCE_CHARS and len(out) > 1:  # pathological: huge head/tail lines
+        out.pop(len(out) // 2)
+    return out
+
+
+def squash(text: str) -> str:
+    """Lowercase without any whitespace: phrases match regardless of wrapping, indentation or spacing."""
+    return re.sub(r"[\s`'\"\u2018\u2019\u201c\u201d]+", "", text).lower()
+
+
+def _exceptions(lines: list[str]) -> list[Exc]:
+    found: list[Exc] = []
+    seen: set[str] = set()
+    for i, line in enumerate(lines):
+        m = _EXC.match(line)
+        if not m or line.startswith(("raise ", "File ")):
+            continue
+        etype, msg = m.group(1), (m.group(2) or "").strip()
+        # A message wrapped over following lines (a terminal, or NCCL's "Last error:" block) is re-joined.
+        j = i + 1
+        while j < len(lines) and j <= i + 6 and not _FRAMEISH.match(lines[j]) and not _EXC.match(lines[j]):
+            nxt = lines[j]
+            if len(msg) > 600 or re.match(r"^(\w+ \d+|\[?\d{4}-|[A-Z]\d{4}|\w+:\d+:\d+ \[\d+\]|\[|.*%\|)", nxt):
+                break
+            # a wrapped message continues: the line so far is cut mid-sentence, or the next one starts lowercase
+            if msg and re.search(r"[.!?)\]'\"`]$", msg) and not re.match(r"[a-z(]", nxt):
+                break
+            msg = f"{msg} {nxt}".strip() if msg else nxt
+            j += 1
+        key = f"{etype}: {msg[:200]}"
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append(Exc(etype, msg[:1000], i))
+    return found
+
+
+def _primary(excs: list[Exc]) -> Exc | None:
+    """The exception that explains the failure: the last one that is neither a warning nor a launcher wrapper."""
+    for pred in (lambda e: e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning"),
+                 lambda e: not e.type.endswith("Warning"), lambda e: True):
+        cands = [e for e in excs if pred(e)]
+        if cands:
+            return cands[-1]
+    return None
+
+
+def _frames(text: str) -> list[str]:
+    frames: list[str] = []
+    for line in text.split("\n"):
+        if ".py" not in line:
+            continue
+        for pat in _FRAME_PATTERNS:
+            m = pat.search(line)
+            if m:
+                f = m.group("file").replace("\\", "/")
+                parts = re.split(r"(?:site|dist)-packages/", f)
+                f = parts[-1] if len(parts) > 1 else "/".join(f.split("/")[-3:])
+                frames.append(f"{f}:{m.group('func')}")
+                break
+    return frames
+
+
+def _versions(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for m in _VERSION.finditer(text):
+        name = _VERSION_NAMES.get(m.group(1).lower().replace("_", "-"), m.group(1).lower())
+        ver = m.group(2).rstrip(".")
+        if name in ("torch", "transformers", "deepspeed") and int(ver.split(".")[0]) > 9:
+            continue  # a path or another number, not this library's version
+        out.setdefault(name, ver)
+    return out
+
+
+def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
+    text = p.text
+    for name, pat in fact_patterns.items():
+        if pat.search(text):
+            p.facts.add(name)
+    stages = []
+    for m in _STAGE.finditer(text):
+        groups = [g for g in m.groups() if g is not None]
+        if m.group(0).lower().startswith("stage_1_and_2"):
+            stages.append(2)
+        elif groups and groups[0].isdigit() and int(groups[0]) <= 3:
+            stages.append(int(groups[0]))
+    if any("deepspeed/runtime/zero/stage3.py" in f or "partition_parameters.py" in f or "parameter_offload.py" in f
+           for f in p.frames):
+        stages.append(3)
+    if stages:
+        p.zero_stage = max(stages)
+        p.facts.add(f"zero{p.zero_stage}")
+    if p.zero_stage == 3:
+        p.facts.add("zero3")
+    worlds = [int(m.group(1)) for m in _WORLD.finditer(text)]
+    if worlds:
+        p.world_size = max(worlds)
+        if p.world_size > 1:
+            p.facts.add("multi_rank")
+    m = re.search(r"device_map\s*[=:]\s*(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
+    if m:
+        p.device_map = m.group(2)
+        p.facts.add("device_map")
+        if m.group(2).lower() in ("auto", "balanced", "balanced_low_0", "sequential"):
+            p.facts.add("device_map_split")
+    for dtype, pat in (("fp16", r"--fp16(?:\s+True)?\b|\bfp16\s*[:=]\s*true|\"fp16\":\s*\{\s*\"enabled\":\s*true|"
+                                r"mixed_precision[\s=:'\"]*fp16|torch_dtype\s*=\s*torch\.float16|\.half\(\)|"
+                                r"16-mixed|precision[\s=:'\"]*16\b|weight_dtype\s*=\s*torch\.float16"),
+                       ("bf16", r"--bf16(?:\s+True)?\b|\bbf16\s*[:=]\s*true|mixed_precision[\s=:'\"]*bf16|"
+                                r"torch_dtype\s*=\s*torch\.bfloat16")):
+        if re.search(pat, text, re.I):
+            p.dtype = p.dtype or dtype
+            p.facts.add(dtype)
+    sizes = [float(m.group(1)) for m in _MODEL_SIZE.finditer(text) if 0.1 <= float(m.group(1)) <= 700]
+    if sizes:
+        p.model_size_b = max(sizes)
+        if p.model_size_b >= 30:
+            p.facts.add("big_model")
+    for m in _SEQ.finditer(text):
+        p.nccl_ops.append((int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None))
+    if p.nccl_ops:
+        if min(s for s, _, _ in p.nccl_ops) <= 5:
+            p.facts.add("nccl_early_collective")
+        if max(s for s, _, _ in p.nccl_ops) >= 1000:
+            p.facts.add("nccl_late_collective")
+    for line in p.lines:
+        m = _ELAPSED.search(line)
+        if m and _PROGRESS_DATA.search(line):
+            h, mm, ss = (int(m.group(1)), int(m.group(2)), m.group(3))
+            minutes = h * 60 + mm if ss is not None else h + mm / 60
+            if minutes >= 29.5:
+                p.facts.add("data_progress_30min")
+    for code in p.exit_codes:
+        p.facts.add(f"exit{code}")
+    for sig in p.signals:
+        p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
+    if p.exception:
+        p.facts.add("has_exception")
+        if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
+            p.facts.add("real_exception")
+
+
+def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None) -> Parsed:
+    """Everything the rules need, from at most REGION_BYTES of input and EVIDENCE_CHARS of normalised text."""
+    text, n = _decode(data)
+    lines = _evidence(normalise(text))
+    p = Parsed(input_chars=n, lines=lines)
+    if _RANKED.search(text):
+        p.facts.add("multi_rank")
+    p.text = "\n".join(lines)
+    p.scanned_chars = len(p.text)
+    p.squashed = squash(p.text)
+    p.exceptions = _exceptions(lines)
+    p.exception = _primary(p.exceptions)
+    p.frames = _frames(p.text)
+    for m in _EXIT.finditer(p.text):
+        p.exit_codes.append(int(next(g for g in m.groups() if g is not None)))
+    for m in _SIGNAL.finditer(p.text):
+        p.signals.append(next(g for g in m.groups() if g is not None).strip())
+    p.versions = _versions(p.text)
+    _facts(p, fact_patterns or {})
+    return p

@@ -1,0 +1,95 @@
+"""Input and output of `shardfit diagnose`: read the log, print the findings (text, or the JSON of
+docs/reference.md)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from shardfit.diagnose.engine import Analysis, generic_steps
+from shardfit.errors import UserError
+
+
+def read_input(path: str | None) -> bytes:
+    """The raw log: a file's bytes, or stdin for None / "-". A missing file is a UserError (exit 2)."""
+    if path in (None, "-"):
+        return sys.stdin.buffer.read()
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"diagnose: no such file {p}; pass a log file, or - to read the pasted log from stdin.")
+    return p.read_bytes()
+
+
+def to_json(a: Analysis) -> dict:
+    """{"findings": [...six contract fields...]} plus what was parsed, the evidence per finding and similar reports."""
+    out = {
+        "findings": [f.to_json() for f in a.findings],
+        "evidence": a.evidence,
+        "parsed": a.parsed.summary(),
+        "similar": a.similar,
+    }
+    if not a.findings:
+        out["next_steps"] = generic_steps(a.parsed)
+    return out
+
+
+def _parsed_lines(a: Analysis) -> list[str]:
+    s = a.parsed.summary()
+    lines = []
+    if s["exception"]:
+        lines.append(f"exception:     {textwrap.shorten(s['exception'], 220, placeholder=' ...')}")
+    if s["failing_frame"]:
+        lines.append(f"failing frame: {s['failing_frame']}")
+    if s["exit_codes"] or s["signals"]:
+        bits = [f"exit code {c}" for c in s["exit_codes"]] + list(s["signals"])
+        lines.append(f"launcher:      {', '.join(bits)}")
+    if s["versions"]:
+        lines.append("versions:      " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
+    setup = []
+    if s["zero_stage"] is not None:
+        setup.append(f"ZeRO stage {s['zero_stage']}")
+    if s["world_size"]:
+        setup.append(f"{s['world_size']} processes")
+    if s["device_map"]:
+        setup.append(f"device_map={s['device_map']}")
+    if s["dtype"]:
+        setup.append(s["dtype"])
+    setup += [f for f in ("fsdp", "offload", "lora", "quant", "grad_ckpt") if f in s["facts"]]
+    if setup:
+        lines.append("setup:         " + ", ".join(setup))
+    if s["input_chars"] > s["scanned_chars"] * 2:
+        lines.append(f"read:          {s['scanned_chars']:,} of {s['input_chars']:,} characters (head, tail and the "
+                     "regions around the errors)")
+    return lines
+
+
+def format_text(a: Analysis) -> str:
+    """The human-readable report printed by `shardfit diagnose FILE`."""
+    out: list[str] = []
+    wrap = textwrap.TextWrapper(width=118, subsequent_indent="          ")
+    if a.findings:
+        for i, (f, ev) in enumerate(zip(a.findings, a.evidence, strict=True), 1):
+            out.append(f"{i}. {f.title}  [{f.category}, confidence {f.confidence:.2f}]")
+            out.append(wrap.fill(f"   cause: {f.root_cause}"))
+            out.append(wrap.fill(f"   fix:   {f.fix}"))
+            out.append(wrap.fill(f"   shardfit: {f.prevented_by}"))
+            out.append(wrap.fill(f"   seen:  {'; '.join(ev[:5])}"))
+            out.append("")
+        parsed = _parsed_lines(a)
+        if parsed:
+            out.append("parsed from the log:")
+            out += [f"  {x}" for x in parsed]
+    else:
+        out.append("No known cause matched. Rather than guess, here is what was understood of the log:")
+        parsed = _parsed_lines(a) or ["(no exception, traceback or launcher message found)"]
+        out += [f"  {x}" for x in parsed]
+        out.append("")
+        out.append("Next steps:")
+        step_wrap = textwrap.TextWrapper(width=118, initial_indent="  - ", subsequent_indent="    ")
+        out += [step_wrap.fill(s) for s in generic_steps(a.parsed)]
+    if a.similar:
+        out.append("")
+        out.append("similar reports:")
+        out += [f"  {s['url']}  ({s['category']}, similarity {s['similarity']:.2f})" for s in a.similar]
+    return "\n".join(out).rstrip() + "\n"

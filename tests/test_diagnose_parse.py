@@ -1,0 +1,145 @@
+"""diagnose's parser: what survives mangled pastes (ANSI, \\r progress bars, rank prefixes, wrapped and glued lines),
+what is extracted (exception, frames, launcher codes, versions, setup facts), and that input size is bounded:
+the size tests count the characters that reach the rule patterns instead of timing anything."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+from shardfit.diagnose.engine import analyze, diagnose, load_knowledge
+from shardfit.diagnose.parse import EVIDENCE_CHARS, REGION_BYTES, normalise, parse, select_regions
+
+
+def _parse(text: str):
+    return parse(text, load_knowledge().facts)
+
+
+def test_ansi_carriage_returns_and_rank_prefixes_are_removed() -> None:
+    raw = ("\x1b[32mMap: 10%|█         | 1/10 [00:01<00:09]\rMap: 20%|██        | 2/10 [00:02<00:08]\r"
+           "[rank3]: \x1b[31mRuntimeError: boom\x1b[0m\n")
+    p = _parse(raw)
+    assert str(p.exception) == "RuntimeError: boom"
+    assert "multi_rank" in p.facts
+    assert not any("\x1b" in line or line.startswith("[rank") for line in p.lines)
+
+
+def test_repeated_rank_lines_are_folded_and_glued_lines_split() -> None:
+    err = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST, NumelIn=1, NumelOut=1, " \
+          "Timeout(ms)=1800000) ran for 1800079 milliseconds before timing out."
+    raw = "".join(f"[rank{r}]:[E1104 07:31:02 ProcessGroupNCCL.cpp:632] [Rank {r}] {err}\n" for r in range(8))
+    raw = "Running tokenizer on dataset:  41%|████ | 410000/1000000 [29:58<43:10, 227.6 examples/s]" + raw
+    lines = normalise(raw)
+    assert sum("Watchdog" in x for x in lines) == 1
+    assert lines[0].startswith("Running tokenizer") and "Watchdog" not in lines[0]
+    assert diagnose(raw)[0].category == "nccl_timeout_preprocessing"
+
+
+def test_wrapped_message_matches_as_if_unwrapped() -> None:
+    wrapped = ("ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by\n"
+               "another FSDP group. For shared/tied\nparameters, use fully_shard([module_a, module_b]) to place them "
+               "in the same FSDP group.\n")
+    assert diagnose(wrapped)[0].category == "fsdp_tied_embeddings"
+    hard_wrapped = "stderr: [rank0]: an exception occurred : ('Ca\nnnot copy out of meta tensor; no data!',).\n"
+    assert diagnose(hard_wrapped)[0].category == "meta_device_loading"
+
+
+def test_exception_message_continuation_is_rejoined() -> None:
+    p = _parse("RuntimeError: DataLoader worker (pid 47) is killed by signal: Bus\nerror. It is possible that "
+               "dataloader's workers are out of shared\nmemory. Please try to raise your shared memory limit.\n")
+    assert p.exception.message.endswith("raise your shared memory limit.")
+    assert _parse("RuntimeError: boom!\nNext line of the log\n").exception.message == "boom!"
+
+
+def test_primary_exception_skips_launcher_wrappers_and_warnings() -> None:
+    p = _parse('UserWarning: None of the inputs have requires_grad=True\n'
+               'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+               "ModuleNotFoundError: No module named 'einops'\n"
+               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert p.exception.type == "ModuleNotFoundError"
+    assert [e.type for e in p.exceptions] == ["UserWarning", "ModuleNotFoundError", "ChildFailedError"]
+
+
+def test_frames_exit_codes_signals_versions() -> None:
+    p = _parse(
+        'File "/opt/conda/lib/python3.10/site-packages/deepspeed/runtime/zero/stage3.py", line 2117, in '
+        "unscale_and_clip_grads\n"
+        "│ /root/env/lib/python3.10/site-packages/transformers/trainer.py:2784 in compute_loss │\n"
+        "E0629 00:06:24.298000 torch/distributed/elastic/multiprocessing/api.py:826] failed (exitcode: -9) "
+        "local_rank: 2 (pid: 29736) of binary: /opt/conda/bin/python3.10\n"
+        "[ERROR] [launch.py:321:sigkill_handler] ['python', 'train.py'] exits with return code = -7\n"
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGKILL\n"
+        "[2025-03-07] [INFO] [logging.py:128:log_dist] [Rank 0] DeepSpeed info: version=0.16.3, git-hash=unknown\n"
+        "torch==2.6.0  - `transformers` version: 4.31.0  NCCL version 2.19.3+cuda12.4  flash-attn 2.6.3\n")
+    assert "deepspeed/runtime/zero/stage3.py:unscale_and_clip_grads" in p.frames
+    assert "transformers/trainer.py:compute_loss" in p.frames
+    assert {-9, -7} <= set(p.exit_codes) and "SIGKILL" in p.signals
+    assert p.versions == {"deepspeed": "0.16.3", "torch": "2.6.0", "transformers": "4.31.0",
+                          "nccl": "2.19.3+cuda12.4", "flash-attn": "2.6.3"}
+    assert {"exit-9", "exit-7", "zero3"} <= p.facts
+
+
+def test_setup_facts() -> None:
+    p = _parse('deepspeed --num_gpus 8 train.py --deepspeed ds_z3_offload_config.json --bf16 True\n'
+               '"offload_optimizer": {\n    "device": "cpu",\nmodel = AutoModelForCausalLM.from_pretrained(p, '
+               'device_map="auto")  # Qwen2-VL-72B-Instruct\n')
+    assert p.zero_stage == 3 and p.world_size == 8 and p.device_map == "auto" and p.dtype == "bf16"
+    assert {"zero3", "offload", "deepspeed", "launcher", "device_map_split", "big_model", "multi_rank"} <= p.facts
+    assert _parse('"zero_optimization": {"stage": 2}').zero_stage == 2
+    assert _parse("--deepspeed examples/deepspeed/ds_z2_config.json").zero_stage == 2
+
+
+def test_half_traceback_and_single_line_pastes() -> None:
+    assert diagnose("exits with return code = -9")[0].category == "host_ram_oom"
+    assert diagnose("Gradient computed twice for this partition.")[0].category == "gc_ddp_reentrant"
+    assert diagnose("    raise ZeRORuntimeException(\nThe checkpoint being loaded used a DP world size of 8 but the "
+                    "current world size is 4.")[0].category == "resume_world_size_mismatch"
+
+
+def _b64_lines(n_bytes: int) -> bytes:
+    """n_bytes of unique 76-character lines with no error anchor in them (base64 of random bytes)."""
+    return base64.encodebytes(os.urandom(n_bytes * 3 // 4))[:n_bytes]
+
+
+def test_50mb_log_reads_bounded_regions_and_finds_errors_anywhere() -> None:
+    head = b"torchrun --nproc_per_node 8 train.py --deepspeed ds_z3_config.json\n"
+    middle = b"RuntimeError: indices should be either on cpu or on the same device as the indexed tensor (cpu)\n"
+    data = head + _b64_lines(25_000_000) + middle + _b64_lines(25_000_000)
+    assert len(data) > 50_000_000
+    region = select_regions(data)
+    assert len(region) <= REGION_BYTES + 64  # joins between regions
+    a = analyze(data)
+    # The whole text does not go through the patterns: at most EVIDENCE_CHARS, under 1% of the input.
+    assert a.parsed.scanned_chars <= EVIDENCE_CHARS and a.parsed.scanned_chars < len(data) / 100
+    assert a.parsed.input_chars == len(data)
+    assert a.findings and a.findings[0].category == "zero3_cpu_buffer_rotary"  # head (ZeRO-3) + middle (error)
+    tail_err = b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    b = analyze(_b64_lines(50_000_000) + tail_err)
+    assert b.findings and b.findings[0].category.startswith("oom_")
+    assert b.parsed.scanned_chars <= EVIDENCE_CHARS
+
+
+def test_huge_str_input_is_bounded_like_bytes() -> None:
+    text = "x" * 30_000_000 + "\nRuntimeError: CUDA error: invalid device ordinal\n"
+    a = analyze(text)
+    assert a.findings[0].category == "more_ranks_than_gpus"
+    assert a.parsed.scanned_chars <= EVIDENCE_CHARS
+
+
+def test_binary_garbage_is_handled() -> None:
+    a = analyze(os.urandom(50_000_000))
+    assert a.parsed.scanned_chars <= EVIDENCE_CHARS
+    assert a.findings == [] or a.findings[0].confidence < 0.8
+    assert analyze(b"").findings == [] and analyze("\x00\x01\x02\xff").findings == []
+
+
+def test_fixed_width_terminal_wrapping_is_undone() -> None:
+    msg = ("ValueError: Must flatten tensors with uniform dtype but got torch.bfloat16 and torch.float32 while "
+           "wrapping model.layers.0 with FullyShardedDataParallel (use_orig_params=False, "
+           "sharding_strategy=FULL_SHARD)")
+    wrapped = "\n".join(msg[i:i + 79] for i in range(0, len(msg), 79))
+    assert max(len(x) for x in wrapped.splitlines()) == 79 and len(wrapped.splitlines()) == 3
+    assert diagnose(wrapped)[0].category == "fsdp_mixed_dtype"
+    assert normalise(wrapped) == [msg]
+    # lines of varied length are left alone (no width to undo)
+    assert normalise("a" * 70 + "\n" + "b" * 90 + "\nshort") == ["a" * 70, "b" * 90, "short"]
