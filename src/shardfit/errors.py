@@ -19,3 +19,9 @@ class DoesNotFitError(ShardfitError):
     """The plan predicts out-of-memory for every allowed strategy (or the chosen one)."""
 
     exit_code = 3
+
+
+class JobFailed(ShardfitError):
+    """The job started and failed (diverged, could not write a checkpoint); the message says what survives."""
+
+    exit_code = 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from shardfit.errors import UserError
+
 
 @dataclass
 class Finding:
@@ -21,3 +23,11 @@ class Finding:
 def is_ok(findings: list[Finding]) -> bool:
     """False while an error remains that was not fixed."""
     return not any(f.severity == "error" and not f.auto_fixed for f in findings)
+
+
+def refuse_unfixable(findings: list[Finding]) -> None:
+    """A UserError listing the errors the preflight could not fix, if any."""
+    if not is_ok(findings):
+        bad = [f for f in findings if f.severity == "error" and not f.auto_fixed]
+        raise UserError("preflight found errors it cannot fix:\n" + "\n".join(
+            f"  {f.rule} at {f.where}: {f.message}\n    fix: {f.fix}" for f in bad))

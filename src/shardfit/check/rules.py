@@ -21,31 +21,6 @@ from shardfit.strategy import Strategy
 GENERATION_ONLY = ("talker", "token2wav")
 
 
-def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:
-    """A device map under a distributed launch, or together with ZeRO-3. shardfit never passes it outside
-    model_parallel, so it is fixed by ignoring it, unless `strict` makes that an error."""
-    if cfg.device_map is None or s.engine == "device_map":
-        return []
-    out = []
-    fixed = not cfg.strict
-    strategy = s.name
-    if world > 1 or s.multi_rank:
-        out.append(Finding(
-            "device_map_in_distributed", "error", "config: device_map",
-            f"device_map={cfg.device_map!r} splits one process's model over several GPUs; under strategy {strategy} "
-            f"each rank needs its own replica or shard, and accelerate refuses to train such a model "
-            f"(\"You can't train a model that has been loaded with device_map='auto' in any distributed mode\").",
-            "remove device_map (shardfit ignores it under a launcher unless strict: true), or use strategy: "
-            "model_parallel in one process", fixed))
-    if s.shards_params:
-        out.append(Finding(
-            "device_map_with_zero3", "error", "config: device_map",
-            "a device map places whole layers itself, while ZeRO-3 shards every parameter across ranks; the two "
-            "placements conflict (DeepSpeed: 'Zero-3 is not compatible with low_cpu_mem_usage=True or with passing "
-            "a device_map').", "remove device_map; zero3 loads on each rank and shards with fully_shard", fixed))
-    return out
-
-
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     try:
         return decoder_and_head(model)

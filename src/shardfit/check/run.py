@@ -11,8 +11,10 @@ import dataclasses
 from torch import nn
 
 from shardfit.check import rules
+from shardfit.check.config_rules import device_map_rules
 from shardfit.check.findings import Finding
 from shardfit.config import Config
+from shardfit.data.dataset import read_split
 from shardfit.models.build import build_model
 from shardfit.parallel.env import cuda_available, resolve_precision
 from shardfit.plan.choose import plan_for_config
@@ -25,7 +27,7 @@ from shardfit.strategy import get as get_strategy
 def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan | None) -> list[Finding]:
     """Every rule that needs no placed model (config, unused modules, FSDP units, precision, checkpointing, the
     plan's verdict); each fixes what it can in place and says so."""
-    out = rules.device_map_rules(cfg, s, world)
+    out = device_map_rules(cfg, s, world)
     out += rules.unused_module_rules(model, s, fix=True)
     out += rules.fsdp_unit_rules(model, s, cfg.precision, fix=True)
     out += rules.grad_ckpt_rules(model, cfg)
@@ -69,6 +71,7 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     if name == "auto":
         name = (plan.recommended if plan else None) or ("single" if world == 1 else "zero3")
     s = get_strategy(name)
+    read_split(cfg)  # the data validation train runs first: a bad row is exit 2 here too
     model = build_model(cfg, s, weights=False)
     return name, preflight(model, cfg, s, world, plan) + created_off_meta_rules(model)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from shardfit.check.findings import is_ok
+from shardfit.cli.args import positive_int
 from shardfit.config import load_config
 from shardfit.plan.hardware import parse_gpus
 
@@ -16,16 +18,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLE)
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument("--nproc", type=int, default=None, help="ranks the run will use (default: from the strategy)")
+    c.add_argument("--nproc", type=positive_int, default=None,
+                   help="ranks the run will use (default: from the strategy)")
     c.add_argument("--gpus", default=None, help="check for these GPUs, e.g. 8x24GB (default: this machine)")
-    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--nodes", type=positive_int, default=1)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardfit.check.findings import is_ok  # torch and transformers: only for this command
-    from shardfit.check.run import check_config, format_findings
+    from shardfit.check.run import check_config, format_findings  # torch and transformers: only for this command
 
     cfg = load_config(args.config, args.overrides)
     hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None

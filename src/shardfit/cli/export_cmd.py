@@ -6,6 +6,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+import yaml
+
 from shardfit.config import load_config
 from shardfit.errors import UserError
 
@@ -27,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         raise UserError(f"{run_dir} is not a shardfit run directory (no config.yaml).")
+    raw = yaml.safe_load(cfg_file.read_text(encoding="utf-8", errors="replace"))
+    if not isinstance(raw, dict) or not raw.get("model"):
+        raise UserError(f"{cfg_file} does not name the run's model; it is not the config.yaml a shardfit run writes. "
+                        "Export from the run directory that training wrote.")
     run_cfg = load_config(cfg_file, check_files=False)
     if not args.merge:
         if not adapter.is_dir():

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from shardfit.cli.args import positive_float, positive_int
 from shardfit.config import load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import UserError
@@ -26,15 +27,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="HF id from the catalog, a local folder or a config.json")
     p.add_argument("--list-models", action="store_true", help="list the catalog's model ids and exit")
     p.add_argument("--gpus", default=None, help="8x24GB, 4xA100-80G, 2xH100, 1x4090 (default: this machine)")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--cpu-mem", type=float, default=None, metavar="GIB", help="host RAM per node, for offload")
+    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--cpu-mem", type=positive_float, default=None, metavar="GIB", help="host RAM per node, for offload")
     p.add_argument("--method", choices=METHODS, default=None)
     p.add_argument("--precision", choices=PRECISIONS, default=None)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=positive_int, default=None)
+    p.add_argument("--batch", type=positive_int, default=None)
     p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
-    p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
                    help="chunked: shardfit's loss (default); full: logits of every position at once, as transformers' "
                         "own loss computes them (to predict an HF Trainer / LLaMA-Factory / axolotl / TRL run); "
@@ -50,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
                         "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
-    p.add_argument("--grad-accum", type=int, default=None, metavar="N",
+    p.add_argument("--grad-accum", type=positive_int, default=None, metavar="N",
                    help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
     p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
     p.add_argument("--simulate", action="store_true",
@@ -68,6 +69,9 @@ def local_precision() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
+        raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
+                        "it or write the plot elsewhere.")
     if args.list_models:
         print("\n".join(sorted(catalog())))
         return 0
@@ -95,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
         plan = simulate_plan(plan, shape, w, hw, source if Path(source).exists() else None)
     print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan))
     if args.plot:
-        plot(plan, args.plot)
+        try:
+            plot(plan, args.plot)
+        except (OSError, ValueError) as e:  # ValueError: an extension matplotlib cannot write
+            raise UserError(f"--plot {args.plot}: cannot write it ({getattr(e, 'strerror', None) or e}); give a "
+                            ".png path in an existing folder.") from None
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0 if plan.recommended else 3

@@ -6,7 +6,11 @@ import argparse
 import logging
 import sys
 
-from shardfit.config import load_config
+from shardfit.check.config_rules import device_map_rules
+from shardfit.check.findings import refuse_unfixable
+from shardfit.cli.args import non_negative_int, port, positive_int
+from shardfit.config import Config, load_config
+from shardfit.config.support import require_method_support
 from shardfit.errors import UserError
 from shardfit.strategy import get as get_strategy
 
@@ -18,37 +22,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="YAML config; omit for the built-in demo")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set lr=1e-4 --set lora.rank=16")
-    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: all GPUs; 1 on CPU)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nproc", type=positive_int, default=None, help="ranks per node (default: all GPUs; 1 on CPU)")
+    p.add_argument("--nnodes", type=positive_int, default=1)
+    p.add_argument("--node-rank", type=non_negative_int, default=0)
     p.add_argument("--master-addr", default=None)
-    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--master-port", type=port, default=None)
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of a c10d rendezvous (elastic multi-node)")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank dies")
+    p.add_argument("--max-restarts", type=non_negative_int, default=0, help="torchrun restarts after a rank dies")
     p.set_defaults(func=run)
 
 
-def _validate_before_launch(args: argparse.Namespace, world: int) -> None:
-    """Fail once, in seconds, before starting ranks that would each fail the same way."""
-    from shardfit.check.rules import device_map_rules  # torch and transformers: only to train
-    from shardfit.models.build import require_method_support
-    from shardfit.train.recipe import refuse_unfixable
-
-    cfg = load_config(args.config, args.overrides)
-    require_method_support(cfg)
-    refuse_unfixable(device_map_rules(cfg, get_strategy("single" if cfg.strategy == "auto" else cfg.strategy), world))
+def _refuse_before_launch(cfg: Config, world: int) -> None:
+    """What would stop every rank the same way, said once before ranks start."""
+    s = get_strategy("single" if cfg.strategy == "auto" else cfg.strategy)
+    if s.engine == "device_map":
+        raise UserError(f"strategy: {s.name} splits one process's model over its local GPUs and cannot run on "
+                        f"{world} ranks. Drop --nproc/--nnodes to run it in one process, or use --set strategy=zero3.")
+    refuse_unfixable(device_map_rules(cfg, s, world))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.node_rank >= args.nnodes:
+        raise UserError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: node ranks run from 0 to "
+                        f"{args.nnodes - 1}; give each node its own rank in that range.")
+    # The config first, without torch: a mistake in it is reported in a fraction of a second.
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    if cfg is not None:
+        require_method_support(cfg)
+
     from shardfit.parallel.env import init_distributed, shutdown, under_launcher  # torch: only to train
     from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}.")
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
-        if args.config:
-            _validate_before_launch(args, nproc * args.nnodes)
+        if cfg is not None:
+            _refuse_before_launch(cfg, nproc * args.nnodes)
         passthrough = ["train"] + ([args.config] if args.config else [])
         for item in args.overrides:
             passthrough += ["--set", item]
@@ -62,14 +70,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("shardfit").setLevel(logging.ERROR)
     ok = False
     try:
-        if args.config is None:
+        if cfg is None:
             from shardfit.demo.run import run_demo
 
             run_demo(env, args.overrides)
         else:
             from shardfit.train.recipe import train
 
-            result = train(load_config(args.config, args.overrides), env)
+            result = train(cfg, env)
             if env.is_main:
                 s = result.summary
                 print(f"done: {s['steps']} steps, train loss {s['train_loss']}, eval loss {s['eval_loss']}, "

@@ -6,7 +6,9 @@ for near misses. Nothing here imports torch, so `shardfit plan`/`check` start fa
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import fields
@@ -21,24 +23,71 @@ from shardfit.errors import UserError
 _HINTS = {Config: typing.get_type_hints(Config), LoraSettings: typing.get_type_hints(LoraSettings)}
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """Map dotted keys (`lora.rank`) to their 1-based line in the YAML text, for error messages."""
+# A YAML document whose aliases expand beyond this many nodes is refused: each alias is a reference to a node
+# defined earlier, so a few lines can stand for billions of values (a "billion laughs" document).
+MAX_YAML_NODES = 100_000
+
+
+def _read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
+    """The YAML document of `p` and the line of each dotted key (`lora.rank`), for error messages. Text that is
+    not UTF-8, not YAML, a recursive anchor or an alias bomb is a UserError naming the file (and line)."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); a config is a YAML "
+                        "text file. Is this a binary, compressed or Latin-1 file? Save it as UTF-8.") from None
+    except OSError as e:
+        raise UserError(f"{p}: cannot read the config: {e.strerror}.") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{p}{line}: not valid YAML: {getattr(e, 'problem', e)}.") from None
+    if root is None:
+        return None, {}
+    _expanded_size(root, p)
     lines: dict[str, int] = {}
 
     def walk(node: yaml.Node, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = f"{prefix}{key_node.value}"
-                lines[key] = key_node.start_mark.line + 1
+                lines.setdefault(key, key_node.start_mark.line + 1)
                 walk(value_node, key + ".")
 
+    walk(root, "")
     try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-    if root is not None:
-        walk(root, "")
-    return lines
+        return yaml.safe_load(text), lines
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{p}{line}: not valid YAML: {getattr(e, 'problem', e)}.") from None
+
+
+def _expanded_size(root: yaml.Node, p: Path) -> int:
+    """How many nodes the document stands for once its aliases are expanded; a UserError past MAX_YAML_NODES or
+    for an anchor that contains itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_:
+            raise UserError(f"{p}:{node.start_mark.line + 1}: a YAML anchor refers to itself; write the value out.")
+        open_.add(id(node))
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        total = 1 + sum(size(c) for c in children)
+        open_.discard(id(node))
+        sizes[id(node)] = total
+        if total > MAX_YAML_NODES:
+            raise UserError(f"{p}:{node.start_mark.line + 1}: the YAML expands to more than {MAX_YAML_NODES:,} "
+                            "values through its aliases (&anchor / *alias); a config needs a few dozen.")
+        return total
+
+    return size(root)
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -183,29 +232,41 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
     return cfg
 
 
+def _range_error(value: Any, meta: dict[str, Any]) -> str | None:
+    """What is wrong with `value` against a key's declared range, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}."
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        ge, gt, lt = meta.get("ge"), meta.get("gt"), meta.get("lt")
+        if ge is not None and value < ge:
+            return f"must be at least {ge:g}, got {value:g}."
+        if gt is not None and value <= gt:
+            return f"must be greater than {gt:g}, got {value:g}."
+        if lt is not None and value >= lt:
+            return f"must be below {lt:g}, got {value:g}."
+    if meta.get("nonempty"):
+        items = value if isinstance(value, list) else [value]
+        if not items or any(isinstance(v, str) and not v.strip() for v in items):
+            return "must not be empty."
+    return None
+
+
 def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = None) -> Config:
-    """Cross-key checks that single types cannot express."""
+    """Every key against its declared range (schema metadata), then the checks that span keys."""
     lines = lines or {}
 
     def fail(key: str, msg: str) -> None:
         loc = f"{where}:{lines[key]}" if key in lines else where
         raise UserError(f"{loc}: '{key}' {msg}")
 
-    positive = ("max_seq_len", "micro_batch", "grad_accum", "epochs", "save_steps", "eval_steps", "log_steps",
-                "loss_chunk")
-    for key in positive:
-        if getattr(cfg, key) < 1:
-            fail(key, f"must be at least 1, got {getattr(cfg, key)}.")
-    if cfg.max_steps is not None and cfg.max_steps < 1:
-        fail("max_steps", f"must be at least 1 or null, got {cfg.max_steps}.")
-    if not 0.0 <= cfg.eval_split < 1.0:
-        fail("eval_split", f"must be in [0, 1), got {cfg.eval_split}.")
-    if not 0.0 <= cfg.warmup_ratio < 1.0:
-        fail("warmup_ratio", f"must be in [0, 1), got {cfg.warmup_ratio}.")
-    if cfg.lr <= 0:
-        fail("lr", f"must be positive, got {cfg.lr}.")
-    if cfg.lora.rank < 1:
-        fail("lora.rank", f"must be at least 1, got {cfg.lora.rank}.")
+    for obj, prefix in ((cfg, ""), (cfg.lora, "lora.")):
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if value is None or dataclasses.is_dataclass(value):
+                continue
+            problem = _range_error(value, f.metadata)
+            if problem:
+                fail(prefix + f.name, problem)
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")
@@ -228,20 +289,13 @@ def load_config(
         where = str(p)
         if not p.is_file():
             raise UserError(f"config file not found: {p}. Pass a YAML file, e.g. `shardfit train my.yaml`.")
-        text = p.read_text()
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark is not None else ""
-            raise UserError(f"{p}{line}: not valid YAML: {getattr(e, 'problem', e)}.") from None
+        loaded, lines = _read_yaml(p)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             raise UserError(f"{p}: the config must be a mapping of keys (model: ..., data: ...), "
                             f"got {type(loaded).__name__}.")
         raw = _merge(raw, loaded)
-        lines = _key_lines(text)
         base_dir = p.parent
     if overrides:
         raw = _merge(raw, parse_overrides(overrides))

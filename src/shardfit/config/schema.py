@@ -15,30 +15,36 @@ BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
-def key(default: Any, help: str, **kw: Any) -> Any:
-    """A config key: its default and the sentence docs/reference.md shows for it."""
+def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None,
+        nonempty: bool = False) -> Any:
+    """A config key: its default, the sentence docs/reference.md shows for it, and the range its value must lie in
+    (`ge`/`gt`/`lt` for numbers; `nonempty` for strings and lists). config/load.py checks every declared range, and
+    that every float is finite, so a new key is validated by being declared."""
+    meta = {"help": help, "ge": ge, "gt": gt, "lt": lt, "nonempty": nonempty}
     if callable(default) and not isinstance(default, (str, int, float, bool)):
-        return field(default_factory=default, metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class LoraSettings:
-    rank: int = key(8, "rank r of the low-rank update")
-    alpha: int = key(16, "scale numerator: the update is multiplied by alpha / rank")
-    dropout: float = key(0.0, "dropout on the adapter's input")
+    rank: int = key(8, "rank r of the low-rank update", ge=1)
+    alpha: int = key(16, "scale numerator: the update is multiplied by alpha / rank", gt=0)
+    dropout: float = key(0.0, "dropout on the adapter's input", ge=0, lt=1)
     targets: str | list[str] = key("all-linear", "modules that get adapters: all-linear (every linear layer of the "
-                                                 "decoder blocks, not the output head) or a list of module names")
+                                                 "decoder blocks, not the output head) or a list of module names",
+                                       nonempty=True)
 
 
 @dataclass
 class Config:
     model: str = key("HuggingFaceTB/SmolLM2-135M-Instruct",
-                     "a local Hugging Face folder, a .gguf file, or a hub id (catalog ids plan without weights)")
+                     "a local Hugging Face folder, a .gguf file, or a hub id (catalog ids plan without weights)",
+                     nonempty=True)
     data: str | list[str] = key("data/train.jsonl", "training data: one .json/.jsonl path or a list; alpaca, ShareGPT "
-                                                    "or OpenAI messages, detected per file")
+                                                    "or OpenAI messages, detected per file", nonempty=True)
     eval_data: str | list[str] | None = key(None, "held-out data (same formats); null splits eval_split off data")
-    eval_split: float = key(0.0, "fraction of data held out for evaluation when eval_data is null")
+    eval_split: float = key(0.0, "fraction of data held out for evaluation when eval_data is null", ge=0, lt=1)
     method: str = key("lora", "lora | qlora | full | freeze (freeze: only freeze_trainable modules train)")
     lora: LoraSettings = key(LoraSettings, "LoRA settings (method lora or qlora)")
     freeze_trainable: list[str] = key(list, "method freeze: module name patterns that train, e.g. ['layers.11']")
@@ -47,28 +53,30 @@ class Config:
     precision: str = key("bf16", "bf16 | fp16 | fp32 | auto: the compute precision (mixed precision, fp32 trainables); "
                                  "auto: bf16 where the device computes it fast (GPUs with bf16, CPUs with bf16 "
                                  "units), else fp16 on GPUs and fp32 on CPUs")
-    max_seq_len: int = key(1024, "tokens per row; longer examples are truncated")
+    max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
     packing: bool = key(True, "several examples per row, attention kept within each example")
-    micro_batch: int = key(4, "rows per rank per forward pass")
-    grad_accum: int = key(1, "micro-batches per optimizer step")
-    lr: float = key(2.0e-4, "peak learning rate (AdamW)")
-    warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay")
-    weight_decay: float = key(0.0, "AdamW weight decay")
-    max_grad_norm: float = key(1.0, "gradient clipping norm")
-    epochs: int = key(1, "passes over the training rows")
-    max_steps: int | None = key(None, "optimizer steps; overrides epochs when set")
+    micro_batch: int = key(4, "rows per rank per forward pass", ge=1)
+    grad_accum: int = key(1, "micro-batches per optimizer step", ge=1)
+    lr: float = key(2.0e-4, "peak learning rate (AdamW)", gt=0)
+    warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay", ge=0,
+                              lt=1)
+    weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
+    max_grad_norm: float = key(1.0, "gradient clipping norm", gt=0)
+    epochs: int = key(1, "passes over the training rows", ge=1)
+    max_steps: int | None = key(None, "optimizer steps; overrides epochs when set", ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     compile: bool = key(False, "torch.compile each decoder block (needs a C++ compiler on CPU)")
     attn_implementation: str = key("auto", "attention kernel: auto (transformers' default, SDPA) | sdpa | eager | "
                                            "flash_attention_2 | flex_attention")
-    loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once")
-    save_steps: int = key(200, "steps between resumable checkpoints")
-    save_limit: int = key(3, "checkpoints kept (the newest ones)")
-    eval_steps: int = key(200, "steps between evaluations (and one at the end)")
-    log_steps: int = key(10, "steps between lines of metrics.jsonl")
-    seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters")
-    output_dir: str = key("runs/demo", "the run directory")
-    resume: str = key("auto", "auto (the newest checkpoint in output_dir) | never | a checkpoint path")
+    loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
+    save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
+    save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
+    eval_steps: int = key(200, "steps between evaluations (and one at the end)", ge=1)
+    log_steps: int = key(10, "steps between lines of metrics.jsonl", ge=1)
+    seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters", ge=0)
+    output_dir: str = key("runs/demo", "the run directory", nonempty=True)
+    resume: str = key("auto", "auto (the newest intact checkpoint of this run in output_dir) | never (start over in "
+                              "output_dir) | a checkpoint path", nonempty=True)
     drop_modules: list[str] = key(list, "submodules removed before placement (e.g. talker, token2wav)")
     freeze_modules: list[str] = key(list, "submodules whose parameters never train (e.g. a vision tower)")
     device_map: str | dict | None = key(None, "model_parallel only: a dict places modules yourself, a string uses "
@@ -77,6 +85,9 @@ class Config:
     strict: bool = key(False, "turn what shardfit would override (device_map, ...) into errors")
     force: bool = key(False, "start even when the plan predicts out-of-memory")
     skip_bad_rows: bool = key(False, "skip and count data rows that do not fit their format instead of stopping")
+    max_bad_rows: float = key(0.05, "the most rows that may be lost: skipped (skip_bad_rows) or dropped for having "
+                                    "no answer within max_seq_len; a fraction below 1, or a count from 1; beyond it "
+                                    "the run refuses to start", ge=0)
     trust_remote_code: bool = key(False, "allow the model folder's own Python code")
 
     def to_dict(self) -> dict[str, Any]:

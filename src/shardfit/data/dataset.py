@@ -1,4 +1,7 @@
-"""From data files to tokenised examples: read, detect the format per file, convert, encode, split."""
+"""From data files to tokenised examples, in two steps so bad data stops a run before anything slow loads:
+`read_split` (read, detect the format per file, convert to messages, split off eval; no tokenizer) and
+`encode_split` (the chat template, assistant-only labels, truncation). Every row that is skipped, dropped or
+truncated is counted with where it came from."""
 
 from __future__ import annotations
 
@@ -12,19 +15,36 @@ from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
 from shardfit.errors import UserError
 
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: Messages
+    where: str  # file:line, for every later message about this row
+
 
 @dataclass
 class DataStats:
     rows: int = 0
-    skipped: int = 0
-    truncated: int = 0
+    skipped: int = 0  # rows that do not fit their format (skip_bad_rows)
+    dropped: int = 0  # rows whose assistant tokens all fall beyond max_seq_len
+    truncated: int = 0  # rows cut at max_seq_len that still train on some assistant tokens
     formats: dict[str, str] = field(default_factory=dict)
     skipped_where: list[str] = field(default_factory=list)
+    dropped_where: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """The start line's account of rows that do not train as written (empty when every row does)."""
+        parts = [f"{n} {what}" for n, what in ((self.skipped, "bad rows skipped"),
+                                               (self.dropped, "rows dropped (no answer within max_seq_len)"),
+                                               (self.truncated, "rows truncated")) if n]
+        return "; ".join(parts)
 
 
-def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataStats) -> list[list[dict[str, str]]]:
+def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataStats) -> list[Conversation]:
     """All conversations of the given files as messages. Bad rows raise `UserError` with file:line, or are counted."""
-    out: list[list[dict[str, str]]] = []
+    out: list[Conversation] = []
     for path in [paths] if isinstance(paths, str) else paths:
         fmt = None
         for row in read_rows(path):
@@ -39,48 +59,93 @@ def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataS
                         raise BadRow(f"unknown format (keys: {keys}); expected alpaca (instruction/output), "
                                      f"ShareGPT (conversations) or OpenAI (messages)")
                     stats.formats[str(path)] = fmt
-                out.append(to_messages(row.data, fmt))
+                out.append(Conversation(to_messages(row.data, fmt), row.where))
             except BadRow as e:
-                if not skip_bad_rows:
-                    raise UserError(f"{row.where}: {e}. Fix the row, or set skip_bad_rows: true to skip "
-                                    f"and count such rows.") from None
-                stats.skipped += 1
-                stats.skipped_where.append(row.where)
+                _bad_row(row.where, str(e), skip_bad_rows, stats)
     if not out:
         raise UserError(f"no usable rows in {paths}.")
     return out
 
 
-def encode_all(tokenizer: Any, conversations: list[list[dict[str, str]]], max_len: int,
-               stats: DataStats) -> list[Encoded]:
-    """Tokenise every conversation; drop those whose assistant tokens were all truncated away."""
+def _bad_row(where: str, why: str, skip: bool, stats: DataStats) -> None:
+    if not skip:
+        raise UserError(f"{where}: {why}. Fix the row, or set skip_bad_rows: true to skip and count such rows.")
+    stats.skipped += 1
+    stats.skipped_where.append(where)
+
+
+@dataclass
+class Split:
+    """The conversations of a run: training and held-out."""
+
+    train: list[Conversation]
+    eval: list[Conversation]
+    stats: DataStats
+
+
+def read_split(cfg: Config) -> Split:
+    """Train and eval conversations for a config: `eval_data` if given, else `eval_split` of `data` (seeded)."""
+    stats = DataStats()
+    train = load_conversations(cfg.data, cfg.skip_bad_rows, stats)
+    evals: list[Conversation] = []
+    if cfg.eval_data:
+        evals = load_conversations(cfg.eval_data, cfg.skip_bad_rows, stats)
+    elif cfg.eval_split > 0:
+        order = list(range(len(train)))
+        random.Random(cfg.seed).shuffle(order)
+        eval_idx = set(order[:max(1, int(len(order) * cfg.eval_split))])
+        evals = [c for i, c in enumerate(train) if i in eval_idx]
+        train = [c for i, c in enumerate(train) if i not in eval_idx]
+    return Split(train, evals, stats)
+
+
+def encode_all(tokenizer: Any, conversations: list[Conversation], max_len: int, stats: DataStats,
+               skip_bad_rows: bool = False) -> list[Encoded]:
+    """Tokenise every conversation; count those cut at `max_len`, and drop (and count) those whose assistant tokens
+    were all cut away. A conversation the chat template refuses (a system turn it does not support, turns that do
+    not alternate) is a bad row."""
     out = []
-    for messages in conversations:
-        enc = encode_messages(tokenizer, messages, max_len)
-        if len(enc.input_ids) >= max_len:
+    for conv in conversations:
+        try:
+            enc = encode_messages(tokenizer, conv.messages, max_len)
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError and the template's own raise_exception
+            _bad_row(conv.where, f"the model's chat template refuses this conversation ({type(e).__name__}: {e})",
+                     skip_bad_rows, stats)
+            continue
+        if enc.n_targets == 0:
+            stats.dropped += 1
+            stats.dropped_where.append(conv.where)
+            continue
+        if enc.truncated:
             stats.truncated += 1
-        if enc.n_targets > 0:
-            out.append(enc)
+        out.append(enc)
     return out
 
 
-def build_datasets(cfg: Config, tokenizer: Any) -> tuple[list[Encoded], list[Encoded], DataStats]:
-    """Train and eval examples for a config: `eval_data` if given, else `eval_split` of `data` (seeded)."""
-    stats = DataStats()
-    train_conv = load_conversations(cfg.data, cfg.skip_bad_rows, stats)
-    eval_conv: list[list[dict[str, str]]] = []
-    if cfg.eval_data:
-        eval_conv = load_conversations(cfg.eval_data, cfg.skip_bad_rows, stats)
-    elif cfg.eval_split > 0:
-        order = list(range(len(train_conv)))
-        random.Random(cfg.seed).shuffle(order)
-        n_eval = max(1, int(len(order) * cfg.eval_split))
-        eval_idx = set(order[:n_eval])
-        eval_conv = [c for i, c in enumerate(train_conv) if i in eval_idx]
-        train_conv = [c for i, c in enumerate(train_conv) if i not in eval_idx]
-    train = encode_all(tokenizer, train_conv, cfg.max_seq_len, stats)
-    evals = encode_all(tokenizer, eval_conv, cfg.max_seq_len, stats)
+def allowed_bad_rows(limit: float, rows: int) -> int:
+    """`max_bad_rows` as a count: a fraction of the rows below 1, a number of rows from 1."""
+    return int(limit * rows) if limit < 1 else int(limit)
+
+
+def encode_split(cfg: Config, tokenizer: Any, split: Split) -> tuple[list[Encoded], list[Encoded]]:
+    """Tokenised train and eval examples; refuses when more rows are lost than `max_bad_rows` allows."""
+    stats = split.stats
+    train = encode_all(tokenizer, split.train, cfg.max_seq_len, stats, cfg.skip_bad_rows)
+    evals = encode_all(tokenizer, split.eval, cfg.max_seq_len, stats, cfg.skip_bad_rows)
     if not train:
-        raise UserError(f"'data': no example keeps an assistant token within max_seq_len={cfg.max_seq_len}; "
-                        f"raise max_seq_len.")
-    return train, evals, stats
+        raise UserError(f"'data': no example keeps an assistant token within max_seq_len={cfg.max_seq_len} "
+                        f"(first: {(stats.dropped_where or ['?'])[0]}); raise max_seq_len.")
+    lost, allowed = stats.skipped + stats.dropped, allowed_bad_rows(cfg.max_bad_rows, stats.rows)
+    if lost > allowed:
+        first = (stats.dropped_where + stats.skipped_where)[0]
+        raise UserError(f"'data': {lost} of {stats.rows} rows would not train ({stats.describe()}; first: {first}), "
+                        f"more than max_bad_rows allows ({allowed}). Raise max_seq_len, fix or remove those rows, or "
+                        "raise max_bad_rows.")
+    return train, evals
+
+
+def build_datasets(cfg: Config, tokenizer: Any) -> tuple[list[Encoded], list[Encoded], DataStats]:
+    """Both steps at once: train and eval examples and the account of the rows."""
+    split = read_split(cfg)
+    train, evals = encode_split(cfg, tokenizer, split)
+    return train, evals, split.stats

@@ -37,6 +37,11 @@ def detect_format(row: Any) -> str | None:
 def _text(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise BadRow(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate such as "\ud800" from a JSON escape: no tokenizer takes it
+        raise BadRow(f"{what} holds an unpaired surrogate {value[e.start]!r} at character {e.start}; a JSON escape "
+                     "like \\ud800 must come in a pair") from None
     return value
 
 

@@ -25,6 +25,7 @@ class Encoded:
 
     input_ids: list[int]
     targets: list[int]
+    truncated: bool = False  # cut at max_len
 
     @property
     def n_targets(self) -> int:
@@ -77,6 +78,7 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]], max_len: int
             if s <= a < e:
                 labels[k] = ids[k]
                 break
+    truncated = len(ids) > max_len
     ids, labels = ids[:max_len], labels[:max_len]
     targets = labels[1:] + [IGNORE]
-    return Encoded(ids, targets)
+    return Encoded(ids, targets, truncated)

@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
+from shardfit.models.anatomy import decoder_and_head
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
@@ -19,8 +20,9 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
                         task_type="CAUSAL_LM", bias="none")
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
-    except ValueError as e:
-        raise UserError(f"'lora.targets': {e}") from None
+    except (ValueError, TypeError, re.error) as e:  # peft reads a string of targets as a regular expression
+        raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}). Use "
+                        "all-linear, or a list of module names such as [q_proj, v_proj].") from None
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -59,11 +61,17 @@ def freeze_modules(model: torch.nn.Module, patterns: list[str]) -> int:
 
 
 def drop_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
-    """Remove submodules the text training forward never uses (e.g. an audio talker); returns what was removed."""
+    """Remove submodules the text training forward never uses (e.g. an audio talker); returns what was removed.
+    A name that matches nothing is fine (Qwen-Omni's talker is not even built for text training); a module that
+    holds the decoder or the head is refused."""
+    needed = _needed_modules(model)
     removed = []
     for name in names:
-        for full, _module in list(model.named_modules()):
+        for full, module in list(model.named_modules()):
             if full == name or full.endswith("." + name):
+                if any(id(m) in needed for m in module.modules()):
+                    raise UserError(f"'drop_modules': {name} ({full}) holds the decoder or the output head the "
+                                    "training runs; drop only modules outside them (e.g. talker, token2wav).")
                 parent_name, _, child = full.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 if child in parent._modules:
@@ -71,6 +79,14 @@ def drop_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
                     setattr(parent, child, None)
                     removed.append(full)
     return removed
+
+
+def _needed_modules(model: torch.nn.Module) -> set[int]:
+    try:
+        decoder, head = decoder_and_head(model)
+    except TypeError:
+        return set()
+    return {id(decoder), id(head)}
 
 
 def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:

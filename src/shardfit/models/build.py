@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardfit.config import Config
+from shardfit.config.support import require_method_support
 from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
@@ -39,14 +40,6 @@ def weight_dtype(cfg: Config) -> torch.dtype:
     return torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]
 
 
-def require_method_support(cfg: Config) -> None:
-    """Refuse what this build cannot train instead of silently training something else."""
-    if cfg.method == "qlora":
-        raise UserError("'method: qlora' cannot be trained by this version of shardfit: 4-bit (NF4) weights need "
-                        "bitsandbytes on a CUDA GPU, and the QLoRA loader is not implemented yet. Use 'method: lora' "
-                        "(frozen weights in bf16), or plan a QLoRA run with `shardfit plan --method qlora`.")
-
-
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a model source, with a chat template and a pad token guaranteed."""
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
@@ -54,8 +47,11 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
         kwargs["gguf_file"] = source.gguf_file
     try:
         tok = AutoTokenizer.from_pretrained(source.folder, **kwargs)
-    except OSError as e:
-        raise UserError(f"'model': cannot load a tokenizer from {source.name}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a user's files: any failure to read them is bad input
+        raise UserError(f"'model': cannot load a tokenizer from {source.name}: {type(e).__name__}: {e}") from None
+    if len(tok) == 0:
+        raise UserError(f"'model': {source.name} has no tokenizer files (tokenizer.json, or vocab and merges); "
+                        "copy the base model's tokenizer files into the folder.")
     ensure_chat_template(tok)
     return tok
 
@@ -67,7 +63,7 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     if weights or source.is_local:
-        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+        config = _auto_config(source, kwargs)
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.model, local_files_only=True, **kwargs)
@@ -83,6 +79,18 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
         config.enable_audio_output = False
         log.info("%s: talker and token2wav not loaded (text training)", source.name)
     return config
+
+
+def _auto_config(source: ModelSource, kwargs: dict[str, Any]) -> Any:
+    try:
+        return AutoConfig.from_pretrained(source.folder, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"'model': {source.name} ships its own model code; set trust_remote_code: true if you "
+                            "trust it.") from None
+        raise UserError(f"'model': cannot read the config of {source.name}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a user's files: any failure to read them is bad input
+        raise UserError(f"'model': cannot read the config of {source.name}: {type(e).__name__}: {e}") from None
 
 
 def model_class(config: Any) -> Any:
@@ -103,10 +111,15 @@ def _attention(cfg: Config) -> dict[str, Any]:
 def meta_model(config: Any, dtype: torch.dtype, cfg: Config) -> nn.Module:
     """A weightless model of the config's class on the meta device: structure and dtypes, no memory."""
     cls = model_class(config)
-    with torch.device("meta"):
-        if cls is AutoModelForCausalLM:
-            return cls.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **_attention(cfg))
-        return cls._from_config(config, dtype=dtype, **_attention(cfg))
+    try:
+        with torch.device("meta"):
+            if cls is AutoModelForCausalLM:
+                return cls.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                       **_attention(cfg))
+            return cls._from_config(config, dtype=dtype, **_attention(cfg))
+    except Exception as e:  # noqa: BLE001 - a config that cannot build a model (zero heads, ...) is bad input
+        raise UserError(f"'model': {cfg.model}: its config.json does not build a model: {type(e).__name__}: {e}") \
+            from None
 
 
 def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Config, s: Strategy) -> nn.Module:
@@ -120,12 +133,13 @@ def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Con
             balanced_device_map(meta_model(config, dtype, cfg))
     try:
         return model_class(config).from_pretrained(source.folder, config=config, **kwargs)
-    except (OSError, ValueError, ImportError) as e:
+    except Exception as e:  # noqa: BLE001 - truncated or foreign weight files fail in many ways: all bad input
         msg = str(e).lower()
         if cfg.attn_implementation != "auto" and ("attention" in msg or "attn" in msg):
             raise UserError(f"'attn_implementation: {cfg.attn_implementation}': cannot load {source.name}: {e} "
                             "Use attn_implementation: auto (transformers' default, SDPA) or sdpa.") from None
-        raise UserError(f"'model': cannot load {source.name}: {e}") from None
+        raise UserError(f"'model': cannot load {source.name}: {type(e).__name__}: {e}. Check that the weight files "
+                        "are complete (re-download them) and match config.json.") from None
 
 
 def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config: Any = None) -> nn.Module:

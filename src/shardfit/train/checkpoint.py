@@ -8,6 +8,9 @@ position is the step itself (see data/loader.py), so nothing else is needed to c
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import random
 import re
 import shutil
@@ -23,8 +26,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardfit.errors import UserError
+from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
+from shardfit.train.rundir import file_digest
+
+log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTS = StateDictOptions(ignore_frozen_params=True)
@@ -103,46 +109,105 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+MANIFEST = "manifest.json"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(ckpt: Path) -> None:
+    """Size and sha256 of every file of a checkpoint, then everything fsynced (files, then the directory), so a
+    checkpoint that is renamed into place is whole on disk and can be verified later."""
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in files}
+    (ckpt / MANIFEST).write_text(json.dumps(entries, indent=1))
+    for p in [*files, ckpt / MANIFEST]:
+        _fsync(p)
+    _fsync(ckpt)
+
+
+def intact(ckpt: Path) -> str | None:
+    """None when every file of the checkpoint matches its manifest, else what is wrong. Checkpoints written before
+    manifests existed are taken as they are."""
+    manifest = ckpt / MANIFEST
+    if not manifest.is_file():
+        return None if (ckpt / "trainer.pt").is_file() else "no trainer.pt"
+    try:
+        entries = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return "unreadable manifest"
+    for name, want in entries.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != want["bytes"]:
+            return f"{name} has {p.stat().st_size} bytes, not {want['bytes']}"
+        if file_digest(p) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
 def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any, env: DistEnv, keep: int) -> Path:
     """Write `checkpoints/step-<step>` atomically on every rank; keep the newest `keep` checkpoints."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(env)
-    with warnings.catch_warnings():
-        # One process saves on purpose; DCP's notice about it would print at every checkpoint.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=str(tmp), no_dist=not env.distributed)
-    torch.save(_rng_state(), tmp / f"rng-{env.rank}.pt")
-    if env.is_main:
-        torch.save({"step": step, "tokens": tokens, "scheduler": scheduler.state_dict(), "world": env.world},
-                   tmp / "trainer.pt")
-    barrier(env)
-    if env.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for _, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(env)
+        with warnings.catch_warnings():
+            # One process saves on purpose; DCP's notice about it would print at every checkpoint.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=str(tmp), no_dist=not env.distributed)
+        torch.save(_rng_state(), tmp / f"rng-{env.rank}.pt")
+        if env.is_main:
+            torch.save({"step": step, "tokens": tokens, "scheduler": scheduler.state_dict(), "world": env.world},
+                       tmp / "trainer.pt")
+        barrier(env)
+        if env.is_main:
+            write_manifest(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync(root)
+            for _, old in list_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        saved = [p for _, p in list_checkpoints(run_dir) if p != final]
+        raise JobFailed(f"could not write checkpoint {final}: {e.strerror or e}. The previous checkpoint "
+                        f"({saved[-1] if saved else 'none'}) is intact; free disk space or fix the permissions of "
+                        f"{root}, then run again (resume: auto continues from it).") from None
     barrier(env)
     return final
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to continue from: newest for `auto`, none for `never`, else the given path."""
+    """The checkpoint to continue from: the newest intact one for `auto` (a damaged newer one is skipped with a
+    warning), none for `never`, else the given path (which must be intact)."""
     if resume == "never":
         return None
     if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1][1] if found else None
+        for _, path in reversed(list_checkpoints(run_dir)):
+            problem = intact(path)
+            if problem is None:
+                return path
+            log.warning("checkpoint %s is damaged (%s); falling back to the one before it", path, problem)
+        return None
     p = Path(resume)
     if not (p / "trainer.pt").is_file():
         raise UserError(f"'resume': {resume} is not a shardfit checkpoint (no trainer.pt). Use auto, never, "
                         f"or a path like runs/demo/checkpoints/step-200.")
+    problem = intact(p)
+    if problem is not None:
+        raise UserError(f"'resume': {resume} is damaged ({problem}); resume from an earlier checkpoint.")
     return p
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardfit.config import Config
+from shardfit.errors import UserError
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
@@ -68,7 +69,10 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
     and save a plain HF folder with the tokenizer."""
     base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
     model = build_model(base_cfg, "single", weights=True)
-    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    try:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
+        raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
     merged = model.merge_and_unload().to(dtype)
     merged.config.use_cache = True
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,16 +19,18 @@ from typing import Any
 import torch
 import yaml
 
-from shardfit.check.findings import Finding, is_ok
-from shardfit.check.rules import device_map_rules, placement_rules, quantized_placement_rules
+from shardfit.check.config_rules import device_map_rules
+from shardfit.check.findings import Finding, is_ok, refuse_unfixable
+from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
-from shardfit.data.dataset import build_datasets
+from shardfit.config.support import require_method_support
+from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
-from shardfit.errors import UserError
+from shardfit.errors import JobFailed, UserError
 from shardfit.models.anatomy import input_device
-from shardfit.models.build import build_model, load_tokenizer, require_method_support
+from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
@@ -38,12 +40,13 @@ from shardfit.plan.hardware import job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
-from shardfit.train.checkpoint import Checkpointer
+from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.evaluate import Evaluator
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
+from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
 
 log = logging.getLogger("shardfit")
 
@@ -82,14 +85,6 @@ def report_findings(findings: list[Finding], env: DistEnv) -> None:
     refuse_unfixable(findings)
 
 
-def refuse_unfixable(findings: list[Finding]) -> None:
-    """A UserError listing the errors the preflight could not fix, if any."""
-    if not is_ok(findings):
-        bad = [f for f in findings if f.severity == "error" and not f.auto_fixed]
-        raise UserError("preflight found errors it cannot fix:\n" + "\n".join(
-            f"  {f.rule} at {f.where}: {f.message}\n    fix: {f.fix}" for f in bad))
-
-
 def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
     """Training rows: packed several examples to a row, or one example per row."""
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
@@ -104,6 +99,8 @@ class FineTune:
         self.cfg, self.env, self.model, self.tokenizer, self.plan, self.quiet = cfg, env, model, tokenizer, plan, quiet
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
+        self.lock: RunLock | None = None
+        self.finished = False
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -117,6 +114,7 @@ class FineTune:
         require_method_support(cfg)
         if cfg.compile:
             require_compiler(env.device)
+        self._claim_run_dir()
         torch.manual_seed(cfg.seed)
         if self.plan is None:
             self.plan = plan_for_config(cfg, job_hardware(env.device.type, env.world))
@@ -131,11 +129,33 @@ class FineTune:
         self._write_run_files()
         barrier(env)
 
+    def _claim_run_dir(self) -> None:
+        """One training per output_dir (a lock), resuming only its own checkpoints (run.json's fingerprint)."""
+        cfg, env = self.cfg, self.env
+        self.lock = RunLock(self.run_dir) if env.is_main else None
+
+        def decide() -> str | None:
+            check_writable(self.run_dir)
+            warning = self.lock.acquire()
+            claim(self.run_dir, cfg, fingerprint(cfg, cfg.micro_batch * cfg.grad_accum * env.world))
+            return warning
+
+        warning = decide_on_rank0(env, decide)
+        if warning and env.is_main:
+            log.warning("%s: %s", self.run_dir, warning)
+
+    def release(self) -> None:
+        """Give the run directory back (rank 0's lock); safe to call more than once."""
+        if self.lock is not None:
+            self.lock.release()
+
     def _setup_data(self) -> None:
-        """Data before the model: a bad row stops the run in seconds, before a long model load."""
+        """Data before the model: a bad row stops the run in seconds, before the tokenizer and the model load."""
+        split = read_split(self.cfg)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(resolve_model(self.cfg.model), self.cfg.trust_remote_code)
-        train_ex, eval_ex, self.data_stats = build_datasets(self.cfg, self.tokenizer)
+        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split)
+        self.data_stats = split.stats
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
         self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
@@ -179,6 +199,8 @@ class FineTune:
                                          total_steps=self.total_steps)
         resumed = self.checkpointer.resume(cfg.resume, self.loss_module, self.optimizer, self.lr_schedule)
         self.start_step, self.tokens = (resumed.step, resumed.tokens) if resumed else (0, 0)
+        # Its last step is checkpointed and its summary written: nothing to train, nothing to overwrite.
+        self.finished = self.start_step >= self.total_steps and (self.run_dir / "summary.json").is_file()
         metrics_file = self.run_dir / "metrics.jsonl"
         if env.is_main and resumed is not None:
             truncate_after(metrics_file, self.start_step)
@@ -187,7 +209,7 @@ class FineTune:
             metrics_file.unlink()
 
     def _write_run_files(self) -> None:
-        if not self.env.is_main:
+        if not self.env.is_main or self.finished:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
@@ -201,12 +223,14 @@ class FineTune:
             print(f"shardfit: {self.n_examples} examples -> {len(self.rows)} rows of <= {cfg.max_seq_len} tokens "
                   f"({'packed' if cfg.packing else 'unpacked'}), {self.n_eval} eval; strategy {self.strategy.name} "
                   f"on {self.env.world} x {self.env.device.type}; {self.n_trainable:,} trainable params; "
-                  f"{self.total_steps} steps" + (f"; skipped {stats.skipped} bad rows" if stats.skipped else ""))
+                  f"{self.total_steps} steps" + (f"; {stats.describe()}" if stats.describe() else ""))
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
         """One optimizer step per iteration; logging, evaluation and checkpoints keep their own cadence."""
         cfg, env = self.cfg, self.env
+        if self.finished:
+            return
         self.metrics = MetricsLog(self.run_dir, env)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
@@ -216,7 +240,7 @@ class FineTune:
         self.loss_module.train()
         for step in range(self.start_step, self.total_steps):
             rows = self.batches.step(step)
-            grad_norm = self.train_step(rows)
+            grad_norm = self.train_step(step, rows)
             self.tokens += rows.global_tokens
             done = step + 1
             self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
@@ -225,7 +249,7 @@ class FineTune:
             self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         self.logger.close()
 
-    def train_step(self, rows: StepRows) -> torch.Tensor:
+    def train_step(self, step: int, rows: StepRows) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
         # Normalise by the global batch's target count: the same loss at any world size and accumulation.
         scale = self.env.world / max(rows.global_targets, 1)
@@ -237,15 +261,34 @@ class FineTune:
             (loss_sum * scale).backward()
             self.logger.add_loss(loss_sum, rows.global_targets)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()  # FSDP2: the norm over every rank's shard, the same on all ranks
+        if not torch.isfinite(grad_norm):  # every rank sees the same norm, so all stop at the same step
+            self._diverged(step + 1, grad_norm)
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def _diverged(self, step: int, grad_norm: torch.Tensor) -> None:
+        """Stop at the first non-finite gradient, before the update: the checkpoints on disk stay good ones."""
+        saved = list_checkpoints(self.run_dir)
+        last = f"{saved[-1][1]}" if saved else "none yet"
+        raise JobFailed(f"training diverged at step {step}: the gradient norm is {float(grad_norm)} (the loss became "
+                        f"nan or inf). The update was not applied; the last good checkpoint is {last}. Lower lr, "
+                        "train in bf16 or fp32 instead of fp16, or look for broken rows; resume: auto continues from "
+                        "that checkpoint.")
+
     # -- finish --------------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:
         """Final evaluation and checkpoint, the adapter or model folder, and summary.json."""
         env = self.env
+        if self.finished:
+            if env.is_main and not self.quiet:
+                print(f"shardfit: {self.run_dir} already finished this run (step {self.start_step}); nothing to do. "
+                      "Use a new output_dir, or --set resume=never to train it again.")
+            summary = json.loads((self.run_dir / "summary.json").read_text())
+            return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
         eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
         self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
@@ -256,7 +299,8 @@ class FineTune:
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
-                   "tokens": self.tokens, "skipped_rows": self.data_stats.skipped}
+                   "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
+                   "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.metrics.close()
@@ -268,7 +312,10 @@ def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, to
           plan: Plan | None = None, quiet: bool = False) -> TrainResult:
     """Run the fine-tune `cfg` describes on this process's share of the work; returns the trained model."""
     recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet)
-    recipe.setup()
-    recipe.fit()
-    return recipe.finish()
+    try:
+        recipe.setup()
+        recipe.fit()
+        return recipe.finish()
+    finally:
+        recipe.release()
 

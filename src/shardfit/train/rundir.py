@@ -1,0 +1,206 @@
+"""Who owns a run directory: one training at a time (a lock file), and only the run that wrote the checkpoints
+resumes from them (a fingerprint of what determines the weights, in run.json).
+
+Rank 0 makes every decision about the directory; the verdict is broadcast, so all ranks stop together with the
+same message instead of some waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.parallel.env import DistEnv
+
+LOCK = ".shardfit.lock"
+RUN_FILE = "run.json"
+# What a run writes; `resume: never` removes these before it starts over.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "adapter", "model", "plan.json", "preflight.json",
+               "config.yaml", RUN_FILE, "tb")
+# Keys that decide the shapes of what a checkpoint holds: a checkpoint whose run differs in one of them cannot load.
+SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "freeze_modules")
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(paths: str | list[str] | None) -> list[str] | None:
+    if paths is None:
+        return None
+    return [file_digest(p) for p in ([paths] if isinstance(paths, str) else paths)]
+
+
+def fingerprint(cfg: Config, global_batch_rows: int) -> dict[str, Any]:
+    """What determines the trained weights, independent of the strategy and the number of ranks: the model, the
+    data (by content), what trains, and the schedule (the global batch, not how it is split over ranks)."""
+    lora = cfg.lora
+    return {
+        "model": cfg.model, "data": _digests(cfg.data), "eval_data": _digests(cfg.eval_data),
+        "eval_split": cfg.eval_split, "method": cfg.method,
+        "lora": {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.targets}
+        if cfg.method in ("lora", "qlora") else None,
+        "freeze_trainable": cfg.freeze_trainable, "drop_modules": cfg.drop_modules,
+        "freeze_modules": cfg.freeze_modules, "max_seq_len": cfg.max_seq_len, "packing": cfg.packing,
+        "global_batch_rows": global_batch_rows, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,
+        "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm, "epochs": cfg.epochs,
+        "max_steps": cfg.max_steps, "seed": cfg.seed,
+    }
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], keys: tuple[str, ...] | None = None) -> list[str]:
+    """`key: old -> new` for every key (of `keys`, default all) whose value changed."""
+    names = keys or tuple(dict.fromkeys([*old, *new]))
+    return [f"{k}: {_short(old.get(k))} -> {_short(new.get(k))}" for k in names if old.get(k) != new.get(k)]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_run_file(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def decide_on_rank0(env: DistEnv, decide: Callable[[], Any]) -> Any:
+    """Run `decide` on rank 0 and give every rank its result; a UserError it raises is raised on every rank."""
+    outcome: list[Any] = [None]
+    if env.is_main:
+        try:
+            outcome[0] = ("ok", decide())
+        except UserError as e:
+            outcome[0] = ("error", str(e))
+    if env.distributed:
+        dist.broadcast_object_list(outcome)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+def check_writable(run_dir: Path) -> None:
+    """output_dir must be a directory this process can create and write."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"output_dir {run_dir} is a file; give a directory (it is created when missing).")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output_dir {run_dir} is not writable ({e.strerror}); choose a directory you can write, "
+                        "e.g. --set output_dir=runs/mine.") from None
+
+
+class RunLock:
+    """`.shardfit.lock` in the run directory, held by rank 0 for the whole run: a second training into the same
+    directory is refused. A lock left by a killed run on this host (its pid is gone) is taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a warning when a stale lock was taken over."""
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        warning = None
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and self._alive(owner):
+                    raise UserError(f"output_dir {self.path.parent} is in use by another training (pid "
+                                    f"{owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}). "
+                                    "Wait for it to finish, or use another output_dir. If no such process runs, "
+                                    f"delete {self.path}.") from None
+                warning = f"took over the lock of a run that is gone ({owner or 'unreadable lock'})"
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return warning
+        raise UserError(f"could not take the lock {self.path}; delete it if no training uses {self.path.parent}.")
+
+    def _owner(self) -> dict[str, Any] | None:
+        try:
+            owner = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    @staticmethod
+    def _alive(owner: dict[str, Any]) -> bool:
+        if owner.get("host") != socket.gethostname():
+            return True  # another host's process cannot be checked from here: assume it runs
+        try:
+            os.kill(int(owner.get("pid", -1)), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError, OverflowError):
+            return True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str:
+    """Decide what this run does with `run_dir` (rank 0): 'fresh', 'resume' (the checkpoints are this run's), or
+    refuse. `resume: never` clears the previous run's outputs first. Writes run.json."""
+    previous = read_run_file(run_dir)
+    has_outputs = (run_dir / "checkpoints").is_dir() or (run_dir / "summary.json").exists()
+    if cfg.resume == "never":
+        for name in RUN_OUTPUTS:
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+        verdict = "fresh"
+    elif cfg.resume == "auto":
+        if previous is None and has_outputs:
+            raise UserError(f"output_dir {run_dir} holds another run's outputs without a run.json (an older shardfit "
+                            "or another tool). Use a new output_dir, or --set resume=never to start over there.")
+        if previous is not None and previous.get("fingerprint") != new:
+            diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
+            raise UserError(f"output_dir {run_dir} holds a different run ({diff}). Its checkpoints are not this "
+                            "config's: use a new output_dir, or --set resume=never to start over there.")
+        verdict = "resume" if previous is not None else "fresh"
+    else:
+        if previous is not None and previous.get("fingerprint") != new:
+            diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
+            raise UserError(f"output_dir {run_dir} holds a different run ({diff}); resuming into it would mix the "
+                            "two. Use a new output_dir for the resumed run.")
+        checkpoint = Path(cfg.resume)
+        source = read_run_file(checkpoint.parent.parent)
+        if source is not None:
+            diff = differences(source.get("fingerprint") or {}, new, SHAPE_KEYS)
+            if diff:
+                raise UserError(f"'resume': {checkpoint} was written by a run with other shapes ({'; '.join(diff)}); "
+                                "its weights cannot load into this config.")
+        verdict = "resume"
+    (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": new}, indent=2))
+    return verdict
