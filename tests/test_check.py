@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2_5OmniForConditionalGeneration
 
 from shardfit.check import rules
+from shardfit.check.config_rules import device_map_rules
 from shardfit.check.findings import is_ok
 from shardfit.check.run import check_config
 from shardfit.config import load_config
@@ -47,13 +48,13 @@ def _llama(tiny_llama: Path) -> nn.Module:
 
 def test_device_map_rules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     cfg = _cfg(tmp_path, tiny_llama, small_data, device_map="auto")
-    found = rules.device_map_rules(cfg, S("zero3"), 2)
+    found = device_map_rules(cfg, S("zero3"), 2)
     assert _rules(found) == {"device_map_in_distributed", "device_map_with_zero3"}
     assert all(f.auto_fixed for f in found)  # ignored with a warning
     strict = _cfg(tmp_path, tiny_llama, small_data, device_map="auto", strict=True)
-    assert not is_ok(rules.device_map_rules(strict, S("ddp"), 2))
-    assert rules.device_map_rules(_cfg(tmp_path, tiny_llama, small_data), S("zero3"), 2) == []
-    assert rules.device_map_rules(cfg, S("model_parallel"), 1) == []
+    assert not is_ok(device_map_rules(strict, S("ddp"), 2))
+    assert device_map_rules(_cfg(tmp_path, tiny_llama, small_data), S("zero3"), 2) == []
+    assert device_map_rules(cfg, S("model_parallel"), 1) == []
 
 
 def test_unused_generation_modules_dropped_and_trainable_towers_frozen(tiny_llama: Path) -> None:

@@ -14,8 +14,9 @@ from shardfit.check import rules
 from shardfit.check.config_rules import device_map_rules
 from shardfit.check.findings import Finding
 from shardfit.config import Config
-from shardfit.data.dataset import read_split
-from shardfit.models.build import build_model
+from shardfit.data.dataset import encode_split, read_split
+from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.source import resolve_model
 from shardfit.parallel.env import cuda_available, resolve_precision
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.hardware import Hardware, detect
@@ -50,6 +51,15 @@ def created_off_meta_rules(model: nn.Module) -> list[Finding]:
                     "shardfit moves buffers to the rank's device before training", True)]
 
 
+def validate_data(cfg: Config) -> None:
+    """The data validation train runs before it loads the model: formats, and with a local tokenizer the chat
+    template, truncation and max_bad_rows. A bad row is exit 2 here too."""
+    split = read_split(cfg)
+    source = resolve_model(cfg.model)
+    if source.is_local:
+        encode_split(cfg, load_tokenizer(source, cfg.trust_remote_code), split)
+
+
 def job_plan(cfg: Config, hw: Hardware, strategy: str, world: int) -> Plan | None:
     """The plan of the job as it will run: model_parallel is one process over every local GPU; the other
     strategies use one GPU per rank."""
@@ -71,7 +81,7 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     if name == "auto":
         name = (plan.recommended if plan else None) or ("single" if world == 1 else "zero3")
     s = get_strategy(name)
-    read_split(cfg)  # the data validation train runs first: a bad row is exit 2 here too
+    validate_data(cfg)
     model = build_model(cfg, s, weights=False)
     return name, preflight(model, cfg, s, world, plan) + created_off_meta_rules(model)
 

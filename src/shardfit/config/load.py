@@ -53,7 +53,10 @@ def _read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = f"{prefix}{key_node.value}"
-                lines.setdefault(key, key_node.start_mark.line + 1)
+                line = key_node.start_mark.line + 1
+                if key in lines and lines[key] != line:  # YAML keeps the last silently; one of them is a mistake
+                    raise UserError(f"{p}:{line}: '{key}' is given twice (also on line {lines[key]}); keep one.")
+                lines[key] = line
                 walk(value_node, key + ".")
 
     walk(root, "")

@@ -82,11 +82,12 @@ def drop_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
 
 
 def _needed_modules(model: torch.nn.Module) -> set[int]:
+    """Every module of the decoder and the head (a module that is, holds or lies inside them cannot be dropped)."""
     try:
         decoder, head = decoder_and_head(model)
     except TypeError:
         return set()
-    return {id(decoder), id(head)}
+    return {id(m) for part in (decoder, head) for m in part.modules()}
 
 
 def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
