@@ -242,21 +242,80 @@ def launch(cases: list[str], out: str, nproc: int = 2) -> dict:
     return report
 
 
+def shape_of(model: str):  # noqa: ANN201 - shardfit's ModelShape
+    """The planner's shape of a bench model."""
+    from shardfit.plan.shapes import ModelShape
+
+    m = MODELS[model]
+    return ModelShape(model, m["num_hidden_layers"], m["hidden_size"], m["intermediate_size"],
+                      m["num_attention_heads"], m["num_key_value_heads"], m["vocab_size"], m["tie_word_embeddings"])
+
+
+def estimate_case(case: str, world: int = 2) -> dict:
+    """What `shardfit plan --from deepspeed` predicts for a case, in bytes per rank: the step's tensor peak on the
+    device plus what offload keeps on the host (one memory on a CPU), the same between steps, and the offloaded
+    optimizer state."""
+    from shardfit.foreign.deepspeed import read_deepspeed
+    from shardfit.plan.deepspeed import estimate_deepspeed
+    from shardfit.plan.hardware import Hardware
+    from shardfit.plan.workload import Workload
+
+    model, method, seq, batch, _ = CASES[case]
+    shape = shape_of(model)
+    zero = read_deepspeed(ds_config(case), case, shape.hidden).zero
+    # The model's own loss (transformers 5); no mask: rows without padding go to SDPA's causal kernel.
+    w = Workload(method=method, precision="bf16", seq_len=seq, micro_batch=batch, grad_ckpt="full", loss="full",
+                 attention="flash")
+    c = estimate_deepspeed(shape, w, Hardware(1, world, 80.0), zero)
+    b = c.per_gpu_gib
+    tensors = b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
+    gib = 2**30
+    return {"peak": (tensors + c.cpu_gib) * gib, "between_steps": (c.extra["between_steps_gib"] + c.cpu_gib) * gib,
+            "offloaded": c.extra["host_optimizer_gib"] * gib, "phase": c.peak_phase}
+
+
+def compare(report: dict) -> list[dict]:
+    """Measured against estimated, per case and rank: relative errors of the peak, the memory between steps and
+    the offloaded optimizer state."""
+    rows = []
+    for r in report["results"]:
+        est = estimate_case(r["case"], r["world"])
+        for m in r["ranks"]:
+            row = {"case": r["case"], "rank": m["rank"], "measured_peak_mib": m["peak"] / 2**20,
+                   "estimated_peak_mib": est["peak"] / 2**20, "peak_error": est["peak"] / m["peak"] - 1,
+                   "between_steps_error": est["between_steps"] / m["end"] - 1, "estimated_phase": est["phase"]}
+            if m["offloaded"]:
+                row["offloaded_error"] = est["offloaded"] / m["offloaded"] - 1
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':<18}{'rank':>5}{'measured MiB':>14}{'estimated MiB':>15}{'peak err':>10}{'between':>9}"
+          f"{'offload':>9}")
+    for r in rows:
+        off = f"{r['offloaded_error']:+.1%}" if "offloaded_error" in r else "-"
+        print(f"{r['case']:<18}{r['rank']:>5}{r['measured_peak_mib']:>14.1f}{r['estimated_peak_mib']:>15.1f}"
+              f"{r['peak_error']:>+10.1%}{r['between_steps_error']:>+9.1%}{off:>9}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "deepspeed_memory.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compare", default=None, metavar="JSON", help="only compare a measured file with the estimate")
     args = ap.parse_args()
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
-    if args.worker:
+    if args.compare:
+        print_table(compare(json.loads(Path(args.compare).read_text())))
+    elif args.worker:
         worker(cases[0], args.out)
     else:
-        launch(cases, args.out)
-        print(Path(args.out).read_text())
+        print_table(compare(launch(cases, args.out)))
 
 
 if __name__ == "__main__":

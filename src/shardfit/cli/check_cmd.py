@@ -46,7 +46,8 @@ def run_from(args: argparse.Namespace) -> int:
 def format_foreign_findings(fp: ForeignPlan, findings: list) -> str:
     """The findings as the terminal shows them, headed by the job they are about."""
     job = fp.job
-    lines = [f"from {job.tool}: {job.source} ({job.describe_engine()}, {fp.hardware.world} rank(s) of "
+    unit = "GPU" if job.engine == "device_map" else "rank"
+    lines = [f"from {job.tool}: {job.source} ({job.describe_engine()}, {fp.hardware.world} {unit}(s) of "
              f"{fp.hardware.gpu_mem_gib:.0f} GiB): {len(findings)} finding(s)"]
     for f in findings:
         lines.append(f"  [{f.severity:>7}] {f.rule} at {f.where}\n            {f.message}\n            fix: {f.fix}")

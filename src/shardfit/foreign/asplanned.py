@@ -15,6 +15,8 @@ from shardfit.plan.plan import Plan, make_plan
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
+NO_EFFECT_MARK = "(no effect on memory)"
+
 
 @dataclass
 class ForeignPlan:
@@ -39,7 +41,7 @@ class ForeignPlan:
 def job_hardware(job: ForeignJob, hw: Hardware) -> Hardware:
     """The GPUs the job runs on: the card of `hw`, as many per node as the job launches ranks (a device-map job:
     the GPUs its one process sees)."""
-    per_node = job.nproc or hw.gpus_per_node
+    per_node = job.nproc or job.gpus or hw.gpus_per_node
     return dataclasses.replace(hw, gpus_per_node=per_node, nodes=max(job.nnodes, hw.nodes))
 
 
@@ -92,6 +94,9 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
                       dataclasses.replace(w, seq_len=w.seq_len // 2), None, None))
     if w.method in ("full", "freeze"):
         tries.append((say("lora", "LoRA"), dataclasses.replace(w, method="lora"), None, None))
+    if w.loss != "chunked":
+        tries.append((say("fused_loss", "a fused linear cross-entropy (Liger)"), dataclasses.replace(w, loss="chunked"),
+                      None, None))
     if w.method != "qlora":
         tries.append((say("qlora", "4-bit QLoRA"), dataclasses.replace(w, method="qlora"), None, None))
     out = []
@@ -99,12 +104,25 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
         c = configured_estimate(job, shape, w2, hw, z2, engine)
         if c.fits:
             out.append(f"{label}: {c.per_gpu_gib.total:.1f} GiB per GPU")
+    if not out:  # no single change is enough: the workload changes together, in the order listed
+        stacked, labels = w, []
+        for label, w2, z2, _ in tries:
+            if z2 is None and w2 != w:
+                stacked = dataclasses.replace(stacked, **{f.name: getattr(w2, f.name) for f in
+                                                          dataclasses.fields(w2) if getattr(w2, f.name) !=
+                                                          getattr(w, f.name)})
+                labels.append(label)
+                c = configured_estimate(job, shape, stacked, hw)
+                if c.fits:
+                    out.append(" + ".join(labels) + f": {c.per_gpu_gib.total:.1f} GiB per GPU")
+                    break
     plan = make_plan(shape, w, hw)
     if plan.recommended:
         c = plan.candidate(plan.recommended)
         assert c is not None
         tool_way = say(plan.recommended, "")
-        out.append(f"shardfit strategy {plan.recommended} ({c.per_gpu_gib.total:.1f} GiB per GPU)"
+        out.append(f"shardfit: strategy {plan.recommended}, {c.per_gpu_gib.total:.1f} GiB per GPU (shardfit convert "
+                   f"--from {job.tool} {job.source})"
                    + (f"; in {TOOL_NAMES[job.tool]}: {tool_way}" if tool_way else ""))
     return out
 
@@ -113,10 +131,15 @@ def format_report(fp: ForeignPlan, table: str) -> str:
     """The terminal report: what was read, shardfit's table, and the verdict on the job as configured."""
     job, c = fp.job, fp.configured
     lines = [f"from {job.tool}: {job.source}",
-             f"  model {job.model}; {fp.hardware.world} rank(s) of {fp.hardware.gpu_mem_gib:.1f} GiB; "
+             f"  model {job.model}; {fp.hardware.world} {'GPU' if job.engine == 'device_map' else 'rank'}(s) of "
+             f"{fp.hardware.gpu_mem_gib:.1f} GiB; "
              f"{job.describe_engine()}"]
-    if job.keys:
-        lines.append("  read: " + "; ".join(f"{k}={v}" for k, v in job.keys.items()))
+    idle = NO_EFFECT_MARK
+    used = {k: v for k, v in job.keys.items() if not v.endswith(idle)}
+    if used:
+        lines.append("  read: " + "; ".join(f"{k}={v}" for k, v in used.items()))
+    if len(used) < len(job.keys):
+        lines.append("  no effect on memory: " + ", ".join(k for k, v in job.keys.items() if v.endswith(idle)))
     if job.not_modelled:
         lines.append("  not modelled: " + "; ".join(f"{k}={v}" for k, v in job.not_modelled.items()))
     for n in job.notes:

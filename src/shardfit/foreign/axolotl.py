@@ -40,11 +40,12 @@ def words() -> Words:
     return Words(zero={"zero2": "deepspeed: deepspeed_configs/zero2.json",
                        "zero3": "deepspeed: deepspeed_configs/zero3_bf16.json",
                        "zero3_offload": "deepspeed: deepspeed_configs/zero3_bf16_cpuoffload_all.json"},
-                 keys={"grad_ckpt": "gradient_checkpointing: true", "micro_batch": "micro_batch_size: 1 with "
+                 keys={"fused_loss": "plugins: [axolotl.integrations.liger.LigerPlugin] with "
+                       "liger_fused_linear_cross_entropy: true",
+                       "grad_ckpt": "gradient_checkpointing: true", "micro_batch": "micro_batch_size: 1 with "
                        "gradient_accumulation_steps", "seq": "sequence_len", "qlora": "adapter: qlora with "
                        "load_in_4bit: true", "lora": "adapter: lora", "adamw8bit": "optimizer: adamw_bnb_8bit",
                        "reentrant": "gradient_checkpointing_kwargs: {use_reentrant: false}",
-                       "model_parallel": "(axolotl trains one replica per rank: use deepspeed ZeRO-3 or fsdp)",
                        "device_map": "drop device_map under accelerate launch"})
 
 

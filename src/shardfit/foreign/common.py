@@ -123,7 +123,10 @@ def local_file(name: str, *bases: Path) -> str | None:
 
 def record(job: ForeignJob, key: str, value: Any, modelled: bool = True, effect: str = "") -> None:
     """File a tool key under what was modelled (with its effect, if any) or under "not modelled"."""
-    text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip()
+    if isinstance(value, (dict, list)):
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    else:
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     if modelled:
         job.keys[key] = f"{text} ({effect})" if effect else text
     else:

@@ -135,8 +135,13 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
                        _maybe(get("train_micro_batch_size_per_gpu"), where, "train_micro_batch_size_per_gpu"),
                        _maybe(get("gradient_accumulation_steps"), where, "gradient_accumulation_steps"), optimizer,
                        source=where)
+    resolved = {"zero_optimization.reduce_bucket_size": zero.reduce_bucket_size,
+                "zero_optimization.stage3_prefetch_bucket_size": zero.prefetch_bucket_size,
+                "zero_optimization.stage3_param_persistence_threshold": zero.param_persistence_threshold}
     for key, value in flat.items():
         text = json.dumps(value) if not isinstance(value, str) else value
+        if value == "auto" and key in resolved:
+            text = f"auto = {resolved[key]:,}"
         if key in MODELLED and not (key == "optimizer.type" and optimizer is None):
             job.keys[key] = text
         elif key in NO_MEMORY_EFFECT or key.split(".")[0] in NO_MEMORY_EFFECT:

@@ -36,7 +36,8 @@ _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-
 def words() -> Words:
     return Words(zero={"zero2": "--deepspeed ds_config_zero2.json", "zero3": "--deepspeed ds_config_zero3.json",
                        "zero3_offload": "--deepspeed ds_config_zero3_offload.json"},
-                 keys={"grad_ckpt": "--gradient_checkpointing True", "micro_batch": "--per_device_train_batch_size 1 "
+                 keys={"fused_loss": "--use_liger_kernel True",
+                       "grad_ckpt": "--gradient_checkpointing True", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--model_max_length", "qlora": "--q_lora True "
                        "(4-bit base weights)", "lora": "--use_lora True", "adamw8bit": "--optim adamw_bnb_8bit",
                        "device_map": "device_map=None (or {'': int(os.environ['LOCAL_RANK'])}) in from_pretrained "
@@ -68,7 +69,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         order = list(args)
     else:
         cmd = parse_command(text, where, (".py",))
-        args, order, env = cmd.args, cmd.order, cmd.env
+        args, order, env = cmd.args, cmd.order, cmd.exported
         launcher, nnodes = cmd.launcher, cmd.nnodes
         ranks = nproc or cmd.nproc
         if launcher == "deepspeed" and ranks is None:
@@ -129,7 +130,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.device_map = dm
         if not job.distributed and job.engine == "single":
             job.engine = "device_map"
-            job.nproc = len(visible_devices(env)) or None
+            job.gpus = len(visible_devices(env)) or None
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in args
     modelled = {"use_lora": method, "q_lora": "4-bit NF4 frozen weights, fp32 embeddings/norms/head",

@@ -41,6 +41,7 @@ class ForeignJob:
     engine: str = "single"
     zero: ZeroSettings | None = None
     nproc: int | None = None  # ranks per node as launched (None: the launch does not say)
+    gpus: int | None = None  # GPUs one process spans (a device-map job)
     nnodes: int = 1
     launcher: str | None = None
     device_map: str | None = None  # a device map the job loads with ("auto", "balanced", a dict as text)

@@ -54,7 +54,9 @@ def foreign_rules(fp: ForeignPlan) -> list[Finding]:
         or job.engine == "fsdp_shard_grad_op"
     if replicated and job.distributed:
         w = job.workload
-        per = 0.52 if w.method == "qlora" else compute_bytes(w) if w.method != "full" else 4
+        # DeepSpeed keeps a 16-bit model (its fp32 masters are sharded); DDP a full fine-tune's fp32 weights
+        per = 0.52 if w.method == "qlora" else 4 if w.method == "full" and job.engine != "deepspeed" else \
+            compute_bytes(w)
         replica = fp.shape.params() * per / GIB
         if replica > hw.gpu_mem_gib:
             out.append(Finding(
@@ -84,7 +86,7 @@ def foreign_rules(fp: ForeignPlan) -> list[Finding]:
             say("reentrant", "non-reentrant checkpointing (use_reentrant: false)")
             + ", or ddp_find_unused_parameters false"))
     if job.engine == "device_map":
-        n = job.nproc or hw.gpus_per_node
+        n = job.gpus or hw.gpus_per_node
         out.append(Finding(
             "device_map_split", "info", f"device_map={job.device_map or 'auto'}",
             f"one process splits the model over {n} GPUs: one GPU computes at a time (the most loaded one needs "

@@ -24,6 +24,7 @@ class Command:
     (`--key value`, `--key=value`; a bare flag is "true"), `positional` the rest."""
 
     env: dict[str, str] = field(default_factory=dict)
+    exported: dict[str, str] = field(default_factory=dict)  # what the program sees: exports and its own prefix
     launcher: str | None = None
     launcher_args: dict[str, str] = field(default_factory=dict)
     program: str = ""
@@ -92,6 +93,7 @@ def parse_command(text: str, where: str, programs: tuple[str, ...]) -> Command:
     """The command in `text` (a command line or a script) whose program is one of `programs` (matched against
     the program's name or a 'tool subcommand' pair). Exports and assignments anywhere before it count."""
     env: dict[str, str] = {}
+    exported: dict[str, str] = {}
     for line in _logical_lines(text):
         try:
             words = shlex.split(line, comments=True)
@@ -99,6 +101,7 @@ def parse_command(text: str, where: str, programs: tuple[str, ...]) -> Command:
             raise UserError(f"{where}: cannot split the shell line '{line[:80]}': {e}.") from None
         if not words:
             continue
+        export = words[0] == "export"
         if words[0] in ("export", "set", "local") and len(words) > 1:
             words = words[1:]
         assigned = {}
@@ -107,11 +110,14 @@ def parse_command(text: str, where: str, programs: tuple[str, ...]) -> Command:
             assigned[k] = _expand(v, {**env, **assigned})
         if not words:
             env.update(assigned)
+            if export:
+                exported.update(assigned)
             continue
         words = [_expand(w, {**env, **assigned}) for w in words]
         cmd = _match(words, programs)
         if cmd is not None:
             cmd.env = {**env, **assigned}
+            cmd.exported = {**exported, **assigned}
             return cmd
     raise UserError(f"{where}: no command running {' or '.join(programs)} found. Give the command line (or a shell "
                     f"script containing it) that starts the training.")

@@ -42,7 +42,8 @@ ENV_NO_EFFECT = {"MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "MAX_PIXELS", "VIDEO
 
 def words() -> Words:
     return Words(zero={k: f"--deepspeed {k}" for k in ("zero2", "zero3", "zero3_offload", "zero2_offload")},
-                 keys={"grad_ckpt": "--gradient_checkpointing true", "micro_batch": "--per_device_train_batch_size 1 "
+                 keys={"fused_loss": "--use_liger_kernel true",
+                       "grad_ckpt": "--gradient_checkpointing true", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--max_length", "qlora": "--quant_bits 4 "
                        "--quant_method bnb", "lora": "--train_type lora", "adamw8bit": "--optim adamw_8bit",
                        "device_map": "NPROC_PER_NODE=1 (one process over CUDA_VISIBLE_DEVICES) or drop "
@@ -113,7 +114,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
         job.engine = "ddp"
     elif len(gpus) > 1 or a.get("device_map"):
         job.engine = "device_map"
-        job.nproc = len(gpus) or None
+        job.gpus = len(gpus) or None
     if a.get("device_map"):
         job.device_map = a["device_map"]
     elif job.engine == "device_map":
@@ -144,7 +145,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
             record(job, key, value, effect="no effect on memory")
         else:
             record(job, key, value, modelled=False)
-    for key, value in cmd.env.items():
+    for key, value in cmd.exported.items():
         if key in ENV_MODELLED:
             record(job, f"env {key}", value, effect=ENV_MODELLED[key])
         elif key in ENV_NO_EFFECT:

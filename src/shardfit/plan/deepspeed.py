@@ -34,6 +34,7 @@ from shardfit.plan.estimate import (
     compute_bytes,
     forward_activation_bytes,
     logits_bytes,
+    state_bytes,
     trainable_bytes,
     trainable_params,
 )
@@ -96,8 +97,10 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     n = hw.world
     low = compute_bytes(w)
     p, t = shape.params(), trainable_params(shape, w)
-    tb = trainable_bytes(w)
     full = w.method == "full"
+    # The model as DeepSpeed holds it: trainable weights in 16 bits (the fp32 masters are the optimizer's), frozen
+    # ones as the method stores them (4-bit NF4 for QLoRA, fp32 where peft's k-bit preparation upcast them).
+    model_bytes = low * p if full else state_bytes(shape, w)[0] - t * trainable_bytes(w) + low * t
     strategy = "zero3" if z.stage == 3 else "zero2"  # activations: 16-bit weights, no autocast
     bucket = z.reduce_bucket_size * low * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
     master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
@@ -107,34 +110,59 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     layer_params = shape.layer_params()
     block_grads = (layer_params if full else t / shape.layers) * low  # a block's unreduced gradients
     host = 0.0
+    host_params = 0.0
+    staging = 0.0  # ZeRO-1/2 offload's GPU staging buffer, allocated once
     if z.stage == 3:
         persistent = _persistent(shape, z.param_persistence_threshold)
-        weights = low * (p - persistent) / n + low * persistent
+        sharded = model_bytes - low * persistent
+        weights = sharded / n + low * persistent
         # A module's gathered parameters plus the prefetched ones ahead of it, within max_live_parameters.
         gathered = min(layer_params + min(z.prefetch_bucket_size, layer_params), z.max_live_parameters) * low
         head_gathered = shape.vocab * shape.hidden * low  # the output head is gathered when the loss runs
         fwd_temp = head_gathered + gathered
         bwd_temp = gathered + block_grads
         if z.offload_param:
-            host += low * (p - persistent) / n
+            host_params = sharded / n
+            host += host_params
             weights = low * persistent
     else:
-        weights = low * p  # the whole 16-bit model on every rank
+        weights = model_bytes  # the whole model on every rank
         fwd_temp = 0.0
         bwd_temp = block_grads
     states = master + moments
+    host_optimizer = 0.0
     if z.offload_optimizer:
+        # Host RAM holds the masters, the moments and their fp32 gradient. ZeRO-3 reduces the 16-bit gradient
+        # partition there too; ZeRO-1/2 keep none on the GPU, and stage each parameter's gradient through two buffers the size of the largest
+        # trainable parameter (one on the GPU, one on the host) and keep a 16-bit copy of the partition on the host.
         host += master + moments + grad32
+        host_optimizer = master + moments + grad32
         states = grad32 = 0.0
-    g_fwd = grad_part if w.grad_accum > 1 else 0.0
-    g_rest = grad_part + bucket
+        if z.stage == 3:
+            host += grad_part
+            grad_part = 0.0
+        else:
+            largest = max(i * o for i, o in shape.linear_shapes()) if not full else max(
+                shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
+            if not full:
+                largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
+            host += low * t / n + low * largest
+            staging = low * largest
+            grad_part = 0.0  # the reduced gradient goes straight to the host's fp32 partition
+    # ZeRO-3 allocates its reduce bucket and 16-bit gradient partition once, at start-up; ZeRO-1/2 make them in
+    # each backward and free them after the step (the partition stays through accumulation).
+    held = grad_part + bucket if z.stage == 3 else (grad_part if w.grad_accum > 1 else 0.0) + staging
+    g_fwd = held
+    g_rest = grad_part + bucket + staging
     # A full fine-tune's head makes its whole 16-bit gradient while the loss's gradient is still alive (larger than
     # the reduce bucket, so DeepSpeed reduces it on its own).
-    head_grad = shape.vocab * shape.hidden * low if full else 0.0
-    fwd = Breakdown(weights, g_fwd + bucket, states, forward_activation_bytes(shape, w, shape.layers, strategy),
+    # (ZeRO-1/2 offload: the staging buffer above takes it.)
+    head_grad = shape.vocab * shape.hidden * low if full and not (z.offload_optimizer and z.stage < 3) else 0.0
+    fwd = Breakdown(weights, g_fwd, states, forward_activation_bytes(shape, w, shape.layers, strategy),
                     logits_bytes(shape, w, strategy), fwd_temp)
     bwd = max(
-        Breakdown(weights, g_fwd + bucket, states,
+        # the loss's gradient: backward has begun (ZeRO-1/2's bucket exists), nothing is reduced yet
+        Breakdown(weights, held + (bucket if z.stage < 3 else 0.0), states,
                   forward_activation_bytes(shape, w, shape.layers, strategy, "backward"),
                   logits_bytes(shape, w, strategy, "backward"), fwd_temp + head_grad),
         Breakdown(weights, g_rest, states, activation_bytes(shape, w, shape.layers, strategy), 0.0, bwd_temp),
@@ -153,8 +181,10 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     if hw.cpu_mem_gib is not None and host_gib * hw.gpus_per_node > hw.cpu_mem_gib:
         fits = False
         notes += f"; host RAM too small for the offloaded states: {host_gib * hw.gpus_per_node:.0f} GiB per node"
-    del tb
-    return Candidate(z.strategy, fits, b, host_gib, estimator="analytic", notes=notes, peak_phase=phase)
+    # Between steps (what a memory probe sees after engine.step()): the model, the states, what ZeRO-3 holds.
+    steady = (weights + states + held) / GIB
+    return Candidate(z.strategy, fits, b, host_gib, estimator="analytic", notes=notes, peak_phase=phase,
+                     extra={"between_steps_gib": steady, "host_optimizer_gib": host_optimizer / GIB})
 
 
 def _tensors(b: Breakdown) -> float:
