@@ -133,8 +133,9 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     host_optimizer = 0.0
     if z.offload_optimizer:
         # Host RAM holds the masters, the moments and their fp32 gradient. ZeRO-3 reduces the 16-bit gradient
-        # partition there too; ZeRO-1/2 keep none on the GPU, and stage each parameter's gradient through two buffers the size of the largest
-        # trainable parameter (one on the GPU, one on the host) and keep a 16-bit copy of the partition on the host.
+        # partition there too; ZeRO-1/2 keep none on the GPU, and stage each parameter's gradient through two
+        # buffers the size of the largest trainable parameter (one on the GPU, one on the host), with a 16-bit copy
+        # of the partition on the host.
         host += master + moments + grad32
         host_optimizer = master + moments + grad32
         states = grad32 = 0.0
