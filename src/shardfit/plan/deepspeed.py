@@ -48,6 +48,7 @@ ALLGATHER_BUCKET = 500_000_000
 PREFETCH_BUCKET = 50_000_000
 PERSISTENCE_THRESHOLD = 100_000
 MAX_LIVE_PARAMETERS = 1_000_000_000
+MAX_REUSE_DISTANCE = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class ZeroSettings:
     prefetch_bucket_size: int = PREFETCH_BUCKET
     param_persistence_threshold: int = PERSISTENCE_THRESHOLD
     max_live_parameters: int = MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = MAX_REUSE_DISTANCE
 
     @property
     def strategy(self) -> str:
@@ -89,6 +91,21 @@ def _persistent(shape: ModelShape, threshold: int) -> int:
     emb = shape.vocab * shape.hidden
     root += sum(emb for _ in range(1 if shape.tied else 2) if emb <= threshold)
     return shape.layers * per_layer + root
+
+
+def _kept_at_loss(shape: ModelShape, z: ZeroSettings) -> int:
+    """Elements ZeRO-3 still holds gathered when the loss runs: walking back from the head, each module stays
+    whole while backward will reuse it within `stage3_max_reuse_distance` elements (those fetched after it in the
+    forward and before it in the backward, about twice what runs after it), within `stage3_max_live_parameters`.
+    DeepSpeed's default distance (1e9) keeps a small model whole, and the last block or two of a 7B one."""
+    head = shape.vocab * shape.hidden
+    order = ([head] if not shape.tied else []) + [shape.layer_params()] * shape.layers + [head]
+    kept = after = 0
+    for size in reversed(order):
+        if 2 * after <= z.max_reuse_distance:
+            kept += size
+        after += size
+    return min(kept, max(z.max_live_parameters, head))
 
 
 def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSettings) -> Candidate:
@@ -116,11 +133,13 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
         persistent = _persistent(shape, z.param_persistence_threshold)
         sharded = model_bytes - low * persistent
         weights = sharded / n + low * persistent
-        # A module's gathered parameters plus the prefetched ones ahead of it, within max_live_parameters.
+        # A module's gathered parameters plus the prefetched ones ahead of it; and at the loss, every module DeepSpeed
+        # did not release after its forward because backward reuses it within max_reuse_distance elements.
+        per_element = model_bytes / p
         gathered = min(layer_params + min(z.prefetch_bucket_size, layer_params), z.max_live_parameters) * low
-        head_gathered = shape.vocab * shape.hidden * low  # the output head is gathered when the loss runs
-        fwd_temp = head_gathered + gathered
-        bwd_temp = gathered + block_grads
+        kept = _kept_at_loss(shape, z) * per_element
+        fwd_temp = max(kept, shape.vocab * shape.hidden * low + gathered)
+        bwd_temp = max(kept, gathered) + block_grads
         if z.offload_param:
             host_params = sharded / n
             host += host_params
