@@ -227,3 +227,11 @@ def test_cli_bad_input_exits_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--from" in r.stderr
     r = run_cli("plan", "--from", "axolotl", str(tmp_path / "missing.yml"))
     assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_deepspeed_json_decides_the_precision(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text('{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}')
+    (tmp_path / "run.sh").write_text("deepspeed --num_gpus 2 train.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct "
+                                     "--deepspeed ds.json --max_seq_length 1024\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    assert (job.workload.precision, job.nproc, job.zero.stage, job.workload.seq_len) == ("fp16", 2, 2, 1024)

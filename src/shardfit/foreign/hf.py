@@ -5,6 +5,7 @@ a command line cannot show it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -74,8 +75,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         ranks = nproc or cmd.nproc
         if launcher == "deepspeed" and ranks is None:
             ranks = len(visible_devices(env)) or None
-        script = Path(cmd.program)
-        found = local_file(cmd.program, path.parent) or local_file(_script_path(text, cmd.program), path.parent)
+        found = local_file(cmd.program, path.parent)
         script = Path(found) if found else None
     model = model or args.get("model_name_or_path") or args.get("model")
     if not model:
@@ -111,8 +111,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if args.get("deepspeed"):
         ds = load_deepspeed(args["deepspeed"], path.parent, f"{where}: --deepspeed", shape.hidden, job.notes)
         job.engine, job.zero = "deepspeed", ds.zero
-        if ds.precision and not args.get("bf16") and not args.get("fp16"):
-            w.__init__(**{**w.__dict__, "precision": ds.precision})  # type: ignore[misc]
+        if ds.precision and not args.get("bf16") and not args.get("fp16"):  # the JSON decides, not "auto"
+            job.workload = dataclasses.replace(w, precision=ds.precision)
         for k, v in ds.keys.items():
             job.keys[f"deepspeed:{k}"] = v
         for k, v in ds.not_modelled.items():
@@ -179,10 +179,6 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         out["output_dir"] = args["output_dir"]
     job.convert = out
     return job
-
-
-def _script_path(text: str, program: str) -> str:
-    return program
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:
