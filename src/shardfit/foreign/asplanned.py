@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardfit.foreign.job import TOOL_NAMES, ForeignJob
+from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
 from shardfit.plan.estimate import Candidate, estimate
 from shardfit.plan.hardware import Hardware
@@ -53,8 +53,7 @@ def configured_estimate(job: ForeignJob, shape: ModelShape, w: Workload, hw: Har
     zero = zero or job.zero
     if engine == "deepspeed" and zero is not None:
         return estimate_deepspeed(shape, w, hw, zero)
-    strategy = {"single": "single", "ddp": "ddp", "device_map": "model_parallel", "fsdp_full_shard": "zero3",
-                "fsdp_shard_grad_op": "zero2", "fsdp_offload": "zero3_offload"}.get(engine, "single")
+    strategy = ENGINE_STRATEGY.get(engine, "single")
     if strategy == "single" and hw.world > 1:
         hw = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
     return estimate(shape, w, hw, strategy)
@@ -153,6 +152,6 @@ def format_report(fp: ForeignPlan, table: str) -> str:
                    f"optimizer {c.per_gpu_gib.optimizer:.1f}, activations {c.per_gpu_gib.activations:.1f}, logits "
                    f"{c.per_gpu_gib.logits:.1f}, temporaries {c.per_gpu_gib.temporaries:.1f}]")
     if not c.fits:
-        lines.append("what would: " + ("" if fp.would else "nothing found"))
+        lines.append("what would:" + ("" if fp.would else " nothing found"))
         lines += [f"  - {x}" for x in fp.would]
     return "\n".join(lines)

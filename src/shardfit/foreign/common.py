@@ -53,16 +53,16 @@ def hf_loss(version: str, fused: bool) -> str:
 ATTENTION = {"fa2": "flash", "flash_attn": "flash", "flash_attention_2": "flash", "flash_attention_3": "flash",
              "fa3": "flash", "flex_attention": "flash", "sdpa": "sdpa", "auto": "sdpa", "eager": "eager",
              "disabled": "eager", "none": "sdpa"}
-EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adam8bit", "adamw8bit",
-                        "paged_adamw_32bit")
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adam8bit", "adamw8bit")
 
 
 def optimizer(name: str) -> str | None:
-    """adamw, adamw8bit, or None for an optimizer the planner does not model."""
+    """adamw, adamw8bit, or None for an optimizer the planner does not model (paged AdamW counts as AdamW: its
+    states are the same size, only their pages may move to the host under pressure)."""
     n = name.lower()
-    if n in EIGHT_BIT_OPTIMIZERS[:-1]:
+    if n in EIGHT_BIT_OPTIMIZERS:
         return "adamw8bit"
-    if n.startswith("adamw") or n in ("adam", "adamw", "paged_adamw_32bit"):
+    if n.startswith(("adamw", "paged_adamw")) or n == "adam":
         return "adamw"
     return None
 

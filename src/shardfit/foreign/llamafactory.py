@@ -53,8 +53,7 @@ def words() -> Words:
                        "reentrant": "use_reentrant_gc: false"})
 
 
-def read_llamafactory(path: Path, shape: ModelShape | None, version: str, nproc: int | None,
-                      shape_of: Any) -> ForeignJob:
+def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any) -> ForeignJob:
     """The job of a LLaMA-Factory YAML. `shape_of(model)` resolves the model's shape (for DeepSpeed's "auto"
     buckets and freeze layers); `nproc` the ranks it is launched with (LLaMA-Factory starts torchrun itself when
     several GPUs are visible)."""
@@ -67,7 +66,7 @@ def read_llamafactory(path: Path, shape: ModelShape | None, version: str, nproc:
     model = cfg.get("model_name_or_path")
     if not model:
         raise UserError(f"{where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
-    shape = shape or shape_of(str(model))
+    shape = shape_of(str(model))
     job = ForeignJob("llamafactory", where, str(model), Workload(), words=words(), nproc=nproc)
     ft = str(cfg.get("finetuning_type", "lora")).lower()
     quant = cfg.get("quantization_bit")
@@ -90,10 +89,7 @@ def read_llamafactory(path: Path, shape: ModelShape | None, version: str, nproc:
     if attn not in ATTENTION:
         raise UserError(f"{at('flash_attn')}: 'flash_attn' is {attn!r}; LLaMA-Factory's are auto, disabled, sdpa, "
                         f"fa2.")
-    packed = as_bool(cfg.get("packing", False)) or as_bool(cfg.get("neat_packing", False))
     attention = ATTENTION[attn]
-    if attention == "flash" and packed and not as_bool(cfg.get("neat_packing", False)):
-        attention = "flash"  # packing without neat_packing attends across examples: no mask either way
     opt = optimizer(str(cfg.get("optim", "adamw_torch")))
     w = Workload(method=method, precision=precision, seq_len=as_int(cfg.get("cutoff_len", 2048), "cutoff_len",
                                                                     at("cutoff_len")),

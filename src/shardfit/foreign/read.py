@@ -49,9 +49,11 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         raise UserError(f"--from {tool}: file not found: {file}. Give the tool's config file (or the shell script "
                         f"that runs it).")
     version = opts.transformers or transformers_version()
-    shape_of = _shape_of if opts.model is None else (lambda _m: _shape_of(opts.model))  # noqa: E731
+    def shape_of(model: str) -> ModelShape:  # --model names the model when the file's is not at hand
+        return _shape_of(opts.model or model)
+
     if tool == "llamafactory":
-        job = read_llamafactory(path, None, version, opts.nproc, shape_of)
+        job = read_llamafactory(path, version, opts.nproc, shape_of)
     elif tool == "swift":
         job = read_swift(path, shape_of, version, opts.nproc)
     elif tool == "axolotl":

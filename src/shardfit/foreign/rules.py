@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from shardfit.check.findings import Finding
 from shardfit.foreign.asplanned import ForeignPlan
-from shardfit.foreign.job import TOOL_NAMES
 from shardfit.plan.estimate import GIB, compute_bytes
 
 
@@ -91,8 +90,8 @@ def foreign_rules(fp: ForeignPlan) -> list[Finding]:
             "device_map_split", "info", f"device_map={job.device_map or 'auto'}",
             f"one process splits the model over {n} GPUs: one GPU computes at a time (the most loaded one needs "
             f"{c.per_gpu_gib.total:.1f} GiB); it trains, but at the speed of one GPU",
-            f"{TOOL_NAMES['swift'] if job.tool == 'swift' else 'shardfit'}: zero3 over {n} ranks is faster when it "
-            f"fits (shardfit plan shows both)"))
+            say("ranks", f"shardfit: strategy zero3 over {n} ranks") + " is faster when it fits (the plan shows "
+            "both)"))
         if job.tool in ("hf", "swift") and ("glm" in job.model.lower() or "chatglm" in job.model.lower()):
             out.append(Finding(
                 "device_map_cross_device", "warning", "loss",
