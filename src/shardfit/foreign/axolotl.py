@@ -130,6 +130,8 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
                              "layer (an over-estimate)")
         elif key == "optimizer" and opt is None:
             record(job, key, value, modelled=False)
+        elif key in ("load_in_4bit", "load_in_8bit") and not as_bool(value):
+            record(job, key, value, effect="off")
         elif key in modelled:
             record(job, key, value, effect=modelled[key])
         elif key in NO_EFFECT:
