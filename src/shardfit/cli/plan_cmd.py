@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 from shardfit.cli.args import positive_float, positive_int
+from shardfit.cli.foreign_args import add_from, foreign_plan
 from shardfit.config import load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import UserError
+from shardfit.foreign.asplanned import format_report
 from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
@@ -18,7 +20,8 @@ from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, Workload, workload_of
 from shardfit.strategy import NAMES
 
-EXAMPLE = "example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048"
+EXAMPLE = ("example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048\n"
+           "         shardfit plan --from llamafactory my_lf.yaml --gpus 8x24GB --nproc 8")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,6 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--nproc", type=positive_int, default=None, help="with --from: ranks the job launches per node")
+    add_from(p, model_flags=False)
     p.set_defaults(func=run)
 
 
@@ -68,10 +73,30 @@ def local_precision() -> str:
     return resolve_precision("auto", "cuda" if cuda_available() else "cpu")
 
 
+def run_from(args: argparse.Namespace) -> int:
+    """`plan --from TOOL FILE`: the job as its tool would run it, shardfit's strategies for the same workload, and
+    what would fit. Exit 3 when the job as configured is predicted not to fit."""
+    if args.simulate:
+        raise UserError("--simulate runs shardfit's own step; drop it with --from (plan the job analytically).")
+    if not args.config:
+        raise UserError(f"--from {args.from_tool} needs the job's file, e.g. shardfit plan --from {args.from_tool} "
+                        f"FILE --gpus 8x24GB.")
+    fp = foreign_plan(args)
+    if args.json:
+        print(json.dumps(fp.to_json(), indent=2))
+    else:
+        print(format_report(fp, format_table(fp.plan)))
+    if args.plot:
+        plot(fp.plan, args.plot)
+    return 0 if fp.configured.fits else 3
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
                         "it or write the plot elsewhere.")
+    if args.from_tool:
+        return run_from(args)
     if args.list_models:
         print("\n".join(sorted(catalog())))
         return 0

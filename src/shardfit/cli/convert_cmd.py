@@ -1,0 +1,44 @@
+"""`shardfit convert --from TOOL FILE`: the shardfit config of another tool's job, on stdout (or --out)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from shardfit.cli.args import positive_int
+from shardfit.cli.foreign_args import add_from
+from shardfit.config import load_config
+from shardfit.errors import UserError
+from shardfit.foreign.convert import to_yaml
+from shardfit.foreign.read import JobOptions, read_job
+
+EXAMPLE = "example: shardfit convert --from llamafactory my_lf.yaml > shardfit.yaml && shardfit train shardfit.yaml"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("convert", help="write the shardfit config of another tool's job", epilog=EXAMPLE)
+    c.add_argument("config", metavar="FILE")
+    c.add_argument("--nproc", type=positive_int, default=None, help="ranks the job launches per node")
+    c.add_argument("--out", default=None, metavar="FILE.yaml", help="write here instead of stdout")
+    add_from(c, model_flags=True)
+    c.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.from_tool:
+        raise UserError("convert needs --from TOOL (llamafactory, swift, axolotl, deepspeed, hf), e.g. "
+                        "shardfit convert --from llamafactory my_lf.yaml > shardfit.yaml.")
+    opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
+                      grad_ckpt=args.grad_ckpt, transformers=args.transformers)
+    text = to_yaml(read_job(args.from_tool, args.config, opts))
+    with tempfile.TemporaryDirectory() as tmp:  # what is written must load as a shardfit config
+        check = Path(tmp) / "converted.yaml"
+        check.write_text(text)
+        load_config(check, check_files=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"shardfit config written to {args.out}")
+    else:
+        print(text, end="")
+    return 0

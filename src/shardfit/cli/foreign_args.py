@@ -1,0 +1,37 @@
+"""The `--from TOOL FILE` options that plan, check and convert share, and reading the job they name."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardfit.cli.args import positive_int
+from shardfit.foreign.asplanned import ForeignPlan, plan_job
+from shardfit.foreign.job import TOOLS
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.hardware import detect, parse_gpus
+from shardfit.plan.shapes import resolve_shape
+
+
+def add_from(p: argparse.ArgumentParser, model_flags: bool) -> None:
+    """--from and what a job file may leave to the command line."""
+    p.add_argument("--from", dest="from_tool", choices=TOOLS, default=None,
+                   help="read CONFIG as another tool's job: a LLaMA-Factory or axolotl YAML, an ms-swift command line "
+                        "or script, a DeepSpeed JSON (with --model, --seq, --batch), HF TrainingArguments JSON or a "
+                        "training command line")
+    p.add_argument("--transformers", default=None, metavar="VERSION",
+                   help="with --from: plan the loss of this transformers version (default: the installed one)")
+    if model_flags:
+        p.add_argument("--model", default=None, help="with --from: the model (needed for --from deepspeed)")
+        p.add_argument("--seq", type=positive_int, default=None, help="with --from: tokens per row")
+        p.add_argument("--batch", type=positive_int, default=None, help="with --from: rows per rank")
+        p.add_argument("--method", default=None, choices=("lora", "qlora", "full", "freeze"))
+        p.add_argument("--grad-ckpt", default=None, choices=("none", "full", "selective"))
+
+
+def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
+    """The job named by --from and its plan on --gpus (default: this machine)."""
+    opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
+                      grad_ckpt=args.grad_ckpt, transformers=args.transformers)
+    job = read_job(args.from_tool, args.config, opts)
+    hw = parse_gpus(args.gpus, args.nodes, getattr(args, "cpu_mem", None)) if args.gpus else detect(args.nodes)
+    return plan_job(job, resolve_shape(job.model), hw)

@@ -1,0 +1,157 @@
+"""A foreign job on the planner: its own engine's estimate ("as configured"), shardfit's strategies for the same
+workload, and the nearest changes that fit, said in the tool's keys."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
+from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
+from shardfit.plan.estimate import Candidate, estimate
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.plan import Plan, make_plan
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import Workload
+
+NO_EFFECT_MARK = "(no effect on memory)"
+
+
+@dataclass
+class ForeignPlan:
+    job: ForeignJob
+    shape: ModelShape
+    hardware: Hardware
+    configured: Candidate
+    plan: Plan  # shardfit's strategies for the same model, workload and GPUs
+    would: list[str] = field(default_factory=list)  # the nearest changes that fit, in the tool's keys
+
+    def to_json(self) -> dict[str, Any]:
+        """plan.to_json() plus a `from` section (CONTRACTS.md section 3, extended)."""
+        out = self.plan.to_json()
+        c = self.configured.to_json()
+        c["engine"] = self.job.describe_engine()
+        out["from"] = {"tool": self.job.tool, "file": self.job.source, "model": self.job.model,
+                       "ranks": self.hardware.world, "as_configured": c, "what_would_fit": self.would,
+                       "keys": self.job.keys, "not_modelled": self.job.not_modelled, "notes": self.job.notes}
+        return out
+
+
+def job_hardware(job: ForeignJob, hw: Hardware) -> Hardware:
+    """The GPUs the job runs on: the card of `hw`, as many per node as the job launches ranks (a device-map job:
+    the GPUs its one process sees)."""
+    per_node = job.nproc or job.gpus or hw.gpus_per_node
+    return dataclasses.replace(hw, gpus_per_node=per_node, nodes=max(job.nnodes, hw.nodes))
+
+
+def configured_estimate(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware,
+                        zero: ZeroSettings | None = None, engine: str | None = None) -> Candidate:
+    """The per-GPU estimate of the job's own engine (DeepSpeed ZeRO with its buffers, else the shardfit strategy
+    with the same sharding)."""
+    engine = engine or job.engine
+    zero = zero or job.zero
+    if engine == "deepspeed" and zero is not None:
+        return estimate_deepspeed(shape, w, hw, zero)
+    strategy = ENGINE_STRATEGY.get(engine, "single")
+    if strategy == "single" and hw.world > 1:
+        hw = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
+    return estimate(shape, w, hw, strategy)
+
+
+def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware) -> ForeignPlan:
+    """The job as configured on `hw`, shardfit's plan of the same workload, and what would fit."""
+    hw = job_hardware(job, hw)
+    w = job.workload
+    configured = configured_estimate(job, shape, w, hw)
+    plan = make_plan(shape, w, hw)
+    fp = ForeignPlan(job, shape, hw, configured, plan)
+    if not configured.fits:
+        fp.would = what_would_fit(job, shape, w, hw)
+    return fp
+
+
+def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
+    """Changes to the job that make its own engine fit, nearest first, in the tool's keys; then shardfit's
+    recommendation for the same job."""
+    tries: list[tuple[str, Workload, ZeroSettings | None, str | None]] = []
+    say = job.words.say
+    if w.grad_ckpt == "none":
+        tries.append((say("grad_ckpt", "gradient checkpointing on"), dataclasses.replace(w, grad_ckpt="full"),
+                      None, None))
+    if w.micro_batch > 1:
+        tries.append((say("micro_batch", "micro-batch 1") + f" (1 x {w.micro_batch * w.grad_accum})",
+                      dataclasses.replace(w, micro_batch=1, grad_accum=w.micro_batch * w.grad_accum), None, None))
+    z = job.zero or ZeroSettings()
+    if job.engine == "deepspeed" and z.stage < 3 or job.engine in ("ddp", "single"):
+        tries.append((say("zero3", "ZeRO-3"), w, dataclasses.replace(z, stage=3), "deepspeed"))
+    if job.engine in ("deepspeed", "ddp", "single") and not (z.stage == 3 and z.offload_param):
+        tries.append((say("zero3_offload", "ZeRO-3 with CPU offload"),
+                      w, dataclasses.replace(z, stage=3, offload_optimizer=True, offload_param=True), "deepspeed"))
+    if w.seq_len > 512:
+        tries.append((f"{say('seq', 'sequence length')} {w.seq_len // 2}",
+                      dataclasses.replace(w, seq_len=w.seq_len // 2), None, None))
+    if w.method in ("full", "freeze"):
+        tries.append((say("lora", "LoRA"), dataclasses.replace(w, method="lora"), None, None))
+    if w.loss != "chunked":
+        tries.append((say("fused_loss", "a fused linear cross-entropy (Liger)"), dataclasses.replace(w, loss="chunked"),
+                      None, None))
+    if w.method != "qlora":
+        tries.append((say("qlora", "4-bit QLoRA"), dataclasses.replace(w, method="qlora"), None, None))
+    out = []
+    for label, w2, z2, engine in tries:
+        c = configured_estimate(job, shape, w2, hw, z2, engine)
+        if c.fits:
+            out.append(f"{label}: {c.per_gpu_gib.total:.1f} GiB per GPU")
+    if not out:  # no single change is enough: the workload changes together, in the order listed
+        stacked, labels = w, []
+        for label, w2, z2, _ in tries:
+            if z2 is None and w2 != w:
+                stacked = dataclasses.replace(stacked, **{f.name: getattr(w2, f.name) for f in
+                                                          dataclasses.fields(w2) if getattr(w2, f.name) !=
+                                                          getattr(w, f.name)})
+                labels.append(label)
+                c = configured_estimate(job, shape, stacked, hw)
+                if c.fits:
+                    out.append(" + ".join(labels) + f": {c.per_gpu_gib.total:.1f} GiB per GPU")
+                    break
+    plan = make_plan(shape, w, hw)
+    if plan.recommended:
+        c = plan.candidate(plan.recommended)
+        assert c is not None
+        tool_way = say(plan.recommended, "")
+        out.append(f"shardfit: strategy {plan.recommended}, {c.per_gpu_gib.total:.1f} GiB per GPU (shardfit convert "
+                   f"--from {job.tool} {job.source})"
+                   + (f"; in {TOOL_NAMES[job.tool]}: {tool_way}" if tool_way else ""))
+    return out
+
+
+def format_report(fp: ForeignPlan, table: str) -> str:
+    """The terminal report: what was read, shardfit's table, and the verdict on the job as configured."""
+    job, c = fp.job, fp.configured
+    lines = [f"from {job.tool}: {job.source}",
+             f"  model {job.model}; {fp.hardware.world} {'GPU' if job.engine == 'device_map' else 'rank'}(s) of "
+             f"{fp.hardware.gpu_mem_gib:.1f} GiB; "
+             f"{job.describe_engine()}"]
+    idle = NO_EFFECT_MARK
+    used = {k: v for k, v in job.keys.items() if not v.endswith(idle)}
+    if used:
+        lines.append("  read: " + "; ".join(f"{k}={v}" for k, v in used.items()))
+    if len(used) < len(job.keys):
+        lines.append("  no effect on memory: " + ", ".join(k for k, v in job.keys.items() if v.endswith(idle)))
+    if job.not_modelled:
+        lines.append("  not modelled: " + "; ".join(f"{k}={v}" for k, v in job.not_modelled.items()))
+    for n in job.notes:
+        lines.append(f"  note: {n}")
+    lines += ["", table, ""]
+    verdict = "fits" if c.fits else "does not fit"
+    lines.append(f"as configured: {job.describe_engine()}, {c.per_gpu_gib.total:.1f} GiB per GPU on "
+                 f"{fp.hardware.gpu_mem_gib:.0f}: {verdict}"
+                 + (f" (host {c.cpu_gib:.1f} GiB per rank)" if c.cpu_gib else "")
+                 + f" [peak {c.peak_phase}; weights {c.per_gpu_gib.weights:.1f}, grads {c.per_gpu_gib.grads:.1f}, "
+                   f"optimizer {c.per_gpu_gib.optimizer:.1f}, activations {c.per_gpu_gib.activations:.1f}, logits "
+                   f"{c.per_gpu_gib.logits:.1f}, temporaries {c.per_gpu_gib.temporaries:.1f}]")
+    if not c.fits:
+        lines.append("what would:" + ("" if fp.would else " nothing found"))
+        lines += [f"  - {x}" for x in fp.would]
+    return "\n".join(lines)

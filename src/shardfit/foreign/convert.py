@@ -1,0 +1,61 @@
+"""`shardfit convert --from TOOL FILE`: the shardfit config of the same job, as YAML with what could not be
+carried over said in comments at the top."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from shardfit.foreign.job import ForeignJob
+
+ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
+
+
+def to_config(job: ForeignJob) -> dict[str, Any]:
+    """shardfit config keys (config/schema.py) for the job."""
+    w = job.workload
+    cfg: dict[str, Any] = {"model": job.model,
+                           "data": (job.data[0] if len(job.data) == 1 else job.data) or "data/train.jsonl",
+                           "method": w.method, "strategy": job.strategy, "precision": w.precision,
+                           "max_seq_len": w.seq_len, "micro_batch": w.micro_batch, "grad_accum": w.grad_accum,
+                           "grad_ckpt": w.grad_ckpt, "attn_implementation": ATTN[w.attention]}
+    extra = dict(job.convert)
+    lora = {"rank": w.lora_rank, **extra.pop("lora", {})}
+    lora["rank"] = w.lora_rank
+    if w.method in ("lora", "qlora"):
+        cfg["lora"] = lora
+    cfg.update(extra)
+    if job.engine == "device_map":
+        cfg["device_map"] = "auto"
+    return cfg
+
+
+def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
+    """What the YAML's header says: the source, and everything not carried over."""
+    out = [f"converted by shardfit from {job.tool}: {job.source}",
+           f"{job.describe_engine()} -> strategy: {cfg['strategy']}"]
+    if not job.data:
+        out.append("data: no local file found in the job; replace data/train.jsonl with your data")
+    if job.device_map and job.distributed:
+        out.append(f"device_map={job.device_map} dropped: shardfit never uses a device map under a launcher")
+    if job.zero is not None and job.zero.stage == 3 and job.zero.offload_optimizer and not job.zero.offload_param:
+        out.append("ZeRO-3 with only the optimizer offloaded: zero3_offload keeps parameters on the host too")
+    if job.zero is not None and job.zero.stage in (0, 1):
+        out.append(f"ZeRO-{job.zero.stage} shards no parameters or gradients: closest is ddp")
+    if job.workload.optimizer != "adamw":
+        out.append(f"optimizer {job.workload.optimizer}: shardfit trains with AdamW")
+    if job.workload.method == "qlora":
+        out.append("method qlora: shardfit plans it; training it needs a CUDA GPU with bitsandbytes")
+    if job.workload.loss != "chunked":
+        out.append("loss: shardfit always uses its chunked loss (no full logits), whatever the tool ran")
+    if job.not_modelled:
+        out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))
+    return out
+
+
+def to_yaml(job: ForeignJob) -> str:
+    """The YAML text `shardfit train` reads."""
+    cfg = to_config(job)
+    head = "".join(f"# {line}\n" for line in comments(job, cfg))
+    return head + yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None)

@@ -1,0 +1,80 @@
+"""Another tool's training job as shardfit reads it: the model, the workload in the planner's terms, how it is
+launched and sharded, and how to say each setting back in that tool's own keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardfit.plan.deepspeed import ZeroSettings
+from shardfit.plan.workload import Workload
+
+TOOLS = ("llamafactory", "swift", "axolotl", "deepspeed", "hf")
+TOOL_NAMES = {"llamafactory": "LLaMA-Factory", "swift": "ms-swift", "axolotl": "axolotl", "deepspeed": "DeepSpeed",
+              "hf": "the HF Trainer"}
+
+# What a job's engine means in shardfit's strategy table (the plan's row for the same sharding).
+ENGINE_STRATEGY = {"single": "single", "ddp": "ddp", "device_map": "model_parallel", "fsdp_full_shard": "zero3",
+                   "fsdp_shard_grad_op": "zero2", "fsdp_offload": "zero3_offload"}
+
+
+@dataclass
+class Words:
+    """How the job's tool spells each change the planner may suggest, keyed by shardfit concept. A missing
+    concept falls back to shardfit's own words."""
+
+    zero: dict[str, str] = field(default_factory=dict)  # zero2 | zero3 | zero3_offload | ... -> the tool's setting
+    keys: dict[str, str] = field(default_factory=dict)  # grad_ckpt | micro_batch | seq | qlora | lora | ...
+
+    def say(self, concept: str, default: str) -> str:
+        return self.keys.get(concept) or self.zero.get(concept) or default
+
+
+@dataclass
+class ForeignJob:
+    """A training job of another tool. `engine` is how its ranks share the model: single, ddp, deepspeed (see
+    `zero`), fsdp_full_shard, fsdp_shard_grad_op, fsdp_offload, or device_map (one process split over its GPUs)."""
+
+    tool: str
+    source: str
+    model: str
+    workload: Workload
+    engine: str = "single"
+    zero: ZeroSettings | None = None
+    nproc: int | None = None  # ranks per node as launched (None: the launch does not say)
+    gpus: int | None = None  # GPUs one process spans (a device-map job)
+    nnodes: int = 1
+    launcher: str | None = None
+    device_map: str | None = None  # a device map the job loads with ("auto", "balanced", a dict as text)
+    speech_outputs: bool = False  # the model's speech modules (an Omni talker) are loaded with it
+    quant_storage: bool = False  # 4-bit weights stored in a float dtype (bnb_4bit_quant_storage), as FSDP/ZeRO-3 need
+    reentrant_ckpt: bool = False  # gradient checkpointing runs reentrant (torch's old default)
+    find_unused: bool = False  # DDP looks for unused parameters (the HF Trainer's default for PEFT models)
+    # what was read and modelled: tool key -> value as given; and what was read but is not modelled
+    keys: dict[str, str] = field(default_factory=dict)
+    not_modelled: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # assumptions made while reading
+    words: Words = field(default_factory=Words)
+    # shardfit config keys the same job needs (convert), beyond what `workload` and `engine` say
+    convert: dict = field(default_factory=dict)
+    data: list[str] = field(default_factory=list)
+
+    @property
+    def distributed(self) -> bool:
+        """Launched as several processes (torchrun, deepspeed, accelerate, NPROC_PER_NODE)."""
+        return (self.nproc or 1) * self.nnodes > 1
+
+    @property
+    def strategy(self) -> str:
+        """shardfit's strategy with the same sharding (DeepSpeed ZeRO stages by what they shard)."""
+        if self.engine == "deepspeed" and self.zero is not None:
+            return self.zero.strategy
+        return ENGINE_STRATEGY.get(self.engine, "single")
+
+    def describe_engine(self) -> str:
+        """The job's sharding in words, e.g. 'DeepSpeed ZeRO-3 (offload optimizer)'."""
+        if self.engine == "deepspeed" and self.zero is not None:
+            return self.zero.describe()
+        return {"single": "one process, one GPU", "ddp": "DDP (full replica per rank)",
+                "device_map": f"one process, device_map={self.device_map or 'auto'} over the node's GPUs",
+                "fsdp_full_shard": "FSDP full_shard", "fsdp_shard_grad_op": "FSDP shard_grad_op",
+                "fsdp_offload": "FSDP full_shard with CPU offload"}.get(self.engine, self.engine)

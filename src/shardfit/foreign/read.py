@@ -1,0 +1,97 @@
+"""Read another tool's job: `shardfit plan|check|convert --from TOOL FILE`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from shardfit.errors import UserError
+from shardfit.foreign.axolotl import read_axolotl
+from shardfit.foreign.common import hf_loss, transformers_version
+from shardfit.foreign.deepspeed import read_deepspeed
+from shardfit.foreign.hf import read_hf
+from shardfit.foreign.job import TOOLS, ForeignJob, Words
+from shardfit.foreign.llamafactory import read_llamafactory
+from shardfit.foreign.swift import read_swift
+from shardfit.plan.shapes import ModelShape, resolve_shape
+from shardfit.plan.workload import Workload
+
+
+@dataclasses.dataclass
+class JobOptions:
+    """What the command line adds to a job file: the model and shape of a bare DeepSpeed JSON, the ranks, and
+    the transformers version whose loss to plan (default: the installed one)."""
+
+    model: str | None = None
+    nproc: int | None = None
+    seq: int | None = None
+    batch: int | None = None
+    method: str | None = None
+    grad_ckpt: str | None = None
+    transformers: str | None = None
+
+
+def _shape_of(model: str) -> ModelShape:
+    try:
+        return resolve_shape(model)
+    except UserError as e:
+        raise UserError(f"{e} (the job's model; for a model that is neither local nor in the catalog, pass a local "
+                        f"config.json with --model)") from None
+
+
+def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
+    """The job of `file` as `tool` would run it, with the command line's additions."""
+    if tool not in TOOLS:
+        raise UserError(f"--from {tool}: choose one of {', '.join(TOOLS)}.")
+    path = Path(file)
+    if not path.is_file():
+        raise UserError(f"--from {tool}: file not found: {file}. Give the tool's config file (or the shell script "
+                        f"that runs it).")
+    version = opts.transformers or transformers_version()
+    def shape_of(model: str) -> ModelShape:  # --model names the model when the file's is not at hand
+        return _shape_of(opts.model or model)
+
+    if tool == "llamafactory":
+        job = read_llamafactory(path, version, opts.nproc, shape_of)
+    elif tool == "swift":
+        job = read_swift(path, shape_of, version, opts.nproc)
+    elif tool == "axolotl":
+        job = read_axolotl(path, shape_of, version, opts.nproc)
+    elif tool == "hf":
+        job = read_hf(path, shape_of, version, opts.nproc, opts.model)
+    else:
+        job = _read_bare_deepspeed(path, opts, version)
+    if opts.model is not None:
+        job.model = opts.model
+    overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
+    job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    job.notes.append(f"loss as transformers {version} computes it" +
+                     (" (fused kernel: no full logits)" if job.workload.loss == "chunked" else ""))
+    return job
+
+
+def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJob:
+    """A DeepSpeed JSON on its own: the model, sequence and method come from the command line."""
+    if opts.model is None:
+        raise UserError(f"--from deepspeed {path}: a DeepSpeed JSON does not name the model; pass --model ID_OR_PATH "
+                        f"(and --seq, --batch, --method as the job runs).")
+    shape = _shape_of(opts.model)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg}.") from None
+    ds = read_deepspeed(raw, str(path), shape.hidden)
+    w = Workload(method=opts.method or "full", precision=ds.precision or "bf16", seq_len=opts.seq or 2048,
+                 micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
+                 loss=hf_loss(version, False), attention="sdpa", grad_accum=ds.grad_accum or 1)
+    words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
+                        "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
+                                         "{device: cpu}"},
+                  keys={"micro_batch": "train_micro_batch_size_per_gpu: 1 with gradient_accumulation_steps",
+                        "seq": "--seq", "grad_ckpt": "gradient checkpointing in the training script"})
+    job = ForeignJob("deepspeed", str(path), opts.model, w, engine="deepspeed", zero=ds.zero, nproc=opts.nproc,
+                     keys=ds.keys, not_modelled=ds.not_modelled, words=words)
+    job.notes.append("gradient checkpointing assumed on (the training script decides; pass --grad-ckpt none to plan "
+                     "without)")
+    return job

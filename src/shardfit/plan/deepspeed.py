@@ -1,0 +1,211 @@
+"""DeepSpeed ZeRO's per-rank memory for a model shape and workload: what `shardfit plan --from ...` predicts for
+a job configured with a DeepSpeed JSON.
+
+The model states follow DeepSpeed's own layout (runtime/zero/stage_1_and_2.py and stage3.py of DeepSpeed 0.19),
+with its buffers, which matter more than they look (DeepSpeed's default buckets are 5e8 elements, 1 GB each
+in bf16):
+- ZeRO-1/2: the 16-bit model stays whole on every rank (trainable weights flattened into one buffer per group);
+  each rank owns 1/N of the fp32 master weights and of AdamW's two fp32 moments; gradients are reduced through
+  the contiguous reduce bucket (`reduce_bucket_size` elements, twice with `overlap_comm`) into a 16-bit
+  partition of 1/N; the optimizer step makes the fp32 gradient of the partition.
+- ZeRO-3: every parameter is a 1/N 16-bit partition, except those at or under
+  `stage3_param_persistence_threshold` elements, which stay gathered once used; a module's parameters are
+  all-gathered for its forward and backward, and up to `stage3_prefetch_bucket_size` elements ahead of it; the
+  fp32 masters, moments and the 16-bit gradient partition are 1/N; the reduce bucket as above.
+- Offload (`offload_optimizer: cpu`): masters, moments and the fp32 gradient partition live in host RAM (pinned
+  when `pin_memory`); ZeRO-3's `offload_param` keeps the 16-bit partitions there too, gathered to the GPU per
+  module.
+Activations and the loss are the planner's (`estimate.py`), with DeepSpeed's 16-bit weights: no autocast, as
+under FSDP's mixed precision.
+
+Checked against real DeepSpeed 0.19 steps on gloo ranks (bench/deepspeed_memory.py, tests/test_foreign_deepspeed.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardfit.plan.estimate import (
+    GIB,
+    Breakdown,
+    Candidate,
+    activation_bytes,
+    add_runtime_overhead,
+    compute_bytes,
+    forward_activation_bytes,
+    logits_bytes,
+    state_bytes,
+    trainable_bytes,
+    trainable_params,
+)
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import Workload
+
+# DeepSpeed's defaults (runtime/zero/config.py), in elements.
+REDUCE_BUCKET = 500_000_000
+ALLGATHER_BUCKET = 500_000_000
+PREFETCH_BUCKET = 50_000_000
+PERSISTENCE_THRESHOLD = 100_000
+MAX_LIVE_PARAMETERS = 1_000_000_000
+MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The parts of a DeepSpeed JSON that decide memory (sizes in elements, as DeepSpeed counts them)."""
+
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    pin_memory: bool = False
+    reduce_bucket_size: int = REDUCE_BUCKET
+    allgather_bucket_size: int = ALLGATHER_BUCKET
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = PREFETCH_BUCKET
+    param_persistence_threshold: int = PERSISTENCE_THRESHOLD
+    max_live_parameters: int = MAX_LIVE_PARAMETERS
+    max_reuse_distance: int = MAX_REUSE_DISTANCE
+
+    @property
+    def strategy(self) -> str:
+        """shardfit's strategy with the same sharding: ZeRO-0/1 shard nothing or only the optimizer (closest:
+        ddp), ZeRO-2 zero2, ZeRO-3 zero3 (zero3_offload when parameters are offloaded)."""
+        if self.stage == 3:
+            return "zero3_offload" if self.offload_param else "zero3"
+        return "zero2" if self.stage == 2 else "ddp"
+
+    def describe(self) -> str:
+        """E.g. 'DeepSpeed ZeRO-3 (offload optimizer + params)'."""
+        off = [what for what, on in (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if on]
+        return f"DeepSpeed ZeRO-{self.stage}" + (f" (offload {' + '.join(off)})" if off else "")
+
+
+def _persistent(shape: ModelShape, threshold: int) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole once gathered (each at or under `threshold` elements): norms,
+    and on small models whole projections."""
+    sizes = [i * o for i, o in shape.linear_shapes()] + [shape.hidden, shape.hidden]
+    per_layer = sum(s for s in sizes if s <= threshold)
+    root = shape.hidden if shape.hidden <= threshold else 0
+    emb = shape.vocab * shape.hidden
+    root += sum(emb for _ in range(1 if shape.tied else 2) if emb <= threshold)
+    return shape.layers * per_layer + root
+
+
+def _kept_at_loss(shape: ModelShape, z: ZeroSettings) -> int:
+    """Elements ZeRO-3 still holds gathered when the loss runs: walking back from the head, each module stays
+    whole while backward will reuse it within `stage3_max_reuse_distance` elements (those fetched after it in the
+    forward and before it in the backward, about twice what runs after it), within `stage3_max_live_parameters`.
+    DeepSpeed's default distance (1e9) keeps a small model whole, and the last block or two of a 7B one."""
+    head = shape.vocab * shape.hidden
+    order = ([head] if not shape.tied else []) + [shape.layer_params()] * shape.layers + [head]
+    kept = after = 0
+    for size in reversed(order):
+        if 2 * after <= z.max_reuse_distance:
+            kept += size
+        after += size
+    return min(kept, max(z.max_live_parameters, head))
+
+
+def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSettings) -> Candidate:
+    """Per-rank GPU peak of a DeepSpeed ZeRO job (and its host RAM per rank), at the step's three moments as in
+    `estimate.estimate`."""
+    n = hw.world
+    low = compute_bytes(w)
+    p, t = shape.params(), trainable_params(shape, w)
+    full = w.method == "full"
+    # The model as DeepSpeed holds it: trainable weights in 16 bits (the fp32 masters are the optimizer's), frozen
+    # ones as the method stores them (4-bit NF4 for QLoRA, fp32 where peft's k-bit preparation upcast them).
+    model_bytes = low * p if full else state_bytes(shape, w)[0] - t * trainable_bytes(w) + low * t
+    strategy = "zero3" if z.stage == 3 else "zero2"  # activations: 16-bit weights, no autocast
+    bucket = z.reduce_bucket_size * low * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
+    master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
+    moments = 2 * 4 * t / n if w.optimizer == "adamw" else 2 * t / n
+    grad_part = low * t / n  # the reduced 16-bit gradient partition
+    grad32 = 4 * t / n  # the fp32 gradient the optimizer step reads
+    layer_params = shape.layer_params()
+    block_grads = (layer_params if full else t / shape.layers) * low  # a block's unreduced gradients
+    host = 0.0
+    host_params = 0.0
+    staging = 0.0  # ZeRO-1/2 offload's GPU staging buffer, allocated once
+    if z.stage == 3:
+        persistent = _persistent(shape, z.param_persistence_threshold)
+        sharded = model_bytes - low * persistent
+        weights = sharded / n + low * persistent
+        # A module's gathered parameters plus the prefetched ones ahead of it; and at the loss, every module DeepSpeed
+        # did not release after its forward because backward reuses it within max_reuse_distance elements.
+        per_element = model_bytes / p
+        gathered = min(layer_params + min(z.prefetch_bucket_size, layer_params), z.max_live_parameters) * low
+        kept = _kept_at_loss(shape, z) * per_element
+        fwd_temp = max(kept, shape.vocab * shape.hidden * low + gathered)
+        bwd_temp = max(kept, gathered) + block_grads
+        if z.offload_param:
+            host_params = sharded / n
+            host += host_params
+            weights = low * persistent
+    else:
+        weights = model_bytes  # the whole model on every rank
+        fwd_temp = 0.0
+        bwd_temp = block_grads
+    states = master + moments
+    host_optimizer = 0.0
+    if z.offload_optimizer:
+        # Host RAM holds the masters, the moments and their fp32 gradient. ZeRO-3 reduces the 16-bit gradient
+        # partition there too; ZeRO-1/2 keep none on the GPU, and stage each parameter's gradient through two
+        # buffers the size of the largest trainable parameter (one on the GPU, one on the host), with a 16-bit copy
+        # of the partition on the host.
+        host += master + moments + grad32
+        host_optimizer = master + moments + grad32
+        states = grad32 = 0.0
+        if z.stage == 3:
+            host += grad_part
+            grad_part = 0.0
+        else:
+            largest = max(i * o for i, o in shape.linear_shapes()) if not full else max(
+                shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
+            if not full:
+                largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
+            host += low * t / n + low * largest
+            staging = low * largest
+            grad_part = 0.0  # the reduced gradient goes straight to the host's fp32 partition
+    # ZeRO-3 allocates its reduce bucket and 16-bit gradient partition once, at start-up; ZeRO-1/2 make them in
+    # each backward and free them after the step (the partition stays through accumulation).
+    held = grad_part + bucket if z.stage == 3 else (grad_part if w.grad_accum > 1 else 0.0) + staging
+    g_fwd = held
+    g_rest = grad_part + bucket + staging
+    # A full fine-tune's head makes its whole 16-bit gradient while the loss's gradient is still alive (larger than
+    # the reduce bucket, so DeepSpeed reduces it on its own).
+    # (ZeRO-1/2 offload: the staging buffer above takes it.)
+    head_grad = shape.vocab * shape.hidden * low if full and not (z.offload_optimizer and z.stage < 3) else 0.0
+    fwd = Breakdown(weights, g_fwd, states, forward_activation_bytes(shape, w, shape.layers, strategy),
+                    logits_bytes(shape, w, strategy), fwd_temp)
+    bwd = max(
+        # the loss's gradient: backward has begun (ZeRO-1/2's bucket exists), nothing is reduced yet
+        Breakdown(weights, held + (bucket if z.stage < 3 else 0.0), states,
+                  forward_activation_bytes(shape, w, shape.layers, strategy, "backward"),
+                  logits_bytes(shape, w, strategy, "backward"), fwd_temp + head_grad),
+        Breakdown(weights, g_rest, states, activation_bytes(shape, w, shape.layers, strategy), 0.0, bwd_temp),
+        key=_tensors)
+    opt = Breakdown(weights, g_rest + grad32, states, 0.0, 0.0, 0.0)
+    moments_by_phase = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    phase = max(moments_by_phase, key=lambda k: _tensors(moments_by_phase[k]))
+    b = moments_by_phase[phase]
+    for f in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        setattr(b, f, getattr(b, f) / GIB)
+    add_runtime_overhead(b, hw, strategy)
+    fits = b.total <= hw.gpu_mem_gib
+    host_gib = host / GIB
+    notes = f"{z.describe()}: " + (f"{hw.gpu_mem_gib - b.total:.1f} GiB headroom" if fits else
+                                    f"{b.total:.1f} GiB > {hw.gpu_mem_gib:.0f} GiB")
+    if hw.cpu_mem_gib is not None and host_gib * hw.gpus_per_node > hw.cpu_mem_gib:
+        fits = False
+        notes += f"; host RAM too small for the offloaded states: {host_gib * hw.gpus_per_node:.0f} GiB per node"
+    # Between steps (what a memory probe sees after engine.step()): the model, the states, what ZeRO-3 holds.
+    steady = (weights + states + held) / GIB
+    return Candidate(z.strategy, fits, b, host_gib, estimator="analytic", notes=notes, peak_phase=phase,
+                     extra={"between_steps_gib": steady, "host_optimizer_gib": host_optimizer / GIB})
+
+
+def _tensors(b: Breakdown) -> float:
+    return b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
