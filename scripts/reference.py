@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from shardfit import errors  # noqa: E402
 from shardfit.check.findings import Finding  # noqa: E402
 from shardfit.cli.main import build_parser  # noqa: E402
-from shardfit.config.schema import CHOICES, Config, LoraSettings  # noqa: E402
+from shardfit.config.schema import CHOICES, Config, LoraSettings, QLoraSettings  # noqa: E402
 from shardfit.diagnose.engine import load_causes  # noqa: E402
 from shardfit.plan.estimate import Breakdown, Candidate  # noqa: E402
 from shardfit.plan.plan import ModelInfo  # noqa: E402
@@ -88,12 +88,12 @@ def _default(f: dataclasses.Field) -> str:
 
 def config_keys() -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for cls, prefix in ((Config, ""), (LoraSettings, "lora.")):
+    for cls, prefix in ((Config, ""), (LoraSettings, "lora."), (QLoraSettings, "qlora.")):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             meaning = f.metadata.get("help", "")
-            if f.name in CHOICES and cls is Config:
-                meaning += f" (one of: {', '.join(CHOICES[f.name])})"
+            if prefix + f.name in CHOICES:
+                meaning += f" (one of: {', '.join(CHOICES[prefix + f.name])})"
             rows.append(f"| `{prefix}{f.name}` | {_cell(_type(hints[f.name]))} | `{_default(f)}` | {_cell(meaning)} |")
     return "\n".join(rows)
 

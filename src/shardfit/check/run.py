@@ -11,7 +11,7 @@ import dataclasses
 from torch import nn
 
 from shardfit.check import rules
-from shardfit.check.config_rules import device_map_rules
+from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
@@ -28,7 +28,7 @@ from shardfit.strategy import get as get_strategy
 def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan | None) -> list[Finding]:
     """Every rule that needs no placed model (config, unused modules, FSDP units, precision, checkpointing, the
     plan's verdict); each fixes what it can in place and says so."""
-    out = device_map_rules(cfg, s, world)
+    out = device_map_rules(cfg, s, world) + qlora_rules(cfg, s)
     out += rules.unused_module_rules(model, s, fix=True)
     out += rules.fsdp_unit_rules(model, s, cfg.precision, fix=True)
     out += rules.grad_ckpt_rules(model, cfg)

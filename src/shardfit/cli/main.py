@@ -37,10 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Loggers that speak while a library is imported, about nothing a shardfit user can act on: torchao (imported by
+# peft whenever it is installed) warns about each CUDA kernel library a CPU-only machine cannot load and about a
+# missing triton, neither of which its NF4 weights use; torch warns about an enum torchao registers.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party_imports() -> None:
+    """Only errors from the loggers in IMPORT_NOISE."""
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
+    quiet_third_party_imports()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

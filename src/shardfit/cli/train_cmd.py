@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from shardfit.check.config_rules import device_map_rules
+from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import refuse_unfixable
 from shardfit.cli.args import non_negative_int, port, positive_int
 from shardfit.config import Config, load_config
@@ -38,7 +38,7 @@ def _refuse_before_launch(cfg: Config, world: int) -> None:
     if s.engine == "device_map":
         raise UserError(f"strategy: {s.name} splits one process's model over its local GPUs and cannot run on "
                         f"{world} ranks. Drop --nproc/--nnodes to run it in one process, or use --set strategy=zero3.")
-    refuse_unfixable(device_map_rules(cfg, s, world))
+    refuse_unfixable(device_map_rules(cfg, s, world) + qlora_rules(cfg, s))
 
 
 def run(args: argparse.Namespace) -> int:

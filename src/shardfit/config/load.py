@@ -17,10 +17,12 @@ from typing import Any, Union
 
 import yaml
 
-from shardfit.config.schema import CHOICES, Config, LoraSettings
+from shardfit.config.schema import CHOICES, Config, LoraSettings, QLoraSettings
 from shardfit.errors import UserError
 
-_HINTS = {Config: typing.get_type_hints(Config), LoraSettings: typing.get_type_hints(LoraSettings)}
+# The sections of the config: mappings of keys of their own (`lora.rank`), each a dataclass.
+SECTIONS = {LoraSettings: "{rank: 8, alpha: 16}", QLoraSettings: "{quant_type: nf4, compute_dtype: auto}"}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in (Config, *SECTIONS)}
 
 
 # A YAML document whose aliases expand beyond this many nodes is refused: each alias is a reference to a node
@@ -161,20 +163,20 @@ def _build(cls: type, raw: dict[str, Any], where: str, lines: dict[str, int], pr
                 f"Valid keys: {', '.join(names)}."
             )
         hint = hints[key]
-        if hint is LoraSettings:
+        if hint in SECTIONS:
             if value is None:
                 value = {}
             if not isinstance(value, dict):
-                raise UserError(f"{loc}: '{dotted}' must be a mapping such as {{rank: 8, alpha: 16}}, got {value!r}.")
-            kwargs[key] = _build(LoraSettings, value, where, lines, prefix=f"{dotted}.")
+                raise UserError(f"{loc}: '{dotted}' must be a mapping such as {SECTIONS[hint]}, got {value!r}.")
+            kwargs[key] = _build(hint, value, where, lines, prefix=f"{dotted}.")
             continue
         ok, value = _coerce(value, hint)
         if not ok:
             raise UserError(f"{loc}: '{dotted}' must be {_type_name(hint)}, got {value!r} ({type(value).__name__}).")
-        if key in CHOICES and cls is Config and value not in CHOICES[key]:
+        if dotted in CHOICES and value not in CHOICES[dotted]:
             raise UserError(
-                f"{loc}: '{dotted}' is '{value}'{_suggest(str(value), CHOICES[key])}; "
-                f"choose one of: {', '.join(CHOICES[key])}."
+                f"{loc}: '{dotted}' is '{value}'{_suggest(str(value), CHOICES[dotted])}; "
+                f"choose one of: {', '.join(CHOICES[dotted])}."
             )
         kwargs[key] = value
     return cls(**kwargs)
@@ -262,7 +264,7 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         loc = f"{where}:{lines[key]}" if key in lines else where
         raise UserError(f"{loc}: '{key}' {msg}")
 
-    for obj, prefix in ((cfg, ""), (cfg.lora, "lora.")):
+    for obj, prefix in ((cfg, ""), (cfg.lora, "lora."), (cfg.qlora, "qlora.")):
         for f in fields(obj):
             value = getattr(obj, f.name)
             if value is None or dataclasses.is_dataclass(value):
@@ -270,6 +272,10 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
             problem = _range_error(value, f.metadata)
             if problem:
                 fail(prefix + f.name, problem)
+    if not cfg.qlora.double_quant:
+        fail("qlora.double_quant", "is false, but torchao's NF4 weights always quantize their block scales (double "
+             "quantization: 0.127 bit per weight instead of 0.5, the QLoRA paper's choice). Remove the key or set "
+             "it to true.")
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")

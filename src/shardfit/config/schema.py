@@ -13,6 +13,8 @@ PRECISIONS = ("bf16", "fp16", "fp32", "auto")
 GRAD_CKPT = ("none", "full", "selective")
 BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+QUANT_TYPES = ("nf4",)
+COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None,
@@ -37,6 +39,15 @@ class LoraSettings:
 
 
 @dataclass
+class QLoraSettings:
+    quant_type: str = key("nf4", "4-bit data type of the frozen weights: nf4 (NormalFloat4, QLoRA's)")
+    double_quant: bool = key(True, "quantize the per-block scales to 8 bits too (0.127 bit per weight instead of "
+                                   "0.5); torchao's NF4 always does, so only true is accepted")
+    compute_dtype: str = key("auto", "dtype the 4-bit weights dequantize to for each matmul: auto (the run's "
+                                     "precision) | bf16 | fp16 | fp32")
+
+
+@dataclass
 class Config:
     model: str = key("HuggingFaceTB/SmolLM2-135M-Instruct",
                      "a local Hugging Face folder, a .gguf file, or a hub id (catalog ids plan without weights)",
@@ -47,6 +58,8 @@ class Config:
     eval_split: float = key(0.0, "fraction of data held out for evaluation when eval_data is null", ge=0, lt=1)
     method: str = key("lora", "lora | qlora | full | freeze (freeze: only freeze_trainable modules train)")
     lora: LoraSettings = key(LoraSettings, "LoRA settings (method lora or qlora)")
+    qlora: QLoraSettings = key(QLoraSettings, "method qlora: how the frozen decoder weights are stored in 4 bits "
+                                              "(torchao NF4, sharded by zero3)")
     freeze_trainable: list[str] = key(list, "method freeze: module name patterns that train, e.g. ['layers.11']")
     strategy: str = key("auto", "auto (the planner's fastest that fits) or a row of the strategy table")
     backend: str = key("fsdp2", "engine of the sharded strategies")
@@ -103,4 +116,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
+    "qlora.quant_type": QUANT_TYPES,
+    "qlora.compute_dtype": COMPUTE_DTYPES,
 }

@@ -18,12 +18,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardfit.config import Config
-from shardfit.config.support import require_method_support
+from shardfit.config.support import qlora_compute_dtype, require_method_support
 from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import text_model
 from shardfit.models.placement import balanced_device_map
+from shardfit.models.quantize import quantize_blocks
 from shardfit.models.source import ModelSource, resolve_model
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.strategy import Strategy
@@ -143,7 +144,8 @@ def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Con
 
 
 def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config: Any = None) -> nn.Module:
-    """The config's model with its trainable setup (LoRA, freeze, dropped and frozen modules).
+    """The config's model with its trainable setup (LoRA, freeze, dropped and frozen modules; QLoRA's decoder
+    weights stored in 4 bits before the adapters wrap them).
 
     `weights`: load the real weights (training), or build on the meta device (check, simulate). `config`: a
     transformers config to build from instead of the one the config's model names (a simulation of a catalog
@@ -170,5 +172,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     # any merged model are the thinker's, loadable by Qwen2_5OmniThinkerForConditionalGeneration.
     model = text_model(model)
     model.config.use_cache = False
+    if cfg.method == "qlora":
+        quantize_blocks(model, DTYPES[qlora_compute_dtype(cfg)])
     torch.manual_seed(cfg.seed)  # adapters start the same whatever ran before
     return setup_trainable(model, cfg)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import yaml
 
-from shardfit.check.config_rules import device_map_rules
+from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding, is_ok, refuse_unfixable
 from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
@@ -121,7 +121,7 @@ class FineTune:
         self.strategy = resolve_strategy(cfg, env, self.plan)
         refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later).
-        refuse_unfixable(device_map_rules(cfg, self.strategy, env.world))
+        refuse_unfixable(device_map_rules(cfg, self.strategy, env.world) + qlora_rules(cfg, self.strategy))
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
