@@ -13,8 +13,10 @@ from shardfit.config import Config
 from shardfit.models.adapters import drop_modules
 from shardfit.models.anatomy import base_model, decoder_and_head, transformer_blocks
 from shardfit.models.checkpointing import enable_hf_checkpointing, old_gc_api
+from shardfit.models.quantize import is_bnb_quantized, is_nf4
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.plan import Plan
+from shardfit.plan.quant import shard_problem
 from shardfit.strategy import Strategy
 
 # Submodules that only serve generation outputs other than text; text fine-tuning never runs them.
@@ -105,10 +107,17 @@ def placement_rules(model: nn.Module, device: torch.device, fix: bool) -> list[F
 
 
 def quantized_placement_rules(model: nn.Module, device: torch.device, world: int) -> list[Finding]:
-    """A 4/8-bit (bitsandbytes) model placed over several devices, or on another device than this rank's.
-    Quantized weights are placed at load time and cannot move afterwards, so nothing can fix it here; accelerate
+    """A 4/8-bit model placed over several devices, or (bitsandbytes) on another device than this rank's.
+    bitsandbytes weights are placed at load time and cannot move afterwards, so nothing can fix it here; accelerate
     makes the same check from the same `hf_device_map` ("You can't train a model that has been loaded in 8-bit or
-    4-bit precision on a different device")."""
+    4-bit precision on a different device"). QLoRA's NF4 weights move with the model, but a layer's codes, scales
+    and LoRA adapter must sit on the device that computes it: they are never split over devices either."""
+    fix = "load each rank's copy on its own GPU: device_map={'': int(os.environ['LOCAL_RANK'])}, and never call .to()"
+    nf4_devices = {str(p.device) for p in model.parameters() if is_nf4(p)}
+    if len(nf4_devices) > 1:
+        return [Finding("quantized_model_device", "error", "model",
+                        f"the 4-bit (NF4) weights are spread over {', '.join(sorted(nf4_devices))}; QLoRA trains them "
+                        "on one device per rank", "strategy: zero3 with --nproc N (each rank holds 1/N of them)")]
     base = base_model(model)
     if not (getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)):
         return []
@@ -116,7 +125,6 @@ def quantized_placement_rules(model: nn.Module, device: torch.device, world: int
               for d in (getattr(base, "hf_device_map", None) or {}).values()}
     if not placed:
         placed = {str(p.device) for p in base.parameters()}
-    fix = "load each rank's copy on its own GPU: device_map={'': int(os.environ['LOCAL_RANK'])}, and never call .to()"
     if len(placed) > 1:
         return [Finding("quantized_model_device", "error", "model",
                         f"the 4/8-bit model is spread over {', '.join(sorted(placed))}; quantized weights cannot be "
@@ -125,6 +133,25 @@ def quantized_placement_rules(model: nn.Module, device: torch.device, world: int
         return [Finding("quantized_model_device", "error", "model",
                         f"the 4/8-bit model was loaded on {placed.pop()}, but this rank computes on {device}", fix)]
     return []
+
+
+def qlora_shard_rules(model: nn.Module, s: Strategy, world: int) -> list[Finding]:
+    """Under a sharded strategy every NF4 weight is split into `world` row shards, which torchao supports only along
+    whole groups of 4-bit blocks and their scales (otherwise its split asserts halfway through sharding)."""
+    if not s.sharded or world <= 1:
+        return []
+    bad = []
+    for name, p in model.named_parameters():
+        if is_nf4(p):
+            problem = shard_problem(p.shape[0], p.shape[1], world)
+            if problem:
+                bad.append((name, problem))
+    if not bad:
+        return []
+    name, problem = bad[0]
+    return [Finding("qlora_shard_layout", "error", name,
+                    f"{len(bad)} 4-bit weights cannot be sharded over {world} ranks, e.g. {name}: {problem}",
+                    "a world size that divides the weights' rows (e.g. --nproc 2, 4 or 8), or strategy: ddp")]
 
 
 def fsdp_unit_rules(model: nn.Module, s: Strategy, precision: str, fix: bool) -> list[Finding]:
@@ -139,17 +166,33 @@ def fsdp_unit_rules(model: nn.Module, s: Strategy, precision: str, fix: bool) ->
         units.setdefault(in_unit.get(id(p), "root"), []).append((name, p))
     out = []
     for unit, params in units.items():
-        ints = [n for n, p in params if not p.is_floating_point()]
+        # NF4 weights all-gather their packed codes and scales through torchao's FSDP2 hooks, whatever the dtype
+        # they dequantize to: they are not part of the unit's one float dtype (and casting one would dequantize it).
+        dense = [(n, p) for n, p in params if not is_nf4(p)]
+        dtypes = {p.dtype for _, p in dense if p.is_floating_point() and not is_bnb_quantized(p)}
+        bnb = [(n, p) for n, p in dense if is_bnb_quantized(p)]
+        ints = [n for n, p in dense if not p.is_floating_point() and not is_bnb_quantized(p)]
+        if bnb:
+            storage = sorted({str(p.dtype) for _, p in bnb})
+            mixed = set(storage) - {str(d) for d in dtypes}
+            why = (f"their storage {', '.join(storage)} is mixed with {', '.join(sorted(map(str, dtypes)))} in one "
+                   "unit (FSDP1: 'Must flatten tensors with uniform dtype')") if mixed and dtypes else \
+                f"their storage is {', '.join(storage)}"
+            out.append(Finding("fsdp_quantized_storage", "error", f"{unit}: {bnb[0][0]}",
+                               f"{len(bnb)} bitsandbytes 4/8-bit weights in {unit}: {why}; FSDP2 shards their packed "
+                               "data but not the quant_state that decodes it, so ranks compute with wrong scales",
+                               "method: qlora on the unquantized base model: shardfit stores it in NF4 (torchao), "
+                               "which FSDP2 shards with its scales; other FSDP1/DeepSpeed stacks need "
+                               "bnb_4bit_quant_storage set to the dtype of the rest of the model"))
         if ints:
             out.append(Finding("fsdp_quantized_storage", "error", f"{unit}: {ints[0]}",
-                               f"{len(ints)} parameters in {unit} have integer storage (4/8-bit weights as uint8); "
+                               f"{len(ints)} parameters in {unit} have integer storage (quantized weights as uint8); "
                                f"FSDP shards float tensors of one dtype",
-                               "QLoRA under FSDP: bnb_4bit_quant_storage=torch.bfloat16 (shardfit's qlora does this)"))
-        dtypes = {p.dtype for _, p in params if p.is_floating_point()}
+                               "method: qlora on the unquantized base model (NF4 weights that FSDP2 shards)"))
         if len(dtypes) > 1 and precision == "fp32":
             if fix:
-                for _, p in params:
-                    if p.is_floating_point():
+                for _, p in dense:
+                    if p.is_floating_point() and not is_bnb_quantized(p):
                         p.data = p.data.float()
             out.append(Finding("fsdp_mixed_dtype", "error", unit, f"{unit} mixes {sorted(map(str, dtypes))}",
                                "one dtype per unit: fp32 everywhere with precision fp32", fix))

@@ -31,6 +31,7 @@ def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan
     out = device_map_rules(cfg, s, world) + qlora_rules(cfg, s)
     out += rules.unused_module_rules(model, s, fix=True)
     out += rules.fsdp_unit_rules(model, s, cfg.precision, fix=True)
+    out += rules.qlora_shard_rules(model, s, world)
     out += rules.grad_ckpt_rules(model, cfg)
     out += rules.reentrant_ckpt_rules(model, s, fix=True)
     out += rules.precision_rules(model, cfg, fix=True)

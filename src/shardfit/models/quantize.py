@@ -45,6 +45,11 @@ def is_nf4(t: Any) -> bool:
     return type(t).__name__ == "NF4Tensor" and type(t).__module__.startswith("torchao.")
 
 
+def is_bnb_quantized(t: Any) -> bool:
+    """`t` is a bitsandbytes 4/8-bit weight (packed storage with its quant_state beside it)."""
+    return type(t).__name__ in ("Params4bit", "Int8Params") and type(t).__module__.startswith("bitsandbytes")
+
+
 def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every linear layer whose weight is stored in NF4."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_nf4(m.weight)]
@@ -83,6 +88,10 @@ def quantize_blocks(model: nn.Module, dtype: torch.dtype) -> int:
         for name, module in block.named_modules():
             if not isinstance(module, nn.Linear) or is_nf4(module.weight):
                 continue
+            if is_bnb_quantized(module.weight) or not module.weight.is_floating_point():
+                raise UserError(f"'method: qlora': {name} is already quantized ({type(module.weight).__name__}, "
+                                f"{module.weight.dtype}); point 'model' at the unquantized base checkpoint, which "
+                                "shardfit stores in 4 bits itself.")
             rows, cols = module.weight.shape
             if not quantizable(rows, cols):
                 log.info("%s: %dx%d weight is not whole 64-element blocks; kept in %s", name, rows, cols,

@@ -13,8 +13,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardfit.config import Config
+from shardfit.config.support import qlora_compute_dtype
 from shardfit.errors import UserError
-from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.build import DTYPES, build_model, load_tokenizer
+from shardfit.models.quantize import dequantize_all, quantize_blocks
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
 
@@ -66,9 +68,15 @@ def _drop_tied_copies(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str
 
 def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
     """Build the run's base model (as training built it, in fp32), apply the adapter, merge it into the weights,
-    and save a plain HF folder with the tokenizer."""
+    and save a plain HF folder with the tokenizer.
+
+    A QLoRA adapter learned its update against the 4-bit weights, so it is merged into those, dequantized (the
+    weights the run computed with), as the HF QLoRA recipe merges; the result is a plain dense model."""
     base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
     model = build_model(base_cfg, "single", weights=True)
+    if run_cfg.method == "qlora":
+        quantize_blocks(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
+        dequantize_all(model)
     try:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
