@@ -105,6 +105,18 @@ def quantize_blocks(model: nn.Module, dtype: torch.dtype) -> int:
     return done
 
 
+def nf4_to_empty(model: nn.Module, device: str | torch.device) -> None:
+    """Give every NF4 weight uninitialised storage on `device`, all five inner tensors (`Module.to_empty` moves
+    only the three that FSDP shards, and leaves the scale mean and the code book on the meta device)."""
+    mod = _nf4()
+    for _, module in quantized_linears(model):
+        w = module.weight
+        names, _ = w.__tensor_flatten__()
+        inner = {n: torch.empty_like(getattr(w, n), device=device) for n in names}
+        module.weight = nn.Parameter(mod.NF4Tensor(*mod.construct_nf4_args(w, {**inner, "device": torch.device(
+            device)})), requires_grad=False)
+
+
 def dequantize_all(model: nn.Module) -> int:
     """Replace every NF4 weight by its dequantized values (in the dtype it dequantizes to): the weights a QLoRA run
     trained against, which an adapter merges into. Returns how many were replaced."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from shardfit import strategy as strategies
+from shardfit.plan import quant
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, Workload
@@ -82,13 +83,42 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     else:
         frozen = p - (t if w.method == "freeze" else 0)
         linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
-        # NF4 with double quantisation: 0.5 byte + ~0.127 bit of constants per weight (QLoRA paper, sec. 3).
-        per_linear = 0.5 + 0.127 / 8 if w.method == "qlora" else low
         per_other = 4 if w.frozen_fp32 else low
-        weights = linear * per_linear + (frozen - linear) * per_other + t * trainable_bytes(w)
+        weights = shape.layers * linear_weight_bytes(shape, w) + (frozen - linear) * per_other + t * trainable_bytes(w)
     grads = t * trainable_bytes(w)
     optim = t * (2.0 if w.optimizer == "adamw8bit" else 2.0 * trainable_bytes(w))  # AdamW's states match the weight
     return weights, grads, optim
+
+
+def linear_weight_bytes(shape: ModelShape, w: Workload) -> float:
+    """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
+    factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
+    plan/quant.py lays it out), else the compute precision."""
+    low = compute_bytes(w)
+    if w.method == "qlora":
+        return sum(quant.weight_bytes(o, i, low) for i, o in shape.linear_shapes())
+    return sum(i * o for i, o in shape.linear_shapes()) * low
+
+
+def block_weight_bytes(shape: ModelShape, w: Workload) -> float:
+    """One decoder block's frozen weights as stored (its linear layers and its two norms): what FSDP all-gathers
+    for it."""
+    return linear_weight_bytes(shape, w) + 2 * shape.hidden * compute_bytes(w)
+
+
+def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
+    """QLoRA in backward: the most one layer's dequantization holds (plan/quant.py), for the largest NF4 weight of a
+    block, and the gradient of that layer's input its LoRA branch has already made (autograd runs the adapter's
+    backward first: it was recorded after the base matmul). Each linear layer dequantizes its weight for its matmul
+    in forward and again in backward, one at a time."""
+    if w.method != "qlora":
+        return 0.0
+    linears = [(i, o) for i, o in shape.linear_shapes() if quant.quantizable(o, i)]
+    if not linears:
+        return 0.0
+    i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
+    tokens = w.seq_len * w.micro_batch
+    return float(quant.dequantize_peak_bytes(i * o, compute_bytes(w)) + tokens * i * compute_bytes(w))
 
 
 def compute_bytes(w: Workload) -> int:
@@ -265,7 +295,9 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     if phase == "backward":
         return 0.0
     rows = min(LOSS_CHUNK, tokens)
-    b = rows * shape.vocab * (4 + c) + tokens * shape.hidden * residual_bytes(w, strategy) + head_cast
+    # In fp32 the upcast and the gradient's cast are no-ops: one fp32 chunk, its gradient computed in place.
+    b = rows * shape.vocab * (4 + (c if c < 4 else 0)) + tokens * shape.hidden * residual_bytes(w, strategy) + \
+        head_cast
     if w.method == "full":
         head = shape.vocab * shape.hidden
         b += head * 4 + rows * shape.hidden * 4
@@ -283,7 +315,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
-    layer_16 = shape.layer_params() * low
+    layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
@@ -325,6 +357,10 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
+    # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
+    # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
+    # backward's gradients and the loss's buffers do not exist yet.
+    bwd_temp += dequantize_bytes(shape, w)
     moments = {
         "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy),
                              logits_bytes(shape, w, strategy), fwd_temp),
@@ -352,6 +388,9 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         notes = f"host RAM too small for offloaded shards: {host_gib:.0f} GiB per node needed"
     if s.engine == "device_map" and hw.nodes > 1:
         fits, notes = False, "model_parallel splits one process over one node's GPUs; use zero3 across nodes"
+    if s.engine == "device_map" and w.method == "qlora":
+        fits, notes = False, "QLoRA's 4-bit weights are not trained split over GPUs; use zero3 (check: " \
+                             "qlora_split_over_devices)"
     if not notes:
         notes = _note(s, b, hw)
     return Candidate(strategy, fits, b, cpu / GIB, peak_phase=phase, notes=notes)

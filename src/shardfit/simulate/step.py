@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from shardfit.config import Config, LoraSettings
 from shardfit.models.anatomy import base_model, decoder_and_head
 from shardfit.models.build import build_model
+from shardfit.models.quantize import nf4_to_empty
 from shardfit.parallel.parallelize import parallelize
 from shardfit.plan.estimate import Candidate, estimate
 from shardfit.plan.hardware import Hardware
@@ -158,6 +159,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
         tools_recipe(model, w)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
+            nf4_to_empty(model, "cpu")
             base_model(model).tie_weights()  # to_empty gives each parameter its own storage; ties must share one
             module = (ModelOwnLoss(model, w.loss) if w.loss in FULL_LOSSES
                       else CausalLMLoss(model, all_labelled=True))
