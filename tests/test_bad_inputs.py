@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from shardfit.cli.main import main
-from shardfit.config.schema import CHOICES, Config, LoraSettings
+from shardfit.config.schema import CHOICES, Config, LoraSettings, QLoraSettings
 from tests.helpers import write_config
 
 Case = tuple[str, Callable[[Path], list[str]], int, str]
@@ -61,7 +61,7 @@ def _raw(ws: Path, name: str, text: str | bytes) -> Path:
 
 def _schema_cases() -> list[Case]:
     cases: list[Case] = []
-    for cls, prefix in ((Config, ""), (LoraSettings, "lora.")):
+    for cls, prefix in ((Config, ""), (LoraSettings, "lora."), (QLoraSettings, "qlora.")):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             name, meta, hint = prefix + f.name, f.metadata, hints[f.name]
@@ -92,8 +92,9 @@ def _schema_cases() -> list[Case]:
 def _key_case(name: str, value: object) -> Callable[[Path], list[str]]:
     def build(ws: Path) -> list[str]:
         keys: dict[str, object] = {}
-        if name.startswith("lora."):
-            keys["lora"] = {name.split(".")[1]: value}
+        if "." in name:
+            section, key = name.split(".")
+            keys[section] = {key: value}
         else:
             keys[name] = value
         return ["plan", str(_cfg(ws, "schema.yaml", **keys)), "--gpus", "1x24GB"]
@@ -137,7 +138,11 @@ FILE_CASES: list[Case] = [
      "file not found"),
     ("config model missing path", lambda ws: ["train", str(_cfg(ws, model=str(ws / "no-model")))], 2,
      "does not exist"),
-    ("config qlora training", lambda ws: ["train", str(_cfg(ws, method="qlora"))], 2, "qlora"),
+    ("config qlora without double quantization", lambda ws: ["train", str(_cfg(ws, method="qlora",
+                                                                              qlora={"double_quant": False}))], 2,
+     "'qlora.double_quant' is false"),
+    ("config qlora not a mapping", lambda ws: ["train", str(_cfg(ws, method="qlora", qlora="nf4"))], 2,
+     "'qlora' must be a mapping"),
 ]
 
 # ---- 3. --set overrides ------------------------------------------------------------------------------------------

@@ -144,14 +144,6 @@ def test_resume_never_starts_over_and_bad_resume_path(tmp_path: Path, tiny_llama
     assert r.returncode == 2 and "'resume'" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_qlora_is_refused_not_silently_lora(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    """QLoRA needs bitsandbytes on CUDA and is not implemented: training it must fail clearly (exit 2), not train
-    plain LoRA under the QLoRA name."""
-    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, small_data, method="qlora", max_steps=1)))
-    assert r.returncode == 2 and "'method: qlora' cannot be trained" in r.stderr and "Traceback" not in r.stderr
-    assert not (tmp_path / "run" / "adapter").exists()
-
-
 @pytest.mark.parametrize("grad_ckpt", ["none", "full", "selective"])
 def test_compiled_blocks_train_like_eager(tmp_path: Path, tiny_qwen2: Path, small_data: Path, grad_ckpt: str) -> None:
     """compile: true changes how the step runs, not what it computes: same losses, same adapter, same outputs."""
