@@ -21,6 +21,10 @@ COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cm
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # examples keep their lines
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> None:  # argparse exits 2 too, but we want one style of message
         self.print_usage(sys.stderr)
         print(f"shardfit: error: {message}", file=sys.stderr)
@@ -37,10 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging() -> None:
+    """shardfit's own messages from INFO on stderr; other libraries' only from WARNING (matplotlib's font cache and
+    the like are not the user's business)."""
+    logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_info_only)
+
+
+def _own_info_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] == "shardfit"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
+    configure_logging()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from shardfit.check.config_rules import device_map_rules
 from shardfit.check.findings import refuse_unfixable
@@ -39,6 +40,23 @@ def _refuse_before_launch(cfg: Config, world: int) -> None:
         raise UserError(f"strategy: {s.name} splits one process's model over its local GPUs and cannot run on "
                         f"{world} ranks. Drop --nproc/--nnodes to run it in one process, or use --set strategy=zero3.")
     refuse_unfixable(device_map_rules(cfg, s, world))
+
+
+def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
+    """The last lines of a run: what it reached, where the result is, and what to do with it."""
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    out = [f"done: {s['steps']} steps; train loss {num(s['train_loss'], '.4f')}, eval loss "
+           f"{num(s['eval_loss'], '.4f')}; {num(s.get('tokens_per_s'), ',.0f')} tokens/s training "
+           f"({num(s.get('process_tokens_per_s'), ',.0f')} over the whole run, loading included)"]
+    if (run_dir / "adapter").is_dir():
+        out += [f"adapter: {run_dir / 'adapter'}  (peft: PeftModel.from_pretrained(base_model, that folder))",
+                f"merge it into a plain model folder: shardfit export {run_dir} --merge"]
+    elif (run_dir / "model").is_dir():
+        out.append(f"model: {run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained(that folder))")
+    out.append(f"metrics: {run_dir / 'metrics.jsonl'}, summary: {run_dir / 'summary.json'}")
+    return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
             result = train(cfg, env)
             if env.is_main:
-                s = result.summary
-                print(f"done: {s['steps']} steps, train loss {s['train_loss']}, eval loss {s['eval_loss']}, "
-                      f"{s['tokens_per_s']} tokens/s; outputs in {result.run_dir}")
+                print(finished_lines(result.summary, result.run_dir, cfg))
         ok = True
     finally:
         shutdown(env, ok)

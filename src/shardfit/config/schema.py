@@ -55,7 +55,8 @@ class Config:
                                  "units), else fp16 on GPUs and fp32 on CPUs")
     max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
     packing: bool = key(True, "several examples per row, attention kept within each example")
-    micro_batch: int = key(4, "rows per rank per forward pass", ge=1)
+    micro_batch: int = key(4, "rows per rank per forward pass; one optimizer step takes micro_batch x grad_accum x "
+                              "ranks rows (more ranks: more rows per step, fewer steps)", ge=1)
     grad_accum: int = key(1, "micro-batches per optimizer step", ge=1)
     lr: float = key(2.0e-4, "peak learning rate (AdamW)", gt=0)
     warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay", ge=0,

@@ -32,8 +32,14 @@ def gather_full_state(wrapped: nn.Module, trainable_only: bool) -> dict[str, tor
 
 
 def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Path, env: DistEnv,
-               is_lora: bool) -> Path:
-    """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks."""
+               is_lora: bool, base_name: str | None = None) -> Path:
+    """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks.
+
+    An adapter names its base as the config did (`base_name`: a hub id or a local folder), not the folder the
+    weights were read from: for a model bundled as GGUF that folder is not a model `from_pretrained` can load."""
+    if is_lora and base_name:
+        for peft_config in getattr(model, "peft_config", {}).values():
+            peft_config.base_model_name_or_path = base_name
     sd = gather_full_state(wrapped, trainable_only=is_lora)
     if not is_lora:
         sd = _drop_tied_copies(model, sd)
@@ -78,4 +84,16 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
     out_dir.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(out_dir), safe_serialization=True)
     load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def export_base(model: str, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> Path:
+    """Write a model that loads only through shardfit (a GGUF file, a model bundled as GGUF) as a plain Hugging Face
+    folder, once: configs can then name that folder, and adapters trained on it name a base anyone can load."""
+    cfg = Config(model=model, method="full", precision="fp32", trust_remote_code=trust_remote_code)
+    base = build_model(cfg, "single", weights=True).to(dtype)
+    base.config.use_cache = True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base.save_pretrained(str(out_dir), safe_serialization=True)
+    load_tokenizer(resolve_model(model), trust_remote_code).save_pretrained(str(out_dir))
     return out_dir

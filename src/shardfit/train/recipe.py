@@ -85,6 +85,12 @@ def report_findings(findings: list[Finding], env: DistEnv) -> None:
     refuse_unfixable(findings)
 
 
+def base_reference(model: str) -> str:
+    """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else model
+
+
 def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
     """Training rows: packed several examples to a row, or one example per row."""
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
@@ -101,6 +107,7 @@ class FineTune:
         self.t_start = time.perf_counter()
         self.lock: RunLock | None = None
         self.finished = False
+        self.fit_s, self.fit_tokens = 0.0, 0
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -185,8 +192,7 @@ class FineTune:
     def _setup_optimizer(self) -> None:
         cfg, env = self.cfg, self.env
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
-        # Sharded parameters are a 1/world slice on each rank: count the whole.
-        self.n_trainable = sum(p.numel() for p in self.params) * (env.world if self.strategy.sharded else 1)
+        self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.batches = BatchSchedule(self.rows, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed)
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
@@ -220,10 +226,13 @@ class FineTune:
              "findings": [f.to_json() for f in self.findings]}, indent=2))
         if not self.quiet:
             cfg, stats = self.cfg, self.data_stats
+            world = self.env.world
             print(f"shardfit: {self.n_examples} examples -> {len(self.rows)} rows of <= {cfg.max_seq_len} tokens "
                   f"({'packed' if cfg.packing else 'unpacked'}), {self.n_eval} eval; strategy {self.strategy.name} "
-                  f"on {self.env.world} x {self.env.device.type}; {self.n_trainable:,} trainable params; "
-                  f"{self.total_steps} steps" + (f"; {stats.describe()}" if stats.describe() else ""))
+                  f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
+                  f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
+                  f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
+                  + (f"; {stats.describe()}" if stats.describe() else ""))
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -238,6 +247,7 @@ class FineTune:
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, width=self.width,
                                    every=cfg.eval_steps, total_steps=self.total_steps)
         self.loss_module.train()
+        t_fit, tokens_before = time.perf_counter(), self.tokens
         for step in range(self.start_step, self.total_steps):
             rows = self.batches.step(step)
             grad_norm = self.train_step(step, rows)
@@ -248,6 +258,7 @@ class FineTune:
             self.evaluator.maybe_run(done)
             self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         self.logger.close()
+        self.fit_s, self.fit_tokens = time.perf_counter() - t_fit, self.tokens - tokens_before
 
     def train_step(self, step: int, rows: StepRows) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
@@ -292,10 +303,13 @@ class FineTune:
         eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
         self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                   is_lora=self.cfg.method in ("lora", "qlora"))
+                   is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
-                   "eval_loss": eval_loss, "tokens_per_s": round(self.tokens / wall, 2) if wall > 0 else None,
+                   "eval_loss": eval_loss,
+                   # Training steps only, as the progress bar shows it; the whole process (loading included) beside.
+                   "tokens_per_s": round(self.fit_tokens / self.fit_s, 2) if self.fit_s > 0 else None,
+                   "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
