@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
+from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import load_config
-from shardfit.errors import UserError
 from shardfit.strategy import get as get_strategy
 
 EXAMPLE = "example: shardfit train my.yaml --set lr=1e-4 --nproc 2"
@@ -18,12 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="YAML config; omit for the built-in demo")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set lr=1e-4 --set lora.rank=16")
-    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default: all GPUs; 1 on CPU)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default=None)
-    p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--rdzv-endpoint", default=None, help="host:port of a c10d rendezvous (elastic multi-node)")
+    add_launch_flags(p)
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank dies")
     p.set_defaults(func=run)
 
@@ -44,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}.")
+    check_launch_flags(args, nproc)
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
         if args.config:
             _validate_before_launch(args, nproc * args.nnodes)
