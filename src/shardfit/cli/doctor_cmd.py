@@ -12,10 +12,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from shardfit.check.findings import Finding
 from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import load_config
+from shardfit.doctor.launch import Launch, failure_findings, launch_rules
+from shardfit.doctor.report import Report, format_text
 from shardfit.errors import UserError
 
 EXAMPLE = """examples:
@@ -60,9 +65,8 @@ def parse_sizes(text: str | None) -> list[int] | None:
     return out
 
 
-def _options(args: argparse.Namespace):  # -> ProbeOptions (torch is imported only once a launch is valid)
-    from shardfit.doctor.probe import ProbeOptions
-
+def _options(args: argparse.Namespace) -> dict:
+    """The probe's options from the flags and the config (torch-free: ProbeOptions takes them on the ranks)."""
     if args.iters < 1:
         raise UserError(f"--iters must be at least 1, got {args.iters}.")
     if args.timeout <= 0 or args.peer_wait < 0:
@@ -70,30 +74,34 @@ def _options(args: argparse.Namespace):  # -> ProbeOptions (torch is imported on
     output_dir = args.output_dir
     if output_dir is None and args.config is not None:
         output_dir = load_config(args.config, args.overrides, check_files=False).output_dir
-    return ProbeOptions(output_dir=output_dir, sizes=parse_sizes(args.sizes), iters=args.iters,
-                        timeout_s=args.timeout, peer_wait_s=args.peer_wait)
+    return dict(output_dir=output_dir, sizes=parse_sizes(args.sizes), iters=args.iters, timeout_s=args.timeout,
+                peer_wait_s=args.peer_wait)
 
 
-def _print(report, as_json: bool) -> None:
-    from shardfit.doctor.report import format_text
-
+def _print(report: Report, as_json: bool) -> None:
     print(json.dumps(report.to_json(), indent=2) if as_json else format_text(report))
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardfit.doctor.launch import Launch, launch_rules
-    from shardfit.doctor.probe import run_probe
+    # torch (and the probe that uses it) only once the arguments are valid: every other command starts without it
+    from shardfit.doctor.probe import ProbeOptions, run_probe
     from shardfit.parallel.env import under_launcher
-    from shardfit.parallel.launch import default_nproc
+    from shardfit.parallel.launch import default_nproc, launch_env, torchrun_command
 
-    opts = _options(args)
+    opts = ProbeOptions(**_options(args))
     if under_launcher():
-        return _as_rank(opts, args.json)
+        return _as_rank(opts, args.json, run_probe)
     nproc = args.nproc if args.nproc is not None else default_nproc()
     check_launch_flags(args, nproc)
     launch = Launch(nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
     found = launch_rules(launch, os.environ)
-    report = run_probe(opts) if launch.world == 1 else _launch(args, launch, opts, found)
+    if launch.world == 1:
+        report = run_probe(opts)
+    else:
+        cmd = torchrun_command(_passthrough(args, opts), launch.nproc, launch.nnodes, launch.node_rank,
+                               launch.master_addr, launch.master_port, launch.rdzv_endpoint, 0,
+                               rdzv_timeout_s=max(1, round(opts.timeout_s)))
+        report = _launch(cmd, launch_env, launch, opts, found)
     rank_rules = {f.rule for f in report.findings}
     report.findings = [f for f in found if not (f.rule in rank_rules and f.severity != "error")] + report.findings
     report.launch = launch.to_json()
@@ -101,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _as_rank(opts, as_json: bool) -> int:
+def _as_rank(opts: Any, as_json: bool, run_probe: Callable[[Any], Report]) -> int:
     """One rank of a doctor launch: ours (the report goes to the launching process) or the user's own torchrun
     (rank 0 prints it)."""
-    from shardfit.doctor.probe import ProbeError, run_probe
+    from shardfit.doctor.probe import ProbeError  # torch: see run()
 
     out = os.environ.get(OUT_ENV)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -140,22 +148,21 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _launch(args: argparse.Namespace, launch, opts, found):  # -> Report
-    from shardfit.check.findings import Finding
-    from shardfit.doctor.launch import failure_findings
-    from shardfit.doctor.report import Report
-    from shardfit.parallel.launch import launch_env, torchrun_command
-
-    passthrough = ["doctor"] + ([args.config] if args.config else [])
+def _passthrough(args: argparse.Namespace, opts: Any) -> list[str]:
+    """`doctor` and its options as the ranks receive them (the launch flags stay with torchrun)."""
+    out = ["doctor"] + ([args.config] if args.config else [])
     for item in args.overrides:
-        passthrough += ["--set", item]
+        out += ["--set", item]
     if opts.output_dir is not None:
-        passthrough += ["--output-dir", str(opts.output_dir)]
+        out += ["--output-dir", str(opts.output_dir)]
     if args.sizes:
-        passthrough += ["--sizes", args.sizes]
-    passthrough += ["--iters", str(opts.iters), "--timeout", str(opts.timeout_s), "--peer-wait", str(opts.peer_wait_s)]
-    cmd = torchrun_command(passthrough, launch.nproc, launch.nnodes, launch.node_rank, launch.master_addr,
-                           launch.master_port, launch.rdzv_endpoint, 0, rdzv_timeout_s=max(1, round(opts.timeout_s)))
+        out += ["--sizes", args.sizes]
+    return out + ["--iters", str(opts.iters), "--timeout", str(opts.timeout_s), "--peer-wait", str(opts.peer_wait_s)]
+
+
+def _launch(cmd: list[str], launch_env: Callable[[dict[str, str]], dict[str, str]], launch: Launch, opts: Any,
+            found: list[Finding]) -> Report:
+    """Run torchrun (bounded), and return the ranks' report, or findings that say why none came back."""
     # Rendezvous, connecting, timing and watching for peers are each bounded; past this, something else is stuck.
     deadline = 4 * opts.timeout_s + opts.peer_wait_s + 120
     with tempfile.TemporaryDirectory(prefix="shardfit-doctor-") as tmp:
