@@ -37,6 +37,8 @@ def _validate_before_launch(args: argparse.Namespace, world: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardfit.parallel.env import init_distributed, shutdown, under_launcher  # torch: only to train
     from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
+    from shardfit.parallel.sidechannel import SideChannel
+    from shardfit.parallel.watchdog import Watchdog
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
     check_launch_flags(args, nproc)
@@ -54,21 +56,29 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed()
     if not env.is_main:
         logging.getLogger("shardfit").setLevel(logging.ERROR)
+    # Started before anything can fail: a rank that fails in setup must not leave the others in a collective.
+    watchdog = Watchdog(env, SideChannel.connect(env.rank, env.world)).start()
     ok = False
     try:
         if args.config is None:
             from shardfit.demo.run import run_demo
 
-            run_demo(env, args.overrides)
+            run_demo(env, args.overrides, watchdog=watchdog)
         else:
             from shardfit.train.recipe import train
 
-            result = train(load_config(args.config, args.overrides), env)
+            result = train(load_config(args.config, args.overrides), env, watchdog=watchdog)
             if env.is_main:
                 s = result.summary
                 print(f"done: {s['steps']} steps, train loss {s['train_loss']}, eval loss {s['eval_loss']}, "
                       f"{s['tokens_per_s']} tokens/s; outputs in {result.run_dir}")
         ok = True
+    except BaseException as e:
+        instead = watchdog.failed(e)  # tells the other ranks; names the rank that failed first, if another did
+        if instead is e:
+            raise
+        raise instead from e
     finally:
+        watchdog.stop()
         shutdown(env, ok)
     return 0

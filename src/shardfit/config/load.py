@@ -204,6 +204,10 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         fail("warmup_ratio", f"must be in [0, 1), got {cfg.warmup_ratio}.")
     if cfg.lr <= 0:
         fail("lr", f"must be positive, got {cfg.lr}.")
+    if cfg.watchdog_factor < 0:
+        fail("watchdog_factor", f"must be 0 (off) or positive, got {cfg.watchdog_factor}.")
+    if cfg.watchdog_min_s <= 0:
+        fail("watchdog_min_s", f"must be positive seconds, got {cfg.watchdog_min_s}.")
     if cfg.lora.rank < 1:
         fail("lora.rank", f"must be at least 1, got {cfg.lora.rank}.")
     if cfg.method == "freeze" and not cfg.freeze_trainable:
