@@ -83,12 +83,15 @@ def _print(report: Report, as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # torch (and the probe that uses it) only once the arguments are valid: every other command starts without it
+    options = _options(args)
+    if args.nproc is not None:
+        check_launch_flags(args, args.nproc)  # bad flags fail in a blink, before torch loads
+    # torch (and the probe that uses it) only from here: every other command starts without it
     from shardfit.doctor.probe import ProbeOptions, run_probe
     from shardfit.parallel.env import under_launcher
     from shardfit.parallel.launch import default_nproc, launch_env, torchrun_command
 
-    opts = ProbeOptions(**_options(args))
+    opts = ProbeOptions(**options)
     if under_launcher():
         return _as_rank(opts, args.json, run_probe)
     nproc = args.nproc if args.nproc is not None else default_nproc()
