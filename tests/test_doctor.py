@@ -20,7 +20,7 @@ from shardfit.doctor.peers import GroupRecord, alone_findings, others, write
 from shardfit.doctor.report import Report, Timing, format_text
 from shardfit.doctor.rules import GIB, MIB, rank_rules
 from shardfit.parallel.ranks import span
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, run_cli, write_config
 
 VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "driver": "570.1",
             "shardfit": "0.1.0", "transformers": "5.23.0", "peft": "0.21.2"}
@@ -119,6 +119,18 @@ def test_cpu_oversubscription_and_output_dir() -> None:
     assert rules_of(blind, None)["output_dir_unchecked"][0].severity == "info"
 
 
+def test_data_files_must_match_on_every_node() -> None:
+    same = {"data/train.jsonl": 4096}
+    assert "data_differs_between_nodes" not in rules_of([rank(0, extra={"data_files": same}),
+                                                         rank(1, "b", 1, extra={"data_files": dict(same)})])
+    found = rules_of([rank(0, extra={"data_files": same}),
+                      rank(1, "b", 1, extra={"data_files": {"data/train.jsonl": 4000}}),
+                      rank(2, "c", 2, extra={"data_files": {"data/train.jsonl": None}})])
+    (f,) = found["data_differs_between_nodes"]
+    assert f.severity == "error" and f.where == "data/train.jsonl"
+    assert "4096 bytes on rank 0 (a)" in f.message and "missing on rank 2 (c)" in f.message
+
+
 def test_launch_rules_before_any_rank_starts() -> None:
     def resolve(host: str) -> list[str]:
         if host == "nowhere":
@@ -195,14 +207,17 @@ def test_doctor_bad_arguments_exit_2(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.slow
-def test_doctor_three_ranks_on_one_host(tmp_path: Path) -> None:
-    r = run_cli("doctor", "--nproc", "3", "--sizes", "64KiB,1MiB", "--iters", "2", "--output-dir", str(tmp_path),
-                "--peer-wait", "1", "--json", env={"OMP_NUM_THREADS": "1"}, timeout=300)
+def test_doctor_three_ranks_on_one_host(tmp_path: Path, small_data: Path) -> None:
+    cfg = write_config(tmp_path / "c.yaml", model="HuggingFaceTB/SmolLM2-135M-Instruct", data=str(small_data),
+                       output_dir=str(tmp_path / "run"))
+    r = run_cli("doctor", str(cfg), "--nproc", "3", "--sizes", "64KiB,1MiB", "--iters", "2", "--peer-wait", "1",
+                "--json", env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["ok"] is True and report["world"] == 3 and report["backend"] == "gloo"
     assert [x["rank"] for x in report["ranks"]] == [0, 1, 2] and {x["device"] for x in report["ranks"]} == {"cpu"}
     assert all(x["sees_output_dir"] for x in report["ranks"])
+    assert all(x["extra"]["data_files"] == {str(small_data): small_data.stat().st_size} for x in report["ranks"])
     assert {f["severity"] for f in report["findings"]} <= {"warning", "info"}
     links = {(t["op"], t["link"], t["size"]) for t in report["links"]}
     assert links == {(op, link, size) for op in ("all_reduce", "all_gather") for link in ("all ranks", "same host")

@@ -35,7 +35,8 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="prove the ranks of a launch can talk: rank map, link bandwidth, traps",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", help="the run's YAML config: its output_dir is checked to be shared")
+    p.add_argument("config", nargs="?", help="the run's YAML config: its output_dir must be shared and its data "
+                                             "files the same on every node")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, as for train")
     add_launch_flags(p)
@@ -71,11 +72,24 @@ def _options(args: argparse.Namespace) -> dict:
         raise UserError(f"--iters must be at least 1, got {args.iters}.")
     if args.timeout <= 0 or args.peer_wait < 0:
         raise UserError("--timeout must be positive and --peer-wait at least 0.")
-    output_dir = args.output_dir
-    if output_dir is None and args.config is not None:
-        output_dir = load_config(args.config, args.overrides, check_files=False).output_dir
+    output_dir, data = args.output_dir, []
+    if args.config is not None:
+        # Files are not required here: doctor reports which node misses them.
+        cfg = load_config(args.config, args.overrides, check_files=False)
+        output_dir = output_dir or cfg.output_dir
+        for value in (cfg.data, cfg.eval_data):
+            data += [_as_train_finds(p, args.config) for p in ([value] if isinstance(value, str) else value or [])]
     return dict(output_dir=output_dir, sizes=parse_sizes(args.sizes), iters=args.iters, timeout_s=args.timeout,
-                peer_wait_s=args.peer_wait)
+                peer_wait_s=args.peer_wait, data_files=data)
+
+
+def _as_train_finds(path: str, config: str) -> str:
+    """A data path as `train` resolves it: from the working directory, else from the config's folder."""
+    p = Path(path).expanduser()
+    if p.exists() or p.is_absolute():
+        return str(p)
+    beside = Path(config).parent / p
+    return str(beside) if beside.exists() else str(p)
 
 
 def _print(report: Report, as_json: bool) -> None:

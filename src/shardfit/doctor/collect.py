@@ -107,3 +107,14 @@ def from_launcher_env() -> RankFacts:
     e = os.environ
     return collect(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)),
                    int(e.get("LOCAL_WORLD_SIZE", 1)), int(e.get("GROUP_RANK", 0)))
+
+
+def file_sizes(paths: list[str]) -> dict[str, int | None]:
+    """Size in bytes of each path as this rank sees it; None where it is missing."""
+    out: dict[str, int | None] = {}
+    for p in paths:
+        try:
+            out[p] = os.path.getsize(p)
+        except OSError:
+            out[p] = None
+    return out

@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ class ProbeOptions:
     iters: int = 5
     timeout_s: float = 60.0
     peer_wait_s: float = 5.0
+    data_files: list[str] = field(default_factory=list)  # the config's data and eval_data, checked on every rank
 
 
 class ProbeError(Exception):
@@ -76,6 +77,7 @@ def _gather(facts: RankFacts, env: DistEnv) -> list[RankFacts]:
 def run_probe(opts: ProbeOptions) -> Report:
     """The whole probe on this rank; every rank returns the same report (rank 0's)."""
     facts = collect.from_launcher_env() if under_launcher() else collect.collect()
+    facts.extra["data_files"] = collect.file_sizes(opts.data_files)
     env = DistEnv(facts.rank, facts.world, facts.local_rank, torch.device("cpu"), "gloo" if facts.world > 1 else None)
     started = time.time()
     if env.distributed:

@@ -327,9 +327,31 @@ def output_dir_rules(facts: list[RankFacts], output_dir: str | None) -> list[Fin
                     "put output_dir on a filesystem every node mounts (NFS, Lustre, a shared volume) at the same path")]
 
 
+def data_rules(facts: list[RankFacts]) -> list[Finding]:
+    """The config's data files as every rank sees them: missing on a node, or a different file there (the ranks
+    would count different steps and the first to finish would leave the others waiting in a collective)."""
+    out = []
+    paths = sorted({p for f in facts for p in f.extra.get("data_files", {})})
+    for path in paths:
+        sizes: dict[int | None, list[int]] = defaultdict(list)
+        for f in facts:
+            sizes[f.extra.get("data_files", {}).get(path)].append(f.rank)
+        if len(sizes) < 2 and None not in sizes:
+            continue
+        hosts = {f.rank: f.host for f in facts}
+        detail = "; ".join(f"{'missing' if size is None else f'{size} bytes'} on {ranks_phrase(rs)} "
+                           f"({', '.join(sorted({hosts[r] for r in rs}))})"
+                           for size, rs in sorted(sizes.items(), key=lambda x: x[1]))
+        out.append(Finding("data_differs_between_nodes", "error", path,
+                           f"the data file {path} is not the same on every rank: {detail}",
+                           "put the data on a filesystem every node mounts, or copy the same file to the same "
+                           "path on every node"))
+    return out
+
+
 def rank_rules(facts: list[RankFacts], output_dir: str | None) -> list[Finding]:
     """Every rule over the gathered facts, in the order the report shows them."""
     master = facts[0].env.get("MASTER_ADDR") if facts else None
     return (mapping_rules(facts) + topology_rules(facts, master) + hostname_rules(facts) + version_rules(facts)
             + shm_rules(facts) + nccl_env_rules(facts) + memlock_rules(facts) + env_consistency_rules(facts)
-            + cpu_rules(facts) + output_dir_rules(facts, output_dir))
+            + cpu_rules(facts) + output_dir_rules(facts, output_dir) + data_rules(facts))

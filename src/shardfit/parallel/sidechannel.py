@@ -30,7 +30,7 @@ class SideChannel:
         self._lock = threading.Lock()  # the main thread (failure) and the watchdog thread share the connection
 
     @classmethod
-    def connect(cls, rank: int, world: int, timeout_s: float = 30.0) -> SideChannel | None:
+    def connect(cls, rank: int, world: int, timeout_s: float = 10.0) -> SideChannel | None:
         """A client of the rendezvous store torchrun (or rank 0) serves at MASTER_ADDR:MASTER_PORT; None when
         there is none to reach (a single process, or a launcher without one)."""
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

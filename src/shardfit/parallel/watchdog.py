@@ -66,7 +66,7 @@ class Watchdog:
     """The watchdog of this rank. The training loop marks phases (`phase`) and places within them (`at`);
     `start` runs the thread. Unstarted, it only records (library use, tests)."""
 
-    def __init__(self, env: DistEnv, side: SideChannel | None, *, poll_s: float = 0.25, side_poll_s: float = 1.0,
+    def __init__(self, env: DistEnv, side: SideChannel | None, *, poll_s: float = 0.25, side_poll_s: float = 2.0,
                  answer_wait_s: float = 15.0, stream: TextIO | None = None):
         self.env, self.side = env, side
         self.poll_s, self.side_poll_s, self.answer_wait_s = poll_s, side_poll_s, answer_wait_s
