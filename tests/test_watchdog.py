@@ -208,6 +208,17 @@ def test_failing_rank_stops_the_others_with_its_error(two_ranks) -> None:
         consequence) and "Connection closed by peer" in str(consequence)
 
 
+def test_rank_whose_request_goes_unanswered_reports_itself(two_ranks, tmp_path: Path) -> None:
+    r0, r1 = two_ranks  # rank 0's watchdog never runs: as if rank 0 were stuck in native code holding the GIL
+    r1.answer_wait_s = 0.2
+    r1.start()
+    with r1.phase("step 7", step=True):
+        r1.at("backward")
+        assert _until(lambda: "opened no report" in r1.stream.getvalue(), 10)
+    assert "this rank is in the backward (step 7;" in r1.stream.getvalue()
+    assert (tmp_path / "watchdog" / "event-rank1-alone" / "rank-1.txt").is_file()
+
+
 def test_slow_phase_that_ends_is_not_aborted(tmp_path: Path) -> None:
     wd = _Rank(DistEnv(0, 1, 0, torch.device("cpu"), None), None)
     wd.configure(tmp_path, WatchdogSettings(factor=5, min_s=0.2, action="abort"))

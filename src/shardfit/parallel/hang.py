@@ -50,10 +50,18 @@ class RankState:
         bits = [b for b in (self.where, self.phase) if b]
         return ", ".join(bits)
 
+    def place(self) -> str:
+        """"in all_reduce #41", "in the data loader", "in evaluation after step 10", or outside the loop."""
+        coll = self.in_collective()
+        if coll:
+            return f"in {coll}"
+        if self.where:
+            return f"in the {self.where}"
+        return f"in {self.phase}" if self.phase else "outside the training loop (setup or teardown)"
+
     def doing(self) -> str:
         """What this rank is doing, for the stuck rank's sentence."""
-        coll = self.in_collective()
-        place = f"in {coll}" if coll else f"in the {self.where}" if self.where else "outside the training loop"
+        place = self.place()
         details = [d for d in (self.phase, f"{self.phase_s:.1f} s" if self.phase_s is not None else None,
                                self.frame) if d]
         return place + (f" ({'; '.join(details)})" if details else "")
@@ -89,7 +97,7 @@ def _waiting_phrase(ranks: list[int], states: dict[int, RankState]) -> str:
     for r in ranks:
         s = states[r]
         coll = s.in_collective()
-        what = f"wait in {coll}" if coll else f"are in the {s.where}" if s.where else "are outside any phase"
+        what = f"wait in {coll}" if coll else f"are {s.place()}"
         ctx = s.context()
         by_what[what + (f" ({ctx})" if ctx else "")].append(r)
     parts = []

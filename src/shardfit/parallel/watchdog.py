@@ -79,9 +79,11 @@ class Watchdog:
         self._steps: deque[float] = deque(maxlen=self.settings.window)
         self._answered = 0
         self._pokes_seen = 0
+        self._poked: tuple[float, int] | None = None  # when this rank asked rank 0 for an event, and the last answered
         self._next_side = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fr: dict[str, Any] = {}
         self.events: list[HangSummary] = []  # rank 0: what it printed (tests and the summary file read these)
 
     # -- main thread ---------------------------------------------------------------------------------------------
@@ -100,10 +102,10 @@ class Watchdog:
             self._thread.join(timeout=self.answer_wait_s + 5)
 
     @contextlib.contextmanager
-    def phase(self, name: str, *, step: bool = False) -> Iterator[None]:
+    def phase(self, name: str, *, step: bool = False, where: str | None = None) -> Iterator[None]:
         """Time a phase of the loop; `step` phases feed the median that sets the threshold."""
         p = _Phase(name, time.monotonic(), step)
-        self._phase, self._where = p, None
+        self._phase, self._where = p, where
         try:
             yield
         finally:
@@ -171,44 +173,62 @@ class Watchdog:
                 if pokes > self._pokes_seen:
                     self._pokes_seen = pokes
                     self._event()
+            else:
+                self._rank0_silent(now)
         p = self._phase
         if p is None or p.fired or not self.settings.enabled or now - p.t0 <= self.threshold():
             return
         p.fired = True
         if self.side is not None and not self.env.is_main:
             self.side.poke()  # rank 0 opens the event; this rank answers it at its next poll
+            self._poked = (now, self._answered)
         else:
             self._event()
+
+    def _rank0_silent(self, now: float) -> None:
+        """This rank asked for an event and rank 0 never opened one (rank 0 dead, or stuck holding the Python
+        lock): write this rank's own state, and say so once per node."""
+        if self._poked is None or self._answered > self._poked[1]:
+            self._poked = None
+            return
+        if now - self._poked[0] < self.answer_wait_s + 2 * self.side_poll_s:
+            return
+        self._poked = None
+        state = self._answer(f"rank{self.env.rank}-alone", post=False)
+        if self.env.local_rank == 0:
+            print(f"shardfit: watchdog (rank {self.env.rank}): rank 0 opened no report within "
+                  f"{self.answer_wait_s + 2 * self.side_poll_s:.0f} s (it may be the stuck one); this rank is "
+                  f"{state.doing()}", file=self.stream, flush=True)
 
     def state(self) -> RankState:
         """This rank, now: phase, place, collective (stack and flight recorder)."""
         p = self._phase
         where = where_is(main_thread_frame())
-        fr = flight_recorder() or {}
+        self._fr = fr = flight_recorder() or {}
         return RankState(self.env.rank, self.host, os.getpid(), p.name if p else None, self._where,
                          round(time.monotonic() - p.t0, 1) if p else None, where.collective, where.frame,
                          fr.get("pending", []), fr.get("enqueued", {}))
 
-    def _folder(self, event: int) -> Path | None:
+    def _folder(self, event: int | str) -> Path | None:
         if self.run_dir is None:
             return None
         folder = self.run_dir / "watchdog" / f"event-{event}"
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
-    def _answer(self, event: int) -> RankState:
+    def _answer(self, event: int | str, post: bool = True) -> RankState:
         """Write this rank's stacks and state for `event` into the run directory and post the state."""
-        self._answered = event
+        if isinstance(event, int):
+            self._answered = event
         state = self.state()
         folder = self._folder(event)
         if folder is not None:
-            fr = flight_recorder()
             lines = [f"rank {state.rank} of {self.env.world} on {state.host} (pid {state.pid})",
                      f"phase: {state.phase or '-'}; where: {state.where or '-'}; {state.phase_s or 0:.1f} s in it",
                      f"collective (stack): {state.collective or 'none'}",
-                     f"flight recorder: {json.dumps(fr) if fr else 'not available'}", "", all_stacks()]
+                     f"flight recorder: {json.dumps(self._fr) if self._fr else 'not available'}", "", all_stacks()]
             (folder / f"rank-{state.rank}.txt").write_text("\n".join(lines) + "\n")
-        if self.side is not None:
+        if post and self.side is not None and isinstance(event, int):
             self.side.post_state(event, state.to_json())
         return state
 

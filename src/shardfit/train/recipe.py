@@ -237,9 +237,9 @@ class FineTune:
                 wd.at("metrics (loss all-reduce)")
                 self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
                                      self.lr_schedule.get_last_lr()[0])
-            with wd.phase(f"evaluation after step {done}"):
+            with wd.phase(f"evaluation after step {done}", where="evaluation"):
                 self.evaluator.maybe_run(done)
-            with wd.phase(f"checkpoint save at step {done}"):
+            with wd.phase(f"checkpoint save at step {done}", where="checkpoint save"):
                 self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         self.logger.close()
 
@@ -269,11 +269,11 @@ class FineTune:
     def finish(self) -> TrainResult:
         """Final evaluation and checkpoint, the adapter or model folder, and summary.json."""
         env, wd = self.env, self.wd
-        with wd.phase("final evaluation"):
+        with wd.phase("final evaluation", where="evaluation"):
             eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
-        with wd.phase("final checkpoint save"):
+        with wd.phase("final checkpoint save", where="checkpoint save"):
             self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
-        with wd.phase("saving the adapter or model"):
+        with wd.phase("saving the adapter or model", where="final save"):
             save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
                        is_lora=self.cfg.method in ("lora", "qlora"))
         wall = time.perf_counter() - self.t_start
