@@ -256,3 +256,10 @@ def test_doctor_two_nodes_without_shared_output_dir(tmp_path: Path) -> None:
         assert rules["nodes_share_host"]["severity"] == "warning"
         assert rules["master_addr_loopback"]["severity"] == "warning"  # loopback works here: both nodes are this host
         assert {t["link"] for t in report["links"]} == {"all ranks"}
+
+
+def test_train_warns_of_the_same_launch_traps(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                               tmp_path: Path) -> None:
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    assert main(["train", str(tmp_path / "missing.yaml"), "--nproc", "1"]) == 2  # the config error still decides
+    assert "nodes_train_alone" in caplog.text and "shardfit doctor" in caplog.text

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import load_config
+from shardfit.doctor.launch import Launch, launch_rules
 from shardfit.strategy import get as get_strategy
 
+log = logging.getLogger("shardfit")
 EXAMPLE = "example: shardfit train my.yaml --set lr=1e-4 --nproc 2"
 
 
@@ -34,6 +37,14 @@ def _validate_before_launch(args: argparse.Namespace, world: int) -> None:
     refuse_unfixable(device_map_rules(cfg, get_strategy("single" if cfg.strategy == "auto" else cfg.strategy), world))
 
 
+def _warn_launch_traps(args: argparse.Namespace, nproc: int) -> None:
+    """The launch mistakes `doctor` finds before any rank starts (a loopback master address on several nodes, a
+    job system with more nodes than this launch), as warnings: `shardfit doctor` says more."""
+    launch = Launch(nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
+    for f in launch_rules(launch, os.environ):
+        log.warning("%s: %s. Fix: %s (check the launch with `shardfit doctor`, same flags)", f.rule, f.message, f.fix)
+
+
 def run(args: argparse.Namespace) -> int:
     from shardfit.parallel.env import init_distributed, shutdown, under_launcher  # torch: only to train
     from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
@@ -42,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
     check_launch_flags(args, nproc)
+    if not under_launcher():
+        _warn_launch_traps(args, nproc)
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
         if args.config:
             _validate_before_launch(args, nproc * args.nnodes)
