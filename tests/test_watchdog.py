@@ -83,6 +83,8 @@ def test_summary_without_flight_recorder_and_other_verdicts() -> None:
     assert stalled.verdict == "collective_stalled" and "shardfit doctor" in stalled.headline
     slow = summarize({0: state(0, "forward", enqueued=None), 1: state(1, "forward", enqueued=None)})
     assert slow.verdict == "slow_everywhere"
+    one = summarize({0: state(0, "data loader", enqueued=None)})
+    assert one.verdict == "single_rank" and one.headline.startswith("rank 0 is in the data loader (step 4;")
     silent = summarize({0: state(0, pending="all_reduce", enqueued=9), 1: None, 2: state(2, "data loader", enqueued=8)})
     assert silent.stuck == [2] and silent.silent == [1] and "rank 1 did not answer" in silent.headline
 
@@ -203,6 +205,7 @@ def test_failing_rank_stops_the_others_with_its_error(two_ranks) -> None:
     assert r1.failed(err) is err  # the first failure is raised as it is, and posted
     assert _until(lambda: r0.exits, 10)
     assert "rank 0: stopping because rank 1 on" in r0.stream.getvalue() and "CUDA out of memory" in r0.stream.getvalue()
+    assert r0.failed(err) is err  # the same error on this rank too: raised as it is
     consequence = r0.failed(RuntimeError("Connection closed by peer [127.0.0.1]:4242"))
     assert isinstance(consequence, PeerFailure) and "rank 1 on" in str(consequence) and "failed first" in str(
         consequence) and "Connection closed by peer" in str(consequence)

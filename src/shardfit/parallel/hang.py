@@ -74,6 +74,7 @@ class HangSummary:
     waiting: list[int]
     silent: list[int]
     verdict: str  # behind | not_in_collective | mismatched_collectives | collective_stalled | slow_everywhere
+    # | single_rank | silent
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +116,9 @@ def summarize(states: dict[int, RankState | None]) -> HangSummary:
                   "lock)") if silent else ""
     if not live:
         return HangSummary("no rank answered" + silent_txt, [], [], silent, "silent")
+    if len(states) == 1:
+        (r, s), = live.items()
+        return HangSummary(f"rank {r} is {s.doing()}", [r], [], [], "single_rank")
     behind = _behind(live)
     in_coll = [r for r, s in live.items() if s.in_collective()]
     if behind:

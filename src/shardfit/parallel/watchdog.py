@@ -140,11 +140,13 @@ class Watchdog:
                 return exc
         except (RuntimeError, OSError):  # the store is gone (its host died): nothing more to learn from it
             return exc
-        return self._peer_error(first, text)
+        return self._peer_error(first, text, exc)
 
-    def _peer_error(self, first: dict[str, Any], own: str) -> BaseException:
+    def _peer_error(self, first: dict[str, Any], own: str, exc: BaseException) -> BaseException:
         if self.env.local_rank != 0:
             return SystemExit(1)  # one message per node, not one per rank
+        if first["message"] == own[:2000]:
+            return exc  # the same error on every rank (a bad config row, say): nothing to point at
         return PeerFailure(f"rank {first['rank']} on {first['host']} failed first: {first['message']}\n"
                            f"(rank {self.env.rank} stopped because of it; its own error was {own[:300]})")
 
