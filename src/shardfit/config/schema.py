@@ -13,6 +13,7 @@ PRECISIONS = ("bf16", "fp16", "fp32", "auto")
 GRAD_CKPT = ("none", "full", "selective")
 BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+WATCHDOG_ACTIONS = ("wait", "abort")
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None,
@@ -74,6 +75,14 @@ class Config:
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
     eval_steps: int = key(200, "steps between evaluations (and one at the end)", ge=1)
     log_steps: int = key(10, "steps between lines of metrics.jsonl", ge=1)
+    watchdog_factor: float = key(10.0, "the watchdog fires when a step, an evaluation or a checkpoint save runs "
+                                       "longer than this many times the median of the last 20 steps (and "
+                                       "watchdog_min_s): every rank writes its stacks to output_dir/watchdog/ and "
+                                       "rank 0 names the stuck rank; 0 turns it off", ge=0)
+    watchdog_min_s: float = key(300.0, "seconds any phase may take before the watchdog fires (covers the first "
+                                       "step, long evaluations and saves)", gt=0)
+    watchdog_action: str = key("wait", "after a watchdog report: wait (keep waiting for the phase) | abort (stop "
+                                       "every rank, exit 1)")
     seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters", ge=0)
     output_dir: str = key("runs/demo", "the run directory", nonempty=True)
     resume: str = key("auto", "auto (the newest intact checkpoint of this run in output_dir) | never (start over in "
@@ -104,4 +113,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
+    "watchdog_action": WATCHDOG_ACTIONS,
 }

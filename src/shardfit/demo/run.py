@@ -13,6 +13,7 @@ from shardfit.demo.evaluate import accuracy, generate_answers, report
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv, resolve_precision
+from shardfit.parallel.watchdog import Watchdog
 from shardfit.train.recipe import train
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -22,7 +23,7 @@ def demo_config_path() -> Path:
     return DEMO_DIR / "demo.yaml"
 
 
-def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
+def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | None = None) -> dict:
     """Evaluate the base model, fine-tune it, evaluate again; print the table and return the numbers."""
     t0 = time.perf_counter()
     cfg = load_config(demo_config_path(), overrides)
@@ -37,7 +38,7 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
     before = generate_answers(model, tok, heldout) if env.is_main else []
     if env.is_main:
         print(f"base model: {accuracy(before):.1%} exact match before training")
-    result = train(cfg, env, model=model, tokenizer=tok)
+    result = train(cfg, env, model=model, tokenizer=tok, watchdog=watchdog)
     if not env.is_main:
         return {}
     tuned = result.model.to(env.device)

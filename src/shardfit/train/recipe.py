@@ -32,9 +32,12 @@ from shardfit.errors import JobFailed, UserError
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
+from shardfit.parallel import faults
+from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import parallelize, set_grad_sync
+from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom
 from shardfit.plan.hardware import job_hardware
 from shardfit.plan.plan import Plan
@@ -98,16 +101,19 @@ def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
 
 class FineTune:
     """One fine-tune of `cfg` on this process's share of the work. `model`/`tokenizer`, when given, are the
-    config's model as `build_model` made it (the demo evaluates the base model before training)."""
+    config's model as `build_model` made it (the demo evaluates the base model before training). `watchdog`, when
+    given, is the rank's running watchdog (train_cmd starts it); without one the phases are only recorded."""
 
     def __init__(self, cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 plan: Plan | None = None, quiet: bool = False):
+                 plan: Plan | None = None, quiet: bool = False, watchdog: Watchdog | None = None):
         self.cfg, self.env, self.model, self.tokenizer, self.plan, self.quiet = cfg, env, model, tokenizer, plan, quiet
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
         self.lock: RunLock | None = None
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
+        self.wd = watchdog or Watchdog(env, None)
+        self.fault = faults.from_env()
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -196,6 +202,11 @@ class FineTune:
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.batches = BatchSchedule(self.rows, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed)
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
+        # Every rank reads the whole data set, so these match unless the nodes read different files.
+        require_same(env, {"train_rows": len(self.rows), "eval_rows": len(self.eval_rows),
+                           "steps": self.total_steps}, "the training work",
+                     "The data files differ between nodes: put the same data on every node (a shared filesystem, "
+                     "or identical copies at the same path).")
         self.lr_schedule = cosine_with_warmup(self.optimizer, int(cfg.warmup_ratio * self.total_steps),
                                               self.total_steps)
 
@@ -237,9 +248,10 @@ class FineTune:
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
         """One optimizer step per iteration; logging, evaluation and checkpoints keep their own cadence."""
-        cfg, env = self.cfg, self.env
+        cfg, env, wd = self.cfg, self.env, self.wd
         if self.finished:
             return
+        wd.configure(self.run_dir, WatchdogSettings(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_action))
         self.metrics = MetricsLog(self.run_dir, env)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
@@ -249,14 +261,20 @@ class FineTune:
         self.loss_module.train()
         t_fit, tokens_before = time.perf_counter(), self.tokens
         for step in range(self.start_step, self.total_steps):
-            rows = self.batches.step(step)
-            grad_norm = self.train_step(step, rows)
-            self.tokens += rows.global_tokens
             done = step + 1
-            self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
-                                 self.lr_schedule.get_last_lr()[0])
-            self.evaluator.maybe_run(done)
-            self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+            with wd.phase(f"step {done}", step=True):
+                wd.at("data loader")
+                faults.inject(self.fault, env.rank, done)
+                rows = self.batches.step(step)
+                grad_norm = self.train_step(step, rows)
+                self.tokens += rows.global_tokens
+                wd.at("metrics (loss all-reduce)")
+                self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
+                                     self.lr_schedule.get_last_lr()[0])
+            with wd.phase(f"evaluation after step {done}", where="evaluation"):
+                self.evaluator.maybe_run(done)
+            with wd.phase(f"checkpoint save at step {done}", where="checkpoint save"):
+                self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         self.logger.close()
         self.fit_s, self.fit_tokens = time.perf_counter() - t_fit, self.tokens - tokens_before
 
@@ -264,13 +282,18 @@ class FineTune:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
         # Normalise by the global batch's target count: the same loss at any world size and accumulation.
         scale = self.env.world / max(rows.global_targets, 1)
+        wd = self.wd
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
+            wd.at("data loader")
             batch = collate(micro, self.pad_id, self.width).to(self.in_device)
+            wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets)
+            wd.at("backward")
             (loss_sum * scale).backward()
             self.logger.add_loss(loss_sum, rows.global_targets)
+        wd.at("optimizer step")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # FSDP2: the norm over every rank's shard, the same on all ranks
@@ -293,17 +316,20 @@ class FineTune:
     # -- finish --------------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:
         """Final evaluation and checkpoint, the adapter or model folder, and summary.json."""
-        env = self.env
+        env, wd = self.env, self.wd
         if self.finished:
             if env.is_main and not self.quiet:
                 print(f"shardfit: {self.run_dir} already finished this run (step {self.start_step}); nothing to do. "
                       "Use a new output_dir, or --set resume=never to train it again.")
             summary = json.loads((self.run_dir / "summary.json").read_text())
             return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
-        eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
-        self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
-        save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                   is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
+        with wd.phase("final evaluation", where="evaluation"):
+            eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
+        with wd.phase("final checkpoint save", where="checkpoint save"):
+            self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+        with wd.phase("saving the adapter or model", where="final save"):
+            save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
+                       is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
                    "eval_loss": eval_loss,
@@ -323,9 +349,9 @@ class FineTune:
 
 
 def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-          plan: Plan | None = None, quiet: bool = False) -> TrainResult:
+          plan: Plan | None = None, quiet: bool = False, watchdog: Watchdog | None = None) -> TrainResult:
     """Run the fine-tune `cfg` describes on this process's share of the work; returns the trained model."""
-    recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet)
+    recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet, watchdog=watchdog)
     try:
         recipe.setup()
         recipe.fit()
