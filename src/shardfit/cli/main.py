@@ -1,4 +1,4 @@
-"""`shardfit train | plan | check | diagnose | export` (docs/reference.md).
+"""`shardfit train | plan | check | diagnose | export | chat | eval | report` (docs/reference.md).
 
 User errors print one message and exit 2; nothing-fits exits 3; a failed job exits 1. No traceback for any of
 them; an unexpected exception prints a short message (its traceback with --debug or SHARDFIT_DEBUG=1).
@@ -14,10 +14,19 @@ import traceback
 from collections.abc import Sequence
 
 from shardfit import __version__
-from shardfit.cli import check_cmd, diagnose_cmd, export_cmd, plan_cmd, train_cmd
+from shardfit.cli import (
+    chat_cmd,
+    check_cmd,
+    diagnose_cmd,
+    eval_cmd,
+    export_cmd,
+    plan_cmd,
+    report_cmd,
+    train_cmd,
+)
 from shardfit.errors import ShardfitError
 
-COMMANDS = (train_cmd, plan_cmd, check_cmd, diagnose_cmd, export_cmd)
+COMMANDS = (train_cmd, plan_cmd, check_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd)
 
 
 class _Parser(argparse.ArgumentParser):

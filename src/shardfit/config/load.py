@@ -7,6 +7,7 @@ for near misses. Nothing here imports torch, so `shardfit plan`/`check` start fa
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import fields
@@ -15,7 +16,7 @@ from typing import Any, Union
 
 import yaml
 
-from shardfit.config.schema import CHOICES, Config, LoraSettings
+from shardfit.config.schema import CHOICES, REPORT_TO, Config, LoraSettings
 from shardfit.errors import UserError
 
 _HINTS = {Config: typing.get_type_hints(Config), LoraSettings: typing.get_type_hints(LoraSettings)}
@@ -192,7 +193,7 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         raise UserError(f"{loc}: '{key}' {msg}")
 
     positive = ("max_seq_len", "micro_batch", "grad_accum", "epochs", "save_steps", "eval_steps", "log_steps",
-                "loss_chunk")
+                "loss_chunk", "eval_samples", "eval_max_new_tokens")
     for key in positive:
         if getattr(cfg, key) < 1:
             fail(key, f"must be at least 1, got {getattr(cfg, key)}.")
@@ -206,10 +207,37 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         fail("lr", f"must be positive, got {cfg.lr}.")
     if cfg.lora.rank < 1:
         fail("lora.rank", f"must be at least 1, got {cfg.lora.rank}.")
+    for name in cfg.report_to:
+        if name not in REPORT_TO:
+            fail("report_to", f"has '{name}'{_suggest(name, REPORT_TO)}; choose from: {', '.join(REPORT_TO)}.")
+    if "none" in cfg.report_to and len(cfg.report_to) > 1:
+        fail("report_to", f"lists 'none' with others ({cfg.report_to}); use none alone, or leave it out.")
+    for spec in cfg.eval_metrics:
+        problem = metric_spec_problem(spec)
+        if problem:
+            fail("eval_metrics", problem)
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")
     return cfg
+
+
+def metric_spec_problem(spec: str) -> str | None:
+    """What is wrong with a generation metric spec (exact | contains | regex:PATTERN | py:FILE:FUNC), or None.
+    Only the form is checked here; a py: scorer's file and function are checked when they are loaded."""
+    if spec in ("exact", "contains"):
+        return None
+    kind, _, rest = spec.partition(":")
+    if kind == "regex" and rest:
+        try:
+            re.compile(rest)
+        except re.error as e:
+            return f"has '{spec}': not a valid regular expression ({e})."
+        return None
+    if kind == "py" and rest.rpartition(":")[0] and rest.rpartition(":")[2]:
+        return None
+    return (f"has '{spec}'{_suggest(spec, ('exact', 'contains'))}; a metric is exact, contains, regex:PATTERN "
+            "or py:FILE.py:FUNCTION.")
 
 
 def load_config(

@@ -13,6 +13,7 @@ PRECISIONS = ("bf16", "fp16", "fp32", "auto")
 GRAD_CKPT = ("none", "full", "selective")
 BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+REPORT_TO = ("auto", "none", "tensorboard", "wandb", "mlflow")
 
 
 def key(default: Any, help: str, **kw: Any) -> Any:
@@ -65,7 +66,15 @@ class Config:
     save_steps: int = key(200, "steps between resumable checkpoints")
     save_limit: int = key(3, "checkpoints kept (the newest ones)")
     eval_steps: int = key(200, "steps between evaluations (and one at the end)")
+    eval_metrics: list[str] = key(list, "generation metrics computed at every evaluation on eval_samples held-out "
+                                        "prompts: exact | contains | regex:PATTERN | py:FILE:FUNC (as `shardfit "
+                                        "eval --metric`); [] computes the loss only")
+    eval_samples: int = key(16, "held-out examples generated for eval_metrics at each evaluation")
+    eval_max_new_tokens: int = key(64, "longest answer generated for eval_metrics")
     log_steps: int = key(10, "steps between lines of metrics.jsonl")
+    report_to: list[str] = key(lambda: ["auto"], "where metrics go besides metrics.jsonl: auto (TensorBoard when "
+                                                 "installed) | none | tensorboard | wandb | mlflow, or a list")
+    run_name: str | None = key(None, "the run's name in TensorBoard, W&B and MLflow (default: output_dir's name)")
     seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters")
     output_dir: str = key("runs/demo", "the run directory")
     resume: str = key("auto", "auto (the newest checkpoint in output_dir) | never | a checkpoint path")

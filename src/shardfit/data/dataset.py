@@ -63,9 +63,8 @@ def encode_all(tokenizer: Any, conversations: list[list[dict[str, str]]], max_le
     return out
 
 
-def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[Encoded], list[Encoded], DataStats]:
-    """Train and eval examples for a config: `eval_data` if given, else `eval_split` of `data` (seeded)."""
-    stats = DataStats()
+def split_conversations(cfg: Any, stats: DataStats) -> tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]:
+    """Train and eval conversations: `eval_data` if given, else `eval_split` of `data` (seeded)."""
     train_conv = load_conversations(cfg.data, cfg.skip_bad_rows, stats)
     eval_conv: list[list[dict[str, str]]] = []
     if cfg.eval_data:
@@ -77,6 +76,15 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[list[Encoded], list[Encode
         eval_idx = set(order[:n_eval])
         eval_conv = [c for i, c in enumerate(train_conv) if i in eval_idx]
         train_conv = [c for i, c in enumerate(train_conv) if i not in eval_idx]
+    return train_conv, eval_conv
+
+
+def build_datasets(cfg: Any, tokenizer: Any, split: tuple[list, list] | None = None,
+                   stats: DataStats | None = None) -> tuple[list[Encoded], list[Encoded], DataStats]:
+    """Train and eval examples for a config (of `split`, the conversations `split_conversations` returned, when
+    given with its `stats`)."""
+    stats = stats if stats is not None else DataStats()
+    train_conv, eval_conv = split if split is not None else split_conversations(cfg, stats)
     train = encode_all(tokenizer, train_conv, cfg.max_seq_len, stats)
     evals = encode_all(tokenizer, eval_conv, cfg.max_seq_len, stats)
     if not train:

@@ -23,10 +23,13 @@ from shardfit.check.findings import Finding, is_ok
 from shardfit.check.rules import device_map_rules, placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
-from shardfit.data.dataset import build_datasets
+from shardfit.data.dataset import DataStats, build_datasets, split_conversations
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import UserError
+from shardfit.evals.scorers import parse_metrics
+from shardfit.infer.generate import Sampling
+from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer, require_method_support
 from shardfit.models.source import resolve_model
@@ -39,11 +42,12 @@ from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
 from shardfit.train.checkpoint import Checkpointer
-from shardfit.train.evaluate import Evaluator
+from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
+from shardfit.train.trackers import open_trackers, resolve_report_to
 
 log = logging.getLogger("shardfit")
 
@@ -115,6 +119,7 @@ class FineTune:
                         "precision: fp32 (or auto) trains several times faster here",
                         cpu_matmul_gflops(torch.bfloat16), cpu_matmul_gflops(torch.float32))
         require_method_support(cfg)
+        resolve_report_to(cfg.report_to)  # a tracker that is not installed stops the run now, not after the load
         if cfg.compile:
             require_compiler(env.device)
         torch.manual_seed(cfg.seed)
@@ -135,7 +140,14 @@ class FineTune:
         """Data before the model: a bad row stops the run in seconds, before a long model load."""
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(resolve_model(self.cfg.model), self.cfg.trust_remote_code)
-        train_ex, eval_ex, self.data_stats = build_datasets(self.cfg, self.tokenizer)
+        stats = DataStats()
+        train_conv, eval_conv = split_conversations(self.cfg, stats)
+        train_ex, eval_ex, self.data_stats = build_datasets(self.cfg, self.tokenizer, (train_conv, eval_conv), stats)
+        self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
+        self.eval_requests = requests_from_conversations(eval_conv, self.cfg.eval_samples) if self.scorers else []
+        if self.scorers and not self.eval_requests and self.env.is_main:
+            log.warning("eval_metrics %s: no held-out data to generate for; set eval_data or eval_split",
+                        self.cfg.eval_metrics)
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
         self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
@@ -207,12 +219,15 @@ class FineTune:
     def fit(self) -> None:
         """One optimizer step per iteration; logging, evaluation and checkpoints keep their own cadence."""
         cfg, env = self.cfg, self.env
-        self.metrics = MetricsLog(self.run_dir, env)
+        trackers = open_trackers(cfg.report_to, self.run_dir, cfg.run_name or self.run_dir.resolve().name,
+                                 cfg.to_dict()) if env.is_main else []
+        self.metrics = MetricsLog(self.run_dir, env, trackers)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
         self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, micro_batch=cfg.micro_batch,
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, width=self.width,
-                                   every=cfg.eval_steps, total_steps=self.total_steps)
+                                   every=cfg.eval_steps, total_steps=self.total_steps,
+                                   generation=self._generation_eval(), show=env.is_main and not self.quiet)
         self.loss_module.train()
         for step in range(self.start_step, self.total_steps):
             rows = self.batches.step(step)
@@ -221,9 +236,18 @@ class FineTune:
             done = step + 1
             self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
                                  self.lr_schedule.get_last_lr()[0])
+            t_aside = time.perf_counter()
             self.evaluator.maybe_run(done)
             self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+            self.logger.exclude(time.perf_counter() - t_aside)
         self.logger.close()
+
+    def _generation_eval(self) -> GenerationEval | None:
+        if not self.eval_requests:
+            return None
+        sampling = Sampling(max_new_tokens=self.cfg.eval_max_new_tokens)
+        return GenerationEval(self.model, self.loss_module, self.tokenizer, self.eval_requests, self.scorers, sampling,
+                              self.env, self.amp)
 
     def train_step(self, rows: StepRows) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
@@ -256,7 +280,8 @@ class FineTune:
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
-                   "tokens": self.tokens, "skipped_rows": self.data_stats.skipped}
+                   "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
+                   **self.evaluator.last_generation}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.metrics.close()
