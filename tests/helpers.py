@@ -38,12 +38,12 @@ def write_config(path: Path, **keys) -> Path:
     return path
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m shardfit ...` in a subprocess, as a user runs it."""
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m shardfit ...` in a subprocess, as a user runs it (`input`: what the user types)."""
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "shardfit", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=full_env)
+                          timeout=timeout, cwd=cwd, env=full_env, input=input)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -15,7 +15,7 @@ from torch import nn
 from shardfit.data.dataset import DataStats, encode_all
 from shardfit.data.loader import collate
 from shardfit.data.packing import PackedRow, no_pack
-from shardfit.evals.generation import score_answers
+from shardfit.evals.generation import Scored, score_answers
 from shardfit.evals.scorers import Scorer
 from shardfit.infer.generate import Sampling, generate_sharded
 from shardfit.infer.prompts import Request
@@ -60,6 +60,7 @@ class GenerationEval:
                  scorers: list[Scorer], sampling: Sampling, env: DistEnv, amp: Any):
         self.model, self.root, self.tokenizer, self.requests = model, root, tokenizer, requests
         self.scorers, self.sampling, self.env, self.amp = scorers, sampling, env, amp
+        self.scored: Scored | None = None
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
@@ -76,8 +77,17 @@ class GenerationEval:
             if sharded:
                 self.root.reshard()
             self.model.train()
-        scored = score_answers(self.requests, answers, self.scorers)
-        return {f"eval_{k}": v for k, v in scored.means.items()}
+        self.scored = score_answers(self.requests, answers, self.scorers)
+        return {f"eval_{k}": v for k, v in self.scored.means.items()}
+
+    def samples(self, step: int) -> list[dict[str, Any]]:
+        """The last run's answers as eval_samples.jsonl lines."""
+        scored = self.scored
+        if scored is None:
+            return []
+        return [{"step": step, "where": r.where, "prompt": r.messages[-1]["content"], "expected": r.expected,
+                 "answer": a, "scores": sc} for r, a, sc in zip(self.requests, scored.answers, scored.scores,
+                                                                  strict=True)]
 
 
 class Evaluator:
@@ -109,6 +119,7 @@ class Evaluator:
             bar.set_postfix_str(f"generating {len(self.generation.requests)} answers")
             self.last_generation = self.generation.run()
             record.update(self.last_generation)
+            self.metrics.write_samples(self.generation.samples(step))
             bar.update()
         bar.close()
         self.metrics.write(record)

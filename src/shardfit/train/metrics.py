@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from shardfit.parallel.env import DistEnv
 from shardfit.train.trackers import Tracker, scalars_of
 
+SAMPLES_FILE = "eval_samples.jsonl"
+
 
 def peak_mem_gib(device: torch.device) -> float:
     """Peak memory of this rank: allocated on a GPU, resident set size on the CPU."""
@@ -54,6 +56,13 @@ class MetricsLog:
         for t in self.trackers:
             t.log(scalars, int(record.get("step", 0)))
 
+    def write_samples(self, items: list[dict[str, Any]]) -> None:
+        """Answers generated at an evaluation (eval_metrics), one line each, to eval_samples.jsonl."""
+        if not self.env.is_main:
+            return
+        with (self.path.parent / SAMPLES_FILE).open("a") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+
     def close(self) -> None:
         for t in self.trackers:
             t.close()
@@ -61,7 +70,7 @@ class MetricsLog:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """On resume, drop metric lines logged after the checkpoint, so the log reads as one uninterrupted run."""
+    """On resume, drop lines logged after the checkpoint, so the log reads as one uninterrupted run."""
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]

@@ -45,7 +45,7 @@ from shardfit.train.checkpoint import Checkpointer
 from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
-from shardfit.train.metrics import MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
+from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.trackers import open_trackers, resolve_report_to
 
@@ -191,12 +191,14 @@ class FineTune:
                                          total_steps=self.total_steps)
         resumed = self.checkpointer.resume(cfg.resume, self.loss_module, self.optimizer, self.lr_schedule)
         self.start_step, self.tokens = (resumed.step, resumed.tokens) if resumed else (0, 0)
-        metrics_file = self.run_dir / "metrics.jsonl"
+        logs = [self.run_dir / "metrics.jsonl", self.run_dir / SAMPLES_FILE]
         if env.is_main and resumed is not None:
-            truncate_after(metrics_file, self.start_step)
+            for f in logs:
+                truncate_after(f, self.start_step)
             log.info("resumed from %s (step %d)", resumed.path, self.start_step)
-        elif env.is_main and metrics_file.exists():
-            metrics_file.unlink()
+        elif env.is_main:
+            for f in logs:
+                f.unlink(missing_ok=True)
 
     def _write_run_files(self) -> None:
         if not self.env.is_main:

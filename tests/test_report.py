@@ -1,0 +1,108 @@
+"""`shardfit report` on run directories: the page's content, the memory imbalance flag against the plan, several
+runs side by side, and the page opened in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from shardfit.cli.main import main
+from shardfit.report.collect import read_run
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+
+
+def _browser() -> str | None:
+    return next((b for b in map(shutil.which, BROWSERS) if b), None)
+
+
+def make_run(path: Path, *, mem: list[list[float]], predicted: float, strategy: str = "zero3",
+             losses: tuple[float, ...] = (2.0, 1.6, 1.3, 1.1)) -> Path:
+    """A run directory as training writes it (config, plan, preflight, metrics, summary), with chosen numbers."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"model": "tiny", "method": "lora", "strategy": strategy}))
+    cands = [{"strategy": s, "fits": True, "per_gpu_gib": {"total": predicted if s == strategy else predicted * 2},
+              "peak_phase": "backward", "notes": f"notes of {s}"} for s in ("ddp", strategy)]
+    (path / "plan.json").write_text(json.dumps({"model": {"id": "tiny", "params": 1000, "trainable_params": 10},
+                                                "hardware": {"nodes": 1, "gpus_per_node": len(mem[0]),
+                                                             "gpu_mem_gib": 24.0},
+                                                "candidates": cands, "recommended": strategy}))
+    (path / "preflight.json").write_text(json.dumps({"strategy": strategy, "ok": True, "findings": [
+        {"rule": "device_map_in_distributed", "severity": "warning", "where": "model", "message": "ignored",
+         "fix": "remove device_map", "auto_fixed": True}]}))
+    lines = []
+    for i, (loss, m) in enumerate(zip(losses, mem, strict=True), start=1):
+        lines.append({"step": i, "epoch": i / 4, "loss": loss, "lr": 1e-3 / i, "grad_norm": 0.5 + i / 10,
+                      "tokens": 100 * i, "tokens_per_s": 1000.0 + i, "mem_gib": m, "wall_s": float(i)})
+        if i % 2 == 0:
+            lines.append({"step": i, "eval_loss": loss + 0.1, "eval_exact": i / 8})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (path / "summary.json").write_text(json.dumps({"steps": 4, "train_loss": losses[-1], "eval_loss": 1.2,
+                                                   "tokens_per_s": 1003.5, "peak_mem_gib": mem[-1], "wall_s": 4.0,
+                                                   "strategy": strategy, "world_size": len(mem[0]),
+                                                   "eval_exact": 0.5}))
+    return path
+
+
+def test_report_flags_imbalance_and_shows_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = make_run(tmp_path / "skewed", mem=[[1.0, 1.0], [2.0, 1.2], [3.1, 1.3], [3.1, 1.3]], predicted=2.0)
+    data = read_run(run)
+    assert data.peak_per_rank() == [3.1, 1.3] and data.predicted_gib() == 2.0
+    findings = data.memory_findings()
+    assert any(f.startswith("imbalance: rank 0 peaked at 3.10 GiB, rank 1 at 1.30 GiB") for f in findings)
+    assert any(f.startswith("over plan: rank(s) 0 ") for f in findings)
+
+    assert main(["report", str(run)]) == 0
+    page = run / "report" / "report.html"
+    assert str(page) in capsys.readouterr().out
+    html = page.read_text()
+    for png in ("loss.png", "eval_metrics.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "memory-0.png"):
+        assert (run / "report" / png).stat().st_size > 5000, png
+        assert f"({png})" in html
+    assert html.count("data:image/png;base64,") == 6  # self-contained: every chart embedded
+    assert "imbalance: rank 0" in html and "over plan" in html
+    assert "device_map_in_distributed" in html and "notes of zero3" in html and "(used)" in html
+    assert "strategy: zero3" in html  # the config
+
+
+def test_balanced_runs_side_by_side(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "a" / "run", mem=[[1.0, 1.0]] * 4, predicted=1.5)
+    b = make_run(tmp_path / "b" / "run", mem=[[1.0, 1.02]] * 4, predicted=1.5, strategy="ddp",
+                 losses=(2.0, 1.9, 1.8, 1.7))
+    assert read_run(a).memory_findings() == []
+    out = tmp_path / "compare"
+    assert main(["report", str(a), str(b), "--out", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    assert "a/run" in html and "b/run" in html  # same folder names told apart
+    assert (out / "memory-0.png").is_file() and (out / "memory-1.png").is_file()
+    assert "imbalance" not in html
+
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a shardfit run directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(_browser() is None, reason="needs Chromium (Debian: apt-get install chromium-headless-shell)")
+def test_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", mem=[[1.0, 1.0], [2.0, 1.2], [3.1, 1.3], [3.1, 1.3]], predicted=2.0)
+    assert main(["report", str(run)]) == 0
+    page = (run / "report" / "report.html").resolve().as_uri()
+    common = [_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run(common + ["--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
+    assert "<table>" in dom and "<th>tokens_per_s</th>" in dom and "imbalance: rank 0" in dom
+    assert len(re.findall(r"<img[^>]+src=\"data:image/png", dom)) == 6
+    shot = tmp_path / "shot.png"
+    subprocess.run(common + ["--window-size=1200,1600", f"--screenshot={shot}", page], capture_output=True,
+                   timeout=120, check=True)
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1200, 1600)
+    # The charts drew: the lower part of the page holds many colours, not a blank or a broken-image icon.
+    assert len(img.crop((0, 700, 1200, 1600)).getcolors(maxcolors=1 << 20)) > 50
