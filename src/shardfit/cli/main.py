@@ -46,11 +46,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def complete(parser: argparse.ArgumentParser) -> None:
+    """Shell completion (`pip install shardfit[completion]`, then `eval "$(register-python-argcomplete shardfit)"`):
+    when the shell asks for completions, argcomplete answers and exits; otherwise nothing happens."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return
+    try:
+        import argcomplete  # optional extra, imported only while the shell completes a command line
+    except ImportError:
+        return
+    argcomplete.autocomplete(parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    complete(parser)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ShardfitError as e:
