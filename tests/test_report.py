@@ -7,6 +7,8 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,23 @@ def test_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
     assert img.size == (1200, 1600)
     # The charts drew: the lower part of the page holds many colours, not a blank or a broken-image icon.
     assert len(img.crop((0, 700, 1200, 1600)).getcolors(maxcolors=1 << 20)) > 50
+
+
+def test_watch_rebuilds_a_live_page_until_the_run_finishes(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "live", mem=[[1.0]] * 4, predicted=2.0)
+    summary = (run / "summary.json").read_text()
+    (run / "summary.json").unlink()  # still training
+    page = run / "report" / "report.html"
+    proc = subprocess.Popen([sys.executable, "-m", "shardfit", "report", str(run), "--watch", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not page.is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        assert "http-equiv='refresh' content='0.5'" in page.read_text() and proc.poll() is None
+        (run / "summary.json").write_text(summary)  # the run finishes: one last build, then the command ends
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "refresh" not in page.read_text() and "report written to" in out

@@ -47,6 +47,9 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
            "eval_loss": result.summary["eval_loss"], "train_wall_s": result.summary["wall_s"],
            "total_wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(result.run_dir)}
     (result.run_dir / "demo.json").write_text(json.dumps(out, indent=2))
-    print(f"adapter: {result.run_dir / 'adapter'}   merge: shardfit export {result.run_dir} --merge")
+    run = result.run_dir
+    print(f"adapter: {run / 'adapter'}   merge: shardfit export {run} --merge")
+    print(f"next:    shardfit chat {run}    |    shardfit eval {run} --data {cfg.eval_data}    |    "
+          f"shardfit report {run}")
     print(f"demo finished in {out['total_wall_s']:.0f} s")
     return out

@@ -118,14 +118,16 @@ def run_details(run: RunData) -> str:
     return "\n".join(parts)
 
 
-def render_page(runs: list[RunData], charts: list[Chart], out: Path) -> str:
-    """The whole page as a string."""
+def render_page(runs: list[RunData], charts: list[Chart], out: Path, refresh_s: float | None = None) -> str:
+    """The whole page as a string; `refresh_s` makes it reload itself (a live report of runs still training)."""
     flags = [f"<div class='flag'><b>{_e(r.name)}</b>: {_e(f)}</div>" for r in runs for f in r.memory_findings()]
     title = "shardfit report: " + ", ".join(r.name for r in runs)
     return "\n".join([
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<meta http-equiv='refresh' content='{refresh_s:g}'>" if refresh_s else "",
         f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>",
-        f"<h1>{_e(title)}</h1><p>shardfit {_e(__version__)}</p>",
+        f"<h1>{_e(title)}</h1><p>shardfit {_e(__version__)}"
+        + (f" &middot; <b>live</b>: rebuilt every {refresh_s:g} s while training" if refresh_s else "") + "</p>",
         "<h2>Summary</h2>", summary_table(runs), *flags,
         "<h2>Curves</h2><div class='charts'>", *[chart_html(c, out) for c in charts], "</div>",
         *[run_details(r) for r in runs],
