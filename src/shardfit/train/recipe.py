@@ -148,6 +148,9 @@ class FineTune:
         if self.scorers and not self.eval_requests and self.env.is_main:
             log.warning("eval_metrics %s: no held-out data to generate for; set eval_data or eval_split",
                         self.cfg.eval_metrics)
+        if self.eval_requests and self.cfg.compile and self.env.is_main:
+            log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
+                        "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
         self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
