@@ -3,54 +3,18 @@ runs side by side, and the page opened in a real headless browser."""
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 from PIL import Image
 
 from shardfit.cli.main import main
 from shardfit.report.collect import read_run
-
-BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
-
-
-def _browser() -> str | None:
-    return next((b for b in map(shutil.which, BROWSERS) if b), None)
-
-
-def make_run(path: Path, *, mem: list[list[float]], predicted: float, strategy: str = "zero3",
-             losses: tuple[float, ...] = (2.0, 1.6, 1.3, 1.1)) -> Path:
-    """A run directory as training writes it (config, plan, preflight, metrics, summary), with chosen numbers."""
-    path.mkdir(parents=True)
-    (path / "config.yaml").write_text(yaml.safe_dump({"model": "tiny", "method": "lora", "strategy": strategy}))
-    cands = [{"strategy": s, "fits": True, "per_gpu_gib": {"total": predicted if s == strategy else predicted * 2},
-              "peak_phase": "backward", "notes": f"notes of {s}"} for s in ("ddp", strategy)]
-    (path / "plan.json").write_text(json.dumps({"model": {"id": "tiny", "params": 1000, "trainable_params": 10},
-                                                "hardware": {"nodes": 1, "gpus_per_node": len(mem[0]),
-                                                             "gpu_mem_gib": 24.0},
-                                                "candidates": cands, "recommended": strategy}))
-    (path / "preflight.json").write_text(json.dumps({"strategy": strategy, "ok": True, "findings": [
-        {"rule": "device_map_in_distributed", "severity": "warning", "where": "model", "message": "ignored",
-         "fix": "remove device_map", "auto_fixed": True}]}))
-    lines = []
-    for i, (loss, m) in enumerate(zip(losses, mem, strict=True), start=1):
-        lines.append({"step": i, "epoch": i / 4, "loss": loss, "lr": 1e-3 / i, "grad_norm": 0.5 + i / 10,
-                      "tokens": 100 * i, "tokens_per_s": 1000.0 + i, "mem_gib": m, "wall_s": float(i)})
-        if i % 2 == 0:
-            lines.append({"step": i, "eval_loss": loss + 0.1, "eval_exact": i / 8})
-    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (path / "summary.json").write_text(json.dumps({"steps": 4, "train_loss": losses[-1], "eval_loss": 1.2,
-                                                   "tokens_per_s": 1003.5, "peak_mem_gib": mem[-1], "wall_s": 4.0,
-                                                   "strategy": strategy, "world_size": len(mem[0]),
-                                                   "eval_exact": 0.5}))
-    return path
+from tests.helpers import browser, make_run
 
 
 def test_report_flags_imbalance_and_shows_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -92,12 +56,12 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytes
     assert "not a shardfit run directory" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(_browser() is None, reason="needs Chromium (Debian: apt-get install chromium-headless-shell)")
+@pytest.mark.skipif(browser() is None, reason="needs Chromium (Debian: apt-get install chromium-headless-shell)")
 def test_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", mem=[[1.0, 1.0], [2.0, 1.2], [3.1, 1.3], [3.1, 1.3]], predicted=2.0)
     assert main(["report", str(run)]) == 0
     page = (run / "report" / "report.html").resolve().as_uri()
-    common = [_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    common = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
     dom = subprocess.run(common + ["--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
     assert "<table>" in dom and "<th>tokens_per_s</th>" in dom and "imbalance: rank 0" in dom
     assert len(re.findall(r"<img[^>]+src=\"data:image/png", dom)) == 6

@@ -1,4 +1,4 @@
-"""`shardfit train | plan | check | diagnose | export | chat | eval | report` (docs/reference.md).
+"""`shardfit train | plan | check | diagnose | export | chat | eval | report | ui` (docs/reference.md).
 
 User errors print one message and exit 2; nothing-fits exits 3; a failed job exits 1. No traceback for any of
 them; an unexpected exception prints a short message (its traceback with --debug or SHARDFIT_DEBUG=1).
@@ -23,10 +23,11 @@ from shardfit.cli import (
     plan_cmd,
     report_cmd,
     train_cmd,
+    ui_cmd,
 )
 from shardfit.errors import ShardfitError
 
-COMMANDS = (train_cmd, plan_cmd, check_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd)
+COMMANDS = (train_cmd, plan_cmd, check_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd, ui_cmd)
 
 
 class _Parser(argparse.ArgumentParser):
