@@ -56,7 +56,7 @@ def test_wheel_installs_a_working_cli(tmp_path: Path) -> None:
     for data in ("shardfit/plan/catalog.yaml", "shardfit/demo/demo.yaml", "shardfit/demo/train.jsonl",
                  "shardfit/diagnose/causes.yaml"):
         assert data in names, data
-    for extra in ("tensorboard", "wandb", "mlflow", "qlora", "multimodal", "completion"):
+    for extra in ("tensorboard", "wandb", "mlflow", "qlora", "multimodal", "completion", "ui"):
         assert f"Provides-Extra: {extra}" in meta, extra
     assert 'wandb>=0.17; extra == "wandb"' in meta
 
@@ -82,6 +82,6 @@ def test_wheel_installs_a_working_cli(tmp_path: Path) -> None:
     r = shardfit("plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "8x24GB", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["recommended"]
-    for command in ("chat", "eval", "report", "train", "export"):
+    for command in ("chat", "eval", "report", "ui", "train", "export"):
         r = shardfit(command, "--help")
         assert r.returncode == 0 and "example" in r.stdout, (command, r.stderr)
