@@ -58,7 +58,7 @@ def test_wheel_installs_a_working_cli(tmp_path: Path) -> None:
         assert data in names, data
     for extra in ("tensorboard", "wandb", "mlflow", "qlora", "multimodal", "completion", "ui"):
         assert f"Provides-Extra: {extra}" in meta, extra
-    assert 'wandb>=0.17; extra == "wandb"' in meta
+    assert 'wandb>=0.19; extra == "wandb"' in meta
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)

@@ -132,7 +132,14 @@ def open_trackers(report_to: list[str], run_dir: Path, run_name: str, config: di
     """Start every tracker `report_to` names (rank 0 only calls this)."""
     out: list[Tracker] = []
     for name in resolve_report_to(report_to):
-        out.append(TRACKERS[name](Path(run_dir), run_name, config))
+        try:
+            out.append(TRACKERS[name](Path(run_dir), run_name, config))
+        except ImportError as e:
+            if name in report_to:  # asked for by name: a broken install is the user's to fix
+                raise UserError(f"'report_to': {name} is installed but does not import ({e}); reinstall it "
+                                f"(pip install -U shardfit[{EXTRA[name]}]) or remove it from report_to.") from None
+            log.warning("report_to auto: %s does not import (%s); metrics go to metrics.jsonl only", name, e)
+            continue
         log.info("reporting metrics to %s", name)
     return out
 
