@@ -171,11 +171,11 @@ def test_merged_export_answers_like_the_adapter(lora_run: Path, heldout: Path, t
     for target, out in ((str(merged), b), (str(lora_run), a)):
         assert main(["chat", target, "--input", str(heldout), "--output", str(out), "--max-new-tokens", "6"]) == 0
     assert [x["response"] for x in read_jsonl(a)] == [x["response"] for x in read_jsonl(b)]
-    # A model folder with --adapter is the same as the run directory.
-    assert main(["chat", str(json.loads((lora_run / "adapter" / "adapter_config.json").read_text())[
-        "base_model_name_or_path"]), "--adapter", str(lora_run / "adapter"), "--input", str(heldout), "--output",
-        str(b), "--max-new-tokens", "6"]) == 0
-    assert [x["response"] for x in read_jsonl(a)] == [x["response"] for x in read_jsonl(b)]
+    # A model folder with --adapter, and the adapter folder alone (its config names the base), are the run too.
+    base = json.loads((lora_run / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    for argv in ([base, "--adapter", str(lora_run / "adapter")], [str(lora_run / "adapter")]):
+        assert main(["chat", *argv, "--input", str(heldout), "--output", str(b), "--max-new-tokens", "6"]) == 0
+        assert [x["response"] for x in read_jsonl(a)] == [x["response"] for x in read_jsonl(b)]
 
 
 def test_bad_input_exits_2(lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
