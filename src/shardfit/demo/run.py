@@ -25,7 +25,10 @@ def demo_config_path() -> Path:
 def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
     """Evaluate the base model, fine-tune it, evaluate again; print the table and return the numbers."""
     t0 = time.perf_counter()
-    cfg = load_config(demo_config_path(), overrides)
+    # The bundled files by absolute path: a relative one is tried against the working directory first, where a
+    # user's own train.jsonl would silently replace the demo's data.
+    bundled = [f"data={DEMO_DIR / 'train.jsonl'}", f"eval_data={DEMO_DIR / 'heldout.jsonl'}"]
+    cfg = load_config(demo_config_path(), [*bundled, *overrides])
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
     heldout = [json.loads(line) for line in Path(cfg.eval_data).read_text().splitlines() if line.strip()]
     if env.is_main:
