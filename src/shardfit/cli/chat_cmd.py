@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from shardfit.errors import UserError
+from shardfit.infer.prompts import read_requests, request_of
 
 EXAMPLE = """examples:
   shardfit chat runs/demo                                  interactive (/reset, /system TEXT, /exit)
@@ -67,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
     from shardfit.infer.chat import chat_loop
     from shardfit.infer.generate import Sampling, generate_batch
     from shardfit.infer.load import load_for_inference, pick_device, resolve_target
-    from shardfit.infer.prompts import read_requests, request_of
 
     target = resolve_target(args.target, args.adapter)
     requests = read_requests(args.input, args.system) if args.input else None

@@ -13,6 +13,10 @@ from typing import Any
 
 from shardfit.cli.chat_cmd import add_sampling_args
 from shardfit.errors import UserError
+from shardfit.evals.generation import sample_json, score_answers, scored_requests
+from shardfit.evals.scorers import parse_metrics
+from shardfit.evals.table import format_eval
+from shardfit.infer.prompts import read_requests
 
 EXAMPLE = """examples:
   shardfit eval runs/demo --data heldout.jsonl
@@ -41,8 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _evaluate_model(loaded: Any, requests: list, scorers: list, args: argparse.Namespace, max_seq_len: int,
                     label: str, generate: bool, name: str) -> tuple[dict[str, Any], Any]:
-    from shardfit.evals.generation import score_answers, scored_requests
-    from shardfit.infer.generate import Sampling, generate_batch
+    from shardfit.infer.generate import Sampling, generate_batch  # torch and transformers: only to evaluate
     from shardfit.train.evaluate import heldout_loss
 
     answered = scored_requests(requests)
@@ -67,11 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.data).is_file():
         raise UserError(f"--data {args.data}: no such file.")
     # torch, transformers and peft: only once a model is actually used
-    from shardfit.evals.generation import sample_json
-    from shardfit.evals.scorers import parse_metrics
-    from shardfit.evals.table import format_eval
     from shardfit.infer.load import load_for_inference, pick_device, resolve_target
-    from shardfit.infer.prompts import read_requests
 
     scorers = parse_metrics(args.metrics or ["exact"])
     target = resolve_target(args.target, args.adapter)
