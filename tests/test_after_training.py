@@ -164,9 +164,17 @@ def test_eval_base_vs_tuned_and_report(lora_run: Path, heldout: Path, capsys: py
     assert "shardfit eval" in html and "eval_metrics.png" in html and "memory-0.png" in html
 
 
-def test_merged_export_answers_like_the_adapter(lora_run: Path, heldout: Path, tmp_path: Path) -> None:
+def test_merged_export_answers_like_the_adapter(lora_run: Path, heldout: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
     merged = tmp_path / "merged"
     assert main(["export", str(lora_run), "--merge", "--dtype", "fp32", "--out", str(merged)]) == 0
+    # A plain model folder is evaluated alone (no base to compare with): the merged weights' loss is the run's.
+    capsys.readouterr()
+    assert main(["eval", str(merged), "--data", str(heldout), "--no-generate", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert list(result["models"]) == ["model"] and result["samples"] == []
+    assert result["models"]["model"]["loss"] == pytest.approx(json.loads((lora_run / "summary.json").read_text())[
+        "eval_loss"], rel=1e-4)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for target, out in ((str(merged), b), (str(lora_run), a)):
         assert main(["chat", target, "--input", str(heldout), "--output", str(out), "--max-new-tokens", "6"]) == 0
