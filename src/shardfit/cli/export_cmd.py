@@ -74,6 +74,6 @@ def run(args: argparse.Namespace) -> int:
     from shardfit.train.export import merge_adapter
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype)
+    out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
     print(f"merged model written to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0

@@ -14,6 +14,7 @@ GRAD_CKPT = ("none", "full", "selective")
 BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 WATCHDOG_ACTIONS = ("wait", "abort")
+REPORT_TO = ("auto", "none", "tensorboard", "wandb", "mlflow")
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None,
@@ -74,7 +75,15 @@ class Config:
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
     eval_steps: int = key(200, "steps between evaluations (and one at the end)", ge=1)
+    eval_metrics: list[str] = key(list, "generation metrics computed at every evaluation on eval_samples held-out "
+                                        "prompts: exact | contains | regex:PATTERN | py:FILE:FUNC (as `shardfit "
+                                        "eval --metric`); [] computes the loss only")
+    eval_samples: int = key(16, "held-out examples generated for eval_metrics at each evaluation", ge=1)
+    eval_max_new_tokens: int = key(64, "longest answer generated for eval_metrics", ge=1)
     log_steps: int = key(10, "steps between lines of metrics.jsonl", ge=1)
+    report_to: list[str] = key(lambda: ["auto"], "where metrics go besides metrics.jsonl: auto (TensorBoard when "
+                                                 "installed) | none | tensorboard | wandb | mlflow, or a list")
+    run_name: str | None = key(None, "the run's name in TensorBoard, W&B and MLflow (default: output_dir's name)")
     watchdog_factor: float = key(10.0, "the watchdog fires when a step, an evaluation or a checkpoint save runs "
                                        "longer than this many times the median of the last 20 steps (and "
                                        "watchdog_min_s): every rank writes its stacks to output_dir/watchdog/ and "

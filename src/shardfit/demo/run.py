@@ -26,7 +26,10 @@ def demo_config_path() -> Path:
 def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | None = None) -> dict:
     """Evaluate the base model, fine-tune it, evaluate again; print the table and return the numbers."""
     t0 = time.perf_counter()
-    cfg = load_config(demo_config_path(), overrides)
+    # The bundled files by absolute path: a relative one is tried against the working directory first, where a
+    # user's own train.jsonl would silently replace the demo's data.
+    bundled = [f"data={DEMO_DIR / 'train.jsonl'}", f"eval_data={DEMO_DIR / 'heldout.jsonl'}"]
+    cfg = load_config(demo_config_path(), [*bundled, *overrides])
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
     heldout = [json.loads(line) for line in Path(cfg.eval_data).read_text().splitlines() if line.strip()]
     if env.is_main:
@@ -48,6 +51,9 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
            "eval_loss": result.summary["eval_loss"], "train_wall_s": result.summary["wall_s"],
            "total_wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(result.run_dir)}
     (result.run_dir / "demo.json").write_text(json.dumps(out, indent=2))
-    print(f"adapter: {result.run_dir / 'adapter'}   merge: shardfit export {result.run_dir} --merge")
+    run = result.run_dir
+    print(f"adapter: {run / 'adapter'}   merge: shardfit export {run} --merge")
+    print(f"next:    shardfit chat {run}    |    shardfit eval {run} --data {cfg.eval_data}    |    "
+          f"shardfit report {run}")
     print(f"demo finished in {out['total_wall_s']:.0f} s")
     return out

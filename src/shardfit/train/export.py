@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm.auto import tqdm
 
 from shardfit.config import Config
 from shardfit.errors import UserError
@@ -70,20 +72,32 @@ def _drop_tied_copies(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str
     return sd
 
 
-def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
+def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torch.dtype, show: bool = False) -> Path:
     """Build the run's base model (as training built it, in fp32), apply the adapter, merge it into the weights,
-    and save a plain HF folder with the tokenizer."""
-    base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
-    model = build_model(base_cfg, "single", weights=True)
+    and save a plain HF folder with the tokenizer. `show`: a progress bar over those stages."""
+    bar = tqdm(total=4, desc="export", unit="stage", file=sys.stderr, disable=not show, leave=False)
     try:
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
-        raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
-    merged = model.merge_and_unload().to(dtype)
-    merged.config.use_cache = True
-    out_dir.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(out_dir), safe_serialization=True)
-    load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
+        bar.set_postfix_str("base weights")
+        base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
+        model = build_model(base_cfg, "single", weights=True)
+        bar.update()
+        bar.set_postfix_str("adapter")
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter_dir))
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
+            raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
+        bar.update()
+        bar.set_postfix_str("merge")
+        merged = model.merge_and_unload().to(dtype)
+        merged.config.use_cache = True
+        bar.update()
+        bar.set_postfix_str(f"save to {out_dir}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        merged.save_pretrained(str(out_dir), safe_serialization=True)
+        load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
+        bar.update()
+    finally:
+        bar.close()
     return out_dir
 
 

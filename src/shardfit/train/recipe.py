@@ -29,6 +29,9 @@ from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import JobFailed, UserError
+from shardfit.evals.scorers import parse_metrics
+from shardfit.infer.generate import Sampling
+from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
@@ -44,12 +47,13 @@ from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
-from shardfit.train.evaluate import Evaluator
+from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
-from shardfit.train.metrics import MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
+from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
+from shardfit.train.trackers import open_trackers, resolve_report_to
 
 log = logging.getLogger("shardfit")
 
@@ -125,6 +129,7 @@ class FineTune:
                         "precision: fp32 (or auto) trains several times faster here",
                         cpu_matmul_gflops(torch.bfloat16), cpu_matmul_gflops(torch.float32))
         require_method_support(cfg)
+        resolve_report_to(cfg.report_to)  # a tracker that is not installed stops the run now, not after the load
         if cfg.compile:
             require_compiler(env.device)
         self._claim_run_dir()
@@ -169,6 +174,15 @@ class FineTune:
             self.tokenizer = load_tokenizer(resolve_model(self.cfg.model), self.cfg.trust_remote_code)
         train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split)
         self.data_stats = split.stats
+        self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
+        eval_conv = [c.messages for c in split.eval]
+        self.eval_requests = requests_from_conversations(eval_conv, self.cfg.eval_samples) if self.scorers else []
+        if self.scorers and not self.eval_requests and self.env.is_main:
+            log.warning("eval_metrics %s: no held-out data to generate for; set eval_data or eval_split",
+                        self.cfg.eval_metrics)
+        if self.eval_requests and self.cfg.compile and self.env.is_main:
+            log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
+                        "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
         self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
@@ -218,12 +232,16 @@ class FineTune:
         self.start_step, self.tokens = (resumed.step, resumed.tokens) if resumed else (0, 0)
         # Its last step is checkpointed and its summary written: nothing to train, nothing to overwrite.
         self.finished = self.start_step >= self.total_steps and (self.run_dir / "summary.json").is_file()
-        metrics_file = self.run_dir / "metrics.jsonl"
+        if self.finished:
+            return
+        logs = [self.run_dir / "metrics.jsonl", self.run_dir / SAMPLES_FILE]
         if env.is_main and resumed is not None:
-            truncate_after(metrics_file, self.start_step)
+            for f in logs:
+                truncate_after(f, self.start_step)
             log.info("resumed from %s (step %d)", resumed.path, self.start_step)
-        elif env.is_main and metrics_file.exists():
-            metrics_file.unlink()
+        elif env.is_main:
+            for f in logs:
+                f.unlink(missing_ok=True)
 
     def _write_run_files(self) -> None:
         if not self.env.is_main or self.finished:
@@ -252,12 +270,15 @@ class FineTune:
         if self.finished:
             return
         wd.configure(self.run_dir, WatchdogSettings(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_action))
-        self.metrics = MetricsLog(self.run_dir, env)
+        trackers = open_trackers(cfg.report_to, self.run_dir, cfg.run_name or self.run_dir.resolve().name,
+                                 cfg.to_dict()) if env.is_main else []
+        self.metrics = MetricsLog(self.run_dir, env, trackers)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
         self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, micro_batch=cfg.micro_batch,
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, width=self.width,
-                                   every=cfg.eval_steps, total_steps=self.total_steps)
+                                   every=cfg.eval_steps, total_steps=self.total_steps,
+                                   generation=self._generation_eval(), show=env.is_main and not self.quiet)
         self.loss_module.train()
         t_fit, tokens_before = time.perf_counter(), self.tokens
         for step in range(self.start_step, self.total_steps):
@@ -271,12 +292,23 @@ class FineTune:
                 wd.at("metrics (loss all-reduce)")
                 self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
                                      self.lr_schedule.get_last_lr()[0])
+            t_aside = time.perf_counter()
             with wd.phase(f"evaluation after step {done}", where="evaluation"):
                 self.evaluator.maybe_run(done)
             with wd.phase(f"checkpoint save at step {done}", where="checkpoint save"):
                 self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+            aside = time.perf_counter() - t_aside
+            self.logger.exclude(aside)
+            t_fit += aside  # tokens_per_s in summary.json counts training steps only, as the progress bar does
         self.logger.close()
         self.fit_s, self.fit_tokens = time.perf_counter() - t_fit, self.tokens - tokens_before
+
+    def _generation_eval(self) -> GenerationEval | None:
+        if not self.eval_requests:
+            return None
+        sampling = Sampling(max_new_tokens=self.cfg.eval_max_new_tokens)
+        return GenerationEval(self.model, self.loss_module, self.tokenizer, self.eval_requests, self.scorers, sampling,
+                              self.env, self.amp)
 
     def train_step(self, step: int, rows: StepRows) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
@@ -340,7 +372,8 @@ class FineTune:
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
-                   "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated}
+                   "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
+                   **self.evaluator.last_generation}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.metrics.close()
