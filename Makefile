@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test lint bench setup clean browser
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ bench: $(STAMP)
 	$(PY) bench/compare.py
 	$(PY) bench/plan_vs_published.py
 	$(PY) bench/deepspeed_memory.py
+
+# Optional: the headless browser the report and UI tests open pages in (they skip without it). Debian/Ubuntu, as root.
+browser:
+	apt-get install -y chromium-headless-shell || apt-get install -y chromium
 
 clean:
 	rm -rf $(VENV) runs

@@ -43,7 +43,7 @@ def commands() -> str:
         usage = " ".join(p.format_usage().split())
         out.append(usage.removeprefix("usage: "))
         if p.epilog:
-            out.append(f"    {p.epilog}")
+            out += [f"    {line.strip()}" for line in p.epilog.splitlines()]
     out.append("```")
     return "\n".join(out)
 

@@ -38,12 +38,12 @@ def write_config(path: Path, **keys) -> Path:
     return path
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m shardfit ...` in a subprocess, as a user runs it."""
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m shardfit ...` in a subprocess, as a user runs it (`input`: what the user types)."""
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "shardfit", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=full_env)
+                          timeout=timeout, cwd=cwd, env=full_env, input=input)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -67,3 +67,45 @@ def tiny_omni_config():
                    resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]])
     return Qwen2_5OmniConfig(thinker_config=dict(text_config=text, vision_config=vision, audio_config=audio),
                              talker_config=talker, token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
+
+
+def make_run(path: Path, *, mem: list[list[float]], predicted: float, strategy: str = "zero3",
+             losses: tuple[float, ...] = (2.0, 1.6, 1.3, 1.1)) -> Path:
+    """A run directory as training writes it (config, plan, preflight, metrics, summary), with chosen numbers."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"model": "tiny", "method": "lora", "strategy": strategy}))
+    cands = [{"strategy": s, "fits": True, "per_gpu_gib": {"total": predicted if s == strategy else predicted * 2},
+              "peak_phase": "backward", "notes": f"notes of {s}"} for s in ("ddp", strategy)]
+    (path / "plan.json").write_text(json.dumps({"model": {"id": "tiny", "params": 1000, "trainable_params": 10},
+                                                "hardware": {"nodes": 1, "gpus_per_node": len(mem[0]),
+                                                             "gpu_mem_gib": 24.0},
+                                                "candidates": cands, "recommended": strategy}))
+    (path / "preflight.json").write_text(json.dumps({"strategy": strategy, "ok": True, "findings": [
+        {"rule": "device_map_in_distributed", "severity": "warning", "where": "model", "message": "ignored",
+         "fix": "remove device_map", "auto_fixed": True}]}))
+    lines = []
+    for i, (loss, m) in enumerate(zip(losses, mem, strict=True), start=1):
+        lines.append({"step": i, "epoch": i / 4, "loss": loss, "lr": 1e-3 / i, "grad_norm": 0.5 + i / 10,
+                      "tokens": 100 * i, "tokens_per_s": 1000.0 + i, "mem_gib": m, "wall_s": float(i)})
+        if i % 2 == 0:
+            lines.append({"step": i, "eval_loss": loss + 0.1, "eval_exact": i / 8})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (path / "summary.json").write_text(json.dumps({"steps": 4, "train_loss": losses[-1], "eval_loss": 1.2,
+                                                   "tokens_per_s": 1003.5, "peak_mem_gib": mem[-1], "wall_s": 4.0,
+                                                   "strategy": strategy, "world_size": len(mem[0]),
+                                                   "eval_exact": 0.5}))
+    return path
+
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+
+
+def browser() -> str | None:
+    """A headless-capable Chromium on PATH (Debian: apt-get install chromium-headless-shell), or None."""
+    return next((b for b in map(shutil.which, BROWSERS) if b), None)
+
+
+def browser_dom(url: str) -> str:
+    """The page's DOM after a real headless browser loaded and rendered it."""
+    cmd = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout

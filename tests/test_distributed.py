@@ -68,6 +68,10 @@ def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small
         assert b == pytest.approx(a, rel=1e-5)  # fp32 on both sides: only reduction order differs
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
+    # A sharded parameter counts once, not once per rank; the start line says how big a step is.
+    single = json.loads((single_runs[method] / "summary.json").read_text())
+    assert summary["trainable_params"] == single["trainable_params"]
+    assert "global batch 4 rows (micro_batch 2 x grad_accum 1 x 2 ranks)" in r.stdout
     assert len(read_jsonl(run / "metrics.jsonl")[-1]["mem_gib"]) == 2  # memory of each rank
     want, have = _weights(single_runs[method], method), _weights(run, method)
     assert want.keys() == have.keys()

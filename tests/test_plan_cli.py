@@ -4,6 +4,7 @@ column, and train's refusal of a predicted out-of-memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,13 +13,14 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from shardfit.cli.main import main
-from shardfit.config import load_config
+from shardfit.config import Config, load_config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.parallel.env import init_distributed
 from shardfit.plan.choose import refuse_if_oom
 from shardfit.plan.estimate import estimate
-from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.hardware import host_mem_gib, job_hardware, parse_gpus
 from shardfit.plan.plan import make_plan
+from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, workload_of
 from shardfit.train.recipe import train
@@ -34,7 +36,7 @@ def _plan(capsys, *args: str) -> tuple[int, dict]:
 
 def test_seed_case_json_contract(capsys) -> None:
     code, plan = _plan(capsys, "--model", "Qwen/Qwen2-VL-72B-Instruct", "--gpus", "8x24GB", "--method", "lora",
-                       "--seq", "2048", "--batch", "1")
+                       "--seq", "2048", "--batch", "1", "--grad-ckpt", "full")
     assert code == 0
     assert set(plan) >= {"shardfit_version", "model", "hardware", "workload", "candidates", "recommended", "reason"}
     assert plan["model"]["params"] == pytest.approx(73.4e9, rel=0.01)
@@ -154,3 +156,31 @@ def test_attention_mask_in_plan(capsys) -> None:
                "flex_attention": "flash"}
     for name, column in kernels.items():
         assert workload_of(SimpleNamespace(**vars(cfg), attn_implementation=name)).attention == column
+
+
+def test_plan_model_defaults_are_the_training_defaults(capsys) -> None:
+    """`plan --model` sizes the workload `shardfit train` runs when the config says nothing more."""
+    _, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB")
+    assert plan["workload"] == dataclasses.asdict(workload_of(Config()))
+
+
+def test_cards_and_models_a_user_types(capsys) -> None:
+    assert parse_gpus("2xRTX3090").gpu_mem_gib == parse_gpus("2x3090").gpu_mem_gib
+    assert parse_gpus("1xNVIDIA GeForce RTX 4090").gpu_mem_gib == pytest.approx(23.6)
+    assert main(["plan", "--model", "Qwen/Qwen2.5-7B", "--gpus", "1xA100"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Qwen/Qwen2.5-7B:")  # the base id plans with its -Instruct twin's shape
+    assert "A100 taken as the 80 GB card" in out
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1xT4"]) in (0, 3)
+    assert "T4 has no bf16" in capsys.readouterr().out
+    with pytest.raises(UserError, match="Qwen/Qwen2.5-7B-Instruct"):
+        resolve_shape("Qwen/Qwen2.5-7B-Instrct")
+    assert main(["plan", "--list-models"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "Qwen/Qwen2-VL-72B-Instruct" in listed and len(listed) >= 50
+
+
+def test_plan_on_a_cpu_says_so(capsys) -> None:
+    plan = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M-Instruct"), Workload(), job_hardware("cpu", 4))
+    assert plan.hardware.gpus_per_node == 4 and plan.hardware.gpu_mem_gib * 4 == pytest.approx(host_mem_gib())
+    assert "4 CPU process(es)" in format_table(plan) and "host RAM (no GPU)" in format_table(plan)

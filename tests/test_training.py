@@ -44,6 +44,9 @@ def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, smal
     required = {name for name, what in entries.items() if "(only when" not in what}
     present = {p.name for p in run.iterdir()}
     assert required <= present <= set(entries), (required - present, present - set(entries))
+    # The adapter names a base that loads anywhere: the config's model, as an absolute path when it is a folder.
+    adapter_cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(tiny_llama.resolve())
     preflight = json.loads((run / "preflight.json").read_text())
     assert preflight["strategy"] == "single" and preflight["ok"] is True
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]

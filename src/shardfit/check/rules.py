@@ -301,17 +301,18 @@ def visible_gpu_rules(s: Strategy, world: int) -> list[Finding]:
 
 
 def plan_rules(plan: Plan | None, s: Strategy, force: bool) -> list[Finding]:
-    """The plan's verdict on the strategy: predicted out-of-memory is an error (a warning with `force`)."""
+    """The plan's verdict on the strategy: predicted out-of-memory is an error (a warning with `force`). The fix is
+    an override that works for train and check: the strategy that fits, or the nearest change that makes one fit."""
     c = plan.candidate(s.name) if plan is not None else None
     if c is None or c.fits:
         return []
-    fix = f"strategy: {plan.recommended}" if plan.recommended else _nearest_fix(plan)
+    fix = f"--set strategy={plan.recommended}" if plan.recommended else _nearest_fix(plan)
     return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {s.name}",
                     f"predicted {c.per_gpu_gib.total:.1f} GiB per GPU of {plan.hardware.gpu_mem_gib:.0f}: "
                     f"{c.notes}", fix)]
 
 
 def _nearest_fix(plan: Plan) -> str:
-    """When no strategy fits as configured: the planner's nearest change that makes one fit."""
-    alts = plan.alternatives or []
-    return "; or ".join(alts[:2]) if alts else "more or larger GPUs (see `shardfit plan`)"
+    """When no strategy fits as configured: the planner's nearest changes that make one fit, as overrides."""
+    phrases = [p for p in (a.phrase("config") for a in plan.alternatives or []) if p]
+    return "; or ".join(phrases[:2]) if phrases else "more or larger GPUs (see `shardfit plan`)"

@@ -19,7 +19,7 @@ from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import cuda_available, resolve_precision
 from shardfit.plan.choose import plan_for_config
-from shardfit.plan.hardware import Hardware, detect
+from shardfit.plan.hardware import Hardware, detect, job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
@@ -64,6 +64,8 @@ def validate_data(cfg: Config) -> None:
 def job_plan(cfg: Config, hw: Hardware, strategy: str, world: int) -> Plan | None:
     """The plan of the job as it will run: model_parallel is one process over every local GPU; the other
     strategies use one GPU per rank."""
+    if hw.name == "cpu":  # the processes of a CPU job share the host's memory
+        return plan_for_config(cfg, job_hardware("cpu", world))
     per_node = hw.gpus_per_node if strategy == "model_parallel" else max(world // hw.nodes, 1)
     return plan_for_config(cfg, dataclasses.replace(hw, gpus_per_node=per_node))
 

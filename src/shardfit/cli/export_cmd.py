@@ -11,19 +11,42 @@ import yaml
 from shardfit.config import load_config
 from shardfit.errors import UserError
 
-EXAMPLE = "example: shardfit export runs/demo --merge --out merged/"
+EXAMPLE = ("example: shardfit export runs/demo --merge --out merged/\n"
+           "         shardfit export --base HuggingFaceTB/SmolLM2-135M-Instruct --out models/smollm2")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="copy the adapter, or merge it into a Hugging Face model folder", epilog=EXAMPLE)
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", nargs="?", help="the run directory (not with --base)")
+    p.add_argument("--base", default=None, metavar="MODEL",
+                   help="instead: write MODEL (a .gguf file, or a hub id shardfit bundles as GGUF) as a Hugging Face "
+                        "folder to --out, for configs and adapters to name")
     p.add_argument("--merge", action="store_true", help="merge LoRA into the base weights")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/model)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="dtype of the merged weights")
     p.set_defaults(func=run)
 
 
+def run_base(args: argparse.Namespace) -> int:
+    """`export --base MODEL --out DIR`: the model itself as a Hugging Face folder (de-quantized from GGUF)."""
+    if not args.out:
+        raise UserError("--base needs --out DIR, the folder to write the model to.")
+    import torch  # torch and transformers: only to export
+
+    from shardfit.train.export import export_base
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    out = export_base(args.base, Path(args.out), dtype)
+    print(f"{args.base} written to {out}; name it in a config (model: {out}) and adapters trained on it will name "
+          "a base that AutoModelForCausalLM.from_pretrained loads")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.base:
+        return run_base(args)
+    if not args.run_dir:
+        raise UserError("export needs a RUN_DIR (e.g. shardfit export runs/demo --merge), or --base MODEL --out DIR.")
     run_dir = Path(args.run_dir)
     adapter = run_dir / "adapter"
     cfg_file = run_dir / "config.yaml"
@@ -51,6 +74,6 @@ def run(args: argparse.Namespace) -> int:
     from shardfit.train.export import merge_adapter
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype)
+    out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
     print(f"merged model written to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0

@@ -1,4 +1,4 @@
-"""`shardfit train | plan | check | convert | diagnose | export` (docs/reference.md).
+"""The `shardfit` command line: one module per command, listed in COMMANDS (docs/reference.md).
 
 User errors print one message and exit 2; nothing-fits exits 3; a failed job exits 1. No traceback for any of
 them; an unexpected exception prints a short message (its traceback with --debug or SHARDFIT_DEBUG=1).
@@ -14,13 +14,30 @@ import traceback
 from collections.abc import Sequence
 
 from shardfit import __version__
-from shardfit.cli import check_cmd, convert_cmd, diagnose_cmd, export_cmd, plan_cmd, train_cmd
+from shardfit.cli import (
+    chat_cmd,
+    check_cmd,
+    convert_cmd,
+    diagnose_cmd,
+    doctor_cmd,
+    eval_cmd,
+    export_cmd,
+    plan_cmd,
+    report_cmd,
+    train_cmd,
+    ui_cmd,
+)
 from shardfit.errors import ShardfitError
 
-COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cmd)
+COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd,
+            ui_cmd, doctor_cmd)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # examples keep their lines
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> None:  # argparse exits 2 too, but we want one style of message
         self.print_usage(sys.stderr)
         print(f"shardfit: error: {message}", file=sys.stderr)
@@ -49,12 +66,38 @@ def quiet_third_party_imports() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def configure_logging() -> None:
+    """shardfit's own messages from INFO on stderr; other libraries' only from WARNING (matplotlib's font cache and
+    the like are not the user's business)."""
+    logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_info_only)
+
+
+def _own_info_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] == "shardfit"
+
+
+def complete(parser: argparse.ArgumentParser) -> None:
+    """Shell completion (`pip install shardfit[completion]`, then `eval "$(register-python-argcomplete shardfit)"`):
+    when the shell asks for completions, argcomplete answers and exits; otherwise nothing happens."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return
+    try:
+        import argcomplete  # optional extra, imported only while the shell completes a command line
+    except ImportError:
+        return
+    argcomplete.autocomplete(parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
+    configure_logging()
     quiet_third_party_imports()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    complete(parser)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ShardfitError as e:

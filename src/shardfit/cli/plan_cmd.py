@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shardfit.cli.args import positive_float, positive_int
 from shardfit.cli.foreign_args import add_from, foreign_plan
-from shardfit.config import load_config
+from shardfit.config import Config, load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import format_report
@@ -17,7 +17,7 @@ from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
-from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, Workload, workload_of
+from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, workload_of
 from shardfit.strategy import NAMES
 
 EXAMPLE = ("example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048\n"
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config, check_files=False)
         shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
-    elif args.model:
-        shape, w, source = resolve_shape(args.model), Workload(), args.model
+    elif args.model:  # the workload `shardfit train` runs by default; the flags change it
+        shape, w, source = resolve_shape(args.model), workload_of(Config()), args.model
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,

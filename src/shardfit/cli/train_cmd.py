@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import refuse_unfixable
-from shardfit.cli.args import non_negative_int, port, positive_int
+from shardfit.cli.args import non_negative_int
+from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import Config, load_config
 from shardfit.config.support import require_method_support
+from shardfit.doctor.launch import Launch, launch_rules
 from shardfit.errors import UserError
 from shardfit.strategy import get as get_strategy
 
+log = logging.getLogger("shardfit")
 EXAMPLE = "example: shardfit train my.yaml --set lr=1e-4 --nproc 2"
 
 
@@ -22,12 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="YAML config; omit for the built-in demo")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set lr=1e-4 --set lora.rank=16")
-    p.add_argument("--nproc", type=positive_int, default=None, help="ranks per node (default: all GPUs; 1 on CPU)")
-    p.add_argument("--nnodes", type=positive_int, default=1)
-    p.add_argument("--node-rank", type=non_negative_int, default=0)
-    p.add_argument("--master-addr", default=None)
-    p.add_argument("--master-port", type=port, default=None)
-    p.add_argument("--rdzv-endpoint", default=None, help="host:port of a c10d rendezvous (elastic multi-node)")
+    add_launch_flags(p)
     p.add_argument("--max-restarts", type=non_negative_int, default=0, help="torchrun restarts after a rank dies")
     p.set_defaults(func=run)
 
@@ -41,6 +41,31 @@ def _refuse_before_launch(cfg: Config, world: int) -> None:
     refuse_unfixable(device_map_rules(cfg, s, world) + qlora_rules(cfg, s))
 
 
+def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
+    """The last lines of a run: what it reached, where the result is, and what to do with it."""
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    out = [f"done: {s['steps']} steps; train loss {num(s['train_loss'], '.4f')}, eval loss "
+           f"{num(s['eval_loss'], '.4f')}; {num(s.get('tokens_per_s'), ',.0f')} tokens/s training "
+           f"({num(s.get('process_tokens_per_s'), ',.0f')} over the whole run, loading included)"]
+    if (run_dir / "adapter").is_dir():
+        out += [f"adapter: {run_dir / 'adapter'}  (peft: PeftModel.from_pretrained(base_model, that folder))",
+                f"merge it into a plain model folder: shardfit export {run_dir} --merge"]
+    elif (run_dir / "model").is_dir():
+        out.append(f"model: {run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained(that folder))")
+    out.append(f"metrics: {run_dir / 'metrics.jsonl'}, summary: {run_dir / 'summary.json'}")
+    return "\n".join(out)
+
+
+def _warn_launch_traps(args: argparse.Namespace, nproc: int) -> None:
+    """The launch mistakes `doctor` finds before any rank starts (a loopback master address on several nodes, a
+    job system with more nodes than this launch), as warnings: `shardfit doctor` says more."""
+    launch = Launch(nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
+    for f in launch_rules(launch, os.environ):
+        log.warning("%s: %s. Fix: %s (check the launch with `shardfit doctor`, same flags)", f.rule, f.message, f.fix)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.node_rank >= args.nnodes:
         raise UserError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: node ranks run from 0 to "
@@ -52,8 +77,13 @@ def run(args: argparse.Namespace) -> int:
 
     from shardfit.parallel.env import init_distributed, shutdown, under_launcher  # torch: only to train
     from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
+    from shardfit.parallel.sidechannel import SideChannel
+    from shardfit.parallel.watchdog import Watchdog
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
+    check_launch_flags(args, nproc)
+    if not under_launcher():
+        _warn_launch_traps(args, nproc)
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
         if cfg is not None:
             _refuse_before_launch(cfg, nproc * args.nnodes)
@@ -68,21 +98,27 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed()
     if not env.is_main:
         logging.getLogger("shardfit").setLevel(logging.ERROR)
+    # Started before anything can fail: a rank that fails in setup must not leave the others in a collective.
+    watchdog = Watchdog(env, SideChannel.connect(env.rank, env.world)).start()
     ok = False
     try:
         if cfg is None:
             from shardfit.demo.run import run_demo
 
-            run_demo(env, args.overrides)
+            run_demo(env, args.overrides, watchdog=watchdog)
         else:
             from shardfit.train.recipe import train
 
-            result = train(cfg, env)
+            result = train(cfg, env, watchdog=watchdog)
             if env.is_main:
-                s = result.summary
-                print(f"done: {s['steps']} steps, train loss {s['train_loss']}, eval loss {s['eval_loss']}, "
-                      f"{s['tokens_per_s']} tokens/s; outputs in {result.run_dir}")
+                print(finished_lines(result.summary, result.run_dir, cfg))
         ok = True
+    except BaseException as e:
+        instead = watchdog.failed(e)  # tells the other ranks; names the rank that failed first, if another did
+        if instead is e:
+            raise
+        raise instead from e
     finally:
+        watchdog.stop()
         shutdown(env, ok)
     return 0

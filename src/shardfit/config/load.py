@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import fields
@@ -17,7 +18,7 @@ from typing import Any, Union
 
 import yaml
 
-from shardfit.config.schema import CHOICES, Config, LoraSettings, QLoraSettings
+from shardfit.config.schema import CHOICES, REPORT_TO, Config, LoraSettings, QLoraSettings
 from shardfit.errors import UserError
 
 # The sections of the config: mappings of keys of their own (`lora.rank`), each a dataclass.
@@ -276,10 +277,37 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         fail("qlora.double_quant", "is false, but torchao's NF4 weights always quantize their block scales (double "
              "quantization: 0.127 bit per weight instead of 0.5, the QLoRA paper's choice). Remove the key or set "
              "it to true.")
+    for name in cfg.report_to:
+        if name not in REPORT_TO:
+            fail("report_to", f"has '{name}'{_suggest(name, REPORT_TO)}; choose from: {', '.join(REPORT_TO)}.")
+    if "none" in cfg.report_to and len(cfg.report_to) > 1:
+        fail("report_to", f"lists 'none' with others ({cfg.report_to}); use none alone, or leave it out.")
+    for spec in cfg.eval_metrics:
+        problem = metric_spec_problem(spec)
+        if problem:
+            fail("eval_metrics", problem)
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")
     return cfg
+
+
+def metric_spec_problem(spec: str) -> str | None:
+    """What is wrong with a generation metric spec (exact | contains | regex:PATTERN | py:FILE:FUNC), or None.
+    Only the form is checked here; a py: scorer's file and function are checked when they are loaded."""
+    if spec in ("exact", "contains"):
+        return None
+    kind, _, rest = spec.partition(":")
+    if kind == "regex" and rest:
+        try:
+            re.compile(rest)
+        except re.error as e:
+            return f"has '{spec}': not a valid regular expression ({e})."
+        return None
+    if kind == "py" and rest.rpartition(":")[0] and rest.rpartition(":")[2]:
+        return None
+    return (f"has '{spec}'{_suggest(spec, ('exact', 'contains'))}; a metric is exact, contains, regex:PATTERN "
+            "or py:FILE.py:FUNCTION.")
 
 
 def load_config(

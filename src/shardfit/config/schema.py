@@ -15,6 +15,8 @@ BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 QUANT_TYPES = ("nf4",)
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+WATCHDOG_ACTIONS = ("wait", "abort")
+REPORT_TO = ("auto", "none", "tensorboard", "wandb", "mlflow")
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None,
@@ -68,7 +70,8 @@ class Config:
                                  "units), else fp16 on GPUs and fp32 on CPUs")
     max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
     packing: bool = key(True, "several examples per row, attention kept within each example")
-    micro_batch: int = key(4, "rows per rank per forward pass", ge=1)
+    micro_batch: int = key(4, "rows per rank per forward pass; one optimizer step takes micro_batch x grad_accum x "
+                              "ranks rows (more ranks: more rows per step, fewer steps)", ge=1)
     grad_accum: int = key(1, "micro-batches per optimizer step", ge=1)
     lr: float = key(2.0e-4, "peak learning rate (AdamW)", gt=0)
     warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay", ge=0,
@@ -85,7 +88,23 @@ class Config:
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
     eval_steps: int = key(200, "steps between evaluations (and one at the end)", ge=1)
+    eval_metrics: list[str] = key(list, "generation metrics computed at every evaluation on eval_samples held-out "
+                                        "prompts: exact | contains | regex:PATTERN | py:FILE:FUNC (as `shardfit "
+                                        "eval --metric`); [] computes the loss only")
+    eval_samples: int = key(16, "held-out examples generated for eval_metrics at each evaluation", ge=1)
+    eval_max_new_tokens: int = key(64, "longest answer generated for eval_metrics", ge=1)
     log_steps: int = key(10, "steps between lines of metrics.jsonl", ge=1)
+    report_to: list[str] = key(lambda: ["auto"], "where metrics go besides metrics.jsonl: auto (TensorBoard when "
+                                                 "installed) | none | tensorboard | wandb | mlflow, or a list")
+    run_name: str | None = key(None, "the run's name in TensorBoard, W&B and MLflow (default: output_dir's name)")
+    watchdog_factor: float = key(10.0, "the watchdog fires when a step, an evaluation or a checkpoint save runs "
+                                       "longer than this many times the median of the last 20 steps (and "
+                                       "watchdog_min_s): every rank writes its stacks to output_dir/watchdog/ and "
+                                       "rank 0 names the stuck rank; 0 turns it off", ge=0)
+    watchdog_min_s: float = key(300.0, "seconds any phase may take before the watchdog fires (covers the first "
+                                       "step, long evaluations and saves)", gt=0)
+    watchdog_action: str = key("wait", "after a watchdog report: wait (keep waiting for the phase) | abort (stop "
+                                       "every rank, exit 1)")
     seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters", ge=0)
     output_dir: str = key("runs/demo", "the run directory", nonempty=True)
     resume: str = key("auto", "auto (the newest intact checkpoint of this run in output_dir) | never (start over in "
@@ -118,4 +137,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attn_implementation": ATTENTION,
     "qlora.quant_type": QUANT_TYPES,
     "qlora.compute_dtype": COMPUTE_DTYPES,
+    "watchdog_action": WATCHDOG_ACTIONS,
 }

@@ -13,6 +13,7 @@ from shardfit.demo.evaluate import accuracy, generate_answers, report
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv, resolve_precision
+from shardfit.parallel.watchdog import Watchdog
 from shardfit.train.recipe import train
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -22,10 +23,13 @@ def demo_config_path() -> Path:
     return DEMO_DIR / "demo.yaml"
 
 
-def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
+def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | None = None) -> dict:
     """Evaluate the base model, fine-tune it, evaluate again; print the table and return the numbers."""
     t0 = time.perf_counter()
-    cfg = load_config(demo_config_path(), overrides)
+    # The bundled files by absolute path: a relative one is tried against the working directory first, where a
+    # user's own train.jsonl would silently replace the demo's data.
+    bundled = [f"data={DEMO_DIR / 'train.jsonl'}", f"eval_data={DEMO_DIR / 'heldout.jsonl'}"]
+    cfg = load_config(demo_config_path(), [*bundled, *overrides])
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
     heldout = [json.loads(line) for line in Path(cfg.eval_data).read_text().splitlines() if line.strip()]
     if env.is_main:
@@ -37,7 +41,7 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
     before = generate_answers(model, tok, heldout) if env.is_main else []
     if env.is_main:
         print(f"base model: {accuracy(before):.1%} exact match before training")
-    result = train(cfg, env, model=model, tokenizer=tok)
+    result = train(cfg, env, model=model, tokenizer=tok, watchdog=watchdog)
     if not env.is_main:
         return {}
     tuned = result.model.to(env.device)
@@ -47,6 +51,9 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = ()) -> dict:
            "eval_loss": result.summary["eval_loss"], "train_wall_s": result.summary["wall_s"],
            "total_wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(result.run_dir)}
     (result.run_dir / "demo.json").write_text(json.dumps(out, indent=2))
-    print(f"adapter: {result.run_dir / 'adapter'}   merge: shardfit export {result.run_dir} --merge")
+    run = result.run_dir
+    print(f"adapter: {run / 'adapter'}   merge: shardfit export {run} --merge")
+    print(f"next:    shardfit chat {run}    |    shardfit eval {run} --data {cfg.eval_data}    |    "
+          f"shardfit report {run}")
     print(f"demo finished in {out['total_wall_s']:.0f} s")
     return out

@@ -46,7 +46,7 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
     if job.workload.optimizer != "adamw":
         out.append(f"optimizer {job.workload.optimizer}: shardfit trains with AdamW")
     if job.workload.method == "qlora":
-        out.append("method qlora: shardfit plans it; training it needs a CUDA GPU with bitsandbytes")
+        out.append("method qlora: shardfit stores the frozen weights in NF4 itself (torchao), not with bitsandbytes")
     if job.workload.loss != "chunked":
         out.append("loss: shardfit always uses its chunked loss (no full logits), whatever the tool ran")
     if job.not_modelled:

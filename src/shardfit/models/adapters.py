@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -19,7 +20,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                         task_type="CAUSAL_LM", bias="none")
     try:
-        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated is_gradient_checkpointing alias; the notice is not the user's.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except (ValueError, TypeError, re.error) as e:  # peft reads a string of targets as a regular expression
         raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}). Use "
                         "all-linear, or a list of module names such as [q_proj, v_proj].") from None

@@ -158,7 +158,13 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
         source = resolve_model(cfg.model)
         config = config if config is not None else model_config(cfg, source, weights=weights)
     if weights:
-        model = _load_weights(config, source, dtype, cfg, s)
+        log.info("loading %s (%s weights)", source.name, str(dtype).removeprefix("torch."))
+        # transformers' per-tensor bars (GGUF de-quantizing, "Loading weights") are noise in a training log.
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            model = _load_weights(config, source, dtype, cfg, s)
+        finally:
+            transformers.utils.logging.enable_progress_bar()
         if source.gguf_file:
             # GGUF weights are de-quantized on load; drop the quantizer marks so saving and merging write plain
             # weights.

@@ -16,14 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfit.config.support import TORCHAO_HINT
 from shardfit.errors import UserError
 from shardfit.models.anatomy import transformer_blocks
 from shardfit.plan.quant import BLOCK, quantizable, scaler_block_size
 
 log = logging.getLogger(__name__)
-
-TORCHAO_HINT = "pip install -c constraints.txt torchao==0.18.0 (or `pip install shardfit[qlora]`)"
-
 
 def torchao_available() -> bool:
     """torchao is installed (found, not imported: importing it takes seconds)."""

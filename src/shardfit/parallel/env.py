@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from shardfit.parallel.netif import gloo_interface_fix
+
+log = logging.getLogger("shardfit")
+# Entries of torch's flight recorder: the last collectives of each rank, which the watchdog reads to tell the rank
+# that is behind from the ranks that wait for it (a ring buffer of a few hundred bytes per entry).
+FLIGHT_RECORDER_ENTRIES = "2000"
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,26 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        use_reachable_interface(local_rank)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                 **_restart_safe_store(rank, world, timeout))
     return DistEnv(rank, world, local_rank, device, backend)
+
+
+def use_reachable_interface(local_rank: int) -> str | None:
+    """Point gloo at the interface the other hosts can reach when this host's name resolves to loopback
+    (parallel/netif.py); returns the interface it set, if any."""
+    iface = gloo_interface_fix(os.environ)
+    if iface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        if local_rank == 0:
+            log.warning("this host's name (%s) resolves to loopback only, so gloo would advertise 127.0.0.1 to the "
+                        "other hosts; using GLOO_SOCKET_IFNAME=%s, the interface on the route to MASTER_ADDR",
+                        os.uname().nodename, iface)
+    return iface
 
 
 def _restart_safe_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:

@@ -31,7 +31,7 @@ def auto_strategy(plan: Plan | None, world: int) -> str:
     for name in (s for s in SPEED_ORDER if s in MULTI_RANK):
         if plan.fits(name):
             return name
-    raise DoesNotFitError("no strategy fits this hardware.\n" + format_table(plan))
+    raise DoesNotFitError("no strategy fits this hardware.\n" + format_table(plan, style="config"))
 
 
 def refuse_if_oom(plan: Plan | None, strategy: str, force: bool) -> None:
@@ -41,4 +41,4 @@ def refuse_if_oom(plan: Plan | None, strategy: str, force: bool) -> None:
     c = plan.candidate(strategy)
     if c is not None and not c.fits:
         raise DoesNotFitError(f"strategy {strategy} is predicted not to fit: {c.notes} "
-                              f"(set force: true to start anyway).\n" + format_table(plan))
+                              f"(set force: true to start anyway).\n" + format_table(plan, style="config"))

@@ -14,7 +14,14 @@ CARDS = {
     "l4": 22.0, "a10": 22.0, "a10g": 22.0, "t4": 14.6, "v100": 31.7, "v100-32g": 31.7, "v100-16g": 15.8,
     "a100": 79.2, "a100-40g": 39.4, "a100-80g": 79.2, "h100": 79.2, "h100-80g": 79.2, "h200": 139.8,
     "h20": 94.5, "a800": 79.2, "h800": 79.2, "b200": 178.0, "mi300x": 191.5, "5090": 31.4,
+    "a40": 44.5, "a30": 23.5, "6000ada": 47.5, "4070ti": 11.6, "4060ti": 15.6, "2080ti": 10.6, "h100-94g": 93.1,
+    "mi250x": 63.9,
 }
+# Cards sold with two memory sizes: the bare name means the larger one, and the plan says so.
+AMBIGUOUS = {"a100": "A100 taken as the 80 GB card; write A100-40G for the 40 GB one",
+             "v100": "V100 taken as the 32 GB card; write V100-16G for the 16 GB one"}
+# Cards without bf16 arithmetic: bf16 is emulated or refused there, fp16 is what they compute in.
+NO_BF16 = ("t4", "v100", "v100-32g", "v100-16g", "2080ti")
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
     """Parse `NxMEM` or `NxCARD` (MEM like 24GB / 24GiB / 24G / 24)."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(.+?)\s*", spec)
     count, what = (int(m.group(1)), m.group(2)) if m else (1, spec.strip())
-    key = what.lower().replace("nvidia", "").replace(" ", "").strip("-").replace("gb", "g")
+    key = card_key(what)
     size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)?", what.lower())
     if key in CARDS:  # before sizes: `1x4090` is a card, not 4090 GiB
         mem = CARDS[key]
@@ -46,6 +53,23 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
     if count < 1 or mem <= 0:
         raise UserError(f"--gpus {spec}: need at least one GPU with positive memory.")
     return Hardware(nodes, count, mem, cpu_mem_gib, what)
+
+
+def card_key(name: str) -> str:
+    """A card name as the table spells it: `NVIDIA GeForce RTX 3090` -> `3090`, `A100-80GB` -> `a100-80g`."""
+    key = name.lower()
+    for word in ("nvidia", "geforce", "tesla", "rtx", "amd", "instinct", "pcie", "sxm"):
+        key = key.replace(word, "")
+    return key.replace(" ", "").replace("_", "-").strip("-").replace("gb", "g")
+
+
+def hardware_notes(hw: Hardware, precision: str) -> list[str]:
+    """What the plan assumed about the cards that a user may not have meant."""
+    key = card_key(hw.name)
+    notes = [AMBIGUOUS[key]] if key in AMBIGUOUS else []
+    if key in NO_BF16 and precision == "bf16":
+        notes.append(f"{hw.name} has no bf16 arithmetic: train with precision fp16 there (same memory)")
+    return notes
 
 
 def host_mem_gib() -> float | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit import __version__
+from shardfit.config.support import trainable_methods
 from shardfit.plan.estimate import Candidate, estimate, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
@@ -38,7 +39,7 @@ class Plan:
     candidates: list[Candidate]
     recommended: str | None
     reason: str
-    alternatives: list[str] | None = None  # the nearest changes that make something fit, when nothing does
+    alternatives: list[Alternative] | None = None  # the nearest changes that make something fit, when nothing does
 
     def candidate(self, strategy: str) -> Candidate | None:
         """The estimate of `strategy`, or None when the plan did not consider it."""
@@ -62,7 +63,7 @@ class Plan:
             "reason": self.reason,
         }
         if self.alternatives is not None:
-            out["alternatives"] = self.alternatives
+            out["alternatives"] = [a.phrase("plan") for a in self.alternatives]
         return out
 
 
@@ -84,34 +85,73 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
     return None, "nothing fits this hardware"
 
 
-def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
+@dataclass(frozen=True)
+class Alternative:
+    """A change that makes something fit: what to change (workload fields, or more nodes) and the result."""
+
+    what: str  # in words: "turn on gradient checkpointing"
+    changes: tuple[tuple[str, object], ...]  # workload field -> new value
+    nodes: int | None  # more nodes instead of a workload change
+    strategy: str
+    total_gib: float
+
+    def phrase(self, style: str = "plan") -> str | None:
+        """The change as the flags of `shardfit plan` (style "plan") or as config overrides for `train`/`check`
+        (style "config"); None when that command has no such setting."""
+        how = _flags(self, style)
+        if how is None:
+            return None
+        return f"{self.what} ({how}): {self.strategy} at {self.total_gib:.1f} GiB per GPU"
+
+
+# Workload fields as `shardfit plan` flags and as config keys (None: the config has no such key).
+_FLAG = {"grad_ckpt": ("--grad-ckpt", "grad_ckpt"), "micro_batch": ("--batch", "micro_batch"),
+         "grad_accum": ("--grad-accum", "grad_accum"), "seq_len": ("--seq", "max_seq_len"),
+         "method": ("--method", "method"), "optimizer": ("--optimizer", None)}
+
+
+def _flags(a: Alternative, style: str) -> str | None:
+    if a.nodes is not None:
+        return f"--nodes {a.nodes}" if style == "plan" else f"--nnodes {a.nodes}"
+    parts = []
+    for field_name, value in a.changes:
+        flag, key = _FLAG[field_name]
+        if style == "plan":
+            parts.append(f"{flag} {value}")
+        elif key is None or (field_name == "method" and value not in trainable_methods()):
+            return None
+        else:
+            parts.append(f"--set {key}={value}")
+    return " ".join(parts)
+
+
+def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternative]:
     """The nearest changes that make something fit, checked with the same estimator."""
-    tries: list[tuple[str, Workload, Hardware]] = []
+    tries: list[tuple[str, dict[str, object], int | None]] = []
     if w.grad_ckpt != "full":
-        what = "checkpoint whole blocks" if w.grad_ckpt == "selective" else "turn on gradient checkpointing"
-        tries.append((f"{what} (--grad-ckpt full)", dataclasses.replace(w, grad_ckpt="full"), hw))
+        tries.append(("checkpoint whole blocks" if w.grad_ckpt == "selective" else "turn on gradient checkpointing",
+                      {"grad_ckpt": "full"}, None))
     if w.micro_batch > 1:
-        accum = w.grad_accum * w.micro_batch
-        tries.append((f"micro-batch 1 with grad_accum {accum}",
-                      dataclasses.replace(w, micro_batch=1, grad_accum=accum), hw))
+        tries.append((f"micro-batch 1 with grad_accum {w.grad_accum * w.micro_batch}",
+                      {"micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}, None))
     if w.seq_len > 512:
-        tries.append((f"shorter sequences (--seq {w.seq_len // 2})", dataclasses.replace(w, seq_len=w.seq_len // 2),
-                      hw))
+        tries.append(("shorter sequences", {"seq_len": w.seq_len // 2}, None))
     if w.method in ("full", "freeze"):
-        tries.append(("LoRA instead of a full fine-tune (--method lora)", dataclasses.replace(w, method="lora"), hw))
+        tries.append(("LoRA instead of a full fine-tune", {"method": "lora"}, None))
     if w.method != "qlora":
-        tries.append(("QLoRA: 4-bit frozen weights (--method qlora)", dataclasses.replace(w, method="qlora"), hw))
+        tries.append(("QLoRA: 4-bit frozen weights", {"method": "qlora"}, None))
     if w.optimizer == "adamw" and w.method == "full":
-        tries.append(("8-bit AdamW (--optimizer adamw8bit)", dataclasses.replace(w, optimizer="adamw8bit"), hw))
-    tries.append((f"twice the GPUs ({hw.nodes * 2} nodes x {hw.gpus_per_node})", w,
-                  dataclasses.replace(hw, nodes=hw.nodes * 2)))
+        tries.append(("8-bit AdamW", {"optimizer": "adamw8bit"}, None))
+    tries.append((f"twice the GPUs ({hw.nodes * 2} nodes x {hw.gpus_per_node})", {}, hw.nodes * 2))
     out = []
-    for label, w2, hw2 in tries:
+    for what, changes, nodes in tries:
+        w2 = dataclasses.replace(w, **changes)
+        hw2 = dataclasses.replace(hw, nodes=nodes) if nodes else hw
         cands = [estimate(shape, w2, hw2, s) for s in NAMES]
         best, _ = recommend(cands, hw2)
         if best is not None:
             c = next(c for c in cands if c.strategy == best)
-            out.append(f"{label}: {best} at {c.per_gpu_gib.total:.1f} GiB per GPU")
+            out.append(Alternative(what, tuple(changes.items()), nodes, best, c.per_gpu_gib.total))
     return out
 
 

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
 
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
 
 
-def format_table(plan: Plan) -> str:
-    """A readable table of the plan for the terminal (rounded as in the JSON)."""
+def format_table(plan: Plan, style: str = "plan") -> str:
+    """A readable table of the plan for the terminal (rounded as in the JSON). `style` phrases the alternatives
+    for the command the user ran: `plan` flags, or `config` overrides for train and check."""
     d = plan.to_json()
-    m, hw, w = d["model"], d["hardware"], d["workload"]
+    m, w = d["model"], d["workload"]
     lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params, {m['trainable_params'] / 1e6:.1f}M trainable "
              f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
              f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
              + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
              + (", 16-bit adapters" if w["adapters_16bit"] and w["method"] in ("lora", "qlora") else "") + ")",
-             f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) x {hw['gpu_mem_gib']:.1f} GiB", "",
+             _hardware_line(plan), *[f"note: {n}" for n in hardware_notes(plan.hardware, w["precision"])], "",
              f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
              f"{'runtime':>8}{'total':>9}  peak  fits  notes"]
     for c in d["candidates"]:
@@ -33,8 +35,17 @@ def format_table(plan: Plan) -> str:
         lines.append(f"recommended: {d['recommended']} ({d['reason']})")
     else:
         lines.append("nothing fits. Nearest alternatives:")
-        lines += [f"  - {a}" for a in d.get("alternatives", [])] or ["  - none found"]
+        phrases = [a.phrase(style) for a in plan.alternatives or []]
+        lines += [f"  - {p}" for p in phrases if p] or ["  - none found"]
     return "\n".join(lines)
+
+
+def _hardware_line(plan: Plan) -> str:
+    hw = plan.hardware
+    if hw.name == "cpu":  # no GPU: each process computes on the CPU and shares the host's memory
+        return (f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} CPU process(es) x {round(hw.gpu_mem_gib, 2):.1f} "
+                "GiB of host RAM (no GPU)")
+    return f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) x {round(hw.gpu_mem_gib, 2):.1f} GiB"
 
 
 def _loss_label(loss: str) -> str:

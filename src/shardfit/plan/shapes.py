@@ -101,17 +101,27 @@ def resolve_shape(model: str) -> ModelShape:
     if model in entries:
         return ModelShape(id=model, **entries[model])
     lower = {k.lower(): k for k in entries}
-    if model.lower() in lower:
-        key = lower[model.lower()]
-        return ModelShape(id=key, **entries[key])
+    for variant in _variants(model.lower()):  # a base model and its -Instruct twin share one shape
+        if variant in lower:
+            return ModelShape(id=model if variant != model.lower() else lower[variant], **entries[lower[variant]])
     p = Path(model).expanduser()
     if p.is_file() and p.name.endswith(".json"):
         return _from_config(_read_config_json(p, model), model)
     if p.is_dir() and (p / "config.json").is_file():
         return _from_config(_read_config_json(p / "config.json", model), model)
-    close = difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
+    stem = model.lower().rsplit("/", 1)[-1]
+    close = [k for k in entries if stem and stem in k.lower()][:3] or \
+        difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
     raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")
+
+
+def _variants(name: str) -> list[str]:
+    """`name` and its base/instruct twin (lower case): the catalog holds one of the two for many models."""
+    for suffix in ("-instruct", "-chat", "-it"):
+        if name.endswith(suffix):
+            return [name, name[: -len(suffix)]]
+    return [name, name + "-instruct", name + "-it"]
 
 
 def hf_config(shape: ModelShape) -> Any:

@@ -11,6 +11,8 @@ real is allocated, so a 72B config runs on a laptop.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,8 @@ from shardfit.simulate.tracker import (
 from shardfit.strategy import get as get_strategy
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.optim import build_optimizer
+
+log = logging.getLogger(__name__)
 
 
 def hf_config_for(shape: ModelShape, source: str | None) -> Any:
@@ -195,6 +199,13 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
 
 def simulate_plan(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, source: str | None) -> Plan:
     """Replace the analytic candidates that can be simulated with measured ones; re-derive the recommendation."""
-    cands = [simulate(shape, w, hw, c.strategy, source) if get_strategy(c.strategy).simulable
-             else estimate(shape, w, hw, c.strategy) for c in plan.candidates]
+    cands = []
+    for c in plan.candidates:
+        if get_strategy(c.strategy).simulable:
+            t0 = time.perf_counter()
+            log.info("simulating %s: one training step of %s on fake tensors ...", c.strategy, shape.id)
+            cands.append(simulate(shape, w, hw, c.strategy, source))
+            log.info("simulated %s in %.0f s", c.strategy, time.perf_counter() - t0)
+        else:
+            cands.append(estimate(shape, w, hw, c.strategy))
     return with_candidates(plan, cands)

@@ -14,7 +14,6 @@ import os
 import random
 import re
 import shutil
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
+from shardfit.parallel.shared_dir import ranks_seeing
 from shardfit.train.rundir import file_digest
 
 log = logging.getLogger(__name__)
@@ -76,22 +76,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def require_shared_dir(run_dir: Path, env: DistEnv) -> None:
     """Every rank must see the same run directory: DCP writes one shard per rank and rank 0 renames the step
     directory, so on node-local disks a multi-node checkpoint would be silently incomplete. Checked once at start."""
-    if not env.distributed:
-        return
-    token = [f".shared-{uuid.uuid4().hex}" if env.is_main else None]
-    dist.broadcast_object_list(token)
-    marker = run_dir / str(token[0])
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    barrier(env)
-    missing = torch.tensor([0 if marker.exists() else 1])
-    dist.all_reduce(missing)
-    barrier(env)
-    if env.is_main:
-        marker.unlink()
-    if int(missing):
-        raise UserError(f"output_dir {run_dir} is not shared: {int(missing)} of {env.world} ranks cannot see what "
+    missing = ranks_seeing(run_dir, env).count(False)
+    if missing:
+        raise UserError(f"output_dir {run_dir} is not shared: {missing} of {env.world} ranks cannot see what "
                         "rank 0 wrote there. Checkpoints are sharded across ranks, so on several nodes output_dir "
                         "must be on a filesystem every node mounts (NFS, Lustre, a shared volume).")
 

@@ -1,18 +1,28 @@
-"""Held-out loss during and after training, with its own cadence."""
+"""Held-out loss (and the generation metrics of `eval_metrics`) during and after training, with its own cadence;
+the same loss for `shardfit eval`."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardfit.data.dataset import Conversation, DataStats, encode_all
 from shardfit.data.loader import collate
-from shardfit.data.packing import PackedRow
+from shardfit.data.packing import PackedRow, no_pack
+from shardfit.evals.generation import Scored, score_answers
+from shardfit.evals.scorers import Scorer
+from shardfit.infer.generate import Sampling, generate_sharded
+from shardfit.infer.prompts import Request
+from shardfit.models.anatomy import input_device
 from shardfit.parallel.env import DistEnv
-from shardfit.train.metrics import MetricsLog
+from shardfit.train.loss import CausalLMLoss
+from shardfit.train.metrics import MetricsLog, progress
 
 
 @torch.no_grad()
@@ -39,16 +49,59 @@ def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id:
     return float(total[0] / max(total[1], 1))
 
 
+class GenerationEval:
+    """`eval_metrics` during training: greedy answers to the first `eval_samples` held-out prompts, scored.
+
+    `model` is the inner model (what `generate` runs on); `root` is the module the strategy wrapped. Under FSDP2 the
+    root's own parameters (head, final norm, tied embedding) are gathered around generation, and every rank steps
+    until all are done, because each forward of a sharded model is a collective."""
+
+    def __init__(self, model: nn.Module, root: nn.Module, tokenizer: Any, requests: list[Request],
+                 scorers: list[Scorer], sampling: Sampling, env: DistEnv, amp: Any):
+        self.model, self.root, self.tokenizer, self.requests = model, root, tokenizer, requests
+        self.scorers, self.sampling, self.env, self.amp = scorers, sampling, env, amp
+        self.scored: Scored | None = None
+
+    @torch.no_grad()
+    def run(self) -> dict[str, float]:
+        """Each metric's mean as `eval_<name>` (identical on every rank)."""
+        self.model.eval()
+        sharded = hasattr(self.root, "unshard") and hasattr(self.root, "reshard")
+        if sharded:
+            self.root.unshard()
+        try:
+            with self.amp:
+                answers = generate_sharded(self.model, self.tokenizer, [r.messages for r in self.requests],
+                                           self.sampling, rank=self.env.rank, world=self.env.world)
+        finally:
+            if sharded:
+                self.root.reshard()
+            self.model.train()
+        self.scored = score_answers(self.requests, answers, self.scorers)
+        return {f"eval_{k}": v for k, v in self.scored.means.items()}
+
+    def samples(self, step: int) -> list[dict[str, Any]]:
+        """The last run's answers as eval_samples.jsonl lines."""
+        scored = self.scored
+        if scored is None:
+            return []
+        return [{"step": step, "where": r.where, "prompt": r.messages[-1]["content"], "expected": r.expected,
+                 "answer": a, "scores": sc} for r, a, sc in zip(self.requests, scored.answers, scored.scores,
+                                                                  strict=True)]
+
+
 class Evaluator:
-    """Evaluates every `every` steps before the last, and once at the end (`run`); writes eval_loss lines."""
+    """Evaluates every `every` steps before the last, and once at the end (`run`); writes eval_loss lines (with
+    the generation metrics when `generation` is given)."""
 
     def __init__(self, module: nn.Module, rows: list[PackedRow], metrics: MetricsLog, env: DistEnv, *,
                  micro_batch: int, pad_id: int, amp: Any, device: torch.device, width: int | None, every: int,
-                 total_steps: int):
+                 total_steps: int, generation: GenerationEval | None = None, show: bool = False):
         self.module, self.rows, self.metrics, self.env = module, rows, metrics, env
         self.micro_batch, self.pad_id, self.amp, self.device, self.width = micro_batch, pad_id, amp, device, width
-        self.every, self.total = every, total_steps
+        self.every, self.total, self.generation, self.show = every, total_steps, generation, show
         self.last: float | None = None
+        self.last_generation: dict[str, float] = {}
 
     def maybe_run(self, step: int) -> None:
         if self.rows and step % self.every == 0 and step != self.total:
@@ -57,7 +110,43 @@ class Evaluator:
     def run(self, step: int) -> float | None:
         if not self.rows:
             return None
+        bar = progress(2 if self.generation else 1, 0, self.show, desc="eval", unit="pass")
         self.last = evaluate(self.module, self.rows, self.micro_batch, self.pad_id, self.env, self.amp, self.device,
                              self.width)
-        self.metrics.write({"step": step, "eval_loss": self.last})
+        bar.update()
+        record: dict[str, Any] = {"step": step, "eval_loss": self.last}
+        if self.generation is not None:
+            bar.set_postfix_str(f"generating {len(self.generation.requests)} answers")
+            self.last_generation = self.generation.run()
+            record.update(self.last_generation)
+            self.metrics.write_samples(self.generation.samples(step))
+            bar.update()
+        bar.close()
+        self.metrics.write(record)
         return self.last
+
+
+@dataclass
+class HeldoutLoss:
+    """Mean loss per assistant token, its perplexity, and how many tokens it averages."""
+
+    loss: float | None
+    perplexity: float | None
+    tokens: int
+
+
+def heldout_loss(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, str]]], *, max_seq_len: int,
+                 micro_batch: int, device: torch.device) -> HeldoutLoss:
+    """The loss training reports as eval_loss (same tokenisation, labels on assistant tokens only, same chunked
+    loss), for a model already on `device` in its compute dtype, in one process."""
+    stats = DataStats()
+    rows = no_pack(encode_all(tokenizer, [Conversation(m, f"row {i + 1}") for i, m in enumerate(conversations)],
+                              max_seq_len, stats))
+    if not rows:
+        return HeldoutLoss(None, None, 0)
+    env = DistEnv(0, 1, 0, device, None)
+    loss = evaluate(CausalLMLoss(model), rows, micro_batch, tokenizer.pad_token_id, env, contextlib.nullcontext(),
+                    input_device(model))
+    model.eval()
+    tokens = sum(r.n_targets for r in rows)
+    return HeldoutLoss(loss, math.exp(min(loss, 50.0)) if loss is not None else None, tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm.auto import tqdm
 
 from shardfit.config import Config
 from shardfit.config.support import qlora_compute_dtype
@@ -34,8 +36,14 @@ def gather_full_state(wrapped: nn.Module, trainable_only: bool) -> dict[str, tor
 
 
 def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Path, env: DistEnv,
-               is_lora: bool) -> Path:
-    """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks."""
+               is_lora: bool, base_name: str | None = None) -> Path:
+    """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks.
+
+    An adapter names its base as the config did (`base_name`: a hub id or a local folder), not the folder the
+    weights were read from: for a model bundled as GGUF that folder is not a model `from_pretrained` can load."""
+    if is_lora and base_name:
+        for peft_config in getattr(model, "peft_config", {}).values():
+            peft_config.base_model_name_or_path = base_name
     sd = gather_full_state(wrapped, trainable_only=is_lora)
     if not is_lora:
         sd = _drop_tied_copies(model, sd)
@@ -66,24 +74,48 @@ def _drop_tied_copies(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str
     return sd
 
 
-def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
+def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torch.dtype, show: bool = False) -> Path:
     """Build the run's base model (as training built it, in fp32), apply the adapter, merge it into the weights,
-    and save a plain HF folder with the tokenizer.
+    and save a plain HF folder with the tokenizer. `show`: a progress bar over those stages.
 
     A QLoRA adapter learned its update against the 4-bit weights, so it is merged into those, dequantized (the
     weights the run computed with), as the HF QLoRA recipe merges; the result is a plain dense model."""
-    base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
-    model = build_model(base_cfg, "single", weights=True)
-    if run_cfg.method == "qlora":
-        quantize_blocks(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
-        dequantize_all(model)
+    bar = tqdm(total=4, desc="export", unit="stage", file=sys.stderr, disable=not show, leave=False)
     try:
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
-        raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
-    merged = model.merge_and_unload().to(dtype)
-    merged.config.use_cache = True
+        bar.set_postfix_str("base weights")
+        base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
+        model = build_model(base_cfg, "single", weights=True)
+        if run_cfg.method == "qlora":
+            quantize_blocks(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
+            dequantize_all(model)
+        bar.update()
+        bar.set_postfix_str("adapter")
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter_dir))
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
+            raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
+        bar.update()
+        bar.set_postfix_str("merge")
+        merged = model.merge_and_unload().to(dtype)
+        merged.config.use_cache = True
+        bar.update()
+        bar.set_postfix_str(f"save to {out_dir}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        merged.save_pretrained(str(out_dir), safe_serialization=True)
+        load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
+        bar.update()
+    finally:
+        bar.close()
+    return out_dir
+
+
+def export_base(model: str, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> Path:
+    """Write a model that loads only through shardfit (a GGUF file, a model bundled as GGUF) as a plain Hugging Face
+    folder, once: configs can then name that folder, and adapters trained on it name a base anyone can load."""
+    cfg = Config(model=model, method="full", precision="fp32", trust_remote_code=trust_remote_code)
+    base = build_model(cfg, "single", weights=True).to(dtype)
+    base.config.use_cache = True
     out_dir.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(out_dir), safe_serialization=True)
-    load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
+    base.save_pretrained(str(out_dir), safe_serialization=True)
+    load_tokenizer(resolve_model(model), trust_remote_code).save_pretrained(str(out_dir))
     return out_dir

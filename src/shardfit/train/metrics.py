@@ -1,5 +1,5 @@
-"""What a run reports while it trains: metrics.jsonl, memory per rank, optional TensorBoard, the progress bar, and
-the step logger that decides when to write."""
+"""What a run reports while it trains: metrics.jsonl (and its copies to the trackers), memory per rank, the
+progress bar, and the step logger that decides when to write."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from shardfit.parallel.env import DistEnv
+from shardfit.train.trackers import Tracker, scalars_of
+
+SAMPLES_FILE = "eval_samples.jsonl"
 
 
 def peak_mem_gib(device: torch.device) -> float:
@@ -35,47 +39,48 @@ def gather_floats(value: float, env: DistEnv) -> list[float]:
 
 
 class MetricsLog:
-    """Appends one JSON object per logging step on rank 0 (and mirrors scalars to TensorBoard if installed)."""
+    """Appends one JSON object per logging step on rank 0, and mirrors its numbers to the run's trackers
+    (TensorBoard, W&B, MLflow: `report_to`)."""
 
-    def __init__(self, run_dir: Path, env: DistEnv):
+    def __init__(self, run_dir: Path, env: DistEnv, trackers: Sequence[Tracker] = ()):
         self.env = env
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.tb = None
-        if env.is_main:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
-            except ImportError:
-                self.tb = None
+        self.trackers = list(trackers) if env.is_main else []
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.env.is_main:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, record.get("step", 0))
+        scalars = scalars_of(record)
+        for t in self.trackers:
+            t.log(scalars, int(record.get("step", 0)))
+
+    def write_samples(self, items: list[dict[str, Any]]) -> None:
+        """Answers generated at an evaluation (eval_metrics), one line each, to eval_samples.jsonl."""
+        if not self.env.is_main:
+            return
+        with (self.path.parent / SAMPLES_FILE).open("a") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """On resume, drop metric lines logged after the checkpoint, so the log reads as one uninterrupted run."""
+    """On resume, drop lines logged after the checkpoint, so the log reads as one uninterrupted run."""
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
-def progress(total: int, initial: int, enabled: bool) -> Any:
-    """A tqdm bar on rank 0 (loss, tokens/s, ETA); silent elsewhere."""
+def progress(total: int, initial: int, enabled: bool, desc: str = "train", unit: str = "step") -> Any:
+    """A tqdm bar on rank 0 (rate and ETA; the caller adds loss, tokens/s); silent elsewhere."""
     return tqdm(total=total, initial=initial, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-                desc="train", unit="step")
+                desc=desc, unit=unit, leave=desc == "train")
 
 
 class StepLogger:
@@ -116,6 +121,10 @@ class StepLogger:
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}")
         self._loss.zero_()
         self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training steps (evaluation, checkpoints) out of the window's tokens/s."""
+        self._t0 += seconds
 
     def close(self) -> None:
         self.bar.close()

@@ -29,24 +29,31 @@ from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.errors import JobFailed, UserError
+from shardfit.evals.scorers import parse_metrics
+from shardfit.infer.generate import Sampling
+from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
+from shardfit.parallel import faults
+from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import parallelize, set_grad_sync
+from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom
 from shardfit.plan.hardware import job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
-from shardfit.train.evaluate import Evaluator
+from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
-from shardfit.train.metrics import MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
+from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
+from shardfit.train.trackers import open_trackers, resolve_report_to
 
 log = logging.getLogger("shardfit")
 
@@ -85,6 +92,12 @@ def report_findings(findings: list[Finding], env: DistEnv) -> None:
     refuse_unfixable(findings)
 
 
+def base_reference(model: str) -> str:
+    """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else model
+
+
 def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
     """Training rows: packed several examples to a row, or one example per row."""
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
@@ -92,15 +105,19 @@ def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
 
 class FineTune:
     """One fine-tune of `cfg` on this process's share of the work. `model`/`tokenizer`, when given, are the
-    config's model as `build_model` made it (the demo evaluates the base model before training)."""
+    config's model as `build_model` made it (the demo evaluates the base model before training). `watchdog`, when
+    given, is the rank's running watchdog (train_cmd starts it); without one the phases are only recorded."""
 
     def __init__(self, cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 plan: Plan | None = None, quiet: bool = False):
+                 plan: Plan | None = None, quiet: bool = False, watchdog: Watchdog | None = None):
         self.cfg, self.env, self.model, self.tokenizer, self.plan, self.quiet = cfg, env, model, tokenizer, plan, quiet
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
         self.lock: RunLock | None = None
         self.finished = False
+        self.fit_s, self.fit_tokens = 0.0, 0
+        self.wd = watchdog or Watchdog(env, None)
+        self.fault = faults.from_env()
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -112,6 +129,7 @@ class FineTune:
                         "precision: fp32 (or auto) trains several times faster here",
                         cpu_matmul_gflops(torch.bfloat16), cpu_matmul_gflops(torch.float32))
         require_method_support(cfg)
+        resolve_report_to(cfg.report_to)  # a tracker that is not installed stops the run now, not after the load
         if cfg.compile:
             require_compiler(env.device)
         self._claim_run_dir()
@@ -156,6 +174,15 @@ class FineTune:
             self.tokenizer = load_tokenizer(resolve_model(self.cfg.model), self.cfg.trust_remote_code)
         train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split)
         self.data_stats = split.stats
+        self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
+        eval_conv = [c.messages for c in split.eval]
+        self.eval_requests = requests_from_conversations(eval_conv, self.cfg.eval_samples) if self.scorers else []
+        if self.scorers and not self.eval_requests and self.env.is_main:
+            log.warning("eval_metrics %s: no held-out data to generate for; set eval_data or eval_split",
+                        self.cfg.eval_metrics)
+        if self.eval_requests and self.cfg.compile and self.env.is_main:
+            log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
+                        "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
         self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
@@ -185,11 +212,15 @@ class FineTune:
     def _setup_optimizer(self) -> None:
         cfg, env = self.cfg, self.env
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
-        # Sharded parameters are a 1/world slice on each rank: count the whole.
-        self.n_trainable = sum(p.numel() for p in self.params) * (env.world if self.strategy.sharded else 1)
+        self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.batches = BatchSchedule(self.rows, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed)
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
+        # Every rank reads the whole data set, so these match unless the nodes read different files.
+        require_same(env, {"train_rows": len(self.rows), "eval_rows": len(self.eval_rows),
+                           "steps": self.total_steps}, "the training work",
+                     "The data files differ between nodes: put the same data on every node (a shared filesystem, "
+                     "or identical copies at the same path).")
         self.lr_schedule = cosine_with_warmup(self.optimizer, int(cfg.warmup_ratio * self.total_steps),
                                               self.total_steps)
 
@@ -201,12 +232,16 @@ class FineTune:
         self.start_step, self.tokens = (resumed.step, resumed.tokens) if resumed else (0, 0)
         # Its last step is checkpointed and its summary written: nothing to train, nothing to overwrite.
         self.finished = self.start_step >= self.total_steps and (self.run_dir / "summary.json").is_file()
-        metrics_file = self.run_dir / "metrics.jsonl"
+        if self.finished:
+            return
+        logs = [self.run_dir / "metrics.jsonl", self.run_dir / SAMPLES_FILE]
         if env.is_main and resumed is not None:
-            truncate_after(metrics_file, self.start_step)
+            for f in logs:
+                truncate_after(f, self.start_step)
             log.info("resumed from %s (step %d)", resumed.path, self.start_step)
-        elif env.is_main and metrics_file.exists():
-            metrics_file.unlink()
+        elif env.is_main:
+            for f in logs:
+                f.unlink(missing_ok=True)
 
     def _write_run_files(self) -> None:
         if not self.env.is_main or self.finished:
@@ -220,46 +255,77 @@ class FineTune:
              "findings": [f.to_json() for f in self.findings]}, indent=2))
         if not self.quiet:
             cfg, stats = self.cfg, self.data_stats
+            world = self.env.world
             print(f"shardfit: {self.n_examples} examples -> {len(self.rows)} rows of <= {cfg.max_seq_len} tokens "
                   f"({'packed' if cfg.packing else 'unpacked'}), {self.n_eval} eval; strategy {self.strategy.name} "
-                  f"on {self.env.world} x {self.env.device.type}; {self.n_trainable:,} trainable params; "
-                  f"{self.total_steps} steps" + (f"; {stats.describe()}" if stats.describe() else ""))
+                  f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
+                  f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
+                  f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
+                  + (f"; {stats.describe()}" if stats.describe() else ""))
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
         """One optimizer step per iteration; logging, evaluation and checkpoints keep their own cadence."""
-        cfg, env = self.cfg, self.env
+        cfg, env, wd = self.cfg, self.env, self.wd
         if self.finished:
             return
-        self.metrics = MetricsLog(self.run_dir, env)
+        wd.configure(self.run_dir, WatchdogSettings(cfg.watchdog_factor, cfg.watchdog_min_s, cfg.watchdog_action))
+        trackers = open_trackers(cfg.report_to, self.run_dir, cfg.run_name or self.run_dir.resolve().name,
+                                 cfg.to_dict()) if env.is_main else []
+        self.metrics = MetricsLog(self.run_dir, env, trackers)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
         self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, micro_batch=cfg.micro_batch,
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, width=self.width,
-                                   every=cfg.eval_steps, total_steps=self.total_steps)
+                                   every=cfg.eval_steps, total_steps=self.total_steps,
+                                   generation=self._generation_eval(), show=env.is_main and not self.quiet)
         self.loss_module.train()
+        t_fit, tokens_before = time.perf_counter(), self.tokens
         for step in range(self.start_step, self.total_steps):
-            rows = self.batches.step(step)
-            grad_norm = self.train_step(step, rows)
-            self.tokens += rows.global_tokens
             done = step + 1
-            self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
-                                 self.lr_schedule.get_last_lr()[0])
-            self.evaluator.maybe_run(done)
-            self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+            with wd.phase(f"step {done}", step=True):
+                wd.at("data loader")
+                faults.inject(self.fault, env.rank, done)
+                rows = self.batches.step(step)
+                grad_norm = self.train_step(step, rows)
+                self.tokens += rows.global_tokens
+                wd.at("metrics (loss all-reduce)")
+                self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
+                                     self.lr_schedule.get_last_lr()[0])
+            t_aside = time.perf_counter()
+            with wd.phase(f"evaluation after step {done}", where="evaluation"):
+                self.evaluator.maybe_run(done)
+            with wd.phase(f"checkpoint save at step {done}", where="checkpoint save"):
+                self.checkpointer.maybe_save(done, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+            aside = time.perf_counter() - t_aside
+            self.logger.exclude(aside)
+            t_fit += aside  # tokens_per_s in summary.json counts training steps only, as the progress bar does
         self.logger.close()
+        self.fit_s, self.fit_tokens = time.perf_counter() - t_fit, self.tokens - tokens_before
+
+    def _generation_eval(self) -> GenerationEval | None:
+        if not self.eval_requests:
+            return None
+        sampling = Sampling(max_new_tokens=self.cfg.eval_max_new_tokens)
+        return GenerationEval(self.model, self.loss_module, self.tokenizer, self.eval_requests, self.scorers, sampling,
+                              self.env, self.amp)
 
     def train_step(self, step: int, rows: StepRows) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
         # Normalise by the global batch's target count: the same loss at any world size and accumulation.
         scale = self.env.world / max(rows.global_targets, 1)
+        wd = self.wd
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
+            wd.at("data loader")
             batch = collate(micro, self.pad_id, self.width).to(self.in_device)
+            wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets)
+            wd.at("backward")
             (loss_sum * scale).backward()
             self.logger.add_loss(loss_sum, rows.global_targets)
+        wd.at("optimizer step")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # FSDP2: the norm over every rank's shard, the same on all ranks
@@ -282,25 +348,32 @@ class FineTune:
     # -- finish --------------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:
         """Final evaluation and checkpoint, the adapter or model folder, and summary.json."""
-        env = self.env
+        env, wd = self.env, self.wd
         if self.finished:
             if env.is_main and not self.quiet:
                 print(f"shardfit: {self.run_dir} already finished this run (step {self.start_step}); nothing to do. "
                       "Use a new output_dir, or --set resume=never to train it again.")
             summary = json.loads((self.run_dir / "summary.json").read_text())
             return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
-        eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
-        self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
-        save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                   is_lora=self.cfg.method in ("lora", "qlora"))
+        with wd.phase("final evaluation", where="evaluation"):
+            eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
+        with wd.phase("final checkpoint save", where="checkpoint save"):
+            self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+        with wd.phase("saving the adapter or model", where="final save"):
+            save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
+                       is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
-                   "eval_loss": eval_loss, "tokens_per_s": round(self.tokens / wall, 2) if wall > 0 else None,
+                   "eval_loss": eval_loss,
+                   # Training steps only, as the progress bar shows it; the whole process (loading included) beside.
+                   "tokens_per_s": round(self.fit_tokens / self.fit_s, 2) if self.fit_s > 0 else None,
+                   "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
-                   "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated}
+                   "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
+                   **self.evaluator.last_generation}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.metrics.close()
@@ -309,9 +382,9 @@ class FineTune:
 
 
 def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-          plan: Plan | None = None, quiet: bool = False) -> TrainResult:
+          plan: Plan | None = None, quiet: bool = False, watchdog: Watchdog | None = None) -> TrainResult:
     """Run the fine-tune `cfg` describes on this process's share of the work; returns the trained model."""
-    recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet)
+    recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet, watchdog=watchdog)
     try:
         recipe.setup()
         recipe.fit()

@@ -1,0 +1,130 @@
+"""Read what a run directory holds into one typed object (files that are missing stay None or empty)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardfit.errors import UserError
+
+IMBALANCE = 0.10  # ranks whose peak memory differs by more than this share of the largest are flagged
+
+
+@dataclass
+class RunData:
+    path: Path
+    name: str
+    config: dict[str, Any]
+    plan: dict[str, Any] | None
+    summary: dict[str, Any] | None
+    preflight: dict[str, Any] | None
+    evaluation: dict[str, Any] | None  # eval.json of `shardfit eval`
+    train: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl lines with a training loss
+    evals: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl lines with eval_loss
+
+    @property
+    def strategy(self) -> str | None:
+        for source in (self.summary, self.preflight):
+            if source and source.get("strategy"):
+                return source["strategy"]
+        return None
+
+    @property
+    def world(self) -> int:
+        if self.summary and self.summary.get("world_size"):
+            return int(self.summary["world_size"])
+        return max((len(r.get("mem_gib") or []) for r in self.train), default=1)
+
+    def predicted_gib(self) -> float | None:
+        """The plan's predicted peak per GPU for the strategy the run used (every rank is planned alike)."""
+        if not self.plan or not self.strategy:
+            return None
+        for c in self.plan.get("candidates", []):
+            if c.get("strategy") == self.strategy:
+                return float(c["per_gpu_gib"]["total"])
+        return None
+
+    def peak_per_rank(self) -> list[float]:
+        """The highest memory each rank reached (summary.json, else the largest logged value)."""
+        if self.summary and self.summary.get("peak_mem_gib"):
+            return [float(x) for x in self.summary["peak_mem_gib"]]
+        peaks: list[float] = []
+        for r in self.train:
+            for i, x in enumerate(r.get("mem_gib") or []):
+                if i >= len(peaks):
+                    peaks.append(float(x))
+                else:
+                    peaks[i] = max(peaks[i], float(x))
+        return peaks
+
+    def memory_findings(self) -> list[str]:
+        """Imbalance between ranks, and ranks over the plan's prediction, in words (empty when neither)."""
+        out = []
+        peaks = self.peak_per_rank()
+        if len(peaks) > 1 and max(peaks) > 0:
+            spread = (max(peaks) - min(peaks)) / max(peaks)
+            if spread > IMBALANCE:
+                hi, lo = peaks.index(max(peaks)), peaks.index(min(peaks))
+                out.append(f"imbalance: rank {hi} peaked at {max(peaks):.2f} GiB, rank {lo} at {min(peaks):.2f} GiB "
+                           f"({spread:.0%} apart; a balanced run stays within {IMBALANCE:.0%})")
+        predicted = self.predicted_gib()
+        if predicted:
+            over = [i for i, p in enumerate(peaks) if p > predicted * (1 + IMBALANCE)]
+            if over:
+                out.append(f"over plan: rank(s) {', '.join(map(str, over))} peaked above the plan's "
+                           f"{predicted:.2f} GiB by more than {IMBALANCE:.0%}")
+        return out
+
+
+def _json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training lines and the evaluation lines of a metrics.jsonl."""
+    train, evals = [], []
+    if not path.is_file():
+        return train, evals
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
+        if "loss" in rec:
+            train.append(rec)
+        if "eval_loss" in rec:
+            evals.append(rec)
+    return train, evals
+
+
+def read_run(path: str | Path) -> RunData:
+    """A run directory's files; a folder that holds none of them is a UserError."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{p}: no such run directory.")
+    if not (p / "metrics.jsonl").is_file() and not (p / "summary.json").is_file():
+        raise UserError(f"{p} is not a shardfit run directory (no metrics.jsonl or summary.json); point at a "
+                        "run's output_dir.")
+    config = yaml.safe_load((p / "config.yaml").read_text()) if (p / "config.yaml").is_file() else {}
+    train, evals = read_metrics(p / "metrics.jsonl")
+    return RunData(p, p.resolve().name, config or {}, _json(p / "plan.json"), _json(p / "summary.json"),
+                   _json(p / "preflight.json"), _json(p / "eval.json"), train, evals)
+
+
+def unique_names(runs: list[RunData]) -> None:
+    """Make the runs' names distinct (two runs both called `run` become `a/run` and `b/run`)."""
+    names = [r.name for r in runs]
+    for r in runs:
+        if names.count(r.name) > 1:
+            r.name = f"{r.path.resolve().parent.name}/{r.path.resolve().name}"

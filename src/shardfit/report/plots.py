@@ -1,0 +1,122 @@
+"""The report's charts as PNG files (matplotlib, headless): one line per run on shared charts, and one memory
+chart per run with a line per rank and the plan's prediction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display is needed or wanted
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from shardfit.report.collect import RunData  # noqa: E402
+
+CURVES = (("loss", "training loss", "loss"), ("lr", "learning rate", "lr"), ("grad_norm", "gradient norm", "norm"),
+          ("tokens_per_s", "throughput", "tokens / s"))
+
+
+@dataclass
+class Chart:
+    file: str
+    title: str
+    note: str = ""
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    for ax in fig.axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=100)
+    plt.close(fig)
+    return name
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def loss_chart(runs: list[RunData], out: Path) -> Chart:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        ax.plot(*_series(run.train, "loss"), color=color, label=f"{run.name} train")
+        xs, ys = _series(run.evals, "eval_loss")
+        if xs:
+            ax.plot(xs, ys, color=color, linestyle="--", marker="o", label=f"{run.name} eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss (training window mean, held-out)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return Chart(_save(fig, out, "loss.png"), "Loss")
+
+
+def curve_chart(runs: list[RunData], out: Path, key: str, title: str, ylabel: str) -> Chart | None:
+    if not any(_series(r.train, key)[0] for r in runs):
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for i, run in enumerate(runs):
+        ax.plot(*_series(run.train, key), color=f"C{i}", label=run.name)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        ax.legend(fontsize=8)
+    return Chart(_save(fig, out, f"{key}.png"), title[0].upper() + title[1:])
+
+
+def eval_metric_chart(runs: list[RunData], out: Path) -> Chart | None:
+    keys = sorted({k for r in runs for rec in r.evals for k in rec if k.startswith("eval_") and k != "eval_loss"})
+    if not keys:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for i, run in enumerate(runs):
+        for j, key in enumerate(keys):
+            xs, ys = _series(run.evals, key)
+            if xs:
+                ax.plot(xs, ys, color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker="o",
+                        label=f"{run.name} {key.removeprefix('eval_')}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("score")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("generation metrics on held-out prompts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return Chart(_save(fig, out, "eval_metrics.png"), "Generation metrics")
+
+
+def memory_chart(run: RunData, index: int, out: Path) -> Chart | None:
+    """Each rank's memory over the steps against the plan's predicted peak for the strategy the run used."""
+    steps = [r["step"] for r in run.train if r.get("mem_gib")]
+    if not steps:
+        return None
+    per_rank = list(zip(*[r["mem_gib"] for r in run.train if r.get("mem_gib")], strict=False))
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for rank, values in enumerate(per_rank):
+        ax.plot(steps, values, marker=".", label=f"rank {rank}")
+    predicted = run.predicted_gib()
+    if predicted:
+        ax.axhline(predicted, color="red", linestyle="--", label=f"plan: {predicted:.2f} GiB ({run.strategy})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)
+    findings = run.memory_findings()
+    ax.set_title(f"{run.name}: peak memory per rank" + (" (IMBALANCED)" if any(
+        f.startswith("imbalance") for f in findings) else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return Chart(_save(fig, out, f"memory-{index}.png"), f"Memory per rank: {run.name}", "; ".join(findings))
+
+
+def make_charts(runs: list[RunData], out: Path) -> list[Chart]:
+    """Every chart the runs have data for, written into `out`."""
+    charts: list[Chart | None] = [loss_chart(runs, out), eval_metric_chart(runs, out)]
+    charts += [curve_chart(runs, out, key, title, ylabel) for key, title, ylabel in CURVES[1:]]
+    charts += [memory_chart(run, i, out) for i, run in enumerate(runs)]
+    return [c for c in charts if c is not None]

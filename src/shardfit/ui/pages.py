@@ -1,0 +1,81 @@
+"""The UI's pages as HTML strings (forms submit with GET/POST; the server renders every answer)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from shardfit.config.schema import GRAD_CKPT, METHODS
+
+STYLE = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:24px auto;padding:0 16px;color:#222}"
+         "fieldset{margin:12px 0}label{display:inline-block;margin:4px 12px 4px 0}input,select{margin-left:4px}"
+         "pre{background:#f7f7f7;padding:8px;overflow:auto}.err{color:#b00020;font-weight:600}"
+         "td,th{border:1px solid #ddd;padding:4px 8px;text-align:left}table{border-collapse:collapse}")
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def page(title: str, body: str, refresh_s: float | None = None) -> str:
+    meta = f"<meta http-equiv='refresh' content='{refresh_s:g}'>" if refresh_s else ""
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>{meta}<title>{_e(title)}</title>"
+            f"<style>{STYLE}</style></head><body><p><a href='/'>shardfit</a></p><h1>{_e(title)}</h1>{body}"
+            "</body></html>")
+
+
+def _select(name: str, options: tuple[str, ...], chosen: str) -> str:
+    opts = "".join(f"<option{' selected' if o == chosen else ''}>{_e(o)}</option>" for o in options)
+    return f"<select name='{name}'>{opts}</select>"
+
+
+def plan_form(models: list[str], values: dict[str, str]) -> str:
+    v = {"model": "meta-llama/Llama-3.1-8B", "gpus": "8x24GB", "nodes": "1", "method": "lora", "seq": "2048",
+         "batch": "1", "grad_ckpt": "full", **values}
+    options = "".join(f"<option value='{_e(m)}'>" for m in models)
+    return ("<form action='/plan' method='get'><fieldset><legend>Plan: memory per GPU of every strategy</legend>"
+            f"<label>model <input name='model' list='models' size='40' value='{_e(v['model'])}'></label>"
+            f"<datalist id='models'>{options}</datalist>"
+            f"<label>GPUs <input name='gpus' size='10' value='{_e(v['gpus'])}'></label>"
+            f"<label>nodes <input name='nodes' size='3' value='{_e(v['nodes'])}'></label>"
+            f"<label>method {_select('method', METHODS, v['method'])}</label>"
+            f"<label>sequence <input name='seq' size='6' value='{_e(v['seq'])}'></label>"
+            f"<label>batch <input name='batch' size='3' value='{_e(v['batch'])}'></label>"
+            f"<label>checkpointing {_select('grad_ckpt', GRAD_CKPT, v['grad_ckpt'])}</label>"
+            "<button type='submit'>plan</button></fieldset></form>")
+
+
+def launch_form() -> str:
+    return ("<form action='/launch' method='post'><fieldset><legend>Train: launch a run from a config</legend>"
+            "<label>config file <input name='config' size='50' placeholder='path/to/config.yaml'></label>"
+            "<label>ranks <input name='nproc' size='3' value='1'></label>"
+            "<button type='submit'>train</button></fieldset></form>")
+
+
+def home(models: list[str], runs: list[Path], jobs: dict[int, Any]) -> str:
+    run_rows = "".join(f"<tr><td><a href='/runs/{_e(r.name)}'>{_e(r.name)}</a></td>"
+                       f"<td>{'finished' if (r / 'summary.json').is_file() else 'training or stopped'}</td></tr>"
+                       for r in runs) or "<tr><td colspan='2'>no runs yet</td></tr>"
+    job_rows = "".join(f"<tr><td><a href='/jobs/{i}'>job {i}</a></td><td>{_e(j.config)}</td><td>{_e(j.state())}"
+                       "</td></tr>" for i, j in sorted(jobs.items()))
+    return page("shardfit", plan_form(models, {}) + launch_form()
+                + "<h2>Runs</h2><table><tr><th>run</th><th>state</th></tr>" + run_rows + "</table>"
+                + (("<h2>Jobs</h2><table>" + job_rows + "</table>") if job_rows else ""))
+
+
+def plan_page(models: list[str], values: dict[str, str], table: str, png_b64: str, exit_note: str) -> str:
+    return page("Plan", plan_form(models, values) + f"<p>{_e(exit_note)}</p><pre>{_e(table)}</pre>"
+                + f"<img alt='plan' src='data:image/png;base64,{png_b64}'>")
+
+
+def error_page(title: str, message: str) -> str:
+    return page(title, f"<p class='err'>{_e(message)}</p><p><a href='/'>back</a></p>")
+
+
+def job_page(job_id: int, job: Any) -> str:
+    state = job.state()
+    running = state == "running"
+    report = f"<p><a href='/runs/{_e(job.run_name)}'>live report of {_e(job.run_name)}</a></p>" if job.run_name else ""
+    return page(f"job {job_id}: {state}", f"<p>{_e(' '.join(job.command))}</p>{report}<pre>{_e(job.log_tail())}</pre>",
+                refresh_s=5 if running else None)

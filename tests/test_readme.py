@@ -1,0 +1,67 @@
+"""Every `shardfit` command the README shows runs as shown: the README cannot drift from the CLI.
+
+Commands run from the repository root, as a user who cloned it would. Where a command would be slow here it runs
+on a tiny stand-in: `train` gets a tiny model, fp32, short rows and one step; `--nproc 8` becomes 2 ranks. Files the
+commands name are shipped in examples/."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, run_cli
+
+README = ROOT / "README.md"
+# Commands that cannot run on one CI machine, with the test that covers what they do instead.
+NOT_HERE = {"--nnodes": "two nodes: tests/test_distributed.py::test_two_node_launch_matches_single_process"}
+
+
+def readme_commands() -> list[list[str]]:
+    """The `shardfit ...` lines of the README's bash blocks, without comments, as argument lists."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    out = []
+    for block in blocks:
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("shardfit "):
+                out.append(shlex.split(line)[1:])
+    return out
+
+
+def test_the_readme_shows_the_main_commands() -> None:
+    commands = {c[0] for c in readme_commands()}
+    assert {"train", "plan", "check", "diagnose"} <= commands, commands
+    text = README.read_text()
+    assert "make demo" in text and "make test" in text
+
+
+def _stand_in(args: list[str], model: Path, out: Path) -> list[str]:
+    """The README command, made cheap: tiny model and one step for train, two ranks for --nproc 8, files in tmp."""
+    args = ["2" if a == "8" and i and args[i - 1] == "--nproc" else a for i, a in enumerate(args)]
+    args = [str(out / "plan.png") if a == "plan.png" else a for a in args]
+    if args[0] == "train":
+        args += ["--set", f"model={model}", "--set", "max_steps=1", "--set", "precision=fp32", "--set",
+                 "max_seq_len=128", "--set", "micro_batch=2", "--set", "grad_accum=1", "--set", "grad_ckpt=none",
+                 "--set", "eval_split=0", "--set", f"output_dir={out / 'runs' / 'demo'}", "--set", "resume=never"]
+    if args[0] == "export":
+        args = [str(out / a) if a.startswith("runs/") else a for a in args]
+    return args
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path: Path, tiny_llama: Path) -> None:
+    ran = 0
+    for args in readme_commands():
+        if any(flag in args for flag in NOT_HERE):
+            continue
+        cmd = _stand_in(args, tiny_llama, tmp_path)
+        r = run_cli(*cmd, cwd=ROOT, timeout=600, env={"OMP_NUM_THREADS": "1"})
+        # plan's exit 3 (nothing fits) is an answer, not a failure; check's 1 is a finding.
+        allowed = {0, 3} if args[0] == "plan" else {0, 1} if args[0] == "check" else {0}
+        assert r.returncode in allowed, (" ".join(cmd), r.stderr[-2000:])
+        assert "Traceback" not in r.stderr, (" ".join(cmd), r.stderr[-2000:])
+        ran += 1
+    assert ran >= 6

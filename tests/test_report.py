@@ -1,0 +1,94 @@
+"""`shardfit report` on run directories: the page's content, the memory imbalance flag against the plan, several
+runs side by side, and the page opened in a real headless browser."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from shardfit.cli.main import main
+from shardfit.report.collect import read_run
+from tests.helpers import browser, make_run
+
+
+def test_report_flags_imbalance_and_shows_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = make_run(tmp_path / "skewed", mem=[[1.0, 1.0], [2.0, 1.2], [3.1, 1.3], [3.1, 1.3]], predicted=2.0)
+    data = read_run(run)
+    assert data.peak_per_rank() == [3.1, 1.3] and data.predicted_gib() == 2.0
+    findings = data.memory_findings()
+    assert any(f.startswith("imbalance: rank 0 peaked at 3.10 GiB, rank 1 at 1.30 GiB") for f in findings)
+    assert any(f.startswith("over plan: rank(s) 0 ") for f in findings)
+
+    assert main(["report", str(run)]) == 0
+    page = run / "report" / "report.html"
+    assert str(page) in capsys.readouterr().out
+    html = page.read_text()
+    for png in ("loss.png", "eval_metrics.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "memory-0.png"):
+        assert (run / "report" / png).stat().st_size > 5000, png
+        assert f"({png})" in html
+    assert html.count("data:image/png;base64,") == 6  # self-contained: every chart embedded
+    assert "imbalance: rank 0" in html and "over plan" in html
+    assert "device_map_in_distributed" in html and "notes of zero3" in html and "(used)" in html
+    assert "strategy: zero3" in html  # the config
+
+
+def test_balanced_runs_side_by_side(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "a" / "run", mem=[[1.0, 1.0]] * 4, predicted=1.5)
+    b = make_run(tmp_path / "b" / "run", mem=[[1.0, 1.02]] * 4, predicted=1.5, strategy="ddp",
+                 losses=(2.0, 1.9, 1.8, 1.7))
+    assert read_run(a).memory_findings() == []
+    out = tmp_path / "compare"
+    assert main(["report", str(a), str(b), "--out", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    assert "a/run" in html and "b/run" in html  # same folder names told apart
+    assert (out / "memory-0.png").is_file() and (out / "memory-1.png").is_file()
+    assert "imbalance" not in html
+
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a shardfit run directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(browser() is None, reason="needs Chromium (Debian: apt-get install chromium-headless-shell)")
+def test_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", mem=[[1.0, 1.0], [2.0, 1.2], [3.1, 1.3], [3.1, 1.3]], predicted=2.0)
+    assert main(["report", str(run)]) == 0
+    page = (run / "report" / "report.html").resolve().as_uri()
+    common = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run(common + ["--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
+    assert "<table>" in dom and "<th>tokens_per_s</th>" in dom and "imbalance: rank 0" in dom
+    assert len(re.findall(r"<img[^>]+src=\"data:image/png", dom)) == 6
+    shot = tmp_path / "shot.png"
+    subprocess.run(common + ["--window-size=1200,1600", f"--screenshot={shot}", page], capture_output=True,
+                   timeout=120, check=True)
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1200, 1600)
+    # The charts drew: the lower part of the page holds many colours, not a blank or a broken-image icon.
+    assert len(img.crop((0, 700, 1200, 1600)).getcolors(maxcolors=1 << 20)) > 50
+
+
+def test_watch_rebuilds_a_live_page_until_the_run_finishes(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "live", mem=[[1.0]] * 4, predicted=2.0)
+    summary = (run / "summary.json").read_text()
+    (run / "summary.json").unlink()  # still training
+    page = run / "report" / "report.html"
+    proc = subprocess.Popen([sys.executable, "-m", "shardfit", "report", str(run), "--watch", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not page.is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        assert "http-equiv='refresh' content='0.5'" in page.read_text() and proc.poll() is None
+        (run / "summary.json").write_text(summary)  # the run finishes: one last build, then the command ends
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "refresh" not in page.read_text() and "report written to" in out
