@@ -121,6 +121,18 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
     return float(quant.dequantize_peak_bytes(i * o, compute_bytes(w)) + tokens * i * compute_bytes(w))
 
 
+def qlora_shard_problem(shape: ModelShape, w: Workload, world: int) -> str | None:
+    """Why QLoRA's NF4 weights of `shape` cannot be split into `world` row shards (what the check rule
+    qlora_shard_layout refuses before training), or None."""
+    if w.method != "qlora":
+        return None
+    for i, o in shape.linear_shapes():
+        problem = quant.shard_problem(o, i, world)
+        if problem:
+            return f"a {o}x{i} weight: {problem}"
+    return None
+
+
 def compute_bytes(w: Workload) -> int:
     """Bytes per element in the compute precision: 2 for bf16 and fp16, 4 for fp32."""
     return 4 if w.precision == "fp32" else 2
@@ -391,6 +403,10 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     if s.engine == "device_map" and w.method == "qlora":
         fits, notes = False, "QLoRA's 4-bit weights are not trained split over GPUs; use zero3 (check: " \
                              "qlora_split_over_devices)"
+    shard_problem = qlora_shard_problem(shape, w, n) if s.sharded else None
+    if shard_problem:
+        fits, notes = False, f"QLoRA's 4-bit weights cannot be sharded over {n} GPUs: {shard_problem} (check: " \
+                             "qlora_shard_layout)"
     if not notes:
         notes = _note(s, b, hw)
     return Candidate(strategy, fits, b, cpu / GIB, peak_phase=phase, notes=notes)
