@@ -22,6 +22,7 @@ from shardfit.check.rules import fsdp_unit_rules, qlora_shard_rules
 from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.errors import UserError
+from shardfit.infer.load import load_for_inference, resolve_target
 from shardfit.models.build import build_model
 from shardfit.models.quantize import is_nf4, nf4_storage_bytes, quantize_blocks, quantized_linears, to_nf4
 from shardfit.parallel.env import init_distributed
@@ -159,7 +160,8 @@ def test_preflight_rules_for_4bit_weights(tiny_llama: Path) -> None:
 def test_qlora_adapter_is_standard_and_merges_into_dequantized_weights(tmp_path: Path, tiny_qwen2: Path,
                                                                        single_qlora: Path) -> None:
     """The adapter loads onto the unquantized base with PeftModel.from_pretrained; `export --merge` writes a dense
-    model whose logits are those of the 4-bit model with the adapter (what the run trained), in the chosen dtype."""
+    model whose logits are those of the 4-bit model with the adapter (what the run trained), in the chosen dtype;
+    chat and eval load the run as it trained."""
     run = single_qlora
     summary = json.loads((run / "summary.json").read_text())
     assert summary["strategy"] == "single" and summary["steps"] == 6
@@ -183,6 +185,9 @@ def test_qlora_adapter_is_standard_and_merges_into_dequantized_weights(tmp_path:
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
         # The unquantized base with the adapter computes something else: the merge is into the 4-bit weights.
         assert not torch.allclose(peft(input_ids=ids).logits, want, atol=1e-4)
+        # `shardfit chat|eval RUN_DIR` apply the adapter to the same dequantized 4-bit weights.
+        loaded = load_for_inference(resolve_target(str(run)), device=torch.device("cpu"), precision="fp32", show=False)
+        torch.testing.assert_close(loaded.model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
 @needs_torchao

@@ -21,9 +21,11 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from shardfit.config import Config, load_config
+from shardfit.config.support import qlora_compute_dtype
 from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.build import DTYPES, build_model, load_tokenizer
+from shardfit.models.quantize import as_qlora_trained
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import resolve_precision
 
@@ -107,6 +109,9 @@ def _build(model: str, trust_remote_code: bool, run_cfg: Config | None) -> torch
     cfg = dataclasses.replace(base, model=model, method="full", precision="fp32", freeze_modules=[],
                               trust_remote_code=trust_remote_code or base.trust_remote_code)
     model_ = build_model(cfg, "single", weights=True)
+    if base.method == "qlora" and run_cfg is not None and model == run_cfg.model:
+        # The run's adapter learned against its 4-bit weights: apply it to those, dequantized (as export merges).
+        as_qlora_trained(model_, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
     model_.requires_grad_(False)
     return model_
 

@@ -125,6 +125,15 @@ def dequantize_all(model: nn.Module) -> int:
     return n
 
 
+def as_qlora_trained(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The dense base a QLoRA adapter was trained against: each decoder linear weight stored in NF4 and
+    dequantized back to `dtype`, the numbers the run computed with (what its adapter merges into, and what chat and
+    eval apply it to); a plain model that generates without dequantizing every weight per token."""
+    quantize_blocks(model, dtype)
+    dequantize_all(model)
+    return model
+
+
 def nf4_storage_bytes(t: torch.Tensor) -> int:
     """Bytes an NF4 weight keeps (its inner tensors)."""
     names, _ = t.__tensor_flatten__()

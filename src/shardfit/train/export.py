@@ -18,7 +18,7 @@ from shardfit.config import Config
 from shardfit.config.support import qlora_compute_dtype
 from shardfit.errors import UserError
 from shardfit.models.build import DTYPES, build_model, load_tokenizer
-from shardfit.models.quantize import dequantize_all, quantize_blocks
+from shardfit.models.quantize import as_qlora_trained
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
 
@@ -86,8 +86,7 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
         base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
         model = build_model(base_cfg, "single", weights=True)
         if run_cfg.method == "qlora":
-            quantize_blocks(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
-            dequantize_all(model)
+            as_qlora_trained(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
         bar.update()
         bar.set_postfix_str("adapter")
         try:
