@@ -90,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-steps", type=int, default=None, help="stop each run after this many steps")
     ap.add_argument("--methods", default="lora,qlora")
+    ap.add_argument("--collect", nargs="+", help="write the results of earlier `--one` runs (their JSON files)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -97,8 +98,10 @@ def main() -> None:
         run_one(args.one, args.max_steps, args.out)
         return
     runs = {}
+    if args.collect:
+        runs = {r["method"]: r for r in (json.loads(Path(p).read_text()) for p in args.collect)}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in args.methods.split(","):
+        for method in [] if args.collect else args.methods.split(","):
             out = Path(tmp) / f"{method}.json"
             cmd = [sys.executable, __file__, "--one", method, "--out", str(out)]
             if args.max_steps:
