@@ -40,7 +40,7 @@ def dense_copy(model: Any) -> Any:
     return dense
 
 
-def run_one(method: str, max_steps: int | None, out: Path) -> None:
+def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) -> None:
     """One method's run in this process; writes its numbers to `out`."""
     import resource
 
@@ -63,7 +63,7 @@ def run_one(method: str, max_steps: int | None, out: Path) -> None:
             over.append(f"max_steps={max_steps}")
         cfg = load_config(demo_config_path(), over)
         cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
-        heldout = [json.loads(x) for x in Path(cfg.eval_data).read_text().splitlines() if x.strip()]
+        heldout = [json.loads(x) for x in Path(cfg.eval_data).read_text().splitlines() if x.strip()][:heldout_rows]
         tok = load_tokenizer(resolve_model(cfg.model))
         model = build_model(cfg, "single", weights=True).to(env.device)
         stored = bf16 = 0
@@ -71,9 +71,11 @@ def run_one(method: str, max_steps: int | None, out: Path) -> None:
             if ".layers." in name and name.endswith("base_layer.weight"):
                 stored += nf4_storage_bytes(p) if is_nf4(p) else p.numel() * p.element_size()
                 bf16 += p.numel() * 2
+        print(f"{method}: base model loaded", flush=True)
         before = accuracy(generate_answers(dense_copy(model), tok, heldout))
+        print(f"{method}: accuracy before {before:.1%}", flush=True)
         with PeakRss() as rss:
-            result = train(cfg, env, model=model, tokenizer=tok, quiet=True)
+            result = train(cfg, env, model=model, tokenizer=tok)
         after = accuracy(generate_answers(dense_copy(result.model), tok, heldout))
         s = result.summary
         res = {"method": method, "precision": cfg.precision, "steps": s["steps"], "frozen_linear_bytes": stored,
@@ -90,12 +92,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-steps", type=int, default=None, help="stop each run after this many steps")
     ap.add_argument("--methods", default="lora,qlora")
+    ap.add_argument("--heldout", type=int, default=48, help="held-out prompts answered for the accuracy")
     ap.add_argument("--collect", nargs="+", help="write the results of earlier `--one` runs (their JSON files)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        run_one(args.one, args.max_steps, args.out)
+        run_one(args.one, args.max_steps, args.heldout, args.out)
         return
     runs = {}
     if args.collect:
@@ -104,8 +107,7 @@ def main() -> None:
         for method in [] if args.collect else args.methods.split(","):
             out = Path(tmp) / f"{method}.json"
             cmd = [sys.executable, __file__, "--one", method, "--out", str(out)]
-            if args.max_steps:
-                cmd += ["--max-steps", str(args.max_steps)]
+            cmd += ["--heldout", str(args.heldout)] + (["--max-steps", str(args.max_steps)] if args.max_steps else [])
             subprocess.run(cmd, check=True)
             runs[method] = json.loads(out.read_text())
             print(json.dumps(runs[method]), flush=True)
