@@ -13,13 +13,14 @@ held-out eval loss and the demo's held-out exact-match accuracy (greedy answers)
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import dataclasses
 import json
 import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,31 @@ sys.path.insert(0, str(ROOT / "bench"))
 from compare import PeakRss  # noqa: E402  (the sibling bench's RSS sampler)
 
 
-def dense_copy(model: Any) -> Any:
-    """A copy of `model` whose NF4 weights are replaced by their dequantized values: the same numbers its linear
-    layers compute with, without dequantizing every weight again for every generated token."""
-    from shardfit.models.quantize import dequantize_all
+@contextlib.contextmanager
+def dense_weights(model: Any) -> Iterator[Any]:
+    """`model` with each NF4 weight swapped for its dequantized values while the block runs (the same numbers its
+    linear layers compute with, without dequantizing every weight again per generated token), then put back. Not
+    a deepcopy: torchao's NF4 clone re-quantizes with its default grouping, which SmolLM2's k_proj cannot take."""
+    from torch import nn
 
-    dense = copy.deepcopy(model)
-    dequantize_all(dense)
-    return dense
+    from shardfit.models.quantize import quantized_linears
+
+    kept = quantized_linears(model)
+    saved = [m.weight for _, m in kept]
+    for _, m in kept:
+        m.weight = nn.Parameter(m.weight.get_original_weight(), requires_grad=False)
+    try:
+        yield model
+    finally:
+        for (_, m), w in zip(kept, saved, strict=True):
+            m.weight = w
+
+
+def _answers(model: Any, tok: Any, rows: list) -> list:
+    from shardfit.demo.evaluate import generate_answers
+
+    with dense_weights(model):
+        return generate_answers(model, tok, rows)
 
 
 def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) -> None:
@@ -47,7 +65,7 @@ def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) ->
     import torch
 
     from shardfit.config import load_config
-    from shardfit.demo.evaluate import accuracy, generate_answers
+    from shardfit.demo.evaluate import accuracy
     from shardfit.demo.run import DEMO_DIR, demo_config_path
     from shardfit.models.build import build_model, load_tokenizer
     from shardfit.models.quantize import is_nf4, nf4_storage_bytes
@@ -72,11 +90,11 @@ def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) ->
                 stored += nf4_storage_bytes(p) if is_nf4(p) else p.numel() * p.element_size()
                 bf16 += p.numel() * 2
         print(f"{method}: base model loaded", flush=True)
-        before = accuracy(generate_answers(dense_copy(model), tok, heldout))
+        before = accuracy(_answers(model, tok, heldout))
         print(f"{method}: accuracy before {before:.1%}", flush=True)
         with PeakRss() as rss:
             result = train(cfg, env, model=model, tokenizer=tok)
-        after = accuracy(generate_answers(dense_copy(result.model), tok, heldout))
+        after = accuracy(_answers(result.model, tok, heldout))
         s = result.summary
         res = {"method": method, "precision": cfg.precision, "steps": s["steps"], "frozen_linear_bytes": stored,
                "frozen_linear_bf16_bytes": bf16, "frozen_ratio_to_bf16": round(stored / bf16, 4),
