@@ -148,6 +148,8 @@ def test_shipped_calibration_and_similar_index_are_up_to_date() -> None:
     ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
      "(errno: 98 - Address already in use)", "dist_port_in_use"),
     ("RuntimeError: FlashAttention only supports Ampere GPUs or newer.", "gpu_arch_unsupported"),
+    ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect [127.0.1.1]:41233: Connection refused",
+     "rendezvous_unreachable"),
 ])
 def test_issue_classes(log: str, expected: str) -> None:
     findings = diagnose(log)
