@@ -98,6 +98,18 @@ def base_reference(model: str) -> str:
     return str(p.resolve()) if p.exists() else model
 
 
+def packing_note(examples: int, packed_steps: int, global_rows: int) -> str | None:
+    """What packing did to the optimizer's steps, when it matters: a config carried over from a tool that does not
+    pack trains the same examples in fewer, larger steps, which can leave a short run under-trained."""
+    unpacked_steps = max(1, -(-examples // global_rows))
+    if unpacked_steps < 1.5 * packed_steps:
+        return None
+    return (f"shardfit: packing fits about {examples / max(packed_steps * global_rows, 1):.1f} examples per row: "
+            f"{packed_steps} steps per epoch where an unpacked run of this config takes {unpacked_steps}. For as many "
+            f"optimizer steps as the HF Trainer or LLaMA-Factory without packing, set packing: false, or raise epochs "
+            f"or lower micro_batch/grad_accum.")
+
+
 def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
     """Training rows: packed several examples to a row, or one example per row."""
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
@@ -262,6 +274,9 @@ class FineTune:
                   f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
                   f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
                   + (f"; {stats.describe()}" if stats.describe() else ""))
+            note = packing_note(self.n_examples, self.batches.steps_per_epoch, cfg.micro_batch * cfg.grad_accum * world)
+            if cfg.packing and note:
+                print(note)
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
