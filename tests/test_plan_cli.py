@@ -138,8 +138,8 @@ def test_attention_mask_in_plan(capsys) -> None:
     keeps neither. `--attention` picks the column, and a config's attn_implementation maps onto it."""
 
     def single(attention: str, ckpt: str) -> dict:
-        assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x141GB", "--seq", "8192",
-                     "--grad-ckpt", ckpt, "--attention", attention, "--strategy", "single", "--json"]) == 0
+        assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x141GB", "--seq", "8192", "--batch",
+                     "1", "--grad-ckpt", ckpt, "--attention", attention, "--strategy", "single", "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)
         assert plan["workload"]["attention"] == attention
         return plan["candidates"][0]["per_gpu_gib"]
