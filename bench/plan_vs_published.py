@@ -18,6 +18,7 @@ predicted tensor peak plus the allocator's reserve (the total without those two)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import statistics
 import sys
@@ -37,6 +38,12 @@ CASES = ROOT / "bench" / "published_memory.yaml"
 OUT = ROOT / "bench" / "results" / "plan_vs_published.json"
 WORKLOAD_KEYS = {f.name for f in dataclasses.fields(Workload)} - {"seq_len"}
 UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
+
+
+def part(source: str) -> str:
+    """`dev` or `test`, by a rule fixed before any error was looked at: the parity of the first hex digit of
+    sha256(source name). Only dev sources may inform the model; the test part is the headline."""
+    return "dev" if int(hashlib.sha256(source.encode()).hexdigest()[0], 16) % 2 == 0 else "test"
 
 
 def hardware(case: dict) -> Hardware:
