@@ -67,9 +67,10 @@ def test_more_gpus_more_tokens_and_nvlink_beats_pcie() -> None:
                                                                                     "zero3")
     assert nvlink.comm_s < pcie.comm_s / 10  # 230 GB/s NVLink rings against 10 GB/s through host memory
     assert nvlink.bound == "compute" and pcie.bound == "comm"
-    one_node = step_time(LLAMA8, w, parse_gpus("8xH100"), "zero3")
-    two_nodes = step_time(LLAMA8, w, parse_gpus("8xH100", nodes=2), "zero3")
-    assert two_nodes.comm_s > one_node.comm_s  # the ring runs at each GPU's share of the network
+    one_node = step_time(LLAMA8, w, parse_gpus("8xA100"), "zero3")
+    two_nodes = step_time(LLAMA8, w, parse_gpus("8xA100", nodes=2), "zero3")
+    # Across nodes the ring runs at the node's network bandwidth (8 x 25 GB/s HDR), below NVLink's 230 GB/s.
+    assert two_nodes.comm_s > one_node.comm_s * 230 / 200 * 0.99
     assert step_time(LLAMA8, w, parse_gpus("8x4090"), "zero3").comm_s > \
         step_time(LLAMA8, w, parse_gpus("8x4090"), "zero2").comm_s  # zero3 gathers again in backward
 

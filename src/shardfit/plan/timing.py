@@ -21,8 +21,8 @@ optimizer step, overlapped with backward; FSDP2 all-gathers the 16-bit parameter
 (`zero2`: kept for backward) or twice (`zero3`: again in backward), reduce-scatters fp32 gradients once per step,
 and prefetches, so compute and communication overlap; offload copies each shard host-to-device before each
 all-gather and the gradient shard back, over PCIe, and runs AdamW on the CPU. `model_parallel` runs its stages one
-after another: one GPU computes at a time. Across nodes the ring runs at the slower of NVLink/PCIe and each GPU's
-share of the network.
+after another: one GPU computes at a time. Across nodes the ring runs at the slower of NVLink/PCIe and the node's
+network bandwidth (one ring per NIC).
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def _ring(n: int, nbytes: float, bw: float, latency: float, calls: int, all_redu
 
 
 def _bus(card: Card, hw: Hardware) -> float:
-    return card.link if hw.nodes == 1 else min(card.link, card.nic)
+    """The ring's bus bandwidth. Across nodes NCCL runs one ring per NIC, each ring carrying its share of the
+    buffer over its own NIC, so the crossing between two nodes runs at the node's whole network bandwidth."""
+    return card.link if hw.nodes == 1 else min(card.link, card.nic * hw.gpus_per_node)
 
 
 def _qlora_dequant_bytes(shape: ModelShape, w: Workload) -> float:
