@@ -88,14 +88,16 @@ def plot(plan: Plan, path: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     cap = d["hardware"]["gpu_mem_gib"]
     ax.axhline(cap, color="red", linestyle="--", label=f"GPU memory {cap:.0f} GiB")
-    for i, c in enumerate(d["candidates"]):  # the predicted speed over each bar
-        if c["tokens_per_s"]:
-            ax.annotate(f"{c['tokens_per_s']:,.0f} tok/s\n{_step(c['step_s'])}/step", (i, min(bottom[i], cap * 1.5)),
-                        ha="center", va="bottom", fontsize=7)
+    # The predicted speed under each strategy's name; the recommendation marked.
+    ax.set_xticks(range(len(names)), [
+        f"{'* ' if c['strategy'] == d['recommended'] else ''}{c['strategy']}"
+        + (f"\n{c['tokens_per_s']:,.0f} tok/s\n{_step(c['step_s'])}/step" if c["tokens_per_s"] else "")
+        for c in d["candidates"]], fontsize=8)
     ax.set_ylim(0, max(cap * 1.6, min(max(bottom), cap * 6)))
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{d['model']['id']} ({d['workload']['method']}) on {d['hardware']['nodes']}x"
-                 f"{d['hardware']['gpus_per_node']} GPUs")
+                 f"{d['hardware']['gpus_per_node']} GPUs" + (f"; * recommended: {d['recommended']}"
+                                                              if d["recommended"] else ""))
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
