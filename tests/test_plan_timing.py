@@ -10,7 +10,7 @@ import pytest
 from shardfit.cli.main import main
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.plan import make_plan
+from shardfit.plan.plan import make_plan, with_candidates
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import (
     attention_flops_per_token,
@@ -122,3 +122,14 @@ def test_cards_table_covers_every_known_card() -> None:
                                                                                           name="cpu"))
         assert card.assumed is None and card.peak("bf16") > 0 and card.link > 0, name
     assert card_of(parse_gpus("8x48GB")).assumed and card_of(parse_gpus("8x48GB")).key == "l40s"
+
+
+def test_simulated_estimates_keep_their_predicted_times() -> None:
+    """`plan --simulate` replaces the memory estimates; the times stay, and so does the recommendation's basis."""
+    plan = make_plan(LLAMA8, Workload(method="lora", grad_ckpt="full"), parse_gpus("8xH100"))
+    bare = [dataclasses.replace(c, step_s=None, tokens_per_s=None, bound=None, estimator="simulated")
+            for c in plan.candidates]
+    again = with_candidates(plan, bare)
+    for before, after in zip(plan.candidates, again.candidates, strict=True):
+        assert after.estimator == "simulated" and after.tokens_per_s == before.tokens_per_s
+    assert again.recommended == plan.recommended and "tokens/s" in again.reason
