@@ -12,6 +12,9 @@ import yaml
 from shardfit.plan.hardware import CARDS, Hardware, card_key
 
 GB = 1e9
+# A100: a training step's utilization (0.52, Megatron-LM) over one large GEMM's (0.87, MAMF): what the rest of a
+# step costs, applied to cards whose training utilization is not published.
+HFU_OF_MAMF = 0.52 / 0.87
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class Card:
     fp32_flops: float
     hbm: float
     matmul_eff: float
+    hfu: float  # the fraction of the peak a whole training step reaches
     link: float  # intra-node collective bus bandwidth per GPU
     pcie: float  # host <-> device per GPU
     nic: float  # inter-node per GPU
@@ -30,8 +34,8 @@ class Card:
     assumed: str | None = None
 
     def peak(self, precision: str) -> float:
-        """The matmul rate a step in `precision` can reach (the achievable fraction of the peak)."""
-        return (self.fp32_flops if precision == "fp32" else self.bf16_flops) * self.matmul_eff
+        """The FLOP rate a training step in `precision` reaches (its achievable fraction of the peak)."""
+        return (self.fp32_flops if precision == "fp32" else self.bf16_flops) * self.hfu
 
 
 @cache
@@ -50,5 +54,6 @@ def card_of(hw: Hardware) -> Card:
                    f"GiB); name the card (e.g. --gpus {hw.gpus_per_node}xA6000) for its own")
     row = table["cards"][key]
     nic = row["nic"] if "nic" in row else row["nic_node"] / hw.gpus_per_node
-    return Card(key, row["bf16"] * 1e12, row["fp32"] * 1e12, row["hbm"] * GB, row["matmul_eff"], row["link"] * GB,
+    hfu = row.get("hfu", row["matmul_eff"] * HFU_OF_MAMF)
+    return Card(key, row["bf16"] * 1e12, row["fp32"] * 1e12, row["hbm"] * GB, row["matmul_eff"], hfu, row["link"] * GB,
                 row["pcie"] * GB, nic * GB, row.get("latency_us", 10) * 1e-6, assumed)

@@ -1,5 +1,5 @@
-"""Predicted step time and tokens/s of each strategy: FLOPs at the card's achievable rate, the elementwise work at
-its memory bandwidth, and the bytes each engine moves over its links, overlapped where the engine overlaps.
+"""Predicted step time and tokens/s of each strategy: FLOPs at the rate training reaches on the card, and the
+bytes each engine moves over its links, overlapped where the engine overlaps.
 
 Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add):
 - forward: every linear layer of a block (a mixture of experts: its top-k experts), attention's two matmuls over
@@ -11,9 +11,10 @@ Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add
   layer (a `freeze` run of the last blocks does not reach the first ones);
 - recomputation: full checkpointing runs each block's forward again; selective checkpointing only the matmuls whose
   outputs it does not keep (every other one, models/checkpointing.py);
-- elementwise work (norms, activations, rotary, softmax, casts, the loss, the optimizer) runs at the memory
-  bandwidth: the saved activations are written and read in the forward pass and read, with their gradients
-  written and read, in backward; QLoRA dequantizes each 4-bit weight per use (read 0.5 byte, write 2).
+- these FLOPs run at the fraction of the card's peak that large-model training reaches (hardware FLOPs
+  utilization, plan/cards.yaml), which already pays for the step's elementwise work (norms, activations, rotary,
+  softmax, casts); QLoRA's dequantization of each 4-bit weight per use (read 0.5 byte, write 2) is added at the
+  memory bandwidth, and the optimizer step at the memory bandwidth too (28 bytes per trainable parameter).
 
 Communication per micro-batch or step (ring collectives: all-reduce moves 2(n-1)/n of the buffer per GPU,
 all-gather and reduce-scatter (n-1)/n; NCCL's bus bandwidth): DDP all-reduces the trainable gradients once per
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import block_activation_bytes_per_token, compute_bytes, trainable_params
+from shardfit.plan.estimate import compute_bytes, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -109,15 +110,6 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
 
 
-def elementwise_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
-    """Bytes the non-matmul work of one micro-batch moves per token: each saved activation written and read in the
-    forward pass, read again with its gradient written and read in backward (twice more when recomputed), and the
-    loss over the logits (fp32 logits written, read, the gradient written and read)."""
-    saved = block_activation_bytes_per_token(shape, w, strategy)
-    passes = 2 + 4 + (2 if w.grad_ckpt == "full" else 1 if w.grad_ckpt == "selective" else 0)
-    return shape.layers * saved * passes + shape.vocab * 4 * 4
-
-
 def _ring(n: int, nbytes: float, bw: float, latency: float, calls: int, all_reduce: bool = False) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -159,8 +151,9 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     card = card_of(hw)
     tokens = w.seq_len * w.micro_batch
     flops = step_flops_per_token(shape, w) * tokens
-    mem = elementwise_bytes_per_token(shape, w, strategy) * tokens + _qlora_dequant_bytes(shape, w)
-    compute = flops / card.peak(w.precision) + mem / card.hbm  # one GPU's work on one micro-batch
+    # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own
+    # elementwise work), and QLoRA's dequantization, which the runs behind that utilization did not do.
+    compute = flops / card.peak(w.precision) + _qlora_dequant_bytes(shape, w) / card.hbm
     fwd_share = 1 / 3  # the forward pass's part of it, for what overlaps with forward-only traffic
     t = trainable_params(shape, w)
     grads = t * 4.0  # fp32 gradients (DDP's buckets, FSDP2's reduce_dtype)
