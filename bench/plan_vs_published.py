@@ -144,8 +144,9 @@ def evaluate_throughput(spec: dict) -> dict:
     def stats(sel: list[dict]) -> dict:
         errs = [abs(r["error"]) for r in sel]
         return {"median_abs_error": round(statistics.median(errs), 4) if errs else None, "n": len(sel)}
-    return {"cases": rows, **stats(rows), "parts": {p: stats([r for r in rows if r["part"] == p])
-                                                      for p in ("dev", "test")},
+    return {"cases": rows, **stats(rows), "parts": {p: {**stats([r for r in rows if r["part"] == p]),
+                                                        **ordering([r for r in rows if r["part"] == p])}
+                                                    for p in ("dev", "test")},
             "sources": {n: {**stats([r for r in rows if r["source"] == n]), "part": part(n)}
                         for n in spec["sources"]}}
 
@@ -171,6 +172,22 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def ordering(rows: list[dict]) -> dict:
+    """Of every two runs of one source on the same model and GPUs that differ in their settings, whether the
+    predicted faster one is the published faster one (pairs within 5 % of each other are left out: a tie)."""
+    right = total = 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if (a["source"], a["model"], a["gpu"], a["nodes"]) != (b["source"], b["model"], b["gpu"], b["nodes"]):
+                continue
+            pa, pb = a["published_tokens_per_s"], b["published_tokens_per_s"]
+            if abs(pa / pb - 1) < 0.05:
+                continue
+            total += 1
+            right += (pa > pb) == (a["predicted_tokens_per_s"] > b["predicted_tokens_per_s"])
+    return {"faster_of_two_right": right, "pairs": total}
+
+
 def throughput_markdown(result: dict) -> str:
     lines = ["| source | part | model | GPUs | strategy | seq | ckpt | published tok/s | predicted | error | bound |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -183,7 +200,8 @@ def throughput_markdown(result: dict) -> str:
     for name, s in result["sources"].items():
         lines.append(f"{name} ({s['part']}): median |error| {s['median_abs_error']:.1%} over {s['n']} cases")
     for p, s in result["parts"].items():
-        lines.append(f"time {p}: median |error| {s['median_abs_error']:.1%} over {s['n']} cases")
+        lines.append(f"time {p}: median |error| {s['median_abs_error']:.1%} over {s['n']} cases; faster of two "
+                     f"right {s['faster_of_two_right']}/{s['pairs']}")
     return "\n".join(lines)
 
 
