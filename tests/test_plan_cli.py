@@ -123,6 +123,9 @@ def test_train_refuses_predicted_oom(tmp_path: Path, tiny_llama: Path, small_dat
     result = train(load_config(cfg), init_distributed(), quiet=True)
     written = json.loads((result.run_dir / "plan.json").read_text())
     assert written["recommended"] == "single" and written["model"]["layers"] == 2
+    predicted = written["candidates"][0]["tokens_per_s"]  # the time model's, logged beside the measured one
+    assert predicted > 0 and result.summary["predicted_tokens_per_s"] == pytest.approx(predicted, rel=1e-3)
+    assert result.summary["tokens_per_s"] > 0
 
 
 def test_offload_host_ram_limit() -> None:

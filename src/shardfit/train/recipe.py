@@ -386,14 +386,25 @@ class FineTune:
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
+                   "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if summary["predicted_tokens_per_s"] and summary["tokens_per_s"] and not self.quiet:
+                print(f"shardfit: {summary['tokens_per_s']:,.0f} tokens/s measured, "
+                      f"{summary['predicted_tokens_per_s']:,.0f} predicted by the plan for {self.strategy.name}")
         self.metrics.close()
         barrier(env)
         return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
+
+
+    def predicted_tokens_per_s(self) -> float | None:
+        """The plan's tokens/s for the strategy this run used (rows full: packing fills them; padding does not
+        count), or None without a plan."""
+        c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
+        return round(c.tokens_per_s, 2) if c is not None and c.tokens_per_s else None
 
 
 def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
