@@ -16,6 +16,7 @@ from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
 from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import cuda_available, resolve_precision
 from shardfit.plan.choose import plan_for_config
@@ -57,7 +58,8 @@ def validate_data(cfg: Config) -> None:
     split = read_split(cfg)
     source = resolve_model(cfg.model)
     if source.is_local:
-        encode_split(cfg, load_tokenizer(source, cfg.trust_remote_code), split)
+        tokenizer = load_tokenizer(source, cfg.trust_remote_code)
+        encode_split(cfg, tokenizer, split, load_vision_processor(source, cfg, tokenizer))
 
 
 def job_plan(cfg: Config, hw: Hardware, strategy: str, world: int) -> Plan | None:
