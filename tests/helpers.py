@@ -12,7 +12,19 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2_5OmniConfig, Qwen2Config
+from PIL import Image
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5OmniConfig,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "src" / "shardfit" / "demo" / "train.jsonl"
@@ -117,9 +129,6 @@ VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad
 def make_tiny_vl(out: Path, tokenizer_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
     """A randomly initialised tiny Qwen2-VL (or Qwen2.5-VL) saved as an HF folder: the SmolLM2 tokenizer with the
     vision tokens added, and a PIL image processor capped at 112x112 pixels (at most 16 image tokens)."""
-    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
-
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -146,8 +155,6 @@ def make_tiny_vl(out: Path, tokenizer_dir: Path, arch: str = "qwen2_vl", seed: i
 
 def write_images(folder: Path, colours: dict[str, tuple[int, int, int]], size: tuple[int, int] = (56, 56)) -> None:
     """Solid-colour PNGs named NAME.png, generated with PIL."""
-    from PIL import Image
-
     folder.mkdir(parents=True, exist_ok=True)
     for name, rgb in colours.items():
         Image.new("RGB", size, rgb).save(folder / f"{name}.png")

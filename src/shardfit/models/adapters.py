@@ -13,7 +13,6 @@ from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 from shardfit.models.anatomy import decoder_and_head, vision_body
 
-
 # A vision-language model's vision tower, by module path: what LoRA leaves alone while the tower is frozen.
 VISION_TOWER = r"(.*\.)?visual(\..*)?"
 
