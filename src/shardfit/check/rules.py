@@ -11,7 +11,7 @@ from torch import nn
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.models.adapters import drop_modules
-from shardfit.models.anatomy import base_model, decoder_and_head, transformer_blocks
+from shardfit.models.anatomy import base_model, decoder_and_head, transformer_blocks, vision_body
 from shardfit.models.checkpointing import enable_hf_checkpointing, old_gc_api
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.plan import Plan
@@ -37,8 +37,10 @@ def unused_module_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Findin
     pair = _decoder_and_head(model)
     if pair is None:
         return []
-    used = {id(m) for m in pair[0].modules()} | {id(m) for m in pair[1].modules()}
-    used_params = {id(p) for m in pair for p in m.parameters()}
+    body = vision_body(model)
+    parts = [*pair, body.visual] if body is not None else list(pair)  # a VL model's forward runs its vision tower
+    used = {id(m) for part in parts for m in part.modules()}
+    used_params = {id(p) for m in parts for p in m.parameters()}
     out = []
     for name, module in list(_outer_modules(model, used)):
         params = [p for p in module.parameters() if id(p) not in used_params]

@@ -127,14 +127,28 @@ class CausalLMLoss(nn.Module):
         if body is None:
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         else:
-            # A vision-language batch ((4, rows, width) positions): the body runs the vision tower on the pixels,
-            # fills the image tokens with its features, and the language model takes the M-RoPE positions.
-            out = body(input_ids=input_ids, position_ids=position_ids, pixel_values=pixel_values,
-                       image_grid_thw=image_grid_thw, use_cache=False)
+            out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        if body is not None and pixel_values is None:
-            hidden = hidden + idle_vision(body.visual, hidden)
         return chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
+
+
+def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> Any:
+    """A Qwen2-VL-style body on a batch with (4, rows, width) positions: token embeddings, the vision tower's
+    features written into the image tokens, then the language model.
+
+    The steps are the body's own forward, spelled out so that a batch without images runs the same modules in the
+    same order (embedding, vision tower, language model): under FSDP2 every rank must gather the same units in the
+    same sequence, or the collectives mismatch."""
+    embeds = body.get_input_embeddings()(input_ids)
+    if pixel_values is None:
+        embeds = embeds + idle_vision(body.visual, embeds)
+    else:
+        feats = body.visual(pixel_values.to(body.visual.dtype), grid_thw=image_grid_thw)
+        feats = feats.pooler_output if hasattr(feats, "pooler_output") else feats
+        mask = (input_ids == body.config.image_token_id).unsqueeze(-1)
+        embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+    return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
 
 
 def idle_vision(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
