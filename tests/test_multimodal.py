@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
 from shardfit.config import Config, LoraSettings
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
@@ -23,6 +24,7 @@ from shardfit.models.adapters import setup_trainable
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
+from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import read_jsonl, run_cli, write_config, write_images
 
@@ -205,3 +207,24 @@ def test_zero3_rank_without_image_matches_single_process(tmp_path: Path, tiny_vl
     assert any("merger" in k for k in a) and a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("size, max_pixels", [((1024, 768), DEFAULT_MAX_PIXELS), ((4000, 3000), 1003520),
+                                              ((30, 20), DEFAULT_MAX_PIXELS), ((56, 112), 112 * 112)])
+def test_planned_image_tokens_match_the_image_processor(size: tuple[int, int], max_pixels: int) -> None:
+    width, height = size
+    media = MediaLoad(1, width, height, max_pixels=max_pixels)
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels)
+    grid = processor(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0].tolist()
+    assert [1, *[d // 14 for d in media.resized()]] == grid
+    assert media.tokens_per_image() == grid[1] * grid[2] // 4
+
+
+def test_plan_counts_image_tokens_and_refuses_what_cannot_fit() -> None:
+    args = ("plan", "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--gpus", "8x24GB", "--batch", "1", "--json")
+    r = run_cli(*args, "--images-per-sample", "2", "--image-size", "1024x768", "--seq", "4096")
+    assert r.returncode in (0, 3), r.stderr
+    media = json.loads(r.stdout)["media"]
+    assert media["tokens_per_image"] == 999 and media["media_tokens_per_sample"] == 1998
+    r = run_cli(*args, "--images-per-sample", "4", "--image-size", "1024x768", "--seq", "2048")
+    assert r.returncode == 2 and "3996 tokens" in r.stderr and "--image-max-pixels" in r.stderr
