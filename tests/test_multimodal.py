@@ -228,3 +228,15 @@ def test_plan_counts_image_tokens_and_refuses_what_cannot_fit() -> None:
     assert media["tokens_per_image"] == 999 and media["media_tokens_per_sample"] == 1998
     r = run_cli(*args, "--images-per-sample", "4", "--image-size", "1024x768", "--seq", "2048")
     assert r.returncode == 2 and "3996 tokens" in r.stderr and "--image-max-pixels" in r.stderr
+
+
+def test_check_makes_a_half_frozen_vision_block_uniform(tmp_path: Path, tiny_vl: Path, vl_data: Path) -> None:
+    cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(vl_data), precision="fp32",
+                       max_seq_len=128, method="full", strategy="zero3", freeze_vision_tower=False,
+                       freeze_modules=["visual.blocks.0.attn"], output_dir=str(tmp_path / "run"))
+    r = run_cli("check", str(cfg), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = {f["rule"]: f for f in json.loads(r.stdout)["findings"]}
+    rule = found["vision_unit_mixed_requires_grad"]
+    assert rule["auto_fixed"] and "vision unit 0" in rule["where"] and "trained whole" in rule["message"]
+    assert "unused_module" not in found  # the VL forward runs the vision tower
