@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
 from shardfit.config import Config, LoraSettings
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
@@ -175,6 +175,21 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
     adapter = tmp_path / "run" / "adapter"
     assert (adapter / "preprocessor_config.json").is_file() and (adapter / "tokenizer.json").is_file()
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    # export --merge: a folder the transformers classes load, that generates from an image.
+    r = run_cli("export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "AutoModelForImageTextToText" in r.stdout
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "merged", backend="pil")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    pixels = processor(images=[Image.new("RGB", (56, 56), (255, 0, 0))], return_tensors="pt")
+    prompt = ("<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>Colour?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    image = merged.config.image_token_id
+    out = merged.generate(ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                          mm_token_type_ids=(ids == image).int(), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 3
     # A bad image row stops the run before the model loads, naming file:line.
     bad = _write(tmp_path / "bad.jsonl", [_rows(str(vl_data.parent / "img"))[0],
                                           {"messages": [{"role": "user", "content": "<image>"},
@@ -240,3 +255,4 @@ def test_check_makes_a_half_frozen_vision_block_uniform(tmp_path: Path, tiny_vl:
     rule = found["vision_unit_mixed_requires_grad"]
     assert rule["auto_fixed"] and "vision unit 0" in rule["where"] and "trained whole" in rule["message"]
     assert "unused_module" not in found  # the VL forward runs the vision tower
+
