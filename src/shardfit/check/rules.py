@@ -11,7 +11,14 @@ from torch import nn
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.models.adapters import drop_modules
-from shardfit.models.anatomy import base_model, decoder_and_head, transformer_blocks, vision_body, vision_units
+from shardfit.models.anatomy import (
+    base_model,
+    decoder_and_head,
+    trains_images,
+    transformer_blocks,
+    vision_body,
+    vision_units,
+)
 from shardfit.models.checkpointing import enable_hf_checkpointing, old_gc_api
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.plan import Plan
@@ -37,7 +44,7 @@ def unused_module_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Findin
     pair = _decoder_and_head(model)
     if pair is None:
         return []
-    body = vision_body(model)
+    body = vision_body(model) if trains_images(model) else None
     parts = [*pair, body.visual] if body is not None else list(pair)  # a VL model's forward runs its vision tower
     used = {id(m) for part in parts for m in part.modules()}
     used_params = {id(p) for m in parts for p in m.parameters()}

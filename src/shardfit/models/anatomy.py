@@ -69,6 +69,17 @@ def input_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+# Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
+# the language model takes 3-D M-RoPE positions. (Qwen-Omni's thinker has the same body layout but trains on text.)
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def trains_images(model: nn.Module) -> bool:
+    """Whether shardfit's forward of this model runs its vision tower (a Qwen2-VL-style model)."""
+    config = getattr(text_model(model), "config", None)
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES and vision_body(model) is not None
+
+
 def vision_body(model: nn.Module) -> nn.Module | None:
     """The body of a Qwen2-VL-style model (vision tower `visual` and `language_model` side by side), whose forward
     fills image placeholders with vision features; None for a text model."""

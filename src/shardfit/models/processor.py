@@ -15,11 +15,8 @@ from transformers import AutoConfig, AutoImageProcessor
 from shardfit.config import Config
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
+from shardfit.models.anatomy import VISION_MODEL_TYPES
 from shardfit.models.source import ModelSource
-
-# Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
-# the language model takes 3-D M-RoPE positions.
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def vision_model_type(source: ModelSource, trust_remote_code: bool = False) -> str | None:
