@@ -200,7 +200,9 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
 
 
 @pytest.mark.slow
-def test_zero3_rank_without_image_matches_single_process(tmp_path: Path, tiny_vl: Path, vl_data: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_rank_without_image_matches_single_process(tmp_path: Path, tiny_vl: Path, vl_data: Path,
+                                                   strategy: str) -> None:
     """Two rows, one with an image and one without, one row per rank: every step one rank has no image (the
     classic ZeRO-3 stall). The merger trains (train_projector), so its gradients are reduced across ranks too."""
     data = _write(vl_data.parent / "two.jsonl", [_rows()[0], _rows()[6]])
@@ -209,7 +211,7 @@ def test_zero3_rank_without_image_matches_single_process(tmp_path: Path, tiny_vl
                 report_to=["none"], watchdog_min_s=120.0)
     one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
                        output_dir=str(tmp_path / "one"))
-    two = write_config(tmp_path / "two.yaml", **keys, strategy="zero3", output_dir=str(tmp_path / "two"))
+    two = write_config(tmp_path / "two.yaml", **keys, strategy=strategy, output_dir=str(tmp_path / "two"))
     r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
