@@ -200,11 +200,12 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_rank_without_image_matches_single_process(tmp_path: Path, tiny_vl: Path, vl_data: Path,
-                                                   strategy: str) -> None:
+@pytest.mark.parametrize("strategy, arch", [("ddp", "tiny_vl"), ("zero3", "tiny_vl"), ("zero3", "tiny_vl25")])
+def test_rank_without_image_matches_single_process(tmp_path: Path, vl_data: Path, strategy: str, arch: str,
+                                                   request: pytest.FixtureRequest) -> None:
     """Two rows, one with an image and one without, one row per rank: every step one rank has no image (the
     classic ZeRO-3 stall). The merger trains (train_projector), so its gradients are reduced across ranks too."""
+    tiny_vl = request.getfixturevalue(arch)
     data = _write(vl_data.parent / "two.jsonl", [_rows()[0], _rows()[6]])
     keys = dict(model=str(tiny_vl), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=4,
                 log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
