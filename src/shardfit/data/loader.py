@@ -55,8 +55,8 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Bat
     media: dict[str, torch.Tensor] = {}
     pixels = [p for r in rows for p in r.pixel_values]
     if pixels:
-        media = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat([g for r in rows
-                                                                                 for g in r.image_grid_thw])}
+        media = {"pixel_values": torch.cat([p.load() for p in pixels]),
+                 "image_grid_thw": torch.cat([g for r in rows for g in r.image_grid_thw])}
     return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media)
 
 

@@ -18,8 +18,8 @@ class PackedRow:
     input_ids: list[int]
     targets: list[int]
     position_ids: list[int]
-    # Vision-language rows: each example's own M-RoPE positions side by side (3 lists), and the pixel patches and
-    # grids of its images in token order. None / empty for text.
+    # Vision-language rows: each example's own M-RoPE positions side by side (3 lists), and its images (ImagePixels,
+    # decoded when batched) and their grids in token order. None / empty for text.
     mrope: list[list[int]] | None = None
     pixel_values: list[Any] = field(default_factory=list)
     image_grid_thw: list[Any] = field(default_factory=list)

@@ -36,6 +36,19 @@ class VisionProcessor:
         return t * h * w // (self.merge * self.merge)
 
 
+@dataclass(frozen=True)
+class ImagePixels:
+    """The images of one example, decoded when a batch needs them: held as paths, a data set of any size costs no
+    memory for pixels (a 1024x768 image is 19 MB of fp32 patches)."""
+
+    vp: VisionProcessor
+    paths: tuple[str, ...]
+
+    def load(self) -> torch.Tensor:
+        """Pixel patches of every image, in order (rows: patches)."""
+        return load_pixels(self.vp, self.paths)[0]
+
+
 def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pixel patches of every image (rows: patches, in image order) and each image's (t, h, w) patch grid."""
     from PIL import Image  # Pillow only for image data: text-only runs never import it
@@ -55,10 +68,7 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
     marker = vp.start + vp.image_token + vp.end
     rendered = [dict(m, content=m["content"].replace(IMAGE, marker)) for m in messages]
     enc = encode_messages(tokenizer, rendered, max_len=1 << 30)
-    if images:
-        pixels, grids = load_pixels(vp, images)
-    else:
-        pixels, grids = None, None
+    grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
     counts = [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else []
     n_slots = sum(1 for t in enc.input_ids if t == vp.image_token_id)
     if n_slots != len(counts):
@@ -85,7 +95,8 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
                          f"{max_len}; raise max_seq_len, or lower image_max_pixels (fewer tokens per image)")
         ids, targets = ids[:max_len], targets[:max_len - 1] + [IGNORE]
     mrope = mrope_positions(len(ids), image_spans, vp.merge)
-    return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=pixels, image_grid_thw=grids)
+    return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=ImagePixels(vp, images) if images else None,
+                   image_grid_thw=grids)
 
 
 def mrope_positions(n: int, image_spans: list[tuple[int, list[int]]], merge: int) -> list[list[int]]:
