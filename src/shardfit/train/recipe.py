@@ -34,6 +34,7 @@ from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
 from shardfit.parallel.agree import require_same
@@ -182,9 +183,12 @@ class FineTune:
     def _setup_data(self) -> None:
         """Data before the model: a bad row stops the run in seconds, before the tokenizer and the model load."""
         split = read_split(self.cfg)
+        source = resolve_model(self.cfg.model)
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(resolve_model(self.cfg.model), self.cfg.trust_remote_code)
-        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split)
+            self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
+        self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
+        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split, self.vision)
+        self.n_images = sum(len(c.images) for c in split.train)
         self.data_stats = split.stats
         self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
         eval_conv = [c.messages for c in split.eval]
@@ -273,6 +277,8 @@ class FineTune:
                   f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
                   f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
                   f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
+                  + (f"; {self.n_images} images (M-RoPE positions kept per example"
+                     f"{' in packed rows' if cfg.packing else ''})" if self.vision is not None else "")
                   + (f"; {stats.describe()}" if stats.describe() else ""))
             note = packing_note(self.n_examples, self.batches.steps_per_epoch, cfg.micro_batch * cfg.grad_accum * world)
             if cfg.packing and note:
@@ -336,7 +342,7 @@ class FineTune:
             batch = collate(micro, self.pad_id, self.width).to(self.in_device)
             wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
-                loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets)
+                loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
             wd.at("backward")
             (loss_sum * scale).backward()
             self.logger.add_loss(loss_sum, rows.global_targets)
@@ -375,8 +381,10 @@ class FineTune:
         with wd.phase("final checkpoint save", where="checkpoint save"):
             self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         with wd.phase("saving the adapter or model", where="final save"):
-            save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                       is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
+            out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
+                             is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
+            if self.vision is not None and env.is_main:
+                self.vision.image_processor.save_pretrained(str(out))  # the processor files beside the tokenizer's
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
                    "eval_loss": eval_loss,
