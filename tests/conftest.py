@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
 from shardfit.models.build import load_tokenizer
 from shardfit.models.source import resolve_model
-from tests.helpers import DEMO_DATA, make_tiny_model, tiny_omni_config
+from tests.helpers import DEMO_DATA, make_tiny_model, make_tiny_vl, tiny_omni_config
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,3 +61,15 @@ def tiny_omni(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> 
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A saved tiny Qwen2-VL with the vision tokens in its tokenizer and a small-image processor."""
+    return make_tiny_vl(tmp_path_factory.mktemp("tiny-vl"), tokenizer_dir, "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl25(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A saved tiny Qwen2.5-VL (windowed vision attention), otherwise as tiny_vl."""
+    return make_tiny_vl(tmp_path_factory.mktemp("tiny-vl25"), tokenizer_dir, "qwen2_5_vl")

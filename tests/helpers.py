@@ -12,7 +12,19 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2_5OmniConfig, Qwen2Config
+from PIL import Image
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5OmniConfig,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "src" / "shardfit" / "demo" / "train.jsonl"
@@ -109,3 +121,40 @@ def browser_dom(url: str) -> str:
     """The page's DOM after a real headless browser loaded and rendered it."""
     cmd = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+
+
+VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def make_tiny_vl(out: Path, tokenizer_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
+    """A randomly initialised tiny Qwen2-VL (or Qwen2.5-VL) saved as an HF folder: the SmolLM2 tokenizer with the
+    vision tokens added, and a PIL image processor capped at 112x112 pixels (at most 16 image tokens)."""
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(VL_TOKENS)})
+    start, end, image, video = tok.convert_tokens_to_ids(list(VL_TOKENS))
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, rope_parameters=rope, pad_token_id=2,
+                bos_token_id=1, eos_token_id=2)
+    ids = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    if arch == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
+    else:
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(out)
+    return out
+
+
+def write_images(folder: Path, colours: dict[str, tuple[int, int, int]], size: tuple[int, int] = (56, 56)) -> None:
+    """Solid-colour PNGs named NAME.png, generated with PIL."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rgb in colours.items():
+        Image.new("RGB", size, rgb).save(folder / f"{name}.png")

@@ -221,12 +221,14 @@ def test_check_72b_under_ddp_on_8x24gb_from_the_catalog(tmp_path: Path, small_da
     assert oom["severity"] == "error" and "full replica per GPU" in oom["message"]
     assert "GiB per GPU" in oom["fix"]  # names a change that fits, with its predicted memory
     # The fix is an override check and train accept (not a plan-only flag), and with it the memory rule passes.
-    assert "--set grad_ckpt=full" in oom["fix"] and "model_parallel at" in oom["fix"]
+    # The fastest predicted fit: zero3_offload keeps all eight GPUs computing (~600 tokens/s on 4090s), where
+    # model_parallel computes on one at a time (~270 tokens/s); tests/test_plan_timing.py checks the numbers.
+    assert "--set grad_ckpt=full" in oom["fix"] and "zero3_offload at" in oom["fix"]
     assert "--grad-ckpt" not in oom["fix"]
     r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--set", "grad_ckpt=full", "--json", timeout=300,
                 env={"HF_HUB_OFFLINE": "1"})
     oom = next(f for f in json.loads(r.stdout)["findings"] if f["rule"] == "predicted_oom")
-    assert oom["fix"] == "--set strategy=model_parallel", oom
+    assert oom["fix"] == "--set strategy=zero3_offload", oom
     r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--set", "strategy=model_parallel", "--set", "grad_ckpt=full",
                 "--json", timeout=300, env={"HF_HUB_OFFLINE": "1"})
     assert "predicted_oom" not in {f["rule"] for f in json.loads(r.stdout)["findings"]}, r.stdout

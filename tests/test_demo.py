@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from shardfit.cli.main import main
+from shardfit.config import Config
 from shardfit.demo.run import DEMO_DIR
+from shardfit.models.build import build_model
 from tests.helpers import run_cli
 
 
@@ -23,6 +27,9 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     out = json.loads((run / "demo.json").read_text())
     assert 0.0 <= out["before_accuracy"] <= 1.0 and 0.0 <= out["after_accuracy"] <= 1.0
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    # The adapter names a base anyone can load (the hub id), not the package's GGUF folder.
+    adapter_cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
     # The LoRA run chats without merging, on the GGUF base the package ships.
     capsys.readouterr()
@@ -36,3 +43,18 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     assert result["models"]["tuned"]["loss"] < result["models"]["base"]["loss"]  # three steps already help
     assert main(["report", str(run)]) == 0
     assert "shardfit eval" in (run / "report" / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_export_base_writes_the_gguf_model_as_a_plain_folder(tmp_path: Path) -> None:
+    """A GGUF base loads only through shardfit (or transformers with gguf_file); exported once, it is a folder that
+    AutoModelForCausalLM loads, with the same weights shardfit trains on."""
+    model_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    out = tmp_path / "smollm2"
+    assert main(["export", "--base", model_id, "--out", str(out), "--dtype", "fp32"]) == 0
+    assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = build_model(Config(model=model_id, method="full", precision="fp32"), "single", weights=True).eval()
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1345]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, ours(ids).logits)

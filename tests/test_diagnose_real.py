@@ -148,6 +148,13 @@ def test_shipped_calibration_and_similar_index_are_up_to_date() -> None:
     ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
      "(errno: 98 - Address already in use)", "dist_port_in_use"),
     ("RuntimeError: FlashAttention only supports Ampere GPUs or newer.", "gpu_arch_unsupported"),
+    ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect [127.0.1.1]:41233: Connection refused",
+     "rendezvous_unreachable"),
+    ("  [  error] master_addr_loopback at --master-addr", "rendezvous_unreachable"),
+    ("shardfit: watchdog: evaluation after step 40 has run 650 s (over the watchdog's 300 s): rank 1 is in the "
+     "forward (evaluation; 649.0 s); rank 0 waits in all_reduce", "watchdog_stuck_rank"),
+    ("shardfit: rank 2: stopping because rank 0 on gpu-07 failed: torch.OutOfMemoryError: CUDA out of memory.",
+     "peer_rank_failed"),
 ])
 def test_issue_classes(log: str, expected: str) -> None:
     findings = diagnose(log)

@@ -123,6 +123,9 @@ def test_train_refuses_predicted_oom(tmp_path: Path, tiny_llama: Path, small_dat
     result = train(load_config(cfg), init_distributed(), quiet=True)
     written = json.loads((result.run_dir / "plan.json").read_text())
     assert written["recommended"] == "single" and written["model"]["layers"] == 2
+    predicted = written["candidates"][0]["tokens_per_s"]  # the time model's, logged beside the measured one
+    assert predicted > 0 and result.summary["predicted_tokens_per_s"] == pytest.approx(predicted, rel=1e-3)
+    assert result.summary["tokens_per_s"] > 0
 
 
 def test_offload_host_ram_limit() -> None:
@@ -138,8 +141,8 @@ def test_attention_mask_in_plan(capsys) -> None:
     keeps neither. `--attention` picks the column, and a config's attn_implementation maps onto it."""
 
     def single(attention: str, ckpt: str) -> dict:
-        assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x141GB", "--seq", "8192",
-                     "--grad-ckpt", ckpt, "--attention", attention, "--strategy", "single", "--json"]) == 0
+        assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x141GB", "--seq", "8192", "--batch",
+                     "1", "--grad-ckpt", ckpt, "--attention", attention, "--strategy", "single", "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)
         assert plan["workload"]["attention"] == attention
         return plan["candidates"][0]["per_gpu_gib"]

@@ -39,16 +39,15 @@ def test_the_readme_shows_the_main_commands() -> None:
 
 
 def _stand_in(args: list[str], model: Path, out: Path) -> list[str]:
-    """The README command, made cheap: tiny model and one step for train, two ranks for --nproc 8, files in tmp."""
+    """The README command, made cheap: tiny model and one step for train, two ranks for --nproc 8, runs in tmp."""
     args = ["2" if a == "8" and i and args[i - 1] == "--nproc" else a for i, a in enumerate(args)]
     args = [str(out / "plan.png") if a == "plan.png" else a for a in args]
     if args[0] == "train":
         args += ["--set", f"model={model}", "--set", "max_steps=1", "--set", "precision=fp32", "--set",
                  "max_seq_len=128", "--set", "micro_batch=2", "--set", "grad_accum=1", "--set", "grad_ckpt=none",
                  "--set", "eval_split=0", "--set", f"output_dir={out / 'runs' / 'demo'}", "--set", "resume=never"]
-    if args[0] == "export":
-        args = [str(out / a) if a.startswith("runs/") else a for a in args]
-    return args
+    # The run that `train` just wrote lives in tmp: every later command that names runs/... reads it there.
+    return [str(out / a) if a.startswith("runs/") else a for a in args]
 
 
 @pytest.mark.slow

@@ -197,19 +197,20 @@ def test_backward_peak_agrees_with_simulate() -> None:
 def test_full_logits_loss_in_plan_and_simulation(capsys) -> None:
     """A run through the model's own loss (HF Trainer style) needs far more than shardfit's chunked loss at long
     sequences; the estimate and the fake-tensor step of that loss agree on it."""
-    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora", "--seq",
-                 "16384", "--loss", "full", "--json"]) == 0
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora",
+                 "--seq", "16384", "--batch", "1", "--grad-ckpt", "full", "--loss", "full", "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
-    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora", "--seq",
-                 "16384", "--json"]) == 0
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora",
+                 "--seq", "16384", "--batch", "1", "--grad-ckpt", "full", "--json"]) == 0
     chunked = json.loads(capsys.readouterr().out)
     assert full["workload"]["loss"] == "full" and chunked["workload"]["loss"] == "chunked"
     logits = [next(c for c in p["candidates"] if c["strategy"] == "single")["per_gpu_gib"]["logits"]
               for p in (full, chunked)]
     assert logits[0] == pytest.approx(16384 * 128256 * 12 / 2**30, rel=0.01) and logits[1] < 1.0
     # The TRL/axolotl 4-bit recipe on transformers 4.46-4.48: fp32 embeddings/norms/head, shifted logits copy.
-    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora", "--seq",
-                 "16384", "--loss", "full_shift", "--frozen-fp32", "--json"]) == 0
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB", "--method", "qlora",
+                 "--seq", "16384", "--batch", "1", "--grad-ckpt", "full", "--loss", "full_shift", "--frozen-fp32",
+                 "--json"]) == 0
     hf = json.loads(capsys.readouterr().out)
     assert hf["workload"]["loss"] == "full_shift" and hf["workload"]["frozen_fp32"] is True
     single = [next(c for c in p["candidates"] if c["strategy"] == "single") for p in (hf, full)]

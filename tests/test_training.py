@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from shardfit.config import load_config
 from shardfit.parallel.env import init_distributed
-from shardfit.train.recipe import train
+from shardfit.train.recipe import packing_note, train
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
 BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
@@ -211,3 +211,11 @@ def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: P
                                   attn_implementation="flash_attention_2")))
     assert r.returncode == 2 and "'attn_implementation: flash_attention_2'" in r.stderr, r.stderr[-2000:]
     assert "attn_implementation: auto" in r.stderr
+
+
+def test_packing_note_says_when_packing_cuts_the_steps() -> None:
+    """240 examples packed into 40 rows at 4 rows per step: 10 steps where the HF Trainer takes 60 (the case of a
+    config carried over from a tool that does not pack); a packing that changes little says nothing."""
+    note = packing_note(240, 10, 4)
+    assert note is not None and "10 steps per epoch" in note and "takes 60" in note and "packing: false" in note
+    assert packing_note(240, 50, 4) is None

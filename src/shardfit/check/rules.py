@@ -11,7 +11,14 @@ from torch import nn
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.models.adapters import drop_modules
-from shardfit.models.anatomy import base_model, decoder_and_head, transformer_blocks
+from shardfit.models.anatomy import (
+    base_model,
+    decoder_and_head,
+    trains_images,
+    transformer_blocks,
+    vision_body,
+    vision_units,
+)
 from shardfit.models.checkpointing import enable_hf_checkpointing, old_gc_api
 from shardfit.models.quantize import is_bnb_quantized, is_nf4
 from shardfit.parallel.parallelize import fsdp_units
@@ -39,8 +46,10 @@ def unused_module_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Findin
     pair = _decoder_and_head(model)
     if pair is None:
         return []
-    used = {id(m) for m in pair[0].modules()} | {id(m) for m in pair[1].modules()}
-    used_params = {id(p) for m in pair for p in m.parameters()}
+    body = vision_body(model) if trains_images(model) else None
+    parts = [*pair, body.visual] if body is not None else list(pair)  # a VL model's forward runs its vision tower
+    used = {id(m) for part in parts for m in part.modules()}
+    used_params = {id(p) for m in parts for p in m.parameters()}
     out = []
     for name, module in list(_outer_modules(model, used)):
         params = [p for p in module.parameters() if id(p) not in used_params]
@@ -160,7 +169,7 @@ def fsdp_unit_rules(model: nn.Module, s: Strategy, precision: str, fix: bool) ->
         return []
     n_blocks = len(transformer_blocks(model))
     unit_modules = fsdp_units(model)
-    in_unit = {id(p): _unit_name(i, n_blocks) for i, u in enumerate(unit_modules) for p in u.parameters()}
+    in_unit = {id(p): _unit_name(i, n_blocks, model) for i, u in enumerate(unit_modules) for p in u.parameters()}
     units: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
         units.setdefault(in_unit.get(id(p), "root"), []).append((name, p))
@@ -217,7 +226,11 @@ def fsdp_unit_rules(model: nn.Module, s: Strategy, precision: str, fix: bool) ->
     return out
 
 
-def _unit_name(i: int, n_blocks: int) -> str:
+def _unit_name(i: int, n_blocks: int, model: nn.Module) -> str:
+    n_vision = len(vision_units(model))  # a VL model's vision blocks and merger come first (fsdp_units)
+    if i < n_vision:
+        return f"vision unit {i}"
+    i -= n_vision
     return f"block {i}" if i < n_blocks else "input embedding"
 
 
@@ -226,7 +239,7 @@ def _unit_of(param_name: str, units: list[nn.Module], n_blocks: int, model: nn.M
     module = model.get_submodule(module_name) if module_name else model
     for i, u in enumerate(units):
         if any(m is module for m in u.modules()):
-            return _unit_name(i, n_blocks)
+            return _unit_name(i, n_blocks, model)
     return "root"
 
 

@@ -13,9 +13,11 @@ from torch import nn
 from shardfit.check import rules
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding
+from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
 from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import cuda_available, resolve_precision
 from shardfit.plan.choose import plan_for_config
@@ -30,6 +32,7 @@ def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan
     plan's verdict); each fixes what it can in place and says so."""
     out = device_map_rules(cfg, s, world) + qlora_rules(cfg, s)
     out += rules.unused_module_rules(model, s, fix=True)
+    out += vision_unit_rules(model, cfg, s, fix=True)
     out += rules.fsdp_unit_rules(model, s, cfg.precision, fix=True)
     out += rules.qlora_shard_rules(model, s, world)
     out += rules.grad_ckpt_rules(model, cfg)
@@ -58,7 +61,8 @@ def validate_data(cfg: Config) -> None:
     split = read_split(cfg)
     source = resolve_model(cfg.model)
     if source.is_local:
-        encode_split(cfg, load_tokenizer(source, cfg.trust_remote_code), split)
+        tokenizer = load_tokenizer(source, cfg.trust_remote_code)
+        encode_split(cfg, tokenizer, split, load_vision_processor(source, cfg, tokenizer))
 
 
 def job_plan(cfg: Config, hw: Hardware, strategy: str, world: int) -> Plan | None:

@@ -75,5 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
-    print(f"merged model written to {out} (load with AutoModelForCausalLM.from_pretrained)")
+    loader = "AutoModelForImageTextToText and AutoImageProcessor" if (out / "preprocessor_config.json").is_file() \
+        else "AutoModelForCausalLM"
+    print(f"merged model written to {out} (load with {loader}.from_pretrained)")
     return 0

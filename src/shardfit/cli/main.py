@@ -72,6 +72,13 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="shardfit: %(levelname)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_own_info_only)
+    # peft imports torchao whenever it is installed; on a CPU build its optional CUDA kernels fail to load and torch
+    # warns about its enums. Neither concerns a user who does not train in 4 bits (real errors still show).
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def _own_info_only(record: logging.LogRecord) -> bool:

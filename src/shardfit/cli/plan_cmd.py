@@ -14,6 +14,7 @@ from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import format_report
 from shardfit.plan.hardware import detect, parse_gpus
+from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad, check_fits, describe, parse_image_size
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
@@ -21,6 +22,8 @@ from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, workload_of
 from shardfit.strategy import NAMES
 
 EXAMPLE = ("example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048\n"
+           "         shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --images-per-sample 2 "
+           "--image-size 1024x768\n"
            "         shardfit plan --from llamafactory my_lf.yaml --gpus 8x24GB --nproc 8")
 
 
@@ -56,6 +59,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
     p.add_argument("--grad-accum", type=positive_int, default=None, metavar="N",
                    help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
+    p.add_argument("--images-per-sample", type=positive_int, default=None, metavar="N",
+                   help="vision-language models: images in each training sample; the plan counts their patches and "
+                        "the tokens they take within --seq")
+    p.add_argument("--image-size", default=None, metavar="WxH", help="pixel size of those images, e.g. 1024x768")
+    p.add_argument("--image-max-pixels", type=positive_int, default=None, metavar="N",
+                   help="images with more pixels are resized down first (image_max_pixels; default the Qwen2-VL "
+                        "processor's 12845056)")
     p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
     p.add_argument("--simulate", action="store_true",
                    help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
@@ -91,6 +101,18 @@ def run_from(args: argparse.Namespace) -> int:
     return 0 if fp.configured.fits else 3
 
 
+def media_load(args: argparse.Namespace, config_max_pixels: int | None) -> MediaLoad | None:
+    """The images of a sample from --images-per-sample / --image-size (both or neither)."""
+    if args.images_per_sample is None and args.image_size is None:
+        return None
+    if args.images_per_sample is None or args.image_size is None:
+        raise UserError("--images-per-sample and --image-size go together, e.g. --images-per-sample 2 --image-size "
+                        "1024x768.")
+    width, height = parse_image_size(args.image_size)
+    max_pixels = args.image_max_pixels or config_max_pixels or DEFAULT_MAX_PIXELS
+    return MediaLoad(args.images_per_sample, width, height, max_pixels=max_pixels)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
@@ -117,12 +139,18 @@ def run(args: argparse.Namespace) -> int:
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())
     if args.strategy not in (None, "all") and args.strategy not in NAMES:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
+    media = media_load(args, cfg.image_max_pixels if args.config else None)
+    if media is not None:
+        check_fits(media, w.seq_len)
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
     if args.simulate:
         from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating
 
         plan = simulate_plan(plan, shape, w, hw, source if Path(source).exists() else None)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else format_table(plan))
+    out = plan.to_json()
+    if media is not None:
+        out["media"] = media.to_json()
+    print(json.dumps(out, indent=2) if args.json else format_table(plan) + (f"\n{describe(media)}" if media else ""))
     if args.plot:
         try:
             plot(plan, args.plot)

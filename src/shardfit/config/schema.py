@@ -109,6 +109,15 @@ class Config:
     output_dir: str = key("runs/demo", "the run directory", nonempty=True)
     resume: str = key("auto", "auto (the newest intact checkpoint of this run in output_dir) | never (start over in "
                               "output_dir) | a checkpoint path", nonempty=True)
+    freeze_vision_tower: bool = key(True, "vision-language models: keep the vision tower's weights frozen (LoRA "
+                                          "then adapts the language model only)")
+    train_projector: bool = key(False, "vision-language models: train the merger that projects vision features "
+                                       "into the language model (in full precision), even with a frozen tower")
+    image_max_pixels: int | None = key(None, "images with more pixels are resized down, keeping the aspect ratio "
+                                             "(fewer image tokens); null: the model's image processor default",
+                                       ge=1)
+    image_min_pixels: int | None = key(None, "images with fewer pixels are resized up, keeping the aspect ratio; "
+                                             "null: the model's image processor default", ge=1)
     drop_modules: list[str] = key(list, "submodules removed before placement (e.g. talker, token2wav)")
     freeze_modules: list[str] = key(list, "submodules whose parameters never train (e.g. a vision tower)")
     device_map: str | dict | None = key(None, "model_parallel only: a dict places modules yourself, a string uses "

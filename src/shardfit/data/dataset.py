@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shardfit.config import Config
 from shardfit.data.formats import BadRow, detect_format, to_messages
+from shardfit.data.media import extract_images
 from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
+from shardfit.data.vision import VisionProcessor, encode_with_images
 from shardfit.errors import UserError
 
 Messages = list[dict[str, str]]
@@ -22,6 +25,7 @@ Messages = list[dict[str, str]]
 class Conversation:
     messages: Messages
     where: str  # file:line, for every later message about this row
+    images: tuple[str, ...] = ()  # absolute paths, in the order of the `<image>` placeholders
 
 
 @dataclass
@@ -59,7 +63,8 @@ def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataS
                         raise BadRow(f"unknown format (keys: {keys}); expected alpaca (instruction/output), "
                                      f"ShareGPT (conversations) or OpenAI (messages)")
                     stats.formats[str(path)] = fmt
-                out.append(Conversation(to_messages(row.data, fmt), row.where))
+                data, images = extract_images(row.data, Path(path).parent)
+                out.append(Conversation(to_messages(data, fmt), row.where, images))
             except BadRow as e:
                 _bad_row(row.where, str(e), skip_bad_rows, stats)
     if not out:
@@ -100,14 +105,24 @@ def read_split(cfg: Config) -> Split:
 
 
 def encode_all(tokenizer: Any, conversations: list[Conversation], max_len: int, stats: DataStats,
-               skip_bad_rows: bool = False) -> list[Encoded]:
+               skip_bad_rows: bool = False, vision: VisionProcessor | None = None) -> list[Encoded]:
     """Tokenise every conversation; count those cut at `max_len`, and drop (and count) those whose assistant tokens
     were all cut away. A conversation the chat template refuses (a system turn it does not support, turns that do
-    not alternate) is a bad row."""
+    not alternate) is a bad row. With `vision` (a vision-language model) every example also gets its M-RoPE
+    positions and its images' pixels; without it, a row with images is refused."""
     out = []
     for conv in conversations:
+        if conv.images and vision is None:
+            raise UserError(f"{conv.where}: the row has images but the model has no vision tower; train a "
+                            "vision-language model (e.g. Qwen2-VL), or remove the images.")
         try:
-            enc = encode_messages(tokenizer, conv.messages, max_len)
+            if vision is not None:
+                enc = encode_with_images(tokenizer, vision, conv.messages, conv.images, max_len)
+            else:
+                enc = encode_messages(tokenizer, conv.messages, max_len)
+        except BadRow as e:
+            _bad_row(conv.where, str(e), skip_bad_rows, stats)
+            continue
         except Exception as e:  # noqa: BLE001 - jinja's TemplateError and the template's own raise_exception
             _bad_row(conv.where, f"the model's chat template refuses this conversation ({type(e).__name__}: {e})",
                      skip_bad_rows, stats)
@@ -127,11 +142,12 @@ def allowed_bad_rows(limit: float, rows: int) -> int:
     return int(limit * rows) if limit < 1 else int(limit)
 
 
-def encode_split(cfg: Config, tokenizer: Any, split: Split) -> tuple[list[Encoded], list[Encoded]]:
+def encode_split(cfg: Config, tokenizer: Any, split: Split,
+                 vision: VisionProcessor | None = None) -> tuple[list[Encoded], list[Encoded]]:
     """Tokenised train and eval examples; refuses when more rows are lost than `max_bad_rows` allows."""
     stats = split.stats
-    train = encode_all(tokenizer, split.train, cfg.max_seq_len, stats, cfg.skip_bad_rows)
-    evals = encode_all(tokenizer, split.eval, cfg.max_seq_len, stats, cfg.skip_bad_rows)
+    train = encode_all(tokenizer, split.train, cfg.max_seq_len, stats, cfg.skip_bad_rows, vision)
+    evals = encode_all(tokenizer, split.eval, cfg.max_seq_len, stats, cfg.skip_bad_rows, vision)
     if not train:
         raise UserError(f"'data': no example keeps an assistant token within max_seq_len={cfg.max_seq_len} "
                         f"(first: {(stats.dropped_where or ['?'])[0]}); raise max_seq_len.")

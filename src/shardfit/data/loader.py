@@ -6,7 +6,7 @@ whole global batch without communication, so the loss is normalised the same way
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,10 +20,15 @@ class Batch:
     position_ids: torch.Tensor
     targets: torch.Tensor
     n_real_tokens: int
+    # Vision-language batches: pixel_values and image_grid_thw of every image in the batch, in token order (absent
+    # when no row has an image). position_ids is then (4, rows, width): the text positions that bound each packed
+    # example, then the three M-RoPE axes.
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True),
-                     self.targets.to(device, non_blocking=True), self.n_real_tokens)
+                     self.targets.to(device, non_blocking=True), self.n_real_tokens,
+                     {k: v.to(device, non_blocking=True) for k, v in self.media.items()})
 
 
 def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Batch:
@@ -41,7 +46,18 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Bat
         tgt[i, :n] = torch.tensor(r.targets)
         if n < width:
             pos[i, n:] = torch.arange(width - n)
-    return Batch(ids, pos, tgt, sum(len(r) for r in rows))
+    if not any(r.mrope is not None for r in rows):
+        return Batch(ids, pos, tgt, sum(len(r) for r in rows))
+    pos4 = pos[None].repeat(4, 1, 1)
+    for i, r in enumerate(rows):
+        if r.mrope is not None:
+            pos4[1:, i, :len(r)] = torch.tensor(r.mrope)
+    media: dict[str, torch.Tensor] = {}
+    pixels = [p for r in rows for p in r.pixel_values]
+    if pixels:
+        media = {"pixel_values": torch.cat([p.load() for p in pixels]),
+                 "image_grid_thw": torch.cat([g for r in rows for g in r.image_grid_thw])}
+    return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media)
 
 
 @dataclass

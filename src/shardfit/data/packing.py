@@ -7,7 +7,8 @@ example before packing, so no example is trained to predict the first token of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from shardfit.data.tokenize import IGNORE, Encoded
 
@@ -17,6 +18,11 @@ class PackedRow:
     input_ids: list[int]
     targets: list[int]
     position_ids: list[int]
+    # Vision-language rows: each example's own M-RoPE positions side by side (3 lists), and its images (ImagePixels,
+    # decoded when batched) and their grids in token order. None / empty for text.
+    mrope: list[list[int]] | None = None
+    pixel_values: list[Any] = field(default_factory=list)
+    image_grid_thw: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -30,11 +36,20 @@ def _row(examples: list[Encoded]) -> PackedRow:
     ids: list[int] = []
     targets: list[int] = []
     pos: list[int] = []
+    vision = any(ex.mrope is not None for ex in examples)
+    mrope: list[list[int]] = [[], [], []]
+    row = PackedRow(ids, targets, pos, mrope if vision else None)
     for ex in examples:
         ids += ex.input_ids
         targets += ex.targets
         pos += list(range(len(ex.input_ids)))
-    return PackedRow(ids, targets, pos)
+        if vision:
+            for axis, own in zip(mrope, ex.mrope or [list(range(len(ex.input_ids)))] * 3, strict=True):
+                axis += own
+        if ex.pixel_values is not None:
+            row.pixel_values.append(ex.pixel_values)
+            row.image_grid_thw.append(ex.image_grid_thw)
+    return row
 
 
 def pack(examples: list[Encoded], max_len: int) -> list[PackedRow]:

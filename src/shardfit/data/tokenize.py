@@ -26,6 +26,11 @@ class Encoded:
     input_ids: list[int]
     targets: list[int]
     truncated: bool = False  # cut at max_len
+    # Vision-language examples (data/vision.py): 3-D M-RoPE positions (3 lists of len(input_ids)), the example's
+    # images (an ImagePixels, decoded per batch) and their (t, h, w) grids. None for text.
+    mrope: list[list[int]] | None = None
+    pixel_values: Any = None
+    image_grid_thw: Any = None
 
     @property
     def n_targets(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shardfit.data.formats import to_messages
+from shardfit.infer.generate import Sampling, generate_batch
 
 
 @dataclass
@@ -23,36 +24,26 @@ class Answered:
 
 @torch.no_grad()
 def generate_answers(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], fmt: str = "alpaca",
-                     max_new_tokens: int = 40, batch_size: int = 16) -> list[Answered]:
-    """Greedy answers for the user turns of `rows`, compared with each row's last assistant turn."""
+                     max_new_tokens: int = 40, batch_size: int = 16, *, show: bool = False,
+                     desc: str = "answers") -> list[Answered]:
+    """Greedy answers for the user turns of `rows`, compared with each row's last assistant turn; `show`: a
+    progress bar (generation takes a while on a CPU, and a silent minute looks like a hang)."""
     model.eval()
     device = next(model.parameters()).device
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation continues from the right edge of every prompt
-    out: list[Answered] = []
     # CPUs without bf16 matrix units run bf16 matmuls several times slower than fp32 (3x for greedy decoding here),
     # so on the CPU the model generates in fp32 and gets its own dtypes back afterwards (a lossless round trip).
     dtypes = {name: p.dtype for name, p in model.named_parameters()} if device.type == "cpu" else {}
     if dtypes:
         model.float()
+    convs = [to_messages(r, fmt) for r in rows]
     try:
-        for i in range(0, len(rows), batch_size):
-            chunk = rows[i:i + batch_size]
-            convs = [to_messages(r, fmt) for r in chunk]
-            prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True)
-                       for c in convs]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)
-            for conv, seq in zip(convs, gen[:, enc["input_ids"].shape[1]:], strict=True):
-                text = tokenizer.decode(seq, skip_special_tokens=True)
-                out.append(Answered(conv[-2]["content"], conv[-1]["content"], text.strip()))
+        replies = generate_batch(model, tokenizer, [c[:-1] for c in convs], Sampling(max_new_tokens),
+                                 batch_size=batch_size, show=show, desc=desc)
     finally:
-        tokenizer.padding_side = side
         for name, p in model.named_parameters():
             if name in dtypes:
                 p.data = p.data.to(dtypes[name])
-    return out
+    return [Answered(c[-2]["content"], c[-1]["content"], text) for c, text in zip(convs, replies, strict=True)]
 
 
 def accuracy(answers: list[Answered]) -> float:

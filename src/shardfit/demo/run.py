@@ -38,14 +38,14 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     tok = load_tokenizer(resolve_model(cfg.model))
     # The model as training builds it: its fresh LoRA adapters add nothing yet, so this is the base model's answer.
     model = build_model(cfg, "single", weights=True).to(env.device)
-    before = generate_answers(model, tok, heldout) if env.is_main else []
+    before = generate_answers(model, tok, heldout, show=True, desc="base model answers") if env.is_main else []
     if env.is_main:
         print(f"base model: {accuracy(before):.1%} exact match before training")
     result = train(cfg, env, model=model, tokenizer=tok, watchdog=watchdog)
     if not env.is_main:
         return {}
     tuned = result.model.to(env.device)
-    after = generate_answers(tuned, tok, heldout)
+    after = generate_answers(tuned, tok, heldout, show=True, desc="tuned model answers")
     print(report(before, after))
     out = {"before_accuracy": accuracy(before), "after_accuracy": accuracy(after),
            "eval_loss": result.summary["eval_loss"], "train_wall_s": result.summary["wall_s"],

@@ -11,14 +11,21 @@ from peft import LoraConfig, get_peft_model
 
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
-from shardfit.models.anatomy import decoder_and_head
+from shardfit.models.anatomy import decoder_and_head, vision_body
+
+# A vision-language model's vision tower, by module path: what LoRA leaves alone while the tower is frozen.
+VISION_TOWER = r"(.*\.)?visual(\..*)?"
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
-    """Wrap `model` with peft LoRA adapters; adapters are kept in fp32 whatever the base dtype."""
+def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | None = None,
+               modules_to_save: list[str] | None = None) -> torch.nn.Module:
+    """Wrap `model` with peft LoRA adapters; adapters are kept in fp32 whatever the base dtype. `exclude`: a
+    regular expression of module paths that get no adapter; `modules_to_save`: modules trained whole and saved
+    in the adapter (a vision-language model's merger under train_projector)."""
     targets = lora.targets
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                        task_type="CAUSAL_LM", bias="none")
+                        task_type="CAUSAL_LM", bias="none", exclude_modules=exclude,
+                        modules_to_save=modules_to_save)
     try:
         with warnings.catch_warnings():
             # peft reads transformers' deprecated is_gradient_checkpointing alias; the notice is not the user's.
@@ -98,13 +105,34 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     """Apply the config's method; returns the model whose trainable parameters the optimizer updates."""
     if cfg.drop_modules:
         drop_modules(model, cfg.drop_modules)
+    body = vision_body(model)
     if cfg.method in ("lora", "qlora"):
-        model = apply_lora(model, cfg.lora)
+        if body is None:
+            model = apply_lora(model, cfg.lora)
+        else:
+            model = apply_lora(model, cfg.lora, exclude=VISION_TOWER if cfg.freeze_vision_tower else None,
+                               modules_to_save=["merger"] if cfg.train_projector else None)
     elif cfg.method == "freeze":
         model = apply_freeze(model, cfg.freeze_trainable)
     else:
         for p in model.parameters():
             p.requires_grad_(True)
+    if body is not None and cfg.method not in ("lora", "qlora"):
+        _vision_trainable(body.visual, cfg.freeze_vision_tower, cfg.train_projector)
     if cfg.freeze_modules:
         freeze_modules(model, cfg.freeze_modules)
     return model
+
+
+def _vision_trainable(visual: torch.nn.Module, freeze_tower: bool, train_projector: bool) -> None:
+    """Full and freeze fine-tunes of a vision-language model: the tower frozen (freeze_vision_tower) and the merger
+    trained (train_projector), each as a whole, so no FSDP unit mixes trainable and frozen weights."""
+    merger = getattr(visual, "merger", None)
+    merger_params = {id(p) for p in merger.parameters()} if merger is not None else set()
+    for p in visual.parameters():
+        if id(p) in merger_params and train_projector:
+            p.requires_grad_(True)
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        elif freeze_tower:
+            p.requires_grad_(False)

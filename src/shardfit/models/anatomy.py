@@ -67,3 +67,40 @@ def input_device(model: nn.Module) -> torch.device:
     if emb is not None:
         return emb.weight.device
     return next(model.parameters()).device
+
+
+# Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
+# the language model takes 3-D M-RoPE positions. (Qwen-Omni's thinker has the same body layout but trains on text.)
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def trains_images(model: nn.Module) -> bool:
+    """Whether shardfit's forward of this model runs its vision tower (a Qwen2-VL-style model)."""
+    config = getattr(text_model(model), "config", None)
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES and vision_body(model) is not None
+
+
+def vision_body(model: nn.Module) -> nn.Module | None:
+    """The body of a Qwen2-VL-style model (vision tower `visual` and `language_model` side by side), whose forward
+    fills image placeholders with vision features; None for a text model."""
+    body = getattr(text_model(model), "model", None)
+    if body is not None and hasattr(body, "visual") and hasattr(body, "language_model"):
+        return body
+    return None
+
+
+def vision_units(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's repeated blocks and its merger (projector), in order: each is one FSDP unit, so a frozen
+    block and a trainable merger never share one."""
+    body = vision_body(model)
+    if body is None:
+        return []
+    visual = body.visual
+    merger = getattr(visual, "merger", None)
+    units = list(getattr(visual, "blocks", []))
+    if merger is not None and hasattr(merger, "modules_to_save"):
+        # peft's train_projector wrapper: the frozen original and the trainable copy, each a unit of its own.
+        units += [merger.original_module, *merger.modules_to_save.values()]
+    elif merger is not None:
+        units.append(merger)
+    return units

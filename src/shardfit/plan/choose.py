@@ -5,11 +5,11 @@ from __future__ import annotations
 from shardfit.config import Config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.plan import Plan, make_plan
+from shardfit.plan.plan import Plan, make_plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import workload_of
-from shardfit.strategy import MULTI_RANK, SPEED_ORDER
+from shardfit.strategy import MULTI_RANK
 
 
 def plan_for_config(cfg: Config, hw: Hardware) -> Plan | None:
@@ -23,14 +23,19 @@ def plan_for_config(cfg: Config, hw: Hardware) -> Plan | None:
 
 
 def auto_strategy(plan: Plan | None, world: int) -> str:
-    """One process: `single`. Several ranks: the fastest multi-rank strategy the plan says fits."""
+    """One process: `single`. Several ranks: the plan's recommendation when it runs on several ranks, else the
+    multi-rank strategy that fits with the most predicted tokens/s (ties, and untimed plans, by SPEED_ORDER)."""
     if world == 1:
         return "single"
     if plan is None:
         return "zero3"  # shape unknown: sharding is the choice that fits most
-    for name in (s for s in SPEED_ORDER if s in MULTI_RANK):
-        if plan.fits(name):
-            return name
+    if plan.recommended in MULTI_RANK:
+        return plan.recommended
+    fitting = [c for c in plan.candidates if c.strategy in MULTI_RANK and c.fits]
+    if fitting:
+        best, _ = recommend(fitting, plan.hardware)
+        if best is not None:
+            return best
     raise DoesNotFitError("no strategy fits this hardware.\n" + format_table(plan, style="config"))
 
 

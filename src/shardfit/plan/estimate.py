@@ -57,11 +57,17 @@ class Candidate:
     notes: str = ""
     peak_phase: str = "forward"  # where the step peaks: forward (at the loss), backward or optimizer
     extra: dict = field(default_factory=dict)
+    # The time model's prediction (plan/timing.py): one optimizer step, the job's tokens/s, what bounds it.
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+    bound: str | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["per_gpu_gib"] = {k: round(v, 3) for k, v in d["per_gpu_gib"].items()}
         d["cpu_gib"] = round(d["cpu_gib"], 3)
+        d["step_s"] = None if self.step_s is None else round(self.step_s, 4)
+        d["tokens_per_s"] = None if self.tokens_per_s is None else round(self.tokens_per_s, 1)
         d.pop("extra")
         return d
 
@@ -434,7 +440,7 @@ def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware) -> str:
     if s.engine == "plain" and hw.world > 1:
         return "uses one GPU only"
     if s.offload:
-        return "params, grads and optimizer state in host RAM; slowest (PCIe traffic every step)"
+        return "params, grads and optimizer state in host RAM (PCIe traffic every step)"
     if s.engine == "device_map":
         return "layers split over local GPUs; one GPU computes at a time"
     if b.total > cap:

@@ -15,6 +15,7 @@ from shardfit.config.support import trainable_methods
 from shardfit.plan.estimate import Candidate, estimate, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
+from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload
 from shardfit.strategy import NAMES, SPEED_ORDER
 
@@ -67,22 +68,58 @@ class Plan:
         return out
 
 
+# Predictions within this fraction of the fastest are a tie, which the simpler engine wins (SPEED_ORDER): the time
+# model is not more precise than that.
+TIE = 0.05
+
+
 def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
-    """The fastest strategy that fits: least communication, no offload unless nothing else fits."""
-    by_name = {c.strategy: c for c in cands}
-    order = list(SPEED_ORDER)
-    if hw.world > 1:
-        order.remove("single")  # one GPU of many is never the fastest way to use them
-        order.insert(order.index("model_parallel"), "single")
-    for name in order:
-        c = by_name.get(name)
-        if c is not None and c.fits:
-            faster = [by_name[n] for n in order[:order.index(name)] if n in by_name]
-            why = "; ".join(f"{f.strategy}: {f.notes}" for f in faster if not f.fits)
-            reason = f"{name} is the fastest strategy that fits ({c.per_gpu_gib.total:.1f} of " \
-                     f"{hw.gpu_mem_gib:.0f} GiB per GPU)"
-            return name, reason + (f". Not {why}" if why else "")
-    return None, "nothing fits this hardware"
+    """The fastest predicted step that fits (the job's tokens/s, all ranks together), with the reason in numbers.
+    Candidates without a time (none was predicted) are ranked by SPEED_ORDER."""
+    rank = {name: i for i, name in enumerate(SPEED_ORDER)}
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        return None, "nothing fits this hardware"
+    if all(c.tokens_per_s for c in fitting):
+        top = max(c.tokens_per_s or 0.0 for c in fitting)
+        best = min((c for c in fitting if (c.tokens_per_s or 0.0) >= top * (1 - TIE)), key=lambda c: rank[c.strategy])
+        faster = [c for c in cands if not c.fits and (c.tokens_per_s or 0.0) > (best.tokens_per_s or 0.0)]
+        timed = sorted(fitting, key=lambda c: -(c.tokens_per_s or 0.0))
+        reason = (f"{best.strategy} is the fastest predicted step that fits ({best.per_gpu_gib.total:.1f} of "
+                  f"{hw.gpu_mem_gib:.0f} GiB per GPU): " + "; ".join(_timing_phrase(c) for c in timed))
+    else:
+        order = list(SPEED_ORDER)
+        if hw.world > 1:
+            order.remove("single")  # one GPU of many is never the fastest way to use them
+            order.insert(order.index("model_parallel"), "single")
+        best = min(fitting, key=lambda c: order.index(c.strategy))
+        faster = [c for c in cands if not c.fits and order.index(c.strategy) < order.index(best.strategy)]
+        reason = f"{best.strategy} is the fastest strategy that fits ({best.per_gpu_gib.total:.1f} of " \
+                 f"{hw.gpu_mem_gib:.0f} GiB per GPU)"
+    why = "; ".join(f"{f.strategy}: {f.notes}" for f in faster)
+    return best.strategy, reason + (f". Not {why}" if why else "")
+
+
+def _timing_phrase(c: Candidate) -> str:
+    why = {"compute": "compute-bound", "comm": "communication-bound", "pcie": "PCIe-bound"}.get(c.bound or "", "")
+    if c.strategy == "model_parallel" and c.extra.get("busy_gpus", 1) > 1:
+        why = "one GPU busy at a time"
+    step = c.step_s or 0.0
+    return f"{c.strategy} ~{step:.2g} s/step, {c.tokens_per_s:,.0f} tokens/s, {why}" if step < 10 else \
+        f"{c.strategy} ~{step:.0f} s/step, {c.tokens_per_s:,.0f} tokens/s, {why}"
+
+
+def timed(shape: ModelShape, w: Workload, hw: Hardware, c: Candidate) -> Candidate:
+    """`c` with the time model's step time, tokens/s and bound (plan/timing.py)."""
+    t = step_time(shape, w, hw, c.strategy)
+    return dataclasses.replace(c, step_s=t.step_s, tokens_per_s=t.tokens_per_s, bound=t.bound,
+                               extra={**c.extra, "busy_gpus": t.busy_gpus, "compute_s": t.compute_s,
+                                      "comm_s": t.comm_s, "pcie_s": t.pcie_s})
+
+
+def estimate_all(shape: ModelShape, w: Workload, hw: Hardware, names: tuple[str, ...] = NAMES) -> list[Candidate]:
+    """Memory and time of every strategy of `names`."""
+    return [timed(shape, w, hw, estimate(shape, w, hw, s)) for s in names]
 
 
 @dataclass(frozen=True)
@@ -147,7 +184,7 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
     for what, changes, nodes in tries:
         w2 = dataclasses.replace(w, **changes)
         hw2 = dataclasses.replace(hw, nodes=nodes) if nodes else hw
-        cands = [estimate(shape, w2, hw2, s) for s in NAMES]
+        cands = estimate_all(shape, w2, hw2)
         best, _ = recommend(cands, hw2)
         if best is not None:
             c = next(c for c in cands if c.strategy == best)
@@ -158,13 +195,22 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
 def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[str, ...] = NAMES) -> Plan:
     """Estimate every strategy of `strategies`, recommend the fastest that fits, and list the nearest changes when
     none does."""
-    cands = [estimate(shape, w, hw, s) for s in strategies]
+    cands = estimate_all(shape, w, hw, strategies)
     best, reason = recommend(cands, hw)
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab)
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None)
 
 
 def with_candidates(plan: Plan, cands: list[Candidate]) -> Plan:
-    """The plan with other estimates of its strategies (e.g. simulated), the recommendation re-derived."""
+    """The plan with other estimates of its strategies (e.g. simulated), the recommendation re-derived; each keeps
+    the time its strategy was predicted to take."""
+    cands = [_with_time(c, plan.candidate(c.strategy)) for c in cands]
     best, reason = recommend(cands, plan.hardware)
     return dataclasses.replace(plan, candidates=cands, recommended=best, reason=reason)
+
+
+def _with_time(c: Candidate, before: Candidate | None) -> Candidate:
+    if before is None or c.step_s is not None:
+        return c
+    return dataclasses.replace(c, step_s=before.step_s, tokens_per_s=before.tokens_per_s, bound=before.bound,
+                               extra={**before.extra, **c.extra})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
 
@@ -19,18 +20,20 @@ def format_table(plan: Plan, style: str = "plan") -> str:
              f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
              + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
              + (", 16-bit adapters" if w["adapters_16bit"] and w["method"] in ("lora", "qlora") else "") + ")",
-             _hardware_line(plan), *[f"note: {n}" for n in hardware_notes(plan.hardware, w["precision"])], "",
+             _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"])], "",
              f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
-             f"{'runtime':>8}{'total':>9}  peak  fits  notes"]
+             f"{'runtime':>8}{'total':>9}  peak  fits  {'step':>8}  {'tokens/s':>9}  bound    notes"]
     for c in d["candidates"]:
         g = c["per_gpu_gib"]
         lines.append(f"{c['strategy']:<15}{g['weights']:>8.2f}{g['grads']:>8.2f}{g['optimizer']:>8.2f}"
                      f"{g['activations']:>8.2f}{g['logits']:>8.2f}{g['temporaries']:>8.2f}"
                      f"{g['runtime_overhead']:>8.2f}{g['total']:>9.2f}  {PHASE_SHORT.get(c['peak_phase'], ''):<4}  "
-                     f"{'yes ' if c['fits'] else 'NO  '}  "
-                     f"{c['notes']}" + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] else ""))
+                     f"{'yes ' if c['fits'] else 'NO  '}  {_step(c['step_s']):>8}  {_tps(c['tokens_per_s']):>9}  "
+                     f"{c['bound'] or '-':<7}  {c['notes']}"
+                     + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] else ""))
     lines += ["", "per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); "
-                  "total = tensors + runtime (CUDA context, NCCL, allocator reserve)", ""]
+                  "total = tensors + runtime (CUDA context, NCCL, allocator reserve); step: one optimizer step, "
+                  "tokens/s: the whole job's, bound: what the step waits on (compute, comm, pcie)", ""]
     if d["recommended"]:
         lines.append(f"recommended: {d['recommended']} ({d['reason']})")
     else:
@@ -38,6 +41,21 @@ def format_table(plan: Plan, style: str = "plan") -> str:
         phrases = [a.phrase(style) for a in plan.alternatives or []]
         lines += [f"  - {p}" for p in phrases if p] or ["  - none found"]
     return "\n".join(lines)
+
+
+def _notes(plan: Plan, precision: str) -> list[str]:
+    assumed = card_of(plan.hardware).assumed if plan.hardware.name != "cpu" else None
+    return hardware_notes(plan.hardware, precision) + ([assumed] if assumed else [])
+
+
+def _step(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _tps(t: float | None) -> str:
+    return "-" if t is None else f"{t:,.0f}"
 
 
 def _hardware_line(plan: Plan) -> str:
@@ -70,10 +88,16 @@ def plot(plan: Plan, path: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     cap = d["hardware"]["gpu_mem_gib"]
     ax.axhline(cap, color="red", linestyle="--", label=f"GPU memory {cap:.0f} GiB")
+    # The predicted speed under each strategy's name; the recommendation marked.
+    ax.set_xticks(range(len(names)), [
+        f"{'* ' if c['strategy'] == d['recommended'] else ''}{c['strategy']}"
+        + (f"\n{c['tokens_per_s']:,.0f} tok/s\n{_step(c['step_s'])}/step" if c["tokens_per_s"] else "")
+        for c in d["candidates"]], fontsize=8)
     ax.set_ylim(0, max(cap * 1.6, min(max(bottom), cap * 6)))
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{d['model']['id']} ({d['workload']['method']}) on {d['hardware']['nodes']}x"
-                 f"{d['hardware']['gpus_per_node']} GPUs")
+                 f"{d['hardware']['gpus_per_node']} GPUs" + (f"; * recommended: {d['recommended']}"
+                                                              if d["recommended"] else ""))
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

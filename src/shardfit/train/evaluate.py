@@ -40,7 +40,7 @@ def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id:
         real = idx < len(batches)
         batch = collate(batches[idx if real else 0], pad_id, width).to(device or env.device)
         with amp:
-            loss_sum, n = module(batch.input_ids, batch.position_ids, batch.targets)
+            loss_sum, n = module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
         if real:
             total += torch.tensor([float(loss_sum), n], dtype=torch.float64, device=env.device)
     if env.distributed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -102,6 +103,9 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
         out_dir.mkdir(parents=True, exist_ok=True)
         merged.save_pretrained(str(out_dir), safe_serialization=True)
         load_tokenizer(resolve_model(run_cfg.model), run_cfg.trust_remote_code).save_pretrained(str(out_dir))
+        processor = adapter_dir / "preprocessor_config.json"
+        if processor.is_file():  # a vision-language run: the image processor goes with the merged model
+            shutil.copy(processor, out_dir / processor.name)
         bar.update()
     finally:
         bar.close()

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
-from shardfit.models.anatomy import decoder_and_head
+from shardfit.models.anatomy import decoder_and_head, vision_body
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -119,9 +119,50 @@ class CausalLMLoss(nn.Module):
         self.chunk = chunk
         self.all_labelled = all_labelled
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+                pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         decoder, head = decoder_and_head(self.model)
-        out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        body = vision_body(self.model) if position_ids.dim() == 3 else None
+        if body is None:
+            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        else:
+            out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
+
+
+def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> Any:
+    """A Qwen2-VL-style body on a batch with (4, rows, width) positions: token embeddings, the vision tower's
+    features written into the image tokens, then the language model.
+
+    The steps are the body's own forward, spelled out so that a batch without images runs the same modules in the
+    same order (embedding, vision tower, language model): under FSDP2 every rank must gather the same units in the
+    same sequence, or the collectives mismatch."""
+    embeds = body.get_input_embeddings()(input_ids)
+    if pixel_values is None:
+        embeds = embeds + idle_vision(body.visual, embeds)
+    else:
+        feats = body.visual(pixel_values.to(body.visual.dtype), grid_thw=image_grid_thw)
+        feats = feats.pooler_output if hasattr(feats, "pooler_output") else feats
+        mask = (input_ids == body.config.image_token_id).unsqueeze(-1)
+        embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+    return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+
+
+def idle_vision(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """Zero, computed through the vision tower on one tiny blank image.
+
+    A batch without images would skip the tower, but under FSDP2 each vision block's all-gather (and under DDP a
+    trainable merger's gradient) is a collective: a rank that skips it while another rank runs it waits forever
+    (the classic ZeRO-3 stall of VL models). Running every rank through the tower on every step keeps the
+    collectives matched; the result is multiplied by zero, so the loss and the gradients are unchanged."""
+    embed = visual.patch_embed
+    merge = visual.spatial_merge_size
+    dim = embed.in_channels * embed.temporal_patch_size * embed.patch_size * embed.patch_size
+    pixels = torch.zeros(merge * merge, dim, dtype=like.dtype, device=like.device)
+    grid = torch.tensor([[1, merge, merge]], device=like.device)
+    out = visual(pixels, grid_thw=grid)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    return feats.sum().to(like.dtype) * 0.0

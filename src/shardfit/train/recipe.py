@@ -34,6 +34,7 @@ from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
 from shardfit.parallel.agree import require_same
@@ -96,6 +97,18 @@ def base_reference(model: str) -> str:
     """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
     p = Path(model).expanduser()
     return str(p.resolve()) if p.exists() else model
+
+
+def packing_note(examples: int, packed_steps: int, global_rows: int) -> str | None:
+    """What packing did to the optimizer's steps, when it matters: a config carried over from a tool that does not
+    pack trains the same examples in fewer, larger steps, which can leave a short run under-trained."""
+    unpacked_steps = max(1, -(-examples // global_rows))
+    if unpacked_steps < 1.5 * packed_steps:
+        return None
+    return (f"shardfit: packing fits about {examples / max(packed_steps * global_rows, 1):.1f} examples per row: "
+            f"{packed_steps} steps per epoch where an unpacked run of this config takes {unpacked_steps}. For as many "
+            f"optimizer steps as the HF Trainer or LLaMA-Factory without packing, set packing: false, or raise epochs "
+            f"or lower micro_batch/grad_accum.")
 
 
 def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
@@ -170,9 +183,12 @@ class FineTune:
     def _setup_data(self) -> None:
         """Data before the model: a bad row stops the run in seconds, before the tokenizer and the model load."""
         split = read_split(self.cfg)
+        source = resolve_model(self.cfg.model)
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(resolve_model(self.cfg.model), self.cfg.trust_remote_code)
-        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split)
+            self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
+        self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
+        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split, self.vision)
+        self.n_images = sum(len(c.images) for c in split.train)
         self.data_stats = split.stats
         self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
         eval_conv = [c.messages for c in split.eval]
@@ -261,7 +277,12 @@ class FineTune:
                   f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
                   f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
                   f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
+                  + (f"; {self.n_images} images (M-RoPE positions kept per example"
+                     f"{' in packed rows' if cfg.packing else ''})" if self.vision is not None else "")
                   + (f"; {stats.describe()}" if stats.describe() else ""))
+            note = packing_note(self.n_examples, self.batches.steps_per_epoch, cfg.micro_batch * cfg.grad_accum * world)
+            if cfg.packing and note:
+                print(note)
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -321,7 +342,7 @@ class FineTune:
             batch = collate(micro, self.pad_id, self.width).to(self.in_device)
             wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
-                loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets)
+                loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
             wd.at("backward")
             (loss_sum * scale).backward()
             self.logger.add_loss(loss_sum, rows.global_targets)
@@ -360,8 +381,10 @@ class FineTune:
         with wd.phase("final checkpoint save", where="checkpoint save"):
             self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         with wd.phase("saving the adapter or model", where="final save"):
-            save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                       is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
+            out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
+                             is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
+            if self.vision is not None and env.is_main:
+                self.vision.image_processor.save_pretrained(str(out))  # the processor files beside the tokenizer's
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
                    "eval_loss": eval_loss,
@@ -371,14 +394,25 @@ class FineTune:
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
+                   "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if summary["predicted_tokens_per_s"] and summary["tokens_per_s"] and not self.quiet:
+                print(f"shardfit: {summary['tokens_per_s']:,.0f} tokens/s measured, "
+                      f"{summary['predicted_tokens_per_s']:,.0f} predicted by the plan for {self.strategy.name}")
         self.metrics.close()
         barrier(env)
         return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
+
+
+    def predicted_tokens_per_s(self) -> float | None:
+        """The plan's tokens/s for the strategy this run used (rows full: packing fills them; padding does not
+        count), or None without a plan."""
+        c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
+        return round(c.tokens_per_s, 2) if c is not None and c.tokens_per_s else None
 
 
 def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,

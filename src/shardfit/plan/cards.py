@@ -1,0 +1,59 @@
+"""What the time model knows of a card: peak FLOP/s, memory bandwidth, and its links (plan/cards.yaml, with sources)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardfit.plan.hardware import CARDS, Hardware, card_key
+
+GB = 1e9
+# A100: a training step's utilization (0.52, Megatron-LM) over one large GEMM's (0.87, MAMF): what the rest of a
+# step costs, applied to cards whose training utilization is not published.
+HFU_OF_MAMF = 0.52 / 0.87
+
+
+@dataclass(frozen=True)
+class Card:
+    """One card's rates, in FLOP/s and bytes/s. `assumed` says which card an unnamed one was timed as."""
+
+    key: str
+    bf16_flops: float
+    fp32_flops: float
+    hbm: float
+    matmul_eff: float
+    hfu: float  # the fraction of the peak a whole training step reaches
+    link: float  # intra-node collective bus bandwidth per GPU
+    pcie: float  # host <-> device per GPU
+    nic: float  # inter-node per GPU
+    latency_s: float  # per collective call
+    assumed: str | None = None
+
+    def peak(self, precision: str) -> float:
+        """The FLOP rate a training step in `precision` reaches (its achievable fraction of the peak)."""
+        return (self.fp32_flops if precision == "fp32" else self.bf16_flops) * self.hfu
+
+
+@cache
+def _table() -> dict[str, Any]:
+    return yaml.safe_load(Path(__file__).with_name("cards.yaml").read_text())
+
+
+def card_of(hw: Hardware) -> Card:
+    """The card of `hw`: by its name, or for a size only (`8x24GB`) the usual card of that memory."""
+    table = _table()
+    key = card_key(hw.name) if hw.name else ""
+    assumed = None
+    if key not in table["cards"]:
+        key = next(r["card"] for r in table["by_memory"] if hw.gpu_mem_gib <= r["max_gib"])
+        assumed = (f"card not named: step times are those of a {key.upper()} ({CARDS.get(key, hw.gpu_mem_gib):.0f} "
+                   f"GiB); name the card (e.g. --gpus {hw.gpus_per_node}xA6000) for its own")
+    row = table["cards"][key]
+    nic = row["nic"] if "nic" in row else row["nic_node"] / hw.gpus_per_node
+    hfu = row.get("hfu", row["matmul_eff"] * HFU_OF_MAMF)
+    return Card(key, row["bf16"] * 1e12, row["fp32"] * 1e12, row["hbm"] * GB, row["matmul_eff"], hfu, row["link"] * GB,
+                row["pcie"] * GB, nic * GB, row.get("latency_us", 10) * 1e-6, assumed)

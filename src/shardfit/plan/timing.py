@@ -1,0 +1,206 @@
+"""Predicted step time and tokens/s of each strategy: FLOPs at the rate training reaches on the card, and the
+bytes each engine moves over its links, overlapped where the engine overlaps.
+
+Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add):
+- forward: every linear layer of a block (a mixture of experts: its top-k experts), attention's two matmuls over
+  the attended positions (half the sequence on average for a causal kernel that skips masked blocks, the whole
+  sequence where a dense mask is applied), LoRA's A and B, and the head;
+- backward: the input gradient of every layer that backward passes through (as much as the forward), the weight
+  gradient only of trainable weights (LoRA skips it for the frozen base); flash attention's backward recomputes
+  the scores, 2.5 times its forward (Dao, FlashAttention-2, sec. 3.1.2); backward stops below the first trainable
+  layer (a `freeze` run of the last blocks does not reach the first ones);
+- recomputation: full checkpointing runs each block's forward again; selective checkpointing only the matmuls whose
+  outputs it does not keep (every other one, models/checkpointing.py);
+- these FLOPs run at the fraction of the card's peak that large-model training reaches (hardware FLOPs
+  utilization, plan/cards.yaml), which already pays for the step's elementwise work (norms, activations, rotary,
+  softmax, casts); QLoRA's dequantization of each 4-bit weight per use (read 0.5 byte, write 2) is added at the
+  memory bandwidth, and the optimizer step at the memory bandwidth too (28 bytes per trainable parameter).
+
+Communication per micro-batch or step (ring collectives: all-reduce moves 2(n-1)/n of the buffer per GPU,
+all-gather and reduce-scatter (n-1)/n; NCCL's bus bandwidth): DDP all-reduces the trainable gradients once per
+optimizer step, overlapped with backward; FSDP2 all-gathers the 16-bit parameters once per micro-batch
+(`zero2`: kept for backward) or twice (`zero3`: again in backward), reduce-scatters fp32 gradients once per step,
+and prefetches, so compute and communication overlap; offload copies each shard host-to-device before each
+all-gather and the gradient shard back, over PCIe, and runs AdamW on the CPU. `model_parallel` runs its stages one
+after another: one GPU computes at a time. Across nodes the ring runs at the slower of NVLink/PCIe and the node's
+network bandwidth (one ring per NIC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardfit import strategy as strategies
+from shardfit.plan.cards import Card, card_of
+from shardfit.plan.estimate import compute_bytes, trainable_params
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import Workload
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+# torch's AdamW on the CPU (offload) streams weights, gradients and both moments at host memory speed: read 16 and
+# write 12 bytes per fp32 parameter; 10 GB/s is a conservative share of one socket's DRAM bandwidth for the
+# foreach/for-loop kernels torch runs there (no DeepSpeed CPUAdam).
+HOST_ADAM_BYTES_PER_S = 10e9
+ADAM_BYTES_PER_PARAM = 28
+FLASH_BWD = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step of one strategy (grad_accum micro-batches), and where its time goes."""
+
+    step_s: float
+    tokens_per_s: float  # the whole job's (every rank's) tokens per second
+    bound: str  # compute | comm | pcie: what the critical path waits on
+    compute_s: float  # per GPU, per step
+    comm_s: float  # collectives, per step
+    pcie_s: float  # host <-> device copies and the host optimizer step, per step
+    busy_gpus: int
+
+
+def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
+    """(forward FLOPs of one block's linear layers, their parameter count) per token, active experts only."""
+    q, kv, h = shape.heads * shape.hd, shape.kv_heads * shape.hd, shape.hidden
+    mlp = 3 * h * shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
+    router = h * shape.experts if shape.experts > 1 else 0
+    params = 2 * h * q + 2 * h * kv + mlp + router
+    return 2.0 * params, float(params)
+
+
+def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs of one block's QK^T and PV per token: over half the sequence on average for a causal kernel
+    (flash), over all of it where a dense mask is applied (sdpa with a mask, eager)."""
+    attended = w.seq_len / 2 if w.attention == "flash" else w.seq_len
+    return 4.0 * attended * shape.heads * shape.hd
+
+
+def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs of one block's LoRA A and B (active experts only)."""
+    if not w.trains_adapters:
+        return 0.0
+    q, kv, h = shape.heads * shape.hd, shape.kv_heads * shape.hd, shape.hidden
+    widths = [(h, q), (h, kv), (h, kv), (q, h)] + [(h, shape.intermediate)] * 2 + [(shape.intermediate, h)]
+    k = shape.top_k if shape.experts > 1 else 1
+    per = [2 * w.lora_rank * (i + o) for i, o in widths]
+    return float(sum(per[:4]) + k * sum(per[4:]))
+
+
+def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward + backward + recomputation FLOPs per token of one micro-batch."""
+    lin, _ = linear_flops_per_token(shape)
+    attn = attention_flops_per_token(shape, w)
+    lora = lora_flops_per_token(shape, w)
+    head = 2.0 * shape.hidden * shape.vocab
+    block_fwd = lin + attn + lora
+    weights_train = w.method == "full"
+    lin_bwd = lin * (2 if weights_train else 1)
+    attn_bwd = attn * (FLASH_BWD if w.attention != "eager" else 2)
+    block_bwd = lin_bwd + attn_bwd + 2 * lora
+    if w.grad_ckpt == "full":
+        recompute = block_fwd
+    elif w.grad_ckpt == "selective":
+        recompute = (lin + lora) / 2
+    else:
+        recompute = 0.0
+    layers_bwd = shape.layers
+    if w.method == "freeze":  # the last two blocks train: backward stops below them
+        layers_bwd = min(2, shape.layers)
+    head_bwd = head * (2 if weights_train else 1)
+    return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
+
+
+def _ring(n: int, nbytes: float, bw: float, latency: float, calls: int, all_reduce: bool = False) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 2 * (n - 1) / n if all_reduce else (n - 1) / n
+    return factor * nbytes / bw + calls * latency * (2 if all_reduce else 1) * (n - 1)
+
+
+def _bus(card: Card, hw: Hardware) -> float:
+    """The ring's bus bandwidth. Across nodes NCCL runs one ring per NIC, each ring carrying its share of the
+    buffer over its own NIC, so the crossing between two nodes runs at the node's whole network bandwidth."""
+    return card.link if hw.nodes == 1 else min(card.link, card.nic * hw.gpus_per_node)
+
+
+def _qlora_dequant_bytes(shape: ModelShape, w: Workload) -> float:
+    """Per micro-batch: each 4-bit linear weight dequantized per use (forward, backward, recomputation)."""
+    if w.method != "qlora":
+        return 0.0
+    uses = 2 + (1 if w.grad_ckpt != "none" else 0)
+    return uses * shape.layers * sum(i * o for i, o in shape.linear_shapes()) * 2.5
+
+
+def param_bytes_16(shape: ModelShape, w: Workload) -> float:
+    """What FSDP2 all-gathers: the parameters in the compute dtype (QLoRA: the packed 4-bit data and scales)."""
+    p = shape.params()
+    if w.method == "qlora":
+        linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
+        return linear * (0.5 + 0.127 / 8) + (p - linear) * compute_bytes(w)
+    return p * compute_bytes(w)
+
+
+def param_bytes_stored(shape: ModelShape, w: Workload) -> float:
+    """The parameters as their shards are stored (offload copies these): fp32 masters for a full fine-tune."""
+    return shape.params() * 4.0 if w.method == "full" else param_bytes_16(shape, w)
+
+
+def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> StepTime:
+    """Predicted time of one optimizer step of `strategy` and the job's tokens/s."""
+    s = strategies.get(strategy)
+    card = card_of(hw)
+    tokens = w.seq_len * w.micro_batch
+    flops = step_flops_per_token(shape, w) * tokens
+    # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own
+    # elementwise work), and QLoRA's dequantization, which the runs behind that utilization did not do.
+    compute = flops / card.peak(w.precision) + _qlora_dequant_bytes(shape, w) / card.hbm
+    fwd_share = 1 / 3  # the forward pass's part of it, for what overlaps with forward-only traffic
+    t = trainable_params(shape, w)
+    grads = t * 4.0  # fp32 gradients (DDP's buckets, FSDP2's reduce_dtype)
+    n = hw.world if s.multi_rank else 1
+    bus = _bus(card, hw)
+    optim_gpu = t * ADAM_BYTES_PER_PARAM / card.hbm
+    comm_step = pcie_step = 0.0
+    busy = n
+    if s.engine == "plain" or n == 1 and s.engine != "device_map":
+        micro, comm_mb, pcie_mb = compute, 0.0, 0.0
+        busy = 1
+        if s.sharded and s.offload:  # one rank still streams its shards through PCIe
+            pcie_mb = 2 * param_bytes_stored(shape, w) / card.pcie
+            micro = max(compute, pcie_mb)
+            pcie_step = grads / card.pcie + t * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
+            optim_gpu = 0.0
+    elif s.engine == "ddp":
+        micro, comm_mb, pcie_mb = compute, 0.0, 0.0
+        ar = _ring(n, grads, bus, card.latency_s, max(1, round(grads / DDP_BUCKET_BYTES)), all_reduce=True)
+        comm_step = max(0.0, ar - compute * (1 - fwd_share))  # overlapped with the last micro-batch's backward
+    elif s.engine == "fsdp2":
+        p16 = param_bytes_16(shape, w)
+        units = shape.layers + 1
+        gathers = 2 if s.reshard_after_forward else 1
+        ag = _ring(n, p16, bus, card.latency_s, units)
+        comm_mb = gathers * ag
+        pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
+        # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes.
+        micro = max(compute, comm_mb + pcie_mb)
+        rs = _ring(n, grads, bus, card.latency_s, units)
+        comm_step = max(0.0, rs - compute * (1 - fwd_share))
+        if s.offload:
+            pcie_step = grads / n / card.pcie + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
+            optim_gpu = 0.0
+        else:
+            optim_gpu /= n
+    else:  # model_parallel: the stages run one after another; between them the hidden states cross a link
+        g = hw.gpus_per_node
+        hops = 2 * (g - 1) * tokens * shape.hidden * compute_bytes(w)
+        comm_mb, pcie_mb = hops / card.pcie, 0.0
+        micro = compute + comm_mb
+        busy = g
+        n = 1
+    step = w.grad_accum * micro + comm_step + pcie_step + optim_gpu
+    job_tokens = tokens * w.grad_accum * (n if s.multi_rank else 1)
+    comm_total = w.grad_accum * comm_mb + comm_step
+    pcie_total = w.grad_accum * pcie_mb + pcie_step
+    compute_total = w.grad_accum * compute + optim_gpu
+    bound = max((("compute", compute_total), ("comm", comm_total), ("pcie", pcie_total)), key=lambda kv: kv[1])[0]
+    return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, busy)

@@ -1,0 +1,135 @@
+"""The time model (plan/timing.py): FLOPs per token, links, overlap, and the recommendation by predicted speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shardfit.cli.main import main
+from shardfit.plan.cards import card_of
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.plan import make_plan, with_candidates
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.timing import (
+    attention_flops_per_token,
+    linear_flops_per_token,
+    lora_flops_per_token,
+    step_flops_per_token,
+    step_time,
+)
+from shardfit.plan.workload import Workload
+
+LLAMA8 = resolve_shape("meta-llama/Llama-3.1-8B")
+LLAMA70 = resolve_shape("meta-llama/Llama-3.1-70B")
+
+
+def test_full_finetune_flops_are_six_per_parameter_plus_attention() -> None:
+    """Without checkpointing a full fine-tune runs 6 FLOPs per weight and token (2 forward, 4 backward) plus
+    attention: the usual 6N + 12 L s d count, halved for a causal kernel."""
+    w = Workload(method="full", grad_ckpt="none", attention="eager", seq_len=4096)
+    lin, params = linear_flops_per_token(LLAMA8)
+    assert lin == 2 * params
+    head = LLAMA8.hidden * LLAMA8.vocab
+    expected = 6 * (LLAMA8.layers * params + head) + 12 * LLAMA8.layers * 4096 * LLAMA8.hidden
+    assert step_flops_per_token(LLAMA8, w) == pytest.approx(expected, rel=1e-9)
+    flash = dataclasses.replace(w, attention="flash")
+    assert attention_flops_per_token(LLAMA8, flash) == attention_flops_per_token(LLAMA8, w) / 2
+
+
+def test_lora_skips_weight_gradients_and_checkpointing_adds_a_forward() -> None:
+    base = Workload(method="lora", grad_ckpt="none", attention="flash")
+    full = dataclasses.replace(base, method="full")
+    lin, _ = linear_flops_per_token(LLAMA8)
+    head = 2 * LLAMA8.hidden * LLAMA8.vocab
+    lora = lora_flops_per_token(LLAMA8, base)
+    # The frozen base's weight gradients are what LoRA saves; its adapters cost three times their forward.
+    assert step_flops_per_token(LLAMA8, full) - step_flops_per_token(LLAMA8, base) == pytest.approx(
+        LLAMA8.layers * (lin - 3 * lora) + head, rel=1e-9)
+    ckpt = dataclasses.replace(base, grad_ckpt="full")
+    block_fwd = lin + attention_flops_per_token(LLAMA8, base) + lora
+    assert step_flops_per_token(LLAMA8, ckpt) - step_flops_per_token(LLAMA8, base) == pytest.approx(
+        LLAMA8.layers * block_fwd, rel=1e-9)
+    selective = dataclasses.replace(base, grad_ckpt="selective")
+    assert step_flops_per_token(LLAMA8, base) < step_flops_per_token(LLAMA8, selective) < \
+        step_flops_per_token(LLAMA8, ckpt)
+    freeze = dataclasses.replace(base, method="freeze")  # backward stops below the two trained blocks
+    assert step_flops_per_token(LLAMA8, freeze) < step_flops_per_token(LLAMA8, base)
+
+
+def test_more_gpus_more_tokens_and_nvlink_beats_pcie() -> None:
+    w = Workload(method="full", grad_ckpt="full", seq_len=4096, micro_batch=1, attention="flash")
+    four, eight = (step_time(LLAMA8, w, parse_gpus(f"{n}xH100"), "zero3") for n in (4, 8))
+    assert eight.tokens_per_s > 1.8 * four.tokens_per_s  # data parallel: every GPU adds its micro-batch
+    assert eight.compute_s == pytest.approx(four.compute_s, rel=0.05)  # the same work per GPU (AdamW: 1/n)
+    nvlink, pcie = step_time(LLAMA8, w, parse_gpus("8xA100"), "zero3"), step_time(LLAMA8, w, parse_gpus("8x4090"),
+                                                                                    "zero3")
+    assert nvlink.comm_s < pcie.comm_s / 10  # 230 GB/s NVLink rings against 10 GB/s through host memory
+    assert nvlink.bound == "compute" and pcie.bound == "comm"
+    one_node = step_time(LLAMA8, w, parse_gpus("8xA100"), "zero3")
+    two_nodes = step_time(LLAMA8, w, parse_gpus("8xA100", nodes=2), "zero3")
+    # Across nodes the ring runs at the node's network bandwidth (8 x 25 GB/s HDR), below NVLink's 230 GB/s.
+    assert two_nodes.comm_s > one_node.comm_s * 230 / 200 * 0.99
+    assert step_time(LLAMA8, w, parse_gpus("8x4090"), "zero3").comm_s > \
+        step_time(LLAMA8, w, parse_gpus("8x4090"), "zero2").comm_s  # zero3 gathers again in backward
+
+
+def test_offload_is_pcie_traffic_and_ddp_overlaps_its_all_reduce() -> None:
+    w = Workload(method="full", grad_ckpt="full", seq_len=2048, micro_batch=1, attention="flash")
+    on, off = (step_time(LLAMA70, w, parse_gpus("8xH100"), s) for s in ("zero3", "zero3_offload"))
+    assert off.pcie_s > 0 == on.pcie_s and off.step_s > on.step_s and off.bound == "pcie"
+    lora = dataclasses.replace(w, method="lora")
+    ddp = step_time(LLAMA8, lora, parse_gpus("8xH100"), "ddp")
+    assert ddp.comm_s == 0  # 21M fp32 adapter gradients all-reduce well inside the backward pass
+    accum = step_time(LLAMA8, dataclasses.replace(lora, grad_accum=4), parse_gpus("8xH100"), "ddp")
+    assert accum.step_s == pytest.approx(4 * ddp.step_s, rel=0.05) and accum.tokens_per_s == pytest.approx(
+        ddp.tokens_per_s, rel=0.05)
+
+
+def test_seed_case_recommends_the_fastest_that_fits_with_numbers(capsys) -> None:
+    """Qwen2-VL-72B LoRA on 8 x 24 GB: model_parallel computes on one GPU at a time, zero3_offload on all eight;
+    the plan picks the higher tokens/s and says why in numbers."""
+    assert main(["plan", "--model", "Qwen/Qwen2-VL-72B-Instruct", "--gpus", "8x4090", "--method", "lora",
+                 "--seq", "2048", "--batch", "1", "--grad-ckpt", "full", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    by = {c["strategy"]: c for c in plan["candidates"]}
+    for c in by.values():
+        assert c["step_s"] > 0 and c["tokens_per_s"] > 0 and c["bound"] in ("compute", "comm", "pcie")
+    assert by["model_parallel"]["fits"] and by["zero3_offload"]["fits"]
+    assert by["model_parallel"]["tokens_per_s"] == pytest.approx(by["single"]["tokens_per_s"], rel=0.05)
+    assert plan["recommended"] == "zero3_offload"
+    assert by["zero3_offload"]["tokens_per_s"] > 1.5 * by["model_parallel"]["tokens_per_s"]
+    assert "s/step" in plan["reason"] and "one GPU busy at a time" in plan["reason"]
+    assert main(["plan", "--model", "Qwen/Qwen2-VL-72B-Instruct", "--gpus", "8x24GB", "--method", "lora"]) in (0, 3)
+    assert "card not named: step times are those of a 4090" in capsys.readouterr().out
+
+
+def test_recommendation_prefers_replicas_where_they_fit() -> None:
+    """8B LoRA on 8 H100s: everything fits; DDP moves only the adapter's gradients, so it is (within the tie margin)
+    the fastest, and the plan names it."""
+    w = Workload(method="lora", grad_ckpt="full", seq_len=2048, micro_batch=1)
+    plan = make_plan(LLAMA8, w, parse_gpus("8xH100"))
+    assert plan.recommended == "ddp"
+    single = plan.candidate("single")
+    assert single is not None and single.tokens_per_s is not None
+    assert plan.candidate("ddp").tokens_per_s > 7 * single.tokens_per_s
+
+
+def test_cards_table_covers_every_known_card() -> None:
+    for name in ("H100", "A100-40G", "4090", "3090", "V100", "L40S", "T4", "MI300X", "cpu"):
+        card = card_of(parse_gpus(f"2x{name}") if name != "cpu" else dataclasses.replace(parse_gpus("2x24GB"),
+                                                                                          name="cpu"))
+        assert card.assumed is None and card.peak("bf16") > 0 and card.link > 0, name
+    assert card_of(parse_gpus("8x48GB")).assumed and card_of(parse_gpus("8x48GB")).key == "l40s"
+
+
+def test_simulated_estimates_keep_their_predicted_times() -> None:
+    """`plan --simulate` replaces the memory estimates; the times stay, and so does the recommendation's basis."""
+    plan = make_plan(LLAMA8, Workload(method="lora", grad_ckpt="full"), parse_gpus("8xH100"))
+    bare = [dataclasses.replace(c, step_s=None, tokens_per_s=None, bound=None, estimator="simulated")
+            for c in plan.candidates]
+    again = with_candidates(plan, bare)
+    for before, after in zip(plan.candidates, again.candidates, strict=True):
+        assert after.estimator == "simulated" and after.tokens_per_s == before.tokens_per_s
+    assert again.recommended == plan.recommended and "tokens/s" in again.reason
