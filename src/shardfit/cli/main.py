@@ -54,18 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Loggers that speak while a library is imported, about nothing a shardfit user can act on: torchao (imported by
-# peft whenever it is installed) warns about each CUDA kernel library a CPU-only machine cannot load and about a
-# missing triton, neither of which its NF4 weights use; torch warns about an enum torchao registers.
-IMPORT_NOISE = ("torchao", "torch.utils._pytree")
-
-
-def quiet_third_party_imports() -> None:
-    """Only errors from the loggers in IMPORT_NOISE."""
-    for name in IMPORT_NOISE:
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def configure_logging() -> None:
     """shardfit's own messages from INFO on stderr; other libraries' only from WARNING (matplotlib's font cache and
     the like are not the user's business)."""
@@ -101,7 +89,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
-    quiet_third_party_imports()
     parser = build_parser()
     complete(parser)
     args = parser.parse_args(argv)
