@@ -281,7 +281,7 @@ DATA_CASES: list[Case] = [
                "unknown role 'robot'"),
     _data_case("openai-content-list", json.dumps({"messages": [{"role": "user", "content": "a"},
                                                                {"role": "assistant", "content": [1]}]}) + "\n",
-               "must be a string"),
+               "a content part needs type text, image or image_url"),
     _data_case("openai-no-content", json.dumps({"messages": [{"role": "user"}]}) + "\n", "needs 'role' and"),
     _data_case("openai-messages-dict", json.dumps(OPENAI) + "\n" + json.dumps({"messages": {"a": 1}}) + "\n",
                "without a 'messages' list"),
