@@ -119,11 +119,12 @@ class CausalLMLoss(nn.Module):
         self.chunk = chunk
         self.all_labelled = all_labelled
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, targets: torch.Tensor,
                 pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         decoder, head = decoder_and_head(self.model)
-        body = vision_body(self.model) if position_ids.dim() == 3 else None
+        # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
+        body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
         if body is None:
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         else:
