@@ -9,11 +9,15 @@ parallel stage moves or shards it. Only `model_parallel` (one process) places mo
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import transformers
+import transformers.modeling_gguf_pytorch_utils as gguf_loading
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -123,6 +127,21 @@ def meta_model(config: Any, dtype: torch.dtype, cfg: Config) -> nn.Module:
             from None
 
 
+@contextlib.contextmanager
+def _no_gguf_bar() -> Iterator[None]:
+    """transformers' GGUF loader draws its per-tensor bar with tqdm directly, past the switch above: silence that
+    one bar while loading (our own bars are untouched)."""
+    bar = getattr(gguf_loading, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_loading.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loading.tqdm = bar
+
+
 def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Config, s: Strategy) -> nn.Module:
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **_attention(cfg)}
     if source.gguf_file:
@@ -162,7 +181,8 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
         # transformers' per-tensor bars (GGUF de-quantizing, "Loading weights") are noise in a training log.
         transformers.utils.logging.disable_progress_bar()
         try:
-            model = _load_weights(config, source, dtype, cfg, s)
+            with _no_gguf_bar():
+                model = _load_weights(config, source, dtype, cfg, s)
         finally:
             transformers.utils.logging.enable_progress_bar()
         if source.gguf_file:

@@ -57,6 +57,8 @@ def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Pa
         with warnings.catch_warnings():
             # GGUF-loaded bases have no config.json beside them; peft's notice about it is noise here.
             warnings.filterwarnings("ignore", message="Could not find a config file")
+            # Nor is its attempt to look the hub id up online, which fails offline and changes nothing saved.
+            warnings.filterwarnings("ignore", message="Unable to fetch remote file")
             model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
         if config is not None:
             config.use_cache = False

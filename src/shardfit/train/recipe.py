@@ -401,8 +401,10 @@ class FineTune:
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary["predicted_tokens_per_s"] and summary["tokens_per_s"] and not self.quiet:
+                # The time model's figures are GPUs'; its CPU row is one core's matmul rate, not this machine's.
+                rough = " (a rough guess on a CPU: the time model is made for GPUs)" if env.device.type == "cpu" else ""
                 print(f"shardfit: {summary['tokens_per_s']:,.0f} tokens/s measured, "
-                      f"{summary['predicted_tokens_per_s']:,.0f} predicted by the plan for {self.strategy.name}")
+                      f"{summary['predicted_tokens_per_s']:,.0f} predicted by the plan for {self.strategy.name}{rough}")
         self.metrics.close()
         barrier(env)
         return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
