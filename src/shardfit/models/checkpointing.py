@@ -5,6 +5,7 @@ for remote code that still implements the pre-4.35 API."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
@@ -31,10 +32,8 @@ def _attention_kernels() -> set[Any]:
            aten._scaled_dot_product_cudnn_attention.default,
            aten._scaled_dot_product_flash_attention_for_cpu.default}
     for name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
-        try:
+        with contextlib.suppress(AttributeError, RuntimeError):  # flash-attn not installed: its ops do not exist
             ops.add(getattr(torch.ops.flash_attn, name).default)
-        except (AttributeError, RuntimeError):
-            pass
     return ops
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -45,10 +46,9 @@ def _die_with_parent() -> None:
     once), and on Linux a SIGTERM when shardfit dies, even by SIGKILL, so torchrun stops its ranks instead of
     training on without anyone watching."""
     os.setpgid(0, 0)
-    try:
+    # Without prctl (not Linux, no libc.so.6) the forwarded signals still cover Ctrl-C and kill.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # no prctl: the forwarded signals still cover Ctrl-C and kill
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:

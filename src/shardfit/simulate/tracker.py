@@ -33,7 +33,7 @@ COLUMNS = {
 
 class _NoHook:
     def remove(self) -> None:
-        pass
+        """Nothing was registered, so nothing to remove."""
 
 
 def skip_frozen_grad_hooks(tracker: Any, module: torch.nn.Module) -> None:

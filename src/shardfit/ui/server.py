@@ -107,8 +107,8 @@ def _int(q: dict[str, str], key: str, default: int) -> int:
 
 def handler(ui: UI) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # quiet: the terminal shows the URL once
-            pass
+        def log_message(self, format: str, *args: Any) -> None:
+            """No access log: the terminal shows the URL once."""
 
         def _send(self, body: str, status: HTTPStatus = HTTPStatus.OK, location: str | None = None) -> None:
             data = body.encode()
