@@ -235,3 +235,18 @@ def test_deepspeed_json_decides_the_precision(tmp_path: Path) -> None:
                                      "--deepspeed ds.json --max_seq_length 1024\n")
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
     assert (job.workload.precision, job.nproc, job.zero.stage, job.workload.seq_len) == ("fp16", 2, 2, 1024)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (b"model_name_or_path: meta-llama/Llama-3.1-8B\nlora_rank: 8\nlora_rank: 16\n", ":3: 'lora_rank' is given twice"),
+    (b"model_name_or_path: caf\xe9\n", "not UTF-8"),
+    (b"a: &x [1, *x]\n", "refers to itself"),
+])
+def test_tool_yaml_is_read_as_strictly_as_ours(tmp_path: Path, text: bytes, expected: str) -> None:
+    """Another tool's YAML goes through the same hardened reader as a shardfit config: no traceback, no silent
+    last-one-wins for a key given twice."""
+    for tool in ("llamafactory", "axolotl"):
+        path = tmp_path / f"{tool}.yaml"
+        path.write_bytes(text)
+        with pytest.raises(UserError, match=expected.replace("'", ".")):
+            read_job(tool, str(path), JobOptions())

@@ -31,7 +31,7 @@ _HINTS = {cls: typing.get_type_hints(cls) for cls in (Config, *SECTIONS)}
 MAX_YAML_NODES = 100_000
 
 
-def _read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
+def read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
     """The YAML document of `p` and the line of each dotted key (`lora.rank`), for error messages. Text that is
     not UTF-8, not YAML, a recursive anchor or an alias bomb is a UserError naming the file (and line)."""
     try:
@@ -326,7 +326,7 @@ def load_config(
         where = str(p)
         if not p.is_file():
             raise UserError(f"config file not found: {p}. Pass a YAML file, e.g. `shardfit train my.yaml`.")
-        loaded, lines = _read_yaml(p)
+        loaded, lines = read_yaml(p)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
 
@@ -88,26 +89,13 @@ def as_float(v: Any, key: str, where: str) -> float:
 
 
 def load_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A tool's YAML config and the line of each top-level key."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{line}: not valid YAML: {getattr(e, 'problem', e)}.") from None
+    """A tool's YAML config and the line of each top-level key, read as strictly as shardfit's own configs
+    (non-UTF-8 text, alias bombs and keys given twice are a UserError naming the file and line)."""
+    data, lines = read_yaml(path)
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of keys (model_name_or_path: ..., ...), got "
                         f"{type(data).__name__}.")
-    lines = {}
-    root = yaml.compose(text)
-    if isinstance(root, yaml.MappingNode):
-        for k, _ in root.value:
-            lines[str(k.value)] = k.start_mark.line + 1
-    return data, lines
+    return data, {k: line for k, line in lines.items() if "." not in k}
 
 
 def local_file(name: str, *bases: Path) -> str | None:
