@@ -10,18 +10,28 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.common import (
     TRAINER_NO_EFFECT,
+    Settings,
     as_bool,
     as_float,
     as_int,
+    carry_settings,
     hf_loss,
     load_yaml,
     local_file,
     optimizer,
-    record,
+    record_keys,
+    take_deepspeed_keys,
 )
 from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
 from shardfit.plan.workload import Workload
+
+SETTINGS: Settings = (
+    ("learning_rate", "lr", as_float), ("warmup_ratio", "warmup_ratio", as_float),
+    ("weight_decay", "weight_decay", as_float), ("max_grad_norm", "max_grad_norm", as_float),
+    ("val_set_size", "eval_split", as_float), ("max_steps", "max_steps", as_int),
+    ("logging_steps", "log_steps", as_int), ("seed", "seed", as_int),
+    ("save_steps", "save_steps", as_int), ("eval_steps", "eval_steps", as_int))
 
 NO_EFFECT = TRAINER_NO_EFFECT | {
     "base_model", "model_type", "tokenizer_type", "strict", "datasets", "dataset_prepared_path", "val_set_size",
@@ -100,10 +110,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     if cfg.get("deepspeed"):
         ds = load_deepspeed(str(cfg["deepspeed"]), path.parent, at("deepspeed"), shape.hidden, job.notes)
         job.engine, job.zero = "deepspeed", ds.zero
-        for k, v in ds.keys.items():
-            job.keys[f"deepspeed:{k}"] = v
-        for k, v in ds.not_modelled.items():
-            job.not_modelled[f"deepspeed:{k}"] = v
+        take_deepspeed_keys(job, ds.keys, ds.not_modelled)
     elif fsdp or fsdp_cfg:
         offload = as_bool(fsdp_cfg.get("fsdp_offload_params", False)) or "offload" in fsdp
         grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(fsdp_cfg.get("fsdp_sharding_strategy", ""))
@@ -123,21 +130,17 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
                 "ddp_find_unused_parameters": "DDP", "liger_rms_norm": "no effect on memory",
                 "liger_glu_activation": "no effect on memory", "liger_rope": "no effect on memory",
                 "liger_layer_norm": "no effect on memory", "bnb_4bit_quant_storage": "quantized storage"}
-    for key, value in cfg.items():
-        if key == "lora_target_modules" and not as_bool(cfg.get("lora_target_linear", False)):
-            record(job, key, value, modelled=False)
-            job.notes.append("lora_target_modules without lora_target_linear: planned as adapters on every linear "
-                             "layer (an over-estimate)")
-        elif key == "optimizer" and opt is None:
-            record(job, key, value, modelled=False)
-        elif key in ("load_in_4bit", "load_in_8bit") and not as_bool(value):
-            record(job, key, value, effect="off")
-        elif key in modelled:
-            record(job, key, value, effect=modelled[key])
-        elif key in NO_EFFECT:
-            record(job, key, value, effect="no effect on memory")
-        else:
-            record(job, key, value, modelled=False)
+    unplanned = set()
+    if "lora_target_modules" in cfg and not as_bool(cfg.get("lora_target_linear", False)):
+        unplanned.add("lora_target_modules")
+        job.notes.append("lora_target_modules without lora_target_linear: planned as adapters on every linear "
+                         "layer (an over-estimate)")
+    if opt is None:
+        unplanned.add("optimizer")
+    for key in ("load_in_4bit", "load_in_8bit"):
+        if key in cfg and not as_bool(cfg[key]):
+            modelled[key] = "off"
+    record_keys(job, cfg.items(), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
     data, missing = [], []
     for d in cfg.get("datasets") or []:
         p = str(d.get("path", "")) if isinstance(d, dict) else str(d)
@@ -153,13 +156,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
                                     "targets": "all-linear" if as_bool(cfg.get("lora_target_linear", True)) or
                                     not cfg.get("lora_target_modules") else list(cfg["lora_target_modules"])},
                            "packing": as_bool(cfg.get("sample_packing", False))}
-    for src, dst, fn in (("learning_rate", "lr", as_float), ("warmup_ratio", "warmup_ratio", as_float),
-                         ("weight_decay", "weight_decay", as_float), ("max_grad_norm", "max_grad_norm", as_float),
-                         ("val_set_size", "eval_split", as_float), ("max_steps", "max_steps", as_int),
-                         ("logging_steps", "log_steps", as_int), ("seed", "seed", as_int),
-                         ("save_steps", "save_steps", as_int), ("eval_steps", "eval_steps", as_int)):
-        if cfg.get(src) is not None:
-            out[dst] = fn(cfg[src], src, at(src))
+    carry_settings(out, cfg, SETTINGS, at)
     if cfg.get("num_epochs") is not None:
         out["epochs"] = max(1, round(as_float(cfg["num_epochs"], "num_epochs", at("num_epochs"))))
     if cfg.get("output_dir"):

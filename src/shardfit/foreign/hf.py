@@ -15,18 +15,29 @@ from shardfit.errors import UserError
 from shardfit.foreign.common import (
     ATTENTION,
     TRAINER_NO_EFFECT,
+    Settings,
     as_bool,
     as_float,
     as_int,
+    carry_settings,
     hf_loss,
     local_file,
     optimizer,
     record,
+    record_keys,
+    take_deepspeed_keys,
 )
 from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
 from shardfit.foreign.shell import parse_command, visible_devices
 from shardfit.plan.workload import Workload
+
+SETTINGS: Settings = (
+    ("learning_rate", "lr", as_float), ("warmup_ratio", "warmup_ratio", as_float),
+    ("weight_decay", "weight_decay", as_float), ("max_grad_norm", "max_grad_norm", as_float),
+    ("max_steps", "max_steps", as_int), ("save_steps", "save_steps", as_int),
+    ("eval_steps", "eval_steps", as_int), ("logging_steps", "log_steps", as_int),
+    ("seed", "seed", as_int))
 
 NO_EFFECT = TRAINER_NO_EFFECT | {"model_name_or_path", "data_path", "eval_data_path", "cache_dir", "lora_alpha",
                                  "lora_dropout", "lora_weight_path", "lora_bias", "use_fast_tokenizer"}
@@ -113,10 +124,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.engine, job.zero = "deepspeed", ds.zero
         if ds.precision and not args.get("bf16") and not args.get("fp16"):  # the JSON decides, not "auto"
             job.workload = dataclasses.replace(w, precision=ds.precision)
-        for k, v in ds.keys.items():
-            job.keys[f"deepspeed:{k}"] = v
-        for k, v in ds.not_modelled.items():
-            job.not_modelled[f"deepspeed:{k}"] = v
+        take_deepspeed_keys(job, ds.keys, ds.not_modelled)
     elif args.get("fsdp"):
         f = args["fsdp"]
         job.engine = "fsdp_offload" if "offload" in f else "fsdp_shard_grad_op" if "shard_grad_op" in f \
@@ -141,19 +149,10 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                 "use_liger_kernel": "fused loss", "deepspeed": "ZeRO settings", "fsdp": "FSDP",
                 "device_map": "placement", "ddp_find_unused_parameters": "DDP", "optim": w.optimizer,
                 "model": "model"} | {k: "sequence length" for k in SEQ_KEYS}
-    for key in order:
-        value = args[key]
-        if key == "optim" and opt is None:
-            record(job, key, value, modelled=False)
-        elif key == "lora_target_modules":
-            record(job, key, value, modelled=False)
-            job.notes.append("lora_target_modules planned as adapters on every linear layer (an over-estimate)")
-        elif key in modelled:
-            record(job, key, value, effect=modelled[key])
-        elif key in NO_EFFECT:
-            record(job, key, value, effect="no effect on memory")
-        else:
-            record(job, key, value, modelled=False)
+    unplanned = {"lora_target_modules"} | ({"optim"} if opt is None else set())
+    if "lora_target_modules" in args:
+        job.notes.append("lora_target_modules planned as adapters on every linear layer (an over-estimate)")
+    record_keys(job, ((k, args[k]) for k in order), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
     for key, value in env.items():
         effect = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks",
                   "GPUS_PER_NODE": "ranks"}.get(key)
@@ -164,13 +163,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                                                                          where),
                                     "dropout": as_float(args.get("lora_dropout", 0.05 if lora else 0.0),
                                                         "lora_dropout", where)}}
-    for src, dst, fn in (("learning_rate", "lr", as_float), ("warmup_ratio", "warmup_ratio", as_float),
-                         ("weight_decay", "weight_decay", as_float), ("max_grad_norm", "max_grad_norm", as_float),
-                         ("max_steps", "max_steps", as_int), ("save_steps", "save_steps", as_int),
-                         ("eval_steps", "eval_steps", as_int), ("logging_steps", "log_steps", as_int),
-                         ("seed", "seed", as_int)):
-        if args.get(src) is not None:
-            out[dst] = fn(args[src], src, where)
+    carry_settings(out, args, SETTINGS, lambda _key: where)
     if out.get("max_steps", 1) < 1:
         out.pop("max_steps")
     if args.get("num_train_epochs"):
