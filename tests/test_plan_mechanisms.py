@@ -14,7 +14,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.workload import Workload
+from shardfit.plan.workload import Workload, lora_targets_of
 
 SHAPE = resolve_shape("meta-llama/Llama-3.1-8B")
 
@@ -61,3 +61,11 @@ def test_chunked_output_loss_and_kept_logits() -> None:
     plain = estimate(SHAPE, full, hw, "single").per_gpu_gib
     kept = estimate(SHAPE, replace(full, keeps_logits=True), hw, "single").per_gpu_gib
     assert kept.total > plain.total
+
+
+def test_config_lora_targets_map_to_planner_names() -> None:
+    """A config's module names become the planner's; all-linear or unknown names count every projection."""
+    assert lora_targets_of(["q_proj", "v_proj"]) == ("q", "v")
+    assert lora_targets_of(["model.layers.0.self_attn.o_proj", "down_proj"]) == ("o", "down")
+    assert lora_targets_of("all-linear") is None
+    assert lora_targets_of(["c_attn"]) is None
