@@ -12,7 +12,10 @@ Each case is predicted with the settings its source ran (the source's defaults, 
 
 `nodes` spreads `gpu` over several nodes. `reading: reserved` marks a peak read with
 torch.cuda.max_memory_reserved(), which holds neither the CUDA context nor NCCL's buffers: it is compared with the
-predicted tensor peak plus the allocator's reserve (the total without those two).
+predicted tensor peak plus the allocator's reserve (the total without those two). `reading: allocated` marks
+torch.cuda.max_memory_allocated() (torchtune's "peak memory active"): the tensor peak alone. `deepspeed` holds
+the ZeRO settings of a DeepSpeed run, predicted by plan/deepspeed.py instead of the FSDP strategies.
+Summaries are given per source, per part and per `family` (who measured) within each part.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed  # noqa: E402
 from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, estimate  # noqa: E402
 from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import resolve_shape  # noqa: E402
@@ -39,6 +43,11 @@ CASES = ROOT / "bench" / "published_memory.yaml"
 THROUGHPUT = ROOT / "bench" / "published_throughput.yaml"
 OUT = ROOT / "bench" / "results" / "plan_vs_published.json"
 WORKLOAD_KEYS = {f.name for f in dataclasses.fields(Workload)} - {"seq_len"}
+# Keys of a case the comparison itself reads (what was measured, where, how it was read).
+CASE_KEYS = {"kind", "unit", "peak", "model", "gpu", "nodes", "strategy", "seq", "reading", "deepspeed", "family"}
+# Settings written down because the source ran them, which the planner does not model: FSDP1's flat parameters
+# (use_orig_params=False) hold the same bytes per unit as FSDP2's per-parameter shards in what is compared here.
+RECORDED_ONLY = {"flat_params"}
 UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
 
 
@@ -49,18 +58,30 @@ def part(source: str) -> str:
 
 
 def hardware(case: dict) -> Hardware:
-    return parse_gpus(case["gpu"], nodes=case.get("nodes", 1))
+    return parse_gpus(str(case["gpu"]), nodes=case.get("nodes", 1))
 
 
 def predicted_total(case: dict, seq: int) -> float:
     """Per-GPU GiB the planner predicts for `case` at sequence length `seq`: the total, or with `reading:
     reserved` what the caching allocator holds (the tensor peak and its reserve)."""
-    w = Workload(seq_len=seq, **{k: v for k, v in case.items() if k in WORKLOAD_KEYS})
-    strategy = case.get("strategy", "single")
-    b = estimate(resolve_shape(case["model"]), w, hardware(case), strategy).per_gpu_gib
+    w = workload(case, seq)
+    shape, hw = resolve_shape(case["model"]), hardware(case)
+    if "deepspeed" in case:
+        b = estimate_deepspeed(shape, w, hw, ZeroSettings(**case["deepspeed"])).per_gpu_gib
+    else:
+        b = estimate(shape, w, hw, case.get("strategy", "single")).per_gpu_gib
+    tensors = b.total - b.runtime_overhead
     if case.get("reading") == "reserved":
-        return (b.total - b.runtime_overhead) * (1 + ALLOCATOR_RESERVE)
+        return tensors * (1 + ALLOCATOR_RESERVE)
+    if case.get("reading") == "allocated":
+        return tensors
     return b.total
+
+
+def workload(case: dict, seq: int) -> Workload:
+    """The case's Workload: its keys that are Workload fields (lists, such as `lora_targets`, as tuples)."""
+    keys = {k: tuple(v) if isinstance(v, list) else v for k, v in case.items() if k in WORKLOAD_KEYS}
+    return Workload(seq_len=seq, **keys)
 
 
 def max_fitting_seq(case: dict) -> int:
@@ -83,8 +104,9 @@ def evaluate_case(c: dict, source: str, smallest_seq: int) -> dict:
     kind = c["kind"]
     seq = c.get("seq", smallest_seq)
     total = predicted_total(c, seq)
-    gpus = c["gpu"] if hw.nodes == 1 else f"{hw.nodes} nodes x {c['gpu']}"
-    row = {"source": source, "part": part(source), "model": c["model"], "gpu": gpus,
+    gpus = str(c["gpu"]) if hw.nodes == 1 else f"{hw.nodes} nodes x {c['gpu']}"
+    row = {"source": source, "part": part(source), "family": c.get("family", source), "model": c["model"],
+           "gpu": gpus,
            "strategy": c.get("strategy", "single"), "gpu_gib": cap, "seq": seq, "kind": kind,
            "reading": c.get("reading", "total"),
            "predicted_total_gib": round(total, 2)}
@@ -110,7 +132,7 @@ def evaluate(spec: dict) -> dict:
     """Every case of every source, with a summary per source and over all."""
     rows, per_source = [], {}
     for name, src in spec["sources"].items():
-        cases = [{**src["defaults"], **c} for c in src["cases"]]
+        cases = [{"family": src.get("family", name), **src["defaults"], **c} for c in src["cases"]]
         smallest: dict[str, int] = {}
         for c in cases:
             if "seq" in c:
@@ -118,7 +140,11 @@ def evaluate(spec: dict) -> dict:
         src_rows = [evaluate_case(c, name, smallest.get(c["model"], 0)) for c in cases]
         per_source[name] = {**summary(src_rows), "part": part(name), "text": src["text"]}
         rows += src_rows
-    parts = {p: summary([r for r in rows if r["part"] == p]) for p in ("dev", "test")}
+    parts = {}
+    for p in ("dev", "test"):
+        sel = [r for r in rows if r["part"] == p]
+        families = {f: summary([r for r in sel if r["family"] == f]) for f in sorted({r["family"] for r in sel})}
+        parts[p] = {**summary(sel), "families": families}
     return {"cases": rows, **summary(rows), "parts": parts, "sources": per_source}
 
 
@@ -169,6 +195,10 @@ def markdown(result: dict) -> str:
         if ps["median_abs_error"] is not None:
             lines.append(f"memory {p}: median |error| {ps['median_abs_error']:.1%}; verdicts right "
                          f"{ps['verdicts_right']}/{ps['verdicts']}")
+            for f, fs in ps["families"].items():
+                med = "-" if fs["median_abs_error"] is None else f"{fs['median_abs_error']:.1%}"
+                lines.append(f"  {p} family {f}: median |error| {med}; verdicts right "
+                             f"{fs['verdicts_right']}/{fs['verdicts']}")
     return "\n".join(lines)
 
 

@@ -47,13 +47,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "own loss computes them (to predict an HF Trainer / LLaMA-Factory / axolotl / TRL run); "
                         "full_shift: the same with transformers 4.46-4.48, whose loss copied the shifted fp32 "
                         "logits; full_shift16: a GPT-2-style loss that copies the shifted 16-bit logits (older "
-                        "remote code, e.g. Qwen v1)")
+                        "remote code, e.g. Qwen v1); chunked_output: torchtune's CEWithChunkedOutputLoss")
     p.add_argument("--frozen-fp32", action="store_true", default=None,
                    help="frozen embeddings, norms and head in fp32, as peft's prepare_model_for_kbit_training leaves "
                         "them (to predict a TRL / axolotl QLoRA run)")
     p.add_argument("--adapters-16bit", action="store_true", default=None,
                    help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32 (peft "
                         "before 0.12, LLaMA-Factory's pure_bf16)")
+    p.add_argument("--pure-16bit", action="store_true", default=None,
+                   help="every weight, gradient and AdamW state in the 16-bit compute dtype, no autocast (to predict "
+                        "a torchtune recipe)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile over each block: inductor saves fewer activations (default: the config's "
+                        "compile, off with --model)")
+    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="LoRA dropout above 0 keeps each adapter's dropped-out input and mask (default: the config's)")
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
                         "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
@@ -129,10 +137,13 @@ def run(args: argparse.Namespace) -> int:
         shape, w, source = resolve_shape(args.model), workload_of(Config()), args.model
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
+    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
+        raise UserError(f"--lora-dropout {args.lora_dropout}: a probability in [0, 1), e.g. --lora-dropout 0.05.")
     overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
                  "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
                  "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
-                 "attention": args.attention, "adapters_16bit": args.adapters_16bit}
+                 "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
+                 "compile": args.compile, "lora_dropout": args.lora_dropout}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself

@@ -52,7 +52,12 @@ def card_of(hw: Hardware) -> Card:
         key = next(r["card"] for r in table["by_memory"] if hw.gpu_mem_gib <= r["max_gib"])
         assumed = (f"card not named: step times are those of a {key.upper()} ({CARDS.get(key, hw.gpu_mem_gib):.0f} "
                    f"GiB); name the card (e.g. --gpus {hw.gpus_per_node}xA6000) for its own")
-    row = table["cards"][key]
+    row = dict(table["cards"][key])
+    if key == "cpu" and hw.cpu_fp32_gflops:
+        # This machine's own rates, measured by the training process (parallel/env.py cpu_matmul_gflops), in
+        # place of the table's generic core: one core's figure is far from a multi-threaded rank's.
+        row["fp32"] = hw.cpu_fp32_gflops / 1e3
+        row["bf16"] = (hw.cpu_bf16_gflops or hw.cpu_fp32_gflops) / 1e3
     nic = row["nic"] if "nic" in row else row["nic_node"] / hw.gpus_per_node
     hfu = row.get("hfu", row["matmul_eff"] * HFU_OF_MAMF)
     return Card(key, row["bf16"] * 1e12, row["fp32"] * 1e12, row["hbm"] * GB, row["matmul_eff"], hfu, row["link"] * GB,

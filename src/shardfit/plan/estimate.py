@@ -19,7 +19,7 @@ from shardfit import strategy as strategies
 from shardfit.plan import quant
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
-from shardfit.plan.workload import FULL_LOSSES, Workload
+from shardfit.plan.workload import FULL_LOSSES, LORA_TARGETS, Workload
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
@@ -33,6 +33,8 @@ LOSS_CHUNK = 1024
 # upcast and the log-softmax are alive at once; transformers 4.46-4.48 also copied the shifted fp32 logits
 # (`loss: full_shift`; from 4.49 the labels are shifted instead).
 FULL_LOSS_BYTES = 12
+# torchtune's CEWithChunkedOutputLoss splits the sequence into this many slices (its `num_output_chunks`).
+OUTPUT_CHUNKS = 8
 
 
 @dataclass
@@ -72,9 +74,22 @@ class Candidate:
         return d
 
 
+def adapted_shapes(shape: ModelShape, w: Workload) -> list[tuple[int, int]]:
+    """(in, out) of each linear layer of one block that LoRA adapts: `lora_targets`, or all of them (each
+    expert's MLP counted; never a mixture's router)."""
+    names = list(LORA_TARGETS[:4]) + list(LORA_TARGETS[4:]) * shape.experts
+    targets = w.lora_targets or LORA_TARGETS
+    return [io for name, io in zip(names, shape.linear_shapes(), strict=False) if name in targets]
+
+
+def lora_params(shape: ModelShape, w: Workload) -> int:
+    """Adapter parameters of the whole model: rank x (in + out) per adapted layer."""
+    return shape.layers * sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w))
+
+
 def trainable_params(shape: ModelShape, w: Workload) -> int:
     if w.trains_adapters:
-        return shape.lora_params(w.lora_rank)
+        return lora_params(shape, w)
     if w.method == "freeze":
         return 2 * shape.layer_params() + shape.hidden  # default: the last two blocks and the final norm
     return shape.params()
@@ -85,7 +100,8 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     p, t = shape.params(), trainable_params(shape, w)
     low = compute_bytes(w)
     if w.method == "full":
-        weights = p * 4.0  # fp32 master weights; autocast/FSDP cast per layer on the fly
+        # fp32 master weights, cast per layer on the fly by autocast/FSDP; or, pure 16-bit, the weights themselves
+        weights = p * float(trainable_bytes(w))
     else:
         frozen = p - (t if w.method == "freeze" else 0)
         linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
@@ -145,8 +161,11 @@ def compute_bytes(w: Workload) -> int:
 
 
 def trainable_bytes(w: Workload) -> int:
-    """Bytes per element of the trainable weights and their gradients: fp32, except 16-bit LoRA adapters."""
-    return compute_bytes(w) if w.adapters_16bit and w.trains_adapters else 4
+    """Bytes per element of the trainable weights and their gradients: fp32, except 16-bit LoRA adapters and
+    pure 16-bit training (every weight in the compute precision)."""
+    if w.pure_16bit or (w.adapters_16bit and w.trains_adapters):
+        return compute_bytes(w)
+    return 4
 
 
 def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
@@ -156,8 +175,9 @@ def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
 
 
 def runs_autocast(w: Workload, strategy: str) -> bool:
-    """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy)."""
-    return w.precision != "fp32" and strategies.get(strategy).autocast
+    """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy), and
+    pure 16-bit training has nothing to cast."""
+    return w.precision != "fp32" and strategies.get(strategy).autocast and not w.pure_16bit
 
 
 def autocast_fp32_master(w: Workload, strategy: str) -> bool:
@@ -176,11 +196,26 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     up, act, product); LoRA's rank-sized A outputs for the seven projections. Without autocast (FSDP's 16-bit
     parameters), or with 16-bit adapters, four of the six hidden-size tensors are not made: they are autocast's
     casts (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for
-    LoRA)."""
+    LoRA).
+
+    Under torch.compile (`compile`) the block saves what inductor's min-cut partitioner keeps, measured on a
+    transformers Llama block compiled with AOTAutograd's inductor partitioner (bench/compile_activations.py): each
+    norm's input in the residual dtype and its fp32 reciprocal RMS (the fp32 upcast and the normalised value are
+    recomputed in backward), the two norm outputs and the attention output (the matmuls' inputs), the attention
+    kernel's tensors as in eager, and three MLP tensors (gate, up, their product: the activation is recomputed).
+
+    LoRA: each adapter keeps its rank-sized A output; with dropout also its dropped-out input (in the adapters'
+    dtype, peft casts the input to it) and the dropout's bool mask, as wide as the adapted layer's input."""
     a = compute_bytes(w)
     hidden_16 = 6 if casts_fp32_trainables(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
+    lora = 0.0
+    if w.trains_adapters:
+        adapted = adapted_shapes(shape, w)
+        lora = len(adapted) * a * w.lora_rank
+        if w.lora_dropout > 0:
+            lora += sum((trainable_bytes(w) + 1) * i for i, _ in adapted)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
     if w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
@@ -193,7 +228,8 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         attn = a * (2 * q + 2 * q) + 4 * shape.heads + a * w.seq_len
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
-    lora = 7 * a * w.lora_rank if w.trains_adapters else 0
+    if w.compile:
+        return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
     return norms + hidden_16 * a * h + attn + 4 * a * mlp + lora
 
 
@@ -204,7 +240,9 @@ def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
     mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
     outs = [q, kv, kv, shape.hidden, mlp, mlp, shape.hidden]
     if w.trains_adapters:
-        return [width for out in outs for width in (out, w.lora_rank, out)]
+        targets = w.lora_targets or LORA_TARGETS
+        return [width for name, out in zip(LORA_TARGETS, outs, strict=True)
+                for width in ((out, w.lora_rank, out) if name in targets else (out,))]
     return outs
 
 
@@ -272,7 +310,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else \
         checkpointed_block_bytes_per_token(shape, w, strategy)
     norm_trains = w.method == "full"
-    if w.loss in FULL_LOSSES:  # the head's matmul keeps its (16-bit) input only when the head trains
+    if w.loss != "chunked":  # the head's matmul keeps its (16-bit) input only when the head trains
         loss_input = compute_bytes(w) if w.method == "full" else 0
     else:  # shardfit's chunked loss holds it to run each chunk's backward
         loss_input = r
@@ -281,7 +319,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
     cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
-        cast += 2 * shape.lora_params(w.lora_rank) * layers / shape.layers
+        cast += 2 * lora_params(shape, w) * layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
     return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy)
@@ -293,7 +331,15 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     shardfit's chunked loss makes its gradient in the forward pass: one chunk of fp32 logits and its 16-bit
     gradient, the gradient handed back to the body, and when the head trains its fp32 gradient (accumulated chunk
     by chunk), a 16-bit copy of an fp32 head and the fp32 chunk input. With a full loss, every position's logits at
-    once, as transformers' loss computes them (FULL_LOSS_BYTES in backward)."""
+    once, as transformers' loss computes them (FULL_LOSS_BYTES in backward). Under torch.compile the fused
+    cross-entropy saves its input and a log-sum-exp per row, not a log-softmax (the min-cut partitioner keeps the
+    smaller set; the input is alive anyway).
+
+    torchtune's chunked output (`chunked_output`, torchtune.modules.loss.CEWithChunkedOutputLoss): the head runs
+    over OUTPUT_CHUNKS slices of the sequence, the recipe holds every slice's 16-bit logits until the loss is
+    done, and each slice is upcast to fp32 inside the loss: eager cross-entropy saves each slice's fp32
+    log-softmax, compiled it saves the 16-bit slice itself. In backward one slice's fp32 and 16-bit gradients
+    exist at a time."""
     tokens = w.seq_len * w.micro_batch
     c = compute_bytes(w)
     # An fp32 head under autocast (a full fine-tune's master, or frozen in fp32): the matmul keeps its 16-bit cast
@@ -308,8 +354,13 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
             per = FULL_LOSS_BYTES * soft // 4
         else:  # the 16-bit logits, the shifted copy, the fp32 logits (the upcast), the log-softmax
             shifted = {"full_shift": 4, "full_shift16": c}.get(w.loss, 0)
-            per = (c if c != 4 else 0) + shifted + (4 if soft == 4 else 0) + soft
+            per = (c if c != 4 else 0) + shifted + (4 if soft == 4 else 0) + (0 if w.compile else soft)
         return tokens * shape.vocab * per + head_cast
+    if w.loss == "chunked_output":
+        elements = tokens * shape.vocab
+        if phase == "backward":
+            return elements * (c if w.compile else 4) + elements / OUTPUT_CHUNKS * (4 + c) + head_cast
+        return elements * (c + (0 if w.compile else 4)) + elements / OUTPUT_CHUNKS * 4 + head_cast
     if phase == "backward":
         return 0.0
     rows = min(LOSS_CHUNK, tokens)
@@ -379,6 +430,8 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
     bwd_temp += dequantize_bytes(shape, w)
+    # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
+    held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     moments = {
         "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy),
                              logits_bytes(shape, w, strategy), fwd_temp),
@@ -386,13 +439,14 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": max(
             Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward"),
-                      logits_bytes(shape, w, strategy, "backward"), fwd_temp),
-            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy), 0.0, bwd_temp + residual_grads),
+                      logits_bytes(shape, w, strategy, "backward") + held, fwd_temp),
+            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy), held,
+                      bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
-            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy), 0.0,
+            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy), held,
                       bwd_temp + residual_grads),
             key=_tensors),
-        "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, 0.0, 0.0),
+        "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, held, 0.0),
     }
     phase = max(moments, key=lambda k: _tensors(moments[k]))
     b = moments[phase]

@@ -31,6 +31,10 @@ class Hardware:
     gpu_mem_gib: float
     cpu_mem_gib: float | None = None
     name: str = ""
+    # A CPU job's own matmul rates per rank (GFLOP/s, fp32 and bf16), measured by the process that trains:
+    # the time model then uses them instead of cards.yaml's generic CPU row.
+    cpu_fp32_gflops: float | None = None
+    cpu_bf16_gflops: float | None = None
 
     @property
     def world(self) -> int:
@@ -90,11 +94,13 @@ def detect(nodes: int = 1) -> Hardware:
     return Hardware(nodes, 1, host_mem_gib() or 16.0, host_mem_gib(), "cpu")
 
 
-def job_hardware(device_type: str, world: int) -> Hardware:
-    """The hardware of a running job of `world` ranks: its GPUs, or on a CPU machine the host RAM they share."""
+def job_hardware(device_type: str, world: int, cpu_gflops: tuple[float, float] | None = None) -> Hardware:
+    """The hardware of a running job of `world` ranks: its GPUs, or on a CPU machine the host RAM they share and,
+    when given, each rank's measured (fp32, bf16) matmul GFLOP/s."""
     if device_type == "cuda":
         hw = detect()
         return Hardware(max(1, world // hw.gpus_per_node), min(hw.gpus_per_node, world), hw.gpu_mem_gib,
                         hw.cpu_mem_gib, hw.name)
     mem = host_mem_gib() or 16.0
-    return Hardware(1, world, mem / world, mem, "cpu")
+    fp32, bf16 = cpu_gflops if cpu_gflops else (None, None)
+    return Hardware(1, world, mem / world, mem, "cpu", fp32, bf16)

@@ -12,7 +12,10 @@ from shardfit.config import Config
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
 # in three generations: see `Workload.loss`.
 FULL_LOSSES = ("full", "full_shift", "full_shift16")
-LOSSES = ("chunked", *FULL_LOSSES)
+# torchtune's CEWithChunkedOutputLoss: the head runs over 8 slices of the sequence and the loss upcasts each slice.
+LOSSES = ("chunked", *FULL_LOSSES, "chunked_output")
+# The linear layers of a decoder block LoRA can target, in the order they run.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTIONS = ("sdpa", "flash", "eager")
 OPTIMIZERS = ("adamw", "adamw8bit")
 # transformers' attention implementations by what they keep: a dense mask (sdpa, and transformers' default) or not.
@@ -45,6 +48,20 @@ class Workload:
     # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
     # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
     adapters_16bit: bool = False
+    # Every weight, gradient and AdamW state in the compute precision and no autocast: torchtune's recipes,
+    # Answer.AI's train.py `--precision bf16`. Implies 16-bit adapters.
+    pure_16bit: bool = False
+    # torch.compile over each decoder block (inductor): elementwise ops are fused and recomputed in backward, so a
+    # block saves fewer tensors (see estimate.block_activation_bytes_per_token).
+    compile: bool = False
+    # The projections LoRA adapts (LORA_TARGETS names); None: all of them (peft's `all-linear`).
+    lora_targets: tuple[str, ...] | None = None
+    # peft's lora_dropout: above 0 every adapter keeps its dropped-out input and the dropout mask for backward.
+    lora_dropout: float = 0.0
+    # The training loop keeps the model's output, and with it the fp32 logits of a full loss, until the next step
+    # (a loop that writes `output = model(...)` and never deletes it, as Answer.AI's train.py); the HF Trainer
+    # and torchtune drop it before backward.
+    keeps_logits: bool = False
 
     @property
     def trains_adapters(self) -> bool:
@@ -56,4 +73,16 @@ def workload_of(cfg: Config) -> Workload:
     """What the planner needs of a training config."""
     return Workload(method=cfg.method, precision=cfg.precision, seq_len=cfg.max_seq_len, micro_batch=cfg.micro_batch,
                     grad_ckpt=cfg.grad_ckpt, optimizer="adamw", lora_rank=cfg.lora.rank,
-                    attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum)
+                    attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum,
+                    # `compile: auto` is decided at train time; planning it as eager errs on the large side.
+                    compile=cfg.compile is True or cfg.compile == "true",
+                    lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout)
+
+
+def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
+    """A config's `lora.targets` as LORA_TARGETS names (`q_proj` -> `q`, `o_proj` -> `o`); None for all-linear or
+    for module names the planner does not know (it then counts every projection, the larger estimate)."""
+    if isinstance(targets, str):
+        return None
+    names = tuple(t.split(".")[-1].removesuffix("_proj") for t in targets)
+    return names if names and all(n in LORA_TARGETS for n in names) else None

@@ -148,7 +148,10 @@ class FineTune:
         self._claim_run_dir()
         torch.manual_seed(cfg.seed)
         if self.plan is None:
-            self.plan = plan_for_config(cfg, job_hardware(env.device.type, env.world))
+            # On a CPU the time model needs this machine's matmul rate (measured once per process, 10 ms).
+            rates = (cpu_matmul_gflops(torch.float32), cpu_matmul_gflops(torch.bfloat16)) \
+                if env.device.type == "cpu" else None
+            self.plan = plan_for_config(cfg, job_hardware(env.device.type, env.world, rates))
         self.strategy = resolve_strategy(cfg, env, self.plan)
         refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later).
@@ -401,8 +404,9 @@ class FineTune:
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary["predicted_tokens_per_s"] and summary["tokens_per_s"] and not self.quiet:
-                # The time model's figures are GPUs'; its CPU row is one core's matmul rate, not this machine's.
-                rough = " (a rough guess on a CPU: the time model is made for GPUs)" if env.device.type == "cpu" else ""
+                # The time model's efficiency figures are GPUs'; on a CPU only its matmul rate is this machine's.
+                rough = " (a rough guess on a CPU: this machine's matmul rate, GPU efficiency figures)" \
+                    if env.device.type == "cpu" else ""
                 print(f"shardfit: {summary['tokens_per_s']:,.0f} tokens/s measured, "
                       f"{summary['predicted_tokens_per_s']:,.0f} predicted by the plan for {self.strategy.name}{rough}")
         self.metrics.close()

@@ -1,0 +1,71 @@
+"""Memory terms of the planner that follow a source's recipe: torch.compile, pure 16-bit training, LoRA targets and
+dropout, torchtune's chunked output loss, and a loop that keeps its logits (plan/estimate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardfit.plan.estimate import (
+    block_activation_bytes_per_token,
+    estimate,
+    logits_bytes,
+    state_bytes,
+    trainable_params,
+)
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload, lora_targets_of
+
+SHAPE = resolve_shape("meta-llama/Llama-3.1-8B")
+
+
+def test_compile_saves_fewer_block_activations() -> None:
+    """A compiled block keeps bf16 norm inputs instead of fp32 upcasts and recomputes the MLP activation:
+    measured 2104 against 2576 bytes per token on a tiny Llama block (bench/compile_activations.py)."""
+    w = Workload(method="full", pure_16bit=True, attention="flash")
+    eager = block_activation_bytes_per_token(SHAPE, w)
+    compiled = block_activation_bytes_per_token(SHAPE, replace(w, compile=True))
+    h, mlp = SHAPE.hidden, SHAPE.intermediate  # Llama 3.1 8B: q is as wide as the hidden size
+    # eager: fp32 norm upcasts and normalised values (12h), two bf16 norm outputs (4h), four MLP tensors;
+    # compiled: bf16 norm inputs and fp32 rstd (4h + 8), norm outputs and attention output (6h), three MLP tensors
+    assert eager - compiled == (12 * h + 4 * h) - (4 * h + 8 + 6 * h) + 2 * mlp
+
+
+def test_pure_16bit_full_fine_tune_holds_eight_bytes_per_parameter() -> None:
+    """bf16 weights, bf16 gradients and two bf16 AdamW moments; with fp32 masters 16 bytes."""
+    p = SHAPE.params()
+    assert sum(state_bytes(SHAPE, Workload(method="full", pure_16bit=True))) == 8 * p
+    assert sum(state_bytes(SHAPE, Workload(method="full"))) == 16 * p
+
+
+def test_lora_targets_and_dropout() -> None:
+    """q,v adapters are a fraction of all-linear ones; dropout keeps each adapter's input and mask."""
+    w = Workload(lora_rank=8)
+    qv = replace(w, lora_targets=("q", "v"))
+    q_out, kv_out = SHAPE.heads * SHAPE.hd, SHAPE.kv_heads * SHAPE.hd
+    assert trainable_params(SHAPE, qv) == SHAPE.layers * 8 * (2 * SHAPE.hidden + q_out + kv_out)
+    assert trainable_params(SHAPE, w) > 6 * trainable_params(SHAPE, qv)  # 20.9M against 3.4M
+    dropped = block_activation_bytes_per_token(SHAPE, replace(qv, lora_dropout=0.1))
+    assert dropped - block_activation_bytes_per_token(SHAPE, qv) == 2 * (4 + 1) * SHAPE.hidden
+
+
+def test_chunked_output_loss_and_kept_logits() -> None:
+    """torchtune's chunked loss: eager keeps fp32 log-softmax slices, compiled only the bf16 logits; a loop that
+    keeps the model output adds its fp32 logits to every moment after the forward pass."""
+    w = Workload(method="lora", pure_16bit=True, loss="chunked_output", seq_len=2048, micro_batch=2)
+    elements = 2048 * 2 * SHAPE.vocab
+    eager, compiled = logits_bytes(SHAPE, w), logits_bytes(SHAPE, replace(w, compile=True))
+    assert eager - compiled == 4 * elements
+    full = Workload(loss="full_shift", seq_len=1024)
+    hw = parse_gpus("80GB")
+    plain = estimate(SHAPE, full, hw, "single").per_gpu_gib
+    kept = estimate(SHAPE, replace(full, keeps_logits=True), hw, "single").per_gpu_gib
+    assert kept.total > plain.total
+
+
+def test_config_lora_targets_map_to_planner_names() -> None:
+    """A config's module names become the planner's; all-linear or unknown names count every projection."""
+    assert lora_targets_of(["q_proj", "v_proj"]) == ("q", "v")
+    assert lora_targets_of(["model.layers.0.self_attn.o_proj", "down_proj"]) == ("o", "down")
+    assert lora_targets_of("all-linear") is None
+    assert lora_targets_of(["c_attn"]) is None
