@@ -118,6 +118,11 @@ class Config:
                                        ge=1)
     image_min_pixels: int | None = key(None, "images with fewer pixels are resized up, keeping the aspect ratio; "
                                              "null: the model's image processor default", ge=1)
+    freeze_audio_tower: bool = key(True, "models with an audio tower (Qwen2.5-Omni): keep its weights frozen (LoRA "
+                                         "then leaves it alone)")
+    audio_max_seconds: float | None = key(None, "audio clips longer than this are cut to it (fewer audio tokens); "
+                                                "null: the feature extractor's window (30 s for Whisper-style "
+                                                "extractors)", gt=0)
     drop_modules: list[str] = key(list, "submodules removed before placement (e.g. talker, token2wav)")
     freeze_modules: list[str] = key(list, "submodules whose parameters never train (e.g. a vision tower)")
     device_map: str | dict | None = key(None, "model_parallel only: a dict places modules yourself, a string uses "

@@ -1,10 +1,12 @@
-"""Tokenise a conversation with images for a Qwen2-VL-style model: the chat template and assistant-only labels as
-for text, each image's pixels through the model's image processor, each image placeholder expanded to the number
-of tokens the vision tower's merger emits for it (never trained), and the 3-D M-RoPE positions the model expects.
+"""Tokenise a conversation with images (and audio, for Qwen2.5-Omni's thinker) for a Qwen2-VL-style model: the
+chat template and assistant-only labels as for text, each image's pixels through the model's image processor, each
+image placeholder expanded to the number of tokens the vision tower's merger emits for it, each audio placeholder
+to the number the audio tower emits for its clip (never trained), and the 3-D M-RoPE positions the model expects.
 
 Positions are computed per example, as the model's own `get_rope_index` does for one sequence: text advances one
 position per token on all three axes; an image's tokens take (start, start + row, start + column) and the next text
-starts at start + max(rows, columns). Carrying them per example is what lets packing keep each example's own
+starts at start + max(rows, columns). Audio tokens advance like text (Qwen2.5-Omni's `get_rope_index` gives a
+clip consecutive positions on all three axes). Carrying them per example is what lets packing keep each example's own
 positions.
 """
 
@@ -15,8 +17,9 @@ from typing import Any
 
 import torch
 
+from shardfit.data.audio import AudioClips, AudioInput, AudioProcessor
 from shardfit.data.formats import BadRow
-from shardfit.data.media import IMAGE
+from shardfit.data.media import AUDIO, IMAGE
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
 
 
@@ -30,6 +33,7 @@ class VisionProcessor:
     start: str  # the markers the chat template puts around an image (Qwen: <|vision_start|>, <|vision_end|>)
     end: str
     merge: int  # spatial merge of the vision tower: merge x merge patches make one language-model token
+    audio: AudioProcessor | None = None  # a model with an audio tower too (Qwen2.5-Omni's thinker)
 
     def tokens_per_image(self, grid_thw: list[int]) -> int:
         t, h, w = grid_thw
@@ -62,41 +66,61 @@ def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tens
 
 
 def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[str, str]],
-                       images: tuple[str, ...], max_len: int) -> Encoded:
-    """One example with its pixels, image grids and M-RoPE positions; a row whose image tokens do not fit in
-    `max_len` is a `BadRow` (truncating inside an image would leave features with no tokens to fill)."""
-    marker = vp.start + vp.image_token + vp.end
-    rendered = [dict(m, content=m["content"].replace(IMAGE, marker)) for m in messages]
+                       images: tuple[str, ...], max_len: int, audios: tuple[AudioInput, ...] = ()) -> Encoded:
+    """One example with its pixels, image grids, audio clips and M-RoPE positions; a row whose image or audio
+    tokens do not fit in `max_len` is a `BadRow` (truncating inside a medium would leave features with no tokens
+    to fill)."""
+    ap = vp.audio
+    if audios and ap is None:
+        raise BadRow("the row has audio but the model has no audio tower")
+    rendered = []
+    for m in messages:
+        content = m["content"].replace(IMAGE, vp.start + vp.image_token + vp.end)
+        if ap is not None:
+            content = content.replace(AUDIO, ap.start + ap.audio_token + ap.end)
+        rendered.append(dict(m, content=content))
     enc = encode_messages(tokenizer, rendered, max_len=1 << 30)
     grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
-    counts = [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else []
-    n_slots = sum(1 for t in enc.input_ids if t == vp.image_token_id)
-    if n_slots != len(counts):
-        raise BadRow(f"{len(counts)} image(s) but the chat template produced {n_slots} image slot(s); the text "
-                     f"itself must not contain {vp.image_token}")
+    counts = {vp.image_token_id: [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else []}
+    if ap is not None:
+        counts[ap.audio_token_id] = [ap.tokens(ap.n_samples(a)) for a in audios]
+    for tok, (what, n_media, own) in {vp.image_token_id: ("image", len(images), vp.image_token),
+                                      **({ap.audio_token_id: ("audio clip", len(audios), ap.audio_token)}
+                                         if ap is not None else {})}.items():
+        n_slots = sum(1 for t in enc.input_ids if t == tok)
+        if n_slots != n_media:
+            raise BadRow(f"{n_media} {what}(s) but the chat template produced {n_slots} {what} slot(s); the text "
+                         f"itself must not contain {own}")
     ids: list[int] = []
     targets: list[int] = []
     image_spans: list[tuple[int, list[int]]] = []  # (first token, grid) of each image, in order
-    k = 0
+    last_end = 0  # where the last medium's tokens end
+    seen = dict.fromkeys(counts, 0)
     for tok, tgt in zip(enc.input_ids, enc.targets, strict=True):
-        if tok == vp.image_token_id:
-            n = counts[k]
-            image_spans.append((len(ids), grids[k].tolist()))
+        if tok in counts:
+            n = counts[tok][seen[tok]]
+            if tok == vp.image_token_id:
+                image_spans.append((len(ids), grids[seen[tok]].tolist()))
+            seen[tok] += 1
             ids += [tok] * n
-            targets += [IGNORE] * (n - 1) + [tgt]  # image tokens are inputs only; the last keeps the next label
-            k += 1
+            targets += [IGNORE] * (n - 1) + [tgt]  # media tokens are inputs only; the last keeps the next label
+            last_end = len(ids)
         else:
             ids.append(tok)
             targets.append(tgt)
     truncated = len(ids) > max_len
     if truncated:
-        if image_spans and image_spans[-1][0] + counts[-1] > max_len:
-            raise BadRow(f"its {sum(counts)} image tokens and text take {len(ids)} tokens, beyond max_seq_len="
-                         f"{max_len}; raise max_seq_len, or lower image_max_pixels (fewer tokens per image)")
+        if last_end > max_len:
+            n_media = sum(sum(c) for c in counts.values())
+            kinds = [k for k, on in (("image", images), ("audio", audios)) if on]
+            keys = {"image": "image_max_pixels", "audio": "audio_max_seconds"}
+            raise BadRow(f"its {n_media} {' and '.join(kinds)} tokens and text take {len(ids)} tokens, beyond "
+                         f"max_seq_len={max_len}; raise max_seq_len, or lower "
+                         f"{' / '.join(keys[k] for k in kinds)} (fewer tokens per {' or '.join(kinds)})")
         ids, targets = ids[:max_len], targets[:max_len - 1] + [IGNORE]
     mrope = mrope_positions(len(ids), image_spans, vp.merge)
     return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=ImagePixels(vp, images) if images else None,
-                   image_grid_thw=grids)
+                   image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None)
 
 
 def mrope_positions(n: int, image_spans: list[tuple[int, list[int]]], merge: int) -> list[list[int]]:
