@@ -280,5 +280,5 @@ def test_rank_without_audio_matches_single_process(tmp_path: Path, omni: Path, a
     a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
     assert any("audio_tower" in k for k in a) and a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    for k in a:  # Adam turns the reduction order's rounding in tiny gradients into ~1e-5 differences of a weight
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=5e-5)

@@ -1,12 +1,14 @@
-"""Images and audio clips in data rows, in the layouts users already have, reduced to one form before the text
-formats read them: every message content a string with an `<image>` / `<audio>` placeholder where a medium goes,
-and the row's images and clips in placeholder order (images as absolute paths, clips as paths or WAV bytes).
+"""Images, audio clips and videos in data rows, in the layouts users already have, reduced to one form before the
+text formats read them: every message content a string with an `<image>` / `<audio>` / `<video>` placeholder where
+a medium goes, and the row's media in placeholder order (images as absolute paths, clips as paths or WAV bytes,
+videos as their frames' absolute paths).
 
-- LLaMA-Factory / ms-swift: `messages` or `conversations` with `<image>` / `<audio>` in the text plus `images` /
-  `audios` lists.
+- LLaMA-Factory / ms-swift: `messages` or `conversations` with `<image>` / `<audio>` / `<video>` in the text plus
+  `images` / `audios` / `videos` lists (a video: a list of frame images, or a folder of them).
 - OpenAI content parts: a content list of `{"type": "text", "text": ...}`, `{"type": "image", "image": PATH}`,
-  `{"type": "image_url", "image_url": {"url": PATH}}` (a plain string url too), `{"type": "audio", "audio": PATH}`
-  and `{"type": "input_audio", "input_audio": {"data": BASE64 or PATH, "format": "wav"}}`.
+  `{"type": "image_url", "image_url": {"url": PATH}}` (a plain string url too), `{"type": "audio", "audio": PATH}`,
+  `{"type": "input_audio", "input_audio": {"data": BASE64 or PATH, "format": "wav"}}` and
+  `{"type": "video", "video": FRAMES or FOLDER}`.
 
 Paths are relative to the data file. Every file is opened here, before any model loads, so a missing or
 unreadable image or clip stops the run (or is counted under skip_bad_rows) naming its row.
@@ -16,51 +18,62 @@ from __future__ import annotations
 
 import base64
 import binascii
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardfit.data.audio import AudioInput, checked_audio, probe_wav
 from shardfit.data.formats import BadRow
+from shardfit.data.video import VIDEO, video_frames
 
 IMAGE = "<image>"
 AUDIO = "<audio>"
-_UNSUPPORTED = {"videos": "video"}
-_UNSUPPORTED_PARTS = {"video": "video", "video_url": "video"}
 _AUDIO_PARTS = ("audio", "input_audio", "audio_url")
 
 
-def extract_media(row: Any, base: Path) -> tuple[Any, tuple[str, ...], tuple[AudioInput, ...]]:
-    """The row with OpenAI content parts flattened to strings (`<image>` / `<audio>` where a medium was), its
-    image paths resolved against `base` (the data file's folder) and its audio clips (resolved paths, or the bytes
-    of inline WAV data). A row without media comes back unchanged with () and ()."""
+@dataclass(frozen=True)
+class Media:
+    """The media of one row, each kind in the order of its placeholders."""
+
+    images: tuple[str, ...] = ()  # absolute paths
+    audios: tuple[AudioInput, ...] = ()  # absolute paths or WAV bytes
+    videos: tuple[tuple[str, ...], ...] = ()  # each video's frames, absolute paths in time order
+
+
+def extract_media(row: Any, base: Path) -> tuple[Any, Media]:
+    """The row with OpenAI content parts flattened to strings (a placeholder where a medium was) and its media:
+    paths resolved against `base` (the data file's folder), every image and frame verified, every clip's header
+    read. A row without media comes back unchanged with an empty `Media`."""
     if not isinstance(row, dict):
-        return row, (), ()
-    for key, what in _UNSUPPORTED.items():
-        if row.get(key):
-            raise BadRow(f"'{key}': {what} inputs are not supported yet (images and audio are); remove the {what} "
-                         "from the row")
+        return row, Media()
     images: list[str] = []
     audios: list[AudioInput] = []
+    videos: list[Any] = []
     turns = row.get("messages")
     if isinstance(turns, list) and any(isinstance(t, dict) and isinstance(t.get("content"), list) for t in turns):
-        row = dict(row, messages=[_flatten_turn(t, i, images, audios, base) for i, t in enumerate(turns)])
+        row = dict(row, messages=[_flatten_turn(t, i, images, audios, videos) for i, t in enumerate(turns)])
     text = _all_text(row)
     images = _listed(row, "images", IMAGE, images, text)
     clips = _listed(row, "audios", AUDIO, audios, text)
-    return row, tuple(_checked(p, base) for p in images), tuple(
-        c if isinstance(c, bytes) else checked_audio(c, base) for c in clips)
+    videos = _listed(row, "videos", VIDEO, videos, text, frames=True)
+    return row, Media(tuple(_checked(p, base) for p in images),
+                      tuple(c if isinstance(c, bytes) else checked_audio(c, base) for c in clips),
+                      tuple(tuple(_checked(f, base) for f in video_frames(v, base, f"videos[{k}]"))
+                            for k, v in enumerate(videos)))
 
 
-def _listed(row: dict, key: str, tag: str, parts: list, text: str) -> list:
+def _listed(row: dict, key: str, tag: str, parts: list, text: str, frames: bool = False) -> list:
     """The media of one kind: the row's `key` list, or those its content parts named; their count must match the
-    placeholders in the text."""
+    placeholders in the text. `frames`: an entry may also be a list of paths (a video's frames)."""
     listed = row.get(key)
     what = key[:-1]
     if listed is not None:
         if isinstance(listed, str):
             listed = [listed]
-        if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
-            raise BadRow(f"'{key}' must be a list of file paths")
+        ok = (str, list) if frames else str
+        if not isinstance(listed, list) or not all(isinstance(p, ok) for p in listed):
+            raise BadRow(f"'{key}' must be a list of " + ("frame folders or lists of frame images" if frames
+                                                          else "file paths"))
         if parts:
             raise BadRow(f"the row has both an '{key}' list and {what} content parts; use one of them")
         parts = list(listed)
@@ -75,7 +88,7 @@ def _listed(row: dict, key: str, tag: str, parts: list, text: str) -> list:
     return parts
 
 
-def _flatten_turn(turn: Any, i: int, images: list[str], audios: list[AudioInput], base: Path) -> Any:
+def _flatten_turn(turn: Any, i: int, images: list[str], audios: list[AudioInput], videos: list[Any]) -> Any:
     if not isinstance(turn, dict) or not isinstance(turn.get("content"), list):
         return turn
     text: list[str] = []
@@ -90,10 +103,12 @@ def _flatten_turn(turn: Any, i: int, images: list[str], audios: list[AudioInput]
         elif kind in _AUDIO_PARTS:
             audios.append(_audio_part(part, kind, where))
             text.append(AUDIO)
-        elif kind in _UNSUPPORTED_PARTS:
-            raise BadRow(f"{where}: {_UNSUPPORTED_PARTS[kind]} inputs are not supported yet (images and audio are)")
+        elif kind in ("video", "video_url"):
+            value = part.get(kind)
+            videos.append(value.get("url") if isinstance(value, dict) else value)
+            text.append(VIDEO)
         else:
-            raise BadRow(f"{where}: a content part needs type text, image, image_url, audio or input_audio")
+            raise BadRow(f"{where}: a content part needs type text, image, image_url, audio, input_audio or video")
     return dict(turn, content="".join(text))
 
 

@@ -24,6 +24,8 @@ class PackedRow:
     pixel_values: list[Any] = field(default_factory=list)
     image_grid_thw: list[Any] = field(default_factory=list)
     audio: list[Any] = field(default_factory=list)  # each example's AudioClips (Qwen2.5-Omni), in token order
+    videos: list[Any] = field(default_factory=list)  # each example's VideoPixels, and their grids
+    video_grid_thw: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -52,6 +54,9 @@ def _row(examples: list[Encoded]) -> PackedRow:
             row.image_grid_thw.append(ex.image_grid_thw)
         if ex.audio is not None:
             row.audio.append(ex.audio)
+        if ex.video is not None:
+            row.videos.append(ex.video)
+            row.video_grid_thw.append(ex.video_grid_thw)
     return row
 
 

@@ -21,6 +21,7 @@ from shardfit.data.audio import AudioClips, AudioInput, AudioProcessor
 from shardfit.data.formats import BadRow
 from shardfit.data.media import AUDIO, IMAGE
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
+from shardfit.data.video import VIDEO, VideoPixels, VideoSettings, load_video
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class VisionProcessor:
     end: str
     merge: int  # spatial merge of the vision tower: merge x merge patches make one language-model token
     audio: AudioProcessor | None = None  # a model with an audio tower too (Qwen2.5-Omni's thinker)
+    video: VideoSettings | None = None  # a model that trains on videos (Qwen2-VL, Qwen2.5-VL)
 
     def tokens_per_image(self, grid_thw: list[int]) -> int:
         t, h, w = grid_thw
@@ -66,41 +68,55 @@ def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tens
 
 
 def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[str, str]],
-                       images: tuple[str, ...], max_len: int, audios: tuple[AudioInput, ...] = ()) -> Encoded:
-    """One example with its pixels, image grids, audio clips and M-RoPE positions; a row whose image or audio
+                       images: tuple[str, ...], max_len: int, audios: tuple[AudioInput, ...] = (),
+                       videos: tuple[tuple[str, ...], ...] = ()) -> Encoded:
+    """One example with its pixels, image and video grids, audio clips and M-RoPE positions; a row whose media
     tokens do not fit in `max_len` is a `BadRow` (truncating inside a medium would leave features with no tokens
     to fill)."""
-    ap = vp.audio
-    if audios and ap is None:
-        raise BadRow("the row has audio but the model has no audio tower")
+    ap, vs = vp.audio, vp.video
+    if (audios and ap is None) or (videos and vs is None):
+        raise BadRow(f"the row has {'audio' if audios else 'videos'} but the model does not read them")
+    markers = {IMAGE: vp.image_token, AUDIO: ap.audio_token if ap else None, VIDEO: vs.token if vs else None}
     rendered = []
     for m in messages:
-        content = m["content"].replace(IMAGE, vp.start + vp.image_token + vp.end)
-        if ap is not None:
-            content = content.replace(AUDIO, ap.start + ap.audio_token + ap.end)
+        content = m["content"]
+        for tag, token in markers.items():
+            if token is not None:
+                start, end = (ap.start, ap.end) if tag == AUDIO and ap is not None else (vp.start, vp.end)
+                content = content.replace(tag, start + token + end)
         rendered.append(dict(m, content=content))
     enc = encode_messages(tokenizer, rendered, max_len=1 << 30)
     grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
-    counts = {vp.image_token_id: [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else []}
+    # Each video: its frames (sampled to video_max_frames), its grid and its temporal position step.
+    clips = [vs.sampled(v) for v in videos] if vs is not None else []
+    vgrids = torch.cat([load_video(vp.image_processor, f)[1] for f, _ in clips]) if clips else None
+    steps = [vs.time_interval(vp.image_processor.temporal_patch_size, fps) for _, fps in clips] if vs else []
+    kinds: dict[int, tuple[str, list[int], str]] = {  # token -> (what, tokens per medium, token string)
+        vp.image_token_id: ("image", [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else [],
+                            vp.image_token)}
     if ap is not None:
-        counts[ap.audio_token_id] = [ap.tokens(ap.n_samples(a)) for a in audios]
-    for tok, (what, n_media, own) in {vp.image_token_id: ("image", len(images), vp.image_token),
-                                      **({ap.audio_token_id: ("audio clip", len(audios), ap.audio_token)}
-                                         if ap is not None else {})}.items():
+        kinds[ap.audio_token_id] = ("audio clip", [ap.tokens(ap.n_samples(a)) for a in audios], ap.audio_token)
+    if vs is not None:
+        kinds[vs.token_id] = ("video", [vp.tokens_per_image(g) for g in vgrids.tolist()] if vgrids is not None
+                              else [], vs.token)
+    for tok, (what, counts, own) in kinds.items():
         n_slots = sum(1 for t in enc.input_ids if t == tok)
-        if n_slots != n_media:
-            raise BadRow(f"{n_media} {what}(s) but the chat template produced {n_slots} {what} slot(s); the text "
-                         f"itself must not contain {own}")
+        if n_slots != len(counts):
+            raise BadRow(f"{len(counts)} {what}(s) but the chat template produced {n_slots} {what} slot(s); the "
+                         f"text itself must not contain {own}")
     ids: list[int] = []
     targets: list[int] = []
-    image_spans: list[tuple[int, list[int]]] = []  # (first token, grid) of each image, in order
+    spans: list[tuple[int, list[int], float]] = []  # (first token, grid, temporal step) of each image and video
     last_end = 0  # where the last medium's tokens end
-    seen = dict.fromkeys(counts, 0)
+    seen = dict.fromkeys(kinds, 0)
     for tok, tgt in zip(enc.input_ids, enc.targets, strict=True):
-        if tok in counts:
-            n = counts[tok][seen[tok]]
+        if tok in kinds:
+            k = seen[tok]
+            n = kinds[tok][1][k]
             if tok == vp.image_token_id:
-                image_spans.append((len(ids), grids[seen[tok]].tolist()))
+                spans.append((len(ids), grids[k].tolist(), 1.0))
+            elif vs is not None and tok == vs.token_id:
+                spans.append((len(ids), vgrids[k].tolist(), steps[k]))
             seen[tok] += 1
             ids += [tok] * n
             targets += [IGNORE] * (n - 1) + [tgt]  # media tokens are inputs only; the last keeps the next label
@@ -111,23 +127,27 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
     truncated = len(ids) > max_len
     if truncated:
         if last_end > max_len:
-            n_media = sum(sum(c) for c in counts.values())
-            kinds = [k for k, on in (("image", images), ("audio", audios)) if on]
-            keys = {"image": "image_max_pixels", "audio": "audio_max_seconds"}
-            raise BadRow(f"its {n_media} {' and '.join(kinds)} tokens and text take {len(ids)} tokens, beyond "
+            n_media = sum(sum(c) for _, c, _ in kinds.values())
+            present = [k for k, on in (("image", images), ("audio", audios), ("video", videos)) if on]
+            keys = {"image": "image_max_pixels", "audio": "audio_max_seconds", "video": "video_max_frames"}
+            raise BadRow(f"its {n_media} {' and '.join(present)} tokens and text take {len(ids)} tokens, beyond "
                          f"max_seq_len={max_len}; raise max_seq_len, or lower "
-                         f"{' / '.join(keys[k] for k in kinds)} (fewer tokens per {' or '.join(kinds)})")
+                         f"{' / '.join(keys[k] for k in present)} (fewer tokens per {' or '.join(present)})")
         ids, targets = ids[:max_len], targets[:max_len - 1] + [IGNORE]
-    mrope = mrope_positions(len(ids), image_spans, vp.merge)
+    mrope = mrope_positions(len(ids), spans, vp.merge)
     return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=ImagePixels(vp, images) if images else None,
-                   image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None)
+                   image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None,
+                   video=VideoPixels(vp.image_processor, tuple(f for f, _ in clips)) if clips else None,
+                   video_grid_thw=vgrids)
 
 
-def mrope_positions(n: int, image_spans: list[tuple[int, list[int]]], merge: int) -> list[list[int]]:
-    """The (temporal, height, width) position of each of `n` tokens, images at the given spans."""
+def mrope_positions(n: int, spans: list[tuple[int, list[int], float]], merge: int) -> list[list[int]]:
+    """The (temporal, height, width) position of each of `n` tokens, images and videos at the given spans (first
+    token, (t, h, w) grid, temporal step): a medium's tokens take (start + int(t x step), start + row, start +
+    column) and the text after it starts at start + max(rows, columns), as the models' own get_rope_index."""
     axes: list[list[int]] = [[], [], []]
     pos, i = 0, 0
-    for first, (t, h, w) in image_spans + [(n, [0, 0, 0])]:
+    for first, (t, h, w), step in spans + [(n, [0, 0, 0], 1.0)]:
         first = min(first, n)
         for a in axes:
             a += range(pos, pos + first - i)
@@ -138,7 +158,7 @@ def mrope_positions(n: int, image_spans: list[tuple[int, list[int]]], merge: int
         for ti in range(t):
             for hi in range(gh):
                 for wi in range(gw):
-                    axes[0].append(pos + ti)
+                    axes[0].append(pos + int(ti * step))
                     axes[1].append(pos + hi)
                     axes[2].append(pos + wi)
         i = first + t * gh * gw

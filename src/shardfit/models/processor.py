@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoFeatureExtractor, AutoImageProcessor
 
 from shardfit.config import Config
 from shardfit.data.audio import AudioProcessor
+from shardfit.data.video import VideoSettings
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
 from shardfit.models.anatomy import OMNI_MODEL_TYPES, VISION_MODEL_TYPES
@@ -57,8 +58,9 @@ def _token(tokenizer: Any, source: ModelSource, token_id: int | None, names: tup
 
 def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> VisionProcessor | None:
     """The image processor and image tokens of a multimodal model (None for a text model), with
-    `image_min_pixels` / `image_max_pixels` as the processor's resize bounds; for Qwen2.5-Omni also the audio
-    feature extractor and audio tokens, clips cut at `audio_max_seconds`."""
+    `image_min_pixels` / `image_max_pixels` as the processor's resize bounds (of video frames too); for Qwen2-VL
+    and Qwen2.5-VL the video token and `video_max_frames` / `video_fps`; for Qwen2.5-Omni the audio feature
+    extractor and audio tokens, clips cut at `audio_max_seconds`."""
     kind = vision_model_type(source, cfg.trust_remote_code)
     if kind is None:
         return None
@@ -89,8 +91,14 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
                                _token(tokenizer, source, media.audio_start_token_id, (), "audio start"),
                                _token(tokenizer, source, media.audio_end_token_id, (), "audio end"),
                                cfg.audio_max_seconds)
+    video = None
+    if kind in VISION_MODEL_TYPES:
+        # Qwen2.5-VL spaces a video's temporal positions by seconds (tokens_per_second); Qwen2-VL by one per patch.
+        tps = getattr(media.vision_config, "tokens_per_second", None) if kind == "qwen2_5_vl" else None
+        video = VideoSettings(_token(tokenizer, source, media.video_token_id, (), "video"), media.video_token_id,
+                              cfg.video_max_frames, cfg.video_fps, tps)
     return VisionProcessor(processor, image, media.image_token_id, start, end,
-                           media.vision_config.spatial_merge_size, audio)
+                           media.vision_config.spatial_merge_size, audio, video)
 
 
 def save_processor(vp: VisionProcessor, out: Path) -> None:

@@ -190,6 +190,7 @@ class FineTune:
         train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split, self.vision)
         self.n_images = sum(len(c.images) for c in split.train)
         self.n_clips = sum(len(c.audios) for c in split.train)
+        self.n_videos = sum(len(c.videos) for c in split.train)
         self.data_stats = split.stats
         self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
         eval_conv = [c.messages for c in split.eval]
@@ -289,6 +290,7 @@ class FineTune:
         if self.vision is None:
             return ""
         clips = f", {self.n_clips} audio clips" if self.vision.audio is not None else ""
+        clips += f", {self.n_videos} videos" if self.n_videos else ""
         packed = " in packed rows" if self.cfg.packing else ""
         return f"; {self.n_images} images{clips} (M-RoPE positions kept per example{packed})"
 
