@@ -29,6 +29,7 @@ from shardfit.models.anatomy import audio_units
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
+from shardfit.plan.audio import AudioLoad
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import make_tiny_omni, read_jsonl, run_cli, write_config, write_images, write_wav
 
@@ -125,6 +126,21 @@ def test_features_and_token_counts_match_transformers(omni: Path, audio_data: Pa
     assert lens.tolist() == [n] and torch.equal(feats, whole["input_features"][0, :, :n])
     model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni)
     assert ap.tokens(len(clip)) == int(model.model.audio_tower._get_feat_extract_output_lengths(lens)[1])
+    # The planner counts what the data path counts, before anything loads.
+    for name, seconds in (("low.wav", 0.5), ("beep.wav", 1.0)):
+        path = str(audio_data.parent / "a" / name)
+        assert AudioLoad(1, seconds).tokens_per_clip() == ap.tokens(ap.n_samples(path))
+    assert AudioLoad(1, 47.3, max_seconds=0.25).tokens_per_clip() == 6
+
+
+def test_plan_counts_audio_tokens_and_refuses_what_cannot_fit() -> None:
+    args = ("plan", "--model", "Qwen/Qwen2.5-Omni-7B", "--gpus", "8x24GB", "--batch", "1", "--json")
+    r = run_cli(*args, "--audio-per-sample", "2", "--audio-seconds", "10", "--seq", "2048")
+    assert r.returncode in (0, 3), r.stderr
+    audio = json.loads(r.stdout)["audio"]
+    assert audio["tokens_per_clip"] == 250 and audio["audio_tokens_per_sample"] == 500
+    r = run_cli(*args, "--audio-per-sample", "4", "--audio-seconds", "30", "--seq", "2048")
+    assert r.returncode == 2 and "3000 tokens" in r.stderr and "--audio-seconds" in r.stderr
 
 
 def test_audio_rows_in_each_format_carry_their_clips(audio_data: Path) -> None:
