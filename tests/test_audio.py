@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration, WhisperFeatureExtractor
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    WhisperFeatureExtractor,
+)
 
 from shardfit.config import Config, LoraSettings
 from shardfit.data.audio import read_wav, resample
@@ -263,6 +268,21 @@ def test_train_with_audio_and_images_writes_adapter_and_processor(tmp_path: Path
     assert json.loads((adapter / "preprocessor_config.json").read_text())["image_processor_type"]
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     assert weights and not any("audio_tower" in k for k in weights)
+    # export --merge: a thinker that AutoModelForImageTextToText loads and that generates from a clip.
+    r = run_cli("export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
+    extractor = WhisperFeatureExtractor.from_pretrained(tmp_path / "merged")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    clip, _ = read_wav(str(audio_data.parent / "a" / "beep.wav"))
+    feats = extractor(clip, sampling_rate=16000, padding="max_length", return_attention_mask=True,
+                      return_tensors="pt")
+    prompt = ("<|im_start|>user\n<|audio_bos|>" + "<|AUDIO|>" * 25 + "<|audio_eos|>What?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out = merged.generate(ids, attention_mask=torch.ones_like(ids), input_features=feats["input_features"],
+                          feature_attention_mask=feats["attention_mask"], max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 3
     # A bad clip stops the run before the model loads, naming file:line.
     bad = _write(tmp_path / "bad.jsonl", [_rows(audio_data.parent, True)[0],
                                           {"messages": [{"role": "user", "content": "<audio>"},
