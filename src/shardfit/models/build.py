@@ -80,10 +80,10 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
                                 "(huggingface-cli download) or point at its folder.") from None
             config = hf_config(resolve_shape(cfg.model))
     if getattr(config, "enable_audio_output", False):
-        # Qwen-Omni: the talker and token2wav only produce speech. Text training never runs them, and left in a
+        # Qwen-Omni: the talker and token2wav only produce speech. Training never runs them, and left in a
         # ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built.
         config.enable_audio_output = False
-        log.info("%s: talker and token2wav not loaded (text training)", source.name)
+        log.info("%s: talker and token2wav not loaded (they only produce speech)", source.name)
     return config
 
 
