@@ -78,19 +78,19 @@ def resample(x: np.ndarray, rate: int, target: int, zeros: int = 16) -> np.ndarr
     n_out = -(-len(x) * up // down)
     padded = np.pad(x.astype(np.float64), (half, half + 1))
     out = np.empty(n_out, np.float64)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
+    k = np.arange(-half, half + 1)
     for phase in range(up):
         idx = np.arange(phase, n_out, up)
         if len(idx) == 0:
             continue
-        t = idx * down / up  # output times in input samples
-        base = np.floor(t).astype(np.int64)
-        frac = t[0] - base[0]  # the same for every output of this phase
-        k = np.arange(-half, half + 1)
+        base = idx * down // up  # the input sample at or before each output time
+        frac = phase * down / up - phase * down // up  # the output time's offset from it: the same for the phase
         d = k - frac
         window = np.where(np.abs(d) < half, 0.5 + 0.5 * np.cos(np.pi * d / half), 0.0)
         taps = cutoff * np.sinc(cutoff * d) * window
-        frames = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)[base]
-        out[idx] = frames @ taps
+        for s in range(0, len(idx), 1 << 15):  # bounded memory: a block of outputs' input windows at a time
+            out[idx[s:s + (1 << 15)]] = windows[base[s:s + (1 << 15)]] @ taps
     return out.astype(np.float32)
 
 
