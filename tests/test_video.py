@@ -155,3 +155,24 @@ def test_train_with_video_frames(tmp_path: Path, tiny_vl: Path, video_data: Path
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1 images, 3 videos (M-RoPE positions kept per example in packed rows)" in r.stdout
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+
+
+@pytest.mark.slow
+def test_rank_without_video_matches_single_process(tmp_path: Path, tiny_vl25: Path, video_data: Path) -> None:
+    """One row with a video and one text row, one row per rank under zero3: the rank without a video still runs
+    the vision tower (on a blank image), so the collectives match; losses equal one process's."""
+    root = video_data.parent
+    data = _write(tmp_path / "two.jsonl", [_rows(root)[0], _rows(root)[3]])
+    keys = dict(model=str(tiny_vl25), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
+                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
+                report_to=["none"], watchdog_min_s=120.0)
+    one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
+                       output_dir=str(tmp_path / "one"))
+    two = write_config(tmp_path / "two.yaml", **keys, strategy="zero3", output_dir=str(tmp_path / "two"))
+    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    have = [m["loss"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")]
+    assert len(have) == 3 and have == pytest.approx(want, rel=1e-5)
