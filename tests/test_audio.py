@@ -268,7 +268,24 @@ def test_train_with_audio_and_images_writes_adapter_and_processor(tmp_path: Path
     assert json.loads((adapter / "preprocessor_config.json").read_text())["image_processor_type"]
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     assert weights and not any("audio_tower" in k for k in weights)
-    # export --merge: a thinker that AutoModelForImageTextToText loads and that generates from a clip.
+    # A bad clip stops the run before the model loads, naming file:line.
+    bad = _write(tmp_path / "bad.jsonl", [_rows(audio_data.parent, True)[0],
+                                          {"messages": [{"role": "user", "content": "<audio>"},
+                                                        {"role": "assistant", "content": "x"}],
+                                           "audios": [str(tmp_path / "gone.wav")]}])
+    r = run_cli("train", str(cfg), "--set", f"data={bad}", "--set", f"output_dir={tmp_path / 'bad'}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "bad.jsonl:2:" in r.stderr and "audio not found" in r.stderr and "loading" not in r.stderr
+
+
+@pytest.mark.slow
+def test_export_merge_generates_from_a_clip(tmp_path: Path, omni: Path, audio_data: Path) -> None:
+    cfg = write_config(tmp_path / "omni.yaml", model=str(omni), data=str(audio_data), precision="fp32",
+                       max_seq_len=256, micro_batch=4, max_steps=1, save_steps=100, strategy="single",
+                       output_dir=str(tmp_path / "run"), report_to=["none"])
+    r = run_cli("train", str(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    # export --merge gives a thinker that AutoModelForImageTextToText loads and that generates from a clip.
     r = run_cli("export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged"))
     assert r.returncode == 0, r.stderr[-2000:]
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
@@ -283,14 +300,6 @@ def test_train_with_audio_and_images_writes_adapter_and_processor(tmp_path: Path
     out = merged.generate(ids, attention_mask=torch.ones_like(ids), input_features=feats["input_features"],
                           feature_attention_mask=feats["attention_mask"], max_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 3
-    # A bad clip stops the run before the model loads, naming file:line.
-    bad = _write(tmp_path / "bad.jsonl", [_rows(audio_data.parent, True)[0],
-                                          {"messages": [{"role": "user", "content": "<audio>"},
-                                                        {"role": "assistant", "content": "x"}],
-                                           "audios": [str(tmp_path / "gone.wav")]}])
-    r = run_cli("train", str(cfg), "--set", f"data={bad}", "--set", f"output_dir={tmp_path / 'bad'}")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "bad.jsonl:2:" in r.stderr and "audio not found" in r.stderr and "loading" not in r.stderr
 
 
 @pytest.mark.slow
