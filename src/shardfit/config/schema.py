@@ -121,8 +121,8 @@ class Config:
     freeze_audio_tower: bool = key(True, "models with an audio tower (Qwen2.5-Omni): keep its weights frozen (LoRA "
                                          "then leaves it alone)")
     audio_max_seconds: float | None = key(None, "audio clips longer than this are cut to it (fewer audio tokens); "
-                                                "null: the feature extractor's window (30 s for Whisper-style "
-                                                "extractors)", gt=0)
+                                                "null: the feature extractor's window (300 s for Qwen2.5-Omni)",
+                                       gt=0)
     video_max_frames: int = key(64, "videos (Qwen2-VL, Qwen2.5-VL; given as frame images) with more frames are "
                                     "sampled down to this many, evenly over the video", ge=1)
     video_fps: float = key(2.0, "frames per second of the frame images a video is given as (Qwen2.5-VL places a "

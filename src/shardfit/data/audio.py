@@ -140,7 +140,7 @@ class AudioProcessor:
     def features(self, clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-mel features of the clips side by side in time, (mel bins, total frames), and each clip's frames.
 
-        Each clip is padded with silence just past its last frame rather than to the extractor's 30-second window:
+        Each clip is padded with silence just past its last frame rather than to the extractor's whole window:
         the frames that carry the clip come out the same (tested), without computing frames that are thrown away."""
         fe = self.feature_extractor
         parts, lens = [], []

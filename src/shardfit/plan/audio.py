@@ -12,7 +12,7 @@ from shardfit.errors import UserError
 
 SAMPLE_RATE = 16000  # Whisper-style feature extractors resample every clip to 16 kHz
 HOP = 160  # samples per log-mel frame (10 ms)
-WINDOW_S = 30.0  # the feature extractor's window: longer clips are cut here unless audio_max_seconds is lower
+WINDOW_S = 300.0  # Qwen2.5-Omni's feature extractor window (chunk_length): longer clips are cut here
 
 
 @dataclass(frozen=True)
