@@ -8,8 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
+import wave
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from PIL import Image
@@ -20,10 +22,12 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5OmniConfig,
+    Qwen2_5OmniForConditionalGeneration,
     Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
+    WhisperFeatureExtractor,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,10 +66,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def tiny_omni_config():
-    """A Qwen2.5-Omni config shrunk in every part (thinker text/vision/audio, talker, token2wav)."""
+def tiny_omni_config(vocab_size: int = 49152, **thinker):
+    """A Qwen2.5-Omni config shrunk in every part (thinker text/vision/audio, talker, token2wav); `thinker`: more
+    thinker config keys (its media token ids)."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
-    text = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, pad_token_id=2, rope_parameters=rope)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
                   fullatt_block_indexes=[0])
@@ -77,7 +82,8 @@ def tiny_omni_config():
                enc_se_channels=16, num_embeds=64, mel_dim=16, repeats=2)
     bigvgan = dict(mel_dim=16, upsample_initial_channel=32, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
                    resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]])
-    return Qwen2_5OmniConfig(thinker_config=dict(text_config=text, vision_config=vision, audio_config=audio),
+    return Qwen2_5OmniConfig(thinker_config=dict(text_config=text, vision_config=vision, audio_config=audio,
+                                                 **thinker),
                              talker_config=talker, token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
 
 
@@ -151,6 +157,44 @@ def make_tiny_vl(out: Path, tokenizer_dir: Path, arch: str = "qwen2_vl", seed: i
     tok.save_pretrained(out)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(out)
     return out
+
+
+OMNI_TOKENS = ("<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>", "<|audio_bos|>",
+               "<|audio_eos|>")
+
+
+def make_tiny_omni(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A randomly initialised tiny Qwen2.5-Omni saved as an HF folder that trains on media: the SmolLM2 tokenizer
+    with Omni's media tokens added (their ids in the thinker config), and a preprocessor_config.json holding a
+    small-image processor (at most 112x112 pixels) and a Whisper feature extractor (128 mel bins)."""
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(OMNI_TOKENS)})
+    start, end, image, video, audio, audio_bos, audio_eos = tok.convert_tokens_to_ids(list(OMNI_TOKENS))
+    config = tiny_omni_config(len(tok), image_token_index=image, video_token_index=video, audio_token_index=audio,
+                              audio_start_token_id=audio_bos, audio_end_token_id=audio_eos,
+                              vision_start_token_id=start, vision_end_token_id=end)
+    Qwen2_5OmniForConditionalGeneration(config).save_pretrained(out)
+    torch.save({}, out / "spk_dict.pt")  # real Omni checkpoints ship spk_dict.pt; its loader requires one
+    tok.save_pretrained(out)
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).to_dict()
+    (out / "preprocessor_config.json").write_text(json.dumps({**images, **WhisperFeatureExtractor(
+        feature_size=128).to_dict()}, indent=2))
+    return out
+
+
+def write_wav(path: Path, seconds: float, freq: float = 440.0, rate: int = 16000, channels: int = 1) -> Path:
+    """A 16-bit PCM WAV file of a sine wave, written with the standard library."""
+    t = np.arange(int(seconds * rate)) / rate
+    x = (0.5 * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(x[:, None], channels, axis=1).tobytes())
+    return path
 
 
 def write_images(folder: Path, colours: dict[str, tuple[int, int, int]], size: tuple[int, int] = (56, 56)) -> None:

@@ -281,7 +281,7 @@ DATA_CASES: list[Case] = [
                "unknown role 'robot'"),
     _data_case("openai-content-list", json.dumps({"messages": [{"role": "user", "content": "a"},
                                                                {"role": "assistant", "content": [1]}]}) + "\n",
-               "a content part needs type text, image or image_url"),
+               "a content part needs type text, image, image_url, audio, input_audio or video"),
     _data_case("openai-no-content", json.dumps({"messages": [{"role": "user"}]}) + "\n", "needs 'role' and"),
     _data_case("openai-messages-dict", json.dumps(OPENAI) + "\n" + json.dumps({"messages": {"a": 1}}) + "\n",
                "without a 'messages' list"),

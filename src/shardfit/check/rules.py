@@ -12,6 +12,7 @@ from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.models.adapters import drop_modules
 from shardfit.models.anatomy import (
+    audio_units,
     base_model,
     decoder_and_head,
     trains_images,
@@ -47,7 +48,9 @@ def unused_module_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Findin
     if pair is None:
         return []
     body = vision_body(model) if trains_images(model) else None
-    parts = [*pair, body.visual] if body is not None else list(pair)  # a VL model's forward runs its vision tower
+    # A VL model's forward runs its vision tower, a media-trained Omni thinker's its audio tower too.
+    towers = [t for t in (getattr(body, "visual", None), getattr(body, "audio_tower", None)) if t is not None]
+    parts = [*pair, *towers]
     used = {id(m) for part in parts for m in part.modules()}
     used_params = {id(p) for m in parts for p in m.parameters()}
     out = []
@@ -231,6 +234,10 @@ def _unit_name(i: int, n_blocks: int, model: nn.Module) -> str:
     if i < n_vision:
         return f"vision unit {i}"
     i -= n_vision
+    n_audio = len(audio_units(model))  # then an audio tower's layers (Qwen2.5-Omni)
+    if i < n_audio:
+        return f"audio unit {i}"
+    i -= n_audio
     return f"block {i}" if i < n_blocks else "input embedding"
 
 

@@ -13,6 +13,7 @@ from shardfit.config import Config, load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import format_report
+from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
 from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad, check_fits, describe, parse_image_size
 from shardfit.plan.plan import make_plan
@@ -74,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-max-pixels", type=positive_int, default=None, metavar="N",
                    help="images with more pixels are resized down first (image_max_pixels; default the Qwen2-VL "
                         "processor's 12845056)")
+    p.add_argument("--audio-per-sample", type=positive_int, default=None, metavar="N",
+                   help="Qwen2.5-Omni: audio clips in each training sample; the plan counts their tokens within --seq")
+    p.add_argument("--audio-seconds", type=float, default=None, metavar="S", help="length of those clips in seconds")
     p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
     p.add_argument("--simulate", action="store_true",
                    help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
@@ -107,6 +111,16 @@ def run_from(args: argparse.Namespace) -> int:
     if args.plot:
         plot(fp.plan, args.plot)
     return 0 if fp.configured.fits else 3
+
+
+def audio_load(args: argparse.Namespace, config_max_seconds: float | None) -> AudioLoad | None:
+    """The audio clips of a sample from --audio-per-sample / --audio-seconds (both or neither)."""
+    if args.audio_per_sample is None and args.audio_seconds is None:
+        return None
+    if args.audio_per_sample is None or args.audio_seconds is None or args.audio_seconds <= 0:
+        raise UserError("--audio-per-sample and --audio-seconds go together, e.g. --audio-per-sample 1 "
+                        "--audio-seconds 10.")
+    return AudioLoad(args.audio_per_sample, args.audio_seconds, config_max_seconds)
 
 
 def media_load(args: argparse.Namespace, config_max_pixels: int | None) -> MediaLoad | None:
@@ -153,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
     media = media_load(args, cfg.image_max_pixels if args.config else None)
     if media is not None:
         check_fits(media, w.seq_len)
+    audio = audio_load(args, cfg.audio_max_seconds if args.config else None)
+    if audio is not None:
+        check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
     if args.simulate:
         from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating
@@ -161,7 +178,11 @@ def run(args: argparse.Namespace) -> int:
     out = plan.to_json()
     if media is not None:
         out["media"] = media.to_json()
-    print(json.dumps(out, indent=2) if args.json else format_table(plan) + (f"\n{describe(media)}" if media else ""))
+    if audio is not None:
+        out["audio"] = audio.to_json()
+    lines = [describe(media)] if media else []
+    lines += [describe_audio(audio)] if audio else []
+    print(json.dumps(out, indent=2) if args.json else "\n".join([format_table(plan), *lines]))
     if args.plot:
         try:
             plot(plan, args.plot)

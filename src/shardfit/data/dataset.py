@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.config import Config
+from shardfit.data.audio import AudioInput
 from shardfit.data.formats import BadRow, detect_format, to_messages
-from shardfit.data.media import extract_images
+from shardfit.data.media import extract_media
 from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
 from shardfit.data.vision import VisionProcessor, encode_with_images
@@ -26,6 +27,8 @@ class Conversation:
     messages: Messages
     where: str  # file:line, for every later message about this row
     images: tuple[str, ...] = ()  # absolute paths, in the order of the `<image>` placeholders
+    audios: tuple[AudioInput, ...] = ()  # absolute paths or WAV bytes, in the order of the `<audio>` placeholders
+    videos: tuple[tuple[str, ...], ...] = ()  # each video's frame paths, in the order of the `<video>` placeholders
 
 
 @dataclass
@@ -63,8 +66,8 @@ def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataS
                         raise BadRow(f"unknown format (keys: {keys}); expected alpaca (instruction/output), "
                                      f"ShareGPT (conversations) or OpenAI (messages)")
                     stats.formats[str(path)] = fmt
-                data, images = extract_images(row.data, Path(path).parent)
-                out.append(Conversation(to_messages(data, fmt), row.where, images))
+                data, media = extract_media(row.data, Path(path).parent)
+                out.append(Conversation(to_messages(data, fmt), row.where, media.images, media.audios, media.videos))
             except BadRow as e:
                 _bad_row(row.where, str(e), skip_bad_rows, stats)
     if not out:
@@ -109,15 +112,25 @@ def encode_all(tokenizer: Any, conversations: list[Conversation], max_len: int, 
     """Tokenise every conversation; count those cut at `max_len`, and drop (and count) those whose assistant tokens
     were all cut away. A conversation the chat template refuses (a system turn it does not support, turns that do
     not alternate) is a bad row. With `vision` (a vision-language model) every example also gets its M-RoPE
-    positions and its images' pixels; without it, a row with images is refused."""
+    positions and its images' pixels (and, with its `audio`, its clips' features); without it, a row with images
+    is refused, as is a row with audio for a model without an audio tower."""
     out = []
     for conv in conversations:
-        if conv.images and vision is None:
-            raise UserError(f"{conv.where}: the row has images but the model has no vision tower; train a "
-                            "vision-language model (e.g. Qwen2-VL), or remove the images.")
+        if (conv.images or conv.videos) and vision is None:
+            what = "images" if conv.images else "videos"
+            raise UserError(f"{conv.where}: the row has {what} but the model has no vision tower; train a "
+                            f"vision-language model (e.g. Qwen2-VL), or remove the {what}.")
+        if conv.videos and vision.video is None:
+            raise UserError(f"{conv.where}: the row has videos, which shardfit trains on Qwen2-VL and Qwen2.5-VL "
+                            "only; remove the videos, or give their frames as images.")
+        if conv.audios and (vision is None or vision.audio is None):
+            raise UserError(f"{conv.where}: the row has audio but the model has no audio tower (or its folder no "
+                            "preprocessor_config.json); train Qwen2.5-Omni with its preprocessor_config.json, or "
+                            "remove the audio.")
         try:
             if vision is not None:
-                enc = encode_with_images(tokenizer, vision, conv.messages, conv.images, max_len)
+                enc = encode_with_images(tokenizer, vision, conv.messages, conv.images, max_len, conv.audios,
+                                         conv.videos)
             else:
                 enc = encode_messages(tokenizer, conv.messages, max_len)
         except BadRow as e:

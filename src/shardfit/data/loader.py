@@ -21,8 +21,10 @@ class Batch:
     targets: torch.Tensor
     n_real_tokens: int
     # Vision-language batches: pixel_values and image_grid_thw of every image in the batch, in token order (absent
-    # when no row has an image). position_ids is then (4, rows, width): the text positions that bound each packed
-    # example, then the three M-RoPE axes.
+    # when no row has an image); input_features (mel bins, frames of every clip side by side) and
+    # audio_feature_lens (frames per clip) of every audio clip (Qwen2.5-Omni); pixel_values_videos and video_grid_thw
+    # of every video. position_ids is then (4, rows,
+    # width): the text positions that bound each packed example, then the three M-RoPE axes.
     media: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> Batch:
@@ -57,6 +59,13 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Bat
     if pixels:
         media = {"pixel_values": torch.cat([p.load() for p in pixels]),
                  "image_grid_thw": torch.cat([g for r in rows for g in r.image_grid_thw])}
+    if any(r.videos for r in rows):
+        media["pixel_values_videos"] = torch.cat([v.load() for r in rows for v in r.videos])
+        media["video_grid_thw"] = torch.cat([g for r in rows for g in r.video_grid_thw])
+    clips = [c.load() for r in rows for c in r.audio]
+    if clips:
+        media["input_features"] = torch.cat([f for f, _ in clips], dim=1)
+        media["audio_feature_lens"] = torch.cat([n for _, n in clips])
     return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media)
 
 

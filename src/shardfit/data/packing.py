@@ -23,6 +23,9 @@ class PackedRow:
     mrope: list[list[int]] | None = None
     pixel_values: list[Any] = field(default_factory=list)
     image_grid_thw: list[Any] = field(default_factory=list)
+    audio: list[Any] = field(default_factory=list)  # each example's AudioClips (Qwen2.5-Omni), in token order
+    videos: list[Any] = field(default_factory=list)  # each example's VideoPixels, and their grids
+    video_grid_thw: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -49,6 +52,11 @@ def _row(examples: list[Encoded]) -> PackedRow:
         if ex.pixel_values is not None:
             row.pixel_values.append(ex.pixel_values)
             row.image_grid_thw.append(ex.image_grid_thw)
+        if ex.audio is not None:
+            row.audio.append(ex.audio)
+        if ex.video is not None:
+            row.videos.append(ex.video)
+            row.video_grid_thw.append(ex.video_grid_thw)
     return row
 
 

@@ -27,10 +27,14 @@ class Encoded:
     targets: list[int]
     truncated: bool = False  # cut at max_len
     # Vision-language examples (data/vision.py): 3-D M-RoPE positions (3 lists of len(input_ids)), the example's
-    # images (an ImagePixels, decoded per batch) and their (t, h, w) grids. None for text.
+    # images (an ImagePixels, decoded per batch) and their (t, h, w) grids, its audio clips (an AudioClips, decoded
+    # per batch), its videos (a VideoPixels) and their grids. None for text.
     mrope: list[list[int]] | None = None
     pixel_values: Any = None
     image_grid_thw: Any = None
+    audio: Any = None
+    video: Any = None
+    video_grid_thw: Any = None
 
     @property
     def n_targets(self) -> int:

@@ -1,10 +1,12 @@
-"""Tokenise a conversation with images for a Qwen2-VL-style model: the chat template and assistant-only labels as
-for text, each image's pixels through the model's image processor, each image placeholder expanded to the number
-of tokens the vision tower's merger emits for it (never trained), and the 3-D M-RoPE positions the model expects.
+"""Tokenise a conversation with images (and audio, for Qwen2.5-Omni's thinker) for a Qwen2-VL-style model: the
+chat template and assistant-only labels as for text, each image's pixels through the model's image processor, each
+image placeholder expanded to the number of tokens the vision tower's merger emits for it, each audio placeholder
+to the number the audio tower emits for its clip (never trained), and the 3-D M-RoPE positions the model expects.
 
 Positions are computed per example, as the model's own `get_rope_index` does for one sequence: text advances one
 position per token on all three axes; an image's tokens take (start, start + row, start + column) and the next text
-starts at start + max(rows, columns). Carrying them per example is what lets packing keep each example's own
+starts at start + max(rows, columns). Audio tokens advance like text (Qwen2.5-Omni's `get_rope_index` gives a
+clip consecutive positions on all three axes). Carrying them per example is what lets packing keep each example's own
 positions.
 """
 
@@ -15,9 +17,11 @@ from typing import Any
 
 import torch
 
+from shardfit.data.audio import AudioClips, AudioInput, AudioProcessor
 from shardfit.data.formats import BadRow
-from shardfit.data.media import IMAGE
+from shardfit.data.media import AUDIO, IMAGE
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
+from shardfit.data.video import VIDEO, VideoPixels, VideoSettings, load_video
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class VisionProcessor:
     start: str  # the markers the chat template puts around an image (Qwen: <|vision_start|>, <|vision_end|>)
     end: str
     merge: int  # spatial merge of the vision tower: merge x merge patches make one language-model token
+    audio: AudioProcessor | None = None  # a model with an audio tower too (Qwen2.5-Omni's thinker)
+    video: VideoSettings | None = None  # a model that trains on videos (Qwen2-VL, Qwen2.5-VL)
 
     def tokens_per_image(self, grid_thw: list[int]) -> int:
         t, h, w = grid_thw
@@ -62,48 +68,86 @@ def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tens
 
 
 def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[str, str]],
-                       images: tuple[str, ...], max_len: int) -> Encoded:
-    """One example with its pixels, image grids and M-RoPE positions; a row whose image tokens do not fit in
-    `max_len` is a `BadRow` (truncating inside an image would leave features with no tokens to fill)."""
-    marker = vp.start + vp.image_token + vp.end
-    rendered = [dict(m, content=m["content"].replace(IMAGE, marker)) for m in messages]
+                       images: tuple[str, ...], max_len: int, audios: tuple[AudioInput, ...] = (),
+                       videos: tuple[tuple[str, ...], ...] = ()) -> Encoded:
+    """One example with its pixels, image and video grids, audio clips and M-RoPE positions; a row whose media
+    tokens do not fit in `max_len` is a `BadRow` (truncating inside a medium would leave features with no tokens
+    to fill)."""
+    ap, vs = vp.audio, vp.video
+    if (audios and ap is None) or (videos and vs is None):
+        raise BadRow(f"the row has {'audio' if audios else 'videos'} but the model does not read them")
+    markers = {IMAGE: vp.image_token, AUDIO: ap.audio_token if ap else None, VIDEO: vs.token if vs else None}
+    rendered = []
+    for m in messages:
+        content = m["content"]
+        for tag, token in markers.items():
+            if token is not None:
+                start, end = (ap.start, ap.end) if tag == AUDIO and ap is not None else (vp.start, vp.end)
+                content = content.replace(tag, start + token + end)
+        rendered.append(dict(m, content=content))
     enc = encode_messages(tokenizer, rendered, max_len=1 << 30)
     grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
-    counts = [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else []
-    n_slots = sum(1 for t in enc.input_ids if t == vp.image_token_id)
-    if n_slots != len(counts):
-        raise BadRow(f"{len(counts)} image(s) but the chat template produced {n_slots} image slot(s); the text "
-                     f"itself must not contain {vp.image_token}")
+    # Each video: its frames (sampled to video_max_frames), its grid and its temporal position step.
+    clips = [vs.sampled(v) for v in videos] if vs is not None else []
+    vgrids = torch.cat([load_video(vp.image_processor, f)[1] for f, _ in clips]) if clips else None
+    steps = [vs.time_interval(vp.image_processor.temporal_patch_size, fps) for _, fps in clips] if vs else []
+    kinds: dict[int, tuple[str, list[int], str]] = {  # token -> (what, tokens per medium, token string)
+        vp.image_token_id: ("image", [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else [],
+                            vp.image_token)}
+    if ap is not None:
+        kinds[ap.audio_token_id] = ("audio clip", [ap.tokens(ap.n_samples(a)) for a in audios], ap.audio_token)
+    if vs is not None:
+        kinds[vs.token_id] = ("video", [vp.tokens_per_image(g) for g in vgrids.tolist()] if vgrids is not None
+                              else [], vs.token)
+    for tok, (what, counts, own) in kinds.items():
+        n_slots = sum(1 for t in enc.input_ids if t == tok)
+        if n_slots != len(counts):
+            raise BadRow(f"{len(counts)} {what}(s) but the chat template produced {n_slots} {what} slot(s); the "
+                         f"text itself must not contain {own}")
     ids: list[int] = []
     targets: list[int] = []
-    image_spans: list[tuple[int, list[int]]] = []  # (first token, grid) of each image, in order
-    k = 0
+    spans: list[tuple[int, list[int], float]] = []  # (first token, grid, temporal step) of each image and video
+    last_end = 0  # where the last medium's tokens end
+    seen = dict.fromkeys(kinds, 0)
     for tok, tgt in zip(enc.input_ids, enc.targets, strict=True):
-        if tok == vp.image_token_id:
-            n = counts[k]
-            image_spans.append((len(ids), grids[k].tolist()))
+        if tok in kinds:
+            k = seen[tok]
+            n = kinds[tok][1][k]
+            if tok == vp.image_token_id:
+                spans.append((len(ids), grids[k].tolist(), 1.0))
+            elif vs is not None and tok == vs.token_id:
+                spans.append((len(ids), vgrids[k].tolist(), steps[k]))
+            seen[tok] += 1
             ids += [tok] * n
-            targets += [IGNORE] * (n - 1) + [tgt]  # image tokens are inputs only; the last keeps the next label
-            k += 1
+            targets += [IGNORE] * (n - 1) + [tgt]  # media tokens are inputs only; the last keeps the next label
+            last_end = len(ids)
         else:
             ids.append(tok)
             targets.append(tgt)
     truncated = len(ids) > max_len
     if truncated:
-        if image_spans and image_spans[-1][0] + counts[-1] > max_len:
-            raise BadRow(f"its {sum(counts)} image tokens and text take {len(ids)} tokens, beyond max_seq_len="
-                         f"{max_len}; raise max_seq_len, or lower image_max_pixels (fewer tokens per image)")
+        if last_end > max_len:
+            n_media = sum(sum(c) for _, c, _ in kinds.values())
+            present = [k for k, on in (("image", images), ("audio", audios), ("video", videos)) if on]
+            keys = {"image": "image_max_pixels", "audio": "audio_max_seconds", "video": "video_max_frames"}
+            raise BadRow(f"its {n_media} {' and '.join(present)} tokens and text take {len(ids)} tokens, beyond "
+                         f"max_seq_len={max_len}; raise max_seq_len, or lower "
+                         f"{' / '.join(keys[k] for k in present)} (fewer tokens per {' or '.join(present)})")
         ids, targets = ids[:max_len], targets[:max_len - 1] + [IGNORE]
-    mrope = mrope_positions(len(ids), image_spans, vp.merge)
+    mrope = mrope_positions(len(ids), spans, vp.merge)
     return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=ImagePixels(vp, images) if images else None,
-                   image_grid_thw=grids)
+                   image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None,
+                   video=VideoPixels(vp.image_processor, tuple(f for f, _ in clips)) if clips else None,
+                   video_grid_thw=vgrids)
 
 
-def mrope_positions(n: int, image_spans: list[tuple[int, list[int]]], merge: int) -> list[list[int]]:
-    """The (temporal, height, width) position of each of `n` tokens, images at the given spans."""
+def mrope_positions(n: int, spans: list[tuple[int, list[int], float]], merge: int) -> list[list[int]]:
+    """The (temporal, height, width) position of each of `n` tokens, images and videos at the given spans (first
+    token, (t, h, w) grid, temporal step): a medium's tokens take (start + int(t x step), start + row, start +
+    column) and the text after it starts at start + max(rows, columns), as the models' own get_rope_index."""
     axes: list[list[int]] = [[], [], []]
     pos, i = 0, 0
-    for first, (t, h, w) in image_spans + [(n, [0, 0, 0])]:
+    for first, (t, h, w), step in spans + [(n, [0, 0, 0], 1.0)]:
         first = min(first, n)
         for a in axes:
             a += range(pos, pos + first - i)
@@ -114,7 +158,7 @@ def mrope_positions(n: int, image_spans: list[tuple[int, list[int]]], merge: int
         for ti in range(t):
             for hi in range(gh):
                 for wi in range(gw):
-                    axes[0].append(pos + ti)
+                    axes[0].append(pos + int(ti * step))
                     axes[1].append(pos + hi)
                     axes[2].append(pos + wi)
         i = first + t * gh * gw

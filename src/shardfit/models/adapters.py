@@ -13,8 +13,10 @@ from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 from shardfit.models.anatomy import decoder_and_head, vision_body
 
-# A vision-language model's vision tower, by module path: what LoRA leaves alone while the tower is frozen.
+# A vision-language model's vision tower and Qwen2.5-Omni's audio tower, by module path: what LoRA leaves alone
+# while the tower is frozen.
 VISION_TOWER = r"(.*\.)?visual(\..*)?"
+AUDIO_TOWER = r"(.*\.)?audio_tower(\..*)?"
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | None = None,
@@ -110,7 +112,9 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         if body is None:
             model = apply_lora(model, cfg.lora)
         else:
-            model = apply_lora(model, cfg.lora, exclude=VISION_TOWER if cfg.freeze_vision_tower else None,
+            frozen = [t for t, on in ((VISION_TOWER, cfg.freeze_vision_tower), (AUDIO_TOWER, cfg.freeze_audio_tower))
+                      if on]
+            model = apply_lora(model, cfg.lora, exclude="|".join(f"({t})" for t in frozen) or None,
                                modules_to_save=["merger"] if cfg.train_projector else None)
     elif cfg.method == "freeze":
         model = apply_freeze(model, cfg.freeze_trainable)
@@ -119,6 +123,9 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
             p.requires_grad_(True)
     if body is not None and cfg.method not in ("lora", "qlora"):
         _vision_trainable(body.visual, cfg.freeze_vision_tower, cfg.train_projector)
+    tower = getattr(body, "audio_tower", None) if body is not None else None
+    if tower is not None:
+        _audio_trainable(tower, cfg.freeze_audio_tower and cfg.method not in ("lora", "qlora"))
     if cfg.freeze_modules:
         freeze_modules(model, cfg.freeze_modules)
     return model
@@ -135,4 +142,17 @@ def _vision_trainable(visual: torch.nn.Module, freeze_tower: bool, train_project
             if p.dtype != torch.float32:
                 p.data = p.data.float()
         elif freeze_tower:
+            p.requires_grad_(False)
+
+
+def _audio_trainable(tower: torch.nn.Module, freeze: bool) -> None:
+    """Qwen2.5-Omni's audio tower: frozen whole under freeze_audio_tower (full and freeze fine-tunes; LoRA already
+    left it without adapters). Its begin/end-of-audio embedding serves only the talker's speech path, never the
+    thinker's forward, so it never trains (DDP would wait for its gradient)."""
+    for p in tower.parameters():
+        if freeze:
+            p.requires_grad_(False)
+    unused = getattr(tower, "audio_bos_eos_token", None)
+    if unused is not None:
+        for p in unused.parameters():
             p.requires_grad_(False)

@@ -70,14 +70,21 @@ def input_device(model: nn.Module) -> torch.device:
 
 
 # Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
-# the language model takes 3-D M-RoPE positions. (Qwen-Omni's thinker has the same body layout but trains on text.)
+# the language model takes 3-D M-RoPE positions.
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Qwen2.5-Omni (whole, or its thinker alone): images and audio, when its folder has the processor files; without
+# them its thinker trains on text. `build_model` marks a thinker that trains on media with MEDIA_FLAG.
+OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
+MEDIA_FLAG = "shardfit_trains_media"
 
 
 def trains_images(model: nn.Module) -> bool:
-    """Whether shardfit's forward of this model runs its vision tower (a Qwen2-VL-style model)."""
-    config = getattr(text_model(model), "config", None)
-    return getattr(config, "model_type", None) in VISION_MODEL_TYPES and vision_body(model) is not None
+    """Whether shardfit's forward of this model runs its vision tower (and audio tower, where it has one): a
+    Qwen2-VL-style model, or a Qwen2.5-Omni thinker built to train on media."""
+    text = text_model(model)
+    kind = getattr(getattr(text, "config", None), "model_type", None)
+    media = kind in VISION_MODEL_TYPES or (kind in OMNI_MODEL_TYPES and getattr(text, MEDIA_FLAG, False))
+    return media and vision_body(model) is not None
 
 
 def vision_body(model: nn.Module) -> nn.Module | None:
@@ -104,3 +111,11 @@ def vision_units(model: nn.Module) -> list[nn.Module]:
     elif merger is not None:
         units.append(merger)
     return units
+
+
+def audio_units(model: nn.Module) -> list[nn.Module]:
+    """The audio tower's repeated encoder layers (Qwen2.5-Omni), in order: each is one FSDP unit, like a vision
+    block; the tower's convolutions and output projection stay with the root."""
+    body = vision_body(model)
+    tower = getattr(body, "audio_tower", None) if body is not None else None
+    return list(getattr(tower, "layers", None) or [])

@@ -26,8 +26,9 @@ from shardfit.config.support import qlora_compute_dtype, require_method_support
 from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
-from shardfit.models.anatomy import text_model
+from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
 from shardfit.models.placement import balanced_device_map
+from shardfit.models.processor import vision_model_type
 from shardfit.models.quantize import quantize_blocks
 from shardfit.models.source import ModelSource, resolve_model
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
@@ -79,10 +80,10 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
                                 "(huggingface-cli download) or point at its folder.") from None
             config = hf_config(resolve_shape(cfg.model))
     if getattr(config, "enable_audio_output", False):
-        # Qwen-Omni: the talker and token2wav only produce speech. Text training never runs them, and left in a
+        # Qwen-Omni: the talker and token2wav only produce speech. Training never runs them, and left in a
         # ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built.
         config.enable_audio_output = False
-        log.info("%s: talker and token2wav not loaded (text training)", source.name)
+        log.info("%s: talker and token2wav not loaded (they only produce speech)", source.name)
     return config
 
 
@@ -172,6 +173,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     require_method_support(cfg)
     s = get_strategy(strategy) if isinstance(strategy, str) else strategy
     dtype = weight_dtype(cfg)
+    source: ModelSource | None = None
     transformers.logging.set_verbosity_error()
     if config is None or weights:
         source = resolve_model(cfg.model)
@@ -198,6 +200,9 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     # any merged model are the thinker's, loadable by Qwen2_5OmniThinkerForConditionalGeneration.
     model = text_model(model)
     model.config.use_cache = False
+    if source is not None and vision_model_type(source, cfg.trust_remote_code) in OMNI_MODEL_TYPES:
+        # Its folder has the processor files: the thinker trains on images and audio, running both towers.
+        setattr(model, MEDIA_FLAG, True)
     if cfg.method == "qlora":
         quantize_blocks(model, DTYPES[qlora_compute_dtype(cfg)])
     torch.manual_seed(cfg.seed)  # adapters start the same whatever ran before

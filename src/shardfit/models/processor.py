@@ -1,26 +1,34 @@
-"""The vision side of a vision-language model's inputs, without `AutoProcessor`: the image processor (PIL backend,
-which needs no torchvision) and the token strings an image takes, read from the model's own config and tokenizer.
+"""The media side of a multimodal model's inputs, without `AutoProcessor`: the image processor (PIL backend, which
+needs no torchvision), for Qwen2.5-Omni also the audio feature extractor (Whisper-style log-mel), and the token
+strings an image or a clip takes, read from the model's own config and tokenizer.
 
-AutoProcessor for Qwen2-VL also builds a video processor that needs torchvision, whose wheels do not match every
-torch build; images need only the image processor and the tokenizer, so shardfit assembles those two.
+AutoProcessor for Qwen2-VL and Qwen2.5-Omni also builds a video processor that needs torchvision, whose wheels do
+not match every torch build; images and audio need only the image processor, the feature extractor and the
+tokenizer, so shardfit assembles those.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoImageProcessor
+from transformers import AutoConfig, AutoFeatureExtractor, AutoImageProcessor
 
 from shardfit.config import Config
+from shardfit.data.audio import AudioProcessor
+from shardfit.data.video import VideoSettings
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
-from shardfit.models.anatomy import VISION_MODEL_TYPES
+from shardfit.models.anatomy import OMNI_MODEL_TYPES, VISION_MODEL_TYPES
 from shardfit.models.source import ModelSource
+
+PREPROCESSOR = "preprocessor_config.json"
 
 
 def vision_model_type(source: ModelSource, trust_remote_code: bool = False) -> str | None:
-    """The model type when the model is a vision-language model shardfit trains on images, else None."""
+    """The model type when the model is a multimodal model shardfit trains on media, else None. Qwen2.5-Omni is
+    one only with its preprocessor_config.json (without it, its thinker trains on text as a causal LM)."""
     if source.gguf_file or not (Path(source.folder) / "config.json").is_file():
         return None
     try:
@@ -28,31 +36,76 @@ def vision_model_type(source: ModelSource, trust_remote_code: bool = False) -> s
     except Exception:  # noqa: BLE001 - an unreadable config is reported by the model build, with its fix
         return None
     kind = getattr(config, "model_type", None)
+    if kind in OMNI_MODEL_TYPES:
+        return kind if (Path(source.folder) / PREPROCESSOR).is_file() else None
     return kind if kind in VISION_MODEL_TYPES else None
 
 
+def _token(tokenizer: Any, source: ModelSource, token_id: int | None, names: tuple[str, ...], what: str) -> str:
+    """The token string of `token_id`, or of the first of `names` the tokenizer knows when the config names no
+    id (Qwen2.5-Omni's thinker config does not name its vision markers)."""
+    if token_id is not None:
+        name = tokenizer.convert_ids_to_tokens(token_id)
+        if name is not None:
+            return name
+    for name in names:
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if tid is not None and tid != tokenizer.unk_token_id:
+            return name
+    raise UserError(f"'model': the tokenizer of {source.name} lacks the {what} token its config names "
+                    f"(id {token_id}); use the base model's tokenizer files.")
+
+
 def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> VisionProcessor | None:
-    """The image processor and image tokens of a vision-language model (None for a text model), with
-    `image_min_pixels` / `image_max_pixels` as the processor's resize bounds."""
-    if vision_model_type(source, cfg.trust_remote_code) is None:
+    """The image processor and image tokens of a multimodal model (None for a text model), with
+    `image_min_pixels` / `image_max_pixels` as the processor's resize bounds (of video frames too); for Qwen2-VL
+    and Qwen2.5-VL the video token and `video_max_frames` / `video_fps`; for Qwen2.5-Omni the audio feature
+    extractor and audio tokens, clips cut at `audio_max_seconds`."""
+    kind = vision_model_type(source, cfg.trust_remote_code)
+    if kind is None:
         return None
     config = AutoConfig.from_pretrained(source.folder, trust_remote_code=cfg.trust_remote_code)
-    if not (Path(source.folder) / "preprocessor_config.json").is_file():
-        raise UserError(f"'model': {source.name} is a vision-language model without preprocessor_config.json; copy "
-                        "the base model's preprocessor_config.json into the folder.")
+    media = getattr(config, "thinker_config", config)  # Qwen2.5-Omni: the thinker reads the media
+    if not (Path(source.folder) / PREPROCESSOR).is_file():
+        raise UserError(f"'model': {source.name} is a vision-language model without {PREPROCESSOR}; copy the base "
+                        f"model's {PREPROCESSOR} into the folder.")
     bounds = {k: v for k, v in (("min_pixels", cfg.image_min_pixels), ("max_pixels", cfg.image_max_pixels))
               if v is not None}
     try:
         processor = AutoImageProcessor.from_pretrained(source.folder, backend="pil",
                                                        trust_remote_code=cfg.trust_remote_code, **bounds)
+        extractor = AutoFeatureExtractor.from_pretrained(source.folder) if kind in OMNI_MODEL_TYPES else None
     except Exception as e:  # noqa: BLE001 - a user's files: any failure to read them is bad input
-        raise UserError(f"'model': cannot load the image processor of {source.name}: {type(e).__name__}: {e}") \
-            from None
-    names = tokenizer.convert_ids_to_tokens([config.image_token_id, config.vision_start_token_id,
-                                             config.vision_end_token_id])
-    if any(n is None for n in names):
-        raise UserError(f"'model': the tokenizer of {source.name} lacks the image tokens its config names "
-                        f"(ids {config.image_token_id}, {config.vision_start_token_id}, "
-                        f"{config.vision_end_token_id}); use the base model's tokenizer files.")
-    return VisionProcessor(processor, names[0], config.image_token_id, names[1], names[2],
-                           config.vision_config.spatial_merge_size)
+        raise UserError(f"'model': cannot load the image processor or audio feature extractor of {source.name}: "
+                        f"{type(e).__name__}: {e}") from None
+    talker = getattr(config, "talker_config", None)
+    start_id = getattr(media, "vision_start_token_id", None) or getattr(talker, "vision_start_token_id", None)
+    end_id = getattr(media, "vision_end_token_id", None) or getattr(talker, "vision_end_token_id", None)
+    image = _token(tokenizer, source, media.image_token_id, (), "image")
+    start = _token(tokenizer, source, start_id, ("<|vision_bos|>", "<|vision_start|>"), "vision start")
+    end = _token(tokenizer, source, end_id, ("<|vision_eos|>", "<|vision_end|>"), "vision end")
+    audio = None
+    if extractor is not None:
+        audio = AudioProcessor(extractor, _token(tokenizer, source, media.audio_token_id, (), "audio"),
+                               media.audio_token_id,
+                               _token(tokenizer, source, media.audio_start_token_id, (), "audio start"),
+                               _token(tokenizer, source, media.audio_end_token_id, (), "audio end"),
+                               cfg.audio_max_seconds)
+    video = None
+    if kind in VISION_MODEL_TYPES:
+        # Qwen2.5-VL spaces a video's temporal positions by seconds (tokens_per_second); Qwen2-VL by one per patch.
+        tps = getattr(media.vision_config, "tokens_per_second", None) if kind == "qwen2_5_vl" else None
+        video = VideoSettings(_token(tokenizer, source, media.video_token_id, (), "video"), media.video_token_id,
+                              cfg.video_max_frames, cfg.video_fps, tps)
+    return VisionProcessor(processor, image, media.image_token_id, start, end,
+                           media.vision_config.spatial_merge_size, audio, video)
+
+
+def save_processor(vp: VisionProcessor, out: Path) -> None:
+    """Write the processor files beside the tokenizer's: the image processor's preprocessor_config.json, with the
+    audio feature extractor's settings merged in (Qwen2.5-Omni keeps both in that one file)."""
+    vp.image_processor.save_pretrained(str(out))
+    if vp.audio is not None:
+        path = Path(out) / PREPROCESSOR
+        merged = {**json.loads(path.read_text()), **vp.audio.feature_extractor.to_dict()}
+        path.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shardfit.models.anatomy import transformer_blocks, untied_input_embedding, vision_units
+from shardfit.models.anatomy import audio_units, transformer_blocks, untied_input_embedding, vision_units
 from shardfit.models.checkpointing import enable_checkpointing
 from shardfit.parallel.compile import compile_blocks
 from shardfit.strategy import Strategy
@@ -27,12 +27,13 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded on their own, in order: a vision-language model's vision blocks and merger, every
-    decoder block, then an untied input embedding. Everything else (the head, the final norm, the patch embedding)
-    is the root unit. A large-vocabulary model's embedding is as big as several blocks; in the root it would stay
-    gathered for the whole step, on its own it is freed right after use."""
+    """The modules sharded on their own, in order: a vision-language model's vision blocks and merger, an audio
+    tower's layers (Qwen2.5-Omni), every decoder block, then an untied input embedding. Everything else (the head,
+    the final norm, the patch embedding, the audio tower's convolutions) is the root unit. A large-vocabulary
+    model's embedding is as big as several blocks; in the root it would stay gathered for the whole step, on its
+    own it is freed right after use."""
     emb = untied_input_embedding(model)
-    return vision_units(model) + transformer_blocks(model) + ([emb] if emb is not None else [])
+    return vision_units(model) + audio_units(model) + transformer_blocks(model) + ([emb] if emb is not None else [])
 
 
 def mp_policy(precision: str) -> MixedPrecisionPolicy:

@@ -120,36 +120,71 @@ class CausalLMLoss(nn.Module):
         self.all_labelled = all_labelled
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, targets: torch.Tensor,
-                pixel_values: torch.Tensor | None = None,
-                image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                input_features: torch.Tensor | None = None, audio_feature_lens: torch.Tensor | None = None,
+                pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
         if body is None:
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         else:
-            out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw)
+            out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw,
+                                          input_features, audio_feature_lens, pixel_values_videos, video_grid_thw)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
 
 
 def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                            pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> Any:
-    """A Qwen2-VL-style body on a batch with (4, rows, width) positions: token embeddings, the vision tower's
-    features written into the image tokens, then the language model.
+                            pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+                            input_features: torch.Tensor | None = None,
+                            audio_feature_lens: torch.Tensor | None = None,
+                            pixel_values_videos: torch.Tensor | None = None,
+                            video_grid_thw: torch.Tensor | None = None) -> Any:
+    """A Qwen2-VL-style body on a batch with (4, rows, width) positions: token embeddings, the audio tower's features
+    written into the audio tokens (Qwen2.5-Omni's thinker), the vision tower's into the image and video tokens, then
+    the language model.
 
-    The steps are the body's own forward, spelled out so that a batch without images runs the same modules in the
-    same order (embedding, vision tower, language model): under FSDP2 every rank must gather the same units in the
-    same sequence, or the collectives mismatch."""
+    The steps are the body's own forward, spelled out so that a batch without images, videos or audio runs the same
+    modules in the same order (embedding, audio tower, vision tower once, language model): under FSDP2 every rank
+    must gather the same units in the same sequence, or the collectives mismatch. Images and videos therefore go
+    through the vision tower in one call, their features split after it."""
     embeds = body.get_input_embeddings()(input_ids)
-    if pixel_values is None:
+    audio = getattr(body, "audio_tower", None)
+    if audio is not None:
+        if input_features is None:
+            embeds = embeds + idle_audio(audio, embeds)
+        else:
+            out = audio(input_features.to(audio.conv1.weight.dtype), feature_lens=audio_feature_lens)
+            mask = (input_ids == body.config.audio_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(mask, out.last_hidden_state.to(embeds.dtype))
+    media = [(p, g, tok) for p, g, tok in ((pixel_values, image_grid_thw, body.config.image_token_id),
+                                           (pixel_values_videos, video_grid_thw,
+                                            getattr(body.config, "video_token_id", None))) if p is not None]
+    if not media:
         embeds = embeds + idle_vision(body.visual, embeds)
     else:
-        feats = body.visual(pixel_values.to(body.visual.dtype), grid_thw=image_grid_thw)
+        grids = torch.cat([g for _, g, _ in media])
+        feats = body.visual(torch.cat([p for p, _, _ in media]).to(body.visual.dtype), grid_thw=grids)
         feats = feats.pooler_output if hasattr(feats, "pooler_output") else feats
-        mask = (input_ids == body.config.image_token_id).unsqueeze(-1)
-        embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+        merge = body.visual.spatial_merge_size ** 2
+        first = 0
+        for _, g, tok in media:
+            n = int(g.prod(-1).sum()) // merge
+            mask = (input_ids == tok).unsqueeze(-1)
+            embeds = embeds.masked_scatter(mask, feats[first:first + n].to(embeds.dtype))
+            first += n
     return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+
+
+def idle_audio(audio: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """Zero, computed through the audio tower on four frames of silence (one output token): the audio tower's
+    counterpart of `idle_vision`, for a batch without clips."""
+    frames = 4
+    features = torch.zeros(audio.num_mel_bins, frames, dtype=audio.conv1.weight.dtype, device=like.device)
+    out = audio(features, feature_lens=torch.tensor([frames], device=like.device))
+    return out.last_hidden_state.sum().to(like.dtype) * 0.0
 
 
 def idle_vision(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
 from shardfit.models.build import build_model, load_tokenizer
-from shardfit.models.processor import load_vision_processor
+from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
 from shardfit.parallel.agree import require_same
@@ -192,6 +192,8 @@ class FineTune:
         self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
         train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split, self.vision)
         self.n_images = sum(len(c.images) for c in split.train)
+        self.n_clips = sum(len(c.audios) for c in split.train)
+        self.n_videos = sum(len(c.videos) for c in split.train)
         self.data_stats = split.stats
         self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
         eval_conv = [c.messages for c in split.eval]
@@ -280,12 +282,20 @@ class FineTune:
                   f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
                   f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
                   f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
-                  + (f"; {self.n_images} images (M-RoPE positions kept per example"
-                     f"{' in packed rows' if cfg.packing else ''})" if self.vision is not None else "")
+                  + self._media_line()
                   + (f"; {stats.describe()}" if stats.describe() else ""))
             note = packing_note(self.n_examples, self.batches.steps_per_epoch, cfg.micro_batch * cfg.grad_accum * world)
             if cfg.packing and note:
                 print(note)
+
+    def _media_line(self) -> str:
+        """The start line's account of a multimodal run's media (empty for a text model)."""
+        if self.vision is None:
+            return ""
+        clips = f", {self.n_clips} audio clips" if self.vision.audio is not None else ""
+        clips += f", {self.n_videos} videos" if self.n_videos else ""
+        packed = " in packed rows" if self.cfg.packing else ""
+        return f"; {self.n_images} images{clips} (M-RoPE positions kept per example{packed})"
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -387,7 +397,7 @@ class FineTune:
             out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
                              is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
             if self.vision is not None and env.is_main:
-                self.vision.image_processor.save_pretrained(str(out))  # the processor files beside the tokenizer's
+                save_processor(self.vision, out)  # the processor files beside the tokenizer's
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
                    "eval_loss": eval_loss,

@@ -1,0 +1,178 @@
+"""Video rows on Qwen2-VL / Qwen2.5-VL, given as frames: rows in each format and their validation, temporal patches,
+video tokens and M-RoPE positions against the models' own get_rope_index, packing, and a real CLI run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from shardfit.config import Config, LoraSettings
+from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
+from shardfit.data.loader import collate
+from shardfit.data.packing import no_pack, pack
+from shardfit.data.tokenize import IGNORE
+from shardfit.data.video import load_video
+from shardfit.errors import UserError
+from shardfit.models.processor import load_vision_processor
+from shardfit.models.source import resolve_model
+from shardfit.train.loss import CausalLMLoss
+from tests.helpers import read_jsonl, run_cli, write_config, write_images
+
+FRAMES = {"f1": (255, 0, 0), "f2": (0, 200, 0), "f3": (0, 0, 255)}
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rows(root: Path | None = None) -> list[dict]:
+    """A `videos` row with a frames folder, a content-part row with a frame list, a row with an image and a video,
+    and a text row. `root`: absolute paths."""
+    a = f"{root}/" if root else ""
+    frames = [f"{a}clip/{n}.png" for n in FRAMES]
+    return [
+        {"messages": [{"role": "user", "content": "<video>What happens?"},
+                      {"role": "assistant", "content": "red, green, blue"}], "videos": [f"{a}clip"]},
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": frames[:2]},
+                                                   {"type": "text", "text": "Colours?"}]},
+                      {"role": "assistant", "content": "red then green"}]},
+        {"messages": [{"role": "user", "content": "<image> and <video>: same first colour?"},
+                      {"role": "assistant", "content": "yes"}], "images": [f"{a}clip/f1.png"],
+         "videos": [frames[1:]]},
+        {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def video_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("video-data")
+    write_images(root / "clip", FRAMES)
+    return _write(root / "train.jsonl", _rows())
+
+
+def _encoded(model: Path, data: Path, **over):
+    keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=256)
+    keys.update(over)
+    cfg = Config(**keys, lora=LoraSettings(rank=4, alpha=8))
+    tok = AutoTokenizer.from_pretrained(model)
+    vision = load_vision_processor(resolve_model(cfg.model), cfg, tok)
+    return vision, encode_split(cfg, tok, read_split(cfg), vision)[0]
+
+
+def test_video_rows_carry_their_frames(video_data: Path) -> None:
+    convs = load_conversations(str(video_data), False, DataStats())
+    assert [len(c.videos) for c in convs] == [1, 1, 1, 0]
+    assert [len(v) for v in convs[0].videos + convs[1].videos + convs[2].videos] == [3, 2, 2]
+    assert convs[1].messages[0]["content"] == "<video>Colours?" and convs[0].videos[0][0].endswith("clip/f1.png")
+
+
+@pytest.mark.parametrize("row, why", [
+    ({"messages": [{"role": "user", "content": "<video><video>?"}, {"role": "assistant", "content": "x"}],
+      "videos": ["clip"]}, "2 <video> placeholder(s) in the text but 1 video(s)"),
+    ({"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+      "videos": ["talk.mp4"]}, "video files are not decoded; give its frames"),
+    ({"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+      "videos": ["nothere"]}, "video frames folder not found"),
+    ({"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+      "videos": [["clip/f1.png", "clip/gone.png"]]}, "image not found"),
+])
+def test_bad_video_rows_name_their_line(video_data: Path, row: dict, why: str) -> None:
+    path = _write(video_data.parent / "bad.jsonl", [_rows()[0], row])
+    with pytest.raises(UserError, match=rf"bad\.jsonl:2: .*{re.escape(why)}"):
+        load_conversations(str(path), False, DataStats())
+    stats = DataStats()
+    assert len(load_conversations(str(path), True, stats)) == 1 and stats.skipped == 1
+
+
+def test_temporal_patches_hold_consecutive_frames(tiny_vl: Path, video_data: Path) -> None:
+    processor = AutoImageProcessor.from_pretrained(tiny_vl, backend="pil")
+    clip = video_data.parent / "clip"
+    pixels, grid = load_video(processor, (str(clip / "f1.png"), str(clip / "f3.png"), str(clip / "f2.png")))
+    assert grid.tolist() == [[2, 4, 4]] and pixels.shape == (32, 3 * 2 * 14 * 14)
+    # The patch embedding reads a row as (channel, frame, 14, 14): frame k of a temporal patch is video frame 2g+k,
+    # the last patch repeating the last frame.
+    rows = pixels.reshape(2, 16, 3, 2, 14 * 14)
+    frames = [Image.open(clip / n).convert("RGB") for n in ("f1.png", "f3.png", "f2.png")]
+    image = processor(images=frames, return_tensors="pt")["pixel_values"].reshape(3, 16, 3, 2, 14 * 14)
+    for g, k, frame in ((0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 2)):
+        assert torch.equal(rows[g, :, :, k], image[frame, :, :, 0])
+
+
+@pytest.mark.parametrize("arch", ["tiny_vl", "tiny_vl25"])
+def test_video_tokens_and_positions_match_the_model(arch: str, request: pytest.FixtureRequest,
+                                                    video_data: Path) -> None:
+    path = request.getfixturevalue(arch)
+    vision, examples = _encoded(path, video_data, video_fps=1.0)
+    ex = examples[2]  # a 56x56 image (4 tokens), then 2 frames of 56x56 (1 temporal patch: 4 tokens)
+    ids = torch.tensor([ex.input_ids])
+    video = vision.video.token_id
+    assert ex.video_grid_thw.tolist() == [[1, 4, 4]] and int((ids == video).sum()) == 4
+    assert all(t == IGNORE for i, t in zip(ex.input_ids[1:], ex.targets, strict=False) if i == video)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    extra = {"second_per_grid_ts": torch.tensor([2.0])} if arch == "tiny_vl25" else {}
+    ex0 = examples[0]  # three frames: 2 temporal patches, temporal positions spaced by the model's interval
+    for e in (ex, ex0):
+        ids = torch.tensor([e.input_ids])
+        kinds = (ids == vision.image_token_id).int() + 2 * (ids == video).int()
+        want, _ = model.model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=e.image_grid_thw,
+                                             video_grid_thw=e.video_grid_thw, **extra)
+        assert want[:, 0].tolist() == e.mrope
+    # video_max_frames samples frames down: three frames become two, one temporal patch.
+    _, capped = _encoded(path, video_data, video_max_frames=2)
+    assert capped[0].video_grid_thw.tolist() == [[1, 4, 4]]
+
+
+def test_packed_loss_equals_unpacked_with_video(tiny_vl25: Path, video_data: Path) -> None:
+    _, examples = _encoded(tiny_vl25, video_data)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl25, dtype=torch.float32)
+    loss = CausalLMLoss(model)
+    packed, single = pack(examples, 256), no_pack(examples)
+    assert len(packed) < len(single)
+
+    @torch.no_grad()
+    def total(rows) -> float:
+        out = 0.0
+        for r in rows:
+            b = collate([r], pad_id=2)
+            out += float(loss(b.input_ids, b.position_ids, b.targets, **b.media)[0])
+        return out
+
+    assert total(packed) == pytest.approx(total(single), rel=1e-5)
+
+
+def test_train_with_video_frames(tmp_path: Path, tiny_vl: Path, video_data: Path) -> None:
+    cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(video_data), precision="fp32",
+                       max_seq_len=128, micro_batch=2, max_steps=2, log_steps=1, save_steps=100,
+                       strategy="single", output_dir=str(tmp_path / "run"), report_to=["none"])
+    r = run_cli("train", str(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 images, 3 videos (M-RoPE positions kept per example in packed rows)" in r.stdout
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+
+
+@pytest.mark.slow
+def test_rank_without_video_matches_single_process(tmp_path: Path, tiny_vl25: Path, video_data: Path) -> None:
+    """One row with a video and one text row, one row per rank under zero3: the rank without a video still runs
+    the vision tower (on a blank image), so the collectives match; losses equal one process's."""
+    root = video_data.parent
+    data = _write(tmp_path / "two.jsonl", [_rows(root)[0], _rows(root)[3]])
+    keys = dict(model=str(tiny_vl25), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
+                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
+                report_to=["none"], watchdog_min_s=120.0)
+    one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
+                       output_dir=str(tmp_path / "one"))
+    two = write_config(tmp_path / "two.yaml", **keys, strategy="zero3", output_dir=str(tmp_path / "two"))
+    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    have = [m["loss"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")]
+    assert len(have) == 3 and have == pytest.approx(want, rel=1e-5)
