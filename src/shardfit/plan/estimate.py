@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from shardfit import strategy as strategies
 from shardfit.plan import quant
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, Workload
 
@@ -322,6 +323,15 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     return b
 
 
+def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The images of one micro-batch through a vision-language model's tower (plan/media.py); 0 without images."""
+    if shape.vision is None or w.images == 0:
+        return 0.0
+    patches = w.micro_batch * w.images * w.image_grid[0] * w.image_grid[1]
+    cast_copy = strategies.get(strategy).sharded or (w.vision_trainable and w.method == "full")
+    return vision_activation_bytes(shape.vision, patches, w.vision_trainable, compute_bytes(w), cast_copy)
+
+
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:
     """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits.
 
@@ -379,17 +389,21 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
     bwd_temp += dequantize_bytes(shape, w)
+    # The images' pixels (and a trainable vision tower's saved activations) stay until backward reaches the tower,
+    # which it does last.
+    vision = image_activation_bytes(shape, w, strategy)
     moments = {
-        "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy),
+        "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                              logits_bytes(shape, w, strategy), fwd_temp),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": max(
-            Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward"),
+            Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
                       logits_bytes(shape, w, strategy, "backward"), fwd_temp),
-            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy), 0.0, bwd_temp + residual_grads),
+            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy) + vision, 0.0,
+                      bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
-            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy), 0.0,
+            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy) + vision, 0.0,
                       bwd_temp + residual_grads),
             key=_tensors),
         "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, 0.0, 0.0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 import yaml
 
 from shardfit.errors import UserError
+from shardfit.plan.media import VisionShape, vision_shape_of
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class ModelShape:
     head_dim: int | None = None
     experts: int = 1
     top_k: int = 1
-    extra_params: int = 0
+    extra_params: int = 0  # outside the decoder: a vision-language model's vision tower (counted in `vision` too)
+    vision: VisionShape | None = None
 
     @property
     def hd(self) -> int:
@@ -85,6 +88,7 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             experts=text.get("num_local_experts") or text.get("num_experts") or 1,
             top_k=text.get("num_experts_per_tok") or 1)
+        vision = vision_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     sizes = {"num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
@@ -92,6 +96,8 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     for key_name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key_name} is {value!r}; it must be a positive integer.")
+    if vision is not None:
+        shape = dataclasses.replace(shape, vision=vision, extra_params=vision.params())
     return shape
 
 
@@ -99,11 +105,11 @@ def resolve_shape(model: str) -> ModelShape:
     """The shape of `model`: a catalog id, a config.json path, a HF folder, or a bundled GGUF model."""
     entries = catalog()
     if model in entries:
-        return ModelShape(id=model, **entries[model])
+        return _from_entry(model, entries[model])
     lower = {k.lower(): k for k in entries}
     for variant in _variants(model.lower()):  # a base model and its -Instruct twin share one shape
         if variant in lower:
-            return ModelShape(id=model if variant != model.lower() else lower[variant], **entries[lower[variant]])
+            return _from_entry(model if variant != model.lower() else lower[variant], entries[lower[variant]])
     p = Path(model).expanduser()
     if p.is_file() and p.name.endswith(".json"):
         return _from_config(_read_config_json(p, model), model)
@@ -114,6 +120,12 @@ def resolve_shape(model: str) -> ModelShape:
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
     raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")
+
+
+def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
+    """A catalog entry as a shape (its `vision` mapping as a VisionShape)."""
+    vision = entry.get("vision")
+    return ModelShape(id=name, **dict(entry, vision=VisionShape(**vision) if vision else None))
 
 
 def _variants(name: str) -> list[str]:

@@ -45,6 +45,12 @@ class Workload:
     # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
     # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
     adapters_16bit: bool = False
+    # Vision-language models: images in each sample and each image's patch grid (rows, columns of 14-pixel patches
+    # after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable vision
+    # tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
+    images: int = 0
+    image_grid: tuple[int, int] = (0, 0)
+    vision_trainable: bool = False
 
     @property
     def trains_adapters(self) -> bool:
@@ -56,4 +62,5 @@ def workload_of(cfg: Config) -> Workload:
     """What the planner needs of a training config."""
     return Workload(method=cfg.method, precision=cfg.precision, seq_len=cfg.max_seq_len, micro_batch=cfg.micro_batch,
                     grad_ckpt=cfg.grad_ckpt, optimizer="adamw", lora_rank=cfg.lora.rank,
-                    attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum)
+                    attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum,
+                    vision_trainable=not cfg.freeze_vision_tower)
