@@ -16,7 +16,7 @@ from shardfit.plan.media import MediaLoad
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.step import simulate
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_config, write_images
 
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries")
 
@@ -56,3 +56,27 @@ def test_plan_simulates_images_from_the_flags(tiny_vl: Path) -> None:
     assert out["workload"]["images"] == 2 and out["workload"]["image_grid"] == [8, 12]
     assert out["media"]["patches_per_image"] == 96 == MediaLoad(1, 168, 112).patches_per_image()
     assert out["candidates"][0]["estimator"] == "simulated"
+
+
+def test_plan_counts_images_from_the_configs_data(tmp_path: Path, tiny_vl: Path) -> None:
+    """With a config and no image flags, plan samples the data's rows: the most images in a row (2) at the largest
+    size seen (112x56), said on stderr; the flags override it."""
+    write_images(tmp_path / "img", {"red": (255, 0, 0)})
+    write_images(tmp_path / "img", {"wide": (9, 9, 9)}, size=(112, 56))
+    rows = [{"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+             "images": ["img/red.png"]},
+            {"messages": [{"role": "user", "content": "<image><image>Wider?"},
+                          {"role": "assistant", "content": "the first"}], "images": ["img/wide.png", "img/red.png"]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(tmp_path / "train.jsonl"),
+                       precision="bf16", max_seq_len=256, micro_batch=1, image_max_pixels=112 * 112)
+    r = run_cli("plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "images from the data: 2 of 3 sampled rows (of 3) carry images, 1.5 per such row on average, at most 2; " \
+           "the largest is 112x56" in r.stderr
+    assert "images: 2 per sample of 112x56 (resized to 112x56): 32 patches" in r.stdout
+    r = run_cli("plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single", "--json", "--images-per-sample", "1",
+                "--image-size", "56x56")
+    assert r.returncode == 0 and "images from the data" not in r.stderr
+    assert json.loads(r.stdout)["media"]["patches_per_image"] == 16
