@@ -18,15 +18,17 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+from shardfit.cli.main import main
 from shardfit.config import Config, load_config
 from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.loader import collate
 from shardfit.data.packing import no_pack
 from shardfit.data.tokenize import IGNORE
+from shardfit.models.anatomy import vision_body
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import init_distributed
-from shardfit.train.loss import vision_body, vision_language_forward
+from shardfit.train.loss import vision_language_forward
 from shardfit.train.recipe import train
 from tests.helpers import write_config
 
@@ -76,6 +78,8 @@ def _answer_scores(model_dir: Path, heldout: Path) -> tuple[float, float]:
 
 
 def _train(tmp: Path, tiny_vl: Path, blank: bool) -> tuple[float, float]:
+    """Train on the colour rows (or their blanked twins); the held-out answer loss and accuracy of the saved
+    model."""
     rows, heldout = _colour_rows(tmp / "data", blank)
     cfg = write_config(tmp / "vl.yaml", model=str(tiny_vl), data=str(rows), eval_data=str(heldout),
                        method="full", train_projector=True, freeze_vision_tower=True, precision="fp32",
@@ -86,9 +90,15 @@ def _train(tmp: Path, tiny_vl: Path, blank: bool) -> tuple[float, float]:
     return _answer_scores(tmp / "run" / "model", heldout)
 
 
-def test_colour_of_held_out_images_is_learned_and_blank_images_stay_at_chance(tmp_path: Path,
-                                                                              tiny_vl: Path) -> None:
+def test_colour_of_held_out_images_is_learned_and_blank_images_stay_at_chance(
+        tmp_path: Path, tiny_vl: Path, capsys: pytest.CaptureFixture) -> None:
     loss, accuracy = _train(tmp_path / "seen", tiny_vl, blank=False)
+    # `shardfit chat RUN --image`: the trained model names the colour of held-out images.
+    for i in (0, 1, 2, 3):
+        image = tmp_path / "seen" / "data" / "img" / f"heldout{i}.png"
+        assert main(["chat", str(tmp_path / "seen" / "run"), "--image", str(image), "--prompt",
+                     "What colour is this?", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.strip() == list(COLOURS)[i]
     blank_loss, blank_accuracy = _train(tmp_path / "blank", tiny_vl, blank=True)
     print(f"held-out answer loss {loss:.4f} (accuracy {accuracy:.2f}); blanked images {blank_loss:.4f} "
           f"(accuracy {blank_accuracy:.2f}); chance {CHANCE:.4f}")
