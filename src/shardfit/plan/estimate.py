@@ -329,7 +329,8 @@ def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
         return 0.0
     patches = w.micro_batch * w.images * w.image_grid[0] * w.image_grid[1]
     cast_copy = strategies.get(strategy).sharded or (w.vision_trainable and w.method == "full")
-    return vision_activation_bytes(shape.vision, patches, w.vision_trainable, compute_bytes(w), cast_copy)
+    return vision_activation_bytes(shape.vision, patches, w.vision_trainable, compute_bytes(w), cast_copy,
+                                   checkpointed=w.grad_ckpt != "none")
 
 
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:

@@ -133,14 +133,19 @@ class VisionShape:
         return self.depth * block + (5.5 if self.gated else 4.5) * d
 
 
-def vision_activation_bytes(v: VisionShape, patches: int, trainable: bool, low: int, cast_copy: bool) -> float:
+def vision_activation_bytes(v: VisionShape, patches: int, trainable: bool, low: int, cast_copy: bool,
+                            checkpointed: bool = False) -> float:
     """What the images of one micro-batch hold through the step: their pixel patches (fp32, as the processor makes
     them), a 16-bit copy of them when one is made and kept (`cast_copy`: FSDP's mixed precision casts the root's
     inputs for the whole forward; autocast's copy is saved when the patch embedding trains) and, for a trainable
-    tower, every block's saved activations in the compute precision (`low` bytes). A frozen tower saves nothing: it
+    tower, every block's saved activations in the compute precision (`low` bytes); `checkpointed` (transformers
+    checkpoints the vision blocks with the decoder's): each block's input only. A frozen tower saves nothing: it
     runs block by block at the start of the forward pass, long before the step's peak."""
     pixels = patches * v.patch_values() * (4.0 + (low if cast_copy and low != 4 else 0))
-    return pixels + (patches * v.saved_per_patch() * low if trainable else 0.0)
+    if not trainable:
+        return pixels
+    saved = v.depth * v.dim + (5.5 if v.gated else 4.5) * v.dim if checkpointed else v.saved_per_patch()
+    return pixels + patches * saved * low
 
 
 def vision_shape_of(config: dict) -> VisionShape | None:
