@@ -34,7 +34,7 @@ def test_analytic_vision_terms_agree_with_simulate(arch: str, strategy: str, met
     column within 5% (0.1 MiB for near-empty ones), and the estimate's image terms are a real share of it."""
     path = str(request.getfixturevalue(arch))
     w = Workload(method=method, precision=precision, seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
-                 images=2, image_grid=(8, 12), vision_trainable=trainable)
+                 images=2, image_rows=8, image_cols=12, vision_trainable=trainable)
     hw = parse_gpus("2x80GB" if strategy == "zero3" else "1x80GB")
     shape = resolve_shape(path)
     assert shape.vision is not None and shape.vision.gated == (arch == "tiny_vl25")
@@ -56,7 +56,7 @@ def test_plan_simulates_images_from_the_flags(tiny_vl: Path) -> None:
                 "--simulate")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert out["workload"]["images"] == 2 and out["workload"]["image_grid"] == [8, 12]
+    assert out["workload"]["images"] == 2 and (out["workload"]["image_rows"], out["workload"]["image_cols"]) == (8, 12)
     assert out["media"]["patches_per_image"] == 96 == MediaLoad(1, 168, 112).patches_per_image()
     assert out["candidates"][0]["estimator"] == "simulated"
 

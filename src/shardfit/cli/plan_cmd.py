@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if shape.vision is not None:  # the tower's own geometry (every Qwen-VL so far: 14-pixel patches, 2x2)
             media = dataclasses.replace(media, patch=shape.vision.patch, merge=shape.vision.merge)
         check_fits(media, w.seq_len)
-        w = dataclasses.replace(w, images=media.images_per_sample, image_grid=media.grid())
+        rows, cols = media.grid()
+        w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
     if args.simulate:
         from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating

@@ -327,7 +327,7 @@ def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
     """The images of one micro-batch through a vision-language model's tower (plan/media.py); 0 without images."""
     if shape.vision is None or w.images == 0:
         return 0.0
-    patches = w.micro_batch * w.images * w.image_grid[0] * w.image_grid[1]
+    patches = w.micro_batch * w.images * w.image_rows * w.image_cols
     cast_copy = strategies.get(strategy).sharded or (w.vision_trainable and w.method == "full")
     return vision_activation_bytes(shape.vision, patches, w.vision_trainable, compute_bytes(w), cast_copy,
                                    checkpointed=w.grad_ckpt != "none")

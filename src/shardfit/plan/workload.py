@@ -45,11 +45,12 @@ class Workload:
     # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
     # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
     adapters_16bit: bool = False
-    # Vision-language models: images in each sample and each image's patch grid (rows, columns of 14-pixel patches
-    # after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable vision
-    # tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
+    # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
+    # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
+    # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
     images: int = 0
-    image_grid: tuple[int, int] = (0, 0)
+    image_rows: int = 0
+    image_cols: int = 0
     vision_trainable: bool = False
 
     @property

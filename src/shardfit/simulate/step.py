@@ -148,7 +148,7 @@ def image_batch(model: torch.nn.Module, config: Any, w: Workload) -> tuple:
     from transformers import vision_utils  # the tower's own index helpers, the same the forward would call
 
     vc = config.vision_config
-    rows, cols = w.image_grid
+    rows, cols = w.image_rows, w.image_cols
     n_images = w.micro_batch * w.images
     with unset_fake_temporarily():
         grid = torch.tensor([[1, rows, cols]] * n_images)
