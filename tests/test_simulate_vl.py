@@ -12,8 +12,8 @@ import pytest
 
 from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.media import MediaLoad
-from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.media import MediaLoad, VisionShape
+from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.step import simulate
 from tests.helpers import run_cli, write_config, write_images
@@ -83,3 +83,17 @@ def test_plan_counts_images_from_the_configs_data(tmp_path: Path, tiny_vl: Path)
                 "--image-size", "56x56")
     assert r.returncode == 0 and "images from the data" not in r.stderr
     assert json.loads(r.stdout)["media"]["patches_per_image"] == 16
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_catalog_vl_shape_simulates_its_tower(gated: bool) -> None:
+    """A VL id from the catalog (no config.json) is simulated as a Qwen2-VL / Qwen2.5-VL config of its vision and
+    text shapes: the tower's weights and the images' activations agree with the estimate."""
+    vision = VisionShape(depth=2, dim=64, mlp=256 if not gated else 172, heads=4, out=256, gated=gated)
+    shape = ModelShape("tiny/Tiny-VL", 2, 256, 704, 8, 2, 4096, vision=vision, extra_params=vision.params())
+    w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=1, grad_ckpt="full", lora_rank=8,
+                 images=1, image_rows=8, image_cols=12)
+    hw = parse_gpus("1x80GB")
+    ca, cs = estimate(shape, w, hw, "single"), simulate(shape, w, hw, "single", None)
+    for part in PARTS:
+        assert getattr(ca.per_gpu_gib, part) == pytest.approx(getattr(cs.per_gpu_gib, part), rel=0.05, abs=1e-4), part

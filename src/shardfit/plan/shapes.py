@@ -147,4 +147,25 @@ def hf_config(shape: ModelShape) -> Any:
                   tie_word_embeddings=shape.tied, max_position_embeddings=131072)
     if shape.head_dim:
         kwargs["head_dim"] = shape.head_dim
+    if shape.vision is not None and "-vl" in shape.id.lower():
+        # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).
+        half = shape.hd // 2
+        sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}
+        return vl_config(shape.vision, kwargs)
     return cls(**kwargs)
+
+
+def vl_config(v: VisionShape, text: dict[str, Any]) -> Any:
+    """A Qwen2-VL (or, for a gated tower, Qwen2.5-VL) config of the vision shape and text sizes: what a catalog
+    VL id simulates with its vision tower."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig  # configs only, as in hf_config
+
+    geometry = dict(depth=v.depth, num_heads=v.heads, patch_size=v.patch, spatial_merge_size=v.merge,
+                    temporal_patch_size=v.temporal_patch, in_channels=v.in_channels)
+    if v.gated:
+        vision = dict(geometry, hidden_size=v.dim, intermediate_size=v.mlp, out_hidden_size=v.out)
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                architectures=["Qwen2_5_VLForConditionalGeneration"])
+    vision = dict(geometry, embed_dim=v.dim, hidden_size=v.out, mlp_ratio=v.mlp // v.dim)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, architectures=["Qwen2VLForConditionalGeneration"])
