@@ -99,6 +99,10 @@ def test_colour_of_held_out_images_is_learned_and_blank_images_stay_at_chance(
         assert main(["chat", str(tmp_path / "seen" / "run"), "--image", str(image), "--prompt",
                      "What colour is this?", "--max-new-tokens", "4", "--device", "cpu"]) == 0
         assert capsys.readouterr().out.strip() == list(COLOURS)[i]
+    # `shardfit eval` reads text rows only: image rows stop it (exit 2) naming the row, before the model loads.
+    assert main(["eval", str(tmp_path / "seen" / "run"), "--data", str(tmp_path / "seen" / "data" / "heldout.jsonl")]) \
+        == 2
+    assert "heldout.jsonl:1: eval reads text rows only" in capsys.readouterr().err
     blank_loss, blank_accuracy = _train(tmp_path / "blank", tiny_vl, blank=True)
     print(f"held-out answer loss {loss:.4f} (accuracy {accuracy:.2f}); blanked images {blank_loss:.4f} "
           f"(accuracy {blank_accuracy:.2f}); chance {CHANCE:.4f}")
