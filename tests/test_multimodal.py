@@ -190,6 +190,10 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
     out = merged.generate(ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
                           mm_token_type_ids=(ids == image).int(), max_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 3
+    # chat --image on the run: its adapter on the base model, the image through the run's processor.
+    r = run_cli("chat", str(tmp_path / "run"), "--image", str(vl_data.parent / "img" / "red.png"), "--prompt",
+                "Colour?", "--max-new-tokens", "3", "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]  # a random model: any reply (even an empty one) will do
     # A bad image row stops the run before the model loads, naming file:line.
     bad = _write(tmp_path / "bad.jsonl", [_rows(str(vl_data.parent / "img"))[0],
                                           {"messages": [{"role": "user", "content": "<image>"},

@@ -14,6 +14,7 @@ EXAMPLE = """examples:
   shardfit chat runs/demo                                  interactive (/reset, /system TEXT, /exit)
   shardfit chat runs/demo --prompt "Extract: Ana, 31, Lisbon"
   shardfit chat runs/demo --input prompts.jsonl --output answers.jsonl
+  shardfit chat runs/vl --image photo.png --prompt "What colour is this?"   (Qwen2-VL, Qwen2.5-VL)
   shardfit chat path/to/base-model --adapter runs/demo/adapter"""
 
 
@@ -42,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--input", default=None, metavar="FILE.jsonl",
                      help="answer every row ({\"prompt\": ...}, alpaca, ShareGPT or OpenAI messages) as JSONL")
     p.add_argument("--output", default=None, metavar="FILE.jsonl", help="with --input: write here (default stdout)")
-    p.add_argument("--image", default=None, help="an image for a vision-language model (not supported yet)")
+    p.add_argument("--image", default=None, action="append", metavar="PATH",
+                   help="vision-language models: an image the --prompt asks about (repeat for several; the prompt's "
+                        "<image> placeholders place them, else they come before its text)")
     p.set_defaults(func=run)
 
 
@@ -55,9 +58,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--temperature must be 0 (greedy) or more, got {args.temperature}.")
     if args.output and not args.input:
         raise UserError("--output goes with --input FILE.jsonl.")
-    if args.image:
-        raise UserError("--image: this version of shardfit chats with text models only; vision-language inputs "
-                        "come with multimodal training. Leave --image out.")
+    if args.image and args.prompt is None:
+        raise UserError("--image goes with --prompt TEXT, e.g. --image photo.png --prompt \"What is in it?\".")
     if args.input and not Path(args.input).is_file():
         raise UserError(f"--input {args.input}: no such file.")
 
@@ -74,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_for_inference(target, device=pick_device(args.device), precision=args.precision,
                                 trust_remote_code=args.trust_remote_code)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
+    if args.image:
+        from shardfit.infer.images import check_image, generate_with_images, vision_processor_for
+
+        images = [check_image(p) for p in args.image]
+        vp = vision_processor_for(target, loaded.tokenizer)
+        req = request_of({"prompt": args.prompt}, "--prompt", args.system)
+        print(generate_with_images(loaded.model, loaded.tokenizer, vp, req.messages, images, sampling))
+        return 0
     if args.prompt is not None:
         req = request_of({"prompt": args.prompt}, "--prompt", args.system)
         print(generate_batch(loaded.model, loaded.tokenizer, [req.messages], sampling)[0])

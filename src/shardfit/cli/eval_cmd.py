@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.cli.chat_cmd import add_sampling_args
+from shardfit.data.reader import read_rows
 from shardfit.errors import UserError
 from shardfit.evals.generation import sample_json, score_answers, scored_requests
 from shardfit.evals.scorers import parse_metrics
@@ -64,6 +65,16 @@ def _evaluate_model(loaded: Any, requests: list, scorers: list, args: argparse.N
     return col, (scored, loss.tokens)
 
 
+def _has_images(row: Any) -> bool:
+    """A row with an `images` list or image content parts (data/media.py's layouts)."""
+    if not isinstance(row, dict):
+        return False
+    parts = [p for t in row.get("messages") or [] if isinstance(t, dict) and isinstance(t.get("content"), list)
+             for p in t["content"]]
+    return bool(row.get("images")) or any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                                          for p in parts)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be at least 1, got {args.limit}.")
@@ -74,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
 
     scorers = parse_metrics(args.metrics or ["exact"])
     target = resolve_target(args.target, args.adapter)
+    with_images = next((r.where for r in read_rows(args.data) if _has_images(r.data)), None)
+    if with_images:
+        raise UserError(f"{with_images}: eval reads text rows only; image rows are evaluated by training's held-out "
+                        "loss (eval_data) or answered one by one with `shardfit chat RUN --image PATH --prompt "
+                        "TEXT`. Remove the image rows from --data.")
     requests = read_requests(args.data, limit=args.limit)
     n_scored = sum(r.expected is not None for r in requests)
     if n_scored == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from shardfit.cli.args import positive_float, positive_int
@@ -15,7 +16,14 @@ from shardfit.errors import UserError
 from shardfit.foreign.asplanned import format_report
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
 from shardfit.plan.hardware import detect, parse_gpus
-from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad, check_fits, describe, parse_image_size
+from shardfit.plan.media import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    MediaLoad,
+    check_fits,
+    describe,
+    parse_image_size,
+)
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
@@ -70,7 +78,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
     p.add_argument("--images-per-sample", type=positive_int, default=None, metavar="N",
                    help="vision-language models: images in each training sample; the plan counts their patches and "
-                        "the tokens they take within --seq")
+                        "the tokens they take within --seq (with a CONFIG and neither flag: counted from a sample "
+                        "of its data's rows, the most images in one row at the largest size seen)")
     p.add_argument("--image-size", default=None, metavar="WxH", help="pixel size of those images, e.g. 1024x768")
     p.add_argument("--image-max-pixels", type=positive_int, default=None, metavar="N",
                    help="images with more pixels are resized down first (image_max_pixels; default the Qwen2-VL "
@@ -135,6 +144,21 @@ def media_load(args: argparse.Namespace, config_max_pixels: int | None) -> Media
     return MediaLoad(args.images_per_sample, width, height, max_pixels=max_pixels)
 
 
+def media_from_data(cfg: Config, quiet: bool) -> MediaLoad | None:
+    """The images of a sample as the config's data holds them (a sample of rows, image headers only); the line
+    saying what was taken goes to stderr (stdout stays the plan, JSON included)."""
+    from shardfit.data.image_census import image_census  # Pillow and the data readers: only for a VL config
+
+    census = image_census(cfg.data)
+    if census is None:
+        return None
+    if not quiet:
+        print(f"plan: {census.describe()}", file=sys.stderr)
+    return MediaLoad(census.most_per_row, census.width, census.height,
+                     min_pixels=cfg.image_min_pixels or DEFAULT_MIN_PIXELS,
+                     max_pixels=cfg.image_max_pixels or DEFAULT_MAX_PIXELS)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
@@ -165,8 +189,14 @@ def run(args: argparse.Namespace) -> int:
     if args.strategy not in (None, "all") and args.strategy not in NAMES:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
     media = media_load(args, cfg.image_max_pixels if args.config else None)
+    if media is None and args.config and shape.vision is not None:
+        media = media_from_data(cfg, args.json)
     if media is not None:
+        if shape.vision is not None:  # the tower's own geometry (every Qwen-VL so far: 14-pixel patches, 2x2)
+            media = dataclasses.replace(media, patch=shape.vision.patch, merge=shape.vision.merge)
         check_fits(media, w.seq_len)
+        rows, cols = media.grid()
+        w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)
     audio = audio_load(args, cfg.audio_max_seconds if args.config else None)
     if audio is not None:
         check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)

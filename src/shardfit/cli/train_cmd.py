@@ -53,7 +53,9 @@ def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
         out += [f"adapter: {run_dir / 'adapter'}  (peft: PeftModel.from_pretrained(base_model, that folder))",
                 f"merge it into a plain model folder: shardfit export {run_dir} --merge"]
     elif (run_dir / "model").is_dir():
-        out.append(f"model: {run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained(that folder))")
+        vl = (run_dir / "model" / "preprocessor_config.json").is_file()  # a vision-language model's folder
+        loader = "AutoModelForImageTextToText" if vl else "AutoModelForCausalLM"
+        out.append(f"model: {run_dir / 'model'}  ({loader}.from_pretrained(that folder))")
     out.append(f"metrics: {run_dir / 'metrics.jsonl'}, summary: {run_dir / 'summary.json'}")
     return "\n".join(out)
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from shardfit import strategy as strategies
 from shardfit.plan import quant
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, LORA_TARGETS, Workload
 
@@ -373,6 +374,16 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     return b
 
 
+def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The images of one micro-batch through a vision-language model's tower (plan/media.py); 0 without images."""
+    if shape.vision is None or w.images == 0:
+        return 0.0
+    patches = w.micro_batch * w.images * w.image_rows * w.image_cols
+    cast_copy = strategies.get(strategy).sharded or (w.vision_trainable and w.method == "full")
+    return vision_activation_bytes(shape.vision, patches, w.vision_trainable, compute_bytes(w), cast_copy,
+                                   checkpointed=w.grad_ckpt != "none")
+
+
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:
     """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits.
 
@@ -432,18 +443,21 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     bwd_temp += dequantize_bytes(shape, w)
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
+    # The images' pixels (and a trainable vision tower's saved activations) stay until backward reaches the tower,
+    # which it does last.
+    vision = image_activation_bytes(shape, w, strategy)
     moments = {
-        "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy),
+        "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                              logits_bytes(shape, w, strategy), fwd_temp),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": max(
-            Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward"),
+            Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
                       logits_bytes(shape, w, strategy, "backward") + held, fwd_temp),
-            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy), held,
+            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
                       bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
-            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy), held,
+            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp + residual_grads),
             key=_tensors),
         "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, held, 0.0),

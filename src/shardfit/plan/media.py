@@ -51,6 +51,11 @@ class MediaLoad:
         """Tokens one image adds to the language model's sequence (merge x merge patches make one)."""
         return self.patches_per_image() // (self.merge * self.merge)
 
+    def grid(self) -> tuple[int, int]:
+        """(rows, columns) of patches of one image after the resize."""
+        h, w = self.resized()
+        return h // self.patch, w // self.patch
+
     def tokens_per_sample(self) -> int:
         return self.images_per_sample * self.tokens_per_image()
 
@@ -85,3 +90,75 @@ def describe(media: MediaLoad) -> str:
             f"{media.patches_per_image()} patches through the vision tower and {media.tokens_per_image()} tokens in "
             f"the sequence each, {media.tokens_per_sample()} image tokens per sample (counted within the sequence "
             "length)")
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A Qwen2-VL-style vision tower: `depth` blocks of width `dim` (MLP width `mlp`; `gated`: Qwen2.5-VL's SiLU
+    gate/up/down MLP and RMSNorm, else Qwen2-VL's QuickGELU MLP and LayerNorm), `patch`-pixel patches over
+    `temporal_patch` frames, `merge` x `merge` patches merged into one language-model token of width `out`."""
+
+    depth: int
+    dim: int
+    mlp: int
+    heads: int
+    out: int
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    gated: bool = False
+    in_channels: int = 3
+
+    def patch_values(self) -> int:
+        """Pixel values of one patch as the image processor hands them over (channels x frames x patch x patch)."""
+        return self.in_channels * self.temporal_patch * self.patch * self.patch
+
+    def params(self) -> int:
+        """The tower's weights: patch embedding, blocks (norms, qkv, projection, MLP), merger."""
+        d, m = self.dim, self.mlp
+        norm = d if self.gated else 2 * d
+        mlp = 3 * d * m + 2 * m + d if self.gated else 2 * d * m + m + d
+        block = 2 * norm + 3 * d * d + 3 * d + d * d + d + mlp
+        merged = d * self.merge * self.merge
+        merger = norm + merged * merged + merged + merged * self.out + self.out
+        return self.patch_values() * d + self.depth * block + merger
+
+    def saved_per_patch(self) -> float:
+        """Values a trainable tower saves for backward per patch: per block (its norms' and linear layers' inputs,
+        rotated q and k, v, the attention output and its log-sum-exp, the MLP's inner activations) and the
+        merger's. Counted from the blocks of transformers' Qwen2-VL / Qwen2.5-VL with autograd's saved-tensor hooks
+        over a range of widths (linear in `dim` and `mlp`, the same for every image size)."""
+        d, m = self.dim, self.mlp
+        block = 13 * d + 4 * m + 6 if self.gated else 11 * d + 3 * m + 8
+        return self.depth * block + (5.5 if self.gated else 4.5) * d
+
+
+def vision_activation_bytes(v: VisionShape, patches: int, trainable: bool, low: int, cast_copy: bool,
+                            checkpointed: bool = False) -> float:
+    """What the images of one micro-batch hold through the step: their pixel patches (fp32, as the processor makes
+    them), a 16-bit copy of them when one is made and kept (`cast_copy`: FSDP's mixed precision casts the root's
+    inputs for the whole forward; autocast's copy is saved when the patch embedding trains) and, for a trainable
+    tower, every block's saved activations in the compute precision (`low` bytes); `checkpointed` (transformers
+    checkpoints the vision blocks with the decoder's): each block's input only. A frozen tower saves nothing: it
+    runs block by block at the start of the forward pass, long before the step's peak."""
+    pixels = patches * v.patch_values() * (4.0 + (low if cast_copy and low != 4 else 0))
+    if not trainable:
+        return pixels
+    saved = v.depth * v.dim + (5.5 if v.gated else 4.5) * v.dim if checkpointed else v.saved_per_patch()
+    return pixels + patches * saved * low
+
+
+def vision_shape_of(config: dict) -> VisionShape | None:
+    """The vision tower of a config.json (Qwen2-VL `embed_dim`/`mlp_ratio`, Qwen2.5-VL and Qwen2.5-Omni
+    `hidden_size`/`intermediate_size`), None when it has none."""
+    v = config.get("vision_config") or (config.get("thinker_config") or {}).get("vision_config")
+    if not isinstance(v, dict) or "depth" not in v:
+        return None
+    gated = "intermediate_size" in v and "embed_dim" not in v
+    dim = v.get("embed_dim") or v.get("hidden_size")
+    mlp = v["intermediate_size"] if gated else int(dim * v.get("mlp_ratio", 4))
+    out = v.get("out_hidden_size") or v.get("hidden_size") if gated else v.get("hidden_size") or dim
+    return VisionShape(depth=v["depth"], dim=dim, mlp=mlp, heads=v.get("num_heads", 16), out=out,
+                       patch=v.get("patch_size", 14), temporal_patch=v.get("temporal_patch_size", 2),
+                       merge=v.get("spatial_merge_size", 2), gated=gated,
+                       in_channels=v.get("in_channels") or v.get("in_chans") or 3)

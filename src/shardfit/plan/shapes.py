@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 import yaml
 
 from shardfit.errors import UserError
+from shardfit.plan.media import VisionShape, vision_shape_of
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class ModelShape:
     head_dim: int | None = None
     experts: int = 1
     top_k: int = 1
-    extra_params: int = 0
+    extra_params: int = 0  # outside the decoder: a vision-language model's vision tower (counted in `vision` too)
+    vision: VisionShape | None = None
 
     @property
     def hd(self) -> int:
@@ -85,6 +88,7 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             experts=text.get("num_local_experts") or text.get("num_experts") or 1,
             top_k=text.get("num_experts_per_tok") or 1)
+        vision = vision_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     sizes = {"num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
@@ -92,6 +96,8 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     for key_name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key_name} is {value!r}; it must be a positive integer.")
+    if vision is not None:
+        shape = dataclasses.replace(shape, vision=vision, extra_params=vision.params())
     return shape
 
 
@@ -99,11 +105,11 @@ def resolve_shape(model: str) -> ModelShape:
     """The shape of `model`: a catalog id, a config.json path, a HF folder, or a bundled GGUF model."""
     entries = catalog()
     if model in entries:
-        return ModelShape(id=model, **entries[model])
+        return _from_entry(model, entries[model])
     lower = {k.lower(): k for k in entries}
     for variant in _variants(model.lower()):  # a base model and its -Instruct twin share one shape
         if variant in lower:
-            return ModelShape(id=model if variant != model.lower() else lower[variant], **entries[lower[variant]])
+            return _from_entry(model if variant != model.lower() else lower[variant], entries[lower[variant]])
     p = Path(model).expanduser()
     if p.is_file() and p.name.endswith(".json"):
         return _from_config(_read_config_json(p, model), model)
@@ -114,6 +120,12 @@ def resolve_shape(model: str) -> ModelShape:
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
     raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")
+
+
+def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
+    """A catalog entry as a shape (its `vision` mapping as a VisionShape)."""
+    vision = entry.get("vision")
+    return ModelShape(id=name, **dict(entry, vision=VisionShape(**vision) if vision else None))
 
 
 def _variants(name: str) -> list[str]:
@@ -135,4 +147,25 @@ def hf_config(shape: ModelShape) -> Any:
                   tie_word_embeddings=shape.tied, max_position_embeddings=131072)
     if shape.head_dim:
         kwargs["head_dim"] = shape.head_dim
+    if shape.vision is not None and "-vl" in shape.id.lower():
+        # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).
+        half = shape.hd // 2
+        sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}
+        return vl_config(shape.vision, kwargs)
     return cls(**kwargs)
+
+
+def vl_config(v: VisionShape, text: dict[str, Any]) -> Any:
+    """A Qwen2-VL (or, for a gated tower, Qwen2.5-VL) config of the vision shape and text sizes: what a catalog
+    VL id simulates with its vision tower."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig  # configs only, as in hf_config
+
+    geometry = dict(depth=v.depth, num_heads=v.heads, patch_size=v.patch, spatial_merge_size=v.merge,
+                    temporal_patch_size=v.temporal_patch, in_channels=v.in_channels)
+    if v.gated:
+        vision = dict(geometry, hidden_size=v.dim, intermediate_size=v.mlp, out_hidden_size=v.out)
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                architectures=["Qwen2_5_VLForConditionalGeneration"])
+    vision = dict(geometry, embed_dim=v.dim, hidden_size=v.out, mlp_ratio=v.mlp // v.dim)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, architectures=["Qwen2VLForConditionalGeneration"])

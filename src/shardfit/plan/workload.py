@@ -62,6 +62,13 @@ class Workload:
     # (a loop that writes `output = model(...)` and never deletes it, as Answer.AI's train.py); the HF Trainer
     # and torchtune drop it before backward.
     keeps_logits: bool = False
+    # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
+    # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
+    # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
+    images: int = 0
+    image_rows: int = 0
+    image_cols: int = 0
+    vision_trainable: bool = False
 
     @property
     def trains_adapters(self) -> bool:
@@ -76,7 +83,8 @@ def workload_of(cfg: Config) -> Workload:
                     attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum,
                     # `compile: auto` is decided at train time; planning it as eager errs on the large side.
                     compile=cfg.compile is True or cfg.compile == "true",
-                    lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout)
+                    lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
+                    vision_trainable=not cfg.freeze_vision_tower)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

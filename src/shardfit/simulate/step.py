@@ -10,6 +10,7 @@ real is allocated, so a 72B config runs on a laptop.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -19,14 +20,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from shardfit.config import Config, LoraSettings
-from shardfit.models.anatomy import base_model, decoder_and_head
+from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
 from shardfit.models.quantize import nf4_to_empty
 from shardfit.parallel.parallelize import parallelize
@@ -51,16 +54,15 @@ log = logging.getLogger(__name__)
 
 def hf_config_for(shape: ModelShape, source: str | None) -> Any:
     """The transformers config to build: the model's own config.json when we have it (a vision-language model's
-    text model), else one from the shape."""
+    whole config: its vision tower's weights are loaded in training too), else one from the shape."""
     if source is not None:
         p = Path(source)
         folder = p.parent if p.is_file() else p
         if (folder / "config.json").is_file():
             try:
-                cfg = AutoConfig.from_pretrained(folder)
+                return AutoConfig.from_pretrained(folder)
             except ValueError:  # remote code the simulation will not run: its shape stands in (same sizes)
                 return hf_config(shape)
-            return getattr(cfg, "text_config", None) if "vl" in cfg.model_type else cfg
     return hf_config(shape)
 
 
@@ -106,7 +108,8 @@ def workload_config(w: Workload, model: str) -> Config:
     """The training config whose model `build_model` builds for workload `w` (kernel names as the simulation
     stands them in: see `attention_kernel`)."""
     return Config(model=model, method=w.method, precision=w.precision, grad_ckpt=w.grad_ckpt,
-                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank), attn_implementation=attention_kernel(w))
+                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank), attn_implementation=attention_kernel(w),
+                  freeze_vision_tower=not w.vision_trainable)
 
 
 def tools_recipe(model: torch.nn.Module, w: Workload) -> None:
@@ -119,6 +122,55 @@ def tools_recipe(model: torch.nn.Module, w: Workload) -> None:
                 p.data = p.data.to(low)
     if w.frozen_fp32:
         upcast_frozen_outside_blocks(model)
+
+
+class RealIndices(TorchDispatchMode):
+    """Inside fake mode, an op whose tensor inputs are all real runs for real: the vision tower's index arithmetic
+    on its real patch grid (`cu_seqlens[1:] - cu_seqlens[:-1]`, then `.tolist()`) stays computable. Parameters,
+    activations and the batch are fake, so nothing the step allocates becomes real."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def image_batch(model: torch.nn.Module, config: Any, w: Workload) -> tuple:
+    """A vision-language batch as the loader makes it: each row's image tokens, (4, rows, width) positions, every
+    image's pixel patches (fp32, as the image processor gives them) and its (1, rows, columns) patch grid.
+
+    The grid and the vision tower's index tensors derived from it (rotary positions, attention and window
+    boundaries) are real tensors computed here, outside fake mode, and passed to the tower's forward: they are
+    data-dependent (their sizes come from the grid's values), which fake tensors cannot compute."""
+    from transformers import vision_utils  # the tower's own index helpers, the same the forward would call
+
+    vc = config.vision_config
+    rows, cols = w.image_rows, w.image_cols
+    n_images = w.micro_batch * w.images
+    with unset_fake_temporarily():
+        grid = torch.tensor([[1, rows, cols]] * n_images)
+        pre: dict[str, Any] = {"position_ids": vision_utils.get_vision_position_ids(grid, vc.spatial_merge_size)}
+        pre["cu_seqlens"], pre["max_seqlen"] = vision_utils.get_vision_attention_seqlens(grid, vc)
+        if getattr(vc, "window_size", None):
+            pre["window_index"], pre["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+                grid, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size)
+    visual = vision_body(model).visual
+    forward = visual.forward
+
+    def with_indices(hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
+        return forward(hidden_states, grid_thw, **pre, **kwargs)
+
+    visual.forward = with_indices
+    patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    pixels = torch.zeros(n_images * rows * cols, patch)
+    per_row = w.images * rows * cols // vc.spatial_merge_size ** 2
+    ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
+    ids[:, 1:1 + per_row] = config.image_token_id
+    positions = packed_positions(w.micro_batch, w.seq_len).unsqueeze(0).expand(4, -1, -1).contiguous()
+    return ids, positions, ids, pixels, grid
 
 
 class ModelOwnLoss(torch.nn.Module):
@@ -160,7 +212,9 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
         # The mesh is made outside fake mode: it holds real process groups.
         mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
         cfg = workload_config(w, source or shape.id)
-        model = build_model(cfg, s, weights=False, config=hf_config_for(shape, source))
+        config = hf_config_for(shape, source)
+        images = w.images > 0 and hasattr(config, "vision_config")
+        model = build_model(cfg, s, weights=False, config=config)
         tools_recipe(model, w)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -173,6 +227,8 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
             batch = (ids, packed_positions(w.micro_batch, w.seq_len), ids)
+            if images:
+                batch = image_batch(model, config, w)
             body = decoder_and_head(model)[0]
             if mesh is not None:
                 tracker = StepFSDPMemTracker(body, module, optimizer)
@@ -181,9 +237,12 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                 tracker = StepMemTracker(body)
                 tracker.track_external(module, optimizer)
                 skip_frozen_grad_hooks(tracker, module)
+            if images:
+                tracker.track_as_activation(batch[3])
             amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
                                     enabled=w.precision != "fp32" and mesh is None)
-            with tracker.ignoring_sharding_propagation(), warnings.catch_warnings():
+            real_indices = RealIndices() if images else contextlib.nullcontext()
+            with tracker.ignoring_sharding_propagation(), warnings.catch_warnings(), real_indices:
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
                 # fake tensors answer with a deprecation warning (the check itself holds in a real run).
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")

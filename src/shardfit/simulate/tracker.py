@@ -107,6 +107,14 @@ class LossAttribution:
             reftype = _LossRef.LOGITS
         super()._track(reftype, t)  # type: ignore[misc]
 
+    def track_as_activation(self, *tensors: torch.Tensor) -> None:
+        """File tensors made before the step (a batch's image pixels) as activations: they stay allocated through
+        the step, as the batch does on a GPU. Without this the trackers see them only if an op passes them on
+        uncopied (fp32), not when the first op makes a cast copy."""
+        act = next(r for r in self._ref_class if r.value == "Activation")  # type: ignore[attr-defined]
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, act)  # type: ignore[attr-defined]
+
     def phase(self) -> str:
         """Where the step is: forward (the loss included), backward, or optimizer (gradient clipping, the update)."""
         if self._in_opt:
