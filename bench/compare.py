@@ -123,7 +123,10 @@ def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch:
     ranks = [json.loads(result.read_text())] if w.nproc == 1 else \
         [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(w.nproc)]
     r0 = ranks[0]
-    extra = {k: v for k, v in r0.items() if k.startswith("trl_") or k == "packed_rows"}
+    if r0["trainer_world"] != w.nproc:  # a peer that did not shard its data would be measured doing other work
+        raise SystemExit(f"{peer} {w.name}: the Trainer saw {r0['trainer_world']} process(es), not {w.nproc}")
+    extra = {k: v for k, v in r0.items()
+             if k.startswith("trl_") or k in ("packed_rows", "trainer_world", "distributed_type")}
     return _record(peer, mode, m, tokens=r0["tokens"], train_s=max(r["train_s"] for r in ranks), steps=r0["steps"],
                    examples=r0["examples"] * w.epochs, rank_peaks=[r["peak_rss_gib"] for r in ranks], batch=batch,
                    saved=Path(cfg["output_dir"]) / ("adapter" if w.method == "lora" else "model"), extra=extra)

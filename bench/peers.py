@@ -61,13 +61,14 @@ def _lora_config(cfg: dict):  # noqa: ANN202 - peft.LoraConfig
 
 
 def _common_args(cfg: dict, batch: int, out: Path) -> dict[str, Any]:
-    """TrainingArguments shared by every peer: the workload's schedule and optimizer, fp32, no saving or logging
-    during training."""
+    """TrainingArguments shared by every peer: the workload's schedule and optimizer, fp32, on the CPU (with
+    DeepSpeed too: without use_cpu accelerate finds no device backend and counts one process), no saving or
+    logging during training."""
     return dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch,
                 gradient_accumulation_steps=cfg["grad_accum"], learning_rate=cfg["lr"], lr_scheduler_type="cosine",
                 warmup_steps=0.05, num_train_epochs=cfg["epochs"], bf16=False, fp16=False, logging_steps=10**6,
                 save_strategy="no", report_to=[], seed=cfg["seed"], dataloader_num_workers=0, max_grad_norm=1.0,
-                weight_decay=0.0, optim="adamw_torch", disable_tqdm=True)
+                weight_decay=0.0, optim="adamw_torch", disable_tqdm=True, use_cpu=True)
 
 
 def _rows(train: list) -> list[dict]:
@@ -93,8 +94,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
         from trl import SFTConfig, SFTTrainer
 
         ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
-        args = SFTConfig(**_common_args(cfg, batch, out), packing=True, max_length=cfg["max_seq_len"],
-                         use_cpu=True)
+        args = SFTConfig(**_common_args(cfg, batch, out), packing=True, max_length=cfg["max_seq_len"])
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
         trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                              peft_config=_lora_config(cfg) if lora else None)
@@ -107,8 +107,6 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
         kw = _common_args(cfg, batch, out)
         if peer.startswith("deepspeed_"):
             kw["deepspeed"] = deepspeed_config(int(peer[-1]))
-        else:
-            kw["use_cpu"] = True
         args = TrainingArguments(**kw)  # before the model: under ZeRO-3 it makes from_pretrained partition
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
         if lora:
@@ -117,6 +115,9 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
             model = get_peft_model(model, _lora_config(cfg))
         trainer = Trainer(model=model, args=args, train_dataset=rows,
                           data_collator=DataCollatorForSeq2Seq(tok, padding="longest", label_pad_token_id=IGNORE))
+    # What the Trainer itself set up: on a CPU the DeepSpeed path needs use_cpu, or accelerate sees one process
+    # and every rank trains on all the data.
+    extra.update(trainer_world=trainer.args.world_size, distributed_type=str(trainer.accelerator.distributed_type))
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0

@@ -32,13 +32,17 @@ def run_measured(cmd: list[str], env: dict[str, str], timeout_s: float = 1800.0)
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = t0 + timeout_s
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                os.killpg(proc.pid, 9)
-            time.sleep(0.05)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.perf_counter() > deadline:
+                    os.killpg(proc.pid, 9)
+                time.sleep(0.05)
+        except BaseException:  # the bench stopped (Ctrl-C): its own session would outlive it otherwise
+            os.killpg(proc.pid, 9)
+            raise
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
