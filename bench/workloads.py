@@ -97,7 +97,14 @@ def _smollm2_folder(out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     src = resolve_model(SMOLLM2)
-    model = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file, dtype=torch.float32)
+    gguf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained (it counts as quantized): copy its dequantised weights into
+    # a plain one of the same architecture.
+    config = gguf.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf.state_dict())
     model.save_pretrained(out)
     load_tokenizer(src).save_pretrained(out)
     return out
