@@ -61,23 +61,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help=f"some of: {', '.join(MODES)}")
     p.add_argument("--out", default=str(RESULTS / "latest.json"), help="the JSON written (others' entries kept)")
     p.add_argument("--work-dir", default=None, help="where runs write (default: a new temporary folder)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="OpenMP threads of a one-process run (ranks get 1 each); on a machine shared with other "
+                        "jobs, 1 avoids threads spinning while they wait for a core")
     args = p.parse_args(argv)
     for name, given, valid in (("workload", args.workloads, WORKLOADS), ("peer", args.peers, PEERS),
                                ("mode", args.modes, MODES)):
         bad = [g for g in given if g not in valid]
         if bad:
             p.error(f"unknown {name} {', '.join(bad)}; choose from {', '.join(valid)}")
-    if args.runs < 1:
-        p.error("--runs must be at least 1")
+    if args.runs < 1 or args.threads < 1:
+        p.error("--runs and --threads must be at least 1")
     return args
+
+
+THREADS = {"n": os.cpu_count() or 1}  # set from --threads by main()
 
 
 def _env(nproc: int, deepspeed: bool = False) -> dict[str, str]:
     src = str(ROOT / "src")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               # One process uses every core; ranks share them, one thread each, as shardfit's launcher sets.
-               OMP_NUM_THREADS=str(os.cpu_count() if nproc == 1 else 1))
+               # Ranks share the cores, one thread each, as shardfit's launcher sets.
+               OMP_NUM_THREADS=str(THREADS["n"] if nproc == 1 else 1))
     if deepspeed:
         env["DS_ACCELERATOR"] = "cpu"
     return env
@@ -272,6 +278,7 @@ def merge(report: dict, path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    THREADS["n"] = args.threads
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="shardfit-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -279,12 +286,15 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), "
                    f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
         "date": time.strftime("%Y-%m-%d"), "command": "python bench/compare.py " + " ".join(sys.argv[1:]),
-        "workloads": [bench_workload(WORKLOADS[name], args, work) for name in args.workloads]}
-    report["bench_s"] = round(time.perf_counter() - t0, 1)
+        "omp_threads": args.threads, "load_avg_1m_at_start": os.getloadavg()[0], "workloads": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = merge(report, out)
-    out.write_text(json.dumps(report, indent=1))
+    for name in args.workloads:
+        report["workloads"].append(bench_workload(WORKLOADS[name], args, work))
+        # Written after every workload: a bench stopped half-way keeps what it measured.
+        report["bench_s"] = round(time.perf_counter() - t0, 1)
+        report = merge(report, out)
+        out.write_text(json.dumps(report, indent=1))
     print(markdown(report))
 
 

@@ -38,17 +38,17 @@ class Workload:
     strategy: str | None = None  # None: shardfit's default (auto)
     lora_rank: int = 8
     lora_alpha: int = 16
-    eval_rows: int = 16
+    eval_rows: int = 12
 
 
 SINGLE = ("hf_trainer", "trl_sft")
 WORKLOADS = {w.name: w for w in (
     # Sizes keep one round of every workload and peer under 30 minutes on 2 shared cores.
-    Workload("smollm2-135m-lora", "smollm2", "lora", "demo", 64, 256, 4, 1e-3, SINGLE),
+    Workload("smollm2-135m-lora", "smollm2", "lora", "demo", 32, 256, 4, 1e-3, SINGLE),
     # Most conversations hold one note, some up to twelve: padding to the longest wastes most of a batch.
-    Workload("smollm2-135m-lora-longtail", "smollm2", "lora", "longtail", 48, 512, 4, 1e-3, SINGLE),
-    Workload("qwen2-small-full-longtail", "qwen2-small", "full", "longtail", 64, 1024, 2, 5e-4, SINGLE),
-    Workload("qwen2-small-full-zero3", "qwen2-small", "full", "longtail", 48, 1024, 2, 5e-4,
+    Workload("smollm2-135m-lora-longtail", "smollm2", "lora", "longtail", 32, 512, 4, 1e-3, SINGLE),
+    Workload("qwen2-small-full-longtail", "qwen2-small", "full", "longtail", 48, 1024, 2, 5e-4, SINGLE),
+    Workload("qwen2-small-full-zero3", "qwen2-small", "full", "longtail", 32, 1024, 2, 5e-4,
              ("deepspeed_zero3", "deepspeed_zero2"), nproc=2, strategy="zero3"),
 )}
 
