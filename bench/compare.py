@@ -124,8 +124,11 @@ def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch:
     else:
         cmd = [sys.executable, *script]
     m = run_measured(cmd, _env(w.nproc, deepspeed=peer.startswith("deepspeed")))
-    if m.returncode != 0:
-        raise _failed(f"{peer} {w.name}", m)
+    if m.returncode != 0:  # a peer that cannot run the config (killed for memory, say) is a result, not a bench bug
+        why = "killed (out of memory?)" if m.returncode in (-9, 137) else f"exit {m.returncode}"
+        sys.stderr.write(m.output_tail[-1500:])
+        return {"who": peer, "mode": mode, "batch_per_device": batch, "failed": why, "wall_s": m.wall_s,
+                "process_peak_rss_gib": m.peak_rss_gib, "load_avg_1m": m.load_avg_1m, "saved": None}
     ranks = [json.loads(result.read_text())] if w.nproc == 1 else \
         [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(w.nproc)]
     r0 = ranks[0]
@@ -151,14 +154,15 @@ def evaluate_round(records: list[dict], cfg: dict, work: Path) -> None:
     """The shared evaluator over every run of a round, in one process (untimed); fills each record's eval_loss."""
     path, result = work / "eval-config.json", work / "eval-result.json"
     path.write_text(json.dumps(cfg))
-    dirs = list(dict.fromkeys(r["saved"] for r in records))
+    dirs = list(dict.fromkeys(r["saved"] for r in records if r["saved"]))
     m = run_measured([sys.executable, str(BENCH / "evaluator.py"), "--config", str(path), "--dirs", *dirs,
                       "--result", str(result)], _env(1))
     if m.returncode != 0:
         raise _failed("evaluator", m)
     losses = json.loads(result.read_text())
     for r in records:
-        r["eval_loss"] = losses[r["saved"]]
+        if r["saved"]:
+            r["eval_loss"] = losses[r["saved"]]
 
 
 def peer_batch(w: Workload, peer: str, mode: str, sf_examples_per_step: float, n_examples: int,
@@ -218,6 +222,9 @@ def bench_workload(w: Workload, args: argparse.Namespace, work: Path) -> dict:
 
 def _say(w: Workload, i: int, r: dict) -> None:
     who = r["who"] + (f" ({r['mode']}, batch {r['batch_per_device']})" if r["mode"] else "")
+    if "failed" in r:
+        print(f"{w.name} round {i + 1}: {who}: failed, {r['failed']}", flush=True)
+        return
     print(f"{w.name} round {i + 1}: {who}: {r['tokens_per_s']:.0f} tok/s whole process, "
           f"{r['train_tokens_per_s']:.0f} training, {r['wall_s']:.1f} s, {r['steps']} steps, "
           f"peak {r['peak_mem_gib']:.2f} GiB, load {r['load_avg_1m']:.1f}", flush=True)
@@ -233,10 +240,12 @@ def summarise(w: Workload, runs: list[dict], n_rounds: int) -> dict:
         entry["peers"][peer] = {}
         for mode in dict.fromkeys(r["mode"] for r in runs if r["who"] == peer):
             mine = [r for r in runs if r["who"] == peer and r["mode"] == mode]
-            entry["peers"][peer][mode] = {**medians(mine), **ratios(sf, mine)}
+            ok = [r for r in mine if "failed" not in r]
+            entry["peers"][peer][mode] = {**medians(ok), **ratios(sf, ok)} if ok else \
+                {"failed": mine[0]["failed"], "batch_per_device": mine[0]["batch_per_device"]}
     first = next(iter(entry["peers"].values()), None)
     legacy = first.get("same_config") or next(iter(first.values())) if first else None
-    if legacy:
+    if legacy and "failed" not in legacy:
         entry["hf_trainer"] = {k: legacy[k] for k in ("tokens_per_s", "wall_s", "peak_mem_gib", "eval_loss")}
         entry["legacy_peer"] = next(iter(entry["peers"]))
         entry.update({k: legacy[k] for k in RATIOS})
@@ -314,6 +323,10 @@ def markdown(report: dict) -> str:
                   "peer eval loss | eval loss ratio |", "|---|---|---|---|---|---|---|---|---|"]
         for peer, modes in e["peers"].items():
             for mode, v in modes.items():
+                if "failed" in v:
+                    lines.append(f"| {peer} | {mode} | - | failed: {v['failed']} (batch {v['batch_per_device']}) "
+                                 "| | | | | |")
+                    continue
                 lines.append(f"| {peer} | {mode} | {v['steps']:.0f} | {v['tokens_per_s']:.0f} | "
                              f"{v['speedup']:.2f}x | {v['train_speedup']:.2f}x | {v['memory_ratio']:.2f} | "
                              f"{v['eval_loss']:.4f} | {v['eval_loss_ratio']:.3f} |")
