@@ -115,3 +115,15 @@ def test_summary_keeps_section_8_keys_and_every_run() -> None:
     assert len(e["all_runs"]) == 6 and e["load_avg_1m"] == [1.5] * 6
     table = compare.markdown({"machine": "test", "date": "today", "workloads": [e]})
     assert "| trl_sft | same_config |" in table and "2.50x" in table
+
+
+def test_a_failed_peer_run_is_reported_not_averaged() -> None:
+    w = workloads.WORKLOADS["smollm2-135m-lora-longtail"]
+    failed = {"who": "hf_trainer", "mode": "equal_examples", "round": 0, "batch_per_device": 16,
+              "failed": "killed (out of memory?)", "load_avg_1m": 2.0, "saved": None}
+    runs = [_run("shardfit", None, 0, 200, 1.0, 2.0), _run("hf_trainer", "same_config", 0, 100, 2.0, 2.5), failed]
+    e = compare.summarise(w, runs, 1)
+    assert e["peers"]["hf_trainer"]["equal_examples"] == {"failed": "killed (out of memory?)", "batch_per_device": 16}
+    assert e["speedup"] == pytest.approx(2.0)  # the section-8 keys still come from the same-config run
+    table = compare.markdown({"machine": "test", "date": "today", "workloads": [e]})
+    assert "failed: killed (out of memory?) (batch 16)" in table
