@@ -243,6 +243,8 @@ def summarise(w: Workload, runs: list[dict], n_rounds: int) -> dict:
             ok = [r for r in mine if "failed" not in r]
             entry["peers"][peer][mode] = {**medians(ok), **ratios(sf, ok)} if ok else \
                 {"failed": mine[0]["failed"], "batch_per_device": mine[0]["batch_per_device"]}
+            if all("same_run_as" in r for r in mine):
+                entry["peers"][peer][mode]["same_run_as"] = mine[0]["same_run_as"]
     first = next(iter(entry["peers"].values()), None)
     legacy = first.get("same_config") or next(iter(first.values())) if first else None
     if legacy and "failed" not in legacy:
@@ -327,7 +329,8 @@ def markdown(report: dict) -> str:
                     lines.append(f"| {peer} | {mode} | - | failed: {v['failed']} (batch {v['batch_per_device']}) "
                                  "| | | | | |")
                     continue
-                lines.append(f"| {peer} | {mode} | {v['steps']:.0f} | {v['tokens_per_s']:.0f} | "
+                named = f"{mode} (the {v['same_run_as']} run)" if "same_run_as" in v else mode
+                lines.append(f"| {peer} | {named} | {v['steps']:.0f} | {v['tokens_per_s']:.0f} | "
                              f"{v['speedup']:.2f}x | {v['train_speedup']:.2f}x | {v['memory_ratio']:.2f} | "
                              f"{v['eval_loss']:.4f} | {v['eval_loss_ratio']:.3f} |")
         lines.append("")
