@@ -47,6 +47,10 @@ MODES = ("same_config", "equal_examples")
 # Medians kept per side; the ratios are shardfit's over the peer's, per round, then the median.
 METRICS = ("tokens_per_s", "train_tokens_per_s", "wall_s", "train_s", "peak_mem_gib", "eval_loss", "steps",
            "examples_per_step")
+# The issue's targets, at the same user config (whole-process tokens/s): peer -> ratio -> (comparison, bound).
+TARGETS = {"hf_trainer": {"speedup": (">=", 2.0), "memory_ratio": ("<=", 0.6), "eval_loss_ratio": ("<=", 1.02)},
+           "trl_sft": {"speedup": (">=", 1.3), "memory_ratio": ("<=", 0.8)},
+           "deepspeed_zero3": {"speedup": (">=", 1.5), "memory_ratio": ("<=", 0.7)}}
 RATIOS = {"speedup": "tokens_per_s", "train_speedup": "train_tokens_per_s", "memory_ratio": "peak_mem_gib",
           "eval_loss_ratio": "eval_loss"}
 
@@ -309,6 +313,21 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(report))
 
 
+def target_table(report: dict) -> str:
+    """Each target against its same-config ratio, per workload: met or missed."""
+    lines = ["| workload | peer | ratio | target | measured | |", "|---|---|---|---|---|---|"]
+    for e in report["workloads"]:
+        for peer, bounds in TARGETS.items():
+            v = e.get("peers", {}).get(peer, {}).get("same_config")
+            if not v or "failed" in v:
+                continue
+            for ratio, (op, bound) in bounds.items():
+                met = v[ratio] >= bound if op == ">=" else v[ratio] <= bound
+                lines.append(f"| {e['name']} | {peer} | {ratio} | {op} {bound} | {v[ratio]:.2f} | "
+                             f"{'met' if met else 'missed'} |")
+    return "\n".join(lines)
+
+
 def markdown(report: dict) -> str:
     """One table per workload: every peer and mode against shardfit (ratios are shardfit / peer)."""
     lines = [f"Measured on {report['machine']}, {report['date']} (median of interleaved rounds; ratios are "
@@ -334,7 +353,7 @@ def markdown(report: dict) -> str:
                              f"{v['speedup']:.2f}x | {v['train_speedup']:.2f}x | {v['memory_ratio']:.2f} | "
                              f"{v['eval_loss']:.4f} | {v['eval_loss_ratio']:.3f} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + ["Targets at the same user config:", "", target_table(report)])
 
 
 if __name__ == "__main__":

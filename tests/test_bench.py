@@ -115,6 +115,10 @@ def test_summary_keeps_section_8_keys_and_every_run() -> None:
     assert len(e["all_runs"]) == 6 and e["load_avg_1m"] == [1.5] * 6
     table = compare.markdown({"machine": "test", "date": "today", "workloads": [e]})
     assert "| trl_sft | same_config |" in table and "2.50x" in table
+    targets = compare.target_table({"workloads": [e]})
+    assert "| smollm2-135m-lora | hf_trainer | speedup | >= 2.0 | 2.50 | met |" in targets
+    assert "| smollm2-135m-lora | hf_trainer | eval_loss_ratio | <= 1.02 | 0.90 | met |" in targets
+    assert "| smollm2-135m-lora | trl_sft | memory_ratio | <= 0.8 | 0.67 | met |" in targets
 
 
 def test_a_failed_peer_run_is_reported_not_averaged() -> None:
