@@ -26,6 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x -p no:cacheprovider
 
 bench: $(STAMP)
+	$(PIP) -c constraints.txt trl==1.16.0  # compare.py's TRL peer (the pyproject `bench` extra; tests need none)
 	$(PY) bench/compare.py
 	$(PY) bench/plan_vs_published.py
 	$(PY) bench/deepspeed_memory.py

@@ -1,321 +1,359 @@
-"""shardfit against the Hugging Face Trainer on the same fine-tune (CONTRACTS.md section 8).
+"""shardfit against the peers users run, on the same fine-tunes (CONTRACTS.md section 8, extended).
 
-    python bench/compare.py                 # every workload, 3 interleaved runs each, writes bench/results/
-    python bench/compare.py --runs 1 --workloads smollm2-135m-lora
+    python bench/compare.py                              # every workload and peer, 3 interleaved rounds
+    python bench/compare.py --runs 1                     # one round (the whole bench in < 30 min on 2 cores)
+    python bench/compare.py --runs 1 --workloads smollm2-135m-lora --peers trl_sft
 
-Each run is its own subprocess; the model is loaded before the timed part for both, and peak memory is the
-resident set sampled during training (the whole process's peak RSS, load included, is recorded beside it).
-Runs alternate shardfit, Trainer, shardfit, ... so machine noise hits both alike.
+shardfit runs as a user runs it: `python -m shardfit train cfg.yaml` (`--nproc 2` for the 2-rank workload), the
+config holding only what the workload sets (bench/workloads.py); compile, attention, packing and what micro_batch
+counts are shardfit's defaults of the checkout being measured. The peers (bench/peers.py) get the same model
+folder, token ids, LoRA, lr, schedule, seed and epochs, each in two modes:
 
-shardfit runs with `compile: true` (each decoder block torch.compile'd); its kernels are cached in a folder new
-to each bench, so shardfit's first run includes compiling and later runs reuse the cache, as a user's second run
-of the same model would. Every run's numbers are kept in the JSON beside the medians.
+    same_config     the user's micro_batch / grad_accum / epochs given unchanged to the peer
+    equal_examples  the peer's batch set so it trains as many examples per optimizer step as shardfit did in the
+                    same round (shardfit's examples per step = training examples x epochs / its optimizer steps)
 
-The Trainer is set up as LLaMA-Factory and axolotl set it up by default: padding to the longest sequence in the
-batch, no packing, DataCollatorForSeq2Seq, the same LoRA config, learning rate, cosine schedule, warmup, seed
-and epochs, and as many examples per step as shardfit's packed rows hold, so both see the same tokens per
-optimizer step. Eval loss is computed the same way for both (mean token loss over the held-out examples).
+A mode whose batch comes out the same as same_config's reuses that run instead of repeating it.
+
+Each run is its own process; a round runs shardfit, then every peer and mode, so machine noise hits all alike; the
+JSON keeps every run (with the 1-minute load average when it began) beside the medians and the per-round ratios'
+medians. Wall time is the whole process (imports, model load, data preparation, training, saving); training time
+is the training loop only (shardfit's summary.json; the peers' trainer.train()). Peak memory is the largest rank's
+peak resident set. Eval loss is one evaluator for all (bench/evaluator.py), run after each round, untimed.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
-import random
-import resource
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-DEMO = ROOT / "src" / "shardfit" / "demo"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peers import PEERS, rows_per_step  # noqa: E402 - bench/ is not a package; its path is set above
+from proc import Measured, run_measured  # noqa: E402
+from workloads import ROOT, WORKLOADS, Workload, prepare, tokenized, user_config  # noqa: E402
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    model: str  # "smollm2" (the bundled GGUF) or "qwen2-small" (built from a config, random init)
-    method: str
-    data: str  # "demo" or "longtail"
-    max_seq_len: int
-    micro_batch: int  # shardfit packed rows per step
-    lr: float
-    epochs: int = 1
-    compile: bool = True  # shardfit's `compile: true` (the Trainer runs eager, as those tools do by default)
-    attention: str = "auto"  # shardfit's attn_implementation (the Trainer keeps transformers' default, SDPA)
-
-
-WORKLOADS = {
-    # Rows of 256 tokens: on CPU, compiled eager attention (fused matmul-mask-softmax) beats SDPA's masked flash
-    # kernel, which cannot skip the causal half when packing passes a mask (step 2.8 -> 2.15 s, measured).
-    "smollm2-135m-lora": Workload("smollm2-135m-lora", "smollm2", "lora", "demo", 256, 4, 1e-3, attention="eager"),
-    # Four narrow blocks under a 49k-token head: compiling the blocks buys nothing here and costs its compile time.
-    "qwen2-small-full-longtail": Workload("qwen2-small-full-longtail", "qwen2-small", "full", "longtail", 1024, 2,
-                                          5e-4, compile=False),
-}
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+MODES = ("same_config", "equal_examples")
+# Medians kept per side; the ratios are shardfit's over the peer's, per round, then the median.
+METRICS = ("tokens_per_s", "train_tokens_per_s", "wall_s", "train_s", "peak_mem_gib", "eval_loss", "steps",
+           "examples_per_step")
+# The issue's targets, at the same user config (whole-process tokens/s): peer -> ratio -> (comparison, bound).
+TARGETS = {"hf_trainer": {"speedup": (">=", 2.0), "memory_ratio": ("<=", 0.6), "eval_loss_ratio": ("<=", 1.02)},
+           "trl_sft": {"speedup": (">=", 1.3), "memory_ratio": ("<=", 0.8)},
+           "deepspeed_zero3": {"speedup": (">=", 1.5), "memory_ratio": ("<=", 0.7)}}
+RATIOS = {"speedup": "tokens_per_s", "train_speedup": "train_tokens_per_s", "memory_ratio": "peak_mem_gib",
+          "eval_loss_ratio": "eval_loss"}
 
 
-def _longtail(out: Path) -> tuple[Path, Path]:
-    """Many short conversations and a few long ones (lengths ~ geometric), built from the demo notes."""
-    rng = random.Random(7)
-    notes = [json.loads(line) for line in (DEMO / "train.jsonl").read_text().splitlines()]
-    rows = []
-    for _ in range(260):
-        k = min(1 + int(rng.expovariate(0.35)), 24)
-        picked = rng.sample(notes, k)
-        rows.append({"instruction": "Extract every contact record from these notes, one per line.",
-                     "input": "\n".join(n["input"] for n in picked),
-                     "output": "\n".join(n["output"] for n in picked)})
-    train, held = rows[:230], rows[230:]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-    (out / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
-    return out / "train.jsonl", out / "eval.jsonl"
-
-
-def _qwen2_small(out: Path) -> Path:
-    """A small Qwen2-architecture model (random init, fixed seed) with the SmolLM2 tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from shardfit.models.build import load_tokenizer
-    from shardfit.models.source import resolve_model
-
-    if (out / "config.json").is_file():
-        return out
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    load_tokenizer(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")).save_pretrained(out)
-    return out
-
-
-def prepare(w: Workload, work: Path) -> dict:
-    """Model path and data paths for a workload (created once per bench invocation)."""
-    if w.data == "demo":
-        train, evals = DEMO / "train.jsonl", DEMO / "heldout.jsonl"
-    else:
-        train, evals = _longtail(work / "longtail")
-    model = "HuggingFaceTB/SmolLM2-135M-Instruct" if w.model == "smollm2" else str(_qwen2_small(work / "qwen2"))
-    return {"model": model, "train": str(train), "eval": str(evals)}
-
-
-def _config(w: Workload, paths: dict, out: Path):
-    from shardfit.config import load_config
-
-    return load_config(None, [f"model={paths['model']}", f"data={paths['train']}", f"eval_data={paths['eval']}",
-                              f"method={w.method}", f"max_seq_len={w.max_seq_len}", f"micro_batch={w.micro_batch}",
-                              f"lr={w.lr}", f"epochs={w.epochs}", "precision=bf16", "warmup_ratio=0.05",
-                              "lora.rank=16", "lora.alpha=32", "save_steps=100000", "eval_steps=100000",
-                              "log_steps=1000", "seed=42", "resume=never", f"output_dir={out}"])
-
-
-def eval_loss(model, examples) -> float:
-    """Mean token loss over examples, one at a time (the same function for both trainers)."""
-    import torch
-
-    from shardfit.data.loader import collate
-    from shardfit.data.packing import no_pack
-    from shardfit.train.loss import CausalLMLoss
-
-    module = CausalLMLoss(model)
-    model.eval()
-    total, n = 0.0, 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for row in no_pack(examples):
-            b = collate([row], 0)
-            loss, k = module(b.input_ids, b.position_ids, b.targets)
-            total, n = total + float(loss), n + k
-    return total / max(n, 1)
-
-
-class PeakRss:
-    """Peak resident memory of this process while the block runs (sampled every 20 ms from /proc)."""
-
-    def __enter__(self) -> PeakRss:
-        import threading
-
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-
-
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def run_shardfit(w: Workload, paths: dict, out: Path, eager: bool = False) -> dict:
-    from shardfit.data.dataset import build_datasets
-    from shardfit.models.build import build_model, load_tokenizer
-    from shardfit.models.source import resolve_model
-    from shardfit.parallel.env import init_distributed
-    from shardfit.train.recipe import train
-
-    cfg = dataclasses.replace(_config(w, paths, out), compile=w.compile and not eager,
-                              attn_implementation="auto" if eager else w.attention)
-    # Loading is outside the timed part, as for the Trainer.
-    model, tok = build_model(cfg, "single", weights=True), load_tokenizer(resolve_model(cfg.model))
-    t0 = time.perf_counter()
-    with PeakRss() as mem:
-        result = train(cfg, init_distributed(), model=model, tokenizer=tok, quiet=True)
-    wall = time.perf_counter() - t0
-    _, evals, _ = build_datasets(cfg, result.tokenizer)
-    return {"tokens": result.summary["tokens"], "wall_s": wall, "eval_loss": eval_loss(result.model, evals),
-            "peak_mem_gib": mem.peak / 2**30}
-
-
-def run_trainer(w: Workload, paths: dict, out: Path) -> dict:
-    import torch
-    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
-
-    from shardfit.data.dataset import build_datasets
-    from shardfit.data.packing import pack
-    from shardfit.data.tokenize import IGNORE
-    from shardfit.models.build import build_model, load_tokenizer
-    from shardfit.models.source import resolve_model
-
-    cfg = _config(w, paths, out)
-    model, tok = build_model(cfg, "single", weights=True), load_tokenizer(resolve_model(cfg.model))  # LoRA applied
-    train_ex, eval_ex, _ = build_datasets(cfg, tok)
-    # As many examples per step as shardfit's packed rows hold: the same tokens per optimizer step.
-    rows = pack(train_ex, cfg.max_seq_len)
-    per_step = max(1, round(len(train_ex) / len(rows) * w.micro_batch))
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return len(train_ex)
-
-        def __getitem__(self, i: int) -> dict:
-            ex = train_ex[i]
-            labels = [IGNORE] + ex.targets[:-1]  # the Trainer shifts labels itself
-            return {"input_ids": ex.input_ids, "attention_mask": [1] * len(ex.input_ids), "labels": labels}
-
-    total_steps = -(-len(train_ex) // per_step) * w.epochs
-    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
-                             learning_rate=w.lr, lr_scheduler_type="cosine", warmup_steps=int(0.05 * total_steps),
-                             num_train_epochs=w.epochs, bf16=True, use_cpu=True, logging_steps=1000,
-                             save_strategy="no", report_to=[], seed=42, dataloader_num_workers=0, max_grad_norm=1.0,
-                             weight_decay=0.0, optim="adamw_torch", disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(),
-                      data_collator=DataCollatorForSeq2Seq(tok, padding="longest", label_pad_token_id=IGNORE))
-    t0 = time.perf_counter()
-    with PeakRss() as mem:
-        trainer.train()
-    wall = time.perf_counter() - t0
-    tokens = sum(len(ex.input_ids) for ex in train_ex) * w.epochs
-    return {"tokens": tokens, "wall_s": wall, "eval_loss": eval_loss(model, eval_ex), "examples_per_step": per_step,
-            "peak_mem_gib": mem.peak / 2**30}
-
-
-def child(args: argparse.Namespace) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    w = WORKLOADS[args.workload]
-    paths = json.loads(args.paths)
-    out = Path(args.out_dir)
-    res = run_shardfit(w, paths, out, args.eager) if args.run == "shardfit" else run_trainer(w, paths, out)
-    res["tokens_per_s"] = res["tokens"] / res["wall_s"]
-    res["process_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    Path(args.result).write_text(json.dumps(res))
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; unknown workloads, peers or modes end with exit 2 and the valid names."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    p.add_argument("--eager", action="store_true", help="shardfit without compile: true (to see what compiling adds)")
-    p.add_argument("--run", choices=("shardfit", "trainer"), help=argparse.SUPPRESS)
-    p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--paths", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.run:
-        child(args)
-        return
-    import tempfile
+    p.add_argument("--runs", type=int, default=3, help="interleaved rounds per workload (medians over them)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), metavar="NAME",
+                   help=f"some of: {', '.join(WORKLOADS)}")
+    p.add_argument("--peers", nargs="+", default=list(PEERS), metavar="PEER", help=f"some of: {', '.join(PEERS)}")
+    p.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help=f"some of: {', '.join(MODES)}")
+    p.add_argument("--out", default=str(RESULTS / "latest.json"), help="the JSON written (others' entries kept)")
+    p.add_argument("--work-dir", default=None, help="where runs write (default: a new temporary folder)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="OpenMP threads of a one-process run (ranks get 1 each); on a machine shared with other "
+                        "jobs, 1 avoids threads spinning while they wait for a core")
+    args = p.parse_args(argv)
+    for name, given, valid in (("workload", args.workloads, WORKLOADS), ("peer", args.peers, PEERS),
+                               ("mode", args.modes, MODES)):
+        bad = [g for g in given if g not in valid]
+        if bad:
+            p.error(f"unknown {name} {', '.join(bad)}; choose from {', '.join(valid)}")
+    if args.runs < 1 or args.threads < 1:
+        p.error("--runs and --threads must be at least 1")
+    return args
 
-    work = Path(tempfile.mkdtemp(prefix="shardfit-bench-"))
-    report = {"machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), "
-                         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-              "date": time.strftime("%Y-%m-%d"), "workloads": []}
+
+THREADS = {"n": os.cpu_count() or 1}  # set from --threads by main()
+
+
+def _env(nproc: int, deepspeed: bool = False) -> dict[str, str]:
+    src = str(ROOT / "src")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               # Ranks share the cores, one thread each, as shardfit's launcher sets.
+               OMP_NUM_THREADS=str(THREADS["n"] if nproc == 1 else 1))
+    if deepspeed:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _failed(what: str, m: Measured) -> SystemExit:
+    sys.stderr.write(m.output_tail)
+    return SystemExit(f"bench run failed ({what}, exit {m.returncode}); its output is above")
+
+
+def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int) -> dict:
+    """shardfit as a user runs it: the config file and the CLI (torchrun through `--nproc` for several ranks)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.json"
+    path.write_text(json.dumps(cfg))  # JSON is YAML: the config loader reads it as the user's file
+    cmd = [sys.executable, "-m", "shardfit", "train", str(path)] + (["--nproc", str(w.nproc)] if w.nproc > 1 else [])
+    m = run_measured(cmd, _env(w.nproc))
+    if m.returncode != 0:
+        raise _failed(f"shardfit {w.name}", m)
+    summary = json.loads((Path(cfg["output_dir"]) / "summary.json").read_text())
+    ranks = summary["peak_mem_gib"]
+    out = Path(cfg["output_dir"])
+    return _record("shardfit", None, m, tokens=summary["tokens"], train_s=summary["tokens"] / summary["tokens_per_s"],
+                   steps=summary["steps"], examples=n_examples * w.epochs, rank_peaks=ranks,
+                   batch=w.micro_batch, saved=out / ("adapter" if w.method == "lora" else "model"),
+                   extra={"strategy": summary.get("strategy")})
+
+
+def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch: int) -> dict:
+    """One peer in its own process (under torchrun for several ranks)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path, result = run_dir / "config.json", run_dir / "result.json"
+    path.write_text(json.dumps(cfg))
+    script = [str(BENCH / "peers.py"), "--peer", peer, "--config", str(path), "--batch", str(batch),
+              "--result", str(result)]
+    if w.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={w.nproc}", "--standalone", *script]
+    else:
+        cmd = [sys.executable, *script]
+    m = run_measured(cmd, _env(w.nproc, deepspeed=peer.startswith("deepspeed")))
+    if m.returncode != 0:  # a peer that cannot run the config (killed for memory, say) is a result, not a bench bug
+        why = "killed (out of memory?)" if m.returncode in (-9, 137) else f"exit {m.returncode}"
+        sys.stderr.write(m.output_tail[-1500:])
+        return {"who": peer, "mode": mode, "batch_per_device": batch, "failed": why, "wall_s": m.wall_s,
+                "process_peak_rss_gib": m.peak_rss_gib, "load_avg_1m": m.load_avg_1m, "saved": None}
+    ranks = [json.loads(result.read_text())] if w.nproc == 1 else \
+        [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(w.nproc)]
+    r0 = ranks[0]
+    if r0["trainer_world"] != w.nproc:  # a peer that did not shard its data would be measured doing other work
+        raise SystemExit(f"{peer} {w.name}: the Trainer saw {r0['trainer_world']} process(es), not {w.nproc}")
+    extra = {k: v for k, v in r0.items()
+             if k.startswith("trl_") or k in ("packed_rows", "trainer_world", "distributed_type")}
+    return _record(peer, mode, m, tokens=r0["tokens"], train_s=max(r["train_s"] for r in ranks), steps=r0["steps"],
+                   examples=r0["examples"] * w.epochs, rank_peaks=[r["peak_rss_gib"] for r in ranks], batch=batch,
+                   saved=Path(cfg["output_dir"]) / ("adapter" if w.method == "lora" else "model"), extra=extra)
+
+
+def _record(who: str, mode: str | None, m: Measured, *, tokens: int, train_s: float, steps: int, examples: int,
+            rank_peaks: list[float], batch: int, saved: Path, extra: dict) -> dict:
+    return {"who": who, "mode": mode, "batch_per_device": batch, "wall_s": m.wall_s, "train_s": train_s,
+            "tokens": tokens, "tokens_per_s": tokens / m.wall_s, "train_tokens_per_s": tokens / train_s,
+            "steps": steps, "examples_per_step": examples / max(steps, 1), "peak_mem_gib": max(rank_peaks),
+            "rank_peak_rss_gib": rank_peaks, "process_peak_rss_gib": m.peak_rss_gib,
+            "load_avg_1m": m.load_avg_1m, "saved": str(saved), **extra}
+
+
+def evaluate_round(records: list[dict], cfg: dict, work: Path) -> None:
+    """The shared evaluator over every run of a round, in one process (untimed); fills each record's eval_loss."""
+    path, result = work / "eval-config.json", work / "eval-result.json"
+    path.write_text(json.dumps(cfg))
+    dirs = list(dict.fromkeys(r["saved"] for r in records if r["saved"]))
+    m = run_measured([sys.executable, str(BENCH / "evaluator.py"), "--config", str(path), "--dirs", *dirs,
+                      "--result", str(result)], _env(1))
+    if m.returncode != 0:
+        raise _failed("evaluator", m)
+    losses = json.loads(result.read_text())
+    for r in records:
+        if r["saved"]:
+            r["eval_loss"] = losses[r["saved"]]
+
+
+def peer_batch(w: Workload, peer: str, mode: str, sf_examples_per_step: float, n_examples: int,
+               packed_rows: int | None) -> int:
+    """Per-device batch of a peer: the user's micro_batch (same_config), or what trains shardfit's examples per
+    optimizer step (equal_examples; packed rows for TRL, which packs)."""
+    if mode == "same_config":
+        return w.micro_batch
+    per_device = sf_examples_per_step / (w.grad_accum * w.nproc)
+    if peer == "trl_sft" and packed_rows is not None:
+        return rows_per_step(per_device, n_examples, packed_rows)
+    return max(1, round(per_device))
+
+
+def trl_packed_rows(train: list[Any], max_seq_len: int) -> int:
+    """How many rows TRL's packing (its default strategy) makes of the training examples."""
+    import datasets
+    from trl.data_utils import pack_dataset
+
+    ds = datasets.Dataset.from_list([{"input_ids": ex.input_ids} for ex in train])
+    return len(pack_dataset(ds, max_seq_len))
+
+
+def bench_workload(w: Workload, args: argparse.Namespace, work: Path) -> dict:
+    """Every round of one workload: shardfit, then each peer in each mode; returns its JSON entry."""
+    paths = prepare(w, work)
+    peers = [p for p in w.peers if p in args.peers]
+    base = user_config(w, paths, str(work / "unused"))
+    train, _, _ = tokenized(dict(base, eval_data=None))
+    n = len(train)
+    packed = trl_packed_rows(train, w.max_seq_len) if "trl_sft" in peers else None
+    runs: list[dict] = []
+    for i in range(args.runs):
+        rnd: list[dict] = []
+        sf = run_shardfit(w, user_config(w, paths, str(work / f"{w.name}-r{i}-shardfit")),
+                          work / f"{w.name}-r{i}-shardfit-cfg", n)
+        rnd.append(sf)
+        _say(w, i, sf)
+        for peer in peers:
+            done: dict[int, dict] = {}
+            for mode in args.modes:
+                batch = peer_batch(w, peer, mode, sf["examples_per_step"], n, packed)
+                if batch in done:  # the same run as the other mode's: keep it once, under both names
+                    rnd.append(dict(done[batch], mode=mode, same_run_as=done[batch]["mode"]))
+                    continue
+                out = work / f"{w.name}-r{i}-{peer}-{mode}"
+                rec = run_peer(w, peer, mode, user_config(w, paths, str(out)), work / f"{out.name}-cfg", batch)
+                done[batch] = rec
+                rnd.append(rec)
+                _say(w, i, rec)
+        evaluate_round(rnd, dict(base, eval_data=paths["eval"]), work)
+        for r in rnd:
+            r["round"] = i
+        runs += rnd
+    return summarise(w, runs, args.runs)
+
+
+def _say(w: Workload, i: int, r: dict) -> None:
+    who = r["who"] + (f" ({r['mode']}, batch {r['batch_per_device']})" if r["mode"] else "")
+    if "failed" in r:
+        print(f"{w.name} round {i + 1}: {who}: failed, {r['failed']}", flush=True)
+        return
+    print(f"{w.name} round {i + 1}: {who}: {r['tokens_per_s']:.0f} tok/s whole process, "
+          f"{r['train_tokens_per_s']:.0f} training, {r['wall_s']:.1f} s, {r['steps']} steps, "
+          f"peak {r['peak_mem_gib']:.2f} GiB, load {r['load_avg_1m']:.1f}", flush=True)
+
+
+def summarise(w: Workload, runs: list[dict], n_rounds: int) -> dict:
+    """A workload's JSON entry: medians per side, per-round ratios' medians per peer and mode, every run kept.
+    The section-8 keys (hf_trainer, speedup, ...) are the first peer's same-config comparison."""
+    sf = [r for r in runs if r["who"] == "shardfit"]
+    entry: dict[str, Any] = {"name": w.name, "date": time.strftime("%Y-%m-%d"), "shardfit": medians(sf),
+                             "runs": n_rounds, "nproc": w.nproc, "workload": workload_json(w), "peers": {}}
+    for peer in dict.fromkeys(r["who"] for r in runs if r["who"] != "shardfit"):
+        entry["peers"][peer] = {}
+        for mode in dict.fromkeys(r["mode"] for r in runs if r["who"] == peer):
+            mine = [r for r in runs if r["who"] == peer and r["mode"] == mode]
+            ok = [r for r in mine if "failed" not in r]
+            entry["peers"][peer][mode] = {**medians(ok), **ratios(sf, ok)} if ok else \
+                {"failed": mine[0]["failed"], "batch_per_device": mine[0]["batch_per_device"]}
+            if all("same_run_as" in r for r in mine):
+                entry["peers"][peer][mode]["same_run_as"] = mine[0]["same_run_as"]
+    first = next(iter(entry["peers"].values()), None)
+    legacy = first.get("same_config") or next(iter(first.values())) if first else None
+    if legacy and "failed" not in legacy:
+        entry["hf_trainer"] = {k: legacy[k] for k in ("tokens_per_s", "wall_s", "peak_mem_gib", "eval_loss")}
+        entry["legacy_peer"] = next(iter(entry["peers"]))
+        entry.update({k: legacy[k] for k in RATIOS})
+    entry["load_avg_1m"] = [round(r["load_avg_1m"], 2) for r in runs]
+    entry["all_runs"] = runs
+    return entry
+
+
+def medians(runs: list[dict]) -> dict[str, float]:
+    """The median of each metric over runs."""
+    return {k: statistics.median(r[k] for r in runs) for k in METRICS if all(k in r for r in runs)}
+
+
+def ratios(sf: list[dict], peer: list[dict]) -> dict[str, float]:
+    """shardfit's metric over the peer's, per round (matched by round), then the median over rounds."""
+    by_round = {r["round"]: r for r in peer}
+    pairs = [(a, by_round[a["round"]]) for a in sf if a["round"] in by_round]
+    return {name: statistics.median(a[k] / b[k] for a, b in pairs) for name, k in RATIOS.items()}
+
+
+def workload_json(w: Workload) -> dict:
+    """The workload's settings, for the record."""
+    from dataclasses import asdict
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(w).items()}
+
+
+def merge(report: dict, path: Path) -> dict:
+    """Keep the entries of workloads not run this time from the file already there (each entry has its date)."""
+    if not path.exists():
+        return report
+    done = {e["name"] for e in report["workloads"]}
+    old = [e for e in json.loads(path.read_text()).get("workloads", []) if e["name"] not in done
+           and e["name"] in WORKLOADS]
+    order = list(WORKLOADS)
+    report["workloads"] = sorted(old + report["workloads"], key=lambda e: order.index(e["name"]))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    THREADS["n"] = args.threads
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="shardfit-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {
+        "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), "
+                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        "date": time.strftime("%Y-%m-%d"), "command": "python bench/compare.py " + " ".join(sys.argv[1:]),
+        "omp_threads": args.threads, "load_avg_1m_at_start": os.getloadavg()[0], "workloads": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.workloads:
-        w = WORKLOADS[name]
-        paths = prepare(w, work)
-        runs: dict[str, list[dict]] = {"shardfit": [], "trainer": []}
-        for i in range(args.runs):
-            for who in ("shardfit", "trainer"):
-                result = work / f"{name}-{who}-{i}.json"
-                # A cache of compiled kernels new to this bench: run 1 pays the compile, later runs reuse it.
-                env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()),
-                           TORCHINDUCTOR_CACHE_DIR=str(work / "inductor-cache"))
-                cmd = [sys.executable, __file__, "--run", who, "--workload", name, "--paths", json.dumps(paths),
-                       "--out-dir", str(work / f"{name}-{who}-{i}"), "--result", str(result)] + \
-                    (["--eager"] if args.eager else [])
-                r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                if r.returncode != 0:
-                    sys.stderr.write(r.stderr[-4000:])
-                    raise SystemExit(f"bench run failed: {who} {name}")
-                runs[who].append(json.loads(result.read_text()))
-                print(f"{name} {who} run {i + 1}: {runs[who][-1]['tokens_per_s']:.0f} tok/s, "
-                      f"{runs[who][-1]['wall_s']:.1f} s, eval loss {runs[who][-1]['eval_loss']:.4f}", flush=True)
-        med = {who: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "wall_s", "peak_mem_gib",
-                                                                       "eval_loss")} for who, rs in runs.items()}
-        report["workloads"].append({
-            "name": name, "date": report["date"], "shardfit": med["shardfit"], "hf_trainer": med["trainer"],
-            "speedup": statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
-                                         for a, b in zip(runs["shardfit"], runs["trainer"], strict=True)),
-            "memory_ratio": statistics.median(a["peak_mem_gib"] / b["peak_mem_gib"]
-                                              for a, b in zip(runs["shardfit"], runs["trainer"], strict=True)),
-            "eval_loss_ratio": statistics.median(a["eval_loss"] / b["eval_loss"]
-                                                 for a, b in zip(runs["shardfit"], runs["trainer"], strict=True)),
-            "runs": args.runs,
-            "per_run_tokens_per_s": {who: [round(r["tokens_per_s"], 1) for r in rs] for who, rs in runs.items()},
-            "per_run_peak_mem_gib": {who: [round(r["peak_mem_gib"], 3) for r in rs] for who, rs in runs.items()}})
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("eager.json" if args.eager else "latest.json")
-    if path.exists():  # a run of some workloads keeps the others' last results (each entry has its date)
-        done = {w["name"] for w in report["workloads"]}
-        old = json.loads(path.read_text())["workloads"]
-        kept = [w for w in old if w["name"] not in done and w["name"] in WORKLOADS]
-        report["workloads"] = sorted(kept + report["workloads"], key=lambda w: list(WORKLOADS).index(w["name"]))
-    path.write_text(json.dumps(report, indent=2))
+        report["workloads"].append(bench_workload(WORKLOADS[name], args, work))
+        # Written after every workload: a bench stopped half-way keeps what it measured.
+        report["bench_s"] = round(time.perf_counter() - t0, 1)
+        report = merge(report, out)
+        out.write_text(json.dumps(report, indent=1))
     print(markdown(report))
 
 
-def markdown(report: dict) -> str:
-    lines = [f"Measured on {report['machine']} (median of interleaved runs).", "",
-             "| workload | shardfit tok/s | Trainer tok/s | speedup | shardfit peak GiB | Trainer peak GiB | "
-             "memory ratio | eval loss (shardfit / Trainer) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for w in report["workloads"]:
-        s, t = w["shardfit"], w["hf_trainer"]
-        lines.append(f"| {w['name']} | {s['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | {w['speedup']:.2f}x | "
-                     f"{s['peak_mem_gib']:.2f} | {t['peak_mem_gib']:.2f} | {w['memory_ratio']:.2f} | "
-                     f"{s['eval_loss']:.4f} / {t['eval_loss']:.4f} |")
+def target_table(report: dict) -> str:
+    """Each target against its same-config ratio, per workload: met or missed."""
+    lines = ["| workload | peer | ratio | target | measured | |", "|---|---|---|---|---|---|"]
+    for e in report["workloads"]:
+        for peer, bounds in TARGETS.items():
+            v = e.get("peers", {}).get(peer, {}).get("same_config")
+            if not v or "failed" in v:
+                continue
+            for ratio, (op, bound) in bounds.items():
+                met = v[ratio] >= bound if op == ">=" else v[ratio] <= bound
+                lines.append(f"| {e['name']} | {peer} | {ratio} | {op} {bound} | {v[ratio]:.2f} | "
+                             f"{'met' if met else 'missed'} |")
     return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    """One table per workload: every peer and mode against shardfit (ratios are shardfit / peer)."""
+    lines = [f"Measured on {report['machine']}, {report['date']} (median of interleaved rounds; ratios are "
+             "shardfit / peer; tokens/s over the whole process).", ""]
+    for e in report["workloads"]:
+        if "peers" not in e:
+            continue
+        s = e["shardfit"]
+        lines += [f"**{e['name']}** ({e['runs']} round(s); shardfit {s['tokens_per_s']:.0f} tok/s whole, "
+                  f"{s['steps']:.0f} steps, {s['examples_per_step']:.1f} examples/step, peak "
+                  f"{s['peak_mem_gib']:.2f} GiB, eval loss {s['eval_loss']:.4f}; load "
+                  f"{min(e['load_avg_1m']):.1f}-{max(e['load_avg_1m']):.1f})", "",
+                  "| peer | mode | peer steps | peer tok/s | speedup (whole) | speedup (training) | memory ratio | "
+                  "peer eval loss | eval loss ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        for peer, modes in e["peers"].items():
+            for mode, v in modes.items():
+                if "failed" in v:
+                    lines.append(f"| {peer} | {mode} | - | failed: {v['failed']} (batch {v['batch_per_device']}) "
+                                 "| | | | | |")
+                    continue
+                named = f"{mode} (the {v['same_run_as']} run)" if "same_run_as" in v else mode
+                lines.append(f"| {peer} | {named} | {v['steps']:.0f} | {v['tokens_per_s']:.0f} | "
+                             f"{v['speedup']:.2f}x | {v['train_speedup']:.2f}x | {v['memory_ratio']:.2f} | "
+                             f"{v['eval_loss']:.4f} | {v['eval_loss_ratio']:.3f} |")
+        lines.append("")
+    return "\n".join(lines + ["Targets at the same user config:", "", target_table(report)])
 
 
 if __name__ == "__main__":

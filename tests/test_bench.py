@@ -1,0 +1,133 @@
+"""The peer bench's harness (bench/compare.py and its parts) without training anything: its command line, the
+batch each mode gives a peer, the shared evaluator's arithmetic, and the JSON it writes (CONTRACTS section 8)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from shardfit.config import load_config
+from tests.helpers import DEMO_DATA, ROOT
+
+
+def _load(name: str):  # noqa: ANN202 - a module
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # compare.py imports its siblings by these names
+    spec.loader.exec_module(module)
+    return module
+
+
+workloads = _load("workloads")
+peers = _load("peers")
+evaluator = _load("evaluator")
+compare = _load("compare")
+
+
+def test_arguments_default_to_everything_and_reject_unknown_names(capsys: pytest.CaptureFixture) -> None:
+    args = compare.parse_args([])
+    assert args.runs == 3 and args.workloads == list(workloads.WORKLOADS)
+    assert args.peers == list(peers.PEERS) and args.modes == list(compare.MODES)
+    for bad in (["--workloads", "nope"], ["--peers", "axolotl"], ["--modes", "fastest"], ["--runs", "0"]):
+        with pytest.raises(SystemExit) as e:
+            compare.parse_args(bad)
+        assert e.value.code == 2
+    assert "choose from" in capsys.readouterr().err
+
+
+def test_every_workload_config_is_one_shardfit_accepts() -> None:
+    paths = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "train": str(DEMO_DATA), "eval": str(DEMO_DATA)}
+    for w in workloads.WORKLOADS.values():
+        assert set(w.peers) <= set(peers.PEERS)
+        cfg = load_config(None, workloads.overrides(workloads.user_config(w, paths, "/tmp/unused")))
+        assert (cfg.micro_batch, cfg.max_seq_len, cfg.method) == (w.micro_batch, w.max_seq_len, w.method)
+        default = load_config(None, [f"data={DEMO_DATA}"])
+        assert cfg.precision == "fp32" and cfg.compile == default.compile  # the default, untouched
+        if w.method == "lora":
+            assert (cfg.lora.rank, cfg.lora.alpha) == (w.lora_rank, w.lora_alpha)
+
+
+def test_longtail_data_is_mostly_short_with_a_long_tail() -> None:
+    rows = workloads.longtail_rows(200)
+    notes = [r["input"].count("\n") + 1 for r in rows]
+    assert sum(n == 1 for n in notes) > 0.6 * len(rows) and max(notes) >= 8
+    assert workloads.longtail_rows(200) == rows  # seeded: every run reads the same rows
+
+
+def test_peer_batch_in_each_mode() -> None:
+    w = workloads.WORKLOADS["smollm2-135m-lora-longtail"]
+    assert compare.peer_batch(w, "hf_trainer", "same_config", 9.0, 120, None) == w.micro_batch
+    assert compare.peer_batch(w, "hf_trainer", "equal_examples", 11.6, 120, None) == 12
+    # TRL packs: 120 examples in 30 rows hold 4 examples a row, so 12 examples a step are 3 rows.
+    assert compare.peer_batch(w, "trl_sft", "equal_examples", 12.0, 120, 30) == 3
+    assert peers.rows_per_step(0.1, 120, 30) == 1
+    z3 = workloads.WORKLOADS["qwen2-small-full-zero3"]
+    assert compare.peer_batch(z3, "deepspeed_zero3", "equal_examples", 8.0, 120, None) == 4  # per rank of 2
+
+
+def test_deepspeed_configs_leave_the_schedule_to_the_trainer() -> None:
+    for stage in (2, 3):
+        cfg = peers.deepspeed_config(stage)
+        assert cfg["zero_optimization"]["stage"] == stage
+        assert cfg["train_micro_batch_size_per_gpu"] == "auto" and not cfg["bf16"]["enabled"]
+    assert peers.deepspeed_config(3)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+
+
+def test_mean_token_loss_weighs_tokens_not_examples() -> None:
+    assert evaluator.mean_token_loss([(6.0, 3), (2.0, 1)]) == pytest.approx(2.0)
+    assert math.isnan(evaluator.mean_token_loss([]))
+    with pytest.raises(ValueError):
+        evaluator.mean_token_loss([(1.0, -1)])
+
+
+def test_example_loss_counts_only_target_tokens() -> None:
+    vocab = 7
+
+    class Uniform(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> object:
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, vocab)})()
+
+    loss, n = evaluator.example_loss(Uniform(), [1, 2, 3, 4], [evaluator.IGNORE, 3, 4, evaluator.IGNORE])
+    assert n == 2 and loss == pytest.approx(2 * math.log(vocab))
+
+
+def _run(who: str, mode: str | None, rnd: int, tps: float, mem: float, loss: float) -> dict:
+    return {"who": who, "mode": mode, "round": rnd, "tokens_per_s": tps, "train_tokens_per_s": 2 * tps,
+            "wall_s": 100 / tps, "train_s": 50 / tps, "peak_mem_gib": mem, "eval_loss": loss, "steps": 10,
+            "examples_per_step": 4.0, "load_avg_1m": 1.5}
+
+
+def test_summary_keeps_section_8_keys_and_every_run() -> None:
+    w = workloads.WORKLOADS["smollm2-135m-lora"]
+    runs = [_run("shardfit", None, 0, 200, 1.0, 2.0), _run("hf_trainer", "same_config", 0, 100, 2.0, 2.5),
+            _run("shardfit", None, 1, 300, 1.0, 2.0), _run("hf_trainer", "same_config", 1, 100, 2.0, 2.0),
+            _run("trl_sft", "same_config", 0, 150, 1.5, 2.0), _run("trl_sft", "same_config", 1, 150, 1.5, 2.0)]
+    e = compare.summarise(w, runs, 2)
+    for key in ("name", "shardfit", "hf_trainer", "speedup", "memory_ratio", "eval_loss_ratio", "runs"):
+        assert key in e
+    assert e["speedup"] == pytest.approx(2.5)  # the median of per-round ratios 2.0 and 3.0
+    assert e["memory_ratio"] == pytest.approx(0.5) and e["eval_loss_ratio"] == pytest.approx(0.9)
+    assert e["peers"]["trl_sft"]["same_config"]["speedup"] == pytest.approx((200 / 150 + 300 / 150) / 2)
+    assert len(e["all_runs"]) == 6 and e["load_avg_1m"] == [1.5] * 6
+    table = compare.markdown({"machine": "test", "date": "today", "workloads": [e]})
+    assert "| trl_sft | same_config |" in table and "2.50x" in table
+    targets = compare.target_table({"workloads": [e]})
+    assert "| smollm2-135m-lora | hf_trainer | speedup | >= 2.0 | 2.50 | met |" in targets
+    assert "| smollm2-135m-lora | hf_trainer | eval_loss_ratio | <= 1.02 | 0.90 | met |" in targets
+    assert "| smollm2-135m-lora | trl_sft | memory_ratio | <= 0.8 | 0.67 | met |" in targets
+
+
+def test_a_failed_peer_run_is_reported_not_averaged() -> None:
+    w = workloads.WORKLOADS["smollm2-135m-lora-longtail"]
+    failed = {"who": "hf_trainer", "mode": "equal_examples", "round": 0, "batch_per_device": 16,
+              "failed": "killed (out of memory?)", "load_avg_1m": 2.0, "saved": None}
+    runs = [_run("shardfit", None, 0, 200, 1.0, 2.0), _run("hf_trainer", "same_config", 0, 100, 2.0, 2.5), failed]
+    e = compare.summarise(w, runs, 1)
+    assert e["peers"]["hf_trainer"]["equal_examples"] == {"failed": "killed (out of memory?)", "batch_per_device": 16}
+    assert e["speedup"] == pytest.approx(2.0)  # the section-8 keys still come from the same-config run
+    table = compare.markdown({"machine": "test", "date": "today", "workloads": [e]})
+    assert "failed: killed (out of memory?) (batch 16)" in table
