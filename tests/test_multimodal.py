@@ -203,8 +203,20 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
     assert "bad.jsonl:2:" in r.stderr and "lists no images" in r.stderr and "loading" not in r.stderr
 
 
+def test_qlora_trains_on_image_rows(tmp_path: Path, tiny_vl: Path, vl_data: Path) -> None:
+    """4-bit frozen weights under the same image rows: the language model's linears quantized, the tower as is."""
+    cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(vl_data), precision="fp32",
+                       max_seq_len=128, micro_batch=2, max_steps=2, log_steps=1, save_steps=100, method="qlora",
+                       strategy="single", output_dir=str(tmp_path / "run"), report_to=["none"])
+    r = run_cli("train", str(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "images" in r.stdout and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, arch", [("ddp", "tiny_vl"), ("zero3", "tiny_vl"), ("zero3", "tiny_vl25")])
+@pytest.mark.parametrize("strategy, arch", [("ddp", "tiny_vl"), ("zero2", "tiny_vl25"), ("zero3", "tiny_vl"),
+                                            ("zero3", "tiny_vl25")])
 def test_rank_without_image_matches_single_process(tmp_path: Path, vl_data: Path, strategy: str, arch: str,
                                                    request: pytest.FixtureRequest) -> None:
     """Two rows, one with an image and one without, one row per rank: every step one rank has no image (the
