@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from shardfit.config.support import require_method_support
 from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
+from shardfit.data.tokenize import Encoded
 from shardfit.errors import JobFailed, UserError
 from shardfit.evals.scorers import parse_metrics
 from shardfit.infer.generate import Sampling
@@ -99,21 +102,15 @@ def base_reference(model: str) -> str:
     return str(p.resolve()) if p.exists() else model
 
 
-def packing_note(examples: int, packed_steps: int, global_rows: int) -> str | None:
-    """What packing did to the optimizer's steps, when it matters: a config carried over from a tool that does not
-    pack trains the same examples in fewer, larger steps, which can leave a short run under-trained."""
-    unpacked_steps = max(1, -(-examples // global_rows))
-    if unpacked_steps < 1.5 * packed_steps:
-        return None
-    return (f"shardfit: packing fits about {examples / max(packed_steps * global_rows, 1):.1f} examples per row: "
-            f"{packed_steps} steps per epoch where an unpacked run of this config takes {unpacked_steps}. For as many "
-            f"optimizer steps as the HF Trainer or LLaMA-Factory without packing, set packing: false, or raise epochs "
-            f"or lower micro_batch/grad_accum.")
-
-
-def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
-    """Training rows: packed several examples to a row, or one example per row."""
+def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
+    """Evaluation rows: packed several examples to a row, or one example per row (the mean token loss is the same)."""
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
+
+
+def micro_batch_former(cfg: Config) -> Callable[[list[Encoded]], list[PackedRow]]:
+    """How a micro-batch's `micro_batch` examples become rows: packed into rows of at most max_seq_len tokens (only
+    padding goes away), or one example per row."""
+    return functools.partial(pack, max_len=cfg.max_seq_len) if cfg.packing else no_pack
 
 
 class FineTune:
@@ -200,7 +197,7 @@ class FineTune:
             log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
                         "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
-        self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
+        self.train_examples, self.eval_rows = train_ex, rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
 
     def _setup_model(self) -> None:
@@ -219,7 +216,9 @@ class FineTune:
         self.findings = quantized + findings
         report_findings(findings, env)
         self.in_device = input_device(self.model) if s.engine == "device_map" else env.device
-        self.width = cfg.max_seq_len if cfg.compile else None  # compiled blocks want one static shape
+        # Compiled blocks want one static shape: rows as wide as max_seq_len, micro_batch of them.
+        self.width = cfg.max_seq_len if cfg.compile else None
+        self.height = cfg.micro_batch if cfg.compile else None
         dtype = AUTOCAST.get(cfg.precision)
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
         self.amp = torch.autocast(env.device.type, dtype=dtype) if dtype is not None and s.autocast \
@@ -230,10 +229,11 @@ class FineTune:
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
-        self.batches = BatchSchedule(self.rows, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed)
+        self.batches = BatchSchedule(self.train_examples, cfg.micro_batch, cfg.grad_accum, env.world, env.rank,
+                                     cfg.seed, micro_batch_former(cfg))
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
-        require_same(env, {"train_rows": len(self.rows), "eval_rows": len(self.eval_rows),
+        require_same(env, {"train_examples": len(self.train_examples), "eval_rows": len(self.eval_rows),
                            "steps": self.total_steps}, "the training work",
                      "The data files differ between nodes: put the same data on every node (a shared filesystem, "
                      "or identical copies at the same path).")
@@ -272,17 +272,16 @@ class FineTune:
         if not self.quiet:
             cfg, stats = self.cfg, self.data_stats
             world = self.env.world
-            print(f"shardfit: {self.n_examples} examples -> {len(self.rows)} rows of <= {cfg.max_seq_len} tokens "
-                  f"({'packed' if cfg.packing else 'unpacked'}), {self.n_eval} eval; strategy {self.strategy.name} "
-                  f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
-                  f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
-                  f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
+            print(f"shardfit: {self.n_examples} examples, {self.n_eval} eval; rows of <= {cfg.max_seq_len} tokens "
+                  f"({'packed: padding removed, the same steps as unpacked' if cfg.packing else 'unpacked'}); "
+                  f"strategy {self.strategy.name} on {world} x {self.env.device.type} ({cfg.precision}); "
+                  f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
+                  f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {world} rank"
+                  f"{'s' if world > 1 else ''}); {self.batches.steps_per_epoch} steps per epoch, "
+                  f"{self.total_steps} steps"
                   + (f"; {self.n_images} images (M-RoPE positions kept per example"
                      f"{' in packed rows' if cfg.packing else ''})" if self.vision is not None else "")
                   + (f"; {stats.describe()}" if stats.describe() else ""))
-            note = packing_note(self.n_examples, self.batches.steps_per_epoch, cfg.micro_batch * cfg.grad_accum * world)
-            if cfg.packing and note:
-                print(note)
 
     # -- fit -----------------------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -339,7 +338,7 @@ class FineTune:
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
             wd.at("data loader")
-            batch = collate(micro, self.pad_id, self.width).to(self.in_device)
+            batch = collate(micro, self.pad_id, self.width, self.height).to(self.in_device)
             wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
@@ -393,6 +392,8 @@ class FineTune:
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
+                   "examples_per_step": self.batches.global_examples,
+                   "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
