@@ -69,9 +69,15 @@ class Config:
                                  "auto: bf16 where the device computes it fast (GPUs with bf16, CPUs with bf16 "
                                  "units), else fp16 on GPUs and fp32 on CPUs")
     max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
-    packing: bool = key(True, "several examples per row, attention kept within each example")
-    micro_batch: int = key(4, "rows per rank per forward pass; one optimizer step takes micro_batch x grad_accum x "
-                              "ranks rows (more ranks: more rows per step, fewer steps)", ge=1)
+    packing: bool = key(True, "pack each micro-batch's examples into as few rows as fit max_seq_len (attention kept "
+                              "within each example); the examples per step and the steps stay those of an unpacked "
+                              "run")
+    data_cache: bool = key(True, "reuse the tokenised data of an earlier run with the same data files, tokenizer and "
+                                 "max_seq_len (kept in $XDG_CACHE_HOME/shardfit/data, default ~/.cache); the "
+                                 "environment variable SHARDFIT_DATA_CACHE=0 turns it off too")
+    micro_batch: int = key(4, "examples per rank per forward pass, with packing on or off (packing puts them in "
+                              "fewer rows, taking out padding); one optimizer step takes micro_batch x grad_accum x "
+                              "ranks examples (more ranks: more examples per step, fewer steps)", ge=1)
     grad_accum: int = key(1, "micro-batches per optimizer step", ge=1)
     lr: float = key(2.0e-4, "peak learning rate (AdamW)", gt=0)
     warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay", ge=0,

@@ -27,7 +27,8 @@ from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
 from shardfit.config.support import require_method_support
-from shardfit.data.dataset import encode_split, read_split
+from shardfit.data.cache import cached_encode_split
+from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
 from shardfit.data.tokenize import Encoded
@@ -57,6 +58,7 @@ from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
+from shardfit.train.startup import StartupTimer
 from shardfit.train.trackers import open_trackers, resolve_report_to
 
 log = logging.getLogger("shardfit")
@@ -123,6 +125,7 @@ class FineTune:
         self.cfg, self.env, self.model, self.tokenizer, self.plan, self.quiet = cfg, env, model, tokenizer, plan, quiet
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
+        self.startup = StartupTimer()
         self.lock: RunLock | None = None
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
@@ -150,12 +153,15 @@ class FineTune:
         refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later).
         refuse_unfixable(device_map_rules(cfg, self.strategy, env.world) + qlora_rules(cfg, self.strategy))
+        self.startup.mark("plan")
         self._setup_data()
         self._setup_model()
+        self.startup.mark("model")
         self._setup_optimizer()
         self._resume()
         self._write_run_files()
         barrier(env)
+        self.startup.mark("setup")
 
     def _claim_run_dir(self) -> None:
         """One training per output_dir (a lock), resuming only its own checkpoints (run.json's fingerprint)."""
@@ -180,11 +186,16 @@ class FineTune:
     def _setup_data(self) -> None:
         """Data before the model: a bad row stops the run in seconds, before the tokenizer and the model load."""
         split = read_split(self.cfg)
+        self.startup.mark("data read")
         source = resolve_model(self.cfg.model)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
         self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
-        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split, self.vision)
+        self.startup.mark("tokenizer")
+        encoding = cached_encode_split(self.cfg, self.tokenizer, split, self.vision, write=self.env.is_main)
+        train_ex, eval_ex = encoding.train, encoding.eval
+        self.data_cache_hit = encoding.hit
+        self.startup.mark("tokenise (cached)" if encoding.hit else "tokenise")
         self.n_images = sum(len(c.images) for c in split.train)
         self.data_stats = split.stats
         self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
@@ -308,6 +319,8 @@ class FineTune:
                 faults.inject(self.fault, env.rank, done)
                 rows = self.batches.step(step)
                 grad_norm = self.train_step(step, rows)
+                if step == self.start_step:
+                    self.startup.mark("first step")
                 self.tokens += rows.global_tokens
                 wd.at("metrics (loss all-reduce)")
                 self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
@@ -396,6 +409,7 @@ class FineTune:
                    "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
+                   "startup_s": self.startup.phases, "data_cache_hit": self.data_cache_hit,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}
