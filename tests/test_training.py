@@ -195,17 +195,21 @@ def test_compile_without_a_cpu_compiler_is_a_clear_error(tmp_path: Path, tiny_qw
 
 
 def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
-    """`attn_implementation: eager` trains like the default SDPA kernel (packed rows included); a kernel that is
-    not installed stops at load with exit 2 naming the key."""
+    """`attn_implementation: eager` trains like SDPA (packed rows included); `auto` resolves by the measured rule
+    (eager for short packed rows on CPU) and config.yaml records the choice; a kernel that is not installed stops at
+    load with exit 2 naming the key."""
     runs = {}
-    for attn in ("auto", "eager"):
+    for attn in ("sdpa", "eager", "auto"):
         out = tmp_path / attn
         out.mkdir()
         cfg = load_config(_cfg(out, tiny_qwen2, small_data, max_steps=3, attn_implementation=attn, resume="never"))
         result = train(cfg, init_distributed(), quiet=True)
         runs[attn] = [m["loss"] for m in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in m]
-        assert result.model.config._attn_implementation == ("sdpa" if attn == "auto" else "eager")
-    torch.testing.assert_close(runs["eager"], runs["auto"], rtol=1e-4, atol=0)
+        assert result.model.config._attn_implementation == ("sdpa" if attn == "sdpa" else "eager")
+        recorded = load_config(result.run_dir / "config.yaml")
+        assert recorded.attn_implementation == ("sdpa" if attn == "sdpa" else "eager")
+        assert recorded.compile is False  # auto: no compile on CPU
+    torch.testing.assert_close(runs["eager"], runs["sdpa"], rtol=1e-4, atol=0)
 
     r = run_cli("train", str(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1,
                                   attn_implementation="flash_attention_2")))

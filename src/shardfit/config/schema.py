@@ -87,9 +87,14 @@ class Config:
     epochs: int = key(1, "passes over the training rows", ge=1)
     max_steps: int | None = key(None, "optimizer steps; overrides epochs when set", ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
-    compile: bool = key(False, "torch.compile each decoder block (needs a C++ compiler on CPU)")
-    attn_implementation: str = key("auto", "attention kernel: auto (transformers' default, SDPA) | sdpa | eager | "
-                                           "flash_attention_2 | flex_attention")
+    compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
+                                      "compiler on CPU). auto compiles where it was measured to pay: on a GPU with "
+                                      "packing off (a compiled run pads micro-batches to one static shape, undoing "
+                                      "packing, and its first run pays the compile)")
+    attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
+                                           "flex_attention. auto: eager for packed rows of at most 512 tokens on CPU "
+                                           "(measured faster than SDPA's masked kernel there), else transformers' "
+                                           "default (SDPA)")
     loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
@@ -150,6 +155,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
+    "compile": ("auto", True, False),
     "qlora.quant_type": QUANT_TYPES,
     "qlora.compute_dtype": COMPUTE_DTYPES,
     "watchdog_action": WATCHDOG_ACTIONS,

@@ -43,6 +43,7 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
+from shardfit.parallel.defaults import resolve_speed_settings
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import parallelize, set_grad_sync
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -135,8 +136,9 @@ class FineTune:
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         env = self.env
-        self.cfg = cfg = dataclasses.replace(self.cfg, precision=resolve_precision(self.cfg.precision,
-                                                                                  env.device.type))
+        self.cfg = cfg = resolve_speed_settings(
+            dataclasses.replace(self.cfg, precision=resolve_precision(self.cfg.precision, env.device.type)),
+            env.device.type)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():
             log.warning("precision bf16 on this CPU: its bf16 matmuls run at %.1f GFLOP/s against %.1f for fp32; "
                         "precision: fp32 (or auto) trains several times faster here",
