@@ -8,8 +8,12 @@ import pytest
 
 from shardfit.config import Config, load_config
 from shardfit.errors import UserError
-from shardfit.parallel.defaults import (EAGER_ATTENTION_MAX_LEN, resolve_attention, resolve_compile,
-                                        resolve_speed_settings)
+from shardfit.parallel.defaults import (
+    EAGER_ATTENTION_MAX_LEN,
+    resolve_attention,
+    resolve_compile,
+    resolve_speed_settings,
+)
 
 
 def test_compile_auto_only_where_it_pays() -> None:
