@@ -117,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(json.dumps({k: row[k] for k in ("length", "packed", "median_s", "speed_vs_eager_sdpa",
                                                   "first_step_s")}), flush=True)
-    out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs while measured)",
-           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "model": cfg.model, "method": "lora r16", "precision": "fp32", "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+            # Written after every shape: a run stopped early still leaves what it measured.
+            out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs while "
+                              "measured)", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                   "threads": torch.get_num_threads(), "model": cfg.model, "method": "lora r16", "precision": "fp32",
+                   "lengths_asked": args.lengths, "results": results}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
