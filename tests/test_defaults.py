@@ -24,17 +24,21 @@ def test_compile_auto_only_where_it_pays() -> None:
     assert resolve_compile(True, "cpu", packing=True) is True and resolve_compile(False, "cuda", False) is False
 
 
-def test_attention_auto_follows_device_and_row_shape() -> None:
-    assert resolve_attention("auto", "cpu", True, 256) == "eager"
-    assert resolve_attention("auto", "cpu", True, EAGER_ATTENTION_MAX_LEN + 1) == "auto"
-    assert resolve_attention("auto", "cpu", False, 256) == "auto"  # no mask: SDPA's causal kernel
-    assert resolve_attention("auto", "cuda", True, 256) == "auto"
-    assert resolve_attention("sdpa", "cpu", True, 256) == "sdpa"  # an explicit choice is kept
+def test_attention_auto_follows_device_compile_and_row_shape() -> None:
+    assert resolve_attention("auto", "cpu", True, 256, compiled=True) == "eager"
+    assert resolve_attention("auto", "cpu", True, 256, compiled=False) == "auto"  # uncompiled eager is slower
+    assert resolve_attention("auto", "cpu", True, EAGER_ATTENTION_MAX_LEN + 1, compiled=True) == "auto"
+    assert resolve_attention("auto", "cpu", False, 256, compiled=True) == "auto"  # no mask: SDPA's causal kernel
+    assert resolve_attention("auto", "cuda", True, 256, compiled=True) == "auto"
+    assert resolve_attention("sdpa", "cpu", True, 256, compiled=True) == "sdpa"  # an explicit choice is kept
 
 
 def test_resolved_config_and_the_keys(tmp_path: Path) -> None:
     cfg = resolve_speed_settings(Config(max_seq_len=256), "cpu")
-    assert cfg.compile is False and cfg.attn_implementation == "eager"
+    assert cfg.compile is False and cfg.attn_implementation == "auto"
+    forced = resolve_speed_settings(Config(max_seq_len=256, compile=True), "cpu")
+    assert forced.compile is True and forced.attn_implementation == "eager"
+    assert resolve_speed_settings(Config(packing=False), "cuda").compile is True
     f = tmp_path / "c.yaml"
     f.write_text("model: m\ndata: d.jsonl\ncompile: auto\n")
     assert load_config(f, check_files=False).compile == "auto"

@@ -92,9 +92,9 @@ class Config:
                                       "packing off (a compiled run pads micro-batches to one static shape, undoing "
                                       "packing, and its first run pays the compile)")
     attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
-                                           "flex_attention. auto: eager for packed rows of at most 512 tokens on CPU "
-                                           "(measured faster than SDPA's masked kernel there), else transformers' "
-                                           "default (SDPA)")
+                                           "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
+                                           "of at most 256 tokens (measured faster than SDPA's masked kernel there), "
+                                           "else transformers' default (SDPA)")
     loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
