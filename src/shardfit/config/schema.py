@@ -88,9 +88,9 @@ class Config:
     max_steps: int | None = key(None, "optimizer steps; overrides epochs when set", ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
-                                      "compiler on CPU). auto compiles where it was measured to pay: on a GPU with "
-                                      "packing off (a compiled run pads micro-batches to one static shape, undoing "
-                                      "packing, and its first run pays the compile)")
+                                      "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "
+                                      "pads micro-batches to one static shape, undoing packing, and its first run "
+                                      "waits for the compile, which did not pay on CPU")
     attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
                                            "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
                                            "of at most 256 tokens (measured faster than SDPA's masked kernel there), "
