@@ -93,7 +93,9 @@ def config_keys() -> str:
         for f in dataclasses.fields(cls):
             meaning = f.metadata.get("help", "")
             if prefix + f.name in CHOICES:
-                meaning += f" (one of: {', '.join(CHOICES[prefix + f.name])})"
+                # YAML spelling: a bool choice reads true/false.
+                names = [str(c).lower() if isinstance(c, bool) else c for c in CHOICES[prefix + f.name]]
+                meaning += f" (one of: {', '.join(names)})"
             rows.append(f"| `{prefix}{f.name}` | {_cell(_type(hints[f.name]))} | `{_default(f)}` | {_cell(meaning)} |")
     return "\n".join(rows)
 

@@ -11,7 +11,7 @@ from shardfit.data.dataset import DataStats, load_conversations
 from shardfit.data.formats import ALPACA, OPENAI, SHAREGPT, detect_format, to_messages
 from shardfit.data.loader import BatchSchedule, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
-from shardfit.data.tokenize import IGNORE, encode_messages
+from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
 from shardfit.errors import UserError
 
 ALPACA_ROW = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
@@ -109,15 +109,52 @@ def test_collate_pads_as_separate_block() -> None:
 
 
 def test_schedule_same_global_batch_at_any_world_size() -> None:
-    rows = [PackedRow([i], [i], [0]) for i in range(10)]
+    rows = [Encoded([i], [i]) for i in range(10)]
     single = BatchSchedule(rows, micro_batch=2, grad_accum=2, world=1, rank=0, seed=3)
     r0 = BatchSchedule(rows, micro_batch=2, grad_accum=1, world=2, rank=0, seed=3)
     r1 = BatchSchedule(rows, micro_batch=2, grad_accum=1, world=2, rank=1, seed=3)
-    assert single.steps_per_epoch == r0.steps_per_epoch == 3  # 10 rows, 4 per step, last step wraps
+    assert single.steps_per_epoch == r0.steps_per_epoch == 3  # 10 examples, 4 per step, last step wraps
     for step in range(4):
         a = [r.input_ids[0] for mb in single.step(step).micro_batches for r in mb]
         b = [r.input_ids[0] for mb in r0.step(step).micro_batches + r1.step(step).micro_batches for r in mb]
         assert sorted(a) == sorted(b)
         assert single.step(step).global_targets == r0.step(step).global_targets
     epoch0 = [r.input_ids[0] for s in range(3) for mb in single.step(s).micro_batches for r in mb]
-    assert set(epoch0) == set(range(10))  # no row dropped
+    assert set(epoch0) == set(range(10))  # no example dropped
+
+
+def _lengths_mix(n: int) -> list[Encoded]:
+    """A long-tailed length mix: mostly short examples, every seventh a long one."""
+    return [Encoded(list(range(40 if i % 7 == 0 else 3 + i % 5)), [1] * (40 if i % 7 == 0 else 3 + i % 5))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize(("n", "mb", "accum", "world"), [(23, 4, 1, 1), (23, 2, 3, 1), (23, 2, 2, 2), (8, 4, 2, 2)])
+def test_packing_keeps_the_examples_per_step_of_an_unpacked_run(n: int, mb: int, accum: int, world: int) -> None:
+    """micro_batch counts examples with packing on as off: ceil(N / (mb x accum x world)) steps per epoch, every
+    step the same examples (so the same targets and tokens) and every rank `accum` forwards; packing only puts a
+    micro-batch's examples in fewer rows."""
+    examples = _lengths_mix(n)
+    packed = [BatchSchedule(examples, mb, accum, world, r, seed=1, form=lambda ex: pack(ex, 64)) for r in range(world)]
+    plain = [BatchSchedule(examples, mb, accum, world, r, seed=1) for r in range(world)]
+    want = -(-n // (mb * accum * world))
+    assert {s.steps_per_epoch for s in packed + plain} == {want}
+    fewer_rows = False
+    for step in range(want + 1):  # into the second epoch
+        p = [s.step(step) for s in packed]
+        u = [s.step(step) for s in plain]
+        assert p[0].global_examples == u[0].global_examples == mb * accum * world
+        assert p[0].global_targets == u[0].global_targets and p[0].global_tokens == u[0].global_tokens
+        for a, b in zip(p, u, strict=True):
+            assert len(a.micro_batches) == len(b.micro_batches) == accum
+            for pm, um in zip(a.micro_batches, b.micro_batches, strict=True):
+                assert sorted(t for r in pm for t in r.input_ids) == sorted(t for r in um for t in r.input_ids)
+                assert all(len(r) <= 64 for r in pm) and len(um) == mb
+                fewer_rows |= len(pm) < len(um)
+    assert fewer_rows
+
+
+def test_collate_pads_rows_up_to_a_fixed_height() -> None:
+    b = collate([PackedRow([5, 6], [6, IGNORE], [0, 1])], pad_id=0, width=4, height=3)
+    assert b.input_ids.shape == (3, 4) and b.n_real_tokens == 2
+    assert b.position_ids[2].tolist() == [0, 1, 2, 3] and (b.targets[1:] == IGNORE).all()

@@ -71,7 +71,9 @@ def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small
     # A sharded parameter counts once, not once per rank; the start line says how big a step is.
     single = json.loads((single_runs[method] / "summary.json").read_text())
     assert summary["trainable_params"] == single["trainable_params"]
-    assert "global batch 4 rows (micro_batch 2 x grad_accum 1 x 2 ranks)" in r.stdout
+    assert "global batch 4 examples (micro_batch 2 x grad_accum 1 x 2 ranks)" in r.stdout
+    # micro_batch counts examples with packing on: 64 examples / (2 x 1 x 2 ranks) steps per epoch.
+    assert summary["steps_per_epoch"] == single["steps_per_epoch"] == 16 and summary["examples_per_step"] == 4
     assert len(read_jsonl(run / "metrics.jsonl")[-1]["mem_gib"]) == 2  # memory of each rank
     want, have = _weights(single_runs[method], method), _weights(run, method)
     assert want.keys() == have.keys()

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from shardfit.config import load_config
 from shardfit.parallel.env import init_distributed
-from shardfit.train.recipe import packing_note, train
+from shardfit.train.recipe import train
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
 BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
@@ -195,17 +195,21 @@ def test_compile_without_a_cpu_compiler_is_a_clear_error(tmp_path: Path, tiny_qw
 
 
 def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
-    """`attn_implementation: eager` trains like the default SDPA kernel (packed rows included); a kernel that is
+    """`attn_implementation: eager` trains like SDPA (packed rows included); `auto` resolves by the measured rule
+    (uncompiled on CPU: transformers' default, SDPA) and config.yaml records the resolved config; a kernel that is
     not installed stops at load with exit 2 naming the key."""
     runs = {}
-    for attn in ("auto", "eager"):
+    for attn in ("sdpa", "eager", "auto"):
         out = tmp_path / attn
         out.mkdir()
         cfg = load_config(_cfg(out, tiny_qwen2, small_data, max_steps=3, attn_implementation=attn, resume="never"))
         result = train(cfg, init_distributed(), quiet=True)
         runs[attn] = [m["loss"] for m in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in m]
-        assert result.model.config._attn_implementation == ("sdpa" if attn == "auto" else "eager")
-    torch.testing.assert_close(runs["eager"], runs["auto"], rtol=1e-4, atol=0)
+        assert result.model.config._attn_implementation == ("eager" if attn == "eager" else "sdpa")
+        recorded = load_config(result.run_dir / "config.yaml")
+        assert recorded.compile is False  # auto: no compile on CPU, and then transformers' default attention
+        assert recorded.attn_implementation == attn
+    torch.testing.assert_close(runs["eager"], runs["sdpa"], rtol=1e-4, atol=0)
 
     r = run_cli("train", str(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1,
                                   attn_implementation="flash_attention_2")))
@@ -213,9 +217,23 @@ def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: P
     assert "attn_implementation: auto" in r.stderr
 
 
-def test_packing_note_says_when_packing_cuts_the_steps() -> None:
-    """240 examples packed into 40 rows at 4 rows per step: 10 steps where the HF Trainer takes 60 (the case of a
-    config carried over from a tool that does not pack); a packing that changes little says nothing."""
-    note = packing_note(240, 10, 4)
-    assert note is not None and "10 steps per epoch" in note and "takes 60" in note and "packing: false" in note
-    assert packing_note(240, 50, 4) is None
+def test_packing_trains_the_steps_and_losses_of_an_unpacked_run(tmp_path: Path, tiny_llama: Path,
+                                                                 small_data: Path) -> None:
+    """A config carried over from a tool that does not pack: 10 examples, micro_batch 2, grad_accum 2 take
+    ceil(10 / 4) = 3 optimizer steps with packing on as off, and each step's loss (the mean over the step's label
+    tokens) is the unpacked run's: packing only removes padding."""
+    data = tmp_path / "ten.jsonl"
+    data.write_text("\n".join(small_data.read_text().splitlines()[:10]) + "\n")
+    runs = {}
+    for packing in (True, False):
+        out = tmp_path / f"packing-{packing}"
+        out.mkdir()
+        cfg = load_config(_cfg(out, tiny_llama, data, grad_accum=2, packing=packing, epochs=1, max_seq_len=256))
+        result = train(cfg, init_distributed(), quiet=True)
+        runs[packing] = result
+        assert result.summary["steps"] == result.summary["steps_per_epoch"] == 3
+        assert result.summary["examples_per_step"] == 4 and result.summary["packing"] is packing
+    losses = {k: [m["loss"] for m in read_jsonl(r.run_dir / "metrics.jsonl") if "loss" in m] for k, r in runs.items()}
+    assert len(losses[True]) == 3
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=0)
+    assert runs[True].summary["tokens"] == runs[False].summary["tokens"]

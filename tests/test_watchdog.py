@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardfit.data.loader import BatchSchedule
-from shardfit.data.packing import PackedRow
+from shardfit.data.tokenize import Encoded
 from shardfit.errors import UserError
 from shardfit.parallel import faults
 from shardfit.parallel.env import DistEnv
@@ -254,7 +254,7 @@ def test_threshold_follows_the_recent_median() -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_rank_gets_the_same_number_of_full_micro_batches(world: int) -> None:
     for n_rows in (1, 5, 7, 13):
-        rows = [PackedRow([i], [i], [0]) for i in range(n_rows)]
+        rows = [Encoded([i], [i]) for i in range(n_rows)]
         for mb, accum in ((1, 1), (2, 3), (3, 2)):
             per_rank = [BatchSchedule(rows, mb, accum, world, r, seed=0) for r in range(world)]
             assert len({s.steps_per_epoch for s in per_rank}) == 1

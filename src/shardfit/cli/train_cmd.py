@@ -49,6 +49,10 @@ def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
     out = [f"done: {s['steps']} steps; train loss {num(s['train_loss'], '.4f')}, eval loss "
            f"{num(s['eval_loss'], '.4f')}; {num(s.get('tokens_per_s'), ',.0f')} tokens/s training "
            f"({num(s.get('process_tokens_per_s'), ',.0f')} over the whole run, loading included)"]
+    phases = s.get("startup_s") or {}
+    if phases:
+        out.append(f"start-up: {sum(phases.values()):.1f} s to the end of the first step ("
+                   + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + ")")
     if (run_dir / "adapter").is_dir():
         out += [f"adapter: {run_dir / 'adapter'}  (peft: PeftModel.from_pretrained(base_model, that folder))",
                 f"merge it into a plain model folder: shardfit export {run_dir} --merge"]

@@ -101,6 +101,11 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _choice(value: Any) -> str:
+    """A choice as YAML spells it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _type_name(hint: Any) -> str:
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
@@ -176,8 +181,8 @@ def _build(cls: type, raw: dict[str, Any], where: str, lines: dict[str, int], pr
             raise UserError(f"{loc}: '{dotted}' must be {_type_name(hint)}, got {value!r} ({type(value).__name__}).")
         if dotted in CHOICES and value not in CHOICES[dotted]:
             raise UserError(
-                f"{loc}: '{dotted}' is '{value}'{_suggest(str(value), CHOICES[dotted])}; "
-                f"choose one of: {', '.join(CHOICES[dotted])}."
+                f"{loc}: '{dotted}' is '{value}'{_suggest(str(value), [str(c) for c in CHOICES[dotted]])}; "
+                f"choose one of: {', '.join(_choice(c) for c in CHOICES[dotted])}."
             )
         kwargs[key] = value
     return cls(**kwargs)

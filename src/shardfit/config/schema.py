@@ -69,9 +69,15 @@ class Config:
                                  "auto: bf16 where the device computes it fast (GPUs with bf16, CPUs with bf16 "
                                  "units), else fp16 on GPUs and fp32 on CPUs")
     max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
-    packing: bool = key(True, "several examples per row, attention kept within each example")
-    micro_batch: int = key(4, "rows per rank per forward pass; one optimizer step takes micro_batch x grad_accum x "
-                              "ranks rows (more ranks: more rows per step, fewer steps)", ge=1)
+    packing: bool = key(True, "pack each micro-batch's examples into as few rows as fit max_seq_len (attention kept "
+                              "within each example); the examples per step and the steps stay those of an unpacked "
+                              "run")
+    data_cache: bool = key(True, "reuse the tokenised data of an earlier run with the same data files, tokenizer and "
+                                 "max_seq_len (kept in $XDG_CACHE_HOME/shardfit/data, default ~/.cache); the "
+                                 "environment variable SHARDFIT_DATA_CACHE=0 turns it off too")
+    micro_batch: int = key(4, "examples per rank per forward pass, with packing on or off (packing puts them in "
+                              "fewer rows, taking out padding); one optimizer step takes micro_batch x grad_accum x "
+                              "ranks examples (more ranks: more examples per step, fewer steps)", ge=1)
     grad_accum: int = key(1, "micro-batches per optimizer step", ge=1)
     lr: float = key(2.0e-4, "peak learning rate (AdamW)", gt=0)
     warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay", ge=0,
@@ -81,9 +87,14 @@ class Config:
     epochs: int = key(1, "passes over the training rows", ge=1)
     max_steps: int | None = key(None, "optimizer steps; overrides epochs when set", ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
-    compile: bool = key(False, "torch.compile each decoder block (needs a C++ compiler on CPU)")
-    attn_implementation: str = key("auto", "attention kernel: auto (transformers' default, SDPA) | sdpa | eager | "
-                                           "flash_attention_2 | flex_attention")
+    compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
+                                      "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "
+                                      "pads micro-batches to one static shape, undoing packing, and its first run "
+                                      "waits for the compile, which did not pay on CPU")
+    attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
+                                           "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
+                                           "of at most 256 tokens (measured faster than SDPA's masked kernel there), "
+                                           "else transformers' default (SDPA)")
     loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
@@ -153,6 +164,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
+    "compile": ("auto", True, False),
     "qlora.quant_type": QUANT_TYPES,
     "qlora.compute_dtype": COMPUTE_DTYPES,
     "watchdog_action": WATCHDOG_ACTIONS,

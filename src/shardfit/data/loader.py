@@ -1,4 +1,4 @@
-"""Deterministic batching: which rows each rank sees at each step follows from (seed, epoch, step) alone.
+"""Deterministic batching: which examples each rank sees at each step follows from (seed, epoch, step) alone.
 
 That makes resume exact (the data position is just the step) and lets every rank know the token count of the
 whole global batch without communication, so the loss is normalised the same way at any world size.
@@ -6,12 +6,13 @@ whole global batch without communication, so the loss is normalised the same way
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from shardfit.data.packing import PackedRow
-from shardfit.data.tokenize import IGNORE
+from shardfit.data.packing import PackedRow, no_pack
+from shardfit.data.tokenize import IGNORE, Encoded
 
 
 @dataclass
@@ -33,21 +34,22 @@ class Batch:
                      {k: v.to(device, non_blocking=True) for k, v in self.media.items()})
 
 
-def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Batch:
-    """Right-pad rows to the longest, or to `width` (fixed shapes for compiled blocks).
+def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height: int | None = None) -> Batch:
+    """Right-pad rows to the longest, or to `width`, and add empty rows up to `height` (compiled blocks want one
+    static shape, while a packed micro-batch has a varying number of rows).
 
-    Padding restarts its positions at 0, so it is a block of its own."""
+    Padding restarts its positions at 0, so it is a block of its own; it carries no target."""
     width = max([len(r) for r in rows] + [width or 0])
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    tgt = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    n_rows = max(len(rows), height or 0)
+    ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    pos = torch.arange(width).repeat(n_rows, 1)
+    tgt = torch.full((n_rows, width), IGNORE, dtype=torch.long)
     for i, r in enumerate(rows):
         n = len(r)
         ids[i, :n] = torch.tensor(r.input_ids)
         pos[i, :n] = torch.tensor(r.position_ids)
         tgt[i, :n] = torch.tensor(r.targets)
-        if n < width:
-            pos[i, n:] = torch.arange(width - n)
+        pos[i, n:] = torch.arange(width - n)
     if not any(r.mrope is not None for r in rows):
         return Batch(ids, pos, tgt, sum(len(r) for r in rows))
     pos4 = pos[None].repeat(4, 1, 1)
@@ -71,47 +73,54 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None) -> Bat
 
 @dataclass
 class StepRows:
-    """The micro-batches of one optimizer step for one rank, and the target count of the global batch."""
+    """The micro-batches of one optimizer step for one rank, and the counts of the global batch."""
 
     micro_batches: list[list[PackedRow]]
     global_targets: int
     global_tokens: int
+    global_examples: int
 
 
 class BatchSchedule:
-    """Epoch-seeded permutation of rows, cut into global batches of micro_batch * world * grad_accum rows.
+    """Epoch-seeded permutation of examples, cut into global batches of micro_batch * grad_accum * world examples.
 
+    A micro-batch is `micro_batch` examples whatever `form` does with them: packing (`form` = `pack`) puts them in
+    fewer, fuller rows and so only removes padding. An optimizer step therefore sees as many examples, and an epoch
+    has as many steps, as in an unpacked run of the same config (the HF Trainer's, LLaMA-Factory's without packing).
     The last global batch of an epoch is completed by wrapping to the start of the permutation, so every rank runs
-    the same number of forwards (FSDP needs that) and no row is dropped.
+    the same number of forwards (FSDP needs that) and no example is dropped.
     """
 
-    def __init__(self, rows: list[PackedRow], micro_batch: int, grad_accum: int, world: int, rank: int, seed: int):
-        self.rows, self.mb, self.accum = rows, micro_batch, grad_accum
+    def __init__(self, examples: list[Encoded], micro_batch: int, grad_accum: int, world: int, rank: int, seed: int,
+                 form: Callable[[list[Encoded]], list[PackedRow]] = no_pack):
+        self.examples, self.mb, self.accum, self.form = examples, micro_batch, grad_accum, form
         self.world, self.rank, self.seed = world, rank, seed
-        self.global_rows = micro_batch * grad_accum * world
-        self.steps_per_epoch = max(1, -(-len(rows) // self.global_rows))
+        self.global_examples = micro_batch * grad_accum * world
+        self.steps_per_epoch = max(1, -(-len(examples) // self.global_examples))
+        self._epoch: tuple[int, list[int]] | None = None
 
     def _order(self, epoch: int) -> list[int]:
+        if self._epoch is not None and self._epoch[0] == epoch:
+            return self._epoch[1]
         g = torch.Generator().manual_seed(self.seed + epoch)
-        perm = torch.randperm(len(self.rows), generator=g).tolist()
-        need = self.steps_per_epoch * self.global_rows
+        perm = torch.randperm(len(self.examples), generator=g).tolist()
+        need = self.steps_per_epoch * self.global_examples
         while len(perm) < need:
             perm += perm[: need - len(perm)]
+        self._epoch = (epoch, perm)
         return perm
 
     def step(self, global_step: int) -> StepRows:
         """Rows for optimizer step `global_step` (0-based, counted across epochs)."""
         epoch, k = divmod(global_step, self.steps_per_epoch)
         order = self._order(epoch)
-        chunk = order[k * self.global_rows:(k + 1) * self.global_rows]
-        rows = [self.rows[i] for i in chunk]
-        global_targets = sum(r.n_targets for r in rows)
+        chunk = [self.examples[i] for i in order[k * self.global_examples:(k + 1) * self.global_examples]]
         # Micro-batch m of rank r takes a contiguous slice: identical to single-process order when world=1.
         micro = []
         for m in range(self.accum):
             base = (m * self.world + self.rank) * self.mb
-            micro.append(rows[base:base + self.mb])
-        return StepRows(micro, global_targets, sum(len(r) for r in rows))
+            micro.append(self.form(chunk[base:base + self.mb]))
+        return StepRows(micro, sum(ex.n_targets for ex in chunk), sum(len(ex.input_ids) for ex in chunk), len(chunk))
 
     def epoch_of(self, global_step: int) -> float:
         return global_step / self.steps_per_epoch

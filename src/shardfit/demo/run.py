@@ -12,6 +12,7 @@ from shardfit.config import load_config
 from shardfit.demo.evaluate import accuracy, generate_answers, report
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
+from shardfit.parallel.defaults import resolve_speed_settings
 from shardfit.parallel.env import DistEnv, resolve_precision
 from shardfit.parallel.watchdog import Watchdog
 from shardfit.train.recipe import train
@@ -31,6 +32,7 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     bundled = [f"data={DEMO_DIR / 'train.jsonl'}", f"eval_data={DEMO_DIR / 'heldout.jsonl'}"]
     cfg = load_config(demo_config_path(), [*bundled, *overrides])
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
+    cfg = resolve_speed_settings(cfg, env.device.type)  # the model built here is the one training uses
     heldout = [json.loads(line) for line in Path(cfg.eval_data).read_text().splitlines() if line.strip()]
     if env.is_main:
         print(f"shardfit demo: LoRA fine-tune of {cfg.model} on a record-extraction task "

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,11 @@ from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
 from shardfit.config.support import require_method_support
-from shardfit.data.dataset import encode_split, read_split
+from shardfit.data.cache import cached_encode_split
+from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack
+from shardfit.data.tokenize import Encoded
 from shardfit.errors import JobFailed, UserError
 from shardfit.evals.scorers import parse_metrics
 from shardfit.infer.generate import Sampling
@@ -39,6 +43,7 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
+from shardfit.parallel.defaults import resolve_speed_settings
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import parallelize, set_grad_sync
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -54,6 +59,7 @@ from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
+from shardfit.train.startup import StartupTimer
 from shardfit.train.trackers import open_trackers, resolve_report_to
 
 log = logging.getLogger("shardfit")
@@ -99,21 +105,15 @@ def base_reference(model: str) -> str:
     return str(p.resolve()) if p.exists() else model
 
 
-def packing_note(examples: int, packed_steps: int, global_rows: int) -> str | None:
-    """What packing did to the optimizer's steps, when it matters: a config carried over from a tool that does not
-    pack trains the same examples in fewer, larger steps, which can leave a short run under-trained."""
-    unpacked_steps = max(1, -(-examples // global_rows))
-    if unpacked_steps < 1.5 * packed_steps:
-        return None
-    return (f"shardfit: packing fits about {examples / max(packed_steps * global_rows, 1):.1f} examples per row: "
-            f"{packed_steps} steps per epoch where an unpacked run of this config takes {unpacked_steps}. For as many "
-            f"optimizer steps as the HF Trainer or LLaMA-Factory without packing, set packing: false, or raise epochs "
-            f"or lower micro_batch/grad_accum.")
-
-
-def rows_of(examples: list, cfg: Config) -> list[PackedRow]:
-    """Training rows: packed several examples to a row, or one example per row."""
+def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
+    """Evaluation rows: packed several examples to a row, or one example per row (the mean token loss is the same)."""
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
+
+
+def micro_batch_former(cfg: Config) -> Callable[[list[Encoded]], list[PackedRow]]:
+    """How a micro-batch's `micro_batch` examples become rows: packed into rows of at most max_seq_len tokens (only
+    padding goes away), or one example per row."""
+    return functools.partial(pack, max_len=cfg.max_seq_len) if cfg.packing else no_pack
 
 
 class FineTune:
@@ -126,6 +126,7 @@ class FineTune:
         self.cfg, self.env, self.model, self.tokenizer, self.plan, self.quiet = cfg, env, model, tokenizer, plan, quiet
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
+        self.startup = StartupTimer()
         self.lock: RunLock | None = None
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
@@ -135,8 +136,9 @@ class FineTune:
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         env = self.env
-        self.cfg = cfg = dataclasses.replace(self.cfg, precision=resolve_precision(self.cfg.precision,
-                                                                                  env.device.type))
+        self.cfg = cfg = resolve_speed_settings(
+            dataclasses.replace(self.cfg, precision=resolve_precision(self.cfg.precision, env.device.type)),
+            env.device.type)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():
             log.warning("precision bf16 on this CPU: its bf16 matmuls run at %.1f GFLOP/s against %.1f for fp32; "
                         "precision: fp32 (or auto) trains several times faster here",
@@ -156,12 +158,15 @@ class FineTune:
         refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later).
         refuse_unfixable(device_map_rules(cfg, self.strategy, env.world) + qlora_rules(cfg, self.strategy))
+        self.startup.mark("plan")
         self._setup_data()
         self._setup_model()
+        self.startup.mark("model")
         self._setup_optimizer()
         self._resume()
         self._write_run_files()
         barrier(env)
+        self.startup.mark("setup")
 
     def _claim_run_dir(self) -> None:
         """One training per output_dir (a lock), resuming only its own checkpoints (run.json's fingerprint)."""
@@ -186,11 +191,16 @@ class FineTune:
     def _setup_data(self) -> None:
         """Data before the model: a bad row stops the run in seconds, before the tokenizer and the model load."""
         split = read_split(self.cfg)
+        self.startup.mark("data read")
         source = resolve_model(self.cfg.model)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
         self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
-        train_ex, eval_ex = encode_split(self.cfg, self.tokenizer, split, self.vision)
+        self.startup.mark("tokenizer")
+        encoding = cached_encode_split(self.cfg, self.tokenizer, split, self.vision, write=self.env.is_main)
+        train_ex, eval_ex = encoding.train, encoding.eval
+        self.data_cache_hit = encoding.hit
+        self.startup.mark("tokenise (cached)" if encoding.hit else "tokenise")
         self.n_images = sum(len(c.images) for c in split.train)
         self.n_clips = sum(len(c.audios) for c in split.train)
         self.n_videos = sum(len(c.videos) for c in split.train)
@@ -205,7 +215,7 @@ class FineTune:
             log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
                         "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
-        self.rows, self.eval_rows = rows_of(train_ex, self.cfg), rows_of(eval_ex, self.cfg)
+        self.train_examples, self.eval_rows = train_ex, rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
 
     def _setup_model(self) -> None:
@@ -224,7 +234,9 @@ class FineTune:
         self.findings = quantized + findings
         report_findings(findings, env)
         self.in_device = input_device(self.model) if s.engine == "device_map" else env.device
-        self.width = cfg.max_seq_len if cfg.compile else None  # compiled blocks want one static shape
+        # Compiled blocks want one static shape: rows as wide as max_seq_len, micro_batch of them.
+        self.width = cfg.max_seq_len if cfg.compile else None
+        self.height = cfg.micro_batch if cfg.compile else None
         dtype = AUTOCAST.get(cfg.precision)
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
         self.amp = torch.autocast(env.device.type, dtype=dtype) if dtype is not None and s.autocast \
@@ -235,10 +247,11 @@ class FineTune:
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
-        self.batches = BatchSchedule(self.rows, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed)
+        self.batches = BatchSchedule(self.train_examples, cfg.micro_batch, cfg.grad_accum, env.world, env.rank,
+                                     cfg.seed, micro_batch_former(cfg))
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
-        require_same(env, {"train_rows": len(self.rows), "eval_rows": len(self.eval_rows),
+        require_same(env, {"train_examples": len(self.train_examples), "eval_rows": len(self.eval_rows),
                            "steps": self.total_steps}, "the training work",
                      "The data files differ between nodes: put the same data on every node (a shared filesystem, "
                      "or identical copies at the same path).")
@@ -277,16 +290,15 @@ class FineTune:
         if not self.quiet:
             cfg, stats = self.cfg, self.data_stats
             world = self.env.world
-            print(f"shardfit: {self.n_examples} examples -> {len(self.rows)} rows of <= {cfg.max_seq_len} tokens "
-                  f"({'packed' if cfg.packing else 'unpacked'}), {self.n_eval} eval; strategy {self.strategy.name} "
-                  f"on {world} x {self.env.device.type} ({cfg.precision}); {self.n_trainable:,} trainable params; "
-                  f"global batch {cfg.micro_batch * cfg.grad_accum * world} rows (micro_batch {cfg.micro_batch} x "
-                  f"grad_accum {cfg.grad_accum} x {world} rank{'s' if world > 1 else ''}); {self.total_steps} steps"
+            print(f"shardfit: {self.n_examples} examples, {self.n_eval} eval; rows of <= {cfg.max_seq_len} tokens "
+                  f"({'packed: padding removed, the same steps as unpacked' if cfg.packing else 'unpacked'}); "
+                  f"strategy {self.strategy.name} on {world} x {self.env.device.type} ({cfg.precision}); "
+                  f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
+                  f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {world} rank"
+                  f"{'s' if world > 1 else ''}); {self.batches.steps_per_epoch} steps per epoch, "
+                  f"{self.total_steps} steps"
                   + self._media_line()
                   + (f"; {stats.describe()}" if stats.describe() else ""))
-            note = packing_note(self.n_examples, self.batches.steps_per_epoch, cfg.micro_batch * cfg.grad_accum * world)
-            if cfg.packing and note:
-                print(note)
 
     def _media_line(self) -> str:
         """The start line's account of a multimodal run's media (empty for a text model)."""
@@ -322,6 +334,8 @@ class FineTune:
                 faults.inject(self.fault, env.rank, done)
                 rows = self.batches.step(step)
                 grad_norm = self.train_step(step, rows)
+                if step == self.start_step:
+                    self.startup.mark("first step")
                 self.tokens += rows.global_tokens
                 wd.at("metrics (loss all-reduce)")
                 self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
@@ -352,7 +366,7 @@ class FineTune:
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
             wd.at("data loader")
-            batch = collate(micro, self.pad_id, self.width).to(self.in_device)
+            batch = collate(micro, self.pad_id, self.width, self.height).to(self.in_device)
             wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
@@ -406,8 +420,11 @@ class FineTune:
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world,
+                   "examples_per_step": self.batches.global_examples,
+                   "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
+                   "startup_s": self.startup.phases, "data_cache_hit": self.data_cache_hit,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}

@@ -46,7 +46,7 @@ def _digests(paths: str | list[str] | None) -> list[str] | None:
     return [file_digest(p) for p in ([paths] if isinstance(paths, str) else paths)]
 
 
-def fingerprint(cfg: Config, global_batch_rows: int) -> dict[str, Any]:
+def fingerprint(cfg: Config, global_batch_examples: int) -> dict[str, Any]:
     """What determines the trained weights, independent of the strategy and the number of ranks: the model, the
     data (by content), what trains, and the schedule (the global batch, not how it is split over ranks)."""
     lora = cfg.lora
@@ -57,7 +57,7 @@ def fingerprint(cfg: Config, global_batch_rows: int) -> dict[str, Any]:
         if cfg.method in ("lora", "qlora") else None,
         "freeze_trainable": cfg.freeze_trainable, "drop_modules": cfg.drop_modules,
         "freeze_modules": cfg.freeze_modules, "max_seq_len": cfg.max_seq_len, "packing": cfg.packing,
-        "global_batch_rows": global_batch_rows, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,
+        "global_batch_examples": global_batch_examples, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,
         "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm, "epochs": cfg.epochs,
         "max_steps": cfg.max_steps, "seed": cfg.seed,
     }
