@@ -19,7 +19,7 @@ from shardfit.foreign.common import (
     load_yaml,
     local_file,
     optimizer,
-    record,
+    record_keys,
 )
 from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
@@ -126,22 +126,16 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
         "freeze_vision_tower": "vision tower frozen", "freeze_trainable_layers": "trainable blocks",
         "quantization_method": "bitsandbytes", "double_quantization": "NF4 constants",
     }
-    for key, value in cfg.items():
-        if key in ("lora_target",) and str(value) != "all":
-            record(job, key, value, modelled=False)
-            job.notes.append("lora_target is not all: planned as adapters on every linear layer (an over-estimate)")
-        elif key == "optim" and opt is None:
-            record(job, key, value, modelled=False)
-        elif key in ("freeze_vision_tower",) and method != "full":
-            record(job, key, value, effect="frozen either way")
-        elif key == "freeze_vision_tower" and not as_bool(value):
-            record(job, key, value, modelled=False)
-        elif key in modelled:
-            record(job, key, value, effect=modelled[key])
-        elif key in NO_EFFECT:
-            record(job, key, value, effect="no effect on memory")
-        else:
-            record(job, key, value, modelled=False)
+    unplanned = {"optim"} if opt is None else set()
+    if "lora_target" in cfg and str(cfg["lora_target"]) != "all":
+        unplanned.add("lora_target")
+        job.notes.append("lora_target is not all: planned as adapters on every linear layer (an over-estimate)")
+    if "freeze_vision_tower" in cfg:
+        if method != "full":
+            modelled["freeze_vision_tower"] = "frozen either way"
+        elif not as_bool(cfg["freeze_vision_tower"]):
+            unplanned.add("freeze_vision_tower")
+    record_keys(job, cfg.items(), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
     job.data, missing = _datasets(cfg, path, at)
     if missing:
         job.notes.append(f"datasets not found as local files (convert leaves them out): {', '.join(missing)}")

@@ -19,6 +19,7 @@ from shardfit.foreign.common import (
     local_file,
     optimizer,
     record,
+    record_keys,
 )
 from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
@@ -131,21 +132,13 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
                 "deepspeed": "ZeRO settings", "device_map": "placement", "ddp_find_unused_parameters": "DDP",
                 "target_modules": "adapters on every linear layer", "bnb_4bit_quant_storage": "quantized storage",
                 "freeze_vit": "vision tower frozen", "optim": w.optimizer}
-    for key in cmd.order:
-        value = a[key]
-        if key == "target_modules" and value != "all-linear":
-            record(job, key, value, modelled=False)
-            job.notes.append("--target_modules is not all-linear: planned as adapters on every linear layer")
-        elif key == "optim" and opt is None:
-            record(job, key, value, modelled=False)
-        elif key == "freeze_vit" and not as_bool(value) and method == "full":
-            record(job, key, value, modelled=False)
-        elif key in modelled:
-            record(job, key, value, effect=modelled[key])
-        elif key in NO_EFFECT:
-            record(job, key, value, effect="no effect on memory")
-        else:
-            record(job, key, value, modelled=False)
+    unplanned = {"optim"} if opt is None else set()
+    if "target_modules" in a and a["target_modules"] != "all-linear":
+        unplanned.add("target_modules")
+        job.notes.append("--target_modules is not all-linear: planned as adapters on every linear layer")
+    if "freeze_vit" in a and not as_bool(a["freeze_vit"]) and method == "full":
+        unplanned.add("freeze_vit")
+    record_keys(job, ((k, a[k]) for k in cmd.order), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
     for key, value in cmd.exported.items():
         if key in ENV_MODELLED:
             record(job, f"env {key}", value, effect=ENV_MODELLED[key])
