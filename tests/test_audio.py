@@ -26,7 +26,7 @@ from shardfit.config import Config, LoraSettings
 from shardfit.data.audio import read_wav, resample
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
 from shardfit.data.loader import collate
-from shardfit.data.packing import no_pack, pack
+from shardfit.data.packing import no_pack
 from shardfit.data.tokenize import IGNORE
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
@@ -37,6 +37,7 @@ from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.audio import AudioLoad
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import make_tiny_omni, read_jsonl, run_cli, write_config, write_images, write_wav
+from tests.media_checks import assert_adapters_match, assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -208,19 +209,7 @@ def test_audio_tokens_and_positions_match_the_thinker(omni: Path, audio_data: Pa
 def test_packed_loss_equals_unpacked_and_the_models_own(omni: Path, audio_data: Path) -> None:
     vision, _, examples = _encoded(omni, audio_data)
     model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni, dtype=torch.float32)
-    loss = CausalLMLoss(model)
-    packed, single = pack(examples, 256), no_pack(examples)
-    assert len(packed) < len(single)
-
-    @torch.no_grad()
-    def total(rows) -> float:
-        out = 0.0
-        for r in rows:
-            b = collate([r], pad_id=2)
-            out += float(loss(b.input_ids, b.position_ids, b.targets, **b.media)[0])
-        return out
-
-    assert total(packed) == pytest.approx(total(single), rel=1e-5)
+    assert_packed_loss_equals_unpacked(model, examples)
     # The thinker's own forward (30-second padded features, its own positions) gives the same loss.
     ex = examples[2]
     b = collate(no_pack([ex]), pad_id=2)
@@ -233,8 +222,8 @@ def test_packed_loss_equals_unpacked_and_the_models_own(omni: Path, audio_data: 
                        image_grid_thw=ex.image_grid_thw, attention_mask=torch.ones_like(b.input_ids)).logits[0]
         keep = b.targets[0] != IGNORE
         want = torch.nn.functional.cross_entropy(logits[keep], b.targets[0][keep], reduction="sum")
-        assert float(loss(b.input_ids, b.position_ids, b.targets, **b.media)[0]) == pytest.approx(float(want),
-                                                                                                   rel=1e-5)
+        mine = float(CausalLMLoss(model)(b.input_ids, b.position_ids, b.targets, **b.media)[0])
+        assert mine == pytest.approx(float(want), rel=1e-5)
 
 
 def test_lora_leaves_frozen_towers_alone_and_units_uniform(omni: Path, audio_data: Path) -> None:
@@ -312,18 +301,6 @@ def test_rank_without_audio_matches_single_process(tmp_path: Path, omni: Path, a
     keys = dict(model=str(omni), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
                 log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, freeze_audio_tower=False,
                 report_to=["none"], watchdog_min_s=120.0)
-    one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
-                       output_dir=str(tmp_path / "one"))
-    two = write_config(tmp_path / "two.yaml", **keys, strategy=strategy, output_dir=str(tmp_path / "two"))
-    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
-    have = [m["loss"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")]
-    assert len(have) == 3 and have == pytest.approx(want, rel=1e-5)
-    a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
-    assert any("audio_tower" in k for k in a) and a.keys() == b.keys()
-    for k in a:  # Adam turns the reduction order's rounding in tiny gradients into ~1e-5 differences of a weight
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=5e-5)
+    one, two = assert_two_ranks_match_one(tmp_path, keys, strategy, steps=3)
+    # Adam turns the reduction order's rounding in tiny gradients into ~1e-5 differences of a weight
+    assert_adapters_match(one, two, "audio_tower", atol=5e-5)

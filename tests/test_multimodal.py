@@ -11,13 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
 from shardfit.config import Config, LoraSettings
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
-from shardfit.data.loader import collate
-from shardfit.data.packing import no_pack, pack
 from shardfit.data.tokenize import IGNORE
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
@@ -25,8 +22,8 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad
-from shardfit.train.loss import CausalLMLoss
 from tests.helpers import read_jsonl, run_cli, write_config, write_images
+from tests.media_checks import assert_adapters_match, assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 200, 0), "blue": (0, 0, 255)}
 
@@ -137,21 +134,8 @@ def test_image_beyond_max_seq_len_stops_before_the_model(tiny_vl: Path, vl_data:
 def test_packed_loss_equals_unpacked(arch: str, request: pytest.FixtureRequest, vl_data: Path) -> None:
     path = request.getfixturevalue(arch)
     cfg, vision, split, examples = _encoded(path, vl_data, max_seq_len=256)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    loss = CausalLMLoss(model)
-    packed, single = pack(examples, 256), no_pack(examples)
-    assert len(packed) < len(single)
-
-    @torch.no_grad()
-    def total(rows) -> float:
-        out = 0.0
-        for r in rows:
-            b = collate([r], pad_id=2)
-            out += float(loss(b.input_ids, b.position_ids, b.targets, **b.media)[0])
-        return out
-
-    assert total(packed) == pytest.approx(total(single), rel=1e-5)
-
+    assert_packed_loss_equals_unpacked(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
+                                       examples)
 
 def test_lora_adapts_the_language_model_and_keeps_units_uniform(tiny_vl: Path, vl_data: Path) -> None:
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
@@ -226,22 +210,8 @@ def test_rank_without_image_matches_single_process(tmp_path: Path, vl_data: Path
     keys = dict(model=str(tiny_vl), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=4,
                 log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
                 report_to=["none"], watchdog_min_s=120.0)
-    one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
-                       output_dir=str(tmp_path / "one"))
-    two = write_config(tmp_path / "two.yaml", **keys, strategy=strategy, output_dir=str(tmp_path / "two"))
-    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
-    have = [m["loss"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")]
-    assert len(have) == 4 and have == pytest.approx(want, rel=1e-5)
-    a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
-    assert any("merger" in k for k in a) and a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
-
+    one, two = assert_two_ranks_match_one(tmp_path, keys, strategy, steps=4)
+    assert_adapters_match(one, two, "merger", atol=1e-6)
 
 @pytest.mark.parametrize("size, max_pixels", [((1024, 768), DEFAULT_MAX_PIXELS), ((4000, 3000), 1003520),
                                               ((30, 20), DEFAULT_MAX_PIXELS), ((56, 112), 112 * 112)])

@@ -14,15 +14,13 @@ from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTo
 
 from shardfit.config import Config, LoraSettings
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
-from shardfit.data.loader import collate
-from shardfit.data.packing import no_pack, pack
 from shardfit.data.tokenize import IGNORE
 from shardfit.data.video import load_video
 from shardfit.errors import UserError
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
-from shardfit.train.loss import CausalLMLoss
 from tests.helpers import read_jsonl, run_cli, write_config, write_images
+from tests.media_checks import assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 FRAMES = {"f1": (255, 0, 0), "f2": (0, 200, 0), "f3": (0, 0, 255)}
 
@@ -131,21 +129,8 @@ def test_video_tokens_and_positions_match_the_model(arch: str, request: pytest.F
 
 def test_packed_loss_equals_unpacked_with_video(tiny_vl25: Path, video_data: Path) -> None:
     _, examples = _encoded(tiny_vl25, video_data)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vl25, dtype=torch.float32)
-    loss = CausalLMLoss(model)
-    packed, single = pack(examples, 256), no_pack(examples)
-    assert len(packed) < len(single)
-
-    @torch.no_grad()
-    def total(rows) -> float:
-        out = 0.0
-        for r in rows:
-            b = collate([r], pad_id=2)
-            out += float(loss(b.input_ids, b.position_ids, b.targets, **b.media)[0])
-        return out
-
-    assert total(packed) == pytest.approx(total(single), rel=1e-5)
-
+    assert_packed_loss_equals_unpacked(AutoModelForImageTextToText.from_pretrained(tiny_vl25, dtype=torch.float32),
+                                       examples)
 
 def test_train_with_video_frames(tmp_path: Path, tiny_vl: Path, video_data: Path) -> None:
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(video_data), precision="fp32",
@@ -166,13 +151,4 @@ def test_rank_without_video_matches_single_process(tmp_path: Path, tiny_vl25: Pa
     keys = dict(model=str(tiny_vl25), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
                 log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
                 report_to=["none"], watchdog_min_s=120.0)
-    one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
-                       output_dir=str(tmp_path / "one"))
-    two = write_config(tmp_path / "two.yaml", **keys, strategy="zero3", output_dir=str(tmp_path / "two"))
-    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
-    have = [m["loss"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")]
-    assert len(have) == 3 and have == pytest.approx(want, rel=1e-5)
+    assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)

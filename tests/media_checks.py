@@ -1,0 +1,58 @@
+"""Checks the multimodal tests share: the loss of packed against unpacked rows, and two ranks (one without media
+in every step) against one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardfit.data.loader import collate
+from shardfit.data.packing import no_pack, pack
+from shardfit.train.loss import CausalLMLoss
+from tests.helpers import read_jsonl, run_cli, write_config
+
+
+@torch.no_grad()
+def summed_loss(loss: CausalLMLoss, rows: list) -> float:
+    """The summed token loss of `rows`, one row per batch."""
+    out = 0.0
+    for r in rows:
+        b = collate([r], pad_id=2)
+        out += float(loss(b.input_ids, b.position_ids, b.targets, **b.media)[0])
+    return out
+
+
+def assert_packed_loss_equals_unpacked(model: torch.nn.Module, examples: list, max_len: int = 256) -> None:
+    """Packing several examples into a row (each keeping its own positions and media) changes no token's loss."""
+    loss = CausalLMLoss(model)
+    packed, single = pack(examples, max_len), no_pack(examples)
+    assert len(packed) < len(single)
+    assert summed_loss(loss, packed) == pytest.approx(summed_loss(loss, single), rel=1e-5)
+
+
+def assert_two_ranks_match_one(tmp_path: Path, keys: dict, strategy: str, steps: int) -> tuple[Path, Path]:
+    """Train `keys` (two rows, one per rank) on one process with grad_accum 2 and on 2 ranks of `strategy`: the
+    same losses at every step (fp32 on both sides: only the reduction order differs). Returns both run folders."""
+    one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
+                       output_dir=str(tmp_path / "one"))
+    two = write_config(tmp_path / "two.yaml", **keys, strategy=strategy, output_dir=str(tmp_path / "two"))
+    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    have = [m["loss"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")]
+    assert len(have) == steps and have == pytest.approx(want, rel=1e-5)
+    return tmp_path / "one", tmp_path / "two"
+
+
+def assert_adapters_match(one: Path, two: Path, part: str, atol: float) -> None:
+    """Both runs saved the same adapter tensors, `part` (a module name) among them, equal within `atol`."""
+    a = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    assert any(part in k for k in a) and a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=atol)
