@@ -161,17 +161,28 @@ def _all_text(row: dict) -> str:
     return "\n".join(parts)
 
 
-def _checked(path: str, base: Path) -> str:
-    """The absolute path of an image that exists and decodes (header and data checked, pixels not kept)."""
+def unreadable_image(p: Path) -> str | None:
+    """Why the image file `p` cannot be used (missing, or its header or data do not decode), or None when it can;
+    the pixels are not kept."""
     from PIL import Image, UnidentifiedImageError  # Pillow only for image data: text-only runs never import it
 
-    p = Path(path).expanduser()
-    p = p if p.is_absolute() else base / p
     if not p.is_file():
-        raise BadRow(f"image not found: {p} (paths are relative to the data file's folder)")
+        return "not found"
     try:
         with Image.open(p) as im:
             im.verify()
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise BadRow(f"image {p} cannot be read ({type(e).__name__}: {e}); re-save it as PNG or JPEG") from None
+        return f"cannot be read ({type(e).__name__}: {e})"
+    return None
+
+
+def _checked(path: str, base: Path) -> str:
+    """The absolute path of an image that exists and decodes."""
+    p = Path(path).expanduser()
+    p = p if p.is_absolute() else base / p
+    problem = unreadable_image(p)
+    if problem == "not found":
+        raise BadRow(f"image not found: {p} (paths are relative to the data file's folder)")
+    if problem:
+        raise BadRow(f"image {p} {problem}; re-save it as PNG or JPEG")
     return str(p.resolve())

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shardfit.config import Config
-from shardfit.data.media import IMAGE
+from shardfit.data.media import IMAGE, unreadable_image
 from shardfit.data.vision import VisionProcessor, load_pixels
 from shardfit.errors import UserError
 from shardfit.infer.generate import Messages, Sampling, render
@@ -36,17 +36,12 @@ def vision_processor_for(target: Target, tokenizer: Any) -> VisionProcessor:
 
 def check_image(path: str) -> str:
     """An image file that exists and decodes, as an absolute path; a UserError naming --image otherwise."""
-    from PIL import Image, UnidentifiedImageError  # Pillow only for image prompts
-
     p = Path(path).expanduser()
-    if not p.is_file():
+    problem = unreadable_image(p)
+    if problem == "not found":
         raise UserError(f"--image {path}: no such file.")
-    try:
-        with Image.open(p) as im:
-            im.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise UserError(f"--image {path}: cannot be read ({type(e).__name__}: {e}); give a PNG or JPEG file.") \
-            from None
+    if problem:
+        raise UserError(f"--image {path}: {problem}; give a PNG or JPEG file.")
     return str(p.resolve())
 
 
