@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfit.data.formats import BadRow
-from shardfit.data.media import extract_images
+from shardfit.data.media import extract_media
 from shardfit.data.reader import read_rows
 from shardfit.errors import UserError
 
@@ -48,7 +48,7 @@ def image_census(paths: str | list[str], sample: int = 256) -> ImageCensus | Non
     largest = (0, 0)
     for row, base in picked:
         try:
-            _, files = extract_images(row.data, base)
+            files = extract_media(row.data, base)[1].images
         except (BadRow, UserError):
             continue
         if not files:

@@ -165,8 +165,10 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
     if not media:
         embeds = embeds + idle_vision(body.visual, embeds)
     else:
-        grids = torch.cat([g for _, g, _ in media])
-        feats = body.visual(torch.cat([p for p, _, _ in media]).to(body.visual.dtype), grid_thw=grids)
+        # One kind of media goes in as it is: a concatenated copy would be one more tensor the tower saves.
+        pixels = media[0][0] if len(media) == 1 else torch.cat([p for p, _, _ in media])
+        grids = media[0][1] if len(media) == 1 else torch.cat([g for _, g, _ in media])
+        feats = body.visual(pixels.to(body.visual.dtype), grid_thw=grids)
         feats = feats.pooler_output if hasattr(feats, "pooler_output") else feats
         merge = body.visual.spatial_merge_size ** 2
         first = 0
