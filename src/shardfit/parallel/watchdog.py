@@ -78,6 +78,7 @@ class Watchdog:
         self._where: str | None = None
         self._steps: deque[float] = deque(maxlen=self.settings.window)
         self._answered = 0
+        self._answered_t = float("-inf")  # when this rank last answered an event
         self._pokes_seen = 0
         self._poked: tuple[float, int] | None = None  # when this rank asked rank 0 for an event, and the last answered
         self._next_side = 0.0
@@ -182,6 +183,8 @@ class Watchdog:
             return
         p.fired = True
         if self.side is not None and not self.env.is_main:
+            if self._answered_t >= p.t0:
+                return  # an event opened during this phase already holds this rank's stack
             self.side.poke()  # rank 0 opens the event; this rank answers it at its next poll
             self._poked = (now, self._answered)
         else:
@@ -221,7 +224,7 @@ class Watchdog:
     def _answer(self, event: int | str, post: bool = True) -> RankState:
         """Write this rank's stacks and state for `event` into the run directory and post the state."""
         if isinstance(event, int):
-            self._answered = event
+            self._answered, self._answered_t = event, time.monotonic()
         state = self.state()
         folder = self._folder(event)
         if folder is not None:
@@ -237,6 +240,8 @@ class Watchdog:
     def _event(self) -> None:
         """Rank 0 (or a single process): gather every rank's state, print one summary, then wait or abort."""
         p = self._phase
+        if p is not None:
+            p.fired = True  # one event per phase: its own timer must not open a second one for the same stall
         if self.side is not None:
             event = self.side.start_event()
             self._answer(event)
