@@ -96,7 +96,7 @@ def test_rows_in_each_format_carry_their_images(vl_data: Path) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]},
                    {"role": "assistant", "content": "x"}]}, "only local image files"),
     ({"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
-      "videos": ["a.mp4"]}, "video files are not decoded; give its frames"),
+      "videos": ["a.mp4"]}, "video file not found"),
 ])
 def test_bad_image_rows_name_their_line_or_are_counted(vl_data: Path, row: dict, why: str) -> None:
     (vl_data.parent / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")

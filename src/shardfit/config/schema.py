@@ -134,10 +134,11 @@ class Config:
     audio_max_seconds: float | None = key(None, "audio clips longer than this are cut to it (fewer audio tokens); "
                                                 "null: the feature extractor's window (300 s for Qwen2.5-Omni)",
                                        gt=0)
-    video_max_frames: int = key(64, "videos (Qwen2-VL, Qwen2.5-VL; given as frame images) with more frames are "
-                                    "sampled down to this many, evenly over the video", ge=1)
-    video_fps: float = key(2.0, "frames per second of the frame images a video is given as (Qwen2.5-VL places a "
-                                "video's tokens in time by it)", gt=0)
+    video_max_frames: int = key(64, "videos (Qwen2-VL, Qwen2.5-VL) with more frames than this, after sampling, "
+                                    "are thinned to this many, evenly over the video", ge=1)
+    video_fps: float = key(2.0, "frames per second the model sees: a video file is sampled at this rate; frame "
+                                "images are taken to be at it (Qwen2.5-VL places a video's tokens in time by it)",
+                           gt=0)
     drop_modules: list[str] = key(list, "submodules removed before placement (e.g. talker, token2wav)")
     freeze_modules: list[str] = key(list, "submodules whose parameters never train (e.g. a vision tower)")
     device_map: str | dict | None = key(None, "model_parallel only: a dict places modules yourself, a string uses "

@@ -16,6 +16,7 @@ from shardfit.data.formats import BadRow, detect_format, to_messages
 from shardfit.data.media import extract_media
 from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
+from shardfit.data.video import VideoClip
 from shardfit.data.vision import VisionProcessor, encode_with_images
 from shardfit.errors import UserError
 
@@ -28,7 +29,7 @@ class Conversation:
     where: str  # file:line, for every later message about this row
     images: tuple[str, ...] = ()  # absolute paths, in the order of the `<image>` placeholders
     audios: tuple[AudioInput, ...] = ()  # absolute paths or WAV bytes, in the order of the `<audio>` placeholders
-    videos: tuple[tuple[str, ...], ...] = ()  # each video's frame paths, in the order of the `<video>` placeholders
+    videos: tuple[VideoClip, ...] = ()  # each video (frames or a file), in the order of the `<video>` placeholders
 
 
 @dataclass

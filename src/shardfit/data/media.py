@@ -1,14 +1,14 @@
 """Images, audio clips and videos in data rows, in the layouts users already have, reduced to one form before the
 text formats read them: every message content a string with an `<image>` / `<audio>` / `<video>` placeholder where
 a medium goes, and the row's media in placeholder order (images as absolute paths, clips as paths or WAV bytes,
-videos as their frames' absolute paths).
+videos as their frames' absolute paths or their file).
 
 - LLaMA-Factory / ms-swift: `messages` or `conversations` with `<image>` / `<audio>` / `<video>` in the text plus
-  `images` / `audios` / `videos` lists (a video: a list of frame images, or a folder of them).
+  `images` / `audios` / `videos` lists (a video: a video file, a list of frame images, or a folder of them).
 - OpenAI content parts: a content list of `{"type": "text", "text": ...}`, `{"type": "image", "image": PATH}`,
   `{"type": "image_url", "image_url": {"url": PATH}}` (a plain string url too), `{"type": "audio", "audio": PATH}`,
   `{"type": "input_audio", "input_audio": {"data": BASE64 or PATH, "format": "wav"}}` and
-  `{"type": "video", "video": FRAMES or FOLDER}`.
+  `{"type": "video", "video": FILE, FRAMES or FOLDER}`.
 
 Paths are relative to the data file. Every file is opened here, before any model loads, so a missing or
 unreadable image or clip stops the run (or is counted under skip_bad_rows) naming its row.
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardfit.data.audio import AudioInput, checked_audio, probe_wav
 from shardfit.data.formats import BadRow
-from shardfit.data.video import VIDEO, video_frames
+from shardfit.data.video import VIDEO, VideoClip, video_clip
 
 IMAGE = "<image>"
 AUDIO = "<audio>"
@@ -37,7 +38,7 @@ class Media:
 
     images: tuple[str, ...] = ()  # absolute paths
     audios: tuple[AudioInput, ...] = ()  # absolute paths or WAV bytes
-    videos: tuple[tuple[str, ...], ...] = ()  # each video's frames, absolute paths in time order
+    videos: tuple[VideoClip, ...] = ()  # each video: its frames' absolute paths in time order, or its file
 
 
 def extract_media(row: Any, base: Path) -> tuple[Any, Media]:
@@ -58,8 +59,7 @@ def extract_media(row: Any, base: Path) -> tuple[Any, Media]:
     videos = _listed(row, "videos", VIDEO, videos, text, frames=True)
     return row, Media(tuple(_checked(p, base) for p in images),
                       tuple(c if isinstance(c, bytes) else checked_audio(c, base) for c in clips),
-                      tuple(tuple(_checked(f, base) for f in video_frames(v, base, f"videos[{k}]"))
-                            for k, v in enumerate(videos)))
+                      tuple(_frames_checked(video_clip(v, base, f"videos[{k}]"), base) for k, v in enumerate(videos)))
 
 
 def _listed(row: dict, key: str, tag: str, parts: list, text: str, frames: bool = False) -> list:
@@ -174,6 +174,11 @@ def unreadable_image(p: Path) -> str | None:
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
         return f"cannot be read ({type(e).__name__}: {e})"
     return None
+
+
+def _frames_checked(clip: VideoClip, base: Path) -> VideoClip:
+    """A video whose frame images all exist and decode (a video file's header was read already)."""
+    return dataclasses.replace(clip, frames=tuple(_checked(f, base) for f in clip.frames)) if clip.frames else clip
 
 
 def _checked(path: str, base: Path) -> str:

@@ -1,6 +1,6 @@
-"""Videos in data rows, given as their frames: a list of image files or a folder of them (sorted by name), taken to
-be `video_fps` frames per second and sampled down to `video_max_frames`. Video files are not decoded (that needs
-FFmpeg); a row naming one stops with the command that extracts its frames.
+"""Videos in data rows: a video file (decoded with PyAV, the `video` extra) or its frames (a list of image files or a
+folder of them, sorted by name). A file is sampled at `video_fps` frames per second; given frames are taken to be at
+`video_fps` already. Either way at most `video_max_frames` frames are kept, evenly spread over the video.
 
 A Qwen2-VL-style vision tower sees a video as temporal patches: each pair of consecutive frames (the tower's
 temporal patch size) is one patch deep, so a video's grid is (frames / 2, rows, columns) and its tokens are
@@ -11,6 +11,7 @@ layout the tower's patch embedding reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,25 +25,74 @@ FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".ti
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".flv", ".m4v", ".mpg", ".mpeg", ".wmv")
 
 
-def video_frames(value: Any, base: Path, where: str) -> list[str]:
-    """The frame files of one video of a row (not yet checked to decode): a list of image paths, or a folder whose
-    image files are the frames in name order. Paths are relative to `base` (the data file's folder)."""
+@dataclass(frozen=True)
+class VideoClip:
+    """One video of a row: its frame image files in time order, or a video `file` with the frame count and length
+    its container's header gives."""
+
+    frames: tuple[str, ...] = ()
+    file: str | None = None
+    file_frames: int = 0
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return self.file_frames if self.file else len(self.frames)
+
+
+def video_clip(value: Any, base: Path, where: str) -> VideoClip:
+    """One video of a row (its frame images not yet checked to decode): a list of image paths, a folder whose image
+    files are the frames in name order, or a video file (its header read here). Paths are relative to `base` (the
+    data file's folder)."""
     if isinstance(value, list):
         if not value or not all(isinstance(p, str) for p in value):
             raise BadRow(f"{where}: a video given as frames is a non-empty list of image paths")
-        return [_resolved(p, base) for p in value]
+        return VideoClip(frames=tuple(_resolved(p, base) for p in value))
     if not isinstance(value, str) or not value:
-        raise BadRow(f"{where}: a video is a list of frame images or a folder of them")
+        raise BadRow(f"{where}: a video is a video file, a folder of frame images or a list of them")
     p = Path(_resolved(value, base))
     if p.suffix.lower() in VIDEO_SUFFIXES:
-        raise BadRow(f"{where}: {p.name}: video files are not decoded; give its frames instead (a folder of images, "
-                     f"e.g. ffmpeg -i {p.name} -vf fps=2 {p.stem}_frames/%05d.png, then name the folder)")
+        return _probed(p, where)
     if not p.is_dir():
         raise BadRow(f"{where}: video frames folder not found: {p} (paths are relative to the data file's folder)")
     frames = sorted(str(f) for f in p.iterdir() if f.suffix.lower() in FRAME_SUFFIXES)
     if not frames:
         raise BadRow(f"{where}: {p} holds no frame images ({', '.join(FRAME_SUFFIXES[:4])} ...)")
-    return frames
+    return VideoClip(frames=tuple(frames))
+
+
+def _av(where: str, p: Path) -> Any:
+    try:
+        import av  # PyAV (FFmpeg's decoders in a wheel) only for rows with video files: the `video` extra
+    except ImportError:
+        raise BadRow(f"{where}: {p.name}: decoding video files needs PyAV: pip install 'shardfit[video]' (or give "
+                     f"the frames: ffmpeg -i {p.name} -vf fps=2 {p.stem}_frames/%05d.png, then name the folder)"
+                     ) from None
+    return av
+
+
+def _probed(p: Path, where: str) -> VideoClip:
+    """A video file's frame count and length from its container's header (nothing decoded)."""
+    if not p.is_file():
+        raise BadRow(f"{where}: video file not found: {p} (paths are relative to the data file's folder)")
+    av = _av(where, p)
+    try:
+        with av.open(str(p)) as container:
+            if not container.streams.video:
+                raise BadRow(f"{where}: {p} has no video stream")
+            stream = container.streams.video[0]
+            if stream.duration is not None:
+                seconds = float(stream.duration * stream.time_base)
+            else:
+                seconds = (container.duration or 0) / 1_000_000  # the container's duration is in microseconds
+            rate = float(stream.average_rate or 0)
+            frames = stream.frames or round(seconds * rate)
+    except (av.FFmpegError, OSError) as e:
+        raise BadRow(f"{where}: {p} does not decode as a video ({e}); re-encode it, e.g. ffmpeg -i {p.name} "
+                     f"-c:v libx264 {p.stem}_fixed.mp4") from None
+    if frames <= 0 or seconds <= 0:
+        raise BadRow(f"{where}: {p} gives no frame count or length in its header; re-encode it, e.g. ffmpeg -i "
+                     f"{p.name} -c:v libx264 {p.stem}_fixed.mp4")
+    return VideoClip(file=str(p.resolve()), file_frames=frames, seconds=seconds)
 
 
 def _resolved(path: str, base: Path) -> str:
@@ -63,15 +113,21 @@ class VideoSettings:
     # temporal patch.
     tokens_per_second: float | None = None
 
-    def sampled(self, frames: tuple[str, ...]) -> tuple[tuple[str, ...], float]:
-        """At most `max_frames` frames, evenly spread over the video, and their frame rate (lower when frames were
-        dropped)."""
-        n = len(frames)
-        if n <= self.max_frames:
-            return frames, self.fps
-        keep = [round(i * (n - 1) / (self.max_frames - 1)) for i in range(self.max_frames)] \
-            if self.max_frames > 1 else [0]
-        return tuple(frames[i] for i in keep), self.fps * len(keep) / n
+    def sampled(self, clip: VideoClip) -> SampledVideo:
+        """The frames the model sees, evenly spread over the video, and their rate: given frames are at `fps` and
+        thinned to `max_frames`; a file is sampled at `fps` frames per second (at most its own frames and
+        `max_frames`)."""
+        n = len(clip)
+        if clip.file:
+            want = min(self.max_frames, n, max(1, math.floor(clip.seconds * self.fps)))
+        else:
+            want = min(self.max_frames, n)
+        if want == n:
+            picks = tuple(range(n))
+        else:
+            picks = tuple(round(i * (n - 1) / (want - 1)) for i in range(want)) if want > 1 else (0,)
+        fps = want / clip.seconds if clip.file else self.fps * want / n
+        return SampledVideo(clip, picks, fps)
 
     def time_interval(self, temporal_patch: int, fps: float) -> float:
         """The temporal position step from one temporal patch to the next."""
@@ -80,20 +136,48 @@ class VideoSettings:
         return self.tokens_per_second * temporal_patch / fps
 
 
-def load_video(image_processor: Any, frames: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pixel patches of one video (rows: patches in (time, row, column) order) and its (t, h, w) grid. The last
-    frame is repeated to fill the last temporal patch, as the models' own video processors do."""
-    from PIL import Image  # Pillow only for image data: text-only runs never import it
+@dataclass(frozen=True)
+class SampledVideo:
+    """A video's kept frames (`picks`: their indices among its frames) and the rate they stand for."""
 
+    clip: VideoClip
+    picks: tuple[int, ...]
+    fps: float
+
+    def images(self) -> list[Any]:
+        """The kept frames as RGB images (a file is decoded up to its last kept frame)."""
+        from PIL import Image  # Pillow only for image data: text-only runs never import it
+
+        if not self.clip.file:
+            images = []
+            for i in self.picks:
+                with Image.open(self.clip.frames[i]) as im:
+                    images.append(im.convert("RGB"))
+            return images
+        p = Path(self.clip.file)
+        av = _av("video", p)
+        wanted, last, got = set(self.picks), max(self.picks), {}
+        with av.open(str(p)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    got[i] = frame.to_image().convert("RGB")
+                if i >= last:
+                    break
+        if len(got) < len(wanted):
+            raise BadRow(f"{p} decoded to {len(got)} of the frames its header promised ({self.clip.file_frames}); "
+                         f"re-encode it, e.g. ffmpeg -i {p.name} -c:v libx264 {p.stem}_fixed.mp4")
+        return [got[i] for i in self.picks]
+
+
+def load_video(image_processor: Any, images: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel patches of one video from its frames (RGB images; rows: patches in (time, row, column) order) and its
+    (t, h, w) grid. The last frame is repeated to fill the last temporal patch, as the models' own video processors
+    do."""
     temporal = int(image_processor.temporal_patch_size)
-    images = []
-    for p in frames:
-        with Image.open(p) as im:
-            images.append(im.convert("RGB"))
     if {im.size for im in images} != {images[0].size}:
         raise BadRow(f"the frames of a video differ in size ({', '.join(sorted({str(im.size) for im in images}))}); "
                      "extract them at one size")
-    images += [images[-1]] * (-len(images) % temporal)
+    images = list(images) + [images[-1]] * (-len(images) % temporal)
     out = image_processor(images=images, return_tensors="pt")
     grid = out["image_grid_thw"]  # every frame (1, h, w): one size, one grid
     _, h, w = grid[0].tolist()
@@ -107,11 +191,11 @@ def load_video(image_processor: Any, frames: tuple[str, ...]) -> tuple[torch.Ten
 
 @dataclass(frozen=True)
 class VideoPixels:
-    """The videos of one example, decoded when a batch needs them (held as frame paths)."""
+    """The videos of one example, decoded when a batch needs them."""
 
     image_processor: Any
-    videos: tuple[tuple[str, ...], ...]
+    videos: tuple[SampledVideo, ...]
 
     def load(self) -> torch.Tensor:
         """Pixel patches of every video, in order."""
-        return torch.cat([load_video(self.image_processor, v)[0] for v in self.videos])
+        return torch.cat([load_video(self.image_processor, v.images())[0] for v in self.videos])

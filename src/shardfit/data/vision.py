@@ -21,7 +21,7 @@ from shardfit.data.audio import AudioClips, AudioInput, AudioProcessor
 from shardfit.data.formats import BadRow
 from shardfit.data.media import AUDIO, IMAGE
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
-from shardfit.data.video import VIDEO, VideoPixels, VideoSettings, load_video
+from shardfit.data.video import VIDEO, VideoClip, VideoPixels, VideoSettings, load_video
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tens
 
 def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[str, str]],
                        images: tuple[str, ...], max_len: int, audios: tuple[AudioInput, ...] = (),
-                       videos: tuple[tuple[str, ...], ...] = ()) -> Encoded:
+                       videos: tuple[VideoClip, ...] = ()) -> Encoded:
     """One example with its pixels, image and video grids, audio clips and M-RoPE positions; a row whose media
     tokens do not fit in `max_len` is a `BadRow` (truncating inside a medium would leave features with no tokens
     to fill)."""
@@ -89,8 +89,8 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
     grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
     # Each video: its frames (sampled to video_max_frames), its grid and its temporal position step.
     clips = [vs.sampled(v) for v in videos] if vs is not None else []
-    vgrids = torch.cat([load_video(vp.image_processor, f)[1] for f, _ in clips]) if clips else None
-    steps = [vs.time_interval(vp.image_processor.temporal_patch_size, fps) for _, fps in clips] if vs else []
+    vgrids = torch.cat([load_video(vp.image_processor, c.images())[1] for c in clips]) if clips else None
+    steps = [vs.time_interval(vp.image_processor.temporal_patch_size, c.fps) for c in clips] if vs else []
     kinds: dict[int, tuple[str, list[int], str]] = {  # token -> (what, tokens per medium, token string)
         vp.image_token_id: ("image", [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else [],
                             vp.image_token)}
@@ -137,7 +137,7 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
     mrope = mrope_positions(len(ids), spans, vp.merge)
     return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=ImagePixels(vp, images) if images else None,
                    image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None,
-                   video=VideoPixels(vp.image_processor, tuple(f for f, _ in clips)) if clips else None,
+                   video=VideoPixels(vp.image_processor, tuple(clips)) if clips else None,
                    video_grid_thw=vgrids)
 
 
