@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +174,20 @@ def test_short_sequences_are_host_bound_long_ones_compute_bound() -> None:
     assert compiled.host_s < short.host_s / 2 and compiled.tokens_per_s > short.tokens_per_s
     cpu = dataclasses.replace(parse_gpus("1x24GB"), name="cpu")
     assert step_time(LLAMA8, dataclasses.replace(w, seq_len=128), cpu, "single").host_s == 0
+
+
+def test_layer_op_table_matches_a_fresh_count() -> None:
+    """LAYER_OPS is what bench/dispatch_ops.py counts with the installed torch / transformers / peft: recount two
+    recipes on tiny Llama layers (a second each) and hold the table to them within 10 % (a version that changes
+    the count by more wants the table refreshed)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "dispatch_ops.py"
+    spec = importlib.util.spec_from_file_location("dispatch_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for key, (method, ckpt, targets, bf16) in {("full", False, False): ("full", False, [], False),
+                                               ("lora7", True, True): ("lora", True, mod.ALL_LINEAR, True)}.items():
+        fresh = mod.per_layer("llama", method, ckpt, targets, 0.0, bf16)
+        kernels, views, matmuls = LAYER_OPS[key]
+        assert fresh["layer_kernel"] == pytest.approx(kernels, rel=0.1), key
+        assert fresh["layer_view"] == pytest.approx(views, rel=0.1), key
+        assert fresh["layer_matmul"] == pytest.approx(matmuls, rel=0.1), key

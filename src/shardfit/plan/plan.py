@@ -101,8 +101,8 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
 
 
 def _timing_phrase(c: Candidate) -> str:
-    why = {"compute": "compute-bound", "host": "host-bound (op launches)", "comm": "communication-bound",
-           "pcie": "PCIe-bound"}.get(c.bound or "", "")
+    why = {"compute": "compute-bound", "host": "host-bound (launching ops: a longer micro-batch or torch.compile "
+           "would help)", "comm": "communication-bound", "pcie": "PCIe-bound"}.get(c.bound or "", "")
     if c.strategy == "model_parallel" and c.extra.get("busy_gpus", 1) > 1:
         why = "one GPU busy at a time"
     step = c.step_s or 0.0
