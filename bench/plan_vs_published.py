@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed  # noqa: E402
 from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, estimate  # noqa: E402
 from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
-from shardfit.plan.shapes import resolve_shape  # noqa: E402
+from shardfit.plan.shapes import ModelShape, resolve_shape  # noqa: E402
 from shardfit.plan.timing import step_time  # noqa: E402
 from shardfit.plan.workload import Workload  # noqa: E402
 
@@ -49,6 +49,9 @@ CASE_KEYS = {"kind", "unit", "peak", "model", "gpu", "nodes", "strategy", "seq",
 # (use_orig_params=False) hold the same bytes per unit as FSDP2's per-parameter shards in what is compared here.
 RECORDED_ONLY = {"flat_params"}
 UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
+# What the plan chooses between for one workload: a pair of runs that differs only in these (the batch may differ
+# with them: a sharded strategy is run at the larger batch it makes room for) is a strategy pair.
+PLAN_CHOICES = ("strategy", "grad_ckpt", "compile")
 
 
 def part(source: str) -> str:
@@ -148,28 +151,52 @@ def evaluate(spec: dict) -> dict:
     return {"cases": rows, **summary(rows), "parts": parts, "sources": per_source}
 
 
+def throughput_shape(case: dict) -> ModelShape:
+    """The case's model: its inline `shape` (a model the catalog does not hold) or the catalog's."""
+    if "shape" in case:
+        return ModelShape(id=case["model"], **case["shape"])
+    return resolve_shape(case["model"])
+
+
+def published_rate(case: dict, gpus: int) -> float:
+    """The published speed in tokens/s of the whole job; for an `ordering_only` case given per epoch, a rate in
+    epochs per minute (comparable only within its source)."""
+    if "tokens_per_s_per_gpu" in case:
+        return case["tokens_per_s_per_gpu"] * gpus
+    if "samples_per_s" in case:
+        return case["samples_per_s"] * case["seq"]
+    if "minutes_per_epoch" in case:
+        return 1.0 / case["minutes_per_epoch"]
+    return case["seq"] * case["micro_batch"] * case.get("grad_accum", 1) * gpus / case["s_per_step"]
+
+
 def evaluate_throughput(spec: dict) -> dict:
-    """Predicted against published tokens/s of the whole job, per case, per source and per part."""
+    """Predicted against published tokens/s of the whole job, per case, per source and per part; and of pairs of
+    runs, whether the predicted faster one is the published faster one."""
     rows = []
     for name, src in spec["sources"].items():
         for c in ({**src["defaults"], **c} for c in src["cases"]):
             hw = hardware(c)
-            w = Workload(seq_len=c["seq"], **{k: v for k, v in c.items() if k in WORKLOAD_KEYS})
-            t = step_time(resolve_shape(c["model"]), w, hw, c.get("strategy", "single"))
-            gpus = hw.world if c.get("strategy", "single") not in ("single", "model_parallel") else 1
-            if "tokens_per_s_per_gpu" in c:
-                published = c["tokens_per_s_per_gpu"] * gpus
-            else:
-                published = c["seq"] * c["micro_batch"] * c.get("grad_accum", 1) * gpus / c["s_per_step"]
-            rows.append({"source": name, "part": part(name), "model": c["model"], "gpu": c["gpu"],
-                         "nodes": hw.nodes, "strategy": c.get("strategy", "single"), "seq": c["seq"],
-                         "grad_ckpt": w.grad_ckpt, "published_tokens_per_s": round(published, 1),
-                         "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound,
-                         "error": round(t.tokens_per_s / published - 1, 4)})
+            w = workload(c, c["seq"])
+            strategy = c.get("strategy", "single")
+            t = step_time(throughput_shape(c), w, hw, strategy)
+            gpus = hw.world if strategy not in ("single", "model_parallel") else 1
+            published = published_rate(c, gpus)
+            rest = {k: v for k, v in dataclasses.asdict(w).items()
+                    if k not in PLAN_CHOICES + ("micro_batch", "grad_accum")}
+            row = {"source": name, "part": part(name), "model": c["model"], "gpu": c["gpu"],
+                   "nodes": hw.nodes, "strategy": strategy, "seq": c["seq"], "grad_ckpt": w.grad_ckpt,
+                   "compile": w.compile, "micro_batch": w.micro_batch, "workload": json.dumps(rest, sort_keys=True),
+                   "ordering_only": bool(c.get("ordering_only")),
+                   "published_tokens_per_s": round(published, 4 if c.get("ordering_only") else 1),
+                   "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound}
+            if not row["ordering_only"]:
+                row["error"] = round(t.tokens_per_s / published - 1, 4)
+            rows.append(row)
 
     def stats(sel: list[dict]) -> dict:
-        errs = [abs(r["error"]) for r in sel]
-        return {"median_abs_error": round(statistics.median(errs), 4) if errs else None, "n": len(sel)}
+        errs = [abs(r["error"]) for r in sel if "error" in r]
+        return {"median_abs_error": round(statistics.median(errs), 4) if errs else None, "n": len(errs)}
     return {"cases": rows, **stats(rows), "parts": {p: {**stats([r for r in rows if r["part"] == p]),
                                                         **ordering([r for r in rows if r["part"] == p])}
                                                     for p in ("dev", "test")},
@@ -202,20 +229,42 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def pair_kind(a: dict, b: dict) -> str | None:
+    """How two runs of one source on the same model and GPUs differ: `strategy` (only in what the plan chooses:
+    strategy, checkpointing, compile; the batch may follow), `same_strategy` (the same choices, another workload:
+    sequence length, batch, method, ...), `mixed` (both); None when they are not comparable."""
+    if (a["source"], a["model"], a["gpu"], a["nodes"]) != (b["source"], b["model"], b["gpu"], b["nodes"]):
+        return None
+    choices = any(a[k] != b[k] for k in PLAN_CHOICES)
+    work = a["workload"] != b["workload"]
+    if choices and not work:
+        return "strategy"
+    if not choices and (work or a["micro_batch"] != b["micro_batch"]):
+        return "same_strategy"
+    return "mixed" if choices else None
+
+
 def ordering(rows: list[dict]) -> dict:
-    """Of every two runs of one source on the same model and GPUs that differ in their settings, whether the
-    predicted faster one is the published faster one (pairs within 5 % of each other are left out: a tie)."""
-    right = total = 0
+    """Of every two runs that `pair_kind` can compare, whether the predicted faster one is the published faster
+    one, counted apart for strategy pairs (what the plan's recommendation rests on) and same-strategy pairs
+    (pairs within 5 % of each other are a tie and left out; `mixed` pairs are counted, not scored)."""
+    out = {k: {"right": 0, "pairs": 0} for k in ("strategy", "same_strategy")}
+    mixed = 0
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
-            if (a["source"], a["model"], a["gpu"], a["nodes"]) != (b["source"], b["model"], b["gpu"], b["nodes"]):
-                continue
+            kind = pair_kind(a, b)
             pa, pb = a["published_tokens_per_s"], b["published_tokens_per_s"]
-            if abs(pa / pb - 1) < 0.05:
+            if kind is None or abs(pa / pb - 1) < 0.05:
                 continue
-            total += 1
-            right += (pa > pb) == (a["predicted_tokens_per_s"] > b["predicted_tokens_per_s"])
-    return {"faster_of_two_right": right, "pairs": total}
+            if kind == "mixed":
+                mixed += 1
+                continue
+            qa, qb = a["predicted_tokens_per_s"], b["predicted_tokens_per_s"]
+            out[kind]["pairs"] += 1  # a predicted tie names no faster run: it is not right
+            out[kind]["right"] += (pa > pb and qa > qb) or (pa < pb and qa < qb)
+    return {"faster_of_two_right": out["strategy"]["right"] + out["same_strategy"]["right"],
+            "pairs": out["strategy"]["pairs"] + out["same_strategy"]["pairs"],
+            "strategy_pairs": out["strategy"], "same_strategy_pairs": out["same_strategy"], "mixed_pairs": mixed}
 
 
 def throughput_markdown(result: dict) -> str:
@@ -223,15 +272,37 @@ def throughput_markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         gpus = r["gpu"] if r["nodes"] == 1 else f"{r['nodes']} x {r['gpu']}"
+        published = f"{r['published_tokens_per_s']:.4g} (rel.)" if r["ordering_only"] else \
+            f"{r['published_tokens_per_s']:,.0f}"
+        err = f"{r['error']:+.1%}" if "error" in r else "-"
+        ckpt = r["grad_ckpt"] + (" +compile" if r["compile"] else "")
         lines.append(f"| {r['source']} | {r['part']} | {r['model']} | {gpus} | {r['strategy']} | {r['seq']:,} | "
-                     f"{r['grad_ckpt']} | {r['published_tokens_per_s']:,.0f} | {r['predicted_tokens_per_s']:,.0f} | "
-                     f"{r['error']:+.1%} | {r['bound']} |")
+                     f"{ckpt} | {published} | {r['predicted_tokens_per_s']:,.0f} | {err} | {r['bound']} |")
     lines.append("")
     for name, s in result["sources"].items():
-        lines.append(f"{name} ({s['part']}): median |error| {s['median_abs_error']:.1%} over {s['n']} cases")
+        med = "-" if s["median_abs_error"] is None else f"{s['median_abs_error']:.1%}"
+        lines.append(f"{name} ({s['part']}): median |error| {med} over {s['n']} cases")
+    lines.append("")
+
+    def label(r: dict) -> str:
+        return f"{r['strategy']}/{r['grad_ckpt']}{'+compile' if r['compile'] else ''}/mb{r['micro_batch']}"
+    rows = result["cases"]
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            tie = abs(a["published_tokens_per_s"] / b["published_tokens_per_s"] - 1) < 0.05
+            if pair_kind(a, b) != "strategy" or tie:
+                continue
+            pub = a if a["published_tokens_per_s"] > b["published_tokens_per_s"] else b
+            pred = a if a["predicted_tokens_per_s"] > b["predicted_tokens_per_s"] else \
+                b if b["predicted_tokens_per_s"] > a["predicted_tokens_per_s"] else None
+            lines.append(f"strategy pair ({a['part']}) {a['source']} {a['model']} {a['gpu']}: {label(a)} vs "
+                         f"{label(b)}: published faster {label(pub)}, predicted faster "
+                         f"{label(pred) if pred else 'neither (tie)'}: {'right' if pred is pub else 'WRONG'}")
     for p, s in result["parts"].items():
+        sp, ss = s["strategy_pairs"], s["same_strategy_pairs"]
         lines.append(f"time {p}: median |error| {s['median_abs_error']:.1%} over {s['n']} cases; faster of two "
-                     f"right {s['faster_of_two_right']}/{s['pairs']}")
+                     f"right: strategy pairs {sp['right']}/{sp['pairs']}, same-strategy pairs "
+                     f"{ss['right']}/{ss['pairs']} ({s['mixed_pairs']} pairs differing in both left out)")
     return "\n".join(lines)
 
 

@@ -64,3 +64,53 @@ def test_every_case_is_predicted_and_summarised() -> None:
     for part in ("dev", "test"):
         summary = result["parts"][part]
         assert summary["verdicts"] == sum(f["verdicts"] for f in summary["families"].values())
+
+
+def _row(**kw) -> dict:
+    base = {"source": "s", "part": "dev", "model": "m", "gpu": "2xA100", "nodes": 1, "strategy": "ddp",
+            "grad_ckpt": "full", "compile": False, "micro_batch": 1, "workload": "w",
+            "published_tokens_per_s": 100.0, "predicted_tokens_per_s": 100.0}
+    return {**base, **kw}
+
+
+def test_ordering_counts_strategy_pairs_apart_from_same_strategy_pairs() -> None:
+    """Runs that differ only in what the plan chooses (strategy, checkpointing, compile; the batch may follow) are
+    strategy pairs; runs with the same choices on another workload are same-strategy pairs; runs differing in both
+    are left out; a published tie (within 5 %) is skipped and a predicted tie is not right."""
+    mod = load_bench()
+    ddp = _row(published_tokens_per_s=100, predicted_tokens_per_s=90)
+    zero3 = _row(strategy="zero3", micro_batch=4, published_tokens_per_s=150, predicted_tokens_per_s=120)
+    longer = _row(workload="w2", published_tokens_per_s=80, predicted_tokens_per_s=95)
+    both = _row(strategy="zero2", workload="w2", published_tokens_per_s=300, predicted_tokens_per_s=10)
+    other_gpu = _row(gpu="8xH100", strategy="zero2", published_tokens_per_s=1, predicted_tokens_per_s=1000)
+    assert mod.pair_kind(ddp, zero3) == "strategy" and mod.pair_kind(ddp, longer) == "same_strategy"
+    assert mod.pair_kind(ddp, both) == "mixed" and mod.pair_kind(ddp, other_gpu) is None
+    result = mod.ordering([ddp, zero3, longer, both, other_gpu])
+    # ddp < zero3 predicted right; longer < both (ddp vs zero2 on w2) predicted the other way
+    assert result["strategy_pairs"] == {"right": 1, "pairs": 2}
+    assert result["same_strategy_pairs"] == {"right": 0, "pairs": 1}  # ddp > longer, predicted below
+    assert result["mixed_pairs"] == 3  # ddp-both, zero3-longer, zero3-both
+    tie = _row(strategy="zero3", published_tokens_per_s=103, predicted_tokens_per_s=500)
+    same_prediction = _row(grad_ckpt="none", published_tokens_per_s=200, predicted_tokens_per_s=90)
+    assert mod.ordering([ddp, tie])["pairs"] == 0
+    assert mod.ordering([ddp, same_prediction])["strategy_pairs"] == {"right": 0, "pairs": 1}
+
+
+def test_throughput_cases_are_complete_and_compare_strategies() -> None:
+    """Every throughput source names its URL; every case gives one published rate and is predicted; the
+    collection holds strategy pairs in both parts."""
+    mod = load_bench()
+    data = yaml.safe_load(mod.THROUGHPUT.read_text())
+    rates = {"tokens_per_s_per_gpu", "s_per_step", "samples_per_s", "minutes_per_epoch"}
+    for name, src in data["sources"].items():
+        assert "https://" in src["text"], name
+        for case in src["cases"]:
+            c = {**src["defaults"], **case}
+            assert len(rates & set(c)) == 1, (name, c)
+            assert "minutes_per_epoch" not in c or c.get("ordering_only"), name
+    result = mod.evaluate_throughput(data)
+    assert len(result["cases"]) == sum(len(src["cases"]) for src in data["sources"].values())
+    assert all(r["predicted_tokens_per_s"] > 0 for r in result["cases"])
+    assert all(("error" in r) != r["ordering_only"] for r in result["cases"])
+    for part in ("dev", "test"):
+        assert result["parts"][part]["strategy_pairs"]["pairs"] >= 3

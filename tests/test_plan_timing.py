@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,10 @@ from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan, with_candidates
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import (
+    LAYER_OPS,
     attention_flops_per_token,
+    dispatch_ops_per_layer,
+    host_dispatch_s,
     linear_flops_per_token,
     lora_flops_per_token,
     step_flops_per_token,
@@ -95,7 +100,7 @@ def test_seed_case_recommends_the_fastest_that_fits_with_numbers(capsys) -> None
     plan = json.loads(capsys.readouterr().out)
     by = {c["strategy"]: c for c in plan["candidates"]}
     for c in by.values():
-        assert c["step_s"] > 0 and c["tokens_per_s"] > 0 and c["bound"] in ("compute", "comm", "pcie")
+        assert c["step_s"] > 0 and c["tokens_per_s"] > 0 and c["bound"] in ("compute", "host", "comm", "pcie")
     assert by["model_parallel"]["fits"] and by["zero3_offload"]["fits"]
     assert by["model_parallel"]["tokens_per_s"] == pytest.approx(by["single"]["tokens_per_s"], rel=0.05)
     assert plan["recommended"] == "zero3_offload"
@@ -133,3 +138,56 @@ def test_simulated_estimates_keep_their_predicted_times() -> None:
     for before, after in zip(plan.candidates, again.candidates, strict=True):
         assert after.estimator == "simulated" and after.tokens_per_s == before.tokens_per_s
     assert again.recommended == plan.recommended and "tokens/s" in again.reason
+
+
+def test_dispatch_count_is_a_function_of_the_recipe() -> None:
+    """The host's op count per layer grows with LoRA targets, dropout, checkpointing and autocast, and falls under
+    torch.compile (two kernels per matmul, no views)."""
+    lora = Workload(method="lora", grad_ckpt="full", precision="bf16")
+    k7, v7 = dispatch_ops_per_layer(lora)
+    assert (k7, v7) == LAYER_OPS[("lora7", True, True)][:2]
+    k2, _ = dispatch_ops_per_layer(dataclasses.replace(lora, lora_targets=("q", "v")))
+    assert k2 == LAYER_OPS[("lora2", True, True)][0] < k7
+    assert dispatch_ops_per_layer(dataclasses.replace(lora, lora_dropout=0.05))[0] > k7
+    none = dispatch_ops_per_layer(dataclasses.replace(lora, grad_ckpt="none"))[0]
+    selective = dispatch_ops_per_layer(dataclasses.replace(lora, grad_ckpt="selective"))[0]
+    assert none < selective < k7
+    assert dispatch_ops_per_layer(dataclasses.replace(lora, precision="fp32"))[0] < k7  # no autocast casts
+    full = dispatch_ops_per_layer(dataclasses.replace(lora, method="full"))[0]
+    assert full < k7  # no adapters: fewer, larger ops
+    compiled = dispatch_ops_per_layer(dataclasses.replace(lora, compile=True))
+    assert compiled == (2 * LAYER_OPS[("lora7", True, True)][2], 0.0) and compiled[0] < k7
+
+
+def test_short_sequences_are_host_bound_long_ones_compute_bound() -> None:
+    """A micro-batch takes the slower of the GPU's work and the host's launches: 7B LoRA on an H100 at 128 tokens
+    waits on the host (tokens/s then grows with length), at 8192 on compute; a CPU run has no separate host."""
+    w = Workload(method="lora", grad_ckpt="full", precision="bf16", attention="flash", micro_batch=1)
+    qwen = resolve_shape("Qwen/Qwen-7B")
+    h100 = parse_gpus("1xH100")
+    short, long = (step_time(qwen, dataclasses.replace(w, seq_len=n), h100, "single") for n in (128, 8192))
+    assert short.bound == "host" and long.bound == "compute"
+    assert short.host_s == pytest.approx(host_dispatch_s(qwen, w)) and short.step_s >= short.host_s
+    assert short.tokens_per_s < long.tokens_per_s
+    # torch.compile launches fewer kernels: the floor drops and the short run speeds up.
+    compiled = step_time(qwen, dataclasses.replace(w, seq_len=128, compile=True), h100, "single")
+    assert compiled.host_s < short.host_s / 2 and compiled.tokens_per_s > short.tokens_per_s
+    cpu = dataclasses.replace(parse_gpus("1x24GB"), name="cpu")
+    assert step_time(LLAMA8, dataclasses.replace(w, seq_len=128), cpu, "single").host_s == 0
+
+
+def test_layer_op_table_matches_a_fresh_count() -> None:
+    """LAYER_OPS is what bench/dispatch_ops.py counts with the installed torch / transformers / peft: recount two
+    recipes on tiny Llama layers (a second each) and hold the table to them within 10 % (a version that changes
+    the count by more wants the table refreshed)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "dispatch_ops.py"
+    spec = importlib.util.spec_from_file_location("dispatch_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for key, (method, ckpt, targets, bf16) in {("full", False, False): ("full", False, [], False),
+                                               ("lora7", True, True): ("lora", True, mod.ALL_LINEAR, True)}.items():
+        fresh = mod.per_layer("llama", method, ckpt, targets, 0.0, bf16)
+        kernels, views, matmuls = LAYER_OPS[key]
+        assert fresh["layer_kernel"] == pytest.approx(kernels, rel=0.1), key
+        assert fresh["layer_view"] == pytest.approx(views, rel=0.1), key
+        assert fresh["layer_matmul"] == pytest.approx(matmuls, rel=0.1), key

@@ -15,13 +15,13 @@ CARDS = {
     "a100": 79.2, "a100-40g": 39.4, "a100-80g": 79.2, "h100": 79.2, "h100-80g": 79.2, "h200": 139.8,
     "h20": 94.5, "a800": 79.2, "h800": 79.2, "b200": 178.0, "mi300x": 191.5, "5090": 31.4,
     "a40": 44.5, "a30": 23.5, "6000ada": 47.5, "4070ti": 11.6, "4060ti": 15.6, "2080ti": 10.6, "h100-94g": 93.1,
-    "mi250x": 63.9,
+    "mi250x": 63.9, "titan": 23.6,
 }
 # Cards sold with two memory sizes: the bare name means the larger one, and the plan says so.
 AMBIGUOUS = {"a100": "A100 taken as the 80 GB card; write A100-40G for the 40 GB one",
              "v100": "V100 taken as the 32 GB card; write V100-16G for the 16 GB one"}
 # Cards without bf16 arithmetic: bf16 is emulated or refused there, fp16 is what they compute in.
-NO_BF16 = ("t4", "v100", "v100-32g", "v100-16g", "2080ti")
+NO_BF16 = ("t4", "v100", "v100-32g", "v100-16g", "2080ti", "titan")
 
 
 @dataclass(frozen=True)

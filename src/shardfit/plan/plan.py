@@ -101,7 +101,8 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
 
 
 def _timing_phrase(c: Candidate) -> str:
-    why = {"compute": "compute-bound", "comm": "communication-bound", "pcie": "PCIe-bound"}.get(c.bound or "", "")
+    why = {"compute": "compute-bound", "host": "host-bound (launching ops: a longer micro-batch or torch.compile "
+           "would help)", "comm": "communication-bound", "pcie": "PCIe-bound"}.get(c.bound or "", "")
     if c.strategy == "model_parallel" and c.extra.get("busy_gpus", 1) > 1:
         why = "one GPU busy at a time"
     step = c.step_s or 0.0
@@ -114,7 +115,7 @@ def timed(shape: ModelShape, w: Workload, hw: Hardware, c: Candidate) -> Candida
     t = step_time(shape, w, hw, c.strategy)
     return dataclasses.replace(c, step_s=t.step_s, tokens_per_s=t.tokens_per_s, bound=t.bound,
                                extra={**c.extra, "busy_gpus": t.busy_gpus, "compute_s": t.compute_s,
-                                      "comm_s": t.comm_s, "pcie_s": t.pcie_s})
+                                      "comm_s": t.comm_s, "pcie_s": t.pcie_s, "host_s": t.host_s})
 
 
 def estimate_all(shape: ModelShape, w: Workload, hw: Hardware, names: tuple[str, ...] = NAMES) -> list[Candidate]:

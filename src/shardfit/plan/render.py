@@ -33,7 +33,8 @@ def format_table(plan: Plan, style: str = "plan") -> str:
                      + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] else ""))
     lines += ["", "per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); "
                   "total = tensors + runtime (CUDA context, NCCL, allocator reserve); step: one optimizer step, "
-                  "tokens/s: the whole job's, bound: what the step waits on (compute, comm, pcie)", ""]
+                  "tokens/s: the whole job's, bound: what the step waits on (compute, host: launching ops, comm, "
+                  "pcie)", ""]
     if d["recommended"]:
         lines.append(f"recommended: {d['recommended']} ({d['reason']})")
     else:

@@ -24,6 +24,18 @@ and prefetches, so compute and communication overlap; offload copies each shard 
 all-gather and the gradient shard back, over PCIe, and runs AdamW on the CPU. `model_parallel` runs its stages one
 after another: one GPU computes at a time. Across nodes the ring runs at the slower of NVLink/PCIe and the node's
 network bandwidth (one ring per NIC).
+
+Host dispatch (the fixed cost of a micro-batch): eager PyTorch launches every op from the host, one at a time,
+while the GPU runs what was launched before, so a micro-batch cannot finish sooner than the host takes to launch
+its ops. The ops per decoder layer were counted with a TorchDispatchMode on transformers' Llama and Qwen2 layers,
+with and without peft LoRA, checkpointing and autocast (bench/dispatch_ops.py, LAYER_OPS below); each op that
+launches a kernel costs the host ~8 us (a PyTorch eager CUDA op submitted back to back on an A100: 8 us/op,
+https://github.com/flagos-ai/Torch-FL/pull/27; ~7 us for a Python-level op with autograd,
+https://github.com/pytorch/pytorch/issues/41383), a view ~1 us (the C++ dispatcher alone, the same thread). The
+host and the GPU overlap, so a micro-batch takes max(GPU time, host time): the lower bound of that overlap, since a
+step that alternates small and large kernels waits on each in turn. Short sequences are host-bound, long ones
+compute-bound. torch.compile fuses the elementwise ops between two matmuls into one kernel, so a compiled block
+launches about two kernels per matmul and no views.
 """
 
 from __future__ import annotations
@@ -44,6 +56,24 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 HOST_ADAM_BYTES_PER_S = 10e9
 ADAM_BYTES_PER_PARAM = 28
 FLASH_BWD = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
+# Host time per dispatched op (sources in the module docstring): one that launches a kernel, one that is a view.
+DISPATCH_KERNEL_S = 8e-6
+DISPATCH_VIEW_S = 1e-6
+# aten ops of one decoder layer's forward + backward (+ recomputation), counted by bench/dispatch_ops.py
+# (torch 2.13, transformers 5.23, peft 0.21; Llama; Qwen2 within 3 %): (kernels, views, matmuls) keyed by
+# (base: full | lora2 | lora7 (LoRA on 2 or all 7 linears), checkpointing, autocast). The width does not change
+# the count, so a tiny model's count is the real model's.
+LAYER_OPS: dict[tuple[str, bool, bool], tuple[int, int, int]] = {
+    ("full", False, False): (114, 105, 23), ("full", False, True): (122, 105, 23),
+    ("full", True, False): (148, 190, 30), ("full", True, True): (160, 190, 30),
+    ("lora7", False, False): (187, 199, 58), ("lora7", False, True): (251, 199, 58),
+    ("lora7", True, False): (261, 332, 79), ("lora7", True, True): (357, 332, 79),
+    ("lora2", False, False): (127, 109, 28), ("lora2", False, True): (151, 109, 28),
+    ("lora2", True, False): (173, 182, 39), ("lora2", True, True): (209, 182, 39),
+}
+# Dropout on the adapters (lora7, lora_dropout 0.05): extra kernels per adapted linear, by checkpointing.
+DROPOUT_OPS = {False: (222 - 187) / 7, True: (324 - 261) / 7}
+FIXED_OPS = (50, 25)  # embedding, final norm, head and loss, once per micro-batch (kernels, views)
 
 
 @dataclass(frozen=True)
@@ -52,11 +82,12 @@ class StepTime:
 
     step_s: float
     tokens_per_s: float  # the whole job's (every rank's) tokens per second
-    bound: str  # compute | comm | pcie: what the critical path waits on
+    bound: str  # compute | host | comm | pcie: what the critical path waits on
     compute_s: float  # per GPU, per step
     comm_s: float  # collectives, per step
     pcie_s: float  # host <-> device copies and the host optimizer step, per step
     busy_gpus: int
+    host_s: float = 0.0  # the host's op dispatch, per step (overlapped with the GPU's work)
 
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
@@ -110,6 +141,43 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
 
 
+def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:
+    """(kernels, views, matmuls) of one decoder layer for `w` with or without full checkpointing."""
+    autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+    if w.method == "full":
+        return tuple(float(x) for x in LAYER_OPS[("full", ckpt, autocast)])
+    # LoRA's ops grow by the same amount per adapted linear (the 7- and 2-target counts give the step); `freeze`
+    # runs the frozen base with no adapters: the step taken back to zero targets.
+    n = 0 if w.method == "freeze" else len(w.lora_targets) if w.lora_targets is not None else 7
+    two, seven = LAYER_OPS[("lora2", ckpt, autocast)], LAYER_OPS[("lora7", ckpt, autocast)]
+    k, v, m = (a + (n - 2) * (b - a) / 5 for a, b in zip(two, seven, strict=True))
+    if w.lora_dropout > 0:
+        k += n * DROPOUT_OPS[ckpt]
+    if w.method == "qlora":  # bitsandbytes dequantizes each 4-bit weight per use: forward, recompute, backward
+        k += 7 * (3 if ckpt else 2)
+    return k, v, m
+
+
+def dispatch_ops_per_layer(w: Workload) -> tuple[float, float]:
+    """(kernel launches, views) the host dispatches for one decoder layer of one micro-batch of `w`: measured
+    counts (LAYER_OPS) by method, LoRA targets and dropout, checkpointing (selective: half of full's
+    recomputation) and autocast; compiled, about two kernels per matmul (one fused kernel beside each) and no
+    views."""
+    if w.grad_ckpt == "selective":
+        k, v, m = ((a + b) / 2 for a, b in zip(_layer_ops(w, False), _layer_ops(w, True), strict=True))
+    else:
+        k, v, m = _layer_ops(w, w.grad_ckpt == "full")
+    return (2 * m, 0.0) if w.compile else (k, v)
+
+
+def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
+    """Seconds the host spends launching one micro-batch's ops (a GPU step cannot be shorter)."""
+    k, v = dispatch_ops_per_layer(w)
+    kernels = shape.layers * k + FIXED_OPS[0]
+    views = shape.layers * v + (0 if w.compile else FIXED_OPS[1])
+    return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
+
+
 def _ring(n: int, nbytes: float, bw: float, latency: float, calls: int, all_reduce: bool = False) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -154,6 +222,10 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own
     # elementwise work), and QLoRA's dequantization, which the runs behind that utilization did not do.
     compute = flops / card.peak(w.precision) + _qlora_dequant_bytes(shape, w) / card.hbm
+    # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
+    # On a CPU the ops run on the host itself, inside the measured rates.
+    host = host_dispatch_s(shape, w) if card.key != "cpu" else 0.0
+    gpu_busy = max(compute, host)
     fwd_share = 1 / 3  # the forward pass's part of it, for what overlaps with forward-only traffic
     t = trainable_params(shape, w)
     grads = t * 4.0  # fp32 gradients (DDP's buckets, FSDP2's reduce_dtype)
@@ -163,15 +235,15 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     comm_step = pcie_step = 0.0
     busy = n
     if s.engine == "plain" or n == 1 and s.engine != "device_map":
-        micro, comm_mb, pcie_mb = compute, 0.0, 0.0
+        micro, comm_mb, pcie_mb = gpu_busy, 0.0, 0.0
         busy = 1
         if s.sharded and s.offload:  # one rank still streams its shards through PCIe
             pcie_mb = 2 * param_bytes_stored(shape, w) / card.pcie
-            micro = max(compute, pcie_mb)
+            micro = max(gpu_busy, pcie_mb)
             pcie_step = grads / card.pcie + t * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
             optim_gpu = 0.0
     elif s.engine == "ddp":
-        micro, comm_mb, pcie_mb = compute, 0.0, 0.0
+        micro, comm_mb, pcie_mb = gpu_busy, 0.0, 0.0
         ar = _ring(n, grads, bus, card.latency_s, max(1, round(grads / DDP_BUCKET_BYTES)), all_reduce=True)
         comm_step = max(0.0, ar - compute * (1 - fwd_share))  # overlapped with the last micro-batch's backward
     elif s.engine == "fsdp2":
@@ -182,7 +254,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         comm_mb = gathers * ag
         pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
         # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes.
-        micro = max(compute, comm_mb + pcie_mb)
+        micro = max(gpu_busy, comm_mb + pcie_mb)
         rs = _ring(n, grads, bus, card.latency_s, units)
         comm_step = max(0.0, rs - compute * (1 - fwd_share))
         if s.offload:
@@ -194,7 +266,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         g = hw.gpus_per_node
         hops = 2 * (g - 1) * tokens * shape.hidden * compute_bytes(w)
         comm_mb, pcie_mb = hops / card.pcie, 0.0
-        micro = compute + comm_mb
+        micro = gpu_busy + comm_mb
         busy = g
         n = 1
     step = w.grad_accum * micro + comm_step + pcie_step + optim_gpu
@@ -202,5 +274,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     comm_total = w.grad_accum * comm_mb + comm_step
     pcie_total = w.grad_accum * pcie_mb + pcie_step
     compute_total = w.grad_accum * compute + optim_gpu
-    bound = max((("compute", compute_total), ("comm", comm_total), ("pcie", pcie_total)), key=lambda kv: kv[1])[0]
-    return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, busy)
+    host_total = w.grad_accum * host
+    parts = (("compute", compute_total), ("host", host_total), ("comm", comm_total), ("pcie", pcie_total))
+    bound = max(parts, key=lambda kv: kv[1])[0]
+    return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, busy, host_total)
