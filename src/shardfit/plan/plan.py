@@ -74,8 +74,8 @@ TIE = 0.05
 
 
 def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
-    """The fastest predicted step that fits (the job's tokens/s, all ranks together), with the reason in numbers.
-    Candidates without a time (none was predicted) are ranked by SPEED_ORDER."""
+    """The strategy that fits with the most predicted tokens/s (the job's, all ranks together), with the reason in
+    numbers. Candidates without a time (none was predicted) are ranked by SPEED_ORDER."""
     rank = {name: i for i, name in enumerate(SPEED_ORDER)}
     fitting = [c for c in cands if c.fits]
     if not fitting:
@@ -85,8 +85,9 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
         best = min((c for c in fitting if (c.tokens_per_s or 0.0) >= top * (1 - TIE)), key=lambda c: rank[c.strategy])
         faster = [c for c in cands if not c.fits and (c.tokens_per_s or 0.0) > (best.tokens_per_s or 0.0)]
         timed = sorted(fitting, key=lambda c: -(c.tokens_per_s or 0.0))
-        reason = (f"{best.strategy} is the fastest predicted step that fits ({best.per_gpu_gib.total:.1f} of "
-                  f"{hw.gpu_mem_gib:.0f} GiB per GPU): " + "; ".join(_timing_phrase(c) for c in timed))
+        reason = (f"{best.strategy} trains the most tokens/s of the strategies that fit "
+                  f"({best.per_gpu_gib.total:.1f} of {hw.gpu_mem_gib:.0f} GiB per GPU): "
+                  + "; ".join(_timing_phrase(c) for c in timed))
     else:
         order = list(SPEED_ORDER)
         if hw.world > 1:
