@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from shardfit.errors import UserError
+from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, vision_shape_of
 
 
@@ -29,8 +30,10 @@ class ModelShape:
     head_dim: int | None = None
     experts: int = 1
     top_k: int = 1
-    extra_params: int = 0  # outside the decoder: a vision-language model's vision tower (counted in `vision` too)
+    # outside the decoder: a multimodal model's vision and audio towers (counted in `vision` and `audio` too)
+    extra_params: int = 0
     vision: VisionShape | None = None
+    audio: AudioShape | None = None
 
     @property
     def hd(self) -> int:
@@ -89,6 +92,7 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             experts=text.get("num_local_experts") or text.get("num_experts") or 1,
             top_k=text.get("num_experts_per_tok") or 1)
         vision = vision_shape_of(cfg)
+        audio = audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     sizes = {"num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
@@ -96,9 +100,15 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     for key_name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key_name} is {value!r}; it must be a positive integer.")
-    if vision is not None:
-        shape = dataclasses.replace(shape, vision=vision, extra_params=vision.params())
+    if vision is not None or audio is not None:
+        shape = dataclasses.replace(shape, vision=vision, audio=audio, extra_params=tower_params(vision, audio))
     return shape
+
+
+def tower_params(vision: VisionShape | None, audio: AudioShape | None) -> int:
+    """The weights of a multimodal model's towers: what it holds outside the decoder (Qwen2.5-Omni's talker and
+    token2wav are never built for training)."""
+    return (vision.params() if vision else 0) + (audio.params() if audio else 0)
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -123,9 +133,12 @@ def resolve_shape(model: str) -> ModelShape:
 
 
 def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
-    """A catalog entry as a shape (its `vision` mapping as a VisionShape)."""
-    vision = entry.get("vision")
-    return ModelShape(id=name, **dict(entry, vision=VisionShape(**vision) if vision else None))
+    """A catalog entry as a shape (its `vision` and `audio` mappings as a VisionShape and an AudioShape; with
+    either and no `extra_params`, the towers' weights are what lies outside the decoder)."""
+    vision = VisionShape(**entry["vision"]) if entry.get("vision") else None
+    audio = AudioShape(**entry["audio"]) if entry.get("audio") else None
+    extra = entry.get("extra_params", tower_params(vision, audio))
+    return ModelShape(id=name, **dict(entry, vision=vision, audio=audio, extra_params=extra))
 
 
 def _variants(name: str) -> list[str]:
