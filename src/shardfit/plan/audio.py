@@ -79,6 +79,7 @@ class AudioShape:
     out: int
     mels: int = 128
     window: int = 100
+    positions: int = 1500  # max_source_positions: rows of the sinusoidal position table
 
     def params(self) -> int:
         """The tower's weights: both convolutions, the blocks (norms, q/k/v/out projections with k bias-free, MLP),
@@ -87,6 +88,10 @@ class AudioShape:
         convs = self.mels * d * 3 + d + d * d * 3 + d
         block = 2 * 2 * d + 4 * d * d + 3 * d + d * f + f + f * d + d
         return convs + self.layers * block + 2 * d + d * self.out + self.out + 2 * self.out
+
+    def buffer_bytes(self) -> int:
+        """The fp32 sinusoidal position table, a buffer on every rank whatever the strategy shards."""
+        return 4 * self.positions * self.dim
 
     def chunked_frames(self, frames: int) -> tuple[int, int]:
         """(padded frames, tokens through the blocks) of one clip of `frames`: cut into chunks of 2 x window
@@ -123,4 +128,5 @@ def audio_shape_of(config: dict) -> AudioShape | None:
         return None
     return AudioShape(layers=a.get("encoder_layers", 32), dim=a.get("d_model", 1280),
                       ffn=a.get("encoder_ffn_dim", 5120), heads=a.get("encoder_attention_heads", 20),
-                      out=a.get("output_dim", 3584), mels=a.get("num_mel_bins", 128), window=a.get("n_window", 100))
+                      out=a.get("output_dim", 3584), mels=a.get("num_mel_bins", 128), window=a.get("n_window", 100),
+                      positions=a.get("max_source_positions", 1500))

@@ -459,6 +459,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         layers = -(-shape.layers // g)
     wr, gr, opt = weights / div_w, grads / div_g, optim / div_o  # per rank
+    wr += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded or offloaded
     g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32

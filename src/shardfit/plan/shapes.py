@@ -88,7 +88,9 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             intermediate=text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"],
             heads=heads, kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
             vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
-            tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            # Qwen-Omni: the thinker's own setting decides (its head is untied whatever its text config says).
+            tied=bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
+                "tie_word_embeddings", text.get("tie_word_embeddings", False)))),
             experts=text.get("num_local_experts") or text.get("num_experts") or 1,
             top_k=text.get("num_experts_per_tok") or 1)
         vision = vision_shape_of(cfg)
