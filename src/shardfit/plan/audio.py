@@ -102,7 +102,13 @@ class AudioShape:
         longest = size if chunks > 1 else frames
         return chunks * longest, (chunks - 1) * ((size - 1) // 2 + 1) + (tail - 1) // 2 + 1
 
-    def saved_bytes(self, frames: int, low: int, checkpointed: bool = False) -> float:
+    def lora_params(self, rank: int) -> int:
+        """LoRA adapters on the tower's linear layers (peft's all-linear: each block's q, k, v, out and MLP, and the
+        projection), what a LoRA run with a trainable tower adds."""
+        d, f = self.dim, self.ffn
+        return self.layers * rank * (4 * 2 * d + 2 * (d + f)) + rank * (d + self.out)
+
+    def saved_bytes(self, frames: int, low: int, checkpointed: bool = False, stem: bool = True) -> float:
         """What a trainable tower saves for backward for one clip of `frames`, in the compute precision (`low`
         bytes): the convolutions' and GELUs' inputs over the padded chunks (the padded features; conv1's GELU and
         conv2's input; conv2's GELU at half as many positions), the index and mask tensors (int64), per
@@ -110,14 +116,17 @@ class AudioShape:
         q, k, v, attention output, the MLP's inner activations) and an fp32 log-sum-exp per head, and after
         pooling the final norm's and the projection's inputs. Counted with autograd's saved-tensor hooks on
         transformers' Qwen2_5OmniAudioEncoder over a range of widths, MLP widths, heads and mel bins (linear in each).
-        `checkpointed` (transformers checkpoints the audio blocks with the decoder's): each block keeps its input."""
+        `checkpointed` (transformers checkpoints the audio blocks with the decoder's): each block keeps its input.
+        Without `stem` (LoRA: the convolutions have no adapters and their input needs no gradient) the convolutions
+        save nothing."""
         padded, tokens = self.chunked_frames(frames)
         chunks = -(-frames // (2 * self.window))
         strided = chunks * ((padded // chunks - 1) // 2 + 1)  # conv2's output positions, padding included
         pooled = (tokens - 2) // 2 + 1
-        stem = padded * ((self.mels + 2 * self.dim) * low + 8) + strided * self.dim * low + tokens * 8
+        convs = padded * ((self.mels + 2 * self.dim) * low + 8) + strided * self.dim * low if stem else 0
+        stem_bytes = convs + tokens * 8
         block = self.dim * low if checkpointed else (9 * self.dim + 2 * self.ffn + 4) * low + 4 * self.heads
-        return stem + self.layers * tokens * block + pooled * ((2 * self.dim + 2) * low + 16)
+        return stem_bytes + self.layers * tokens * block + pooled * ((2 * self.dim + 2) * low + 16)
 
 
 def audio_shape_of(config: dict) -> AudioShape | None:

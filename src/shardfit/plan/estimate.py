@@ -90,7 +90,8 @@ def lora_params(shape: ModelShape, w: Workload) -> int:
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
     if w.trains_adapters:
-        return lora_params(shape, w)
+        tower = shape.audio.lora_params(w.lora_rank) if shape.audio is not None and w.audio_trainable else 0
+        return lora_params(shape, w) + tower
     if w.method == "freeze":
         return 2 * shape.layer_params() + shape.hidden  # default: the last two blocks and the final norm
     return shape.params() - frozen_audio_params(shape, w)
@@ -406,7 +407,8 @@ def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
     features = clips * w.audio_frames * a.mels * per_value
     if not w.audio_trainable:
         return features
-    return features + clips * a.saved_bytes(w.audio_frames, low, checkpointed=w.grad_ckpt != "none")
+    return features + clips * a.saved_bytes(w.audio_frames, low, checkpointed=w.grad_ckpt != "none",
+                                            stem=not w.trains_adapters)
 
 
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:

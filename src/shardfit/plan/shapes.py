@@ -162,13 +162,30 @@ def hf_config(shape: ModelShape) -> Any:
                   tie_word_embeddings=shape.tied, max_position_embeddings=131072)
     if shape.head_dim:
         kwargs["head_dim"] = shape.head_dim
-    if shape.vision is not None and "-vl" in shape.id.lower():
+    if shape.vision is not None and ("-vl" in shape.id.lower() or shape.audio is not None):
         # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).
         half = shape.hd // 2
         sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}
-        return vl_config(shape.vision, kwargs)
+        return vl_config(shape.vision, kwargs) if shape.audio is None else omni_config(shape.vision, shape.audio,
+                                                                                       kwargs)
     return cls(**kwargs)
+
+
+def omni_config(v: VisionShape, a: AudioShape, text: dict[str, Any]) -> Any:
+    """A Qwen2.5-Omni config of the tower shapes and text sizes, speech output off (training never builds the
+    talker): what a catalog Omni id simulates with both towers."""
+    from transformers import Qwen2_5OmniConfig  # configs only, as in hf_config
+
+    vision = dict(depth=v.depth, num_heads=v.heads, patch_size=v.patch, spatial_merge_size=v.merge,
+                  temporal_patch_size=v.temporal_patch, in_channels=v.in_channels, hidden_size=v.dim,
+                  intermediate_size=v.mlp, out_hidden_size=v.out)
+    audio = dict(encoder_layers=a.layers, d_model=a.dim, encoder_ffn_dim=a.ffn, encoder_attention_heads=a.heads,
+                 output_dim=a.out, num_mel_bins=a.mels, n_window=a.window, max_source_positions=a.positions)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio,
+                   tie_word_embeddings=text["tie_word_embeddings"])
+    return Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False,
+                             architectures=["Qwen2_5OmniForConditionalGeneration"])
 
 
 def vl_config(v: VisionShape, text: dict[str, Any]) -> Any:
