@@ -78,16 +78,18 @@ def test_saved_bytes_are_what_autograd_saves(frames: int, dtype: torch.dtype) ->
     assert shape.saved_bytes(frames, low) == sum(saved.values())
 
 
-@pytest.mark.parametrize(("strategy", "method", "trainable", "precision"), [
-    ("single", "lora", False, "bf16"),  # the default: LoRA on the language model, the audio tower frozen
-    ("zero3", "lora", False, "bf16"),  # FSDP's mixed precision keeps a 16-bit copy of the features
-    ("single", "full", True, "fp32")])  # a trainable tower saves every block's activations
+@pytest.mark.parametrize(("strategy", "method", "trainable", "precision", "images"), [
+    ("single", "lora", False, "bf16", 0),  # the default: LoRA on the language model, the audio tower frozen
+    ("zero3", "lora", False, "bf16", 1),  # FSDP's mixed precision keeps a 16-bit copy of the features; an image too
+    ("single", "full", True, "fp32", 0)])  # a trainable tower saves every block's activations
 def test_analytic_audio_terms_agree_with_simulate(omni_config: Path, strategy: str, method: str, trainable: bool,
-                                                  precision: str) -> None:
-    """Two clips of 4.37 s per sample: estimate and fake-tensor step agree on the peak moment and on every column
-    within 5% (0.1 MiB for near-empty ones), and the clips are a real share of the activations."""
+                                                  precision: str, images: int) -> None:
+    """Two clips of 4.37 s per sample (and an image of 8x12 patches): estimate and fake-tensor step agree on the
+    peak moment and on every column within 5% (0.1 MiB for near-empty ones), and the clips are a real share of the
+    activations."""
     w = Workload(method=method, precision=precision, seq_len=256, micro_batch=2, grad_ckpt="none", lora_rank=8,
-                 audio_clips=2, audio_frames=AudioLoad(2, 4.37).frames(), audio_trainable=trainable)
+                 audio_clips=2, audio_frames=AudioLoad(2, 4.37).frames(), audio_trainable=trainable,
+                 images=images, image_rows=8, image_cols=12)
     hw = parse_gpus("2x80GB" if strategy == "zero3" else "1x80GB")
     shape = resolve_shape(str(omni_config))
     ca, cs = estimate(shape, w, hw, strategy), simulate(shape, w, hw, strategy, str(omni_config))

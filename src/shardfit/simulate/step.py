@@ -266,9 +266,10 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
         mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
         cfg = workload_config(w, source or shape.id)
         config = hf_config_for(shape, source)
-        images = w.images > 0 and hasattr(config, "vision_config")
         model = build_model(cfg, s, weights=False, config=config)
-        audio = w.audio_clips > 0 and hasattr(vision_body(model), "audio_tower")
+        vl = vision_body(model)  # its config holds the towers' (Qwen2.5-Omni's: the thinker's, not the top one)
+        images = w.images > 0 and vl is not None
+        audio = w.audio_clips > 0 and hasattr(vl, "audio_tower")
         tools_recipe(model, w)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -282,7 +283,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
             batch = (ids, packed_positions(w.micro_batch, w.seq_len), ids)
             if images:
-                batch = image_batch(model, config, w)
+                batch = image_batch(model, vl.config, w)
             if audio:
                 batch = audio_batch(model, w, batch)
             body = decoder_and_head(model)[0]
