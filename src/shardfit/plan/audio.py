@@ -130,9 +130,9 @@ class AudioShape:
 
 
 def audio_shape_of(config: dict) -> AudioShape | None:
-    """The audio tower of a config.json (Qwen2.5-Omni's `thinker_config.audio_config`, or a top-level
-    `audio_config`), None when it has none; missing keys take transformers' defaults (Whisper-large-v3 sizes)."""
-    a = config.get("audio_config") or (config.get("thinker_config") or {}).get("audio_config")
+    """The audio tower of a Qwen2.5-Omni config.json (`thinker_config.audio_config`), None when it has none;
+    missing keys take transformers' defaults (Whisper-large-v3 sizes)."""
+    a = (config.get("thinker_config") or {}).get("audio_config")
     if not isinstance(a, dict):
         return None
     return AudioShape(layers=a.get("encoder_layers", 32), dim=a.get("d_model", 1280),
