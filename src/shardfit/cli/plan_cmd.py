@@ -144,6 +144,19 @@ def media_load(args: argparse.Namespace, config_max_pixels: int | None) -> Media
     return MediaLoad(args.images_per_sample, width, height, max_pixels=max_pixels)
 
 
+def audio_from_data(cfg: Config, quiet: bool) -> AudioLoad | None:
+    """The clips of a sample as the config's data holds them (a sample of rows, WAV headers only); the line
+    saying so goes to stderr unless `quiet`."""
+    from shardfit.data.audio_census import audio_census  # the data readers: only for a config with an audio tower
+
+    census = audio_census(cfg.data)
+    if census is None:
+        return None
+    if not quiet:
+        print(f"plan: {census.describe()}", file=sys.stderr)
+    return AudioLoad(census.most_per_row, census.seconds, cfg.audio_max_seconds)
+
+
 def media_from_data(cfg: Config, quiet: bool) -> MediaLoad | None:
     """The images of a sample as the config's data holds them (a sample of rows, image headers only); the line
     saying what was taken goes to stderr (stdout stays the plan, JSON included)."""
@@ -198,8 +211,11 @@ def run(args: argparse.Namespace) -> int:
         rows, cols = media.grid()
         w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)
     audio = audio_load(args, cfg.audio_max_seconds if args.config else None)
+    if audio is None and args.config and shape.audio is not None:
+        audio = audio_from_data(cfg, args.json)
     if audio is not None:
         check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)
+        w = dataclasses.replace(w, audio_clips=audio.clips_per_sample, audio_frames=audio.frames())
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
     if args.simulate:
         from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating

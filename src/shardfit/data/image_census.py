@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfit.data.formats import BadRow
-from shardfit.data.media import extract_media
+from shardfit.data.media import Media, extract_media
 from shardfit.data.reader import read_rows
 from shardfit.errors import UserError
 
@@ -34,23 +34,31 @@ class ImageCensus:
                 "(--images-per-sample / --image-size override)")
 
 
-def image_census(paths: str | list[str], sample: int = 256) -> ImageCensus | None:
-    """The images of up to `sample` rows spread evenly over the data files; None when no sampled row has one.
-    Rows that would not train (bad JSON, a missing image) are left out here: `check` and `train` report them."""
-    from PIL import Image  # Pillow only for image data: text-only plans never import it
-
+def sampled_media(paths: str | list[str], sample: int = 256) -> tuple[int, int, list[Media]]:
+    """(rows in the data files, rows sampled, the media of each readable sampled row): up to `sample` rows spread
+    evenly over the files. Rows that would not train (bad JSON, a missing file) are left out here: `check` and
+    `train` report them."""
     rows = [(row, Path(p).parent) for p in ([paths] if isinstance(paths, str) else paths) for row in read_rows(p)]
-    if not rows:
-        return None
     step = max(1, len(rows) // sample)
     picked = rows[::step][:sample]
-    with_images = images = most = 0
-    largest = (0, 0)
+    media = []
     for row, base in picked:
         try:
-            files = extract_media(row.data, base)[1].images
+            media.append(extract_media(row.data, base)[1])
         except (BadRow, UserError):
             continue
+    return len(rows), len(picked), media
+
+
+def image_census(paths: str | list[str], sample: int = 256) -> ImageCensus | None:
+    """The images of up to `sample` rows spread evenly over the data files; None when no sampled row has one."""
+    from PIL import Image  # Pillow only for image data: text-only plans never import it
+
+    total, sampled, media = sampled_media(paths, sample)
+    with_images = images = most = 0
+    largest = (0, 0)
+    for m in media:
+        files = m.images
         if not files:
             continue
         with_images += 1
@@ -62,4 +70,4 @@ def image_census(paths: str | list[str], sample: int = 256) -> ImageCensus | Non
                     largest = im.size
     if not with_images:
         return None
-    return ImageCensus(len(rows), len(picked), with_images, images, most, largest[0], largest[1])
+    return ImageCensus(total, sampled, with_images, images, most, largest[0], largest[1])

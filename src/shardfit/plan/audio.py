@@ -63,3 +63,79 @@ def describe_audio(audio: AudioLoad) -> str:
             f"{audio.kept_seconds():g} s): {audio.frames()} log-mel frames through the audio tower and "
             f"{audio.tokens_per_clip()} tokens in the sequence each, {audio.tokens_per_sample()} audio tokens per "
             "sample (counted within the sequence length)")
+
+
+@dataclass(frozen=True)
+class AudioShape:
+    """A Qwen2.5-Omni audio tower (Whisper's encoder): two convolutions over `mels` log-mel bins (the second with
+    stride 2), `layers` blocks of width `dim` (MLP width `ffn`, `heads` heads, LayerNorm, GELU), a final norm,
+    pooling by 2 and a projection to the language model's width `out`. Clips run in chunks of 2 x `window` frames.
+    """
+
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    out: int
+    mels: int = 128
+    window: int = 100
+    positions: int = 1500  # max_source_positions: rows of the sinusoidal position table
+
+    def params(self) -> int:
+        """The tower's weights: both convolutions, the blocks (norms, q/k/v/out projections with k bias-free, MLP),
+        the final norm, the projection, and the begin/end-of-audio embedding (two rows of `out`)."""
+        d, f = self.dim, self.ffn
+        convs = self.mels * d * 3 + d + d * d * 3 + d
+        block = 2 * 2 * d + 4 * d * d + 3 * d + d * f + f + f * d + d
+        return convs + self.layers * block + 2 * d + d * self.out + self.out + 2 * self.out
+
+    def buffer_bytes(self) -> int:
+        """The fp32 sinusoidal position table, a buffer on every rank whatever the strategy shards."""
+        return 4 * self.positions * self.dim
+
+    def chunked_frames(self, frames: int) -> tuple[int, int]:
+        """(padded frames, tokens through the blocks) of one clip of `frames`: cut into chunks of 2 x window
+        frames, each padded to the longest chunk and halved (rounding up) by the strided convolution."""
+        size = 2 * self.window
+        chunks = -(-frames // size)
+        tail = frames - (chunks - 1) * size
+        longest = size if chunks > 1 else frames
+        return chunks * longest, (chunks - 1) * ((size - 1) // 2 + 1) + (tail - 1) // 2 + 1
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA adapters on the tower's linear layers (peft's all-linear: each block's q, k, v, out and MLP, and the
+        projection), what a LoRA run with a trainable tower adds."""
+        d, f = self.dim, self.ffn
+        return self.layers * rank * (4 * 2 * d + 2 * (d + f)) + rank * (d + self.out)
+
+    def saved_bytes(self, frames: int, low: int, checkpointed: bool = False, stem: bool = True) -> float:
+        """What a trainable tower saves for backward for one clip of `frames`, in the compute precision (`low`
+        bytes): the convolutions' and GELUs' inputs over the padded chunks (the padded features; conv1's GELU and
+        conv2's input; conv2's GELU at half as many positions), the index and mask tensors (int64), per
+        token through the blocks each block's (9 x width + 2 x MLP width + 4) values (norm inputs and statistics,
+        q, k, v, attention output, the MLP's inner activations) and an fp32 log-sum-exp per head, and after
+        pooling the final norm's and the projection's inputs. Counted with autograd's saved-tensor hooks on
+        transformers' Qwen2_5OmniAudioEncoder over a range of widths, MLP widths, heads and mel bins (linear in each).
+        `checkpointed` (transformers checkpoints the audio blocks with the decoder's): each block keeps its input.
+        Without `stem` (LoRA: the convolutions have no adapters and their input needs no gradient) the convolutions
+        save nothing."""
+        padded, tokens = self.chunked_frames(frames)
+        chunks = -(-frames // (2 * self.window))
+        strided = chunks * ((padded // chunks - 1) // 2 + 1)  # conv2's output positions, padding included
+        pooled = (tokens - 2) // 2 + 1
+        convs = padded * ((self.mels + 2 * self.dim) * low + 8) + strided * self.dim * low if stem else 0
+        stem_bytes = convs + tokens * 8
+        block = self.dim * low if checkpointed else (9 * self.dim + 2 * self.ffn + 4) * low + 4 * self.heads
+        return stem_bytes + self.layers * tokens * block + pooled * ((2 * self.dim + 2) * low + 16)
+
+
+def audio_shape_of(config: dict) -> AudioShape | None:
+    """The audio tower of a Qwen2.5-Omni config.json (`thinker_config.audio_config`), None when it has none;
+    missing keys take transformers' defaults (Whisper-large-v3 sizes)."""
+    a = (config.get("thinker_config") or {}).get("audio_config")
+    if not isinstance(a, dict):
+        return None
+    return AudioShape(layers=a.get("encoder_layers", 32), dim=a.get("d_model", 1280),
+                      ffn=a.get("encoder_ffn_dim", 5120), heads=a.get("encoder_attention_heads", 20),
+                      out=a.get("output_dim", 3584), mels=a.get("num_mel_bins", 128), window=a.get("n_window", 100),
+                      positions=a.get("max_source_positions", 1500))

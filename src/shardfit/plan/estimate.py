@@ -90,10 +90,19 @@ def lora_params(shape: ModelShape, w: Workload) -> int:
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
     if w.trains_adapters:
-        return lora_params(shape, w)
+        tower = shape.audio.lora_params(w.lora_rank) if shape.audio is not None and w.audio_trainable else 0
+        return lora_params(shape, w) + tower
     if w.method == "freeze":
         return 2 * shape.layer_params() + shape.hidden  # default: the last two blocks and the final norm
-    return shape.params()
+    return shape.params() - frozen_audio_params(shape, w)
+
+
+def frozen_audio_params(shape: ModelShape, w: Workload) -> int:
+    """The audio tower's weights a full fine-tune leaves frozen: all of them under freeze_audio_tower, else its
+    begin/end-of-audio embedding (it serves only the speech output, models/adapters.py)."""
+    if shape.audio is None:
+        return 0
+    return shape.audio.params() if not w.audio_trainable else 2 * shape.audio.out
 
 
 def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
@@ -384,6 +393,24 @@ def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
                                    checkpointed=w.grad_ckpt != "none")
 
 
+def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The audio clips of one micro-batch through the step: their log-mel features (fp32, mel bins x frames, as
+    the feature extractor makes them), the 16-bit copy FSDP's mixed precision makes of the root's inputs and keeps
+    for the whole forward, and for a trainable tower every block's saved activations (plan/audio.py). A frozen
+    tower saves nothing: it runs at the start of the forward pass, long before the step's peak. 0 without clips."""
+    a = shape.audio
+    if a is None or w.audio_clips == 0:
+        return 0.0
+    clips = w.micro_batch * w.audio_clips
+    low = compute_bytes(w)
+    per_value = 4.0 + (low if strategies.get(strategy).sharded and low != 4 else 0)
+    features = clips * w.audio_frames * a.mels * per_value
+    if not w.audio_trainable:
+        return features
+    return features + clips * a.saved_bytes(w.audio_frames, low, checkpointed=w.grad_ckpt != "none",
+                                            stem=not w.trains_adapters)
+
+
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:
     """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits.
 
@@ -434,6 +461,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         layers = -(-shape.layers // g)
     wr, gr, opt = weights / div_w, grads / div_g, optim / div_o  # per rank
+    wr += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded or offloaded
     g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
@@ -443,9 +471,9 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     bwd_temp += dequantize_bytes(shape, w)
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
-    # The images' pixels (and a trainable vision tower's saved activations) stay until backward reaches the tower,
-    # which it does last.
-    vision = image_activation_bytes(shape, w, strategy)
+    # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
+    # reaches the towers, which it does last.
+    vision = image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
     moments = {
         "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                              logits_bytes(shape, w, strategy), fwd_temp),

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from shardfit.errors import UserError
+from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, vision_shape_of
 
 
@@ -29,8 +30,10 @@ class ModelShape:
     head_dim: int | None = None
     experts: int = 1
     top_k: int = 1
-    extra_params: int = 0  # outside the decoder: a vision-language model's vision tower (counted in `vision` too)
+    # outside the decoder: a multimodal model's vision and audio towers (counted in `vision` and `audio` too)
+    extra_params: int = 0
     vision: VisionShape | None = None
+    audio: AudioShape | None = None
 
     @property
     def hd(self) -> int:
@@ -85,10 +88,13 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             intermediate=text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"],
             heads=heads, kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
             vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
-            tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            # Qwen-Omni: the thinker's own setting decides (its head is untied whatever its text config says).
+            tied=bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
+                "tie_word_embeddings", text.get("tie_word_embeddings", False)))),
             experts=text.get("num_local_experts") or text.get("num_experts") or 1,
             top_k=text.get("num_experts_per_tok") or 1)
         vision = vision_shape_of(cfg)
+        audio = audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     sizes = {"num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
@@ -96,9 +102,15 @@ def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     for key_name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key_name} is {value!r}; it must be a positive integer.")
-    if vision is not None:
-        shape = dataclasses.replace(shape, vision=vision, extra_params=vision.params())
+    if vision is not None or audio is not None:
+        shape = dataclasses.replace(shape, vision=vision, audio=audio, extra_params=tower_params(vision, audio))
     return shape
+
+
+def tower_params(vision: VisionShape | None, audio: AudioShape | None) -> int:
+    """The weights of a multimodal model's towers: what it holds outside the decoder (Qwen2.5-Omni's talker and
+    token2wav are never built for training)."""
+    return (vision.params() if vision else 0) + (audio.params() if audio else 0)
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -123,9 +135,12 @@ def resolve_shape(model: str) -> ModelShape:
 
 
 def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
-    """A catalog entry as a shape (its `vision` mapping as a VisionShape)."""
-    vision = entry.get("vision")
-    return ModelShape(id=name, **dict(entry, vision=VisionShape(**vision) if vision else None))
+    """A catalog entry as a shape (its `vision` and `audio` mappings as a VisionShape and an AudioShape; with
+    either and no `extra_params`, the towers' weights are what lies outside the decoder)."""
+    vision = VisionShape(**entry["vision"]) if entry.get("vision") else None
+    audio = AudioShape(**entry["audio"]) if entry.get("audio") else None
+    extra = entry.get("extra_params", tower_params(vision, audio))
+    return ModelShape(id=name, **dict(entry, vision=vision, audio=audio, extra_params=extra))
 
 
 def _variants(name: str) -> list[str]:
@@ -147,13 +162,30 @@ def hf_config(shape: ModelShape) -> Any:
                   tie_word_embeddings=shape.tied, max_position_embeddings=131072)
     if shape.head_dim:
         kwargs["head_dim"] = shape.head_dim
-    if shape.vision is not None and "-vl" in shape.id.lower():
+    if shape.vision is not None and ("-vl" in shape.id.lower() or shape.audio is not None):
         # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).
         half = shape.hd // 2
         sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}
-        return vl_config(shape.vision, kwargs)
+        return vl_config(shape.vision, kwargs) if shape.audio is None else omni_config(shape.vision, shape.audio,
+                                                                                       kwargs)
     return cls(**kwargs)
+
+
+def omni_config(v: VisionShape, a: AudioShape, text: dict[str, Any]) -> Any:
+    """A Qwen2.5-Omni config of the tower shapes and text sizes, speech output off (training never builds the
+    talker): what a catalog Omni id simulates with both towers."""
+    from transformers import Qwen2_5OmniConfig  # configs only, as in hf_config
+
+    vision = dict(depth=v.depth, num_heads=v.heads, patch_size=v.patch, spatial_merge_size=v.merge,
+                  temporal_patch_size=v.temporal_patch, in_channels=v.in_channels, hidden_size=v.dim,
+                  intermediate_size=v.mlp, out_hidden_size=v.out)
+    audio = dict(encoder_layers=a.layers, d_model=a.dim, encoder_ffn_dim=a.ffn, encoder_attention_heads=a.heads,
+                 output_dim=a.out, num_mel_bins=a.mels, n_window=a.window, max_source_positions=a.positions)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio,
+                   tie_word_embeddings=text["tie_word_embeddings"])
+    return Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False,
+                             architectures=["Qwen2_5OmniForConditionalGeneration"])
 
 
 def vl_config(v: VisionShape, text: dict[str, Any]) -> Any:

@@ -69,6 +69,12 @@ class Workload:
     image_rows: int = 0
     image_cols: int = 0
     vision_trainable: bool = False
+    # Models with an audio tower (Qwen2.5-Omni): clips in each sample and each clip's log-mel frames (100 a second,
+    # plan/audio.py); their tokens are counted within seq_len. The clips' fp32 features stay through the step; a
+    # trainable tower (freeze_audio_tower: false) also keeps its blocks' activations.
+    audio_clips: int = 0
+    audio_frames: int = 0
+    audio_trainable: bool = False
 
     @property
     def trains_adapters(self) -> bool:
@@ -84,7 +90,7 @@ def workload_of(cfg: Config) -> Workload:
                     # `compile: auto` is decided at train time; planning it as eager errs on the large side.
                     compile=cfg.compile is True or cfg.compile == "true",
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
-                    vision_trainable=not cfg.freeze_vision_tower)
+                    vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

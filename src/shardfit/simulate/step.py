@@ -109,7 +109,7 @@ def workload_config(w: Workload, model: str) -> Config:
     stands them in: see `attention_kernel`)."""
     return Config(model=model, method=w.method, precision=w.precision, grad_ckpt=w.grad_ckpt,
                   lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank), attn_implementation=attention_kernel(w),
-                  freeze_vision_tower=not w.vision_trainable)
+                  freeze_vision_tower=not w.vision_trainable, freeze_audio_tower=not w.audio_trainable)
 
 
 def tools_recipe(model: torch.nn.Module, w: Workload) -> None:
@@ -138,6 +138,28 @@ class RealIndices(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def with_vision_indices(model: torch.nn.Module, grid: torch.Tensor) -> None:
+    """The vision tower's forward given the index tensors of patch grid `grid` (rotary positions, attention and
+    window boundaries), computed here as real tensors outside fake mode: they are data-dependent (their sizes come
+    from the grid's values), which fake tensors cannot compute."""
+    from transformers import vision_utils  # the tower's own index helpers, the same the forward would call
+
+    visual = vision_body(model).visual
+    vc = visual.config
+    with unset_fake_temporarily():
+        pre: dict[str, Any] = {"position_ids": vision_utils.get_vision_position_ids(grid, vc.spatial_merge_size)}
+        pre["cu_seqlens"], pre["max_seqlen"] = vision_utils.get_vision_attention_seqlens(grid, vc)
+        if getattr(vc, "window_size", None):
+            pre["window_index"], pre["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+                grid, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size)
+    forward = visual.forward
+
+    def with_indices(hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
+        return forward(hidden_states, grid_thw, **pre, **kwargs)
+
+    visual.forward = with_indices
+
+
 def image_batch(model: torch.nn.Module, config: Any, w: Workload) -> tuple:
     """A vision-language batch as the loader makes it: each row's image tokens, (4, rows, width) positions, every
     image's pixel patches (fp32, as the image processor gives them) and its (1, rows, columns) patch grid.
@@ -145,25 +167,12 @@ def image_batch(model: torch.nn.Module, config: Any, w: Workload) -> tuple:
     The grid and the vision tower's index tensors derived from it (rotary positions, attention and window
     boundaries) are real tensors computed here, outside fake mode, and passed to the tower's forward: they are
     data-dependent (their sizes come from the grid's values), which fake tensors cannot compute."""
-    from transformers import vision_utils  # the tower's own index helpers, the same the forward would call
-
     vc = config.vision_config
     rows, cols = w.image_rows, w.image_cols
     n_images = w.micro_batch * w.images
     with unset_fake_temporarily():
         grid = torch.tensor([[1, rows, cols]] * n_images)
-        pre: dict[str, Any] = {"position_ids": vision_utils.get_vision_position_ids(grid, vc.spatial_merge_size)}
-        pre["cu_seqlens"], pre["max_seqlen"] = vision_utils.get_vision_attention_seqlens(grid, vc)
-        if getattr(vc, "window_size", None):
-            pre["window_index"], pre["cu_window_seqlens"] = vision_utils.get_vision_window_index(
-                grid, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size)
-    visual = vision_body(model).visual
-    forward = visual.forward
-
-    def with_indices(hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
-        return forward(hidden_states, grid_thw, **pre, **kwargs)
-
-    visual.forward = with_indices
+    with_vision_indices(model, grid)
     patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
     pixels = torch.zeros(n_images * rows * cols, patch)
     per_row = w.images * rows * cols // vc.spatial_merge_size ** 2
@@ -171,6 +180,50 @@ def image_batch(model: torch.nn.Module, config: Any, w: Workload) -> tuple:
     ids[:, 1:1 + per_row] = config.image_token_id
     positions = packed_positions(w.micro_batch, w.seq_len).unsqueeze(0).expand(4, -1, -1).contiguous()
     return ids, positions, ids, pixels, grid
+
+
+def audio_batch(model: torch.nn.Module, w: Workload, batch: tuple) -> tuple:
+    """`batch` with audio clips as the loader adds them (Qwen2.5-Omni's thinker): each row's audio tokens after
+    its image tokens, every clip's fp32 log-mel features side by side in time (mel bins, frames) and each clip's
+    frame count, with (4, rows, width) positions.
+
+    The tower's index tensors (chunk lengths, the valid and pooled positions, attention boundaries) are real
+    tensors computed here by transformers' own helpers, outside fake mode, and passed to the tower's forward: they
+    are data-dependent (their sizes come from the clips' lengths), which fake tensors cannot compute. The padded
+    chunks are made from the fake features with the same ops the tower runs."""
+    from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as omni  # the tower's own index helpers
+
+    body = vision_body(model)
+    tower = body.audio_tower
+    clips = w.micro_batch * w.audio_clips
+    with unset_fake_temporarily():
+        lens = torch.tensor([w.audio_frames] * clips)
+        _, chunk_lengths = omni.chunk_and_pad_features(torch.zeros(1, clips * w.audio_frames), lens, tower.n_window)
+        pre = {"chunk_lengths": chunk_lengths, "valid_indices": omni.get_valid_indices(chunk_lengths),
+               "pool_indices": omni.get_pool_indices(lens), "cu_seqlens": omni.get_audio_cu_seqlens(chunk_lengths)}
+    split = chunk_lengths.tolist()
+    forward = tower.forward
+
+    def with_indices(input_features: torch.Tensor, feature_lens: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        padded = torch.nn.utils.rnn.pad_sequence(input_features.T.split(split, dim=0), batch_first=True)
+        return forward(input_features, feature_lens=feature_lens, padded_feature=padded.transpose(1, 2), **pre,
+                       **kwargs)
+
+    tower.forward = with_indices
+    if len(batch) == 3:  # no images: the vision tower runs on one blank merge x merge image (loss.idle_vision)
+        merge = body.visual.spatial_merge_size
+        with unset_fake_temporarily():
+            with_vision_indices(model, torch.tensor([[1, merge, merge]]))
+    ids = batch[0]
+    first = 1 + (w.images * w.image_rows * w.image_cols // body.visual.spatial_merge_size ** 2 if len(batch) > 3
+                 else 0)  # after the row's image tokens
+    after_conv = (w.audio_frames - 1) // 2 + 1
+    per_row = w.audio_clips * ((after_conv - 2) // 2 + 1)
+    ids[:, first:first + per_row] = body.config.audio_token_id
+    positions = batch[1] if batch[1].dim() == 3 else batch[1].unsqueeze(0).expand(4, -1, -1).contiguous()
+    features = torch.zeros(tower.num_mel_bins, clips * w.audio_frames)
+    pixels, grid = (batch[3], batch[4]) if len(batch) > 3 else (None, None)
+    return ids, positions, ids, pixels, grid, features, lens
 
 
 class ModelOwnLoss(torch.nn.Module):
@@ -213,8 +266,10 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
         mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
         cfg = workload_config(w, source or shape.id)
         config = hf_config_for(shape, source)
-        images = w.images > 0 and hasattr(config, "vision_config")
         model = build_model(cfg, s, weights=False, config=config)
+        vl = vision_body(model)  # its config holds the towers' (Qwen2.5-Omni's: the thinker's, not the top one)
+        images = w.images > 0 and vl is not None
+        audio = w.audio_clips > 0 and hasattr(vl, "audio_tower")
         tools_recipe(model, w)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -228,7 +283,9 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
             batch = (ids, packed_positions(w.micro_batch, w.seq_len), ids)
             if images:
-                batch = image_batch(model, config, w)
+                batch = image_batch(model, vl.config, w)
+            if audio:
+                batch = audio_batch(model, w, batch)
             body = decoder_and_head(model)[0]
             if mesh is not None:
                 tracker = StepFSDPMemTracker(body, module, optimizer)
@@ -239,9 +296,11 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                 skip_frozen_grad_hooks(tracker, module)
             if images:
                 tracker.track_as_activation(batch[3])
+            if audio:
+                tracker.track_as_activation(batch[5])
             amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
                                     enabled=w.precision != "fp32" and mesh is None)
-            real_indices = RealIndices() if images else contextlib.nullcontext()
+            real_indices = RealIndices() if images or audio else contextlib.nullcontext()
             with tracker.ignoring_sharding_propagation(), warnings.catch_warnings(), real_indices:
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
                 # fake tensors answer with a deprecation warning (the check itself holds in a real run).
