@@ -5,6 +5,7 @@ entry, the off switch and racing processes all end in the right weights."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -16,13 +17,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.models import gguf_cache
-from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.build import build_model, load_tokenizer, weights_cached
 from shardfit.models.source import resolve_model
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_cli, write_config
 
 Q4_1, Q8_0, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
 
@@ -47,7 +49,7 @@ def make_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 2,
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(layers)
-    w.add_context_length(256)
+    w.add_context_length(1024)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
@@ -258,3 +260,28 @@ def test_two_processes_racing_produce_one_valid_entry(tiny_gguf: Path, cache: Pa
     leftovers = [p.name for e in cache.iterdir() if e.is_dir() for p in e.iterdir() if p.name.startswith(".") and
                  p.is_dir()]
     assert leftovers == []
+
+
+def test_weights_cached_says_what_the_next_load_does(tiny_gguf: Path, cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = Config(model=str(tiny_gguf), method="full", precision="fp32")
+    assert weights_cached(cfg) is False
+    _weights(tiny_gguf)
+    assert weights_cached(cfg) is True
+    assert weights_cached(Config(model=str(tiny_gguf), method="lora", precision="bf16")) is False  # another dtype
+    monkeypatch.setenv(gguf_cache.ENV, "off")
+    assert weights_cached(cfg) is None
+
+
+@pytest.mark.slow
+def test_a_training_run_records_the_cache_and_names_the_gguf(tiny_gguf: Path, cache: Path, tmp_path: Path,
+                                                             small_data: Path) -> None:
+    _weights(tiny_gguf)  # a first run converted it
+    cfg = write_config(tmp_path / "run.yaml", model=str(tiny_gguf), data=str(small_data), method="lora",
+                       precision="fp32", max_seq_len=512, micro_batch=1, max_steps=1, save_steps=100,
+                       output_dir=str(tmp_path / "run"))
+    r = run_cli("train", str(cfg), env={gguf_cache.ENV: str(cache)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model_cache_hit"] is True and "model (cached)" in summary["startup_s"]
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"] == str(tiny_gguf)

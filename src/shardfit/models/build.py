@@ -27,7 +27,8 @@ from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
-from shardfit.models.gguf_cache import cached_part
+from shardfit.models.gguf_cache import cached_part, lookup, weights_part
+from shardfit.models.gguf_cache import enabled as cache_enabled
 from shardfit.models.placement import balanced_device_map
 from shardfit.models.processor import vision_model_type
 from shardfit.models.quantize import quantize_blocks
@@ -80,9 +81,16 @@ def gguf_weights(source: ModelSource, config: Any, dtype: torch.dtype, trust_rem
         _drop_gguf_marks(model)
         model.save_pretrained(out, safe_serialization=True)
 
-    if not source.gguf_file:
-        return source
-    return _through_cache(source, "weights-" + str(dtype).removeprefix("torch."), convert)
+    return _through_cache(source, weights_part(dtype), convert) if source.gguf_file else source
+
+
+def weights_cached(cfg: Config) -> bool | None:
+    """Whether `build_model(cfg, weights=True)` will read the config's GGUF model from the model cache (True) or
+    convert it first (False); None when the weights are not GGUF or the cache is off. For the run's record."""
+    source = resolve_model(cfg.model)
+    if not source.gguf_file or not cache_enabled():
+        return None
+    return lookup(source, weights_part(weight_dtype(cfg))) is not None
 
 
 def _drop_gguf_marks(model: nn.Module) -> None:

@@ -59,6 +59,11 @@ def cache_dir() -> Path:
     return Path(base) / "shardfit" / "gguf"
 
 
+def weights_part(dtype: object) -> str:
+    """The part that holds the weights in `dtype` (a torch dtype): `weights-float32`, `weights-bfloat16`."""
+    return "weights-" + str(dtype).removeprefix("torch.")
+
+
 def _transformers_version() -> str:
     try:
         return version("transformers")
@@ -137,6 +142,15 @@ def _prune(root: Path, keep: Path) -> None:
                      key=lambda p: p.stat().st_mtime, reverse=True)
     for old in [p for p in entries if p != keep][KEEP - 1:]:
         _discard(old)
+
+
+def lookup(source: ModelSource, part: str) -> Path | None:
+    """The complete folder of `part` when the cache is on and holds it, else None; converts nothing."""
+    gguf = gguf_path(source)
+    if gguf is None or not enabled() or not gguf.is_file():
+        return None
+    final = cache_dir() / entry_key(gguf) / part
+    return final if is_complete(final) else None
 
 
 def cached_part(source: ModelSource, part: str, convert: Callable[[Path], None]) -> Path | None:
