@@ -246,7 +246,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
         finally:
             transformers.utils.logging.enable_progress_bar()
         if source.gguf_file:
-            _drop_gguf_marks(model)  # loaded from the GGUF file itself: the model cache is off or not writable
+            _drop_gguf_marks(model)  # read from the GGUF file itself (cache off or unwritable) it carries them
     else:
         model = meta_model(config, dtype, cfg)
     # Qwen-Omni: the thinker (its own PreTrainedModel, with embeddings and head) is what trains; the adapter and

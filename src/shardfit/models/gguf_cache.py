@@ -39,7 +39,7 @@ log = logging.getLogger("shardfit")
 
 ENV = "SHARDFIT_MODEL_CACHE"
 VERSION = 1  # bump when what a part holds changes meaning
-KEEP = 4  # newest GGUF files kept; older entries are deleted when a new one is written
+KEEP = 4  # entries (GGUF files) kept, the most recently used; older ones go when a new one is written
 MANIFEST = "shardfit-manifest.json"
 OFF = ("0", "false", "no", "off")
 
@@ -163,6 +163,8 @@ def cached_part(source: ModelSource, part: str, convert: Callable[[Path], None])
     entry = cache_dir() / entry_key(gguf)
     final = entry / part
     if is_complete(final):
+        with contextlib.suppress(OSError):
+            os.utime(entry)  # pruning keeps the entries used most recently, not the ones converted last
         return final
     try:
         entry.mkdir(parents=True, exist_ok=True)
