@@ -19,6 +19,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One GGUF model cache for the whole session (the CLI runs inherit it): SmolLM2 is converted once per session,
+    and never into the user's own ~/.cache. A SHARDFIT_MODEL_CACHE set by the caller is kept."""
+    if "SHARDFIT_MODEL_CACHE" not in os.environ:
+        os.environ["SHARDFIT_MODEL_CACHE"] = str(tmp_path_factory.mktemp("model-cache"))
+    return Path(os.environ["SHARDFIT_MODEL_CACHE"])
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The SmolLM2 tokenizer (from the GGUF package) saved once as plain HF tokenizer files."""

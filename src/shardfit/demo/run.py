@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardfit.config import load_config
 from shardfit.demo.evaluate import accuracy, generate_answers, report
-from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.build import build_model, load_tokenizer, weights_cached
 from shardfit.models.source import resolve_model
 from shardfit.parallel.defaults import resolve_speed_settings
 from shardfit.parallel.env import DistEnv, resolve_precision
@@ -37,9 +37,11 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     if env.is_main:
         print(f"shardfit demo: LoRA fine-tune of {cfg.model} on a record-extraction task "
               f"({sum(1 for _ in open(cfg.data))} train / {len(heldout)} held-out examples)")
+    t_load, cached = time.perf_counter(), weights_cached(cfg)
     tok = load_tokenizer(resolve_model(cfg.model))
     # The model as training builds it: its fresh LoRA adapters add nothing yet, so this is the base model's answer.
     model = build_model(cfg, "single", weights=True).to(env.device)
+    load_s = round(time.perf_counter() - t_load, 2)
     before = generate_answers(model, tok, heldout, show=True, desc="base model answers") if env.is_main else []
     if env.is_main:
         print(f"base model: {accuracy(before):.1%} exact match before training")
@@ -51,7 +53,8 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     print(report(before, after))
     out = {"before_accuracy": accuracy(before), "after_accuracy": accuracy(after),
            "eval_loss": result.summary["eval_loss"], "train_wall_s": result.summary["wall_s"],
-           "total_wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(result.run_dir)}
+           "total_wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(result.run_dir),
+           "model_load_s": load_s, "model_cache_hit": cached}
     (result.run_dir / "demo.json").write_text(json.dumps(out, indent=2))
     run = result.run_dir
     print(f"adapter: {run / 'adapter'}   merge: shardfit export {run} --merge")

@@ -27,6 +27,8 @@ from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
+from shardfit.models.gguf_cache import cached_part, lookup, weights_part
+from shardfit.models.gguf_cache import enabled as cache_enabled
 from shardfit.models.placement import balanced_device_map
 from shardfit.models.processor import vision_model_type
 from shardfit.models.quantize import quantize_blocks
@@ -46,8 +48,62 @@ def weight_dtype(cfg: Config) -> torch.dtype:
     return torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]
 
 
+def _through_cache(source: ModelSource, part: str, convert: Any) -> ModelSource:
+    """`source` as a plain HF folder from the model cache when its weights are GGUF (converted on first use), else
+    `source` itself. The name stays the source's, so messages and records name the GGUF model."""
+    try:
+        folder = cached_part(source, part, convert)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's GGUF file: any failure to convert it is bad input
+        raise UserError(f"'model': cannot read {source.name} ({source.gguf_file}): {type(e).__name__}: {e}. Check "
+                        "that the file is a complete GGUF model (re-download it).") from None
+    return source if folder is None else ModelSource(str(folder), None, source.name)
+
+
+def gguf_meta(source: ModelSource, trust_remote_code: bool = False) -> ModelSource:
+    """A GGUF source's config and tokenizer as a folder from the model cache: parsing them from the GGUF file takes
+    seconds on every load, reading the saved files a fraction of one."""
+    def convert(out: Any) -> None:
+        kwargs = {"gguf_file": source.gguf_file, "trust_remote_code": trust_remote_code}
+        AutoConfig.from_pretrained(source.folder, **kwargs).save_pretrained(out)
+        AutoTokenizer.from_pretrained(source.folder, **kwargs).save_pretrained(out)
+
+    return _through_cache(source, "meta", convert) if source.gguf_file else source
+
+
+def gguf_weights(source: ModelSource, config: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> ModelSource:
+    """A GGUF source's weights de-quantized to `dtype` as a safetensors folder from the model cache, one folder per
+    dtype, so a load from it gives bitwise what loading the GGUF file in that dtype gives."""
+    def convert(out: Any) -> None:
+        model = model_class(config).from_pretrained(source.folder, gguf_file=source.gguf_file, config=config,
+                                                    dtype=dtype, trust_remote_code=trust_remote_code)
+        _drop_gguf_marks(model)
+        model.save_pretrained(out, safe_serialization=True)
+
+    return _through_cache(source, weights_part(dtype), convert) if source.gguf_file else source
+
+
+def weights_cached(cfg: Config) -> bool | None:
+    """Whether `build_model(cfg, weights=True)` will read the config's GGUF model from the model cache (True) or
+    convert it first (False); None when the weights are not GGUF or the cache is off. For the run's record."""
+    source = resolve_model(cfg.model)
+    if not source.gguf_file or not cache_enabled():
+        return None
+    return lookup(source, weights_part(weight_dtype(cfg))) is not None
+
+
+def _drop_gguf_marks(model: nn.Module) -> None:
+    """GGUF weights are de-quantized on load; drop the quantizer marks so saving and merging write plain weights."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a model source, with a chat template and a pad token guaranteed."""
+    source = gguf_meta(source, trust_remote_code)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -65,6 +121,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
 def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
     """The transformers config of the config's model. Without weights, a hub id that is not a local folder comes
     from the Hugging Face cache or, failing that, from the bundled catalog's shape (no network either way)."""
+    source = gguf_meta(source, cfg.trust_remote_code)
     kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -144,6 +201,7 @@ def _no_gguf_bar() -> Iterator[None]:
 
 
 def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Config, s: Strategy) -> nn.Module:
+    source = gguf_weights(source, config, dtype, cfg.trust_remote_code)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **_attention(cfg)}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -188,12 +246,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
         finally:
             transformers.utils.logging.enable_progress_bar()
         if source.gguf_file:
-            # GGUF weights are de-quantized on load; drop the quantizer marks so saving and merging write plain
-            # weights.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.is_quantized = False
+            _drop_gguf_marks(model)  # read from the GGUF file itself (cache off or unwritable) it carries them
     else:
         model = meta_model(config, dtype, cfg)
     # Qwen-Omni: the thinker (its own PreTrainedModel, with embeddings and head) is what trains; the adapter and

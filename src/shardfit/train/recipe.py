@@ -37,7 +37,7 @@ from shardfit.evals.scorers import parse_metrics
 from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.anatomy import input_device
-from shardfit.models.build import build_model, load_tokenizer
+from shardfit.models.build import build_model, load_tokenizer, weights_cached
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
@@ -130,6 +130,7 @@ class FineTune:
         self.lock: RunLock | None = None
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
+        self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
         self.wd = watchdog or Watchdog(env, None)
         self.fault = faults.from_env()
 
@@ -161,7 +162,7 @@ class FineTune:
         self.startup.mark("plan")
         self._setup_data()
         self._setup_model()
-        self.startup.mark("model")
+        self.startup.mark("model (cached)" if self.model_cache_hit else "model")
         self._setup_optimizer()
         self._resume()
         self._write_run_files()
@@ -222,6 +223,7 @@ class FineTune:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
         cfg, env, s = self.cfg, self.env, self.strategy
         if self.model is None:
+            self.model_cache_hit = weights_cached(cfg)
             self.model = build_model(cfg, s, weights=True)
         findings = preflight(self.model, cfg, s, env.world, self.plan)
         quantized = quantized_placement_rules(self.model, env.device, env.world)
@@ -425,6 +427,7 @@ class FineTune:
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "startup_s": self.startup.phases, "data_cache_hit": self.data_cache_hit,
+                   "model_cache_hit": self.model_cache_hit,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}
