@@ -123,8 +123,29 @@ def cpu_matmul_gflops(dtype: torch.dtype) -> float:
 
 
 def fast_cpu_bf16() -> bool:
-    """bf16 matmuls on this CPU are at least as fast as fp32 ones."""
-    return cpu_matmul_gflops(torch.bfloat16) >= cpu_matmul_gflops(torch.float32)
+    """bf16 matmuls on this CPU are at least as fast as fp32 ones. Compared in CPU time of one thread, not wall
+    time: a short fp32 probe of a low-priority process on a loaded machine can wait longer for a core than it
+    computes, which made wall time pick bf16 on a CPU that runs it 30x slower."""
+    return _matmul_thread_seconds(torch.bfloat16) <= _matmul_thread_seconds(torch.float32)
+
+
+@functools.cache
+def _matmul_thread_seconds(dtype: torch.dtype) -> float:
+    """CPU seconds one thread spends on four 256x256 matmuls in `dtype` (the best of five trials)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
+        a @ b  # warm-up: the first call picks kernels
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.thread_time()
+            for _ in range(4):
+                a @ b
+            best = min(best, time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best
 
 
 def cuda_available() -> bool:
