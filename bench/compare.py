@@ -280,15 +280,15 @@ def workload_json(w: Workload) -> dict:
 
 
 def merge(report: dict, path: Path) -> dict:
-    """Keep the entries of workloads not run this time from the file already there (each entry has its date)."""
+    """`report` with the entries of workloads not run this time taken from the file already there (each entry has
+    its date); `report` itself is left as it is, so merging after every workload never keeps a stale entry."""
     if not path.exists():
         return report
     done = {e["name"] for e in report["workloads"]}
     old = [e for e in json.loads(path.read_text()).get("workloads", []) if e["name"] not in done
            and e["name"] in WORKLOADS]
     order = list(WORKLOADS)
-    report["workloads"] = sorted(old + report["workloads"], key=lambda e: order.index(e["name"]))
-    return report
+    return dict(report, workloads=sorted(old + report["workloads"], key=lambda e: order.index(e["name"])))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,13 +304,14 @@ def main(argv: list[str] | None = None) -> None:
         "omp_threads": args.threads, "load_avg_1m_at_start": os.getloadavg()[0], "workloads": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    written = report
     for name in args.workloads:
         report["workloads"].append(bench_workload(WORKLOADS[name], args, work))
         # Written after every workload: a bench stopped half-way keeps what it measured.
         report["bench_s"] = round(time.perf_counter() - t0, 1)
-        report = merge(report, out)
-        out.write_text(json.dumps(report, indent=1))
-    print(markdown(report))
+        written = merge(report, out)
+        out.write_text(json.dumps(written, indent=1))
+    print(markdown(written))
 
 
 def target_table(report: dict) -> str:

@@ -4,8 +4,10 @@ batch each mode gives a peer, the shared evaluator's arithmetic, and the JSON it
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,20 @@ workloads = _load("workloads")
 peers = _load("peers")
 evaluator = _load("evaluator")
 compare = _load("compare")
+
+
+def test_results_keep_one_entry_per_workload(tmp_path: Path) -> None:
+    """Merging after every workload keeps older entries only of workloads not run again, never a stale twin."""
+    first, second, third = list(workloads.WORKLOADS)[:3]
+    out = tmp_path / "latest.json"
+    out.write_text(json.dumps({"workloads": [{"name": n, "date": "old"} for n in (first, second, third)]}))
+    report = {"workloads": []}
+    for n in (first, second):
+        report["workloads"].append({"name": n, "date": "new"})
+        out.write_text(json.dumps(compare.merge(report, out)))
+    assert json.loads(out.read_text())["workloads"] == [
+        {"name": first, "date": "new"}, {"name": second, "date": "new"}, {"name": third, "date": "old"}]
+    assert len(report["workloads"]) == 2
 
 
 def test_arguments_default_to_everything_and_reject_unknown_names(capsys: pytest.CaptureFixture) -> None:
