@@ -10,7 +10,7 @@ import pytest
 from shardfit.data.dataset import DataStats, load_conversations
 from shardfit.data.formats import ALPACA, OPENAI, SHAREGPT, detect_format, to_messages
 from shardfit.data.loader import BatchSchedule, collate
-from shardfit.data.packing import PackedRow, no_pack, pack
+from shardfit.data.packing import PACK_MIN_PADDING, PackedRow, no_pack, pack, pack_where_padded
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
 from shardfit.errors import UserError
 
@@ -98,6 +98,17 @@ def test_packing_layout(tokenizer) -> None:
         starts = [i for i, p in enumerate(r.position_ids) if p == 0]
         assert starts[0] == 0 and len(starts) >= 1
     assert len(no_pack(examples)) == 4
+
+
+def test_packing_only_where_padding_would_be_a_real_share() -> None:
+    """Near-equal lengths keep one example per row (a packed row's masked attention costs more than the padding
+    saved); a long example among short ones packs the short ones together."""
+    even = [Encoded(list(range(n)), [1] * n) for n in (60, 64, 58, 62)]  # padding to 64: 6 % of the tokens
+    assert [r.input_ids for r in pack_where_padded(even, 256)] == [r.input_ids for r in no_pack(even)]
+    tail = [Encoded(list(range(n)), [1] * n) for n in (120, 10, 12, 9)]  # padding to 120: 68 %
+    assert 1 - sum(map(len, (e.input_ids for e in tail))) / (4 * 120) >= PACK_MIN_PADDING
+    packed = pack_where_padded(tail, 256)
+    assert len(packed) < 4 and [r.input_ids for r in packed] == [r.input_ids for r in pack(tail, 256)]
 
 
 def test_collate_pads_as_separate_block() -> None:

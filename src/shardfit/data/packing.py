@@ -78,6 +78,23 @@ def pack(examples: list[Encoded], max_len: int) -> list[PackedRow]:
     return [_row([examples[i] for i in sorted(b)]) for b in bins]
 
 
+# A packed row's attention needs a block-diagonal mask, and SDPA's kernels without a variable-length path (every
+# CPU one) then compute the whole masked square: packing pays only where it removes a real share of padding. On
+# the bench's SmolLM2 LoRA workload (micro-batches of 4 short examples of near-equal length, CPU, fp32) packing every
+# micro-batch trained 60.5 tokens/s, one example per row 86.9; on its long-tailed workload packing wins.
+PACK_MIN_PADDING = 0.25
+
+
+def pack_where_padded(examples: list[Encoded], max_len: int,
+                      min_padding: float = PACK_MIN_PADDING) -> list[PackedRow]:
+    """A micro-batch packed (`pack`) when padding its examples to the longest would make at least `min_padding` of
+    its tokens padding; otherwise one example per row. The loss is the same either way."""
+    lengths = [len(ex.input_ids) for ex in examples]
+    if not lengths or 1 - sum(lengths) / (len(lengths) * max(lengths)) < min_padding:
+        return no_pack(examples)
+    return pack(examples, max_len)
+
+
 def no_pack(examples: list[Encoded]) -> list[PackedRow]:
     """One example per row (packing off)."""
     return [_row([ex]) for ex in examples]

@@ -30,7 +30,7 @@ from shardfit.config.support import require_method_support
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
-from shardfit.data.packing import PackedRow, no_pack, pack
+from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
 from shardfit.data.tokenize import Encoded
 from shardfit.errors import JobFailed, UserError
 from shardfit.evals.scorers import parse_metrics
@@ -111,9 +111,9 @@ def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
 
 
 def micro_batch_former(cfg: Config) -> Callable[[list[Encoded]], list[PackedRow]]:
-    """How a micro-batch's `micro_batch` examples become rows: packed into rows of at most max_seq_len tokens (only
-    padding goes away), or one example per row."""
-    return functools.partial(pack, max_len=cfg.max_seq_len) if cfg.packing else no_pack
+    """How a micro-batch's `micro_batch` examples become rows: packed into rows of at most max_seq_len tokens where
+    that removes a real share of padding (only padding goes away), or one example per row."""
+    return functools.partial(pack_where_padded, max_len=cfg.max_seq_len) if cfg.packing else no_pack
 
 
 class FineTune:
@@ -292,8 +292,10 @@ class FineTune:
         if not self.quiet:
             cfg, stats = self.cfg, self.data_stats
             world = self.env.world
+            packing = "packed where padding would fill a quarter, the same steps as unpacked" if cfg.packing \
+                else "unpacked"
             print(f"shardfit: {self.n_examples} examples, {self.n_eval} eval; rows of <= {cfg.max_seq_len} tokens "
-                  f"({'packed: padding removed, the same steps as unpacked' if cfg.packing else 'unpacked'}); "
+                  f"({packing}); "
                   f"strategy {self.strategy.name} on {world} x {self.env.device.type} ({cfg.precision}); "
                   f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
                   f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {world} rank"
