@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardfit.cli.args import positive_float, positive_int
 from shardfit.cli.foreign_args import add_from, foreign_plan
@@ -29,6 +32,9 @@ from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, workload_of
 from shardfit.strategy import NAMES
+
+if TYPE_CHECKING:  # the data readers load only for a config with a tower
+    from shardfit.data.image_census import MediaSample
 
 EXAMPLE = ("example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048\n"
            "         shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --images-per-sample 2 "
@@ -144,12 +150,19 @@ def media_load(args: argparse.Namespace, config_max_pixels: int | None) -> Media
     return MediaLoad(args.images_per_sample, width, height, max_pixels=max_pixels)
 
 
-def audio_from_data(cfg: Config, quiet: bool) -> AudioLoad | None:
+def data_sample(cfg: Config) -> Callable[[], MediaSample]:
+    """The config's sampled rows, read on first use and once for the image and the audio census."""
+    from shardfit.data.image_census import sampled_media  # the data readers: only for a config with a tower
+
+    return functools.cache(lambda: sampled_media(cfg.data))
+
+
+def audio_from_data(cfg: Config, sample: MediaSample, quiet: bool) -> AudioLoad | None:
     """The clips of a sample as the config's data holds them (a sample of rows, WAV headers only); the line
     saying so goes to stderr unless `quiet`."""
     from shardfit.data.audio_census import audio_census  # the data readers: only for a config with an audio tower
 
-    census = audio_census(cfg.data)
+    census = audio_census(sample)
     if census is None:
         return None
     if not quiet:
@@ -157,12 +170,12 @@ def audio_from_data(cfg: Config, quiet: bool) -> AudioLoad | None:
     return AudioLoad(census.most_per_row, census.seconds, cfg.audio_max_seconds)
 
 
-def media_from_data(cfg: Config, quiet: bool) -> MediaLoad | None:
+def media_from_data(cfg: Config, sample: MediaSample, quiet: bool) -> MediaLoad | None:
     """The images of a sample as the config's data holds them (a sample of rows, image headers only); the line
     saying what was taken goes to stderr (stdout stays the plan, JSON included)."""
     from shardfit.data.image_census import image_census  # Pillow and the data readers: only for a VL config
 
-    census = image_census(cfg.data)
+    census = image_census(sample)
     if census is None:
         return None
     if not quiet:
@@ -201,9 +214,10 @@ def run(args: argparse.Namespace) -> int:
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())
     if args.strategy not in (None, "all") and args.strategy not in NAMES:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
+    sample = data_sample(cfg) if args.config else None
     media = media_load(args, cfg.image_max_pixels if args.config else None)
-    if media is None and args.config and shape.vision is not None:
-        media = media_from_data(cfg, args.json)
+    if media is None and sample is not None and shape.vision is not None:
+        media = media_from_data(cfg, sample(), args.json)
     if media is not None:
         if shape.vision is not None:  # the tower's own geometry (every Qwen-VL so far: 14-pixel patches, 2x2)
             media = dataclasses.replace(media, patch=shape.vision.patch, merge=shape.vision.merge)
@@ -211,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
         rows, cols = media.grid()
         w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)
     audio = audio_load(args, cfg.audio_max_seconds if args.config else None)
-    if audio is None and args.config and shape.audio is not None:
-        audio = audio_from_data(cfg, args.json)
+    if audio is None and sample is not None and shape.audio is not None:
+        audio = audio_from_data(cfg, sample(), args.json)
     if audio is not None:
         check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)
         w = dataclasses.replace(w, audio_clips=audio.clips_per_sample, audio_frames=audio.frames())

@@ -13,31 +13,49 @@ from shardfit.errors import UserError
 
 
 @dataclass(frozen=True)
-class ImageCensus:
-    """The sampled rows' images. The planner sizes the heaviest sample: the most images in one row and the largest
-    image (by pixels) seen."""
+class MediaSample:
+    """Up to `sample` rows spread evenly over the data files, read once for every census of a plan: the rows in the
+    files, the rows looked at, and the media of each readable one."""
+
+    rows: int
+    sampled: int
+    media: list[Media]
+
+
+@dataclass(frozen=True)
+class MediaCounts:
+    """What the sampled rows carry of one medium: the planner sizes the heaviest sample, the most in one row."""
 
     rows: int  # rows in the data files
     sampled: int  # rows looked at
-    with_images: int  # sampled rows that carry at least one image
-    images: int  # images in the sampled rows
+    with_media: int  # sampled rows that carry at least one
+    items: int  # how many the sampled rows carry
     most_per_row: int
-    width: int  # the largest image seen
+
+    def summary(self, kind: str, noun: str) -> str:
+        """The start of the line that says what the plan took from the data."""
+        mean = self.items / max(self.with_media, 1)
+        return (f"{kind} from the data: {self.with_media} of {self.sampled} sampled rows (of {self.rows}) carry "
+                f"{noun}, {mean:.1f} per such row on average, at most {self.most_per_row}")
+
+
+@dataclass(frozen=True)
+class ImageCensus(MediaCounts):
+    """The sampled rows' images, and the largest image (by pixels) seen."""
+
+    width: int
     height: int
 
     def describe(self) -> str:
         """One line saying what the plan took from the data."""
-        mean = self.images / max(self.with_images, 1)
-        return (f"images from the data: {self.with_images} of {self.sampled} sampled rows (of {self.rows}) carry "
-                f"images, {mean:.1f} per such row on average, at most {self.most_per_row}; the largest is "
-                f"{self.width}x{self.height}. Planned as {self.most_per_row} per sample of {self.width}x{self.height} "
+        return (f"{self.summary('images', 'images')}; the largest is {self.width}x{self.height}. Planned as "
+                f"{self.most_per_row} per sample of {self.width}x{self.height} "
                 "(--images-per-sample / --image-size override)")
 
 
-def sampled_media(paths: str | list[str], sample: int = 256) -> tuple[int, int, list[Media]]:
-    """(rows in the data files, rows sampled, the media of each readable sampled row): up to `sample` rows spread
-    evenly over the files. Rows that would not train (bad JSON, a missing file) are left out here: `check` and
-    `train` report them."""
+def sampled_media(paths: str | list[str], sample: int = 256) -> MediaSample:
+    """The media of up to `sample` rows spread evenly over the files. Rows that would not train (bad JSON, a
+    missing file) are left out here: `check` and `train` report them."""
     rows = [(row, Path(p).parent) for p in ([paths] if isinstance(paths, str) else paths) for row in read_rows(p)]
     step = max(1, len(rows) // sample)
     picked = rows[::step][:sample]
@@ -47,17 +65,16 @@ def sampled_media(paths: str | list[str], sample: int = 256) -> tuple[int, int, 
             media.append(extract_media(row.data, base)[1])
         except (BadRow, UserError):
             continue
-    return len(rows), len(picked), media
+    return MediaSample(len(rows), len(picked), media)
 
 
-def image_census(paths: str | list[str], sample: int = 256) -> ImageCensus | None:
-    """The images of up to `sample` rows spread evenly over the data files; None when no sampled row has one."""
+def image_census(sample: MediaSample) -> ImageCensus | None:
+    """The images of the sampled rows; None when no sampled row has one."""
     from PIL import Image  # Pillow only for image data: text-only plans never import it
 
-    total, sampled, media = sampled_media(paths, sample)
     with_images = images = most = 0
     largest = (0, 0)
-    for m in media:
+    for m in sample.media:
         files = m.images
         if not files:
             continue
@@ -70,4 +87,4 @@ def image_census(paths: str | list[str], sample: int = 256) -> ImageCensus | Non
                     largest = im.size
     if not with_images:
         return None
-    return ImageCensus(total, sampled, with_images, images, most, largest[0], largest[1])
+    return ImageCensus(sample.rows, sample.sampled, with_images, images, most, largest[0], largest[1])
