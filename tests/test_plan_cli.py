@@ -55,6 +55,11 @@ def test_seed_case_json_contract(capsys) -> None:
     assert zero3["per_gpu_gib"]["weights"] == pytest.approx(ddp["per_gpu_gib"]["weights"] / 8, rel=0.01)
     assert plan["recommended"] in ("zero3_offload", "model_parallel", "zero3")
     assert "ddp: full replica per GPU" in plan["reason"]
+    for c in plan["candidates"]:  # the bound is the largest part of the step's time
+        parts = c["time_parts"]
+        assert set(parts) == {"compute_s", "comm_s", "pcie_s", "host_s"}
+        assert max(("compute", "comm", "pcie", "host"), key=lambda k: parts[f"{k}_s"]) == c["bound"]
+        assert c["step_s"] >= max(parts["compute_s"], parts["comm_s"]) * 0.999
 
 
 def test_sharding_and_method_monotonic(capsys) -> None:

@@ -64,6 +64,9 @@ class Candidate:
     step_s: float | None = None
     tokens_per_s: float | None = None
     bound: str | None = None
+    # Where the step's time goes, in seconds per optimizer step (compute_s, comm_s, pcie_s, host_s; parts the
+    # engine overlaps overlap): `bound` is the largest.
+    time_parts: dict[str, float] | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -71,6 +74,8 @@ class Candidate:
         d["cpu_gib"] = round(d["cpu_gib"], 3)
         d["step_s"] = None if self.step_s is None else round(self.step_s, 4)
         d["tokens_per_s"] = None if self.tokens_per_s is None else round(self.tokens_per_s, 1)
+        if self.time_parts is not None:
+            d["time_parts"] = {k: round(v, 4) for k, v in self.time_parts.items()}
         d.pop("extra")
         return d
 

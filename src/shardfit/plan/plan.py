@@ -114,9 +114,9 @@ def _timing_phrase(c: Candidate) -> str:
 def timed(shape: ModelShape, w: Workload, hw: Hardware, c: Candidate) -> Candidate:
     """`c` with the time model's step time, tokens/s and bound (plan/timing.py)."""
     t = step_time(shape, w, hw, c.strategy)
-    return dataclasses.replace(c, step_s=t.step_s, tokens_per_s=t.tokens_per_s, bound=t.bound,
-                               extra={**c.extra, "busy_gpus": t.busy_gpus, "compute_s": t.compute_s,
-                                      "comm_s": t.comm_s, "pcie_s": t.pcie_s, "host_s": t.host_s})
+    parts = {"compute_s": t.compute_s, "comm_s": t.comm_s, "pcie_s": t.pcie_s, "host_s": t.host_s}
+    return dataclasses.replace(c, step_s=t.step_s, tokens_per_s=t.tokens_per_s, bound=t.bound, time_parts=parts,
+                               extra={**c.extra, "busy_gpus": t.busy_gpus})
 
 
 def estimate_all(shape: ModelShape, w: Workload, hw: Hardware, names: tuple[str, ...] = NAMES) -> list[Candidate]:
