@@ -80,7 +80,8 @@ class Config:
                               "ranks examples (more ranks: more examples per step, fewer steps)", ge=1)
     grad_accum: int = key(1, "micro-batches per optimizer step", ge=1)
     lr: float = key(2.0e-4, "peak learning rate (AdamW)", gt=0)
-    warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay", ge=0,
+    warmup_ratio: float = key(0.03, "fraction of the steps with a linear warmup before the cosine decay "
+                              "(rounded down; the first warmup step already trains at lr / warmup steps)", ge=0,
                               lt=1)
     weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
     max_grad_norm: float = key(1.0, "gradient clipping norm", gt=0)
