@@ -21,7 +21,7 @@ what a bf16 GPU run holds), sdpa attention, on the CPU (inductor's C++ backend f
 GPU one), on models of 1 and 2 decoder layers: the difference is one layer. The bytes per token and layer are
 linear in the widths (hidden h, intermediate i, q = heads x head_dim, kv = kv_heads x head_dim), so they are
 solved exactly from four shapes, a*h + b*i + c*q + d*kv, and checked on a fifth with other widths, head_dim and
-tokens. plan/timing.py (FUSED_BYTES) carries the coefficients this writes.
+tokens. plan/timing.py (ELEMENTWISE_BYTES) carries the coefficients this writes.
 """
 
 from __future__ import annotations
