@@ -295,9 +295,14 @@ def throughput_markdown(result: dict) -> str:
             pub = a if a["published_tokens_per_s"] > b["published_tokens_per_s"] else b
             pred = a if a["predicted_tokens_per_s"] > b["predicted_tokens_per_s"] else \
                 b if b["predicted_tokens_per_s"] > a["predicted_tokens_per_s"] else None
+            other = b if pub is a else a
+            # How much faster, not only which: the published faster run over the other, published and predicted.
+            ratios = (f"published x{pub['published_tokens_per_s'] / other['published_tokens_per_s']:.2f}, predicted "
+                      f"x{pub['predicted_tokens_per_s'] / other['predicted_tokens_per_s']:.2f}")
             lines.append(f"strategy pair ({a['part']}) {a['source']} {a['model']} {a['gpu']}: {label(a)} vs "
                          f"{label(b)}: published faster {label(pub)}, predicted faster "
-                         f"{label(pred) if pred else 'neither (tie)'}: {'right' if pred is pub else 'WRONG'}")
+                         f"{label(pred) if pred else 'neither (tie)'} ({ratios}): "
+                         f"{'right' if pred is pub else 'WRONG'}")
     for p, s in result["parts"].items():
         sp, ss = s["strategy_pairs"], s["same_strategy_pairs"]
         lines.append(f"time {p}: median |error| {s['median_abs_error']:.1%} over {s['n']} cases; faster of two "

@@ -12,8 +12,8 @@ Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add
 - recomputation: full checkpointing runs each block's forward again; selective checkpointing only the matmuls whose
   outputs it does not keep (every other one, models/checkpointing.py);
 - these FLOPs run at the fraction of the card's peak that large-model training reaches (hardware FLOPs
-  utilization, plan/cards.yaml), which already pays for the step's elementwise work (norms, activations, rotary,
-  softmax, casts); QLoRA's dequantization of each 4-bit weight per use (read 0.5 byte, write 2) is added at the
+  utilization, plan/cards.yaml), which already pays for an eager step's elementwise work (norms, activations,
+  rotary, softmax, casts); QLoRA's dequantization of each 4-bit weight per use (read 0.5 byte, write 2) is added at the
   memory bandwidth, and the optimizer step at the memory bandwidth too (28 bytes per trainable parameter).
 
 Communication per micro-batch or step (ring collectives: all-reduce moves 2(n-1)/n of the buffer per GPU,
@@ -36,6 +36,17 @@ host and the GPU overlap, so a micro-batch takes max(GPU time, host time): the l
 step that alternates small and large kernels waits on each in turn. Short sequences are host-bound, long ones
 compute-bound. torch.compile fuses the elementwise ops between two matmuls into one kernel, so a compiled block
 launches about two kernels per matmul and no views.
+
+Fusion under torch.compile (a credit on the eager rate): in eager PyTorch every elementwise op reads its inputs from
+GPU memory and writes its output back; inductor fuses the ops between two matmuls into one kernel that reads each
+input once and writes each output once. The bytes the non-matmul kernels of one decoder layer move per token,
+forward + backward (+ recomputation), were counted both ways on transformers' Llama layer in bf16
+(bench/elementwise_bytes.py: a TorchDispatchMode over the eager aten ops, inductor's own count of its generated
+kernels for the compiled forward and backward graphs; matmuls and attention left out on both sides, as they are
+FLOPs here) and solved exactly as bytes = a*h + b*i + c*q + d*kv of the widths (ELEMENTWISE_BYTES below; a held-out
+shape within 3 %). The card's training utilization stays the model of an eager step; a compiled micro-batch
+computes for the eager time less (eager - compiled bytes) / memory bandwidth, never less than its matmuls alone at
+the card's GEMM efficiency. The head and the loss are not counted (they are once per model, not per layer).
 """
 
 from __future__ import annotations
@@ -74,6 +85,17 @@ LAYER_OPS: dict[tuple[str, bool, bool], tuple[int, int, int]] = {
 # Dropout on the adapters (lora7, lora_dropout 0.05): extra kernels per adapted linear, by checkpointing.
 DROPOUT_OPS = {False: (222 - 187) / 7, True: (324 - 261) / 7}
 FIXED_OPS = (50, 25)  # embedding, final norm, head and loss, once per micro-batch (kernels, views)
+# Bytes per token that one decoder layer's non-matmul kernels read and write in a training micro-batch (forward +
+# backward (+ recomputation)), as coefficients (a, b, c, d) of a*h + b*i + c*q + d*kv (hidden, intermediate,
+# heads*head_dim, kv_heads*head_dim), eager and compiled (inductor), counted by bench/elementwise_bytes.py (torch
+# 2.13, transformers 5.23, peft 0.21; Llama in bf16, sdpa; Qwen2 within 2.3 % at Llama-3.1-8B's widths) and written to
+# bench/results/elementwise_bytes.json, keyed by (full | lora7 (LoRA on all 7 linears), full checkpointing).
+ELEMENTWISE_BYTES: dict[tuple[str, bool], dict[str, tuple[float, float, float, float]]] = {
+    ("full", False): {"eager": (314.19, 36.0, 60.0, 83.75), "compiled": (56.19, 16.0, 14.5, 22.78)},
+    ("full", True): {"eager": (396.25, 54.0, 84.0, 109.25), "compiled": (66.25, 18.0, 56.5, 8.53)},
+    ("lora7", False): {"eager": (364.12, 78.0, 84.0, 126.75), "compiled": (64.12, 30.0, 28.5, 42.54)},
+    ("lora7", True): {"eager": (464.19, 124.0, 122.0, 187.25), "compiled": (80.19, 32.0, 62.5, 26.29)},
+}
 
 
 @dataclass(frozen=True)
@@ -178,6 +200,40 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
 
 
+def _elementwise_coef(w: Workload, ckpt: bool, side: str) -> tuple[float, ...]:
+    """ELEMENTWISE_BYTES's coefficients for `w` with or without full checkpointing. LoRA's bytes grow with each
+    adapted linear (its scaling, the add onto the base's output, their backward): the step from the frozen base to
+    seven targets, taken per target; `freeze` is the base with none."""
+    full = ELEMENTWISE_BYTES[("full", ckpt)][side]
+    if w.method == "full":
+        return full
+    n = 0 if w.method == "freeze" else len(w.lora_targets) if w.lora_targets is not None else 7
+    lora = ELEMENTWISE_BYTES[("lora7", ckpt)][side]
+    return tuple(a + n * (b - a) / 7 for a, b in zip(full, lora, strict=True))
+
+
+def elementwise_bytes_per_token(shape: ModelShape, w: Workload, side: str) -> float:
+    """Bytes the non-matmul kernels of one decoder layer move per token of a micro-batch of `w`, `side` eager or
+    compiled: counted in bf16 (twice as many in fp32), selective checkpointing half of full's recomputation."""
+    width = (shape.hidden, shape.intermediate * (shape.top_k if shape.experts > 1 else 1),
+             shape.heads * shape.hd, shape.kv_heads * shape.hd)
+
+    def at(ckpt: bool) -> float:
+        return sum(c * x for c, x in zip(_elementwise_coef(w, ckpt, side), width, strict=True))
+
+    per = (at(False) + at(True)) / 2 if w.grad_ckpt == "selective" else at(w.grad_ckpt == "full")
+    return per * compute_bytes(w) / 2
+
+
+def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
+    """Bytes per micro-batch that torch.compile's fused kernels do not move where eager kernels would: every layer's
+    eager minus compiled elementwise bytes; 0 for an eager run."""
+    if not w.compile:
+        return 0.0
+    saved = elementwise_bytes_per_token(shape, w, "eager") - elementwise_bytes_per_token(shape, w, "compiled")
+    return shape.layers * w.seq_len * w.micro_batch * max(0.0, saved)
+
+
 def _ring(n: int, nbytes: float, bw: float, latency: float, calls: int, all_reduce: bool = False) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -221,7 +277,11 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     flops = step_flops_per_token(shape, w) * tokens
     # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own
     # elementwise work), and QLoRA's dequantization, which the runs behind that utilization did not do.
-    compute = flops / card.peak(w.precision) + _qlora_dequant_bytes(shape, w) / card.hbm
+    dequant = _qlora_dequant_bytes(shape, w) / card.hbm
+    compute = flops / card.peak(w.precision) + dequant
+    if w.compile:  # fused elementwise kernels: the bytes they no longer move, down to the matmuls' own time
+        matmuls = flops / ((card.fp32_flops if w.precision == "fp32" else card.bf16_flops) * card.matmul_eff)
+        compute = max(matmuls + dequant, compute - fused_bytes_saved(shape, w) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
     host = host_dispatch_s(shape, w) if card.key != "cpu" else 0.0
