@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -84,6 +83,8 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     from transformers import AutoModelForCausalLM
     from workloads import tokenized
 
+    from shardfit.train.metrics import resident_peak_gib
+
     train, _, tok = tokenized(dict(cfg, eval_data=None))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lora = cfg["method"] == "lora"
@@ -125,7 +126,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     return {"peer": peer, "rank": int(os.environ.get("RANK", "0")), "world": world, "train_s": train_s,
             "steps": trainer.state.global_step, "examples": len(rows),
             "tokens": sum(len(r["input_ids"]) for r in rows) * cfg["epochs"], "batch_per_device": batch,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **extra}
+            "peak_rss_gib": resident_peak_gib(), **extra}
 
 
 def main() -> None:

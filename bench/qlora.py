@@ -60,8 +60,6 @@ def _answers(model: Any, tok: Any, rows: list) -> list:
 
 def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) -> None:
     """One method's run in this process; writes its numbers to `out`."""
-    import resource
-
     import torch
 
     from shardfit.config import load_config
@@ -71,6 +69,7 @@ def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) ->
     from shardfit.models.quantize import is_nf4, nf4_storage_bytes
     from shardfit.models.source import resolve_model
     from shardfit.parallel.env import init_distributed, resolve_precision
+    from shardfit.train.metrics import resident_peak_gib
     from shardfit.train.recipe import train
 
     env = init_distributed()
@@ -99,7 +98,7 @@ def run_one(method: str, max_steps: int | None, heldout_rows: int, out: Path) ->
         res = {"method": method, "precision": cfg.precision, "steps": s["steps"], "frozen_linear_bytes": stored,
                "frozen_linear_bf16_bytes": bf16, "frozen_ratio_to_bf16": round(stored / bf16, 4),
                "train_peak_rss_gib": round(rss.peak / 2**30, 3),
-               "process_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+               "process_peak_rss_gib": round(resident_peak_gib(), 3),
                "tokens_per_s": s["tokens_per_s"], "train_loss": s["train_loss"], "eval_loss": s["eval_loss"],
                "accuracy_before": before, "accuracy_after": after, "train_wall_s": s["wall_s"],
                "torch": torch.__version__}

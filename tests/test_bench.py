@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ workloads = _load("workloads")
 peers = _load("peers")
 evaluator = _load("evaluator")
 compare = _load("compare")
+proc = _load("proc")
 
 
 def test_results_keep_one_entry_per_workload(tmp_path: Path) -> None:
@@ -147,3 +149,17 @@ def test_a_failed_peer_run_is_reported_not_averaged() -> None:
     assert e["speedup"] == pytest.approx(2.0)  # the section-8 keys still come from the same-config run
     table = compare.markdown({"machine": "test", "date": "today", "workloads": [e]})
     assert "failed: killed (out of memory?) (batch 16)" in table
+
+
+def test_a_childs_peak_is_its_own_not_its_parents() -> None:
+    """Linux carries ru_maxrss across exec, so a child of a large process would report the parent's size: the
+    bench's measured peak and shardfit's own (summary.json) must both be the child's alone."""
+    ballast = bytearray(1024 * 2**20)
+    ballast[:: 4096] = bytes(len(ballast) // 4096)  # a write to every page makes them resident
+    code = "from shardfit.train.metrics import resident_peak_gib; print(resident_peak_gib())"
+    m = proc.run_measured([sys.executable, "-c", code], dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert m.returncode == 0, m.output_tail
+    own = float(m.output_tail.split()[-1])
+    assert 0.05 < own < 0.6 and 0.05 < m.peak_rss_gib < 0.6, (own, m.peak_rss_gib)
+    assert abs(m.peak_rss_gib - own) < 0.1
+    del ballast

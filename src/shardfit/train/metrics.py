@@ -21,11 +21,25 @@ from shardfit.train.trackers import Tracker, scalars_of
 SAMPLES_FILE = "eval_samples.jsonl"
 
 
+def resident_peak_gib() -> float:
+    """This process's peak resident set, GiB. Linux's VmHWM is the high-water mark of the process's own memory
+    map; getrusage's ru_maxrss is not: the kernel carries it across exec, so a process started by a large one (a
+    rank under the CLI's torchrun, a run under a benchmark driver) would report at least its parent's size."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # where there is no /proc: KiB on Linux
+
+
 def peak_mem_gib(device: torch.device) -> float:
     """Peak memory of this rank: allocated on a GPU, resident set size on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return resident_peak_gib()
 
 
 def gather_floats(value: float, env: DistEnv) -> list[float]:
