@@ -7,7 +7,6 @@ import re
 import warnings
 
 import torch
-from peft import LoraConfig, get_peft_model
 
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
@@ -24,6 +23,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
     """Wrap `model` with peft LoRA adapters; adapters are kept in fp32 whatever the base dtype. `exclude`: a
     regular expression of module paths that get no adapter; `modules_to_save`: modules trained whole and saved
     in the adapter (a vision-language model's merger under train_projector)."""
+    # Here, not at the top: importing peft pulls in bitsandbytes and torchao (~3 s of start-up on a small CPU),
+    # which a full or freeze fine-tune never uses.
+    from peft import LoraConfig, get_peft_model
+
     targets = lora.targets
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                         task_type="CAUSAL_LM", bias="none", exclude_modules=exclude,

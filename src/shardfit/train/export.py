@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm.auto import tqdm
@@ -92,6 +91,8 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
             as_qlora_trained(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
         bar.update()
         bar.set_postfix_str("adapter")
+        from peft import PeftModel  # only a merge reads an adapter back; see models/adapters.py on the import
+
         try:
             model = PeftModel.from_pretrained(model, str(adapter_dir))
         except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
