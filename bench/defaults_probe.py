@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t
 
+    load = round(os.getloadavg()[0], 2)
     variants = [(c, a) for c in ((False, True) if compiled_impl else (False,)) for a in ("sdpa", "eager")]
     results = []
     for length in args.lengths:
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: row[k] for k in ("length", "packed", "median_s", "speed_vs_eager_sdpa",
                                                   "first_step_s")}), flush=True)
             # Written after every shape: a run stopped early still leaves what it measured.
-            out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs while "
-                              "measured)", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "load_avg_1m_at_start": load,
+                   "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "model": cfg.model, "method": "lora r16", "precision": "fp32",
                    "lengths_asked": args.lengths, "results": results}
             args.out.parent.mkdir(parents=True, exist_ok=True)
