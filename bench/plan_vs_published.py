@@ -20,6 +20,7 @@ Summaries are given per source, per part and per `family` (who measured) within 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -304,6 +305,8 @@ def throughput_markdown(result: dict) -> str:
                          f"{label(pred) if pred else 'neither (tie)'} ({ratios}): "
                          f"{'right' if pred is pub else 'WRONG'}")
     for p, s in result["parts"].items():
+        if not s["n"]:
+            continue
         sp, ss = s["strategy_pairs"], s["same_strategy_pairs"]
         lines.append(f"time {p}: median |error| {s['median_abs_error']:.1%} over {s['n']} cases; faster of two "
                      f"right: strategy pairs {sp['right']}/{sp['pairs']}, same-strategy pairs "
@@ -311,11 +314,24 @@ def throughput_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    result = evaluate(yaml.safe_load(CASES.read_text()))
-    result["throughput"] = evaluate_throughput(yaml.safe_load(THROUGHPUT.read_text()))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
+def only_part(spec: dict, which: str | None) -> dict:
+    """`spec` with only the sources of part `which` (all of them for None)."""
+    if which is None:
+        return spec
+    return {**spec, "sources": {n: s for n, s in spec["sources"].items() if part(n) == which}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("dev", "test"), default=None,
+                    help="print only this part's sources (tuning looks at dev alone); the results file is written "
+                         "only by a run over both parts")
+    args = ap.parse_args(argv)
+    result = evaluate(only_part(yaml.safe_load(CASES.read_text()), args.part))
+    result["throughput"] = evaluate_throughput(only_part(yaml.safe_load(THROUGHPUT.read_text()), args.part))
+    if args.part is None:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(result, indent=2))
     print(markdown(result))
     print()
     print(throughput_markdown(result["throughput"]))
