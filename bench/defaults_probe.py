@@ -1,5 +1,5 @@
 """What `compile: auto` and `attn_implementation: auto` should choose on this machine: SmolLM2-135M LoRA training
-steps (the demo's LoRA, fp32) timed eager vs compiled blocks and SDPA vs eager attention, at a few row lengths.
+steps (the demo's LoRA, fp32 or bf16) timed eager vs compiled blocks and SDPA vs eager attention, at a few row lengths.
 
     python bench/defaults_probe.py                       # writes bench/results/defaults_probe.json
     python bench/defaults_probe.py --lengths 128 256 --reps 2
@@ -15,6 +15,7 @@ and shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds; each times 2 steps per variant")
     ap.add_argument("--no-compile", action="store_true", help="eager variants only (no C++ compiler needed)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: frozen weights in bf16 and autocast, as `train` runs precision bf16")
     ap.add_argument("--out", type=Path, default=RESULTS / "defaults_probe.json")
     args = ap.parse_args(argv)
     # An empty kernel cache, so the first compiled step shows what a user's first run pays.
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from shardfit.config import Config, LoraSettings
+    from shardfit.models.adapters import skip_adapter_input_casts
     from shardfit.models.anatomy import transformer_blocks
     from shardfit.models.build import build_model
     from shardfit.parallel.compile import compile_blocks
@@ -66,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     # Every (shape, attention) pair is its own graph: more than dynamo's default number of recompiles per block.
     torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(0)
-    cfg = Config(model="HuggingFaceTB/SmolLM2-135M-Instruct", method="lora", precision="fp32",
+    cfg = Config(model="HuggingFaceTB/SmolLM2-135M-Instruct", method="lora", precision=args.precision,
                  lora=LoraSettings(rank=16, alpha=32))
     model = build_model(cfg, "single", weights=True)
     module = CausalLMLoss(model)
+    amp = contextlib.nullcontext()
+    if args.precision == "bf16":  # as the recipe runs it: autocast, and no adapter input casts inside it
+        amp = torch.autocast("cpu", dtype=torch.bfloat16)
+        skip_adapter_input_casts(model)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = build_optimizer(params, 1e-4, 0.0)
     blocks = transformer_blocks(model)
@@ -87,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(batch) -> float:  # noqa: ANN001
         t = time.perf_counter()
-        loss, n = module(*batch[:2], batch[2])
+        with amp:
+            loss, n = module(*batch[:2], batch[2])
         (loss / max(n, 1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             # Written after every shape: a run stopped early still leaves what it measured.
             out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "load_avg_1m_at_start": load,
                    "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                   "threads": torch.get_num_threads(), "model": cfg.model, "method": "lora r16", "precision": "fp32",
+                   "threads": torch.get_num_threads(), "model": cfg.model, "method": "lora r16",
+                   "precision": args.precision,
                    "lengths_asked": args.lengths, "results": results}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(out, indent=2) + "\n")

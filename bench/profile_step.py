@@ -13,6 +13,7 @@ and what the phases took beyond their kernels is the Python and dispatch overhea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--attention", default="eager", help="attn_implementation (what auto picks on CPU: eager)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                    help="bf16: frozen weights in bf16 and autocast, as `train` runs precision bf16")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
     args = ap.parse_args(argv)
 
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     cfg = Config(model="HuggingFaceTB/SmolLM2-135M-Instruct", data=str(DEMO / "train.jsonl"), method="lora",
-                 precision="fp32", max_seq_len=256, micro_batch=4, lora=LoraSettings(rank=16, alpha=32),
+                 precision=args.precision, max_seq_len=256, micro_batch=4, lora=LoraSettings(rank=16, alpha=32),
                  attn_implementation=args.attention)
     tok = load_tokenizer(resolve_model(cfg.model))
     train_ex, _ = encode_split(cfg, tok, read_split(cfg))
@@ -72,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, 1e-4, 0.0)
 
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16" else contextlib.nullcontext()
+
     def step(k: int) -> int:
         with record_function("phase: data"):
             rows = schedule.step(k)
             batch = collate(rows.micro_batches[0], tok.pad_token_id)
-        with record_function("phase: forward"):
+        with record_function("phase: forward"), amp:
             hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)[0]
-        with record_function("phase: loss"):
+        with record_function("phase: loss"), amp:
             loss, n = chunked_cross_entropy(hidden, head, batch.targets)
         with record_function("phase: backward"):
             (loss / n).backward()
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     share = {k: round(100 * v / total, 1) for k, v in table.items()}
     out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs while measured)",
            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "attention": args.attention, "steps": args.steps, "tokens_per_step": tokens / args.steps,
+           "attention": args.attention, "precision": args.precision, "steps": args.steps,
+           "tokens_per_step": tokens / args.steps,
            "wall_s_per_step": round(wall / args.steps, 3), "seconds": {k: round(v, 3) for k, v in table.items()},
            "percent": share, "top_ops": [(e.key, round(e.self_cpu_time_total / 1e6, 3)) for e in sorted(
                prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]}

@@ -111,12 +111,15 @@ def test_packing_only_where_padding_would_be_a_real_share() -> None:
     assert len(packed) < 4 and [r.input_ids for r in packed] == [r.input_ids for r in pack(tail, 256)]
 
 
-def test_collate_pads_as_separate_block() -> None:
-    rows = [PackedRow([5, 6, 7], [6, 7, IGNORE], [0, 1, 2]), PackedRow([8], [IGNORE], [0])]
+def test_collate_pads_after_the_last_example() -> None:
+    """Padding continues its row's positions (no restart, so an unpacked batch needs no block mask) and carries no
+    target; a packed row keeps its own restarts."""
+    rows = [PackedRow([5, 6, 7], [6, 7, IGNORE], [0, 1, 2]), PackedRow([8], [IGNORE], [0]),
+            PackedRow([3, 4], [4, IGNORE], [0, 0])]
     b = collate(rows, pad_id=0)
-    assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert b.position_ids.tolist() == [[0, 1, 2], [0, 0, 1]]
-    assert b.targets[1].tolist() == [IGNORE] * 3 and b.n_real_tokens == 4
+    assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0], [3, 4, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2], [0, 1, 2], [0, 0, 1]]
+    assert b.targets[1].tolist() == [IGNORE] * 3 and b.n_real_tokens == 6
 
 
 def test_schedule_same_global_batch_at_any_world_size() -> None:

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from shardfit.config import Config, load_config
+from shardfit.data.loader import BatchSchedule
+from shardfit.data.tokenize import Encoded
 from shardfit.errors import UserError
 from shardfit.parallel.defaults import (
+    EAGER_ATTENTION_BF16_MAX_WIDTH,
     EAGER_ATTENTION_MAX_LEN,
     resolve_attention,
     resolve_compile,
@@ -37,6 +40,31 @@ def test_attention_auto_follows_device_compile_and_row_shape() -> None:
     assert resolve_attention("auto", "cpu", False, 256, compiled=True) == "auto"  # no mask: SDPA's causal kernel
     assert resolve_attention("auto", "cuda", True, 256, compiled=True) == "auto"
     assert resolve_attention("sdpa", "cpu", True, 256, compiled=True) == "sdpa"  # an explicit choice is kept
+
+
+def test_attention_auto_for_short_bf16_rows_on_cpu() -> None:
+    """Uncompiled bf16 on CPU: eager attention where the typical micro-batch is short, SDPA where it is wide or not
+    known yet, and never for fp32, compiled blocks or GPUs."""
+    short, wide = EAGER_ATTENTION_BF16_MAX_WIDTH, EAGER_ATTENTION_BF16_MAX_WIDTH + 1
+    assert resolve_attention("auto", "cpu", True, 1024, False, "bf16", typical_width=short) == "eager"
+    assert resolve_attention("auto", "cpu", True, 1024, False, "bf16", typical_width=wide) == "auto"
+    assert resolve_attention("auto", "cpu", True, 1024, False, "bf16", typical_width=None) == "auto"
+    assert resolve_attention("auto", "cpu", True, 1024, False, "fp32", typical_width=short) == "auto"
+    assert resolve_attention("auto", "cuda", True, 1024, False, "bf16", typical_width=short) == "auto"
+    assert resolve_attention("sdpa", "cpu", True, 1024, False, "bf16", typical_width=short) == "sdpa"
+    cfg = Config(max_seq_len=1024, precision="bf16")
+    assert resolve_speed_settings(cfg, "cpu").attn_implementation == "auto"
+    assert resolve_speed_settings(cfg, "cpu", typical_width=100).attn_implementation == "eager"
+
+
+def test_typical_width_is_the_median_micro_batch_width() -> None:
+    """The widest row of each micro-batch (what padding makes every row), median over the first steps."""
+    lengths = [10, 20, 300, 40, 50, 60, 70, 80]
+    rows = [Encoded(list(range(n)), [1] * n) for n in lengths]
+    schedule = BatchSchedule(rows, micro_batch=2, grad_accum=1, world=1, rank=0, seed=0)
+    widths = sorted(max(len(r) for r in schedule.step(k).micro_batches[0]) for k in range(4))
+    assert schedule.typical_width() == widths[2]
+    assert schedule.typical_width(steps=1) == max(len(r) for r in schedule.step(0).micro_batches[0])
 
 
 def test_resolved_config_and_the_keys(tmp_path: Path) -> None:
@@ -84,3 +112,30 @@ def test_precision_auto_on_cpu_holds_under_load() -> None:
         for p in [*busy, child]:
             p.kill()
     assert loaded == quiet
+
+
+def test_adapter_input_casts_skipped_under_autocast_change_nothing(tiny_llama: Path) -> None:
+    """Under bf16 autocast peft's cast of each adapter input to fp32 is undone by autocast at the adapter's matmul,
+    so skipping it (skip_adapter_input_casts) leaves the loss and every gradient bitwise as they were."""
+    from shardfit.models.adapters import skip_adapter_input_casts
+    from shardfit.models.build import build_model
+    from shardfit.train.loss import CausalLMLoss
+
+    cfg = Config(model=str(tiny_llama), method="lora", precision="bf16")
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24).repeat(2, 1)
+    results = []
+    for skip in (False, True):
+        model = build_model(cfg, "single", weights=True)
+        assert next(p for p in model.parameters() if not p.requires_grad).dtype == torch.bfloat16
+        if skip:
+            assert skip_adapter_input_casts(model) > 0
+        module = CausalLMLoss(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = module(ids, pos, ids.roll(-1, 1))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        assert torch.equal(grads_a[k], grads_b[k]), k

@@ -14,6 +14,7 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from shardfit.config import load_config
@@ -47,6 +48,10 @@ def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, smal
     # The adapter names a base that loads anywhere: the config's model, as an absolute path when it is a folder.
     adapter_cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert adapter_cfg["base_model_name_or_path"] == str(tiny_llama.resolve())
+    # The checkpoint holds what trains and its optimizer state, not the frozen base (the tied head included).
+    saved = FileSystemReader(run / "checkpoints" / "step-6").read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("train.model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), [k for k in model_keys if "lora_" not in k]
     preflight = json.loads((run / "preflight.json").read_text())
     assert preflight["strategy"] == "single" and preflight["ok"] is True
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
@@ -215,6 +220,15 @@ def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: P
                                   attn_implementation="flash_attention_2")))
     assert r.returncode == 2 and "'attn_implementation: flash_attention_2'" in r.stderr, r.stderr[-2000:]
     assert "attn_implementation: auto" in r.stderr
+
+
+def test_auto_attention_follows_the_rows_in_bf16_on_cpu(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """bf16 on CPU, uncompiled: `auto` attention becomes eager when the data's micro-batches are short (the demo rows
+    are), and config.yaml records what ran."""
+    cfg = load_config(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1, precision="bf16", resume="never"))
+    result = train(cfg, init_distributed(), quiet=True)
+    assert result.model.config._attn_implementation == "eager"
+    assert load_config(result.run_dir / "config.yaml").attn_implementation == "eager"
 
 
 def test_packing_trains_the_steps_and_losses_of_an_unpacked_run(tmp_path: Path, tiny_llama: Path,

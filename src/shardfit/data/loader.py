@@ -38,7 +38,9 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height
     """Right-pad rows to the longest, or to `width`, and add empty rows up to `height` (compiled blocks want one
     static shape, while a packed micro-batch has a varying number of rows).
 
-    Padding restarts its positions at 0, so it is a block of its own; it carries no target."""
+    Padding carries no target and continues the positions of its row's last example, so a micro-batch whose rows
+    each hold one example has no position restart: transformers then builds no block mask (packed rows still get
+    one), SDPA runs its causal kernel, and the real tokens, which come before the padding, are unchanged."""
     width = max([len(r) for r in rows] + [width or 0])
     n_rows = max(len(rows), height or 0)
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
@@ -49,7 +51,8 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height
         ids[i, :n] = torch.tensor(r.input_ids)
         pos[i, :n] = torch.tensor(r.position_ids)
         tgt[i, :n] = torch.tensor(r.targets)
-        pos[i, n:] = torch.arange(width - n)
+        if n:
+            pos[i, n:] = torch.arange(width - n) + r.position_ids[-1] + 1
     if not any(r.mrope is not None for r in rows):
         return Batch(ids, pos, tgt, sum(len(r) for r in rows))
     pos4 = pos[None].repeat(4, 1, 1)
@@ -121,6 +124,13 @@ class BatchSchedule:
             base = (m * self.world + self.rank) * self.mb
             micro.append(self.form(chunk[base:base + self.mb]))
         return StepRows(micro, sum(ex.n_targets for ex in chunk), sum(len(ex.input_ids) for ex in chunk), len(chunk))
+
+    def typical_width(self, steps: int = 32) -> int:
+        """The median width (tokens per row after padding) of this rank's micro-batches over the first `steps`
+        optimizer steps: what the attention kernel sees most of the run."""
+        widths = sorted(max(len(r) for r in micro) for k in range(min(steps, self.steps_per_epoch))
+                        for micro in self.step(k).micro_batches if micro)
+        return widths[len(widths) // 2] if widths else 0
 
     def epoch_of(self, global_step: int) -> float:
         return global_step / self.steps_per_epoch

@@ -45,6 +45,23 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
     return peft_model
 
 
+def skip_adapter_input_casts(model: torch.nn.Module) -> int:
+    """Stop peft casting each adapter's input to the adapter's fp32 dtype; returns how many layers it touched.
+
+    Only for a forward that runs under autocast: there every linear casts its input to the autocast dtype, so
+    peft's bf16 -> fp32 copy of the input is cast straight back to bf16 (a lossless round trip), which made those
+    copies the largest kernel outside the matmuls of a bf16 LoRA step on a CPU (bench/profile_step.py). Without
+    autocast the fp32 adapters need the cast, so callers outside an autocast region must not use this."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+            n += 1
+    return n
+
+
 def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatch(name, pattern) or re.search(rf"(^|\.){re.escape(pattern)}(\.|$)", name) is not None
 

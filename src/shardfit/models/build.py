@@ -167,6 +167,13 @@ def model_class(config: Any) -> Any:
     return AutoModelForCausalLM  # its error message names the unsupported config
 
 
+def use_attention(model: nn.Module, name: str) -> None:
+    """Switch a built model's attention kernel to `name` (`auto`: leave it as loaded); the weights are untouched,
+    transformers reads the choice at every forward."""
+    if name != "auto" and getattr(model.config, "_attn_implementation", name) != name:
+        model.set_attn_implementation(name)
+
+
 def _attention(cfg: Config) -> dict[str, Any]:
     return {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
 

@@ -7,9 +7,12 @@ docs/training.md the rule in words).
   compiles only where neither cost applies: a GPU, packing off.
 - attention: with packing the kernel gets a block-diagonal mask, and SDPA's CPU kernel then computes the whole
   masked square. Compiled, the plain matmul-mask-softmax attention (`eager`, fused by inductor) beat it for packed
-  rows of 256 tokens (2.8 -> 2.15 s per step); uncompiled it did not (0.76x SDPA's speed at 4 x 128 packed). So
-  `auto` is `eager` only for compiled blocks on CPU with packed rows up to EAGER_ATTENTION_MAX_LEN tokens, and
-  transformers' default (SDPA) everywhere else.
+  rows of 256 tokens (2.8 -> 2.15 s per step); uncompiled in fp32 it did not (0.76x SDPA's speed at 4 x 128
+  packed). In bf16 on a CPU with bf16 matrix units, uncompiled, the plain attention's batched matmuls run on those
+  units while SDPA's CPU kernel does not gain as much: eager was 1.14-1.17x SDPA's step at 4 x 128 tokens and
+  0.93-0.94x at 4 x 256 (bench/results/defaults_probe_bf16.json). So `auto` is `eager` for compiled blocks on CPU
+  with packed rows up to EAGER_ATTENTION_MAX_LEN tokens, and for uncompiled bf16 text models on CPU whose typical
+  micro-batch is at most EAGER_ATTENTION_BF16_MAX_WIDTH tokens wide; transformers' default (SDPA) everywhere else.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from shardfit.config import Config
 
 # Longest packed row at which compiled eager attention was measured faster than SDPA on CPU.
 EAGER_ATTENTION_MAX_LEN = 256
+# Widest typical micro-batch at which uncompiled bf16 eager attention is taken on CPU: between the widths measured
+# faster (128) and slower (256) than SDPA.
+EAGER_ATTENTION_BF16_MAX_WIDTH = 192
 
 
 def resolve_compile(value: bool | str, device_type: str, packing: bool) -> bool:
@@ -29,18 +35,26 @@ def resolve_compile(value: bool | str, device_type: str, packing: bool) -> bool:
     return device_type == "cuda" and not packing
 
 
-def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: int, compiled: bool) -> str:
+def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: int, compiled: bool,
+                      precision: str = "fp32", typical_width: int | None = None) -> str:
     """`attn_implementation` for the run: `auto` becomes `eager` for compiled blocks on CPU with packed rows of at
-    most EAGER_ATTENTION_MAX_LEN tokens, and stays `auto` (transformers' default, SDPA) otherwise."""
+    most EAGER_ATTENTION_MAX_LEN tokens, and for uncompiled bf16 on CPU when the typical micro-batch (None: not
+    known yet) is at most EAGER_ATTENTION_BF16_MAX_WIDTH tokens wide; it stays `auto` (transformers' default,
+    SDPA) otherwise."""
     if value != "auto":
         return value
     if device_type == "cpu" and compiled and packing and max_seq_len <= EAGER_ATTENTION_MAX_LEN:
         return "eager"
+    if device_type == "cpu" and not compiled and precision == "bf16" and typical_width is not None \
+            and 0 < typical_width <= EAGER_ATTENTION_BF16_MAX_WIDTH:
+        return "eager"
     return "auto"
 
 
-def resolve_speed_settings(cfg: Config, device_type: str) -> Config:
-    """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records)."""
+def resolve_speed_settings(cfg: Config, device_type: str, typical_width: int | None = None) -> Config:
+    """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records);
+    `typical_width`: the data's typical micro-batch width, once the data is read (a second call may then turn an
+    `auto` attention into `eager`; a resolved value stays as it is)."""
     compiled = resolve_compile(cfg.compile, device_type, cfg.packing)
     return dataclasses.replace(cfg, compile=compiled, attn_implementation=resolve_attention(
-        cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled))
+        cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled, cfg.precision, typical_width))

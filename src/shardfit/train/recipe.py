@@ -36,8 +36,9 @@ from shardfit.errors import JobFailed, UserError
 from shardfit.evals.scorers import parse_metrics
 from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
-from shardfit.models.anatomy import input_device
-from shardfit.models.build import build_model, load_tokenizer, weights_cached
+from shardfit.models.adapters import skip_adapter_input_casts
+from shardfit.models.anatomy import input_device, vision_body
+from shardfit.models.build import build_model, load_tokenizer, use_attention, weights_cached
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
@@ -218,6 +219,9 @@ class FineTune:
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
         self.train_examples, self.eval_rows = train_ex, rows_of(eval_ex, self.cfg)
         self.pad_id = self.tokenizer.pad_token_id
+        cfg, env = self.cfg, self.env
+        self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed,
+                                     micro_batch_former(cfg))
 
     def _setup_model(self) -> None:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
@@ -225,6 +229,10 @@ class FineTune:
         if self.model is None:
             self.model_cache_hit = weights_cached(cfg)
             self.model = build_model(cfg, s, weights=True)
+        if vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
+            # `auto` attention by the data's row widths, now that they are known (parallel/defaults.py).
+            self.cfg = cfg = resolve_speed_settings(cfg, env.device.type, self.batches.typical_width())
+            use_attention(self.model, cfg.attn_implementation)
         findings = preflight(self.model, cfg, s, env.world, self.plan)
         quantized = quantized_placement_rules(self.model, env.device, env.world)
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
@@ -243,14 +251,14 @@ class FineTune:
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
         self.amp = torch.autocast(env.device.type, dtype=dtype) if dtype is not None and s.autocast \
             else contextlib.nullcontext()
+        if cfg.method in ("lora", "qlora") and isinstance(self.amp, torch.autocast):
+            skip_adapter_input_casts(self.model)  # every forward of the run is inside self.amp
 
     def _setup_optimizer(self) -> None:
         cfg, env = self.cfg, self.env
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
-        self.batches = BatchSchedule(self.train_examples, cfg.micro_batch, cfg.grad_accum, env.world, env.rank,
-                                     cfg.seed, micro_batch_former(cfg))
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
         require_same(env, {"train_examples": len(self.train_examples), "eval_rows": len(self.eval_rows),
