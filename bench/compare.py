@@ -9,11 +9,14 @@ config holding only what the workload sets (bench/workloads.py); compile, attent
 counts are shardfit's defaults of the checkout being measured. The peers (bench/peers.py) get the same model
 folder, token ids, LoRA, lr, schedule, seed and epochs, each in two modes:
 
-    same_config     the user's micro_batch / grad_accum / epochs given unchanged to the peer
+    same_config     the user's micro_batch / grad_accum / epochs given unchanged to the peer, and no precision
+                    unless the workload sets one: each tool computes in its own default precision
     equal_examples  the peer's batch set so it trains as many examples per optimizer step as shardfit did in the
                     same round (shardfit's examples per step = training examples x epochs / its optimizer steps)
+    same_precision  the same_config run with the precision shardfit resolved for itself given to the peer (bf16:
+                    the Trainer's bf16 autocast, a LoRA base loaded in bf16): what is left when both compute alike
 
-A mode whose batch comes out the same as same_config's reuses that run instead of repeating it.
+A mode whose batch and precision come out as another mode's reuses that run instead of repeating it.
 
 Each run is its own process; a round runs shardfit, then every peer and mode, so machine noise hits all alike; the
 JSON keeps every run (with the 1-minute load average when it began) beside the medians and the per-round ratios'
@@ -35,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers import PEERS, rows_per_step  # noqa: E402 - bench/ is not a package; its path is set above
@@ -43,7 +48,7 @@ from workloads import ROOT, WORKLOADS, Workload, prepare, tokenized, user_config
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
-MODES = ("same_config", "equal_examples")
+MODES = ("same_config", "equal_examples", "same_precision")
 # Medians kept per side; the ratios are shardfit's over the peer's, per round, then the median.
 METRICS = ("tokens_per_s", "train_tokens_per_s", "wall_s", "train_s", "peak_mem_gib", "eval_loss", "steps",
            "examples_per_step")
@@ -107,13 +112,15 @@ def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int) -> dict
     m = run_measured(cmd, _env(w.nproc))
     if m.returncode != 0:
         raise _failed(f"shardfit {w.name}", m)
-    summary = json.loads((Path(cfg["output_dir"]) / "summary.json").read_text())
-    ranks = summary["peak_mem_gib"]
     out = Path(cfg["output_dir"])
+    summary = json.loads((out / "summary.json").read_text())
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    ranks = summary["peak_mem_gib"]
     return _record("shardfit", None, m, tokens=summary["tokens"], train_s=summary["tokens"] / summary["tokens_per_s"],
                    steps=summary["steps"], examples=n_examples * w.epochs, rank_peaks=ranks,
                    batch=w.micro_batch, saved=out / ("adapter" if w.method == "lora" else "model"),
-                   extra={"strategy": summary.get("strategy")})
+                   extra={"strategy": summary.get("strategy"), "precision": resolved["precision"],
+                          "attn_implementation": resolved["attn_implementation"]})
 
 
 def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch: int) -> dict:
@@ -132,6 +139,7 @@ def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch:
         why = "killed (out of memory?)" if m.returncode in (-9, 137) else f"exit {m.returncode}"
         sys.stderr.write(m.output_tail[-1500:])
         return {"who": peer, "mode": mode, "batch_per_device": batch, "failed": why, "wall_s": m.wall_s,
+                "asked_precision": cfg.get("precision"),
                 "process_peak_rss_gib": m.peak_rss_gib, "load_avg_1m": m.load_avg_1m, "saved": None}
     ranks = [json.loads(result.read_text())] if w.nproc == 1 else \
         [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(w.nproc)]
@@ -139,7 +147,8 @@ def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch:
     if r0["trainer_world"] != w.nproc:  # a peer that did not shard its data would be measured doing other work
         raise SystemExit(f"{peer} {w.name}: the Trainer saw {r0['trainer_world']} process(es), not {w.nproc}")
     extra = {k: v for k, v in r0.items()
-             if k.startswith("trl_") or k in ("packed_rows", "trainer_world", "distributed_type")}
+             if k.startswith("trl_") or k in ("packed_rows", "trainer_world", "distributed_type", "precision")}
+    extra["asked_precision"] = cfg.get("precision")
     return _record(peer, mode, m, tokens=r0["tokens"], train_s=max(r["train_s"] for r in ranks), steps=r0["steps"],
                    examples=r0["examples"] * w.epochs, rank_peaks=[r["peak_rss_gib"] for r in ranks], batch=batch,
                    saved=Path(cfg["output_dir"]) / ("adapter" if w.method == "lora" else "model"), extra=extra)
@@ -173,12 +182,20 @@ def peer_batch(w: Workload, peer: str, mode: str, sf_examples_per_step: float, n
                packed_rows: int | None) -> int:
     """Per-device batch of a peer: the user's micro_batch (same_config), or what trains shardfit's examples per
     optimizer step (equal_examples; packed rows for TRL, which packs)."""
-    if mode == "same_config":
+    if mode in ("same_config", "same_precision"):
         return w.micro_batch
     per_device = sf_examples_per_step / (w.grad_accum * w.nproc)
     if peer == "trl_sft" and packed_rows is not None:
         return rows_per_step(per_device, n_examples, packed_rows)
     return max(1, round(per_device))
+
+
+def same_run(rec: dict, batch: int, precision: str | None) -> bool:
+    """Whether a peer's finished run `rec` is the run a mode asking for `batch` and `precision` (None: the peer's
+    default) would make: the same batch, and the same precision asked for or, asked explicitly, the one it ran."""
+    if "failed" in rec or rec["batch_per_device"] != batch:
+        return False
+    return rec.get("asked_precision") == precision or (precision is not None and rec.get("precision") == precision)
 
 
 def trl_packed_rows(train: list[Any], max_seq_len: int) -> int:
@@ -206,15 +223,19 @@ def bench_workload(w: Workload, args: argparse.Namespace, work: Path) -> dict:
         rnd.append(sf)
         _say(w, i, sf)
         for peer in peers:
-            done: dict[int, dict] = {}
+            done: list[dict] = []
             for mode in args.modes:
                 batch = peer_batch(w, peer, mode, sf["examples_per_step"], n, packed)
-                if batch in done:  # the same run as the other mode's: keep it once, under both names
-                    rnd.append(dict(done[batch], mode=mode, same_run_as=done[batch]["mode"]))
-                    continue
                 out = work / f"{w.name}-r{i}-{peer}-{mode}"
-                rec = run_peer(w, peer, mode, user_config(w, paths, str(out)), work / f"{out.name}-cfg", batch)
-                done[batch] = rec
+                cfg = user_config(w, paths, str(out))
+                if mode == "same_precision":
+                    cfg["precision"] = sf["precision"]
+                same = next((r for r in done if same_run(r, batch, cfg.get("precision"))), None)
+                if same is not None:  # the same run as another mode's: keep it once, under both names
+                    rnd.append(dict(same, mode=mode, same_run_as=same["mode"]))
+                    continue
+                rec = run_peer(w, peer, mode, cfg, work / f"{out.name}-cfg", batch)
+                done.append(rec)
                 rnd.append(rec)
                 _say(w, i, rec)
         evaluate_round(rnd, dict(base, eval_data=paths["eval"]), work)
@@ -238,15 +259,17 @@ def summarise(w: Workload, runs: list[dict], n_rounds: int) -> dict:
     """A workload's JSON entry: medians per side, per-round ratios' medians per peer and mode, every run kept.
     The section-8 keys (hf_trainer, speedup, ...) are the first peer's same-config comparison."""
     sf = [r for r in runs if r["who"] == "shardfit"]
-    entry: dict[str, Any] = {"name": w.name, "date": time.strftime("%Y-%m-%d"), "shardfit": medians(sf),
+    entry: dict[str, Any] = {"name": w.name, "date": time.strftime("%Y-%m-%d"),
+                             "shardfit": {**medians(sf), "precision": sf[0].get("precision"),
+                                          "attn_implementation": sf[0].get("attn_implementation")},
                              "runs": n_rounds, "nproc": w.nproc, "workload": workload_json(w), "peers": {}}
     for peer in dict.fromkeys(r["who"] for r in runs if r["who"] != "shardfit"):
         entry["peers"][peer] = {}
         for mode in dict.fromkeys(r["mode"] for r in runs if r["who"] == peer):
             mine = [r for r in runs if r["who"] == peer and r["mode"] == mode]
             ok = [r for r in mine if "failed" not in r]
-            entry["peers"][peer][mode] = {**medians(ok), **ratios(sf, ok)} if ok else \
-                {"failed": mine[0]["failed"], "batch_per_device": mine[0]["batch_per_device"]}
+            entry["peers"][peer][mode] = {**medians(ok), **ratios(sf, ok), "precision": ok[0].get("precision")} \
+                if ok else {"failed": mine[0]["failed"], "batch_per_device": mine[0]["batch_per_device"]}
             if all("same_run_as" in r for r in mine):
                 entry["peers"][peer][mode]["same_run_as"] = mine[0]["same_run_as"]
     first = next(iter(entry["peers"].values()), None)
@@ -337,7 +360,8 @@ def markdown(report: dict) -> str:
         if "peers" not in e:
             continue
         s = e["shardfit"]
-        lines += [f"**{e['name']}** ({e['runs']} round(s); shardfit {s['tokens_per_s']:.0f} tok/s whole, "
+        lines += [f"**{e['name']}** ({e['runs']} round(s); shardfit {s.get('precision', 'fp32')} "
+                  f"{s['tokens_per_s']:.0f} tok/s whole, "
                   f"{s['steps']:.0f} steps, {s['examples_per_step']:.1f} examples/step, peak "
                   f"{s['peak_mem_gib']:.2f} GiB, eval loss {s['eval_loss']:.4f}; load "
                   f"{min(e['load_avg_1m']):.1f}-{max(e['load_avg_1m']):.1f})", "",
@@ -350,6 +374,7 @@ def markdown(report: dict) -> str:
                                  "| | | | | |")
                     continue
                 named = f"{mode} (the {v['same_run_as']} run)" if "same_run_as" in v else mode
+                named += f", {v['precision']}" if v.get("precision") else ""
                 lines.append(f"| {peer} | {named} | {v['steps']:.0f} | {v['tokens_per_s']:.0f} | "
                              f"{v['speedup']:.2f}x | {v['train_speedup']:.2f}x | {v['memory_ratio']:.2f} | "
                              f"{v['eval_loss']:.4f} | {v['eval_loss_ratio']:.3f} |")

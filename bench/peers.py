@@ -39,7 +39,7 @@ def rows_per_step(examples_per_step: float, n_examples: int, n_rows: int) -> int
 
 def deepspeed_config(stage: int) -> dict[str, Any]:
     """The DeepSpeed JSON a Trainer user writes for ZeRO `stage` ("auto" lets the Trainer fill in batch, clipping
-    and precision from its own arguments). Bucket sizes are scaled to a small model, as in
+    and precision, bf16 or not, from its own arguments). Bucket sizes are scaled to a small model, as in
     bench/deepspeed_memory.py; the full weights are gathered at save time so the evaluator can load them."""
     zero: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
                             "reduce_bucket_size": 2e6, "allgather_bucket_size": 2e6}
@@ -47,7 +47,7 @@ def deepspeed_config(stage: int) -> dict[str, Any]:
         zero.update({"stage3_prefetch_bucket_size": 1e6, "stage3_param_persistence_threshold": 1e4,
                      "stage3_max_live_parameters": 1e9, "stage3_gather_16bit_weights_on_model_save": True})
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "bf16": {"enabled": False}, "fp16": {"enabled": False},
+            "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": False},
             "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "zero_optimization": zero}
 
 
@@ -60,14 +60,27 @@ def _lora_config(cfg: dict):  # noqa: ANN202 - peft.LoraConfig
 
 
 def _common_args(cfg: dict, batch: int, out: Path) -> dict[str, Any]:
-    """TrainingArguments shared by every peer: the workload's schedule and optimizer, fp32, on the CPU (with
-    DeepSpeed too: without use_cpu accelerate finds no device backend and counts one process), no saving or
-    logging during training."""
-    return dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch,
+    """TrainingArguments shared by every peer: the workload's schedule and optimizer on the CPU (with DeepSpeed
+    too: without use_cpu accelerate finds no device backend and counts one process), no saving or logging during
+    training. Precision: the config's `precision` when it names one (bf16: the Trainer's bf16 autocast), else the
+    peer's own default (the Trainer: fp32; TRL's SFTConfig: bf16)."""
+    args = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch,
                 gradient_accumulation_steps=cfg["grad_accum"], learning_rate=cfg["lr"], lr_scheduler_type="cosine",
-                warmup_steps=0.05, num_train_epochs=cfg["epochs"], bf16=False, fp16=False, logging_steps=10**6,
+                warmup_steps=0.05, num_train_epochs=cfg["epochs"], logging_steps=10**6,
                 save_strategy="no", report_to=[], seed=cfg["seed"], dataloader_num_workers=0, max_grad_norm=1.0,
                 weight_decay=0.0, optim="adamw_torch", disable_tqdm=True, use_cpu=True)
+    if cfg.get("precision") in ("bf16", "fp32"):
+        args.update(bf16=cfg["precision"] == "bf16", fp16=False)
+    return args
+
+
+def _model_dtype(cfg: dict, bf16: bool):  # noqa: ANN202 - a torch dtype
+    """The dtype the peer loads the model in: fp32 (the folder's own dtype, transformers' default "auto"), except
+    for LoRA under bf16 autocast, where a user loads the frozen base in bf16 as LLaMA-Factory does (peft keeps the
+    adapters in fp32)."""
+    import torch
+
+    return torch.bfloat16 if bf16 and cfg["method"] == "lora" else torch.float32
 
 
 def _rows(train: list) -> list[dict]:
@@ -79,7 +92,6 @@ def _rows(train: list) -> list[dict]:
 def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     """Train one peer on the workload config `cfg` with `batch` rows per device per micro-step (packed rows for
     TRL); returns this rank's measurements."""
-    import torch
     from transformers import AutoModelForCausalLM
     from workloads import tokenized
 
@@ -96,7 +108,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
 
         ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
         args = SFTConfig(**_common_args(cfg, batch, out), packing=True, max_length=cfg["max_seq_len"])
-        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=_model_dtype(cfg, bool(args.bf16)))
         trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
                              peft_config=_lora_config(cfg) if lora else None)
         extra.update(packed_rows=len(trainer.train_dataset), trl_loss_type=args.loss_type,
@@ -109,7 +121,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
         if peer.startswith("deepspeed_"):
             kw["deepspeed"] = deepspeed_config(int(peer[-1]))
         args = TrainingArguments(**kw)  # before the model: under ZeRO-3 it makes from_pretrained partition
-        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=_model_dtype(cfg, bool(args.bf16)))
         if lora:
             from peft import get_peft_model
 
@@ -118,7 +130,8 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
                           data_collator=DataCollatorForSeq2Seq(tok, padding="longest", label_pad_token_id=IGNORE))
     # What the Trainer itself set up: on a CPU the DeepSpeed path needs use_cpu, or accelerate sees one process
     # and every rank trains on all the data.
-    extra.update(trainer_world=trainer.args.world_size, distributed_type=str(trainer.accelerator.distributed_type))
+    extra.update(trainer_world=trainer.args.world_size, distributed_type=str(trainer.accelerator.distributed_type),
+                 precision="bf16" if trainer.args.bf16 else "fp32")
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0

@@ -64,7 +64,8 @@ def test_every_workload_config_is_one_shardfit_accepts() -> None:
         cfg = load_config(None, workloads.overrides(workloads.user_config(w, paths, "/tmp/unused")))
         assert (cfg.micro_batch, cfg.max_seq_len, cfg.method) == (w.micro_batch, w.max_seq_len, w.method)
         default = load_config(None, [f"data={DEMO_DATA}"])
-        assert cfg.precision == "fp32" and cfg.compile == default.compile  # the default, untouched
+        # Each tool's own defaults, untouched: a workload names no precision unless it sets one.
+        assert cfg.precision == (w.precision or default.precision) and cfg.compile == default.compile
         if w.method == "lora":
             assert (cfg.lora.rank, cfg.lora.alpha) == (w.lora_rank, w.lora_alpha)
 
@@ -79,6 +80,7 @@ def test_longtail_data_is_mostly_short_with_a_long_tail() -> None:
 def test_peer_batch_in_each_mode() -> None:
     w = workloads.WORKLOADS["smollm2-135m-lora-longtail"]
     assert compare.peer_batch(w, "hf_trainer", "same_config", 9.0, 120, None) == w.micro_batch
+    assert compare.peer_batch(w, "trl_sft", "same_precision", 9.0, 120, 30) == w.micro_batch
     assert compare.peer_batch(w, "hf_trainer", "equal_examples", 11.6, 120, None) == 12
     # TRL packs: 120 examples in 30 rows hold 4 examples a row, so 12 examples a step are 3 rows.
     assert compare.peer_batch(w, "trl_sft", "equal_examples", 12.0, 120, 30) == 3
@@ -87,11 +89,33 @@ def test_peer_batch_in_each_mode() -> None:
     assert compare.peer_batch(z3, "deepspeed_zero3", "equal_examples", 8.0, 120, None) == 4  # per rank of 2
 
 
+def test_peer_precision_is_the_tools_own_unless_asked() -> None:
+    """No precision in the config: the peer's default (TrainingArguments then decides); asked: that precision, with
+    a LoRA base loaded in bf16 under bf16 autocast."""
+    cfg = {"grad_accum": 1, "lr": 1e-3, "epochs": 1, "seed": 0, "method": "lora"}
+    assert "bf16" not in peers._common_args(cfg, 4, Path("/tmp/x"))
+    assert peers._common_args(dict(cfg, precision="bf16"), 4, Path("/tmp/x"))["bf16"] is True
+    assert peers._common_args(dict(cfg, precision="fp32"), 4, Path("/tmp/x"))["bf16"] is False
+    assert peers._model_dtype(cfg, bf16=True) == torch.bfloat16 and peers._model_dtype(cfg, False) == torch.float32
+    assert peers._model_dtype(dict(cfg, method="full"), bf16=True) == torch.float32  # fp32 master weights
+
+
+def test_a_mode_reuses_the_run_it_would_repeat() -> None:
+    """same_precision reuses a default-precision run that already ran in that precision (TRL's bf16), never one of
+    another batch or precision, nor a failed run."""
+    ran_bf16 = {"mode": "same_config", "batch_per_device": 4, "asked_precision": None, "precision": "bf16"}
+    assert compare.same_run(ran_bf16, 4, None) and compare.same_run(ran_bf16, 4, "bf16")
+    assert not compare.same_run(ran_bf16, 8, "bf16") and not compare.same_run(ran_bf16, 4, "fp32")
+    ran_fp32 = dict(ran_bf16, precision="fp32")
+    assert not compare.same_run(ran_fp32, 4, "bf16") and compare.same_run(ran_fp32, 4, None)
+    assert not compare.same_run(dict(ran_bf16, failed="exit 1"), 4, None)
+
+
 def test_deepspeed_configs_leave_the_schedule_to_the_trainer() -> None:
     for stage in (2, 3):
         cfg = peers.deepspeed_config(stage)
         assert cfg["zero_optimization"]["stage"] == stage
-        assert cfg["train_micro_batch_size_per_gpu"] == "auto" and not cfg["bf16"]["enabled"]
+        assert cfg["train_micro_batch_size_per_gpu"] == "auto" and cfg["bf16"]["enabled"] == "auto"
     assert peers.deepspeed_config(3)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
 
