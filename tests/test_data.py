@@ -168,6 +168,15 @@ def test_packing_keeps_the_examples_per_step_of_an_unpacked_run(n: int, mb: int,
     assert fewer_rows
 
 
+def test_collate_rounds_widths_to_a_multiple_within_the_limit() -> None:
+    rows = [PackedRow(list(range(5)), [IGNORE] * 5, list(range(5)))]
+    assert collate(rows, pad_id=0, multiple=4).input_ids.shape == (1, 8)
+    assert collate(rows, pad_id=0, multiple=4, limit=6).input_ids.shape == (1, 6)  # never past max_seq_len
+    assert collate(rows, pad_id=0, multiple=4, limit=3).input_ids.shape == (1, 5)  # nor below the longest row
+    b = collate(rows, pad_id=0, multiple=4)
+    assert b.position_ids.tolist() == [list(range(8))] and b.n_real_tokens == 5
+
+
 def test_collate_pads_rows_up_to_a_fixed_height() -> None:
     b = collate([PackedRow([5, 6], [6, IGNORE], [0, 1])], pad_id=0, width=4, height=3)
     assert b.input_ids.shape == (3, 4) and b.n_real_tokens == 2

@@ -16,11 +16,13 @@ from shardfit.data.loader import BatchSchedule
 from shardfit.data.tokenize import Encoded
 from shardfit.errors import UserError
 from shardfit.parallel.defaults import (
+    CPU_BF16_WIDTH_MULTIPLE,
     EAGER_ATTENTION_BF16_MAX_WIDTH,
     EAGER_ATTENTION_MAX_LEN,
     resolve_attention,
     resolve_compile,
     resolve_speed_settings,
+    row_width_multiple,
 )
 from shardfit.parallel.env import fast_cpu_bf16, resolve_precision
 
@@ -55,6 +57,14 @@ def test_attention_auto_for_short_bf16_rows_on_cpu() -> None:
     cfg = Config(max_seq_len=1024, precision="bf16")
     assert resolve_speed_settings(cfg, "cpu").attn_implementation == "auto"
     assert resolve_speed_settings(cfg, "cpu", typical_width=100).attn_implementation == "eager"
+
+
+def test_row_widths_are_rounded_only_for_bf16_on_cpu() -> None:
+    """oneDNN's per-shape kernels (bf16 on CPU) want few distinct widths; MKL's fp32 and GPU kernels do not."""
+    assert row_width_multiple("cpu", "bf16", compiled=False) == CPU_BF16_WIDTH_MULTIPLE > 1
+    assert row_width_multiple("cpu", "fp32", compiled=False) == 1
+    assert row_width_multiple("cpu", "bf16", compiled=True) == 1  # compiled runs pad to max_seq_len already
+    assert row_width_multiple("cuda", "bf16", compiled=False) == 1
 
 
 def test_typical_width_is_the_median_micro_batch_width() -> None:

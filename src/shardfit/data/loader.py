@@ -34,14 +34,19 @@ class Batch:
                      {k: v.to(device, non_blocking=True) for k, v in self.media.items()})
 
 
-def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height: int | None = None) -> Batch:
+def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height: int | None = None,
+            multiple: int = 1, limit: int | None = None) -> Batch:
     """Right-pad rows to the longest, or to `width`, and add empty rows up to `height` (compiled blocks want one
-    static shape, while a packed micro-batch has a varying number of rows).
+    static shape, while a packed micro-batch has a varying number of rows). `multiple` rounds the width up to a
+    multiple of itself, never past `limit` (nor below the longest row), so micro-batches come in few shapes.
 
     Padding carries no target and continues the positions of its row's last example, so a micro-batch whose rows
     each hold one example has no position restart: transformers then builds no block mask (packed rows still get
     one), SDPA runs its causal kernel, and the real tokens, which come before the padding, are unchanged."""
     width = max([len(r) for r in rows] + [width or 0])
+    if multiple > 1:
+        rounded = -(-width // multiple) * multiple
+        width = max(width, rounded if limit is None else min(rounded, limit))
     n_rows = max(len(rows), height or 0)
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     pos = torch.arange(width).repeat(n_rows, 1)

@@ -27,7 +27,8 @@ from shardfit.train.metrics import MetricsLog, progress
 
 @torch.no_grad()
 def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id: int, env: DistEnv,
-             amp: Any, device: torch.device | None = None, width: int | None = None) -> float | None:
+             amp: Any, device: torch.device | None = None, width: int | None = None, multiple: int = 1,
+             limit: int | None = None) -> float | None:
     """Mean token loss over `rows`; every rank runs the same number of forwards (FSDP needs that)."""
     if not rows:
         return None
@@ -38,7 +39,8 @@ def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id:
     for k in range(per_rank):
         idx = k * env.world + env.rank
         real = idx < len(batches)
-        batch = collate(batches[idx if real else 0], pad_id, width).to(device or env.device)
+        batch = collate(batches[idx if real else 0], pad_id, width, multiple=multiple, limit=limit).to(
+            device or env.device)
         with amp:
             loss_sum, n = module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
         if real:
@@ -96,9 +98,11 @@ class Evaluator:
 
     def __init__(self, module: nn.Module, rows: list[PackedRow], metrics: MetricsLog, env: DistEnv, *,
                  micro_batch: int, pad_id: int, amp: Any, device: torch.device, width: int | None, every: int,
-                 total_steps: int, generation: GenerationEval | None = None, show: bool = False):
+                 total_steps: int, generation: GenerationEval | None = None, show: bool = False,
+                 multiple: int = 1, limit: int | None = None):
         self.module, self.rows, self.metrics, self.env = module, rows, metrics, env
         self.micro_batch, self.pad_id, self.amp, self.device, self.width = micro_batch, pad_id, amp, device, width
+        self.multiple, self.limit = multiple, limit
         self.every, self.total, self.generation, self.show = every, total_steps, generation, show
         self.last: float | None = None
         self.last_generation: dict[str, float] = {}
@@ -112,7 +116,7 @@ class Evaluator:
             return None
         bar = progress(2 if self.generation else 1, 0, self.show, desc="eval", unit="pass")
         self.last = evaluate(self.module, self.rows, self.micro_batch, self.pad_id, self.env, self.amp, self.device,
-                             self.width)
+                             self.width, self.multiple, self.limit)
         bar.update()
         record: dict[str, Any] = {"step": step, "eval_loss": self.last}
         if self.generation is not None:

@@ -44,7 +44,7 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
-from shardfit.parallel.defaults import resolve_speed_settings
+from shardfit.parallel.defaults import resolve_speed_settings, row_width_multiple
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import parallelize, set_grad_sync
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -247,6 +247,7 @@ class FineTune:
         # Compiled blocks want one static shape: rows as wide as max_seq_len, micro_batch of them.
         self.width = cfg.max_seq_len if cfg.compile else None
         self.height = cfg.micro_batch if cfg.compile else None
+        self.multiple = row_width_multiple(env.device.type, cfg.precision, cfg.compile)
         dtype = AUTOCAST.get(cfg.precision)
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
         self.amp = torch.autocast(env.device.type, dtype=dtype) if dtype is not None and s.autocast \
@@ -335,6 +336,7 @@ class FineTune:
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
         self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, micro_batch=cfg.micro_batch,
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, width=self.width,
+                                   multiple=self.multiple, limit=cfg.max_seq_len,
                                    every=cfg.eval_steps, total_steps=self.total_steps,
                                    generation=self._generation_eval(), show=env.is_main and not self.quiet)
         self.loss_module.train()
@@ -378,7 +380,8 @@ class FineTune:
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
             wd.at("data loader")
-            batch = collate(micro, self.pad_id, self.width, self.height).to(self.in_device)
+            batch = collate(micro, self.pad_id, self.width, self.height, self.multiple,
+                            self.cfg.max_seq_len).to(self.in_device)
             wd.at("forward")
             with set_grad_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
