@@ -1,14 +1,16 @@
 """Memory terms of the planner that follow a source's recipe: torch.compile, pure 16-bit training, LoRA targets and
-dropout, torchtune's chunked output loss, and a loop that keeps its logits (plan/estimate.py)."""
+dropout, torchtune's chunked output loss, a loop that keeps its logits and FSDP1's no_sync() (plan/estimate.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from shardfit.plan.estimate import (
+    GIB,
     block_activation_bytes_per_token,
     estimate,
     logits_bytes,
+    no_sync_grad_bytes,
     state_bytes,
     trainable_params,
 )
@@ -69,3 +71,23 @@ def test_config_lora_targets_map_to_planner_names() -> None:
     assert lora_targets_of(["model.layers.0.self_attn.o_proj", "down_proj"]) == ("o", "down")
     assert lora_targets_of("all-linear") is None
     assert lora_targets_of(["c_attn"]) is None
+
+
+def test_fsdp1_no_sync_holds_unsharded_gradients_between_steps() -> None:
+    """FSDP1's no_sync() keeps every flat parameter's unsharded gradient through the accumulating micro-batches:
+    a full fine-tune in bf16-true holds 2 bytes per parameter of gradients on each rank, not 2/n; the optimizer
+    step sees the shards alone; without accumulation, or on one device, nothing changes."""
+    hw = parse_gpus("4xA100")
+    w = Workload(method="full", pure_16bit=True, grad_accum=4, seq_len=512, micro_batch=4)
+    synced = estimate(SHAPE, w, hw, "zero3").per_gpu_gib
+    held = estimate(SHAPE, replace(w, fsdp1_no_sync=True), hw, "zero3")
+    assert held.per_gpu_gib.grads * GIB == SHAPE.params() * 2
+    assert held.per_gpu_gib.total - synced.total > 0.7 * SHAPE.params() * 2 / GIB
+    assert no_sync_grad_bytes(SHAPE, replace(w, fsdp1_no_sync=True, grad_accum=1), "zero3") == 0
+    assert no_sync_grad_bytes(SHAPE, replace(w, fsdp1_no_sync=True), "single") == 0
+    # LoRA: with use_orig_params=True a block's one flat parameter, frozen weights included, gets the gradient;
+    # adapters in flat parameters of their own (use_orig_params=False) hold only theirs.
+    lora = Workload(method="lora", pure_16bit=True, grad_accum=4, fsdp1_no_sync=True)
+    orig = no_sync_grad_bytes(SHAPE, lora, "zero3")
+    assert orig > SHAPE.layers * SHAPE.layer_params() * 2
+    assert no_sync_grad_bytes(SHAPE, replace(lora, flat_params=True), "zero3") == trainable_params(SHAPE, lora) * 2

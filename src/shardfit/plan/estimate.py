@@ -158,6 +158,31 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
     return float(quant.dequantize_peak_bytes(i * o, compute_bytes(w)) + tokens * i * compute_bytes(w))
 
 
+def no_sync_grad_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The unsharded gradients each rank holds between optimizer steps under FSDP1's no_sync() (`fsdp1_no_sync`,
+    with `grad_accum` above 1 on a sharded strategy); 0 otherwise.
+
+    FSDP1's post-backward hook reshards the parameter but, while gradients are not synchronised, returns before
+    the reduce-scatter and leaves `.grad` as the unsharded gradient of the whole flat parameter, which the next
+    micro-batch's backward accumulates into (torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`: "if
+    not state._sync_gradients: ... return"; `_finalize_params`: ".grad remains the unsharded gradient from prior
+    no_sync() iterations", pytorch/pytorch@00ae0bc9). Lightning Fabric's `no_backward_sync` under FSDP is
+    `module.no_sync()` (src/lightning/fabric/strategies/fsdp.py `_FSDPBackwardSyncControl`). The gradient has the
+    unsharded flat parameter's size and dtype, the dtype the forward ran in (MixedPrecision's param_dtype, or the
+    weights' own under bf16-true). A flat parameter gets a gradient when any of its weights trains: a full
+    fine-tune's every weight; LoRA's adapters alone when they are flat parameters of their own
+    (use_orig_params=False, `flat_params`), else the whole wrapped block that holds them (use_orig_params=True
+    flattens a block's frozen and trainable weights together)."""
+    if not (w.fsdp1_no_sync and w.grad_accum > 1 and strategies.get(strategy).sharded):
+        return 0.0
+    low = compute_bytes(w)
+    if w.method == "full":
+        return float(shape.params() * low)
+    if w.trains_adapters and not w.flat_params:
+        return float(shape.layers * block_weight_bytes(shape, w) + lora_params(shape, w) * low)
+    return float(trainable_params(shape, w) * trainable_bytes(w))
+
+
 def qlora_shard_problem(shape: ModelShape, w: Workload, world: int) -> str | None:
     """Why QLoRA's NF4 weights of `shape` cannot be split into `world` row shards (what the check rule
     qlora_shard_layout refuses before training), or None."""
@@ -469,6 +494,13 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     wr += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded or offloaded
     g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
+    # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
+    # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
+    # block by block, so it holds no more); the optimizer step sees the shards alone.
+    g_bwd_end = gr - embedding_grad / div_g
+    unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
+    if unsharded_grads:
+        g_fwd = g_bwd_end = max(gr, unsharded_grads)
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
@@ -490,7 +522,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
             Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
                       bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
-            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
+            Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp + residual_grads),
             key=_tensors),
         "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, held, 0.0),

@@ -62,6 +62,15 @@ class Workload:
     # (a loop that writes `output = model(...)` and never deletes it, as Answer.AI's train.py); the HF Trainer
     # and torchtune drop it before backward.
     keeps_logits: bool = False
+    # FSDP1's no_sync() between optimizer steps (Lightning Fabric's `no_backward_sync` under its FSDPStrategy, as
+    # litgpt's finetune scripts use it; Answer.AI's train.py `--no_sync`): through the accumulating micro-batches
+    # each rank keeps the unsharded gradient of every flat parameter that holds a trainable weight, until the
+    # optimizer step's micro-batch reduce-scatters it (plan/estimate.py `no_sync_grad_bytes`). shardfit's FSDP2
+    # reduce-scatters every micro-batch.
+    fsdp1_no_sync: bool = False
+    # FSDP1 with use_orig_params=False: each flat parameter holds only trainable or only frozen weights. With
+    # use_orig_params=True (False here) one flat parameter holds a whole wrapped block, frozen weights included.
+    flat_params: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
