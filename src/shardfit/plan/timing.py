@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import compute_bytes, trainable_params
+from shardfit.plan.estimate import compute_bytes, planned_shape, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -273,6 +273,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     """Predicted time of one optimizer step of `strategy` and the job's tokens/s."""
     s = strategies.get(strategy)
     card = card_of(hw)
+    shape = planned_shape(shape, w)
     tokens = w.seq_len * w.micro_batch
     flops = step_flops_per_token(shape, w) * tokens
     # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own

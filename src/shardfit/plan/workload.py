@@ -71,6 +71,17 @@ class Workload:
     # FSDP1 with use_orig_params=False: each flat parameter holds only trainable or only frozen weights. With
     # use_orig_params=True (False here) one flat parameter holds a whole wrapped block, frozen weights included.
     flat_params: bool = False
+    # The LM head as its own copy of the embedding even where the checkpoint ties them: litgpt's GPT has no tying
+    # at the commits its config-hub tables ran (scripts/convert_hf_checkpoint.py copies wte into lm_head).
+    untied_head: bool = False
+    # QLoRA's 4-bit block scales quantized again to 8 bits (the QLoRA paper's double quantization, shardfit's
+    # layout); False: bitsandbytes' plain `nf4`, one fp32 absmax per block of 64 weights.
+    double_quant: bool = True
+    # QLoRA through Lightning's BitsandbytesPrecision (litgpt's `--quantize bnb.*`): every nn.Linear, the LM head
+    # included, becomes a bitsandbytes Linear4bit quantized from an fp16 copy, so bitsandbytes dequantizes each
+    # weight to fp16 and MatMul4Bit casts it to the compute dtype for every matmul (plan/estimate.py
+    # `bnb_dequantize_bytes`). shardfit's QLoRA is torchao's NF4 with a 16-bit head.
+    bnb_precision: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
