@@ -71,6 +71,14 @@ class Workload:
     # FSDP1 with use_orig_params=False: each flat parameter holds only trainable or only frozen weights. With
     # use_orig_params=True (False here) one flat parameter holds a whole wrapped block, frozen weights included.
     flat_params: bool = False
+    # FSDP1 with backward_prefetch=None: torch 1.12's default, which accelerate 0.7 passed on unless its plugin was
+    # told otherwise. The next unit's all-gather is then issued after the current unit's reduce-scatter, on the
+    # same NCCL stream, so a FULL_SHARD backward waits for both (plan/timing.py `exposed_collectives`).
+    fsdp1_no_backward_prefetch: bool = False
+    # DeepSpeed ZeRO-3 before v0.6.0: every submodule's parameters are all-gathered one tensor at a time and the
+    # host then calls torch.cuda.synchronize(), so compute, the host's launches and the collectives take turns
+    # (plan/timing.py `exposed_collectives`). shardfit's FSDP2 prefetches instead.
+    zero3_sync_fetch: bool = False
     # The LM head as its own copy of the embedding even where the checkpoint ties them: litgpt's GPT has no tying
     # at the commits its config-hub tables ran (scripts/convert_hf_checkpoint.py copies wte into lm_head).
     untied_head: bool = False
