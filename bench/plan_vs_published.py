@@ -46,9 +46,9 @@ OUT = ROOT / "bench" / "results" / "plan_vs_published.json"
 WORKLOAD_KEYS = {f.name for f in dataclasses.fields(Workload)} - {"seq_len"}
 # Keys of a case the comparison itself reads (what was measured, where, how it was read).
 CASE_KEYS = {"kind", "unit", "peak", "model", "gpu", "nodes", "strategy", "seq", "reading", "deepspeed", "family"}
-# Settings written down because the source ran them, which the planner does not model: FSDP1's flat parameters
-# (use_orig_params=False) hold the same bytes per unit as FSDP2's per-parameter shards in what is compared here.
-RECORDED_ONLY = {"flat_params"}
+# Settings written down because the source ran them, which the planner does not model (none at present: FSDP1's
+# `flat_params` became a Workload key with `fsdp1_no_sync`).
+RECORDED_ONLY: set[str] = set()
 UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
 # What the plan chooses between for one workload: a pair of runs that differs only in these (the batch may differ
 # with them: a sharded strategy is run at the larger batch it makes room for) is a strategy pair.

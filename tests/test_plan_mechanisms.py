@@ -1,14 +1,22 @@
 """Memory terms of the planner that follow a source's recipe: torch.compile, pure 16-bit training, LoRA targets and
-dropout, torchtune's chunked output loss, and a loop that keeps its logits (plan/estimate.py)."""
+dropout, torchtune's chunked output loss, a loop that keeps its logits, FSDP1's no_sync() and litgpt's QLoRA
+through Lightning's bitsandbytes plugin (plan/estimate.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+from shardfit.plan import quant
 from shardfit.plan.estimate import (
+    GIB,
     block_activation_bytes_per_token,
     estimate,
+    head_dequantize_bytes,
     logits_bytes,
+    no_sync_grad_bytes,
+    planned_shape,
     state_bytes,
     trainable_params,
 )
@@ -69,3 +77,51 @@ def test_config_lora_targets_map_to_planner_names() -> None:
     assert lora_targets_of(["model.layers.0.self_attn.o_proj", "down_proj"]) == ("o", "down")
     assert lora_targets_of("all-linear") is None
     assert lora_targets_of(["c_attn"]) is None
+
+
+def test_fsdp1_no_sync_holds_unsharded_gradients_between_steps() -> None:
+    """FSDP1's no_sync() keeps every flat parameter's unsharded gradient through the accumulating micro-batches:
+    a full fine-tune in bf16-true holds 2 bytes per parameter of gradients on each rank, not 2/n; the optimizer
+    step sees the shards alone; without accumulation, or on one device, nothing changes."""
+    hw = parse_gpus("4xA100")
+    w = Workload(method="full", pure_16bit=True, grad_accum=4, seq_len=512, micro_batch=4)
+    synced = estimate(SHAPE, w, hw, "zero3").per_gpu_gib
+    held = estimate(SHAPE, replace(w, fsdp1_no_sync=True), hw, "zero3")
+    assert held.per_gpu_gib.grads * GIB == SHAPE.params() * 2
+    assert held.per_gpu_gib.total - synced.total > 0.7 * SHAPE.params() * 2 / GIB
+    assert no_sync_grad_bytes(SHAPE, replace(w, fsdp1_no_sync=True, grad_accum=1), "zero3") == 0
+    assert no_sync_grad_bytes(SHAPE, replace(w, fsdp1_no_sync=True), "single") == 0
+    # LoRA: with use_orig_params=True a block's one flat parameter, frozen weights included, gets the gradient;
+    # adapters in flat parameters of their own (use_orig_params=False) hold only theirs.
+    lora = Workload(method="lora", pure_16bit=True, grad_accum=4, fsdp1_no_sync=True)
+    orig = no_sync_grad_bytes(SHAPE, lora, "zero3")
+    assert orig > SHAPE.layers * SHAPE.layer_params() * 2
+    assert no_sync_grad_bytes(SHAPE, replace(lora, flat_params=True), "zero3") == trainable_params(SHAPE, lora) * 2
+
+
+def test_litgpt_qlora_head_and_scales() -> None:
+    """litgpt's QLoRA through Lightning's BitsandbytesPrecision: an untied copy of a tied head (`untied_head`), the
+    head in 4-bit, whose backward dequantizes it whole to fp16 and casts it to bf16 while every activation is
+    saved (`bnb_precision`), and bitsandbytes' plain nf4 with an fp32 scale per 64 weights (`double_quant`)."""
+    tied = resolve_shape("meta-llama/Llama-3.2-1B")
+    assert tied.tied
+    hw = parse_gpus("A10G")
+    w = Workload(method="qlora", pure_16bit=True, seq_len=512, micro_batch=2, grad_ckpt="none", lora_rank=32,
+                 lora_targets=("q", "v"), loss="full_shift16", attention="flash")
+    head = tied.vocab * tied.hidden
+    base = state_bytes(tied, w)[0]
+    assert state_bytes(planned_shape(tied, replace(w, untied_head=True)), w)[0] - base == head * 2
+    untied = replace(w, untied_head=True, bnb_precision=True)
+    assert state_bytes(planned_shape(tied, untied), untied)[0] - base == pytest.approx(head * (0.5 + 0.127 / 8),
+                                                                                       rel=0.01)
+    assert head_dequantize_bytes(planned_shape(tied, untied), untied) == head * 4  # fp16, then its bf16 cast
+    assert head_dequantize_bytes(tied, untied) == 0  # a tied head is the embedding: never quantized
+    plain, with_head = estimate(tied, w, hw, "single"), estimate(tied, untied, hw, "single")
+    assert with_head.peak_phase == "backward"
+    assert with_head.per_gpu_gib.temporaries * GIB >= head * 4
+    assert with_head.per_gpu_gib.total > plain.per_gpu_gib.total
+    # plain nf4: 4-bit codes and an fp32 absmax per 64 weights, 0.5625 byte per weight
+    assert quant.weight_bytes(4096, 4096, 2, double_quant=False) == 4096 * 4096 * 9 // 16
+    single = state_bytes(tied, replace(w, double_quant=False))[0]
+    assert single - base == pytest.approx(tied.layers * sum(i * o for i, o in tied.linear_shapes()) * (
+        1 / 16 - 0.127 / 8), rel=0.02)

@@ -15,7 +15,7 @@ from shardfit.plan.cards import card_of
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan, with_candidates
-from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.timing import (
     ADAM_BYTES_PER_PARAM,
     ELEMENTWISE_BYTES,
@@ -266,3 +266,61 @@ def test_eager_elementwise_bytes_match_a_fresh_count() -> None:
     shape = mod.HELD_OUT
     fresh = mod.per_layer_token(mod.eager_bytes, "llama", shape, "full", False)
     assert mod.predict(list(ELEMENTWISE_BYTES[("full", False)]["eager"]), shape) == pytest.approx(fresh, rel=0.02)
+
+
+LLAMA2_7 = resolve_shape("meta-llama/Llama-2-7b-hf")
+
+
+def test_fsdp1_adapter_units_expose_both_all_gathers() -> None:
+    """FSDP1 with LoRA under use_orig_params=False (`flat_params`): each adapter is an FSDP unit inside its block, so
+    the rate limiter and BACKWARD_PRE's order leave the block's all-gathers unhidden (timing.exposed_collectives).
+    FULL_SHARD waits for both gathers of a micro-batch; SHARD_GRAD_OP, NO_SHARD and a full fine-tune are as
+    before."""
+    w = Workload(method="lora", grad_ckpt="full", seq_len=2048, micro_batch=4, attention="flash",
+                 lora_targets=("q", "k", "v", "gate", "up", "down"))
+    flat = dataclasses.replace(w, flat_params=True)
+    hw = parse_gpus("2x3090")
+    fsdp2, fsdp1 = step_time(LLAMA2_7, w, hw, "zero3"), step_time(LLAMA2_7, flat, hw, "zero3")
+    assert fsdp2.step_s == pytest.approx(fsdp2.compute_s, rel=0.02)  # FSDP2: the gathers hide under compute
+    # both gathers (13.5 GB of bf16 weights, half of it received, at 10 GB/s) come after the compute
+    assert fsdp1.step_s - fsdp2.step_s == pytest.approx(fsdp1.comm_s, rel=0.02)
+    assert fsdp1.comm_s == pytest.approx(2 * LLAMA2_7.params() * 2 / 2 / 10e9, rel=0.05)
+    for strategy in ("zero2", "ddp"):
+        assert step_time(LLAMA2_7, flat, hw, strategy).step_s == pytest.approx(
+            step_time(LLAMA2_7, w, hw, strategy).step_s, rel=0.01)
+    full = dataclasses.replace(w, method="full", lora_targets=None)
+    assert step_time(LLAMA2_7, dataclasses.replace(full, flat_params=True), hw, "zero3").step_s == \
+        step_time(LLAMA2_7, full, hw, "zero3").step_s
+
+
+def test_fsdp1_without_backward_prefetch_waits_in_backward() -> None:
+    """FSDP1 with backward_prefetch=None: the backward all-gather and the reduce-scatter are waited for; the
+    forward's gather still overlaps, and SHARD_GRAD_OP (no backward gather) is unchanged."""
+    gpt2 = ModelShape(id="gpt2-large", layers=36, hidden=1280, intermediate=3413, heads=20, kv_heads=20,
+                             vocab=50257, tied=True)
+    w = Workload(method="full", precision="fp32", grad_ckpt="none", seq_len=128, micro_batch=15, attention="eager")
+    none = dataclasses.replace(w, fsdp1_no_backward_prefetch=True)
+    hw = parse_gpus("2xTitanRTX")
+    pre, post = step_time(gpt2, w, hw, "zero3"), step_time(gpt2, none, hw, "zero3")
+    card = card_of(hw)
+    gather = gpt2.params() * 4 / 2 / card.link
+    scatter = trainable_params(gpt2, w) * 4 / 2 / card.link
+    assert post.step_s - pre.step_s == pytest.approx(gather + scatter, rel=0.05)
+    assert step_time(gpt2, none, hw, "zero2").step_s == step_time(gpt2, w, hw, "zero2").step_s
+
+
+def test_deepspeed_zero3_sync_fetch_serialises_everything() -> None:
+    """DeepSpeed ZeRO-3 before v0.6.0 synchronizes the device on every fetch and gathers tensor by tensor: compute,
+    the host's launches, both all-gathers and the reduce-scatter add up, one collective per parameter tensor;
+    ZeRO-2 is unchanged."""
+    gpt2 = ModelShape(id="gpt2-xl", layers=48, hidden=1600, intermediate=4267, heads=25, kv_heads=25,
+                             vocab=50257, tied=True)
+    w = Workload(method="full", precision="fp16", grad_ckpt="none", seq_len=1024, micro_batch=1, attention="eager")
+    sync = dataclasses.replace(w, zero3_sync_fetch=True)
+    hw = parse_gpus("16xV100")
+    old, new = step_time(gpt2, sync, hw, "zero3"), step_time(gpt2, w, hw, "zero3")
+    assert new.step_s == pytest.approx(new.compute_s, rel=0.02)  # FSDP2's prefetch hides all of it
+    assert old.step_s == pytest.approx(old.compute_s + old.host_s + old.comm_s, rel=1e-6)
+    assert old.comm_s > 2 * new.comm_s  # ~440 collectives per gather instead of 49
+    assert timing.param_tensors(gpt2) == 48 * 9 + 2
+    assert step_time(gpt2, sync, hw, "zero2").step_s == step_time(gpt2, w, hw, "zero2").step_s

@@ -34,6 +34,7 @@ from shardfit.plan.estimate import (
     compute_bytes,
     forward_activation_bytes,
     logits_bytes,
+    planned_shape,
     state_bytes,
     trainable_bytes,
     trainable_params,
@@ -112,6 +113,7 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     """Per-rank GPU peak of a DeepSpeed ZeRO job (and its host RAM per rank), at the step's three moments as in
     `estimate.estimate`."""
     n = hw.world
+    shape = planned_shape(shape, w)
     low = compute_bytes(w)
     p, t = shape.params(), trainable_params(shape, w)
     full = w.method == "full"

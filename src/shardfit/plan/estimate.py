@@ -13,7 +13,7 @@ real GPU is added last (see `runtime_overhead`):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from shardfit import strategy as strategies
 from shardfit.plan import quant
@@ -122,19 +122,49 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
         per_other = 4 if w.frozen_fp32 else low
         weights = shape.layers * linear_weight_bytes(shape, w) + (frozen - linear) * per_other + t * trainable_bytes(w)
+        if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
+            weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
     optim = t * (2.0 if w.optimizer == "adamw8bit" else 2.0 * trainable_bytes(w))  # AdamW's states match the weight
     return weights, grads, optim
 
 
+def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
+    """The shape the recipe runs: with `untied_head`, a tied checkpoint's head is a copy of its own."""
+    return replace(shape, tied=False) if w.untied_head and shape.tied else shape
+
+
 def linear_weight_bytes(shape: ModelShape, w: Workload) -> float:
     """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
     factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
-    plan/quant.py lays it out), else the compute precision."""
+    plan/quant.py lays it out; without `double_quant` an fp32 scale per 64 weights), else the compute precision."""
     low = compute_bytes(w)
     if w.method == "qlora":
-        return sum(quant.weight_bytes(o, i, low) for i, o in shape.linear_shapes())
+        return sum(quant.weight_bytes(o, i, low, w.double_quant) for i, o in shape.linear_shapes())
     return sum(i * o for i, o in shape.linear_shapes()) * low
+
+
+def quantized_head(shape: ModelShape, w: Workload) -> bool:
+    """Whether QLoRA stores the LM head in 4-bit: under Lightning's BitsandbytesPrecision every nn.Linear is
+    replaced by a bitsandbytes Linear4bit, the head included (lightning/fabric/plugins/precision/bitsandbytes.py
+    `module_init_context`, 2.3.0), when the head is a layer of its own (untied)."""
+    return w.method == "qlora" and w.bnb_precision and not shape.tied
+
+
+def head_weight_bytes(shape: ModelShape, w: Workload) -> float:
+    """The 4-bit LM head as stored (`quantized_head`)."""
+    return float(quant.weight_bytes(shape.vocab, shape.hidden, compute_bytes(w), w.double_quant))
+
+
+def bnb_dequantize_bytes(numel: int, w: Workload) -> float:
+    """What bitsandbytes holds while one Linear4bit weight is dequantized for a matmul under Lightning's
+    BitsandbytesPrecision: the plugin quantizes from an fp16 copy (`_Linear4bit.quantize`: weight.to(torch.half)),
+    so dequantize_4bit writes the whole weight in fp16 (its quant_state's dtype), and MatMul4Bit casts it to the
+    input's dtype before the matmul, forward and backward (bitsandbytes/autograd/_functions.py `MatMul4Bit`,
+    0.42.0: F.dequantize_4bit(B, quant_state).to(A.dtype)); the fp16 copy is freed once the cast exists. No index
+    tensors: bitsandbytes dequantizes in one CUDA kernel."""
+    low = compute_bytes(w)
+    return float(numel * (2 + (low if w.precision != "fp16" else 0)))
 
 
 def block_weight_bytes(shape: ModelShape, w: Workload) -> float:
@@ -155,7 +185,39 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
     tokens = w.seq_len * w.micro_batch
-    return float(quant.dequantize_peak_bytes(i * o, compute_bytes(w)) + tokens * i * compute_bytes(w))
+    held = bnb_dequantize_bytes(i * o, w) if w.bnb_precision else quant.dequantize_peak_bytes(i * o, compute_bytes(w))
+    return float(held + tokens * i * compute_bytes(w))
+
+
+def head_dequantize_bytes(shape: ModelShape, w: Workload) -> float:
+    """A 4-bit LM head (`quantized_head`) in backward: the gradient of the head's input needs the whole head
+    dequantized (MatMul4Bit.backward), while every block's activations are still saved; 0 otherwise."""
+    return bnb_dequantize_bytes(shape.vocab * shape.hidden, w) if quantized_head(shape, w) else 0.0
+
+
+def no_sync_grad_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The unsharded gradients each rank holds between optimizer steps under FSDP1's no_sync() (`fsdp1_no_sync`,
+    with `grad_accum` above 1 on a sharded strategy); 0 otherwise.
+
+    FSDP1's post-backward hook reshards the parameter but, while gradients are not synchronised, returns before
+    the reduce-scatter and leaves `.grad` as the unsharded gradient of the whole flat parameter, which the next
+    micro-batch's backward accumulates into (torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`: "if
+    not state._sync_gradients: ... return"; `_finalize_params`: ".grad remains the unsharded gradient from prior
+    no_sync() iterations", pytorch/pytorch@00ae0bc9). Lightning Fabric's `no_backward_sync` under FSDP is
+    `module.no_sync()` (src/lightning/fabric/strategies/fsdp.py `_FSDPBackwardSyncControl`). The gradient has the
+    unsharded flat parameter's size and dtype, the dtype the forward ran in (MixedPrecision's param_dtype, or the
+    weights' own under bf16-true). A flat parameter gets a gradient when any of its weights trains: a full
+    fine-tune's every weight; LoRA's adapters alone when they are flat parameters of their own
+    (use_orig_params=False, `flat_params`), else the whole wrapped block that holds them (use_orig_params=True
+    flattens a block's frozen and trainable weights together)."""
+    if not (w.fsdp1_no_sync and w.grad_accum > 1 and strategies.get(strategy).sharded):
+        return 0.0
+    low = compute_bytes(w)
+    if w.method == "full":
+        return float(shape.params() * low)
+    if w.trains_adapters and not w.flat_params:
+        return float(shape.layers * block_weight_bytes(shape, w) + lora_params(shape, w) * low)
+    return float(trainable_params(shape, w) * trainable_bytes(w))
 
 
 def qlora_shard_problem(shape: ModelShape, w: Workload, world: int) -> str | None:
@@ -424,6 +486,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     optimizer step (gradients, states and the multi-tensor update's temporary). The largest is the peak, and its
     breakdown is the one reported, so the columns add up to what is allocated at one moment."""
     n = hw.world
+    shape = planned_shape(shape, w)
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
@@ -469,6 +532,13 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     wr += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded or offloaded
     g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
+    # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
+    # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
+    # block by block, so it holds no more); the optimizer step sees the shards alone.
+    g_bwd_end = gr - embedding_grad / div_g
+    unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
+    if unsharded_grads:
+        g_fwd = g_bwd_end = max(gr, unsharded_grads)
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
@@ -486,11 +556,12 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": max(
             Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
-                      logits_bytes(shape, w, strategy, "backward") + held, fwd_temp),
+                      logits_bytes(shape, w, strategy, "backward") + held,
+                      fwd_temp + head_dequantize_bytes(shape, w)),
             Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
                       bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
-            Breakdown(wr, gr - embedding_grad / div_g, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
+            Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp + residual_grads),
             key=_tensors),
         "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, held, 0.0),

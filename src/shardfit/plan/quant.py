@@ -44,9 +44,20 @@ def nf4_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
     return n // 2 + n_blocks + (n_blocks // scaler_block_size(n)) * dtype_bytes + dtype_bytes + CODEBOOK * dtype_bytes
 
 
-def weight_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
-    """What a frozen weight of a decoder block's linear layer takes under QLoRA: NF4 where it can be, else dense."""
-    return nf4_bytes(rows, cols, dtype_bytes) if quantizable(rows, cols) else rows * cols * dtype_bytes
+def nf4_single_bytes(rows: int, cols: int) -> int:
+    """Bytes of an NF4 weight without double quantization, as bitsandbytes' quantize_4bit stores it with
+    compress_statistics=False (bitsandbytes/functional.py, 0.42.0): 4-bit codes, two per byte, and one fp32 absmax
+    per block of BLOCK elements."""
+    n = rows * cols
+    return (n + 1) // 2 + -(-n // BLOCK) * 4
+
+
+def weight_bytes(rows: int, cols: int, dtype_bytes: int, double_quant: bool = True) -> int:
+    """What a frozen weight of a decoder block's linear layer takes under QLoRA: NF4 where it can be (with
+    double-quantized block scales, or fp32 ones), else dense."""
+    if not quantizable(rows, cols):
+        return rows * cols * dtype_bytes
+    return nf4_bytes(rows, cols, dtype_bytes) if double_quant else nf4_single_bytes(rows, cols)
 
 
 def dequantize_peak_bytes(numel: int, dtype_bytes: int) -> int:

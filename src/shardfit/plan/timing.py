@@ -23,7 +23,9 @@ optimizer step, overlapped with backward; FSDP2 all-gathers the 16-bit parameter
 and prefetches, so compute and communication overlap; offload copies each shard host-to-device before each
 all-gather and the gradient shard back, over PCIe, and runs AdamW on the CPU. `model_parallel` runs its stages one
 after another: one GPU computes at a time. Across nodes the ring runs at the slower of NVLink/PCIe and the node's
-network bandwidth (one ring per NIC).
+network bandwidth (one ring per NIC). A published run of an engine that waits for some of its collectives (FSDP1 with
+LoRA in flat parameters, FSDP1 without backward prefetch, DeepSpeed ZeRO-3 before v0.6.0) has those added after
+its compute instead: `exposed_collectives`, with the engines' code cited there.
 
 Host dispatch (the fixed cost of a micro-batch): eager PyTorch launches every op from the host, one at a time,
 while the GPU runs what was launched before, so a micro-batch cannot finish sooner than the host takes to launch
@@ -55,10 +57,10 @@ from dataclasses import dataclass
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import compute_bytes, trainable_params
+from shardfit.plan.estimate import compute_bytes, planned_shape, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
-from shardfit.plan.workload import Workload
+from shardfit.plan.workload import LORA_TARGETS, Workload
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 # torch's AdamW on the CPU (offload) streams weights, gradients and both moments at host memory speed: read 16 and
@@ -269,10 +271,77 @@ def param_bytes_stored(shape: ModelShape, w: Workload) -> float:
     return shape.params() * 4.0 if w.method == "full" else param_bytes_16(shape, w)
 
 
+@dataclass(frozen=True)
+class Exposure:
+    """What of a sharded engine's traffic runs after, not beside, the compute (see `exposed_collectives`)."""
+
+    gathers: int = 0  # all-gathers per micro-batch that the compute waits for in full
+    reduce_scatter: bool = False  # the gradients' reduce-scatter is waited for in full
+    host: bool = False  # the host's launches do not overlap the GPU either
+    per_tensor: bool = False  # one collective per parameter tensor, not per wrapped block
+
+
+def exposed_collectives(w: Workload, reshard_after_forward: bool) -> Exposure:
+    """Where the engine that ran `w` cannot overlap its collectives with compute, from the engines' code:
+
+    - DeepSpeed ZeRO-3 before v0.6.0 (`zero3_sync_fetch`): fetch_sub_module, "This call is blocking", all-gathers
+      each submodule's parameters and calls _synchronize_communication(), which ends in torch.cuda.synchronize();
+      a prefetch runs torch.cuda.synchronize() before each parameter's all-gather, one dist.all_gather per tensor
+      (deepspeed/runtime/zero/stage3.py and partition_parameters.py at v0.5.8; the same code at the autotuning
+      merge, 9caa74e5). The device synchronize waits for the reduction stream as well. So compute, the host's
+      launches, every all-gather and the reduce-scatter take turns. PR #1453 (v0.6.0) lists what it changed:
+      "batching allgather calls to amortize fixed overhead", "more fine grained synchronization".
+    - FSDP1 with LoRA under use_orig_params=False (`flat_params`, FULL_SHARD): a flat parameter holds only frozen or
+      only trainable weights, so the adapters are FSDP units of their own inside each block (Answer.AI's train.py
+      get_wrapping_policy: every leaf whose weight requires grad). Forward: FSDP1 has no forward prefetch by
+      default, and limit_all_gathers' rate limiter makes the host wait, before each all-gather, for the free of the
+      unit two frees back (torch/distributed/fsdp/_runtime_utils.py `_unshard`, _limiter_utils.py, at most 2 in
+      flight); the adapters free after their forward too, so the next block's all-gather is issued only when the
+      current block's last adapters have run. Backward: BACKWARD_PRE prefetches the unit before the current one
+      in post-forward order (_exec_order_utils.py `get_handle_to_backward_prefetch`), which for a block is its own
+      last adapter; the previous block is prefetched only from the block's first adapter, at the end of its
+      backward. Both all-gathers of a micro-batch are waited for.
+    - FSDP1 with backward_prefetch=None (`fsdp1_no_backward_prefetch`, FULL_SHARD): "This has no overlap"
+      (torch.distributed.fsdp.BackwardPrefetch): collectives of one process group share one NCCL stream, and the
+      next unit's all-gather is issued after the current unit's reduce-scatter, which waits for its gradients.
+      The backward all-gather and the reduce-scatter are waited for; the forward still overlaps (the host runs
+      ahead).
+    Otherwise (FSDP2, FSDP1 with its default prefetch over blocks) nothing is exposed beyond what the overlap
+    itself leaves."""
+    if not reshard_after_forward:  # ZeRO-2, SHARD_GRAD_OP: none of the three (the forward's gather overlaps)
+        return Exposure()
+    if w.zero3_sync_fetch:
+        return Exposure(2, True, True, True)
+    if w.flat_params and w.trains_adapters:
+        return Exposure(2)
+    if w.fsdp1_no_backward_prefetch:
+        return Exposure(1, True)
+    return Exposure()
+
+
+def collective_calls(shape: ModelShape, w: Workload, exposed: Exposure) -> int:
+    """Collectives per all-gather or reduce-scatter of the whole model: one per wrapped block and one for the rest;
+    under FSDP1 with LoRA and flat parameters also one per adapter matrix (each LoRA A and B its own unit, as in
+    `exposed_collectives`); one per parameter tensor where the engine gathers tensor by tensor."""
+    if exposed.per_tensor:
+        return param_tensors(shape)
+    adapters = 0
+    if w.flat_params and w.trains_adapters:
+        adapters = 2 * (len(w.lora_targets) if w.lora_targets is not None else len(LORA_TARGETS))
+    return shape.layers * (1 + adapters) + 1
+
+
+def param_tensors(shape: ModelShape) -> int:
+    """Parameter tensors of the model: each linear weight and two norms per block, the embedding (and an untied
+    head), the final norm. Biases, where a model has them, are not counted."""
+    return shape.layers * (len(shape.linear_shapes()) + 2) + (1 if shape.tied else 2) + 1
+
+
 def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> StepTime:
     """Predicted time of one optimizer step of `strategy` and the job's tokens/s."""
     s = strategies.get(strategy)
     card = card_of(hw)
+    shape = planned_shape(shape, w)
     tokens = w.seq_len * w.micro_batch
     flops = step_flops_per_token(shape, w) * tokens
     # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own
@@ -308,15 +377,19 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         comm_step = max(0.0, ar - compute * (1 - fwd_share))  # overlapped with the last micro-batch's backward
     elif s.engine == "fsdp2":
         p16 = param_bytes_16(shape, w)
-        units = shape.layers + 1
         gathers = 2 if s.reshard_after_forward else 1
-        ag = _ring(n, p16, bus, card.latency_s, units)
+        exposed = exposed_collectives(w, s.reshard_after_forward)
+        calls = collective_calls(shape, w, exposed)
+        ag = _ring(n, p16, bus, card.latency_s, calls)
         comm_mb = gathers * ag
         pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
-        # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes.
-        micro = max(gpu_busy, comm_mb + pcie_mb)
-        rs = _ring(n, grads, bus, card.latency_s, units)
-        comm_step = max(0.0, rs - compute * (1 - fwd_share))
+        # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes; what the
+        # engine that ran `w` waits for in full (`exposed_collectives`) is added after.
+        hidden = (gathers - exposed.gathers) / gathers
+        gpu_side = compute + host if exposed.host else gpu_busy
+        micro = max(gpu_side, hidden * (comm_mb + pcie_mb)) + (1 - hidden) * (comm_mb + pcie_mb)
+        rs = _ring(n, grads, bus, card.latency_s, calls)
+        comm_step = rs if exposed.reduce_scatter else max(0.0, rs - compute * (1 - fwd_share))
         if s.offload:
             pcie_step = grads / n / card.pcie + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
             optim_gpu = 0.0

@@ -62,6 +62,34 @@ class Workload:
     # (a loop that writes `output = model(...)` and never deletes it, as Answer.AI's train.py); the HF Trainer
     # and torchtune drop it before backward.
     keeps_logits: bool = False
+    # FSDP1's no_sync() between optimizer steps (Lightning Fabric's `no_backward_sync` under its FSDPStrategy, as
+    # litgpt's finetune scripts use it; Answer.AI's train.py `--no_sync`): through the accumulating micro-batches
+    # each rank keeps the unsharded gradient of every flat parameter that holds a trainable weight, until the
+    # optimizer step's micro-batch reduce-scatters it (plan/estimate.py `no_sync_grad_bytes`). shardfit's FSDP2
+    # reduce-scatters every micro-batch.
+    fsdp1_no_sync: bool = False
+    # FSDP1 with use_orig_params=False: each flat parameter holds only trainable or only frozen weights. With
+    # use_orig_params=True (False here) one flat parameter holds a whole wrapped block, frozen weights included.
+    flat_params: bool = False
+    # FSDP1 with backward_prefetch=None: torch 1.12's default, which accelerate 0.7 passed on unless its plugin was
+    # told otherwise. The next unit's all-gather is then issued after the current unit's reduce-scatter, on the
+    # same NCCL stream, so a FULL_SHARD backward waits for both (plan/timing.py `exposed_collectives`).
+    fsdp1_no_backward_prefetch: bool = False
+    # DeepSpeed ZeRO-3 before v0.6.0: every submodule's parameters are all-gathered one tensor at a time and the
+    # host then calls torch.cuda.synchronize(), so compute, the host's launches and the collectives take turns
+    # (plan/timing.py `exposed_collectives`). shardfit's FSDP2 prefetches instead.
+    zero3_sync_fetch: bool = False
+    # The LM head as its own copy of the embedding even where the checkpoint ties them: litgpt's GPT has no tying
+    # at the commits its config-hub tables ran (scripts/convert_hf_checkpoint.py copies wte into lm_head).
+    untied_head: bool = False
+    # QLoRA's 4-bit block scales quantized again to 8 bits (the QLoRA paper's double quantization, shardfit's
+    # layout); False: bitsandbytes' plain `nf4`, one fp32 absmax per block of 64 weights.
+    double_quant: bool = True
+    # QLoRA through Lightning's BitsandbytesPrecision (litgpt's `--quantize bnb.*`): every nn.Linear, the LM head
+    # included, becomes a bitsandbytes Linear4bit quantized from an fp16 copy, so bitsandbytes dequantizes each
+    # weight to fp16 and MatMul4Bit casts it to the compute dtype for every matmul (plan/estimate.py
+    # `bnb_dequantize_bytes`). shardfit's QLoRA is torchao's NF4 with a 16-bit head.
+    bnb_precision: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
