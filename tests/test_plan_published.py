@@ -51,8 +51,8 @@ def test_published_cases_are_complete() -> None:
 
 
 def test_every_case_is_predicted_and_summarised() -> None:
-    """The script predicts every case (the planner says OOM where nothing ran) and summarises each part per
-    family."""
+    """The script predicts every case, gives each a verdict (OOM rows: whether the planner says it does not fit)
+    and summarises each part per family. How often it is right is the bench's measurement, not asserted here."""
     mod = load_bench()
     data = yaml.safe_load(mod.CASES.read_text())
     result = mod.evaluate(data)
@@ -60,7 +60,6 @@ def test_every_case_is_predicted_and_summarised() -> None:
     for row in result["cases"]:
         assert row["predicted_total_gib"] > 0 and isinstance(row["verdict_right"], bool)
         assert ("error" in row) == (row["kind"] != "oom")
-    assert all(row["verdict_right"] for row in result["cases"] if row["kind"] == "oom")
     for part in ("dev", "test"):
         summary = result["parts"][part]
         assert summary["verdicts"] == sum(f["verdicts"] for f in summary["families"].values())
