@@ -102,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
         check_launch_flags(args, args.nproc)  # bad flags fail in a blink, before torch loads
     # torch (and the probe that uses it) only from here: every other command starts without it
     from shardfit.doctor.probe import ProbeOptions, run_probe
-    from shardfit.parallel.env import under_launcher
-    from shardfit.parallel.launch import default_nproc, launch_env, torchrun_command
+    from shardfit.parallel.launch import default_nproc, launch_env, torchrun_command, under_launcher
 
     opts = ProbeOptions(**options)
     if under_launcher():

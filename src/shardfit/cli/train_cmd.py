@@ -81,10 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg is not None:
         require_method_support(cfg)
 
-    from shardfit.parallel.env import init_distributed, shutdown, under_launcher  # torch: only to train
-    from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command
-    from shardfit.parallel.sidechannel import SideChannel
-    from shardfit.parallel.watchdog import Watchdog
+    # Torch-free up to the launch: the process that only starts torchrun never imports it (a second saved).
+    from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command, under_launcher
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
     check_launch_flags(args, nproc)
@@ -100,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
                                args.master_port, args.rdzv_endpoint, args.max_restarts)
         print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
         return relaunch(cmd)
+
+    from shardfit.parallel.env import init_distributed, shutdown  # torch: only to train
+    from shardfit.parallel.sidechannel import SideChannel
+    from shardfit.parallel.watchdog import Watchdog
 
     env = init_distributed()
     if not env.is_main:

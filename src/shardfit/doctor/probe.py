@@ -24,7 +24,8 @@ from shardfit.doctor import bench, collect, peers
 from shardfit.doctor.facts import RankFacts
 from shardfit.doctor.report import Report
 from shardfit.doctor.rules import mapping_rules, rank_rules
-from shardfit.parallel.env import DistEnv, under_launcher
+from shardfit.parallel.env import DistEnv
+from shardfit.parallel.launch import under_launcher
 from shardfit.parallel.netif import gloo_interface_fix
 from shardfit.parallel.shared_dir import ranks_seeing
 

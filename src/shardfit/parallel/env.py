@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardfit.parallel.launch import gpu_rank_threads, under_launcher
 from shardfit.parallel.netif import gloo_interface_fix
 
 log = logging.getLogger("shardfit")
@@ -37,11 +38,6 @@ class DistEnv:
         return self.world > 1
 
 
-def under_launcher() -> bool:
-    """True when torchrun (or another launcher) started this process as one rank of a group."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def init_distributed(timeout_s: int = 1800) -> DistEnv:
     """Join the process group torchrun prepared: nccl on GPUs, gloo on CPU; a plain process gets world 1."""
     if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
@@ -53,6 +49,9 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        threads = gpu_rank_threads(cuda=True)
+        if threads is not None:
+            torch.set_num_threads(threads)
     else:
         device = torch.device("cpu")
         backend = "gloo"

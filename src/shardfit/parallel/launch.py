@@ -1,4 +1,8 @@
-"""Re-execute `shardfit train` under torchrun (torch.distributed.run): PyTorch's own launcher, never ours."""
+"""Re-execute `shardfit train` under torchrun (torch.distributed.run): PyTorch's own launcher, never ours.
+
+Torch-free unless the GPU count is needed: the process that only starts torchrun would otherwise spend a second
+importing torch before the ranks, which import it again, even begin.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,22 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-import torch
+# Set in the ranks' environment when the launcher chose OMP_NUM_THREADS=1 itself (the user set none), so a rank
+# that finds a GPU can raise it (gpu_rank_threads) without the launcher importing torch to look for one.
+OMP_DEFAULTED = "SHARDFIT_OMP_DEFAULTED"
+# CPU threads of a GPU rank, which mostly launches kernels and loads data.
+GPU_RANK_THREADS = 4
+
+
+def under_launcher() -> bool:
+    """True when torchrun (or another launcher) started this process as one rank of a group."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def default_nproc() -> int:
     """All visible GPUs; one process on a CPU-only machine unless asked."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
@@ -52,11 +67,19 @@ def _die_with_parent() -> None:
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment the ranks start with: this one, one OpenMP thread per CPU rank unless set, and `extra`."""
+    """The environment the ranks start with: this one, one OpenMP thread per rank unless set (a GPU rank raises it
+    to GPU_RANK_THREADS once it sees its GPU), and `extra`."""
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1" if not torch.cuda.is_available() else env.get("OMP_NUM_THREADS", "4"))
+    if "OMP_NUM_THREADS" not in env:
+        env.update({"OMP_NUM_THREADS": "1", OMP_DEFAULTED: "1"})
     env.update(extra or {})
     return env
+
+
+def gpu_rank_threads(cuda: bool) -> int | None:
+    """The intra-op thread count a rank should set now (None: leave it): GPU_RANK_THREADS on a GPU rank whose
+    OMP_NUM_THREADS=1 came from launch_env rather than from the user."""
+    return GPU_RANK_THREADS if cuda and os.environ.get(OMP_DEFAULTED) == "1" else None
 
 
 def relaunch(cmd: list[str], env: dict[str, str] | None = None) -> int:
