@@ -221,8 +221,10 @@ def test_zero3_full_finetune_chat_eval_report(tmp_path: Path, talkative: Path, s
     assert main(["eval", str(run), "--data", str(heldout), "--metric", "contains", "--max-new-tokens", "6",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    # Training evaluated 2 rows a batch on 2 sharded ranks; eval pads its own batches in one process: fp32
+    # kernels at other row widths round differently (2e-5 seen), which no batching choice of eval's can undo.
     assert result["models"]["tuned"]["loss"] == pytest.approx(json.loads((run / "summary.json").read_text())[
-        "eval_loss"], rel=1e-5)
+        "eval_loss"], rel=1e-4)
     assert result["models"]["base"]["loss"] > result["models"]["tuned"]["loss"]
 
     assert main(["report", str(run)]) == 0
