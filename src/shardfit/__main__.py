@@ -1,3 +1,3 @@
-from shardfit.cli.main import main
+from shardfit.cli.main import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

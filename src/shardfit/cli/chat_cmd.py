@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from shardfit.errors import UserError
+from shardfit.gc_policy import end_of_startup
 from shardfit.infer.prompts import read_requests, request_of
 
 EXAMPLE = """examples:
@@ -104,5 +105,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"chatting with {target.label} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})",
           file=sys.stderr)
+    end_of_startup()  # the model lives as long as the conversation
     chat_loop(loaded.model, loaded.tokenizer, sampling, system=args.system)
     return 0

@@ -28,6 +28,7 @@ from shardfit.cli import (
     ui_cmd,
 )
 from shardfit.errors import ShardfitError
+from shardfit.gc_policy import process_entry
 
 COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd,
             ui_cmd, doctor_cmd)
@@ -109,5 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def entry() -> int:
+    """The process entry point (`shardfit`, `python -m shardfit`): `main` under the process's collector policy."""
+    return process_entry(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

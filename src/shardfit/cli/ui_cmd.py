@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shardfit.gc_policy import end_of_startup
+
 EXAMPLE = "example: shardfit ui --runs runs/    then open http://127.0.0.1:7860"
 
 
@@ -22,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     server = make_server(Path(args.runs), args.host, args.port)
     host, port = server.server_address[:2]
     print(f"shardfit ui on http://{host}:{port} (runs from {args.runs}; Ctrl-C stops it)", flush=True)
+    end_of_startup()
     try:
         server.serve_forever()
     finally:

@@ -34,6 +34,7 @@ from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
 from shardfit.data.tokenize import Encoded
 from shardfit.errors import JobFailed, UserError
 from shardfit.evals.scorers import parse_metrics
+from shardfit.gc_policy import end_of_startup
 from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.adapters import skip_adapter_input_casts
@@ -169,6 +170,7 @@ class FineTune:
         self._write_run_files()
         barrier(env)
         self.startup.mark("setup")
+        end_of_startup()  # the model, the data and the imports live until the end: out of every later collection
 
     def _claim_run_dir(self) -> None:
         """One training per output_dir (a lock), resuming only its own checkpoints (run.json's fingerprint)."""
