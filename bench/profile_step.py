@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     total = sum(table.values())
     share = {k: round(100 * v / total, 1) for k, v in table.items()}
-    out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs while measured)",
+    out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "load_avg_1m_at_end": os.getloadavg()[0],
            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "attention": args.attention, "precision": args.precision, "steps": args.steps,
            "tokens_per_step": tokens / args.steps,
