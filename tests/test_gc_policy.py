@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -35,6 +36,19 @@ def test_end_of_startup_turns_the_collector_back_on_for_long_commands() -> None:
     end_of_startup()
     assert gc.isenabled()
     assert gc.get_freeze_count() > 0
+
+
+def test_end_of_startup_frees_the_cycles_start_up_left_before_freezing() -> None:
+    class Node:
+        pass
+
+    gc.disable()
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle, as a model load can leave one, unreachable once dropped
+    alive = weakref.ref(a)
+    del a, b
+    end_of_startup()
+    assert alive() is None
 
 
 def test_end_of_startup_leaves_an_in_process_caller_alone() -> None:
