@@ -29,6 +29,7 @@ from shardfit.cli import (
 )
 from shardfit.errors import ShardfitError
 from shardfit.gc_policy import process_entry
+from shardfit.parallel.allocator import reexec_with_allocator
 
 COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd,
             ui_cmd, doctor_cmd)
@@ -111,7 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> int:
-    """The process entry point (`shardfit`, `python -m shardfit`): `main` under the process's collector policy."""
+    """The process entry point (`shardfit`, `python -m shardfit`): `main` under the process's collector policy,
+    `train` first re-executed with a faster malloc where the system has one (parallel/allocator.py)."""
+    try:
+        reexec_with_allocator(sys.argv[1:], os.environ)
+    except ShardfitError as e:
+        print(f"shardfit: error: {e}", file=sys.stderr)
+        return e.exit_code
     return process_entry(main)
 
 

@@ -45,7 +45,8 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height
     one), SDPA runs its causal kernel, and the real tokens, which come before the padding, are unchanged."""
     width = max([len(r) for r in rows] + [width or 0])
     if multiple > 1:
-        rounded = -(-width // multiple) * multiple
+        step = max(multiple, (1 << (width.bit_length() - 1)) // 8)
+        rounded = -(-width // step) * step
         width = max(width, rounded if limit is None else min(rounded, limit))
     n_rows = max(len(rows), height or 0)
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)

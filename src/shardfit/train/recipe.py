@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from shardfit.models.anatomy import input_device, vision_body
 from shardfit.models.build import build_model, load_tokenizer, use_attention, weights_cached
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
-from shardfit.parallel import faults
+from shardfit.parallel import allocator, faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.defaults import resolve_speed_settings, row_width_multiple
@@ -313,7 +314,12 @@ class FineTune:
                   f"{'s' if world > 1 else ''}); {self.batches.steps_per_epoch} steps per epoch, "
                   f"{self.total_steps} steps"
                   + self._media_line()
-                  + (f"; {stats.describe()}" if stats.describe() else ""))
+                  + (f"; {stats.describe()}" if stats.describe() else "")
+                  + (f"; malloc: {allocator.active()}" if self.env.device.type == "cpu" else ""))
+            if self.env.device.type == "cpu" and allocator.active() == "system" and \
+                    os.environ.get(allocator.CHOICE_ENV, "auto") == "auto":
+                log.info("malloc: the C library's; with tcmalloc CPU training runs faster in less memory (%s; "
+                         "docs/training.md, Start-up)", allocator.INSTALL_HINT)
 
     def _media_line(self) -> str:
         """The start line's account of a multimodal run's media (empty for a text model)."""
@@ -436,7 +442,7 @@ class FineTune:
                    "tokens_per_s": round(self.fit_tokens / self.fit_s, 2) if self.fit_s > 0 else None,
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
-                   "strategy": self.strategy.name, "world_size": env.world,
+                   "strategy": self.strategy.name, "world_size": env.world, "allocator": allocator.active(),
                    "examples_per_step": self.batches.global_examples,
                    "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
