@@ -177,6 +177,16 @@ def test_collate_rounds_widths_to_a_multiple_within_the_limit() -> None:
     assert b.position_ids.tolist() == [list(range(8))] and b.n_real_tokens == 5
 
 
+def test_collate_coarsens_the_width_step_for_wide_rows() -> None:
+    def width(n: int) -> int:
+        row = PackedRow(list(range(n)), [IGNORE] * n, list(range(n)))
+        return collate([row], pad_id=0, multiple=16).input_ids.shape[1]
+
+    # An eighth of the row's power of two, never below `multiple`: at most 1/8 padding, few distinct shapes.
+    assert [width(n) for n in (5, 97, 130, 300, 513, 1000)] == [16, 112, 144, 320, 576, 1024]
+    assert len({width(n) for n in range(1, 1025)}) == 32  # steps of 16 everywhere: 64
+
+
 def test_collate_pads_rows_up_to_a_fixed_height() -> None:
     b = collate([PackedRow([5, 6], [6, IGNORE], [0, 1])], pad_id=0, width=4, height=3)
     assert b.input_ids.shape == (3, 4) and b.n_real_tokens == 2

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardfit.parallel.allocator import PRELOADED_ENV, choose, gpu_host
 from tests.helpers import read_jsonl, run_cli, write_config
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,9 @@ def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small
         assert b == pytest.approx(a, rel=1e-5)  # fp32 on both sides: only reduction order differs
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
+    # The launcher re-executed itself with this host's faster malloc, and the ranks inherited it.
+    expected = choose({k: v for k, v in os.environ.items() if k != PRELOADED_ENV}, gpu=gpu_host())
+    assert summary["allocator"] == (expected.name if expected else "system")
     # A sharded parameter counts once, not once per rank; the start line says how big a step is.
     single = json.loads((single_runs[method] / "summary.json").read_text())
     assert summary["trainable_params"] == single["trainable_params"]

@@ -38,7 +38,8 @@ def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height
             multiple: int = 1, limit: int | None = None) -> Batch:
     """Right-pad rows to the longest, or to `width`, and add empty rows up to `height` (compiled blocks want one
     static shape, while a packed micro-batch has a varying number of rows). `multiple` rounds the width up to a
-    multiple of itself, never past `limit` (nor below the longest row), so micro-batches come in few shapes.
+    multiple of itself, or of an eighth of the width's power of two when that is larger (at most 1/8 padding), never
+    past `limit` (nor below the longest row), so micro-batches come in few shapes.
 
     Padding carries no target and continues the positions of its row's last example, so a micro-batch whose rows
     each hold one example has no position restart: transformers then builds no block mask (packed rows still get

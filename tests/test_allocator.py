@@ -1,0 +1,91 @@
+"""The malloc a CPU training process runs with: discovery, the user's choice, the re-executed environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shardfit.errors import UserError
+from shardfit.parallel.allocator import (
+    CHOICE_ENV,
+    PRELOADED_ENV,
+    Allocator,
+    active,
+    choose,
+    command_of,
+    find,
+    library_dirs,
+    preload_environment,
+)
+from tests.helpers import run_cli
+
+
+def _libs(root: Path, *names: str) -> list[Path]:
+    """Two library folders, the names installed in the second (discovery only looks at files)."""
+    first, second = root / "env-lib", root / "usr-lib"
+    first.mkdir(parents=True), second.mkdir(parents=True)
+    for n in names:
+        (second / n).write_bytes(b"")
+    return [first, second]
+
+
+def test_auto_prefers_tcmalloc_then_jemalloc_then_the_c_library(tmp_path: Path) -> None:
+    both = _libs(tmp_path / "a", "libjemalloc.so.2", "libtcmalloc_minimal.so.4")
+    assert choose({}, both) == Allocator("tcmalloc", str(both[1] / "libtcmalloc_minimal.so.4"))
+    only_je = _libs(tmp_path / "b", "libjemalloc.so.2")
+    assert choose({CHOICE_ENV: "auto"}, only_je).name == "jemalloc"
+    assert choose({}, _libs(tmp_path / "c")) is None
+
+
+def test_gpu_hosts_the_users_preload_and_a_decided_process_keep_what_they_have(tmp_path: Path) -> None:
+    dirs = _libs(tmp_path, "libtcmalloc_minimal.so.4")
+    assert choose({}, dirs, gpu=True) is None
+    assert choose({"LD_PRELOAD": "/opt/libmimalloc.so"}, dirs) is None
+    assert choose({PRELOADED_ENV: "tcmalloc:/x"}, dirs) is None  # never a second re-exec
+    assert choose({CHOICE_ENV: "system"}, dirs) is None
+    assert choose({CHOICE_ENV: "tcmalloc"}, dirs, gpu=True).name == "tcmalloc"  # asked by name: even on a GPU host
+
+
+def test_a_named_allocator_that_is_missing_or_unknown_is_a_user_error(tmp_path: Path) -> None:
+    dirs = _libs(tmp_path, "libtcmalloc_minimal.so.4")
+    with pytest.raises(UserError, match=r"SHARDFIT_ALLOCATOR=jemalloc: no jemalloc library .*libjemalloc2"):
+        choose({CHOICE_ENV: "jemalloc"}, dirs)
+    with pytest.raises(UserError, match="not an allocator. Use auto, system, tcmalloc, jemalloc"):
+        choose({CHOICE_ENV: "tcmaloc"}, dirs)
+    with pytest.raises(UserError, match="no such file"):
+        choose({CHOICE_ENV: str(tmp_path / "libmimalloc.so")}, dirs)
+    (tmp_path / "libmimalloc.so").write_bytes(b"")
+    assert choose({CHOICE_ENV: str(tmp_path / "libmimalloc.so")}, dirs) == \
+        Allocator("libmimalloc.so", str(tmp_path / "libmimalloc.so"))
+
+
+def test_the_preloaded_environment_keeps_the_users_own() -> None:
+    a = Allocator("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4")
+    env = preload_environment({"LD_PRELOAD": "/opt/libfoo.so", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}, a)
+    assert env["LD_PRELOAD"] == f"{a.path}{os.pathsep}/opt/libfoo.so"
+    assert env[PRELOADED_ENV] == f"tcmalloc:{a.path}" and env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5"
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
+    assert preload_environment({}, a)["LD_PRELOAD"] == a.path
+
+
+def test_only_train_is_re_executed_and_the_run_reports_what_is_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert command_of(["--debug", "train", "c.yaml"]) == "train" and command_of(["plan", "c.yaml"]) == "plan"
+    monkeypatch.setenv(PRELOADED_ENV, "tcmalloc:/usr/lib/libtcmalloc_minimal.so.4")
+    assert active("7f00-7f01 r-xp 0 08:01 12 /usr/lib/libtcmalloc_minimal.so.4.5.10\n") == "tcmalloc"
+    assert active("7f00-7f01 r-xp 0 08:01 12 /usr/lib/libc.so.6\n") == "system"  # the preload failed to load
+    monkeypatch.delenv(PRELOADED_ENV)
+    assert active() == "system"
+
+
+def test_the_search_covers_the_environment_and_the_system() -> None:
+    dirs = [str(d) for d in library_dirs()]
+    assert dirs[0].endswith("/lib") and "/usr/lib" in dirs and "/usr/lib64" in dirs
+    assert find("tcmalloc", [Path("/nonexistent")]) is None
+
+
+def test_a_bad_choice_stops_train_before_anything_loads(tmp_path: Path) -> None:
+    r = run_cli("train", str(tmp_path / "missing.yaml"), env={CHOICE_ENV: "fastest"})
+    assert r.returncode == 2 and "SHARDFIT_ALLOCATOR=fastest: not an allocator" in r.stderr
+    assert "Traceback" not in r.stderr
