@@ -4,9 +4,9 @@ Every tensor on a CPU is a malloc. glibc's malloc keeps the pages of freed activ
 long-lived small objects leave, so a LoRA run's resident set grows for tens of steps past what it holds: SmolLM2-135M
 LoRA on this project's 2-core Xeon held 0.79 GiB of live heap at its forward peak and 1.3 GiB resident.
 Preloading tcmalloc (gperftools) bounds that and makes every allocation cheaper (bench/results/allocator.json):
-the same run peaked at 1.15 GiB and trained 1.14x faster, a full fine-tune 1.26x faster, two `zero3` ranks 0.93
-instead of 1.37 GiB each at 1.20x. PyTorch's own CPU launcher (`torch.backends.xeon.run_cpu`) and Intel's
-guides preload one for the same reasons.
+the same run peaked at 1.15 GiB and trained 1.15x faster, a long-tailed LoRA run 1.16x faster at 0.77x the peak,
+two `zero3` ranks 0.92 instead of 1.25 GiB each at 1.07x. PyTorch's own CPU launcher (`torch.backends.xeon.run_cpu`)
+preloads one for the same reasons.
 
 An allocator is chosen when the process starts, before the first malloc it would serve, so `shardfit train`
 re-executes itself with LD_PRELOAD once (0.1 s). Torch-free: this runs before anything heavy is imported.
