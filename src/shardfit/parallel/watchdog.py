@@ -255,7 +255,6 @@ class Watchdog:
         # A phase that ended while the ranks answered was slow, not stuck: the answers are snapshots of ranks that
         # kept moving, so they name no culprit, and aborting would kill a working run.
         moved = p is not None and self._phase is not p
-        self.events.append(summary)
         took = f"{p.name} has run {time.monotonic() - p.t0:.0f} s" if p else "a rank asked"
         limit = f"(over the watchdog's {self.threshold():.0f} s)"
         where = f"; stacks in {self.run_dir / 'watchdog' / f'event-{event}'}" if self.run_dir else ""
@@ -266,6 +265,7 @@ class Watchdog:
             (folder / "summary.json").write_text(json.dumps(
                 {"summary": summary.to_json(), "moved_on": moved,
                  "ranks": {r: s.to_json() if s else None for r, s in states.items()}}, indent=2))
+        self.events.append(summary)  # once its line is printed and its files written: what a reader may rely on
         if self.settings.action == "abort" and not moved:
             if self.side is not None:
                 self.side.report_failure(self.host, f"watchdog abort: {summary.headline}", kind="watchdog")
