@@ -18,6 +18,8 @@ from shardfit.data.tokenize import IGNORE
 from shardfit.errors import UserError
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.env import DistEnv
+from shardfit.parallel.parallelize import micro_batch_sync, parallelize
+from shardfit.strategy import get as strategy_of
 from shardfit.train.evaluate import evaluate
 
 
@@ -59,6 +61,59 @@ def uneven_work_rank(rank: int, world: int, port: int, n_rows: int, micro_batch:
             said = str(e)
         loss = evaluate(CollectiveLoss(), eval_rows(n_rows), micro_batch, 0, env, contextlib.nullcontext())
         Path(out, f"rank-{rank}.json").write_text(json.dumps({"loss": loss, "refused": said}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class TinyLM(nn.Module):
+    """A causal LM in the shape shardfit shards: a decoder with two blocks, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def get_decoder(self) -> nn.Module:
+        return self.decoder
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.decoder.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+class TinyLoss(nn.Module):
+    """A loss module holding its model as `.model`, as parallelize expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).float().pow(2).sum()
+
+
+def grad_sync_rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+    """One micro-batch that is not the optimizer step's, under `strategy` in bf16, on data that differs by rank;
+    write each trainable parameter's local gradient after its backward (None where the rank holds none)."""
+    env = _join(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        module = parallelize(TinyLoss(), strategy_of(strategy), device=env.device, world=world, precision="bf16")
+        with micro_batch_sync(module, False):
+            module(torch.full((3, 8), float(rank + 1))).backward()
+        grads = {}
+        for name, p in module.named_parameters():
+            g = p.grad
+            if g is not None and hasattr(g, "to_local"):
+                g = g.to_local()
+            grads[name] = None if g is None else g.float().flatten().tolist()
+        Path(out, f"rank-{rank}.json").write_text(json.dumps(grads))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -324,3 +324,21 @@ def test_deepspeed_zero3_sync_fetch_serialises_everything() -> None:
     assert old.comm_s > 2 * new.comm_s  # ~440 collectives per gather instead of 49
     assert timing.param_tensors(gpt2) == 48 * 9 + 2
     assert step_time(gpt2, sync, hw, "zero2").step_s == step_time(gpt2, w, hw, "zero2").step_s
+
+
+def test_sharded_strategies_reduce_scatter_every_micro_batch_unless_no_sync() -> None:
+    """FSDP2 (shardfit's zero2/zero3) reduce-scatters the gradients in every micro-batch's backward, so the
+    collectives of a step grow with grad_accum; FSDP1 under no_sync() reduce-scatters once per optimizer step."""
+    shape = resolve_shape("meta-llama/Llama-2-7b-hf")
+    w = Workload(method="full", precision="bf16", grad_ckpt="none", seq_len=512, micro_batch=1, grad_accum=4,
+                 attention="flash")
+    hw = parse_gpus("8x4090")
+    card = card_of(hw)
+    gather = shape.params() * 2 * 7 / 8 / card.link
+    scatter = trainable_params(shape, w) * 4 * 7 / 8 / card.link
+    every = step_time(shape, w, hw, "zero3")
+    once = step_time(shape, dataclasses.replace(w, fsdp1_no_sync=True), hw, "zero3")
+    assert every.comm_s == pytest.approx(4 * (2 * gather + scatter), rel=0.02)
+    assert once.comm_s == pytest.approx(4 * 2 * gather + scatter, rel=0.02)
+    assert every.bound == "comm" and every.step_s > once.step_s
+    assert step_time(shape, w, hw, "zero2").comm_s == pytest.approx(4 * (gather + scatter), rel=0.02)

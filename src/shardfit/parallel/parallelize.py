@@ -94,10 +94,13 @@ def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: 
     raise ValueError(f"strategy {s.name}: engine {s.engine} has no branch in parallelize")
 
 
-def set_grad_sync(model: nn.Module, enabled: bool) -> Any:
-    """A context (DDP) or a flag (FSDP2) that skips gradient communication on non-final micro-batches."""
-    if hasattr(model, "no_sync"):
-        return contextlib.nullcontext() if enabled else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
+def micro_batch_sync(model: nn.Module, enabled: bool) -> Any:
+    """The context for one micro-batch's forward and backward: under DDP, `no_sync()` on all but the optimizer
+    step's micro-batch (its gradients are whole on every rank either way, so skipping the all-reduce costs no
+    memory). FSDP2 reduce-scatters every micro-batch: told not to, each parameter would keep its unsharded gradient
+    in the reduce dtype (fp32) on every rank until the optimizer step (FSDPParam.to_accumulated_grad_if_needed), a
+    full fine-tune's whole fp32 gradient per rank, which is what zero3 exists to avoid and what the plan does not
+    count. torchtitan makes the same choice (pytorch/torchtitan#292, #1710)."""
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        return model.no_sync()
     return contextlib.nullcontext()

@@ -19,13 +19,15 @@ Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add
 Communication per micro-batch or step (ring collectives: all-reduce moves 2(n-1)/n of the buffer per GPU,
 all-gather and reduce-scatter (n-1)/n; NCCL's bus bandwidth): DDP all-reduces the trainable gradients once per
 optimizer step, overlapped with backward; FSDP2 all-gathers the 16-bit parameters once per micro-batch
-(`zero2`: kept for backward) or twice (`zero3`: again in backward), reduce-scatters fp32 gradients once per step,
-and prefetches, so compute and communication overlap; offload copies each shard host-to-device before each
-all-gather and the gradient shard back, over PCIe, and runs AdamW on the CPU. `model_parallel` runs its stages one
-after another: one GPU computes at a time. Across nodes the ring runs at the slower of NVLink/PCIe and the node's
-network bandwidth (one ring per NIC). A published run of an engine that waits for some of its collectives (FSDP1 with
-LoRA in flat parameters, FSDP1 without backward prefetch, DeepSpeed ZeRO-3 before v0.6.0) has those added after
-its compute instead: `exposed_collectives`, with the engines' code cited there.
+(`zero2`: kept for backward) or twice (`zero3`: again in backward), reduce-scatters fp32 gradients every
+micro-batch (FSDP2's default and shardfit's: each rank keeps only its gradient shard; once per step under FSDP1's
+no_sync(), `fsdp1_no_sync`), and prefetches, so compute and communication overlap; offload copies each shard
+host-to-device before each all-gather and the gradient shard back, over PCIe, and runs AdamW on the CPU.
+`model_parallel` runs its stages one after another: one GPU computes at a time. Across nodes the ring runs at
+the slower of NVLink/PCIe and the node's network bandwidth (one ring per NIC). A published run of an engine that
+waits for some of its collectives (FSDP1 with LoRA in flat parameters, FSDP1 without backward prefetch, DeepSpeed
+ZeRO-3 before v0.6.0) has those added after its compute instead: `exposed_collectives`, with the engines' code
+cited there.
 
 Host dispatch (the fixed cost of a micro-batch): eager PyTorch launches every op from the host, one at a time,
 while the GPU runs what was launched before, so a micro-batch cannot finish sooner than the host takes to launch
@@ -383,15 +385,26 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         ag = _ring(n, p16, bus, card.latency_s, calls)
         comm_mb = gathers * ag
         pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
+        # The gradients' reduce-scatter: every micro-batch (FSDP2 and FSDP1 by default, shardfit's own runs), so
+        # that each rank only ever holds its shard (offload: copied to the host each time); once per optimizer
+        # step under FSDP1's no_sync().
+        rs = _ring(n, grads, bus, card.latency_s, calls)
+        rs_mb = 0.0 if w.fsdp1_no_sync else rs
+        grads_d2h = grads / n / card.pcie if s.offload else 0.0
+        if rs_mb:
+            pcie_mb += grads_d2h
         # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes; what the
         # engine that ran `w` waits for in full (`exposed_collectives`) is added after.
         hidden = (gathers - exposed.gathers) / gathers
         gpu_side = compute + host if exposed.host else gpu_busy
-        micro = max(gpu_side, hidden * (comm_mb + pcie_mb)) + (1 - hidden) * (comm_mb + pcie_mb)
-        rs = _ring(n, grads, bus, card.latency_s, calls)
-        comm_step = rs if exposed.reduce_scatter else max(0.0, rs - compute * (1 - fwd_share))
+        rs_exposed = rs_mb if exposed.reduce_scatter else 0.0
+        overlapped = hidden * (comm_mb + pcie_mb) + rs_mb - rs_exposed
+        micro = max(gpu_side, overlapped) + (1 - hidden) * (comm_mb + pcie_mb) + rs_exposed
+        comm_mb += rs_mb
+        if w.fsdp1_no_sync:
+            comm_step = rs if exposed.reduce_scatter else max(0.0, rs - compute * (1 - fwd_share))
         if s.offload:
-            pcie_step = grads / n / card.pcie + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
+            pcie_step = (0.0 if rs_mb else grads_d2h) + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
             optim_gpu = 0.0
         else:
             optim_gpu /= n

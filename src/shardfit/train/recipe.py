@@ -48,7 +48,7 @@ from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.defaults import resolve_speed_settings, row_width_multiple
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
-from shardfit.parallel.parallelize import parallelize, set_grad_sync
+from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom
 from shardfit.plan.hardware import job_hardware
@@ -391,7 +391,7 @@ class FineTune:
             batch = collate(micro, self.pad_id, self.width, self.height, self.multiple,
                             self.cfg.max_seq_len).to(self.in_device)
             wd.at("forward")
-            with set_grad_sync(self.loss_module, last), self.amp:
+            with micro_batch_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
             wd.at("backward")
             (loss_sum * scale).backward()
