@@ -44,19 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _with_env(extra: dict[str, str], fn, *args):  # noqa: ANN001, ANN202 - a thin wrapper over compare's runners
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        return fn(*args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     compare.THREADS["n"] = args.threads
@@ -75,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.runs):
             for alloc in available:
                 out = work / f"{name}-r{i}-{alloc}"
-                rec = _with_env({CHOICE_ENV: alloc}, compare.run_shardfit, w, user_config(w, paths, str(out)),
-                                work / f"{out.name}-cfg", n)
+                rec = compare.run_shardfit(w, user_config(w, paths, str(out)), work / f"{out.name}-cfg", n,
+                                           env={CHOICE_ENV: alloc})
                 runs.append(dict(rec, allocator=alloc, round=i))
                 print(f"{name} round {i + 1}: shardfit {alloc}: {rec['tokens_per_s']:.0f} tok/s whole process, "
                       f"peak {rec['peak_mem_gib']:.3f} GiB", flush=True)
@@ -84,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                 peer = w.peers[0]
                 for alloc, env in (("system", {}), ("tcmalloc", {"LD_PRELOAD": tcmalloc.path})):
                     out = work / f"{name}-r{i}-{peer}-{alloc}"
-                    rec = _with_env(env, compare.run_peer, w, peer, "same_config", user_config(w, paths, str(out)),
-                                    work / f"{out.name}-cfg", w.micro_batch)
+                    rec = compare.run_peer(w, peer, "same_config", user_config(w, paths, str(out)),
+                                           work / f"{out.name}-cfg", w.micro_batch, env=env)
                     runs.append(dict(rec, allocator=alloc, round=i))
                     print(f"{name} round {i + 1}: {peer} {alloc}: {rec['tokens_per_s']:.0f} tok/s whole process, "
                           f"peak {rec['peak_mem_gib']:.3f} GiB", flush=True)

@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 THREADS = {"n": os.cpu_count() or 1}  # set from --threads by main()
 
 
-def _env(nproc: int, deepspeed: bool = False) -> dict[str, str]:
+def _env(nproc: int, deepspeed: bool = False, extra: dict[str, str] | None = None) -> dict[str, str]:
     src = str(ROOT / "src")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -95,6 +95,7 @@ def _env(nproc: int, deepspeed: bool = False) -> dict[str, str]:
                OMP_NUM_THREADS=str(THREADS["n"] if nproc == 1 else 1))
     if deepspeed:
         env["DS_ACCELERATOR"] = "cpu"
+    env.update(extra or {})
     return env
 
 
@@ -103,13 +104,14 @@ def _failed(what: str, m: Measured) -> SystemExit:
     return SystemExit(f"bench run failed ({what}, exit {m.returncode}); its output is above")
 
 
-def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int) -> dict:
-    """shardfit as a user runs it: the config file and the CLI (torchrun through `--nproc` for several ranks)."""
+def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int, env: dict[str, str] | None = None) -> dict:
+    """shardfit as a user runs it: the config file and the CLI (torchrun through `--nproc` for several ranks);
+    `env`: variables set for this run only."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.json"
     path.write_text(json.dumps(cfg))  # JSON is YAML: the config loader reads it as the user's file
     cmd = [sys.executable, "-m", "shardfit", "train", str(path)] + (["--nproc", str(w.nproc)] if w.nproc > 1 else [])
-    m = run_measured(cmd, _env(w.nproc))
+    m = run_measured(cmd, _env(w.nproc, extra=env))
     if m.returncode != 0:
         raise _failed(f"shardfit {w.name}", m)
     out = Path(cfg["output_dir"])
@@ -123,8 +125,9 @@ def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int) -> dict
                           "attn_implementation": resolved["attn_implementation"]})
 
 
-def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch: int) -> dict:
-    """One peer in its own process (under torchrun for several ranks)."""
+def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch: int,
+             env: dict[str, str] | None = None) -> dict:
+    """One peer in its own process (under torchrun for several ranks); `env`: variables set for this run only."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path, result = run_dir / "config.json", run_dir / "result.json"
     path.write_text(json.dumps(cfg))
@@ -134,7 +137,7 @@ def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={w.nproc}", "--standalone", *script]
     else:
         cmd = [sys.executable, *script]
-    m = run_measured(cmd, _env(w.nproc, deepspeed=peer.startswith("deepspeed")))
+    m = run_measured(cmd, _env(w.nproc, deepspeed=peer.startswith("deepspeed"), extra=env))
     if m.returncode != 0:  # a peer that cannot run the config (killed for memory, say) is a result, not a bench bug
         why = "killed (out of memory?)" if m.returncode in (-9, 137) else f"exit {m.returncode}"
         sys.stderr.write(m.output_tail[-1500:])

@@ -187,3 +187,12 @@ def test_a_childs_peak_is_its_own_not_its_parents() -> None:
     assert 0.05 < own < 0.6 and 0.05 < m.peak_rss_gib < 0.6, (own, m.peak_rss_gib)
     assert abs(m.peak_rss_gib - own) < 0.1
     del ballast
+
+
+def test_a_runs_environment_is_its_own() -> None:
+    """Variables given to one run (the allocator bench's SHARDFIT_ALLOCATOR or LD_PRELOAD) reach that run's
+    environment and leave the bench process's own untouched."""
+    assert "SHARDFIT_BENCH_PROBE" not in os.environ
+    env = compare._env(1, extra={"SHARDFIT_BENCH_PROBE": "tcmalloc"})
+    assert env["SHARDFIT_BENCH_PROBE"] == "tcmalloc" and env["HF_HUB_OFFLINE"] == "1"
+    assert "SHARDFIT_BENCH_PROBE" not in os.environ and "SHARDFIT_BENCH_PROBE" not in compare._env(1)

@@ -136,6 +136,8 @@ class FineTune:
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
         self.wd = watchdog or Watchdog(env, None)
         self.fault = faults.from_env()
+        # The malloc this process runs on, fixed at its start (LD_PRELOAD): read from /proc once.
+        self.malloc = allocator.active()
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -315,8 +317,9 @@ class FineTune:
                   f"{self.total_steps} steps"
                   + self._media_line()
                   + (f"; {stats.describe()}" if stats.describe() else "")
-                  + (f"; malloc: {allocator.active()}" if self.env.device.type == "cpu" else ""))
-            if self.env.device.type == "cpu" and allocator.active() == "system" and \
+                  + (f"; malloc: {self.malloc}" if self.env.device.type == "cpu" else ""))
+            # `auto` keeps the C library's malloc on a GPU host by design: installing tcmalloc would change nothing.
+            if self.env.device.type == "cpu" and self.malloc == "system" and not allocator.gpu_host() and \
                     os.environ.get(allocator.CHOICE_ENV, "auto") == "auto":
                 log.info("malloc: the C library's; with tcmalloc CPU training runs faster in less memory (%s; "
                          "docs/training.md, Start-up)", allocator.INSTALL_HINT)
@@ -442,7 +445,7 @@ class FineTune:
                    "tokens_per_s": round(self.fit_tokens / self.fit_s, 2) if self.fit_s > 0 else None,
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
-                   "strategy": self.strategy.name, "world_size": env.world, "allocator": allocator.active(),
+                   "strategy": self.strategy.name, "world_size": env.world, "allocator": self.malloc,
                    "examples_per_step": self.batches.global_examples,
                    "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
