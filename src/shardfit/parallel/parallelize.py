@@ -94,13 +94,13 @@ def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: 
     raise ValueError(f"strategy {s.name}: engine {s.engine} has no branch in parallelize")
 
 
-def micro_batch_sync(model: nn.Module, enabled: bool) -> Any:
-    """The context for one micro-batch's forward and backward: under DDP, `no_sync()` on all but the optimizer
-    step's micro-batch (its gradients are whole on every rank either way, so skipping the all-reduce costs no
-    memory). FSDP2 reduce-scatters every micro-batch: told not to, each parameter would keep its unsharded gradient
-    in the reduce dtype (fp32) on every rank until the optimizer step (FSDPParam.to_accumulated_grad_if_needed), a
-    full fine-tune's whole fp32 gradient per rank, which is what zero3 exists to avoid and what the plan does not
-    count. torchtitan makes the same choice (pytorch/torchtitan#292, #1710)."""
-    if isinstance(model, DistributedDataParallel) and not enabled:
+def micro_batch_sync(model: nn.Module, last: bool) -> Any:
+    """The context for one micro-batch's forward and backward (`last`: the optimizer step's own). DDP: `no_sync()`
+    on every other micro-batch (its gradients are whole on every rank either way, so skipping the all-reduce costs
+    no memory). FSDP2 reduce-scatters every micro-batch: told not to, each parameter would keep its unsharded
+    gradient in the reduce dtype (fp32) on every rank until the optimizer step (FSDPParam
+    .to_accumulated_grad_if_needed), a full fine-tune's whole fp32 gradient per rank, which is what zero3 exists to
+    avoid and what the plan does not count. torchtitan makes the same choice (pytorch/torchtitan#292, #1710)."""
+    if isinstance(model, DistributedDataParallel) and not last:
         return model.no_sync()
     return contextlib.nullcontext()
