@@ -388,10 +388,11 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         # The gradients' reduce-scatter: every micro-batch (FSDP2 and FSDP1 by default, shardfit's own runs), so
         # that each rank only ever holds its shard (offload: copied to the host each time); once per optimizer
         # step under FSDP1's no_sync().
+        per_micro_batch = not w.fsdp1_no_sync
         rs = _ring(n, grads, bus, card.latency_s, calls)
-        rs_mb = 0.0 if w.fsdp1_no_sync else rs
+        rs_mb = rs if per_micro_batch else 0.0
         grads_d2h = grads / n / card.pcie if s.offload else 0.0
-        if rs_mb:
+        if per_micro_batch:
             pcie_mb += grads_d2h
         # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes; what the
         # engine that ran `w` waits for in full (`exposed_collectives`) is added after.
@@ -401,10 +402,10 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         overlapped = hidden * (comm_mb + pcie_mb) + rs_mb - rs_exposed
         micro = max(gpu_side, overlapped) + (1 - hidden) * (comm_mb + pcie_mb) + rs_exposed
         comm_mb += rs_mb
-        if w.fsdp1_no_sync:
+        if not per_micro_batch:
             comm_step = rs if exposed.reduce_scatter else max(0.0, rs - compute * (1 - fwd_share))
         if s.offload:
-            pcie_step = (0.0 if rs_mb else grads_d2h) + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
+            pcie_step = (0.0 if per_micro_batch else grads_d2h) + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
             optim_gpu = 0.0
         else:
             optim_gpu /= n
