@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import wave
@@ -47,6 +48,13 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", tie: bo
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a test's rendezvous or store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_config(path: Path, **keys) -> Path:

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardfit.parallel.allocator import PRELOADED_ENV, choose, gpu_host
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import free_port, read_jsonl, run_cli, write_config
 
 pytestmark = pytest.mark.slow
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -185,15 +184,10 @@ def test_killed_rank_restarts_and_ends_equal_to_clean_run(tmp_path: Path, tiny_l
     assert steps == list(range(1, 13))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _two_nodes(cfgs: list[Path], rendezvous: str, cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents on this machine, one rank each, as two nodes would run them."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for node, cfg in enumerate(cfgs):
         link = (["--rdzv-endpoint", f"127.0.0.1:{port}"] if rendezvous == "c10d" else

@@ -20,7 +20,7 @@ from shardfit.doctor.peers import GroupRecord, alone_findings, others, write
 from shardfit.doctor.report import Report, Timing, format_text
 from shardfit.doctor.rules import GIB, MIB, rank_rules
 from shardfit.parallel.ranks import span
-from tests.helpers import ROOT, run_cli, write_config
+from tests.helpers import ROOT, free_port, run_cli, write_config
 
 VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "driver": "570.1",
             "shardfit": "0.1.0", "transformers": "5.23.0", "peft": "0.21.2"}
@@ -238,9 +238,7 @@ def _env_from(cwd: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_doctor_two_nodes_without_shared_output_dir(tmp_path: Path) -> None:
     """Two torchrun nodes on this host whose relative output_dir lands in different folders (as on local disks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 from tests.netns import TwoHosts
 
 UNAVAILABLE = TwoHosts.unavailable()
@@ -31,11 +30,6 @@ def _env() -> dict[str, str]:
     path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _both(hosts: TwoHosts, args: list[list[str]], timeout: float = 240) -> list[tuple[int, str, str, float]]:
@@ -55,7 +49,7 @@ def _both(hosts: TwoHosts, args: list[list[str]], timeout: float = 240) -> list[
 
 
 def test_two_hosts_healthy(hosts: TwoHosts, tmp_path: Path) -> None:
-    port = str(_port())
+    port = str(free_port())
     common = ["--nnodes", "2", "--master-addr", hosts.addrs[0], "--master-port", port, "--output-dir", str(tmp_path),
               "--sizes", "64KiB", "--iters", "2", "--timeout", "30", "--peer-wait", "0", "--json"]
     results = _both(hosts, [["--nproc", "2", "--node-rank", "0", *common],
@@ -79,7 +73,7 @@ def test_two_hosts_healthy(hosts: TwoHosts, tmp_path: Path) -> None:
 
 
 def test_loopback_master_addr_on_two_hosts(hosts: TwoHosts) -> None:
-    port = str(_port())
+    port = str(free_port())
     common = ["--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--timeout", "5"]
     results = _both(hosts, [["--node-rank", "0", *common, "--json"], ["--node-rank", "1", *common, "--json"]])
     for code, out, err, took in results:

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
 from tests import dist_workers
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def _grads(tmp_path: Path, strategy: str) -> list[dict]:
-    mp.start_processes(dist_workers.grad_sync_rank, args=(2, _port(), strategy, str(tmp_path)), nprocs=2,
+    mp.start_processes(dist_workers.grad_sync_rank, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2,
                        start_method="spawn", join=True)
     return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
 

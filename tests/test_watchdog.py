@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -33,13 +32,7 @@ from shardfit.parallel.stacks import where_is
 from shardfit.parallel.watchdog import PeerFailure, Watchdog, WatchdogSettings
 from shardfit.train.evaluate import evaluate
 from tests import dist_workers
-from tests.helpers import ROOT, write_config
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import ROOT, free_port, write_config
 
 
 def _until(pred, timeout: float = 20.0) -> bool:
@@ -152,7 +145,7 @@ class _Rank(Watchdog):
 
 @pytest.fixture
 def two_ranks(tmp_path: Path):
-    store = dist.TCPStore("127.0.0.1", _port(), is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))
     ranks = []
     for r in range(2):
@@ -269,7 +262,7 @@ def test_uneven_work_on_three_gloo_ranks(tmp_path: Path) -> None:
     one uncounted) and gets the single-process loss. Ranks whose data differ refuse to start, all of them."""
     want = evaluate(dist_workers.CollectiveLoss(), dist_workers.eval_rows(7), 2, 0,
                     DistEnv(0, 1, 0, torch.device("cpu"), None), contextlib.nullcontext())
-    mp.start_processes(dist_workers.uneven_work_rank, args=(3, _port(), 7, 2, str(tmp_path)), nprocs=3,
+    mp.start_processes(dist_workers.uneven_work_rank, args=(3, free_port(), 7, 2, str(tmp_path)), nprocs=3,
                        start_method="spawn", join=True)
     for r in range(3):
         got = json.loads((tmp_path / f"rank-{r}.json").read_text())
@@ -293,7 +286,7 @@ def test_two_nodes_stalled_then_failing_rank(tmp_path: Path, tiny_llama: Path, s
                        precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=100,
                        eval_steps=100, max_steps=6, strategy="ddp", warmup_ratio=0.0, lora={"rank": 4, "alpha": 8},
                        watchdog_factor=4, watchdog_min_s=4, output_dir=str(tmp_path / "run"))
-    port = str(_port())
+    port = str(free_port())
     fault = "stall:rank=1:step=3:seconds=14,raise:rank=1:step=5"
     procs = []
     for node in (0, 1):
