@@ -44,14 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers import PEERS, rows_per_step  # noqa: E402 - bench/ is not a package; its path is set above
 from proc import Measured, run_measured  # noqa: E402
-from workloads import ROOT, WORKLOADS, Workload, prepare, tokenized, user_config  # noqa: E402
+from workloads import ROOT, WORKLOADS, Workload, overrides, prepare, tokenized, user_config  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 MODES = ("same_config", "equal_examples", "same_precision")
 # Medians kept per side; the ratios are shardfit's over the peer's, per round, then the median.
 METRICS = ("tokens_per_s", "train_tokens_per_s", "wall_s", "train_s", "peak_mem_gib", "eval_loss", "steps",
-           "examples_per_step")
+           "examples_per_step", "mfu")
 # The issue's targets, at the same user config (whole-process tokens/s): peer -> ratio -> (comparison, bound).
 TARGETS = {"hf_trainer": {"speedup": (">=", 2.0), "memory_ratio": ("<=", 0.6), "eval_loss_ratio": ("<=", 1.02)},
            "trl_sft": {"speedup": (">=", 1.3), "memory_ratio": ("<=", 0.8)},
@@ -122,7 +122,8 @@ def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int, env: di
                    steps=summary["steps"], examples=n_examples * w.epochs, rank_peaks=ranks,
                    batch=w.micro_batch, saved=out / ("adapter" if w.method == "lora" else "model"),
                    extra={"strategy": summary.get("strategy"), "precision": resolved["precision"],
-                          "attn_implementation": resolved["attn_implementation"]})
+                          "attn_implementation": resolved["attn_implementation"], "compile": resolved["compile"],
+                          "predicted_tokens_per_s": summary.get("predicted_tokens_per_s")})
 
 
 def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch: int,
@@ -153,7 +154,7 @@ def run_peer(w: Workload, peer: str, mode: str, cfg: dict, run_dir: Path, batch:
              if k.startswith("trl_") or k in ("packed_rows", "trainer_world", "distributed_type", "precision")}
     extra["asked_precision"] = cfg.get("precision")
     return _record(peer, mode, m, tokens=r0["tokens"], train_s=max(r["train_s"] for r in ranks), steps=r0["steps"],
-                   examples=r0["examples"] * w.epochs, rank_peaks=[r["peak_rss_gib"] for r in ranks], batch=batch,
+                   examples=r0["examples"] * w.epochs, rank_peaks=[r["peak_mem_gib"] for r in ranks], batch=batch,
                    saved=Path(cfg["output_dir"]) / ("adapter" if w.method == "lora" else "model"), extra=extra)
 
 
@@ -245,7 +246,52 @@ def bench_workload(w: Workload, args: argparse.Namespace, work: Path) -> dict:
         for r in rnd:
             r["round"] = i
         runs += rnd
+    peak = gpu_peak_flops()
+    if peak is not None:
+        per_token = model_flops_per_token(base)
+        for r in runs:
+            if "train_tokens_per_s" in r:
+                r["mfu"] = r["train_tokens_per_s"] * per_token / peak
     return summarise(w, runs, args.runs)
+
+
+def gpu_peak_flops() -> float | None:
+    """The local GPU's dense bf16 peak in FLOP/s (the planner's card table), or None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from shardfit.plan.cards import card_of
+    from shardfit.plan.hardware import detect
+
+    return card_of(detect()).bf16_flops
+
+
+def model_flops_per_token(cfg: dict) -> float:
+    """FLOPs per trained token of the workload `cfg` (the planner's count: forward and backward, no weight
+    gradients for LoRA's frozen base, no recomputation, attention over max_seq_len): the same for every tool, so
+    MFU ratios are tokens/s ratios. Rows shorter than max_seq_len do less attention than counted."""
+    import dataclasses
+
+    from shardfit.config import load_config
+    from shardfit.plan.shapes import resolve_shape
+    from shardfit.plan.timing import step_flops_per_token
+    from shardfit.plan.workload import workload_of
+
+    config = load_config(None, overrides({k: v for k, v in cfg.items() if v is not None}))
+    w = dataclasses.replace(workload_of(config), grad_ckpt="none")
+    return step_flops_per_token(resolve_shape(config.model), w)
+
+
+def machine_name() -> str:
+    """This machine in words: its GPU where it has one (the runs train there), its CPU cores and memory."""
+    import torch
+
+    host = (f"{os.cpu_count()}-core CPU ({platform.machine()}), "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
+    if torch.cuda.is_available():
+        return f"1x {torch.cuda.get_device_name(0)} (torch {torch.__version__}), {host}"
+    return host
 
 
 def _say(w: Workload, i: int, r: dict) -> None:
@@ -324,8 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report: dict[str, Any] = {
-        "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), "
-                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+        "machine": machine_name(),
         "date": time.strftime("%Y-%m-%d"), "command": "python bench/compare.py " + " ".join(sys.argv[1:]),
         "omp_threads": args.threads, "load_avg_1m_at_start": os.getloadavg()[0], "workloads": []}
     out = Path(args.out)
@@ -355,6 +400,11 @@ def target_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _mfu(side: dict) -> str:
+    """A side's training MFU as the tables print it (GPU runs only)."""
+    return f" (training MFU {side['mfu']:.1%})" if side.get("mfu") is not None else ""
+
+
 def markdown(report: dict) -> str:
     """One table per workload: every peer and mode against shardfit (ratios are shardfit / peer)."""
     lines = [f"Measured on {report['machine']}, {report['date']} (median of interleaved rounds; ratios are "
@@ -364,7 +414,7 @@ def markdown(report: dict) -> str:
             continue
         s = e["shardfit"]
         lines += [f"**{e['name']}** ({e['runs']} round(s); shardfit {s.get('precision', 'fp32')} "
-                  f"{s['tokens_per_s']:.0f} tok/s whole, "
+                  f"{s['tokens_per_s']:.0f} tok/s whole{_mfu(s)}, "
                   f"{s['steps']:.0f} steps, {s['examples_per_step']:.1f} examples/step, peak "
                   f"{s['peak_mem_gib']:.2f} GiB, eval loss {s['eval_loss']:.4f}; load "
                   f"{min(e['load_avg_1m']):.1f}-{max(e['load_avg_1m']):.1f})", "",
@@ -378,7 +428,7 @@ def markdown(report: dict) -> str:
                     continue
                 named = f"{mode} (the {v['same_run_as']} run)" if "same_run_as" in v else mode
                 named += f", {v['precision']}" if v.get("precision") else ""
-                lines.append(f"| {peer} | {named} | {v['steps']:.0f} | {v['tokens_per_s']:.0f} | "
+                lines.append(f"| {peer} | {named} | {v['steps']:.0f} | {v['tokens_per_s']:.0f}{_mfu(v)} | "
                              f"{v['speedup']:.2f}x | {v['train_speedup']:.2f}x | {v['memory_ratio']:.2f} | "
                              f"{v['eval_loss']:.4f} | {v['eval_loss_ratio']:.3f} |")
         lines.append("")

@@ -1,5 +1,6 @@
 """What `compile: auto` and `attn_implementation: auto` should choose on this machine: SmolLM2-135M LoRA training
-steps (the demo's LoRA, fp32 or bf16) timed eager vs compiled blocks and SDPA vs eager attention, at a few row lengths.
+steps (the demo's LoRA, fp32 or bf16) timed eager vs compiled blocks and SDPA vs eager attention, at a few row lengths,
+on the GPU where there is one, else on the CPU.
 
     python bench/defaults_probe.py                       # writes bench/results/defaults_probe.json
     python bench/defaults_probe.py --lengths 128 256 --reps 2
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: frozen weights in bf16 and autocast, as `train` runs precision bf16")
     ap.add_argument("--out", type=Path, default=RESULTS / "defaults_probe.json")
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                    help="a model id or folder (bench/gpu.py makes one where the bundled GGUF cannot go)")
     args = ap.parse_args(argv)
     # An empty kernel cache, so the first compiled step shows what a user's first run pays.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="probe-inductor-"))
@@ -70,13 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     # Every (shape, attention) pair is its own graph: more than dynamo's default number of recompiles per block.
     torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(0)
-    cfg = Config(model="HuggingFaceTB/SmolLM2-135M-Instruct", method="lora", precision=args.precision,
-                 lora=LoraSettings(rank=16, alpha=32))
-    model = build_model(cfg, "single", weights=True)
+    # On a GPU where there is one (the rule is per device type), else on this CPU.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = Config(model=args.model, method="lora", precision=args.precision, lora=LoraSettings(rank=16, alpha=32))
+    model = build_model(cfg, "single", weights=True).to(device)
     module = CausalLMLoss(model)
     amp = contextlib.nullcontext()
     if args.precision == "bf16":  # as the recipe runs it: autocast, and no adapter input casts inside it
-        amp = torch.autocast("cpu", dtype=torch.bfloat16)
+        amp = torch.autocast(device.type, dtype=torch.bfloat16)
         skip_adapter_input_casts(model)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = build_optimizer(params, 1e-4, 0.0)
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         (loss / max(n, 1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":  # the GPU's work, not only its dispatch
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     load = round(os.getloadavg()[0], 2)
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for length in args.lengths:
         for packed in (True, False):
-            batch = _batch(length, args.rows, packed, vocab)
+            batch = [t.to(device) for t in _batch(length, args.rows, packed, vocab)]
             first: dict[str, float] = {}
             times: dict[str, list[float]] = {}
             for compiled, attention in variants:  # warm-up (and compile) once per variant and shape
@@ -128,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: row[k] for k in ("length", "packed", "median_s", "speed_vs_eager_sdpa",
                                                   "first_step_s")}), flush=True)
             # Written after every shape: a run stopped early still leaves what it measured.
-            out = {"machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "load_avg_1m_at_start": load,
+            machine = torch.cuda.get_device_name(0) if device.type == "cuda" else \
+                f"{os.cpu_count()}-core {platform.machine()} CPU"
+            out = {"machine": machine, "load_avg_1m_at_start": load,
                    "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "model": cfg.model, "method": "lora r16",
                    "precision": args.precision,

@@ -60,15 +60,18 @@ def _lora_config(cfg: dict):  # noqa: ANN202 - peft.LoraConfig
 
 
 def _common_args(cfg: dict, batch: int, out: Path) -> dict[str, Any]:
-    """TrainingArguments shared by every peer: the workload's schedule and optimizer on the CPU (with DeepSpeed
-    too: without use_cpu accelerate finds no device backend and counts one process), no saving or logging during
-    training. Precision: the config's `precision` when it names one (bf16: the Trainer's bf16 autocast), else the
-    peer's own default (the Trainer: fp32; TRL's SFTConfig: bf16)."""
+    """TrainingArguments shared by every peer: the workload's schedule and optimizer on the GPU where there is one,
+    else on the CPU (with DeepSpeed too: without use_cpu accelerate finds no device backend and counts one
+    process), no saving or logging during training. Precision: the config's `precision` when it names one (bf16:
+    the Trainer's bf16 autocast), else the peer's own default (the Trainer: fp32; TRL's SFTConfig: bf16)."""
+    import torch
+
     args = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch,
                 gradient_accumulation_steps=cfg["grad_accum"], learning_rate=cfg["lr"], lr_scheduler_type="cosine",
                 warmup_steps=0.05, num_train_epochs=cfg["epochs"], logging_steps=10**6,
                 save_strategy="no", report_to=[], seed=cfg["seed"], dataloader_num_workers=0, max_grad_norm=1.0,
-                weight_decay=0.0, optim="adamw_torch", disable_tqdm=True, use_cpu=True)
+                weight_decay=0.0, optim="adamw_torch", disable_tqdm=True,
+                use_cpu=not torch.cuda.is_available())
     if cfg.get("precision") in ("bf16", "fp32"):
         args.update(bf16=cfg["precision"] == "bf16", fp16=False)
     return args
@@ -91,11 +94,12 @@ def _rows(train: list) -> list[dict]:
 
 def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     """Train one peer on the workload config `cfg` with `batch` rows per device per micro-step (packed rows for
-    TRL); returns this rank's measurements."""
+    TRL); returns this rank's measurements (`peak_mem_gib`: allocated on a GPU, as shardfit's summary counts it;
+    the resident set on a CPU)."""
     from transformers import AutoModelForCausalLM
     from workloads import tokenized
 
-    from shardfit.train.metrics import resident_peak_gib
+    from shardfit.train.metrics import peak_mem_gib, resident_peak_gib
 
     train, _, tok = tokenized(dict(cfg, eval_data=None))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -139,7 +143,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     return {"peer": peer, "rank": int(os.environ.get("RANK", "0")), "world": world, "train_s": train_s,
             "steps": trainer.state.global_step, "examples": len(rows),
             "tokens": sum(len(r["input_ids"]) for r in rows) * cfg["epochs"], "batch_per_device": batch,
-            "peak_rss_gib": resident_peak_gib(), **extra}
+            "peak_rss_gib": resident_peak_gib(), "peak_mem_gib": peak_mem_gib(trainer.args.device), **extra}
 
 
 def main() -> None:

@@ -113,8 +113,9 @@ def _smollm2_folder(out: Path) -> Path:
     return out
 
 
-def _qwen2_small_folder(out: Path) -> Path:
-    """A small Qwen2-architecture model (random init, fixed seed) with the SmolLM2 tokenizer."""
+def qwen2_small_folder(out: Path, tokenizer: Any = None) -> Path:
+    """A small Qwen2-architecture model (random init, fixed seed) with the SmolLM2 tokenizer (`tokenizer`, or
+    the bundled GGUF's)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -128,14 +129,14 @@ def _qwen2_small_folder(out: Path) -> Path:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    load_tokenizer(resolve_model(SMOLLM2)).save_pretrained(out)
+    (tokenizer or load_tokenizer(resolve_model(SMOLLM2))).save_pretrained(out)
     return out
 
 
 def prepare(w: Workload, work: Path) -> dict[str, str]:
     """Model folder and data paths of a workload (made once per bench invocation, shared by its workloads)."""
     train, evals = _data(w, work)
-    model = _smollm2_folder(work / "smollm2") if w.model == "smollm2" else _qwen2_small_folder(work / "qwen2")
+    model = _smollm2_folder(work / "smollm2") if w.model == "smollm2" else qwen2_small_folder(work / "qwen2")
     return {"model": str(model), "train": str(train), "eval": str(evals)}
 
 

@@ -196,3 +196,72 @@ def test_a_runs_environment_is_its_own() -> None:
     env = compare._env(1, extra={"SHARDFIT_BENCH_PROBE": "tcmalloc"})
     assert env["SHARDFIT_BENCH_PROBE"] == "tcmalloc" and env["HF_HUB_OFFLINE"] == "1"
     assert "SHARDFIT_BENCH_PROBE" not in os.environ and "SHARDFIT_BENCH_PROBE" not in compare._env(1)
+
+
+def _tiny_model_folder(path: Path, **text: int) -> Path:
+    """A config.json (no weights): all that the planner's FLOP count reads."""
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+           "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "tie_word_embeddings": False, **text}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_mfu_counts_useful_flops_without_recomputation(tmp_path: Path) -> None:
+    """MFU's FLOPs per token: about 6 per weight for a full fine-tune and 4 for LoRA's frozen base (no weight
+    gradients), the same whether or not the run recomputes activations (recomputation is not useful work)."""
+    model = _tiny_model_folder(tmp_path / "m")
+    base = {"model": str(model), "data": str(DEMO_DATA), "max_seq_len": 64, "micro_batch": 4, "lr": 1e-4}
+    full = compare.model_flops_per_token(dict(base, method="full"))
+    lora = compare.model_flops_per_token(dict(base, method="lora", lora={"rank": 8, "alpha": 16}))
+    weights = 4 * (4 * 256 * 256 + 3 * 256 * 512) + 256 * 1000
+    assert 6 * weights < full < 6.5 * weights  # the rest is attention over 64 tokens
+    assert 4 * weights < lora < 4.7 * weights  # and the adapters' own
+    assert compare.model_flops_per_token(dict(base, method="full", grad_ckpt="full")) == full
+
+
+def test_tables_show_mfu_only_for_gpu_runs() -> None:
+    w = workloads.WORKLOADS["smollm2-135m-lora"]
+    runs = [_run("shardfit", None, 0, 200, 1.0, 2.0), _run("hf_trainer", "same_config", 0, 100, 2.0, 2.5)]
+    assert "MFU" not in compare.markdown({"machine": "cpu", "date": "today",
+                                          "workloads": [compare.summarise(w, runs, 1)]})
+    for r, mfu in zip(runs, (0.02, 0.01), strict=True):
+        r["mfu"] = mfu
+    table = compare.markdown({"machine": "gpu", "date": "today", "workloads": [compare.summarise(w, runs, 1)]})
+    assert "whole (training MFU 2.0%)" in table and "| 100 (training MFU 1.0%) |" in table
+
+
+def test_peers_train_on_the_gpu_where_there_is_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = {"grad_accum": 1, "lr": 1e-4, "epochs": 1, "seed": 0}
+    assert peers._common_args(cfg, 4, tmp_path)["use_cpu"] is (not torch.cuda.is_available())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert peers._common_args(cfg, 4, tmp_path)["use_cpu"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peers._common_args(cfg, 4, tmp_path)["use_cpu"] is True
+
+
+def test_gpu_bench_builds_its_model_folders_from_exported_assets(tmp_path: Path) -> None:
+    """What a GPU machine without the bundled GGUF gets: `export` writes SmolLM2's config and tokenizer, no weights;
+    `models` builds loadable random-weight folders from them, the same on every call (seed 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gpu = _load("gpu")
+    assets = tmp_path / "assets"
+    gpu.export(assets)
+    assert not list(assets.glob("*.safetensors")) and not list(assets.glob("*.gguf"))
+    assert AutoConfig.from_pretrained(assets).num_hidden_layers == 30
+    # The bench's own architecture at a test's size: the same code path, a smaller model.
+    small = AutoConfig.from_pretrained(assets)
+    small.num_hidden_layers, small.hidden_size, small.intermediate_size = 1, 64, 128
+    small.num_attention_heads, small.num_key_value_heads, small.head_dim = 4, 2, 16
+    small.save_pretrained(assets)
+    weights = []
+    for work in (tmp_path / "w1", tmp_path / "w2"):
+        gpu.main(["models", str(assets), "--work-dir", str(work)])
+        for name in ("smollm2", "qwen2"):
+            model = AutoModelForCausalLM.from_pretrained(work / name)
+            assert AutoTokenizer.from_pretrained(work / name).eos_token is not None
+        weights.append(AutoModelForCausalLM.from_pretrained(work / "smollm2").model.norm.weight.sum().item())
+        weights.append(model.lm_head.weight.sum().item())
+    assert weights[:2] == weights[2:]
