@@ -136,6 +136,19 @@ def test_cards_table_covers_every_known_card() -> None:
     assert card_of(parse_gpus("8x48GB")).assumed and card_of(parse_gpus("8x48GB")).key == "l40s"
 
 
+@pytest.mark.parametrize(("driver_name", "key"), [
+    ("NVIDIA H100 80GB HBM3", "h100-80g"), ("NVIDIA A100-SXM4-40GB", "a100-40g"), ("NVIDIA A100 80GB PCIe", "a100-80g"),
+    ("Tesla V100-SXM2-16GB", "v100-16g"), ("NVIDIA GeForce RTX 4090", "4090"), ("NVIDIA RTX A6000", "a6000"),
+    ("NVIDIA RTX 6000 Ada Generation", "6000ada"), ("NVIDIA L40S", "l40s"), ("Tesla T4", "t4"), ("NVIDIA H200", "h200"),
+])
+def test_a_detected_gpu_is_timed_as_itself(driver_name: str, key: str) -> None:
+    """What torch.cuda reports as the device's name (plan/hardware.py `detect`) names the card, memory variant
+    included: an H100 was timed as an A100 while its driver name carried `80GB HBM3`."""
+    hw = dataclasses.replace(parse_gpus("1x80GB"), name=driver_name)
+    card = card_of(hw)
+    assert card.key == key and card.assumed is None
+
+
 def test_simulated_estimates_keep_their_predicted_times() -> None:
     """`plan --simulate` replaces the memory estimates; the times stay, and so does the recommendation's basis."""
     plan = make_plan(LLAMA8, Workload(method="lora", grad_ckpt="full"), parse_gpus("8xH100"))

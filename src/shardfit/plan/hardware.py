@@ -60,11 +60,28 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
 
 
 def card_key(name: str) -> str:
-    """A card name as the table spells it: `NVIDIA GeForce RTX 3090` -> `3090`, `A100-80GB` -> `a100-80g`."""
+    """A card name as the table spells it: `NVIDIA GeForce RTX 3090` -> `3090`, `A100-80GB` -> `a100-80g`, and
+    the driver's names (`NVIDIA H100 80GB HBM3` -> `h100-80g`, `NVIDIA A100-SXM4-40GB` -> `a100-40g`,
+    `NVIDIA RTX 6000 Ada Generation` -> `6000ada`)."""
     key = name.lower()
     for word in ("nvidia", "geforce", "tesla", "rtx", "amd", "instinct", "pcie", "sxm"):
         key = key.replace(word, "")
-    return key.replace(" ", "").replace("_", "-").strip("-").replace("gb", "g")
+    key = key.replace(" ", "").replace("_", "-").strip("-").replace("gb", "g")
+    return key if key in CARDS else _driver_name_key(name) or key
+
+
+def _driver_name_key(name: str) -> str | None:
+    """The table's card in a name that carries more words than the card's (form factor, memory type): the first
+    word, or pair of adjacent words, that names a card, with the name's memory size where the table has that
+    variant."""
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    sizes = [m.group(1) for w in words if (m := re.fullmatch(r"(\d+)gb?", w))]
+    for i, word in enumerate(words):
+        for cand in (word + words[i + 1] if i + 1 < len(words) else None, word):
+            if cand in CARDS and not re.fullmatch(r"\d+gb?", cand):
+                sized = f"{cand}-{sizes[0]}g" if sizes else None
+                return sized if sized in CARDS else cand
+    return None
 
 
 def hardware_notes(hw: Hardware, precision: str) -> list[str]:
