@@ -19,6 +19,7 @@ from shardfit.parallel.defaults import (
     CPU_BF16_WIDTH_MULTIPLE,
     EAGER_ATTENTION_BF16_MAX_WIDTH,
     EAGER_ATTENTION_MAX_LEN,
+    cudnn_attention_allowed,
     resolve_attention,
     resolve_compile,
     resolve_speed_settings,
@@ -57,6 +58,62 @@ def test_attention_auto_for_short_bf16_rows_on_cpu() -> None:
     cfg = Config(max_seq_len=1024, precision="bf16")
     assert resolve_speed_settings(cfg, "cpu").attn_implementation == "auto"
     assert resolve_speed_settings(cfg, "cpu", typical_width=100).attn_implementation == "eager"
+
+
+def test_cudnn_attention_only_where_shapes_are_static_or_asked_for() -> None:
+    """cuDNN's attention builds a plan per input shape: `auto` keeps SDPA off it on a GPU unless the blocks are
+    compiled (one static shape); naming `sdpa` keeps PyTorch's choice; a CPU has no such kernel to avoid."""
+    assert not cudnn_attention_allowed("auto", "cuda", compiled=False)
+    assert cudnn_attention_allowed("auto", "cuda", compiled=True)
+    assert cudnn_attention_allowed("sdpa", "cuda", compiled=False)
+    assert cudnn_attention_allowed("auto", "cpu", compiled=False)
+
+
+def test_attention_kernel_scope_leaves_cudnn_out_and_restores_it() -> None:
+    """The flags are process-wide: inside the run's scope cuDNN is off and the other kernels on; after it, what the
+    process had before (also when the run fails)."""
+    from shardfit.models.build import attention_kernels
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled())
+    with pytest.raises(RuntimeError), attention_kernels(allow_cudnn=False):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        raise RuntimeError("the run failed")
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled()) == before
+    with attention_kernels(allow_cudnn=True):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+
+
+def test_training_and_its_final_save_run_inside_the_attention_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfit.train import recipe
+
+    before, seen = torch.backends.cuda.cudnn_sdp_enabled(), {}
+
+    class Run:  # the recipe's phases, recording what the attention flags are in each
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            pass
+
+        def setup(self) -> None:
+            seen["setup"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+        def allows_cudnn_attention(self) -> bool:
+            return False
+
+        def fit(self) -> None:
+            seen["fit"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+        def finish(self) -> str:
+            seen["finish"] = torch.backends.cuda.cudnn_sdp_enabled()
+            return "result"
+
+        def release(self) -> None:
+            seen["release"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+    monkeypatch.setattr(recipe, "FineTune", Run)
+    assert recipe.train(Config(), None) == "result"  # type: ignore[arg-type]
+    assert seen == {"setup": before, "fit": False, "finish": False, "release": before}
 
 
 def test_row_widths_are_rounded_only_for_bf16_on_cpu() -> None:

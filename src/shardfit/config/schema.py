@@ -95,7 +95,8 @@ class Config:
     attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
                                            "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
                                            "of at most 256 tokens (measured faster than SDPA's masked kernel there), "
-                                           "else transformers' default (SDPA)")
+                                           "else transformers' default (SDPA); on a GPU without compiled blocks, SDPA "
+                                           "never picks cuDNN's kernel, which builds a plan for every new row width")
     loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)

@@ -174,6 +174,17 @@ def use_attention(model: nn.Module, name: str) -> None:
         model.set_attn_implementation(name)
 
 
+def attention_kernels(allow_cudnn: bool) -> contextlib.AbstractContextManager:
+    """The scope of a run's forwards and backwards: PyTorch's own SDPA kernel choice, or (`allow_cudnn` false)
+    every SDPA kernel but cuDNN's (parallel/defaults.py `cudnn_attention_allowed` says why). The flags are
+    process-wide; the scope puts them back when the run ends."""
+    if allow_cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _attention(cfg: Config) -> dict[str, Any]:
     return {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
 

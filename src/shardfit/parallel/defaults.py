@@ -51,6 +51,17 @@ def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: 
     return "auto"
 
 
+def cudnn_attention_allowed(value: str, device_type: str, compiled: bool) -> bool:
+    """Whether SDPA may choose cuDNN's attention kernel: not with `auto` attention on a GPU whose blocks are not
+    compiled. PyTorch keys its cuDNN attention plans on the exact batch and lengths and builds a new plan on every
+    miss (0.1 s and more); uncompiled runs hand the kernel a new row width nearly every step, and on an H100 the
+    first step at each new width cost 0.09-0.13 s more under SDPA than under eager attention
+    (bench/results/gpu_h100.json, defaults_probe_bf16 first_step_s). Flash and memory-efficient attention build
+    nothing per shape. Compiled blocks see one static shape, where the plan is built once; `sdpa` named explicitly
+    keeps PyTorch's own choice."""
+    return not (device_type == "cuda" and value == "auto" and not compiled)
+
+
 # Row widths on CPU under bf16 are rounded up to a multiple of this. oneDNN, which runs bf16 matmuls there, builds
 # and caches a kernel per matmul shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by default, about 0.5 MB each): with a
 # new row width every step, a LoRA run on SmolLM2 rose to 1.55 GB resident and paid the kernel builds each step;

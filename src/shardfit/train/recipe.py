@@ -40,13 +40,13 @@ from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import input_device, vision_body
-from shardfit.models.build import build_model, load_tokenizer, use_attention, weights_cached
+from shardfit.models.build import attention_kernels, build_model, load_tokenizer, use_attention, weights_cached
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
-from shardfit.parallel.defaults import resolve_speed_settings, row_width_multiple
+from shardfit.parallel.defaults import cudnn_attention_allowed, resolve_speed_settings, row_width_multiple
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -468,6 +468,10 @@ class FineTune:
         return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
 
 
+    def allows_cudnn_attention(self) -> bool:
+        """Whether this run's attention may use cuDNN's kernel (parallel/defaults.py), once settings are resolved."""
+        return cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type, bool(self.cfg.compile))
+
     def predicted_tokens_per_s(self) -> float | None:
         """The plan's tokens/s for the strategy this run used (rows full: packing fills them; padding does not
         count), or None without a plan."""
@@ -481,8 +485,9 @@ def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, to
     recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet, watchdog=watchdog)
     try:
         recipe.setup()
-        recipe.fit()
-        return recipe.finish()
+        with attention_kernels(recipe.allows_cudnn_attention()):
+            recipe.fit()
+            return recipe.finish()
     finally:
         recipe.release()
 
