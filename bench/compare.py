@@ -3,6 +3,7 @@
     python bench/compare.py                              # every workload and peer, 3 interleaved rounds
     python bench/compare.py --runs 1                     # one round (the whole bench in < 30 min on 2 cores)
     python bench/compare.py --runs 1 --workloads smollm2-135m-lora --peers trl_sft
+    python bench/compare.py --variants sdpa:attn_implementation=sdpa  # shardfit with a setting changed, as a peer
 
 shardfit runs as a user runs it: `python -m shardfit train cfg.yaml` (`--nproc 2` for the 2-rank workload), the
 config holding only what the workload sets (bench/workloads.py); compile, attention, packing and what micro_batch
@@ -16,7 +17,9 @@ folder, token ids, LoRA, lr, schedule, seed and epochs, each in two modes:
     same_precision  the same_config run with the precision shardfit resolved for itself given to the peer (bf16:
                     the Trainer's bf16 autocast, a LoRA base loaded in bf16): what is left when both compute alike
 
-A mode whose batch and precision come out as another mode's reuses that run instead of repeating it.
+A mode whose batch and precision come out as another mode's reuses that run instead of repeating it. A variant
+(`--variants NAME:KEY=VALUE,...`) is shardfit with those config keys set, run after shardfit in each round and
+compared with it as a peer is (`shardfit:NAME`, mode `variant`): an A/B of a default on the same footing.
 
 Each run is its own process; a round runs shardfit, then every peer and mode, so machine noise hits all alike; the
 JSON keeps every run (with the 1-minute load average when it began) beside the medians and the per-round ratios'
@@ -68,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"some of: {', '.join(WORKLOADS)}")
     p.add_argument("--peers", nargs="+", default=list(PEERS), metavar="PEER", help=f"some of: {', '.join(PEERS)}")
     p.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help=f"some of: {', '.join(MODES)}")
+    p.add_argument("--variants", nargs="+", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="shardfit runs with config keys set (values as YAML), compared with shardfit's defaults")
     p.add_argument("--out", default=str(RESULTS / "latest.json"), help="the JSON written (others' entries kept)")
     p.add_argument("--work-dir", default=None, help="where runs write (default: a new temporary folder)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -81,7 +86,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown {name} {', '.join(bad)}; choose from {', '.join(valid)}")
     if args.runs < 1 or args.threads < 1:
         p.error("--runs and --threads must be at least 1")
+    try:
+        args.variants = [parse_variant(v) for v in args.variants]
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """`NAME:KEY=VALUE,KEY=VALUE` as (name, settings); each value read as YAML (`false`, `64`, `sdpa`)."""
+    name, _, body = text.partition(":")
+    pairs = [p.partition("=") for p in body.split(",") if p]
+    if not name or not pairs or any(not k or not sep for k, sep, _ in pairs):
+        raise ValueError(f"--variants {text}: write NAME:KEY=VALUE[,KEY=VALUE], e.g. sdpa:attn_implementation=sdpa")
+    return name, {k: yaml.safe_load(v) for k, _, v in pairs}
 
 
 THREADS = {"n": os.cpu_count() or 1}  # set from --threads by main()
@@ -226,6 +244,11 @@ def bench_workload(w: Workload, args: argparse.Namespace, work: Path) -> dict:
                           work / f"{w.name}-r{i}-shardfit-cfg", n)
         rnd.append(sf)
         _say(w, i, sf)
+        for name, settings in args.variants:
+            out = work / f"{w.name}-r{i}-shardfit-{name}"
+            var = run_shardfit(w, {**user_config(w, paths, str(out)), **settings}, work / f"{out.name}-cfg", n)
+            rnd.append(dict(var, who=f"shardfit:{name}", mode="variant", settings=settings))
+            _say(w, i, rnd[-1])
         for peer in peers:
             done: list[dict] = []
             for mode in args.modes:
@@ -321,11 +344,12 @@ def summarise(w: Workload, runs: list[dict], n_rounds: int) -> dict:
                 if ok else {"failed": mine[0]["failed"], "batch_per_device": mine[0]["batch_per_device"]}
             if all("same_run_as" in r for r in mine):
                 entry["peers"][peer][mode]["same_run_as"] = mine[0]["same_run_as"]
-    first = next(iter(entry["peers"].values()), None)
+    peer = next((p for p in entry["peers"] if p in PEERS), None)  # a tool, not one of shardfit's variants
+    first = entry["peers"][peer] if peer else None
     legacy = first.get("same_config") or next(iter(first.values())) if first else None
     if legacy and "failed" not in legacy:
         entry["hf_trainer"] = {k: legacy[k] for k in ("tokens_per_s", "wall_s", "peak_mem_gib", "eval_loss")}
-        entry["legacy_peer"] = next(iter(entry["peers"]))
+        entry["legacy_peer"] = peer
         entry.update({k: legacy[k] for k in RATIOS})
     entry["load_avg_1m"] = [round(r["load_avg_1m"], 2) for r in runs]
     entry["all_runs"] = runs

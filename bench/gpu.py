@@ -3,6 +3,7 @@
     python bench/gpu.py export .gpu                          # here: SmolLM2-135M's config and tokenizer (3 MB)
     python bench/gpu.py run .gpu --out gpu.json [--runs N]   # there: compare.py's single-process workloads
     python bench/gpu.py models .gpu --work-dir W             # there: only the model folders (W/smollm2, W/qwen2)
+    python bench/gpu.py run .gpu --variants cudnn:attn_implementation=sdpa   # an A/B of a default, as compare.py
 
 The bundled SmolLM2 GGUF (94 MB) is more than such a machine takes along, so `run` builds SmolLM2-135M-Instruct's
 architecture from its config with random weights (seed 0, fp32 safetensors, the same folder for every tool).

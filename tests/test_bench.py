@@ -265,3 +265,20 @@ def test_gpu_bench_builds_its_model_folders_from_exported_assets(tmp_path: Path)
         weights.append(AutoModelForCausalLM.from_pretrained(work / "smollm2").model.norm.weight.sum().item())
         weights.append(model.lm_head.weight.sum().item())
     assert weights[:2] == weights[2:]
+
+
+def test_a_variant_is_shardfit_with_settings_compared_like_a_peer(capsys: pytest.CaptureFixture) -> None:
+    args = compare.parse_args(["--variants", "sdpa:attn_implementation=sdpa", "flat:packing=false,loss_chunk=256"])
+    assert args.variants == [("sdpa", {"attn_implementation": "sdpa"}),
+                             ("flat", {"packing": False, "loss_chunk": 256})]
+    for bad in ("sdpa", "sdpa:", ":packing=false", "x:packing"):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--variants", bad])
+    assert "NAME:KEY=VALUE" in capsys.readouterr().err
+    w = workloads.WORKLOADS["smollm2-135m-lora"]
+    variant = dict(_run("shardfit:sdpa", "variant", 0, 100, 1.0, 2.0), settings={"attn_implementation": "sdpa"})
+    runs = [_run("shardfit", None, 0, 200, 1.0, 2.0), variant, _run("hf_trainer", "same_config", 0, 50, 2.0, 2.0)]
+    e = compare.summarise(w, runs, 1)
+    assert e["peers"]["shardfit:sdpa"]["variant"]["speedup"] == pytest.approx(2.0)
+    assert e["legacy_peer"] == "hf_trainer" and e["speedup"] == pytest.approx(4.0)  # the tool, not the variant
+    assert "| shardfit:sdpa | variant |" in compare.markdown({"machine": "t", "date": "d", "workloads": [e]})
