@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardfit.config import Config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, make_plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.timing import step_time
 from shardfit.plan.workload import workload_of
 from shardfit.strategy import MULTI_RANK
 
@@ -20,6 +23,19 @@ def plan_for_config(cfg: Config, hw: Hardware) -> Plan | None:
     except UserError:
         return None
     return make_plan(shape, workload_of(cfg), hw)
+
+
+def tokens_per_s_at(plan: Plan, model: str, strategy: str, tokens_per_micro_batch: float) -> float | None:
+    """The plan's tokens/s for `strategy` with micro-batches of `tokens_per_micro_batch` tokens each (a run's own:
+    rows of its mean width) instead of rows full to max_seq_len. A host-bound step is no shorter for short rows,
+    so the full-row figure would flatter a run of short ones. None when the model's shape cannot be read."""
+    try:
+        shape = resolve_shape(model)
+    except UserError:
+        return None
+    w = plan.workload
+    width = max(1, round(tokens_per_micro_batch / w.micro_batch))
+    return step_time(shape, dataclasses.replace(w, seq_len=width), plan.hardware, strategy).tokens_per_s
 
 
 def auto_strategy(plan: Plan | None, world: int) -> str:

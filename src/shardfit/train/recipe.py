@@ -50,7 +50,7 @@ from shardfit.parallel.defaults import cudnn_attention_allowed, resolve_speed_se
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
-from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom
+from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom, tokens_per_s_at
 from shardfit.plan.hardware import job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
@@ -473,10 +473,16 @@ class FineTune:
         return cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type, bool(self.cfg.compile))
 
     def predicted_tokens_per_s(self) -> float | None:
-        """The plan's tokens/s for the strategy this run used (rows full: packing fills them; padding does not
-        count), or None without a plan."""
+        """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
+        does not count), or None without a plan."""
         c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
-        return round(c.tokens_per_s, 2) if c is not None and c.tokens_per_s else None
+        if c is None or not c.tokens_per_s:
+            return None
+        micro_batches = (self.total_steps - self.start_step) * self.cfg.grad_accum * self.env.world
+        if not self.fit_tokens or micro_batches <= 0:
+            return round(c.tokens_per_s, 2)
+        at = tokens_per_s_at(self.plan, self.cfg.model, self.strategy.name, self.fit_tokens / micro_batches)
+        return round(at or c.tokens_per_s, 2)
 
 
 def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
