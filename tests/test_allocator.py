@@ -48,6 +48,19 @@ def test_gpu_hosts_the_users_preload_and_a_decided_process_keep_what_they_have(t
     assert choose({CHOICE_ENV: "tcmalloc"}, dirs, gpu=True).name == "tcmalloc"  # asked by name: even on a GPU host
 
 
+def test_the_install_hint_shows_only_where_tcmalloc_would_change_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfit.parallel import allocator
+
+    monkeypatch.setattr(allocator, "gpu_host", lambda: False)
+    assert allocator.install_would_help({}, "system", "cpu")
+    assert allocator.install_would_help({CHOICE_ENV: " "}, "system", "cpu")  # blank is auto, as choose reads it
+    assert not allocator.install_would_help({}, "tcmalloc", "cpu")  # already has it
+    assert not allocator.install_would_help({CHOICE_ENV: "system"}, "system", "cpu")  # the user's choice
+    assert not allocator.install_would_help({}, "system", "cuda")
+    monkeypatch.setattr(allocator, "gpu_host", lambda: True)  # auto keeps glibc there whatever is installed
+    assert not allocator.install_would_help({}, "system", "cpu")
+
+
 def test_a_named_allocator_that_is_missing_or_unknown_is_a_user_error(tmp_path: Path) -> None:
     dirs = _libs(tmp_path, "libtcmalloc_minimal.so.4")
     with pytest.raises(UserError, match=r"SHARDFIT_ALLOCATOR=jemalloc: no jemalloc library .*libjemalloc2"):

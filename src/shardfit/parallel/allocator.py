@@ -76,6 +76,13 @@ def gpu_host() -> bool:
     return any(os.path.exists(p) for p in GPU_DEVICE_FILES)
 
 
+def install_would_help(environ: Mapping[str, str], active_name: str, device_type: str) -> bool:
+    """Whether installing tcmalloc would change this run: a CPU run on `auto` that found none on a host without a
+    GPU (`choose` keeps the C library's malloc on a GPU host by design, so there it would change nothing)."""
+    auto = (environ.get(CHOICE_ENV, "auto").strip() or "auto") == "auto"
+    return device_type == "cpu" and active_name == "system" and auto and not gpu_host()
+
+
 def choose(environ: Mapping[str, str], dirs: Sequence[Path] | None = None, *, gpu: bool = False) -> Allocator | None:
     """The allocator this process should run with, or None for the C library's own.
 

@@ -318,9 +318,7 @@ class FineTune:
                   + self._media_line()
                   + (f"; {stats.describe()}" if stats.describe() else "")
                   + (f"; malloc: {self.malloc}" if self.env.device.type == "cpu" else ""))
-            # `auto` keeps the C library's malloc on a GPU host by design: installing tcmalloc would change nothing.
-            if self.env.device.type == "cpu" and self.malloc == "system" and not allocator.gpu_host() and \
-                    os.environ.get(allocator.CHOICE_ENV, "auto") == "auto":
+            if allocator.install_would_help(os.environ, self.malloc, self.env.device.type):
                 log.info("malloc: the C library's; with tcmalloc CPU training runs faster in less memory (%s; "
                          "docs/training.md, Start-up)", allocator.INSTALL_HINT)
 
