@@ -313,7 +313,7 @@ def machine_name() -> str:
     host = (f"{os.cpu_count()}-core CPU ({platform.machine()}), "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
     if torch.cuda.is_available():
-        return f"1x {torch.cuda.get_device_name(0)} (torch {torch.__version__}), {host}"
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)} (torch {torch.__version__}), {host}"
     return host
 
 

@@ -17,6 +17,8 @@ from shardfit.data.tokenize import Encoded
 from shardfit.errors import UserError
 from shardfit.parallel.defaults import (
     CPU_BF16_WIDTH_MULTIPLE,
+    CUDNN_PLAN_S,
+    CUDNN_PLAN_SHARE,
     EAGER_ATTENTION_BF16_MAX_WIDTH,
     EAGER_ATTENTION_MAX_LEN,
     cudnn_attention_allowed,
@@ -60,13 +62,32 @@ def test_attention_auto_for_short_bf16_rows_on_cpu() -> None:
     assert resolve_speed_settings(cfg, "cpu", typical_width=100).attn_implementation == "eager"
 
 
-def test_cudnn_attention_only_where_shapes_are_static_or_asked_for() -> None:
-    """cuDNN's attention builds a plan per input shape: `auto` keeps SDPA off it on a GPU unless the blocks are
-    compiled (one static shape); naming `sdpa` keeps PyTorch's choice; a CPU has no such kernel to avoid."""
-    assert not cudnn_attention_allowed("auto", "cuda", compiled=False)
-    assert cudnn_attention_allowed("auto", "cuda", compiled=True)
-    assert cudnn_attention_allowed("sdpa", "cuda", compiled=False)
-    assert cudnn_attention_allowed("auto", "cpu", compiled=False)
+def test_cudnn_attention_only_where_its_plans_pay() -> None:
+    """cuDNN's attention builds a plan per input shape: `auto` keeps SDPA off it on a GPU when the run's new shapes
+    would take more than CUDNN_PLAN_SHARE of its predicted time (or the time is unknown); compiled blocks (one
+    shape), an explicit `sdpa` and a CPU keep PyTorch's choice."""
+    # The H100 bench's short-row LoRA: a new width nearly every one of 60 steps of ~0.07 s.
+    assert not cudnn_attention_allowed("auto", "cuda", compiled=False, new_shapes=58, run_s=60 * 0.07)
+    # Packed rows filled to max_seq_len: a few shapes over a long run of 2-second steps.
+    assert cudnn_attention_allowed("auto", "cuda", compiled=False, new_shapes=60, run_s=1000 * 2.0)
+    bound = CUDNN_PLAN_SHARE * 100.0 / CUDNN_PLAN_S
+    assert cudnn_attention_allowed("auto", "cuda", compiled=False, new_shapes=bound, run_s=100.0)
+    assert not cudnn_attention_allowed("auto", "cuda", compiled=False, new_shapes=bound + 1, run_s=100.0)
+    assert not cudnn_attention_allowed("auto", "cuda", compiled=False, new_shapes=1, run_s=None)
+    assert cudnn_attention_allowed("auto", "cuda", compiled=True, new_shapes=58, run_s=1.0)
+    assert cudnn_attention_allowed("sdpa", "cuda", compiled=False, new_shapes=58, run_s=1.0)
+    assert cudnn_attention_allowed("auto", "cpu", compiled=False, new_shapes=58, run_s=1.0)
+
+
+def test_new_shape_share_counts_shapes_not_seen_before() -> None:
+    """Rows of many lengths two to a micro-batch: nearly every micro-batch a new (rows, width); packed into rows of
+    one width: one shape after the first."""
+    varied = [Encoded(list(range(n)), [1] * n) for n in range(10, 90)]
+    schedule = BatchSchedule(varied, micro_batch=2, grad_accum=1, world=1, rank=0, seed=0)
+    shapes = schedule.first_shapes(steps=20)
+    assert len(shapes) == 20 and schedule.new_shape_share(steps=20) == len(set(shapes)) / 20 > 0.5
+    same = [Encoded(list(range(64)), [1] * 64) for _ in range(80)]
+    assert BatchSchedule(same, micro_batch=2, grad_accum=1, world=1, rank=0, seed=0).new_shape_share(20) == 1 / 20
 
 
 def test_attention_kernel_scope_leaves_cudnn_out_and_restores_it() -> None:

@@ -96,7 +96,8 @@ class Config:
                                            "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
                                            "of at most 256 tokens (measured faster than SDPA's masked kernel there), "
                                            "else transformers' default (SDPA); on a GPU without compiled blocks, SDPA "
-                                           "never picks cuDNN's kernel, which builds a plan for every new row width")
+                                           "leaves out cuDNN's kernel when its plans, one per new row shape, would "
+                                           "cost over 5% of the run's predicted time")
     loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)

@@ -51,15 +51,26 @@ def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: 
     return "auto"
 
 
-def cudnn_attention_allowed(value: str, device_type: str, compiled: bool) -> bool:
-    """Whether SDPA may choose cuDNN's attention kernel: not with `auto` attention on a GPU whose blocks are not
-    compiled. PyTorch keys its cuDNN attention plans on the exact batch and lengths and builds a new plan on every
-    miss (0.1 s and more); uncompiled runs hand the kernel a new row width nearly every step, and on an H100 the
-    first step at each new width cost 0.09-0.13 s more under SDPA than under eager attention
-    (bench/results/gpu_h100.json, defaults_probe_bf16 first_step_s). Flash and memory-efficient attention build
-    nothing per shape. Compiled blocks see one static shape, where the plan is built once; `sdpa` named explicitly
-    keeps PyTorch's own choice."""
-    return not (device_type == "cuda" and value == "auto" and not compiled)
+# What a new input shape costs under SDPA with cuDNN's kernel, fwd and bwd plans together: on an H100 the first
+# step at each new row length took 0.09-0.13 s more under SDPA than under eager attention (bench/results/
+# gpu_h100.json, defaults_probe_bf16 first_step_s), PyTorch keying its cuDNN attention plans on the exact batch and
+# lengths and building one on every miss.
+CUDNN_PLAN_S = 0.11
+# The share of a run's predicted time that cuDNN's plan builds may take. Below it cuDNN's kernel stays in PyTorch's
+# choice: once a shape's plan is built its kernel is the fastest on Hopper for masked attention, which packed rows
+# need (memory-efficient attention ran 36-54 % slower on masked H100 shapes, sgl-project/sglang-omni#2067).
+CUDNN_PLAN_SHARE = 0.05
+
+
+def cudnn_attention_allowed(value: str, device_type: str, compiled: bool, *, new_shapes: float = 0.0,
+                            run_s: float | None = None) -> bool:
+    """Whether SDPA may choose cuDNN's attention kernel. Always on a CPU, for compiled blocks (one static shape:
+    one plan) and where `sdpa` is named; for `auto` on a GPU only while the plans of the run's `new_shapes` shapes
+    (CUDNN_PLAN_S each) stay within CUDNN_PLAN_SHARE of its predicted `run_s` (None: not known, so not). Flash and
+    memory-efficient attention build nothing per shape."""
+    if device_type != "cuda" or value != "auto" or compiled:
+        return True
+    return run_s is not None and new_shapes * CUDNN_PLAN_S <= CUDNN_PLAN_SHARE * run_s
 
 
 # Row widths on CPU under bf16 are rounded up to a multiple of this. oneDNN, which runs bf16 matmuls there, builds

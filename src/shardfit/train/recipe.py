@@ -467,8 +467,14 @@ class FineTune:
 
 
     def allows_cudnn_attention(self) -> bool:
-        """Whether this run's attention may use cuDNN's kernel (parallel/defaults.py), once settings are resolved."""
-        return cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type, bool(self.cfg.compile))
+        """Whether this run's attention may use cuDNN's kernel (parallel/defaults.py), once set up: the shapes its
+        schedule brings (the first steps' share of new ones, over all its micro-batches) against the plan's time."""
+        c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
+        steps = self.total_steps - self.start_step
+        run_s = c.step_s * steps if c is not None and c.step_s else None
+        new_shapes = self.batches.new_shape_share() * steps * self.cfg.grad_accum
+        return cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type, bool(self.cfg.compile),
+                                       new_shapes=new_shapes, run_s=run_s)
 
     def predicted_tokens_per_s(self) -> float | None:
         """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
