@@ -61,6 +61,9 @@ def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
         loader = "AutoModelForImageTextToText" if vl else "AutoModelForCausalLM"
         out.append(f"model: {run_dir / 'model'}  ({loader}.from_pretrained(that folder))")
     out.append(f"metrics: {run_dir / 'metrics.jsonl'}, summary: {run_dir / 'summary.json'}")
+    if cfg.profile_steps and (run_dir / "profile").is_dir():
+        out.append(f"profile: {run_dir / 'profile'}  (ops-rank0.txt: the ops by time; trace-rank0.json: "
+                   "chrome://tracing or ui.perfetto.dev)")
     return "\n".join(out)
 
 

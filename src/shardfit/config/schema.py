@@ -101,6 +101,8 @@ class Config:
     loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
+    profile_steps: int = key(0, "optimizer steps to profile with torch.profiler after the process's first (0: none): "
+                                "profile/ in the run directory gets each rank's ops by time and a Chrome trace", ge=0)
     eval_steps: int = key(200, "steps between evaluations (and one at the end)", ge=1)
     eval_metrics: list[str] = key(list, "generation metrics computed at every evaluation on eval_samples held-out "
                                         "prompts: exact | contains | regex:PATTERN | py:FILE:FUNC (as `shardfit "

@@ -61,6 +61,7 @@ from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
+from shardfit.train.profiling import StepProfiler
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
 from shardfit.train.startup import StartupTimer
 from shardfit.train.trackers import open_trackers, resolve_report_to
@@ -131,6 +132,7 @@ class FineTune:
         self.t_start = time.perf_counter()
         self.startup = StartupTimer()
         self.lock: RunLock | None = None
+        self.profiler: StepProfiler | None = None
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
@@ -191,7 +193,10 @@ class FineTune:
             log.warning("%s: %s", self.run_dir, warning)
 
     def release(self) -> None:
-        """Give the run directory back (rank 0's lock); safe to call more than once."""
+        """Stop a profile left running and give the run directory back (rank 0's lock); safe to call more than
+        once."""
+        if self.profiler is not None:
+            self.profiler.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -348,10 +353,12 @@ class FineTune:
                                    multiple=self.multiple, limit=cfg.max_seq_len,
                                    every=cfg.eval_steps, total_steps=self.total_steps,
                                    generation=self._generation_eval(), show=env.is_main and not self.quiet)
+        self.profiler = StepProfiler(self.run_dir, cfg.profile_steps, self.start_step, env.rank, env.device.type)
         self.loss_module.train()
         t_fit, tokens_before = time.perf_counter(), self.tokens
         for step in range(self.start_step, self.total_steps):
             done = step + 1
+            self.profiler.before(done)
             with wd.phase(f"step {done}", step=True):
                 wd.at("data loader")
                 faults.inject(self.fault, env.rank, done)
@@ -364,6 +371,8 @@ class FineTune:
                 self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
                                      self.lr_schedule.get_last_lr()[0])
             t_aside = time.perf_counter()
+            with wd.phase(f"profile written after step {done}", where="profile export"):
+                self.profiler.after(done, last=done == self.total_steps)
             with wd.phase(f"evaluation after step {done}", where="evaluation"):
                 self.evaluator.maybe_run(done)
             with wd.phase(f"checkpoint save at step {done}", where="checkpoint save"):
