@@ -227,3 +227,23 @@ def test_adapter_input_casts_skipped_under_autocast_change_nothing(tiny_llama: P
     assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
     for k in grads_a:
         assert torch.equal(grads_a[k], grads_b[k]), k
+
+
+def test_a_gpu_run_says_why_it_leaves_cudnn_out(caplog: pytest.LogCaptureFixture) -> None:
+    """The recipe's decision for a GPU run of 60 short steps whose widths change (the bench's short-row LoRA on an
+    H100, its plan's 0.096 s a step): cuDNN out, and the start-up log says why and how to keep it."""
+    from types import SimpleNamespace
+
+    from shardfit.train.recipe import FineTune
+
+    rows = [Encoded(list(range(n)), [1] * n) for n in range(10, 250)]
+    run = SimpleNamespace(
+        plan=SimpleNamespace(candidate=lambda name: SimpleNamespace(step_s=0.096)),
+        strategy=SimpleNamespace(name="single"), total_steps=60, start_step=0, quiet=False,
+        batches=BatchSchedule(rows, micro_batch=4, grad_accum=1, world=1, rank=0, seed=0),
+        cfg=Config(compile=False), env=SimpleNamespace(device=torch.device("cuda"), is_main=True))
+    with caplog.at_level("INFO", logger="shardfit"):
+        assert FineTune.allows_cudnn_attention(run) is False and run.cudnn_attention is False
+    assert "SDPA without cuDNN's kernel" in caplog.text and "attn_implementation: sdpa keeps it" in caplog.text
+    run.cfg = Config(compile=False, attn_implementation="sdpa")
+    assert FineTune.allows_cudnn_attention(run) is True

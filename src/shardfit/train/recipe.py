@@ -46,7 +46,13 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
-from shardfit.parallel.defaults import cudnn_attention_allowed, resolve_speed_settings, row_width_multiple
+from shardfit.parallel.defaults import (
+    CUDNN_PLAN_S,
+    CUDNN_PLAN_SHARE,
+    cudnn_attention_allowed,
+    resolve_speed_settings,
+    row_width_multiple,
+)
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -133,6 +139,7 @@ class FineTune:
         self.startup = StartupTimer()
         self.lock: RunLock | None = None
         self.profiler: StepProfiler | None = None
+        self.cudnn_attention: bool | None = None  # whether SDPA could pick cuDNN's kernel (GPU runs decide)
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
@@ -453,6 +460,7 @@ class FineTune:
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world, "allocator": self.malloc,
+                   "cudnn_attention": self.cudnn_attention if env.device.type == "cuda" else None,
                    "examples_per_step": self.batches.global_examples,
                    "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
@@ -482,8 +490,14 @@ class FineTune:
         steps = self.total_steps - self.start_step
         run_s = c.step_s * steps if c is not None and c.step_s else None
         new_shapes = self.batches.new_shape_share() * steps * self.cfg.grad_accum
-        return cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type, bool(self.cfg.compile),
-                                       new_shapes=new_shapes, run_s=run_s)
+        self.cudnn_attention = cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type,
+                                                       bool(self.cfg.compile), new_shapes=new_shapes, run_s=run_s)
+        if not self.cudnn_attention and self.env.is_main and not self.quiet:
+            predicted = f"{run_s:.0f} s predicted" if run_s is not None else "no predicted time"
+            log.info("attention: SDPA without cuDNN's kernel: its plans for about %.0f new row shapes (%.0f s) would "
+                     "take over %.0f%% of the run's %s (attn_implementation: sdpa keeps it; docs/training.md)",
+                     new_shapes, new_shapes * CUDNN_PLAN_S, 100 * CUDNN_PLAN_SHARE, predicted)
+        return self.cudnn_attention
 
     def predicted_tokens_per_s(self) -> float | None:
         """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
