@@ -99,7 +99,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     from transformers import AutoModelForCausalLM
     from workloads import tokenized
 
-    from shardfit.train.metrics import peak_mem_gib, resident_peak_gib
+    from shardfit.train.metrics import peak_mem_gib
 
     train, _, tok = tokenized(dict(cfg, eval_data=None))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -143,7 +143,7 @@ def run_peer(peer: str, cfg: dict, batch: int, out: Path) -> dict:
     return {"peer": peer, "rank": int(os.environ.get("RANK", "0")), "world": world, "train_s": train_s,
             "steps": trainer.state.global_step, "examples": len(rows),
             "tokens": sum(len(r["input_ids"]) for r in rows) * cfg["epochs"], "batch_per_device": batch,
-            "peak_rss_gib": resident_peak_gib(), "peak_mem_gib": peak_mem_gib(trainer.args.device), **extra}
+            "peak_mem_gib": peak_mem_gib(trainer.args.device), **extra}
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ class StepProfiler:
         self.folder, self.steps, self.rank, self.device_type = run_dir / "profile", steps, rank, device_type
         self.first = start_step + 2
         self.active: profile | None = None
-        self.written: list[Path] = []
 
     def before(self, step: int) -> None:
         """Called before optimizer step `step` runs."""
@@ -44,7 +43,6 @@ class StepProfiler:
         ops, trace = self.folder / f"ops-rank{self.rank}.txt", self.folder / f"trace-rank{self.rank}.json"
         ops.write_text(f"steps {self.first}-{step}\n" + prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
         prof.export_chrome_trace(str(trace))
-        self.written = [ops, trace]
 
     def close(self) -> None:
         """Stop a profile the run left running (a failure mid-profile); nothing is written for it."""
