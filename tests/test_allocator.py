@@ -102,3 +102,42 @@ def test_a_bad_choice_stops_train_before_anything_loads(tmp_path: Path) -> None:
     r = run_cli("train", str(tmp_path / "missing.yaml"), env={CHOICE_ENV: "fastest"})
     assert r.returncode == 2 and "SHARDFIT_ALLOCATOR=fastest: not an allocator" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+_HOLD_AND_RELEASE = """
+import json
+from shardfit.parallel.allocator import release_free_memory
+
+def rss_mib():
+    return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) / 1024
+
+before = rss_mib()
+held = [bytearray(b'x') * 100_000 for _ in range(2000)]  # 200 MB in blocks below glibc's mmap threshold
+peak = rss_mib()
+del held
+freed = rss_mib()
+name = release_free_memory()
+print(json.dumps({"before": before, "peak": peak, "freed": freed, "after": rss_mib(), "name": name}))
+"""
+
+
+@pytest.mark.parametrize("name", ["tcmalloc", "jemalloc", "system"])
+def test_release_hands_freed_pages_back_to_the_system(name: str) -> None:
+    """After the release the resident set is what is alive again, whichever allocator serves the process; without
+    it tcmalloc and jemalloc keep the freed pages."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if name != "system":
+        lib = find(name, library_dirs())
+        if lib is None:
+            pytest.skip(f"{name} is not installed here")
+        env["LD_PRELOAD"] = lib.path
+    out = subprocess.run([sys.executable, "-c", _HOLD_AND_RELEASE], env=env, capture_output=True, text=True,
+                         check=True)
+    r = json.loads(out.stdout)
+    assert r["name"] == ("glibc" if name == "system" else name)
+    assert r["peak"] - r["before"] > 150
+    assert r["after"] < r["before"] + 40, r

@@ -125,6 +125,29 @@ def preload_environment(environ: Mapping[str, str], allocator: Allocator) -> dic
     return env
 
 
+def release_free_memory() -> str | None:
+    """Hand the heap's free pages back to the system, so that the resident set falls to what is alive: tcmalloc's
+    ReleaseFreeMemory, jemalloc's purge of every arena, or glibc's malloc_trim, whichever serves this process.
+    Returns its name, or None where none of them is loaded. The pages of a freed tensor otherwise stay with the
+    allocator, and Python's own objects, which come from arenas of their own, never reuse them."""
+    import ctypes
+
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return None
+    if hasattr(process, "MallocExtension_ReleaseFreeMemory"):  # before glibc's: a preload leaves libc loaded too
+        process.MallocExtension_ReleaseFreeMemory()
+        return "tcmalloc"
+    if hasattr(process, "mallctl"):  # 4096 is MALLCTL_ARENAS_ALL: every arena
+        process.mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
+        return "jemalloc"
+    if hasattr(process, "malloc_trim"):
+        process.malloc_trim(ctypes.c_size_t(0))
+        return "glibc"
+    return None
+
+
 def command_of(argv: Sequence[str]) -> str | None:
     """The subcommand of a `shardfit` command line (its first word that is not an option)."""
     return next((a for a in argv if not a.startswith("-")), None)

@@ -447,6 +447,11 @@ class FineTune:
             eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
         with wd.phase("final checkpoint save", where="checkpoint save"):
             self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
+        # The checkpoint holds the optimizer's state now and nothing else reads it: freed, with its pages handed back,
+        # the save below runs in that room instead of above the training peak (transformers' save_pretrained
+        # imports DeepSpeed where it is installed, 0.1 GiB, to check the model is not its engine).
+        self.optimizer.state.clear()
+        allocator.release_free_memory()
         with wd.phase("saving the adapter or model", where="final save"):
             out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
                              is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
