@@ -8,6 +8,9 @@ of 1 and 2 decoder layers (fp32, CPU, sdpa attention, a padded-free batch of one
 layer's ops, the rest the model's fixed ops (embedding, final norm, head, loss). Views (`aten.view`, `t`,
 `transpose`, ...) are counted apart: they cost host time but launch no kernel. The widths do not change the count,
 so the tiny model's count is the real model's. plan/timing.py (DISPATCH_OPS) carries the figures this prints.
+
+shardfit's chunked loss (train/loss.py) adds the ops of each chunk after the first: counted on the loss alone over
+64 labelled positions in one chunk and in four, head trained (full) and frozen (LoRA), with and without autocast.
 """
 
 from __future__ import annotations
@@ -93,6 +96,32 @@ def per_layer(arch: str, method: str, ckpt: bool, targets: list[str], dropout: f
     return out
 
 
+def loss_ops(chunks: int, head_trains: bool, bf16: bool) -> Counter[str]:
+    """aten ops of shardfit's chunked loss, forward + backward, over 64 labelled positions in `chunks` chunks."""
+    from shardfit.train.loss import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 128, bias=False).requires_grad_(head_trains)
+    hidden = torch.randn(1, 64, 64, requires_grad=True)
+    targets = torch.randint(0, 128, (1, 64))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = chunked_cross_entropy(hidden, head, targets, chunk=64 // chunks)
+        loss.backward()
+
+    step()
+    with OpCounter() as c:
+        step()
+    return c.ops
+
+
+def per_loss_chunk(head_trains: bool, bf16: bool) -> dict[str, float]:
+    """The ops one more chunk of the loss adds (four chunks against one, per extra chunk)."""
+    one, four = loss_ops(1, head_trains, bf16), loss_ops(4, head_trains, bf16)
+    return {f"chunk_{k}": (four[k] - one[k]) / 3 for k in ("kernel", "view", "matmul")}
+
+
 # The grid plan/timing.py reads: the base's method, checkpointing, autocast; LoRA on all seven linears or on two
 # (the difference is the per-target cost), and dropout on the adapters.
 RECIPES = {f"{m}{'+ckpt' if c else ''}{'+autocast' if a else ''}": (m.rstrip("27"), c, t, 0.0, a)
@@ -111,6 +140,13 @@ def main() -> None:
             result["counts"][f"{arch}/{name}"] = r
             print(f"{arch:6s} {name:20s} per layer: {r['layer_kernel']:4d} kernels ({r['layer_matmul']:3d} matmuls) + "
                   f"{r['layer_view']:4d} views; fixed: {r['fixed_kernel']:4d} + {r['fixed_view']:4d}", flush=True)
+    for head_trains in (True, False):
+        for bf16 in (False, True):
+            name = f"loss/{'full' if head_trains else 'lora'}{'+autocast' if bf16 else ''}"
+            r = per_loss_chunk(head_trains, bf16)
+            result["counts"][name] = r
+            print(f"{name:27s} per extra chunk: {r['chunk_kernel']:5.1f} kernels ({r['chunk_matmul']:3.1f} matmuls) + "
+                  f"{r['chunk_view']:5.1f} views", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
 

@@ -71,6 +71,10 @@ def strategies() -> str:
 
 
 def _type(hint: typing.Any) -> str:
+    if typing.get_origin(hint) is typing.Union:  # `int | Literal["auto"]` as a config file spells it
+        return " | ".join(_type(arm) for arm in typing.get_args(hint))
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(str(v) for v in typing.get_args(hint))
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 

@@ -36,12 +36,19 @@ def test_yaml_float_written_as_1e_minus_4(tmp_path: Path, small_data: Path) -> N
         ("model: [unclosed\n", r"c.yaml:\d+: not valid YAML"),
         ("- a\n- b\n", r"must be a mapping"),
         ("model: m\nmethod: freeze\n", r"'freeze_trainable' is empty"),
+        ("model: m\nloss_chunk: big\n", r"c.yaml:2: 'loss_chunk' must be int or 'auto', got 'big'"),
+        ("model: m\nloss_chunk: 0\n", r"c.yaml:2: 'loss_chunk' must be at least 1"),
     ],
 )
 def test_bad_config_names_file_line_key(tmp_path: Path, text: str, expected: str) -> None:
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(UserError, match=expected):
         load_config(tmp_path / "c.yaml", check_files=True)
+
+
+def test_loss_chunk_is_auto_or_a_number_of_rows() -> None:
+    assert load_config(None, ["model=m"], check_files=False).loss_chunk == "auto"
+    assert load_config(None, ["model=m", "loss_chunk=256"], check_files=False).loss_chunk == 256
 
 
 def test_did_you_mean_for_unknown_key(tmp_path: Path) -> None:

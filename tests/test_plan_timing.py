@@ -355,3 +355,30 @@ def test_sharded_strategies_reduce_scatter_every_micro_batch_unless_no_sync() ->
     assert once.comm_s == pytest.approx(4 * 2 * gather + scatter, rel=0.02)
     assert every.bound == "comm" and every.step_s > once.step_s
     assert step_time(shape, w, hw, "zero2").comm_s == pytest.approx(4 * (gather + scatter), rel=0.02)
+
+
+def test_auto_loss_chunk_by_vocabulary_and_card() -> None:
+    """`loss_chunk: auto` keeps a chunk's fp32 logits within 32 MiB, never below the rows that keep the head's
+    matmul compute-bound on the card; the plan times and sizes the chunks a run on that card takes."""
+    from shardfit.config.support import loss_chunk_rows
+    from shardfit.plan.estimate import logits_bytes, with_loss_chunk
+    from shardfit.plan.hardware import Hardware
+
+    h100 = card_of(Hardware(1, 1, 80, 512, "h100"))
+    assert h100.compute_bound_rows("bf16") == 296  # 989 TFLOP/s over 3.35 TB/s, one FLOP per byte and row
+    assert h100.compute_bound_rows("fp32") == 40  # fp32: 67 TFLOP/s, two bytes per FLOP and row
+    assert loss_chunk_rows("auto", 151936, 296) == 512
+    assert loss_chunk_rows("auto", 49152, 87) == 128  # this bench's CPU: 865 GFLOP/s bf16 over 10 GB/s
+    assert loss_chunk_rows("auto", 151936) == 64  # never fewer than 64 rows
+    assert loss_chunk_rows("auto", 2048, 296) == 1024  # at most 1024
+    assert loss_chunk_rows(300, 151936, 296) == 300  # as set
+    qwen = resolve_shape("Qwen/Qwen2.5-7B-Instruct")
+    w = Workload(method="lora", seq_len=4096, micro_batch=1)
+    assert with_loss_chunk(qwen, w, parse_gpus("1xH100")).loss_chunk == 512
+    assert with_loss_chunk(qwen, dataclasses.replace(w, loss_chunk=100), parse_gpus("1xH100")).loss_chunk == 100
+    # Each chunk after the first is launched from the host: smaller chunks, more host time per micro-batch.
+    fewer, more = (host_dispatch_s(qwen, dataclasses.replace(w, loss_chunk=c)) for c in (1024, 64))
+    assert more - fewer == pytest.approx((4096 // 64 - 4096 // 1024) * (19 * 8e-6 + 7.3 * 1e-6), rel=1e-6)
+    # At the loss: a chunk's fp32 logits and their 16-bit gradient, per row.
+    small, large = (logits_bytes(qwen, dataclasses.replace(w, loss_chunk=c)) for c in (512, 1024))
+    assert large - small == 512 * qwen.vocab * (4 + 2)

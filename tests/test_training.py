@@ -97,6 +97,7 @@ def test_full_finetune_saves_hf_model(tmp_path: Path, tiny_qwen2: Path, small_da
     after = saved.state_dict()
     changed = [k for k, v in before.items() if not torch.equal(v.float(), after[k].float())]
     assert len(changed) == len(before)  # every weight trains in a full fine-tune
+    assert result.summary["loss_chunk"] == 1024  # `auto` with a tiny vocabulary: the most rows a chunk takes
 
 
 def test_freeze_trains_only_chosen_modules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:

@@ -107,6 +107,12 @@ def _choice(value: Any) -> str:
 
 
 def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
+    if typing.get_origin(hint) is typing.Literal:
+        return " or ".join(repr(v) for v in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
@@ -121,6 +127,8 @@ def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
         return False, value
     if hint is type(None):
         return value is None, value
+    if origin is typing.Literal:
+        return value in typing.get_args(hint), value
     if hint is Any:
         return True, value
     if origin is list:

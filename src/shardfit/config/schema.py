@@ -4,7 +4,7 @@ what docs/reference.md shows), with the allowed values of each choice key."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shardfit import strategy
 
@@ -98,7 +98,11 @@ class Config:
                                            "else transformers' default (SDPA); on a GPU without compiled blocks, SDPA "
                                            "leaves out cuDNN's kernel when its plans, one per new row shape, would "
                                            "cost over 5% of the run's predicted time")
-    loss_chunk: int = key(1024, "rows of logits the chunked loss materialises at once", ge=1)
+    loss_chunk: int | Literal["auto"] = key("auto", "rows of logits the chunked loss materialises at once: auto (the "
+                                                    "most whose fp32 logits fit 32 MiB, but no fewer than keep the "
+                                                    "head's matmul compute-bound on the device: for a 49k vocabulary "
+                                                    "128 rows on the bench's CPU, 512 on an H100; at most 1024) or a "
+                                                    "number", ge=1)
     save_steps: int = key(200, "steps between resumable checkpoints", ge=1)
     save_limit: int = key(3, "checkpoints kept (the newest ones; the newest is never deleted)", ge=1)
     profile_steps: int = key(0, "optimizer steps to profile with torch.profiler after the process's first (0: none): "

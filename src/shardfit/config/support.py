@@ -7,6 +7,15 @@ import importlib.util
 from shardfit.config.schema import METHODS, Config
 from shardfit.errors import UserError
 
+# `loss_chunk: auto`: a chunk of the loss holds its fp32 logits, a 16-bit copy and their gradient at once
+# (train/loss.py), so rows x vocab x 4 bytes sets the loss's transient memory; with a large vocabulary 1024 rows of
+# it were the largest thing alive in a small model's step. A chunk gets 32 MiB of fp32 logits, but never fewer rows
+# than keep its matmul against the head computing faster than it reads the head's weight (plan/cards.py
+# `Card.compute_bound_rows`): fewer rows would make the head's matmuls wait on memory.
+LOSS_CHUNK_BYTES = 32 * 2**20
+LOSS_CHUNK_MIN_ROWS = 64
+LOSS_CHUNK_MAX_ROWS = 1024
+
 TORCHAO_HINT = "pip install -c constraints.txt torchao==0.18.0 (or `pip install shardfit[qlora]`; `make setup` " \
                "installs it)"
 
@@ -31,3 +40,15 @@ def require_method_support(cfg: Config) -> None:
         raise UserError(f"'method: {cfg.method}' needs torchao, which stores the frozen weights in 4 bits (NF4) and "
                         f"lets FSDP2 shard them: {TORCHAO_HINT}. Or use 'method: lora' (frozen weights in the "
                         "compute precision).")
+
+
+def loss_chunk_rows(setting: int | str, vocab: int, min_rows: int = LOSS_CHUNK_MIN_ROWS) -> int:
+    """Rows of logits the chunked loss computes at once: `loss_chunk` as set, or for `auto` the largest power of two
+    whose fp32 logits fit LOSS_CHUNK_BYTES, at least `min_rows` (rounded up to a power of two) and
+    LOSS_CHUNK_MIN_ROWS, at most LOSS_CHUNK_MAX_ROWS."""
+    if setting != "auto":
+        return int(setting)
+    fit = LOSS_CHUNK_BYTES // (4 * max(vocab, 1))
+    fit = 1 << (fit.bit_length() - 1) if fit >= 1 else 1
+    floor = max(LOSS_CHUNK_MIN_ROWS, 1 << max(0, int(min_rows) - 1).bit_length())
+    return min(LOSS_CHUNK_MAX_ROWS, max(floor, fit))

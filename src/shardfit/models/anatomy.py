@@ -34,6 +34,13 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
+def output_vocab(model: nn.Module) -> int:
+    """Rows of the output head's weight: the logits per position (a LoRA-wrapped head reports its base's)."""
+    _, head = decoder_and_head(model)
+    out = getattr(head, "out_features", None)
+    return int(out) if out is not None else int(head.weight.shape[0])
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder layers, in order (the units of FSDP, checkpointing and compilation)."""
     decoder, _ = decoder_and_head(model)

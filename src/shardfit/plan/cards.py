@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -36,6 +37,14 @@ class Card:
     def peak(self, precision: str) -> float:
         """The FLOP rate a training step in `precision` reaches (its achievable fraction of the peak)."""
         return (self.fp32_flops if precision == "fp32" else self.bf16_flops) * self.hfu
+
+    def compute_bound_rows(self, precision: str) -> int:
+        """Rows a matmul against a weight needs before the card computes it faster than it reads the weight:
+        [rows x k] @ [k x n] does 2 rows k n FLOPs on k n weight elements, `rows` FLOPs per byte of a 16-bit weight
+        (half as many of an fp32 one), against the card's FLOPs per byte of memory bandwidth."""
+        fp32 = precision == "fp32"
+        flops_per_byte = (self.fp32_flops if fp32 else self.bf16_flops) / self.hbm
+        return math.ceil(flops_per_byte * (2 if fp32 else 1))
 
 
 @cache

@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from shardfit import strategy as strategies
+from shardfit.config.support import LOSS_CHUNK_MAX_ROWS, loss_chunk_rows
 from shardfit.plan import quant
+from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.shapes import ModelShape
@@ -26,7 +28,6 @@ GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5
 NCCL_GIB = 0.5
 ALLOCATOR_RESERVE = 0.08
-LOSS_CHUNK = 1024
 # transformers' own causal-LM loss (what the HF Trainer, LLaMA-Factory, axolotl and TRL run) over every position.
 # In backward: the saved fp32 log-softmax, its incoming gradient and the gradient it produces, all fp32 (the 16-bit
 # logits are gone: the Trainer drops the model output before backward). Measured per logit element with MemTracker
@@ -440,7 +441,7 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
         return elements * (c + (0 if w.compile else 4)) + elements / OUTPUT_CHUNKS * 4 + head_cast
     if phase == "backward":
         return 0.0
-    rows = min(LOSS_CHUNK, tokens)
+    rows = min(w.loss_chunk or LOSS_CHUNK_MAX_ROWS, tokens)
     # In fp32 the upcast and the gradient's cast are no-ops: one fp32 chunk, its gradient computed in place.
     b = rows * shape.vocab * (4 + (c if c < 4 else 0)) + tokens * shape.hidden * residual_bytes(w, strategy) + \
         head_cast
@@ -478,6 +479,14 @@ def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
                                             stem=not w.trains_adapters)
 
 
+def with_loss_chunk(shape: ModelShape, w: Workload, hw: Hardware) -> Workload:
+    """`w` with the rows of its chunked loss decided as a run on `hw` decides `loss_chunk: auto`."""
+    if w.loss_chunk:
+        return w
+    rows = loss_chunk_rows("auto", shape.vocab, card_of(hw).compute_bound_rows(w.precision))
+    return replace(w, loss_chunk=rows)
+
+
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:
     """Per-GPU peak memory of `strategy` (the most loaded GPU) and whether it fits.
 
@@ -487,6 +496,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     breakdown is the one reported, so the columns add up to what is allocated at one moment."""
     n = hw.world
     shape = planned_shape(shape, w)
+    w = with_loss_chunk(shape, w, hw)
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import compute_bytes, planned_shape, trainable_params
+from shardfit.plan.estimate import compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
@@ -89,6 +89,10 @@ LAYER_OPS: dict[tuple[str, bool, bool], tuple[int, int, int]] = {
 # Dropout on the adapters (lora7, lora_dropout 0.05): extra kernels per adapted linear, by checkpointing.
 DROPOUT_OPS = {False: (222 - 187) / 7, True: (324 - 261) / 7}
 FIXED_OPS = (50, 25)  # embedding, final norm, head and loss, once per micro-batch (kernels, views)
+# shardfit's chunked loss: what each chunk after the first adds (kernels, views), by whether the head trains and
+# autocast, counted by bench/dispatch_ops.py (`loss/...`).
+LOSS_CHUNK_OPS = {(True, False): (16.0, 8.3), (True, True): (21.0, 8.3),
+                  (False, False): (15.0, 7.3), (False, True): (19.0, 7.3)}
 # Bytes per token that one decoder layer's non-matmul kernels read and write in a training micro-batch (forward +
 # backward (+ recomputation)), as coefficients (a, b, c, d) of a*h + b*i + c*q + d*kv (hidden, intermediate,
 # heads*head_dim, kv_heads*head_dim), eager and compiled (inductor), counted by bench/elementwise_bytes.py (torch
@@ -201,6 +205,12 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
     k, v = dispatch_ops_per_layer(w)
     kernels = shape.layers * k + FIXED_OPS[0]
     views = shape.layers * v + (0 if w.compile else FIXED_OPS[1])
+    if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
+        extra = max(0, -(-w.seq_len * w.micro_batch // w.loss_chunk) - 1)
+        autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+        ck, cv = LOSS_CHUNK_OPS[(w.method == "full", autocast)]
+        kernels += extra * ck
+        views += extra * cv
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
 
 
@@ -344,6 +354,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     s = strategies.get(strategy)
     card = card_of(hw)
     shape = planned_shape(shape, w)
+    w = with_loss_chunk(shape, w, hw)
     tokens = w.seq_len * w.micro_batch
     flops = step_flops_per_token(shape, w) * tokens
     # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own

@@ -37,6 +37,9 @@ class Workload:
     # transformers 4.46-4.48, which copied the shifted fp32 logits; full_shift16: a GPT-2-style loss that copies the
     # shifted 16-bit logits and leaves the upcast to autocast's cross-entropy (remote code such as Qwen v1's)
     loss: str = "chunked"
+    # Rows of logits per chunk of the `chunked` loss; 0: `loss_chunk: auto`, decided by the vocabulary and the card
+    # (plan/estimate.py `with_loss_chunk`).
+    loss_chunk: int = 0
     # sdpa: torch's SDPA over shardfit's rows, which hold several examples (packing) or padding, so transformers
     # builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention (variable lengths,
     # no dense mask), or SDPA over rows of one unpadded example; eager: the scores are saved
@@ -118,6 +121,7 @@ def workload_of(cfg: Config) -> Workload:
                     # `compile: auto` is decided at train time; planning it as eager errs on the large side.
                     compile=cfg.compile is True or cfg.compile == "true",
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
+                    loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower)
 
 

@@ -33,7 +33,7 @@ from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
 from shardfit.models.quantize import nf4_to_empty
 from shardfit.parallel.parallelize import parallelize
-from shardfit.plan.estimate import Candidate, estimate
+from shardfit.plan.estimate import Candidate, estimate, with_loss_chunk
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, with_candidates
 from shardfit.plan.shapes import ModelShape, hf_config
@@ -276,7 +276,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             nf4_to_empty(model, "cpu")
             base_model(model).tie_weights()  # to_empty gives each parameter its own storage; ties must share one
             module = (ModelOwnLoss(model, w.loss) if w.loss in FULL_LOSSES
-                      else CausalLMLoss(model, all_labelled=True))
+                      else CausalLMLoss(model, with_loss_chunk(shape, w, hw).loss_chunk, all_labelled=True))
             module = parallelize(module, s, device=torch.device("cpu"), world=world, precision=w.precision,
                                  grad_ckpt=w.grad_ckpt, mesh=mesh)
             optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0)

@@ -27,7 +27,7 @@ from shardfit.check.findings import Finding, is_ok, refuse_unfixable
 from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
-from shardfit.config.support import require_method_support
+from shardfit.config.support import loss_chunk_rows, require_method_support
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
@@ -39,7 +39,7 @@ from shardfit.gc_policy import end_of_startup
 from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.adapters import skip_adapter_input_casts
-from shardfit.models.anatomy import input_device, vision_body
+from shardfit.models.anatomy import input_device, output_vocab, vision_body
 from shardfit.models.build import attention_kernels, build_model, load_tokenizer, use_attention, weights_cached
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
@@ -56,6 +56,7 @@ from shardfit.parallel.defaults import (
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
+from shardfit.plan.cards import card_of
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom, tokens_per_s_at
 from shardfit.plan.hardware import job_hardware
 from shardfit.plan.plan import Plan
@@ -140,6 +141,7 @@ class FineTune:
         self.lock: RunLock | None = None
         self.profiler: StepProfiler | None = None
         self.cudnn_attention: bool | None = None  # whether SDPA could pick cuDNN's kernel (GPU runs decide)
+        self.loss_chunk: int | None = None  # rows per chunk of the loss (setup decides `auto`)
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
@@ -253,7 +255,10 @@ class FineTune:
         findings = preflight(self.model, cfg, s, env.world, self.plan)
         quantized = quantized_placement_rules(self.model, env.device, env.world)
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
-        loss_module = CausalLMLoss(self.model, cfg.loss_chunk)
+        # `loss_chunk: auto` as the plan decided it: by the vocabulary and this device's rates.
+        min_rows = card_of(self.plan.hardware).compute_bound_rows(cfg.precision)
+        self.loss_chunk = loss_chunk_rows(cfg.loss_chunk, output_vocab(self.model), min_rows)
+        loss_module = CausalLMLoss(self.model, self.loss_chunk)
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
                                        grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
         if s.engine != "device_map" and not s.offload:
@@ -466,6 +471,7 @@ class FineTune:
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world, "allocator": self.malloc,
                    "cudnn_attention": self.cudnn_attention if env.device.type == "cuda" else None,
+                   "loss_chunk": self.loss_chunk,
                    "examples_per_step": self.batches.global_examples,
                    "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
