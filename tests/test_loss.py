@@ -39,6 +39,34 @@ def test_chunked_equals_plain_with_grads(head_trains: bool, chunk: int) -> None:
         torch.testing.assert_close(gw, head.weight.grad, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("head_trains", [False, True])
+def test_a_forward_without_autograd_computes_the_loss_alone(head_trains: bool) -> None:
+    """Evaluation runs under no_grad: the same loss, one matmul per chunk and no gradient buffers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ in ("mm", "addmm", "addmm_", "matmul")
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 30, 16, requires_grad=True)
+    head = nn.Linear(16, 300, bias=False).requires_grad_(head_trains)
+    y = torch.randint(0, 300, (2, 30))
+    with Matmuls() as with_grad:
+        ref, n_ref = chunked_cross_entropy(h, head, y, chunk=8)
+    with torch.no_grad(), Matmuls() as without:
+        loss, n = chunked_cross_entropy(h, head, y, chunk=8)
+    chunks = 60 // 8 + 1
+    assert n == n_ref == 60 and without.n == chunks and with_grad.n == chunks * (3 if head_trains else 2)
+    torch.testing.assert_close(loss, ref.detach())
+    assert not loss.requires_grad
+
+
 def test_wrapped_head_falls_back_and_matches() -> None:
     torch.manual_seed(0)
     h = torch.randn(2, 10, 8, requires_grad=True)

@@ -23,6 +23,24 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def _chunk_loss(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's fp32 logits, their log-sum-exp per row, and the chunk's summed cross-entropy."""
+    logits = _upcast(hc @ w.t())
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits, lse, (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+
+
+def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk: int,
+                       compute_dtype: torch.dtype) -> torch.Tensor:
+    """The summed loss alone, chunk by chunk, for a forward without autograd (evaluation): none of the gradient
+    work `_LinearCrossEntropy` does in its forward pass."""
+    w = weight.to(compute_dtype)
+    total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+    for s in range(0, h.shape[0], chunk):
+        total += _chunk_loss(h[s:s + chunk].to(compute_dtype), w, y[s:s + chunk])[2]
+    return total
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows of CE(h @ W^T, y), with grads for h and (if it trains) W computed chunk by chunk."""
 
@@ -38,9 +56,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             hc = h[s:s + chunk].to(compute_dtype)
             yc = y[s:s + chunk]
-            logits = _upcast(hc @ w.t())
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+            logits, lse, loss = _chunk_loss(hc, w, yc)
+            total += loss
             # d(CE)/d(logits) = softmax - onehot, computed in place over the chunk's logits.
             logits.sub_(lse[:, None]).exp_()
             logits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1.0
@@ -89,6 +106,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     if plain:
         h, y = h.to(weight.device), y.to(weight.device)  # model_parallel: the head may sit on another GPU
         with torch.autocast(h.device.type, enabled=False):
+            if not torch.is_grad_enabled():
+                return _cross_entropy_sum(h, weight, y, chunk, compute_dtype), n
             return _LinearCrossEntropy.apply(h, weight, y, chunk, compute_dtype), n
     # A wrapped head (LoRA on lm_head, a bias): recompute each chunk's logits in backward instead.
     def piece(hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
