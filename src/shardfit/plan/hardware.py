@@ -15,8 +15,10 @@ CARDS = {
     "a100": 79.2, "a100-40g": 39.4, "a100-80g": 79.2, "h100": 79.2, "h100-80g": 79.2, "h200": 139.8,
     "h20": 94.5, "a800": 79.2, "h800": 79.2, "b200": 178.0, "mi300x": 191.5, "5090": 31.4,
     "a40": 44.5, "a30": 23.5, "6000ada": 47.5, "4070ti": 11.6, "4060ti": 15.6, "2080ti": 10.6, "h100-94g": 93.1,
-    "mi250x": 63.9, "titan": 23.6,
+    "mi250x": 63.9, "titan": 23.6, "h100-pcie": 79.2, "h100-nvl": 93.1,
 }
+# Form factors the table times apart from the card's SXM module (other memory, clocks and links).
+FORM_FACTORS = ("pcie", "nvl")
 # Cards sold with two memory sizes: the bare name means the larger one, and the plan says so.
 AMBIGUOUS = {"a100": "A100 taken as the 80 GB card; write A100-40G for the 40 GB one",
              "v100": "V100 taken as the 32 GB card; write V100-16G for the 16 GB one"}
@@ -62,12 +64,18 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
 def card_key(name: str) -> str:
     """A card name as the table spells it: `NVIDIA GeForce RTX 3090` -> `3090`, `A100-80GB` -> `a100-80g`, and
     the driver's names (`NVIDIA H100 80GB HBM3` -> `h100-80g`, `NVIDIA A100-SXM4-40GB` -> `a100-40g`,
-    `NVIDIA RTX 6000 Ada Generation` -> `6000ada`)."""
+    `NVIDIA RTX 6000 Ada Generation` -> `6000ada`, `NVIDIA H100 PCIe` -> `h100-pcie`)."""
     key = name.lower()
     for word in ("nvidia", "geforce", "tesla", "rtx", "amd", "instinct", "pcie", "sxm"):
         key = key.replace(word, "")
     key = key.replace(" ", "").replace("_", "-").strip("-").replace("gb", "g")
-    return key if key in CARDS else _driver_name_key(name) or key
+    key = key if key in CARDS else _driver_name_key(name) or key
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    for form in FORM_FACTORS:  # `NVIDIA H100 PCIe`, `H100-NVL`: the form factor's own row where there is one
+        variant = f"{key.split('-')[0]}-{form}"
+        if form in words and variant in CARDS:
+            return variant
+    return key
 
 
 def _driver_name_key(name: str) -> str | None:
