@@ -58,7 +58,7 @@ from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.cards import card_of
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom, tokens_per_s_at
-from shardfit.plan.hardware import job_hardware
+from shardfit.plan.hardware import Hardware, job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
@@ -142,6 +142,7 @@ class FineTune:
         self.profiler: StepProfiler | None = None
         self.cudnn_attention: bool | None = None  # whether SDPA could pick cuDNN's kernel (GPU runs decide)
         self.loss_chunk: int | None = None  # rows per chunk of the loss (setup decides `auto`)
+        self.hardware: Hardware | None = None  # the job's devices, as the plan sees them (setup reads them)
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
@@ -170,7 +171,10 @@ class FineTune:
             # On a CPU the time model needs this machine's matmul rate (measured once per process, 10 ms).
             rates = (cpu_matmul_gflops(torch.float32), cpu_matmul_gflops(torch.bfloat16)) \
                 if env.device.type == "cpu" else None
-            self.plan = plan_for_config(cfg, job_hardware(env.device.type, env.world, rates))
+            self.hardware = job_hardware(env.device.type, env.world, rates)
+            self.plan = plan_for_config(cfg, self.hardware)  # None where the model's shape cannot be read
+        else:
+            self.hardware = self.plan.hardware
         self.strategy = resolve_strategy(cfg, env, self.plan)
         refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later).
@@ -256,7 +260,7 @@ class FineTune:
         quantized = quantized_placement_rules(self.model, env.device, env.world)
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
         # `loss_chunk: auto` as the plan decided it: by the vocabulary and this device's rates.
-        min_rows = card_of(self.plan.hardware).compute_bound_rows(cfg.precision)
+        min_rows = card_of(self.hardware).compute_bound_rows(cfg.precision)
         self.loss_chunk = loss_chunk_rows(cfg.loss_chunk, output_vocab(self.model), min_rows)
         loss_module = CausalLMLoss(self.model, self.loss_chunk)
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
