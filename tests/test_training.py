@@ -18,7 +18,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from shardfit.config import load_config
-from shardfit.parallel.env import init_distributed
+from shardfit.config.support import loss_chunk_rows
+from shardfit.parallel.env import cpu_matmul_gflops, init_distributed
+from shardfit.plan.cards import card_of
+from shardfit.plan.hardware import job_hardware
 from shardfit.train.recipe import train
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
@@ -97,7 +100,10 @@ def test_full_finetune_saves_hf_model(tmp_path: Path, tiny_qwen2: Path, small_da
     after = saved.state_dict()
     changed = [k for k, v in before.items() if not torch.equal(v.float(), after[k].float())]
     assert len(changed) == len(before)  # every weight trains in a full fine-tune
-    assert result.summary["loss_chunk"] == 1024  # `auto` with a tiny vocabulary: the most rows a chunk takes
+    # `loss_chunk: auto` from the model's vocabulary and this machine's card, as the plan decides it.
+    rates = (cpu_matmul_gflops(torch.float32), cpu_matmul_gflops(torch.bfloat16))
+    min_rows = card_of(job_hardware("cpu", 1, rates)).compute_bound_rows("bf16")
+    assert result.summary["loss_chunk"] == loss_chunk_rows("auto", saved.config.vocab_size, min_rows) < 1024
 
 
 def test_freeze_trains_only_chosen_modules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
