@@ -479,12 +479,16 @@ def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
                                             stem=not w.trains_adapters)
 
 
+def loss_chunk_for(setting: int | str, vocab: int, hw: Hardware, precision: str) -> int:
+    """Rows per chunk of the chunked loss: `loss_chunk` as set, or `auto` for `vocab` on `hw`'s card."""
+    return loss_chunk_rows(setting, vocab, card_of(hw).compute_bound_rows(precision))
+
+
 def with_loss_chunk(shape: ModelShape, w: Workload, hw: Hardware) -> Workload:
     """`w` with the rows of its chunked loss decided as a run on `hw` decides `loss_chunk: auto`."""
     if w.loss_chunk:
         return w
-    rows = loss_chunk_rows("auto", shape.vocab, card_of(hw).compute_bound_rows(w.precision))
-    return replace(w, loss_chunk=rows)
+    return replace(w, loss_chunk=loss_chunk_for("auto", shape.vocab, hw, w.precision))
 
 
 def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Candidate:

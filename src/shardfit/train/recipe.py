@@ -27,7 +27,7 @@ from shardfit.check.findings import Finding, is_ok, refuse_unfixable
 from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
-from shardfit.config.support import loss_chunk_rows, require_method_support
+from shardfit.config.support import require_method_support
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
@@ -56,8 +56,8 @@ from shardfit.parallel.defaults import (
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
-from shardfit.plan.cards import card_of
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom, tokens_per_s_at
+from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import Hardware, job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
@@ -259,9 +259,8 @@ class FineTune:
         findings = preflight(self.model, cfg, s, env.world, self.plan)
         quantized = quantized_placement_rules(self.model, env.device, env.world)
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
-        # `loss_chunk: auto` as the plan decided it: by the vocabulary and this device's rates.
-        min_rows = card_of(self.hardware).compute_bound_rows(cfg.precision)
-        self.loss_chunk = loss_chunk_rows(cfg.loss_chunk, output_vocab(self.model), min_rows)
+        # `loss_chunk: auto` as the plan decides it: by the vocabulary and this device's rates.
+        self.loss_chunk = loss_chunk_for(cfg.loss_chunk, output_vocab(self.model), self.hardware, cfg.precision)
         loss_module = CausalLMLoss(self.model, self.loss_chunk)
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
                                        grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
