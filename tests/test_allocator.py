@@ -79,7 +79,8 @@ def test_the_preloaded_environment_keeps_the_users_own() -> None:
     env = preload_environment({"LD_PRELOAD": "/opt/libfoo.so", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}, a)
     assert env["LD_PRELOAD"] == f"{a.path}{os.pathsep}/opt/libfoo.so"
     assert env[PRELOADED_ENV] == f"tcmalloc:{a.path}" and env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5"
-    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128" and env["LRU_CACHE_CAPACITY"] == "16"
+    assert preload_environment({"LRU_CACHE_CAPACITY": "1024"}, a)["LRU_CACHE_CAPACITY"] == "1024"
     assert preload_environment({}, a)["LD_PRELOAD"] == a.path
 
 
@@ -141,3 +142,48 @@ def test_release_hands_freed_pages_back_to_the_system(name: str) -> None:
     assert r["name"] == ("glibc" if name == "system" else name)
     assert r["peak"] - r["before"] > 150
     assert r["after"] < r["before"] + 40, r
+
+
+_NEW_MATMUL_SHAPES = """
+import ctypes, json, torch
+lib = ctypes.CDLL(None)
+
+def live_mib():
+    v = ctypes.c_size_t()
+    lib.MallocExtension_GetNumericProperty(b"generic.current_allocated_bytes", ctypes.byref(v))
+    return v.value / 2**20
+
+w = torch.randn(256, 256, dtype=torch.bfloat16)
+torch.randn(16, 256, dtype=torch.bfloat16) @ w  # the first matmul's one-time setup, outside the count
+before = live_mib()
+for rows in range(16, 16 * 201, 16):  # a new row count every time, as packed rows of a new width bring
+    x = torch.randn(rows, 256, dtype=torch.bfloat16, requires_grad=True)
+    (x @ w).sum().backward()
+print(json.dumps({"growth": live_mib() - before}))
+"""
+
+
+def test_the_matmul_caches_stop_growing_with_new_shapes() -> None:
+    """200 bf16 matmul shapes, forward and backward: the live heap grows by what the kernel caches keep. The
+    re-executed process's LRU_CACHE_CAPACITY bounds PyTorch's cache of whole oneDNN computations, which by
+    default keeps 1024 of them."""
+    import json
+    import subprocess
+    import sys
+
+    lib = find("tcmalloc", library_dirs())
+    if lib is None:
+        pytest.skip("the live heap is read from tcmalloc, which is not installed here")
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LRU_CACHE_CAPACITY")}
+    growth = {}
+    for capacity in (None, "1024"):
+        env = preload_environment(base, Allocator("tcmalloc", lib.path))
+        env["OMP_NUM_THREADS"] = "1"
+        if capacity:
+            env["LRU_CACHE_CAPACITY"] = capacity
+        out = subprocess.run([sys.executable, "-c", _NEW_MATMUL_SHAPES], env=env, capture_output=True, text=True,
+                             check=True)
+        growth[capacity] = json.loads(out.stdout)["growth"]
+    if growth["1024"] < 30:
+        pytest.skip(f"bf16 matmuls here do not go through oneDNN's cached computations ({growth})")
+    assert growth[None] < 0.5 * growth["1024"], growth

@@ -22,6 +22,7 @@ from shardfit.parallel.defaults import (
     EAGER_ATTENTION_BF16_MAX_WIDTH,
     EAGER_ATTENTION_MAX_LEN,
     cudnn_attention_allowed,
+    eager_attention_max_width,
     resolve_attention,
     resolve_compile,
     resolve_speed_settings,
@@ -48,18 +49,42 @@ def test_attention_auto_follows_device_compile_and_row_shape() -> None:
 
 
 def test_attention_auto_for_short_bf16_rows_on_cpu() -> None:
-    """Uncompiled bf16 on CPU: eager attention where the typical micro-batch is short, SDPA where it is wide or not
-    known yet, and never for fp32, compiled blocks or GPUs."""
-    short, wide = EAGER_ATTENTION_BF16_MAX_WIDTH, EAGER_ATTENTION_BF16_MAX_WIDTH + 1
-    assert resolve_attention("auto", "cpu", True, 1024, False, "bf16", typical_width=short) == "eager"
-    assert resolve_attention("auto", "cpu", True, 1024, False, "bf16", typical_width=wide) == "auto"
-    assert resolve_attention("auto", "cpu", True, 1024, False, "bf16", typical_width=None) == "auto"
-    assert resolve_attention("auto", "cpu", True, 1024, False, "fp32", typical_width=short) == "auto"
-    assert resolve_attention("auto", "cuda", True, 1024, False, "bf16", typical_width=short) == "auto"
-    assert resolve_attention("sdpa", "cpu", True, 1024, False, "bf16", typical_width=short) == "sdpa"
+    """Uncompiled bf16 on CPU: eager attention for the micro-batches up to the measured width, the model's kernel
+    above it; never for fp32, compiled blocks, GPUs or a named kernel. The config keeps `auto`."""
+    assert eager_attention_max_width("auto", "cpu", False, "bf16") == EAGER_ATTENTION_BF16_MAX_WIDTH
+    assert eager_attention_max_width("auto", "cpu", False, "fp32") == 0
+    assert eager_attention_max_width("auto", "cpu", True, "bf16") == 0
+    assert eager_attention_max_width("auto", "cuda", False, "bf16") == 0
+    assert eager_attention_max_width("sdpa", "cpu", False, "bf16") == 0
     cfg = Config(max_seq_len=1024, precision="bf16")
     assert resolve_speed_settings(cfg, "cpu").attn_implementation == "auto"
-    assert resolve_speed_settings(cfg, "cpu", typical_width=100).attn_implementation == "eager"
+
+
+def test_attention_by_width_switches_per_micro_batch() -> None:
+    """The switch sets eager attention for narrow micro-batches and the loaded kernel for wide ones, counts each,
+    and the loss is the same under both kernels."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from shardfit.models.attention_by_width import AttentionByWidth
+    from shardfit.train.loss import CausalLMLoss
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+    assert AttentionByWidth.for_model(model, 0) is None
+    switch = AttentionByWidth.for_model(model, 8)
+    assert switch is not None and switch.wide == "sdpa"
+    loss = CausalLMLoss(model, chunk=4, attention=switch)
+    ids = torch.randint(1, 64, (2, 8))
+    narrow, _ = loss(ids, None, ids)
+    assert model.config._attn_implementation == "eager"
+    wide_ids = torch.cat([ids, ids], dim=1)
+    loss(wide_ids, None, wide_ids)
+    assert model.config._attn_implementation == "sdpa"
+    again, _ = CausalLMLoss(model, chunk=4)(ids, None, ids)  # the same rows under SDPA
+    assert torch.allclose(narrow, again, rtol=1e-4)
+    assert dict(switch.used) == {"eager": 1, "sdpa": 1}
 
 
 def test_cudnn_attention_only_where_its_plans_pay() -> None:
@@ -143,16 +168,6 @@ def test_row_widths_are_rounded_only_for_bf16_on_cpu() -> None:
     assert row_width_multiple("cpu", "fp32", compiled=False) == 1
     assert row_width_multiple("cpu", "bf16", compiled=True) == 1  # compiled runs pad to max_seq_len already
     assert row_width_multiple("cuda", "bf16", compiled=False) == 1
-
-
-def test_typical_width_is_the_median_micro_batch_width() -> None:
-    """The widest row of each micro-batch (what padding makes every row), median over the first steps."""
-    lengths = [10, 20, 300, 40, 50, 60, 70, 80]
-    rows = [Encoded(list(range(n)), [1] * n) for n in lengths]
-    schedule = BatchSchedule(rows, micro_batch=2, grad_accum=1, world=1, rank=0, seed=0)
-    widths = sorted(max(len(r) for r in schedule.step(k).micro_batches[0]) for k in range(4))
-    assert schedule.typical_width() == widths[2]
-    assert schedule.typical_width(steps=1) == max(len(r) for r in schedule.step(0).micro_batches[0])
 
 
 def test_resolved_config_and_the_keys(tmp_path: Path) -> None:

@@ -230,12 +230,18 @@ def test_attn_implementation_key(tmp_path: Path, tiny_qwen2: Path, small_data: P
 
 
 def test_auto_attention_follows_the_rows_in_bf16_on_cpu(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
-    """bf16 on CPU, uncompiled: `auto` attention becomes eager when the data's micro-batches are short (the demo rows
-    are), and config.yaml records what ran."""
-    cfg = load_config(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=1, precision="bf16", resume="never"))
+    """bf16 on CPU, uncompiled: `auto` attention runs eager for the short micro-batches (the demo rows are) and
+    SDPA for wide ones; summary.json counts them and config.yaml keeps `auto`."""
+    cfg = load_config(_cfg(tmp_path, tiny_qwen2, small_data, max_steps=2, precision="bf16", resume="never"))
     result = train(cfg, init_distributed(), quiet=True)
+    assert result.summary["attention_by_width"] == {"eager": 2}
     assert result.model.config._attn_implementation == "eager"
-    assert load_config(result.run_dir / "config.yaml").attn_implementation == "eager"
+    assert load_config(result.run_dir / "config.yaml").attn_implementation == "auto"
+    fp32 = tmp_path / "fp32"
+    fp32.mkdir()
+    cfg = load_config(_cfg(fp32, tiny_qwen2, small_data, max_steps=1, precision="fp32", resume="never"))
+    result = train(cfg, init_distributed(), quiet=True)
+    assert result.summary["attention_by_width"] is None and result.model.config._attn_implementation == "sdpa"
 
 
 def test_packing_trains_the_steps_and_losses_of_an_unpacked_run(tmp_path: Path, tiny_llama: Path,

@@ -94,10 +94,11 @@ class Config:
                                       "waits for the compile, which did not pay on CPU")
     attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
                                            "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
-                                           "of at most 256 tokens (measured faster than SDPA's masked kernel there), "
-                                           "else transformers' default (SDPA); on a GPU without compiled blocks, SDPA "
-                                           "leaves out cuDNN's kernel when its plans, one per new row shape, would "
-                                           "cost over 5% of the run's predicted time")
+                                           "of at most 256 tokens (measured faster than SDPA's masked kernel there) "
+                                           "and, uncompiled in bf16 on CPU, for each micro-batch of rows at most 192 "
+                                           "tokens wide, else transformers' default (SDPA); on a GPU without compiled "
+                                           "blocks, SDPA leaves out cuDNN's kernel when its plans, one per new row "
+                                           "shape, would cost over 5% of the run's predicted time")
     loss_chunk: int | Literal["auto"] = key("auto", "rows of logits the chunked loss materialises at once: auto (the "
                                                     "most whose fp32 logits fit 32 MiB, but no fewer than keep the "
                                                     "head's matmul compute-bound on the device: for a 49k vocabulary "

@@ -138,12 +138,6 @@ class BatchSchedule:
         return [(len(micro), max(len(r) for r in micro)) for k in range(min(steps, self.steps_per_epoch))
                 for micro in self.step(k).micro_batches if micro]
 
-    def typical_width(self, steps: int = 32) -> int:
-        """The median width (tokens per row after padding) of this rank's micro-batches over the first `steps`
-        optimizer steps: what the attention kernel sees most of the run."""
-        widths = sorted(w for _, w in self.first_shapes(steps))
-        return widths[len(widths) // 2] if widths else 0
-
     def new_shape_share(self, steps: int = 32) -> float:
         """The share of this rank's micro-batches over the first `steps` optimizer steps that bring a shape no
         earlier one had: near 1 when widths change every step, near 0 when packed rows fill to one width."""

@@ -40,8 +40,13 @@ INSTALL_HINT = "apt install libtcmalloc-minimal4 (Debian/Ubuntu), dnf install gp
 # Set (unless the user set them) in the re-executed process. gperftools prints a line for every allocation over
 # 1 GiB (a CPU run's weights): not a user's business. oneDNN, which runs bf16 matmuls on a CPU, keeps up to 1024
 # kernels (one per matmul shape and direction) by default; a full fine-tune with row widths of 96-1024 held 1.28 GiB
-# at its peak with that and 1.20 GiB with 128, at the same speed (64: 1.17 GiB, 2 % slower).
-START_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}
+# at its peak with that and 1.20 GiB with 128, at the same speed (64: 1.17 GiB, 2 % slower). PyTorch's oneDNN
+# wrapper (ideep) keeps a second cache above it, of whole matmul computations by shape, 1024 deep unless
+# LRU_CACHE_CAPACITY says otherwise (intel/ideep#14): it grew by 70 MB of live heap over the same 48 steps, since
+# nearly every step brings a new row width, and at 16 the peak fell by 0.05 GiB at the same speed, the kernels
+# themselves still cached below it.
+START_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128",
+             "LRU_CACHE_CAPACITY": "16"}
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 
 

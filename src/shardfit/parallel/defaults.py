@@ -11,8 +11,10 @@ docs/training.md the rule in words).
   packed). In bf16 on a CPU with bf16 matrix units, uncompiled, the plain attention's batched matmuls run on those
   units while SDPA's CPU kernel does not gain as much: eager was 1.14-1.17x SDPA's step at 4 x 128 tokens and
   0.93-0.94x at 4 x 256 (bench/results/defaults_probe_bf16.json). So `auto` is `eager` for compiled blocks on CPU
-  with packed rows up to EAGER_ATTENTION_MAX_LEN tokens, and for uncompiled bf16 text models on CPU whose typical
-  micro-batch is at most EAGER_ATTENTION_BF16_MAX_WIDTH tokens wide; transformers' default (SDPA) everywhere else.
+  with packed rows up to EAGER_ATTENTION_MAX_LEN tokens; uncompiled bf16 text models on CPU run eager attention
+  for each micro-batch at most EAGER_ATTENTION_BF16_MAX_WIDTH tokens wide and SDPA for wider ones
+  (models/attention_by_width.py), which also keeps eager's saved probabilities, quadratic in the width, out of the
+  widest steps; transformers' default (SDPA) everywhere else.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shardfit.config import Config
 
 # Longest packed row at which compiled eager attention was measured faster than SDPA on CPU.
 EAGER_ATTENTION_MAX_LEN = 256
-# Widest typical micro-batch at which uncompiled bf16 eager attention is taken on CPU: between the widths measured
+# Widest micro-batch (tokens per row) that runs uncompiled bf16 eager attention on CPU: between the widths measured
 # faster (128) and slower (256) than SDPA.
 EAGER_ATTENTION_BF16_MAX_WIDTH = 192
 
@@ -35,20 +37,24 @@ def resolve_compile(value: bool | str, device_type: str, packing: bool) -> bool:
     return device_type == "cuda" and not packing
 
 
-def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: int, compiled: bool,
-                      precision: str = "fp32", typical_width: int | None = None) -> str:
+def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: int, compiled: bool) -> str:
     """`attn_implementation` for the run: `auto` becomes `eager` for compiled blocks on CPU with packed rows of at
-    most EAGER_ATTENTION_MAX_LEN tokens, and for uncompiled bf16 on CPU when the typical micro-batch (None: not
-    known yet) is at most EAGER_ATTENTION_BF16_MAX_WIDTH tokens wide; it stays `auto` (transformers' default,
-    SDPA) otherwise."""
+    most EAGER_ATTENTION_MAX_LEN tokens; it stays `auto` (transformers' default, SDPA, or the choice per
+    micro-batch of `eager_attention_max_width`) otherwise."""
     if value != "auto":
         return value
     if device_type == "cpu" and compiled and packing and max_seq_len <= EAGER_ATTENTION_MAX_LEN:
         return "eager"
-    if device_type == "cpu" and not compiled and precision == "bf16" and typical_width is not None \
-            and 0 < typical_width <= EAGER_ATTENTION_BF16_MAX_WIDTH:
-        return "eager"
     return "auto"
+
+
+def eager_attention_max_width(value: str, device_type: str, compiled: bool, precision: str) -> int:
+    """Under `auto` (as resolve_attention leaves it), the widest micro-batch in tokens per row that runs eager
+    attention, wider ones keeping the model's kernel: EAGER_ATTENTION_BF16_MAX_WIDTH for uncompiled bf16 on a CPU,
+    0 (one kernel for the whole run) elsewhere."""
+    if value == "auto" and device_type == "cpu" and not compiled and precision == "bf16":
+        return EAGER_ATTENTION_BF16_MAX_WIDTH
+    return 0
 
 
 # What a new input shape costs under SDPA with cuDNN's kernel, fwd and bwd plans together: on an H100 the first
@@ -90,10 +96,8 @@ def row_width_multiple(device_type: str, precision: str, compiled: bool) -> int:
     return 1
 
 
-def resolve_speed_settings(cfg: Config, device_type: str, typical_width: int | None = None) -> Config:
-    """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records);
-    `typical_width`: the data's typical micro-batch width, once the data is read (a second call may then turn an
-    `auto` attention into `eager`; a resolved value stays as it is)."""
+def resolve_speed_settings(cfg: Config, device_type: str) -> Config:
+    """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records)."""
     compiled = resolve_compile(cfg.compile, device_type, cfg.packing)
     return dataclasses.replace(cfg, compile=compiled, attn_implementation=resolve_attention(
-        cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled, cfg.precision, typical_width))
+        cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled))

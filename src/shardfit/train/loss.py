@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, vision_body
+from shardfit.models.attention_by_width import AttentionByWidth
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -24,10 +25,16 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_loss(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's fp32 logits, their log-sum-exp per row, and the chunk's summed cross-entropy."""
+    """One chunk's summed cross-entropy, and its fp32 logits turned in place into exp(logit - row max) with the
+    rows' sums (the softmax is their quotient). In place because the chunk's logits are the loss's largest buffer:
+    torch.logsumexp would allocate a second one of the same size for its exp."""
     logits = _upcast(hc @ w.t())
-    lse = torch.logsumexp(logits, dim=-1)
-    return logits, lse, (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+    picked = logits.gather(1, yc[:, None]).squeeze(1)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    exp = logits.sub_(row_max).exp_()
+    sums = exp.sum(dim=-1, keepdim=True)
+    loss = ((row_max + sums.log()).squeeze(1) - picked).sum()
+    return loss, exp, sums
 
 
 def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk: int,
@@ -37,7 +44,7 @@ def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, c
     w = weight.to(compute_dtype)
     total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
     for s in range(0, h.shape[0], chunk):
-        total += _chunk_loss(h[s:s + chunk].to(compute_dtype), w, y[s:s + chunk])[2]
+        total += _chunk_loss(h[s:s + chunk].to(compute_dtype), w, y[s:s + chunk])[0]
     return total
 
 
@@ -56,17 +63,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             hc = h[s:s + chunk].to(compute_dtype)
             yc = y[s:s + chunk]
-            logits, lse, loss = _chunk_loss(hc, w, yc)
+            loss, exp, sums = _chunk_loss(hc, w, yc)
             total += loss
             # d(CE)/d(logits) = softmax - onehot, computed in place over the chunk's logits.
-            logits.sub_(lse[:, None]).exp_()
+            logits = exp.div_(sums)
             logits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1.0
             g = logits.to(compute_dtype)
             grad_h[s:s + chunk] = (g @ w).to(h.dtype)
             if grad_w is not None:
                 # The fp32 gradient itself, not a widened copy of `g`: exact, and no third chunk-sized buffer.
                 grad_w.addmm_(logits.t().to(acc), hc.to(acc))
-            del logits, g
+            del logits, exp, g
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.want_w = want_w
         ctx.w_dtype = weight.dtype
@@ -75,7 +82,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         grad_h, grad_w = ctx.saved_tensors
-        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.want_w else None
+        # In place: a second vocabulary-sized buffer here would coexist with every activation of the step. The
+        # saved tensor is spent; a second backward through this graph fails on its version counter.
+        gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.want_w else None
         return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None
 
 
@@ -132,17 +141,21 @@ class CausalLMLoss(nn.Module):
     Running the body and the chunked loss inside one forward keeps FSDP's root all-gather covering the head.
     """
 
-    def __init__(self, model: nn.Module, chunk: int = 1024, all_labelled: bool = False):
+    def __init__(self, model: nn.Module, chunk: int = 1024, all_labelled: bool = False,
+                 attention: AttentionByWidth | None = None):
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.all_labelled = all_labelled
+        self.attention = attention  # None: the model's attention kernel for every micro-batch
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, targets: torch.Tensor,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 input_features: torch.Tensor | None = None, audio_feature_lens: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        if self.attention is not None:
+            self.attention.before(input_ids.shape[-1])
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None

@@ -40,6 +40,7 @@ from shardfit.infer.generate import Sampling
 from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import input_device, output_vocab, vision_body
+from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.models.build import attention_kernels, build_model, load_tokenizer, use_attention, weights_cached
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
@@ -50,6 +51,7 @@ from shardfit.parallel.defaults import (
     CUDNN_PLAN_S,
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
+    eager_attention_max_width,
     resolve_speed_settings,
     row_width_multiple,
 )
@@ -141,6 +143,7 @@ class FineTune:
         self.lock: RunLock | None = None
         self.profiler: StepProfiler | None = None
         self.cudnn_attention: bool | None = None  # whether SDPA could pick cuDNN's kernel (GPU runs decide)
+        self.attention: AttentionByWidth | None = None  # `auto` attention chosen per micro-batch width
         self.loss_chunk: int | None = None  # rows per chunk of the loss (setup decides `auto`)
         self.hardware: Hardware | None = None  # the job's devices, as the plan sees them (setup reads them)
         self.finished = False
@@ -253,15 +256,16 @@ class FineTune:
             self.model_cache_hit = weights_cached(cfg)
             self.model = build_model(cfg, s, weights=True)
         if vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
-            # `auto` attention by the data's row widths, now that they are known (parallel/defaults.py).
-            self.cfg = cfg = resolve_speed_settings(cfg, env.device.type, self.batches.typical_width())
             use_attention(self.model, cfg.attn_implementation)
+            # `auto` attention by each micro-batch's row width where the faster kernel depends on it.
+            self.attention = AttentionByWidth.for_model(self.model, eager_attention_max_width(
+                cfg.attn_implementation, env.device.type, cfg.compile, cfg.precision))
         findings = preflight(self.model, cfg, s, env.world, self.plan)
         quantized = quantized_placement_rules(self.model, env.device, env.world)
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
         # `loss_chunk: auto` as the plan decides it: by the vocabulary and this device's rates.
         self.loss_chunk = loss_chunk_for(cfg.loss_chunk, output_vocab(self.model), self.hardware, cfg.precision)
-        loss_module = CausalLMLoss(self.model, self.loss_chunk)
+        loss_module = CausalLMLoss(self.model, self.loss_chunk, attention=self.attention)
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
                                        grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
         if s.engine != "device_map" and not s.offload:
@@ -475,6 +479,7 @@ class FineTune:
                    "strategy": self.strategy.name, "world_size": env.world, "allocator": self.malloc,
                    "cudnn_attention": self.cudnn_attention if env.device.type == "cuda" else None,
                    "loss_chunk": self.loss_chunk,
+                   "attention_by_width": dict(self.attention.used) if self.attention else None,
                    "examples_per_step": self.batches.global_examples,
                    "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
