@@ -16,7 +16,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,16 +39,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=list(WORKLOADS), metavar="NAME", help="workloads whose first peer also runs under tcmalloc")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of a one-process run")
     p.add_argument("--out", default=str(BENCH / "results" / "allocator.json"))
-    p.add_argument("--work-dir", default=None)
+    p.add_argument("--work-dir", default=None, help="where runs write, kept (default: a temporary folder, removed)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     compare.THREADS["n"] = args.threads
+    with compare.work_folder(args.work_dir, "shardfit-alloc-") as work:
+        run(args, work, argv)
+
+
+def run(args: argparse.Namespace, work: Path, argv: list[str] | None) -> None:
+    """Every asked workload under each installed allocator, in `work`; the JSON written and the medians printed."""
     tcmalloc = find("tcmalloc", library_dirs())
     available = [a for a in ALLOCATORS if a == "system" or find(a, library_dirs()) is not None]
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="shardfit-alloc-"))
     t0 = time.perf_counter()
     report: dict = {"machine": f"{os.cpu_count()}-core CPU ({platform.machine()})", "date": time.strftime("%Y-%m-%d"),
                     "command": "python bench/allocator.py " + " ".join(argv or sys.argv[1:]),

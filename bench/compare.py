@@ -31,13 +31,16 @@ peak resident set. Eval loss is one evaluator for all (bench/evaluator.py), run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=[], metavar="NAME:KEY=VALUE,...",
                    help="shardfit runs with config keys set (values as YAML), compared with shardfit's defaults")
     p.add_argument("--out", default=str(RESULTS / "latest.json"), help="the JSON written (others' entries kept)")
-    p.add_argument("--work-dir", default=None, help="where runs write (default: a new temporary folder)")
+    p.add_argument("--work-dir", default=None,
+                   help="where runs write, kept (default: a new temporary folder, removed at the end)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="OpenMP threads of a one-process run (ranks get 1 each); on a machine shared with other "
                         "jobs, 1 avoids threads spinning while they wait for a core")
@@ -390,8 +394,25 @@ def merge(report: dict, path: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     THREADS["n"] = args.threads
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="shardfit-bench-"))
+    with work_folder(args.work_dir, "shardfit-bench-") as work:
+        run_bench(args, work)
+
+
+@contextlib.contextmanager
+def work_folder(asked: str | None, prefix: str) -> Iterator[Path]:
+    """Where a bench's runs write: `asked` (kept), or a new temporary folder removed at the end, since every run's
+    saved model and checkpoints come to gigabytes a bench."""
+    work = Path(asked) if asked else Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not asked:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_bench(args: argparse.Namespace, work: Path) -> None:
+    """Every asked workload in `work`; the JSON merged into --out after each, the tables printed at the end."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {
         "machine": machine_name(),

@@ -46,6 +46,19 @@ def test_results_keep_one_entry_per_workload(tmp_path: Path) -> None:
     assert len(report["workloads"]) == 2
 
 
+def test_a_temporary_work_folder_goes_and_an_asked_one_stays(tmp_path: Path) -> None:
+    """Runs save models and checkpoints, gigabytes a bench: a folder the bench made itself is removed at the end,
+    even when a run fails; one the user named is kept."""
+    with pytest.raises(RuntimeError), compare.work_folder(None, "shardfit-bench-test-") as work:
+        (work / "run").mkdir()
+        made = work
+        raise RuntimeError("a run failed")
+    assert not made.exists()
+    with compare.work_folder(str(tmp_path / "kept"), "unused-") as work:
+        (work / "run").mkdir()
+    assert (tmp_path / "kept" / "run").is_dir()
+
+
 def test_arguments_default_to_everything_and_reject_unknown_names(capsys: pytest.CaptureFixture) -> None:
     args = compare.parse_args([])
     assert args.runs == 3 and args.workloads == list(workloads.WORKLOADS)
