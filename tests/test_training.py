@@ -18,9 +18,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from shardfit.config import load_config
-from shardfit.config.support import loss_chunk_rows
 from shardfit.parallel.env import cpu_matmul_gflops, init_distributed
-from shardfit.plan.cards import card_of
+from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import job_hardware
 from shardfit.train.recipe import train
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
@@ -102,8 +101,8 @@ def test_full_finetune_saves_hf_model(tmp_path: Path, tiny_qwen2: Path, small_da
     assert len(changed) == len(before)  # every weight trains in a full fine-tune
     # `loss_chunk: auto` from the model's vocabulary and this machine's card, as the plan decides it.
     rates = (cpu_matmul_gflops(torch.float32), cpu_matmul_gflops(torch.bfloat16))
-    min_rows = card_of(job_hardware("cpu", 1, rates)).compute_bound_rows("bf16")
-    assert result.summary["loss_chunk"] == loss_chunk_rows("auto", saved.config.vocab_size, min_rows) < 1024
+    hardware = job_hardware("cpu", 1, rates)
+    assert result.summary["loss_chunk"] == loss_chunk_for("auto", saved.config.vocab_size, hardware, "bf16") < 1024
 
 
 def test_freeze_trains_only_chosen_modules(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
