@@ -41,6 +41,16 @@ step that alternates small and large kernels waits on each in turn. Short sequen
 compute-bound. torch.compile fuses the elementwise ops between two matmuls into one kernel, so a compiled block
 launches about two kernels per matmul and no views.
 
+The engine's own host work: DDP's reducer runs a hook per parameter as its gradient is ready; FSDP runs Python
+around every wrapped block (all-gather copy-in and copy-out, resharding, the reduce-scatter's copies; FSDP1 with
+use_orig_params=True also re-points every original parameter at the unsharded flat parameter and back). That
+work sits between the launches on the same host thread, so it adds to the host's time per micro-batch. Measured
+per block by bench/fsdp_host_overhead.py (ENGINE_HOST_S below): forward + backward of tiny Llama models of 4 and
+8 blocks in one gloo process, plain and under each engine, the difference per extra block; about 1.5 ms for
+FSDP2, 2-2.5 ms for FSDP1, 0.1-0.3 ms for DDP, against about 1 ms for a plain block's own ops. Host time on the
+development machine's CPU (a Python-bound cost). Only the blocks' wrapping is counted: FSDP1's adapter units
+(`flat_params`) are not.
+
 Fusion under torch.compile (a credit on the eager rate): in eager PyTorch every elementwise op reads its inputs from
 GPU memory and writes its output back; inductor fuses the ops between two matmuls into one kernel that reads each
 input once and writes each output once. The bytes the non-matmul kernels of one decoder layer move per token,
@@ -103,6 +113,23 @@ ELEMENTWISE_BYTES: dict[tuple[str, bool], dict[str, tuple[float, float, float, f
     ("full", True): {"eager": (396.25, 54.0, 84.0, 109.25), "compiled": (66.25, 18.0, 56.5, 8.53)},
     ("lora7", False): {"eager": (364.12, 78.0, 84.0, 126.75), "compiled": (64.12, 30.0, 28.5, 42.54)},
     ("lora7", True): {"eager": (464.19, 124.0, 122.0, 187.25), "compiled": (80.19, 32.0, 62.5, 26.29)},
+}
+
+# Host seconds a data-parallel engine adds per decoder block and micro-batch, keyed by engine and (full | lora,
+# full checkpointing), measured by bench/fsdp_host_overhead.py (torch 2.13, transformers 5.23, peft 0.21; written
+# to bench/results/fsdp_host_overhead.json; medians of 12 interleaved rounds). `zero2`: parameters kept gathered
+# between forward and backward (FSDP2 reshard_after_forward=False, FSDP1 SHARD_GRAD_OP).
+ENGINE_HOST_S: dict[str, dict[tuple[str, bool], float]] = {
+    "ddp": {("full", False): 0.15e-3, ("full", True): 0.20e-3,
+            ("lora", False): 0.14e-3, ("lora", True): 0.08e-3},
+    "fsdp2": {("full", False): 1.52e-3, ("full", True): 1.46e-3,
+            ("lora", False): 1.68e-3, ("lora", True): 1.37e-3},
+    "fsdp2_zero2": {("full", False): 1.43e-3, ("full", True): 1.25e-3,
+            ("lora", False): 1.43e-3, ("lora", True): 1.27e-3},
+    "fsdp1": {("full", False): 1.98e-3, ("full", True): 1.96e-3,
+            ("lora", False): 2.57e-3, ("lora", True): 2.69e-3},
+    "fsdp1_zero2": {("full", False): 1.92e-3, ("full", True): 1.88e-3,
+            ("lora", False): 2.46e-3, ("lora", True): 2.58e-3},
 }
 
 
@@ -212,6 +239,25 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
         kernels += extra * ck
         views += extra * cv
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
+
+
+def engine_host_s(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """Host seconds the data-parallel engine of `strategy` adds to one micro-batch of `w` (ENGINE_HOST_S per
+    block; selective checkpointing half-way between none and full); 0 for one GPU and for model_parallel."""
+    s = strategies.get(strategy)
+    if s.engine == "ddp":
+        engine = "ddp"
+    elif s.engine == "fsdp2":
+        engine = ("fsdp1" if w.fsdp1 else "fsdp2") + ("" if s.reshard_after_forward else "_zero2")
+    else:
+        return 0.0
+    kind = "full" if w.method == "full" else "lora"
+    table = ENGINE_HOST_S[engine]
+    if w.grad_ckpt == "selective":
+        per_block = (table[(kind, False)] + table[(kind, True)]) / 2
+    else:
+        per_block = table[(kind, w.grad_ckpt == "full")]
+    return shape.layers * per_block
 
 
 def _elementwise_coef(w: Workload, ckpt: bool, side: str) -> tuple[float, ...]:
@@ -366,7 +412,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         compute = max(matmuls + dequant, compute - fused_bytes_saved(shape, w) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
-    host = host_dispatch_s(shape, w) if card.key != "cpu" else 0.0
+    host = host_dispatch_s(shape, w) + engine_host_s(shape, w, strategy) if card.key != "cpu" else 0.0
     gpu_busy = max(compute, host)
     fwd_share = 1 / 3  # the forward pass's part of it, for what overlaps with forward-only traffic
     t = trainable_params(shape, w)

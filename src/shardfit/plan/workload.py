@@ -82,6 +82,10 @@ class Workload:
     # host then calls torch.cuda.synchronize(), so compute, the host's launches and the collectives take turns
     # (plan/timing.py `exposed_collectives`). shardfit's FSDP2 prefetches instead.
     zero3_sync_fetch: bool = False
+    # FSDP1 (FullyShardedDataParallel) ran the published zero2/zero3 run, blocks wrapped with use_orig_params=True
+    # (Lightning Fabric, Composer, accelerate): its hooks cost the host more per block than FSDP2's
+    # (plan/timing.py ENGINE_HOST_S). shardfit's own runs are FSDP2.
+    fsdp1: bool = False
     # The LM head as its own copy of the embedding even where the checkpoint ties them: litgpt's GPT has no tying
     # at the commits its config-hub tables ran (scripts/convert_hf_checkpoint.py copies wte into lm_head).
     untied_head: bool = False
