@@ -47,7 +47,7 @@ use_orig_params=True also re-points every original parameter at the unsharded fl
 work sits between the launches on the same host thread, so it adds to the host's time per micro-batch. Measured
 per block by bench/fsdp_host_overhead.py (ENGINE_HOST_S below): forward + backward of tiny Llama models of 4 and
 8 blocks in one gloo process, plain and under each engine, the difference per extra block; about 1.5 ms for
-FSDP2, 2-2.5 ms for FSDP1, 0.1-0.3 ms for DDP, against about 1 ms for a plain block's own ops. Host time on the
+FSDP2, 2-2.7 ms for FSDP1, 0.1-0.2 ms for DDP, against about 1 ms for a plain block's own ops. Host time on the
 development machine's CPU (a Python-bound cost). Only the blocks' wrapping is counted: FSDP1's adapter units
 (`flat_params`) are not.
 
