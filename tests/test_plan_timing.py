@@ -88,6 +88,23 @@ def test_more_gpus_more_tokens_and_nvlink_beats_pcie() -> None:
         step_time(LLAMA8, w, parse_gpus("8x4090"), "zero2").comm_s  # zero3 gathers again in backward
 
 
+def test_two_cards_on_an_nvlink_bridge_reduce_over_it() -> None:
+    """`2x3090-nvlink` (or `2xA6000-nvlink`) names the bridged pair: P2P at ~45 GB/s instead of host memory's
+    10, so DDP's all-reduce of a small model that waits on it on bare 3090s hides under backward; a bridge joins
+    two cards, so any other count is refused with the notation to use instead."""
+    from shardfit.errors import UserError
+
+    small = resolve_shape("Qwen/Qwen2.5-0.5B")
+    w = Workload(method="full", grad_ckpt="none", seq_len=256, micro_batch=1, attention="flash")
+    bare, bridged = (step_time(small, w, parse_gpus(g), "ddp") for g in ("2x3090", "2x3090-nvlink"))
+    assert card_of(parse_gpus("2x3090-nvlink")).link == pytest.approx(4.5 * card_of(parse_gpus("2x3090")).link)
+    assert parse_gpus("2xA6000-NVLink").gpu_mem_gib == parse_gpus("2xA6000").gpu_mem_gib
+    assert bare.bound == "comm" and bridged.bound == "compute"
+    assert bridged.tokens_per_s > bare.tokens_per_s
+    with pytest.raises(UserError, match="write 2x3090-nvlink, or 4x3090"):
+        parse_gpus("4x3090-nvlink")
+
+
 def test_offload_is_pcie_traffic_and_ddp_overlaps_its_all_reduce() -> None:
     w = Workload(method="full", grad_ckpt="full", seq_len=2048, micro_batch=1, attention="flash")
     on, off = (step_time(LLAMA70, w, parse_gpus("8xH100"), s) for s in ("zero3", "zero3_offload"))

@@ -15,8 +15,10 @@ CARDS = {
     "a100": 79.2, "a100-40g": 39.4, "a100-80g": 79.2, "h100": 79.2, "h100-80g": 79.2, "h200": 139.8,
     "h20": 94.5, "a800": 79.2, "h800": 79.2, "b200": 178.0, "mi300x": 191.5, "5090": 31.4,
     "a40": 44.5, "a30": 23.5, "6000ada": 47.5, "4070ti": 11.6, "4060ti": 15.6, "2080ti": 10.6, "h100-94g": 93.1,
-    "mi250x": 63.9, "titan": 23.6, "h100-pcie": 79.2, "h100-nvl": 93.1,
+    "mi250x": 63.9, "titan": 23.6, "h100-pcie": 79.2, "h100-nvl": 93.1, "3090-nvlink": 23.6, "a6000-nvlink": 47.5,
 }
+# Cards joined in pairs by an NVLink bridge (`2x3090-nvlink`): the bridge links two cards, no more.
+BRIDGED = ("3090-nvlink", "a6000-nvlink")
 # Form factors the table times apart from the card's SXM module (other memory, clocks and links).
 FORM_FACTORS = ("pcie", "nvl")
 # Cards sold with two memory sizes: the bare name means the larger one, and the plan says so.
@@ -58,6 +60,10 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
                         f"or give a size such as 8x24GB.")
     if count < 1 or mem <= 0:
         raise UserError(f"--gpus {spec}: need at least one GPU with positive memory.")
+    if key in BRIDGED and count != 2:
+        bare = key.removesuffix("-nvlink")
+        raise UserError(f"--gpus {spec}: an NVLink bridge joins exactly two cards: write 2x{key}, or {count}x{bare} "
+                        f"(a ring over more cards than a bridge joins crosses host memory, as without one).")
     return Hardware(nodes, count, mem, cpu_mem_gib, what)
 
 
