@@ -65,6 +65,7 @@ the card's GEMM efficiency. The head and the loss are not counted (they are once
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardfit import strategy as strategies
@@ -241,10 +242,15 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
 
 
-def engine_host_s(shape: ModelShape, w: Workload, strategy: str) -> float:
-    """Host seconds the data-parallel engine of `strategy` adds to one micro-batch of `w` (ENGINE_HOST_S per
-    block; selective checkpointing half-way between none and full); 0 for one GPU and for model_parallel."""
-    s = strategies.get(strategy)
+def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
+    """`at(full checkpointing?)` for `w`'s checkpointing; selective checkpointing half-way between none and full
+    (it recomputes about half of what full checkpointing does)."""
+    return (at(False) + at(True)) / 2 if w.grad_ckpt == "selective" else at(w.grad_ckpt == "full")
+
+
+def engine_host_s(shape: ModelShape, w: Workload, s: strategies.Strategy) -> float:
+    """Host seconds the data-parallel engine of strategy `s` adds to one micro-batch of `w` (ENGINE_HOST_S per
+    block); 0 for one GPU and for model_parallel."""
     if s.engine == "ddp":
         engine = "ddp"
     elif s.engine == "fsdp2":
@@ -253,11 +259,7 @@ def engine_host_s(shape: ModelShape, w: Workload, strategy: str) -> float:
         return 0.0
     kind = "full" if w.method == "full" else "lora"
     table = ENGINE_HOST_S[engine]
-    if w.grad_ckpt == "selective":
-        per_block = (table[(kind, False)] + table[(kind, True)]) / 2
-    else:
-        per_block = table[(kind, w.grad_ckpt == "full")]
-    return shape.layers * per_block
+    return shape.layers * by_checkpointing(w, lambda ckpt: table[(kind, ckpt)])
 
 
 def _elementwise_coef(w: Workload, ckpt: bool, side: str) -> tuple[float, ...]:
@@ -281,8 +283,7 @@ def elementwise_bytes_per_token(shape: ModelShape, w: Workload, side: str) -> fl
     def at(ckpt: bool) -> float:
         return sum(c * x for c, x in zip(_elementwise_coef(w, ckpt, side), width, strict=True))
 
-    per = (at(False) + at(True)) / 2 if w.grad_ckpt == "selective" else at(w.grad_ckpt == "full")
-    return per * compute_bytes(w) / 2
+    return by_checkpointing(w, at) * compute_bytes(w) / 2
 
 
 def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
@@ -412,7 +413,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         compute = max(matmuls + dequant, compute - fused_bytes_saved(shape, w) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
-    host = host_dispatch_s(shape, w) + engine_host_s(shape, w, strategy) if card.key != "cpu" else 0.0
+    host = host_dispatch_s(shape, w) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
     gpu_busy = max(compute, host)
     fwd_share = 1 / 3  # the forward pass's part of it, for what overlaps with forward-only traffic
     t = trainable_params(shape, w)
