@@ -57,11 +57,12 @@ def widths(shape: tuple[int, ...]) -> list[int]:
     return [h, i, heads * hd, kv_heads * hd]
 
 
-def build(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool) -> torch.nn.Module:
+def build(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128
+          ) -> torch.nn.Module:
     h, i, heads, kv_heads, hd, _ = shape
     torch.manual_seed(0)
     kw = dict(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads,
-              head_dim=hd, num_hidden_layers=layers, vocab_size=128, max_position_embeddings=256,
+              head_dim=hd, num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=256,
               attn_implementation="sdpa")
     model = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
     if ckpt:
@@ -95,10 +96,10 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-def eager_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool) -> int:
+def eager_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128) -> int:
     """Bytes of one eager forward + backward (the loss included) of one row of `shape`'s tokens."""
-    model = build(arch, layers, shape, method, ckpt)
-    ids = torch.randint(0, 128, (1, shape[-1]))
+    model = build(arch, layers, shape, method, ckpt, vocab)
+    ids = torch.randint(0, vocab, (1, shape[-1]))
     _step(model, ids)  # warm-up: lazy initialisation stays out of the count
     model.zero_grad(set_to_none=True)
     with ByteCounter() as c:
@@ -106,12 +107,13 @@ def eager_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckp
     return c.bytes
 
 
-def compiled_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool) -> int:
+def compiled_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128
+                   ) -> int:
     """Bytes inductor's generated kernels move in one compiled forward + backward, extern kernels left out."""
     torch._dynamo.reset()
     inductor_metrics.reset()
-    model = build(arch, layers, shape, method, ckpt)
-    ids = torch.randint(0, 128, (1, shape[-1]))
+    model = build(arch, layers, shape, method, ckpt, vocab)
+    ids = torch.randint(0, vocab, (1, shape[-1]))
     compiled = torch.compile(model)
     _step(compiled, ids)  # compiles the forward now and the backward when backward runs
     total = 0
@@ -148,6 +150,40 @@ def measure(arch: str, recipe: str, check: bool) -> dict:
             held = per_layer_token(fn, arch, HELD_OUT, method, ckpt)
             out[side]["held_out"] = {"measured": held, "predicted": predict(coef, HELD_OUT),
                                      "error": predict(coef, HELD_OUT) / held - 1}
+    return out
+
+
+# The rest of the model (embedding, final norm, head, the loss) per micro-batch, linear in vocabulary V, hidden h
+# and tokens T as a*V*T + b*h*T + c*V*h + d*T: the logits and the loss's passes over them per token and entry of
+# the vocabulary, the final norm per token and width, the embedding's dense gradient once per micro-batch (where
+# the embedding trains), the ids and labels per token. (shape, vocab): four to solve with, one to check.
+REST_FIT = [((64, 128, 4, 2, 16, 64), 128), ((64, 128, 4, 2, 16, 64), 512), ((128, 128, 4, 2, 16, 64), 128),
+            ((64, 128, 4, 2, 16, 32), 512)]
+REST_HELD_OUT = ((96, 256, 3, 1, 32, 48), 384)
+
+
+def rest_terms(shape: tuple[int, ...], vocab: int) -> list[int]:
+    """(V*T, h*T, V*h, T) of a shape row and vocabulary."""
+    h, tokens = shape[0], shape[-1]
+    return [vocab * tokens, h * tokens, vocab * h, tokens]
+
+
+def rest_bytes(fn, arch: str, shape: tuple[int, ...], vocab: int, method: str) -> float:
+    """Bytes of one micro-batch outside the decoder layers: the 1-layer count less one layer (2-layer less 1-layer)."""
+    one, two = (fn(arch, n, shape, method, False, vocab) for n in (1, 2))
+    return 2 * one - two
+
+
+def measure_rest(arch: str, method: str) -> dict:
+    """The rest's coefficients, eager and compiled, solved on REST_FIT and checked on REST_HELD_OUT."""
+    out: dict = {}
+    for side, fn in (("eager", eager_bytes), ("compiled", compiled_bytes)):
+        values = [rest_bytes(fn, arch, s, v, method) for s, v in REST_FIT]
+        coef = solve([rest_terms(s, v) for s, v in REST_FIT], values)
+        held = rest_bytes(fn, arch, *REST_HELD_OUT, method)
+        predicted = sum(c * x for c, x in zip(coef, rest_terms(*REST_HELD_OUT), strict=True))
+        out[side] = {"coef": dict(zip(("vt", "ht", "vh", "t"), coef, strict=True)), "fit": values,
+                     "held_out": {"measured": held, "predicted": predicted, "error": predicted / held - 1}}
     return out
 
 
@@ -192,6 +228,14 @@ def main() -> None:
                   + ("  held-out error eager {:+.1%} compiled {:+.1%}".format(
                       r["eager"]["held_out"]["error"], r["compiled"]["held_out"]["error"])
                      if "held_out" in r["eager"] else ""), flush=True)
+    result["rest_unit"] = "bytes per micro-batch = V*T*coef.vt + h*T*coef.ht + V*h*coef.vh + T*coef.t"
+    result["rest"] = {}
+    for method in ("full", "lora"):
+        r = measure_rest("llama", method)
+        result["rest"][f"llama/{method}"] = r
+        print(f"rest   {method:11s} " + "  ".join(
+            f"{side} " + " ".join(f"{k}={v:9.3f}" for k, v in r[side]["coef"].items())
+            + f" held-out {r[side]['held_out']['error']:+.1%}" for side in ("eager", "compiled")), flush=True)
     result["qwen2_vs_llama_full"] = qwen_check(result)
     print("qwen2 vs llama (full, at Llama-3.1-8B's widths): eager {eager:+.1%}, compiled {compiled:+.1%}".format(
         **result["qwen2_vs_llama_full"]))

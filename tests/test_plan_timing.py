@@ -21,8 +21,10 @@ from shardfit.plan.timing import (
     ELEMENTWISE_BYTES,
     ENGINE_HOST_S,
     LAYER_OPS,
+    REST_BYTES,
     attention_flops_per_token,
     dispatch_ops_per_layer,
+    elementwise_bytes_per_micro_batch,
     elementwise_bytes_per_token,
     fused_bytes_saved,
     host_dispatch_s,
@@ -266,19 +268,49 @@ def test_compile_credits_the_fused_bytes_at_memory_bandwidth() -> None:
     assert elementwise_bytes_per_token(LLAMA8, lora, "eager") > elementwise_bytes_per_token(LLAMA8, cw, "eager")
 
 
-def test_compile_credit_stops_at_the_matmul_floor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a card whose memory is slow against its saving, a compiled step is never faster than its matmuls alone at
-    the card's GEMM efficiency."""
+def test_compile_credit_stops_at_its_kernels_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a card whose memory is slow against its saving, a compiled step is never faster than its kernels one after
+    another: the matmuls at the card's GEMM efficiency, then the fused kernels' own bytes at the memory bandwidth."""
     hw = parse_gpus("1xH100")
     slow = dataclasses.replace(card_of(hw), hbm=1e9)
     monkeypatch.setattr(timing, "card_of", lambda _: slow)
     w = Workload(method="lora", grad_ckpt="none", precision="bf16", attention="flash", seq_len=8192, compile=True)
     st = step_time(LLAMA8, w, hw, "single")
     flops = step_flops_per_token(LLAMA8, w) * w.seq_len
-    floor = flops / (slow.bf16_flops * slow.matmul_eff)
+    floor = flops / (slow.bf16_flops * slow.matmul_eff) + elementwise_bytes_per_micro_batch(LLAMA8, w, "compiled") / 1e9
     optim = trainable_params(LLAMA8, w) * ADAM_BYTES_PER_PARAM / slow.hbm
     assert st.compute_s == pytest.approx(w.grad_accum * floor + optim)
     assert flops / slow.peak("bf16") - fused_bytes_saved(LLAMA8, w) / slow.hbm < floor  # the credit overshoots
+
+
+GPT2 = ModelShape(id="gpt2", layers=12, hidden=768, intermediate=2048, heads=12, kv_heads=12, vocab=50257,
+                  tied=False)
+
+
+def test_a_small_model_is_timed_by_its_kernels_not_the_large_model_utilization() -> None:
+    """The training utilization is what large models reach; a small model's step holds more non-matmul work than
+    theirs. GPT-2 124M on an A100 is timed as its matmuls at GEMM efficiency plus every other kernel's bytes (its 12
+    layers and the 50k-wide logits through the loss) at the memory bandwidth, slower than the utilization says; an
+    8B model keeps the utilization. The rest of the model counts: most of GPT-2's bytes outside its layers are the
+    logits'."""
+    hw = parse_gpus("1xA100-40G")
+    card = card_of(hw)
+    w = Workload(method="full", grad_ckpt="none", precision="bf16", attention="flash", seq_len=1024, micro_batch=8,
+                 pure_16bit=True)
+    st = step_time(GPT2, w, hw, "single")
+    flops = step_flops_per_token(GPT2, w) * 8192
+    moved = elementwise_bytes_per_micro_batch(GPT2, w, "eager")
+    layers = GPT2.layers * 8192 * elementwise_bytes_per_token(GPT2, w, "eager")
+    assert moved - layers > 0.3 * layers  # the logits' passes through the loss
+    parts = flops / (card.bf16_flops * card.matmul_eff) + moved / card.hbm
+    optim = trainable_params(GPT2, w) * ADAM_BYTES_PER_PARAM / card.hbm
+    assert parts > 1.2 * flops / card.peak("bf16")
+    assert st.compute_s == pytest.approx(parts + optim)
+    big = Workload(method="full", grad_ckpt="none", precision="bf16", attention="flash", seq_len=8192)
+    large = step_time(LLAMA8, big, hw, "single")
+    flops8 = step_flops_per_token(LLAMA8, big) * 8192
+    assert large.compute_s == pytest.approx(flops8 / card.peak("bf16")
+                                            + trainable_params(LLAMA8, big) * ADAM_BYTES_PER_PARAM / card.hbm)
 
 
 def test_elementwise_table_is_the_bench_result() -> None:
@@ -289,6 +321,11 @@ def test_elementwise_table_is_the_bench_result() -> None:
         counted = result[f"llama/{base}{'+ckpt' if ckpt else ''}"]
         for side in ("eager", "compiled"):
             assert sides[side] == pytest.approx(tuple(counted[side]["coef"].values()), abs=0.01), (base, ckpt, side)
+    rest = json.loads((BENCH / "results" / "elementwise_bytes.json").read_text())["rest"]
+    for kind, sides in REST_BYTES.items():
+        for side in ("eager", "compiled"):
+            assert sides[side] == pytest.approx(tuple(rest[f"llama/{kind}"][side]["coef"].values()), abs=0.01), \
+                (kind, side)
 
 
 def test_engine_host_table_is_the_bench_result() -> None:
@@ -331,6 +368,17 @@ def test_eager_elementwise_bytes_match_a_fresh_count() -> None:
     shape = mod.HELD_OUT
     fresh = mod.per_layer_token(mod.eager_bytes, "llama", shape, "full", False)
     assert mod.predict(list(ELEMENTWISE_BYTES[("full", False)]["eager"]), shape) == pytest.approx(fresh, rel=0.02)
+
+
+def test_eager_rest_bytes_match_a_fresh_count() -> None:
+    """REST_BYTES's eager coefficients predict a fresh count of the model outside its layers (the held-out vocabulary,
+    width, head_dim and tokens) within 5 %: the rotary tables grow with head_dim, which the fit holds fixed."""
+    mod = _bench_module("elementwise_bytes")
+    for kind in ("full", "lora"):
+        fresh = mod.rest_bytes(mod.eager_bytes, "llama", *mod.REST_HELD_OUT, kind)
+        terms = mod.rest_terms(*mod.REST_HELD_OUT)
+        predicted = sum(c * x for c, x in zip(REST_BYTES[kind]["eager"], terms, strict=True))
+        assert predicted == pytest.approx(fresh, rel=0.05), kind
 
 
 LLAMA2_7 = resolve_shape("meta-llama/Llama-2-7b-hf")

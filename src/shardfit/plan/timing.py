@@ -59,8 +59,19 @@ forward + backward (+ recomputation), were counted both ways on transformers' Ll
 kernels for the compiled forward and backward graphs; matmuls and attention left out on both sides, as they are
 FLOPs here) and solved exactly as bytes = a*h + b*i + c*q + d*kv of the widths (ELEMENTWISE_BYTES below; a held-out
 shape within 3 %). The card's training utilization stays the model of an eager step; a compiled micro-batch
-computes for the eager time less (eager - compiled bytes) / memory bandwidth, never less than its matmuls alone at
-the card's GEMM efficiency. The head and the loss are not counted (they are once per model, not per layer).
+computes for the eager time less (eager - compiled bytes) / memory bandwidth. The head and the loss are not in
+that credit (tools differ in whether they compile the loss).
+
+The kernels in turn (a floor under every GPU micro-batch): the training utilization is what large models reach,
+whose steps are nearly all matmuls; a small model's step holds more non-matmul work for its FLOPs (per token, a
+layer's elementwise bytes grow with the width, its FLOPs with the width squared, and the logits' passes through the
+loss with the vocabulary). The kernels of one stream run one after another, so no micro-batch computes faster than
+its matmuls at the card's GEMM efficiency plus every other kernel's bytes at the memory bandwidth: each layer's
+(ELEMENTWISE_BYTES) and the rest of the model's (REST_BYTES: the embedding, final norm, and the logits upcast to
+fp32 through log-softmax and its backward, about 48 bytes per token and vocabulary entry eager). Where that sum
+is the longer, it is the compute time: GPT-2 124M's (12 layers of 768, a 50k vocabulary) is 1.6x the
+utilization's on an A100; an 8B model's is below it (A100: 0.87/0.52 = 1.7x the matmuls' time is the
+utilization's, so the floor takes over once the other kernels take more than 0.7x the matmuls' time).
 """
 
 from __future__ import annotations
@@ -114,6 +125,16 @@ ELEMENTWISE_BYTES: dict[tuple[str, bool], dict[str, tuple[float, float, float, f
     ("full", True): {"eager": (396.25, 54.0, 84.0, 109.25), "compiled": (66.25, 18.0, 56.5, 8.53)},
     ("lora7", False): {"eager": (364.12, 78.0, 84.0, 126.75), "compiled": (64.12, 30.0, 28.5, 42.54)},
     ("lora7", True): {"eager": (464.19, 124.0, 122.0, 187.25), "compiled": (80.19, 32.0, 62.5, 26.29)},
+}
+
+# Bytes per micro-batch that the model outside its decoder layers moves in non-matmul kernels (embedding, final
+# norm, the logits through transformers' causal-LM loss, in fp32, and their backward; rotary tables), as
+# coefficients (vt, ht, vh, t) of V*T + h*T + V*h + T (vocabulary, hidden, tokens of the micro-batch; V*h: the
+# embedding's dense gradient, where it trains), eager and compiled, counted by bench/elementwise_bytes.py (`rest`)
+# on the same Llama in bf16, keyed by full | lora (frozen embedding and head).
+REST_BYTES: dict[str, dict[str, tuple[float, float, float, float]]] = {
+    "full": {"eager": (47.985, 136.063, 4.015, 1015.688), "compiled": (9.986, 12.066, 20.014, 90.75)},
+    "lora": {"eager": (47.993, 2.017, 2.007, 970.687), "compiled": (9.995, -13.979, 4.005, -498.563)},
 }
 
 # Host seconds a data-parallel engine adds per decoder block and micro-batch, keyed by engine and (full | lora,
@@ -286,6 +307,17 @@ def elementwise_bytes_per_token(shape: ModelShape, w: Workload, side: str) -> fl
     return by_checkpointing(w, at) * compute_bytes(w) / 2
 
 
+def elementwise_bytes_per_micro_batch(shape: ModelShape, w: Workload, side: str) -> float:
+    """Bytes every non-matmul kernel of one micro-batch of `w` moves, `side` eager or compiled: each decoder
+    layer's (`elementwise_bytes_per_token`) and the rest of the model's (REST_BYTES: embedding, final norm, the
+    logits' passes through the loss), twice as many in fp32."""
+    tokens = w.seq_len * w.micro_batch
+    vt, ht, vh, t = REST_BYTES["full" if w.method == "full" else "lora"][side]
+    rest = (vt * shape.vocab * tokens + ht * shape.hidden * tokens + vh * shape.vocab * shape.hidden
+            + t * tokens) * compute_bytes(w) / 2
+    return shape.layers * tokens * elementwise_bytes_per_token(shape, w, side) + rest
+
+
 def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
     """Bytes per micro-batch that torch.compile's fused kernels do not move where eager kernels would: every layer's
     eager minus compiled elementwise bytes; 0 for an eager run."""
@@ -408,9 +440,16 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     # elementwise work), and QLoRA's dequantization, which the runs behind that utilization did not do.
     dequant = _qlora_dequant_bytes(shape, w) / card.hbm
     compute = flops / card.peak(w.precision) + dequant
-    if w.compile:  # fused elementwise kernels: the bytes they no longer move, down to the matmuls' own time
+    if w.compile:  # fused elementwise kernels: the bytes they no longer move
+        compute -= fused_bytes_saved(shape, w) / card.hbm
+    # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
+    # kernel's bytes at the memory bandwidth. A small model's step has more of the second than the large-model runs
+    # behind the training utilization held. Not on a CPU: its rate is the machine's measured matmul, and its memory
+    # bandwidth a generic figure, not the datasheet's a GPU has.
+    if card.key != "cpu":
         matmuls = flops / ((card.fp32_flops if w.precision == "fp32" else card.bf16_flops) * card.matmul_eff)
-        compute = max(matmuls + dequant, compute - fused_bytes_saved(shape, w) / card.hbm)
+        side = "compiled" if w.compile else "eager"
+        compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
     host = host_dispatch_s(shape, w) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
