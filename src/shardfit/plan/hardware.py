@@ -16,6 +16,7 @@ CARDS = {
     "h20": 94.5, "a800": 79.2, "h800": 79.2, "b200": 178.0, "mi300x": 191.5, "5090": 31.4,
     "a40": 44.5, "a30": 23.5, "6000ada": 47.5, "4070ti": 11.6, "4060ti": 15.6, "2080ti": 10.6, "h100-94g": 93.1,
     "mi250x": 63.9, "titan": 23.6, "h100-pcie": 79.2, "h100-nvl": 93.1, "3090-nvlink": 23.6, "a6000-nvlink": 47.5,
+    "h100-96g": 89.4,
 }
 # Cards joined in pairs by an NVLink bridge (`2x3090-nvlink`): the bridge links two cards, no more.
 BRIDGED = ("3090-nvlink", "a6000-nvlink")
