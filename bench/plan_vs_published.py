@@ -53,6 +53,10 @@ UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
 # What the plan chooses between for one workload: a pair of runs that differs only in these (the batch may differ
 # with them: a sharded strategy is run at the larger batch it makes room for) is a strategy pair.
 PLAN_CHOICES = ("strategy", "grad_ckpt", "compile")
+# Workload keys that say how a published run's sharding engine ran (FSDP1, its no_sync(), flat parameters, its
+# prefetch, DeepSpeed's fetch): part of the strategy a run chose, not of its workload, so a one-GPU run and an
+# FSDP1 run of the same job are a strategy pair.
+ENGINE_KEYS = ("fsdp1", "fsdp1_no_sync", "flat_params", "fsdp1_no_backward_prefetch", "zero3_sync_fetch")
 
 
 def part(source: str) -> str:
@@ -184,7 +188,7 @@ def evaluate_throughput(spec: dict) -> dict:
             gpus = hw.world if strategy not in ("single", "model_parallel") else 1
             published = published_rate(c, gpus)
             rest = {k: v for k, v in dataclasses.asdict(w).items()
-                    if k not in PLAN_CHOICES + ("micro_batch", "grad_accum")}
+                    if k not in PLAN_CHOICES + ENGINE_KEYS + ("micro_batch", "grad_accum")}
             row = {"source": name, "part": part(name), "model": c["model"], "gpu": c["gpu"],
                    "nodes": hw.nodes, "strategy": strategy, "seq": c["seq"], "grad_ckpt": w.grad_ckpt,
                    "compile": w.compile, "micro_batch": w.micro_batch, "workload": json.dumps(rest, sort_keys=True),
