@@ -161,6 +161,7 @@ def test_cards_table_covers_every_known_card() -> None:
     ("Tesla V100-SXM2-16GB", "v100-16g"), ("NVIDIA GeForce RTX 4090", "4090"), ("NVIDIA RTX A6000", "a6000"),
     ("NVIDIA RTX 6000 Ada Generation", "6000ada"), ("NVIDIA L40S", "l40s"), ("Tesla T4", "t4"), ("NVIDIA H200", "h200"),
     ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-nvl"), ("H100-PCIe", "h100-pcie"),
+    ("NVIDIA H100 96GB HBM2e", "h100-96g"),
 ])
 def test_a_detected_gpu_is_timed_as_itself(driver_name: str, key: str) -> None:
     """What torch.cuda reports as the device's name (plan/hardware.py `detect`) names the card, memory variant
