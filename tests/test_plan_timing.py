@@ -292,8 +292,8 @@ def test_a_small_model_is_timed_by_its_kernels_not_the_large_model_utilization()
     """The training utilization is what large models reach; a small model's step holds more non-matmul work than
     theirs. GPT-2 124M on an A100 is timed as its matmuls at GEMM efficiency plus every other kernel's bytes (its 12
     layers and the 50k-wide logits through the loss) at the memory bandwidth, slower than the utilization says; an
-    8B model keeps the utilization. The rest of the model counts: most of GPT-2's bytes outside its layers are the
-    logits'."""
+    8B model keeps the utilization. The rest of the model counts: outside its layers (mostly the logits' passes
+    through the loss) GPT-2 moves more than 0.3x its layers' bytes."""
     hw = parse_gpus("1xA100-40G")
     card = card_of(hw)
     w = Workload(method="full", grad_ckpt="none", precision="bf16", attention="flash", seq_len=1024, micro_batch=8,
@@ -303,6 +303,11 @@ def test_a_small_model_is_timed_by_its_kernels_not_the_large_model_utilization()
     moved = elementwise_bytes_per_micro_batch(GPT2, w, "eager")
     layers = GPT2.layers * 8192 * elementwise_bytes_per_token(GPT2, w, "eager")
     assert moved - layers > 0.3 * layers  # the logits' passes through the loss
+    # In fp32 the layers move twice the bytes; the loss runs in fp32 either way, so the rest stays as counted.
+    fp32 = dataclasses.replace(w, precision="fp32", pure_16bit=False)
+    layers32 = GPT2.layers * 8192 * elementwise_bytes_per_token(GPT2, fp32, "eager")
+    assert layers32 == pytest.approx(2 * layers)
+    assert elementwise_bytes_per_micro_batch(GPT2, fp32, "eager") - layers32 == pytest.approx(moved - layers)
     parts = flops / (card.bf16_flops * card.matmul_eff) + moved / card.hbm
     optim = trainable_params(GPT2, w) * ADAM_BYTES_PER_PARAM / card.hbm
     assert parts > 1.2 * flops / card.peak("bf16")

@@ -309,12 +309,13 @@ def elementwise_bytes_per_token(shape: ModelShape, w: Workload, side: str) -> fl
 
 def elementwise_bytes_per_micro_batch(shape: ModelShape, w: Workload, side: str) -> float:
     """Bytes every non-matmul kernel of one micro-batch of `w` moves, `side` eager or compiled: each decoder
-    layer's (`elementwise_bytes_per_token`) and the rest of the model's (REST_BYTES: embedding, final norm, the
-    logits' passes through the loss), twice as many in fp32."""
+    layer's (`elementwise_bytes_per_token`, twice as many in fp32) and the rest of the model's (REST_BYTES:
+    embedding, final norm, the logits' passes through the loss) as counted in bf16 whatever the precision: the loss
+    runs in fp32 either way, and an fp32 model saves the casts to and from it about as much as its wider norm
+    costs."""
     tokens = w.seq_len * w.micro_batch
     vt, ht, vh, t = REST_BYTES["full" if w.method == "full" else "lora"][side]
-    rest = (vt * shape.vocab * tokens + ht * shape.hidden * tokens + vh * shape.vocab * shape.hidden
-            + t * tokens) * compute_bytes(w) / 2
+    rest = vt * shape.vocab * tokens + ht * shape.hidden * tokens + vh * shape.vocab * shape.hidden + t * tokens
     return shape.layers * tokens * elementwise_bytes_per_token(shape, w, side) + rest
 
 
