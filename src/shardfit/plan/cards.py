@@ -34,17 +34,20 @@ class Card:
     latency_s: float  # per collective call
     assumed: str | None = None
 
+    def dense_flops(self, precision: str) -> float:
+        """The card's peak FLOP rate for matmuls in `precision`: fp32 without TF32, else the 16-bit tensor rate."""
+        return self.fp32_flops if precision == "fp32" else self.bf16_flops
+
     def peak(self, precision: str) -> float:
         """The FLOP rate a training step in `precision` reaches (its achievable fraction of the peak)."""
-        return (self.fp32_flops if precision == "fp32" else self.bf16_flops) * self.hfu
+        return self.dense_flops(precision) * self.hfu
 
     def compute_bound_rows(self, precision: str) -> int:
         """Rows a matmul against a weight needs before the card computes it faster than it reads the weight:
         [rows x k] @ [k x n] does 2 rows k n FLOPs on k n weight elements, `rows` FLOPs per byte of a 16-bit weight
         (half as many of an fp32 one), against the card's FLOPs per byte of memory bandwidth."""
-        fp32 = precision == "fp32"
-        flops_per_byte = (self.fp32_flops if fp32 else self.bf16_flops) / self.hbm
-        return math.ceil(flops_per_byte * (2 if fp32 else 1))
+        flops_per_byte = self.dense_flops(precision) / self.hbm
+        return math.ceil(flops_per_byte * (2 if precision == "fp32" else 1))
 
 
 @cache

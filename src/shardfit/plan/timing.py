@@ -448,7 +448,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     # behind the training utilization held. Not on a CPU: its rate is the machine's measured matmul, and its memory
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
-        matmuls = flops / ((card.fp32_flops if w.precision == "fp32" else card.bf16_flops) * card.matmul_eff)
+        matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff)
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
