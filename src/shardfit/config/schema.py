@@ -38,6 +38,9 @@ class LoraSettings:
     targets: str | list[str] = key("all-linear", "modules that get adapters: all-linear (every linear layer of the "
                                                  "decoder blocks, not the output head) or a list of module names",
                                        nonempty=True)
+    experts: bool = key(True, "a mixture of experts: adapters on the routed experts too (peft target_parameters on "
+                              "their fused weights, a rank per expert); false: attention and shared experts only. "
+                              "The router never gets one")
 
 
 @dataclass

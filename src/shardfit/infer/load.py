@@ -25,6 +25,7 @@ from shardfit.config.support import qlora_compute_dtype
 from shardfit.data.tokenize import ensure_chat_template
 from shardfit.errors import UserError
 from shardfit.models.build import DTYPES, build_model, load_tokenizer
+from shardfit.models.experts import adapter_names_as_written
 from shardfit.models.quantize import as_qlora_trained
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import resolve_precision
@@ -140,7 +141,8 @@ def load_for_inference(target: Target, *, device: torch.device, precision: str =
         bar.update()
         if target.adapter and not base:
             bar.set_postfix_str("adapter")
-            model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
+            with adapter_names_as_written(model):
+                model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
             bar.update()
         dtype = compute_dtype(precision, device)
         bar.set_postfix_str(f"{device} {str(dtype).removeprefix('torch.')}")

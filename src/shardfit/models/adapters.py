@@ -11,6 +11,7 @@ import torch
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 from shardfit.models.anatomy import decoder_and_head, vision_body
+from shardfit.models.experts import adapter_names_as_written, expert_target_parameters, lora_targets, moe_parts
 
 # A vision-language model's vision tower and Qwen2.5-Omni's audio tower, by module path: what LoRA leaves alone
 # while the tower is frozen.
@@ -27,15 +28,24 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
     # which a full or freeze fine-tune never uses.
     from peft import LoraConfig, get_peft_model
 
-    targets = lora.targets
+    targets: str | list[str] = lora.targets
+    parameters = None
+    parts = moe_parts(model)
+    if parts.any:  # a mixture: shardfit names the linear layers and the expert weights; never a router
+        if targets == "all-linear":
+            targets = lora_targets(model, parts)
+        routers = "|".join(re.escape(r) for r in parts.routers)
+        exclude = f"({exclude})|({routers})" if exclude and routers else (exclude or routers or None)
+        parameters = expert_target_parameters(parts) if lora.experts else None
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                         task_type="CAUSAL_LM", bias="none", exclude_modules=exclude,
-                        modules_to_save=modules_to_save)
+                        modules_to_save=modules_to_save, target_parameters=parameters)
     try:
         with warnings.catch_warnings():
             # peft reads transformers' deprecated is_gradient_checkpointing alias; the notice is not the user's.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+            with adapter_names_as_written(model):
+                peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except (ValueError, TypeError, re.error) as e:  # peft reads a string of targets as a regular expression
         raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}). Use "
                         "all-linear, or a list of module names such as [q_proj, v_proj].") from None

@@ -86,12 +86,14 @@ class ZeroSettings:
 def _persistent(shape: ModelShape, threshold: int) -> int:
     """Elements of the parameters ZeRO-3 keeps whole once gathered (each at or under `threshold` elements): norms,
     and on small models whole projections."""
-    sizes = [i * o for i, o in shape.linear_shapes()] + [shape.hidden, shape.hidden]
-    per_layer = sum(s for s in sizes if s <= threshold)
+    def per_layer(moe: bool) -> int:
+        sizes = [i * o for i, o in shape.linear_shapes(moe)] + [shape.hidden, shape.hidden]
+        return sum(s for s in sizes if s <= threshold)
+
     root = shape.hidden if shape.hidden <= threshold else 0
     emb = shape.vocab * shape.hidden
     root += sum(emb for _ in range(1 if shape.tied else 2) if emb <= threshold)
-    return shape.layers * per_layer + root
+    return int(shape.over_blocks(per_layer)) + root
 
 
 def _kept_at_loss(shape: ModelShape, z: ZeroSettings) -> int:
@@ -100,7 +102,8 @@ def _kept_at_loss(shape: ModelShape, z: ZeroSettings) -> int:
     forward and before it in the backward, about twice what runs after it), within `stage3_max_live_parameters`.
     DeepSpeed's default distance (1e9) keeps a small model whole, and the last block or two of a 7B one."""
     head = shape.vocab * shape.hidden
-    order = ([head] if not shape.tied else []) + [shape.layer_params()] * shape.layers + [head]
+    blocks = [shape.layer_params(moe) for n, moe in reversed(shape.block_kinds()) for _ in range(n)]
+    order = ([head] if not shape.tied else []) + blocks + [head]
     kept = after = 0
     for size in reversed(order):
         if 2 * after <= z.max_reuse_distance:

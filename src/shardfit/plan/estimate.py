@@ -81,17 +81,28 @@ class Candidate:
         return d
 
 
-def adapted_shapes(shape: ModelShape, w: Workload) -> list[tuple[int, int]]:
-    """(in, out) of each linear layer of one block that LoRA adapts: `lora_targets`, or all of them (each
-    expert's MLP counted; never a mixture's router)."""
-    names = list(LORA_TARGETS[:4]) + list(LORA_TARGETS[4:]) * shape.experts
+def adapts(name: str, w: Workload) -> bool:
+    """Whether LoRA adapts the block's linear layer `name` (ModelShape.named_linears): one of `lora_targets` (all
+    of them by default); a mixture's routed experts only with `lora_experts` (their fused gate/up weight when `gate`
+    or `up` is a target); never a router."""
     targets = w.lora_targets or LORA_TARGETS
-    return [io for name, io in zip(names, shape.linear_shapes(), strict=False) if name in targets]
+    if name == "router":
+        return False
+    if name.startswith("expert_"):
+        parts = name.removeprefix("expert_").split("_")
+        return w.lora_experts and any(p in targets for p in parts)
+    return name in targets
+
+
+def adapted_shapes(shape: ModelShape, w: Workload, moe: bool | None = None) -> list[tuple[int, int]]:
+    """(in, out) of each linear layer of one block (the largest kind by default) that LoRA adapts; a fused expert
+    weight counts once per expert (peft's target_parameters gives each expert its own rank)."""
+    return [(i, o) for name, i, o in shape.named_linears(moe) if adapts(name, w)]
 
 
 def lora_params(shape: ModelShape, w: Workload) -> int:
     """Adapter parameters of the whole model: rank x (in + out) per adapted layer."""
-    return shape.layers * sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w))
+    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe))))
 
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
@@ -120,9 +131,10 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         weights = p * float(trainable_bytes(w))
     else:
         frozen = p - (t if w.method == "freeze" else 0)
-        linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
+        linear = shape.decoder_linear_params()
         per_other = 4 if w.frozen_fp32 else low
-        weights = shape.layers * linear_weight_bytes(shape, w) + (frozen - linear) * per_other + t * trainable_bytes(w)
+        stored = shape.over_blocks(lambda moe: linear_weight_bytes(shape, w, moe))
+        weights = stored + (frozen - linear) * per_other + t * trainable_bytes(w)
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
@@ -135,14 +147,14 @@ def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
     return replace(shape, tied=False) if w.untied_head and shape.tied else shape
 
 
-def linear_weight_bytes(shape: ModelShape, w: Workload) -> float:
+def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None) -> float:
     """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
     factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
     plan/quant.py lays it out; without `double_quant` an fp32 scale per 64 weights), else the compute precision."""
     low = compute_bytes(w)
     if w.method == "qlora":
-        return sum(quant.weight_bytes(o, i, low, w.double_quant) for i, o in shape.linear_shapes())
-    return sum(i * o for i, o in shape.linear_shapes()) * low
+        return sum(quant.weight_bytes(o, i, low, w.double_quant) for i, o in shape.linear_shapes(moe))
+    return sum(i * o for i, o in shape.linear_shapes(moe)) * low
 
 
 def quantized_head(shape: ModelShape, w: Workload) -> bool:
@@ -217,7 +229,8 @@ def no_sync_grad_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
     if w.method == "full":
         return float(shape.params() * low)
     if w.trains_adapters and not w.flat_params:
-        return float(shape.layers * block_weight_bytes(shape, w) + lora_params(shape, w) * low)
+        blocks = shape.over_blocks(lambda moe: linear_weight_bytes(shape, w, moe) + 2 * shape.hidden * low)
+        return float(blocks + lora_params(shape, w) * low)
     return float(trainable_params(shape, w) * trainable_bytes(w))
 
 
@@ -287,7 +300,7 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     a = compute_bytes(w)
     hidden_16 = 6 if casts_fp32_trainables(w, strategy) else 2
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
-    mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
+    mlp = shape.mean_active_mlp_width()
     lora = 0.0
     if w.trains_adapters:
         adapted = adapted_shapes(shape, w)
@@ -315,7 +328,7 @@ def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
     """Output width of each matmul of one decoder block, in the order they run: q, k, v, o, gate, up, down, each
     followed by its LoRA A and B. A mixture of experts counts as one MLP of top-k experts' width."""
     q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
-    mlp = shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
+    mlp = shape.active_mlp_width()
     outs = [q, kv, kv, shape.hidden, mlp, mlp, shape.hidden]
     if w.trains_adapters:
         targets = w.lora_targets or LORA_TARGETS
@@ -395,7 +408,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     # The last block's output itself is not kept: the final norm saves its fp32 upcast (the output itself when
     # the residual stream is fp32).
     head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
-    cast = 2 * layers * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
+    cast = 2 * shape.decoder_params() * layers / shape.layers if autocast_fp32_master(w, strategy) else 0
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":

@@ -30,6 +30,10 @@ class ModelInfo:
     layers: int
     hidden: int
     vocab: int
+    # A mixture of experts: the weights one token computes with (top-k and shared experts), and the experts.
+    active_params: int | None = None
+    experts: int | None = None
+    experts_per_token: int | None = None
 
 
 @dataclass
@@ -199,7 +203,8 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
     none does."""
     cands = estimate_all(shape, w, hw, strategies)
     best, reason = recommend(cands, hw)
-    model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab)
+    model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
+                      *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None)
 
 

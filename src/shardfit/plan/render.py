@@ -15,7 +15,9 @@ def format_table(plan: Plan, style: str = "plan") -> str:
     for the command the user ran: `plan` flags, or `config` overrides for train and check."""
     d = plan.to_json()
     m, w = d["model"], d["workload"]
-    lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params, {m['trainable_params'] / 1e6:.1f}M trainable "
+    moe = (f" ({m['active_params'] / 1e9:.2f}B active: {m['experts_per_token']} of {m['experts']} experts a token)"
+           if m.get("active_params") else "")
+    lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params{moe}, {m['trainable_params'] / 1e6:.1f}M trainable "
              f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
              f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
              + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -13,51 +11,12 @@ from typing import Any
 import yaml
 
 from shardfit.errors import UserError
-from shardfit.plan.audio import AudioShape, audio_shape_of
-from shardfit.plan.media import VisionShape, vision_shape_of
+from shardfit.plan.audio import AudioShape
+from shardfit.plan.config_shape import shape_from_config, tower_params
+from shardfit.plan.media import VisionShape
+from shardfit.plan.model_shape import MLA, ModelShape
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    id: str
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tied: bool = False
-    head_dim: int | None = None
-    experts: int = 1
-    top_k: int = 1
-    # outside the decoder: a multimodal model's vision and audio towers (counted in `vision` and `audio` too)
-    extra_params: int = 0
-    vision: VisionShape | None = None
-    audio: AudioShape | None = None
-
-    @property
-    def hd(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """(in, out) of every linear layer in one decoder block (each expert's MLP counted)."""
-        q, kv = self.heads * self.hd, self.kv_heads * self.hd
-        attn = [(self.hidden, q), (self.hidden, kv), (self.hidden, kv), (q, self.hidden)]
-        mlp = [(self.hidden, self.intermediate)] * 2 + [(self.intermediate, self.hidden)]
-        return attn + mlp * self.experts + ([(self.hidden, self.experts)] if self.experts > 1 else [])
-
-    def layer_params(self) -> int:
-        return sum(i * o for i, o in self.linear_shapes()) + 2 * self.hidden
-
-    def embed_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    def params(self) -> int:
-        return self.layers * self.layer_params() + self.embed_params() + self.hidden + self.extra_params
-
-    def lora_params(self, rank: int) -> int:
-        """Adapter size for `all-linear` targets (every linear in every block; not the output head)."""
-        return self.layers * sum(rank * (i + o) for i, o in self.linear_shapes() if o != self.experts)
+__all__ = ["MLA", "ModelShape", "catalog", "catalog_config", "hf_config", "resolve_shape", "tower_params"]
 
 
 @cache
@@ -78,41 +37,6 @@ def _read_config_json(path: Path, name: str) -> dict[str, Any]:
     return cfg
 
 
-def _from_config(cfg: dict[str, Any], name: str) -> ModelShape:
-    nested = cfg.get("text_config") or (cfg.get("thinker_config") or {}).get("text_config") or cfg
-    text = nested if isinstance(nested, dict) else cfg
-    try:
-        heads = text["num_attention_heads"]
-        shape = ModelShape(
-            id=name, layers=text["num_hidden_layers"], hidden=text["hidden_size"],
-            intermediate=text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"],
-            heads=heads, kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
-            vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
-            # Qwen-Omni: the thinker's own setting decides (its head is untied whatever its text config says).
-            tied=bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
-                "tie_word_embeddings", text.get("tie_word_embeddings", False)))),
-            experts=text.get("num_local_experts") or text.get("num_experts") or 1,
-            top_k=text.get("num_experts_per_tok") or 1)
-        vision = vision_shape_of(cfg)
-        audio = audio_shape_of(cfg)
-    except KeyError as e:
-        raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
-    sizes = {"num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
-             "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab}
-    for key_name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name}: config.json's {key_name} is {value!r}; it must be a positive integer.")
-    if vision is not None or audio is not None:
-        shape = dataclasses.replace(shape, vision=vision, audio=audio, extra_params=tower_params(vision, audio))
-    return shape
-
-
-def tower_params(vision: VisionShape | None, audio: AudioShape | None) -> int:
-    """The weights of a multimodal model's towers: what it holds outside the decoder (Qwen2.5-Omni's talker and
-    token2wav are never built for training)."""
-    return (vision.params() if vision else 0) + (audio.params() if audio else 0)
-
-
 def resolve_shape(model: str) -> ModelShape:
     """The shape of `model`: a catalog id, a config.json path, a HF folder, or a bundled GGUF model."""
     entries = catalog()
@@ -124,9 +48,9 @@ def resolve_shape(model: str) -> ModelShape:
             return _from_entry(model if variant != model.lower() else lower[variant], entries[lower[variant]])
     p = Path(model).expanduser()
     if p.is_file() and p.name.endswith(".json"):
-        return _from_config(_read_config_json(p, model), model)
+        return shape_from_config(_read_config_json(p, model), model)
     if p.is_dir() and (p / "config.json").is_file():
-        return _from_config(_read_config_json(p / "config.json", model), model)
+        return shape_from_config(_read_config_json(p / "config.json", model), model)
     stem = model.lower().rsplit("/", 1)[-1]
     close = [k for k in entries if stem and stem in k.lower()][:3] or \
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
@@ -135,8 +59,12 @@ def resolve_shape(model: str) -> ModelShape:
 
 
 def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
-    """A catalog entry as a shape (its `vision` and `audio` mappings as a VisionShape and an AudioShape; with
-    either and no `extra_params`, the towers' weights are what lies outside the decoder)."""
+    """A catalog entry as a shape: a published config.json kept whole (`config`, the families whose layouts the
+    compact form cannot say: experts, shared experts, dense blocks, latent attention), or the compact form (its
+    `vision` and `audio` mappings as a VisionShape and an AudioShape; with either and no `extra_params`, the towers'
+    weights are what lies outside the decoder)."""
+    if "config" in entry:
+        return shape_from_config(entry["config"], name)
     vision = VisionShape(**entry["vision"]) if entry.get("vision") else None
     audio = AudioShape(**entry["audio"]) if entry.get("audio") else None
     extra = entry.get("extra_params", tower_params(vision, audio))
@@ -151,10 +79,21 @@ def _variants(name: str) -> list[str]:
     return [name, name + "-instruct", name + "-it"]
 
 
+def catalog_config(model: str) -> dict[str, Any] | None:
+    """The published config.json a catalog entry keeps whole, or None (a compact entry, or not in the catalog)."""
+    entry = catalog().get(model)
+    return dict(entry["config"]) if entry and "config" in entry else None
+
+
 def hf_config(shape: ModelShape) -> Any:
-    """A transformers config of the shape's architecture family (Qwen2 for Qwen ids, else Llama): what a weightless
-    model is built from when no config.json is at hand (a catalog id)."""
-    from transformers import LlamaConfig, Qwen2Config  # configs only; the planner itself needs no transformers
+    """A transformers config of the shape's architecture family: the catalog's own config.json where it keeps one,
+    else Qwen2 for Qwen ids and Llama for the rest: what a weightless model is built from when no config.json is at
+    hand (a catalog id)."""
+    from transformers import AutoConfig, LlamaConfig, Qwen2Config  # configs only; the planner needs no transformers
+
+    kept = catalog_config(shape.id)
+    if kept is not None:
+        return AutoConfig.for_model(kept.pop("model_type"), **kept)
 
     cls = Qwen2Config if "qwen" in shape.id.lower() else LlamaConfig
     kwargs = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,

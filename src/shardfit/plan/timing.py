@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import compute_bytes, planned_shape, trainable_params, with_loss_chunk
+from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
@@ -171,10 +171,12 @@ class StepTime:
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     """(forward FLOPs of one block's linear layers, their parameter count) per token, active experts only."""
-    q, kv, h = shape.heads * shape.hd, shape.kv_heads * shape.hd, shape.hidden
-    mlp = 3 * h * shape.intermediate * (shape.top_k if shape.experts > 1 else 1)
-    router = h * shape.experts if shape.experts > 1 else 0
-    params = 2 * h * q + 2 * h * kv + mlp + router
+    attn = sum(i * o for _, i, o in shape.attention_linears())
+
+    def active(moe: bool) -> float:
+        return attn + 3 * shape.hidden * shape.active_mlp_width(moe) + (shape.hidden * shape.experts if moe else 0)
+
+    params = shape.over_blocks(active) / shape.layers  # the mean block: mixtures and dense blocks in their shares
     return 2.0 * params, float(params)
 
 
@@ -189,11 +191,15 @@ def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
     """Forward FLOPs of one block's LoRA A and B (active experts only)."""
     if not w.trains_adapters:
         return 0.0
-    q, kv, h = shape.heads * shape.hd, shape.kv_heads * shape.hd, shape.hidden
-    widths = [(h, q), (h, kv), (h, kv), (q, h)] + [(h, shape.intermediate)] * 2 + [(shape.intermediate, h)]
-    k = shape.top_k if shape.experts > 1 else 1
-    per = [2 * w.lora_rank * (i + o) for i, o in widths]
-    return float(sum(per[:4]) + k * sum(per[4:]))
+
+    def per_block(moe: bool) -> float:
+        flops = 0.0
+        for name, i, o in shape.named_linears(moe):
+            if adapts(name, w):  # a token runs its top-k experts' adapters only
+                flops += 2 * w.lora_rank * (i + o) / (shape.experts / shape.top_k if name.startswith("expert_") else 1)
+        return flops
+
+    return shape.over_blocks(per_block) / shape.layers
 
 
 def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
@@ -298,8 +304,7 @@ def _elementwise_coef(w: Workload, ckpt: bool, side: str) -> tuple[float, ...]:
 def elementwise_bytes_per_token(shape: ModelShape, w: Workload, side: str) -> float:
     """Bytes the non-matmul kernels of one decoder layer move per token of a micro-batch of `w`, `side` eager or
     compiled: counted in bf16 (twice as many in fp32), selective checkpointing half of full's recomputation."""
-    width = (shape.hidden, shape.intermediate * (shape.top_k if shape.experts > 1 else 1),
-             shape.heads * shape.hd, shape.kv_heads * shape.hd)
+    width = (shape.hidden, shape.mean_active_mlp_width(), shape.heads * shape.hd, shape.kv_heads * shape.hd)
 
     def at(ckpt: bool) -> float:
         return sum(c * x for c, x in zip(_elementwise_coef(w, ckpt, side), width, strict=True))
@@ -346,14 +351,14 @@ def _qlora_dequant_bytes(shape: ModelShape, w: Workload) -> float:
     if w.method != "qlora":
         return 0.0
     uses = 2 + (1 if w.grad_ckpt != "none" else 0)
-    return uses * shape.layers * sum(i * o for i, o in shape.linear_shapes()) * 2.5
+    return uses * shape.decoder_linear_params() * 2.5
 
 
 def param_bytes_16(shape: ModelShape, w: Workload) -> float:
     """What FSDP2 all-gathers: the parameters in the compute dtype (QLoRA: the packed 4-bit data and scales)."""
     p = shape.params()
     if w.method == "qlora":
-        linear = shape.layers * sum(i * o for i, o in shape.linear_shapes())
+        linear = shape.decoder_linear_params()
         return linear * (0.5 + 0.127 / 8) + (p - linear) * compute_bytes(w)
     return p * compute_bytes(w)
 
@@ -426,7 +431,11 @@ def collective_calls(shape: ModelShape, w: Workload, exposed: Exposure) -> int:
 def param_tensors(shape: ModelShape) -> int:
     """Parameter tensors of the model: each linear weight and two norms per block, the embedding (and an untied
     head), the final norm. Biases, where a model has them, are not counted."""
-    return shape.layers * (len(shape.linear_shapes()) + 2) + (1 if shape.tied else 2) + 1
+    def per_block(moe: bool) -> int:  # fused expert weights are two tensors per block, not two per expert
+        named = shape.named_linears(moe)
+        return sum(not n.startswith("expert_") for n, _, _ in named) + (2 if moe else 0) + 2
+
+    return int(shape.over_blocks(per_block)) + (1 if shape.tied else 2) + 1
 
 
 def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> StepTime:

@@ -61,6 +61,8 @@ class Workload:
     lora_targets: tuple[str, ...] | None = None
     # peft's lora_dropout: above 0 every adapter keeps its dropped-out input and the dropout mask for backward.
     lora_dropout: float = 0.0
+    # A mixture of experts: adapters on the routed experts too (`lora.experts`).
+    lora_experts: bool = True
     # The training loop keeps the model's output, and with it the fp32 logits of a full loss, until the next step
     # (a loop that writes `output = model(...)` and never deletes it, as Answer.AI's train.py); the HF Trainer
     # and torchtune drop it before backward.
@@ -125,6 +127,7 @@ def workload_of(cfg: Config) -> Workload:
                     # `compile: auto` is decided at train time; planning it as eager errs on the large side.
                     compile=cfg.compile is True or cfg.compile == "true",
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
+                    lora_experts=cfg.lora.experts,
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower)
 

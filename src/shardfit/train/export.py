@@ -18,6 +18,7 @@ from shardfit.config import Config
 from shardfit.config.support import qlora_compute_dtype
 from shardfit.errors import UserError
 from shardfit.models.build import DTYPES, build_model, load_tokenizer
+from shardfit.models.experts import adapter_names_as_written
 from shardfit.models.quantize import as_qlora_trained
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
@@ -94,7 +95,8 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
         from peft import PeftModel  # only a merge reads an adapter back; see models/adapters.py on the import
 
         try:
-            model = PeftModel.from_pretrained(model, str(adapter_dir))
+            with adapter_names_as_written(model):
+                model = PeftModel.from_pretrained(model, str(adapter_dir))
         except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
             raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
         bar.update()

@@ -7,6 +7,7 @@ so peak logits memory is `chunk x vocab` floats instead of `batch x seq x vocab`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, vision_body
 from shardfit.models.attention_by_width import AttentionByWidth
+from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -142,12 +144,16 @@ class CausalLMLoss(nn.Module):
     """
 
     def __init__(self, model: nn.Module, chunk: int = 1024, all_labelled: bool = False,
-                 attention: AttentionByWidth | None = None):
+                 attention: AttentionByWidth | None = None, moe_top_k: int = 0, aux: AuxLoss | None = None):
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.all_labelled = all_labelled
         self.attention = attention  # None: the model's attention kernel for every micro-batch
+        # A mixture of experts (top-k above 0): the routers' logits are recorded for the expert load, and the
+        # model's load-balancing loss (`aux`) joins the loss with its config's coefficient.
+        self.moe_top_k, self.aux = moe_top_k, aux
+        self.last_moe: MoeStep | None = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, targets: torch.Tensor,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
@@ -159,13 +165,40 @@ class CausalLMLoss(nn.Module):
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
+        routed = {"output_router_logits": True} if self.moe_top_k else {}
         if body is None:
-            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **routed)
         else:
             out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw,
-                                          input_features, audio_feature_lens, pixel_values_videos, video_grid_thw)
+                                          input_features, audio_feature_lens, pixel_values_videos, video_grid_thw,
+                                          routed)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
+        loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
+        if self.moe_top_k:
+            loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum)
+        return loss_sum, n
+
+    def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss as a sum over this micro-batch's `n` targets (the LM loss is a sum too, so
+        after the step's normalisation it weighs `coef` x the mean aux loss), recording it and the expert load."""
+        low, high = expert_load(logits, self.moe_top_k)
+        aux_sum = like.new_zeros(())
+        if self.aux is not None and logits:
+            aux = self.aux.fn(logits, self.aux.experts, self.aux.top_k, None)
+            aux_sum = self.aux.coef * aux.to(like.dtype) * n
+        self.last_moe = MoeStep(aux_sum.detach(), n, low, high)
+        return aux_sum
+
+
+@dataclass(frozen=True)
+class MoeStep:
+    """What one micro-batch's routing did: its load-balancing loss as added to the loss sum (over `targets`), and
+    the lowest and highest expert load (models/experts.py `expert_load`)."""
+
+    aux_sum: torch.Tensor
+    targets: int
+    load_low: float
+    load_high: float
 
 
 def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -173,7 +206,8 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
                             input_features: torch.Tensor | None = None,
                             audio_feature_lens: torch.Tensor | None = None,
                             pixel_values_videos: torch.Tensor | None = None,
-                            video_grid_thw: torch.Tensor | None = None) -> Any:
+                            video_grid_thw: torch.Tensor | None = None,
+                            routed: dict[str, bool] | None = None) -> Any:
     """A Qwen2-VL-style body on a batch with (4, rows, width) positions: token embeddings, the audio tower's features
     written into the audio tokens (Qwen2.5-Omni's thinker), the vision tower's into the image and video tokens, then
     the language model.
@@ -209,7 +243,7 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
             mask = (input_ids == tok).unsqueeze(-1)
             embeds = embeds.masked_scatter(mask, feats[first:first + n].to(embeds.dtype))
             first += n
-    return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+    return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **(routed or {}))
 
 
 def idle_audio(audio: nn.Module, like: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,33 @@ class StepLogger:
         self.losses: list[float] = []  # one per written window: summary.json's train_loss is the last
         self._loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
+        # A mixture of experts: the window's load-balancing loss, and its lowest and highest expert load.
+        self._aux = torch.zeros((), dtype=torch.float64, device=env.device)
+        self._load = torch.tensor([float("inf"), 0.0], dtype=torch.float64, device=env.device)
+        self._routed = False
+
+    def add_routing(self, aux_sum: torch.Tensor, global_targets: int, low: float, high: float) -> None:
+        """A micro-batch's routing: its load-balancing loss (summed as the loss is) and expert load."""
+        self._routed = True
+        self._aux += aux_sum.detach().double() / max(global_targets, 1)
+        self._load[0] = min(float(self._load[0]), low)
+        self._load[1] = max(float(self._load[1]), high)
+
+    def _routing_record(self) -> dict[str, Any]:
+        """The window's routing figures for metrics.jsonl (every rank's: summed, lowest, highest), or nothing."""
+        if not self._routed:
+            return {}
+        if self.env.distributed:
+            dist.all_reduce(self._aux)
+            low, high = -self._load[0:1], self._load[1:2]
+            dist.all_reduce(low, op=dist.ReduceOp.MAX)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            self._load = torch.cat([-low, high])
+        record = {"aux_loss": round(float(self._aux) / self._steps, 6),
+                  "expert_load_min": round(float(self._load[0]), 4), "expert_load_max": round(float(self._load[1]), 4)}
+        self._aux.zero_()
+        self._load = torch.tensor([float("inf"), 0.0], dtype=torch.float64, device=self.env.device)
+        return record
 
     def add_loss(self, loss_sum: torch.Tensor, global_targets: int) -> None:
         """A micro-batch's summed loss, as a share of its step's mean over the global batch."""
@@ -131,7 +158,7 @@ class StepLogger:
         self.metrics.write({"step": step, "epoch": round(self.epoch_of(step), 4), "loss": round(loss, 6), "lr": lr,
                             "grad_norm": round(float(gn), 6), "tokens": tokens, "tokens_per_s": round(tps, 2),
                             "mem_gib": [round(x, 4) for x in gather_floats(peak_mem_gib(self.env.device), self.env)],
-                            "wall_s": round(time.perf_counter() - self.t_start, 3)})
+                            "wall_s": round(time.perf_counter() - self.t_start, 3), **self._routing_record()})
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}")
         self._loss.zero_()
         self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()

@@ -42,6 +42,7 @@ from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import input_device, output_vocab, vision_body
 from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.models.build import attention_kernels, build_model, load_tokenizer, use_attention, weights_cached
+from shardfit.models.experts import aux_loss_of, moe_top_k
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults
@@ -265,7 +266,9 @@ class FineTune:
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
         # `loss_chunk: auto` as the plan decides it: by the vocabulary and this device's rates.
         self.loss_chunk = loss_chunk_for(cfg.loss_chunk, output_vocab(self.model), self.hardware, cfg.precision)
-        loss_module = CausalLMLoss(self.model, self.loss_chunk, attention=self.attention)
+        loss_module = CausalLMLoss(self.model, self.loss_chunk, attention=self.attention,
+                                   moe_top_k=moe_top_k(self.model), aux=aux_loss_of(self.model, self.model.config))
+        self.routing = loss_module  # unwrapped: the engines below wrap it, its last micro-batch's routing stays here
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
                                        grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
         if s.engine != "device_map" and not s.offload:
@@ -424,6 +427,10 @@ class FineTune:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
             wd.at("backward")
             (loss_sum * scale).backward()
+            moe = self.routing.last_moe
+            if moe is not None:  # the LM loss is logged apart from the load-balancing loss the step trained on
+                loss_sum = loss_sum.detach() - moe.aux_sum
+                self.logger.add_routing(moe.aux_sum, rows.global_targets, moe.load_low, moe.load_high)
             self.logger.add_loss(loss_sum, rows.global_targets)
         wd.at("optimizer step")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)

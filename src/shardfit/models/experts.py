@@ -1,0 +1,154 @@
+"""A mixture of experts inside a built model: its routers, its fused expert weights, its load-balancing loss.
+
+transformers 5 stores every family's routed experts as fused 3-D parameters of one `experts` module per block
+(`gate_up_proj` [experts, 2 x width, hidden] or transposed, `down_proj`), and the router as a module of its own
+(`mlp.gate`, `mlp.router`, `feed_forward.router`). peft reaches the fused weights only through
+`target_parameters`; and its automatic v4-to-v5 conversion of `all-linear` also targets the router's weight, which
+must stay frozen (an adapted router changes which experts every token reaches). So shardfit names both itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+ROUTER_NAMES = ("gate", "router")
+
+
+@dataclass(frozen=True)
+class MoeParts:
+    """Module paths of a model's routers and experts modules, and the experts' fused weight names."""
+
+    routers: tuple[str, ...]
+    experts: tuple[str, ...]
+    expert_weights: tuple[str, ...]  # e.g. ("gate_up_proj", "down_proj"): 3-D parameters of an experts module
+
+    @property
+    def any(self) -> bool:
+        return bool(self.experts)
+
+
+def moe_parts(model: nn.Module) -> MoeParts:
+    """The routers and experts of `model` (empty for a dense model): an `experts` module with 3-D weights, and the
+    router beside it in the same block."""
+    routers, experts, weights = [], [], set()
+    for name, module in model.named_modules():
+        if not name.endswith("experts"):
+            continue
+        fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        if not fused:
+            continue
+        experts.append(name)
+        weights.update(fused)
+        parent = name.rpartition(".")[0]
+        for r in ROUTER_NAMES:
+            if isinstance(model.get_submodule(parent), nn.Module) and hasattr(model.get_submodule(parent), r):
+                routers.append(f"{parent}.{r}")
+    return MoeParts(tuple(routers), tuple(experts), tuple(sorted(weights)))
+
+
+def lora_targets(model: nn.Module, parts: MoeParts) -> list[str]:
+    """`all-linear` resolved as peft would, less the routers and the output head: the linear layers of the model
+    (shared experts and dense blocks included) by full path."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    routers = set(parts.routers)
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head and name not in routers]
+
+
+def expert_target_parameters(parts: MoeParts) -> list[str]:
+    """peft `target_parameters` for every fused expert weight: a rank of LoRA per expert."""
+    return [f"{e}.{w}" for e in parts.experts for w in parts.expert_weights]
+
+
+@contextlib.contextmanager
+def adapter_names_as_written(model: nn.Module) -> Iterator[None]:
+    """peft 0.21 rewrites a LoRA config's targets for the MoE families whose v4 layout transformers 5 fused
+    (`gate_proj` -> the fused `gate_up_proj` with the rank doubled, `gate` -> the router's weight), so that adapters
+    trained on v4 still load. Applied to an adapter made on v5 it moves a shared expert's or a dense block's
+    `gate_proj` adapter onto the routed experts (LoRA where `lora.experts: false` said none) and targets the router.
+    Within this scope peft sees a model type it has no rewrite for, and takes the targets as written: around
+    creating an adapter and around reading one back."""
+    config = getattr(model, "config", None)
+    if config is None or not moe_parts(model).any:
+        yield
+        return
+    real = config.model_type
+    had_own = "model_type" in vars(config)
+    config.model_type = f"{real}-shardfit-v5"
+    try:
+        yield
+    finally:
+        if had_own:
+            config.model_type = real
+        else:
+            del config.model_type
+
+
+def freeze_routers(model: nn.Module, parts: MoeParts) -> int:
+    """Leave every router frozen (full fine-tune with `train_router: false`); returns how many weights."""
+    n = 0
+    for r in parts.routers:
+        for p in model.get_submodule(r).parameters():
+            p.requires_grad_(False)
+            n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class AuxLoss:
+    """The model's own load-balancing loss and what it needs: experts, top-k, coefficient (from its config)."""
+
+    fn: Callable[..., torch.Tensor]
+    experts: int
+    top_k: int
+    coef: float
+
+
+def aux_loss_of(model: nn.Module, config: Any) -> AuxLoss | None:
+    """The load-balancing loss of the model's family (its modeling module's `load_balancing_loss_func`) with the
+    coefficient its config sets, or None: a dense model, a family without one (DeepSeek-V3 and GLM-4.5 balance
+    with a bias instead), or a coefficient of 0."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not coef or not experts or not top_k:
+        return None
+    for m in model.modules():
+        fn = getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None)
+        if fn is not None:
+            return AuxLoss(fn, int(experts), int(top_k), coef)
+    return None
+
+
+def moe_top_k(model: nn.Module) -> int:
+    """Experts each token reaches, from the model's (text) config; 0 for a model without routed experts."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    experts = max(int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return int(getattr(config, "num_experts_per_tok", 0) or 1) if experts > 1 else 0
+
+
+def router_logits_of(out: Any) -> tuple[torch.Tensor, ...]:
+    """The per-block router logits a forward with `output_router_logits=True` recorded ([tokens, experts] each)."""
+    logits = getattr(out, "router_logits", None) or ()
+    return tuple(r[0] if isinstance(r, tuple) else r for r in logits)
+
+
+def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int) -> tuple[float, float]:
+    """(lowest, highest) share of routed tokens any expert of any block received, times the number of experts:
+    1.0 is an even load; a highest of several and a lowest near 0 is collapse onto few experts."""
+    lo, hi = float("inf"), 0.0
+    with torch.no_grad():
+        for logits in router_logits:
+            experts = logits.shape[-1]
+            chosen = logits.detach().float().topk(top_k, dim=-1).indices.flatten()
+            share = torch.bincount(chosen, minlength=experts).float() / max(1, chosen.numel()) * experts
+            lo, hi = min(lo, float(share.min())), max(hi, float(share.max()))
+    return (lo if lo != float("inf") else 0.0), hi

@@ -1,0 +1,169 @@
+"""A ModelShape from a transformers config.json, whichever family wrote it.
+
+Families name the same sizes differently; each key table below lists the names in the order they are tried, so a
+new family is one more name in a table, not a new branch:
+- experts: Mixtral / gpt-oss / Llama 4 `num_local_experts`, Qwen-MoE `num_experts`, DeepSeek / GLM-4.5
+  `n_routed_experts`;
+- one expert's width: `moe_intermediate_size` (Qwen-MoE, DeepSeek, GLM-4.5); Llama 4 names it
+  `intermediate_size` and its dense MLP `intermediate_size_mlp`; Mixtral and gpt-oss have only `intermediate_size`;
+- shared experts: `n_shared_experts` x the expert width (DeepSeek, GLM-4.5), `shared_expert_intermediate_size`
+  (Qwen2-MoE), one expert-wide shared MLP in every Llama 4 mixture;
+- dense blocks among the mixtures: `first_k_dense_replace` (DeepSeek, GLM-4.5), `mlp_only_layers` and
+  `decoder_sparse_step` (Qwen-MoE), `moe_layers` or `interleave_moe_layer_step` (Llama 4);
+- the text model of a multimodal config: `text_config`, or Qwen-Omni's `thinker_config.text_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardfit.errors import UserError
+from shardfit.plan.audio import AudioShape, audio_shape_of
+from shardfit.plan.media import VisionShape, vision_shape_of
+from shardfit.plan.model_shape import MLA, ModelShape
+
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+
+
+def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
+    """The value of the first of `keys` that `d` holds and is not null."""
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config: itself, `text_config`, or Qwen-Omni's thinker's."""
+    nested = cfg.get("text_config") or (cfg.get("thinker_config") or {}).get("text_config") or cfg
+    return nested if isinstance(nested, dict) else cfg
+
+
+def tied_of(cfg: dict[str, Any], text: dict[str, Any]) -> bool:
+    """Whether the head shares the embedding. Qwen-Omni: the thinker's own setting decides (its head is untied
+    whatever its text config says). A config without the key takes its class's default: tied for Gemma, untied
+    for the rest."""
+    default = str(cfg.get("model_type", "")).startswith("gemma")
+    return bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
+        "tie_word_embeddings", text.get("tie_word_embeddings", default))))
+
+
+def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[bool]:
+    """Which of `layers` blocks hold a mixture of experts, by whichever of the families' keys the config has."""
+    if experts <= 1:
+        return [False] * layers
+    if "first_k_dense_replace" in text:
+        k, every = text.get("first_k_dense_replace") or 0, text.get("moe_layer_freq") or 1
+        return [i >= k and i % every == 0 for i in range(layers)]
+    if "mlp_only_layers" in text or "decoder_sparse_step" in text:
+        dense, step = set(text.get("mlp_only_layers") or []), text.get("decoder_sparse_step") or 1
+        return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    if text.get("moe_layers") is not None:
+        moe = set(text["moe_layers"])
+        return [i in moe for i in range(layers)]
+    step = text.get("interleave_moe_layer_step") or 1
+    return [(i + 1) % step == 0 for i in range(layers)]
+
+
+def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
+    """(dense MLP width, one routed expert's width (0: the same), shared experts' total width)."""
+    inter = text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
+    if experts <= 1:
+        return inter, 0, 0
+    if text.get("intermediate_size_mlp"):  # Llama 4: one shared expert as wide as a routed one
+        return text["intermediate_size_mlp"], inter, inter
+    expert = text.get("moe_intermediate_size") or 0
+    shared = (text.get("n_shared_experts") or 0) * (expert or inter) or text.get("shared_expert_intermediate_size") \
+        or 0
+    return inter, expert, shared
+
+
+def sliding_layers(text: dict[str, Any], layers: int) -> tuple[int, int]:
+    """(window, blocks that attend within it): `layer_types`, Gemma's every-Nth-global pattern, or Qwen's switch."""
+    window = text.get("sliding_window") or 0
+    if not window:
+        return 0, 0
+    if isinstance(text.get("layer_types"), list):
+        return window, sum(t == "sliding_attention" for t in text["layer_types"])
+    if text.get("sliding_window_pattern"):
+        return window, layers - layers // int(text["sliding_window_pattern"])
+    return (window, layers) if text.get("use_sliding_window") else (0, 0)
+
+
+def mla_of(text: dict[str, Any]) -> MLA | None:
+    """DeepSeek's latent attention, where the config has a `kv_lora_rank`."""
+    if not text.get("kv_lora_rank"):
+        return None
+    return MLA(q_rank=text.get("q_lora_rank") or 0, kv_rank=text["kv_lora_rank"], nope=text["qk_nope_head_dim"],
+               rope=text["qk_rope_head_dim"], v=text["v_head_dim"])
+
+
+def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
+    """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
+    text = text_config(cfg)
+    try:
+        heads, layers = text["num_attention_heads"], text["num_hidden_layers"]
+        _require_counts(name, text, ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+        experts = int(first_of(text, EXPERTS, 1) or 1)
+        inter, expert, shared = expert_sizes(text, experts)
+        window, sliding = sliding_layers(text, layers)
+        shape = ModelShape(
+            id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
+            kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
+            vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
+            tied=tied_of(cfg, text),
+            experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
+            moe_intermediate=expert, shared_intermediate=shared,
+            dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
+            mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
+            sliding_window=window, sliding_layers=sliding)
+        vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
+    except KeyError as e:
+        raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{name}: config.json has a size that is not a number ({e}).") from None
+    _require_counts(name, dataclasses.asdict(shape), ("intermediate", "kv_heads", "vocab", "experts", "top_k"))
+    towers = tower_params(vision, audio) if vision is not None or audio is not None else other_tower_params(cfg)
+    if vision is not None and is_qwen3_vision(cfg):
+        vision = dataclasses.replace(vision, gated=False)
+    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers)
+
+
+def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name}: config.json's {key} is {value!r}; it must be a positive integer.")
+
+
+def tower_params(vision: VisionShape | None, audio: AudioShape | None) -> int:
+    """The weights of a multimodal model's towers: what it holds outside the decoder (Qwen2.5-Omni's talker and
+    token2wav are never built for training)."""
+    return (vision.params() if vision else 0) + (audio.params() if audio else 0)
+
+
+def is_qwen3_vision(cfg: dict[str, Any]) -> bool:
+    """Qwen3-VL's tower (also Qwen3-Omni's): LayerNorm and a plain GELU MLP, where Qwen2.5-VL's is gated."""
+    v = cfg.get("vision_config") or (cfg.get("thinker_config") or {}).get("vision_config") or {}
+    return "deepstack_visual_indexes" in v
+
+
+def other_tower_params(cfg: dict[str, Any]) -> int:
+    """A vision tower that is not Qwen-VL's (SigLIP in Gemma 3, Llama 4's, GLM-4.xV's): a ViT of `layers` blocks of
+    width `d` (attention 4d^2, MLP 2dm, biases and norms), its patch embedding and positions, and a projection to
+    the language model's width. An estimate within a few per cent of the tower; the tower is a small part of
+    these models."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        return 0
+    d = v.get("hidden_size") or v.get("embed_dim") or 0
+    m = v.get("intermediate_size") or 4 * d
+    depth = v.get("num_hidden_layers") or v.get("depth") or 0
+    patch = v.get("patch_size") or 14
+    positions = ((v.get("image_size") or 336) // patch) ** 2
+    out = text_config(cfg).get("hidden_size", d)
+    block = 4 * d * d + 2 * d * m + 9 * d + m
+    proj = (v.get("projector_output_dim") or v.get("vision_output_dim") or d) * out
+    return int(depth * block + 3 * patch * patch * d + positions * d + proj)

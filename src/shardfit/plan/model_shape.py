@@ -1,0 +1,170 @@
+"""A decoder's shape: layers, widths, vocabulary, experts, attention kind; what it weighs and computes per token.
+
+Torch-free: the planner sizes a model from these numbers before anything loads (plan/config_shape.py reads them
+from a config.json)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardfit.plan.audio import AudioShape
+from shardfit.plan.media import VisionShape
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention: queries through a `q_rank` bottleneck (0: a plain projection), keys
+    and values through one `kv_rank` latent shared by every head, a `rope`-wide rotary part of q and k beside their
+    `nope`-wide part, values `v` wide per head."""
+
+    q_rank: int
+    kv_rank: int
+    nope: int
+    rope: int
+    v: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    id: str
+    layers: int
+    hidden: int
+    # a dense block's MLP width (for a mixture without `moe_intermediate`, one expert's: Mixtral's naming)
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+    head_dim: int | None = None
+    experts: int = 1
+    top_k: int = 1
+    # outside the decoder: a multimodal model's vision and audio towers (counted in `vision` and `audio` too)
+    extra_params: int = 0
+    vision: VisionShape | None = None
+    audio: AudioShape | None = None
+    # A mixture of experts: one routed expert's width (0: `intermediate`), the width of the experts every token
+    # runs (shared experts, summed), and how many blocks keep a dense MLP of `intermediate` instead.
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    dense_layers: int = 0
+    mla: MLA | None = None
+    attn_bias: bool = False  # q/k/v (and gpt-oss's o) projections with biases
+    # Sliding-window attention: the window and how many blocks use it (the rest attend to the whole sequence).
+    sliding_window: int = 0
+    sliding_layers: int = 0
+
+    @property
+    def hd(self) -> int:
+        """The width of one head's queries and keys (MLA: its no-rotary and rotary parts together)."""
+        if self.mla is not None:
+            return self.mla.nope + self.mla.rope
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 1
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate or self.intermediate
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
+
+    def attention_linears(self) -> list[tuple[str, int, int]]:
+        """(LoRA target name, in, out) of a block's attention projections; MLA's count as `q` and `k`."""
+        h = self.hidden
+        if self.mla is not None:
+            m = self.mla
+            q = [("q", h, m.q_rank), ("q", m.q_rank, self.heads * self.hd)] if m.q_rank else \
+                [("q", h, self.heads * self.hd)]
+            return q + [("k", h, m.kv_rank + m.rope), ("k", m.kv_rank, self.heads * (m.nope + m.v)),
+                        ("o", self.heads * m.v, h)]
+        q, kv = self.heads * self.hd, self.kv_heads * self.hd
+        return [("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h)]
+
+    def named_linears(self, moe: bool | None = None) -> list[tuple[str, int, int]]:
+        """(name, in, out) of every linear layer of one decoder block: a mixture's block (`moe`, the default where
+        the model has one) counts each routed expert's MLP (`expert_gate_up`, `expert_down`), its shared
+        experts' (as a dense MLP) and its router; a dense block its MLP of `intermediate`."""
+        moe = self.moe_layers > 0 if moe is None else moe
+        h = self.hidden
+        if not moe:
+            return self.attention_linears() + _mlp("", h, self.intermediate)
+        # Routed experts as transformers 5 stores them: one fused gate/up weight and one down weight per expert.
+        e = self.expert_width
+        experts = [("expert_gate_up", h, 2 * e), ("expert_down", e, h)] * self.experts
+        shared = _mlp("", h, self.shared_intermediate) if self.shared_intermediate else []
+        return self.attention_linears() + experts + shared + [("router", h, self.experts)]
+
+    def linear_shapes(self, moe: bool | None = None) -> list[tuple[int, int]]:
+        """(in, out) of every linear layer in one decoder block (the largest kind: a mixture's, each expert's MLP
+        counted)."""
+        return [(i, o) for _, i, o in self.named_linears(moe)]
+
+    def block_kinds(self) -> list[tuple[int, bool]]:
+        """(how many blocks, whether they are a mixture's) for each kind of block the decoder holds."""
+        kinds = [(self.moe_layers, True), (self.layers - self.moe_layers, False)]
+        return [(n, moe) for n, moe in kinds if n > 0]
+
+    def over_blocks(self, per_block: Callable[[bool], float]) -> float:
+        """`per_block(moe)` summed over every decoder block."""
+        return sum(n * per_block(moe) for n, moe in self.block_kinds())
+
+    def block_extra_params(self) -> int:
+        """A block's weights outside its linear layers: two norms, biases, MLA's latent norms, q/k norms."""
+        extra = 2 * self.hidden
+        if self.mla is not None:
+            extra += self.mla.q_rank + self.mla.kv_rank
+        if self.attn_bias:
+            extra += (self.heads + 2 * self.kv_heads) * self.hd
+        return extra
+
+    def layer_params(self, moe: bool | None = None) -> int:
+        """One decoder block's weights (the largest kind by default)."""
+        return sum(i * o for i, o in self.linear_shapes(moe)) + self.block_extra_params()
+
+    def decoder_linear_params(self) -> int:
+        """Every decoder block's linear weights together."""
+        return int(self.over_blocks(lambda moe: sum(i * o for i, o in self.linear_shapes(moe))))
+
+    def decoder_params(self) -> int:
+        return int(self.over_blocks(self.layer_params))
+
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def params(self) -> int:
+        return self.decoder_params() + self.embed_params() + self.hidden + self.extra_params
+
+    def active_mlp_width(self, moe: bool | None = None) -> int:
+        """The MLP width one token runs through in a block: top-k experts and the shared ones, or the dense MLP."""
+        moe = self.moe_layers > 0 if moe is None else moe
+        return self.top_k * self.expert_width + self.shared_intermediate if moe else self.intermediate
+
+    def mean_active_mlp_width(self) -> float:
+        """`active_mlp_width` averaged over the decoder's blocks (what per-token sums over all blocks use)."""
+        return self.over_blocks(self.active_mlp_width) / self.layers
+
+    def active_params(self) -> int:
+        """The weights one token computes with: attention, the top-k experts and shared ones, the router, the
+        head (the embedding row is a lookup, not counted, as model cards count active parameters)."""
+        attn = sum(i * o for _, i, o in self.attention_linears())
+
+        def block(moe: bool) -> float:
+            router = self.hidden * self.experts if moe else 0
+            return attn + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params()
+
+        return int(self.over_blocks(block) + self.vocab * self.hidden + self.hidden + self.extra_params)
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter size for `all-linear` targets (every linear in every block; not the output head or a router)."""
+        return int(self.over_blocks(lambda moe: sum(rank * (i + o) for n, i, o in self.named_linears(moe)
+                                                    if n != "router")))
+
+
+def _mlp(prefix: str, hidden: int, width: int) -> list[tuple[str, int, int]]:
+    """A gated MLP's three projections as named linears."""
+    return [(prefix + "gate", hidden, width), (prefix + "up", hidden, width), (prefix + "down", width, hidden)]

@@ -1,0 +1,91 @@
+"""The 2026 model families as tiny real models, and the matrix of what the tests prove for each.
+
+Each tiny config is the family's published config (the catalog's own copy, src/shardfit/plan/catalog.yaml) with
+its sizes shrunk and its layout kept: routed and shared experts, dense blocks among the mixtures, latent attention,
+sliding windows, biases. `MATRIX` lists the (family, method, strategy) cases tests/test_families.py trains; the
+README's table of supported families is rendered from it (`table()`), so it claims no more than the tests run.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardfit.plan.shapes import catalog_config
+
+# family -> the catalog id whose published layout it shrinks
+FAMILIES = {
+    "Qwen3 (dense)": None,
+    "Qwen3-MoE": "Qwen/Qwen3-30B-A3B",
+    "gpt-oss": "openai/gpt-oss-20b",
+    "GLM-4.5": "zai-org/GLM-4.5-Air",
+    "DeepSeek-V3": "deepseek-ai/DeepSeek-V3",
+    "Llama 4 (text)": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "Gemma 3 (text)": "google/gemma-3-27b-it",
+}
+# What tests/test_families.py trains (1 process: single; 2 gloo ranks: zero3), each with a check of its loss.
+MATRIX = [(family, method, "single") for family in FAMILIES for method in ("lora", "full")] + \
+    [(family, "lora", "zero3") for family in ("Qwen3-MoE", "gpt-oss", "DeepSeek-V3")]
+
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             pad_token_id=2)
+# Keys each family's size shrinks to, where the published config names them.
+SHRINK = dict(moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+              num_experts_per_tok=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+              v_head_dim=8, n_group=1, topk_group=1, first_k_dense_replace=1, sliding_window=16)
+
+
+def tiny_text_config(family: str) -> Any:
+    """The family's text model, tiny: its published config with every size shrunk (layout kept)."""
+    source = FAMILIES[family]
+    if source is None:
+        return AutoConfig.for_model("qwen3", **SMALL, tie_word_embeddings=True)
+    published = catalog_config(source)
+    text = copy.deepcopy(published.get("text_config") or published)
+    text.pop("architectures", None)
+    model_type = {"llama4": "llama4_text", "gemma3": "gemma3_text"}.get(published["model_type"],
+                                                                      text.pop("model_type", published["model_type"]))
+    text.pop("model_type", None)
+    for key in ("layer_types", "intermediate_size_mlp", "rope_parameters", "rope_scaling", "query_pre_attn_scalar"):
+        text.pop(key, None)
+    text.update(SMALL)
+    text.update({k: v for k, v in SHRINK.items() if k in text})
+    if model_type == "llama4_text":
+        text.update(intermediate_size=32, intermediate_size_mlp=96, num_experts_per_tok=1)
+    if "kv_lora_rank" in text:  # latent attention: every head reads the shared latent
+        text.update(num_key_value_heads=SMALL["num_attention_heads"])
+        text.pop("head_dim")
+    text["tie_word_embeddings"] = bool(published.get("tie_word_embeddings", model_type.startswith("gemma")))
+    return AutoConfig.for_model(model_type, **text)
+
+
+def make_family_model(family: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A randomly initialised tiny model of `family`, saved as an HF folder with the bundled tokenizer."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_text_config(family))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def table() -> str:
+    """The README's table: a family per row, each method x strategy the tests train, and its catalog sizes."""
+    combos = [("lora", "single"), ("full", "single"), ("lora", "zero3")]
+    head = "| family | catalog ids (plan) | " + " | ".join(f"{m} {s}" for m, s in combos) + " |"
+    rows = [head, "|" + "---|" * (len(combos) + 2)]
+    ids = {"Qwen3 (dense)": "Qwen/Qwen3-0.6B ... 32B", "Qwen3-MoE": "Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B",
+           "gpt-oss": "openai/gpt-oss-20b, openai/gpt-oss-120b", "GLM-4.5": "zai-org/GLM-4.5-Air, zai-org/GLM-4.5",
+           "DeepSeek-V3": "deepseek-ai/DeepSeek-V3", "Llama 4 (text)": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+           "Gemma 3 (text)": "google/gemma-3-27b-it"}
+    for family in FAMILIES:
+        marks = ["tested" if (family, m, s) in MATRIX else "-" for m, s in combos]
+        rows.append(f"| {family} | {ids[family]} | " + " | ".join(marks) + " |")
+    return "\n".join(rows)
