@@ -15,6 +15,22 @@ class UserError(ShardfitError):
     exit_code = 2
 
 
+class RemoteCodeRefused(UserError):
+    """The model folder ships Python code it needs in order to load, and trust_remote_code was off. The message
+    names the config key (train and check read configs); chat, eval and export take the permission from their
+    command line only and say so with `for_command_line`."""
+
+    source_name = ""
+
+    def for_command_line(self, run_config: object | None = None) -> UserError:
+        """The error worded for a command's `--trust-remote-code`; `run_config`: the run directory's config.yaml
+        when it asked for remote code, which a run directory cannot grant."""
+        why = (f" {run_config} says trust_remote_code: true, but a run directory cannot allow code to run: only "
+               "the command line can.") if run_config else ""
+        return UserError(f"{self.source_name} ships its own Python code, which runs only with --trust-remote-code; "
+                         f"pass it if you trust that folder.{why}")
+
+
 class DoesNotFitError(ShardfitError):
     """The plan predicts out-of-memory for every allowed strategy (or the chosen one)."""
 

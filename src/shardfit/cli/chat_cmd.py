@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         from shardfit.infer.images import check_image, generate_with_images, vision_processor_for
 
         images = [check_image(p) for p in args.image]
-        vp = vision_processor_for(target, loaded.tokenizer)
+        vp = vision_processor_for(target, loaded.tokenizer, args.trust_remote_code)
         req = request_of({"prompt": args.prompt}, "--prompt", args.system)
         print(generate_with_images(loaded.model, loaded.tokenizer, vp, req.messages, images, sampling))
         return 0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 from pathlib import Path
 
 import yaml
 
 from shardfit.config import load_config
-from shardfit.errors import UserError
+from shardfit.errors import RemoteCodeRefused, UserError
 
 EXAMPLE = ("example: shardfit export runs/demo --merge --out merged/\n"
            "         shardfit export --base HuggingFaceTB/SmolLM2-135M-Instruct --out models/smollm2")
@@ -24,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--merge", action="store_true", help="merge LoRA into the base weights")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/model)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="dtype of the merged weights")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model folder's own Python code (a run's config.yaml cannot allow it)")
     p.set_defaults(func=run)
 
 
@@ -36,7 +39,10 @@ def run_base(args: argparse.Namespace) -> int:
     from shardfit.train.export import export_base
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    out = export_base(args.base, Path(args.out), dtype)
+    try:
+        out = export_base(args.base, Path(args.out), dtype, args.trust_remote_code)
+    except RemoteCodeRefused as e:
+        raise e.for_command_line() from None
     print(f"{args.base} written to {out}; name it in a config (model: {out}) and adapters trained on it will name "
           "a base that AutoModelForCausalLM.from_pretrained loads")
     return 0
@@ -57,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{cfg_file} does not name the run's model; it is not the config.yaml a shardfit run writes. "
                         "Export from the run directory that training wrote.")
     run_cfg = load_config(cfg_file, check_files=False)
+    asked = run_cfg.trust_remote_code
+    # A run directory is files anyone can hand you: only the command line lets the model folder's Python run.
+    run_cfg = dataclasses.replace(run_cfg, trust_remote_code=args.trust_remote_code)
     if not args.merge:
         if not adapter.is_dir():
             raise UserError(f"{run_dir} has no adapter/ (a full fine-tune already wrote model/).")
@@ -74,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
     from shardfit.train.export import merge_adapter
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
+    try:
+        out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
+    except RemoteCodeRefused as e:
+        raise e.for_command_line(cfg_file if asked else None) from None
     loader = "AutoModelForImageTextToText and AutoImageProcessor" if (out / "preprocessor_config.json").is_file() \
         else "AutoModelForCausalLM"
     print(f"merged model written to {out} (load with {loader}.from_pretrained)")

@@ -21,12 +21,13 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 
 
-def vision_processor_for(target: Target, tokenizer: Any) -> VisionProcessor:
+def vision_processor_for(target: Target, tokenizer: Any, trust_remote_code: bool = False) -> VisionProcessor:
     """The image processor and image tokens of what `target` generates with: a merged or full model folder's own
-    files, else the base model's, with the run's pixel bounds (image_min/max_pixels) when it is a run."""
+    files, else the base model's, with the run's pixel bounds (image_min/max_pixels) when it is a run.
+    `trust_remote_code`: the command line's flag (a run's config never allows code, see load.resolve_target)."""
     cfg = target.run_cfg or Config(model=target.model)
     folder = target.model if (Path(target.model) / "preprocessor_config.json").is_file() else target.base_model
-    cfg = dataclasses.replace(cfg, model=folder)
+    cfg = dataclasses.replace(cfg, model=folder, trust_remote_code=trust_remote_code)
     vp = load_vision_processor(resolve_model(folder), cfg, tokenizer)
     if vp is None:
         raise UserError(f"--image: {target.label} is not a vision-language model shardfit reads images for "

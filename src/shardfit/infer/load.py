@@ -23,8 +23,14 @@ from transformers import AutoTokenizer
 from shardfit.config import Config, load_config
 from shardfit.config.support import qlora_compute_dtype
 from shardfit.data.tokenize import ensure_chat_template
-from shardfit.errors import UserError
-from shardfit.models.build import DTYPES, build_model, load_tokenizer
+from shardfit.errors import RemoteCodeRefused, UserError
+from shardfit.models.build import (
+    DTYPES,
+    build_model,
+    load_tokenizer,
+    needs_remote_code,
+    refuse_remote_code,
+)
 from shardfit.models.experts import adapter_names_as_written
 from shardfit.models.quantize import as_qlora_trained
 from shardfit.models.source import resolve_model
@@ -40,8 +46,9 @@ class Target:
     model: str
     adapter: Path | None
     tokenizer_dir: Path | None  # the tuned run's saved tokenizer (its chat template), when there is one
-    run_cfg: Config | None  # the run's config when the target is a run directory
+    run_cfg: Config | None  # the run's config when the target is a run directory (trust_remote_code always off)
     label: str
+    remote_code_config: Path | None = None  # the run's config.yaml, when it said trust_remote_code: true
 
     @property
     def base_model(self) -> str:
@@ -72,11 +79,15 @@ def resolve_target(path: str, adapter: str | None = None) -> Target:
                         "(a run's adapter/).")
     if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
         run_cfg = load_config(p / "config.yaml", check_files=False)
+        asked = p / "config.yaml" if run_cfg.trust_remote_code else None
+        # A run directory is files anyone can hand you: only --trust-remote-code on the command line lets a
+        # model folder's Python run, never the run's own config.yaml.
+        run_cfg = dataclasses.replace(run_cfg, trust_remote_code=False)
         if extra is None and (p / "model" / "config.json").is_file():
-            return Target(str(p / "model"), None, p / "model", run_cfg, f"{p} (model/)")
+            return Target(str(p / "model"), None, p / "model", run_cfg, f"{p} (model/)", asked)
         use = extra or p / "adapter"
         if (use / "adapter_config.json").is_file():
-            return Target(run_cfg.model, use, use, run_cfg, f"{p} ({use.name}/ on {run_cfg.model})")
+            return Target(run_cfg.model, use, use, run_cfg, f"{p} ({use.name}/ on {run_cfg.model})", asked)
         raise UserError(f"{p} has no adapter/ or model/ yet (is the run still training?); train it to the end, "
                         "or point at a checkpoint's exported folder.")
     if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
@@ -108,7 +119,7 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 def _build(model: str, trust_remote_code: bool, run_cfg: Config | None) -> torch.nn.Module:
     base = run_cfg if run_cfg is not None else Config(model=model)
     cfg = dataclasses.replace(base, model=model, method="full", precision="fp32", freeze_modules=[],
-                              trust_remote_code=trust_remote_code or base.trust_remote_code)
+                              trust_remote_code=trust_remote_code)  # the command line's word only
     model_ = build_model(cfg, "single", weights=True)
     if base.method == "qlora" and run_cfg is not None and model == run_cfg.model:
         # The run's adapter learned against its 4-bit weights: apply it to those, dequantized (as export merges).
@@ -119,7 +130,12 @@ def _build(model: str, trust_remote_code: bool, run_cfg: Config | None) -> torch
 
 def _tokenizer(target: Target, trust_remote_code: bool) -> Any:
     if target.tokenizer_dir is not None and (target.tokenizer_dir / "tokenizer_config.json").is_file():
-        tok = AutoTokenizer.from_pretrained(str(target.tokenizer_dir), trust_remote_code=trust_remote_code)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(target.tokenizer_dir), trust_remote_code=trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - a run's saved files: any failure to read them is bad input
+            if not trust_remote_code and needs_remote_code(e):
+                raise refuse_remote_code(str(target.tokenizer_dir)) from None
+            raise UserError(f"{target.tokenizer_dir}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
         ensure_chat_template(tok)
         return tok
     return load_tokenizer(resolve_model(target.model), trust_remote_code)
@@ -132,23 +148,31 @@ def load_for_inference(target: Target, *, device: torch.device, precision: str =
     steps = ["tokenizer", "weights"] + (["adapter"] if target.adapter and not base else []) + ["to device"]
     bar = tqdm(total=len(steps), desc="load", unit="stage", file=sys.stderr, disable=not show, leave=False)
     try:
-        bar.set_postfix_str(steps[0])
-        tok = _tokenizer(target, trust_remote_code)
-        bar.update()
-        bar.set_postfix_str("weights")
-        model_id = target.base_model if base else target.model
-        model = _build(model_id, trust_remote_code, target.run_cfg)
-        bar.update()
-        if target.adapter and not base:
-            bar.set_postfix_str("adapter")
-            with adapter_names_as_written(model):
-                model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
-            bar.update()
-        dtype = compute_dtype(precision, device)
-        bar.set_postfix_str(f"{device} {str(dtype).removeprefix('torch.')}")
-        model = model.to(device=device, dtype=dtype).eval()
-        model.config.use_cache = True
-        bar.update()
+        return _load(target, bar, device, precision, base, trust_remote_code)
+    except RemoteCodeRefused as e:
+        raise e.for_command_line(target.remote_code_config) from None
     finally:
         bar.close()
+
+
+def _load(target: Target, bar: Any, device: torch.device, precision: str, base: bool,
+          trust_remote_code: bool) -> Loaded:
+    """The stages of load_for_inference, each shown on `bar`."""
+    bar.set_postfix_str("tokenizer")
+    tok = _tokenizer(target, trust_remote_code)
+    bar.update()
+    bar.set_postfix_str("weights")
+    model_id = target.base_model if base else target.model
+    model = _build(model_id, trust_remote_code, target.run_cfg)
+    bar.update()
+    if target.adapter and not base:
+        bar.set_postfix_str("adapter")
+        with adapter_names_as_written(model):
+            model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
+        bar.update()
+    dtype = compute_dtype(precision, device)
+    bar.set_postfix_str(f"{device} {str(dtype).removeprefix('torch.')}")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.config.use_cache = True
+    bar.update()
     return Loaded(model, tok, target, device, dtype)

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from shardfit.config import Config
 from shardfit.config.support import qlora_compute_dtype, require_method_support
 from shardfit.data.tokenize import ensure_chat_template
-from shardfit.errors import UserError
+from shardfit.errors import RemoteCodeRefused, UserError
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
 from shardfit.models.gguf_cache import cached_part, lookup, weights_part
@@ -101,6 +101,19 @@ def _drop_gguf_marks(model: nn.Module) -> None:
     model.is_quantized = False
 
 
+def refuse_remote_code(name: str) -> RemoteCodeRefused:
+    """The error for the model `name` that needs its own code, worded for a config (train and check read one)."""
+    err = RemoteCodeRefused(f"'model': {name} ships its own model code; set trust_remote_code: true if you "
+                            "trust it.")
+    err.source_name = name
+    return err
+
+
+def needs_remote_code(error: Exception) -> bool:
+    """Whether transformers refused to load because the files need trust_remote_code."""
+    return "trust_remote_code" in str(error)
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a model source, with a chat template and a pad token guaranteed."""
     source = gguf_meta(source, trust_remote_code)
@@ -110,6 +123,8 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     except Exception as e:  # noqa: BLE001 - a user's files: any failure to read them is bad input
+        if not trust_remote_code and needs_remote_code(e):
+            raise refuse_remote_code(source.name) from None
         raise UserError(f"'model': cannot load a tokenizer from {source.name}: {type(e).__name__}: {e}") from None
     if len(tok) == 0:
         raise UserError(f"'model': {source.name} has no tokenizer files (tokenizer.json, or vocab and merges); "
@@ -130,6 +145,10 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.model, local_files_only=True, **kwargs)
+        except ValueError as e:
+            if needs_remote_code(e):
+                raise refuse_remote_code(source.name) from None
+            raise UserError(f"'model': cannot read the config of {source.name}: {e}") from None
         except OSError:
             if cfg.model not in catalog():
                 raise UserError(f"'model': {cfg.model} is neither a local folder, in the Hugging Face cache, nor in "
@@ -148,9 +167,8 @@ def _auto_config(source: ModelSource, kwargs: dict[str, Any]) -> Any:
     try:
         return AutoConfig.from_pretrained(source.folder, **kwargs)
     except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise UserError(f"'model': {source.name} ships its own model code; set trust_remote_code: true if you "
-                            "trust it.") from None
+        if needs_remote_code(e):
+            raise refuse_remote_code(source.name) from None
         raise UserError(f"'model': cannot read the config of {source.name}: {e}") from None
     except Exception as e:  # noqa: BLE001 - a user's files: any failure to read them is bad input
         raise UserError(f"'model': cannot read the config of {source.name}: {type(e).__name__}: {e}") from None

@@ -1,7 +1,9 @@
 """Resumable, atomic, sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout of `checkpoints/step-N/`: DCP shards of the trainable weights and optimizer state (every rank writes its
-own), `trainer.pt` (step, tokens, scheduler) and `rng-<rank>.pt`. Everything is written under `.tmp-step-N` and
+own) with DCP's `.metadata`, `trainer.pt` (step, tokens, scheduler) and `rng-<rank>.pt`. Loading unpickles no more
+than tensors, plain values and DCP metadata (`weights_only=True`, trusted_dcp.py): a checkpoint from elsewhere
+cannot run code. Everything is written under `.tmp-step-N` and
 renamed by rank 0 after a barrier, so a run killed mid-save still has its previous checkpoint intact. The data
 position is the step itself (see data/loader.py), so nothing else is needed to continue exactly.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -29,6 +32,7 @@ from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.shared_dir import ranks_seeing
 from shardfit.train.rundir import file_digest
+from shardfit.train.trusted_dcp import TrustedLoadPlanner, TrustedReader, not_trusted, read_metadata, refusal
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +215,36 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return p
 
 
+def _load_plain(path: Path) -> Any:
+    """A `torch.save`d file of tensors and plain values; one that needs more (code) is refused, not a traceback."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refusing, or a damaged file: either way it is not loaded
+        raise not_trusted(path, refusal(e)) from None
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     env: DistEnv) -> Resumed:
-    """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size changed."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=str(path), no_dist=not env.distributed)
-    meta = torch.load(path / "trainer.pt", weights_only=True)
+    """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size changed. Nothing in the
+    checkpoint is unpickled beyond plain values, tensors and DCP's metadata (see trusted_dcp.py)."""
+    read_metadata(path / ".metadata")  # a crafted or foreign checkpoint stops here, before DCP starts
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=str(path),
+                     storage_reader=TrustedReader(str(path)), planner=TrustedLoadPlanner(path),
+                     no_dist=not env.distributed)
+    except CheckpointException as e:
+        # DCP wraps what a rank raised; a refused value is bad input, said as such (not a traceback of ranks)
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UserError)]
+        if refused:
+            raise refused[0] from None
+        raise
+    meta = _load_plain(path / "trainer.pt")
     scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-{env.rank}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
-        _set_rng_state(torch.load(rng, weights_only=True))
+        _set_rng_state(_load_plain(rng))
     if env.distributed:
         dist.barrier()
     return Resumed(int(meta["step"]), int(meta["tokens"]), path)

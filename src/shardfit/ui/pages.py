@@ -1,4 +1,7 @@
-"""The UI's pages as HTML strings (forms submit with GET/POST; the server renders every answer)."""
+"""The UI's pages as HTML strings (forms submit with GET/POST; the server renders every answer).
+
+Links are plain paths: the cookie the token set keeps them working. The one form that changes something (launch)
+carries the token in a hidden field, because the server takes a POST only with the token in its body."""
 
 from __future__ import annotations
 
@@ -46,20 +49,26 @@ def plan_form(models: list[str], values: dict[str, str]) -> str:
             "<button type='submit'>plan</button></fieldset></form>")
 
 
-def launch_form() -> str:
+def launch_form(token: str, configs: list[Path]) -> str:
+    """The launch form; `configs`: the files passed with `shardfit ui --config`, offered as suggestions."""
+    options = "".join(f"<option value='{_e(c)}'>" for c in configs)
     return ("<form action='/launch' method='post'><fieldset><legend>Train: launch a run from a config</legend>"
-            "<label>config file <input name='config' size='50' placeholder='path/to/config.yaml'></label>"
+            f"<input type='hidden' name='token' value='{_e(token)}'>"
+            "<label>config file <input name='config' size='50' list='configs' "
+            "placeholder='a config under the runs folder'></label>"
+            f"<datalist id='configs'>{options}</datalist>"
             "<label>ranks <input name='nproc' size='3' value='1'></label>"
             "<button type='submit'>train</button></fieldset></form>")
 
 
-def home(models: list[str], runs: list[Path], jobs: dict[int, Any]) -> str:
+def home(models: list[str], runs: list[Path], jobs: dict[int, Any], token: str, configs: list[Path]) -> str:
+    """The front page: the plan form, the launch form, the runs and the jobs started here."""
     run_rows = "".join(f"<tr><td><a href='/runs/{_e(r.name)}'>{_e(r.name)}</a></td>"
                        f"<td>{'finished' if (r / 'summary.json').is_file() else 'training or stopped'}</td></tr>"
                        for r in runs) or "<tr><td colspan='2'>no runs yet</td></tr>"
     job_rows = "".join(f"<tr><td><a href='/jobs/{i}'>job {i}</a></td><td>{_e(j.config)}</td><td>{_e(j.state())}"
                        "</td></tr>" for i, j in sorted(jobs.items()))
-    return page("shardfit", plan_form(models, {}) + launch_form()
+    return page("shardfit", plan_form(models, {}) + launch_form(token, configs)
                 + "<h2>Runs</h2><table><tr><th>run</th><th>state</th></tr>" + run_rows + "</table>"
                 + (("<h2>Jobs</h2><table>" + job_rows + "</table>") if job_rows else ""))
 
