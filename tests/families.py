@@ -29,7 +29,10 @@ FAMILIES = {
     "Gemma 3 (text)": "google/gemma-3-27b-it",
 }
 # What tests/test_families.py trains (1 process: single; 2 gloo ranks: zero3), each with a check of its loss.
-MATRIX = [(family, method, "single") for family in FAMILIES for method in ("lora", "full")] + \
+# Llama 4's text model plans and adapts (tests/test_families.py) but does not train yet: its forward through
+# shardfit's loss fails (docs/models.md, Not yet).
+TRAINED = [f for f in FAMILIES if f != "Llama 4 (text)"]
+MATRIX = [(family, method, "single") for family in TRAINED for method in ("lora", "full")] + \
     [(family, "lora", "zero3") for family in ("Qwen3-MoE", "gpt-oss", "DeepSeek-V3")]
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
