@@ -9,7 +9,6 @@ README's table of supported families is rendered from it (`table()`), so it clai
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardfit.plan.shapes import catalog_config
+from tests.helpers import save_with_tokenizer
 
 # family -> the catalog id whose published layout it shrinks
 FAMILIES = {
@@ -71,12 +71,7 @@ def tiny_text_config(family: str) -> Any:
 def make_family_model(family: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A randomly initialised tiny model of `family`, saved as an HF folder with the bundled tokenizer."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_text_config(family))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
+    return save_with_tokenizer(AutoModelForCausalLM.from_config(tiny_text_config(family)), out, tokenizer_dir)
 
 
 def table() -> str:

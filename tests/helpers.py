@@ -42,7 +42,11 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", tie: bo
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
-    model = AutoModelForCausalLM.from_config(config)
+    return save_with_tokenizer(AutoModelForCausalLM.from_config(config), out, tokenizer_dir)
+
+
+def save_with_tokenizer(model: torch.nn.Module, out: Path, tokenizer_dir: Path) -> Path:
+    """`model` saved as an HF folder at `out`, with the bundled tokenizer's files beside it."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
