@@ -234,12 +234,26 @@ def launch(cases: list[str], out: str, nproc: int = 2) -> dict:
             part = Path(tmp) / f"{case}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
                    __file__, "--worker", "--cases", case, "--out", str(part)]
-            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
+            _run_ranks(cmd, env, case)
             results.append(json.loads(part.read_text()))
     report = {"deepspeed": deepspeed.__version__, "results": results}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _run_ranks(cmd: list[str], env: dict, case: str, tries: int = 2) -> None:
+    """Run one case's torchrun; a failed launch is tried once more (torchrun's standalone rendezvous can lose its
+    port to another process between choosing and binding it), and a second failure raises with the ranks' last
+    output, so that a CI log shows why."""
+    for attempt in range(1, tries + 1):
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=900, check=False)
+        if done.returncode == 0:
+            return
+        tail = "\n".join(done.stderr.splitlines()[-40:])
+        print(f"bench case {case}: try {attempt} of {tries} exited {done.returncode}:\n{tail}", file=sys.stderr)
+    raise RuntimeError(f"bench case {case} failed {tries} times; its ranks' last output:\n{tail}")
 
 
 def shape_of(model: str):  # noqa: ANN201 - shardfit's ModelShape
