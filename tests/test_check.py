@@ -303,8 +303,8 @@ def test_check_omni_under_ddp_gives_consistent_drop_advice(tmp_path: Path, tiny_
     """check builds the model as train does (talker and token2wav never built for text training): it never asks for
     a drop_modules entry the config already has, nor for the speech modules at all."""
     cfg = _cfg(tmp_path, tiny_omni, small_data, strategy="ddp", drop_modules=drop)
-    strategy, found = check_config(cfg, 2)
-    assert strategy == "ddp" and is_ok(found)
+    job, found = check_config(cfg, 2)
+    assert job.strategy == "ddp" and job.world == 2 and is_ok(found)
     assert not any("talker" in f.fix or "token2wav" in f.fix for f in found), [f.fix for f in found]
     towers = {f.where.rpartition(".")[2] for f in found if f.rule == "unused_module"}
     assert towers == {"audio_tower", "visual"}  # the thinker's towers: outside the text forward, frozen

@@ -13,6 +13,7 @@ from shardfit.data.loader import BatchSchedule, collate
 from shardfit.data.packing import PACK_MIN_PADDING, PackedRow, no_pack, pack, pack_where_padded
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
 from shardfit.errors import UserError
+from shardfit.resolve.job import RowShape
 
 ALPACA_ROW = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
 SHAREGPT_ROW = {"conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "Hi"},
@@ -170,17 +171,18 @@ def test_packing_keeps_the_examples_per_step_of_an_unpacked_run(n: int, mb: int,
 
 def test_collate_rounds_widths_to_a_multiple_within_the_limit() -> None:
     rows = [PackedRow(list(range(5)), [IGNORE] * 5, list(range(5)))]
-    assert collate(rows, pad_id=0, multiple=4).input_ids.shape == (1, 8)
-    assert collate(rows, pad_id=0, multiple=4, limit=6).input_ids.shape == (1, 6)  # never past max_seq_len
-    assert collate(rows, pad_id=0, multiple=4, limit=3).input_ids.shape == (1, 5)  # nor below the longest row
-    b = collate(rows, pad_id=0, multiple=4)
+    assert collate(rows, 0, RowShape(limit=64, micro_batch=1, multiple=4)).input_ids.shape == (1, 8)
+    # Never past max_seq_len, nor below the longest row.
+    assert collate(rows, 0, RowShape(limit=6, micro_batch=1, multiple=4)).input_ids.shape == (1, 6)
+    assert collate(rows, 0, RowShape(limit=3, micro_batch=1, multiple=4)).input_ids.shape == (1, 5)
+    b = collate(rows, 0, RowShape(limit=64, micro_batch=1, multiple=4))
     assert b.position_ids.tolist() == [list(range(8))] and b.n_real_tokens == 5
 
 
 def test_collate_coarsens_the_width_step_for_wide_rows() -> None:
     def width(n: int) -> int:
         row = PackedRow(list(range(n)), [IGNORE] * n, list(range(n)))
-        return collate([row], pad_id=0, multiple=16).input_ids.shape[1]
+        return collate([row], 0, RowShape(limit=4096, micro_batch=1, multiple=16)).input_ids.shape[1]
 
     # An eighth of the row's power of two, never below `multiple`: at most 1/8 padding, few distinct shapes.
     assert [width(n) for n in (5, 97, 130, 300, 513, 1000)] == [16, 112, 144, 320, 576, 1024]
@@ -188,6 +190,6 @@ def test_collate_coarsens_the_width_step_for_wide_rows() -> None:
 
 
 def test_collate_pads_rows_up_to_a_fixed_height() -> None:
-    b = collate([PackedRow([5, 6], [6, IGNORE], [0, 1])], pad_id=0, width=4, height=3)
+    b = collate([PackedRow([5, 6], [6, IGNORE], [0, 1])], 0, RowShape(limit=4, micro_batch=3, width=4, height=3))
     assert b.input_ids.shape == (3, 4) and b.n_real_tokens == 2
     assert b.position_ids[2].tolist() == [0, 1, 2, 3] and (b.targets[1:] == IGNORE).all()

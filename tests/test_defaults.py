@@ -75,11 +75,13 @@ def test_attention_by_width_switches_per_micro_batch() -> None:
     assert AttentionByWidth.for_model(model, 0) is None
     switch = AttentionByWidth.for_model(model, 8)
     assert switch is not None and switch.wide == "sdpa"
-    loss = CausalLMLoss(model, chunk=4, attention=switch)
+    loss = CausalLMLoss(model, chunk=4)
     ids = torch.randint(1, 64, (2, 8))
+    switch.before(ids.shape[-1])  # the loop sets the kernel for each micro-batch before its forward
     narrow, _ = loss(ids, None, ids)
     assert model.config._attn_implementation == "eager"
     wide_ids = torch.cat([ids, ids], dim=1)
+    switch.before(wide_ids.shape[-1])
     loss(wide_ids, None, wide_ids)
     assert model.config._attn_implementation == "sdpa"
     again, _ = CausalLMLoss(model, chunk=4)(ids, None, ids)  # the same rows under SDPA

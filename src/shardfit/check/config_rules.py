@@ -3,6 +3,7 @@ anything, and the preflight reports them with the others."""
 
 from __future__ import annotations
 
+from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.strategy import Strategy
@@ -37,10 +38,11 @@ def qlora_rules(cfg: Config, s: Strategy) -> list[Finding]:
     """QLoRA combinations that cannot train, caught before anything loads: 4-bit weights split over GPUs by a
     device map, and a dequantization dtype that differs from the 16-bit precision the rest of the model computes in
     (bitsandbytes' "fp16 compute dtype with bf16 weights" trap)."""
-    if cfg.method != "qlora":
+    method = methods.get(cfg.method)
+    if not method.quantized:
         return []
     out = []
-    if s.engine == "device_map":
+    if not method.allows(s.engine):
         out.append(Finding(
             "qlora_split_over_devices", "error", "config: strategy",
             "strategy model_parallel splits the model over GPUs with a device map, but QLoRA's 4-bit weights are "

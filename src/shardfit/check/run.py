@@ -19,10 +19,11 @@ from shardfit.data.dataset import encode_split, read_split
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
-from shardfit.parallel.env import cuda_available, resolve_precision
-from shardfit.plan.choose import plan_for_config
-from shardfit.plan.hardware import Hardware, detect, job_hardware
+from shardfit.parallel.job import resolve_here
+from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan
+from shardfit.resolve import DeviceFacts, Resolved, resolve_job
+from shardfit.resolve.decide import settled
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
 
@@ -65,38 +66,31 @@ def validate_data(cfg: Config) -> None:
         encode_split(cfg, tokenizer, split, load_vision_processor(source, cfg, tokenizer))
 
 
-def job_plan(cfg: Config, hw: Hardware, strategy: str, world: int) -> Plan | None:
-    """The plan of the job as it will run: model_parallel is one process over every local GPU; the other
-    strategies use one GPU per rank."""
-    if hw.name == "cpu":  # the processes of a CPU job share the host's memory
-        return plan_for_config(cfg, job_hardware("cpu", world))
-    per_node = hw.gpus_per_node if strategy == "model_parallel" else max(world // hw.nodes, 1)
-    return plan_for_config(cfg, dataclasses.replace(hw, gpus_per_node=per_node))
-
-
-def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None) -> tuple[str, list[Finding]]:
-    """Findings for a config as its strategy would run it on `hw` (default: this machine); returns (strategy,
-    findings). `world` defaults to every GPU of `hw` for multi-rank strategies."""
-    if cfg.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
-        precision = "bf16" if hw is not None else resolve_precision("auto", "cuda" if cuda_available() else "cpu")
-        cfg = dataclasses.replace(cfg, precision=precision)
-    hw = hw or detect()
-    multi = cfg.strategy == "auto" or get_strategy(cfg.strategy).multi_rank
-    world = world if world is not None else (hw.world if multi else 1)
-    plan = job_plan(cfg, hw, cfg.strategy, world)
-    name = cfg.strategy
-    if name == "auto":
-        name = (plan.recommended if plan else None) or ("single" if world == 1 else "zero3")
-    s = get_strategy(name)
+def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None) -> tuple[
+        Resolved, list[Finding]]:
+    """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on this machine
+    by default, resolved as `train` resolves it (`world` ranks when given, as --nproc is); returns (the resolved
+    job, findings)."""
+    if hw is None:
+        nodes = 1
+        job, plan = resolve_here(cfg, nproc=world)
+    else:  # every node like the one named: `world` ranks (default: a rank per GPU for multi-rank strategies)
+        nodes = hw.nodes
+        node = dataclasses.replace(hw, nodes=1)
+        per_node = None if world is None else max(1, world // nodes)
+        job, plan = resolve_job(cfg, node, DeviceFacts("cuda", True), nproc=per_node, nnodes=nodes)
+    cfg = settled(cfg, job)
+    s = get_strategy(job.strategy)
     validate_data(cfg)
     model = build_model(cfg, s, weights=False)
-    return name, preflight(model, cfg, s, world, plan) + created_off_meta_rules(model)
+    return job, preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model)
 
 
-def format_findings(strategy: str, findings: list[Finding]) -> str:
+def format_findings(job: Resolved, findings: list[Finding]) -> str:
+    """The findings as the terminal shows them, after the job they are about."""
     if not findings:
-        return f"ok: no findings (strategy {strategy})"
-    lines = [f"strategy {strategy}: {len(findings)} finding(s)"]
+        return f"{job.describe()}\nok: no findings (strategy {job.strategy})"
+    lines = [job.describe(), f"strategy {job.strategy}: {len(findings)} finding(s)"]
     for f in findings:
         mark = "fixed" if f.auto_fixed else f.severity
         lines.append(f"  [{mark:>7}] {f.rule} at {f.where}\n            {f.message}\n            fix: {f.fix}")

@@ -64,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None
-    strategy, findings = check_config(cfg, args.nproc, hw)
+    job, findings = check_config(cfg, args.nproc, hw)
     ok = is_ok(findings)
     if args.json:
-        print(json.dumps({"ok": ok, "findings": [f.to_json() for f in findings]}, indent=2))
+        print(json.dumps({"ok": ok, "resolved": job.to_json(), "findings": [f.to_json() for f in findings]},
+                         indent=2))
     else:
-        print(format_findings(strategy, findings))
+        print(format_findings(job, findings))
     return 0 if ok else 1

@@ -34,11 +34,11 @@ def run_base(args: argparse.Namespace) -> int:
     """`export --base MODEL --out DIR`: the model itself as a Hugging Face folder (de-quantized from GGUF)."""
     if not args.out:
         raise UserError("--base needs --out DIR, the folder to write the model to.")
-    import torch  # torch and transformers: only to export
 
+    from shardfit.dtypes import DTYPES  # torch: only when exporting
     from shardfit.train.export import export_base
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     try:
         out = export_base(args.base, Path(args.out), dtype, args.trust_remote_code)
     except RemoteCodeRefused as e:
@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{run_dir / 'model'} is already a full model; nothing to merge.")
             return 0
         raise UserError(f"{run_dir} has no adapter/ to merge.")
-    import torch  # torch, transformers and peft: only for a merge
 
+    from shardfit.dtypes import DTYPES  # torch: only when exporting
     from shardfit.train.export import merge_adapter
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     try:
         out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
     except RemoteCodeRefused as e:

@@ -8,6 +8,7 @@ from shardfit.cli.args import positive_int
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
 from shardfit.foreign.job import TOOLS
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.method import NAMES as method_names
 from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.shapes import resolve_shape
 
@@ -24,7 +25,7 @@ def add_from(p: argparse.ArgumentParser, model_flags: bool) -> None:
         p.add_argument("--model", default=None, help="with --from: the model (needed for --from deepspeed)")
         p.add_argument("--seq", type=positive_int, default=None, help="with --from: tokens per row")
         p.add_argument("--batch", type=positive_int, default=None, help="with --from: rows per rank")
-        p.add_argument("--method", default=None, choices=("lora", "qlora", "full", "freeze"))
+        p.add_argument("--method", default=None, choices=method_names)
         p.add_argument("--grad-ckpt", default=None, choices=("none", "full", "selective"))
 
 

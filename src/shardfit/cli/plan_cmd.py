@@ -15,7 +15,7 @@ from shardfit.cli.args import positive_float, positive_int
 from shardfit.cli.foreign_args import add_from, foreign_plan
 from shardfit.config import Config, load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
-from shardfit.errors import UserError
+from shardfit.errors import DoesNotFitError, UserError
 from shardfit.foreign.asplanned import format_report
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
 from shardfit.plan.hardware import detect, parse_gpus
@@ -35,6 +35,7 @@ from shardfit.strategy import NAMES
 
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
     from shardfit.data.image_census import MediaSample
+    from shardfit.resolve import Resolved
 
 EXAMPLE = ("example: shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --method lora --seq 2048\n"
            "         shardfit plan --model Qwen/Qwen2-VL-72B-Instruct --gpus 8x24GB --images-per-sample 2 "
@@ -185,6 +186,22 @@ def media_from_data(cfg: Config, sample: MediaSample, quiet: bool) -> MediaLoad 
                      max_pixels=cfg.image_max_pixels or DEFAULT_MAX_PIXELS)
 
 
+def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
+    """The job `train` would run for the config on the hardware planned (as `check` prints it), or None when no
+    strategy fits it (the table says why)."""
+    from shardfit.resolve import DeviceFacts, resolve_job
+
+    try:
+        if args.gpus:  # planned GPUs compute in bf16
+            node = parse_gpus(args.gpus, 1, args.cpu_mem)
+            return resolve_job(cfg, node, DeviceFacts("cuda", True), nnodes=args.nodes)[0]
+        from shardfit.parallel.job import resolve_here  # torch: detect() has loaded it already
+
+        return resolve_here(cfg, nproc=None, nnodes=args.nodes)[0]
+    except DoesNotFitError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
@@ -242,6 +259,10 @@ def run(args: argparse.Namespace) -> int:
         out["audio"] = audio.to_json()
     lines = [describe(media)] if media else []
     lines += [describe_audio(audio)] if audio else []
+    job = resolved_job(cfg, args) if args.config else None
+    if job is not None:
+        out["resolved"] = job.to_json()
+        lines.append(job.describe())
     print(json.dumps(out, indent=2) if args.json else "\n".join([format_table(plan), *lines]))
     if args.plot:
         try:

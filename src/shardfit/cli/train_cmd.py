@@ -13,9 +13,10 @@ from shardfit.check.findings import refuse_unfixable
 from shardfit.cli.args import non_negative_int
 from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import Config, load_config
-from shardfit.config.support import require_method_support
 from shardfit.doctor.launch import Launch, launch_rules
 from shardfit.errors import UserError
+from shardfit.resolve.job import ENV as RESOLVED_ENV
+from shardfit.resolve.job import Resolved
 from shardfit.strategy import get as get_strategy
 
 log = logging.getLogger("shardfit")
@@ -32,13 +33,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _refuse_before_launch(cfg: Config, world: int) -> None:
+def _refuse_before_launch(cfg: Config, job: Resolved) -> None:
     """What would stop every rank the same way, said once before ranks start."""
-    s = get_strategy("single" if cfg.strategy == "auto" else cfg.strategy)
-    if s.engine == "device_map":
-        raise UserError(f"strategy: {s.name} splits one process's model over its local GPUs and cannot run on "
-                        f"{world} ranks. Drop --nproc/--nnodes to run it in one process, or use --set strategy=zero3.")
-    refuse_unfixable(device_map_rules(cfg, s, world) + qlora_rules(cfg, s))
+    s = get_strategy(job.strategy)
+    refuse_unfixable(device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s))
+
+
+def _rank_threads(args: argparse.Namespace, nproc: int | None) -> int | None:
+    """The threads each rank of a CPU launch will run (what its matmul rate is measured at): the user's
+    OMP_NUM_THREADS, else one per rank under a launch of several (launch_env), else this process's own."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return 1 if (nproc or 1) * args.nnodes > 1 else None
 
 
 def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
@@ -75,32 +81,54 @@ def _warn_launch_traps(args: argparse.Namespace, nproc: int) -> None:
         log.warning("%s: %s. Fix: %s (check the launch with `shardfit doctor`, same flags)", f.rule, f.message, f.fix)
 
 
+def decide_launch(args: argparse.Namespace, cfg: Config | None) -> tuple[Resolved | None, int]:
+    """The job and the processes per node this command starts. Every decision of the job is made here once, the
+    number of processes included (strategy auto can pick model_parallel: one process over every GPU); the ranks
+    read the job from their environment. A rank (under torchrun) decides nothing; the demo (no config) resolves in
+    its process, on every GPU unless --nproc says otherwise."""
+    from shardfit.parallel.launch import default_nproc, under_launcher
+
+    if args.nproc is not None:
+        check_launch_flags(args, args.nproc)
+    job = None
+    if under_launcher():
+        nproc = args.nproc or 1
+    elif cfg is not None:
+        from shardfit.parallel.job import resolve_here
+
+        job, _ = resolve_here(cfg, nproc=args.nproc, nnodes=args.nnodes, threads=_rank_threads(args, args.nproc))
+        nproc = job.nproc_per_node
+        for line in job.why:
+            log.info("%s", line)
+    else:
+        nproc = args.nproc if args.nproc is not None else default_nproc()
+    check_launch_flags(args, nproc)
+    return job, nproc
+
+
 def run(args: argparse.Namespace) -> int:
     if args.node_rank >= args.nnodes:
         raise UserError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: node ranks run from 0 to "
                         f"{args.nnodes - 1}; give each node its own rank in that range.")
     # The config first, without torch: a mistake in it is reported in a fraction of a second.
     cfg = load_config(args.config, args.overrides) if args.config else None
-    if cfg is not None:
-        require_method_support(cfg)
+    from shardfit.parallel.launch import launch_env, relaunch, torchrun_command, under_launcher
 
-    # Torch-free up to the launch: the process that only starts torchrun never imports it (a second saved).
-    from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command, under_launcher
-
-    nproc = args.nproc if args.nproc is not None else default_nproc()
-    check_launch_flags(args, nproc)
+    job, nproc = decide_launch(args, cfg)
     if not under_launcher():
         _warn_launch_traps(args, nproc)
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
-        if cfg is not None:
-            _refuse_before_launch(cfg, nproc * args.nnodes)
+        extra = {}
+        if cfg is not None and job is not None:
+            _refuse_before_launch(cfg, job)
+            extra[RESOLVED_ENV] = job.to_env()
         passthrough = ["train"] + ([args.config] if args.config else [])
         for item in args.overrides:
             passthrough += ["--set", item]
         cmd = torchrun_command(passthrough, nproc, args.nnodes, args.node_rank, args.master_addr,
                                args.master_port, args.rdzv_endpoint, args.max_restarts)
         print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
-        return relaunch(cmd)
+        return relaunch(cmd, launch_env(extra))
 
     from shardfit.parallel.env import init_distributed, shutdown  # torch: only to train
     from shardfit.parallel.sidechannel import SideChannel
@@ -120,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             from shardfit.train.recipe import train
 
-            result = train(cfg, env, watchdog=watchdog)
+            result = train(cfg, env, job=job, watchdog=watchdog)
             if env.is_main:
                 print(finished_lines(result.summary, result.run_dir, cfg))
         ok = True

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from shardfit import strategy
+from shardfit import method, strategy
 
-METHODS = ("lora", "qlora", "full", "freeze")
+METHODS = method.NAMES
 PRECISIONS = ("bf16", "fp16", "fp32", "auto")
 GRAD_CKPT = ("none", "full", "selective")
 BACKENDS = ("fsdp2",)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from shardfit.config.schema import METHODS, Config
+from shardfit import method
+from shardfit.config.schema import Config
 from shardfit.errors import UserError
 
 # `loss_chunk: auto`: a chunk of the loss holds its fp32 logits, a 16-bit copy and their gradient at once
@@ -24,9 +25,7 @@ def trainable_methods() -> tuple[str, ...]:
     """What `train` runs here; the planner plans every method of the schema, and advice for train and check only
     offers these. QLoRA stores its frozen weights with torchao's NF4 tensors, an optional dependency (found, not
     imported: importing it takes seconds)."""
-    if importlib.util.find_spec("torchao") is None:
-        return tuple(m for m in METHODS if m != "qlora")
-    return METHODS
+    return tuple(m.name for m in method.TABLE if m.needs is None or importlib.util.find_spec(m.needs) is not None)
 
 
 def qlora_compute_dtype(cfg: Config) -> str:

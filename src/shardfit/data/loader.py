@@ -13,6 +13,7 @@ import torch
 
 from shardfit.data.packing import PackedRow, no_pack
 from shardfit.data.tokenize import IGNORE, Encoded
+from shardfit.resolve.job import RowShape
 
 
 @dataclass
@@ -34,22 +35,23 @@ class Batch:
                      {k: v.to(device, non_blocking=True) for k, v in self.media.items()})
 
 
-def collate(rows: list[PackedRow], pad_id: int, width: int | None = None, height: int | None = None,
-            multiple: int = 1, limit: int | None = None) -> Batch:
-    """Right-pad rows to the longest, or to `width`, and add empty rows up to `height` (compiled blocks want one
-    static shape, while a packed micro-batch has a varying number of rows). `multiple` rounds the width up to a
-    multiple of itself, or of an eighth of the width's power of two when that is larger (at most 1/8 padding), never
-    past `limit` (nor below the longest row), so micro-batches come in few shapes.
+def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -> Batch:
+    """Right-pad rows to the longest, or to `shape.width`, and add empty rows up to `shape.height` (compiled blocks
+    want one static shape, while a packed micro-batch has a varying number of rows). `shape.multiple` rounds the
+    width up to a multiple of itself, or of an eighth of the width's power of two when that is larger (at most 1/8
+    padding), never past `shape.limit` (nor below the longest row), so micro-batches come in few shapes. No shape:
+    the longest row, as it is.
 
     Padding carries no target and continues the positions of its row's last example, so a micro-batch whose rows
     each hold one example has no position restart: transformers then builds no block mask (packed rows still get
     one), SDPA runs its causal kernel, and the real tokens, which come before the padding, are unchanged."""
-    width = max([len(r) for r in rows] + [width or 0])
-    if multiple > 1:
-        step = max(multiple, (1 << (width.bit_length() - 1)) // 8)
+    shape = shape or RowShape(limit=max([len(r) for r in rows] + [1]), micro_batch=len(rows))
+    width = max([len(r) for r in rows] + [shape.width or 0])
+    if shape.multiple > 1:
+        step = max(shape.multiple, (1 << (width.bit_length() - 1)) // 8)
         rounded = -(-width // step) * step
-        width = max(width, rounded if limit is None else min(rounded, limit))
-    n_rows = max(len(rows), height or 0)
+        width = max(width, min(rounded, shape.limit))
+    n_rows = max(len(rows), shape.height or 0)
     ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
     pos = torch.arange(width).repeat(n_rows, 1)
     tgt = torch.full((n_rows, width), IGNORE, dtype=torch.long)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -12,9 +11,10 @@ from shardfit.config import load_config
 from shardfit.demo.evaluate import accuracy, generate_answers, report
 from shardfit.models.build import build_model, load_tokenizer, weights_cached
 from shardfit.models.source import resolve_model
-from shardfit.parallel.defaults import resolve_speed_settings
-from shardfit.parallel.env import DistEnv, resolve_precision
+from shardfit.parallel.env import DistEnv
+from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.watchdog import Watchdog
+from shardfit.resolve.decide import settled
 from shardfit.train.recipe import train
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -31,8 +31,8 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     # user's own train.jsonl would silently replace the demo's data.
     bundled = [f"data={DEMO_DIR / 'train.jsonl'}", f"eval_data={DEMO_DIR / 'heldout.jsonl'}"]
     cfg = load_config(demo_config_path(), [*bundled, *overrides])
-    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, env.device.type))
-    cfg = resolve_speed_settings(cfg, env.device.type)  # the model built here is the one training uses
+    job, _ = job_of_rank(cfg, env)
+    cfg = settled(cfg, job)  # the model built here is the one training uses
     heldout = [json.loads(line) for line in Path(cfg.eval_data).read_text().splitlines() if line.strip()]
     if env.is_main:
         print(f"shardfit demo: LoRA fine-tune of {cfg.model} on a record-extraction task "
@@ -45,7 +45,7 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     before = generate_answers(model, tok, heldout, show=True, desc="base model answers") if env.is_main else []
     if env.is_main:
         print(f"base model: {accuracy(before):.1%} exact match before training")
-    result = train(cfg, env, model=model, tokenizer=tok, watchdog=watchdog)
+    result = train(cfg, env, model=model, tokenizer=tok, job=job, watchdog=watchdog)
     if not env.is_main:
         return {}
     tuned = result.model.to(env.device)

@@ -20,6 +20,7 @@ from peft import PeftModel
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from shardfit import method as methods
 from shardfit.config import Config, load_config
 from shardfit.config.support import qlora_compute_dtype
 from shardfit.data.tokenize import ensure_chat_template
@@ -121,7 +122,7 @@ def _build(model: str, trust_remote_code: bool, run_cfg: Config | None) -> torch
     cfg = dataclasses.replace(base, model=model, method="full", precision="fp32", freeze_modules=[],
                               trust_remote_code=trust_remote_code)  # the command line's word only
     model_ = build_model(cfg, "single", weights=True)
-    if base.method == "qlora" and run_cfg is not None and model == run_cfg.model:
+    if methods.get(base.method).quantized and run_cfg is not None and model == run_cfg.model:
         # The run's adapter learned against its 4-bit weights: apply it to those, dequantized (as export merges).
         as_qlora_trained(model_, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
     model_.requires_grad_(False)

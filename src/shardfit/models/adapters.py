@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from shardfit import method as methods
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 from shardfit.models.anatomy import decoder_and_head, vision_body
@@ -138,7 +139,7 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     if cfg.drop_modules:
         drop_modules(model, cfg.drop_modules)
     body = vision_body(model)
-    if cfg.method in ("lora", "qlora"):
+    if methods.get(cfg.method).adapters:
         if body is None:
             model = apply_lora(model, cfg.lora)
         else:
@@ -151,11 +152,11 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     else:
         for p in model.parameters():
             p.requires_grad_(True)
-    if body is not None and cfg.method not in ("lora", "qlora"):
+    if body is not None and not methods.get(cfg.method).adapters:
         _vision_trainable(body.visual, cfg.freeze_vision_tower, cfg.train_projector)
     tower = getattr(body, "audio_tower", None) if body is not None else None
     if tower is not None:
-        _audio_trainable(tower, cfg.freeze_audio_tower and cfg.method not in ("lora", "qlora"))
+        _audio_trainable(tower, cfg.freeze_audio_tower and not methods.get(cfg.method).adapters)
     if cfg.freeze_modules:
         freeze_modules(model, cfg.freeze_modules)
     return model

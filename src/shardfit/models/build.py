@@ -21,9 +21,11 @@ import transformers.modeling_gguf_pytorch_utils as gguf_loading
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from shardfit import method as methods
 from shardfit.config import Config
 from shardfit.config.support import qlora_compute_dtype, require_method_support
 from shardfit.data.tokenize import ensure_chat_template
+from shardfit.dtypes import DTYPES
 from shardfit.errors import RemoteCodeRefused, UserError
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
@@ -39,13 +41,12 @@ from shardfit.strategy import get as get_strategy
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def weight_dtype(cfg: Config) -> torch.dtype:
     """The dtype weights are loaded in: a full fine-tune keeps fp32 master weights (autocast or FSDP's mixed
     precision computes in low precision); LoRA and freeze keep the frozen weights in the compute dtype."""
-    return torch.float32 if cfg.method == "full" or cfg.precision == "fp32" else DTYPES[cfg.precision]
+    return torch.float32 if methods.get(cfg.method).trains_base or cfg.precision == "fp32" else DTYPES[cfg.precision]
 
 
 def _through_cache(source: ModelSource, part: str, convert: Any) -> ModelSource:
@@ -292,7 +293,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     if source is not None and vision_model_type(source, cfg.trust_remote_code) in OMNI_MODEL_TYPES:
         # Its folder has the processor files: the thinker trains on images and audio, running both towers.
         setattr(model, MEDIA_FLAG, True)
-    if cfg.method == "qlora":
+    if methods.get(cfg.method).quantized:
         quantize_blocks(model, DTYPES[qlora_compute_dtype(cfg)])
     torch.manual_seed(cfg.seed)  # adapters start the same whatever ran before
     return setup_trainable(model, cfg)

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from shardfit.parallel.launch import gpu_rank_threads, under_launcher
 from shardfit.parallel.netif import gloo_interface_fix
+from shardfit.resolve.decide import precision_for
+from shardfit.resolve.job import DeviceFacts
 
 log = logging.getLogger("shardfit")
 # Entries of torch's flight recorder: the last collectives of each rank, which the watchdog reads to tell the rank
@@ -105,11 +107,21 @@ def shutdown(env: DistEnv, ok: bool = True) -> None:
 
 
 @functools.cache
-def cpu_matmul_gflops(dtype: torch.dtype) -> float:
+def cpu_matmul_gflops(dtype: torch.dtype, threads: int | None = None) -> float:
     """This CPU's matmul speed in `dtype` (a probe of a few ms, measured once per process). CPUs without bf16
     units (no AVX512-BF16/AMX) run bf16 matmuls on a slow fallback: 1.6 against 119 GFLOP/s for fp32 on 2 EPYC
     cores. The best of five short trials: a trial that another process interrupted says nothing of the CPU, and
     the time model (plan/cards.py) takes this as the machine's rate."""
+    before = torch.get_num_threads()
+    if threads is not None:  # the rate of the ranks this process launches, at their thread count
+        torch.set_num_threads(threads)
+    try:
+        return _matmul_gflops(dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _matmul_gflops(dtype: torch.dtype) -> float:
     a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
     a @ b  # warm-up: the first call picks kernels
     reps, best = 4, float("inf")
@@ -152,10 +164,14 @@ def cuda_available() -> bool:
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
-    """The compute precision `auto` stands for on `device_type`: bf16 on GPUs that support it (else fp16), bf16 on
-    CPUs whose bf16 matmuls are fast (else fp32). Any other value is returned as it is."""
-    if precision != "auto":
-        return precision
+    """The compute precision `auto` stands for on `device_type` (resolve/decide.py's rule, with this machine's
+    facts); any other value is returned as it is."""
+    return precision_for(precision, device_facts(device_type, precision))
+
+
+def device_facts(device_type: str, precision: str = "auto") -> DeviceFacts:
+    """This machine's `device_type` as the precision rule sees it. Whether bf16 is fast is measured on a CPU (a
+    probe of up to seconds on one without bf16 units), so only when `precision` is `auto` and it matters."""
     if device_type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if fast_cpu_bf16() else "fp32"
+        return DeviceFacts("cuda", torch.cuda.is_bf16_supported())
+    return DeviceFacts("cpu", precision == "auto" and fast_cpu_bf16())

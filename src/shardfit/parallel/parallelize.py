@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfit.dtypes import DTYPES
 from shardfit.models.anatomy import audio_units, transformer_blocks, untied_input_embedding, vision_units
 from shardfit.models.checkpointing import enable_checkpointing
 from shardfit.parallel.compile import compile_blocks
@@ -23,7 +24,6 @@ from shardfit.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -39,7 +39,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 def mp_policy(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's mixed precision for a config precision: low-precision compute and all-gathers, fp32 gradient
     reduction (the numerically safe choice)."""
-    dtype = LOW_PRECISION.get(precision)
+    dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardfit import method as methods
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
@@ -21,7 +22,7 @@ def format_table(plan: Plan, style: str = "plan") -> str:
              f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
              f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
              + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
-             + (", 16-bit adapters" if w["adapters_16bit"] and w["method"] in ("lora", "qlora") else "") + ")",
+             + (", 16-bit adapters" if w["adapters_16bit"] and methods.get(w["method"]).adapters else "") + ")",
              _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"])], "",
              f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
              f"{'runtime':>8}{'total':>9}  peak  fits  {'step':>8}  {'tokens/s':>9}  bound    notes"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardfit import method as methods
 from shardfit.config import Config
 
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
@@ -116,7 +117,7 @@ class Workload:
     @property
     def trains_adapters(self) -> bool:
         """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
-        return self.method in ("lora", "qlora")
+        return methods.get(self.method).adapters
 
 
 def workload_of(cfg: Config) -> Workload:

@@ -4,6 +4,7 @@ the same loss for `shardfit eval`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,18 +21,22 @@ from shardfit.evals.scorers import Scorer
 from shardfit.infer.generate import Sampling, generate_sharded
 from shardfit.infer.prompts import Request
 from shardfit.models.anatomy import input_device
+from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.parallel.env import DistEnv
+from shardfit.resolve.job import RowShape
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import MetricsLog, progress
 
 
 @torch.no_grad()
 def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id: int, env: DistEnv,
-             amp: Any, device: torch.device | None = None, width: int | None = None, multiple: int = 1,
-             limit: int | None = None) -> float | None:
-    """Mean token loss over `rows`; every rank runs the same number of forwards (FSDP needs that)."""
+             amp: Any, device: torch.device | None = None, shape: RowShape | None = None,
+             attention: AttentionByWidth | None = None) -> float | None:
+    """Mean token loss over `rows`, `micro_batch` rows at a time shaped as `shape` says (as wide as training's,
+    without empty rows added); every rank runs the same number of forwards (FSDP needs that)."""
     if not rows:
         return None
+    shape = dataclasses.replace(shape, height=None) if shape is not None else None
     module.eval()
     batches = [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
     per_rank = math.ceil(len(batches) / env.world)
@@ -39,8 +44,9 @@ def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id:
     for k in range(per_rank):
         idx = k * env.world + env.rank
         real = idx < len(batches)
-        batch = collate(batches[idx if real else 0], pad_id, width, multiple=multiple, limit=limit).to(
-            device or env.device)
+        batch = collate(batches[idx if real else 0], pad_id, shape).to(device or env.device)
+        if attention is not None:
+            attention.before(batch.input_ids.shape[-1])
         with amp:
             loss_sum, n = module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
         if real:
@@ -97,12 +103,12 @@ class Evaluator:
     the generation metrics when `generation` is given)."""
 
     def __init__(self, module: nn.Module, rows: list[PackedRow], metrics: MetricsLog, env: DistEnv, *,
-                 micro_batch: int, pad_id: int, amp: Any, device: torch.device, width: int | None, every: int,
-                 total_steps: int, generation: GenerationEval | None = None, show: bool = False,
-                 multiple: int = 1, limit: int | None = None):
+                 shape: RowShape, pad_id: int, amp: Any, device: torch.device, every: int, total_steps: int,
+                 generation: GenerationEval | None = None, show: bool = False,
+                 attention: AttentionByWidth | None = None):
         self.module, self.rows, self.metrics, self.env = module, rows, metrics, env
-        self.micro_batch, self.pad_id, self.amp, self.device, self.width = micro_batch, pad_id, amp, device, width
-        self.multiple, self.limit = multiple, limit
+        self.attention = attention
+        self.shape, self.pad_id, self.amp, self.device = shape, pad_id, amp, device
         self.every, self.total, self.generation, self.show = every, total_steps, generation, show
         self.last: float | None = None
         self.last_generation: dict[str, float] = {}
@@ -115,8 +121,8 @@ class Evaluator:
         if not self.rows:
             return None
         bar = progress(2 if self.generation else 1, 0, self.show, desc="eval", unit="pass")
-        self.last = evaluate(self.module, self.rows, self.micro_batch, self.pad_id, self.env, self.amp, self.device,
-                             self.width, self.multiple, self.limit)
+        self.last = evaluate(self.module, self.rows, self.shape.micro_batch, self.pad_id, self.env, self.amp,
+                             self.device, self.shape, self.attention)
         bar.update()
         record: dict[str, Any] = {"step": step, "eval_loss": self.last}
         if self.generation is not None:

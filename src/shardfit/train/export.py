@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm.auto import tqdm
 
+from shardfit import method as methods
 from shardfit.config import Config
 from shardfit.config.support import qlora_compute_dtype
 from shardfit.errors import UserError
@@ -88,7 +89,7 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
         bar.set_postfix_str("base weights")
         base_cfg = dataclasses.replace(run_cfg, method="full", precision="fp32")
         model = build_model(base_cfg, "single", weights=True)
-        if run_cfg.method == "qlora":
+        if methods.get(run_cfg.method).quantized:
             as_qlora_trained(model, DTYPES.get(qlora_compute_dtype(run_cfg), torch.float32))
         bar.update()
         bar.set_postfix_str("adapter")

@@ -17,7 +17,6 @@ from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, vision_body
-from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
 
 
@@ -143,13 +142,12 @@ class CausalLMLoss(nn.Module):
     Running the body and the chunked loss inside one forward keeps FSDP's root all-gather covering the head.
     """
 
-    def __init__(self, model: nn.Module, chunk: int = 1024, all_labelled: bool = False,
-                 attention: AttentionByWidth | None = None, moe_top_k: int = 0, aux: AuxLoss | None = None):
+    def __init__(self, model: nn.Module, chunk: int = 1024, all_labelled: bool = False, moe_top_k: int = 0,
+                 aux: AuxLoss | None = None):
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.all_labelled = all_labelled
-        self.attention = attention  # None: the model's attention kernel for every micro-batch
         # A mixture of experts (top-k above 0): the routers' logits are recorded for the expert load, and the
         # model's load-balancing loss (`aux`) joins the loss with its config's coefficient.
         self.moe_top_k, self.aux = moe_top_k, aux
@@ -160,8 +158,6 @@ class CausalLMLoss(nn.Module):
                 input_features: torch.Tensor | None = None, audio_feature_lens: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        if self.attention is not None:
-            self.attention.before(input_ids.shape[-1])
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None

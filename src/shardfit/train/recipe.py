@@ -8,7 +8,6 @@ their own cadence. With world size 1 the distributed parts reduce to plain PyTor
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -22,17 +21,18 @@ from typing import Any
 import torch
 import yaml
 
+from shardfit import method as methods
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding, is_ok, refuse_unfixable
 from shardfit.check.rules import placement_rules, quantized_placement_rules
 from shardfit.check.run import preflight
 from shardfit.config import Config
-from shardfit.config.support import require_method_support
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
 from shardfit.data.tokenize import Encoded
+from shardfit.dtypes import DTYPES
 from shardfit.errors import JobFailed, UserError
 from shardfit.evals.scorers import parse_metrics
 from shardfit.gc_policy import end_of_startup
@@ -52,18 +52,16 @@ from shardfit.parallel.defaults import (
     CUDNN_PLAN_S,
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
-    eager_attention_max_width,
-    resolve_speed_settings,
-    row_width_multiple,
 )
-from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
+from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16
+from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
-from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom, tokens_per_s_at
+from shardfit.plan.choose import refuse_if_oom, tokens_per_s_at
 from shardfit.plan.estimate import loss_chunk_for
-from shardfit.plan.hardware import Hardware, job_hardware
 from shardfit.plan.plan import Plan
-from shardfit.strategy import Strategy
+from shardfit.resolve import Resolved
+from shardfit.resolve.decide import settled
 from shardfit.strategy import get as get_strategy
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.evaluate import Evaluator, GenerationEval
@@ -78,9 +76,6 @@ from shardfit.train.trackers import open_trackers, resolve_report_to
 
 log = logging.getLogger("shardfit")
 
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 @dataclass
 class TrainResult:
     """What a finished run leaves in memory (the files are in `run_dir`)."""
@@ -89,20 +84,6 @@ class TrainResult:
     model: torch.nn.Module
     tokenizer: Any
     summary: dict[str, Any]
-
-
-def resolve_strategy(cfg: Config, env: DistEnv, plan: Plan | None) -> Strategy:
-    """The strategy actually used. `auto` asks the planner; a multi-rank strategy in one process runs as single."""
-    name = auto_strategy(plan, env.world) if cfg.strategy == "auto" else cfg.strategy
-    s = get_strategy(name)
-    if s.engine == "device_map" and env.distributed:
-        raise UserError("'strategy': model_parallel splits one process's model over its local GPUs and cannot run "
-                        "under a multi-rank launch. Use zero3 (sharded) with --nproc, or model_parallel without it.")
-    if s.multi_rank and not env.distributed:
-        if s.sharded:
-            log.warning("strategy %s needs several ranks; one process runs it as 'single' (use --nproc N)", name)
-        s = get_strategy("single")
-    return s
 
 
 def report_findings(findings: list[Finding], env: DistEnv) -> None:
@@ -136,8 +117,9 @@ class FineTune:
     given, is the rank's running watchdog (train_cmd starts it); without one the phases are only recorded."""
 
     def __init__(self, cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 plan: Plan | None = None, quiet: bool = False, watchdog: Watchdog | None = None):
-        self.cfg, self.env, self.model, self.tokenizer, self.plan, self.quiet = cfg, env, model, tokenizer, plan, quiet
+                 job: Resolved | None = None, quiet: bool = False, watchdog: Watchdog | None = None):
+        self.cfg, self.env, self.model, self.tokenizer, self.job, self.quiet = cfg, env, model, tokenizer, job, quiet
+        self.plan: Plan | None = None
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
         self.startup = StartupTimer()
@@ -146,7 +128,6 @@ class FineTune:
         self.cudnn_attention: bool | None = None  # whether SDPA could pick cuDNN's kernel (GPU runs decide)
         self.attention: AttentionByWidth | None = None  # `auto` attention chosen per micro-batch width
         self.loss_chunk: int | None = None  # rows per chunk of the loss (setup decides `auto`)
-        self.hardware: Hardware | None = None  # the job's devices, as the plan sees them (setup reads them)
         self.finished = False
         self.fit_s, self.fit_tokens = 0.0, 0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
@@ -158,28 +139,26 @@ class FineTune:
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         env = self.env
-        self.cfg = cfg = resolve_speed_settings(
-            dataclasses.replace(self.cfg, precision=resolve_precision(self.cfg.precision, env.device.type)),
-            env.device.type)
+        # Every `auto` of the job was decided before the launch (resolve/); a rank reads the decisions.
+        self.job, self.plan = job_of_rank(self.cfg, env, self.job)
+        require_same(env, self.job.decisions(), "the resolved job",
+                     "The nodes resolved the job differently: start every node with the same shardfit, config and "
+                     "flags, on the same kind of GPUs.")
+        self.cfg = cfg = settled(self.cfg, self.job)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():
             log.warning("precision bf16 on this CPU: its bf16 matmuls run at %.1f GFLOP/s against %.1f for fp32; "
                         "precision: fp32 (or auto) trains several times faster here",
                         cpu_matmul_gflops(torch.bfloat16), cpu_matmul_gflops(torch.float32))
-        require_method_support(cfg)
         resolve_report_to(cfg.report_to)  # a tracker that is not installed stops the run now, not after the load
         if cfg.compile:
             require_compiler(env.device)
         self._claim_run_dir()
         torch.manual_seed(cfg.seed)
-        if self.plan is None:
-            # On a CPU the time model needs this machine's matmul rate (measured once per process, 10 ms).
-            rates = (cpu_matmul_gflops(torch.float32), cpu_matmul_gflops(torch.bfloat16)) \
-                if env.device.type == "cpu" else None
-            self.hardware = job_hardware(env.device.type, env.world, rates)
-            self.plan = plan_for_config(cfg, self.hardware)  # None where the model's shape cannot be read
-        else:
-            self.hardware = self.plan.hardware
-        self.strategy = resolve_strategy(cfg, env, self.plan)
+        self.strategy = get_strategy(self.job.strategy)
+        if self.strategy.engine == "device_map" and env.distributed:  # a torchrun launch that bypassed resolve
+            raise UserError("strategy: model_parallel splits one process's model over its local GPUs and cannot run "
+                            "under a multi-rank launch. Use zero3 (sharded) with --nproc, or model_parallel without "
+                            "it.")
         refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later).
         refuse_unfixable(device_map_rules(cfg, self.strategy, env.world) + qlora_rules(cfg, self.strategy))
@@ -259,15 +238,15 @@ class FineTune:
         if vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
             use_attention(self.model, cfg.attn_implementation)
             # `auto` attention by each micro-batch's row width where the faster kernel depends on it.
-            self.attention = AttentionByWidth.for_model(self.model, eager_attention_max_width(
-                cfg.attn_implementation, env.device.type, cfg.compile, cfg.precision))
+            self.attention = AttentionByWidth.for_model(self.model, self.job.eager_max_width)
         findings = preflight(self.model, cfg, s, env.world, self.plan)
         quantized = quantized_placement_rules(self.model, env.device, env.world)
         report_findings(quantized, env)  # before anything below tries to move weights that cannot move
-        # `loss_chunk: auto` as the plan decides it: by the vocabulary and this device's rates.
-        self.loss_chunk = loss_chunk_for(cfg.loss_chunk, output_vocab(self.model), self.hardware, cfg.precision)
-        loss_module = CausalLMLoss(self.model, self.loss_chunk, attention=self.attention,
-                                   moe_top_k=moe_top_k(self.model), aux=aux_loss_of(self.model, self.model.config))
+        # `loss_chunk: auto` as the job resolved it; by the built model's vocabulary where the plan had no shape.
+        self.loss_chunk = self.job.loss_chunk or loss_chunk_for(cfg.loss_chunk, output_vocab(self.model),
+                                                                self.job.hardware, cfg.precision)
+        loss_module = CausalLMLoss(self.model, self.loss_chunk, moe_top_k=moe_top_k(self.model),
+                                   aux=aux_loss_of(self.model, self.model.config))
         self.routing = loss_module  # unwrapped: the engines below wrap it, its last micro-batch's routing stays here
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
                                        grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
@@ -276,15 +255,10 @@ class FineTune:
         self.findings = quantized + findings
         report_findings(findings, env)
         self.in_device = input_device(self.model) if s.engine == "device_map" else env.device
-        # Compiled blocks want one static shape: rows as wide as max_seq_len, micro_batch of them.
-        self.width = cfg.max_seq_len if cfg.compile else None
-        self.height = cfg.micro_batch if cfg.compile else None
-        self.multiple = row_width_multiple(env.device.type, cfg.precision, cfg.compile)
-        dtype = AUTOCAST.get(cfg.precision)
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
-        self.amp = torch.autocast(env.device.type, dtype=dtype) if dtype is not None and s.autocast \
+        self.amp = torch.autocast(env.device.type, dtype=DTYPES[self.job.autocast]) if self.job.autocast \
             else contextlib.nullcontext()
-        if cfg.method in ("lora", "qlora") and isinstance(self.amp, torch.autocast):
+        if methods.get(cfg.method).adapters and isinstance(self.amp, torch.autocast):
             skip_adapter_input_casts(self.model)  # every forward of the run is inside self.amp
 
     def _setup_optimizer(self) -> None:
@@ -370,9 +344,8 @@ class FineTune:
         self.metrics = MetricsLog(self.run_dir, env, trackers)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
-        self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, micro_batch=cfg.micro_batch,
-                                   pad_id=self.pad_id, amp=self.amp, device=self.in_device, width=self.width,
-                                   multiple=self.multiple, limit=cfg.max_seq_len,
+        self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, shape=self.job.rows,
+                                   pad_id=self.pad_id, amp=self.amp, device=self.in_device, attention=self.attention,
                                    every=cfg.eval_steps, total_steps=self.total_steps,
                                    generation=self._generation_eval(), show=env.is_main and not self.quiet)
         self.profiler = StepProfiler(self.run_dir, cfg.profile_steps, self.start_step, env.rank, env.device.type)
@@ -420,8 +393,9 @@ class FineTune:
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
             wd.at("data loader")
-            batch = collate(micro, self.pad_id, self.width, self.height, self.multiple,
-                            self.cfg.max_seq_len).to(self.in_device)
+            batch = collate(micro, self.pad_id, self.job.rows).to(self.in_device)
+            if self.attention is not None:  # `auto` attention: the kernel for this micro-batch's width
+                self.attention.before(batch.input_ids.shape[-1])
             wd.at("forward")
             with micro_batch_sync(self.loss_module, last), self.amp:
                 loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
@@ -473,7 +447,7 @@ class FineTune:
         allocator.release_free_memory()
         with wd.phase("saving the adapter or model", where="final save"):
             out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                             is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
+                             is_lora=methods.get(self.cfg.method).adapters, base_name=base_reference(self.cfg.model))
             if self.vision is not None and env.is_main:
                 save_processor(self.vision, out)  # the processor files beside the tokenizer's
         wall = time.perf_counter() - self.t_start
@@ -484,6 +458,7 @@ class FineTune:
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world, "allocator": self.malloc,
+                   "resolved": self.job.to_json(),
                    "cudnn_attention": self.cudnn_attention if env.device.type == "cuda" else None,
                    "loss_chunk": self.loss_chunk,
                    "attention_by_width": dict(self.attention.used) if self.attention else None,
@@ -539,9 +514,10 @@ class FineTune:
 
 
 def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-          plan: Plan | None = None, quiet: bool = False, watchdog: Watchdog | None = None) -> TrainResult:
-    """Run the fine-tune `cfg` describes on this process's share of the work; returns the trained model."""
-    recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, plan=plan, quiet=quiet, watchdog=watchdog)
+          job: Resolved | None = None, quiet: bool = False, watchdog: Watchdog | None = None) -> TrainResult:
+    """Run the fine-tune `cfg` describes on this process's share of the work (as `job` resolved it; without one,
+    as the launcher resolved it or, in a plain process, resolved here); returns the trained model."""
+    recipe = FineTune(cfg, env, model=model, tokenizer=tokenizer, job=job, quiet=quiet, watchdog=watchdog)
     try:
         recipe.setup()
         with attention_kernels(recipe.allows_cudnn_attention()):

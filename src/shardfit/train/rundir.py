@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardfit import method as methods
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
@@ -54,7 +55,7 @@ def fingerprint(cfg: Config, global_batch_examples: int) -> dict[str, Any]:
         "model": cfg.model, "data": _digests(cfg.data), "eval_data": _digests(cfg.eval_data),
         "eval_split": cfg.eval_split, "method": cfg.method,
         "lora": {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.targets}
-        if cfg.method in ("lora", "qlora") else None,
+        if methods.get(cfg.method).adapters else None,
         "freeze_trainable": cfg.freeze_trainable, "drop_modules": cfg.drop_modules,
         "freeze_modules": cfg.freeze_modules, "max_seq_len": cfg.max_seq_len, "packing": cfg.packing,
         "global_batch_examples": global_batch_examples, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,

@@ -1,0 +1,52 @@
+"""The resolved job of this process: this machine's facts handed to `resolve_job`, or the job the launching
+`shardfit train` resolved, read from the ranks' environment."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.parallel.env import DistEnv, cpu_matmul_gflops, cuda_available, device_facts
+from shardfit.plan.choose import plan_for_config
+from shardfit.plan.hardware import Hardware, detect, host_mem_gib
+from shardfit.plan.plan import Plan
+from shardfit.resolve import Resolved, resolve_job
+from shardfit.resolve.decide import settled
+from shardfit.resolve.job import ENV
+
+
+def node_hardware(threads: int | None = None) -> Hardware:
+    """This node as a job sees it: its GPUs, or its CPU with the matmul rates of a process running `threads`
+    threads (None: this process's own), which the time model takes as each rank's."""
+    if cuda_available():
+        return detect()
+    mem = host_mem_gib() or 16.0
+    return Hardware(1, 1, mem, mem, "cpu", cpu_matmul_gflops(torch.float32, threads),
+                    cpu_matmul_gflops(torch.bfloat16, threads))
+
+
+def resolve_here(cfg: Config, *, nproc: int | None, nnodes: int = 1, threads: int | None = None) -> tuple[
+        Resolved, Plan | None]:
+    """Resolve `cfg` for a launch from this machine (`train` before it relaunches, `check`, the demo)."""
+    device = "cuda" if cuda_available() else "cpu"
+    return resolve_job(cfg, node_hardware(threads), device_facts(device, cfg.precision), nproc=nproc, nnodes=nnodes)
+
+
+def job_of_rank(cfg: Config, env: DistEnv, job: Resolved | None = None) -> tuple[Resolved, Plan | None]:
+    """This rank's job: `job` as given, else the one the launching `shardfit train` put in the environment, else
+    (a rank torchrun started without it) resolved here for the launch it is part of. The plan is the job's own,
+    made again from the resolved settings (it is a pure function of them)."""
+    raw = os.environ.get(ENV) if job is None and env.distributed else None
+    if job is None and raw:
+        job = Resolved.from_env(raw)
+    if job is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world))
+        return resolve_here(cfg, nproc=local, nnodes=max(1, env.world // local))
+    if job.world != env.world:
+        raise UserError(f"the job was resolved for {job.world} ranks but {env.world} started: launch it with "
+                        "`shardfit train` (which resolves and launches together), or give torchrun the same "
+                        "--nproc-per-node and --nnodes.")
+    return job, plan_for_config(settled(cfg, job), job.hardware)

@@ -1,0 +1,149 @@
+"""The decisions of one job, each made here once: precision, compile and attention, the strategy and the number
+of processes, the row shape and the loss chunk. Torch-free: the facts of the device come in as `DeviceFacts`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardfit import method as methods
+from shardfit import strategy as strategies
+from shardfit.config import Config
+from shardfit.config.support import require_method_support
+from shardfit.errors import DoesNotFitError, UserError
+from shardfit.parallel.defaults import (
+    eager_attention_max_width,
+    resolve_attention,
+    resolve_compile,
+    row_width_multiple,
+)
+from shardfit.plan.choose import plan_for_config
+from shardfit.plan.estimate import loss_chunk_for
+from shardfit.plan.hardware import Hardware
+from shardfit.plan.plan import Plan, recommend
+from shardfit.plan.render import format_table
+from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
+
+
+def precision_for(value: str, device: DeviceFacts) -> str:
+    """The compute precision `auto` stands for: bf16 where it is fast (GPUs that have it, CPUs with bf16 units),
+    else fp16 on a GPU and fp32 on a CPU. Any other value is kept."""
+    if value != "auto":
+        return value
+    if device.bf16_fast:
+        return "bf16"
+    return "fp16" if device.type == "cuda" else "fp32"
+
+
+def job_hardware_of(node: Hardware, strategy: str | None, nproc: int, nnodes: int) -> Hardware:
+    """The hardware a job of `nproc` processes per node runs on, from what one node has (`node`): model_parallel
+    is one process over every local GPU, other strategies use a GPU per process; on a CPU the processes share the
+    host's memory."""
+    if node.name == "cpu":
+        world = nproc * nnodes
+        mem = node.cpu_mem_gib or node.gpu_mem_gib
+        return dataclasses.replace(node, nodes=1, gpus_per_node=world, gpu_mem_gib=mem / world, cpu_mem_gib=mem)
+    per_node = node.gpus_per_node if strategy == "model_parallel" else nproc
+    return dataclasses.replace(node, nodes=nnodes, gpus_per_node=per_node)
+
+
+def _explicit(name: str, nproc: int | None, nnodes: int, local: int) -> tuple[str, int, list[str]]:
+    """A strategy the config names: its processes per node (given, or one per local GPU for a multi-rank one)."""
+    s = strategies.get(name)
+    n = nproc if nproc is not None else (local if s.multi_rank else 1)
+    if s.engine == "device_map" and n * nnodes > 1:
+        given = " and ".join(f for f, on in ((f"--nproc {nproc}", nproc not in (None, 1)),
+                                              (f"--nnodes {nnodes}", nnodes > 1)) if on)
+        raise UserError(f"strategy: {name} splits one process's model over its local GPUs and cannot run on "
+                        f"{n * nnodes} ranks. Drop {given} to run it in one process, or use --set strategy=zero3.")
+    if s.multi_rank and n * nnodes == 1:
+        hint = "--nproc N" if local <= 1 else f"drop --nproc 1 (this machine has {local} GPUs)"
+        return "single", 1, [f"strategy {name} needs several ranks; one process runs it as single ({hint})"]
+    return name, n, []
+
+
+def _allowed(name: str, method: str, nproc: int | None, nnodes: int, local: int) -> bool:
+    """Whether `auto` may pick `name` for `method`: a multi-rank strategy where there are several ranks; single or
+    (over several local GPUs) model_parallel where one process per node is given or left to choose, on one node."""
+    world = (nproc if nproc is not None else local) * nnodes
+    if not methods.get(method).allows(strategies.get(name).engine):
+        return False
+    if strategies.get(name).multi_rank:
+        return world > 1
+    one_process = nnodes == 1 and nproc in (None, 1)
+    return one_process and (name == "single" or (name == "model_parallel" and local > 1))
+
+
+def _auto(plan: Plan | None, method: str, nproc: int | None, nnodes: int, local: int,
+          force: bool) -> tuple[str, int, list[str]]:
+    """`strategy: auto`: with the processes given, the fastest strategy that fits on that many; without, the
+    fastest over every local GPU, which also decides the processes (one for single and model_parallel)."""
+    world = (nproc if nproc is not None else local) * nnodes
+    if plan is None:
+        name = "single" if world == 1 else "zero3"  # shape unknown: sharding is the choice that fits most
+        return name, 1 if name == "single" else world // nnodes, [f"strategy auto -> {name}: the model's shape is "
+                                                                  "unknown to the planner"]
+    allowed = [c for c in plan.candidates if c.fits and _allowed(c.strategy, method, nproc, nnodes, local)]
+    best, reason = recommend(allowed, plan.hardware) if allowed else (None, "")
+    if best is None:
+        if not force and world > 1:  # one process: `single`, which the plan's verdict then refuses or forces
+            raise DoesNotFitError("no strategy fits this hardware.\n" + format_table(plan, style="config"))
+        best, reason = ("single" if world == 1 else "zero3"), "nothing is predicted to fit"
+    n = world // nnodes if strategies.get(best).multi_rank else 1
+    return best, n, [f"strategy auto -> {best} on {n} process{'es' if n > 1 else ''} per node: {reason}"]
+
+
+def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None, *, nproc: int | None = None,
+            nnodes: int = 1) -> Resolved:
+    """The job `cfg` describes on `nnodes` nodes like `node`, with `nproc` processes per node when the user gave
+    them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
+    local = node.gpus_per_node if device.type == "cuda" else 1
+    if cfg.strategy == "auto":
+        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force)
+    else:
+        name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
+    s = strategies.get(name)
+    precision = precision_for(cfg.precision, device)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing)
+    attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
+    hw = job_hardware_of(node, name, n, nnodes)
+    rows = RowShape(limit=cfg.max_seq_len, micro_batch=cfg.micro_batch,
+                    # Compiled blocks want one static shape: rows as wide as max_seq_len, micro_batch of them.
+                    width=cfg.max_seq_len if compiled else None, height=cfg.micro_batch if compiled else None,
+                    multiple=row_width_multiple(device.type, precision, compiled))
+    vocab = plan.model.vocab if plan is not None else None
+    if cfg.precision == "auto":
+        why.append(f"precision auto -> {precision} on {device.type}")
+    return Resolved(
+        strategy=name, method=methods.get(cfg.method).name, nproc_per_node=n, nnodes=nnodes, device=device.type,
+        precision=precision, autocast=precision if precision in ("bf16", "fp16") and s.autocast else None,
+        compile=compiled, attention=attention,
+        eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision), rows=rows,
+        loss_chunk=loss_chunk_for(cfg.loss_chunk, vocab, hw, precision) if vocab else None, hardware=hw,
+        why=tuple(why))
+
+
+def settled(cfg: Config, job: Resolved) -> Config:
+    """`cfg` with what the job resolved in place of `auto`: what config.yaml records and the run's fingerprint
+    reads."""
+    return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention)
+
+
+def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,
+                nnodes: int = 1) -> tuple[Resolved, Plan | None]:
+    """Resolve `cfg` on `nnodes` nodes like `node` and plan the job as resolved: the one entry point train, check
+    and plan call. The method must be trainable by this installation."""
+    require_method_support(cfg)
+    precision = precision_for(cfg.precision, device)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing)
+    # The plan of the settings as they will run (what a rank plans again from the resolved job).
+    planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
+        cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))
+    local = node.gpus_per_node if device.type == "cuda" else 1
+    survey = plan_for_config(planned, job_hardware_of(node, None, nproc or local, nnodes))
+    job = resolve(cfg, node, device, survey, nproc=nproc, nnodes=nnodes)
+    plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
+        else survey
+    if plan is not None and job.loss_chunk is None:
+        job = dataclasses.replace(job, loss_chunk=loss_chunk_for(cfg.loss_chunk, plan.model.vocab, job.hardware,
+                                                                 job.precision))
+    return job, plan

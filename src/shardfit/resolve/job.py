@@ -1,0 +1,94 @@
+"""The resolved job: frozen dataclasses, with JSON only at the edge (the ranks' environment, summary.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shardfit.plan.hardware import Hardware
+
+# The environment variable through which `train` hands the resolved job to the ranks it launches.
+ENV = "SHARDFIT_RESOLVED"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the precision rule needs to know of the device that trains: its type and whether 16-bit brain floats
+    are fast on it (measured by parallel/env.py; for planned GPUs, assumed)."""
+
+    type: str  # cuda | cpu
+    bf16_fast: bool
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """How micro-batches become tensors, for training and evaluation alike: rows are right-padded to the longest
+    (or to `width`), empty rows added up to `height`, the width rounded up to a multiple of `multiple`, never past
+    `limit`."""
+
+    limit: int
+    micro_batch: int
+    width: int | None = None
+    height: int | None = None
+    multiple: int = 1
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One job, decided: every rank of it reads this object, and nothing here is `auto`."""
+
+    strategy: str
+    method: str
+    nproc_per_node: int
+    nnodes: int
+    device: str  # cuda | cpu
+    precision: str  # bf16 | fp16 | fp32
+    autocast: str | None  # the dtype torch.autocast computes in, or None (fp32, or FSDP2 casts the parameters)
+    compile: bool
+    attention: str  # the attention implementation the model is set to (`auto`: transformers' default)
+    eager_max_width: int  # under `auto`: micro-batches at most this wide run eager attention (0: never)
+    rows: RowShape
+    loss_chunk: int | None  # rows per chunk of the loss; None: decided from the built model's vocabulary
+    hardware: Hardware
+    why: tuple[str, ...] = ()  # for each setting that was `auto` (or changed), what decided it
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def describe(self) -> str:
+        """One line: the job as it will run."""
+        ranks = f"{self.nproc_per_node} process{'es' if self.nproc_per_node > 1 else ''}" + (
+            f" x {self.nnodes} nodes" if self.nnodes > 1 else "")
+        chunk = f", loss chunk {self.loss_chunk} rows" if self.loss_chunk else ""
+        return (f"job: strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, {self.precision}"
+                f"{' (autocast)' if self.autocast else ''}, compile {'on' if self.compile else 'off'}, attention "
+                f"{self.attention}{chunk}")
+
+    def decisions(self) -> dict[str, Any]:
+        """What was decided, without the CPU's matmul rates (a measurement each node makes for itself)."""
+        out = {k: v for k, v in self.to_json().items() if k not in ("hardware", "why")}
+        hw = self.hardware
+        return {**out, "hardware": (hw.nodes, hw.gpus_per_node, round(hw.gpu_mem_gib, 1), hw.name)}
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["why"] = list(self.why)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Resolved:
+        d = dict(d)
+        d["rows"] = RowShape(**d["rows"])
+        d["hardware"] = Hardware(**d["hardware"])
+        d["why"] = tuple(d.get("why", ()))
+        return cls(**d)
+
+    def to_env(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def from_env(cls, value: str) -> Resolved:
+        return cls.from_json(json.loads(value))
