@@ -262,6 +262,37 @@ def line(name: str, s: dict) -> str:
             f"tokens/s n={t['n']} median |error| {_pct(t['median_abs_error'])}")
 
 
+def docs_table(result: dict) -> str:
+    """The figures table of docs/planning.md ("Measured by outsiders"), written from `result` so that the test can
+    check the documented figures against a fresh run."""
+    lines = ["| set | rows planned | memory rows | median \\|error\\| | p90 \\|error\\| | under by > 5 % | "
+             "verdicts right | OOM verdicts right | tokens/s rows | median \\|error\\| |", "|" + "---|" * 10]
+    sets = [("**blind, all (out-of-sample)**", result["summary"])]
+    sets += [(f"blind: {n}", s) for n, s in result["sources"].items()]
+    if result["in_sample"]:
+        sets += [(f"in-sample, {p} ({'test part' if p == 'test' else 'dev and test'})", result["in_sample"][p])
+                 for p in ("all", "test")]
+    for name, s in sets:
+        m, v, t = s["memory"], s["verdicts"], s["tokens_per_s"]
+        share = "-" if m["n"] == 0 else f"{m['under_predicted']}/{m['n']}"
+        verdicts = "-" if v["n"] == 0 else f"{v['right']}/{v['n']}"
+        ooms = "-" if v["oom_rows"] == 0 else f"{v['oom_right']}/{v['oom_rows']}"
+        lines.append(f"| {name} | {s['planned']}/{s['rows']} | {m['n']} | {_pct(m['median_abs_error'])} | "
+                     f"{_pct(m['p90_abs_error'])} | {share} | {verdicts} | {ooms} | {t['n']} | "
+                     f"{_pct(t['median_abs_error'])} |")
+    return "\n".join(lines)
+
+
+def headline(result: dict) -> str:
+    """The out-of-sample sentence of the README, written from `result` (the test checks the README holds it)."""
+    s = result["summary"]
+    m, v, t = s["memory"], s["verdicts"], s["tokens_per_s"]
+    return (f"memory median error {_pct(m['median_abs_error'])} over {m['n']} peaks ({m['under_predicted']} "
+            f"under by more than 5 %), fits-or-not {v['right']}/{v['n']} (out-of-memory runs "
+            f"{v['oom_right']}/{v['oom_rows']}), tokens/s median error {_pct(t['median_abs_error'])} over "
+            f"{t['n']} runs")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-write", action="store_true", help="print only; leave the results file as it is")
@@ -271,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(result))
+    print()
+    print(docs_table(result))
+    print()
+    print(headline(result))
 
 
 if __name__ == "__main__":
