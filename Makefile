@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PIP) -c constraints.txt trl==1.16.0  # compare.py's TRL peer (the pyproject `bench` extra; tests need none)
 	$(PY) bench/compare.py
 	$(PY) bench/plan_vs_published.py
+	$(PY) bench/plan_vs_blind.py
 	$(PY) bench/deepspeed_memory.py
 
 # Optional: the headless browser the report and UI tests open pages in (they skip without it). Debian/Ubuntu, as root.
