@@ -1,4 +1,4 @@
-"""shardfit against the peers users run, on the same fine-tunes (CONTRACTS.md section 8, extended).
+"""shardfit against the peers users run, on the same fine-tunes (docs/reference.md, `bench/results/latest.json`).
 
     python bench/compare.py                              # every workload and peer, 3 interleaved rounds
     python bench/compare.py --runs 1                     # one round (the whole bench in < 30 min on 2 cores)

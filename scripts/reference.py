@@ -1,6 +1,6 @@
 """The generated parts of docs/reference.md, from the code itself: commands (argparse), exit codes (errors.py),
 strategies (strategy.py), config keys (the schema's `help` metadata), JSON fields (the dataclasses that are
-serialised) and diagnose categories (causes.yaml).
+serialised: plan, check, doctor) and diagnose categories (causes.yaml).
 
 `python scripts/reference.py --write` rewrites each block between `<!-- generated: NAME -->` and
 `<!-- end: NAME -->` in docs/reference.md; tests/test_reference.py fails when a block differs from what the code
@@ -25,6 +25,9 @@ from shardfit.check.findings import Finding  # noqa: E402
 from shardfit.cli.main import build_parser  # noqa: E402
 from shardfit.config.schema import CHOICES, Config, LoraSettings, QLoraSettings  # noqa: E402
 from shardfit.diagnose.engine import load_causes  # noqa: E402
+from shardfit.doctor.facts import GpuFacts, RankFacts  # noqa: E402
+from shardfit.doctor.launch import Launch  # noqa: E402
+from shardfit.doctor.report import Timing  # noqa: E402
 from shardfit.plan.estimate import Breakdown, Candidate  # noqa: E402
 from shardfit.plan.plan import ModelInfo  # noqa: E402
 from shardfit.plan.workload import Workload  # noqa: E402
@@ -116,6 +119,10 @@ def json_fields() -> str:
         f"- plan `candidates[]`: {_fields(Candidate)}",
         f"- plan `candidates[].per_gpu_gib`: {_fields(Breakdown)}",
         f"- check `findings[]`: {_fields(Finding)}",
+        f"- doctor `launch`: {_fields(Launch)}",
+        f"- doctor `ranks[]`: {_fields(RankFacts)}, `device` (str)",
+        f"- doctor `ranks[].gpu`: {_fields(GpuFacts)}",
+        f"- doctor `links[]`: {_fields(Timing)}",
     ])
 
 

@@ -4,6 +4,7 @@ strategy table read by the config."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -49,3 +50,13 @@ def test_config_strategies_are_the_table() -> None:
     assert CHOICES["strategy"] == ("auto", *strategy.NAMES)
     assert {s.engine for s in strategy.TABLE} <= {"plain", "ddp", "fsdp2", "device_map"}  # parallelize's branches
     assert strategy.SPEED_ORDER[0] == "single" and set(strategy.SPEED_ORDER) == set(strategy.NAMES)
+
+
+def test_every_package_has_its_line_in_the_architecture_doc() -> None:
+    """docs/architecture.md's table names every package and top-level module under src/shardfit, and nothing
+    else."""
+    src = ROOT / "src" / "shardfit"
+    present = {f"{p.name}/" for p in src.iterdir() if p.is_dir() and any(p.glob("*.py"))}  # foreign/ has no __init__
+    present |= {p.name for p in src.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    rows = set(re.findall(r"^\| `([\w.]+/?)` \|", (ROOT / "docs" / "architecture.md").read_text(), re.M))
+    assert rows - {"package"} == present, {"missing": present - rows, "no such package": rows - present}

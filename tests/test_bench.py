@@ -1,5 +1,6 @@
 """The peer bench's harness (bench/compare.py and its parts) without training anything: its command line, the
-batch each mode gives a peer, the shared evaluator's arithmetic, and the JSON it writes (CONTRACTS section 8)."""
+batch each mode gives a peer, the shared evaluator's arithmetic, and the JSON it writes (docs/reference.md,
+`bench/results/latest.json`)."""
 
 from __future__ import annotations
 

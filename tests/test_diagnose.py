@@ -1,4 +1,4 @@
-"""`shardfit diagnose`: every category of CONTRACTS.md has a cause and realistic logs that rank it first."""
+"""`shardfit diagnose`: every category docs/reference.md lists has a cause and realistic logs that rank it first."""
 
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ LOGS = sorted(CORPUS.glob("*.log"))
 
 
 def _contract_categories() -> set[str]:
-    contracts = ROOT.parent / "shared" / "CONTRACTS.md"
-    if not contracts.is_file():
-        pytest.skip("shared/CONTRACTS.md not beside the repo")
-    section = contracts.read_text().split("Category ids")[1].split("## 6.")[0]
-    return set(re.findall(r"`([a-z0-9_]+)`", section))
+    """The category ids of docs/reference.md (its generated `categories` block)."""
+    section = (ROOT / "docs" / "reference.md").read_text().split("<!-- generated: categories -->")[1]
+    return set(re.findall(r"^- `([a-z0-9_]+)`:", section.split("<!-- end: categories -->")[0], re.M))
 
 
 def test_every_contract_category_has_a_cause_and_a_log() -> None:

@@ -75,8 +75,8 @@ def test_dev_part_and_hand_written_corpus_stay_right() -> None:
     assert syn["top1"] >= 0.98
 
 
-# The ids of CONTRACTS.md section 5 (issue 20 added ten): never renamed, never removed. test_diagnose.py checks them
-# against CONTRACTS.md when that file is beside the repository; this list keeps the check where it is not.
+# The category ids of docs/reference.md (`shardfit diagnose --json`; issue 20 added ten): never renamed, never
+# removed. The reference lists what causes.yaml holds now; this list keeps the ids it promised.
 CONTRACT_IDS = """
 device_map_auto_in_distributed device_map_auto_cross_device zero3_device_map_conflict zero3_cpu_submodule
 zero3_cpu_buffer_rotary zero3_save_empty_params oom_full_replica_per_rank oom_activation_not_sharded host_ram_oom

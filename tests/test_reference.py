@@ -30,3 +30,16 @@ def test_every_config_key_and_command_is_in_the_reference() -> None:
         assert line in text
     for name in ("train", "plan", "check", "diagnose", "export"):
         assert f"shardfit {name} " in text
+
+
+def test_the_from_section_of_plan_json_is_documented() -> None:
+    """Every key of `plan --json --from`'s `from` object is named in its section of docs/reference.md."""
+    from shardfit.foreign.asplanned import plan_job
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.hardware import parse_gpus
+    from shardfit.plan.shapes import resolve_shape
+
+    job = read_job("llamafactory", str(ROOT / "tests/foreign_jobs/lf/qwen25_7b_qlora.yaml"), JobOptions())
+    keys = plan_job(job, resolve_shape(job.model), parse_gpus("1x24GB")).to_json()["from"]
+    section = _reference_module().REFERENCE.read_text().split("### `plan --json --from TOOL FILE`")[1].split("##")[0]
+    assert keys and all(f"`{k}`" in section for k in keys), [k for k in keys if f"`{k}`" not in section]

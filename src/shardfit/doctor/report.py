@@ -1,5 +1,5 @@
-"""The doctor's report: findings in the `check` format, the rank map and the timed collectives; as JSON (`--json`,
-CONTRACTS.md section 4 extended with `ranks`, `links` and `backend`) and as text."""
+"""The doctor's report: findings in the `check` format, the rank map and the timed collectives; as JSON (`--json`:
+docs/reference.md, `shardfit doctor --json`: check's fields with `ranks`, `links` and `backend`) and as text."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ class ForeignPlan:
     would: list[str] = field(default_factory=list)  # the nearest changes that fit, in the tool's keys
 
     def to_json(self) -> dict[str, Any]:
-        """plan.to_json() plus a `from` section (CONTRACTS.md section 3, extended)."""
+        """plan.to_json() plus a `from` section (docs/reference.md, `plan --json --from TOOL FILE`)."""
         out = self.plan.to_json()
         c = self.configured.to_json()
         c["engine"] = self.job.describe_engine()

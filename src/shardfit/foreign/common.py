@@ -4,7 +4,6 @@ attention kernels, optimizers), YAML loading with line numbers, and local data p
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -120,39 +119,3 @@ def record(job: ForeignJob, key: str, value: Any, modelled: bool = True, effect:
         job.keys[key] = f"{text} ({effect})" if effect else text
     else:
         job.not_modelled[key] = text
-
-
-def record_keys(job: ForeignJob, items: Iterable[tuple[str, Any]], *, modelled: Mapping[str, str],
-                no_effect: Collection[str], not_modelled: Collection[str] = ()) -> None:
-    """File every key of a tool's job: the ones named in `not_modelled` (known to matter, but not planned) as not
-    modelled, then those with a modelled effect, then those with no effect on memory; anything else is not
-    modelled, so that a key the readers do not know is shown rather than dropped."""
-    for key, value in items:
-        if key in not_modelled:
-            record(job, key, value, modelled=False)
-        elif key in modelled:
-            record(job, key, value, effect=modelled[key])
-        elif key in no_effect:
-            record(job, key, value, effect="no effect on memory")
-        else:
-            record(job, key, value, modelled=False)
-
-
-def take_deepspeed_keys(job: ForeignJob, keys: Mapping[str, str], not_modelled: Mapping[str, str]) -> None:
-    """Add a DeepSpeed JSON's keys to the job, prefixed so they read apart from the tool's own."""
-    job.keys.update({f"deepspeed:{k}": v for k, v in keys.items()})
-    job.not_modelled.update({f"deepspeed:{k}": v for k, v in not_modelled.items()})
-
-
-# The tool's training settings that carry over to a shardfit config unchanged in meaning: (tool key, shardfit key,
-# converter). Per tool, because the tools spell them differently.
-Settings = Sequence[tuple[str, str, Callable[[Any, str, str], Any]]]
-
-
-def carry_settings(out: dict[str, Any], source: Mapping[str, Any], settings: Settings,
-                   where: Callable[[str], str]) -> None:
-    """Copy each present setting of `source` into `out` under shardfit's name, converted (a UserError naming
-    `where(key)` when a value is not of its type)."""
-    for src, dst, convert in settings:
-        if source.get(src) is not None:
-            out[dst] = convert(source[src], src, where(src))

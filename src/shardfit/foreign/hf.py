@@ -6,7 +6,6 @@ a command line cannot show it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -15,33 +14,63 @@ from shardfit.errors import UserError
 from shardfit.foreign.common import (
     ATTENTION,
     TRAINER_NO_EFFECT,
-    Settings,
     as_bool,
     as_float,
     as_int,
-    carry_settings,
     hf_loss,
     local_file,
     optimizer,
-    record,
-    record_keys,
-    take_deepspeed_keys,
 )
-from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
-from shardfit.foreign.shell import parse_command, visible_devices
+from shardfit.foreign.keys import (
+    NO_EFFECT,
+    Key,
+    Source,
+    command_source,
+    epochs,
+    file_env,
+    file_keys,
+    if_truthy,
+    json_source,
+    key_table,
+    positive,
+    settings,
+    text,
+    use_deepspeed,
+)
+from shardfit.foreign.shell import Command, visible_devices
 from shardfit.plan.workload import Workload
 
-SETTINGS: Settings = (
-    ("learning_rate", "lr", as_float), ("warmup_ratio", "warmup_ratio", as_float),
-    ("weight_decay", "weight_decay", as_float), ("max_grad_norm", "max_grad_norm", as_float),
-    ("max_steps", "max_steps", as_int), ("save_steps", "save_steps", as_int),
-    ("eval_steps", "eval_steps", as_int), ("logging_steps", "log_steps", as_int),
-    ("seed", "seed", as_int))
-
-NO_EFFECT = TRAINER_NO_EFFECT | {"model_name_or_path", "data_path", "eval_data_path", "cache_dir", "lora_alpha",
-                                 "lora_dropout", "lora_weight_path", "lora_bias", "use_fast_tokenizer"}
 SEQ_KEYS = ("model_max_length", "max_seq_length", "max_length", "cutoff_len", "seq_length")
+# What each TrainingArguments (or training script) argument means to shardfit: the first sequence length given
+# wins, then lora_r over lora_rank.
+KEYS = key_table({
+    "use_lora": Key("{method}"), "q_lora": Key("4-bit NF4 frozen weights, fp32 embeddings/norms/head"),
+    "bf16": Key("{precision}"), "fp16": Key("{precision}"),
+    **{k: Key("sequence length", field="seq_len", read=as_int, default=2048) for k in SEQ_KEYS},
+    "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=8),
+    "lora_r": Key("adapter size", field="lora_rank", read=as_int),
+    "lora_rank": Key("adapter size", field="lora_rank", read=as_int),
+    "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
+    "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"), "gradient_checkpointing_kwargs": Key("reentrant or not"),
+    "attn_implementation": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
+    "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
+    "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "model": Key("model"),
+    # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
+    "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
+    "lora_dropout": Key(config="lora.dropout", read=as_float),
+    "learning_rate": Key(config="lr", read=as_float), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
+    "weight_decay": Key(config="weight_decay", read=as_float),
+    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "max_steps": Key(config="max_steps", read=positive),
+    "save_steps": Key(config="save_steps", read=as_int), "eval_steps": Key(config="eval_steps", read=as_int),
+    "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
+    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
+    "output_dir": Key(config="output_dir", read=if_truthy(text)),
+}, no_effect=TRAINER_NO_EFFECT | {"model_name_or_path", "data_path", "eval_data_path", "cache_dir",
+                                  "lora_weight_path", "lora_bias", "use_fast_tokenizer"})
+# The environment of the command line: what decides the ranks and GPUs; any other variable changes nothing the
+# planner counts.
+ENV = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks", "GPUS_PER_NODE": "ranks"}
 _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-z_][\w.]*)")
 
 
@@ -61,117 +90,98 @@ def words() -> Words:
 
 def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None) -> ForeignJob:
     """TrainingArguments (.json) or a command line / script running a training script."""
-    where = str(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
-    script: Path | None = None
-    env: dict[str, str] = {}
-    launcher, ranks, nnodes = None, nproc, 1
-    if path.suffix == ".json":
-        try:
-            args = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg}.") from None
-        if not isinstance(args, dict):
-            raise UserError(f"{path}: TrainingArguments JSON must be an object of argument names.")
-        args = {k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
-                for k, v in args.items()}
-        order = list(args)
-    else:
-        cmd = parse_command(text, where, (".py",))
-        args, order, env = cmd.args, cmd.order, cmd.exported
-        launcher, nnodes = cmd.launcher, cmd.nnodes
-        ranks = nproc or cmd.nproc
-        if launcher == "deepspeed" and ranks is None:
-            ranks = len(visible_devices(env)) or None
-        found = local_file(cmd.program, path.parent)
-        script = Path(found) if found else None
-    model = model or args.get("model_name_or_path") or args.get("model")
+    src, cmd = (json_source(path, "TrainingArguments"), None) if path.suffix == ".json" else \
+        command_source(path, (".py",))
+    env = cmd.exported if cmd else {}
+    model = model or src.get("model_name_or_path") or src.get("model")
     if not model:
-        raise UserError(f"{where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
+        raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
     shape = shape_of(model)
-    job = ForeignJob("hf", where, model, Workload(), words=words(), nproc=ranks, nnodes=nnodes, launcher=launcher)
-    q = as_bool(args.get("q_lora", "false"))
-    lora = as_bool(args.get("use_lora", "false")) or q or "lora_r" in args
-    method = "qlora" if q else "lora" if lora else "full"
-    precision = "bf16" if as_bool(args.get("bf16", "false")) else "fp16" if as_bool(args.get("fp16", "false")) \
-        else "fp32"
-    seq_key = next((k for k in SEQ_KEYS if k in args), None)
-    if seq_key is None:
-        job.notes.append("no sequence length among the arguments: planned at 2048 tokens (pass --seq)")
-    attn = args.get("attn_implementation", "sdpa")
-    opt = optimizer(args.get("optim", "adamw_torch"))
-    gc = as_bool(args.get("gradient_checkpointing", "false"))
-    w = Workload(method=method, precision=precision,
-                 seq_len=as_int(args[seq_key], seq_key, where) if seq_key else 2048,
-                 micro_batch=as_int(args.get("per_device_train_batch_size", 8), "per_device_train_batch_size", where),
-                 grad_ckpt="full" if gc else "none", optimizer=opt or "adamw",
-                 lora_rank=as_int(args.get("lora_r", args.get("lora_rank", 64 if lora else 8)), "lora_r", where),
-                 loss=hf_loss(version, as_bool(args.get("use_liger_kernel", "false"))),
-                 attention=ATTENTION.get(attn, "sdpa"),
-                 grad_accum=as_int(args.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", where),
-                 frozen_fp32=q)
-    job.workload = w
-    job.reentrant_ckpt = gc and "false" not in args.get("gradient_checkpointing_kwargs", "").lower()
+    job = ForeignJob("hf", src.where, model, Workload(), words=words(), nproc=_ranks(cmd, env, nproc),
+                     nnodes=cmd.nnodes if cmd else 1, launcher=cmd.launcher if cmd else None)
+    w = job.workload = _workload(src, job, version)
+    job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
     # with checkpointing on; a PEFT model is not one.
-    fu = args.get("ddp_find_unused_parameters")
-    job.find_unused = as_bool(fu) if fu is not None else (lora or not gc)
-    if args.get("deepspeed"):
-        ds = load_deepspeed(args["deepspeed"], path.parent, f"{where}: --deepspeed", shape.hidden, job.notes)
-        job.engine, job.zero = "deepspeed", ds.zero
-        if ds.precision and not args.get("bf16") and not args.get("fp16"):  # the JSON decides, not "auto"
-            job.workload = dataclasses.replace(w, precision=ds.precision)
-        take_deepspeed_keys(job, ds.keys, ds.not_modelled)
-    elif args.get("fsdp"):
-        f = args["fsdp"]
+    fu = src.get("ddp_find_unused_parameters")
+    job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
+    _engine(src, job, shape.hidden)
+    _device_map(src, job, _script(cmd, path), env)
+    job.speech_outputs = "omni" in model.lower()
+    job.quant_storage = "bnb_4bit_quant_storage" in src
+    _file_keys(src, job, w)
+    file_env(job, env, ENV, unknown=NO_EFFECT)
+    data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
+    job.data = [hit for d in data if (hit := local_file(d, path.parent))]
+    job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    return job
+
+
+def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None) -> int | None:
+    """Ranks per node: --nproc, else the launcher's; the deepspeed launcher starts one per visible GPU."""
+    if cmd is None:
+        return nproc
+    ranks = nproc or cmd.nproc
+    if cmd.launcher == "deepspeed" and ranks is None:
+        ranks = len(visible_devices(env)) or None
+    return ranks
+
+
+def _script(cmd: Command | None, path: Path) -> Path | None:
+    """The training script the command runs, when it is here."""
+    found = local_file(cmd.program, path.parent) if cmd else None
+    return Path(found) if found else None
+
+
+def _lora(src: Source) -> bool:
+    return src.flag("use_lora", "false") or src.flag("q_lora", "false") or "lora_r" in src
+
+
+def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
+    q, lora = src.flag("q_lora", "false"), _lora(src)
+    precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
+    if not any(k in src for k in SEQ_KEYS):
+        job.notes.append("no sequence length among the arguments: planned at 2048 tokens (pass --seq)")
+    return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
+                    grad_ckpt="full" if src.flag("gradient_checkpointing", "false") else "none",
+                    optimizer=optimizer(src.get("optim", "adamw_torch")) or "adamw",
+                    loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
+                    attention=ATTENTION.get(src.get("attn_implementation", "sdpa"), "sdpa"), frozen_fp32=q,
+                    **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
+
+
+def _engine(src: Source, job: ForeignJob, hidden: int) -> None:
+    """DeepSpeed (whose JSON decides the precision where the arguments leave it), FSDP, or DDP under a launcher."""
+    if src.get("deepspeed"):
+        ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
+        if ds.precision and not src.get("bf16") and not src.get("fp16"):  # the JSON decides, not "auto"
+            job.workload = dataclasses.replace(job.workload, precision=ds.precision)
+    elif src.get("fsdp"):
+        f = src.get("fsdp")
         job.engine = "fsdp_offload" if "offload" in f else "fsdp_shard_grad_op" if "shard_grad_op" in f \
             else "fsdp_full_shard"
     elif job.distributed:
         job.engine = "ddp"
-    dm = args.get("device_map")
+
+
+def _device_map(src: Source, job: ForeignJob, script: Path | None, env: dict[str, str]) -> None:
+    """The device map the model loads with (an argument, else the training script's); one process with one
+    splits the model over the visible GPUs."""
+    dm = src.get("device_map")
     if dm is None and script is not None:
-        dm = _script_device_map(script, q, job)
+        dm = _script_device_map(script, src.flag("q_lora", "false"), job)
     if dm and dm.lower() not in ("none", "null"):
         job.device_map = dm
         if not job.distributed and job.engine == "single":
             job.engine = "device_map"
             job.gpus = len(visible_devices(env)) or None
-    job.speech_outputs = "omni" in model.lower()
-    job.quant_storage = "bnb_4bit_quant_storage" in args
-    modelled = {"use_lora": method, "q_lora": "4-bit NF4 frozen weights, fp32 embeddings/norms/head",
-                "bf16": precision, "fp16": precision, "per_device_train_batch_size": "micro-batch",
-                "gradient_accumulation_steps": "grad_accum", "gradient_checkpointing": f"grad_ckpt {w.grad_ckpt}",
-                "gradient_checkpointing_kwargs": "reentrant or not", "lora_r": "adapter size",
-                "lora_rank": "adapter size", "attn_implementation": f"attention {w.attention}",
-                "use_liger_kernel": "fused loss", "deepspeed": "ZeRO settings", "fsdp": "FSDP",
-                "device_map": "placement", "ddp_find_unused_parameters": "DDP", "optim": w.optimizer,
-                "model": "model"} | {k: "sequence length" for k in SEQ_KEYS}
-    unplanned = {"lora_target_modules"} | ({"optim"} if opt is None else set())
-    if "lora_target_modules" in args:
+
+
+def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+    unplanned = {"lora_target_modules"} | ({"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set())
+    if "lora_target_modules" in src:
         job.notes.append("lora_target_modules planned as adapters on every linear layer (an over-estimate)")
-    record_keys(job, ((k, args[k]) for k in order), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
-    for key, value in env.items():
-        effect = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks",
-                  "GPUS_PER_NODE": "ranks"}.get(key)
-        record(job, f"env {key}", value, modelled=True, effect=effect or "no effect on memory")
-    data = [args[k] for k in ("data_path", "train_file", "dataset") if args.get(k)]
-    job.data = [hit for d in data if (hit := local_file(d, path.parent))]
-    out: dict[str, Any] = {"lora": {"rank": w.lora_rank, "alpha": as_int(args.get("lora_alpha", 16), "lora_alpha",
-                                                                         where),
-                                    "dropout": as_float(args.get("lora_dropout", 0.05 if lora else 0.0),
-                                                        "lora_dropout", where)}}
-    carry_settings(out, args, SETTINGS, lambda _key: where)
-    if out.get("max_steps", 1) < 1:
-        out.pop("max_steps")
-    if args.get("num_train_epochs"):
-        out["epochs"] = max(1, round(as_float(args["num_train_epochs"], "num_train_epochs", where)))
-    if args.get("output_dir"):
-        out["output_dir"] = args["output_dir"]
-    job.convert = out
-    return job
+    file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:

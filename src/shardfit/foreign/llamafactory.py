@@ -9,33 +9,71 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import (
-    ATTENTION,
-    TRAINER_NO_EFFECT,
-    as_bool,
-    as_float,
-    as_int,
-    hf_loss,
-    load_yaml,
-    local_file,
-    optimizer,
-    record_keys,
-)
-from shardfit.foreign.deepspeed import load_deepspeed
+from shardfit.foreign.common import ATTENTION, TRAINER_NO_EFFECT, as_float, as_int, hf_loss, local_file, optimizer
 from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.keys import (
+    Key,
+    Source,
+    epochs,
+    file_keys,
+    flag,
+    key_table,
+    only_true,
+    positive,
+    settings,
+    text,
+    use_deepspeed,
+    yaml_source,
+)
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
-NO_EFFECT = TRAINER_NO_EFFECT | {
-    "stage", "template", "max_samples", "overwrite_cache", "preprocessing_num_workers", "val_size", "eval_dataset",
-    "lora_alpha", "lora_dropout", "additional_target", "loraplus_lr_ratio", "create_new_adapter", "mix_strategy",
-    "streaming", "buffer_size", "tokenized_path", "default_system", "enable_thinking", "train_on_prompt",
-    "mask_history", "finetuning_args", "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels",
-    "video_fps", "video_maxlen", "export_dir", "export_size", "infer_backend", "adapter_name_or_path",
-    "new_special_tokens", "resize_vocab", "use_fast_tokenizer", "split_special_tokens", "print_param_status",
-    "freeze_multi_modal_projector", "cache_dir", "hf_hub_token", "ms_hub_token", "use_unsloth_gc",
-    "dataset", "dataset_dir", "packing", "neat_packing", "trust_remote_code", "model_name_or_path",
-}
+
+def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
+    """`lora_target`: `all`, or module names separated by commas."""
+    target = str(value)
+    return "all-linear" if target == "all" else [t.strip() for t in target.split(",")]
+
+
+# What each LLaMA-Factory key means to shardfit.
+KEYS = key_table({
+    "finetuning_type": Key("{method}"), "quantization_bit": Key("4-bit NF4 frozen weights"),
+    "pure_bf16": Key("16-bit adapters"), "bf16": Key("{precision}"), "fp16": Key("{precision}"),
+    "cutoff_len": Key("sequence length", field="seq_len", read=as_int, default=2048),
+    "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
+    "lora_rank": Key("adapter size", field="lora_rank", read=as_int, default=8),
+    "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
+    "disable_gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"),
+    "use_liger_kernel": Key("fused linear cross-entropy: no full logits"), "flash_attn": Key("attention {attention}"),
+    "optim": Key("{optimizer}"), "deepspeed": Key("ZeRO settings"), "use_reentrant_gc": Key("reentrant checkpointing"),
+    "ddp_find_unused_parameters": Key("DDP"), "freeze_vision_tower": Key("vision tower frozen"),
+    "freeze_trainable_layers": Key("trainable blocks"), "quantization_method": Key("bitsandbytes"),
+    "double_quantization": Key("NF4 constants"),
+    # carried over to the shardfit config (`freeze_trainable` is decided in `_convert`); LLaMA-Factory reads a
+    # count below 1 as unset
+    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=epochs),
+    "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
+    "eval_steps": Key(config="eval_steps", read=positive), "logging_steps": Key(config="log_steps", read=positive),
+    "seed": Key(config="seed", read=positive), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
+    "weight_decay": Key(config="weight_decay", read=as_float),
+    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "val_size": Key(config="eval_split", read=as_float),
+    # LLaMA-Factory's default alpha is twice the rank (given in `_convert`)
+    "lora_alpha": Key(config="lora.alpha", read=as_int), "lora_dropout": Key(config="lora.dropout", read=as_float),
+    "lora_target": Key("adapters on every linear layer (all)", config="lora.targets", read=lora_targets,
+                       default="all"),
+    "packing": Key(config="packing", read=flag, default=False), "output_dir": Key(config="output_dir", read=text),
+    "trust_remote_code": Key(config="trust_remote_code", read=only_true),
+}, no_effect=TRAINER_NO_EFFECT | {
+    "stage", "template", "max_samples", "overwrite_cache", "preprocessing_num_workers", "eval_dataset",
+    "additional_target", "loraplus_lr_ratio", "create_new_adapter", "mix_strategy", "streaming", "buffer_size",
+    "tokenized_path", "default_system", "enable_thinking", "train_on_prompt", "mask_history", "finetuning_args",
+    "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
+    "export_dir", "export_size", "infer_backend", "adapter_name_or_path", "new_special_tokens", "resize_vocab",
+    "use_fast_tokenizer", "split_special_tokens", "print_param_status", "freeze_multi_modal_projector", "cache_dir",
+    "hf_hub_token", "ms_hub_token", "use_unsloth_gc", "dataset", "dataset_dir", "neat_packing",
+    "model_name_or_path",
+})
+METHODS = {"lora": "lora", "full": "full", "freeze": "freeze", "oft": "lora"}
 # LLaMA-Factory's shipped DeepSpeed configs and how they are named.
 ZERO_FILES = {"zero2": "examples/deepspeed/ds_z2_config.json", "zero3": "examples/deepspeed/ds_z3_config.json",
               "zero3_offload": "examples/deepspeed/ds_z3_offload_config.json",
@@ -57,97 +95,80 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     """The job of a LLaMA-Factory YAML. `shape_of(model)` resolves the model's shape (for DeepSpeed's "auto"
     buckets and freeze layers); `nproc` the ranks it is launched with (LLaMA-Factory starts torchrun itself when
     several GPUs are visible)."""
-    cfg, lines = load_yaml(path)
-    where = str(path)
-
-    def at(key: str) -> str:
-        return f"{where}:{lines[key]}" if key in lines else where
-
-    model = cfg.get("model_name_or_path")
+    src = yaml_source(path)
+    model = src.get("model_name_or_path")
     if not model:
-        raise UserError(f"{where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
+        raise UserError(f"{src.where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
     shape = shape_of(str(model))
-    job = ForeignJob("llamafactory", where, str(model), Workload(), words=words(), nproc=nproc)
-    ft = str(cfg.get("finetuning_type", "lora")).lower()
-    quant = cfg.get("quantization_bit")
-    method = {"lora": "lora", "full": "full", "freeze": "freeze", "oft": "lora"}.get(ft)
+    job = ForeignJob("llamafactory", src.where, str(model), Workload(), words=words(), nproc=nproc)
+    w = job.workload = _workload(src, job, version)
+    job.reentrant_ckpt = w.grad_ckpt != "none" and src.flag("use_reentrant_gc", True)
+    job.find_unused = src.flag("ddp_find_unused_parameters")
+    if src.get("deepspeed"):
+        use_deepspeed(job, str(src.get("deepspeed")), path.parent, src.at("deepspeed"), shape.hidden, job.notes)
+    elif nproc and nproc > 1:
+        job.engine = "ddp"
+    job.quant_storage = w.method == "qlora" and job.engine == "deepspeed"  # LLaMA-Factory sets it under ZeRO-3
+    job.speech_outputs = False  # LLaMA-Factory loads Qwen2.5-Omni's thinker only
+    _file_keys(src, job, w)
+    job.data, missing = _datasets(src)
+    if missing:
+        job.notes.append(f"datasets not found as local files (convert leaves them out): {', '.join(missing)}")
+    job.convert = _convert(src, w, shape)
+    return job
+
+
+def _method(src: Source, job: ForeignJob) -> str:
+    ft = str(src.get("finetuning_type", "lora")).lower()
+    method = METHODS.get(ft)
     if method is None:
-        raise UserError(f"{at('finetuning_type')}: 'finetuning_type' is {ft!r}; LLaMA-Factory's are lora, full, "
+        raise UserError(f"{src.at('finetuning_type')}: 'finetuning_type' is {ft!r}; LLaMA-Factory's are lora, full, "
                         f"freeze (and oft).")
-    if quant is not None:
-        bits = as_int(quant, "quantization_bit", at("quantization_bit"))
+    if src.get("quantization_bit") is not None:
+        bits = as_int(src.get("quantization_bit"), "quantization_bit", src.at("quantization_bit"))
         if method == "lora":
             method = "qlora"
         if bits != 4:
             job.notes.append(f"quantization_bit: {bits} is planned as 4-bit NF4 (the planner models 4-bit only): "
                              "an under-estimate of the frozen weights")
-    pure = as_bool(cfg.get("pure_bf16", False))
-    precision = "bf16" if as_bool(cfg.get("bf16", False)) or pure else "fp16" if as_bool(cfg.get("fp16", False)) \
-        else "fp32"
-    liger = as_bool(cfg.get("use_liger_kernel", False))
-    attn = str(cfg.get("flash_attn", "auto")).lower()
+    return method
+
+
+def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
+    method = _method(src, job)
+    pure = src.flag("pure_bf16")
+    precision = "bf16" if src.flag("bf16") or pure else "fp16" if src.flag("fp16") else "fp32"
+    attn = str(src.get("flash_attn", "auto")).lower()
     if attn not in ATTENTION:
-        raise UserError(f"{at('flash_attn')}: 'flash_attn' is {attn!r}; LLaMA-Factory's are auto, disabled, sdpa, "
+        raise UserError(f"{src.at('flash_attn')}: 'flash_attn' is {attn!r}; LLaMA-Factory's are auto, disabled, sdpa, "
                         f"fa2.")
-    attention = ATTENTION[attn]
-    opt = optimizer(str(cfg.get("optim", "adamw_torch")))
-    w = Workload(method=method, precision=precision, seq_len=as_int(cfg.get("cutoff_len", 2048), "cutoff_len",
-                                                                    at("cutoff_len")),
-                 micro_batch=as_int(cfg.get("per_device_train_batch_size", 1), "per_device_train_batch_size",
-                                    at("per_device_train_batch_size")),
-                 grad_ckpt="none" if as_bool(cfg.get("disable_gradient_checkpointing", False)) else "full",
-                 optimizer=opt or "adamw", lora_rank=as_int(cfg.get("lora_rank", 8), "lora_rank", at("lora_rank")),
-                 loss=hf_loss(version, liger), attention=attention,
-                 grad_accum=as_int(cfg.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps",
-                                   at("gradient_accumulation_steps")),
-                 frozen_fp32=False, adapters_16bit=pure and method in ("lora", "qlora"))
-    job.workload = w
-    job.reentrant_ckpt = w.grad_ckpt != "none" and as_bool(cfg.get("use_reentrant_gc", True))
-    job.find_unused = as_bool(cfg.get("ddp_find_unused_parameters", False))
-    if "deepspeed" in cfg and cfg["deepspeed"]:
-        ds = load_deepspeed(str(cfg["deepspeed"]), path.parent, at("deepspeed"), shape.hidden, job.notes)
-        job.engine, job.zero = "deepspeed", ds.zero
-        for k, v in ds.keys.items():
-            job.keys[f"deepspeed:{k}"] = v
-        for k, v in ds.not_modelled.items():
-            job.not_modelled[f"deepspeed:{k}"] = v
-    elif nproc and nproc > 1:
-        job.engine = "ddp"
-    job.quant_storage = method == "qlora" and job.engine == "deepspeed"  # LLaMA-Factory sets it under ZeRO-3
-    job.speech_outputs = False  # LLaMA-Factory loads Qwen2.5-Omni's thinker only
-    modelled = {
-        "finetuning_type": method, "quantization_bit": "4-bit NF4 frozen weights", "pure_bf16": "16-bit adapters",
-        "bf16": precision, "fp16": precision, "cutoff_len": "sequence length",
-        "per_device_train_batch_size": "micro-batch", "gradient_accumulation_steps": "grad_accum",
-        "disable_gradient_checkpointing": f"grad_ckpt {w.grad_ckpt}", "lora_rank": "adapter size",
-        "use_liger_kernel": "fused linear cross-entropy: no full logits", "flash_attn": f"attention {attention}",
-        "optim": w.optimizer, "deepspeed": "ZeRO settings", "use_reentrant_gc": "reentrant checkpointing",
-        "ddp_find_unused_parameters": "DDP", "lora_target": "adapters on every linear layer (all)",
-        "freeze_vision_tower": "vision tower frozen", "freeze_trainable_layers": "trainable blocks",
-        "quantization_method": "bitsandbytes", "double_quantization": "NF4 constants",
-    }
-    unplanned = {"optim"} if opt is None else set()
-    if "lora_target" in cfg and str(cfg["lora_target"]) != "all":
+    return Workload(method=method, precision=precision,
+                    grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
+                    optimizer=optimizer(str(src.get("optim", "adamw_torch"))) or "adamw",
+                    loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
+                    frozen_fp32=False, adapters_16bit=pure and method in ("lora", "qlora"),
+                    **settings(src, KEYS, "field"))
+
+
+def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+    unplanned = {"optim"} if optimizer(str(src.get("optim", "adamw_torch"))) is None else set()
+    effects = {}
+    if "lora_target" in src and str(src.get("lora_target")) != "all":
         unplanned.add("lora_target")
         job.notes.append("lora_target is not all: planned as adapters on every linear layer (an over-estimate)")
-    if "freeze_vision_tower" in cfg:
-        if method != "full":
-            modelled["freeze_vision_tower"] = "frozen either way"
-        elif not as_bool(cfg["freeze_vision_tower"]):
+    if "freeze_vision_tower" in src:
+        if w.method != "full":
+            effects["freeze_vision_tower"] = "frozen either way"
+        elif not src.flag("freeze_vision_tower"):
             unplanned.add("freeze_vision_tower")
-    record_keys(job, cfg.items(), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
-    job.data, missing = _datasets(cfg, path, at)
-    if missing:
-        job.notes.append(f"datasets not found as local files (convert leaves them out): {', '.join(missing)}")
-    job.convert = _convert(cfg, job, shape, where, at)
-    return job
+    file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
 
 
-def _datasets(cfg: dict[str, Any], path: Path, at: Any) -> tuple[list[str], list[str]]:
+def _datasets(src: Source) -> tuple[list[str], list[str]]:
     """Local files of `dataset`, through dataset_info.json in `dataset_dir` (LLaMA-Factory's registry)."""
-    names = [n.strip() for n in str(cfg.get("dataset", "")).split(",") if n.strip()]
-    base = Path(str(cfg.get("dataset_dir", "data")))
-    folders = [path.parent / base, base]
+    names = [n.strip() for n in str(src.get("dataset", "")).split(",") if n.strip()]
+    base = Path(str(src.get("dataset_dir", "data")))
+    folders = [src.path.parent / base, base]
     info: dict[str, Any] = {}
     for folder in folders:
         f = folder / "dataset_info.json"
@@ -170,38 +191,12 @@ def _datasets(cfg: dict[str, Any], path: Path, at: Any) -> tuple[list[str], list
     return found, missing
 
 
-def _convert(cfg: dict[str, Any], job: ForeignJob, shape: ModelShape, where: str, at: Any) -> dict[str, Any]:
+def _convert(src: Source, w: Workload, shape: ModelShape) -> dict[str, Any]:
     """shardfit config keys of the same job (beyond the workload and the strategy)."""
-    out: dict[str, Any] = {}
-    if "learning_rate" in cfg:
-        out["lr"] = as_float(cfg["learning_rate"], "learning_rate", at("learning_rate"))
-    if "num_train_epochs" in cfg:
-        out["epochs"] = max(1, round(as_float(cfg["num_train_epochs"], "num_train_epochs", at("num_train_epochs"))))
-    for src, dst in (("max_steps", "max_steps"), ("save_steps", "save_steps"), ("eval_steps", "eval_steps"),
-                     ("logging_steps", "log_steps"), ("seed", "seed")):
-        if src in cfg and cfg[src] is not None and int(cfg[src]) > 0:
-            out[dst] = as_int(cfg[src], src, at(src))
-    for src, dst in (("warmup_ratio", "warmup_ratio"), ("weight_decay", "weight_decay"),
-                     ("max_grad_norm", "max_grad_norm"), ("val_size", "eval_split")):
-        if src in cfg:
-            out[dst] = as_float(cfg[src], src, at(src))
-    lora: dict[str, Any] = {"rank": job.workload.lora_rank}
-    if "lora_alpha" in cfg:
-        lora["alpha"] = as_int(cfg["lora_alpha"], "lora_alpha", at("lora_alpha"))
-    else:
-        lora["alpha"] = 2 * job.workload.lora_rank  # LLaMA-Factory's default: twice the rank
-    if "lora_dropout" in cfg:
-        lora["dropout"] = as_float(cfg["lora_dropout"], "lora_dropout", at("lora_dropout"))
-    target = str(cfg.get("lora_target", "all"))
-    lora["targets"] = "all-linear" if target == "all" else [t.strip() for t in target.split(",")]
-    out["lora"] = lora
-    out["packing"] = as_bool(cfg.get("packing", False)) or as_bool(cfg.get("neat_packing", False))
-    if "output_dir" in cfg:
-        out["output_dir"] = str(cfg["output_dir"])
-    if as_bool(cfg.get("trust_remote_code", False)):
-        out["trust_remote_code"] = True
-    if job.workload.method == "freeze":
-        n = as_int(cfg.get("freeze_trainable_layers", 2), "freeze_trainable_layers", at("freeze_trainable_layers"))
+    out = settings(src, KEYS, "config", **{"lora.alpha": 2 * w.lora_rank})
+    out["packing"] = out["packing"] or src.flag("neat_packing")
+    if w.method == "freeze":
+        n = as_int(src.get("freeze_trainable_layers", 2), "freeze_trainable_layers", src.at("freeze_trainable_layers"))
         layers = range(shape.layers - n, shape.layers) if n > 0 else range(-n)
         out["freeze_trainable"] = [f"layers.{i}." for i in layers]
     return out

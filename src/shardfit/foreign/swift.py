@@ -18,27 +18,73 @@ from shardfit.foreign.common import (
     hf_loss,
     local_file,
     optimizer,
-    record,
-    record_keys,
 )
-from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
-from shardfit.foreign.shell import parse_command, visible_devices
-from shardfit.plan.shapes import ModelShape
+from shardfit.foreign.keys import (
+    NO_EFFECT,
+    Key,
+    Source,
+    command_source,
+    epochs,
+    file_env,
+    file_keys,
+    flag,
+    key_table,
+    positive,
+    settings,
+    text,
+    use_deepspeed,
+)
+from shardfit.foreign.shell import visible_devices
 from shardfit.plan.workload import Workload
 
-NO_EFFECT = TRAINER_NO_EFFECT | {
-    "dataset", "val_dataset", "system", "model_author", "model_name", "split_dataset_ratio", "lora_alpha",
-    "lora_dropout", "streaming", "dataset_num_proc", "template", "model_type", "add_version", "columns",
-    "save_only_model", "load_from_cache_file", "truncation_strategy", "loss_scale", "use_hf", "packing",
-    "padding_free", "model", "model_id_or_path", "freeze_aligner", "freeze_llm", "enable_channel_loss",
-    "check_model", "create_checkpoint_symlink", "max_new_tokens", "quant_method",
-}
-ENV_MODELLED = {"NPROC_PER_NODE": "ranks", "CUDA_VISIBLE_DEVICES": "GPUs", "ENABLE_AUDIO_OUTPUT": "Omni talker",
-                "NNODES": "nodes"}
-ENV_NO_EFFECT = {"MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "MAX_PIXELS", "VIDEO_MAX_PIXELS", "FPS_MAX_FRAMES",
-                 "USE_AUDIO_IN_VIDEO", "SIZE_FACTOR", "PYTHONPATH", "OMP_NUM_THREADS", "NCCL_DEBUG", "HF_ENDPOINT",
-                 "USE_HF", "WANDB_PROJECT", "MODELSCOPE_CACHE", "HF_HOME", "TOKENIZERS_PARALLELISM"}
+
+def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
+    """`--target_modules`: all-linear, or module names separated by spaces."""
+    return "all-linear" if value == "all-linear" else value.split()
+
+
+# What each `swift sft` option means to shardfit.
+KEYS = key_table({
+    "train_type": Key("{method}"), "sft_type": Key("{method}"), "quant_bits": Key("4-bit NF4 frozen weights"),
+    "torch_dtype": Key("{precision}"), "attn_impl": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
+    "max_length": Key("sequence length", field="seq_len", read=as_int, default=2048),
+    "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
+    "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"),
+    "gradient_checkpointing_kwargs": Key("reentrant or not"),
+    "lora_rank": Key("adapter size", field="lora_rank", read=as_int, default=8),
+    "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
+    "deepspeed": Key("ZeRO settings"), "device_map": Key("placement"), "ddp_find_unused_parameters": Key("DDP"),
+    "bnb_4bit_quant_storage": Key("quantized storage"), "freeze_vit": Key("vision tower frozen"),
+    "optim": Key("{optimizer}"),
+    # carried over to the shardfit config (drop_modules is decided in `_convert`)
+    "learning_rate": Key(config="lr", read=as_float), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
+    "weight_decay": Key(config="weight_decay", read=as_float),
+    "max_grad_norm": Key(config="max_grad_norm", read=as_float),
+    "split_dataset_ratio": Key(config="eval_split", read=as_float), "max_steps": Key(config="max_steps", read=positive),
+    "save_steps": Key(config="save_steps", read=as_int), "eval_steps": Key(config="eval_steps", read=as_int),
+    "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
+    "num_train_epochs": Key(config="epochs", read=epochs),
+    "lora_alpha": Key(config="lora.alpha", read=as_int, default=32),
+    "lora_dropout": Key(config="lora.dropout", read=as_float),
+    "target_modules": Key("adapters on every linear layer", config="lora.targets", read=lora_targets,
+                          default="all-linear"),
+    "packing": Key(config="packing", read=flag, default="false"), "output_dir": Key(config="output_dir", read=text),
+}, no_effect=TRAINER_NO_EFFECT | {
+    "dataset", "val_dataset", "system", "model_author", "model_name", "streaming", "dataset_num_proc", "template",
+    "model_type", "add_version", "columns", "save_only_model", "load_from_cache_file", "truncation_strategy",
+    "loss_scale", "use_hf", "padding_free", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
+    "enable_channel_loss", "check_model", "create_checkpoint_symlink", "max_new_tokens", "quant_method",
+})
+# The environment of the command: what it decides, and what changes nothing the planner counts; any other variable
+# is not modelled.
+ENV = {"NPROC_PER_NODE": "ranks", "CUDA_VISIBLE_DEVICES": "GPUs", "ENABLE_AUDIO_OUTPUT": "Omni talker",
+       "NNODES": "nodes"} | {k: NO_EFFECT for k in (
+        "MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "MAX_PIXELS", "VIDEO_MAX_PIXELS", "FPS_MAX_FRAMES",
+        "USE_AUDIO_IN_VIDEO", "SIZE_FACTOR", "PYTHONPATH", "OMP_NUM_THREADS", "NCCL_DEBUG", "HF_ENDPOINT", "USE_HF",
+        "WANDB_PROJECT", "MODELSCOPE_CACHE", "HF_HOME", "TOKENIZERS_PARALLELISM")}
+METHODS = {"lora": "lora", "full": "full", "longlora": "lora", "adalora": "lora", "dora": "lora"}
+PRECISIONS = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
 
 
 def words() -> Words:
@@ -57,127 +103,91 @@ def words() -> Words:
 
 def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
     """The job of an ms-swift `swift sft` command line or script."""
-    where = str(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
-    cmd = parse_command(text, where, ("swift sft", "swift pt", "swift rlhf"))
-    a = cmd.args
-    model = a.get("model") or a.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
+    src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+    model = src.get("model") or src.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
-        raise UserError(f"{where}: the swift command has no --model; shardfit plans from it.")
-    shape: ModelShape = shape_of(model)
-    gpus = visible_devices(cmd.env)
-    ranks = nproc or cmd.nproc
-    job = ForeignJob("swift", where, model, Workload(), words=words(), nproc=ranks, nnodes=cmd.nnodes,
-                     launcher="torchrun" if cmd.nproc else None)
-    where_arg = f"{where}: --"
-    train_type = a.get("train_type", a.get("sft_type", "lora")).lower()
-    method = {"lora": "lora", "full": "full", "longlora": "lora", "adalora": "lora", "dora": "lora"}.get(train_type)
-    if method is None:
-        raise UserError(f"{where}: --train_type {train_type}: shardfit plans lora and full (and LoRA variants).")
-    bits = a.get("quant_bits")
-    if bits is not None and method == "lora":
-        method = "qlora"
-        if as_int(bits, "quant_bits", where) != 4:
-            job.notes.append(f"--quant_bits {bits} planned as 4-bit NF4 (an under-estimate of the frozen weights)")
-    dtype = a.get("torch_dtype", "bfloat16").lower()
-    precision = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32",
-                 "fp32": "fp32"}.get(dtype, "bf16")
-    attn = a.get("attn_impl", "sdpa").lower()
-    if attn not in ATTENTION:
-        raise UserError(f"{where_arg}attn_impl {attn}: choose flash_attn, sdpa or eager.")
-    liger = as_bool(a.get("use_liger_kernel", "false"))
-    if "max_length" not in a:
-        job.notes.append("--max_length not given: ms-swift then uses the model's context; planned at 2048 tokens "
-                         "(pass --seq to plan another)")
-    opt = optimizer(a.get("optim", "adamw_torch"))
-    w = Workload(method=method, precision=precision,
-                 seq_len=as_int(a.get("max_length", 2048), "max_length", where),
-                 micro_batch=as_int(a.get("per_device_train_batch_size", 1), "per_device_train_batch_size", where),
-                 grad_ckpt="full" if as_bool(a.get("gradient_checkpointing", "true")) else "none",
-                 optimizer=opt or "adamw", lora_rank=as_int(a.get("lora_rank", 8), "lora_rank", where),
-                 loss=hf_loss(version, liger), attention=ATTENTION[attn],
-                 grad_accum=as_int(a.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", where))
-    job.workload = w
-    gc_kwargs = a.get("gradient_checkpointing_kwargs", "")
-    job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in gc_kwargs.lower()
-    job.find_unused = as_bool(a.get("ddp_find_unused_parameters", "false"))
-    ds = a.get("deepspeed")
-    if ds:
-        dsj = load_deepspeed(ds, path.parent, f"{where}: --deepspeed", shape.hidden, [])
-        job.engine, job.zero = "deepspeed", dsj.zero
-        for k, v in dsj.keys.items():
-            job.keys[f"deepspeed:{k}"] = v
-        for k, v in dsj.not_modelled.items():
-            job.not_modelled[f"deepspeed:{k}"] = v
-    elif job.distributed:
-        job.engine = "ddp"
-    elif len(gpus) > 1 or a.get("device_map"):
-        job.engine = "device_map"
-        job.gpus = len(gpus) or None
-    if a.get("device_map"):
-        job.device_map = a["device_map"]
-    elif job.engine == "device_map":
-        job.device_map = "auto"
+        raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
+    shape = shape_of(model)
+    job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=nproc or cmd.nproc,
+                     nnodes=cmd.nnodes, launcher="torchrun" if cmd.nproc else None)
+    w = job.workload = _workload(src, job, version)
+    job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
+    job.find_unused = src.flag("ddp_find_unused_parameters", "false")
+    _engine(src, job, visible_devices(cmd.env), shape.hidden)
     audio = cmd.env.get("ENABLE_AUDIO_OUTPUT")
     job.speech_outputs = "omni" in model.lower() and (audio is None or as_bool(audio))
-    job.quant_storage = a.get("bnb_4bit_quant_storage") is not None
-    modelled = {"train_type": method, "sft_type": method, "quant_bits": "4-bit NF4 frozen weights",
-                "torch_dtype": precision, "attn_impl": f"attention {w.attention}", "use_liger_kernel": "fused loss",
-                "max_length": "sequence length", "per_device_train_batch_size": "micro-batch",
-                "gradient_accumulation_steps": "grad_accum", "gradient_checkpointing": f"grad_ckpt {w.grad_ckpt}",
-                "gradient_checkpointing_kwargs": "reentrant or not", "lora_rank": "adapter size",
-                "deepspeed": "ZeRO settings", "device_map": "placement", "ddp_find_unused_parameters": "DDP",
-                "target_modules": "adapters on every linear layer", "bnb_4bit_quant_storage": "quantized storage",
-                "freeze_vit": "vision tower frozen", "optim": w.optimizer}
-    unplanned = {"optim"} if opt is None else set()
-    if "target_modules" in a and a["target_modules"] != "all-linear":
-        unplanned.add("target_modules")
-        job.notes.append("--target_modules is not all-linear: planned as adapters on every linear layer")
-    if "freeze_vit" in a and not as_bool(a["freeze_vit"]) and method == "full":
-        unplanned.add("freeze_vit")
-    record_keys(job, ((k, a[k]) for k in cmd.order), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
-    for key, value in cmd.exported.items():
-        if key in ENV_MODELLED:
-            record(job, f"env {key}", value, effect=ENV_MODELLED[key])
-        elif key in ENV_NO_EFFECT:
-            record(job, f"env {key}", value, effect="no effect on memory")
-        else:
-            record(job, f"env {key}", value, modelled=False)
-    data = [d for d in a.get("dataset", "").split() if d]
-    job.data = [hit for d in data if (hit := local_file(d.split("#")[0], path.parent))]
-    missing = [d for d in data if not local_file(d.split("#")[0], path.parent)]
-    if missing:
-        job.notes.append(f"datasets not found as local files (hub ids; convert leaves them out): {', '.join(missing)}")
-    job.convert = _convert(a, job, where)
+    job.quant_storage = src.get("bnb_4bit_quant_storage") is not None
+    _file_keys(src, job, w)
+    file_env(job, cmd.exported, ENV, unknown=None)
+    job.data = _datasets(src, job)
+    job.convert = _convert(src, job)
     return job
 
 
-def _convert(a: dict[str, str], job: ForeignJob, where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for src, dst, fn in (("learning_rate", "lr", as_float), ("warmup_ratio", "warmup_ratio", as_float),
-                         ("weight_decay", "weight_decay", as_float), ("max_grad_norm", "max_grad_norm", as_float),
-                         ("split_dataset_ratio", "eval_split", as_float), ("max_steps", "max_steps", as_int),
-                         ("save_steps", "save_steps", as_int), ("eval_steps", "eval_steps", as_int),
-                         ("logging_steps", "log_steps", as_int), ("seed", "seed", as_int)):
-        if src in a:
-            out[dst] = fn(a[src], src, where)
-    if "num_train_epochs" in a:
-        out["epochs"] = max(1, round(as_float(a["num_train_epochs"], "num_train_epochs", where)))
-    if "max_steps" in out and out["max_steps"] < 1:
-        out.pop("max_steps")
-    lora: dict[str, Any] = {"rank": job.workload.lora_rank,
-                            "alpha": as_int(a.get("lora_alpha", 32), "lora_alpha", where)}
-    if "lora_dropout" in a:
-        lora["dropout"] = as_float(a["lora_dropout"], "lora_dropout", where)
-    targets = a.get("target_modules", "all-linear")
-    lora["targets"] = "all-linear" if targets == "all-linear" else targets.split()
-    out["lora"] = lora
-    out["packing"] = as_bool(a.get("packing", "false"))
-    if "output_dir" in a:
-        out["output_dir"] = a["output_dir"]
+def _method(src: Source, job: ForeignJob) -> str:
+    train_type = src.get("train_type", src.get("sft_type", "lora")).lower()
+    method = METHODS.get(train_type)
+    if method is None:
+        raise UserError(f"{src.where}: --train_type {train_type}: shardfit plans lora and full (and LoRA variants).")
+    bits = src.get("quant_bits")
+    if bits is not None and method == "lora":
+        method = "qlora"
+        if as_int(bits, "quant_bits", src.where) != 4:
+            job.notes.append(f"--quant_bits {bits} planned as 4-bit NF4 (an under-estimate of the frozen weights)")
+    return method
+
+
+def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
+    method = _method(src, job)
+    precision = PRECISIONS.get(src.get("torch_dtype", "bfloat16").lower(), "bf16")
+    attn = src.get("attn_impl", "sdpa").lower()
+    if attn not in ATTENTION:
+        raise UserError(f"{src.where}: --attn_impl {attn}: choose flash_attn, sdpa or eager.")
+    if "max_length" not in src:
+        job.notes.append("--max_length not given: ms-swift then uses the model's context; planned at 2048 tokens "
+                         "(pass --seq to plan another)")
+    return Workload(method=method, precision=precision,
+                    grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
+                    optimizer=optimizer(src.get("optim", "adamw_torch")) or "adamw",
+                    loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
+                    **settings(src, KEYS, "field"))
+
+
+def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
+    """DeepSpeed, DDP under a launcher, or one process split over the visible GPUs (device_map)."""
+    if src.get("deepspeed"):
+        use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, [])
+    elif job.distributed:
+        job.engine = "ddp"
+    elif len(gpus) > 1 or src.get("device_map"):
+        job.engine = "device_map"
+        job.gpus = len(gpus) or None
+    if src.get("device_map"):
+        job.device_map = src.get("device_map")
+    elif job.engine == "device_map":
+        job.device_map = "auto"
+
+
+def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+    unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
+    if "target_modules" in src and src.get("target_modules") != "all-linear":
+        unplanned.add("target_modules")
+        job.notes.append("--target_modules is not all-linear: planned as adapters on every linear layer")
+    if "freeze_vit" in src and not src.flag("freeze_vit") and w.method == "full":
+        unplanned.add("freeze_vit")
+    file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
+
+
+def _datasets(src: Source, job: ForeignJob) -> list[str]:
+    data = [d for d in src.get("dataset", "").split() if d]
+    missing = [d for d in data if not local_file(d.split("#")[0], src.path.parent)]
+    if missing:
+        job.notes.append(f"datasets not found as local files (hub ids; convert leaves them out): {', '.join(missing)}")
+    return [hit for d in data if (hit := local_file(d.split("#")[0], src.path.parent))]
+
+
+def _convert(src: Source, job: ForeignJob) -> dict[str, Any]:
+    out = settings(src, KEYS, "config")
     if job.speech_outputs or "omni" in job.model.lower():
         out["drop_modules"] = ["talker", "token2wav"]
     return out

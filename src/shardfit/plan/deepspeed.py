@@ -33,6 +33,7 @@ from shardfit.plan.estimate import (
     add_runtime_overhead,
     compute_bytes,
     forward_activation_bytes,
+    in_gib,
     logits_bytes,
     planned_shape,
     state_bytes,
@@ -112,104 +113,123 @@ def _kept_at_loss(shape: ModelShape, z: ZeroSettings) -> int:
     return min(kept, max(z.max_live_parameters, head))
 
 
+@dataclass
+class ZeroMemory:
+    """What one rank of a DeepSpeed ZeRO job holds, in bytes: the 16-bit model as it is partitioned, the
+    temporaries of forward and backward (gathered parameters, a block's unreduced gradients), the optimizer
+    states with their gradient partitions, and what lives in host RAM instead."""
+
+    weights: float
+    fwd_temp: float
+    bwd_temp: float
+    states: float = 0.0  # fp32 masters and moments
+    grad_part: float = 0.0  # the reduced 16-bit gradient partition
+    grad32: float = 0.0  # the fp32 gradient the optimizer step reads
+    staging: float = 0.0  # ZeRO-1/2 offload's GPU staging buffer, allocated once
+    host: float = 0.0
+    host_optimizer: float = 0.0
+
+
 def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSettings) -> Candidate:
     """Per-rank GPU peak of a DeepSpeed ZeRO job (and its host RAM per rank), at the step's three moments as in
     `estimate.estimate`."""
-    n = hw.world
     shape = planned_shape(shape, w)
     low = compute_bytes(w)
-    p, t = shape.params(), trainable_params(shape, w)
-    full = w.method == "full"
-    # The model as DeepSpeed holds it: trainable weights in 16 bits (the fp32 masters are the optimizer's), frozen
-    # ones as the method stores them (4-bit NF4 for QLoRA, fp32 where peft's k-bit preparation upcast them).
-    model_bytes = low * p if full else state_bytes(shape, w)[0] - t * trainable_bytes(w) + low * t
     strategy = "zero3" if z.stage == 3 else "zero2"  # activations: 16-bit weights, no autocast
+    m = zero_memory(shape, w, hw.world, z)
     bucket = z.reduce_bucket_size * low * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
-    master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
-    moments = 2 * 4 * t / n if w.optimizer == "adamw" else 2 * t / n
-    grad_part = low * t / n  # the reduced 16-bit gradient partition
-    grad32 = 4 * t / n  # the fp32 gradient the optimizer step reads
-    layer_params = shape.layer_params()
-    block_grads = (layer_params if full else t / shape.layers) * low  # a block's unreduced gradients
-    host = 0.0
-    host_params = 0.0
-    staging = 0.0  # ZeRO-1/2 offload's GPU staging buffer, allocated once
-    if z.stage == 3:
-        persistent = _persistent(shape, z.param_persistence_threshold)
-        sharded = model_bytes - low * persistent
-        weights = sharded / n + low * persistent
-        # A module's gathered parameters plus the prefetched ones ahead of it; and at the loss, every module DeepSpeed
-        # did not release after its forward because backward reuses it within max_reuse_distance elements.
-        per_element = model_bytes / p
-        gathered = min(layer_params + min(z.prefetch_bucket_size, layer_params), z.max_live_parameters) * low
-        kept = _kept_at_loss(shape, z) * per_element
-        fwd_temp = max(kept, shape.vocab * shape.hidden * low + gathered)
-        bwd_temp = max(kept, gathered) + block_grads
-        if z.offload_param:
-            host_params = sharded / n
-            host += host_params
-            weights = low * persistent
-    else:
-        weights = model_bytes  # the whole model on every rank
-        fwd_temp = 0.0
-        bwd_temp = block_grads
-    states = master + moments
-    host_optimizer = 0.0
-    if z.offload_optimizer:
-        # Host RAM holds the masters, the moments and their fp32 gradient. ZeRO-3 reduces the 16-bit gradient
-        # partition there too; ZeRO-1/2 keep none on the GPU, and stage each parameter's gradient through two
-        # buffers the size of the largest trainable parameter (one on the GPU, one on the host), with a 16-bit copy
-        # of the partition on the host.
-        host += master + moments + grad32
-        host_optimizer = master + moments + grad32
-        states = grad32 = 0.0
-        if z.stage == 3:
-            host += grad_part
-            grad_part = 0.0
-        else:
-            largest = max(i * o for i, o in shape.linear_shapes()) if not full else max(
-                shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
-            if not full:
-                largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
-            host += low * t / n + low * largest
-            staging = low * largest
-            grad_part = 0.0  # the reduced gradient goes straight to the host's fp32 partition
     # ZeRO-3 allocates its reduce bucket and 16-bit gradient partition once, at start-up; ZeRO-1/2 make them in
     # each backward and free them after the step (the partition stays through accumulation).
-    held = grad_part + bucket if z.stage == 3 else (grad_part if w.grad_accum > 1 else 0.0) + staging
-    g_fwd = held
-    g_rest = grad_part + bucket + staging
+    held = m.grad_part + bucket if z.stage == 3 else (m.grad_part if w.grad_accum > 1 else 0.0) + m.staging
+    g_rest = m.grad_part + bucket + m.staging
     # A full fine-tune's head makes its whole 16-bit gradient while the loss's gradient is still alive (larger than
     # the reduce bucket, so DeepSpeed reduces it on its own).
     # (ZeRO-1/2 offload: the staging buffer above takes it.)
-    head_grad = shape.vocab * shape.hidden * low if full and not (z.offload_optimizer and z.stage < 3) else 0.0
-    fwd = Breakdown(weights, g_fwd, states, forward_activation_bytes(shape, w, shape.layers, strategy),
-                    logits_bytes(shape, w, strategy), fwd_temp)
+    head_grad = shape.vocab * shape.hidden * low if w.method == "full" and not (
+        z.offload_optimizer and z.stage < 3) else 0.0
+    fwd = Breakdown(m.weights, held, m.states, forward_activation_bytes(shape, w, shape.layers, strategy),
+                    logits_bytes(shape, w, strategy), m.fwd_temp)
     bwd = max(
         # the loss's gradient: backward has begun (ZeRO-1/2's bucket exists), nothing is reduced yet
-        Breakdown(weights, held + (bucket if z.stage < 3 else 0.0), states,
+        Breakdown(m.weights, held + (bucket if z.stage < 3 else 0.0), m.states,
                   forward_activation_bytes(shape, w, shape.layers, strategy, "backward"),
-                  logits_bytes(shape, w, strategy, "backward"), fwd_temp + head_grad),
-        Breakdown(weights, g_rest, states, activation_bytes(shape, w, shape.layers, strategy), 0.0, bwd_temp),
+                  logits_bytes(shape, w, strategy, "backward"), m.fwd_temp + head_grad),
+        Breakdown(m.weights, g_rest, m.states, activation_bytes(shape, w, shape.layers, strategy), 0.0, m.bwd_temp),
         key=_tensors)
-    opt = Breakdown(weights, g_rest + grad32, states, 0.0, 0.0, 0.0)
+    opt = Breakdown(m.weights, g_rest + m.grad32, m.states, 0.0, 0.0, 0.0)
     moments_by_phase = {"forward": fwd, "backward": bwd, "optimizer": opt}
     phase = max(moments_by_phase, key=lambda k: _tensors(moments_by_phase[k]))
-    b = moments_by_phase[phase]
-    for f in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
-        setattr(b, f, getattr(b, f) / GIB)
+    b = in_gib(moments_by_phase[phase])
     add_runtime_overhead(b, hw, strategy)
     fits = b.total <= hw.gpu_mem_gib
-    host_gib = host / GIB
+    host_gib = m.host / GIB
     notes = f"{z.describe()}: " + (f"{hw.gpu_mem_gib - b.total:.1f} GiB headroom" if fits else
                                     f"{b.total:.1f} GiB > {hw.gpu_mem_gib:.0f} GiB")
     if hw.cpu_mem_gib is not None and host_gib * hw.gpus_per_node > hw.cpu_mem_gib:
         fits = False
         notes += f"; host RAM too small for the offloaded states: {host_gib * hw.gpus_per_node:.0f} GiB per node"
     # Between steps (what a memory probe sees after engine.step()): the model, the states, what ZeRO-3 holds.
-    steady = (weights + states + held) / GIB
+    steady = (m.weights + m.states + held) / GIB
     return Candidate(z.strategy, fits, b, host_gib, estimator="analytic", notes=notes, peak_phase=phase,
-                     extra={"between_steps_gib": steady, "host_optimizer_gib": host_optimizer / GIB})
+                     extra={"between_steps_gib": steady, "host_optimizer_gib": m.host_optimizer / GIB})
+
+
+def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> ZeroMemory:
+    """The model, its temporaries and the optimizer states one of `n` ranks holds under `z` (module docstring)."""
+    low = compute_bytes(w)
+    p, t = shape.params(), trainable_params(shape, w)
+    full = w.method == "full"
+    # The model as DeepSpeed holds it: trainable weights in 16 bits (the fp32 masters are the optimizer's), frozen
+    # ones as the method stores them (4-bit NF4 for QLoRA, fp32 where peft's k-bit preparation upcast them).
+    model_bytes = low * p if full else state_bytes(shape, w)[0] - t * trainable_bytes(w) + low * t
+    layer_params = shape.layer_params()
+    block_grads = (layer_params if full else t / shape.layers) * low  # a block's unreduced gradients
+    if z.stage == 3:
+        persistent = _persistent(shape, z.param_persistence_threshold)
+        sharded = model_bytes - low * persistent
+        # A module's gathered parameters plus the prefetched ones ahead of it; and at the loss, every module DeepSpeed
+        # did not release after its forward because backward reuses it within max_reuse_distance elements.
+        per_element = model_bytes / p
+        gathered = min(layer_params + min(z.prefetch_bucket_size, layer_params), z.max_live_parameters) * low
+        kept = _kept_at_loss(shape, z) * per_element
+        m = ZeroMemory(sharded / n + low * persistent, max(kept, shape.vocab * shape.hidden * low + gathered),
+                       max(kept, gathered) + block_grads)
+        if z.offload_param:
+            m.host += sharded / n
+            m.weights = low * persistent
+    else:
+        m = ZeroMemory(model_bytes, 0.0, block_grads)  # the whole model on every rank
+    master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
+    moments = 2 * 4 * t / n if w.optimizer == "adamw" else 2 * t / n
+    m.states, m.grad_part, m.grad32 = master + moments, low * t / n, 4 * t / n
+    if z.offload_optimizer:
+        _offload_optimizer(shape, w, n, z, m, master + moments)
+    return m
+
+
+def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,
+                       states: float) -> None:
+    """Host RAM holds the masters, the moments and their fp32 gradient. ZeRO-3 reduces the 16-bit gradient
+    partition there too; ZeRO-1/2 keep none on the GPU, and stage each parameter's gradient through two buffers
+    the size of the largest trainable parameter (one on the GPU, one on the host), with a 16-bit copy of the
+    partition on the host."""
+    low = compute_bytes(w)
+    t = trainable_params(shape, w)
+    m.host += states + m.grad32
+    m.host_optimizer = states + m.grad32
+    m.states = m.grad32 = 0.0
+    if z.stage == 3:
+        m.host += m.grad_part
+        m.grad_part = 0.0
+        return
+    full = w.method == "full"
+    largest = max(i * o for i, o in shape.linear_shapes()) if not full else max(
+        shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
+    if not full:
+        largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
+    m.host += low * t / n + low * largest
+    m.staging = low * largest
+    m.grad_part = 0.0  # the reduced gradient goes straight to the host's fp32 partition
 
 
 def _tensors(b: Breakdown) -> float:

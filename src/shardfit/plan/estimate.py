@@ -511,9 +511,38 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     activations and the loss's buffers), backward (gradients filling while activations are released) and the
     optimizer step (gradients, states and the multi-tensor update's temporary). The largest is the peak, and its
     breakdown is the one reported, so the columns add up to what is allocated at one moment."""
-    n = hw.world
     shape = planned_shape(shape, w)
     w = with_loss_chunk(shape, w, hw)
+    s = strategies.get(strategy)
+    rank = per_rank(shape, w, hw, s)
+    moments = step_moments(shape, w, strategy, rank)
+    phase = max(moments, key=lambda k: _tensors(moments[k]))
+    b = in_gib(moments[phase])
+    add_runtime_overhead(b, hw, strategy)
+    fits, notes = _verdict(shape, w, hw, s, b, rank.cpu)
+    return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=notes)
+
+
+@dataclass
+class PerRank:
+    """What one rank holds under a strategy, in bytes: its part of the model states, what it keeps in host RAM
+    (offload), the blocks whose activations its GPU saves, and the strategy's transient buffers."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    cpu: float = 0.0
+    layers: int = 0
+    foreach: float = 0.0  # the multi-tensor AdamW's temporary (FSDP's DTensor parameters; plain ones: fused kernel)
+    fwd_temp: float = 0.0
+    bwd_temp: float = 0.0
+    persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
+    grad_divisor: float = 1  # how many ways the gradients are split
+
+
+def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> PerRank:
+    """The model states one rank holds under `s`, and the buffers its engine adds around each block."""
+    n = hw.world
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
@@ -522,61 +551,63 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
-    tokens = w.seq_len * w.micro_batch
-    cpu = 0.0
-    notes = ""
-    layers = shape.layers
-    foreach = 0.0  # the multi-tensor AdamW's temporary (FSDP's DTensor parameters; plain ones use the fused kernel)
-    fwd_temp = bwd_temp = 0.0
-    persistent_grads = False
-    s = strategies.get(strategy)
+    r = PerRank(0.0, 0.0, 0.0, layers=shape.layers)
     if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
-        persistent_grads = s.engine == "ddp" and n > 1  # DDP's gradient buckets live for the whole run
+        r.persistent_grads = s.engine == "ddp" and n > 1
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
-        bwd_temp = layer_grads
-        foreach = t_all * trainable_bytes(w) / n
+        r.bwd_temp = layer_grads
+        r.foreach = t_all * trainable_bytes(w) / n
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
-        fwd_temp = root_16 - own_embedding_16 + layer_16
+        r.fwd_temp = root_16 - own_embedding_16 + layer_16
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
-        bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
-        foreach = t_all * trainable_bytes(w) / n
+        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        r.foreach = t_all * trainable_bytes(w) / n
         if s.offload:
-            cpu = weights / n + grads / n + optim / n
-            weights = grads = optim = foreach = 0.0
+            r.cpu = weights / n + grads / n + optim / n
+            weights = grads = optim = r.foreach = 0.0
             div_w = div_g = div_o = 1
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
         div_w = div_g = div_o = 1 / share if g > 1 else 1
-        layers = -(-shape.layers // g)
-    wr, gr, opt = weights / div_w, grads / div_g, optim / div_o  # per rank
-    wr += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded or offloaded
-    g_fwd = gr if w.grad_accum > 1 or persistent_grads else 0.0
+        r.layers = -(-shape.layers // g)
+    r.weights, r.grads, r.optimizer, r.grad_divisor = weights / div_w, grads / div_g, optim / div_o, div_g
+    r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
+    return r
+
+
+def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
+    """The step at its three candidate peaks (bytes): the loss (forward), the worst moment of backward, and the
+    optimizer step."""
+    tokens = w.seq_len * w.micro_batch
+    layers = r.layers
+    g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
     # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
     # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
     # block by block, so it holds no more); the optimizer step sees the shards alone.
-    g_bwd_end = gr - embedding_grad / div_g
+    g_bwd_end = r.grads - embedding_grad / r.grad_divisor
     unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
     if unsharded_grads:
-        g_fwd = g_bwd_end = max(gr, unsharded_grads)
+        g_fwd = g_bwd_end = max(r.grads, unsharded_grads)
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
-    bwd_temp += dequantize_bytes(shape, w)
+    bwd_temp = r.bwd_temp + dequantize_bytes(shape, w)
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
     # reaches the towers, which it does last.
     vision = image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
-    moments = {
+    wr, opt, fwd_temp = r.weights, r.optimizer, r.fwd_temp
+    return {
         "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                              logits_bytes(shape, w, strategy), fwd_temp),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
@@ -591,14 +622,24 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
             Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp + residual_grads),
             key=_tensors),
-        "optimizer": Breakdown(wr, gr, opt + foreach, 0.0, held, 0.0),
+        "optimizer": Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0),
     }
-    phase = max(moments, key=lambda k: _tensors(moments[k]))
-    b = moments[phase]
+
+
+def in_gib(b: Breakdown) -> Breakdown:
+    """`b`'s tensor columns from bytes to GiB (in place; the runtime overhead is added in GiB afterwards)."""
     for f in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
         setattr(b, f, getattr(b, f) / GIB)
-    add_runtime_overhead(b, hw, strategy)
+    return b
+
+
+def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy, b: Breakdown,
+             cpu: float) -> tuple[bool, str]:
+    """Whether the strategy fits (its peak in GPU memory, its offloaded shards in host RAM, the layouts QLoRA and
+    model_parallel allow), and the note that says why or how much room is left."""
+    n = hw.world
     fits = b.total <= hw.gpu_mem_gib
+    notes = ""
     host_gib = cpu / GIB * hw.gpus_per_node
     if s.offload and hw.cpu_mem_gib is not None and host_gib > hw.cpu_mem_gib:
         fits = False
@@ -612,9 +653,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     if shard_problem:
         fits, notes = False, f"QLoRA's 4-bit weights cannot be sharded over {n} GPUs: {shard_problem} (check: " \
                              "qlora_shard_layout)"
-    if not notes:
-        notes = _note(s, b, hw)
-    return Candidate(strategy, fits, b, cpu / GIB, peak_phase=phase, notes=notes)
+    return fits, notes or _note(s, b, hw)
 
 
 def _tensors(b: Breakdown) -> float:

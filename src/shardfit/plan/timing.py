@@ -92,6 +92,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 # foreach/for-loop kernels torch runs there (no DeepSpeed CPUAdam).
 HOST_ADAM_BYTES_PER_S = 10e9
 ADAM_BYTES_PER_PARAM = 28
+FWD_SHARE = 1 / 3  # the forward pass's part of a micro-batch, for what overlaps with forward-only traffic
 FLASH_BWD = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
 # Host time per dispatched op (sources in the module docstring): one that launches a kernel, one that is a view.
 DISPATCH_KERNEL_S = 8e-6
@@ -444,10 +445,46 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     card = card_of(hw)
     shape = planned_shape(shape, w)
     w = with_loss_chunk(shape, w, hw)
+    gpu = micro_batch_work(shape, w, card, s)
+    n = hw.world if s.multi_rank else 1
+    if s.engine == "plain" or n == 1 and s.engine != "device_map":
+        t = _one_rank(shape, w, card, s, gpu)
+    elif s.engine == "ddp":
+        t = _ddp(shape, w, card, hw, gpu, n)
+    elif s.engine == "fsdp2":
+        t = _fsdp(shape, w, card, hw, s, gpu, n)
+    else:
+        t = _model_parallel(shape, w, card, hw, gpu)
+    tokens = w.seq_len * w.micro_batch
+    step = w.grad_accum * t.micro + t.comm_step + t.pcie_step + t.optim_gpu
+    job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
+    comm_total = w.grad_accum * t.comm_mb + t.comm_step
+    pcie_total = w.grad_accum * t.pcie_mb + t.pcie_step
+    compute_total = w.grad_accum * gpu.compute + t.optim_gpu
+    host_total = w.grad_accum * gpu.host
+    parts = (("compute", compute_total), ("host", host_total), ("comm", comm_total), ("pcie", pcie_total))
+    bound = max(parts, key=lambda kv: kv[1])[0]
+    return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, t.busy, host_total)
+
+
+@dataclass(frozen=True)
+class GpuWork:
+    """One GPU's work on one micro-batch, in seconds: its kernels (`compute`), the host's launches (`host`,
+    overlapped with them), and the slower of the two (`busy`)."""
+
+    compute: float
+    host: float
+
+    @property
+    def busy(self) -> float:
+        return max(self.compute, self.host)
+
+
+def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
+    """The FLOPs at the training utilization (which holds the step's own elementwise work) and QLoRA's
+    dequantization, which the runs behind that utilization did not do; and the host's dispatch."""
     tokens = w.seq_len * w.micro_batch
     flops = step_flops_per_token(shape, w) * tokens
-    # One GPU's work on one micro-batch: the FLOPs at the training utilization (which holds the step's own
-    # elementwise work), and QLoRA's dequantization, which the runs behind that utilization did not do.
     dequant = _qlora_dequant_bytes(shape, w) / card.hbm
     compute = flops / card.peak(w.precision) + dequant
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
@@ -463,72 +500,94 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
     host = host_dispatch_s(shape, w) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
-    gpu_busy = max(compute, host)
-    fwd_share = 1 / 3  # the forward pass's part of it, for what overlaps with forward-only traffic
-    t = trainable_params(shape, w)
-    grads = t * 4.0  # fp32 gradients (DDP's buckets, FSDP2's reduce_dtype)
-    n = hw.world if s.multi_rank else 1
+    return GpuWork(compute, host)
+
+
+@dataclass
+class Traffic:
+    """What an engine adds to each micro-batch's GPU work, in seconds: the micro-batch as it runs (`micro`), its
+    collectives and PCIe copies (overlapped or not, as the engine does), and per optimizer step the collectives and
+    copies after the last micro-batch and the optimizer step on the GPU; `busy` GPUs, `ranks` that each take their
+    own micro-batches."""
+
+    micro: float
+    comm_mb: float = 0.0
+    pcie_mb: float = 0.0
+    comm_step: float = 0.0
+    pcie_step: float = 0.0
+    optim_gpu: float = 0.0
+    busy: int = 1
+    ranks: int = 1
+
+
+def _adam_on_gpu(shape: ModelShape, w: Workload, card: Card) -> float:
+    return trainable_params(shape, w) * ADAM_BYTES_PER_PARAM / card.hbm
+
+
+def _one_rank(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy, gpu: GpuWork) -> Traffic:
+    """One process on one GPU; an offloading one still streams its shards through PCIe."""
+    t = Traffic(gpu.busy, optim_gpu=_adam_on_gpu(shape, w, card))
+    if s.sharded and s.offload:
+        trainable = trainable_params(shape, w)
+        t.pcie_mb = 2 * param_bytes_stored(shape, w) / card.pcie
+        t.micro = max(gpu.busy, t.pcie_mb)
+        t.pcie_step = trainable * 4.0 / card.pcie + trainable * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
+        t.optim_gpu = 0.0
+    return t
+
+
+def _ddp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, gpu: GpuWork, n: int) -> Traffic:
+    """DDP all-reduces the fp32 gradients once per step, overlapped with the last micro-batch's backward."""
+    grads = trainable_params(shape, w) * 4.0
+    ar = _ring(n, grads, _bus(card, hw), card.latency_s, max(1, round(grads / DDP_BUCKET_BYTES)), all_reduce=True)
+    return Traffic(gpu.busy, comm_step=max(0.0, ar - gpu.compute * (1 - FWD_SHARE)),
+                   optim_gpu=_adam_on_gpu(shape, w, card), busy=n, ranks=n)
+
+
+def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategies.Strategy, gpu: GpuWork,
+          n: int) -> Traffic:
+    """FSDP2: all-gathers of the 16-bit parameters (once or twice per micro-batch), the gradients'
+    reduce-scatter, offload's copies; prefetched, so they overlap the compute except what the engine that ran
+    `w` waits for (`exposed_collectives`)."""
+    t_params = trainable_params(shape, w)
+    grads = t_params * 4.0  # fp32 gradients (FSDP2's reduce_dtype)
     bus = _bus(card, hw)
-    optim_gpu = t * ADAM_BYTES_PER_PARAM / card.hbm
-    comm_step = pcie_step = 0.0
-    busy = n
-    if s.engine == "plain" or n == 1 and s.engine != "device_map":
-        micro, comm_mb, pcie_mb = gpu_busy, 0.0, 0.0
-        busy = 1
-        if s.sharded and s.offload:  # one rank still streams its shards through PCIe
-            pcie_mb = 2 * param_bytes_stored(shape, w) / card.pcie
-            micro = max(gpu_busy, pcie_mb)
-            pcie_step = grads / card.pcie + t * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
-            optim_gpu = 0.0
-    elif s.engine == "ddp":
-        micro, comm_mb, pcie_mb = gpu_busy, 0.0, 0.0
-        ar = _ring(n, grads, bus, card.latency_s, max(1, round(grads / DDP_BUCKET_BYTES)), all_reduce=True)
-        comm_step = max(0.0, ar - compute * (1 - fwd_share))  # overlapped with the last micro-batch's backward
-    elif s.engine == "fsdp2":
-        p16 = param_bytes_16(shape, w)
-        gathers = 2 if s.reshard_after_forward else 1
-        exposed = exposed_collectives(w, s.reshard_after_forward)
-        calls = collective_calls(shape, w, exposed)
-        ag = _ring(n, p16, bus, card.latency_s, calls)
-        comm_mb = gathers * ag
-        pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
-        # The gradients' reduce-scatter: every micro-batch (FSDP2 and FSDP1 by default, shardfit's own runs), so
-        # that each rank only ever holds its shard (offload: copied to the host each time); once per optimizer
-        # step under FSDP1's no_sync().
-        per_micro_batch = not w.fsdp1_no_sync
-        rs = _ring(n, grads, bus, card.latency_s, calls)
-        rs_mb = rs if per_micro_batch else 0.0
-        grads_d2h = grads / n / card.pcie if s.offload else 0.0
-        if per_micro_batch:
-            pcie_mb += grads_d2h
-        # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes; what the
-        # engine that ran `w` waits for in full (`exposed_collectives`) is added after.
-        hidden = (gathers - exposed.gathers) / gathers
-        gpu_side = compute + host if exposed.host else gpu_busy
-        rs_exposed = rs_mb if exposed.reduce_scatter else 0.0
-        overlapped = hidden * (comm_mb + pcie_mb) + rs_mb - rs_exposed
-        micro = max(gpu_side, overlapped) + (1 - hidden) * (comm_mb + pcie_mb) + rs_exposed
-        comm_mb += rs_mb
-        if not per_micro_batch:
-            comm_step = rs if exposed.reduce_scatter else max(0.0, rs - compute * (1 - fwd_share))
-        if s.offload:
-            pcie_step = (0.0 if per_micro_batch else grads_d2h) + t / n * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
-            optim_gpu = 0.0
-        else:
-            optim_gpu /= n
-    else:  # model_parallel: the stages run one after another; between them the hidden states cross a link
-        g = hw.gpus_per_node
-        hops = 2 * (g - 1) * tokens * shape.hidden * compute_bytes(w)
-        comm_mb, pcie_mb = hops / card.pcie, 0.0
-        micro = gpu_busy + comm_mb
-        busy = g
-        n = 1
-    step = w.grad_accum * micro + comm_step + pcie_step + optim_gpu
-    job_tokens = tokens * w.grad_accum * (n if s.multi_rank else 1)
-    comm_total = w.grad_accum * comm_mb + comm_step
-    pcie_total = w.grad_accum * pcie_mb + pcie_step
-    compute_total = w.grad_accum * compute + optim_gpu
-    host_total = w.grad_accum * host
-    parts = (("compute", compute_total), ("host", host_total), ("comm", comm_total), ("pcie", pcie_total))
-    bound = max(parts, key=lambda kv: kv[1])[0]
-    return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, busy, host_total)
+    gathers = 2 if s.reshard_after_forward else 1
+    exposed = exposed_collectives(w, s.reshard_after_forward)
+    calls = collective_calls(shape, w, exposed)
+    comm_mb = gathers * _ring(n, param_bytes_16(shape, w), bus, card.latency_s, calls)
+    pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
+    # The gradients' reduce-scatter: every micro-batch (FSDP2 and FSDP1 by default, shardfit's own runs), so
+    # that each rank only ever holds its shard (offload: copied to the host each time); once per optimizer
+    # step under FSDP1's no_sync().
+    per_micro_batch = not w.fsdp1_no_sync
+    rs = _ring(n, grads, bus, card.latency_s, calls)
+    rs_mb = rs if per_micro_batch else 0.0
+    grads_d2h = grads / n / card.pcie if s.offload else 0.0
+    if per_micro_batch:
+        pcie_mb += grads_d2h
+    # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes; what the
+    # engine that ran `w` waits for in full (`exposed_collectives`) is added after.
+    hidden = (gathers - exposed.gathers) / gathers
+    gpu_side = gpu.compute + gpu.host if exposed.host else gpu.busy
+    rs_exposed = rs_mb if exposed.reduce_scatter else 0.0
+    overlapped = hidden * (comm_mb + pcie_mb) + rs_mb - rs_exposed
+    t = Traffic(max(gpu_side, overlapped) + (1 - hidden) * (comm_mb + pcie_mb) + rs_exposed, comm_mb + rs_mb,
+                pcie_mb, busy=n, ranks=n)
+    if not per_micro_batch:
+        t.comm_step = rs if exposed.reduce_scatter else max(0.0, rs - gpu.compute * (1 - FWD_SHARE))
+    if s.offload:
+        t.pcie_step = (0.0 if per_micro_batch else grads_d2h) + t_params / n * ADAM_BYTES_PER_PARAM / \
+            HOST_ADAM_BYTES_PER_S
+    else:
+        t.optim_gpu = _adam_on_gpu(shape, w, card) / n
+    return t
+
+
+def _model_parallel(shape: ModelShape, w: Workload, card: Card, hw: Hardware, gpu: GpuWork) -> Traffic:
+    """The stages run one after another; between them the hidden states cross a link."""
+    g = hw.gpus_per_node
+    tokens = w.seq_len * w.micro_batch
+    hops = 2 * (g - 1) * tokens * shape.hidden * compute_bytes(w)
+    comm_mb = hops / card.pcie
+    return Traffic(gpu.busy + comm_mb, comm_mb, optim_gpu=_adam_on_gpu(shape, w, card), busy=g, ranks=1)

@@ -1,0 +1,228 @@
+"""The key table of another tool's job, and the walk every reader shares.
+
+A tool's table says, for each of its keys, what the key means to shardfit: the workload field it sets (`field`),
+the shardfit config key it carries over to (`config`), the conversion of its value (`read`), the tool's own
+default (`default`), and what the plan shows beside it (`effect`). A reader keeps its table as data and its
+decisions (method, precision, engine: what needs several keys at once) in short functions beside it; this module
+reads a job's file into a `Source`, takes the fields and config keys through the table, and files every key the
+job gives under "modelled" or "not modelled", so that a key no table knows is shown rather than dropped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardfit.errors import UserError
+from shardfit.foreign.common import as_bool, as_float, as_int, load_yaml, record
+from shardfit.foreign.deepspeed import DeepSpeedJob, load_deepspeed
+from shardfit.foreign.job import ForeignJob
+from shardfit.foreign.shell import Command, parse_command
+
+NO_EFFECT = "no effect on memory"
+
+# A conversion of a tool's value: (value, tool key, where) -> shardfit's value; None leaves the setting out.
+Read = Callable[[Any, str, str], Any]
+
+
+@dataclass(frozen=True)
+class Key:
+    """What one key of a tool means to shardfit. `effect` is a template over the workload's fields
+    ("grad_ckpt {grad_ckpt}"): what the plan shows beside the key's value. `field` is the Workload field the key
+    sets and `config` the shardfit config key it carries over to ("lora.alpha": nested), each read with `read`;
+    `default` is the tool's own value when the job does not give the key (None: nothing is set)."""
+
+    effect: str = NO_EFFECT
+    field: str = ""
+    config: str = ""
+    read: Read | None = None
+    default: Any = None
+
+
+Table = Mapping[str, Key]
+
+
+def key_table(keys: Mapping[str, Key], no_effect: Collection[str] = ()) -> dict[str, Key]:
+    """A tool's table: `keys` in their order (which is the order settings are read and carried over in), then every
+    key of `no_effect` that `keys` does not name, as changing nothing the planner counts."""
+    table = dict(keys)
+    for name in sorted(no_effect):
+        table.setdefault(name, Key())
+    return table
+
+
+@dataclass
+class Source:
+    """A tool's job file as read: its keys' values (`values`), the order they were given in, and the line of each
+    where the file has lines (YAML)."""
+
+    path: Path
+    values: dict[str, Any]
+    order: list[str]
+    lines: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def at(self, key: str) -> str:
+        """The file, and the line where the key is given when that is known: where an error about it points."""
+        return f"{self.where}:{self.lines[key]}" if key in self.lines else self.where
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def flag(self, key: str, default: Any = False) -> bool:
+        """The key as a boolean (true, 1, yes, on), the tool's `default` when it is not given."""
+        return as_bool(self.values.get(key, default))
+
+    def items(self) -> Iterable[tuple[str, Any]]:
+        return ((k, self.values[k]) for k in self.order)
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
+
+
+def yaml_source(path: Path) -> Source:
+    """A tool's YAML config (LLaMA-Factory, axolotl), with the line of each top-level key."""
+    cfg, lines = load_yaml(path)
+    return Source(path, cfg, list(cfg), lines)
+
+
+def command_source(path: Path, programs: tuple[str, ...]) -> tuple[Source, Command]:
+    """A command line, or the shell script holding one, that runs one of `programs`: its options by name, and the
+    command itself (its launcher and environment)."""
+    cmd = parse_command(read_text(path), str(path), programs)
+    return Source(path, cmd.args, cmd.order), cmd
+
+
+def json_source(path: Path, what: str) -> Source:
+    """A JSON object of arguments, every value as the command line would give it (text; objects as JSON)."""
+    text = read_text(path)
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg}.") from None
+    if not isinstance(args, dict):
+        raise UserError(f"{path}: {what} JSON must be an object of argument names.")
+    args = {k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+            for k, v in args.items()}
+    return Source(path, args, list(args))
+
+
+def settings(src: Source, table: Table, kind: str, **defaults: Any) -> dict[str, Any]:
+    """The workload fields (`kind` "field") or shardfit config keys (`kind` "config") the job's keys set, in the
+    table's order. Where several keys set one name, the first the job gives wins; where it gives none, the tool's
+    default (`defaults` overrides a key's own, by name) is read like a given value. A conversion that returns None
+    sets nothing. Config names with a dot nest ("lora.alpha" -> {"lora": {"alpha": ...}})."""
+    by_name: dict[str, list[str]] = {}
+    for key, spec in table.items():
+        name = getattr(spec, kind)
+        if name:
+            by_name.setdefault(name, []).append(key)
+    out: dict[str, Any] = {}
+    for name, keys in by_name.items():
+        given = next((k for k in keys if k in src), None)
+        key = given or keys[0]
+        read = table[key].read or _as_given
+        if given is not None:
+            value = read(src.get(given), given, src.at(given))
+        else:
+            default = defaults.get(name, table[key].default)
+            value = None if default is None else read(default, key, src.at(key))
+        if value is not None:
+            _put(out, name, value)
+    return out
+
+
+def _as_given(value: Any, key: str, where: str) -> Any:
+    return value
+
+
+def _put(out: dict[str, Any], name: str, value: Any) -> None:
+    head, _, rest = name.partition(".")
+    if rest:
+        out.setdefault(head, {})[rest] = value
+    else:
+        out[head] = value
+
+
+def file_keys(job: ForeignJob, items: Iterable[tuple[str, Any]], table: Table, values: Any, *,
+              effects: Mapping[str, str] | None = None, unplanned: Collection[str] = ()) -> None:
+    """File every key of the job: those in `unplanned` (known to matter, but not planned here) as not modelled,
+    then each in the table with its effect (`effects` overrides the table's, by key), filled from `values` (the
+    workload: "{method}" says its method); a key the table does not know is not modelled."""
+    effects = effects or {}
+    for key, value in items:
+        if key in unplanned or (key not in table and key not in effects):
+            record(job, key, value, modelled=False)
+        else:
+            effect = effects.get(key, table[key].effect if key in table else "")
+            record(job, key, value, effect=effect.format_map(vars(values)))
+
+
+def file_env(job: ForeignJob, env: Mapping[str, str], effects: Mapping[str, str], unknown: str | None) -> None:
+    """File the environment a command runs with as `env NAME`: with its effect, `unknown` for a variable
+    `effects` does not name (None: not modelled)."""
+    for key, value in env.items():
+        effect = effects.get(key, unknown)
+        if effect is None:
+            record(job, f"env {key}", value, modelled=False)
+        else:
+            record(job, f"env {key}", value, effect=effect)
+
+
+def use_deepspeed(job: ForeignJob, ref: str, base: Path, where: str, hidden: int, notes: list[str]) -> DeepSpeedJob:
+    """Run the job under the DeepSpeed JSON `ref` names (deepspeed.load_deepspeed), its keys filed with the job's,
+    prefixed so they read apart from the tool's own."""
+    ds = load_deepspeed(ref, base, where, hidden, notes)
+    job.engine, job.zero = "deepspeed", ds.zero
+    job.keys.update({f"deepspeed:{k}": v for k, v in ds.keys.items()})
+    job.not_modelled.update({f"deepspeed:{k}": v for k, v in ds.not_modelled.items()})
+    return ds
+
+
+# Conversions the tables share beyond common.as_int / as_float.
+def text(value: Any, key: str, where: str) -> str:
+    return str(value)
+
+
+def flag(value: Any, key: str, where: str) -> bool:
+    return as_bool(value)
+
+
+def epochs(value: Any, key: str, where: str) -> int:
+    """Whole epochs, at least one (shardfit trains whole epochs)."""
+    return max(1, round(as_float(value, key, where)))
+
+
+def positive(value: Any, key: str, where: str) -> int | None:
+    """A count that is unset unless it is above 0 (max_steps: -1 is the tools' "no limit")."""
+    if value is None:
+        return None
+    n = as_int(value, key, where)
+    return n if n > 0 else None
+
+
+def if_set(read: Read) -> Read:
+    """`read`, except that a null value sets nothing (a YAML `key:` left empty)."""
+    return lambda value, key, where: None if value is None else read(value, key, where)
+
+
+def if_truthy(read: Read) -> Read:
+    """`read`, except that an empty or false value sets nothing."""
+    return lambda value, key, where: read(value, key, where) if value else None
+
+
+def only_true(value: Any, key: str, where: str) -> bool | None:
+    """True when the value is true; otherwise nothing is set (shardfit's default stands)."""
+    return True if as_bool(value) else None
