@@ -15,7 +15,8 @@ from shardfit.config import Config, load_config
 from shardfit.data.loader import BatchSchedule
 from shardfit.data.tokenize import Encoded
 from shardfit.errors import UserError
-from shardfit.parallel.defaults import (
+from shardfit.parallel.env import fast_cpu_bf16, resolve_precision
+from shardfit.resolve.defaults import (
     CPU_BF16_WIDTH_MULTIPLE,
     CUDNN_PLAN_S,
     CUDNN_PLAN_SHARE,
@@ -28,7 +29,6 @@ from shardfit.parallel.defaults import (
     resolve_speed_settings,
     row_width_multiple,
 )
-from shardfit.parallel.env import fast_cpu_bf16, resolve_precision
 
 
 def test_compile_auto_only_where_it_pays() -> None:

@@ -1,7 +1,7 @@
 """`attn_implementation: auto` where the faster attention kernel depends on the micro-batch's row width.
 
 On a CPU in bf16, uncompiled, the plain matmul-mask-softmax attention (`eager`) ran faster than SDPA for short rows
-and slower for wide ones (parallel/defaults.py has the measurements), and it keeps the probabilities of every
+and slower for wide ones (resolve/defaults.py has the measurements), and it keeps the probabilities of every
 (query, key) pair for backward: memory that grows with the square of the width, which SDPA's kernel never holds.
 A run whose rows vary in width (packing, a long-tailed length mix) therefore picks per micro-batch: eager up to
 the measured width, the model's own kernel above it. Transformers reads the choice at every forward.

@@ -195,7 +195,7 @@ def use_attention(model: nn.Module, name: str) -> None:
 
 def attention_kernels(allow_cudnn: bool) -> contextlib.AbstractContextManager:
     """The scope of a run's forwards and backwards: PyTorch's own SDPA kernel choice, or (`allow_cudnn` false)
-    every SDPA kernel but cuDNN's (parallel/defaults.py `cudnn_attention_allowed` says why). The flags are
+    every SDPA kernel but cuDNN's (resolve/defaults.py `cudnn_attention_allowed` says why). The flags are
     process-wide; the scope puts them back when the run ends."""
     if allow_cudnn:
         return contextlib.nullcontext()

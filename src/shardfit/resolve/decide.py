@@ -10,17 +10,17 @@ from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.config.support import require_method_support
 from shardfit.errors import DoesNotFitError, UserError
-from shardfit.parallel.defaults import (
-    eager_attention_max_width,
-    resolve_attention,
-    resolve_compile,
-    row_width_multiple,
-)
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
+from shardfit.resolve.defaults import (
+    eager_attention_max_width,
+    resolve_attention,
+    resolve_compile,
+    row_width_multiple,
+)
 from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
 
 

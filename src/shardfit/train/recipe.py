@@ -48,11 +48,6 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
-from shardfit.parallel.defaults import (
-    CUDNN_PLAN_S,
-    CUDNN_PLAN_SHARE,
-    cudnn_attention_allowed,
-)
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
@@ -62,6 +57,11 @@ from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.plan import Plan
 from shardfit.resolve import Resolved
 from shardfit.resolve.decide import settled
+from shardfit.resolve.defaults import (
+    CUDNN_PLAN_S,
+    CUDNN_PLAN_SHARE,
+    cudnn_attention_allowed,
+)
 from shardfit.strategy import get as get_strategy
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.evaluate import Evaluator, GenerationEval
@@ -485,7 +485,7 @@ class FineTune:
 
 
     def allows_cudnn_attention(self) -> bool:
-        """Whether this run's attention may use cuDNN's kernel (parallel/defaults.py), once set up: the shapes its
+        """Whether this run's attention may use cuDNN's kernel (resolve/defaults.py), once set up: the shapes its
         schedule brings (the first steps' share of new ones, over all its micro-batches) against the plan's time."""
         c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
         steps = self.total_steps - self.start_step
