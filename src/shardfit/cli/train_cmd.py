@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         require_method_support(cfg)
 
     # Torch-free up to the launch: the process that only starts torchrun never imports it (a second saved).
-    from shardfit.parallel.launch import default_nproc, relaunch, torchrun_command, under_launcher
+    from shardfit.parallel.launch import default_nproc, launch_env, relaunch, torchrun_command, under_launcher
 
     nproc = args.nproc if args.nproc is not None else default_nproc()
     check_launch_flags(args, nproc)
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = torchrun_command(passthrough, nproc, args.nnodes, args.node_rank, args.master_addr,
                                args.master_port, args.rdzv_endpoint, args.max_restarts)
         print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
-        return relaunch(cmd)
+        return relaunch(cmd, launch_env(nproc=nproc))
 
     from shardfit.parallel.env import init_distributed, shutdown  # torch: only to train
     from shardfit.parallel.sidechannel import SideChannel

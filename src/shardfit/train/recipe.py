@@ -58,6 +58,7 @@ from shardfit.parallel.defaults import (
 )
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, resolve_precision
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
+from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import auto_strategy, plan_for_config, refuse_if_oom, tokens_per_s_at
 from shardfit.plan.estimate import loss_chunk_for
@@ -117,6 +118,12 @@ def base_reference(model: str) -> str:
     """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
     p = Path(model).expanduser()
     return str(p.resolve()) if p.exists() else model
+
+
+def threads_phrase() -> str:
+    """The start line's thread count, e.g. '1 thread per rank (load average 1.6)' (parallel/threads.py)."""
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n != 1 else ''} per rank" + (f" ({why})" if (why := thread_reason()) else "")
 
 
 def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
@@ -344,7 +351,7 @@ class FineTune:
                   f"{self.total_steps} steps"
                   + self._media_line()
                   + (f"; {stats.describe()}" if stats.describe() else "")
-                  + (f"; malloc: {self.malloc}" if self.env.device.type == "cpu" else ""))
+                  + (f"; malloc: {self.malloc}; {threads_phrase()}" if self.env.device.type == "cpu" else ""))
             if allocator.install_would_help(os.environ, self.malloc, self.env.device.type):
                 log.info("malloc: the C library's; with tcmalloc CPU training runs faster in less memory (%s; "
                          "docs/training.md, Start-up)", allocator.INSTALL_HINT)
