@@ -29,6 +29,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import parse_command, visible_devices
 from shardfit.plan.workload import Workload
 
@@ -79,6 +80,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         args = {k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
                 for k, v in args.items()}
         order = list(args)
+    elif path.suffix == ".py":  # the training script itself: what it sets in code is all there is
+        args, order, script = {}, [], path
     else:
         cmd = parse_command(text, where, (".py",))
         args, order, env = cmd.args, cmd.order, cmd.exported
@@ -88,11 +91,13 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
             ranks = len(visible_devices(env)) or None
         found = local_file(cmd.program, path.parent)
         script = Path(found) if found else None
-    model = model or args.get("model_name_or_path") or args.get("model")
+    code = _script_settings(script, args, order)
+    model = model or args.get("model_name_or_path") or args.get("model") or code.model
     if not model:
         raise UserError(f"{where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
     shape = shape_of(model)
     job = ForeignJob("hf", where, model, Workload(), words=words(), nproc=ranks, nnodes=nnodes, launcher=launcher)
+    job.notes += _assumptions(args, code)
     q = as_bool(args.get("q_lora", "false"))
     lora = as_bool(args.get("use_lora", "false")) or q or "lora_r" in args
     method = "qlora" if q else "lora" if lora else "full"
@@ -172,6 +177,34 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         out["output_dir"] = args["output_dir"]
     job.convert = out
     return job
+
+
+def _script_settings(script: Path | None, args: dict[str, str], order: list[str]) -> ScriptSettings:
+    """What the training script sets in code (script_ast.py), added to `args` where the command line is silent."""
+    if script is None:
+        return ScriptSettings()
+    try:
+        code = read_script(script, script.read_text())
+    except OSError:
+        return ScriptSettings()
+    for k, v in code.args.items():
+        if k not in args:
+            args[k] = v
+            order.append(k)
+    return code
+
+
+def _assumptions(args: dict[str, str], code: ScriptSettings) -> list[str]:
+    """What the plan takes from the script's code, and the defaults it assumes where neither says."""
+    out = [f"read in the script: {'; '.join(code.found)}"] if code.found else []
+    if not any(k in args for k in ("use_lora", "q_lora", "lora_r")):
+        out.append("no LoRA (no --use_lora, no peft LoraConfig in the script): planned as a full fine-tune (pass "
+                   "--method lora)")
+    if "per_device_train_batch_size" not in args:
+        out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
+    if "gradient_checkpointing" not in args:
+        out.append("gradient checkpointing not set: off, the Trainer's default (pass --grad-ckpt full)")
+    return out
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:

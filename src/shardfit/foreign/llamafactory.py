@@ -23,6 +23,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import load_deepspeed
 from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.lf_columns import data_columns
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -136,15 +137,19 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
         elif not as_bool(cfg["freeze_vision_tower"]):
             unplanned.add("freeze_vision_tower")
     record_keys(job, cfg.items(), modelled=modelled, no_effect=NO_EFFECT, not_modelled=unplanned)
-    job.data, missing = _datasets(cfg, path, at)
+    job.data, missing, columns = _datasets(cfg, path, job.notes)
+    job.data_missing = missing
     if missing:
         job.notes.append(f"datasets not found as local files (convert leaves them out): {', '.join(missing)}")
     job.convert = _convert(cfg, job, shape, where, at)
+    if columns:
+        job.convert["data_columns"] = columns
     return job
 
 
-def _datasets(cfg: dict[str, Any], path: Path, at: Any) -> tuple[list[str], list[str]]:
-    """Local files of `dataset`, through dataset_info.json in `dataset_dir` (LLaMA-Factory's registry)."""
+def _datasets(cfg: dict[str, Any], path: Path, notes: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
+    """Local files of `dataset`, through dataset_info.json in `dataset_dir` (LLaMA-Factory's registry), and the
+    data_columns their `columns` come to (what cannot be carried goes to `notes`)."""
     names = [n.strip() for n in str(cfg.get("dataset", "")).split(",") if n.strip()]
     base = Path(str(cfg.get("dataset_dir", "data")))
     folders = [path.parent / base, base]
@@ -158,7 +163,9 @@ def _datasets(cfg: dict[str, Any], path: Path, at: Any) -> tuple[list[str], list
                 raise UserError(f"{f}:{e.lineno}: not valid JSON: {e.msg}.") from None
             folders = [folder]
             break
-    found, missing = [], []
+    found: list[str] = []
+    missing: list[str] = []
+    maps: dict[str, dict[str, str]] = {}
     for name in names:
         entry = info.get(name, {})
         file_name = entry.get("file_name") if isinstance(entry, dict) else None
@@ -167,7 +174,12 @@ def _datasets(cfg: dict[str, Any], path: Path, at: Any) -> tuple[list[str], list
             hit = local_file(name, *folders) or next(
                 (h for ext in (".json", ".jsonl") if (h := local_file(name + ext, *folders))), None)
         (found if hit else missing).append(hit or name)
-    return found, missing
+        if hit and isinstance(entry, dict):
+            maps[name] = data_columns(entry, name, notes)
+    distinct = {tuple(sorted(m.items())) for m in maps.values()}
+    if len(distinct) > 1:  # one data_columns for every file
+        notes.append(f"datasets {', '.join(maps)} name their columns differently; data_columns carries the first's")
+    return found, missing, next(iter(maps.values()), {})
 
 
 def _convert(cfg: dict[str, Any], job: ForeignJob, shape: ModelShape, where: str, at: Any) -> dict[str, Any]:
