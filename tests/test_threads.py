@@ -40,15 +40,28 @@ def test_ranks_share_the_cores() -> None:
 def test_the_load_of_other_processes_takes_cores() -> None:
     """The case of issue 49: a 2-core machine with another job on it (load 1.4) gets one thread, not two."""
     c = choose(CpuBudget(2, None, 1.4), 1, NO_ENV)
-    assert c.threads == 1 and "load average 1.4" in c.why and c.busy is None
+    assert c.threads == 1 and "1.4 cores busy with other work" in c.why and c.busy is None
     assert choose(CpuBudget(16, None, 6.0), 1, NO_ENV).threads == 10
     assert choose(CpuBudget(16, None, 6.0), 2, NO_ENV).threads == 5
     assert choose(CpuBudget(2, None, None), 1, NO_ENV).threads == 2  # no load average (not Linux): the cores
 
 
+def test_other_load_from_the_load_average_and_the_running_count(tmp_path: Path) -> None:
+    """The smaller of the lagging average and the snapshot (a run that just ended is not load); a share of the
+    machine (taskset, a container) sees its share of the load."""
+    assert threads.other_load(1.0, 0, 2, 2) == 0.0  # the previous run ended seconds ago
+    assert threads.other_load(1.2, 1, 2, 2) == 1.0  # a busy loop that has run for a while
+    assert threads.other_load(40.0, 50, 4, 64) == 2.5  # 4 of a 64-CPU host's cores
+    assert threads.other_load(None, 3, 2, 2) == 3 and threads.other_load(None, None, 2, 2) is None
+    f = tmp_path / "loadavg"
+    f.write_text("1.35 1.40 1.40 3/512 4242\n")
+    assert threads.runnable_now(f, samples=2) == 2  # this process is one of the three running
+    assert threads.runnable_now(tmp_path / "absent") is None
+
+
 def test_an_oversubscribed_machine_is_said() -> None:
     c = choose(CpuBudget(2, None, 7.5), 1, NO_ENV)
-    assert c.threads == 1 and c.busy is not None and "load average 7.5 on the 2 core(s)" in c.busy
+    assert c.threads == 1 and c.busy is not None and "keep 7.5 cores busy of the 2 this process may use" in c.busy
     assert choose(CpuBudget(2, None, 2.9), 1, NO_ENV).busy is None  # busy, but not well above the cores
 
 

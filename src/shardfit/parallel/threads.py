@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ OMP_DEFAULTED = "SHARDFIT_OMP_DEFAULTED"
 # Why shardfit chose the count (its own choice only), for the run's start line; set beside OMP_DEFAULTED.
 OMP_REASON = "SHARDFIT_OMP_REASON"
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+LOADAVG = Path("/proc/loadavg")
 # Load average above this many times the usable cores: the machine is oversubscribed, said in one warning.
 BUSY_FACTOR = 1.5
 # Waiting OpenMP threads sleep instead of spinning when the process runs several threads: a spinning thread takes
@@ -40,7 +42,7 @@ WAIT_POLICY = "PASSIVE"
 @dataclass(frozen=True)
 class CpuBudget:
     """What bounds this process's CPU use: the CPUs it may run on (affinity), the cgroup's quota in cores (None:
-    no quota) and the 1-minute load average (None: unknown)."""
+    no quota) and the work of other processes on them (`load`, in cores; None: unknown)."""
 
     cpus: int
     quota: float | None = None
@@ -74,17 +76,45 @@ def read_cpu_quota(path: Path = CPU_MAX) -> float | None:
         return None
 
 
+def runnable_now(path: Path = LOADAVG, samples: int = 5) -> int | None:
+    """Processes runnable right now besides this one (/proc/loadavg's running count, the median of a few reads
+    10 ms apart), or None where the file is not there."""
+    counts = []
+    for i in range(samples):
+        try:
+            counts.append(int(path.read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        if i < samples - 1:
+            time.sleep(0.01)
+    return max(0, sorted(counts)[len(counts) // 2])
+
+
+def other_load(load_1m: float | None, runnable: int | None, cores: int, online: int) -> float | None:
+    """The cores other processes keep busy on this process's share of the machine. The 1-minute load average lags
+    (a run that ended seconds ago still counts as a whole core), the running count is a snapshot: the smaller of
+    the two. Both are the whole machine's; where this process may use only `cores` of `online` CPUs (a container,
+    taskset), its share of them."""
+    seen = [x for x in (load_1m, runnable) if x is not None]
+    if not seen:
+        return None
+    return min(seen) * min(1.0, cores / max(online, 1))
+
+
 def cpu_budget() -> CpuBudget:
     """This process's CPU budget, read now."""
+    online = os.cpu_count() or 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
+        cpus = online
     try:
-        load: float | None = os.getloadavg()[0]
+        load_1m: float | None = os.getloadavg()[0]
     except (AttributeError, OSError):
-        load = None
-    return CpuBudget(cpus, read_cpu_quota(), load)
+        load_1m = None
+    quota = read_cpu_quota()
+    cores = CpuBudget(cpus, quota).cores
+    return CpuBudget(cpus, quota, other_load(load_1m, runnable_now(), cores, online))
 
 
 def _user_threads(env: Mapping[str, str]) -> int | None:
@@ -94,17 +124,17 @@ def _user_threads(env: Mapping[str, str]) -> int | None:
 
 
 def choose(budget: CpuBudget, ranks_per_node: int = 1, env: Mapping[str, str] | None = None) -> ThreadChoice:
-    """Threads for each of `ranks_per_node` processes: the usable cores shared between the ranks, fewer where the
-    load average says other processes already use some (rounded, at least one). OMP_NUM_THREADS set by the user
+    """Threads for each of `ranks_per_node` processes: the usable cores shared between the ranks, fewer where
+    other processes already keep some busy (rounded, at least one). OMP_NUM_THREADS set by the user
     wins; one set by a shardfit parent (OMP_DEFAULTED) is kept."""
     env = os.environ if env is None else env
     ranks = max(1, ranks_per_node)
     cores = budget.cores
     busy = None
     if budget.load is not None and budget.load > BUSY_FACTOR * cores:
-        busy = (f"this machine is oversubscribed: load average {budget.load:.1f} on the {cores} core(s) this process "
-                "may use; training and generation run several times slower than on a quiet machine (the plan's "
-                "times assume one)")
+        busy = (f"this machine is oversubscribed: other processes keep {budget.load:.1f} cores busy of the {cores} "
+                "this process may use; training and generation run several times slower than on a quiet machine "
+                "(the plan's times assume one)")
     given = _user_threads(env)
     if given is not None:
         source = "parent" if env.get(OMP_DEFAULTED) == "1" else "user"
@@ -118,7 +148,7 @@ def choose(budget: CpuBudget, ranks_per_node: int = 1, env: Mapping[str, str] | 
     if ranks > 1:
         parts.append(f"{ranks} ranks on the node")
     if threads < share:
-        parts.append(f"load average {budget.load:.1f}")
+        parts.append(f"{budget.load:.1f} cores busy with other work")
     return ThreadChoice(threads, "shardfit", ", ".join(parts), passive=threads > 1, busy=busy)
 
 
