@@ -11,12 +11,13 @@ import pytest
 import yaml
 
 from shardfit.check import precision_rules as pr
-from shardfit.check.foreign_data import data_rules
+from shardfit.check.run import validate_data
 from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.data.dataset import read_split
 from shardfit.data.formats import ALPACA, detect_format, rename_columns, to_messages
 from shardfit.errors import UserError
+from shardfit.foreign.data_rules import data_rules
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.hardware import Hardware
 from tests.helpers import ROOT
@@ -66,9 +67,9 @@ def test_check_from_reads_the_data_as_check_does(tmp_path: Path, monkeypatch: py
     (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(
         {"reviews": {"file_name": "reviews.json", "columns": {"query": "review", "response": "label"}}}))
     job = read_job("llamafactory", str(bare), JobOptions())
-    assert data_rules(job) == []
+    assert data_rules(job, validate_data) == []
     job.data_missing = ["alpaca_en"]
-    assert [f.rule for f in data_rules(job)] == ["data_not_found"]
+    assert [f.rule for f in data_rules(job, validate_data)] == ["data_not_found"]
 
 
 def test_lf_columns_and_formats() -> None:

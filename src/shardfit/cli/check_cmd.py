@@ -34,10 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_from(args: argparse.Namespace) -> int:
     """`check --from TOOL FILE`: the rules on another tool's job, in its keys (nothing is fixed: the job is the
     tool's). Exit 1 when an error is found."""
-    from shardfit.check.foreign_data import data_rules, job_precision_rules
+    from shardfit.check.run import validate_data  # torch and the tokenizer: only for this command
+    from shardfit.foreign.data_rules import data_rules, job_precision_rules
 
     fp = foreign_plan(args)
-    findings = foreign_rules(fp) + job_precision_rules(fp.job, fp.hardware) + data_rules(fp.job)
+    findings = foreign_rules(fp) + job_precision_rules(fp.job, fp.hardware) + data_rules(fp.job, validate_data)
     ok = not any(f.severity == "error" for f in findings)
     if args.json:
         print(json.dumps({"ok": ok, "from": {"tool": fp.job.tool, "file": fp.job.source, "engine":

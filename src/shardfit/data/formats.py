@@ -65,7 +65,7 @@ def to_messages(row: Any, fmt: str) -> list[dict[str, str]]:
     messages: list[dict[str, str]] = []
     if fmt == ALPACA:
         for key in ("instruction", "output"):
-            if key not in row and not (key == "instruction" and "input" in row):
+            if key not in row and not (key == "instruction" and row.get("input")):
                 raise BadRow(f"alpaca row without '{key}' (keys: {', '.join(row) or 'none'})")
         if row.get("system"):
             messages.append({"role": "system", "content": _text(row["system"], "'system'")})
@@ -74,12 +74,11 @@ def to_messages(row: Any, fmt: str) -> list[dict[str, str]]:
                 raise BadRow("'history' must be a list of [user, assistant] pairs")
             messages.append({"role": "user", "content": _text(pair[0], "history user turn")})
             messages.append({"role": "assistant", "content": _text(pair[1], "history assistant turn")})
-        prompt = _text(row.get("instruction") or "", "'instruction'")
+        prompt = _text(row["instruction"], "'instruction'") if "instruction" in row else ""
         extra = row.get("input") or ""
         if extra:
-            prompt = f"{prompt}\n\n{_text(extra, 'input')}" if prompt else _text(extra, "input")
-        if not prompt:
-            raise BadRow("alpaca row with an empty prompt: 'instruction' and 'input' are both empty")
+            # No instruction at all (a column map that gives only the input): the input is the whole prompt.
+            prompt = f"{prompt}\n\n{_text(extra, 'input')}" if "instruction" in row else _text(extra, "input")
         messages.append({"role": "user", "content": prompt})
         messages.append({"role": "assistant", "content": _text(row["output"], "'output'")})
     elif fmt == SHAREGPT:

@@ -5,18 +5,21 @@ tool's, and the report lists everything found."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shardfit.check.findings import Finding
 from shardfit.check.precision_rules import precision_rules
-from shardfit.config import load_config
+from shardfit.config import Config, load_config
 from shardfit.errors import UserError
 from shardfit.foreign.convert import to_config
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 from shardfit.plan.hardware import Hardware
 
 
-def data_rules(job: ForeignJob) -> list[Finding]:
+def data_rules(job: ForeignJob, validate: Callable[[Config], None]) -> list[Finding]:
     """Data the job names but that is not here, and data shardfit cannot read (a missing column mapping, a bad
-    row, a file that is not JSON), each with what the converted config would need."""
+    row, a file that is not JSON), each with what the converted config would need. `validate` reads a config's
+    data as `check` does (check/run.py's validate_data: torch and the tokenizer, so the command passes it in)."""
     out = []
     if job.data_missing:
         out.append(Finding(
@@ -26,11 +29,9 @@ def data_rules(job: ForeignJob) -> list[Finding]:
             "give the data as local .json/.jsonl files (e.g. file_name in dataset_info.json) to check it"))
     if not job.data:
         return out
-    from shardfit.check.run import validate_data  # torch and the tokenizer: only when there is data to read
-
     try:
         cfg = load_config(None, defaults=to_config(job), check_files=False)
-        validate_data(cfg)
+        validate(cfg)
     except UserError as e:
         out.append(Finding(
             "data_unreadable", "error", ", ".join(job.data),
