@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfit.parallel import launch
+from shardfit.parallel import launch, threads
 from tests.helpers import ROOT, write_config
 
 _LAUNCHER = """
@@ -33,16 +33,19 @@ def test_the_launching_process_never_imports_torch(tmp_path: Path, tiny_llama: P
     assert "torch imported: False" in r.stdout and "torch.distributed.run --nproc-per-node=2" in r.stdout
 
 
-def test_rank_threads_one_per_cpu_rank_more_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset by the user: one OpenMP thread per rank, raised to GPU_RANK_THREADS by a rank that has a GPU; a value
-    the user set is never touched."""
+def test_ranks_share_the_cores_and_the_users_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset by the user: each rank gets its share of the usable cores (marked as shardfit's choice, so the rank
+    may read why); this process's own single-process choice is replaced; a value the user set is never touched."""
+    monkeypatch.setattr(threads, "cpu_budget", lambda: threads.CpuBudget(8, None, 0.0))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    env = launch.launch_env()
-    assert env["OMP_NUM_THREADS"] == "1" and env[launch.OMP_DEFAULTED] == "1"
-    monkeypatch.setenv(launch.OMP_DEFAULTED, "1")
-    assert launch.gpu_rank_threads(cuda=True) == launch.GPU_RANK_THREADS
-    assert launch.gpu_rank_threads(cuda=False) is None
-    monkeypatch.delenv(launch.OMP_DEFAULTED)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = launch.launch_env(nproc=2)
+    assert env["OMP_NUM_THREADS"] == "4" and env[threads.OMP_DEFAULTED] == "1"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "2 ranks on the node" in env[threads.OMP_REASON]
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # chosen for one process by this one
+    monkeypatch.setenv(threads.OMP_DEFAULTED, "1")
+    assert launch.launch_env(nproc=8)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv(threads.OMP_DEFAULTED)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert launch.launch_env()["OMP_NUM_THREADS"] == "3" and launch.OMP_DEFAULTED not in launch.launch_env()
-    assert launch.gpu_rank_threads(cuda=True) is None
+    env = launch.launch_env(nproc=2)
+    assert env["OMP_NUM_THREADS"] == "3" and threads.OMP_DEFAULTED not in env

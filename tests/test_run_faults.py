@@ -66,7 +66,8 @@ def test_finished_run_is_not_overwritten(tmp_path: Path, tiny_llama: Path, small
     _train(cfg)
     summary = (tmp_path / "run" / "summary.json").read_text()
     result = train(load_config(cfg), init_distributed())
-    assert "already finished" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already finished" in out and "Raise max_steps or epochs to train it longer" in out
     assert (tmp_path / "run" / "summary.json").read_text() == summary and result.summary["train_loss"] is not None
 
 

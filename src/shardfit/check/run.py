@@ -13,6 +13,7 @@ from torch import nn
 from shardfit.check import rules
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding
+from shardfit.check.precision_rules import precision_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
@@ -83,7 +84,9 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     s = get_strategy(job.strategy)
     validate_data(cfg)
     model = build_model(cfg, s, weights=False)
-    return job, preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model)
+    speed = precision_rules(cfg.precision, job.hardware, "config: precision",
+                            lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
+    return job, preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed
 
 
 def format_findings(job: Resolved, findings: list[Finding]) -> str:

@@ -34,13 +34,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_from(args: argparse.Namespace) -> int:
     """`check --from TOOL FILE`: the rules on another tool's job, in its keys (nothing is fixed: the job is the
     tool's). Exit 1 when an error is found."""
+    from shardfit.check.run import validate_data  # torch and the tokenizer: only for this command
+    from shardfit.foreign.data_rules import data_rules, job_precision_rules
+
     fp = foreign_plan(args)
-    findings = foreign_rules(fp)
+    findings = foreign_rules(fp) + job_precision_rules(fp.job, fp.hardware) + data_rules(fp.job, validate_data)
     ok = not any(f.severity == "error" for f in findings)
     if args.json:
         print(json.dumps({"ok": ok, "from": {"tool": fp.job.tool, "file": fp.job.source, "engine":
                                              fp.job.describe_engine(), "ranks": fp.hardware.world},
-                          "findings": [f.to_json() for f in findings]}, indent=2))
+                          "assumptions": fp.job.notes, "findings": [f.to_json() for f in findings]}, indent=2))
     else:
         print(format_foreign_findings(fp, findings))
     return 0 if ok else 1
@@ -52,6 +55,10 @@ def format_foreign_findings(fp: ForeignPlan, findings: list) -> str:
     unit = "GPU" if job.engine == "device_map" else "rank"
     lines = [f"from {job.tool}: {job.source} ({job.describe_engine()}, {fp.hardware.world} {unit}(s) of "
              f"{fp.hardware.gpu_mem_gib:.0f} GiB): {len(findings)} finding(s)"]
+    w = job.workload
+    lines.append(f"  checked as: {w.method}, {w.precision}, {w.seq_len} tokens x micro-batch {w.micro_batch}, "
+                 f"gradient checkpointing {w.grad_ckpt}")
+    lines += [f"  note: {n}" for n in job.notes]  # what was assumed where the job does not say, as plan shows it
     for f in findings:
         lines.append(f"  [{f.severity:>7}] {f.rule} at {f.where}\n            {f.message}\n            fix: {f.fix}")
     return "\n".join(lines)

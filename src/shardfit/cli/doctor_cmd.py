@@ -176,7 +176,7 @@ def _passthrough(args: argparse.Namespace, opts: Any) -> list[str]:
     return out + ["--iters", str(opts.iters), "--timeout", str(opts.timeout_s), "--peer-wait", str(opts.peer_wait_s)]
 
 
-def _launch(cmd: list[str], launch_env: Callable[[dict[str, str]], dict[str, str]], launch: Launch, opts: Any,
+def _launch(cmd: list[str], launch_env: Callable[[dict[str, str], int], dict[str, str]], launch: Launch, opts: Any,
             found: list[Finding]) -> Report:
     """Run torchrun (bounded), and return the ranks' report, or findings that say why none came back."""
     # Rendezvous, connecting, timing and watching for peers are each bounded; past this, something else is stuck.
@@ -187,7 +187,8 @@ def _launch(cmd: list[str], launch_env: Callable[[dict[str, str]], dict[str, str
               f"(waiting up to {opts.timeout_s:.0f} s for the others)", file=sys.stderr)
         t0 = time.monotonic()
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=launch_env({OUT_ENV: tmp}),
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env=launch_env({OUT_ENV: tmp}, launch.nproc),
                                     start_new_session=True)  # its own group, so a stuck launch can be stopped whole
             try:
                 proc.wait(timeout=deadline)

@@ -29,10 +29,15 @@ from shardfit.cli import (
 )
 from shardfit.errors import ShardfitError
 from shardfit.gc_policy import process_entry
+from shardfit.parallel import threads
 from shardfit.parallel.allocator import reexec_with_allocator
 
 COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd,
             ui_cmd, doctor_cmd)
+# Commands that compute with torch get their threads from the cores they may use (parallel/threads.py); the ones
+# that run long say so when the machine is oversubscribed.
+THREADED = ("train", "eval", "chat", "export", "plan", "check")
+BUSY_WARNING = ("train", "eval", "chat")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     complete(parser)
     args = parser.parse_args(argv)
+    if args.command in THREADED:  # before the command imports torch: OpenMP reads its settings when torch loads
+        threads.configure(quiet=args.command not in BUSY_WARNING)
     try:
         return args.func(args)
     except ShardfitError as e:

@@ -40,11 +40,13 @@ def _refuse_before_launch(cfg: Config, job: Resolved) -> None:
 
 
 def _rank_threads(args: argparse.Namespace, nproc: int | None) -> int | None:
-    """The threads each rank of a CPU launch will run (what its matmul rate is measured at): the user's
-    OMP_NUM_THREADS, else one per rank under a launch of several (launch_env), else this process's own."""
-    if "OMP_NUM_THREADS" in os.environ:
+    """The threads each rank of a launch of several will run (what a CPU's matmul rate is measured at for the
+    plan), or None for a job that runs in this process with its own."""
+    if (nproc or 1) * args.nnodes <= 1:
         return None
-    return 1 if (nproc or 1) * args.nnodes > 1 else None
+    from shardfit.parallel.launch import rank_threads
+
+    return rank_threads(nproc or 1)[0].threads
 
 
 def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = torchrun_command(passthrough, nproc, args.nnodes, args.node_rank, args.master_addr,
                                args.master_port, args.rdzv_endpoint, args.max_restarts)
         print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
-        return relaunch(cmd, launch_env(extra))
+        return relaunch(cmd, launch_env(extra, nproc=nproc))
 
     from shardfit.parallel.env import init_distributed, shutdown  # torch: only to train
     from shardfit.parallel.sidechannel import SideChannel

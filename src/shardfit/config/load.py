@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import yaml
 
-from shardfit.config.schema import CHOICES, REPORT_TO, Config, LoraSettings, QLoraSettings
+from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, LoraSettings, QLoraSettings
 from shardfit.errors import UserError
 
 # The sections of the config: mappings of keys of their own (`lora.rank`), each a dataclass.
@@ -299,6 +299,12 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         problem = metric_spec_problem(spec)
         if problem:
             fail("eval_metrics", problem)
+    for field_name, column in cfg.data_columns.items():
+        if field_name not in COLUMN_FIELDS:
+            fail("data_columns", f"has '{field_name}'{_suggest(field_name, COLUMN_FIELDS)}: the fields are "
+                 f"{', '.join(COLUMN_FIELDS)}, each mapped to the column of your rows that holds it.")
+        if not isinstance(column, str) or not column:
+            fail("data_columns", f"maps '{field_name}' to {column!r}; give the column's name as a string.")
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")

@@ -17,6 +17,8 @@ QUANT_TYPES = ("nf4",)
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 WATCHDOG_ACTIONS = ("wait", "abort")
 REPORT_TO = ("auto", "none", "tensorboard", "wandb", "mlflow")
+# The fields of the data formats (data/formats.py) that `data_columns` may find under another column name.
+COLUMN_FIELDS = ("instruction", "input", "output", "system", "history", "conversations", "messages")
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None,
@@ -60,6 +62,11 @@ class Config:
     data: str | list[str] = key("data/train.jsonl", "training data: one .json/.jsonl path or a list; alpaca, ShareGPT "
                                                     "or OpenAI messages, detected per file", nonempty=True)
     eval_data: str | list[str] | None = key(None, "held-out data (same formats); null splits eval_split off data")
+    data_columns: dict[str, str] = key(dict, "where the format's fields are in rows that name them otherwise, as "
+                                             "{field: column} for every data file: fields instruction, input, "
+                                             "output, system, history (alpaca), conversations (ShareGPT), messages "
+                                             "(OpenAI); e.g. {input: review, output: label} (LLaMA-Factory's "
+                                             "dataset_info.json columns, carried by convert)")
     eval_split: float = key(0.0, "fraction of data held out for evaluation when eval_data is null", ge=0, lt=1)
     method: str = key("lora", "lora | qlora | full | freeze (freeze: only freeze_trainable modules train)")
     lora: LoraSettings = key(LoraSettings, "LoRA settings (method lora or qlora)")

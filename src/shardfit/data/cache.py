@@ -74,6 +74,8 @@ def cache_key(cfg: Config, tokenizer: Any) -> str:
              "eval_split": cfg.eval_split, "seed": cfg.seed, "max_seq_len": cfg.max_seq_len,
              "skip_bad_rows": cfg.skip_bad_rows, "max_bad_rows": cfg.max_bad_rows,
              "tokenizer": tokenizer_digest(tokenizer)}
+    if cfg.data_columns:  # only when set: the entries written before the key keep their names
+        parts["data_columns"] = cfg.data_columns
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

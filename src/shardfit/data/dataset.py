@@ -12,7 +12,7 @@ from typing import Any
 
 from shardfit.config import Config
 from shardfit.data.audio import AudioInput
-from shardfit.data.formats import BadRow, detect_format, to_messages
+from shardfit.data.formats import BadRow, detect_format, rename_columns, to_messages
 from shardfit.data.media import extract_media
 from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
@@ -50,8 +50,10 @@ class DataStats:
         return "; ".join(parts)
 
 
-def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataStats) -> list[Conversation]:
-    """All conversations of the given files as messages. Bad rows raise `UserError` with file:line, or are counted."""
+def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataStats,
+                       columns: dict[str, str] | None = None) -> list[Conversation]:
+    """All conversations of the given files as messages, each format field read from its column in `columns`
+    (data_columns). Bad rows raise `UserError` with file:line, or are counted."""
     out: list[Conversation] = []
     for path in [paths] if isinstance(paths, str) else paths:
         fmt = None
@@ -60,14 +62,17 @@ def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataS
             try:
                 if isinstance(row.data, _Broken):
                     raise BadRow(row.data.reason)
+                fields = rename_columns(row.data, columns or {})
                 if fmt is None:
-                    fmt = detect_format(row.data)
+                    fmt = detect_format(fields)
                     if fmt is None:
                         keys = ", ".join(row.data) if isinstance(row.data, dict) else type(row.data).__name__
                         raise BadRow(f"unknown format (keys: {keys}); expected alpaca (instruction/output), "
-                                     f"ShareGPT (conversations) or OpenAI (messages)")
+                                     f"ShareGPT (conversations) or OpenAI (messages); rows that name these fields "
+                                     f"otherwise need data_columns, e.g. data_columns: {{input: your_prompt_column, "
+                                     f"output: your_answer_column}}")
                     stats.formats[str(path)] = fmt
-                data, media = extract_media(row.data, Path(path).parent)
+                data, media = extract_media(fields, Path(path).parent)
                 out.append(Conversation(to_messages(data, fmt), row.where, media.images, media.audios, media.videos))
             except BadRow as e:
                 _bad_row(row.where, str(e), skip_bad_rows, stats)
@@ -95,10 +100,10 @@ class Split:
 def read_split(cfg: Config) -> Split:
     """Train and eval conversations for a config: `eval_data` if given, else `eval_split` of `data` (seeded)."""
     stats = DataStats()
-    train = load_conversations(cfg.data, cfg.skip_bad_rows, stats)
+    train = load_conversations(cfg.data, cfg.skip_bad_rows, stats, cfg.data_columns)
     evals: list[Conversation] = []
     if cfg.eval_data:
-        evals = load_conversations(cfg.eval_data, cfg.skip_bad_rows, stats)
+        evals = load_conversations(cfg.eval_data, cfg.skip_bad_rows, stats, cfg.data_columns)
     elif cfg.eval_split > 0:
         order = list(range(len(train)))
         random.Random(cfg.seed).shuffle(order)

@@ -21,15 +21,28 @@ class BadRow(ValueError):
     """A row that does not fit its file's format; the message says what is wrong, the caller adds file:line."""
 
 
+def rename_columns(row: Any, columns: dict[str, str]) -> Any:
+    """`row` with each format field read from the column `columns` names for it ({field: column}, the config's
+    data_columns); a column the row lacks is left to the format's own checks."""
+    if not columns or not isinstance(row, dict):
+        return row
+    out = {k: v for k, v in row.items() if k not in columns.values()}
+    for field, column in columns.items():
+        if column in row:
+            out[field] = row[column]
+    return out
+
+
 def detect_format(row: Any) -> str | None:
-    """The format of one row, or None when it matches none."""
+    """The format of one row, or None when it matches none. An alpaca row may leave out the instruction when its
+    input holds the whole prompt (as LLaMA-Factory reads it)."""
     if not isinstance(row, dict):
         return None
     if isinstance(row.get("messages"), list):
         return OPENAI
     if isinstance(row.get("conversations"), list):
         return SHAREGPT
-    if "instruction" in row and "output" in row:
+    if ("instruction" in row or "input" in row) and "output" in row:
         return ALPACA
     return None
 
@@ -52,7 +65,7 @@ def to_messages(row: Any, fmt: str) -> list[dict[str, str]]:
     messages: list[dict[str, str]] = []
     if fmt == ALPACA:
         for key in ("instruction", "output"):
-            if key not in row:
+            if key not in row and not (key == "instruction" and row.get("input")):
                 raise BadRow(f"alpaca row without '{key}' (keys: {', '.join(row) or 'none'})")
         if row.get("system"):
             messages.append({"role": "system", "content": _text(row["system"], "'system'")})
@@ -61,10 +74,11 @@ def to_messages(row: Any, fmt: str) -> list[dict[str, str]]:
                 raise BadRow("'history' must be a list of [user, assistant] pairs")
             messages.append({"role": "user", "content": _text(pair[0], "history user turn")})
             messages.append({"role": "assistant", "content": _text(pair[1], "history assistant turn")})
-        prompt = _text(row["instruction"], "'instruction'")
+        prompt = _text(row["instruction"], "'instruction'") if "instruction" in row else ""
         extra = row.get("input") or ""
         if extra:
-            prompt = f"{prompt}\n\n{_text(extra, 'input')}"
+            # No instruction at all (a column map that gives only the input): the input is the whole prompt.
+            prompt = f"{prompt}\n\n{_text(extra, 'input')}" if "instruction" in row else _text(extra, "input")
         messages.append({"role": "user", "content": prompt})
         messages.append({"role": "assistant", "content": _text(row["output"], "'output'")})
     elif fmt == SHAREGPT:

@@ -38,6 +38,7 @@ from shardfit.foreign.keys import (
     text,
     use_deepspeed,
 )
+from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.plan.workload import Workload
 
@@ -90,15 +91,22 @@ def words() -> Words:
 
 def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None) -> ForeignJob:
     """TrainingArguments (.json) or a command line / script running a training script."""
-    src, cmd = (json_source(path, "TrainingArguments"), None) if path.suffix == ".json" else \
-        command_source(path, (".py",))
+    if path.suffix == ".json":
+        src, cmd = json_source(path, "TrainingArguments"), None
+    elif path.suffix == ".py":  # the training script itself: what it sets in code is all there is
+        src, cmd = Source(path, {}, []), None
+    else:
+        src, cmd = command_source(path, (".py",))
     env = cmd.exported if cmd else {}
-    model = model or src.get("model_name_or_path") or src.get("model")
+    script = path if path.suffix == ".py" else _script(cmd, path)
+    code = _script_settings(script, src)
+    model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
     shape = shape_of(model)
     job = ForeignJob("hf", src.where, model, Workload(), words=words(), nproc=_ranks(cmd, env, nproc),
                      nnodes=cmd.nnodes if cmd else 1, launcher=cmd.launcher if cmd else None)
+    job.notes += _assumptions(src, code)
     w = job.workload = _workload(src, job, version)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
@@ -106,7 +114,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
     _engine(src, job, shape.hidden)
-    _device_map(src, job, _script(cmd, path), env)
+    _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
     _file_keys(src, job, w)
@@ -115,6 +123,35 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
     job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
     return job
+
+
+def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
+    """What the training script sets in code (script_ast.py, read, never run), added to `src` where the command
+    line is silent."""
+    if script is None:
+        return ScriptSettings()
+    try:
+        code = read_script(script, script.read_text())
+    except OSError:
+        return ScriptSettings()
+    for k, v in code.args.items():
+        if k not in src:
+            src.values[k] = v
+            src.order.append(k)
+    return code
+
+
+def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
+    """What the plan takes from the script's code, and the defaults it assumes where neither says."""
+    out = [f"read in the script: {'; '.join(code.found)}"] if code.found else []
+    if not any(k in src for k in ("use_lora", "q_lora", "lora_r")):
+        out.append("no LoRA (no --use_lora, no peft LoraConfig in the script): planned as a full fine-tune (pass "
+                   "--method lora)")
+    if "per_device_train_batch_size" not in src:
+        out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
+    if "gradient_checkpointing" not in src:
+        out.append("gradient checkpointing not set: off, the Trainer's default (pass --grad-ckpt full)")
+    return out
 
 
 def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None) -> int | None:
@@ -182,6 +219,34 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     if "lora_target_modules" in src:
         job.notes.append("lora_target_modules planned as adapters on every linear layer (an over-estimate)")
     file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
+
+
+def _script_settings(script: Path | None, args: dict[str, str], order: list[str]) -> ScriptSettings:
+    """What the training script sets in code (script_ast.py), added to `args` where the command line is silent."""
+    if script is None:
+        return ScriptSettings()
+    try:
+        code = read_script(script, script.read_text())
+    except OSError:
+        return ScriptSettings()
+    for k, v in code.args.items():
+        if k not in args:
+            args[k] = v
+            order.append(k)
+    return code
+
+
+def _assumptions(args: dict[str, str], code: ScriptSettings) -> list[str]:
+    """What the plan takes from the script's code, and the defaults it assumes where neither says."""
+    out = [f"read in the script: {'; '.join(code.found)}"] if code.found else []
+    if not any(k in args for k in ("use_lora", "q_lora", "lora_r")):
+        out.append("no LoRA (no --use_lora, no peft LoraConfig in the script): planned as a full fine-tune (pass "
+                   "--method lora)")
+    if "per_device_train_batch_size" not in args:
+        out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
+    if "gradient_checkpointing" not in args:
+        out.append("gradient checkpointing not set: off, the Trainer's default (pass --grad-ckpt full)")
+    return out
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:

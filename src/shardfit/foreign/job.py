@@ -57,6 +57,7 @@ class ForeignJob:
     # shardfit config keys the same job needs (convert), beyond what `workload` and `engine` say
     convert: dict = field(default_factory=dict)
     data: list[str] = field(default_factory=list)
+    data_missing: list[str] = field(default_factory=list)  # data the job names that is not a local file here
 
     @property
     def distributed(self) -> bool:

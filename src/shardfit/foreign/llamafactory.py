@@ -25,6 +25,7 @@ from shardfit.foreign.keys import (
     use_deepspeed,
     yaml_source,
 )
+from shardfit.foreign.lf_columns import data_columns
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -111,10 +112,13 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     job.quant_storage = w.method == "qlora" and job.engine == "deepspeed"  # LLaMA-Factory sets it under ZeRO-3
     job.speech_outputs = False  # LLaMA-Factory loads Qwen2.5-Omni's thinker only
     _file_keys(src, job, w)
-    job.data, missing = _datasets(src)
+    job.data, missing, columns = _datasets(src, job.notes)
+    job.data_missing = missing
     if missing:
         job.notes.append(f"datasets not found as local files (convert leaves them out): {', '.join(missing)}")
     job.convert = _convert(src, w, shape)
+    if columns:
+        job.convert["data_columns"] = columns
     return job
 
 
@@ -164,8 +168,9 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
 
 
-def _datasets(src: Source) -> tuple[list[str], list[str]]:
-    """Local files of `dataset`, through dataset_info.json in `dataset_dir` (LLaMA-Factory's registry)."""
+def _datasets(src: Source, notes: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
+    """Local files of `dataset`, through dataset_info.json in `dataset_dir` (LLaMA-Factory's registry), and the
+    data_columns their `columns` come to (what cannot be carried goes to `notes`)."""
     names = [n.strip() for n in str(src.get("dataset", "")).split(",") if n.strip()]
     base = Path(str(src.get("dataset_dir", "data")))
     folders = [src.path.parent / base, base]
@@ -179,7 +184,9 @@ def _datasets(src: Source) -> tuple[list[str], list[str]]:
                 raise UserError(f"{f}:{e.lineno}: not valid JSON: {e.msg}.") from None
             folders = [folder]
             break
-    found, missing = [], []
+    found: list[str] = []
+    missing: list[str] = []
+    maps: dict[str, dict[str, str]] = {}
     for name in names:
         entry = info.get(name, {})
         file_name = entry.get("file_name") if isinstance(entry, dict) else None
@@ -188,7 +195,12 @@ def _datasets(src: Source) -> tuple[list[str], list[str]]:
             hit = local_file(name, *folders) or next(
                 (h for ext in (".json", ".jsonl") if (h := local_file(name + ext, *folders))), None)
         (found if hit else missing).append(hit or name)
-    return found, missing
+        if hit and isinstance(entry, dict):
+            maps[name] = data_columns(entry, name, notes)
+    distinct = {tuple(sorted(m.items())) for m in maps.values()}
+    if len(distinct) > 1:  # one data_columns for every file
+        notes.append(f"datasets {', '.join(maps)} name their columns differently; data_columns carries the first's")
+    return found, missing, next(iter(maps.values()), {})
 
 
 def _convert(src: Source, w: Workload, shape: ModelShape) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardfit.parallel.launch import gpu_rank_threads, under_launcher
+from shardfit.parallel.launch import under_launcher
 from shardfit.parallel.netif import gloo_interface_fix
 from shardfit.resolve.decide import precision_for
 from shardfit.resolve.job import DeviceFacts
@@ -51,9 +51,6 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
-        threads = gpu_rank_threads(cuda=True)
-        if threads is not None:
-            torch.set_num_threads(threads)
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -14,11 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-# Set in the ranks' environment when the launcher chose OMP_NUM_THREADS=1 itself (the user set none), so a rank
-# that finds a GPU can raise it (gpu_rank_threads) without the launcher importing torch to look for one.
-OMP_DEFAULTED = "SHARDFIT_OMP_DEFAULTED"
-# CPU threads of a GPU rank, which mostly launches kernels and loads data.
-GPU_RANK_THREADS = 4
+from shardfit.parallel import threads
 
 
 def under_launcher() -> bool:
@@ -66,26 +62,29 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment the ranks start with: this one, one OpenMP thread per rank unless set (a GPU rank raises it
-    to GPU_RANK_THREADS once it sees its GPU), and `extra`."""
-    env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env:
-        env.update({"OMP_NUM_THREADS": "1", OMP_DEFAULTED: "1"})
+def launch_env(extra: dict[str, str] | None = None, nproc: int = 1) -> dict[str, str]:
+    """The environment the ranks start with: this one, with each rank's share of the cores as its OpenMP threads
+    (parallel/threads.py; the user's OMP_NUM_THREADS is kept), and `extra`."""
+    choice, env = rank_threads(nproc)
+    env = threads.child_env(choice, env)
     env.update(extra or {})
     return env
 
 
-def gpu_rank_threads(cuda: bool) -> int | None:
-    """The intra-op thread count a rank should set now (None: leave it): GPU_RANK_THREADS on a GPU rank whose
-    OMP_NUM_THREADS=1 came from launch_env rather than from the user."""
-    return GPU_RANK_THREADS if cuda and os.environ.get(OMP_DEFAULTED) == "1" else None
+def rank_threads(nproc: int) -> tuple[threads.ThreadChoice, dict[str, str]]:
+    """The threads each of `nproc` ranks on this node starts with, and the environment that choice was made in
+    (this process's own choice, made for one process, left out)."""
+    env = dict(os.environ)
+    if env.get(threads.OMP_DEFAULTED) == "1":
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop(threads.OMP_DEFAULTED)
+    return threads.choose(threads.cpu_budget(), nproc, env), env
 
 
-def relaunch(cmd: list[str], env: dict[str, str] | None = None) -> int:
+def relaunch(cmd: list[str], env: dict[str, str]) -> int:
     """Run torchrun and return its exit code. SIGINT, SIGTERM and SIGHUP sent to shardfit are passed on to
     torchrun, which stops its ranks; if shardfit itself is killed, the kernel stops torchrun (PDEATHSIG)."""
-    child = subprocess.Popen(cmd, env=env or launch_env(),
+    child = subprocess.Popen(cmd, env=env,
                              preexec_fn=_die_with_parent if os.name == "posix" else None)
 
     def forward(signum: int, _frame: object) -> None:

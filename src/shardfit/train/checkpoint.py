@@ -242,12 +242,25 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise
     meta = _load_plain(path / "trainer.pt")
     scheduler.load_state_dict(meta["scheduler"])
+    _lr_at_restored_step(optimizer, scheduler)
     rng = path / f"rng-{env.rank}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
         _set_rng_state(_load_plain(rng))
     if env.distributed:
         dist.barrier()
     return Resumed(int(meta["step"]), int(meta["tokens"]), path)
+
+
+def _lr_at_restored_step(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Each group's lr as this run's schedule has it at the restored step. The optimizer's state holds the lr of
+    the schedule that saved it: for a longer schedule of the same run (max_steps raised) that was its last one,
+    near 0, and the first continued step would not train."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 class Checkpointer:

@@ -51,6 +51,7 @@ from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
+from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import refuse_if_oom, tokens_per_s_at
 from shardfit.plan.estimate import loss_chunk_for
@@ -70,7 +71,7 @@ from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.profiling import StepProfiler
-from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
+from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint, record_length
 from shardfit.train.startup import StartupTimer
 from shardfit.train.trackers import open_trackers, resolve_report_to
 
@@ -98,6 +99,12 @@ def base_reference(model: str) -> str:
     """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
     p = Path(model).expanduser()
     return str(p.resolve()) if p.exists() else model
+
+
+def threads_phrase() -> str:
+    """The start line's thread count, e.g. '1 thread per rank (load average 1.6)' (parallel/threads.py)."""
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n != 1 else ''} per rank" + (f" ({why})" if (why := thread_reason()) else "")
 
 
 def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
@@ -129,6 +136,7 @@ class FineTune:
         self.attention: AttentionByWidth | None = None  # `auto` attention chosen per micro-batch width
         self.loss_chunk: int | None = None  # rows per chunk of the loss (setup decides `auto`)
         self.finished = False
+        self.longer: str | None = None  # the words for a longer schedule of a run in output_dir (rundir.claim)
         self.fit_s, self.fit_tokens = 0.0, 0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
         self.wd = watchdog or Watchdog(env, None)
@@ -178,13 +186,12 @@ class FineTune:
         cfg, env = self.cfg, self.env
         self.lock = RunLock(self.run_dir) if env.is_main else None
 
-        def decide() -> str | None:
+        def decide() -> tuple[str | None, str | None]:
             check_writable(self.run_dir)
             warning = self.lock.acquire()
-            claim(self.run_dir, cfg, fingerprint(cfg, cfg.micro_batch * cfg.grad_accum * env.world))
-            return warning
+            return warning, claim(self.run_dir, cfg, fingerprint(cfg, cfg.micro_batch * cfg.grad_accum * env.world))
 
-        warning = decide_on_rank0(env, decide)
+        warning, self.longer = decide_on_rank0(env, decide)
         if warning and env.is_main:
             log.warning("%s: %s", self.run_dir, warning)
 
@@ -289,7 +296,8 @@ class FineTune:
         if env.is_main and resumed is not None:
             for f in logs:
                 truncate_after(f, self.start_step)
-            log.info("resumed from %s (step %d)", resumed.path, self.start_step)
+            log.info("resumed from %s (step %d)%s", resumed.path, self.start_step,
+                     f": {self.longer}" if self.longer else "")
         elif env.is_main:
             for f in logs:
                 f.unlink(missing_ok=True)
@@ -298,6 +306,7 @@ class FineTune:
         if not self.env.is_main or self.finished:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        record_length(self.run_dir, self.total_steps, self.batches.steps_per_epoch)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         if self.plan is not None:
             (self.run_dir / "plan.json").write_text(json.dumps(self.plan.to_json(), indent=2))
@@ -316,9 +325,10 @@ class FineTune:
                   f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {world} rank"
                   f"{'s' if world > 1 else ''}); {self.batches.steps_per_epoch} steps per epoch, "
                   f"{self.total_steps} steps"
+                  + (f" (continuing from step {self.start_step})" if self.start_step else "")
                   + self._media_line()
                   + (f"; {stats.describe()}" if stats.describe() else "")
-                  + (f"; malloc: {self.malloc}" if self.env.device.type == "cpu" else ""))
+                  + (f"; malloc: {self.malloc}; {threads_phrase()}" if self.env.device.type == "cpu" else ""))
             if allocator.install_would_help(os.environ, self.malloc, self.env.device.type):
                 log.info("malloc: the C library's; with tcmalloc CPU training runs faster in less memory (%s; "
                          "docs/training.md, Start-up)", allocator.INSTALL_HINT)
@@ -433,7 +443,8 @@ class FineTune:
         if self.finished:
             if env.is_main and not self.quiet:
                 print(f"shardfit: {self.run_dir} already finished this run (step {self.start_step}); nothing to do. "
-                      "Use a new output_dir, or --set resume=never to train it again.")
+                      "Raise max_steps or epochs to train it longer, use a new output_dir, or --set resume=never to "
+                      "train it again.")
             summary = json.loads((self.run_dir / "summary.json").read_text())
             return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
         with wd.phase("final evaluation", where="evaluation"):

@@ -31,6 +31,9 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "adapter", "model
                "config.yaml", RUN_FILE, "tb")
 # Keys that decide the shapes of what a checkpoint holds: a checkpoint whose run differs in one of them cannot load.
 SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "freeze_modules")
+# Keys of the schedule's length: a longer schedule of the same job continues from its last checkpoint; the trained
+# result of the steps done so far is the same, the rest of the schedule now reaches further.
+LENGTH_KEYS = ("epochs", "max_steps")
 
 
 def file_digest(path: str | Path) -> str:
@@ -61,6 +64,8 @@ def fingerprint(cfg: Config, global_batch_examples: int) -> dict[str, Any]:
         "global_batch_examples": global_batch_examples, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,
         "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm, "epochs": cfg.epochs,
         "max_steps": cfg.max_steps, "seed": cfg.seed,
+        # Only when set: the fingerprints of runs from before the key stay what they were.
+        **({"data_columns": cfg.data_columns} if cfg.data_columns else {}),
     }
 
 
@@ -168,11 +173,44 @@ class RunLock:
             self.held = False
 
 
-def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str:
-    """Decide what this run does with `run_dir` (rank 0): 'fresh', 'resume' (the checkpoints are this run's), or
-    refuse. `resume: never` clears the previous run's outputs first. Writes run.json."""
+def _total_steps(fp: dict[str, Any], steps_per_epoch: int | None) -> int | None:
+    """The optimizer steps a fingerprint's schedule runs: max_steps, else epochs over the steps of an epoch."""
+    if fp.get("max_steps"):
+        return int(fp["max_steps"])
+    return int(fp["epochs"]) * steps_per_epoch if steps_per_epoch and fp.get("epochs") else None
+
+
+def longer_schedule(run_dir: Path, previous: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """When `new` is the run in `run_dir` with only a longer schedule (max_steps or epochs raised), the words the
+    start line says about it; else None. The run's length comes from run.json (written once its data was read),
+    else from summary.json, else from max_steps alone."""
+    old = previous.get("fingerprint") or {}
+    changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    if not changed or any(k not in LENGTH_KEYS for k in changed):
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    per_epoch = previous.get("steps_per_epoch") or summary.get("steps_per_epoch")
+    before = previous.get("steps") or summary.get("steps") or _total_steps(old, per_epoch)
+    after = _total_steps(new, per_epoch)
+    if before is None or after is None or after < before:
+        return None
+    what = "; ".join(differences(old, new, LENGTH_KEYS))
+    if after == before:
+        return f"the same {after} steps, written another way ({what})"
+    return (f"a longer schedule of the same run ({what}): it continues from its last checkpoint to step {after} "
+            f"(was {before}), the learning-rate schedule now ending there")
+
+
+def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
+    """Decide what this run does with `run_dir` (rank 0): start fresh, resume (the checkpoints are this run's, or
+    this run's with a longer schedule), or refuse. `resume: never` clears the previous run's outputs first.
+    Writes run.json; returns the words for a longer schedule (longer_schedule), else None."""
     previous = read_run_file(run_dir)
     has_outputs = (run_dir / "checkpoints").is_dir() or (run_dir / "summary.json").exists()
+    longer = None
     if cfg.resume == "never":
         for name in RUN_OUTPUTS:
             target = run_dir / name
@@ -180,21 +218,23 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str:
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
-        verdict = "fresh"
     elif cfg.resume == "auto":
         if previous is None and has_outputs:
             raise UserError(f"output_dir {run_dir} holds another run's outputs without a run.json (an older shardfit "
                             "or another tool). Use a new output_dir, or --set resume=never to start over there.")
         if previous is not None and previous.get("fingerprint") != new:
-            diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
-            raise UserError(f"output_dir {run_dir} holds a different run ({diff}). Its checkpoints are not this "
-                            "config's: use a new output_dir, or --set resume=never to start over there.")
-        verdict = "resume" if previous is not None else "fresh"
+            longer = longer_schedule(run_dir, previous, new)
+            if longer is None:
+                diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
+                raise UserError(f"output_dir {run_dir} holds a different run ({diff}). Its checkpoints are not "
+                                "this config's: use a new output_dir, or --set resume=never to start over there.")
     else:
         if previous is not None and previous.get("fingerprint") != new:
-            diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
-            raise UserError(f"output_dir {run_dir} holds a different run ({diff}); resuming into it would mix the "
-                            "two. Use a new output_dir for the resumed run.")
+            longer = longer_schedule(run_dir, previous, new)
+            if longer is None:
+                diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
+                raise UserError(f"output_dir {run_dir} holds a different run ({diff}); resuming into it would mix "
+                                "the two. Use a new output_dir for the resumed run.")
         checkpoint = Path(cfg.resume)
         source = read_run_file(checkpoint.parent.parent)
         if source is not None:
@@ -202,6 +242,13 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str:
             if diff:
                 raise UserError(f"'resume': {checkpoint} was written by a run with other shapes ({'; '.join(diff)}); "
                                 "its weights cannot load into this config.")
-        verdict = "resume"
     (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": new}, indent=2))
-    return verdict
+    return longer
+
+
+def record_length(run_dir: Path, steps: int, steps_per_epoch: int) -> None:
+    """Add the run's length to run.json once its data is read, so a later, longer schedule of it can be told
+    from a different run (longer_schedule)."""
+    run = read_run_file(run_dir) or {}
+    run.update(steps=steps, steps_per_epoch=steps_per_epoch)
+    (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2))

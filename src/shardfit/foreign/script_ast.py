@@ -1,0 +1,113 @@
+"""What an HF training script sets in its own code, read from its syntax tree (ast): never imported, never run.
+
+A script that trains LoRA through peft's `LoraConfig(r=16)` and passes `gradient_checkpointing=True` to
+`TrainingArguments(...)` has none of it on its command line; without reading the code a plan assumes a full
+fine-tune at the Trainer's defaults. Only literal values count (numbers, strings, True/False, and module-level
+names bound once to one of them); anything computed is left to the command line and the defaults, and said.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
+ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig", "ORPOConfig",
+                    "KTOConfig", "RewardConfig", "GRPOConfig")
+# TrainingArguments keywords read, as the command line would spell them.
+TRAINING_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16",
+                 "fp16", "learning_rate", "num_train_epochs", "max_steps", "optim", "deepspeed", "output_dir",
+                 "max_seq_length", "max_length", "model_max_length", "warmup_ratio", "weight_decay",
+                 "max_grad_norm", "seed", "save_steps", "logging_steps", "use_liger_kernel", "attn_implementation")
+SEQ_KEYS = ("max_seq_length", "max_length", "model_max_length")
+
+
+@dataclass
+class ScriptSettings:
+    """What the script sets, as command-line arguments would say it (`args`), and where each came from."""
+
+    args: dict[str, str] = field(default_factory=dict)
+    found: list[str] = field(default_factory=list)  # "LoraConfig(r=16) at train.py:12", for the report's notes
+    model: str | None = None  # from_pretrained("...")'s literal first argument
+
+
+def _name(func: ast.expr) -> str:
+    """The called name: `LoraConfig` for LoraConfig(...), peft.LoraConfig(...) and model.LoraConfig(...)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def _constants(tree: ast.Module) -> dict[str, Any]:
+    """Module-level names bound exactly once, to a literal (MAX_LEN = 512)."""
+    seen: dict[str, list[Any]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                value = _UNKNOWN
+            seen.setdefault(node.targets[0].id, []).append(value)
+    return {k: v[0] for k, v in seen.items() if len(v) == 1 and v[0] is not _UNKNOWN}
+
+
+_UNKNOWN = object()
+
+
+def _value(node: ast.expr, constants: dict[str, Any]) -> Any:
+    """A literal, or a module constant's value; _UNKNOWN for anything computed."""
+    if isinstance(node, ast.Name):
+        return constants.get(node.id, _UNKNOWN)
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return _UNKNOWN
+
+
+def _as_arg(value: Any) -> str:
+    """A value as the command line spells it (True -> 'true')."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def read_script(path: Path, text: str) -> ScriptSettings:
+    """The settings `text` (the script at `path`) makes in code; a script that does not parse sets nothing."""
+    out = ScriptSettings()
+    try:
+        tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, ValueError):
+        return out
+    constants = _constants(tree)
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    for node in calls:
+        name, at = _name(node.func), f"{path.name}:{node.lineno}"
+        kwargs = {k.arg: _value(k.value, constants) for k in node.keywords if k.arg}
+        known = {k: v for k, v in kwargs.items() if v is not _UNKNOWN}
+        if name == "LoraConfig":
+            out.args["use_lora"] = "true"
+            if isinstance(known.get("r"), int):
+                out.args["lora_r"] = str(known["r"])
+            if "lora_alpha" in known:
+                out.args["lora_alpha"] = _as_arg(known["lora_alpha"])
+            out.found.append(f"LoraConfig({_shown(known, ('r', 'lora_alpha'))}) at {at}: LoRA")
+        elif name == "BitsAndBytesConfig" and known.get("load_in_4bit") is True:
+            out.args["q_lora"] = "true"
+            out.found.append(f"BitsAndBytesConfig(load_in_4bit=True) at {at}: 4-bit base weights")
+        elif name in ARGUMENT_CLASSES or name == "SFTTrainer":
+            keys = {k: v for k, v in known.items() if k in TRAINING_KEYS and not isinstance(v, (dict, list))}
+            out.args.update({k: _as_arg(v) for k, v in keys.items()})
+            if keys:
+                out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
+        elif name == "gradient_checkpointing_enable":
+            out.args["gradient_checkpointing"] = "true"
+            out.found.append(f"gradient_checkpointing_enable() at {at}")
+        elif name == "from_pretrained" and out.model is None and node.args:
+            first = _value(node.args[0], constants)
+            if isinstance(first, str) and "/" in first and "Tokenizer" not in ast.unparse(node.func):
+                out.model = first
+    return out
+
+
+def _shown(values: dict[str, Any], keys: tuple[str, ...]) -> str:
+    return ", ".join(f"{k}={values[k]!r}" for k in keys if k in values)

@@ -1,0 +1,162 @@
+"""What `convert`/`check --from` read beyond memory (issue 49): LLaMA-Factory's dataset columns carried into
+data_columns and the data read as `check` reads it; a precision the hardware computes slowly said; an HF training
+script's own code (LoRA, checkpointing, batch, length) read from its syntax tree, never run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfit.check import precision_rules as pr
+from shardfit.check.run import validate_data
+from shardfit.cli.main import main
+from shardfit.config import load_config
+from shardfit.data.dataset import read_split
+from shardfit.data.formats import ALPACA, detect_format, rename_columns, to_messages
+from shardfit.errors import UserError
+from shardfit.foreign.data_rules import data_rules
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.hardware import Hardware
+from tests.helpers import ROOT
+
+HF_SCRIPT = ROOT / "tests" / "foreign_jobs" / "hf" / "lora_script" / "train.py"
+LABEL = json.dumps({"sentiment": "positive", "aspect": "battery"})
+
+
+def _lf_job(tmp: Path, columns: dict | None) -> Path:
+    """The user's job of issue 49: reviews -> a JSON label, registered in dataset_info.json with `columns`."""
+    data = tmp / "data"
+    data.mkdir()
+    rows = [{"review": f"Battery lasts {i} days, love it", "label": LABEL} for i in range(6)]
+    (data / "reviews.json").write_text(json.dumps(rows))
+    entry = {"file_name": "reviews.json", **({"columns": columns} if columns else {})}
+    (data / "dataset_info.json").write_text(json.dumps({"reviews": entry}))
+    job = tmp / "lf.yaml"
+    # A catalog id: planned without weights, and no tokenizer to load (a local model's chat template is checked too)
+    job.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-7B-Instruct", "stage": "sft",
+                                   "finetuning_type": "lora", "dataset": "reviews", "dataset_dir": "data",
+                                   "cutoff_len": 256, "per_device_train_batch_size": 4, "bf16": True}))
+    return job
+
+
+def test_convert_carries_the_columns_and_the_config_reads_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    job = _lf_job(tmp_path, {"query": "review", "response": "label"})
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "converted.yaml"
+    assert main(["convert", "--from", "llamafactory", str(job), "--out", str(out)]) == 0
+    cfg = load_config(out)
+    assert cfg.data_columns == {"input": "review", "output": "label"}
+    split = read_split(cfg)
+    assert len(split.train) == 6
+    assert split.train[0].messages == [{"role": "user", "content": "Battery lasts 0 days, love it"},
+                                       {"role": "assistant", "content": LABEL}]
+
+
+def test_check_from_reads_the_data_as_check_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """Without the columns the rows are unreadable: an error finding (exit 1), not "0 findings"; with them, none."""
+    bare = _lf_job(tmp_path, None)
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "--from", "llamafactory", str(bare), "--gpus", "1x24GB"]) == 1
+    out = capsys.readouterr().out
+    assert "[  error] data_unreadable at " in out and "unknown format (keys: review, label)" in out
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(
+        {"reviews": {"file_name": "reviews.json", "columns": {"query": "review", "response": "label"}}}))
+    job = read_job("llamafactory", str(bare), JobOptions())
+    assert data_rules(job, validate_data) == []
+    job.data_missing = ["alpaca_en"]
+    assert [f.rule for f in data_rules(job, validate_data)] == ["data_not_found"]
+
+
+def test_lf_columns_and_formats() -> None:
+    from shardfit.foreign.lf_columns import data_columns
+
+    notes: list[str] = []
+    assert data_columns({"columns": {"prompt": "q", "query": "ctx", "response": "a", "system": "sys"}}, "x",
+                        notes) == {"instruction": "q", "input": "ctx", "output": "a", "system": "sys"}
+    assert data_columns({"formatting": "sharegpt", "columns": {"messages": "turns"}}, "x", notes) == \
+        {"conversations": "turns"}
+    # OpenAI-style messages registered as ShareGPT with role/content tags: shardfit's own messages format.
+    assert data_columns({"formatting": "sharegpt", "columns": {"messages": "chat"},
+                         "tags": {"role_tag": "role", "content_tag": "content"}}, "x", notes) == {"messages": "chat"}
+    assert data_columns({"formatting": "ranking"}, "pairs", notes) == {} and "formatting 'ranking'" in notes[-1]
+
+
+def test_rows_read_through_data_columns() -> None:
+    row = rename_columns({"review": "Nice", "label": "ok", "id": 3}, {"input": "review", "output": "label"})
+    assert row == {"id": 3, "input": "Nice", "output": "ok"} and detect_format(row) == ALPACA
+    assert to_messages(row, ALPACA)[0] == {"role": "user", "content": "Nice"}
+    with pytest.raises(UserError, match=r"'data_columns' has 'answer'.*the fields are instruction, input, output"):
+        load_config(None, defaults={"data_columns": {"answer": "label"}}, check_files=False)
+
+
+def test_precision_the_hardware_computes_slowly() -> None:
+    cpu = Hardware(1, 1, 16.0, name="cpu")
+
+    def fix(p: str) -> str:
+        return f"use {p}"
+
+    slow = pr.precision_rules("bf16", cpu, "precision", fix, flags={"avx2", "fma"})
+    assert [f.rule for f in slow] == ["precision_slow"] and slow[0].fix == "use fp32"
+    assert "no bf16 units (none of avx512_bf16, amx_bf16" in slow[0].message
+    assert pr.precision_rules("bf16", cpu, "precision", fix, flags={"avx512_bf16"}) == []
+    assert pr.precision_rules("fp32", cpu, "precision", fix, flags=set()) == []
+    v100 = pr.precision_rules("bf16", Hardware(1, 8, 32.0, name="V100"), "precision", fix)
+    assert [f.rule for f in v100] == ["precision_unsupported"] and v100[0].fix == "use fp16"
+    assert pr.precision_rules("bf16", Hardware(1, 8, 80.0, name="H100"), "precision", fix) == []
+
+
+def test_convert_says_bf16_is_slow_on_this_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    job = _lf_job(tmp_path, {"query": "review", "response": "label"})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(pr, "cpu_flags", lambda cpuinfo=pr.CPUINFO: {"avx2"})
+    monkeypatch.setattr("shardfit.cli.convert_cmd.gpu_host", lambda: False)
+    assert main(["convert", "--from", "llamafactory", str(job)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# warning: precision bf16 on this CPU") and "precision: bf16" in out
+    assert "shardfit: warning: precision bf16 on this CPU" in err and "Fix: precision: fp32" in err
+    monkeypatch.setattr(pr, "cpu_flags", lambda cpuinfo=pr.CPUINFO: {"avx2", "amx_bf16"})
+    assert main(["convert", "--from", "llamafactory", str(job)]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512_bf16\n\nprocessor\t: 1\n")
+    assert pr.cpu_flags(f) == {"fpu", "sse", "avx2", "avx512_bf16"}
+    assert pr.cpu_flags(tmp_path / "absent") is None
+
+
+def test_hf_script_code_is_read_not_run(capsys: pytest.CaptureFixture) -> None:
+    """`check --from hf train.py`: LoRA, checkpointing, batch and length come from the script's code; what was
+    read and assumed is printed; the script never runs (it would leave train.executed and exit)."""
+    assert main(["check", "--from", "hf", str(HF_SCRIPT), "--gpus", "1x24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "checked as: lora, bf16, 1024 tokens x micro-batch 2, gradient checkpointing full" in out
+    assert "note: read in the script: LoraConfig(r=16, lora_alpha=32) at train.py:19: LoRA; TrainingArguments(" in out
+    assert "gradient_checkpointing=True" in out and "SFTTrainer(max_seq_length=1024) at train.py:24" in out
+    assert "predicted_oom" not in out
+    assert not HF_SCRIPT.with_suffix(".executed").exists()
+    w = read_job("hf", str(HF_SCRIPT), JobOptions()).workload
+    assert (w.method, w.lora_rank, w.grad_ckpt, w.seq_len, w.micro_batch, w.grad_accum) == \
+        ("lora", 16, "full", 1024, 2, 8)
+
+
+def test_the_command_line_wins_over_the_scripts_code(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(HF_SCRIPT.read_text())
+    launch = tmp_path / "run.sh"
+    launch.write_text("torchrun --nproc_per_node 2 train.py --per_device_train_batch_size 4\n")
+    job = read_job("hf", str(launch), JobOptions())
+    assert job.workload.micro_batch == 4 and job.workload.method == "lora" and job.model == "Qwen/Qwen2.5-7B-Instruct"
+    bare = tmp_path / "plain.py"
+    bare.write_text("from transformers import TrainingArguments\nTrainingArguments(output_dir=OUT)\n")
+    job = read_job("hf", str(bare), JobOptions(model="Qwen/Qwen2.5-7B-Instruct"))
+    assumed = " ".join(job.notes)
+    assert job.workload.method == "full" and "no LoRA" in assumed and "default, 8" in assumed
+    assert "planned at 2048 tokens" in assumed
