@@ -1,7 +1,9 @@
-"""The launching process (`shardfit train --nproc N` before torchrun): torch-free, and the ranks' threads."""
+"""The launching process (`shardfit train --nproc N` before torchrun): it resolves the job once and hands it to the
+ranks, and the ranks' threads."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,12 @@ from shardfit.parallel import launch, threads
 from tests.helpers import ROOT, write_config
 
 _LAUNCHER = """
+import json
 import sys
 import shardfit.parallel.launch as launch
 def relaunch(cmd, env=None):
-    print("torch imported:", "torch" in sys.modules, "command:", " ".join(cmd[1:5]))
+    job = json.loads(env["SHARDFIT_RESOLVED"])
+    print("job:", job["strategy"], job["nproc_per_node"], "command:", " ".join(cmd[1:5]))
     return 0
 launch.relaunch = relaunch
 from shardfit.cli.main import main
@@ -24,13 +28,16 @@ main()
 """
 
 
-def test_the_launching_process_never_imports_torch(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    """Only the ranks import torch: the process that starts torchrun reads the config and builds the command."""
+def test_the_launching_process_hands_the_resolved_job_to_the_ranks(tmp_path: Path, tiny_llama: Path,
+                                                                   small_data: Path) -> None:
+    """The process that starts torchrun resolves the job (it looks at the devices: that needs torch) and the ranks
+    receive it in their environment instead of deciding again."""
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=str(small_data), output_dir=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", _LAUNCHER, str(cfg)], capture_output=True, text=True, timeout=120,
                        cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "torch imported: False" in r.stdout and "torch.distributed.run --nproc-per-node=2" in r.stdout
+    assert re.search(r"job: (ddp|zero2|zero3) 2 ", r.stdout), r.stdout  # auto on 2 ranks: a multi-rank strategy
+    assert "torch.distributed.run --nproc-per-node=2" in r.stdout
 
 
 def test_ranks_share_the_cores_and_the_users_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:

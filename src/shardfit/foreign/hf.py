@@ -221,34 +221,6 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
 
 
-def _script_settings(script: Path | None, args: dict[str, str], order: list[str]) -> ScriptSettings:
-    """What the training script sets in code (script_ast.py), added to `args` where the command line is silent."""
-    if script is None:
-        return ScriptSettings()
-    try:
-        code = read_script(script, script.read_text())
-    except OSError:
-        return ScriptSettings()
-    for k, v in code.args.items():
-        if k not in args:
-            args[k] = v
-            order.append(k)
-    return code
-
-
-def _assumptions(args: dict[str, str], code: ScriptSettings) -> list[str]:
-    """What the plan takes from the script's code, and the defaults it assumes where neither says."""
-    out = [f"read in the script: {'; '.join(code.found)}"] if code.found else []
-    if not any(k in args for k in ("use_lora", "q_lora", "lora_r")):
-        out.append("no LoRA (no --use_lora, no peft LoraConfig in the script): planned as a full fine-tune (pass "
-                   "--method lora)")
-    if "per_device_train_batch_size" not in args:
-        out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
-    if "gradient_checkpointing" not in args:
-        out.append("gradient checkpointing not set: off, the Trainer's default (pass --grad-ckpt full)")
-    return out
-
-
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:
     """The device_map the training script loads with, when it names one outright (device_map="auto") or
     computes it as Qwen's finetune.py does (QLoRA: the rank's GPU under a launcher, "auto" without one)."""
