@@ -20,7 +20,7 @@ from shardfit.data.audio import AudioProcessor
 from shardfit.data.video import VideoSettings
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
-from shardfit.models.anatomy import OMNI_MODEL_TYPES, VISION_MODEL_TYPES
+from shardfit.models.anatomy import OMNI_MODEL_TYPES, VIDEO_MODEL_TYPES, VISION_MODEL_TYPES
 from shardfit.models.source import ModelSource
 
 PREPROCESSOR = "preprocessor_config.json"
@@ -92,7 +92,7 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
                                _token(tokenizer, source, media.audio_end_token_id, (), "audio end"),
                                cfg.audio_max_seconds)
     video = None
-    if kind in VISION_MODEL_TYPES:
+    if kind in VIDEO_MODEL_TYPES:
         # Qwen2.5-VL spaces a video's temporal positions by seconds (tokens_per_second); Qwen2-VL by one per patch.
         tps = getattr(media.vision_config, "tokens_per_second", None) if kind == "qwen2_5_vl" else None
         video = VideoSettings(_token(tokenizer, source, media.video_token_id, (), "video"), media.video_token_id,
