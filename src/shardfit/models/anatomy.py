@@ -84,8 +84,9 @@ def input_device(model: nn.Module) -> torch.device:
 
 # Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
 # the language model takes 3-D M-RoPE positions (Qwen3-VL's also its deepstack features, train/media_forward.py).
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-# Of those, the ones whose videos shardfit trains: Qwen3-VL puts a timestamp before each frame, a layout of its own.
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
+# Of those, the ones whose videos shardfit trains: Qwen3-VL and GLM-4.5V put a timestamp before each frame, a
+# layout of their own.
 VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # Qwen2.5-Omni (whole, or its thinker alone): images and audio, when its folder has the processor files; without
 # them its thinker trains on text. `build_model` marks a thinker that trains on media with MEDIA_FLAG.

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 ROUTER_NAMES = ("gate", "router")
+# The config keys that name the routed experts per block, by family (Qwen, Mixtral/gpt-oss/Llama 4, DeepSeek/GLM).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -114,10 +116,10 @@ class AuxLoss:
 def aux_loss_of(model: nn.Module, config: Any) -> AuxLoss | None:
     """The load-balancing loss of the model's family (its modeling module's `load_balancing_loss_func`) with the
     coefficient its config sets, or None: a dense model, a family without one (DeepSeek-V3 and GLM-4.5 balance
-    with a bias instead), or a coefficient of 0."""
+    with a bias instead; GLM-4.5V's transformers class has one besides), or a coefficient of 0."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    experts = next((getattr(text, k) for k in EXPERT_COUNT_KEYS if getattr(text, k, None)), None)
     top_k = getattr(text, "num_experts_per_tok", None)
     if not coef or not experts or not top_k:
         return None
@@ -131,7 +133,7 @@ def aux_loss_of(model: nn.Module, config: Any) -> AuxLoss | None:
 def moe_top_k(model: nn.Module) -> int:
     """Experts each token reaches, from the model's (text) config; 0 for a model without routed experts."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    experts = max(int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = max(int(getattr(config, k, 0) or 0) for k in EXPERT_COUNT_KEYS)
     return int(getattr(config, "num_experts_per_tok", 0) or 1) if experts > 1 else 0
 
 
