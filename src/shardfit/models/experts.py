@@ -10,6 +10,7 @@ must stay frozen (an adapted router changes which experts every token reaches). 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,17 +39,19 @@ class MoeParts:
 
 def moe_parts(model: nn.Module) -> MoeParts:
     """The routers and experts of `model` (empty for a dense model): an `experts` module with 3-D weights, and the
-    router beside it in the same block."""
+    router beside it in the same block (through a peft wrapper too)."""
     routers, experts, weights = [], [], set()
     for name, module in model.named_modules():
-        if not name.endswith("experts"):
+        # Under a LoRA wrapper the experts module sits below peft's `base_layer`s, its router where it was.
+        path = name.replace(".base_layer", "")
+        if not path.endswith("experts"):
             continue
         fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
         if not fused:
             continue
         experts.append(name)
         weights.update(fused)
-        parent = name.rpartition(".")[0]
+        parent = path.rpartition(".")[0]
         for r in ROUTER_NAMES:
             if isinstance(model.get_submodule(parent), nn.Module) and hasattr(model.get_submodule(parent), r):
                 routers.append(f"{parent}.{r}")
@@ -62,6 +65,19 @@ def lora_targets(model: nn.Module, parts: MoeParts) -> list[str]:
     routers = set(parts.routers)
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and m is not head and name not in routers]
+
+
+def router_targets(targets: str | list[str], parts: MoeParts) -> list[str]:
+    """The routers that LoRA `targets` name, matched as peft matches module names (a list entry: the module's name
+    or its last dotted parts; a string other than all-linear: a regular expression over the whole name)."""
+    if targets == "all-linear":
+        return []
+    if isinstance(targets, str):
+        try:
+            return [r for r in parts.routers if re.fullmatch(targets, r)]
+        except re.error:
+            return []  # apply_lora reports the bad expression
+    return [r for r in parts.routers if any(r == t or r.endswith("." + t) for t in targets)]
 
 
 def expert_target_parameters(parts: MoeParts) -> list[str]:
@@ -123,10 +139,16 @@ def aux_loss_of(model: nn.Module, config: Any) -> AuxLoss | None:
     top_k = getattr(text, "num_experts_per_tok", None)
     if not coef or not experts or not top_k:
         return None
+    fn = balancing_loss_fn(model)
+    return AuxLoss(fn, int(experts), int(top_k), coef) if fn is not None else None
+
+
+def balancing_loss_fn(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The `load_balancing_loss_func` of the model's modeling module, None for a family without one."""
     for m in model.modules():
         fn = getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None)
         if fn is not None:
-            return AuxLoss(fn, int(experts), int(top_k), coef)
+            return fn
     return None
 
 
