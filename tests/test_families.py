@@ -14,12 +14,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardfit.config import LoraSettings
+from shardfit.data.tokenize import IGNORE
 from shardfit.models.adapters import apply_lora
+from shardfit.models.anatomy import decoder_and_head
 from shardfit.models.build import model_class
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import lora_params
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.plan.workload import Workload
+from shardfit.train.loss import CausalLMLoss
 from tests.families import FAMILIES, MATRIX, make_family_model, table, tiny_text_config
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
@@ -147,3 +150,17 @@ def test_moe_adapter_merges_into_a_model_transformers_loads(tmp_path: Path, fami
 
 def test_readme_table_is_the_tested_matrix() -> None:
     assert table() in (ROOT / "README.md").read_text(), "README's families table differs from tests/families.py"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_shardfit_loss_is_the_models_own(family: str) -> None:
+    """shardfit runs the body and the head apart (train/loss.py); per family, its loss is the model's own forward's.
+    Llama 4's `get_decoder()` answers the whole model, whose logits went into the head (models/anatomy.py)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_text_config(family)).float()
+    decoder, _ = decoder_and_head(model)
+    assert decoder is not model
+    ids = torch.randint(3, 1000, (2, 12))
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
+    total, n = CausalLMLoss(model)(ids, None, targets)
+    assert (total / n).item() == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)

@@ -28,7 +28,7 @@ from shardfit.models.anatomy import vision_body
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import init_distributed
-from shardfit.train.loss import vision_language_forward
+from shardfit.train.media_forward import vision_language_forward
 from shardfit.train.recipe import train
 from tests.helpers import write_config
 

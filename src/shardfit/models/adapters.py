@@ -12,7 +12,13 @@ from shardfit import method as methods
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 from shardfit.models.anatomy import decoder_and_head, vision_body
-from shardfit.models.experts import adapter_names_as_written, expert_target_parameters, lora_targets, moe_parts
+from shardfit.models.experts import (
+    adapter_names_as_written,
+    expert_target_parameters,
+    lora_targets,
+    moe_parts,
+    router_targets,
+)
 
 # A vision-language model's vision tower and Qwen2.5-Omni's audio tower, by module path: what LoRA leaves alone
 # while the tower is frozen.
@@ -48,8 +54,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
             with adapter_names_as_written(model):
                 peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except (ValueError, TypeError, re.error) as e:  # peft reads a string of targets as a regular expression
-        raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}). Use "
-                        "all-linear, or a list of module names such as [q_proj, v_proj].") from None
+        routers = " Routers never get adapters (one changes which experts each token reaches)." \
+            if parts.any and router_targets(lora.targets, parts) else ""
+        raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}).{routers} "
+                        "Use all-linear, or a list of module names such as [q_proj, v_proj].") from None
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()

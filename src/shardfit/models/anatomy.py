@@ -25,10 +25,16 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The transformer body and output head of a causal LM (through a peft wrapper and an Omni thinker).
 
     Models whose head and decoder are reachable through `get_output_embeddings` / `get_decoder` (Qwen2-VL's
-    language model among them) are covered; anything else is not a model shardfit trains (TypeError)."""
+    language model among them), or through `model` where `get_decoder` answers the model itself, are covered;
+    anything else is not a model shardfit trains (TypeError)."""
     base = text_model(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if decoder is base:
+        # transformers' lookup fell back to the whole model: Llama4ForCausalLM's `base_model_prefix` names an
+        # attribute it lacks (its body is `model`). The body is then the `model` beside the head; without one, the
+        # "decoder" would return logits where the loss expects hidden states.
+        decoder = getattr(base, "model", None)
     if decoder is None or head is None:
         raise TypeError(f"{type(base).__name__} exposes no decoder/output head; shardfit trains causal LMs")
     return decoder, head
@@ -77,8 +83,11 @@ def input_device(model: nn.Module) -> torch.device:
 
 
 # Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
-# the language model takes 3-D M-RoPE positions.
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# the language model takes 3-D M-RoPE positions (Qwen3-VL's also its deepstack features, train/media_forward.py).
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
+# Of those, the ones whose videos shardfit trains: Qwen3-VL and GLM-4.5V put a timestamp before each frame, a
+# layout of their own.
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # Qwen2.5-Omni (whole, or its thinker alone): images and audio, when its folder has the processor files; without
 # them its thinker trains on text. `build_model` marks a thinker that trains on media with MEDIA_FLAG.
 OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")

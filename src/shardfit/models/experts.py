@@ -10,6 +10,7 @@ must stay frozen (an adapted router changes which experts every token reaches). 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 ROUTER_NAMES = ("gate", "router")
+# The config keys that name the routed experts per block, by family (Qwen, Mixtral/gpt-oss/Llama 4, DeepSeek/GLM).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -36,17 +39,19 @@ class MoeParts:
 
 def moe_parts(model: nn.Module) -> MoeParts:
     """The routers and experts of `model` (empty for a dense model): an `experts` module with 3-D weights, and the
-    router beside it in the same block."""
+    router beside it in the same block (through a peft wrapper too)."""
     routers, experts, weights = [], [], set()
     for name, module in model.named_modules():
-        if not name.endswith("experts"):
+        # Under a LoRA wrapper the experts module sits below peft's `base_layer`s, its router where it was.
+        path = name.replace(".base_layer", "")
+        if not path.endswith("experts"):
             continue
         fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
         if not fused:
             continue
         experts.append(name)
         weights.update(fused)
-        parent = name.rpartition(".")[0]
+        parent = path.rpartition(".")[0]
         for r in ROUTER_NAMES:
             if isinstance(model.get_submodule(parent), nn.Module) and hasattr(model.get_submodule(parent), r):
                 routers.append(f"{parent}.{r}")
@@ -60,6 +65,19 @@ def lora_targets(model: nn.Module, parts: MoeParts) -> list[str]:
     routers = set(parts.routers)
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and m is not head and name not in routers]
+
+
+def router_targets(targets: str | list[str], parts: MoeParts) -> list[str]:
+    """The routers that LoRA `targets` name, matched as peft matches module names (a list entry: the module's name
+    or its last dotted parts; a string other than all-linear: a regular expression over the whole name)."""
+    if targets == "all-linear":
+        return []
+    if isinstance(targets, str):
+        try:
+            return [r for r in parts.routers if re.fullmatch(targets, r)]
+        except re.error:
+            return []  # apply_lora reports the bad expression
+    return [r for r in parts.routers if any(r == t or r.endswith("." + t) for t in targets)]
 
 
 def expert_target_parameters(parts: MoeParts) -> list[str]:
@@ -114,24 +132,30 @@ class AuxLoss:
 def aux_loss_of(model: nn.Module, config: Any) -> AuxLoss | None:
     """The load-balancing loss of the model's family (its modeling module's `load_balancing_loss_func`) with the
     coefficient its config sets, or None: a dense model, a family without one (DeepSeek-V3 and GLM-4.5 balance
-    with a bias instead), or a coefficient of 0."""
+    with a bias instead; GLM-4.5V's transformers class has one besides), or a coefficient of 0."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    experts = next((getattr(text, k) for k in EXPERT_COUNT_KEYS if getattr(text, k, None)), None)
     top_k = getattr(text, "num_experts_per_tok", None)
     if not coef or not experts or not top_k:
         return None
+    fn = balancing_loss_fn(model)
+    return AuxLoss(fn, int(experts), int(top_k), coef) if fn is not None else None
+
+
+def balancing_loss_fn(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The `load_balancing_loss_func` of the model's modeling module, None for a family without one."""
     for m in model.modules():
         fn = getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None)
         if fn is not None:
-            return AuxLoss(fn, int(experts), int(top_k), coef)
+            return fn
     return None
 
 
 def moe_top_k(model: nn.Module) -> int:
     """Experts each token reaches, from the model's (text) config; 0 for a model without routed experts."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    experts = max(int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = max(int(getattr(config, k, 0) or 0) for k in EXPERT_COUNT_KEYS)
     return int(getattr(config, "num_experts_per_tok", 0) or 1) if experts > 1 else 0
 
 

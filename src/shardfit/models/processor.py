@@ -20,7 +20,7 @@ from shardfit.data.audio import AudioProcessor
 from shardfit.data.video import VideoSettings
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
-from shardfit.models.anatomy import OMNI_MODEL_TYPES, VISION_MODEL_TYPES
+from shardfit.models.anatomy import OMNI_MODEL_TYPES, VIDEO_MODEL_TYPES, VISION_MODEL_TYPES
 from shardfit.models.source import ModelSource
 
 PREPROCESSOR = "preprocessor_config.json"
@@ -56,6 +56,17 @@ def _token(tokenizer: Any, source: ModelSource, token_id: int | None, names: tup
                     f"(id {token_id}); use the base model's tokenizer files.")
 
 
+def _marker_id(configs: tuple[Any, ...], edge: str) -> int | None:
+    """The id of the token before (`edge` start) or after (end) an image, from the first config that names it:
+    Qwen's vision_start / vision_end (Qwen2.5-Omni's in its talker config), else GLM-4.5V's image_start / image_end."""
+    for kind in ("vision", "image"):
+        for config in configs:
+            tid = getattr(config, f"{kind}_{edge}_token_id", None)
+            if tid is not None:
+                return int(tid)
+    return None
+
+
 def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> VisionProcessor | None:
     """The image processor and image tokens of a multimodal model (None for a text model), with
     `image_min_pixels` / `image_max_pixels` as the processor's resize bounds (of video frames too); for Qwen2-VL
@@ -79,8 +90,7 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
         raise UserError(f"'model': cannot load the image processor or audio feature extractor of {source.name}: "
                         f"{type(e).__name__}: {e}") from None
     talker = getattr(config, "talker_config", None)
-    start_id = getattr(media, "vision_start_token_id", None) or getattr(talker, "vision_start_token_id", None)
-    end_id = getattr(media, "vision_end_token_id", None) or getattr(talker, "vision_end_token_id", None)
+    start_id, end_id = _marker_id((media, talker), "start"), _marker_id((media, talker), "end")
     image = _token(tokenizer, source, media.image_token_id, (), "image")
     start = _token(tokenizer, source, start_id, ("<|vision_bos|>", "<|vision_start|>"), "vision start")
     end = _token(tokenizer, source, end_id, ("<|vision_eos|>", "<|vision_end|>"), "vision end")
@@ -92,7 +102,7 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
                                _token(tokenizer, source, media.audio_end_token_id, (), "audio end"),
                                cfg.audio_max_seconds)
     video = None
-    if kind in VISION_MODEL_TYPES:
+    if kind in VIDEO_MODEL_TYPES:
         # Qwen2.5-VL spaces a video's temporal positions by seconds (tokens_per_second); Qwen2-VL by one per patch.
         tps = getattr(media.vision_config, "tokens_per_second", None) if kind == "qwen2_5_vl" else None
         video = VideoSettings(_token(tokenizer, source, media.video_token_id, (), "video"), media.video_token_id,

@@ -19,6 +19,7 @@ from torch import nn
 from shardfit.config.support import TORCHAO_HINT
 from shardfit.errors import UserError
 from shardfit.models.anatomy import transformer_blocks
+from shardfit.models.experts import moe_parts
 from shardfit.plan.quant import BLOCK, quantizable, scaler_block_size
 
 log = logging.getLogger(__name__)
@@ -78,13 +79,15 @@ def to_nf4(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_blocks(model: nn.Module, dtype: torch.dtype) -> int:
-    """Store the weight of every linear layer inside the decoder blocks in NF4 (dequantizing to `dtype`), one layer
-    at a time, each 16-bit weight released as its 4-bit one replaces it; returns how many were quantized. A weight
-    that is not a whole number of 64-element blocks stays as it is."""
+    """Store the weight of every linear layer inside the decoder blocks (routers aside) in NF4 (dequantizing to
+    `dtype`), one layer at a time, each 16-bit weight released as its 4-bit one replaces it; returns how many were
+    quantized. A weight that is not a whole number of 64-element blocks stays as it is."""
     done = 0
+    # A router that is a linear layer (Llama 4's) stays as it is: in 4 bits it would send tokens elsewhere.
+    routers = {id(model.get_submodule(r)) for r in moe_parts(model).routers}
     for block in transformer_blocks(model):
         for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear) or is_nf4(module.weight):
+            if not isinstance(module, nn.Linear) or is_nf4(module.weight) or id(module) in routers:
                 continue
             if is_bnb_quantized(module.weight) or not module.weight.is_floating_point():
                 raise UserError(f"'method: qlora': {name} is already quantized ({type(module.weight).__name__}, "

@@ -210,7 +210,7 @@ def audio_batch(model: torch.nn.Module, w: Workload, batch: tuple) -> tuple:
                        **kwargs)
 
     tower.forward = with_indices
-    if len(batch) == 3:  # no images: the vision tower runs on one blank merge x merge image (loss.idle_vision)
+    if len(batch) == 3:  # no images: the vision tower runs on one blank merge x merge image (media_forward.idle_vision)
         merge = body.visual.spatial_merge_size
         with unset_fake_temporarily():
             with_vision_indices(model, torch.tensor([[1, merge, merge]]))

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, vision_body
 from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
+from shardfit.train.media_forward import vision_language_forward
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -195,74 +196,3 @@ class MoeStep:
     targets: int
     load_low: float
     load_high: float
-
-
-def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                            pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-                            input_features: torch.Tensor | None = None,
-                            audio_feature_lens: torch.Tensor | None = None,
-                            pixel_values_videos: torch.Tensor | None = None,
-                            video_grid_thw: torch.Tensor | None = None,
-                            routed: dict[str, bool] | None = None) -> Any:
-    """A Qwen2-VL-style body on a batch with (4, rows, width) positions: token embeddings, the audio tower's features
-    written into the audio tokens (Qwen2.5-Omni's thinker), the vision tower's into the image and video tokens, then
-    the language model.
-
-    The steps are the body's own forward, spelled out so that a batch without images, videos or audio runs the same
-    modules in the same order (embedding, audio tower, vision tower once, language model): under FSDP2 every rank
-    must gather the same units in the same sequence, or the collectives mismatch. Images and videos therefore go
-    through the vision tower in one call, their features split after it."""
-    embeds = body.get_input_embeddings()(input_ids)
-    audio = getattr(body, "audio_tower", None)
-    if audio is not None:
-        if input_features is None:
-            embeds = embeds + idle_audio(audio, embeds)
-        else:
-            out = audio(input_features.to(audio.conv1.weight.dtype), feature_lens=audio_feature_lens)
-            mask = (input_ids == body.config.audio_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(mask, out.last_hidden_state.to(embeds.dtype))
-    media = [(p, g, tok) for p, g, tok in ((pixel_values, image_grid_thw, body.config.image_token_id),
-                                           (pixel_values_videos, video_grid_thw,
-                                            getattr(body.config, "video_token_id", None))) if p is not None]
-    if not media:
-        embeds = embeds + idle_vision(body.visual, embeds)
-    else:
-        # One kind of media goes in as it is: a concatenated copy would be one more tensor the tower saves.
-        pixels = media[0][0] if len(media) == 1 else torch.cat([p for p, _, _ in media])
-        grids = media[0][1] if len(media) == 1 else torch.cat([g for _, g, _ in media])
-        feats = body.visual(pixels.to(body.visual.dtype), grid_thw=grids)
-        feats = feats.pooler_output if hasattr(feats, "pooler_output") else feats
-        merge = body.visual.spatial_merge_size ** 2
-        first = 0
-        for _, g, tok in media:
-            n = int(g.prod(-1).sum()) // merge
-            mask = (input_ids == tok).unsqueeze(-1)
-            embeds = embeds.masked_scatter(mask, feats[first:first + n].to(embeds.dtype))
-            first += n
-    return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **(routed or {}))
-
-
-def idle_audio(audio: nn.Module, like: torch.Tensor) -> torch.Tensor:
-    """Zero, computed through the audio tower on four frames of silence (one output token): the audio tower's
-    counterpart of `idle_vision`, for a batch without clips."""
-    frames = 4
-    features = torch.zeros(audio.num_mel_bins, frames, dtype=audio.conv1.weight.dtype, device=like.device)
-    out = audio(features, feature_lens=torch.tensor([frames], device=like.device))
-    return out.last_hidden_state.sum().to(like.dtype) * 0.0
-
-
-def idle_vision(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
-    """Zero, computed through the vision tower on one tiny blank image.
-
-    A batch without images would skip the tower, but under FSDP2 each vision block's all-gather (and under DDP a
-    trainable merger's gradient) is a collective: a rank that skips it while another rank runs it waits forever
-    (the classic ZeRO-3 stall of VL models). Running every rank through the tower on every step keeps the
-    collectives matched; the result is multiplied by zero, so the loss and the gradients are unchanged."""
-    embed = visual.patch_embed
-    merge = visual.spatial_merge_size
-    dim = embed.in_channels * embed.temporal_patch_size * embed.patch_size * embed.patch_size
-    pixels = torch.zeros(merge * merge, dim, dtype=like.dtype, device=like.device)
-    grid = torch.tensor([[1, merge, merge]], device=like.device)
-    out = visual(pixels, grid_thw=grid)
-    feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    return feats.sum().to(like.dtype) * 0.0
