@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from shardfit.diagnose.setting import Setting, read_setting
+
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 512 * 1024
 WINDOW_BYTES = 16 * 1024
@@ -137,6 +139,7 @@ class Parsed:
     model_size_b: float | None = None
     nccl_ops: list[tuple[int, str, int | None]] = field(default_factory=list)
     facts: set[str] = field(default_factory=set)
+    setting: Setting = field(default_factory=Setting)
 
     @property
     def failing_frame(self) -> str | None:
@@ -158,6 +161,7 @@ class Parsed:
             "device_map": self.device_map,
             "dtype": self.dtype,
             "facts": sorted(self.facts),
+            "setting": self.setting.summary(),
             "input_chars": self.input_chars,
             "scanned_chars": self.scanned_chars,
         }
@@ -363,7 +367,7 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.world_size = max(worlds)
         if p.world_size > 1:
             p.facts.add("multi_rank")
-    m = re.search(r"device_map\s*[=:]\s*(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
+    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
     if m:
         p.device_map = m.group(2)
         p.facts.add("device_map")
@@ -396,6 +400,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
             minutes = h * 60 + mm if ss is not None else h + mm / 60
             if minutes >= 29.5:
                 p.facts.add("data_progress_30min")
+    if len(p.versions) >= 2:  # an environment dump: the report is about which versions were installed
+        p.facts.add("versions_listed")
     for code in p.exit_codes:
         p.facts.add(f"exit{code}")
     for sig in p.signals:
@@ -425,4 +431,5 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
+    p.setting = read_setting(p.text, p.facts, p.zero_stage, p.model_size_b)
     return p
