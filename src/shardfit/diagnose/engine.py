@@ -10,7 +10,8 @@ out. An item tests one field of the parsed log:
     frame:    a regex on a traceback frame ("package/path/file.py:function")
     fact:     a named fact of the parse (`facts:` in causes.yaml, or computed: zero3, multi_rank, exit-9, ...)
 
-plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count).
+plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count) and
+`check` (the check to show when this item decided the cause, instead of the cause's own).
 The score of a cause is the sum of the weights of its matched items; the confidence shown is a calibrated mapping
 of the score and of the margin over the runner-up (calibration.yaml, fitted on the dev part of the real corpus).
 
@@ -86,7 +87,8 @@ def _item(raw: dict, where: str) -> Item:
             label = f"{kind} /{val}/"
     except (re.error, TypeError) as e:
         raise UserError(f"{where}: bad {kind} {val!r}: {e}") from None
-    return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label)
+    return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label,
+                " ".join(str(raw.get("check") or "").split()))
 
 
 def load_knowledge(path: Path | None = None) -> Knowledge:
@@ -139,9 +141,11 @@ def score(cause: Cause, p: Parsed) -> Scored | None:
     evidence = [f"{it.label} (+{it.weight:g})" for it in sig] + [f"{it.label} ({it.weight:+g})" for it in ctx]
     evidence += [f"hint {it.label} ({it.weight:+g})" for it in hints]
     total = base + sum(it.weight for it in hints)
+    # the check of the strongest matched item that has one, else the cause's general check
+    check = next((it.check for it in sorted(sig + hints, key=lambda it: -it.weight) if it.check), cause.check)
     if not sig:
-        return Scored(cause, 0.0, 0.0, evidence, total, specific=False)
-    return Scored(cause, base, max(it.weight for it in sig), evidence, total)
+        return Scored(cause, 0.0, 0.0, evidence, total, specific=False, check=check)
+    return Scored(cause, base, max(it.weight for it in sig), evidence, total, check=check)
 
 
 @cache
@@ -155,10 +159,10 @@ def _calibration(path: str) -> tuple[list[float], list[float]]:
     return [x for x, _ in pts], [y for _, y in pts]
 
 
-def per_rank_probabilities(calibration: Path | None = None) -> dict[str, list[float]]:
-    """calibration.yaml `likely`: per answer kind, the probability that the cause at rank 1, 2, 3 is right."""
-    table = _calibration_table(str(calibration or HERE / "calibration.yaml")).get("likely") or {}
-    return {kind: [float(x) for x in probs] for kind, probs in table.items()}
+def per_rank_probabilities(calibration: Path | None = None) -> list[float]:
+    """calibration.yaml `likely`: the probability that a hinted (non-finding) likely cause at rank 1, 2, 3 is right."""
+    table = _calibration_table(str(calibration or HERE / "calibration.yaml")).get("likely")
+    return [float(x) for x in table] if isinstance(table, list) else []
 
 
 def evidence_strength(top: float, runner_up: float) -> float:

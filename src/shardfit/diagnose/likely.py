@@ -7,8 +7,9 @@ so the same line ranks differently under ZeRO-3, FSDP, DDP or a plain `python` l
 each with the one check that tells it apart from the others.
 
 A confident finding (confidence >= CONFIDENT) stays first: its specific evidence outranks any hint. Otherwise the
-ranking is the answer ("likely"), and each entry's confidence is the probability, fitted on the dev corpus
-(calibration.yaml `likely`), that the cause at that rank is the right one; it is kept below CONFIDENT.
+ranking is the answer ("likely"). An entry that is also a finding shows the finding's calibrated confidence; one
+that only hints support shows the probability, fitted on the dev corpus (calibration.yaml `likely`), that a hinted
+cause at that rank is right. Below a confident first entry, every confidence is kept under CONFIDENT.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ TOP = 3
 
 def _entry(s: Scored, confidence: float) -> Likely:
     c = s.cause
-    return Likely(c.id, round(confidence, 2), c.title, c.check, c.root_cause, c.fix, s.evidence)
+    return Likely(c.id, round(confidence, 2), c.title, s.check or c.check, c.root_cause, c.fix, s.evidence)
 
 
 def likely_causes(scored: list[Scored], findings: list[Finding], order: list[str],
-                  per_rank: dict[str, list[float]]) -> tuple[str, list[Likely]]:
+                  per_rank: list[float]) -> tuple[str, list[Likely]]:
     """(answer, ranked likely causes): answer is "confident" when findings[0] is confident, "likely" when only the
-    ranking can be offered, "none" when no cause is a candidate. `per_rank` holds the fitted probability of being
-    right per rank, for each answer kind ({"confident": [...], "likely": [...]})."""
+    ranking can be offered, "none" when no cause is a candidate. A likely cause that is also a finding shows the
+    finding's confidence; one that only hints support shows `per_rank[rank]`, fitted on dev (calibration.yaml)."""
     pos = {cid: i for i, cid in enumerate(order)}
     pool = sorted((s for s in scored if s.total >= LIKELY_MIN or (s.specific and s.score >= 2.0)),
                   key=lambda s: (-s.total, -s.score, pos[s.cause.id]))
@@ -39,15 +40,11 @@ def likely_causes(scored: list[Scored], findings: list[Finding], order: list[str
         pool = [first] + [s for s in pool if s is not first]
     if not pool:
         return "none", []
-    answer = "confident" if confident else "likely"
-    probs = per_rank.get(answer) or []
+    found = {f.category: f.confidence for f in findings}
     out = []
     for i, s in enumerate(pool[:TOP]):
-        if i == 0 and confident:
-            p = findings[0].confidence
-        else:
-            p = min(probs[i] if i < len(probs) else 0.05, CONFIDENT - 0.01)
-        out.append(_entry(s, p))
+        p = found.get(s.cause.id, per_rank[i] if i < len(per_rank) else 0.05)
+        out.append(_entry(s, p if (i == 0 and confident) else min(p, CONFIDENT - 0.01)))
     for i in range(1, len(out)):  # best first: a lower rank never shows more confidence
         out[i].confidence = min(out[i].confidence, out[i - 1].confidence)
-    return answer, out
+    return ("confident" if confident else "likely"), out

@@ -15,6 +15,7 @@ class Item:
     when: tuple[str, ...] = ()
     unless: tuple[str, ...] = ()
     label: str = ""
+    check: str = ""  # the check to show when this item decided the cause (else the cause's own check)
 
     def matches(self, p: Parsed) -> bool:
         if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
@@ -67,6 +68,7 @@ class Scored:
     evidence: list[str]
     total: float = 0.0  # score + hints (+ context when only hints matched): what likely causes are ranked on
     specific: bool = True  # a signature matched, not only hints
+    check: str = ""  # the check that tells this cause apart, given what matched
 
 
 @dataclass

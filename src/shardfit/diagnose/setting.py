@@ -29,8 +29,9 @@ _LAUNCHERS = (
                   r"\[launch\.py:\d+:main\]"),
     ("torchrun", r"\btorchrun\b|torch\.distributed\.(?:run|launch)\b|distributed/run\.py"),
     ("mpirun/srun", r"\bmpirun\b|\bsrun\b"),
-    ("ray", r"\bray\s+(?:start|job)|RayTaskError|\(\w+ pid=\d+|ray/_private"),
-    ("python", r"(?:^|[\s$;&])python3?(?:\.\d+)?\s+(?:-u\s+)?(?!-m\s+torch\.distributed)(?:-m\s+\w[\w.]*|[\w./-]+\.py)\b"),
+    ("ray", r"\bray\s+(?:start|job)|RayTaskError|\((?:\w+ )?pid=\d+, ip=|ray/_private"),
+    ("python", r"(?:^|[\s$;&])python3?(?:\.\d+)?\s+(?:-u\s+)?(?!-m\s+torch\.distributed)"
+               r"(?:-m\s+\w[\w.]*|[\w./-]+\.py)\b"),
 )
 _FRAMEWORKS = (
     ("LLaMA-Factory", r"llamafactory|llmtuner|LLaMA-Factory|src/train_bash\.py|--stage sft"),
