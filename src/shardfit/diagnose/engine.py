@@ -67,7 +67,7 @@ def _as_tuple(x) -> tuple[str, ...]:
     return (x,) if isinstance(x, str) else tuple(x or ())
 
 
-def _item(raw: dict, where: str) -> Item:
+def _item(raw: dict, where: str, brief: bool = False) -> Item:
     kinds = [k for k in KINDS if k in raw]
     if len(kinds) != 1 or "w" not in raw:
         raise UserError(f"{where}: an item needs exactly one of {', '.join(KINDS)} and a weight w: {raw!r}")
@@ -88,7 +88,7 @@ def _item(raw: dict, where: str) -> Item:
     except (re.error, TypeError) as e:
         raise UserError(f"{where}: bad {kind} {val!r}: {e}") from None
     return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label,
-                " ".join(str(raw.get("check") or "").split()))
+                " ".join(str(raw.get("check") or "").split()), brief)
 
 
 def load_knowledge(path: Path | None = None) -> Knowledge:
@@ -121,7 +121,7 @@ def _load(path: str) -> Knowledge:
         if entry["id"] in ids:
             raise UserError(f"{where}: duplicate id")
         ids.add(entry["id"])
-        items = {k: tuple(_item(x, where) for x in entry.get(k) or [])
+        items = {k: tuple(_item(x, where, brief=k == "hints") for x in entry.get(k) or [])
                  for k in ("signatures", "context", "veto", "hints")}
         causes.append(Cause(entry["id"], entry["title"], items["signatures"], items["context"], items["veto"],
                             " ".join(entry["root_cause"].split()), " ".join(entry["fix"].split()),

@@ -16,6 +16,7 @@ class Item:
     unless: tuple[str, ...] = ()
     label: str = ""
     check: str = ""  # the check to show when this item decided the cause (else the cause's own check)
+    brief: bool = False  # a hint: `re` items search Parsed.brief (head and tail), not the whole evidence text
 
     def matches(self, p: Parsed) -> bool:
         if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
@@ -23,7 +24,7 @@ class Item:
         if self.kind == "phrase":
             return any(ph in p.squashed for ph in self.value)
         if self.kind == "re":
-            return self.value.search(p.text) is not None
+            return self.value.search(p.brief if self.brief else p.text) is not None
         if self.kind == "exc":
             return p.exception is not None and self.value.search(str(p.exception)) is not None
         if self.kind == "any_exc":

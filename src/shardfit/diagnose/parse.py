@@ -28,6 +28,12 @@ TAIL_BYTES = 512 * 1024
 WINDOW_BYTES = 16 * 1024
 EVIDENCE_CHARS = 256 * 1024  # hard cap on what the rule patterns see
 MAX_LINE = 2000  # longer lines (binary junk, minified JSON) are cut into pieces of this size
+# Hints, symptom facts (named sym_*) and the setting are read on the head and tail of the evidence only: what users
+# paste around an error is the command and config above it and the lines at the end, and the many weak patterns
+# stay cheap on a huge log.
+BRIEF_LINES = (150, 300)
+BRIEF_CHARS = 64 * 1024
+SYMPTOM_PREFIX = "sym_"
 
 # Markers of the failure region in the middle of a huge log (searched with bytes.find: fast, no regex).
 ANCHORS = (b"Traceback (most", b"Error", b"error:", b"Exception", b"NCCL WARN", b"Killed", b"exitcode",
@@ -126,6 +132,7 @@ class Parsed:
     lines: list[str] = field(default_factory=list)
     text: str = ""
     squashed: str = ""
+    brief: str = ""  # the head and tail of `text`: where hints and the setting are read (see BRIEF_LINES)
     exceptions: list[Exc] = field(default_factory=list)
     exception: Exc | None = None
     frames: list[str] = field(default_factory=list)
@@ -345,7 +352,7 @@ def _versions(text: str) -> dict[str, str]:
 def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
     text = p.text
     for name, pat in fact_patterns.items():
-        if pat.search(text):
+        if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else text):
             p.facts.add(name)
     stages = []
     for m in _STAGE.finditer(text):
@@ -422,6 +429,10 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
     p.text = "\n".join(lines)
     p.scanned_chars = len(p.text)
     p.squashed = squash(p.text)
+    head, tail = BRIEF_LINES
+    p.brief = p.text if len(lines) <= head + tail else "\n".join(lines[:head] + lines[-tail:])
+    if len(p.brief) > BRIEF_CHARS:
+        p.brief = p.brief[:BRIEF_CHARS // 4] + "\n" + p.brief[-3 * BRIEF_CHARS // 4:]
     p.exceptions = _exceptions(lines)
     p.exception = _primary(p.exceptions)
     p.frames = _frames(p.text)
@@ -431,5 +442,5 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
-    p.setting = read_setting(p.text, p.facts, p.zero_stage, p.model_size_b)
+    p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b)
     return p
