@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from shardfit.diagnose.setting import Setting, read_setting
+from shardfit.diagnose.setting import Setting, gpu_rows, read_setting
 
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 512 * 1024
@@ -442,5 +442,6 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
-    p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b)
+    raw = text if len(text) <= 2 * HEAD_BYTES else text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:]
+    p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b, gpu_rows(_ANSI.sub("", raw)))
     return p

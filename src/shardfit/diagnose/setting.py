@@ -87,13 +87,18 @@ def _first(table: tuple[tuple[str, str], ...], text: str) -> str | None:
     return next((name for name, pat in table if re.search(pat, text, re.I | re.M)), None)
 
 
-def _gpus_visible(text: str) -> int | None:
+def gpu_rows(raw: str) -> int:
+    """GPUs listed in an nvidia-smi table of the raw paste (normalisation folds those rows into one, so they are
+    counted before it)."""
+    return len({m.group(1) for m in _SMI_ROW.finditer(raw)})
+
+
+def _gpus_visible(text: str, smi_rows: int) -> int | None:
     counts = [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]
     counts += [int(m.group(1)) for m in _N_GPU.finditer(text)]
     counts += [int(g) for m in _COUNT.finditer(text) for g in m.groups() if g]
-    rows = {m.group(1) for m in _SMI_ROW.finditer(text)}
-    if len(rows) > 1:
-        counts.append(len(rows))
+    if smi_rows > 1:
+        counts.append(smi_rows)
     return max(counts) if counts else None
 
 
@@ -121,12 +126,13 @@ def _strategy(facts: set[str], zero_stage: int | None, launcher: str | None) -> 
     return None
 
 
-def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_b: float | None) -> Setting:
+def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_b: float | None,
+                 smi_rows: int = 0) -> Setting:
     """The setting the log shows; adds the facts listed in the module docstring to `facts`."""
     s = Setting(launcher=_first(_LAUNCHERS, text), framework=_first(_FRAMEWORKS, text), model_size_b=model_size_b)
     m = _MODEL.search(text)
     s.model = m.group(1).strip("'\"") if m else None
-    s.gpus_visible = _gpus_visible(text)
+    s.gpus_visible = _gpus_visible(text, smi_rows)
     s.gpu_mem_gib = _gpu_mem(text)
     if s.launcher == "python" and "multi_rank" not in facts:
         facts.add("plain_python")
