@@ -14,7 +14,8 @@ traceback) and `line` (one line: the final exception "Type: message", else the l
   as a share of all cases (known and unrelated) and of the confident answers;
 - abstain on unrelated: cases labelled `none` with no ranked cause at all; `not confident on unrelated`: with no
   confident answer;
-- findings top-1: the first of the `findings` list (the contract before the ranked list existed).
+- findings top-1 / findings empty on unrelated: the same on the `findings` list (the contract before the ranked
+  list existed: only causes whose specific signature matched).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def evaluate(cases: list[dict], variant: str = "full") -> dict:
         "answered": sum(r["top"] is not None for r in known) / n,
         "findings_top1": sum(r["finding"] == r["label"] for r in known) / n,
         "abstain_unrelated": sum(r["top"] is None for r in unrelated) / max(len(unrelated), 1),
+        "findings_abstain_unrelated": sum(r["finding"] is None for r in unrelated) / max(len(unrelated), 1),
         "unconfident_unrelated": sum(r["answer"] != "confident" for r in unrelated) / max(len(unrelated), 1),
         "confident": len(confident),
         "wrong_confident": len(wrong_conf),
@@ -94,7 +96,8 @@ def report(m: dict, show_misses: bool = True) -> str:
              f"confident-wrong {m['wrong_confident']} of {m['confident']} confident "
              f"({m['wrong_at_08']:.1%}; {m['confident_wrong_of_all']:.1%} of all cases), abstain on unrelated "
              f"{m['abstain_unrelated']:.1%}, not confident on unrelated {m['unconfident_unrelated']:.1%}, "
-             f"findings top-1 {m['findings_top1']:.1%}"]
+             f"findings top-1 {m['findings_top1']:.1%}, findings empty on unrelated "
+             f"{m['findings_abstain_unrelated']:.1%}"]
     if show_misses:
         for r in m["rows"]:
             if (r["cats"] if r["label"] == "none" else r["label"] not in r["cats"][:3]):

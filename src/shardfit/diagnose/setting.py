@@ -50,9 +50,10 @@ _MODEL = re.compile(r"(?:--model_name_or_path|model_name_or_path:|--model(?:_id_
                     r"from_pretrained\(\s*)[\s=:'\"]*([\w./-]{3,120})", re.I)
 _VISIBLE = re.compile(r"CUDA_VISIBLE_DEVICES\s*[=:]\s*['\"]?(\d+(?:\s*,\s*\d+)*)")
 _N_GPU = re.compile(r"\bn_gpu\s*[:=]\s*(\d+)")
-_COUNT = re.compile(r"\b(\d{1,2})\s*(?:x|\*|×)\s*(?:NVIDIA\s+)?(?:A100|H100|H800|H20|A800|V100|A6000|A10G?|L40S?|L4|T4|"
-                    r"RTX|GPU|4090|3090)|\b(\d{1,2})\s+(?:NVIDIA\s+)?(?:A100|H100|H800|A800|V100|A6000|L40S?|4090|3090|"
-                    r"RTX \w+|T4|L4)?\s*GPUs\b|(?:Number of GPUs|GPU count|num_gpus)\s*[:=]\s*(\d+)", re.I)
+_COUNT = re.compile(r"\b(\d{1,2})\s*(?:x|\*|×)?\s*(?:NVIDIA\s+)?(?:A100|H100|H800|H20|A800|V100|A6000|A10G?|"
+                    r"L40S?|L4|T4|RTX|GPU|4090|3090)|\b(\d{1,2})\s+(?:NVIDIA\s+)?(?:A100|H100|H800|A800|V100|A6000|"
+                    r"L40S?|4090|3090|RTX \w+|T4|L4)?\s*GPUs\b|(?:Number of GPUs|GPU count|num_gpus)\s*[:=]\s*(\d+)",
+                    re.I)
 _SMI_ROW = re.compile(r"^\|?\s*(\d)\s+(?:NVIDIA|Tesla|GeForce|Quadro)\b", re.M)
 _CAPACITY = re.compile(r"(\d+(?:\.\d+)?) GiB total capacity|total capac\w* of (\d+(?:\.\d+)?) GiB")
 # Card name -> memory (GiB) where the name alone says it; the capacity in an OOM message wins when present.
