@@ -10,21 +10,32 @@ out. An item tests one field of the parsed log:
     frame:    a regex on a traceback frame ("package/path/file.py:function")
     fact:     a named fact of the parse (`facts:` in causes.yaml, or computed: zero3, multi_rank, exit-9, ...)
 
-plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count).
+plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count) and
+`check` (the check to show when this item decided the cause, instead of the cause's own).
 The score of a cause is the sum of the weights of its matched items; the confidence shown is a calibrated mapping
 of the score and of the margin over the runner-up (calibration.yaml, fitted on the dev part of the real corpus).
+
+Short pastes (one line, a title, the last lines of a traceback) rarely carry a cause's specific signature. For them
+each cause also lists `hints`: symptom-level items (an OOM, a CPU tensor, a timeout, "Killed", the reporter's own
+words) that make it a candidate without making it a finding, and a `check`: the one thing to look at that tells it
+apart from the causes sharing its symptom. `likely.py` ranks the candidates on signatures + context + hints (the
+context being what the log shows of launcher, framework, model and strategy, see setting.py); the top three are the
+"likely causes". When the top finding is confident (>= CONFIDENT) it stays first; otherwise the likely causes are the
+answer, with the probability per rank fitted on dev (calibration.yaml, `likely`).
 """
 
 from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import yaml
 
+from shardfit.diagnose.likely import likely_causes
+from shardfit.diagnose.model import Cause, Finding, Item, Likely, Scored
 from shardfit.diagnose.parse import Parsed, parse, squash
 from shardfit.diagnose.similar import nearest
 from shardfit.errors import UserError
@@ -34,64 +45,6 @@ MIN_SCORE = 2.0  # below this nothing is reported (the abstain path)
 KINDS = ("phrase", "re", "exc", "any_exc", "frame", "fact")
 
 
-@dataclass(frozen=True)
-class Item:
-    kind: str
-    value: object  # compiled regex, tuple of squashed phrases, or tuple of fact names
-    weight: float
-    when: tuple[str, ...] = ()
-    unless: tuple[str, ...] = ()
-    label: str = ""
-
-    def matches(self, p: Parsed) -> bool:
-        if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
-            return False
-        if self.kind == "phrase":
-            return any(ph in p.squashed for ph in self.value)
-        if self.kind == "re":
-            return self.value.search(p.text) is not None
-        if self.kind == "exc":
-            return p.exception is not None and self.value.search(str(p.exception)) is not None
-        if self.kind == "any_exc":
-            return any(self.value.search(str(e)) for e in p.exceptions)
-        if self.kind == "frame":
-            return any(self.value.search(f) for f in p.frames)
-        return all(f in p.facts for f in self.value)
-
-
-@dataclass(frozen=True)
-class Cause:
-    id: str
-    title: str
-    signatures: tuple[Item, ...]
-    context: tuple[Item, ...]
-    veto: tuple[Item, ...]
-    root_cause: str
-    fix: str
-    prevented_by: str
-
-
-@dataclass
-class Finding:
-    category: str
-    confidence: float
-    title: str
-    root_cause: str
-    fix: str
-    prevented_by: str
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Scored:
-    cause: Cause
-    score: float
-    strongest: float
-    evidence: list[str]
-
-
 @dataclass
 class Analysis:
     parsed: Parsed
@@ -99,6 +52,8 @@ class Analysis:
     evidence: list[list[str]]
     scores: list[tuple[str, float]]
     similar: list[dict] = field(default_factory=list)
+    likely: list[Likely] = field(default_factory=list)
+    answer: str = "none"  # "confident": findings[0] is the answer; "likely": the ranked list is; "none"
 
 
 @dataclass(frozen=True)
@@ -108,11 +63,17 @@ class Knowledge:
     generic: tuple[tuple[re.Pattern, str], ...]
 
 
+def _read_yaml(path: Path) -> object:
+    """A YAML data file, with libyaml's safe loader where PyYAML has it (causes.yaml is read on every run: the C
+    loader saves a quarter of a second); both build plain data only, no objects."""
+    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def _as_tuple(x) -> tuple[str, ...]:
     return (x,) if isinstance(x, str) else tuple(x or ())
 
 
-def _item(raw: dict, where: str) -> Item:
+def _item(raw: dict, where: str, brief: bool = False) -> Item:
     kinds = [k for k in KINDS if k in raw]
     if len(kinds) != 1 or "w" not in raw:
         raise UserError(f"{where}: an item needs exactly one of {', '.join(KINDS)} and a weight w: {raw!r}")
@@ -132,7 +93,8 @@ def _item(raw: dict, where: str) -> Item:
             label = f"{kind} /{val}/"
     except (re.error, TypeError) as e:
         raise UserError(f"{where}: bad {kind} {val!r}: {e}") from None
-    return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label)
+    return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label,
+                " ".join(str(raw.get("check") or "").split()), brief)
 
 
 def load_knowledge(path: Path | None = None) -> Knowledge:
@@ -146,7 +108,7 @@ def load_causes(path: Path | None = None) -> list[Cause]:
 
 @cache
 def _load(path: str) -> Knowledge:
-    raw = yaml.safe_load(Path(path).read_text())
+    raw = _read_yaml(Path(path))
     if isinstance(raw, list):  # the v1 format: a bare list of causes
         raw = {"causes": raw}
     facts = {}
@@ -159,39 +121,54 @@ def _load(path: str) -> Knowledge:
     ids = set()
     for i, entry in enumerate(raw.get("causes") or []):
         where = f"{path}: cause {entry.get('id', i)}"
-        for key in ("id", "title", "signatures", "root_cause", "fix", "prevented_by"):
+        for key in ("id", "title", "signatures", "root_cause", "fix", "prevented_by", "check"):
             if key not in entry:
                 raise UserError(f"{where}: missing '{key}'")
         if entry["id"] in ids:
             raise UserError(f"{where}: duplicate id")
         ids.add(entry["id"])
-        items = {k: tuple(_item(x, where) for x in entry.get(k) or []) for k in ("signatures", "context", "veto")}
+        items = {k: tuple(_item(x, where, brief=k == "hints") for x in entry.get(k) or [])
+                 for k in ("signatures", "context", "veto", "hints")}
         causes.append(Cause(entry["id"], entry["title"], items["signatures"], items["context"], items["veto"],
                             " ".join(entry["root_cause"].split()), " ".join(entry["fix"].split()),
-                            entry["prevented_by"]))
+                            entry["prevented_by"], " ".join(entry["check"].split()), items["hints"]))
     generic = tuple((re.compile(g["exc"], re.I | re.S), " ".join(g["step"].split())) for g in raw.get("generic") or [])
     return Knowledge(tuple(causes), facts, generic)
 
 
 def score(cause: Cause, p: Parsed) -> Scored | None:
-    """Matched weight of a cause (None when no signature matches or a veto does)."""
+    """Matched weight of a cause (None when neither a signature nor a hint matches, or a veto does)."""
     sig = [it for it in cause.signatures if it.matches(p)]
-    if not sig or any(it.matches(p) for it in cause.veto):
+    hints = [it for it in cause.hints if it.matches(p)]
+    if (not sig and not hints) or any(it.matches(p) for it in cause.veto):
         return None
     ctx = [it for it in cause.context if it.matches(p)]
-    total = sum(it.weight for it in sig) + sum(it.weight for it in ctx)
+    base = sum(it.weight for it in sig) + sum(it.weight for it in ctx)
     evidence = [f"{it.label} (+{it.weight:g})" for it in sig] + [f"{it.label} ({it.weight:+g})" for it in ctx]
-    return Scored(cause, total, max(it.weight for it in sig), evidence)
+    evidence += [f"hint {it.label} ({it.weight:+g})" for it in hints]
+    total = base + sum(it.weight for it in hints)
+    # the check of the strongest matched item that has one, else the cause's general check
+    check = next((it.check for it in sorted(sig + hints, key=lambda it: -it.weight) if it.check), cause.check)
+    if not sig:
+        return Scored(cause, 0.0, 0.0, evidence, total, specific=False, check=check)
+    return Scored(cause, base, max(it.weight for it in sig), evidence, total, check=check)
 
 
 @cache
-def _calibration(path: str) -> tuple[list[float], list[float]]:
+def _calibration_table(path: str) -> dict:
     f = Path(path)
-    if not f.is_file():
-        return [], []
-    table = yaml.safe_load(f.read_text()) or {}
-    pts = sorted((float(k), float(v)) for k, v in (table.get("points") or {}).items())
+    return (_read_yaml(f) or {}) if f.is_file() else {}
+
+
+def _calibration(path: str) -> tuple[list[float], list[float]]:
+    pts = sorted((float(k), float(v)) for k, v in (_calibration_table(path).get("points") or {}).items())
     return [x for x, _ in pts], [y for _, y in pts]
+
+
+def per_rank_probabilities(calibration: Path | None = None) -> list[float]:
+    """calibration.yaml `likely`: the probability that a hinted (non-finding) likely cause at rank 1, 2, 3 is right."""
+    table = _calibration_table(str(calibration or HERE / "calibration.yaml")).get("likely")
+    return [float(x) for x in table] if isinstance(table, list) else []
 
 
 def evidence_strength(top: float, runner_up: float) -> float:
@@ -214,8 +191,14 @@ def confidence(strength: float, calibration: Path | None = None) -> float:
     return round(y0 + (y1 - y0) * (strength - x0) / (x1 - x0), 2)
 
 
-def rank(p: Parsed, knowledge: Knowledge) -> list[Scored]:
-    scored = [s for c in knowledge.causes if (s := score(c, p)) is not None]
+def candidates(p: Parsed, knowledge: Knowledge) -> list[Scored]:
+    """Every cause a signature or a hint of which matches (and no veto), in the order of causes.yaml."""
+    return [s for c in knowledge.causes if (s := score(c, p)) is not None]
+
+
+def rank(p: Parsed, knowledge: Knowledge, scored: list[Scored] | None = None) -> list[Scored]:
+    """The causes with a matching signature, best first (what findings are taken from)."""
+    scored = [s for s in (candidates(p, knowledge) if scored is None else scored) if s.specific]
     order = {c.id: i for i, c in enumerate(knowledge.causes)}
     scored.sort(key=lambda s: (-s.score, -s.strongest, order[s.cause.id]))
     return scored
@@ -226,7 +209,8 @@ def analyze(data: bytes | str, knowledge: Knowledge | None = None, limit: int = 
     """Parse a log and rank the known causes; findings is empty when nothing reaches MIN_SCORE (abstain)."""
     knowledge = knowledge or load_knowledge()
     p = parse(data, knowledge.facts)
-    ranked = rank(p, knowledge)
+    scored = candidates(p, knowledge)
+    ranked = rank(p, knowledge, scored)
     findings: list[Finding] = []
     evidence: list[list[str]] = []
     for i, s in enumerate(ranked[:limit]):
@@ -241,8 +225,11 @@ def analyze(data: bytes | str, knowledge: Knowledge | None = None, limit: int = 
         evidence.append(s.evidence)
     for i in range(1, len(findings)):  # ranked best first: a lower finding never shows more confidence
         findings[i].confidence = min(findings[i].confidence, findings[i - 1].confidence)
+    answer, likely = likely_causes(scored, findings, [c.id for c in knowledge.causes],
+                                   per_rank_probabilities(calibration))
+    prefer = likely[0].category if likely else None
     return Analysis(p, findings, evidence, [(s.cause.id, round(s.score, 2)) for s in ranked[:8]],
-                    nearest(p, prefer=findings[0].category if findings else None))
+                    nearest(p, prefer=prefer), likely, answer)
 
 
 def generic_steps(p: Parsed, knowledge: Knowledge | None = None) -> list[str]:

@@ -21,11 +21,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from shardfit.diagnose.setting import Setting, gpu_rows, read_setting
+
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 512 * 1024
 WINDOW_BYTES = 16 * 1024
 EVIDENCE_CHARS = 256 * 1024  # hard cap on what the rule patterns see
 MAX_LINE = 2000  # longer lines (binary junk, minified JSON) are cut into pieces of this size
+# Hints, symptom facts (named sym_*) and the setting are read on the head and tail of the evidence only: what users
+# paste around an error is the command and config above it and the lines at the end, and the many weak patterns
+# stay cheap on a huge log.
+BRIEF_LINES = (150, 300)
+BRIEF_CHARS = 64 * 1024
+SYMPTOM_PREFIX = "sym_"
 
 # Markers of the failure region in the middle of a huge log (searched with bytes.find: fast, no regex).
 ANCHORS = (b"Traceback (most", b"Error", b"error:", b"Exception", b"NCCL WARN", b"Killed", b"exitcode",
@@ -124,6 +132,7 @@ class Parsed:
     lines: list[str] = field(default_factory=list)
     text: str = ""
     squashed: str = ""
+    brief: str = ""  # the head and tail of `text`: where hints and the setting are read (see BRIEF_LINES)
     exceptions: list[Exc] = field(default_factory=list)
     exception: Exc | None = None
     frames: list[str] = field(default_factory=list)
@@ -137,6 +146,7 @@ class Parsed:
     model_size_b: float | None = None
     nccl_ops: list[tuple[int, str, int | None]] = field(default_factory=list)
     facts: set[str] = field(default_factory=set)
+    setting: Setting = field(default_factory=Setting)
 
     @property
     def failing_frame(self) -> str | None:
@@ -158,6 +168,7 @@ class Parsed:
             "device_map": self.device_map,
             "dtype": self.dtype,
             "facts": sorted(self.facts),
+            "setting": self.setting.summary(),
             "input_chars": self.input_chars,
             "scanned_chars": self.scanned_chars,
         }
@@ -341,7 +352,7 @@ def _versions(text: str) -> dict[str, str]:
 def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
     text = p.text
     for name, pat in fact_patterns.items():
-        if pat.search(text):
+        if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else text):
             p.facts.add(name)
     stages = []
     for m in _STAGE.finditer(text):
@@ -363,7 +374,7 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.world_size = max(worlds)
         if p.world_size > 1:
             p.facts.add("multi_rank")
-    m = re.search(r"device_map\s*[=:]\s*(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
+    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
     if m:
         p.device_map = m.group(2)
         p.facts.add("device_map")
@@ -396,6 +407,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
             minutes = h * 60 + mm if ss is not None else h + mm / 60
             if minutes >= 29.5:
                 p.facts.add("data_progress_30min")
+    if len(p.versions) >= 2:  # an environment dump: the report is about which versions were installed
+        p.facts.add("versions_listed")
     for code in p.exit_codes:
         p.facts.add(f"exit{code}")
     for sig in p.signals:
@@ -416,6 +429,10 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
     p.text = "\n".join(lines)
     p.scanned_chars = len(p.text)
     p.squashed = squash(p.text)
+    head, tail = BRIEF_LINES
+    p.brief = p.text if len(lines) <= head + tail else "\n".join(lines[:head] + lines[-tail:])
+    if len(p.brief) > BRIEF_CHARS:
+        p.brief = p.brief[:BRIEF_CHARS // 4] + "\n" + p.brief[-3 * BRIEF_CHARS // 4:]
     p.exceptions = _exceptions(lines)
     p.exception = _primary(p.exceptions)
     p.frames = _frames(p.text)
@@ -425,4 +442,6 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
+    raw = text if len(text) <= 2 * HEAD_BYTES else text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:]
+    p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b, gpu_rows(_ANSI.sub("", raw)))
     return p

@@ -22,10 +22,14 @@ def read_input(path: str | None) -> bytes:
 
 
 def to_json(a: Analysis) -> dict:
-    """{"findings": [...six contract fields...]} plus what was parsed, the evidence per finding and similar reports."""
+    """{"findings": [...six contract fields...]} plus the evidence per finding, the answer kind ("confident",
+    "likely", "none") with the ranked likely causes (each with the check that tells it apart), what was parsed and
+    similar reports."""
     out = {
         "findings": [f.to_json() for f in a.findings],
         "evidence": a.evidence,
+        "answer": a.answer,
+        "likely_causes": [x.to_json() for x in a.likely],
         "parsed": a.parsed.summary(),
         "similar": a.similar,
     }
@@ -58,24 +62,61 @@ def _parsed_lines(a: Analysis) -> list[str]:
     setup += [f for f in ("fsdp", "offload", "lora", "quant", "grad_ckpt") if f in s["facts"]]
     if setup:
         lines.append("setup:         " + ", ".join(setup))
+    st = s["setting"]
+    bits = [f"{k.replace('_', ' ')} {st[k]}" for k in ("launcher", "framework", "strategy", "model") if k in st]
+    if "gpus_visible" in st:
+        bits.append(f"{st['gpus_visible']} GPUs visible")
+    if "replica_gib" in st:
+        bits.append(f"one replica ~{st['replica_gib']:g} GiB" + (f" on {st['gpu_mem_gib']:g} GiB GPUs"
+                                                                 if "gpu_mem_gib" in st else ""))
+    if bits:
+        lines.append("setting:       " + ", ".join(bits))
     if s["input_chars"] > s["scanned_chars"] * 2:
         lines.append(f"read:          {s['scanned_chars']:,} of {s['input_chars']:,} characters (head, tail and the "
                      "regions around the errors)")
     return lines
 
 
+def _findings_text(a: Analysis, wrap: textwrap.TextWrapper) -> list[str]:
+    """The confident answer: the findings, each with its check, then the other likely causes in one line each."""
+    out: list[str] = []
+    checks = {x.category: x.check for x in a.likely}
+    for i, (f, ev) in enumerate(zip(a.findings, a.evidence, strict=True), 1):
+        out.append(f"{i}. {f.title}  [{f.category}, confidence {f.confidence:.2f}]")
+        out.append(wrap.fill(f"   cause: {f.root_cause}"))
+        out.append(wrap.fill(f"   fix:   {f.fix}"))
+        out.append(wrap.fill(f"   shardfit: {f.prevented_by}"))
+        out.append(wrap.fill(f"   seen:  {'; '.join(ev[:5])}"))
+        if checks.get(f.category):
+            out.append(wrap.fill(f"   check: {checks[f.category]}"))
+        out.append("")
+    others = [x for x in a.likely if x.category not in {f.category for f in a.findings}]
+    if others:
+        out.append("also possible:")
+        out += [wrap.fill(f"  - {x.title} [{x.category}]: {x.check}") for x in others]
+        out.append("")
+    return out
+
+
+def _likely_text(a: Analysis, wrap: textwrap.TextWrapper) -> list[str]:
+    """No confident answer: the ranked likely causes, each with the one check that tells it apart."""
+    out = ["Likely causes (the log does not settle it; the check under each tells them apart):", ""]
+    for i, x in enumerate(a.likely, 1):
+        out.append(f"{i}. {x.title}  [{x.category}, likely {x.confidence:.2f}]")
+        out.append(wrap.fill(f"   check: {x.check}"))
+        out.append(wrap.fill(f"   cause: {x.root_cause}"))
+        out.append(wrap.fill(f"   fix:   {x.fix}"))
+        out.append(wrap.fill(f"   seen:  {'; '.join(x.evidence[:5])}"))
+        out.append("")
+    return out
+
+
 def format_text(a: Analysis) -> str:
     """The human-readable report printed by `shardfit diagnose FILE`."""
     out: list[str] = []
     wrap = textwrap.TextWrapper(width=118, subsequent_indent="          ")
-    if a.findings:
-        for i, (f, ev) in enumerate(zip(a.findings, a.evidence, strict=True), 1):
-            out.append(f"{i}. {f.title}  [{f.category}, confidence {f.confidence:.2f}]")
-            out.append(wrap.fill(f"   cause: {f.root_cause}"))
-            out.append(wrap.fill(f"   fix:   {f.fix}"))
-            out.append(wrap.fill(f"   shardfit: {f.prevented_by}"))
-            out.append(wrap.fill(f"   seen:  {'; '.join(ev[:5])}"))
-            out.append("")
+    if a.answer != "none":
+        out += _findings_text(a, wrap) if a.answer == "confident" else _likely_text(a, wrap)
         parsed = _parsed_lines(a)
         if parsed:
             out.append("parsed from the log:")

@@ -1,0 +1,88 @@
+"""The typed objects of diagnosis: rule items, causes, scored causes, findings and likely causes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from shardfit.diagnose.parse import Parsed
+
+
+@dataclass(frozen=True)
+class Item:
+    kind: str
+    value: object  # compiled regex, tuple of squashed phrases, or tuple of fact names
+    weight: float
+    when: tuple[str, ...] = ()
+    unless: tuple[str, ...] = ()
+    label: str = ""
+    check: str = ""  # the check to show when this item decided the cause (else the cause's own check)
+    brief: bool = False  # a hint: `re` items search Parsed.brief (head and tail), not the whole evidence text
+
+    def matches(self, p: Parsed) -> bool:
+        if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
+            return False
+        if self.kind == "phrase":
+            return any(ph in p.squashed for ph in self.value)
+        if self.kind == "re":
+            return self.value.search(p.brief if self.brief else p.text) is not None
+        if self.kind == "exc":
+            return p.exception is not None and self.value.search(str(p.exception)) is not None
+        if self.kind == "any_exc":
+            return any(self.value.search(str(e)) for e in p.exceptions)
+        if self.kind == "frame":
+            return any(self.value.search(f) for f in p.frames)
+        return all(f in p.facts for f in self.value)
+
+
+@dataclass(frozen=True)
+class Cause:
+    id: str
+    title: str
+    signatures: tuple[Item, ...]
+    context: tuple[Item, ...]
+    veto: tuple[Item, ...]
+    root_cause: str
+    fix: str
+    prevented_by: str
+    check: str = ""
+    hints: tuple[Item, ...] = ()
+
+
+@dataclass
+class Finding:
+    category: str
+    confidence: float
+    title: str
+    root_cause: str
+    fix: str
+    prevented_by: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Scored:
+    cause: Cause
+    score: float  # signatures + context: what findings are decided on (0 when only hints matched)
+    strongest: float
+    evidence: list[str]
+    total: float = 0.0  # score + hints (+ context when only hints matched): what likely causes are ranked on
+    specific: bool = True  # a signature matched, not only hints
+    check: str = ""  # the check that tells this cause apart, given what matched
+
+
+@dataclass
+class Likely:
+    """One of the ranked likely causes: what it is, how likely, and the one check that tells it apart."""
+
+    category: str
+    confidence: float
+    title: str
+    check: str
+    root_cause: str
+    fix: str
+    evidence: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)

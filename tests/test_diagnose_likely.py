@@ -1,0 +1,157 @@
+"""`shardfit diagnose` on short and bare pastes (issue 46): the ranked likely causes, the setting read around the
+error, hints that rank without ever making a finding, the check per cause, the JSON and text output, and the
+scoring of short variants in tests/diagnose_real/evaluate.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfit.diagnose.engine import HERE, analyze, load_causes, load_knowledge, per_rank_probabilities
+from shardfit.diagnose.likely import CONFIDENT
+from shardfit.diagnose.parse import parse
+from shardfit.errors import UserError
+from tests.diagnose_real.evaluate import evaluate, shorten, synthetic_cases
+from tests.helpers import run_cli
+
+SHORT = yaml.safe_load(Path(__file__).with_name("diagnose_short").joinpath("cases.yaml").read_text())
+BARE_CPU = ("RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
+            "cuda:0 and cpu!")
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB."
+
+
+def _cats(log: str) -> list[str]:
+    return [x.category for x in analyze(log).likely]
+
+
+@pytest.mark.parametrize("case", SHORT, ids=[f"{i}-{c['label']}" for i, c in enumerate(SHORT)])
+def test_short_pastes_rank_their_cause(case: dict) -> None:
+    a = analyze(case["log"])
+    cats = [x.category for x in a.likely]
+    if case["label"] == "none":
+        assert cats == [] and a.answer == "none", cats
+        return
+    assert case["label"] in cats[:3], (case["why"], cats)
+    if case.get("first"):
+        assert cats[0] == case["label"], (case["why"], cats)
+
+
+def test_hints_rank_but_never_make_a_finding() -> None:
+    """The bare device line of the seed: no finding (the contract stays precise), but a ranked answer naming both
+    ZeRO-3 CPU causes, none of them presented as confident."""
+    a = analyze(BARE_CPU)
+    assert a.findings == [] and a.answer == "likely"
+    assert {"zero3_cpu_submodule", "zero3_cpu_buffer_rotary"} <= set(_cats(BARE_CPU)[:3])
+    assert all(x.confidence < CONFIDENT for x in a.likely)
+    assert [x.confidence for x in a.likely] == sorted((x.confidence for x in a.likely), reverse=True)
+
+
+def test_a_confident_finding_stays_first() -> None:
+    log = ("accelerate launch --config_file fsdp.yaml train.py --use_peft\nCUDA out of memory earlier, then:\n"
+           "ValueError: Must flatten tensors with uniform requires_grad when use_orig_params=False")
+    a = analyze(log)
+    assert a.answer == "confident" and a.findings[0].confidence >= CONFIDENT
+    assert a.likely[0].category == a.findings[0].category == "fsdp_lora_requires_grad"
+    assert all(x.confidence < CONFIDENT for x in a.likely[1:])
+
+
+def test_the_setting_is_read_from_what_surrounds_the_error() -> None:
+    facts = load_knowledge().facts
+    p = parse("- `transformers` version: 4.44.0\n- `accelerate` version: 0.33.0\n"
+              "llamafactory-cli train examples/qwen2_full.yaml\ndeepspeed: examples/deepspeed/ds_z3_config.json\n"
+              "model_name_or_path: Qwen/Qwen2-7B\n| 0 NVIDIA A100-SXM4-80GB |\n| 1 NVIDIA A100-SXM4-80GB |\n"
+              "RuntimeError: boom", facts)
+    s = p.setting
+    assert (s.launcher, s.framework, s.strategy, s.model) == ("llamafactory-cli", "LLaMA-Factory", "ZeRO-3",
+                                                              "Qwen/Qwen2-7B")
+    assert s.gpus_visible == 2 and s.gpu_mem_gib == 80.0 and "sharded" in p.facts and "versions_listed" in p.facts
+    dp = parse("CUDA_VISIBLE_DEVICES=0,1,2,3 python train.py --bf16\nRuntimeError: boom", facts)
+    assert {"plain_python", "multi_gpu_visible", "one_process_many_gpus"} <= dp.facts
+    assert dp.setting.strategy.startswith("DataParallel")
+    hf = parse("Process rank: -1, device: cuda:0, n_gpu: 8, distributed training: False", facts)
+    assert "one_process_many_gpus" in hf.facts
+    big = parse("torchrun --nproc_per_node 8 train.py --model_name_or_path meta-llama/Llama-2-70b-hf\n"
+                "GPU 0 has a total capacity of 79.33 GiB", facts)
+    assert big.setting.replica_gib > 79 and "replica_exceeds_gpu" in big.facts
+    sharded = parse("--deepspeed ds_z3_config.json --model_name_or_path meta-llama/Llama-2-70b-hf 8x A100 80GB", facts)
+    assert "replica_exceeds_gpu" not in sharded.facts
+
+
+def test_the_setting_reorders_one_error_line() -> None:
+    """The same OOM line: a whole replica first when one replica cannot fit a GPU under DDP, activations first under
+    ZeRO-3, host RAM first when the paste says the CPU ran out."""
+    replica = "torchrun --nproc_per_node 8 train.py --model_name_or_path Qwen/Qwen2-72B-Instruct on 8x H100\n" + OOM
+    assert _cats(replica)[0] == "oom_full_replica_per_rank"
+    assert _cats("zero_optimization: stage 3, cutoff_len 32768\n" + OOM)[0] == "oom_activation_not_sharded"
+    assert _cats("CPU OOM while loading the checkpoint on every rank")[0] == "host_ram_oom"
+    zero3 = "deepspeed --num_gpus 4 train.py --deepspeed ds_z3.json\n" + BARE_CPU
+    offload = ("deepspeed --num_gpus 4 train.py --deepspeed ds_z3_offload.json\n"
+               '"offload_optimizer": {"device": "cpu"}\n' + BARE_CPU)
+    assert set(_cats(zero3)[:2]) == {"zero3_cpu_submodule", "zero3_cpu_buffer_rotary"}
+    assert _cats(offload)[0] == "library_version_regression"
+    assert _cats("python main.py --device cuda\n" + BARE_CPU)[:2] != ["zero3_cpu_submodule", "zero3_cpu_buffer_rotary"]
+
+
+def test_a_matching_item_can_name_its_own_check() -> None:
+    offload = ("deepspeed train.py --deepspeed ds_z3_offload.json\n" '"offload_param": {"device": "cpu"}\n' + BARE_CPU)
+    first = analyze(offload).likely[0]
+    assert first.category == "library_version_regression" and "unscale_and_clip_grads" in first.check
+    general = next(c.check for c in load_causes() if c.id == "library_version_regression")
+    assert first.check != general
+
+
+def test_every_cause_has_a_check_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    assert all(len(c.check) > 30 for c in load_causes())
+    bad = tmp_path / "causes.yaml"
+    bad.write_text("causes:\n- id: x\n  title: t\n  signatures: [{phrase: boom, w: 3}]\n  root_cause: r\n  fix: f\n"
+                   "  prevented_by: p\n")
+    with pytest.raises(UserError, match="cause x: missing 'check'"):
+        load_knowledge(bad)
+
+
+def test_hints_read_the_head_and_tail_only() -> None:
+    """A weak symptom in the middle of a long log is not a hint (hints are what is pasted around the error); the
+    same words at its end are."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()  # lines that do not fold into one
+    filler = [f"data shard {words[i % 10]} {words[i // 10 % 10]} {words[i // 100 % 10]} read" for i in range(1000)]
+    filler = filler + [x.replace("read", "done") for x in filler] + [x.replace("read", "kept") for x in filler]
+    middle = "\n".join(filler[:1500] + ["the job got Killed by the host"] + filler[1500:])
+    end = "\n".join(filler + ["the job got Killed by the host"])
+    assert "host_ram_oom" not in _cats(middle)
+    assert _cats(end)[:1] == ["host_ram_oom"]
+
+
+def test_likely_probabilities_come_from_dev_and_fall_with_rank() -> None:
+    probs = per_rank_probabilities()
+    table = yaml.safe_load((HERE / "calibration.yaml").read_text())
+    assert probs == table["likely"] and len(probs) == 3
+    assert probs == sorted(probs, reverse=True) and 0 < probs[0] < 1
+
+
+def test_cli_json_and_text_show_the_likely_causes(tmp_path: Path) -> None:
+    log = tmp_path / "bare.log"
+    log.write_text(BARE_CPU + "\n")
+    r = run_cli("diagnose", str(log), "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["findings"] == [] and out["answer"] == "likely"
+    assert set(out["likely_causes"][0]) == {"category", "confidence", "title", "check", "root_cause", "fix",
+                                             "evidence"}
+    assert out["likely_causes"][0]["category"] == "zero3_cpu_submodule"
+    r = run_cli("diagnose", str(log), timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("Likely causes") and r.stdout.count("check:") >= 2
+
+
+def test_short_variants_and_their_scores() -> None:
+    log = ('Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+           "RuntimeError: CUDA error: invalid device ordinal\n[2024-05-01 10:00:00] exiting\n")
+    assert shorten(log, "line") == "RuntimeError: CUDA error: invalid device ordinal"
+    assert shorten(log, "tail").count("\n") <= 5 and shorten(log, "full") == log
+    cases = synthetic_cases()[:12] + [{"url": "u", "label": "none", "log": "KeyError: 'text'"}]
+    m = evaluate(cases, "line")
+    assert m["variant"] == "line" and m["known"] == 12 and m["unrelated"] == 1
+    assert 0 <= m["top1"] <= m["top3"] <= m["answered"] <= 1
+    assert m["abstain_unrelated"] == 1.0 and m["wrong_confident"] <= m["confident"]
