@@ -15,6 +15,7 @@ from shardfit.foreign.common import (
     as_float,
     as_int,
     carry_settings,
+    check_bools,
     hf_loss,
     load_yaml,
     local_file,
@@ -33,6 +34,9 @@ SETTINGS: Settings = (
     ("logging_steps", "log_steps", as_int), ("seed", "seed", as_int),
     ("save_steps", "save_steps", as_int), ("eval_steps", "eval_steps", as_int))
 
+BOOLS = ("load_in_4bit", "load_in_8bit", "fp16", "liger_fused_linear_cross_entropy", "cut_cross_entropy",
+         "flash_attention", "flex_attention", "eager_attention", "ddp_find_unused_parameters", "lora_target_linear",
+         "sample_packing", "trust_remote_code")
 NO_EFFECT = TRAINER_NO_EFFECT | {
     "base_model", "model_type", "tokenizer_type", "strict", "datasets", "dataset_prepared_path", "val_set_size",
     "lora_alpha", "lora_dropout", "lora_model_dir", "lora_fan_in_fan_out", "wandb_project", "wandb_entity",
@@ -66,6 +70,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     def at(key: str) -> str:
         return f"{where}:{lines[key]}" if key in lines else where
 
+    check_bools(cfg, BOOLS, at)
     model = cfg.get("base_model")
     if not model:
         raise UserError(f"{where}: no 'base_model'; axolotl needs it, and shardfit plans from it.")

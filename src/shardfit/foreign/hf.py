@@ -20,9 +20,12 @@ from shardfit.foreign.common import (
     as_float,
     as_int,
     carry_settings,
+    check_bools,
     hf_loss,
     local_file,
     optimizer,
+    parse_json,
+    read_text,
     record,
     record_keys,
     take_deepspeed_keys,
@@ -62,18 +65,12 @@ def words() -> Words:
 def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None) -> ForeignJob:
     """TrainingArguments (.json) or a command line / script running a training script."""
     where = str(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
+    text = read_text(path)
     script: Path | None = None
     env: dict[str, str] = {}
     launcher, ranks, nnodes = None, nproc, 1
     if path.suffix == ".json":
-        try:
-            args = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg}.") from None
+        args = parse_json(text, where)
         if not isinstance(args, dict):
             raise UserError(f"{path}: TrainingArguments JSON must be an object of argument names.")
         args = {k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
@@ -88,6 +85,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
             ranks = len(visible_devices(env)) or None
         found = local_file(cmd.program, path.parent)
         script = Path(found) if found else None
+    check_bools(args, ("bf16", "fp16", "gradient_checkpointing", "q_lora", "use_liger_kernel", "use_lora"),
+                lambda _key: where)
     model = model or args.get("model_name_or_path") or args.get("model")
     if not model:
         raise UserError(f"{where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
@@ -178,7 +177,7 @@ def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | Non
     """The device_map the training script loads with, when it names one outright (device_map="auto") or
     computes it as Qwen's finetune.py does (QLoRA: the rank's GPU under a launcher, "auto" without one)."""
     try:
-        src = script.read_text()
+        src = script.read_text(encoding="utf-8", errors="replace")  # searched for one call only
     except OSError:
         return None
     m = _DEVICE_MAP.search(src)

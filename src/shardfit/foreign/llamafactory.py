@@ -4,7 +4,6 @@ model's own loss (Liger's fused one with `use_liger_kernel`), data from `dataset
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,13 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    check_bools,
     hf_loss,
     load_yaml,
     local_file,
     optimizer,
+    parse_json,
+    read_text,
     record_keys,
 )
 from shardfit.foreign.deepspeed import load_deepspeed
@@ -26,6 +28,8 @@ from shardfit.foreign.job import ForeignJob, Words
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
+BOOLS = ("bf16", "fp16", "pure_bf16", "use_liger_kernel", "disable_gradient_checkpointing", "use_reentrant_gc",
+         "ddp_find_unused_parameters", "freeze_vision_tower", "packing", "neat_packing", "trust_remote_code")
 NO_EFFECT = TRAINER_NO_EFFECT | {
     "stage", "template", "max_samples", "overwrite_cache", "preprocessing_num_workers", "val_size", "eval_dataset",
     "lora_alpha", "lora_dropout", "additional_target", "loraplus_lr_ratio", "create_new_adapter", "mix_strategy",
@@ -63,6 +67,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     def at(key: str) -> str:
         return f"{where}:{lines[key]}" if key in lines else where
 
+    check_bools(cfg, BOOLS, at)
     model = cfg.get("model_name_or_path")
     if not model:
         raise UserError(f"{where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
@@ -152,10 +157,7 @@ def _datasets(cfg: dict[str, Any], path: Path, at: Any) -> tuple[list[str], list
     for folder in folders:
         f = folder / "dataset_info.json"
         if f.is_file():
-            try:
-                info = json.loads(f.read_text())
-            except json.JSONDecodeError as e:
-                raise UserError(f"{f}:{e.lineno}: not valid JSON: {e.msg}.") from None
+            info = parse_json(read_text(f), str(f))
             folders = [folder]
             break
     found, missing = [], []
@@ -179,7 +181,7 @@ def _convert(cfg: dict[str, Any], job: ForeignJob, shape: ModelShape, where: str
         out["epochs"] = max(1, round(as_float(cfg["num_train_epochs"], "num_train_epochs", at("num_train_epochs"))))
     for src, dst in (("max_steps", "max_steps"), ("save_steps", "save_steps"), ("eval_steps", "eval_steps"),
                      ("logging_steps", "log_steps"), ("seed", "seed")):
-        if src in cfg and cfg[src] is not None and int(cfg[src]) > 0:
+        if src in cfg and cfg[src] is not None and as_int(cfg[src], src, at(src)) > 0:
             out[dst] = as_int(cfg[src], src, at(src))
     for src, dst in (("warmup_ratio", "warmup_ratio"), ("weight_decay", "weight_decay"),
                      ("max_grad_norm", "max_grad_norm"), ("val_size", "eval_split")):

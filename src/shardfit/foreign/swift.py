@@ -15,9 +15,11 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    check_bools,
     hf_loss,
     local_file,
     optimizer,
+    read_text,
     record,
     record_keys,
 )
@@ -58,12 +60,11 @@ def words() -> Words:
 def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
     """The job of an ms-swift `swift sft` command line or script."""
     where = str(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
+    text = read_text(path)
     cmd = parse_command(text, where, ("swift sft", "swift pt", "swift rlhf"))
     a = cmd.args
+    check_bools(a, ("ddp_find_unused_parameters", "freeze_vit", "gradient_checkpointing", "packing",
+                    "use_liger_kernel"), lambda key: f"{where}: --{key}")
     model = a.get("model") or a.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
         raise UserError(f"{where}: the swift command has no --model; shardfit plans from it.")
