@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.report.shapes import SHAPES, metrics_line
 
@@ -145,16 +144,11 @@ def read_run(path: str | Path) -> RunData:
 
 
 def _config(path: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping, read as strictly as any config (not UTF-8, bad YAML, nesting, alias
+    bombs: a UserError naming the file and line)."""
     if not path.is_file():
         return {}
-    try:
-        config = yaml.safe_load(_text(path))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)}).") from None
-    except RecursionError:
-        raise UserError(f"{path}: nested too deeply to be the config.yaml shardfit wrote.") from None
+    config, _ = read_yaml(path)
     if config is not None and not isinstance(config, dict):
         raise UserError(f"{path}: expected a mapping of config keys, got {type(config).__name__}; it is not the "
                         "config.yaml shardfit wrote. Restore it, or remove it (the report then shows no config).")

@@ -196,9 +196,11 @@ def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Modul
         if failure is None:
             raise
         saved = [p for _, p in list_checkpoints(run_dir) if p != final]
-        raise JobFailed(f"{failure}. The previous checkpoint ({saved[-1] if saved else 'none'}) is intact; free "
-                        f"disk space (or lower save_limit, or move output_dir), or fix the permissions of {root}, "
-                        "then run again (resume: auto continues from it).") from None
+        kept = (f"The previous checkpoint ({saved[-1]}) is intact" if saved else "There is no earlier checkpoint")
+        fix = ("free disk space (or lower save_limit, or move output_dir)" if failure.startswith("disk full")
+               else f"fix what stops writing under {root}")
+        then = "; then run again (resume: auto continues from it)." if saved else "; then run again."
+        raise JobFailed(f"{failure}. {kept}; {fix}{then}") from None
     barrier(env)
     return final
 
@@ -234,11 +236,12 @@ def _write_failure(e: BaseException, root: Path, needed: Any) -> str | None:
         size = int(needed())
     except Exception:  # noqa: BLE001 - the estimate only words the message; the failure is known already
         size = 0
-    full = any(x.errno in (errno.ENOSPC, errno.EDQUOT) for x in oserrors)
+    full = [x for x in oserrors if x.errno in (errno.ENOSPC, errno.EDQUOT)]
     if full or (not oserrors and free is not None and 0 < size and free < size):
         have = f", {free:,} free" if free is not None else ""
-        return f"disk full at {root}: " + (f"about {size:,} bytes needed for the checkpoint{have}" if size else
-                                           "no space left for the checkpoint")
+        said = f" ({full[0].strerror})" if full and full[0].strerror else ""
+        return f"disk full at {root}{said}: " + (f"about {size:,} bytes needed for the checkpoint{have}" if size
+                                                 else "no space left for the checkpoint")
     if oserrors:
         x = oserrors[0]
         return f"could not write a checkpoint under {root}: {x.strerror or x}"
