@@ -5,7 +5,8 @@ so it is for the person who started it.
 It stays on the standard library's `http.server`: the pages are a handful of forms, and what a server stack would
 add is bounded here explicitly and tested (tests/test_ui.py): body size and its declared length (guard.py), a read
 timeout on every socket, a deadline for a whole body, a cap on concurrent connections, and no traceback for a
-malformed request.
+malformed request (a status line for each kind: tests/test_bad_inputs_round3.py). docs/security.md says why
+werkzeug's server would not add these and uvicorn would cost more than it gives here.
 """
 
 from __future__ import annotations
