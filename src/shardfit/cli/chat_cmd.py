@@ -74,13 +74,16 @@ def run(args: argparse.Namespace) -> int:
 
     target = resolve_target(args.target, args.adapter)
     requests = read_requests(args.input, args.system) if args.input else None
+    if args.image:
+        from shardfit.infer.images import check_image
+
+        images = [check_image(p) for p in args.image]  # a bad image stops here, before the model loads
     loaded = load_for_inference(target, device=pick_device(args.device), precision=args.precision,
                                 trust_remote_code=args.trust_remote_code)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
     if args.image:
-        from shardfit.infer.images import check_image, generate_with_images, vision_processor_for
+        from shardfit.infer.images import generate_with_images, vision_processor_for
 
-        images = [check_image(p) for p in args.image]
         vp = vision_processor_for(target, loaded.tokenizer, args.trust_remote_code)
         req = request_of({"prompt": args.prompt}, "--prompt", args.system)
         print(generate_with_images(loaded.model, loaded.tokenizer, vp, req.messages, images, sampling))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from shardfit.diagnose.engine import analyze
 from shardfit.diagnose.report import format_text, read_input, to_json
@@ -19,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    analysis = analyze(read_input(args.file))
+    note: list[str] = []
+    analysis = analyze(read_input(args.file, note))
+    for line in note:
+        print(f"shardfit diagnose: note: {line}", file=sys.stderr)
     print(json.dumps(to_json(analysis), indent=2, ensure_ascii=False) if args.json else format_text(analysis),
           end="\n" if args.json else "")
     return 0

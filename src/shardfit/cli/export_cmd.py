@@ -7,9 +7,8 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import yaml
-
 from shardfit.config import load_config
+from shardfit.config.load import read_yaml
 from shardfit.errors import RemoteCodeRefused, UserError
 
 EXAMPLE = ("example: shardfit export runs/demo --merge --out merged/\n"
@@ -30,17 +29,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def out_folder(out: str | Path) -> Path:
+    """The --out folder, refused up front when a file (or a link to one) is in its place: writing into it would
+    fail halfway through a merge, after the slow part."""
+    p = Path(out).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"--out {out} is a file; name a folder (new or existing) to write into.")
+    if not p.exists() and p.parent.exists() and not p.parent.is_dir():
+        raise UserError(f"--out {out}: {p.parent} is a file, not a folder.")
+    return p
+
+
 def run_base(args: argparse.Namespace) -> int:
     """`export --base MODEL --out DIR`: the model itself as a Hugging Face folder (de-quantized from GGUF)."""
     if not args.out:
         raise UserError("--base needs --out DIR, the folder to write the model to.")
+    out_dir = out_folder(args.out)
 
     from shardfit.dtypes import DTYPES  # torch: only when exporting
     from shardfit.train.export import export_base
 
     dtype = DTYPES[args.dtype]
     try:
-        out = export_base(args.base, Path(args.out), dtype, args.trust_remote_code)
+        out = export_base(args.base, out_dir, dtype, args.trust_remote_code)
     except RemoteCodeRefused as e:
         raise e.for_command_line() from None
     print(f"{args.base} written to {out}; name it in a config (model: {out}) and adapters trained on it will name "
@@ -58,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         raise UserError(f"{run_dir} is not a shardfit run directory (no config.yaml).")
-    raw = yaml.safe_load(cfg_file.read_text(encoding="utf-8", errors="replace"))
+    raw, _ = read_yaml(cfg_file)  # bad YAML, deep nesting or binary text: a message naming the file
     if not isinstance(raw, dict) or not raw.get("model"):
         raise UserError(f"{cfg_file} does not name the run's model; it is not the config.yaml a shardfit run writes. "
                         "Export from the run directory that training wrote.")
@@ -69,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.merge:
         if not adapter.is_dir():
             raise UserError(f"{run_dir} has no adapter/ (a full fine-tune already wrote model/).")
-        out = Path(args.out or run_dir / "adapter-export")
+        out = out_folder(args.out or run_dir / "adapter-export")
         shutil.copytree(adapter, out, dirs_exist_ok=True)
         print(f"adapter copied to {out}")
         return 0
@@ -84,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = DTYPES[args.dtype]
     try:
-        out = merge_adapter(run_cfg, adapter, Path(args.out or run_dir / "model"), dtype, show=True)
+        out = merge_adapter(run_cfg, adapter, out_folder(args.out or run_dir / "model"), dtype, show=True)
     except RemoteCodeRefused as e:
         raise e.for_command_line(cfg_file if asked else None) from None
     loader = "AutoModelForImageTextToText and AutoImageProcessor" if (out / "preprocessor_config.json").is_file() \

@@ -29,6 +29,9 @@ _HINTS = {cls: typing.get_type_hints(cls) for cls in (Config, *SECTIONS)}
 # A YAML document whose aliases expand beyond this many nodes is refused: each alias is a reference to a node
 # defined earlier, so a few lines can stand for billions of values (a "billion laughs" document).
 MAX_YAML_NODES = 100_000
+# Lists in lists in mappings...: a config nests two or three levels; PyYAML's composer recurses per level and
+# overflows Python's stack near a few hundred.
+MAX_YAML_DEPTH = 64
 
 
 def read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
@@ -42,6 +45,7 @@ def read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
     except OSError as e:
         raise UserError(f"{p}: cannot read the config: {e.strerror}.") from None
     try:
+        _check_depth(text, p)
         root = yaml.compose(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -69,6 +73,20 @@ def read_yaml(p: Path) -> tuple[Any, dict[str, int]]:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise UserError(f"{p}{line}: not valid YAML: {getattr(e, 'problem', e)}.") from None
+
+
+def _check_depth(text: str, p: Path) -> None:
+    """A UserError for a document nested deeper than MAX_YAML_DEPTH, found from the parser's events (which keep
+    no stack of their own) before the composer, which recurses once per level, would overflow Python's stack."""
+    depth = 0
+    for event in yaml.parse(text):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise UserError(f"{p}:{event.start_mark.line + 1}: the YAML is nested more than {MAX_YAML_DEPTH} "
+                                "levels deep; a config needs two or three. Is this the file you meant?")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _expanded_size(root: yaml.Node, p: Path) -> int:

@@ -23,6 +23,9 @@ from shardfit.data.formats import BadRow
 AudioInput = str | bytes
 
 _FIX = "re-save it as PCM WAV (e.g. ffmpeg -i IN -ac 1 -ar 16000 OUT.wav)"
+# Sampling rates a clip may declare: telephone audio is 8 kHz, studio audio at most 768 kHz. A header outside says
+# something else (a file of 100 KB "at 8 Hz" would be 3.5 hours, resampled to millions of samples).
+MIN_RATE, MAX_RATE = 1_000, 768_000
 
 
 def _name(src: AudioInput) -> str:
@@ -39,17 +42,22 @@ def _open(src: AudioInput) -> wave.Wave_read:
 def probe_wav(src: AudioInput) -> float:
     """The clip's duration in seconds, from its header; a file that is not readable PCM WAV is a `BadRow`."""
     with _open(src) as w:
-        if w.getsampwidth() not in (1, 2, 3, 4) or w.getframerate() <= 0:
+        if w.getsampwidth() not in (1, 2, 3, 4):
             raise BadRow(f"audio {_name(src)}: {8 * w.getsampwidth()}-bit samples are not PCM WAV; {_FIX}")
+        if not MIN_RATE <= w.getframerate() <= MAX_RATE:
+            raise BadRow(f"audio {_name(src)}: its header says {w.getframerate()} samples per second, outside "
+                         f"{MIN_RATE}-{MAX_RATE} Hz (a damaged or mislabelled file); {_FIX}")
         return w.getnframes() / w.getframerate()
 
 
-def read_wav(src: AudioInput) -> tuple[np.ndarray, int]:
-    """Mono float32 samples in [-1, 1] and the sampling rate of a PCM WAV file or WAV bytes."""
+def read_wav(src: AudioInput, max_frames: int | None = None) -> tuple[np.ndarray, int]:
+    """Mono float32 samples in [-1, 1] and the sampling rate of a PCM WAV file or WAV bytes; `max_frames`: read
+    no more than that many from the start (a long clip that is cut costs only what is kept)."""
     with _open(src) as w:
         width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+        n = w.getnframes() if max_frames is None else min(w.getnframes(), max_frames)
         try:
-            raw = w.readframes(w.getnframes())
+            raw = w.readframes(n)
         except (wave.Error, EOFError, OSError, RuntimeError) as e:  # RuntimeError: a chunk size beyond the file
             raise BadRow(f"audio {_name(src)} cannot be read ({type(e).__name__}: {e}); {_FIX}") from None
     if width == 1:  # 8-bit WAV is unsigned
@@ -64,7 +72,10 @@ def read_wav(src: AudioInput) -> tuple[np.ndarray, int]:
     return x.astype(np.float32), rate
 
 
-def resample(x: np.ndarray, rate: int, target: int, zeros: int = 16) -> np.ndarray:
+RESAMPLE_ZEROS = 16  # zero crossings of the resampler's sinc each side of an output sample
+
+
+def resample(x: np.ndarray, rate: int, target: int, zeros: int = RESAMPLE_ZEROS) -> np.ndarray:
     """`x` resampled from `rate` to `target` Hz with a Hann-windowed sinc low-pass at the lower Nyquist frequency
     (`zeros` zero crossings each side). Each output sample is a weighted sum of the input samples around its time,
     the weights computed per output phase (there are target / gcd of them), so the work is one matrix product per
@@ -89,8 +100,9 @@ def resample(x: np.ndarray, rate: int, target: int, zeros: int = 16) -> np.ndarr
         d = k - frac
         window = np.where(np.abs(d) < half, 0.5 + 0.5 * np.cos(np.pi * d / half), 0.0)
         taps = cutoff * np.sinc(cutoff * d) * window
-        for s in range(0, len(idx), 1 << 15):  # bounded memory: a block of outputs' input windows at a time
-            out[idx[s:s + (1 << 15)]] = windows[base[s:s + (1 << 15)]] @ taps
+        block = max(1, (1 << 22) // (2 * half + 1))  # bounded memory: 32 MiB of outputs' input windows at a time
+        for s in range(0, len(idx), block):
+            out[idx[s:s + block]] = windows[base[s:s + block]] @ taps
     return out.astype(np.float32)
 
 
@@ -133,8 +145,16 @@ class AudioProcessor:
         return min(-(-n * self.rate // rate), self.max_samples)
 
     def samples(self, src: AudioInput) -> np.ndarray:
-        """The clip's mono samples at the extractor's rate, cut at `max_samples`."""
-        x, rate = read_wav(src)
+        """The clip's mono samples at the extractor's rate, cut at `max_samples`. The cut is made at the source
+        rate first, keeping the input samples the resampler's window reaches from the last kept output, so the
+        kept samples are those of resampling the whole clip, at the cost of the kept part only."""
+        probe_wav(src)  # the rate within bounds: the file may have changed since the data was read
+        with _open(src) as w:
+            rate = w.getframerate()
+        g = math.gcd(rate, self.rate)
+        up, down = self.rate // g, rate // g
+        reach = int(math.ceil(RESAMPLE_ZEROS / min(1.0, up / down))) + 1
+        x, rate = read_wav(src, (self.max_samples - 1) * down // up + reach + 1)
         return resample(x, rate, self.rate)[: self.max_samples]
 
     def features(self, clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfit.data.formats import BadRow
+from shardfit.data.images import image_size
 from shardfit.data.media import Media, extract_media
 from shardfit.data.reader import read_rows
 from shardfit.errors import UserError
@@ -70,8 +71,6 @@ def sampled_media(paths: str | list[str], sample: int = 256) -> MediaSample:
 
 def image_census(sample: MediaSample) -> ImageCensus | None:
     """The images of the sampled rows; None when no sampled row has one."""
-    from PIL import Image  # Pillow only for image data: text-only plans never import it
-
     with_images = images = most = 0
     largest = (0, 0)
     for m in sample.media:
@@ -82,9 +81,9 @@ def image_census(sample: MediaSample) -> ImageCensus | None:
         images += len(files)
         most = max(most, len(files))
         for f in files:
-            with Image.open(f) as im:
-                if im.size[0] * im.size[1] > largest[0] * largest[1]:
-                    largest = im.size
+            size = image_size(f)  # the files were checked (extract_media): a header read cannot fail here
+            if size[0] * size[1] > largest[0] * largest[1]:
+                largest = size
     if not with_images:
         return None
     return ImageCensus(sample.rows, sample.sampled, with_images, images, most, largest[0], largest[1])

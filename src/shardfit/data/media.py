@@ -25,6 +25,7 @@ from typing import Any
 
 from shardfit.data.audio import AudioInput, checked_audio, probe_wav
 from shardfit.data.formats import BadRow
+from shardfit.data.images import unreadable_image
 from shardfit.data.video import VIDEO, VideoClip, video_clip
 
 IMAGE = "<image>"
@@ -161,21 +162,6 @@ def _all_text(row: dict) -> str:
     return "\n".join(parts)
 
 
-def unreadable_image(p: Path) -> str | None:
-    """Why the image file `p` cannot be used (missing, or its header or data do not decode), or None when it can;
-    the pixels are not kept."""
-    from PIL import Image, UnidentifiedImageError  # Pillow only for image data: text-only runs never import it
-
-    if not p.is_file():
-        return "not found"
-    try:
-        with Image.open(p) as im:
-            im.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        return f"cannot be read ({type(e).__name__}: {e})"
-    return None
-
-
 def _frames_checked(clip: VideoClip, base: Path) -> VideoClip:
     """A video whose frame images all exist and decode (a video file's header was read already)."""
     return dataclasses.replace(clip, frames=tuple(_checked(f, base) for f in clip.frames)) if clip.frames else clip
@@ -189,5 +175,5 @@ def _checked(path: str, base: Path) -> str:
     if problem == "not found":
         raise BadRow(f"image not found: {p} (paths are relative to the data file's folder)")
     if problem:
-        raise BadRow(f"image {p} {problem}; re-save it as PNG or JPEG")
+        raise BadRow(f"image {p} {problem}")
     return str(p.resolve())

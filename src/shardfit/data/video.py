@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shardfit.data.formats import BadRow
+from shardfit.data.images import decoded
 
 VIDEO = "<video>"
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -146,14 +147,8 @@ class SampledVideo:
 
     def images(self) -> list[Any]:
         """The kept frames as RGB images (a file is decoded up to its last kept frame)."""
-        from PIL import Image  # Pillow only for image data: text-only runs never import it
-
         if not self.clip.file:
-            images = []
-            for i in self.picks:
-                with Image.open(self.clip.frames[i]) as im:
-                    images.append(im.convert("RGB"))
-            return images
+            return [decoded(self.clip.frames[i]) for i in self.picks]
         p = Path(self.clip.file)
         av = _av("video", p)
         wanted, last, got = set(self.picks), max(self.picks), {}

@@ -19,6 +19,7 @@ import torch
 
 from shardfit.data.audio import AudioClips, AudioInput, AudioProcessor
 from shardfit.data.formats import BadRow
+from shardfit.data.images import decoded, fit_of
 from shardfit.data.media import AUDIO, IMAGE
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
 from shardfit.data.video import VIDEO, VideoClip, VideoPixels, VideoSettings, load_video
@@ -56,15 +57,21 @@ class ImagePixels:
 
 
 def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pixel patches of every image (rows: patches, in image order) and each image's (t, h, w) patch grid."""
-    from PIL import Image  # Pillow only for image data: text-only runs never import it
-
-    images = []
+    """Pixel patches of every image (rows: patches, in image order) and each image's (t, h, w) patch grid. Each
+    image is decoded within bounds (data/images.py) and goes through the processor on its own (as the processor
+    itself loops), so an image it refuses (an extreme shape) is a BadRow naming the file."""
+    fit = fit_of(vp.image_processor)
+    pixels, grids = [], []
     for p in paths:
-        with Image.open(p) as im:
-            images.append(im.convert("RGB"))
-    out = vp.image_processor(images=images, return_tensors="pt")
-    return out["pixel_values"], out["image_grid_thw"]
+        image = decoded(p, fit)
+        try:
+            out = vp.image_processor(images=[image], return_tensors="pt")
+        except ValueError as e:
+            raise BadRow(f"image {p} ({image.size[0]}x{image.size[1]} pixels): the model's image processor refuses "
+                         f"it ({e}); crop or pad it to a less extreme shape, or remove it") from None
+        pixels.append(out["pixel_values"])
+        grids.append(out["image_grid_thw"])
+    return torch.cat(pixels), torch.cat(grids)
 
 
 def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[str, str]],

@@ -3,22 +3,62 @@ docs/reference.md)."""
 
 from __future__ import annotations
 
+import collections
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from shardfit.diagnose.engine import Analysis, generic_steps
 from shardfit.errors import UserError
 
+# stdin may never end (`yes | shardfit diagnose`): it is read up to MAX_STDIN, and of a long input only its first
+# and last KEEP bytes are kept, where a log's command line and its final error are.
+MAX_STDIN = 256 << 20
+KEEP = 32 << 20
 
-def read_input(path: str | None) -> bytes:
-    """The raw log: a file's bytes, or stdin for None / "-". A missing file is a UserError (exit 2)."""
+
+def read_input(path: str | None, note: list[str] | None = None) -> bytes:
+    """The raw log: a file's bytes, or stdin for None / "-" (bounded; what was left out is said in `note`). A
+    missing file is a UserError (exit 2)."""
     if path in (None, "-"):
-        return sys.stdin.buffer.read()
+        return read_stream(sys.stdin.buffer, note if note is not None else [])
     p = Path(path)
     if not p.is_file():
         raise UserError(f"diagnose: no such file {p}; pass a log file, or - to read the pasted log from stdin.")
     return p.read_bytes()
+
+
+def read_stream(stream: Any, note: list[str], limit: int = MAX_STDIN, keep: int = KEEP) -> bytes:
+    """At most `limit` bytes of `stream`, in bounded memory: the first `keep` and the last `keep` of them (the
+    whole input when it is shorter than both). `note` gets a line saying what was not diagnosed."""
+    head = bytearray()
+    tail: collections.deque[bytes] = collections.deque()
+    tail_bytes = total = 0
+    while total < limit:
+        chunk = stream.read(min(1 << 20, limit - total))
+        if not chunk:
+            break
+        total += len(chunk)
+        if len(head) < keep:
+            take = keep - len(head)
+            head += chunk[:take]
+            chunk = chunk[take:]
+        if chunk:
+            tail.append(chunk)
+            tail_bytes += len(chunk)
+            while tail_bytes - len(tail[0]) >= keep:
+                tail_bytes -= len(tail.popleft())
+    ended = total < limit or not stream.read(1)
+    if not ended:
+        note.append(f"stopped reading stdin after {limit >> 20} MiB (it did not end); diagnosed its first and last "
+                    f"{keep >> 20} MiB read. For a longer log, pass the file: shardfit diagnose FILE")
+    elif total > 2 * keep:
+        note.append(f"stdin was {total >> 20} MiB; diagnosed its first and last {keep >> 20} MiB")
+    rest = b"".join(tail)
+    if total > 2 * keep:
+        return bytes(head) + b"\n" + rest[-keep:]
+    return bytes(head) + rest
 
 
 def to_json(a: Analysis) -> dict:

@@ -3,7 +3,9 @@ attention kernels, optimizers), YAML loading with line numbers, and local data p
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -68,10 +70,26 @@ def optimizer(name: str) -> str | None:
     return None
 
 
+TRUE_WORDS = ("true", "1", "yes", "y", "on")
+FALSE_WORDS = ("false", "0", "no", "n", "off", "none", "null", "")
+
+
 def as_bool(v: Any) -> bool:
     if isinstance(v, str):
-        return v.strip().lower() in ("true", "1", "yes", "y", "on")
+        return v.strip().lower() in TRUE_WORDS
     return bool(v)
+
+
+def check_bools(values: Mapping[str, Any], keys: Iterable[str], at: Callable[[str], str]) -> None:
+    """A UserError naming the first of `keys` whose value is neither a boolean nor a word for one (a list, a
+    number other than 0 and 1, "maybe"): read with `as_bool` it would silently count as true or false."""
+    for key in keys:
+        v = values.get(key)
+        if v is None or isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+            continue
+        if isinstance(v, str) and v.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+            continue
+        raise UserError(f"{at(key)}: '{key}' is {v!r}; expected true or false.")
 
 
 def as_int(v: Any, key: str, where: str) -> int:
@@ -86,6 +104,28 @@ def as_float(v: Any, key: str, where: str) -> float:
         return float(v)
     except (TypeError, ValueError):
         raise UserError(f"{where}: '{key}' is {v!r}; expected a number.") from None
+
+
+def read_text(path: Path) -> str:
+    """A tool's file as UTF-8 text; a binary or Latin-1 file, or one that cannot be read, is a UserError."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); give the tool's "
+                        "config file or launch script, saved as UTF-8.") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
+
+
+def parse_json(text: str, where: str) -> Any:
+    """JSON text; a syntax error, or nesting deeper than Python's parser goes, is a UserError naming `where`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}:{e.lineno}: not valid JSON: {e.msg}.") from None
+    except RecursionError:
+        raise UserError(f"{where}: the JSON is nested too deeply to be a config; is this the file you meant?") \
+            from None
 
 
 def load_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:

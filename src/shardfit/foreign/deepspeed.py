@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.common import parse_json, read_text
 from shardfit.plan.deepspeed import (
     ALLGATHER_BUCKET,
     MAX_LIVE_PARAMETERS,
@@ -193,16 +194,11 @@ def load_deepspeed(ref: str, base: Path, where: str, hidden: int, notes: list[st
     the name of a config the tool ships (read from its name when the file is not here, with a note saying so)."""
     text = ref.strip()
     if text.startswith("{"):
-        try:
-            return read_deepspeed(json.loads(text), f"{where}: deepspeed", hidden)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: the inline DeepSpeed JSON does not parse: {e}.") from None
+        return read_deepspeed(parse_json(text, f"{where}: the inline DeepSpeed JSON"), f"{where}: deepspeed",
+                              hidden)
     for p in (base / text, Path(text)):
         if p.is_file():
-            try:
-                return read_deepspeed(json.loads(p.read_text()), str(p), hidden)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{p}:{e.lineno}: not valid JSON: {e.msg}.") from None
+            return read_deepspeed(parse_json(read_text(p), str(p)), str(p), hidden)
     named = named_settings(text)
     if named is None:
         raise UserError(f"{where}: DeepSpeed config '{ref}' not found (looked in {base} and the current directory), "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from shardfit.errors import UserError
 from shardfit.foreign.axolotl import read_axolotl
-from shardfit.foreign.common import hf_loss, transformers_version
+from shardfit.foreign.common import hf_loss, parse_json, read_text, transformers_version
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
 from shardfit.foreign.job import TOOLS, ForeignJob, Words
@@ -77,10 +76,7 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
         raise UserError(f"--from deepspeed {path}: a DeepSpeed JSON does not name the model; pass --model ID_OR_PATH "
                         f"(and --seq, --batch, --method as the job runs).")
     shape = _shape_of(opts.model)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg}.") from None
+    raw = parse_json(read_text(path), str(path))
     ds = read_deepspeed(raw, str(path), shape.hidden)
     w = Workload(method=opts.method or "full", precision=ds.precision or "bf16", seq_len=opts.seq or 2048,
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",

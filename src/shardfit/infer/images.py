@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from shardfit.config import Config
-from shardfit.data.media import IMAGE, unreadable_image
+from shardfit.data.formats import BadRow
+from shardfit.data.images import unreadable_image
+from shardfit.data.media import IMAGE
 from shardfit.data.vision import VisionProcessor, load_pixels
 from shardfit.errors import UserError
 from shardfit.infer.generate import Messages, Sampling, render
@@ -42,7 +44,7 @@ def check_image(path: str) -> str:
     if problem == "not found":
         raise UserError(f"--image {path}: no such file.")
     if problem:
-        raise UserError(f"--image {path}: {problem}; give a PNG or JPEG file.")
+        raise UserError(f"--image {path}: {problem}.")
     return str(p.resolve())
 
 
@@ -67,7 +69,10 @@ def image_inputs(tokenizer: Any, vp: VisionProcessor, messages: Messages, images
     messages = with_image_placeholders(messages, len(images))
     marker = vp.start + vp.image_token + vp.end
     text = render(tokenizer, [dict(m, content=m["content"].replace(IMAGE, marker)) for m in messages])
-    pixels, grids = load_pixels(vp, tuple(images))
+    try:
+        pixels, grids = load_pixels(vp, tuple(images))
+    except BadRow as e:  # an image the processor refuses (its shape), or one changed since check_image read it
+        raise UserError(f"--image: {e}.") from None
     pieces = text.split(vp.image_token)
     counts = [vp.tokens_per_image(g) for g in grids.tolist()]
     text = pieces[0] + "".join(vp.image_token * n + rest for n, rest in zip(counts, pieces[1:], strict=True))

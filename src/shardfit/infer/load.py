@@ -92,11 +92,22 @@ def resolve_target(path: str, adapter: str | None = None) -> Target:
         raise UserError(f"{p} has no adapter/ or model/ yet (is the run still training?); train it to the end, "
                         "or point at a checkpoint's exported folder.")
     if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
-        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base = _adapter_base(p / "adapter_config.json")
         if not base:
             raise UserError(f"{p}/adapter_config.json names no base model; pass the base and --adapter {p}.")
         return Target(base, p, p, None, f"{p} (adapter on {base})")
     return Target(path, extra, extra, None, path + (f" + {extra}" if extra else ""))
+
+
+def _adapter_base(path: Path) -> str | None:
+    """The base model an adapter_config.json names (None when it names none); a file that is not one is a
+    UserError."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(f"{path}: not a readable adapter_config.json ({type(e).__name__}: {e}).") from None
+    base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
+    return base if isinstance(base, str) else None
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -168,8 +179,13 @@ def _load(target: Target, bar: Any, device: torch.device, precision: str, base: 
     bar.update()
     if target.adapter and not base:
         bar.set_postfix_str("adapter")
-        with adapter_names_as_written(model):
-            model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
+        try:
+            with adapter_names_as_written(model):
+                model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
+            raise UserError(f"{target.adapter}: not an adapter of {target.base_model} that loads "
+                            f"({type(e).__name__}: {str(e)[:300]}); train again, or restore the run's adapter/ "
+                            "(a truncated adapter_model.safetensors is the usual cause).") from None
         bar.update()
     dtype = compute_dtype(precision, device)
     bar.set_postfix_str(f"{device} {str(dtype).removeprefix('torch.')}")

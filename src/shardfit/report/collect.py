@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
+from shardfit.report.shapes import SHAPES, metrics_line
 
 IMBALANCE = 0.10  # ranks whose peak memory differs by more than this share of the largest are flagged
 
@@ -80,27 +80,43 @@ class RunData:
         return out
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); it is not a file shardfit wrote. Remove it or "
+                        "restore the run's own copy.") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
+
+
 def _json(path: Path) -> Any:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        return json.loads(_text(path))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be a file shardfit wrote.") from None
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training lines and the evaluation lines of a metrics.jsonl."""
-    train, evals = [], []
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     if not path.is_file():
         return train, evals
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
+        except RecursionError:
+            raise UserError(f"{path}:{lineno}: nested too deeply to be a line shardfit wrote.") from None
+        metrics_line(rec, f"{path}:{lineno}")
         if "loss" in rec:
             train.append(rec)
         if "eval_loss" in rec:
@@ -109,17 +125,34 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 
 
 def read_run(path: str | Path) -> RunData:
-    """A run directory's files; a folder that holds none of them is a UserError."""
+    """A run directory's files; a folder that holds none of them, or a file that is not as shardfit writes it,
+    is a UserError naming the file and key."""
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"{p}: no such run directory.")
     if not (p / "metrics.jsonl").is_file() and not (p / "summary.json").is_file():
         raise UserError(f"{p} is not a shardfit run directory (no metrics.jsonl or summary.json); point at a "
                         "run's output_dir.")
-    config = yaml.safe_load((p / "config.yaml").read_text()) if (p / "config.yaml").is_file() else {}
+    config = _config(p / "config.yaml")
     train, evals = read_metrics(p / "metrics.jsonl")
-    return RunData(p, p.resolve().name, config or {}, _json(p / "plan.json"), _json(p / "summary.json"),
-                   _json(p / "preflight.json"), _json(p / "eval.json"), train, evals)
+    files = {name: _json(p / name) for name in ("plan.json", "summary.json", "preflight.json", "eval.json")}
+    for name, data in files.items():
+        if data is not None:
+            SHAPES[name](data, str(p / name))
+    return RunData(p, p.resolve().name, config, files["plan.json"], files["summary.json"], files["preflight.json"],
+                   files["eval.json"], train, evals)
+
+
+def _config(path: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping, read as strictly as any config (not UTF-8, bad YAML, nesting, alias
+    bombs: a UserError naming the file and line)."""
+    if not path.is_file():
+        return {}
+    config, _ = read_yaml(path)
+    if config is not None and not isinstance(config, dict):
+        raise UserError(f"{path}: expected a mapping of config keys, got {type(config).__name__}; it is not the "
+                        "config.yaml shardfit wrote. Restore it, or remove it (the report then shows no config).")
+    return config or {}
 
 
 def unique_names(runs: list[RunData]) -> None:

@@ -10,6 +10,7 @@ position is the step itself (see data/loader.py), so nothing else is needed to c
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -158,7 +159,9 @@ def intact(ckpt: Path) -> str | None:
 
 def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any, env: DistEnv, keep: int) -> Path:
-    """Write `checkpoints/step-<step>` atomically on every rank; keep the newest `keep` checkpoints."""
+    """Write `checkpoints/step-<step>` atomically on every rank; keep the newest `keep` checkpoints. A write that
+    fails (a full disk, permissions) is a JobFailed saying so; the partial save is removed, the previous
+    checkpoint stays as it was."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -184,13 +187,65 @@ def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Modul
             _fsync(root)
             for _, old in list_checkpoints(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
+        # DCP wraps a rank's failure in CheckpointException (a BaseException); torch.save into a full disk raises
+        # RuntimeError ("unexpected pos"), not OSError. Either is a write failure only when it says so.
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save would keep the disk full
+        failure = _write_failure(e, root, lambda: checkpoint_bytes(model, optimizer))
+        if failure is None:
+            raise
         saved = [p for _, p in list_checkpoints(run_dir) if p != final]
-        raise JobFailed(f"could not write checkpoint {final}: {e.strerror or e}. The previous checkpoint "
-                        f"({saved[-1] if saved else 'none'}) is intact; free disk space or fix the permissions of "
-                        f"{root}, then run again (resume: auto continues from it).") from None
+        kept = (f"The previous checkpoint ({saved[-1]}) is intact" if saved else "There is no earlier checkpoint")
+        fix = ("free disk space (or lower save_limit, or move output_dir)" if failure.startswith("disk full")
+               else f"fix what stops writing under {root}")
+        then = "; then run again (resume: auto continues from it)." if saved else "; then run again."
+        raise JobFailed(f"{failure}. {kept}; {fix}{then}") from None
     barrier(env)
     return final
+
+
+def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors one rank's checkpoint holds (its shards of the trainable weights and optimizer
+    state): about what a save writes."""
+    total = 0
+    pending: list[Any] = [TrainState(model, optimizer).state_dict()]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending += value.values()
+        elif isinstance(value, (list, tuple)):
+            pending += value
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's shard
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _write_failure(e: BaseException, root: Path, needed: Any) -> str | None:
+    """What stopped a checkpoint write, in words, or None when `e` is not a write failure: a full disk (by its
+    errno, or, for an error that carries none, by the free space being less than the checkpoint needs), or
+    another OSError. `needed()`: the checkpoint's size."""
+    errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    oserrors = [x for x in errors if isinstance(x, OSError)]
+    try:
+        free: int | None = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    try:
+        size = int(needed())
+    except Exception:  # noqa: BLE001 - the estimate only words the message; the failure is known already
+        size = 0
+    full = [x for x in oserrors if x.errno in (errno.ENOSPC, errno.EDQUOT)]
+    if full or (not oserrors and free is not None and 0 < size and free < size):
+        have = f", {free:,} free" if free is not None else ""
+        said = f" ({full[0].strerror})" if full and full[0].strerror else ""
+        return f"disk full at {root}{said}: " + (f"about {size:,} bytes needed for the checkpoint{have}" if size
+                                                 else "no space left for the checkpoint")
+    if oserrors:
+        x = oserrors[0]
+        return f"could not write a checkpoint under {root}: {x.strerror or x}"
+    return None
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:

@@ -99,7 +99,8 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
             with adapter_names_as_written(model):
                 model = PeftModel.from_pretrained(model, str(adapter_dir))
         except Exception as e:  # noqa: BLE001 - a damaged or foreign adapter folder fails in many ways: bad input
-            raise UserError(f"{adapter_dir}: not an adapter of this run's model ({type(e).__name__}: {e}).") from None
+            raise UserError(f"{adapter_dir}: not an adapter of this run's model that loads ({type(e).__name__}: "
+                            f"{str(e)[:300]}); train again, or restore the run's adapter/.") from None
         bar.update()
         bar.set_postfix_str("merge")
         merged = model.merge_and_unload().to(dtype)

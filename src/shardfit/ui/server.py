@@ -5,7 +5,8 @@ so it is for the person who started it.
 It stays on the standard library's `http.server`: the pages are a handful of forms, and what a server stack would
 add is bounded here explicitly and tested (tests/test_ui.py): body size and its declared length (guard.py), a read
 timeout on every socket, a deadline for a whole body, a cap on concurrent connections, and no traceback for a
-malformed request.
+malformed request (a status line for each kind: tests/test_bad_inputs_round3.py). docs/security.md says why
+werkzeug's server would not add these and uvicorn would cost more than it gives here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from shardfit.config import load_config
+from shardfit.config.schema import GRAD_CKPT, METHODS
 from shardfit.errors import UserError
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
@@ -103,9 +105,9 @@ class UI:
 
     def plan(self, q: dict[str, str]) -> str:
         """The plan page for the form's values."""
-        w = dataclasses.replace(Workload(), method=q.get("method", "lora"), precision="bf16",
+        w = dataclasses.replace(Workload(), method=_choice(q, "method", METHODS, "lora"), precision="bf16",
                                 seq_len=_int(q, "seq", 2048), micro_batch=_int(q, "batch", 1),
-                                grad_ckpt=q.get("grad_ckpt", "full"))
+                                grad_ckpt=_choice(q, "grad_ckpt", GRAD_CKPT, "full"))
         shape = resolve_shape(q.get("model", "").strip())
         plan = make_plan(shape, w, parse_gpus(q.get("gpus", "1x24GB"), _int(q, "nodes", 1)))
         with tempfile.TemporaryDirectory() as tmp, self.drawing:
@@ -164,11 +166,28 @@ class UI:
             return page.read_text()
 
 
+# The forms' numbers and the range each may take: outside it a plan or a launch means nothing (a batch of 0, a
+# sequence of 10**20 tokens) or fails deep inside the planner.
+LIMITS = {"seq": (1, 1 << 20), "batch": (1, 4096), "nodes": (1, 4096), "nproc": (1, 1024)}
+
+
 def _int(q: dict[str, str], key: str, default: int) -> int:
-    try:
-        return int(q.get(key) or default)
-    except ValueError:
-        raise UserError(f"{key}: {q[key]!r} is not a whole number.") from None
+    """A form's whole number within LIMITS; a UserError (400, the page says which field) otherwise."""
+    text = q.get(key) or str(default)
+    lo, hi = LIMITS[key]
+    if not (text.isascii() and text.strip().lstrip("-").isdigit() and len(text.strip()) <= 20):
+        raise UserError(f"{key}: {text[:40]!r} is not a whole number; give {lo} to {hi}.")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise UserError(f"{key}: {value} is out of range; give {lo} to {hi}.")
+    return value
+
+
+def _choice(q: dict[str, str], key: str, options: tuple[str, ...], default: str) -> str:
+    value = q.get(key) or default
+    if value not in options:
+        raise UserError(f"{key}: {value[:40]!r} is not one of {', '.join(options)}.")
+    return value
 
 
 def _fields(text: str) -> dict[str, str]:
@@ -260,8 +279,23 @@ class Handler(BaseHTTPRequestHandler):
         self._send(pages.error_page(f"{refused.status.value} {refused.status.phrase}", refused.reason),
                    refused.status)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own answers to a malformed request (400, 414, 431, 501, 505): always with a status line.
+        A request line it cannot parse leaves the request taken as HTTP/0.9, which would get a bare page."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        self.close_connection = True
+        super().send_error(code, message, explain)
+
+    def _url(self) -> Any:
+        """The request's path and query; 400 for a target urllib cannot split (an unclosed [IPv6] host)."""
+        try:
+            return urlparse(self.path)
+        except ValueError:
+            raise Refused(HTTPStatus.BAD_REQUEST, "the request target is not a URL path.") from None
+
     def _route(self, method: str, q: dict[str, str]) -> None:
-        ui, path = self.server.ui, urlparse(self.path).path
+        ui, path = self.server.ui, self._url().path
         try:
             if method == "GET" and path == "/":
                 return self._send(pages.home(ui.models, ui.runs(), ui.jobs, self.guard.token, ui.configs))
@@ -288,7 +322,7 @@ class Handler(BaseHTTPRequestHandler):
         """Pages: the token comes in the query (then a cookie is set) or in the cookie."""
         try:
             self.guard.check_host(self.headers.get("Host"))
-            q = _fields(urlparse(self.path).query)
+            q = _fields(self._url().query)
             self.set_cookie = self.guard.token_ok(q.pop(TOKEN_FIELD, None))
             if not (self.set_cookie or self.guard.token_ok(self.guard.cookie_token(self.headers.get("Cookie")))):
                 raise Refused(HTTPStatus.FORBIDDEN, "no valid token: open the URL `shardfit ui` printed (it "
@@ -303,6 +337,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.guard.check_host(self.headers.get("Host"))
             self.guard.check_origin(self.headers.get("Origin"))
+            self._url()
             body = read_body(self.rfile, content_length(self.headers), self.server.body_deadline_s)
             try:
                 form = _fields(body.decode("utf-8"))
