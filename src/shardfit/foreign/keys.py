@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import as_bool, as_float, as_int, load_yaml, record
+from shardfit.foreign.common import as_bool, as_float, as_int, check_bools, load_yaml, parse_json, read_text, record
 from shardfit.foreign.deepspeed import DeepSpeedJob, load_deepspeed
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.shell import Command, parse_command
@@ -78,18 +78,16 @@ class Source:
         return self.values.get(key, default)
 
     def flag(self, key: str, default: Any = False) -> bool:
-        """The key as a boolean (true, 1, yes, on), the tool's `default` when it is not given."""
-        return as_bool(self.values.get(key, default))
+        """The key as a boolean (true, 1, yes, on), the tool's `default` when it is not given; a value that is no
+        word for one ("maybe", a list) is a UserError naming the key, not silently true or false."""
+        value = self.values.get(key, default)
+        check_bools({key: value}, (key,), self.at)
+        return as_bool(value)
 
     def items(self) -> Iterable[tuple[str, Any]]:
         return ((k, self.values[k]) for k in self.order)
 
 
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror}).") from None
 
 
 def yaml_source(path: Path) -> Source:
@@ -107,11 +105,7 @@ def command_source(path: Path, programs: tuple[str, ...]) -> tuple[Source, Comma
 
 def json_source(path: Path, what: str) -> Source:
     """A JSON object of arguments, every value as the command line would give it (text; objects as JSON)."""
-    text = read_text(path)
-    try:
-        args = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON: {e.msg}.") from None
+    args = parse_json(read_text(path), str(path))
     if not isinstance(args, dict):
         raise UserError(f"{path}: {what} JSON must be an object of argument names.")
     args = {k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
