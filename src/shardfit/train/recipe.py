@@ -53,7 +53,7 @@ from shardfit.parallel.defaults import (
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
 )
-from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16
+from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -146,6 +146,7 @@ class FineTune:
                      "The nodes resolved the job differently: start every node with the same shardfit, config and "
                      "flags, on the same kind of GPUs.")
         self.cfg = cfg = settled(self.cfg, self.job)
+        fast_fp32_matmuls(env.device, cfg.precision)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():
             log.warning("precision bf16 on this CPU: its bf16 matmuls run at %.1f GFLOP/s against %.1f for fp32; "
                         "precision: fp32 (or auto) trains several times faster here",
