@@ -139,6 +139,8 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def shardfit_run(name: str, cfg: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
     """`python -m shardfit train` on `cfg`; what the check reads from its run directory (module doc)."""
+    import torch
+
     run_dir = Path(cfg["output_dir"])
     path = work / f"{name}-config.json"
     path.write_text(json.dumps(cfg))  # JSON is YAML: the config loader reads it as the user's file
@@ -155,7 +157,7 @@ def shardfit_run(name: str, cfg: dict[str, Any], work: Path, timeout_s: float) -
     record.update(ok=bool(losses) and all(math.isfinite(x) for x in losses) and bool(weights), losses=losses,
                   saved=str(saved), weight_files=weights, steps=summary["steps"],
                   tokens_per_s=summary["tokens_per_s"], predicted_tokens_per_s=summary["predicted_tokens_per_s"],
-                  strategy=summary["strategy"], memory=memory_against_plan(run_dir, summary),
+                  strategy=summary["strategy"], memory=memory_against_plan(run_dir, summary, torch.cuda.is_available()),
                   resolved={k: resolved.get(k) for k in ("precision", "attn_implementation", "compile", "packing")})
     profile = run_dir / "profile" / "ops-rank0.txt"
     if profile.is_file():
@@ -164,9 +166,10 @@ def shardfit_run(name: str, cfg: dict[str, Any], work: Path, timeout_s: float) -
     return record
 
 
-def memory_against_plan(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """The run's peak memory (allocated on a GPU, the resident set on a CPU) against its plan's for the strategy it
-    ran: total (without the runtime overhead, which allocated memory does not count) and the plan's categories."""
+def memory_against_plan(run_dir: Path, summary: dict[str, Any], gpu: bool) -> dict[str, Any]:
+    """The run's peak memory against its plan's for the strategy it ran, total and the plan's categories: on a GPU
+    allocated memory, against the plan without its runtime overhead (the CUDA context, which allocated memory does
+    not count); on a CPU the resident set, against the whole plan."""
     measured = max(summary["peak_mem_gib"])
     plan_path = run_dir / "plan.json"
     if not plan_path.is_file():
@@ -176,7 +179,7 @@ def memory_against_plan(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any
     if cand is None:
         return {"measured_gib": round(measured, 3), "planned": None}
     parts = cand["per_gpu_gib"]
-    allocated = parts["total"] - parts.get("runtime_overhead", 0.0)
+    allocated = parts["total"] - (parts.get("runtime_overhead", 0.0) if gpu else 0.0)
     return {"measured_gib": round(measured, 3), "planned_gib": round(allocated, 3),
             "measured_over_planned": round(measured / allocated, 3) if allocated else None,
             "planned_parts_gib": parts, "peak_phase": cand.get("peak_phase")}
@@ -210,8 +213,11 @@ def card() -> dict[str, Any]:
             "torch": torch.__version__, "bf16_peak_flops": compare.gpu_peak_flops()}
 
 
-def check(out: Path, work: Path, assets: Path, tiny: bool) -> dict[str, Any]:
-    """Every step of the check (module doc); the JSON at `out` rewritten after each run."""
+PIECES = (*METHODS, "vl_lora", "speed-full", "speed-lora")
+
+
+def check(out: Path, work: Path, assets: Path, tiny: bool, only: tuple[str, ...] = PIECES) -> dict[str, Any]:
+    """The check's runs (module doc; `only`: some of PIECES); the JSON at `out` rewritten after each run."""
     from transformers import AutoTokenizer
 
     scale = TINY if tiny else GPU
@@ -227,22 +233,25 @@ def check(out: Path, work: Path, assets: Path, tiny: bool) -> dict[str, Any]:
     text = text_model(work / "qwen2", assets, scale.text)
     tok = AutoTokenizer.from_pretrained(assets)
     notes = write_jsonl(work / "data" / "notes.jsonl", note_rows(64))
-    for name, over in METHODS.items():
+    for name, over in ((n, o) for n, o in METHODS.items() if n in only):
         cfg = dict(base_config(text, notes, work / name, scale.method_seq, 4, scale.method_steps), log_steps=1,
                    **over)
         report["methods"][name] = shardfit_run(name, cfg, work, scale.run_timeout_s)
         save()
-    vl = vl_model(work / "vl", assets)
-    images = write_jsonl(work / "vl-data" / "train.jsonl", image_rows(work / "vl-data", 16))
-    cfg = dict(base_config(vl, images, work / "vl_lora", 128, 4, scale.method_steps), method="lora",
-               lora={"rank": 8, "alpha": 16}, log_steps=1)
-    report["methods"]["vl_lora"] = shardfit_run("vl_lora", cfg, work, scale.run_timeout_s)
-    save()
+    if "vl_lora" in only:
+        vl = vl_model(work / "vl", assets)
+        images = write_jsonl(work / "vl-data" / "train.jsonl", image_rows(work / "vl-data", 16))
+        cfg = dict(base_config(vl, images, work / "vl_lora", 128, 4, scale.method_steps), method="lora",
+                   lora={"rank": 8, "alpha": 16}, log_steps=1)
+        report["methods"]["vl_lora"] = shardfit_run("vl_lora", cfg, work, scale.run_timeout_s)
+        save()
     rows = scale.speed_micro_batch * scale.speed_steps
     long = write_jsonl(work / "data" / "long.jsonl", long_rows(rows, scale.speed_seq, tok))
     for method in ("full", "lora"):
-        report["speed"][method] = speed(method, text, long, work, scale)
-        save()
+        if f"speed-{method}" in only:
+            report["speed"][method] = speed(method, text, long, work, scale)
+            save()
+    save()
     return report
 
 
@@ -277,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the rehearsal: tiny models and rows, on any device")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfit-gpu-check"),
                    help="models, data and runs (kept; a later check reuses the models)")
+    p.add_argument("--only", nargs="+", choices=PIECES, default=list(PIECES), metavar="RUN",
+                   help=f"some of the runs: {', '.join(PIECES)}")
     args = p.parse_args(argv)
     import torch
 
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     assets = args.work_dir / "assets"
     if not (assets / "tokenizer_config.json").is_file():
         export(assets)
-    report = check(args.out, args.work_dir, assets, args.tiny)
+    report = check(args.out, args.work_dir, assets, args.tiny, tuple(args.only))
     runs = {**report["methods"], **{f"speed-{k}": v["shardfit"] for k, v in report["speed"].items()}}
     failed = [name for name, r in runs.items() if not r.get("ok")]
     print(f"bench/gpu.py check: {len(runs) - len(failed)} of {len(runs)} runs trained on {report['gpu'] or 'the CPU'}"

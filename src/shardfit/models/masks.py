@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import masking_utils as mu
 
 # Attention kernels whose mask transformers builds with `create_causal_mask`'s mask functions (flash attention
 # reads packed rows from the positions itself; flex attention wants a block mask).
@@ -49,8 +50,6 @@ def block_causal_mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtyp
     """The mask transformers builds for these rows (causal within each example of a row), without reading the
     device: its packed-sequence ids from the position restarts (none: plain causal), and its own mask function for
     the kernel."""
-    from transformers import masking_utils as mu
-
     batch, width = position_ids.shape
     first = position_ids[:, :1] - 1
     sequence = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
