@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench setup clean browser
+.PHONY: demo test lint bench gpu-check setup clean browser
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ bench: $(STAMP)
 	$(PY) bench/plan_vs_published.py
 	$(PY) bench/plan_vs_blind.py
 	$(PY) bench/deepspeed_memory.py
+
+# The ten-minute check on a machine with one CUDA GPU, offline (docs/benchmarks.md): every method trains, memory
+# against the plan, speed against the HF Trainer, one profiled step; one JSON with the card's name.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu.py check --out bench/results/gpu_check.json
 
 # Optional: the headless browser the report and UI tests open pages in (they skip without it). Debian/Ubuntu, as root.
 browser:

@@ -4,6 +4,7 @@
     python bench/gpu.py run .gpu --out gpu.json [--runs N]   # there: compare.py's single-process workloads
     python bench/gpu.py models .gpu --work-dir W             # there: only the model folders (W/smollm2, W/qwen2)
     python bench/gpu.py run .gpu --variants cudnn:attn_implementation=sdpa   # an A/B of a default, as compare.py
+    python bench/gpu.py check --out bench/results/gpu_check.json   # the ten-minute check (bench/gpu_check.py)
 
 The bundled SmolLM2 GGUF (94 MB) is more than such a machine takes along, so `run` builds SmolLM2-135M-Instruct's
 architecture from its config with random weights (seed 0, fp32 safetensors, the same folder for every tool).
@@ -61,6 +62,11 @@ def model_folders(assets: Path, work: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:  # the ten-minute check has its own options (bench/gpu_check.py)
+        import gpu_check
+
+        sys.exit(gpu_check.main(argv[1:]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("verb", choices=("export", "models", "run"))
     p.add_argument("assets", type=Path, help="the folder `export` writes and `run` reads")

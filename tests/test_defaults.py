@@ -264,3 +264,18 @@ def test_a_gpu_run_says_why_it_leaves_cudnn_out(caplog: pytest.LogCaptureFixture
     assert "SDPA without cuDNN's kernel" in caplog.text and "attn_implementation: sdpa keeps it" in caplog.text
     run.cfg = Config(compile=False, attn_implementation="sdpa")
     assert FineTune.allows_cudnn_attention(run) is True
+
+
+@pytest.mark.parametrize(("device", "precision", "tf32"), [("cuda", "bf16", True), ("cuda", "fp16", True),
+                                                           ("cuda", "fp32", False), ("cpu", "bf16", False),
+                                                           ("cpu", "fp32", False)])
+def test_tf32_only_for_the_fp32_matmuls_of_a_16_bit_gpu_run(device: str, precision: str, tf32: bool) -> None:
+    from shardfit.parallel.env import fast_fp32_matmuls
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert fast_fp32_matmuls(torch.device(device), precision) is tf32
+        assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+    finally:
+        torch.set_float32_matmul_precision(before)

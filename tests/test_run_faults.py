@@ -20,6 +20,7 @@ from shardfit.config import load_config
 from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import init_distributed
 from shardfit.train import checkpoint as ckpt_module
+from shardfit.train.diverge import DivergenceStop
 from shardfit.train.recipe import train
 from tests.helpers import read_jsonl, run_cli, write_config
 
@@ -103,6 +104,22 @@ def test_diverging_run_stops_at_the_step_and_keeps_the_good_checkpoint(tmp_path:
     assert not (tmp_path / "run" / "summary.json").exists()
     assert all(json.loads(line).get("loss") is None or json.loads(line)["loss"] == json.loads(line)["loss"]
                for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())  # no NaN written
+
+
+def test_a_divergence_seen_on_the_device_stops_at_the_next_read_naming_the_first_bad_step(
+        tmp_path: Path, tiny_llama: Path, small_data: Path, monkeypatch) -> None:
+    """As on a GPU: the norm is not read at every step; the run stops where the host reads the device (here the
+    checkpoint of step 6), naming the step of the first bad norm, and no checkpoint after it is written."""
+    keys = dict(max_steps=12, save_steps=6, log_steps=12, lr=1e30, max_grad_norm=1e30)
+    with pytest.raises(JobFailed, match=r"training diverged at step (\d+)") as every_step:
+        _train(_cfg(tmp_path, tiny_llama, small_data, "a.yaml", output_dir=str(tmp_path / "a"), **keys))
+    monkeypatch.setattr(DivergenceStop, "for_device",
+                        classmethod(lambda cls, opt, device: cls(opt, device, on_device=True)))
+    with pytest.raises(JobFailed, match=r"training diverged at step (\d+)") as on_device:
+        _train(_cfg(tmp_path, tiny_llama, small_data, "b.yaml", output_dir=str(tmp_path / "b"), **keys))
+    step = every_step.value.args[0].split(":")[0]
+    assert on_device.value.args[0].split(":")[0] == step and int(step.split()[-1]) < 6
+    assert not (tmp_path / "b" / "checkpoints").exists() or not any((tmp_path / "b" / "checkpoints").iterdir())
 
 
 def test_a_checkpoint_that_cannot_be_written_fails_the_job_with_what_survives(tmp_path: Path, tiny_llama: Path,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,11 +29,27 @@ class Batch:
     # of every video. position_ids is then (4, rows,
     # width): the text positions that bound each packed example, then the three M-RoPE axes.
     media: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Counted on the host while the batch is still there, so the step never reads them back from a GPU: the
+    # labelled positions, and whether any row restarts its positions (packed examples; None: not known).
+    n_targets: int | None = None
+    restarts: bool | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True),
                      self.targets.to(device, non_blocking=True), self.n_real_tokens,
-                     {k: v.to(device, non_blocking=True) for k, v in self.media.items()})
+                     {k: v.to(device, non_blocking=True) for k, v in self.media.items()}, self.n_targets,
+                     self.restarts)
+
+    @property
+    def host_facts(self) -> dict[str, Any]:
+        """The loss module's keyword arguments for what the host knows (train/loss.py `CausalLMLoss`)."""
+        return {"n_targets": self.n_targets, "restarts": self.restarts}
+
+
+def _host_facts(pos: torch.Tensor, tgt: torch.Tensor) -> tuple[int, bool]:
+    """The labelled positions and whether a row restarts its positions, from the batch's host tensors."""
+    restarts = bool((torch.diff(pos, dim=-1) != 1).any()) if pos.shape[-1] > 1 else False
+    return int((tgt != IGNORE).sum()), restarts
 
 
 def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -> Batch:
@@ -62,8 +79,9 @@ def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -
         tgt[i, :n] = torch.tensor(r.targets)
         if n:
             pos[i, n:] = torch.arange(width - n) + r.position_ids[-1] + 1
+    n_targets, restarts = _host_facts(pos, tgt)
     if not any(r.mrope is not None for r in rows):
-        return Batch(ids, pos, tgt, sum(len(r) for r in rows))
+        return Batch(ids, pos, tgt, sum(len(r) for r in rows), n_targets=n_targets, restarts=restarts)
     pos4 = pos[None].repeat(4, 1, 1)
     for i, r in enumerate(rows):
         if r.mrope is not None:
@@ -80,7 +98,7 @@ def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -
     if clips:
         media["input_features"] = torch.cat([f for f, _ in clips], dim=1)
         media["audio_feature_lens"] = torch.cat([n for _, n in clips])
-    return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media)
+    return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media, n_targets, restarts)
 
 
 @dataclass

@@ -63,6 +63,18 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
     return DistEnv(rank, world, local_rank, device, backend)
 
 
+def fast_fp32_matmuls(device: torch.device, precision: str) -> bool:
+    """TF32 for the fp32 matmuls a 16-bit run still has on a GPU (the trained head's fp32 weight gradient in the
+    loss, any op autocast leaves in fp32): their operands come from bf16/fp16 values, so TF32's 10-bit mantissa
+    loses nothing they had, and the matmul runs on the tensor cores instead of at a fraction of their rate. An fp32
+    run keeps full fp32 matmuls, as asked; a CPU is left as it is. The flag is the process's (one run per
+    process). Returns whether it was set."""
+    if device.type != "cuda" or precision not in ("bf16", "fp16"):
+        return False
+    torch.set_float32_matmul_precision("high")
+    return True
+
+
 def use_reachable_interface(local_rank: int) -> str | None:
     """Point gloo at the interface the other hosts can reach when this host's name resolves to loopback
     (parallel/netif.py); returns the interface it set, if any."""

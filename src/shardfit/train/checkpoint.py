@@ -334,8 +334,12 @@ class Checkpointer:
 
     def maybe_save(self, step: int, tokens: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    lr_schedule: Any) -> None:
-        if step % self.every == 0 and step != self.total:
+        if self.due(step):
             self.save(step, tokens, module, optimizer, lr_schedule)
+
+    def due(self, step: int) -> bool:
+        """Whether `maybe_save` saves after step `step` (the last step's checkpoint is `finish`'s)."""
+        return step % self.every == 0 and step != self.total
 
     def save(self, step: int, tokens: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
              lr_schedule: Any) -> Path:

@@ -114,8 +114,12 @@ class Evaluator:
         self.last_generation: dict[str, float] = {}
 
     def maybe_run(self, step: int) -> None:
-        if self.rows and step % self.every == 0 and step != self.total:
+        if self.due(step):
             self.run(step)
+
+    def due(self, step: int) -> bool:
+        """Whether `maybe_run` evaluates after step `step` (the last step's evaluation is `finish`'s)."""
+        return bool(self.rows) and step % self.every == 0 and step != self.total
 
     def run(self, step: int) -> float | None:
         if not self.rows:

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, vision_body
 from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
+from shardfit.models.masks import mask_argument
 from shardfit.train.media_forward import vision_language_forward
 
 
@@ -90,21 +91,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None
 
 
+def labelled(hidden: torch.Tensor, targets: torch.Tensor, n_targets: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states and targets of the labelled positions, in order.
+
+    Selected by index, not by boolean mask: a mask's selection (forward, and its backward again) sizes its output by
+    the data, which on a GPU makes the host wait for the device. With the count known on the host (`n_targets`, the
+    batch counts it before the copy), `nonzero_static` gives the indices without that wait; the rows, and so the
+    loss and its gradients, are the same. Without a count the mask is counted on the device (one wait)."""
+    keep = (targets != IGNORE).flatten()
+    n = int(keep.sum()) if n_targets is None else n_targets
+    idx = torch.nonzero_static(keep, size=n).squeeze(1)
+    return hidden.flatten(0, 1).index_select(0, idx), targets.flatten().index_select(0, idx)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int = 1024,
-                          compute_dtype: torch.dtype | None = None,
-                          all_labelled: bool = False) -> tuple[torch.Tensor, int]:
+                          compute_dtype: torch.dtype | None = None, all_labelled: bool = False,
+                          n_targets: int | None = None) -> tuple[torch.Tensor, int]:
     """Summed CE of `head(hidden)` against `targets` (already shifted; IGNORE skipped), and the target count.
 
     `targets` is moved to the hidden states' device first, so a model split across devices never mixes them.
     `all_labelled` skips the selection of labelled positions (its output size depends on the data, which a
     fake-tensor simulation cannot know): every position then goes through the head, the worst case.
+    `n_targets`, the count of labelled positions when the caller knows it on the host, spares the GPU a wait.
     """
     targets = targets.to(hidden.device)
     if all_labelled:
         h, y = hidden.flatten(0, 1), targets.flatten()
     else:
-        keep = targets != IGNORE
-        h, y = hidden[keep], targets[keep]
+        h, y = labelled(hidden, targets, n_targets)
     n = int(y.numel())
     if n == 0:
         # Keep the graph connected so DDP/FSDP see every parameter used on every rank.
@@ -158,19 +172,24 @@ class CausalLMLoss(nn.Module):
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 input_features: torch.Tensor | None = None, audio_feature_lens: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None,
-                video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                video_grid_thw: torch.Tensor | None = None, n_targets: int | None = None,
+                restarts: bool | None = None) -> tuple[torch.Tensor, int]:
+        """`n_targets` (labelled positions) and `restarts` (whether a row restarts its positions) are what the
+        batch knows on the host (data/loader.py `Batch`): with them the step never waits for the device."""
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
         routed = {"output_router_logits": True} if self.moe_top_k else {}
         if body is None:
-            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **routed)
+            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          **mask_argument(decoder, position_ids, restarts), **routed)
         else:
             out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw,
                                           input_features, audio_feature_lens, pixel_values_videos, video_grid_thw,
                                           routed)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled)
+        loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled,
+                                            n_targets=n_targets)
         if self.moe_top_k:
             loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum)
         return loss_sum, n

@@ -142,12 +142,16 @@ class StepLogger:
         """A micro-batch's summed loss, as a share of its step's mean over the global batch."""
         self._loss += loss_sum.detach().double() / max(global_targets, 1)
 
+    def writes_at(self, step: int) -> bool:
+        """Whether `end_step` writes the window (and reads the device) at step `step`."""
+        return step % self.every == 0 or step == self.total
+
     def end_step(self, step: int, tokens: int, step_tokens: int, grad_norm: torch.Tensor, lr: float) -> None:
         """Count a finished optimizer step; write the window when `step` is on the cadence or the last."""
         self._steps += 1
         self._tokens += step_tokens
         self.bar.update(1)
-        if step % self.every and step != self.total:
+        if not self.writes_at(step):
             return
         if self.env.distributed:
             dist.all_reduce(self._loss)

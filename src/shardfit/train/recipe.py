@@ -48,7 +48,7 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
-from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16
+from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.threads import thread_reason
@@ -65,6 +65,7 @@ from shardfit.resolve.defaults import (
 )
 from shardfit.strategy import get as get_strategy
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
+from shardfit.train.diverge import Diverged, DivergenceStop
 from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
@@ -153,6 +154,7 @@ class FineTune:
                      "The nodes resolved the job differently: start every node with the same shardfit, config and "
                      "flags, on the same kind of GPUs.")
         self.cfg = cfg = settled(self.cfg, self.job)
+        fast_fp32_matmuls(env.device, cfg.precision)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():
             log.warning("precision bf16 on this CPU: its bf16 matmuls run at %.1f GFLOP/s against %.1f for fp32; "
                         "precision: fp32 (or auto) trains several times faster here",
@@ -281,6 +283,7 @@ class FineTune:
                      "or identical copies at the same path).")
         self.lr_schedule = cosine_with_warmup(self.optimizer, int(cfg.warmup_ratio * self.total_steps),
                                               self.total_steps)
+        self.stop = DivergenceStop.for_device(self.optimizer, env.device)
 
     def _resume(self) -> None:
         cfg, env = self.cfg, self.env
@@ -372,6 +375,8 @@ class FineTune:
                 if step == self.start_step:
                     self.startup.mark("first step")
                 self.tokens += rows.global_tokens
+                if self._reads_device(done):  # the host waits for the device here anyway, or must
+                    self._raise_if_diverged(self.stop.check())
                 wd.at("metrics (loss all-reduce)")
                 self.logger.end_step(done, self.tokens, rows.global_tokens, grad_norm,
                                      self.lr_schedule.get_last_lr()[0])
@@ -408,7 +413,8 @@ class FineTune:
                 self.attention.before(batch.input_ids.shape[-1])
             wd.at("forward")
             with micro_batch_sync(self.loss_module, last), self.amp:
-                loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
+                loss_sum, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media,
+                                                **batch.host_facts)
             wd.at("backward")
             (loss_sum * scale).backward()
             moe = self.routing.last_moe
@@ -420,21 +426,30 @@ class FineTune:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # FSDP2: the norm over every rank's shard, the same on all ranks
-        if not torch.isfinite(grad_norm):  # every rank sees the same norm, so all stop at the same step
-            self._diverged(step + 1, grad_norm)
+        # Every rank sees the same norm, so all stop at the same step (train/diverge.py: read now or later).
+        self._raise_if_diverged(self.stop.observe(step + 1, grad_norm))
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _diverged(self, step: int, grad_norm: torch.Tensor) -> None:
-        """Stop at the first non-finite gradient, before the update: the checkpoints on disk stay good ones."""
+    def _reads_device(self, step: int) -> bool:
+        """Whether the host reads the device after optimizer step `step` anyway (a logged step), or must not go on
+        without knowing the run is sound (before an evaluation or a checkpoint, at the last step)."""
+        return self.logger.writes_at(step) or self.evaluator.due(step) or self.checkpointer.due(step) \
+            or step == self.total_steps
+
+    def _raise_if_diverged(self, diverged: Diverged | None) -> None:
+        """Stop at the first non-finite gradient, with no update applied from it on: the checkpoints on disk stay
+        good ones."""
+        if diverged is None:
+            return
         saved = list_checkpoints(self.run_dir)
         last = f"{saved[-1][1]}" if saved else "none yet"
-        raise JobFailed(f"training diverged at step {step}: the gradient norm is {float(grad_norm)} (the loss became "
-                        f"nan or inf). The update was not applied; the last good checkpoint is {last}. Lower lr, "
-                        "train in bf16 or fp32 instead of fp16, or look for broken rows; resume: auto continues from "
-                        "that checkpoint.")
+        raise JobFailed(f"training diverged at step {diverged.step}: the gradient norm is {diverged.grad_norm} (the "
+                        f"loss became nan or inf). No update was applied from that step on; the last good checkpoint "
+                        f"is {last}. Lower lr, train in bf16 or fp32 instead of fp16, or look for broken rows; resume: "
+                        "auto continues from that checkpoint.")
 
     # -- finish --------------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:

@@ -1,0 +1,76 @@
+"""The attention-mask argument a text decoder gets for one micro-batch, decided from what the host knows.
+
+Given position ids and no mask, transformers looks for packed rows (a position restart) on the device and reads the
+answer back (`find_packed_sequence_indices`): on a GPU the host then waits for the device at every forward. The
+batch already knows on the host whether any row restarts its positions (`Batch.restarts`), so:
+- SDPA on rows without a restart, and a decoder that takes one mask per layer type (Qwen2, Qwen3, Gemma 3, ...):
+  that mapping with no mask, which is what transformers would have found (SDPA then runs its causal kernel);
+- otherwise (restarts; eager attention, whose causal mask is always built): the mask transformers would have
+  built, built with its own mask functions without the read-back, given as the mapping or as the ready 4-D mask
+  transformers passes through as it is;
+- anything else (no host facts, sliding-window or chunked layers, another attention kernel, SDPA on rows without a
+  restart in a decoder without the mapping, such as Llama's): no argument, transformers decides as before.
+Every case gives the attention kernel the same mask as before; only the wait goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import masking_utils as mu
+
+# Attention kernels whose mask transformers builds with `create_causal_mask`'s mask functions (flash attention
+# reads packed rows from the positions itself; flex attention wants a block mask).
+_DENSE_MASK_KERNELS = ("sdpa", "eager")
+
+
+@functools.cache
+def takes_mask_mapping(decoder_cls: type) -> bool:
+    """Whether the decoder class's forward accepts `attention_mask` as a {layer type: mask} mapping (transformers'
+    models that do test `isinstance(causal_mask_mapping := attention_mask, dict)`)."""
+    try:
+        source = inspect.getsource(decoder_cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "causal_mask_mapping := attention_mask, dict" in source
+
+
+def _full_attention_only(config: Any) -> bool:
+    """Every layer attends causally over the whole row (no sliding window, no chunks)."""
+    types = getattr(config, "layer_types", None)
+    return (types is None or set(types) == {"full_attention"}) and not getattr(config, "sliding_window", None) \
+        and not getattr(config, "attention_chunk_size", None)
+
+
+def block_causal_mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask transformers builds for these rows (causal within each example of a row), without reading the
+    device: its packed-sequence ids from the position restarts (none: plain causal), and its own mask function for
+    the kernel."""
+    batch, width = position_ids.shape
+    first = position_ids[:, :1] - 1
+    sequence = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    fn = mu.packed_sequence_compatibility_function(mu.causal_mask_function, position_ids, sequence)
+    make = mu.ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]
+    return make(batch_size=batch, q_length=width, kv_length=width, q_offset=0, kv_offset=0, mask_function=fn,
+                attention_mask=None, allow_is_causal_skip=False, dtype=dtype, config=config, use_vmap=False,
+                device=position_ids.device)
+
+
+def mask_argument(decoder: nn.Module, position_ids: torch.Tensor | None, restarts: bool | None) -> dict[str, Any]:
+    """The keyword arguments (`attention_mask` or none) to call `decoder` with for this micro-batch (module doc)."""
+    config = getattr(decoder, "config", None)
+    if restarts is None or position_ids is None or position_ids.dim() != 2 or config is None:
+        return {}
+    if config._attn_implementation not in _DENSE_MASK_KERNELS or not _full_attention_only(config) \
+            or not getattr(config, "is_causal", True):
+        return {}
+    mapping = takes_mask_mapping(type(decoder))
+    if not restarts and config._attn_implementation == "sdpa":
+        # No mask: SDPA's causal kernel, as transformers finds. (Without the mapping there is no way to say it.)
+        return {"attention_mask": {"full_attention": None}} if mapping else {}
+    mask = block_causal_mask(config, position_ids, decoder.get_input_embeddings().weight.dtype)
+    return {"attention_mask": {"full_attention": mask} if mapping else mask}
