@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.models.anatomy import base_model
@@ -14,7 +15,7 @@ from shardfit.models.experts import aux_loss_of, balancing_loss_fn, moe_parts, r
 def router_lora_rules(model: nn.Module, cfg: Config) -> list[Finding]:
     """`lora.targets` that name a router. An adapted router changes which experts every token reaches, and peft
     0.21 would put one on it; shardfit never adapts routers (models/experts.py), so the named ones are left out."""
-    if cfg.method not in ("lora", "qlora"):
+    if not methods.get(cfg.method).adapters:
         return []
     named = router_targets(cfg.lora.targets, moe_parts(base_model(model)))
     if not named:

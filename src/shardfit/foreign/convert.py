@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from shardfit import method as methods
 from shardfit.foreign.job import ForeignJob
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
@@ -23,7 +24,7 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     extra = dict(job.convert)
     lora = {"rank": w.lora_rank, **extra.pop("lora", {})}
     lora["rank"] = w.lora_rank
-    if w.method in ("lora", "qlora"):
+    if methods.get(w.method).adapters:
         cfg["lora"] = lora
     cfg.update(extra)
     if job.engine == "device_map":

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardfit import method as methods
 from shardfit.errors import UserError
 from shardfit.foreign.common import ATTENTION, TRAINER_NO_EFFECT, as_float, as_int, hf_loss, local_file, optimizer
 from shardfit.foreign.job import ForeignJob, Words
@@ -150,7 +151,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
                     optimizer=optimizer(str(src.get("optim", "adamw_torch"))) or "adamw",
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
-                    frozen_fp32=False, adapters_16bit=pure and method in ("lora", "qlora"),
+                    frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters,
                     **settings(src, KEYS, "field"))
 
 

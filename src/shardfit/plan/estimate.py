@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS, loss_chunk_rows
 from shardfit.plan import quant
@@ -646,7 +647,7 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         notes = f"host RAM too small for offloaded shards: {host_gib:.0f} GiB per node needed"
     if s.engine == "device_map" and hw.nodes > 1:
         fits, notes = False, "model_parallel splits one process over one node's GPUs; use zero3 across nodes"
-    if s.engine == "device_map" and w.method == "qlora":
+    if not methods.get(w.method).allows(s.engine):
         fits, notes = False, "QLoRA's 4-bit weights are not trained split over GPUs; use zero3 (check: " \
                              "qlora_split_over_devices)"
     shard_problem = qlora_shard_problem(shape, w, n) if s.sharded else None

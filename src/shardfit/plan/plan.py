@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit import __version__
+from shardfit import method as methods
 from shardfit.config.support import trainable_methods
 from shardfit.plan.estimate import Candidate, estimate, trainable_params
 from shardfit.plan.hardware import Hardware
@@ -179,7 +180,7 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
                       {"micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}, None))
     if w.seq_len > 512:
         tries.append(("shorter sequences", {"seq_len": w.seq_len // 2}, None))
-    if w.method in ("full", "freeze"):
+    if not methods.get(w.method).adapters:
         tries.append(("LoRA instead of a full fine-tune", {"method": "lora"}, None))
     if w.method != "qlora":
         tries.append(("QLoRA: 4-bit frozen weights", {"method": "qlora"}, None))
