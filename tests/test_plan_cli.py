@@ -77,7 +77,7 @@ def test_sharding_and_method_monotonic(capsys) -> None:
 
 
 def test_nothing_fits_exit_3_with_alternatives(capsys) -> None:
-    code, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-70B", "--gpus", "1x24GB", "--method", "full",
+    code, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-70B", "--gpus", "2x24GB", "--method", "full",
                        "--strategy", "ddp")
     assert code == 3 and plan["recommended"] is None and plan["alternatives"]
     r = run_cli("plan", "--model", "meta-llama/Llama-3.1-70B", "--gpus", "1x4090", "--method", "full",

@@ -41,3 +41,9 @@ class JobFailed(ShardfitError):
     """The job started and failed (diverged, could not write a checkpoint); the message says what survives."""
 
     exit_code = 1
+
+
+class Interrupted(ShardfitError):
+    """The user stopped the job (Ctrl-C); the message says which checkpoint survives and how to resume."""
+
+    exit_code = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C

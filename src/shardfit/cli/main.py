@@ -27,7 +27,7 @@ from shardfit.cli import (
     train_cmd,
     ui_cmd,
 )
-from shardfit.errors import ShardfitError
+from shardfit.errors import Interrupted, ShardfitError
 from shardfit.gc_policy import process_entry
 from shardfit.parallel.allocator import reexec_with_allocator
 
@@ -96,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except Interrupted as e:  # Ctrl-C in a command that knows what survives it
+        print(f"shardfit: interrupted{f'. {e}' if str(e) else ''}", file=sys.stderr)
+        return e.exit_code
     except ShardfitError as e:
         print(f"shardfit: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import refuse_unfixable
@@ -15,8 +16,12 @@ from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import Config, load_config
 from shardfit.config.support import require_method_support
 from shardfit.doctor.launch import Launch, launch_rules
-from shardfit.errors import UserError
+from shardfit.errors import Interrupted, UserError
 from shardfit.strategy import get as get_strategy
+
+if TYPE_CHECKING:  # torch: imported only by the process that trains
+    from shardfit.parallel.env import DistEnv
+    from shardfit.parallel.watchdog import Watchdog
 
 log = logging.getLogger("shardfit")
 EXAMPLE = "example: shardfit train my.yaml --set lr=1e-4 --nproc 2"
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
         return relaunch(cmd)
 
-    from shardfit.parallel.env import init_distributed, shutdown  # torch: only to train
+    from shardfit.parallel.env import init_distributed  # torch: only to train
     from shardfit.parallel.sidechannel import SideChannel
     from shardfit.parallel.watchdog import Watchdog
 
@@ -111,6 +116,18 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("shardfit").setLevel(logging.ERROR)
     # Started before anything can fail: a rank that fails in setup must not leave the others in a collective.
     watchdog = Watchdog(env, SideChannel.connect(env.rank, env.world)).start()
+    try:
+        _train_here(args, cfg, env, watchdog)
+    except KeyboardInterrupt:
+        # One account of what survives, from rank 0 (the other ranks' would repeat it).
+        raise Interrupted(_interrupted(args, cfg, env.world) if env.is_main else "") from None
+    return 0
+
+
+def _train_here(args: argparse.Namespace, cfg: Config | None, env: DistEnv, watchdog: Watchdog) -> None:
+    """This process's share of the training (the demo without a config), with the watchdog told of a failure."""
+    from shardfit.parallel.env import shutdown
+
     ok = False
     try:
         if cfg is None:
@@ -132,4 +149,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         watchdog.stop()
         shutdown(env, ok)
-    return 0
+
+
+def _interrupted(args: argparse.Namespace, cfg: Config | None, world: int) -> str:
+    """Which checkpoint survives Ctrl-C and the command that continues from it (the user's own command line)."""
+    from shardfit.demo.run import demo_config_path
+    from shardfit.train.interrupt import interrupted_message
+
+    if cfg is None:  # the demo: its bundled config with the user's overrides
+        cfg = load_config(demo_config_path(), args.overrides)
+    command = ["shardfit", "train"] + ([args.config] if args.config else [])
+    for item in args.overrides:
+        command += ["--set", item]
+    nproc = args.nproc or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if nproc > 1 or args.nnodes > 1:
+        command += ["--nproc", str(nproc)]
+    if args.nnodes > 1:  # each node reruns its own line: the same flags, its own --node-rank
+        command += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
+        command += ["--master-addr", args.master_addr] if args.master_addr else []
+        command += ["--rdzv-endpoint", args.rdzv_endpoint] if args.rdzv_endpoint else []
+    return interrupted_message(Path(cfg.output_dir), cfg.resume, command)

@@ -70,6 +70,7 @@ from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
+from shardfit.train.oom import Where, out_of_memory, ran_out
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.profiling import StepProfiler
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint
@@ -525,6 +526,13 @@ class FineTune:
                      new_shapes, new_shapes * CUDNN_PLAN_S, 100 * CUDNN_PLAN_SHARE, predicted)
         return self.cudnn_attention
 
+    def out_of_memory(self, e: BaseException, what: str) -> JobFailed:
+        """The message of an out-of-memory `e` (`what` ran out): where, the plan's figure, what fits instead."""
+        strategy = getattr(self, "strategy", None)
+        name = strategy.name if strategy is not None else self.cfg.strategy
+        at = Where(self.cfg, name, self.env.world, self.env.device, self.run_dir, self.wd.last_place)
+        return out_of_memory(e, what, self.plan, at)
+
     def predicted_tokens_per_s(self) -> float | None:
         """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
         does not count), or None without a plan."""
@@ -547,6 +555,11 @@ def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, to
         with attention_kernels(recipe.allows_cudnn_attention()):
             recipe.fit()
             return recipe.finish()
+    except Exception as e:
+        what = ran_out(e, env.device)
+        if what is None:
+            raise
+        raise recipe.out_of_memory(e, what) from e  # an expected failure: exit 1 with what to do, no traceback
     finally:
         recipe.release()
 
