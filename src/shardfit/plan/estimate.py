@@ -674,8 +674,10 @@ def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware) -> str:
         replica = f"full replica per {unit}: " if s.engine in ("plain", "ddp") else ""
         if part == "weights" and gib > cap:
             return f"{replica}weights alone need {gib:.0f} GiB of {cap:.0f} GiB"
-        return (f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB; largest part: {part} {gib:.1f} GiB "
-                f"(lowered by {LOWERS[part]})")
+        lowers = LOWERS[part]
+        if s.shards_params or (s.sharded and part != "weights"):  # sharded already: more ranks share it
+            lowers = lowers.replace("sharding (zero2/zero3)", "more GPUs").replace("sharding (zero3)", "more GPUs")
+        return f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB; largest part: {part} {gib:.1f} GiB (lowered by {lowers})"
     if s.engine == "plain" and hw.world > 1:
         return f"uses one {unit} only"
     if s.offload:
