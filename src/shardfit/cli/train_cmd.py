@@ -46,6 +46,17 @@ def _refuse_before_launch(cfg: Config, world: int) -> None:
     refuse_unfixable(device_map_rules(cfg, s, world) + qlora_rules(cfg, s))
 
 
+def _base_line(base: dict) -> list[str]:
+    """The base an adapter names (summary.json's base_model) and, for a GGUF run, where that name came from."""
+    if not base.get("name"):
+        return []
+    source = base.get("source", "config")
+    why = "" if source == "config" else \
+        " (the GGUF's weights as a Hugging Face folder: the GGUF names no repository)" if source == "exported" else \
+        f" (from the GGUF's {source.removeprefix('gguf metadata ')}; the run trained on its de-quantized weights)"
+    return [f"base model it names: {base['name']}{why}"]
+
+
 def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
     """The last lines of a run: what it reached, where the result is, and what to do with it."""
     def num(x: float | None, fmt: str) -> str:
@@ -59,7 +70,8 @@ def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
         out.append(f"start-up: {sum(phases.values()):.1f} s to the end of the first step ("
                    + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + ")")
     if (run_dir / "adapter").is_dir():
-        out += [f"adapter: {run_dir / 'adapter'}  (peft: PeftModel.from_pretrained(base_model, that folder))",
+        out += [f"adapter: {run_dir / 'adapter'}  (peft: AutoPeftModelForCausalLM.from_pretrained(that folder))",
+                *_base_line(s.get("base_model") or {}),
                 f"merge it into a plain model folder: shardfit export {run_dir} --merge"]
     elif (run_dir / "model").is_dir():
         vl = (run_dir / "model" / "preprocessor_config.json").is_file()  # a vision-language model's folder

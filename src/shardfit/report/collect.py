@@ -42,8 +42,10 @@ class RunData:
 
     @property
     def global_batch(self) -> int | None:
-        """Examples per optimizer step (micro_batch x grad_accum x ranks), from the run's config; None when the
-        config does not say."""
+        """Examples per optimizer step (micro_batch x grad_accum x ranks): summary.json's examples_per_step, else
+        from the run's config; None when neither says."""
+        if self.summary and isinstance(self.summary.get("examples_per_step"), int):
+            return self.summary["examples_per_step"]
         mb, ga = self.config.get("micro_batch"), self.config.get("grad_accum", 1)
         if not isinstance(mb, int) or not isinstance(ga, int):
             return None

@@ -41,7 +41,14 @@ from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import input_device, output_vocab, vision_body
 from shardfit.models.attention_by_width import AttentionByWidth
-from shardfit.models.build import attention_kernels, build_model, load_tokenizer, use_attention, weights_cached
+from shardfit.models.build import (
+    DTYPES,
+    attention_kernels,
+    build_model,
+    load_tokenizer,
+    use_attention,
+    weights_cached,
+)
 from shardfit.models.experts import aux_loss_of, moe_top_k
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
@@ -65,9 +72,10 @@ from shardfit.plan.hardware import Hardware, job_hardware
 from shardfit.plan.plan import Plan
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
+from shardfit.train.base_ref import BaseRef, base_for_adapter
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.evaluate import Evaluator, GenerationEval
-from shardfit.train.export import save_final
+from shardfit.train.export import export_base, save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.oom import Where, out_of_memory, ran_out
@@ -112,12 +120,6 @@ def report_findings(findings: list[Finding], env: DistEnv) -> None:
         if env.is_main and f.severity != "info":
             log.warning("%s: %s (%s)%s", f.rule, f.message, f.fix, " [fixed]" if f.auto_fixed else "")
     refuse_unfixable(findings)
-
-
-def base_reference(model: str) -> str:
-    """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
-    p = Path(model).expanduser()
-    return str(p.resolve()) if p.exists() else model
 
 
 def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
@@ -473,10 +475,7 @@ class FineTune:
         self.optimizer.state.clear()
         allocator.release_free_memory()
         with wd.phase("saving the adapter or model", where="final save"):
-            out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                             is_lora=self.cfg.method in ("lora", "qlora"), base_name=base_reference(self.cfg.model))
-            if self.vision is not None and env.is_main:
-                save_processor(self.vision, out)  # the processor files beside the tokenizer's
+            base = self._save_outputs()
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
                    "eval_loss": eval_loss,
@@ -494,6 +493,7 @@ class FineTune:
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "startup_s": self.startup.phases, "data_cache_hit": self.data_cache_hit,
                    "model_cache_hit": self.model_cache_hit,
+                   "base_model": base.to_json() if base is not None else None,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}
@@ -509,6 +509,24 @@ class FineTune:
         barrier(env)
         return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
 
+
+    def _save_outputs(self) -> BaseRef | None:
+        """adapter/ or model/ (a vision-language run's processor files beside); returns the base an adapter names.
+        An adapter trained on a .gguf file that names no repository gets the GGUF's weights as `base/`, so that
+        AutoPeftModelForCausalLM can load it (train/base_ref.py)."""
+        lora = self.cfg.method in ("lora", "qlora")
+        base = base_for_adapter(self.cfg.model, self.run_dir) if lora else None
+        out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, self.env, is_lora=lora,
+                         base_name=base.name if base is not None else None)
+        if self.env.is_main:
+            if self.vision is not None:
+                save_processor(self.vision, out)  # the processor files beside the tokenizer's
+            if base is not None and base.export_to is not None:
+                export_base(self.cfg.model, base.export_to, DTYPES.get(self.cfg.precision, torch.float32),
+                            self.cfg.trust_remote_code, precision=self.cfg.precision)
+            if base is not None and not self.quiet:
+                log.info("adapter base: %s", base.describe())
+        return base
 
     def allows_cudnn_attention(self) -> bool:
         """Whether this run's attention may use cuDNN's kernel (parallel/defaults.py), once set up: the shapes its
