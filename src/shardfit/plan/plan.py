@@ -59,7 +59,8 @@ class Plan:
         out: dict[str, Any] = {
             "shardfit_version": __version__,
             "model": dataclasses.asdict(self.model),
-            "hardware": {"nodes": self.hardware.nodes, "gpus_per_node": self.hardware.gpus_per_node,
+            "hardware": {"name": self.hardware.name, "nodes": self.hardware.nodes,
+                         "gpus_per_node": self.hardware.gpus_per_node,
                          "gpu_mem_gib": round(self.hardware.gpu_mem_gib, 2),
                          "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None},
             "workload": dataclasses.asdict(self.workload),

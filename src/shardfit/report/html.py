@@ -82,10 +82,12 @@ def eval_table(evaluation: dict[str, Any]) -> str:
 
 
 def plan_table(plan: dict[str, Any], used: str | None) -> str:
-    rows = ["<tr><th>strategy</th><th>GiB per GPU</th><th>peak</th><th>fits</th><th>notes</th></tr>"]
+    unit = "process (host RAM)" if plan.get("hardware", {}).get("name") == "cpu" else "GPU"
+    rows = [f"<tr><th>strategy</th><th>GiB per {unit}</th><th>peak</th><th>fits</th><th>notes</th></tr>"]
     for c in plan.get("candidates", []):
         mark = " (used)" if c.get("strategy") == used else ""
-        fits = "<span class='ok'>yes</span>" if c.get("fits") else "<span class='bad'>no</span>"
+        fits = "n/a" if not c.get("applies", True) else \
+            "<span class='ok'>yes</span>" if c.get("fits") else "<span class='bad'>no</span>"
         rows.append(f"<tr><td>{_e(c.get('strategy'))}{_e(mark)}</td>{_cell(c['per_gpu_gib']['total'])}"
                     f"<td>{_e(c.get('peak_phase', ''))}</td><td>{fits}</td><td>{_e(c.get('notes', ''))}</td></tr>")
     m, hw = plan.get("model", {}), plan.get("hardware", {})
