@@ -11,27 +11,20 @@ import torch
 
 from shardfit.config import Config
 from shardfit.errors import JobFailed, UserError
+from shardfit.errors import ran_out as kind_of_oom
 from shardfit.plan.estimate import largest_part
 from shardfit.plan.plan import Alternative, Plan, alternatives
 from shardfit.plan.shapes import resolve_shape
 from shardfit.train.checkpoint import list_checkpoints
 
-# What the allocators say when they cannot allocate: torch's CPU allocator (malloc failing), C++'s operator new.
-HOST_OOM = ("DefaultCPUAllocator: can't allocate memory", "std::bad_alloc")
-DEVICE_OOM = ("CUDA out of memory", "CUDA error: out of memory", "HIP out of memory", "XPU out of memory",
-              "MPS backend out of memory")
 _TRIED = (re.compile(r"tried to allocate (\d+) bytes", re.I), re.compile(r"Tried to allocate ([\d.]+ [KMGT]iB)"))
 
 
 def ran_out(e: BaseException, device: torch.device) -> str | None:
-    """What ran out when `e` is an out-of-memory error, in words ("host RAM", "GPU memory (cuda:0)"); None for any
-    other error."""
-    text = str(e)
-    if isinstance(e, torch.OutOfMemoryError) or any(k in text for k in DEVICE_OOM):
-        return f"GPU memory ({device})" if device.type != "cpu" else "memory"
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and any(k in text for k in HOST_OOM)):
-        return "host RAM"
-    return None
+    """What ran out when `e` is an out-of-memory error on `device`, in words ("host RAM", "GPU memory (cuda:0)");
+    None for any other error."""
+    what = kind_of_oom(e, device.type)
+    return f"{what} ({device})" if what == "GPU memory" else what
 
 
 def _tried(text: str) -> str:
