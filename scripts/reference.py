@@ -53,9 +53,8 @@ def commands() -> str:
 
 def exit_codes() -> str:
     rows = ["| code | meaning |", "|---|---|", "| 0 | success (diagnose: also when no known cause matched) |"]
-    for cls in (errors.ShardfitError, errors.JobFailed, errors.UserError, errors.DoesNotFitError):
+    for cls in (errors.ShardfitError, errors.JobFailed, errors.UserError, errors.DoesNotFitError, errors.Interrupted):
         rows.append(f"| {cls.exit_code} | `{cls.__name__}`: {' '.join((cls.__doc__ or '').split())} |")
-    rows.append("| 130 | interrupted (Ctrl-C) |")
     return "\n".join(rows)
 
 

@@ -41,9 +41,10 @@ def _byte_chars() -> list[str]:
     return [chr(c) for c in cs]
 
 
-def make_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 2, ffn: int = 128) -> Path:
+def make_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 2, ffn: int = 128,
+                   metadata: dict[str, str] | None = None) -> Path:
     """A Llama GGUF as llama.cpp writes one (SmolLM2's metadata keys, Q4_1 blocks, a Q8_0 embedding, a byte-level
-    BPE tokenizer with a chat template), 260 tokens and two layers."""
+    BPE tokenizer with a chat template), 260 tokens and two layers; `metadata`: more string keys (general.source...)."""
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_chars(), "Ġt"]
     heads, kv = 2, 1
     rng = np.random.default_rng(seed)
@@ -70,6 +71,8 @@ def make_tiny_gguf(path: Path, seed: int = 0, hidden: int = 64, layers: int = 2,
     w.add_add_bos_token(False)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    for key, value in (metadata or {}).items():
+        w.add_string(key, value)
 
     def tensor(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType = Q4_1) -> None:
         data = (rng.standard_normal(shape) * 0.05).astype(np.float32)

@@ -77,7 +77,7 @@ def test_sharding_and_method_monotonic(capsys) -> None:
 
 
 def test_nothing_fits_exit_3_with_alternatives(capsys) -> None:
-    code, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-70B", "--gpus", "1x24GB", "--method", "full",
+    code, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-70B", "--gpus", "2x24GB", "--method", "full",
                        "--strategy", "ddp")
     assert code == 3 and plan["recommended"] is None and plan["alternatives"]
     r = run_cli("plan", "--model", "meta-llama/Llama-3.1-70B", "--gpus", "1x4090", "--method", "full",
@@ -215,3 +215,33 @@ def test_plan_on_a_cpu_says_so(capsys) -> None:
     plan = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M-Instruct"), Workload(), job_hardware("cpu", 4))
     assert plan.hardware.gpus_per_node == 4 and plan.hardware.gpu_mem_gib * 4 == pytest.approx(host_mem_gib())
     assert "4 CPU process(es)" in format_table(plan) and "host RAM (no GPU)" in format_table(plan)
+
+
+def test_one_device_rates_multi_rank_strategies_na(capsys) -> None:
+    """Item 7 of issue 49: on one GPU, ddp/zero2/zero3 need ranks the machine does not have (one process runs them
+    as single): rated n/a, never recommended; on a CPU the table speaks of processes and host RAM."""
+    code, plan = _plan(capsys, "--model", "Qwen/Qwen2.5-1.5B", "--gpus", "1x24GB", "--method", "lora")
+    by = {c["strategy"]: c for c in plan["candidates"]}
+    assert code == 0 and plan["recommended"] == "single"
+    assert [s for s, c in by.items() if not c["applies"]] == ["ddp", "zero2", "zero3", "zero3_offload",
+                                                             "model_parallel"]
+    assert all(s not in plan["reason"] for s in ("ddp", "zero2", "zero3"))
+    code, two = _plan(capsys, "--model", "Qwen/Qwen2.5-1.5B", "--gpus", "2x24GB", "--method", "lora")
+    assert all(c["applies"] for c in two["candidates"])  # two GPUs run them all
+
+    from shardfit.plan.hardware import Hardware
+    from shardfit.plan.plan import make_plan
+    from shardfit.plan.render import format_table
+    from shardfit.plan.workload import Workload
+
+    cpu = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M"), Workload(seq_len=1024, micro_batch=4),
+                    Hardware(1, 1, 23.5, 23.5, "cpu"))
+    table = format_table(cpu)
+    assert "per-GPU" not in table and "PCIe" not in table and "CUDA" not in table, table
+    assert "per-process GiB of host RAM" in table and cpu.recommended == "single"
+    rows = {line.split()[0]: line for line in table.splitlines() if line.split()[:1] and line.split()[0] in
+            ("single", "ddp", "zero3_offload", "model_parallel")}
+    assert " yes " in rows["single"] and all(" n/a " in rows[s] for s in ("ddp", "zero3_offload", "model_parallel"))
+    two_cpu = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M"), Workload(seq_len=1024, micro_batch=4),
+                        Hardware(1, 2, 11.7, 23.5, "cpu"))
+    assert [c.strategy for c in two_cpu.candidates if not c.applies] == ["zero3_offload", "model_parallel"]

@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
 
 from shardfit.cli.main import main
-from shardfit.report.collect import read_run
+from shardfit.report.collect import choose_axis, read_run
+from shardfit.report.plots import series
 from tests.helpers import browser, make_run
 
 
@@ -49,6 +51,33 @@ def test_balanced_runs_side_by_side(tmp_path: Path) -> None:
     assert "a/run" in html and "b/run" in html  # same folder names told apart
     assert (out / "memory-0.png").is_file() and (out / "memory-1.png").is_file()
     assert "imbalance" not in html
+
+
+def _with_batch(run: Path, micro_batch: int, grad_accum: int = 1) -> Path:
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "micro_batch": micro_batch, "grad_accum": grad_accum}))
+    return run
+
+
+def test_runs_with_different_batches_are_compared_by_examples_seen(tmp_path: Path) -> None:
+    """Item 10 of issue 49: a step of a run with 4x the batch is 4x the examples; comparing such runs by step
+    misleads, so the curves are drawn against examples seen (or tokens, or steps, as asked)."""
+    small = read_run(_with_batch(make_run(tmp_path / "small", mem=[[1.0]] * 4, predicted=1.5), 2))
+    big = read_run(_with_batch(make_run(tmp_path / "big", mem=[[1.0, 1.0]] * 4, predicted=1.5), 4, grad_accum=2))
+    assert (small.global_batch, big.global_batch) == (2, 16)  # micro_batch x grad_accum x ranks
+    axis, why = choose_axis([small, big])
+    assert axis == "examples" and "small: 2, big: 16" in why
+    assert choose_axis([small, small]) == ("step", "") and choose_axis([small, big], "tokens")[0] == "tokens"
+    assert series(big.train, "loss", big, "examples")[0] == [16.0, 32.0, 48.0, 64.0]
+    assert series(big.evals, "eval_loss", big, "tokens")[0] == [200.0, 400.0]  # metrics.jsonl's running count
+    assert big.at(3, "tokens") == 300.0 and big.at(6, "tokens") == 600.0  # logged, and past the last log
+
+    out = tmp_path / "compare"
+    assert main(["report", str(small.path), str(big.path), "--out", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    assert "drawn against examples seen" in html and "global batch (examples/step)" in html
+    assert main(["report", str(small.path), str(big.path), "--out", str(out), "--x", "step"]) == 0
+    assert "drawn against" not in (out / "report.html").read_text()
 
 
 def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

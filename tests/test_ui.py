@@ -396,6 +396,48 @@ def test_plan_calculator_in_a_browser(ui: Served) -> None:
     assert status == 400 and "no/such-model" in page
 
 
+# Measures, in the browser, where the plan table's notes end up and whether the page or only the table scrolls.
+LAYOUT_PROBE = """<script>
+const vw = document.documentElement.clientWidth, box = document.querySelector('.scroll');
+const rights = [...document.querySelectorAll('td.notes')].map(td => Math.round(td.getBoundingClientRect().right));
+document.body.setAttribute('data-layout', JSON.stringify({vw, rights, page: document.documentElement.scrollWidth,
+  box: [box.scrollWidth, box.clientWidth]}));
+</script>"""
+
+
+@needs_browser
+def test_plan_table_wraps_or_scrolls_instead_of_cutting_columns(tmp_path: Path) -> None:
+    """Item 10 of issue 49: the plan page cut the table's right-hand columns (the notes) off. Now a wide window
+    shows every column with the notes wrapped, and a narrow one scrolls the table inside its box while the page
+    itself stays as wide as the window."""
+    import json
+
+    from shardfit.plan.hardware import parse_gpus
+    from shardfit.plan.plan import make_plan
+    from shardfit.plan.shapes import resolve_shape
+    from shardfit.plan.workload import Workload
+    from shardfit.ui.pages import plan_page
+
+    plan = make_plan(resolve_shape("meta-llama/Llama-3.1-8B"), Workload(method="full", seq_len=4096),
+                     parse_gpus("8x24GB"))
+    page = tmp_path / "plan.html"
+    page.write_text(plan_page([], {}, plan, "", "note").replace("</body>", LAYOUT_PROBE + "</body>"))
+
+    def layout(width: int) -> dict:
+        cmd = [browser(), "--headless", "--no-sandbox", "--disable-gpu", f"--window-size={width},900", "--dump-dom",
+               page.as_uri()]
+        dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+        raw = dom.split('data-layout="', 1)[1].split('"', 1)[0]
+        return json.loads(raw.replace("&quot;", '"'))
+
+    wide = layout(1300)
+    assert len(wide["rights"]) == 6 and max(wide["rights"]) <= wide["vw"], wide  # every note on screen
+    assert wide["box"][0] <= wide["box"][1], wide  # nothing to scroll
+    narrow = layout(700)
+    assert narrow["page"] <= narrow["vw"], narrow  # the page is not wider than the window: nothing is cut off it
+    assert narrow["box"][0] > narrow["box"][1], narrow  # the table scrolls in its box to its notes
+
+
 @needs_browser
 def test_runs_are_listed_and_reported(ui: Served) -> None:
     make_run(ui.runs / "exp1", mem=[[1.0, 1.0], [2.0, 1.2], [3.1, 1.3], [3.1, 1.3]], predicted=2.0)

@@ -38,6 +38,32 @@ class DoesNotFitError(ShardfitError):
 
 
 class JobFailed(ShardfitError):
-    """The job started and failed (diverged, could not write a checkpoint); the message says what survives."""
+    """The job started and failed (out of memory, diverged, could not write a checkpoint); the message says what
+    survives and what to change."""
 
     exit_code = 1
+
+
+class Interrupted(ShardfitError):
+    """Ctrl-C (any command); `train` says which checkpoint survives and the command that resumes."""
+
+    exit_code = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+# What the allocators say when they cannot allocate: torch's CPU allocator (malloc failing), C++'s operator new, and
+# the device allocators (torch.OutOfMemoryError's messages). Read without importing torch: the CLI's last guard
+# uses it too, and `plan` and `diagnose` start without torch.
+HOST_OOM = ("DefaultCPUAllocator: can't allocate memory", "std::bad_alloc")
+DEVICE_OOM = ("CUDA out of memory", "CUDA error: out of memory", "HIP out of memory", "XPU out of memory",
+              "MPS backend out of memory")
+
+
+def ran_out(e: BaseException, device_type: str = "") -> str | None:
+    """What ran out when `e` is an out-of-memory error, in words ("host RAM", "GPU memory"); None for any other
+    error. `device_type`: the device the process computes on, when known ("cuda", "cpu")."""
+    text = str(e)
+    if type(e).__name__ == "OutOfMemoryError" or any(k in text for k in DEVICE_OOM):
+        return "GPU memory" if device_type != "cpu" else "memory"
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and any(k in text for k in HOST_OOM)):
+        return "host RAM"
+    return None

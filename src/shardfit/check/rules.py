@@ -327,9 +327,11 @@ def plan_rules(plan: Plan | None, s: Strategy, force: bool) -> list[Finding]:
     if c is None or c.fits:
         return []
     fix = f"--set strategy={plan.recommended}" if plan.recommended else _nearest_fix(plan)
+    total = f"{c.per_gpu_gib.total:.1f} GiB"
+    said = "not to fit" if f"{total} of" in c.notes else \
+        f"{total} per {plan.hardware.unit} of {plan.hardware.gpu_mem_gib:.0f}"  # the notes say it, or we do
     return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {s.name}",
-                    f"predicted {c.per_gpu_gib.total:.1f} GiB per GPU of {plan.hardware.gpu_mem_gib:.0f}: "
-                    f"{c.notes}", fix)]
+                    f"predicted {said}: {c.notes}", fix)]
 
 
 def _nearest_fix(plan: Plan) -> str:

@@ -27,7 +27,7 @@ from shardfit.cli import (
     train_cmd,
     ui_cmd,
 )
-from shardfit.errors import ShardfitError
+from shardfit.errors import Interrupted, ShardfitError, ran_out
 from shardfit.gc_policy import process_entry
 from shardfit.parallel import threads
 from shardfit.parallel.allocator import reexec_with_allocator
@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads.configure(quiet=args.command not in BUSY_WARNING)
     try:
         return args.func(args)
+    except Interrupted as e:  # Ctrl-C in a command that knows what survives it
+        print(f"shardfit: interrupted{f'. {e}' if str(e) else ''}", file=sys.stderr)
+        return e.exit_code
     except ShardfitError as e:
         print(f"shardfit: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -112,6 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the last guard: a message, not a traceback
         if args.debug or os.environ.get("SHARDFIT_DEBUG") == "1":
             traceback.print_exc()
+        what = ran_out(e)
+        if what is not None:  # an expected failure (chat, eval, export on too small a machine), not a bug
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            print(f"shardfit: error: out of memory: {what} ran out in `shardfit {args.command}` ({first}). Use a "
+                  "smaller batch (--batch-size, --batch), shorter inputs, or a device with more memory.",
+                  file=sys.stderr)
+            return 1
         print(f"shardfit: error: unexpected {type(e).__name__}: {e}\nThis is a bug in shardfit or a case it does "
               "not handle yet; please report it with the command you ran (rerun with --debug for the traceback).",
               file=sys.stderr)

@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report, or ./report for several)")
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                    help="rebuild every SECONDS while the runs train (the page reloads itself) until all finish")
+    p.add_argument("--x", choices=("auto", "step", "examples", "tokens"), default="auto",
+                   help="the curves' x axis: auto (steps; examples seen when the runs' global batches differ), "
+                        "step, examples or tokens")
     p.set_defaults(func=run)
 
 
@@ -29,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None:
         if args.watch <= 0:
             raise UserError(f"--watch takes seconds between rebuilds, got {args.watch}.")
-        page = watch(args.run_dirs, args.out, args.watch)
+        page = watch(args.run_dirs, args.out, args.watch, x=args.x)
     else:
-        page = make_report(args.run_dirs, args.out)
+        page = make_report(args.run_dirs, args.out, x=args.x)
     print(f"report written to {page} (open it in a browser; the PNGs are beside it)")
     return 0

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import refuse_unfixable
@@ -14,10 +15,14 @@ from shardfit.cli.args import non_negative_int
 from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
 from shardfit.config import Config, load_config
 from shardfit.doctor.launch import Launch, launch_rules
-from shardfit.errors import UserError
+from shardfit.errors import Interrupted, UserError
 from shardfit.resolve.job import ENV as RESOLVED_ENV
 from shardfit.resolve.job import Resolved
 from shardfit.strategy import get as get_strategy
+
+if TYPE_CHECKING:  # torch: imported only by the process that trains
+    from shardfit.parallel.env import DistEnv
+    from shardfit.parallel.watchdog import Watchdog
 
 log = logging.getLogger("shardfit")
 EXAMPLE = "example: shardfit train my.yaml --set lr=1e-4 --nproc 2"
@@ -49,6 +54,17 @@ def _rank_threads(args: argparse.Namespace, nproc: int | None) -> int | None:
     return rank_threads(nproc or 1)[0].threads
 
 
+def _base_line(base: dict) -> list[str]:
+    """The base an adapter names (summary.json's base_model) and, for a GGUF run, where that name came from."""
+    if not base.get("name"):
+        return []
+    source = base.get("source", "config")
+    why = "" if source == "config" else \
+        " (the GGUF's weights as a Hugging Face folder: the GGUF names no repository)" if source == "exported" else \
+        f" (from the GGUF's {source.removeprefix('gguf metadata ')}; the run trained on its de-quantized weights)"
+    return [f"base model it names: {base['name']}{why}"]
+
+
 def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
     """The last lines of a run: what it reached, where the result is, and what to do with it."""
     def num(x: float | None, fmt: str) -> str:
@@ -62,7 +78,8 @@ def finished_lines(s: dict, run_dir: Path, cfg: Config) -> str:
         out.append(f"start-up: {sum(phases.values()):.1f} s to the end of the first step ("
                    + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + ")")
     if (run_dir / "adapter").is_dir():
-        out += [f"adapter: {run_dir / 'adapter'}  (peft: PeftModel.from_pretrained(base_model, that folder))",
+        out += [f"adapter: {run_dir / 'adapter'}  (peft: AutoPeftModelForCausalLM.from_pretrained(that folder))",
+                *_base_line(s.get("base_model") or {}),
                 f"merge it into a plain model folder: shardfit export {run_dir} --merge"]
     elif (run_dir / "model").is_dir():
         vl = (run_dir / "model" / "preprocessor_config.json").is_file()  # a vision-language model's folder
@@ -132,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         print("shardfit: launching " + " ".join(cmd[1:]), file=sys.stderr)
         return relaunch(cmd, launch_env(extra, nproc=nproc))
 
-    from shardfit.parallel.env import init_distributed, shutdown  # torch: only to train
+    from shardfit.parallel.env import init_distributed  # torch: only to train
     from shardfit.parallel.sidechannel import SideChannel
     from shardfit.parallel.watchdog import Watchdog
 
@@ -141,6 +158,19 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("shardfit").setLevel(logging.ERROR)
     # Started before anything can fail: a rank that fails in setup must not leave the others in a collective.
     watchdog = Watchdog(env, SideChannel.connect(env.rank, env.world)).start()
+    try:
+        _train_here(args, cfg, job, env, watchdog)
+    except KeyboardInterrupt:
+        # One account of what survives, from rank 0 (the other ranks' would repeat it).
+        raise Interrupted(_interrupted(args, cfg, env.world) if env.is_main else "") from None
+    return 0
+
+
+def _train_here(args: argparse.Namespace, cfg: Config | None, job: Resolved | None, env: DistEnv,
+                watchdog: Watchdog) -> None:
+    """This process's share of the training (the demo without a config), with the watchdog told of a failure."""
+    from shardfit.parallel.env import shutdown
+
     ok = False
     try:
         if cfg is None:
@@ -162,4 +192,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         watchdog.stop()
         shutdown(env, ok)
-    return 0
+
+
+def _interrupted(args: argparse.Namespace, cfg: Config | None, world: int) -> str:
+    """Which checkpoint survives Ctrl-C and the command that continues from it (the user's own command line)."""
+    from shardfit.demo.run import demo_config_path
+    from shardfit.train.interrupt import interrupted_message
+
+    if cfg is None:  # the demo: its bundled config with the user's overrides
+        cfg = load_config(demo_config_path(), args.overrides)
+    command = ["shardfit", "train"] + ([args.config] if args.config else [])
+    for item in args.overrides:
+        command += ["--set", item]
+    nproc = args.nproc or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if nproc > 1 or args.nnodes > 1:
+        command += ["--nproc", str(nproc)]
+    if args.nnodes > 1:  # each node reruns its own line: the same flags, its own --node-rank
+        command += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
+        command += ["--master-addr", args.master_addr] if args.master_addr else []
+        command += ["--rdzv-endpoint", args.rdzv_endpoint] if args.rdzv_endpoint else []
+    return interrupted_message(Path(cfg.output_dir), cfg.resume, command)

@@ -129,9 +129,13 @@ def _load(path: str) -> Knowledge:
         ids.add(entry["id"])
         items = {k: tuple(_item(x, where, brief=k == "hints") for x in entry.get(k) or [])
                  for k in ("signatures", "context", "veto", "hints")}
+        try:
+            quote = re.compile(entry["quote"], re.I | re.M) if entry.get("quote") else None
+        except re.error as e:
+            raise UserError(f"{where}: bad quote regex: {e}") from None
         causes.append(Cause(entry["id"], entry["title"], items["signatures"], items["context"], items["veto"],
                             " ".join(entry["root_cause"].split()), " ".join(entry["fix"].split()),
-                            entry["prevented_by"], " ".join(entry["check"].split()), items["hints"]))
+                            entry["prevented_by"], " ".join(entry["check"].split()), items["hints"], quote))
     generic = tuple((re.compile(g["exc"], re.I | re.S), " ".join(g["step"].split())) for g in raw.get("generic") or [])
     return Knowledge(tuple(causes), facts, generic)
 
@@ -220,7 +224,7 @@ def analyze(data: bytes | str, knowledge: Knowledge | None = None, limit: int = 
         rival = best_other if i == 0 else ranked[0].score
         strength = evidence_strength(s.score, rival) if i == 0 else min(s.score, rival) - 1.5
         c = s.cause
-        findings.append(Finding(c.id, confidence(strength, calibration), c.title, c.root_cause, c.fix,
+        findings.append(Finding(c.id, confidence(strength, calibration), c.title, _with_quote(c, p), c.fix,
                                 c.prevented_by))
         evidence.append(s.evidence)
     for i in range(1, len(findings)):  # ranked best first: a lower finding never shows more confidence
@@ -230,6 +234,15 @@ def analyze(data: bytes | str, knowledge: Knowledge | None = None, limit: int = 
     prefer = likely[0].category if likely else None
     return Analysis(p, findings, evidence, [(s.cause.id, round(s.score, 2)) for s in ranked[:8]],
                     nearest(p, prefer=prefer), likely, answer)
+
+
+def _with_quote(c: Cause, p: Parsed) -> str:
+    """The cause's root cause, followed by the log's own line its `quote` names (the last one), if any."""
+    found = c.quote.findall(p.text) if c.quote is not None else []
+    if not found:
+        return c.root_cause
+    line = found[-1] if isinstance(found[-1], str) else found[-1][0]
+    return f"{c.root_cause} The log says: {line.strip()[:600]}"
 
 
 def generic_steps(p: Parsed, knowledge: Knowledge | None = None) -> list[str]:

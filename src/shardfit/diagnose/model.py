@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from shardfit.diagnose.parse import Parsed
@@ -46,6 +47,7 @@ class Cause:
     prevented_by: str
     check: str = ""
     hints: tuple[Item, ...] = ()
+    quote: re.Pattern | None = None  # a line of the log worth repeating in the finding (shardfit's own prediction)
 
 
 @dataclass

@@ -76,6 +76,8 @@ class Watchdog:
         self.host = os.uname().nodename
         self._phase: _Phase | None = None
         self._where: str | None = None
+        # The last phase and place entered, kept after the phase ends: what a failure's message names.
+        self.last_place: str | None = None
         self._steps: deque[float] = deque(maxlen=self.settings.window)
         self._answered = 0
         self._answered_t = float("-inf")  # when this rank last answered an event
@@ -107,6 +109,7 @@ class Watchdog:
         """Time a phase of the loop; `step` phases feed the median that sets the threshold."""
         p = _Phase(name, time.monotonic(), step)
         self._phase, self._where = p, where
+        self.last_place = name + (f" ({where})" if where else "")
         try:
             yield
         finally:
@@ -120,6 +123,8 @@ class Watchdog:
     def at(self, where: str) -> None:
         """The part of the current phase this rank is in (data loader, forward, backward, ...)."""
         self._where = where
+        if self._phase is not None:
+            self.last_place = f"{self._phase.name} ({where})"
 
     def threshold(self) -> float:
         """Seconds after which the current phase counts as stuck."""

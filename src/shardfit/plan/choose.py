@@ -47,7 +47,7 @@ def auto_strategy(plan: Plan | None, world: int) -> str:
         return "zero3"  # shape unknown: sharding is the choice that fits most
     if plan.recommended in MULTI_RANK:
         return plan.recommended
-    fitting = [c for c in plan.candidates if c.strategy in MULTI_RANK and c.fits]
+    fitting = [c for c in plan.candidates if c.strategy in MULTI_RANK and c.fits and c.applies]
     if fitting:
         best, _ = recommend(fitting, plan.hardware)
         if best is not None:

@@ -61,6 +61,9 @@ class Candidate:
     estimator: str = "analytic"
     notes: str = ""
     peak_phase: str = "forward"  # where the step peaks: forward (at the loss), backward or optimizer
+    # False where the hardware named cannot run the strategy at all (a multi-rank strategy on one device, GPU
+    # offload or a split over GPUs on a CPU): the memory columns stay, but it is neither rated nor recommended.
+    applies: bool = True
     extra: dict = field(default_factory=dict)
     # The time model's prediction (plan/timing.py): one optimizer step, the job's tokens/s, what bounds it.
     step_s: float | None = None
@@ -521,7 +524,9 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     b = in_gib(moments[phase])
     add_runtime_overhead(b, hw, strategy)
     fits, notes = _verdict(shape, w, hw, s, b, rank.cpu)
-    return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=notes)
+    not_here = not_applicable(s, hw)  # a row the hardware named cannot run at all says why instead
+    return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=not_here or notes,
+                     applies=not not_here)
 
 
 @dataclass
@@ -657,6 +662,23 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     return fits, notes or _note(s, b, hw)
 
 
+def not_applicable(s: strategies.Strategy, hw: Hardware) -> str | None:
+    """Why the hardware named cannot run `s` at all, or None when it can. shardfit runs a multi-rank strategy in
+    one process as `single` (parallel/env.py: one process is never a process group), and on a CPU there is no
+    device memory to offload from and no GPUs to split layers over."""
+    cpu = hw.name == "cpu"
+    if s.multi_rank and hw.world == 1:
+        return (f"n/a on one {hw.unit}: needs several ranks (shardfit train --nproc N"
+                f"{'' if cpu else ' on N GPUs'}); one process runs it as single")
+    if cpu and s.offload:
+        return "n/a on a CPU: there is no GPU memory to offload from (zero3 is the same without the copies)"
+    if cpu and s.engine == "device_map":
+        return "n/a on a CPU: there are no GPUs to split the layers over (it runs as single)"
+    if s.engine == "device_map" and hw.gpus_per_node == 1:
+        return "n/a on one GPU: there is no other GPU to split the layers over (it runs as single)"
+    return None
+
+
 def _tensors(b: Breakdown) -> float:
     return b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
 
@@ -670,20 +692,35 @@ def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     b.total = tensors + b.runtime_overhead
 
 
+# What lowers each part of the peak, for the note of a strategy that does not fit.
+LOWERS = {"weights": "sharding (zero3), LoRA or QLoRA", "grads": "sharding (zero2/zero3) or LoRA",
+          "optimizer": "sharding (zero2/zero3), LoRA or 8-bit AdamW",
+          "activations": "gradient checkpointing, a smaller micro-batch or shorter sequences",
+          "logits": "a smaller micro-batch or shorter sequences (the chunked loss)",
+          "temporaries": "a smaller micro-batch"}
+
+
+def largest_part(b: Breakdown) -> tuple[str, float]:
+    """The part of the peak (weights, grads, optimizer, activations, logits, temporaries) that is largest."""
+    return max(((k, getattr(b, k)) for k in LOWERS), key=lambda kv: kv[1])
+
+
 def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware) -> str:
     cap = hw.gpu_mem_gib
-    if s.engine in ("plain", "ddp") and b.total > cap:
-        if b.weights > cap:
-            return f"full replica per GPU: weights alone need {b.weights:.0f} GiB of {cap:.0f} GiB"
-        return f"full replica per GPU: {b.total:.1f} GiB of {cap:.0f} GiB"
+    unit = hw.unit
+    if b.total > cap:
+        part, gib = largest_part(b)
+        replica = f"full replica per {unit}: " if s.engine in ("plain", "ddp") else ""
+        if part == "weights" and gib > cap:
+            return f"{replica}weights alone need {gib:.0f} GiB of {cap:.0f} GiB"
+        lowers = LOWERS[part]
+        if s.shards_params or (s.sharded and part != "weights"):  # sharded already: more ranks share it
+            lowers = lowers.replace("sharding (zero2/zero3)", "more GPUs").replace("sharding (zero3)", "more GPUs")
+        return f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB; largest part: {part} {gib:.1f} GiB (lowered by {lowers})"
     if s.engine == "plain" and hw.world > 1:
-        return "uses one GPU only"
+        return f"uses one {unit} only"
     if s.offload:
         return "params, grads and optimizer state in host RAM (PCIe traffic every step)"
     if s.engine == "device_map":
         return "layers split over local GPUs; one GPU computes at a time"
-    if b.total > cap:
-        biggest = max(("weights", b.weights), ("activations", b.activations), ("optimizer", b.optimizer),
-                      key=lambda kv: kv[1])
-        return f"{b.total:.1f} GiB > {cap:.0f} GiB; largest part: {biggest[0]} {biggest[1]:.1f} GiB"
     return f"{cap - b.total:.1f} GiB headroom"

@@ -45,6 +45,11 @@ class Hardware:
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def unit(self) -> str:
+        """What one rank computes on, in words: a GPU, or on a CPU-only machine a process sharing the host RAM."""
+        return "process" if self.name == "cpu" else "GPU"
+
 
 def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> Hardware:
     """Parse `NxMEM` or `NxCARD` (MEM like 24GB / 24GiB / 24G / 24)."""

@@ -60,7 +60,8 @@ class Plan:
         out: dict[str, Any] = {
             "shardfit_version": __version__,
             "model": dataclasses.asdict(self.model),
-            "hardware": {"nodes": self.hardware.nodes, "gpus_per_node": self.hardware.gpus_per_node,
+            "hardware": {"name": self.hardware.name, "nodes": self.hardware.nodes,
+                         "gpus_per_node": self.hardware.gpus_per_node,
                          "gpu_mem_gib": round(self.hardware.gpu_mem_gib, 2),
                          "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None},
             "workload": dataclasses.asdict(self.workload),
@@ -80,8 +81,10 @@ TIE = 0.05
 
 def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
     """The strategy that fits with the most predicted tokens/s (the job's, all ranks together), with the reason in
-    numbers. Candidates without a time (none was predicted) are ranked by SPEED_ORDER."""
+    numbers. Candidates without a time (none was predicted) are ranked by SPEED_ORDER; those the hardware cannot
+    run (`applies` false) are left out."""
     rank = {name: i for i, name in enumerate(SPEED_ORDER)}
+    cands = [c for c in cands if c.applies]  # what the hardware cannot run is neither rated nor recommended
     fitting = [c for c in cands if c.fits]
     if not fitting:
         return None, "nothing fits this hardware"
@@ -91,7 +94,7 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
         faster = [c for c in cands if not c.fits and (c.tokens_per_s or 0.0) > (best.tokens_per_s or 0.0)]
         timed = sorted(fitting, key=lambda c: -(c.tokens_per_s or 0.0))
         reason = (f"{best.strategy} trains the most tokens/s of the strategies that fit "
-                  f"({best.per_gpu_gib.total:.1f} of {hw.gpu_mem_gib:.0f} GiB per GPU): "
+                  f"({best.per_gpu_gib.total:.1f} of {hw.gpu_mem_gib:.0f} GiB per {hw.unit}): "
                   + "; ".join(_timing_phrase(c) for c in timed))
     else:
         order = list(SPEED_ORDER)
@@ -101,7 +104,7 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
         best = min(fitting, key=lambda c: order.index(c.strategy))
         faster = [c for c in cands if not c.fits and order.index(c.strategy) < order.index(best.strategy)]
         reason = f"{best.strategy} is the fastest strategy that fits ({best.per_gpu_gib.total:.1f} of " \
-                 f"{hw.gpu_mem_gib:.0f} GiB per GPU)"
+                 f"{hw.gpu_mem_gib:.0f} GiB per {hw.unit})"
     why = "; ".join(f"{f.strategy}: {f.notes}" for f in faster)
     return best.strategy, reason + (f". Not {why}" if why else "")
 
@@ -112,8 +115,10 @@ def _timing_phrase(c: Candidate) -> str:
     if c.strategy == "model_parallel" and c.extra.get("busy_gpus", 1) > 1:
         why = "one GPU busy at a time"
     step = c.step_s or 0.0
-    return f"{c.strategy} ~{step:.2g} s/step, {c.tokens_per_s:,.0f} tokens/s, {why}" if step < 10 else \
-        f"{c.strategy} ~{step:.0f} s/step, {c.tokens_per_s:,.0f} tokens/s, {why}"
+    tps = c.tokens_per_s or 0.0
+    rate = f"{tps:,.0f}" if tps >= 10 else f"{tps:.2g}"
+    return f"{c.strategy} ~{step:.2g} s/step, {rate} tokens/s, {why}" if step < 10 else \
+        f"{c.strategy} ~{step:.0f} s/step, {rate} tokens/s, {why}"
 
 
 def timed(shape: ModelShape, w: Workload, hw: Hardware, c: Candidate) -> Candidate:
@@ -138,6 +143,7 @@ class Alternative:
     nodes: int | None  # more nodes instead of a workload change
     strategy: str
     total_gib: float
+    unit: str = "GPU"  # what total_gib is per: a GPU, or a process on a CPU-only machine
 
     def phrase(self, style: str = "plan") -> str | None:
         """The change as the flags of `shardfit plan` (style "plan") or as config overrides for `train`/`check`
@@ -145,7 +151,7 @@ class Alternative:
         how = _flags(self, style)
         if how is None:
             return None
-        return f"{self.what} ({how}): {self.strategy} at {self.total_gib:.1f} GiB per GPU"
+        return f"{self.what} ({how}): {self.strategy} at {self.total_gib:.1f} GiB per {self.unit}"
 
 
 # Workload fields as `shardfit plan` flags and as config keys (None: the config has no such key).
@@ -186,17 +192,37 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
         tries.append(("QLoRA: 4-bit frozen weights", {"method": "qlora"}, None))
     if w.optimizer == "adamw" and w.method == "full":
         tries.append(("8-bit AdamW", {"optimizer": "adamw8bit"}, None))
-    tries.append((f"twice the GPUs ({hw.nodes * 2} nodes x {hw.gpus_per_node})", {}, hw.nodes * 2))
-    out = []
-    for what, changes, nodes in tries:
-        w2 = dataclasses.replace(w, **changes)
-        hw2 = dataclasses.replace(hw, nodes=nodes) if nodes else hw
-        cands = estimate_all(shape, w2, hw2)
-        best, _ = recommend(cands, hw2)
-        if best is not None:
-            c = next(c for c in cands if c.strategy == best)
-            out.append(Alternative(what, tuple(changes.items()), nodes, best, c.per_gpu_gib.total))
+    out = [a for what, changes, nodes in tries if (a := _fits_with(shape, w, hw, what, changes, nodes))]
+    if not out:  # all of them at once, for a job no single change rescues (a full fine-tune on one GPU)
+        lean = {"grad_ckpt": "full", "micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}
+        for method in ("lora", "qlora") if w.method in ("full", "freeze") else ("qlora",) * (w.method != "qlora"):
+            what = f"{'QLoRA' if method == 'qlora' else 'LoRA'} with gradient checkpointing and micro-batch 1"
+            found = _fits_with(shape, w, hw, what, {**lean, "method": method}, None)
+            if found is not None:
+                out.append(found)
+                break
+    # More GPUs: the fewest of 2, 4, 8 or 16 times the nodes that make something fit.
+    for factor in (2, 4, 8, 16):
+        nodes = hw.nodes * factor
+        what = "twice the GPUs" if factor == 2 else f"{factor}x the GPUs"
+        found = _fits_with(shape, w, hw, f"{what} ({nodes} nodes x {hw.gpus_per_node})", {}, nodes)
+        if found is not None:
+            out.append(found)
+            break
     return out
+
+
+def _fits_with(shape: ModelShape, w: Workload, hw: Hardware, what: str, changes: dict[str, object],
+               nodes: int | None) -> Alternative | None:
+    """The change as an Alternative when the planner finds a strategy that fits with it, else None."""
+    w2 = dataclasses.replace(w, **changes)
+    hw2 = dataclasses.replace(hw, nodes=nodes) if nodes else hw
+    cands = estimate_all(shape, w2, hw2)
+    best, _ = recommend(cands, hw2)
+    if best is None:
+        return None
+    c = next(c for c in cands if c.strategy == best)
+    return Alternative(what, tuple(changes.items()), nodes, best, c.per_gpu_gib.total, hw.unit)
 
 
 def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[str, ...] = NAMES) -> Plan:

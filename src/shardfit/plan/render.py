@@ -11,40 +11,74 @@ PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
 
 
+# The table's columns: name, width, right-aligned. The terminal pads to these widths; the UI makes an HTML table.
+COLUMNS = (("strategy", 15, False), ("weights", 8, True), ("grads", 8, True), ("optim", 8, True),
+           ("activ", 8, True), ("logits", 8, True), ("temp", 8, True), ("runtime", 8, True), ("total", 9, True),
+           ("peak", 6, True), ("fits", 6, True), ("step", 10, True), ("tokens/s", 11, True), ("bound", 7, False),
+           ("notes", 0, False))
+
+
 def format_table(plan: Plan, style: str = "plan") -> str:
     """A readable table of the plan for the terminal (rounded as in the JSON). `style` phrases the alternatives
     for the command the user ran: `plan` flags, or `config` overrides for train and check."""
+    def line(cells: list[str]) -> str:
+        return "".join(f"{c:>{w}}" if right else f"{c:<{w}}" if i == 0 else f"  {c:<{w}}"
+                       for i, (c, (_, w, right)) in enumerate(zip(cells, COLUMNS, strict=True))).rstrip()
+
+    return "\n".join([*header_lines(plan), "", line([name for name, _, _ in COLUMNS]),
+                      *[line(row_cells(c)) for c in plan.to_json()["candidates"]], "", legend(plan), "",
+                      *verdict_lines(plan, style)])
+
+
+def header_lines(plan: Plan) -> list[str]:
+    """The model and workload, the hardware, and what the plan assumed about it."""
     d = plan.to_json()
     m, w = d["model"], d["workload"]
     moe = (f" ({m['active_params'] / 1e9:.2f}B active: {m['experts_per_token']} of {m['experts']} experts a token)"
            if m.get("active_params") else "")
-    lines = [f"{m['id']}: {m['params'] / 1e9:.2f}B params{moe}, {m['trainable_params'] / 1e6:.1f}M trainable "
-             f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
-             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
-             + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
-             + (", 16-bit adapters" if w["adapters_16bit"] and methods.get(w["method"]).adapters else "") + ")",
-             _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"])], "",
-             f"{'strategy':<15}{'weights':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'logits':>8}{'temp':>8}"
-             f"{'runtime':>8}{'total':>9}  peak  fits  {'step':>8}  {'tokens/s':>9}  bound    notes"]
-    for c in d["candidates"]:
-        g = c["per_gpu_gib"]
-        lines.append(f"{c['strategy']:<15}{g['weights']:>8.2f}{g['grads']:>8.2f}{g['optimizer']:>8.2f}"
-                     f"{g['activations']:>8.2f}{g['logits']:>8.2f}{g['temporaries']:>8.2f}"
-                     f"{g['runtime_overhead']:>8.2f}{g['total']:>9.2f}  {PHASE_SHORT.get(c['peak_phase'], ''):<4}  "
-                     f"{'yes ' if c['fits'] else 'NO  '}  {_step(c['step_s']):>8}  {_tps(c['tokens_per_s']):>9}  "
-                     f"{c['bound'] or '-':<7}  {c['notes']}"
-                     + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] else ""))
-    lines += ["", "per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); "
-                  "total = tensors + runtime (CUDA context, NCCL, allocator reserve); step: one optimizer step, "
-                  "tokens/s: the whole job's, bound: what the step waits on (compute, host: launching ops, comm, "
-                  "pcie)", ""]
-    if d["recommended"]:
-        lines.append(f"recommended: {d['recommended']} ({d['reason']})")
-    else:
-        lines.append("nothing fits. Nearest alternatives:")
-        phrases = [a.phrase(style) for a in plan.alternatives or []]
-        lines += [f"  - {p}" for p in phrases if p] or ["  - none found"]
-    return "\n".join(lines)
+    return [f"{m['id']}: {m['params'] / 1e9:.2f}B params{moe}, {m['trainable_params'] / 1e6:.1f}M trainable "
+            f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
+            f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
+            + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
+            + (", 16-bit adapters" if w["adapters_16bit"] and methods.get(w["method"]).adapters else "") + ")",
+            _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"])]]
+
+
+def row_cells(c: dict) -> list[str]:
+    """One candidate (its JSON) as the table's cells, in COLUMNS order."""
+    g = c["per_gpu_gib"]
+    runs = c["fits"] and c["applies"]  # a row that cannot run gets no time: it would never take one
+    notes = c["notes"] + (f" (host {c['cpu_gib']:.0f} GiB/GPU)" if c["cpu_gib"] and c["applies"] else "")
+    return [c["strategy"], *(f"{g[k]:.2f}" for k in PARTS), f"{g['total']:.2f}",
+            PHASE_SHORT.get(c["peak_phase"], ""), _fits(c), _step(c["step_s"] if runs else None),
+            _tps(c["tokens_per_s"] if runs else None), (c["bound"] if runs else None) or "-", notes]
+
+
+def verdict_lines(plan: Plan, style: str = "plan") -> list[str]:
+    """The recommendation and why, or the nearest alternatives when nothing fits."""
+    if plan.recommended:
+        return [f"recommended: {plan.recommended} ({plan.reason})"]
+    phrases = [a.phrase(style) for a in plan.alternatives or []]
+    return ["nothing fits. Nearest alternatives:", *([f"  - {p}" for p in phrases if p] or [
+        "  - none found: neither one change, nor QLoRA with checkpointing and micro-batch 1, nor up to 16x the "
+        "GPUs makes a strategy fit; a smaller model or larger GPUs"])]
+
+
+def _fits(c: dict) -> str:
+    return "n/a" if not c["applies"] else "yes" if c["fits"] else "NO"
+
+
+def legend(plan: Plan) -> str:
+    """What the columns mean, in the terms of the hardware named: a CPU job's processes share the host's RAM."""
+    if plan.hardware.name == "cpu":
+        return ("per-process GiB of host RAM at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer "
+                "step); total = tensors + runtime (the process's torch runtime and allocator reserve); fits: n/a "
+                "where a CPU cannot run the strategy; step: one optimizer step, tokens/s: the whole job's (none for "
+                "a row that cannot run), bound: what the step waits on (compute, host: launching ops, comm)")
+    return ("per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); total = tensors "
+            "+ runtime (CUDA context, NCCL, allocator reserve); fits: n/a where these GPUs cannot run the strategy; "
+            "step: one optimizer step, tokens/s: the whole job's (none for a row that cannot run), bound: what the "
+            "step waits on (compute, host: launching ops, comm, pcie)")
 
 
 def _notes(plan: Plan, precision: str) -> list[str]:
@@ -59,7 +93,9 @@ def _step(s: float | None) -> str:
 
 
 def _tps(t: float | None) -> str:
-    return "-" if t is None else f"{t:,.0f}"
+    if t is None:
+        return "-"
+    return f"{t:,.0f}" if t >= 10 else f"{t:.2g}"  # a slow CPU row reads 0.75, not 1 (or 0)
 
 
 def _hardware_line(plan: Plan) -> str:
@@ -91,17 +127,21 @@ def plot(plan: Plan, path: str) -> None:
         ax.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     cap = d["hardware"]["gpu_mem_gib"]
-    ax.axhline(cap, color="red", linestyle="--", label=f"GPU memory {cap:.0f} GiB")
-    # The predicted speed under each strategy's name; the recommendation marked.
+    unit = plan.hardware.unit
+    ax.axhline(cap, color="red", linestyle="--",
+               label=f"{'host RAM per process' if unit == 'process' else 'GPU memory'} {cap:.0f} GiB")
+    # The predicted speed under each strategy's name (only where the strategy can run); the recommendation marked.
     ax.set_xticks(range(len(names)), [
         f"{'* ' if c['strategy'] == d['recommended'] else ''}{c['strategy']}"
-        + (f"\n{c['tokens_per_s']:,.0f} tok/s\n{_step(c['step_s'])}/step" if c["tokens_per_s"] else "")
+        + (f"\n{_tps(c['tokens_per_s'])} tok/s\n{_step(c['step_s'])}/step"
+           if c["tokens_per_s"] and c["fits"] and c["applies"] else "" if c["applies"] else "\nn/a")
         for c in d["candidates"]], fontsize=8)
     ax.set_ylim(0, max(cap * 1.6, min(max(bottom), cap * 6)))
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"{d['model']['id']} ({d['workload']['method']}) on {d['hardware']['nodes']}x"
-                 f"{d['hardware']['gpus_per_node']} GPUs" + (f"; * recommended: {d['recommended']}"
-                                                              if d["recommended"] else ""))
+    ax.set_ylabel(f"GiB per {unit}")
+    count = d["hardware"]["gpus_per_node"]
+    ax.set_title(f"{d['model']['id']} ({d['workload']['method']}) on {d['hardware']['nodes']}x{count} "
+                 + ("CPU process(es)" if unit == "process" else "GPUs")
+                 + (f"; * recommended: {d['recommended']}" if d["recommended"] else ""))
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

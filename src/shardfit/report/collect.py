@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,32 @@ class RunData:
         if self.summary and self.summary.get("world_size"):
             return int(self.summary["world_size"])
         return max((len(r.get("mem_gib") or []) for r in self.train), default=1)
+
+    @property
+    def global_batch(self) -> int | None:
+        """Examples per optimizer step (micro_batch x grad_accum x ranks): summary.json's examples_per_step, else
+        from the run's config; None when neither says."""
+        if self.summary and isinstance(self.summary.get("examples_per_step"), int):
+            return self.summary["examples_per_step"]
+        mb, ga = self.config.get("micro_batch"), self.config.get("grad_accum", 1)
+        if not isinstance(mb, int) or not isinstance(ga, int):
+            return None
+        return mb * ga * self.world
+
+    def at(self, step: int, axis: str) -> float:
+        """Where `step` lies on the x axis `axis`: the step itself, the examples seen by its end, or the tokens
+        trained on by its end (metrics.jsonl's running count; between logged steps, in proportion)."""
+        if axis == "examples":
+            return float(step * (self.global_batch or 0))
+        if axis == "tokens":
+            pts = [(0, 0.0), *sorted((r["step"], float(r["tokens"])) for r in self.train
+                                     if isinstance(r.get("tokens"), (int, float)))]
+            for (s0, t0), (s1, t1) in itertools.pairwise(pts):
+                if s0 <= step <= s1 and s1 > s0:
+                    return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+            last_step, last_tokens = pts[-1]
+            return last_tokens * step / last_step if last_step else 0.0  # past the last logged step: its rate
+        return float(step)
 
     def predicted_gib(self) -> float | None:
         """The plan's predicted peak per GPU for the strategy the run used (every rank is planned alike)."""
@@ -153,6 +180,24 @@ def _config(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: expected a mapping of config keys, got {type(config).__name__}; it is not the "
                         "config.yaml shardfit wrote. Restore it, or remove it (the report then shows no config).")
     return config or {}
+
+
+# The x axes the shared charts can use: steps, examples seen, tokens trained on.
+AXES = {"step": "step", "examples": "examples seen", "tokens": "tokens trained on"}
+
+
+def choose_axis(runs: list[RunData], asked: str = "auto") -> tuple[str, str]:
+    """The x axis of the shared charts and why. `auto`: steps, unless the runs take different numbers of examples
+    per step (a step of one is then not a step of the other): examples seen, or tokens where a batch is unknown."""
+    if asked != "auto":
+        return asked, ""
+    batches = {r.global_batch for r in runs}
+    if len(runs) < 2 or len(batches) == 1:
+        return "step", ""
+    sizes = ", ".join(f"{r.name}: {r.global_batch or '?'}" for r in runs)
+    axis = "tokens" if None in batches else "examples"
+    return axis, (f"the runs take different global batches (examples per step: {sizes}), so the curves are drawn "
+                  f"against {AXES[axis]}; `shardfit report --x step` draws them against steps")
 
 
 def unique_names(runs: list[RunData]) -> None:

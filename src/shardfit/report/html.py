@@ -57,6 +57,7 @@ def summary_table(runs: list[RunData]) -> str:
     rows = ["<tr><th></th>" + "".join(f"<th>{_e(r.name)}</th>" for r in runs) + "</tr>"]
     for k in keys:
         rows.append(f"<tr><th>{_e(k)}</th>" + "".join(_cell((r.summary or {}).get(k)) for r in runs) + "</tr>")
+    rows.append("<tr><th>global batch (examples/step)</th>" + "".join(_cell(r.global_batch) for r in runs) + "</tr>")
     rows.append("<tr><th>plan: predicted GiB/GPU</th>" + "".join(_cell(r.predicted_gib()) for r in runs) + "</tr>")
     return "<table>" + "".join(rows) + "</table>"
 
@@ -81,10 +82,12 @@ def eval_table(evaluation: dict[str, Any]) -> str:
 
 
 def plan_table(plan: dict[str, Any], used: str | None) -> str:
-    rows = ["<tr><th>strategy</th><th>GiB per GPU</th><th>peak</th><th>fits</th><th>notes</th></tr>"]
+    unit = "process (host RAM)" if plan.get("hardware", {}).get("name") == "cpu" else "GPU"
+    rows = [f"<tr><th>strategy</th><th>GiB per {unit}</th><th>peak</th><th>fits</th><th>notes</th></tr>"]
     for c in plan.get("candidates", []):
         mark = " (used)" if c.get("strategy") == used else ""
-        fits = "<span class='ok'>yes</span>" if c.get("fits") else "<span class='bad'>no</span>"
+        fits = "n/a" if not c.get("applies", True) else \
+            "<span class='ok'>yes</span>" if c.get("fits") else "<span class='bad'>no</span>"
         rows.append(f"<tr><td>{_e(c.get('strategy'))}{_e(mark)}</td>{_cell(c['per_gpu_gib']['total'])}"
                     f"<td>{_e(c.get('peak_phase', ''))}</td><td>{fits}</td><td>{_e(c.get('notes', ''))}</td></tr>")
     m, hw = plan.get("model", {}), plan.get("hardware", {})
@@ -118,8 +121,10 @@ def run_details(run: RunData) -> str:
     return "\n".join(parts)
 
 
-def render_page(runs: list[RunData], charts: list[Chart], out: Path, refresh_s: float | None = None) -> str:
-    """The whole page as a string; `refresh_s` makes it reload itself (a live report of runs still training)."""
+def render_page(runs: list[RunData], charts: list[Chart], out: Path, refresh_s: float | None = None,
+                axis_note: str = "") -> str:
+    """The whole page as a string; `refresh_s` makes it reload itself (a live report of runs still training);
+    `axis_note` says why the curves are not drawn against steps."""
     flags = [f"<div class='flag'><b>{_e(r.name)}</b>: {_e(f)}</div>" for r in runs for f in r.memory_findings()]
     title = "shardfit report: " + ", ".join(r.name for r in runs)
     return "\n".join([
@@ -129,6 +134,7 @@ def render_page(runs: list[RunData], charts: list[Chart], out: Path, refresh_s: 
         f"<h1>{_e(title)}</h1><p>shardfit {_e(__version__)}"
         + (f" &middot; <b>live</b>: rebuilt every {refresh_s:g} s while training" if refresh_s else "") + "</p>",
         "<h2>Summary</h2>", summary_table(runs), *flags,
-        "<h2>Curves</h2><div class='charts'>", *[chart_html(c, out) for c in charts], "</div>",
+        "<h2>Curves</h2>", f"<p class='flag'>{_e(axis_note)}</p>" if axis_note else "",
+        "<div class='charts'>", *[chart_html(c, out) for c in charts], "</div>",
         *[run_details(r) for r in runs],
         "</body></html>"])

@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only: no display is needed or wanted
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from shardfit.report.collect import RunData  # noqa: E402
+from shardfit.report.collect import AXES, RunData  # noqa: E402
 
 CURVES = (("loss", "training loss", "loss"), ("lr", "learning rate", "lr"), ("grad_norm", "gradient norm", "norm"),
           ("tokens_per_s", "throughput", "tokens / s"))
@@ -35,20 +35,23 @@ def _save(fig: Any, out: Path, name: str) -> str:
     return name
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def series(records: list[dict[str, Any]], key: str, run: RunData | None = None,
+            axis: str = "step") -> tuple[list[float], list[float]]:
+    """The (x, value) points of `key`; x on `axis` (step, examples, tokens) of `run`."""
     pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-    return [p[0] for p in pts], [float(p[1]) for p in pts]
+    xs = [run.at(p[0], axis) if run is not None else float(p[0]) for p in pts]
+    return xs, [float(p[1]) for p in pts]
 
 
-def loss_chart(runs: list[RunData], out: Path) -> Chart:
+def loss_chart(runs: list[RunData], out: Path, axis: str = "step") -> Chart:
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, run in enumerate(runs):
         color = f"C{i}"
-        ax.plot(*_series(run.train, "loss"), color=color, label=f"{run.name} train")
-        xs, ys = _series(run.evals, "eval_loss")
+        ax.plot(*series(run.train, "loss", run, axis), color=color, label=f"{run.name} train")
+        xs, ys = series(run.evals, "eval_loss", run, axis)
         if xs:
             ax.plot(xs, ys, color=color, linestyle="--", marker="o", label=f"{run.name} eval")
-    ax.set_xlabel("step")
+    ax.set_xlabel(AXES[axis])
     ax.set_ylabel("loss")
     ax.set_title("loss (training window mean, held-out)")
     ax.grid(alpha=0.3)
@@ -56,13 +59,14 @@ def loss_chart(runs: list[RunData], out: Path) -> Chart:
     return Chart(_save(fig, out, "loss.png"), "Loss")
 
 
-def curve_chart(runs: list[RunData], out: Path, key: str, title: str, ylabel: str) -> Chart | None:
-    if not any(_series(r.train, key)[0] for r in runs):
+def curve_chart(runs: list[RunData], out: Path, key: str, title: str, ylabel: str,
+                axis: str = "step") -> Chart | None:
+    if not any(series(r.train, key)[0] for r in runs):
         return None
     fig, ax = plt.subplots(figsize=(8, 3.2))
     for i, run in enumerate(runs):
-        ax.plot(*_series(run.train, key), color=f"C{i}", label=run.name)
-    ax.set_xlabel("step")
+        ax.plot(*series(run.train, key, run, axis), color=f"C{i}", label=run.name)
+    ax.set_xlabel(AXES[axis])
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -71,18 +75,18 @@ def curve_chart(runs: list[RunData], out: Path, key: str, title: str, ylabel: st
     return Chart(_save(fig, out, f"{key}.png"), title[0].upper() + title[1:])
 
 
-def eval_metric_chart(runs: list[RunData], out: Path) -> Chart | None:
+def eval_metric_chart(runs: list[RunData], out: Path, axis: str = "step") -> Chart | None:
     keys = sorted({k for r in runs for rec in r.evals for k in rec if k.startswith("eval_") and k != "eval_loss"})
     if not keys:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.2))
     for i, run in enumerate(runs):
         for j, key in enumerate(keys):
-            xs, ys = _series(run.evals, key)
+            xs, ys = series(run.evals, key, run, axis)
             if xs:
                 ax.plot(xs, ys, color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker="o",
                         label=f"{run.name} {key.removeprefix('eval_')}")
-    ax.set_xlabel("step")
+    ax.set_xlabel(AXES[axis])
     ax.set_ylabel("score")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("generation metrics on held-out prompts")
@@ -114,9 +118,10 @@ def memory_chart(run: RunData, index: int, out: Path) -> Chart | None:
     return Chart(_save(fig, out, f"memory-{index}.png"), f"Memory per rank: {run.name}", "; ".join(findings))
 
 
-def make_charts(runs: list[RunData], out: Path) -> list[Chart]:
-    """Every chart the runs have data for, written into `out`."""
-    charts: list[Chart | None] = [loss_chart(runs, out), eval_metric_chart(runs, out)]
-    charts += [curve_chart(runs, out, key, title, ylabel) for key, title, ylabel in CURVES[1:]]
+def make_charts(runs: list[RunData], out: Path, axis: str = "step") -> list[Chart]:
+    """Every chart the runs have data for, written into `out`; the shared charts against `axis` (the memory
+    charts, one per run, against its steps)."""
+    charts: list[Chart | None] = [loss_chart(runs, out, axis), eval_metric_chart(runs, out, axis)]
+    charts += [curve_chart(runs, out, key, title, ylabel, axis) for key, title, ylabel in CURVES[1:]]
     charts += [memory_chart(run, i, out) for i, run in enumerate(runs)]
     return [c for c in charts if c is not None]

@@ -44,6 +44,7 @@ from shardfit.simulate.tracker import (
     measure_step,
     skip_frozen_grad_hooks,
     to_breakdown,
+    train_step,
 )
 from shardfit.strategy import get as get_strategy
 from shardfit.train.loss import CausalLMLoss
@@ -286,26 +287,19 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                 batch = image_batch(model, vl.config, w)
             if audio:
                 batch = audio_batch(model, w, batch)
-            body = decoder_and_head(model)[0]
-            if mesh is not None:
-                tracker = StepFSDPMemTracker(body, module, optimizer)
-                tracker.track_inputs(batch[:1])
-            else:
-                tracker = StepMemTracker(body)
-                tracker.track_external(module, optimizer)
-                skip_frozen_grad_hooks(tracker, module)
-            if images:
-                tracker.track_as_activation(batch[3])
-            if audio:
-                tracker.track_as_activation(batch[5])
             amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
                                     enabled=w.precision != "fp32" and mesh is None)
             real_indices = RealIndices() if images or audio else contextlib.nullcontext()
-            with tracker.ignoring_sharding_propagation(), warnings.catch_warnings(), real_indices:
+            with warnings.catch_warnings(), real_indices:
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
                 # fake tensors answer with a deprecation warning (the check itself holds in a real run).
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-                cats = measure_step(module, optimizer, batch, tracker, amp=amp)
+                # The first step, untracked: it makes the optimizer's states (which the tracker made below finds)
+                # and fills fake mode's caches; the step measured is the second, as a run's peak is.
+                train_step(module, optimizer, batch, amp)
+                tracker = _tracker(model, module, optimizer, batch, mesh is not None, images, audio)
+                with tracker.ignoring_sharding_propagation():
+                    cats = measure_step(module, optimizer, batch, tracker, steps=1, amp=amp)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -315,11 +309,32 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                      f"fake-tensor step, peak in the {phase} pass", peak_phase=phase)
 
 
+def _tracker(model: torch.nn.Module, module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
+             sharded: bool, images: bool, audio: bool) -> Any:
+    """The memory tracker of the step: FSDP's for a sharded strategy, else the plain one, with the loss's tensors
+    filed as logits and a batch's pixels and audio features as activations."""
+    body = decoder_and_head(model)[0]
+    if sharded:
+        tracker = StepFSDPMemTracker(body, module, optimizer)
+        tracker.track_inputs(batch[:1])
+    else:
+        tracker = StepMemTracker(body)
+        tracker.track_external(module, optimizer)
+        skip_frozen_grad_hooks(tracker, module)
+    if images:
+        tracker.track_as_activation(batch[3])
+    if audio:
+        tracker.track_as_activation(batch[5])
+    return tracker
+
+
 def simulate_plan(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, source: str | None) -> Plan:
-    """Replace the analytic candidates that can be simulated with measured ones; re-derive the recommendation."""
+    """Replace the analytic candidates that can be simulated with measured ones; re-derive the recommendation.
+    A strategy the hardware cannot run (a multi-rank one on one device) keeps its analytic row: measuring it would
+    only repeat `single`'s step."""
     cands = []
     for c in plan.candidates:
-        if get_strategy(c.strategy).simulable:
+        if get_strategy(c.strategy).simulable and c.applies:
             t0 = time.perf_counter()
             log.info("simulating %s: one training step of %s on fake tensors ...", c.strategy, shape.id)
             cands.append(simulate(shape, w, hw, c.strategy, source))

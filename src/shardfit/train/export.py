@@ -119,10 +119,13 @@ def merge_adapter(run_cfg: Config, adapter_dir: Path, out_dir: Path, dtype: torc
     return out_dir
 
 
-def export_base(model: str, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> Path:
+def export_base(model: str, out_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False,
+                precision: str = "fp32") -> Path:
     """Write a model that loads only through shardfit (a GGUF file, a model bundled as GGUF) as a plain Hugging Face
-    folder, once: configs can then name that folder, and adapters trained on it name a base anyone can load."""
-    cfg = Config(model=model, method="full", precision="fp32", trust_remote_code=trust_remote_code)
+    folder, once: configs can then name that folder, and adapters trained on it name a base anyone can load.
+    `precision`: the dtype it is built in (fp32 by default; a run exporting its own base builds it in its compute
+    precision, so the end of training never holds an fp32 copy of a large model)."""
+    cfg = Config(model=model, method="full", precision=precision, trust_remote_code=trust_remote_code)
     base = build_model(cfg, "single", weights=True).to(dtype)
     base.config.use_cache = True
     out_dir.mkdir(parents=True, exist_ok=True)

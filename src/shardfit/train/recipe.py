@@ -41,7 +41,13 @@ from shardfit.infer.prompts import requests_from_conversations
 from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import input_device, output_vocab, vision_body
 from shardfit.models.attention_by_width import AttentionByWidth
-from shardfit.models.build import attention_kernels, build_model, load_tokenizer, use_attention, weights_cached
+from shardfit.models.build import (
+    attention_kernels,
+    build_model,
+    load_tokenizer,
+    use_attention,
+    weights_cached,
+)
 from shardfit.models.experts import aux_loss_of, moe_top_k
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
@@ -64,12 +70,14 @@ from shardfit.resolve.defaults import (
     cudnn_attention_allowed,
 )
 from shardfit.strategy import get as get_strategy
+from shardfit.train.base_ref import BaseRef, base_for_adapter
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.diverge import Diverged, DivergenceStop
 from shardfit.train.evaluate import Evaluator, GenerationEval
-from shardfit.train.export import save_final
+from shardfit.train.export import export_base, save_final
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
+from shardfit.train.oom import Where, out_of_memory, ran_out
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.profiling import StepProfiler
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint, record_length
@@ -94,12 +102,6 @@ def report_findings(findings: list[Finding], env: DistEnv) -> None:
         if env.is_main and f.severity != "info":
             log.warning("%s: %s (%s)%s", f.rule, f.message, f.fix, " [fixed]" if f.auto_fixed else "")
     refuse_unfixable(findings)
-
-
-def base_reference(model: str) -> str:
-    """How an adapter names its base: a local folder or file as an absolute path, a hub id as it is."""
-    p = Path(model).expanduser()
-    return str(p.resolve()) if p.exists() else model
 
 
 def threads_phrase() -> str:
@@ -472,10 +474,7 @@ class FineTune:
         self.optimizer.state.clear()
         allocator.release_free_memory()
         with wd.phase("saving the adapter or model", where="final save"):
-            out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, env,
-                             is_lora=methods.get(self.cfg.method).adapters, base_name=base_reference(self.cfg.model))
-            if self.vision is not None and env.is_main:
-                save_processor(self.vision, out)  # the processor files beside the tokenizer's
+            base = self._save_outputs()
         wall = time.perf_counter() - self.t_start
         summary = {"steps": self.total_steps, "train_loss": self.logger.losses[-1] if self.logger.losses else None,
                    "eval_loss": eval_loss,
@@ -494,6 +493,7 @@ class FineTune:
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "startup_s": self.startup.phases, "data_cache_hit": self.data_cache_hit,
                    "model_cache_hit": self.model_cache_hit,
+                   "base_model": base.to_json() if base is not None else None,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
                    **self.evaluator.last_generation}
@@ -510,6 +510,24 @@ class FineTune:
         return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
 
 
+    def _save_outputs(self) -> BaseRef | None:
+        """adapter/ or model/ (a vision-language run's processor files beside); returns the base an adapter names.
+        An adapter trained on a .gguf file that names no repository gets the GGUF's weights as `base/`, so that
+        AutoPeftModelForCausalLM can load it (train/base_ref.py)."""
+        lora = methods.get(self.cfg.method).adapters
+        base = base_for_adapter(self.cfg.model, self.run_dir) if lora else None
+        out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, self.env, is_lora=lora,
+                         base_name=base.name if base is not None else None)
+        if self.env.is_main:
+            if self.vision is not None:
+                save_processor(self.vision, out)  # the processor files beside the tokenizer's
+            if base is not None and base.export_to is not None:
+                export_base(self.cfg.model, base.export_to, DTYPES.get(self.cfg.precision, torch.float32),
+                            self.cfg.trust_remote_code, precision=self.cfg.precision)
+            if base is not None and not self.quiet:
+                log.info("adapter base: %s", base.describe())
+        return base
+
     def allows_cudnn_attention(self) -> bool:
         """Whether this run's attention may use cuDNN's kernel (resolve/defaults.py), once set up: the shapes its
         schedule brings (the first steps' share of new ones, over all its micro-batches) against the plan's time."""
@@ -525,6 +543,13 @@ class FineTune:
                      "take over %.0f%% of the run's %s (attn_implementation: sdpa keeps it; docs/training.md)",
                      new_shapes, new_shapes * CUDNN_PLAN_S, 100 * CUDNN_PLAN_SHARE, predicted)
         return self.cudnn_attention
+
+    def out_of_memory(self, e: BaseException, what: str) -> JobFailed:
+        """The message of an out-of-memory `e` (`what` ran out): where, the plan's figure, what fits instead."""
+        strategy = getattr(self, "strategy", None)
+        name = strategy.name if strategy is not None else self.cfg.strategy
+        at = Where(self.cfg, name, self.env.world, self.env.device, self.run_dir, self.wd.last_place)
+        return out_of_memory(e, what, self.plan, at)
 
     def predicted_tokens_per_s(self) -> float | None:
         """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
@@ -549,6 +574,11 @@ def train(cfg: Config, env: DistEnv, *, model: torch.nn.Module | None = None, to
         with attention_kernels(recipe.allows_cudnn_attention()):
             recipe.fit()
             return recipe.finish()
+    except Exception as e:
+        what = ran_out(e, env.device)
+        if what is None:
+            raise
+        raise recipe.out_of_memory(e, what) from e  # an expected failure: exit 1 with what to do, no traceback
     finally:
         recipe.release()
 

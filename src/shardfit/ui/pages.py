@@ -10,22 +10,30 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.config.schema import GRAD_CKPT, METHODS
+from shardfit.plan.plan import Plan
+from shardfit.plan.render import COLUMNS, header_lines, legend, row_cells, verdict_lines
 
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:24px auto;padding:0 16px;color:#222}"
          "fieldset{margin:12px 0}label{display:inline-block;margin:4px 12px 4px 0}input,select{margin-left:4px}"
          "pre{background:#f7f7f7;padding:8px;overflow:auto}.err{color:#b00020;font-weight:600}"
-         "td,th{border:1px solid #ddd;padding:4px 8px;text-align:left}table{border-collapse:collapse}")
+         "td,th{border:1px solid #ddd;padding:4px 8px;text-align:left}table{border-collapse:collapse}"
+         # The plan's table: numbers stay on one line, the notes wrap, and a window narrower than the numbers
+         # scrolls the table sideways instead of cutting columns off.
+         ".scroll{overflow-x:auto;max-width:100%}.plan{font-size:.85em}.plan td,.plan th{white-space:nowrap}"
+         ".plan td.num{text-align:right;font-variant-numeric:tabular-nums}"
+         ".plan td.notes{white-space:normal;min-width:16em}.wrap{white-space:pre-wrap}body.wide{max-width:1500px}")
 
 
 def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
-def page(title: str, body: str, refresh_s: float | None = None) -> str:
+def page(title: str, body: str, refresh_s: float | None = None, wide: bool = False) -> str:
+    """A whole page; `wide` lets a page of wide tables (the plan) use more of the window."""
     meta = f"<meta http-equiv='refresh' content='{refresh_s:g}'>" if refresh_s else ""
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>{meta}<title>{_e(title)}</title>"
-            f"<style>{STYLE}</style></head><body><p><a href='/'>shardfit</a></p><h1>{_e(title)}</h1>{body}"
-            "</body></html>")
+            f"<style>{STYLE}</style></head><body{' class=wide' if wide else ''}><p><a href='/'>shardfit</a></p>"
+            f"<h1>{_e(title)}</h1>{body}</body></html>")
 
 
 def _select(name: str, options: tuple[str, ...], chosen: str) -> str:
@@ -73,9 +81,23 @@ def home(models: list[str], runs: list[Path], jobs: dict[int, Any], token: str, 
                 + (("<h2>Jobs</h2><table>" + job_rows + "</table>") if job_rows else ""))
 
 
-def plan_page(models: list[str], values: dict[str, str], table: str, png_b64: str, exit_note: str) -> str:
-    return page("Plan", plan_form(models, values) + f"<p>{_e(exit_note)}</p><pre>{_e(table)}</pre>"
-                + f"<img alt='plan' src='data:image/png;base64,{png_b64}'>")
+def plan_html(plan: Plan) -> str:
+    """The plan as `shardfit plan` prints it (the same lines and cells), with its table as an HTML table."""
+    head = "".join(f"<th>{_e(name)}</th>" for name, _, _ in COLUMNS)
+    rows = []
+    for c in plan.to_json()["candidates"]:
+        cells = row_cells(c)
+        kinds = ["num" if right else "notes" if name == "notes" else "" for name, _, right in COLUMNS]
+        rows.append("<tr>" + "".join(f"<td class='{k}'>{_e(v)}</td>" if k else f"<td>{_e(v)}</td>"
+                                     for v, k in zip(cells, kinds, strict=True)) + "</tr>")
+    return (f"<pre class='wrap'>{_e(chr(10).join(header_lines(plan)))}</pre>"
+            f"<div class='scroll'><table class='plan'><tr>{head}</tr>{''.join(rows)}</table></div>"
+            f"<p><small>{_e(legend(plan))}</small></p><pre class='wrap'>{_e(chr(10).join(verdict_lines(plan)))}</pre>")
+
+
+def plan_page(models: list[str], values: dict[str, str], plan: Plan, png_b64: str, exit_note: str) -> str:
+    return page("Plan", plan_form(models, values) + f"<p>{_e(exit_note)}</p>{plan_html(plan)}"
+                + f"<img alt='plan' src='data:image/png;base64,{png_b64}'>", wide=True)
 
 
 def error_page(title: str, message: str) -> str:

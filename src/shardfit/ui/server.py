@@ -31,7 +31,7 @@ from shardfit.config.schema import GRAD_CKPT, METHODS
 from shardfit.errors import UserError
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
-from shardfit.plan.render import format_table, plot
+from shardfit.plan.render import plot
 from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.report.build import finished, make_report
@@ -114,7 +114,7 @@ class UI:
             plot(plan, f"{tmp}/plan.png")
             png = base64.b64encode(Path(tmp, "plan.png").read_bytes()).decode()
         note = f"recommended: {plan.recommended}" if plan.recommended else "nothing fits (exit code 3 in the CLI)"
-        return pages.plan_page(self.models, q, format_table(plan), png, note)
+        return pages.plan_page(self.models, q, plan, png, note)
 
     def launchable(self, config: str) -> Path:
         """The config file `config` names, when the UI may launch it: under the runs folder or passed with
