@@ -29,8 +29,11 @@ def test_ctrl_c_names_the_surviving_checkpoint_and_the_command_that_resumes(tmp_
                        report_to=["none"], output_dir=str(tmp_path / "run"))
     # Step 4 stalls (the test-only fault switch), so Ctrl-C lands after step 2's checkpoint and before step 4's.
     env = {**os.environ, "SHARDFIT_TEST_FAULT": "stall:rank=0:step=4:seconds=120"}
+    # As from a terminal: Ctrl-C's default disposition. Something earlier in a pytest process can leave SIGINT
+    # ignored, which a child inherits, and Python then never turns it into KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-m", "shardfit", "train", str(cfg), "--set", "lr=2e-3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(tmp_path / "run" / "checkpoints" / "step-2" / "trainer.pt")
         time.sleep(1.0)
