@@ -18,11 +18,13 @@ from typing import Any, Union
 
 import yaml
 
-from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, LoraSettings, QLoraSettings
+from shardfit import method, objective
+from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, DpoSettings, LoraSettings, QLoraSettings
 from shardfit.errors import UserError
 
 # The sections of the config: mappings of keys of their own (`lora.rank`), each a dataclass.
-SECTIONS = {LoraSettings: "{rank: 8, alpha: 16}", QLoraSettings: "{quant_type: nf4, compute_dtype: auto}"}
+SECTIONS = {LoraSettings: "{rank: 8, alpha: 16}", QLoraSettings: "{quant_type: nf4, compute_dtype: auto}",
+            DpoSettings: "{beta: 0.1, loss: sigmoid}"}
 _HINTS = {cls: typing.get_type_hints(cls) for cls in (Config, *SECTIONS)}
 
 
@@ -296,7 +298,7 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         loc = f"{where}:{lines[key]}" if key in lines else where
         raise UserError(f"{loc}: '{key}' {msg}")
 
-    for obj, prefix in ((cfg, ""), (cfg.lora, "lora."), (cfg.qlora, "qlora.")):
+    for obj, prefix in ((cfg, ""), (cfg.lora, "lora."), (cfg.qlora, "qlora."), (cfg.dpo, "dpo.")):
         for f in fields(obj):
             value = getattr(obj, f.name)
             if value is None or dataclasses.is_dataclass(value):
@@ -323,6 +325,11 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
                  f"{', '.join(COLUMN_FIELDS)}, each mapped to the column of your rows that holds it.")
         if not isinstance(column, str) or not column:
             fail("data_columns", f"maps '{field_name}' to {column!r}; give the column's name as a string.")
+    if cfg.dpo.precompute_reference is False and objective.get(cfg.objective).reference \
+            and not method.get(cfg.method).adapters:
+        fail("dpo.precompute_reference", f"is false, but method {cfg.method} has no adapters to switch off for the "
+             "reference: set it to auto or true (the reference's log-probabilities are computed once before the "
+             "first step, with no second copy of the weights).")
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from shardfit import method, strategy
+from shardfit import method, objective, strategy
 
 METHODS = method.NAMES
 PRECISIONS = ("bf16", "fp16", "fp32", "auto")
@@ -55,6 +55,24 @@ class QLoraSettings:
 
 
 @dataclass
+class DpoSettings:
+    beta: float = key(0.1, "strength of the preference term: DPO/KTO's beta (the KL penalty's inverse), ORPO's "
+                           "lambda, SimPO's reward scale (SimPO's paper uses about 2)", gt=0)
+    loss: str = key("sigmoid", "objective dpo: sigmoid (DPO's) | ipo | hinge | robust (label noise, with "
+                               "label_smoothing)")
+    label_smoothing: float = key(0.0, "dpo sigmoid/robust and simpo: the assumed share of pairs whose labels are "
+                                      "flipped", ge=0, lt=0.5)
+    precompute_reference: bool | str = key("auto", "dpo and kto: compute the reference model's log-probabilities "
+                                                   "once before the first step (true), or each step with the "
+                                                   "adapters switched off (false; lora and qlora only); auto: "
+                                                   "false for lora/qlora, true for full/freeze. Neither keeps a "
+                                                   "second copy of the weights")
+    simpo_gamma: float = key(0.5, "objective simpo: the target margin between chosen and rejected rewards", ge=0)
+    desirable_weight: float = key(1.0, "objective kto: weight of the desirable rows' loss", gt=0)
+    undesirable_weight: float = key(1.0, "objective kto: weight of the undesirable rows' loss", gt=0)
+
+
+@dataclass
 class Config:
     model: str = key("HuggingFaceTB/SmolLM2-135M-Instruct",
                      "a local Hugging Face folder, a .gguf file, or a hub id (catalog ids plan without weights)",
@@ -68,6 +86,9 @@ class Config:
                                              "(OpenAI); e.g. {input: review, output: label} (LLaMA-Factory's "
                                              "dataset_info.json columns, carried by convert)")
     eval_split: float = key(0.0, "fraction of data held out for evaluation when eval_data is null", ge=0, lt=1)
+    objective: str = key("sft", "sft | dpo | orpo | simpo | kto: what the run optimises (dpo/orpo/simpo read "
+                                "chosen/rejected pairs, kto unpaired rows with a desirable label; docs/preference.md)")
+    dpo: DpoSettings = key(DpoSettings, "preference objectives: beta, the DPO loss and the reference")
     method: str = key("lora", "lora | qlora | full | freeze (freeze: only freeze_trainable modules train)")
     lora: LoraSettings = key(LoraSettings, "LoRA settings (method lora or qlora)")
     qlora: QLoraSettings = key(QLoraSettings, "method qlora: how the frozen decoder weights are stored in 4 bits "
@@ -180,6 +201,9 @@ class Config:
 # Keys whose value must be one of a fixed set; validated in load.py with a "did you mean".
 CHOICES: dict[str, tuple[str, ...]] = {
     "method": METHODS,
+    "objective": objective.NAMES,
+    "dpo.loss": objective.DPO_LOSSES,
+    "dpo.precompute_reference": ("auto", True, False),
     "strategy": strategy.CHOICES,
     "precision": PRECISIONS,
     "grad_ckpt": GRAD_CKPT,

@@ -33,17 +33,26 @@ class Batch:
     # labelled positions, and whether any row restarts its positions (packed examples; None: not known).
     n_targets: int | None = None
     restarts: bool | None = None
+    # Preference batches (data/preference.py): `seq_ids` (each position's sequence tag, -1: none), `ref_logps` (the
+    # reference model's log-probability of each sequence's answer, where computed before training) and
+    # `desirable` (KTO); `n_seqs` sequences in all.
+    pref: dict[str, torch.Tensor] = field(default_factory=dict)
+    n_seqs: int = 0
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True),
                      self.targets.to(device, non_blocking=True), self.n_real_tokens,
                      {k: v.to(device, non_blocking=True) for k, v in self.media.items()}, self.n_targets,
-                     self.restarts)
+                     self.restarts, {k: v.to(device, non_blocking=True) for k, v in self.pref.items()}, self.n_seqs)
 
     @property
     def host_facts(self) -> dict[str, Any]:
-        """The loss module's keyword arguments for what the host knows (train/loss.py `CausalLMLoss`)."""
-        return {"n_targets": self.n_targets, "restarts": self.restarts}
+        """The loss module's keyword arguments for what the host knows (train/loss.py `CausalLMLoss`), with a
+        preference batch's sequences (train/preference.py `PreferenceLoss`)."""
+        facts: dict[str, Any] = {"n_targets": self.n_targets, "restarts": self.restarts}
+        if self.n_seqs:
+            facts.update(self.pref, n_seqs=self.n_seqs)
+        return facts
 
 
 def _host_facts(pos: torch.Tensor, tgt: torch.Tensor) -> tuple[int, bool]:
@@ -80,8 +89,10 @@ def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -
         if n:
             pos[i, n:] = torch.arange(width - n) + r.position_ids[-1] + 1
     n_targets, restarts = _host_facts(pos, tgt)
+    pref, n_seqs = _preference(rows, n_rows, width)
     if not any(r.mrope is not None for r in rows):
-        return Batch(ids, pos, tgt, sum(len(r) for r in rows), n_targets=n_targets, restarts=restarts)
+        return Batch(ids, pos, tgt, sum(len(r) for r in rows), n_targets=n_targets, restarts=restarts, pref=pref,
+                     n_seqs=n_seqs)
     pos4 = pos[None].repeat(4, 1, 1)
     for i, r in enumerate(rows):
         if r.mrope is not None:
@@ -98,7 +109,27 @@ def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -
     if clips:
         media["input_features"] = torch.cat([f for f, _ in clips], dim=1)
         media["audio_feature_lens"] = torch.cat([n for _, n in clips])
-    return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media, n_targets, restarts)
+    return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media, n_targets, restarts, pref, n_seqs)
+
+
+def _preference(rows: list[PackedRow], n_rows: int, width: int) -> tuple[dict[str, torch.Tensor], int]:
+    """A preference micro-batch's sequence tensors (`Batch.pref`) and its sequence count; nothing for SFT rows."""
+    infos = [s for r in rows for s in r.seq_info]
+    if not infos:
+        return {}, 0
+    seq_ids = torch.full((n_rows, width), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r.seqs:
+            seq_ids[i, :len(r)] = torch.tensor(r.seqs)
+    infos.sort(key=lambda s: s.tag)
+    if [s.tag for s in infos] != list(range(len(infos))):
+        raise ValueError(f"preference tags {[s.tag for s in infos]} are not 0..{len(infos) - 1}")
+    pref = {"seq_ids": seq_ids}
+    if all(s.ref_logp is not None for s in infos):
+        pref["ref_logps"] = torch.tensor([s.ref_logp for s in infos], dtype=torch.float64)
+    if all(s.desirable is not None for s in infos):
+        pref["desirable"] = torch.tensor([s.desirable for s in infos], dtype=torch.bool)
+    return pref, len(infos)
 
 
 @dataclass
@@ -106,7 +137,7 @@ class StepRows:
     """The micro-batches of one optimizer step for one rank, and the counts of the global batch."""
 
     micro_batches: list[list[PackedRow]]
-    global_targets: int
+    global_targets: int  # the loss's terms over the global batch: labelled tokens (SFT), pairs or rows (preference)
     global_tokens: int
     global_examples: int
 
@@ -150,7 +181,7 @@ class BatchSchedule:
         for m in range(self.accum):
             base = (m * self.world + self.rank) * self.mb
             micro.append(self.form(chunk[base:base + self.mb]))
-        return StepRows(micro, sum(ex.n_targets for ex in chunk), sum(len(ex.input_ids) for ex in chunk), len(chunk))
+        return StepRows(micro, sum(ex.units for ex in chunk), sum(ex.n_tokens for ex in chunk), len(chunk))
 
     def first_shapes(self, steps: int = 32) -> list[tuple[int, int]]:
         """(rows, width) of this rank's micro-batches over the first `steps` optimizer steps, width the longest row

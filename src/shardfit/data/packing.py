@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardfit.data.tokenize import IGNORE, Encoded
+from shardfit.data.tokenize import IGNORE, Encoded, SeqInfo
 
 
 @dataclass
@@ -26,6 +26,9 @@ class PackedRow:
     audio: list[Any] = field(default_factory=list)  # each example's AudioClips (Qwen2.5-Omni), in token order
     videos: list[Any] = field(default_factory=list)  # each example's VideoPixels, and their grids
     video_grid_thw: list[Any] = field(default_factory=list)
+    # Preference rows: each token's sequence tag (-1: none), and each sequence's SeqInfo, in order.
+    seqs: list[int] | None = None
+    seq_info: list[SeqInfo] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -41,8 +44,13 @@ def _row(examples: list[Encoded]) -> PackedRow:
     pos: list[int] = []
     vision = any(ex.mrope is not None for ex in examples)
     mrope: list[list[int]] = [[], [], []]
-    row = PackedRow(ids, targets, pos, mrope if vision else None)
+    tagged = any(ex.seq is not None for ex in examples)
+    row = PackedRow(ids, targets, pos, mrope if vision else None, seqs=[] if tagged else None)
     for ex in examples:
+        if row.seqs is not None:
+            row.seqs += [ex.seq.tag if ex.seq is not None else -1] * len(ex.input_ids)
+            if ex.seq is not None:
+                row.seq_info.append(ex.seq)
         ids += ex.input_ids
         targets += ex.targets
         pos += list(range(len(ex.input_ids)))

@@ -19,6 +19,16 @@ CHATML_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class SeqInfo:
+    """A preference side's place in its micro-batch (`tag`: pair i's chosen is 2i, its rejected 2i+1; KTO row i is
+    i), the reference model's log-probability of its answer once computed, and a KTO row's desirability."""
+
+    tag: int
+    ref_logp: float | None = None
+    desirable: bool | None = None
+
+
 @dataclass
 class Encoded:
     """One tokenised example. `targets[t]` is the label for the prediction made at position t (already shifted)."""
@@ -35,10 +45,20 @@ class Encoded:
     audio: Any = None
     video: Any = None
     video_grid_thw: Any = None
+    seq: SeqInfo | None = None  # preference sides only (data/preference.py)
 
     @property
     def n_targets(self) -> int:
         return sum(1 for t in self.targets if t != IGNORE)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def units(self) -> int:
+        """Terms of the loss this example adds: the SFT loss is a mean over labelled tokens."""
+        return self.n_targets
 
 
 def ensure_chat_template(tokenizer: Any) -> None:

@@ -25,22 +25,33 @@ from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.parallel.env import DistEnv
 from shardfit.resolve.job import RowShape
 from shardfit.train.loss import CausalLMLoss
-from shardfit.train.metrics import MetricsLog, progress
+from shardfit.train.metrics import STATS, MetricsLog, preference_record, progress
+from shardfit.train.preference import PreferenceLoss
 
 
-@torch.no_grad()
 def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id: int, env: DistEnv,
              amp: Any, device: torch.device | None = None, shape: RowShape | None = None,
              attention: AttentionByWidth | None = None) -> float | None:
     """Mean token loss over `rows`, `micro_batch` rows at a time shaped as `shape` says (as wide as training's,
     without empty rows added); every rank runs the same number of forwards (FSDP needs that)."""
-    if not rows:
-        return None
+    batches = [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
+    return evaluate_batches(module, batches, pad_id, env, amp, device, shape, attention)[0]
+
+
+@torch.no_grad()
+def evaluate_batches(module: nn.Module, batches: list[list[PackedRow]], pad_id: int, env: DistEnv, amp: Any,
+                     device: torch.device | None = None, shape: RowShape | None = None,
+                     attention: AttentionByWidth | None = None,
+                     stats_of: PreferenceLoss | None = None) -> tuple[float | None, dict[str, float]]:
+    """The mean loss over `batches` (micro-batches of rows) and, with `stats_of` (the unwrapped preference loss
+    module `module` runs), the preference figures over them (eval_rewards_chosen, eval_reward_accuracy, ...)."""
+    if not batches:
+        return None, {}
     shape = dataclasses.replace(shape, height=None) if shape is not None else None
     module.eval()
-    batches = [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
     per_rank = math.ceil(len(batches) / env.world)
     total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    stats: torch.Tensor | None = None
     for k in range(per_rank):
         idx = k * env.world + env.rank
         real = idx < len(batches)
@@ -48,13 +59,20 @@ def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id:
         if attention is not None:
             attention.before(batch.input_ids.shape[-1])
         with amp:
-            loss_sum, n = module(batch.input_ids, batch.position_ids, batch.targets, **batch.media)
+            extra = {k: v for k, v in batch.host_facts.items() if k not in ("n_targets", "restarts")}
+            loss_sum, n = module(batch.input_ids, batch.position_ids, batch.targets, **batch.media, **extra)
         if real:
             total += torch.tensor([float(loss_sum), n], dtype=torch.float64, device=env.device)
+            if stats_of is not None and stats_of.last_stats is not None:
+                stats = stats_of.last_stats if stats is None else stats + stats_of.last_stats
+    if stats_of is not None:
+        stats = stats if stats is not None else torch.zeros(len(STATS), 2, dtype=torch.float64, device=env.device)
+        total = torch.cat([total, stats.to(env.device).flatten()])
     if env.distributed:
         dist.all_reduce(total)
     module.train()
-    return float(total[0] / max(total[1], 1))
+    figures = preference_record(total[2:].view(-1, 2), "eval_") if stats_of is not None else {}
+    return float(total[0] / max(total[1], 1)), figures
 
 
 class GenerationEval:
@@ -105,13 +123,20 @@ class Evaluator:
     def __init__(self, module: nn.Module, rows: list[PackedRow], metrics: MetricsLog, env: DistEnv, *,
                  shape: RowShape, pad_id: int, amp: Any, device: torch.device, every: int, total_steps: int,
                  generation: GenerationEval | None = None, show: bool = False,
-                 attention: AttentionByWidth | None = None):
-        self.module, self.rows, self.metrics, self.env = module, rows, metrics, env
+                 attention: AttentionByWidth | None = None, batches: list[list[PackedRow]] | None = None,
+                 stats_of: PreferenceLoss | None = None):
+        """`batches`: the held-out micro-batches as formed (preference pairs), instead of `rows` cut
+        `shape.micro_batch` at a time; `stats_of`: the preference loss module whose figures join eval_loss."""
+        self.module, self.metrics, self.env = module, metrics, env
+        self.rows = batches if batches is not None else \
+            [rows[i:i + shape.micro_batch] for i in range(0, len(rows), shape.micro_batch)]
+        self.stats_of = stats_of
         self.attention = attention
         self.shape, self.pad_id, self.amp, self.device = shape, pad_id, amp, device
         self.every, self.total, self.generation, self.show = every, total_steps, generation, show
         self.last: float | None = None
         self.last_generation: dict[str, float] = {}
+        self.last_preference: dict[str, float] = {}
 
     def maybe_run(self, step: int) -> None:
         if self.due(step):
@@ -125,10 +150,11 @@ class Evaluator:
         if not self.rows:
             return None
         bar = progress(2 if self.generation else 1, 0, self.show, desc="eval", unit="pass")
-        self.last = evaluate(self.module, self.rows, self.shape.micro_batch, self.pad_id, self.env, self.amp,
-                             self.device, self.shape, self.attention)
+        self.last, figures = evaluate_batches(self.module, self.rows, self.pad_id, self.env, self.amp, self.device,
+                                              self.shape, self.attention, self.stats_of)
+        self.last_preference = figures
         bar.update()
-        record: dict[str, Any] = {"step": step, "eval_loss": self.last}
+        record: dict[str, Any] = {"step": step, "eval_loss": self.last, **figures}
         if self.generation is not None:
             bar.set_postfix_str(f"generating {len(self.generation.requests)} answers")
             self.last_generation = self.generation.run()

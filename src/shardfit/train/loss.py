@@ -176,6 +176,20 @@ class CausalLMLoss(nn.Module):
                 restarts: bool | None = None) -> tuple[torch.Tensor, int]:
         """`n_targets` (labelled positions) and `restarts` (whether a row restarts its positions) are what the
         batch knows on the host (data/loader.py `Batch`): with them the step never waits for the device."""
+        out, hidden, head = self.body_forward(input_ids, position_ids, restarts, pixel_values, image_grid_thw,
+                                              input_features, audio_feature_lens, pixel_values_videos,
+                                              video_grid_thw)
+        loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled,
+                                            n_targets=n_targets)
+        if self.moe_top_k:
+            loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum)
+        return loss_sum, n
+
+    def body_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, restarts: bool | None,
+                     *media: torch.Tensor | None) -> tuple[Any, torch.Tensor, nn.Module]:
+        """The decoder's (or the vision-language body's) forward: its output, the last hidden states and the output
+        head that turns them into logits. `media`: pixel_values, image_grid_thw, input_features,
+        audio_feature_lens, pixel_values_videos, video_grid_thw, as `forward` takes them."""
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
@@ -184,15 +198,9 @@ class CausalLMLoss(nn.Module):
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                           **mask_argument(decoder, position_ids, restarts), **routed)
         else:
-            out = vision_language_forward(body, input_ids, position_ids, pixel_values, image_grid_thw,
-                                          input_features, audio_feature_lens, pixel_values_videos, video_grid_thw,
-                                          routed)
+            out = vision_language_forward(body, input_ids, position_ids, *media, routed)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled,
-                                            n_targets=n_targets)
-        if self.moe_top_k:
-            loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum)
-        return loss_sum, n
+        return out, hidden, head
 
     def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss as a sum over this micro-batch's `n` targets (the LM loss is a sum too, so

@@ -18,6 +18,10 @@ from tqdm.auto import tqdm
 from shardfit.parallel.env import DistEnv
 from shardfit.train.trackers import Tracker, scalars_of
 
+# The figures metrics.jsonl shows for a preference run, each summed over its pairs (rows for KTO) with its count
+# (train/preference.py `PreferenceLoss.last_stats`).
+STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "logps_chosen", "logps_rejected")
+
 SAMPLES_FILE = "eval_samples.jsonl"
 
 
@@ -114,6 +118,7 @@ class StepLogger:
         self._aux = torch.zeros((), dtype=torch.float64, device=env.device)
         self._load = torch.tensor([float("inf"), 0.0], dtype=torch.float64, device=env.device)
         self._routed = False
+        self._pref: torch.Tensor | None = None  # a preference run's window of figures (train/preference.py STATS)
 
     def add_routing(self, aux_sum: torch.Tensor, global_targets: int, low: float, high: float) -> None:
         """A micro-batch's routing: its load-balancing loss (summed as the loss is) and expert load."""
@@ -136,6 +141,20 @@ class StepLogger:
                   "expert_load_min": round(float(self._load[0]), 4), "expert_load_max": round(float(self._load[1]), 4)}
         self._aux.zero_()
         self._load = torch.tensor([float("inf"), 0.0], dtype=torch.float64, device=self.env.device)
+        return record
+
+    def add_preference(self, stats: torch.Tensor) -> None:
+        """A preference micro-batch's figures (sums and counts; train/preference.py `PreferenceLoss.last_stats`)."""
+        self._pref = stats.clone() if self._pref is None else self._pref + stats
+
+    def _preference_record(self) -> dict[str, Any]:
+        """The window's preference figures (every rank's), or nothing for SFT."""
+        if self._pref is None:
+            return {}
+        if self.env.distributed:
+            dist.all_reduce(self._pref)
+        record = preference_record(self._pref)
+        self._pref = None
         return record
 
     def add_loss(self, loss_sum: torch.Tensor, global_targets: int) -> None:
@@ -162,7 +181,8 @@ class StepLogger:
         self.metrics.write({"step": step, "epoch": round(self.epoch_of(step), 4), "loss": round(loss, 6), "lr": lr,
                             "grad_norm": round(float(gn), 6), "tokens": tokens, "tokens_per_s": round(tps, 2),
                             "mem_gib": [round(x, 4) for x in gather_floats(peak_mem_gib(self.env.device), self.env)],
-                            "wall_s": round(time.perf_counter() - self.t_start, 3), **self._routing_record()})
+                            "wall_s": round(time.perf_counter() - self.t_start, 3), **self._routing_record(),
+                            **self._preference_record()})
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:.0f}")
         self._loss.zero_()
         self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
@@ -173,3 +193,14 @@ class StepLogger:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def preference_record(stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """metrics.jsonl's figures from summed `stats` ((len(STATS), 2) sums and counts): each mean, and the margin."""
+    out: dict[str, float] = {}
+    for (name, (total, count)) in zip(STATS, stats.tolist(), strict=True):
+        if name != "loss" and count > 0:
+            out[f"{prefix}{name}"] = round(total / count, 6)
+    if f"{prefix}rewards_chosen" in out and f"{prefix}rewards_rejected" in out:
+        out[f"{prefix}rewards_margin"] = round(out[f"{prefix}rewards_chosen"] - out[f"{prefix}rewards_rejected"], 6)
+    return out

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from shardfit import method as methods
+from shardfit import objective as objectives
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding, is_ok, refuse_unfixable
 from shardfit.check.rules import placement_rules, quantized_placement_rules
@@ -31,6 +32,7 @@ from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
 from shardfit.data.loader import BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
+from shardfit.data.preference import Pair, encode_preference_split, pair_former, read_preference_split
 from shardfit.data.tokenize import Encoded
 from shardfit.dtypes import DTYPES
 from shardfit.errors import JobFailed, UserError
@@ -79,6 +81,7 @@ from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.oom import Where, out_of_memory, ran_out
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
+from shardfit.train.preference import PreferenceLoss, PreferenceSettings
 from shardfit.train.profiling import StepProfiler
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint, record_length
 from shardfit.train.startup import StartupTimer
@@ -115,10 +118,19 @@ def rows_of(examples: list[Encoded], cfg: Config) -> list[PackedRow]:
     return pack(examples, cfg.max_seq_len) if cfg.packing else no_pack(examples)
 
 
-def micro_batch_former(cfg: Config) -> Callable[[list[Encoded]], list[PackedRow]]:
+def micro_batch_former(cfg: Config) -> Callable[[list[Any]], list[PackedRow]]:
     """How a micro-batch's `micro_batch` examples become rows: packed into rows of at most max_seq_len tokens where
-    that removes a real share of padding (only padding goes away), or one example per row."""
+    that removes a real share of padding (only padding goes away), or one example per row. A preference example's
+    sides become tagged rows the same way (data/preference.py)."""
+    if objectives.get(cfg.objective).preference:
+        return pair_former(cfg.max_seq_len, cfg.packing)
     return functools.partial(pack_where_padded, max_len=cfg.max_seq_len) if cfg.packing else no_pack
+
+
+def preference_settings(cfg: Config) -> PreferenceSettings:
+    d = cfg.dpo
+    return PreferenceSettings(cfg.objective, d.beta, d.loss, d.label_smoothing, d.simpo_gamma, d.desirable_weight,
+                              d.undesirable_weight)
 
 
 class FineTune:
@@ -179,6 +191,9 @@ class FineTune:
         self._setup_model()
         self.startup.mark("model (cached)" if self.model_cache_hit else "model")
         self._setup_optimizer()
+        if self.reference == "precomputed":
+            self._precompute_reference()
+            self.startup.mark("reference log-probabilities")
         self._resume()
         self._write_run_files()
         barrier(env)
@@ -209,23 +224,29 @@ class FineTune:
 
     def _setup_data(self) -> None:
         """Data before the model: a bad row stops the run in seconds, before the tokenizer and the model load."""
-        split = read_split(self.cfg)
+        preference = objectives.get(self.cfg.objective).preference
+        split = read_preference_split(self.cfg) if preference else read_split(self.cfg)
         self.startup.mark("data read")
         source = resolve_model(self.cfg.model)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
         self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
         self.startup.mark("tokenizer")
-        encoding = cached_encode_split(self.cfg, self.tokenizer, split, self.vision, write=self.env.is_main)
-        train_ex, eval_ex = encoding.train, encoding.eval
-        self.data_cache_hit = encoding.hit
-        self.startup.mark("tokenise (cached)" if encoding.hit else "tokenise")
+        if preference:  # pairs are encoded afresh (the data cache keeps SFT examples)
+            train_ex, eval_ex = encode_preference_split(self.cfg, self.tokenizer, split, self.vision)
+            self.data_cache_hit = None
+        else:
+            encoding = cached_encode_split(self.cfg, self.tokenizer, split, self.vision, write=self.env.is_main)
+            train_ex, eval_ex = encoding.train, encoding.eval
+            self.data_cache_hit = encoding.hit
+        self.startup.mark("tokenise (cached)" if self.data_cache_hit else "tokenise")
         self.n_images = sum(len(c.images) for c in split.train)
         self.n_clips = sum(len(c.audios) for c in split.train)
         self.n_videos = sum(len(c.videos) for c in split.train)
         self.data_stats = split.stats
         self.scorers = parse_metrics(self.cfg.eval_metrics)  # a bad py: scorer stops the run before the model loads
-        eval_conv = [c.messages for c in split.eval]
+        eval_conv = [split.rows[c.where].prompt + split.rows[c.where].chosen for c in split.eval] if preference \
+            else [c.messages for c in split.eval]
         self.eval_requests = requests_from_conversations(eval_conv, self.cfg.eval_samples) if self.scorers else []
         if self.scorers and not self.eval_requests and self.env.is_main:
             log.warning("eval_metrics %s: no held-out data to generate for; set eval_data or eval_split",
@@ -234,9 +255,11 @@ class FineTune:
             log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
                         "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
-        self.train_examples, self.eval_rows = train_ex, rows_of(eval_ex, self.cfg)
-        self.pad_id = self.tokenizer.pad_token_id
         cfg, env = self.cfg, self.env
+        self.train_examples, self.eval_pairs = train_ex, eval_ex if preference else []
+        # Held-out pairs are formed into rows when the evaluator starts, after any reference pass filled them in.
+        self.eval_rows = [] if preference else rows_of(eval_ex, cfg)
+        self.pad_id = self.tokenizer.pad_token_id
         self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed,
                                      micro_batch_former(cfg))
 
@@ -256,8 +279,14 @@ class FineTune:
         # `loss_chunk: auto` as the job resolved it; by the built model's vocabulary where the plan had no shape.
         self.loss_chunk = self.job.loss_chunk or loss_chunk_for(cfg.loss_chunk, output_vocab(self.model),
                                                                 self.job.hardware, cfg.precision)
-        loss_module = CausalLMLoss(self.model, self.loss_chunk, moe_top_k=moe_top_k(self.model),
-                                   aux=aux_loss_of(self.model, self.model.config))
+        routing = {"moe_top_k": moe_top_k(self.model), "aux": aux_loss_of(self.model, self.model.config)}
+        self.reference = objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
+                                                 cfg.dpo.precompute_reference)
+        if objectives.get(cfg.objective).preference:
+            loss_module = PreferenceLoss(self.model, preference_settings(cfg), reference=self.reference,
+                                         chunk=self.loss_chunk, **routing)
+        else:
+            loss_module = CausalLMLoss(self.model, self.loss_chunk, **routing)
         self.routing = loss_module  # unwrapped: the engines below wrap it, its last micro-batch's routing stays here
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
                                        grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
@@ -279,13 +308,42 @@ class FineTune:
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
-        require_same(env, {"train_examples": len(self.train_examples), "eval_rows": len(self.eval_rows),
-                           "steps": self.total_steps}, "the training work",
+        require_same(env, {"train_examples": len(self.train_examples),
+                           "eval_rows": len(self.eval_rows) + len(self.eval_pairs), "steps": self.total_steps}, "the training work",
                      "The data files differ between nodes: put the same data on every node (a shared filesystem, "
                      "or identical copies at the same path).")
         self.lr_schedule = cosine_with_warmup(self.optimizer, int(cfg.warmup_ratio * self.total_steps),
                                               self.total_steps)
         self.stop = DivergenceStop.for_device(self.optimizer, env.device)
+
+    @torch.no_grad()
+    def _precompute_reference(self) -> None:
+        """Each training and held-out pair's reference log-probabilities, computed before the first update (and
+        before a resumed run loads its checkpoint) while the policy still is the reference: each rank takes every
+        world-th micro-batch, then the ranks pool them."""
+        cfg, env = self.cfg, self.env
+        pairs: list[Pair] = self.train_examples + self.eval_pairs
+        for p in pairs:
+            p.ref = None
+        form, mb = micro_batch_former(cfg), cfg.micro_batch
+        groups = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
+        sides = len(pairs[0].sides)
+        out = torch.zeros(len(pairs), sides, dtype=torch.float64, device=env.device)
+        self.loss_module.eval()
+        for k in range(-(-len(groups) // env.world)):
+            idx = k * env.world + env.rank
+            real = idx < len(groups)
+            batch = collate(form(groups[idx if real else 0]), self.pad_id, self.job.rows).to(self.in_device)
+            with self.amp:
+                logps, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media,
+                                            **batch.host_facts, reference_only=True)
+            if real:
+                out[idx * mb:idx * mb + len(groups[idx])] = logps.to(out.device, out.dtype).view(-1, sides)
+        self.loss_module.train()
+        if env.distributed:
+            torch.distributed.all_reduce(out)
+        for p, ref in zip(pairs, out.tolist(), strict=True):
+            p.ref = tuple(ref)
 
     def _resume(self) -> None:
         cfg, env = self.cfg, self.env
@@ -362,7 +420,9 @@ class FineTune:
         self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, shape=self.job.rows,
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, attention=self.attention,
                                    every=cfg.eval_steps, total_steps=self.total_steps,
-                                   generation=self._generation_eval(), show=env.is_main and not self.quiet)
+                                   generation=self._generation_eval(), show=env.is_main and not self.quiet,
+                                   batches=self._eval_pair_batches(),
+                                   stats_of=self.routing if isinstance(self.routing, PreferenceLoss) else None)
         self.profiler = StepProfiler(self.run_dir, cfg.profile_steps, self.start_step, env.rank, env.device.type)
         self.loss_module.train()
         t_fit, tokens_before = time.perf_counter(), self.tokens
@@ -395,6 +455,13 @@ class FineTune:
         self.logger.close()
         self.fit_s, self.fit_tokens = time.perf_counter() - t_fit, self.tokens - tokens_before
 
+    def _eval_pair_batches(self) -> list[list[PackedRow]] | None:
+        """The held-out pairs' micro-batches (None for SFT, whose evaluation rows are `eval_rows`)."""
+        if not objectives.get(self.cfg.objective).preference:
+            return None
+        form, mb = micro_batch_former(self.cfg), self.cfg.micro_batch
+        return [form(self.eval_pairs[i:i + mb]) for i in range(0, len(self.eval_pairs), mb)]
+
     def _generation_eval(self) -> GenerationEval | None:
         if not self.eval_requests:
             return None
@@ -419,6 +486,8 @@ class FineTune:
                                                 **batch.host_facts)
             wd.at("backward")
             (loss_sum * scale).backward()
+            if isinstance(self.routing, PreferenceLoss) and self.routing.last_stats is not None:
+                self.logger.add_preference(self.routing.last_stats)
             moe = self.routing.last_moe
             if moe is not None:  # the LM loss is logged apart from the load-balancing loss the step trained on
                 loss_sum = loss_sum.detach() - moe.aux_sum
@@ -465,7 +534,7 @@ class FineTune:
             summary = json.loads((self.run_dir / "summary.json").read_text())
             return TrainResult(self.run_dir, self.model, self.tokenizer, summary)
         with wd.phase("final evaluation", where="evaluation"):
-            eval_loss = self.evaluator.run(self.total_steps) if self.eval_rows else self.evaluator.last
+            eval_loss = self.evaluator.run(self.total_steps) if self.evaluator.rows else self.evaluator.last
         with wd.phase("final checkpoint save", where="checkpoint save"):
             self.checkpointer.save(self.total_steps, self.tokens, self.loss_module, self.optimizer, self.lr_schedule)
         # The checkpoint holds the optimizer's state now and nothing else reads it: freed, with its pages handed back,
@@ -496,7 +565,8 @@ class FineTune:
                    "base_model": base.to_json() if base is not None else None,
                    "tokens": self.tokens, "skipped_rows": self.data_stats.skipped,
                    "dropped_rows": self.data_stats.dropped, "truncated_rows": self.data_stats.truncated,
-                   **self.evaluator.last_generation}
+                   "objective": self.cfg.objective, "reference": self.reference,
+                   **self.evaluator.last_preference, **self.evaluator.last_generation}
         if env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if summary["predicted_tokens_per_s"] and summary["tokens_per_s"] and not self.quiet:
