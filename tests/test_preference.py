@@ -1,0 +1,199 @@
+"""Preference objectives (DPO, ORPO, SimPO, KTO): the data layouts, the losses' math, step 0 of a run, the two
+references agreeing, bad rows, and 2 ranks equal to one process."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardfit.config import load_config
+from shardfit.data.formats import BadRow
+from shardfit.data.preference import detect_preference, to_pref_row
+from shardfit.parallel.env import init_distributed
+from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses
+from shardfit.train.recipe import train
+from tests.helpers import DEMO_DATA, read_jsonl, run_cli, write_config
+
+USER = {"role": "user", "content": "Extract the record."}
+
+
+def pairs_from_demo(path: Path, n: int, start: int = 0) -> Path:
+    """`n` TRL-style pairs from the demo's rows: the record format chosen, the same facts in prose rejected."""
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[start:start + n]]
+    out = []
+    for r in rows:
+        name, city, ext = (part.split("=", 1)[1] for part in r["output"].split("; "))
+        out.append({"prompt": [{"role": "user", "content": f"{r['instruction']}\n\n{r['input']}"}],
+                    "chosen": [{"role": "assistant", "content": r["output"]}],
+                    "rejected": [{"role": "assistant", "content": f"{name} ({city}), extension {ext}"}]})
+    path.write_text("".join(json.dumps(o) + "\n" for o in out))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pairs_from_demo(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", 24)
+
+
+BASE = dict(objective="dpo", method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1,
+            eval_steps=100, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0, resume="never", report_to=["none"])
+
+
+def _cfg(tmp_path: Path, model: Path, data: Path, name: str = "c", **over):
+    keys = dict(BASE, model=str(model), data=str(data), output_dir=str(tmp_path / f"run-{name}"))
+    keys.update(over)
+    return write_config(tmp_path / f"{name}.yaml", **keys)
+
+
+# -- the layouts users bring ---------------------------------------------------------------------------------------
+def test_trl_rows_strings_messages_and_implicit_prompt() -> None:
+    p = to_pref_row({"prompt": "Q?", "chosen": "good", "rejected": "bad"})
+    assert p.prompt == [{"role": "user", "content": "Q?"}] and p.chosen[0]["content"] == "good"
+    assert p.rejected == [{"role": "assistant", "content": "bad"}] and p.desirable is None
+    implicit = to_pref_row({"chosen": [USER, {"role": "assistant", "content": "a"}],
+                            "rejected": [USER, {"role": "assistant", "content": "b"}]})
+    assert implicit.prompt == [USER] and implicit.chosen[0]["content"] == "a" and implicit.rejected[0]["content"] == "b"
+    assert detect_preference({"prompt": "q", "completion": "a", "label": True}) == "unpaired"
+    kto = to_pref_row({"prompt": "q", "completion": "a", "label": False})
+    assert kto.rejected is None and kto.desirable is False
+
+
+def test_llamafactory_ranking_rows() -> None:
+    sharegpt = to_pref_row({"conversations": [{"from": "human", "value": "Q?"}],
+                            "chosen": {"from": "gpt", "value": "good"}, "rejected": {"from": "gpt", "value": "bad"}})
+    assert sharegpt.prompt == [{"role": "user", "content": "Q?"}]
+    assert sharegpt.chosen == [{"role": "assistant", "content": "good"}]
+    alpaca = to_pref_row({"instruction": "Do it", "input": "now", "chosen": "ok", "rejected": "no"})
+    assert alpaca.prompt == [{"role": "user", "content": "Do it\n\nnow"}] and alpaca.rejected[0]["content"] == "no"
+    kto = to_pref_row({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}],
+                       "kto_tag": True})
+    assert kto.prompt == [{"role": "user", "content": "Q"}] and kto.chosen[0]["content"] == "A" and kto.desirable
+
+
+def test_bad_preference_values() -> None:
+    with pytest.raises(BadRow, match="label"):
+        to_pref_row({"prompt": "q", "completion": "a", "label": "yes"})
+    with pytest.raises(BadRow, match="same prompt"):
+        to_pref_row({"chosen": "a", "rejected": "b"})
+
+
+def test_bad_rows_exit_2_with_file_line(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(pairs.read_text().splitlines()[0] + "\n" + json.dumps({"prompt": "q", "chosen": "a"}) + "\n")
+    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, data)))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "mixed.jsonl:2" in r.stderr and "objective dpo reads" in r.stderr and "Traceback" not in r.stderr
+    kto = tmp_path / "kto.jsonl"
+    kto.write_text(pairs.read_text())
+    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, kto, objective="kto")))
+    assert r.returncode == 2 and "kto.jsonl:1" in r.stderr and "objective kto reads unpaired rows" in r.stderr
+    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, pairs, method="full", dpo={"precompute_reference": False})))
+    assert r.returncode == 2 and "dpo.precompute_reference" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the losses' math ----------------------------------------------------------------------------------------------
+def test_dpo_losses_against_their_formulas() -> None:
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(5, generator=g, dtype=torch.float64) for _ in range(4))
+    logits = (pc - pr) - (rc - rr)
+    sigmoid = dpo_losses(pc, pr, rc, rr, PreferenceSettings("dpo", 0.1))[0]
+    assert torch.allclose(sigmoid, torch.log1p(torch.exp(-0.1 * logits)))
+    smooth = dpo_losses(pc, pr, rc, rr, PreferenceSettings("dpo", 0.1, "sigmoid", 0.2))[0]
+    want = 0.8 * torch.log1p(torch.exp(-0.1 * logits)) + 0.2 * torch.log1p(torch.exp(0.1 * logits))
+    assert torch.allclose(smooth, want)
+    hinge = dpo_losses(pc, pr, rc, rr, PreferenceSettings("dpo", 0.5, "hinge"))[0]
+    assert torch.allclose(hinge, torch.clamp(1 - 0.5 * logits, min=0))
+    ipo = dpo_losses(pc, pr, rc, rr, PreferenceSettings("dpo", 0.5, "ipo"))[0]
+    assert torch.allclose(ipo, (logits - 1.0) ** 2)
+    loss, r_c, r_r = dpo_losses(pc, pc, pc, pc, PreferenceSettings("dpo", 0.1))
+    assert torch.allclose(loss, torch.full_like(loss, math.log(2))) and not r_c.any() and not r_r.any()
+
+
+def test_orpo_simpo_kto_against_their_formulas() -> None:
+    avg_c, avg_r = torch.tensor([-0.5, -2.0], dtype=torch.float64), torch.tensor([-1.0, -0.7], dtype=torch.float64)
+    odds = lambda a: a - torch.log1p(-torch.exp(a))  # noqa: E731 - log(p / (1 - p)) of a mean log-probability
+    orpo = orpo_losses(avg_c, avg_r, PreferenceSettings("orpo", 0.1))[0]
+    assert torch.allclose(orpo, -avg_c - 0.1 * F.logsigmoid(odds(avg_c) - odds(avg_r)))
+    simpo = simpo_losses(avg_c, avg_r, PreferenceSettings("simpo", 2.0, simpo_gamma=0.5))[0]
+    assert torch.allclose(simpo, -F.logsigmoid(2.0 * (avg_c - avg_r) - 0.5))
+    p, r = torch.tensor([-1.0, -3.0, -2.0], dtype=torch.float64), torch.tensor([-2.0, -2.0, -2.0], dtype=torch.float64)
+    good = torch.tensor([True, False, True])
+    losses, _ = kto_losses(p, r, good, PreferenceSettings("kto", 0.1, undesirable_weight=2.0))
+    kl = max(float((p - r).mean()), 0.0)
+    want = [1 - torch.sigmoid(torch.tensor(0.1 * (1.0 - kl))), 2 * (1 - torch.sigmoid(torch.tensor(0.1 * (kl + 1.0)))),
+            1 - torch.sigmoid(torch.tensor(0.1 * (0.0 - kl)))]
+    assert torch.allclose(losses, torch.stack(want).double())
+
+
+# -- runs ----------------------------------------------------------------------------------------------------------
+def _train(path: Path) -> tuple[list[dict], dict]:
+    result = train(load_config(path), init_distributed(), quiet=True)
+    return [m for m in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in m], result.summary
+
+
+def test_step0_is_ln2_and_both_references_agree(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+    """At step 0 of a LoRA DPO run the policy is the reference: the loss is ln 2 and every margin 0. The
+    reference computed once before training and the adapters switched off each step give the same run."""
+    runs = {}
+    for name, precompute in (("off", False), ("pre", True)):
+        runs[name] = _train(_cfg(tmp_path, tiny_llama, pairs, name, max_steps=3, eval_split=0.2,
+                                 dpo={"precompute_reference": precompute}))
+    (off, s_off), (pre, s_pre) = runs["off"], runs["pre"]
+    assert s_off["reference"] == "adapters_off" and s_pre["reference"] == "precomputed"
+    assert off[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert off[0]["rewards_margin"] == 0 and off[0]["reward_accuracy"] == 0.5  # a tie counts half
+    assert off[-1]["loss"] < off[0]["loss"]  # it learns: margins open
+    for a, b in zip(off, pre, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                    rel=1e-4)
+    assert s_off["eval_loss"] == pytest.approx(s_pre["eval_loss"], rel=1e-5)
+    assert s_off["eval_reward_accuracy"] == s_pre["eval_reward_accuracy"]
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo", "kto"])
+def test_other_objectives_train(tmp_path: Path, tiny_llama: Path, pairs: Path, objective: str) -> None:
+    data = pairs
+    if objective == "kto":  # alternate rows: the chosen answer desirable, the rejected one not
+        rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+        data = tmp_path / "kto.jsonl"
+        data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"],
+                                            "label": bool(i % 2)}) + "\n" for i, r in enumerate(rows)))
+    metrics, summary = _train(_cfg(tmp_path, tiny_llama, data, objective=objective, max_steps=4))
+    assert summary["objective"] == objective
+    assert summary["reference"] == ("adapters_off" if objective == "kto" else None)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    if objective == "kto":
+        assert metrics[0]["loss"] == pytest.approx(0.5, rel=1e-6)  # 1 - sigmoid(0) for every row at step 0
+    else:
+        assert "reward_accuracy" in metrics[0] and "rewards_margin" in metrics[0]
+
+
+def test_full_finetune_precomputes_its_reference(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+    metrics, summary = _train(_cfg(tmp_path, tiny_llama, pairs, method="full", lr=1e-4, max_steps=2, eval_split=0.2))
+    assert summary["reference"] == "precomputed" and "reference log-probabilities" in summary["startup_s"]
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert summary["eval_rewards_margin"] != 0  # the held-out pairs got the reference too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_ranks_equal_one_process(tmp_path: Path, tiny_llama: Path, pairs: Path, strategy: str) -> None:
+    """fp32: 2 ranks with micro_batch 2 follow the one-process run with grad_accum 2 step for step."""
+    one = _cfg(tmp_path, tiny_llama, pairs, "one", max_steps=3, grad_accum=2, strategy="single")
+    two = _cfg(tmp_path, tiny_llama, pairs, "two", max_steps=3, strategy=strategy)
+    for cfg, extra in ((one, []), (two, ["--nproc", "2"])):
+        r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (read_jsonl(tmp_path / f"run-{n}" / "metrics.jsonl") for n in ("one", "two"))
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b, strict=True):
+        for k in ("loss", "grad_norm", "logps_chosen", "logps_rejected"):
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=2e-6), (k, x, y)  # 6 decimals written
+        for side in ("chosen", "rejected"):  # beta x a difference of two log-probabilities, each to rtol 1e-5
+            tol = 0.1 * 1e-5 * 2 * abs(x[f"logps_{side}"])
+            assert x[f"rewards_{side}"] == pytest.approx(y[f"rewards_{side}"], abs=tol), (side, x, y)
