@@ -17,7 +17,7 @@ from shardfit.data.preference import detect_preference, to_pref_row
 from shardfit.parallel.env import init_distributed
 from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses
 from shardfit.train.recipe import train
-from tests.helpers import DEMO_DATA, read_jsonl, run_cli, write_config
+from tests.helpers import DEMO_DATA, read_jsonl, run_cli, write_config, write_images
 
 USER = {"role": "user", "content": "Extract the record."}
 
@@ -197,3 +197,42 @@ def test_two_ranks_equal_one_process(tmp_path: Path, tiny_llama: Path, pairs: Pa
         for side in ("chosen", "rejected"):  # beta x a difference of two log-probabilities, each to rtol 1e-5
             tol = 0.1 * 1e-5 * 2 * abs(x[f"logps_{side}"])
             assert x[f"rewards_{side}"] == pytest.approx(y[f"rewards_{side}"], abs=tol), (side, x, y)
+
+
+def test_vision_language_pairs(tmp_path: Path, tiny_vl: Path) -> None:
+    """Multimodal DPO: an image in the prompt (LLaMA-Factory's `images` beside a messages history, and TRL's
+    content parts), both answers after it; step 0 is ln 2 as for text."""
+    write_images(tmp_path / "img", {"red": (255, 0, 0), "blue": (0, 0, 255)})
+    rows = []
+    for i in range(8):
+        colour = ("red", "blue")[i % 2]
+        other = ("blue", "red")[i % 2]
+        if i % 4 < 2:
+            rows.append({"messages": [{"role": "user", "content": "<image>Which colour?"}],
+                         "chosen": {"role": "assistant", "content": colour},
+                         "rejected": {"role": "assistant", "content": other}, "images": [f"img/{colour}.png"]})
+        else:
+            rows.append({"prompt": [{"role": "user", "content": [{"type": "image", "image": f"img/{colour}.png"},
+                                                                 {"type": "text", "text": "Which colour?"}]}],
+                         "chosen": colour, "rejected": other})
+    data = tmp_path / "vl.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics, summary = _train(_cfg(tmp_path, tiny_vl, data, max_steps=2, max_seq_len=256))
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert summary["reference"] == "adapters_off" and metrics[-1]["loss"] != metrics[0]["loss"]
+
+
+def test_eval_on_pairs_reports_reward_accuracy(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+    """`shardfit eval RUN --data pairs`: the base (adapters off: the reference) against the tuned model; the
+    tuned model's rewards are measured against that base, as training's are."""
+    _train(_cfg(tmp_path, tiny_llama, pairs, max_steps=4, lr=3e-2))
+    r = run_cli("eval", str(tmp_path / "run-c"), "--data", str(pairs), "--limit", "8", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["pairs"] == 8 and set(result["models"]) == {"base", "tuned"}
+    tuned = result["models"]["tuned"]
+    assert tuned["reward_accuracy"] > 0.5 and tuned["reward_margin"] > 0
+    kto = tmp_path / "kto.jsonl"
+    kto.write_text(json.dumps({"prompt": "q", "completion": "a", "label": True}) + "\n")
+    r = run_cli("eval", str(tmp_path / "run-c"), "--data", str(kto))
+    assert r.returncode == 2 and "kto.jsonl:1" in r.stderr

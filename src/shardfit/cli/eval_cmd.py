@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="RUN_DIR|MODEL", help="a run directory, or a model (with --adapter)")
     p.add_argument("--data", required=True, help="held-out rows (alpaca, ShareGPT, OpenAI messages, or "
-                                                 "{\"prompt\", \"expected\"}); the last answer is what is expected")
+                                                 "{\"prompt\", \"expected\"}); the last answer is what is expected. "
+                                                 "Preference pairs (prompt, chosen, rejected): how often each model "
+                                                 "prefers the chosen answer, and the reward accuracy")
     p.add_argument("--metric", dest="metrics", action="append", default=None,
                    help="exact | contains | regex:PATTERN | py:FILE.py:FUNC (repeatable; default: exact)")
     p.add_argument("--no-base", action="store_true", help="evaluate the tuned model only")
@@ -81,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.data).is_file():
         raise UserError(f"--data {args.data}: no such file.")
     # torch, transformers and peft: only once a model is actually used
+    from shardfit.cli.eval_preference import run_pairs
+    from shardfit.data.preference import detect_preference
     from shardfit.infer.load import load_for_inference, pick_device, resolve_target
 
     scorers = parse_metrics(args.metrics or ["exact"])
@@ -90,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{with_images}: eval reads text rows only; image rows are evaluated by training's held-out "
                         "loss (eval_data) or answered one by one with `shardfit chat RUN --image PATH --prompt "
                         "TEXT`. Remove the image rows from --data.")
+    first = next(iter(read_rows(args.data)), None)
+    if first is not None and detect_preference(first.data):
+        if detect_preference(first.data) != "pairs":
+            raise UserError(f"{first.where}: eval reads preference pairs (prompt, chosen, rejected); KTO's unpaired "
+                            "rows have no pair to compare.")
+        return run_pairs(args, target, pick_device(args.device))
     requests = read_requests(args.data, limit=args.limit)
     n_scored = sum(r.expected is not None for r in requests)
     if n_scored == 0:

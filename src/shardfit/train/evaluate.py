@@ -16,6 +16,7 @@ from torch import nn
 from shardfit.data.dataset import Conversation, DataStats, encode_all
 from shardfit.data.loader import collate
 from shardfit.data.packing import PackedRow, no_pack
+from shardfit.data.preference import Pair, pair_former
 from shardfit.evals.generation import Scored, score_answers
 from shardfit.evals.scorers import Scorer
 from shardfit.infer.generate import Sampling, generate_sharded
@@ -26,7 +27,7 @@ from shardfit.parallel.env import DistEnv
 from shardfit.resolve.job import RowShape
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import STATS, MetricsLog, preference_record, progress
-from shardfit.train.preference import PreferenceLoss
+from shardfit.train.preference import PreferenceLoss, PreferenceSettings
 
 
 def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id: int, env: DistEnv,
@@ -190,3 +191,19 @@ def heldout_loss(model: nn.Module, tokenizer: Any, conversations: list[list[dict
     model.eval()
     tokens = sum(r.n_targets for r in rows)
     return HeldoutLoss(loss, math.exp(min(loss, 50.0)) if loss is not None else None, tokens)
+
+
+@torch.no_grad()
+def pair_logps(model: nn.Module, pad_id: int, pairs: list[Pair], *, micro_batch: int,
+               device: torch.device) -> torch.Tensor:
+    """Each pair's summed log-probability of its chosen and of its rejected answer under `model`, as a (pairs, 2)
+    fp64 tensor on the CPU (`shardfit eval` on preference rows)."""
+    scorer = PreferenceLoss(model, PreferenceSettings("dpo", 0.1), reference=None).eval()
+    form = pair_former(max_len=1 << 30, packing=False)
+    out = []
+    for i in range(0, len(pairs), micro_batch):
+        batch = collate(form(pairs[i:i + micro_batch]), pad_id).to(device)
+        logps, _ = scorer(batch.input_ids, batch.position_ids, batch.targets, **batch.media, **batch.host_facts,
+                          reference_only=True)
+        out.append(logps.double().cpu().view(-1, 2))
+    return torch.cat(out)

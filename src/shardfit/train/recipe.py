@@ -309,7 +309,8 @@ class FineTune:
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
         require_same(env, {"train_examples": len(self.train_examples),
-                           "eval_rows": len(self.eval_rows) + len(self.eval_pairs), "steps": self.total_steps}, "the training work",
+                           "eval_rows": len(self.eval_rows) + len(self.eval_pairs), "steps": self.total_steps},
+                     "the training work",
                      "The data files differ between nodes: put the same data on every node (a shared filesystem, "
                      "or identical copies at the same path).")
         self.lr_schedule = cosine_with_warmup(self.optimizer, int(cfg.warmup_ratio * self.total_steps),
