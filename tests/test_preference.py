@@ -15,6 +15,7 @@ from shardfit.config import load_config
 from shardfit.data.formats import BadRow
 from shardfit.data.preference import detect_preference, to_pref_row
 from shardfit.parallel.env import init_distributed
+from shardfit.report.build import make_report
 from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses
 from shardfit.train.recipe import train
 from tests.helpers import DEMO_DATA, read_jsonl, run_cli, write_config, write_images
@@ -225,7 +226,10 @@ def test_vision_language_pairs(tmp_path: Path, tiny_vl: Path) -> None:
 def test_eval_on_pairs_reports_reward_accuracy(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
     """`shardfit eval RUN --data pairs`: the base (adapters off: the reference) against the tuned model; the
     tuned model's rewards are measured against that base, as training's are."""
-    _train(_cfg(tmp_path, tiny_llama, pairs, max_steps=4, lr=3e-2))
+    _train(_cfg(tmp_path, tiny_llama, pairs, max_steps=4, lr=3e-2, eval_split=0.2, eval_steps=2))
+    page = make_report([str(tmp_path / "run-c")])  # the report draws the rewards and the reward accuracy
+    assert {"rewards.png", "reward_accuracy.png"} <= {p.name for p in page.parent.iterdir()}
+    assert "eval_reward_accuracy" in page.read_text()
     r = run_cli("eval", str(tmp_path / "run-c"), "--data", str(pairs), "--limit", "8", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout)

@@ -17,6 +17,9 @@ from shardfit.report.collect import AXES, RunData  # noqa: E402
 
 CURVES = (("loss", "training loss", "loss"), ("lr", "learning rate", "lr"), ("grad_norm", "gradient norm", "norm"),
           ("tokens_per_s", "throughput", "tokens / s"))
+# A preference run's figures (train/metrics.py STATS): drawn on their own charts, not as generation metrics.
+REWARDS = ("rewards_chosen", "rewards_rejected", "rewards_margin")
+PREFERENCE = (*REWARDS, "reward_accuracy", "logps_chosen", "logps_rejected")
 
 
 @dataclass
@@ -76,7 +79,8 @@ def curve_chart(runs: list[RunData], out: Path, key: str, title: str, ylabel: st
 
 
 def eval_metric_chart(runs: list[RunData], out: Path, axis: str = "step") -> Chart | None:
-    keys = sorted({k for r in runs for rec in r.evals for k in rec if k.startswith("eval_") and k != "eval_loss"})
+    keys = sorted({k for r in runs for rec in r.evals for k in rec if k.startswith("eval_") and k != "eval_loss"
+                   and k.removeprefix("eval_") not in PREFERENCE})
     if not keys:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.2))
@@ -93,6 +97,27 @@ def eval_metric_chart(runs: list[RunData], out: Path, axis: str = "step") -> Cha
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return Chart(_save(fig, out, "eval_metrics.png"), "Generation metrics")
+
+
+def preference_chart(runs: list[RunData], out: Path, key_set: tuple[str, ...], name: str, title: str,
+                     ylabel: str, axis: str = "step") -> Chart | None:
+    """A preference run's `key_set` figures over the steps, training's solid and held-out's dotted."""
+    if not any(series(r.train, k)[0] for r in runs for k in key_set):
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for i, run in enumerate(runs):
+        for j, key in enumerate(key_set):
+            for records, prefix, style in ((run.train, "", "-"), (run.evals, "eval_", ":")):
+                xs, ys = series(records, prefix + key, run, axis)
+                if xs:
+                    ax.plot(xs, ys, color=f"C{(i * len(key_set) + j) % 10}", linestyle=style,
+                            marker="o" if prefix else None, label=f"{run.name} {prefix}{key}")
+    ax.set_xlabel(AXES[axis])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return Chart(_save(fig, out, f"{name}.png"), title[0].upper() + title[1:])
 
 
 def memory_chart(run: RunData, index: int, out: Path) -> Chart | None:
@@ -121,7 +146,12 @@ def memory_chart(run: RunData, index: int, out: Path) -> Chart | None:
 def make_charts(runs: list[RunData], out: Path, axis: str = "step") -> list[Chart]:
     """Every chart the runs have data for, written into `out`; the shared charts against `axis` (the memory
     charts, one per run, against its steps)."""
-    charts: list[Chart | None] = [loss_chart(runs, out, axis), eval_metric_chart(runs, out, axis)]
+    charts: list[Chart | None] = [loss_chart(runs, out, axis), eval_metric_chart(runs, out, axis),
+                                  preference_chart(runs, out, REWARDS, "rewards", "preference rewards (beta x "
+                                                   "log-ratio to the reference)", "reward", axis),
+                                  preference_chart(runs, out, ("reward_accuracy",), "reward_accuracy",
+                                                   "reward accuracy (chosen above rejected; ties half)", "share",
+                                                   axis)]
     charts += [curve_chart(runs, out, key, title, ylabel, axis) for key, title, ylabel in CURVES[1:]]
     charts += [memory_chart(run, i, out) for i, run in enumerate(runs)]
     return [c for c in charts if c is not None]
