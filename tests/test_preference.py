@@ -240,3 +240,11 @@ def test_eval_on_pairs_reports_reward_accuracy(tmp_path: Path, tiny_llama: Path,
     kto.write_text(json.dumps({"prompt": "q", "completion": "a", "label": True}) + "\n")
     r = run_cli("eval", str(tmp_path / "run-c"), "--data", str(kto))
     assert r.returncode == 2 and "kto.jsonl:1" in r.stderr
+
+
+def test_qlora_dpo_starts_at_ln2(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+    """QLoRA's reference is its NF4 base with the adapters off: the same frozen weights, no second copy."""
+    pytest.importorskip("torchao")
+    metrics, summary = _train(_cfg(tmp_path, tiny_llama, pairs, method="qlora", max_steps=2))
+    assert summary["reference"] == "adapters_off"
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
