@@ -271,8 +271,8 @@ def objective_notes(shape: ModelShape, w: Workload, hw: Hardware, cands: list[Ca
     per_1k = f" ~{_duration(1000 * shown.reference_pass_s)} per 1,000 examples under {shown.strategy}," \
         if shown is not None and shown.reference_pass_s else ""
     return [*notes, f"reference: log-probabilities computed once before step 1 (one forward without gradients "
-                    f"over the data:{per_1k} not in step_s); no second copy of the weights, no memory during "
-                    "training"]
+                    f"over the data:{per_1k} not in step_s); no second copy of the weights and nothing added to "
+                    "the step's memory"]
 
 
 def _duration(s: float) -> str:
