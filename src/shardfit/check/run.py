@@ -10,11 +10,13 @@ import dataclasses
 
 from torch import nn
 
+from shardfit import objective as objectives
 from shardfit.check import rules
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.precision_rules import precision_rules
+from shardfit.check.preference_rules import preference_data_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
@@ -69,6 +71,15 @@ def validate_data(cfg: Config) -> None:
         encode_split(cfg, tokenizer, split, load_vision_processor(source, cfg, tokenizer))
 
 
+def data_findings(cfg: Config) -> list[Finding]:
+    """The data as `train` reads it for the config's objective: SFT data validated (a bad row is exit 2), preference
+    data with its findings (check/preference_rules.py)."""
+    if objectives.get(cfg.objective).preference:
+        return preference_data_rules(cfg)
+    validate_data(cfg)
+    return []
+
+
 def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None) -> tuple[
         Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on this machine
@@ -84,11 +95,11 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
         job, plan = resolve_job(cfg, node, DeviceFacts("cuda", True), nproc=per_node, nnodes=nodes)
     cfg = settled(cfg, job)
     s = get_strategy(job.strategy)
-    validate_data(cfg)
+    data = data_findings(cfg)
     model = build_model(cfg, s, weights=False)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
-    return job, preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed
+    return job, data + preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed
 
 
 def format_findings(job: Resolved, findings: list[Finding]) -> str:

@@ -17,6 +17,7 @@ from shardfit.config import Config, load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.foreign.asplanned import format_report
+from shardfit.objective import NAMES as OBJECTIVES
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
 from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.media import (
@@ -30,7 +31,7 @@ from shardfit.plan.media import (
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
-from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, workload_of
+from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, Workload, workload_of
 from shardfit.strategy import NAMES
 
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
@@ -83,6 +84,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
     p.add_argument("--grad-accum", type=positive_int, default=None, metavar="N",
                    help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
+    p.add_argument("--objective", choices=OBJECTIVES, default=None,
+                   help="what the run optimises (default: the config's, sft with --model): dpo, orpo and simpo "
+                        "forward both answers of each pair (twice the rows of a micro-batch); dpo and kto add the "
+                        "reference's forward without gradients")
+    p.add_argument("--precompute-reference", choices=("auto", "true", "false"), default=None,
+                   help="dpo and kto: the reference's log-probabilities once before step 1 (true) or in every "
+                        "micro-batch with the adapters switched off (false: lora and qlora only); auto: false for "
+                        "lora/qlora, true for full/freeze (default: the config's dpo.precompute_reference)")
     p.add_argument("--images-per-sample", type=positive_int, default=None, metavar="N",
                    help="vision-language models: images in each training sample; the plan counts their patches and "
                         "the tokens they take within --seq (with a CONFIG and neither flag: counted from a sample "
@@ -202,6 +211,25 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
         return None
 
 
+def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
+    """The workload with the fields the flags set (the others as the config, or `train`'s defaults, have them)."""
+    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
+        raise UserError(f"--lora-dropout {args.lora_dropout}: a probability in [0, 1), e.g. --lora-dropout 0.05.")
+    precompute = {"true": True, "false": False}.get(args.precompute_reference, args.precompute_reference)
+    overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
+                 "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
+                 "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
+                 "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
+                 "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
+                 "precompute_reference": precompute}
+    w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
+        raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "
+                        f"{w.objective}'s reference; use --precompute-reference auto or true (computed once before "
+                        "step 1), or --method lora.")
+    return w
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
@@ -218,14 +246,7 @@ def run(args: argparse.Namespace) -> int:
         shape, w, source = resolve_shape(args.model), workload_of(Config()), args.model
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
-    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
-        raise UserError(f"--lora-dropout {args.lora_dropout}: a probability in [0, 1), e.g. --lora-dropout 0.05.")
-    overrides = {"method": args.method, "precision": args.precision, "seq_len": args.seq, "micro_batch": args.batch,
-                 "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
-                 "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
-                 "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
-                 "compile": args.compile, "lora_dropout": args.lora_dropout}
-    w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    w = with_flags(w, args)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())
@@ -251,7 +272,10 @@ def run(args: argparse.Namespace) -> int:
     if args.simulate:
         from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating
 
-        plan = simulate_plan(plan, shape, w, hw, source if Path(source).exists() else None)
+        # A fake-tensor step of the same rows: the simulator runs SFT's loss; a preference micro-batch is as many
+        # rows, and the reference's forward saves nothing (its time stays the time model's).
+        rows = dataclasses.replace(w, objective="sft", micro_batch=w.rows)
+        plan = simulate_plan(plan, shape, rows, hw, source if Path(source).exists() else None)
     out = plan.to_json()
     if media is not None:
         out["media"] = media.to_json()

@@ -50,6 +50,27 @@ class DataStats:
         return "; ".join(parts)
 
 
+# What the SFT reader says of a preference row, by its layout (`preference_layout`).
+PREFERENCE_ROWS = {
+    "pairs": "these are preference rows (chosen/rejected) but objective is sft: set objective: dpo (or orpo/simpo); "
+             "kto for completion+label rows",
+    "unpaired": "these are preference rows (completion + label, or kto_tag) but objective is sft: set objective: "
+                "kto; dpo (or orpo/simpo) for chosen/rejected pairs",
+}
+
+
+def preference_layout(row: Any) -> str | None:
+    """"pairs" (chosen and rejected), "unpaired" (completion + label, or kto_tag) or None: the keys
+    data/preference.py's `detect_preference` reads (it imports this module, so this one cannot import it)."""
+    if not isinstance(row, dict):
+        return None
+    if "chosen" in row and "rejected" in row:
+        return "pairs"
+    if ("completion" in row and "label" in row) or "kto_tag" in row:
+        return "unpaired"
+    return None
+
+
 def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataStats,
                        columns: dict[str, str] | None = None) -> list[Conversation]:
     """All conversations of the given files as messages, each format field read from its column in `columns`
@@ -64,6 +85,10 @@ def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataS
                     raise BadRow(row.data.reason)
                 fields = rename_columns(row.data, columns or {})
                 if fmt is None:
+                    # The file's, not the row's, problem (skipping rows would not help). LLaMA-Factory's ranking
+                    # rows hold a conversation too: read as SFT they would train on no answer.
+                    if (layout := preference_layout(fields)) is not None:
+                        raise UserError(f"{row.where}: {PREFERENCE_ROWS[layout]}.")
                     fmt = detect_format(fields)
                     if fmt is None:
                         keys = ", ".join(row.data) if isinstance(row.data, dict) else type(row.data).__name__

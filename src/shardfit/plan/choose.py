@@ -34,7 +34,7 @@ def tokens_per_s_at(plan: Plan, model: str, strategy: str, tokens_per_micro_batc
     except UserError:
         return None
     w = plan.workload
-    width = max(1, round(tokens_per_micro_batch / w.micro_batch))
+    width = max(1, round(tokens_per_micro_batch / w.rows))
     return step_time(shape, dataclasses.replace(w, seq_len=width), plan.hardware, strategy).tokens_per_s
 
 

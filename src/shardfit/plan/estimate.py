@@ -72,6 +72,9 @@ class Candidate:
     # Where the step's time goes, in seconds per optimizer step (compute_s, comm_s, pcie_s, host_s; parts the
     # engine overlaps overlap): `bound` is the largest.
     time_parts: dict[str, float] | None = None
+    # A precomputed reference (DPO, KTO): seconds per training example of the one forward pass over the data that
+    # runs once before the first step (the whole job's ranks sharing it); None without one.
+    reference_pass_s: float | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -79,6 +82,7 @@ class Candidate:
         d["cpu_gib"] = round(d["cpu_gib"], 3)
         d["step_s"] = None if self.step_s is None else round(self.step_s, 4)
         d["tokens_per_s"] = None if self.tokens_per_s is None else round(self.tokens_per_s, 1)
+        d["reference_pass_s"] = None if self.reference_pass_s is None else float(f"{self.reference_pass_s:.4g}")
         if self.time_parts is not None:
             d["time_parts"] = {k: round(v, 4) for k, v in self.time_parts.items()}
         d.pop("extra")
@@ -201,7 +205,7 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
     if not linears:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     held = bnb_dequantize_bytes(i * o, w) if w.bnb_precision else quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * compute_bytes(w))
 
@@ -361,7 +365,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
     also keeps the 16-bit copy of every weight it cast until backward has used it: 2 bytes per block parameter for
     a full fine-tune over fp32 master weights."""
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     if w.grad_ckpt != "none":
@@ -377,7 +381,7 @@ def held_mask_bytes(w: Workload, strategy: str) -> float:
     gone once the body returns (SDPA's per-block copies are counted with the blocks)."""
     if w.grad_ckpt == "none" or w.attention == "flash":
         return 0.0
-    return w.micro_batch * w.seq_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
+    return w.rows * w.seq_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
 
 
 def residual_bytes(w: Workload, strategy: str) -> int:
@@ -399,7 +403,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     weight cast so far, held until the autocast region ends after the loss (the whole body for a full fine-tune
     over fp32 masters, fp32 LoRA adapters); in backward only the copies autograd saved remain, none when the
     blocks are checkpointed."""
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     r = residual_bytes(w, strategy)
     h = shape.hidden
     per_block = block_activation_bytes_per_token(shape, w, strategy) if w.grad_ckpt == "none" else \
@@ -435,7 +439,7 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     done, and each slice is upcast to fp32 inside the loss: eager cross-entropy saves each slice's fp32
     log-softmax, compiled it saves the 16-bit slice itself. In backward one slice's fp32 and 16-bit gradients
     exist at a time."""
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     c = compute_bytes(w)
     # An fp32 head under autocast (a full fine-tune's master, or frozen in fp32): the matmul keeps its 16-bit cast
     # for the gradient of its input until the head's backward.
@@ -472,7 +476,7 @@ def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
     """The images of one micro-batch through a vision-language model's tower (plan/media.py); 0 without images."""
     if shape.vision is None or w.images == 0:
         return 0.0
-    patches = w.micro_batch * w.images * w.image_rows * w.image_cols
+    patches = w.rows * w.images * w.image_rows * w.image_cols
     cast_copy = strategies.get(strategy).sharded or (w.vision_trainable and w.method == "full")
     return vision_activation_bytes(shape.vision, patches, w.vision_trainable, compute_bytes(w), cast_copy,
                                    checkpointed=w.grad_ckpt != "none")
@@ -486,7 +490,7 @@ def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
     a = shape.audio
     if a is None or w.audio_clips == 0:
         return 0.0
-    clips = w.micro_batch * w.audio_clips
+    clips = w.rows * w.audio_clips
     low = compute_bytes(w)
     per_value = 4.0 + (low if strategies.get(strategy).sharded and low != 4 else 0)
     features = clips * w.audio_frames * a.mels * per_value
@@ -591,7 +595,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
     """The step at its three candidate peaks (bytes): the loss (forward), the worst moment of backward, and the
     optimizer step."""
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     layers = r.layers
     g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
     embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
@@ -613,9 +617,13 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # reaches the towers, which it does last.
     vision = image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
     wr, opt, fwd_temp = r.weights, r.optimizer, r.fwd_temp
+    forward = Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
+                        logits_bytes(shape, w, strategy), fwd_temp)
+    if w.reference == "adapters_off":  # the reference's forward runs first, on the same weights, saving nothing
+        forward = max(forward, Breakdown(wr, g_fwd, opt, reference_activation_bytes(shape, w, strategy) + vision,
+                                         reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     return {
-        "forward": Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
-                             logits_bytes(shape, w, strategy), fwd_temp),
+        "forward": forward,
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": max(
@@ -630,6 +638,22 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
             key=_tensors),
         "optimizer": Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0),
     }
+
+
+def reference_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What the reference's forward (DPO/KTO with the adapters switched off) holds at once: it runs without
+    gradients, so nothing is saved for backward; one block's tensors exist at a time (at most what that block would
+    save with gradients), beside its input in the residual stream and the last block's output, which the
+    log-probabilities read. The policy's own forward starts after it, so the two never add up."""
+    r = residual_bytes(w, strategy)
+    return w.tokens * (block_activation_bytes_per_token(shape, w, strategy) + 2 * r * shape.hidden)
+
+
+def reference_logits_bytes(shape: ModelShape, w: Workload) -> float:
+    """The reference's log-probabilities: one chunk of labelled positions through the head at a time, its fp32
+    logits and their 16-bit source (train/preference.py `sequence_logps`), nothing kept for backward."""
+    c = compute_bytes(w)
+    return min(w.loss_chunk or LOSS_CHUNK_MAX_ROWS, w.tokens) * shape.vocab * (4 + (c if c < 4 else 0))
 
 
 def in_gib(b: Breakdown) -> Breakdown:

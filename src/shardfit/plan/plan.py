@@ -12,11 +12,12 @@ from typing import Any
 
 from shardfit import __version__
 from shardfit import method as methods
+from shardfit import objective as objectives
 from shardfit.config.support import trainable_methods
 from shardfit.plan.estimate import Candidate, estimate, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
-from shardfit.plan.timing import step_time
+from shardfit.plan.timing import reference_pass_s, step_time
 from shardfit.plan.workload import Workload
 from shardfit.strategy import NAMES, SPEED_ORDER
 
@@ -46,6 +47,7 @@ class Plan:
     recommended: str | None
     reason: str
     alternatives: list[Alternative] | None = None  # the nearest changes that make something fit, when nothing does
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the objective adds (`objective_notes`)
 
     def candidate(self, strategy: str) -> Candidate | None:
         """The estimate of `strategy`, or None when the plan did not consider it."""
@@ -65,12 +67,17 @@ class Plan:
                          "gpu_mem_gib": round(self.hardware.gpu_mem_gib, 2),
                          "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None},
             "workload": dataclasses.asdict(self.workload),
+            # What the objective makes of the workload: sequences and tokens one micro-batch forwards, the reference.
+            "objective": {"name": self.workload.objective, "rows": self.workload.rows,
+                          "tokens": self.workload.tokens, "reference": self.workload.reference},
             "candidates": [c.to_json() for c in self.candidates],
             "recommended": self.recommended,
             "reason": self.reason,
         }
         if self.alternatives is not None:
             out["alternatives"] = [a.phrase("plan") for a in self.alternatives]
+        if self.notes:
+            out["notes"] = self.notes
         return out
 
 
@@ -126,7 +133,8 @@ def timed(shape: ModelShape, w: Workload, hw: Hardware, c: Candidate) -> Candida
     t = step_time(shape, w, hw, c.strategy)
     parts = {"compute_s": t.compute_s, "comm_s": t.comm_s, "pcie_s": t.pcie_s, "host_s": t.host_s}
     return dataclasses.replace(c, step_s=t.step_s, tokens_per_s=t.tokens_per_s, bound=t.bound, time_parts=parts,
-                               extra={**c.extra, "busy_gpus": t.busy_gpus})
+                               extra={**c.extra, "busy_gpus": t.busy_gpus},
+                               reference_pass_s=reference_pass_s(shape, w, hw, c.strategy))
 
 
 def estimate_all(shape: ModelShape, w: Workload, hw: Hardware, names: tuple[str, ...] = NAMES) -> list[Candidate]:
@@ -232,7 +240,43 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
     best, reason = recommend(cands, hw)
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
-    return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None)
+    return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
+                objective_notes(shape, w, hw, cands, best))
+
+
+def objective_notes(shape: ModelShape, w: Workload, hw: Hardware, cands: list[Candidate],
+                    best: str | None) -> list[str]:
+    """How a preference objective is counted, with the recommended strategy's figures (else the first that can
+    run): the rows of a micro-batch, and what the reference costs in time (never memory: it is the policy itself,
+    with its adapters switched off or before the first update). Nothing for SFT."""
+    o = objectives.get(w.objective)
+    if not o.preference:
+        return []
+    each = "pair" if o.sequences == 2 else "row"
+    notes = [f"objective {w.objective}: a micro-batch of {w.micro_batch} {each}{'s' * (w.micro_batch != 1)} "
+             f"forwards {w.rows} sequence{'s' * (w.rows != 1)} of up to {w.seq_len} tokens"
+             + (" (chosen and rejected; the prompt's tokens are in both)" if o.sequences == 2 else "")
+             + f"; activations, logits and step time are counted for {w.tokens} tokens"]
+    shown = next((c for c in cands if c.strategy == best), None) or next((c for c in cands if c.applies), None)
+    if w.reference is None:
+        return [*notes, f"no reference model ({w.objective} compares the policy's own answers)"]
+    if w.reference == "adapters_off":
+        extra = ""
+        if shown is not None and shown.step_s:
+            without = step_time(shape, dataclasses.replace(w, precompute_reference=True), hw, shown.strategy)
+            extra = f" (+{shown.step_s / without.step_s - 1:.0%} step time under {shown.strategy})"
+        return [*notes, "reference: the policy with its adapters switched off, one forward without gradients in "
+                        f"every micro-batch{extra}; it saves nothing for backward and holds one block's "
+                        "activations at a time; no second copy of the weights"]
+    per_1k = f" ~{_duration(1000 * shown.reference_pass_s)} per 1,000 examples under {shown.strategy}," \
+        if shown is not None and shown.reference_pass_s else ""
+    return [*notes, f"reference: log-probabilities computed once before step 1 (one forward without gradients "
+                    f"over the data:{per_1k} not in step_s); no second copy of the weights and nothing added to "
+                    "the step's memory"]
+
+
+def _duration(s: float) -> str:
+    return f"{s:.2g} s" if s < 100 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 def with_candidates(plan: Plan, cands: list[Candidate]) -> Plan:
@@ -247,4 +291,4 @@ def _with_time(c: Candidate, before: Candidate | None) -> Candidate:
     if before is None or c.step_s is not None:
         return c
     return dataclasses.replace(c, step_s=before.step_s, tokens_per_s=before.tokens_per_s, bound=before.bound,
-                               extra={**before.extra, **c.extra})
+                               extra={**before.extra, **c.extra}, reference_pass_s=before.reference_pass_s)

@@ -40,8 +40,9 @@ def header_lines(plan: Plan) -> list[str]:
             f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
             + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
-            + (", 16-bit adapters" if w["adapters_16bit"] and methods.get(w["method"]).adapters else "") + ")",
-            _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"])]]
+            + (", 16-bit adapters" if w["adapters_16bit"] and methods.get(w["method"]).adapters else "")
+            + _objective_label(d["objective"]) + ")",
+            _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"]) + plan.notes]]
 
 
 def row_cells(c: dict) -> list[str]:
@@ -104,6 +105,15 @@ def _hardware_line(plan: Plan) -> str:
         return (f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} CPU process(es) x {round(hw.gpu_mem_gib, 2):.1f} "
                 "GiB of host RAM (no GPU)")
     return f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) x {round(hw.gpu_mem_gib, 2):.1f} GiB"
+
+
+def _objective_label(o: dict) -> str:
+    """The objective and its reference (the plan's JSON `objective`), for a preference run; SFT says nothing."""
+    if o["name"] == "sft":
+        return ""
+    ref = {"adapters_off": "reference: adapters off", "precomputed": "reference: precomputed"}.get(
+        o["reference"], "no reference")
+    return f", objective {o['name']} ({ref})"
 
 
 def _loss_label(loss: str) -> str:

@@ -77,7 +77,7 @@ utilization's, so the floor takes over once the other kernels take more than 0.7
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card, card_of
@@ -112,6 +112,13 @@ LAYER_OPS: dict[tuple[str, bool, bool], tuple[int, int, int]] = {
 # Dropout on the adapters (lora7, lora_dropout 0.05): extra kernels per adapted linear, by checkpointing.
 DROPOUT_OPS = {False: (222 - 187) / 7, True: (324 - 261) / 7}
 FIXED_OPS = (50, 25)  # embedding, final norm, head and loss, once per micro-batch (kernels, views)
+# The reference forward of DPO/KTO with the adapters switched off (peft's disable_adapter, under torch.no_grad): the
+# aten ops of one decoder layer and of the rest of the model (kernels, views), keyed by autocast, counted as
+# bench/dispatch_ops.py counts a step (its OpCounter over tiny Llama models of 1 and 2 layers, the difference per
+# layer; torch 2.13, transformers 5.23, peft 0.21). The count is the same with LoRA on 2 or 7 linears, or none:
+# switched-off adapters launch nothing.
+REFERENCE_LAYER_OPS = {False: (43, 31), True: (47, 31)}
+REFERENCE_FIXED_OPS = {False: (18, 5), True: (23, 5)}
 # shardfit's chunked loss: what each chunk after the first adds (kernels, views), by whether the head trains and
 # autocast, counted by bench/dispatch_ops.py (`loss/...`).
 LOSS_CHUNK_OPS = {(True, False): (16.0, 8.3), (True, True): (21.0, 8.3),
@@ -262,7 +269,7 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
     kernels = shape.layers * k + FIXED_OPS[0]
     views = shape.layers * v + (0 if w.compile else FIXED_OPS[1])
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
-        extra = max(0, -(-w.seq_len * w.micro_batch // w.loss_chunk) - 1)
+        extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
         autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
         ck, cv = LOSS_CHUNK_OPS[(w.method == "full", autocast)]
         kernels += extra * ck
@@ -319,7 +326,7 @@ def elementwise_bytes_per_micro_batch(shape: ModelShape, w: Workload, side: str)
     embedding, final norm, the logits' passes through the loss) as counted in bf16 whatever the precision: the loss
     runs in fp32 either way, and an fp32 model saves the casts to and from it about as much as its wider norm
     costs."""
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     vt, ht, vh, t = REST_BYTES["full" if w.method == "full" else "lora"][side]
     rest = vt * shape.vocab * tokens + ht * shape.hidden * tokens + vh * shape.vocab * shape.hidden + t * tokens
     return shape.layers * tokens * elementwise_bytes_per_token(shape, w, side) + rest
@@ -331,7 +338,7 @@ def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
     if not w.compile:
         return 0.0
     saved = elementwise_bytes_per_token(shape, w, "eager") - elementwise_bytes_per_token(shape, w, "compiled")
-    return shape.layers * w.seq_len * w.micro_batch * max(0.0, saved)
+    return shape.layers * w.tokens * max(0.0, saved)
 
 
 def _ring(n: int, nbytes: float, bw: float, latency: float, calls: int, all_reduce: bool = False) -> float:
@@ -455,7 +462,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         t = _fsdp(shape, w, card, hw, s, gpu, n)
     else:
         t = _model_parallel(shape, w, card, hw, gpu)
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     step = w.grad_accum * t.micro + t.comm_step + t.pcie_step + t.optim_gpu
     job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
     comm_total = w.grad_accum * t.comm_mb + t.comm_step
@@ -483,7 +490,7 @@ class GpuWork:
 def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
     """The FLOPs at the training utilization (which holds the step's own elementwise work) and QLoRA's
     dequantization, which the runs behind that utilization did not do; and the host's dispatch."""
-    tokens = w.seq_len * w.micro_batch
+    tokens = w.tokens
     flops = step_flops_per_token(shape, w) * tokens
     dequant = _qlora_dequant_bytes(shape, w) / card.hbm
     compute = flops / card.peak(w.precision) + dequant
@@ -500,7 +507,62 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
     host = host_dispatch_s(shape, w) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
+    if w.reference == "adapters_off":  # the reference's forward without gradients runs inside every micro-batch
+        ref = reference_work(shape, w, card, s)
+        compute, host = compute + ref.compute, host + ref.host
     return GpuWork(compute, host)
+
+
+def reference_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs per token of the reference model: every block's linear layers and attention (no adapters: they
+    are switched off) and the head. No backward and no recomputation: it runs without gradients."""
+    lin, _ = linear_flops_per_token(shape)
+    return shape.layers * (lin + attention_flops_per_token(shape, w)) + 2.0 * shape.hidden * shape.vocab
+
+
+def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
+    """One forward without gradients over a micro-batch's rows, as the reference runs it (DPO and KTO): its FLOPs
+    at the training utilization, QLoRA's dequantization of each weight once more; on a GPU no faster than its
+    matmuls plus its non-matmul bytes (the frozen base's forward part, FWD_SHARE of a step without recomputation:
+    a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
+    (REFERENCE_LAYER_OPS) with the forward's share of the engine's per-block work."""
+    flops = reference_flops_per_token(shape, w) * w.tokens
+    dequant = shape.decoder_linear_params() * 2.5 / card.hbm if w.method == "qlora" else 0.0
+    compute = flops / card.peak(w.precision) + dequant
+    if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
+        return GpuWork(compute, 0.0)
+    side = "compiled" if w.compile else "eager"
+    base = replace(w, method="freeze", grad_ckpt="none")
+    matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff)
+    compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
+                  / card.hbm)
+    autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+    (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
+    if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
+        k, v = 16, 0
+    ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
+    return GpuWork(compute, ops + FWD_SHARE * engine_host_s(shape, w, s))
+
+
+def reference_pass_s(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> float | None:
+    """Seconds the whole job's reference pass takes per example, where the reference is precomputed: one forward
+    without gradients over every example once before the first step, each rank taking every world-th micro-batch
+    (a sharded strategy all-gathers the parameters for each, offload copies them in first); None otherwise."""
+    if w.reference != "precomputed":
+        return None
+    s = strategies.get(strategy)
+    card = card_of(hw)
+    shape = planned_shape(shape, w)
+    w = with_loss_chunk(shape, w, hw)
+    n = hw.world if s.multi_rank else 1
+    busy = reference_work(shape, w, card, s).busy
+    if s.engine == "fsdp2" and s.reshard_after_forward and n > 1:  # ZeRO-2 keeps its first gather
+        gather = _ring(n, param_bytes_16(shape, w), _bus(card, hw), card.latency_s, shape.layers + 1)
+        copy = param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
+        busy = max(busy, gather + copy)
+    elif s.engine == "device_map":
+        busy += (hw.gpus_per_node - 1) * w.tokens * shape.hidden * compute_bytes(w) / card.pcie
+    return busy / w.micro_batch / n
 
 
 @dataclass
@@ -552,7 +614,10 @@ def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategie
     t_params = trainable_params(shape, w)
     grads = t_params * 4.0  # fp32 gradients (FSDP2's reduce_dtype)
     bus = _bus(card, hw)
-    gathers = 2 if s.reshard_after_forward else 1
+    # ZeRO-3 gathers each block for the forward and again for backward, and for the reference's forward where it
+    # runs inside the micro-batch; ZeRO-2 keeps them gathered after the first forward (FSDP2's reshard() returns
+    # early without reshard_after_forward), so the policy's forward gathers nothing more.
+    gathers = (2 + (w.reference == "adapters_off")) if s.reshard_after_forward else 1
     exposed = exposed_collectives(w, s.reshard_after_forward)
     calls = collective_calls(shape, w, exposed)
     comm_mb = gathers * _ring(n, param_bytes_16(shape, w), bus, card.latency_s, calls)
@@ -587,7 +652,8 @@ def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategie
 def _model_parallel(shape: ModelShape, w: Workload, card: Card, hw: Hardware, gpu: GpuWork) -> Traffic:
     """The stages run one after another; between them the hidden states cross a link."""
     g = hw.gpus_per_node
-    tokens = w.seq_len * w.micro_batch
-    hops = 2 * (g - 1) * tokens * shape.hidden * compute_bytes(w)
+    tokens = w.tokens
+    # forward and backward cross every boundary; the reference's forward (adapters_off) crosses them once more
+    hops = (2 + (w.reference == "adapters_off")) * (g - 1) * tokens * shape.hidden * compute_bytes(w)
     comm_mb = hops / card.pcie
     return Traffic(gpu.busy + comm_mb, comm_mb, optim_gpu=_adam_on_gpu(shape, w, card), busy=g, ranks=1)

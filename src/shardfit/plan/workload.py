@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardfit import method as methods
+from shardfit import objective as objectives
 from shardfit.config import Config
 
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
@@ -113,11 +114,34 @@ class Workload:
     audio_clips: int = 0
     audio_frames: int = 0
     audio_trainable: bool = False
+    # What the run optimises (objective.py): a preference objective on pairs forwards both answers of each pair,
+    # so a micro-batch of `micro_batch` pairs is 2 x micro_batch rows (`rows`); DPO and KTO also need the
+    # reference's log-probabilities, as `precompute_reference` (auto | True | False) decides (`reference`).
+    objective: str = "sft"
+    precompute_reference: bool | str = "auto"
 
     @property
     def trains_adapters(self) -> bool:
         """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
         return methods.get(self.method).adapters
+
+    @property
+    def rows(self) -> int:
+        """Sequences one micro-batch forwards: `micro_batch` examples, each one sequence, or two for a pair
+        (chosen and rejected, each up to seq_len tokens: the prompt's tokens are in both)."""
+        return self.micro_batch * objectives.get(self.objective).sequences
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch at its largest: every row full to seq_len. Every activation, logits and
+        FLOPs count of the plan is per these tokens."""
+        return self.seq_len * self.rows
+
+    @property
+    def reference(self) -> str | None:
+        """How the run gets its reference log-probabilities: "adapters_off" (a forward without gradients inside
+        every micro-batch), "precomputed" (one such forward over the data before the first step) or None."""
+        return objectives.reference_of(self.objective, self.trains_adapters, self.precompute_reference)
 
 
 def workload_of(cfg: Config) -> Workload:
@@ -130,7 +154,8 @@ def workload_of(cfg: Config) -> Workload:
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
                     lora_experts=cfg.lora.experts,
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
-                    vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower)
+                    vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
+                    objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
