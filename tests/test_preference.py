@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from shardfit.config import load_config
-from shardfit.data.formats import BadRow
-from shardfit.data.preference import detect_preference, to_pref_row
+from shardfit.data.formats import BadRow, detect_preference
+from shardfit.data.preference import to_pref_row
 from shardfit.parallel.env import init_distributed
 from shardfit.report.build import make_report
 from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses

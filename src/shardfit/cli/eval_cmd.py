@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--data {args.data}: no such file.")
     # torch, transformers and peft: only once a model is actually used
     from shardfit.cli.eval_preference import run_pairs
-    from shardfit.data.preference import detect_preference
+    from shardfit.data.formats import detect_preference
     from shardfit.infer.load import load_for_inference, pick_device, resolve_target
 
     scorers = parse_metrics(args.metrics or ["exact"])

@@ -12,7 +12,7 @@ from typing import Any
 
 from shardfit.config import Config
 from shardfit.data.audio import AudioInput
-from shardfit.data.formats import BadRow, detect_format, rename_columns, to_messages
+from shardfit.data.formats import BadRow, detect_format, detect_preference, rename_columns, to_messages
 from shardfit.data.media import extract_media
 from shardfit.data.reader import _Broken, read_rows
 from shardfit.data.tokenize import Encoded, encode_messages
@@ -50,25 +50,13 @@ class DataStats:
         return "; ".join(parts)
 
 
-# What the SFT reader says of a preference row, by its layout (`preference_layout`).
+# What the SFT reader says of a preference row, by its layout (formats.py `detect_preference`).
 PREFERENCE_ROWS = {
     "pairs": "these are preference rows (chosen/rejected) but objective is sft: set objective: dpo (or orpo/simpo); "
              "kto for completion+label rows",
     "unpaired": "these are preference rows (completion + label, or kto_tag) but objective is sft: set objective: "
                 "kto; dpo (or orpo/simpo) for chosen/rejected pairs",
 }
-
-
-def preference_layout(row: Any) -> str | None:
-    """"pairs" (chosen and rejected), "unpaired" (completion + label, or kto_tag) or None: the keys
-    data/preference.py's `detect_preference` reads (it imports this module, so this one cannot import it)."""
-    if not isinstance(row, dict):
-        return None
-    if "chosen" in row and "rejected" in row:
-        return "pairs"
-    if ("completion" in row and "label" in row) or "kto_tag" in row:
-        return "unpaired"
-    return None
 
 
 def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataStats,
@@ -87,7 +75,7 @@ def load_conversations(paths: str | list[str], skip_bad_rows: bool, stats: DataS
                 if fmt is None:
                     # The file's, not the row's, problem (skipping rows would not help). LLaMA-Factory's ranking
                     # rows hold a conversation too: read as SFT they would train on no answer.
-                    if (layout := preference_layout(fields)) is not None:
+                    if (layout := detect_preference(fields)) is not None:
                         raise UserError(f"{row.where}: {PREFERENCE_ROWS[layout]}.")
                     fmt = detect_format(fields)
                     if fmt is None:

@@ -47,6 +47,18 @@ def detect_format(row: Any) -> str | None:
     return None
 
 
+def detect_preference(row: Any) -> str | None:
+    """"pairs" (chosen and rejected), "unpaired" (completion + label, or kto_tag) or None for one row: the layouts
+    data/preference.py reads, which the SFT reader names when it meets them."""
+    if not isinstance(row, dict):
+        return None
+    if "chosen" in row and "rejected" in row:
+        return "pairs"
+    if ("completion" in row and "label" in row) or "kto_tag" in row:
+        return "unpaired"
+    return None
+
+
 def _text(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise BadRow(f"{what} must be a string, got {type(value).__name__}")

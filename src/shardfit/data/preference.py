@@ -22,7 +22,7 @@ from typing import Any
 
 from shardfit.config import Config
 from shardfit.data.dataset import Conversation, DataStats, _bad_row, allowed_bad_rows, encode_all
-from shardfit.data.formats import BadRow, detect_format, rename_columns, to_messages
+from shardfit.data.formats import BadRow, detect_format, detect_preference, rename_columns, to_messages
 from shardfit.data.media import extract_media
 from shardfit.data.packing import PackedRow, no_pack, pack_where_padded
 from shardfit.data.reader import _Broken, read_rows
@@ -31,7 +31,6 @@ from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
 
 Messages = list[dict[str, Any]]
-PAIRED, UNPAIRED = "pairs", "unpaired"
 
 
 @dataclass(frozen=True)
@@ -111,17 +110,6 @@ def _history(row: dict) -> Messages:
     if fmt == "sharegpt":
         return to_messages({**row, key: turns + [{"from": "gpt", "value": ""}]}, fmt)[:-1]
     return to_messages({**row, key: turns + [{"role": "assistant", "content": ""}]}, fmt)[:-1]
-
-
-def detect_preference(row: Any) -> str | None:
-    """PAIRED, UNPAIRED or None for one row."""
-    if not isinstance(row, dict):
-        return None
-    if "chosen" in row and "rejected" in row:
-        return PAIRED
-    if ("completion" in row and "label" in row) or "kto_tag" in row:
-        return UNPAIRED
-    return None
 
 
 def _shared_prefix(a: Messages, b: Messages) -> int:
