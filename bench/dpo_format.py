@@ -51,10 +51,34 @@ def demo_pairs(src: Path, out: Path, limit: int | None = None) -> Path:
     return out
 
 
-def shardfit(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "shardfit", *args], capture_output=True, text=True)
+BLOCK = ("<!-- dpo-format: generated from bench/results/dpo_format.json (tests/test_preference.py holds it) -->",
+         "<!-- end: dpo-format -->")
+
+
+def readme_table(result: dict) -> str:
+    """The README's before/after table of `result` (what `--write-readme` puts between the BLOCK markers)."""
+    rows = [("reward accuracy (chosen gains more than rejected; ties half)", "reward_accuracy"),
+            ("prefers the chosen answer (higher log-probability)", "prefers_chosen"),
+            ("greedy answers in the chosen record format", "record_format"),
+            ("greedy answers in the rejected prose format", "prose_format")]
+    lines = [f"| {result['heldout_pairs']} held-out notes | before | after {result['steps']} DPO steps |",
+             "|---|---|---|"]
+    lines += [f"| {label} | {result['before'][key]:.0%} | {result['after'][key]:.0%} |" for label, key in rows]
+    return "\n".join(lines) + f"\n\n{result['machine']}, LoRA r16, {result['train_pairs']} training pairs seen.\n"
+
+
+def write_readme(result: dict, readme: Path = ROOT / "README.md") -> None:
+    text = readme.read_text()
+    head, rest = text.split(BLOCK[0], 1)
+    _, tail = rest.split(BLOCK[1], 1)
+    readme.write_text(f"{head}{BLOCK[0]}\n{readme_table(result)}{BLOCK[1]}{tail}")
+
+
+def shardfit(*args: str, show: bool = False) -> subprocess.CompletedProcess:
+    """`shardfit ARGS` in a subprocess; `show`: its progress goes to this terminal (training)."""
+    r = subprocess.run([sys.executable, "-m", "shardfit", *args], capture_output=not show, text=True)
     if r.returncode != 0:
-        sys.exit(f"shardfit {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        sys.exit(f"shardfit {' '.join(args)} failed ({r.returncode}):\n{(r.stderr or '')[-3000:]}")
     return r
 
 
@@ -63,20 +87,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--prompts", type=int, default=48, help="held-out notes (the demo has 48)")
     ap.add_argument("--out", default=str(RESULT))
+    ap.add_argument("--write-readme", action="store_true", help="only rewrite the README's table from --out")
     args = ap.parse_args()
+    if args.write_readme:
+        write_readme(json.loads(Path(args.out).read_text()))
+        return
     work = Path(tempfile.mkdtemp(prefix="dpo-format-"))
     train = demo_pairs(DEMO / "train.jsonl", work / "train_pairs.jsonl")
     held = demo_pairs(DEMO / "heldout.jsonl", work / "heldout_pairs.jsonl", args.prompts)
     config = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "data": str(train), "objective": "dpo",
               "dpo": {"beta": 0.1, "loss": "sigmoid"}, "method": "lora",
               "lora": {"rank": 16, "alpha": 32, "targets": "all-linear"}, "precision": "auto", "max_seq_len": 256,
-              "micro_batch": 4, "lr": 5.0e-4, "warmup_ratio": 0.05, "max_steps": args.steps, "log_steps": 10,
+              "micro_batch": 4, "lr": 5.0e-4, "warmup_ratio": 0.05, "max_steps": args.steps, "log_steps": 5,
               "save_steps": 1000, "eval_steps": 1000, "output_dir": str(work / "run"), "resume": "never",
               "report_to": ["none"]}
     cfg = work / "dpo.yaml"
     cfg.write_text(yaml.safe_dump(config, sort_keys=False))
     t0 = time.perf_counter()
-    shardfit("train", str(cfg))
+    shardfit("train", str(cfg), show=True)
     train_s = time.perf_counter() - t0
     pairs = json.loads(shardfit("eval", str(work / "run"), "--data", str(held), "--json").stdout)
     metrics = [f"py:{SCORERS}:record_format", f"py:{SCORERS}:prose_format"]
@@ -95,6 +123,7 @@ def main() -> None:
                         **{k: gen["models"]["tuned"]["metrics"][k] for k in ("record_format", "prose_format")}},
               "samples": gen["samples"][:4]}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_readme(result)
     print(json.dumps({k: result[k] for k in ("before", "after", "train_s")}, indent=2))
 
 
