@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardfit import method as methods
+from shardfit import objective as objectives
 from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.config.support import require_method_support
@@ -119,7 +120,9 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         compile=compiled, attention=attention,
         eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision), rows=rows,
         loss_chunk=loss_chunk_for(cfg.loss_chunk, vocab, hw, precision) if vocab else None, hardware=hw,
-        why=tuple(why))
+        why=tuple(why), objective=objectives.get(cfg.objective).name,
+        reference=objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
+                                          cfg.dpo.precompute_reference))
 
 
 def settled(cfg: Config, job: Resolved) -> Config:

@@ -53,6 +53,8 @@ class Resolved:
     loss_chunk: int | None  # rows per chunk of the loss; None: decided from the built model's vocabulary
     hardware: Hardware
     why: tuple[str, ...] = ()  # for each setting that was `auto` (or changed), what decided it
+    objective: str = "sft"  # objective.py's row
+    reference: str | None = None  # a preference run's reference: precomputed | adapters_off | None (none needed)
 
     @property
     def world(self) -> int:
@@ -63,9 +65,11 @@ class Resolved:
         ranks = f"{self.nproc_per_node} process{'es' if self.nproc_per_node > 1 else ''}" + (
             f" x {self.nnodes} nodes" if self.nnodes > 1 else "")
         chunk = f", loss chunk {self.loss_chunk} rows" if self.loss_chunk else ""
-        return (f"job: strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, {self.precision}"
-                f"{' (autocast)' if self.autocast else ''}, compile {'on' if self.compile else 'off'}, attention "
-                f"{self.attention}{chunk}")
+        ref = f" (reference: {self.reference.replace('_', ' ')})" if self.reference else ""
+        objective = f"objective {self.objective}{ref}, " if self.objective != "sft" else ""
+        return (f"job: {objective}strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, "
+                f"{self.precision}{' (autocast)' if self.autocast else ''}, compile {'on' if self.compile else 'off'}, "
+                f"attention {self.attention}{chunk}")
 
     def decisions(self) -> dict[str, Any]:
         """What was decided, without the CPU's matmul rates (a measurement each node makes for itself)."""

@@ -280,8 +280,7 @@ class FineTune:
         self.loss_chunk = self.job.loss_chunk or loss_chunk_for(cfg.loss_chunk, output_vocab(self.model),
                                                                 self.job.hardware, cfg.precision)
         routing = {"moe_top_k": moe_top_k(self.model), "aux": aux_loss_of(self.model, self.model.config)}
-        self.reference = objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
-                                                 cfg.dpo.precompute_reference)
+        self.reference = self.job.reference  # resolve/decide.py: how this run gets its reference log-probabilities
         if objectives.get(cfg.objective).preference:
             loss_module = PreferenceLoss(self.model, preference_settings(cfg), reference=self.reference,
                                          chunk=self.loss_chunk, **routing)
