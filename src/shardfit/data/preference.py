@@ -101,8 +101,7 @@ def _turns(value: Any, what: str, role: str = "assistant") -> Messages:
 
 def _history(row: dict) -> Messages:
     """The prompt of a LLaMA-Factory ranking or KTO row: its conversation, messages or alpaca instruction."""
-    fmt = detect_format({**row, "output": ""}) if "conversations" not in row and "messages" not in row else \
-        detect_format(row)
+    fmt = detect_format({**row, "output": ""})  # a conversation or messages first; else alpaca's instruction
     if fmt == "alpaca":
         return to_messages({**row, "output": ""}, "alpaca")[:-1]
     key = "conversations" if fmt == "sharegpt" else "messages"
