@@ -9,9 +9,9 @@ mismatch can only come from the loss."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import init_distributed
 from shardfit.train.recipe import train
-from tests.helpers import DEMO_DATA, read_jsonl, write_config
+from tests.helpers import DEMO_DATA, ROOT, read_jsonl, write_config
 
 trl = pytest.importorskip("trl")
 
@@ -32,16 +32,12 @@ N_PAIRS, BETA, RANK, ALPHA, MAX_LEN = 4, 0.1, 4, 8, 128
 
 
 def _pairs(n: int) -> list[dict]:
-    """Conversational TRL rows from the demo notes: the record as the demo writes it is chosen, the same facts in
-    another layout rejected."""
-    rows = []
-    for line in DEMO_DATA.read_text().splitlines()[:n]:
-        r = json.loads(line)
-        name, city, ext = re.fullmatch(r"name=(.*); city=(.*); ext=(.*)", r["output"]).groups()
-        rows.append({"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
-                     "chosen": [{"role": "assistant", "content": r["output"]}],
-                     "rejected": [{"role": "assistant", "content": f"{name} ({city}), extension {ext}"}]})
-    return rows
+    """The first `n` demo notes as the DPO bench's conversational TRL rows (bench/dpo_vs_trl.py `pair_row`): the
+    record as the demo writes it chosen, the same facts in another layout rejected."""
+    spec = importlib.util.spec_from_file_location("dpo_vs_trl", ROOT / "bench" / "dpo_vs_trl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return [bench.pair_row(json.loads(line)) for line in DEMO_DATA.read_text().splitlines()[:n]]
 
 
 def _shardfit_config(tmp_path: Path, model: Path, data: Path):  # noqa: ANN202 - a shardfit Config
