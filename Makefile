@@ -26,8 +26,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PIP) -c constraints.txt trl==1.16.0  # compare.py's TRL peer (the pyproject `bench` extra; tests need none)
+	$(PIP) -c constraints.txt trl==1.16.0  # the TRL peers of compare.py and dpo_vs_trl.py (the pyproject `bench` extra; tests skip without it)
 	$(PY) bench/compare.py
+	$(PY) bench/dpo_vs_trl.py  # DPO against TRL's DPOTrainer (bench/results/dpo_vs_trl.json)
 	$(PY) bench/plan_vs_published.py
 	$(PY) bench/plan_vs_blind.py
 	$(PY) bench/deepspeed_memory.py
