@@ -155,8 +155,8 @@ def test_convert_exits_2(tmp_path: Path) -> None:
 
 def test_full_dpo_counts_the_reference_copy_the_converted_config_does_not(tmp_path: Path) -> None:
     """LLaMA-Factory loads a full fine-tune's model a second time as the reference: on one 24 GB GPU the job
-    as configured does not fit: it holds one 16-bit copy of the weights more; the converted config (precomputed reference)
-    fits."""
+    as configured does not fit, holding one 16-bit copy of the weights more than the converted config, which
+    precomputes its reference and fits."""
     job = read_job("llamafactory", _lf(tmp_path), JobOptions())
     shape, hw = resolve_shape(job.model), parse_gpus("1x24GB")
     fp = plan_job(job, shape, hw)
