@@ -9,7 +9,7 @@ from typing import Any
 
 from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
-from shardfit.plan.estimate import Candidate, estimate
+from shardfit.plan.estimate import GIB, Candidate, add_runtime_overhead, compute_bytes, estimate
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, make_plan
 from shardfit.plan.shapes import ModelShape
@@ -48,15 +48,73 @@ def job_hardware(job: ForeignJob, hw: Hardware) -> Hardware:
 def configured_estimate(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware,
                         zero: ZeroSettings | None = None, engine: str | None = None) -> Candidate:
     """The per-GPU estimate of the job's own engine (DeepSpeed ZeRO with its buffers, else the shardfit strategy
-    with the same sharding)."""
+    with the same sharding), with the reference model the tool keeps beside the policy."""
     engine = engine or job.engine
     zero = zero or job.zero
+    ref = reference_bytes(job, shape, w, hw, engine, zero)
+    if ref:  # the tool runs its copy's forward inside every step, as the adapters-off reference runs
+        w = dataclasses.replace(w, precompute_reference=False)
     if engine == "deepspeed" and zero is not None:
-        return estimate_deepspeed(shape, w, hw, zero)
-    strategy = ENGINE_STRATEGY.get(engine, "single")
-    if strategy == "single" and hw.world > 1:
-        hw = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
-    return estimate(shape, w, hw, strategy)
+        c = estimate_deepspeed(shape, w, hw, zero)
+    else:
+        strategy = ENGINE_STRATEGY.get(engine, "single")
+        if strategy == "single" and hw.world > 1:
+            hw = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
+        c = estimate(shape, w, hw, strategy)
+    return with_reference(c, ref, hw) if ref else c
+
+
+@dataclass(frozen=True)
+class ReferenceMemory:
+    """What the tool's reference copy takes per rank (bytes), and whether it is partitioned over the ranks."""
+
+    gpu: float = 0.0
+    host: float = 0.0
+    sharded: bool = False
+
+    def __bool__(self) -> bool:
+        return self.gpu > 0 or self.host > 0
+
+
+def reference_bytes(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware, engine: str,
+                    zero: ZeroSettings | None) -> ReferenceMemory:
+    """The tool's reference copy per rank, as TRL's trainers (and LLaMA-Factory's, ms-swift's and axolotl's, built
+    on them) hold it: under ZeRO-3 DeepSpeed partitions it like the policy (trl's prepare_deepspeed keeps stage 3,
+    parameter offload included), under ZeRO-0/1/2 it runs at stage 0, a whole copy per GPU, FSDP shards it, and
+    without either every rank holds all of it. A quantized copy is placed as loaded, never partitioned. It is
+    loaded frozen, in the compute dtype."""
+    ref = job.reference
+    if ref is None or not job.keeps_reference(w):
+        return ReferenceMemory()
+    total = shape.params() * (ref.bits / 8 if ref.bits else compute_bytes(w))
+    zero3 = engine == "deepspeed" and zero is not None and zero.stage == 3
+    if ref.bits is None and (zero3 or engine in ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_offload")):
+        offloaded = (zero3 and zero is not None and zero.offload_param) or engine == "fsdp_offload"
+        share = total / hw.world
+        return ReferenceMemory(0.0, share, True) if offloaded else ReferenceMemory(share, 0.0, True)
+    if engine == "device_map":  # split over the GPUs as the policy is
+        return ReferenceMemory(total / max(1, job.gpus or hw.gpus_per_node), 0.0, True)
+    return ReferenceMemory(total)
+
+
+def with_reference(c: Candidate, ref: ReferenceMemory, hw: Hardware) -> Candidate:
+    """`c` with the reference copy's weights on the GPU (its peak moves with it: the copy is there at every
+    moment of the step) and in host RAM."""
+    gpu, host = ref.gpu, ref.host
+    b = dataclasses.replace(c.per_gpu_gib, weights=c.per_gpu_gib.weights + gpu / GIB)
+    add_runtime_overhead(b, hw, c.strategy)
+    fits = c.fits and b.total <= hw.gpu_mem_gib
+    copy = f"a reference model copy of {gpu / GIB:.1f} GiB per GPU" + (
+        f" ({host / GIB:.1f} GiB per rank in host RAM)" if host else "")
+    if not c.fits and c.per_gpu_gib.total <= hw.gpu_mem_gib:  # it failed for its own reason; keep it
+        note = f"{c.notes}; with {copy}"
+    else:
+        cap = hw.gpu_mem_gib
+        note = (f"{cap - b.total:.1f} GiB headroom" if fits else f"{b.total:.1f} GiB > {cap:.0f} GiB") + f" with {copy}"
+    extra = dict(c.extra)
+    if "between_steps_gib" in extra:
+        extra["between_steps_gib"] += gpu / GIB
+    return dataclasses.replace(c, fits=fits, per_gpu_gib=b, cpu_gib=c.cpu_gib + host / GIB, notes=note, extra=extra)
 
 
 def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware) -> ForeignPlan:
@@ -103,6 +161,12 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
         c = configured_estimate(job, shape, w2, hw, z2, engine)
         if c.fits:
             out.append(f"{label}: {c.per_gpu_gib.total:.1f} GiB per GPU")
+    precompute = say("ref_precompute", "")
+    if precompute and job.keeps_reference(w):  # the tool's own way to drop its reference copy
+        c = configured_estimate(dataclasses.replace(job, reference=None), shape,
+                                dataclasses.replace(w, precompute_reference=True), hw)
+        if c.fits:
+            out.insert(0, f"{precompute}: {c.per_gpu_gib.total:.1f} GiB per GPU")
     if not out:  # no single change is enough: the workload changes together, in the order listed
         stacked, labels = w, []
         for label, w2, z2, _ in tries:

@@ -9,7 +9,7 @@ from typing import Any
 
 from shardfit.errors import UserError
 from shardfit.foreign.common import TRAINER_NO_EFFECT, as_bool, as_float, as_int, hf_loss, local_file, optimizer
-from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     Key,
     Source,
@@ -25,9 +25,20 @@ from shardfit.foreign.keys import (
     use_deepspeed,
     yaml_source,
 )
+from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
+# Preference settings, carried over to shardfit's `dpo:` keys where it has one (`_preference`).
+PREFERENCE_KEYS = {"rl_beta", "dpo_beta", "orpo_alpha", "rpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
+                   "kto_undesirable_weight", "dpo_label_smoothing", "precompute_ref_log_probs", "dpo_use_weighting",
+                   "dpo_use_logits_to_keep", "dpo_norm_loss", "dpo_padding_free", "dpo_generate_during_eval",
+                   "dpo_use_liger_kernel", "dpo_loss_type", "dpo_loss_weights"}
+# axolotl's `rl` (RLType): `true` is its first spelling of DPO.
+RL_TYPES = {"dpo": "dpo", "ipo": "ipo", "orpo": "orpo", "kto": "kto", "simpo": "simpo", "grpo": "grpo",
+            "gdpo": "gdpo", "true": "dpo"}
+REFUSED = {"grpo": "GRPO, online with generation", "gdpo": "GDPO, online with generation"}
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each axolotl key means to shardfit. Settings that carry over are read as axolotl reads them: a null value
 # leaves axolotl's default.
 KEYS = key_table({
@@ -60,7 +71,9 @@ KEYS = key_table({
     "num_epochs": Key(config="epochs", read=if_set(epochs)),
     "output_dir": Key(config="output_dir", read=if_truthy(text)),
     "trust_remote_code": Key(config="trust_remote_code", read=only_true),
-}, no_effect=TRAINER_NO_EFFECT | {
+    # preference training (`_preference`): the objective, and a reference model loaded beside the policy
+    "rl": Key("objective {objective}"), "rl_adapter_ref_model": Key("reference model loaded beside the adapters"),
+}, no_effect=TRAINER_NO_EFFECT | PREFERENCE_KEYS | {
     "base_model", "model_type", "tokenizer_type", "strict", "datasets", "dataset_prepared_path", "lora_model_dir",
     "lora_fan_in_fan_out", "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model",
     "lr_scheduler", "train_on_inputs", "early_stopping_patience", "evals_per_epoch", "saves_per_epoch", "debug",
@@ -102,10 +115,58 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
         job.engine = "ddp"
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
-    _file_keys(src, job, w)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
+    apply(job, _preference(src))
+    _file_keys(src, job, job.workload)
     return job
+
+
+def _preference(src: Source) -> Preference:
+    """`rl` in shardfit's objectives (ipo is dpo with the IPO loss). axolotl loads the model a second time as the
+    reference for every `rl` but orpo unless an adapter trains (train.setup_reference_model), and with one too under
+    `rl_adapter_ref_model`; DPO and IPO hand it to TRL's trainer, which prepares it as the policy's engine does.
+    beta is `rl_beta` (`dpo_beta` before it), else `orpo_alpha`; TRL's default is 0.1."""
+    rl = src.get("rl")
+    if rl is None or rl is False or str(rl).lower() in ("", "false", "none"):
+        return Preference()
+    kind = choice(rl, "rl", src.at("rl"), RL_TYPES)
+    if kind in REFUSED:
+        raise refuse(src.at("rl"), "rl", kind, REFUSED[kind])
+    pref = Preference(objective="dpo" if kind == "ipo" else kind)
+    beta_key = next((k for k in ("rl_beta", "dpo_beta", "orpo_alpha") if src.get(k) is not None), "rl_beta")
+    pref.number("beta", src.get(beta_key, 0.1), beta_key, src.at(beta_key))
+    if pref.objective == "dpo":
+        losses = src.get("dpo_loss_type") or ["ipo" if kind == "ipo" else "sigmoid"]
+        losses = [str(x) for x in (losses if isinstance(losses, list) else [losses])]
+        if len(losses) == 1 and losses[0] in DPO_LOSSES:
+            pref.dpo["loss"] = losses[0]
+        else:
+            pref.unconvertible = f"dpo_loss_type {losses}: shardfit's dpo losses are {', '.join(DPO_LOSSES)} (one)"
+        pref.number("label_smoothing", src.get("dpo_label_smoothing"), "dpo_label_smoothing",
+                    src.at("dpo_label_smoothing"))
+    if kind == "simpo":
+        pref.number("simpo_gamma", src.get("simpo_gamma"), "simpo_gamma", src.at("simpo_gamma"))
+        alpha = src.get("cpo_alpha")
+        if alpha is None or as_float(alpha, "cpo_alpha", src.at("cpo_alpha")) > 0:
+            pref.drop("cpo_alpha", "1.0 (TRL's default)" if alpha is None else alpha, "TRL's CPO trainer adds "
+                      "cpo_alpha times the chosen answer's NLL to SimPO's loss; shardfit's simpo has none (cpo_alpha: "
+                      "0 is plain SimPO)")
+    if kind == "kto":
+        pref.number("desirable_weight", src.get("kto_desirable_weight"), "kto_desirable_weight",
+                    src.at("kto_desirable_weight"))
+        pref.number("undesirable_weight", src.get("kto_undesirable_weight"), "kto_undesirable_weight",
+                    src.at("kto_undesirable_weight"))
+    if src.get("rpo_alpha") is not None and as_float(src.get("rpo_alpha"), "rpo_alpha", src.at("rpo_alpha")) > 0:
+        pref.drop("rpo_alpha", src.get("rpo_alpha"), "RPO's NLL term on the chosen answer; shardfit's dpo has none")
+    if src.flag("dpo_use_weighting"):
+        pref.drop("dpo_use_weighting", "true", "WPO's weighting of each pair by its probability")
+    if kind in ("dpo", "ipo", "kto"):
+        own = src.flag("rl_adapter_ref_model")
+        pref.reference = ReferenceCopy("rl_adapter_ref_model: true loads the model again as the reference" if own
+                                       else f"rl: {kind} without an adapter loads the model again as the reference",
+                                       with_adapters=own)
+    return pref
 
 
 def _method(src: Source, job: ForeignJob) -> str:

@@ -8,13 +8,17 @@ from typing import Any
 import yaml
 
 from shardfit import method as methods
-from shardfit.foreign.job import ForeignJob
+from shardfit.errors import UserError
+from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
 
 
 def to_config(job: ForeignJob) -> dict[str, Any]:
-    """shardfit config keys (config/schema.py) for the job."""
+    """shardfit config keys (config/schema.py) for the job; a UserError for a job no shardfit objective trains
+    as configured (`ForeignJob.unconvertible`)."""
+    if job.unconvertible:
+        raise UserError(f"{job.source}: cannot convert: {job.unconvertible}.")
     w = job.workload
     cfg: dict[str, Any] = {"model": job.model,
                            "data": (job.data[0] if len(job.data) == 1 else job.data) or "data/train.jsonl",
@@ -50,9 +54,21 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
         out.append("method qlora: shardfit stores the frozen weights in NF4 itself (torchao), not with bitsandbytes")
     if job.workload.loss != "chunked":
         out.append("loss: shardfit always uses its chunked loss (no full logits), whatever the tool ran")
+    if job.reference is not None and job.keeps_reference():
+        out.append(f"{TOOL_NAMES[job.tool]} keeps a reference model beside the policy ({job.reference.why}); "
+                   f"shardfit keeps none: {_reference_way(cfg)}")
+    out += [f"warning: {x}" for x in job.not_carried]
     if job.not_modelled:
         out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))
     return out
+
+
+def _reference_way(cfg: dict[str, Any]) -> str:
+    """How shardfit gets the same reference log-probabilities (objective.reference_of's rule, in words)."""
+    adapters = methods.get(cfg["method"]).adapters
+    if cfg.get("dpo", {}).get("precompute_reference") is True or not adapters:
+        return "it computes the reference log-probabilities once before step 1"
+    return "the reference is the policy with its adapters switched off"
 
 
 def to_yaml(job: ForeignJob) -> str:

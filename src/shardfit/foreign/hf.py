@@ -21,7 +21,7 @@ from shardfit.foreign.common import (
     local_file,
     optimizer,
 )
-from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
     Key,
@@ -38,10 +38,14 @@ from shardfit.foreign.keys import (
     text,
     use_deepspeed,
 )
+from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.plan.workload import Workload
 
+# TRL's trainers (script_ast.TRAINERS) as shardfit's objectives; the rest are refused. CPO is planned as simpo.
+TRAINERS = {"DPOTrainer": "dpo", "KTOTrainer": "kto", "ORPOTrainer": "orpo", "CPOTrainer": "cpo"}
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 SEQ_KEYS = ("model_max_length", "max_seq_length", "max_length", "cutoff_len", "seq_length")
 # What each TrainingArguments (or training script) argument means to shardfit: the first sequence length given
 # wins, then lora_r over lora_rank.
@@ -67,7 +71,10 @@ KEYS = key_table({
     "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
     "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
     "output_dir": Key(config="output_dir", read=if_truthy(text)),
-}, no_effect=TRAINER_NO_EFFECT | {"model_name_or_path", "data_path", "eval_data_path", "cache_dir",
+    "ref_model": Key("reference model given to the trainer"),
+}, no_effect=TRAINER_NO_EFFECT | {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "rpo_alpha",
+                                  "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight"} | {
+                                  "model_name_or_path", "data_path", "eval_data_path", "cache_dir",
                                   "lora_weight_path", "lora_bias", "use_fast_tokenizer"})
 # The environment of the command line: what decides the ranks and GPUs; any other variable changes nothing the
 # planner counts.
@@ -86,7 +93,8 @@ def words() -> Words:
                        "when WORLD_SIZE > 1", "model_parallel": "one process (python, no torchrun) with "
                        "device_map='auto'", "reentrant": "--gradient_checkpointing_kwargs "
                        "'{\"use_reentrant\": false}'", "quant_storage": "bnb_4bit_quant_storage=torch.bfloat16 in "
-                       "BitsAndBytesConfig"})
+                       "BitsAndBytesConfig", "ref_precompute": "precompute_ref_log_probs=True in DPOConfig/KTOConfig "
+                       "(--precompute_ref_log_probs True)"})
 
 
 def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None) -> ForeignJob:
@@ -117,12 +125,61 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
-    _file_keys(src, job, w)
-    file_env(job, env, ENV, unknown=NO_EFFECT)
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
     job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    apply(job, _preference(src, code.trainer, job))
+    _file_keys(src, job, job.workload)
+    file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
+
+
+def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference:
+    """The TRL trainer the script builds, in shardfit's objectives, with its config's settings. TRL's DPO and KTO
+    trainers copy the model as the reference unless it is a peft model or `precompute_ref_log_probs` is set
+    (or a `ref_model` is passed: then that one, adapters or not)."""
+    if trainer is None:
+        if any(k in src for k in ("beta", "loss_type", "precompute_ref_log_probs")):
+            job.notes.append("preference arguments given, but the script's TRL trainer is not here: planned as SFT")
+        return Preference()
+    kind = TRAINERS.get(trainer)
+    if kind is None:
+        raise refuse(src.where, "trainer", trainer, "a TRL trainer shardfit has no objective for")
+    loss = src.get("loss_type", "simpo" if kind == "cpo" else "sigmoid")
+    pref = Preference(objective="simpo" if kind == "cpo" else kind)
+    pref.number("beta", src.get("beta", 0.1), "beta", src.where)
+    if kind == "cpo":
+        pref.objective = "simpo"
+        if loss != "simpo":
+            job.notes.append("CPOTrainer planned as simpo: the same memory (pairs, no reference model)")
+            pref.unconvertible = f"CPOTrainer with loss_type {loss} has no shardfit objective; use loss_type simpo"
+        pref.number("simpo_gamma", src.get("simpo_gamma"), "simpo_gamma", src.where)
+        if as_float(src.get("cpo_alpha", 1.0), "cpo_alpha", src.where) > 0:
+            pref.drop("cpo_alpha", src.get("cpo_alpha", "1.0 (TRL's default)"), "TRL's CPO trainer adds cpo_alpha "
+                      "times the chosen answer's NLL; shardfit's simpo has none (cpo_alpha=0 is plain SimPO)")
+    if kind == "dpo":
+        if loss in DPO_LOSSES:
+            pref.dpo["loss"] = loss
+        else:
+            pref.unconvertible = f"loss_type {loss}: shardfit's dpo losses are {', '.join(DPO_LOSSES)}"
+    if kind in ("dpo", "cpo"):
+        pref.number("label_smoothing", src.get("label_smoothing"), "label_smoothing", src.where)
+    if kind == "kto":
+        pref.number("desirable_weight", src.get("desirable_weight"), "desirable_weight", src.where)
+        pref.number("undesirable_weight", src.get("undesirable_weight"), "undesirable_weight", src.where)
+    rpo = src.get("rpo_alpha")
+    if kind == "dpo" and rpo not in (None, "None") and as_float(rpo, "rpo_alpha", src.where) > 0:
+        pref.drop("rpo_alpha", rpo, "RPO's NLL term on the chosen answer; shardfit's dpo has none")
+    if kind in ("dpo", "kto"):
+        pref.precompute = src.flag("precompute_ref_log_probs", "false") or None
+        ref = src.get("ref_model")
+        if ref is not None:
+            pref.drop("ref_model", ref, "a reference model of its own; shardfit's reference is the model it starts "
+                      "from (`model:`)")
+        pref.reference = ReferenceCopy(f"{trainer} " + (f"is given ref_model={ref}" if ref else
+                                                         "without peft copies the model as the reference"),
+                                       with_adapters=ref is not None)
+    return pref
 
 
 def _script_settings(script: Path | None, src: Source) -> ScriptSettings:

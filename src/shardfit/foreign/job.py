@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardfit import objective as objectives
 from shardfit.plan.deepspeed import ZeroSettings
 from shardfit.plan.workload import Workload
 
@@ -27,6 +28,18 @@ class Words:
 
     def say(self, concept: str, default: str) -> str:
         return self.keys.get(concept) or self.zero.get(concept) or default
+
+
+@dataclass(frozen=True)
+class ReferenceCopy:
+    """The second model a tool loads as the DPO/KTO reference (shardfit never does: docs/preference.md). Set by
+    the reader when the tool, as configured, would load one for a method without adapters; the plan counts it
+    (asplanned.py `reference_bytes`) as that tool holds it."""
+
+    why: str  # in the tool's words: what makes it load the copy
+    with_adapters: bool = False  # loaded even when adapters train (a ref_model of its own, rl_adapter_ref_model)
+    bits: int | None = None  # stored quantized (LLaMA-Factory's ref_model_quantization_bit): never sharded
+    model: str | None = None  # another checkpoint than the policy's (planned with the policy's shape)
 
 
 @dataclass
@@ -58,6 +71,20 @@ class ForeignJob:
     convert: dict = field(default_factory=dict)
     data: list[str] = field(default_factory=list)
     data_missing: list[str] = field(default_factory=list)  # data the job names that is not a local file here
+    # Preference jobs: the reference model the tool keeps beside the policy (None: none, or the adapters switched
+    # off, or log-probabilities precomputed); what convert cannot carry (said at the top of the file); and why the
+    # job cannot be converted at all (convert exits 2 with it; plan and check still read the job).
+    reference: ReferenceCopy | None = None
+    not_carried: list[str] = field(default_factory=list)
+    unconvertible: str | None = None
+
+    def keeps_reference(self, w: Workload | None = None) -> bool:
+        """Whether the tool loads its reference copy for workload `w` (the job's own by default): a DPO/KTO
+        objective, and no adapters to switch off unless the copy is loaded with them too."""
+        w = w or self.workload
+        ref = self.reference
+        return ref is not None and objectives.get(w.objective).reference and (
+            not w.trains_adapters or ref.with_adapters)
 
     @property
     def distributed(self) -> bool:

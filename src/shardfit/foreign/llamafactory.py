@@ -11,7 +11,7 @@ from typing import Any
 from shardfit import method as methods
 from shardfit.errors import UserError
 from shardfit.foreign.common import ATTENTION, TRAINER_NO_EFFECT, as_float, as_int, hf_loss, local_file, optimizer
-from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     Key,
     Source,
@@ -27,6 +27,7 @@ from shardfit.foreign.keys import (
     yaml_source,
 )
 from shardfit.foreign.lf_columns import data_columns
+from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -37,6 +38,14 @@ def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
     return "all-linear" if target == "all" else [t.strip() for t in target.split(",")]
 
 
+# Preference settings, carried over to shardfit's `dpo:` keys where it has one (`_preference`).
+PREFERENCE_KEYS = {"pref_beta", "pref_loss", "pref_ftx", "pref_bco_weight", "simpo_gamma", "dpo_label_smoothing",
+                   "kto_chosen_weight", "kto_rejected_weight", "ld_alpha", "ref_model_adapters"}
+# LLaMA-Factory's stages: what shardfit trains, and what it cannot (`refuse`).
+STAGES = {"sft": "sft", "pt": "sft", "dpo": "dpo", "kto": "kto", "rm": "rm", "ppo": "ppo"}
+REFUSED = {"rm": "reward-model training", "ppo": "PPO, with a reward model and generation"}
+PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "kto_pair": "kto_pair", "orpo": "orpo",
+               "simpo": "simpo"}
 # What each LLaMA-Factory key means to shardfit.
 KEYS = key_table({
     "finetuning_type": Key("{method}"), "quantization_bit": Key("4-bit NF4 frozen weights"),
@@ -65,8 +74,11 @@ KEYS = key_table({
                        default="all"),
     "packing": Key(config="packing", read=flag, default=False), "output_dir": Key(config="output_dir", read=text),
     "trust_remote_code": Key(config="trust_remote_code", read=only_true),
-}, no_effect=TRAINER_NO_EFFECT | {
-    "stage", "template", "max_samples", "overwrite_cache", "preprocessing_num_workers", "eval_dataset",
+    # preference training (`_preference`): the stage decides the objective, a reference copy changes memory
+    "stage": Key("objective {objective}"), "ref_model": Key("reference model loaded beside the policy"),
+    "ref_model_quantization_bit": Key("reference model stored quantized"),
+}, no_effect=TRAINER_NO_EFFECT | PREFERENCE_KEYS | {
+    "template", "max_samples", "overwrite_cache", "preprocessing_num_workers", "eval_dataset",
     "additional_target", "loraplus_lr_ratio", "create_new_adapter", "mix_strategy", "streaming", "buffer_size",
     "tokenized_path", "default_system", "enable_thinking", "train_on_prompt", "mask_history", "finetuning_args",
     "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
@@ -112,7 +124,6 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
         job.engine = "ddp"
     job.quant_storage = w.method == "qlora" and job.engine == "deepspeed"  # LLaMA-Factory sets it under ZeRO-3
     job.speech_outputs = False  # LLaMA-Factory loads Qwen2.5-Omni's thinker only
-    _file_keys(src, job, w)
     job.data, missing, columns = _datasets(src, job.notes)
     job.data_missing = missing
     if missing:
@@ -120,7 +131,66 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     job.convert = _convert(src, w, shape)
     if columns:
         job.convert["data_columns"] = columns
+    apply(job, _preference(src, str(model)))
+    _file_keys(src, job, job.workload)
     return job
+
+
+def _preference(src: Source, model: str) -> Preference:
+    """The objective of `stage` (dpo with `pref_loss`, kto) and its settings in shardfit's keys. LLaMA-Factory
+    loads the model a second time as the DPO/KTO reference unless LoRA trains (trainer_utils.create_ref_model), and
+    always when `ref_model` names one; ORPO and SimPO use none."""
+    stage = choice(src.get("stage", "sft"), "stage", src.at("stage"), STAGES)
+    if stage in REFUSED:
+        raise refuse(src.at("stage"), "stage", stage, REFUSED[stage])
+    pref = Preference(objective=stage)
+    if stage == "sft":
+        return pref
+    pref.number("beta", src.get("pref_beta", 0.1), "pref_beta", src.at("pref_beta"))
+    if stage == "kto":
+        pref.number("desirable_weight", src.get("kto_chosen_weight"), "kto_chosen_weight", src.at("kto_chosen_weight"))
+        pref.number("undesirable_weight", src.get("kto_rejected_weight"), "kto_rejected_weight",
+                    src.at("kto_rejected_weight"))
+    else:
+        loss = choice(src.get("pref_loss", "sigmoid"), "pref_loss", src.at("pref_loss"), PREF_LOSSES)
+        pref.objective = loss if loss in ("orpo", "simpo") else "dpo"
+        if loss == "kto_pair":
+            pref.unconvertible = ("pref_loss: kto_pair (KTO's loss on pairs) has no shardfit objective; use pref_loss: "
+                                  "sigmoid (objective dpo), or stage: kto with unpaired rows (objective kto)")
+        elif pref.objective == "dpo":
+            pref.dpo["loss"] = loss
+        smoothing, gamma = src.get("dpo_label_smoothing"), src.get("simpo_gamma")
+        if pref.objective == "dpo":
+            pref.number("label_smoothing", smoothing, "dpo_label_smoothing", src.at("dpo_label_smoothing"))
+        if pref.objective == "simpo":
+            pref.number("simpo_gamma", gamma, "simpo_gamma", src.at("simpo_gamma"))
+    _dropped(src, pref)
+    if pref.objective in ("dpo", "kto"):
+        pref.reference = _reference(src, model)
+    return pref
+
+
+def _dropped(src: Source, pref: Preference) -> None:
+    """LLaMA-Factory's additions to the preference loss that shardfit's objectives do not have."""
+    if as_float(src.get("pref_ftx", 0), "pref_ftx", src.at("pref_ftx")) > 0:
+        pref.drop("pref_ftx", src.get("pref_ftx"), "an SFT term on the chosen answer added to the preference loss; "
+                  "shardfit's dpo/kto have none (objective orpo has one built in)")
+    if as_float(src.get("pref_bco_weight", 0), "pref_bco_weight", src.at("pref_bco_weight")) > 0:
+        pref.drop("pref_bco_weight", src.get("pref_bco_weight"), "BCO's loss mixed into DPO's")
+    if src.get("ld_alpha") is not None:
+        pref.drop("ld_alpha", src.get("ld_alpha"), "LD-DPO's down-weighting of the longer answer's tokens")
+
+
+def _reference(src: Source, model: str) -> ReferenceCopy:
+    ref = src.get("ref_model")
+    ft = str(src.get("finetuning_type", "lora")).lower()
+    bits = src.get("ref_model_quantization_bit")
+    why = f"ref_model: {ref} is loaded beside the policy" if ref else \
+        f"finetuning_type: {ft} loads the model a second time as the reference"
+    return ReferenceCopy(why, with_adapters=ref is not None or ft == "oft",
+                         bits=None if bits is None else as_int(bits, "ref_model_quantization_bit",
+                                                                src.at("ref_model_quantization_bit")),
+                         model=str(ref) if ref else None)
 
 
 def _method(src: Source, job: ForeignJob) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardfit.check.findings import Finding
-from shardfit.foreign.asplanned import ForeignPlan
+from shardfit.foreign.asplanned import ForeignPlan, reference_bytes
 from shardfit.foreign.job import ForeignJob
 from shardfit.plan.estimate import GIB, compute_bytes
 
@@ -106,6 +106,36 @@ def _predicted_oom(fp: ForeignPlan, found: list[Finding]) -> list[Finding]:
         f"peak in {c.peak_phase})", fix)]
 
 
+def _reference_copy(fp: ForeignPlan, found: list[Finding]) -> list[Finding]:
+    """A DPO/KTO job whose tool loads a second copy of the weights as the reference: whole on every GPU (ZeRO-0/1/2,
+    DDP, a quantized copy under ZeRO-3), or partitioned beside the policy. shardfit keeps no copy."""
+    job = fp.job
+    ref = reference_bytes(job, fp.shape, job.workload, fp.hardware, job.engine, job.zero)
+    if not ref:
+        return []
+    n = fp.hardware.world
+    policy = fp.configured.per_gpu_gib.weights - ref.gpu / GIB
+    if not ref.sharded and _shards_params(job):
+        what = (f"its reference copy is not partitioned: {ref.gpu / GIB:.1f} GiB on every GPU while the policy's "
+                f"weights are sharded over {n} ranks ({policy:.1f} GiB each)")
+    elif not ref.sharded:
+        what = (f"a second copy of the weights, {ref.gpu / GIB:.1f} GiB whole on every GPU"
+                + (" (trl runs it at ZeRO stage 0 under ZeRO-1/2)" if job.engine == "deepspeed" else "")
+                + f", beside the policy's {policy:.1f} GiB")
+    else:
+        where = f"{ref.host / GIB:.1f} GiB of host RAM per rank" if ref.host else f"{ref.gpu / GIB:.1f} GiB per GPU"
+        what = f"a second copy of the weights, partitioned over {n} ranks: {where}"
+    say = job.words.say
+    tool_way = say("ref_precompute", "")
+    lora = "" if job.reference is None or job.reference.with_adapters else \
+        f"; or {say('lora', 'LoRA')} (the reference is then the adapters switched off)"
+    fix = (f"shardfit convert --from {job.tool} {job.source} (shardfit computes the reference log-probabilities once "
+           f"before step 1 and keeps no copy){lora}" + (f"; or {tool_way}" if tool_way else ""))
+    return [Finding(
+        "reference_copy", "warning" if fp.configured.fits else "error", f"objective {job.workload.objective}",
+        f"{job.reference.why if job.reference else ''}: {what}", fix)]
+
+
 def _quantized_storage(fp: ForeignPlan, found: list[Finding]) -> list[Finding]:
     """QLoRA's uint8 weights under an engine that partitions float tensors of one dtype."""
     job = fp.job
@@ -166,5 +196,5 @@ def _not_modelled(fp: ForeignPlan, found: list[Finding]) -> list[Finding]:
 
 # Each rule sees the plan and the findings before it (predicted_oom stays quiet after replica_does_not_fit).
 RULES: tuple[Callable[[ForeignPlan, list[Finding]], list[Finding]], ...] = (
-    _device_map, _unused_speech_modules, _replica_does_not_fit, _predicted_oom, _quantized_storage,
+    _device_map, _unused_speech_modules, _replica_does_not_fit, _predicted_oom, _reference_copy, _quantized_storage,
     _reentrant_under_ddp, _device_map_split, _not_modelled)

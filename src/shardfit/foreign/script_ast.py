@@ -15,12 +15,17 @@ from typing import Any
 
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
 ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig", "ORPOConfig",
-                    "KTOConfig", "RewardConfig", "GRPOConfig")
+                    "KTOConfig", "RewardConfig", "GRPOConfig", "CPOConfig")
 # TrainingArguments keywords read, as the command line would spell them.
 TRAINING_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16",
                  "fp16", "learning_rate", "num_train_epochs", "max_steps", "optim", "deepspeed", "output_dir",
                  "max_seq_length", "max_length", "model_max_length", "warmup_ratio", "weight_decay",
-                 "max_grad_norm", "seed", "save_steps", "logging_steps", "use_liger_kernel", "attn_implementation")
+                 "max_grad_norm", "seed", "save_steps", "logging_steps", "use_liger_kernel", "attn_implementation",
+                 *("beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "rpo_alpha", "simpo_gamma",
+                   "cpo_alpha", "desirable_weight", "undesirable_weight"))
+# TRL's trainers: what the script optimises (hf.py maps each to shardfit's objective, or refuses it).
+TRAINERS = ("DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "GRPOTrainer", "PPOTrainer", "RewardTrainer",
+            "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer", "BCOTrainer", "PRMTrainer")
 SEQ_KEYS = ("max_seq_length", "max_length", "model_max_length")
 
 
@@ -31,6 +36,7 @@ class ScriptSettings:
     args: dict[str, str] = field(default_factory=dict)
     found: list[str] = field(default_factory=list)  # "LoraConfig(r=16) at train.py:12", for the report's notes
     model: str | None = None  # from_pretrained("...")'s literal first argument
+    trainer: str | None = None  # the TRL trainer class the script builds (TRAINERS), e.g. "DPOTrainer"
 
 
 def _name(func: ast.expr) -> str:
@@ -99,6 +105,14 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             out.args.update({k: _as_arg(v) for k, v in keys.items()})
             if keys:
                 out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
+        elif name in TRAINERS and out.trainer is None:
+            out.trainer = name
+            keys = {k: v for k, v in known.items() if k in TRAINING_KEYS and not isinstance(v, (dict, list))}
+            out.args.update({k: _as_arg(v) for k, v in keys.items() if k not in out.args})  # TRL before configs
+            out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
+            ref = next((k.value for k in node.keywords if k.arg == "ref_model"), None)
+            if ref is not None and _value(ref, constants) is not None:
+                out.args["ref_model"] = ast.unparse(ref)
         elif name == "gradient_checkpointing_enable":
             out.args["gradient_checkpointing"] = "true"
             out.found.append(f"gradient_checkpointing_enable() at {at}")

@@ -19,7 +19,7 @@ from shardfit.foreign.common import (
     local_file,
     optimizer,
 )
-from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
     Key,
@@ -35,6 +35,7 @@ from shardfit.foreign.keys import (
     text,
     use_deepspeed,
 )
+from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
 from shardfit.plan.workload import Workload
 
@@ -44,6 +45,14 @@ def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
     return "all-linear" if value == "all-linear" else value.split()
 
 
+# `swift rlhf` settings, carried over to shardfit's `dpo:` keys where it has one (`_preference`).
+PREFERENCE_KEYS = {"beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma", "desirable_weight",
+                   "undesirable_weight", "ref_model_type", "ref_model_revision", "ref_adapters", "ld_alpha",
+                   "loss_weights", "discopop_tau"}
+RLHF_TYPES = {k: k for k in ("dpo", "orpo", "simpo", "kto", "cpo", "rm", "ppo", "grpo", "gkd")}
+REFUSED = {"rm": "reward-model training", "ppo": "PPO, with reward and value models and generation",
+           "grpo": "GRPO, online with generation", "gkd": "GKD, distillation from a teacher model"}
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each `swift sft` option means to shardfit.
 KEYS = key_table({
     "train_type": Key("{method}"), "sft_type": Key("{method}"), "quant_bits": Key("4-bit NF4 frozen weights"),
@@ -70,7 +79,9 @@ KEYS = key_table({
     "target_modules": Key("adapters on every linear layer", config="lora.targets", read=lora_targets,
                           default="all-linear"),
     "packing": Key(config="packing", read=flag, default="false"), "output_dir": Key(config="output_dir", read=text),
-}, no_effect=TRAINER_NO_EFFECT | {
+    # `swift rlhf` (`_preference`): the objective, and the reference model a full fine-tune loads beside the policy
+    "rlhf_type": Key("objective {objective}"), "ref_model": Key("reference model loaded beside the policy"),
+}, no_effect=TRAINER_NO_EFFECT | PREFERENCE_KEYS | {
     "dataset", "val_dataset", "system", "model_author", "model_name", "streaming", "dataset_num_proc", "template",
     "model_type", "add_version", "columns", "save_only_model", "load_from_cache_file", "truncation_strategy",
     "loss_scale", "use_hf", "padding_free", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
@@ -117,11 +128,58 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     audio = cmd.env.get("ENABLE_AUDIO_OUTPUT")
     job.speech_outputs = "omni" in model.lower() and (audio is None or as_bool(audio))
     job.quant_storage = src.get("bnb_4bit_quant_storage") is not None
-    _file_keys(src, job, w)
-    file_env(job, cmd.exported, ENV, unknown=None)
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
+    apply(job, _preference(src, cmd.program, job))
+    _file_keys(src, job, job.workload)
+    file_env(job, cmd.exported, ENV, unknown=None)
     return job
+
+
+def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
+    """`swift rlhf --rlhf_type ...` (dpo when not given) in shardfit's objectives. ms-swift loads `--ref_model`
+    (default: `--model`) beside the policy for DPO and KTO with `--train_type full` (RLHFArguments); LoRA switches
+    its adapters off instead. Its `simpo` is TRL's CPO trainer with the SimPO loss: beta 2 and gamma 1 by default,
+    and `cpo_alpha` (1 by default) times the chosen answer's NLL added."""
+    if program != "swift rlhf":
+        return Preference()
+    kind = choice(src.get("rlhf_type", "dpo"), "--rlhf_type", src.where, RLHF_TYPES)
+    if kind in REFUSED:
+        raise refuse(src.where, "--rlhf_type", kind, REFUSED[kind])
+    pref = Preference(objective="simpo" if kind == "cpo" else kind)
+    pref.number("beta", src.get("beta", 2.0 if kind == "simpo" else 0.1), "--beta", src.where)
+    if kind == "cpo":
+        job.notes.append("--rlhf_type cpo planned as simpo: the same memory (pairs, no reference model)")
+        pref.unconvertible = ("--rlhf_type cpo (CPO: a sigmoid loss on the summed log-probabilities plus an NLL term) "
+                              "has no shardfit objective; use --rlhf_type simpo (objective simpo) or orpo")
+    elif kind == "dpo":
+        losses = src.get("loss_type", "sigmoid").split()
+        if len(losses) == 1 and losses[0] in DPO_LOSSES:
+            pref.dpo["loss"] = losses[0]
+        else:
+            pref.unconvertible = (f"--loss_type {' '.join(losses)}: shardfit's dpo losses are "
+                                  f"{', '.join(DPO_LOSSES)} (one at a time)")
+    if kind in ("dpo", "simpo"):
+        pref.number("label_smoothing", src.get("label_smoothing"), "--label_smoothing", src.where)
+    if kind == "simpo":
+        pref.number("simpo_gamma", src.get("simpo_gamma", 1.0), "--simpo_gamma", src.where)
+        if as_float(src.get("cpo_alpha", 1.0), "--cpo_alpha", src.where) > 0:
+            pref.drop("--cpo_alpha", src.get("cpo_alpha", "1.0 (the default)"), "ms-swift's simpo adds cpo_alpha "
+                      "times the chosen answer's NLL (CPO-SimPO); shardfit's simpo has none (--cpo_alpha 0 is plain "
+                      "SimPO)")
+    if kind == "kto":
+        pref.number("desirable_weight", src.get("desirable_weight"), "--desirable_weight", src.where)
+        pref.number("undesirable_weight", src.get("undesirable_weight"), "--undesirable_weight", src.where)
+    rpo = src.get("rpo_alpha")
+    if kind == "dpo" and rpo not in (None, "None", "none") and as_float(rpo, "--rpo_alpha", src.where) > 0:
+        pref.drop("--rpo_alpha", rpo, "RPO's NLL term on the chosen answer added to DPO's loss; shardfit's dpo has "
+                  "none")
+    if kind in ("dpo", "kto"):
+        ref = src.get("ref_model")
+        pref.reference = ReferenceCopy(f"--train_type full with --rlhf_type {kind} loads "
+                                       + (f"--ref_model {ref}" if ref else "the model a second time")
+                                       + " as the reference", model=ref)
+    return pref
 
 
 def _method(src: Source, job: ForeignJob) -> str:
