@@ -1,6 +1,7 @@
 """Does preference training change behaviour? The functional DPO check the README reports.
 
-    python bench/dpo_format.py            # SmolLM2-135M-Instruct, LoRA DPO, ~10 minutes on a 2-core CPU
+    python bench/dpo_format.py                   # SmolLM2-135M-Instruct, LoRA DPO, 20 steps (~15 min, 2-core CPU)
+    python bench/dpo_format.py --objective orpo  # the same with ORPO (its SFT term on the chosen answers)
 
 The task comes from the demo's rows: each note's contact record written two ways, the record format
 (`name=...; city=...; ext=...`) chosen and the same facts in prose (`Anya Khan (Denver), extension 2485`)
@@ -13,7 +14,7 @@ demo's held-out notes (never trained on), measures before (the base: the adapter
   log-probability;
 - the format of greedy answers: the share of held-out prompts answered in the record format, and in prose.
 
-Results: bench/results/dpo_format.json; the README's table is generated from it (tests/test_docs.py holds it).
+Results: bench/results/{dpo,orpo}_format.json; the README's table is generated from it (tests/test_docs.py holds it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "src" / "shardfit" / "demo"
-RESULT = ROOT / "bench" / "results" / "dpo_format.json"
+RESULTS = ROOT / "bench" / "results"
 SCORERS = ROOT / "bench" / "dpo_format_scorers.py"
 
 
@@ -51,27 +52,39 @@ def demo_pairs(src: Path, out: Path, limit: int | None = None) -> Path:
     return out
 
 
-BLOCK = ("<!-- dpo-format: generated from bench/results/dpo_format.json (tests/test_preference.py holds it) -->",
+BLOCK = ("<!-- dpo-format: generated from bench/results/*_format.json by bench/dpo_format.py (tests/test_preference.py holds it) -->",
          "<!-- end: dpo-format -->")
 
 
-def readme_table(result: dict) -> str:
-    """The README's before/after table of `result` (what `--write-readme` puts between the BLOCK markers)."""
+def result_path(objective: str) -> Path:
+    return RESULTS / f"{objective}_format.json"
+
+
+def results() -> list[dict]:
+    """The last result of each objective run, DPO first."""
+    return [json.loads(p.read_text()) for o in ("dpo", "orpo", "simpo") if (p := result_path(o)).is_file()]
+
+
+def readme_table(runs: list[dict]) -> str:
+    """The README's before/after table of `runs` (what the bench puts between the BLOCK markers)."""
     rows = [("reward accuracy (chosen gains more than rejected; ties half)", "reward_accuracy"),
             ("prefers the chosen answer (higher log-probability)", "prefers_chosen"),
             ("greedy answers in the chosen record format", "record_format"),
             ("greedy answers in the rejected prose format", "prose_format")]
-    lines = [f"| {result['heldout_pairs']} held-out notes | before | after {result['steps']} DPO steps |",
-             "|---|---|---|"]
-    lines += [f"| {label} | {result['before'][key]:.0%} | {result['after'][key]:.0%} |" for label, key in rows]
-    return "\n".join(lines) + f"\n\n{result['machine']}, LoRA r16, {result['train_pairs']} training pairs seen.\n"
+    head = " | ".join(f"after {r['steps']} {r['config']['objective'].upper()} steps" for r in runs)
+    lines = [f"| {runs[0]['heldout_pairs']} held-out notes | before | {head} |", "|---|---|" + "---|" * len(runs)]
+    lines += [f"| {label} | {runs[0]['before'][key]:.0%} | " + " | ".join(f"{r['after'][key]:.0%}" for r in runs)
+              + " |" for label, key in rows]
+    seen = ", ".join(f"{r['config']['objective'].upper()} lr {r['config']['lr']:g}, {r['train_pairs']} pairs"
+                     for r in runs)
+    return "\n".join(lines) + f"\n\n{runs[0]['machine']}, LoRA r16, beta 0.1; {seen}.\n"
 
 
-def write_readme(result: dict, readme: Path = ROOT / "README.md") -> None:
+def write_readme(runs: list[dict], readme: Path = ROOT / "README.md") -> None:
     text = readme.read_text()
     head, rest = text.split(BLOCK[0], 1)
     _, tail = rest.split(BLOCK[1], 1)
-    readme.write_text(f"{head}{BLOCK[0]}\n{readme_table(result)}{BLOCK[1]}{tail}")
+    readme.write_text(f"{head}{BLOCK[0]}\n{readme_table(runs)}{BLOCK[1]}{tail}")
 
 
 def shardfit(*args: str, show: bool = False) -> subprocess.CompletedProcess:
@@ -84,21 +97,22 @@ def shardfit(*args: str, show: bool = False) -> subprocess.CompletedProcess:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--objective", default="dpo", choices=("dpo", "orpo", "simpo"))
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=48, help="held-out notes (the demo has 48)")
-    ap.add_argument("--out", default=str(RESULT))
-    ap.add_argument("--write-readme", action="store_true", help="only rewrite the README's table from --out")
+    ap.add_argument("--write-readme", action="store_true", help="only rewrite the README's table from the results")
     args = ap.parse_args()
     if args.write_readme:
-        write_readme(json.loads(Path(args.out).read_text()))
+        write_readme(results())
         return
     work = Path(tempfile.mkdtemp(prefix="dpo-format-"))
     train = demo_pairs(DEMO / "train.jsonl", work / "train_pairs.jsonl")
     held = demo_pairs(DEMO / "heldout.jsonl", work / "heldout_pairs.jsonl", args.prompts)
-    config = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "data": str(train), "objective": "dpo",
+    config = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "data": str(train), "objective": args.objective,
               "dpo": {"beta": 0.1, "loss": "sigmoid"}, "method": "lora",
               "lora": {"rank": 16, "alpha": 32, "targets": "all-linear"}, "precision": "auto", "max_seq_len": 256,
-              "micro_batch": 4, "lr": 5.0e-4, "warmup_ratio": 0.05, "max_steps": args.steps, "log_steps": 5,
+              "micro_batch": 4, "lr": args.lr, "warmup_ratio": 0.05, "max_steps": args.steps, "log_steps": 5,
               "save_steps": 1000, "eval_steps": 1000, "output_dir": str(work / "run"), "resume": "never",
               "report_to": ["none"]}
     cfg = work / "dpo.yaml"
@@ -122,8 +136,8 @@ def main() -> None:
                         "prefers_chosen": pairs["models"]["tuned"]["prefers_chosen"],
                         **{k: gen["models"]["tuned"]["metrics"][k] for k in ("record_format", "prose_format")}},
               "samples": gen["samples"][:4]}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    write_readme(result)
+    result_path(args.objective).write_text(json.dumps(result, indent=2) + "\n")
+    write_readme(results())
     print(json.dumps({k: result[k] for k in ("before", "after", "train_s")}, indent=2))
 
 
