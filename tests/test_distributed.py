@@ -53,8 +53,13 @@ def single_runs(tmp_path_factory, tiny_llama: Path, small_data: Path) -> dict[st
     return out
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "zero3_offload"])
+# zero2 and zero3_offload train a full fine-tune as zero3 does, save where the optimizer state lives: heavy.
+HEAVY_PAIRS = (("zero2", "full"), ("zero3_offload", "full"))
+
+
+@pytest.mark.parametrize("strategy,method", [
+    pytest.param(s, m, marks=pytest.mark.heavy) if (s, m) in HEAVY_PAIRS else (s, m)
+    for s in ("ddp", "zero2", "zero3", "zero3_offload") for m in ("lora", "full")])
 def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small_data: Path, single_runs,
                                          strategy: str, method: str) -> None:
     cfg = _cfg(tmp_path, tiny_llama, small_data, "run", method=method, strategy=strategy,
@@ -202,7 +207,7 @@ def _two_nodes(cfgs: list[Path], rendezvous: str, cwds: list[Path] | None = None
     return out
 
 
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+@pytest.mark.parametrize("rendezvous", [pytest.param("static", marks=pytest.mark.heavy), "c10d"])
 def test_two_node_launch_matches_single_process(tmp_path: Path, tiny_llama: Path, small_data: Path, single_runs,
                                                 rendezvous: str) -> None:
     cfg = _cfg(tmp_path, tiny_llama, small_data, "mn", strategy="zero3")
@@ -243,7 +248,7 @@ def test_zero3_accumulating_micro_batches_matches_single_process(tmp_path: Path,
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.heavy)])
 def test_zero3_untied_embedding_unit_matches_single_process(tmp_path: Path, tiny_qwen2: Path, small_data: Path,
                                                             method: str) -> None:
     """An untied input embedding is its own FSDP2 unit; with full fine-tuning its gradient crosses that unit."""

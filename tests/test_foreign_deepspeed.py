@@ -39,6 +39,7 @@ def test_recorded_deepspeed_runs_within_10_percent() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_live_deepspeed_runs_within_10_percent(tmp_path: Path) -> None:
     """Measured again here on 2 gloo ranks (ZeRO-3, and ZeRO-2 with offload): the estimate holds, and so does the
     recording."""

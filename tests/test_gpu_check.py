@@ -27,6 +27,7 @@ def test_without_cuda_the_check_stops_at_once_with_a_message(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_rehearsal_trains_measures_and_writes_one_json(tmp_path: Path) -> None:
     """A LoRA (with the memory against its plan), the full run's profiled step, and the speed comparison with the
     Trainer, as the GPU check runs them, with tiny models on this CPU."""

@@ -18,7 +18,7 @@ def _grads(tmp_path: Path, strategy: str) -> list[dict]:
     return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "zero2"])
+@pytest.mark.parametrize("strategy", ["zero3", pytest.param("zero2", marks=pytest.mark.heavy)])
 def test_sharded_strategies_reduce_scatter_every_micro_batch(tmp_path: Path, strategy: str) -> None:
     """Before the optimizer step's micro-batch, FSDP2 has already reduce-scattered: every rank holds a gradient
     shard of every parameter, and no unsharded gradient waits on the side (what the plan's memory counts)."""

@@ -183,7 +183,7 @@ def test_full_finetune_precomputes_its_reference(tmp_path: Path, tiny_llama: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.heavy), "zero3"])
 def test_two_ranks_equal_one_process(tmp_path: Path, tiny_llama: Path, pairs: Path, strategy: str) -> None:
     """fp32: 2 ranks with micro_batch 2 follow the one-process run with grad_accum 2 step for step."""
     one = _cfg(tmp_path, tiny_llama, pairs, "one", max_steps=3, grad_accum=2, strategy="single")
