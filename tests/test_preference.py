@@ -183,11 +183,15 @@ def test_full_finetune_precomputes_its_reference(tmp_path: Path, tiny_llama: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.heavy), "zero3"])
-def test_two_ranks_equal_one_process(tmp_path: Path, tiny_llama: Path, pairs: Path, strategy: str) -> None:
-    """fp32: 2 ranks with micro_batch 2 follow the one-process run with grad_accum 2 step for step."""
-    one = _cfg(tmp_path, tiny_llama, pairs, "one", max_steps=3, grad_accum=2, strategy="single")
-    two = _cfg(tmp_path, tiny_llama, pairs, "two", max_steps=3, strategy=strategy)
+@pytest.mark.parametrize("strategy,method", [pytest.param("ddp", "lora", marks=pytest.mark.heavy), ("zero3", "lora"),
+                                             pytest.param("zero3", "full", marks=pytest.mark.heavy)])
+def test_two_ranks_equal_one_process(tmp_path: Path, tiny_llama: Path, pairs: Path, strategy: str,
+                                     method: str) -> None:
+    """fp32: 2 ranks with micro_batch 2 follow the one-process run with grad_accum 2 step for step (a full
+    fine-tune: the reference precomputed by both ranks sharing the pass)."""
+    lr = 1e-2 if method == "lora" else 1e-4
+    one = _cfg(tmp_path, tiny_llama, pairs, "one", max_steps=3, grad_accum=2, strategy="single", method=method, lr=lr)
+    two = _cfg(tmp_path, tiny_llama, pairs, "two", max_steps=3, strategy=strategy, method=method, lr=lr)
     for cfg, extra in ((one, []), (two, ["--nproc", "2"])):
         r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-3000:]
