@@ -52,8 +52,8 @@ def demo_pairs(src: Path, out: Path, limit: int | None = None) -> Path:
     return out
 
 
-BLOCK = ("<!-- dpo-format: generated from bench/results/*_format.json by bench/dpo_format.py (tests/test_preference.py holds it) -->",
-         "<!-- end: dpo-format -->")
+BLOCK = ("<!-- dpo-format: generated from bench/results/*_format.json by bench/dpo_format.py "
+         "(tests/test_preference.py holds it) -->", "<!-- end: dpo-format -->")
 
 
 def result_path(objective: str) -> Path:
