@@ -69,13 +69,13 @@ def test_pairs_within_max_seq_len_have_no_finding(tmp_path: Path, tiny_llama: Pa
 def test_kto_rows_of_one_kind_are_an_error(tmp_path: Path, tiny_llama: Path) -> None:
     rows = [{"prompt": f"question {i}", "completion": f"answer {i}", "label": True} for i in range(4)]
     data = _write(tmp_path / "kto.jsonl", rows)
-    found = _check(tmp_path, tiny_llama, data, objective="kto")
+    found = _check(tmp_path, tiny_llama, data, objective="kto", micro_batch=2)
     one = [f for f in found if f.rule == "kto_one_kind"]
     assert one and one[0].severity == "error" and not is_ok(found)
     assert "all 4 training rows are desirable" in one[0].message and "undesirable" in one[0].fix
     rows[1]["label"] = False
     mixed = _write(tmp_path / "kto2.jsonl", rows)
-    assert "kto_one_kind" not in {f.rule for f in _check(tmp_path, tiny_llama, mixed, objective="kto")}
+    assert "kto_one_kind" not in {f.rule for f in _check(tmp_path, tiny_llama, mixed, objective="kto", micro_batch=2)}
 
 
 @pytest.mark.parametrize(("row", "says"), [

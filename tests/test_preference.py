@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from shardfit.config import load_config
 from shardfit.data.formats import BadRow, detect_preference
 from shardfit.data.preference import to_pref_row
+from shardfit.errors import UserError
 from shardfit.parallel.env import init_distributed
 from shardfit.report.build import make_report
 from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses
@@ -264,3 +265,41 @@ def test_readme_table_is_the_bench_result() -> None:
     block = (ROOT / "README.md").read_text().split(bench.BLOCK[0], 1)[1].split(bench.BLOCK[1], 1)[0]
     assert runs and block.strip() == bench.readme_table(runs).strip()
     assert all(r["after"]["reward_accuracy"] > r["before"]["reward_accuracy"] for r in runs)
+
+
+def test_history_turns_are_context_not_answer(tokenizer) -> None:
+    """A multi-turn prompt's earlier assistant turns carry no label: only the answer after it trains."""
+    from shardfit.data.tokenize import IGNORE, encode_messages
+
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+               {"role": "user", "content": "and now?"}]
+    answer = [{"role": "assistant", "content": "now this"}]
+    enc = encode_messages(tokenizer, history + answer, 256, label_from=len(history))
+    labelled = tokenizer.decode([t for t in enc.targets if t != IGNORE])
+    assert "now this" in labelled and "hello there" not in labelled
+    row = to_pref_row({"chosen": history + answer, "rejected": history + [{"role": "assistant", "content": "no"}]})
+    assert row.prompt == history and row.chosen == answer
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"prompt": "q", "completion": "a", "kto_tag": True}, "prompt needs"),
+    ({"messages": {"role": "user"}, "chosen": "a", "rejected": "b"}, "prompt needs"),
+    ({"conversations": 5, "chosen": "a", "rejected": "b"}, "prompt needs"),
+    ({"prompt": "q", "chosen": [{"role": "assistant", "content": 5}], "rejected": "b"}, "must be a string"),
+    ({"prompt": "q", "chosen": [{"role": "robot", "content": "a"}], "rejected": "b"}, "unknown role"),
+])
+def test_malformed_rows_are_bad_rows(tmp_path: Path, row: dict, words: str) -> None:
+    from shardfit.data.dataset import DataStats
+    from shardfit.data.preference import load_preferences
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    objective = "kto" if "kto_tag" in row else "dpo"
+    with pytest.raises(UserError, match=words) as e:
+        load_preferences(str(data), objective, False, DataStats(), None, {})
+    assert "bad.jsonl:1" in str(e.value)
+
+
+def test_sharegpt_turns_as_a_prompt() -> None:
+    row = to_pref_row({"prompt": [{"from": "human", "value": "hi"}], "chosen": "a", "rejected": "b"})
+    assert row.prompt == [{"role": "user", "content": "hi"}]

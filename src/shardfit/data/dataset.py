@@ -30,6 +30,7 @@ class Conversation:
     images: tuple[str, ...] = ()  # absolute paths, in the order of the `<image>` placeholders
     audios: tuple[AudioInput, ...] = ()  # absolute paths or WAV bytes, in the order of the `<audio>` placeholders
     videos: tuple[VideoClip, ...] = ()  # each video (frames or a file), in the order of the `<video>` placeholders
+    label_from: int = 0  # the first message whose assistant turns train (a preference answer after its history)
 
 
 @dataclass
@@ -149,9 +150,9 @@ def encode_all(tokenizer: Any, conversations: list[Conversation], max_len: int, 
         try:
             if vision is not None:
                 enc = encode_with_images(tokenizer, vision, conv.messages, conv.images, max_len, conv.audios,
-                                         conv.videos)
+                                         conv.videos, conv.label_from)
             else:
-                enc = encode_messages(tokenizer, conv.messages, max_len)
+                enc = encode_messages(tokenizer, conv.messages, max_len, conv.label_from)
         except BadRow as e:
             _bad_row(conv.where, str(e), skip_bad_rows, stats)
             continue

@@ -95,13 +95,17 @@ def _turns(value: Any, what: str, role: str = "assistant") -> Messages:
     for i, t in enumerate(value):
         if not isinstance(t, dict) or "role" not in t or "content" not in t:
             raise BadRow(f"'{what}'[{i}] needs 'role' and 'content' (or 'from' and 'value')")
-        out.append({"role": t["role"], "content": t["content"]})
+        if t["role"] not in ("system", "user", "assistant"):
+            raise BadRow(f"'{what}'[{i}]: unknown role {t['role']!r} (use system, user or assistant)")
+        out.append({"role": t["role"], "content": text_of(t["content"], f"'{what}'[{i}].content")})
     return out
 
 
 def _history(row: dict) -> Messages:
     """The prompt of a LLaMA-Factory ranking or KTO row: its conversation, messages or alpaca instruction."""
     fmt = detect_format({**row, "output": ""})  # a conversation or messages first; else alpaca's instruction
+    if fmt is None:
+        raise BadRow("the prompt needs a 'conversations' or 'messages' list, an 'instruction' or a 'prompt'")
     if fmt == "alpaca":
         return to_messages({**row, "output": ""}, "alpaca")[:-1]
     key = "conversations" if fmt == "sharegpt" else "messages"
@@ -109,6 +113,13 @@ def _history(row: dict) -> Messages:
     if fmt == "sharegpt":
         return to_messages({**row, key: turns + [{"from": "gpt", "value": ""}]}, fmt)[:-1]
     return to_messages({**row, key: turns + [{"role": "assistant", "content": ""}]}, fmt)[:-1]
+
+
+def text_of(value: Any, what: str) -> str:
+    """A turn's content as a string (media were flattened into placeholders before this)."""
+    if not isinstance(value, str):
+        raise BadRow(f"{what} must be a string, got {type(value).__name__}")
+    return value
 
 
 def _shared_prefix(a: Messages, b: Messages) -> int:
@@ -196,17 +207,21 @@ def load_preferences(paths: str | list[str], objective: str, skip_bad_rows: bool
 def _as_text_turns(row: dict) -> Messages:
     """The row's prompt turns as written (content parts kept), for media extraction only."""
     for key in ("messages", "prompt"):
-        if isinstance(row.get(key), list):
-            return [t for t in row[key] if isinstance(t, dict) and "content" in t]
+        if isinstance(row.get(key), list) and all(isinstance(t, dict) and "content" in t for t in row[key]):
+            return row[key]
     text = [row.get(k) for k in ("prompt", "instruction", "input") if isinstance(row.get(k), str)]
-    text += [t.get("value") for t in row.get("conversations") or [] if isinstance(t, dict)]
+    turns = row.get("conversations")
+    text += [t.get("value") for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
     return [{"role": "user", "content": t} for t in text if isinstance(t, str)]
 
 
 def _flattened(row: dict, probe: dict) -> dict:
     """The row's OpenAI content parts flattened to strings with placeholders, where media extraction did so."""
     for key in ("messages", "prompt"):
-        if isinstance(row.get(key), list) and isinstance(probe.get("messages"), list):
+        turns = row.get(key)
+        parts = isinstance(turns, list) and any(isinstance(t, dict) and isinstance(t.get("content"), list)
+                                                for t in turns)
+        if parts and isinstance(probe.get("messages"), list):
             return {key: probe["messages"]}
     return {}
 
@@ -235,7 +250,7 @@ def encode_pairs(tokenizer: Any, split: PrefSplit, conversations: list[Conversat
     for conv in conversations:
         pref = split.rows[conv.where]
         sides = [pref.chosen] + ([pref.rejected] if pref.rejected is not None else [])
-        convs = [dataclasses.replace(conv, messages=pref.prompt + side) for side in sides]
+        convs = [dataclasses.replace(conv, messages=pref.prompt + side, label_from=len(pref.prompt)) for side in sides]
         scratch = DataStats()
         encoded = encode_all(tokenizer, convs, max_len, scratch, skip_bad_rows, vision)
         if scratch.skipped:

@@ -73,13 +73,15 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_promp
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the [start, end) character spans of every assistant turn in it."""
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]],
+                    label_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the [start, end) character spans of every assistant turn from message `label_from` on
+    (a preference answer: the assistant turns of the prompt's history are context, not trained)."""
     text = _render(tokenizer, messages)
     spans: list[tuple[int, int]] = []
     search_from = 0
     for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
+        if msg["role"] != "assistant" or i < label_from:
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         through = _render(tokenizer, messages[: i + 1])
@@ -96,9 +98,10 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str
     return text, spans
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], max_len: int) -> Encoded:
-    """Tokenise a conversation, label assistant tokens, shift labels, and truncate to `max_len`."""
-    text, spans = assistant_spans(tokenizer, messages)
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], max_len: int, label_from: int = 0) -> Encoded:
+    """Tokenise a conversation, label assistant tokens (of the turns from `label_from` on), shift labels, and
+    truncate to `max_len`."""
+    text, spans = assistant_spans(tokenizer, messages, label_from)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
     labels = [IGNORE] * len(ids)

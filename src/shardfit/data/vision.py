@@ -76,7 +76,7 @@ def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tens
 
 def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[str, str]],
                        images: tuple[str, ...], max_len: int, audios: tuple[AudioInput, ...] = (),
-                       videos: tuple[VideoClip, ...] = ()) -> Encoded:
+                       videos: tuple[VideoClip, ...] = (), label_from: int = 0) -> Encoded:
     """One example with its pixels, image and video grids, audio clips and M-RoPE positions; a row whose media
     tokens do not fit in `max_len` is a `BadRow` (truncating inside a medium would leave features with no tokens
     to fill)."""
@@ -92,7 +92,7 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
                 start, end = (ap.start, ap.end) if tag == AUDIO and ap is not None else (vp.start, vp.end)
                 content = content.replace(tag, start + token + end)
         rendered.append(dict(m, content=content))
-    enc = encode_messages(tokenizer, rendered, max_len=1 << 30)
+    enc = encode_messages(tokenizer, rendered, max_len=1 << 30, label_from=label_from)
     grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
     # Each video: its frames (sampled to video_max_frames), its grid and its temporal position step.
     clips = [vs.sampled(v) for v in videos] if vs is not None else []

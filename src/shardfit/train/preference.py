@@ -155,8 +155,12 @@ class PreferenceLoss(CausalLMLoss):
     def _adapters_off(self) -> contextlib.AbstractContextManager:
         """The reference: the policy with its LoRA adapters switched off (a no-op for precomputed references of a
         full fine-tune, whose reference pass runs before the first update)."""
+        if self.reference != "adapters_off":
+            return contextlib.nullcontext()
         off = getattr(self.model, "disable_adapter", None)
-        return off() if off is not None and self.reference == "adapters_off" else contextlib.nullcontext()
+        if off is None:  # the reference would be the policy itself: no anchor at all
+            raise RuntimeError("reference adapters_off on a model without peft adapters")
+        return off()
 
     def _losses(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None,
                 desirable: torch.Tensor | None) -> torch.Tensor:

@@ -334,6 +334,8 @@ class FineTune:
             idx = k * env.world + env.rank
             real = idx < len(groups)
             batch = collate(form(groups[idx if real else 0]), self.pad_id, self.job.rows).to(self.in_device)
+            if self.attention is not None:  # the kernel training would run at this width: the same numbers
+                self.attention.before(batch.input_ids.shape[-1])
             with self.amp:
                 logps, _ = self.loss_module(batch.input_ids, batch.position_ids, batch.targets, **batch.media,
                                             **batch.host_facts, reference_only=True)
