@@ -48,6 +48,8 @@ def sequence_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
     h = hidden.flatten(0, 1).index_select(0, idx)
     y = targets.flatten().index_select(0, idx)
     owner = seq_ids.to(hidden.device).flatten().index_select(0, idx)
+    at = next(head.parameters()).device  # model_parallel: the head may sit on another GPU than the last block
+    h, y, owner = h.to(at), y.to(at), owner.to(at)
 
     def piece(hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
         return -F.cross_entropy(_upcast(head(hc)), yc, reduction="none")
