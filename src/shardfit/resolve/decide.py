@@ -107,9 +107,11 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing)
     attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
     hw = job_hardware_of(node, name, n, nnodes)
+    # Compiled blocks want one static shape: rows as wide as max_seq_len, as many as a micro-batch's sequences (a
+    # preference pair is two).
+    height = cfg.micro_batch * objectives.get(cfg.objective).sequences
     rows = RowShape(limit=cfg.max_seq_len, micro_batch=cfg.micro_batch,
-                    # Compiled blocks want one static shape: rows as wide as max_seq_len, micro_batch of them.
-                    width=cfg.max_seq_len if compiled else None, height=cfg.micro_batch if compiled else None,
+                    width=cfg.max_seq_len if compiled else None, height=height if compiled else None,
                     multiple=row_width_multiple(device.type, precision, compiled))
     vocab = plan.model.vocab if plan is not None else None
     if cfg.precision == "auto":
