@@ -119,12 +119,16 @@ def read_split(cfg: Config) -> Split:
     if cfg.eval_data:
         evals = load_conversations(cfg.eval_data, cfg.skip_bad_rows, stats, cfg.data_columns)
     elif cfg.eval_split > 0:
-        order = list(range(len(train)))
-        random.Random(cfg.seed).shuffle(order)
-        eval_idx = set(order[:max(1, int(len(order) * cfg.eval_split))])
-        evals = [c for i, c in enumerate(train) if i in eval_idx]
-        train = [c for i, c in enumerate(train) if i not in eval_idx]
+        train, evals = hold_out(train, cfg.eval_split, cfg.seed)
     return Split(train, evals, stats)
+
+
+def hold_out(rows: list[Conversation], fraction: float, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+    """`rows` split into (train, held out): a seeded `fraction` of them (at least one) held out, order kept."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, int(len(order) * fraction))])
+    return [c for i, c in enumerate(rows) if i not in held], [c for i, c in enumerate(rows) if i in held]
 
 
 def encode_all(tokenizer: Any, conversations: list[Conversation], max_len: int, stats: DataStats,
@@ -184,13 +188,18 @@ def encode_split(cfg: Config, tokenizer: Any, split: Split,
     if not train:
         raise UserError(f"'data': no example keeps an assistant token within max_seq_len={cfg.max_seq_len} "
                         f"(first: {(stats.dropped_where or ['?'])[0]}); raise max_seq_len.")
-    lost, allowed = stats.skipped + stats.dropped, allowed_bad_rows(cfg.max_bad_rows, stats.rows)
+    refuse_lost_rows(stats, cfg.max_bad_rows)
+    return train, evals
+
+
+def refuse_lost_rows(stats: DataStats, max_bad_rows: float, what: str = "rows") -> None:
+    """Refuse when more `what` were skipped or dropped than `max_bad_rows` allows."""
+    lost, allowed = stats.skipped + stats.dropped, allowed_bad_rows(max_bad_rows, stats.rows)
     if lost > allowed:
         first = (stats.dropped_where + stats.skipped_where)[0]
-        raise UserError(f"'data': {lost} of {stats.rows} rows would not train ({stats.describe()}; first: {first}), "
-                        f"more than max_bad_rows allows ({allowed}). Raise max_seq_len, fix or remove those rows, or "
-                        "raise max_bad_rows.")
-    return train, evals
+        raise UserError(f"'data': {lost} of {stats.rows} {what} would not train ({stats.describe()}; first: "
+                        f"{first}), more than max_bad_rows allows ({allowed}). Raise max_seq_len, fix or remove those "
+                        "rows, or raise max_bad_rows.")
 
 
 def build_datasets(cfg: Config, tokenizer: Any) -> tuple[list[Encoded], list[Encoded], DataStats]:

@@ -15,13 +15,12 @@ prompt's tokens and carry labels only on their answers.
 from __future__ import annotations
 
 import dataclasses
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardfit.config import Config
-from shardfit.data.dataset import Conversation, DataStats, _bad_row, allowed_bad_rows, encode_all
+from shardfit.data.dataset import Conversation, DataStats, _bad_row, encode_all, hold_out, refuse_lost_rows
 from shardfit.data.formats import BadRow, detect_format, detect_preference, rename_columns, to_messages
 from shardfit.data.media import extract_media
 from shardfit.data.packing import PackedRow, no_pack, pack_where_padded
@@ -234,11 +233,7 @@ def read_preference_split(cfg: Config) -> PrefSplit:
     if cfg.eval_data:
         evals = load_preferences(cfg.eval_data, cfg.objective, cfg.skip_bad_rows, stats, cfg.data_columns, rows)
     elif cfg.eval_split > 0:
-        order = list(range(len(train)))
-        random.Random(cfg.seed).shuffle(order)
-        held = set(order[:max(1, int(len(order) * cfg.eval_split))])
-        evals = [c for i, c in enumerate(train) if i in held]
-        train = [c for i, c in enumerate(train) if i not in held]
+        train, evals = hold_out(train, cfg.eval_split, cfg.seed)
     return PrefSplit(train, evals, stats, rows)
 
 
@@ -277,12 +272,7 @@ def encode_preference_split(cfg: Config, tokenizer: Any, split: PrefSplit,
     if not train:
         raise UserError(f"'data': no preference row keeps an answer token within max_seq_len={cfg.max_seq_len} "
                         f"(first: {(stats.dropped_where or stats.skipped_where or ['?'])[0]}); raise max_seq_len.")
-    lost, allowed = stats.skipped + stats.dropped, allowed_bad_rows(cfg.max_bad_rows, stats.rows)
-    if lost > allowed:
-        first = (stats.dropped_where + stats.skipped_where)[0]
-        raise UserError(f"'data': {lost} of {stats.rows} preference rows would not train ({stats.describe()}; first: "
-                        f"{first}), more than max_bad_rows allows ({allowed}). Raise max_seq_len, fix or remove those "
-                        "rows, or raise max_bad_rows.")
+    refuse_lost_rows(stats, cfg.max_bad_rows, "preference rows")
     if cfg.objective == "kto" and len({p.desirable for p in train}) < 2:
         only = "desirable" if train[0].desirable else "undesirable"
         raise UserError(f"'data': every KTO row is {only}; KTO needs both desirable (label/kto_tag true) and "
