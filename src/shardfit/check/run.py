@@ -17,6 +17,7 @@ from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.precision_rules import precision_rules
 from shardfit.check.preference_rules import preference_data_rules
+from shardfit.check.prequantized_rules import prequantized_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
@@ -36,7 +37,7 @@ def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan
     """Every rule that needs no placed model (config, unused modules, mixtures of experts, FSDP units, precision,
     checkpointing, the plan's verdict); each fixes what it can in place and says so."""
     out = device_map_rules(cfg, s, world) + qlora_rules(cfg, s)
-    out += rules.unused_module_rules(model, s, fix=True)
+    out += prequantized_rules(model, cfg) + rules.unused_module_rules(model, s, fix=True)
     out += vision_unit_rules(model, cfg, s, fix=True)
     out += router_lora_rules(model, cfg) + aux_loss_rules(model, cfg) + quantized_expert_rules(model, cfg)
     out += rules.fsdp_unit_rules(model, s, cfg.precision, fix=True)

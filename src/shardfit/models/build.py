@@ -27,6 +27,7 @@ from shardfit.config.support import qlora_compute_dtype, require_method_support
 from shardfit.data.tokenize import ensure_chat_template
 from shardfit.dtypes import DTYPES
 from shardfit.errors import RemoteCodeRefused, UserError
+from shardfit.models import prequantized
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
 from shardfit.models.gguf_cache import cached_part, lookup, weights_part
@@ -240,6 +241,7 @@ def _no_gguf_bar() -> Iterator[None]:
 def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Config, s: Strategy) -> nn.Module:
     source = gguf_weights(source, config, dtype, cfg.trust_remote_code)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **_attention(cfg)}
+    kwargs.update(prequantized.load_kwargs(config, source.name))
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     if s.engine == "device_map":
@@ -273,8 +275,15 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     if config is None or weights:
         source = resolve_model(cfg.model)
         config = config if config is not None else model_config(cfg, source, weights=weights)
+    # Read before loading: transformers drops the quantization settings from a config it dequantized.
+    published = prequantized.of(config)
+    if published is not None and not published.dequantizable:
+        raise UserError(prequantized.refusal(cfg.model, published))
     if weights:
         log.info("loading %s (%s weights)", source.name, str(dtype).removeprefix("torch."))
+        if published is not None:
+            log.info("%s: %s dequantized to %s as they load", source.name, published.stores,
+                     next(n for n, d in DTYPES.items() if d == dtype))
         # transformers' per-tensor bars (GGUF de-quantizing, "Loading weights") are noise in a training log.
         transformers.utils.logging.disable_progress_bar()
         try:
@@ -290,6 +299,8 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     # any merged model are the thinker's, loadable by Qwen2_5OmniThinkerForConditionalGeneration.
     model = text_model(model)
     model.config.use_cache = False
+    if published is not None:
+        setattr(model, prequantized.FLAG, published)
     if source is not None and vision_model_type(source, cfg.trust_remote_code) in OMNI_MODEL_TYPES:
         # Its folder has the processor files: the thinker trains on images and audio, running both towers.
         setattr(model, MEDIA_FLAG, True)
