@@ -138,6 +138,43 @@ def test_moe_zero3_on_two_ranks_equals_one_process(tmp_path: Path, family_models
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3_offload"])
+def test_moe_other_strategies_on_two_ranks_equal_one_process(tmp_path: Path, family_models: dict[str, Path],
+                                                             small_data: Path, strategy: str) -> None:
+    """The rest of the strategy table on a mixture (zero3 is in the matrix above): the experts replicated (ddp),
+    their gradients and optimizer state sharded (zero2), everything in host memory between uses (zero3_offload)."""
+    model = family_models["Qwen3-MoE"]
+    one = _train(tmp_path, model, small_data, "one", method="lora", lr=1e-2, grad_accum=2)
+    two = _train(tmp_path, model, small_data, "two", "--nproc", "2", method="lora", lr=1e-2, strategy=strategy)
+    ref, got = (read_jsonl(r / "metrics.jsonl") for r in (one, two))
+    for a, b in zip([m for m in ref if "loss" in m], [m for m in got if "loss" in m], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_moe_resumed_run_equals_the_uninterrupted_one(tmp_path: Path, family_models: dict[str, Path],
+                                                      small_data: Path) -> None:
+    """Resuming a mixture restores experts, adapters, optimizer state and data order: steps 3-4 continued from the
+    step-2 checkpoint are those of the run that went straight through."""
+    model = family_models["Qwen3-MoE"]
+    straight = _train(tmp_path, model, small_data, "straight", method="lora", lr=1e-2, max_steps=4, save_steps=2)
+    resumed = _train(tmp_path, model, small_data, "resumed", method="lora", lr=1e-2, max_steps=4, save_steps=2,
+                     resume=str(straight / "checkpoints" / "step-2"))
+    ref = {m["step"]: m for m in read_jsonl(straight / "metrics.jsonl") if "loss" in m}
+    got = {m["step"]: m for m in read_jsonl(resumed / "metrics.jsonl") if "loss" in m}
+    assert sorted(got) == [3, 4], got
+    for step in (3, 4):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6)
+        assert got[step]["aux_loss"] == pytest.approx(ref[step]["aux_loss"], rel=1e-5, abs=1e-8)
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (straight, resumed))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
 def test_moe_adapter_merges_into_a_model_transformers_loads(tmp_path: Path, family_models: dict[str, Path],
                                                              small_data: Path) -> None:
     run = _train(tmp_path, family_models["GLM-4.5"], small_data, "run", method="lora", lr=1e-2)
