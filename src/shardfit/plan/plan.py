@@ -100,8 +100,11 @@ def recommend(cands: list[Candidate], hw: Hardware) -> tuple[str | None, str]:
         best = min((c for c in fitting if (c.tokens_per_s or 0.0) >= top * (1 - TIE)), key=lambda c: rank[c.strategy])
         faster = [c for c in cands if not c.fits and (c.tokens_per_s or 0.0) > (best.tokens_per_s or 0.0)]
         timed = sorted(fitting, key=lambda c: -(c.tokens_per_s or 0.0))
-        reason = (f"{best.strategy} trains the most tokens/s of the strategies that fit "
-                  f"({best.per_gpu_gib.total:.1f} of {hw.gpu_mem_gib:.0f} GiB per {hw.unit}): "
+        lead = timed[0]
+        claim = f"{best.strategy} trains the most tokens/s of the strategies that fit" if lead is best else (
+            f"{best.strategy} is within {TIE:.0%} of the fastest that fits ({lead.strategy}), which the time model "
+            "cannot tell apart, and the simplest of those")
+        reason = (f"{claim} ({best.per_gpu_gib.total:.1f} of {hw.gpu_mem_gib:.0f} GiB per {hw.unit}): "
                   + "; ".join(_timing_phrase(c) for c in timed))
     else:
         order = list(SPEED_ORDER)
