@@ -48,7 +48,18 @@ METHODS = ("full", "lora", "qlora")
 
 
 def known(value: Any) -> bool:
-    return value is not None and value != "unknown"
+    """A value the source states: not None, not `unknown` nor `unknown (the collector's note)`."""
+    return value is not None and not str(value).startswith("unknown")
+
+
+def flag(value: Any) -> bool:
+    """A stated yes/no: a bool, or a string that opens with true/false and carries a note after it."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().split(" ")[0].lower()
+    if word not in ("true", "false"):
+        raise ValueError(f"not a yes/no: {value!r}")
+    return word == "true"
 
 
 def number(value: Any) -> int:
@@ -64,15 +75,19 @@ def number(value: Any) -> int:
 
 
 def source_of(row: dict, spec: dict) -> str:
-    """The name of the source whose `url` is the row's."""
-    for name, src in spec["sources"].items():
-        if src["url"] == row["source_url"]:
-            return name
-    raise KeyError(f"row of {row['source_url']}: no source in {SET.name} has this url")
+    """The name of the source whose `url` is the row's, or (a source of several documents) one of whose
+    `url_prefixes` the row's url starts with."""
+    url = row["source_url"]
+    names = [name for name, src in spec["sources"].items()
+             if src.get("url") == url or any(url.startswith(p) for p in src.get("url_prefixes", ()))]
+    if len(names) != 1:
+        raise KeyError(f"row of {url}: {len(names)} sources match this url, not one")
+    return names[0]
 
 
-def stated(row: dict, method: str) -> dict:
-    """The Workload keys the row states (a value `unknown` is left to the defaults)."""
+def stated(row: dict, method: str, optimizers: dict | None = None) -> dict:
+    """The Workload keys the row states (a value `unknown` is left to the defaults); an optimizer by its source's
+    `optimizers` mapping where it has one, else any AdamW as `adamw`."""
     keys: dict[str, Any] = {"method": method}
     if method != "full" and known(row["lora_rank"]):
         keys["lora_rank"] = number(row["lora_rank"])
@@ -80,18 +95,22 @@ def stated(row: dict, method: str) -> dict:
         if known(row[k]):
             keys[k] = number(row[k])
     if known(row["grad_ckpt"]):
-        keys["grad_ckpt"] = "full" if row["grad_ckpt"] is True else "none"
-    if known(row["optimizer"]):
+        keys["grad_ckpt"] = "full" if flag(row["grad_ckpt"]) else "none"
+    if known(row["optimizer"]) and optimizers is not None:
+        keys.update(optimizers[row["optimizer"]])
+    elif known(row["optimizer"]):
         if "adamw" not in str(row["optimizer"]).lower():
             raise ValueError(f"optimizer {row['optimizer']!r}: not one the mapping knows")
         keys["optimizer"] = "adamw"
     return keys
 
 
-def case_of(row: dict, src: dict, spec: dict) -> dict | str:
+def case_of(row: dict, src: dict, spec: dict, settings: dict | None = None) -> dict | str:
     """The row as a case of bench/plan_vs_published.py's vocabulary (model or inline shape, gpu, nodes, strategy,
-    deepspeed, seq and Workload keys), or the reason it is not planned. A string a planned row uses that its
-    source does not map is an error of the YAML, raised."""
+    deepspeed, seq, reading and Workload keys), or the reason it is not planned. A string a planned row uses that
+    its source does not map is an error of the YAML, raised. `settings`: what the row states beyond its columns,
+    in the planner's words (Workload keys, `seq`, `reading`), applied last; a sequence length the row leaves
+    unknown is the set's `unknown_seq_len`."""
     model = src["models"].get(row["model"], {"model": row["model"]})
     if "not_planned" in model:
         return " ".join(model["not_planned"].split())
@@ -106,9 +125,19 @@ def case_of(row: dict, src: dict, spec: dict) -> dict | str:
         keys.update(spec["unknown_qlora"])
     if known(row["precision"]):
         keys.update(src["precisions"][row["precision"]])
-    keys.update(stated(row, method))
-    case = {**keys, "model": model.get("model", row["model"]), "seq": number(row["seq_len"]),
-            **src["gpus"][row["gpus"]], **strategy}
+    settings = settings or {}
+    # A column the settings restate in numbers ("minimal" batch) is read from the settings alone.
+    keys.update(stated({**row, **{k: "unknown" for k in settings if k in row}}, method, src.get("optimizers")))
+    if "seq" in settings:  # the row's own length, in numbers (its column may say "81K")
+        seq = settings["seq"]
+    elif known(row["seq_len"]):
+        seq = number(row["seq_len"])
+    elif "unknown_seq_len" in spec:
+        seq = spec["unknown_seq_len"]
+    else:
+        raise ValueError(f"row of {row['source_url']}: no sequence length and no unknown_seq_len")
+    case = {**keys, "model": model.get("model", row["model"]), **src["gpus"][row["gpus"]], **strategy, **settings,
+            "seq": seq}
     if "shape" in model:
         case["shape"] = model["shape"]
     return case
@@ -125,18 +154,38 @@ def predict(case: dict) -> dict:
     t = step_time(shape, w, hw, case["strategy"])
     b = cand.per_gpu_gib
     parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
-    return {"card_gib": hw.gpu_mem_gib, "world": hw.world, "predicted_total_gib": round(b.total, 2),
-            "breakdown_gib": {p: round(getattr(b, p), 2) for p in parts}, "peak_phase": cand.peak_phase,
-            "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound}
+    out = {"card_gib": hw.gpu_mem_gib, "world": hw.world, "predicted_total_gib": round(b.total, 2),
+           "breakdown_gib": {p: round(getattr(b, p), 2) for p in parts}, "peak_phase": cand.peak_phase,
+           "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound}
+    if case.get("reading", "total") != "total":  # a peak read without the CUDA context (and NCCL's buffers)
+        out.update(reading=case["reading"], predicted_read_gib=round(pvp.read_as(b, case["reading"]), 2))
+    return out
 
 
-def evaluate_row(index: int, row: dict, spec: dict) -> dict:
-    """One row: its prediction, errors and verdict, or its reason for not being planned."""
+def published_rate(rate: dict, row: dict, ranks: int) -> float | str:
+    """The job's published tokens/s from a row's speed (`per: gpu` times the data-parallel `ranks`, `per: total`
+    as is; `unit: s/it` converted when the row states sequence length, micro batch and accumulation), or why the
+    speed is not compared."""
+    if rate.get("unit") == "s/it":
+        counts = [row[k] for k in ("seq_len", "micro_batch", "grad_accum")]
+        if not all(known(c) for c in counts):
+            return "a speed in s/it whose row does not state its sequence length, micro batch and accumulation"
+        seq, batch, accum = (number(c) for c in counts)
+        return seq * batch * accum * ranks / rate["value"]
+    per = rate.get("per")
+    if per in ("gpu", "total"):
+        return rate["value"] * (ranks if per == "gpu" else 1)
+    return f"a speed given as {rate.get('unit') or per!r}, not tokens/s of the job or of a GPU"
+
+
+def evaluate_row(index: int, row: dict, spec: dict, settings: dict | None = None) -> dict:
+    """One row: its prediction, errors and verdict, or its reason for not being planned. The memory error is
+    against what the peak's reading holds (the total unless the case says `reading`); `settings` as case_of's."""
     name = source_of(row, spec)
     out: dict[str, Any] = {"row": index, "source": name, "model": row["model"], "method": row["method"],
                            "gpus": row["gpus"], "strategy": row["strategy"], "seq": row["seq_len"],
                            "published_fits": row["fits"]}
-    case = case_of(row, spec["sources"][name], spec)
+    case = case_of(row, spec["sources"][name], spec, settings)
     if isinstance(case, str):
         return {**out, "planned": False, "reason": case}
     try:
@@ -144,6 +193,8 @@ def evaluate_row(index: int, row: dict, spec: dict) -> dict:
     except UserError as e:  # a model or card the planner cannot resolve offline
         return {**out, "planned": False, "reason": str(e)}
     fits = p["predicted_total_gib"] <= p["card_gib"]
+    if case["seq"] != row["seq_len"]:  # a length the row leaves unknown or writes in words
+        out["planned_seq"] = case["seq"]
     out.update(planned=True, planner_model=case["model"], planner_strategy=case["strategy"],
                workload={k: v for k, v in case.items() if k in pvp.WORKLOAD_KEYS}, **p,
                predicted_fits=fits, verdict_right=fits == bool(row["fits"]))
@@ -151,13 +202,18 @@ def evaluate_row(index: int, row: dict, spec: dict) -> dict:
     if peak:
         gib = peak["value"] * pvp.UNITS[peak["unit"]]
         out.update(published=f"{peak['value']} {peak['unit']}", published_gib=round(gib, 2),
-                   error=round(p["predicted_total_gib"] / gib - 1, 4))
+                   error=round(p.get("predicted_read_gib", p["predicted_total_gib"]) / gib - 1, 4))
     rate = row.get("tokens_per_s")
-    if rate:
+    if rate and case.get("assumed"):
+        out["tokens_left_out"] = "the row does not name its card: its speed is not compared"
+    elif rate:
         gpus = p["world"] if case["strategy"] not in ("single", "model_parallel") else 1
-        job = rate["value"] * (gpus if rate["per"] == "gpu" else 1)
-        out.update(published_tokens_per_s=round(job, 1),
-                   tokens_error=round(p["predicted_tokens_per_s"] / job - 1, 4))
+        job = published_rate(rate, row, gpus)
+        if isinstance(job, str):
+            out["tokens_left_out"] = job
+        else:
+            out.update(published_tokens_per_s=round(job, 1),
+                       tokens_error=round(p["predicted_tokens_per_s"] / job - 1, 4))
     return out
 
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed  # noqa: E402
-from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, estimate  # noqa: E402
+from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, Breakdown, estimate  # noqa: E402
 from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import ModelShape, resolve_shape  # noqa: E402
 from shardfit.plan.timing import step_time  # noqa: E402
@@ -78,11 +78,20 @@ def predicted_total(case: dict, seq: int) -> float:
         b = estimate_deepspeed(shape, w, hw, ZeroSettings(**case["deepspeed"])).per_gpu_gib
     else:
         b = estimate(shape, w, hw, case.get("strategy", "single")).per_gpu_gib
+    return read_as(b, case.get("reading", "total"))
+
+
+def read_as(b: Breakdown, reading: str) -> float:
+    """What a peak read as `reading` holds of the predicted per-GPU breakdown `b` (GiB): `total` the whole device
+    (CUDA context and NCCL buffers included), `reserved` the tensor peak and the allocator's reserve, `allocated`
+    the tensor peak alone."""
     tensors = b.total - b.runtime_overhead
-    if case.get("reading") == "reserved":
+    if reading == "reserved":
         return tensors * (1 + ALLOCATOR_RESERVE)
-    if case.get("reading") == "allocated":
+    if reading == "allocated":
         return tensors
+    if reading != "total":
+        raise ValueError(f"reading {reading!r}: one of total, reserved, allocated")
     return b.total
 
 

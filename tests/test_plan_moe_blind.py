@@ -1,0 +1,110 @@
+"""bench/published_moe_blind.yaml and bench/plan_vs_moe_blind.py: the MoE blind set loads, every row is planned or
+says why not, the dev/test split is the YAML's rule, and the committed results and the figures in docs/planning.md
+are those a fresh run computes. How accurate the planner is on the set is the bench's measurement, not asserted."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PATH = ROOT / "bench" / "plan_vs_moe_blind.py"
+ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
+            "grad_accum", "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "peak_memory", "tokens_per_s",
+            "fits", "notes"}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("plan_vs_moe_blind", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def moe(bench) -> dict:
+    return yaml.safe_load(bench.SET.read_text())
+
+
+@pytest.fixture(scope="module")
+def fresh(bench, moe) -> dict:
+    return bench.evaluate(moe)
+
+
+def test_the_set_loads_with_every_row_tied_to_one_source(bench, moe) -> None:
+    """60 rows, each the collector's fields and of exactly one source; mapped rows and skipped rows are apart."""
+    assert len(moe["rows"]) == 60
+    for row in moe["rows"]:
+        assert set(row) == ROW_KEYS, set(row) ^ ROW_KEYS
+        bench.pvb.source_of(row, moe)  # raises unless exactly one source matches
+        if row["peak_memory"]:
+            assert row["peak_memory"]["unit"] in bench.pvp.UNITS and row["peak_memory"]["value"] > 0
+    assert set(moe["unknown"]) <= bench.pvp.WORKLOAD_KEYS
+    skipped, settings = set(moe["not_planned"]["rows"]), set(moe["row_settings"])
+    assert not skipped & settings and skipped <= set(range(1, 61))
+
+
+def test_the_split_is_the_yaml_rule_and_keeps_a_document_together(moe, fresh) -> None:
+    """dev when the first hex digit of sha256(source_url) is even: 24 dev and 36 test rows, as the YAML says."""
+    for r, row in zip(fresh["rows"], moe["rows"], strict=True):
+        digit = int(hashlib.sha256(row["source_url"].encode()).hexdigest()[0], 16)
+        assert r["part"] == ("dev" if digit % 2 == 0 else "test")
+    assert [fresh["parts"][p]["rows"] for p in ("dev", "test")] == [24, 36]
+
+
+def test_every_row_is_planned_or_says_why_not(fresh) -> None:
+    """A planned row has a prediction and a verdict (an error for each published figure it compares), a row not
+    planned its reason and group; the per-reason counts add up."""
+    for r in fresh["rows"]:
+        if r["planned"]:
+            assert r["predicted_total_gib"] > 0 and isinstance(r["verdict_right"], bool)
+            assert ("error" in r) == ("published_gib" in r)
+            assert ("tokens_error" in r) == ("published_tokens_per_s" in r)
+        else:
+            assert len(r["reason"]) > 20 and r["why"], r
+    s = fresh["summary"]
+    assert s["planned"] + s["not_planned"] == 60 == s["rows"]
+    assert sum(fresh["not_planned_by_reason"].values()) == s["not_planned"] == len(fresh["not_planned"])
+    for p in ("dev", "test"):
+        v = fresh["parts"][p]["verdicts"]
+        assert v["oom_predicted_fit"] == v["oom_rows"] - v["oom_right"]
+
+
+def test_a_reserved_peak_is_compared_with_what_the_allocator_holds(bench, fresh) -> None:
+    """axolotl's gpt-oss rows are read as reserved memory: the error is against the tensor peak plus the
+    allocator's reserve, not the total with the CUDA context."""
+    r = next(r for r in fresh["rows"] if r["row"] == 24)
+    b = r["breakdown_gib"]
+    read = (r["predicted_total_gib"] - b["runtime_overhead"]) * (1 + bench.pvp.ALLOCATOR_RESERVE)
+    assert r["reading"] == "reserved" and r["predicted_read_gib"] == pytest.approx(read, abs=0.02)
+    assert r["error"] == pytest.approx(r["predicted_read_gib"] / r["published_gib"] - 1, abs=1e-3)
+
+
+def test_a_speed_in_seconds_per_step_converts_only_with_its_batch(bench) -> None:
+    """s/it becomes tokens/s from the row's sequence length, micro batch, accumulation and data-parallel ranks;
+    without them it is left out, with the reason."""
+    row = {"seq_len": 2048, "micro_batch": 2, "grad_accum": 4}
+    assert bench.pvb.published_rate({"value": 8.0, "unit": "s/it"}, row, 2) == 2048 * 2 * 4 * 2 / 8.0
+    left = bench.pvb.published_rate({"value": 8.0, "unit": "s/it"}, {**row, "grad_accum": "unknown (gbs 16)"}, 2)
+    assert isinstance(left, str) and "s/it" in left
+    assert bench.pvb.published_rate({"value": 280, "per": "gpu"}, row, 4) == 1120
+    assert isinstance(bench.pvb.published_rate({"value": 45, "unit": "min (whole example run)"}, row, 1), str)
+
+
+def test_committed_results_and_docs_match_a_fresh_run(bench, fresh) -> None:
+    """bench/results/plan_vs_moe_blind.json is what the script computes now and docs/planning.md shows its table
+    and its not-planned counts: rerun `python bench/plan_vs_moe_blind.py` and paste both after any change to the
+    planner or the set."""
+    stored = json.loads(bench.OUT.read_text())
+    fresh_json = json.loads(json.dumps(fresh))
+    assert stored["parts"] == fresh_json["parts"] and stored["summary"] == fresh_json["summary"]
+    assert stored == fresh_json
+    docs = (ROOT / "docs" / "planning.md").read_text()
+    assert bench.docs_table(fresh) in docs
+    assert bench.reasons_line(fresh) in " ".join(docs.split())
