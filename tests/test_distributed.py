@@ -155,6 +155,7 @@ def _worker_pid(marker: str, local_rank: int) -> int | None:
     return None
 
 
+@pytest.mark.heavy  # test_training holds resume equality; this, torchrun's restart of a killed group
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank to kill through /proc")
 def test_killed_rank_restarts_and_ends_equal_to_clean_run(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     over = dict(strategy="zero3", max_steps=12, save_steps=3)

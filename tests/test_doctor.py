@@ -236,6 +236,7 @@ def _env_from(cwd: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # train refuses the same (test_distributed.py); doctor shares the rule
 def test_doctor_two_nodes_without_shared_output_dir(tmp_path: Path) -> None:
     """Two torchrun nodes on this host whose relative output_dir lands in different folders (as on local disks)."""
     port = free_port()

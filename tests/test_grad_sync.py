@@ -26,6 +26,7 @@ def test_sharded_strategies_reduce_scatter_every_micro_batch(tmp_path: Path, str
         assert grads and all(g is not None for g in grads.values()), grads
 
 
+@pytest.mark.heavy  # the strategy matrix holds DDP's result; this holds its communication pattern
 def test_ddp_skips_the_all_reduce_until_the_last_micro_batch(tmp_path: Path) -> None:
     """DDP keeps each rank's own gradient (no all-reduce) until the step's last micro-batch: the ranks, fed
     different data, hold different gradients."""

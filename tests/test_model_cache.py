@@ -244,6 +244,7 @@ print(h.hexdigest())
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_racing_produce_one_valid_entry(tiny_gguf: Path, cache: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **{gguf_cache.ENV: str(cache)})
