@@ -98,10 +98,11 @@ def row_width_multiple(device_type: str, precision: str, compiled: bool) -> int:
 
 # How a mixture's routed experts compute (transformers' `experts_implementation`), by device. bench/moe_experts.py
 # trained two-block Qwen3-MoE (32 experts, top-8) and gpt-oss (32, top-4) layouts one step, LoRA and full, at 128,
-# 512 and 2048 tokens on a 2-core EPYC in fp32 (bench/results/moe_experts.json): grouped_mm was the fastest in
-# every case (eager's loop over the experts 1.3-6x its time, batched_mm's per-token weight copies 10-30x and
-# gigabytes), with the same loss and gradients to 1e-6. On a GPU grouped_mm is torch's grouped kernel (bf16 on
-# compute capability 8+; other dtypes run PyTorch's own per-expert loop), which transformers also defaults to.
+# 512 and 2048 tokens on a 2-core EPYC in fp32, one thread (bench/results/moe_experts.json): grouped_mm was the
+# fastest in 11 of 12 cases (eager's loop over the experts 1.25-6.2x its time; at 2048 tokens of gpt-oss LoRA a tie,
+# 0.98x), batched_mm's per-token weight copies 3.7-30x slower and gigabytes, with the same loss and gradients to
+# 1e-6. On a GPU grouped_mm is torch's grouped kernel (bf16 on compute capability 8+; other dtypes run PyTorch's own
+# per-expert loop), which transformers also defaults to; not measured here (no GPU).
 # Where a model cannot take grouped_mm, transformers keeps eager (models/experts.py `use_experts`).
 EXPERTS_BY_DEVICE = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
 
