@@ -18,10 +18,12 @@ from shardfit.data.tokenize import IGNORE
 from shardfit.models.adapters import apply_lora
 from shardfit.models.anatomy import decoder_and_head
 from shardfit.models.build import model_class
+from shardfit.models.experts import use_experts
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import lora_params
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.plan.workload import Workload
+from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts
 from shardfit.train.loss import CausalLMLoss
 from tests.families import FAMILIES, MATRIX, make_family_model, table, tiny_text_config
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
@@ -90,6 +92,23 @@ def test_lora_adapts_experts_never_routers(family: str, experts: bool) -> None:
     # The planner counts exactly the adapters peft makes (fused expert weights: a rank per expert).
     w = Workload(lora_rank=4, lora_experts=experts)
     assert sum(trainable.values()) == lora_params(shape, w)
+
+
+def test_experts_implementation_is_chosen_by_device() -> None:
+    """grouped_mm on both devices (bench/results/moe_experts.json; on a GPU where it dispatches); the builder sets
+    it on a mixture, leaves a dense model alone, and a class transformers cannot switch as it was built."""
+    assert resolve_experts("cpu") == resolve_experts("cuda") == "grouped_mm"
+    assert set(EXPERTS_BY_DEVICE) == {"cpu", "cuda"}
+    model = AutoModelForCausalLM.from_config(tiny_text_config("Qwen3-MoE"), experts_implementation="eager")
+    assert use_experts(model, resolve_experts("cpu")) == "grouped_mm" == model.config._experts_implementation
+    assert use_experts(model, None) == "grouped_mm"  # None: as built
+    assert use_experts(AutoModelForCausalLM.from_config(tiny_text_config("Qwen3 (dense)")), "grouped_mm") is None
+    model.set_experts_implementation("eager")
+    type(model)._can_set_experts_implementation_cached_value = False  # a class transformers cannot switch
+    try:
+        assert use_experts(model, "grouped_mm") == "eager"  # kept as built, no error
+    finally:
+        del type(model)._can_set_experts_implementation_cached_value
 
 
 def _train(tmp: Path, model: Path, data: Path, name: str, *extra: str, **over) -> Path:

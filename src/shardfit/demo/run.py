@@ -40,7 +40,7 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     t_load, cached = time.perf_counter(), weights_cached(cfg)
     tok = load_tokenizer(resolve_model(cfg.model))
     # The model as training builds it: its fresh LoRA adapters add nothing yet, so this is the base model's answer.
-    model = build_model(cfg, "single", weights=True).to(env.device)
+    model = build_model(cfg, "single", weights=True, experts=job.experts).to(env.device)
     load_s = round(time.perf_counter() - t_load, 2)
     before = generate_answers(model, tok, heldout, show=True, desc="base model answers") if env.is_main else []
     if env.is_main:

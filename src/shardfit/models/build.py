@@ -30,6 +30,7 @@ from shardfit.errors import RemoteCodeRefused, UserError
 from shardfit.models import prequantized
 from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
+from shardfit.models.experts import use_experts
 from shardfit.models.gguf_cache import cached_part, lookup, weights_part
 from shardfit.models.gguf_cache import enabled as cache_enabled
 from shardfit.models.placement import balanced_device_map
@@ -260,13 +261,15 @@ def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Con
                         "are complete (re-download them) and match config.json.") from None
 
 
-def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config: Any = None) -> nn.Module:
+def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config: Any = None,
+                experts: str | None = None) -> nn.Module:
     """The config's model with its trainable setup (LoRA, freeze, dropped and frozen modules; QLoRA's decoder
     weights stored in 4 bits before the adapters wrap them).
 
     `weights`: load the real weights (training), or build on the meta device (check, simulate). `config`: a
     transformers config to build from instead of the one the config's model names (a simulation of a catalog
-    shape)."""
+    shape). `experts`: how a mixture's routed experts compute, as the run resolved it for its device
+    (resolve/defaults.py `resolve_experts`); None keeps transformers' default."""
     require_method_support(cfg)
     s = get_strategy(strategy) if isinstance(strategy, str) else strategy
     dtype = weight_dtype(cfg)
@@ -301,6 +304,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     model.config.use_cache = False
     if published is not None:
         setattr(model, prequantized.FLAG, published)
+    use_experts(model, experts)  # before LoRA: peft's wrappers leave the experts' forward to the implementation
     if source is not None and vision_model_type(source, cfg.trust_remote_code) in OMNI_MODEL_TYPES:
         # Its folder has the processor files: the thinker trains on images and audio, running both towers.
         setattr(model, MEDIA_FLAG, True)

@@ -85,6 +85,23 @@ def expert_target_parameters(parts: MoeParts) -> list[str]:
     return [f"{e}.{w}" for e in parts.experts for w in parts.expert_weights]
 
 
+def use_experts(model: nn.Module, name: str | None) -> str | None:
+    """Set how `model`'s routed experts compute (transformers' `experts_implementation`: eager, batched_mm,
+    grouped_mm; resolve/defaults.py `resolve_experts` chooses by device); None or a dense model: left as built.
+    Where transformers refuses `name` for the class (grouped_mm it cannot dispatch) the experts run eager, which
+    every fused-experts class has; a class it cannot switch at all keeps what it was built with. Returns what the
+    experts now run, or None for a dense model."""
+    config = getattr(model, "config", None)
+    if config is None or not moe_parts(model).any:
+        return None
+    if name is not None and getattr(config, "_experts_implementation", None) != name:
+        try:
+            model.set_experts_implementation(name)
+        except (ValueError, KeyError):  # transformers refuses an implementation the class cannot dispatch to
+            model.set_experts_implementation("eager")
+    return getattr(config, "_experts_implementation", None)
+
+
 @contextlib.contextmanager
 def adapter_names_as_written(model: nn.Module) -> Iterator[None]:
     """peft 0.21 rewrites a LoRA config's targets for the MoE families whose v4 layout transformers 5 fused

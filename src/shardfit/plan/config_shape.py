@@ -27,6 +27,11 @@ EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 
 
+# Families whose transformers experts run every token through every routed expert (plan/model_shape.py
+# `every_expert`).
+EVERY_EXPERT_TYPES = ("llama4", "llama4_text")
+
+
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
     """The value of the first of `keys` that `d` holds and is not null."""
     for k in keys:
@@ -118,7 +123,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             moe_intermediate=expert, shared_intermediate=shared,
             dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
-            sliding_window=window, sliding_layers=sliding)
+            sliding_window=window, sliding_layers=sliding,
+            every_expert=experts > 1 and text.get("model_type", cfg.get("model_type")) in EVERY_EXPERT_TYPES)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None

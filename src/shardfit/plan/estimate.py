@@ -329,7 +329,44 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
     if w.compile:
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
-    return norms + hidden_16 * a * h + attn + 4 * a * mlp + lora
+    return norms + hidden_16 * a * h + attn + mlp_activation_bytes_per_token(shape, w, strategy) + lora
+
+
+def mlp_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What one token's MLP saves, averaged over the decoder's blocks: a dense MLP its four tensors (gate, up,
+    act, product); a mixture's block `moe_saved_bytes_per_token`."""
+    dense = 4 * compute_bytes(w) * shape.intermediate
+    return shape.over_blocks(lambda moe: moe_saved_bytes_per_token(shape, w, strategy) if moe else dense) / \
+        shape.layers
+
+
+def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What a mixture's block saves per token, as transformers 5's grouped experts (`grouped_mm`) run it: for each
+    of the top-k (token, expert) pairs (every expert's, for Llama 4) the token's input gathered in expert order,
+    the fused gate/up output, the activation and its product with up (the down matmul's input) and the down output
+    (weighted by the routing weight afterwards), with the routing weight and the int64 indices of the sort, the
+    gather and the unsort; the router's fp32 probabilities and its top-k indices; the shared experts as a dense
+    MLP.
+
+    The experts' matmuls run in their weights' dtype (transformers casts the input to it; autocast does not cover
+    grouped_mm): fp32 for a full fine-tune's master weights under autocast, so those pairs' tensors are fp32.
+    Llama 4's experts are plain batched matmuls, which autocast runs in 16 bits."""
+    a = compute_bytes(w)
+    e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
+    h, width = shape.hidden, shape.expert_width
+    pairs = shape.routed_per_token * (e * (2 * h + 4 * width) + a + 3 * 8)
+    router = 4 * shape.experts + 8 * shape.top_k
+    return pairs + router + 4 * a * shape.shared_intermediate
+
+
+def lora_expert_copy_bytes(shape: ModelShape, w: Workload) -> float:
+    """LoRA on the routed experts (peft `target_parameters`): every forward of a mixture's block makes the merged
+    weights W + B A of all its experts (one baddbmm per fused weight, in the frozen weights' dtype), which the
+    grouped matmuls save for their backward: a copy of the block's expert weights, kept until that block's backward."""
+    if not (w.trains_adapters and w.lora_experts and shape.moe_layers):
+        return 0.0
+    weights = sum(i * o for name, i, o in shape.named_linears(True) if name.startswith("expert_") and adapts(name, w))
+    return weights * compute_bytes(w)
 
 
 def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
@@ -368,11 +405,12 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     tokens = w.tokens
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
+    copies = lora_expert_copy_bytes(shape, w)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        return tokens * (layers * kept + per_block) + cast + held_mask_bytes(w, strategy)
-    return tokens * layers * per_block + layers * cast
+        return tokens * (layers * kept + per_block) + cast + copies + held_mask_bytes(w, strategy)
+    return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
 
 
 def held_mask_bytes(w: Workload, strategy: str) -> float:
@@ -419,6 +457,8 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     cast = 2 * shape.decoder_params() * layers / shape.layers if autocast_fp32_master(w, strategy) else 0
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
+    if w.grad_ckpt == "none":  # checkpointed blocks save nothing in forward
+        cast += lora_expert_copy_bytes(shape, w) * layers * shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
     return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy)

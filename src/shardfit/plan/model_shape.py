@@ -53,6 +53,9 @@ class ModelShape:
     # Sliding-window attention: the window and how many blocks use it (the rest attend to the whole sequence).
     sliding_window: int = 0
     sliding_layers: int = 0
+    # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the
+    # ones it was not routed to with a routing score of 0, instead of through its top-k.
+    every_expert: bool = False
 
     @property
     def hd(self) -> int:
@@ -103,6 +106,11 @@ class ModelShape:
         """(in, out) of every linear layer in one decoder block (the largest kind: a mixture's, each expert's MLP
         counted)."""
         return [(i, o) for _, i, o in self.named_linears(moe)]
+
+    @property
+    def routed_per_token(self) -> int:
+        """(token, expert) pairs a mixture's block computes per token: its top-k, or every expert (`every_expert`)."""
+        return self.experts if self.every_expert else self.top_k
 
     def block_kinds(self) -> list[tuple[int, bool]]:
         """(how many blocks, whether they are a mixture's) for each kind of block the decoder holds."""

@@ -20,6 +20,7 @@ from shardfit.resolve.defaults import (
     eager_attention_max_width,
     resolve_attention,
     resolve_compile,
+    resolve_experts,
     row_width_multiple,
 )
 from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
@@ -124,7 +125,8 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         loss_chunk=loss_chunk_for(cfg.loss_chunk, vocab, hw, precision) if vocab else None, hardware=hw,
         why=tuple(why), objective=objectives.get(cfg.objective).name,
         reference=objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
-                                          cfg.dpo.precompute_reference))
+                                          cfg.dpo.precompute_reference),
+        experts=resolve_experts(device.type))
 
 
 def settled(cfg: Config, job: Resolved) -> Config:

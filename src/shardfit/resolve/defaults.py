@@ -1,6 +1,6 @@
-"""What `compile: auto` and `attn_implementation: auto` become for a run: the fastest choice measured for the
-device and the row shape (bench/defaults_probe.py; bench/results/defaults_probe.json holds the measurements,
-docs/training.md the rule in words).
+"""What `compile: auto` and `attn_implementation: auto` become for a run, and how a mixture's experts compute: the
+fastest choice measured for the device and the row shape (bench/defaults_probe.py and bench/moe_experts.py; their
+bench/results/*.json hold the measurements, docs/training.md the rule in words).
 
 - compile: compiled blocks want one static shape, so a compiled run pads every micro-batch to micro_batch rows of
   max_seq_len, which gives back what packing saved, and the first run of a model pays the compile itself. `auto`
@@ -94,6 +94,22 @@ def row_width_multiple(device_type: str, precision: str, compiled: bool) -> int:
     if device_type == "cpu" and precision == "bf16" and not compiled:
         return CPU_BF16_WIDTH_MULTIPLE
     return 1
+
+
+# How a mixture's routed experts compute (transformers' `experts_implementation`), by device. bench/moe_experts.py
+# trained two-block Qwen3-MoE (32 experts, top-8) and gpt-oss (32, top-4) layouts one step, LoRA and full, at 128,
+# 512 and 2048 tokens on a 2-core EPYC in fp32, one thread (bench/results/moe_experts.json): grouped_mm was the
+# fastest in 11 of 12 cases (eager's loop over the experts 1.25-6.2x its time; at 2048 tokens of gpt-oss LoRA a tie,
+# 0.98x), batched_mm's per-token weight copies 3.7-30x slower and gigabytes, with the same loss and gradients to
+# 1e-6. On a GPU grouped_mm is torch's grouped kernel (bf16 on compute capability 8+; other dtypes run PyTorch's own
+# per-expert loop), which transformers also defaults to; not measured here (no GPU).
+# Where a model cannot take grouped_mm, transformers keeps eager (models/experts.py `use_experts`).
+EXPERTS_BY_DEVICE = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
+
+
+def resolve_experts(device_type: str) -> str:
+    """The experts implementation a run on `device_type` sets on a mixture-of-experts model."""
+    return EXPERTS_BY_DEVICE.get(device_type, "grouped_mm")
 
 
 def resolve_speed_settings(cfg: Config, device_type: str) -> Config:

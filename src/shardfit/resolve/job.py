@@ -55,6 +55,8 @@ class Resolved:
     why: tuple[str, ...] = ()  # for each setting that was `auto` (or changed), what decided it
     objective: str = "sft"  # objective.py's row
     reference: str | None = None  # a preference run's reference: precomputed | adapters_off | None (none needed)
+    # How a mixture of experts' routed experts compute (transformers' experts_implementation); dense models ignore it
+    experts: str = "grouped_mm"
 
     @property
     def world(self) -> int:

@@ -15,6 +15,7 @@ import functools
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, AutoConfig
+from transformers.integrations import moe as hf_moe
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from shardfit.config import Config, LoraSettings
@@ -123,6 +125,25 @@ def tools_recipe(model: torch.nn.Module, w: Workload) -> None:
                 p.data = p.data.to(low)
     if w.frozen_fp32:
         upcast_frozen_outside_blocks(model)
+
+
+@contextlib.contextmanager
+def grouped_mm_as_on_a_gpu() -> Iterator[None]:
+    """The experts' `grouped_mm` of a run whose expert weights are not bf16 (a full fine-tune's fp32 master weights
+    under autocast, which does not cover grouped_mm): PyTorch's CUDA kernel then runs its own loop of one matmul
+    per expert into the same output, but its fake-tensor rule accepts bf16 only and refuses the step. Within this
+    scope transformers takes its own per-expert loop for those weights, whose fake rule gives the same output and
+    saves the same input and weight for backward; bf16 weights keep torch's kernel."""
+    can_use = hf_moe._can_use_grouped_mm
+
+    def bf16_only(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and can_use(input, weight, offs)
+
+    hf_moe._can_use_grouped_mm = bf16_only
+    try:
+        yield
+    finally:
+        hf_moe._can_use_grouped_mm = can_use
 
 
 class RealIndices(TorchDispatchMode):
@@ -290,7 +311,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
                                     enabled=w.precision != "fp32" and mesh is None)
             real_indices = RealIndices() if images or audio else contextlib.nullcontext()
-            with warnings.catch_warnings(), real_indices:
+            with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu():
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
                 # fake tensors answer with a deprecation warning (the check itself holds in a real run).
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")

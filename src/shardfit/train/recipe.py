@@ -268,7 +268,7 @@ class FineTune:
         cfg, env, s = self.cfg, self.env, self.strategy
         if self.model is None:
             self.model_cache_hit = weights_cached(cfg)
-            self.model = build_model(cfg, s, weights=True)
+            self.model = build_model(cfg, s, weights=True, experts=self.job.experts)
         if vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
             use_attention(self.model, cfg.attn_implementation)
             # `auto` attention by each micro-batch's row width where the faster kernel depends on it.
