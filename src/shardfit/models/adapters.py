@@ -19,7 +19,6 @@ from shardfit.models.experts import (
     moe_parts,
     router_targets,
 )
-from shardfit.models.quantize_experts import lora_over_nf4
 
 # A vision-language model's vision tower and Qwen2.5-Omni's audio tower, by module path: what LoRA leaves alone
 # while the tower is frozen.
@@ -59,7 +58,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
             if parts.any and router_targets(lora.targets, parts) else ""
         raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}).{routers} "
                         "Use all-linear, or a list of module names such as [q_proj, v_proj].") from None
-    lora_over_nf4(peft_model)
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()

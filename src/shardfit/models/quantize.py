@@ -34,11 +34,12 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @torch.no_grad()
-def quantize_blocks(model: nn.Module, dtype: torch.dtype) -> int:
+def quantize_blocks(model: nn.Module, dtype: torch.dtype, experts: bool = True) -> int:
     """Store the weight of every linear layer inside the decoder blocks (routers aside) and every fused expert stack
     of a mixture in NF4 (dequantizing to `dtype`), one weight at a time, each 16-bit weight released as its 4-bit
     one replaces it; returns how many were quantized. A weight that is not a whole number of 64-element blocks
-    stays as it is."""
+    stays as it is. `experts` False: the expert stacks are left for `quantize_experts_under_lora` (after the
+    adapters wrap them, so that peft nests its wrappers as on the unquantized model)."""
     done = 0
     parts = moe_parts(model)
     # A router that is a linear layer (Llama 4's) stays as it is: in 4 bits it would send tokens elsewhere. (A
@@ -59,7 +60,8 @@ def quantize_blocks(model: nn.Module, dtype: torch.dtype) -> int:
                 continue
             module.weight = nn.Parameter(to_nf4(module.weight, dtype), requires_grad=False)
             done += 1
-    done += quantize_experts(model, parts, dtype)
+    done += quantize_experts(model, parts, dtype) if experts else sum(
+        p.dim() == 3 for e in parts.experts for p in model.get_submodule(e).parameters(recurse=False))
     if done == 0:
         raise UserError("'method: qlora': the model's decoder blocks have no linear layer to store in 4 bits; use "
                         "method: lora.")

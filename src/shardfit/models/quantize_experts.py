@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from shardfit.models.experts import MoeParts
+from shardfit.models.experts import MoeParts, moe_parts
 from shardfit.models.nf4 import is_nf4, nf4_storage_bytes, to_nf4
 from shardfit.plan.quant import quantizable
 
@@ -53,10 +53,11 @@ def quantize_experts(model: nn.Module, parts: MoeParts, dtype: torch.dtype) -> i
     done = 0
     for path in parts.experts:
         module = model.get_submodule(path)
-        for name in parts.expert_weights:
-            p = module._parameters.get(name)
-            if p is None or p.dim() != 3:
-                continue  # already NF4 (a parametrized name), or a family without this weight
+        # In the module's own order: peft nests its wrappers in the order it finds the weights, and the adapter's
+        # key names (`experts.lora_A` / `experts.base_layer.lora_A`) must be those of the unquantized model.
+        for name, p in list(module._parameters.items()):
+            if p is None or p.dim() != 3 or name not in parts.expert_weights:
+                continue
             experts, rows, cols = p.shape
             if not quantizable(experts * rows, cols):
                 log.info("%s.%s: %s is not whole 64-element blocks; kept in %s", path, name, list(p.shape), p.dtype)
@@ -70,6 +71,17 @@ def quantize_experts(model: nn.Module, parts: MoeParts, dtype: torch.dtype) -> i
             done += 1
         if done and not getattr(module, "_shardfit_nf4_cached", False):
             _dequantize_once_per_call(module)
+    return done
+
+
+def quantize_experts_under_lora(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the expert stacks of a model that peft has wrapped in NF4, and make its parameter LoRA work on them
+    (`lora_over_nf4`). After the wrapping, not before: peft nests the wrappers of a module's two stacks in the
+    order it finds them, the module's own for plain parameters but sorted by name for parametrized ones, and the
+    adapter's keys (`experts.lora_A`, `experts.base_layer.lora_A`) must be those of the unquantized model, which
+    the adapter is loaded onto and merged into."""
+    done = quantize_experts(model, moe_parts(model), dtype)
+    lora_over_nf4(model)
     return done
 
 
