@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from shardfit.models.experts import MoeParts, moe_parts
-from shardfit.models.nf4 import is_nf4, nf4_storage_bytes, to_nf4
+from shardfit.models.nf4 import is_nf4, to_nf4
 from shardfit.plan.quant import quantizable
 
 log = logging.getLogger(__name__)
@@ -191,9 +191,3 @@ def _activate_lora(wrapper: Any, plist: Any, active_adapters: list[str]) -> Iter
     finally:
         for _ in adapters:
             del plist[len(plist) - 1]
-
-
-def expert_storage_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes the NF4 expert stacks keep, their element count): what the plan counts for them."""
-    stacks = [t for _, _, t in quantized_experts(model)]
-    return sum(nf4_storage_bytes(t) for t in stacks), sum(t.numel() for t in stacks)
