@@ -1,22 +1,18 @@
 """The preflight's rules for a mixture of experts: LoRA aimed at a router, routers that train with no
-load-balancing loss, QLoRA of fused experts. Each fires on a setup that has the problem and stays silent on a
-correct one."""
+load-balancing loss (QLoRA's expert stacks that are not whole 4-bit blocks: tests/test_qlora_moe.py). Each fires
+on a setup that has the problem and stays silent on a correct one."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from shardfit.check.findings import is_ok
-from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
+from shardfit.check.moe_rules import aux_loss_rules, router_lora_rules
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
 from shardfit.models.adapters import apply_lora, freeze_modules
-from tests.families import make_family_model, tiny_text_config
-from tests.helpers import run_cli, write_config
+from tests.families import tiny_text_config
 
 
 def _model(family: str, **config):
@@ -61,26 +57,3 @@ def test_full_fine_tune_without_load_balancing_is_warned(family: str, config: di
     freeze_modules(model, [router])
     assert aux_loss_rules(model, _cfg("full")) == []
     assert aux_loss_rules(_model("Qwen3-MoE"), _cfg("full")) == []
-
-
-def test_qlora_of_fused_experts_is_a_finding() -> None:
-    found = quantized_expert_rules(_model("gpt-oss"), _cfg("qlora"))
-    assert [f.rule for f in found] == ["qlora_fused_experts"] and not is_ok(found)
-    assert "of its parameters" in found[0].message and "method: lora" in found[0].fix
-    assert quantized_expert_rules(_model("gpt-oss"), _cfg("lora")) == []
-    assert quantized_expert_rules(_model("Qwen3 (dense)"), _cfg("qlora")) == []
-
-
-@pytest.mark.slow
-def test_check_and_train_refuse_qlora_of_experts_with_the_finding(tmp_path: Path, tokenizer_dir: Path,
-                                                                  small_data: Path) -> None:
-    model = make_family_model("Qwen3-MoE", tmp_path / "moe", tokenizer_dir)
-    cfg = write_config(tmp_path / "c.yaml", model=str(model), data=str(small_data), method="qlora",
-                       precision="fp32", max_seq_len=256, max_steps=1, strategy="single",
-                       output_dir=str(tmp_path / "run"))
-    r = run_cli("check", str(cfg), "--json", timeout=300)
-    assert r.returncode == 1, r.stderr[-2000:]
-    found = {f["rule"]: f for f in json.loads(r.stdout)["findings"]}
-    assert found["qlora_fused_experts"]["severity"] == "error"
-    r = run_cli("train", str(cfg), timeout=300)
-    assert r.returncode == 2 and "qlora_fused_experts" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -10,6 +10,7 @@ from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.models.anatomy import base_model
 from shardfit.models.experts import aux_loss_of, balancing_loss_fn, moe_parts, router_targets
+from shardfit.plan.quant import quantizable
 
 
 def router_lora_rules(model: nn.Module, cfg: Config) -> list[Finding]:
@@ -55,21 +56,22 @@ def aux_loss_rules(model: nn.Module, cfg: Config) -> list[Finding]:
 
 
 def quantized_expert_rules(model: nn.Module, cfg: Config) -> list[Finding]:
-    """QLoRA of a mixture: shardfit stores linear layers in NF4, not the experts' fused 3-D weights, which hold
-    most of an MoE's parameters. They would stay in 16 bits while the plan counts them in 4, so the run would need
-    several times the memory planned: refused."""
+    """QLoRA of a mixture stores each fused expert stack in NF4 (models/quantize_experts.py) when it is a whole
+    number of 64-element blocks; one that is not stays in 16 bits (the plan counts it so too). Reported, since the
+    experts hold most of a mixture's weights: the run needs more memory than 4-bit experts would."""
     if cfg.method != "qlora":
         return []
     base = base_model(model)
     parts = moe_parts(base)
-    if not parts.any:
+    dense = [(f"{e}.{n}", p) for e in parts.experts for n, p in base.get_submodule(e).named_parameters(recurse=False)
+             if p.dim() == 3 and not quantizable(p.shape[0] * p.shape[1], p.shape[2])]
+    if not dense:
         return []
-    fused = sum(p.numel() for e in parts.experts for p in base.get_submodule(e).parameters(recurse=False)
-                if p.dim() == 3)
-    total = sum(p.numel() for p in base.parameters())
-    return [Finding("qlora_fused_experts", "error", f"{parts.experts[0]} ({len(parts.experts)} expert modules)",
-                    f"method qlora stores linear layers in 4 bits, but this model's routed experts are fused 3-D "
-                    f"weights ({fused / total:.0%} of its parameters), which shardfit cannot store in NF4: they "
-                    "would stay in 16 bits, several times the memory the plan counts for them",
-                    "method: lora (the experts in 16 bits; strategy zero3 shards them over the GPUs); plan it with "
-                    "shardfit plan --method lora")]
+    name, p = dense[0]
+    kept = str(p.dtype).removeprefix("torch.")
+    return [Finding("qlora_experts_not_4bit", "warning", f"{name} ({len(dense)} expert weights)",
+                    f"method qlora stores expert weights in 4 bits in blocks of 64 values, but {list(p.shape)} "
+                    f"({p.numel()} values) is not whole blocks: these experts stay in {kept} "
+                    "(the plan counts them so)",
+                    "nothing to do for a published model (their widths are whole blocks); for a custom one, an "
+                    "expert width whose weights are multiples of 64 values; or method: lora")]

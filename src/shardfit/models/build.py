@@ -36,6 +36,7 @@ from shardfit.models.gguf_cache import enabled as cache_enabled
 from shardfit.models.placement import balanced_device_map
 from shardfit.models.processor import vision_model_type
 from shardfit.models.quantize import quantize_blocks
+from shardfit.models.quantize_experts import quantize_experts_under_lora
 from shardfit.models.source import ModelSource, resolve_model
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.strategy import Strategy
@@ -308,7 +309,11 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     if source is not None and vision_model_type(source, cfg.trust_remote_code) in OMNI_MODEL_TYPES:
         # Its folder has the processor files: the thinker trains on images and audio, running both towers.
         setattr(model, MEDIA_FLAG, True)
-    if methods.get(cfg.method).quantized:
-        quantize_blocks(model, DTYPES[qlora_compute_dtype(cfg)])
+    quantized = methods.get(cfg.method).quantized
+    if quantized:
+        quantize_blocks(model, DTYPES[qlora_compute_dtype(cfg)], experts=False)
     torch.manual_seed(cfg.seed)  # adapters start the same whatever ran before
-    return setup_trainable(model, cfg)
+    model = setup_trainable(model, cfg)
+    if quantized:  # a mixture's expert stacks: after the adapters wrap them (models/quantize_experts.py)
+        quantize_experts_under_lora(model, DTYPES[qlora_compute_dtype(cfg)])
+    return model

@@ -46,7 +46,7 @@ def moe_parts(model: nn.Module) -> MoeParts:
         path = name.replace(".base_layer", "")
         if not path.endswith("experts"):
             continue
-        fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        fused = fused_weight_names(module)
         if not fused:
             continue
         experts.append(name)
@@ -56,6 +56,16 @@ def moe_parts(model: nn.Module) -> MoeParts:
             if isinstance(model.get_submodule(parent), nn.Module) and hasattr(model.get_submodule(parent), r):
                 routers.append(f"{parent}.{r}")
     return MoeParts(tuple(routers), tuple(experts), tuple(sorted(weights)))
+
+
+def fused_weight_names(module: nn.Module) -> list[str]:
+    """The fused expert weights of an experts module: its 3-D parameters, and the 3-D weights QLoRA stores in NF4
+    behind a parametrization (models/quantize_experts.py; recognised by its `expert_shape`, without dequantizing)."""
+    names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    plists = getattr(module, "parametrizations", None)
+    if isinstance(plists, nn.ModuleDict):
+        names += [n for n, plist in plists.items() if len(getattr(plist[0], "expert_shape", ())) == 3]
+    return names
 
 
 def lora_targets(model: nn.Module, parts: MoeParts) -> list[str]:

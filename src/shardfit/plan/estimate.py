@@ -158,10 +158,15 @@ def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
 def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None) -> float:
     """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
     factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
-    plan/quant.py lays it out; without `double_quant` an fp32 scale per 64 weights), else the compute precision."""
+    plan/quant.py lays it out; without `double_quant` an fp32 scale per 64 weights) for each linear weight and each
+    fused expert stack, the router in the compute precision (never quantized); else the compute precision. Under
+    Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per expert as it counts them."""
     low = compute_bytes(w)
-    if w.method == "qlora":
+    if w.method == "qlora" and w.bnb_precision:
         return sum(quant.weight_bytes(o, i, low, w.double_quant) for i, o in shape.linear_shapes(moe))
+    if w.method == "qlora":
+        return sum(r * c * low if name == "router" else quant.weight_bytes(r, c, low, w.double_quant)
+                   for name, r, c in shape.stored_weights(moe))
     return sum(i * o for i, o in shape.linear_shapes(moe)) * low
 
 
@@ -201,7 +206,9 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
     in forward and again in backward, one at a time."""
     if w.method != "qlora":
         return 0.0
-    linears = [(i, o) for i, o in shape.linear_shapes() if quant.quantizable(o, i)]
+    # A fused expert stack dequantizes whole (models/quantize_experts.py): the largest NF4 weight of a mixture.
+    linears = [(i, o) for i, o in shape.linear_shapes() if quant.quantizable(o, i)] if w.bnb_precision else \
+        [(c, r) for name, r, c in shape.stored_weights() if name != "router" and quant.quantizable(r, c)]
     if not linears:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
@@ -247,10 +254,10 @@ def qlora_shard_problem(shape: ModelShape, w: Workload, world: int) -> str | Non
     qlora_shard_layout refuses before training), or None."""
     if w.method != "qlora":
         return None
-    for i, o in shape.linear_shapes():
-        problem = quant.shard_problem(o, i, world)
+    for name, r, c in shape.stored_weights():
+        problem = quant.shard_problem(r, c, world) if name != "router" else None
         if problem:
-            return f"a {o}x{i} weight: {problem}"
+            return f"a {r}x{c} weight: {problem}"
     return None
 
 

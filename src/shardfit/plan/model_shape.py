@@ -102,6 +102,19 @@ class ModelShape:
         shared = _mlp("", h, self.shared_intermediate) if self.shared_intermediate else []
         return self.attention_linears() + experts + shared + [("router", h, self.experts)]
 
+    def stored_weights(self, moe: bool | None = None) -> list[tuple[str, int, int]]:
+        """(name, rows, cols) of one decoder block's matrix weights as the model stores them: each linear layer's
+        (out, in), and a mixture's routed experts as the two fused stacks transformers 5 keeps (all experts'
+        gate/up projections in one, their down projections in the other), flattened to 2-D as QLoRA stores them
+        in NF4."""
+        moe = self.moe_layers > 0 if moe is None else moe
+        named = self.named_linears(moe)
+        out = [(n, o, i) for n, i, o in named if not n.startswith("expert_")]
+        if moe:
+            e, h = self.expert_width, self.hidden
+            out += [("expert_gate_up", self.experts * 2 * e, h), ("expert_down", self.experts * h, e)]
+        return out
+
     def linear_shapes(self, moe: bool | None = None) -> list[tuple[int, int]]:
         """(in, out) of every linear layer in one decoder block (the largest kind: a mixture's, each expert's MLP
         counted)."""
