@@ -29,6 +29,7 @@ from transformers import AttentionInterface, AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from shardfit.config import Config, LoraSettings
+from shardfit.errors import UserError
 from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
 from shardfit.models.quantize import nf4_to_empty
@@ -196,6 +197,12 @@ def audio_batch(model: torch.nn.Module, w: Workload, batch: tuple) -> tuple:
 
     body = vision_body(model)
     tower = body.audio_tower
+    if not isinstance(tower, omni.Qwen2_5OmniAudioEncoder):
+        # Qwen3-Omni's tower chunks clips with index helpers of its own, and the planner counts Qwen2.5-Omni's
+        # tokens: a simulation of it would measure another model's step.
+        raise UserError(f"plan --simulate: the audio tower of this model ({type(tower).__name__}) is not simulated "
+                        "yet (only Qwen2.5-Omni's); plan without --simulate, or without audio "
+                        "(--audio-per-sample 0 --audio-seconds 1).")
     clips = w.micro_batch * w.audio_clips
     with unset_fake_temporarily():
         lens = torch.tensor([w.audio_frames] * clips)
