@@ -201,8 +201,8 @@ def audio_batch(model: torch.nn.Module, w: Workload, batch: tuple) -> tuple:
         # Qwen3-Omni's tower chunks clips with index helpers of its own, and the planner counts Qwen2.5-Omni's
         # tokens: a simulation of it would measure another model's step.
         raise UserError(f"plan --simulate: the audio tower of this model ({type(tower).__name__}) is not simulated "
-                        "yet (only Qwen2.5-Omni's); plan without --simulate, or without audio "
-                        "(--audio-per-sample 0 --audio-seconds 1).")
+                        "yet (only Qwen2.5-Omni's); plan without --simulate (the estimate), or simulate the step "
+                        "without audio: shardfit plan --model FOLDER --gpus ... --simulate, no --audio-* flags.")
     clips = w.micro_batch * w.audio_clips
     with unset_fake_temporarily():
         lens = torch.tensor([w.audio_frames] * clips)
