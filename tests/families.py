@@ -2,8 +2,9 @@
 
 Each tiny config is the family's published config (the catalog's own copy, src/shardfit/plan/catalog.yaml) with
 its sizes shrunk and its layout kept: routed and shared experts, dense blocks among the mixtures, latent attention,
-sliding windows, biases. `MATRIX` lists the (family, method, strategy) cases tests/test_families.py trains; the
-README's table of supported families is rendered from it (`table()`), so it claims no more than the tests run.
+sliding windows, biases. `MATRIX` lists the (family, method, strategy) cases tests/test_families.py trains and
+`MEDIA_MATRIX` those a media family's own tests train; the README's table of supported families is rendered from
+both (`table()`), so it claims no more than the tests run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ FAMILIES = {
 TRAINED = list(FAMILIES)
 MATRIX = [(family, method, "single") for family in TRAINED for method in ("lora", "full")] + \
     [(family, "lora", "zero3") for family in ("Qwen3-MoE", "gpt-oss", "DeepSeek-V3", "Llama 4 (text)")]
+# Families trained on media rows by a test file of their own: (family, method, strategy) -> the test that trains
+# the case (tests/test_qwen3_omni.py checks that each exists).
+OMNI3 = "Qwen3-Omni-MoE (thinker: text, images, audio)"
+MEDIA_MATRIX = {
+    (OMNI3, "lora", "single"): "tests/test_qwen3_omni.py::test_a_run_trains_on_image_and_audio_rows",
+    (OMNI3, "full", "single"): "tests/test_qwen3_omni.py::test_full_fine_tune_trains_the_thinker",
+    (OMNI3, "lora", "zero3"): "tests/test_qwen3_omni.py::test_zero3_rank_without_media_matches_one_process",
+}
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -80,8 +89,8 @@ def table() -> str:
     ids = {"Qwen3 (dense)": "Qwen/Qwen3-0.6B ... 32B", "Qwen3-MoE": "Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B",
            "gpt-oss": "openai/gpt-oss-20b, openai/gpt-oss-120b", "GLM-4.5": "zai-org/GLM-4.5-Air, zai-org/GLM-4.5",
            "DeepSeek-V3": "deepseek-ai/DeepSeek-V3", "Llama 4 (text)": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
-           "Gemma 3 (text)": "google/gemma-3-27b-it"}
-    for family in FAMILIES:
-        marks = ["tested" if (family, m, s) in MATRIX else "-" for m, s in combos]
+           "Gemma 3 (text)": "google/gemma-3-27b-it", OMNI3: "Qwen/Qwen3-Omni-30B-A3B-Instruct"}
+    for family in [*FAMILIES, *dict.fromkeys(f for f, _, _ in MEDIA_MATRIX)]:
+        marks = ["tested" if (family, m, s) in MATRIX or (family, m, s) in MEDIA_MATRIX else "-" for m, s in combos]
         rows.append(f"| {family} | {ids[family]} | " + " | ".join(marks) + " |")
     return "\n".join(rows)

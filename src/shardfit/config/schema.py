@@ -170,8 +170,8 @@ class Config:
                                        ge=1)
     image_min_pixels: int | None = key(None, "images with fewer pixels are resized up, keeping the aspect ratio; "
                                              "null: the model's image processor default", ge=1)
-    freeze_audio_tower: bool = key(True, "models with an audio tower (Qwen2.5-Omni): keep its weights frozen (LoRA "
-                                         "then leaves it alone)")
+    freeze_audio_tower: bool = key(True, "models with an audio tower (Qwen2.5-Omni, Qwen3-Omni): keep its weights "
+                                         "frozen (LoRA then leaves it alone)")
     audio_max_seconds: float | None = key(None, "audio clips longer than this are cut to it (fewer audio tokens); "
                                                 "null: the feature extractor's window (300 s for Qwen2.5-Omni)",
                                        gt=0)

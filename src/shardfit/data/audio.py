@@ -1,6 +1,6 @@
 """Audio clips in data rows: WAV files (or inline base64 WAV) read with the standard library's `wave`, mixed to
 mono, resampled to the feature extractor's rate, cut at `audio_max_seconds`, and turned into the log-mel features
-and the token count an audio tower (Qwen2.5-Omni's, Whisper-style) expects.
+and the token count an audio tower (Qwen2.5-Omni's or Qwen3-Omni's, Whisper-style features) expects.
 
 No audio library is needed: `wave` reads PCM WAV, and the resampler below is a windowed-sinc filter in numpy.
 """
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shardfit.data.formats import BadRow
+from shardfit.plan.audio import clip_tokens
 
 # A clip is a file path or the bytes of a WAV file (OpenAI `input_audio` data, base64-decoded).
 AudioInput = str | bytes
@@ -113,11 +114,12 @@ class AudioProcessor:
     None)."""
 
     feature_extractor: Any
-    audio_token: str  # the placeholder the language model reads audio features into (Qwen-Omni: <|AUDIO|>)
+    audio_token: str  # the placeholder the language model reads audio features into (Qwen2.5-Omni: <|AUDIO|>)
     audio_token_id: int
-    start: str  # the markers around a clip (Qwen-Omni: <|audio_bos|>, <|audio_eos|>)
+    start: str  # the markers around a clip (Qwen2.5-Omni: <|audio_bos|>, <|audio_eos|>; Qwen3: <|audio_start|>...)
     end: str
     max_seconds: float | None = None
+    chunk: int | None = None  # Qwen3-Omni: the tower's chunk of log-mel frames (2 x n_window); None: Qwen2.5-Omni
 
     @property
     def rate(self) -> int:
@@ -129,14 +131,15 @@ class AudioProcessor:
         return own if self.max_seconds is None else min(own, int(self.max_seconds * self.rate))
 
     def frames(self, n_samples: int) -> int:
-        """Log-mel frames of a clip of `n_samples` (one per hop, the last partial hop included)."""
-        return max(1, -(-n_samples // int(self.feature_extractor.hop_length)))
+        """Log-mel frames of a clip of `n_samples`, as the model's own processor makes them: Qwen2.5-Omni's (which
+        pads every clip to the extractor's window) one per hop, the last partial hop included; Qwen3-Omni's (which
+        pads a clip only to the longest in its batch, so a clip alone not at all) one per whole hop."""
+        hop = int(self.feature_extractor.hop_length)
+        return max(1, n_samples // hop if self.chunk is not None else -(-n_samples // hop))
 
     def tokens(self, n_samples: int) -> int:
-        """Language-model tokens of a clip: the audio tower halves the frames twice (a stride-2 convolution, then
-        pooling by 2)."""
-        after_conv = (self.frames(n_samples) - 1) // 2 + 1
-        return (after_conv - 2) // 2 + 1
+        """Language-model tokens of a clip, as the model's audio tower makes them from its frames."""
+        return clip_tokens(self.frames(n_samples), self.chunk)
 
     def n_samples(self, src: AudioInput) -> int:
         """Samples of the clip once resampled and cut (`samples(src)`'s length), from the file's header alone."""
@@ -160,15 +163,20 @@ class AudioProcessor:
     def features(self, clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-mel features of the clips side by side in time, (mel bins, total frames), and each clip's frames.
 
-        Each clip is padded with silence just past its last frame rather than to the extractor's whole window:
-        the frames that carry the clip come out the same (tested), without computing frames that are thrown away."""
+        Qwen2.5-Omni: each clip is padded with silence just past its last frame rather than to the extractor's whole
+        window: the frames that carry the clip come out the same (tested), without computing frames that are
+        thrown away. Qwen3-Omni: each clip as its processor gives a clip alone (no padding; tested)."""
         fe = self.feature_extractor
+        hop = int(fe.hop_length)
         parts, lens = [], []
         for x in clips:
             n = self.frames(len(x))
-            length = (n + 2) * int(fe.hop_length) + int(fe.n_fft)
-            out = fe(x, sampling_rate=self.rate, padding="max_length", max_length=length, truncation=True,
-                     return_tensors="pt")
+            if self.chunk is not None:
+                x = np.pad(x, (0, max(0, hop - len(x))))  # a clip shorter than a hop still makes its one frame
+                out = fe(x, sampling_rate=self.rate, padding="longest", truncation=False, return_tensors="pt")
+            else:
+                out = fe(x, sampling_rate=self.rate, padding="max_length", max_length=(n + 2) * hop + int(fe.n_fft),
+                         truncation=True, return_tensors="pt")
             parts.append(out["input_features"][0, :, :n])
             lens.append(n)
         return torch.cat(parts, dim=1), torch.tensor(lens, dtype=torch.long)

@@ -88,15 +88,18 @@ VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm
 # Of those, the ones whose videos shardfit trains: Qwen3-VL and GLM-4.5V put a timestamp before each frame, a
 # layout of their own.
 VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# Qwen2.5-Omni (whole, or its thinker alone): images and audio, when its folder has the processor files; without
-# them its thinker trains on text. `build_model` marks a thinker that trains on media with MEDIA_FLAG.
-OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
+# Qwen2.5-Omni and Qwen3-Omni-MoE (whole, or the thinker alone): images and audio, when the folder has the processor
+# files; without them the thinker trains on text. `build_model` marks a thinker that trains on media with MEDIA_FLAG.
+OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker")
+# Of those, the ones whose audio tower cuts a clip into chunks of 2 x n_window frames (Qwen3-Omni's): another token
+# count per clip (plan/audio.py `clip_tokens`).
+CHUNKED_AUDIO_MODEL_TYPES = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
 MEDIA_FLAG = "shardfit_trains_media"
 
 
 def trains_images(model: nn.Module) -> bool:
     """Whether shardfit's forward of this model runs its vision tower (and audio tower, where it has one): a
-    Qwen2-VL-style model, or a Qwen2.5-Omni thinker built to train on media."""
+    Qwen2-VL-style model, or a Qwen-Omni thinker built to train on media."""
     text = text_model(model)
     kind = getattr(getattr(text, "config", None), "model_type", None)
     media = kind in VISION_MODEL_TYPES or (kind in OMNI_MODEL_TYPES and getattr(text, MEDIA_FLAG, False))
@@ -130,8 +133,8 @@ def vision_units(model: nn.Module) -> list[nn.Module]:
 
 
 def audio_units(model: nn.Module) -> list[nn.Module]:
-    """The audio tower's repeated encoder layers (Qwen2.5-Omni), in order: each is one FSDP unit, like a vision
-    block; the tower's convolutions and output projection stay with the root."""
+    """The audio tower's repeated encoder layers (Qwen2.5-Omni, Qwen3-Omni), in order: each is one FSDP unit, like a
+    vision block; the tower's convolutions and output projection stay with the root."""
     body = vision_body(model)
     tower = getattr(body, "audio_tower", None) if body is not None else None
     return list(getattr(tower, "layers", None) or [])

@@ -1,9 +1,9 @@
 """The media side of a multimodal model's inputs, without `AutoProcessor`: the image processor (PIL backend, which
-needs no torchvision), for Qwen2.5-Omni also the audio feature extractor (Whisper-style log-mel), and the token
-strings an image or a clip takes, read from the model's own config and tokenizer.
+needs no torchvision), for Qwen2.5-Omni and Qwen3-Omni also the audio feature extractor (Whisper-style log-mel), and
+the token strings an image or a clip takes, read from the model's own config and tokenizer.
 
-AutoProcessor for Qwen2-VL and Qwen2.5-Omni also builds a video processor that needs torchvision, whose wheels do
-not match every torch build; images and audio need only the image processor, the feature extractor and the
+AutoProcessor for Qwen2-VL and the Omni models also builds a video processor that needs torchvision, whose wheels
+do not match every torch build; images and audio need only the image processor, the feature extractor and the
 tokenizer, so shardfit assembles those.
 """
 
@@ -20,15 +20,15 @@ from shardfit.data.audio import AudioProcessor
 from shardfit.data.video import VideoSettings
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
-from shardfit.models.anatomy import OMNI_MODEL_TYPES, VIDEO_MODEL_TYPES, VISION_MODEL_TYPES
+from shardfit.models.anatomy import CHUNKED_AUDIO_MODEL_TYPES, OMNI_MODEL_TYPES, VIDEO_MODEL_TYPES, VISION_MODEL_TYPES
 from shardfit.models.source import ModelSource
 
 PREPROCESSOR = "preprocessor_config.json"
 
 
 def vision_model_type(source: ModelSource, trust_remote_code: bool = False) -> str | None:
-    """The model type when the model is a multimodal model shardfit trains on media, else None. Qwen2.5-Omni is
-    one only with its preprocessor_config.json (without it, its thinker trains on text as a causal LM)."""
+    """The model type when the model is a multimodal model shardfit trains on media, else None. A Qwen-Omni model
+    is one only with its preprocessor_config.json (without it, its thinker trains on text as a causal LM)."""
     if source.gguf_file or not (Path(source.folder) / "config.json").is_file():
         return None
     try:
@@ -70,13 +70,13 @@ def _marker_id(configs: tuple[Any, ...], edge: str) -> int | None:
 def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> VisionProcessor | None:
     """The image processor and image tokens of a multimodal model (None for a text model), with
     `image_min_pixels` / `image_max_pixels` as the processor's resize bounds (of video frames too); for Qwen2-VL
-    and Qwen2.5-VL the video token and `video_max_frames` / `video_fps`; for Qwen2.5-Omni the audio feature
-    extractor and audio tokens, clips cut at `audio_max_seconds`."""
+    and Qwen2.5-VL the video token and `video_max_frames` / `video_fps`; for Qwen2.5-Omni and Qwen3-Omni the audio
+    feature extractor and audio tokens, clips cut at `audio_max_seconds`."""
     kind = vision_model_type(source, cfg.trust_remote_code)
     if kind is None:
         return None
     config = AutoConfig.from_pretrained(source.folder, trust_remote_code=cfg.trust_remote_code)
-    media = getattr(config, "thinker_config", config)  # Qwen2.5-Omni: the thinker reads the media
+    media = getattr(config, "thinker_config", config)  # Qwen-Omni: the thinker reads the media
     if not (Path(source.folder) / PREPROCESSOR).is_file():
         raise UserError(f"'model': {source.name} is a vision-language model without {PREPROCESSOR}; copy the base "
                         f"model's {PREPROCESSOR} into the folder.")
@@ -96,11 +96,14 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
     end = _token(tokenizer, source, end_id, ("<|vision_eos|>", "<|vision_end|>"), "vision end")
     audio = None
     if extractor is not None:
+        # Qwen3-Omni's tower runs a clip in chunks of 2 x n_window frames: its own token count per clip.
+        chunk = 2 * int(media.audio_config.n_window) if kind in CHUNKED_AUDIO_MODEL_TYPES else None
         audio = AudioProcessor(extractor, _token(tokenizer, source, media.audio_token_id, (), "audio"),
                                media.audio_token_id,
                                _token(tokenizer, source, media.audio_start_token_id, (), "audio start"),
-                               _token(tokenizer, source, media.audio_end_token_id, (), "audio end"),
-                               cfg.audio_max_seconds)
+                               _token(tokenizer, source, getattr(media, "audio_end_token_id", None),
+                                      ("<|audio_end|>", "<|audio_eos|>"), "audio end"),
+                               cfg.audio_max_seconds, chunk)
     video = None
     if kind in VIDEO_MODEL_TYPES:
         # Qwen2.5-VL spaces a video's temporal positions by seconds (tokens_per_second); Qwen2-VL by one per patch.
@@ -113,7 +116,7 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
 
 def save_processor(vp: VisionProcessor, out: Path) -> None:
     """Write the processor files beside the tokenizer's: the image processor's preprocessor_config.json, with the
-    audio feature extractor's settings merged in (Qwen2.5-Omni keeps both in that one file)."""
+    audio feature extractor's settings merged in (the Omni models keep both in that one file)."""
     vp.image_processor.save_pretrained(str(out))
     if vp.audio is not None:
         path = Path(out) / PREPROCESSOR

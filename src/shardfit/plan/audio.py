@@ -1,6 +1,7 @@
 """Audio tokens before anything loads: how many tokens an audio clip adds to the language model's sequence for a
 Qwen2.5-Omni-style audio tower (Whisper log-mel frames every 10 ms, a stride-2 convolution, then pooling by 2:
-25 tokens a second), as shardfit's data path counts them (tested against it).
+25 tokens a second), as shardfit's data path counts them (tested against it). `clip_tokens` is the one count both
+use; it also knows Qwen3-Omni's tower (chunks of 100 frames, each halved three times: 13 tokens a second).
 """
 
 from __future__ import annotations
@@ -13,6 +14,23 @@ from shardfit.errors import UserError
 SAMPLE_RATE = 16000  # Whisper-style feature extractors resample every clip to 16 kHz
 HOP = 160  # samples per log-mel frame (10 ms)
 WINDOW_S = 300.0  # Qwen2.5-Omni's feature extractor window (chunk_length): longer clips are cut here
+
+
+def clip_tokens(frames: int, chunk: int | None = None) -> int:
+    """Language-model tokens of a clip of `frames` log-mel frames. Qwen2.5-Omni's tower (`chunk` None) halves the
+    frames twice (a stride-2 convolution, then pooling by 2); Qwen3-Omni's cuts them into chunks of `chunk`
+    frames (2 x its n_window) and halves each chunk three times (three stride-2 convolutions, rounding up)."""
+    if chunk is None:
+        return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+    tail, tokens = frames % chunk, 0
+    if tail:
+        for _ in range(3):
+            tail = (tail - 1) // 2 + 1
+        tokens = tail
+    per_chunk = chunk
+    for _ in range(3):
+        per_chunk = (per_chunk - 1) // 2 + 1
+    return tokens + frames // chunk * per_chunk
 
 
 @dataclass(frozen=True)
@@ -33,9 +51,9 @@ class AudioLoad:
         return max(1, -(-samples // HOP))
 
     def tokens_per_clip(self) -> int:
-        """Tokens one clip adds to the sequence: frames halved by the convolution, then by the pooling."""
-        after_conv = (self.frames() - 1) // 2 + 1
-        return (after_conv - 2) // 2 + 1
+        """Tokens one clip adds to the sequence (a Qwen2.5-Omni tower: frames halved by the convolution, then by
+        the pooling)."""
+        return clip_tokens(self.frames())
 
     def tokens_per_sample(self) -> int:
         return self.clips_per_sample * self.tokens_per_clip()

@@ -31,6 +31,7 @@ from transformers.integrations import moe as hf_moe
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from shardfit.config import Config, LoraSettings
+from shardfit.errors import UserError
 from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
 from shardfit.models.quantize import nf4_to_empty
@@ -217,6 +218,12 @@ def audio_batch(model: torch.nn.Module, w: Workload, batch: tuple) -> tuple:
 
     body = vision_body(model)
     tower = body.audio_tower
+    if not isinstance(tower, omni.Qwen2_5OmniAudioEncoder):
+        # Qwen3-Omni's tower chunks clips with index helpers of its own, and the planner counts Qwen2.5-Omni's
+        # tokens: a simulation of it would measure another model's step.
+        raise UserError(f"plan --simulate: the audio tower of this model ({type(tower).__name__}) is not simulated "
+                        "yet (only Qwen2.5-Omni's); plan without --simulate (the estimate), or simulate the step "
+                        "without audio: shardfit plan --model FOLDER --gpus ... --simulate, no --audio-* flags.")
     clips = w.micro_batch * w.audio_clips
     with unset_fake_temporarily():
         lens = torch.tensor([w.audio_frames] * clips)

@@ -1,6 +1,6 @@
 """The forward of a vision-language body on a training batch: token embeddings, the audio tower's features in the
-audio tokens, the vision tower's in the image and video tokens, then the language model (with Qwen3-VL's deepstack
-features, where the tower makes them).
+audio tokens, the vision tower's in the image and video tokens, then the language model (with the deepstack
+features of Qwen3-VL's and Qwen3-Omni's towers, where the tower makes them).
 
 The steps are the body's own forward, spelled out so that a batch without images, videos or audio runs the same
 modules in the same order (embedding, audio tower, vision tower once, language model): under FSDP2 every rank must
@@ -23,15 +23,15 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
                             pixel_values_videos: torch.Tensor | None = None,
                             video_grid_thw: torch.Tensor | None = None,
                             routed: dict[str, bool] | None = None) -> Any:
-    """A Qwen2-VL-style body (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.5V, an Omni thinker) on a batch with
-    (4, rows, width) positions; returns the language model's output."""
+    """A Qwen2-VL-style body (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.5V, a Qwen2.5-Omni or Qwen3-Omni thinker) on a
+    batch with (4, rows, width) positions; returns the language model's output."""
     embeds = body.get_input_embeddings()(input_ids)
     audio = getattr(body, "audio_tower", None)
     if audio is not None:
         if input_features is None:
             embeds = embeds + idle_audio(audio, embeds)
         else:
-            out = audio(input_features.to(audio.conv1.weight.dtype), feature_lens=audio_feature_lens)
+            out = audio(input_features.to(_input_dtype(audio)), feature_lens=audio_feature_lens)
             mask = (input_ids == body.config.audio_token_id).unsqueeze(-1)
             embeds = embeds.masked_scatter(mask, out.last_hidden_state.to(embeds.dtype))
     media = [(p, g, tok) for p, g, tok in ((pixel_values, image_grid_thw, body.config.image_token_id),
@@ -89,12 +89,17 @@ def deepstack_inputs(spans: list[tuple[torch.Tensor, int, int]], layers: list[to
 
 
 def idle_audio(audio: nn.Module, like: torch.Tensor) -> torch.Tensor:
-    """Zero, computed through the audio tower on four frames of silence (one output token): the audio tower's
-    counterpart of `idle_vision`, for a batch without clips."""
+    """Zero, computed through the audio tower on four frames of silence (one output token in Qwen2.5-Omni's tower
+    and in Qwen3-Omni's): the audio tower's counterpart of `idle_vision`, for a batch without clips."""
     frames = 4
-    features = torch.zeros(audio.num_mel_bins, frames, dtype=audio.conv1.weight.dtype, device=like.device)
+    features = torch.zeros(audio.num_mel_bins, frames, dtype=_input_dtype(audio), device=like.device)
     out = audio(features, feature_lens=torch.tensor([frames], device=like.device))
     return out.last_hidden_state.sum().to(like.dtype) * 0.0
+
+
+def _input_dtype(audio: nn.Module) -> torch.dtype:
+    """The dtype the audio tower's first layer computes in (Qwen2.5-Omni's conv1, Qwen3-Omni's conv2d1)."""
+    return audio.get_input_embeddings().weight.dtype
 
 
 def idle_vision(visual: nn.Module, like: torch.Tensor) -> torch.Tensor:
