@@ -140,3 +140,20 @@ def test_catalog_omni_shape_simulates_its_towers(trainable: bool, grad_ckpt: str
                  audio_clips=1, audio_frames=300, audio_trainable=trainable)
     hw = parse_gpus("1x80GB")
     assert_estimate_matches_simulation(shape, w, hw, "single", None)
+
+
+@pytest.mark.parametrize("seconds", [0.4, 1.0, 1.5, 7.3, 30.0])
+def test_qwen3_omni_plan_counts_its_towers_tokens(seconds: float, capsys: pytest.CaptureFixture) -> None:
+    """Qwen3-Omni's tower counts tokens per chunk of 2 x n_window frames (13 a second), not Qwen2.5-Omni's 25: the
+    plan of the catalog model counts what its data path (and transformers, tests/test_qwen3_omni.py) counts."""
+    from shardfit.cli.main import main
+    from shardfit.plan.audio import HOP, SAMPLE_RATE, clip_tokens
+
+    assert main(["plan", "--model", "Qwen/Qwen3-Omni-30B-A3B-Instruct", "--gpus", "8xH100", "--method", "lora",
+                 "--seq", "2048", "--audio-per-sample", "1", "--audio-seconds", str(seconds), "--json"]) in (0, 3)
+    audio = json.loads(capsys.readouterr().out)["audio"]
+    frames = round(seconds * SAMPLE_RATE) // HOP  # a lone clip: whole hops only
+    assert audio["frames_per_clip"] == frames
+    assert audio["tokens_per_clip"] == clip_tokens(frames, 100)
+    if seconds == 1.5:
+        assert audio["tokens_per_clip"] == 20  # 13 for the first 100 frames, 7 for the last 50

@@ -266,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     if audio is None and sample is not None and shape.audio is not None:
         audio = audio_from_data(cfg, sample(), args.json)
     if audio is not None:
+        if shape.audio is not None:  # the tower's own token count (Qwen3-Omni's per chunk of frames)
+            audio = dataclasses.replace(audio, chunk=shape.audio.token_chunk)
         check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)
         w = dataclasses.replace(w, audio_clips=audio.clips_per_sample, audio_frames=audio.frames())
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))

@@ -40,6 +40,7 @@ class AudioLoad:
     clips_per_sample: int
     seconds: float
     max_seconds: float | None = None
+    chunk: int | None = None  # Qwen3-Omni's tower: tokens per chunk of this many frames (AudioShape.token_chunk)
 
     def kept_seconds(self) -> float:
         """The length the tower sees: the clip, cut at audio_max_seconds and at the extractor's window."""
@@ -48,12 +49,13 @@ class AudioLoad:
     def frames(self) -> int:
         """Log-mel frames of one clip (one per hop, the last partial hop included)."""
         samples = math.ceil(self.kept_seconds() * SAMPLE_RATE)
-        return max(1, -(-samples // HOP))
+        # Qwen3-Omni's processor pads a lone clip not at all: whole hops only (data/audio.py counts the same).
+        return max(1, samples // HOP if self.chunk is not None else -(-samples // HOP))
 
     def tokens_per_clip(self) -> int:
-        """Tokens one clip adds to the sequence (a Qwen2.5-Omni tower: frames halved by the convolution, then by
-        the pooling)."""
-        return clip_tokens(self.frames())
+        """Tokens one clip adds to the sequence (`clip_tokens`: Qwen2.5-Omni's whole-clip count, or Qwen3-Omni's
+        per chunk)."""
+        return clip_tokens(self.frames(), self.chunk)
 
     def tokens_per_sample(self) -> int:
         return self.clips_per_sample * self.tokens_per_clip()
@@ -98,6 +100,8 @@ class AudioShape:
     mels: int = 128
     window: int = 100
     positions: int = 1500  # max_source_positions: rows of the sinusoidal position table
+    # Qwen3-Omni's tower counts its tokens per chunk of 2 x window frames (clip_tokens); None: Qwen2.5-Omni's.
+    token_chunk: int | None = None
 
     def params(self) -> int:
         """The tower's weights: both convolutions, the blocks (norms, q/k/v/out projections with k bias-free, MLP),
@@ -153,7 +157,10 @@ def audio_shape_of(config: dict) -> AudioShape | None:
     a = (config.get("thinker_config") or {}).get("audio_config")
     if not isinstance(a, dict):
         return None
+    # Qwen3-Omni (models/anatomy.py CHUNKED_AUDIO_MODEL_TYPES; its n_window defaults to 50 frames).
+    chunked = config.get("model_type") in ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
     return AudioShape(layers=a.get("encoder_layers", 32), dim=a.get("d_model", 1280),
                       ffn=a.get("encoder_ffn_dim", 5120), heads=a.get("encoder_attention_heads", 20),
                       out=a.get("output_dim", 3584), mels=a.get("num_mel_bins", 128), window=a.get("n_window", 100),
-                      positions=a.get("max_source_positions", 1500))
+                      positions=a.get("max_source_positions", 1500),
+                      token_chunk=2 * a.get("n_window", 50) if chunked else None)
