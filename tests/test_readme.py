@@ -64,3 +64,33 @@ def test_every_readme_command_runs(tmp_path: Path, tiny_llama: Path) -> None:
         assert "Traceback" not in r.stderr, (" ".join(cmd), r.stderr[-2000:])
         ran += 1
     assert ran >= 6
+
+
+def shown_plans() -> list[tuple[str, list[str], list[str]]]:
+    """(file, the `shardfit plan --model ...` command, the table rows of the output block under it) of every plan
+    the README, docs/models.md and docs/planning.md show."""
+    out = []
+    for path in (README, ROOT / "docs" / "models.md", ROOT / "docs" / "planning.md"):
+        for cmd, shown in re.findall(r"```bash\n(shardfit plan --model [^\n]*)\n```\n\n```\n(.*?)```", path.read_text(),
+                                     re.S):
+            rows = [line for line in shown.splitlines() if re.match(r"(single|ddp|zero2|zero3|zero3_offload|"
+                                                                     r"model_parallel)\s", line)]
+            out.append((path.name, shlex.split(cmd)[1:], rows))
+    return out
+
+
+@pytest.mark.parametrize("file,args,rows", shown_plans(), ids=lambda v: v if isinstance(v, str) else None)
+def test_shown_plans_are_what_plan_prints(file: str, args: list[str], rows: list[str],
+                                          capsys: pytest.CaptureFixture) -> None:
+    """A plan table in the README or the docs is the planner's output today: a change to the planner that moves a
+    number makes this fail until the shown output is pasted again."""
+    from shardfit.cli.main import main
+
+    assert rows, f"{file}: no table rows under {' '.join(args)}"
+    if "--plot" in args:  # the picture is not the table: it would land in the working directory
+        i = args.index("--plot")
+        args = args[:i] + args[i + 2:]
+    main(args)
+    printed = {" ".join(line.split()) for line in capsys.readouterr().out.splitlines()}
+    for row in rows:
+        assert " ".join(row.split()) in printed, f"{file}: {row!r} is not what `shardfit {' '.join(args)}` prints"
