@@ -8,6 +8,7 @@ their own cadence. With world size 1 the distributed parts reduce to plain PyTor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -231,6 +232,10 @@ class FineTune:
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
         self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
+        if self.vision is not None and self.vision.soft_grid is not None and self.cfg.packing:
+            # Gemma 3: an image's tokens attend to each other both ways; shardfit's packed-row mask does not compose
+            # that with the examples' blocks, so its rows stay unpacked (one example per row: the model's own mask).
+            self.cfg = dataclasses.replace(self.cfg, packing=False)
         self.startup.mark("tokenizer")
         if preference:  # pairs are encoded afresh (the data cache keeps SFT examples)
             train_ex, eval_ex = encode_preference_split(self.cfg, self.tokenizer, split, self.vision)
@@ -404,6 +409,10 @@ class FineTune:
             return ""
         clips = f", {self.n_clips} audio clips" if self.vision.audio is not None else ""
         clips += f", {self.n_videos} videos" if self.n_videos else ""
+        if self.vision.soft_grid is not None:
+            _, rows, cols = self.vision.soft_grid
+            return (f"; {self.n_images} images ({rows * cols} soft tokens each, attended to both ways within an "
+                    "image; Gemma 3's rows are never packed)")
         packed = " in packed rows" if self.cfg.packing else ""
         return f"; {self.n_images} images{clips} (M-RoPE positions kept per example{packed})"
 
