@@ -154,6 +154,7 @@ def test_vision_units_are_the_siglip_layers_and_the_projector(tiny_gemma3: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # about 45 s: two CLI runs, one on two gloo ranks
 def test_zero3_rank_without_image_matches_one_process(tmp_path: Path, tiny_gemma3: Path, gemma_rows: Path) -> None:
     """One row per rank, one rank without an image every step: that rank runs the tower and projector on a blank
     image, so ZeRO-3's collectives match and the losses and adapters equal one process's."""
