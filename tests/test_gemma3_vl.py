@@ -21,6 +21,8 @@ from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.loader import collate
 from shardfit.data.packing import no_pack
 from shardfit.data.tokenize import IGNORE
+from shardfit.infer.generate import Sampling
+from shardfit.infer.images import generate_with_images, image_inputs
 from shardfit.models.anatomy import MEDIA_FLAG, vision_units
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
@@ -166,3 +168,19 @@ def test_zero3_rank_without_image_matches_one_process(tmp_path: Path, tiny_gemma
                 lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
     one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
     assert_adapters_match(one, two, "multi_modal_projector", atol=1e-6)
+
+
+@torch.no_grad()
+def test_chat_generates_from_an_image(tiny_gemma3: Path, gemma_rows: Path) -> None:
+    """`chat --image` inputs for Gemma 3: the image's soft tokens marked by token_type_ids (its image mask), no
+    grids; the model generates from them."""
+    tok = AutoTokenizer.from_pretrained(tiny_gemma3)
+    vp = load_vision_processor(resolve_model(str(tiny_gemma3)), Config(model=str(tiny_gemma3)), tok)
+    image = str(gemma_rows.parent / "a.png")
+    inputs = image_inputs(tok, vp, [{"role": "user", "content": "What is this?"}], [image])
+    assert set(inputs) == {"input_ids", "attention_mask", "pixel_values", "token_type_ids"}
+    assert int(inputs["token_type_ids"].sum()) == SOFT_TOKENS
+    model = AutoModelForImageTextToText.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
+    reply = generate_with_images(model, tok, vp, [{"role": "user", "content": "What is this?"}], [image],
+                                 Sampling(max_new_tokens=3))
+    assert isinstance(reply, str) and reply
