@@ -23,6 +23,7 @@ from shardfit.data.packing import no_pack
 from shardfit.data.tokenize import IGNORE
 from shardfit.infer.generate import Sampling
 from shardfit.infer.images import generate_with_images, image_inputs
+from shardfit.models.adapters import setup_trainable
 from shardfit.models.anatomy import MEDIA_FLAG, vision_units
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
@@ -184,3 +185,19 @@ def test_chat_generates_from_an_image(tiny_gemma3: Path, gemma_rows: Path) -> No
     reply = generate_with_images(model, tok, vp, [{"role": "user", "content": "What is this?"}], [image],
                                  Sampling(max_new_tokens=3))
     assert isinstance(reply, str) and reply
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_tower_stays_frozen_and_the_projector_trains(tiny_gemma3: Path, method: str) -> None:
+    """LoRA and full fine-tunes of Gemma 3 on images: no adapter and no gradient in the SigLIP tower
+    (freeze_vision_tower), the projector trained whole under train_projector, the language model trained."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_gemma3, dtype=torch.float32)
+    setattr(model, MEDIA_FLAG, True)
+    cfg = Config(model=str(tiny_gemma3), method=method, train_projector=True, lora=LoraSettings(rank=4))
+    model = setup_trainable(model, cfg)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and not [n for n in trained if "vision_tower" in n]
+    assert any("multi_modal_projector" in n for n in trained)
+    assert any("language_model" in n for n in trained)
+    if method == "lora":
+        assert not [n for n, _ in model.named_modules() if "vision_tower" in n and n.endswith("lora_A")]
