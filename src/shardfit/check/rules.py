@@ -49,7 +49,9 @@ def unused_module_rules(model: nn.Module, s: Strategy, fix: bool) -> list[Findin
         return []
     body = vision_body(model) if trains_images(model) else None
     # A VL model's forward runs its vision tower, a media-trained Omni thinker's its audio tower too.
-    towers = [t for t in (getattr(body, "visual", None), getattr(body, "audio_tower", None)) if t is not None]
+    towers = [t for t in (getattr(body, "visual", None), getattr(body, "vision_tower", None),
+                          getattr(body, "multi_modal_projector", None), getattr(body, "audio_tower", None))
+              if t is not None]
     parts = [*pair, *towers]
     used = {id(m) for part in parts for m in part.modules()}
     used_params = {id(p) for m in parts for p in m.parameters()}

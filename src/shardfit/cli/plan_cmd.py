@@ -254,11 +254,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
     sample = data_sample(cfg) if args.config else None
     media = media_load(args, cfg.image_max_pixels if args.config else None)
-    if media is None and sample is not None and shape.vision is not None:
+    if media is None and sample is not None and (shape.vision is not None or shape.soft_tower is not None):
         media = media_from_data(cfg, sample(), args.json)
     if media is not None:
         if shape.vision is not None:  # the tower's own geometry (every Qwen-VL so far: 14-pixel patches, 2x2)
             media = dataclasses.replace(media, patch=shape.vision.patch, merge=shape.vision.merge)
+        elif shape.soft_tower is not None:  # Gemma 3: mm_tokens_per_image tokens per image, any size
+            media = shape.soft_tower.load(media)
         check_fits(media, w.seq_len)
         rows, cols = media.grid()
         w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)

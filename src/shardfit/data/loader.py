@@ -90,13 +90,20 @@ def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -
             pos[i, n:] = torch.arange(width - n) + r.position_ids[-1] + 1
     n_targets, restarts = _host_facts(pos, tgt)
     pref, n_seqs = _preference(rows, n_rows, width)
-    if not any(r.mrope is not None for r in rows):
+    if not any(r.mrope is not None or r.pixel_values for r in rows):
         return Batch(ids, pos, tgt, sum(len(r) for r in rows), n_targets=n_targets, restarts=restarts, pref=pref,
                      n_seqs=n_seqs)
-    pos4 = pos[None].repeat(4, 1, 1)
-    for i, r in enumerate(rows):
-        if r.mrope is not None:
-            pos4[1:, i, :len(r)] = torch.tensor(r.mrope)
+    if any(r.mrope is not None for r in rows):
+        pos4 = pos[None].repeat(4, 1, 1)
+        for i, r in enumerate(rows):
+            if r.mrope is not None:
+                pos4[1:, i, :len(r)] = torch.tensor(r.mrope)
+        pos = pos4  # else Gemma 3's images, read with 1-D positions
+    return Batch(ids, pos, tgt, sum(len(r) for r in rows), _media(rows), n_targets, restarts, pref, n_seqs)
+
+
+def _media(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
+    """The batch's images, videos and audio clips, each kind in token order, as the forward takes them."""
     media: dict[str, torch.Tensor] = {}
     pixels = [p for r in rows for p in r.pixel_values]
     if pixels:
@@ -109,7 +116,7 @@ def collate(rows: list[PackedRow], pad_id: int, shape: RowShape | None = None) -
     if clips:
         media["input_features"] = torch.cat([f for f, _ in clips], dim=1)
         media["audio_feature_lens"] = torch.cat([n for _, n in clips])
-    return Batch(ids, pos4, tgt, sum(len(r) for r in rows), media, n_targets, restarts, pref, n_seqs)
+    return media
 
 
 def _preference(rows: list[PackedRow], n_rows: int, width: int) -> tuple[dict[str, torch.Tensor], int]:

@@ -37,6 +37,9 @@ class VisionProcessor:
     merge: int  # spatial merge of the vision tower: merge x merge patches make one language-model token
     audio: AudioProcessor | None = None  # a model with an audio tower too (Qwen2.5-Omni's thinker)
     video: VideoSettings | None = None  # a model that trains on videos (Qwen2-VL, Qwen2.5-VL)
+    # Gemma 3: every image is a fixed grid of soft tokens (1, side, side), read with 1-D positions and attended to
+    # both ways within the image; None for Qwen2-VL-style models, whose grid is the processor's patch grid.
+    soft_grid: tuple[int, int, int] | None = None
 
     def tokens_per_image(self, grid_thw: list[int]) -> int:
         t, h, w = grid_thw
@@ -59,7 +62,8 @@ class ImagePixels:
 def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pixel patches of every image (rows: patches, in image order) and each image's (t, h, w) patch grid. Each
     image is decoded within bounds (data/images.py) and goes through the processor on its own (as the processor
-    itself loops), so an image it refuses (an extreme shape) is a BadRow naming the file."""
+    itself loops), so an image it refuses (an extreme shape) is a BadRow naming the file. Gemma 3's processor gives
+    each image as one (3, side, side) square and no grid: its grid is the soft-token grid (`soft_grid`)."""
     fit = fit_of(vp.image_processor)
     pixels, grids = [], []
     for p in paths:
@@ -70,7 +74,7 @@ def load_pixels(vp: VisionProcessor, paths: tuple[str, ...]) -> tuple[torch.Tens
             raise BadRow(f"image {p} ({image.size[0]}x{image.size[1]} pixels): the model's image processor refuses "
                          f"it ({e}); crop or pad it to a less extreme shape, or remove it") from None
         pixels.append(out["pixel_values"])
-        grids.append(out["image_grid_thw"])
+        grids.append(out["image_grid_thw"] if vp.soft_grid is None else torch.tensor([vp.soft_grid]))
     return torch.cat(pixels), torch.cat(grids)
 
 
@@ -141,7 +145,7 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
                          f"max_seq_len={max_len}; raise max_seq_len, or lower "
                          f"{' / '.join(keys[k] for k in present)} (fewer tokens per {' or '.join(present)})")
         ids, targets = ids[:max_len], targets[:max_len - 1] + [IGNORE]
-    mrope = mrope_positions(len(ids), spans, vp.merge)
+    mrope = mrope_positions(len(ids), spans, vp.merge) if vp.soft_grid is None else None  # Gemma 3: 1-D positions
     return Encoded(ids, targets, truncated, mrope=mrope, pixel_values=ImagePixels(vp, images) if images else None,
                    image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None,
                    video=VideoPixels(vp.image_processor, tuple(clips)) if clips else None,

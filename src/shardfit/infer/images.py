@@ -77,8 +77,12 @@ def image_inputs(tokenizer: Any, vp: VisionProcessor, messages: Messages, images
     counts = [vp.tokens_per_image(g) for g in grids.tolist()]
     text = pieces[0] + "".join(vp.image_token * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
     enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    image = (enc["input_ids"] == vp.image_token_id).int()
+    if vp.soft_grid is not None:  # Gemma 3: no grids; token_type_ids mark the image tokens for its image mask
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "pixel_values": pixels,
+                "token_type_ids": image}
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "pixel_values": pixels,
-            "image_grid_thw": grids, "mm_token_type_ids": (enc["input_ids"] == vp.image_token_id).int()}
+            "image_grid_thw": grids, "mm_token_type_ids": image}
 
 
 @torch.no_grad()

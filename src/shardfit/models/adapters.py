@@ -11,7 +11,7 @@ import torch
 from shardfit import method as methods
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
-from shardfit.models.anatomy import decoder_and_head, vision_body
+from shardfit.models.anatomy import decoder_and_head, projector_name, projector_of, vision_body, vision_tower_of
 from shardfit.models.experts import (
     adapter_names_as_written,
     expert_target_parameters,
@@ -22,7 +22,7 @@ from shardfit.models.experts import (
 
 # A vision-language model's vision tower and Qwen2.5-Omni's audio tower, by module path: what LoRA leaves alone
 # while the tower is frozen.
-VISION_TOWER = r"(.*\.)?visual(\..*)?"
+VISION_TOWER = r"(.*\.)?(visual|vision_tower)(\..*)?"
 AUDIO_TOWER = r"(.*\.)?audio_tower(\..*)?"
 
 
@@ -154,14 +154,14 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
             frozen = [t for t, on in ((VISION_TOWER, cfg.freeze_vision_tower), (AUDIO_TOWER, cfg.freeze_audio_tower))
                       if on]
             model = apply_lora(model, cfg.lora, exclude="|".join(f"({t})" for t in frozen) or None,
-                               modules_to_save=["merger"] if cfg.train_projector else None)
+                               modules_to_save=[projector_name(model)] if cfg.train_projector else None)
     elif cfg.method == "freeze":
         model = apply_freeze(model, cfg.freeze_trainable)
     else:
         for p in model.parameters():
             p.requires_grad_(True)
     if body is not None and not methods.get(cfg.method).adapters:
-        _vision_trainable(body.visual, cfg.freeze_vision_tower, cfg.train_projector)
+        _vision_trainable(body, cfg.freeze_vision_tower, cfg.train_projector)
     tower = getattr(body, "audio_tower", None) if body is not None else None
     if tower is not None:
         _audio_trainable(tower, cfg.freeze_audio_tower and not methods.get(cfg.method).adapters)
@@ -170,12 +170,13 @@ def setup_trainable(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     return model
 
 
-def _vision_trainable(visual: torch.nn.Module, freeze_tower: bool, train_projector: bool) -> None:
+def _vision_trainable(body: torch.nn.Module, freeze_tower: bool, train_projector: bool) -> None:
     """Full and freeze fine-tunes of a vision-language model: the tower frozen (freeze_vision_tower) and the merger
-    trained (train_projector), each as a whole, so no FSDP unit mixes trainable and frozen weights."""
-    merger = getattr(visual, "merger", None)
+    (projector) trained (train_projector), each as a whole, so no FSDP unit mixes trainable and frozen weights."""
+    merger = projector_of(body)
     merger_params = {id(p) for p in merger.parameters()} if merger is not None else set()
-    for p in visual.parameters():
+    params = {id(p): p for m in (vision_tower_of(body), merger) if m is not None for p in m.parameters()}
+    for p in params.values():
         if id(p) in merger_params and train_projector:
             p.requires_grad_(True)
             if p.dtype != torch.float32:

@@ -94,6 +94,12 @@ OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "q
 # Of those, the ones whose audio tower cuts a clip into chunks of 2 x n_window frames (Qwen3-Omni's): another token
 # count per clip (plan/audio.py `clip_tokens`).
 CHUNKED_AUDIO_MODEL_TYPES = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
+# Gemma 3 (whole): images, when its folder has preprocessor_config.json (without it, its language model trains on
+# text as before). Each image becomes a fixed number of soft tokens read with 1-D positions and attended to both
+# ways within the image (a SigLIP tower and a pooling projector, train/soft_token_forward.py).
+SOFT_TOKEN_MODEL_TYPES = ("gemma3",)
+# The types whose folder decides whether they train on media: `build_model` marks such a model with MEDIA_FLAG.
+FLAGGED_MEDIA_TYPES = OMNI_MODEL_TYPES + SOFT_TOKEN_MODEL_TYPES
 MEDIA_FLAG = "shardfit_trains_media"
 
 
@@ -102,17 +108,49 @@ def trains_images(model: nn.Module) -> bool:
     Qwen2-VL-style model, or a Qwen-Omni thinker built to train on media."""
     text = text_model(model)
     kind = getattr(getattr(text, "config", None), "model_type", None)
-    media = kind in VISION_MODEL_TYPES or (kind in OMNI_MODEL_TYPES and getattr(text, MEDIA_FLAG, False))
+    media = kind in VISION_MODEL_TYPES or (kind in FLAGGED_MEDIA_TYPES and getattr(text, MEDIA_FLAG, False))
     return media and vision_body(model) is not None
 
 
 def vision_body(model: nn.Module) -> nn.Module | None:
-    """The body of a Qwen2-VL-style model (vision tower `visual` and `language_model` side by side), whose forward
-    fills image placeholders with vision features; None for a text model."""
+    """The body of a vision-language model shardfit trains on images (its vision tower and `language_model` side
+    by side: Qwen2-VL-style `visual`, Gemma 3's `vision_tower` and `multi_modal_projector`), whose forward fills
+    image placeholders with vision features; None for a text model."""
     body = getattr(text_model(model), "model", None)
-    if body is not None and hasattr(body, "visual") and hasattr(body, "language_model"):
+    if body is None or not hasattr(body, "language_model"):
+        return None
+    if hasattr(body, "visual") or soft_token_body(model) is body:
         return body
     return None
+
+
+def soft_token_body(model: nn.Module) -> nn.Module | None:
+    """The body of a Gemma 3-style model built to train on images (SOFT_TOKEN_MODEL_TYPES, marked with
+    MEDIA_FLAG: `vision_tower`, `multi_modal_projector`, `language_model`), None for any other model."""
+    text = text_model(model)
+    body = getattr(text, "model", None)
+    kind = getattr(getattr(text, "config", None), "model_type", None)
+    parts = ("vision_tower", "multi_modal_projector", "language_model")
+    if kind in SOFT_TOKEN_MODEL_TYPES and getattr(text, MEDIA_FLAG, False) and all(hasattr(body, n) for n in parts):
+        return body
+    return None
+
+
+def vision_tower_of(body: nn.Module) -> nn.Module:
+    """The vision tower of a vision body (`visual`, or Gemma 3's `vision_tower`)."""
+    return body.visual if hasattr(body, "visual") else body.vision_tower
+
+
+def projector_of(body: nn.Module) -> nn.Module | None:
+    """The module that projects vision features into the language model's width: Qwen's `visual.merger`, Gemma 3's
+    `multi_modal_projector` (beside the tower, not in it)."""
+    projector = getattr(body, "multi_modal_projector", None)
+    return projector if projector is not None else getattr(getattr(body, "visual", None), "merger", None)
+
+
+def projector_name(model: nn.Module) -> str:
+    """The projector's attribute name, as peft's modules_to_save names it under train_projector."""
+    return "multi_modal_projector" if soft_token_body(model) is not None else "merger"
 
 
 def vision_units(model: nn.Module) -> list[nn.Module]:
@@ -121,9 +159,12 @@ def vision_units(model: nn.Module) -> list[nn.Module]:
     body = vision_body(model)
     if body is None:
         return []
-    visual = body.visual
-    merger = getattr(visual, "merger", None)
-    units = list(getattr(visual, "blocks", []))
+    tower = vision_tower_of(body)
+    merger = projector_of(body)
+    blocks = getattr(tower, "blocks", None)
+    if blocks is None:  # SigLIP (Gemma 3): encoder.layers (under vision_model in older transformers)
+        blocks = getattr(getattr(getattr(tower, "vision_model", tower), "encoder", None), "layers", [])
+    units = list(blocks)
     if merger is not None and hasattr(merger, "modules_to_save"):
         # peft's train_projector wrapper: the frozen original and the trainable copy, each a unit of its own.
         units += [merger.original_module, *merger.modules_to_save.values()]

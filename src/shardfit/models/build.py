@@ -29,7 +29,7 @@ from shardfit.dtypes import DTYPES
 from shardfit.errors import RemoteCodeRefused, UserError
 from shardfit.models import prequantized
 from shardfit.models.adapters import setup_trainable
-from shardfit.models.anatomy import MEDIA_FLAG, OMNI_MODEL_TYPES, text_model
+from shardfit.models.anatomy import FLAGGED_MEDIA_TYPES, MEDIA_FLAG, text_model
 from shardfit.models.experts import use_experts
 from shardfit.models.gguf_cache import cached_part, lookup, weights_part
 from shardfit.models.gguf_cache import enabled as cache_enabled
@@ -306,8 +306,9 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     if published is not None:
         setattr(model, prequantized.FLAG, published)
     use_experts(model, experts)  # before LoRA: peft's wrappers leave the experts' forward to the implementation
-    if source is not None and vision_model_type(source, cfg.trust_remote_code) in OMNI_MODEL_TYPES:
-        # Its folder has the processor files: the thinker trains on images and audio, running both towers.
+    if source is not None and vision_model_type(source, cfg.trust_remote_code) in FLAGGED_MEDIA_TYPES:
+        # Its folder has the processor files: the thinker trains on images and audio, running both towers (Gemma 3:
+        # the model on images, running its vision tower).
         setattr(model, MEDIA_FLAG, True)
     quantized = methods.get(cfg.method).quantized
     if quantized:

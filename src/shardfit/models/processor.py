@@ -10,6 +10,7 @@ tokenizer, so shardfit assembles those.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,23 @@ from shardfit.data.audio import AudioProcessor
 from shardfit.data.video import VideoSettings
 from shardfit.data.vision import VisionProcessor
 from shardfit.errors import UserError
-from shardfit.models.anatomy import CHUNKED_AUDIO_MODEL_TYPES, OMNI_MODEL_TYPES, VIDEO_MODEL_TYPES, VISION_MODEL_TYPES
+from shardfit.models.anatomy import (
+    CHUNKED_AUDIO_MODEL_TYPES,
+    FLAGGED_MEDIA_TYPES,
+    OMNI_MODEL_TYPES,
+    SOFT_TOKEN_MODEL_TYPES,
+    VIDEO_MODEL_TYPES,
+    VISION_MODEL_TYPES,
+)
 from shardfit.models.source import ModelSource
 
 PREPROCESSOR = "preprocessor_config.json"
 
 
 def vision_model_type(source: ModelSource, trust_remote_code: bool = False) -> str | None:
-    """The model type when the model is a multimodal model shardfit trains on media, else None. A Qwen-Omni model
-    is one only with its preprocessor_config.json (without it, its thinker trains on text as a causal LM)."""
+    """The model type when the model is a multimodal model shardfit trains on media, else None. Qwen-Omni and
+    Gemma 3 are one only with their preprocessor_config.json (without it, Omni's thinker and Gemma 3's language
+    model train on text)."""
     if source.gguf_file or not (Path(source.folder) / "config.json").is_file():
         return None
     try:
@@ -36,7 +45,7 @@ def vision_model_type(source: ModelSource, trust_remote_code: bool = False) -> s
     except Exception:  # noqa: BLE001 - an unreadable config is reported by the model build, with its fix
         return None
     kind = getattr(config, "model_type", None)
-    if kind in OMNI_MODEL_TYPES:
+    if kind in FLAGGED_MEDIA_TYPES:
         return kind if (Path(source.folder) / PREPROCESSOR).is_file() else None
     return kind if kind in VISION_MODEL_TYPES else None
 
@@ -80,6 +89,8 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
     if not (Path(source.folder) / PREPROCESSOR).is_file():
         raise UserError(f"'model': {source.name} is a vision-language model without {PREPROCESSOR}; copy the base "
                         f"model's {PREPROCESSOR} into the folder.")
+    if kind in SOFT_TOKEN_MODEL_TYPES:
+        return _soft_token_processor(source, cfg, tokenizer, config)
     bounds = {k: v for k, v in (("min_pixels", cfg.image_min_pixels), ("max_pixels", cfg.image_max_pixels))
               if v is not None}
     try:
@@ -112,6 +123,28 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
                               cfg.video_max_frames, cfg.video_fps, tps)
     return VisionProcessor(processor, image, media.image_token_id, start, end,
                            media.vision_config.spatial_merge_size, audio, video)
+
+
+def _soft_token_processor(source: ModelSource, cfg: Config, tokenizer: Any, config: Any) -> VisionProcessor:
+    """Gemma 3's image side: its image processor (every image resized to the tower's square, pan-and-scan off: one
+    crop per image, as the processor does by default) and an image's text as Gemma3Processor writes it, a blank
+    line, <start_of_image>, mm_tokens_per_image soft tokens, <end_of_image>, a blank line. image_min_pixels /
+    image_max_pixels do not apply: the tower sees a fixed size."""
+    try:
+        processor = AutoImageProcessor.from_pretrained(source.folder, backend="pil", do_pan_and_scan=False,
+                                                       trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a user's files: any failure to read them is bad input
+        raise UserError(f"'model': cannot load the image processor of {source.name}: {type(e).__name__}: "
+                        f"{e}") from None
+    image = _token(tokenizer, source, config.image_token_id, ("<image_soft_token>",), "image")
+    start = _token(tokenizer, source, config.boi_token_id, ("<start_of_image>",), "start of image")
+    end = _token(tokenizer, source, config.eoi_token_id, ("<end_of_image>",), "end of image")
+    side = math.isqrt(int(config.mm_tokens_per_image))
+    if side * side != config.mm_tokens_per_image:
+        raise UserError(f"'model': {source.name}'s mm_tokens_per_image {config.mm_tokens_per_image} is not a square "
+                        "(its projector pools the tower's patches to a square grid); use the base model's config.")
+    return VisionProcessor(processor, image, config.image_token_id, f"\n\n{start}", f"{end}\n\n", 1,
+                           soft_grid=(1, side, side))
 
 
 def save_processor(vp: VisionProcessor, out: Path) -> None:

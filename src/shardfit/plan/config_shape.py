@@ -20,7 +20,7 @@ from typing import Any
 
 from shardfit.errors import UserError
 from shardfit.plan.audio import AudioShape, audio_shape_of
-from shardfit.plan.media import VisionShape, vision_shape_of
+from shardfit.plan.media import VisionShape, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, ModelShape
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -134,7 +134,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     towers = tower_params(vision, audio) if vision is not None or audio is not None else other_tower_params(cfg)
     if vision is not None and is_qwen3_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
-    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers)
+    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers,
+                               soft_tower=soft_token_tower_of(cfg))
 
 
 def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -5,6 +5,7 @@ multiple of 28 pixels within [min_pixels, max_pixels] keeping the aspect ratio, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,9 +27,15 @@ class MediaLoad:
     max_pixels: int = DEFAULT_MAX_PIXELS
     patch: int = 14
     merge: int = 2
+    # Gemma 3: every image resized to a `square` x `square` image and pooled to `soft_tokens` tokens (0: Qwen-style)
+    soft_tokens: int = 0
+    square: int = 0
 
     def resized(self) -> tuple[int, int]:
-        """(height, width) after the processor's resize: multiples of patch x merge, pixels within the bounds."""
+        """(height, width) after the processor's resize: multiples of patch x merge, pixels within the bounds
+        (Gemma 3: the tower's square)."""
+        if self.soft_tokens:
+            return self.square, self.square
         f = self.patch * self.merge
         h = max(f, round(self.height / f) * f)
         w = max(f, round(self.width / f) * f)
@@ -48,7 +55,10 @@ class MediaLoad:
         return (h // self.patch) * (w // self.patch)
 
     def tokens_per_image(self) -> int:
-        """Tokens one image adds to the language model's sequence (merge x merge patches make one)."""
+        """Tokens one image adds to the language model's sequence (merge x merge patches make one; Gemma 3: its
+        mm_tokens_per_image soft tokens, whatever the image's size)."""
+        if self.soft_tokens:
+            return self.soft_tokens
         return self.patches_per_image() // (self.merge * self.merge)
 
     def grid(self) -> tuple[int, int]:
@@ -66,6 +76,32 @@ class MediaLoad:
                 "tokens_per_image": self.tokens_per_image(), "media_tokens_per_sample": self.tokens_per_sample()}
 
 
+@dataclass(frozen=True)
+class SoftTokenTower:
+    """Gemma 3's image side as its config.json gives it: `tokens` soft tokens per image (mm_tokens_per_image), the
+    tower's `side` x `side` input in `patch`-pixel patches."""
+
+    tokens: int
+    side: int
+    patch: int
+
+    def load(self, media: MediaLoad) -> MediaLoad:
+        """`media` (images per sample and their size) as this tower takes them."""
+        return dataclasses.replace(media, patch=self.patch, merge=1, soft_tokens=self.tokens, square=self.side)
+
+
+def soft_token_tower_of(config: dict) -> SoftTokenTower | None:
+    """The soft-token image side of a config.json (Gemma 3: mm_tokens_per_image and a SigLIP vision_config), None
+    for any other model."""
+    v = config.get("vision_config")
+    tokens = config.get("mm_tokens_per_image")
+    if config.get("model_type") != "gemma3" or not isinstance(v, dict):
+        return None
+    # transformers' Gemma3Config defaults: 256 soft tokens, SigLIP's 224 pixels in 16-pixel patches (the published
+    # configs name 896 and 14).
+    return SoftTokenTower(int(tokens or 256), int(v.get("image_size") or 224), int(v.get("patch_size") or 16))
+
+
 def parse_image_size(text: str) -> tuple[int, int]:
     """`1024x768` -> (1024, 768); anything else is a UserError naming the flag."""
     parts = text.lower().split("x")
@@ -78,9 +114,12 @@ def check_fits(media: MediaLoad, seq_len: int, flag: str = "--seq") -> None:
     """The image tokens of a sample must fit in the sequence (they are never truncated): a UserError otherwise."""
     n = media.tokens_per_sample()
     if n >= seq_len:
+        # Gemma 3's soft tokens per image are fixed: only the sequence or the number of images can change.
+        lower = "use fewer images per sample" if media.soft_tokens else \
+            "lower --image-max-pixels (image_max_pixels in a config)"
         raise UserError(f"{media.images_per_sample} image(s) of {media.width}x{media.height} take {n} tokens "
-                        f"({media.tokens_per_image()} each), not less than {flag} {seq_len}: raise {flag}, or lower "
-                        "--image-max-pixels (image_max_pixels in a config).")
+                        f"({media.tokens_per_image()} each), not less than {flag} {seq_len}: raise {flag}, or "
+                        f"{lower}.")
 
 
 def describe(media: MediaLoad) -> str:

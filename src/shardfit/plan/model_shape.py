@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardfit.plan.audio import AudioShape
-from shardfit.plan.media import VisionShape
+from shardfit.plan.media import SoftTokenTower, VisionShape
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class ModelShape:
     extra_params: int = 0
     vision: VisionShape | None = None
     audio: AudioShape | None = None
+    soft_tower: SoftTokenTower | None = None  # Gemma 3: a fixed number of soft tokens per image
     # A mixture of experts: one routed expert's width (0: `intermediate`), the width of the experts every token
     # runs (shared experts, summed), and how many blocks keep a dense MLP of `intermediate` instead.
     moe_intermediate: int = 0

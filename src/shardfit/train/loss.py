@@ -16,10 +16,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
-from shardfit.models.anatomy import decoder_and_head, vision_body
+from shardfit.models.anatomy import decoder_and_head, soft_token_body, vision_body
 from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
 from shardfit.models.masks import mask_argument
 from shardfit.train.media_forward import vision_language_forward
+from shardfit.train.soft_token_forward import soft_token_forward
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -193,8 +194,11 @@ class CausalLMLoss(nn.Module):
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
+        soft = soft_token_body(self.model)  # Gemma 3 on images: 1-D positions, its own image mask
         routed = {"output_router_logits": True} if self.moe_top_k else {}
-        if body is None:
+        if soft is not None:
+            out = soft_token_forward(soft, input_ids, position_ids, media[0], routed)
+        elif body is None:
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                           **mask_argument(decoder, position_ids, restarts), **routed)
         else:

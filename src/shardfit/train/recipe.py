@@ -8,6 +8,7 @@ their own cadence. With world size 1 the distributed parts reduce to plain PyTor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -258,10 +259,10 @@ class FineTune:
         cfg, env = self.cfg, self.env
         self.train_examples, self.eval_pairs = train_ex, eval_ex if preference else []
         # Held-out pairs are formed into rows when the evaluator starts, after any reference pass filled them in.
-        self.eval_rows = [] if preference else rows_of(eval_ex, cfg)
+        self.eval_rows = [] if preference else rows_of(eval_ex, self.row_cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed,
-                                     micro_batch_former(cfg))
+                                     micro_batch_former(self.row_cfg))
 
     def _setup_model(self) -> None:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
@@ -325,7 +326,7 @@ class FineTune:
         pairs: list[Pair] = self.train_examples + self.eval_pairs
         for p in pairs:
             p.ref = None
-        form, mb = micro_batch_former(cfg), cfg.micro_batch
+        form, mb = micro_batch_former(self.row_cfg), cfg.micro_batch
         groups = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
         sides = len(pairs[0].sides)
         out = torch.zeros(len(pairs), sides, dtype=torch.float64, device=env.device)
@@ -381,7 +382,7 @@ class FineTune:
         if not self.quiet:
             cfg, stats = self.cfg, self.data_stats
             world = self.env.world
-            packing = "packed where padding would fill a quarter, the same steps as unpacked" if cfg.packing \
+            packing = "packed where padding would fill a quarter, the same steps as unpacked" if self.row_cfg.packing \
                 else "unpacked"
             print(f"shardfit: {self.n_examples} examples, {self.n_eval} eval; rows of <= {cfg.max_seq_len} tokens "
                   f"({packing}); "
@@ -398,12 +399,26 @@ class FineTune:
                 log.info("malloc: the C library's; with tcmalloc CPU training runs faster in less memory (%s; "
                          "docs/training.md, Start-up)", allocator.INSTALL_HINT)
 
+    @property
+    def row_cfg(self) -> Config:
+        """The config rows are formed by: the run's, except that Gemma 3's image rows stay unpacked. Its image tokens
+        attend to each other both ways, which shardfit's packed-row mask does not compose with the examples'
+        blocks; one example per row gets the model's own mask (train/soft_token_forward.py). The run's config,
+        its fingerprint and config.yaml keep the user's setting."""
+        if self.vision is not None and self.vision.soft_grid is not None and self.cfg.packing:
+            return dataclasses.replace(self.cfg, packing=False)
+        return self.cfg
+
     def _media_line(self) -> str:
         """The start line's account of a multimodal run's media (empty for a text model)."""
         if self.vision is None:
             return ""
         clips = f", {self.n_clips} audio clips" if self.vision.audio is not None else ""
         clips += f", {self.n_videos} videos" if self.n_videos else ""
+        if self.vision.soft_grid is not None:
+            _, rows, cols = self.vision.soft_grid
+            return (f"; {self.n_images} images ({rows * cols} soft tokens each, attended to both ways within an "
+                    "image; Gemma 3's rows are never packed)")
         packed = " in packed rows" if self.cfg.packing else ""
         return f"; {self.n_images} images{clips} (M-RoPE positions kept per example{packed})"
 
@@ -461,7 +476,7 @@ class FineTune:
         """The held-out pairs' micro-batches (None for SFT, whose evaluation rows are `eval_rows`)."""
         if not objectives.get(self.cfg.objective).preference:
             return None
-        form, mb = micro_batch_former(self.cfg), self.cfg.micro_batch
+        form, mb = micro_batch_former(self.row_cfg), self.cfg.micro_batch
         return [form(self.eval_pairs[i:i + mb]) for i in range(0, len(self.eval_pairs), mb)]
 
     def _generation_eval(self) -> GenerationEval | None:
@@ -559,7 +574,7 @@ class FineTune:
                    "loss_chunk": self.loss_chunk,
                    "attention_by_width": dict(self.attention.used) if self.attention else None,
                    "examples_per_step": self.batches.global_examples,
-                   "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.cfg.packing,
+                   "steps_per_epoch": self.batches.steps_per_epoch, "packing": self.row_cfg.packing,
                    "resumed_from_step": self.start_step or None, "trainable_params": self.n_trainable,
                    "predicted_tokens_per_s": self.predicted_tokens_per_s(),
                    "startup_s": self.startup.phases, "data_cache_hit": self.data_cache_hit,
