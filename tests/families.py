@@ -36,10 +36,18 @@ MATRIX = [(family, method, "single") for family in TRAINED for method in ("lora"
 # Families trained on media rows by a test file of their own: (family, method, strategy) -> the test that trains
 # the case (tests/test_qwen3_omni.py checks that each exists).
 OMNI3 = "Qwen3-Omni-MoE (thinker: text, images, audio)"
+QWEN3_VL, QWEN3_VL_MOE, GLM45V = "Qwen3-VL (images)", "Qwen3-VL-MoE (images)", "GLM-4.5V (images)"
+GEMMA3_VL = "Gemma 3 (images)"
 MEDIA_MATRIX = {
     (OMNI3, "lora", "single"): "tests/test_qwen3_omni.py::test_a_run_trains_on_image_and_audio_rows",
     (OMNI3, "full", "single"): "tests/test_qwen3_omni.py::test_full_fine_tune_trains_the_thinker",
     (OMNI3, "lora", "zero3"): "tests/test_qwen3_omni.py::test_zero3_rank_without_media_matches_one_process",
+    (QWEN3_VL, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[qwen3_vl]",
+    (QWEN3_VL_MOE, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[qwen3_vl_moe]",
+    (QWEN3_VL_MOE, "lora", "zero3"): "tests/test_vl_families.py::test_zero3_rank_without_image_matches_one_process",
+    (GLM45V, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[glm4v_moe]",
+    (GEMMA3_VL, "lora", "single"): "tests/test_gemma3_vl.py::test_a_lora_run_trains_on_image_rows",
+    (GEMMA3_VL, "lora", "zero3"): "tests/test_gemma3_vl.py::test_zero3_rank_without_image_matches_one_process",
 }
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -89,7 +97,9 @@ def table() -> str:
     ids = {"Qwen3 (dense)": "Qwen/Qwen3-0.6B ... 32B", "Qwen3-MoE": "Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B",
            "gpt-oss": "openai/gpt-oss-20b, openai/gpt-oss-120b", "GLM-4.5": "zai-org/GLM-4.5-Air, zai-org/GLM-4.5",
            "DeepSeek-V3": "deepseek-ai/DeepSeek-V3", "Llama 4 (text)": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
-           "Gemma 3 (text)": "google/gemma-3-27b-it", OMNI3: "Qwen/Qwen3-Omni-30B-A3B-Instruct"}
+           "Gemma 3 (text)": "google/gemma-3-27b-it", OMNI3: "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+           QWEN3_VL: "Qwen/Qwen3-VL-8B-Instruct", QWEN3_VL_MOE: "Qwen/Qwen3-VL-30B-A3B-Instruct, ...-235B-A22B",
+           GLM45V: "zai-org/GLM-4.5V", GEMMA3_VL: "google/gemma-3-4b-it ... 27b-it"}
     for family in [*FAMILIES, *dict.fromkeys(f for f, _, _ in MEDIA_MATRIX)]:
         marks = ["tested" if (family, m, s) in MATRIX or (family, m, s) in MEDIA_MATRIX else "-" for m, s in combos]
         rows.append(f"| {family} | {ids[family]} | " + " | ".join(marks) + " |")

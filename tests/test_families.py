@@ -25,7 +25,7 @@ from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts
 from shardfit.train.loss import CausalLMLoss
-from tests.families import FAMILIES, MATRIX, make_family_model, table, tiny_text_config
+from tests.families import FAMILIES, MATRIX, MEDIA_MATRIX, make_family_model, table, tiny_text_config
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
 KEPT = sorted(k for k, e in catalog().items() if "config" in e)
@@ -204,6 +204,16 @@ def test_moe_adapter_merges_into_a_model_transformers_loads(tmp_path: Path, fami
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     out = merged.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
     assert out.shape[1] == 6
+
+
+def test_media_cases_the_table_marks_are_tests_that_exist() -> None:
+    """Each media case the README's table marks tested names a test function (and parameter) that exists."""
+    for where in MEDIA_MATRIX.values():
+        path, name = where.split("::")
+        func, _, param = name.partition("[")
+        text = (ROOT / path).read_text()
+        assert f"def {func}(" in text, where
+        assert not param or f'"{param.rstrip("]")}"' in text, where
 
 
 def test_readme_table_is_the_tested_matrix() -> None:

@@ -201,6 +201,7 @@ def test_zero3_rank_without_media_matches_one_process(tmp_path: Path, omni3: Pat
 
 def test_the_readme_table_names_tests_of_this_file() -> None:
     """The README's families table marks a Qwen3-Omni case tested only where a test here trains it."""
-    for where in MEDIA_MATRIX.values():
+    for (family, _, _), where in MEDIA_MATRIX.items():
         path, name = where.split("::")
-        assert path == "tests/test_qwen3_omni.py" and callable(globals().get(name)), where
+        if family.startswith("Qwen3-Omni"):
+            assert path == "tests/test_qwen3_omni.py" and callable(globals().get(name)), where
