@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -128,12 +129,28 @@ def family_models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path)
             for f in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def one_process_lora(tmp_path_factory: pytest.TempPathFactory, family_models: dict[str, Path],
+                     small_data: Path) -> Callable[[str], Path]:
+    """A family's one-process LoRA run, made once: the family test checks it and the zero3 test compares its
+    two-rank run with it (a global batch of 4 rows: micro-batch 2 x 2 accumulated, as 2 ranks x micro-batch 2)."""
+    runs: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in runs:
+            root = tmp_path_factory.mktemp("one-process-lora")
+            runs[family] = _train(root, family_models[family], small_data, "run", method="lora", lr=1e-2,
+                                  grad_accum=2)
+        return runs[family]
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,method", [(f, m) for f, m, s in MATRIX if s == "single"])
 def test_family_trains(tmp_path: Path, family_models: dict[str, Path], small_data: Path, family: str,
-                       method: str) -> None:
-    run = _train(tmp_path, family_models[family], small_data, "run", method=method,
-                 lr=1e-2 if method == "lora" else 1e-3)
+                       method: str, one_process_lora: Callable[[str], Path]) -> None:
+    run = one_process_lora(family) if method == "lora" else \
+        _train(tmp_path, family_models[family], small_data, "run", method=method, lr=1e-3)
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
     if family in MOE:  # the expert load is logged every step; the load-balancing loss where the family has one
@@ -148,8 +165,8 @@ def test_family_trains(tmp_path: Path, family_models: dict[str, Path], small_dat
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [f for f, m, s in MATRIX if s == "zero3"])
 def test_moe_zero3_on_two_ranks_equals_one_process(tmp_path: Path, family_models: dict[str, Path], small_data: Path,
-                                                   family: str) -> None:
-    one = _train(tmp_path, family_models[family], small_data, "one", method="lora", lr=1e-2, grad_accum=2)
+                                                   family: str, one_process_lora: Callable[[str], Path]) -> None:
+    one = one_process_lora(family)
     two = _train(tmp_path, family_models[family], small_data, "two", "--nproc", "2", method="lora", lr=1e-2,
                  strategy="zero3")
     ref, got = (read_jsonl(r / "metrics.jsonl") for r in (one, two))
@@ -162,12 +179,13 @@ def test_moe_zero3_on_two_ranks_equals_one_process(tmp_path: Path, family_models
 @pytest.mark.heavy
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3_offload"])
 def test_moe_other_strategies_on_two_ranks_equal_one_process(tmp_path: Path, family_models: dict[str, Path],
-                                                             small_data: Path, strategy: str) -> None:
+                                                             small_data: Path, strategy: str,
+                                                             one_process_lora: Callable[[str], Path]) -> None:
     """The rest of the strategy table on a mixture (zero3 is in the matrix above): the experts replicated (ddp),
     their gradients and optimizer state sharded (zero2), everything in host memory between uses (zero3_offload)."""
-    model = family_models["Qwen3-MoE"]
-    one = _train(tmp_path, model, small_data, "one", method="lora", lr=1e-2, grad_accum=2)
-    two = _train(tmp_path, model, small_data, "two", "--nproc", "2", method="lora", lr=1e-2, strategy=strategy)
+    one = one_process_lora("Qwen3-MoE")
+    two = _train(tmp_path, family_models["Qwen3-MoE"], small_data, "two", "--nproc", "2", method="lora", lr=1e-2,
+                 strategy=strategy)
     ref, got = (read_jsonl(r / "metrics.jsonl") for r in (one, two))
     for a, b in zip([m for m in ref if "loss" in m], [m for m in got if "loss" in m], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
