@@ -60,9 +60,9 @@ def _case(rank: int, world: int, kv_heads: int, packed: bool) -> dict:
     mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
     module = nn.Module()
     got, _ = ulysses_attention(module, *mine, None, scaling=DIM ** -0.5,
-                               **{SHARD_KWARG: SequenceShard(dist.group.WORLD, world, pos)})
+                               **{SHARD_KWARG: SequenceShard(dist.group.WORLD, world, pos, packed)})
     (got * up[:, part]).sum().backward()
     return {"out": (got - ref[:, part]).abs().max().item(), "scale": ref.abs().max().item(),
             "grads": [(a.grad - b.grad[:, :, part]).abs().max().item() for a, b in zip(mine, full, strict=True)],
             "grad_scale": max(b.grad.abs().max().item() for b in full),
-            "masked": block_causal(pos) is not None}
+            "restarts": bool((block_causal(pos) != torch.ones(WIDTH, WIDTH, dtype=torch.bool).tril()).any())}

@@ -5,7 +5,8 @@ each rank attends over the whole row with 1/N of the heads, then the reverse all
 The kernel is registered with transformers' AttentionInterface as `shardfit_ulysses`; the decoder's forward hands it
 the `SequenceShard` (the SP group and the row's full position ids) through its keyword arguments. transformers
 builds no mask for a kernel it does not know, so the block-causal mask of packed rows is built here from the full
-position ids (a position restart starts a new example, as models/masks.py reads them). Called without a shard
+position ids (a position restart starts a new example, as models/masks.py reads them); rows without a restart run SDPA's
+causal kernel. Called without a shard
 (generation after training, in the same process) it is plain SDPA.
 """
 
@@ -32,6 +33,10 @@ class SequenceShard:
     group: Any  # torch.distributed ProcessGroup
     size: int
     position_ids: torch.Tensor
+    restarts: bool  # whether a row restarts its positions (packed examples), known on the host
+
+    def to(self, device: torch.device | str) -> SequenceShard:
+        return SequenceShard(self.group, self.size, self.position_ids.to(device, non_blocking=True), self.restarts)
 
 
 def _seq_to_heads(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
@@ -79,14 +84,12 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group, ctx.n), None, None
 
 
-def block_causal(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """The boolean mask [batch, 1, width, width] of rows whose positions restart (packed examples: causal within
-    each), or None where no row restarts (SDPA's causal kernel then)."""
+def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
+    """The boolean mask [batch, 1, width, width] of rows whose positions restart (packed examples): causal within
+    each example. Built again in every layer: elementwise work of width^2, against attention's width^2 x head_dim
+    multiply-adds per head, and no tensor held across layers."""
     first = position_ids[:, :1] - 1
-    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    seq = starts.cumsum(-1)
+    seq = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
     width = position_ids.shape[-1]
     causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
     return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
@@ -112,7 +115,7 @@ def ulysses_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     q = _SeqToHeads.apply(query, shard.group, n)
     k = _SeqToHeads.apply(_repeat_kv(key, heads, n), shard.group, n)
     v = _SeqToHeads.apply(_repeat_kv(value, heads, n), shard.group, n)
-    mask = block_causal(shard.position_ids.to(q.device))
+    mask = block_causal(shard.position_ids.to(q.device)) if shard.restarts else None
     gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                          is_causal=mask is None, scale=scaling, enable_gqa=gqa)
