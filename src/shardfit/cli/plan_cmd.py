@@ -32,7 +32,6 @@ from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, Workload, workload_of
-from shardfit.resolve.sequence import check_model, facts_of_shape
 from shardfit.strategy import NAMES
 
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
@@ -251,7 +250,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     w = with_flags(w, args)
-    check_model(w.sequence_parallel, facts_of_shape(shape), source)  # heads that share out, a dense text model
+    if w.sequence_parallel > 1:  # heads that share out, a dense text model
+        from shardfit.resolve.sequence import check_model, facts_of_shape
+
+        check_model(w.sequence_parallel, facts_of_shape(shape), source)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())

@@ -2,16 +2,18 @@
 contiguous 1/N slice of every row; around attention, an all-to-all trades the sequence split for a head split, so
 each rank attends over the whole row with 1/N of the heads, then the reverse all-to-all gives back its slice.
 
-The kernel is registered with transformers' AttentionInterface as `shardfit_ulysses`; the decoder's forward hands it
-the `SequenceShard` (the SP group and the row's full position ids) through its keyword arguments. transformers
+The kernel is registered with transformers' AttentionInterface as `shardfit_ulysses`; the decoder's forward hands
+it the `SequenceShard` (the SP group and the row's full position ids) through its keyword arguments. transformers
 builds no mask for a kernel it does not know, so the block-causal mask of packed rows is built here from the full
-position ids (a position restart starts a new example, as models/masks.py reads them); rows without a restart run SDPA's
-causal kernel. Called without a shard
-(generation after training, in the same process) it is plain SDPA.
+position ids (a position restart starts a new example, as models/masks.py reads them); rows without a restart run
+SDPA's causal kernel. Called without a shard it is plain SDPA; generation switches the model to SDPA for its masks
+(`whole_row_attention`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +123,21 @@ def ulysses_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                                          is_causal=mask is None, scale=scaling, enable_gqa=gqa)
     out = _HeadsToSeq.apply(out, shard.group, n)
     return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def whole_row_attention(model: Any) -> Iterator[None]:
+    """Generation with a model set to this kernel: SDPA, for which transformers builds the padding and causal
+    masks that generation's batches need (it builds none for a kernel it does not know), then this kernel again."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != NAME:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(NAME)
 
 
 def register() -> None:

@@ -25,6 +25,7 @@ from shardfit.models.anatomy import input_device
 from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.parallel.env import DistEnv
 from shardfit.parallel.sequence import Layout, shard_batch
+from shardfit.parallel.ulysses import whole_row_attention
 from shardfit.resolve.job import RowShape
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import STATS, MetricsLog, preference_record, progress
@@ -101,7 +102,7 @@ class GenerationEval:
         if sharded:
             self.root.unshard()
         try:
-            with self.amp:
+            with self.amp, whole_row_attention(self.model):
                 answers = generate_sharded(self.model, self.tokenizer, [r.messages for r in self.requests],
                                            self.sampling, rank=self.env.rank, world=self.env.world)
         finally:
