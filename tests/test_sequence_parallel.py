@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from shardfit.data.loader import collate
+from shardfit.data.packing import PackedRow
+from shardfit.data.tokenize import IGNORE
+from shardfit.parallel.sequence import Layout, shard_batch
 from tests import sp_workers
 from tests.helpers import free_port, read_jsonl, run_cli, write_config
 
@@ -70,3 +74,24 @@ def test_llama_full_checkpointed_split_over_two_ranks(tmp_path: Path, tiny_llama
     recomputation)."""
     _same_as_one_process(tmp_path, tiny_llama, small_data, strategy="zero3", method="full", lr=1e-3,
                          grad_ckpt="full")
+
+
+def test_a_rank_keeps_its_contiguous_slice_of_the_padded_rows() -> None:
+    """Rows 7 wide over 2 ranks: padded to 8 (positions continue, no target), rank 1 keeps tokens 4-7 with their
+    own positions and targets (the target of rank 0's last token is rank 1's first token, shifted before the
+    cut), the labelled count is its slice's, and the attention gets the whole rows' positions."""
+    rows = [PackedRow([10, 11, 12, 13, 14, 15, 16], [11, 12, 13, 14, 15, 16, IGNORE], [0, 1, 2, 3, 0, 1, 2]),
+            PackedRow([20, 21, 22], [IGNORE, 22, 23], [0, 1, 2])]
+    batch = collate(rows, pad_id=0)
+    assert batch.restarts is True and batch.n_targets == 8
+    parts = [shard_batch(batch, Layout(dp=1, dp_rank=0, sp=2, sp_rank=r)) for r in range(2)]
+    assert parts[0].input_ids.tolist() == [[10, 11, 12, 13], [20, 21, 22, 0]]
+    assert parts[0].targets[0].tolist() == [11, 12, 13, 14]
+    assert parts[1].input_ids[0].tolist() == [14, 15, 16, 16]
+    assert parts[1].position_ids.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parts[1].targets.tolist() == [[15, 16, IGNORE, IGNORE], [IGNORE] * 4]
+    assert [p.n_targets for p in parts] == [6, 2]
+    assert parts[1].shard.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert parts[1].shard.restarts is True and parts[1].host_facts["sequence_shard"] is parts[1].shard
+    whole = Layout(dp=2, dp_rank=1)
+    assert shard_batch(batch, whole) is batch
