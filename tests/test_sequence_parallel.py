@@ -47,17 +47,17 @@ def _figures(run: Path) -> tuple[list[float], list[float]]:
     return [m["loss"] for m in lines if "loss" in m], [m["eval_loss"] for m in lines if "eval_loss" in m]
 
 
-def _same_as_one_process(tmp: Path, model: Path, data: Path, **over) -> dict:
-    """One process and 2 ranks splitting every row (the same global batch: one data group) train and evaluate to
-    the same losses, fp32, to 1e-5."""
-    single = _run(tmp, model, data, "single", **over)
-    split = _run(tmp, model, data, "split", "--nproc", "2", sequence_parallel=2, **over)
+def _same_as_one_process(tmp: Path, model: Path, data: Path, ranks: int = 2, **over) -> dict:
+    """One process and `ranks` ranks in data groups of 2 splitting every row train and evaluate to the same
+    losses, fp32, to 1e-5: the same global batch, the one process accumulating a micro-batch per data group."""
+    single = _run(tmp, model, data, "single", grad_accum=ranks // 2, **over)
+    split = _run(tmp, model, data, "split", "--nproc", str(ranks), sequence_parallel=2, **over)
     (ref, ref_eval), (got, got_eval) = _figures(single), _figures(split)
     assert len(got) == len(ref) == 4 and len(got_eval) == len(ref_eval) == 2
     for a, b in zip(ref + ref_eval, got + got_eval, strict=True):
         assert b == pytest.approx(a, rel=1e-5)
     summary = json.loads((split / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["resolved"]["sequence_parallel"] == 2
+    assert summary["world_size"] == ranks and summary["resolved"]["sequence_parallel"] == 2
     return summary
 
 
@@ -74,6 +74,13 @@ def test_llama_full_checkpointed_split_over_two_ranks(tmp_path: Path, tiny_llama
     recomputation)."""
     _same_as_one_process(tmp_path, tiny_llama, small_data, strategy="zero3", method="full", lr=1e-3,
                          grad_ckpt="full")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # four ranks on the CI's cores; the 2-rank cases hold the same arithmetic
+def test_two_data_groups_of_two_ranks(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """4 ranks under zero3: 2 data groups (each its own rows), each splitting its rows over 2 ranks."""
+    _same_as_one_process(tmp_path, tiny_qwen2, small_data, ranks=4, strategy="zero3")
 
 
 def test_a_rank_keeps_its_contiguous_slice_of_the_padded_rows() -> None:

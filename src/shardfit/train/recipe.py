@@ -397,8 +397,10 @@ class FineTune:
                   f"({packing}); "
                   f"strategy {self.strategy.name} on {world} x {self.env.device.type} ({cfg.precision}); "
                   f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
-                  f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {world} rank"
-                  f"{'s' if world > 1 else ''}); {self.batches.steps_per_epoch} steps per epoch, "
+                  f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {self.layout.dp} "
+                  + (f"data groups of {self.layout.sp} ranks splitting each row" if self.layout.sp > 1
+                     else f"rank{'s' if world > 1 else ''}")
+                  + f"); {self.batches.steps_per_epoch} steps per epoch, "
                   f"{self.total_steps} steps"
                   + (f" (continuing from step {self.start_step})" if self.start_step else "")
                   + self._media_line()
