@@ -57,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=positive_int, default=None)
     p.add_argument("--batch", type=positive_int, default=None)
     p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None)
+    p.add_argument("--sequence-parallel", type=positive_int, default=None, metavar="N",
+                   help="ranks that split every row (Ulysses): each holds 1/N of its activations, plus the "
+                        "all-to-alls of its attention (docs/long-context.md)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -221,7 +224,7 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
                  "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
                  "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
-                 "precompute_reference": precompute}
+                 "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
         raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "
@@ -247,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     w = with_flags(w, args)
+    if w.sequence_parallel > 1:  # heads that share out, a dense text model
+        from shardfit.resolve.sequence import check_model, facts_of_shape
+
+        check_model(w.sequence_parallel, facts_of_shape(shape), source)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())

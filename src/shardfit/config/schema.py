@@ -118,6 +118,11 @@ class Config:
     max_grad_norm: float = key(1.0, "gradient clipping norm", gt=0)
     epochs: int = key(1, "passes over the training rows", ge=1)
     max_steps: int | None = key(None, "optimizer steps; overrides epochs when set", ge=1)
+    sequence_parallel: int = key(1, "ranks that split every row between them (DeepSpeed-Ulysses: each holds a "
+                                    "contiguous 1/N of the row and an all-to-all around attention gives each 1/N "
+                                    "of the heads over the whole row); must divide the ranks, the data is split "
+                                    "over the rest. Dense text models, objective sft; docs/long-context.md",
+                                 ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
                                       "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "

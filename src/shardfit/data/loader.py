@@ -38,12 +38,16 @@ class Batch:
     # `desirable` (KTO); `n_seqs` sequences in all.
     pref: dict[str, torch.Tensor] = field(default_factory=dict)
     n_seqs: int = 0
+    # Sequence parallelism: this rank's slice's SP group and the whole rows' positions (parallel/ulysses.py
+    # `SequenceShard`, set by parallel/sequence.py `shard_batch`); None: the rows are whole.
+    shard: Any = None
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.position_ids.to(device, non_blocking=True),
                      self.targets.to(device, non_blocking=True), self.n_real_tokens,
                      {k: v.to(device, non_blocking=True) for k, v in self.media.items()}, self.n_targets,
-                     self.restarts, {k: v.to(device, non_blocking=True) for k, v in self.pref.items()}, self.n_seqs)
+                     self.restarts, {k: v.to(device, non_blocking=True) for k, v in self.pref.items()}, self.n_seqs,
+                     self.shard.to(device) if self.shard is not None else None)
 
     @property
     def host_facts(self) -> dict[str, Any]:
@@ -52,6 +56,8 @@ class Batch:
         facts: dict[str, Any] = {"n_targets": self.n_targets, "restarts": self.restarts}
         if self.n_seqs:
             facts.update(self.pref, n_seqs=self.n_seqs)
+        if self.shard is not None:
+            facts["sequence_shard"] = self.shard
         return facts
 
 

@@ -332,6 +332,8 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # backward (seq_len per token, every block), and transformers repeats k/v to every head, as it hands GQA to
         # SDPA only without a mask (transformers' sdpa_attention.use_gqa_in_sdpa).
         attn = a * (2 * q + 2 * q) + 4 * shape.heads + a * w.seq_len
+        if w.sequence_parallel > 1:  # the Ulysses kernel's bool mask over the whole row, on each rank
+            attn += (w.sequence_parallel - a) * w.seq_len
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
     if w.compile:
@@ -424,7 +426,7 @@ def held_mask_bytes(w: Workload, strategy: str) -> float:
     """The mask transformers builds once per forward ([batch, seq, seq]: bool for SDPA, additive in the residual
     dtype for eager). Checkpointed blocks keep it as an input until their backward; without checkpointing it is
     gone once the body returns (SDPA's per-block copies are counted with the blocks)."""
-    if w.grad_ckpt == "none" or w.attention == "flash":
+    if w.grad_ckpt == "none" or w.attention == "flash" or w.sequence_parallel > 1:  # Ulysses: a mask per block
         return 0.0
     return w.rows * w.seq_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
 
@@ -468,7 +470,18 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
         cast += lora_expert_copy_bytes(shape, w) * layers * shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
-    return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy)
+    return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy) + all_to_all_bytes(shape, w)
+
+
+def all_to_all_bytes(shape: ModelShape, w: Workload) -> float:
+    """Sequence parallelism's all-to-all buffers, one block's at a time: the send and receive copies of q, k and v
+    (k/v repeated to every head where the SP size does not divide them), counted at the forward's peak."""
+    n = w.sequence_parallel
+    if n == 1:
+        return 0.0
+    q = shape.heads * shape.hd
+    kv = shape.kv_heads * shape.hd if shape.kv_heads % n == 0 else q
+    return 2.0 * w.tokens * compute_bytes(w) * (q + 2 * kv)
 
 
 def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase: str = "forward") -> float:

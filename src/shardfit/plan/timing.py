@@ -463,15 +463,31 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     else:
         t = _model_parallel(shape, w, card, hw, gpu)
     tokens = w.tokens
-    step = w.grad_accum * t.micro + t.comm_step + t.pcie_step + t.optim_gpu
+    ulysses = ulysses_s(shape, w, card, hw)  # on the critical path: attention waits for it
+    step = w.grad_accum * (t.micro + ulysses) + t.comm_step + t.pcie_step + t.optim_gpu
     job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
-    comm_total = w.grad_accum * t.comm_mb + t.comm_step
+    comm_total = w.grad_accum * (t.comm_mb + ulysses) + t.comm_step
     pcie_total = w.grad_accum * t.pcie_mb + t.pcie_step
     compute_total = w.grad_accum * gpu.compute + t.optim_gpu
     host_total = w.grad_accum * gpu.host
     parts = (("compute", compute_total), ("host", host_total), ("comm", comm_total), ("pcie", pcie_total))
     bound = max(parts, key=lambda kv: kv[1])[0]
     return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, t.busy, host_total)
+
+
+def ulysses_s(shape: ModelShape, w: Workload, card: Card, hw: Hardware) -> float:
+    """Sequence parallelism's all-to-alls in one micro-batch: per block, q, k, v and the attention output in
+    forward and their gradients in backward (and the forward's again where checkpointing recomputes the block),
+    each moving (N-1)/N of a rank's tensor, over the GPUs' links while the SP group sits in one node."""
+    n = w.sequence_parallel
+    if n == 1:
+        return 0.0
+    q = shape.heads * shape.hd
+    kv = shape.kv_heads * shape.hd if shape.kv_heads % n == 0 else q
+    per_block = w.tokens * compute_bytes(w) * (2 * q + 2 * kv)
+    passes = 3 if w.grad_ckpt != "none" else 2
+    bw = card.link if n <= hw.gpus_per_node else min(card.link, card.nic * hw.gpus_per_node)
+    return shape.layers * passes * _ring(n, per_block, bw, card.latency_s, 4)
 
 
 @dataclass(frozen=True)

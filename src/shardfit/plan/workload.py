@@ -47,6 +47,9 @@ class Workload:
     # no dense mask), or SDPA over rows of one unpadded example; eager: the scores are saved
     attention: str = "sdpa"
     grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
+    # Ranks that split every row (`sequence_parallel`, parallel/ulysses.py): each forwards 1/N of the row's tokens,
+    # and four all-to-alls per block move its attention's q, k, v and output (plan/timing.py `ulysses_s`).
+    sequence_parallel: int = 1
     # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
     # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
     frozen_fp32: bool = False
@@ -133,9 +136,10 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch at its largest: every row full to seq_len. Every activation, logits and
-        FLOPs count of the plan is per these tokens."""
-        return self.seq_len * self.rows
+        """Tokens one rank forwards in a micro-batch at its largest: every row full to seq_len, a 1/N slice of each
+        under sequence parallelism. Every activation, logits and FLOPs count of the plan is per these tokens (the
+        attention's own terms per token read the whole row's seq_len: a rank attends over all of it)."""
+        return -(-self.seq_len * self.rows // self.sequence_parallel)
 
     @property
     def reference(self) -> str | None:
@@ -155,7 +159,8 @@ def workload_of(cfg: Config) -> Workload:
                     lora_experts=cfg.lora.experts,
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
-                    objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference)
+                    objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference,
+                    sequence_parallel=cfg.sequence_parallel)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

@@ -3,6 +3,7 @@ of processes, the row shape and the loss chunk. Torch-free: the facts of the dev
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from shardfit import method as methods
@@ -16,6 +17,7 @@ from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
+from shardfit.plan.shapes import resolve_shape
 from shardfit.resolve.defaults import (
     eager_attention_max_width,
     resolve_attention,
@@ -24,6 +26,7 @@ from shardfit.resolve.defaults import (
     row_width_multiple,
 )
 from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
+from shardfit.resolve.sequence import check_layout, check_model, facts_of_shape
 
 
 def precision_for(value: str, device: DeviceFacts) -> str:
@@ -104,8 +107,9 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     else:
         name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
     s = strategies.get(name)
+    check_layout(cfg, name, n * nnodes)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel)
     attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
     hw = job_hardware_of(node, name, n, nnodes)
     # Compiled blocks want one static shape: rows as wide as max_seq_len, as many as a micro-batch's sequences (a
@@ -121,12 +125,14 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         strategy=name, method=methods.get(cfg.method).name, nproc_per_node=n, nnodes=nnodes, device=device.type,
         precision=precision, autocast=precision if precision in ("bf16", "fp16") and s.autocast else None,
         compile=compiled, attention=attention,
-        eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision), rows=rows,
+        # Sequence parallelism runs its own kernel at every width (parallel/ulysses.py).
+        eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision)
+        if cfg.sequence_parallel == 1 else 0, rows=rows,
         loss_chunk=loss_chunk_for(cfg.loss_chunk, vocab, hw, precision) if vocab else None, hardware=hw,
         why=tuple(why), objective=objectives.get(cfg.objective).name,
         reference=objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
                                           cfg.dpo.precompute_reference),
-        experts=resolve_experts(device.type))
+        experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel)
 
 
 def settled(cfg: Config, job: Resolved) -> Config:
@@ -140,8 +146,14 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     """Resolve `cfg` on `nnodes` nodes like `node` and plan the job as resolved: the one entry point train, check
     and plan call. The method must be trainable by this installation."""
     require_method_support(cfg)
+    if cfg.sequence_parallel > 1:  # the model's heads and kind, from its config, before anything loads
+        shape = None
+        with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model
+            shape = resolve_shape(cfg.model)
+        if shape is not None:
+            check_model(cfg.sequence_parallel, facts_of_shape(shape), cfg.model)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel)
     # The plan of the settings as they will run (what a rank plans again from the resolved job).
     planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
         cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))

@@ -30,11 +30,13 @@ EAGER_ATTENTION_MAX_LEN = 256
 EAGER_ATTENTION_BF16_MAX_WIDTH = 192
 
 
-def resolve_compile(value: bool | str, device_type: str, packing: bool) -> bool:
-    """`compile` as a bool: `auto` compiles on GPUs when rows are not packed (static shapes cost nothing there)."""
+def resolve_compile(value: bool | str, device_type: str, packing: bool, sequence_parallel: int = 1) -> bool:
+    """`compile` as a bool: `auto` compiles on GPUs when rows are not packed (static shapes cost nothing there),
+    and not under sequence parallelism (its all-to-all attention is not compiled; resolve/sequence.py refuses
+    `true`)."""
     if value != "auto":
         return bool(value)
-    return device_type == "cuda" and not packing
+    return device_type == "cuda" and not packing and sequence_parallel == 1
 
 
 def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: int, compiled: bool) -> str:
@@ -114,6 +116,6 @@ def resolve_experts(device_type: str) -> str:
 
 def resolve_speed_settings(cfg: Config, device_type: str) -> Config:
     """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records)."""
-    compiled = resolve_compile(cfg.compile, device_type, cfg.packing)
+    compiled = resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel)
     return dataclasses.replace(cfg, compile=compiled, attn_implementation=resolve_attention(
         cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled))

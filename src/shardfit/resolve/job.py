@@ -57,6 +57,8 @@ class Resolved:
     reference: str | None = None  # a preference run's reference: precomputed | adapters_off | None (none needed)
     # How a mixture of experts' routed experts compute (transformers' experts_implementation); dense models ignore it
     experts: str = "grouped_mm"
+    # Ranks that split every row (sequence parallelism); the data is split over world / sequence_parallel groups.
+    sequence_parallel: int = 1
 
     @property
     def world(self) -> int:
@@ -69,6 +71,8 @@ class Resolved:
         chunk = f", loss chunk {self.loss_chunk} rows" if self.loss_chunk else ""
         ref = f" (reference: {self.reference.replace('_', ' ')})" if self.reference else ""
         objective = f"objective {self.objective}{ref}, " if self.objective != "sft" else ""
+        if self.sequence_parallel > 1:
+            ranks += f" (rows split over {self.sequence_parallel}, data over {self.world // self.sequence_parallel})"
         return (f"job: {objective}strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, "
                 f"{self.precision}{' (autocast)' if self.autocast else ''}, compile {'on' if self.compile else 'off'}, "
                 f"attention {self.attention}{chunk}")

@@ -24,6 +24,8 @@ from shardfit.infer.prompts import Request
 from shardfit.models.anatomy import input_device
 from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.parallel.env import DistEnv
+from shardfit.parallel.sequence import Layout, shard_batch
+from shardfit.parallel.ulysses import whole_row_attention
 from shardfit.resolve.job import RowShape
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import STATS, MetricsLog, preference_record, progress
@@ -43,20 +45,23 @@ def evaluate(module: nn.Module, rows: list[PackedRow], micro_batch: int, pad_id:
 def evaluate_batches(module: nn.Module, batches: list[list[PackedRow]], pad_id: int, env: DistEnv, amp: Any,
                      device: torch.device | None = None, shape: RowShape | None = None,
                      attention: AttentionByWidth | None = None,
-                     stats_of: PreferenceLoss | None = None) -> tuple[float | None, dict[str, float]]:
+                     stats_of: PreferenceLoss | None = None,
+                     layout: Layout | None = None) -> tuple[float | None, dict[str, float]]:
     """The mean loss over `batches` (micro-batches of rows) and, with `stats_of` (the unwrapped preference loss
-    module `module` runs), the preference figures over them (eval_rewards_chosen, eval_reward_accuracy, ...)."""
+    module `module` runs), the preference figures over them (eval_rewards_chosen, eval_reward_accuracy, ...).
+    `layout`: the ranks of a sequence-parallel group take the same micro-batch, each its slice of the rows."""
     if not batches:
         return None, {}
     shape = dataclasses.replace(shape, height=None) if shape is not None else None
     module.eval()
-    per_rank = math.ceil(len(batches) / env.world)
+    layout = layout or Layout(dp=env.world, dp_rank=env.rank)
+    per_rank = math.ceil(len(batches) / layout.dp)
     total = torch.zeros(2, dtype=torch.float64, device=env.device)
     stats: torch.Tensor | None = None
     for k in range(per_rank):
-        idx = k * env.world + env.rank
+        idx = k * layout.dp + layout.dp_rank
         real = idx < len(batches)
-        batch = collate(batches[idx if real else 0], pad_id, shape).to(device or env.device)
+        batch = shard_batch(collate(batches[idx if real else 0], pad_id, shape), layout).to(device or env.device)
         if attention is not None:
             attention.before(batch.input_ids.shape[-1])
         with amp:
@@ -97,7 +102,7 @@ class GenerationEval:
         if sharded:
             self.root.unshard()
         try:
-            with self.amp:
+            with self.amp, whole_row_attention(self.model):
                 answers = generate_sharded(self.model, self.tokenizer, [r.messages for r in self.requests],
                                            self.sampling, rank=self.env.rank, world=self.env.world)
         finally:
@@ -125,10 +130,11 @@ class Evaluator:
                  shape: RowShape, pad_id: int, amp: Any, device: torch.device, every: int, total_steps: int,
                  generation: GenerationEval | None = None, show: bool = False,
                  attention: AttentionByWidth | None = None, batches: list[list[PackedRow]] | None = None,
-                 stats_of: PreferenceLoss | None = None):
+                 stats_of: PreferenceLoss | None = None, layout: Layout | None = None):
         """`batches`: the held-out micro-batches as formed (preference pairs), instead of `rows` cut
-        `shape.micro_batch` at a time; `stats_of`: the preference loss module whose figures join eval_loss."""
-        self.module, self.metrics, self.env = module, metrics, env
+        `shape.micro_batch` at a time; `stats_of`: the preference loss module whose figures join eval_loss;
+        `layout`: the ranks' data and sequence split (None: data split over every rank)."""
+        self.module, self.metrics, self.env, self.layout = module, metrics, env, layout
         self.rows = batches if batches is not None else \
             [rows[i:i + shape.micro_batch] for i in range(0, len(rows), shape.micro_batch)]
         self.stats_of = stats_of
@@ -152,7 +158,7 @@ class Evaluator:
             return None
         bar = progress(2 if self.generation else 1, 0, self.show, desc="eval", unit="pass")
         self.last, figures = evaluate_batches(self.module, self.rows, self.pad_id, self.env, self.amp, self.device,
-                                              self.shape, self.attention, self.stats_of)
+                                              self.shape, self.attention, self.stats_of, self.layout)
         self.last_preference = figures
         bar.update()
         record: dict[str, Any] = {"step": step, "eval_loss": self.last, **figures}

@@ -19,6 +19,7 @@ from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, soft_token_body, vision_body
 from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
 from shardfit.models.masks import mask_argument
+from shardfit.parallel.ulysses import SHARD_KWARG, SequenceShard
 from shardfit.train.media_forward import vision_language_forward
 from shardfit.train.soft_token_forward import soft_token_forward
 
@@ -174,12 +175,14 @@ class CausalLMLoss(nn.Module):
                 input_features: torch.Tensor | None = None, audio_feature_lens: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, n_targets: int | None = None,
-                restarts: bool | None = None) -> tuple[torch.Tensor, int]:
+                restarts: bool | None = None, sequence_shard: SequenceShard | None = None) -> tuple[torch.Tensor, int]:
         """`n_targets` (labelled positions) and `restarts` (whether a row restarts its positions) are what the
-        batch knows on the host (data/loader.py `Batch`): with them the step never waits for the device."""
+        batch knows on the host (data/loader.py `Batch`): with them the step never waits for the device.
+        `sequence_shard`: the rows are this rank's slices of a sequence-parallel group's (parallel/sequence.py);
+        the loss is then the sum over this slice's targets."""
         out, hidden, head = self.body_forward(input_ids, position_ids, restarts, pixel_values, image_grid_thw,
                                               input_features, audio_feature_lens, pixel_values_videos,
-                                              video_grid_thw)
+                                              video_grid_thw, shard=sequence_shard)
         loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled,
                                             n_targets=n_targets)
         if self.moe_top_k:
@@ -187,22 +190,26 @@ class CausalLMLoss(nn.Module):
         return loss_sum, n
 
     def body_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, restarts: bool | None,
-                     *media: torch.Tensor | None) -> tuple[Any, torch.Tensor, nn.Module]:
+                     *media: torch.Tensor | None,
+                     shard: SequenceShard | None = None) -> tuple[Any, torch.Tensor, nn.Module]:
         """The decoder's (or the vision-language body's) forward: its output, the last hidden states and the output
         head that turns them into logits. `media`: pixel_values, image_grid_thw, input_features,
-        audio_feature_lens, pixel_values_videos, video_grid_thw, as `forward` takes them."""
+        audio_feature_lens, pixel_values_videos, video_grid_thw, as `forward` takes them. `shard`: handed to
+        every layer's attention (the Ulysses kernel's group and the whole rows' positions)."""
         decoder, head = decoder_and_head(self.model)
         # 3-D (M-RoPE) positions mark a vision-language batch; rows of one example may come without positions.
         body = vision_body(self.model) if position_ids is not None and position_ids.dim() == 3 else None
         soft = soft_token_body(self.model)  # Gemma 3 on images: 1-D positions, its own image mask
-        routed = {"output_router_logits": True} if self.moe_top_k else {}
+        extra = {"output_router_logits": True} if self.moe_top_k else {}
+        if shard is not None:
+            extra[SHARD_KWARG] = shard
         if soft is not None:
-            out = soft_token_forward(soft, input_ids, position_ids, media[0], routed)
+            out = soft_token_forward(soft, input_ids, position_ids, media[0], extra)
         elif body is None:
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                          **mask_argument(decoder, position_ids, restarts), **routed)
+                          **mask_argument(decoder, position_ids, restarts), **extra)
         else:
-            out = vision_language_forward(body, input_ids, position_ids, *media, routed)
+            out = vision_language_forward(body, input_ids, position_ids, *media, extra)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return out, hidden, head
 

@@ -54,12 +54,13 @@ from shardfit.models.build import (
 from shardfit.models.experts import aux_loss_of, moe_top_k
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
-from shardfit.parallel import allocator, faults
+from shardfit.parallel import allocator, faults, ulysses
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
+from shardfit.parallel.sequence import layout_of, shard_batch
 from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import refuse_if_oom, tokens_per_s_at
@@ -72,6 +73,7 @@ from shardfit.resolve.defaults import (
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
 )
+from shardfit.resolve.sequence import check_model, facts_of_config
 from shardfit.strategy import get as get_strategy
 from shardfit.train.base_ref import BaseRef, base_for_adapter
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
@@ -180,6 +182,8 @@ class FineTune:
         self._claim_run_dir()
         torch.manual_seed(cfg.seed)
         self.strategy = get_strategy(self.job.strategy)
+        # The ranks' data and sequence split: sequence_parallel ranks share each row (parallel/sequence.py).
+        self.layout = layout_of(env, self.job.sequence_parallel)
         if self.strategy.engine == "device_map" and env.distributed:  # a torchrun launch that bypassed resolve
             raise UserError("strategy: model_parallel splits one process's model over its local GPUs and cannot run "
                             "under a multi-rank launch. Use zero3 (sharded) with --nproc, or model_parallel without "
@@ -209,7 +213,8 @@ class FineTune:
         def decide() -> tuple[str | None, str | None]:
             check_writable(self.run_dir)
             warning = self.lock.acquire()
-            return warning, claim(self.run_dir, cfg, fingerprint(cfg, cfg.micro_batch * cfg.grad_accum * env.world))
+            global_batch = cfg.micro_batch * cfg.grad_accum * env.world // cfg.sequence_parallel
+            return warning, claim(self.run_dir, cfg, fingerprint(cfg, global_batch))
 
         warning, self.longer = decide_on_rank0(env, decide)
         if warning and env.is_main:
@@ -256,13 +261,13 @@ class FineTune:
             log.warning("eval_metrics with compile: true: generation runs through the compiled blocks, which are "
                         "compiled for one shape and recompile for others (slow evaluations); compile: false avoids it")
         self.n_examples, self.n_eval = len(train_ex), len(eval_ex)
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         self.train_examples, self.eval_pairs = train_ex, eval_ex if preference else []
         # Held-out pairs are formed into rows when the evaluator starts, after any reference pass filled them in.
         self.eval_rows = [] if preference else rows_of(eval_ex, self.row_cfg)
         self.pad_id = self.tokenizer.pad_token_id
-        self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, env.world, env.rank, cfg.seed,
-                                     micro_batch_former(self.row_cfg))
+        self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, self.layout.dp, self.layout.dp_rank,
+                                     cfg.seed, micro_batch_former(self.row_cfg))
 
     def _setup_model(self) -> None:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
@@ -270,7 +275,11 @@ class FineTune:
         if self.model is None:
             self.model_cache_hit = weights_cached(cfg)
             self.model = build_model(cfg, s, weights=True, experts=self.job.experts)
-        if vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
+        if self.layout.sp > 1:  # every width through the all-to-all attention (parallel/ulysses.py)
+            check_model(self.layout.sp, facts_of_config(self.model.config), cfg.model)
+            ulysses.register()
+            self.model.set_attn_implementation(ulysses.NAME)
+        elif vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
             use_attention(self.model, cfg.attn_implementation)
             # `auto` attention by each micro-batch's row width where the faster kernel depends on it.
             self.attention = AttentionByWidth.for_model(self.model, self.job.eager_max_width)
@@ -388,8 +397,10 @@ class FineTune:
                   f"({packing}); "
                   f"strategy {self.strategy.name} on {world} x {self.env.device.type} ({cfg.precision}); "
                   f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
-                  f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {world} rank"
-                  f"{'s' if world > 1 else ''}); {self.batches.steps_per_epoch} steps per epoch, "
+                  f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {self.layout.dp} "
+                  + (f"data groups of {self.layout.sp} ranks splitting each row" if self.layout.sp > 1
+                     else f"rank{'s' if world > 1 else ''}")
+                  + f"); {self.batches.steps_per_epoch} steps per epoch, "
                   f"{self.total_steps} steps"
                   + (f" (continuing from step {self.start_step})" if self.start_step else "")
                   + self._media_line()
@@ -439,7 +450,8 @@ class FineTune:
                                    every=cfg.eval_steps, total_steps=self.total_steps,
                                    generation=self._generation_eval(), show=env.is_main and not self.quiet,
                                    batches=self._eval_pair_batches(),
-                                   stats_of=self.routing if isinstance(self.routing, PreferenceLoss) else None)
+                                   stats_of=self.routing if isinstance(self.routing, PreferenceLoss) else None,
+                                   layout=self.layout)
         self.profiler = StepProfiler(self.run_dir, cfg.profile_steps, self.start_step, env.rank, env.device.type)
         self.loss_module.train()
         t_fit, tokens_before = time.perf_counter(), self.tokens
@@ -494,7 +506,7 @@ class FineTune:
         for m, micro in enumerate(rows.micro_batches):
             last = m == len(rows.micro_batches) - 1
             wd.at("data loader")
-            batch = collate(micro, self.pad_id, self.job.rows).to(self.in_device)
+            batch = shard_batch(collate(micro, self.pad_id, self.job.rows), self.layout).to(self.in_device)
             if self.attention is not None:  # `auto` attention: the kernel for this micro-batch's width
                 self.attention.before(batch.input_ids.shape[-1])
             wd.at("forward")

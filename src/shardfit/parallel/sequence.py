@@ -1,0 +1,78 @@
+"""The data and sequence layout of a job with `sequence_parallel: N`: world = dp x N ranks on a device mesh with
+dims ("dp", "sp"), neighbouring ranks in one SP group (they exchange activations at every layer, so they share a
+node where they can). The ranks of an SP group read the same rows (the data is split over the dp groups only) and
+each keeps a contiguous 1/N of every row: input ids, targets and position ids, which stay the row's own, so RoPE
+sees each token's true position. The model's parameters stay with the strategy, over every rank.
+
+Targets are shifted on the whole row before it is cut (data/loader.py), so a slice's last target is the next
+slice's first token. Each rank's chunked loss sums its slice's targets; the step's normalisation by the global
+batch's target count, with DDP/FSDP averaging the gradients over the world, then gives the unsplit loss and
+gradients (train/recipe.py `train_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardfit.data.loader import Batch
+from shardfit.data.tokenize import IGNORE
+from shardfit.parallel.env import DistEnv
+from shardfit.parallel.ulysses import SequenceShard
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: `dp_rank` of `dp` data-parallel groups, `sp_rank` of the `sp` ranks of its group
+    (`group`: that group's process group; None when sp is 1)."""
+
+    dp: int
+    dp_rank: int
+    sp: int = 1
+    sp_rank: int = 0
+    group: Any = None
+
+
+def layout_of(env: DistEnv, sequence_parallel: int) -> Layout:
+    """This rank's layout; with sequence parallelism, the ("dp", "sp") device mesh's SP group."""
+    n = sequence_parallel
+    if n == 1:
+        return Layout(dp=env.world, dp_rank=env.rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (env.world // n, n), mesh_dim_names=("dp", "sp"))
+    return Layout(dp=env.world // n, dp_rank=env.rank // n, sp=n, sp_rank=env.rank % n, group=mesh.get_group("sp"))
+
+
+def _pad_width(t: torch.Tensor, width: int, fill: torch.Tensor | int) -> torch.Tensor:
+    if t.shape[-1] == width:
+        return t
+    extra = width - t.shape[-1]
+    pad = fill if isinstance(fill, torch.Tensor) else torch.full((*t.shape[:-1], extra), fill, dtype=t.dtype)
+    return torch.cat([t, pad], dim=-1)
+
+
+def shard_batch(batch: Batch, layout: Layout) -> Batch:
+    """This rank's slice of a host batch of text rows: the width padded up to a multiple of the SP size (padding
+    continues each row's positions and carries no target, as collate's does), then the `sp_rank`-th contiguous
+    piece; the labelled count is the slice's own, and the loss module gets the SP group and the whole rows'
+    positions for the attention's mask."""
+    if layout.sp == 1:
+        return batch
+    if batch.media or batch.pref or batch.position_ids.dim() != 2:
+        raise ValueError("sequence parallelism splits text rows only (resolve/sequence.py refuses the rest)")
+    n, width = layout.sp, batch.input_ids.shape[-1]
+    padded = -(-width // n) * n
+    extra = padded - width
+    pos = batch.position_ids
+    pos = _pad_width(pos, padded, pos[:, -1:] + torch.arange(1, extra + 1))
+    ids = _pad_width(batch.input_ids, padded, batch.input_ids[:, -1:].expand(-1, extra))
+    tgt = _pad_width(batch.targets, padded, IGNORE)
+    piece = slice(layout.sp_rank * (padded // n), (layout.sp_rank + 1) * (padded // n))
+    mine = tgt[:, piece]
+    shard = SequenceShard(layout.group, n, pos, bool(batch.restarts))
+    return dataclasses.replace(batch, input_ids=ids[:, piece].contiguous(), position_ids=pos[:, piece].contiguous(),
+                               targets=mine.contiguous(), n_targets=int((mine != IGNORE).sum()), shard=shard)

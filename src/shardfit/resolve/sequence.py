@@ -1,0 +1,104 @@
+"""`sequence_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
+whose config is the ground truth where the planner did not know the shape). Torch-free.
+
+What runs: dense text decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), with a
+multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective, and attention through SDPA inside
+the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2 and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardfit import objective as objectives
+from shardfit import strategy as strategies
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.plan.model_shape import ModelShape
+
+# Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
+SP_ATTENTION = ("auto", "sdpa")
+
+
+@dataclass(frozen=True)
+class DecoderFacts:
+    """What the rules need to know of the model: its attention heads and key/value heads, and whether it is a
+    mixture of experts, multimodal (vision or audio tower), or has layers that do not attend over the whole row
+    (sliding windows, chunks) or attention of another form (multi-head latent attention)."""
+
+    heads: int
+    kv_heads: int
+    experts: bool = False
+    multimodal: bool = False
+    partial_attention: bool = False
+    latent_attention: bool = False
+
+
+def _prefix(n: int) -> str:
+    return f"sequence_parallel: {n}"
+
+
+def check_layout(cfg: Config, strategy: str, world: int) -> None:
+    """The config's sequence_parallel against the job's ranks, strategy and settings (UserError when refused)."""
+    n = cfg.sequence_parallel
+    if n == 1:
+        return
+    fix = "or set sequence_parallel: 1"
+    if world % n != 0 or world < n:
+        raise UserError(f"{_prefix(n)} splits every row over {n} ranks, which must divide the job's {world} "
+                        f"rank{'s' if world != 1 else ''}: launch a multiple of {n} (--nproc {n}), {fix}.")
+    if not strategies.get(strategy).multi_rank:
+        raise UserError(f"{_prefix(n)} runs under a multi-rank strategy (ddp, zero2, zero3), not {strategy}: "
+                        f"use --set strategy=zero3, {fix}.")
+    if objectives.get(cfg.objective).preference:
+        raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective sums "
+                        f"each sequence's log-probabilities, which a split row would need gathered): use objective: "
+                        f"sft, {fix}.")
+    if cfg.attn_implementation not in SP_ATTENTION:
+        raise UserError(f"{_prefix(n)} runs its own attention (an all-to-all around SDPA), so attn_implementation: "
+                        f"{cfg.attn_implementation} cannot apply: set attn_implementation: auto, {fix}.")
+    if cfg.compile is True:
+        raise UserError(f"{_prefix(n)} does not run compiled blocks in this version (the all-to-all of its "
+                        f"attention breaks the compiled graph): set compile: false (or auto), {fix}.")
+
+
+def check_model(n: int, facts: DecoderFacts, model: str) -> None:
+    """The model against sequence_parallel `n` (UserError when refused)."""
+    if n == 1:
+        return
+    fix = "or set sequence_parallel: 1"
+    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower" if facts.multimodal
+           else "has layers with sliding-window or chunked attention" if facts.partial_attention
+           else "uses multi-head latent attention" if facts.latent_attention else None)
+    if why is not None:
+        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of dense text decoders with "
+                        f"full attention only (Llama, Qwen2, Qwen3): train it without sequence parallelism, {fix}.")
+    if facts.heads % n != 0:
+        divisors = [d for d in range(2, facts.heads + 1) if facts.heads % d == 0]
+        raise UserError(f"{_prefix(n)}: {model} has {facts.heads} attention heads, which {n} ranks cannot share "
+                        f"out evenly (each rank attends with heads/{n} of them): use a sequence_parallel that divides "
+                        f"{facts.heads} ({', '.join(map(str, divisors[:6])) or 'none above 1'}), {fix}.")
+
+
+def facts_of_shape(shape: ModelShape) -> DecoderFacts:
+    """The planner's shape of the model as the rules read it."""
+    return DecoderFacts(heads=shape.heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
+                        multimodal=shape.vision is not None or shape.audio is not None,
+                        partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
+                        latent_attention=shape.mla is not None)
+
+
+def facts_of_config(config: Any) -> DecoderFacts:
+    """A built model's (transformers) config as the rules read it."""
+    text = getattr(config, "text_config", None) or config
+    types = set(getattr(text, "layer_types", None) or ())
+    sliding = bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True)
+    partial = (bool(types - {"full_attention"}) if types else sliding) or bool(getattr(text, "attention_chunk_size",
+                                                                                       None))
+    experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    return DecoderFacts(heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                        experts=experts > 1,
+                        multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")),
+                        partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)))

@@ -1,0 +1,68 @@
+"""Gloo ranks spawned by tests/test_sequence_parallel.py: Ulysses attention on a row's slices against plain SDPA
+over the whole row."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardfit.parallel.ulysses import SHARD_KWARG, SequenceShard, block_causal, ulysses_attention
+
+HEADS, DIM, WIDTH, BATCH = 4, 8, 12, 2
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Plain SDPA over the whole rows (key/value heads repeated), its mask built independently: causal and within
+    one example, an example starting wherever the position is 0."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    doc = (pos == 0).cumsum(-1)
+    w = pos.shape[-1]
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(w, w, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).transpose(1, 2)
+
+
+def attention_rank(rank: int, world: int, port: int, cases: list[tuple[int, bool]], out: str) -> None:
+    """Each case (key/value heads, packed rows) once; `out`/rank-R.json gets this rank's errors per case."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    try:
+        results = [_case(rank, world, kv, packed) for kv, packed in cases]
+        Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _case(rank: int, world: int, kv_heads: int, packed: bool) -> dict:
+    """One case on this rank: the largest errors of its slice's output and gradients, and the scales."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(BATCH, HEADS, WIDTH, DIM, generator=g)
+    k = torch.randn(BATCH, kv_heads, WIDTH, DIM, generator=g)
+    v = torch.randn(BATCH, kv_heads, WIDTH, DIM, generator=g)
+    up = torch.randn(BATCH, WIDTH, HEADS, DIM, generator=g)  # the gradient flowing back into the output
+    pos = torch.arange(WIDTH).repeat(BATCH, 1)
+    if packed:  # row 0: examples of 5 and 7 tokens (the boundary inside rank 0's slice); row 1: 7 and 5
+        pos[0] = torch.tensor([*range(5), *range(7)])
+        pos[1] = torch.tensor([*range(7), *range(5)])
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*full, pos)
+    (ref * up).sum().backward()
+    s = WIDTH // world
+    part = slice(rank * s, (rank + 1) * s)
+    mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
+    module = nn.Module()
+    got, _ = ulysses_attention(module, *mine, None, scaling=DIM ** -0.5,
+                               **{SHARD_KWARG: SequenceShard(dist.group.WORLD, world, pos, packed)})
+    (got * up[:, part]).sum().backward()
+    return {"out": (got - ref[:, part]).abs().max().item(), "scale": ref.abs().max().item(),
+            "grads": [(a.grad - b.grad[:, :, part]).abs().max().item() for a, b in zip(mine, full, strict=True)],
+            "grad_scale": max(b.grad.abs().max().item() for b in full),
+            "restarts": bool((block_causal(pos) != torch.ones(WIDTH, WIDTH, dtype=torch.bool).tril()).any())}

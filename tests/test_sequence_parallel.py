@@ -1,0 +1,104 @@
+"""Sequence parallelism (Ulysses): the attention kernel on 2 gloo ranks against plain SDPA, and 2-rank CLI runs
+against one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from shardfit.data.loader import collate
+from shardfit.data.packing import PackedRow
+from shardfit.data.tokenize import IGNORE
+from shardfit.parallel.sequence import Layout, shard_batch
+from tests import sp_workers
+from tests.helpers import free_port, read_jsonl, run_cli, write_config
+
+CASES = [(2, True), (1, True), (4, False)]
+
+
+@pytest.mark.slow
+def test_ulysses_attention_matches_sdpa(tmp_path: Path) -> None:
+    """Forward and backward of each rank's slice equal the whole row's SDPA (fp32): GQA with key/value heads that
+    split over the ranks, a single key/value head (repeated first), packed rows (a block-causal mask)."""
+    mp.start_processes(sp_workers.attention_rank, args=(2, free_port(), CASES, str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for r in range(2):
+        for (_, packed), got in zip(CASES, json.loads((tmp_path / f"rank-{r}.json").read_text()), strict=True):
+            assert got["restarts"] is packed  # the mask is block-causal exactly where rows are packed
+            assert got["out"] <= 1e-5 * got["scale"], got
+            assert max(got["grads"]) <= 1e-5 * got["grad_scale"], got
+
+
+def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> Path:
+    keys = dict(model=str(model), data=str(data), output_dir=str(tmp / name), precision="fp32", max_seq_len=192,
+                micro_batch=4, grad_accum=1, lr=1e-2, log_steps=1, save_steps=100, max_steps=4, warmup_ratio=0.0,
+                eval_split=0.1, eval_steps=2, lora={"rank": 4, "alpha": 8}, method="lora")
+    keys.update(over)
+    r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / name
+
+
+def _figures(run: Path) -> tuple[list[float], list[float]]:
+    lines = read_jsonl(run / "metrics.jsonl")
+    return [m["loss"] for m in lines if "loss" in m], [m["eval_loss"] for m in lines if "eval_loss" in m]
+
+
+def _same_as_one_process(tmp: Path, model: Path, data: Path, ranks: int = 2, **over) -> dict:
+    """One process and `ranks` ranks in data groups of 2 splitting every row train and evaluate to the same
+    losses, fp32, to 1e-5: the same global batch, the one process accumulating a micro-batch per data group."""
+    single = _run(tmp, model, data, "single", grad_accum=ranks // 2, **over)
+    split = _run(tmp, model, data, "split", "--nproc", str(ranks), sequence_parallel=2, **over)
+    (ref, ref_eval), (got, got_eval) = _figures(single), _figures(split)
+    assert len(got) == len(ref) == 4 and len(got_eval) == len(ref_eval) == 2
+    for a, b in zip(ref + ref_eval, got + got_eval, strict=True):
+        assert b == pytest.approx(a, rel=1e-5)
+    summary = json.loads((split / "summary.json").read_text())
+    assert summary["world_size"] == ranks and summary["resolved"]["sequence_parallel"] == 2
+    return summary
+
+
+@pytest.mark.slow
+def test_qwen2_lora_packed_rows_split_over_two_ranks(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """Qwen2 (4 heads, 2 key/value heads) with LoRA under DDP, packed rows (a block-causal mask across the split)."""
+    summary = _same_as_one_process(tmp_path, tiny_qwen2, small_data, strategy="ddp")
+    assert summary["packing"] is True
+
+
+@pytest.mark.slow
+def test_llama_full_checkpointed_split_over_two_ranks(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    """Llama, a full fine-tune sharded by zero3, with every block checkpointed (the all-to-all runs again in the
+    recomputation)."""
+    _same_as_one_process(tmp_path, tiny_llama, small_data, strategy="zero3", method="full", lr=1e-3,
+                         grad_ckpt="full")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # four ranks on the CI's cores; the 2-rank cases hold the same arithmetic
+def test_two_data_groups_of_two_ranks(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """4 ranks under zero3: 2 data groups (each its own rows), each splitting its rows over 2 ranks."""
+    _same_as_one_process(tmp_path, tiny_qwen2, small_data, ranks=4, strategy="zero3")
+
+
+def test_a_rank_keeps_its_contiguous_slice_of_the_padded_rows() -> None:
+    """Rows 7 wide over 2 ranks: padded to 8 (positions continue, no target), rank 1 keeps tokens 4-7 with their
+    own positions and targets (the target of rank 0's last token is rank 1's first token, shifted before the
+    cut), the labelled count is its slice's, and the attention gets the whole rows' positions."""
+    rows = [PackedRow([10, 11, 12, 13, 14, 15, 16], [11, 12, 13, 14, 15, 16, IGNORE], [0, 1, 2, 3, 0, 1, 2]),
+            PackedRow([20, 21, 22], [IGNORE, 22, 23], [0, 1, 2])]
+    batch = collate(rows, pad_id=0)
+    assert batch.restarts is True and batch.n_targets == 8
+    parts = [shard_batch(batch, Layout(dp=1, dp_rank=0, sp=2, sp_rank=r)) for r in range(2)]
+    assert parts[0].input_ids.tolist() == [[10, 11, 12, 13], [20, 21, 22, 0]]
+    assert parts[0].targets[0].tolist() == [11, 12, 13, 14]
+    assert parts[1].input_ids[0].tolist() == [14, 15, 16, 16]
+    assert parts[1].position_ids.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parts[1].targets.tolist() == [[15, 16, IGNORE, IGNORE], [IGNORE] * 4]
+    assert [p.n_targets for p in parts] == [6, 2]
+    assert parts[1].shard.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert parts[1].shard.restarts is True and parts[1].host_facts["sequence_shard"] is parts[1].shard
+    whole = Layout(dp=2, dp_rank=1)
+    assert shard_batch(batch, whole) is batch

@@ -1,0 +1,73 @@
+"""sequence_parallel's refusals (resolve/sequence.py): what this version splits, and the exit-2 messages."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig
+
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.resolve.sequence import DecoderFacts, check_layout, check_model, facts_of_config
+from tests.helpers import run_cli, write_config
+
+
+def _cfg(**over) -> Config:
+    return dataclasses.replace(Config(), sequence_parallel=2, **over)
+
+
+def test_layout_accepted_for_a_multi_rank_strategy() -> None:
+    check_layout(_cfg(), "zero3", 4)
+    check_layout(_cfg(), "ddp", 2)
+    check_layout(dataclasses.replace(Config(), sequence_parallel=1), "single", 1)  # off: nothing to check
+
+
+@pytest.mark.parametrize("over,strategy,world,words", [
+    ({}, "zero3", 3, "must divide the job's 3 ranks"),
+    ({}, "single", 1, "must divide the job's 1 rank"),
+    ({}, "model_parallel", 2, "multi-rank strategy"),
+    ({"objective": "dpo"}, "zero3", 2, "objective sft only"),
+    ({"attn_implementation": "flash_attention_2"}, "zero3", 2, "attn_implementation: flash_attention_2"),
+    ({"compile": True}, "zero3", 2, "compile: false"),
+])
+def test_layout_refusals_name_the_reason_and_the_fix(over: dict, strategy: str, world: int, words: str) -> None:
+    with pytest.raises(UserError, match="sequence_parallel: 2") as e:
+        check_layout(_cfg(**over), strategy, world)
+    assert words in str(e.value) and "sequence_parallel: 1" in str(e.value)
+
+
+def test_dense_text_configs_pass_and_others_are_named() -> None:
+    qwen2 = facts_of_config(Qwen2Config(num_attention_heads=4, num_key_value_heads=2))
+    assert qwen2 == DecoderFacts(heads=4, kv_heads=2)  # Qwen2's sliding window is off unless use_sliding_window
+    check_model(2, qwen2, "qwen2")
+    check_model(4, facts_of_config(LlamaConfig(num_attention_heads=4, num_key_value_heads=1)), "llama")
+    assert facts_of_config(MixtralConfig()).experts
+    assert facts_of_config(Qwen2VLConfig()).multimodal
+    assert facts_of_config(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1,
+                                       num_hidden_layers=2)).partial_attention
+    with pytest.raises(UserError, match="mixture of experts"):
+        check_model(2, facts_of_config(MixtralConfig()), "mixtral")
+    with pytest.raises(UserError, match="vision or audio tower"):
+        check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl")
+
+
+def test_heads_that_do_not_share_out_are_refused_with_the_divisors() -> None:
+    with pytest.raises(UserError, match=r"has 12 attention heads.*\(2, 3, 4, 6, 12\)"):
+        check_model(8, DecoderFacts(heads=12, kv_heads=4), "m")
+
+
+@pytest.mark.slow
+def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """From the CLI: exit 2 with the message, before any rank starts (tiny Qwen2 has 4 heads)."""
+    cfg = write_config(tmp_path / "c.yaml", model=str(tiny_qwen2), data=str(small_data), precision="fp32",
+                       output_dir=str(tmp_path / "run"), sequence_parallel=3, strategy="ddp")
+    r = run_cli("train", str(cfg), "--nproc", "3", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "has 4 attention heads" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+    write_config(cfg, model=str(tiny_qwen2), data=str(small_data), precision="fp32", output_dir=str(tmp_path / "run"),
+                 sequence_parallel=2, strategy="ddp")
+    r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "must divide the job's 1 rank" in r.stderr, r.stderr[-2000:]
