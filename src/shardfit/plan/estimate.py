@@ -326,9 +326,10 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     if w.attention == "eager" and shape.attention_sinks:
         # gpt-oss's eager attention: the softmax runs in the scores' dtype, which the additive mask sets (the
         # residual stream's), over seq_len + 1 columns (the sink's), keeping its output, the int64 index of each
-        # row's max it subtracted first and, where that dtype is not the compute dtype, the probabilities' cast.
+        # row's max it subtracted first and, where that dtype is not the compute dtype, the probabilities' cast;
+        # q and k/v repeated to every head, and not the probabilities' product with v (its matmul keeps inputs).
         r = residual_bytes(w, strategy)
-        attn = a * (2 * q + 2 * q) + shape.heads * ((w.seq_len + 1) * r + (w.seq_len * a if r != a else 0) + 8)
+        attn = a * 3 * q + shape.heads * ((w.seq_len + 1) * r + (w.seq_len * a if r != a else 0) + 8)
     elif w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
