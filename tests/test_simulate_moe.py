@@ -3,10 +3,11 @@ full, one process and two FSDP ranks: the state columns agree exactly and the ac
 
 The fake-tensor step measures the transformers model itself; the estimate is a formula per block. For the MoE block
 the formula counts what transformers 5's grouped experts save (plan/estimate.py `moe_saved_bytes_per_token`),
-LoRA's merged expert weights and Llama 4's every-expert routing. What it does not model is attention beyond the
-Llama/Qwen block it was measured on, which these families change, and on these tiny widths attention is most of a
-block; so each family's activations carry its own bound and reason. At real widths (a hidden size of thousands
-against these 64) the MoE terms the formula counts dominate a block."""
+LoRA's merged expert weights and Llama 4's every-expert routing; DeepSeek's latent attention
+(`latent_attention_bytes_per_token`) and gpt-oss's clamped SwiGLU experts and attention with sinks are counted from
+saved-tensor hooks on the real modules over several widths. The simulation runs the attention kernel a GPU would
+(simulate/gpu_kernels.py). Each family's activations carry the bound that holds, and why where it is not 5%: on
+these tiny widths (a hidden size of 64) a few hidden-size tensors are a large share of a block."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ STATE = ("weights", "grads", "optimizer", "logits", "temporaries")
 # Relative bound on the activations per family (analytic vs simulated), and why it is not 5%.
 ACTIVATIONS = {
     "Qwen3-MoE": (0.05, "the Llama/Qwen block the formula was measured on, with grouped experts"),
-    "GLM-4.5": (0.10, "a dense first block and shared experts; the router's sigmoid scores and group selection "
-                      "save a few fp32 tensors per expert that the formula leaves out (E=4 here)"),
-    # Measured with saved-tensor hooks on the real tiny model (tests/families.py, bf16): self-attention saves
-    # 5.3 KB per token per block, the formula's Llama block about 1.7 KB.
-    "DeepSeek-V3": (0.50, "multi-head latent attention (q and kv through low-rank latents, a split rotary part) "
-                          "saves about 3x what the formula's Llama attention does"),
-    # Measured the same way: the experts' clamped SwiGLU saves about 12 expert widths per (token, expert) pair
-    # where SwiGLU saves 4; and eager attention with sinks saves less than the formula's eager attention.
-    "gpt-oss": (0.50, "its clamped SwiGLU experts and eager attention with sinks"),
+    # LoRA: the block formula's two 16-bit copies of a dense MLP's input (autocast's, for fp32 adapters) are not
+    # made by a mixture's block, whose experts read a gathered copy the formula counts per (token, expert) pair, and
+    # the router's sigmoid scores and group selection save a few fp32 tensors per expert it leaves out (E=4 here).
+    "GLM-4.5": (0.10, "a dense first block and shared experts; two MLP input copies a mixture's block does not make, "
+                      "and the sigmoid router's fp32 tensors"),
+    "DeepSeek-V3": (0.10, "GLM-4.5's mixture (the same router and shared experts, the same LoRA excess); its latent "
+                          "attention alone agrees within 2% per block at several widths"),
+    # Per block the experts and the attention with sinks agree within 1%; LoRA's excess is the MLP input copies
+    # GLM-4.5's note gives.
+    "gpt-oss": (0.10, "the two MLP input copies a mixture's block does not make (LoRA)"),
     "Llama 4 (text)": (0.15, "every expert's copy of the token's input is made from the residual stream, fp32 in "
                              "a full fine-tune under autocast, where the formula counts 16 bits (LoRA: within 1%)"),
 }

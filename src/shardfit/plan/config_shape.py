@@ -30,6 +30,9 @@ TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 # Families whose transformers experts run every token through every routed expert (plan/model_shape.py
 # `every_expert`).
 EVERY_EXPERT_TYPES = ("llama4", "llama4_text")
+# Families whose experts run gpt-oss's clamped SwiGLU behind a top-k softmax router, and whose attention softmaxes
+# over a sink logit per head (plan/model_shape.py `clamped_swiglu`, `attention_sinks`).
+GPT_OSS_TYPES = ("gpt_oss",)
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -114,6 +117,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         window, sliding = sliding_layers(text, layers)
+        model_type = text.get("model_type", cfg.get("model_type"))
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
@@ -124,7 +128,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
             sliding_window=window, sliding_layers=sliding,
-            every_expert=experts > 1 and text.get("model_type", cfg.get("model_type")) in EVERY_EXPERT_TYPES)
+            every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
+            clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None

@@ -323,7 +323,14 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         if w.lora_dropout > 0:
             lora += sum((trainable_bytes(w) + 1) * i for i, _ in adapted)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
-    if w.attention == "eager":
+    if w.attention == "eager" and shape.attention_sinks:
+        # gpt-oss's eager attention: the softmax runs in the scores' dtype, which the additive mask sets (the
+        # residual stream's), over seq_len + 1 columns (the sink's), keeping its output, the int64 index of each
+        # row's max it subtracted first and, where that dtype is not the compute dtype, the probabilities' cast;
+        # q and k/v repeated to every head, and not the probabilities' product with v (its matmul keeps inputs).
+        r = residual_bytes(w, strategy)
+        attn = a * 3 * q + shape.heads * ((w.seq_len + 1) * r + (w.seq_len * a if r != a else 0) + 8)
+    elif w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
         attn = a * (2 * q + 2 * q) + shape.heads * w.seq_len * (4 + a)
@@ -338,7 +345,35 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
     if w.compile:
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
-    return norms + hidden_16 * a * h + attn + mlp_activation_bytes_per_token(shape, w, strategy) + lora
+    return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
+        mlp_activation_bytes_per_token(shape, w, strategy) + lora
+
+
+def latent_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What DeepSeek's multi-head latent attention (transformers' DeepseekV3Attention) saves per token beyond the
+    Llama attention `block_activation_bytes_per_token` counts for the same heads; 0 without MLA. Counted with
+    saved-tensor hooks on the real module (bf16 under autocast, LoRA and full, over hidden sizes, heads, ranks and
+    head widths), the attention kernel as a GPU runs it (simulate/gpu_kernels.py):
+    - each latent (the q latent where `q_rank` is set, and the kv latent) through its RMSNorm: the fp32 upcast and
+      the fp32 reciprocal RMS, the 16-bit input of the up projection (q_b_proj, kv_b_proj), and when the norm
+      weight trains the normalised value as well;
+    - the kernel's q and k are one head width (nope + rope) each, as Llama's, but its v is a view of kv_b_proj's
+      output (nope + v wide per head) and its output is v wide per head, where Llama's v and output are a head
+      width each;
+    - the output as o_proj reads it: the kernel's output itself (a GPU kernel writes it token-major, so the
+      reshape copies nothing), which the Llama count takes a hidden-size copy for; fp32 LoRA adapters do copy it
+      (peft's cast of o_proj's input), v wide per head;
+    - autocast makes a 16-bit copy of the block input for each projection that reads it: two here (q_a_proj or
+      q_proj, and kv_a_proj_with_mqa, which makes k and v both), three in Llama's."""
+    m = shape.mla
+    if m is None:
+        return 0.0
+    a, heads = compute_bytes(w), shape.heads
+    latent = (4 + a + (a if w.method == "full" else 0)) * (m.q_rank + m.kv_rank) + 4 * (2 if m.q_rank else 1)
+    kernel = a * heads * ((m.nope + m.v) + m.v - 2 * shape.hd)
+    casts = casts_fp32_trainables(w, strategy)
+    output = a * (heads * m.v if w.trains_adapters and casts else 0) - (a * shape.hidden if casts else 0)
+    return latent + kernel + output - (a * shape.hidden if casts else 0)
 
 
 def mlp_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
@@ -352,10 +387,10 @@ def mlp_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str
 def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
     """What a mixture's block saves per token, as transformers 5's grouped experts (`grouped_mm`) run it: for each
     of the top-k (token, expert) pairs (every expert's, for Llama 4) the token's input gathered in expert order,
-    the fused gate/up output, the activation and its product with up (the down matmul's input) and the down output
-    (weighted by the routing weight afterwards), with the routing weight and the int64 indices of the sort, the
-    gather and the unsort; the router's fp32 probabilities and its top-k indices; the shared experts as a dense
-    MLP.
+    the tensors of its activation one expert width wide (`expert_widths_saved`) and the down output (weighted by
+    the routing weight afterwards), with the routing weight and the int64 indices of the sort, the gather and the
+    unsort; the router's fp32 probabilities (gpt-oss's: its top-k softmax in 16 bits) and its top-k indices; the
+    shared experts as a dense MLP.
 
     The experts' matmuls run in their weights' dtype (transformers casts the input to it; autocast does not cover
     grouped_mm): fp32 for a full fine-tune's master weights under autocast, so those pairs' tensors are fp32.
@@ -363,9 +398,18 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     a = compute_bytes(w)
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
     h, width = shape.hidden, shape.expert_width
-    pairs = shape.routed_per_token * (e * (2 * h + 4 * width) + a + 3 * 8)
-    router = 4 * shape.experts + 8 * shape.top_k
+    pairs = shape.routed_per_token * (e * (2 * h + expert_widths_saved(shape) * width) + a + 3 * 8)
+    # gpt-oss's router softmaxes the top-k logits alone, in their 16-bit dtype; the others' all experts' in fp32.
+    router = (a if shape.clamped_swiglu else 4 * shape.experts) + 8 * shape.top_k
     return pairs + router + 4 * a * shape.shared_intermediate
+
+
+def expert_widths_saved(shape: ModelShape) -> int:
+    """Tensors one expert width wide that a (token, expert) pair saves, in the experts' dtype: SwiGLU its fused
+    gate/up output (two widths), the activation and its product with up; gpt-oss's clamped SwiGLU the fused output
+    (its clamp keeps it), the clamped gate and its sigmoid, their product, clamp(up) + 1 and the product of those
+    (the down matmul's input), as saved-tensor hooks count them on transformers' GptOssExperts."""
+    return 7 if shape.clamped_swiglu else 4
 
 
 def lora_expert_copy_bytes(shape: ModelShape, w: Workload) -> float:

@@ -57,6 +57,11 @@ class ModelShape:
     # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the
     # ones it was not routed to with a routing score of 0, instead of through its top-k.
     every_expert: bool = False
+    # gpt-oss (transformers' GptOssExperts, GptOssTopKRouter, GptOssAttention): experts whose activation is a
+    # clamped SwiGLU, (clamp(up) + 1) * g * sigmoid(alpha * g) with g = clamp(gate), and a router that softmaxes only
+    # the top-k logits; attention whose softmax also runs over a learned sink logit per head.
+    clamped_swiglu: bool = False
+    attention_sinks: bool = False
 
     @property
     def hd(self) -> int:

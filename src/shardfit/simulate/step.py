@@ -41,6 +41,7 @@ from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, with_candidates
 from shardfit.plan.shapes import ModelShape, hf_config
 from shardfit.plan.workload import FULL_LOSSES, Workload
+from shardfit.simulate.gpu_kernels import sdpa_as_on_a_gpu
 from shardfit.simulate.tracker import (
     StepFSDPMemTracker,
     StepMemTracker,
@@ -318,7 +319,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
             amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
                                     enabled=w.precision != "fp32" and mesh is None)
             real_indices = RealIndices() if images or audio else contextlib.nullcontext()
-            with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu():
+            with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu(), sdpa_as_on_a_gpu():
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
                 # fake tensors answer with a deprecation warning (the check itself holds in a real run).
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
