@@ -250,3 +250,26 @@ def test_shardfit_loss_is_the_models_own(family: str) -> None:
     targets = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
     total, n = CausalLMLoss(model)(ids, None, targets)
     assert (total / n).item() == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "Gemma 3 (text)"])
+def test_packed_rows_keep_sliding_windows_inside_each_example(family: str) -> None:
+    """Packing with sliding-window layers: a window must not reach across into the previous example. shardfit's
+    packed rows restart their positions, from which transformers builds each layer type's mask per example; two
+    examples longer than the window (16 here) lose the same packed into one row as apart."""
+    torch.manual_seed(0)
+    config = tiny_text_config(family)
+    assert getattr(config, "sliding_window", None) == 16
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    loss = CausalLMLoss(model)
+    docs = [torch.randint(3, 1000, (1, n)) for n in (40, 28)]
+    apart = [loss(d, torch.arange(d.shape[1])[None], torch.cat([d[:, 1:], torch.full((1, 1), IGNORE)], 1))
+             for d in docs]
+    ids = torch.cat(docs, 1)
+    positions = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+    targets = torch.cat([torch.cat([d[:, 1:], torch.full((1, 1), IGNORE)], 1) for d in docs], 1)
+    with torch.no_grad():
+        packed, n = loss(ids, positions, targets, restarts=True)
+        unpacked = sum(t for t, _ in apart)
+    assert n == sum(m for _, m in apart)
+    assert packed.item() == pytest.approx(unpacked.item(), rel=1e-5)

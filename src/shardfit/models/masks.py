@@ -8,9 +8,14 @@ batch already knows on the host whether any row restarts its positions (`Batch.r
 - otherwise (restarts; eager attention, whose causal mask is always built): the mask transformers would have
   built, built with its own mask functions without the read-back, given as the mapping or as the ready 4-D mask
   transformers passes through as it is;
-- anything else (no host facts, sliding-window or chunked layers, another attention kernel, SDPA on rows without a
-  restart in a decoder without the mapping, such as Llama's): no argument, transformers decides as before.
-Every case gives the attention kernel the same mask as before; only the wait goes.
+- restarts in a decoder with full and sliding-window layers that takes the mapping (gpt-oss, Gemma 3, Qwen3 with
+  windows): each layer type's mask, causal (and within the window) inside each example. Not only to spare the wait:
+  some models never give transformers the positions to find the examples by (gpt-oss 5.23's mask arguments leave
+  them out), and their packed rows would attend across examples;
+- anything else (no host facts, chunked layers, a windowed decoder without the mapping, another attention kernel,
+  SDPA on rows without a restart in a decoder without the mapping, such as Llama's): no argument, transformers
+  decides as before.
+Every case gives the attention kernel the mask transformers means for these rows; only the wait goes.
 """
 
 from __future__ import annotations
@@ -46,14 +51,23 @@ def _full_attention_only(config: Any) -> bool:
         and not getattr(config, "attention_chunk_size", None)
 
 
-def block_causal_mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The mask transformers builds for these rows (causal within each example of a row), without reading the
-    device: its packed-sequence ids from the position restarts (none: plain causal), and its own mask function for
-    the kernel."""
+def _full_and_sliding_only(config: Any) -> bool:
+    """Every layer attends causally over the whole row or within a sliding window (no chunks)."""
+    types = getattr(config, "layer_types", None)
+    return bool(types) and set(types) <= {"full_attention", "sliding_attention"} \
+        and bool(getattr(config, "sliding_window", None)) and not getattr(config, "attention_chunk_size", None)
+
+
+def block_causal_mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype,
+                      window: int | None = None) -> torch.Tensor:
+    """The mask transformers builds for these rows (causal, within `window` tokens when given, within each example
+    of a row), without reading the device: its packed-sequence ids from the position restarts (none: plain causal),
+    and its own mask functions for the kernel."""
     batch, width = position_ids.shape
     first = position_ids[:, :1] - 1
     sequence = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    fn = mu.packed_sequence_compatibility_function(mu.causal_mask_function, position_ids, sequence)
+    base = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    fn = mu.packed_sequence_compatibility_function(base, position_ids, sequence)
     make = mu.ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]
     return make(batch_size=batch, q_length=width, kv_length=width, q_offset=0, kv_offset=0, mask_function=fn,
                 attention_mask=None, allow_is_causal_skip=False, dtype=dtype, config=config, use_vmap=False,
@@ -65,10 +79,16 @@ def mask_argument(decoder: nn.Module, position_ids: torch.Tensor | None, restart
     config = getattr(decoder, "config", None)
     if restarts is None or position_ids is None or position_ids.dim() != 2 or config is None:
         return {}
-    if config._attn_implementation not in _DENSE_MASK_KERNELS or not _full_attention_only(config) \
-            or not getattr(config, "is_causal", True):
+    if config._attn_implementation not in _DENSE_MASK_KERNELS or not getattr(config, "is_causal", True):
         return {}
     mapping = takes_mask_mapping(type(decoder))
+    if not _full_attention_only(config):
+        if not (restarts and mapping and _full_and_sliding_only(config)):
+            return {}
+        dtype = decoder.get_input_embeddings().weight.dtype
+        return {"attention_mask": {"full_attention": block_causal_mask(config, position_ids, dtype),
+                                   "sliding_attention": block_causal_mask(config, position_ids, dtype,
+                                                                          config.sliding_window)}}
     if not restarts and config._attn_implementation == "sdpa":
         # No mask: SDPA's causal kernel, as transformers finds. (Without the mapping there is no way to say it.)
         return {"attention_mask": {"full_attention": None}} if mapping else {}
