@@ -26,7 +26,7 @@ from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts
 from shardfit.train.loss import CausalLMLoss
-from tests.families import FAMILIES, MATRIX, MEDIA_MATRIX, make_family_model, table, tiny_text_config
+from tests.families import FAMILIES, HEAVY_ZERO3, MATRIX, MEDIA_MATRIX, make_family_model, table, tiny_text_config
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
 KEPT = sorted(k for k, e in catalog().items() if "config" in e)
@@ -163,8 +163,9 @@ def test_family_trains(tmp_path: Path, family_models: dict[str, Path], small_dat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f for f, m, s in MATRIX if s == "zero3"])
-def test_moe_zero3_on_two_ranks_equals_one_process(tmp_path: Path, family_models: dict[str, Path], small_data: Path,
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.heavy) if f in HEAVY_ZERO3 else f
+                                    for f, m, s in MATRIX if s == "zero3"])
+def test_zero3_on_two_ranks_equals_one_process(tmp_path: Path, family_models: dict[str, Path], small_data: Path,
                                                    family: str, one_process_lora: Callable[[str], Path]) -> None:
     one = one_process_lora(family)
     two = _train(tmp_path, family_models[family], small_data, "two", "--nproc", "2", method="lora", lr=1e-2,
@@ -172,7 +173,8 @@ def test_moe_zero3_on_two_ranks_equals_one_process(tmp_path: Path, family_models
     ref, got = (read_jsonl(r / "metrics.jsonl") for r in (one, two))
     for a, b in zip([m for m in ref if "loss" in m], [m for m in got if "loss" in m], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7)
+        if "aux_loss" in a:  # a family with a load-balancing loss
+            assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4, abs=1e-7)
 
 
 @pytest.mark.slow
