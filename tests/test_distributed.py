@@ -268,6 +268,7 @@ def test_zero3_untied_embedding_unit_matches_single_process(tmp_path: Path, tiny
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.heavy  # test_training holds compiled == eager on one process; this, compiled units under zero3
 def test_zero3_with_compiled_blocks_matches_single_process(tmp_path: Path, tiny_llama: Path, small_data: Path,
                                                            single_runs) -> None:
     """torch.compile'd blocks under FSDP2 (compile first, then shard, as torchtitan does) on 2 ranks."""

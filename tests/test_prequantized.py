@@ -138,7 +138,8 @@ def test_an_mxfp4_gpt_oss_trains_checks_and_exports_a_plain_model(tmp_path: Path
 
 
 @pytest.mark.parametrize("settings,name", [({"quant_method": "gptq", "bits": 4}, "gptq"),
-                                           ({"load_in_4bit": True, "quant_method": "bitsandbytes"}, "bitsandbytes")])
+                                           pytest.param({"load_in_4bit": True, "quant_method": "bitsandbytes"},
+                                                        "bitsandbytes", marks=pytest.mark.heavy)])
 def test_formats_training_cannot_start_from_are_refused_before_loading(tmp_path: Path, tokenizer_dir: Path,
                                                                        settings: dict, name: str) -> None:
     folder = make_family_model("Qwen3 (dense)", tmp_path / "m", tokenizer_dir)

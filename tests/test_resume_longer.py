@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shardfit.train.rundir import longer_schedule
 from tests.helpers import ROOT, read_jsonl, run_cli, write_config
 
@@ -22,6 +24,7 @@ def _own_threads_env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT / "src")}
 
 
+@pytest.mark.heavy  # test_training holds resume equality; this, a finished run taken further
 def test_raising_max_steps_continues_a_finished_run(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", **BASE, model=str(tiny_llama), data=str(small_data), output_dir=str(run),

@@ -69,6 +69,7 @@ def test_qwen2_lora_packed_rows_split_over_two_ranks(tmp_path: Path, tiny_qwen2:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the Qwen2 case holds the split; this adds a full fine-tune, zero3 and checkpointing
 def test_llama_full_checkpointed_split_over_two_ranks(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     """Llama, a full fine-tune sharded by zero3, with every block checkpointed (the all-to-all runs again in the
     recomputation)."""
