@@ -349,19 +349,22 @@ def headline(result: dict) -> str:
             f"{t['n']} runs")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(argv: list[str] | None, description: str, set_path: Path, out: Path, evaluate: Any,
+        views: list[Any]) -> None:
+    """A blind set's command line: evaluate it, write the results (unless --no-write) and print each view of
+    them (the per-row table, the docs' table, the line the README or docs quote)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--no-write", action="store_true", help="print only; leave the results file as it is")
     args = ap.parse_args(argv)
-    result = evaluate(yaml.safe_load(SET.read_text()))
+    result = evaluate(yaml.safe_load(set_path.read_text()))
     if not args.no_write:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(result, indent=2) + "\n")
-    print(markdown(result))
-    print()
-    print(docs_table(result))
-    print()
-    print(headline(result))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print("\n\n".join(view(result) for view in views))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(argv, __doc__.split("\n\n")[0], SET, OUT, evaluate, [markdown, docs_table, headline])
 
 
 if __name__ == "__main__":

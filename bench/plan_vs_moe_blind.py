@@ -15,14 +15,10 @@ error), fits-or-not right/total with how many out-of-memory runs were predicted 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from collections import Counter
 from pathlib import Path
-
-import yaml
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -119,18 +115,7 @@ def reasons_line(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--no-write", action="store_true", help="print only; leave the results file as it is")
-    args = ap.parse_args(argv)
-    result = evaluate(yaml.safe_load(SET.read_text()))
-    if not args.no_write:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(result, indent=2) + "\n")
-    print(markdown(result))
-    print()
-    print(docs_table(result))
-    print()
-    print(reasons_line(result))
+    pvb.run(argv, __doc__.split("\n\n")[0], SET, OUT, evaluate, [markdown, docs_table, reasons_line])
 
 
 if __name__ == "__main__":
