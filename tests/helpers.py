@@ -3,6 +3,7 @@ shared models live in conftest.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -32,6 +33,14 @@ from transformers import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_bench(name: str):  # noqa: ANN201 - a module
+    """bench/<name>.py as a module (bench/ is scripts, not a package): what a test of a bench script calls."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 DEMO_DATA = ROOT / "src" / "shardfit" / "demo" / "train.jsonl"
 
 

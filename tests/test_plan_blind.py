@@ -4,25 +4,22 @@ How accurate the planner is on the set is the bench's measurement, not asserted 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers import load_bench
+
 ROOT = Path(__file__).resolve().parent.parent
-PATH = ROOT / "bench" / "plan_vs_blind.py"
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "seq_len", "micro_batch", "grad_accum",
             "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "peak_memory", "tokens_per_s", "fits"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("plan_vs_blind", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("plan_vs_blind")
 
 
 @pytest.fixture(scope="module")

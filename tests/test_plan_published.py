@@ -5,19 +5,14 @@ dev/test split, and that every case is predicted. Accuracy is reported by the sc
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-from pathlib import Path
 
 import yaml
 
-PATH = Path(__file__).resolve().parent.parent / "bench" / "plan_vs_published.py"
+from tests import helpers
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("plan_vs_published", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return helpers.load_bench("plan_vs_published")
 
 
 def test_split_is_sha256_parity_of_the_source_name() -> None:

@@ -3,7 +3,6 @@ references agreeing, bad rows, and 2 ranks equal to one process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -20,7 +19,7 @@ from shardfit.parallel.env import init_distributed
 from shardfit.report.build import make_report
 from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses
 from shardfit.train.recipe import train
-from tests.helpers import DEMO_DATA, ROOT, read_jsonl, run_cli, write_config, write_images
+from tests.helpers import DEMO_DATA, ROOT, load_bench, read_jsonl, run_cli, write_config, write_images
 
 USER = {"role": "user", "content": "Extract the record."}
 
@@ -258,9 +257,7 @@ def test_qlora_dpo_starts_at_ln2(tmp_path: Path, tiny_llama: Path, pairs: Path) 
 
 def test_readme_table_is_the_bench_result() -> None:
     """The README's before/after table is bench/dpo_format.py's rendering of its last results."""
-    spec = importlib.util.spec_from_file_location("dpo_format", ROOT / "bench" / "dpo_format.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("dpo_format")
     runs = bench.results()
     block = (ROOT / "README.md").read_text().split(bench.BLOCK[0], 1)[1].split(bench.BLOCK[1], 1)[0]
     assert runs and block.strip() == bench.readme_table(runs).strip()
