@@ -35,8 +35,10 @@ BRIEF_LINES = (150, 300)
 BRIEF_CHARS = 64 * 1024
 SYMPTOM_PREFIX = "sym_"
 
-# Markers of the failure region in the middle of a huge log (searched with bytes.find: fast, no regex).
-ANCHORS = (b"Traceback (most", b"Error", b"error:", b"Exception", b"NCCL WARN", b"Killed", b"exitcode",
+# Markers of the failure region in the middle of a huge log (searched with bytes.find: fast, no regex). Each is long
+# or punctuated enough not to occur by chance: a bare b"Error" turns up in 50 MB of base64 one time in twenty, and
+# in names like ErrorHandler, and its first/last hit then takes the window meant for the real error line.
+ANCHORS = (b"Traceback (most", b"Error:", b"error:", b"Exception", b"NCCL WARN", b"Killed", b"exitcode",
            b"out of memory")
 REGION_BYTES = HEAD_BYTES + TAIL_BYTES + len(ANCHORS) * 2 * 2 * WINDOW_BYTES  # hard cap on what is decoded
 
