@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from shardfit.data.loader import collate
 from shardfit.data.packing import PackedRow
 from shardfit.data.tokenize import IGNORE
-from shardfit.parallel.sequence import Layout, shard_batch
+from shardfit.parallel.layout import Layout
+from shardfit.parallel.sequence import shard_batch
 from tests import sp_workers
 from tests.helpers import free_port, read_jsonl, run_cli, write_config
 

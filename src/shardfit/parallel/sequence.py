@@ -13,38 +13,13 @@ gradients (train/recipe.py `train_step`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from shardfit.data.loader import Batch
 from shardfit.data.tokenize import IGNORE
-from shardfit.parallel.env import DistEnv
+from shardfit.parallel.layout import Layout
 from shardfit.parallel.ulysses import SequenceShard
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this rank sits: `dp_rank` of `dp` data-parallel groups, `sp_rank` of the `sp` ranks of its group
-    (`group`: that group's process group; None when sp is 1)."""
-
-    dp: int
-    dp_rank: int
-    sp: int = 1
-    sp_rank: int = 0
-    group: Any = None
-
-
-def layout_of(env: DistEnv, sequence_parallel: int) -> Layout:
-    """This rank's layout; with sequence parallelism, the ("dp", "sp") device mesh's SP group."""
-    n = sequence_parallel
-    if n == 1:
-        return Layout(dp=env.world, dp_rank=env.rank)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(env.device.type, (env.world // n, n), mesh_dim_names=("dp", "sp"))
-    return Layout(dp=env.world // n, dp_rank=env.rank // n, sp=n, sp_rank=env.rank % n, group=mesh.get_group("sp"))
 
 
 def _pad_width(t: torch.Tensor, width: int, fill: torch.Tensor | int) -> torch.Tensor:

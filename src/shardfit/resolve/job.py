@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit.plan.hardware import Hardware
+from shardfit.resolve.dims import ParallelDims
 
 # The environment variable through which `train` hands the resolved job to the ranks it launches.
 ENV = "SHARDFIT_RESOLVED"
@@ -64,6 +65,11 @@ class Resolved:
     def world(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def dims(self) -> ParallelDims:
+        """How the ranks divide (resolve/dims.py): every rank reads the same answer."""
+        return ParallelDims(world=self.world, sp=self.sequence_parallel)
+
     def describe(self) -> str:
         """One line: the job as it will run."""
         ranks = f"{self.nproc_per_node} process{'es' if self.nproc_per_node > 1 else ''}" + (
@@ -71,8 +77,8 @@ class Resolved:
         chunk = f", loss chunk {self.loss_chunk} rows" if self.loss_chunk else ""
         ref = f" (reference: {self.reference.replace('_', ' ')})" if self.reference else ""
         objective = f"objective {self.objective}{ref}, " if self.objective != "sft" else ""
-        if self.sequence_parallel > 1:
-            ranks += f" (rows split over {self.sequence_parallel}, data over {self.world // self.sequence_parallel})"
+        if not self.dims.trivial:
+            ranks += f" ({self.dims.describe()})"
         return (f"job: {objective}strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, "
                 f"{self.precision}{' (autocast)' if self.autocast else ''}, compile {'on' if self.compile else 'off'}, "
                 f"attention {self.attention}{chunk}")

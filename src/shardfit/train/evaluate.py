@@ -24,7 +24,8 @@ from shardfit.infer.prompts import Request
 from shardfit.models.anatomy import input_device
 from shardfit.models.attention_by_width import AttentionByWidth
 from shardfit.parallel.env import DistEnv
-from shardfit.parallel.sequence import Layout, shard_batch
+from shardfit.parallel.layout import Layout
+from shardfit.parallel.sequence import shard_batch
 from shardfit.parallel.ulysses import whole_row_attention
 from shardfit.resolve.job import RowShape
 from shardfit.train.loss import CausalLMLoss

@@ -59,8 +59,9 @@ from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
 from shardfit.parallel.job import job_of_rank
+from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
-from shardfit.parallel.sequence import layout_of, shard_batch
+from shardfit.parallel.sequence import shard_batch
 from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
 from shardfit.plan.choose import refuse_if_oom, tokens_per_s_at
@@ -183,7 +184,7 @@ class FineTune:
         torch.manual_seed(cfg.seed)
         self.strategy = get_strategy(self.job.strategy)
         # The ranks' data and sequence split: sequence_parallel ranks share each row (parallel/sequence.py).
-        self.layout = layout_of(env, self.job.sequence_parallel)
+        self.layout = layout_of(env, self.job.dims)
         if self.strategy.engine == "device_map" and env.distributed:  # a torchrun launch that bypassed resolve
             raise UserError("strategy: model_parallel splits one process's model over its local GPUs and cannot run "
                             "under a multi-rank launch. Use zero3 (sharded) with --nproc, or model_parallel without "
