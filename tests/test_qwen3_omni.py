@@ -205,3 +205,26 @@ def test_the_readme_table_names_tests_of_this_file() -> None:
         path, name = where.split("::")
         if family.startswith("Qwen3-Omni"):
             assert path == "tests/test_qwen3_omni.py" and callable(globals().get(name)), where
+
+
+def test_the_speech_side_is_never_built_whatever_gives_the_config(omni3: Path) -> None:
+    # A simulation hands build_model a config of its own (the folder's, or the catalog's for a hub id): the talker
+    # and code2wav must be left out there too, or building fails on the catalog's talker config.
+    from transformers import AutoConfig
+
+    from shardfit.models.build import build_model
+
+    config = AutoConfig.from_pretrained(omni3)
+    assert config.enable_audio_output
+    model = build_model(_cfg(omni3, omni3), "single", weights=False, config=config)
+    names = {n.split(".")[0] for n, _ in model.named_parameters()}
+    assert not any("talker" in n or "code2wav" in n for n, _ in model.named_parameters()), names
+
+
+def test_plan_simulates_zero3_on_a_step_without_media(omni3: Path) -> None:
+    # The step runs the decoder only, so the towers' FSDP units are never gathered: the tracker must not fail
+    # on them (simulate/tracker.py).
+    r = run_cli("plan", "--model", str(omni3), "--gpus", "2x80GB", "--simulate", "--strategy", "zero3",
+                "--seq", "64", "--batch", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fake-tensor step" in r.stdout

@@ -159,11 +159,16 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
                                 "shardfit's catalog (`shardfit plan --list-models`); download it first "
                                 "(huggingface-cli download) or point at its folder.") from None
             config = hf_config(resolve_shape(cfg.model))
+    return without_speech(config, source.name)
+
+
+def without_speech(config: Any, name: str) -> Any:
+    """Qwen-Omni's config with speech output off: the talker and token2wav only produce speech. Training never runs
+    them, and left in a ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built,
+    whether the config comes from a folder, the cache or the catalog (a simulation builds from the catalog's)."""
     if getattr(config, "enable_audio_output", False):
-        # Qwen-Omni: the talker and token2wav only produce speech. Training never runs them, and left in a
-        # ZeRO-3/FSDP model they stay unplaced on the CPU ("cuda:0 and cpu"); so they are not built.
         config.enable_audio_output = False
-        log.info("%s: talker and token2wav not loaded (they only produce speech)", source.name)
+        log.info("%s: talker and token2wav not loaded (they only produce speech)", name)
     return config
 
 
@@ -279,6 +284,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     if config is None or weights:
         source = resolve_model(cfg.model)
         config = config if config is not None else model_config(cfg, source, weights=weights)
+    config = without_speech(config, cfg.model)
     # Read before loading: transformers drops the quantization settings from a config it dequantized.
     published = prequantized.of(config)
     if published is not None and not published.dequantizable:

@@ -8,6 +8,7 @@ These lean on private torch modules (`torch.distributed._tools`, DTensor's shard
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,7 +154,24 @@ class StepMemTracker(LossAttribution, MemTracker):
 
 
 class StepFSDPMemTracker(LossAttribution, FSDPMemTracker):
-    """FSDPMemTracker with the loss's tensors filed as Logits."""
+    """FSDPMemTracker with the loss's tensors filed as Logits, and units whose forward did not run left alone.
+
+    A simulated text step of a vision-language model runs the decoder only, so its towers' FSDP units are never
+    gathered (training runs them on a blank input, a few kernels' worth); FSDP2's post-backward still visits them,
+    and torch's tracker then reads an unsharded parameter that was never made. Such a unit has no gradient to
+    file, so its post-backward runs untracked."""
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
+        tracked = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+        @functools.wraps(orig)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group  # noqa: SLF001 - what torch's tracker reads too
+            if group is not None and not all(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
+                return orig(*args, **kwargs)
+            return tracked(*args, **kwargs)
+
+        return inner
 
 
 def train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
