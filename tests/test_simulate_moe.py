@@ -6,8 +6,8 @@ the formula counts what transformers 5's grouped experts save (plan/estimate.py 
 LoRA's merged expert weights and Llama 4's every-expert routing; DeepSeek's latent attention
 (`latent_attention_bytes_per_token`) and gpt-oss's clamped SwiGLU experts and attention with sinks are counted from
 saved-tensor hooks on the real modules over several widths. The simulation runs the attention kernel a GPU would
-(simulate/gpu_kernels.py). Each family's activations carry the bound that holds, and why where it is not 5%: on
-these tiny widths (a hidden size of 64) a few hidden-size tensors are a large share of a block."""
+(simulate/gpu_kernels.py). Every family's activations agree within 5%, though on these tiny widths (a hidden
+size of 64) a single hidden-size tensor per block is about 2% of it."""
 
 from __future__ import annotations
 
@@ -23,21 +23,16 @@ from shardfit.simulate.step import simulate
 from tests.families import tiny_text_config
 
 STATE = ("weights", "grads", "optimizer", "logits", "temporaries")
-# Relative bound on the activations per family (analytic vs simulated), and why it is not 5%.
+# Relative bound on the activations per family (analytic vs simulated), and what in the formula it rests on.
 ACTIVATIONS = {
     "Qwen3-MoE": (0.05, "the Llama/Qwen block the formula was measured on, with grouped experts"),
-    # LoRA: the block formula's two 16-bit copies of a dense MLP's input (autocast's, for fp32 adapters) are not
-    # made by a mixture's block, whose experts read a gathered copy the formula counts per (token, expert) pair, and
-    # the router's sigmoid scores and group selection save a few fp32 tensors per expert it leaves out (E=4 here).
-    "GLM-4.5": (0.10, "a dense first block and shared experts; two MLP input copies a mixture's block does not make, "
-                      "and the sigmoid router's fp32 tensors"),
-    "DeepSeek-V3": (0.10, "GLM-4.5's mixture (the same router and shared experts, the same LoRA excess); its latent "
-                          "attention alone agrees within 2% per block at several widths"),
-    # Per block the experts and the attention with sinks agree within 1%; LoRA's excess is the MLP input copies
-    # GLM-4.5's note gives.
-    "gpt-oss": (0.10, "the two MLP input copies a mixture's block does not make (LoRA)"),
-    "Llama 4 (text)": (0.15, "every expert's copy of the token's input is made from the residual stream, fp32 in "
-                             "a full fine-tune under autocast, where the formula counts 16 bits (LoRA: within 1%)"),
+    "GLM-4.5": (0.05, "a dense first block and shared experts; LoRA: no casts of a dense MLP's input in a mixture's "
+                      "block"),
+    "DeepSeek-V3": (0.05, "GLM-4.5's mixture; its latent attention alone agrees within 2% per block at several "
+                          "widths"),
+    "gpt-oss": (0.05, "per block the clamped SwiGLU experts and the attention with sinks agree within 1%"),
+    "Llama 4 (text)": (0.05, "every expert's copy of the input weighed by its score in the fp32 residual stream of "
+                             "a full fine-tune (batched experts, which autocast casts the input of)"),
 }
 
 

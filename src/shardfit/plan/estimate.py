@@ -314,6 +314,11 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     dtype, peft casts the input to it) and the dropout's bool mask, as wide as the adapted layer's input."""
     a = compute_bytes(w)
     hidden_16 = 6 if casts_fp32_trainables(w, strategy) else 2
+    if hidden_16 == 6 and w.method != "full" and shape.moe_layers and not shape.every_expert:
+        # Two of the four casts are of the dense MLP's input, for its gate and up adapters: a mixture's block with
+        # grouped experts has no such MLP (they read the gathered copy `moe_saved_bytes_per_token` counts, in the
+        # weights' dtype), so it makes two. Llama 4's experts are batched matmuls autocast casts the input of.
+        hidden_16 -= 2 * shape.moe_layers / shape.layers
     h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
     mlp = shape.mean_active_mlp_width()
     lora = 0.0
@@ -399,6 +404,10 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
     h, width = shape.hidden, shape.expert_width
     pairs = shape.routed_per_token * (e * (2 * h + expert_widths_saved(shape) * width) + a + 3 * 8)
+    if shape.every_expert and autocast_fp32_master(w, strategy):
+        # Llama 4 weighs every expert's copy of the input by its router score before the experts' matmuls, in the
+        # fp32 residual stream's dtype: that product keeps its input fp32 where the pair's other tensors are 16-bit.
+        pairs += shape.routed_per_token * (4 - a) * h
     # gpt-oss's router softmaxes the top-k logits alone, in their 16-bit dtype; the others' all experts' in fp32.
     router = (a if shape.clamped_swiglu else 4 * shape.experts) + 8 * shape.top_k
     return pairs + router + 4 * a * shape.shared_intermediate
