@@ -31,7 +31,7 @@ from shardfit.plan.media import (
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
-from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, Workload, workload_of
+from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, QUANT_BACKENDS, Workload, workload_of
 from shardfit.strategy import NAMES
 
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
@@ -77,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pure-16bit", action="store_true", default=None,
                    help="every weight, gradient and AdamW state in the 16-bit compute dtype, no autocast (to predict "
                         "a torchtune recipe)")
+    p.add_argument("--quant-backend", choices=QUANT_BACKENDS, default=None,
+                   help="qlora: what dequantizes the 4-bit weights for each matmul: torchao (shardfit's, eager ops; "
+                        "default) or bnb (bitsandbytes' fused kernel, as HF Trainer / TRL / LLaMA-Factory / axolotl "
+                        "runs): sets the dequantization's time and temporary")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile over each block: inductor saves fewer activations (default: the config's "
                         "compile, off with --model)")
@@ -224,7 +228,8 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
                  "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
                  "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
-                 "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel}
+                 "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel,
+                 "quant_backend": args.quant_backend}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
         raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "

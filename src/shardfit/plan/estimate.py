@@ -213,7 +213,12 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
     tokens = w.tokens
-    held = bnb_dequantize_bytes(i * o, w) if w.bnb_precision else quant.dequantize_peak_bytes(i * o, compute_bytes(w))
+    if w.bnb_precision:
+        held = bnb_dequantize_bytes(i * o, w)
+    elif w.bnb:  # bitsandbytes' one kernel writes the weight in the compute dtype, nothing else
+        held = float(i * o * compute_bytes(w))
+    else:
+        held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * compute_bytes(w))
 
 

@@ -1,0 +1,70 @@
+"""Mechanisms the planner learned from issue 46 (plan/timing.py, plan/estimate.py, plan/plan.py): QLoRA's
+dequantization time per backend, the memory a CPU-offloaded full fine-tune keeps on the GPU, gradient accumulation
+against long-sequence activations, the allocator's reserve as its own line, and the search over settings that
+change memory but not the trained result."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from shardfit.plan.cards import card_of
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.timing import DEQUANT, dequant_per_use, dequant_uses, host_dispatch_s, step_time
+from shardfit.plan.workload import Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = resolve_shape("meta-llama/Llama-3.1-8B")
+H100 = parse_gpus("1xH100")
+
+
+def test_torchao_dequant_table_is_the_bench_count() -> None:
+    """DEQUANT's torchao row is what bench/dequant_traffic.py counted (kernels, views, bytes per weight)."""
+    got = json.loads((ROOT / "bench" / "results" / "dequant_traffic.json").read_text())
+    assert DEQUANT["torchao"] == (got["kernels"], got["views"], got["bytes_per_weight"])
+
+
+def test_every_4bit_weight_is_dequantized_per_use_at_the_memory_bandwidth() -> None:
+    """QLoRA's step is LoRA's plus, for every use of every 4-bit weight (forward, backward, recomputation), its
+    dequantization's bytes at the card's bandwidth: exactly so while the step is compute-bound."""
+    lora = Workload(method="lora", seq_len=8192, attention="flash", grad_ckpt="full")
+    card = card_of(H100)
+    for backend in ("torchao", "bnb"):
+        q = replace(lora, method="qlora", quant_backend=backend)
+        t_l, t_q = step_time(SHAPE, lora, H100, "single"), step_time(SHAPE, q, H100, "single")
+        assert t_q.bound == "compute" and dequant_uses(q) == 3
+        extra = 3 * SHAPE.decoder_linear_params() * dequant_per_use(q)[2] / card.hbm
+        assert abs((t_q.compute_s - t_l.compute_s) - extra) < 1e-3 * t_l.compute_s
+    # without checkpointing two uses per weight, selective two and a half
+    assert dequant_uses(replace(lora, grad_ckpt="none")) == 2 and dequant_uses(replace(lora, grad_ckpt="selective")) == 2.5
+
+
+def test_torchao_eager_dequantization_is_slower_than_bitsandbytes_kernel() -> None:
+    """torchao's eager ops move ~15x bitsandbytes' bytes and launch ~5x its kernels per use: its QLoRA runs slower
+    than a bitsandbytes QLoRA of the same job, which runs slower than LoRA; short micro-batches, where the weights'
+    traffic and launches are a larger share, lose the most."""
+    for seq in (512, 8192):
+        lora = Workload(method="lora", seq_len=seq, grad_ckpt="full")
+        rate = {m: step_time(SHAPE, replace(lora, method="qlora", quant_backend=m) if m != "lora" else lora, H100,
+                             "single").tokens_per_s for m in ("lora", "bnb", "torchao")}
+        assert rate["torchao"] < rate["bnb"] < rate["lora"], (seq, rate)
+    short = Workload(method="qlora", seq_len=512, quant_backend="torchao")
+    long = replace(short, seq_len=8192)
+    ratio = {w.seq_len: step_time(SHAPE, w, H100, "single").tokens_per_s
+             / step_time(SHAPE, replace(w, method="lora"), H100, "single").tokens_per_s for w in (short, long)}
+    assert ratio[512] < ratio[8192] < 1
+    # the host launches every dequantization kernel: 7 linears x 3 uses x 15 kernels more per layer than LoRA
+    more = host_dispatch_s(SHAPE, short) - host_dispatch_s(SHAPE, replace(short, method="lora"))
+    assert more > SHAPE.layers * 7 * 3 * 15 * 8e-6
+
+
+def test_foreign_tools_dequantize_with_bitsandbytes() -> None:
+    """A QLoRA planned from an HF Trainer / TRL / LLaMA-Factory / axolotl config is bitsandbytes'; shardfit's own
+    config is torchao's."""
+    from shardfit.config import Config
+    from shardfit.plan.workload import workload_of
+
+    assert workload_of(Config()).quant_backend == "torchao"
+    assert Workload(method="qlora", bnb_precision=True).bnb and not Workload(method="lora", quant_backend="bnb").bnb
