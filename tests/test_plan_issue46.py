@@ -38,7 +38,8 @@ def test_every_4bit_weight_is_dequantized_per_use_at_the_memory_bandwidth() -> N
         extra = 3 * SHAPE.decoder_linear_params() * dequant_per_use(q)[2] / card.hbm
         assert abs((t_q.compute_s - t_l.compute_s) - extra) < 1e-3 * t_l.compute_s
     # without checkpointing two uses per weight, selective two and a half
-    assert dequant_uses(replace(lora, grad_ckpt="none")) == 2 and dequant_uses(replace(lora, grad_ckpt="selective")) == 2.5
+    assert dequant_uses(replace(lora, grad_ckpt="none")) == 2
+    assert dequant_uses(replace(lora, grad_ckpt="selective")) == 2.5
 
 
 def test_torchao_eager_dequantization_is_slower_than_bitsandbytes_kernel() -> None:
