@@ -69,3 +69,36 @@ def test_foreign_tools_dequantize_with_bitsandbytes() -> None:
 
     assert workload_of(Config()).quant_backend == "torchao"
     assert Workload(method="qlora", bnb_precision=True).bnb and not Workload(method="lora", quant_backend="bnb").bnb
+
+
+def test_offload_keeps_staging_and_gradient_shards_on_the_gpu() -> None:
+    """zero3_offload of a full fine-tune holds no weights, gradients or AdamW states on the GPU, but each in-flight
+    unit's shard copied in as stored (fp32) with its bf16 cast, twice (computing and prefetched), and the fp32
+    gradient shard before its copy out; the end of backward never holds less than nothing."""
+    from shardfit.plan.estimate import estimate, offload_staging_bytes, per_rank
+    from shardfit.strategy import get
+
+    hw = parse_gpus("8xA100-80G")
+    w = Workload(method="full", seq_len=2048)
+    staging, grad = offload_staging_bytes(SHAPE, w, 8)
+    layer = SHAPE.layer_params()
+    assert staging == 2 * layer * (4 + 2) / 8 and grad == layer * 4 / 8
+    off, on = per_rank(SHAPE, w, hw, get("zero3_offload")), per_rank(SHAPE, w, hw, get("zero3"))
+    assert off.weights == off.grads == off.optimizer == 0
+    assert off.fwd_temp - on.fwd_temp == staging and off.bwd_temp - on.bwd_temp == staging + grad
+    c = estimate(SHAPE, w, hw, "zero3_offload")
+    assert min(c.per_gpu_gib.grads, c.per_gpu_gib.temporaries) >= 0
+
+
+def test_gradient_accumulation_never_multiplies_activations_or_the_loss() -> None:
+    """Accumulation runs the micro-batches one after another: a long-sequence LoRA's activations and logits are one
+    micro-batch's whatever grad_accum is; only the accumulated gradients (LoRA's: megabytes) stay through the
+    forward."""
+    from shardfit.plan.estimate import estimate
+
+    hw = parse_gpus("1xA100-80G")
+    w = Workload(method="lora", seq_len=8192, loss="full", grad_ckpt="full")
+    one, many = estimate(SHAPE, w, hw, "single"), estimate(SHAPE, replace(w, grad_accum=16), hw, "single")
+    assert one.per_gpu_gib.activations == many.per_gpu_gib.activations
+    assert one.per_gpu_gib.logits == many.per_gpu_gib.logits
+    assert 0 <= many.per_gpu_gib.total - one.per_gpu_gib.total < 0.2

@@ -691,6 +691,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
             r.cpu = weights / n + grads / n + optim / n
             weights = grads = optim = r.foreach = 0.0
             div_w = div_g = div_o = 1
+            staging, grad_shard = offload_staging_bytes(shape, w, n)
+            r.fwd_temp += staging
+            r.bwd_temp += staging + grad_shard
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
@@ -699,6 +702,24 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     r.weights, r.grads, r.optimizer, r.grad_divisor = weights / div_w, grads / div_g, optim / div_o, div_g
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     return r
+
+
+def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float, float]:
+    """What FSDP2's CPU offload (CPUOffloadPolicy) keeps on the GPU beside the gathered block, per rank: (staging,
+    gradient shard). Before a unit's all-gather each rank copies its shard from pinned host memory to the GPU as
+    stored (a full fine-tune's fp32 masters) and casts it to the compute dtype for the all-gather's input
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`), for the unit that computes and the
+    one prefetched ahead of it; after a unit's reduce-scatter its fp32 gradient shard waits on the GPU until the
+    copy to the host has run (_fsdp_collectives.py `foreach_reduce`). The host's pinned buffers are host RAM."""
+    low = compute_bytes(w)
+    layer = shape.layer_params()
+    if w.method == "full":  # the stored shard, and its cast where the masters are wider than the compute dtype
+        stored = trainable_bytes(w)
+        per_unit = layer * (stored + (low if stored != low else 0)) / n
+    else:  # frozen weights are stored as they compute (NF4 as NF4): the copy alone
+        per_unit = block_weight_bytes(shape, w) / n
+    grads = (layer if w.method == "full" else trainable_params(shape, w) / shape.layers) * 4.0 / n
+    return 2 * per_unit, grads
 
 
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
@@ -711,7 +732,8 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
     # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
     # block by block, so it holds no more); the optimizer step sees the shards alone.
-    g_bwd_end = r.grads - embedding_grad / r.grad_divisor
+    # (never below nothing: an offloaded run holds no gradient on the GPU to take it from)
+    g_bwd_end = max(0.0, r.grads - embedding_grad / r.grad_divisor)
     unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
     if unsharded_grads:
         g_fwd = g_bwd_end = max(r.grads, unsharded_grads)
