@@ -26,7 +26,8 @@ from shardfit.plan.workload import Workload, workload_of
 from shardfit.train.recipe import train
 from tests.helpers import run_cli, write_config
 
-PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead", "total")
+PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
+         "runtime_overhead", "total")
 
 
 def _plan(capsys, *args: str) -> tuple[int, dict]:

@@ -102,3 +102,16 @@ def test_gradient_accumulation_never_multiplies_activations_or_the_loss() -> Non
     assert one.per_gpu_gib.activations == many.per_gpu_gib.activations
     assert one.per_gpu_gib.logits == many.per_gpu_gib.logits
     assert 0 <= many.per_gpu_gib.total - one.per_gpu_gib.total < 0.2
+
+
+def test_the_allocator_reserve_is_its_own_line() -> None:
+    """The tensor columns are what max_memory_allocated() reports, the reserve (8 % of them) brings them to
+    max_memory_reserved(), and runtime_overhead (CUDA context, NCCL) is outside the allocator."""
+    from shardfit.plan.estimate import ALLOCATOR_RESERVE, CUDA_CONTEXT_GIB, NCCL_GIB, estimate
+
+    for hw, strategy, runtime in ((H100, "single", CUDA_CONTEXT_GIB),
+                                  (parse_gpus("8xH100"), "zero3", CUDA_CONTEXT_GIB + NCCL_GIB)):
+        b = estimate(SHAPE, Workload(method="lora"), hw, strategy).per_gpu_gib
+        tensors = b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
+        assert b.allocator_reserve == tensors * ALLOCATOR_RESERVE and b.runtime_overhead == runtime
+        assert abs(b.total - (tensors + b.allocator_reserve + b.runtime_overhead)) < 1e-9

@@ -8,7 +8,10 @@ real GPU is added last (see `runtime_overhead`):
 - NCCL: communicator buffers of NCCL_BUFFSIZE (4 MiB default) per channel and peer (NCCL env docs); 0.5 GiB
   covers 8-GPU rings and trees.
 - The caching allocator reserves more than it allocates (block rounding, fragmentation; PyTorch CUDA memory
-  management docs); 8 % on top of the tensor peak is used.
+  management docs); 8 % on top of the tensor peak is used, as a line of its own (`allocator_reserve`).
+What the plan predicts, in PyTorch's terms: the tensor columns add up to torch.cuda.max_memory_allocated(); with
+`allocator_reserve` to max_memory_reserved(); `total` (with the CUDA context and NCCL's buffers in
+`runtime_overhead`) to what the device has in use, as nvidia-smi shows it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ class Breakdown:
     activations: float = 0.0
     logits: float = 0.0
     temporaries: float = 0.0
-    runtime_overhead: float = 0.0
+    # The caching allocator's reserve beyond the tensors (block rounding, fragmentation): torch.cuda's
+    # memory_reserved() less memory_allocated().
+    allocator_reserve: float = 0.0
+    runtime_overhead: float = 0.0  # the CUDA context and NCCL's buffers: outside the allocator
     total: float = 0.0
 
 
@@ -839,12 +845,13 @@ def _tensors(b: Breakdown) -> float:
 
 
 def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
-    """Fill in what a real GPU adds to the tensor peak (GiB) and the total: allocator reserve, CUDA context, and
-    NCCL buffers when several ranks of the strategy talk."""
+    """Fill in what a real GPU adds to the tensor peak (GiB) and the total: the allocator's reserve (its own line),
+    the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
-    b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if talks else 0.0)
-    b.total = tensors + b.runtime_overhead
+    b.allocator_reserve = tensors * ALLOCATOR_RESERVE
+    b.runtime_overhead = CUDA_CONTEXT_GIB + (NCCL_GIB if talks else 0.0)
+    b.total = tensors + b.allocator_reserve + b.runtime_overhead
 
 
 # What lowers each part of the peak, for the note of a strategy that does not fit.

@@ -8,12 +8,14 @@ from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
 
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
-PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
+PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
+         "runtime_overhead")
 
 
 # The table's columns: name, width, right-aligned. The terminal pads to these widths; the UI makes an HTML table.
 COLUMNS = (("strategy", 15, False), ("weights", 8, True), ("grads", 8, True), ("optim", 8, True),
-           ("activ", 8, True), ("logits", 8, True), ("temp", 8, True), ("runtime", 8, True), ("total", 9, True),
+           ("activ", 8, True), ("logits", 8, True), ("temp", 8, True), ("reserve", 8, True),
+           ("runtime", 8, True), ("total", 9, True),
            ("peak", 6, True), ("fits", 6, True), ("step", 10, True), ("tokens/s", 11, True), ("bound", 7, False),
            ("notes", 0, False))
 
@@ -73,11 +75,13 @@ def legend(plan: Plan) -> str:
     """What the columns mean, in the terms of the hardware named: a CPU job's processes share the host's RAM."""
     if plan.hardware.name == "cpu":
         return ("per-process GiB of host RAM at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer "
-                "step); total = tensors + runtime (the process's torch runtime and allocator reserve); fits: n/a "
+                "step); total = tensors + reserve (the allocator's) + runtime (the process's torch runtime); fits: n/a "
                 "where a CPU cannot run the strategy; step: one optimizer step, tokens/s: the whole job's (none for "
                 "a row that cannot run), bound: what the step waits on (compute, host: launching ops, comm)")
-    return ("per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); total = tensors "
-            "+ runtime (CUDA context, NCCL, allocator reserve); fits: n/a where these GPUs cannot run the strategy; "
+    return ("per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); tensors: "
+            "torch.cuda.max_memory_allocated(); + reserve (the caching allocator's rounding and fragmentation, 8 %): "
+            "max_memory_reserved(); total = that + runtime (CUDA context, NCCL): the device as nvidia-smi shows it; "
+            "fits: n/a where these GPUs cannot run the strategy; "
             "step: one optimizer step, tokens/s: the whole job's (none for a row that cannot run), bound: what the "
             "step waits on (compute, host: launching ops, comm, pcie)")
 
