@@ -115,3 +115,46 @@ def test_the_allocator_reserve_is_its_own_line() -> None:
         tensors = b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
         assert b.allocator_reserve == tensors * ALLOCATOR_RESERVE and b.runtime_overhead == runtime
         assert abs(b.total - (tensors + b.allocator_reserve + b.runtime_overhead)) < 1e-9
+
+
+def test_nothing_fits_recommends_the_fastest_setting_with_the_same_result() -> None:
+    """A job that fits no strategy as configured is planned again with checkpointing and micro-batch 1 at the same
+    global batch; the fastest of those that fits is recommended with what it turned on, and it is the fastest of
+    every combination the search may take."""
+    from shardfit.plan.plan import estimate_all, make_plan, recommend
+
+    hw = parse_gpus("1x24GB")
+    w = Workload(method="lora", seq_len=4096, micro_batch=4, grad_ckpt="none")
+    plan = make_plan(SHAPE, w, hw)
+    assert plan.recommended is None and plan.adjusted is not None
+    a = plan.adjusted
+    changed = replace(w, **dict(a.changes))
+    assert changed.micro_batch * changed.grad_accum == w.micro_batch * w.grad_accum  # the same global batch
+    assert a.total_gib <= hw.gpu_mem_gib and a.tokens_per_s
+    rates = []
+    for ckpt in ("none", "selective", "full"):
+        for mb, acc in ((4, 1), (1, 4)):
+            cands = estimate_all(SHAPE, replace(w, grad_ckpt=ckpt, micro_batch=mb, grad_accum=acc), hw)
+            best, _ = recommend(cands, hw)
+            rates += [c.tokens_per_s for c in cands if c.strategy == best]
+    assert a.tokens_per_s >= max(rates) * 0.95
+    assert plan.to_json()["adjusted"]["changes"] == dict(a.changes)
+    # a job that fits as configured is not searched
+    assert make_plan(SHAPE, replace(w, seq_len=512, micro_batch=1), hw).adjusted is None
+
+
+def test_plan_model_defaults_to_checkpointing_and_says_so(capsys) -> None:
+    """`plan --model` plans gradient checkpointing on (the default of LLaMA-Factory, TRL and ms-swift) and notes it;
+    --grad-ckpt none still plans without; nothing-fits-as-configured with a same-result fix exits 0."""
+    from shardfit.cli.main import main
+
+    def plan(*args: str) -> tuple[int, dict]:
+        code = main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--json", *args])
+        return code, json.loads(capsys.readouterr().out)
+
+    _, on = plan("--gpus", "1x80GB")
+    assert on["workload"]["grad_ckpt"] == "full" and any("LLaMA-Factory" in n for n in on["notes"])
+    _, off = plan("--gpus", "1x80GB", "--grad-ckpt", "none")
+    assert off["workload"]["grad_ckpt"] == "none" and not any("LLaMA-Factory" in n for n in off.get("notes", []))
+    code, tight = plan("--gpus", "1x24GB", "--seq", "4096", "--batch", "4", "--grad-ckpt", "none")
+    assert code == 0 and tight["recommended"] is None and tight["adjusted"]["strategy"] == "single"

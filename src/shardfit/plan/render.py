@@ -62,6 +62,13 @@ def verdict_lines(plan: Plan, style: str = "plan") -> list[str]:
     if plan.recommended:
         return [f"recommended: {plan.recommended} ({plan.reason})"]
     phrases = [a.phrase(style) for a in plan.alternatives or []]
+    a = plan.adjusted
+    if a is not None and a.how(style):
+        rate = f", {_tps(a.tokens_per_s)} tokens/s" if a.tokens_per_s else ""
+        return [f"nothing fits as configured. recommended: {a.strategy} with {a.what} ({a.how(style)}): "
+                f"{a.total_gib:.1f} GiB per {a.unit}{rate}; the trained result is the same (the same examples, "
+                "global batch and update), only memory and speed change", "Other changes that make something fit:",
+                *[f"  - {p}" for p in phrases if p]]
     return ["nothing fits. Nearest alternatives:", *([f"  - {p}" for p in phrases if p] or [
         "  - none found: neither one change, nor QLoRA with checkpointing and micro-batch 1, nor up to 16x the "
         "GPUs makes a strategy fit; a smaller model or larger GPUs"])]
