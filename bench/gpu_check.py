@@ -179,7 +179,8 @@ def memory_against_plan(run_dir: Path, summary: dict[str, Any], gpu: bool) -> di
     if cand is None:
         return {"measured_gib": round(measured, 3), "planned": None}
     parts = cand["per_gpu_gib"]
-    allocated = parts["total"] - (parts.get("runtime_overhead", 0.0) if gpu else 0.0)
+    allocated = parts["total"] - (parts.get("runtime_overhead", 0.0) + parts.get("allocator_reserve", 0.0)
+                                  if gpu else 0.0)
     return {"measured_gib": round(measured, 3), "planned_gib": round(allocated, 3),
             "measured_over_planned": round(measured / allocated, 3) if allocated else None,
             "planned_parts_gib": parts, "peak_phase": cand.get("peak_phase")}

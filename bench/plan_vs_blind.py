@@ -153,7 +153,8 @@ def predict(case: dict) -> dict:
         cand = estimate(shape, w, hw, case["strategy"])
     t = step_time(shape, w, hw, case["strategy"])
     b = cand.per_gpu_gib
-    parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
+    parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
+             "runtime_overhead")
     out = {"card_gib": hw.gpu_mem_gib, "world": hw.world, "predicted_total_gib": round(b.total, 2),
            "breakdown_gib": {p: round(getattr(b, p), 2) for p in parts}, "peak_phase": cand.peak_phase,
            "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound}

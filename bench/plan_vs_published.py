@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed  # noqa: E402
-from shardfit.plan.estimate import ALLOCATOR_RESERVE, GIB, Breakdown, estimate  # noqa: E402
+from shardfit.plan.estimate import GIB, Breakdown, estimate  # noqa: E402
 from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import ModelShape, resolve_shape  # noqa: E402
 from shardfit.plan.timing import step_time  # noqa: E402
@@ -85,9 +85,9 @@ def read_as(b: Breakdown, reading: str) -> float:
     """What a peak read as `reading` holds of the predicted per-GPU breakdown `b` (GiB): `total` the whole device
     (CUDA context and NCCL buffers included), `reserved` the tensor peak and the allocator's reserve, `allocated`
     the tensor peak alone."""
-    tensors = b.total - b.runtime_overhead
+    tensors = b.total - b.runtime_overhead - b.allocator_reserve
     if reading == "reserved":
-        return tensors * (1 + ALLOCATOR_RESERVE)
+        return tensors + b.allocator_reserve
     if reading == "allocated":
         return tensors
     if reading != "total":

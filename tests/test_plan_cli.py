@@ -26,7 +26,8 @@ from shardfit.plan.workload import Workload, workload_of
 from shardfit.train.recipe import train
 from tests.helpers import run_cli, write_config
 
-PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead", "total")
+PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
+         "runtime_overhead", "total")
 
 
 def _plan(capsys, *args: str) -> tuple[int, dict]:
@@ -192,9 +193,12 @@ def test_attention_mask_in_plan(capsys) -> None:
 
 
 def test_plan_model_defaults_are_the_training_defaults(capsys) -> None:
-    """`plan --model` sizes the workload `shardfit train` runs when the config says nothing more."""
+    """`plan --model` sizes the workload `shardfit train` runs when the config says nothing more, with gradient
+    checkpointing on as the tools most users run do by default (plan_cmd.MODEL_DEFAULT)."""
+    from shardfit.cli.plan_cmd import MODEL_DEFAULT
+
     _, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB")
-    assert plan["workload"] == dataclasses.asdict(workload_of(Config()))
+    assert plan["workload"] == dataclasses.asdict(dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT))
 
 
 def test_cards_and_models_a_user_types(capsys) -> None:

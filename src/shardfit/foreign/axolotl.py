@@ -193,7 +193,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
                     optimizer=optimizer(str(src.get("optimizer", "adamw_torch"))) or "adamw",
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
-                        "eager_attention") else "sdpa", frozen_fp32=method == "qlora", **settings(src, KEYS, "field"))
+                        "eager_attention") else "sdpa", frozen_fp32=method == "qlora", quant_backend="bnb",
+                    **settings(src, KEYS, "field"))
 
 
 def _checkpointing(src: Source, job: ForeignJob) -> None:

@@ -241,6 +241,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     optimizer=optimizer(src.get("optim", "adamw_torch")) or "adamw",
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=ATTENTION.get(src.get("attn_implementation", "sdpa"), "sdpa"), frozen_fp32=q,
+                    quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 

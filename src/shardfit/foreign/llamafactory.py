@@ -221,7 +221,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
                     optimizer=optimizer(str(src.get("optim", "adamw_torch"))) or "adamw",
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
-                    frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters,
+                    frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
                     **settings(src, KEYS, "field"))
 
 

@@ -8,7 +8,10 @@ real GPU is added last (see `runtime_overhead`):
 - NCCL: communicator buffers of NCCL_BUFFSIZE (4 MiB default) per channel and peer (NCCL env docs); 0.5 GiB
   covers 8-GPU rings and trees.
 - The caching allocator reserves more than it allocates (block rounding, fragmentation; PyTorch CUDA memory
-  management docs); 8 % on top of the tensor peak is used.
+  management docs); 8 % on top of the tensor peak is used, as a line of its own (`allocator_reserve`).
+What the plan predicts, in PyTorch's terms: the tensor columns add up to torch.cuda.max_memory_allocated(); with
+`allocator_reserve` to max_memory_reserved(); `total` (with the CUDA context and NCCL's buffers in
+`runtime_overhead`) to what the device has in use, as nvidia-smi shows it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ class Breakdown:
     activations: float = 0.0
     logits: float = 0.0
     temporaries: float = 0.0
-    runtime_overhead: float = 0.0
+    # The caching allocator's reserve beyond the tensors (block rounding, fragmentation): torch.cuda's
+    # memory_reserved() less memory_allocated().
+    allocator_reserve: float = 0.0
+    runtime_overhead: float = 0.0  # the CUDA context and NCCL's buffers: outside the allocator
     total: float = 0.0
 
 
@@ -213,7 +219,12 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
     tokens = w.tokens
-    held = bnb_dequantize_bytes(i * o, w) if w.bnb_precision else quant.dequantize_peak_bytes(i * o, compute_bytes(w))
+    if w.bnb_precision:
+        held = bnb_dequantize_bytes(i * o, w)
+    elif w.bnb:  # bitsandbytes' one kernel writes the weight in the compute dtype, nothing else
+        held = float(i * o * compute_bytes(w))
+    else:
+        held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * compute_bytes(w))
 
 
@@ -695,6 +706,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
             r.cpu = weights / n + grads / n + optim / n
             weights = grads = optim = r.foreach = 0.0
             div_w = div_g = div_o = 1
+            staging, grad_shard = offload_staging_bytes(shape, w, n)
+            r.fwd_temp += staging
+            r.bwd_temp += staging + grad_shard
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
@@ -703,6 +717,24 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     r.weights, r.grads, r.optimizer, r.grad_divisor = weights / div_w, grads / div_g, optim / div_o, div_g
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     return r
+
+
+def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float, float]:
+    """What FSDP2's CPU offload (CPUOffloadPolicy) keeps on the GPU beside the gathered block, per rank: (staging,
+    gradient shard). Before a unit's all-gather each rank copies its shard from pinned host memory to the GPU as
+    stored (a full fine-tune's fp32 masters) and casts it to the compute dtype for the all-gather's input
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`), for the unit that computes and the
+    one prefetched ahead of it; after a unit's reduce-scatter its fp32 gradient shard waits on the GPU until the
+    copy to the host has run (_fsdp_collectives.py `foreach_reduce`). The host's pinned buffers are host RAM."""
+    low = compute_bytes(w)
+    layer = shape.layer_params()
+    if w.method == "full":  # the stored shard, and its cast where the masters are wider than the compute dtype
+        stored = trainable_bytes(w)
+        per_unit = layer * (stored + (low if stored != low else 0)) / n
+    else:  # frozen weights are stored as they compute (NF4 as NF4): the copy alone
+        per_unit = block_weight_bytes(shape, w) / n
+    grads = (layer if w.method == "full" else trainable_params(shape, w) / shape.layers) * 4.0 / n
+    return 2 * per_unit, grads
 
 
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
@@ -715,7 +747,8 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
     # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
     # block by block, so it holds no more); the optimizer step sees the shards alone.
-    g_bwd_end = r.grads - embedding_grad / r.grad_divisor
+    # (never below nothing: an offloaded run holds no gradient on the GPU to take it from)
+    g_bwd_end = max(0.0, r.grads - embedding_grad / r.grad_divisor)
     unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
     if unsharded_grads:
         g_fwd = g_bwd_end = max(r.grads, unsharded_grads)
@@ -821,12 +854,13 @@ def _tensors(b: Breakdown) -> float:
 
 
 def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
-    """Fill in what a real GPU adds to the tensor peak (GiB) and the total: allocator reserve, CUDA context, and
-    NCCL buffers when several ranks of the strategy talk."""
+    """Fill in what a real GPU adds to the tensor peak (GiB) and the total: the allocator's reserve (its own line),
+    the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
-    b.runtime_overhead = tensors * ALLOCATOR_RESERVE + CUDA_CONTEXT_GIB + (NCCL_GIB if talks else 0.0)
-    b.total = tensors + b.runtime_overhead
+    b.allocator_reserve = tensors * ALLOCATOR_RESERVE
+    b.runtime_overhead = CUDA_CONTEXT_GIB + (NCCL_GIB if talks else 0.0)
+    b.total = tensors + b.allocator_reserve + b.runtime_overhead
 
 
 # What lowers each part of the peak, for the note of a strategy that does not fit.

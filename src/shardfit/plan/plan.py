@@ -48,6 +48,9 @@ class Plan:
     reason: str
     alternatives: list[Alternative] | None = None  # the nearest changes that make something fit, when nothing does
     notes: list[str] = dataclasses.field(default_factory=list)  # what the objective adds (`objective_notes`)
+    # When nothing fits as configured: the fastest plan among settings that change memory but not the trained
+    # result (`same_result`), with what it turned on; None otherwise or when none of them fits either.
+    adjusted: Alternative | None = None
 
     def candidate(self, strategy: str) -> Candidate | None:
         """The estimate of `strategy`, or None when the plan did not consider it."""
@@ -76,6 +79,11 @@ class Plan:
         }
         if self.alternatives is not None:
             out["alternatives"] = [a.phrase("plan") for a in self.alternatives]
+        if self.adjusted is not None:
+            a = self.adjusted
+            out["adjusted"] = {"what": a.what, "changes": dict(a.changes), "strategy": a.strategy,
+                               "total_gib": round(a.total_gib, 2),
+                               "tokens_per_s": None if a.tokens_per_s is None else round(a.tokens_per_s, 1)}
         if self.notes:
             out["notes"] = self.notes
         return out
@@ -155,6 +163,12 @@ class Alternative:
     strategy: str
     total_gib: float
     unit: str = "GPU"  # what total_gib is per: a GPU, or a process on a CPU-only machine
+    tokens_per_s: float | None = None  # the job's predicted rate with the change (set by `same_result`)
+
+    def how(self, style: str = "plan") -> str | None:
+        """The change as `shardfit plan` flags (style "plan") or config overrides (style "config"); None when that
+        command has no such setting."""
+        return _flags(self, style)
 
     def phrase(self, style: str = "plan") -> str | None:
         """The change as the flags of `shardfit plan` (style "plan") or as config overrides for `train`/`check`
@@ -236,15 +250,46 @@ def _fits_with(shape: ModelShape, w: Workload, hw: Hardware, what: str, changes:
     return Alternative(what, tuple(changes.items()), nodes, best, c.per_gpu_gib.total, hw.unit)
 
 
+def same_result(shape: ModelShape, w: Workload, hw: Hardware,
+                strategies: tuple[str, ...] = NAMES) -> Alternative | None:
+    """The fastest plan among the settings that change memory but not what is trained (the same examples, the same
+    global batch, the same update): gradient checkpointing (selective, full: recomputation gives the same
+    activations), micro-batch 1 with grad_accum raised to the same global batch (the mean over the same examples),
+    and every strategy of `strategies`, offload among them (the same AdamW, on the host). None when none fits.
+    Ties within TIE of the fastest go to the fewest changes."""
+    ckpt = {"none": ("selective", "full"), "selective": ("full",)}.get(w.grad_ckpt, ())
+    batch = [{"micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}] if w.micro_batch > 1 else []
+    words = {"selective": "selective checkpointing", "full": "gradient checkpointing"}
+    found: list[Alternative] = []
+    for c in (None, *ckpt):
+        for b in ({}, *batch):
+            changes: dict[str, object] = {**({"grad_ckpt": c} if c else {}), **b}
+            if not changes:
+                continue
+            what = " and ".join([*([f"{words[c]} on"] if c else []),
+                                 *([f"micro-batch 1 with grad_accum {b['grad_accum']}"] if b else [])])
+            cands = estimate_all(shape, dataclasses.replace(w, **changes), hw, strategies)
+            best, _ = recommend(cands, hw)
+            if best is not None:
+                pick = next(x for x in cands if x.strategy == best)
+                found.append(Alternative(what, tuple(changes.items()), None, best, pick.per_gpu_gib.total, hw.unit,
+                                         pick.tokens_per_s))
+    if not found:
+        return None
+    top = max(a.tokens_per_s or 0.0 for a in found)
+    return min((a for a in found if (a.tokens_per_s or 0.0) >= top * (1 - TIE)), key=lambda a: len(a.changes))
+
+
 def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[str, ...] = NAMES) -> Plan:
-    """Estimate every strategy of `strategies`, recommend the fastest that fits, and list the nearest changes when
-    none does."""
+    """Estimate every strategy of `strategies`, recommend the fastest that fits; when none does, the fastest that
+    fits with settings that keep the trained result (`same_result`) and the nearest changes."""
     cands = estimate_all(shape, w, hw, strategies)
     best, reason = recommend(cands, hw)
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
-                objective_notes(shape, w, hw, cands, best))
+                objective_notes(shape, w, hw, cands, best),
+                same_result(shape, w, hw, strategies) if best is None else None)
 
 
 def objective_notes(shape: ModelShape, w: Workload, hw: Hardware, cands: list[Candidate],

@@ -8,12 +8,14 @@ from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
 
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
-PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "runtime_overhead")
+PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
+         "runtime_overhead")
 
 
 # The table's columns: name, width, right-aligned. The terminal pads to these widths; the UI makes an HTML table.
 COLUMNS = (("strategy", 15, False), ("weights", 8, True), ("grads", 8, True), ("optim", 8, True),
-           ("activ", 8, True), ("logits", 8, True), ("temp", 8, True), ("runtime", 8, True), ("total", 9, True),
+           ("activ", 8, True), ("logits", 8, True), ("temp", 8, True), ("reserve", 8, True),
+           ("runtime", 8, True), ("total", 9, True),
            ("peak", 6, True), ("fits", 6, True), ("step", 10, True), ("tokens/s", 11, True), ("bound", 7, False),
            ("notes", 0, False))
 
@@ -60,6 +62,13 @@ def verdict_lines(plan: Plan, style: str = "plan") -> list[str]:
     if plan.recommended:
         return [f"recommended: {plan.recommended} ({plan.reason})"]
     phrases = [a.phrase(style) for a in plan.alternatives or []]
+    a = plan.adjusted
+    if a is not None and a.how(style):
+        rate = f", {_tps(a.tokens_per_s)} tokens/s" if a.tokens_per_s else ""
+        return [f"nothing fits as configured. recommended: {a.strategy} with {a.what} ({a.how(style)}): "
+                f"{a.total_gib:.1f} GiB per {a.unit}{rate}; the trained result is the same (the same examples, "
+                "global batch and update), only memory and speed change", "Other changes that make something fit:",
+                *[f"  - {p}" for p in phrases if p]]
     return ["nothing fits. Nearest alternatives:", *([f"  - {p}" for p in phrases if p] or [
         "  - none found: neither one change, nor QLoRA with checkpointing and micro-batch 1, nor up to 16x the "
         "GPUs makes a strategy fit; a smaller model or larger GPUs"])]
@@ -73,11 +82,13 @@ def legend(plan: Plan) -> str:
     """What the columns mean, in the terms of the hardware named: a CPU job's processes share the host's RAM."""
     if plan.hardware.name == "cpu":
         return ("per-process GiB of host RAM at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer "
-                "step); total = tensors + runtime (the process's torch runtime and allocator reserve); fits: n/a "
+                "step); total = tensors + reserve (the allocator's) + runtime (the process's torch runtime); fits: n/a "
                 "where a CPU cannot run the strategy; step: one optimizer step, tokens/s: the whole job's (none for "
                 "a row that cannot run), bound: what the step waits on (compute, host: launching ops, comm)")
-    return ("per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); total = tensors "
-            "+ runtime (CUDA context, NCCL, allocator reserve); fits: n/a where these GPUs cannot run the strategy; "
+    return ("per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); tensors: "
+            "torch.cuda.max_memory_allocated(); + reserve (the caching allocator's rounding and fragmentation, 8 %): "
+            "max_memory_reserved(); total = that + runtime (CUDA context, NCCL): the device as nvidia-smi shows it; "
+            "fits: n/a where these GPUs cannot run the strategy; "
             "step: one optimizer step, tokens/s: the whole job's (none for a row that cannot run), bound: what the "
             "step waits on (compute, host: launching ops, comm, pcie)")
 

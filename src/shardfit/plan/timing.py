@@ -13,8 +13,10 @@ Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add
   outputs it does not keep (every other one, models/checkpointing.py);
 - these FLOPs run at the fraction of the card's peak that large-model training reaches (hardware FLOPs
   utilization, plan/cards.yaml), which already pays for an eager step's elementwise work (norms, activations,
-  rotary, softmax, casts); QLoRA's dequantization of each 4-bit weight per use (read 0.5 byte, write 2) is added at the
-  memory bandwidth, and the optimizer step at the memory bandwidth too (28 bytes per trainable parameter).
+  rotary, softmax, casts); QLoRA's dequantization of every 4-bit weight in every use (forward, backward, and again
+  where checkpointing recomputes the block) is added as memory-bound traffic at the memory bandwidth, its kernels
+  to the host's launches (`DEQUANT`, per backend: torchao's eager ops or bitsandbytes' fused kernel), and the
+  optimizer step at the memory bandwidth too (28 bytes per trainable parameter).
 
 Communication per micro-batch or step (ring collectives: all-reduce moves 2(n-1)/n of the buffer per GPU,
 all-gather and reduce-scatter (n-1)/n; NCCL's bus bandwidth): DDP all-reduces the trainable gradients once per
@@ -145,6 +147,17 @@ REST_BYTES: dict[str, dict[str, tuple[float, float, float, float]]] = {
     "lora": {"eager": (47.993, 2.017, 2.007, 970.687), "compiled": (9.995, -13.979, 4.005, -498.563)},
 }
 
+# QLoRA: one dequantization of a 4-bit weight for one matmul, per backend: (kernels, views, bytes read + written per
+# weight). torchao's NF4Tensor (shardfit's QLoRA) dequantizes in eager PyTorch ops, the nibbles as int64 indices into
+# the code book: counted by bench/dequant_traffic.py (a TorchDispatchMode over F.linear on a 4096 x 4096 NF4 weight,
+# torch 2.13, torchao 0.18; bench/results/dequant_traffic.json). bitsandbytes' dequantize_4bit (kDequantizeBlockwise,
+# csrc/kernels.cu) reads the packed codes (0.5 byte) and writes the weight in its 16-bit dtype (2 bytes) in one
+# kernel, after two small ones that dequantize the double-quantized block scales (8-bit absmax and its offset add:
+# 5 bytes per block of 64 weights); Lightning's BitsandbytesPrecision (`bnb_precision`) writes fp16 and casts it to
+# bf16, one more kernel reading 2 bytes and writing 2 (plan/estimate.py `bnb_dequantize_bytes`).
+DEQUANT: dict[str, tuple[int, int, float]] = {"torchao": (15, 11, 39.11), "bnb": (3, 1, 2.5 + 5 / 64)}
+BNB_CAST = (1, 0, 4.0)
+
 # Host seconds a data-parallel engine adds per decoder block and micro-batch, keyed by engine and (full | lora,
 # full checkpointing), measured by bench/fsdp_host_overhead.py (torch 2.13, transformers 5.23, peft 0.21; written
 # to bench/results/fsdp_host_overhead.json; medians of 12 interleaved rounds). `zero2`: parameters kept gathered
@@ -246,8 +259,10 @@ def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:
     k, v, m = (a + (n - 2) * (b - a) / 5 for a, b in zip(two, seven, strict=True))
     if w.lora_dropout > 0:
         k += n * DROPOUT_OPS[ckpt]
-    if w.method == "qlora":  # bitsandbytes dequantizes each 4-bit weight per use: forward, recompute, backward
-        k += 7 * (3 if ckpt else 2)
+    if w.method == "qlora":  # each 4-bit weight dequantized per use: forward, backward, recomputation
+        dk, dv, _ = dequant_per_use(w)
+        k += 7 * (3 if ckpt else 2) * dk
+        v += 7 * (3 if ckpt else 2) * dv
     return k, v, m
 
 
@@ -354,12 +369,29 @@ def _bus(card: Card, hw: Hardware) -> float:
     return card.link if hw.nodes == 1 else min(card.link, card.nic * hw.gpus_per_node)
 
 
-def _qlora_dequant_bytes(shape: ModelShape, w: Workload) -> float:
-    """Per micro-batch: each 4-bit linear weight dequantized per use (forward, backward, recomputation)."""
+def dequant_per_use(w: Workload) -> tuple[float, float, float]:
+    """(kernels, views, bytes per weight) of one dequantization of a 4-bit weight for one matmul under `w`'s
+    backend (`DEQUANT`); zeros when nothing is 4-bit."""
     if w.method != "qlora":
-        return 0.0
-    uses = 2 + (1 if w.grad_ckpt != "none" else 0)
-    return uses * shape.decoder_linear_params() * 2.5
+        return 0.0, 0.0, 0.0
+    if not w.bnb:
+        return tuple(float(x) for x in DEQUANT["torchao"])
+    k, v, b = DEQUANT["bnb"]
+    if w.bnb_precision and w.precision != "fp16":
+        k, v, b = k + BNB_CAST[0], v + BNB_CAST[1], b + BNB_CAST[2]
+    return float(k), float(v), float(b)
+
+
+def dequant_uses(w: Workload) -> float:
+    """Dequantizations of each 4-bit weight per micro-batch: forward and backward (the gradient of the input needs
+    the weight), and the recomputed forward under full checkpointing (selective: half its matmuls)."""
+    return 2.0 + {"full": 1.0, "selective": 0.5}.get(w.grad_ckpt, 0.0)
+
+
+def _qlora_dequant_bytes(shape: ModelShape, w: Workload) -> float:
+    """Per micro-batch: the bytes every 4-bit linear weight's dequantizations move (`dequant_per_use`), as memory-bound
+    traffic; the same per weight whatever the tokens, so it weighs most on short micro-batches."""
+    return dequant_uses(w) * shape.decoder_linear_params() * dequant_per_use(w)[2]
 
 
 def param_bytes_16(shape: ModelShape, w: Workload) -> float:
@@ -543,7 +575,7 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
     (REFERENCE_LAYER_OPS) with the forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
-    dequant = shape.decoder_linear_params() * 2.5 / card.hbm if w.method == "qlora" else 0.0
+    dequant = shape.decoder_linear_params() * dequant_per_use(w)[2] / card.hbm
     compute = flops / card.peak(w.precision) + dequant
     if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
         return GpuWork(compute, 0.0)
@@ -554,6 +586,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
                   / card.hbm)
     autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
     (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
+    dk, dv, _ = dequant_per_use(w)  # each 4-bit weight dequantized once more for the reference's forward
+    k, v = k + 7 * dk, v + 7 * dv
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
     ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S

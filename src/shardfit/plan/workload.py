@@ -20,6 +20,10 @@ LOSSES = ("chunked", *FULL_LOSSES, "chunked_output")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTIONS = ("sdpa", "flash", "eager")
 OPTIMIZERS = ("adamw", "adamw8bit")
+# What dequantizes QLoRA's 4-bit weights for each matmul: torchao's NF4Tensor in plain PyTorch ops (shardfit's own
+# QLoRA) or bitsandbytes' fused CUDA kernel (the HF Trainer, TRL, LLaMA-Factory, axolotl, unsloth): plan/timing.py
+# `DEQUANT`.
+QUANT_BACKENDS = ("torchao", "bnb")
 # transformers' attention implementations by what they keep: a dense mask (sdpa, and transformers' default) or not.
 ATTENTION_MEMORY = {"eager": "eager", "flash_attention_2": "flash", "flex_attention": "flash"}
 
@@ -104,6 +108,10 @@ class Workload:
     # weight to fp16 and MatMul4Bit casts it to the compute dtype for every matmul (plan/estimate.py
     # `bnb_dequantize_bytes`). shardfit's QLoRA is torchao's NF4 with a 16-bit head.
     bnb_precision: bool = False
+    # QLoRA's dequantizing library (QUANT_BACKENDS): its kernels and bytes per weight per use set the time of the
+    # dequantization (plan/timing.py `dequant_per_use`), and what one dequantization holds (plan/estimate.py
+    # `dequantize_bytes`). Lightning's BitsandbytesPrecision (`bnb_precision`) is bitsandbytes whatever this says.
+    quant_backend: str = "torchao"
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
@@ -122,6 +130,11 @@ class Workload:
     # reference's log-probabilities, as `precompute_reference` (auto | True | False) decides (`reference`).
     objective: str = "sft"
     precompute_reference: bool | str = "auto"
+
+    @property
+    def bnb(self) -> bool:
+        """QLoRA's weights dequantized by bitsandbytes (`quant_backend: bnb`, or Lightning's plugin)."""
+        return self.method == "qlora" and (self.quant_backend == "bnb" or self.bnb_precision)
 
     @property
     def trains_adapters(self) -> bool:
@@ -160,7 +173,7 @@ def workload_of(cfg: Config) -> Workload:
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
                     objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference,
-                    sequence_parallel=cfg.sequence_parallel)
+                    sequence_parallel=cfg.sequence_parallel, quant_backend="torchao")
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
