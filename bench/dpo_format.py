@@ -1,4 +1,4 @@
-"""Does preference training change behaviour? The functional DPO check the README reports.
+"""Does preference training change behaviour? The functional DPO check docs/preference.md reports.
 
     python bench/dpo_format.py                   # SmolLM2-135M-Instruct, LoRA DPO, 20 steps (~15 min, 2-core CPU)
     python bench/dpo_format.py --objective orpo  # the same with ORPO (its SFT term on the chosen answers)
@@ -14,7 +14,8 @@ demo's held-out notes (never trained on), measures before (the base: the adapter
   log-probability;
 - the format of greedy answers: the share of held-out prompts answered in the record format, and in prose.
 
-Results: bench/results/{dpo,orpo}_format.json; the README's table is generated from it (tests/test_docs.py holds it).
+Results: bench/results/{dpo,orpo}_format.json; docs/preference.md's table is generated from it (tests/test_preference.py
+holds it).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def results() -> list[dict]:
     return [json.loads(p.read_text()) for o in ("dpo", "orpo", "simpo") if (p := result_path(o)).is_file()]
 
 
-def readme_table(runs: list[dict]) -> str:
-    """The README's before/after table of `runs` (what the bench puts between the BLOCK markers)."""
+def doc_table(runs: list[dict]) -> str:
+    """The before/after table of `runs` (what the bench puts between the BLOCK markers)."""
     rows = [("reward accuracy (chosen gains more than rejected; ties half)", "reward_accuracy"),
             ("prefers the chosen answer (higher log-probability)", "prefers_chosen"),
             ("greedy answers in the chosen record format", "record_format"),
@@ -80,11 +81,11 @@ def readme_table(runs: list[dict]) -> str:
     return "\n".join(lines) + f"\n\n{runs[0]['machine']}, LoRA r16, beta 0.1; {seen}.\n"
 
 
-def write_readme(runs: list[dict], readme: Path = ROOT / "README.md") -> None:
-    text = readme.read_text()
+def write_doc(runs: list[dict], doc: Path = ROOT / "docs" / "preference.md") -> None:
+    text = doc.read_text()
     head, rest = text.split(BLOCK[0], 1)
     _, tail = rest.split(BLOCK[1], 1)
-    readme.write_text(f"{head}{BLOCK[0]}\n{readme_table(runs)}{BLOCK[1]}{tail}")
+    doc.write_text(f"{head}{BLOCK[0]}\n{doc_table(runs)}{BLOCK[1]}{tail}")
 
 
 def shardfit(*args: str, show: bool = False) -> subprocess.CompletedProcess:
@@ -101,10 +102,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=48, help="held-out notes (the demo has 48)")
-    ap.add_argument("--write-readme", action="store_true", help="only rewrite the README's table from the results")
+    ap.add_argument("--write-doc", action="store_true", help="only rewrite docs/preference.md's table from the results")
     args = ap.parse_args()
-    if args.write_readme:
-        write_readme(results())
+    if args.write_doc:
+        write_doc(results())
         return
     work = Path(tempfile.mkdtemp(prefix="dpo-format-"))
     train = demo_pairs(DEMO / "train.jsonl", work / "train_pairs.jsonl")
@@ -137,7 +138,7 @@ def main() -> None:
                         **{k: gen["models"]["tuned"]["metrics"][k] for k in ("record_format", "prose_format")}},
               "samples": gen["samples"][:4]}
     result_path(args.objective).write_text(json.dumps(result, indent=2) + "\n")
-    write_readme(results())
+    write_doc(results())
     print(json.dumps({k: result[k] for k in ("before", "after", "train_s")}, indent=2))
 
 

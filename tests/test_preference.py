@@ -255,12 +255,12 @@ def test_qlora_dpo_starts_at_ln2(tmp_path: Path, tiny_llama: Path, pairs: Path) 
     assert metrics[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
-def test_readme_table_is_the_bench_result() -> None:
-    """The README's before/after table is bench/dpo_format.py's rendering of its last results."""
+def test_docs_table_is_the_bench_result() -> None:
+    """docs/preference.md's before/after table is bench/dpo_format.py's rendering of its last results."""
     bench = load_bench("dpo_format")
     runs = bench.results()
-    block = (ROOT / "README.md").read_text().split(bench.BLOCK[0], 1)[1].split(bench.BLOCK[1], 1)[0]
-    assert runs and block.strip() == bench.readme_table(runs).strip()
+    block = (ROOT / "docs" / "preference.md").read_text().split(bench.BLOCK[0], 1)[1].split(bench.BLOCK[1], 1)[0]
+    assert runs and block.strip() == bench.doc_table(runs).strip()
     assert all(r["after"]["reward_accuracy"] > r["before"]["reward_accuracy"] for r in runs)
 
 
