@@ -31,7 +31,7 @@ from shardfit.check.run import preflight
 from shardfit.config import Config
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
-from shardfit.data.loader import BatchSchedule, StepRows, collate
+from shardfit.data.loader import Batch, BatchSchedule, StepRows, collate
 from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
 from shardfit.data.preference import Pair, encode_preference_split, pair_former, read_preference_split
 from shardfit.data.tokenize import Encoded
@@ -81,6 +81,7 @@ from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.diverge import Diverged, DivergenceStop
 from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import export_base, save_final
+from shardfit.train.inputs import InputFeed
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.oom import Where, out_of_memory, ran_out
@@ -305,6 +306,7 @@ class FineTune:
         self.findings = quantized + findings
         report_findings(findings, env)
         self.in_device = input_device(self.model) if s.engine == "device_map" else env.device
+        self.feed = InputFeed(self.in_device, self._collate)
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
         self.amp = torch.autocast(env.device.type, dtype=DTYPES[self.job.autocast]) if self.job.autocast \
             else contextlib.nullcontext()
@@ -504,10 +506,9 @@ class FineTune:
         # Normalise by the global batch's target count: the same loss at any world size and accumulation.
         scale = self.env.world / max(rows.global_targets, 1)
         wd = self.wd
-        for m, micro in enumerate(rows.micro_batches):
+        wd.at("data loader")
+        for m, batch in enumerate(self.feed(rows.micro_batches)):  # the next micro-batch's copy already issued
             last = m == len(rows.micro_batches) - 1
-            wd.at("data loader")
-            batch = shard_batch(collate(micro, self.pad_id, self.job.rows), self.layout).to(self.in_device)
             if self.attention is not None:  # `auto` attention: the kernel for this micro-batch's width
                 self.attention.before(batch.input_ids.shape[-1])
             wd.at("forward")
@@ -533,6 +534,10 @@ class FineTune:
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _collate(self, rows: list[PackedRow]) -> Batch:
+        """One micro-batch's rows as a host batch, this rank's slice of them under sequence parallelism."""
+        return shard_batch(collate(rows, self.pad_id, self.job.rows), self.layout)
 
     def _reads_device(self, step: int) -> bool:
         """Whether the host reads the device after optimizer step `step` anyway (a logged step), or must not go on
