@@ -75,3 +75,25 @@ def test_the_feed_changes_no_number(tmp_path: Path, tiny_qwen2: Path, small_data
     recipe.optimizer.zero_grad(set_to_none=True)
     got = recipe.train_step(0, rows)
     assert torch.equal(got, norm) and torch.equal(recipe.logger._loss, loss)
+
+
+class _CountedList(list):
+    """A list that counts how often it is read through."""
+
+    reads = 0
+
+    def __iter__(self):  # noqa: ANN204
+        type(self).reads += 1
+        return super().__iter__()
+
+
+def test_each_examples_label_count_is_counted_once_not_every_step() -> None:
+    from shardfit.data.loader import BatchSchedule
+    from shardfit.data.tokenize import IGNORE, Encoded
+
+    examples = [Encoded(list(range(6)), _CountedList([IGNORE, IGNORE, 3, 4, 5, IGNORE])) for _ in range(8)]
+    # Rows formed elsewhere: only the step's own counting reads the targets here.
+    schedule = BatchSchedule(examples, micro_batch=2, grad_accum=2, world=1, rank=0, seed=0, form=lambda ex: [])
+    _CountedList.reads = 0
+    counts = [schedule.step(k).global_targets for k in range(6)]
+    assert counts == [12] * 6 and _CountedList.reads == len(examples)
