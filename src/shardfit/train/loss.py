@@ -216,21 +216,20 @@ class CausalLMLoss(nn.Module):
     def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss as a sum over this micro-batch's `n` targets (the LM loss is a sum too, so
         after the step's normalisation it weighs `coef` x the mean aux loss), recording it and the expert load."""
-        low, high = expert_load(logits, self.moe_top_k)
+        load = expert_load(logits, self.moe_top_k)
         aux_sum = like.new_zeros(())
         if self.aux is not None and logits:
             aux = self.aux.fn(logits, self.aux.experts, self.aux.top_k, None)
             aux_sum = self.aux.coef * aux.to(like.dtype) * n
-        self.last_moe = MoeStep(aux_sum.detach(), n, low, high)
+        self.last_moe = MoeStep(aux_sum.detach(), n, load)
         return aux_sum
 
 
 @dataclass(frozen=True)
 class MoeStep:
     """What one micro-batch's routing did: its load-balancing loss as added to the loss sum (over `targets`), and
-    the lowest and highest expert load (models/experts.py `expert_load`)."""
+    the lowest and highest expert load (models/experts.py `expert_load`), both on the device."""
 
     aux_sum: torch.Tensor
     targets: int
-    load_low: float
-    load_high: float
+    load: torch.Tensor  # [lowest, highest]

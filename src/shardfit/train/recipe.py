@@ -522,7 +522,7 @@ class FineTune:
             moe = self.routing.last_moe
             if moe is not None:  # the LM loss is logged apart from the load-balancing loss the step trained on
                 loss_sum = loss_sum.detach() - moe.aux_sum
-                self.logger.add_routing(moe.aux_sum, rows.global_targets, moe.load_low, moe.load_high)
+                self.logger.add_routing(moe.aux_sum, rows.global_targets, moe.load)
             self.logger.add_loss(loss_sum, rows.global_targets)
         wd.at("optimizer step")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
