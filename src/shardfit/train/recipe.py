@@ -32,8 +32,9 @@ from shardfit.config import Config
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
 from shardfit.data.loader import Batch, BatchSchedule, StepRows, collate
-from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
+from shardfit.data.packing import PackedRow, no_pack, pack, pack_stream, pack_where_padded
 from shardfit.data.preference import Pair, encode_preference_split, pair_former, read_preference_split
+from shardfit.data.static_shape import stream_shape
 from shardfit.data.tokenize import Encoded
 from shardfit.dtypes import DTYPES
 from shardfit.errors import JobFailed, UserError
@@ -269,7 +270,7 @@ class FineTune:
         self.eval_rows = [] if preference else rows_of(eval_ex, self.row_cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, self.layout.dp, self.layout.dp_rank,
-                                     cfg.seed, micro_batch_former(self.row_cfg))
+                                     cfg.seed, pack_stream if self.static_shape else micro_batch_former(self.row_cfg))
 
     def _setup_model(self) -> None:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
@@ -423,6 +424,12 @@ class FineTune:
             return dataclasses.replace(self.cfg, packing=False)
         return self.cfg
 
+    @property
+    def static_shape(self) -> bool:
+        """Whether training micro-batches are one row of micro_batch x max_seq_len tokens (data/static_shape.py):
+        as resolved, where the rows may be packed at all (`row_cfg`)."""
+        return self.job.static_shape and self.row_cfg.packing
+
     def _media_line(self) -> str:
         """The start line's account of a multimodal run's media (empty for a text model)."""
         if self.vision is None:
@@ -537,7 +544,8 @@ class FineTune:
 
     def _collate(self, rows: list[PackedRow]) -> Batch:
         """One micro-batch's rows as a host batch, this rank's slice of them under sequence parallelism."""
-        return shard_batch(collate(rows, self.pad_id, self.job.rows), self.layout)
+        shape = stream_shape(self.job.rows) if self.static_shape else self.job.rows
+        return shard_batch(collate(rows, self.pad_id, shape), self.layout)
 
     def _reads_device(self, step: int) -> bool:
         """Whether the host reads the device after optimizer step `step` anyway (a logged step), or must not go on
@@ -639,7 +647,7 @@ class FineTune:
         c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
         steps = self.total_steps - self.start_step
         run_s = c.step_s * steps if c is not None and c.step_s else None
-        new_shapes = self.batches.new_shape_share() * steps * self.cfg.grad_accum
+        new_shapes = 1.0 if self.static_shape else self.batches.new_shape_share() * steps * self.cfg.grad_accum
         self.cudnn_attention = cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type,
                                                        bool(self.cfg.compile), new_shapes=new_shapes, run_s=run_s)
         if not self.cudnn_attention and self.env.is_main and not self.quiet:
