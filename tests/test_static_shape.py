@@ -75,3 +75,41 @@ def test_a_bad_value_is_refused_with_the_choices(tmp_path: Path, tiny_qwen2: Pat
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_qwen2), data=str(small_data), static_shape="yes")
     with pytest.raises(UserError, match="static_shape"):
         load_config(cfg)
+
+
+def test_flex_attention_gets_the_examples_block_mask_from_the_host(monkeypatch: pytest.MonkeyPatch,
+                                                                   tiny_qwen2: Path) -> None:
+    """A static row's attention from its example boundaries: flex attention's block mask, built from the positions
+    without transformers' read of the device, allows exactly what the dense block-causal mask of SDPA allows (flex
+    attention itself compiles for a minute on a CPU: the semantics are compared, the GPU runs it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers import masking_utils as mu
+
+    from shardfit.models.anatomy import decoder_and_head
+    from shardfit.models.build import use_attention
+    from shardfit.models.masks import mask_argument
+
+    real = mu.create_block_mask
+    monkeypatch.setattr(mu, "create_block_mask", lambda *a, **k: real(*a, **{**k, "_compile": False}))
+
+    def no_read(*_):  # noqa: ANN202
+        raise AssertionError("transformers looked for the packed examples on the device")
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", no_read)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    decoder, _ = decoder_and_head(model)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 0, 1], list(range(16))])
+    q, k = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    for restarts in (True, False):
+        rows = pos if restarts else torch.arange(16).repeat(2, 1)
+        use_attention(model, "sdpa")
+        dense = mask_argument(decoder, rows, restarts)["attention_mask"]["full_attention"]
+        if dense is None:  # SDPA's causal kernel on rows without a restart
+            dense = torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 1, 16, 16)
+        use_attention(model, "flex_attention")
+        flex = mask_argument(decoder, rows, restarts)["attention_mask"]["full_attention"]
+        assert type(flex).__name__ == "BlockMask"
+        for b in range(2):
+            allowed = flex.mask_mod(torch.tensor(b), torch.tensor(0), q, k)
+            assert torch.equal(allowed, dense[b, 0]), (restarts, b)
