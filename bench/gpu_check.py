@@ -158,12 +158,23 @@ def shardfit_run(name: str, cfg: dict[str, Any], work: Path, timeout_s: float) -
                   saved=str(saved), weight_files=weights, steps=summary["steps"],
                   tokens_per_s=summary["tokens_per_s"], predicted_tokens_per_s=summary["predicted_tokens_per_s"],
                   strategy=summary["strategy"], memory=memory_against_plan(run_dir, summary, torch.cuda.is_available()),
-                  resolved={k: resolved.get(k) for k in ("precision", "attn_implementation", "compile", "packing")})
+                  resolved={**{k: resolved.get(k) for k in ("precision", "attn_implementation", "compile", "packing")},
+                            "static_shape": summary["resolved"].get("static_shape")})
     profile = run_dir / "profile" / "ops-rank0.txt"
     if profile.is_file():
         record["profile"] = {"ops_table_top": profile.read_text().splitlines()[:30],
                              "trace": str(run_dir / "profile" / "trace-rank0.json")}
     return record
+
+
+def head_gradient_16bit() -> bool | None:
+    """Whether this device computes a trained head's gradient from 16-bit operands into fp32 (train/loss.py
+    `widening_matmul`), None without a GPU."""
+    import torch
+
+    from shardfit.train.loss import widening_matmul
+
+    return widening_matmul(torch.device("cuda")) if torch.cuda.is_available() else None
 
 
 def memory_against_plan(run_dir: Path, summary: dict[str, Any], gpu: bool) -> dict[str, Any]:
@@ -206,15 +217,20 @@ def base_config(model: Path, data: Path, out: Path, seq: int, micro_batch: int, 
 
 
 def card() -> dict[str, Any]:
-    """The device the check ran on, in words, and its bf16 peak (None without a GPU)."""
+    """The device the check ran on, in words, its bf16 peak, and whether a trained head's gradient runs from
+    16-bit operands (None without a GPU)."""
     import torch
 
     cuda = torch.cuda.is_available()
     return {"machine": compare.machine_name(), "gpu": torch.cuda.get_device_name(0) if cuda else None,
-            "torch": torch.__version__, "bf16_peak_flops": compare.gpu_peak_flops()}
+            "torch": torch.__version__, "bf16_peak_flops": compare.gpu_peak_flops(),
+            "head_gradient_16bit": head_gradient_16bit()}
 
 
 PIECES = (*METHODS, "vl_lora", "speed-full", "speed-lora")
+# Runs outside the ten minutes, named with --only: the full fine-tune again with one input shape per run (every
+# micro-batch one row of micro_batch x seq tokens, flex attention's block mask, compiled blocks).
+EXTRA = {"speed-static": ("full", {"static_shape": True, "attn_implementation": "flex_attention", "compile": True})}
 
 
 def check(out: Path, work: Path, assets: Path, tiny: bool, only: tuple[str, ...] = PIECES) -> dict[str, Any]:
@@ -252,19 +268,27 @@ def check(out: Path, work: Path, assets: Path, tiny: bool, only: tuple[str, ...]
         if f"speed-{method}" in only:
             report["speed"][method] = speed(method, text, long, work, scale)
             save()
+    for piece, (method, over) in EXTRA.items():
+        if piece in only:
+            report["speed"][piece.removeprefix("speed-")] = speed(method, text, long, work, scale, over, piece)
+            save()
     save()
     return report
 
 
-def speed(method: str, model: Path, data: Path, work: Path, scale: Scale) -> dict[str, Any]:
-    """shardfit's defaults against the Trainer on one epoch of the long rows: tokens/s, peak memory, MFU."""
-    cfg = base_config(model, data, work / f"speed-{method}", scale.speed_seq, scale.speed_micro_batch,
-                      scale.speed_steps)
-    cfg = dict(cfg, method=method, **({"lora": {"rank": 16, "alpha": 32}} if method == "lora" else {}))
-    ours = shardfit_run(f"speed-{method}", cfg, work, scale.run_timeout_s)
-    peer_cfg = dict(cfg, output_dir=str(work / f"speed-{method}-trainer"), epochs=1)
+def speed(method: str, model: Path, data: Path, work: Path, scale: Scale, over: dict[str, Any] | None = None,
+          name: str | None = None) -> dict[str, Any]:
+    """shardfit's defaults (and `over`, settings beside them) against the Trainer on one epoch of the long rows:
+    tokens/s, peak memory, MFU."""
+    name = name or f"speed-{method}"
+    cfg = base_config(model, data, work / name, scale.speed_seq, scale.speed_micro_batch, scale.speed_steps)
+    cfg = dict(cfg, method=method, **({"lora": {"rank": 16, "alpha": 32}} if method == "lora" else {}),
+               **(over or {}))
+    ours = shardfit_run(name, cfg, work, scale.run_timeout_s)
+    peer_cfg = {k: v for k, v in cfg.items() if k not in (over or {})}
+    peer_cfg = dict(peer_cfg, output_dir=str(work / f"{name}-trainer"), epochs=1)
     peer_cfg.pop("max_steps")
-    theirs = trainer_run(f"speed-{method}-trainer", peer_cfg, work, method)
+    theirs = trainer_run(f"{name}-trainer", peer_cfg, work, method)
     result: dict[str, Any] = {"shardfit": ours, "hf_trainer_bf16": theirs}
     if ours.get("ok") and "train_tokens_per_s" in theirs:
         result["speedup"] = round(ours["tokens_per_s"] / theirs["train_tokens_per_s"], 3)
@@ -287,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the rehearsal: tiny models and rows, on any device")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfit-gpu-check"),
                    help="models, data and runs (kept; a later check reuses the models)")
-    p.add_argument("--only", nargs="+", choices=PIECES, default=list(PIECES), metavar="RUN",
-                   help=f"some of the runs: {', '.join(PIECES)}")
+    p.add_argument("--only", nargs="+", choices=(*PIECES, *EXTRA), default=list(PIECES), metavar="RUN",
+                   help=f"some of the runs: {', '.join(PIECES)}; or beside them {', '.join(EXTRA)}")
     args = p.parse_args(argv)
     import torch
 

@@ -18,9 +18,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops whose output size or value the host must read from the device.
 SYNCING = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "unique",
-           "_unique", "_unique2", "unique_consecutive", "unique_dim", "bincount", "histc", "tolist"}
+           "_unique", "_unique2", "unique_consecutive", "unique_dim", "bincount", "tolist"}
 # Indexing with a boolean mask turns the mask into indices with `nonzero` inside the op's kernel.
 INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"}
+
+
+def _histc_reads_bounds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """`histc` reads its input's min and max back only when its bounds are equal (the default 0, 0): with bounds
+    given, CUDA's kernel counts on the device (transformers counts expert assignments so, to avoid `bincount`)."""
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return low == high
 
 
 def _has_mask_index(args: tuple[Any, ...]) -> bool:
@@ -45,6 +53,7 @@ class HostSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name in SYNCING or (name in INDEXING and _has_mask_index(args)) or \
+                (name == "histc" and _histc_reads_bounds(args, kwargs)) or \
                 (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3):
             caller = self._caller()
             if not caller.startswith(self.HOST_SIDE):

@@ -256,7 +256,7 @@ def test_a_gpu_run_says_why_it_leaves_cudnn_out(caplog: pytest.LogCaptureFixture
     rows = [Encoded(list(range(n)), [1] * n) for n in range(10, 250)]
     run = SimpleNamespace(
         plan=SimpleNamespace(candidate=lambda name: SimpleNamespace(step_s=0.096)),
-        strategy=SimpleNamespace(name="single"), total_steps=60, start_step=0, quiet=False,
+        strategy=SimpleNamespace(name="single"), total_steps=60, start_step=0, quiet=False, static_shape=False,
         batches=BatchSchedule(rows, micro_batch=4, grad_accum=1, world=1, rank=0, seed=0),
         cfg=Config(compile=False), env=SimpleNamespace(device=torch.device("cuda"), is_main=True))
     with caplog.at_level("INFO", logger="shardfit"):

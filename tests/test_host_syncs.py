@@ -143,3 +143,20 @@ def test_the_stop_on_the_device_applies_no_update_from_the_first_bad_step() -> N
     assert all(torch.equal(optimizer.state[p][k], v) for k, v in good[1].items())
     diverged = stop.check()
     assert diverged is not None and diverged.step == 2 and diverged.grad_norm != diverged.grad_norm  # nan
+
+
+def test_a_mixture_of_experts_step_never_waits_for_the_device(tmp_path: Path, tokenizer_dir: Path,
+                                                              small_data: Path) -> None:
+    """Qwen3-MoE LoRA: the expert load and the load-balancing loss stay on the device until a logging step (budget:
+    0 per micro-batch and per step); the logged figures are those of the window. Its decoder, like Llama's, takes
+    no mask mapping: on plain rows transformers' own read of the positions is the one wait left (see above)."""
+    from tests.families import make_family_model
+
+    recipe = _recipe(tmp_path, make_family_model("Qwen3-MoE", tmp_path / "moe", tokenizer_dir), small_data, "lora")
+    assert recipe.routing.moe_top_k
+    assert _syncs(recipe, _packed(recipe)).total == 0
+    plain = _syncs(recipe, recipe.batches.step(0))
+    assert [w.split()[-1] for w in plain.where] == ["find_packed_sequence_indices"] and plain.total == 2, plain.where
+    recipe.logger._steps = 4  # the steps above, as end_step counts them
+    record = recipe.logger._routing_record()
+    assert record["aux_loss"] > 0 and 0 <= record["expert_load_min"] <= 1 <= record["expert_load_max"], record

@@ -124,6 +124,13 @@ class Config:
                                     "over the rest. Dense text models, objective sft; docs/long-context.md",
                                  ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
+    static_shape: bool | str = key("auto", "auto | true | false: every training micro-batch one row of exactly "
+                                           "micro_batch x max_seq_len tokens (its examples side by side, padding "
+                                           "only at the end), attention kept within each example: one input shape "
+                                           "for the whole run. auto: on a GPU with packing and an attention kernel "
+                                           "that takes example boundaries (flash_attention_2, flex_attention); "
+                                           "other kernels compute the whole masked square of the row. SFT only: "
+                                           "preference pairs and sequence parallelism keep their rows")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
                                       "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "
                                       "pads micro-batches to one static shape, undoing packing, and its first run "
@@ -215,6 +222,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
     "compile": ("auto", True, False),
+    "static_shape": ("auto", True, False),
     "qlora.quant_type": QUANT_TYPES,
     "qlora.compute_dtype": COMPUTE_DTYPES,
     "watchdog_action": WATCHDOG_ACTIONS,

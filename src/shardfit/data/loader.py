@@ -6,6 +6,7 @@ whole global batch without communication, so the loss is normalised the same way
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,19 @@ class Batch:
                      {k: v.to(device, non_blocking=True) for k, v in self.media.items()}, self.n_targets,
                      self.restarts, {k: v.to(device, non_blocking=True) for k, v in self.pref.items()}, self.n_seqs,
                      self.shard.to(device) if self.shard is not None else None)
+
+    def pinned(self) -> Batch:
+        """The batch in page-locked host memory, from which a copy to a GPU runs without the host waiting for it
+        (`to` copies with non_blocking). Only where a GPU takes the batch: pinning needs one."""
+        return dataclasses.replace(self, input_ids=self.input_ids.pin_memory(),
+                                   position_ids=self.position_ids.pin_memory(), targets=self.targets.pin_memory(),
+                                   media={k: v.pin_memory() for k, v in self.media.items()},
+                                   pref={k: v.pin_memory() for k, v in self.pref.items()})
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the batch holds (a copy stream's consumer marks them as used on its own stream)."""
+        shard = [self.shard.position_ids] if self.shard is not None else []
+        return [self.input_ids, self.position_ids, self.targets, *self.media.values(), *self.pref.values(), *shard]
 
     @property
     def host_facts(self) -> dict[str, Any]:

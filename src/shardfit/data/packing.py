@@ -103,6 +103,12 @@ def pack_where_padded(examples: list[Encoded], max_len: int,
     return pack(examples, max_len)
 
 
+def pack_stream(examples: list[Encoded]) -> list[PackedRow]:
+    """A micro-batch's examples as one row, in their order (no examples: no row): the static shape's rows
+    (data/static_shape.py)."""
+    return [_row(examples)] if examples else []
+
+
 def no_pack(examples: list[Encoded]) -> list[PackedRow]:
     """One example per row (packing off)."""
     return [_row([ex]) for ex in examples]

@@ -7,6 +7,7 @@ and end-of-turn marker). Tokens whose text starts inside a span are trained; eve
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +48,10 @@ class Encoded:
     video_grid_thw: Any = None
     seq: SeqInfo | None = None  # preference sides only (data/preference.py)
 
-    @property
+    @functools.cached_property
     def n_targets(self) -> int:
+        """Labelled positions, counted once: every optimizer step sums them over its global batch (`targets` is
+        never changed after encoding)."""
         return sum(1 for t in self.targets if t != IGNORE)
 
     @property

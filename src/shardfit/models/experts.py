@@ -192,14 +192,21 @@ def router_logits_of(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(r[0] if isinstance(r, tuple) else r for r in logits)
 
 
-def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int) -> tuple[float, float]:
-    """(lowest, highest) share of routed tokens any expert of any block received, times the number of experts:
-    1.0 is an even load; a highest of several and a lowest near 0 is collapse onto few experts."""
-    lo, hi = float("inf"), 0.0
+def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """[lowest, highest] share of routed tokens any expert of any block received, times the number of experts (a
+    float64 tensor on the logits' device; [0, 0] without logits): 1.0 is an even load; a highest of several and a
+    lowest near 0 is collapse onto few experts. Counted on the device (a scatter-add, not `bincount`, whose output
+    size is data) and never read here: the host reads the window's figures at a logging step (train/metrics.py)."""
+    if not router_logits:
+        return torch.zeros(2, dtype=torch.float64)
+    lows, highs = [], []
     with torch.no_grad():
         for logits in router_logits:
             experts = logits.shape[-1]
             chosen = logits.detach().float().topk(top_k, dim=-1).indices.flatten()
-            share = torch.bincount(chosen, minlength=experts).float() / max(1, chosen.numel()) * experts
-            lo, hi = min(lo, float(share.min())), max(hi, float(share.max()))
-    return (lo if lo != float("inf") else 0.0), hi
+            counts = torch.zeros(experts, dtype=torch.float64, device=chosen.device)
+            counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
+            share = counts / max(1, chosen.numel()) * experts
+            lows.append(share.min())
+            highs.append(share.max())
+    return torch.stack([torch.stack(lows).min(), torch.stack(highs).max()])

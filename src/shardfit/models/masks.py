@@ -12,6 +12,8 @@ batch already knows on the host whether any row restarts its positions (`Batch.r
   windows): each layer type's mask, causal (and within the window) inside each example. Not only to spare the wait:
   some models never give transformers the positions to find the examples by (gpt-oss 5.23's mask arguments leave
   them out), and their packed rows would attend across examples;
+- flex attention on full-attention decoders: the block mask of the examples (causal within each), built from the
+  positions on the host's word that a row restarts, so the kernel skips the blocks across examples;
 - anything else (no host facts, chunked layers, a windowed decoder without the mapping, another attention kernel,
   SDPA on rows without a restart in a decoder without the mapping, such as Llama's): no argument, transformers
   decides as before.
@@ -74,14 +76,28 @@ def block_causal_mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtyp
                 device=position_ids.device)
 
 
+def _flex_argument(decoder: nn.Module, config: Any, position_ids: torch.Tensor, mapping: bool) -> dict[str, Any]:
+    """Flex attention's block mask, from the example boundaries the positions give (plain causal without a
+    restart): the kernel then skips the blocks across examples instead of computing a dense square. Built with
+    transformers' own functions, with or without restarts, so it never reads the device to look for them."""
+    if not _full_attention_only(config):
+        return {}  # windows and chunks: transformers' own masks
+    mask = block_causal_mask(config, position_ids, decoder.get_input_embeddings().weight.dtype)
+    return {"attention_mask": {"full_attention": mask} if mapping else mask}
+
+
 def mask_argument(decoder: nn.Module, position_ids: torch.Tensor | None, restarts: bool | None) -> dict[str, Any]:
     """The keyword arguments (`attention_mask` or none) to call `decoder` with for this micro-batch (module doc)."""
     config = getattr(decoder, "config", None)
     if restarts is None or position_ids is None or position_ids.dim() != 2 or config is None:
         return {}
-    if config._attn_implementation not in _DENSE_MASK_KERNELS or not getattr(config, "is_causal", True):
+    if not getattr(config, "is_causal", True):
         return {}
     mapping = takes_mask_mapping(type(decoder))
+    if config._attn_implementation == "flex_attention":
+        return _flex_argument(decoder, config, position_ids, mapping)
+    if config._attn_implementation not in _DENSE_MASK_KERNELS:
+        return {}
     if not _full_attention_only(config):
         if not (restarts and mapping and _full_and_sliding_only(config)):
             return {}

@@ -23,6 +23,7 @@ from shardfit.resolve.defaults import (
     resolve_attention,
     resolve_compile,
     resolve_experts,
+    resolve_static_shape,
     row_width_multiple,
 )
 from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
@@ -132,7 +133,9 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         why=tuple(why), objective=objectives.get(cfg.objective).name,
         reference=objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
                                           cfg.dpo.precompute_reference),
-        experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel)
+        experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel,
+        static_shape=resolve_static_shape(cfg.static_shape, device.type, cfg.packing, attention,
+                                          objectives.get(cfg.objective).preference, cfg.sequence_parallel))
 
 
 def settled(cfg: Config, job: Resolved) -> Config:

@@ -39,6 +39,23 @@ def resolve_compile(value: bool | str, device_type: str, packing: bool, sequence
     return device_type == "cuda" and not packing and sequence_parallel == 1
 
 
+# Attention kernels that take a packed row's example boundaries from its positions (variable-length flash attention)
+# or a block mask (flex attention) instead of computing the whole masked square.
+BOUNDARY_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def resolve_static_shape(value: bool | str, device_type: str, packing: bool, attention: str,
+                         preference: bool = False, sequence_parallel: int = 1) -> bool:
+    """`static_shape` as a bool: `auto` is on for a GPU's packed SFT rows with a kernel in BOUNDARY_KERNELS (a
+    dense mask over micro_batch x max_seq_len tokens costs micro_batch times the attention of separate rows).
+    Preference pairs and sequence-parallel slices keep their own rows whatever the setting (a pair's sides, a
+    rank's slice of a row, are laid out by their own rules)."""
+    if value != "auto":
+        return bool(value) and not preference and sequence_parallel == 1
+    return device_type == "cuda" and packing and attention in BOUNDARY_KERNELS and not preference \
+        and sequence_parallel == 1
+
+
 def resolve_attention(value: str, device_type: str, packing: bool, max_seq_len: int, compiled: bool) -> str:
     """`attn_implementation` for the run: `auto` becomes `eager` for compiled blocks on CPU with packed rows of at
     most EAGER_ATTENTION_MAX_LEN tokens; it stays `auto` (transformers' default, SDPA, or the choice per

@@ -60,6 +60,9 @@ class Resolved:
     experts: str = "grouped_mm"
     # Ranks that split every row (sequence parallelism); the data is split over world / sequence_parallel groups.
     sequence_parallel: int = 1
+    # Every training micro-batch one row of micro_batch x max_seq_len tokens (resolve/defaults.py
+    # `resolve_static_shape`; data/static_shape.py).
+    static_shape: bool = False
 
     @property
     def world(self) -> int:

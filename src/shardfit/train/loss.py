@@ -7,6 +7,7 @@ so peak logits memory is `chunk x vocab` floats instead of `batch x seq x vocab`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,33 @@ def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, c
     return total
 
 
+@functools.cache
+def widening_matmul(device: torch.device) -> bool:
+    """Whether `device` multiplies 16-bit operands into an fp32 result accumulated in place (`torch.addmm` with
+    `out_dtype`, aten::addmm.dtype_out: CUDA builds that have it). Tried once per device on a tiny product, checked
+    against the fp32 one; a CPU has no such kernel."""
+    if device.type != "cuda":
+        return False
+    a = torch.randn(8, 16, device=device, dtype=torch.bfloat16)
+    b = torch.randn(16, 8, device=device, dtype=torch.bfloat16)
+    acc = torch.ones(8, 8, device=device)
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(torch.allclose(acc, 1 + a.float() @ b.float(), atol=1e-2))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum over rows of CE(h @ W^T, y), with grads for h and (if it trains) W computed chunk by chunk."""
+    """sum over rows of CE(h @ W^T, y), with grads for h and (if it trains) W computed chunk by chunk.
+
+    `widen`: the trained head's gradient from the 16-bit operands the chunk already has into the fp32 gradient
+    (`widening_matmul`), instead of widening both to fp32 for an fp32 matmul (several times slower on a GPU, and
+    the largest matmul of a full fine-tune's loss)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk: int,
-                compute_dtype: torch.dtype) -> torch.Tensor:
+                compute_dtype: torch.dtype, widen: bool = False) -> torch.Tensor:
         want_w = weight.requires_grad
         w = weight.to(compute_dtype)
         grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
@@ -75,7 +97,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits[torch.arange(yc.shape[0], device=yc.device), yc] -= 1.0
             g = logits.to(compute_dtype)
             grad_h[s:s + chunk] = (g @ w).to(h.dtype)
-            if grad_w is not None:
+            if grad_w is not None and widen:
+                torch.addmm(grad_w, g.t(), hc, out_dtype=acc, out=grad_w)
+            elif grad_w is not None:
                 # The fp32 gradient itself, not a widened copy of `g`: exact, and no third chunk-sized buffer.
                 grad_w.addmm_(logits.t().to(acc), hc.to(acc))
             del logits, exp, g
@@ -90,7 +114,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # In place: a second vocabulary-sized buffer here would coexist with every activation of the step. The
         # saved tensor is spent; a second backward through this graph fails on its version counter.
         gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.want_w else None
-        return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), gw, None, None, None, None
 
 
 def labelled(hidden: torch.Tensor, targets: torch.Tensor, n_targets: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +132,15 @@ def labelled(hidden: torch.Tensor, targets: torch.Tensor, n_targets: int | None)
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int = 1024,
                           compute_dtype: torch.dtype | None = None, all_labelled: bool = False,
-                          n_targets: int | None = None) -> tuple[torch.Tensor, int]:
+                          n_targets: int | None = None, widen: bool | None = None) -> tuple[torch.Tensor, int]:
     """Summed CE of `head(hidden)` against `targets` (already shifted; IGNORE skipped), and the target count.
 
     `targets` is moved to the hidden states' device first, so a model split across devices never mixes them.
     `all_labelled` skips the selection of labelled positions (its output size depends on the data, which a
     fake-tensor simulation cannot know): every position then goes through the head, the worst case.
     `n_targets`, the count of labelled positions when the caller knows it on the host, spares the GPU a wait.
+    `widen`: a trained head's gradient from 16-bit operands into fp32 (`_LinearCrossEntropy`); None: wherever the
+    compute dtype is 16-bit and the device has the kernel (`widening_matmul`).
     """
     targets = targets.to(hidden.device)
     if all_labelled:
@@ -135,7 +161,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
         with torch.autocast(h.device.type, enabled=False):
             if not torch.is_grad_enabled():
                 return _cross_entropy_sum(h, weight, y, chunk, compute_dtype), n
-            return _LinearCrossEntropy.apply(h, weight, y, chunk, compute_dtype), n
+            if widen is None:
+                widen = compute_dtype in (torch.bfloat16, torch.float16) and weight.requires_grad \
+                    and widening_matmul(weight.device)
+            return _LinearCrossEntropy.apply(h, weight, y, chunk, compute_dtype, widen), n
     # A wrapped head (LoRA on lm_head, a bias): recompute each chunk's logits in backward instead.
     def piece(hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(_upcast(head(hc)), yc, reduction="sum")
@@ -216,21 +245,20 @@ class CausalLMLoss(nn.Module):
     def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss as a sum over this micro-batch's `n` targets (the LM loss is a sum too, so
         after the step's normalisation it weighs `coef` x the mean aux loss), recording it and the expert load."""
-        low, high = expert_load(logits, self.moe_top_k)
+        load = expert_load(logits, self.moe_top_k)
         aux_sum = like.new_zeros(())
         if self.aux is not None and logits:
             aux = self.aux.fn(logits, self.aux.experts, self.aux.top_k, None)
             aux_sum = self.aux.coef * aux.to(like.dtype) * n
-        self.last_moe = MoeStep(aux_sum.detach(), n, low, high)
+        self.last_moe = MoeStep(aux_sum.detach(), n, load)
         return aux_sum
 
 
 @dataclass(frozen=True)
 class MoeStep:
     """What one micro-batch's routing did: its load-balancing loss as added to the loss sum (over `targets`), and
-    the lowest and highest expert load (models/experts.py `expert_load`)."""
+    the lowest and highest expert load (models/experts.py `expert_load`), both on the device."""
 
     aux_sum: torch.Tensor
     targets: int
-    load_low: float
-    load_high: float
+    load: torch.Tensor  # [lowest, highest]

@@ -120,12 +120,13 @@ class StepLogger:
         self._routed = False
         self._pref: torch.Tensor | None = None  # a preference run's window of figures (train/preference.py STATS)
 
-    def add_routing(self, aux_sum: torch.Tensor, global_targets: int, low: float, high: float) -> None:
-        """A micro-batch's routing: its load-balancing loss (summed as the loss is) and expert load."""
+    def add_routing(self, aux_sum: torch.Tensor, global_targets: int, load: torch.Tensor) -> None:
+        """A micro-batch's routing: its load-balancing loss (summed as the loss is) and expert load ([lowest,
+        highest]), kept on the device until the window is written."""
         self._routed = True
         self._aux += aux_sum.detach().double() / max(global_targets, 1)
-        self._load[0] = min(float(self._load[0]), low)
-        self._load[1] = max(float(self._load[1]), high)
+        load = load.to(self._load.device, torch.float64)
+        self._load = torch.stack([torch.minimum(self._load[0], load[0]), torch.maximum(self._load[1], load[1])])
 
     def _routing_record(self) -> dict[str, Any]:
         """The window's routing figures for metrics.jsonl (every rank's: summed, lowest, highest), or nothing."""

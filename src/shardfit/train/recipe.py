@@ -31,9 +31,10 @@ from shardfit.check.run import preflight
 from shardfit.config import Config
 from shardfit.data.cache import cached_encode_split
 from shardfit.data.dataset import read_split
-from shardfit.data.loader import BatchSchedule, StepRows, collate
-from shardfit.data.packing import PackedRow, no_pack, pack, pack_where_padded
+from shardfit.data.loader import Batch, BatchSchedule, StepRows, collate
+from shardfit.data.packing import PackedRow, no_pack, pack, pack_stream, pack_where_padded
 from shardfit.data.preference import Pair, encode_preference_split, pair_former, read_preference_split
+from shardfit.data.static_shape import stream_shape
 from shardfit.data.tokenize import Encoded
 from shardfit.dtypes import DTYPES
 from shardfit.errors import JobFailed, UserError
@@ -81,6 +82,7 @@ from shardfit.train.checkpoint import Checkpointer, list_checkpoints
 from shardfit.train.diverge import Diverged, DivergenceStop
 from shardfit.train.evaluate import Evaluator, GenerationEval
 from shardfit.train.export import export_base, save_final
+from shardfit.train.inputs import InputFeed
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.oom import Where, out_of_memory, ran_out
@@ -268,7 +270,7 @@ class FineTune:
         self.eval_rows = [] if preference else rows_of(eval_ex, self.row_cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.batches = BatchSchedule(train_ex, cfg.micro_batch, cfg.grad_accum, self.layout.dp, self.layout.dp_rank,
-                                     cfg.seed, micro_batch_former(self.row_cfg))
+                                     cfg.seed, pack_stream if self.static_shape else micro_batch_former(self.row_cfg))
 
     def _setup_model(self) -> None:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
@@ -305,6 +307,7 @@ class FineTune:
         self.findings = quantized + findings
         report_findings(findings, env)
         self.in_device = input_device(self.model) if s.engine == "device_map" else env.device
+        self.feed = InputFeed(self.in_device, self._collate)
         # FSDP2's MixedPrecisionPolicy already computes in low precision; the other engines use autocast.
         self.amp = torch.autocast(env.device.type, dtype=DTYPES[self.job.autocast]) if self.job.autocast \
             else contextlib.nullcontext()
@@ -421,6 +424,12 @@ class FineTune:
             return dataclasses.replace(self.cfg, packing=False)
         return self.cfg
 
+    @property
+    def static_shape(self) -> bool:
+        """Whether training micro-batches are one row of micro_batch x max_seq_len tokens (data/static_shape.py):
+        as resolved, where the rows may be packed at all (`row_cfg`)."""
+        return self.job.static_shape and self.row_cfg.packing
+
     def _media_line(self) -> str:
         """The start line's account of a multimodal run's media (empty for a text model)."""
         if self.vision is None:
@@ -504,10 +513,9 @@ class FineTune:
         # Normalise by the global batch's target count: the same loss at any world size and accumulation.
         scale = self.env.world / max(rows.global_targets, 1)
         wd = self.wd
-        for m, micro in enumerate(rows.micro_batches):
+        wd.at("data loader")
+        for m, batch in enumerate(self.feed(rows.micro_batches)):  # the next micro-batch's copy already issued
             last = m == len(rows.micro_batches) - 1
-            wd.at("data loader")
-            batch = shard_batch(collate(micro, self.pad_id, self.job.rows), self.layout).to(self.in_device)
             if self.attention is not None:  # `auto` attention: the kernel for this micro-batch's width
                 self.attention.before(batch.input_ids.shape[-1])
             wd.at("forward")
@@ -521,7 +529,7 @@ class FineTune:
             moe = self.routing.last_moe
             if moe is not None:  # the LM loss is logged apart from the load-balancing loss the step trained on
                 loss_sum = loss_sum.detach() - moe.aux_sum
-                self.logger.add_routing(moe.aux_sum, rows.global_targets, moe.load_low, moe.load_high)
+                self.logger.add_routing(moe.aux_sum, rows.global_targets, moe.load)
             self.logger.add_loss(loss_sum, rows.global_targets)
         wd.at("optimizer step")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
@@ -533,6 +541,11 @@ class FineTune:
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _collate(self, rows: list[PackedRow]) -> Batch:
+        """One micro-batch's rows as a host batch, this rank's slice of them under sequence parallelism."""
+        shape = stream_shape(self.job.rows) if self.static_shape else self.job.rows
+        return shard_batch(collate(rows, self.pad_id, shape), self.layout)
 
     def _reads_device(self, step: int) -> bool:
         """Whether the host reads the device after optimizer step `step` anyway (a logged step), or must not go on
@@ -634,7 +647,7 @@ class FineTune:
         c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
         steps = self.total_steps - self.start_step
         run_s = c.step_s * steps if c is not None and c.step_s else None
-        new_shapes = self.batches.new_shape_share() * steps * self.cfg.grad_accum
+        new_shapes = 1.0 if self.static_shape else self.batches.new_shape_share() * steps * self.cfg.grad_accum
         self.cudnn_attention = cudnn_attention_allowed(self.cfg.attn_implementation, self.env.device.type,
                                                        bool(self.cfg.compile), new_shapes=new_shapes, run_s=run_s)
         if not self.cudnn_attention and self.env.is_main and not self.quiet:
