@@ -49,7 +49,11 @@ MEDIA_MATRIX = {
     (QWEN3_VL, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[qwen3_vl]",
     (QWEN3_VL_MOE, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[qwen3_vl_moe]",
     (QWEN3_VL_MOE, "lora", "zero3"): "tests/test_vl_families.py::test_zero3_rank_without_image_matches_one_process",
+    (QWEN3_VL, "lora", "zero3"):
+        "tests/test_vl_families.py::test_zero3_matches_one_process_on_the_other_families[qwen3_vl]",
     (GLM45V, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[glm4v_moe]",
+    (GLM45V, "lora", "zero3"):
+        "tests/test_vl_families.py::test_zero3_matches_one_process_on_the_other_families[glm4v_moe]",
     (GEMMA3_VL, "lora", "single"): "tests/test_gemma3_vl.py::test_a_lora_run_trains_on_image_rows",
     (GEMMA3_VL, "lora", "zero3"): "tests/test_gemma3_vl.py::test_zero3_rank_without_image_matches_one_process",
 }

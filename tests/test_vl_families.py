@@ -122,3 +122,19 @@ def test_zero3_rank_without_image_matches_one_process(tmp_path: Path, tokenizer_
                 lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
     one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
     assert_adapters_match(one, two, "merger", atol=1e-6)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("arch", ["qwen3_vl", "glm4v_moe"])
+def test_zero3_matches_one_process_on_the_other_families(tmp_path: Path, tokenizer_dir: Path, vl_rows: Path,
+                                                         arch: str) -> None:
+    """Qwen3-VL (dense) and GLM-4.5V as the test above runs Qwen3-VL-MoE: one rank without an image every step."""
+    model = make_tiny_vl_family(tmp_path / "model", tokenizer_dir, arch)
+    rows = vl_rows.read_text().splitlines()
+    data = vl_rows.parent / f"two-{arch}.jsonl"
+    data.write_text(rows[0] + "\n" + rows[2] + "\n")
+    keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
+                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
+                lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
+    one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
+    assert_adapters_match(one, two, "merger", atol=1e-6)
