@@ -184,14 +184,14 @@ def test_a_run_trains_on_video_rows(tmp_path: Path, tiny_qwen3_vl: Path, video_r
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # test_vl_families.py holds the image case on two ranks; this, a video on one rank
-def test_zero3_rank_without_video_matches_one_process(tmp_path: Path, tokenizer_dir: Path, video_rows: Path) -> None:
-    """Qwen3-VL-MoE, one row per rank: the rank with the video row and the rank with the text row run the same
-    tower and deepstack units, so ZeRO-3's collectives match and the losses equal one process's."""
+@pytest.mark.heavy  # test_vl_families.py holds image rows on two ranks; this, an image-and-video row on one rank
+def test_zero3_rank_without_media_matches_one_process(tmp_path: Path, tokenizer_dir: Path, video_rows: Path) -> None:
+    """Qwen3-VL-MoE, one row per rank: the rank with the image-and-video row and the rank with the text row run
+    the same tower and deepstack units, so ZeRO-3's collectives match and the losses equal one process's."""
     model = make_tiny_qwen3_vl(tmp_path / "model", tokenizer_dir, "qwen3_vl_moe")
     rows = video_rows.read_text().splitlines()
     data = video_rows.parent / "two.jsonl"
-    data.write_text(rows[0] + "\n" + rows[2] + "\n")
+    data.write_text(rows[1] + "\n" + rows[2] + "\n")
     keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=256, micro_batch=1, max_steps=3,
                 log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
                 video_fps=2.0, lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
