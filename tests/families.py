@@ -40,15 +40,17 @@ HEAVY_ZERO3 = ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)")
 # Families trained on media rows by a test file of their own: (family, method, strategy) -> the test that trains
 # the case (tests/test_qwen3_omni.py checks that each exists).
 OMNI3 = "Qwen3-Omni-MoE (thinker: text, images, audio)"
-QWEN3_VL, QWEN3_VL_MOE, GLM45V = "Qwen3-VL (images)", "Qwen3-VL-MoE (images)", "GLM-4.5V (images)"
+QWEN3_VL, QWEN3_VL_MOE = "Qwen3-VL (images, video)", "Qwen3-VL-MoE (images, video)"
+GLM45V = "GLM-4.5V (images)"
 GEMMA3_VL = "Gemma 3 (images)"
 MEDIA_MATRIX = {
     (OMNI3, "lora", "single"): "tests/test_qwen3_omni.py::test_a_run_trains_on_image_and_audio_rows",
     (OMNI3, "full", "single"): "tests/test_qwen3_omni.py::test_full_fine_tune_trains_the_thinker",
     (OMNI3, "lora", "zero3"): "tests/test_qwen3_omni.py::test_zero3_rank_without_media_matches_one_process",
-    (QWEN3_VL, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[qwen3_vl]",
-    (QWEN3_VL_MOE, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[qwen3_vl_moe]",
-    (QWEN3_VL_MOE, "lora", "zero3"): "tests/test_vl_families.py::test_zero3_rank_without_image_matches_one_process",
+    # Qwen3-VL: runs on rows with an image, a video and both (test_vl_families.py runs image rows alone too).
+    (QWEN3_VL, "lora", "single"): "tests/test_qwen3_vl_video.py::test_a_run_trains_on_video_rows[qwen3_vl]",
+    (QWEN3_VL_MOE, "lora", "single"): "tests/test_qwen3_vl_video.py::test_a_run_trains_on_video_rows[qwen3_vl_moe]",
+    (QWEN3_VL_MOE, "lora", "zero3"): "tests/test_qwen3_vl_video.py::test_zero3_rank_without_media_matches_one_process",
     (QWEN3_VL, "lora", "zero3"):
         "tests/test_vl_families.py::test_zero3_matches_one_process_on_the_other_families[qwen3_vl]",
     (GLM45V, "lora", "single"): "tests/test_vl_families.py::test_a_run_trains_on_image_rows[glm4v_moe]",

@@ -164,9 +164,9 @@ def test_video_file_is_sampled_at_video_fps(tmp_path: Path) -> None:
     """10 frames at 4 fps (2.5 s) sampled at 2 fps keep 5 frames evenly spread; video_max_frames caps them."""
     _write_video(tmp_path / "v.mov", [(25 * i, 0, 0) for i in range(10)], fps=4)
     clip = video_clip("v.mov", tmp_path, "videos[0]")
-    assert (clip.file_frames, clip.seconds) == (10, 2.5)
+    assert (clip.file_frames, clip.seconds, clip.rate) == (10, 2.5, 4.0)
     five = VideoSettings("<|video_pad|>", 0, max_frames=64, fps=2.0).sampled(clip)
-    assert five.picks == (0, 2, 4, 7, 9) and five.fps == 2.0
+    assert five.picks == (0, 2, 4, 7, 9) and five.fps == 2.0 and five.source_fps == 4.0
     assert [im.getpixel((0, 0))[0] for im in five.images()] == [0, 50, 100, 175, 225]
     three = VideoSettings("<|video_pad|>", 0, max_frames=3, fps=2.0).sampled(clip)
     assert three.picks == (0, 4, 9) and three.fps == pytest.approx(1.2)

@@ -145,8 +145,8 @@ def encode_all(tokenizer: Any, conversations: list[Conversation], max_len: int, 
             raise UserError(f"{conv.where}: the row has {what} but the model has no vision tower; train a "
                             f"vision-language model (e.g. Qwen2-VL), or remove the {what}.")
         if conv.videos and vision.video is None:
-            raise UserError(f"{conv.where}: the row has videos, which shardfit trains on Qwen2-VL and Qwen2.5-VL "
-                            "only; remove the videos, or give their frames as images.")
+            raise UserError(f"{conv.where}: the row has videos, which shardfit trains on Qwen2-VL, Qwen2.5-VL and "
+                            "Qwen3-VL (dense and MoE) only; remove the videos, or give their frames as images.")
         if conv.audios and (vision is None or vision.audio is None):
             raise UserError(f"{conv.where}: the row has audio but the model has no audio tower (or its folder no "
                             "preprocessor_config.json); train Qwen2.5-Omni with its preprocessor_config.json, or "

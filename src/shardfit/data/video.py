@@ -7,6 +7,10 @@ temporal patch size) is one patch deep, so a video's grid is (frames / 2, rows, 
 grid / (merge x merge). Each frame goes through the model's image processor (same resize, rescale and normalisation
 as an image, so no video processor and no torchvision is needed); its patches are then interleaved by pairs, in the
 layout the tower's patch embedding reads.
+
+Qwen3-VL writes a video as one block per temporal patch: its time as text ("<1.5 seconds>", the mean of the
+patch's first and last frame in the source video), then vision_start, the patch's tokens, vision_end
+(`VideoSettings.tokens`); its M-RoPE positions treat each block as a one-patch-deep image.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class VideoClip:
     file: str | None = None
     file_frames: int = 0
     seconds: float = 0.0
+    rate: float = 0.0  # a file's frame rate as its header gives it (Qwen3-VL's timestamps count in its frames)
 
     def __len__(self) -> int:
         return self.file_frames if self.file else len(self.frames)
@@ -87,13 +92,14 @@ def _probed(p: Path, where: str) -> VideoClip:
                 seconds = (container.duration or 0) / 1_000_000  # the container's duration is in microseconds
             rate = float(stream.average_rate or 0)
             frames = stream.frames or round(seconds * rate)
+            rate = rate or (frames / seconds if seconds > 0 else 0.0)
     except (av.FFmpegError, OSError) as e:
         raise BadRow(f"{where}: {p} does not decode as a video ({e}); re-encode it, e.g. ffmpeg -i {p.name} "
                      f"-c:v libx264 {p.stem}_fixed.mp4") from None
     if frames <= 0 or seconds <= 0:
         raise BadRow(f"{where}: {p} gives no frame count or length in its header; re-encode it, e.g. ffmpeg -i "
                      f"{p.name} -c:v libx264 {p.stem}_fixed.mp4")
-    return VideoClip(file=str(p.resolve()), file_frames=frames, seconds=seconds)
+    return VideoClip(file=str(p.resolve()), file_frames=frames, seconds=seconds, rate=rate)
 
 
 def _resolved(path: str, base: Path) -> str:
@@ -113,6 +119,9 @@ class VideoSettings:
     # Qwen2.5-VL: temporal positions advance tokens_per_second x seconds per temporal patch; Qwen2-VL (None): one per
     # temporal patch.
     tokens_per_second: float | None = None
+    # Qwen3-VL: the (vision_start, vision_end) token ids around each temporal patch's block, a timestamp before it;
+    # None: the video's tokens in one run (Qwen2-VL, Qwen2.5-VL).
+    frame_markers: tuple[int, int] | None = None
 
     def sampled(self, clip: VideoClip) -> SampledVideo:
         """The frames the model sees, evenly spread over the video, and their rate: given frames are at `fps` and
@@ -128,13 +137,33 @@ class VideoSettings:
         else:
             picks = tuple(round(i * (n - 1) / (want - 1)) for i in range(want)) if want > 1 else (0,)
         fps = want / clip.seconds if clip.file else self.fps * want / n
-        return SampledVideo(clip, picks, fps)
+        return SampledVideo(clip, picks, fps, clip.rate if clip.file else self.fps)
 
     def time_interval(self, temporal_patch: int, fps: float) -> float:
         """The temporal position step from one temporal patch to the next."""
         if self.tokens_per_second is None:
             return 1.0
         return self.tokens_per_second * temporal_patch / fps
+
+    def tokens(self, tokenizer: Any, video: SampledVideo, grid: list[int], per_patch: int,
+               temporal_patch: int) -> tuple[list[int], list[tuple[int, list[int], float]]]:
+        """The tokens a video's placeholder becomes (`per_patch` tokens per temporal patch of its (t, h, w) `grid`)
+        and its M-RoPE spans among them: (offset, grid, temporal step). Qwen2-VL-style: one run of t x per_patch
+        tokens, one span. Qwen3-VL (`frame_markers`): per temporal patch "<S seconds>" (S to one decimal, as its
+        processor writes it), vision_start, the patch's tokens and vision_end, each patch a span of grid
+        (1, h, w), as its get_rope_index splits the video's grid."""
+        t, h, w = grid
+        if self.frame_markers is None:
+            return [self.token_id] * (t * per_patch), [(0, list(grid), self.time_interval(temporal_patch, video.fps))]
+        start, end = self.frame_markers
+        ids: list[int] = []
+        spans: list[tuple[int, list[int], float]] = []
+        for seconds in video.patch_seconds(temporal_patch):
+            # The text between two special tokens is tokenised on its own, so alone it gives the same tokens.
+            ids += tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False) + [start]
+            spans.append((len(ids), [1, h, w], 1.0))
+            ids += [self.token_id] * per_patch + [end]
+        return ids, spans
 
 
 @dataclass(frozen=True)
@@ -144,6 +173,14 @@ class SampledVideo:
     clip: VideoClip
     picks: tuple[int, ...]
     fps: float
+    source_fps: float = 0.0  # the rate of the clip's own frames: a file's header rate; given frames: video_fps
+
+    def patch_seconds(self, temporal_patch: int) -> list[float]:
+        """The time of each temporal patch in the source video (Qwen3-VL's timestamps): each kept frame at its index
+        / `source_fps`, the last repeated to fill the last patch, a patch at the mean of its first and last frame."""
+        picks = list(self.picks) + [self.picks[-1]] * (-len(self.picks) % temporal_patch)
+        times = [i / self.source_fps for i in picks]
+        return [(times[g] + times[g + temporal_patch - 1]) / 2 for g in range(0, len(times), temporal_patch)]
 
     def images(self) -> list[Any]:
         """The kept frames as RGB images (a file is decoded up to its last kept frame)."""

@@ -24,6 +24,9 @@ from shardfit.data.media import AUDIO, IMAGE
 from shardfit.data.tokenize import IGNORE, Encoded, encode_messages
 from shardfit.data.video import VIDEO, VideoClip, VideoPixels, VideoSettings, load_video
 
+Span = tuple[int, list[int], float]  # an image's or video's M-RoPE span: (first token, (t, h, w) grid, temporal step)
+Expansion = tuple[list[int], list[Span]]  # the tokens a medium's placeholder becomes, and its spans among them
+
 
 @dataclass(frozen=True)
 class VisionProcessor:
@@ -36,7 +39,7 @@ class VisionProcessor:
     end: str
     merge: int  # spatial merge of the vision tower: merge x merge patches make one language-model token
     audio: AudioProcessor | None = None  # a model with an audio tower too (Qwen2.5-Omni's thinker)
-    video: VideoSettings | None = None  # a model that trains on videos (Qwen2-VL, Qwen2.5-VL)
+    video: VideoSettings | None = None  # a model that trains on videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
     # Gemma 3: every image is a fixed grid of soft tokens (1, side, side), read with 1-D positions and attended to
     # both ways within the image; None for Qwen2-VL-style models, whose grid is the processor's patch grid.
     soft_grid: tuple[int, int, int] | None = None
@@ -98,47 +101,31 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
         rendered.append(dict(m, content=content))
     enc = encode_messages(tokenizer, rendered, max_len=1 << 30, label_from=label_from)
     grids = load_pixels(vp, images)[1] if images else None  # decoded once here for the grids; pixels come later
-    # Each video: its frames (sampled to video_max_frames), its grid and its temporal position step.
+    # Each video: its frames (sampled to video_max_frames) and its grid.
     clips = [vs.sampled(v) for v in videos] if vs is not None else []
     vgrids = torch.cat([load_video(vp.image_processor, c.images())[1] for c in clips]) if clips else None
-    steps = [vs.time_interval(vp.image_processor.temporal_patch_size, c.fps) for c in clips] if vs else []
-    kinds: dict[int, tuple[str, list[int], str]] = {  # token -> (what, tokens per medium, token string)
-        vp.image_token_id: ("image", [vp.tokens_per_image(g) for g in grids.tolist()] if grids is not None else [],
-                            vp.image_token)}
+    # token -> (what, the tokens and M-RoPE spans each of its media becomes, token string)
+    kinds: dict[int, tuple[str, list[Expansion], str]] = {
+        vp.image_token_id: ("image", [([vp.image_token_id] * vp.tokens_per_image(g), [(0, g, 1.0)])
+                                      for g in (grids.tolist() if grids is not None else [])], vp.image_token)}
     if ap is not None:
-        kinds[ap.audio_token_id] = ("audio clip", [ap.tokens(ap.n_samples(a)) for a in audios], ap.audio_token)
+        kinds[ap.audio_token_id] = ("audio clip", [([ap.audio_token_id] * ap.tokens(ap.n_samples(a)), [])
+                                                   for a in audios], ap.audio_token)
     if vs is not None:
-        kinds[vs.token_id] = ("video", [vp.tokens_per_image(g) for g in vgrids.tolist()] if vgrids is not None
-                              else [], vs.token)
-    for tok, (what, counts, own) in kinds.items():
+        temporal = int(vp.image_processor.temporal_patch_size)
+        kinds[vs.token_id] = ("video", [vs.tokens(tokenizer, c, g, vp.tokens_per_image([1, *g[1:]]), temporal)
+                                        for c, g in zip(clips, vgrids.tolist() if clips else [], strict=True)],
+                              vs.token)
+    for tok, (what, media, own) in kinds.items():
         n_slots = sum(1 for t in enc.input_ids if t == tok)
-        if n_slots != len(counts):
-            raise BadRow(f"{len(counts)} {what}(s) but the chat template produced {n_slots} {what} slot(s); the "
+        if n_slots != len(media):
+            raise BadRow(f"{len(media)} {what}(s) but the chat template produced {n_slots} {what} slot(s); the "
                          f"text itself must not contain {own}")
-    ids: list[int] = []
-    targets: list[int] = []
-    spans: list[tuple[int, list[int], float]] = []  # (first token, grid, temporal step) of each image and video
-    last_end = 0  # where the last medium's tokens end
-    seen = dict.fromkeys(kinds, 0)
-    for tok, tgt in zip(enc.input_ids, enc.targets, strict=True):
-        if tok in kinds:
-            k = seen[tok]
-            n = kinds[tok][1][k]
-            if tok == vp.image_token_id:
-                spans.append((len(ids), grids[k].tolist(), 1.0))
-            elif vs is not None and tok == vs.token_id:
-                spans.append((len(ids), vgrids[k].tolist(), steps[k]))
-            seen[tok] += 1
-            ids += [tok] * n
-            targets += [IGNORE] * (n - 1) + [tgt]  # media tokens are inputs only; the last keeps the next label
-            last_end = len(ids)
-        else:
-            ids.append(tok)
-            targets.append(tgt)
+    ids, targets, spans, last_end = _expanded(enc, {tok: media for tok, (_, media, _) in kinds.items()})
     truncated = len(ids) > max_len
     if truncated:
         if last_end > max_len:
-            n_media = sum(sum(c) for _, c, _ in kinds.values())
+            n_media = sum(len(seq) for _, media, _ in kinds.values() for seq, _ in media)
             present = [k for k, on in (("image", images), ("audio", audios), ("video", videos)) if on]
             keys = {"image": "image_max_pixels", "audio": "audio_max_seconds", "video": "video_max_frames"}
             raise BadRow(f"its {n_media} {' and '.join(present)} tokens and text take {len(ids)} tokens, beyond "
@@ -150,6 +137,29 @@ def encode_with_images(tokenizer: Any, vp: VisionProcessor, messages: list[dict[
                    image_grid_thw=grids, audio=AudioClips(ap, audios) if audios and ap is not None else None,
                    video=VideoPixels(vp.image_processor, tuple(clips)) if clips else None,
                    video_grid_thw=vgrids)
+
+
+def _expanded(enc: Encoded, media: dict[int, list[Expansion]]) -> tuple[list[int], list[int], list[Span], int]:
+    """`enc`'s tokens with each media placeholder replaced by its medium's tokens (in order, per kind), the targets
+    (media tokens are inputs only: the last keeps the placeholder's label), the M-RoPE spans at their places, and
+    where the last medium's tokens end."""
+    ids: list[int] = []
+    targets: list[int] = []
+    spans: list[Span] = []
+    last_end = 0
+    seen = dict.fromkeys(media, 0)
+    for tok, tgt in zip(enc.input_ids, enc.targets, strict=True):
+        if tok in media:
+            seq, at = media[tok][seen[tok]]
+            seen[tok] += 1
+            spans += [(len(ids) + offset, grid, step) for offset, grid, step in at]
+            ids += seq
+            targets += [IGNORE] * (len(seq) - 1) + [tgt]
+            last_end = len(ids)
+        else:
+            ids.append(tok)
+            targets.append(tgt)
+    return ids, targets, spans, last_end
 
 
 def mrope_positions(n: int, spans: list[tuple[int, list[int], float]], merge: int) -> list[list[int]]:

@@ -85,9 +85,11 @@ def input_device(model: nn.Module) -> torch.device:
 # Model types whose image path shardfit trains: the vision tower's features fill the image placeholder tokens and
 # the language model takes 3-D M-RoPE positions (Qwen3-VL's also its deepstack features, train/media_forward.py).
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe")
-# Of those, the ones whose videos shardfit trains: Qwen3-VL and GLM-4.5V put a timestamp before each frame, a
-# layout of their own.
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Of those, the ones whose videos shardfit trains (not GLM-4.5V's, whose frames take timestamps and positions of
+# their own).
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Of those, the ones that write a timestamp and vision_start / vision_end around each temporal patch of a video.
+TIMESTAMPED_VIDEO_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Qwen2.5-Omni and Qwen3-Omni-MoE (whole, or the thinker alone): images and audio, when the folder has the processor
 # files; without them the thinker trains on text. `build_model` marks a thinker that trains on media with MEDIA_FLAG.
 OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker")

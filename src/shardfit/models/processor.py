@@ -26,6 +26,7 @@ from shardfit.models.anatomy import (
     FLAGGED_MEDIA_TYPES,
     OMNI_MODEL_TYPES,
     SOFT_TOKEN_MODEL_TYPES,
+    TIMESTAMPED_VIDEO_MODEL_TYPES,
     VIDEO_MODEL_TYPES,
     VISION_MODEL_TYPES,
 )
@@ -78,9 +79,9 @@ def _marker_id(configs: tuple[Any, ...], edge: str) -> int | None:
 
 def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> VisionProcessor | None:
     """The image processor and image tokens of a multimodal model (None for a text model), with
-    `image_min_pixels` / `image_max_pixels` as the processor's resize bounds (of video frames too); for Qwen2-VL
-    and Qwen2.5-VL the video token and `video_max_frames` / `video_fps`; for Qwen2.5-Omni and Qwen3-Omni the audio
-    feature extractor and audio tokens, clips cut at `audio_max_seconds`."""
+    `image_min_pixels` / `image_max_pixels` as the processor's resize bounds (of video frames too); for Qwen2-VL,
+    Qwen2.5-VL and Qwen3-VL the video token and `video_max_frames` / `video_fps`; for Qwen2.5-Omni and Qwen3-Omni
+    the audio feature extractor and audio tokens, clips cut at `audio_max_seconds`."""
     kind = vision_model_type(source, cfg.trust_remote_code)
     if kind is None:
         return None
@@ -119,8 +120,11 @@ def load_vision_processor(source: ModelSource, cfg: Config, tokenizer: Any) -> V
     if kind in VIDEO_MODEL_TYPES:
         # Qwen2.5-VL spaces a video's temporal positions by seconds (tokens_per_second); Qwen2-VL by one per patch.
         tps = getattr(media.vision_config, "tokens_per_second", None) if kind == "qwen2_5_vl" else None
+        # Qwen3-VL: a timestamp and the vision markers around each temporal patch.
+        markers = (tokenizer.convert_tokens_to_ids(start), tokenizer.convert_tokens_to_ids(end)) \
+            if kind in TIMESTAMPED_VIDEO_MODEL_TYPES else None
         video = VideoSettings(_token(tokenizer, source, media.video_token_id, (), "video"), media.video_token_id,
-                              cfg.video_max_frames, cfg.video_fps, tps)
+                              cfg.video_max_frames, cfg.video_fps, tps, markers)
     return VisionProcessor(processor, image, media.image_token_id, start, end,
                            media.vision_config.spatial_merge_size, audio, video)
 
