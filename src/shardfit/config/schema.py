@@ -123,6 +123,11 @@ class Config:
                                     "of the heads over the whole row); must divide the ranks, the data is split "
                                     "over the rest. Dense text models, objective sft; docs/long-context.md",
                                  ge=1)
+    expert_parallel: int = key(1, "ranks that share each mixture-of-experts block's routed experts (each holds "
+                                  "experts/N of them; tokens travel to their experts' ranks and back by "
+                                  "all-to-all); must divide the data-parallel ranks and the expert count. "
+                                  "Strategy ddp, full or LoRA without expert adapters; docs/expert-parallel.md",
+                               ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
                                       "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "

@@ -1,0 +1,197 @@
+"""Expert parallelism: each rank of an expert group keeps 1/N of every mixture-of-experts block's routed experts,
+and the tokens travel to their experts' ranks and back by all-to-all.
+
+The router still runs on every rank (it is replicated like attention); only the routed experts' call changes. Each
+(token, chosen expert) pair is sent, sorted by expert, to the rank holding that expert; there transformers' own
+experts computation (eager, batched_mm or grouped_mm, whichever the model runs) computes the pairs with the local
+slice of the weights and a routing weight of 1; the results come back the same way and are weighted and summed on
+the token's rank, in the order of the experts, as the whole block sums them. Both exchanges are autograd-aware
+(`torch.distributed.nn.functional.all_to_all_single`), so the gradients of the experts' weights arrive on the rank
+holding them, from every rank's tokens. torchtitan's expert parallelism takes the same path (a token-count
+exchange, then the tokens permuted by expert); here it wraps the existing fused-experts modules instead of
+replacing them, so the state dict keeps the model's own names.
+
+Gradients: the strategy (DDP) averages every other parameter over all data ranks and is told to leave the experts
+alone (`ignored`); `sync_expert_grads` divides theirs by the world (the loss is normalised for an average) and sums
+them over the ranks holding the same share. `clip_grad_norm` counts every expert once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
+
+from shardfit.models.experts import moe_parts
+
+# The attribute of the experts module that says how many it holds, by family (Qwen/Mixtral/DeepSeek/GLM/gpt-oss).
+COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+@dataclass
+class ExpertShard:
+    """This rank's share of the experts: `ep` ranks in `group` (None: one rank), `rank` among them; the experts
+    modules it sliced (model path -> module) with their whole expert count; `world` and the group of ranks holding
+    the same share (`rep_group`, None when there is one such rank) for the gradients."""
+
+    ep: int
+    rank: int
+    group: Any
+    world: int
+    rep_group: Any = None
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    total: int = 0
+
+    @property
+    def local(self) -> int:
+        return self.total // self.ep
+
+    def params(self) -> list[nn.Parameter]:
+        """The expert weights this rank holds (the sliced 3-D stacks and any per-expert biases)."""
+        return [p for m in self.modules.values() for p in m.parameters(recurse=False)]
+
+
+def expert_count(module: nn.Module) -> int:
+    """How many experts a fused-experts module holds (its own attribute)."""
+    for a in COUNT_ATTRS:
+        n = getattr(module, a, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    raise ValueError(f"{type(module).__name__} names no expert count ({', '.join(COUNT_ATTRS)})")
+
+
+def _set_count(module: nn.Module, n: int) -> None:
+    for a in COUNT_ATTRS:
+        if isinstance(getattr(module, a, None), int):
+            setattr(module, a, n)
+
+
+def shard_experts(model: nn.Module, ep: int, rank: int, group: Any, world: int,
+                  rep_group: Any = None) -> ExpertShard:
+    """Keep experts [rank * E/ep, (rank + 1) * E/ep) of every experts module of `model` and route its calls over
+    `group`. Every parameter of an experts module is per expert (first dimension E); it is sliced in place (a copy
+    of the slice, so the whole stack is freed)."""
+    shard = ExpertShard(ep=ep, rank=rank, group=group, world=world, rep_group=rep_group)
+    for name in moe_parts(model).experts:
+        module = model.get_submodule(name)
+        total = expert_count(module)
+        if total % ep:
+            raise ValueError(f"{name}: {total} experts do not share out over {ep} ranks")
+        shard.total = total
+        lo, n = rank * total // ep, total // ep
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.shape[0] != total:
+                raise ValueError(f"{name}.{pname}: first dimension {p.shape[0]} is not the {total} experts")
+            p.data = p.data[lo:lo + n].clone()
+        _set_count(module, n)
+        local_forward = module.forward
+        module.forward = _dispatching(local_forward, shard, lo, n)
+        shard.modules[name] = module
+    return shard
+
+
+def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard, lo: int,
+                 n: int) -> Callable[..., torch.Tensor]:
+    """The experts module's forward over the expert group, with the signature transformers calls it with."""
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                **kwargs: Any) -> torch.Tensor:
+        return dispatch_combine(hidden_states, top_k_index, top_k_weights, n, shard.group, shard.ep,
+                                lambda h, e, w: local_forward(h, e, w, **kwargs))
+
+    return forward
+
+
+def _exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, local: int, group: Any,
+                     ep: int, compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{index[t, k]}(hidden[t]) for every token t, the experts held `local` to a rank
+    of `group` (expert e on rank e // local). `compute(rows, local_ids [R, 1], ones [R, 1])` runs this rank's
+    experts on the rows it received."""
+    k = index.shape[-1]
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank, and each rank's by expert
+    token = order // k
+    expert = flat[order]
+    dest = torch.div(expert, local, rounding_mode="floor")
+    send_counts = torch.bincount(dest, minlength=ep)
+    if ep == 1:
+        out = compute(hidden[token], expert[:, None], weights.new_ones(len(token), 1))
+    else:
+        recv_counts = _exchange_counts(send_counts, group)
+        send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+        rows = all_to_all_single(hidden.new_empty(sum(recv_sizes), hidden.shape[-1]), hidden[token],
+                                 recv_sizes, send_sizes, group=group)
+        ids = flat.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(ids, expert - dest * local, recv_sizes, send_sizes, group=group)
+        computed = compute(rows, ids[:, None], weights.new_ones(len(ids), 1))
+        out = all_to_all_single(computed.new_empty(len(token), hidden.shape[-1]), computed, send_sizes, recv_sizes,
+                                group=group)
+    weighted = out * weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
+
+
+def ignore_in_ddp(module: nn.Module, shard: ExpertShard) -> None:
+    """Tell DDP (before it wraps `module`) to neither broadcast nor average the expert weights: each rank's are its
+    own share."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    mine = {id(p) for p in shard.params()}
+    names = [n for n, p in module.named_parameters() if id(p) in mine]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)  # noqa: SLF001
+
+
+def sync_expert_grads(shard: ExpertShard) -> None:
+    """Expert gradients as one process's: the step's loss is scaled for DDP's average over the world, which these
+    skip, and the ranks holding the same share (other expert groups) each saw their own rows."""
+    grads = [p.grad for p in shard.params() if p.grad is not None]
+    for g in grads:
+        g.div_(shard.world)
+        if shard.rep_group is not None:
+            dist.all_reduce(g, group=shard.rep_group)
+
+
+def clip_grad_norm(params: list[nn.Parameter], shard: ExpertShard, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over the whole model: the replicated parameters' norm on this rank, the experts'
+    summed over the expert group (each share counted once)."""
+    mine = {id(p) for p in shard.params()}
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g.detach().float()) for g in grads]
+    own = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    expert = own.clone()
+    for p, nrm in zip([p for p in params if p.grad is not None], norms, strict=True):
+        if id(p) in mine:
+            expert = expert + nrm.square()
+        else:
+            own = own + nrm.square()
+    if shard.group is not None:
+        dist.all_reduce(expert, group=shard.group)
+    total = (own + expert).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def gather_experts(shard: ExpertShard) -> None:
+    """Every experts module whole again on every rank (its weights gathered from the group, its own forward back):
+    for saving a model with the layout of a one-process run's."""
+    for module in shard.modules.values():
+        for p in module.parameters(recurse=False):
+            parts = [torch.empty_like(p.data) for _ in range(shard.ep)]
+            dist.all_gather(parts, p.data.contiguous(), group=shard.group)
+            p.data = torch.cat(parts)
+        _set_count(module, shard.total)
+        del module.forward  # the class's forward again
+    shard.modules.clear()

@@ -1,0 +1,81 @@
+"""`expert_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
+whose config is the ground truth where the planner did not know the shape). Torch-free.
+
+What runs: a mixture-of-experts text decoder whose routed experts transformers 5 fuses into one `experts` module
+per block (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5, ...), full fine-tune or LoRA on the attention and
+shared experts, under DDP over the data-parallel ranks (the experts' gradients averaged over the ranks holding the
+same share). Everything else is refused with exit 2 and the reason.
+"""
+
+from __future__ import annotations
+
+from shardfit import method as methods
+from shardfit import objective as objectives
+from shardfit import strategy as strategies
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.resolve.dims import ParallelDims
+
+FIX = "or set expert_parallel: 1"
+
+
+def _prefix(n: int) -> str:
+    return f"expert_parallel: {n}"
+
+
+def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
+    """The config's expert_parallel against the job's ranks, strategy and settings (UserError when refused)."""
+    n = cfg.expert_parallel
+    if n == 1:
+        return
+    if not strategies.get(strategy).multi_rank:
+        raise UserError(f"{_prefix(n)} shares each block's experts over {n} ranks and runs under strategy ddp, "
+                        f"not {strategy}: launch {n} or more ranks (--nproc {n}) with --set strategy=ddp, {FIX}.")
+    ParallelDims(world=world, sp=cfg.sequence_parallel, ep=n).check()
+    if strategy != "ddp":
+        raise UserError(f"{_prefix(n)} runs under strategy ddp in this version: zero2/zero3 would shard the "
+                        f"experts over every rank again (the experts' share of each rank is what expert parallelism "
+                        f"already divides): use --set strategy=ddp, {FIX}.")
+    if cfg.sequence_parallel > 1:
+        raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: sequence parallelism "
+                        f"splits the rows of dense models only; set sequence_parallel: 1, {FIX}.")
+    method = methods.get(cfg.method)
+    if method.quantized:
+        raise UserError(f"{_prefix(n)} does not train {method.name} in this version (the experts' 4-bit weights "
+                        f"are not sliced per rank): use method: lora or full, {FIX}.")
+    if method.adapters and cfg.lora.experts:
+        raise UserError(f"{_prefix(n)} with LoRA on the routed experts (lora.experts: true): peft keeps one "
+                        f"adapter matrix over all experts, which this version does not slice per rank. Set "
+                        f"lora.experts: false (adapters on attention and shared experts; the routed experts stay "
+                        f"frozen), use method: full, {FIX}.")
+    if not method.adapters and not method.trains_base:
+        raise UserError(f"{_prefix(n)} trains method lora or full in this version, not {method.name}: {FIX}.")
+    if objectives.get(cfg.objective).preference:
+        raise UserError(f"{_prefix(n)} trains objective sft only in this version: use objective: sft, {FIX}.")
+    if cfg.compile is True:
+        raise UserError(f"{_prefix(n)} does not run compiled blocks (the token exchange has data-dependent "
+                        f"sizes, which break the compiled graph): set compile: false (or auto), {FIX}.")
+    if cfg.eval_metrics:
+        raise UserError(f"{_prefix(n)} does not generate for eval_metrics in this version (each rank generates "
+                        f"its own answers, a different number of forwards, while every forward needs all ranks of "
+                        f"the expert group): drop eval_metrics, {FIX}.")
+
+
+def check_ep_model(n: int, experts: int, model: str, *, every_expert: bool = False,
+                   multimodal: bool = False) -> None:
+    """The model's routed experts per block (`experts`; 1 or 0: a dense model) against expert_parallel `n`."""
+    if n == 1:
+        return
+    if experts <= 1:
+        raise UserError(f"{_prefix(n)}: {model} is a dense model (no routed experts to share out): {FIX}.")
+    if every_expert:
+        raise UserError(f"{_prefix(n)}: {model} runs every token through every expert (Llama 4's experts), which "
+                        f"expert parallelism would turn into sending every token everywhere: {FIX}.")
+    if multimodal:
+        raise UserError(f"{_prefix(n)}: {model} has a vision or audio tower; this version shares out the experts "
+                        f"of text decoders only: {FIX}.")
+    if n > experts or experts % n:
+        fits = [d for d in range(2, experts + 1) if experts % d == 0]
+        raise UserError(f"{_prefix(n)}: {model} has {experts} routed experts per block, which {n} ranks cannot "
+                        f"share out evenly (each holds experts/{n}): use an expert_parallel that divides {experts} "
+                        f"({', '.join(map(str, fits[:8]))}), {FIX}.")
