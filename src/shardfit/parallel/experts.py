@@ -6,7 +6,7 @@ The router still runs on every rank (it is replicated like attention); only the 
 experts computation (eager, batched_mm or grouped_mm, whichever the model runs) computes the pairs with the local
 slice of the weights and a routing weight of 1; the results come back the same way and are weighted and summed on
 the token's rank, in the order of the experts, as the whole block sums them. Both exchanges are autograd-aware
-(`torch.distributed.nn.functional.all_to_all_single`), so the gradients of the experts' weights arrive on the rank
+(`all_to_all_single_autograd`, as torchtitan exchanges them), so the gradients of the experts' weights arrive on the rank
 holding them, from every rank's tokens. torchtitan's expert parallelism takes the same path (a token-count
 exchange, then the tokens permuted by expert); here it wraps the existing fused-experts modules instead of
 replacing them, so the state dict keeps the model's own names.
@@ -25,9 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from shardfit.models.experts import moe_parts
+from shardfit.parallel.layout import Layout
+from shardfit.resolve.experts_rules import check_ep_config
 
 # The attribute of the experts module that says how many it holds, by family (Qwen/Mixtral/DeepSeek/GLM/gpt-oss).
 COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -113,6 +115,12 @@ def _exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
     return recv
 
 
+def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: Any) -> torch.Tensor:
+    """`rows` split `send` ways out, `recv` rows back from each rank, with the gradient taking the way back."""
+    out = all_to_all_single_autograd(rows.contiguous(), recv, send, group)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, local: int, group: Any,
                      ep: int, compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
                      ) -> torch.Tensor:
@@ -131,13 +139,11 @@ def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     else:
         recv_counts = _exchange_counts(send_counts, group)
         send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
-        rows = all_to_all_single(hidden.new_empty(sum(recv_sizes), hidden.shape[-1]), hidden[token],
-                                 recv_sizes, send_sizes, group=group)
+        rows = _exchange(hidden[token], recv_sizes, send_sizes, group)
         ids = flat.new_empty(sum(recv_sizes))
         dist.all_to_all_single(ids, expert - dest * local, recv_sizes, send_sizes, group=group)
         computed = compute(rows, ids[:, None], weights.new_ones(len(ids), 1))
-        out = all_to_all_single(computed.new_empty(len(token), hidden.shape[-1]), computed, send_sizes, recv_sizes,
-                                group=group)
+        out = _exchange(computed, send_sizes, recv_sizes, group)
     weighted = out * weights.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
 
@@ -195,3 +201,24 @@ def gather_experts(shard: ExpertShard) -> None:
         _set_count(module, shard.total)
         del module.forward  # the class's forward again
     shard.modules.clear()
+
+
+def share_experts(model: nn.Module, module: nn.Module, layout: Layout, world: int, name: str) -> ExpertShard | None:
+    """The job's expert parallelism on the built `model` (inside the loss `module` the strategy will wrap): the
+    model checked (resolve/experts_rules.py), this rank's share kept, and DDP told to leave the experts alone.
+    None when the layout shares no experts."""
+    if layout.ep == 1:
+        return None
+    check_ep_config(layout.ep, model.config, name)
+    shard = shard_experts(model, layout.ep, layout.ep_rank, layout.ep_group, world, layout.ep_rep_group)
+    ignore_in_ddp(module, shard)
+    return shard
+
+
+def step_grad_norm(params: list[nn.Parameter], shard: ExpertShard | None, max_norm: float) -> torch.Tensor:
+    """The optimizer step's gradient clipping (after the last backward), with the experts' gradients made whole
+    first where they are shared."""
+    if shard is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    sync_expert_grads(shard)
+    return clip_grad_norm(params, shard, max_norm)

@@ -9,6 +9,8 @@ same share). Everything else is refused with exit 2 and the reason.
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit import strategy as strategies
@@ -79,3 +81,14 @@ def check_ep_model(n: int, experts: int, model: str, *, every_expert: bool = Fal
         raise UserError(f"{_prefix(n)}: {model} has {experts} routed experts per block, which {n} ranks cannot "
                         f"share out evenly (each holds experts/{n}): use an expert_parallel that divides {experts} "
                         f"({', '.join(map(str, fits[:8]))}), {FIX}.")
+
+
+def check_ep_config(n: int, config: Any, model: str) -> None:
+    """A built model's (transformers) config against expert_parallel `n`: the ground truth where the planner did
+    not know the shape."""
+    if n == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    check_ep_model(n, experts, model, every_expert=str(getattr(text, "model_type", "")).startswith("llama4"),
+                   multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")))
