@@ -46,6 +46,7 @@ class ExpertShard:
     group: Any
     world: int
     rep_group: Any = None
+    mesh: Any = None  # the 1-D device mesh of the ep ranks (checkpoints store the shares as its shards)
     modules: dict[str, nn.Module] = field(default_factory=dict)
     total: int = 0
 
@@ -56,6 +57,37 @@ class ExpertShard:
     def params(self) -> list[nn.Parameter]:
         """The expert weights this rank holds (the sliced 3-D stacks and any per-expert biases)."""
         return [p for m in self.modules.values() for p in m.parameters(recurse=False)]
+
+    def _is_expert(self, key: str) -> bool:
+        """Whether a state-dict name (of the loss module, the model inside it) is one of the sliced weights."""
+        return any(key.endswith(f"{path}.{p}") for path, m in self.modules.items()
+                   for p, _ in m.named_parameters(recurse=False))
+
+    def as_shards(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint's view of this rank's state: each expert weight (and its optimizer moments) as its shard
+        of the whole stack (a DTensor over the ep ranks, split along the experts), so that DCP saves every rank's
+        share under the one-process name and shape instead of keeping one rank's copy of a same-named tensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        def shard(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == self.local:
+                return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+            return t
+
+        model_sd = {k: shard(v) if self._is_expert(k) else v for k, v in model_sd.items()}
+        state = {k: ({n: shard(t) for n, t in v.items()} if self._is_expert(k) else v)
+                 for k, v in optim_sd.get("state", {}).items()}
+        return model_sd, {**optim_sd, "state": state}
+
+    def as_local(self, state_dict: Any) -> Any:
+        """A loaded checkpoint's DTensor shards (`as_shards`) back as this rank's plain tensors."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(state_dict, DTensor):
+            return state_dict.to_local()
+        if isinstance(state_dict, dict):
+            return {k: self.as_local(v) for k, v in state_dict.items()}
+        return state_dict
 
 
 def expert_count(module: nn.Module) -> int:
@@ -74,11 +106,11 @@ def _set_count(module: nn.Module, n: int) -> None:
 
 
 def shard_experts(model: nn.Module, ep: int, rank: int, group: Any, world: int,
-                  rep_group: Any = None) -> ExpertShard:
+                  rep_group: Any = None, mesh: Any = None) -> ExpertShard:
     """Keep experts [rank * E/ep, (rank + 1) * E/ep) of every experts module of `model` and route its calls over
     `group`. Every parameter of an experts module is per expert (first dimension E); it is sliced in place (a copy
     of the slice, so the whole stack is freed)."""
-    shard = ExpertShard(ep=ep, rank=rank, group=group, world=world, rep_group=rep_group)
+    shard = ExpertShard(ep=ep, rank=rank, group=group, world=world, rep_group=rep_group, mesh=mesh)
     for name in moe_parts(model).experts:
         module = model.get_submodule(name)
         total = expert_count(module)
@@ -210,7 +242,8 @@ def share_experts(model: nn.Module, module: nn.Module, layout: Layout, world: in
     if layout.ep == 1:
         return None
     check_ep_config(layout.ep, model.config, name)
-    shard = shard_experts(model, layout.ep, layout.ep_rank, layout.ep_group, world, layout.ep_rep_group)
+    shard = shard_experts(model, layout.ep, layout.ep_rank, layout.ep_group, world, layout.ep_rep_group,
+                          layout.ep_mesh)
     ignore_in_ddp(module, shard)
     return shard
 

@@ -57,8 +57,8 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults, ulysses
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
-from shardfit.parallel.experts import gather_experts, share_experts, step_grad_norm
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
+from shardfit.parallel.experts import gather_experts, share_experts, step_grad_norm
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
@@ -364,7 +364,7 @@ class FineTune:
     def _resume(self) -> None:
         cfg, env = self.cfg, self.env
         self.checkpointer = Checkpointer(self.run_dir, env, every=cfg.save_steps, keep=cfg.save_limit,
-                                         total_steps=self.total_steps)
+                                         total_steps=self.total_steps, experts=self.experts_shard)
         resumed = self.checkpointer.resume(cfg.resume, self.loss_module, self.optimizer, self.lr_schedule)
         self.start_step, self.tokens = (resumed.step, resumed.tokens) if resumed else (0, 0)
         # Its last step is checkpointed and its summary written: nothing to train, nothing to overwrite.
