@@ -51,7 +51,7 @@ def _case(rank: int, world: int, family: str) -> dict:
     errors = {"logits": (got - ref[rank]).abs().max().item(), "scale": ref.abs().max().item()}
     other, expert = 0.0, 0.0
     lo, n = rank * shard.total // world, shard.local
-    for (name, p), (_, q) in zip(model.named_parameters(), whole.named_parameters(), strict=True):
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
         if p.grad is None:
             continue
         if id(p) in expert_ids:

@@ -6,8 +6,8 @@ The router still runs on every rank (it is replicated like attention); only the 
 experts computation (eager, batched_mm or grouped_mm, whichever the model runs) computes the pairs with the local
 slice of the weights and a routing weight of 1; the results come back the same way and are weighted and summed on
 the token's rank, in the order of the experts, as the whole block sums them. Both exchanges are autograd-aware
-(`all_to_all_single_autograd`, as torchtitan exchanges them), so the gradients of the experts' weights arrive on the rank
-holding them, from every rank's tokens. torchtitan's expert parallelism takes the same path (a token-count
+(`all_to_all_single_autograd`), so the gradients of the experts' weights arrive on the rank holding them, from
+every rank's tokens. torchtitan's expert parallelism takes the same path (a token-count
 exchange, then the tokens permuted by expert); here it wraps the existing fused-experts modules instead of
 replacing them, so the state dict keeps the model's own names.
 

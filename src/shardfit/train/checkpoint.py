@@ -179,7 +179,8 @@ def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Modul
         with warnings.catch_warnings():
             # One process saves on purpose; DCP's notice about it would print at every checkpoint.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"train": TrainState(model, optimizer, experts)}, checkpoint_id=str(tmp), no_dist=not env.distributed)
+            dcp.save({"train": TrainState(model, optimizer, experts)}, checkpoint_id=str(tmp),
+                     no_dist=not env.distributed)
         torch.save(_rng_state(), tmp / f"rng-{env.rank}.pt")
         if env.is_main:
             torch.save({"step": step, "tokens": tokens, "scheduler": scheduler.state_dict(), "world": env.world},
