@@ -49,6 +49,9 @@ class ExpertShard:
     mesh: Any = None  # the 1-D device mesh of the ep ranks (checkpoints store the shares as its shards)
     modules: dict[str, nn.Module] = field(default_factory=dict)
     total: int = 0
+    # Token copies this rank sent to other ranks' experts in forward (each also comes back, and backward moves
+    # the same again): what bench/expert_all_to_all.py measures against the plan's count.
+    rows_sent: int = 0
 
     @property
     def local(self) -> int:
@@ -135,8 +138,11 @@ def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard,
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 **kwargs: Any) -> torch.Tensor:
+        def tally(rows: int) -> None:
+            shard.rows_sent += rows
+
         return dispatch_combine(hidden_states, top_k_index, top_k_weights, n, shard.group, shard.ep,
-                                lambda h, e, w: local_forward(h, e, w, **kwargs))
+                                lambda h, e, w: local_forward(h, e, w, **kwargs), tally)
 
     return forward
 
@@ -154,11 +160,11 @@ def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: Any) 
 
 
 def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, local: int, group: Any,
-                     ep: int, compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-                     ) -> torch.Tensor:
+                     ep: int, compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                     tally: Callable[[int], None] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{index[t, k]}(hidden[t]) for every token t, the experts held `local` to a rank
     of `group` (expert e on rank e // local). `compute(rows, local_ids [R, 1], ones [R, 1])` runs this rank's
-    experts on the rows it received."""
+    experts on the rows it received; `tally(rows)`: told how many rows left for other ranks."""
     k = index.shape[-1]
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank, and each rank's by expert
@@ -171,6 +177,8 @@ def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     else:
         recv_counts = _exchange_counts(send_counts, group)
         send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+        if tally is not None:
+            tally(sum(send_sizes) - send_sizes[dist.get_rank(group)])
         rows = _exchange(hidden[token], recv_sizes, send_sizes, group)
         ids = flat.new_empty(sum(recv_sizes))
         dist.all_to_all_single(ids, expert - dest * local, recv_sizes, send_sizes, group=group)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS, loss_chunk_rows
-from shardfit.plan import quant
+from shardfit.plan import experts, quant
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.media import vision_activation_bytes
@@ -660,6 +660,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
+    # expert_parallel (under ddp, the strategy it runs with): the experts its group holds elsewhere (plan/experts.py)
+    away = (0.0, 0.0, 0.0) if s.engine != "ddp" else experts.states_not_held(shape, w, trainable_bytes(w) if w.method == "full" else low, trainable_bytes(w))
+    weights, grads, optim = weights - away[0], grads - away[1], optim - away[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
@@ -787,7 +790,7 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if shard_problem:
         fits, notes = False, f"QLoRA's 4-bit weights cannot be sharded over {n} GPUs: {shard_problem} (check: " \
                              "qlora_shard_layout)"
-    return fits, notes or _note(s, b, hw)
+    return fits, notes or _note(s, b, hw, w.expert_parallel)
 
 
 def not_applicable(s: strategies.Strategy, hw: Hardware) -> str | None:
@@ -833,12 +836,14 @@ def largest_part(b: Breakdown) -> tuple[str, float]:
     return max(((k, getattr(b, k)) for k in LOWERS), key=lambda kv: kv[1])
 
 
-def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware) -> str:
+def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1) -> str:
     cap = hw.gpu_mem_gib
     unit = hw.unit
     if b.total > cap:
         part, gib = largest_part(b)
         replica = f"full replica per {unit}: " if s.engine in ("plain", "ddp") else ""
+        if s.engine == "ddp" and ep > 1:  # expert_parallel: every weight but the routed experts' (1/ep of those)
+            replica = f"replica with 1/{ep} of the experts per {unit}: "
         if part == "weights" and gib > cap:
             return f"{replica}weights alone need {gib:.0f} GiB of {cap:.0f} GiB"
         lowers = LOWERS[part]

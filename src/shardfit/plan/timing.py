@@ -80,6 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from shardfit import strategy as strategies
+from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
@@ -464,6 +465,8 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         t = _model_parallel(shape, w, card, hw, gpu)
     tokens = w.tokens
     ulysses = ulysses_s(shape, w, card, hw)  # on the critical path: attention waits for it
+    if s.engine == "ddp":  # expert_parallel runs under ddp; the experts wait for their tokens
+        ulysses += experts.all_to_all_s(shape, w, card, hw, compute_bytes(w))
     step = w.grad_accum * (t.micro + ulysses) + t.comm_step + t.pcie_step + t.optim_gpu
     job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
     comm_total = w.grad_accum * (t.comm_mb + ulysses) + t.comm_step
