@@ -661,7 +661,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
     # expert_parallel (under ddp, the strategy it runs with): the experts its group holds elsewhere (plan/experts.py)
-    away = (0.0, 0.0, 0.0) if s.engine != "ddp" else experts.states_not_held(shape, w, trainable_bytes(w) if w.method == "full" else low, trainable_bytes(w))
+    stored = trainable_bytes(w) if w.method == "full" else low
+    away = experts.states_not_held(shape, w, stored, trainable_bytes(w)) if s.engine == "ddp" else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - away[0], grads - away[1], optim - away[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     root_16 = (shape.embed_params() + shape.hidden) * low
