@@ -82,15 +82,17 @@ class ExpertShard:
                  for k, v in optim_sd.get("state", {}).items()}
         return model_sd, {**optim_sd, "state": state}
 
-    def as_local(self, state_dict: Any) -> Any:
-        """A loaded checkpoint's DTensor shards (`as_shards`) back as this rank's plain tensors."""
-        from torch.distributed.tensor import DTensor
+    def as_local(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A loaded checkpoint ({"model": ..., "optim": ...}) with the experts' shards (`as_shards`) back as this
+        rank's plain tensors; FSDP2's own shards stay as they are."""
+        def local(t: Any) -> Any:
+            return t.to_local() if hasattr(t, "to_local") else t
 
-        if isinstance(state_dict, DTensor):
-            return state_dict.to_local()
-        if isinstance(state_dict, dict):
-            return {k: self.as_local(v) for k, v in state_dict.items()}
-        return state_dict
+        model = {k: local(v) if self._is_expert(k) else v for k, v in state_dict["model"].items()}
+        optim = state_dict["optim"]
+        state = {k: ({n: local(t) for n, t in v.items()} if self._is_expert(k) else v)
+                 for k, v in optim.get("state", {}).items()}
+        return {**state_dict, "model": model, "optim": {**optim, "state": state}}
 
 
 def expert_count(module: nn.Module) -> int:
@@ -127,12 +129,12 @@ def shard_experts(model: nn.Module, ep: int, rank: int, group: Any, world: int,
             p.data = p.data[lo:lo + n].clone()
         _set_count(module, n)
         local_forward = module.forward
-        module.forward = _dispatching(local_forward, shard, lo, n)
         shard.modules[name] = module
+        module.forward = _dispatching(local_forward, shard, name, n)
     return shard
 
 
-def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard, lo: int,
+def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard, path: str,
                  n: int) -> Callable[..., torch.Tensor]:
     """The experts module's forward over the expert group, with the signature transformers calls it with."""
 
@@ -141,8 +143,12 @@ def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard,
         def tally(rows: int) -> None:
             shard.rows_sent += rows
 
-        return dispatch_combine(hidden_states, top_k_index, top_k_weights, n, shard.group, shard.ep,
-                                lambda h, e, w: local_forward(h, e, w, **kwargs), tally)
+        def compute(h: torch.Tensor, e: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            # Under FSDP2's mixed precision the experts (left out of it) keep their own dtype.
+            dtype = next(iter(shard.modules[path].parameters())).dtype
+            return local_forward(h.to(dtype), e, w.to(dtype), **kwargs).to(h.dtype)
+
+        return dispatch_combine(hidden_states, top_k_index, top_k_weights, n, shard.group, shard.ep, compute, tally)
 
     return forward
 
@@ -212,11 +218,13 @@ def clip_grad_norm(params: list[nn.Parameter], shard: ExpertShard, max_norm: flo
     """torch's clip_grad_norm_ over the whole model: the replicated parameters' norm on this rank, the experts'
     summed over the expert group (each share counted once)."""
     mine = {id(p) for p in shard.params()}
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g.detach().float()) for g in grads]
-    own = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    with_grad = [p for p in params if p.grad is not None]
+    own = torch.zeros((), dtype=torch.float32, device=with_grad[0].grad.device if with_grad else None)
     expert = own.clone()
-    for p, nrm in zip([p for p in params if p.grad is not None], norms, strict=True):
+    for p in with_grad:
+        nrm = torch.linalg.vector_norm(p.grad.detach().float())
+        if hasattr(nrm, "full_tensor"):  # an FSDP2 shard's: the norm over every rank's shard
+            nrm = nrm.full_tensor()
         if id(p) in mine:
             expert = expert + nrm.square()
         else:
@@ -224,9 +232,9 @@ def clip_grad_norm(params: list[nn.Parameter], shard: ExpertShard, max_norm: flo
     if shard.group is not None:
         dist.all_reduce(expert, group=shard.group)
     total = (own + expert).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for p in with_grad:
+        p.grad.mul_(coef)
     return total
 
 

@@ -19,6 +19,8 @@ from shardfit.errors import UserError
 from shardfit.resolve.dims import ParallelDims
 
 FIX = "or set expert_parallel: 1"
+# The strategies the non-expert weights run under; the experts stay whole on their ranks, outside DDP or FSDP2.
+EP_STRATEGIES = ("ddp", "zero2", "zero3")
 
 
 def _prefix(n: int) -> str:
@@ -31,13 +33,14 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
     if n == 1:
         return
     if not strategies.get(strategy).multi_rank:
-        raise UserError(f"{_prefix(n)} shares each block's experts over {n} ranks and runs under strategy ddp, "
-                        f"not {strategy}: launch {n} or more ranks (--nproc {n}) with --set strategy=ddp, {FIX}.")
+        raise UserError(f"{_prefix(n)} shares each block's experts over {n} ranks and runs under a multi-rank "
+                        f"strategy (ddp, zero2, zero3), not {strategy}: launch {n} or more ranks (--nproc {n}), "
+                        f"{FIX}.")
     ParallelDims(world=world, sp=cfg.sequence_parallel, ep=n).check()
-    if strategy != "ddp":
-        raise UserError(f"{_prefix(n)} runs under strategy ddp in this version: zero2/zero3 would shard the "
-                        f"experts over every rank again (the experts' share of each rank is what expert parallelism "
-                        f"already divides): use --set strategy=ddp, {FIX}.")
+    if strategy not in EP_STRATEGIES:
+        raise UserError(f"{_prefix(n)} runs under strategy ddp, zero2 or zero3 in this version, not {strategy} "
+                        f"(its host-memory shards are untested with the experts kept on each rank): use "
+                        f"--set strategy=zero3, {FIX}.")
     if cfg.sequence_parallel > 1:
         raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: sequence parallelism "
                         f"splits the rows of dense models only; set sequence_parallel: 1, {FIX}.")

@@ -302,7 +302,8 @@ class FineTune:
         # expert_parallel: this rank's share of each block's experts, before the strategy wraps the rest
         self.experts_shard = share_experts(self.model, loss_module, self.layout, env.world, cfg.model)
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
-                                       grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
+                                       grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
+                                       ignored=set(self.experts_shard.params()) if self.experts_shard else None)
         if s.engine != "device_map" and not s.offload:
             findings += placement_rules(loss_module, env.device, fix=True)
         self.findings = quantized + findings
