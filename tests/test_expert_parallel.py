@@ -92,7 +92,10 @@ def _same_as_one_process(tmp: Path, model: Path, data: Path, *flags: str, env: d
     ref, got = _figures(single), _figures(shared)
     assert len(ref["loss"]) == 4 and len(ref["eval_loss"]) == 2 and len(ref["aux_loss"]) == 4
     for k in FIGURES:
-        assert got[k] == pytest.approx(ref[k], rel=1e-5), k
+        # FSDP2's gradient norm (sharded, reduce-scattered) is one process's to 2e-5, with expert parallelism or
+        # without it (the same figure as plain zero3's on 2 ranks)
+        rel = 2e-5 if k == "grad_norm" and over.get("strategy") == "zero3" else 1e-5
+        assert got[k] == pytest.approx(ref[k], rel=rel), k
     summary = json.loads((shared / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["resolved"]["expert_parallel"] == 2
     return single, shared
@@ -117,11 +120,14 @@ def test_lora_with_experts_shared_over_two_ranks(tmp_path: Path, tiny_qwen3_moe:
 
 @pytest.mark.slow
 @pytest.mark.heavy  # the LoRA case holds the dispatch; this adds the experts' own gradients and checkpoints
-def test_full_fine_tune_killed_and_resumed(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path) -> None:
-    """A full fine-tune sharing the experts, rank 1 killed at step 3 and the run resumed from step 2's checkpoint
-    (each rank's experts saved as shards of the whole stacks): one process's figures, and a model folder with the
-    experts gathered, as one process saves it."""
-    over = dict(method="full", lr=1e-3, save_steps=2)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_full_fine_tune_killed_and_resumed(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path,
+                                           strategy: str) -> None:
+    """A full fine-tune sharing the experts (under zero3 the other weights sharded by FSDP2, the experts left out
+    of it), rank 1 killed at step 3 and the run resumed from step 2's checkpoint (each rank's experts saved as
+    shards of the whole stacks): one process's figures, and a model folder with the experts gathered, as one
+    process saves it."""
+    over = dict(method="full", lr=1e-3, save_steps=2, strategy=strategy)
     _run(tmp_path, tiny_qwen3_moe, small_data, "shared", "--nproc", "2", code=1, expert_parallel=2,
          env={"SHARDFIT_TEST_FAULT": "raise:rank=1:step=3"}, **over)
     single, shared = _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, **over)

@@ -37,8 +37,9 @@ def test_a_rank_keeps_one_nth_of_the_experts_and_pays_the_all_to_alls() -> None:
         a2a = all_to_all_s(shape, w, card_of(hw), hw, 2)
         assert a2a > 6 * shape.layers * exchange_bytes(shape, w, 2) / card_of(hw).link
         assert step_time(shape, w, hw, "ddp").step_s == pytest.approx(step_time(shape, W, hw, "ddp").step_s + a2a)
-        # zero3 runs without expert parallelism: its row is unchanged
-        assert estimate(shape, w, hw, "zero3").per_gpu_gib.total == estimate(shape, W, hw, "zero3").per_gpu_gib.total
+        # zero3_offload runs without expert parallelism: its row is unchanged
+        assert estimate(shape, w, hw, "zero3_offload").per_gpu_gib.total == \
+            estimate(shape, W, hw, "zero3_offload").per_gpu_gib.total
     assert all_to_all_s(shape, W, card_of(hw), hw, 2) == 0.0
 
 

@@ -61,8 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="ranks that split every row (Ulysses): each holds 1/N of its activations, plus the "
                         "all-to-alls of its attention (docs/long-context.md)")
     p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
-                   help="ranks that share each block's routed experts (under ddp): each holds 1/N of them, plus "
-                        "the all-to-alls that carry the tokens (docs/expert-parallel.md)")
+                   help="ranks that share each block's routed experts (ddp, zero2, zero3 rows): each holds 1/N "
+                        "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,

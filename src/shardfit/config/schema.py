@@ -126,7 +126,8 @@ class Config:
     expert_parallel: int = key(1, "ranks that share each mixture-of-experts block's routed experts (each holds "
                                   "experts/N of them; tokens travel to their experts' ranks and back by "
                                   "all-to-all); must divide the data-parallel ranks and the expert count. "
-                                  "Strategy ddp, full or LoRA without expert adapters; docs/expert-parallel.md",
+                                  "Strategy ddp/zero2/zero3 (the experts outside it), full or LoRA without expert "
+                                  "adapters; docs/expert-parallel.md",
                                ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "

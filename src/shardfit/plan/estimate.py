@@ -660,15 +660,20 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
-    # expert_parallel (under ddp, the strategy it runs with): the experts its group holds elsewhere (plan/experts.py)
+    # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
+    ep = experts.applies(w, shape, s.engine, s.offload)
     stored = trainable_bytes(w) if w.method == "full" else low
-    away = experts.states_not_held(shape, w, stored, trainable_bytes(w)) if s.engine == "ddp" else (0.0, 0.0, 0.0)
-    weights, grads, optim = weights - away[0], grads - away[1], optim - away[2]
+    ex = experts.expert_states(shape, w, stored, trainable_bytes(w)) if ep else (0.0, 0.0, 0.0)
+    weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
+    if ep:  # FSDP2 gathers a block without its routed experts
+        layer_16 -= experts.per_block_params(shape) * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
+    if ep and w.method == "full":
+        layer_grads -= experts.per_block_params(shape) * low
     r = PerRank(0.0, 0.0, 0.0, layers=shape.layers)
     if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
@@ -695,7 +700,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         share = (-(-shape.layers // g)) / shape.layers
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         r.layers = -(-shape.layers // g)
-    r.weights, r.grads, r.optimizer, r.grad_divisor = weights / div_w, grads / div_g, optim / div_o, div_g
+    n_ep = w.expert_parallel if ep else 1
+    r.weights, r.grads, r.optimizer, r.grad_divisor = (weights / div_w + ex[0] / n_ep, grads / div_g + ex[1] / n_ep,
+                                                       optim / div_o + ex[2] / n_ep, div_g)
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     return r
 

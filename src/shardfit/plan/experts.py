@@ -21,16 +21,25 @@ def routed_expert_params(shape: ModelShape) -> int:
     return int(shape.over_blocks(lambda moe: 3 * shape.hidden * shape.expert_width * shape.experts if moe else 0))
 
 
-def states_not_held(shape: ModelShape, w: Workload, weight_bytes: float, train_bytes: float) -> tuple[float, ...]:
-    """(weights, grads, optimizer) bytes of the experts a rank leaves to the other N-1 of its expert group:
+def applies(w: Workload, shape: ModelShape, engine: str, offload: bool) -> bool:
+    """Whether a strategy row runs with the workload's expert parallelism: ddp, zero2 and zero3 do (the experts
+    outside DDP and FSDP2, whole on their ranks); the rest run without it."""
+    return w.expert_parallel > 1 and shape.moe and engine in ("ddp", "fsdp2") and not offload
+
+
+def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_bytes: float) -> tuple[float, ...]:
+    """(weights, grads, optimizer) bytes of every block's routed experts, before expert parallelism divides them:
     `weight_bytes` per stored expert weight, `train_bytes` per gradient and per AdamW moment where they train
     (a full fine-tune; LoRA under expert parallelism leaves the routed experts frozen)."""
-    n = w.expert_parallel
-    if n == 1 or not shape.moe:
-        return 0.0, 0.0, 0.0
-    away = routed_expert_params(shape) * (n - 1) / n
+    e = routed_expert_params(shape)
     trains = w.method == "full"
-    return away * weight_bytes, away * train_bytes if trains else 0.0, 2 * away * train_bytes if trains else 0.0
+    return e * weight_bytes, e * train_bytes if trains else 0.0, 2 * e * train_bytes if trains else 0.0
+
+
+def per_block_params(shape: ModelShape) -> int:
+    """One mixture-of-experts block's routed experts' weights (what FSDP2 no longer gathers under expert
+    parallelism)."""
+    return 3 * shape.hidden * shape.expert_width * shape.experts if shape.moe else 0
 
 
 def exchange_bytes(shape: ModelShape, w: Workload, value_bytes: int) -> float:

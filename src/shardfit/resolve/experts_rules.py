@@ -3,8 +3,8 @@ whose config is the ground truth where the planner did not know the shape). Torc
 
 What runs: a mixture-of-experts text decoder whose routed experts transformers 5 fuses into one `experts` module
 per block (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5, ...), full fine-tune or LoRA on the attention and
-shared experts, under DDP over the data-parallel ranks (the experts' gradients averaged over the ranks holding the
-same share). Everything else is refused with exit 2 and the reason.
+shared experts, under DDP or FSDP2 (zero2, zero3) over the data-parallel ranks with the experts left out of it (their
+gradients averaged over the ranks holding the same share). Everything else is refused with exit 2 and the reason.
 """
 
 from __future__ import annotations
