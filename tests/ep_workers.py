@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from shardfit.models.experts import use_experts
-from shardfit.parallel.experts import gather_experts, shard_experts, sync_expert_grads
+from shardfit.parallel.experts import dispatch_combine, gather_experts, shard_experts, sync_expert_grads
 from tests.families import tiny_text_config
 
 
@@ -26,6 +26,7 @@ def block_rank(rank: int, world: int, port: int, families: list[str], out: str) 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         results = {family: _case(rank, world, family) for family in families}
+        results["empty"] = _no_rows_for_a_rank(rank, world)
         Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -65,3 +66,18 @@ def _case(rank: int, world: int, family: str) -> dict:
                                                 strict=True))
     return {**errors, "expert_grad": expert, "other_grad": other, "gathered_equal": same,
             "grad_scale": max(q.grad.abs().max().item() for q in whole.parameters() if q.grad is not None)}
+
+
+def _no_rows_for_a_rank(rank: int, world: int) -> dict:
+    """Every token of every rank routed to rank 0's experts: rank 1 computes nothing (an eager-like computation
+    returning fresh zeros), and backward still completes on both ranks (no all-to-all left waiting)."""
+    hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    index = torch.tensor([[0, 1], [1, 0], [0, 1]])
+    weights = torch.full((3, 2), 0.5, requires_grad=True)
+
+    def compute(rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+        return rows * 2.0 if len(rows) else torch.zeros_like(rows)
+
+    out = dispatch_combine(hidden, index, weights, 2, dist.group.WORLD, world, compute)
+    out.sum().backward()
+    return {"out": (out - 2.0 * hidden).abs().max().item(), "grad": (hidden.grad - 2.0).abs().max().item()}

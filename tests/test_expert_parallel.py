@@ -44,11 +44,13 @@ def test_two_ranks_share_the_experts(tmp_path: Path) -> None:
     """2 gloo ranks, each with half the experts of every block: the logits of each rank's rows and the gradients
     (experts on their rank, the rest summed) equal the whole model's (fp32), and the gathered experts are the
     whole model's weights again. Qwen3-MoE, gpt-oss (per-expert biases), GLM-4.5 and DeepSeek-V3 (shared experts,
-    dense first blocks)."""
+    dense first blocks); and a rank that receives no token at all."""
     mp.start_processes(ep_workers.block_rank, args=(2, free_port(), SHARED, str(tmp_path)), nprocs=2,
                        start_method="spawn", join=True)
     for r in range(2):
-        for family, got in json.loads((tmp_path / f"rank-{r}.json").read_text()).items():
+        results = json.loads((tmp_path / f"rank-{r}.json").read_text())
+        assert results.pop("empty") == {"out": 0.0, "grad": 0.0}  # rank 1 received no token, and backward ran
+        for family, got in results.items():
             assert got["logits"] <= 1e-5 * got["scale"], (family, got)
             assert got["expert_grad"] <= 1e-5 * got["grad_scale"], (family, got)
             assert got["other_grad"] <= 1e-5 * got["grad_scale"], (family, got)
@@ -92,9 +94,9 @@ def _same_as_one_process(tmp: Path, model: Path, data: Path, *flags: str, env: d
     ref, got = _figures(single), _figures(shared)
     assert len(ref["loss"]) == 4 and len(ref["eval_loss"]) == 2 and len(ref["aux_loss"]) == 4
     for k in FIGURES:
-        # FSDP2's gradient norm (sharded, reduce-scattered) is one process's to 2e-5, with expert parallelism or
-        # without it (the same figure as plain zero3's on 2 ranks)
-        rel = 2e-5 if k == "grad_norm" and over.get("strategy") == "zero3" else 1e-5
+        # FSDP2's gradient norm (reduce-scattered shards) is one process's to 1e-4 only: plain zero3 on 2 ranks
+        # logs exactly the figures this run does (2.466671, 1.986005, 2.023869, 1.974109 against 2.466643, ...)
+        rel = 1e-4 if k == "grad_norm" and over.get("strategy") == "zero3" else 1e-5
         assert got[k] == pytest.approx(ref[k], rel=rel), k
     summary = json.loads((shared / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["resolved"]["expert_parallel"] == 2

@@ -189,6 +189,10 @@ def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
         ids = flat.new_empty(sum(recv_sizes))
         dist.all_to_all_single(ids, expert - dest * local, recv_sizes, send_sizes, group=group)
         computed = compute(rows, ids[:, None], weights.new_ones(len(ids), 1))
+        if rows.requires_grad and not computed.requires_grad:
+            # No row came (eager's loop ran no expert and returned fresh zeros): tied to the graph anyway, so that
+            # backward runs this exchange's all-to-all as the other ranks do, instead of leaving them waiting.
+            computed = computed + rows * 0
         out = _exchange(computed, send_sizes, recv_sizes, group)
     weighted = out * weights.reshape(-1)[order, None].to(out.dtype)
     return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
