@@ -68,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sequence-parallel", type=positive_int, default=None, metavar="N",
                    help="ranks that split every row (Ulysses): each holds 1/N of its activations, plus the "
                         "all-to-alls of its attention (docs/long-context.md)")
+    p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
+                   help="ranks that share each block's routed experts (ddp, zero2, zero3 rows): each holds 1/N "
+                        "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -237,7 +240,7 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
                  "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
                  "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel,
-                 "quant_backend": args.quant_backend}
+                 "quant_backend": args.quant_backend, "expert_parallel": args.expert_parallel}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
         raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "
@@ -268,7 +271,15 @@ def run(args: argparse.Namespace) -> int:
         from shardfit.resolve.sequence import check_model, facts_of_shape
 
         check_model(w.sequence_parallel, facts_of_shape(shape), source)
+    if w.expert_parallel > 1:  # experts that share out
+        from shardfit.resolve.experts_rules import check_ep_model
+
+        check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
+    if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
+        from shardfit.resolve.dims import ParallelDims
+
+        ParallelDims(world=hw.world, sp=w.sequence_parallel, ep=w.expert_parallel).check()
     if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())
     if args.strategy not in (None, "all") and args.strategy not in NAMES:

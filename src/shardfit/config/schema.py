@@ -123,6 +123,12 @@ class Config:
                                     "of the heads over the whole row); must divide the ranks, the data is split "
                                     "over the rest. Dense text models, objective sft; docs/long-context.md",
                                  ge=1)
+    expert_parallel: int = key(1, "ranks that share each mixture-of-experts block's routed experts (each holds "
+                                  "experts/N of them; tokens travel to their experts' ranks and back by "
+                                  "all-to-all); must divide the data-parallel ranks and the expert count. "
+                                  "Strategy ddp/zero2/zero3 (the experts outside it), full or LoRA without expert "
+                                  "adapters; docs/expert-parallel.md",
+                               ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     static_shape: bool | str = key("auto", "auto | true | false: every training micro-batch one row of exactly "
                                            "micro_batch x max_seq_len tokens (its examples side by side, padding "

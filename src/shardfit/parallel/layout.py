@@ -34,6 +34,8 @@ class Layout:
     ep: int = 1
     ep_rank: int = 0
     ep_group: Any = None
+    ep_mesh: Any = None  # the 1-D mesh of the ep ranks (the experts' shards in checkpoints)
+    ep_rep_group: Any = None  # the ranks holding this rank's share of the experts (None: only this one)
     stage_mesh: Any = None
 
 
@@ -53,4 +55,6 @@ def layout_of(env: DistEnv, dims: ParallelDims) -> Layout:
                   group=mesh.get_group("sp") if dims.sp > 1 else None,
                   pp=dims.pp, pp_rank=pp_rank, pp_group=mesh.get_group("pp") if dims.pp > 1 else None,
                   ep=dims.ep, ep_rank=dims.ep_rank(env.rank), ep_group=mesh.get_group("ep") if dims.ep > 1 else None,
+                  ep_mesh=mesh["ep"] if dims.ep > 1 else None,
+                  ep_rep_group=mesh.get_group("dp_rep") if dims.ep > 1 and dims.dp > dims.ep else None,
                   stage_mesh=stage)

@@ -45,11 +45,15 @@ def mp_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def shard(module: nn.Module, model: nn.Module, s: Strategy, mesh: DeviceMesh, precision: str) -> None:
+def shard(module: nn.Module, model: nn.Module, s: Strategy, mesh: DeviceMesh, precision: str,
+          ignored: set[nn.Parameter] | None = None) -> None:
     """`fully_shard` each unit of `model`, then `module` (the root holding the loss), with the strategy's
-    resharding and offload and the precision's mixed-precision policy."""
+    resharding and offload and the precision's mixed-precision policy; `ignored`: parameters left to the caller
+    (expert parallelism's experts: neither sharded nor reduced)."""
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy(precision),
                               "reshard_after_forward": s.reshard_after_forward}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if s.offload and mesh.device_type != "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in fsdp_units(model):
@@ -67,9 +71,11 @@ def place(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: int, precision: str,
-                grad_ckpt: str = "none", compile: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+                grad_ckpt: str = "none", compile: bool = False, mesh: DeviceMesh | None = None,
+                ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """Checkpoint, compile and wrap `module` (a loss module holding the model as `.model`) for strategy `s` on
-    `world` ranks; returns the module to call and step. `mesh` defaults to one over the rank's device type."""
+    `world` ranks; returns the module to call and step. `mesh` defaults to one over the rank's device type.
+    `ignored`: parameters FSDP2 leaves whole and unreduced (DDP is told by parallel/experts.py)."""
     model = module.model
     if grad_ckpt != "none":
         enable_checkpointing(model, selective=grad_ckpt == "selective")
@@ -89,7 +95,8 @@ def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: 
             log.info("%s on CPU: shards already live in host memory, running as zero3", s.name)
         if not (s.offload and device.type != "cpu"):
             place(module, device)
-        shard(module, model, s, mesh if mesh is not None else init_device_mesh(device.type, (world,)), precision)
+        shard(module, model, s, mesh if mesh is not None else init_device_mesh(device.type, (world,)), precision,
+              ignored)
         return module
     raise ValueError(f"strategy {s.name}: engine {s.engine} has no branch in parallelize")
 

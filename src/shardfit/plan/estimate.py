@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS, loss_chunk_rows
-from shardfit.plan import quant
+from shardfit.plan import experts, quant
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.media import vision_activation_bytes
@@ -680,11 +680,20 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     weights, grads, optim = state_bytes(shape, w)
     t_all = trainable_params(shape, w)
     low = compute_bytes(w)
+    # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
+    ep = experts.applies(w, shape, s.engine, s.offload)
+    stored = trainable_bytes(w) if w.method == "full" else low
+    ex = experts.expert_states(shape, w, stored, trainable_bytes(w)) if ep else (0.0, 0.0, 0.0)
+    weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
+    if ep:  # FSDP2 gathers a block without its routed experts
+        layer_16 -= experts.per_block_params(shape) * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
+    if ep and w.method == "full":
+        layer_grads -= experts.per_block_params(shape) * low
     r = PerRank(0.0, 0.0, 0.0, layers=shape.layers)
     if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
@@ -714,7 +723,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         share = (-(-shape.layers // g)) / shape.layers
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         r.layers = -(-shape.layers // g)
-    r.weights, r.grads, r.optimizer, r.grad_divisor = weights / div_w, grads / div_g, optim / div_o, div_g
+    n_ep = w.expert_parallel if ep else 1
+    r.weights, r.grads, r.optimizer, r.grad_divisor = (weights / div_w + ex[0] / n_ep, grads / div_g + ex[1] / n_ep,
+                                                       optim / div_o + ex[2] / n_ep, div_g)
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     return r
 
@@ -829,7 +840,7 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if shard_problem:
         fits, notes = False, f"QLoRA's 4-bit weights cannot be sharded over {n} GPUs: {shard_problem} (check: " \
                              "qlora_shard_layout)"
-    return fits, notes or _note(s, b, hw)
+    return fits, notes or _note(s, b, hw, w.expert_parallel)
 
 
 def not_applicable(s: strategies.Strategy, hw: Hardware) -> str | None:
@@ -876,12 +887,14 @@ def largest_part(b: Breakdown) -> tuple[str, float]:
     return max(((k, getattr(b, k)) for k in LOWERS), key=lambda kv: kv[1])
 
 
-def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware) -> str:
+def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1) -> str:
     cap = hw.gpu_mem_gib
     unit = hw.unit
     if b.total > cap:
         part, gib = largest_part(b)
         replica = f"full replica per {unit}: " if s.engine in ("plain", "ddp") else ""
+        if s.engine == "ddp" and ep > 1:  # expert_parallel: every weight but the routed experts' (1/ep of those)
+            replica = f"replica with 1/{ep} of the experts per {unit}: "
         if part == "weights" and gib > cap:
             return f"{replica}weights alone need {gib:.0f} GiB of {cap:.0f} GiB"
         lowers = LOWERS[part]

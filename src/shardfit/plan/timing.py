@@ -82,6 +82,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from shardfit import strategy as strategies
+from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
@@ -496,6 +497,8 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
         t = _model_parallel(shape, w, card, hw, gpu)
     tokens = w.tokens
     ulysses = ulysses_s(shape, w, card, hw)  # on the critical path: attention waits for it
+    if experts.applies(w, shape, s.engine, s.offload):  # the experts wait for their tokens
+        ulysses += experts.all_to_all_s(shape, w, card, hw, compute_bytes(w))
     step = w.grad_accum * (t.micro + ulysses) + t.comm_step + t.pcie_step + t.optim_gpu
     job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
     comm_total = w.grad_accum * (t.comm_mb + ulysses) + t.comm_step
@@ -662,7 +665,9 @@ def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategie
     reduce-scatter, offload's copies; prefetched, so they overlap the compute except what the engine that ran
     `w` waits for (`exposed_collectives`)."""
     t_params = trainable_params(shape, w)
-    grads = t_params * 4.0  # fp32 gradients (FSDP2's reduce_dtype)
+    # expert_parallel: the routed experts stay whole on their ranks, neither gathered nor reduce-scattered
+    kept = experts.routed_expert_params(shape) if experts.applies(w, shape, s.engine, s.offload) else 0
+    grads = (t_params - (kept if w.method == "full" else 0)) * 4.0  # fp32 gradients (FSDP2's reduce_dtype)
     bus = _bus(card, hw)
     # ZeRO-3 gathers each block for the forward and again for backward, and for the reference's forward where it
     # runs inside the micro-batch; ZeRO-2 keeps them gathered after the first forward (FSDP2's reshard() returns
@@ -670,7 +675,7 @@ def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategie
     gathers = (2 + (w.reference == "adapters_off")) if s.reshard_after_forward else 1
     exposed = exposed_collectives(w, s.reshard_after_forward)
     calls = collective_calls(shape, w, exposed)
-    comm_mb = gathers * _ring(n, param_bytes_16(shape, w), bus, card.latency_s, calls)
+    comm_mb = gathers * _ring(n, param_bytes_16(shape, w) - kept * compute_bytes(w), bus, card.latency_s, calls)
     pcie_mb = gathers * param_bytes_stored(shape, w) / n / card.pcie if s.offload else 0.0
     # The gradients' reduce-scatter: every micro-batch (FSDP2 and FSDP1 by default, shardfit's own runs), so
     # that each rank only ever holds its shard (offload: copied to the host each time); once per optimizer

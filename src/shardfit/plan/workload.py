@@ -54,6 +54,9 @@ class Workload:
     # Ranks that split every row (`sequence_parallel`, parallel/ulysses.py): each forwards 1/N of the row's tokens,
     # and four all-to-alls per block move its attention's q, k, v and output (plan/timing.py `ulysses_s`).
     sequence_parallel: int = 1
+    # Ranks that share each block's routed experts (`expert_parallel`, parallel/experts.py): each holds 1/N of them,
+    # and the tokens travel by all-to-all (plan/experts.py).
+    expert_parallel: int = 1
     # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
     # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
     frozen_fp32: bool = False
@@ -173,7 +176,8 @@ def workload_of(cfg: Config) -> Workload:
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
                     objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference,
-                    sequence_parallel=cfg.sequence_parallel, quant_backend="torchao")
+                    sequence_parallel=cfg.sequence_parallel, quant_backend="torchao",
+                    expert_parallel=cfg.expert_parallel)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

@@ -26,6 +26,7 @@ from shardfit.resolve.defaults import (
     resolve_static_shape,
     row_width_multiple,
 )
+from shardfit.resolve.experts_rules import check_ep_layout, check_ep_model
 from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
 from shardfit.resolve.sequence import check_layout, check_model, facts_of_shape
 
@@ -109,6 +110,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
     s = strategies.get(name)
     check_layout(cfg, name, n * nnodes)
+    check_ep_layout(cfg, name, n * nnodes)
     precision = precision_for(cfg.precision, device)
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel)
     attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
@@ -135,7 +137,8 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
                                           cfg.dpo.precompute_reference),
         experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel,
         static_shape=resolve_static_shape(cfg.static_shape, device.type, cfg.packing, attention,
-                                          objectives.get(cfg.objective).preference, cfg.sequence_parallel))
+                                          objectives.get(cfg.objective).preference, cfg.sequence_parallel),
+        expert_parallel=cfg.expert_parallel)
 
 
 def settled(cfg: Config, job: Resolved) -> Config:
@@ -155,6 +158,13 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
             shape = resolve_shape(cfg.model)
         if shape is not None:
             check_model(cfg.sequence_parallel, facts_of_shape(shape), cfg.model)
+    if cfg.expert_parallel > 1:  # the experts per block, from the model's config, before anything loads
+        shape = None
+        with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model
+            shape = resolve_shape(cfg.model)
+        if shape is not None:
+            check_ep_model(cfg.expert_parallel, shape.experts, cfg.model, every_expert=shape.every_expert,
+                           multimodal=shape.vision is not None or shape.audio is not None)
     precision = precision_for(cfg.precision, device)
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel)
     # The plan of the settings as they will run (what a rank plans again from the resolved job).

@@ -63,6 +63,8 @@ class Resolved:
     # Every training micro-batch one row of micro_batch x max_seq_len tokens (resolve/defaults.py
     # `resolve_static_shape`; data/static_shape.py).
     static_shape: bool = False
+    # Ranks that share each mixture-of-experts block's routed experts (parallel/experts.py), out of the data ranks.
+    expert_parallel: int = 1
 
     @property
     def world(self) -> int:
@@ -71,7 +73,7 @@ class Resolved:
     @property
     def dims(self) -> ParallelDims:
         """How the ranks divide (resolve/dims.py): every rank reads the same answer."""
-        return ParallelDims(world=self.world, sp=self.sequence_parallel)
+        return ParallelDims(world=self.world, sp=self.sequence_parallel, ep=self.expert_parallel)
 
     def describe(self) -> str:
         """One line: the job as it will run."""

@@ -44,15 +44,20 @@ _OPTS = StateDictOptions(ignore_frozen_params=True)
 class TrainState(Stateful):
     """Model (trainable parameters only: frozen ones come back from the base weights) and optimizer."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: Any = None):
+        # `experts`: expert parallelism's shares (parallel/experts.py `ExpertShard`): saved as shards of the whole
+        self.model, self.optimizer, self.experts = model, optimizer, experts
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTS)
+        if self.experts is not None:
+            model_sd, optim_sd = self.experts.as_shards(model_sd, optim_sd)
         frozen = frozen_names(self.model)
         return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.experts is not None:
+            state_dict = self.experts.as_local(state_dict)
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"], options=StateDictOptions(ignore_frozen_params=True,
                                                                                       strict=False))
@@ -158,7 +163,8 @@ def intact(ckpt: Path) -> str | None:
 
 
 def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, env: DistEnv, keep: int) -> Path:
+                    optimizer: torch.optim.Optimizer, scheduler: Any, env: DistEnv, keep: int,
+                    experts: Any = None) -> Path:
     """Write `checkpoints/step-<step>` atomically on every rank; keep the newest `keep` checkpoints. A write that
     fails (a full disk, permissions) is a JobFailed saying so; the partial save is removed, the previous
     checkpoint stays as it was."""
@@ -173,7 +179,8 @@ def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Modul
         with warnings.catch_warnings():
             # One process saves on purpose; DCP's notice about it would print at every checkpoint.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=str(tmp), no_dist=not env.distributed)
+            dcp.save({"train": TrainState(model, optimizer, experts)}, checkpoint_id=str(tmp),
+                     no_dist=not env.distributed)
         torch.save(_rng_state(), tmp / f"rng-{env.rank}.pt")
         if env.is_main:
             torch.save({"step": step, "tokens": tokens, "scheduler": scheduler.state_dict(), "world": env.world},
@@ -279,14 +286,14 @@ def _load_plain(path: Path) -> Any:
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    env: DistEnv) -> Resumed:
+                    env: DistEnv, experts: Any = None) -> Resumed:
     """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size changed. Nothing in the
     checkpoint is unpickled beyond plain values, tensors and DCP's metadata (see trusted_dcp.py)."""
     read_metadata(path / ".metadata")  # a crafted or foreign checkpoint stops here, before DCP starts
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=str(path),
+            dcp.load({"train": TrainState(model, optimizer, experts)}, checkpoint_id=str(path),
                      storage_reader=TrustedReader(str(path)), planner=TrustedLoadPlanner(path),
                      no_dist=not env.distributed)
     except CheckpointException as e:
@@ -322,15 +329,18 @@ class Checkpointer:
     """The run's checkpoints: where training resumes from, and a save every `every` steps before the last (the
     last step is saved by `save`), keeping the newest `keep`."""
 
-    def __init__(self, run_dir: Path, env: DistEnv, *, every: int, keep: int, total_steps: int):
+    def __init__(self, run_dir: Path, env: DistEnv, *, every: int, keep: int, total_steps: int,
+                 experts: Any = None):
         self.run_dir, self.env, self.every, self.keep, self.total = Path(run_dir), env, every, keep, total_steps
+        self.experts = experts  # expert parallelism's shares, or None
 
     def resume(self, resume: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                lr_schedule: Any) -> Resumed | None:
         """Check that every rank sees the run directory, then restore the checkpoint `resume` names, if any."""
         require_shared_dir(self.run_dir, self.env)
         path = find_resume(self.run_dir, resume)
-        return None if path is None else load_checkpoint(path, module, optimizer, lr_schedule, self.env)
+        return None if path is None else load_checkpoint(path, module, optimizer, lr_schedule, self.env,
+                                                         self.experts)
 
     def maybe_save(self, step: int, tokens: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    lr_schedule: Any) -> None:
@@ -343,4 +353,5 @@ class Checkpointer:
 
     def save(self, step: int, tokens: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
              lr_schedule: Any) -> Path:
-        return save_checkpoint(self.run_dir, step, tokens, module, optimizer, lr_schedule, self.env, self.keep)
+        return save_checkpoint(self.run_dir, step, tokens, module, optimizer, lr_schedule, self.env, self.keep,
+                               self.experts)

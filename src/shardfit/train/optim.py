@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -13,11 +14,16 @@ def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: f
     """AdamW over the trainable parameters; the fused kernel where every parameter is a plain local tensor, else
     the multi-tensor (foreach) one, which is what CUDA picks by default and what the planner counts."""
     plain = all(not isinstance(p, DTensor) for p in params)
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    # Expert parallelism under FSDP2 keeps the experts plain beside the shards: a group each, since one foreach
+    # kernel cannot take both kinds.
+    groups: list[Any] = params if plain or len(sharded) == len(params) else [
+        {"params": sharded}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
     try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
                                  fused=plain, foreach=not plain)
     except RuntimeError:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
 
 
 def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,

@@ -59,6 +59,7 @@ from shardfit.parallel import allocator, faults, ulysses
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
+from shardfit.parallel.experts import gather_experts, share_experts, step_grad_norm
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
@@ -300,8 +301,11 @@ class FineTune:
         else:
             loss_module = CausalLMLoss(self.model, self.loss_chunk, **routing)
         self.routing = loss_module  # unwrapped: the engines below wrap it, its last micro-batch's routing stays here
+        # expert_parallel: this rank's share of each block's experts, before the strategy wraps the rest
+        self.experts_shard = share_experts(self.model, loss_module, self.layout, env.world, cfg.model)
         self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
-                                       grad_ckpt=cfg.grad_ckpt, compile=cfg.compile)
+                                       grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
+                                       ignored=set(self.experts_shard.params()) if self.experts_shard else None)
         if s.engine != "device_map" and not s.offload:
             findings += placement_rules(loss_module, env.device, fix=True)
         self.findings = quantized + findings
@@ -364,7 +368,7 @@ class FineTune:
     def _resume(self) -> None:
         cfg, env = self.cfg, self.env
         self.checkpointer = Checkpointer(self.run_dir, env, every=cfg.save_steps, keep=cfg.save_limit,
-                                         total_steps=self.total_steps)
+                                         total_steps=self.total_steps, experts=self.experts_shard)
         resumed = self.checkpointer.resume(cfg.resume, self.loss_module, self.optimizer, self.lr_schedule)
         self.start_step, self.tokens = (resumed.step, resumed.tokens) if resumed else (0, 0)
         # Its last step is checkpointed and its summary written: nothing to train, nothing to overwrite.
@@ -532,7 +536,7 @@ class FineTune:
                 self.logger.add_routing(moe.aux_sum, rows.global_targets, moe.load)
             self.logger.add_loss(loss_sum, rows.global_targets)
         wd.at("optimizer step")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        grad_norm = step_grad_norm(self.params, self.experts_shard, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # FSDP2: the norm over every rank's shard, the same on all ranks
         # Every rank sees the same norm, so all stop at the same step (train/diverge.py: read now or later).
@@ -628,6 +632,8 @@ class FineTune:
         An adapter trained on a .gguf file that names no repository gets the GGUF's weights as `base/`, so that
         AutoPeftModelForCausalLM can load it (train/base_ref.py)."""
         lora = methods.get(self.cfg.method).adapters
+        if self.experts_shard is not None and not lora:  # the model saved whole, as one process saves it
+            gather_experts(self.experts_shard)
         base = base_for_adapter(self.cfg.model, self.run_dir) if lora else None
         out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, self.env, is_lora=lora,
                          base_name=base.name if base is not None else None)

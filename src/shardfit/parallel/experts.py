@@ -1,0 +1,277 @@
+"""Expert parallelism: each rank of an expert group keeps 1/N of every mixture-of-experts block's routed experts,
+and the tokens travel to their experts' ranks and back by all-to-all.
+
+The router still runs on every rank (it is replicated like attention); only the routed experts' call changes. Each
+(token, chosen expert) pair is sent, sorted by expert, to the rank holding that expert; there transformers' own
+experts computation (eager, batched_mm or grouped_mm, whichever the model runs) computes the pairs with the local
+slice of the weights and a routing weight of 1; the results come back the same way and are weighted and summed on
+the token's rank, in the order of the experts, as the whole block sums them. Both exchanges are autograd-aware
+(`all_to_all_single_autograd`), so the gradients of the experts' weights arrive on the rank holding them, from
+every rank's tokens. torchtitan's expert parallelism takes the same path (a token-count
+exchange, then the tokens permuted by expert); here it wraps the existing fused-experts modules instead of
+replacing them, so the state dict keeps the model's own names.
+
+Gradients: the strategy (DDP) averages every other parameter over all data ranks and is told to leave the experts
+alone (`ignored`); `sync_expert_grads` divides theirs by the world (the loss is normalised for an average) and sums
+them over the ranks holding the same share. `clip_grad_norm` counts every expert once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from shardfit.models.experts import moe_parts
+from shardfit.parallel.layout import Layout
+from shardfit.resolve.experts_rules import check_ep_config
+
+# The attribute of the experts module that says how many it holds, by family (Qwen/Mixtral/DeepSeek/GLM/gpt-oss).
+COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+@dataclass
+class ExpertShard:
+    """This rank's share of the experts: `ep` ranks in `group` (None: one rank), `rank` among them; the experts
+    modules it sliced (model path -> module) with their whole expert count; `world` and the group of ranks holding
+    the same share (`rep_group`, None when there is one such rank) for the gradients."""
+
+    ep: int
+    rank: int
+    group: Any
+    world: int
+    rep_group: Any = None
+    mesh: Any = None  # the 1-D device mesh of the ep ranks (checkpoints store the shares as its shards)
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    total: int = 0
+    # Token copies this rank sent to other ranks' experts in forward (each also comes back, and backward moves
+    # the same again): what bench/expert_all_to_all.py measures against the plan's count.
+    rows_sent: int = 0
+
+    @property
+    def local(self) -> int:
+        return self.total // self.ep
+
+    def params(self) -> list[nn.Parameter]:
+        """The expert weights this rank holds (the sliced 3-D stacks and any per-expert biases)."""
+        return [p for m in self.modules.values() for p in m.parameters(recurse=False)]
+
+    def _is_expert(self, key: str) -> bool:
+        """Whether a state-dict name (of the loss module, the model inside it) is one of the sliced weights."""
+        return any(key.endswith(f"{path}.{p}") for path, m in self.modules.items()
+                   for p, _ in m.named_parameters(recurse=False))
+
+    def as_shards(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint's view of this rank's state: each expert weight (and its optimizer moments) as its shard
+        of the whole stack (a DTensor over the ep ranks, split along the experts), so that DCP saves every rank's
+        share under the one-process name and shape instead of keeping one rank's copy of a same-named tensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        def shard(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == self.local:
+                return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+            return t
+
+        model_sd = {k: shard(v) if self._is_expert(k) else v for k, v in model_sd.items()}
+        state = {k: ({n: shard(t) for n, t in v.items()} if self._is_expert(k) else v)
+                 for k, v in optim_sd.get("state", {}).items()}
+        return model_sd, {**optim_sd, "state": state}
+
+    def as_local(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A loaded checkpoint ({"model": ..., "optim": ...}) with the experts' shards (`as_shards`) back as this
+        rank's plain tensors; FSDP2's own shards stay as they are."""
+        def local(t: Any) -> Any:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        model = {k: local(v) if self._is_expert(k) else v for k, v in state_dict["model"].items()}
+        optim = state_dict["optim"]
+        state = {k: ({n: local(t) for n, t in v.items()} if self._is_expert(k) else v)
+                 for k, v in optim.get("state", {}).items()}
+        return {**state_dict, "model": model, "optim": {**optim, "state": state}}
+
+
+def expert_count(module: nn.Module) -> int:
+    """How many experts a fused-experts module holds (its own attribute)."""
+    for a in COUNT_ATTRS:
+        n = getattr(module, a, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    raise ValueError(f"{type(module).__name__} names no expert count ({', '.join(COUNT_ATTRS)})")
+
+
+def _set_count(module: nn.Module, n: int) -> None:
+    for a in COUNT_ATTRS:
+        if isinstance(getattr(module, a, None), int):
+            setattr(module, a, n)
+
+
+def shard_experts(model: nn.Module, ep: int, rank: int, group: Any, world: int,
+                  rep_group: Any = None, mesh: Any = None) -> ExpertShard:
+    """Keep experts [rank * E/ep, (rank + 1) * E/ep) of every experts module of `model` and route its calls over
+    `group`. Every parameter of an experts module is per expert (first dimension E); it is sliced in place (a copy
+    of the slice, so the whole stack is freed)."""
+    shard = ExpertShard(ep=ep, rank=rank, group=group, world=world, rep_group=rep_group, mesh=mesh)
+    for name in moe_parts(model).experts:
+        module = model.get_submodule(name)
+        total = expert_count(module)
+        if total % ep:
+            raise ValueError(f"{name}: {total} experts do not share out over {ep} ranks")
+        shard.total = total
+        lo, n = rank * total // ep, total // ep
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.shape[0] != total:
+                raise ValueError(f"{name}.{pname}: first dimension {p.shape[0]} is not the {total} experts")
+            p.data = p.data[lo:lo + n].clone()
+        _set_count(module, n)
+        local_forward = module.forward
+        shard.modules[name] = module
+        module.forward = _dispatching(local_forward, shard, name, n)
+    return shard
+
+
+def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard, path: str,
+                 n: int) -> Callable[..., torch.Tensor]:
+    """The experts module's forward over the expert group, with the signature transformers calls it with."""
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                **kwargs: Any) -> torch.Tensor:
+        def tally(rows: int) -> None:
+            shard.rows_sent += rows
+
+        def compute(h: torch.Tensor, e: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            # Under FSDP2's mixed precision the experts (left out of it) keep their own dtype.
+            dtype = next(iter(shard.modules[path].parameters())).dtype
+            return local_forward(h.to(dtype), e, w.to(dtype), **kwargs).to(h.dtype)
+
+        return dispatch_combine(hidden_states, top_k_index, top_k_weights, n, shard.group, shard.ep, compute, tally)
+
+    return forward
+
+
+def _exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: Any) -> torch.Tensor:
+    """`rows` split `send` ways out, `recv` rows back from each rank, with the gradient taking the way back."""
+    out = all_to_all_single_autograd(rows.contiguous(), recv, send, group)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, local: int, group: Any,
+                     ep: int, compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                     tally: Callable[[int], None] | None = None) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{index[t, k]}(hidden[t]) for every token t, the experts held `local` to a rank
+    of `group` (expert e on rank e // local). `compute(rows, local_ids [R, 1], ones [R, 1])` runs this rank's
+    experts on the rows it received; `tally(rows)`: told how many rows left for other ranks."""
+    k = index.shape[-1]
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank, and each rank's by expert
+    token = order // k
+    expert = flat[order]
+    dest = torch.div(expert, local, rounding_mode="floor")
+    send_counts = torch.bincount(dest, minlength=ep)
+    if ep == 1:
+        out = compute(hidden[token], expert[:, None], weights.new_ones(len(token), 1))
+    else:
+        recv_counts = _exchange_counts(send_counts, group)
+        send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+        if tally is not None:
+            tally(sum(send_sizes) - send_sizes[dist.get_rank(group)])
+        rows = _exchange(hidden[token], recv_sizes, send_sizes, group)
+        ids = flat.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(ids, expert - dest * local, recv_sizes, send_sizes, group=group)
+        computed = compute(rows, ids[:, None], weights.new_ones(len(ids), 1))
+        if rows.requires_grad and not computed.requires_grad:
+            # No row came (eager's loop ran no expert and returned fresh zeros): tied to the graph anyway, so that
+            # backward runs this exchange's all-to-all as the other ranks do, instead of leaving them waiting.
+            computed = computed + rows * 0
+        out = _exchange(computed, send_sizes, recv_sizes, group)
+    weighted = out * weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
+
+
+def ignore_in_ddp(module: nn.Module, shard: ExpertShard) -> None:
+    """Tell DDP (before it wraps `module`) to neither broadcast nor average the expert weights: each rank's are its
+    own share."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    mine = {id(p) for p in shard.params()}
+    names = [n for n, p in module.named_parameters() if id(p) in mine]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)  # noqa: SLF001
+
+
+def sync_expert_grads(shard: ExpertShard) -> None:
+    """Expert gradients as one process's: the step's loss is scaled for DDP's average over the world, which these
+    skip, and the ranks holding the same share (other expert groups) each saw their own rows."""
+    grads = [p.grad for p in shard.params() if p.grad is not None]
+    for g in grads:
+        g.div_(shard.world)
+        if shard.rep_group is not None:
+            dist.all_reduce(g, group=shard.rep_group)
+
+
+def clip_grad_norm(params: list[nn.Parameter], shard: ExpertShard, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over the whole model: the replicated parameters' norm on this rank, the experts'
+    summed over the expert group (each share counted once)."""
+    mine = {id(p) for p in shard.params()}
+    with_grad = [p for p in params if p.grad is not None]
+    own = torch.zeros((), dtype=torch.float32, device=with_grad[0].grad.device if with_grad else None)
+    expert = own.clone()
+    for p in with_grad:
+        nrm = torch.linalg.vector_norm(p.grad.detach().float())
+        if hasattr(nrm, "full_tensor"):  # an FSDP2 shard's: the norm over every rank's shard
+            nrm = nrm.full_tensor()
+        if id(p) in mine:
+            expert = expert + nrm.square()
+        else:
+            own = own + nrm.square()
+    if shard.group is not None:
+        dist.all_reduce(expert, group=shard.group)
+    total = (own + expert).sqrt()
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for p in with_grad:
+        p.grad.mul_(coef)
+    return total
+
+
+def gather_experts(shard: ExpertShard) -> None:
+    """Every experts module whole again on every rank (its weights gathered from the group, its own forward back):
+    for saving a model with the layout of a one-process run's."""
+    for module in shard.modules.values():
+        for p in module.parameters(recurse=False):
+            parts = [torch.empty_like(p.data) for _ in range(shard.ep)]
+            dist.all_gather(parts, p.data.contiguous(), group=shard.group)
+            p.data = torch.cat(parts)
+        _set_count(module, shard.total)
+        del module.forward  # the class's forward again
+    shard.modules.clear()
+
+
+def share_experts(model: nn.Module, module: nn.Module, layout: Layout, world: int, name: str) -> ExpertShard | None:
+    """The job's expert parallelism on the built `model` (inside the loss `module` the strategy will wrap): the
+    model checked (resolve/experts_rules.py), this rank's share kept, and DDP told to leave the experts alone.
+    None when the layout shares no experts."""
+    if layout.ep == 1:
+        return None
+    check_ep_config(layout.ep, model.config, name)
+    shard = shard_experts(model, layout.ep, layout.ep_rank, layout.ep_group, world, layout.ep_rep_group,
+                          layout.ep_mesh)
+    ignore_in_ddp(module, shard)
+    return shard
+
+
+def step_grad_norm(params: list[nn.Parameter], shard: ExpertShard | None, max_norm: float) -> torch.Tensor:
+    """The optimizer step's gradient clipping (after the last backward), with the experts' gradients made whole
+    first where they are shared."""
+    if shard is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    sync_expert_grads(shard)
+    return clip_grad_norm(params, shard, max_norm)
