@@ -123,6 +123,10 @@ class Config:
                                     "of the heads over the whole row); must divide the ranks, the data is split "
                                     "over the rest. Dense text models, objective sft; docs/long-context.md",
                                  ge=1)
+    pipeline_parallel: int = key(1, "pipeline stages the decoder blocks are cut into, one per rank group "
+                                    "(torch.distributed.pipelining, 1F1B over the step's grad_accum micro-batches; "
+                                    "grad_accum must be at least the stages); must divide the ranks. Dense text "
+                                    "models, objective sft; docs/pipeline.md", ge=1)
     grad_ckpt: str = key("none", "activation checkpointing of every decoder block: none | full | selective")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
                                       "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "

@@ -60,6 +60,8 @@ class Resolved:
     experts: str = "grouped_mm"
     # Ranks that split every row (sequence parallelism); the data is split over world / sequence_parallel groups.
     sequence_parallel: int = 1
+    # Pipeline stages the decoder blocks are cut into (parallel/pipeline.py); 1: none.
+    pipeline_parallel: int = 1
 
     @property
     def world(self) -> int:
@@ -68,7 +70,7 @@ class Resolved:
     @property
     def dims(self) -> ParallelDims:
         """How the ranks divide (resolve/dims.py): every rank reads the same answer."""
-        return ParallelDims(world=self.world, sp=self.sequence_parallel)
+        return ParallelDims(world=self.world, pp=self.pipeline_parallel, sp=self.sequence_parallel)
 
     def describe(self) -> str:
         """One line: the job as it will run."""
