@@ -86,10 +86,9 @@ def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
                         f"only (Llama, Qwen2, Qwen3): train it without a pipeline, {FIX}.")
     if facts.layers < n:
-        fits = ", ".join(str(d) for d in range(2, facts.layers + 1)) or "none above 1"
         raise UserError(f"{_prefix(n)}: {model} has {facts.layers} decoder block{'s' if facts.layers != 1 else ''}, "
                         f"fewer than the {n} stages (each stage holds at least one block): use a pipeline_parallel "
-                        f"of at most {facts.layers} ({fits}), {FIX}.")
+                        f"of at most {facts.layers}, {FIX}.")
     if facts.tied and methods.get(method).trains_base:
         raise UserError(f"{_prefix(n)}: {model} ties its output head to its input embedding, which sit on the first "
                         f"and last stages; a full fine-tune would train the two copies apart. Train it with method: "
