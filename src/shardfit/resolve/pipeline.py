@@ -48,14 +48,14 @@ def check_layout(cfg: Config, world: int) -> None:
     n = cfg.pipeline_parallel
     if n == 1:
         return
-    ParallelDims(world=world, pp=n, sp=cfg.sequence_parallel).check()  # names what would divide
+    if cfg.sequence_parallel > 1:
+        raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does not split "
+                        f"rows inside a pipeline stage: set sequence_parallel: 1, {FIX}.")
+    ParallelDims(world=world, pp=n).check()  # names what would divide
     if world != n:
         raise UserError(f"{_prefix(n)} on {world} ranks: this version runs one rank per stage (stages x data "
                         f"parallelism comes later), so the ranks must equal the stages: launch {n} ranks "
                         f"(--nproc {n}), {FIX}.")
-    if cfg.sequence_parallel > 1:
-        raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does not split "
-                        f"rows inside a pipeline stage: set sequence_parallel: 1, {FIX}.")
     if objectives.get(cfg.objective).preference:
         raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective compares "
                         f"the two sides of a pair in one loss, which the stages' micro-batch split would need kept "
