@@ -415,7 +415,8 @@ class FineTune:
                   f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
                   f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {self.layout.dp} "
                   + (f"data groups of {self.layout.sp} ranks splitting each row" if self.layout.sp > 1
-                     else f"rank{'s' if world > 1 else ''}")
+                     else f"data group{'s' if self.layout.dp > 1 else ''} of {self.layout.pp} pipeline stages"
+                     if self.layout.pp > 1 else f"rank{'s' if world > 1 else ''}")
                   + f"); {self.batches.steps_per_epoch} steps per epoch, "
                   f"{self.total_steps} steps"
                   + (f" (continuing from step {self.start_step})" if self.start_step else "")
@@ -692,7 +693,7 @@ class FineTune:
         """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
         does not count), or None without a plan."""
         c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
-        if c is None or not c.tokens_per_s:
+        if c is None or not c.tokens_per_s or self.pipe is not None:  # the strategy's row is not a pipeline's
             return None
         micro_batches = (self.total_steps - self.start_step) * self.cfg.grad_accum * self.env.world
         if not self.fit_tokens or micro_batches <= 0:
