@@ -59,22 +59,30 @@ class DecoderStage(nn.Module):
         """The output head (the last stage's, None elsewhere; the loss applies it chunk by chunk)."""
         return self._parts[1]
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, restarts: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`restarts`: whether each row restarts its positions (packed examples), a host tensor so that the mask's
+        choice never waits for the device; None: read from `position_ids`."""
         decoder = self._parts[0]
         h = decoder.embed_tokens(x) if self.is_first else x
         position_embeddings = decoder.rotary_emb(h, position_ids)
-        mask = _mask(decoder.config, position_ids, h.dtype)
+        packed = bool((restarts if restarts is not None else row_restarts(position_ids)).any())
+        mask = _mask(decoder.config, position_ids, h.dtype, packed)
         for layer in decoder.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
                       use_cache=False)
         return decoder.norm(h) if self.is_last else h
 
 
-def _mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """What the one-process forward uses for these rows (models/masks.py): no mask for rows whose positions never
-    restart under SDPA (its causal kernel), else the block-causal mask of the packed examples."""
-    restarts = bool((torch.diff(position_ids, dim=-1) != 1).any())
-    if not restarts and config._attn_implementation == "sdpa":
+def row_restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per row, whether its positions restart (a packed row of several examples)."""
+    return (torch.diff(position_ids, dim=-1) != 1).any(dim=-1)
+
+
+def _mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype, packed: bool) -> torch.Tensor | None:
+    """What the one-process forward uses for these rows (models/masks.py): no mask for a micro-batch whose
+    positions never restart under SDPA (its causal kernel), else the block-causal mask of the packed examples."""
+    if not packed and config._attn_implementation == "sdpa":
         return None
     return block_causal_mask(config, position_ids, dtype)
 

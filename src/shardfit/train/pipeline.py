@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from shardfit.data.loader import Batch
 from shardfit.data.tokenize import IGNORE
 from shardfit.parallel.layout import Layout
-from shardfit.parallel.pipeline import DecoderStage
+from shardfit.parallel.pipeline import DecoderStage, row_restarts
 from shardfit.train.loss import chunked_cross_entropy
 
 
@@ -54,7 +54,9 @@ class PipelineRun:
         target = tgt.to(self.device) if self.stage.is_last else None
         losses: list[Any] | None = [] if self.stage.is_last else None
         run = schedule.step if train else schedule.eval
-        run(*args, position_ids=pos.to(self.device), target=target, losses=losses, return_outputs=False)
+        # Each row's restarts from the host's positions, kept on the host: the stages' mask choice reads no device.
+        run(*args, position_ids=pos.to(self.device), restarts=row_restarts(pos.cpu()), target=target,
+            losses=losses, return_outputs=False)
         # A stage's first step infers its activations' shape by a forward and backward of uninitialised tensors
         # through `_loss` too: the micro-batches' own sums are the last ones.
         return self.sums[-n:] if self.stage.is_last else []
