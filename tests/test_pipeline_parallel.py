@@ -136,6 +136,8 @@ def _same_as_one_process(tmp: Path, model: Path, data: Path, **over) -> tuple[Pa
     assert got == pytest.approx(ref, rel=1e-5)
     summary = json.loads((pp / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["resolved"]["pipeline_parallel"] == 2
+    # The whole model's trainable parameters, summed over the stages.
+    assert summary["trainable_params"] == json.loads((single / "summary.json").read_text())["trainable_params"]
     return single, pp
 
 

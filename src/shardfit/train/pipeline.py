@@ -80,6 +80,13 @@ class PipelineRun:
         return sums[0] if sums else None
 
 
+def over_stages(count: int, layout: Layout) -> int:
+    """`count` (this stage's, e.g. its trainable parameters) summed over the pipeline's stages."""
+    total = torch.tensor(count, dtype=torch.int64)
+    dist.all_reduce(total, group=layout.pp_group)
+    return int(total)
+
+
 def clip_global_norm(params: list[nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
     """Clip the gradients of this stage's `params` by the norm over every stage's (the one process's norm), and
     return that norm (the same on every rank)."""

@@ -87,7 +87,7 @@ from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.oom import Where, out_of_memory, ran_out
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
-from shardfit.train.pipeline import PipelineEvalModule, PipelineRun, clip_global_norm, gather_stages
+from shardfit.train.pipeline import PipelineEvalModule, PipelineRun, clip_global_norm, gather_stages, over_stages
 from shardfit.train.preference import PreferenceLoss, PreferenceSettings
 from shardfit.train.profiling import StepProfiler
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint, record_length
@@ -330,6 +330,8 @@ class FineTune:
         cfg, env = self.cfg, self.env
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
+        if self.pipe is not None:  # the whole model's, not this stage's
+            self.n_trainable = over_stages(self.n_trainable, self.layout)
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
