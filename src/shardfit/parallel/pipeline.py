@@ -43,6 +43,9 @@ class DecoderStage(nn.Module):
         super().__init__()
         self.model = model
         self.stage, self.stages, self.blocks = stage, stages, blocks
+        # The dtype autocast computes in (the job's `autocast`), or None: a schedule runs the forward itself, so
+        # the stage enters autocast around its own forward.
+        self.autocast: torch.dtype | None = None
         # Held outside the module tree (a plain list): they are reached through `model`, which owns them.
         self._parts: list[Any] = [decoder, head]
 
@@ -63,6 +66,12 @@ class DecoderStage(nn.Module):
                 ) -> torch.Tensor:
         """`restarts`: whether each row restarts its positions (packed examples), a host tensor so that the mask's
         choice never waits for the device; None: read from `position_ids`."""
+        if self.autocast is None:
+            return self._forward(x, position_ids, restarts)
+        with torch.autocast(position_ids.device.type, dtype=self.autocast):
+            return self._forward(x, position_ids, restarts)
+
+    def _forward(self, x: torch.Tensor, position_ids: torch.Tensor, restarts: torch.Tensor | None) -> torch.Tensor:
         decoder = self._parts[0]
         h = decoder.embed_tokens(x) if self.is_first else x
         position_embeddings = decoder.rotary_emb(h, position_ids)

@@ -10,6 +10,7 @@ schedule's own division by the micro-batch count off (`scale_grads=False`), so t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,10 +27,13 @@ from shardfit.train.loss import chunked_cross_entropy
 
 
 class PipelineRun:
-    """This rank's stage and the schedules that run it. `chunk`: rows per chunk of the loss."""
+    """This rank's stage and the schedules that run it. `chunk`: rows per chunk of the loss; `autocast`: the dtype
+    the forward and the loss compute in under autocast (None: none)."""
 
-    def __init__(self, stage: DecoderStage, layout: Layout, device: torch.device, chunk: int):
+    def __init__(self, stage: DecoderStage, layout: Layout, device: torch.device, chunk: int,
+                 autocast: torch.dtype | None = None):
         self.stage, self.layout, self.device, self.chunk = stage, layout, device, chunk
+        stage.autocast = autocast
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
         # A schedule per micro-batch count: a stage learns its activations' shape at its first step.
@@ -41,7 +45,10 @@ class PipelineRun:
                              group=self.layout.pp_group)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss_sum, _ = chunked_cross_entropy(hidden, self.stage.head, targets, self.chunk)
+        amp = torch.autocast(hidden.device.type, dtype=self.stage.autocast) if self.stage.autocast is not None \
+            else contextlib.nullcontext()
+        with amp:  # the head's chunks in the compute dtype, as in one process's forward
+            loss_sum, _ = chunked_cross_entropy(hidden, self.stage.head, targets, self.chunk)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 

@@ -323,7 +323,8 @@ class FineTune:
         pipelines.check_model(self.layout.pp, pipelines.facts_of_config(self.model.config), self.cfg.model,
                               self.cfg.method)
         stage = cut(self.model, self.layout.pp_rank, self.layout.pp)
-        self.pipe = PipelineRun(stage, self.layout, self.env.device, self.loss_chunk)
+        self.pipe = PipelineRun(stage, self.layout, self.env.device, self.loss_chunk,
+                                DTYPES[self.job.autocast] if self.job.autocast else None)
         return stage
 
     def _setup_optimizer(self) -> None:
