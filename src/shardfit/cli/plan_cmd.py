@@ -19,7 +19,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.foreign.asplanned import format_report
 from shardfit.objective import NAMES as OBJECTIVES
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
-from shardfit.plan.hardware import detect, parse_gpus
+from shardfit.plan.hardware import Hardware, detect, parse_gpus
 from shardfit.plan.media import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
@@ -28,6 +28,8 @@ from shardfit.plan.media import (
     describe,
     parse_image_size,
 )
+from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
@@ -71,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
                    help="ranks that share each block's routed experts (ddp, zero2, zero3 rows): each holds 1/N "
                         "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
+    p.add_argument("--pipeline-parallel", type=positive_int, default=None, metavar="N",
+                   help="also plan a pipeline of N stages, one GPU each, over --grad-accum micro-batches (1F1B): "
+                        "the first stage's memory, the bubble and the activations' traffic (docs/pipeline.md)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -229,6 +234,25 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
         return None
 
 
+def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str) -> tuple[PipelinePlan, str]:
+    """The pipeline of `stages` GPUs (plan/pipeline.py) and what `train` would say of it (empty: it runs it); more
+    stages than blocks is bad input (UserError)."""
+    from shardfit.resolve.pipeline import check_model, facts_of_shape
+
+    if stages > shape.layers:
+        raise UserError(f"--pipeline-parallel {stages}: {source} has {shape.layers} decoder blocks, fewer than the "
+                        f"stages (each holds at least one block): use at most {shape.layers}.")
+    note = ""
+    try:
+        check_model(stages, facts_of_shape(shape), source, w.method)
+    except UserError as e:
+        note = f"planned only: train refuses it in this version ({e})"
+    if w.grad_accum < stages:
+        note = note or (f"planned only: train needs --grad-accum {stages} or more for {stages} stages (1F1B runs "
+                        "at least one micro-batch per stage)")
+    return plan_pipeline(shape, w, hw, stages), note
+
+
 def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
     """The workload with the fields the flags set (the others as the config, or `train`'s defaults, have them)."""
     if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
@@ -321,6 +345,11 @@ def run(args: argparse.Namespace) -> int:
         out["audio"] = audio.to_json()
     lines = [describe(media)] if media else []
     lines += [describe_audio(audio)] if audio else []
+    stages = args.pipeline_parallel or (cfg.pipeline_parallel if args.config else 1)
+    if stages > 1:
+        pipe, note = pipeline_of(shape, w, hw, stages, source)
+        out["pipeline"] = {**pipe.to_json(), "note": note}
+        lines.append(pipe.describe() + (f"\n  {note}" if note else ""))
     job = resolved_job(cfg, args) if args.config else None
     if job is not None:
         out["resolved"] = job.to_json()

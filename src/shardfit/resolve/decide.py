@@ -18,6 +18,7 @@ from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
+from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.defaults import (
     eager_attention_max_width,
     resolve_attention,
@@ -111,15 +112,20 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     s = strategies.get(name)
     check_layout(cfg, name, n * nnodes)
     check_ep_layout(cfg, name, n * nnodes)
+    pipelines.check_layout(cfg, n * nnodes)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
+                               cfg.pipeline_parallel)
+    # A pipeline's stages infer the activations' shape once (torch.distributed.pipelining): every micro-batch is
+    # as wide as max_seq_len and micro_batch rows high, as for compiled blocks.
+    fixed = compiled or cfg.pipeline_parallel > 1
     attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
     hw = job_hardware_of(node, name, n, nnodes)
     # Compiled blocks want one static shape: rows as wide as max_seq_len, as many as a micro-batch's sequences (a
     # preference pair is two).
     height = cfg.micro_batch * objectives.get(cfg.objective).sequences
     rows = RowShape(limit=cfg.max_seq_len, micro_batch=cfg.micro_batch,
-                    width=cfg.max_seq_len if compiled else None, height=height if compiled else None,
+                    width=cfg.max_seq_len if fixed else None, height=height if fixed else None,
                     multiple=row_width_multiple(device.type, precision, compiled))
     vocab = plan.model.vocab if plan is not None else None
     if cfg.precision == "auto":
@@ -130,7 +136,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         compile=compiled, attention=attention,
         # Sequence parallelism runs its own kernel at every width (parallel/ulysses.py).
         eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision)
-        if cfg.sequence_parallel == 1 else 0, rows=rows,
+        if cfg.sequence_parallel == 1 and cfg.pipeline_parallel == 1 else 0, rows=rows,
         loss_chunk=loss_chunk_for(cfg.loss_chunk, vocab, hw, precision) if vocab else None, hardware=hw,
         why=tuple(why), objective=objectives.get(cfg.objective).name,
         reference=objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
@@ -138,7 +144,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel,
         static_shape=resolve_static_shape(cfg.static_shape, device.type, cfg.packing, attention,
                                           objectives.get(cfg.objective).preference, cfg.sequence_parallel),
-        expert_parallel=cfg.expert_parallel)
+        expert_parallel=cfg.expert_parallel, pipeline_parallel=cfg.pipeline_parallel)
 
 
 def settled(cfg: Config, job: Resolved) -> Config:
@@ -158,15 +164,18 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
             shape = resolve_shape(cfg.model)
         if shape is not None:
             check_model(cfg.sequence_parallel, facts_of_shape(shape), cfg.model)
-    if cfg.expert_parallel > 1:  # the experts per block, from the model's config, before anything loads
+    if cfg.expert_parallel > 1 or cfg.pipeline_parallel > 1:  # the model's kind, from its config, before loading
         shape = None
         with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model
             shape = resolve_shape(cfg.model)
-        if shape is not None:
+        if shape is not None and cfg.expert_parallel > 1:
             check_ep_model(cfg.expert_parallel, shape.experts, cfg.model, every_expert=shape.every_expert,
                            multimodal=shape.vision is not None or shape.audio is not None)
+        if shape is not None and cfg.pipeline_parallel > 1:
+            pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
+                               cfg.pipeline_parallel)
     # The plan of the settings as they will run (what a rank plans again from the resolved job).
     planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
         cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))

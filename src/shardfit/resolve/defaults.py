@@ -30,13 +30,14 @@ EAGER_ATTENTION_MAX_LEN = 256
 EAGER_ATTENTION_BF16_MAX_WIDTH = 192
 
 
-def resolve_compile(value: bool | str, device_type: str, packing: bool, sequence_parallel: int = 1) -> bool:
+def resolve_compile(value: bool | str, device_type: str, packing: bool, sequence_parallel: int = 1,
+                    pipeline_parallel: int = 1) -> bool:
     """`compile` as a bool: `auto` compiles on GPUs when rows are not packed (static shapes cost nothing there),
     and not under sequence parallelism (its all-to-all attention is not compiled; resolve/sequence.py refuses
-    `true`)."""
+    `true`) nor in a pipeline's stages (not tried yet; resolve/pipeline.py refuses `true`)."""
     if value != "auto":
         return bool(value)
-    return device_type == "cuda" and not packing and sequence_parallel == 1
+    return device_type == "cuda" and not packing and sequence_parallel == 1 and pipeline_parallel == 1
 
 
 # Attention kernels that take a packed row's example boundaries from its positions (variable-length flash attention)
@@ -133,6 +134,7 @@ def resolve_experts(device_type: str) -> str:
 
 def resolve_speed_settings(cfg: Config, device_type: str) -> Config:
     """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records)."""
-    compiled = resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel)
+    compiled = resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel,
+                               cfg.pipeline_parallel)
     return dataclasses.replace(cfg, compile=compiled, attn_implementation=resolve_attention(
         cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled))

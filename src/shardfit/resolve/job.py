@@ -65,6 +65,8 @@ class Resolved:
     static_shape: bool = False
     # Ranks that share each mixture-of-experts block's routed experts (parallel/experts.py), out of the data ranks.
     expert_parallel: int = 1
+    # Pipeline stages the decoder blocks are cut into (parallel/pipeline.py); 1: none.
+    pipeline_parallel: int = 1
 
     @property
     def world(self) -> int:
@@ -73,7 +75,8 @@ class Resolved:
     @property
     def dims(self) -> ParallelDims:
         """How the ranks divide (resolve/dims.py): every rank reads the same answer."""
-        return ParallelDims(world=self.world, sp=self.sequence_parallel, ep=self.expert_parallel)
+        return ParallelDims(world=self.world, pp=self.pipeline_parallel, sp=self.sequence_parallel,
+                            ep=self.expert_parallel)
 
     def describe(self) -> str:
         """One line: the job as it will run."""

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
+from shardfit.parallel.pipeline import DecoderStage
 from shardfit.parallel.shared_dir import ranks_seeing
 from shardfit.train.rundir import file_digest
 from shardfit.train.trusted_dcp import TrustedLoadPlanner, TrustedReader, not_trusted, read_metadata, refusal
@@ -39,6 +40,13 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTS = StateDictOptions(ignore_frozen_params=True)
+# A pipeline stage's optimizer state under each parameter's own name: the stages' unflattened param_groups would
+# all be saved as `param_groups.0` and overwrite each other.
+_STAGE_OPTS = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
+
+
+def _is_stage(model: torch.nn.Module) -> bool:
+    return isinstance(model, DecoderStage)
 
 
 class TrainState(Stateful):
@@ -49,7 +57,8 @@ class TrainState(Stateful):
         self.model, self.optimizer, self.experts = model, optimizer, experts
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTS)
+        opts = _STAGE_OPTS if _is_stage(self.model) else _OPTS
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
         if self.experts is not None:
             model_sd, optim_sd = self.experts.as_shards(model_sd, optim_sd)
         frozen = frozen_names(self.model)
@@ -59,8 +68,8 @@ class TrainState(Stateful):
         if self.experts is not None:
             state_dict = self.experts.as_local(state_dict)
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"], options=StateDictOptions(ignore_frozen_params=True,
-                                                                                      strict=False))
+                       optim_state_dict=state_dict["optim"], options=StateDictOptions(
+                           ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=_is_stage(self.model)))
 
 
 # Wrapper modules whose attribute name is not part of the parameter names a state dict uses.
@@ -289,7 +298,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     env: DistEnv, experts: Any = None) -> Resumed:
     """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size changed. Nothing in the
     checkpoint is unpickled beyond plain values, tensors and DCP's metadata (see trusted_dcp.py)."""
-    read_metadata(path / ".metadata")  # a crafted or foreign checkpoint stops here, before DCP starts
+    metadata = read_metadata(path / ".metadata")  # a crafted or foreign checkpoint stops here, before DCP starts
+    _require_same_kind(path, metadata.state_dict_metadata, _is_stage(model))
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -311,6 +321,19 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if env.distributed:
         dist.barrier()
     return Resumed(int(meta["step"]), int(meta["tokens"]), path)
+
+
+def _require_same_kind(path: Path, keys: Any, stage: bool) -> None:
+    """A pipeline run's checkpoint resumes in a pipeline run, any other in any other (UserError otherwise): their
+    optimizer states are laid out differently (a stage's under each parameter's name)."""
+    groups = [k.split(".")[3] for k in keys if k.startswith("train.optim.param_groups.")]
+    saved_stage = bool(groups) and not groups[0].isdigit()
+    if groups and saved_stage != stage:
+        saved, now = ("with a pipeline (pipeline_parallel > 1)", "without one") if saved_stage else \
+            ("without a pipeline", "with one")
+        raise UserError(f"{path} was saved by a run {saved}, and this run trains {now}: this version resumes a "
+                        "pipeline run on its own layout only. Resume with the pipeline_parallel and --nproc it was "
+                        "saved with, or --set resume=never to start over.")
 
 
 def _lr_at_restored_step(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm.auto import tqdm
@@ -23,6 +24,9 @@ from shardfit.models.experts import adapter_names_as_written
 from shardfit.models.quantize import as_qlora_trained
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
+
+# The weights file of a peft adapter folder.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -38,15 +42,17 @@ def gather_full_state(wrapped: nn.Module, trainable_only: bool) -> dict[str, tor
 
 
 def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Path, env: DistEnv,
-               is_lora: bool, base_name: str | None = None) -> Path:
+               is_lora: bool, base_name: str | None = None, stages: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `adapter/` (LoRA) or `model/` (full, freeze) on rank 0 after gathering shards on all ranks.
 
     An adapter names its base as the config did (`base_name`: a hub id or a local folder), not the folder the
-    weights were read from: for a model bundled as GGUF that folder is not a model `from_pretrained` can load."""
+    weights were read from: for a model bundled as GGUF that folder is not a model `from_pretrained` can load.
+    `stages`: a pipeline's stages' state, gathered on rank 0 (train/pipeline.py `gather_stages`): the adapter
+    file's entries (LoRA; peft writes only what rank 0's stage holds, so its file is replaced) or the model's."""
     if is_lora and base_name:
         for peft_config in getattr(model, "peft_config", {}).values():
             peft_config.base_model_name_or_path = base_name
-    sd = gather_full_state(wrapped, trainable_only=is_lora)
+    sd = gather_full_state(wrapped, trainable_only=is_lora) if stages is None else {} if is_lora else stages
     if not is_lora:
         sd = _drop_tied_copies(model, sd)
     out = Path(run_dir) / ("adapter" if is_lora else "model")
@@ -60,7 +66,9 @@ def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Pa
             warnings.filterwarnings("ignore", message="Could not find a config file")
             # Nor is its attempt to look the hub id up online, which fails offline and changes nothing saved.
             warnings.filterwarnings("ignore", message="Unable to fetch remote file")
-            model.save_pretrained(str(out), state_dict=sd, safe_serialization=True)
+            model.save_pretrained(str(out), state_dict=sd or None, safe_serialization=True)
+            if is_lora and stages is not None:
+                save_file(stages, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})  # peft's format
         if config is not None:
             config.use_cache = False
         tokenizer.save_pretrained(str(out))

@@ -63,6 +63,7 @@ from shardfit.parallel.experts import gather_experts, share_experts, step_grad_n
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
+from shardfit.parallel.pipeline import cut
 from shardfit.parallel.sequence import shard_batch
 from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -70,6 +71,7 @@ from shardfit.plan.choose import refuse_if_oom, tokens_per_s_at
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.plan import Plan
 from shardfit.resolve import Resolved
+from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.decide import settled
 from shardfit.resolve.defaults import (
     CUDNN_PLAN_S,
@@ -88,6 +90,7 @@ from shardfit.train.loss import CausalLMLoss
 from shardfit.train.metrics import SAMPLES_FILE, MetricsLog, StepLogger, gather_floats, peak_mem_gib, truncate_after
 from shardfit.train.oom import Where, out_of_memory, ran_out
 from shardfit.train.optim import build_optimizer, cosine_with_warmup
+from shardfit.train.pipeline import PipelineEvalModule, PipelineRun, clip_global_norm, gather_stages, over_stages
 from shardfit.train.preference import PreferenceLoss, PreferenceSettings
 from shardfit.train.profiling import StepProfiler
 from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint, record_length
@@ -188,6 +191,7 @@ class FineTune:
         self.strategy = get_strategy(self.job.strategy)
         # The ranks' data and sequence split: sequence_parallel ranks share each row (parallel/sequence.py).
         self.layout = layout_of(env, self.job.dims)
+        self.pipe: PipelineRun | None = None  # this rank's pipeline stage and its schedules (pipeline_parallel)
         if self.strategy.engine == "device_map" and env.distributed:  # a torchrun launch that bypassed resolve
             raise UserError("strategy: model_parallel splits one process's model over its local GPUs and cannot run "
                             "under a multi-rank launch. Use zero3 (sharded) with --nproc, or model_parallel without "
@@ -217,7 +221,7 @@ class FineTune:
         def decide() -> tuple[str | None, str | None]:
             check_writable(self.run_dir)
             warning = self.lock.acquire()
-            global_batch = cfg.micro_batch * cfg.grad_accum * env.world // cfg.sequence_parallel
+            global_batch = cfg.micro_batch * cfg.grad_accum * self.job.dims.dp
             return warning, claim(self.run_dir, cfg, fingerprint(cfg, global_batch))
 
         warning, self.longer = decide_on_rank0(env, decide)
@@ -303,8 +307,10 @@ class FineTune:
         self.routing = loss_module  # unwrapped: the engines below wrap it, its last micro-batch's routing stays here
         # expert_parallel: this rank's share of each block's experts, before the strategy wraps the rest
         self.experts_shard = share_experts(self.model, loss_module, self.layout, env.world, cfg.model)
-        self.loss_module = parallelize(loss_module, s, device=env.device, world=env.world, precision=cfg.precision,
-                                       grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
+        if self.layout.pp > 1:  # this rank's stage of the model takes the loss module's place
+            loss_module = self._pipeline_stage()
+        self.loss_module = parallelize(loss_module, s, device=env.device, world=self.job.dims.stage_ranks,
+                                       precision=cfg.precision, grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
                                        ignored=set(self.experts_shard.params()) if self.experts_shard else None)
         if s.engine != "device_map" and not s.offload:
             findings += placement_rules(loss_module, env.device, fix=True)
@@ -318,10 +324,22 @@ class FineTune:
         if methods.get(cfg.method).adapters and isinstance(self.amp, torch.autocast):
             skip_adapter_input_casts(self.model)  # every forward of the run is inside self.amp
 
+    def _pipeline_stage(self) -> torch.nn.Module:
+        """Cut the built model to this rank's pipeline stage (parallel/pipeline.py), checked against the rules on
+        its own config first (the planner may not have known the shape)."""
+        pipelines.check_model(self.layout.pp, pipelines.facts_of_config(self.model.config), self.cfg.model,
+                              self.cfg.method)
+        stage = cut(self.model, self.layout.pp_rank, self.layout.pp)
+        self.pipe = PipelineRun(stage, self.layout, self.env.device, self.loss_chunk,
+                                DTYPES[self.job.autocast] if self.job.autocast else None)
+        return stage
+
     def _setup_optimizer(self) -> None:
         cfg, env = self.cfg, self.env
         self.params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.params)  # a sharded (DTensor) parameter counts its whole
+        if self.pipe is not None:  # the whole model's, not this stage's
+            self.n_trainable = over_stages(self.n_trainable, self.layout)
         self.optimizer = build_optimizer(self.params, cfg.lr, cfg.weight_decay)
         self.total_steps = cfg.max_steps or cfg.epochs * self.batches.steps_per_epoch
         # Every rank reads the whole data set, so these match unless the nodes read different files.
@@ -407,7 +425,8 @@ class FineTune:
                   f"{self.n_trainable:,} trainable params; global batch {self.batches.global_examples} examples "
                   f"(micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x {self.layout.dp} "
                   + (f"data groups of {self.layout.sp} ranks splitting each row" if self.layout.sp > 1
-                     else f"rank{'s' if world > 1 else ''}")
+                     else f"data group{'s' if self.layout.dp > 1 else ''} of {self.layout.pp} pipeline stages"
+                     if self.layout.pp > 1 else f"rank{'s' if world > 1 else ''}")
                   + f"); {self.batches.steps_per_epoch} steps per epoch, "
                   f"{self.total_steps} steps"
                   + (f" (continuing from step {self.start_step})" if self.start_step else "")
@@ -459,7 +478,9 @@ class FineTune:
         self.metrics = MetricsLog(self.run_dir, env, trackers)
         self.logger = StepLogger(self.metrics, env, cfg.log_steps, self.total_steps, self.start_step,
                                  self.batches.epoch_of, self.t_start, show=env.is_main and not self.quiet)
-        self.evaluator = Evaluator(self.loss_module, self.eval_rows, self.metrics, env, shape=self.job.rows,
+        eval_module = PipelineEvalModule(self.pipe, self.job.rows.height, self.job.rows.width) if self.pipe \
+            else self.loss_module
+        self.evaluator = Evaluator(eval_module, self.eval_rows, self.metrics, env, shape=self.job.rows,
                                    pad_id=self.pad_id, amp=self.amp, device=self.in_device, attention=self.attention,
                                    every=cfg.eval_steps, total_steps=self.total_steps,
                                    generation=self._generation_eval(), show=env.is_main and not self.quiet,
@@ -514,6 +535,8 @@ class FineTune:
 
     def train_step(self, step: int, rows: StepRows) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then clip and step; returns the gradient norm."""
+        if self.pipe is not None:
+            return self._pipeline_step(step, rows)
         # Normalise by the global batch's target count: the same loss at any world size and accumulation.
         scale = self.env.world / max(rows.global_targets, 1)
         wd = self.wd
@@ -539,6 +562,10 @@ class FineTune:
         grad_norm = step_grad_norm(self.params, self.experts_shard, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # FSDP2: the norm over every rank's shard, the same on all ranks
+        return self._optimizer_step(step, grad_norm)
+
+    def _optimizer_step(self, step: int, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Stop on a non-finite norm, else step the optimizer and the schedule; returns the norm."""
         # Every rank sees the same norm, so all stop at the same step (train/diverge.py: read now or later).
         self._raise_if_diverged(self.stop.observe(step + 1, grad_norm))
         self.optimizer.step()
@@ -550,6 +577,19 @@ class FineTune:
         """One micro-batch's rows as a host batch, this rank's slice of them under sequence parallelism."""
         shape = stream_shape(self.job.rows) if self.static_shape else self.job.rows
         return shard_batch(collate(rows, self.pad_id, shape), self.layout)
+
+    def _pipeline_step(self, step: int, rows: StepRows) -> torch.Tensor:
+        """`train_step` through the pipeline's 1F1B schedule (train/pipeline.py): the step's micro-batches are the
+        schedule's, the loss is normalised by the global batch's target count, clipped by the norm over every
+        stage."""
+        self.wd.at("data loader")
+        batches = [collate(micro, self.pad_id, self.job.rows) for micro in rows.micro_batches]
+        self.wd.at("forward and backward (pipeline schedule)")
+        sums = self.pipe.train_step(batches, self.layout.dp / max(rows.global_targets, 1))
+        for loss_sum in sums:  # the last stage's; the logger's sum over the ranks adds nothing from the others
+            self.logger.add_loss(loss_sum, rows.global_targets)
+        self.wd.at("optimizer step")
+        return self._optimizer_step(step, clip_global_norm(self.params, self.cfg.max_grad_norm, self.layout))
 
     def _reads_device(self, step: int) -> bool:
         """Whether the host reads the device after optimizer step `step` anyway (a logged step), or must not go on
@@ -635,8 +675,9 @@ class FineTune:
         if self.experts_shard is not None and not lora:  # the model saved whole, as one process saves it
             gather_experts(self.experts_shard)
         base = base_for_adapter(self.cfg.model, self.run_dir) if lora else None
+        stages = gather_stages(self.pipe, self.loss_module, lora) if self.pipe is not None else None
         out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, self.env, is_lora=lora,
-                         base_name=base.name if base is not None else None)
+                         base_name=base.name if base is not None else None, stages=stages)
         if self.env.is_main:
             if self.vision is not None:
                 save_processor(self.vision, out)  # the processor files beside the tokenizer's
@@ -674,7 +715,7 @@ class FineTune:
         """The plan's tokens/s for the strategy this run used, at the run's own tokens per micro-batch (padding
         does not count), or None without a plan."""
         c = self.plan.candidate(self.strategy.name) if self.plan is not None else None
-        if c is None or not c.tokens_per_s:
+        if c is None or not c.tokens_per_s or self.pipe is not None:  # the strategy's row is not a pipeline's
             return None
         micro_batches = (self.total_steps - self.start_step) * self.cfg.grad_accum * self.env.world
         if not self.fit_tokens or micro_batches <= 0:

@@ -1,0 +1,113 @@
+"""`pipeline_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
+whose config is the ground truth where the planner did not know the shape). Torch-free.
+
+What runs: dense text decoders (Llama, Qwen2, Qwen3, ...) cut at decoder-block boundaries into N stages, one rank
+per stage, trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per
+grad_accum micro-batch (parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
+anything loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardfit import method as methods
+from shardfit import objective as objectives
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.plan.model_shape import ModelShape
+from shardfit.resolve.dims import ParallelDims
+
+# Methods this increment trains through a pipeline: adapters over weights in the compute precision, or every weight.
+PP_METHODS = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """What the rules need to know of the model: its decoder blocks, whether the input embedding and output head
+    share one weight, and whether it is a mixture of experts, multimodal, or has layers that do not attend over the
+    whole row."""
+
+    layers: int
+    tied: bool = False
+    experts: bool = False
+    multimodal: bool = False
+    partial_attention: bool = False
+
+
+def _prefix(n: int) -> str:
+    return f"pipeline_parallel: {n}"
+
+
+FIX = "or set pipeline_parallel: 1"
+
+
+def check_layout(cfg: Config, world: int) -> None:
+    """The config's pipeline_parallel against the job's ranks and settings (UserError when refused)."""
+    n = cfg.pipeline_parallel
+    if n == 1:
+        return
+    if cfg.sequence_parallel > 1:
+        raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does not split "
+                        f"rows inside a pipeline stage: set sequence_parallel: 1, {FIX}.")
+    ParallelDims(world=world, pp=n).check()  # names what would divide
+    if world != n:
+        raise UserError(f"{_prefix(n)} on {world} ranks: this version runs one rank per stage (stages x data "
+                        f"parallelism comes later), so the ranks must equal the stages: launch {n} ranks "
+                        f"(--nproc {n}), {FIX}.")
+    if objectives.get(cfg.objective).preference:
+        raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective compares "
+                        f"the two sides of a pair in one loss, which the stages' micro-batch split would need kept "
+                        f"together): use objective: sft, {FIX}.")
+    if methods.get(cfg.method).name not in PP_METHODS:
+        raise UserError(f"{_prefix(n)} trains method {' or '.join(PP_METHODS)} in this version, not "
+                        f"{cfg.method}: set method: lora (or full), {FIX}.")
+    if cfg.compile is True:
+        raise UserError(f"{_prefix(n)} does not run compiled blocks in this version: set compile: false (or "
+                        f"auto), {FIX}.")
+    if cfg.grad_accum < n:
+        raise UserError(f"{_prefix(n)} with grad_accum: {cfg.grad_accum}: the 1F1B schedule runs the step's "
+                        f"grad_accum micro-batches through the stages and needs at least one per stage: set "
+                        f"grad_accum: {n} or more (more micro-batches shrink the idle bubble, "
+                        f"(stages-1)/(micro-batches+stages-1)), {FIX}.")
+    if cfg.eval_metrics:
+        raise UserError(f"{_prefix(n)} with eval_metrics: generation through a model cut over ranks is not in this "
+                        f"version (the held-out loss is): set eval_metrics: [], {FIX}.")
+
+
+def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
+    """The model against pipeline_parallel `n` (UserError when refused)."""
+    if n == 1:
+        return
+    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower" if facts.multimodal
+           else "has layers with sliding-window or chunked attention" if facts.partial_attention else None)
+    if why is not None:
+        raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
+                        f"only (Llama, Qwen2, Qwen3): train it without a pipeline, {FIX}.")
+    if facts.layers < n:
+        raise UserError(f"{_prefix(n)}: {model} has {facts.layers} decoder block{'s' if facts.layers != 1 else ''}, "
+                        f"fewer than the {n} stages (each stage holds at least one block): use a pipeline_parallel "
+                        f"of at most {facts.layers}, {FIX}.")
+    if facts.tied and methods.get(method).trains_base:
+        raise UserError(f"{_prefix(n)}: {model} ties its output head to its input embedding, which sit on the first "
+                        f"and last stages; a full fine-tune would train the two copies apart. Train it with method: "
+                        f"lora (the tied weight stays frozen), {FIX}.")
+
+
+def facts_of_shape(shape: ModelShape) -> StageFacts:
+    """The planner's shape of the model as the rules read it."""
+    return StageFacts(layers=shape.layers, tied=shape.tied, experts=shape.experts > 1,
+                      multimodal=shape.vision is not None or shape.audio is not None,
+                      partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0)
+
+
+def facts_of_config(config: Any) -> StageFacts:
+    """A built model's (transformers) config as the rules read it."""
+    from shardfit.resolve.sequence import facts_of_config as decoder_facts
+
+    d = decoder_facts(config)
+    text = getattr(config, "text_config", None) or config
+    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    return StageFacts(layers=int(getattr(text, "num_hidden_layers", 0) or 0), tied=tied, experts=d.experts,
+                      multimodal=d.multimodal, partial_attention=d.partial_attention)

@@ -1,0 +1,175 @@
+"""Training and evaluation through pipeline stages (parallel/pipeline.py): the step's micro-batches go through
+torch.distributed.pipelining's 1F1B schedule (one schedule micro-batch per grad_accum micro-batch, so a step is the
+global batch of one process), the held-out rows through a forward-only GPipe schedule, the gradient norm is the
+global one over every stage, and the final adapter or model is gathered from the stages onto rank 0.
+
+The loss is the chunked cross-entropy (train/loss.py) on the last stage, as the schedule's `loss_fn`: summed over
+the micro-batch's targets and multiplied by the step's scale (1 / the global batch's target count), with the
+schedule's own division by the micro-batch count off (`scale_grads=False`), so the gradients are one process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from shardfit.data.loader import Batch
+from shardfit.data.tokenize import IGNORE
+from shardfit.parallel.layout import Layout
+from shardfit.parallel.pipeline import DecoderStage, row_restarts
+from shardfit.train.loss import chunked_cross_entropy
+
+
+class PipelineRun:
+    """This rank's stage and the schedules that run it. `chunk`: rows per chunk of the loss; `autocast`: the dtype
+    the forward and the loss compute in under autocast (None: none)."""
+
+    def __init__(self, stage: DecoderStage, layout: Layout, device: torch.device, chunk: int,
+                 autocast: torch.dtype | None = None):
+        self.stage, self.layout, self.device, self.chunk = stage, layout, device, chunk
+        stage.autocast = autocast
+        self.scale = 1.0
+        self.sums: list[torch.Tensor] = []
+        # A schedule per micro-batch count: a stage learns its activations' shape at its first step.
+        self._train: dict[int, PipelineScheduleSingle] = {}
+        self._eval: PipelineScheduleSingle | None = None
+
+    def _stage(self) -> PipelineStage:
+        return PipelineStage(self.stage, self.stage.stage, self.stage.stages, self.device,
+                             group=self.layout.pp_group)
+
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        amp = torch.autocast(hidden.device.type, dtype=self.stage.autocast) if self.stage.autocast is not None \
+            else contextlib.nullcontext()
+        with amp:  # the head's chunks in the compute dtype, as in one process's forward
+            loss_sum, _ = chunked_cross_entropy(hidden, self.stage.head, targets, self.chunk)
+        self.sums.append(loss_sum.detach())
+        return loss_sum * self.scale
+
+    def _run(self, schedule: PipelineScheduleSingle, n: int, ids: torch.Tensor, pos: torch.Tensor,
+             tgt: torch.Tensor, *, train: bool) -> list[torch.Tensor]:
+        """Rows (the schedule's `n` micro-batches one after another, all of one shape) through `schedule`; the
+        last stage's summed loss of each micro-batch (empty on the other stages)."""
+        self.sums = []
+        args = (ids.to(self.device),) if self.stage.is_first else ()
+        target = tgt.to(self.device) if self.stage.is_last else None
+        losses: list[Any] | None = [] if self.stage.is_last else None
+        run = schedule.step if train else schedule.eval
+        # Each row's restarts from the host's positions, kept on the host: the stages' mask choice reads no device.
+        run(*args, position_ids=pos.to(self.device), restarts=row_restarts(pos.cpu()), target=target,
+            losses=losses, return_outputs=False)
+        # A stage's first step infers its activations' shape by a forward and backward of uninitialised tensors
+        # through `_loss` too: the micro-batches' own sums are the last ones.
+        return self.sums[-n:] if self.stage.is_last else []
+
+    def train_step(self, batches: list[Batch], scale: float) -> list[torch.Tensor]:
+        """Forward and backward of one optimizer step's micro-batches, the loss multiplied by `scale`; the last
+        stage's summed loss of each (empty on the other stages)."""
+        n = len(batches)
+        if n not in self._train:
+            self._train[n] = Schedule1F1B(self._stage(), n, loss_fn=self._loss, scale_grads=False)
+        self.scale = scale
+        ids, pos, tgt = (torch.cat([getattr(b, k) for b in batches]) for k in ("input_ids", "position_ids", "targets"))
+        return self._run(self._train[n], n, ids, pos, tgt, train=True)
+
+    def evaluate(self, ids: torch.Tensor, pos: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor | None:
+        """One held-out micro-batch's summed loss on the last stage (None on the others)."""
+        if self._eval is None:
+            self._eval = ScheduleGPipe(self._stage(), 1, loss_fn=self._loss, scale_grads=False)
+        self.scale = 1.0
+        sums = self._run(self._eval, 1, ids, pos, tgt, train=False)
+        return sums[0] if sums else None
+
+
+def over_stages(count: int, layout: Layout) -> int:
+    """`count` (this stage's, e.g. its trainable parameters) summed over the pipeline's stages."""
+    total = torch.tensor(count, dtype=torch.int64)
+    dist.all_reduce(total, group=layout.pp_group)
+    return int(total)
+
+
+def clip_global_norm(params: list[nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
+    """Clip the gradients of this stage's `params` by the norm over every stage's (the one process's norm), and
+    return that norm (the same on every rank)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
+    squares = local.to(torch.float64) ** 2
+    dist.all_reduce(squares, group=layout.pp_group)
+    total = squares.sqrt().to(torch.float32)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+class PipelineEvalModule(nn.Module):
+    """What the Evaluator calls: forward(input_ids, position_ids, targets, ...) -> (summed loss, targets) through
+    the pipeline, the rows padded to the training micro-batch's shape (the stages know that one). The last stage
+    returns the loss, the others zero, so the Evaluator's sum over the ranks counts each row once."""
+
+    def __init__(self, run: PipelineRun, height: int, width: int):
+        super().__init__()
+        self.stage = run.stage  # a child: train() and eval() reach the model
+        self._run = [run]
+        self.height, self.width = height, width
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+                **_: Any) -> tuple[torch.Tensor, int]:
+        loss = self._run[0].evaluate(_pad(input_ids, self.height, self.width, 0),
+                                     _pad(position_ids, self.height, self.width, None),
+                                     _pad(targets, self.height, self.width, IGNORE))
+        if loss is None:
+            return torch.zeros((), dtype=torch.float64), 0
+        return loss, int((targets != IGNORE).sum())
+
+
+def _pad(t: torch.Tensor, height: int, width: int, fill: int | None) -> torch.Tensor:
+    """`t` (rows x width) padded to `height` x `width`: `fill`, or continued positions where `fill` is None."""
+    rows, w = t.shape
+    if fill is None:
+        out = torch.arange(width, dtype=t.dtype, device=t.device).repeat(height, 1)
+        out[:rows, :w] = t
+        if w < width and rows:
+            out[:rows, w:] = t[:, -1:] + torch.arange(1, width - w + 1, dtype=t.dtype, device=t.device)
+        return out
+    out = torch.full((height, width), fill, dtype=t.dtype, device=t.device)
+    out[:rows, :w] = t
+    return out
+
+
+def stage_state(module: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """This stage's state on the CPU under the model's names (the loss module's `model.` dropped), its trainable
+    parameters only when `trainable_only`. Read directly: a stage is whole on its rank (one rank per stage), and
+    DCP's full state dict with CPU offload would keep it on the world's rank 0 only."""
+    if trainable_only:
+        items = [(k, p) for k, p in module.named_parameters() if p.requires_grad]
+    else:
+        items = list(module.state_dict().items())
+    return {k[len("model."):]: v.detach().cpu() for k, v in items if k.startswith("model.")}
+
+
+def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's adapter weights as peft writes them to adapter_model.safetensors (its own key conversion:
+    peft selects the adapter's entries by the modules the stage holds)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(module.model).items()}
+
+
+def gather_stages(run: PipelineRun, module: nn.Module, adapter: bool) -> dict[str, torch.Tensor]:
+    """Every stage's trained state on the first stage's rank (empty on the others): the adapter file's entries
+    (`adapter`), else the model's state under its own names; a collective over the pipeline's ranks."""
+    sd = adapter_state(module) if adapter else stage_state(module, trainable_only=False)
+    group = run.layout.pp_group
+    first = dist.get_global_rank(group, 0)
+    parts: list[Any] | None = [None] * run.stage.stages if dist.get_rank() == first else None
+    dist.gather_object(sd, parts, dst=first, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts or []:
+        merged.update(part)
+    return merged

@@ -1,0 +1,187 @@
+"""Pipeline parallelism (`pipeline_parallel: N`): the rules before anything loads, the cut of a decoder into
+stages against the whole model, and 2-rank CLI runs (torch.distributed.pipelining's 1F1B over gloo) against one
+process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig
+
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.parallel.pipeline import cut, stage_blocks
+from shardfit.resolve.pipeline import check_layout, check_model, facts_of_config
+from tests.helpers import read_jsonl, run_cli, write_config
+
+
+def _cfg(**over) -> Config:
+    return dataclasses.replace(Config(), **{"pipeline_parallel": 2, "grad_accum": 2, **over})
+
+
+def test_layout_accepted_with_a_rank_per_stage() -> None:
+    check_layout(_cfg(), 2)
+    check_layout(dataclasses.replace(Config(), pipeline_parallel=1), 1)  # off: nothing to check
+
+
+@pytest.mark.parametrize(("over", "world", "words"), [
+    ({}, 3, "does not divide the job's 3 ranks"),
+    ({}, 4, "ranks must equal the stages: launch 2 ranks"),
+    ({"sequence_parallel": 2}, 2, "sequence_parallel: 1"),
+    ({"objective": "dpo"}, 2, "objective sft only"),
+    ({"method": "qlora"}, 2, "method lora or full"),
+    ({"compile": True}, 2, "compile: false"),
+    ({"grad_accum": 1}, 2, "grad_accum: 2 or more"),
+    ({"eval_metrics": ["exact_match"]}, 2, "eval_metrics: []"),
+])
+def test_layout_refusals_name_the_key_and_the_fix(over: dict, world: int, words: str) -> None:
+    with pytest.raises(UserError, match="pipeline_parallel") as e:
+        check_layout(_cfg(**over), world)
+    # The fix: what divides (resolve/dims.py names it), or switching the pipeline off.
+    assert words in str(e.value) and ("pipeline_parallel: 1" in str(e.value) or "use one of 1, 3" in str(e.value))
+
+
+def test_model_rules_count_blocks_and_name_what_is_not_cut() -> None:
+    check_model(2, facts_of_config(Qwen2Config(num_hidden_layers=2)), "qwen2", "full")
+    with pytest.raises(UserError, match="2 decoder blocks, fewer than the 4 stages"):
+        check_model(4, facts_of_config(Qwen2Config(num_hidden_layers=2)), "qwen2", "lora")
+    for config, why in ((MixtralConfig(), "mixture of experts"), (Qwen2VLConfig(), "vision or audio tower")):
+        with pytest.raises(UserError, match=why):
+            check_model(2, facts_of_config(config), "m", "lora")
+    tied = facts_of_config(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True))
+    check_model(2, tied, "llama", "lora")  # the tied weight stays frozen
+    with pytest.raises(UserError, match="method: lora"):
+        check_model(2, tied, "llama", "full")
+
+
+def test_blocks_split_contiguously_the_first_stages_taking_the_rest() -> None:
+    assert stage_blocks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_blocks(4, 4) == [range(i, i + 1) for i in range(4)]
+
+
+def _tiny(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_stages_in_turn_give_the_whole_models_hidden_states(arch: str, packed: bool) -> None:
+    """Stage 0 (embedding, blocks 0-1), 1 (blocks 2-3), 2 (block 4, final norm) run one after another equal the
+    whole decoder, with each stage computing the rotary embeddings and (packed rows) the block-causal mask from
+    the positions; the stages' parameter names are the whole model's, each name on one stage."""
+    ids = torch.randint(0, 128, (2, 12))
+    pos = torch.arange(12).repeat(2, 1)
+    if packed:
+        pos[0, 5:] = torch.arange(7)  # a second example from token 5 on
+    with torch.no_grad():
+        want = _tiny(arch).model(input_ids=ids, position_ids=pos, attention_mask=None).last_hidden_state
+    stages = [cut(_tiny(arch), s, 3) for s in range(3)]
+    if packed:  # the whole model needs the packed mask spelled out; the stages build it themselves
+        from shardfit.models.masks import mask_argument
+
+        whole = _tiny(arch)
+        with torch.no_grad():
+            want = whole.model(input_ids=ids, position_ids=pos, **mask_argument(whole.model, pos, True)
+                               ).last_hidden_state
+    h = ids
+    with torch.no_grad():
+        for stage in stages:
+            h = stage(h, pos)
+    torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
+    names = [set(dict(s.model.named_parameters())) for s in stages]
+    whole_names = set(dict(_tiny(arch).named_parameters()))
+    assert set.union(*names) == whole_names and sum(map(len, names)) == len(whole_names)
+    assert stages[0].head is None and stages[2].head is not None
+    assert stages[1].model.model.embed_tokens is None and stages[1].model.lm_head is None
+
+
+def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> Path:
+    keys = dict(model=str(model), data=str(data), output_dir=str(tmp / name), precision="fp32", max_seq_len=192,
+                micro_batch=2, grad_accum=2, lr=1e-2, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0,
+                eval_split=0.1, eval_steps=2, lora={"rank": 4, "alpha": 8}, method="lora")
+    keys.update(over)
+    r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / name
+
+
+def _losses(run: Path) -> list[float]:
+    return [m.get("loss", m.get("eval_loss")) for m in read_jsonl(run / "metrics.jsonl")]
+
+
+def _same_weights(a: Path, b: Path, rtol: float) -> None:
+    x, y = load_file(a), load_file(b)
+    assert sorted(x) == sorted(y)
+    for k in x:
+        torch.testing.assert_close(y[k], x[k], rtol=rtol, atol=rtol * float(x[k].abs().max()))
+
+
+def _same_as_one_process(tmp: Path, model: Path, data: Path, **over) -> tuple[Path, Path]:
+    """One process and 2 pipeline stages (grad_accum 2: two micro-batches through 1F1B) give the same train and
+    eval losses, fp32, to 1e-5, and the same trained weights."""
+    single = _run(tmp, model, data, "single", **over)
+    pp = _run(tmp, model, data, "pp", "--nproc", "2", pipeline_parallel=2, **over)
+    ref, got = _losses(single), _losses(pp)
+    assert len(got) == len(ref) == 6
+    assert got == pytest.approx(ref, rel=1e-5)
+    summary = json.loads((pp / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resolved"]["pipeline_parallel"] == 2
+    # The whole model's trainable parameters, summed over the stages.
+    assert summary["trainable_params"] == json.loads((single / "summary.json").read_text())["trainable_params"]
+    return single, pp
+
+
+@pytest.mark.slow
+def test_qwen2_lora_over_two_stages(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """LoRA: the adapter has one process's keys and values, its config the same targets; export --merge gives
+    the same model."""
+    single, pp = _same_as_one_process(tmp_path, tiny_qwen2, small_data)
+    _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
+                  1e-4)
+    configs = [json.loads((r / "adapter" / "adapter_config.json").read_text()) for r in (single, pp)]
+    assert sorted(configs[0]["target_modules"]) == sorted(configs[1]["target_modules"])
+    for run in (single, pp):
+        r = run_cli("export", str(run), "--merge", env={"OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+    _same_weights(single / "model" / "model.safetensors", pp / "model" / "model.safetensors", 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # the LoRA case holds the schedule and the loss; this adds every weight training and resume
+def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_qwen2: Path,
+                                                           small_data: Path) -> None:
+    """A full fine-tune: the same losses and model; a kill at step 3 resumes from step 2 to the same losses, and
+    resuming that checkpoint in one process is refused (exit 2, the fix named)."""
+    _, pp = _same_as_one_process(tmp_path, tiny_qwen2, small_data, method="full", lr=1e-3)
+    keys = dict(model=str(tiny_qwen2), data=str(small_data), output_dir=str(tmp_path / "killed"),
+                precision="fp32", max_seq_len=192, micro_batch=2, grad_accum=2, lr=1e-3, log_steps=1,
+                save_steps=2, max_steps=4, warmup_ratio=0.0, eval_split=0.1, eval_steps=2, method="full",
+                pipeline_parallel=2)
+    cfg = write_config(tmp_path / "killed.yaml", **keys)
+    r = run_cli("train", str(cfg), "--nproc", "2",
+                env={"OMP_NUM_THREADS": "1", "SHARDFIT_TEST_FAULT": "raise:rank=1:step=3"})
+    assert r.returncode != 0
+    r = run_cli("train", str(cfg), "--set", "pipeline_parallel=1", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "resumes a pipeline run on its own layout only" in r.stderr, r.stderr[-2000:]
+    r = run_cli("train", str(cfg), "--nproc", "2", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _losses(tmp_path / "killed") == pytest.approx(_losses(pp), rel=1e-5)
+
+
+def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """More stages than the model's 2 blocks: exit 2 before any rank starts, naming the key."""
+    cfg = write_config(tmp_path / "c.yaml", model=str(tiny_qwen2), data=str(small_data),
+                       output_dir=str(tmp_path / "o"), grad_accum=4)
+    r = run_cli("train", str(cfg), "--nproc", "4", "--set", "pipeline_parallel=4", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "pipeline_parallel: 4" in r.stderr and "2 decoder blocks" in r.stderr, r.stderr
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr

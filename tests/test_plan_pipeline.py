@@ -1,0 +1,51 @@
+"""The plan of a pipeline (plan/pipeline.py, `plan --pipeline-parallel N`): the bubble, the first stage's memory
+and the step time against the one-GPU figures they come from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shardfit.config import Config
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.pipeline import bubble, plan_pipeline
+from shardfit.plan.plan import make_plan
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import workload_of
+from tests.helpers import run_cli
+
+MODEL = "meta-llama/Llama-3.1-8B"
+
+
+def _w(**over):
+    return dataclasses.replace(workload_of(Config()), precision="bf16", seq_len=2048, micro_batch=1,
+                               grad_ckpt="full", **over)
+
+
+def test_bubble_is_the_schedules_idle_share() -> None:
+    assert bubble(8, 16) == pytest.approx(7 / 23)
+    assert bubble(2, 2) == pytest.approx(1 / 3) and bubble(1, 4) == 0
+
+
+def test_more_stages_hold_less_and_run_faster_than_one_gpu_at_a_time() -> None:
+    """Stages split the blocks (less memory each, though the first holds more micro-batches in flight); with 16
+    micro-batches, 4 stages beat model_parallel (the same split, one GPU busy at a time) by about 4 x 16/19."""
+    shape, hw = resolve_shape(MODEL), parse_gpus("4x24GB", 1, None)
+    w = _w(grad_accum=16)
+    two, four = plan_pipeline(shape, w, hw, 2), plan_pipeline(shape, w, hw, 4)
+    assert four.stage_gib < two.stage_gib and four.blocks_per_stage == 8
+    assert four.bubble == pytest.approx(3 / 19) and four.p2p_s > 0
+    mp = next(c for c in make_plan(shape, w, hw).candidates if c.strategy == "model_parallel")
+    assert four.step_s == pytest.approx(mp.step_s * 19 / 16 / 4, rel=0.1)
+
+
+def test_plan_cli_shows_the_pipeline_and_refuses_more_stages_than_blocks() -> None:
+    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "8", "--pipeline-parallel", "4",
+                "--json")
+    assert r.returncode in (0, 3), r.stderr
+    pipe = json.loads(r.stdout)["pipeline"]
+    assert pipe["stages"] == 4 and pipe["micro_batches"] == 8 and pipe["note"] == ""
+    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--pipeline-parallel", "64")
+    assert r.returncode == 2 and "32 decoder blocks" in r.stderr and "Traceback" not in r.stderr
