@@ -9,7 +9,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardfit.cli.args import positive_float, positive_int
 from shardfit.cli.foreign_args import add_from, foreign_plan
@@ -115,6 +115,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dpo and kto: the reference's log-probabilities once before step 1 (true) or in every "
                         "micro-batch with the adapters switched off (false: lora and qlora only); auto: false for "
                         "lora/qlora, true for full/freeze (default: the config's dpo.precompute_reference)")
+    _add_media_flags(p)
+    p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
+    p.add_argument("--simulate", action="store_true",
+                   help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--nproc", type=positive_int, default=None, help="with --from: ranks the job launches per node")
+    add_from(p, model_flags=False)
+    p.set_defaults(func=run)
+
+
+def _add_media_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say what images and audio each sample holds (vision-language and Omni models)."""
     p.add_argument("--images-per-sample", type=positive_int, default=None, metavar="N",
                    help="vision-language models: images in each training sample; the plan counts their patches and "
                         "the tokens they take within --seq (with a CONFIG and neither flag: counted from a sample "
@@ -126,14 +139,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audio-per-sample", type=positive_int, default=None, metavar="N",
                    help="Qwen2.5-Omni: audio clips in each training sample; the plan counts their tokens within --seq")
     p.add_argument("--audio-seconds", type=float, default=None, metavar="S", help="length of those clips in seconds")
-    p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
-    p.add_argument("--simulate", action="store_true",
-                   help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", default=None, metavar="FILE.png")
-    p.add_argument("--nproc", type=positive_int, default=None, help="with --from: ranks the job launches per node")
-    add_from(p, model_flags=False)
-    p.set_defaults(func=run)
 
 
 def local_precision() -> str:
@@ -282,52 +287,12 @@ def run(args: argparse.Namespace) -> int:
     if args.list_models:
         print("\n".join(sorted(catalog())))
         return 0
-    if args.config:
-        cfg = load_config(args.config, check_files=False)
-        shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
-    elif args.model:  # the workload users of other tools run by default (MODEL_DEFAULT); the flags change it
-        w = dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT)
-        shape, source = resolve_shape(args.model), args.model
-    else:
-        raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
-    w = with_flags(w, args)
-    if w.sequence_parallel > 1:  # heads that share out, a dense text model
-        from shardfit.resolve.sequence import check_model, facts_of_shape
-
-        check_model(w.sequence_parallel, facts_of_shape(shape), source)
-    if w.expert_parallel > 1:  # experts that share out
-        from shardfit.resolve.experts_rules import check_ep_model
-
-        check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
-    hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
-    if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
-        from shardfit.resolve.dims import ParallelDims
-
-        ParallelDims(world=hw.world, sp=w.sequence_parallel, ep=w.expert_parallel).check()
+    cfg, shape, w, source, hw = _job_of(args)
     if w.precision == "auto":  # planned GPUs compute in bf16; this machine's device decides for itself
         w = dataclasses.replace(w, precision="bf16" if args.gpus else local_precision())
     if args.strategy not in (None, "all") and args.strategy not in NAMES:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
-    sample = data_sample(cfg) if args.config else None
-    media = media_load(args, cfg.image_max_pixels if args.config else None)
-    if media is None and sample is not None and (shape.vision is not None or shape.soft_tower is not None):
-        media = media_from_data(cfg, sample(), args.json)
-    if media is not None:
-        if shape.vision is not None:  # the tower's own geometry (every Qwen-VL so far: 14-pixel patches, 2x2)
-            media = dataclasses.replace(media, patch=shape.vision.patch, merge=shape.vision.merge)
-        elif shape.soft_tower is not None:  # Gemma 3: mm_tokens_per_image tokens per image, any size
-            media = shape.soft_tower.load(media)
-        check_fits(media, w.seq_len)
-        rows, cols = media.grid()
-        w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)
-    audio = audio_load(args, cfg.audio_max_seconds if args.config else None)
-    if audio is None and sample is not None and shape.audio is not None:
-        audio = audio_from_data(cfg, sample(), args.json)
-    if audio is not None:
-        if shape.audio is not None:  # the tower's own token count (Qwen3-Omni's per chunk of frames)
-            audio = dataclasses.replace(audio, chunk=shape.audio.token_chunk)
-        check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)
-        w = dataclasses.replace(w, audio_clips=audio.clips_per_sample, audio_frames=audio.frames())
+    w, media, audio = _with_media(args, cfg, shape, w)
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
     if args.model and not args.config and args.grad_ckpt is None:
         plan.notes.append(MODEL_DEFAULT_NOTE)
@@ -366,3 +331,59 @@ def run(args: argparse.Namespace) -> int:
     # Nothing fits as configured but checkpointing or a smaller micro-batch makes it fit with the same trained
     # result: that is the recommendation (printed with the flags it takes), not a failure.
     return 0 if plan.recommended or plan.adjusted else 3
+
+
+def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Workload, str, Hardware]:
+    """The config (None with --model), the model's shape, the workload with the flags applied, the model's source
+    and the hardware; the layout's rules checked before anything is planned."""
+    cfg = None
+    if args.config:
+        cfg = load_config(args.config, check_files=False)
+        shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
+    elif args.model:  # the workload users of other tools run by default (MODEL_DEFAULT); the flags change it
+        w = dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT)
+        shape, source = resolve_shape(args.model), args.model
+    else:
+        raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
+    w = with_flags(w, args)
+    if w.sequence_parallel > 1:  # heads that share out, a dense text model
+        from shardfit.resolve.sequence import check_model, facts_of_shape
+
+        check_model(w.sequence_parallel, facts_of_shape(shape), source)
+    if w.expert_parallel > 1:  # experts that share out
+        from shardfit.resolve.experts_rules import check_ep_model
+
+        check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
+    hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
+    if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
+        from shardfit.resolve.dims import ParallelDims
+
+        ParallelDims(world=hw.world, sp=w.sequence_parallel, ep=w.expert_parallel).check()
+    return cfg, shape, w, source, hw
+
+
+def _with_media(args: argparse.Namespace, cfg: Config | None, shape: ModelShape,
+                w: Workload) -> tuple[Workload, Any, Any]:
+    """The workload with each sample's images and audio (from the flags, else from a sample of the config's
+    data), and what was counted of them."""
+    sample = data_sample(cfg) if args.config else None
+    media = media_load(args, cfg.image_max_pixels if args.config else None)
+    if media is None and sample is not None and (shape.vision is not None or shape.soft_tower is not None):
+        media = media_from_data(cfg, sample(), args.json)
+    if media is not None:
+        if shape.vision is not None:  # the tower's own geometry (every Qwen-VL so far: 14-pixel patches, 2x2)
+            media = dataclasses.replace(media, patch=shape.vision.patch, merge=shape.vision.merge)
+        elif shape.soft_tower is not None:  # Gemma 3: mm_tokens_per_image tokens per image, any size
+            media = shape.soft_tower.load(media)
+        check_fits(media, w.seq_len)
+        rows, cols = media.grid()
+        w = dataclasses.replace(w, images=media.images_per_sample, image_rows=rows, image_cols=cols)
+    audio = audio_load(args, cfg.audio_max_seconds if args.config else None)
+    if audio is None and sample is not None and shape.audio is not None:
+        audio = audio_from_data(cfg, sample(), args.json)
+    if audio is not None:
+        if shape.audio is not None:  # the tower's own token count (Qwen3-Omni's per chunk of frames)
+            audio = dataclasses.replace(audio, chunk=shape.audio.token_chunk)
+        check_audio_fits(audio, w.seq_len, media.tokens_per_sample() if media is not None else 0)
+        w = dataclasses.replace(w, audio_clips=audio.clips_per_sample, audio_frames=audio.frames())
+    return w, media, audio

@@ -18,6 +18,7 @@ from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan.model_shape import ModelShape
 from shardfit.resolve.dims import ParallelDims
+from shardfit.resolve.sequence import facts_of_config as decoder_facts
 
 # Methods this increment trains through a pipeline: adapters over weights in the compute precision, or every weight.
 PP_METHODS = ("lora", "full")
@@ -104,8 +105,6 @@ def facts_of_shape(shape: ModelShape) -> StageFacts:
 
 def facts_of_config(config: Any) -> StageFacts:
     """A built model's (transformers) config as the rules read it."""
-    from shardfit.resolve.sequence import facts_of_config as decoder_facts
-
     d = decoder_facts(config)
     text = getattr(config, "text_config", None) or config
     tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
