@@ -90,6 +90,7 @@ def _train(tmp: Path, tiny_vl: Path, blank: bool) -> tuple[float, float]:
     return _answer_scores(tmp / "run" / "model", heldout)
 
 
+@pytest.mark.heavy
 def test_colour_of_held_out_images_is_learned_and_blank_images_stay_at_chance(
         tmp_path: Path, tiny_vl: Path, capsys: pytest.CaptureFixture) -> None:
     loss, accuracy = _train(tmp_path / "seen", tiny_vl, blank=False)
