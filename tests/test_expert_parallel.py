@@ -25,7 +25,9 @@ SHARED = ["Qwen3-MoE", "gpt-oss", "GLM-4.5", "DeepSeek-V3"]
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 def test_one_rank_dispatch_is_the_block(implementation: str) -> None:
     """With one rank holding every expert the dispatch (sort by expert, compute, weight, sum back) gives the
-    block's own output exactly, through transformers' experts computation."""
+    block's own output through transformers' experts computation: exactly with grouped_mm; within float rounding
+    with the eager loop, whose per-expert matmuls a multi-threaded BLAS may reduce in another order (2e-7 with two
+    threads, 0 with one)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_text_config("Qwen3-MoE")).float()
     use_experts(model, implementation)
@@ -36,7 +38,10 @@ def test_one_rank_dispatch_is_the_block(implementation: str) -> None:
     assert shard.total == shard.local == 4 and got.forward is not type(got).forward
     ep = copy.deepcopy(model)
     shard_experts(ep, 1, 0, None, 1)
-    assert torch.equal(ep(ids).logits, ref)
+    if implementation == "grouped_mm":
+        assert torch.equal(ep(ids).logits, ref)
+    else:
+        torch.testing.assert_close(ep(ids).logits, ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.slow
