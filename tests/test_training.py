@@ -158,7 +158,8 @@ def test_resume_never_starts_over_and_bad_resume_path(tmp_path: Path, tiny_llama
     assert r.returncode == 2 and "'resume'" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("grad_ckpt", ["none", "full", "selective"])
+@pytest.mark.parametrize("grad_ckpt", ["none", pytest.param("full", marks=pytest.mark.heavy),
+                                       pytest.param("selective", marks=pytest.mark.heavy)])
 def test_compiled_blocks_train_like_eager(tmp_path: Path, tiny_qwen2: Path, small_data: Path, grad_ckpt: str) -> None:
     """compile: true changes how the step runs, not what it computes: same losses, same adapter, same outputs."""
     runs = {}
