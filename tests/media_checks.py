@@ -38,9 +38,21 @@ def assert_packed_loss_equals_unpacked(model: torch.nn.Module, examples: list, m
     assert summed_loss(loss, packed) == pytest.approx(summed_loss(loss, single), rel=1e-5)
 
 
-def assert_two_ranks_match_one(tmp_path: Path, keys: dict, strategy: str, steps: int) -> tuple[Path, Path]:
-    """Train `keys` (two rows, one per rank) on one process with grad_accum 2 and on 2 ranks of `strategy`: the
-    same losses at every step (fp32 on both sides: only the reduction order differs). Returns both run folders."""
+def pick_rows(rows: Path, picks: tuple[int, ...], dest: Path) -> Path:
+    """A data file at `dest` of the lines `picks` of the JSONL file `rows`, in that order."""
+    lines = rows.read_text().splitlines()
+    dest.write_text("".join(lines[i] + "\n" for i in picks))
+    return dest
+
+
+def assert_two_ranks_match_one(tmp_path: Path, model: Path, data: Path, strategy: str, steps: int,
+                               **over: object) -> tuple[Path, Path]:
+    """Train `model` on `data` (two rows, one per rank) on one process with grad_accum 2 and on 2 ranks of
+    `strategy`: the same losses at every step (fp32 on both sides: only the reduction order differs). `over` adds
+    or replaces keys of the shared setting (unpacked rows, micro-batch 1, lr 1e-2). Returns both run folders."""
+    keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=steps,
+                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, report_to=["none"],
+                watchdog_min_s=120.0) | over
     one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
                        output_dir=str(tmp_path / "one"))
     two = write_config(tmp_path / "two.yaml", **keys, strategy=strategy, output_dir=str(tmp_path / "two"))

@@ -209,10 +209,7 @@ def test_rank_without_image_matches_single_process(tmp_path: Path, vl_data: Path
     classic ZeRO-3 stall). The merger trains (train_projector), so its gradients are reduced across ranks too."""
     tiny_vl = request.getfixturevalue(arch)
     data = _write(vl_data.parent / "two.jsonl", [_rows()[0], _rows()[6]])
-    keys = dict(model=str(tiny_vl), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=4,
-                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
-                report_to=["none"], watchdog_min_s=120.0)
-    one, two = assert_two_ranks_match_one(tmp_path, keys, strategy, steps=4)
+    one, two = assert_two_ranks_match_one(tmp_path, tiny_vl, data, strategy, steps=4, train_projector=True)
     assert_adapters_match(one, two, "merger", atol=1e-6)
 
 @pytest.mark.parametrize("size, max_pixels", [((1024, 768), DEFAULT_MAX_PIXELS), ((4000, 3000), 1003520),

@@ -30,7 +30,7 @@ from shardfit.train import media_forward
 from shardfit.train.loss import CausalLMLoss
 from tests.families import MEDIA_MATRIX
 from tests.helpers import read_jsonl, run_cli, write_config, write_wav
-from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one
+from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 from tests.qwen3_omni import make_tiny_qwen3_omni
 
 
@@ -188,13 +188,9 @@ def test_zero3_rank_without_media_matches_one_process(tmp_path: Path, omni3: Pat
     """One row per rank, one rank with a clip and an image, the other text only every step: that rank runs both
     towers on silence and a blank image (the deepstack mergers too), so ZeRO-3's collectives match and the losses
     equal one process's."""
-    rows = media_rows.read_text().splitlines()
-    data = media_rows.parent / "two.jsonl"
-    data.write_text(rows[2] + "\n" + rows[3] + "\n")
-    keys = dict(model=str(omni3), data=str(data), precision="fp32", max_seq_len=256, micro_batch=1, max_steps=3,
-                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
-                lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
-    one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
+    data = pick_rows(media_rows, (2, 3), media_rows.parent / "two.jsonl")
+    one, two = assert_two_ranks_match_one(tmp_path, omni3, data, "zero3", steps=3, max_seq_len=256,
+                                          train_projector=True, lora={"rank": 4, "alpha": 8})
     # Adam turns the reduction order's rounding in tiny gradients into up to ~4e-5 differences of a weight
     assert_adapters_match(one, two, "merger", atol=5e-5)
 

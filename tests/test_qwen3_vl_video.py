@@ -28,7 +28,7 @@ from shardfit.models.source import resolve_model
 from shardfit.train import media_forward
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import read_jsonl, run_cli, write_config
-from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one
+from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 from tests.vl_families import make_tiny_glm4v_moe, make_tiny_qwen3_vl
 
 FRAMES = 5  # 64x64 noise frames: 4x4 patches of 16 pixels, 4 tokens per temporal patch; 5 frames, 3 patches
@@ -189,13 +189,9 @@ def test_zero3_rank_without_media_matches_one_process(tmp_path: Path, tokenizer_
     """Qwen3-VL-MoE, one row per rank: the rank with the image-and-video row and the rank with the text row run
     the same tower and deepstack units, so ZeRO-3's collectives match and the losses equal one process's."""
     model = make_tiny_qwen3_vl(tmp_path / "model", tokenizer_dir, "qwen3_vl_moe")
-    rows = video_rows.read_text().splitlines()
-    data = video_rows.parent / "two.jsonl"
-    data.write_text(rows[1] + "\n" + rows[2] + "\n")
-    keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=256, micro_batch=1, max_steps=3,
-                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
-                video_fps=2.0, lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
-    one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
+    data = pick_rows(video_rows, (1, 2), video_rows.parent / "two.jsonl")
+    one, two = assert_two_ranks_match_one(tmp_path, model, data, "zero3", steps=3, max_seq_len=256,
+                                          train_projector=True, video_fps=2.0, lora={"rank": 4, "alpha": 8})
     # Adam turns the reduction-order noise of a near-zero gradient into a visible step: 6.7e-6 measured on one of
     # 512 merger values after 3 steps at lr 1e-2 (the image-only case stays within 1e-6).
     assert_adapters_match(one, two, "merger", atol=2e-5)

@@ -26,7 +26,7 @@ from shardfit.models.source import resolve_model
 from shardfit.train import media_forward
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import read_jsonl, run_cli, write_config
-from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one
+from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 from tests.vl_families import make_tiny_qwen3_vl, make_tiny_vl_family
 
 ARCHS = ["qwen3_vl", "qwen3_vl_moe", "glm4v_moe"]
@@ -114,13 +114,9 @@ def test_zero3_rank_without_image_matches_one_process(tmp_path: Path, tokenizer_
     """Qwen3-VL-MoE, one row per rank, one rank without an image every step: that rank runs the tower (its
     deepstack mergers too) on a blank image, so ZeRO-3's collectives match and the losses equal one process's."""
     model = make_tiny_qwen3_vl(tmp_path / "model", tokenizer_dir, "qwen3_vl_moe")
-    rows = vl_rows.read_text().splitlines()
-    data = vl_rows.parent / "two.jsonl"
-    data.write_text(rows[0] + "\n" + rows[2] + "\n")
-    keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
-                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
-                lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
-    one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
+    data = pick_rows(vl_rows, (0, 2), vl_rows.parent / "two.jsonl")
+    one, two = assert_two_ranks_match_one(tmp_path, model, data, "zero3", steps=3, train_projector=True,
+                                          lora={"rank": 4, "alpha": 8})
     assert_adapters_match(one, two, "merger", atol=1e-6)
 
 
@@ -130,11 +126,7 @@ def test_zero3_matches_one_process_on_the_other_families(tmp_path: Path, tokeniz
                                                          arch: str) -> None:
     """Qwen3-VL (dense) and GLM-4.5V as the test above runs Qwen3-VL-MoE: one rank without an image every step."""
     model = make_tiny_vl_family(tmp_path / "model", tokenizer_dir, arch)
-    rows = vl_rows.read_text().splitlines()
-    data = vl_rows.parent / f"two-{arch}.jsonl"
-    data.write_text(rows[0] + "\n" + rows[2] + "\n")
-    keys = dict(model=str(model), data=str(data), precision="fp32", max_seq_len=128, micro_batch=1, max_steps=3,
-                log_steps=1, save_steps=100, lr=1e-2, warmup_ratio=0.0, packing=False, train_projector=True,
-                lora={"rank": 4, "alpha": 8}, report_to=["none"], watchdog_min_s=120.0)
-    one, two = assert_two_ranks_match_one(tmp_path, keys, "zero3", steps=3)
+    data = pick_rows(vl_rows, (0, 2), vl_rows.parent / f"two-{arch}.jsonl")
+    one, two = assert_two_ranks_match_one(tmp_path, model, data, "zero3", steps=3, train_projector=True,
+                                          lora={"rank": 4, "alpha": 8})
     assert_adapters_match(one, two, "merger", atol=1e-6)
