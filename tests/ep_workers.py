@@ -14,7 +14,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from shardfit.models.experts import use_experts
-from shardfit.parallel.experts import dispatch_combine, gather_experts, shard_experts, sync_expert_grads
+from shardfit.parallel.expert_dispatch import dispatch_combine
+from shardfit.parallel.expert_grads import sync_expert_grads
+from shardfit.parallel.experts import gather_experts, shard_experts
 from tests.families import tiny_text_config
 
 

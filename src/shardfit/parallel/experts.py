@@ -11,9 +11,7 @@ every rank's tokens. torchtitan's expert parallelism takes the same path (a toke
 exchange, then the tokens permuted by expert); here it wraps the existing fused-experts modules instead of
 replacing them, so the state dict keeps the model's own names.
 
-Gradients: the strategy (DDP) averages every other parameter over all data ranks and is told to leave the experts
-alone (`ignored`); `sync_expert_grads` divides theirs by the world (the loss is normalised for an average) and sums
-them over the ranks holding the same share. `clip_grad_norm` counts every expert once.
+The token movement is parallel/expert_dispatch.py; the experts' gradients and clipping, parallel/expert_grads.py.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from shardfit.models.experts import moe_parts
+from shardfit.parallel.expert_dispatch import dispatch_combine
 from shardfit.parallel.layout import Layout
 from shardfit.resolve.experts_rules import check_ep_config
 
@@ -153,51 +151,6 @@ def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard,
     return forward
 
 
-def _exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
-
-
-def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: Any) -> torch.Tensor:
-    """`rows` split `send` ways out, `recv` rows back from each rank, with the gradient taking the way back."""
-    out = all_to_all_single_autograd(rows.contiguous(), recv, send, group)
-    return torch.ops._c10d_functional.wait_tensor(out)
-
-
-def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, local: int, group: Any,
-                     ep: int, compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                     tally: Callable[[int], None] | None = None) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{index[t, k]}(hidden[t]) for every token t, the experts held `local` to a rank
-    of `group` (expert e on rank e // local). `compute(rows, local_ids [R, 1], ones [R, 1])` runs this rank's
-    experts on the rows it received; `tally(rows)`: told how many rows left for other ranks."""
-    k = index.shape[-1]
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank, and each rank's by expert
-    token = order // k
-    expert = flat[order]
-    dest = torch.div(expert, local, rounding_mode="floor")
-    send_counts = torch.bincount(dest, minlength=ep)
-    if ep == 1:
-        out = compute(hidden[token], expert[:, None], weights.new_ones(len(token), 1))
-    else:
-        recv_counts = _exchange_counts(send_counts, group)
-        send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
-        if tally is not None:
-            tally(sum(send_sizes) - send_sizes[dist.get_rank(group)])
-        rows = _exchange(hidden[token], recv_sizes, send_sizes, group)
-        ids = flat.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(ids, expert - dest * local, recv_sizes, send_sizes, group=group)
-        computed = compute(rows, ids[:, None], weights.new_ones(len(ids), 1))
-        if rows.requires_grad and not computed.requires_grad:
-            # No row came (eager's loop ran no expert and returned fresh zeros): tied to the graph anyway, so that
-            # backward runs this exchange's all-to-all as the other ranks do, instead of leaving them waiting.
-            computed = computed + rows * 0
-        out = _exchange(computed, send_sizes, recv_sizes, group)
-    weighted = out * weights.reshape(-1)[order, None].to(out.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
-
-
 def ignore_in_ddp(module: nn.Module, shard: ExpertShard) -> None:
     """Tell DDP (before it wraps `module`) to neither broadcast nor average the expert weights: each rank's are its
     own share."""
@@ -206,40 +159,6 @@ def ignore_in_ddp(module: nn.Module, shard: ExpertShard) -> None:
     mine = {id(p) for p in shard.params()}
     names = [n for n, p in module.named_parameters() if id(p) in mine]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)  # noqa: SLF001
-
-
-def sync_expert_grads(shard: ExpertShard) -> None:
-    """Expert gradients as one process's: the step's loss is scaled for DDP's average over the world, which these
-    skip, and the ranks holding the same share (other expert groups) each saw their own rows."""
-    grads = [p.grad for p in shard.params() if p.grad is not None]
-    for g in grads:
-        g.div_(shard.world)
-        if shard.rep_group is not None:
-            dist.all_reduce(g, group=shard.rep_group)
-
-
-def clip_grad_norm(params: list[nn.Parameter], shard: ExpertShard, max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_ over the whole model: the replicated parameters' norm on this rank, the experts'
-    summed over the expert group (each share counted once)."""
-    mine = {id(p) for p in shard.params()}
-    with_grad = [p for p in params if p.grad is not None]
-    own = torch.zeros((), dtype=torch.float32, device=with_grad[0].grad.device if with_grad else None)
-    expert = own.clone()
-    for p in with_grad:
-        nrm = torch.linalg.vector_norm(p.grad.detach().float())
-        if hasattr(nrm, "full_tensor"):  # an FSDP2 shard's: the norm over every rank's shard
-            nrm = nrm.full_tensor()
-        if id(p) in mine:
-            expert = expert + nrm.square()
-        else:
-            own = own + nrm.square()
-    if shard.group is not None:
-        dist.all_reduce(expert, group=shard.group)
-    total = (own + expert).sqrt()
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    for p in with_grad:
-        p.grad.mul_(coef)
-    return total
 
 
 def gather_experts(shard: ExpertShard) -> None:
@@ -266,12 +185,3 @@ def share_experts(model: nn.Module, module: nn.Module, layout: Layout, world: in
                           layout.ep_mesh)
     ignore_in_ddp(module, shard)
     return shard
-
-
-def step_grad_norm(params: list[nn.Parameter], shard: ExpertShard | None, max_norm: float) -> torch.Tensor:
-    """The optimizer step's gradient clipping (after the last backward), with the experts' gradients made whole
-    first where they are shared."""
-    if shard is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    sync_expert_grads(shard)
-    return clip_grad_norm(params, shard, max_norm)

@@ -59,7 +59,8 @@ from shardfit.parallel import allocator, faults, ulysses
 from shardfit.parallel.agree import require_same
 from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
-from shardfit.parallel.experts import gather_experts, share_experts, step_grad_norm
+from shardfit.parallel.expert_grads import step_grad_norm
+from shardfit.parallel.experts import gather_experts, share_experts
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
