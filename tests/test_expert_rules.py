@@ -24,6 +24,7 @@ def test_layouts_accepted() -> None:
     check_ep_layout(_cfg(), "zero3", 2)  # the experts left out of FSDP2's sharding
     check_ep_layout(_cfg(2), "ddp", 4)  # 2 expert groups of 2
     check_ep_layout(_cfg(method="lora", lora=LoraSettings(experts=False)), "ddp", 4)
+    check_ep_layout(_cfg(method="lora"), "zero3", 2)  # LoRA on the routed experts: sliced with them
     check_ep_layout(dataclasses.replace(Config(), expert_parallel=1), "single", 1)  # off: nothing to check
     check_ep_model(4, 8, "m")
     check_ep_model(1, 1, "dense")
@@ -34,7 +35,6 @@ def test_layouts_accepted() -> None:
     (_cfg(), "model_parallel", 1, "not model_parallel"),
     (_cfg(4), "ddp", 6, "expert_parallel: 4 must divide the 6 data-parallel ranks"),
     (_cfg(), "zero3_offload", 2, "not zero3_offload"),
-    (_cfg(method="lora"), "ddp", 2, "lora.experts: false"),
     (_cfg(method="qlora"), "ddp", 2, "does not train qlora"),
     (_cfg(method="freeze"), "ddp", 2, "lora or full in this version, not freeze"),
     (_cfg(objective="dpo"), "ddp", 2, "objective sft only"),

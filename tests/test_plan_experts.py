@@ -8,7 +8,7 @@ import pytest
 
 from shardfit.cli.main import main
 from shardfit.plan.cards import card_of
-from shardfit.plan.estimate import estimate
+from shardfit.plan.estimate import estimate, lora_expert_params
 from shardfit.plan.experts import all_to_all_s, exchange_bytes, routed_expert_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
@@ -43,6 +43,23 @@ def test_a_rank_keeps_one_nth_of_the_experts_and_pays_the_all_to_alls() -> None:
     assert all_to_all_s(shape, W, card_of(hw), hw, 2) == 0.0
 
 
+def test_lora_on_the_experts_is_shared_out_with_them() -> None:
+    """LoRA with `lora.experts` (the default) under expert parallelism: each rank keeps 1/N of the experts' adapter
+    factors with their gradients and AdamW moments (fp32: 4 + 4 + 8 bytes each); with `lora.experts: false` there
+    are none to share and only the frozen weights move."""
+    shape, hw = resolve_shape("Qwen/Qwen3-30B-A3B"), parse_gpus("8xH100", 1, None)
+    lora = dataclasses.replace(W, method="lora")
+    adapters = lora_expert_params(shape, lora)
+    assert adapters == shape.layers * shape.experts * lora.lora_rank * (2 * shape.hidden + 3 * shape.expert_width)
+    assert lora_expert_params(shape, dataclasses.replace(lora, lora_experts=False)) == 0
+    one = estimate(shape, lora, hw, "ddp").per_gpu_gib
+    got = estimate(shape, dataclasses.replace(lora, expert_parallel=8), hw, "ddp").per_gpu_gib
+    frozen = routed_expert_params(shape) * 2  # bf16
+    assert one.weights - got.weights == pytest.approx((frozen + adapters * 4) * 7 / 8 / GIB, rel=1e-6)
+    assert one.grads - got.grads == pytest.approx(adapters * 4 * 7 / 8 / GIB, rel=1e-6)
+    assert one.optimizer - got.optimizer == pytest.approx(adapters * 8 * 7 / 8 / GIB, rel=1e-6)
+
+
 def test_plan_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "8xH100", "--expert-parallel", "3"]) == 2
     assert "128 routed experts per block, which 3 ranks cannot share out" in capsys.readouterr().err
@@ -50,8 +67,9 @@ def test_plan_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "is a dense model" in capsys.readouterr().err
     assert main(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "2xH100", "--expert-parallel", "4"]) == 2
     assert "must divide the 2 data-parallel ranks" in capsys.readouterr().err
-    # Qwen3-235B-A22B LoRA on 8 x 80 GB: ddp with 1/8 of the experts per GPU still holds 72 GiB of weights
+    # Qwen3-235B-A22B LoRA on 8 x 80 GB: ddp with 1/8 of the experts (and of their adapters) per GPU still holds
+    # 68 GiB of weights
     main(["plan", "--model", "Qwen/Qwen3-235B-A22B", "--gpus", "8xH100", "--method", "lora", "--grad-ckpt", "full",
           "--batch", "1", "--expert-parallel", "8"])
     ddp = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ddp "))
-    assert "replica with 1/8 of the experts per GPU: 100.5 GiB" in ddp
+    assert "replica with 1/8 of the experts per GPU: 83.1 GiB" in ddp

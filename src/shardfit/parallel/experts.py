@@ -11,6 +11,11 @@ every rank's tokens. torchtitan's expert parallelism takes the same path (a toke
 exchange, then the tokens permuted by expert); here it wraps the existing fused-experts modules instead of
 replacing them, so the state dict keeps the model's own names.
 
+LoRA on the experts (peft's `ParamWrapper`s around the experts module, one per fused weight) is sliced with them:
+peft keeps an expert's `r` rows of A together (A is [E*r, in]) and its `r` columns of B interleaved with the other
+experts' (B is [out, r*E], expert index fastest), so each rank keeps its experts' rows of A and columns of B and
+the wrapper's `num_experts` becomes the local count; peft then adds the local experts' deltas to the local stack.
+
 The token movement is parallel/expert_dispatch.py; the experts' gradients and clipping, parallel/expert_grads.py.
 """
 
@@ -46,6 +51,8 @@ class ExpertShard:
     rep_group: Any = None
     mesh: Any = None  # the 1-D device mesh of the ep ranks (checkpoints store the shares as its shards)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    # peft's LoRA wrappers around each sliced experts module (model path -> wrapper), their adapters sliced too
+    wrappers: dict[str, nn.Module] = field(default_factory=dict)
     total: int = 0
     # Token copies this rank sent to other ranks' experts in forward (each also comes back, and backward moves
     # the same again): what bench/expert_all_to_all.py measures against the plan's count.
@@ -56,13 +63,26 @@ class ExpertShard:
         return self.total // self.ep
 
     def params(self) -> list[nn.Parameter]:
-        """The expert weights this rank holds (the sliced 3-D stacks and any per-expert biases)."""
-        return [p for m in self.modules.values() for p in m.parameters(recurse=False)]
+        """The expert weights this rank holds (the sliced 3-D stacks, any per-expert biases, their LoRA factors)."""
+        return [p for _, p, _ in self._named()]
+
+    def _named(self) -> list[tuple[str, nn.Parameter, str]]:
+        """(model path, parameter, kind) of every sliced tensor: kind "stack" (experts along dim 0), "lora_A"
+        (each expert's rows together along dim 0) or "lora_B" (the experts interleaved along dim 1)."""
+        out = [(f"{path}.{n}", p, "stack") for path, m in self.modules.items()
+               for n, p in m.named_parameters(recurse=False)]
+        for path, w in self.wrappers.items():
+            for kind in ("lora_A", "lora_B"):
+                out += [(f"{path}.{kind}.{n}", p, kind) for n, p in getattr(w, kind).named_parameters()]
+        return out
+
+    def _kind(self, key: str) -> str | None:
+        """The kind of a state-dict name (of the loss module, the model inside it) that is one of the sliced
+        tensors, None for any other."""
+        return next((kind for path, _, kind in self._named() if key.endswith(path)), None)
 
     def _is_expert(self, key: str) -> bool:
-        """Whether a state-dict name (of the loss module, the model inside it) is one of the sliced weights."""
-        return any(key.endswith(f"{path}.{p}") for path, m in self.modules.items()
-                   for p, _ in m.named_parameters(recurse=False))
+        return self._kind(key) is not None
 
     def as_shards(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The checkpoint's view of this rank's state: each expert weight (and its optimizer moments) as its shard
@@ -70,25 +90,30 @@ class ExpertShard:
         share under the one-process name and shape instead of keeping one rank's copy of a same-named tensor."""
         from torch.distributed.tensor import DTensor, Shard
 
-        def shard(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == self.local:
-                return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
-            return t
+        def shard(t: Any, kind: str) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t  # the optimizer's step count
+            if kind == "lora_B":  # [out, r*n] with experts fastest -> [n, out, r]: experts along dim 0
+                t = t.reshape(t.shape[0], -1, self.local).permute(2, 0, 1).contiguous()
+            return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
 
-        model_sd = {k: shard(v) if self._is_expert(k) else v for k, v in model_sd.items()}
-        state = {k: ({n: shard(t) for n, t in v.items()} if self._is_expert(k) else v)
+        model_sd = {k: shard(v, kind) if (kind := self._kind(k)) else v for k, v in model_sd.items()}
+        state = {k: ({n: shard(t, kind) for n, t in v.items()} if (kind := self._kind(k)) else v)
                  for k, v in optim_sd.get("state", {}).items()}
         return model_sd, {**optim_sd, "state": state}
 
     def as_local(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A loaded checkpoint ({"model": ..., "optim": ...}) with the experts' shards (`as_shards`) back as this
         rank's plain tensors; FSDP2's own shards stay as they are."""
-        def local(t: Any) -> Any:
-            return t.to_local() if hasattr(t, "to_local") else t
+        def local(t: Any, kind: str) -> Any:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            if kind == "lora_B" and t.dim() == 3:  # [n, out, r] -> peft's [out, r*n]
+                t = t.permute(1, 2, 0).reshape(t.shape[1], -1)
+            return t
 
-        model = {k: local(v) if self._is_expert(k) else v for k, v in state_dict["model"].items()}
+        model = {k: local(v, kind) if (kind := self._kind(k)) else v for k, v in state_dict["model"].items()}
         optim = state_dict["optim"]
-        state = {k: ({n: local(t) for n, t in v.items()} if self._is_expert(k) else v)
+        state = {k: ({n: local(t, kind) for n, t in v.items()} if (kind := self._kind(k)) else v)
                  for k, v in optim.get("state", {}).items()}
         return {**state_dict, "model": model, "optim": {**optim, "state": state}}
 
@@ -126,10 +151,37 @@ def shard_experts(model: nn.Module, ep: int, rank: int, group: Any, world: int,
                 raise ValueError(f"{name}.{pname}: first dimension {p.shape[0]} is not the {total} experts")
             p.data = p.data[lo:lo + n].clone()
         _set_count(module, n)
+        for path in _wrapper_paths(name):
+            shard.wrappers[path] = _slice_adapters(model.get_submodule(path), lo, n, total)
         local_forward = module.forward
         shard.modules[name] = module
         module.forward = _dispatching(local_forward, shard, name, n)
     return shard
+
+
+def _wrapper_paths(name: str) -> list[str]:
+    """The paths of peft's wrappers around the experts module at `name` (`...experts.base_layer.base_layer`: one
+    wrapper per `base_layer`), outermost first; none without LoRA on the experts."""
+    parts, out = name.split("."), []
+    while parts and parts[-1] == "base_layer":
+        parts.pop()
+        out.append(".".join(parts))
+    return out
+
+
+def _slice_adapters(wrapper: nn.Module, lo: int, n: int, total: int) -> nn.Module:
+    """Keep experts [lo, lo + n) of a peft `ParamWrapper`'s every adapter: their rows of A ([E*r, in], an expert's
+    r rows together) and their columns of B ([out, r*E], the expert index fastest)."""
+    if getattr(wrapper, "num_experts", None) != total:
+        raise ValueError(f"{type(wrapper).__name__} around the experts holds no adapter over all {total} experts")
+    for a in wrapper.lora_A.values():
+        width = a.weight.shape[-1]
+        a.weight.data = a.weight.data.reshape(total, -1, width)[lo:lo + n].reshape(-1, width).clone()
+    for b in wrapper.lora_B.values():
+        out = b.weight.shape[0]
+        b.weight.data = b.weight.data.reshape(out, -1, total)[:, :, lo:lo + n].reshape(out, -1).clone()
+    wrapper.num_experts = n
+    return wrapper
 
 
 def _dispatching(local_forward: Callable[..., torch.Tensor], shard: ExpertShard, path: str,
@@ -161,17 +213,32 @@ def ignore_in_ddp(module: nn.Module, shard: ExpertShard) -> None:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)  # noqa: SLF001
 
 
-def gather_experts(shard: ExpertShard) -> None:
-    """Every experts module whole again on every rank (its weights gathered from the group, its own forward back):
-    for saving a model with the layout of a one-process run's."""
-    for module in shard.modules.values():
+def gather_experts(shard: ExpertShard, *, stacks: bool = True) -> None:
+    """Every experts module whole again on every rank (its weights gathered from the group, its own forward back)
+    and their LoRA factors: for saving with the layout of a one-process run's. `stacks=False` gathers the LoRA
+    factors only, for saving an adapter (a whole 235B model's experts would not fit one rank): the model is then
+    not run again, as its experts stay sliced under whole adapters."""
+    for module in shard.modules.values() if stacks else ():
         for p in module.parameters(recurse=False):
-            parts = [torch.empty_like(p.data) for _ in range(shard.ep)]
-            dist.all_gather(parts, p.data.contiguous(), group=shard.group)
-            p.data = torch.cat(parts)
+            p.data = torch.cat(_gathered(p.data, shard))
         _set_count(module, shard.total)
         del module.forward  # the class's forward again
+    for wrapper in shard.wrappers.values():
+        for a in wrapper.lora_A.values():
+            a.weight.data = torch.cat(_gathered(a.weight.data, shard))  # the experts' rows in order
+        for b in wrapper.lora_B.values():
+            out = b.weight.shape[0]
+            parts = [x.reshape(out, -1, shard.local) for x in _gathered(b.weight.data, shard)]
+            b.weight.data = torch.cat(parts, dim=2).reshape(out, -1)  # experts fastest again
+        wrapper.num_experts = shard.total
     shard.modules.clear()
+    shard.wrappers.clear()
+
+
+def _gathered(t: torch.Tensor, shard: ExpertShard) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(shard.ep)]
+    dist.all_gather(parts, t.contiguous(), group=shard.group)
+    return parts
 
 
 def share_experts(model: nn.Module, module: nn.Module, layout: Layout, world: int, name: str) -> ExpertShard | None:

@@ -119,6 +119,15 @@ def lora_params(shape: ModelShape, w: Workload) -> int:
     return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe))))
 
 
+def lora_expert_params(shape: ModelShape, w: Workload) -> int:
+    """The adapter parameters on the routed experts (`lora.experts`): the part of `lora_params` expert parallelism
+    shares out with the experts."""
+    if not w.trains_adapters:
+        return 0
+    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for n, i, o in shape.named_linears(moe)
+                                                 if moe and n.startswith("expert_") and adapts(n, w))))
+
+
 def trainable_params(shape: ModelShape, w: Workload) -> int:
     if w.trains_adapters:
         tower = shape.audio.lora_params(w.lora_rank) if shape.audio is not None and w.audio_trainable else 0
@@ -683,7 +692,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
     stored = trainable_bytes(w) if w.method == "full" else low
-    ex = experts.expert_states(shape, w, stored, trainable_bytes(w)) if ep else (0.0, 0.0, 0.0)
+    ex = experts.expert_states(shape, w, stored, trainable_bytes(w), lora_expert_params(shape, w)) if ep \
+        else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     if ep:  # FSDP2 gathers a block without its routed experts

@@ -27,13 +27,16 @@ def applies(w: Workload, shape: ModelShape, engine: str, offload: bool) -> bool:
     return w.expert_parallel > 1 and shape.moe and engine in ("ddp", "fsdp2") and not offload
 
 
-def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_bytes: float) -> tuple[float, ...]:
+def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_bytes: float,
+                  adapter_params: int = 0) -> tuple[float, ...]:
     """(weights, grads, optimizer) bytes of every block's routed experts, before expert parallelism divides them:
-    `weight_bytes` per stored expert weight, `train_bytes` per gradient and per AdamW moment where they train
-    (a full fine-tune; LoRA under expert parallelism leaves the routed experts frozen)."""
+    `weight_bytes` per stored expert weight, `train_bytes` per gradient and per AdamW moment where they train (a
+    full fine-tune), and `adapter_params` LoRA weights on them (`lora.experts`), trained at `train_bytes`."""
     e = routed_expert_params(shape)
     trains = w.method == "full"
-    return e * weight_bytes, e * train_bytes if trains else 0.0, 2 * e * train_bytes if trains else 0.0
+    a = adapter_params * train_bytes
+    return (e * weight_bytes + a, (e * train_bytes if trains else 0.0) + a,
+            (2 * e * train_bytes if trains else 0.0) + 2 * a)
 
 
 def per_block_params(shape: ModelShape) -> int:

@@ -48,11 +48,6 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
     if method.quantized:
         raise UserError(f"{_prefix(n)} does not train {method.name} in this version (the experts' 4-bit weights "
                         f"are not sliced per rank): use method: lora or full, {FIX}.")
-    if method.adapters and cfg.lora.experts:
-        raise UserError(f"{_prefix(n)} with LoRA on the routed experts (lora.experts: true): peft keeps one "
-                        f"adapter matrix over all experts, which this version does not slice per rank. Set "
-                        f"lora.experts: false (adapters on attention and shared experts; the routed experts stay "
-                        f"frozen), use method: full, {FIX}.")
     if not method.adapters and not method.trains_base:
         raise UserError(f"{_prefix(n)} trains method lora or full in this version, not {method.name}: {FIX}.")
     if objectives.get(cfg.objective).preference:

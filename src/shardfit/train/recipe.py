@@ -673,8 +673,8 @@ class FineTune:
         An adapter trained on a .gguf file that names no repository gets the GGUF's weights as `base/`, so that
         AutoPeftModelForCausalLM can load it (train/base_ref.py)."""
         lora = methods.get(self.cfg.method).adapters
-        if self.experts_shard is not None and not lora:  # the model saved whole, as one process saves it
-            gather_experts(self.experts_shard)
+        if self.experts_shard is not None:  # saved whole, as one process saves it (an adapter: its factors only)
+            gather_experts(self.experts_shard, stacks=not lora)
         base = base_for_adapter(self.cfg.model, self.run_dir) if lora else None
         stages = gather_stages(self.pipe, self.loss_module, lora) if self.pipe is not None else None
         out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, self.env, is_lora=lora,
