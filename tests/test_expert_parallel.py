@@ -118,6 +118,7 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the experts' own adapters case below runs the same dispatch, and resumes too
 def test_lora_with_experts_shared_over_two_ranks(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path) -> None:
     """LoRA on attention (the routed experts frozen and shared out) under DDP: one process's figures, and an
     adapter with a one-process run's names and shapes."""
