@@ -89,13 +89,13 @@ def _figures(run: Path) -> dict[str, list[float]]:
     return {k: [m[k] for m in lines if k in m] for k in FIGURES}
 
 
-def _same_as_one_process(tmp: Path, model: Path, data: Path, *flags: str, env: dict | None = None,
+def _same_as_one_process(tmp: Path, model: Path, data: Path, *flags: str, env: dict | None = None, ep: int = 2,
                          **over) -> tuple[Path, Path]:
     """One process accumulating 2 micro-batches and 2 ranks sharing the experts (each its micro-batch) train and
     evaluate to the same figures, fp32, to 1e-5: the loss, the gradient norm, the load-balancing loss and the
     expert load."""
     single = _run(tmp, model, data, "single", grad_accum=2, **over)
-    shared = _run(tmp, model, data, "shared", "--nproc", "2", *flags, env=env, expert_parallel=2, **over)
+    shared = _run(tmp, model, data, "shared", "--nproc", "2", *flags, env=env, expert_parallel=ep, **over)
     ref, got = _figures(single), _figures(shared)
     assert len(ref["loss"]) == 4 and len(ref["eval_loss"]) == 2 and len(ref["aux_loss"]) == 4
     for k in FIGURES:
@@ -104,7 +104,7 @@ def _same_as_one_process(tmp: Path, model: Path, data: Path, *flags: str, env: d
         rel = 1e-4 if k == "grad_norm" and over.get("strategy") == "zero3" else 1e-5
         assert got[k] == pytest.approx(ref[k], rel=rel), k
     summary = json.loads((shared / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["resolved"]["expert_parallel"] == 2
+    assert summary["world_size"] == 2 and summary["resolved"]["expert_parallel"] == ep
     return single, shared
 
 
@@ -127,16 +127,17 @@ def test_lora_with_experts_shared_over_two_ranks(tmp_path: Path, tiny_qwen3_moe:
 
 
 @pytest.mark.slow
-def test_lora_on_the_shared_experts_killed_and_resumed(tmp_path: Path, tiny_qwen3_moe: Path,
-                                                       small_data: Path) -> None:
+@pytest.mark.parametrize("resumed_ep", [2, pytest.param(1, marks=pytest.mark.heavy)])
+def test_lora_on_the_shared_experts_killed_and_resumed(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path,
+                                                       resumed_ep: int) -> None:
     """LoRA on the routed experts too (`lora.experts: true`): each rank keeps its experts' rows of A and columns of
     B, rank 1 is killed at step 3 and the run resumed from step 2's checkpoint (the adapters' shares saved as
-    shards of the whole): one process's figures, and an adapter equal to one process's, experts' factors
-    included, in peft's layout."""
+    shards of the whole), with the experts shared again or whole on each rank: one process's figures, and an
+    adapter equal to one process's, experts' factors included, in peft's layout."""
     over = dict(lora={"rank": 4, "alpha": 8, "experts": True}, save_steps=2)
     _run(tmp_path, tiny_qwen3_moe, small_data, "shared", "--nproc", "2", code=1, expert_parallel=2,
          env={"SHARDFIT_TEST_FAULT": "raise:rank=1:step=3"}, **over)
-    single, shared = _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, **over)
+    single, shared = _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, ep=resumed_ep, **over)
     assert json.loads((shared / "summary.json").read_text())["resumed_from_step"] == 2
     adapter = single / "adapter" / "adapter_model.safetensors"
     assert any(".experts.lora_B" in k for k in load_file(adapter))

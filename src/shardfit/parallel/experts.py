@@ -85,16 +85,16 @@ class ExpertShard:
         return self._kind(key) is not None
 
     def as_shards(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The checkpoint's view of this rank's state: each expert weight (and its optimizer moments) as its shard
-        of the whole stack (a DTensor over the ep ranks, split along the experts), so that DCP saves every rank's
-        share under the one-process name and shape instead of keeping one rank's copy of a same-named tensor."""
+        """The checkpoint's view of this rank's state (LoRA B already in the checkpoint's `[n, out, r]`,
+        train/expert_lora_layout.py): each expert weight (and its optimizer moments) as its shard of the whole
+        stack (a DTensor over the ep ranks, split along the experts), so that DCP saves every rank's share under
+        the one-process name and shape instead of keeping one rank's copy of a same-named tensor."""
         from torch.distributed.tensor import DTensor, Shard
 
         def shard(t: Any, kind: str) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return t  # the optimizer's step count
-            if kind == "lora_B":  # [out, r*n] with experts fastest -> [n, out, r]: experts along dim 0
-                t = t.reshape(t.shape[0], -1, self.local).permute(2, 0, 1).contiguous()
+            # Every kind has its experts along dim 0 by now: LoRA B as [n, out, r] (train/expert_lora_layout.py)
             return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
 
         model_sd = {k: shard(v, kind) if (kind := self._kind(k)) else v for k, v in model_sd.items()}
@@ -106,10 +106,7 @@ class ExpertShard:
         """A loaded checkpoint ({"model": ..., "optim": ...}) with the experts' shards (`as_shards`) back as this
         rank's plain tensors; FSDP2's own shards stay as they are."""
         def local(t: Any, kind: str) -> Any:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            if kind == "lora_B" and t.dim() == 3:  # [n, out, r] -> peft's [out, r*n]
-                t = t.permute(1, 2, 0).reshape(t.shape[1], -1)
-            return t
+            return t.to_local() if hasattr(t, "to_local") else t
 
         model = {k: local(v, kind) if (kind := self._kind(k)) else v for k, v in state_dict["model"].items()}
         optim = state_dict["optim"]

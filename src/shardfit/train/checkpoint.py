@@ -33,6 +33,7 @@ from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.pipeline import DecoderStage
 from shardfit.parallel.shared_dir import ranks_seeing
+from shardfit.train.expert_lora_layout import expert_lora_b, state_dict_name, to_model, to_saved
 from shardfit.train.rundir import file_digest
 from shardfit.train.trusted_dcp import TrustedLoadPlanner, TrustedReader, not_trusted, read_metadata, refusal
 
@@ -59,6 +60,7 @@ class TrainState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         opts = _STAGE_OPTS if _is_stage(self.model) else _OPTS
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        model_sd, optim_sd = to_saved(model_sd, optim_sd, expert_lora_b(self.model))
         if self.experts is not None:
             model_sd, optim_sd = self.experts.as_shards(model_sd, optim_sd)
         frozen = frozen_names(self.model)
@@ -67,21 +69,19 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.experts is not None:
             state_dict = self.experts.as_local(state_dict)
+        model_sd, optim_sd = to_model(state_dict["model"], state_dict["optim"], expert_lora_b(self.model))
+        state_dict = {**state_dict, "model": model_sd, "optim": optim_sd}
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"], options=StateDictOptions(
                            ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=_is_stage(self.model)))
-
-
-# Wrapper modules whose attribute name is not part of the parameter names a state dict uses.
-_WRAPPER_PARTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
 
 def frozen_names(model: torch.nn.Module) -> set[str]:
     """State-dict names of every frozen parameter, each alias of a shared one included. ignore_frozen_params drops a
     frozen parameter under the first name only, so a tied head (lm_head = embed_tokens) was saved in every LoRA
     checkpoint (57 MB of SmolLM2's 86 MB)."""
-    return {".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-            for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {state_dict_name(name) for name, p in model.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
 
 
 @dataclass
