@@ -20,14 +20,21 @@ from tests.helpers import free_port, read_jsonl, run_cli, write_config
 CASES = [(2, True), (1, True), (4, False)]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernel and routing cases of tests/sp_workers.py on 2 gloo ranks, started once: their results' folder."""
+    out = tmp_path_factory.mktemp("sp-kernel")
+    mp.start_processes(sp_workers.attention_rank, args=(2, free_port(), CASES, str(out)), nprocs=2,
+                       start_method="spawn", join=True)
+    return out
+
+
 @pytest.mark.slow
-def test_ulysses_attention_matches_sdpa(tmp_path: Path) -> None:
+def test_ulysses_attention_matches_sdpa(two_ranks: Path) -> None:
     """Forward and backward of each rank's slice equal the whole row's SDPA (fp32): GQA with key/value heads that
     split over the ranks, a single key/value head (repeated first), packed rows (a block-causal mask)."""
-    mp.start_processes(sp_workers.attention_rank, args=(2, free_port(), CASES, str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
     for r in range(2):
-        for (_, packed), got in zip(CASES, json.loads((tmp_path / f"rank-{r}.json").read_text()), strict=True):
+        for (_, packed), got in zip(CASES, json.loads((two_ranks / f"rank-{r}.json").read_text()), strict=True):
             assert got["restarts"] is packed  # the mask is block-causal exactly where rows are packed
             assert got["out"] <= 1e-5 * got["scale"], got
             assert max(got["grads"]) <= 1e-5 * got["grad_scale"], got
@@ -104,3 +111,17 @@ def test_a_rank_keeps_its_contiguous_slice_of_the_padded_rows() -> None:
     assert parts[1].shard.restarts is True and parts[1].host_facts["sequence_shard"] is parts[1].shard
     whole = Layout(dp=2, dp_rank=1)
     assert shard_batch(batch, whole) is batch
+
+
+@pytest.mark.slow
+def test_load_balancing_loss_is_the_whole_rows(two_ranks: Path) -> None:
+    """A mixture's load-balancing loss (the Switch form, nonlinear in the per-expert fractions) summed over the
+    ranks of a split row, and its gradients and the expert load, are the whole row's (fp32), where each slice's
+    own loss and load are not."""
+    for r in range(2):
+        got = json.loads((two_ranks / f"routing-{r}.json").read_text())
+        assert got["aux"] <= 1e-5 * got["aux_scale"], got
+        assert got["grads"] <= 1e-5 * got["grad_scale"], got
+        assert got["load"] <= 1e-9, got
+        # What the split would log and train on with each slice's own statistics: measurably another figure.
+        assert got["slice_off"] > 1e-3 and got["slice_load"] != got["whole_load"], got
