@@ -75,32 +75,36 @@ BLOCKS, EXPERTS, TOP_K, COEF = 2, 4, 2, 0.5
 
 def _routing_case(rank: int, world: int) -> dict:
     """The load-balancing loss and expert load of rows split over the ranks against one process's over the whole
-    rows: this rank's errors, and how far its slice's own loss and load are from the rows'."""
+    rows: this rank's errors, and how far its slice's own loss and load are from the rows'. The rows are 11 tokens
+    wide, padded to 12 by the split: the padding's router logits (random here) must not count."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from shardfit.models.experts import AuxLoss, expert_load
     from shardfit.train.loss import CausalLMLoss
 
     g = torch.Generator().manual_seed(1)
+    real = WIDTH - 1
     # Skewed routers (a bias towards expert 0 growing along the row), so the slices' loads differ from the row's.
     full = [(torch.randn(BATCH, WIDTH, EXPERTS, generator=g) + torch.linspace(0, 3, WIDTH)[None, :, None]
              * torch.tensor([1.0, 0, 0, -1])).requires_grad_() for _ in range(BLOCKS)]
     targets = [7, 5]  # this micro-batch's labelled tokens on each rank's slice
-    ref = load_balancing_loss_func(tuple(x.flatten(0, 1) for x in full), EXPERTS, TOP_K, None)
+    rows = tuple(x[:, :real].flatten(0, 1) for x in full)
+    ref = load_balancing_loss_func(rows, EXPERTS, TOP_K, None)
     (COEF * ref * sum(targets)).backward()
+    whole_load = expert_load(tuple(r.detach() for r in rows), TOP_K)
     s = WIDTH // world
     part = slice(rank * s, (rank + 1) * s)
     mine = [x.detach()[:, part].clone().requires_grad_() for x in full]
     loss = CausalLMLoss(nn.Module(), moe_top_k=TOP_K, aux=AuxLoss(load_balancing_loss_func, EXPERTS, TOP_K, COEF))
-    aux_sum = loss._routing(tuple(x.flatten(0, 1) for x in mine), targets[rank], torch.zeros(()), dist.group.WORLD)
+    shard = SequenceShard(dist.group.WORLD, world, torch.arange(WIDTH).repeat(BATCH, 1), False, real)
+    aux_sum = loss._routing(tuple(x.flatten(0, 1) for x in mine), targets[rank], torch.zeros(()), shard, BATCH)
     aux_sum.backward()
     total = aux_sum.detach().clone()
     dist.all_reduce(total)
-    own = load_balancing_loss_func(tuple(x.detach().flatten(0, 1) for x in mine), EXPERTS, TOP_K, None)
-    whole_load = expert_load(tuple(x.detach().flatten(0, 1) for x in full), TOP_K)
+    own = tuple(x.detach()[:, :real - rank * s].flatten(0, 1) for x in mine)
     return {"aux": abs(float(total) - float(COEF * ref * sum(targets))), "aux_scale": float(COEF * ref * sum(targets)),
-            "slice_off": abs(float(own) - float(ref)) / float(ref),
+            "slice_off": abs(float(load_balancing_loss_func(own, EXPERTS, TOP_K, None)) - float(ref)) / float(ref),
             "grads": max((a.grad - b.grad[:, part]).abs().max().item() for a, b in zip(mine, full, strict=True)),
             "grad_scale": max(b.grad.abs().max().item() for b in full),
             "load": (loss.last_moe.load - whole_load).abs().max().item(), "whole_load": whole_load.tolist(),
-            "slice_load": expert_load(tuple(x.detach().flatten(0, 1) for x in mine), TOP_K).tolist()}
+            "slice_load": expert_load(own, TOP_K).tolist()}

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 
 from shardfit.data.loader import collate
 from shardfit.data.packing import PackedRow
@@ -15,7 +17,8 @@ from shardfit.data.tokenize import IGNORE
 from shardfit.parallel.layout import Layout
 from shardfit.parallel.sequence import shard_batch
 from tests import sp_workers
-from tests.helpers import free_port, read_jsonl, run_cli, write_config
+from tests.families import tiny_text_config
+from tests.helpers import free_port, read_jsonl, run_cli, save_with_tokenizer, write_config
 
 CASES = [(2, True), (1, True), (4, False)]
 
@@ -48,6 +51,17 @@ def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> 
     r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Qwen3-MoE shrunk (2 blocks of 4 experts, top-2) with a load-balancing coefficient of 0.5, large enough that
+    the loss the step trains on and the logged aux_loss show a slice's statistics taken for the row's."""
+    config = tiny_text_config("Qwen3-MoE")
+    config.router_aux_loss_coef = 0.5
+    torch.manual_seed(0)
+    return save_with_tokenizer(AutoModelForCausalLM.from_config(config), tmp_path_factory.mktemp("qwen3moe"),
+                               tokenizer_dir)
 
 
 def _figures(run: Path) -> tuple[list[float], list[float]]:
@@ -125,3 +139,19 @@ def test_load_balancing_loss_is_the_whole_rows(two_ranks: Path) -> None:
         assert got["load"] <= 1e-9, got
         # What the split would log and train on with each slice's own statistics: measurably another figure.
         assert got["slice_off"] > 1e-3 and got["slice_load"] != got["whole_load"], got
+
+
+MOE_FIGURES = ("aux_loss", "expert_load_min", "expert_load_max")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # two runs of a mixture; the routing case of `two_ranks` holds the whole rows' statistics
+def test_qwen3_moe_split_over_two_ranks_trains_the_whole_rows_balancing(tmp_path: Path, tiny_qwen3_moe: Path,
+                                                                        small_data: Path) -> None:
+    """Qwen3-MoE with LoRA under DDP, packed rows, its load-balancing loss on: the losses (which the loss the step
+    trained on shapes), the load-balancing loss and the expert load are one process's, fp32, to 1e-5."""
+    _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, strategy="ddp")
+    ref, got = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("single", "split"))
+    for k in MOE_FIGURES:
+        a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]
+        assert len(a) == 4 and b == pytest.approx(a, rel=1e-5), k

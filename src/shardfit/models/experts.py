@@ -203,11 +203,13 @@ def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Te
         return load_of_counts(torch.stack([_choices(logits.detach().float(), top_k) for logits in router_logits]))
 
 
-def _choices(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """How many of the tokens' top-k choices went to each expert ([experts] float64) from [tokens, experts] scores."""
+def _choices(scores: torch.Tensor, top_k: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of the tokens' top-k choices went to each expert ([experts] float64) from [tokens, experts] scores;
+    `keep` ([tokens] bool): only those tokens'."""
     chosen = scores.topk(top_k, dim=-1).indices.flatten()
     counts = torch.zeros(scores.shape[-1], dtype=torch.float64, device=chosen.device)
-    return counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
+    ones = torch.ones_like(chosen, dtype=torch.float64)
+    return counts.scatter_add_(0, chosen, ones if keep is None else ones * keep.repeat_interleave(top_k))
 
 
 def load_of_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -216,17 +218,23 @@ def load_of_counts(counts: torch.Tensor) -> torch.Tensor:
     return torch.stack([share.min(), share.max()])
 
 
-def router_sums(router_logits: tuple[torch.Tensor, ...], top_k: int,
-                with_probs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+def router_sums(router_logits: tuple[torch.Tensor, ...], top_k: int, with_probs: bool = True,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The routers' per-expert statistics of a forward, which add up over the pieces of a batch (the ranks of a
     sequence-parallel group): the router's fp32 softmax summed over blocks and tokens ([experts], in the graph;
     None without `with_probs`), and the top-k choices of that softmax per block and expert ([blocks, experts]
-    float64, outside it), whose sum over experts is top_k x the block's tokens."""
+    float64, outside it), whose sum over experts is top_k x the block's tokens. `keep` ([tokens] bool): count
+    only those tokens (not the padding a split added)."""
+    if keep is not None and router_logits:
+        keep = keep.to(router_logits[0].device)
     probs = [torch.softmax(logits.float(), dim=-1) for logits in router_logits] if with_probs else None
     with torch.no_grad():
         scores = probs if probs is not None else [logits.detach().float() for logits in router_logits]
-        counts = torch.stack([_choices(p.detach(), top_k) for p in scores])
-    return (torch.stack([p.sum(0) for p in probs]).sum(0) if probs is not None else None), counts
+        counts = torch.stack([_choices(p.detach(), top_k, keep) for p in scores])
+    if probs is None:
+        return None, counts
+    mask = None if keep is None else keep.to(probs[0].dtype)[:, None]
+    return torch.stack([(p if mask is None else p * mask).sum(0) for p in probs]).sum(0), counts
 
 
 def switch_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -218,7 +218,7 @@ class CausalLMLoss(nn.Module):
         if self.moe_top_k:
             split = sequence_shard is not None and sequence_shard.size > 1
             loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum,
-                                                sequence_shard.group if split else None)
+                                                sequence_shard if split else None, input_ids.shape[0])
         return loss_sum, n
 
     def body_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, restarts: bool | None,
@@ -246,25 +246,26 @@ class CausalLMLoss(nn.Module):
         return out, hidden, head
 
     def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor,
-                 group: Any = None) -> torch.Tensor:
+                 shard: SequenceShard | None = None, rows: int = 1) -> torch.Tensor:
         """The load-balancing loss as a sum over this micro-batch's `n` targets (the LM loss is a sum too, so
         after the step's normalisation it weighs `coef` x the mean aux loss), recording it and the expert load.
-        `group`: the sequence-parallel ranks holding the other slices of these rows. The loss is not linear in the
-        tokens' statistics, so a slice's own would not be the row's: the routers' per-expert sums are added over
-        the group first (autograd-aware, so the gradients are the whole row's too), and each rank weighs the
-        whole row's loss by its own slice's targets; the load is the whole row's as well."""
+        `shard`: the sequence-parallel group whose ranks hold the other slices of these `rows`. The loss is not
+        linear in the tokens' statistics, so a slice's own would not be the rows': the routers' per-expert sums
+        (less the split's padding) are added over the group first (autograd-aware, so the gradients are the whole
+        rows' too), and each rank weighs the whole rows' loss by its own slice's targets; the load is the whole
+        rows' as well."""
         aux_sum = like.new_zeros(())
-        if group is None or not logits:
+        if shard is None or not logits:
             load = expert_load(logits, self.moe_top_k)
             if self.aux is not None and logits:
                 aux = self.aux.fn(logits, self.aux.experts, self.aux.top_k, None)
                 aux_sum = self.aux.coef * aux.to(like.dtype) * n
         else:
-            probs, counts = router_sums(logits, self.moe_top_k, with_probs=self.aux is not None)
-            counts = group_sum(counts, group)
+            probs, counts = router_sums(logits, self.moe_top_k, self.aux is not None, shard.own_tokens(rows))
+            counts = group_sum(counts, shard.group)
             load = load_of_counts(counts)
             if self.aux is not None and probs is not None:
-                aux = switch_loss(group_sum(probs, group), counts, self.aux.top_k)
+                aux = switch_loss(group_sum(probs, shard.group), counts, self.aux.top_k)
                 aux_sum = self.aux.coef * aux.to(like.dtype) * n
         self.last_moe = MoeStep(aux_sum.detach(), n, load)
         return aux_sum
