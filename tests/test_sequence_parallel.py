@@ -155,3 +155,33 @@ def test_qwen3_moe_split_over_two_ranks_trains_the_whole_rows_balancing(tmp_path
     for k in MOE_FIGURES:
         a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]
         assert len(a) == 4 and b == pytest.approx(a, rel=1e-5), k
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # two runs of a mixture; the Qwen2 and routing cases hold the split's arithmetic
+def test_qwen3_moe_qlora_split_over_two_ranks(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path) -> None:
+    """QLoRA (torchao NF4: the attention's and the routed experts' weights) of Qwen3-MoE under zero3, packed
+    rows: one process's losses, load-balancing loss and expert load, fp32, to 1e-5."""
+    _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, strategy="zero3", method="qlora")
+    ref, got = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("single", "split"))
+    for k in MOE_FIGURES:
+        a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]
+        assert len(a) == 4 and b == pytest.approx(a, rel=1e-5), k
+
+
+def test_the_families_balancing_loss_is_the_switch_form_of_the_summed_statistics() -> None:
+    """`switch_loss` of `router_sums` is each family's own loss (so the sums may be added over a split row), less
+    the tokens `keep` leaves out; a loss of another form is told apart (the rank then refuses the split)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as mixtral
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as qwen3_moe
+
+    from shardfit.models.experts import AuxLoss, router_sums, switch_form, switch_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(10, 8, generator=g) for _ in range(3))
+    keep = torch.arange(10) < 7
+    probs, counts = router_sums(logits, 2, keep=keep)
+    for fn in (qwen3_moe, mixtral):
+        assert switch_form(AuxLoss(fn, 8, 2, 0.01))
+        assert switch_loss(probs, counts, 2) == pytest.approx(float(fn(tuple(x[:7] for x in logits), 8, 2)), rel=1e-6)
+    assert not switch_form(AuxLoss(lambda *a: 2 * qwen3_moe(*a), 8, 2, 0.01))
