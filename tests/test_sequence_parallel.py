@@ -17,7 +17,7 @@ from shardfit.data.tokenize import IGNORE
 from shardfit.parallel.layout import Layout
 from shardfit.parallel.sequence import shard_batch
 from tests import sp_workers
-from tests.families import tiny_text_config
+from tests.families import make_family_model, tiny_text_config
 from tests.helpers import free_port, read_jsonl, run_cli, save_with_tokenizer, write_config
 
 CASES = [(2, True), (1, True), (4, False)]
@@ -142,6 +142,19 @@ def test_load_balancing_loss_is_the_whole_rows(two_ranks: Path) -> None:
 
 
 MOE_FIGURES = ("aux_loss", "expert_load_min", "expert_load_max")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # two runs of a mixture; GLM-4.5's attention is Qwen3-MoE's with a partial rotary and biases
+def test_glm45_split_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path) -> None:
+    """GLM-4.5 (a dense first block, shared experts, balanced by a bias: no load-balancing loss) with LoRA under
+    DDP, packed rows: one process's losses and expert load."""
+    model = make_family_model("GLM-4.5", tmp_path / "glm45", tokenizer_dir)
+    _same_as_one_process(tmp_path, model, small_data, strategy="ddp")
+    ref, got = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("single", "split"))
+    for k in MOE_FIGURES[1:]:
+        a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]
+        assert len(a) == 4 and b == pytest.approx(a, rel=1e-5), k
 
 
 @pytest.mark.slow
