@@ -3,9 +3,9 @@ whose config is the ground truth where the planner did not know the shape). Torc
 
 What runs: text decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), their mixtures of
 experts too (Qwen3-MoE, GLM-4.5: experts act per token, and the routers' load-balancing loss and load are the
-whole row's, train/loss.py), with a
-multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective, and attention through SDPA inside
-the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2 and the reason.
+whole row's, train/loss.py), with a multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective,
+and attention through SDPA inside the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2
+and the reason.
 """
 
 from __future__ import annotations
@@ -114,5 +114,5 @@ def check_balancing(n: int, whole_row: bool, model: str) -> None:
     `switch_form`). UserError when it is not."""
     if n > 1 and not whole_row:
         raise UserError(f"{_prefix(n)}: {model}'s load-balancing loss is not the Switch-Transformer form this version "
-                        f"gathers over the split row: train it without sequence parallelism, set "
-                        f"sequence_parallel: 1.")
+                        f"gathers over the split row: train it without sequence parallelism "
+                        f"(set sequence_parallel: 1).")
