@@ -1,5 +1,5 @@
 """Gloo ranks spawned by tests/test_sequence_parallel.py: Ulysses attention on a row's slices against plain SDPA
-over the whole row."""
+over the whole row, and a mixture's routing statistics of the slices against the whole row's."""
 
 from __future__ import annotations
 
@@ -30,13 +30,15 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Ten
 
 
 def attention_rank(rank: int, world: int, port: int, cases: list[tuple[int, bool]], out: str) -> None:
-    """Each case (key/value heads, packed rows) once; `out`/rank-R.json gets this rank's errors per case."""
+    """Each case (key/value heads, packed rows) once; `out`/rank-R.json gets this rank's errors per case, and
+    `out`/routing-R.json those of the routers' statistics (`_routing_case`), sharing the ranks' start."""
     os.environ["OMP_NUM_THREADS"] = "1"
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
     try:
         results = [_case(rank, world, kv, packed) for kv, packed in cases]
         Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
+        Path(out, f"routing-{rank}.json").write_text(json.dumps(_routing_case(rank, world)))
     finally:
         dist.destroy_process_group()
 
@@ -66,3 +68,43 @@ def _case(rank: int, world: int, kv_heads: int, packed: bool) -> dict:
             "grads": [(a.grad - b.grad[:, :, part]).abs().max().item() for a, b in zip(mine, full, strict=True)],
             "grad_scale": max(b.grad.abs().max().item() for b in full),
             "restarts": bool((block_causal(pos) != torch.ones(WIDTH, WIDTH, dtype=torch.bool).tril()).any())}
+
+
+BLOCKS, EXPERTS, TOP_K, COEF = 2, 4, 2, 0.5
+
+
+def _routing_case(rank: int, world: int) -> dict:
+    """The load-balancing loss and expert load of rows split over the ranks against one process's over the whole
+    rows: this rank's errors, and how far its slice's own loss and load are from the rows'. The rows are 11 tokens
+    wide, padded to 12 by the split: the padding's router logits (random here) must not count."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from shardfit.models.experts import AuxLoss, expert_load
+    from shardfit.train.loss import CausalLMLoss
+
+    g = torch.Generator().manual_seed(1)
+    real = WIDTH - 1
+    # Skewed routers (a bias towards expert 0 growing along the row), so the slices' loads differ from the row's.
+    full = [(torch.randn(BATCH, WIDTH, EXPERTS, generator=g) + torch.linspace(0, 3, WIDTH)[None, :, None]
+             * torch.tensor([1.0, 0, 0, -1])).requires_grad_() for _ in range(BLOCKS)]
+    targets = [7, 5]  # this micro-batch's labelled tokens on each rank's slice
+    rows = tuple(x[:, :real].flatten(0, 1) for x in full)
+    ref = load_balancing_loss_func(rows, EXPERTS, TOP_K, None)
+    (COEF * ref * sum(targets)).backward()
+    whole_load = expert_load(tuple(r.detach() for r in rows), TOP_K)
+    s = WIDTH // world
+    part = slice(rank * s, (rank + 1) * s)
+    mine = [x.detach()[:, part].clone().requires_grad_() for x in full]
+    loss = CausalLMLoss(nn.Module(), moe_top_k=TOP_K, aux=AuxLoss(load_balancing_loss_func, EXPERTS, TOP_K, COEF))
+    shard = SequenceShard(dist.group.WORLD, world, torch.arange(WIDTH).repeat(BATCH, 1), False, real)
+    aux_sum = loss._routing(tuple(x.flatten(0, 1) for x in mine), targets[rank], torch.zeros(()), shard, BATCH)
+    aux_sum.backward()
+    total = aux_sum.detach().clone()
+    dist.all_reduce(total)
+    own = tuple(x.detach()[:, :real - rank * s].flatten(0, 1) for x in mine)
+    return {"aux": abs(float(total) - float(COEF * ref * sum(targets))), "aux_scale": float(COEF * ref * sum(targets)),
+            "slice_off": abs(float(load_balancing_loss_func(own, EXPERTS, TOP_K, None)) - float(ref)) / float(ref),
+            "grads": max((a.grad - b.grad[:, part]).abs().max().item() for a, b in zip(mine, full, strict=True)),
+            "grad_scale": max(b.grad.abs().max().item() for b in full),
+            "load": (loss.last_moe.load - whole_load).abs().max().item(), "whole_load": whole_load.tolist(),
+            "slice_load": expert_load(own, TOP_K).tolist()}

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig
 
 from shardfit.config import Config
 from shardfit.errors import UserError
-from shardfit.resolve.sequence import DecoderFacts, check_layout, check_model, facts_of_config
+from shardfit.resolve.sequence import DecoderFacts, check_balancing, check_layout, check_model, facts_of_config
+from tests.families import tiny_text_config
 from tests.helpers import run_cli, write_config
 
 
@@ -47,10 +48,31 @@ def test_dense_text_configs_pass_and_others_are_named() -> None:
     assert facts_of_config(Qwen2VLConfig()).multimodal
     assert facts_of_config(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1,
                                        num_hidden_layers=2)).partial_attention
-    with pytest.raises(UserError, match="mixture of experts"):
-        check_model(2, facts_of_config(MixtralConfig()), "mixtral")
+    check_model(2, facts_of_config(MixtralConfig()), "mixtral")  # experts act per token (loss.py: the balancing)
     with pytest.raises(UserError, match="vision or audio tower"):
         check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl")
+
+
+@pytest.mark.parametrize("family,why", [("Qwen3-MoE", None), ("GLM-4.5", None),
+                                        ("gpt-oss", "sliding-window"), ("DeepSeek-V3", "latent attention")])
+def test_mixtures_split_where_their_attention_is_full(family: str, why: str | None) -> None:
+    """The mixtures whose attention is ordinary pass; gpt-oss's windows (and sinks) and DeepSeek-V3's latent
+    attention stay refused, with the fix."""
+    facts = facts_of_config(tiny_text_config(family))
+    assert facts.experts
+    if why is None:
+        check_model(2, facts, family)
+        return
+    with pytest.raises(UserError, match=why) as e:
+        check_model(2, facts, family)
+    assert "sequence_parallel: 1" in str(e.value)
+
+
+def test_a_balancing_loss_of_another_form_is_refused() -> None:
+    check_balancing(2, True, "m")
+    check_balancing(1, False, "m")
+    with pytest.raises(UserError, match="not the Switch-Transformer form.*sequence_parallel: 1"):
+        check_balancing(2, False, "m")
 
 
 def test_heads_that_do_not_share_out_are_refused_with_the_divisors() -> None:

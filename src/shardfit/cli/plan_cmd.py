@@ -346,7 +346,7 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     w = with_flags(w, args)
-    if w.sequence_parallel > 1:  # heads that share out, a dense text model
+    if w.sequence_parallel > 1:  # heads that share out, a text model with full attention
         from shardfit.resolve.sequence import check_model, facts_of_shape
 
         check_model(w.sequence_parallel, facts_of_shape(shape), source)

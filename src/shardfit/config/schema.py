@@ -121,7 +121,8 @@ class Config:
     sequence_parallel: int = key(1, "ranks that split every row between them (DeepSpeed-Ulysses: each holds a "
                                     "contiguous 1/N of the row and an all-to-all around attention gives each 1/N "
                                     "of the heads over the whole row); must divide the ranks, the data is split "
-                                    "over the rest. Dense text models, objective sft; docs/long-context.md",
+                                    "over the rest. Text models with full attention (dense or experts), objective sft; "
+                                    "docs/long-context.md",
                                  ge=1)
     pipeline_parallel: int = key(1, "pipeline stages the decoder blocks are cut into, one per rank group "
                                     "(torch.distributed.pipelining, 1F1B over the step's grad_accum micro-batches; "

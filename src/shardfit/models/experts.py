@@ -199,14 +199,62 @@ def expert_load(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Te
     size is data) and never read here: the host reads the window's figures at a logging step (train/metrics.py)."""
     if not router_logits:
         return torch.zeros(2, dtype=torch.float64)
-    lows, highs = [], []
     with torch.no_grad():
-        for logits in router_logits:
-            experts = logits.shape[-1]
-            chosen = logits.detach().float().topk(top_k, dim=-1).indices.flatten()
-            counts = torch.zeros(experts, dtype=torch.float64, device=chosen.device)
-            counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
-            share = counts / max(1, chosen.numel()) * experts
-            lows.append(share.min())
-            highs.append(share.max())
-    return torch.stack([torch.stack(lows).min(), torch.stack(highs).max()])
+        return load_of_counts(torch.stack([_choices(logits.detach().float(), top_k) for logits in router_logits]))
+
+
+def _choices(scores: torch.Tensor, top_k: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of the tokens' top-k choices went to each expert ([experts] float64) from [tokens, experts] scores;
+    `keep` ([tokens] bool): only those tokens'."""
+    chosen = scores.topk(top_k, dim=-1).indices.flatten()
+    counts = torch.zeros(scores.shape[-1], dtype=torch.float64, device=chosen.device)
+    ones = torch.ones_like(chosen, dtype=torch.float64)
+    return counts.scatter_add_(0, chosen, ones if keep is None else ones * keep.repeat_interleave(top_k))
+
+
+def load_of_counts(counts: torch.Tensor) -> torch.Tensor:
+    """`expert_load`'s [lowest, highest] from the top-k choices per block and expert ([blocks, experts])."""
+    share = counts / counts.sum(-1, keepdim=True).clamp(min=1) * counts.shape[-1]
+    return torch.stack([share.min(), share.max()])
+
+
+def router_sums(router_logits: tuple[torch.Tensor, ...], top_k: int, with_probs: bool = True,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The routers' per-expert statistics of a forward, which add up over the pieces of a batch (the ranks of a
+    sequence-parallel group): the router's fp32 softmax summed over blocks and tokens ([experts], in the graph;
+    None without `with_probs`), and the top-k choices of that softmax per block and expert ([blocks, experts]
+    float64, outside it), whose sum over experts is top_k x the block's tokens. `keep` ([tokens] bool): count
+    only those tokens (not the padding a split added)."""
+    if keep is not None and router_logits:
+        keep = keep.to(router_logits[0].device)
+    probs = [torch.softmax(logits.float(), dim=-1) for logits in router_logits] if with_probs else None
+    with torch.no_grad():
+        scores = probs if probs is not None else [logits.detach().float() for logits in router_logits]
+        counts = torch.stack([_choices(p.detach(), top_k, keep) for p in scores])
+    if probs is None:
+        return None, counts
+    mask = None if keep is None else keep.to(probs[0].dtype)[:, None]
+    return torch.stack([(p if mask is None else p * mask).sum(0) for p in probs]).sum(0), counts
+
+
+def switch_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The Switch-Transformer load-balancing loss from `router_sums`: experts x sum over experts of (the share of
+    top-k choices it got) x (its mean router probability), both over every block's tokens; what the families'
+    `load_balancing_loss_func` computes from the logits themselves (without an attention mask)."""
+    rows = counts.sum() / top_k  # tokens x blocks
+    choices = counts.sum(0).to(probs.dtype)
+    return (choices / rows.to(probs.dtype) * probs / rows.to(probs.dtype)).sum() * probs.shape[-1]
+
+
+def switch_form(aux: AuxLoss) -> bool:
+    """Whether the model's own load-balancing loss is `switch_loss` (so its statistics may be summed over the pieces
+    of a split batch): both on the same fixed random logits of two blocks, to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(16, aux.experts, generator=g) for _ in range(2))
+    probs, counts = router_sums(logits, aux.top_k)
+    try:
+        own = aux.fn(logits, aux.experts, aux.top_k, None)
+    except (TypeError, ValueError, RuntimeError):  # another signature (doge, switch_transformers): another form
+        return False
+    return isinstance(own, torch.Tensor) and bool(torch.allclose(own.float(), switch_loss(probs, counts, aux.top_k),
+                                                                 rtol=1e-5, atol=1e-7))

@@ -48,6 +48,6 @@ def shard_batch(batch: Batch, layout: Layout) -> Batch:
     tgt = _pad_width(batch.targets, padded, IGNORE)
     piece = slice(layout.sp_rank * (padded // n), (layout.sp_rank + 1) * (padded // n))
     mine = tgt[:, piece]
-    shard = SequenceShard(layout.group, n, pos, bool(batch.restarts))
+    shard = SequenceShard(layout.group, n, pos, bool(batch.restarts), width)
     return dataclasses.replace(batch, input_ids=ids[:, piece].contiguous(), position_ids=pos[:, piece].contiguous(),
                                targets=mine.contiguous(), n_targets=int((mine != IGNORE).sum()), shard=shard)

@@ -36,9 +36,23 @@ class SequenceShard:
     size: int
     position_ids: torch.Tensor
     restarts: bool  # whether a row restarts its positions (packed examples), known on the host
+    # The rows' width before they were padded to a multiple of `size` (None: not padded): the tokens from there on
+    # are the split's own padding, which a one-process run never forwards.
+    width: int | None = None
 
     def to(self, device: torch.device | str) -> SequenceShard:
-        return SequenceShard(self.group, self.size, self.position_ids.to(device, non_blocking=True), self.restarts)
+        return SequenceShard(self.group, self.size, self.position_ids.to(device, non_blocking=True), self.restarts,
+                             self.width)
+
+    def own_tokens(self, rows: int) -> torch.Tensor | None:
+        """Which of this rank's `rows` x slice tokens (flattened, row by row) the unsplit rows have: a bool
+        [rows x width/size] on the positions' device, or None when the split added no padding."""
+        padded = self.position_ids.shape[-1]
+        if self.width is None or self.width == padded:
+            return None
+        s = padded // self.size
+        start = dist.get_rank(self.group) * s
+        return (torch.arange(start, start + s, device=self.position_ids.device) < self.width).repeat(rows)
 
 
 def _seq_to_heads(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:

@@ -42,8 +42,9 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
                         f"(its host-memory shards are untested with the experts kept on each rank): use "
                         f"--set strategy=zero3, {FIX}.")
     if cfg.sequence_parallel > 1:
-        raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: sequence parallelism "
-                        f"splits the rows of dense models only; set sequence_parallel: 1, {FIX}.")
+        raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does "
+                        f"not combine the two (the tokens a rank sends to the experts' ranks would be its slice's, "
+                        f"untested here); set sequence_parallel: 1, {FIX}.")
     method = methods.get(cfg.method)
     if method.quantized:
         raise UserError(f"{_prefix(n)} does not train {method.name} in this version (the experts' 4-bit weights "

@@ -1,9 +1,11 @@
 """`sequence_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
-What runs: dense text decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), with a
-multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective, and attention through SDPA inside
-the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2 and the reason.
+What runs: text decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), their mixtures of
+experts too (Qwen3-MoE, GLM-4.5: experts act per token, and the routers' load-balancing loss and load are the
+whole row's, train/loss.py), with a multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective,
+and attention through SDPA inside the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2
+and the reason.
 """
 
 from __future__ import annotations
@@ -68,12 +70,13 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
     if n == 1:
         return
     fix = "or set sequence_parallel: 1"
-    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower" if facts.multimodal
+    why = ("has a vision or audio tower" if facts.multimodal
            else "has layers with sliding-window or chunked attention" if facts.partial_attention
            else "uses multi-head latent attention" if facts.latent_attention else None)
     if why is not None:
-        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of dense text decoders with "
-                        f"full attention only (Llama, Qwen2, Qwen3): train it without sequence parallelism, {fix}.")
+        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of text decoders with full "
+                        f"attention only (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5): train it without sequence "
+                        f"parallelism, {fix}.")
     if facts.heads % n != 0:
         divisors = [d for d in range(2, facts.heads + 1) if facts.heads % d == 0]
         raise UserError(f"{_prefix(n)}: {model} has {facts.heads} attention heads, which {n} ranks cannot share "
@@ -102,3 +105,14 @@ def facts_of_config(config: Any) -> DecoderFacts:
                         experts=experts > 1,
                         multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")),
                         partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)))
+
+
+def check_balancing(n: int, whole_row: bool, model: str) -> None:
+    """A mixture's load-balancing loss under sequence_parallel `n`: it is summed from the routers' per-expert
+    statistics of the whole row (gathered over the SP group), which holds for the Switch-Transformer form of
+    transformers' families; `whole_row` says the model's own loss is that form (models/experts.py
+    `switch_form`). UserError when it is not."""
+    if n > 1 and not whole_row:
+        raise UserError(f"{_prefix(n)}: {model}'s load-balancing loss is not the Switch-Transformer form this version "
+                        f"gathers over the split row: train it without sequence parallelism "
+                        f"(set sequence_parallel: 1).")

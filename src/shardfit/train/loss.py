@@ -18,8 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.anatomy import decoder_and_head, soft_token_body, vision_body
-from shardfit.models.experts import AuxLoss, expert_load, router_logits_of
+from shardfit.models.experts import AuxLoss, expert_load, load_of_counts, router_logits_of, router_sums, switch_loss
 from shardfit.models.masks import mask_argument
+from shardfit.parallel.group_sum import group_sum
 from shardfit.parallel.ulysses import SHARD_KWARG, SequenceShard
 from shardfit.train.media_forward import vision_language_forward
 from shardfit.train.soft_token_forward import soft_token_forward
@@ -215,7 +216,9 @@ class CausalLMLoss(nn.Module):
         loss_sum, n = chunked_cross_entropy(hidden, head, targets, self.chunk, all_labelled=self.all_labelled,
                                             n_targets=n_targets)
         if self.moe_top_k:
-            loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum)
+            split = sequence_shard is not None and sequence_shard.size > 1
+            loss_sum = loss_sum + self._routing(router_logits_of(out), n, loss_sum,
+                                                sequence_shard if split else None, input_ids.shape[0])
         return loss_sum, n
 
     def body_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, restarts: bool | None,
@@ -242,14 +245,28 @@ class CausalLMLoss(nn.Module):
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return out, hidden, head
 
-    def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor) -> torch.Tensor:
+    def _routing(self, logits: tuple[torch.Tensor, ...], n: int, like: torch.Tensor,
+                 shard: SequenceShard | None = None, rows: int = 1) -> torch.Tensor:
         """The load-balancing loss as a sum over this micro-batch's `n` targets (the LM loss is a sum too, so
-        after the step's normalisation it weighs `coef` x the mean aux loss), recording it and the expert load."""
-        load = expert_load(logits, self.moe_top_k)
+        after the step's normalisation it weighs `coef` x the mean aux loss), recording it and the expert load.
+        `shard`: the sequence-parallel group whose ranks hold the other slices of these `rows`. The loss is not
+        linear in the tokens' statistics, so a slice's own would not be the rows': the routers' per-expert sums
+        (less the split's padding) are added over the group first (autograd-aware, so the gradients are the whole
+        rows' too), and each rank weighs the whole rows' loss by its own slice's targets; the load is the whole
+        rows' as well."""
         aux_sum = like.new_zeros(())
-        if self.aux is not None and logits:
-            aux = self.aux.fn(logits, self.aux.experts, self.aux.top_k, None)
-            aux_sum = self.aux.coef * aux.to(like.dtype) * n
+        if shard is None or not logits:
+            load = expert_load(logits, self.moe_top_k)
+            if self.aux is not None and logits:
+                aux = self.aux.fn(logits, self.aux.experts, self.aux.top_k, None)
+                aux_sum = self.aux.coef * aux.to(like.dtype) * n
+        else:
+            probs, counts = router_sums(logits, self.moe_top_k, self.aux is not None, shard.own_tokens(rows))
+            counts = group_sum(counts, shard.group)
+            load = load_of_counts(counts)
+            if self.aux is not None and probs is not None:
+                aux = switch_loss(group_sum(probs, shard.group), counts, self.aux.top_k)
+                aux_sum = self.aux.coef * aux.to(like.dtype) * n
         self.last_moe = MoeStep(aux_sum.detach(), n, load)
         return aux_sum
 

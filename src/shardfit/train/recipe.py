@@ -52,7 +52,7 @@ from shardfit.models.build import (
     use_attention,
     weights_cached,
 )
-from shardfit.models.experts import aux_loss_of, moe_top_k
+from shardfit.models.experts import aux_loss_of, moe_top_k, switch_form
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults, ulysses
@@ -79,7 +79,7 @@ from shardfit.resolve.defaults import (
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
 )
-from shardfit.resolve.sequence import check_model, facts_of_config
+from shardfit.resolve.sequence import check_balancing, check_model, facts_of_config
 from shardfit.strategy import get as get_strategy
 from shardfit.train.base_ref import BaseRef, base_for_adapter
 from shardfit.train.checkpoint import Checkpointer, list_checkpoints
@@ -299,6 +299,8 @@ class FineTune:
         self.loss_chunk = self.job.loss_chunk or loss_chunk_for(cfg.loss_chunk, output_vocab(self.model),
                                                                 self.job.hardware, cfg.precision)
         routing = {"moe_top_k": moe_top_k(self.model), "aux": aux_loss_of(self.model, self.model.config)}
+        if self.layout.sp > 1 and routing["aux"] is not None:  # summed from the split rows' statistics (loss.py)
+            check_balancing(self.layout.sp, switch_form(routing["aux"]), cfg.model)
         self.reference = self.job.reference  # resolve/decide.py: how this run gets its reference log-probabilities
         if objectives.get(cfg.objective).preference:
             loss_module = PreferenceLoss(self.model, preference_settings(cfg), reference=self.reference,
