@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig
+from transformers import Glm4vConfig, LlamaConfig, MixtralConfig, Qwen2_5OmniThinkerConfig, Qwen2Config, Qwen2VLConfig
 
 from shardfit.config import Config
 from shardfit.errors import UserError
@@ -44,13 +44,15 @@ def test_dense_text_configs_pass_and_others_are_named() -> None:
     check_model(2, qwen2, "qwen2")
     check_model(4, facts_of_config(LlamaConfig(num_attention_heads=4, num_key_value_heads=1)), "llama")
     assert facts_of_config(MixtralConfig()).experts
-    assert facts_of_config(Qwen2VLConfig()).multimodal
+    assert facts_of_config(Qwen2VLConfig()).multimodal and facts_of_config(Qwen2VLConfig()).split_vision
     assert facts_of_config(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1,
                                        num_hidden_layers=2)).partial_attention
     with pytest.raises(UserError, match="mixture of experts"):
         check_model(2, facts_of_config(MixtralConfig()), "mixtral")
-    with pytest.raises(UserError, match="vision or audio tower"):
-        check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl")
+    check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl")  # image rows split (train/media_forward.py)
+    for other in (Qwen2_5OmniThinkerConfig(), Glm4vConfig()):
+        with pytest.raises(UserError, match="vision or audio tower other than Qwen2-VL"):
+            check_model(2, facts_of_config(other), other.model_type)
 
 
 def test_heads_that_do_not_share_out_are_refused_with_the_divisors() -> None:

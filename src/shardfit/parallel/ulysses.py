@@ -36,9 +36,16 @@ class SequenceShard:
     size: int
     position_ids: torch.Tensor
     restarts: bool  # whether a row restarts its positions (packed examples), known on the host
+    rank: int = 0  # this rank's place in the group: its slice is the rank-th 1/size of the row
 
     def to(self, device: torch.device | str) -> SequenceShard:
-        return SequenceShard(self.group, self.size, self.position_ids.to(device, non_blocking=True), self.restarts)
+        return SequenceShard(self.group, self.size, self.position_ids.to(device, non_blocking=True), self.restarts,
+                             self.rank)
+
+    def mine(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous 1/size of `t` along `dim` (the whole row's width, a multiple of size)."""
+        piece = t.shape[dim] // self.size
+        return t.narrow(dim, self.rank * piece, piece)
 
 
 def _seq_to_heads(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:

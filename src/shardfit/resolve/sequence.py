@@ -1,7 +1,8 @@
 """`sequence_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
-What runs: dense text decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), with a
+What runs: dense decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ..., and the
+Qwen2-VL-style vision-language models of SPLIT_VISION_TYPES on image rows), with a
 multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective, and attention through SDPA inside
 the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2 and the reason.
 """
@@ -19,6 +20,11 @@ from shardfit.plan.model_shape import ModelShape
 
 # Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
 SP_ATTENTION = ("auto", "sdpa")
+# Vision-language models whose image rows split (train/media_forward.py cuts the whole rows' embeddings, M-RoPE
+# positions and Qwen3-VL's deepstack features); other towers are refused.
+SPLIT_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+SPLIT_VISION_NAMES = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL"
+TOWERS = f"a vision or audio tower other than {SPLIT_VISION_NAMES}'s"
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,9 @@ class DecoderFacts:
     multimodal: bool = False
     partial_attention: bool = False
     latent_attention: bool = False
+    # A vision tower whose rows this version splits (Qwen2-VL-style: the images' features go into the embeddings
+    # of the whole row, M-RoPE positions; `multimodal` stays True for a model it does not).
+    split_vision: bool = False
 
 
 def _prefix(n: int) -> str:
@@ -68,12 +77,14 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
     if n == 1:
         return
     fix = "or set sequence_parallel: 1"
-    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower" if facts.multimodal
+    towers = facts.multimodal and not facts.split_vision
+    why = ("is a mixture of experts" if facts.experts else f"has {TOWERS}" if towers
            else "has layers with sliding-window or chunked attention" if facts.partial_attention
            else "uses multi-head latent attention" if facts.latent_attention else None)
     if why is not None:
-        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of dense text decoders with "
-                        f"full attention only (Llama, Qwen2, Qwen3): train it without sequence parallelism, {fix}.")
+        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of dense decoders with full "
+                        f"attention only (Llama, Qwen2, Qwen3, and {SPLIT_VISION_NAMES} on images): train it "
+                        f"without sequence parallelism, {fix}.")
     if facts.heads % n != 0:
         divisors = [d for d in range(2, facts.heads + 1) if facts.heads % d == 0]
         raise UserError(f"{_prefix(n)}: {model} has {facts.heads} attention heads, which {n} ranks cannot share "
@@ -83,8 +94,10 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
 
 def facts_of_shape(shape: ModelShape) -> DecoderFacts:
     """The planner's shape of the model as the rules read it."""
+    multimodal = shape.vision is not None or shape.audio is not None or shape.soft_tower is not None
+    # A Qwen2-VL-style tower without audio passes here; the built model's type decides (`facts_of_config`).
     return DecoderFacts(heads=shape.heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
-                        multimodal=shape.vision is not None or shape.audio is not None,
+                        multimodal=multimodal, split_vision=shape.audio is None and shape.soft_tower is None,
                         partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
                         latent_attention=shape.mla is not None)
 
@@ -101,4 +114,5 @@ def facts_of_config(config: Any) -> DecoderFacts:
     return DecoderFacts(heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
                         experts=experts > 1,
                         multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")),
-                        partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)))
+                        partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)),
+                        split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES)
