@@ -319,6 +319,9 @@ def run(args: argparse.Namespace) -> int:
     if job is not None:
         out["resolved"] = job.to_json()
         lines.append(job.describe())
+        from shardfit.resolve.decide import SPLIT_WHY  # resolved_job imported it
+
+        lines.extend(f"  {w}" for w in job.why if w.startswith(SPLIT_WHY))  # auto split the rows: why
     print(json.dumps(out, indent=2) if args.json else "\n".join([format_table(plan), *lines]))
     if args.plot:
         try:
