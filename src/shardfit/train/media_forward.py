@@ -66,7 +66,9 @@ def _my_slice(shard: SequenceShard, embeds: torch.Tensor, position_ids: torch.Te
         picked = inside[visual]  # for each media token in order: whether it is in this slice
         deepstack = {"visual_pos_masks": shard.mine(visual, 1),
                      "deepstack_visual_embeds": [f[picked] for f in deepstack["deepstack_visual_embeds"]]}
-    return shard.mine(embeds, 1), shard.mine(position_ids, -1), deepstack
+    # A copy, not a view: the first block saves its input for backward, and a view would keep the whole rows'
+    # embeddings alive with it through the step.
+    return shard.mine(embeds, 1).clone(), shard.mine(position_ids, -1), deepstack
 
 
 def _with_media(visual: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor,
