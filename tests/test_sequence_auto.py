@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from shardfit.cli.main import main
 from shardfit.config import Config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
@@ -89,3 +90,18 @@ def test_a_job_the_split_refuses_is_never_split(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(decide, "_split_allowed", lambda *_: True)
     with pytest.raises(UserError, match="sequence_parallel: 4 trains objective sft only"):
         resolve_job(cfg, H100, GPU, nproc=8)
+
+
+def test_plan_suggests_the_split_auto_would_choose(capsys: pytest.CaptureFixture[str]) -> None:
+    """`shardfit plan` of a row that fits no GPU: the first alternative is the split, with its flag; not for a
+    preference objective, which the split refuses."""
+    flags = ["plan", "--model", "Qwen/Qwen3-8B", "--gpus", "8xH100", "--seq", "131072", "--batch", "1",
+             "--grad-ckpt", "full"]
+    assert main(flags) == 3
+    out = capsys.readouterr().out
+    first = out.split("Nearest alternatives:\n")[1].splitlines()[0]
+    assert first.startswith("  - every row split over 2 GPUs (--sequence-parallel 2): ") and "GiB per GPU" in first
+    assert main([*flags, "--sequence-parallel", "2"]) == 0  # as suggested: it fits
+    capsys.readouterr()
+    main([*flags, "--objective", "dpo"])
+    assert "--sequence-parallel" not in capsys.readouterr().out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 from shardfit import method as methods
 from shardfit import objective as objectives
@@ -100,6 +102,8 @@ def _auto(plan: Plan | None, method: str, nproc: int | None, nnodes: int, local:
     return best, n, [f"strategy auto -> {best} on {n} process{'es' if n > 1 else ''} per node: {reason}"]
 
 
+T = TypeVar("T")
+
 # How the reason of auto's split begins (`plan --config` prints it under the job's line).
 SPLIT_WHY = "sequence_parallel auto"
 
@@ -138,22 +142,39 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     if one_row is None or _fitting(one_row, cfg.method, nproc, nnodes, local):
         return 1, survey, None
     shape = resolve_shape(cfg.model)  # the survey read it: known here
+
+    def fitting(n: int) -> tuple[Plan, Candidate] | None:
+        plan = plan_for_config(_planned(dataclasses.replace(cfg, sequence_parallel=n), device), hw)
+        fits = _fitting(plan, cfg.method, nproc, nnodes, local, split=True) if plan is not None else []
+        best, _ = recommend(fits, hw)
+        return (plan, next(c for c in fits if c.strategy == best)) if plan is not None and best else None
+
+    found = smallest_split(world, lambda n: _split_allowed(cfg, n, world, shape), fitting)
+    if found is None:
+        return 1, survey, None
+    n, (plan, pick) = found
+    whole = min(c.per_gpu_gib.total for c in survey.candidates if c.applies)
+    return n, plan, (f"{SPLIT_WHY} -> {n}: one {cfg.max_seq_len:,}-token row does not fit on a GPU under any "
+                     f"strategy (at least {whole:.1f} of {hw.gpu_mem_gib:.0f} GiB), split over {n} ranks it takes "
+                     f"{pick.per_gpu_gib.total:.1f} GiB under {pick.strategy}; an optimizer step then takes "
+                     f"micro_batch x grad_accum x {world // n} examples (set sequence_parallel or a strategy to "
+                     "choose otherwise)")
+
+
+def smallest_split(world: int, allowed: Callable[[int], bool],
+                   fits: Callable[[int], T | None]) -> tuple[int, T] | None:
+    """The smallest sequence_parallel of 2, 4, 8, ... up to `world` that divides it, that `allowed` passes (the
+    split's rules) and under which `fits` finds something that fits (its answer with it); None if none does. The
+    one rule by which auto (and the plan's suggestion) pick N: the smallest split costs the fewest all-to-alls
+    and keeps the most data groups."""
     n = 2
     while n <= world:
-        if world % n == 0 and _split_allowed(cfg, n, world, shape):
-            plan = plan_for_config(_planned(dataclasses.replace(cfg, sequence_parallel=n), device), hw)
-            fits = _fitting(plan, cfg.method, nproc, nnodes, local, split=True) if plan is not None else []
-            best, _ = recommend(fits, hw)
-            if best is not None and plan is not None:
-                whole = min(c.per_gpu_gib.total for c in survey.candidates if c.applies)
-                split = plan.candidate(best)
-                return n, plan, (f"{SPLIT_WHY} -> {n}: one {cfg.max_seq_len:,}-token row does not fit on "
-                                 f"a GPU under any strategy (at least {whole:.1f} of {hw.gpu_mem_gib:.0f} GiB), "
-                                 f"split over {n} ranks it takes {split.per_gpu_gib.total:.1f} GiB under {best}; an "
-                                 f"optimizer step then takes micro_batch x grad_accum x {world // n} examples (set "
-                                 "sequence_parallel or a strategy to choose otherwise)")
+        if world % n == 0 and allowed(n):
+            found = fits(n)
+            if found is not None:
+                return n, found
         n *= 2
-    return 1, survey, None
+    return None
 
 
 def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None, *, nproc: int | None = None,
