@@ -10,7 +10,8 @@ from transformers import Glm4vConfig, LlamaConfig, MixtralConfig, Qwen2_5OmniThi
 
 from shardfit.config import Config
 from shardfit.errors import UserError
-from shardfit.resolve.sequence import DecoderFacts, check_layout, check_model, facts_of_config
+from shardfit.plan.shapes import resolve_shape
+from shardfit.resolve.sequence import DecoderFacts, check_layout, check_model, facts_of_config, facts_of_shape
 from tests.helpers import run_cli, write_config
 
 
@@ -73,3 +74,12 @@ def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_
                  sequence_parallel=2, strategy="ddp")
     r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and "must divide the job's 1 rank" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_planner_shape_of_a_qwen_vl_model_passes_and_an_omni_is_refused() -> None:
+    """Before loading, from the catalog's shapes: Qwen2-VL's and Qwen2.5-VL's towers pass (their image rows split),
+    Qwen2.5-Omni's audio tower does not."""
+    for name in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct"):
+        check_model(2, facts_of_shape(resolve_shape(name)), name)
+    with pytest.raises(UserError, match="vision or audio tower other than"):
+        check_model(2, facts_of_shape(resolve_shape("Qwen/Qwen2.5-Omni-7B")), "Qwen/Qwen2.5-Omni-7B")
