@@ -29,8 +29,9 @@ SHARD_KWARG = "sequence_shard"
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """What the attention of one micro-batch needs to know of its SP group: the group, its size, and the full
-    rows' position ids ([batch, width], every rank the same), from which the mask of packed rows follows."""
+    """What the attention of one micro-batch needs to know of its SP group: the group, its size, the full rows'
+    position ids ([batch, width], every rank the same), from which the mask of packed rows follows, and this
+    rank's place in the group (a vision-language body cuts its slice of the whole rows' embeddings by it)."""
 
     group: Any  # torch.distributed ProcessGroup
     size: int
