@@ -6,11 +6,19 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig
+from transformers import Glm4vConfig, LlamaConfig, MixtralConfig, Qwen2_5OmniThinkerConfig, Qwen2Config, Qwen2VLConfig
 
 from shardfit.config import Config
 from shardfit.errors import UserError
-from shardfit.resolve.sequence import DecoderFacts, check_balancing, check_layout, check_model, facts_of_config
+from shardfit.plan.shapes import resolve_shape
+from shardfit.resolve.sequence import (
+    DecoderFacts,
+    check_balancing,
+    check_layout,
+    check_model,
+    facts_of_config,
+    facts_of_shape,
+)
 from tests.families import tiny_text_config
 from tests.helpers import run_cli, write_config
 
@@ -45,12 +53,16 @@ def test_dense_text_configs_pass_and_others_are_named() -> None:
     check_model(2, qwen2, "qwen2")
     check_model(4, facts_of_config(LlamaConfig(num_attention_heads=4, num_key_value_heads=1)), "llama")
     assert facts_of_config(MixtralConfig()).experts
-    assert facts_of_config(Qwen2VLConfig()).multimodal
+    assert facts_of_config(Qwen2VLConfig()).multimodal and facts_of_config(Qwen2VLConfig()).split_vision
     assert facts_of_config(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1,
                                        num_hidden_layers=2)).partial_attention
     check_model(2, facts_of_config(MixtralConfig()), "mixtral")  # experts act per token (loss.py: the balancing)
-    with pytest.raises(UserError, match="vision or audio tower"):
-        check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl")
+    check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl")  # image rows split (train/media_forward.py)
+    for other in (Qwen2_5OmniThinkerConfig(), Glm4vConfig()):
+        with pytest.raises(UserError, match="vision or audio tower other than Qwen2-VL"):
+            check_model(2, facts_of_config(other), other.model_type)
+    with pytest.raises(UserError, match="vision-language mixture of experts"):
+        check_model(2, DecoderFacts(heads=8, kv_heads=8, experts=True, multimodal=True, split_vision=True), "vl-moe")
 
 
 @pytest.mark.parametrize("family,why", [("Qwen3-MoE", None), ("GLM-4.5", None),
@@ -93,3 +105,12 @@ def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_
                  sequence_parallel=2, strategy="ddp")
     r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and "must divide the job's 1 rank" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_planner_shape_of_a_qwen_vl_model_passes_and_an_omni_is_refused() -> None:
+    """Before loading, from the catalog's shapes: Qwen2-VL's and Qwen2.5-VL's towers pass (their image rows split),
+    Qwen2.5-Omni's audio tower does not."""
+    for name in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct"):
+        check_model(2, facts_of_shape(resolve_shape(name)), name)
+    with pytest.raises(UserError, match="vision or audio tower other than"):
+        check_model(2, facts_of_shape(resolve_shape("Qwen/Qwen2.5-Omni-7B")), "Qwen/Qwen2.5-Omni-7B")

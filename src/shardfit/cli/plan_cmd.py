@@ -18,7 +18,9 @@ from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.foreign.asplanned import format_report
 from shardfit.objective import NAMES as OBJECTIVES
+from shardfit.objective import get as get_objective
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
+from shardfit.plan.estimate import Candidate
 from shardfit.plan.hardware import Hardware, detect, parse_gpus
 from shardfit.plan.media import (
     DEFAULT_MAX_PIXELS,
@@ -30,11 +32,11 @@ from shardfit.plan.media import (
 )
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
-from shardfit.plan.plan import make_plan
+from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, QUANT_BACKENDS, Workload, workload_of
-from shardfit.strategy import NAMES
+from shardfit.strategy import MULTI_RANK, NAMES
 
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
     from shardfit.data.image_census import MediaSample
@@ -258,6 +260,36 @@ def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, sourc
     return plan_pipeline(shape, w, hw, stages), note
 
 
+def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str) -> Alternative | None:
+    """When nothing fits: the fewest GPUs splitting every row (`sequence_parallel`) under which a multi-rank
+    strategy fits, found by the rule `strategy: auto` follows (resolve/decide.py `smallest_split`); None where the
+    rows are split already, the split's rules refuse the model or the objective, or no split fits."""
+    from shardfit.resolve.decide import smallest_split
+    from shardfit.resolve.sequence import check_model, facts_of_shape
+
+    if w.sequence_parallel != 1 or get_objective(w.objective).preference:
+        return None
+
+    def allowed(n: int) -> bool:
+        try:
+            check_model(n, facts_of_shape(shape), source)
+        except UserError:
+            return False
+        return True
+
+    def fits(n: int) -> Candidate | None:
+        cands = estimate_all(shape, dataclasses.replace(w, sequence_parallel=n), hw, MULTI_RANK)
+        best, _ = recommend(cands, hw)
+        return next(c for c in cands if c.strategy == best) if best else None
+
+    found = smallest_split(hw.world, allowed, fits)
+    if found is None:
+        return None
+    n, c = found
+    return Alternative(f"every row split over {n} GPUs", (("sequence_parallel", n),), None, c.strategy,
+                       c.per_gpu_gib.total, hw.unit)
+
+
 def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
     """The workload with the fields the flags set (the others as the config, or `train`'s defaults, have them)."""
     if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
@@ -294,6 +326,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
     w, media, audio = _with_media(args, cfg, shape, w)
     plan = make_plan(shape, w, hw, NAMES if args.strategy in (None, "all") else (args.strategy,))
+    split = split_alternative(shape, w, hw, source) if plan.alternatives is not None else None
+    if split is not None:  # nothing fits whole rows: the split auto would choose comes first
+        plan.alternatives = [split, *(plan.alternatives or [])]
     if args.model and not args.config and args.grad_ckpt is None:
         plan.notes.append(MODEL_DEFAULT_NOTE)
     if args.simulate:
@@ -319,6 +354,9 @@ def run(args: argparse.Namespace) -> int:
     if job is not None:
         out["resolved"] = job.to_json()
         lines.append(job.describe())
+        from shardfit.resolve.decide import SPLIT_WHY  # resolved_job imported it
+
+        lines.extend(f"  {w}" for w in job.why if w.startswith(SPLIT_WHY))  # auto split the rows: why
     print(json.dumps(out, indent=2) if args.json else "\n".join([format_table(plan), *lines]))
     if args.plot:
         try:

@@ -29,8 +29,9 @@ SHARD_KWARG = "sequence_shard"
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """What the attention of one micro-batch needs to know of its SP group: the group, its size, and the full
-    rows' position ids ([batch, width], every rank the same), from which the mask of packed rows follows."""
+    """What the attention of one micro-batch needs to know of its SP group: the group, its size, the full rows'
+    position ids ([batch, width], every rank the same), from which the mask of packed rows follows, and this
+    rank's place in the group (a vision-language body cuts its slice of the whole rows' embeddings by it)."""
 
     group: Any  # torch.distributed ProcessGroup
     size: int
@@ -39,10 +40,11 @@ class SequenceShard:
     # The rows' width before they were padded to a multiple of `size` (None: not padded): the tokens from there on
     # are the split's own padding, which a one-process run never forwards.
     width: int | None = None
+    rank: int = 0  # this rank's place in the group: its slice is the rank-th 1/size of the row
 
     def to(self, device: torch.device | str) -> SequenceShard:
         return SequenceShard(self.group, self.size, self.position_ids.to(device, non_blocking=True), self.restarts,
-                             self.width)
+                             width=self.width, rank=self.rank)
 
     def own_tokens(self, rows: int) -> torch.Tensor | None:
         """Which of this rank's `rows` x slice tokens (flattened, row by row) the unsplit rows have: a bool
@@ -51,8 +53,13 @@ class SequenceShard:
         if self.width is None or self.width == padded:
             return None
         s = padded // self.size
-        start = dist.get_rank(self.group) * s
+        start = self.rank * s
         return (torch.arange(start, start + s, device=self.position_ids.device) < self.width).repeat(rows)
+
+    def mine(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous 1/size of `t` along `dim` (the whole row's width, a multiple of size)."""
+        piece = t.shape[dim] // self.size
+        return t.narrow(dim, self.rank * piece, piece)
 
 
 def _seq_to_heads(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:

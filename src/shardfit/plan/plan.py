@@ -182,7 +182,8 @@ class Alternative:
 # Workload fields as `shardfit plan` flags and as config keys (None: the config has no such key).
 _FLAG = {"grad_ckpt": ("--grad-ckpt", "grad_ckpt"), "micro_batch": ("--batch", "micro_batch"),
          "grad_accum": ("--grad-accum", "grad_accum"), "seq_len": ("--seq", "max_seq_len"),
-         "method": ("--method", "method"), "optimizer": ("--optimizer", None)}
+         "method": ("--method", "method"), "optimizer": ("--optimizer", None),
+         "sequence_parallel": ("--sequence-parallel", "sequence_parallel")}
 
 
 def _flags(a: Alternative, style: str) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 from shardfit import method as methods
 from shardfit import objective as objectives
@@ -13,11 +15,11 @@ from shardfit.config import Config
 from shardfit.config.support import require_method_support
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
-from shardfit.plan.estimate import loss_chunk_for
+from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
-from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.defaults import (
     eager_attention_max_width,
@@ -82,7 +84,7 @@ def _allowed(name: str, method: str, nproc: int | None, nnodes: int, local: int)
 
 
 def _auto(plan: Plan | None, method: str, nproc: int | None, nnodes: int, local: int,
-          force: bool) -> tuple[str, int, list[str]]:
+          force: bool, split: bool = False) -> tuple[str, int, list[str]]:
     """`strategy: auto`: with the processes given, the fastest strategy that fits on that many; without, the
     fastest over every local GPU, which also decides the processes (one for single and model_parallel)."""
     world = (nproc if nproc is not None else local) * nnodes
@@ -90,7 +92,7 @@ def _auto(plan: Plan | None, method: str, nproc: int | None, nnodes: int, local:
         name = "single" if world == 1 else "zero3"  # shape unknown: sharding is the choice that fits most
         return name, 1 if name == "single" else world // nnodes, [f"strategy auto -> {name}: the model's shape is "
                                                                   "unknown to the planner"]
-    allowed = [c for c in plan.candidates if c.fits and _allowed(c.strategy, method, nproc, nnodes, local)]
+    allowed = _fitting(plan, method, nproc, nnodes, local, split)
     best, reason = recommend(allowed, plan.hardware) if allowed else (None, "")
     if best is None:
         if not force and world > 1:  # one process: `single`, which the plan's verdict then refuses or forces
@@ -100,13 +102,88 @@ def _auto(plan: Plan | None, method: str, nproc: int | None, nnodes: int, local:
     return best, n, [f"strategy auto -> {best} on {n} process{'es' if n > 1 else ''} per node: {reason}"]
 
 
+T = TypeVar("T")
+
+# How the reason of auto's split begins (`plan --config` prints it under the job's line).
+SPLIT_WHY = "sequence_parallel auto"
+
+
+def _fitting(plan: Plan, method: str, nproc: int | None, nnodes: int, local: int,
+             split: bool = False) -> list[Candidate]:
+    """The candidates of `plan` that fit and that `strategy: auto` may pick (`_allowed`); multi-rank ones only for
+    rows split over ranks (`split`)."""
+    return [c for c in plan.candidates if c.fits and c.applies and _allowed(c.strategy, method, nproc, nnodes, local)
+            and (strategies.get(c.strategy).multi_rank or not split)]
+
+
+def _split_allowed(cfg: Config, n: int, world: int, shape: ModelShape) -> bool:
+    """Whether sequence_parallel `n` passes the rules (resolve/sequence.py) for this config, model and world."""
+    try:
+        check_layout(dataclasses.replace(cfg, sequence_parallel=n), "zero3", world)
+        check_model(n, facts_of_shape(shape), cfg.model)
+    except UserError:
+        return False
+    return True
+
+
+def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, survey: Plan | None,
+                            nproc: int | None, nnodes: int, local: int) -> tuple[int, Plan | None, str | None]:
+    """`strategy: auto` with rows left whole (sequence_parallel 1): when one sequence does not fit on a GPU under
+    any strategy auto may pick (nothing fits even at micro-batch 1, so a smaller batch cannot help), the smallest
+    sequence_parallel of 2, 4, 8, ... that divides the ranks and the heads, passes the rules and makes the job
+    fit; its plan and the reason. (1, survey, None) where the rows stay whole."""
+    world = (nproc if nproc is not None else local) * nnodes
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or survey is None or world < 2:
+        return 1, survey, None
+    if _fitting(survey, cfg.method, nproc, nnodes, local):
+        return 1, survey, None
+    one_row = plan_for_config(_planned(dataclasses.replace(cfg, micro_batch=1), device), hw) \
+        if cfg.micro_batch > 1 else survey
+    if one_row is None or _fitting(one_row, cfg.method, nproc, nnodes, local):
+        return 1, survey, None
+    shape = resolve_shape(cfg.model)  # the survey read it: known here
+
+    def fitting(n: int) -> tuple[Plan, Candidate] | None:
+        plan = plan_for_config(_planned(dataclasses.replace(cfg, sequence_parallel=n), device), hw)
+        fits = _fitting(plan, cfg.method, nproc, nnodes, local, split=True) if plan is not None else []
+        best, _ = recommend(fits, hw)
+        return (plan, next(c for c in fits if c.strategy == best)) if plan is not None and best else None
+
+    found = smallest_split(world, lambda n: _split_allowed(cfg, n, world, shape), fitting)
+    if found is None:
+        return 1, survey, None
+    n, (plan, pick) = found
+    whole = min(c.per_gpu_gib.total for c in survey.candidates if c.applies)
+    return n, plan, (f"{SPLIT_WHY} -> {n}: one {cfg.max_seq_len:,}-token row does not fit on a GPU under any "
+                     f"strategy (at least {whole:.1f} of {hw.gpu_mem_gib:.0f} GiB), split over {n} ranks it takes "
+                     f"{pick.per_gpu_gib.total:.1f} GiB under {pick.strategy}; an optimizer step then takes "
+                     f"micro_batch x grad_accum x {world // n} examples (set sequence_parallel or a strategy to "
+                     "choose otherwise)")
+
+
+def smallest_split(world: int, allowed: Callable[[int], bool],
+                   fits: Callable[[int], T | None]) -> tuple[int, T] | None:
+    """The smallest sequence_parallel of 2, 4, 8, ... up to `world` that divides it, that `allowed` passes (the
+    split's rules) and under which `fits` finds something that fits (its answer with it); None if none does. The
+    one rule by which auto (and the plan's suggestion) pick N: the smallest split costs the fewest all-to-alls
+    and keeps the most data groups."""
+    n = 2
+    while n <= world:
+        if world % n == 0 and allowed(n):
+            found = fits(n)
+            if found is not None:
+                return n, found
+        n *= 2
+    return None
+
+
 def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None, *, nproc: int | None = None,
             nnodes: int = 1) -> Resolved:
     """The job `cfg` describes on `nnodes` nodes like `node`, with `nproc` processes per node when the user gave
     them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
     local = node.gpus_per_node if device.type == "cuda" else 1
     if cfg.strategy == "auto":
-        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force)
+        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force, cfg.sequence_parallel > 1)
     else:
         name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
     s = strategies.get(name)
@@ -147,10 +224,20 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         expert_parallel=cfg.expert_parallel, pipeline_parallel=cfg.pipeline_parallel)
 
 
+def _planned(cfg: Config, device: DeviceFacts) -> Config:
+    """The settings as they will run, which the plan reads (what a rank plans again from the resolved job)."""
+    precision = precision_for(cfg.precision, device)
+    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
+                               cfg.pipeline_parallel)
+    return dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
+        cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))
+
+
 def settled(cfg: Config, job: Resolved) -> Config:
     """`cfg` with what the job resolved in place of `auto`: what config.yaml records and the run's fingerprint
     reads."""
-    return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention)
+    return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention,
+                               sequence_parallel=job.sequence_parallel)
 
 
 def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,
@@ -173,15 +260,17 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
                            multimodal=shape.vision is not None or shape.audio is not None)
         if shape is not None and cfg.pipeline_parallel > 1:
             pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method)
-    precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
-                               cfg.pipeline_parallel)
-    # The plan of the settings as they will run (what a rank plans again from the resolved job).
-    planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
-        cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))
+    planned = _planned(cfg, device)
     local = node.gpus_per_node if device.type == "cuda" else 1
-    survey = plan_for_config(planned, job_hardware_of(node, None, nproc or local, nnodes))
+    survey_hw = job_hardware_of(node, None, nproc or local, nnodes)
+    survey = plan_for_config(planned, survey_hw)
+    sp, survey, split_why = _auto_sequence_parallel(cfg, device, survey_hw, survey, nproc, nnodes, local)
+    if sp > 1:  # the job as it will run: its rows split over sp ranks (`settled` records it in the config)
+        cfg = dataclasses.replace(cfg, sequence_parallel=sp)
+        planned = _planned(cfg, device)
     job = resolve(cfg, node, device, survey, nproc=nproc, nnodes=nnodes)
+    if split_why is not None:
+        job = dataclasses.replace(job, why=(split_why, *job.why))
     plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
         else survey
     if plan is not None and job.loss_chunk is None:

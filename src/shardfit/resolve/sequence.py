@@ -1,11 +1,11 @@
 """`sequence_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
-What runs: text decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), their mixtures of
+What runs: decoders attending over the whole row in every layer (Llama, Qwen2, Qwen3, ...), their mixtures of
 experts too (Qwen3-MoE, GLM-4.5: experts act per token, and the routers' load-balancing loss and load are the
-whole row's, train/loss.py), with a multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective,
-and attention through SDPA inside the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2
-and the reason.
+whole row's, train/loss.py), and the Qwen2-VL-style vision-language models of SPLIT_VISION_TYPES on image rows,
+with a multi-rank strategy over the world's ranks (DDP or FSDP2), the SFT objective, and attention through SDPA
+inside the Ulysses kernel (parallel/ulysses.py). Everything else is refused with exit 2 and the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from shardfit.plan.model_shape import ModelShape
 
 # Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
 SP_ATTENTION = ("auto", "sdpa")
+# Vision-language models whose image rows split (train/media_forward.py cuts the whole rows' embeddings, M-RoPE
+# positions and Qwen3-VL's deepstack features); other towers are refused.
+SPLIT_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+SPLIT_VISION_NAMES = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL"
+TOWERS = f"a vision or audio tower other than {SPLIT_VISION_NAMES}'s"
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class DecoderFacts:
     multimodal: bool = False
     partial_attention: bool = False
     latent_attention: bool = False
+    # A vision tower whose rows this version splits (Qwen2-VL-style: the images' features go into the embeddings
+    # of the whole row, M-RoPE positions; `multimodal` stays True for a model it does not).
+    split_vision: bool = False
 
 
 def _prefix(n: int) -> str:
@@ -70,13 +78,16 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
     if n == 1:
         return
     fix = "or set sequence_parallel: 1"
-    why = ("has a vision or audio tower" if facts.multimodal
+    towers = facts.multimodal and not facts.split_vision
+    why = (f"has {TOWERS}" if towers
+           else "is a vision-language mixture of experts (each half splits; together they are untested)"
+           if facts.multimodal and facts.experts
            else "has layers with sliding-window or chunked attention" if facts.partial_attention
            else "uses multi-head latent attention" if facts.latent_attention else None)
     if why is not None:
-        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of text decoders with full "
-                        f"attention only (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5): train it without sequence "
-                        f"parallelism, {fix}.")
+        raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of decoders with full "
+                        f"attention only (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, and {SPLIT_VISION_NAMES} on "
+                        f"images): train it without sequence parallelism, {fix}.")
     if facts.heads % n != 0:
         divisors = [d for d in range(2, facts.heads + 1) if facts.heads % d == 0]
         raise UserError(f"{_prefix(n)}: {model} has {facts.heads} attention heads, which {n} ranks cannot share "
@@ -86,8 +97,10 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
 
 def facts_of_shape(shape: ModelShape) -> DecoderFacts:
     """The planner's shape of the model as the rules read it."""
+    multimodal = shape.vision is not None or shape.audio is not None or shape.soft_tower is not None
+    # A Qwen2-VL-style tower without audio passes here; the built model's type decides (`facts_of_config`).
     return DecoderFacts(heads=shape.heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
-                        multimodal=shape.vision is not None or shape.audio is not None,
+                        multimodal=multimodal, split_vision=shape.audio is None and shape.soft_tower is None,
                         partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
                         latent_attention=shape.mla is not None)
 
@@ -104,7 +117,8 @@ def facts_of_config(config: Any) -> DecoderFacts:
     return DecoderFacts(heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
                         experts=experts > 1,
                         multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")),
-                        partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)))
+                        partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)),
+                        split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES)
 
 
 def check_balancing(n: int, whole_row: bool, model: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfit.parallel.ulysses import SHARD_KWARG, SequenceShard
+
 
 def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                             pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
@@ -24,7 +26,9 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
                             video_grid_thw: torch.Tensor | None = None,
                             routed: dict[str, bool] | None = None) -> Any:
     """A Qwen2-VL-style body (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.5V, a Qwen2.5-Omni or Qwen3-Omni thinker) on a
-    batch with (4, rows, width) positions; returns the language model's output."""
+    batch with (4, rows, width) positions; returns the language model's output. With a sequence shard in `routed`
+    (sequence parallelism), the ids and positions are the whole rows': the embeddings are built for the whole rows
+    and the language model runs on this rank's slice of them (`_my_slice`)."""
     embeds = body.get_input_embeddings()(input_ids)
     audio = getattr(body, "audio_tower", None)
     if audio is not None:
@@ -42,8 +46,29 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
         embeds = embeds + idle_vision(body.visual, embeds)
     else:
         embeds, deepstack = _with_media(body.visual, input_ids, embeds, media)
+    shard = (routed or {}).get(SHARD_KWARG)
+    if shard is not None:
+        embeds, position_ids, deepstack = _my_slice(shard, embeds, position_ids, deepstack)
     return body.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **deepstack,
                                **(routed or {}))
+
+
+def _my_slice(shard: SequenceShard, embeds: torch.Tensor, position_ids: torch.Tensor,
+              deepstack: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """This rank's contiguous slice of the whole rows' embeddings [rows, width, dim] and positions [4, rows, width],
+    and of the deepstack inputs: the media-token mask cut like the rows, and of each layer's features (one row per
+    media token, in the order of the tokens over the rows) the rows whose tokens fall in this rank's slice."""
+    if deepstack:
+        visual = deepstack["visual_pos_masks"]
+        keep = shard.mine(torch.arange(visual.shape[-1], device=visual.device), 0)
+        inside = torch.zeros_like(visual)
+        inside[:, keep] = True
+        picked = inside[visual]  # for each media token in order: whether it is in this slice
+        deepstack = {"visual_pos_masks": shard.mine(visual, 1),
+                     "deepstack_visual_embeds": [f[picked] for f in deepstack["deepstack_visual_embeds"]]}
+    # A copy, not a view: the first block saves its input for backward, and a view would keep the whole rows'
+    # embeddings alive with it through the step.
+    return shard.mine(embeds, 1).clone(), shard.mine(position_ids, -1), deepstack
 
 
 def _with_media(visual: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor,
