@@ -15,6 +15,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.pipeline import config_cut
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
@@ -184,6 +185,8 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     job = resolve(cfg, node, device, survey, nproc=nproc, nnodes=nnodes)
     plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
         else survey
+    if cfg.pipeline_parallel > 1:  # where the stages are cut, decided with the plan's memory model
+        job = dataclasses.replace(job, stage_layers=config_cut(planned, job.hardware, cfg.pipeline_parallel))
     if plan is not None and job.loss_chunk is None:
         job = dataclasses.replace(job, loss_chunk=loss_chunk_for(cfg.loss_chunk, plan.model.vocab, job.hardware,
                                                                  job.precision))
