@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from shardfit.config import Config
 from shardfit.parallel.pipeline import cut, stage_blocks
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.pipeline import balance, even_cut, plan_pipeline, stage_cut, stage_gib
+from shardfit.plan.pipeline import balance, even_cut, plan_pipeline, stage_cut, stage_gib, versus
+from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import workload_of
 from shardfit.resolve import DeviceFacts, resolve_job
@@ -107,3 +108,28 @@ def test_the_runtime_cuts_where_the_plan_says(tmp_path: Path) -> None:
     for s in range(3):
         stage = cut(AutoModelForCausalLM.from_config(config), s, 3, job.stage_layers)
         assert list(stage.model.model.layers) == [str(i) for i in range(starts[s], starts[s] + want[s])]
+
+
+def test_seed_002_plan_recommends_the_pipeline_over_zero3_offload() -> None:
+    """8 GPUs and 16 micro-batches: the plan puts an 8-stage pipeline beside the strategies without being asked,
+    and recommends it (it fits, train runs it, and it trains more tokens/s than zero3_offload)."""
+    r = run_cli("plan", "--model", SEED_002, "--gpus", "8x24GB", "--method", "lora", "--seq", "2048", "--batch",
+                "1", "--grad-ckpt", "full", "--grad-accum", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    pipe, offload = d["pipeline"], next(c for c in d["candidates"] if c["strategy"] == "zero3_offload")
+    assert d["recommended"] == "zero3_offload" and offload["fits"]
+    assert pipe["stages"] == 8 and pipe["fits"] and pipe["note"] == "" and pipe["recommended"]
+    assert pipe["tokens_per_s"] > offload["tokens_per_s"] and "pipeline_parallel=8" in pipe["versus"]
+
+
+def test_the_pipeline_is_not_recommended_unless_it_fits_runs_and_is_faster() -> None:
+    shape, hw = resolve_shape(SEED_002), parse_gpus("8x24GB", 1, None)
+    w = _w(method="lora")
+    plan, pipe = make_plan(shape, w, hw), plan_pipeline(shape, w, hw, 8)
+    assert versus(plan, pipe, "")[0]
+    assert not versus(plan, dataclasses.replace(pipe, fits=False, stage_gib=30.0), "")[0]
+    assert not versus(plan, pipe, "train refuses it")[0]
+    slow = dataclasses.replace(pipe, tokens_per_s=plan.candidate("zero3_offload").tokens_per_s * 1.01)
+    chosen, why = versus(plan, slow, "")
+    assert not chosen and "no faster than zero3_offload" in why

@@ -39,6 +39,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.plan import TIE, Plan
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload, workload_of
@@ -200,3 +201,25 @@ def config_cut(cfg: Config, hw: Hardware, stages: int) -> tuple[int, ...]:
     if shape.layers < stages:
         return ()
     return tuple(stage_cut(shape, workload_of(cfg), hw, stages))
+
+
+def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
+    """Whether the plan recommends the pipeline `pipe` over its strategies, and why in numbers: it must fit, run
+    (`refused`: what train says against it, empty when it runs it) and train more tokens/s than the recommended
+    strategy beyond the time model's precision (TIE); the strategies are ranked as `recommend` ranks them."""
+    best = plan.candidate(plan.recommended) if plan.recommended else None
+    rate = f"{pipe.tokens_per_s:,.0f} tokens/s (~{pipe.step_s:.0f} s/step)"
+    if not pipe.fits:
+        return False, f"not the pipeline: its fullest stage needs {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"
+    if refused:
+        return False, f"not the pipeline ({rate}): train does not run it in this version"
+    if best is not None and best.tokens_per_s and pipe.tokens_per_s <= best.tokens_per_s * (1 + TIE):
+        return False, (f"not the pipeline: {rate}, no faster than {best.strategy}'s "
+                       f"{best.tokens_per_s:,.0f} (the time model cannot tell them apart, and the strategy is simpler)")
+    than = f"more than {best.strategy}'s {best.tokens_per_s:,.0f} ({best.step_s:.0f} s/step)" \
+        if best is not None and best.tokens_per_s else "and no strategy fits"
+    others = "; ".join(f"{c.strategy} {c.tokens_per_s:,.0f}" for c in sorted(
+        plan.candidates, key=lambda c: -(c.tokens_per_s or 0)) if c.fits and c.applies and c.tokens_per_s)
+    return True, (f"recommended over the strategies above: pipeline_parallel {pipe.stages}, one GPU per stage "
+                  f"({rate}, {than}; strategies that fit: {others or 'none'}): train with --set "
+                  f"pipeline_parallel={pipe.stages} --set grad_accum={pipe.micro_batches} --nproc {pipe.stages}")
