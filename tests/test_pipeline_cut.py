@@ -13,7 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from shardfit.check.pipeline_rules import pipeline_plan_rules
 from shardfit.config import Config
+from shardfit.errors import DoesNotFitError
 from shardfit.parallel.pipeline import cut, stage_blocks
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.pipeline import balance, even_cut, plan_pipeline, stage_cut, stage_gib, versus
@@ -133,3 +135,27 @@ def test_the_pipeline_is_not_recommended_unless_it_fits_runs_and_is_faster() -> 
     slow = dataclasses.replace(pipe, tokens_per_s=plan.candidate("zero3_offload").tokens_per_s * 1.01)
     chosen, why = versus(plan, slow, "")
     assert not chosen and "no faster than zero3_offload" in why
+
+
+def _seed_002(**over) -> Config:
+    keys = dict(model=SEED_002, pipeline_parallel=8, grad_accum=16, method="lora", max_seq_len=2048, micro_batch=1,
+                grad_ckpt="full")
+    return dataclasses.replace(Config(), **{**keys, **over})
+
+
+def test_a_pipeline_is_judged_by_its_stages_memory_not_a_strategys() -> None:
+    """Seed 002 with only 64 GiB of host RAM: no strategy fits the whole model on 8 ranks (zero3_offload needs
+    more host RAM), so `strategy: auto` alone would stop; with 8 stages it resolves, carries the cut, and the
+    preflight's verdict is the stages' (none: they fit). 4096-token rows do not fit a stage: an error naming the
+    key, a warning under force."""
+    node = parse_gpus("8x24GB", 1, 64)
+    job, plan = resolve_job(_seed_002(), node, DeviceFacts("cuda", True), nproc=8)
+    assert not any(c.fits and c.applies for c in plan.candidates if c.strategy != "model_parallel")
+    assert job.pipeline_parallel == 8 and sum(job.stage_layers) == 80
+    assert pipeline_plan_rules(_seed_002(), plan) == []
+    with pytest.raises(DoesNotFitError):  # the same job without the pipeline
+        resolve_job(_seed_002(pipeline_parallel=1), node, DeviceFacts("cuda", True), nproc=8)
+    _, long_plan = resolve_job(_seed_002(max_seq_len=4096), node, DeviceFacts("cuda", True), nproc=8)
+    [f] = pipeline_plan_rules(_seed_002(max_seq_len=4096), long_plan)
+    assert f.severity == "error" and f.where == "pipeline_parallel: 8" and "GiB on stage" in f.message
+    assert pipeline_plan_rules(_seed_002(max_seq_len=4096, force=True), long_plan)[0].severity == "warning"

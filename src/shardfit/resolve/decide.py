@@ -107,7 +107,8 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
     local = node.gpus_per_node if device.type == "cuda" else 1
     if cfg.strategy == "auto":
-        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force)
+        # A pipeline's memory is its stages' (check/pipeline_rules.py), not a strategy's over the whole model.
+        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force or cfg.pipeline_parallel > 1)
     else:
         name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
     s = strategies.get(name)
