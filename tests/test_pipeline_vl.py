@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
 
 from shardfit.data.vision import mrope_positions
 from shardfit.parallel.pipeline import cut
@@ -19,16 +24,20 @@ from tests.helpers import read_jsonl, run_cli, write_config, write_images
 IMAGE = 60
 
 
-def _tiny_vl() -> torch.nn.Module:
+def _tiny_vl(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256, rope_parameters=rope)
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=61,
-                           vision_start_token_id=62, vision_end_token_id=63)
-    return Qwen2VLForConditionalGeneration(config).eval()
+    ids = dict(image_token_id=IMAGE, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+    if arch == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids)).eval()
+    # Qwen2.5-VL: windowed attention in the tower (a window of 56 pixels, the last block attending fully)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)).eval()
 
 
 def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,15 +51,16 @@ def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, pos, pixels, torch.tensor([[1, 4, 4]])
 
 
-def test_stages_in_turn_give_the_whole_vl_models_hidden_states() -> None:
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_stages_in_turn_give_the_whole_vl_models_hidden_states(arch: str) -> None:
     """Stage 0 (embedding, vision tower, block 0) and stage 1 (blocks 1-2, norm) as the plan might cut them, run
     one after the other with the positions rows first, equal the one-process forward (fp32, 1e-5); the tower is on
     the first stage only, and each parameter on one stage."""
     ids, pos, pixels, grid = _rows()
-    whole = _tiny_vl()
+    whole = _tiny_vl(arch)
     with torch.no_grad():
         want = vision_language_forward(whole.model, ids, pos, pixels, grid).last_hidden_state
-    stages = [cut(_tiny_vl(), s, 2, (1, 2)) for s in range(2)]
+    stages = [cut(_tiny_vl(arch), s, 2, (1, 2)) for s in range(2)]
     stages[0].embed_images = embed_images
     stages[0].media = [{"pixel_values": pixels, "image_grid_thw": grid}]
     rows_first = pos.transpose(0, 1)
@@ -93,9 +103,13 @@ def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> 
 
 
 @pytest.mark.slow
-def test_qwen2_vl_lora_over_two_stages(tmp_path: Path, tiny_vl: Path, image_rows: Path) -> None:
-    """Two gloo ranks, two stages, two micro-batches of image rows a step: one process's losses (fp32, 1e-5)."""
-    single = _run(tmp_path, tiny_vl, image_rows, "single")
-    pp = _run(tmp_path, tiny_vl, image_rows, "pp", "--nproc", "2", pipeline_parallel=2)
+@pytest.mark.parametrize("model", ["tiny_vl", pytest.param("tiny_vl25", marks=pytest.mark.heavy)])
+def test_qwen2_vl_lora_over_two_stages(tmp_path: Path, model: str, image_rows: Path,
+                                       request: pytest.FixtureRequest) -> None:
+    """Two gloo ranks, two stages, two micro-batches of image rows a step: one process's losses (fp32, 1e-5), for
+    Qwen2-VL and (heavy: the same path, a tower with windowed attention) Qwen2.5-VL."""
+    folder = request.getfixturevalue(model)
+    single = _run(tmp_path, folder, image_rows, "single")
+    pp = _run(tmp_path, folder, image_rows, "pp", "--nproc", "2", pipeline_parallel=2)
     assert len(pp) == len(single) == 3
     assert pp == pytest.approx(single, rel=1e-5)

@@ -127,9 +127,9 @@ def _mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype, packed: b
 
 
 def cut(model: nn.Module, stage: int, stages: int, counts: Sequence[int] = ()) -> DecoderStage:
-    """Prune `model` (a built causal LM or Qwen2-VL, peft-wrapped or not) in place to stage `stage` of `stages`,
-    with `counts` blocks in each stage (the plan's cut; empty: even), and return the stage module. The parts of
-    other stages are dropped, so their memory goes back once nothing else holds them."""
+    """Prune `model` (a built causal LM, Qwen2-VL or Qwen2.5-VL, peft-wrapped or not) in place to stage `stage`
+    of `stages`, with `counts` blocks in each stage (the plan's cut; empty: even), and return the stage module. The
+    parts of other stages are dropped, so their memory goes back once nothing else holds them."""
     decoder, head = decoder_and_head(model)
     body = vision_body(model)
     layers = list(decoder.layers)

@@ -1,9 +1,10 @@
 """`pipeline_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
-What runs: dense text decoders (Llama, Qwen2, Qwen3, ...) cut at decoder-block boundaries into N stages, one rank
-per stage, trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per
-grad_accum micro-batch (parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
+What runs: dense text decoders (Llama, Qwen2, Qwen3, ...), and Qwen2-VL and Qwen2.5-VL with their vision tower on
+the first stage, cut at decoder-block boundaries into N stages, one rank per stage, trained with LoRA or a full
+fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per grad_accum micro-batch
+(parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
 anything loads.
 """
 
@@ -23,8 +24,9 @@ from shardfit.resolve.sequence import facts_of_config as decoder_facts
 # Methods this increment trains through a pipeline: adapters over weights in the compute precision, or every weight.
 PP_METHODS = ("lora", "full")
 # Vision-language models whose vision tower and image merge the first stage runs (parallel/pipeline.py), with
-# M-RoPE positions handed to every stage: tested against one process (tests/test_pipeline_vl.py).
-PP_VISION_TYPES = ("qwen2_vl",)
+# M-RoPE positions handed to every stage: tested against one process (tests/test_pipeline_vl.py). Qwen3-VL's
+# deepstack features enter the first blocks and are not passed between stages.
+PP_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,12 @@ def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
     """The model against pipeline_parallel `n` (UserError when refused)."""
     if n == 1:
         return
-    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower other than Qwen2-VL's"
+    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower other than Qwen2(.5)-VL's"
            if facts.multimodal and not facts.staged_tower
            else "has layers with sliding-window or chunked attention" if facts.partial_attention else None)
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
-                        f"(Llama, Qwen2, Qwen3) and Qwen2-VL only: train it without a pipeline, {FIX}.")
+                        f"(Llama, Qwen2, Qwen3), Qwen2-VL and Qwen2.5-VL only: train it without a pipeline, {FIX}.")
     if facts.layers < n:
         raise UserError(f"{_prefix(n)}: {model} has {facts.layers} decoder block{'s' if facts.layers != 1 else ''}, "
                         f"fewer than the {n} stages (each stage holds at least one block): use a pipeline_parallel "
