@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2VLConfig, Qwen3VLConfig
 
 from shardfit.config import Config
 from shardfit.errors import UserError
@@ -50,7 +50,8 @@ def test_model_rules_count_blocks_and_name_what_is_not_cut() -> None:
     check_model(2, facts_of_config(Qwen2Config(num_hidden_layers=2)), "qwen2", "full")
     with pytest.raises(UserError, match="2 decoder blocks, fewer than the 4 stages"):
         check_model(4, facts_of_config(Qwen2Config(num_hidden_layers=2)), "qwen2", "lora")
-    for config, why in ((MixtralConfig(), "mixture of experts"), (Qwen2VLConfig(), "vision or audio tower")):
+    check_model(2, facts_of_config(Qwen2VLConfig()), "qwen2-vl", "lora")  # its tower on the first stage
+    for config, why in ((MixtralConfig(), "mixture of experts"), (Qwen3VLConfig(), r"other than Qwen2\(.5\)-VL")):
         with pytest.raises(UserError, match=why):
             check_model(2, facts_of_config(config), "m", "lora")
     tied = facts_of_config(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True))

@@ -15,6 +15,7 @@ from shardfit.check import rules
 from shardfit.check.config_rules import device_map_rules, qlora_rules
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
+from shardfit.check.pipeline_rules import pipeline_plan_rules
 from shardfit.check.precision_rules import precision_rules
 from shardfit.check.preference_rules import preference_data_rules
 from shardfit.check.prequantized_rules import prequantized_rules
@@ -46,7 +47,8 @@ def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan
     out += rules.reentrant_ckpt_rules(model, s, fix=True)
     out += rules.precision_rules(model, cfg, fix=True)
     out += rules.visible_gpu_rules(s, world)
-    out += rules.plan_rules(plan, s, cfg.force)
+    # A pipeline's ranks hold a stage each: the verdict is the stages', not the strategy's over the whole model.
+    out += rules.plan_rules(plan, s, cfg.force) if cfg.pipeline_parallel == 1 else pipeline_plan_rules(cfg, plan)
     return out
 
 

@@ -31,7 +31,7 @@ from shardfit.plan.media import (
     parse_image_size,
 )
 from shardfit.plan.model_shape import ModelShape
-from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
+from shardfit.plan.pipeline import PipelinePlan, plan_pipeline, versus
 from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
@@ -77,7 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
     p.add_argument("--pipeline-parallel", type=positive_int, default=None, metavar="N",
                    help="also plan a pipeline of N stages, one GPU each, over --grad-accum micro-batches (1F1B): "
-                        "the first stage's memory, the bubble and the activations' traffic (docs/pipeline.md)")
+                        "where the blocks are cut, each stage's memory, the bubble and the activations' traffic "
+                        "(default: every GPU, when --grad-accum is at least their count; docs/pipeline.md)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -346,10 +347,13 @@ def run(args: argparse.Namespace) -> int:
     lines = [describe(media)] if media else []
     lines += [describe_audio(audio)] if audio else []
     stages = args.pipeline_parallel or (cfg.pipeline_parallel if args.config else 1)
+    if stages == 1 and hw.name != "cpu" and 1 < hw.world <= shape.layers and w.grad_accum >= hw.world:
+        stages = hw.world  # a pipeline over every GPU that 1F1B can run: a candidate beside the strategies
     if stages > 1:
         pipe, note = pipeline_of(shape, w, hw, stages, source)
-        out["pipeline"] = {**pipe.to_json(), "note": note}
-        lines.append(pipe.describe() + (f"\n  {note}" if note else ""))
+        chosen, why = versus(plan, pipe, note)
+        out["pipeline"] = {**pipe.to_json(), "note": note, "recommended": chosen, "versus": why}
+        lines.append(pipe.describe() + (f"\n  {note}" if note else "") + f"\n  {why}")
     job = resolved_job(cfg, args) if args.config else None
     if job is not None:
         out["resolved"] = job.to_json()

@@ -127,7 +127,7 @@ class Config:
     pipeline_parallel: int = key(1, "pipeline stages the decoder blocks are cut into, one per rank group "
                                     "(torch.distributed.pipelining, 1F1B over the step's grad_accum micro-batches; "
                                     "grad_accum must be at least the stages); must divide the ranks. Dense text "
-                                    "models, objective sft; docs/pipeline.md", ge=1)
+                                    "models, Qwen2-VL and Qwen2.5-VL, objective sft; docs/pipeline.md", ge=1)
     expert_parallel: int = key(1, "ranks that share each mixture-of-experts block's routed experts (each holds "
                                   "experts/N of them; tokens travel to their experts' ranks and back by "
                                   "all-to-all); must divide the data-parallel ranks and the expert count. "

@@ -147,6 +147,7 @@ class VisionShape:
     merge: int = 2
     gated: bool = False
     in_channels: int = 3
+    kind: str = ""  # the model's type (config.json's model_type, e.g. qwen2_vl; "": not known)
 
     def patch_values(self) -> int:
         """Pixel values of one patch as the image processor hands them over (channels x frames x patch x patch)."""
@@ -200,4 +201,5 @@ def vision_shape_of(config: dict) -> VisionShape | None:
     return VisionShape(depth=v["depth"], dim=dim, mlp=mlp, heads=v.get("num_heads", 16), out=out,
                        patch=v.get("patch_size", 14), temporal_patch=v.get("temporal_patch_size", 2),
                        merge=v.get("spatial_merge_size", 2), gated=gated,
-                       in_channels=v.get("in_channels") or v.get("in_chans") or 3)
+                       in_channels=v.get("in_channels") or v.get("in_chans") or 3,
+                       kind=str(config.get("model_type", "")))

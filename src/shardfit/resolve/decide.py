@@ -17,6 +17,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.pipeline import config_cut
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
@@ -183,7 +184,9 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
     local = node.gpus_per_node if device.type == "cuda" else 1
     if cfg.strategy == "auto":
-        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force, cfg.sequence_parallel > 1)
+        # A pipeline's memory is its stages' (check/pipeline_rules.py), not a strategy's over the whole model.
+        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force or cfg.pipeline_parallel > 1,
+                             cfg.sequence_parallel > 1)
     else:
         name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
     s = strategies.get(name)
@@ -273,6 +276,8 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
         job = dataclasses.replace(job, why=(split_why, *job.why))
     plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
         else survey
+    if cfg.pipeline_parallel > 1:  # where the stages are cut, decided with the plan's memory model
+        job = dataclasses.replace(job, stage_layers=config_cut(planned, job.hardware, cfg.pipeline_parallel))
     if plan is not None and job.loss_chunk is None:
         job = dataclasses.replace(job, loss_chunk=loss_chunk_for(cfg.loss_chunk, plan.model.vocab, job.hardware,
                                                                  job.precision))

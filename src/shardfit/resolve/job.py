@@ -67,6 +67,9 @@ class Resolved:
     expert_parallel: int = 1
     # Pipeline stages the decoder blocks are cut into (parallel/pipeline.py); 1: none.
     pipeline_parallel: int = 1
+    # The decoder blocks of each stage, first to last, as the plan balances their memory (plan/pipeline.py
+    # `stage_cut`); empty: an even cut (no pipeline, or a shape the planner could not read).
+    stage_layers: tuple[int, ...] = ()
 
     @property
     def world(self) -> int:
@@ -108,6 +111,7 @@ class Resolved:
         d["rows"] = RowShape(**d["rows"])
         d["hardware"] = Hardware(**d["hardware"])
         d["why"] = tuple(d.get("why", ()))
+        d["stage_layers"] = tuple(d.get("stage_layers", ()))
         return cls(**d)
 
     def to_env(self) -> str:

@@ -1,9 +1,10 @@
 """`pipeline_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
-What runs: dense text decoders (Llama, Qwen2, Qwen3, ...) cut at decoder-block boundaries into N stages, one rank
-per stage, trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per
-grad_accum micro-batch (parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
+What runs: dense text decoders (Llama, Qwen2, Qwen3, ...), and Qwen2-VL and Qwen2.5-VL with their vision tower on
+the first stage, cut at decoder-block boundaries into N stages, one rank per stage, trained with LoRA or a full
+fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per grad_accum micro-batch
+(parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
 anything loads.
 """
 
@@ -22,6 +23,10 @@ from shardfit.resolve.sequence import facts_of_config as decoder_facts
 
 # Methods this increment trains through a pipeline: adapters over weights in the compute precision, or every weight.
 PP_METHODS = ("lora", "full")
+# Vision-language models whose vision tower and image merge the first stage runs (parallel/pipeline.py), with
+# M-RoPE positions handed to every stage: tested against one process (tests/test_pipeline_vl.py). Qwen3-VL's
+# deepstack features enter the first blocks and are not passed between stages.
+PP_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class StageFacts:
     experts: bool = False
     multimodal: bool = False
     partial_attention: bool = False
+    staged_tower: bool = False  # the multimodal part is a vision tower the first stage runs (PP_VISION_TYPES)
 
 
 def _prefix(n: int) -> str:
@@ -81,11 +87,12 @@ def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
     """The model against pipeline_parallel `n` (UserError when refused)."""
     if n == 1:
         return
-    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower" if facts.multimodal
+    why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower other than Qwen2(.5)-VL's"
+           if facts.multimodal and not facts.staged_tower
            else "has layers with sliding-window or chunked attention" if facts.partial_attention else None)
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
-                        f"only (Llama, Qwen2, Qwen3): train it without a pipeline, {FIX}.")
+                        f"(Llama, Qwen2, Qwen3), Qwen2-VL and Qwen2.5-VL only: train it without a pipeline, {FIX}.")
     if facts.layers < n:
         raise UserError(f"{_prefix(n)}: {model} has {facts.layers} decoder block{'s' if facts.layers != 1 else ''}, "
                         f"fewer than the {n} stages (each stage holds at least one block): use a pipeline_parallel "
@@ -100,7 +107,9 @@ def facts_of_shape(shape: ModelShape) -> StageFacts:
     """The planner's shape of the model as the rules read it."""
     return StageFacts(layers=shape.layers, tied=shape.tied, experts=shape.experts > 1,
                       multimodal=shape.vision is not None or shape.audio is not None,
-                      partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0)
+                      partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
+                      staged_tower=shape.vision is not None and shape.audio is None and shape.vision.kind in
+                      PP_VISION_TYPES)
 
 
 def facts_of_config(config: Any) -> StageFacts:
@@ -109,4 +118,5 @@ def facts_of_config(config: Any) -> StageFacts:
     text = getattr(config, "text_config", None) or config
     tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
     return StageFacts(layers=int(getattr(text, "num_hidden_layers", 0) or 0), tied=tied, experts=d.experts,
-                      multimodal=d.multimodal, partial_attention=d.partial_attention)
+                      multimodal=d.multimodal, partial_attention=d.partial_attention,
+                      staged_tower=getattr(config, "model_type", None) in PP_VISION_TYPES)

@@ -71,6 +71,18 @@ def _my_slice(shard: SequenceShard, embeds: torch.Tensor, position_ids: torch.Te
     return shard.mine(embeds, 1).clone(), shard.mine(position_ids, -1), deepstack
 
 
+def embed_images(body: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor, pixel_values: torch.Tensor | None,
+                 image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """`embeds` with the vision tower's features of the images in their tokens, the tower run idle on rows without
+    images, as `vision_language_forward` does for a Qwen2-VL-style body without deepstack: what a pipeline's first
+    stage runs (parallel/pipeline.py)."""
+    if pixel_values is None:
+        return embeds + idle_vision(body.visual, embeds)
+    embeds, _ = _with_media(body.visual, input_ids, embeds, [(pixel_values, image_grid_thw,
+                                                              body.config.image_token_id)])
+    return embeds
+
+
 def _with_media(visual: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor,
                 media: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, dict[str, Any]]:
     """`embeds` with the tower's features of every image and video written into their tokens, and the language

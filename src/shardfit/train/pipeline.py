@@ -24,6 +24,7 @@ from shardfit.data.tokenize import IGNORE
 from shardfit.parallel.layout import Layout
 from shardfit.parallel.pipeline import DecoderStage, row_restarts
 from shardfit.train.loss import chunked_cross_entropy
+from shardfit.train.media_forward import embed_images
 
 
 class PipelineRun:
@@ -34,6 +35,7 @@ class PipelineRun:
                  autocast: torch.dtype | None = None):
         self.stage, self.layout, self.device, self.chunk = stage, layout, device, chunk
         stage.autocast = autocast
+        stage.embed_images = embed_images  # a vision-language first stage writes the images as one process does
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
         # A schedule per micro-batch count: a stage learns its activations' shape at its first step.
@@ -52,18 +54,24 @@ class PipelineRun:
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 
-    def _run(self, schedule: PipelineScheduleSingle, n: int, ids: torch.Tensor, pos: torch.Tensor,
-             tgt: torch.Tensor, *, train: bool) -> list[torch.Tensor]:
-        """Rows (the schedule's `n` micro-batches one after another, all of one shape) through `schedule`; the
-        last stage's summed loss of each micro-batch (empty on the other stages)."""
+    def _run(self, schedule: PipelineScheduleSingle, batches: list[Batch], *, train: bool) -> list[torch.Tensor]:
+        """Micro-batches (all of one shape) through `schedule`, one schedule micro-batch each; the last stage's
+        summed loss of each micro-batch (empty on the other stages)."""
+        n = len(batches)
+        ids, tgt = (torch.cat([getattr(b, k) for b in batches]) for k in ("input_ids", "targets"))
+        pos = torch.cat([_rows_first(b.position_ids) for b in batches])
         self.sums = []
         args = (ids.to(self.device),) if self.stage.is_first else ()
         target = tgt.to(self.device) if self.stage.is_last else None
         losses: list[Any] | None = [] if self.stage.is_last else None
+        if self.stage.is_first:  # each micro-batch's images, which `micro` (each row's micro-batch) picks
+            self.stage.media = [{k: v.to(self.device) for k, v in b.media.items()} for b in batches]
+        micro = torch.arange(n).repeat_interleave(batches[0].input_ids.shape[0])
         run = schedule.step if train else schedule.eval
         # Each row's restarts from the host's positions, kept on the host: the stages' mask choice reads no device.
-        run(*args, position_ids=pos.to(self.device), restarts=row_restarts(pos.cpu()), target=target,
+        run(*args, position_ids=pos.to(self.device), restarts=row_restarts(pos.cpu()), micro=micro, target=target,
             losses=losses, return_outputs=False)
+        self.stage.media = []
         # A stage's first step infers its activations' shape by a forward and backward of uninitialised tensors
         # through `_loss` too: the micro-batches' own sums are the last ones.
         return self.sums[-n:] if self.stage.is_last else []
@@ -75,16 +83,21 @@ class PipelineRun:
         if n not in self._train:
             self._train[n] = Schedule1F1B(self._stage(), n, loss_fn=self._loss, scale_grads=False)
         self.scale = scale
-        ids, pos, tgt = (torch.cat([getattr(b, k) for b in batches]) for k in ("input_ids", "position_ids", "targets"))
-        return self._run(self._train[n], n, ids, pos, tgt, train=True)
+        return self._run(self._train[n], batches, train=True)
 
-    def evaluate(self, ids: torch.Tensor, pos: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor | None:
+    def evaluate(self, batch: Batch) -> torch.Tensor | None:
         """One held-out micro-batch's summed loss on the last stage (None on the others)."""
         if self._eval is None:
             self._eval = ScheduleGPipe(self._stage(), 1, loss_fn=self._loss, scale_grads=False)
         self.scale = 1.0
-        sums = self._run(self._eval, 1, ids, pos, tgt, train=False)
+        sums = self._run(self._eval, [batch], train=False)
         return sums[0] if sums else None
+
+
+def _rows_first(position_ids: torch.Tensor) -> torch.Tensor:
+    """Positions with the rows first, as the schedule splits its inputs into micro-batches: a vision-language
+    batch's (4, rows, width) as (rows, 4, width) (parallel/pipeline.py `split_positions` reads them back)."""
+    return position_ids.transpose(0, 1) if position_ids.ndim == 3 else position_ids
 
 
 def over_stages(count: int, layout: Layout) -> int:
@@ -119,10 +132,14 @@ class PipelineEvalModule(nn.Module):
         self.height, self.width = height, width
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 **_: Any) -> tuple[torch.Tensor, int]:
-        loss = self._run[0].evaluate(_pad(input_ids, self.height, self.width, 0),
-                                     _pad(position_ids, self.height, self.width, None),
-                                     _pad(targets, self.height, self.width, IGNORE))
+        media = {k: v for k, v in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw))
+                 if v is not None}
+        pos = torch.stack([_pad(p, self.height, self.width, None) for p in position_ids]) \
+            if position_ids.ndim == 3 else _pad(position_ids, self.height, self.width, None)
+        loss = self._run[0].evaluate(Batch(_pad(input_ids, self.height, self.width, 0), pos,
+                                           _pad(targets, self.height, self.width, IGNORE), 0, media))
         if loss is None:
             return torch.zeros((), dtype=torch.float64), 0
         return loss, int((targets != IGNORE).sum())

@@ -332,7 +332,7 @@ class FineTune:
         its own config first (the planner may not have known the shape)."""
         pipelines.check_model(self.layout.pp, pipelines.facts_of_config(self.model.config), self.cfg.model,
                               self.cfg.method)
-        stage = cut(self.model, self.layout.pp_rank, self.layout.pp)
+        stage = cut(self.model, self.layout.pp_rank, self.layout.pp, self.job.stage_layers)  # the plan's cut
         self.pipe = PipelineRun(stage, self.layout, self.env.device, self.loss_chunk,
                                 DTYPES[self.job.autocast] if self.job.autocast else None)
         return stage
