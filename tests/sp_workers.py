@@ -62,7 +62,7 @@ def _case(rank: int, world: int, kv_heads: int, packed: bool) -> dict:
     mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
     module = nn.Module()
     got, _ = ulysses_attention(module, *mine, None, scaling=DIM ** -0.5,
-                               **{SHARD_KWARG: SequenceShard(dist.group.WORLD, world, pos, packed)})
+                               **{SHARD_KWARG: SequenceShard(dist.group.WORLD, world, pos, packed, rank=rank)})
     (got * up[:, part]).sum().backward()
     return {"out": (got - ref[:, part]).abs().max().item(), "scale": ref.abs().max().item(),
             "grads": [(a.grad - b.grad[:, :, part]).abs().max().item() for a, b in zip(mine, full, strict=True)],
@@ -96,7 +96,8 @@ def _routing_case(rank: int, world: int) -> dict:
     part = slice(rank * s, (rank + 1) * s)
     mine = [x.detach()[:, part].clone().requires_grad_() for x in full]
     loss = CausalLMLoss(nn.Module(), moe_top_k=TOP_K, aux=AuxLoss(load_balancing_loss_func, EXPERTS, TOP_K, COEF))
-    shard = SequenceShard(dist.group.WORLD, world, torch.arange(WIDTH).repeat(BATCH, 1), False, real)
+    shard = SequenceShard(dist.group.WORLD, world, torch.arange(WIDTH).repeat(BATCH, 1), False, real,
+                          rank=rank)
     aux_sum = loss._routing(tuple(x.flatten(0, 1) for x in mine), targets[rank], torch.zeros(()), shard, BATCH)
     aux_sum.backward()
     total = aux_sum.detach().clone()
