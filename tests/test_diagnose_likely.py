@@ -219,3 +219,16 @@ def test_a_healthy_loss_is_no_symptom() -> None:
     for line in ("{'loss': 0.5, 'learning_rate': 2e-05, 'epoch': 1.0}", "loss goes to 0.35 after warmup",
                  "training with 8 GPUs is 7x faster"):
         assert _cats(line) == [], line
+
+
+def test_nccl_teardown_and_native_crashes_name_their_usual_causes() -> None:
+    """An aborted communicator is the echo of another rank's failure; a segfault is native code (an extension built
+    for another torch, the driver or NCCL). Both were answered with nothing."""
+    for line in ("RuntimeError: NCCL communicator was aborted on rank 1.",
+                 "[E ProcessGroupNCCL.cpp:916] [Rank 3] NCCL watchdog thread terminated with exception"):
+        a = analyze(line)
+        assert a.likely and a.likely[0].category == "peer_rank_failed", _cats(line)
+        assert "first rank" in a.likely[0].check
+    crash = "Segmentation fault (core dumped)"
+    assert _cats(crash)[:2] == ["extension_abi_mismatch", "nccl_env_setup"]
+    assert "native_crash" not in _facts("segment 11 of the dataset")
