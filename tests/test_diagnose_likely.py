@@ -155,3 +155,80 @@ def test_short_variants_and_their_scores() -> None:
     assert m["variant"] == "line" and m["known"] == 12 and m["unrelated"] == 1
     assert 0 <= m["top1"] <= m["top3"] <= m["answered"] <= 1
     assert m["abstain_unrelated"] == 1.0 and m["wrong_confident"] <= m["confident"]
+
+
+def _facts(log: str) -> set[str]:
+    return parse(log, load_knowledge().facts).facts
+
+
+def test_a_paste_that_stops_in_data_preprocessing() -> None:
+    """A paste whose last line is a dataset preprocessing bar, with no error after it: one rank was still tokenizing
+    when the job died or hung, so the preprocessing timeout leads (the host-RAM kill follows)."""
+    bar = "Running tokenizer on dataset:  47%|████▊     | 1695000/3634744 [30:09<33:25, 967.30 examples/s]"
+    launched = "torchrun --nproc_per_node 8 src/train.py --stage sft\n" + bar
+    assert "ends_in_data_prep" in _facts(bar) and "ends_in_data_prep" in _facts(launched)
+    assert _cats(launched)[:2] == ["nccl_timeout_preprocessing", "host_ram_oom"]
+    assert "nccl_timeout_preprocessing" in _cats(bar)
+    # an error after the bar, or the bar in the middle of the log, is not a paste that stops there
+    assert "ends_in_data_prep" not in _facts(bar + "\nKeyError: 'instruction'")
+    assert "ends_in_data_prep" not in _facts(bar + "\n{'loss': 1.2, 'learning_rate': 1e-05, 'epoch': 0.1}")
+    assert "ends_in_data_prep" not in _facts("dataset = load_dataset('json', data_files='train.json')")
+
+
+def test_a_paste_of_the_launchers_teardown_points_above_it() -> None:
+    """Only the launcher stopping the ranks (SIGTERM, ChildFailedError) and no rank's own error: the first error is
+    above the paste (another rank's) or the rank was killed silently; with a real exception the teardown adds
+    nothing, and an exit code of 1 (a Python error) is not the OOM killer."""
+    teardown = ("W0806 20:07:54.546301 148486 torch/distributed/elastic/multiprocessing/api.py:897] Sending process "
+                "148593 closing signal SIGTERM\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
+    a = analyze(teardown)
+    assert a.answer == "likely" and _cats(teardown)[:2] == ["peer_rank_failed", "host_ram_oom"]
+    assert "earlier traceback" in a.likely[0].check
+    assert _cats("KeyError: 'instruction'\n" + teardown) == []
+    exit1 = teardown + "\nfailed (exitcode: 1) local_rank: 0 (pid: 62498) of binary: /usr/bin/python"
+    assert "host_ram_oom" not in _cats(exit1) and "peer_rank_failed" in _cats(exit1)
+
+
+def test_ranks_are_read_against_the_gpus_the_launch_shows() -> None:
+    """More processes per node than visible GPUs, or an OOM message listing several processes on the GPU that ran
+    out, make the rank/GPU mismatch a likely cause of an otherwise generic error."""
+    over = "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 4 train.py\nRuntimeError: CUDA error: out of memory"
+    fits = over.replace("--nproc_per_node 4", "--nproc_per_node 2")
+    assert "ranks_exceed_gpus" in _facts(over) and "ranks_exceed_gpus" not in _facts(fits)
+    assert _cats(over)[0] == "more_ranks_than_gpus" and "more_ranks_than_gpus" not in _cats(fits)
+    ds = 'deepspeed --include="localhost:0" --num_gpus 2 train.py\n' + OOM
+    assert "ranks_exceed_gpus" in _facts(ds)
+    shared = (OOM + " GPU 0 has a total capacity of 79.10 GiB of which 15.19 MiB is free. Process 16746 has 20.84 GiB "
+              "memory in use. Process 16747 has 20.33 GiB memory in use.")
+    alone = OOM + " GPU 0 has a total capacity of 79.10 GiB. Process 16746 has 78.84 GiB memory in use."
+    assert "ranks_share_gpu" in _facts(shared) and "ranks_share_gpu" not in _facts(alone)
+    assert "more_ranks_than_gpus" in _cats(shared)[:3] and "more_ranks_than_gpus" not in _cats(alone)
+
+
+@pytest.mark.parametrize("title, label", [
+    ("Multi-GPU training is slower than a single GPU", "dataparallel_accidental"),
+    ("with 4 GPUs training is no faster, GPU 0 uses much more memory", "dataparallel_accidental"),
+    ("loss goes to 0 after 100 steps with fp16", "fp16_nan_loss"),
+    ("qwen lora fp16 训练 loss 变为 0", "fp16_nan_loss"),
+])
+def test_reporters_words_for_a_symptom(title: str, label: str) -> None:
+    assert label in _cats(title)[:3], _cats(title)
+
+
+def test_a_healthy_loss_is_no_symptom() -> None:
+    for line in ("{'loss': 0.5, 'learning_rate': 2e-05, 'epoch': 1.0}", "loss goes to 0.35 after warmup",
+                 "training with 8 GPUs is 7x faster"):
+        assert _cats(line) == [], line
+
+
+def test_nccl_teardown_and_native_crashes_name_their_usual_causes() -> None:
+    """An aborted communicator is the echo of another rank's failure; a segfault is native code (an extension built
+    for another torch, the driver or NCCL). Both were answered with nothing."""
+    for line in ("RuntimeError: NCCL communicator was aborted on rank 1.",
+                 "[E ProcessGroupNCCL.cpp:916] [Rank 3] NCCL watchdog thread terminated with exception"):
+        a = analyze(line)
+        assert a.likely and a.likely[0].category == "peer_rank_failed", _cats(line)
+        assert "first rank" in a.likely[0].check
+    crash = "Segmentation fault (core dumped)"
+    assert _cats(crash)[:2] == ["extension_abi_mismatch", "nccl_env_setup"]
+    assert "native_crash" not in _facts("segment 11 of the dataset")

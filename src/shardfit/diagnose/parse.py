@@ -107,6 +107,7 @@ _VERSION = re.compile(
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 _ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
 _PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
+_PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|warn", re.I)
 _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
                     r"GPUS_PER_NODE|dist_world_size|world[ _]size)[\s:=]+(\d+)", re.I)
@@ -409,6 +410,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
             minutes = h * 60 + mm if ss is not None else h + mm / 60
             if minutes >= 29.5:
                 p.facts.add("data_progress_30min")
+    if _ends_in_data_prep(p.lines):
+        p.facts.add("ends_in_data_prep")
     if len(p.versions) >= 2:  # an environment dump: the report is about which versions were installed
         p.facts.add("versions_listed")
     for code in p.exit_codes:
@@ -419,6 +422,15 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.facts.add("has_exception")
         if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
             p.facts.add("real_exception")
+
+
+def _ends_in_data_prep(lines: list[str]) -> bool:
+    """The paste stops in a dataset preprocessing progress bar (tokenizing, map, packing) and shows no error after it:
+    the job died or hung while one rank was still preparing data (the other ranks wait at a barrier)."""
+    tail = [x for x in lines[-3:] if x.strip()]
+    if not tail or not _PROGRESS_DATA.search(tail[-1]) or _PROGRESS_BAR_STOP.search(tail[-1]):
+        return False
+    return bool(re.search(r"[█▏▎▍▌▋▊▉#]{3}|\d+%\||\d+\s*/\s*\d+|examples/s|ba/s", tail[-1]))
 
 
 def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None) -> Parsed:
@@ -445,5 +457,6 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
     raw = text if len(text) <= 2 * HEAD_BYTES else text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:]
-    p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b, gpu_rows(_ANSI.sub("", raw)))
+    p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b, gpu_rows(_ANSI.sub("", raw)),
+                             p.world_size)
     return p

@@ -13,6 +13,9 @@ the HF Trainer's "n_gpu" line) around the error, or name the setup in one senten
     sharded               ZeRO-3 or FSDP shards the weights
     replica_exceeds_gpu   not sharded, and the weights (or a full fine-tune's state) of one replica exceed one GPU
     full_finetune         the log says full fine-tuning (no LoRA / adapters)
+    ranks_exceed_gpus     the launch asks for more processes per node (nproc_per_node, num_processes, --num_gpus)
+                          than the GPUs the paste shows visible (CUDA_VISIBLE_DEVICES, --include localhost:0,1)
+    ranks_share_gpu       an out-of-memory message lists several processes holding memory on the one GPU that ran out
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ _FRAMEWORKS = (
 )
 _MODEL = re.compile(r"(?:--model_name_or_path|model_name_or_path:|--model(?:_id_or_path|_type|_path)?|base_model:|"
                     r"from_pretrained\(\s*)[\s=:'\"]*([\w./-]{3,120})", re.I)
-_VISIBLE = re.compile(r"CUDA_VISIBLE_DEVICES\s*[=:]\s*['\"]?(\d+(?:\s*,\s*\d+)*)")
+_VISIBLE = re.compile(r"(?:CUDA_VISIBLE_DEVICES\s*[=:]\s*|--include[=\s]+['\"]?localhost:)['\"]?(\d+(?:\s*,\s*\d+)*)")
+_GPU_HOLDERS = re.compile(r"Process (\d+) has \d+(?:\.\d+)? [GMK]iB memory in use")
 _N_GPU = re.compile(r"\bn_gpu\s*[:=]\s*(\d+)")
 _COUNT = re.compile(r"\b(\d{1,2})\s*(?:x|\*|×)?\s*(?:NVIDIA\s+)?(?:A100|H100|H800|H20|A800|V100|A6000|A10G?|"
                     r"L40S?|L4|T4|RTX|GPU|4090|3090)|\b(\d{1,2})\s+(?:NVIDIA\s+)?(?:A100|H100|H800|A800|V100|A6000|"
@@ -127,8 +131,18 @@ def _strategy(facts: set[str], zero_stage: int | None, launcher: str | None) -> 
     return None
 
 
+def _rank_facts(text: str, facts: set[str], ranks_per_node: int | None) -> None:
+    """Processes against GPUs: more ranks requested than the launch makes visible, or several processes found
+    holding memory on the GPU that ran out (two ranks on one GPU, or every rank putting something on cuda:0)."""
+    visible = [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]  # what the launch restricts it to
+    if ranks_per_node and visible and ranks_per_node > min(visible):
+        facts.add("ranks_exceed_gpus")
+    if len(set(_GPU_HOLDERS.findall(text))) >= 2:
+        facts.add("ranks_share_gpu")
+
+
 def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_b: float | None,
-                 smi_rows: int = 0) -> Setting:
+                 smi_rows: int = 0, ranks_per_node: int | None = None) -> Setting:
     """The setting the log shows; adds the facts listed in the module docstring to `facts`."""
     s = Setting(launcher=_first(_LAUNCHERS, text), framework=_first(_FRAMEWORKS, text), model_size_b=model_size_b)
     m = _MODEL.search(text)
@@ -144,6 +158,7 @@ def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_
         facts.add("one_process_many_gpus")
     if "zero3" in facts or "fsdp" in facts:
         facts.add("sharded")
+    _rank_facts(text, facts, ranks_per_node)
     if _FULL_FT.search(text) and not _ADAPTER.search(text):
         facts.add("full_finetune")
     if model_size_b and "sharded" not in facts and "device_map_split" not in facts:
