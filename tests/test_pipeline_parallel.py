@@ -31,7 +31,7 @@ def test_layout_accepted_with_a_rank_per_stage() -> None:
 
 @pytest.mark.parametrize(("over", "world", "words"), [
     ({}, 3, "does not divide the job's 3 ranks"),
-    ({}, 4, "ranks must equal the stages: launch 2 ranks"),
+    ({"strategy": "model_parallel"}, 4, "2 stages x 2 data-parallel ranks"),
     ({"sequence_parallel": 2}, 2, "sequence_parallel: 1"),
     ({"objective": "dpo"}, 2, "objective sft only"),
     ({"method": "qlora"}, 2, "method lora or full"),
@@ -41,9 +41,15 @@ def test_layout_accepted_with_a_rank_per_stage() -> None:
 ])
 def test_layout_refusals_name_the_key_and_the_fix(over: dict, world: int, words: str) -> None:
     with pytest.raises(UserError, match="pipeline_parallel") as e:
-        check_layout(_cfg(**over), world)
+        check_layout(_cfg(**over), world, over.get("strategy", "ddp"))
     # The fix: what divides (resolve/dims.py names it), or switching the pipeline off.
     assert words in str(e.value) and ("pipeline_parallel: 1" in str(e.value) or "use one of 1, 3" in str(e.value))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_stages_times_data_parallel_accepted(strategy: str) -> None:
+    check_layout(_cfg(), 4, strategy)
+    check_layout(_cfg(), 2, "single")  # one rank per stage: no strategy runs over a stage's ranks
 
 
 def test_model_rules_count_blocks_and_name_what_is_not_cut() -> None:
@@ -176,6 +182,25 @@ def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_q
     r = run_cli("train", str(cfg), "--nproc", "2", env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert _losses(tmp_path / "killed") == pytest.approx(_losses(pp), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # 4 ranks on a 2-core machine; the layout's groups are unit-tested in test_dims.py
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_stages_times_two_replicas(tmp_path: Path, tiny_qwen2: Path, small_data: Path, strategy: str) -> None:
+    """4 ranks as 2 stages x 2 data-parallel replicas (the strategy over each stage's 2 ranks) give one process's
+    losses for the same global batch (micro_batch 2 x grad_accum 2 x 2 replicas), and the same adapter."""
+    over = dict(micro_batch=1, max_steps=3, eval_steps=3, save_steps=3)
+    single = _run(tmp_path, tiny_qwen2, small_data, "single", grad_accum=4, **over)
+    pp = _run(tmp_path, tiny_qwen2, small_data, "ppdp", "--nproc", "4", pipeline_parallel=2, strategy=strategy,
+              **over)
+    ref, got = _losses(single), _losses(pp)
+    assert len(got) == len(ref) == 4
+    assert got == pytest.approx(ref, rel=1e-5)
+    summary = json.loads((pp / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["examples_per_step"] == 4
+    _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
+                  1e-4)
 
 
 def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:

@@ -57,6 +57,17 @@ class DecoderStage(nn.Module):
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards on its own under zero2/zero3 over the stage's data-parallel ranks: each kept block, in
+        order, then the first stage's input embedding when the head does not share it (as parallelize.py's
+        `fsdp_units` does for the whole model); the rest (final norm, head) is the stage's root unit."""
+        decoder, head = self._parts
+        units = [decoder.layers[str(i)] for i in self.blocks]
+        emb = decoder.embed_tokens
+        if emb is not None and (head is None or getattr(head, "weight", None) is not emb.weight):
+            units.append(emb)
+        return units
+
     @property
     def head(self) -> nn.Module | None:
         """The output head (the last stage's, None elsewhere; the loss applies it chunk by chunk)."""

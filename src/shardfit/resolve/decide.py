@@ -112,7 +112,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     s = strategies.get(name)
     check_layout(cfg, name, n * nnodes)
     check_ep_layout(cfg, name, n * nnodes)
-    pipelines.check_layout(cfg, n * nnodes)
+    pipelines.check_layout(cfg, n * nnodes, name)
     precision = precision_for(cfg.precision, device)
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
                                cfg.pipeline_parallel)

@@ -1,10 +1,11 @@
 """`pipeline_parallel: N`: what this increment runs, decided once before the launch (and again on the built model,
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
-What runs: dense text decoders (Llama, Qwen2, Qwen3, ...) cut at decoder-block boundaries into N stages, one rank
-per stage, trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per
-grad_accum micro-batch (parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
-anything loads.
+What runs: dense text decoders (Llama, Qwen2, Qwen3, ...) cut at decoder-block boundaries into N stages, each
+stage held by the world / N data-parallel ranks of its group under the strategy (ddp, zero2, zero3; one rank per
+stage needs none), trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B
+schedule per grad_accum micro-batch (parallel/pipeline.py). Everything else is refused with exit 2 and the reason,
+before anything loads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from shardfit.resolve.sequence import facts_of_config as decoder_facts
 
 # Methods this increment trains through a pipeline: adapters over weights in the compute precision, or every weight.
 PP_METHODS = ("lora", "full")
+# The strategies over a stage's data-parallel ranks: DDP, or FSDP2 sharding over the stage's ranks (the pipeline
+# schedule drives both: torch's PipelineStage syncs them on the step's last backward). zero3_offload's host
+# round-trips through the schedule are not tried.
+PP_DP_STRATEGIES = ("ddp", "zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ def _prefix(n: int) -> str:
 FIX = "or set pipeline_parallel: 1"
 
 
-def check_layout(cfg: Config, world: int) -> None:
-    """The config's pipeline_parallel against the job's ranks and settings (UserError when refused)."""
+def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
+    """The config's pipeline_parallel against the job's ranks, `strategy` (the resolved one; None: not known yet)
+    and settings (UserError when refused)."""
     n = cfg.pipeline_parallel
     if n == 1:
         return
@@ -53,10 +59,10 @@ def check_layout(cfg: Config, world: int) -> None:
         raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does not split "
                         f"rows inside a pipeline stage: set sequence_parallel: 1, {FIX}.")
     ParallelDims(world=world, pp=n).check()  # names what would divide
-    if world != n:
-        raise UserError(f"{_prefix(n)} on {world} ranks: this version runs one rank per stage (stages x data "
-                        f"parallelism comes later), so the ranks must equal the stages: launch {n} ranks "
-                        f"(--nproc {n}), {FIX}.")
+    if world > n and strategy is not None and strategy not in PP_DP_STRATEGIES:
+        raise UserError(f"{_prefix(n)} on {world} ranks runs {n} stages x {world // n} data-parallel ranks, under "
+                        f"strategy {' / '.join(PP_DP_STRATEGIES)} over each stage's ranks, not {strategy}: set "
+                        f"strategy: zero3 (or ddp), launch {n} ranks (--nproc {n}, one per stage), {FIX}.")
     if objectives.get(cfg.objective).preference:
         raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective compares "
                         f"the two sides of a pair in one loss, which the stages' micro-batch split would need kept "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.nn.parallel import DistributedDataParallel
 
 from shardfit.data.loader import Batch
 from shardfit.data.tokenize import IGNORE
@@ -28,11 +29,14 @@ from shardfit.train.loss import chunked_cross_entropy
 
 class PipelineRun:
     """This rank's stage and the schedules that run it. `chunk`: rows per chunk of the loss; `autocast`: the dtype
-    the forward and the loss compute in under autocast (None: none)."""
+    the forward and the loss compute in under autocast (None: none). `module`: what the schedule calls, the stage
+    as the strategy wrapped it over the stage's data-parallel ranks (DDP, FSDP2; set once parallelized):
+    torch's PipelineStage keeps their gradients local until the step's last backward, then reduces them once."""
 
     def __init__(self, stage: DecoderStage, layout: Layout, device: torch.device, chunk: int,
                  autocast: torch.dtype | None = None):
         self.stage, self.layout, self.device, self.chunk = stage, layout, device, chunk
+        self.module: nn.Module = stage
         stage.autocast = autocast
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
@@ -41,7 +45,7 @@ class PipelineRun:
         self._eval: PipelineScheduleSingle | None = None
 
     def _stage(self) -> PipelineStage:
-        return PipelineStage(self.stage, self.stage.stage, self.stage.stages, self.device,
+        return PipelineStage(self.module, self.stage.stage, self.stage.stages, self.device,
                              group=self.layout.pp_group)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -61,9 +65,15 @@ class PipelineRun:
         target = tgt.to(self.device) if self.stage.is_last else None
         losses: list[Any] | None = [] if self.stage.is_last else None
         run = schedule.step if train else schedule.eval
+        # DDP over the stage's replicas: a schedule's first step infers the activations' shapes by a forward of the
+        # module outside torch's per-micro-batch `no_sync`, after which DDP would wait for a backward that never
+        # comes and count every parameter twice at the real one. Under `no_sync` throughout, the stage's last
+        # backward still reduces the step's gradients once: PipelineStage prepares that reduction itself.
+        sync = self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else contextlib.nullcontext()
         # Each row's restarts from the host's positions, kept on the host: the stages' mask choice reads no device.
-        run(*args, position_ids=pos.to(self.device), restarts=row_restarts(pos.cpu()), target=target,
-            losses=losses, return_outputs=False)
+        with sync:
+            run(*args, position_ids=pos.to(self.device), restarts=row_restarts(pos.cpu()), target=target,
+                losses=losses, return_outputs=False)
         # A stage's first step infers its activations' shape by a forward and backward of uninitialised tensors
         # through `_loss` too: the micro-batches' own sums are the last ones.
         return self.sums[-n:] if self.stage.is_last else []
@@ -100,10 +110,14 @@ def clip_global_norm(params: list[nn.Parameter], max_norm: float, layout: Layout
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
+    if hasattr(local, "full_tensor"):  # FSDP2 shards over the stage's ranks: the stage's whole norm
+        local = local.full_tensor()
     squares = local.to(torch.float64) ** 2
-    dist.all_reduce(squares, group=layout.pp_group)
+    dist.all_reduce(squares, group=layout.pp_group)  # replicas of a stage hold the same (reduced) gradients
     total = squares.sqrt().to(torch.float32)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:  # a sharded gradient's local shard: every rank scales its share by the same factor
+        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.device))
     return total
 
 
@@ -142,15 +156,28 @@ def _pad(t: torch.Tensor, height: int, width: int, fill: int | None) -> torch.Te
     return out
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole on the CPU: a DTensor (FSDP2's shard over the stage's ranks) gathered first, a collective."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu().contiguous()
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The stage under DDP's wrapper (FSDP2 keeps the module itself)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def stage_state(module: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
     """This stage's state on the CPU under the model's names (the loss module's `model.` dropped), its trainable
-    parameters only when `trainable_only`. Read directly: a stage is whole on its rank (one rank per stage), and
-    DCP's full state dict with CPU offload would keep it on the world's rank 0 only."""
+    parameters only when `trainable_only`. Read directly (shards gathered over the stage's ranks): DCP's full state
+    dict with CPU offload would keep it on the world's rank 0 only."""
+    module = unwrapped(module)
     if trainable_only:
         items = [(k, p) for k, p in module.named_parameters() if p.requires_grad]
     else:
         items = list(module.state_dict().items())
-    return {k[len("model."):]: v.detach().cpu() for k, v in items if k.startswith("model.")}
+    return {k[len("model."):]: _whole(v) for k, v in items if k.startswith("model.")}
 
 
 def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -158,13 +185,16 @@ def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
     peft selects the adapter's entries by the modules the stage holds)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(module.model).items()}
+    return {k: _whole(v) for k, v in get_peft_model_state_dict(unwrapped(module).model).items()}
 
 
 def gather_stages(run: PipelineRun, module: nn.Module, adapter: bool) -> dict[str, torch.Tensor]:
     """Every stage's trained state on the first stage's rank (empty on the others): the adapter file's entries
-    (`adapter`), else the model's state under its own names; a collective over the pipeline's ranks."""
+    (`adapter`), else the model's state under its own names; a collective over the stage's ranks (the shards'
+    gather), then over the first data-parallel replica's pipeline."""
     sd = adapter_state(module) if adapter else stage_state(module, trainable_only=False)
+    if run.layout.dp_rank != 0:  # the replicas hold the same weights: the first one's are saved
+        return {}
     group = run.layout.pp_group
     first = dist.get_global_rank(group, 0)
     parts: list[Any] | None = [None] * run.stage.stages if dist.get_rank() == first else None

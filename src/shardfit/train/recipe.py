@@ -311,7 +311,10 @@ class FineTune:
             loss_module = self._pipeline_stage()
         self.loss_module = parallelize(loss_module, s, device=env.device, world=self.job.dims.stage_ranks,
                                        precision=cfg.precision, grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
-                                       ignored=set(self.experts_shard.params()) if self.experts_shard else None)
+                                       ignored=set(self.experts_shard.params()) if self.experts_shard else None,
+                                       mesh=self.layout.stage_mesh if self.pipe is not None else None)
+        if self.pipe is not None:  # the schedule runs the stage as the strategy wrapped it
+            self.pipe.module = self.loss_module
         if s.engine != "device_map" and not s.offload:
             findings += placement_rules(loss_module, env.device, fix=True)
         self.findings = quantized + findings
