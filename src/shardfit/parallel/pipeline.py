@@ -88,9 +88,9 @@ class DecoderStage(nn.Module):
         position_embeddings = decoder.rotary_emb(h, position_ids)
         packed = bool((restarts if restarts is not None else row_restarts(position_ids)).any())
         mask = _mask(decoder.config, position_ids, h.dtype, packed)
-        for layer in decoder.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
-                      use_cache=False)
+        for i in self.blocks:  # this stage's (a rank holds several under an interleaved schedule)
+            h = decoder.layers[str(i)](h, attention_mask=mask, position_embeddings=position_embeddings,
+                                       position_ids=position_ids, use_cache=False)
         return decoder.norm(h) if self.is_last else h
 
 
@@ -120,6 +120,30 @@ def cut(model: nn.Module, stage: int, stages: int) -> DecoderStage:
         decoder.norm = None
         _drop_head(model)
     return DecoderStage(model, decoder, head if stage == stages - 1 else None, stage, stages, blocks)
+
+
+def looped_stages(rank: int, ranks: int, per_rank: int) -> list[int]:
+    """The stages rank `rank` of `ranks` holds when each holds `per_rank` (the looped placement torch's interleaved
+    schedules expect: rank r holds r, r + ranks, r + 2 ranks, ...)."""
+    return [rank + v * ranks for v in range(per_rank)]
+
+
+def cut_looped(model: nn.Module, rank: int, ranks: int, per_rank: int) -> list[DecoderStage]:
+    """Prune `model` in place to the `per_rank` stages rank `rank` holds of `ranks * per_rank` (an interleaved
+    schedule's virtual stages, placed by `looped_stages`) and return them in order. They share the pruned model,
+    so the first one's parameters and state dict are the rank's whole share."""
+    stages = ranks * per_rank
+    mine = looped_stages(rank, ranks, per_rank)
+    decoder, head = decoder_and_head(model)
+    layers = list(decoder.layers)
+    split = stage_blocks(len(layers), stages)
+    decoder.layers = nn.ModuleDict({str(i): layers[i] for s in mine for i in split[s]})
+    if 0 not in mine:
+        decoder.embed_tokens = None
+    if stages - 1 not in mine:
+        decoder.norm = None
+        _drop_head(model)
+    return [DecoderStage(model, decoder, head if s == stages - 1 else None, s, stages, split[s]) for s in mine]
 
 
 def _drop_head(model: nn.Module) -> None:

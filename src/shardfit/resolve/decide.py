@@ -172,7 +172,8 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
             check_ep_model(cfg.expert_parallel, shape.experts, cfg.model, every_expert=shape.every_expert,
                            multimodal=shape.vision is not None or shape.audio is not None)
         if shape is not None and cfg.pipeline_parallel > 1:
-            pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method)
+            pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method,
+                                  per_rank=pipelines.stages_per_rank(cfg))
     precision = precision_for(cfg.precision, device)
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
                                cfg.pipeline_parallel)

@@ -27,6 +27,7 @@ PP_METHODS = ("lora", "full")
 # schedule drives both: torch's PipelineStage syncs them on the step's last backward). zero3_offload's host
 # round-trips through the schedule are not tried.
 PP_DP_STRATEGIES = ("ddp", "zero2", "zero3")
+INTERLEAVED = "interleaved_1f1b"
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,23 @@ def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
                         f"grad_accum micro-batches through the stages and needs at least one per stage: set "
                         f"grad_accum: {n} or more (more micro-batches shrink the idle bubble, "
                         f"(stages-1)/(micro-batches+stages-1)), {FIX}.")
+    if cfg.pipeline_schedule == INTERLEAVED and world > n:
+        raise UserError(f"{_prefix(n)} with pipeline_schedule: {INTERLEAVED} on {world} ranks: this version "
+                        f"interleaves stages with one rank per stage only (a rank's stages share its model, which "
+                        f"the strategy would wrap once per stage): set pipeline_schedule: 1f1b, or launch {n} ranks "
+                        f"(--nproc {n}), {FIX}.")
     if cfg.eval_metrics:
         raise UserError(f"{_prefix(n)} with eval_metrics: generation through a model cut over ranks is not in this "
                         f"version (the held-out loss is): set eval_metrics: [], {FIX}.")
 
 
-def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
-    """The model against pipeline_parallel `n` (UserError when refused)."""
+def stages_per_rank(cfg: Config) -> int:
+    """The stages each rank holds: pipeline_stages_per_rank under interleaved 1F1B, else one."""
+    return cfg.pipeline_stages_per_rank if cfg.pipeline_schedule == INTERLEAVED else 1
+
+
+def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: int = 1) -> None:
+    """The model against pipeline_parallel `n` with `per_rank` stages per rank (UserError when refused)."""
     if n == 1:
         return
     why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower" if facts.multimodal
@@ -92,10 +103,13 @@ def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
                         f"only (Llama, Qwen2, Qwen3): train it without a pipeline, {FIX}.")
-    if facts.layers < n:
+    if facts.layers < n * per_rank:
+        stages = f"{n} x {per_rank} = {n * per_rank} stages (pipeline_parallel x pipeline_stages_per_rank)" \
+            if per_rank > 1 else f"{n} stages"
+        fix = f"use a pipeline_stages_per_rank of at most {facts.layers // n}, or pipeline_schedule: 1f1b" \
+            if per_rank > 1 and facts.layers >= n else f"use a pipeline_parallel of at most {facts.layers}"
         raise UserError(f"{_prefix(n)}: {model} has {facts.layers} decoder block{'s' if facts.layers != 1 else ''}, "
-                        f"fewer than the {n} stages (each stage holds at least one block): use a pipeline_parallel "
-                        f"of at most {facts.layers}, {FIX}.")
+                        f"fewer than the {stages} (each stage holds at least one block): {fix}, {FIX}.")
     if facts.tied and methods.get(method).trains_base:
         raise UserError(f"{_prefix(n)}: {model} ties its output head to its input embedding, which sit on the first "
                         f"and last stages; a full fine-tune would train the two copies apart. Train it with method: "

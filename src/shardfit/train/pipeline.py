@@ -1,6 +1,7 @@
 """Training and evaluation through pipeline stages (parallel/pipeline.py): the step's micro-batches go through
-torch.distributed.pipelining's 1F1B schedule (one schedule micro-batch per grad_accum micro-batch, so a step is the
-global batch of one process), the held-out rows through a forward-only GPipe schedule, the gradient norm is the
+torch.distributed.pipelining's 1F1B schedule, or its interleaved 1F1B over several stages per rank (one schedule
+micro-batch per grad_accum micro-batch, so a step is the global batch of one process), the held-out rows through a
+forward-only schedule (GPipe's, or the interleaved one's forwards), the gradient norm is the
 global one over every stage, and the final adapter or model is gathered from the stages onto rank 0.
 
 The loss is the chunked cross-entropy (train/loss.py) on the last stage, as the schedule's `loss_fn`: summed over
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.nn.parallel import DistributedDataParallel
 
 from shardfit.data.loader import Batch
@@ -26,44 +27,60 @@ from shardfit.parallel.layout import Layout
 from shardfit.parallel.pipeline import DecoderStage, row_restarts
 from shardfit.train.loss import chunked_cross_entropy
 
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+
 
 class PipelineRun:
-    """This rank's stage and the schedules that run it. `chunk`: rows per chunk of the loss; `autocast`: the dtype
-    the forward and the loss compute in under autocast (None: none). `module`: what the schedule calls, the stage
-    as the strategy wrapped it over the stage's data-parallel ranks (DDP, FSDP2; set once parallelized):
-    torch's PipelineStage keeps their gradients local until the step's last backward, then reduces them once."""
+    """This rank's stages and the schedules that run them: one stage under 1F1B, several under interleaved 1F1B
+    (`stages`, in order; the first one holds the rank's whole share of the model). `chunk`: rows per chunk of the
+    loss; `autocast`: the dtype the forward and the loss compute in under autocast (None: none). `module`: what the
+    schedule calls for a single stage, the stage as the strategy wrapped it over the stage's data-parallel ranks
+    (DDP, FSDP2; set once parallelized): torch's PipelineStage keeps their gradients local until the step's last
+    backward, then reduces them once."""
 
-    def __init__(self, stage: DecoderStage, layout: Layout, device: torch.device, chunk: int,
+    def __init__(self, stages: list[DecoderStage], layout: Layout, device: torch.device, chunk: int,
                  autocast: torch.dtype | None = None):
-        self.stage, self.layout, self.device, self.chunk = stage, layout, device, chunk
-        self.module: nn.Module = stage
-        stage.autocast = autocast
+        self.stages, self.layout, self.device, self.chunk = stages, layout, device, chunk
+        self.stage = stages[0]
+        self.module: nn.Module = self.stage
+        for stage in stages:
+            stage.autocast = autocast
+        self.autocast = autocast
+        self.holds_first, self.holds_last = stages[0].is_first, stages[-1].is_last
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
         # A schedule per micro-batch count: a stage learns its activations' shape at its first step.
-        self._train: dict[int, PipelineScheduleSingle] = {}
-        self._eval: PipelineScheduleSingle | None = None
+        self._train: dict[int, Schedule] = {}
+        self._eval: Schedule | None = None
 
-    def _stage(self) -> PipelineStage:
-        return PipelineStage(self.module, self.stage.stage, self.stage.stages, self.device,
-                             group=self.layout.pp_group)
+    def _schedule(self, n: int, *, train: bool) -> Schedule:
+        """The schedule of `n` micro-batches: 1F1B (GPipe forward-only for evaluation) over one stage per rank,
+        interleaved 1F1B over several."""
+        if len(self.stages) > 1:
+            stages = [PipelineStage(s, s.stage, s.stages, self.device, group=self.layout.pp_group)
+                      for s in self.stages]
+            return ScheduleInterleaved1F1B(stages, n, loss_fn=self._loss, scale_grads=False)
+        stage = PipelineStage(self.module, self.stage.stage, self.stage.stages, self.device,
+                              group=self.layout.pp_group)
+        kind = Schedule1F1B if train else ScheduleGPipe
+        return kind(stage, n, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        amp = torch.autocast(hidden.device.type, dtype=self.stage.autocast) if self.stage.autocast is not None \
+        amp = torch.autocast(hidden.device.type, dtype=self.autocast) if self.autocast is not None \
             else contextlib.nullcontext()
         with amp:  # the head's chunks in the compute dtype, as in one process's forward
-            loss_sum, _ = chunked_cross_entropy(hidden, self.stage.head, targets, self.chunk)
+            loss_sum, _ = chunked_cross_entropy(hidden, self.stages[-1].head, targets, self.chunk)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 
-    def _run(self, schedule: PipelineScheduleSingle, n: int, ids: torch.Tensor, pos: torch.Tensor,
+    def _run(self, schedule: Schedule, n: int, ids: torch.Tensor, pos: torch.Tensor,
              tgt: torch.Tensor, *, train: bool) -> list[torch.Tensor]:
         """Rows (the schedule's `n` micro-batches one after another, all of one shape) through `schedule`; the
-        last stage's summed loss of each micro-batch (empty on the other stages)."""
+        last stage's summed loss of each micro-batch (empty on the other ranks)."""
         self.sums = []
-        args = (ids.to(self.device),) if self.stage.is_first else ()
-        target = tgt.to(self.device) if self.stage.is_last else None
-        losses: list[Any] | None = [] if self.stage.is_last else None
+        args = (ids.to(self.device),) if self.holds_first else ()
+        target = tgt.to(self.device) if self.holds_last else None
+        losses: list[Any] | None = [] if self.holds_last else None
         run = schedule.step if train else schedule.eval
         # DDP over the stage's replicas: a schedule's first step infers the activations' shapes by a forward of the
         # module outside torch's per-micro-batch `no_sync`, after which DDP would wait for a backward that never
@@ -76,14 +93,14 @@ class PipelineRun:
                 losses=losses, return_outputs=False)
         # A stage's first step infers its activations' shape by a forward and backward of uninitialised tensors
         # through `_loss` too: the micro-batches' own sums are the last ones.
-        return self.sums[-n:] if self.stage.is_last else []
+        return self.sums[-n:] if self.holds_last else []
 
     def train_step(self, batches: list[Batch], scale: float) -> list[torch.Tensor]:
         """Forward and backward of one optimizer step's micro-batches, the loss multiplied by `scale`; the last
         stage's summed loss of each (empty on the other stages)."""
         n = len(batches)
         if n not in self._train:
-            self._train[n] = Schedule1F1B(self._stage(), n, loss_fn=self._loss, scale_grads=False)
+            self._train[n] = self._schedule(n, train=True)
         self.scale = scale
         ids, pos, tgt = (torch.cat([getattr(b, k) for b in batches]) for k in ("input_ids", "position_ids", "targets"))
         return self._run(self._train[n], n, ids, pos, tgt, train=True)
@@ -91,7 +108,7 @@ class PipelineRun:
     def evaluate(self, ids: torch.Tensor, pos: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor | None:
         """One held-out micro-batch's summed loss on the last stage (None on the others)."""
         if self._eval is None:
-            self._eval = ScheduleGPipe(self._stage(), 1, loss_fn=self._loss, scale_grads=False)
+            self._eval = self._schedule(1, train=False)
         self.scale = 1.0
         sums = self._run(self._eval, 1, ids, pos, tgt, train=False)
         return sums[0] if sums else None
@@ -197,7 +214,7 @@ def gather_stages(run: PipelineRun, module: nn.Module, adapter: bool) -> dict[st
         return {}
     group = run.layout.pp_group
     first = dist.get_global_rank(group, 0)
-    parts: list[Any] | None = [None] * run.stage.stages if dist.get_rank() == first else None
+    parts: list[Any] | None = [None] * run.layout.pp if dist.get_rank() == first else None
     dist.gather_object(sd, parts, dst=first, group=group)
     merged: dict[str, torch.Tensor] = {}
     for part in parts or []:
