@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.nn.parallel import DistributedDataParallel
@@ -68,6 +69,10 @@ class PipelineRun:
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         amp = torch.autocast(hidden.device.type, dtype=self.autocast) if self.autocast is not None \
             else contextlib.nullcontext()
+        if isinstance(self.module, FSDPModule):
+            # The head is in the stage's root unit, which FSDP2 may keep sharded between forwards (after the
+            # schedule's shape inference): gathered here, its gradient reduced with the stage's at the step's end.
+            self.module.unshard()
         with amp:  # the head's chunks in the compute dtype, as in one process's forward
             loss_sum, _ = chunked_cross_entropy(hidden, self.stages[-1].head, targets, self.chunk)
         self.sums.append(loss_sum.detach())
