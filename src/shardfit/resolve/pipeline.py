@@ -4,8 +4,8 @@ whose config is the ground truth where the planner did not know the shape). Torc
 What runs: dense text decoders (Llama, Qwen2, Qwen3, ...) cut at decoder-block boundaries into N stages, each
 stage held by the world / N data-parallel ranks of its group under the strategy (ddp, zero2, zero3; one rank per
 stage needs none), trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B
-schedule per grad_accum micro-batch (parallel/pipeline.py). Everything else is refused with exit 2 and the reason,
-before anything loads.
+schedule per grad_accum micro-batch (parallel/pipeline.py); or, one rank per stage, N x V stages under interleaved
+1F1B, V looped stages per rank. Everything else is refused with exit 2 and the reason, before anything loads.
 """
 
 from __future__ import annotations
