@@ -245,8 +245,9 @@ def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_q
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_two_stages_times_two_replicas(tmp_path: Path, tiny_qwen2: Path, small_data: Path, strategy: str) -> None:
     """4 ranks as 2 stages x 2 data-parallel replicas (the strategy over each stage's 2 ranks) give one process's
-    losses for the same global batch (micro_batch 2 x grad_accum 2 x 2 replicas), and the same adapter."""
-    over = dict(micro_batch=1, max_steps=3, eval_steps=3, save_steps=3)
+    losses for the same global batch (micro_batch 1 x grad_accum 2 x 2 replicas), and the same adapter. The
+    clipping norm (0.1, below the gradients' ~0.25) is the one process's: over both stages, once per replica."""
+    over = dict(micro_batch=1, max_steps=3, eval_steps=3, save_steps=3, max_grad_norm=0.1)
     single = _run(tmp_path, tiny_qwen2, small_data, "single", grad_accum=4, **over)
     pp = _run(tmp_path, tiny_qwen2, small_data, "ppdp", "--nproc", "4", pipeline_parallel=2, strategy=strategy,
               **over)

@@ -1,12 +1,13 @@
 """Training and evaluation through pipeline stages (parallel/pipeline.py): the step's micro-batches go through
 torch.distributed.pipelining's 1F1B schedule, or its interleaved 1F1B over several stages per rank (one schedule
 micro-batch per grad_accum micro-batch, so a step is the global batch of one process), the held-out rows through a
-forward-only schedule (GPipe's, or the interleaved one's forwards), the gradient norm is the
-global one over every stage, and the final adapter or model is gathered from the stages onto rank 0.
+forward-only schedule (GPipe's, or the interleaved one's forwards), the gradient norm is the global one over every
+stage, and the final adapter or model is gathered from the stages onto rank 0.
 
 The loss is the chunked cross-entropy (train/loss.py) on the last stage, as the schedule's `loss_fn`: summed over
-the micro-batch's targets and multiplied by the step's scale (1 / the global batch's target count), with the
-schedule's own division by the micro-batch count off (`scale_grads=False`), so the gradients are one process's.
+the micro-batch's targets and multiplied by the step's scale (the data-parallel replicas / the global batch's
+target count, as the strategy averages the replicas' gradients), with the schedule's own division by the
+micro-batch count off (`scale_grads=False`), so the gradients are one process's.
 """
 
 from __future__ import annotations
