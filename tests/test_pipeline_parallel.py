@@ -261,6 +261,29 @@ def test_two_stages_times_two_replicas(tmp_path: Path, tiny_qwen2: Path, small_d
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 4 ranks, three runs; the LoRA case above holds the schedule under data parallelism
+def test_full_zero3_stages_times_replicas_resume(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """A full fine-tune over 2 stages x 2 zero3 replicas: a rank killed at step 3 resumes from the step-2
+    checkpoint (each stage's shards, under the whole model's names) to the uninterrupted run's losses and model."""
+    keys = dict(model=str(tiny_qwen2), data=str(small_data), precision="fp32", max_seq_len=192, micro_batch=1,
+                grad_accum=2, lr=1e-3, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0, eval_split=0.1,
+                eval_steps=2, method="full", pipeline_parallel=2, strategy="zero3")
+    env = {"OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, fault in (("whole", None), ("killed", "raise:rank=1:step=3")):
+        cfg = write_config(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), **keys)
+        r = run_cli("train", str(cfg), "--nproc", "4", env={**env, "SHARDFIT_TEST_FAULT": fault} if fault else env)
+        if fault:
+            assert r.returncode != 0
+            r = run_cli("train", str(cfg), "--nproc", "4", env=env)
+            assert "resumed from" in r.stderr and "(step 2)" in r.stderr, r.stderr[-2000:]
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = tmp_path / name
+    assert _losses(runs["killed"]) == _losses(runs["whole"]) and len(_losses(runs["whole"])) == 6
+    _same_weights(runs["whole"] / "model" / "model.safetensors", runs["killed"] / "model" / "model.safetensors", 0)
+
+
+@pytest.mark.slow
 def test_interleaved_1f1b_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path) -> None:
     """A four-block Qwen2 as 2 ranks x 2 looped stages (interleaved 1F1B over 4 micro-batches) gives one process's
     train and eval losses (fp32, 1e-5) and adapter."""
