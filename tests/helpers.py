@@ -44,10 +44,11 @@ def load_bench(name: str):  # noqa: ANN201 - a module
 DEMO_DATA = ROOT / "src" / "shardfit" / "demo" / "train.jsonl"
 
 
-def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", tie: bool = True, seed: int = 0) -> Path:
+def make_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", tie: bool = True, seed: int = 0,
+                    layers: int = 2) -> Path:
     """A randomly initialised tiny model of a real architecture, saved as an HF folder with the tokenizer."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)

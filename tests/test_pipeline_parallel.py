@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2
 
 from shardfit.config import Config
 from shardfit.errors import UserError
-from shardfit.parallel.pipeline import cut, stage_blocks
-from shardfit.resolve.pipeline import check_layout, check_model, facts_of_config
-from tests.helpers import read_jsonl, run_cli, write_config
+from shardfit.parallel.pipeline import cut, cut_looped, looped_stages, stage_blocks
+from shardfit.resolve.dims import ParallelDims
+from shardfit.resolve.pipeline import check_layout, check_model, facts_of_config, stages_per_rank
+from tests.helpers import make_tiny_model, read_jsonl, run_cli, write_config
 
 
 def _cfg(**over) -> Config:
@@ -31,19 +32,60 @@ def test_layout_accepted_with_a_rank_per_stage() -> None:
 
 @pytest.mark.parametrize(("over", "world", "words"), [
     ({}, 3, "does not divide the job's 3 ranks"),
-    ({}, 4, "ranks must equal the stages: launch 2 ranks"),
+    ({"strategy": "model_parallel"}, 4, "2 stages x 2 data-parallel ranks"),
     ({"sequence_parallel": 2}, 2, "sequence_parallel: 1"),
     ({"objective": "dpo"}, 2, "objective sft only"),
     ({"method": "qlora"}, 2, "method lora or full"),
     ({"compile": True}, 2, "compile: false"),
     ({"grad_accum": 1}, 2, "grad_accum: 2 or more"),
     ({"eval_metrics": ["exact_match"]}, 2, "eval_metrics: []"),
+    ({"pipeline_schedule": "interleaved_1f1b"}, 4, "pipeline_schedule: 1f1b, or launch 2 ranks"),
 ])
 def test_layout_refusals_name_the_key_and_the_fix(over: dict, world: int, words: str) -> None:
     with pytest.raises(UserError, match="pipeline_parallel") as e:
-        check_layout(_cfg(**over), world)
+        check_layout(_cfg(**over), world, over.get("strategy", "ddp"))
     # The fix: what divides (resolve/dims.py names it), or switching the pipeline off.
     assert words in str(e.value) and ("pipeline_parallel: 1" in str(e.value) or "use one of 1, 3" in str(e.value))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_stages_times_data_parallel_accepted(strategy: str) -> None:
+    check_layout(_cfg(), 4, strategy)
+    check_layout(_cfg(), 2, "single")  # one rank per stage: no strategy runs over a stage's ranks
+
+
+def test_each_stage_is_held_by_its_data_parallel_group() -> None:
+    """4 ranks as 2 stages x 2 replicas (the layout's mesh, over a fake process group): ranks 0-1 hold stage 0 and
+    2-3 stage 1; the strategy works over {0, 1} or {2, 3}, activations travel over {0, 2} or {1, 3}, and the rows
+    are split two ways (dp_rank), not four."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardfit.parallel.env import DistEnv
+    from shardfit.parallel.layout import layout_of
+
+    seen = []
+    for rank in range(4):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        try:
+            env = DistEnv(rank=rank, world=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+            lay = layout_of(env, ParallelDims(world=4, pp=2))
+            seen.append((lay.pp_rank, lay.dp_rank, lay.dp, dist.get_process_group_ranks(lay.stage_mesh.get_group()),
+                         dist.get_process_group_ranks(lay.pp_group)))
+        finally:
+            dist.destroy_process_group()
+    assert seen == [(0, 0, 2, [0, 1], [0, 2]), (0, 1, 2, [0, 1], [1, 3]),
+                    (1, 0, 2, [2, 3], [0, 2]), (1, 1, 2, [2, 3], [1, 3])]
+
+
+def test_interleaved_stages_per_rank_and_block_count() -> None:
+    assert stages_per_rank(_cfg()) == 1
+    assert stages_per_rank(_cfg(pipeline_schedule="interleaved_1f1b", pipeline_stages_per_rank=3)) == 3
+    check_layout(_cfg(pipeline_schedule="interleaved_1f1b"), 2, "ddp")
+    facts = facts_of_config(Qwen2Config(num_hidden_layers=5))
+    check_model(2, facts, "qwen2", "lora", per_rank=2)
+    with pytest.raises(UserError, match=r"2 x 3 = 6 stages .*pipeline_stages_per_rank of at most 2"):
+        check_model(2, facts, "qwen2", "lora", per_rank=3)
 
 
 def test_model_rules_count_blocks_and_name_what_is_not_cut() -> None:
@@ -104,6 +146,26 @@ def test_stages_in_turn_give_the_whole_models_hidden_states(arch: str, packed: b
     assert set.union(*names) == whole_names and sum(map(len, names)) == len(whole_names)
     assert stages[0].head is None and stages[2].head is not None
     assert stages[1].model.model.embed_tokens is None and stages[1].model.lm_head is None
+
+
+def test_looped_stages_in_turn_give_the_whole_models_hidden_states() -> None:
+    """2 ranks x 2 stages each of a five-block Qwen2 (stages 0-3: blocks 0-1, 2, 3, 4): rank 0 holds stages 0 and 2
+    with the embedding, rank 1 stages 1 and 3 with the final norm and head; run in stage order they give the whole
+    decoder's hidden states, and each parameter is on exactly one rank."""
+    assert looped_stages(1, 2, 3) == [1, 3, 5]
+    ids, pos = torch.randint(0, 128, (2, 12)), torch.arange(12).repeat(2, 1)
+    with torch.no_grad():
+        want = _tiny("qwen2").model(input_ids=ids, position_ids=pos, attention_mask=None).last_hidden_state
+    ranks = [cut_looped(_tiny("qwen2"), r, 2, 2) for r in range(2)]
+    assert [s.stage for s in ranks[0]] == [0, 2] and [s.blocks for s in ranks[1]] == [range(2, 3), range(4, 5)]
+    h = ids
+    with torch.no_grad():
+        for stage in sorted((s for r in ranks for s in r), key=lambda s: s.stage):
+            h = stage(h, pos)
+    torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
+    names = [set(dict(r[0].model.named_parameters())) for r in ranks]
+    assert set.union(*names) == set(dict(_tiny("qwen2").named_parameters())) and not names[0] & names[1]
+    assert ranks[0][0].model.lm_head is None and ranks[1][0].model.model.embed_tokens is None
 
 
 def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> Path:
@@ -177,6 +239,65 @@ def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_q
     r = run_cli("train", str(cfg), "--nproc", "2", env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert _losses(tmp_path / "killed") == pytest.approx(_losses(pp), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # 4 ranks on a 2-core machine; the layout's groups are unit-tested in test_dims.py
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_stages_times_two_replicas(tmp_path: Path, tiny_qwen2: Path, small_data: Path, strategy: str) -> None:
+    """4 ranks as 2 stages x 2 data-parallel replicas (the strategy over each stage's 2 ranks) give one process's
+    losses for the same global batch (micro_batch 1 x grad_accum 2 x 2 replicas), and the same adapter. The
+    clipping norm (0.1, below the gradients' ~0.25) is the one process's: over both stages, once per replica."""
+    over = dict(micro_batch=1, max_steps=3, eval_steps=3, save_steps=3, max_grad_norm=0.1)
+    single = _run(tmp_path, tiny_qwen2, small_data, "single", grad_accum=4, **over)
+    pp = _run(tmp_path, tiny_qwen2, small_data, "ppdp", "--nproc", "4", pipeline_parallel=2, strategy=strategy,
+              **over)
+    ref, got = _losses(single), _losses(pp)
+    assert len(got) == len(ref) == 4
+    assert got == pytest.approx(ref, rel=1e-5)
+    summary = json.loads((pp / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["examples_per_step"] == 4
+    _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
+                  1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # 4 ranks, three runs; the LoRA case above holds the schedule under data parallelism
+def test_full_zero3_stages_times_replicas_resume(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """A full fine-tune over 2 stages x 2 zero3 replicas: a rank killed at step 3 resumes from the step-2
+    checkpoint (each stage's shards, under the whole model's names) to the uninterrupted run's losses and model."""
+    keys = dict(model=str(tiny_qwen2), data=str(small_data), precision="fp32", max_seq_len=192, micro_batch=1,
+                grad_accum=2, lr=1e-3, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0, eval_split=0.1,
+                eval_steps=2, method="full", pipeline_parallel=2, strategy="zero3")
+    env = {"OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, fault in (("whole", None), ("killed", "raise:rank=1:step=3")):
+        cfg = write_config(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), **keys)
+        r = run_cli("train", str(cfg), "--nproc", "4", env={**env, "SHARDFIT_TEST_FAULT": fault} if fault else env)
+        if fault:
+            assert r.returncode != 0
+            r = run_cli("train", str(cfg), "--nproc", "4", env=env)
+            assert "resumed from" in r.stderr and "(step 2)" in r.stderr, r.stderr[-2000:]
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = tmp_path / name
+    assert _losses(runs["killed"]) == _losses(runs["whole"]) and len(_losses(runs["whole"])) == 6
+    _same_weights(runs["whole"] / "model" / "model.safetensors", runs["killed"] / "model" / "model.safetensors", 0)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path) -> None:
+    """A four-block Qwen2 as 2 ranks x 2 looped stages (interleaved 1F1B over 4 micro-batches) gives one process's
+    train and eval losses (fp32, 1e-5) and adapter."""
+    model = make_tiny_model(tmp_path / "q4", tokenizer_dir, "qwen2", tie=False, layers=4)
+    over = dict(max_steps=3, eval_steps=3, save_steps=3, grad_accum=4)
+    single = _run(tmp_path, model, small_data, "single", **over)
+    pp = _run(tmp_path, model, small_data, "pp", "--nproc", "2", pipeline_parallel=2,
+              pipeline_schedule="interleaved_1f1b", **over)
+    ref, got = _losses(single), _losses(pp)
+    assert len(got) == len(ref) == 4
+    assert got == pytest.approx(ref, rel=1e-5)
+    _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
+                  1e-4)
 
 
 def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:

@@ -79,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also plan a pipeline of N stages, one GPU each, over --grad-accum micro-batches (1F1B): "
                         "where the blocks are cut, each stage's memory, the bubble and the activations' traffic "
                         "(default: every GPU, when --grad-accum is at least their count; docs/pipeline.md)")
+    p.add_argument("--pipeline-stages-per-rank", type=positive_int, default=None, metavar="V",
+                   help="plan that pipeline as interleaved 1F1B with V looped stages per GPU (a smaller bubble, "
+                        "more activations in flight; pipeline_schedule: interleaved_1f1b)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -242,23 +245,26 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
         return None
 
 
-def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str) -> tuple[PipelinePlan, str]:
-    """The pipeline of `stages` GPUs (plan/pipeline.py) and what `train` would say of it (empty: it runs it); more
-    stages than blocks is bad input (UserError)."""
+def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str,
+                per_rank: int = 1) -> tuple[PipelinePlan, str]:
+    """The pipeline of `stages` GPUs, `per_rank` stages each (plan/pipeline.py), and what `train` would say of it
+    (empty: it runs it); more stages than blocks is bad input (UserError)."""
     from shardfit.resolve.pipeline import check_model, facts_of_shape
 
-    if stages > shape.layers:
+    if stages * per_rank > shape.layers:
+        what = f"{stages} x {per_rank} stages" if per_rank > 1 else "stages"
         raise UserError(f"--pipeline-parallel {stages}: {source} has {shape.layers} decoder blocks, fewer than the "
-                        f"stages (each holds at least one block): use at most {shape.layers}.")
+                        f"{what} (each holds at least one block): use at most {shape.layers // per_rank}"
+                        f"{' stages, or fewer stages per rank' if per_rank > 1 else ''}.")
     note = ""
     try:
-        check_model(stages, facts_of_shape(shape), source, w.method)
+        check_model(stages, facts_of_shape(shape), source, w.method, per_rank=per_rank)
     except UserError as e:
         note = f"planned only: train refuses it in this version ({e})"
     if w.grad_accum < stages:
         note = note or (f"planned only: train needs --grad-accum {stages} or more for {stages} stages (1F1B runs "
                         "at least one micro-batch per stage)")
-    return plan_pipeline(shape, w, hw, stages), note
+    return plan_pipeline(shape, w, hw, stages, per_rank), note
 
 
 def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str) -> Alternative | None:
@@ -350,7 +356,10 @@ def run(args: argparse.Namespace) -> int:
     if stages == 1 and hw.name != "cpu" and 1 < hw.world <= shape.layers and w.grad_accum >= hw.world:
         stages = hw.world  # a pipeline over every GPU that 1F1B can run: a candidate beside the strategies
     if stages > 1:
-        pipe, note = pipeline_of(shape, w, hw, stages, source)
+        from shardfit.resolve.pipeline import stages_per_rank
+
+        per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if args.config else 1)
+        pipe, note = pipeline_of(shape, w, hw, stages, source, per_rank)
         chosen, why = versus(plan, pipe, note)
         out["pipeline"] = {**pipe.to_json(), "note": note, "recommended": chosen, "versus": why}
         lines.append(pipe.describe() + (f"\n  {note}" if note else "") + f"\n  {why}")

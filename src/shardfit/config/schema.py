@@ -128,6 +128,12 @@ class Config:
                                     "(torch.distributed.pipelining, 1F1B over the step's grad_accum micro-batches; "
                                     "grad_accum must be at least the stages); must divide the ranks. Dense text "
                                     "models, Qwen2-VL and Qwen2.5-VL, objective sft; docs/pipeline.md", ge=1)
+    pipeline_schedule: str = key("1f1b", "the pipeline's schedule: 1f1b (one stage per rank) | interleaved_1f1b "
+                                          "(pipeline_stages_per_rank stages per rank, looped: rank r holds stages "
+                                          "r, r+N, ...; a smaller bubble for more activations in flight); "
+                                          "docs/pipeline.md")
+    pipeline_stages_per_rank: int = key(2, "stages each rank holds under pipeline_schedule: interleaved_1f1b (V; "
+                                           "the decoder is cut into pipeline_parallel x V stages)", ge=2)
     expert_parallel: int = key(1, "ranks that share each mixture-of-experts block's routed experts (each holds "
                                   "experts/N of them; tokens travel to their experts' ranks and back by "
                                   "all-to-all); must divide the data-parallel ranks and the expert count. "
@@ -232,6 +238,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
+    "pipeline_schedule": ("1f1b", "interleaved_1f1b"),
     "compile": ("auto", True, False),
     "static_shape": ("auto", True, False),
     "qlora.quant_type": QUANT_TYPES,

@@ -20,6 +20,7 @@ from shardfit.dtypes import DTYPES
 from shardfit.models.anatomy import audio_units, transformer_blocks, untied_input_embedding, vision_units
 from shardfit.models.checkpointing import enable_checkpointing
 from shardfit.parallel.compile import compile_blocks
+from shardfit.parallel.pipeline import DecoderStage
 from shardfit.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ def shard(module: nn.Module, model: nn.Module, s: Strategy, mesh: DeviceMesh, pr
         kwargs["ignored_params"] = ignored
     if s.offload and mesh.device_type != "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for unit in fsdp_units(model):
+    # A pipeline stage names its own units: the blocks it kept (and the input embedding on the first stage).
+    units = module.fsdp_units() if isinstance(module, DecoderStage) else fsdp_units(model)
+    for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
 
@@ -74,7 +77,8 @@ def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: 
                 grad_ckpt: str = "none", compile: bool = False, mesh: DeviceMesh | None = None,
                 ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """Checkpoint, compile and wrap `module` (a loss module holding the model as `.model`) for strategy `s` on
-    `world` ranks; returns the module to call and step. `mesh` defaults to one over the rank's device type.
+    `world` ranks; returns the module to call and step. `mesh` defaults to one over the rank's device type; given,
+    it is also DDP's group (a pipeline stage's data-parallel ranks).
     `ignored`: parameters FSDP2 leaves whole and unreduced (DDP is told by parallel/experts.py)."""
     model = module.model
     if grad_ckpt != "none":
@@ -89,7 +93,8 @@ def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: 
         place(module, device)
         ids = [device.index] if device.type == "cuda" else None
         # Gradients as views into DDP's buckets: one copy of them instead of two.
-        return DistributedDataParallel(module, device_ids=ids, gradient_as_bucket_view=True)
+        return DistributedDataParallel(module, device_ids=ids, gradient_as_bucket_view=True,
+                                       process_group=mesh.get_group() if mesh is not None else None)
     if s.sharded:
         if s.offload and device.type == "cpu":
             log.info("%s on CPU: shards already live in host memory, running as zero3", s.name)

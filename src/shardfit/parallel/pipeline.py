@@ -84,6 +84,17 @@ class DecoderStage(nn.Module):
         """The output head (the last stage's, None elsewhere; the loss applies it chunk by chunk)."""
         return self._parts[1]
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards on its own under zero2/zero3 over the stage's data-parallel ranks: each kept block, in
+        order, then the first stage's input embedding when the head does not share it (as parallelize.py's
+        `fsdp_units` does for the whole model); the rest (final norm, head) is the stage's root unit."""
+        decoder, head = self._parts[0], self._parts[1]
+        units = [decoder.layers[str(i)] for i in self.blocks]
+        emb = decoder.embed_tokens
+        if emb is not None and (head is None or getattr(head, "weight", None) is not emb.weight):
+            units.append(emb)
+        return units
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, restarts: torch.Tensor | None = None,
                 micro: torch.Tensor | None = None) -> torch.Tensor:
         """`restarts`: whether each row restarts its positions (packed examples), a host tensor so that the mask's
@@ -105,9 +116,9 @@ class DecoderStage(nn.Module):
         position_embeddings = decoder.rotary_emb(h, rope_pos)
         packed = bool((restarts if restarts is not None else row_restarts(text_pos)).any())
         mask = _mask(decoder.config, text_pos, h.dtype, packed)
-        for layer in decoder.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=text_pos,
-                      use_cache=False)
+        for i in self.blocks:  # this stage's (a rank holds several under an interleaved schedule)
+            h = decoder.layers[str(i)](h, attention_mask=mask, position_embeddings=position_embeddings,
+                                       position_ids=text_pos, use_cache=False)
         return decoder.norm(h) if self.is_last else h
 
 
@@ -153,3 +164,27 @@ def _drop_head(model: nn.Module) -> None:
         if module is base.get_output_embeddings():
             setattr(base, name, None)
             return
+
+
+def looped_stages(rank: int, ranks: int, per_rank: int) -> list[int]:
+    """The stages rank `rank` of `ranks` holds when each holds `per_rank` (the looped placement torch's interleaved
+    schedules expect: rank r holds r, r + ranks, r + 2 ranks, ...)."""
+    return [rank + v * ranks for v in range(per_rank)]
+
+
+def cut_looped(model: nn.Module, rank: int, ranks: int, per_rank: int) -> list[DecoderStage]:
+    """Prune `model` in place to the `per_rank` stages rank `rank` holds of `ranks * per_rank` (an interleaved
+    schedule's virtual stages, placed by `looped_stages`) and return them in order. They share the pruned model,
+    so the first one's parameters and state dict are the rank's whole share."""
+    stages = ranks * per_rank
+    mine = looped_stages(rank, ranks, per_rank)
+    decoder, head = decoder_and_head(model)
+    layers = list(decoder.layers)
+    split = stage_blocks(len(layers), stages)
+    decoder.layers = nn.ModuleDict({str(i): layers[i] for s in mine for i in split[s]})
+    if 0 not in mine:
+        decoder.embed_tokens = None
+    if stages - 1 not in mine:
+        decoder.norm = None
+        _drop_head(model)
+    return [DecoderStage(model, decoder, head if s == stages - 1 else None, s, stages, split[s]) for s in mine]

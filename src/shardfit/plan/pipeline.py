@@ -13,6 +13,13 @@ Time: a micro-batch's compute on one GPU of the whole model (plan/timing.py), ea
 1F1B step takes (micro-batches + stages - 1) slots of the slowest stage's forward and backward, of which stages - 1
 are the bubble, (stages-1)/(micro-batches+stages-1) of the step; each slot sends the hidden states of a micro-batch
 forward and their gradient back over the link between neighbouring GPUs (the network across nodes).
+
+Interleaved 1F1B (V stages per GPU, looped): a slot is one virtual stage's share, 1/V of a GPU's blocks, and the
+step takes (V x micro-batches + stages - 1) of them, so the bubble shrinks to (stages-1)/(V x micro-batches +
+stages-1) while V times as many hidden states cross the links. The first GPU keeps more activations in flight:
+torch's warm-up runs (V-1) x (micro-batches per round) + 2 (stages-1) chunks ahead of the first backward, each
+chunk 1/V of its blocks' activations.
+The interleaved cut is the even one (parallel/pipeline.py `cut_looped`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from shardfit.plan.estimate import (
     checkpointed_block_bytes_per_token,
     compute_bytes,
     estimate,
+    head_weight_bytes,
     image_activation_bytes,
     trainable_bytes,
 )
@@ -63,10 +71,18 @@ class PipelinePlan:
     fits: bool  # every stage's peak (runtime overhead included) within the card
     cut: tuple[int, ...] = ()  # decoder blocks of each stage, first to last
     stage_gibs: tuple[float, ...] = ()  # each stage's peak
+    per_rank: int = 1  # stages per GPU: 1 under 1F1B, V under interleaved 1F1B (then `cut` and `stage_gib` are the
+    # first GPU's: its blocks and peak)
 
     def describe(self) -> str:
         """The plan's text output: the headline and each stage's blocks and memory."""
         verdict = "fits" if self.fits else "does not fit"
+        if self.per_rank > 1:
+            return (f"pipeline {self.stages} stages x {self.micro_batches} micro-batches (interleaved 1F1B, "
+                    f"{self.per_rank} stages per GPU, {self.blocks_per_stage} blocks per GPU): first GPU "
+                    f"{self.stage_gib:.1f} of {self.card_gib:.0f} GiB ({verdict}); bubble {100 * self.bubble:.0f}% "
+                    f"of the step, activations point-to-point {self.p2p_s:.2f} s; ~{self.step_s:.2f} s/step, "
+                    f"{self.tokens_per_s:,.0f} tokens/s")
         stages = ", ".join(f"{b} blocks {g:.1f}" for b, g in zip(self.cut, self.stage_gibs, strict=True))
         return (f"pipeline {self.stages} stages x {self.micro_batches} micro-batches (1F1B): most loaded stage "
                 f"{self.stage_gib:.1f} of {self.card_gib:.0f} GiB ({verdict}); bubble {100 * self.bubble:.0f}% of "
@@ -80,9 +96,21 @@ class PipelinePlan:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def bubble(stages: int, micro_batches: int) -> float:
-    """The idle share of a 1F1B (or GPipe) step: (stages-1)/(micro-batches+stages-1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble(stages: int, micro_batches: int, per_rank: int = 1) -> float:
+    """The idle share of a 1F1B (or GPipe) step, (stages-1)/(micro-batches+stages-1), or of an interleaved 1F1B
+    step with `per_rank` stages per GPU, (stages-1)/(per_rank x micro-batches + stages-1)."""
+    return (stages - 1) / (per_rank * micro_batches + stages - 1)
+
+
+def in_flight(stages: int, micro_batches: int, per_rank: int = 1) -> float:
+    """The micro-batches' worth of the first GPU's activations its schedule keeps at once: 1F1B's min(stages,
+    micro-batches); interleaved 1F1B's warm-up chunks plus the one computing (torch's `_get_warmup_ops` for rank 0),
+    each 1/per_rank of the GPU's blocks."""
+    if per_rank == 1:
+        return min(stages, micro_batches)
+    per_round = micro_batches // max(1, micro_batches // stages)
+    chunks = min((per_rank - 1) * per_round + 2 * (stages - 1), micro_batches * per_rank - 1) + 1
+    return chunks / per_rank
 
 
 def even_cut(layers: int, stages: int) -> list[int]:
@@ -168,27 +196,65 @@ def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int) -> list
     return balance(shape.layers, fixed, per_block)
 
 
-def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int) -> PipelinePlan:
-    """The pipeline of `stages` GPUs of `hw`, one per stage, each running `w.grad_accum` micro-batches a step."""
-    cut = stage_cut(shape, w, hw, stages)
-    gibs = [stage_gib(shape, w, hw, stages, s, b) for s, b in enumerate(cut)]
+def _micro_and_fixed(shape: ModelShape, w: Workload, hw: Hardware) -> tuple[float, float]:
+    """A micro-batch's time and the step's fixed part (the optimizer) on one GPU, from two accumulation lengths."""
     one_gpu = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
-    m = w.grad_accum
-    # A micro-batch's time and the step's fixed part (the optimizer) on one GPU, from two accumulation lengths.
     one = step_time(shape, dataclasses.replace(w, grad_accum=1), one_gpu, "single").step_s
     two = step_time(shape, dataclasses.replace(w, grad_accum=2), one_gpu, "single").step_s
-    per_micro, fixed = two - one, 2 * one - two
+    return two - one, 2 * one - two
+
+
+def _hop_s(shape: ModelShape, w: Workload, hw: Hardware, stages: int) -> float:
+    """One micro-batch's hidden states sent forward and their gradient back between neighbouring GPUs."""
     card = card_of(hw)
     bw = card.link if stages <= hw.gpus_per_node else card.nic
-    hop = 2 * (w.tokens * shape.hidden * compute_bytes(w) / bw + card.latency_s)  # forward and backward sends
+    return 2 * (w.tokens * shape.hidden * compute_bytes(w) / bw + card.latency_s)
+
+
+def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int = 1) -> PipelinePlan:
+    """The pipeline of `stages` GPUs of `hw`, each running `w.grad_accum` micro-batches a step through its one stage
+    (1F1B, cut by `stage_cut`) or its `per_rank` looped stages (interleaved 1F1B, cut evenly)."""
+    if per_rank > 1:
+        return _interleaved(shape, w, hw, stages, per_rank)
+    cut = stage_cut(shape, w, hw, stages)
+    gibs = [stage_gib(shape, w, hw, stages, s, b) for s, b in enumerate(cut)]
+    m = w.grad_accum
+    per_micro, fixed = _micro_and_fixed(shape, w, hw)
     slots = m + stages - 1
-    p2p = slots * hop
+    p2p = slots * _hop_s(shape, w, hw, stages)
     share = max(cut) / shape.layers  # every slot waits for the stage with the most blocks
     step = slots * per_micro * share + p2p + fixed * share
     return PipelinePlan(stages=stages, micro_batches=m, blocks_per_stage=max(cut), stage_gib=max(gibs),
                         card_gib=hw.gpu_mem_gib, bubble=bubble(stages, m), p2p_s=p2p, step_s=step,
                         tokens_per_s=w.tokens * m / step, fits=max(gibs) <= hw.gpu_mem_gib, cut=tuple(cut),
                         stage_gibs=tuple(gibs))
+
+
+def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int) -> PipelinePlan:
+    """Interleaved 1F1B over `stages` GPUs of `per_rank` looped stages each (the even cut the runtime makes): the
+    first GPU's peak, which keeps the most chunks in flight."""
+    # The first GPU's blocks: its stages 0, N, 2N, ... of the N x V, the earlier stages taking the remainder's.
+    counts = even_cut(shape.layers, stages * per_rank)
+    per_gpu = [sum(counts[s] for s in range(r, stages * per_rank, stages)) for r in range(stages)]
+    blocks = per_gpu[0]
+    one_gpu = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
+    m = w.grad_accum
+    stage_shape = dataclasses.replace(shape, layers=blocks)
+    one = estimate(stage_shape, w, one_gpu, "single")  # the blocks, embedding, tower, head: one micro-batch
+    # The first GPU: no output head (unless tied: it is the embedding), and the inputs the other chunks in flight
+    # keep until their backward (every saved activation without checkpointing).
+    head = 0.0 if shape.tied else head_weight_bytes(shape, w)
+    held = activation_bytes(stage_shape, w, blocks) if w.grad_ckpt == "none" else \
+        w.tokens * blocks * checkpointed_block_bytes_per_token(stage_shape, w, "single")
+    gib = one.per_gpu_gib.total + ((in_flight(stages, m, per_rank) - 1) * held - head) / GIB
+    per_micro, fixed = _micro_and_fixed(shape, w, hw)
+    slots = per_rank * m + stages - 1  # each a virtual stage's forward and backward of one micro-batch
+    p2p = slots * _hop_s(shape, w, hw, stages)
+    step = slots * per_micro / (stages * per_rank) + p2p + fixed / stages
+    return PipelinePlan(stages=stages, micro_batches=m, blocks_per_stage=blocks, stage_gib=gib,
+                        card_gib=hw.gpu_mem_gib, bubble=bubble(stages, m, per_rank), p2p_s=p2p, step_s=step,
+                        tokens_per_s=w.tokens * m / step, fits=gib <= hw.gpu_mem_gib, cut=tuple(per_gpu),
+                        stage_gibs=(gib,), per_rank=per_rank)
 
 
 def config_cut(cfg: Config, hw: Hardware, stages: int) -> tuple[int, ...]:
@@ -209,6 +275,8 @@ def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
     strategy beyond the time model's precision (TIE); the strategies are ranked as `recommend` ranks them."""
     best = plan.candidate(plan.recommended) if plan.recommended else None
     rate = f"{pipe.tokens_per_s:,.0f} tokens/s (~{pipe.step_s:.0f} s/step)"
+    interleaved = f" --set pipeline_schedule=interleaved_1f1b --set pipeline_stages_per_rank={pipe.per_rank}" \
+        if pipe.per_rank > 1 else ""
     if not pipe.fits:
         return False, f"not the pipeline: its fullest stage needs {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"
     if refused:
@@ -222,4 +290,5 @@ def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
         plan.candidates, key=lambda c: -(c.tokens_per_s or 0)) if c.fits and c.applies and c.tokens_per_s)
     return True, (f"recommended over the strategies above: pipeline_parallel {pipe.stages}, one GPU per stage "
                   f"({rate}, {than}; strategies that fit: {others or 'none'}): train with --set "
-                  f"pipeline_parallel={pipe.stages} --set grad_accum={pipe.micro_batches} --nproc {pipe.stages}")
+                  f"pipeline_parallel={pipe.stages} --set grad_accum={pipe.micro_batches}{interleaved} "
+                  f"--nproc {pipe.stages}")

@@ -192,7 +192,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     s = strategies.get(name)
     check_layout(cfg, name, n * nnodes)
     check_ep_layout(cfg, name, n * nnodes)
-    pipelines.check_layout(cfg, n * nnodes)
+    pipelines.check_layout(cfg, n * nnodes, name)
     precision = precision_for(cfg.precision, device)
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
                                cfg.pipeline_parallel)
@@ -262,7 +262,8 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
             check_ep_model(cfg.expert_parallel, shape.experts, cfg.model, every_expert=shape.every_expert,
                            multimodal=shape.vision is not None or shape.audio is not None)
         if shape is not None and cfg.pipeline_parallel > 1:
-            pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method)
+            pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method,
+                                  per_rank=pipelines.stages_per_rank(cfg))
     planned = _planned(cfg, device)
     local = node.gpus_per_node if device.type == "cuda" else 1
     survey_hw = job_hardware_of(node, None, nproc or local, nnodes)

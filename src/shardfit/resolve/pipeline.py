@@ -2,10 +2,11 @@
 whose config is the ground truth where the planner did not know the shape). Torch-free.
 
 What runs: dense text decoders (Llama, Qwen2, Qwen3, ...), and Qwen2-VL and Qwen2.5-VL with their vision tower on
-the first stage, cut at decoder-block boundaries into N stages, one rank per stage, trained with LoRA or a full
-fine-tune under the SFT objective, one micro-batch of the 1F1B schedule per grad_accum micro-batch
-(parallel/pipeline.py). Everything else is refused with exit 2 and the reason, before
-anything loads.
+the first stage (one rank per stage, 1F1B), cut at decoder-block boundaries into N stages, each
+stage held by the world / N data-parallel ranks of its group under the strategy (ddp, zero2, zero3; one rank per
+stage needs none), trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B
+schedule per grad_accum micro-batch (parallel/pipeline.py); or, one rank per stage, N x V stages under interleaved
+1F1B, V looped stages per rank. Everything else is refused with exit 2 and the reason, before anything loads.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from shardfit.resolve.sequence import facts_of_config as decoder_facts
 
 # Methods this increment trains through a pipeline: adapters over weights in the compute precision, or every weight.
 PP_METHODS = ("lora", "full")
+# The strategies over a stage's data-parallel ranks: DDP, or FSDP2 sharding over the stage's ranks (the pipeline
+# schedule drives both: torch's PipelineStage syncs them on the step's last backward). zero3_offload's host
+# round-trips through the schedule are not tried.
+PP_DP_STRATEGIES = ("ddp", "zero2", "zero3")
+INTERLEAVED = "interleaved_1f1b"
 # Vision-language models whose vision tower and image merge the first stage runs (parallel/pipeline.py), with
 # M-RoPE positions handed to every stage: tested against one process (tests/test_pipeline_vl.py). Qwen3-VL's
 # deepstack features enter the first blocks and are not passed between stages.
@@ -50,8 +56,9 @@ def _prefix(n: int) -> str:
 FIX = "or set pipeline_parallel: 1"
 
 
-def check_layout(cfg: Config, world: int) -> None:
-    """The config's pipeline_parallel against the job's ranks and settings (UserError when refused)."""
+def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
+    """The config's pipeline_parallel against the job's ranks, `strategy` (the resolved one; None: not known yet)
+    and settings (UserError when refused)."""
     n = cfg.pipeline_parallel
     if n == 1:
         return
@@ -59,10 +66,10 @@ def check_layout(cfg: Config, world: int) -> None:
         raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does not split "
                         f"rows inside a pipeline stage: set sequence_parallel: 1, {FIX}.")
     ParallelDims(world=world, pp=n).check()  # names what would divide
-    if world != n:
-        raise UserError(f"{_prefix(n)} on {world} ranks: this version runs one rank per stage (stages x data "
-                        f"parallelism comes later), so the ranks must equal the stages: launch {n} ranks "
-                        f"(--nproc {n}), {FIX}.")
+    if world > n and strategy is not None and strategy not in PP_DP_STRATEGIES:
+        raise UserError(f"{_prefix(n)} on {world} ranks runs {n} stages x {world // n} data-parallel ranks, under "
+                        f"strategy {' / '.join(PP_DP_STRATEGIES)} over each stage's ranks, not {strategy}: set "
+                        f"strategy: zero3 (or ddp), launch {n} ranks (--nproc {n}, one per stage), {FIX}.")
     if objectives.get(cfg.objective).preference:
         raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective compares "
                         f"the two sides of a pair in one loss, which the stages' micro-batch split would need kept "
@@ -78,13 +85,23 @@ def check_layout(cfg: Config, world: int) -> None:
                         f"grad_accum micro-batches through the stages and needs at least one per stage: set "
                         f"grad_accum: {n} or more (more micro-batches shrink the idle bubble, "
                         f"(stages-1)/(micro-batches+stages-1)), {FIX}.")
+    if cfg.pipeline_schedule == INTERLEAVED and world > n:
+        raise UserError(f"{_prefix(n)} with pipeline_schedule: {INTERLEAVED} on {world} ranks: this version "
+                        f"interleaves stages with one rank per stage only (a rank's stages share its model, which "
+                        f"the strategy would wrap once per stage): set pipeline_schedule: 1f1b, or launch {n} ranks "
+                        f"(--nproc {n}), {FIX}.")
     if cfg.eval_metrics:
         raise UserError(f"{_prefix(n)} with eval_metrics: generation through a model cut over ranks is not in this "
                         f"version (the held-out loss is): set eval_metrics: [], {FIX}.")
 
 
-def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
-    """The model against pipeline_parallel `n` (UserError when refused)."""
+def stages_per_rank(cfg: Config) -> int:
+    """The stages each rank holds: pipeline_stages_per_rank under interleaved 1F1B, else one."""
+    return cfg.pipeline_stages_per_rank if cfg.pipeline_schedule == INTERLEAVED else 1
+
+
+def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: int = 1) -> None:
+    """The model against pipeline_parallel `n` with `per_rank` stages per rank (UserError when refused)."""
     if n == 1:
         return
     why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower other than Qwen2(.5)-VL's"
@@ -93,10 +110,17 @@ def check_model(n: int, facts: StageFacts, model: str, method: str) -> None:
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
                         f"(Llama, Qwen2, Qwen3), Qwen2-VL and Qwen2.5-VL only: train it without a pipeline, {FIX}.")
-    if facts.layers < n:
+    if facts.staged_tower and per_rank > 1:
+        raise UserError(f"{_prefix(n)}: {model}'s vision tower runs on the first stage of a 1F1B pipeline; this "
+                        f"version does not interleave it (pipeline_schedule: {INTERLEAVED}): set pipeline_schedule: "
+                        f"1f1b, {FIX}.")
+    if facts.layers < n * per_rank:
+        stages = f"{n} x {per_rank} = {n * per_rank} stages (pipeline_parallel x pipeline_stages_per_rank)" \
+            if per_rank > 1 else f"{n} stages"
+        fix = f"use a pipeline_stages_per_rank of at most {facts.layers // n}, or pipeline_schedule: 1f1b" \
+            if per_rank > 1 and facts.layers >= n else f"use a pipeline_parallel of at most {facts.layers}"
         raise UserError(f"{_prefix(n)}: {model} has {facts.layers} decoder block{'s' if facts.layers != 1 else ''}, "
-                        f"fewer than the {n} stages (each stage holds at least one block): use a pipeline_parallel "
-                        f"of at most {facts.layers}, {FIX}.")
+                        f"fewer than the {stages} (each stage holds at least one block): {fix}, {FIX}.")
     if facts.tied and methods.get(method).trains_base:
         raise UserError(f"{_prefix(n)}: {model} ties its output head to its input embedding, which sit on the first "
                         f"and last stages; a full fine-tune would train the two copies apart. Train it with method: "

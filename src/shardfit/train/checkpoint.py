@@ -47,7 +47,7 @@ _STAGE_OPTS = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_stat
 
 
 def _is_stage(model: torch.nn.Module) -> bool:
-    return isinstance(model, DecoderStage)
+    return isinstance(getattr(model, "module", model), DecoderStage)  # DDP over a stage's data-parallel ranks
 
 
 class TrainState(Stateful):

@@ -66,7 +66,10 @@ def save_final(wrapped: nn.Module, model: nn.Module, tokenizer: Any, run_dir: Pa
             warnings.filterwarnings("ignore", message="Could not find a config file")
             # Nor is its attempt to look the hub id up online, which fails offline and changes nothing saved.
             warnings.filterwarnings("ignore", message="Unable to fetch remote file")
-            model.save_pretrained(str(out), state_dict=sd or None, safe_serialization=True)
+            # A pipeline's adapter: the stages' gathered entries, never the rank's own parameters (sharded under
+            # zero2/zero3); peft writes adapter_config.json, the weights file is the stages' (below).
+            given = stages if is_lora and stages is not None else sd
+            model.save_pretrained(str(out), state_dict=given or None, safe_serialization=True)
             if is_lora and stages is not None:
                 save_file(stages, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})  # peft's format
         if config is not None:

@@ -64,7 +64,7 @@ from shardfit.parallel.experts import gather_experts, share_experts
 from shardfit.parallel.job import job_of_rank
 from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
-from shardfit.parallel.pipeline import cut
+from shardfit.parallel.pipeline import cut, cut_looped
 from shardfit.parallel.sequence import shard_batch
 from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
@@ -314,7 +314,10 @@ class FineTune:
             loss_module = self._pipeline_stage()
         self.loss_module = parallelize(loss_module, s, device=env.device, world=self.job.dims.stage_ranks,
                                        precision=cfg.precision, grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
-                                       ignored=set(self.experts_shard.params()) if self.experts_shard else None)
+                                       ignored=set(self.experts_shard.params()) if self.experts_shard else None,
+                                       mesh=self.layout.stage_mesh if self.pipe is not None else None)
+        if self.pipe is not None:  # the schedule runs the stage as the strategy wrapped it
+            self.pipe.module = self.loss_module
         if s.engine != "device_map" and not s.offload:
             findings += placement_rules(loss_module, env.device, fix=True)
         self.findings = quantized + findings
@@ -330,12 +333,14 @@ class FineTune:
     def _pipeline_stage(self) -> torch.nn.Module:
         """Cut the built model to this rank's pipeline stage (parallel/pipeline.py), checked against the rules on
         its own config first (the planner may not have known the shape)."""
+        per_rank = pipelines.stages_per_rank(self.cfg)
         pipelines.check_model(self.layout.pp, pipelines.facts_of_config(self.model.config), self.cfg.model,
-                              self.cfg.method)
-        stage = cut(self.model, self.layout.pp_rank, self.layout.pp, self.job.stage_layers)  # the plan's cut
-        self.pipe = PipelineRun(stage, self.layout, self.env.device, self.loss_chunk,
+                              self.cfg.method, per_rank=per_rank)
+        stages = cut_looped(self.model, self.layout.pp_rank, self.layout.pp, per_rank) if per_rank > 1 \
+            else [cut(self.model, self.layout.pp_rank, self.layout.pp, self.job.stage_layers)]  # the plan's cut
+        self.pipe = PipelineRun(stages, self.layout, self.env.device, self.loss_chunk,
                                 DTYPES[self.job.autocast] if self.job.autocast else None)
-        return stage
+        return stages[0]  # it holds the rank's whole share of the model
 
     def _setup_optimizer(self) -> None:
         cfg, env = self.cfg, self.env
