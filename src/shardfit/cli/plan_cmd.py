@@ -352,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
         out["audio"] = audio.to_json()
     lines = [describe(media)] if media else []
     lines += [describe_audio(audio)] if audio else []
+    table = format_table(plan)
     stages = args.pipeline_parallel or (cfg.pipeline_parallel if args.config else 1)
     if stages == 1 and hw.name != "cpu" and 1 < hw.world <= shape.layers and w.grad_accum >= hw.world:
         stages = hw.world  # a pipeline over every GPU that 1F1B can run: a candidate beside the strategies
@@ -363,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         chosen, why = versus(plan, pipe, note)
         out["pipeline"] = {**pipe.to_json(), "note": note, "recommended": chosen, "versus": why}
         lines.append(pipe.describe() + (f"\n  {note}" if note else "") + f"\n  {why}")
+        if chosen:  # one recommendation: the strategies' best is then only the best strategy
+            table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
     job = resolved_job(cfg, args) if args.config else None
     if job is not None:
         out["resolved"] = job.to_json()
@@ -370,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         from shardfit.resolve.decide import SPLIT_WHY  # resolved_job imported it
 
         lines.extend(f"  {w}" for w in job.why if w.startswith(SPLIT_WHY))  # auto split the rows: why
-    print(json.dumps(out, indent=2) if args.json else "\n".join([format_table(plan), *lines]))
+    print(json.dumps(out, indent=2) if args.json else "\n".join([table, *lines]))
     if args.plot:
         try:
             plot(plan, args.plot)
