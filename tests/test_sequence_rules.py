@@ -80,6 +80,15 @@ def test_mixtures_split_where_their_attention_is_full(family: str, why: str | No
     assert "sequence_parallel: 1" in str(e.value)
 
 
+def test_a_mixture_full_fine_tune_is_refused() -> None:
+    """Adapters split (the experts and routers frozen); a full fine-tune of a mixture is refused with the fix."""
+    facts = facts_of_config(tiny_text_config("Qwen3-MoE"))
+    check_model(2, facts, "m", "qlora")
+    check_model(2, facts_of_config(tiny_text_config("Qwen3 (dense)")), "m", "full")
+    with pytest.raises(UserError, match="full fine-tune this version does not split.*method: lora or qlora"):
+        check_model(2, facts, "m", "full")
+
+
 def test_a_balancing_loss_of_another_form_is_refused() -> None:
     check_balancing(2, True, "m")
     check_balancing(1, False, "m")
