@@ -150,7 +150,8 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
 def settled(cfg: Config, job: Resolved) -> Config:
     """`cfg` with what the job resolved in place of `auto`: what config.yaml records and the run's fingerprint
     reads."""
-    return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention)
+    return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention,
+                               static_shape=job.static_shape)
 
 
 def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,
@@ -177,8 +178,11 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
                                cfg.pipeline_parallel)
     # The plan of the settings as they will run (what a rank plans again from the resolved job).
-    planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
-        cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))
+    attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
+    planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=attention,
+                                  static_shape=resolve_static_shape(
+                                      cfg.static_shape, device.type, cfg.packing, attention,
+                                      objectives.get(cfg.objective).preference, cfg.sequence_parallel))
     local = node.gpus_per_node if device.type == "cuda" else 1
     survey = plan_for_config(planned, job_hardware_of(node, None, nproc or local, nnodes))
     job = resolve(cfg, node, device, survey, nproc=nproc, nnodes=nnodes)
