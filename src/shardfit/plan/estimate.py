@@ -670,7 +670,7 @@ class PerRank:
     optimizer: float
     cpu: float = 0.0
     layers: int = 0
-    foreach: float = 0.0  # the multi-tensor AdamW's temporary (FSDP's DTensor parameters; plain ones: fused kernel)
+    foreach: float = 0.0  # the multi-tensor AdamW's temporary (DTensor shards without `fused_adamw`)
     fwd_temp: float = 0.0
     bwd_temp: float = 0.0
     persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
@@ -704,7 +704,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
         r.bwd_temp = layer_grads
-        r.foreach = t_all * trainable_bytes(w) / n
+        r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
@@ -713,7 +713,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         r.fwd_temp = root_16 - own_embedding_16 + layer_16
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
         r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
-        r.foreach = t_all * trainable_bytes(w) / n
+        r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
             weights = grads = optim = r.foreach = 0.0

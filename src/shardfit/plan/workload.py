@@ -143,6 +143,9 @@ class Workload:
     # Times per micro-batch the host waits for the device (a value read back, a data-dependent size): 0 on
     # shardfit's training path (tests/test_host_syncs.py); plan/timing.py `host_sync_s`.
     host_syncs: float = 0.0
+    # AdamW's fused kernel for FSDP2's DTensor shards too (shardfit's runs, train/optim.py): no multi-tensor
+    # temporary. False: the foreach kernel torch picks by default (plan/estimate.py `PerRank.foreach`).
+    fused_adamw: bool = False
 
     @property
     def bnb(self) -> bool:
@@ -195,7 +198,8 @@ def workload_of(cfg: Config) -> Workload:
                     sequence_parallel=cfg.sequence_parallel, quant_backend="torchao",
                     expert_parallel=cfg.expert_parallel,
                     # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
-                    static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch())
+                    static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
+                    fused_adamw=True)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
