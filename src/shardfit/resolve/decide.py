@@ -20,9 +20,9 @@ from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.defaults import (
+    compiled_for,
     eager_attention_max_width,
     resolve_attention,
-    resolve_compile,
     resolve_experts,
     resolve_static_shape,
     row_width_multiple,
@@ -114,8 +114,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     check_ep_layout(cfg, name, n * nnodes)
     pipelines.check_layout(cfg, n * nnodes)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
-                               cfg.pipeline_parallel)
+    compiled = compiled_for(cfg, device.type)
     # A pipeline's stages infer the activations' shape once (torch.distributed.pipelining): every micro-batch is
     # as wide as max_seq_len and micro_batch rows high, as for compiled blocks.
     fixed = compiled or cfg.pipeline_parallel > 1
@@ -175,8 +174,7 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
         if shape is not None and cfg.pipeline_parallel > 1:
             pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
-                               cfg.pipeline_parallel)
+    compiled = compiled_for(cfg, device.type)
     # The plan of the settings as they will run (what a rank plans again from the resolved job).
     attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
     planned = dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=attention,
