@@ -43,6 +43,10 @@ step that alternates small and large kernels waits on each in turn. Short sequen
 compute-bound. torch.compile fuses the elementwise ops between two matmuls into one kernel, so a compiled block
 launches about two kernels per matmul and no views.
 
+Three costs of the code itself, each a named term (docs/planning.md): the trained head's weight gradient where
+it is an fp32 matmul (`head_gradient_s`), a dense mask's whole square against the causal half of kernels that take
+the examples' boundaries (`attended_positions`), and the device's idle at each host wait (`host_sync_s`).
+
 The engine's own host work: DDP's reducer runs a hook per parameter as its gradient is ready; FSDP runs Python
 around every wrapped block (all-gather copy-in and copy-out, resharding, the reduce-scatter's copies; FSDP1 with
 use_orig_params=True also re-points every original parameter at the unsharded flat parameter and back). That
