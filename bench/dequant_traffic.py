@@ -8,6 +8,12 @@ that launch a kernel (views apart, as bench/dispatch_ops.py counts them) and the
 inputs) and writes (its outputs); the matmul itself is left out (a LoRA step runs it too). Per weight per use.
 plan/timing.py (DEQUANT) carries the figures this writes to bench/results/dequant_traffic.json.
 
+`compiled` in the same file: the same dequantization under torch.compile (inductor, this machine's CPU backend):
+the kernels inductor generated for it (its own count), whether the values are bit-equal to the eager ones (and
+with inductor's emulate_precision_casts), the compile's seconds and both versions' milliseconds per use of a
+1024 x 1024 weight (one thread). Inductor's CPU backend does not count bytes; a fused kernel reads the packed codes
+and scales and writes the weight once.
+
     python bench/dequant_traffic.py
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -71,10 +78,50 @@ def measure(rows: int = 4096, cols: int = 4096) -> dict:
             "torch": torch.__version__}
 
 
+def _ms(fn, w, reps: int = 20) -> float:
+    fn(w)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn(w)
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def measure_compiled(rows: int = 1024, cols: int = 1024) -> dict:
+    """One dequantization compiled against eager: inductor's kernel count, bit-equality, times."""
+    import torch._inductor.metrics as metrics
+
+    from shardfit.models.quantize import to_nf4
+
+    torch.manual_seed(0)
+    w = to_nf4(torch.randn(rows, cols, dtype=torch.bfloat16), torch.bfloat16)
+
+    def dequantize(t: torch.Tensor) -> torch.Tensor:
+        return t.get_original_weight()
+
+    compiled = torch.compile(dequantize)
+    metrics.reset()
+    start = time.perf_counter()
+    out = compiled(w)
+    compile_s = time.perf_counter() - start
+    kernels = metrics.generated_kernel_count
+    ref = dequantize(w)
+    # inductor keeps the scale's product in fp32 and rounds once; eager rounds each bf16 step. Its
+    # emulate_precision_casts rounds where eager does.
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        emulated = torch.compile(dequantize)(w)
+    return {"weight": [rows, cols], "kernels": kernels, "bit_equal": torch.equal(out, ref),
+            "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+            "bit_equal_emulating_casts": torch.equal(emulated, ref),
+            "compile_s": round(compile_s, 1), "eager_ms": round(_ms(dequantize, w), 2),
+            "compiled_ms": round(_ms(compiled, w), 2)}
+
+
 def main() -> None:
     import torchao
 
-    res = {**measure(), "torchao": torchao.__version__}
+    torch.set_num_threads(1)
+    res = {**measure(), "torchao": torchao.__version__, "compiled": measure_compiled()}
     OUT.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 

@@ -277,5 +277,9 @@ def test_tf32_only_for_the_fp32_matmuls_of_a_16_bit_gpu_run(device: str, precisi
         torch.set_float32_matmul_precision("highest")
         assert fast_fp32_matmuls(torch.device(device), precision) is tf32
         assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+        # torch 2.9's per-backend setting reads the same, and the legacy flag other libraries read agrees with it
+        # (setting only the new one makes reading the legacy flag raise)
+        assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32
     finally:
         torch.set_float32_matmul_precision(before)

@@ -3,6 +3,7 @@ tokens, with the loss of unpacked rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,31 @@ def test_the_static_rows_train_as_the_unpacked_ones(tmp_path: Path, tiny_qwen2: 
 def test_when_the_shape_is_static(value: bool | str, device: str, packing: bool, attention: str, preference: bool,
                                   expect: bool) -> None:
     assert resolve_static_shape(value, device, packing, attention, preference) is expect
+
+
+@pytest.mark.parametrize(("device", "packing", "attention", "static", "sp", "objective", "expect"), [
+    ("cuda", True, "flex_attention", "auto", 1, "sft", True),  # packed into one static row: one shape, compiled
+    ("cuda", True, "flash_attention_2", True, 1, "sft", True),
+    ("cuda", True, "sdpa", "auto", 1, "sft", False),  # packed rows of every width: no static shape, no compile
+    ("cuda", True, "flex_attention", False, 1, "sft", False),
+    ("cuda", True, "flex_attention", "auto", 1, "dpo", False),  # pairs keep their rows
+    ("cuda", True, "flex_attention", "auto", 2, "sft", False),  # sequence parallelism is not compiled
+    ("cuda", False, "sdpa", "auto", 1, "sft", True),  # unpacked rows padded to one shape, as before
+    ("cpu", True, "flex_attention", True, 1, "sft", False),  # a CPU never compiles under auto
+])
+def test_compile_auto_compiles_a_gpus_static_shape_rows(device: str, packing: bool, attention: str,
+                                                        static: bool | str, sp: int, objective: str,
+                                                        expect: bool) -> None:
+    """`compile: auto` on a GPU: one input shape per run pays for the compile, so packed SFT rows in one static
+    row (`static_shape` on, which auto does for a boundary kernel) compile as unpacked rows do."""
+    from shardfit.config import Config
+    from shardfit.resolve.defaults import compiled_for, resolve_speed_settings
+
+    cfg = dataclasses.replace(Config(), packing=packing, attn_implementation=attention, static_shape=static,
+                              sequence_parallel=sp, objective=objective)
+    assert compiled_for(cfg, device) is expect
+    assert resolve_speed_settings(cfg, device).compile is expect
+    assert compiled_for(dataclasses.replace(cfg, compile=False), device) is False
 
 
 def test_a_bad_value_is_refused_with_the_choices(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:

@@ -149,8 +149,9 @@ class Config:
                                            "other kernels compute the whole masked square of the row. SFT only: "
                                            "preference pairs and sequence parallelism keep their rows")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
-                                      "compiler on CPU). auto compiles only on a GPU with packing off: a compiled run "
-                                      "pads micro-batches to one static shape, undoing packing, and its first run "
+                                      "compiler on CPU). auto compiles only on a GPU, with packing off or with "
+                                      "static_shape on: a compiled run wants one input shape (it pads unpacked "
+                                      "micro-batches to one; static_shape packs them into one), and its first run "
                                       "waits for the compile, which did not pay on CPU")
     attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
                                            "flex_attention. auto: eager for compiled blocks on CPU with packed rows "

@@ -68,7 +68,12 @@ def fast_fp32_matmuls(device: torch.device, precision: str) -> bool:
     loss, any op autocast leaves in fp32): their operands come from bf16/fp16 values, so TF32's 10-bit mantissa
     loses nothing they had, and the matmul runs on the tensor cores instead of at a fraction of their rate. An fp32
     run keeps full fp32 matmuls, as asked; a CPU is left as it is. The flag is the process's (one run per
-    process). Returns whether it was set."""
+    process). Returns whether it was set.
+
+    Set with `torch.set_float32_matmul_precision`, which (torch 2.13, CUDA only) sets both the per-backend setting
+    of torch 2.9 (`torch.backends.cuda.matmul.fp32_precision` reads "tf32") and the legacy flag
+    (`torch.backends.cuda.matmul.allow_tf32`) that accelerate and transformers read; setting only the new one makes
+    reading the legacy flag raise ("mix of the legacy and new APIs")."""
     if device.type != "cuda" or precision not in ("bf16", "fp16"):
         return False
     torch.set_float32_matmul_precision("high")

@@ -10,12 +10,14 @@ from typing import Any
 
 import yaml
 
-from shardfit.plan.hardware import CARDS, Hardware, card_key
+from shardfit.plan.hardware import CARDS, NO_BF16, Hardware, card_key
 
 GB = 1e9
 # A100: a training step's utilization (0.52, Megatron-LM) over one large GEMM's (0.87, MAMF): what the rest of a
 # step costs, applied to cards whose training utilization is not published.
 HFU_OF_MAMF = 0.52 / 0.87
+# Cards without TF32 tensor cores: those before Ampere (their `bf16` column is fp16's) and CDNA2.
+NO_TF32 = (*NO_BF16, "mi250x")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,14 @@ class Card:
     def dense_flops(self, precision: str) -> float:
         """The card's peak FLOP rate for matmuls in `precision`: fp32 without TF32, else the 16-bit tensor rate."""
         return self.fp32_flops if precision == "fp32" else self.bf16_flops
+
+    def fp32_matmul_flops(self) -> float:
+        """The peak rate of an fp32 matmul in a run that allows TF32 (shardfit's 16-bit GPU runs,
+        parallel/env.py `fast_fp32_matmuls`): TF32 tensor cores at half the 16-bit rate on the cards that have
+        them (NVIDIA since Ampere: A100 156 of 312 TFLOP/s, H100 SXM 495 of 989; MI300X's xf32 654 of 1307; the
+        datasheets of plan/cards.yaml), the fp32 rate on the others (NO_TF32) and on a CPU."""
+        return self.fp32_flops if self.key in NO_TF32 or self.key == "cpu" else max(self.fp32_flops,
+                                                                                     self.bf16_flops / 2)
 
     def peak(self, precision: str) -> float:
         """The FLOP rate a training step in `precision` reaches (its achievable fraction of the peak)."""

@@ -354,16 +354,17 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # row's max it subtracted first and, where that dtype is not the compute dtype, the probabilities' cast;
         # q and k/v repeated to every head, and not the probabilities' product with v (its matmul keeps inputs).
         r = residual_bytes(w, strategy)
-        attn = a * 3 * q + shape.heads * ((w.seq_len + 1) * r + (w.seq_len * a if r != a else 0) + 8)
+        attn = a * 3 * q + shape.heads * ((w.row_len + 1) * r + (w.row_len * a if r != a else 0) + 8)
     elif w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
-        attn = a * (2 * q + 2 * q) + shape.heads * w.seq_len * (4 + a)
+        attn = a * (2 * q + 2 * q) + shape.heads * w.row_len * (4 + a)
     elif w.attention == "sdpa":
         # With a mask, SDPA converts it to an additive bias in the compute dtype per call and keeps it for its
-        # backward (seq_len per token, every block), and transformers repeats k/v to every head, as it hands GQA to
-        # SDPA only without a mask (transformers' sdpa_attention.use_gqa_in_sdpa).
-        attn = a * (2 * q + 2 * q) + 4 * shape.heads + a * w.seq_len
+        # backward (the row's width per token, every block: micro_batch x seq_len under static_shape), and
+        # transformers repeats k/v to every head, as it hands GQA to SDPA only without a mask (transformers'
+        # sdpa_attention.use_gqa_in_sdpa).
+        attn = a * (2 * q + 2 * q) + 4 * shape.heads + a * w.row_len
         if w.sequence_parallel > 1:  # the Ulysses kernel's bool mask over the whole row, on each rank
             attn += (w.sequence_parallel - a) * w.seq_len
     else:
@@ -497,11 +498,13 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
 def held_mask_bytes(w: Workload, strategy: str) -> float:
     """The mask transformers builds once per forward ([batch, seq, seq]: bool for SDPA, additive in the residual
-    dtype for eager). Checkpointed blocks keep it as an input until their backward; without checkpointing it is
-    gone once the body returns (SDPA's per-block copies are counted with the blocks)."""
+    dtype for eager; one row of micro_batch x seq_len under static_shape). Checkpointed blocks keep it as an input
+    until their backward; without checkpointing it is gone once the body returns (SDPA's per-block copies are
+    counted with the blocks)."""
     if w.grad_ckpt == "none" or w.attention == "flash" or w.sequence_parallel > 1:  # Ulysses: a mask per block
         return 0.0
-    return w.rows * w.seq_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
+    rows = 1 if w.static_shape else w.rows
+    return rows * w.row_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
 
 
 def residual_bytes(w: Workload, strategy: str) -> int:
@@ -676,7 +679,7 @@ class PerRank:
     optimizer: float
     cpu: float = 0.0
     layers: int = 0
-    foreach: float = 0.0  # the multi-tensor AdamW's temporary (FSDP's DTensor parameters; plain ones: fused kernel)
+    foreach: float = 0.0  # the multi-tensor AdamW's temporary (DTensor shards without `fused_adamw`)
     fwd_temp: float = 0.0
     bwd_temp: float = 0.0
     persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
@@ -711,7 +714,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
         r.bwd_temp = layer_grads
-        r.foreach = t_all * trainable_bytes(w) / n
+        r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
@@ -720,7 +723,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         r.fwd_temp = root_16 - own_embedding_16 + layer_16
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
         r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
-        r.foreach = t_all * trainable_bytes(w) / n
+        r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
             weights = grads = optim = r.foreach = 0.0

@@ -43,6 +43,10 @@ step that alternates small and large kernels waits on each in turn. Short sequen
 compute-bound. torch.compile fuses the elementwise ops between two matmuls into one kernel, so a compiled block
 launches about two kernels per matmul and no views.
 
+Three costs of the code itself, each a named term (docs/planning.md): the trained head's weight gradient where
+it is an fp32 matmul (`head_gradient_s`), a dense mask's whole square against the causal half of kernels that take
+the examples' boundaries (`attended_positions`), and the device's idle at each host wait (`host_sync_s`).
+
 The engine's own host work: DDP's reducer runs a hook per parameter as its gradient is ready; FSDP runs Python
 around every wrapped block (all-gather copy-in and copy-out, resharding, the reduce-scatter's copies; FSDP1 with
 use_orig_params=True also re-points every original parameter at the unsharded flat parameter and back). That
@@ -202,11 +206,23 @@ def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     return 2.0 * params, float(params)
 
 
+def attended_positions(w: Workload) -> float:
+    """Masked attention: the key positions one query's QK^T and PV run over in the kernel `w` runs, at the most.
+
+    A kernel that takes the examples' boundaries (flash-attention 2's variable lengths from the position restarts,
+    flex attention's block mask built on the host from them, models/masks.py; SDPA's causal kernel over a row without
+    a mask) skips the blocks above the diagonal and across examples: half of seq_len on average for rows of one
+    full-length example, whether the row is one example or, under `static_shape`, micro_batch of them side by side.
+    A dense mask (SDPA over packed or padded rows: its memory-efficient kernel, the one that takes an arbitrary
+    mask on a GPU; eager attention) is applied to scores computed over the whole square of the row: every query
+    runs over the row's `row_len`, seq_len, or micro_batch x seq_len under `static_shape`, micro_batch times the
+    attention of separate rows (why resolve/defaults.py turns static_shape on only with a boundary kernel)."""
+    return w.seq_len / 2 if w.attention == "flash" else float(w.row_len)
+
+
 def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
-    """Forward FLOPs of one block's QK^T and PV per token: over half the sequence on average for a causal kernel
-    (flash), over all of it where a dense mask is applied (sdpa with a mask, eager)."""
-    attended = w.seq_len / 2 if w.attention == "flash" else w.seq_len
-    return 4.0 * attended * shape.heads * shape.hd
+    """Forward FLOPs of one block's QK^T and PV per token over its `attended_positions`."""
+    return 4.0 * attended_positions(w) * shape.heads * shape.hd
 
 
 def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
@@ -528,23 +544,25 @@ def ulysses_s(shape: ModelShape, w: Workload, card: Card, hw: Hardware) -> float
 @dataclass(frozen=True)
 class GpuWork:
     """One GPU's work on one micro-batch, in seconds: its kernels (`compute`), the host's launches (`host`,
-    overlapped with them), and the slower of the two (`busy`)."""
+    overlapped with them), and the slower of the two plus the device's idle at the host's waits (`busy`)."""
 
     compute: float
     host: float
+    stall: float = 0.0  # the device idle at the host's waits for it (`host_sync_s`), overlapping neither
 
     @property
     def busy(self) -> float:
-        return max(self.compute, self.host)
+        return max(self.compute, self.host) + self.stall
 
 
 def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
-    """The FLOPs at the training utilization (which holds the step's own elementwise work) and QLoRA's
-    dequantization, which the runs behind that utilization did not do; and the host's dispatch."""
+    """The FLOPs at the training utilization (which holds the step's own elementwise work), the head gradient's
+    fp32 matmul where it is one, and QLoRA's dequantization, which the runs behind that utilization did not do;
+    the host's dispatch, and the waits for the device that stall both."""
     tokens = w.tokens
     flops = step_flops_per_token(shape, w) * tokens
     dequant = _qlora_dequant_bytes(shape, w) / card.hbm
-    compute = flops / card.peak(w.precision) + dequant
+    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu)
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -552,7 +570,8 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # behind the training utilization held. Not on a CPU: its rate is the machine's measured matmul, and its memory
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
-        matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff)
+        matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
+            head_gradient_s(shape, w, card, card.matmul_eff)
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
@@ -561,7 +580,51 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     if w.reference == "adapters_off":  # the reference's forward without gradients runs inside every micro-batch
         ref = reference_work(shape, w, card, s)
         compute, host = compute + ref.compute, host + ref.host
-    return GpuWork(compute, host)
+    return GpuWork(compute, host, host_sync_s(w, card))
+
+
+def head_gradient_flops(shape: ModelShape, w: Workload) -> float:
+    """FLOPs per micro-batch of the trained head's weight gradient (2 h V per labelled position, every position at
+    the most) where it runs as an fp32 matmul; 0 where it runs at the 16-bit rate like the other matmuls.
+
+    shardfit's chunked loss (train/loss.py `_LinearCrossEntropy`) multiplies each chunk's 16-bit softmax gradient by
+    its 16-bit hidden states into the fp32 gradient (addmm with out_dtype) where the device has that kernel: CUDA
+    with a torch that has the overload (`head_grad_fp32` False); elsewhere it widens both operands to fp32 for an
+    fp32 matmul: a CPU always, a GPU under an older torch. Only where the head trains (a full fine-tune) in a
+    16-bit run with shardfit's loss: an fp32 run's matmuls are all fp32 in its rate already, and the other losses
+    leave the head's gradient to autocast (16-bit)."""
+    if w.method != "full" or w.loss != "chunked" or w.precision not in ("bf16", "fp16"):
+        return 0.0
+    return 2.0 * shape.hidden * shape.vocab * w.tokens
+
+
+def head_gradient_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
+    """The head-gradient term: seconds per micro-batch the head's weight gradient takes beyond what the 16-bit
+    matmul rate (at efficiency `eff`) counted for it, where it is an fp32 matmul (`head_gradient_flops`): at the
+    card's fp32 matmul rate (TF32 where the card has it: shardfit sets TF32 for a 16-bit GPU run,
+    parallel/env.py `fast_fp32_matmuls`; the fp32 rate on cards without, and on a CPU, where it can also be the
+    faster one). Before the 16-bit kernel this matmul made a Qwen2.5-0.5B full fine-tune's step 23-46 % longer on
+    an H100 without TF32 (issue 45's study)."""
+    widened = card.key != "cpu" and not w.head_grad_fp32
+    flops = 0.0 if widened else head_gradient_flops(shape, w)
+    if flops == 0.0:
+        return 0.0
+    return flops / (card.fp32_matmul_flops() * eff) - flops / (card.dense_flops(w.precision) * eff)
+
+
+# What one wait for the device costs a GPU micro-batch beyond its work: the device runs dry, the host wakes from the
+# synchronize (a tiny kernel followed by a synchronize: 4.7-7.1 us, JuliaGPU/CUDA.jl#896) and launches the next op
+# (DISPATCH_KERNEL_S) before the device has anything to run.
+HOST_SYNC_S = 7e-6 + DISPATCH_KERNEL_S
+
+
+def host_sync_s(w: Workload, card: Card) -> float:
+    """The syncs term: seconds per micro-batch the device idles at the host's waits for it (`w.host_syncs`, each
+    HOST_SYNC_S), which neither the GPU's work nor the host's launches overlap. The lower bound: a wait also stops
+    the host from running ahead, so launches after it that it could have hidden behind earlier kernels are not
+    hidden any more. 0 on a CPU (its host is the device) and on shardfit's path (no wait in a step,
+    tests/test_host_syncs.py)."""
+    return 0.0 if card.key == "cpu" else w.host_syncs * HOST_SYNC_S
 
 
 def reference_flops_per_token(shape: ModelShape, w: Workload) -> float:
@@ -689,7 +752,7 @@ def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategie
     # FSDP2 prefetches the next unit's all-gather (its H2D copy first) while the current one computes; what the
     # engine that ran `w` waits for in full (`exposed_collectives`) is added after.
     hidden = (gathers - exposed.gathers) / gathers
-    gpu_side = gpu.compute + gpu.host if exposed.host else gpu.busy
+    gpu_side = gpu.compute + gpu.host + gpu.stall if exposed.host else gpu.busy
     rs_exposed = rs_mb if exposed.reduce_scatter else 0.0
     overlapped = hidden * (comm_mb + pcie_mb) + rs_mb - rs_exposed
     t = Traffic(max(gpu_side, overlapped) + (1 - hidden) * (comm_mb + pcie_mb) + rs_exposed, comm_mb + rs_mb,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config import Config
+from shardfit.kernels import widening_matmul_in_torch
 
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
 # in three generations: see `Workload.loss`.
@@ -133,6 +134,18 @@ class Workload:
     # reference's log-probabilities, as `precompute_reference` (auto | True | False) decides (`reference`).
     objective: str = "sft"
     precompute_reference: bool | str = "auto"
+    # Every micro-batch one row of micro_batch x seq_len tokens, its examples side by side (data/static_shape.py):
+    # a dense mask then spans the whole row (`row_len`); kernels that take the examples' boundaries do not care.
+    static_shape: bool = False
+    # The trained head's weight gradient as an fp32 matmul: shardfit's loss on a torch without addmm's out_dtype
+    # (16-bit operands into an fp32 result, CUDA only); plan/timing.py `head_gradient_s`.
+    head_grad_fp32: bool = False
+    # Times per micro-batch the host waits for the device (a value read back, a data-dependent size): 0 on
+    # shardfit's training path (tests/test_host_syncs.py); plan/timing.py `host_sync_s`.
+    host_syncs: float = 0.0
+    # AdamW's fused kernel for FSDP2's DTensor shards too (shardfit's runs, train/optim.py): no multi-tensor
+    # temporary. False: the foreach kernel torch picks by default (plan/estimate.py `PerRank.foreach`).
+    fused_adamw: bool = False
 
     @property
     def bnb(self) -> bool:
@@ -158,6 +171,12 @@ class Workload:
         return -(-self.seq_len * self.rows // self.sequence_parallel)
 
     @property
+    def row_len(self) -> int:
+        """Tokens in one row of a micro-batch, what a dense attention mask spans: seq_len, or the micro-batch's
+        rows side by side under `static_shape`."""
+        return self.seq_len * (self.rows if self.static_shape else 1)
+
+    @property
     def reference(self) -> str | None:
         """How the run gets its reference log-probabilities: "adapters_off" (a forward without gradients inside
         every micro-batch), "precomputed" (one such forward over the data before the first step) or None."""
@@ -177,7 +196,10 @@ def workload_of(cfg: Config) -> Workload:
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
                     objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference,
                     sequence_parallel=cfg.sequence_parallel, quant_backend="torchao",
-                    expert_parallel=cfg.expert_parallel)
+                    expert_parallel=cfg.expert_parallel,
+                    # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
+                    static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
+                    fused_adamw=True)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

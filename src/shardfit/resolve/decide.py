@@ -23,9 +23,9 @@ from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.defaults import (
+    compiled_for,
     eager_attention_max_width,
     resolve_attention,
-    resolve_compile,
     resolve_experts,
     resolve_static_shape,
     row_width_multiple,
@@ -194,8 +194,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     check_ep_layout(cfg, name, n * nnodes)
     pipelines.check_layout(cfg, n * nnodes, name)
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
-                               cfg.pipeline_parallel)
+    compiled = compiled_for(cfg, device.type)
     # A pipeline's stages infer the activations' shape once (torch.distributed.pipelining): every micro-batch is
     # as wide as max_seq_len and micro_batch rows high, as for compiled blocks.
     fixed = compiled or cfg.pipeline_parallel > 1
@@ -230,17 +229,19 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
 def _planned(cfg: Config, device: DeviceFacts) -> Config:
     """The settings as they will run, which the plan reads (what a rank plans again from the resolved job)."""
     precision = precision_for(cfg.precision, device)
-    compiled = resolve_compile(cfg.compile, device.type, cfg.packing, cfg.sequence_parallel,
-                               cfg.pipeline_parallel)
-    return dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=resolve_attention(
-        cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled))
+    compiled = compiled_for(cfg, device.type)
+    attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
+    return dataclasses.replace(cfg, precision=precision, compile=compiled, attn_implementation=attention,
+                               static_shape=resolve_static_shape(
+                                   cfg.static_shape, device.type, cfg.packing, attention,
+                                   objectives.get(cfg.objective).preference, cfg.sequence_parallel))
 
 
 def settled(cfg: Config, job: Resolved) -> Config:
     """`cfg` with what the job resolved in place of `auto`: what config.yaml records and the run's fingerprint
     reads."""
     return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention,
-                               sequence_parallel=job.sequence_parallel)
+                               sequence_parallel=job.sequence_parallel, static_shape=job.static_shape)
 
 
 def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,

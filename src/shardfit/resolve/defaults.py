@@ -4,7 +4,8 @@ bench/results/*.json hold the measurements, docs/training.md the rule in words).
 
 - compile: compiled blocks want one static shape, so a compiled run pads every micro-batch to micro_batch rows of
   max_seq_len, which gives back what packing saved, and the first run of a model pays the compile itself. `auto`
-  compiles only where neither cost applies: a GPU, packing off.
+  compiles only where neither cost applies: a GPU, with packing off or with `static_shape` on (packed rows laid
+  into one row of micro_batch x max_seq_len tokens: one shape, packing kept).
 - attention: with packing the kernel gets a block-diagonal mask, and SDPA's CPU kernel then computes the whole
   masked square. Compiled, the plain matmul-mask-softmax attention (`eager`, fused by inductor) beat it for packed
   rows of 256 tokens (2.8 -> 2.15 s per step); uncompiled in fp32 it did not (0.76x SDPA's speed at 4 x 128
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardfit import objective as objectives
 from shardfit.config import Config
 
 # Longest packed row at which compiled eager attention was measured faster than SDPA on CPU.
@@ -31,13 +33,25 @@ EAGER_ATTENTION_BF16_MAX_WIDTH = 192
 
 
 def resolve_compile(value: bool | str, device_type: str, packing: bool, sequence_parallel: int = 1,
-                    pipeline_parallel: int = 1) -> bool:
-    """`compile` as a bool: `auto` compiles on GPUs when rows are not packed (static shapes cost nothing there),
-    and not under sequence parallelism (its all-to-all attention is not compiled; resolve/sequence.py refuses
-    `true`) nor in a pipeline's stages (not tried yet; resolve/pipeline.py refuses `true`)."""
+                    pipeline_parallel: int = 1, static_shape: bool = False) -> bool:
+    """`compile` as a bool: `auto` compiles on GPUs where the micro-batches have one shape at no cost: rows not
+    packed (padded to one static shape), or packed into `static_shape` rows (one row of micro_batch x max_seq_len
+    tokens: the compiled blocks meet one input shape for the whole run, and packing is kept); not under sequence
+    parallelism (its all-to-all attention is not compiled; resolve/sequence.py refuses `true`) nor in a
+    pipeline's stages (not tried yet; resolve/pipeline.py refuses `true`)."""
     if value != "auto":
         return bool(value)
-    return device_type == "cuda" and not packing and sequence_parallel == 1 and pipeline_parallel == 1
+    return device_type == "cuda" and (not packing or static_shape) and sequence_parallel == 1 \
+        and pipeline_parallel == 1
+
+
+def compiled_for(cfg: Config, device_type: str) -> bool:
+    """`resolve_compile` for `cfg` on `device_type`, its `static_shape` decided first (from the kernel the config
+    names: `auto` never becomes one that takes example boundaries, so the resolved kernel decides the same)."""
+    static = resolve_static_shape(cfg.static_shape, device_type, cfg.packing, cfg.attn_implementation,
+                                  objectives.get(cfg.objective).preference, cfg.sequence_parallel)
+    return resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel, cfg.pipeline_parallel,
+                           static)
 
 
 # Attention kernels that take a packed row's example boundaries from its positions (variable-length flash attention)
@@ -134,7 +148,6 @@ def resolve_experts(device_type: str) -> str:
 
 def resolve_speed_settings(cfg: Config, device_type: str) -> Config:
     """`cfg` with `compile` and `attn_implementation` resolved for `device_type` (what config.yaml records)."""
-    compiled = resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel,
-                               cfg.pipeline_parallel)
+    compiled = compiled_for(cfg, device_type)
     return dataclasses.replace(cfg, compile=compiled, attn_implementation=resolve_attention(
         cfg.attn_implementation, device_type, cfg.packing, cfg.max_seq_len, compiled))

@@ -10,18 +10,24 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; the fused kernel where every parameter is a plain local tensor, else
-    the multi-tensor (foreach) one, which is what CUDA picks by default and what the planner counts."""
+def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+                    fused_shards: bool = True) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters with the fused kernel: one pass over each parameter's weight, gradient
+    and moments, no multi-tensor temporaries, and `found_inf` to skip an update on the device (train/diverge.py).
+    FSDP2's DTensor shards take it too (torch 2.13 runs `_fused_adamw_` on their local shards, tested against the
+    unfused update on 2 ranks); `fused_shards=False` gives them the multi-tensor (foreach) kernel instead, what
+    torch picks by default and other tools run (the planner's `fused_adamw`; plan --simulate builds either).
+    A torch or a device without the fused kernel falls back to torch's default."""
     plain = all(not isinstance(p, DTensor) for p in params)
     sharded = [p for p in params if isinstance(p, DTensor)]
-    # Expert parallelism under FSDP2 keeps the experts plain beside the shards: a group each, since one foreach
-    # kernel cannot take both kinds.
+    # Expert parallelism under FSDP2 keeps the experts plain beside the shards: a group each, since one fused or
+    # foreach kernel cannot take both kinds.
     groups: list[Any] = params if plain or len(sharded) == len(params) else [
         {"params": sharded}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
+    fused = plain or fused_shards
     try:
         return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8,
-                                 fused=plain, foreach=not plain)
+                                 fused=fused, foreach=not fused)
     except RuntimeError:
         return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
 
