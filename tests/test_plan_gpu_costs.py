@@ -135,3 +135,12 @@ def test_a_configs_workload_has_its_static_shape_and_the_installed_torchs_head_g
     assert workload_of(_cfg()).head_grad_fp32
     monkeypatch.setattr("shardfit.plan.workload.widening_matmul_in_torch", lambda: True)
     assert not workload_of(_cfg()).head_grad_fp32
+
+
+def test_the_planner_knows_the_widening_matmul_without_importing_torch() -> None:
+    """The plan reads the installed torch's version (it starts without torch); the answer is torch's own."""
+    import torch
+
+    from shardfit.kernels import widening_matmul_in_torch
+
+    assert widening_matmul_in_torch() == ("dtype_out" in torch.ops.aten.addmm.overloads())

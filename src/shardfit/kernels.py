@@ -1,15 +1,30 @@
-"""What the installed torch can run, for the decisions and the planner that depend on it (no device needed)."""
+"""What the installed torch can run, for the decisions and the planner that depend on it. Torch-free: `plan` and
+`diagnose` start without importing torch (tests/test_architecture.py), so the answers come from torch's installed
+version, not from torch itself."""
 
 from __future__ import annotations
 
 import functools
+import re
+from importlib import metadata
+
+# The first release known here to have aten::addmm.dtype_out (16-bit operands into an fp32 result): the pinned one.
+# Earlier releases are counted as without it, so the plan errs on the slow side for them.
+WIDENING_MATMUL_SINCE = (2, 13)
+
+
+def _torch_version() -> tuple[int, int] | None:
+    try:
+        found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return None
+    return (int(found[1]), int(found[2])) if found else None
 
 
 @functools.cache
 def widening_matmul_in_torch() -> bool:
     """Whether this torch has `addmm` into a wider result dtype (aten::addmm.dtype_out: 16-bit operands, fp32
     result, accumulated in place), the kernel the loss's head gradient uses on CUDA (train/loss.py
-    `widening_matmul` tries it on the device). torch releases before the overload have no such op."""
-    import torch
-
-    return "dtype_out" in torch.ops.aten.addmm.overloads()
+    `widening_matmul` tries it on the device)."""
+    version = _torch_version()
+    return version is not None and version >= WIDENING_MATMUL_SINCE
