@@ -205,6 +205,7 @@ def _same_as_one_process(tmp: Path, model: Path, data: Path, **over) -> tuple[Pa
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the interleaved case holds the schedule and the adapter; this adds export --merge
 def test_qwen2_lora_over_two_stages(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
     """LoRA: the adapter has one process's keys and values, its config the same targets; export --merge gives
     the same model."""

@@ -195,6 +195,7 @@ def test_train_with_video_frames(tmp_path: Path, tiny_vl: Path, video_data: Path
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # test_vl_families.py holds the media-free zero3 rank; this, the same with a video row
 def test_rank_without_video_matches_single_process(tmp_path: Path, tiny_vl25: Path, video_data: Path) -> None:
     """One row with a video and one text row, one row per rank under zero3: the rank without a video still runs
     the vision tower (on a blank image), so the collectives match; losses equal one process's."""
