@@ -4,9 +4,7 @@ a spawned rank imports torch and the shardfit pieces it exercises, not transform
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from shardfit.parallel.env import DistEnv
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.strategy import get as strategy_of
 from shardfit.train.evaluate import evaluate
+from tests.helpers import join_gloo
 
 
 class CollectiveLoss(nn.Module):
@@ -41,9 +40,7 @@ def eval_rows(n: int) -> list[PackedRow]:
 
 
 def _join(rank: int, world: int, port: int) -> DistEnv:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    join_gloo(rank, world, port, timeout_s=20)
     return DistEnv(rank, world, 0, torch.device("cpu"), "gloo")
 
 

@@ -4,9 +4,7 @@ shared over the ranks, against the whole model in every rank."""
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -18,20 +16,15 @@ from shardfit.parallel.expert_dispatch import dispatch_combine
 from shardfit.parallel.expert_grads import sync_expert_grads
 from shardfit.parallel.experts import gather_experts, shard_experts
 from tests.families import tiny_text_config
+from tests.helpers import gloo_group
 
 
 def block_rank(rank: int, world: int, port: int, families: list[str], out: str) -> None:
     """Each family once: `out`/rank-R.json gets this rank's largest errors (logits, expert and other gradients)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         results = {family: _case(rank, world, family) for family in families}
         results["empty"] = _no_rows_for_a_rank(rank, world)
         Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
 
 
 def _case(rank: int, world: int, family: str) -> dict:

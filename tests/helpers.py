@@ -3,6 +3,7 @@ shared models live in conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import wave
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    """This spawned process as rank `rank` of a gloo group of `world` on 127.0.0.1 (its store on `port`, rank 0
+    hosting it), computing on one thread as each rank of a real run does."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int, timeout_s: float = 60.0) -> Iterator[None]:
+    """`join_gloo` for the length of the block, the group destroyed after it (also when the block raises)."""
+    join_gloo(rank, world, port, timeout_s)
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def write_config(path: Path, **keys) -> Path:

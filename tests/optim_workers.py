@@ -3,9 +3,7 @@ a few steps with the fused AdamW and with the multi-tensor one, from the same st
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -20,6 +18,7 @@ from shardfit.train.diverge import DivergenceStop
 from shardfit.train.loss import CausalLMLoss
 from shardfit.train.optim import build_optimizer
 from tests.families import tiny_text_config
+from tests.helpers import gloo_group
 
 STEPS = 4
 
@@ -65,12 +64,6 @@ def _run(rank: int, world: int, fused: bool, bad_step: int = 0) -> dict:
 
 def adamw_rank(rank: int, world: int, port: int, out: str) -> None:
     """`out`/rank-R.json: the fused run (diverging at one step after STEPS) and the multi-tensor run."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         result = {"fused": _run(rank, world, True, bad_step=STEPS + 1), "foreach": _run(rank, world, False)}
         Path(out, f"rank-{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()

@@ -3,9 +3,7 @@ over the whole row, and a mixture's routing statistics of the slices against the
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -14,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardfit.parallel.ulysses import SHARD_KWARG, SequenceShard, block_causal, ulysses_attention
+from tests.helpers import gloo_group
 
 HEADS, DIM, WIDTH, BATCH = 4, 8, 12, 2
 
@@ -32,15 +31,10 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Ten
 def attention_rank(rank: int, world: int, port: int, cases: list[tuple[int, bool]], out: str) -> None:
     """Each case (key/value heads, packed rows) once; `out`/rank-R.json gets this rank's errors per case, and
     `out`/routing-R.json those of the routers' statistics (`_routing_case`), sharing the ranks' start."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
-    try:
+    with gloo_group(rank, world, port, timeout_s=20):
         results = [_case(rank, world, kv, packed) for kv, packed in cases]
         Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
         Path(out, f"routing-{rank}.json").write_text(json.dumps(_routing_case(rank, world)))
-    finally:
-        dist.destroy_process_group()
 
 
 def _case(rank: int, world: int, kv_heads: int, packed: bool) -> dict:
