@@ -64,25 +64,21 @@ class ExpertShard:
 
     def params(self) -> list[nn.Parameter]:
         """The expert weights this rank holds (the sliced 3-D stacks, any per-expert biases, their LoRA factors)."""
-        return [p for _, p, _ in self._named()]
+        return [p for _, p in self._named()]
 
-    def _named(self) -> list[tuple[str, nn.Parameter, str]]:
-        """(model path, parameter, kind) of every sliced tensor: kind "stack" (experts along dim 0), "lora_A"
-        (each expert's rows together along dim 0) or "lora_B" (the experts interleaved along dim 1)."""
-        out = [(f"{path}.{n}", p, "stack") for path, m in self.modules.items()
-               for n, p in m.named_parameters(recurse=False)]
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        """(model path, parameter) of every sliced tensor: the experts modules' own and their LoRA factors."""
+        out = [(f"{path}.{n}", p) for path, m in self.modules.items() for n, p in m.named_parameters(recurse=False)]
         for path, w in self.wrappers.items():
             for kind in ("lora_A", "lora_B"):
-                out += [(f"{path}.{kind}.{n}", p, kind) for n, p in getattr(w, kind).named_parameters()]
+                out += [(f"{path}.{kind}.{n}", p) for n, p in getattr(w, kind).named_parameters()]
         return out
 
-    def _kind(self, key: str) -> str | None:
-        """The kind of a state-dict name (of the loss module, the model inside it) that is one of the sliced
-        tensors, None for any other."""
-        return next((kind for path, _, kind in self._named() if key.endswith(path)), None)
-
-    def _is_expert(self, key: str) -> bool:
-        return self._kind(key) is not None
+    def _expert_keys(self) -> Callable[[str], bool | None]:
+        """Whether a state-dict name (of the loss module, the model inside it) is one of the sliced tensors (True),
+        or None for any other."""
+        paths = tuple(path for path, _ in self._named())
+        return lambda key: True if key.endswith(paths) else None
 
     def as_shards(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The checkpoint's view of this rank's state (LoRA B already in the checkpoint's `[n, out, r]`,
@@ -91,28 +87,34 @@ class ExpertShard:
         the one-process name and shape instead of keeping one rank's copy of a same-named tensor."""
         from torch.distributed.tensor import DTensor, Shard
 
-        def shard(t: Any, kind: str) -> Any:
+        def shard(t: Any, _: bool) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return t  # the optimizer's step count
-            # Every kind has its experts along dim 0 by now: LoRA B as [n, out, r] (train/expert_lora_layout.py)
+            # Every expert tensor has its experts along dim 0 by now (LoRA B as [n, out, r])
             return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
 
-        model_sd = {k: shard(v, kind) if (kind := self._kind(k)) else v for k, v in model_sd.items()}
-        state = {k: ({n: shard(t, kind) for n, t in v.items()} if (kind := self._kind(k)) else v)
-                 for k, v in optim_sd.get("state", {}).items()}
-        return model_sd, {**optim_sd, "state": state}
+        return map_states(model_sd, optim_sd, self._expert_keys(), shard)
 
     def as_local(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A loaded checkpoint ({"model": ..., "optim": ...}) with the experts' shards (`as_shards`) back as this
         rank's plain tensors; FSDP2's own shards stay as they are."""
-        def local(t: Any, kind: str) -> Any:
+        def local(t: Any, _: bool) -> Any:
             return t.to_local() if hasattr(t, "to_local") else t
 
-        model = {k: local(v, kind) if (kind := self._kind(k)) else v for k, v in state_dict["model"].items()}
-        optim = state_dict["optim"]
-        state = {k: ({n: local(t, kind) for n, t in v.items()} if (kind := self._kind(k)) else v)
-                 for k, v in optim.get("state", {}).items()}
-        return {**state_dict, "model": model, "optim": {**optim, "state": state}}
+        model, optim = map_states(state_dict["model"], state_dict["optim"], self._expert_keys(), local)
+        return {**state_dict, "model": model, "optim": optim}
+
+
+def map_states(model_sd: dict[str, Any], optim_sd: dict[str, Any], picked: Callable[[str], Any],
+               fn: Callable[[Any, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts with `fn(value, picked(key))` in place of every value whose name
+    `picked` answers (not None), the optimizer's per-parameter states (moments, step) alike."""
+    model_sd = {k: v if (how := picked(k)) is None else fn(v, how) for k, v in model_sd.items()}
+    if "state" not in optim_sd:
+        return model_sd, optim_sd
+    state = {k: v if (how := picked(k)) is None else {n: fn(t, how) for n, t in v.items()}
+             for k, v in optim_sd["state"].items()}
+    return model_sd, {**optim_sd, "state": state}
 
 
 def expert_count(module: nn.Module) -> int:

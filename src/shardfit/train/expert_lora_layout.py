@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfit.parallel.experts import map_states
+
 # Wrapper modules whose attribute name is not part of the parameter names a state dict uses.
 _WRAPPER_PARTS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -52,21 +54,13 @@ def _loaded(t: Any) -> Any:
     return t.permute(1, 2, 0).reshape(t.shape[1], -1)
 
 
-def _map(model_sd: dict[str, Any], optim_sd: dict[str, Any], names: dict[str, int],
-         fn: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    model_sd = {k: fn(v, names[k]) if k in names else v for k, v in model_sd.items()}
-    state = {k: ({n: fn(t, names[k]) for n, t in v.items()} if k in names else v)
-             for k, v in optim_sd.get("state", {}).items()}
-    return model_sd, {**optim_sd, "state": state} if "state" in optim_sd else optim_sd
-
-
 def to_saved(model_sd: dict[str, Any], optim_sd: dict[str, Any],
              names: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and optimizer's state dicts with every expert LoRA B (`names`) in the checkpoint's layout."""
-    return _map(model_sd, optim_sd, names, _saved) if names else (model_sd, optim_sd)
+    return map_states(model_sd, optim_sd, names.get, _saved) if names else (model_sd, optim_sd)
 
 
 def to_model(model_sd: dict[str, Any], optim_sd: dict[str, Any],
              names: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A loaded checkpoint's state dicts with every expert LoRA B back in peft's layout."""
-    return _map(model_sd, optim_sd, names, lambda t, _: _loaded(t)) if names else (model_sd, optim_sd)
+    return map_states(model_sd, optim_sd, names.get, lambda t, _: _loaded(t)) if names else (model_sd, optim_sd)
