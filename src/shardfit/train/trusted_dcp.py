@@ -1,7 +1,7 @@
 """Reading a DCP checkpoint without letting its files run code.
 
 torch.distributed.checkpoint reads a checkpoint's `.metadata` with plain `pickle.load`, and every non-tensor value
-of the state dict (optimizer hyperparameters, ...) with `torch.load(weights_only=False)`: a crafted checkpoint runs
+of the state dict (optimizer hyperparameters, ...) with an unrestricted `torch.load`: a crafted checkpoint runs
 whatever its pickles call. The sha256 manifest does not help, since whoever crafts a checkpoint writes a matching
 manifest. So loading goes through:
 
