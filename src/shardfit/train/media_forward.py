@@ -41,11 +41,7 @@ def vision_language_forward(body: nn.Module, input_ids: torch.Tensor, position_i
     media = [(p, g, tok) for p, g, tok in ((pixel_values, image_grid_thw, body.config.image_token_id),
                                            (pixel_values_videos, video_grid_thw,
                                             getattr(body.config, "video_token_id", None))) if p is not None]
-    deepstack: dict[str, Any] = {}
-    if not media:
-        embeds = embeds + idle_vision(body.visual, embeds)
-    else:
-        embeds, deepstack = _with_media(body.visual, input_ids, embeds, media)
+    embeds, deepstack = _with_vision(body.visual, input_ids, embeds, media)
     shard = (routed or {}).get(SHARD_KWARG)
     if shard is not None:
         embeds, position_ids, deepstack = _my_slice(shard, embeds, position_ids, deepstack)
@@ -76,11 +72,17 @@ def embed_images(body: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor,
     """`embeds` with the vision tower's features of the images in their tokens, the tower run idle on rows without
     images, as `vision_language_forward` does for a Qwen2-VL-style body without deepstack: what a pipeline's first
     stage runs (parallel/pipeline.py)."""
-    if pixel_values is None:
-        return embeds + idle_vision(body.visual, embeds)
-    embeds, _ = _with_media(body.visual, input_ids, embeds, [(pixel_values, image_grid_thw,
-                                                              body.config.image_token_id)])
-    return embeds
+    media = [(pixel_values, image_grid_thw, body.config.image_token_id)] if pixel_values is not None else []
+    return _with_vision(body.visual, input_ids, embeds, media)[0]
+
+
+def _with_vision(visual: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor,
+                 media: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """`embeds` with the tower's features of `media` in their tokens (and the deepstack inputs, if the tower has
+    them), or, on rows without media, the tower run idle so that every rank runs it (ZeRO-3's gathers)."""
+    if not media:
+        return embeds + idle_vision(visual, embeds), {}
+    return _with_media(visual, input_ids, embeds, media)
 
 
 def _with_media(visual: nn.Module, input_ids: torch.Tensor, embeds: torch.Tensor,
