@@ -140,7 +140,7 @@ def run_shardfit(w: Workload, cfg: dict, run_dir: Path, n_examples: int, env: di
     summary = json.loads((out / "summary.json").read_text())
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     ranks = summary["peak_mem_gib"]
-    return _record("shardfit", None, m, tokens=summary["tokens"], train_s=summary["tokens"] / summary["tokens_per_s"],
+    return _record("shardfit", None, m, tokens=summary["tokens"], train_s=summary["train_s"],
                    steps=summary["steps"], examples=n_examples * w.epochs, rank_peaks=ranks,
                    batch=w.micro_batch, saved=out / ("adapter" if w.method == "lora" else "model"),
                    extra={"strategy": summary.get("strategy"), "precision": resolved["precision"],

@@ -162,6 +162,8 @@ def shardfit_run(name: str, cfg: dict[str, Any], work: Path, timeout_s: float) -
     record.update(ok=bool(losses) and all(math.isfinite(x) for x in losses) and bool(weights), losses=losses,
                   saved=str(saved), weight_files=weights, steps=summary["steps"],
                   tokens_per_s=summary["tokens_per_s"],
+                  # every step, the first too, as the Trainer's train_tokens_per_s counts: the ratio's numerator
+                  train_tokens_per_s=round(summary["tokens"] / summary["train_s"], 1) if summary["train_s"] else None,
                   steady_tokens_per_s=round(statistics.median(later), 1) if later else None,
                   predicted_tokens_per_s=summary["predicted_tokens_per_s"],
                   strategy=summary["strategy"], memory=memory_against_plan(run_dir, summary, torch.cuda.is_available()),
@@ -299,12 +301,13 @@ def speed(method: str, model: Path, data: Path, work: Path, scale: Scale, over: 
     theirs = trainer_run(f"{name}-trainer", peer_cfg, work, method)
     result: dict[str, Any] = {"shardfit": ours, "hf_trainer_bf16": theirs}
     if ours.get("ok") and "train_tokens_per_s" in theirs:
-        result["speedup"] = round(ours["tokens_per_s"] / theirs["train_tokens_per_s"], 3)
+        result["speedup"] = round(ours["train_tokens_per_s"] / theirs["train_tokens_per_s"], 3)
         result["memory_ratio"] = round(ours["memory"]["measured_gib"] / theirs["peak_mem_gib"], 3)
         peak = compare.gpu_peak_flops()
         if peak:
             per_token = compare.model_flops_per_token(cfg)
-            result["mfu"] = {"shardfit": round(ours["tokens_per_s"] * per_token / peak, 4),
+            result["mfu"] = {"shardfit": round(ours["train_tokens_per_s"] * per_token / peak, 4),
+                             "shardfit_steady": round((ours["steady_tokens_per_s"] or 0) * per_token / peak, 4),
                              "hf_trainer_bf16": round(theirs["train_tokens_per_s"] * per_token / peak, 4)}
     return result
 

@@ -163,7 +163,7 @@ class FineTune:
         self.loss_chunk: int | None = None  # rows per chunk of the loss (setup decides `auto`)
         self.finished = False
         self.longer: str | None = None  # the words for a longer schedule of a run in output_dir (rundir.claim)
-        self.fit_s, self.fit_tokens = 0.0, 0
+        self.fit_s, self.fit_tokens, self.train_s = 0.0, 0, 0.0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
         self.wd = watchdog or Watchdog(env, None)
         self.fault = faults.from_env()
@@ -498,6 +498,7 @@ class FineTune:
         self.profiler = StepProfiler(self.run_dir, cfg.profile_steps, self.start_step, env.rank, env.device.type)
         self.loss_module.train()
         t_fit, tokens_before = time.perf_counter(), self.tokens
+        t_all = t_fit  # every step, the first included: what a peer's training time counts
         for step in range(self.start_step, self.total_steps):
             done = step + 1
             self.profiler.before(done)
@@ -528,8 +529,10 @@ class FineTune:
             aside = time.perf_counter() - t_aside
             self.logger.exclude(aside)
             t_fit += aside  # tokens_per_s in summary.json counts training steps only, as the progress bar does
+            t_all += aside
         self.logger.close()
         self.fit_s, self.fit_tokens = time.perf_counter() - t_fit, self.tokens - tokens_before
+        self.train_s = time.perf_counter() - t_all
 
     def _eval_pair_batches(self) -> list[list[PackedRow]] | None:
         """The held-out pairs' micro-batches (None for SFT, whose evaluation rows are `eval_rows`)."""
@@ -649,6 +652,7 @@ class FineTune:
                    # Training steps after the first (when more ran), the whole process (loading included) beside.
                    "tokens_per_s": round(self.fit_tokens / self.fit_s, 2) if self.fit_s > 0 else None,
                    "process_tokens_per_s": round(self.fit_tokens / wall, 2) if wall > 0 else None,
+                   "train_s": round(self.train_s, 3),
                    "peak_mem_gib": gather_floats(peak_mem_gib(env.device), env), "wall_s": round(wall, 3),
                    "strategy": self.strategy.name, "world_size": env.world, "allocator": self.malloc,
                    "resolved": self.job.to_json(),
