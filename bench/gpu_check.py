@@ -168,7 +168,8 @@ def shardfit_run(name: str, cfg: dict[str, Any], work: Path, timeout_s: float) -
                   predicted_tokens_per_s=summary["predicted_tokens_per_s"],
                   strategy=summary["strategy"], memory=memory_against_plan(run_dir, summary, torch.cuda.is_available()),
                   resolved={**{k: resolved.get(k) for k in ("precision", "attn_implementation", "compile", "packing")},
-                            "static_shape": summary["resolved"].get("static_shape")})
+                            "static_shape": summary["resolved"].get("static_shape"),
+                            "cudnn_attention": summary.get("cudnn_attention")})
     profile = run_dir / "profile" / "ops-rank0.txt"
     if profile.is_file():
         record["profile"] = {"ops_table_top": profile.read_text().splitlines()[:30],
