@@ -203,8 +203,17 @@ def held_by_pipeline(b: Breakdown, w: Workload, s: strategies.Strategy, dp: int)
 def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int, dp: int = 1,
               strategy: str = "single") -> float:
     """The peak (GiB, runtime overhead included) of stage `stage` of `stages` holding `blocks` decoder blocks, on
-    each of the `dp` GPUs of `hw` that hold it under `strategy`: the strategy's estimate over those GPUs of a model
-    of `blocks` blocks, less what other stages hold (sharded as the strategy shards it), plus what the pipeline keeps
+    each of the `dp` GPUs of `hw` that hold it under `strategy` (`stage_breakdown`)."""
+    b = stage_breakdown(shape, w, hw, stages, stage, blocks, dp, strategy)
+    tensors = sum(max(0.0, x) for x in (b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
+    return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages * dp > 1 else 0.0)
+
+
+def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int,
+                    dp: int = 1, strategy: str = "single") -> Breakdown:
+    """The tensors (GiB) at the peak of stage `stage` of `stages` holding `blocks` decoder blocks, on each of the
+    `dp` GPUs of `hw` that hold it under `strategy`: the strategy's estimate over those GPUs of a model of `blocks`
+    blocks, less what other stages hold (sharded as the strategy shards it), plus what the pipeline keeps
     (`held_by_pipeline`) and the saved activations of the micro-batches 1F1B keeps in flight there."""
     name = strategy if dp > 1 else "single"
     s = strategies.get(name)
@@ -236,8 +245,7 @@ def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: 
     held = activation_bytes(stage_shape, w, blocks, name) if w.grad_ckpt == "none" else \
         w.tokens * blocks * checkpointed_block_bytes_per_token(stage_shape, w, name)
     b.activations += (in_flight - 1) * held / GIB
-    tensors = sum(max(0.0, x) for x in (b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
-    return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages * dp > 1 else 0.0)
+    return b
 
 
 def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int, dp: int = 1,
@@ -379,8 +387,9 @@ def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
     if refused:
         return False, f"not {pipe.layout} ({rate}): train does not run it in this version"
     if best is not None and best.tokens_per_s and pipe.tokens_per_s <= best.tokens_per_s * (1 + TIE):
-        return False, (f"not {pipe.layout}: {rate}, no faster than {best.strategy}'s "
-                       f"{best.tokens_per_s:,.0f} (the time model cannot tell them apart, and the strategy is simpler)")
+        apart = "the time model cannot tell them apart, and the strategy is simpler" \
+            if pipe.tokens_per_s >= best.tokens_per_s * (1 - TIE) else "slower"
+        return False, f"not {pipe.layout}: {rate}, no faster than {best.strategy}'s {best.tokens_per_s:,.0f} ({apart})"
     than = f"more than {best.strategy}'s {best.tokens_per_s:,.0f} ({best.step_s:.0f} s/step)" \
         if best is not None and best.tokens_per_s else "and no strategy fits"
     others = "; ".join(f"{c.strategy} {c.tokens_per_s:,.0f}" for c in sorted(
