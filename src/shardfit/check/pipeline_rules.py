@@ -1,5 +1,6 @@
-"""The plan's memory verdict on a pipeline (`pipeline_parallel: N`): each stage's peak under the cut the job runs
-(plan/pipeline.py), in place of a strategy's verdict on the whole model, which no rank of a pipeline holds."""
+"""The plan's memory verdict on a pipeline (`pipeline_parallel: N`): each stage's peak under the cut the job runs,
+on the stage's data-parallel ranks under the job's strategy (plan/pipeline.py), in place of a strategy's verdict on
+the whole model, which no rank of a pipeline holds."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from shardfit.plan.plan import Plan
 from shardfit.plan.shapes import resolve_shape
 
 
-def pipeline_plan_rules(cfg: Config, plan: Plan | None) -> list[Finding]:
+def pipeline_plan_rules(cfg: Config, plan: Plan | None, strategy: str = "single") -> list[Finding]:
     """Predicted out-of-memory on a stage: an error (a warning with `force`), naming the stage and what lowers it.
     Nothing when the plan or the model's shape is unknown, or every stage fits."""
     stages = cfg.pipeline_parallel
@@ -23,12 +24,13 @@ def pipeline_plan_rules(cfg: Config, plan: Plan | None) -> list[Finding]:
         return []
     if shape.layers < stages:  # the pipeline's rules refuse it, naming the blocks
         return []
-    pipe = plan_pipeline(shape, plan.workload, plan.hardware, stages)
+    dp = max(1, plan.hardware.world // stages)
+    pipe = plan_pipeline(shape, plan.workload, plan.hardware, stages, dp=dp, strategy=strategy)
     if pipe.fits:
         return []
     full = max(range(stages), key=lambda s: pipe.stage_gibs[s])
     return [Finding("predicted_oom", "warning" if cfg.force else "error", f"pipeline_parallel: {stages}",
-                    f"predicted {pipe.stage_gib:.1f} GiB on stage {full} ({pipe.cut[full]} blocks) of "
+                    f"{pipe.layout}: predicted {pipe.stage_gib:.1f} GiB on stage {full} ({pipe.cut[full]} blocks) of "
                     f"{pipe.card_gib:.0f} per GPU, with the blocks cut {list(pipe.cut)} to even the stages' memory",
                     "more stages (pipeline_parallel and --nproc), grad_ckpt: full, a smaller micro_batch or "
                     "max_seq_len, or method: lora (see `shardfit plan`)")]

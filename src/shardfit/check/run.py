@@ -48,7 +48,8 @@ def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan
     out += rules.precision_rules(model, cfg, fix=True)
     out += rules.visible_gpu_rules(s, world)
     # A pipeline's ranks hold a stage each: the verdict is the stages', not the strategy's over the whole model.
-    out += rules.plan_rules(plan, s, cfg.force) if cfg.pipeline_parallel == 1 else pipeline_plan_rules(cfg, plan)
+    out += rules.plan_rules(plan, s, cfg.force) if cfg.pipeline_parallel == 1 else \
+        pipeline_plan_rules(cfg, plan, s.name)
     return out
 
 

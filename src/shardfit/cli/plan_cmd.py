@@ -31,7 +31,7 @@ from shardfit.plan.media import (
     parse_image_size,
 )
 from shardfit.plan.model_shape import ModelShape
-from shardfit.plan.pipeline import PipelinePlan, plan_pipeline, versus
+from shardfit.plan.pipeline import LAYOUT_HEADER, PipelinePlan, fastest, layouts, plan_pipeline, versus
 from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
@@ -76,9 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="ranks that share each block's routed experts (ddp, zero2, zero3 rows): each holds 1/N "
                         "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
     p.add_argument("--pipeline-parallel", type=positive_int, default=None, metavar="N",
-                   help="also plan a pipeline of N stages, one GPU each, over --grad-accum micro-batches (1F1B): "
-                        "where the blocks are cut, each stage's memory, the bubble and the activations' traffic "
-                        "(default: every GPU, when --grad-accum is at least their count; docs/pipeline.md)")
+                   help="also plan a pipeline of N stages over --grad-accum micro-batches (1F1B), each stage on "
+                        "GPUS / N data-parallel GPUs under ddp, zero2 or zero3 (--strategy names one): where the "
+                        "blocks are cut, each stage's memory, the bubble, the activations' traffic and the "
+                        "gradients' reduction (default: every N that divides the GPUs, when --grad-accum is at "
+                        "least N; docs/pipeline.md)")
     p.add_argument("--pipeline-stages-per-rank", type=positive_int, default=None, metavar="V",
                    help="plan that pipeline as interleaved 1F1B with V looped stages per GPU (a smaller bubble, "
                         "more activations in flight; pipeline_schedule: interleaved_1f1b)")
@@ -245,10 +247,12 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
         return None
 
 
-def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str,
-                per_rank: int = 1) -> tuple[PipelinePlan, str]:
-    """The pipeline of `stages` GPUs, `per_rank` stages each (plan/pipeline.py), and what `train` would say of it
-    (empty: it runs it); more stages than blocks is bad input (UserError)."""
+def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str, per_rank: int = 1,
+                names: tuple[str, ...] = ("single",)) -> tuple[list[PipelinePlan], str]:
+    """The pipelines of `stages` stages over the GPUs of `hw` under each strategy of `names` (plan/pipeline.py
+    `layouts`; interleaved 1F1B: `per_rank` stages on each of `stages` GPUs), and what `train` would say of them
+    (empty: it runs them); more stages than blocks, or stages that do not divide the GPUs, is bad input."""
+    from shardfit.resolve.dims import ParallelDims
     from shardfit.resolve.pipeline import check_model, facts_of_shape
 
     if stages * per_rank > shape.layers:
@@ -256,6 +260,7 @@ def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, sourc
         raise UserError(f"--pipeline-parallel {stages}: {source} has {shape.layers} decoder blocks, fewer than the "
                         f"{what} (each holds at least one block): use at most {shape.layers // per_rank}"
                         f"{' stages, or fewer stages per rank' if per_rank > 1 else ''}.")
+    ParallelDims(world=hw.world, pp=stages).check()  # names the counts that divide the GPUs
     note = ""
     try:
         check_model(stages, facts_of_shape(shape), source, w.method, per_rank=per_rank)
@@ -264,7 +269,57 @@ def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, sourc
     if w.grad_accum < stages:
         note = note or (f"planned only: train needs --grad-accum {stages} or more for {stages} stages (1F1B runs "
                         "at least one micro-batch per stage)")
-    return plan_pipeline(shape, w, hw, stages, per_rank), note
+    if per_rank > 1:
+        if hw.world > stages:
+            note = note or (f"planned on {stages} of the {hw.world} GPUs: train interleaves stages with one GPU per "
+                            "stage only")
+        return [plan_pipeline(shape, w, hw, stages, per_rank)], note
+    return layouts(shape, w, hw, stages, names), note
+
+
+def pipeline_stages(shape: ModelShape, w: Workload, hw: Hardware, asked: int) -> list[int]:
+    """The pipelines to plan: the stages asked for, or (none asked) every count of two or more that divides the GPUs,
+    that the blocks allow and that 1F1B can run on --grad-accum micro-batches, as candidates beside the
+    strategies."""
+    if asked > 1:
+        return [asked]
+    if hw.name == "cpu" or hw.world == 1:
+        return []
+    return [n for n in range(2, hw.world + 1) if hw.world % n == 0 and n <= shape.layers and n <= w.grad_accum]
+
+
+def pipeline_strategies(args: argparse.Namespace, cfg: Config | None) -> tuple[str, ...]:
+    """The strategies over a stage's data-parallel GPUs to plan: the one --strategy (or the config) names where it
+    runs in stages, else each that does."""
+    from shardfit.resolve.pipeline import PP_DP_STRATEGIES
+
+    named = args.strategy if args.strategy not in (None, "all") else (cfg.strategy if cfg is not None else None)
+    return (named,) if named in PP_DP_STRATEGIES else PP_DP_STRATEGIES
+
+
+def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape: ModelShape, w: Workload,
+                  hw: Hardware, source: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The pipeline layouts planned beside the strategies: their JSON and text lines (a table of the layouts, the
+    fastest that fits described, and whether the plan recommends it over the strategies); (None, []) without any."""
+    from shardfit.resolve.pipeline import stages_per_rank
+
+    asked = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
+    per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if cfg is not None else 1)
+    names = pipeline_strategies(args, cfg)
+    pipes: list[PipelinePlan] = []
+    notes: dict[int, str] = {}
+    for stages in pipeline_stages(shape, w, hw, asked):
+        found, notes[stages] = pipeline_of(shape, w, hw, stages, source, per_rank if asked > 1 else 1, names)
+        pipes += found
+    if not pipes:
+        return None, []
+    pipe = fastest(pipes) or min(pipes, key=lambda p: p.stage_gib)
+    note = notes[pipe.stages]
+    chosen, why = versus(plan, pipe, note)
+    out = {**pipe.to_json(), "note": note, "recommended": chosen, "versus": why,
+           "layouts": [p.to_json() for p in pipes]}
+    table = [LAYOUT_HEADER, *(p.row() for p in pipes)] if len(pipes) > 1 or pipe.dp > 1 else []
+    return out, [*table, pipe.describe() + (f"\n  {note}" if note else "") + f"\n  {why}"]
 
 
 def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str) -> Alternative | None:
@@ -353,18 +408,11 @@ def run(args: argparse.Namespace) -> int:
     lines = [describe(media)] if media else []
     lines += [describe_audio(audio)] if audio else []
     table = format_table(plan)
-    stages = args.pipeline_parallel or (cfg.pipeline_parallel if args.config else 1)
-    if stages == 1 and hw.name != "cpu" and 1 < hw.world <= shape.layers and w.grad_accum >= hw.world:
-        stages = hw.world  # a pipeline over every GPU that 1F1B can run: a candidate beside the strategies
-    if stages > 1:
-        from shardfit.resolve.pipeline import stages_per_rank
-
-        per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if args.config else 1)
-        pipe, note = pipeline_of(shape, w, hw, stages, source, per_rank)
-        chosen, why = versus(plan, pipe, note)
-        out["pipeline"] = {**pipe.to_json(), "note": note, "recommended": chosen, "versus": why}
-        lines.append(pipe.describe() + (f"\n  {note}" if note else "") + f"\n  {why}")
-        if chosen:  # one recommendation: the strategies' best is then only the best strategy
+    pipeline, pipe_lines = add_pipelines(args, cfg, plan, shape, w, hw, source)
+    if pipeline is not None:
+        out["pipeline"] = pipeline
+        lines += pipe_lines
+        if pipeline["recommended"]:  # one recommendation: the strategies' best is then only the best strategy
             table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
     job = resolved_job(cfg, args) if args.config else None
     if job is not None:

@@ -1,5 +1,6 @@
-"""The plan of a pipeline (`pipeline_parallel: N`, one GPU per stage): where the decoder is cut, each stage's
-memory, the bubble of the 1F1B schedule and the point-to-point traffic of the activations, in one optimizer step.
+"""The plan of a pipeline (`pipeline_parallel: N`, each stage on one GPU or on `dp` data-parallel GPUs under a
+strategy): where the decoder is cut, each stage's memory, the bubble of the 1F1B schedule, the point-to-point
+traffic of the activations and each stage's gradient reduction over its replicas, in one optimizer step.
 Torch-free: `stage_cut` is also where the runtime cuts (parallel/pipeline.py), so what is planned is what runs.
 
 Memory of stage s holding b blocks: the blocks' weights, gradients and optimizer states; the first stage also the
@@ -20,6 +21,13 @@ stages-1) while V times as many hidden states cross the links. The first GPU kee
 torch's warm-up runs (V-1) x (micro-batches per round) + 2 (stages-1) chunks ahead of the first backward, each
 chunk 1/V of its blocks' activations.
 The interleaved cut is the even one (parallel/pipeline.py `cut_looped`).
+
+Stages x data parallelism (world = N x dp, resolve/dims.py): each stage is held by dp neighbouring ranks under the
+strategy (ddp, zero2, zero3), and each of the dp replicas runs `grad_accum` micro-batches a step through its own
+pipeline (the global batch is dp times one pipeline's, as for any strategy). A stage's memory is the strategy's
+estimate over its dp ranks (plan/estimate.py: what the strategy table replicates or shards, zero3's gathered
+blocks), with what torch's PipelineStage makes FSDP2 keep besides (`held_by_pipeline`); the step adds each stage's
+gradient reduction over its ranks (plan/timing.py `stage_sync_s`).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan.cards import card_of
@@ -36,6 +45,7 @@ from shardfit.plan.estimate import (
     CUDA_CONTEXT_GIB,
     GIB,
     NCCL_GIB,
+    Breakdown,
     activation_bytes,
     audio_activation_bytes,
     checkpointed_block_bytes_per_token,
@@ -49,8 +59,12 @@ from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.plan import TIE, Plan
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import step_time
+from shardfit.plan.timing import FWD_SHARE, stage_sync_s, step_time
 from shardfit.plan.workload import Workload, workload_of
+
+# The columns of `PipelinePlan.row`: one pipeline layout per line.
+LAYOUT_HEADER = (f"{'pipeline layout':<32} {'micro':>6} {'stage GiB':>10} {'fits':>5} {'bubble':>7} {'p2p s':>7} "
+                 f"{'sync s':>7} {'step s':>8} {'tokens/s':>10}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,14 @@ class PipelinePlan:
     stage_gibs: tuple[float, ...] = ()  # each stage's peak
     per_rank: int = 1  # stages per GPU: 1 under 1F1B, V under interleaved 1F1B (then `cut` and `stage_gib` are the
     # first GPU's: its blocks and peak)
+    dp: int = 1  # data-parallel ranks holding each stage (replicas of the pipeline)
+    strategy: str = "single"  # what those ranks replicate or shard (single: one rank per stage)
+    sync_s: float = 0.0  # the slowest stage's gradient reduction (and zero3's gathers) over its dp ranks, per step
+
+    @property
+    def layout(self) -> str:
+        """The layout in the config's words, e.g. `pipeline_parallel=4 x zero3 2`."""
+        return f"pipeline_parallel={self.stages}" + (f" x {self.strategy} {self.dp}" if self.dp > 1 else "")
 
     def describe(self) -> str:
         """The plan's text output: the headline and each stage's blocks and memory."""
@@ -84,15 +106,25 @@ class PipelinePlan:
                     f"of the step, activations point-to-point {self.p2p_s:.2f} s; ~{self.step_s:.2f} s/step, "
                     f"{self.tokens_per_s:,.0f} tokens/s")
         stages = ", ".join(f"{b} blocks {g:.1f}" for b, g in zip(self.cut, self.stage_gibs, strict=True))
-        return (f"pipeline {self.stages} stages x {self.micro_batches} micro-batches (1F1B): most loaded stage "
-                f"{self.stage_gib:.1f} of {self.card_gib:.0f} GiB ({verdict}); bubble {100 * self.bubble:.0f}% of "
-                f"the step, activations point-to-point {self.p2p_s:.2f} s; ~{self.step_s:.2f} s/step, "
-                f"{self.tokens_per_s:,.0f} tokens/s\n  stages (blocks, GiB): {stages}")
+        replicas = (f", {self.dp} replicas ({self.strategy} over each stage's {self.dp} GPUs, gradient reduction "
+                    f"{self.sync_s:.2f} s)") if self.dp > 1 else ""
+        per = " per replica" if self.dp > 1 else ""
+        return (f"{self.layout}: {self.stages} stages x {self.micro_batches} micro-batches{per} (1F1B){replicas}: "
+                f"most loaded stage {self.stage_gib:.1f} of {self.card_gib:.0f} GiB ({verdict}); bubble "
+                f"{100 * self.bubble:.0f}% of the step, activations point-to-point {self.p2p_s:.2f} s; "
+                f"~{self.step_s:.2f} s/step, {self.tokens_per_s:,.0f} tokens/s\n  stages (blocks, GiB): {stages}")
+
+    def row(self) -> str:
+        """One line of the layouts' table (`LAYOUT_HEADER`)."""
+        return (f"{self.layout:<32} {self.micro_batches:>6} {self.stage_gib:>10.1f} {'yes' if self.fits else 'no':>5} "
+                f"{100 * self.bubble:>6.0f}% {self.p2p_s:>7.2f} {self.sync_s:>7.2f} {self.step_s:>8.2f} "
+                f"{self.tokens_per_s:>10,.0f}")
 
     def to_json(self) -> dict[str, object]:
         out = dataclasses.asdict(self)
         out["stage_gibs"] = [round(g, 4) for g in self.stage_gibs]
         out["cut"] = list(self.cut)
+        out["layout"] = self.layout
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
@@ -145,48 +177,88 @@ def _part_gib(params: int, trained: bool, w: Workload) -> tuple[float, float, fl
     return params * t / GIB, params * t / GIB, params * (2.0 if w.optimizer == "adamw8bit" else 2.0 * t) / GIB
 
 
-def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int) -> float:
+def stage_hardware(hw: Hardware, dp: int) -> Hardware:
+    """The `dp` GPUs of `hw` that hold one stage: neighbours on the job's mesh (resolve/dims.py puts the stages
+    farthest apart), on one node where they fit."""
+    per_node = min(dp, hw.gpus_per_node)
+    return dataclasses.replace(hw, nodes=-(-dp // per_node), gpus_per_node=per_node)
+
+
+def held_by_pipeline(b: Breakdown, w: Workload, s: strategies.Strategy, dp: int) -> None:
+    """What FSDP2 keeps on a stage's rank beyond its estimate as a strategy (GiB, in place). Torch's PipelineStage
+    turns gradient sync and resharding after backward off until the step's last backward
+    (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`; `perform_reduce_grad` turns them back on):
+    each rank accumulates the stage's unsharded gradients (zero2, zero3: the shards come only from the step's
+    reduce-scatter), and once a block's backward has run its 16-bit weights stay gathered until the step ends, beside
+    the shards (zero3). DDP and one rank per stage hold nothing more."""
+    if not s.sharded or dp == 1:
+        return
+    if s.shards_grads:
+        b.grads *= dp
+    if s.shards_params:
+        stored = trainable_bytes(w) if w.method == "full" else compute_bytes(w)
+        b.weights += b.weights * dp * compute_bytes(w) / stored
+
+
+def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int, dp: int = 1,
+              strategy: str = "single") -> float:
     """The peak (GiB, runtime overhead included) of stage `stage` of `stages` holding `blocks` decoder blocks, on
-    one GPU of `hw`: one GPU's estimate of a model of `blocks` blocks, less what other stages hold, plus the saved
-    activations of the micro-batches 1F1B keeps in flight there."""
-    one_gpu = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
+    each of the `dp` GPUs of `hw` that hold it under `strategy` (`stage_breakdown`)."""
+    b = stage_breakdown(shape, w, hw, stages, stage, blocks, dp, strategy)
+    tensors = sum(max(0.0, x) for x in (b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
+    return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages * dp > 1 else 0.0)
+
+
+def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int,
+                    dp: int = 1, strategy: str = "single") -> Breakdown:
+    """The tensors (GiB) at the peak of stage `stage` of `stages` holding `blocks` decoder blocks, on each of the
+    `dp` GPUs of `hw` that hold it under `strategy`: the strategy's estimate over those GPUs of a model of `blocks`
+    blocks, less what other stages hold (sharded as the strategy shards it), plus what the pipeline keeps
+    (`held_by_pipeline`) and the saved activations of the micro-batches 1F1B keeps in flight there."""
+    name = strategy if dp > 1 else "single"
+    s = strategies.get(name)
     stage_shape = dataclasses.replace(shape, layers=blocks)
-    b = dataclasses.replace(estimate(stage_shape, w, one_gpu, "single").per_gpu_gib)
+    b = dataclasses.replace(estimate(stage_shape, w, stage_hardware(hw, dp), name).per_gpu_gib)
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
     parts: list[tuple[int, bool]] = []
     if not first:  # the towers stay on the first stage, with the images' and clips' activations
         parts.append((shape.extra_params, w.vision_trainable and w.method == "full"))
-        b.activations -= (image_activation_bytes(stage_shape, w, "single")
-                          + audio_activation_bytes(stage_shape, w, "single")) / GIB
+        b.activations -= (image_activation_bytes(stage_shape, w, name)
+                          + audio_activation_bytes(stage_shape, w, name)) / GIB
     if shape.tied:  # one matrix counted: the first stage's embedding, the last stage's copy of it as the head
         parts += [(matrix, trains_embedding)] if not first and not last else []
     else:
         parts += [(matrix, trains_embedding)] if not first else []
         parts += [(matrix, trains_embedding)] if not last else []
-    if not last:  # the loss's buffers are the last stage's
+    if not last:  # the loss's buffers are the last stage's, and zero3's unsharded root (the head) too
         b.logits = 0.0
+        b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params else 0.0
     for params, trained in parts:
         wt, g, o = _part_gib(params, trained, w)
-        b.weights, b.grads, b.optimizer = b.weights - wt, b.grads - g, b.optimizer - o
+        b.weights -= wt / (dp if s.shards_params else 1)
+        b.grads -= g / (dp if s.shards_grads else 1)
+        b.optimizer -= o / (dp if s.shards_optimizer else 1)
+    held_by_pipeline(b, w, s, dp)
     in_flight = min(stages - stage, w.grad_accum)
-    held = activation_bytes(stage_shape, w, blocks) if w.grad_ckpt == "none" else \
-        w.tokens * blocks * checkpointed_block_bytes_per_token(stage_shape, w, "single")
+    held = activation_bytes(stage_shape, w, blocks, name) if w.grad_ckpt == "none" else \
+        w.tokens * blocks * checkpointed_block_bytes_per_token(stage_shape, w, name)
     b.activations += (in_flight - 1) * held / GIB
-    tensors = sum(max(0.0, x) for x in (b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
-    return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages > 1 else 0.0)
+    return b
 
 
-def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int) -> list[int]:
-    """Decoder blocks of each of `stages` stages: where the planner plans and where the runtime cuts. The step waits
+def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int, dp: int = 1,
+              strategy: str = "single") -> list[int]:
+    """Decoder blocks of each of `stages` stages (each on `dp` GPUs under `strategy`): where the planner plans and
+    where the runtime cuts. The step waits
     for the stage with the most blocks, so the cut is the one with the fewest blocks on its fullest stage whose
     peaks (`stage_gib`, linear in the blocks a stage holds: read at one and two blocks) all fit the card, with
     those peaks as even as they can be; where no cut fits, the one with the smallest largest peak."""
     if stages == 1:
         return [shape.layers]
-    ones = [stage_gib(shape, w, hw, stages, s, 1) for s in range(stages)]
-    twos = [stage_gib(shape, w, hw, stages, s, 2) for s in range(stages)]
+    ones = [stage_gib(shape, w, hw, stages, s, 1, dp, strategy) for s in range(stages)]
+    twos = [stage_gib(shape, w, hw, stages, s, 2, dp, strategy) for s in range(stages)]
     per_block = [b - a for a, b in zip(ones, twos, strict=True)]
     fixed = [a - p for a, p in zip(ones, per_block, strict=True)]
     for most in range(-(-shape.layers // stages), shape.layers - stages + 2):
@@ -204,30 +276,63 @@ def _micro_and_fixed(shape: ModelShape, w: Workload, hw: Hardware) -> tuple[floa
     return two - one, 2 * one - two
 
 
-def _hop_s(shape: ModelShape, w: Workload, hw: Hardware, stages: int) -> float:
-    """One micro-batch's hidden states sent forward and their gradient back between neighbouring GPUs."""
+def _hop_s(shape: ModelShape, w: Workload, hw: Hardware, ranks: int) -> float:
+    """One micro-batch's hidden states sent forward and their gradient back between neighbouring stages, over the
+    GPUs' link when the job's `ranks` sit on one node, else over the network."""
     card = card_of(hw)
-    bw = card.link if stages <= hw.gpus_per_node else card.nic
+    bw = card.link if ranks <= hw.gpus_per_node else card.nic
     return 2 * (w.tokens * shape.hidden * compute_bytes(w) / bw + card.latency_s)
 
 
-def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int = 1) -> PipelinePlan:
-    """The pipeline of `stages` GPUs of `hw`, each running `w.grad_accum` micro-batches a step through its one stage
-    (1F1B, cut by `stage_cut`) or its `per_rank` looped stages (interleaved 1F1B, cut evenly)."""
+def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int = 1, dp: int = 1,
+                  strategy: str = "single") -> PipelinePlan:
+    """The pipeline of `stages` stages, each on `dp` GPUs of `hw` under `strategy` (dp replicas of the pipeline),
+    each replica running `w.grad_accum` micro-batches a step through its one stage per GPU (1F1B, cut by
+    `stage_cut`) or, one GPU per stage, its `per_rank` looped stages (interleaved 1F1B, cut evenly)."""
     if per_rank > 1:
         return _interleaved(shape, w, hw, stages, per_rank)
-    cut = stage_cut(shape, w, hw, stages)
-    gibs = [stage_gib(shape, w, hw, stages, s, b) for s, b in enumerate(cut)]
+    name = strategy if dp > 1 else "single"
+    cut = stage_cut(shape, w, hw, stages, dp, name)
+    gibs = [stage_gib(shape, w, hw, stages, s, b, dp, name) for s, b in enumerate(cut)]
     m = w.grad_accum
     per_micro, fixed = _micro_and_fixed(shape, w, hw)
     slots = m + stages - 1
-    p2p = slots * _hop_s(shape, w, hw, stages)
+    p2p = slots * _hop_s(shape, w, hw, stages * dp)
     share = max(cut) / shape.layers  # every slot waits for the stage with the most blocks
-    step = slots * per_micro * share + p2p + fixed * share
+    s = strategies.get(name)
+    # The fullest stage's collectives over its dp ranks, prefetched under the compute: zero3's gathers under each
+    # micro-batch, zero2's under the step's first forward; the reduction after the step's last backward, which
+    # DDP's bucketed all-reduce overlaps.
+    gather, once, reduce = stage_sync_s(dataclasses.replace(shape, layers=max(cut)), w, stage_hardware(hw, dp), name)
+    if s.engine == "ddp":
+        reduce = max(0.0, reduce - per_micro * share * (1 - FWD_SHARE))
+    slot = max(per_micro * share, gather)
+    sync = reduce + max(0.0, once - per_micro * share * FWD_SHARE) + slots * (slot - per_micro * share)
+    optimizer = fixed * share / (dp if s.shards_optimizer else 1)
+    step = slots * per_micro * share + p2p + sync + optimizer
     return PipelinePlan(stages=stages, micro_batches=m, blocks_per_stage=max(cut), stage_gib=max(gibs),
                         card_gib=hw.gpu_mem_gib, bubble=bubble(stages, m), p2p_s=p2p, step_s=step,
-                        tokens_per_s=w.tokens * m / step, fits=max(gibs) <= hw.gpu_mem_gib, cut=tuple(cut),
-                        stage_gibs=tuple(gibs))
+                        tokens_per_s=w.tokens * m * dp / step, fits=max(gibs) <= hw.gpu_mem_gib, cut=tuple(cut),
+                        stage_gibs=tuple(gibs), dp=dp, strategy=name, sync_s=sync)
+
+
+def layouts(shape: ModelShape, w: Workload, hw: Hardware, stages: int, names: Sequence[str]) -> list[PipelinePlan]:
+    """The pipeline of `stages` stages over every GPU of `hw` (stages x `hw.world // stages` data-parallel GPUs
+    each) under each strategy of `names`; the one layout of one GPU per stage when the stages take every GPU."""
+    dp = hw.world // stages
+    return [plan_pipeline(shape, w, hw, stages, dp=dp, strategy=n) for n in (names if dp > 1 else ("single",))]
+
+
+def fastest(pipes: Sequence[PipelinePlan]) -> PipelinePlan | None:
+    """The layout to train among `pipes`: the most tokens/s of those that fit, the simpler strategy (the table's
+    speed rank) where the time model cannot tell them apart (TIE), as `recommend` ranks strategies; None when none
+    fits."""
+    fitting = [p for p in pipes if p.fits]
+    if not fitting:
+        return None
+    top = max(p.tokens_per_s for p in fitting)
+    return min((p for p in fitting if p.tokens_per_s >= top * (1 - TIE)),
+               key=lambda p: (strategies.get(p.strategy).speed_rank, -p.tokens_per_s))
 
 
 def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int) -> PipelinePlan:
@@ -257,16 +362,16 @@ def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_
                         stage_gibs=(gib,), per_rank=per_rank)
 
 
-def config_cut(cfg: Config, hw: Hardware, stages: int) -> tuple[int, ...]:
-    """`stage_cut` for a config's job on `hw` (one GPU of it per stage); empty when the planner cannot read the
-    model's shape (the runtime then cuts evenly)."""
+def config_cut(cfg: Config, hw: Hardware, stages: int, strategy: str = "single") -> tuple[int, ...]:
+    """`stage_cut` for a config's job on `hw` (its GPUs divided between the stages, each stage's under
+    `strategy`); empty when the planner cannot read the model's shape (the runtime then cuts evenly)."""
     try:
         shape = resolve_shape(cfg.model)
     except UserError:
         return ()
     if shape.layers < stages:
         return ()
-    return tuple(stage_cut(shape, workload_of(cfg), hw, stages))
+    return tuple(stage_cut(shape, workload_of(cfg), hw, stages, max(1, hw.world // stages), strategy))
 
 
 def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
@@ -278,17 +383,20 @@ def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
     interleaved = f" --set pipeline_schedule=interleaved_1f1b --set pipeline_stages_per_rank={pipe.per_rank}" \
         if pipe.per_rank > 1 else ""
     if not pipe.fits:
-        return False, f"not the pipeline: its fullest stage needs {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"
+        return False, f"not {pipe.layout}: its fullest stage needs {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"
     if refused:
-        return False, f"not the pipeline ({rate}): train does not run it in this version"
+        return False, f"not {pipe.layout} ({rate}): train does not run it in this version"
     if best is not None and best.tokens_per_s and pipe.tokens_per_s <= best.tokens_per_s * (1 + TIE):
-        return False, (f"not the pipeline: {rate}, no faster than {best.strategy}'s "
-                       f"{best.tokens_per_s:,.0f} (the time model cannot tell them apart, and the strategy is simpler)")
+        apart = "the time model cannot tell them apart, and the strategy is simpler" \
+            if pipe.tokens_per_s >= best.tokens_per_s * (1 - TIE) else "slower"
+        return False, f"not {pipe.layout}: {rate}, no faster than {best.strategy}'s {best.tokens_per_s:,.0f} ({apart})"
     than = f"more than {best.strategy}'s {best.tokens_per_s:,.0f} ({best.step_s:.0f} s/step)" \
         if best is not None and best.tokens_per_s else "and no strategy fits"
     others = "; ".join(f"{c.strategy} {c.tokens_per_s:,.0f}" for c in sorted(
         plan.candidates, key=lambda c: -(c.tokens_per_s or 0)) if c.fits and c.applies and c.tokens_per_s)
-    return True, (f"recommended over the strategies above: pipeline_parallel {pipe.stages}, one GPU per stage "
+    where = f"{pipe.strategy} over each stage's {pipe.dp} GPUs" if pipe.dp > 1 else "one GPU per stage"
+    strategy = f" --set strategy={pipe.strategy}" if pipe.dp > 1 else ""
+    return True, (f"recommended over the strategies above: {pipe.layout}, {where} "
                   f"({rate}, {than}; strategies that fit: {others or 'none'}): train with --set "
-                  f"pipeline_parallel={pipe.stages} --set grad_accum={pipe.micro_batches}{interleaved} "
-                  f"--nproc {pipe.stages}")
+                  f"pipeline_parallel={pipe.stages}{strategy} --set grad_accum={pipe.micro_batches}{interleaved} "
+                  f"--nproc {pipe.stages * pipe.dp}")

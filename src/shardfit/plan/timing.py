@@ -526,6 +526,31 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, t.busy, host_total)
 
 
+def stage_sync_s(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> tuple[float, float, float]:
+    """A pipeline stage's collectives over its data-parallel ranks (`hw`: those ranks; `shape`: the stage's part
+    of the model), as torch's PipelineStage runs the strategy: gradient sync and resharding after backward are off
+    until the step's last backward (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`), then the
+    gradients are reduced once (`perform_reduce_grad`). Returns seconds of (all-gathers per micro-batch, all-gathers
+    per step, the gradients' reduction per step): DDP all-reduces the fp32 gradients once a step; FSDP2
+    reduce-scatters them once a step and all-gathers the 16-bit parameters once a step (zero2: kept from the first
+    forward on) or once a micro-batch (zero3: freed after each forward, gathered again for backward and kept), each
+    prefetched under the compute."""
+    s = strategies.get(strategy)
+    n = hw.world
+    if not s.multi_rank or n == 1:
+        return 0.0, 0.0, 0.0
+    card = card_of(hw)
+    bus = _bus(card, hw)
+    grads = trainable_params(shape, w) * 4.0
+    if s.engine == "ddp":
+        calls = max(1, round(grads / DDP_BUCKET_BYTES))
+        return 0.0, 0.0, _ring(n, grads, bus, card.latency_s, calls, all_reduce=True)
+    units = shape.layers + 1  # a unit per block and the stage's root
+    gather = _ring(n, param_bytes_16(shape, w), bus, card.latency_s, units)
+    reduce = _ring(n, grads, bus, card.latency_s, units)
+    return (gather, 0.0, reduce) if s.reshard_after_forward else (0.0, gather, reduce)
+
+
 def ulysses_s(shape: ModelShape, w: Workload, card: Card, hw: Hardware) -> float:
     """Sequence parallelism's all-to-alls in one micro-batch: per block, q, k, v and the attention output in
     forward and their gradients in backward (and the forward's again where checkpointing recomputes the block),

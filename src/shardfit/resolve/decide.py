@@ -17,7 +17,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.pipeline import config_cut
+from shardfit.plan.pipeline import config_cut, fastest, layouts
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
@@ -103,6 +103,25 @@ def _auto(plan: Plan | None, method: str, nproc: int | None, nnodes: int, local:
     return best, n, [f"strategy auto -> {best} on {n} process{'es' if n > 1 else ''} per node: {reason}"]
 
 
+def _auto_pipeline(cfg: Config, plan: Plan, world: int, nnodes: int) -> tuple[str, int, list[str]]:
+    """`strategy: auto` for a pipeline with more ranks than stages: of the strategies a stage's data-parallel ranks
+    run (resolve/pipeline.py), the fastest whose stages fit (plan/pipeline.py `fastest`), zero3 where none does
+    (the plan's verdict on the stages, check/pipeline_rules.py, then refuses it or forces it)."""
+    with contextlib.suppress(UserError):  # a shape the planner cannot read: sharding fits the most
+        shape = resolve_shape(cfg.model)
+        pipes = layouts(shape, plan.workload, plan.hardware, cfg.pipeline_parallel, pipelines.PP_DP_STRATEGIES)
+        pick = fastest(pipes)
+        if pick is not None:
+            return pick.strategy, world // nnodes, [
+                f"strategy auto -> {pick.strategy} over each stage's {pick.dp} ranks: the fastest layout whose "
+                f"stages fit ({pick.layout}: {pick.stage_gib:.1f} of {pick.card_gib:.0f} GiB on the fullest stage, "
+                f"{pick.tokens_per_s:,.0f} tokens/s; "
+                + "; ".join(f"{p.strategy} {p.stage_gib:.1f} GiB {p.tokens_per_s:,.0f} tokens/s" for p in pipes
+                            if p is not pick) + ")"]
+    return "zero3", world // nnodes, ["strategy auto -> zero3 over each stage's ranks: no layout's stages are "
+                                      "predicted to fit, and zero3 shards the most"]
+
+
 T = TypeVar("T")
 
 # How the reason of auto's split begins (`plan --config` prints it under the job's line).
@@ -183,7 +202,10 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     """The job `cfg` describes on `nnodes` nodes like `node`, with `nproc` processes per node when the user gave
     them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
     local = node.gpus_per_node if device.type == "cuda" else 1
-    if cfg.strategy == "auto":
+    world = (nproc if nproc is not None else local) * nnodes
+    if cfg.strategy == "auto" and 1 < cfg.pipeline_parallel < world and plan is not None:
+        name, n, why = _auto_pipeline(cfg, plan, world, nnodes)
+    elif cfg.strategy == "auto":
         # A pipeline's memory is its stages' (check/pipeline_rules.py), not a strategy's over the whole model.
         name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force or cfg.pipeline_parallel > 1,
                              cfg.sequence_parallel > 1)
@@ -279,7 +301,8 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
         else survey
     if cfg.pipeline_parallel > 1:  # where the stages are cut, decided with the plan's memory model
-        job = dataclasses.replace(job, stage_layers=config_cut(planned, job.hardware, cfg.pipeline_parallel))
+        job = dataclasses.replace(job, stage_layers=config_cut(planned, job.hardware, cfg.pipeline_parallel,
+                                                                 job.strategy))
     if plan is not None and job.loss_chunk is None:
         job = dataclasses.replace(job, loss_chunk=loss_chunk_for(cfg.loss_chunk, plan.model.vocab, job.hardware,
                                                                  job.precision))
