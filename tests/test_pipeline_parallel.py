@@ -169,6 +169,46 @@ def test_looped_stages_in_turn_give_the_whole_models_hidden_states() -> None:
     assert ranks[0][0].model.lm_head is None and ranks[1][0].model.model.embed_tokens is None
 
 
+def _checkpoint_keys(stage: int | None, flat: bool = False) -> dict[str, Any]:
+    """The DCP keys (and values) a LoRA'd tiny Qwen2 after one AdamW step saves: the whole model's (`stage`
+    None, under the loss module, as one process saves) or one of its 2 stages'."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from shardfit.train.checkpoint import TrainState
+    from shardfit.train.loss import CausalLMLoss
+    from shardfit.train.optim import build_optimizer
+
+    model = get_peft_model(_tiny("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    module = CausalLMLoss(model) if stage is None else cut(model, stage, 2)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, 1e-2, 0.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    flat_sd, _ = flatten_state_dict({"train": TrainState(module, optimizer, flat=flat).state_dict()})
+    return flat_sd
+
+
+def test_a_stages_checkpoint_is_a_part_of_the_whole_models() -> None:
+    """What a stage saves has one process's keys: the two stages' weights and AdamW moments together are the
+    whole model's, each on one stage, and the param groups are by index on every stage, so DCP's load by name
+    reshards a checkpoint between layouts (tested end to end below). The older flattened layout is told apart."""
+    from shardfit.train.checkpoint import flat_optimizer
+
+    whole, first, second = _checkpoint_keys(None), _checkpoint_keys(0), _checkpoint_keys(1)
+    groups = {k for k in whole if k.startswith("train.optim.param_groups.")}
+    assert "train.optim.param_groups.0.lr" in groups
+    tensors = [{k for k, v in sd.items() if isinstance(v, torch.Tensor)} for sd in (whole, first, second)]
+    assert tensors[1] | tensors[2] == tensors[0] and not tensors[1] & tensors[2]
+    assert any(".layers.0." in k and "exp_avg_sq" in k for k in tensors[1])
+    assert any(".layers.4." in k and k.startswith("train.model.") for k in tensors[2])
+    for sd in (first, second):
+        assert {k for k in sd if k.startswith("train.optim.param_groups.")} == groups
+        assert not flat_optimizer(sd)
+    assert flat_optimizer(_checkpoint_keys(1, flat=True)) and not flat_optimizer(whole)
+
+
 def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> Path:
     keys = dict(model=str(model), data=str(data), output_dir=str(tmp / name), precision="fp32", max_seq_len=192,
                 micro_batch=2, grad_accum=2, lr=1e-2, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0,
