@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -168,6 +169,46 @@ def test_looped_stages_in_turn_give_the_whole_models_hidden_states() -> None:
     assert ranks[0][0].model.lm_head is None and ranks[1][0].model.model.embed_tokens is None
 
 
+def _checkpoint_keys(stage: int | None, flat: bool = False) -> dict[str, Any]:
+    """The DCP keys (and values) a LoRA'd tiny Qwen2 after one AdamW step saves: the whole model's (`stage`
+    None, under the loss module, as one process saves) or one of its 2 stages'."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from shardfit.train.checkpoint import TrainState
+    from shardfit.train.loss import CausalLMLoss
+    from shardfit.train.optim import build_optimizer
+
+    model = get_peft_model(_tiny("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    module = CausalLMLoss(model) if stage is None else cut(model, stage, 2)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, 1e-2, 0.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    flat_sd, _ = flatten_state_dict({"train": TrainState(module, optimizer, flat=flat).state_dict()})
+    return flat_sd
+
+
+def test_a_stages_checkpoint_is_a_part_of_the_whole_models() -> None:
+    """What a stage saves has one process's keys: the two stages' weights and AdamW moments together are the
+    whole model's, each on one stage, and the param groups are by index on every stage, so DCP's load by name
+    reshards a checkpoint between layouts (tested end to end below). The older flattened layout is told apart."""
+    from shardfit.train.checkpoint import flat_optimizer
+
+    whole, first, second = _checkpoint_keys(None), _checkpoint_keys(0), _checkpoint_keys(1)
+    groups = {k for k in whole if k.startswith("train.optim.param_groups.")}
+    assert "train.optim.param_groups.0.lr" in groups
+    tensors = [{k for k, v in sd.items() if isinstance(v, torch.Tensor)} for sd in (whole, first, second)]
+    assert tensors[1] | tensors[2] == tensors[0] and not tensors[1] & tensors[2]
+    assert any(".layers.0." in k and "exp_avg_sq" in k for k in tensors[1])
+    assert any(".layers.4." in k and k.startswith("train.model.") for k in tensors[2])
+    for sd in (first, second):
+        assert {k for k in sd if k.startswith("train.optim.param_groups.")} == groups
+        assert not flat_optimizer(sd)
+    assert flat_optimizer(_checkpoint_keys(1, flat=True)) and not flat_optimizer(whole)
+
+
 def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> Path:
     keys = dict(model=str(model), data=str(data), output_dir=str(tmp / name), precision="fp32", max_seq_len=192,
                 micro_batch=2, grad_accum=2, lr=1e-2, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0,
@@ -224,8 +265,7 @@ def test_qwen2_lora_over_two_stages(tmp_path: Path, tiny_qwen2: Path, small_data
 @pytest.mark.heavy  # the LoRA case holds the schedule and the loss; this adds every weight training and resume
 def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_qwen2: Path,
                                                            small_data: Path) -> None:
-    """A full fine-tune: the same losses and model; a kill at step 3 resumes from step 2 to the same losses, and
-    resuming that checkpoint in one process is refused (exit 2, the fix named)."""
+    """A full fine-tune: the same losses and model; a kill at step 3 resumes from step 2 to the same losses."""
     _, pp = _same_as_one_process(tmp_path, tiny_qwen2, small_data, method="full", lr=1e-3)
     keys = dict(model=str(tiny_qwen2), data=str(small_data), output_dir=str(tmp_path / "killed"),
                 precision="fp32", max_seq_len=192, micro_batch=2, grad_accum=2, lr=1e-3, log_steps=1,
@@ -235,11 +275,55 @@ def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_q
     r = run_cli("train", str(cfg), "--nproc", "2",
                 env={"OMP_NUM_THREADS": "1", "SHARDFIT_TEST_FAULT": "raise:rank=1:step=3"})
     assert r.returncode != 0
-    r = run_cli("train", str(cfg), "--set", "pipeline_parallel=1", env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 2 and "resumes a pipeline run on its own layout only" in r.stderr, r.stderr[-2000:]
     r = run_cli("train", str(cfg), "--nproc", "2", env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert _losses(tmp_path / "killed") == pytest.approx(_losses(pp), rel=1e-5)
+
+
+# Two ways to run the same global batch of 4 rows: 2 stages (one replica, 2 micro-batches through 1F1B), or zero3
+# over 2 ranks (2 replicas, one micro-batch each); one process runs `_run`'s grad_accum 2.
+_LAYOUTS = {"pp": {"pipeline_parallel": "2", "strategy": "ddp", "grad_accum": "2"},
+            "zero3": {"pipeline_parallel": "1", "strategy": "zero3", "grad_accum": "1"}}
+
+
+def _resumed_on_another_layout(tmp: Path, model: Path, data: Path, saved: str, resumed: str) -> None:
+    """A LoRA run on layout `saved` (2 ranks), rank 1 killed at step 3, resumes its step-2 checkpoint on layout
+    `resumed` (2 ranks): the train and eval losses and the adapter are the uninterrupted one process's (fp32)."""
+    single = _run(tmp, model, data, "single")
+    keys = dict(model=str(model), data=str(data), output_dir=str(tmp / "moved"), precision="fp32", max_seq_len=192,
+                micro_batch=2, lr=1e-2, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0, eval_split=0.1,
+                eval_steps=2, lora={"rank": 4, "alpha": 8}, method="lora")
+    cfg = write_config(tmp / "moved.yaml", **keys)
+    env = {"OMP_NUM_THREADS": "1"}
+
+    def train(layout: str, fault: str | None = None) -> Any:
+        sets = [arg for k, v in _LAYOUTS[layout].items() for arg in ("--set", f"{k}={v}")]
+        return run_cli("train", str(cfg), "--nproc", "2", *sets,
+                       env={**env, "SHARDFIT_TEST_FAULT": fault} if fault else env)
+
+    r = train(saved, "raise:rank=1:step=3")
+    assert r.returncode != 0 and (tmp / "moved" / "checkpoints" / "step-2").is_dir(), r.stderr[-2000:]
+    r = train(resumed)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "(step 2)" in r.stderr, r.stderr[-2000:]
+    got, ref = _losses(tmp / "moved"), _losses(single)
+    assert len(got) == len(ref) == 6
+    assert got == pytest.approx(ref, rel=1e-5)
+    _same_weights(single / "adapter" / "adapter_model.safetensors",
+                  tmp / "moved" / "adapter" / "adapter_model.safetensors", 1e-4)
+
+
+@pytest.mark.slow
+def test_two_stages_resume_under_zero3(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    """Saved by 2 pipeline stages, resumed with zero3 on 2 ranks: each stage's share of the weights and AdamW
+    moments lands in FSDP2's shards by name, with the schedule's step and the data position."""
+    _resumed_on_another_layout(tmp_path, tiny_qwen2, small_data, "pp", "zero3")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # the reverse of the case above: FSDP2's shards into the stages
+def test_zero3_resumes_over_two_stages(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    _resumed_on_another_layout(tmp_path, tiny_qwen2, small_data, "zero3", "pp")
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
 """Resumable, atomic, sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout of `checkpoints/step-N/`: DCP shards of the trainable weights and optimizer state (every rank writes its
-own) with DCP's `.metadata`, `trainer.pt` (step, tokens, scheduler) and `rng-<rank>.pt`. Loading unpickles no more
-than tensors, plain values and DCP metadata (`weights_only=True`, trusted_dcp.py): a checkpoint from elsewhere
-cannot run code. Everything is written under `.tmp-step-N` and
-renamed by rank 0 after a barrier, so a run killed mid-save still has its previous checkpoint intact. The data
-position is the step itself (see data/loader.py), so nothing else is needed to continue exactly.
+own, under the whole model's names whatever the layout, so a checkpoint resumes on any other) with DCP's
+`.metadata`, `trainer.pt` (step, tokens, scheduler) and `rng-<rank>.pt`. Loading unpickles no more than tensors,
+plain values and DCP metadata (`weights_only=True`, trusted_dcp.py): a checkpoint from elsewhere cannot run code.
+Everything is written under `.tmp-step-N` and renamed by rank 0 after a barrier, so a run killed mid-save still
+has its previous checkpoint intact. The data position is the step itself (see data/loader.py), so nothing else is
+needed to continue exactly.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTS = StateDictOptions(ignore_frozen_params=True)
-# A pipeline stage's optimizer state under each parameter's own name: the stages' unflattened param_groups would
-# all be saved as `param_groups.0` and overwrite each other.
-_STAGE_OPTS = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
+# The optimizer state under each parameter's own name, param_groups too (`param_groups.<name>.lr`): how pipeline
+# checkpoints were written before they took the whole model's layout; such a checkpoint still loads, on any layout.
+_FLAT_OPTS = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
 
 
 def _is_stage(model: torch.nn.Module) -> bool:
@@ -51,18 +52,27 @@ def _is_stage(model: torch.nn.Module) -> bool:
 
 
 class TrainState(Stateful):
-    """Model (trainable parameters only: frozen ones come back from the base weights) and optimizer."""
+    """Model (trainable parameters only: frozen ones come back from the base weights) and optimizer, in one
+    layout whatever the run's: the whole model's names, the optimizer's state by each parameter's name and its
+    param_groups by index, as one process writes them. A pipeline stage or an FSDP2 shard is then a part of that
+    state, and DCP's name-based load reshards a checkpoint onto any other layout (2 stages -> zero3 -> 1 process)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: Any = None):
-        # `experts`: expert parallelism's shares (parallel/experts.py `ExpertShard`): saved as shards of the whole
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: Any = None, *,
+                 flat: bool = False, whole_groups: bool = False):
+        # `experts`: expert parallelism's shares (parallel/experts.py `ExpertShard`): saved as shards of the whole.
+        # `flat`: the state as a checkpoint in the older flattened layout holds it (`_FLAT_OPTS`), to load one.
+        # `whole_groups`: a pipeline stage names every stage's parameters in its param_groups (a collective:
+        # every rank saves), as one process does, so that a layout whose ranks hold other parameters finds its own.
         self.model, self.optimizer, self.experts = model, optimizer, experts
+        self.flat, self.whole_groups = flat, whole_groups
 
     def state_dict(self) -> dict[str, Any]:
-        opts = _STAGE_OPTS if _is_stage(self.model) else _OPTS
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_FLAT_OPTS if self.flat else _OPTS)
         model_sd, optim_sd = to_saved(model_sd, optim_sd, expert_lora_b(self.model))
         if self.experts is not None:
             model_sd, optim_sd = self.experts.as_shards(model_sd, optim_sd)
+        if self.whole_groups and _is_stage(self.model) and not self.flat:
+            optim_sd = {**optim_sd, "param_groups": whole_param_groups(optim_sd["param_groups"])}
         frozen = frozen_names(self.model)
         return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd}
 
@@ -73,7 +83,24 @@ class TrainState(Stateful):
         state_dict = {**state_dict, "model": model_sd, "optim": optim_sd}
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"], options=StateDictOptions(
-                           ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=_is_stage(self.model)))
+                           ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=self.flat))
+
+
+def whole_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stage's param_groups with each group's `params` (parameter names) the union over every rank's, in rank
+    order: what one process's optimizer lists. Loading maps each parameter to its group by these names, so a
+    stage's own list alone would leave the other stages' parameters without their group on another layout. A
+    collective over the world; the groups' hyperparameters are the same on every stage (one schedule)."""
+    mine = [list(g["params"]) for g in groups]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return groups
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = []
+    for i, group in enumerate(groups):
+        names = [name for lists in every for name in lists[i]]
+        out.append({**group, "params": list(dict.fromkeys(names))})
+    return out
 
 
 def frozen_names(model: torch.nn.Module) -> set[str]:
@@ -188,7 +215,7 @@ def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Modul
         with warnings.catch_warnings():
             # One process saves on purpose; DCP's notice about it would print at every checkpoint.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"train": TrainState(model, optimizer, experts)}, checkpoint_id=str(tmp),
+            dcp.save({"train": TrainState(model, optimizer, experts, whole_groups=True)}, checkpoint_id=str(tmp),
                      no_dist=not env.distributed)
         torch.save(_rng_state(), tmp / f"rng-{env.rank}.pt")
         if env.is_main:
@@ -296,14 +323,15 @@ def _load_plain(path: Path) -> Any:
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     env: DistEnv, experts: Any = None) -> Resumed:
-    """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size changed. Nothing in the
+    """Restore weights, optimizer, scheduler and RNG; DCP reshards when the world size or the layout changed
+    (pipeline stages, FSDP2 shards, one process: the names are the same). Nothing in the
     checkpoint is unpickled beyond plain values, tensors and DCP's metadata (see trusted_dcp.py)."""
     metadata = read_metadata(path / ".metadata")  # a crafted or foreign checkpoint stops here, before DCP starts
-    _require_same_kind(path, metadata.state_dict_metadata, _is_stage(model))
+    flat = flat_optimizer(metadata.state_dict_metadata)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"train": TrainState(model, optimizer, experts)}, checkpoint_id=str(path),
+            dcp.load({"train": TrainState(model, optimizer, experts, flat=flat)}, checkpoint_id=str(path),
                      storage_reader=TrustedReader(str(path)), planner=TrustedLoadPlanner(path),
                      no_dist=not env.distributed)
     except CheckpointException as e:
@@ -323,17 +351,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return Resumed(int(meta["step"]), int(meta["tokens"]), path)
 
 
-def _require_same_kind(path: Path, keys: Any, stage: bool) -> None:
-    """A pipeline run's checkpoint resumes in a pipeline run, any other in any other (UserError otherwise): their
-    optimizer states are laid out differently (a stage's under each parameter's name)."""
+def flat_optimizer(keys: Any) -> bool:
+    """Whether a checkpoint's optimizer state is in the older flattened layout, its param_groups by parameter name
+    (`train.optim.param_groups.<name>.lr`, pipeline runs before the whole model's layout), not by index."""
     groups = [k.split(".")[3] for k in keys if k.startswith("train.optim.param_groups.")]
-    saved_stage = bool(groups) and not groups[0].isdigit()
-    if groups and saved_stage != stage:
-        saved, now = ("with a pipeline (pipeline_parallel > 1)", "without one") if saved_stage else \
-            ("without a pipeline", "with one")
-        raise UserError(f"{path} was saved by a run {saved}, and this run trains {now}: this version resumes a "
-                        "pipeline run on its own layout only. Resume with the pipeline_parallel and --nproc it was "
-                        "saved with, or --set resume=never to start over.")
+    return bool(groups) and not groups[0].isdigit()
 
 
 def _lr_at_restored_step(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
