@@ -25,7 +25,8 @@ CASES = [(2, True), (1, True), (4, False)]
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The kernel and routing cases of tests/sp_workers.py on 2 gloo ranks, started once: their results' folder."""
+    """The kernel, routing and full fine-tune cases of tests/sp_workers.py on 2 gloo ranks, started once: their
+    results' folder."""
     out = tmp_path_factory.mktemp("sp-kernel")
     mp.start_processes(sp_workers.attention_rank, args=(2, free_port(), CASES, str(out)), nprocs=2,
                        start_method="spawn", join=True)
@@ -139,6 +140,20 @@ def test_load_balancing_loss_is_the_whole_rows(two_ranks: Path) -> None:
         assert got["load"] <= 1e-9, got
         # What the split would log and train on with each slice's own statistics: measurably another figure.
         assert got["slice_off"] > 1e-3 and got["slice_load"] != got["whole_load"], got
+
+
+@pytest.mark.slow
+def test_a_mixture_full_fine_tune_splits_where_a_slice_has_no_target(two_ranks: Path) -> None:
+    """A full fine-tune of a tiny Qwen3-MoE (untied head, load-balancing loss on) on 2 gloo ranks, under DDP and
+    under zero3 with checkpointing, rank 0's slices holding only prompt tokens: both ranks finish the step (each
+    produced a gradient for every parameter, the head's too, so the engines' collectives stayed in step) and the
+    gradients are one process's over the whole rows, fp32."""
+    for r in range(2):
+        got = json.loads((two_ranks / f"full-moe-{r}.json").read_text())
+        assert got["untied"] and got["targets"] == (0 if r == 0 else 10), got
+        for engine in ("ddp", "zero3"):
+            assert got[engine]["missing"] == [], got
+            assert got[engine]["err"] <= 1e-5 * got[engine]["scale"], got
 
 
 MOE_FIGURES = ("aux_loss", "expert_load_min", "expert_load_max")
