@@ -112,7 +112,7 @@ def _full_moe_case(rank: int, world: int) -> dict:
     """A full fine-tune of a tiny Qwen3-MoE (untied head, load-balancing loss on) whose rows split over the ranks,
     wrapped by each strategy's engine as training wraps it: this rank's first step's gradients against one
     process's over the whole rows. Rank 0's slices hold no target, so only the load-balancing loss and the
-    attention's all-to-all reach its body, and nothing but the loss's `_unlabelled` its head."""
+    attention's all-to-all reach its body, and nothing but the loss's `unlabelled_loss` its head."""
     import copy
 
     from transformers import AutoModelForCausalLM

@@ -91,6 +91,12 @@ def test_no_targets_keeps_graph() -> None:
     frozen = nn.Linear(8, 10, bias=False).requires_grad_(False)
     loss, _ = chunked_cross_entropy(h, frozen, torch.full((1, 4), IGNORE))
     assert loss.grad_fn is not None and frozen.weight.grad is None
+    from shardfit.train.preference import sequence_logps
+
+    head.zero_grad(set_to_none=True)
+    sums, counts = sequence_logps(h, head, torch.full((1, 4), IGNORE), torch.zeros(1, 4, dtype=torch.long), 1, 2)
+    sums.sum().backward()
+    assert sums.tolist() == counts.tolist() == [0.0] and head.weight.grad is not None
 
 
 def _examples(tokenizer, n: int = 6):

@@ -186,6 +186,20 @@ def test_qwen3_moe_split_over_two_ranks_trains_the_whole_rows_balancing(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # two runs of a mixture; the full fine-tune case of `two_ranks` holds the engines' gradients
+def test_qwen3_moe_full_fine_tune_split_over_two_ranks(tmp_path: Path, tiny_qwen3_moe: Path,
+                                                       small_data: Path) -> None:
+    """A full fine-tune of Qwen3-MoE (untied head; some of rank 0's slices hold only prompt tokens) under zero3
+    with every block checkpointed: one process's losses, load-balancing loss and expert load, fp32, to 1e-5."""
+    _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, strategy="zero3", method="full", lr=1e-3,
+                         grad_ckpt="full")
+    ref, got = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("single", "split"))
+    for k in MOE_FIGURES:
+        a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]
+        assert len(a) == 4 and b == pytest.approx(a, rel=1e-5), k
+
+
+@pytest.mark.slow
 @pytest.mark.heavy  # two runs of a mixture; the Qwen2 and routing cases hold the split's arithmetic
 def test_qwen3_moe_qlora_split_over_two_ranks(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path) -> None:
     """QLoRA (torchao NF4: the attention's and the routed experts' weights) of Qwen3-MoE under zero3, packed

@@ -76,7 +76,7 @@ def check_layout(cfg: Config, strategy: str, world: int) -> None:
 def check_model(n: int, facts: DecoderFacts, model: str) -> None:
     """The model against sequence_parallel `n` (UserError when refused). Any method splits: LoRA, QLoRA and full
     fine-tunes, of mixtures too (a rank whose slice holds no target still reaches the trained head, train/loss.py
-    `_unlabelled`, so every rank's gradients are the same set)."""
+    `unlabelled_loss`, so every rank's gradients are the same set)."""
     if n == 1:
         return
     fix = "or set sequence_parallel: 1"

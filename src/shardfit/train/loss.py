@@ -131,7 +131,7 @@ def labelled(hidden: torch.Tensor, targets: torch.Tensor, n_targets: int | None)
     return hidden.flatten(0, 1).index_select(0, idx), targets.flatten().index_select(0, idx)
 
 
-def _unlabelled(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+def unlabelled_loss(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """A zero loss for hidden states without one labelled position that still reaches every parameter the loss
     would: the body's through `hidden`, and the head's through its call on one position. A rank whose micro-batch
     leaves a trained head out would produce no gradient for it: DDP's bucket holding it would never be reduced
@@ -165,7 +165,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
         h, y = labelled(hidden, targets, n_targets)
     n = int(y.numel())
     if n == 0:
-        return _unlabelled(hidden, head), 0
+        return unlabelled_loss(hidden, head), 0
     if compute_dtype is None:
         compute_dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) \
             else h.dtype
