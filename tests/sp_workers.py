@@ -1,5 +1,6 @@
 """Gloo ranks spawned by tests/test_sequence_parallel.py: Ulysses attention on a row's slices against plain SDPA
-over the whole row, and a mixture's routing statistics of the slices against the whole row's."""
+over the whole row, a mixture's routing statistics of the slices against the whole row's, and a mixture's full
+fine-tune step under DDP and FSDP2 against one process's."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Ten
 
 
 def attention_rank(rank: int, world: int, port: int, cases: list[tuple[int, bool]], out: str) -> None:
-    """Each case (key/value heads, packed rows) once; `out`/rank-R.json gets this rank's errors per case, and
-    `out`/routing-R.json those of the routers' statistics (`_routing_case`), sharing the ranks' start."""
+    """Each case (key/value heads, packed rows) once; `out`/rank-R.json gets this rank's errors per case,
+    `out`/routing-R.json those of the routers' statistics (`_routing_case`) and `out`/full-moe-R.json those of a
+    mixture's full fine-tune (`_full_moe_case`), sharing the ranks' start."""
     with gloo_group(rank, world, port, timeout_s=20):
         results = [_case(rank, world, kv, packed) for kv, packed in cases]
         Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
         Path(out, f"routing-{rank}.json").write_text(json.dumps(_routing_case(rank, world)))
+        Path(out, f"full-moe-{rank}.json").write_text(json.dumps(_full_moe_case(rank, world)))
 
 
 def _case(rank: int, world: int, kv_heads: int, packed: bool) -> dict:
@@ -103,3 +106,55 @@ def _routing_case(rank: int, world: int) -> dict:
             "grad_scale": max(b.grad.abs().max().item() for b in full),
             "load": (loss.last_moe.load - whole_load).abs().max().item(), "whole_load": whole_load.tolist(),
             "slice_load": expert_load(own, TOP_K).tolist()}
+
+
+def _full_moe_case(rank: int, world: int) -> dict:
+    """A full fine-tune of a tiny Qwen3-MoE (untied head, load-balancing loss on) whose rows split over the ranks,
+    wrapped by each strategy's engine as training wraps it: this rank's first step's gradients against one
+    process's over the whole rows. Rank 0's slices hold no target, so only the load-balancing loss and the
+    attention's all-to-all reach its body, and nothing but the loss's `unlabelled_loss` its head."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from shardfit import strategy as strategies
+    from shardfit.data.loader import collate
+    from shardfit.data.packing import PackedRow
+    from shardfit.data.tokenize import IGNORE
+    from shardfit.models.experts import aux_loss_of, moe_top_k
+    from shardfit.parallel import ulysses
+    from shardfit.parallel.layout import Layout
+    from shardfit.parallel.parallelize import parallelize
+    from shardfit.parallel.sequence import shard_batch
+    from shardfit.train.loss import CausalLMLoss
+    from tests.families import tiny_text_config
+
+    config = tiny_text_config("Qwen3-MoE")
+    config.vocab_size, config.router_aux_loss_coef = 256, 0.5
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(2))
+    # The targets sit in the rows' second halves: rank 0's slices (tokens 0-5) are prompt only.
+    rows = [PackedRow(r.tolist(), [IGNORE] * 6 + r[1:6].tolist(), list(range(11))) for r in ids]
+    batch = collate(rows, pad_id=0)
+    routing = {"moe_top_k": moe_top_k(base), "aux": aux_loss_of(base, base.config)}
+    ref = CausalLMLoss(copy.deepcopy(base), **routing)
+    loss, n = ref(batch.input_ids, batch.position_ids, batch.targets, **batch.host_facts)
+    (loss / n).backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    ulysses.register()
+    part = shard_batch(batch, Layout(dp=1, dp_rank=0, sp=world, sp_rank=rank, group=dist.group.WORLD))
+    result: dict = {"targets": part.n_targets, "untied": not config.tie_word_embeddings}
+    for name, ckpt in (("ddp", "none"), ("zero3", "full")):
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(ulysses.NAME)
+        module = parallelize(CausalLMLoss(model, **routing), strategies.get(name), device=torch.device("cpu"),
+                             world=world, precision="fp32", grad_ckpt=ckpt)
+        loss, _ = module(part.input_ids, part.position_ids, part.targets, **part.host_facts)
+        (loss * world / n).backward()  # recipe.py `train_step`: the engines average over the world
+        got = {k.removeprefix("module."): p.grad for k, p in module.named_parameters()}
+        got = {k: g.full_tensor() if hasattr(g, "full_tensor") else g for k, g in got.items()}
+        result[name] = {"missing": sorted(k for k in want if got.get(k) is None),
+                        "err": max((got[k] - g).abs().max().item() for k, g in want.items() if got.get(k) is not None),
+                        "scale": max(g.abs().max().item() for g in want.values())}
+    return result

@@ -78,10 +78,25 @@ def test_wrapped_head_falls_back_and_matches() -> None:
 
 
 def test_no_targets_keeps_graph() -> None:
+    """A micro-batch without targets (a sequence-parallel rank's prompt-only slice) reaches every parameter the
+    loss would, with zero gradients: a trained head's too, or DDP/FSDP2 fall out of step with the other ranks.
+    A frozen head stays out of the graph."""
     h = torch.randn(1, 4, 8, requires_grad=True)
-    loss, n = chunked_cross_entropy(h, nn.Linear(8, 10, bias=False), torch.full((1, 4), IGNORE))
+    head = nn.Linear(8, 10, bias=True)
+    loss, n = chunked_cross_entropy(h, head, torch.full((1, 4), IGNORE))
     loss.backward()
-    assert n == 0 and float(loss) == 0.0 and h.grad is not None
+    assert n == 0 and float(loss) == 0.0 and h.grad is not None and not h.grad.any()
+    assert head.weight.grad is not None and head.bias.grad is not None
+    assert not head.weight.grad.any() and not head.bias.grad.any()
+    frozen = nn.Linear(8, 10, bias=False).requires_grad_(False)
+    loss, _ = chunked_cross_entropy(h, frozen, torch.full((1, 4), IGNORE))
+    assert loss.grad_fn is not None and frozen.weight.grad is None
+    from shardfit.train.preference import sequence_logps
+
+    head.zero_grad(set_to_none=True)
+    sums, counts = sequence_logps(h, head, torch.full((1, 4), IGNORE), torch.zeros(1, 4, dtype=torch.long), 1, 2)
+    sums.sum().backward()
+    assert sums.tolist() == counts.tolist() == [0.0] and head.weight.grad is not None
 
 
 def _examples(tokenizer, n: int = 6):

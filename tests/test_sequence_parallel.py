@@ -25,7 +25,8 @@ CASES = [(2, True), (1, True), (4, False)]
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The kernel and routing cases of tests/sp_workers.py on 2 gloo ranks, started once: their results' folder."""
+    """The kernel, routing and full fine-tune cases of tests/sp_workers.py on 2 gloo ranks, started once: their
+    results' folder."""
     out = tmp_path_factory.mktemp("sp-kernel")
     mp.start_processes(sp_workers.attention_rank, args=(2, free_port(), CASES, str(out)), nprocs=2,
                        start_method="spawn", join=True)
@@ -141,6 +142,20 @@ def test_load_balancing_loss_is_the_whole_rows(two_ranks: Path) -> None:
         assert got["slice_off"] > 1e-3 and got["slice_load"] != got["whole_load"], got
 
 
+@pytest.mark.slow
+def test_a_mixture_full_fine_tune_splits_where_a_slice_has_no_target(two_ranks: Path) -> None:
+    """A full fine-tune of a tiny Qwen3-MoE (untied head, load-balancing loss on) on 2 gloo ranks, under DDP and
+    under zero3 with checkpointing, rank 0's slices holding only prompt tokens: both ranks finish the step (each
+    produced a gradient for every parameter, the head's too, so the engines' collectives stayed in step) and the
+    gradients are one process's over the whole rows, fp32."""
+    for r in range(2):
+        got = json.loads((two_ranks / f"full-moe-{r}.json").read_text())
+        assert got["untied"] and got["targets"] == (0 if r == 0 else 10), got
+        for engine in ("ddp", "zero3"):
+            assert got[engine]["missing"] == [], got
+            assert got[engine]["err"] <= 1e-5 * got[engine]["scale"], got
+
+
 MOE_FIGURES = ("aux_loss", "expert_load_min", "expert_load_max")
 
 
@@ -164,6 +179,20 @@ def test_qwen3_moe_split_over_two_ranks_trains_the_whole_rows_balancing(tmp_path
     """Qwen3-MoE with LoRA under DDP, packed rows, its load-balancing loss on: the losses (which the loss the step
     trained on shapes), the load-balancing loss and the expert load are one process's, fp32, to 1e-5."""
     _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, strategy="ddp")
+    ref, got = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("single", "split"))
+    for k in MOE_FIGURES:
+        a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]
+        assert len(a) == 4 and b == pytest.approx(a, rel=1e-5), k
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # two runs of a mixture; the full fine-tune case of `two_ranks` holds the engines' gradients
+def test_qwen3_moe_full_fine_tune_split_over_two_ranks(tmp_path: Path, tiny_qwen3_moe: Path,
+                                                       small_data: Path) -> None:
+    """A full fine-tune of Qwen3-MoE (untied head; some of rank 0's slices hold only prompt tokens) under zero3
+    with every block checkpointed: one process's losses, load-balancing loss and expert load, fp32, to 1e-5."""
+    _same_as_one_process(tmp_path, tiny_qwen3_moe, small_data, strategy="zero3", method="full", lr=1e-3,
+                         grad_ckpt="full")
     ref, got = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("single", "split"))
     for k in MOE_FIGURES:
         a, b = [m[k] for m in ref if k in m], [m[k] for m in got if k in m]

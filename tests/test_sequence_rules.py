@@ -80,13 +80,11 @@ def test_mixtures_split_where_their_attention_is_full(family: str, why: str | No
     assert "sequence_parallel: 1" in str(e.value)
 
 
-def test_a_mixture_full_fine_tune_is_refused() -> None:
-    """Adapters split (the experts and routers frozen); a full fine-tune of a mixture is refused with the fix."""
-    facts = facts_of_config(tiny_text_config("Qwen3-MoE"))
-    check_model(2, facts, "m", "qlora")
-    check_model(2, facts_of_config(tiny_text_config("Qwen3 (dense)")), "m", "full")
-    with pytest.raises(UserError, match="full fine-tune this version does not split.*method: lora or qlora"):
-        check_model(2, facts, "m", "full")
+def test_a_mixture_splits_under_every_method() -> None:
+    """A mixture's rows split whatever trains it (tests/test_sequence_parallel.py runs its full fine-tune): the
+    rules no longer ask for the method."""
+    check_model(2, facts_of_config(tiny_text_config("Qwen3-MoE")), "m")
+    check_model(2, facts_of_config(tiny_text_config("Qwen3 (dense)")), "m")
 
 
 def test_a_balancing_loss_of_another_form_is_refused() -> None:

@@ -334,7 +334,7 @@ def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str)
 
     def allowed(n: int) -> bool:
         try:
-            check_model(n, facts_of_shape(shape), source, w.method)
+            check_model(n, facts_of_shape(shape), source)
         except UserError:
             return False
         return True
@@ -451,7 +451,7 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
     if w.sequence_parallel > 1:  # heads that share out, a text model with full attention
         from shardfit.resolve.sequence import check_model, facts_of_shape
 
-        check_model(w.sequence_parallel, facts_of_shape(shape), source, w.method)
+        check_model(w.sequence_parallel, facts_of_shape(shape), source)
     if w.expert_parallel > 1:  # experts that share out
         from shardfit.resolve.experts_rules import check_ep_model
 

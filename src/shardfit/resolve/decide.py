@@ -140,7 +140,7 @@ def _split_allowed(cfg: Config, n: int, world: int, shape: ModelShape) -> bool:
     """Whether sequence_parallel `n` passes the rules (resolve/sequence.py) for this config, model and world."""
     try:
         check_layout(dataclasses.replace(cfg, sequence_parallel=n), "zero3", world)
-        check_model(n, facts_of_shape(shape), cfg.model, cfg.method)
+        check_model(n, facts_of_shape(shape), cfg.model)
     except UserError:
         return False
     return True
@@ -276,7 +276,7 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
         with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model
             shape = resolve_shape(cfg.model)
         if shape is not None:
-            check_model(cfg.sequence_parallel, facts_of_shape(shape), cfg.model, cfg.method)
+            check_model(cfg.sequence_parallel, facts_of_shape(shape), cfg.model)
     if cfg.expert_parallel > 1 or cfg.pipeline_parallel > 1:  # the model's kind, from its config, before loading
         shape = None
         with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit import strategy as strategies
 from shardfit.config import Config
@@ -74,17 +73,13 @@ def check_layout(cfg: Config, strategy: str, world: int) -> None:
                         f"attention breaks the compiled graph): set compile: false (or auto), {fix}.")
 
 
-def check_model(n: int, facts: DecoderFacts, model: str, method: str = "lora") -> None:
-    """The model against sequence_parallel `n`, trained by `method` (UserError when refused)."""
+def check_model(n: int, facts: DecoderFacts, model: str) -> None:
+    """The model against sequence_parallel `n` (UserError when refused). Any method splits: LoRA, QLoRA and full
+    fine-tunes, of mixtures too (a rank whose slice holds no target still reaches the trained head, train/loss.py
+    `unlabelled_loss`, so every rank's gradients are the same set)."""
     if n == 1:
         return
     fix = "or set sequence_parallel: 1"
-    if facts.experts and methods.get(method).trains_base:
-        # Measured: 2 gloo ranks of a tiny Qwen3-MoE, full fine-tune, ddp or zero3, with or without checkpointing,
-        # stop at the first step on mismatched collectives (a gradient bucket against a scalar); LoRA and QLoRA,
-        # whose experts and routers are frozen, equal one process.
-        raise UserError(f"{_prefix(n)}: {model} is a mixture of experts, whose full fine-tune this version does not "
-                        f"split (its ranks' collectives fall out of step): use method: lora or qlora, {fix}.")
     towers = facts.multimodal and not facts.split_vision
     why = (f"has {TOWERS}" if towers
            else "is a vision-language mixture of experts (each half splits; together they are untested)"

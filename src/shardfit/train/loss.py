@@ -131,6 +131,21 @@ def labelled(hidden: torch.Tensor, targets: torch.Tensor, n_targets: int | None)
     return hidden.flatten(0, 1).index_select(0, idx), targets.flatten().index_select(0, idx)
 
 
+def unlabelled_loss(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """A zero loss for hidden states without one labelled position that still reaches every parameter the loss
+    would: the body's through `hidden`, and the head's through its call on one position. A rank whose micro-batch
+    leaves a trained head out would produce no gradient for it: DDP's bucket holding it would never be reduced
+    there (its other ranks' all-reduce then meets this rank's next collective), and FSDP2 would reduce-scatter
+    fewer tensors than the other ranks. Sequence parallelism makes such micro-batches common: a rank's slice of
+    short rows may hold only prompt tokens. The head's gradient is zero, the other ranks' average unchanged."""
+    weight = getattr(head, "weight", None)
+    one = hidden.flatten(0, -2)[:1]
+    if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
+        touched = head(one if weight is None else one.to(weight.device)).sum().to(hidden.device)
+        return (hidden.sum() + touched) * 0.0
+    return hidden.sum() * 0.0
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int = 1024,
                           compute_dtype: torch.dtype | None = None, all_labelled: bool = False,
                           n_targets: int | None = None, widen: bool | None = None) -> tuple[torch.Tensor, int]:
@@ -150,8 +165,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
         h, y = labelled(hidden, targets, n_targets)
     n = int(y.numel())
     if n == 0:
-        # Keep the graph connected so DDP/FSDP see every parameter used on every rank.
-        return hidden.sum() * 0.0, 0
+        return unlabelled_loss(hidden, head), 0
     if compute_dtype is None:
         compute_dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) \
             else h.dtype

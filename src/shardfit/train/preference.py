@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.experts import router_logits_of
-from shardfit.train.loss import CausalLMLoss, _upcast
+from shardfit.train.loss import CausalLMLoss, _upcast, unlabelled_loss
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def sequence_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
     sums = token_logps.new_zeros(n_seqs).index_add(0, owner, token_logps.float())
     counts = token_logps.new_zeros(n_seqs).index_add(0, owner, torch.ones_like(token_logps, dtype=torch.float32))
     if n == 0:
-        sums = sums + hidden.sum() * 0.0  # keep every parameter in the graph on every rank (DDP/FSDP)
+        sums = sums + unlabelled_loss(hidden, head).to(sums.device)  # every parameter reached on every rank
     return sums, counts
 
 

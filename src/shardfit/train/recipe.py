@@ -285,7 +285,7 @@ class FineTune:
             self.model_cache_hit = weights_cached(cfg)
             self.model = build_model(cfg, s, weights=True, experts=self.job.experts)
         if self.layout.sp > 1:  # every width through the all-to-all attention (parallel/ulysses.py)
-            check_model(self.layout.sp, facts_of_config(self.model.config), cfg.model, cfg.method)
+            check_model(self.layout.sp, facts_of_config(self.model.config), cfg.model)
             ulysses.register()
             self.model.set_attn_implementation(ulysses.NAME)
         elif vision_body(self.model) is None:  # the rule was measured on text models; towers keep their kernel
