@@ -248,9 +248,11 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
 
 
 def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str, per_rank: int = 1,
-                names: tuple[str, ...] = ("single",)) -> tuple[list[PipelinePlan], str]:
+                names: tuple[str, ...] = ("single",), schedule: str = "interleaved_1f1b"
+                ) -> tuple[list[PipelinePlan], str]:
     """The pipelines of `stages` stages over the GPUs of `hw` under each strategy of `names` (plan/pipeline.py
-    `layouts`; interleaved 1F1B: `per_rank` stages on each of `stages` GPUs), and what `train` would say of them
+    `layouts`; interleaved 1F1B, or zero bubble where `schedule` says so: `per_rank` stages on each of `stages`
+    GPUs), and what `train` would say of them
     (empty: it runs them); more stages than blocks, or stages that do not divide the GPUs, is bad input."""
     from shardfit.resolve.dims import ParallelDims
     from shardfit.resolve.pipeline import check_model, facts_of_shape
@@ -273,7 +275,7 @@ def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, sourc
         if hw.world > stages:
             note = note or (f"planned on {stages} of the {hw.world} GPUs: train interleaves stages with one GPU per "
                             "stage only")
-        return [plan_pipeline(shape, w, hw, stages, per_rank)], note
+        return [plan_pipeline(shape, w, hw, stages, per_rank, schedule=schedule)], note
     return layouts(shape, w, hw, stages, names), note
 
 
@@ -306,10 +308,13 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
     asked = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
     per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if cfg is not None else 1)
     names = pipeline_strategies(args, cfg)
+    # Looped stages are planned as the config's looped schedule, interleaved 1F1B unless it asks for zero bubble.
+    schedule = "zero_bubble" if cfg is not None and cfg.pipeline_schedule == "zero_bubble" else "interleaved_1f1b"
     pipes: list[PipelinePlan] = []
     notes: dict[int, str] = {}
     for stages in pipeline_stages(shape, w, hw, asked):
-        found, notes[stages] = pipeline_of(shape, w, hw, stages, source, per_rank if asked > 1 else 1, names)
+        found, notes[stages] = pipeline_of(shape, w, hw, stages, source, per_rank if asked > 1 else 1, names,
+                                           schedule)
         pipes += found
     if not pipes:
         return None, []
