@@ -59,6 +59,11 @@ def test_zero_bubble_fills_the_bubble_with_weight_gradients() -> None:
     assert zb.bubble == pytest.approx(3 / 99) and zb.schedule == "zero_bubble" and zb.p2p_s == looped.p2p_s
     assert zb.step_s < looped.step_s and zb.stage_gib < looped.stage_gib
     assert "zero bubble, 2 stages per GPU" in zb.describe()
+    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "16", "--pipeline-parallel", "4",
+                "--pipeline-schedule", "zero_bubble", "--json")
+    pipe = json.loads(r.stdout)["pipeline"]
+    assert pipe["schedule"] == "zero_bubble" and pipe["per_rank"] == 2
+    assert pipe["bubble"] == pytest.approx(3 / 99, abs=1e-4)
 
 def test_more_stages_hold_less_and_run_faster_than_one_gpu_at_a_time() -> None:
     """Stages split the blocks (less memory each, though the first holds more micro-batches in flight); with 16

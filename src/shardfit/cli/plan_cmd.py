@@ -84,6 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline-stages-per-rank", type=positive_int, default=None, metavar="V",
                    help="plan that pipeline as interleaved 1F1B with V looped stages per GPU (a smaller bubble, "
                         "more activations in flight; pipeline_schedule: interleaved_1f1b)")
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "interleaved_1f1b", "zero_bubble"), default=None,
+                   help="the schedule of that pipeline (the config's pipeline_schedule): zero_bubble plans torch's "
+                        "interleaved zero bubble over V looped stages per GPU (--pipeline-stages-per-rank, "
+                        "default 2), its bubble (stages-1)/(3 x V x micro-batches + stages-1)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -303,13 +307,18 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
                   hw: Hardware, source: str) -> tuple[dict[str, Any] | None, list[str]]:
     """The pipeline layouts planned beside the strategies: their JSON and text lines (a table of the layouts, the
     fastest that fits described, and whether the plan recommends it over the strategies); (None, []) without any."""
-    from shardfit.resolve.pipeline import stages_per_rank
+    from shardfit.resolve.pipeline import LOOPED, stages_per_rank
 
     asked = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
     per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if cfg is not None else 1)
+    named = args.pipeline_schedule or (cfg.pipeline_schedule if cfg is not None else "1f1b")
+    if args.pipeline_schedule == "1f1b":
+        per_rank = 1
+    elif named in LOOPED and per_rank == 1:  # a looped schedule named without V: the config's (default) V
+        per_rank = (cfg or Config()).pipeline_stages_per_rank
     names = pipeline_strategies(args, cfg)
-    # Looped stages are planned as the config's looped schedule, interleaved 1F1B unless it asks for zero bubble.
-    schedule = "zero_bubble" if cfg is not None and cfg.pipeline_schedule == "zero_bubble" else "interleaved_1f1b"
+    # Looped stages are planned as the schedule named, interleaved 1F1B unless it is zero bubble.
+    schedule = "zero_bubble" if named == "zero_bubble" else "interleaved_1f1b"
     pipes: list[PipelinePlan] = []
     notes: dict[int, str] = {}
     for stages in pipeline_stages(shape, w, hw, asked):
