@@ -42,6 +42,7 @@ def test_layout_accepted_with_a_rank_per_stage() -> None:
     ({"eval_metrics": ["exact_match"]}, 2, "eval_metrics: []"),
     ({"pipeline_schedule": "interleaved_1f1b"}, 4, "pipeline_schedule: 1f1b, or launch 2 ranks"),
     ({"pipeline_schedule": "zero_bubble"}, 4, "pipeline_schedule: zero_bubble on 4 ranks"),
+    ({"pipeline_schedule": "zero_bubble", "grad_accum": 5}, 2, "set grad_accum to one of 2, 3, 4, 6, 8"),
 ])
 def test_layout_refusals_name_the_key_and_the_fix(over: dict, world: int, words: str) -> None:
     with pytest.raises(UserError, match="pipeline_parallel") as e:

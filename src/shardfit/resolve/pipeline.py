@@ -95,6 +95,15 @@ def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
                         f"interleaves stages with one rank per stage only (a rank's stages share its model, which "
                         f"the strategy would wrap once per stage): set pipeline_schedule: 1f1b, or launch {n} ranks "
                         f"(--nproc {n}), {FIX}.")
+    rounds = max(1, cfg.grad_accum // n)
+    if cfg.pipeline_schedule in LOOPED and cfg.grad_accum % rounds:
+        # torch's looped schedules run the micro-batches in rounds of about one per stage, all of one size
+        fits = [m for m in range(n, 4 * n + 1) if m % max(1, m // n) == 0]
+        raise UserError(f"{_prefix(n)} with pipeline_schedule: {cfg.pipeline_schedule} and grad_accum: "
+                        f"{cfg.grad_accum}: torch's looped schedules run the micro-batches in "
+                        f"{rounds} rounds of equal size, which {cfg.grad_accum} does not split into: set grad_accum "
+                        f"to one of {', '.join(map(str, fits))} (or a multiple of {n}), or pipeline_schedule: 1f1b, "
+                        f"{FIX}.")
     if cfg.eval_metrics:
         raise UserError(f"{_prefix(n)} with eval_metrics: generation through a model cut over ranks is not in this "
                         f"version (the held-out loss is): set eval_metrics: [], {FIX}.")
