@@ -41,6 +41,8 @@ def test_layout_accepted_with_a_rank_per_stage() -> None:
     ({"grad_accum": 1}, 2, "grad_accum: 2 or more"),
     ({"eval_metrics": ["exact_match"]}, 2, "eval_metrics: []"),
     ({"pipeline_schedule": "interleaved_1f1b"}, 4, "pipeline_schedule: 1f1b, or launch 2 ranks"),
+    ({"pipeline_schedule": "zero_bubble"}, 4, "pipeline_schedule: zero_bubble on 4 ranks"),
+    ({"pipeline_schedule": "zero_bubble", "grad_accum": 5}, 2, "set grad_accum to one of 2, 3, 4, 6, 8"),
 ])
 def test_layout_refusals_name_the_key_and_the_fix(over: dict, world: int, words: str) -> None:
     with pytest.raises(UserError, match="pipeline_parallel") as e:
@@ -82,7 +84,9 @@ def test_each_stage_is_held_by_its_data_parallel_group() -> None:
 def test_interleaved_stages_per_rank_and_block_count() -> None:
     assert stages_per_rank(_cfg()) == 1
     assert stages_per_rank(_cfg(pipeline_schedule="interleaved_1f1b", pipeline_stages_per_rank=3)) == 3
+    assert stages_per_rank(_cfg(pipeline_schedule="zero_bubble", pipeline_stages_per_rank=3)) == 3
     check_layout(_cfg(pipeline_schedule="interleaved_1f1b"), 2, "ddp")
+    check_layout(_cfg(pipeline_schedule="zero_bubble"), 2, "ddp")
     facts = facts_of_config(Qwen2Config(num_hidden_layers=5))
     check_model(2, facts, "qwen2", "lora", per_rank=2)
     with pytest.raises(UserError, match=r"2 x 3 = 6 stages .*pipeline_stages_per_rank of at most 2"):
@@ -384,6 +388,23 @@ def test_interleaved_1f1b_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, sm
     _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
                   1e-4)
 
+
+
+@pytest.mark.slow
+def test_zero_bubble_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path) -> None:
+    """The same four-block Qwen2 as 2 ranks x 2 looped stages under torch's interleaved zero bubble (each backward
+    split into input- and weight-gradient passes, the LoRA base frozen) gives one process's train and eval losses
+    (fp32, 1e-5) and adapter."""
+    model = make_tiny_model(tmp_path / "q4", tokenizer_dir, "qwen2", tie=False, layers=4)
+    over = dict(max_steps=3, eval_steps=3, save_steps=3, grad_accum=4)
+    single = _run(tmp_path, model, small_data, "single", **over)
+    pp = _run(tmp_path, model, small_data, "pp", "--nproc", "2", pipeline_parallel=2,
+              pipeline_schedule="zero_bubble", **over)
+    ref, got = _losses(single), _losses(pp)
+    assert len(got) == len(ref) == 4
+    assert got == pytest.approx(ref, rel=1e-5)
+    _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
+                  1e-4)
 
 def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
     """More stages than the model's 2 blocks: exit 2 before any rank starts, naming the key."""

@@ -44,6 +44,27 @@ def test_interleaving_shrinks_the_bubble_for_more_activations_in_flight() -> Non
     assert "interleaved 1F1B, 2 stages per GPU" in looped.describe()
 
 
+
+def test_zero_bubble_fills_the_bubble_with_weight_gradients() -> None:
+    """Zero bubble over the same looped stages: the idle time is one forward per hop, (stages-1)/(3 x V x
+    micro-batches + stages-1); one forward per hop ahead in the warm-up (8 + 7 + 1 chunks = 8 micro-batches'
+    worth on 8 GPUs x 2, 16 micro-batches); the step is shorter than interleaved 1F1B's with the same sends, and
+    the plan's command line names the schedule."""
+    assert bubble(8, 16, 2, split_backward=True) == pytest.approx(7 / 103)
+    assert in_flight(8, 16, 2, split_backward=True) == pytest.approx(16 / 2)
+    shape, hw = resolve_shape(MODEL), parse_gpus("4x24GB", 1, None)
+    w = _w(grad_accum=16)
+    looped = plan_pipeline(shape, w, hw, 4, per_rank=2)
+    zb = plan_pipeline(shape, w, hw, 4, per_rank=2, schedule="zero_bubble")
+    assert zb.bubble == pytest.approx(3 / 99) and zb.schedule == "zero_bubble" and zb.p2p_s == looped.p2p_s
+    assert zb.step_s < looped.step_s and zb.stage_gib < looped.stage_gib
+    assert "zero bubble, 2 stages per GPU" in zb.describe()
+    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "16", "--pipeline-parallel", "4",
+                "--pipeline-schedule", "zero_bubble", "--json")
+    pipe = json.loads(r.stdout)["pipeline"]
+    assert pipe["schedule"] == "zero_bubble" and pipe["per_rank"] == 2
+    assert pipe["bubble"] == pytest.approx(3 / 99, abs=1e-4)
+
 def test_more_stages_hold_less_and_run_faster_than_one_gpu_at_a_time() -> None:
     """Stages split the blocks (less memory each, though the first holds more micro-batches in flight); with 16
     micro-batches, 4 stages beat model_parallel (the same split, one GPU busy at a time) by about 4 x 16/19."""

@@ -84,6 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline-stages-per-rank", type=positive_int, default=None, metavar="V",
                    help="plan that pipeline as interleaved 1F1B with V looped stages per GPU (a smaller bubble, "
                         "more activations in flight; pipeline_schedule: interleaved_1f1b)")
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "interleaved_1f1b", "zero_bubble"), default=None,
+                   help="the schedule of that pipeline (the config's pipeline_schedule): zero_bubble plans torch's "
+                        "interleaved zero bubble over V looped stages per GPU (--pipeline-stages-per-rank, "
+                        "default 2), its bubble (stages-1)/(3 x V x micro-batches + stages-1)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -248,9 +252,11 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
 
 
 def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str, per_rank: int = 1,
-                names: tuple[str, ...] = ("single",)) -> tuple[list[PipelinePlan], str]:
+                names: tuple[str, ...] = ("single",), schedule: str = "interleaved_1f1b"
+                ) -> tuple[list[PipelinePlan], str]:
     """The pipelines of `stages` stages over the GPUs of `hw` under each strategy of `names` (plan/pipeline.py
-    `layouts`; interleaved 1F1B: `per_rank` stages on each of `stages` GPUs), and what `train` would say of them
+    `layouts`; interleaved 1F1B, or zero bubble where `schedule` says so: `per_rank` stages on each of `stages`
+    GPUs), and what `train` would say of them
     (empty: it runs them); more stages than blocks, or stages that do not divide the GPUs, is bad input."""
     from shardfit.resolve.dims import ParallelDims
     from shardfit.resolve.pipeline import check_model, facts_of_shape
@@ -273,7 +279,7 @@ def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, sourc
         if hw.world > stages:
             note = note or (f"planned on {stages} of the {hw.world} GPUs: train interleaves stages with one GPU per "
                             "stage only")
-        return [plan_pipeline(shape, w, hw, stages, per_rank)], note
+        return [plan_pipeline(shape, w, hw, stages, per_rank, schedule=schedule)], note
     return layouts(shape, w, hw, stages, names), note
 
 
@@ -301,15 +307,23 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
                   hw: Hardware, source: str) -> tuple[dict[str, Any] | None, list[str]]:
     """The pipeline layouts planned beside the strategies: their JSON and text lines (a table of the layouts, the
     fastest that fits described, and whether the plan recommends it over the strategies); (None, []) without any."""
-    from shardfit.resolve.pipeline import stages_per_rank
+    from shardfit.resolve.pipeline import LOOPED, stages_per_rank
 
     asked = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
     per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if cfg is not None else 1)
+    named = args.pipeline_schedule or (cfg.pipeline_schedule if cfg is not None else "1f1b")
+    if args.pipeline_schedule == "1f1b":
+        per_rank = 1
+    elif named in LOOPED and per_rank == 1:  # a looped schedule named without V: the config's (default) V
+        per_rank = (cfg or Config()).pipeline_stages_per_rank
     names = pipeline_strategies(args, cfg)
+    # Looped stages are planned as the schedule named, interleaved 1F1B unless it is zero bubble.
+    schedule = "zero_bubble" if named == "zero_bubble" else "interleaved_1f1b"
     pipes: list[PipelinePlan] = []
     notes: dict[int, str] = {}
     for stages in pipeline_stages(shape, w, hw, asked):
-        found, notes[stages] = pipeline_of(shape, w, hw, stages, source, per_rank if asked > 1 else 1, names)
+        found, notes[stages] = pipeline_of(shape, w, hw, stages, source, per_rank if asked > 1 else 1, names,
+                                           schedule)
         pipes += found
     if not pipes:
         return None, []

@@ -130,9 +130,13 @@ class Config:
                                     "models, Qwen2-VL and Qwen2.5-VL, objective sft; docs/pipeline.md", ge=1)
     pipeline_schedule: str = key("1f1b", "the pipeline's schedule: 1f1b (one stage per rank) | interleaved_1f1b "
                                           "(pipeline_stages_per_rank stages per rank, looped: rank r holds stages "
-                                          "r, r+N, ...; a smaller bubble for more activations in flight); "
+                                          "r, r+N, ...; a smaller bubble for more activations in flight) | "
+                                          "zero_bubble (the same stages, each backward split into input- and "
+                                          "weight-gradient passes that fill the bubble: torch's interleaved "
+                                          "zero bubble); "
                                           "docs/pipeline.md")
-    pipeline_stages_per_rank: int = key(2, "stages each rank holds under pipeline_schedule: interleaved_1f1b (V; "
+    pipeline_stages_per_rank: int = key(2, "stages each rank holds under pipeline_schedule: interleaved_1f1b or "
+                                           "zero_bubble (V; "
                                            "the decoder is cut into pipeline_parallel x V stages)", ge=2)
     expert_parallel: int = key(1, "ranks that share each mixture-of-experts block's routed experts (each holds "
                                   "experts/N of them; tokens travel to their experts' ranks and back by "
@@ -239,7 +243,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grad_ckpt": GRAD_CKPT,
     "backend": BACKENDS,
     "attn_implementation": ATTENTION,
-    "pipeline_schedule": ("1f1b", "interleaved_1f1b"),
+    "pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble"),
     "compile": ("auto", True, False),
     "static_shape": ("auto", True, False),
     "qlora.quant_type": QUANT_TYPES,

@@ -22,6 +22,16 @@ torch's warm-up runs (V-1) x (micro-batches per round) + 2 (stages-1) chunks ahe
 chunk 1/V of its blocks' activations.
 The interleaved cut is the even one (parallel/pipeline.py `cut_looped`).
 
+Zero bubble (torch's ScheduleInterleavedZeroBubble, the ZB1P schedule of Qi et al. 2024, arXiv 2401.10241): the same
+looped stages, each backward split into an input-gradient pass (what the previous stage waits for) and a
+weight-gradient pass that fills the idle slots. With a forward, an input gradient and a weight gradient of equal
+cost (the paper's unit), its idle time is (stages-1) forwards of a virtual stage, so the bubble is
+(stages-1)/(3 x V x micro-batches + stages-1). The three bubble formulas are what torch's own per-rank action lists
+give when replayed with those costs (parallel/schedule_order.py; bench/pipeline_bubble.py and
+tests/test_schedule_order.py check them against each other). Its warm-up runs one forward per hop ahead, not
+interleaved 1F1B's two, and rank r defers r weight passes, so every rank keeps (V-1) x (micro-batches per round) +
+stages - 1 chunks ahead.
+
 Stages x data parallelism (world = N x dp, resolve/dims.py): each stage is held by dp neighbouring ranks under the
 strategy (ddp, zero2, zero3), and each of the dp replicas runs `grad_accum` micro-batches a step through its own
 pipeline (the global batch is dp times one pipeline's, as for any strategy). A stage's memory is the strategy's
@@ -85,11 +95,12 @@ class PipelinePlan:
     fits: bool  # every stage's peak (runtime overhead included) within the card
     cut: tuple[int, ...] = ()  # decoder blocks of each stage, first to last
     stage_gibs: tuple[float, ...] = ()  # each stage's peak
-    per_rank: int = 1  # stages per GPU: 1 under 1F1B, V under interleaved 1F1B (then `cut` and `stage_gib` are the
-    # first GPU's: its blocks and peak)
+    per_rank: int = 1  # stages per GPU: 1 under 1F1B, V under interleaved 1F1B and zero bubble (then `cut` and
+    # `stage_gib` are the first GPU's: its blocks and peak)
     dp: int = 1  # data-parallel ranks holding each stage (replicas of the pipeline)
     strategy: str = "single"  # what those ranks replicate or shard (single: one rank per stage)
     sync_s: float = 0.0  # the slowest stage's gradient reduction (and zero3's gathers) over its dp ranks, per step
+    schedule: str = "1f1b"  # the config's pipeline_schedule: 1f1b, interleaved_1f1b or zero_bubble
 
     @property
     def layout(self) -> str:
@@ -100,7 +111,8 @@ class PipelinePlan:
         """The plan's text output: the headline and each stage's blocks and memory."""
         verdict = "fits" if self.fits else "does not fit"
         if self.per_rank > 1:
-            return (f"pipeline {self.stages} stages x {self.micro_batches} micro-batches (interleaved 1F1B, "
+            kind = "zero bubble" if self.schedule == "zero_bubble" else "interleaved 1F1B"
+            return (f"pipeline {self.stages} stages x {self.micro_batches} micro-batches ({kind}, "
                     f"{self.per_rank} stages per GPU, {self.blocks_per_stage} blocks per GPU): first GPU "
                     f"{self.stage_gib:.1f} of {self.card_gib:.0f} GiB ({verdict}); bubble {100 * self.bubble:.0f}% "
                     f"of the step, activations point-to-point {self.p2p_s:.2f} s; ~{self.step_s:.2f} s/step, "
@@ -128,20 +140,24 @@ class PipelinePlan:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def bubble(stages: int, micro_batches: int, per_rank: int = 1) -> float:
+def bubble(stages: int, micro_batches: int, per_rank: int = 1, split_backward: bool = False) -> float:
     """The idle share of a 1F1B (or GPipe) step, (stages-1)/(micro-batches+stages-1), or of an interleaved 1F1B
-    step with `per_rank` stages per GPU, (stages-1)/(per_rank x micro-batches + stages-1)."""
-    return (stages - 1) / (per_rank * micro_batches + stages - 1)
+    step with `per_rank` stages per GPU, (stages-1)/(per_rank x micro-batches + stages-1), or of a zero-bubble step
+    (`split_backward`: a forward, an input-gradient and a weight-gradient pass per chunk, of equal cost, the idle
+    time one forward per hop), (stages-1)/(3 x per_rank x micro-batches + stages-1)."""
+    passes = 3 if split_backward else 1
+    return (stages - 1) / (passes * per_rank * micro_batches + stages - 1)
 
 
-def in_flight(stages: int, micro_batches: int, per_rank: int = 1) -> float:
+def in_flight(stages: int, micro_batches: int, per_rank: int = 1, split_backward: bool = False) -> float:
     """The micro-batches' worth of the first GPU's activations its schedule keeps at once: 1F1B's min(stages,
     micro-batches); interleaved 1F1B's warm-up chunks plus the one computing (torch's `_get_warmup_ops` for rank 0),
-    each 1/per_rank of the GPU's blocks."""
+    each 1/per_rank of the GPU's blocks; zero bubble's (`split_backward`) one forward per hop ahead, not two."""
     if per_rank == 1:
         return min(stages, micro_batches)
     per_round = micro_batches // max(1, micro_batches // stages)
-    chunks = min((per_rank - 1) * per_round + 2 * (stages - 1), micro_batches * per_rank - 1) + 1
+    hops = (1 if split_backward else 2) * (stages - 1)
+    chunks = min((per_rank - 1) * per_round + hops, micro_batches * per_rank - 1) + 1
     return chunks / per_rank
 
 
@@ -285,12 +301,13 @@ def _hop_s(shape: ModelShape, w: Workload, hw: Hardware, ranks: int) -> float:
 
 
 def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int = 1, dp: int = 1,
-                  strategy: str = "single") -> PipelinePlan:
+                  strategy: str = "single", schedule: str = "1f1b") -> PipelinePlan:
     """The pipeline of `stages` stages, each on `dp` GPUs of `hw` under `strategy` (dp replicas of the pipeline),
     each replica running `w.grad_accum` micro-batches a step through its one stage per GPU (1F1B, cut by
-    `stage_cut`) or, one GPU per stage, its `per_rank` looped stages (interleaved 1F1B, cut evenly)."""
+    `stage_cut`) or, one GPU per stage, its `per_rank` looped stages (interleaved 1F1B, or zero bubble where
+    `schedule` says so; cut evenly)."""
     if per_rank > 1:
-        return _interleaved(shape, w, hw, stages, per_rank)
+        return _interleaved(shape, w, hw, stages, per_rank, schedule == "zero_bubble")
     name = strategy if dp > 1 else "single"
     cut = stage_cut(shape, w, hw, stages, dp, name)
     gibs = [stage_gib(shape, w, hw, stages, s, b, dp, name) for s, b in enumerate(cut)]
@@ -335,9 +352,10 @@ def fastest(pipes: Sequence[PipelinePlan]) -> PipelinePlan | None:
                key=lambda p: (strategies.get(p.strategy).speed_rank, -p.tokens_per_s))
 
 
-def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int) -> PipelinePlan:
-    """Interleaved 1F1B over `stages` GPUs of `per_rank` looped stages each (the even cut the runtime makes): the
-    first GPU's peak, which keeps the most chunks in flight."""
+def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_rank: int,
+                 split: bool = False) -> PipelinePlan:
+    """Interleaved 1F1B (zero bubble where `split`) over `stages` GPUs of `per_rank` looped stages each (the even
+    cut the runtime makes): the first GPU's peak, which keeps the most chunks in flight."""
     # The first GPU's blocks: its stages 0, N, 2N, ... of the N x V, the earlier stages taking the remainder's.
     counts = even_cut(shape.layers, stages * per_rank)
     per_gpu = [sum(counts[s] for s in range(r, stages * per_rank, stages)) for r in range(stages)]
@@ -351,15 +369,18 @@ def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_
     head = 0.0 if shape.tied else head_weight_bytes(shape, w)
     held = activation_bytes(stage_shape, w, blocks) if w.grad_ckpt == "none" else \
         w.tokens * blocks * checkpointed_block_bytes_per_token(stage_shape, w, "single")
-    gib = one.per_gpu_gib.total + ((in_flight(stages, m, per_rank) - 1) * held - head) / GIB
+    gib = one.per_gpu_gib.total + ((in_flight(stages, m, per_rank, split) - 1) * held - head) / GIB
     per_micro, fixed = _micro_and_fixed(shape, w, hw)
     slots = per_rank * m + stages - 1  # each a virtual stage's forward and backward of one micro-batch
     p2p = slots * _hop_s(shape, w, hw, stages)
-    step = slots * per_micro / (stages * per_rank) + p2p + fixed / stages
+    idle = bubble(stages, m, per_rank, split)
+    # Each GPU's share of the micro-batches' compute, stretched by the schedule's idle share.
+    step = per_micro * m / stages / (1 - idle) + p2p + fixed / stages
     return PipelinePlan(stages=stages, micro_batches=m, blocks_per_stage=blocks, stage_gib=gib,
-                        card_gib=hw.gpu_mem_gib, bubble=bubble(stages, m, per_rank), p2p_s=p2p, step_s=step,
+                        card_gib=hw.gpu_mem_gib, bubble=idle, p2p_s=p2p, step_s=step,
                         tokens_per_s=w.tokens * m / step, fits=gib <= hw.gpu_mem_gib, cut=tuple(per_gpu),
-                        stage_gibs=(gib,), per_rank=per_rank)
+                        stage_gibs=(gib,), per_rank=per_rank,
+                        schedule="zero_bubble" if split else "interleaved_1f1b")
 
 
 def config_cut(cfg: Config, hw: Hardware, stages: int, strategy: str = "single") -> tuple[int, ...]:
@@ -380,7 +401,7 @@ def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
     strategy beyond the time model's precision (TIE); the strategies are ranked as `recommend` ranks them."""
     best = plan.candidate(plan.recommended) if plan.recommended else None
     rate = f"{pipe.tokens_per_s:,.0f} tokens/s (~{pipe.step_s:.0f} s/step)"
-    interleaved = f" --set pipeline_schedule=interleaved_1f1b --set pipeline_stages_per_rank={pipe.per_rank}" \
+    interleaved = f" --set pipeline_schedule={pipe.schedule} --set pipeline_stages_per_rank={pipe.per_rank}" \
         if pipe.per_rank > 1 else ""
     if not pipe.fits:
         return False, f"not {pipe.layout}: its fullest stage needs {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"

@@ -6,7 +6,8 @@ the first stage (one rank per stage, 1F1B), cut at decoder-block boundaries into
 stage held by the world / N data-parallel ranks of its group under the strategy (ddp, zero2, zero3; one rank per
 stage needs none), trained with LoRA or a full fine-tune under the SFT objective, one micro-batch of the 1F1B
 schedule per grad_accum micro-batch (parallel/pipeline.py); or, one rank per stage, N x V stages under interleaved
-1F1B, V looped stages per rank. Everything else is refused with exit 2 and the reason, before anything loads.
+1F1B or zero bubble, V looped stages per rank. Everything else is refused with exit 2 and the reason, before
+anything loads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ PP_METHODS = ("lora", "full")
 # round-trips through the schedule are not tried.
 PP_DP_STRATEGIES = ("ddp", "zero2", "zero3")
 INTERLEAVED = "interleaved_1f1b"
+ZERO_BUBBLE = "zero_bubble"
+# The schedules that loop several stages over each rank (one rank per stage): torch's interleaved 1F1B, and its
+# interleaved zero bubble (ZB1P), which splits each backward into input- and weight-gradient passes.
+LOOPED = (INTERLEAVED, ZERO_BUBBLE)
 # Vision-language models whose vision tower and image merge the first stage runs (parallel/pipeline.py), with
 # M-RoPE positions handed to every stage: tested against one process (tests/test_pipeline_vl.py). Qwen3-VL's
 # deepstack features enter the first blocks and are not passed between stages.
@@ -85,19 +90,28 @@ def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
                         f"grad_accum micro-batches through the stages and needs at least one per stage: set "
                         f"grad_accum: {n} or more (more micro-batches shrink the idle bubble, "
                         f"(stages-1)/(micro-batches+stages-1)), {FIX}.")
-    if cfg.pipeline_schedule == INTERLEAVED and world > n:
-        raise UserError(f"{_prefix(n)} with pipeline_schedule: {INTERLEAVED} on {world} ranks: this version "
+    if cfg.pipeline_schedule in LOOPED and world > n:
+        raise UserError(f"{_prefix(n)} with pipeline_schedule: {cfg.pipeline_schedule} on {world} ranks: this version "
                         f"interleaves stages with one rank per stage only (a rank's stages share its model, which "
                         f"the strategy would wrap once per stage): set pipeline_schedule: 1f1b, or launch {n} ranks "
                         f"(--nproc {n}), {FIX}.")
+    rounds = max(1, cfg.grad_accum // n)
+    if cfg.pipeline_schedule in LOOPED and cfg.grad_accum % rounds:
+        # torch's looped schedules run the micro-batches in rounds of about one per stage, all of one size
+        fits = [m for m in range(n, 4 * n + 1) if m % max(1, m // n) == 0]
+        raise UserError(f"{_prefix(n)} with pipeline_schedule: {cfg.pipeline_schedule} and grad_accum: "
+                        f"{cfg.grad_accum}: torch's looped schedules run the micro-batches in "
+                        f"{rounds} rounds of equal size, which {cfg.grad_accum} does not split into: set grad_accum "
+                        f"to one of {', '.join(map(str, fits))} (or a multiple of {n}), or pipeline_schedule: 1f1b, "
+                        f"{FIX}.")
     if cfg.eval_metrics:
         raise UserError(f"{_prefix(n)} with eval_metrics: generation through a model cut over ranks is not in this "
                         f"version (the held-out loss is): set eval_metrics: [], {FIX}.")
 
 
 def stages_per_rank(cfg: Config) -> int:
-    """The stages each rank holds: pipeline_stages_per_rank under interleaved 1F1B, else one."""
-    return cfg.pipeline_stages_per_rank if cfg.pipeline_schedule == INTERLEAVED else 1
+    """The stages each rank holds: pipeline_stages_per_rank under interleaved 1F1B and zero bubble, else one."""
+    return cfg.pipeline_stages_per_rank if cfg.pipeline_schedule in LOOPED else 1
 
 
 def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: int = 1) -> None:
@@ -112,8 +126,8 @@ def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: in
                         f"(Llama, Qwen2, Qwen3), Qwen2-VL and Qwen2.5-VL only: train it without a pipeline, {FIX}.")
     if facts.staged_tower and per_rank > 1:
         raise UserError(f"{_prefix(n)}: {model}'s vision tower runs on the first stage of a 1F1B pipeline; this "
-                        f"version does not interleave it (pipeline_schedule: {INTERLEAVED}): set pipeline_schedule: "
-                        f"1f1b, {FIX}.")
+                        f"version does not interleave it (pipeline_schedule: {' / '.join(LOOPED)}): set "
+                        f"pipeline_schedule: 1f1b, {FIX}.")
     if facts.layers < n * per_rank:
         stages = f"{n} x {per_rank} = {n * per_rank} stages (pipeline_parallel x pipeline_stages_per_rank)" \
             if per_rank > 1 else f"{n} stages"

@@ -1,5 +1,6 @@
 """Training and evaluation through pipeline stages (parallel/pipeline.py): the step's micro-batches go through
-torch.distributed.pipelining's 1F1B schedule, or its interleaved 1F1B over several stages per rank (one schedule
+torch.distributed.pipelining's 1F1B schedule, or its interleaved 1F1B or interleaved zero bubble (each backward
+split into an input-gradient and a weight-gradient pass) over several stages per rank (one schedule
 micro-batch per grad_accum micro-batch, so a step is the global batch of one process), the held-out rows through a
 forward-only schedule (GPipe's, or the interleaved one's forwards), the gradient norm is the global one over every
 stage, and the final adapter or model is gathered from the stages onto rank 0.
@@ -19,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,8 +49,9 @@ class PipelineRun:
     backward, then reduces them once."""
 
     def __init__(self, stages: list[DecoderStage], layout: Layout, device: torch.device, chunk: int,
-                 autocast: torch.dtype | None = None):
+                 autocast: torch.dtype | None = None, zero_bubble: bool = False):
         self.stages, self.layout, self.device, self.chunk = stages, layout, device, chunk
+        self.zero_bubble = zero_bubble  # several stages: interleaved zero bubble's training steps, not 1F1B's
         self.stage = stages[0]
         self.module: nn.Module = self.stage
         for stage in stages:
@@ -60,11 +68,12 @@ class PipelineRun:
 
     def _schedule(self, n: int, *, train: bool) -> Schedule:
         """The schedule of `n` micro-batches: 1F1B (GPipe forward-only for evaluation) over one stage per rank,
-        interleaved 1F1B over several."""
+        interleaved 1F1B or zero bubble over several (evaluation: interleaved 1F1B's forwards, the same)."""
         if len(self.stages) > 1:
             stages = [PipelineStage(s, s.stage, s.stages, self.device, group=self.layout.pp_group)
                       for s in self.stages]
-            return ScheduleInterleaved1F1B(stages, n, loss_fn=self._loss, scale_grads=False)
+            looped = ScheduleInterleavedZeroBubble if self.zero_bubble and train else ScheduleInterleaved1F1B
+            return looped(stages, n, loss_fn=self._loss, scale_grads=False)
         stage = PipelineStage(self.module, self.stage.stage, self.stage.stages, self.device,
                               group=self.layout.pp_group)
         kind = Schedule1F1B if train else ScheduleGPipe

@@ -339,7 +339,8 @@ class FineTune:
         stages = cut_looped(self.model, self.layout.pp_rank, self.layout.pp, per_rank) if per_rank > 1 \
             else [cut(self.model, self.layout.pp_rank, self.layout.pp, self.job.stage_layers)]  # the plan's cut
         self.pipe = PipelineRun(stages, self.layout, self.env.device, self.loss_chunk,
-                                DTYPES[self.job.autocast] if self.job.autocast else None)
+                                DTYPES[self.job.autocast] if self.job.autocast else None,
+                                zero_bubble=self.cfg.pipeline_schedule == pipelines.ZERO_BUBBLE)
         return stages[0]  # it holds the rank's whole share of the model
 
     def _setup_optimizer(self) -> None:
