@@ -69,25 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None,
                    help="none | full | selective (default: the config's; full with --model, as LLaMA-Factory, TRL and "
                         "ms-swift run)")
-    p.add_argument("--sequence-parallel", type=positive_int, default=None, metavar="N",
-                   help="ranks that split every row (Ulysses): each holds 1/N of its activations, plus the "
-                        "all-to-alls of its attention (docs/long-context.md)")
-    p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
-                   help="ranks that share each block's routed experts (ddp, zero2, zero3 rows): each holds 1/N "
-                        "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
-    p.add_argument("--pipeline-parallel", type=positive_int, default=None, metavar="N",
-                   help="also plan a pipeline of N stages over --grad-accum micro-batches (1F1B), each stage on "
-                        "GPUS / N data-parallel GPUs under ddp, zero2 or zero3 (--strategy names one): where the "
-                        "blocks are cut, each stage's memory, the bubble, the activations' traffic and the "
-                        "gradients' reduction (default: every N that divides the GPUs, when --grad-accum is at "
-                        "least N; docs/pipeline.md)")
-    p.add_argument("--pipeline-stages-per-rank", type=positive_int, default=None, metavar="V",
-                   help="plan that pipeline as interleaved 1F1B with V looped stages per GPU (a smaller bubble, "
-                        "more activations in flight; pipeline_schedule: interleaved_1f1b)")
-    p.add_argument("--pipeline-schedule", choices=("1f1b", "interleaved_1f1b", "zero_bubble"), default=None,
-                   help="the schedule of that pipeline (the config's pipeline_schedule): zero_bubble plans torch's "
-                        "interleaved zero bubble over V looped stages per GPU (--pipeline-stages-per-rank, "
-                        "default 2), its bubble (stages-1)/(3 x V x micro-batches + stages-1)")
+    _add_parallel_flags(p)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
     p.add_argument("--loss", choices=LOSSES, default=None,
@@ -136,6 +118,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=positive_int, default=None, help="with --from: ranks the job launches per node")
     add_from(p, model_flags=False)
     p.set_defaults(func=run)
+
+
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """The parallel dimensions a plan can add: rows split, experts shared, a pipeline of stages."""
+    p.add_argument("--sequence-parallel", type=positive_int, default=None, metavar="N",
+                   help="ranks that split every row (Ulysses): each holds 1/N of its activations, plus the "
+                        "all-to-alls of its attention (docs/long-context.md)")
+    p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
+                   help="ranks that share each block's routed experts (ddp, zero2, zero3 rows): each holds 1/N "
+                        "of them, plus the all-to-alls that carry the tokens (docs/expert-parallel.md)")
+    p.add_argument("--pipeline-parallel", type=positive_int, default=None, metavar="N",
+                   help="also plan a pipeline of N stages over --grad-accum micro-batches (1F1B), each stage on "
+                        "GPUS / N data-parallel GPUs under ddp, zero2 or zero3 (--strategy names one): where the "
+                        "blocks are cut, each stage's memory, the bubble, the activations' traffic and the "
+                        "gradients' reduction (default: every N that divides the GPUs, when --grad-accum is at "
+                        "least N; docs/pipeline.md)")
+    p.add_argument("--pipeline-stages-per-rank", type=positive_int, default=None, metavar="V",
+                   help="plan that pipeline as interleaved 1F1B with V looped stages per GPU (a smaller bubble, "
+                        "more activations in flight; pipeline_schedule: interleaved_1f1b)")
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "interleaved_1f1b", "zero_bubble"), default=None,
+                   help="the schedule of that pipeline (the config's pipeline_schedule): zero_bubble plans torch's "
+                        "interleaved zero bubble over V looped stages per GPU (--pipeline-stages-per-rank, "
+                        "default 2), its bubble (stages-1)/(3 x V x micro-batches + stages-1)")
 
 
 def _add_media_flags(p: argparse.ArgumentParser) -> None:
