@@ -44,7 +44,7 @@ class LoraSettings:
     experts: bool = key(True, "a mixture of experts: adapters on the routed experts too (peft target_parameters on "
                               "their fused weights, a rank per expert); false: attention and shared experts only. "
                               "The router never gets one")
-    dtype: str = key("fp32", "fp32 | bf16: the dtype the adapters are stored and computed in. fp32: under "
+    dtype: str = key("fp32", "the dtype the adapters are stored and computed in. fp32: under "
                              "torch.autocast, which casts them to the precision at every use; bf16 (precision "
                              "bf16 only): no autocast, fewer cast kernels per layer, and the optimizer keeps fp32 "
                              "master copies of them (docs/training.md). Under zero2/zero3 FSDP2 already computes "
