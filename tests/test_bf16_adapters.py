@@ -11,6 +11,7 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
@@ -102,16 +103,21 @@ def test_master_weights_update_as_fp32_adamw_does() -> None:
     assert torch.equal(state["master"], master)
 
 
+def _run(tmp_path: Path, model: Path, data: Path, name: str, dtype: str, resume: str = "never"):
+    """Five bf16 steps of a tiny Llama with `lora.dtype` `dtype`, a checkpoint at step 3."""
+    cfg = write_config(tmp_path / f"{name}.yaml", model=str(model), data=str(data), method="lora", precision="bf16",
+                       strategy="single", max_seq_len=64, max_bad_rows=0.5, micro_batch=2, lr=1e-2, warmup_ratio=0.0,
+                       max_steps=5, log_steps=1, save_steps=3, eval_steps=100,
+                       lora={"rank": 4, "alpha": 8, "dtype": dtype}, output_dir=str(tmp_path / name), resume=resume,
+                       report_to=["none"])
+    return train(load_config(cfg), init_distributed(), quiet=True)
+
+
 def test_a_bf16_adapter_run_tracks_the_fp32_one_and_saves_a_peft_adapter(tmp_path: Path, tiny_llama: Path,
                                                                            small_data: Path) -> None:
     losses, runs = {}, {}
     for dtype in ("fp32", "bf16"):
-        cfg = write_config(tmp_path / f"{dtype}.yaml", model=str(tiny_llama), data=str(small_data), method="lora",
-                           precision="bf16", strategy="single", max_seq_len=64, max_bad_rows=0.5, micro_batch=2,
-                           lr=1e-2, warmup_ratio=0.0, max_steps=5, log_steps=1, save_steps=100, eval_steps=100,
-                           lora={"rank": 4, "alpha": 8, "dtype": dtype}, output_dir=str(tmp_path / dtype),
-                           resume="never", report_to=["none"])
-        result = train(load_config(cfg), init_distributed(), quiet=True)
+        result = _run(tmp_path, tiny_llama, small_data, dtype, dtype)
         runs[dtype] = result.run_dir
         losses[dtype] = [m["loss"] for m in read_jsonl(result.run_dir / "metrics.jsonl") if "loss" in m]
         assert result.summary["resolved"]["adapter_dtype"] == dtype
@@ -121,10 +127,6 @@ def test_a_bf16_adapter_run_tracks_the_fp32_one_and_saves_a_peft_adapter(tmp_pat
     assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], abs=0.005)
     assert max(abs(a - b) for a, b in zip(losses["fp32"], losses["bf16"], strict=True)) < 0.02, losses
     assert losses["bf16"][-1] < losses["bf16"][0]
-    # The checkpoint resumes the fp32 masters, not only the bf16 weights.
-    saved = FileSystemReader(runs["bf16"] / "checkpoints" / "step-5").read_metadata().state_dict_metadata
-    masters = [k for k in saved if k.endswith(".master")]
-    assert masters and all(saved[k].properties.dtype == torch.float32 for k in masters)
     # Saved as the run computed with them: bf16, which peft loads into a bf16 base.
     adapter = runs["bf16"] / "adapter"
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
@@ -135,3 +137,15 @@ def test_a_bf16_adapter_run_tracks_the_fp32_one_and_saves_a_peft_adapter(tmp_pat
     trained = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert trained and any(p.abs().sum() > 0 for p in trained.values())  # B starts at zero: it trained
     assert dataclasses.asdict(load_config(runs["bf16"] / "config.yaml"))["lora"]["dtype"] == "bf16"
+
+
+def test_a_bf16_adapter_run_resumes_its_masters_exactly(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    """The checkpoint holds the fp32 masters, not only the bf16 weights: resumed at step 3, the run ends bitwise
+    where the uninterrupted one did (from the bf16 weights alone the masters would restart rounded)."""
+    whole = _run(tmp_path, tiny_llama, small_data, "whole", "bf16").run_dir
+    saved = FileSystemReader(whole / "checkpoints" / "step-3").read_metadata().state_dict_metadata
+    masters = [k for k in saved if k.endswith(".master")]
+    assert masters and all(saved[k].properties.dtype == torch.float32 for k in masters)
+    resumed = _run(tmp_path, tiny_llama, small_data, "resumed", "bf16", str(whole / "checkpoints" / "step-3")).run_dir
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (whole, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -27,7 +27,7 @@ class MasterAdamW(torch.optim.AdamW):
                     continue
                 # Stored after the first update: AdamW creates its moments while a parameter's state is empty.
                 master = self.state[p].get("master")
-                master = p.detach().float() if master is None else master
+                master = p.detach().float() if master is None else master.float()  # fp32 whatever was loaded
                 # The parameter stands for its master during the update (the moments are created in its dtype).
                 low, grad = p.data, p.grad
                 p.grad = None
