@@ -19,6 +19,7 @@ from bench.bf16_adapters import step_ops
 from shardfit.config import Config, LoraSettings, load_config
 from shardfit.errors import UserError
 from shardfit.parallel.env import init_distributed
+from shardfit.parallel.expert_grads import step_grad_norm
 from shardfit.plan.hardware import parse_gpus
 from shardfit.resolve import DeviceFacts, resolve_job
 from shardfit.resolve.decide import settled
@@ -101,6 +102,20 @@ def test_master_weights_update_as_fp32_adamw_does() -> None:
     assert {k: v.dtype for k, v in state.items() if k != "step"} == dict.fromkeys(
         ("exp_avg", "exp_avg_sq", "master"), torch.float32)
     assert torch.equal(state["master"], master)
+
+
+def test_bf16_gradients_clip_by_their_fp32_norm() -> None:
+    """The clipping norm (and the logged grad_norm) of bf16 gradients is summed in fp32, not rounded to bf16's three
+    significant digits per tensor."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40, 40).bfloat16()) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(40, 40).bfloat16()
+    exact = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in params]))
+    norm = step_grad_norm(params, None, 1.0)
+    assert norm.dtype == torch.float32 and float(norm) == pytest.approx(float(exact), rel=1e-6)
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in params]))
+    assert float(clipped) == pytest.approx(1.0, rel=1e-2)  # scaled in bf16: within its rounding
 
 
 def _run(tmp_path: Path, model: Path, data: Path, name: str, dtype: str, resume: str = "never"):
