@@ -20,6 +20,7 @@ import yaml
 
 from shardfit import method, objective
 from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, DpoSettings, LoraSettings, QLoraSettings
+from shardfit.config.support import adapter_dtype_problem
 from shardfit.errors import UserError
 
 # The sections of the config: mappings of keys of their own (`lora.rank`), each a dataclass.
@@ -334,6 +335,9 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         fail("micro_batch", "is 1, but objective kto takes its reference point from the rows of a micro-batch: with "
              "one row it is that row's own log-ratio and the loss stops moving. Set micro_batch: 2 or more (lower "
              "max_seq_len or use grad_ckpt: full if memory is short).")
+    problem = adapter_dtype_problem(cfg)
+    if problem:
+        fail("lora.dtype", problem)
     if cfg.method == "freeze" and not cfg.freeze_trainable:
         fail("freeze_trainable", "is empty: method 'freeze' needs module name patterns that train, "
              "e.g. freeze_trainable: ['layers.11', 'norm'].")

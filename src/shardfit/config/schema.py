@@ -15,6 +15,7 @@ BACKENDS = ("fsdp2",)
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 QUANT_TYPES = ("nf4",)
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+ADAPTER_DTYPES = ("fp32", "bf16")
 WATCHDOG_ACTIONS = ("wait", "abort")
 REPORT_TO = ("auto", "none", "tensorboard", "wandb", "mlflow")
 # The fields of the data formats (data/formats.py) that `data_columns` may find under another column name.
@@ -43,6 +44,11 @@ class LoraSettings:
     experts: bool = key(True, "a mixture of experts: adapters on the routed experts too (peft target_parameters on "
                               "their fused weights, a rank per expert); false: attention and shared experts only. "
                               "The router never gets one")
+    dtype: str = key("fp32", "the dtype the adapters are stored and computed in. fp32: under "
+                             "torch.autocast, which casts them to the precision at every use; bf16 (precision "
+                             "bf16 only): no autocast, fewer cast kernels per layer, and the optimizer keeps fp32 "
+                             "master copies of them (docs/training.md). Under zero2/zero3 FSDP2 already computes "
+                             "them in bf16 from fp32 shards")
 
 
 @dataclass
@@ -246,6 +252,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble"),
     "compile": ("auto", True, False),
     "static_shape": ("auto", True, False),
+    "lora.dtype": ADAPTER_DTYPES,
     "qlora.quant_type": QUANT_TYPES,
     "qlora.compute_dtype": COMPUTE_DTYPES,
     "watchdog_action": WATCHDOG_ACTIONS,

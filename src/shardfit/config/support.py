@@ -51,3 +51,24 @@ def loss_chunk_rows(setting: int | str, vocab: int, min_rows: int = LOSS_CHUNK_M
     fit = 1 << (fit.bit_length() - 1) if fit >= 1 else 1
     floor = max(LOSS_CHUNK_MIN_ROWS, 1 << max(0, int(min_rows) - 1).bit_length())
     return min(LOSS_CHUNK_MAX_ROWS, max(floor, fit))
+
+
+def adapter_dtype_problem(cfg: Config, precision: str | None = None) -> str | None:
+    """What makes `lora.dtype: bf16` untrainable for `cfg` (None: nothing, or the default fp32): bf16 adapters
+    compute without autocast, so every weight they meet must be bf16 too. `precision`: the run's as resolved
+    (`auto` decided); None checks only an explicit `precision`. The one rule config loading and resolve share."""
+    if cfg.lora.dtype == "fp32":
+        return None
+    if not method.get(cfg.method).adapters:
+        return (f"is bf16, but method {cfg.method} trains no adapters (its trained weights keep fp32 masters under "
+                "autocast or FSDP2's mixed precision). Remove lora.dtype, or use method lora or qlora.")
+    run = precision or cfg.precision
+    if run != "auto" and run != "bf16":
+        how = "auto resolved to " if cfg.precision == "auto" else ""
+        return (f"is bf16, but precision is {how}{run}: bf16 adapters run without autocast, so the frozen weights "
+                "must be bf16 too. Set precision: bf16 (on a device that computes bf16), or remove lora.dtype "
+                "(fp32 adapters under autocast).")
+    if method.get(cfg.method).quantized and cfg.qlora.compute_dtype not in ("auto", "bf16"):
+        return (f"is bf16, but qlora.compute_dtype is {cfg.qlora.compute_dtype}: without autocast the 4-bit "
+                "weights must dequantize to the adapters' bf16. Set qlora.compute_dtype: auto, or remove lora.dtype.")
+    return None

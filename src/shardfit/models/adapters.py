@@ -10,6 +10,7 @@ import torch
 
 from shardfit import method as methods
 from shardfit.config import Config, LoraSettings
+from shardfit.dtypes import DTYPES
 from shardfit.errors import UserError
 from shardfit.models.anatomy import decoder_and_head, projector_name, projector_of, vision_body, vision_tower_of
 from shardfit.models.experts import (
@@ -28,9 +29,10 @@ AUDIO_TOWER = r"(.*\.)?audio_tower(\..*)?"
 
 def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | None = None,
                modules_to_save: list[str] | None = None) -> torch.nn.Module:
-    """Wrap `model` with peft LoRA adapters; adapters are kept in fp32 whatever the base dtype. `exclude`: a
+    """Wrap `model` with peft LoRA adapters, kept in `lora.dtype` whatever the base dtype (fp32 by default; bf16
+    adapters compute without autocast, their fp32 masters held by the optimizer, train/optim.py). `exclude`: a
     regular expression of module paths that get no adapter; `modules_to_save`: modules trained whole and saved
-    in the adapter (a vision-language model's merger under train_projector)."""
+    in the adapter (a vision-language model's merger under train_projector), stored like the adapters."""
     # Here, not at the top: importing peft pulls in bitsandbytes and torchao (~3 s of start-up on a small CPU),
     # which a full or freeze fine-tune never uses.
     from peft import LoraConfig, get_peft_model
@@ -58,9 +60,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
             if parts.any and router_targets(lora.targets, parts) else ""
         raise UserError(f"'lora.targets': {targets!r} does not select the model's linear layers ({e}).{routers} "
                         "Use all-linear, or a list of module names such as [q_proj, v_proj].") from None
+    dtype = DTYPES[lora.dtype]
     for p in peft_model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     return peft_model
 
 

@@ -46,10 +46,21 @@ def clip_grad_norm(params: list[nn.Parameter], shard: ExpertShard, max_norm: flo
     return total
 
 
+def _clip_16bit(params: list[nn.Parameter], grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ for 16-bit gradients (`lora.dtype: bf16`), their norm taken in fp32: torch's would round
+    each tensor's norm, and so the clipping factor and the logged norm, to bf16's 3 significant digits."""
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def step_grad_norm(params: list[nn.Parameter], shard: ExpertShard | None, max_norm: float) -> torch.Tensor:
     """The optimizer step's gradient clipping (after the last backward), with the experts' gradients made whole
     first where they are shared."""
     if shard is None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype != torch.float32 for g in grads):
+            return _clip_16bit(params, grads, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     sync_expert_grads(shard)
     return clip_grad_norm(params, shard, max_norm)

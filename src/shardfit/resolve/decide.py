@@ -12,7 +12,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit import strategy as strategies
 from shardfit.config import Config
-from shardfit.config.support import require_method_support
+from shardfit.config.support import adapter_dtype_problem, require_method_support
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import Candidate, loss_chunk_for
@@ -43,6 +43,20 @@ def precision_for(value: str, device: DeviceFacts) -> str:
     if device.bf16_fast:
         return "bf16"
     return "fp16" if device.type == "cuda" else "fp32"
+
+
+def adapter_dtype_for(cfg: Config, precision: str, s: strategies.Strategy) -> tuple[str, str | None]:
+    """The dtype the adapters are stored and computed in (`lora.dtype` as the job runs it), and why when that is
+    not what the config asked. bf16 adapters take the place of autocast, so they exist only where autocast would
+    run: FSDP2's strategies already compute every parameter in bf16 from fp32 shards (MixedPrecisionPolicy), so
+    there the adapters stay fp32. A combination that cannot train (see `adapter_dtype_problem`) is a UserError."""
+    problem = adapter_dtype_problem(cfg, precision)
+    if problem:
+        raise UserError(f"'lora.dtype' {problem}")
+    if cfg.lora.dtype == "bf16" and not s.autocast:
+        return "fp32", (f"lora.dtype bf16 -> fp32 under {s.name}: FSDP2 already computes the adapters in bf16 from "
+                        "fp32 shards, with no autocast")
+    return cfg.lora.dtype, None
 
 
 def job_hardware_of(node: Hardware, strategy: str | None, nproc: int, nnodes: int) -> Hardware:
@@ -231,9 +245,14 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     vocab = plan.model.vocab if plan is not None else None
     if cfg.precision == "auto":
         why.append(f"precision auto -> {precision} on {device.type}")
+    adapters, adapters_why = adapter_dtype_for(cfg, precision, s)
+    if adapters_why:
+        why.append(adapters_why)
     return Resolved(
         strategy=name, method=methods.get(cfg.method).name, nproc_per_node=n, nnodes=nnodes, device=device.type,
-        precision=precision, autocast=precision if precision in ("bf16", "fp16") and s.autocast else None,
+        precision=precision, adapter_dtype=adapters,
+        # bf16 adapters compute with the bf16 base as they are: no autocast around them.
+        autocast=precision if precision in ("bf16", "fp16") and s.autocast and adapters == "fp32" else None,
         compile=compiled, attention=attention,
         # Sequence parallelism runs its own kernel at every width (parallel/ulysses.py).
         eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision)
@@ -263,7 +282,8 @@ def settled(cfg: Config, job: Resolved) -> Config:
     """`cfg` with what the job resolved in place of `auto`: what config.yaml records and the run's fingerprint
     reads."""
     return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention,
-                               sequence_parallel=job.sequence_parallel, static_shape=job.static_shape)
+                               sequence_parallel=job.sequence_parallel, static_shape=job.static_shape,
+                               lora=dataclasses.replace(cfg.lora, dtype=job.adapter_dtype))
 
 
 def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,

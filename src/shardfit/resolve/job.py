@@ -46,7 +46,8 @@ class Resolved:
     nnodes: int
     device: str  # cuda | cpu
     precision: str  # bf16 | fp16 | fp32
-    autocast: str | None  # the dtype torch.autocast computes in, or None (fp32, or FSDP2 casts the parameters)
+    autocast: str | None  # the dtype torch.autocast computes in, or None (fp32, FSDP2 casts the parameters, or
+    # bf16 adapters)
     compile: bool
     attention: str  # the attention implementation the model is set to (`auto`: transformers' default)
     eager_max_width: int  # under `auto`: micro-batches at most this wide run eager attention (0: never)
@@ -70,6 +71,9 @@ class Resolved:
     # The decoder blocks of each stage, first to last, as the plan balances their memory (plan/pipeline.py
     # `stage_cut`); empty: an even cut (no pipeline, or a shape the planner could not read).
     stage_layers: tuple[int, ...] = ()
+    # The dtype LoRA's adapters are stored and computed in (`lora.dtype`, resolve/decide.py `adapter_dtype_for`):
+    # bf16 runs without autocast, the optimizer keeping fp32 master copies (train/optim.py).
+    adapter_dtype: str = "fp32"
 
     @property
     def world(self) -> int:
@@ -88,11 +92,12 @@ class Resolved:
         chunk = f", loss chunk {self.loss_chunk} rows" if self.loss_chunk else ""
         ref = f" (reference: {self.reference.replace('_', ' ')})" if self.reference else ""
         objective = f"objective {self.objective}{ref}, " if self.objective != "sft" else ""
+        adapters = f" ({self.adapter_dtype} adapters, no autocast)" if self.adapter_dtype != "fp32" else ""
         if not self.dims.trivial:
             ranks += f" ({self.dims.describe()})"
         return (f"job: {objective}strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, "
-                f"{self.precision}{' (autocast)' if self.autocast else ''}, compile {'on' if self.compile else 'off'}, "
-                f"attention {self.attention}{chunk}")
+                f"{self.precision}{' (autocast)' if self.autocast else ''}{adapters}, "
+                f"compile {'on' if self.compile else 'off'}, attention {self.attention}{chunk}")
 
     def decisions(self) -> dict[str, Any]:
         """What was decided, without the CPU's matmul rates (a measurement each node makes for itself)."""
