@@ -6,6 +6,7 @@ bench/results/gpu_check_h200_rows.json)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from shardfit.config.schema import LoraSettings
+from shardfit.config import Config, LoraSettings
 from shardfit.models.adapters import apply_lora, skip_adapter_input_casts
 from shardfit.plan.estimate import (
     autocast_fp32_master,
@@ -24,7 +25,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.workload import Workload
+from shardfit.plan.workload import Workload, workload_of
 from shardfit.train.loss import CausalLMLoss
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -32,10 +33,11 @@ SHAPE = resolve_shape("Qwen/Qwen2.5-0.5B")
 
 
 def speed_run(method: str, seq_len: int = 2048) -> Workload:
-    """The speed run as shardfit plans it (plan/workload.py `workload_of`), its rows of one example each: SDPA
-    without a mask, so the attention keeps what a flash kernel keeps (`attention: flash`)."""
-    return Workload(method=method, precision="bf16", seq_len=seq_len, micro_batch=4, grad_ckpt="none", lora_rank=16,
-                    attention="flash", fused_adamw=True, adapter_input_casts=False)
+    """The speed run's config as shardfit plans it (`workload_of`), its rows of one example each: SDPA without a
+    mask, so the attention keeps what a flash kernel keeps (`attention: flash`)."""
+    cfg = Config(model=SHAPE.id, method=method, precision="bf16", max_seq_len=seq_len, micro_batch=4,
+                 grad_ckpt="none", lora=LoraSettings(rank=16, alpha=32))
+    return replace(workload_of(cfg), attention="flash")
 
 
 def _saved_bytes(method: str, layers: int, seq: int, rows: int = 2) -> int:
@@ -88,7 +90,7 @@ def test_block_term_matches_the_traced_step(method: str) -> None:
 def test_adapter_input_casts_are_four_hidden_copies_per_block() -> None:
     """With peft's cast (other tools' runs) a LoRA block keeps four more 16-bit hidden-size tensors."""
     w = speed_run("lora")
-    with_casts = Workload(**{**w.__dict__, "adapter_input_casts": True})
+    with_casts = replace(w, adapter_input_casts=True)
     extra = block_activation_bytes_per_token(SHAPE, with_casts) - block_activation_bytes_per_token(SHAPE, w)
     assert extra == 4 * 2 * SHAPE.hidden
 
