@@ -300,6 +300,14 @@ def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
     return runs_autocast(w, strategy) and trainable_bytes(w) == 4
 
 
+def casts_trainable_inputs(w: Workload, strategy: str) -> bool:
+    """Autocast keeps a 16-bit copy of the inputs of the fp32 trainables' matmuls: a full fine-tune's (the fp32
+    residual stream into each projection), and fp32 adapters' where peft first casts their input to fp32
+    (`adapter_input_casts`); without that cast an adapter reads the base layer's 16-bit input, which autocast
+    leaves as it is."""
+    return casts_fp32_trainables(w, strategy) and (not w.trains_adapters or w.adapter_input_casts)
+
+
 def runs_autocast(w: Workload, strategy: str) -> bool:
     """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy), and
     pure 16-bit training has nothing to cast."""
@@ -320,9 +328,11 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     attention output reshaped for o_proj); q after RoPE, k, v and the attention output, plus fp32 log-sum-exp per
     head (k/v repeated to every head and the mask as a bias when SDPA runs with a mask); four MLP tensors (gate,
     up, act, product); LoRA's rank-sized A outputs for the seven projections. Without autocast (FSDP's 16-bit
-    parameters), or with 16-bit adapters, four of the six hidden-size tensors are not made: they are autocast's
-    casts (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16 bits for
-    LoRA).
+    parameters), with 16-bit adapters, or with fp32 adapters whose input peft does not cast to fp32 first
+    (`adapter_input_casts` off, shardfit's own runs), four of the six hidden-size tensors are not made: they are
+    autocast's casts (of the fp32 residual stream in a full fine-tune, of peft's fp32 adapter inputs back to 16
+    bits for LoRA). Measured on the speed run of bench/results/gpu_check_h200.json (Qwen2.5-0.5B, LoRA r16): those
+    four casts were 1.2 GiB of the plan that the H200 never allocated.
 
     Under torch.compile (`compile`) the block saves what inductor's min-cut partitioner keeps, measured on a
     transformers Llama block compiled with AOTAutograd's inductor partitioner (bench/compile_activations.py): each
@@ -331,9 +341,10 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     kernel's tensors as in eager, and three MLP tensors (gate, up, their product: the activation is recomputed).
 
     LoRA: each adapter keeps its rank-sized A output; with dropout also its dropped-out input (in the adapters'
-    dtype, peft casts the input to it) and the dropout's bool mask, as wide as the adapted layer's input."""
+    dtype where peft casts the input to it, else in the input's own) and the dropout's bool mask, as wide as the
+    adapted layer's input."""
     a = compute_bytes(w)
-    hidden_16 = 6 if casts_fp32_trainables(w, strategy) else 2
+    hidden_16 = 6 if casts_trainable_inputs(w, strategy) else 2
     if hidden_16 == 6 and w.method != "full" and shape.moe_layers and not shape.every_expert:
         # Two of the four casts are of the dense MLP's input, for its gate and up adapters: a mixture's block with
         # grouped experts has no such MLP (they read the gathered copy `moe_saved_bytes_per_token` counts, in the
@@ -346,7 +357,8 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         adapted = adapted_shapes(shape, w)
         lora = len(adapted) * a * w.lora_rank
         if w.lora_dropout > 0:
-            lora += sum((trainable_bytes(w) + 1) * i for i, _ in adapted)
+            dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
+            lora += sum((dropped + 1) * i for i, _ in adapted)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
     if w.attention == "eager" and shape.attention_sinks:
         # gpt-oss's eager attention: the softmax runs in the scores' dtype, which the additive mask sets (the
@@ -397,7 +409,7 @@ def latent_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     a, heads = compute_bytes(w), shape.heads
     latent = (4 + a + (a if w.method == "full" else 0)) * (m.q_rank + m.kv_rank) + 4 * (2 if m.q_rank else 1)
     kernel = a * heads * ((m.nope + m.v) + m.v - 2 * shape.hd)
-    casts = casts_fp32_trainables(w, strategy)
+    casts = casts_trainable_inputs(w, strategy)
     output = a * (heads * m.v if w.trains_adapters and casts else 0) - (a * shape.hidden if casts else 0)
     return latent + kernel + output - (a * shape.hidden if casts else 0)
 

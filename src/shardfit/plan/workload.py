@@ -47,9 +47,10 @@ class Workload:
     # Rows of logits per chunk of the `chunked` loss; 0: `loss_chunk: auto`, decided by the vocabulary and the card
     # (plan/estimate.py `with_loss_chunk`).
     loss_chunk: int = 0
-    # sdpa: torch's SDPA over shardfit's rows, which hold several examples (packing) or padding, so transformers
-    # builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention (variable lengths,
-    # no dense mask), or SDPA over rows of one unpadded example; eager: the scores are saved
+    # sdpa: torch's SDPA over shardfit's rows where they hold several examples (packing restarts the positions), so
+    # transformers builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention
+    # (variable lengths, no dense mask), or SDPA over rows of one example each (padding continues the positions,
+    # data/loader.py `collate`: no mask, the causal kernel with GQA); eager: the scores are saved
     attention: str = "sdpa"
     grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
     # Ranks that split every row (`sequence_parallel`, parallel/ulysses.py): each forwards 1/N of the row's tokens,
@@ -146,6 +147,11 @@ class Workload:
     # AdamW's fused kernel for FSDP2's DTensor shards too (shardfit's runs, train/optim.py): no multi-tensor
     # temporary. False: the foreach kernel torch picks by default (plan/estimate.py `PerRank.foreach`).
     fused_adamw: bool = False
+    # peft casts each fp32 adapter's input to fp32 first, which autocast casts back to 16 bits and keeps for the
+    # adapter's backward: a 16-bit copy of the input of every adapted layer (peft's default; the HF Trainer, TRL,
+    # LLaMA-Factory). shardfit's own runs under autocast switch the cast off (models/adapters.py
+    # `skip_adapter_input_casts`): the adapters read the base layer's 16-bit input, saved once for both.
+    adapter_input_casts: bool = True
 
     @property
     def bnb(self) -> bool:
@@ -199,7 +205,7 @@ def workload_of(cfg: Config) -> Workload:
                     expert_parallel=cfg.expert_parallel,
                     # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
                     static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
-                    fused_adamw=True)
+                    fused_adamw=True, adapter_input_casts=False)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from shardfit.config import Config, LoraSettings
 from shardfit.errors import UserError
+from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
 from shardfit.models.quantize import nf4_to_empty
@@ -117,9 +118,13 @@ def workload_config(w: Workload, model: str) -> Config:
                   freeze_vision_tower=not w.vision_trainable, freeze_audio_tower=not w.audio_trainable)
 
 
-def tools_recipe(model: torch.nn.Module, w: Workload) -> None:
-    """What other tools' recipes change that shardfit's own build does not: 16-bit adapters (peft < 0.12,
-    LLaMA-Factory's pure_bf16) and peft's fp32 embeddings, norms and head for k-bit training."""
+def tools_recipe(model: torch.nn.Module, w: Workload, autocast: bool) -> None:
+    """What the recipe changes on the built model: shardfit's own stops peft casting the adapters' inputs to
+    fp32 under autocast (train/recipe.py, `adapter_input_casts` off); other tools' recipes keep that cast and may
+    make the adapters 16-bit (peft < 0.12, LLaMA-Factory's pure_bf16) or the frozen embeddings, norms and head
+    fp32 (peft's k-bit training)."""
+    if autocast and w.trains_adapters and not w.adapter_input_casts:
+        skip_adapter_input_casts(model)
     if w.adapters_16bit and w.trains_adapters:
         low = torch.float32 if w.precision == "fp32" else torch.bfloat16
         for p in model.parameters():
@@ -300,7 +305,8 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
         vl = vision_body(model)  # its config holds the towers' (Qwen2.5-Omni's: the thinker's, not the top one)
         images = w.images > 0 and vl is not None
         audio = w.audio_clips > 0 and hasattr(vl, "audio_tower")
-        tools_recipe(model, w)
+        autocast = w.precision != "fp32" and mesh is None  # FSDP's mixed precision casts the parameters instead
+        tools_recipe(model, w, autocast)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             nf4_to_empty(model, "cpu")
@@ -317,8 +323,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                 batch = image_batch(model, vl.config, w)
             if audio:
                 batch = audio_batch(model, w, batch)
-            amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16,
-                                    enabled=w.precision != "fp32" and mesh is None)
+            amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
             real_indices = RealIndices() if images or audio else contextlib.nullcontext()
             with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu(), sdpa_as_on_a_gpu():
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
