@@ -112,6 +112,15 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           timeout=timeout, cwd=cwd, env=full_env, input=input)
 
 
+def train_here(config: Path) -> None:
+    """`shardfit train CONFIG` on one process, in this one (the CLI's own `main`): a multi-rank test's one-process
+    reference without the seconds a new interpreter spends importing torch and transformers. Its output is the
+    test's captured output."""
+    from shardfit.cli.main import main
+
+    assert main(["train", str(config)]) == 0, f"shardfit train {config} failed: its output is above"
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -33,7 +33,7 @@ from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import linear_weight_bytes
 from shardfit.plan.workload import Workload
 from tests.families import make_family_model, tiny_text_config
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, run_cli, train_here, write_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
 FAMILIES = ["Qwen3-MoE", "gpt-oss"]
@@ -146,7 +146,10 @@ def test_lora_on_nf4_experts_is_lora_on_their_values(family: str, impl: str) -> 
 def _train(tmp: Path, model: Path, data: Path, name: str, *extra: str, **over: object) -> Path:
     cfg = write_config(tmp / f"{name}.yaml", **dict(BASE, model=str(model), data=str(data),
                                                      output_dir=str(tmp / name), **over))
-    r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1" if extra else "2"})
+    if not extra:
+        train_here(cfg)
+        return tmp / name
+    r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
 
