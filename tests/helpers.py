@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from PIL import Image
@@ -112,13 +113,16 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           timeout=timeout, cwd=cwd, env=full_env, input=input)
 
 
-def train_here(config: Path) -> None:
-    """`shardfit train CONFIG` on one process, in this one (the CLI's own `main`): a multi-rank test's one-process
-    reference without the seconds a new interpreter spends importing torch and transformers. Its output is the
-    test's captured output."""
+def train_here(config: Path, capsys: pytest.CaptureFixture | None = None) -> str:
+    """`shardfit train CONFIG` on one process, in this one (the CLI's own `main`): a one-process run without the
+    seconds a new interpreter spends importing torch and transformers. Returns what it printed to stdout when given
+    the test's `capsys` (else its output stays in the test's captured output)."""
     from shardfit.cli.main import main
 
+    if capsys is not None:
+        capsys.readouterr()
     assert main(["train", str(config)]) == 0, f"shardfit train {config} failed: its output is above"
+    return capsys.readouterr().out if capsys is not None else ""
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -254,8 +254,7 @@ def test_zero3_untied_embedding_unit_matches_single_process(tmp_path: Path, tiny
     """An untied input embedding is its own FSDP2 unit; with full fine-tuning its gradient crosses that unit."""
     lr = 1e-2 if method == "lora" else 1e-3
     single = _cfg(tmp_path, tiny_qwen2, small_data, "single", method=method, grad_accum=2, lr=lr)
-    r = run_cli("train", str(single), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    train_here(single)
     sharded = _cfg(tmp_path, tiny_qwen2, small_data, "zero3", method=method, strategy="zero3", lr=lr)
     r = run_cli("train", str(sharded), "--nproc", "2", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
