@@ -22,6 +22,7 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
+from shardfit.cli.main import main
 from shardfit.config import Config, LoraSettings
 from shardfit.data.audio import read_wav, resample
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
@@ -270,11 +271,9 @@ def test_export_merge_generates_from_a_clip(tmp_path: Path, omni: Path, audio_da
     cfg = write_config(tmp_path / "omni.yaml", model=str(omni), data=str(audio_data), precision="fp32",
                        max_seq_len=256, micro_batch=4, max_steps=1, save_steps=100, strategy="single",
                        output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg))
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(cfg)  # and export below: both in this process (the CLI's own `main`: no start-up each)
     # export --merge gives a thinker that AutoModelForImageTextToText loads and that generates from a clip.
-    r = run_cli("export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
     extractor = WhisperFeatureExtractor.from_pretrained(tmp_path / "merged")
     tok = AutoTokenizer.from_pretrained(tmp_path / "merged")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.data.formats import BadRow, detect_preference
 from shardfit.data.preference import to_pref_row
@@ -84,18 +85,26 @@ def test_bad_preference_values() -> None:
         to_pref_row({"chosen": "a", "rejected": "b"})
 
 
-def test_bad_rows_exit_2_with_file_line(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+def test_bad_rows_exit_2_with_file_line(tmp_path: Path, tiny_llama: Path, pairs: Path,
+                                       capsys: pytest.CaptureFixture) -> None:
+    """Each refusal through the CLI's own `main`, in this process (exit 2 and the message it prints; an unexpected
+    exception would be the last guard's exit 1)."""
+    def train_refused(cfg: Path) -> str:
+        capsys.readouterr()
+        code, err = main(["train", str(cfg)]), capsys.readouterr().err
+        assert code == 2, err[-2000:]
+        return err
+
     data = tmp_path / "mixed.jsonl"
     data.write_text(pairs.read_text().splitlines()[0] + "\n" + json.dumps({"prompt": "q", "chosen": "a"}) + "\n")
-    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, data)))
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "mixed.jsonl:2" in r.stderr and "objective dpo reads" in r.stderr and "Traceback" not in r.stderr
+    err = train_refused(_cfg(tmp_path, tiny_llama, data))
+    assert "mixed.jsonl:2" in err and "objective dpo reads" in err
     kto = tmp_path / "kto.jsonl"
     kto.write_text(pairs.read_text())
-    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, kto, objective="kto")))
-    assert r.returncode == 2 and "kto.jsonl:1" in r.stderr and "objective kto reads unpaired rows" in r.stderr
-    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, pairs, method="full", dpo={"precompute_reference": False})))
-    assert r.returncode == 2 and "dpo.precompute_reference" in r.stderr and "Traceback" not in r.stderr
+    err = train_refused(_cfg(tmp_path, tiny_llama, kto, objective="kto"))
+    assert "kto.jsonl:1" in err and "objective kto reads unpaired rows" in err
+    err = train_refused(_cfg(tmp_path, tiny_llama, pairs, method="full", dpo={"precompute_reference": False}))
+    assert "dpo.precompute_reference" in err
 
 
 # -- the losses' math ----------------------------------------------------------------------------------------------
