@@ -125,6 +125,18 @@ def train_here(config: Path, capsys: pytest.CaptureFixture | None = None) -> str
     return capsys.readouterr().out if capsys is not None else ""
 
 
+def run_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`shardfit ARGS` through the CLI's own `main` in this process: (exit code, stdout, stderr), without a new
+    interpreter's start-up. For commands whose process is not what a test is about (an unexpected exception is the
+    last guard's exit 1 and message there too)."""
+    from shardfit.cli.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

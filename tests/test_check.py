@@ -29,7 +29,7 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.strategy import get as S
 from shardfit.train.recipe import train
-from tests.helpers import ROOT, run_cli, tiny_omni_config, write_config
+from tests.helpers import ROOT, run_cli, run_here, tiny_omni_config, write_config
 
 
 def _cfg(tmp_path: Path, model: Path, data: Path, **over):
@@ -189,19 +189,20 @@ def test_cpu_created_buffer_is_found(tmp_path: Path, tiny_llama: Path, small_dat
     assert "buffer_on_wrong_device" not in _rules(clean)
 
 
-def test_train_refuses_unfixable_error(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+def test_train_refuses_unfixable_error(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=str(small_data), device_map="auto",
                        strict=True, strategy="ddp", max_steps=1, output_dir=str(tmp_path / "run"))
-    r = run_cli("check", str(cfg), "--nproc", "2", "--json", timeout=120)
-    out = json.loads(r.stdout)
-    assert r.returncode == 1 and out["ok"] is False
+    code, printed, _ = run_here(capsys, "check", str(cfg), "--nproc", "2", "--json")
+    out = json.loads(printed)
+    assert code == 1 and out["ok"] is False
     assert {"rule", "severity", "where", "message", "fix", "auto_fixed"} == set(out["findings"][0])
 
 
-def test_check_demo_config_is_clean() -> None:
-    r = run_cli("check", str(ROOT / "src" / "shardfit" / "demo" / "demo.yaml"), "--json", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+def test_check_demo_config_is_clean(capsys: pytest.CaptureFixture) -> None:
+    code, printed, err = run_here(capsys, "check", str(ROOT / "src" / "shardfit" / "demo" / "demo.yaml"), "--json")
+    assert code == 0, err[-2000:]
+    out = json.loads(printed)
     assert out["ok"] is True
     assert [f for f in out["findings"] if f["severity"] != "info"] == []
 

@@ -20,7 +20,17 @@ from shardfit.parallel.env import init_distributed
 from shardfit.report.build import make_report
 from shardfit.train.preference import PreferenceSettings, dpo_losses, kto_losses, orpo_losses, simpo_losses
 from shardfit.train.recipe import train
-from tests.helpers import DEMO_DATA, ROOT, load_bench, read_jsonl, run_cli, train_here, write_config, write_images
+from tests.helpers import (
+    DEMO_DATA,
+    ROOT,
+    load_bench,
+    read_jsonl,
+    run_cli,
+    run_here,
+    train_here,
+    write_config,
+    write_images,
+)
 
 USER = {"role": "user", "content": "Extract the record."}
 
@@ -237,23 +247,24 @@ def test_vision_language_pairs(tmp_path: Path, tiny_vl: Path) -> None:
     assert summary["reference"] == "adapters_off" and metrics[-1]["loss"] != metrics[0]["loss"]
 
 
-def test_eval_on_pairs_reports_reward_accuracy(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
+def test_eval_on_pairs_reports_reward_accuracy(tmp_path: Path, tiny_llama: Path, pairs: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
     """`shardfit eval RUN --data pairs`: the base (adapters off: the reference) against the tuned model; the
     tuned model's rewards are measured against that base, as training's are."""
     _train(_cfg(tmp_path, tiny_llama, pairs, max_steps=4, lr=3e-2, eval_split=0.2, eval_steps=2))
     page = make_report([str(tmp_path / "run-c")])  # the report draws the rewards and the reward accuracy
     assert {"rewards.png", "reward_accuracy.png"} <= {p.name for p in page.parent.iterdir()}
     assert "eval_reward_accuracy" in page.read_text()
-    r = run_cli("eval", str(tmp_path / "run-c"), "--data", str(pairs), "--limit", "8", "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(r.stdout)
+    code, out, err = run_here(capsys, "eval", str(tmp_path / "run-c"), "--data", str(pairs), "--limit", "8", "--json")
+    assert code == 0, err[-2000:]
+    result = json.loads(out)
     assert result["pairs"] == 8 and set(result["models"]) == {"base", "tuned"}
     tuned = result["models"]["tuned"]
     assert tuned["reward_accuracy"] > 0.5 and tuned["reward_margin"] > 0
     kto = tmp_path / "kto.jsonl"
     kto.write_text(json.dumps({"prompt": "q", "completion": "a", "label": True}) + "\n")
-    r = run_cli("eval", str(tmp_path / "run-c"), "--data", str(kto))
-    assert r.returncode == 2 and "kto.jsonl:1" in r.stderr
+    code, _, err = run_here(capsys, "eval", str(tmp_path / "run-c"), "--data", str(kto))
+    assert code == 2 and "kto.jsonl:1" in err
 
 
 def test_qlora_dpo_starts_at_ln2(tmp_path: Path, tiny_llama: Path, pairs: Path) -> None:
