@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from PIL import Image
@@ -110,6 +111,30 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "shardfit", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=full_env, input=input)
+
+
+def train_here(config: Path, capsys: pytest.CaptureFixture | None = None) -> str:
+    """`shardfit train CONFIG` on one process, in this one (the CLI's own `main`): a one-process run without the
+    seconds a new interpreter spends importing torch and transformers. Returns what it printed to stdout when given
+    the test's `capsys` (else its output stays in the test's captured output)."""
+    from shardfit.cli.main import main
+
+    if capsys is not None:
+        capsys.readouterr()
+    assert main(["train", str(config)]) == 0, f"shardfit train {config} failed: its output is above"
+    return capsys.readouterr().out if capsys is not None else ""
+
+
+def run_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`shardfit ARGS` through the CLI's own `main` in this process: (exit code, stdout, stderr), without a new
+    interpreter's start-up. For commands whose process is not what a test is about (an unexpected exception is the
+    last guard's exit 1 and message there too)."""
+    from shardfit.cli.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def read_jsonl(path: Path) -> list[dict]:

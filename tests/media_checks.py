@@ -17,7 +17,7 @@ from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.step import simulate
 from shardfit.train.loss import CausalLMLoss
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, run_cli, train_here, write_config
 
 
 @torch.no_grad()
@@ -56,8 +56,7 @@ def assert_two_ranks_match_one(tmp_path: Path, model: Path, data: Path, strategy
     one = write_config(tmp_path / "one.yaml", **keys, strategy="single", grad_accum=2,
                        output_dir=str(tmp_path / "one"))
     two = write_config(tmp_path / "two.yaml", **keys, strategy=strategy, output_dir=str(tmp_path / "two"))
-    r = run_cli("train", str(one), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(one)
     r = run_cli("train", str(two), "--nproc", "2", env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     want = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]

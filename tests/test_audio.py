@@ -22,6 +22,7 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
+from shardfit.cli.main import main
 from shardfit.config import Config, LoraSettings
 from shardfit.data.audio import read_wav, resample
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
@@ -36,7 +37,7 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.audio import AudioLoad
 from shardfit.train.loss import CausalLMLoss
-from tests.helpers import make_tiny_omni, read_jsonl, run_cli, write_config, write_images, write_wav
+from tests.helpers import make_tiny_omni, read_jsonl, run_cli, train_here, write_config, write_images, write_wav
 from tests.media_checks import assert_adapters_match, assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 
@@ -242,14 +243,12 @@ def test_lora_leaves_frozen_towers_alone_and_units_uniform(omni: Path, audio_dat
     assert not any(on for n, on in tower.items() if "audio_bos_eos_token" in n)
 
 
-def test_train_with_audio_and_images_writes_adapter_and_processor(tmp_path: Path, omni: Path,
-                                                                  audio_data: Path) -> None:
+def test_train_with_audio_and_images_writes_adapter_and_processor(tmp_path: Path, omni: Path, audio_data: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "omni.yaml", model=str(omni), data=str(audio_data), precision="fp32",
                        max_seq_len=256, micro_batch=2, max_steps=2, log_steps=1, save_steps=100,
                        strategy="single", output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "1 images, 3 audio clips (M-RoPE positions kept per example in packed rows)" in r.stdout
+    assert "1 images, 3 audio clips (M-RoPE positions kept per example in packed rows)" in train_here(cfg, capsys)
     assert all(np.isfinite(m["loss"]) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
     adapter = tmp_path / "run" / "adapter"
     extractor = WhisperFeatureExtractor.from_pretrained(adapter)
@@ -272,11 +271,9 @@ def test_export_merge_generates_from_a_clip(tmp_path: Path, omni: Path, audio_da
     cfg = write_config(tmp_path / "omni.yaml", model=str(omni), data=str(audio_data), precision="fp32",
                        max_seq_len=256, micro_batch=4, max_steps=1, save_steps=100, strategy="single",
                        output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg))
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(cfg)  # and export below: both in this process (the CLI's own `main`: no start-up each)
     # export --merge gives a thinker that AutoModelForImageTextToText loads and that generates from a clip.
-    r = run_cli("export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
     extractor = WhisperFeatureExtractor.from_pretrained(tmp_path / "merged")
     tok = AutoTokenizer.from_pretrained(tmp_path / "merged")

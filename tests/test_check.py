@@ -17,6 +17,7 @@ from shardfit.check import rules
 from shardfit.check.config_rules import device_map_rules
 from shardfit.check.findings import is_ok
 from shardfit.check.run import check_config
+from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
@@ -28,7 +29,7 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.strategy import get as S
 from shardfit.train.recipe import train
-from tests.helpers import ROOT, run_cli, tiny_omni_config, write_config
+from tests.helpers import ROOT, run_cli, run_here, tiny_omni_config, write_config
 
 
 def _cfg(tmp_path: Path, model: Path, data: Path, **over):
@@ -188,19 +189,20 @@ def test_cpu_created_buffer_is_found(tmp_path: Path, tiny_llama: Path, small_dat
     assert "buffer_on_wrong_device" not in _rules(clean)
 
 
-def test_train_refuses_unfixable_error(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+def test_train_refuses_unfixable_error(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=str(small_data), device_map="auto",
                        strict=True, strategy="ddp", max_steps=1, output_dir=str(tmp_path / "run"))
-    r = run_cli("check", str(cfg), "--nproc", "2", "--json", timeout=120)
-    out = json.loads(r.stdout)
-    assert r.returncode == 1 and out["ok"] is False
+    code, printed, _ = run_here(capsys, "check", str(cfg), "--nproc", "2", "--json")
+    out = json.loads(printed)
+    assert code == 1 and out["ok"] is False
     assert {"rule", "severity", "where", "message", "fix", "auto_fixed"} == set(out["findings"][0])
 
 
-def test_check_demo_config_is_clean() -> None:
-    r = run_cli("check", str(ROOT / "src" / "shardfit" / "demo" / "demo.yaml"), "--json", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+def test_check_demo_config_is_clean(capsys: pytest.CaptureFixture) -> None:
+    code, printed, err = run_here(capsys, "check", str(ROOT / "src" / "shardfit" / "demo" / "demo.yaml"), "--json")
+    assert code == 0, err[-2000:]
+    out = json.loads(printed)
     assert out["ok"] is True
     assert [f for f in out["findings"] if f["severity"] != "info"] == []
 
@@ -211,13 +213,21 @@ def test_check_bad_input_exit_2(tmp_path: Path, bad: str) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
-def test_check_72b_under_ddp_on_8x24gb_from_the_catalog(tmp_path: Path, small_data: Path) -> None:
-    """The seed failure: a 72B LoRA under DDP on eight 24 GB cards. No download: the shape is the catalog's."""
+def test_check_72b_under_ddp_on_8x24gb_from_the_catalog(tmp_path: Path, small_data: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """The seed failure: a 72B LoRA under DDP on eight 24 GB cards. No download: the shape is the catalog's. The
+    three checks run in this process (the CLI's own `main`, no start-up each): test_readme.py runs the same check
+    of examples/qwen72b-ddp.yaml as a user's `shardfit` command."""
     cfg = write_config(tmp_path / "c.yaml", model="Qwen/Qwen2-VL-72B-Instruct", data=str(small_data),
                        method="lora", strategy="ddp", max_seq_len=2048, micro_batch=1, output_dir=str(tmp_path / "r"))
-    r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--json", timeout=300, env={"HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 1, r.stderr[-2000:]
-    oom = next(f for f in json.loads(r.stdout)["findings"] if f["rule"] == "predicted_oom")
+
+    def check(*flags: str) -> tuple[int, dict]:
+        capsys.readouterr()
+        code = main(["check", str(cfg), "--gpus", "8x24GB", *flags, "--json"])
+        return code, next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["rule"] == "predicted_oom")
+
+    code, oom = check()
+    assert code == 1
     assert oom["severity"] == "error" and "full replica per GPU" in oom["message"]
     assert "GiB per GPU" in oom["fix"]  # names a change that fits, with its predicted memory
     # The fix is an override check and train accept (not a plan-only flag), and with it the memory rule passes.
@@ -225,13 +235,12 @@ def test_check_72b_under_ddp_on_8x24gb_from_the_catalog(tmp_path: Path, small_da
     # model_parallel computes on one at a time (~270 tokens/s); tests/test_plan_timing.py checks the numbers.
     assert "--set grad_ckpt=full" in oom["fix"] and "zero3_offload at" in oom["fix"]
     assert "--grad-ckpt" not in oom["fix"]
-    r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--set", "grad_ckpt=full", "--json", timeout=300,
-                env={"HF_HUB_OFFLINE": "1"})
-    oom = next(f for f in json.loads(r.stdout)["findings"] if f["rule"] == "predicted_oom")
-    assert oom["fix"] == "--set strategy=zero3_offload", oom
-    r = run_cli("check", str(cfg), "--gpus", "8x24GB", "--set", "strategy=model_parallel", "--set", "grad_ckpt=full",
-                "--json", timeout=300, env={"HF_HUB_OFFLINE": "1"})
-    assert "predicted_oom" not in {f["rule"] for f in json.loads(r.stdout)["findings"]}, r.stdout
+    assert check("--set", "grad_ckpt=full")[1]["fix"] == "--set strategy=zero3_offload"
+    capsys.readouterr()
+    main(["check", str(cfg), "--gpus", "8x24GB", "--set", "strategy=model_parallel", "--set", "grad_ckpt=full",
+          "--json"])
+    out = capsys.readouterr().out
+    assert "predicted_oom" not in {f["rule"] for f in json.loads(out)["findings"]}, out
 
 
 def test_check_unknown_hub_id_is_bad_input(tmp_path: Path, small_data: Path) -> None:

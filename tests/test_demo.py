@@ -19,10 +19,10 @@ from tests.helpers import run_cli
 
 @pytest.mark.slow
 def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    # Eight of the 48 held-out notes: the before/after table is what is tested here, not its accuracy (the README
-    # shows a whole run's); generating 96 answers was most of this test's time.
+    # Three of the 48 held-out notes (the three the table prints): the before/after table is what is tested here,
+    # not its accuracy (the README shows a whole run's); generating answers was most of this test's time.
     heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join((DEMO_DIR / "heldout.jsonl").read_text().splitlines(keepends=True)[:8]))
+    heldout.write_text("".join((DEMO_DIR / "heldout.jsonl").read_text().splitlines(keepends=True)[:3]))
     r = run_cli("train", "--set", "max_steps=3", "--set", f"output_dir={tmp_path / 'demo'}", "--set",
                 "save_steps=100", "--set", f"eval_data={heldout}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -38,10 +38,11 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     # The LoRA run chats without merging, on the GGUF base the package ships.
     capsys.readouterr()
     assert main(["chat", str(run), "--prompt", "Extract the contact record from this note.\n\nPriya Nair runs the "
-                 "Oslo desk; her extension is 4410.", "--max-new-tokens", "24"]) == 0
+                 "Oslo desk; her extension is 4410.", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.strip()
+    # Eight new tokens: the answers feed the metric, whose length is not what is tested; the losses are whole rows.
     assert main(["eval", str(run), "--data", str(DEMO_DIR / "heldout.jsonl"), "--limit", "4", "--max-new-tokens",
-                 "24", "--json"]) == 0
+                 "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert list(result["models"]) == ["base", "tuned"]
     assert result["models"]["tuned"]["loss"] < result["models"]["base"]["loss"]  # three steps already help

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardfit.parallel.allocator import PRELOADED_ENV, choose, gpu_host
-from tests.helpers import free_port, read_jsonl, run_cli, write_config
+from tests.helpers import free_port, read_jsonl, run_cli, train_here, write_config
 
 pytestmark = pytest.mark.slow
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -47,8 +47,7 @@ def single_runs(tmp_path_factory, tiny_llama: Path, small_data: Path) -> dict[st
     for method in ("lora", "full"):
         cfg = _cfg(tmp, tiny_llama, small_data, f"single-{method}", method=method, grad_accum=2,
                    lr=1e-2 if method == "lora" else 1e-3)
-        r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "2"})
-        assert r.returncode == 0, r.stderr[-2000:]
+        train_here(cfg)
         out[method] = tmp / f"single-{method}"
     return out
 
@@ -255,8 +254,7 @@ def test_zero3_untied_embedding_unit_matches_single_process(tmp_path: Path, tiny
     """An untied input embedding is its own FSDP2 unit; with full fine-tuning its gradient crosses that unit."""
     lr = 1e-2 if method == "lora" else 1e-3
     single = _cfg(tmp_path, tiny_qwen2, small_data, "single", method=method, grad_accum=2, lr=lr)
-    r = run_cli("train", str(single), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    train_here(single)
     sharded = _cfg(tmp_path, tiny_qwen2, small_data, "zero3", method=method, strategy="zero3", lr=lr)
     r = run_cli("train", str(sharded), "--nproc", "2", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]

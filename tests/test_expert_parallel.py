@@ -17,7 +17,7 @@ from shardfit.models.experts import use_experts
 from shardfit.parallel.experts import shard_experts
 from tests import ep_workers
 from tests.families import make_family_model, tiny_text_config
-from tests.helpers import free_port, read_jsonl, run_cli, write_config
+from tests.helpers import free_port, read_jsonl, run_cli, train_here, write_config
 
 SHARED = ["Qwen3-MoE", "gpt-oss", "GLM-4.5", "DeepSeek-V3"]
 
@@ -75,8 +75,11 @@ def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, env: dict |
                 eval_split=0.1, eval_steps=2, lora={"rank": 4, "alpha": 8, "experts": False}, method="lora",
                 strategy="ddp")
     keys.update(over)
-    r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags,
-                env={"OMP_NUM_THREADS": "1", **(env or {})})
+    cfg = write_config(tmp / f"{name}.yaml", **keys)
+    if not flags and not env and code == 0:
+        train_here(cfg)
+        return tmp / name
+    r = run_cli("train", str(cfg), *flags, env={"OMP_NUM_THREADS": "1", **(env or {})})
     assert r.returncode == code, r.stderr[-3000:]
     return tmp / name
 

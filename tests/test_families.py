@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from shardfit.cli.main import main
 from shardfit.config import LoraSettings
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.adapters import apply_lora
@@ -27,7 +28,7 @@ from shardfit.plan.workload import Workload
 from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts
 from shardfit.train.loss import CausalLMLoss
 from tests.families import FAMILIES, HEAVY_ZERO3, MATRIX, MEDIA_MATRIX, make_family_model, table, tiny_text_config
-from tests.helpers import ROOT, read_jsonl, run_cli, write_config
+from tests.helpers import ROOT, read_jsonl, run_cli, train_here, write_config
 
 KEPT = sorted(k for k, e in catalog().items() if "config" in e)
 MOE = ["Qwen3-MoE", "gpt-oss", "GLM-4.5", "DeepSeek-V3", "Llama 4 (text)"]
@@ -117,7 +118,10 @@ def test_experts_implementation_is_chosen_by_device() -> None:
 def _train(tmp: Path, model: Path, data: Path, name: str, *extra: str, **over) -> Path:
     cfg = write_config(tmp / f"{name}.yaml", **dict(BASE, model=str(model), data=str(data),
                                                      output_dir=str(tmp / name), **over))
-    r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1" if extra else "2"})
+    if not extra:
+        train_here(cfg)
+        return tmp / name
+    r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
 
@@ -216,11 +220,11 @@ def test_moe_resumed_run_equals_the_uninterrupted_one(tmp_path: Path, family_mod
 
 
 @pytest.mark.slow
-def test_moe_adapter_merges_into_a_model_transformers_loads(tmp_path: Path, family_models: dict[str, Path],
-                                                             small_data: Path) -> None:
-    run = _train(tmp_path, family_models["GLM-4.5"], small_data, "run", method="lora", lr=1e-2)
-    r = run_cli("export", str(run), "--merge", "--out", str(tmp_path / "merged"))
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_moe_adapter_merges_into_a_model_transformers_loads(tmp_path: Path, one_process_lora: Callable[[str], Path],
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """The one-process GLM-4.5 LoRA run (test_family_trains checks it), exported merged in this process."""
+    run = one_process_lora("GLM-4.5")
+    assert main(["export", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0, capsys.readouterr().err
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     out = merged.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
     assert out.shape[1] == 6

@@ -32,7 +32,7 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.train import soft_token_forward
 from shardfit.train.loss import CausalLMLoss
 from tests.gemma3_vl import SOFT_TOKENS, make_tiny_gemma3_vl
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, run_cli, train_here, write_config
 from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 
 
@@ -132,14 +132,14 @@ def test_plan_counts_soft_tokens_per_image(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_lora_run_trains_on_image_rows(tmp_path: Path, tiny_gemma3: Path, gemma_rows: Path) -> None:
+def test_a_lora_run_trains_on_image_rows(tmp_path: Path, tiny_gemma3: Path, gemma_rows: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "g.yaml", model=str(tiny_gemma3), data=str(gemma_rows), precision="fp32",
                        max_seq_len=128, micro_batch=2, max_steps=3, log_steps=1, save_steps=100, lr=1e-2,
                        warmup_ratio=0.0, lora={"rank": 4, "alpha": 8}, strategy="single", train_projector=True,
                        output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "6 images" in r.stdout and "never packed" in r.stdout, r.stdout[-2000:]
+    out = train_here(cfg, capsys)
+    assert "6 images" in out and "never packed" in out, out[-2000:]
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
     saved = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))

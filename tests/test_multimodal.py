@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
+from shardfit.cli.main import main
 from shardfit.config import Config, LoraSettings
 from shardfit.data.dataset import DataStats, encode_split, load_conversations, read_split
 from shardfit.data.tokenize import IGNORE
@@ -22,7 +23,7 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad
-from tests.helpers import read_jsonl, run_cli, write_config, write_images
+from tests.helpers import read_jsonl, run_cli, train_here, write_config, write_images
 from tests.media_checks import assert_adapters_match, assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 200, 0), "blue": (0, 0, 255)}
@@ -149,7 +150,9 @@ def test_lora_adapts_the_language_model_and_keeps_units_uniform(tiny_vl: Path, v
             assert len({p.requires_grad for p in unit.parameters()}) == 1
 
 
-def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl: Path, vl_data: Path) -> None:
+def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl: Path, vl_data: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """`train` as a user runs it; `export` and `chat` in this process (the CLI's own `main`: no start-up each)."""
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(vl_data), precision="fp32",
                        max_seq_len=128, micro_batch=2, max_steps=3, log_steps=1, save_steps=100,
                        strategy="single", output_dir=str(tmp_path / "run"), report_to=["none"])
@@ -160,9 +163,9 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
     assert (adapter / "preprocessor_config.json").is_file() and (adapter / "tokenizer.json").is_file()
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
     # export --merge: a folder the transformers classes load, that generates from an image.
-    r = run_cli("export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "AutoModelForImageTextToText" in r.stdout
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    assert "AutoModelForImageTextToText" in capsys.readouterr().out
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")
     processor = AutoImageProcessor.from_pretrained(tmp_path / "merged", backend="pil")
     tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
@@ -175,9 +178,8 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
                           mm_token_type_ids=(ids == image).int(), max_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 3
     # chat --image on the run: its adapter on the base model, the image through the run's processor.
-    r = run_cli("chat", str(tmp_path / "run"), "--image", str(vl_data.parent / "img" / "red.png"), "--prompt",
-                "Colour?", "--max-new-tokens", "3", "--device", "cpu")
-    assert r.returncode == 0, r.stderr[-2000:]  # a random model: any reply (even an empty one) will do
+    assert main(["chat", str(tmp_path / "run"), "--image", str(vl_data.parent / "img" / "red.png"), "--prompt",
+                 "Colour?", "--max-new-tokens", "3", "--device", "cpu"]) == 0  # a random model: any reply will do
     # A bad image row stops the run before the model loads, naming file:line.
     bad = _write(tmp_path / "bad.jsonl", [_rows(str(vl_data.parent / "img"))[0],
                                           {"messages": [{"role": "user", "content": "<image>"},
@@ -187,14 +189,14 @@ def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl:
     assert "bad.jsonl:2:" in r.stderr and "lists no images" in r.stderr and "loading" not in r.stderr
 
 
-def test_qlora_trains_on_image_rows(tmp_path: Path, tiny_vl: Path, vl_data: Path) -> None:
+def test_qlora_trains_on_image_rows(tmp_path: Path, tiny_vl: Path, vl_data: Path,
+                                    capsys: pytest.CaptureFixture) -> None:
     """4-bit frozen weights under the same image rows: the language model's linears quantized, the tower as is."""
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(vl_data), precision="fp32",
                        max_seq_len=128, micro_batch=2, max_steps=2, log_steps=1, save_steps=100, method="qlora",
                        strategy="single", output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "images" in r.stdout and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert "images" in train_here(cfg, capsys)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
 
 

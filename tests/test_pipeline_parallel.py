@@ -19,7 +19,7 @@ from shardfit.errors import UserError
 from shardfit.parallel.pipeline import cut, cut_looped, looped_stages, stage_blocks
 from shardfit.resolve.dims import ParallelDims
 from shardfit.resolve.pipeline import check_layout, check_model, facts_of_config, stages_per_rank
-from tests.helpers import make_tiny_model, read_jsonl, run_cli, write_config
+from tests.helpers import make_tiny_model, read_jsonl, run_cli, train_here, write_config
 
 
 def _cfg(**over) -> Config:
@@ -218,7 +218,11 @@ def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> 
                 micro_batch=2, grad_accum=2, lr=1e-2, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0,
                 eval_split=0.1, eval_steps=2, lora={"rank": 4, "alpha": 8}, method="lora")
     keys.update(over)
-    r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags, env={"OMP_NUM_THREADS": "1"})
+    cfg = write_config(tmp / f"{name}.yaml", **keys)
+    if not flags:
+        train_here(cfg)
+        return tmp / name
+    r = run_cli("train", str(cfg), *flags, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
 

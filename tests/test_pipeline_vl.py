@@ -19,7 +19,7 @@ from transformers import (
 from shardfit.data.vision import mrope_positions
 from shardfit.parallel.pipeline import cut
 from shardfit.train.media_forward import embed_images, vision_language_forward
-from tests.helpers import read_jsonl, run_cli, write_config, write_images
+from tests.helpers import read_jsonl, run_cli, train_here, write_config, write_images
 
 IMAGE = 60
 
@@ -97,8 +97,12 @@ def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> 
                 micro_batch=2, grad_accum=2, lr=1e-2, log_steps=1, save_steps=100, max_steps=3, warmup_ratio=0.0,
                 eval_split=0.2, eval_steps=3, lora={"rank": 4, "alpha": 8}, method="lora", report_to=["none"])
     keys.update(over)
-    r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags, env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = write_config(tmp / f"{name}.yaml", **keys)
+    if flags:
+        r = run_cli("train", str(cfg), *flags, env={"OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+    else:
+        train_here(cfg)
     return [m.get("loss", m.get("eval_loss")) for m in read_jsonl(tmp / name / "metrics.jsonl")]
 
 

@@ -29,7 +29,7 @@ from shardfit.parallel.env import init_distributed
 from shardfit.plan import quant
 from shardfit.strategy import get as get_strategy
 from shardfit.train.recipe import train
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, run_cli, run_here, write_config
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (pip install -c constraints.txt torchao==0.18.0)")
@@ -158,7 +158,8 @@ def test_preflight_rules_for_4bit_weights(tiny_llama: Path) -> None:
 
 @needs_torchao
 def test_qlora_adapter_is_standard_and_merges_into_dequantized_weights(tmp_path: Path, tiny_qwen2: Path,
-                                                                       single_qlora: Path) -> None:
+                                                                       single_qlora: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
     """The adapter loads onto the unquantized base with PeftModel.from_pretrained; `export --merge` writes a dense
     model whose logits are those of the 4-bit model with the adapter (what the run trained), in the chosen dtype;
     chat and eval load the run as it trained."""
@@ -170,9 +171,9 @@ def test_qlora_adapter_is_standard_and_merges_into_dequantized_weights(tmp_path:
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, str(run / "adapter")).eval()
     assert peft.peft_config["default"].r == 4
-    assert run_cli("export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "m32")).returncode == 0
-    r = run_cli("export", str(run), "--merge", "--out", str(tmp_path / "m16"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert run_here(capsys, "export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "m32"))[0] == 0
+    code, _, err = run_here(capsys, "export", str(run), "--merge", "--out", str(tmp_path / "m16"))
+    assert code == 0, err[-2000:]
     merged16 = AutoModelForCausalLM.from_pretrained(tmp_path / "m16")
     assert merged16.dtype == torch.bfloat16 and not quantized_linears(merged16)
     cfg = load_config(run / "config.yaml", check_files=False)

@@ -33,7 +33,7 @@ from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import linear_weight_bytes
 from shardfit.plan.workload import Workload
 from tests.families import make_family_model, tiny_text_config
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, run_cli, run_here, train_here, write_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
 FAMILIES = ["Qwen3-MoE", "gpt-oss"]
@@ -146,7 +146,10 @@ def test_lora_on_nf4_experts_is_lora_on_their_values(family: str, impl: str) -> 
 def _train(tmp: Path, model: Path, data: Path, name: str, *extra: str, **over: object) -> Path:
     cfg = write_config(tmp / f"{name}.yaml", **dict(BASE, model=str(model), data=str(data),
                                                      output_dir=str(tmp / name), **over))
-    r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1" if extra else "2"})
+    if not extra:
+        train_here(cfg)
+        return tmp / name
+    r = run_cli("train", str(cfg), *extra, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
 
@@ -154,7 +157,7 @@ def _train(tmp: Path, model: Path, data: Path, name: str, *extra: str, **over: o
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["Qwen3-MoE", pytest.param("gpt-oss", marks=pytest.mark.heavy)])
 def test_qlora_of_a_mixture_trains_and_merges(tmp_path: Path, tokenizer_dir: Path, small_data: Path,
-                                              family: str) -> None:
+                                              family: str, capsys: pytest.CaptureFixture) -> None:
     """One process: the preflight passes, the loss is finite and falls, the adapter has the experts' LoRA and no
     router's, and `export --merge` writes a dense model whose logits are the 4-bit model's with the adapter."""
     model = make_family_model(family, tmp_path / "m", tokenizer_dir)
@@ -164,8 +167,8 @@ def test_qlora_of_a_mixture_trains_and_merges(tmp_path: Path, tokenizer_dir: Pat
     assert json.loads((run / "preflight.json").read_text())["ok"]
     saved = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert any(".experts." in k for k in saved) and not [k for k in saved if ".gate.lora" in k or ".router." in k]
-    r = run_cli("export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "merged"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, _, err = run_here(capsys, "export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "merged"))
+    assert code == 0, err[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert not quantized_experts(merged)
     from peft import set_peft_model_state_dict

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfit.cli.main import main
 from shardfit.config import Config, load_config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import parse_gpus
@@ -104,23 +105,31 @@ def _decisions(job: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_plan_check_and_train_print_the_same_job(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    """The same config through `plan`, `check` and `train` (one process, then two ranks): one resolved job."""
+def test_plan_check_and_train_print_the_same_job(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """The same config through `plan`, `check` and `train` (one process, then two ranks): one resolved job. `plan`
+    and `check` run in this process (the CLI's `main`, no start-up each), `train` as a user runs it: each in its
+    own process."""
     env = {"OMP_NUM_THREADS": "1"}
+
+    def resolved(*args: str) -> dict:
+        capsys.readouterr()
+        main([*args, "--json"])
+        return json.loads(capsys.readouterr().out)["resolved"]
+
     for nproc in (1, 2):
         run = tmp_path / f"run{nproc}"
         cfg = write_config(tmp_path / f"c{nproc}.yaml", model=str(tiny_llama), data=str(small_data),
                            max_seq_len=128, micro_batch=2, max_steps=1, output_dir=str(run),
                            **({"strategy": "zero3"} if nproc == 2 else {}))
         flags = ["--nproc", str(nproc)] if nproc > 1 else []
-        checked = json.loads(run_cli("check", str(cfg), *flags, "--json", env=env, timeout=300).stdout)["resolved"]
+        checked = resolved("check", str(cfg), *flags)
         trained = run_cli("train", str(cfg), *flags, env=env, timeout=600)
         assert trained.returncode == 0, trained.stderr[-2000:]
         recorded = json.loads((run / "summary.json").read_text())["resolved"]
         assert _decisions(recorded) == _decisions(checked)
         assert recorded["nproc_per_node"] == nproc
         if nproc == 1:
-            planned = json.loads(run_cli("plan", str(cfg), "--json", env=env, timeout=300).stdout)["resolved"]
-            assert _decisions(planned) == _decisions(recorded)
+            assert _decisions(resolved("plan", str(cfg))) == _decisions(recorded)
         assert Resolved.from_json(recorded).strategy == ("single" if nproc == 1 else "zero3")
     assert load_config(tmp_path / "c1.yaml").strategy == "auto"  # the config keeps what the user wrote

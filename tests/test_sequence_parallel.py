@@ -18,7 +18,7 @@ from shardfit.parallel.layout import Layout
 from shardfit.parallel.sequence import shard_batch
 from tests import sp_workers
 from tests.families import make_family_model, tiny_text_config
-from tests.helpers import free_port, read_jsonl, run_cli, save_with_tokenizer, write_config
+from tests.helpers import free_port, read_jsonl, run_cli, save_with_tokenizer, train_here, write_config
 
 CASES = [(2, True), (1, True), (4, False)]
 
@@ -49,7 +49,11 @@ def _run(tmp: Path, model: Path, data: Path, name: str, *flags: str, **over) -> 
                 micro_batch=4, grad_accum=1, lr=1e-2, log_steps=1, save_steps=100, max_steps=4, warmup_ratio=0.0,
                 eval_split=0.1, eval_steps=2, lora={"rank": 4, "alpha": 8}, method="lora")
     keys.update(over)
-    r = run_cli("train", str(write_config(tmp / f"{name}.yaml", **keys)), *flags, env={"OMP_NUM_THREADS": "1"})
+    cfg = write_config(tmp / f"{name}.yaml", **keys)
+    if not flags:
+        train_here(cfg)
+        return tmp / name
+    r = run_cli("train", str(cfg), *flags, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp / name
 

@@ -22,7 +22,7 @@ from shardfit.parallel.env import cpu_matmul_gflops, init_distributed
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import job_hardware
 from shardfit.train.recipe import train
-from tests.helpers import ROOT, read_jsonl, run_cli, write_config
+from tests.helpers import ROOT, read_jsonl, run_cli, run_here, write_config
 
 BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
             eval_steps=100, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0, resume="auto")
@@ -34,7 +34,8 @@ def _cfg(tmp_path: Path, model: Path, data: Path, **over) -> Path:
     return write_config(tmp_path / "c.yaml", **keys)
 
 
-def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
     cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, max_steps=6, eval_split=0.1))
     result = train(cfg, init_distributed(), quiet=True)
     run = result.run_dir
@@ -79,8 +80,8 @@ def test_lora_run_outputs_and_peft_reload(tmp_path: Path, tiny_llama: Path, smal
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(untouched, want, atol=1e-4)  # the adapter changed the model
 
-    r = run_cli("export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "merged"))
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_here(capsys, "export", str(run), "--merge", "--dtype", "fp32", "--out", str(tmp_path / "merged"))
+    assert code == 0, err
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)

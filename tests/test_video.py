@@ -23,7 +23,7 @@ from shardfit.data.video import VideoSettings, load_video, video_clip
 from shardfit.errors import UserError
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
-from tests.helpers import read_jsonl, run_cli, write_config, write_images
+from tests.helpers import read_jsonl, train_here, write_config, write_images
 from tests.media_checks import assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 FRAMES = {"f1": (255, 0, 0), "f2": (0, 200, 0), "f3": (0, 0, 255)}
@@ -184,13 +184,12 @@ def test_packed_loss_equals_unpacked_with_video(tiny_vl25: Path, video_data: Pat
     assert_packed_loss_equals_unpacked(AutoModelForImageTextToText.from_pretrained(tiny_vl25, dtype=torch.float32),
                                        examples)
 
-def test_train_with_video_frames(tmp_path: Path, tiny_vl: Path, video_data: Path) -> None:
+def test_train_with_video_frames(tmp_path: Path, tiny_vl: Path, video_data: Path,
+                                 capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(video_data), precision="fp32",
                        max_seq_len=128, micro_batch=2, max_steps=2, log_steps=1, save_steps=100,
                        strategy="single", output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "1 images, 3 videos (M-RoPE positions kept per example in packed rows)" in r.stdout
+    assert "1 images, 3 videos (M-RoPE positions kept per example in packed rows)" in train_here(cfg, capsys)
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
 
 

@@ -25,7 +25,7 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.train import media_forward
 from shardfit.train.loss import CausalLMLoss
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, train_here, write_config
 from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 from tests.vl_families import make_tiny_qwen3_vl, make_tiny_vl_family
 
@@ -91,14 +91,14 @@ def test_image_rows_lose_what_the_model_own_forward_loses(tiny_vl_family: Path, 
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_image_rows(tmp_path: Path, tiny_vl_family: Path, vl_rows: Path) -> None:
+def test_a_run_trains_on_image_rows(tmp_path: Path, tiny_vl_family: Path, vl_rows: Path,
+                                     capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl_family), data=str(vl_rows), precision="fp32",
                        max_seq_len=128, micro_batch=2, max_steps=3, log_steps=1, save_steps=100, lr=1e-2,
                        warmup_ratio=0.0, lora={"rank": 4, "alpha": 8}, strategy="single",
                        output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "6 images" in r.stdout, r.stdout[-2000:]
+    out = train_here(cfg, capsys)
+    assert "6 images" in out, out[-2000:]
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
     saved = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))

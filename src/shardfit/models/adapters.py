@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 import warnings
@@ -53,7 +54,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
         with warnings.catch_warnings():
             # peft reads transformers' deprecated is_gradient_checkpointing alias; the notice is not the user's.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            with adapter_names_as_written(model):
+            # A weightless model (check, simulate) gets weightless adapters: peft would draw every adapter's
+            # random init in CPU memory (~5 s and 0.6 GB for a 72B) and then move it to the meta device.
+            weightless = all(p.is_meta for p in model.parameters())
+            with adapter_names_as_written(model), torch.device("meta") if weightless else contextlib.nullcontext():
                 peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except (ValueError, TypeError, re.error) as e:  # peft reads a string of targets as a regular expression
         routers = " Routers never get adapters (one changes which experts each token reaches)." \
