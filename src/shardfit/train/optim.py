@@ -59,14 +59,15 @@ class MasterAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
-                    fused_shards: bool = True) -> torch.optim.Optimizer:
+                    fused_shards: bool = True, masters: bool = True) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters with the fused kernel: one pass over each parameter's weight, gradient
     and moments, no multi-tensor temporaries, and `found_inf` to skip an update on the device (train/diverge.py).
     FSDP2's DTensor shards take it too (torch 2.13 runs `_fused_adamw_` on their local shards, tested against the
     unfused update on 2 ranks); `fused_shards=False` gives them the multi-tensor (foreach) kernel instead, what
     torch picks by default and other tools run (the planner's `fused_adamw`; plan --simulate builds either).
     A torch or a device without the fused kernel falls back to torch's default. 16-bit parameters (bf16 adapters)
-    are updated through fp32 masters (`MasterAdamW`)."""
+    are updated through fp32 masters (`MasterAdamW`); `masters=False` keeps their states in 16 bits, as stacks
+    without masters ran (peft < 0.12's 16-bit adapters, which plan --simulate measures)."""
     plain = all(not isinstance(p, DTensor) for p in params)
     sharded = [p for p in params if isinstance(p, DTensor)]
     # Expert parallelism under FSDP2 keeps the experts plain beside the shards: a group each, since one fused or
@@ -74,7 +75,7 @@ def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: f
     groups: list[Any] = params if plain or len(sharded) == len(params) else [
         {"params": sharded}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
     fused = plain or fused_shards
-    adamw = MasterAdamW if any(p.dtype != torch.float32 for p in params) else torch.optim.AdamW
+    adamw = MasterAdamW if masters and any(p.dtype != torch.float32 for p in params) else torch.optim.AdamW
     try:
         return adamw(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8, fused=fused,
                      foreach=not fused)
