@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.dispatch_ops import OpCounter
+from bench.dispatch_ops import warm_step_ops
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora, skip_adapter_input_casts
 from shardfit.train.loss import CausalLMLoss
@@ -54,11 +54,7 @@ def step_ops(layers: int, adapter_dtype: str) -> Counter[str]:
             total, _ = loss(ids, positions, ids, n_targets=32, restarts=False)
         total.backward()
 
-    step()  # warm-up: lazy initialisation stays out of the count
-    model.zero_grad(set_to_none=True)
-    with OpCounter() as c:
-        step()
-    return c.ops
+    return warm_step_ops(step, model)
 
 
 def per_layer(adapter_dtype: str) -> dict[str, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,7 +79,13 @@ def count(arch: str, layers: int, method: str, ckpt: bool, targets: list[str], d
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    step()  # warm-up: lazy initialisation stays out of the count
+    return warm_step_ops(step, model)
+
+
+def warm_step_ops(step: Callable[[], None], model: torch.nn.Module) -> Counter[str]:
+    """aten ops of `step` run once more after a warm-up run (lazy initialisation stays out of the count), the
+    gradients of the warm-up dropped in between."""
+    step()
     model.zero_grad(set_to_none=True)
     with OpCounter() as c:
         step()

@@ -378,37 +378,23 @@ def test_full_zero3_stages_times_replicas_resume(tmp_path: Path, tiny_qwen2: Pat
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path) -> None:
-    """A four-block Qwen2 as 2 ranks x 2 looped stages (interleaved 1F1B over 4 micro-batches) gives one process's
-    train and eval losses (fp32, 1e-5) and adapter."""
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_looped_schedules_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path,
+                                         schedule: str) -> None:
+    """A four-block Qwen2 as 2 ranks x 2 looped stages over 4 micro-batches, under interleaved 1F1B or torch's
+    interleaved zero bubble (each backward split into input- and weight-gradient passes, the LoRA base frozen),
+    gives one process's train and eval losses (fp32, 1e-5) and adapter."""
     model = make_tiny_model(tmp_path / "q4", tokenizer_dir, "qwen2", tie=False, layers=4)
     over = dict(max_steps=3, eval_steps=3, save_steps=3, grad_accum=4)
     single = _run(tmp_path, model, small_data, "single", **over)
-    pp = _run(tmp_path, model, small_data, "pp", "--nproc", "2", pipeline_parallel=2,
-              pipeline_schedule="interleaved_1f1b", **over)
+    pp = _run(tmp_path, model, small_data, "pp", "--nproc", "2", pipeline_parallel=2, pipeline_schedule=schedule,
+              **over)
     ref, got = _losses(single), _losses(pp)
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=1e-5)
     _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
                   1e-4)
 
-
-
-@pytest.mark.slow
-def test_zero_bubble_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path) -> None:
-    """The same four-block Qwen2 as 2 ranks x 2 looped stages under torch's interleaved zero bubble (each backward
-    split into input- and weight-gradient passes, the LoRA base frozen) gives one process's train and eval losses
-    (fp32, 1e-5) and adapter."""
-    model = make_tiny_model(tmp_path / "q4", tokenizer_dir, "qwen2", tie=False, layers=4)
-    over = dict(max_steps=3, eval_steps=3, save_steps=3, grad_accum=4)
-    single = _run(tmp_path, model, small_data, "single", **over)
-    pp = _run(tmp_path, model, small_data, "pp", "--nproc", "2", pipeline_parallel=2,
-              pipeline_schedule="zero_bubble", **over)
-    ref, got = _losses(single), _losses(pp)
-    assert len(got) == len(ref) == 4
-    assert got == pytest.approx(ref, rel=1e-5)
-    _same_weights(single / "adapter" / "adapter_model.safetensors", pp / "adapter" / "adapter_model.safetensors",
-                  1e-4)
 
 def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
     """More stages than the model's 2 blocks: exit 2 before any rank starts, naming the key."""
