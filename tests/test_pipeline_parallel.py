@@ -291,12 +291,14 @@ def test_qwen2_full_over_two_stages_resumes_on_its_layout(tmp_path: Path, tiny_q
 # Two ways to run the same global batch of 4 rows: 2 stages (one replica, 2 micro-batches through 1F1B), or zero3
 # over 2 ranks (2 replicas, one micro-batch each); one process runs `_run`'s grad_accum 2.
 _LAYOUTS = {"pp": {"pipeline_parallel": "2", "strategy": "ddp", "grad_accum": "2"},
-            "zero3": {"pipeline_parallel": "1", "strategy": "zero3", "grad_accum": "1"}}
+            "zero3": {"pipeline_parallel": "1", "strategy": "zero3", "grad_accum": "1"},
+            "one": {"pipeline_parallel": "1", "strategy": "auto", "grad_accum": "2"}}
 
 
 def _resumed_on_another_layout(tmp: Path, model: Path, data: Path, saved: str, resumed: str) -> None:
-    """A LoRA run on layout `saved` (2 ranks), rank 1 killed at step 3, resumes its step-2 checkpoint on layout
-    `resumed` (2 ranks): the train and eval losses and the adapter are the uninterrupted one process's (fp32)."""
+    """A LoRA run on layout `saved`, rank 1 killed at step 3, resumes its step-2 checkpoint on layout `resumed` (2
+    ranks, or one process for `one`): the train and eval losses and the adapter are the uninterrupted one
+    process's (fp32)."""
     single = _run(tmp, model, data, "single")
     keys = dict(model=str(model), data=str(data), output_dir=str(tmp / "moved"), precision="fp32", max_seq_len=192,
                 micro_batch=2, lr=1e-2, log_steps=1, save_steps=2, max_steps=4, warmup_ratio=0.0, eval_split=0.1,
@@ -306,7 +308,7 @@ def _resumed_on_another_layout(tmp: Path, model: Path, data: Path, saved: str, r
 
     def train(layout: str, fault: str | None = None) -> Any:
         sets = [arg for k, v in _LAYOUTS[layout].items() for arg in ("--set", f"{k}={v}")]
-        return run_cli("train", str(cfg), "--nproc", "2", *sets,
+        return run_cli("train", str(cfg), "--nproc", "1" if layout == "one" else "2", *sets,
                        env={**env, "SHARDFIT_TEST_FAULT": fault} if fault else env)
 
     r = train(saved, "raise:rank=1:step=3")
@@ -332,6 +334,12 @@ def test_two_stages_resume_under_zero3(tmp_path: Path, tiny_qwen2: Path, small_d
 @pytest.mark.heavy  # the reverse of the case above: FSDP2's shards into the stages
 def test_zero3_resumes_over_two_stages(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
     _resumed_on_another_layout(tmp_path, tiny_qwen2, small_data, "zero3", "pp")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # the stages' checkpoint into one process: the zero3 case above holds the gathering by name
+def test_two_stages_resume_in_one_process(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
+    _resumed_on_another_layout(tmp_path, tiny_qwen2, small_data, "pp", "one")
 
 
 @pytest.mark.slow
