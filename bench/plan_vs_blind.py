@@ -24,6 +24,7 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,13 +180,18 @@ def published_rate(rate: dict, row: dict, ranks: int) -> float | str:
     return f"a speed given as {rate.get('unit') or per!r}, not tokens/s of the job or of a GPU"
 
 
+def row_head(index: int, row: dict, source: str) -> dict[str, Any]:
+    """What every evaluated row carries, planned or not: its number, source and the strings it was published
+    with."""
+    return {"row": index, "source": source, "model": row["model"], "method": row["method"], "gpus": row["gpus"],
+            "strategy": row["strategy"], "seq": row["seq_len"], "published_fits": row["fits"]}
+
+
 def evaluate_row(index: int, row: dict, spec: dict, settings: dict | None = None) -> dict:
     """One row: its prediction, errors and verdict, or its reason for not being planned. The memory error is
     against what the peak's reading holds (the total unless the case says `reading`); `settings` as case_of's."""
     name = source_of(row, spec)
-    out: dict[str, Any] = {"row": index, "source": name, "model": row["model"], "method": row["method"],
-                           "gpus": row["gpus"], "strategy": row["strategy"], "seq": row["seq_len"],
-                           "published_fits": row["fits"]}
+    out = row_head(index, row, name)
     case = case_of(row, spec["sources"][name], spec, settings)
     if isinstance(case, str):
         return {**out, "planned": False, "reason": case}
@@ -271,10 +277,13 @@ def in_sample(path: Path = IN_SAMPLE) -> dict | None:
     return {"file": str(path.relative_to(BENCH.parent)), "all": stats(rows(None)), "test": stats(rows("test"))}
 
 
-def evaluate(spec: dict) -> dict:
-    """Every row, the rows not planned with their reasons, and the summaries over all, per source and in-sample."""
-    rows = [evaluate_row(i, row, spec) for i, row in enumerate(spec["rows"], start=1)]
-    return {"set": str(SET.relative_to(BENCH.parent)), "rows": rows,
+def evaluate(spec: dict, set_path: Path = SET, one_row: Callable[[int, dict, dict], dict] | None = None) -> dict:
+    """Every row, the rows not planned with their reasons, and the summaries over all, per source and in-sample.
+    `set_path` is the YAML `spec` was read from (named in the result); `one_row` evaluates one numbered row (a set
+    whose rows carry settings beyond their columns passes its own; by default `evaluate_row` without them)."""
+    one_row = one_row or evaluate_row
+    rows = [one_row(i, row, spec) for i, row in enumerate(spec["rows"], start=1)]
+    return {"set": str(set_path.relative_to(BENCH.parent)), "rows": rows,
             "not_planned": [{k: r[k] for k in ("row", "source", "model", "reason")}
                             for r in rows if not r["planned"]],
             "summary": summary(rows),
@@ -296,8 +305,9 @@ def markdown(result: dict) -> str:
         tok = (f"{r['published_tokens_per_s']:,.0f} | {r['predicted_tokens_per_s']:,.0f} | {r['tokens_error']:+.1%}"
                if "tokens_error" in r else "- | - | -")
         err = f"{r['error']:+.1%}" if "error" in r else "-"
+        seq = r.get("planned_seq", r["seq"])  # the length planned where the row leaves it unknown
         lines.append(f"| {r['row']} | {r['source']} | {r['planner_model']} | {r['method']} | {r['gpus']} | "
-                     f"{r['planner_strategy']} | {r['seq']:,} | {mem} | {r['predicted_total_gib']:.1f} | {err} | "
+                     f"{r['planner_strategy']} | {seq:,} | {mem} | {r['predicted_total_gib']:.1f} | {err} | "
                      f"{'right' if r['verdict_right'] else 'WRONG'} | {tok} |")
     lines.append("")
     for r in result["not_planned"]:

@@ -49,7 +49,8 @@ CASE_KEYS = {"kind", "unit", "peak", "model", "gpu", "nodes", "strategy", "seq",
 # Settings written down because the source ran them, which the planner does not model (none at present: FSDP1's
 # `flat_params` became a Workload key with `fsdp1_no_sync`).
 RECORDED_ONLY: set[str] = set()
-UNITS = {"GB": 1e9 / GIB, "GiB": 1.0}
+# A peak in the source's unit, as GiB (nvidia-smi prints MiB: 2^20 bytes).
+UNITS = {"GB": 1e9 / GIB, "GiB": 1.0, "MiB": 2**20 / GIB}
 # What the plan chooses between for one workload: a pair of runs that differs only in these (the batch may differ
 # with them: a sharded strategy is run at the larger batch it makes room for) is a strategy pair.
 PLAN_CHOICES = ("strategy", "grad_ckpt", "compile")
