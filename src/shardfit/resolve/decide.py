@@ -177,8 +177,8 @@ def _pipeline_why(choice: PipelineChoice, plan: Plan, cfg: Config) -> str:
     return (f"{PIPE_WHY} -> {pick.stages}: the plan recommends {pick.layout} ({where}, 1F1B over the step's "
             f"{pick.micro_batches} grad_accum micro-batches, fullest stage {pick.stage_gib:.1f} of "
             f"{pick.card_gib:.0f} GiB): ~{pick.step_s:.0f} s/step, {pick.tokens_per_s:,.0f} tokens/s, {than}; an "
-            f"optimizer step then takes micro_batch x grad_accum x {pick.dp} examples (set pipeline_parallel: 1 or "
-            "a strategy to choose otherwise)")
+            f"optimizer step then takes micro_batch x grad_accum x {pick.dp} examples, not x {plan.hardware.world} "
+            "as under a strategy over every rank (set pipeline_parallel: 1 or a strategy to choose otherwise)")
 
 
 T = TypeVar("T")
