@@ -49,8 +49,11 @@ def test_seed_002_runs_the_pipeline_the_plan_recommends(capsys: pytest.CaptureFi
         assert list(job.stage_layers) == pipe["cut"]
         assert job.why[0].startswith(f"{PIPE_WHY} -> 8: the plan recommends pipeline_parallel=8")
         assert f"{pipe['tokens_per_s']:,.0f} tokens/s" in job.why[0] and "zero3_offload's" in job.why[0]
-    set_by_hand, _ = resolve_job(_seed_002(pipeline_parallel=8), RTX, GPU, nproc=8)
-    assert dataclasses.replace(job, why=()) == dataclasses.replace(set_by_hand, why=())
+    for over in ({}, {"packing": False}):  # unpacked rows would compile without a pipeline: planned uncompiled
+        auto, auto_plan = resolve_job(_seed_002(**over), RTX, GPU, nproc=8)
+        by_hand, hand_plan = resolve_job(_seed_002(pipeline_parallel=8, **over), RTX, GPU, nproc=8)
+        assert dataclasses.replace(auto, why=()) == dataclasses.replace(by_hand, why=()) and not auto.compile
+        assert auto_plan.to_json() == hand_plan.to_json()
     # check's verdict is the stages' (they fit), and every rank reads the same job and settled config
     assert pipeline_plan_rules(settled(_seed_002(), job), plan, job.strategy) == []
     assert Resolved.from_env(job.to_env()) == job

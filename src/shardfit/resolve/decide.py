@@ -21,6 +21,7 @@ from shardfit.plan.pipeline import config_cut, fastest, layouts
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
+from shardfit.plan.workload import workload_of
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.defaults import (
     compiled_for,
@@ -147,26 +148,28 @@ ONE_RANK_PER_STAGE = ("strategy auto -> ddp: one rank per pipeline stage, which 
 PIPE_WHY = "pipeline_parallel auto"
 
 
-def _auto_pipeline_parallel(cfg: Config, survey: Plan | None, nproc: int | None, nnodes: int,
+def _auto_pipeline_parallel(cfg: Config, device: DeviceFacts, survey: Plan | None, nproc: int | None, nnodes: int,
                             local: int) -> tuple[int, str | None]:
     """`pipeline_parallel: auto` under `strategy: auto` (`cfg` with it read as 1): the stages of the pipeline the
     plan recommends over every strategy (resolve/pipeline_choice.py, the decision `shardfit plan` shows: the
     fastest layout that fits, that train runs, and that trains more tokens/s than the plan's recommended strategy
     beyond the time model's precision, or where no strategy fits), with the reason; (1, None) where the plan
     recommends none, the rows are split, or there is one rank. Its 1F1B runs the step's grad_accum micro-batches;
-    the strategy over each stage's ranks is then decided as for a pipeline the config names (`resolve`)."""
+    the strategy over each stage's ranks is then decided as for a pipeline the config names (`resolve`). The
+    layouts are timed as stages run (never compiled: resolve/defaults.py), the strategies as they would run."""
     world = (nproc if nproc is not None else local) * nnodes
     if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or survey is None or world < 2:
         return 1, None
     shape = resolve_shape(cfg.model)  # the survey read it: known here
     rules = dataclasses.replace(cfg, pipeline_schedule="1f1b")
-    choice = choose_pipeline(survey, shape, survey.workload, survey.hardware, cfg.model, rules)
+    staged = workload_of(_planned(dataclasses.replace(rules, pipeline_parallel=2), device))  # any count alike
+    choice = choose_pipeline(survey, shape, staged, survey.hardware, cfg.model, rules)
     if choice is None or not choice.recommended:
         return 1, None
-    return choice.pick.stages, _pipeline_why(choice, survey, cfg)
+    return choice.pick.stages, _pipeline_why(choice, survey)
 
 
-def _pipeline_why(choice: PipelineChoice, plan: Plan, cfg: Config) -> str:
+def _pipeline_why(choice: PipelineChoice, plan: Plan) -> str:
     """The reason auto turned the pipeline of `choice` on, in the plan's numbers."""
     pick = choice.pick
     best = plan.candidate(plan.recommended) if plan.recommended else None
@@ -365,10 +368,11 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     local = node.gpus_per_node if device.type == "cuda" else 1
     survey_hw = job_hardware_of(node, None, nproc or local, nnodes)
     survey = plan_for_config(planned, survey_hw)
-    pp, pipe_why = _auto_pipeline_parallel(cfg, survey, nproc, nnodes, local) if pipe_auto else (1, None)
-    if pp > 1:  # the job as it will run: its stages, 1F1B (`settled` records them in the config)
+    pp, pipe_why = _auto_pipeline_parallel(cfg, device, survey, nproc, nnodes, local) if pipe_auto else (1, None)
+    if pp > 1:  # the job as it will run, planned as if its keys were set (`settled` records them in the config)
         cfg = dataclasses.replace(cfg, pipeline_parallel=pp, pipeline_schedule="1f1b")
         planned = _planned(cfg, device)
+        survey = plan_for_config(planned, survey_hw)
     sp, survey, split_why = _auto_sequence_parallel(cfg, device, survey_hw, survey, nproc, nnodes, local)
     if sp > 1:  # the job as it will run: its rows split over sp ranks (`settled` records it in the config)
         cfg = dataclasses.replace(cfg, sequence_parallel=sp)
