@@ -31,7 +31,7 @@ from shardfit.plan.media import (
     parse_image_size,
 )
 from shardfit.plan.model_shape import ModelShape
-from shardfit.plan.pipeline import LAYOUT_HEADER, PipelinePlan, fastest, layouts, plan_pipeline, versus
+from shardfit.plan.pipeline import LAYOUT_HEADER
 from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
@@ -256,49 +256,6 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
         return None
 
 
-def pipeline_of(shape: ModelShape, w: Workload, hw: Hardware, stages: int, source: str, per_rank: int = 1,
-                names: tuple[str, ...] = ("single",), schedule: str = "interleaved_1f1b"
-                ) -> tuple[list[PipelinePlan], str]:
-    """The pipelines of `stages` stages over the GPUs of `hw` under each strategy of `names` (plan/pipeline.py
-    `layouts`; interleaved 1F1B, or zero bubble where `schedule` says so: `per_rank` stages on each of `stages`
-    GPUs), and what `train` would say of them
-    (empty: it runs them); more stages than blocks, or stages that do not divide the GPUs, is bad input."""
-    from shardfit.resolve.dims import ParallelDims
-    from shardfit.resolve.pipeline import check_model, facts_of_shape
-
-    if stages * per_rank > shape.layers:
-        what = f"{stages} x {per_rank} stages" if per_rank > 1 else "stages"
-        raise UserError(f"--pipeline-parallel {stages}: {source} has {shape.layers} decoder blocks, fewer than the "
-                        f"{what} (each holds at least one block): use at most {shape.layers // per_rank}"
-                        f"{' stages, or fewer stages per rank' if per_rank > 1 else ''}.")
-    ParallelDims(world=hw.world, pp=stages).check()  # names the counts that divide the GPUs
-    note = ""
-    try:
-        check_model(stages, facts_of_shape(shape), source, w.method, per_rank=per_rank)
-    except UserError as e:
-        note = f"planned only: train refuses it in this version ({e})"
-    if w.grad_accum < stages:
-        note = note or (f"planned only: train needs --grad-accum {stages} or more for {stages} stages (1F1B runs "
-                        "at least one micro-batch per stage)")
-    if per_rank > 1:
-        if hw.world > stages:
-            note = note or (f"planned on {stages} of the {hw.world} GPUs: train interleaves stages with one GPU per "
-                            "stage only")
-        return [plan_pipeline(shape, w, hw, stages, per_rank, schedule=schedule)], note
-    return layouts(shape, w, hw, stages, names), note
-
-
-def pipeline_stages(shape: ModelShape, w: Workload, hw: Hardware, asked: int) -> list[int]:
-    """The pipelines to plan: the stages asked for, or (none asked) every count of two or more that divides the GPUs,
-    that the blocks allow and that 1F1B can run on --grad-accum micro-batches, as candidates beside the
-    strategies."""
-    if asked > 1:
-        return [asked]
-    if hw.name == "cpu" or hw.world == 1:
-        return []
-    return [n for n in range(2, hw.world + 1) if hw.world % n == 0 and n <= shape.layers and n <= w.grad_accum]
-
-
 def pipeline_strategies(args: argparse.Namespace, cfg: Config | None) -> tuple[str, ...]:
     """The strategies over a stage's data-parallel GPUs to plan: the one --strategy (or the config) names where it
     runs in stages, else each that does."""
@@ -311,33 +268,31 @@ def pipeline_strategies(args: argparse.Namespace, cfg: Config | None) -> tuple[s
 def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape: ModelShape, w: Workload,
                   hw: Hardware, source: str) -> tuple[dict[str, Any] | None, list[str]]:
     """The pipeline layouts planned beside the strategies: their JSON and text lines (a table of the layouts, the
-    fastest that fits described, and whether the plan recommends it over the strategies); (None, []) without any."""
+    fastest that fits described, and whether the plan recommends it over the strategies: the decision
+    resolve/pipeline_choice.py makes, which `strategy: auto` follows); (None, []) without any."""
     from shardfit.resolve.pipeline import LOOPED, stages_per_rank
+    from shardfit.resolve.pipeline_choice import choose_pipeline, rules_config
 
-    asked = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
+    configured = cfg.pipeline_parallel if cfg is not None and cfg.pipeline_parallel != "auto" else 1
+    asked = args.pipeline_parallel or configured
     per_rank = args.pipeline_stages_per_rank or (stages_per_rank(cfg) if cfg is not None else 1)
     named = args.pipeline_schedule or (cfg.pipeline_schedule if cfg is not None else "1f1b")
     if args.pipeline_schedule == "1f1b":
         per_rank = 1
     elif named in LOOPED and per_rank == 1:  # a looped schedule named without V: the config's (default) V
         per_rank = (cfg or Config()).pipeline_stages_per_rank
-    names = pipeline_strategies(args, cfg)
     # Looped stages are planned as the schedule named, interleaved 1F1B unless it is zero bubble.
     schedule = "zero_bubble" if named == "zero_bubble" else "interleaved_1f1b"
-    pipes: list[PipelinePlan] = []
-    notes: dict[int, str] = {}
-    for stages in pipeline_stages(shape, w, hw, asked):
-        found, notes[stages] = pipeline_of(shape, w, hw, stages, source, per_rank if asked > 1 else 1, names,
-                                           schedule)
-        pipes += found
-    if not pipes:
+    looped = asked > 1 and per_rank > 1
+    rules = rules_config(cfg, w, schedule if looped else "1f1b")
+    choice = choose_pipeline(plan, shape, w, hw, source, rules, asked=asked, per_rank=per_rank,
+                             names=pipeline_strategies(args, cfg), schedule=schedule)
+    if choice is None:
         return None, []
-    pipe = fastest(pipes) or min(pipes, key=lambda p: p.stage_gib)
-    note = notes[pipe.stages]
-    chosen, why = versus(plan, pipe, note)
-    out = {**pipe.to_json(), "note": note, "recommended": chosen, "versus": why,
-           "layouts": [p.to_json() for p in pipes]}
-    table = [LAYOUT_HEADER, *(p.row() for p in pipes)] if len(pipes) > 1 or pipe.dp > 1 else []
+    pipe, note, why = choice.pick, choice.note, choice.why
+    out = {**pipe.to_json(), "note": note, "recommended": choice.recommended, "versus": why,
+           "layouts": [p.to_json() for p in choice.layouts]}
+    table = [LAYOUT_HEADER, *(p.row() for p in choice.layouts)] if len(choice.layouts) > 1 or pipe.dp > 1 else []
     return out, [*table, pipe.describe() + (f"\n  {note}" if note else "") + f"\n  {why}"]
 
 
@@ -437,9 +392,10 @@ def run(args: argparse.Namespace) -> int:
     if job is not None:
         out["resolved"] = job.to_json()
         lines.append(job.describe())
-        from shardfit.resolve.decide import SPLIT_WHY  # resolved_job imported it
+        from shardfit.resolve.decide import PIPE_WHY, SPLIT_WHY  # resolved_job imported it
 
-        lines.extend(f"  {w}" for w in job.why if w.startswith(SPLIT_WHY))  # auto split the rows: why
+        # auto split the rows or turned a pipeline on: why
+        lines.extend(f"  {w}" for w in job.why if w.startswith((SPLIT_WHY, PIPE_WHY)))
     print(json.dumps(out, indent=2) if args.json else "\n".join([table, *lines]))
     if args.plot:
         try:

@@ -130,10 +130,12 @@ class Config:
                                     "over the rest. Text models with full attention (dense or experts), objective sft; "
                                     "docs/long-context.md",
                                  ge=1)
-    pipeline_parallel: int = key(1, "pipeline stages the decoder blocks are cut into, one per rank group "
-                                    "(torch.distributed.pipelining, 1F1B over the step's grad_accum micro-batches; "
-                                    "grad_accum must be at least the stages); must divide the ranks. Dense text "
-                                    "models, Qwen2-VL and Qwen2.5-VL, objective sft; docs/pipeline.md", ge=1)
+    pipeline_parallel: int | Literal["auto"] = key(
+        "auto", "pipeline stages the decoder blocks are cut into, one per rank group (torch.distributed.pipelining, "
+                "1F1B over the step's grad_accum micro-batches; grad_accum must be at least the stages); must divide "
+                "the ranks. Dense text models, Qwen2-VL and Qwen2.5-VL, objective sft. auto: none (1), unless "
+                "strategy is auto and the plan recommends a pipeline over every strategy (it fits, train runs it "
+                "and it is faster): then its stages, 1F1B; docs/pipeline.md", ge=1)
     pipeline_schedule: str = key("1f1b", "the pipeline's schedule: 1f1b (one stage per rank) | interleaved_1f1b "
                                           "(pipeline_stages_per_rank stages per rank, looped: rank r holds stages "
                                           "r, r+N, ...; a smaller bubble for more activations in flight) | "

@@ -21,6 +21,7 @@ from shardfit.plan.pipeline import config_cut, fastest, layouts
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
+from shardfit.plan.workload import workload_of
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve.defaults import (
     compiled_for,
@@ -32,6 +33,7 @@ from shardfit.resolve.defaults import (
 )
 from shardfit.resolve.experts_rules import check_ep_layout, check_ep_model
 from shardfit.resolve.job import DeviceFacts, Resolved, RowShape
+from shardfit.resolve.pipeline_choice import PipelineChoice, choose_pipeline
 from shardfit.resolve.sequence import check_layout, check_model, facts_of_shape
 
 
@@ -136,6 +138,52 @@ def _auto_pipeline(cfg: Config, plan: Plan, world: int, nnodes: int) -> tuple[st
                                       "predicted to fit, and zero3 shards the most"]
 
 
+# Why a pipeline of one rank per stage runs as ddp under `strategy: auto`: nothing wraps a lone stage, which then
+# computes under autocast as one process does (FSDP2's strategies would leave it without autocast or mixed
+# precision), as the plan plans it.
+ONE_RANK_PER_STAGE = ("strategy auto -> ddp: one rank per pipeline stage, which no strategy wraps (ddp over a "
+                      "stage's one rank is the stage itself, under autocast as in one process)")
+
+# How the reason of auto's pipeline begins (`plan --config` prints it under the job's line).
+PIPE_WHY = "pipeline_parallel auto"
+
+
+def _auto_pipeline_parallel(cfg: Config, device: DeviceFacts, survey: Plan | None, nproc: int | None, nnodes: int,
+                            local: int) -> tuple[int, str | None]:
+    """`pipeline_parallel: auto` under `strategy: auto` (`cfg` with it read as 1): the stages of the pipeline the
+    plan recommends over every strategy (resolve/pipeline_choice.py, the decision `shardfit plan` shows: the
+    fastest layout that fits, that train runs, and that trains more tokens/s than the plan's recommended strategy
+    beyond the time model's precision, or where no strategy fits), with the reason; (1, None) where the plan
+    recommends none, the rows are split, or there is one rank. Its 1F1B runs the step's grad_accum micro-batches;
+    the strategy over each stage's ranks is then decided as for a pipeline the config names (`resolve`). The
+    layouts are timed as stages run (never compiled: resolve/defaults.py), the strategies as they would run."""
+    world = (nproc if nproc is not None else local) * nnodes
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or survey is None or world < 2:
+        return 1, None
+    shape = resolve_shape(cfg.model)  # the survey read it: known here
+    rules = dataclasses.replace(cfg, pipeline_schedule="1f1b")
+    staged = workload_of(_planned(dataclasses.replace(rules, pipeline_parallel=2), device))  # any count alike
+    choice = choose_pipeline(survey, shape, staged, survey.hardware, cfg.model, rules)
+    if choice is None or not choice.recommended:
+        return 1, None
+    return choice.pick.stages, _pipeline_why(choice, survey)
+
+
+def _pipeline_why(choice: PipelineChoice, plan: Plan) -> str:
+    """The reason auto turned the pipeline of `choice` on, in the plan's numbers."""
+    pick = choice.pick
+    best = plan.candidate(plan.recommended) if plan.recommended else None
+    than = (f"more than {best.strategy}'s {best.tokens_per_s:,.0f} (~{best.step_s:.0f} s/step), the fastest "
+            "strategy that fits") if best is not None and best.tokens_per_s and best.step_s \
+        else "and no strategy fits the whole model on a GPU"
+    where = f"{pick.strategy} over each stage's {pick.dp} GPUs" if pick.dp > 1 else "one GPU per stage"
+    return (f"{PIPE_WHY} -> {pick.stages}: the plan recommends {pick.layout} ({where}, 1F1B over the step's "
+            f"{pick.micro_batches} grad_accum micro-batches, fullest stage {pick.stage_gib:.1f} of "
+            f"{pick.card_gib:.0f} GiB): ~{pick.step_s:.0f} s/step, {pick.tokens_per_s:,.0f} tokens/s, {than}; an "
+            f"optimizer step then takes micro_batch x grad_accum x {pick.dp} examples, not x {plan.hardware.world} "
+            "as under a strategy over every rank (set pipeline_parallel: 1 or a strategy to choose otherwise)")
+
+
 T = TypeVar("T")
 
 # How the reason of auto's split begins (`plan --config` prints it under the job's line).
@@ -167,7 +215,8 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     sequence_parallel of 2, 4, 8, ... that divides the ranks and the heads, passes the rules and makes the job
     fit; its plan and the reason. (1, survey, None) where the rows stay whole."""
     world = (nproc if nproc is not None else local) * nnodes
-    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or survey is None or world < 2:
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or cfg.pipeline_parallel != 1 or survey is None \
+            or world < 2:
         return 1, survey, None
     if _fitting(survey, cfg.method, nproc, nnodes, local):
         return 1, survey, None
@@ -217,7 +266,9 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
     local = node.gpus_per_node if device.type == "cuda" else 1
     world = (nproc if nproc is not None else local) * nnodes
-    if cfg.strategy == "auto" and 1 < cfg.pipeline_parallel < world and plan is not None:
+    if cfg.strategy == "auto" and 1 < cfg.pipeline_parallel == world:
+        name, n, why = "ddp", world // nnodes, [ONE_RANK_PER_STAGE]
+    elif cfg.strategy == "auto" and 1 < cfg.pipeline_parallel < world and plan is not None:
         name, n, why = _auto_pipeline(cfg, plan, world, nnodes)
     elif cfg.strategy == "auto":
         # A pipeline's memory is its stages' (check/pipeline_rules.py), not a strategy's over the whole model.
@@ -264,7 +315,8 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel,
         static_shape=resolve_static_shape(cfg.static_shape, device.type, cfg.packing, attention,
                                           objectives.get(cfg.objective).preference, cfg.sequence_parallel),
-        expert_parallel=cfg.expert_parallel, pipeline_parallel=cfg.pipeline_parallel)
+        expert_parallel=cfg.expert_parallel, pipeline_parallel=cfg.pipeline_parallel,
+        pipeline_schedule=cfg.pipeline_schedule)
 
 
 def _planned(cfg: Config, device: DeviceFacts) -> Config:
@@ -283,6 +335,7 @@ def settled(cfg: Config, job: Resolved) -> Config:
     reads."""
     return dataclasses.replace(cfg, precision=job.precision, compile=job.compile, attn_implementation=job.attention,
                                sequence_parallel=job.sequence_parallel, static_shape=job.static_shape,
+                               pipeline_parallel=job.pipeline_parallel, pipeline_schedule=job.pipeline_schedule,
                                lora=dataclasses.replace(cfg.lora, dtype=job.adapter_dtype))
 
 
@@ -291,6 +344,10 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     """Resolve `cfg` on `nnodes` nodes like `node` and plan the job as resolved: the one entry point train, check
     and plan call. The method must be trainable by this installation."""
     require_method_support(cfg)
+    # `pipeline_parallel: auto` is read as no pipeline until the plan over every rank recommends one (below).
+    pipe_auto = cfg.pipeline_parallel == "auto"
+    if pipe_auto:
+        cfg = dataclasses.replace(cfg, pipeline_parallel=1)
     if cfg.sequence_parallel > 1:  # the model's heads and kind, from its config, before anything loads
         shape = None
         with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model
@@ -311,13 +368,19 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
     local = node.gpus_per_node if device.type == "cuda" else 1
     survey_hw = job_hardware_of(node, None, nproc or local, nnodes)
     survey = plan_for_config(planned, survey_hw)
+    pp, pipe_why = _auto_pipeline_parallel(cfg, device, survey, nproc, nnodes, local) if pipe_auto else (1, None)
+    if pp > 1:  # the job as it will run, planned as if its keys were set (`settled` records them in the config)
+        cfg = dataclasses.replace(cfg, pipeline_parallel=pp, pipeline_schedule="1f1b")
+        planned = _planned(cfg, device)
+        survey = plan_for_config(planned, survey_hw)
     sp, survey, split_why = _auto_sequence_parallel(cfg, device, survey_hw, survey, nproc, nnodes, local)
     if sp > 1:  # the job as it will run: its rows split over sp ranks (`settled` records it in the config)
         cfg = dataclasses.replace(cfg, sequence_parallel=sp)
         planned = _planned(cfg, device)
     job = resolve(cfg, node, device, survey, nproc=nproc, nnodes=nnodes)
-    if split_why is not None:
-        job = dataclasses.replace(job, why=(split_why, *job.why))
+    first = tuple(w for w in (pipe_why, split_why) if w is not None)
+    if first:
+        job = dataclasses.replace(job, why=(*first, *job.why))
     plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
         else survey
     if cfg.pipeline_parallel > 1:  # where the stages are cut, decided with the plan's memory model

@@ -74,6 +74,9 @@ class Resolved:
     # The dtype LoRA's adapters are stored and computed in (`lora.dtype`, resolve/decide.py `adapter_dtype_for`):
     # bf16 runs without autocast, the optimizer keeping fp32 master copies (train/optim.py).
     adapter_dtype: str = "fp32"
+    # The pipeline's schedule (`pipeline_schedule`): the config's, or 1f1b where `pipeline_parallel: auto` turned
+    # the pipeline on (the schedule the plan ranks).
+    pipeline_schedule: str = "1f1b"
 
     @property
     def world(self) -> int:

@@ -1,0 +1,155 @@
+"""`strategy: auto` with `pipeline_parallel: auto` (resolve/decide.py `_auto_pipeline_parallel`): the pipeline the
+plan recommends over every strategy (resolve/pipeline_choice.py, the one decision `plan` shows) is what the job
+runs, as if its keys had been set; where the plan recommends none, or train would refuse one, no pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from shardfit.check.pipeline_rules import pipeline_plan_rules
+from shardfit.cli.main import main
+from shardfit.config import Config, load_config
+from shardfit.errors import DoesNotFitError, UserError
+from shardfit.plan.hardware import parse_gpus
+from shardfit.resolve import DeviceFacts, Resolved, pipeline_choice, resolve_job
+from shardfit.resolve.decide import PIPE_WHY, settled
+
+GPU = DeviceFacts("cuda", True)
+SEED_002 = "Qwen/Qwen2-VL-72B-Instruct"
+RTX = parse_gpus("8x24GB", 1, None)
+# Seed 002's flags: `plan --method lora --seq 2048 --batch 1 --grad-ckpt full --grad-accum 16`.
+PLAN_FLAGS = ["--gpus", "8x24GB", "--method", "lora", "--seq", "2048", "--batch", "1", "--grad-ckpt", "full",
+              "--grad-accum", "16", "--json"]
+
+
+def _seed_002(**over) -> Config:
+    keys = dict(model=SEED_002, grad_accum=16, method="lora", max_seq_len=2048, micro_batch=1, grad_ckpt="full")
+    return dataclasses.replace(Config(), **{**keys, **over})
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["plan", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_seed_002_runs_the_pipeline_the_plan_recommends(capsys: pytest.CaptureFixture[str]) -> None:
+    """8 x 24 GB, strategy and pipeline_parallel left at auto: the job is the plan's recommended layout (8 stages,
+    1F1B over grad_accum's 16 micro-batches, the plan's cut), the same job as with pipeline_parallel: 8 set, and it
+    says why in the plan's numbers."""
+    d = _plan_json(capsys, "--model", SEED_002, *PLAN_FLAGS)
+    pipe = d["pipeline"]
+    assert pipe["recommended"] and pipe["layout"] == "pipeline_parallel=8"
+    for nproc in (8, None):  # the processes given, or left to auto on the node's 8 GPUs
+        job, plan = resolve_job(_seed_002(), RTX, GPU, nproc=nproc)
+        assert (job.pipeline_parallel, job.pipeline_schedule, job.world) == (8, "1f1b", 8)
+        assert list(job.stage_layers) == pipe["cut"]
+        assert job.why[0].startswith(f"{PIPE_WHY} -> 8: the plan recommends pipeline_parallel=8")
+        assert f"{pipe['tokens_per_s']:,.0f} tokens/s" in job.why[0] and "zero3_offload's" in job.why[0]
+    for over in ({}, {"packing": False}):  # unpacked rows would compile without a pipeline: planned uncompiled
+        auto, auto_plan = resolve_job(_seed_002(**over), RTX, GPU, nproc=8)
+        by_hand, hand_plan = resolve_job(_seed_002(pipeline_parallel=8, **over), RTX, GPU, nproc=8)
+        assert dataclasses.replace(auto, why=()) == dataclasses.replace(by_hand, why=()) and not auto.compile
+        assert auto_plan.to_json() == hand_plan.to_json()
+    # check's verdict is the stages' (they fit), and every rank reads the same job and settled config
+    assert pipeline_plan_rules(settled(_seed_002(), job), plan, job.strategy) == []
+    assert Resolved.from_env(job.to_env()) == job
+    ran = settled(_seed_002(pipeline_schedule="interleaved_1f1b"), job)
+    assert (ran.pipeline_parallel, ran.pipeline_schedule, ran.grad_accum) == (8, "1f1b", 16)
+
+
+def test_a_pipeline_where_no_strategy_fits() -> None:
+    """With 64 GiB of host RAM zero3_offload does not fit either: only the pipeline does, and auto runs it where it
+    would otherwise stop (exit 3), as an explicit pipeline_parallel: 1 still does."""
+    node = parse_gpus("8x24GB", 1, 64)
+    job, _ = resolve_job(_seed_002(), node, GPU, nproc=8)
+    assert job.pipeline_parallel == 8 and job.why[0].startswith(PIPE_WHY)
+    with pytest.raises(DoesNotFitError):
+        resolve_job(_seed_002(pipeline_parallel=1), node, GPU, nproc=8)
+
+
+def test_one_rank_per_stage_runs_as_ddp_under_autocast() -> None:
+    """A pipeline with as many stages as ranks (set or auto) runs no strategy over a stage: ddp, under autocast as
+    the plan plans it, not a sharded strategy picked for the whole model (zero3_offload here)."""
+    job, _ = resolve_job(_seed_002(pipeline_parallel=8), RTX, GPU, nproc=8)
+    assert job.strategy == "ddp" and job.autocast == "bf16"
+    assert any(w.startswith("strategy auto -> ddp: one rank per pipeline stage") for w in job.why)
+
+
+@pytest.mark.parametrize("cfg,nproc", [
+    (_seed_002(pipeline_parallel=1), 8),  # no pipeline asked for
+    (_seed_002(strategy="zero3_offload"), 8),  # a strategy named: the user's layout
+    (_seed_002(), 1),  # one rank
+    (_seed_002(grad_accum=4), 8),  # 2 or 4 stages: none fits a 24 GB card
+])
+def test_no_pipeline_where_auto_has_nothing_to_decide(cfg: Config, nproc: int) -> None:
+    """Each differs from seed 002 on 8 ranks with both keys at auto, which runs 8 stages, in one thing."""
+    assert resolve_job(_seed_002(), RTX, GPU, nproc=8)[0].pipeline_parallel == 8
+    job, _ = resolve_job(cfg, RTX, GPU, nproc=nproc)
+    assert job.pipeline_parallel == 1 and not any(w.startswith(PIPE_WHY) for w in job.why)
+
+
+def test_a_model_that_fits_under_ddp_gets_no_pipeline() -> None:
+    """Llama-3.1-8B LoRA on 8 H100s: the plan plans pipelines beside the strategies and recommends none (ddp with
+    no bubble is faster), so auto runs ddp on 8 ranks."""
+    cfg = _seed_002(model="meta-llama/Llama-3.1-8B")
+    job, plan = resolve_job(cfg, parse_gpus("8xH100", 1, None), GPU, nproc=8)
+    assert (job.strategy, job.pipeline_parallel) == ("ddp", 1)
+    from shardfit.plan.shapes import resolve_shape
+
+    choice = pipeline_choice.choose_pipeline(plan, resolve_shape(cfg.model), plan.workload, plan.hardware,
+                                             cfg.model, cfg)
+    assert choice is not None and choice.pick.fits and choice.note == "" and not choice.recommended
+
+
+@pytest.mark.parametrize("cfg,refused", [
+    (_seed_002(compile=True), "does not run compiled blocks"),
+    (_seed_002(eval_metrics=["rouge_l"]), "with eval_metrics"),
+    (_seed_002(model="mistralai/Mixtral-8x7B-v0.1"), "is a mixture of experts"),
+])
+def test_a_job_the_pipeline_refuses_never_gets_one(cfg: Config, refused: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled blocks, generation metrics, a mixture of experts (resolve/pipeline.py refuses each): no
+    pipeline. Were the rules not asked, the plan would recommend one and auto would turn it on (the job then
+    refused, or cut where the ranks refuse it)."""
+    job, _ = resolve_job(cfg, RTX, GPU, nproc=8)
+    assert job.pipeline_parallel == 1
+    assert refused in pipeline_choice.refusal(8, *_shape_of(cfg), cfg, 8)
+    monkeypatch.setattr(pipeline_choice, "refusal", lambda *_, **__: "")
+    try:
+        job, _ = resolve_job(cfg, RTX, GPU, nproc=8)
+    except UserError as e:
+        assert refused in str(e)
+        return
+    assert job.pipeline_parallel > 1
+
+
+def _shape_of(cfg: Config) -> tuple:
+    from shardfit.plan.shapes import resolve_shape
+
+    return resolve_shape(cfg.model), cfg.model
+
+
+def test_plan_notes_what_train_refuses_and_shows_the_job_auto_runs(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan` applies train's pipeline rules to the job planned (QLoRA does not run in stages: planned only, never
+    recommended), and `plan CONFIG` shows the job auto resolves: seed 002's pipeline, with why."""
+    qlora = _plan_json(capsys, "--model", SEED_002, *PLAN_FLAGS[:2], "--method", "qlora", *PLAN_FLAGS[4:])
+    assert "trains method lora or full" in qlora["pipeline"]["note"] and not qlora["pipeline"]["recommended"]
+    (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "there"}\n')
+    path = tmp_path / "seed002.yaml"
+    path.write_text(f"model: {SEED_002}\ndata: {tmp_path / 'd.jsonl'}\nmethod: lora\nmax_seq_len: 2048\n"
+                    "micro_batch: 1\ngrad_accum: 16\ngrad_ckpt: full\n")
+    assert load_config(str(path), check_files=False).pipeline_parallel == "auto"
+    d = _plan_json(capsys, str(path), "--gpus", "8x24GB", "--json")
+    assert d["pipeline"]["recommended"] and d["resolved"]["pipeline_parallel"] == d["pipeline"]["stages"] == 8
+    assert main(["plan", str(path), "--gpus", "8x24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "job: strategy ddp, method lora, 8 processes (8 stages, data over 1)" in out
+    assert f"\n  {PIPE_WHY} -> 8: " in out
+    path.write_text(path.read_text() + "pipeline_parallel: 1\n")
+    d = _plan_json(capsys, str(path), "--gpus", "8x24GB", "--json")
+    assert d["resolved"]["pipeline_parallel"] == 1 and d["resolved"]["strategy"] == "zero3_offload"
