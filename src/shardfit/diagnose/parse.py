@@ -377,11 +377,13 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.world_size = max(worlds)
         if p.world_size > 1:
             p.facts.add("multi_rank")
-    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
+    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map(_config(?:_path)?)?\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:./-]+)\2",
+                  text)
     if m:
-        p.device_map = m.group(2)
+        p.device_map = m.group(3)
         p.facts.add("device_map")
-        if m.group(2).lower() in ("auto", "balanced", "balanced_low_0", "sequential"):
+        # ms-swift's --device_map_config(_path) names a JSON that splits one model over several GPUs
+        if m.group(1) or m.group(3).lower() in ("auto", "balanced", "balanced_low_0", "sequential"):
             p.facts.add("device_map_split")
     for dtype, pat in (("fp16", r"--fp16(?:\s+True)?\b|\bfp16\s*[:=]\s*true|\"fp16\":\s*\{\s*\"enabled\":\s*true|"
                                 r"mixed_precision[\s=:'\"]*fp16|torch_dtype\s*=\s*torch\.float16|\.half\(\)|"
