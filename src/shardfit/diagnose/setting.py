@@ -38,7 +38,8 @@ _LAUNCHERS = (
 )
 _FRAMEWORKS = (
     ("LLaMA-Factory", r"llamafactory|llmtuner|LLaMA-Factory|src/train_bash\.py|--stage sft"),
-    ("ms-swift", r"ms-swift|\bswift/(?:llm|trainers)|\bswift (?:sft|rlhf|pt)\b|\bllm_sft\b"),
+    ("ms-swift", r"ms-swift|\bswift/(?:llm|trainers)|\bswift (?:sft|rlhf|pt)\b|\bllm_sft\b|\[INFO:swift\]|"
+                 r"\b(?:Sft|Train|RLHF)Arguments\(model"),
     ("axolotl", r"axolotl"),
     ("xtuner", r"\bxtuner\b|mmengine"),
     ("OpenRLHF", r"openrlhf"),
@@ -50,7 +51,7 @@ _FRAMEWORKS = (
                    r"trainer\.train\(|\bn_gpu\b"),
 )
 _MODEL = re.compile(r"(?:--model_name_or_path|model_name_or_path:|--model(?:_id_or_path|_type|_path)?|base_model:|"
-                    r"from_pretrained\(\s*)[\s=:'\"]*([\w./-]{3,120})", re.I)
+                    r"from_pretrained\(\s*|\(model(?:_id_or_path|_name_or_path)?=)[\s=:'\"]*([\w./-]{3,120})", re.I)
 _VISIBLE = re.compile(r"(?:CUDA_VISIBLE_DEVICES\s*[=:]\s*|--include[=\s]+['\"]?localhost:)['\"]?(\d+(?:\s*,\s*\d+)*)")
 _GPU_HOLDERS = re.compile(r"Process (\d+) has \d+(?:\.\d+)? [GMK]iB memory in use")
 _N_GPU = re.compile(r"\bn_gpu\s*[:=]\s*(\d+)")
