@@ -315,6 +315,24 @@ def _exceptions(lines: list[str]) -> list[Exc]:
     return found
 
 
+# An exception quoted inside a sentence: an issue title ("ms-swift 3.x: AttributeError: ..."), "fails with X: ...".
+_EMBEDDED_EXC = re.compile(r"(?:^|[\s:>(\[-])((?:[A-Za-z_]\w*\.)*([A-Z][A-Za-z0-9_]*(?:Error|Exception)))\s*:\s?(\S.*)")
+SHORT_PASTE_LINES = 3  # a paste this short is a title or one error line, where an exception may sit mid-sentence
+
+
+def _embedded_exceptions(lines: list[str]) -> list[Exc]:
+    """Exceptions that do not start their line, read only when a short paste has none that does (a title or a
+    sentence quoting the error); in a whole log a mid-line "Error:" is usually a logger's word, not the failure."""
+    if len(lines) > SHORT_PASTE_LINES:
+        return []
+    found = []
+    for i, line in enumerate(lines):
+        m = _EMBEDDED_EXC.search(line)
+        if m and not line.lstrip().startswith(("raise ", "File ")):
+            found.append(Exc(m.group(2), m.group(3).strip()[:1000], i))
+    return found
+
+
 def _primary(excs: list[Exc]) -> Exc | None:
     """The exception that explains the failure: the last one that is neither a warning nor a launcher wrapper."""
     for pred in (lambda e: e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning"),
@@ -449,7 +467,7 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
     p.brief = p.text if len(lines) <= head + tail else "\n".join(lines[:head] + lines[-tail:])
     if len(p.brief) > BRIEF_CHARS:
         p.brief = p.brief[:BRIEF_CHARS // 4] + "\n" + p.brief[-3 * BRIEF_CHARS // 4:]
-    p.exceptions = _exceptions(lines)
+    p.exceptions = _exceptions(lines) or _embedded_exceptions(lines)
     p.exception = _primary(p.exceptions)
     p.frames = _frames(p.text)
     for m in _EXIT.finditer(p.text):
