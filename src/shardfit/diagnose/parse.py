@@ -111,8 +111,9 @@ _PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|w
 _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
                     r"GPUS_PER_NODE|dist_world_size|world[ _]size)[\s:=]+(\d+)", re.I)
-_STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)|(?:\b|_)zero(\d)(?:\b|_)'
-                    r"|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py|\bds_(?:config_)?(\d)\.json"
+_STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
+                    r"|(?:\b|_)zero(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
+                    r"|\bds_(?:config_)?(\d)\.json"
                     r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|stage_1_and_2\.py()", re.I)
 
 
