@@ -232,3 +232,86 @@ def test_nccl_teardown_and_native_crashes_name_their_usual_causes() -> None:
     crash = "Segmentation fault (core dumped)"
     assert _cats(crash)[:2] == ["extension_abi_mismatch", "nccl_env_setup"]
     assert "native_crash" not in _facts("segment 11 of the dataset")
+
+
+def test_an_exception_quoted_in_a_short_paste_is_read() -> None:
+    """A title or a sentence quotes the error after a prefix; only a short paste is read that way (in a whole log a
+    mid-line "Error:" is a logger's word)."""
+    title = "ms-swift 3.x: AttributeError: 'Seq2SeqTrainingArguments' object has no attribute 'model_init_kwargs'"
+    p = parse(title, load_knowledge().facts)
+    assert p.exception is not None and p.exception.type == "AttributeError" and "real_exception" in p.facts
+    assert _cats(title)[:1] == ["library_version_regression"]
+    words = ("loading", "tokenizing", "packing", "sharding", "warming up", "training")
+    log = "\n".join(f"[INFO] {w}" for w in words) + "\n[INFO] retry policy: ValueError: handled, continuing"
+    assert parse(log, load_knowledge().facts).exception is None
+
+
+def test_more_of_the_setting_is_read() -> None:
+    """ZeRO-3 from a config file's name, ms-swift's device_map config and its argument echo, the HF Trainer's
+    'distributed training: True', and models that tie their embeddings."""
+    assert "zero3" in _facts("deepspeed --num_gpus 8 train.py --deepspeed ds_config_zero3.json")
+    swift = parse("NPROC_PER_NODE=2 swift sft --model_type qwen-7b-chat --device_map_config_path dm.json",
+                  load_knowledge().facts)
+    assert {"device_map", "device_map_split", "launcher"} <= swift.facts and swift.device_map == "dm.json"
+    echo = parse("[INFO:swift] args: TrainArguments(model='Qwen/Qwen2.5-72B-Instruct', train_type='lora')",
+                 load_knowledge().facts)
+    assert (echo.setting.framework, echo.setting.model) == ("ms-swift", "Qwen/Qwen2.5-72B-Instruct")
+    assert "launcher" in _facts("Process rank: 3, device: cuda:3, n_gpu: 1, distributed training: True")
+    assert "launcher" not in _facts("Process rank: -1, device: cuda:0, n_gpu: 1, distributed training: False")
+    assert "tied_model" in _facts("base_model: google/gemma-2-2b") and "tied_model" not in _facts("Qwen/Qwen2.5-7B")
+
+
+def test_library_symbols_rank_a_version_regression_and_user_code_does_not() -> None:
+    """An attribute, import or keyword of a library's own symbols that changed between releases is a version
+    regression; the same error on the user's own objects or modules is no known cause."""
+    for line in ("AttributeError: 'LlamaAttention' object has no attribute 'rotary_emb'",
+                 "AttributeError: 'AcceleratorState' object has no attribute 'distributed_type'",
+                 "ImportError: cannot import name 'X' from 'mylib' (/usr/lib/python3/site-packages/mylib/__init__.py)",
+                 "TypeError: LoraConfig.__init__() got an unexpected keyword argument 'use_dora'",
+                 "KeyError: 'qwen2'",
+                 "ValueError: Tokenizer class Qwen2Tokenizer does not exist or is not currently imported.",
+                 "peft 0.14 breaks LoRA training: TypeError in get_peft_model"):
+        assert _cats(line)[:1] == ["library_version_regression"], (line, _cats(line))
+    for line in ("AttributeError: 'list' object has no attribute 'keys'",
+                 "AttributeError: 'MyDataset' object has no attribute 'tokenizer'",
+                 "ImportError: cannot import name 'load_data' from 'utils' (/home/user/project/utils.py)",
+                 "TypeError: my_collate() takes 1 positional argument but 2 were given",
+                 "IndexError: list index out of range", "KeyError: 'conversations'"):
+        assert _cats(line) == [], (line, _cats(line))
+
+
+def test_a_bare_line_lists_three_causes_with_different_checks() -> None:
+    """A bare message that fits several causes gets the three most likely, each with its own check."""
+    for line in (OOM, "RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
+                      "cuda:1 and cuda:0!", BARE_CPU):
+        a = analyze(line)
+        assert len(a.likely) == 3 and len({x.check for x in a.likely}) == 3, [x.category for x in a.likely]
+
+
+def test_fsdp_on_a_model_that_ties_its_embeddings() -> None:
+    """Under FSDP an odd error on a model whose head is tied to its embeddings (Gemma, small Qwen and Llama 3.2)
+    makes the tied-weights trap a likely cause; the same error on a model that does not tie them does not."""
+    err = "\nRuntimeError: Trying to resize storage that is not resizable"
+    tied = "accelerate launch --config_file fsdp.yaml train.py --model_name_or_path google/gemma-2-2b" + err
+    untied = tied.replace("google/gemma-2-2b", "Qwen/Qwen2.5-7B")
+    assert "fsdp_tied_embeddings" in _cats(tied)[:3] and "fsdp_tied_embeddings" not in _cats(untied)
+    assert "fsdp_tied_embeddings" in _cats("FSDP training Gemma-2-9B: loading fails with missing lm_head weight")
+
+
+def test_an_ms_swift_device_map_under_nproc() -> None:
+    """ms-swift launch scripts set NPROC_PER_NODE and a device map (--device_map auto, --device_map_config_path):
+    every process splits the model over the same GPUs, whatever error follows."""
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    script = ("NPROC_PER_NODE=2 CUDA_VISIBLE_DEVICES=0,1,2,3 swift sft --model_type qwen-7b-chat "
+              "--device_map_config_path dm.json\n")
+    assert _cats(script + oom)[0] == "device_map_auto_in_distributed"
+    assert "device_map_auto_in_distributed" not in _cats(oom)
+    assert _cats("多卡 DDP 训练时设置了 device_map auto 报错")[:1] == ["device_map_auto_in_distributed"]
+
+
+def test_dataparallel_and_host_memory_in_the_words_users_paste() -> None:
+    assert _cats("python train.py\nRuntimeError: chunk expects at least a 1-dimensional tensor")[:1] == \
+        ["dataparallel_accidental"]
+    assert _cats("GPU 0 runs out of memory but the other GPUs are almost empty")[:1] == ["dataparallel_accidental"]
+    died = "RuntimeError: DataLoader worker (pid(s) 1234, 1235) exited unexpectedly"
+    assert {"host_ram_oom", "shm_too_small"} <= set(_cats(died)[:3])

@@ -111,8 +111,9 @@ _PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|w
 _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
                     r"GPUS_PER_NODE|dist_world_size|world[ _]size)[\s:=]+(\d+)", re.I)
-_STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)|\bzero(\d)\b'
-                    r"|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py|\bds_(?:config_)?(\d)\.json"
+_STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
+                    r"|(?:\b|_)zero(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
+                    r"|\bds_(?:config_)?(\d)\.json"
                     r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|stage_1_and_2\.py()", re.I)
 
 
@@ -315,6 +316,24 @@ def _exceptions(lines: list[str]) -> list[Exc]:
     return found
 
 
+# An exception quoted inside a sentence: an issue title ("ms-swift 3.x: AttributeError: ..."), "fails with X: ...".
+_EMBEDDED_EXC = re.compile(r"(?:^|[\s:>(\[-])((?:[A-Za-z_]\w*\.)*([A-Z][A-Za-z0-9_]*(?:Error|Exception)))\s*:\s?(\S.*)")
+SHORT_PASTE_LINES = 3  # a paste this short is a title or one error line, where an exception may sit mid-sentence
+
+
+def _embedded_exceptions(lines: list[str]) -> list[Exc]:
+    """Exceptions that do not start their line, read only when a short paste has none that does (a title or a
+    sentence quoting the error); in a whole log a mid-line "Error:" is usually a logger's word, not the failure."""
+    if len(lines) > SHORT_PASTE_LINES:
+        return []
+    found = []
+    for i, line in enumerate(lines):
+        m = _EMBEDDED_EXC.search(line)
+        if m and not line.lstrip().startswith(("raise ", "File ")):
+            found.append(Exc(m.group(2), m.group(3).strip()[:1000], i))
+    return found
+
+
 def _primary(excs: list[Exc]) -> Exc | None:
     """The exception that explains the failure: the last one that is neither a warning nor a launcher wrapper."""
     for pred in (lambda e: e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning"),
@@ -377,11 +396,13 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.world_size = max(worlds)
         if p.world_size > 1:
             p.facts.add("multi_rank")
-    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:]+)\1", text)
+    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map(_config(?:_path)?)?\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:./-]+)\2",
+                  text)
     if m:
-        p.device_map = m.group(2)
+        p.device_map = m.group(3)
         p.facts.add("device_map")
-        if m.group(2).lower() in ("auto", "balanced", "balanced_low_0", "sequential"):
+        # ms-swift's --device_map_config(_path) names a JSON that splits one model over several GPUs
+        if m.group(1) or m.group(3).lower() in ("auto", "balanced", "balanced_low_0", "sequential"):
             p.facts.add("device_map_split")
     for dtype, pat in (("fp16", r"--fp16(?:\s+True)?\b|\bfp16\s*[:=]\s*true|\"fp16\":\s*\{\s*\"enabled\":\s*true|"
                                 r"mixed_precision[\s=:'\"]*fp16|torch_dtype\s*=\s*torch\.float16|\.half\(\)|"
@@ -447,7 +468,7 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
     p.brief = p.text if len(lines) <= head + tail else "\n".join(lines[:head] + lines[-tail:])
     if len(p.brief) > BRIEF_CHARS:
         p.brief = p.brief[:BRIEF_CHARS // 4] + "\n" + p.brief[-3 * BRIEF_CHARS // 4:]
-    p.exceptions = _exceptions(lines)
+    p.exceptions = _exceptions(lines) or _embedded_exceptions(lines)
     p.exception = _primary(p.exceptions)
     p.frames = _frames(p.text)
     for m in _EXIT.finditer(p.text):

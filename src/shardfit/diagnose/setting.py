@@ -16,6 +16,7 @@ the HF Trainer's "n_gpu" line) around the error, or name the setup in one senten
     ranks_exceed_gpus     the launch asks for more processes per node (nproc_per_node, num_processes, --num_gpus)
                           than the GPUs the paste shows visible (CUDA_VISIBLE_DEVICES, --include localhost:0,1)
     ranks_share_gpu       an out-of-memory message lists several processes holding memory on the one GPU that ran out
+    gpu_one_holder        an out-of-memory message lists exactly one process holding memory on that GPU
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ _LAUNCHERS = (
 )
 _FRAMEWORKS = (
     ("LLaMA-Factory", r"llamafactory|llmtuner|LLaMA-Factory|src/train_bash\.py|--stage sft"),
-    ("ms-swift", r"ms-swift|\bswift/(?:llm|trainers)|\bswift (?:sft|rlhf|pt)\b|\bllm_sft\b"),
+    ("ms-swift", r"ms-swift|\bswift/(?:llm|trainers)|\bswift (?:sft|rlhf|pt)\b|\bllm_sft\b|\[INFO:swift\]|"
+                 r"\b(?:Sft|Train|RLHF)Arguments\(model"),
     ("axolotl", r"axolotl"),
     ("xtuner", r"\bxtuner\b|mmengine"),
     ("OpenRLHF", r"openrlhf"),
@@ -50,7 +52,7 @@ _FRAMEWORKS = (
                    r"trainer\.train\(|\bn_gpu\b"),
 )
 _MODEL = re.compile(r"(?:--model_name_or_path|model_name_or_path:|--model(?:_id_or_path|_type|_path)?|base_model:|"
-                    r"from_pretrained\(\s*)[\s=:'\"]*([\w./-]{3,120})", re.I)
+                    r"from_pretrained\(\s*|\(model(?:_id_or_path|_name_or_path)?=)[\s=:'\"]*([\w./-]{3,120})", re.I)
 _VISIBLE = re.compile(r"(?:CUDA_VISIBLE_DEVICES\s*[=:]\s*|--include[=\s]+['\"]?localhost:)['\"]?(\d+(?:\s*,\s*\d+)*)")
 _GPU_HOLDERS = re.compile(r"Process (\d+) has \d+(?:\.\d+)? [GMK]iB memory in use")
 _N_GPU = re.compile(r"\bn_gpu\s*[:=]\s*(\d+)")
@@ -137,8 +139,11 @@ def _rank_facts(text: str, facts: set[str], ranks_per_node: int | None) -> None:
     visible = [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]  # what the launch restricts it to
     if ranks_per_node and visible and ranks_per_node > min(visible):
         facts.add("ranks_exceed_gpus")
-    if len(set(_GPU_HOLDERS.findall(text))) >= 2:
+    holders = len(set(_GPU_HOLDERS.findall(text)))
+    if holders >= 2:
         facts.add("ranks_share_gpu")
+    elif holders == 1:
+        facts.add("gpu_one_holder")  # the OOM message lists one process on the GPU: no other rank shares it
 
 
 def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_b: float | None,
