@@ -504,8 +504,21 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        return tokens * (layers * kept + per_block) + cast + copies + held_mask_bytes(w, strategy)
+        return tokens * (layers * kept + per_block + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
+            copies + held_mask_bytes(w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
+
+
+def recompute_cast_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The recomputed block's largest transient, per token, where peft casts each fp32 adapter's input to fp32
+    (`adapter_input_casts` under autocast): the fp32 copy of the widest adapted input (down_proj's, the MLP's
+    width), alive while the recomputation has made the rest of the block's saved tensors (peft/tuners/lora/layer.py
+    `Linear.forward`: `x = self._cast_input_dtype(x, lora_A.weight.dtype)`; autocast then keeps only its 16-bit
+    cast). Traced with MemTracker on an HF-style step (tests/test_plan_long_lora.py): the backward's peak is that
+    cast's op. 0 otherwise."""
+    if not (w.trains_adapters and casts_trainable_inputs(w, strategy)):
+        return 0.0
+    return 4.0 * max((i for i, _ in adapted_shapes(shape, w)), default=0)
 
 
 def held_mask_bytes(w: Workload, strategy: str) -> float:
