@@ -158,3 +158,24 @@ def test_plan_model_defaults_to_checkpointing_and_says_so(capsys) -> None:
     assert off["workload"]["grad_ckpt"] == "none" and not any("LLaMA-Factory" in n for n in off.get("notes", []))
     code, tight = plan("--gpus", "1x24GB", "--seq", "4096", "--batch", "4", "--grad-ckpt", "none")
     assert code == 0 and tight["recommended"] is None and tight["adjusted"]["strategy"] == "single"
+
+
+def test_fsdp1_root_keeps_the_untied_input_embedding_gathered() -> None:
+    """FSDP1 runs wrap the decoder blocks only, so an untied input embedding is in the root unit, which FSDP1 does
+    not free after forward (`_post_forward_reshard`): a full fine-tune's forward and backward hold its 16-bit copy
+    once more than shardfit's FSDP2 layout (the embedding a unit of its own, freed right after it runs); a tied one
+    is the head, counted in the root either way."""
+    from shardfit.plan.estimate import per_rank
+    from shardfit.strategy import get
+
+    hw = parse_gpus("8xA100-80G")
+    for strategy in ("zero3", "zero3_offload"):
+        w = Workload(method="full", seq_len=4096, grad_ckpt="full")
+        own, fsdp1 = (per_rank(SHAPE, replace(w, fsdp1=f), hw, get(strategy)) for f in (False, True))
+        embedding = SHAPE.vocab * SHAPE.hidden * 2
+        assert fsdp1.fwd_temp - own.fwd_temp == embedding and fsdp1.bwd_temp - own.bwd_temp == embedding
+    tied = resolve_shape("Qwen/Qwen2.5-0.5B")
+    assert tied.tied
+    w = Workload(method="full", seq_len=4096, grad_ckpt="full")
+    assert per_rank(tied, replace(w, fsdp1=True), hw, get("zero3")).fwd_temp == \
+        per_rank(tied, w, hw, get("zero3")).fwd_temp

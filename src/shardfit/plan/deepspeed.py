@@ -11,7 +11,10 @@ in bf16):
 - ZeRO-3: every parameter is a 1/N 16-bit partition, except those at or under
   `stage3_param_persistence_threshold` elements, which stay gathered once used; a module's parameters are
   all-gathered for its forward and backward, and up to `stage3_prefetch_bucket_size` elements ahead of it; the
-  fp32 masters, moments and the 16-bit gradient partition are 1/N; the reduce bucket as above.
+  fp32 masters, moments and the 16-bit gradient partition are 1/N; the reduce bucket as above. The optimizer step
+  walks the partition one sub-group (`sub_group_size` of its elements) at a time, making that sub-group's fp32
+  gradient and freeing it before the next (stage3.py `step`: `_prepare_fp32_grad_for_sub_group`, then
+  `_release_sub_group` sets the fp32 partition's `.grad` to None).
 - Offload (`offload_optimizer: cpu`): masters, moments and the fp32 gradient partition live in host RAM (pinned
   when `pin_memory`); ZeRO-3's `offload_param` keeps the 16-bit partitions there too, gathered to the GPU per
   module.
@@ -51,6 +54,10 @@ PREFETCH_BUCKET = 50_000_000
 PERSISTENCE_THRESHOLD = 100_000
 MAX_LIVE_PARAMETERS = 1_000_000_000
 MAX_REUSE_DISTANCE = 1_000_000_000
+# ZeRO-3 updates each rank's partition in sub-groups of about this many of its elements (deepspeed/runtime/zero/
+# config.py `sub_group_size`, 1e9 by default; stage3.py `_create_fp16_sub_groups` closes a sub-group once its
+# partition elements reach it).
+SUB_GROUP = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class ZeroSettings:
     param_persistence_threshold: int = PERSISTENCE_THRESHOLD
     max_live_parameters: int = MAX_LIVE_PARAMETERS
     max_reuse_distance: int = MAX_REUSE_DISTANCE
+    sub_group_size: int = SUB_GROUP
 
     @property
     def strategy(self) -> str:
@@ -204,7 +212,20 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
     m.states, m.grad_part, m.grad32 = master + moments, low * t / n, 4 * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)
+    elif z.stage == 3:  # one sub-group's fp32 gradient at a time (module docstring)
+        m.grad32 = 4 * min(t / n, largest_sub_group(shape, w, n, z))
     return m
+
+
+def largest_sub_group(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> float:
+    """Elements of a rank's partition in ZeRO-3's largest optimizer sub-group: a sub-group closes at the first
+    parameter that brings it to `sub_group_size` or more (stage3.py `_create_fp16_sub_groups`), so it holds less
+    than that plus the partition of the largest trainable parameter."""
+    if w.method == "full":
+        largest = max(shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
+    else:
+        largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
+    return z.sub_group_size + largest / n
 
 
 def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,

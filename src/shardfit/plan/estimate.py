@@ -504,8 +504,21 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        return tokens * (layers * kept + per_block) + cast + copies + held_mask_bytes(w, strategy)
+        return tokens * (layers * kept + per_block + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
+            copies + held_mask_bytes(w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
+
+
+def recompute_cast_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The recomputed block's largest transient, per token, where peft casts each fp32 adapter's input to fp32
+    (`adapter_input_casts` under autocast): the fp32 copy of the widest adapted input (down_proj's, the MLP's
+    width), alive while the recomputation has made the rest of the block's saved tensors (peft/tuners/lora/layer.py
+    `Linear.forward`: `x = self._cast_input_dtype(x, lora_A.weight.dtype)`; autocast then keeps only its 16-bit
+    cast). Traced with MemTracker on an HF-style step (tests/test_plan_long_lora.py): the backward's peak is that
+    cast's op. 0 otherwise."""
+    if not (w.trains_adapters and casts_trainable_inputs(w, strategy)):
+        return 0.0
+    return 4.0 * max((i for i, _ in adapted_shapes(shape, w)), default=0)
 
 
 def held_mask_bytes(w: Workload, strategy: str) -> float:
@@ -715,6 +728,12 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         layer_16 -= experts.per_block_params(shape) * low
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
+    # FSDP1 runs wrap the decoder blocks only (Lightning's {Block}, accelerate's TRANSFORMER_BASED_WRAP), so an
+    # untied input embedding is in the root unit, which FSDP1 never frees after forward (torch/distributed/fsdp/
+    # _runtime_utils.py `_post_forward_reshard`: "Do not free the root's parameters in the post-forward for
+    # FULL_SHARD"): gathered from the first forward to the end of backward, once (FSDP1 gathers into the flat
+    # parameter itself).
+    embedding_in_root = own_embedding_16 if w.fsdp1 else 0
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
     if ep and w.method == "full":
@@ -732,9 +751,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
-        r.fwd_temp = root_16 - own_embedding_16 + layer_16
+        r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
-        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16 + embedding_in_root
         r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
