@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import wave
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +277,33 @@ def write_images(folder: Path, colours: dict[str, tuple[int, int, int]], size: t
     folder.mkdir(parents=True, exist_ok=True)
     for name, rgb in colours.items():
         Image.new("RGB", size, rgb).save(folder / f"{name}.png")
+
+
+def saved_storage_bytes(model: torch.nn.Module, run: Callable[[torch.nn.Module], object],
+                        *contexts: contextlib.AbstractContextManager) -> int:
+    """Bytes of the unique storages autograd keeps for backward after `run(module)`, where `module` is the training
+    module (train/loss.py `CausalLMLoss`, every row labelled) around `model` built on the meta device: what the
+    planner's activation terms count. On fake tensors (`run` makes its inputs inside the fake mode), so nothing is
+    computed; weights are excluded; `contexts` (autocast, a kernel choice) are entered around the forward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardfit.train.loss import CausalLMLoss
+
+    kept: dict[int, int] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        module = CausalLMLoss(model, all_labelled=True)
+        weights = {p.untyped_storage()._cdata for p in module.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in weights:
+                kept[storage._cdata] = storage.nbytes()
+            return t
+
+        with contextlib.ExitStack() as stack:
+            for c in contexts:
+                stack.enter_context(c)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            run(module)
+    return sum(kept.values())

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from shardfit.config import Config, LoraSettings
@@ -26,7 +25,7 @@ from shardfit.plan.estimate import (
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, workload_of
-from shardfit.train.loss import CausalLMLoss
+from tests.helpers import saved_storage_bytes
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 SHAPE = resolve_shape("Qwen/Qwen2.5-0.5B")
@@ -52,24 +51,13 @@ def _saved_bytes(method: str, layers: int, seq: int, rows: int = 2) -> int:
     if method == "lora":
         model = apply_lora(model, LoraSettings(rank=16, alpha=32))
         assert skip_adapter_input_casts(model) > 0
-    kept: dict[int, int] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        module = CausalLMLoss(model, all_labelled=True)
-        weights = {p.untyped_storage()._cdata for p in module.parameters()}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage._cdata not in weights:
-                kept[storage._cdata] = storage.nbytes()
-            return t
-
+    def forward(module: torch.nn.Module) -> object:  # the batch's words, as data/loader.py gives them
         ids = torch.zeros(rows, seq, dtype=torch.long)
-        positions = torch.arange(seq).expand(rows, seq)
-        with torch.autocast("cpu", dtype=torch.bfloat16), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            module(ids, positions, ids, restarts=False)  # the batch's word, as data/loader.py gives it
-    return sum(kept.values())
+        return module(ids, torch.arange(seq).expand(rows, seq), ids, restarts=False)
+
+    return saved_storage_bytes(model, forward,
+                               torch.autocast("cpu", dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig
 
 from shardfit.models.build import build_model
@@ -15,8 +14,8 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.gpu_kernels import sdpa_as_on_a_gpu
 from shardfit.simulate.step import packed_positions, workload_config
-from shardfit.train.loss import CausalLMLoss
 from tests.families import tiny_text_config
+from tests.helpers import saved_storage_bytes
 
 # Two sets of widths, q/k heads wider than v heads as in DeepSeek-V3 (its q latent absent in the second); latents
 # wide enough that the estimate without their count misses by more than the tolerance.
@@ -33,22 +32,12 @@ def _saved_bytes(folder: Path, w: Workload) -> int:
     on fake tensors, with attention run as a GPU runs it."""
     model = build_model(workload_config(w, str(folder)), "single", weights=False,
                         config=AutoConfig.from_pretrained(folder))
-    kept: dict[int, int] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        module = CausalLMLoss(model, all_labelled=True)
-        weights = {p.untyped_storage()._cdata for p in module.parameters()}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage()._cdata not in weights:
-                kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-            return t
-
+    def forward(module: torch.nn.Module) -> object:
         ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
-        with torch.autocast("cpu", dtype=torch.bfloat16), sdpa_as_on_a_gpu(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            module(ids, packed_positions(w.micro_batch, w.seq_len), ids)
-    return sum(kept.values())
+        return module(ids, packed_positions(w.micro_batch, w.seq_len), ids)
+
+    return saved_storage_bytes(model, forward,
+                               torch.autocast("cpu", dtype=torch.bfloat16), sdpa_as_on_a_gpu())
 
 
 def _dense_block(family: str, widths: dict, w: Workload, tmp: Path) -> tuple[float, float]:
