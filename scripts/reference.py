@@ -29,8 +29,10 @@ from shardfit.doctor.facts import GpuFacts, RankFacts  # noqa: E402
 from shardfit.doctor.launch import Launch  # noqa: E402
 from shardfit.doctor.report import Timing  # noqa: E402
 from shardfit.plan.estimate import Breakdown, Candidate  # noqa: E402
+from shardfit.plan.pipeline import PipelinePlan  # noqa: E402
 from shardfit.plan.plan import ModelInfo  # noqa: E402
 from shardfit.plan.workload import Workload  # noqa: E402
+from shardfit.resolve.job import Resolved  # noqa: E402
 from shardfit.strategy import TABLE  # noqa: E402
 
 REFERENCE = ROOT / "docs" / "reference.md"
@@ -117,6 +119,11 @@ def json_fields() -> str:
         f"- plan `workload`: {_fields(Workload)}",
         f"- plan `candidates[]`: {_fields(Candidate)}",
         f"- plan `candidates[].per_gpu_gib`: {_fields(Breakdown)}",
+        f"- plan `pipeline` (on several GPUs; the layout to train): {_fields(PipelinePlan)}, `layout` (str), "
+        "`note` (str: what train says against it, empty when it runs it), `recommended` (bool: recommended over the "
+        "strategies), `versus` (str: why, in numbers), `layouts` (list: every layout planned, each with the fields "
+        "above up to `layout`)",
+        f"- plan `resolved` (`plan CONFIG`: the job train would run, `auto` settled): {_fields(Resolved)}",
         f"- check `findings[]`: {_fields(Finding)}",
         f"- doctor `launch`: {_fields(Launch)}",
         f"- doctor `ranks[]`: {_fields(RankFacts)}, `device` (str)",

@@ -57,8 +57,6 @@ def test_seed_002_runs_the_pipeline_the_plan_recommends(capsys: pytest.CaptureFi
     # check's verdict is the stages' (they fit), and every rank reads the same job and settled config
     assert pipeline_plan_rules(settled(_seed_002(), job), plan, job.strategy) == []
     assert Resolved.from_env(job.to_env()) == job
-    ran = settled(_seed_002(pipeline_schedule="interleaved_1f1b"), job)
-    assert (ran.pipeline_parallel, ran.pipeline_schedule, ran.grad_accum) == (8, "1f1b", 16)
 
 
 def test_a_pipeline_where_no_strategy_fits() -> None:
@@ -153,3 +151,102 @@ def test_plan_notes_what_train_refuses_and_shows_the_job_auto_runs(tmp_path: Pat
     path.write_text(path.read_text() + "pipeline_parallel: 1\n")
     d = _plan_json(capsys, str(path), "--gpus", "8x24GB", "--json")
     assert d["resolved"]["pipeline_parallel"] == 1 and d["resolved"]["strategy"] == "zero3_offload"
+
+
+def test_auto_runs_1f1b_whatever_schedule_the_config_names() -> None:
+    """Seed 002 with pipeline_schedule: interleaved_1f1b and pipeline_parallel left at auto: auto turns on the
+    pipeline the plan planned, as 1F1B, and records that schedule."""
+    cfg = _seed_002(pipeline_schedule="interleaved_1f1b")
+    job, _ = resolve_job(cfg, RTX, GPU, nproc=8)
+    assert (job.pipeline_parallel, job.pipeline_schedule) == (8, "1f1b")
+    ran = settled(cfg, job)
+    assert (ran.pipeline_parallel, ran.pipeline_schedule) == (8, "1f1b")
+
+
+def test_an_unresolved_auto_reads_as_no_pipeline() -> None:
+    """`pipeline_parallel: auto` (the default) read before resolve_job settles it: no pipeline, never a
+    comparison of "auto" with a number (resolve/pipeline.py `stages_of`)."""
+    from shardfit.resolve.decide import resolve
+    from shardfit.resolve.defaults import compiled_for
+    from shardfit.resolve.pipeline import check_layout, stages_of
+
+    cfg = _seed_002()
+    assert cfg.pipeline_parallel == "auto" and stages_of(cfg) == 1
+    assert stages_of(_seed_002(pipeline_parallel=4)) == 4
+    job = resolve(cfg, RTX, GPU, None, nproc=8)
+    assert job.pipeline_parallel == 1 and job.strategy == "zero3"
+    assert compiled_for(dataclasses.replace(cfg, packing=False), "cuda") is True
+    check_layout(cfg, 8)
+    _, plan = resolve_job(_seed_002(pipeline_parallel=1), RTX, GPU, nproc=8)
+    assert pipeline_plan_rules(cfg, plan, "zero3") == []
+
+
+SEED_LONG = "meta-llama/Llama-3.1-8B"
+
+
+def _long_rows(**over) -> Config:
+    keys = dict(model=SEED_LONG, method="lora", max_seq_len=32768, grad_accum=8, micro_batch=1,
+                grad_ckpt="full")
+    return dataclasses.replace(Config(), **{**keys, **over})
+
+
+def test_a_pipeline_is_weighed_against_what_auto_would_run() -> None:
+    """Llama-3.1-8B LoRA, 32k-token rows, 8 x 24 GB, --nproc 8: no strategy fits a whole row, model_parallel
+    (which fits) cannot run on 8 ranks, and splitting the rows over 2 ranks under zero3 trains faster than any
+    pipeline. Auto splits the rows; weighed against model_parallel it turned on a slower pipeline."""
+    from shardfit.plan.pipeline import fastest, layouts, versus
+    from shardfit.plan.shapes import resolve_shape
+    from shardfit.resolve.decide import _fitting
+    from shardfit.resolve.pipeline import PP_DP_STRATEGIES
+
+    job, plan = resolve_job(_long_rows(), RTX, GPU, nproc=8)
+    assert (job.strategy, job.pipeline_parallel, job.sequence_parallel) == ("zero3", 1, 2)
+    assert not any(w.startswith(PIPE_WHY) for w in job.why)
+    split = plan.candidate("zero3")
+    staged, staged_plan = resolve_job(_long_rows(pipeline_parallel=4), RTX, GPU, nproc=8)
+    pipes = layouts(resolve_shape(SEED_LONG), staged_plan.workload, RTX, 4, PP_DP_STRATEGIES)
+    pick = fastest(pipes)
+    assert pick is not None and pick.tokens_per_s < split.tokens_per_s  # the pipeline the old rule ran: slower
+    ok, why = versus(plan, pick, "", _fitting(plan, "lora", 8, 1, 8, split=True), split=2)
+    assert not ok and "no faster than zero3 with sequence_parallel 2's" in why
+    ok, why = versus(plan, pick, "", [])  # nothing else fits: the pipeline
+    assert ok and "and no strategy fits" in why
+
+
+def test_a_resumed_run_keeps_the_pipeline_it_started_with(tmp_path: Path) -> None:
+    """A run directory whose config.yaml recorded pipeline_parallel (1 here: a run from before auto), relaunched
+    with the key left at auto, resolves as it started, saying so; a new output_dir, an explicit value or
+    resume: never resolve anew."""
+    import yaml
+
+    from shardfit.train.rundir import RUN_FILE, recorded_pipeline
+
+    cfg = _seed_002(output_dir=str(tmp_path))
+    assert recorded_pipeline(cfg) == (cfg, None)  # nothing to resume
+    (tmp_path / RUN_FILE).write_text('{"fingerprint": {}}')
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**cfg.to_dict(), "pipeline_parallel": 1}))
+    kept, line = recorded_pipeline(cfg)
+    assert kept.pipeline_parallel == 1 and line.startswith(f"{PIPE_WHY} -> 1: kept from ")
+    assert resolve_job(kept, RTX, GPU, nproc=8)[0].pipeline_parallel == 1
+    assert recorded_pipeline(_seed_002(output_dir=str(tmp_path), pipeline_parallel=8))[1] is None
+    assert recorded_pipeline(_seed_002(output_dir=str(tmp_path), resume="never"))[1] is None
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**cfg.to_dict(), "pipeline_parallel": 8,
+                                                          "pipeline_schedule": "1f1b"}))
+    kept, _ = recorded_pipeline(_seed_002(output_dir=str(tmp_path), pipeline_schedule="interleaved_1f1b"))
+    assert (kept.pipeline_parallel, kept.pipeline_schedule) == (8, "1f1b")
+
+
+def test_a_stage_predicted_not_to_fit_exits_3() -> None:
+    """Two stages of seed 002 on 8 x 24 GB: every stage layout is predicted out of memory; train stops with exit 3
+    (DoesNotFitError) as for a strategy predicted not to fit, not exit 2 (bad input)."""
+    from shardfit.check.pipeline_rules import refuse_stage_oom
+
+    cfg = _seed_002(pipeline_parallel=2)
+    job, plan = resolve_job(cfg, RTX, GPU, nproc=8)
+    findings = pipeline_plan_rules(settled(cfg, job), plan, job.strategy)
+    assert findings and findings[0].severity == "error"
+    with pytest.raises(DoesNotFitError) as e:
+        refuse_stage_oom(findings)
+    assert e.value.exit_code == 3 and "pipeline_parallel: 2" in str(e.value)
+    refuse_stage_oom(pipeline_plan_rules(settled(_seed_002(pipeline_parallel=2, force=True), job), plan,
+                                         job.strategy))  # forced: a warning, the run starts

@@ -30,6 +30,7 @@ from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
+from shardfit.resolve.pipeline import stages_of
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
 
@@ -48,7 +49,7 @@ def preflight(model: nn.Module, cfg: Config, s: Strategy, world: int, plan: Plan
     out += rules.precision_rules(model, cfg, fix=True)
     out += rules.visible_gpu_rules(s, world)
     # A pipeline's ranks hold a stage each: the verdict is the stages', not the strategy's over the whole model.
-    out += rules.plan_rules(plan, s, cfg.force) if cfg.pipeline_parallel == 1 else \
+    out += rules.plan_rules(plan, s, cfg.force) if stages_of(cfg) == 1 else \
         pipeline_plan_rules(cfg, plan, s.name)
     return out
 

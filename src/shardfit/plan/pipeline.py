@@ -56,6 +56,7 @@ from shardfit.plan.estimate import (
     GIB,
     NCCL_GIB,
     Breakdown,
+    Candidate,
     activation_bytes,
     audio_activation_bytes,
     checkpointed_block_bytes_per_token,
@@ -67,7 +68,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
-from shardfit.plan.plan import TIE, Plan
+from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import FWD_SHARE, stage_sync_s, step_time
 from shardfit.plan.workload import Workload, workload_of
@@ -395,11 +396,30 @@ def config_cut(cfg: Config, hw: Hardware, stages: int, strategy: str = "single")
     return tuple(stage_cut(shape, workload_of(cfg), hw, stages, max(1, hw.world // stages), strategy))
 
 
-def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
-    """Whether the plan recommends the pipeline `pipe` over its strategies, and why in numbers: it must fit, run
-    (`refused`: what train says against it, empty when it runs it) and train more tokens/s than the recommended
-    strategy beyond the time model's precision (TIE); the strategies are ranked as `recommend` ranks them."""
-    best = plan.candidate(plan.recommended) if plan.recommended else None
+def rival(plan: Plan, rivals: Sequence[Candidate] | None = None) -> tuple[Candidate | None, list[Candidate]]:
+    """What a pipeline is weighed against: the strategy `recommend` picks of `rivals` (None: the plan's
+    candidates, its recommendation; otherwise what `strategy: auto` may run, resolve/decide.py), and every one of
+    them that fits, fastest first."""
+    cands = [c for c in (plan.candidates if rivals is None else rivals) if c.fits and c.applies]
+    name = plan.recommended if rivals is None else recommend(cands, plan.hardware)[0]
+    best = next((c for c in cands if c.strategy == name), None) if name else None
+    return best, sorted(cands, key=lambda c: -(c.tokens_per_s or 0))
+
+
+def rival_name(best: Candidate, split: int = 1) -> str:
+    """The rival as the job would run it: the strategy, with the rows split over `split` ranks where they are."""
+    return best.strategy + (f" with sequence_parallel {split}" if split > 1 else "")
+
+
+def versus(plan: Plan, pipe: PipelinePlan, refused: str, rivals: Sequence[Candidate] | None = None,
+           split: int = 1) -> tuple[bool, str]:
+    """Whether the plan recommends the pipeline `pipe` over the strategies, and why in numbers: it must fit, run
+    (`refused`: what train says against it, empty when it runs it) and train more tokens/s than the strategy it
+    would replace beyond the time model's precision (TIE), or be the only thing that fits. That strategy is the
+    one `recommend` picks of `rivals` (`rival`: the plan's recommendation without them; with them, what
+    `strategy: auto` would otherwise run, its rows split over `split` ranks where auto would split them)."""
+    best, fitting = rival(plan, rivals)
+    timed = best is not None and bool(best.tokens_per_s)
     rate = f"{pipe.tokens_per_s:,.0f} tokens/s (~{pipe.step_s:.0f} s/step)"
     interleaved = f" --set pipeline_schedule={pipe.schedule} --set pipeline_stages_per_rank={pipe.per_rank}" \
         if pipe.per_rank > 1 else ""
@@ -407,14 +427,16 @@ def versus(plan: Plan, pipe: PipelinePlan, refused: str) -> tuple[bool, str]:
         return False, f"not {pipe.layout}: its fullest stage needs {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"
     if refused:
         return False, f"not {pipe.layout} ({rate}): train does not run it in this version"
+    if best is not None and not timed:  # untimed strategies that fit: the pipeline cannot be shown faster
+        return False, f"not {pipe.layout}: {rival_name(best, split)} fits, and the time model has no speed for it"
     if best is not None and best.tokens_per_s and pipe.tokens_per_s <= best.tokens_per_s * (1 + TIE):
         apart = "the time model cannot tell them apart, and the strategy is simpler" \
             if pipe.tokens_per_s >= best.tokens_per_s * (1 - TIE) else "slower"
-        return False, f"not {pipe.layout}: {rate}, no faster than {best.strategy}'s {best.tokens_per_s:,.0f} ({apart})"
-    than = f"more than {best.strategy}'s {best.tokens_per_s:,.0f} ({best.step_s:.0f} s/step)" \
+        return False, (f"not {pipe.layout}: {rate}, no faster than {rival_name(best, split)}'s "
+                       f"{best.tokens_per_s:,.0f} ({apart})")
+    than = f"more than {rival_name(best, split)}'s {best.tokens_per_s:,.0f} ({best.step_s:.0f} s/step)" \
         if best is not None and best.tokens_per_s else "and no strategy fits"
-    others = "; ".join(f"{c.strategy} {c.tokens_per_s:,.0f}" for c in sorted(
-        plan.candidates, key=lambda c: -(c.tokens_per_s or 0)) if c.fits and c.applies and c.tokens_per_s)
+    others = "; ".join(f"{c.strategy} {c.tokens_per_s:,.0f}" for c in fitting if c.tokens_per_s)
     where = f"{pipe.strategy} over each stage's {pipe.dp} GPUs" if pipe.dp > 1 else "one GPU per stage"
     strategy = f" --set strategy={pipe.strategy}" if pipe.dp > 1 else ""
     return True, (f"recommended over the strategies above: {pipe.layout}, {where} "

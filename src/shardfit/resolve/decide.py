@@ -125,7 +125,7 @@ def _auto_pipeline(cfg: Config, plan: Plan, world: int, nnodes: int) -> tuple[st
     (the plan's verdict on the stages, check/pipeline_rules.py, then refuses it or forces it)."""
     with contextlib.suppress(UserError):  # a shape the planner cannot read: sharding fits the most
         shape = resolve_shape(cfg.model)
-        pipes = layouts(shape, plan.workload, plan.hardware, cfg.pipeline_parallel, pipelines.PP_DP_STRATEGIES)
+        pipes = layouts(shape, plan.workload, plan.hardware, pipelines.stages_of(cfg), pipelines.PP_DP_STRATEGIES)
         pick = fastest(pipes)
         if pick is not None:
             return pick.strategy, world // nnodes, [
@@ -150,32 +150,38 @@ PIPE_WHY = "pipeline_parallel auto"
 
 def _auto_pipeline_parallel(cfg: Config, device: DeviceFacts, survey: Plan | None, nproc: int | None, nnodes: int,
                             local: int) -> tuple[int, str | None]:
-    """`pipeline_parallel: auto` under `strategy: auto` (`cfg` with it read as 1): the stages of the pipeline the
-    plan recommends over every strategy (resolve/pipeline_choice.py, the decision `shardfit plan` shows: the
-    fastest layout that fits, that train runs, and that trains more tokens/s than the plan's recommended strategy
-    beyond the time model's precision, or where no strategy fits), with the reason; (1, None) where the plan
-    recommends none, the rows are split, or there is one rank. Its 1F1B runs the step's grad_accum micro-batches;
-    the strategy over each stage's ranks is then decided as for a pipeline the config names (`resolve`). The
-    layouts are timed as stages run (never compiled: resolve/defaults.py), the strategies as they would run."""
+    """`pipeline_parallel: auto` under `strategy: auto` (`cfg` with it read as 1): the stages of the pipeline
+    resolve/pipeline_choice.py recommends (the decision `shardfit plan` shows: the fastest layout that fits, that
+    train runs, and that trains more tokens/s than the job auto would otherwise run, beyond the time model's
+    precision, or where nothing else fits), with the reason; (1, None) where it recommends none, the rows are
+    split, or there is one rank. What auto would otherwise run: the strategy `recommend` picks of those auto may
+    run on these ranks (`_fitting`), or, where none fits whole, of those that fit with the rows split as
+    `_auto_sequence_parallel` splits them. Its 1F1B runs the step's grad_accum micro-batches; the strategy over
+    each stage's ranks is then decided as for a pipeline the config names (`resolve`). The layouts are timed as
+    stages run (never compiled: resolve/defaults.py), the strategies as they would run."""
     world = (nproc if nproc is not None else local) * nnodes
     if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or survey is None or world < 2:
         return 1, None
     shape = resolve_shape(cfg.model)  # the survey read it: known here
+    rivals, split = _fitting(survey, cfg.method, nproc, nnodes, local), 1
+    if not rivals:  # nothing fits whole: weighed against the split auto would run instead
+        sp, split_plan, _ = _auto_sequence_parallel(cfg, device, survey.hardware, survey, nproc, nnodes, local)
+        if sp > 1 and split_plan is not None:
+            rivals, split = _fitting(split_plan, cfg.method, nproc, nnodes, local, split=True), sp
     rules = dataclasses.replace(cfg, pipeline_schedule="1f1b")
     staged = workload_of(_planned(dataclasses.replace(rules, pipeline_parallel=2), device))  # any count alike
-    choice = choose_pipeline(survey, shape, staged, survey.hardware, cfg.model, rules)
+    choice = choose_pipeline(survey, shape, staged, survey.hardware, cfg.model, rules, rivals=rivals, split=split)
     if choice is None or not choice.recommended:
         return 1, None
     return choice.pick.stages, _pipeline_why(choice, survey)
 
 
 def _pipeline_why(choice: PipelineChoice, plan: Plan) -> str:
-    """The reason auto turned the pipeline of `choice` on, in the plan's numbers."""
+    """The reason auto turned the pipeline of `choice` on, in the plan's numbers, naming what auto would
+    otherwise have run."""
     pick = choice.pick
-    best = plan.candidate(plan.recommended) if plan.recommended else None
-    than = (f"more than {best.strategy}'s {best.tokens_per_s:,.0f} (~{best.step_s:.0f} s/step), the fastest "
-            "strategy that fits") if best is not None and best.tokens_per_s and best.step_s \
-        else "and no strategy fits the whole model on a GPU"
+    than = f"more than {choice.against}, the fastest job auto runs otherwise" if choice.against \
+        else "and nothing else auto could run fits"
     where = f"{pick.strategy} over each stage's {pick.dp} GPUs" if pick.dp > 1 else "one GPU per stage"
     return (f"{PIPE_WHY} -> {pick.stages}: the plan recommends {pick.layout} ({where}, 1F1B over the step's "
             f"{pick.micro_batches} grad_accum micro-batches, fullest stage {pick.stage_gib:.1f} of "
@@ -215,7 +221,7 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     sequence_parallel of 2, 4, 8, ... that divides the ranks and the heads, passes the rules and makes the job
     fit; its plan and the reason. (1, survey, None) where the rows stay whole."""
     world = (nproc if nproc is not None else local) * nnodes
-    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or cfg.pipeline_parallel != 1 or survey is None \
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or pipelines.stages_of(cfg) != 1 or survey is None \
             or world < 2:
         return 1, survey, None
     if _fitting(survey, cfg.method, nproc, nnodes, local):
@@ -266,13 +272,14 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     them; `plan` is the plan over every local GPU (strategy `auto` reads its recommendation)."""
     local = node.gpus_per_node if device.type == "cuda" else 1
     world = (nproc if nproc is not None else local) * nnodes
-    if cfg.strategy == "auto" and 1 < cfg.pipeline_parallel == world:
+    pp = pipelines.stages_of(cfg)  # `auto` not resolved yet (resolve_job resolves it): no pipeline
+    if cfg.strategy == "auto" and 1 < pp == world:
         name, n, why = "ddp", world // nnodes, [ONE_RANK_PER_STAGE]
-    elif cfg.strategy == "auto" and 1 < cfg.pipeline_parallel < world and plan is not None:
+    elif cfg.strategy == "auto" and 1 < pp < world and plan is not None:
         name, n, why = _auto_pipeline(cfg, plan, world, nnodes)
     elif cfg.strategy == "auto":
         # A pipeline's memory is its stages' (check/pipeline_rules.py), not a strategy's over the whole model.
-        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force or cfg.pipeline_parallel > 1,
+        name, n, why = _auto(plan, cfg.method, nproc, nnodes, local, cfg.force or pp > 1,
                              cfg.sequence_parallel > 1)
     else:
         name, n, why = _explicit(cfg.strategy, nproc, nnodes, local)
@@ -284,7 +291,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     compiled = compiled_for(cfg, device.type)
     # A pipeline's stages infer the activations' shape once (torch.distributed.pipelining): every micro-batch is
     # as wide as max_seq_len and micro_batch rows high, as for compiled blocks.
-    fixed = compiled or cfg.pipeline_parallel > 1
+    fixed = compiled or pp > 1
     attention = resolve_attention(cfg.attn_implementation, device.type, cfg.packing, cfg.max_seq_len, compiled)
     hw = job_hardware_of(node, name, n, nnodes)
     # Compiled blocks want one static shape: rows as wide as max_seq_len, as many as a micro-batch's sequences (a
@@ -307,7 +314,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         compile=compiled, attention=attention,
         # Sequence parallelism runs its own kernel at every width (parallel/ulysses.py).
         eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision)
-        if cfg.sequence_parallel == 1 and cfg.pipeline_parallel == 1 else 0, rows=rows,
+        if cfg.sequence_parallel == 1 and pp == 1 else 0, rows=rows,
         loss_chunk=loss_chunk_for(cfg.loss_chunk, vocab, hw, precision) if vocab else None, hardware=hw,
         why=tuple(why), objective=objectives.get(cfg.objective).name,
         reference=objectives.reference_of(cfg.objective, methods.get(cfg.method).adapters,
@@ -315,7 +322,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
         experts=resolve_experts(device.type), sequence_parallel=cfg.sequence_parallel,
         static_shape=resolve_static_shape(cfg.static_shape, device.type, cfg.packing, attention,
                                           objectives.get(cfg.objective).preference, cfg.sequence_parallel),
-        expert_parallel=cfg.expert_parallel, pipeline_parallel=cfg.pipeline_parallel,
+        expert_parallel=cfg.expert_parallel, pipeline_parallel=pp,
         pipeline_schedule=cfg.pipeline_schedule)
 
 
@@ -354,15 +361,15 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
             shape = resolve_shape(cfg.model)
         if shape is not None:
             check_model(cfg.sequence_parallel, facts_of_shape(shape), cfg.model)
-    if cfg.expert_parallel > 1 or cfg.pipeline_parallel > 1:  # the model's kind, from its config, before loading
+    if cfg.expert_parallel > 1 or pipelines.stages_of(cfg) > 1:  # the model's kind, from its config, before loading
         shape = None
         with contextlib.suppress(UserError):  # a shape the planner cannot read: the rank checks the built model
             shape = resolve_shape(cfg.model)
         if shape is not None and cfg.expert_parallel > 1:
             check_ep_model(cfg.expert_parallel, shape.experts, cfg.model, every_expert=shape.every_expert,
                            multimodal=shape.vision is not None or shape.audio is not None)
-        if shape is not None and cfg.pipeline_parallel > 1:
-            pipelines.check_model(cfg.pipeline_parallel, pipelines.facts_of_shape(shape), cfg.model, cfg.method,
+        if shape is not None and pipelines.stages_of(cfg) > 1:
+            pipelines.check_model(pipelines.stages_of(cfg), pipelines.facts_of_shape(shape), cfg.model, cfg.method,
                                   per_rank=pipelines.stages_per_rank(cfg))
     planned = _planned(cfg, device)
     local = node.gpus_per_node if device.type == "cuda" else 1
@@ -383,8 +390,8 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
         job = dataclasses.replace(job, why=(*first, *job.why))
     plan = plan_for_config(planned, job.hardware) if job.hardware != (survey.hardware if survey else None) \
         else survey
-    if cfg.pipeline_parallel > 1:  # where the stages are cut, decided with the plan's memory model
-        job = dataclasses.replace(job, stage_layers=config_cut(planned, job.hardware, cfg.pipeline_parallel,
+    if job.pipeline_parallel > 1:  # where the stages are cut, decided with the plan's memory model
+        job = dataclasses.replace(job, stage_layers=config_cut(planned, job.hardware, job.pipeline_parallel,
                                                                  job.strategy))
     if plan is not None and job.loss_chunk is None:
         job = dataclasses.replace(job, loss_chunk=loss_chunk_for(cfg.loss_chunk, plan.model.vocab, job.hardware,

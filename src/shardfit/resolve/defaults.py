@@ -24,6 +24,7 @@ import dataclasses
 
 from shardfit import objective as objectives
 from shardfit.config import Config
+from shardfit.resolve.pipeline import stages_of
 
 # Longest packed row at which compiled eager attention was measured faster than SDPA on CPU.
 EAGER_ATTENTION_MAX_LEN = 256
@@ -50,7 +51,7 @@ def compiled_for(cfg: Config, device_type: str) -> bool:
     names: `auto` never becomes one that takes example boundaries, so the resolved kernel decides the same)."""
     static = resolve_static_shape(cfg.static_shape, device_type, cfg.packing, cfg.attn_implementation,
                                   objectives.get(cfg.objective).preference, cfg.sequence_parallel)
-    return resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel, cfg.pipeline_parallel,
+    return resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel, stages_of(cfg),
                            static)
 
 

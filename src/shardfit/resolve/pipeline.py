@@ -61,10 +61,18 @@ def _prefix(n: int) -> str:
 FIX = "or set pipeline_parallel: 1"
 
 
+def stages_of(cfg: Config) -> int:
+    """The config's pipeline_parallel as a count of stages: `auto` is no pipeline (1) until the job resolves it
+    (resolve/decide.py `resolve_job`, which records the count it settles on); the one place a raw config's
+    pipeline_parallel is read as a number."""
+    n = cfg.pipeline_parallel
+    return 1 if n == "auto" else int(n)
+
+
 def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
     """The config's pipeline_parallel against the job's ranks, `strategy` (the resolved one; None: not known yet)
     and settings (UserError when refused)."""
-    n = cfg.pipeline_parallel
+    n = stages_of(cfg)
     if n == 1:
         return
     if cfg.sequence_parallel > 1:

@@ -7,8 +7,9 @@ runs on the step's grad_accum micro-batches (or the N asked for), each stage on 
 stage's ranks run (plan/pipeline.py `layouts`). The pick is the fastest that fits (plan/pipeline.py `fastest`; of
 its stage count's layouts, as train picks the strategy over a stage's ranks for a count the config names), and
 the plan recommends it over the strategies when it fits, train runs it (the rules of resolve/pipeline.py, on the
-config as planned) and it trains more tokens/s than the plan's recommended strategy by more than the time model's
-precision (plan/pipeline.py `versus`).
+config as planned) and it trains more tokens/s than the strategy it would replace by more than the time model's
+precision (5 %), or nothing else fits (plan/pipeline.py `versus`): for `plan`, the plan's recommended strategy; for
+`strategy: auto`, what auto would otherwise run on the job's ranks (resolve/decide.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.plan.estimate import Candidate
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
-from shardfit.plan.pipeline import PipelinePlan, fastest, layouts, plan_pipeline, versus
+from shardfit.plan.pipeline import PipelinePlan, fastest, layouts, plan_pipeline, rival, rival_name, versus
 from shardfit.plan.plan import Plan
 from shardfit.plan.workload import Workload
 from shardfit.resolve.dims import ParallelDims
@@ -39,6 +41,9 @@ class PipelineChoice:
     note: str
     recommended: bool
     why: str
+    # What the pipeline was weighed against (plan/pipeline.py `rival`), in words, e.g. "zero3's 4,890 (~9 s/step)";
+    # empty when nothing else fits.
+    against: str = ""
 
 
 def stage_counts(shape: ModelShape, w: Workload, hw: Hardware, asked: int) -> list[int]:
@@ -67,9 +72,6 @@ def refusal(stages: int, shape: ModelShape, source: str, rules: Config, world: i
         check_model(stages, facts_of_shape(shape), source, rules.method, per_rank=per_rank)
     except UserError as e:
         return f"planned only: train refuses it in this version ({e})"
-    if rules.grad_accum < stages:
-        return (f"planned only: train needs --grad-accum {stages} or more for {stages} stages (1F1B runs at least "
-                "one micro-batch per stage)")
     try:
         check_layout(dataclasses.replace(rules, pipeline_parallel=stages), world)
     except UserError as e:
@@ -102,10 +104,12 @@ def planned_layouts(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
 
 def choose_pipeline(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, source: str, rules: Config, *,
                     asked: int = 1, per_rank: int = 1, names: Sequence[str] = PP_DP_STRATEGIES,
-                    schedule: str = "interleaved_1f1b") -> PipelineChoice | None:
+                    schedule: str = "interleaved_1f1b", rivals: Sequence[Candidate] | None = None,
+                    split: int = 1) -> PipelineChoice | None:
     """The pipelines planned beside the strategies of `plan` (the `asked` stages, or every count `stage_counts`
-    gives, as 1F1B), the one to train and whether the plan recommends it (`versus`); None when there is none to
-    plan."""
+    gives, as 1F1B), the one to train and whether the plan recommends it (`versus`, against `rivals` split over
+    `split` ranks: what `strategy: auto` would otherwise run; None: the plan's recommendation); None when there is
+    none to plan."""
     pipes: list[PipelinePlan] = []
     notes: dict[int, str] = {}
     for stages in stage_counts(shape, w, hw, asked):
@@ -119,5 +123,8 @@ def choose_pipeline(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, so
     # `_auto_pipeline`): the fastest of that count's layouts, which a tie across counts could make another.
     pick = fastest([p for p in pipes if p.stages == pick.stages]) if pick is not None else \
         min(pipes, key=lambda p: p.stage_gib)
-    recommended, why = versus(plan, pick, notes[pick.stages])
-    return PipelineChoice(tuple(pipes), pick, notes[pick.stages], recommended, why)
+    recommended, why = versus(plan, pick, notes[pick.stages], rivals, split)
+    best, _ = rival(plan, rivals)
+    against = f"{rival_name(best, split)}'s {best.tokens_per_s:,.0f} (~{best.step_s:.0f} s/step)" \
+        if best is not None and best.tokens_per_s and best.step_s else ""
+    return PipelineChoice(tuple(pipes), pick, notes[pick.stages], recommended, why, against)

@@ -7,6 +7,7 @@ same message instead of some waiting forever in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import yaml
 
 from shardfit import method as methods
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
+from shardfit.resolve.pipeline import LOOPED
 
 LOCK = ".shardfit.lock"
 RUN_FILE = "run.json"
@@ -34,6 +37,8 @@ SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "fr
 # Keys of the schedule's length: a longer schedule of the same job continues from its last checkpoint; the trained
 # result of the steps done so far is the same, the rest of the schedule now reaches further.
 LENGTH_KEYS = ("epochs", "max_steps")
+# The pipeline schedules a recorded config.yaml may name (resolve/pipeline.py).
+SCHEDULES = ("1f1b", *LOOPED)
 
 
 def file_digest(path: str | Path) -> str:
@@ -78,6 +83,30 @@ def differences(old: dict[str, Any], new: dict[str, Any], keys: tuple[str, ...] 
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def recorded_pipeline(cfg: Config) -> tuple[Config, str | None]:
+    """`pipeline_parallel: auto` on a run that resumes: the stages (and schedule) its run directory's config.yaml
+    recorded, with a line saying so. A run started before auto could turn a pipeline on, or resolved otherwise,
+    would else be resolved anew, and a pipeline changes the global batch, which the resume refuses (`claim`).
+    `cfg` as it is where nothing is to resume (no run.json, `resume: never`) or the key is set."""
+    run_dir = Path(cfg.output_dir)
+    if cfg.pipeline_parallel != "auto" or cfg.resume == "never" or read_run_file(run_dir) is None:
+        return cfg, None
+    try:  # the file shardfit wrote: read as data only
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return cfg, None
+    if not isinstance(recorded, dict):
+        return cfg, None
+    n = recorded.get("pipeline_parallel", 1)  # absent: a run from before the key, without a pipeline
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return cfg, None
+    schedule = recorded.get("pipeline_schedule")
+    kept = dataclasses.replace(cfg, pipeline_parallel=n, **(
+        {"pipeline_schedule": schedule} if n > 1 and schedule in SCHEDULES else {}))
+    return kept, (f"pipeline_parallel auto -> {n}: kept from {run_dir / 'config.yaml'}, the run this one resumes "
+                  "(set pipeline_parallel to choose otherwise, or resume: never to start over)")
 
 
 def read_run_file(run_dir: Path) -> dict[str, Any] | None:
