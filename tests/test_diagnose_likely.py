@@ -365,6 +365,7 @@ def test_nccl_net_plugin_probe_is_not_a_broken_library() -> None:
     missing = "OSError: libcudart.so.12: cannot open shared object file: No such file or directory"
     assert _cats(missing)[:1] == ["extension_abi_mismatch"]
     assert "nccl_p2p_hang" not in _cats(log + "torch.OutOfMemoryError: CUDA out of memory.\n")
+    assert "nccl_p2p_hang" not in _cats(log + "step 10/100 loss 1.23\n")
 
 
 def test_a_multi_gpu_run_that_stops_at_its_start() -> None:
