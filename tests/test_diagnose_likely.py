@@ -315,3 +315,119 @@ def test_dataparallel_and_host_memory_in_the_words_users_paste() -> None:
     assert _cats("GPU 0 runs out of memory but the other GPUs are almost empty")[:1] == ["dataparallel_accidental"]
     died = "RuntimeError: DataLoader worker (pid(s) 1234, 1235) exited unexpectedly"
     assert {"host_ram_oom", "shm_too_small"} <= set(_cats(died)[:3])
+
+
+# Mechanisms found on real threads collected by outsiders (issue 46, round 4): each test is a made-up paste of the
+# same shape, not a copy of a thread.
+
+def test_cjk_text_glued_to_latin_words_is_read() -> None:
+    """CJK letters are word characters: "报OOM" has no word boundary before OOM, and an error quoted after a
+    full-width colon does not start its line. Both are read once the scripts are spaced apart."""
+    p = parse("用 zero2 训练llama也会报OOM。", load_knowledge().facts)
+    assert "报 OOM" in p.text and "sym_oom" in p.facts
+    assert "sym_oom" not in _facts("训练很顺利，没有报错")
+    quoted = "微调时报错：'BaichuanForCausalLM' object has no attribute 'get_input_embeddings_v2'，怎么解决？"
+    assert _cats(quoted)[:1] == ["library_version_regression"], _cats(quoted)
+    assert parse("plain ascii: stays as it is", load_knowledge().facts).text == "plain ascii: stays as it is"
+
+
+def test_a_rich_traceback_box_keeps_its_exception_apart() -> None:
+    """A rich traceback is a box of fixed width; its bottom corner line must not be taken for a wrapped line and
+    glued to the exception under it."""
+    width = 70
+    box = ["╭" + "─" * (width - 2) + "╮"]
+    box += [f"│ {x}".ljust(width - 1) + "│" for x in ("/opt/app/train.py:88 in main", "❱ 88 │ trainer.fit()")]
+    box += ["╰" + "─" * (width - 2) + "╯", "AttributeError: 'SFTTrainer' object has no attribute 'fit_loop'",
+            "  0% 0/100 [00:01<?, ?it/s]"]
+    p = parse("\n".join(box), load_knowledge().facts)
+    assert p.exception is not None and p.exception.type == "AttributeError", p.lines
+    assert _cats("\n".join(box))[:1] == ["library_version_regression"]
+
+
+def test_a_setting_on_the_command_line_is_not_a_symptom() -> None:
+    """A timeout flag in the launch command is a setting, not a timeout that happened."""
+    for line in ("torchrun --rdzv_backend c10d --rdzv_conf=timeout=9000 train.py",
+                 "python train.py --ddp_timeout 7200 --timeout: 30"):
+        assert "sym_timeout" not in _facts(line) and _cats(line) == [], (line, _cats(line))
+    assert "sym_timeout" in _facts("the rendezvous timed out after 900 seconds")
+    assert "rendezvous_unreachable" in _cats("rdzv on node 2 timed out, the other node never joined")[:1]
+
+
+def test_nccl_net_plugin_probe_is_not_a_broken_library() -> None:
+    """NCCL looks for an optional network plugin and says so at INFO level in every run; that line is not a missing
+    library. NCCL INFO lines and nothing after them is the paste of a run that hangs in its first collective."""
+    log = ("host:100:100 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.2<0>\n"
+           "host:100:100 [0] NCCL INFO NET/Plugin : dlerror=libnccl-net.so: cannot open shared object file: No such "
+           "file or directory No plugin found (libnccl-net.so), using internal implementation\n"
+           "host:100:100 [0] NCCL INFO Channel 00/02 : 0 1\n")
+    cats = _cats(log)
+    assert cats[:1] == ["nccl_p2p_hang"] and "extension_abi_mismatch" not in cats, cats
+    missing = "OSError: libcudart.so.12: cannot open shared object file: No such file or directory"
+    assert _cats(missing)[:1] == ["extension_abi_mismatch"]
+    assert "nccl_p2p_hang" not in _cats(log + "torch.OutOfMemoryError: CUDA out of memory.\n")
+    assert "nccl_p2p_hang" not in _cats(log + "step 10/100 loss 1.23\n")
+
+
+def test_a_multi_gpu_run_that_stops_at_its_start() -> None:
+    """No error, the run stops at step 0 or right after loading, one GPU works: the classic peer-to-peer hang. A
+    paste that ends at distributed init points at the rendezvous or its port instead."""
+    for title in ("Fine-tuning hangs at step 0 with 4 GPUs", "one GPU works fine, with 2 GPUs it is stuck forever",
+                  "training freezes right after loading the model (trainable params printed), no error"):
+        assert "nccl_p2p_hang" in _cats(title)[:3], (title, _cats(title))
+    init = ("[INFO] [comm.py:637:init_distributed] cdb=None\n"
+            "[INFO] [comm.py:668:init_distributed] Initializing TorchBackend in DeepSpeed with backend nccl\n")
+    assert {"rendezvous_unreachable", "dist_port_in_use"} <= set(_cats(init)[:3]), _cats(init)
+    assert _cats(init + "Training started, step 1/100\nstep 100/100 done\n") == []
+    assert _cats("DeepSpeed backend not set, please initialize it using init_process_group()") == []
+
+
+def test_exit_9_and_memory_pressure_in_the_reporters_words() -> None:
+    assert _cats("the job dies with exit -9, no traceback")[:1] == ["host_ram_oom"]
+    assert _cats("training exited with code -9 after an hour")[:1] == ["host_ram_oom"]
+    flushes = "3 pytorch allocator cache flushes since last step. this happens when there is high memory pressure"
+    assert "sym_oom" in _facts(flushes)
+
+
+def test_capability_stated_as_numbers() -> None:
+    line = ("`flshattF` is not supported because: requires device with capability > (8, 0) but your GPU has "
+            "capability (7, 5) (too old)")
+    assert _cats(line)[:1] == ["gpu_arch_unsupported"]
+    assert _cats("bf16 is only supported on A100+ GPUs")[:1] == ["gpu_arch_unsupported"]
+    assert _cats("your GPU has compute capability 8.9, all good") == []
+
+
+def test_an_8bit_model_across_gpus_under_a_distributed_launch() -> None:
+    """accelerate's newer message says the launch is the problem (spread the model in one process, no distributed
+    regime); the older one said only that the 8-bit model is on several devices."""
+    new = ("ValueError: You can't train a model that has been loaded in 8-bit precision on multiple devices in any "
+           "distributed mode.")
+    assert _cats(new)[:1] == ["device_map_auto_in_distributed"]
+    old = "ValueError: You can't train a model that has been loaded in 8-bit precision on multiple devices."
+    assert _cats(old)[:1] == ["quantized_model_device_placement"]
+
+
+def test_a_rendezvous_without_its_environment() -> None:
+    for line in ("ValueError: Error initializing torch.distributed using env:// rendezvous: environment variable "
+                 "MASTER_PORT expected, but not set",
+                 "[W socket.cpp:601] [c10d] The client socket has failed to connect to [localhost]:29500 (errno: 99 - "
+                 "Cannot assign requested address)."):
+        assert _cats(line)[:1] == ["rendezvous_unreachable"], (line, _cats(line))
+
+
+def test_a_zero_size_under_zero3_is_a_partition_placeholder() -> None:
+    log = '"zero_optimization": {"stage": 3}\nloading the saved adapter\nembedding size: 0\n'
+    assert "zero3_save_empty_params" in _cats(log)[:3]
+    assert "zero3_save_empty_params" not in _cats(log.replace('"stage": 3', '"stage": 2'))
+
+
+def test_deprecation_warnings_are_noise_and_fp16_loss_that_will_not_settle() -> None:
+    warn = "FutureWarning: `use_auth_token` is deprecated and will be removed in v5 of Transformers."
+    assert _cats(warn) == []
+    assert "library_version_regression" in _cats("`foo_bar` is deprecated and has been removed in transformers 4.40")
+    fp16 = "--fp16 True --per_device_train_batch_size 4\nthe loss fluctuates and does not decrease"
+    assert "fp16_nan_loss" in _cats(fp16)[:3]
+
+
+def test_xformers_without_a_kernel_for_the_gpu() -> None:
+    line = "NotImplementedError: No operator found for `memory_efficient_attention_forward` with inputs:"
+    assert _cats(line)[:2] == ["gpu_arch_unsupported", "extension_abi_mismatch"], _cats(line)

@@ -68,6 +68,12 @@ _PREFIXES = re.compile(
 _BOX_TAIL = re.compile(r"\s[│┃]\s*$")
 _BOX_ONLY = re.compile(r"^[\s│┃╭╰╮╯─━═]*$")
 _SPACES = re.compile(r"[ \t\f\v\u00a0]+")
+# CJK text glued to Latin words ("报OOM", "运行train.py报错：'X' object ..."): CJK letters are word characters, so
+# patterns anchored on word boundaries (\bOOM\b) miss them. A space goes between the scripts and full-width
+# punctuation becomes ASCII, so the error quoted inside a non-English sentence reads like an English one.
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
+_CJK_EDGE = re.compile(rf"(?<=[{_CJK}])(?=[A-Za-z0-9'\"`_-])|(?<=[A-Za-z0-9'\"`_.)-])(?=[{_CJK}])")
+_FULLWIDTH = str.maketrans({"：": ": ", "，": ", ", "（": " (", "）": ") ", "；": "; ", "！": "! ", "？": "? "})
 _RANKED = re.compile(r"\[rank\d+\]|\[default\d+\]:|\[\d+,\d+\]<std|local_rank")
 _DEDUP_KEY = re.compile(r"[\d█▏▎▍▌▋▊▉#]+")
 
@@ -224,7 +230,8 @@ def unwrap(lines: list[str]) -> list[str]:
     out: list[str] = []
     carry = ""
     for line in lines:
-        if len(line) == width and not line.rstrip().endswith(("│", "┃", "|")):
+        # a box border (a rich traceback's right edge or its bottom corner) ends its own line: the width is the box's
+        if len(line) == width and not line.rstrip().endswith(("│", "┃", "|", "╯", "╮", "─")):
             carry += line
             continue
         out.append(carry + line)
@@ -250,6 +257,8 @@ def normalise(text: str) -> list[str]:
                     break
                 line = stripped
             line = _BOX_TAIL.sub("", line)
+            if not line.isascii():
+                line = _CJK_EDGE.sub(" ", line.translate(_FULLWIDTH))
             line = _SPACES.sub(" ", line).strip()
             if not line or _BOX_ONLY.match(line):
                 continue
