@@ -19,6 +19,7 @@ from shardfit.plan.deepspeed import (
     PERSISTENCE_THRESHOLD,
     PREFETCH_BUCKET,
     REDUCE_BUCKET,
+    SUB_GROUP,
     ZeroSettings,
 )
 
@@ -27,7 +28,6 @@ NO_MEMORY_EFFECT = {
     "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "scheduler", "train_batch_size",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "dump_state", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
-    "zero_optimization.sub_group_size",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save", "zero_optimization.round_robin_gradients",
     "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
@@ -47,7 +47,7 @@ MODELLED = {
     "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
     "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
-    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_max_reuse_distance", "zero_optimization.sub_group_size",
     "bf16.enabled", "fp16.enabled", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer.type",
 }
 
@@ -128,6 +128,10 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
                                     MAX_LIVE_PARAMETERS, "zero_optimization.stage3_max_live_parameters", where),
         max_reuse_distance=_number(get("zero_optimization.stage3_max_reuse_distance", MAX_REUSE_DISTANCE),
                                    MAX_REUSE_DISTANCE, "zero_optimization.stage3_max_reuse_distance", where),
+        sub_group_size=_number(get("zero_optimization.sub_group_size", SUB_GROUP), SUB_GROUP,
+                               "zero_optimization.sub_group_size", where),
+        # an optimizer section: DeepSpeed builds its own optimizer instead of stepping the tool's
+        ds_optimizer=get("optimizer.type") is not None,
     )
     precision = "bf16" if _enabled(get("bf16.enabled")) else "fp16" if _enabled(get("fp16.enabled")) else None
     if get("bf16.enabled") is False and get("fp16.enabled") in (False, None):
