@@ -112,3 +112,20 @@ def test_deepspeed_optimizer_section_and_sub_groups_are_read() -> None:
     a, b = (estimate_deepspeed(shape, w, hw, z).extra["optimizer_step_gib"] for z in (client, own))
     # DeepSpeed's own optimizer still meets the flattened 16-bit copy (2 bytes) where AdamW's copy takes 4
     assert a - b == pytest.approx(2 * shape.params() / 8 / 2**30, rel=1e-9)
+
+
+def test_tools_optimizer_names_decide_the_foreach_copy(tmp_path) -> None:  # noqa: ANN001
+    """`adamw_torch` (the HF Trainer's torch AdamW, multi-tensor on a GPU) plans the copy; the fused, 8-bit and
+    paged optimizers do not: read from a LLaMA-Factory config as from the other tools' `optim`."""
+    from shardfit.foreign.common import multi_tensor_step
+    from shardfit.foreign.read import JobOptions, read_job
+
+    assert multi_tensor_step("adamw_torch") and multi_tensor_step("ADAMW_TORCH")
+    assert not any(multi_tensor_step(n) for n in ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_32bit"))
+    fused = {}
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        cfg = tmp_path / f"{optim}.yaml"
+        cfg.write_text(f"model_name_or_path: meta-llama/Meta-Llama-3-8B\nstage: sft\nfinetuning_type: full\n"
+                       f"optim: {optim}\ncutoff_len: 1024\nper_device_train_batch_size: 1\nbf16: true\n")
+        fused[optim] = read_job("llamafactory", str(cfg), JobOptions()).workload.fused_adamw
+    assert fused == {"adamw_torch": False, "adamw_torch_fused": True}
