@@ -70,6 +70,22 @@ def test_single_gpu_full_finetune_step_holds_the_foreach_copy() -> None:
     assert step == pytest.approx(4 * shape.params() / 2**30, rel=1e-9)
 
 
+def test_single_gpu_foreach_step_agrees_with_simulate() -> None:
+    """A one-GPU full fine-tune of short rows with torch's multi-tensor AdamW peaks in its step; the fake-tensor
+    step (plan --simulate, the same kernel on plain tensors) agrees on the moment and on every column."""
+    from shardfit.plan.shapes import ModelShape
+    from shardfit.simulate.step import simulate
+
+    shape = ModelShape("tiny-llama", 4, 256, 704, 8, 2, 4096, False, None)
+    w = Workload(method="full", precision="bf16", seq_len=16, micro_batch=1, grad_ckpt="full")
+    hw = parse_gpus("1x80GB")
+    ca, cs = estimate(shape, w, hw, "single"), simulate(shape, w, hw, "single", None)
+    assert ca.peak_phase == cs.peak_phase == "optimizer"
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "total"):
+        assert getattr(ca.per_gpu_gib, part) == pytest.approx(getattr(cs.per_gpu_gib, part), rel=0.05,
+                                                              abs=2e-4), part
+
+
 def test_recorded_deepspeed_optimizer_steps_within_5_percent() -> None:
     """Real DeepSpeed steps with a client torch AdamW (multi-tensor) on short rows, so that the step is the peak:
     ZeRO-3 holds its 16-bit partition and bucket, the sub-group's fp32 gradient and AdamW's copy of it; ZeRO-2 the
