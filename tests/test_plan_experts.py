@@ -15,14 +15,14 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload
 
-W = Workload(method="full", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="full")
+W = Workload(method="full", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="full", fused_adamw=True)
 GIB = 2**30
 
 
 def test_a_rank_keeps_one_nth_of_the_experts_and_pays_the_all_to_alls() -> None:
     """Qwen3-30B-A3B under ddp on 8 H100s: each of N ranks holds (N-1)/N fewer expert weights, gradients and
-    AdamW moments (fp32 in a full fine-tune: 4 + 4 + 8 bytes each), and the step adds 6 all-to-alls per block
-    (checkpointed) of tokens x top-k x hidden x 2 bytes x (N-1)/N each."""
+    AdamW moments (fp32 in a full fine-tune: 4 + 4 + 8 bytes each; fused AdamW, whose step adds none), and the step
+    adds 6 all-to-alls per block (checkpointed) of tokens x top-k x hidden x 2 bytes x (N-1)/N each."""
     shape, hw = resolve_shape("Qwen/Qwen3-30B-A3B"), parse_gpus("8xH100", 1, None)
     experts = routed_expert_params(shape)
     assert experts == shape.layers * shape.experts * 3 * shape.hidden * shape.expert_width

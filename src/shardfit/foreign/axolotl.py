@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import TRAINER_NO_EFFECT, as_bool, as_float, as_int, hf_loss, local_file, optimizer
+from shardfit.foreign.common import (
+    TRAINER_NO_EFFECT,
+    as_bool,
+    as_float,
+    as_int,
+    hf_loss,
+    local_file,
+    multi_tensor_step,
+    optimizer,
+)
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     Key,
@@ -192,6 +201,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     gc = src.get("gradient_checkpointing", False)
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
                     optimizer=optimizer(str(src.get("optimizer", "adamw_torch"))) or "adamw",
+                    fused_adamw=not multi_tensor_step(str(src.get("optimizer", "adamw_torch"))),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
                         "eager_attention") else "sdpa", frozen_fp32=method == "qlora", quant_backend="bnb",
                     **settings(src, KEYS, "field"))

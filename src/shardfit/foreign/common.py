@@ -70,6 +70,14 @@ def optimizer(name: str) -> str | None:
     return None
 
 
+def multi_tensor_step(name: str) -> bool:
+    """Whether the optimizer the HF Trainer builds for `optim` = `name` steps with torch AdamW's multi-tensor kernel,
+    which allocates one copy of each param group (`adamw_torch`: torch's default kernel on a GPU); the fused kernels
+    (`adamw_torch_fused`, apex's), bitsandbytes' 8-bit and paged optimizers update each tensor in place (the
+    planner's `fused_adamw`)."""
+    return name.lower() == "adamw_torch"
+
+
 TRUE_WORDS = ("true", "1", "yes", "y", "on")
 FALSE_WORDS = ("false", "0", "no", "n", "off", "none", "null", "")
 

@@ -130,6 +130,8 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
                                    MAX_REUSE_DISTANCE, "zero_optimization.stage3_max_reuse_distance", where),
         sub_group_size=_number(get("zero_optimization.sub_group_size", SUB_GROUP), SUB_GROUP,
                                "zero_optimization.sub_group_size", where),
+        # an optimizer section: DeepSpeed builds its own optimizer instead of stepping the tool's
+        ds_optimizer=get("optimizer.type") is not None,
     )
     precision = "bf16" if _enabled(get("bf16.enabled")) else "fp16" if _enabled(get("fp16.enabled")) else None
     if get("bf16.enabled") is False and get("fp16.enabled") in (False, None):

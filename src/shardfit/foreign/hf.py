@@ -19,6 +19,7 @@ from shardfit.foreign.common import (
     as_int,
     hf_loss,
     local_file,
+    multi_tensor_step,
     optimizer,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
@@ -239,6 +240,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "false") else "none",
                     optimizer=optimizer(src.get("optim", "adamw_torch")) or "adamw",
+                    fused_adamw=not multi_tensor_step(str(src.get("optim", "adamw_torch"))),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=ATTENTION.get(src.get("attn_implementation", "sdpa"), "sdpa"), frozen_fp32=q,
                     quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'

@@ -10,7 +10,16 @@ from typing import Any
 
 from shardfit import method as methods
 from shardfit.errors import UserError
-from shardfit.foreign.common import ATTENTION, TRAINER_NO_EFFECT, as_float, as_int, hf_loss, local_file, optimizer
+from shardfit.foreign.common import (
+    ATTENTION,
+    TRAINER_NO_EFFECT,
+    as_float,
+    as_int,
+    hf_loss,
+    local_file,
+    multi_tensor_step,
+    optimizer,
+)
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     Key,
@@ -220,6 +229,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
                     optimizer=optimizer(str(src.get("optim", "adamw_torch"))) or "adamw",
+                    fused_adamw=not multi_tensor_step(str(src.get("optim", "adamw_torch"))),
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
                     **settings(src, KEYS, "field"))

@@ -17,6 +17,7 @@ from shardfit.foreign.common import (
     as_int,
     hf_loss,
     local_file,
+    multi_tensor_step,
     optimizer,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
@@ -207,6 +208,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
                     optimizer=optimizer(src.get("optim", "adamw_torch")) or "adamw",
+                    fused_adamw=not multi_tensor_step(str(src.get("optim", "adamw_torch"))),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
                     **settings(src, KEYS, "field"))
 

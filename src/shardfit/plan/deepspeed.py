@@ -77,6 +77,10 @@ class ZeroSettings:
     max_live_parameters: int = MAX_LIVE_PARAMETERS
     max_reuse_distance: int = MAX_REUSE_DISTANCE
     sub_group_size: int = SUB_GROUP
+    # The JSON has an optimizer section: DeepSpeed builds its own (FusedAdam on the GPU, DeepSpeedCPUAdam under
+    # offload), whose step allocates nothing. Without one the tool's optimizer steps the partitions (the HF
+    # Trainer's torch AdamW), with torch's temporaries (`step_bytes`).
+    ds_optimizer: bool = False
 
     @property
     def strategy(self) -> str:
@@ -164,7 +168,9 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
                   logits_bytes(shape, w, strategy, "backward"), m.fwd_temp + head_grad),
         Breakdown(m.weights, g_rest, m.states, activation_bytes(shape, w, shape.layers, strategy), 0.0, m.bwd_temp),
         key=_tensors)
-    opt = Breakdown(m.weights, g_rest + m.grad32, m.states, 0.0, 0.0, 0.0)
+    grads_at_step, adam_temp = step_bytes(shape, w, hw.world, z, m, g_rest)
+    opt = Breakdown(m.weights, grads_at_step, m.states + adam_temp, 0.0, 0.0, 0.0)
+    step_gib = _tensors(opt) / GIB  # (before the peak's breakdown is turned into GiB in place)
     moments_by_phase = {"forward": fwd, "backward": bwd, "optimizer": opt}
     phase = max(moments_by_phase, key=lambda k: _tensors(moments_by_phase[k]))
     b = in_gib(moments_by_phase[phase])
@@ -179,7 +185,8 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     # Between steps (what a memory probe sees after engine.step()): the model, the states, what ZeRO-3 holds.
     steady = (m.weights + m.states + held) / GIB
     return Candidate(z.strategy, fits, b, host_gib, estimator="analytic", notes=notes, peak_phase=phase,
-                     extra={"between_steps_gib": steady, "host_optimizer_gib": m.host_optimizer / GIB})
+                     extra={"between_steps_gib": steady, "host_optimizer_gib": m.host_optimizer / GIB,
+                            "optimizer_step_gib": step_gib})
 
 
 def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> ZeroMemory:
@@ -212,20 +219,54 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
     m.states, m.grad_part, m.grad32 = master + moments, low * t / n, 4 * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)
-    elif z.stage == 3:  # one sub-group's fp32 gradient at a time (module docstring)
-        m.grad32 = 4 * min(t / n, largest_sub_group(shape, w, n, z))
     return m
 
 
-def largest_sub_group(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> float:
-    """Elements of a rank's partition in ZeRO-3's largest optimizer sub-group: a sub-group closes at the first
-    parameter that brings it to `sub_group_size` or more (stage3.py `_create_fp16_sub_groups`), so it holds less
-    than that plus the partition of the largest trainable parameter."""
-    if w.method == "full":
-        largest = max(shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
-    else:
-        largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
-    return z.sub_group_size + largest / n
+def step_partition(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> float:
+    """Elements of the flat fp32 partition one optimizer.step() updates on one of `n` ranks. ZeRO-1/2 step each
+    param group's flat partition (stage_1_and_2.py `step`: `single_partition_of_fp32_groups[i]`), nearly the whole
+    rank's share (the HF Trainer's no-decay group holds only norms and biases). ZeRO-3 steps one sub-group at a time
+    (stage3.py `_optimizer_step`); `_create_fp16_sub_groups` closes a sub-group once its parameters' partitions
+    reach `sub_group_size` elements, so the largest is under that plus the largest parameter's partition."""
+    part = trainable_params(shape, w) / n
+    if z.stage < 3:
+        return part
+    return min(part, z.sub_group_size + _largest_trainable(shape, w) / n)
+
+
+def step_bytes(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,
+               g_rest: float) -> tuple[float, float]:
+    """(gradients, optimizer temporary) bytes on the GPU while the optimizer steps, `g_rest` being what backward
+    left (the 16-bit partition, ZeRO-3's reduce bucket, ZeRO-1/2 offload's staging buffer). Offloaded, the step
+    runs on the host and leaves `g_rest` as it is.
+
+    The fp32 gradient of the partition being stepped (`step_partition`) is made by flattening its 16-bit gradients
+    and casting the flat copy (stage3.py `_prepare_fp32_grad_for_sub_group`, stage_1_and_2.py `step`:
+    `self.flatten(...).to(fp32)`), so for a moment both exist. ZeRO-3's 16-bit partitions and reduce bucket are
+    allocated once and stay; ZeRO-1/2 release the bucket at the end of backward (`_release_ipg_buffers`) and the
+    16-bit partition before the step itself. A client torch AdamW (no optimizer section in the JSON,
+    `ds_optimizer` off: the HF Trainer's `adamw_torch`, multi-tensor on a GPU) then allocates
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one fp32 copy of the partition (torch/optim/adam.py
+    `_multi_tensor_adam`); DeepSpeed's FusedAdam, torch's fused kernel (`fused_adamw`) and 8-bit AdamW update in
+    place."""
+    if z.offload_optimizer:
+        return g_rest, 0.0
+    p = step_partition(shape, w, n, z)
+    low = compute_bytes(w)
+    foreach = w.optimizer == "adamw" and not (z.ds_optimizer or w.fused_adamw)
+    temp = 4 * p if foreach else 0.0
+    if z.stage == 3:
+        return g_rest + 4 * p, max(temp, low * p)
+    return 4 * p, max(temp, m.grad_part + low * p)
+
+
+def _largest_trainable(shape: ModelShape, w: Workload) -> int:
+    """Elements of the largest trainable parameter: the embedding or head of a full fine-tune (or its largest
+    linear weight), the largest adapter matrix of LoRA."""
+    linears = shape.linear_shapes()
+    if w.method != "full":
+        return w.lora_rank * max(max(i, o) for i, o in linears)
+    return max(shape.vocab * shape.hidden, *(i * o for i, o in linears))
 
 
 def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,
@@ -243,11 +284,7 @@ def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, 
         m.host += m.grad_part
         m.grad_part = 0.0
         return
-    full = w.method == "full"
-    largest = max(i * o for i, o in shape.linear_shapes()) if not full else max(
-        shape.vocab * shape.hidden, *(i * o for i, o in shape.linear_shapes()))
-    if not full:
-        largest = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
+    largest = _largest_trainable(shape, w)
     m.host += low * t / n + low * largest
     m.staging = low * largest
     m.grad_part = 0.0  # the reduced gradient goes straight to the host's fp32 partition

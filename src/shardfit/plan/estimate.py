@@ -771,7 +771,17 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     r.weights, r.grads, r.optimizer, r.grad_divisor = (weights / div_w + ex[0] / n_ep, grads / div_g + ex[1] / n_ep,
                                                        optim / div_o + ex[2] / n_ep, div_g)
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
+    if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
+        r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w)
     return r
+
+
+def foreach_temp_bytes(params: float, w: Workload) -> float:
+    """What torch AdamW's multi-tensor step (`foreach`, torch's default on a GPU, the HF Trainer's `adamw_torch`)
+    allocates over a param group of `params` plain tensors: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`,
+    one copy of the group in the states' dtype, alive until the update (torch/optim/adam.py `_multi_tensor_adam`).
+    The fused kernel (`fused_adamw`) and 8-bit AdamW (bitsandbytes, per tensor in place) allocate none."""
+    return 0.0 if w.fused_adamw or w.optimizer != "adamw" else params * trainable_bytes(w)
 
 
 def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float, float]:

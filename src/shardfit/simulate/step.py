@@ -317,7 +317,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                                  grad_ckpt=w.grad_ckpt, mesh=mesh)
             # The 16-bit stacks the planner models (adapters_16bit, pure_16bit) kept 16-bit AdamW states.
             optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], 1e-4, 0.0,
-                                        fused_shards=w.fused_adamw, masters=False)
+                                        fused_shards=w.fused_adamw, masters=False, fused_plain=w.fused_adamw)
             ids = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)
             batch = (ids, packed_positions(w.micro_batch, w.seq_len), ids)
             if images:

@@ -58,13 +58,14 @@ class MasterAdamW(torch.optim.AdamW):
                 self.state[p][k] = v.to(device=p.device, dtype=torch.float32)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
-                    fused_shards: bool = True, masters: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fused_shards: bool = True,
+                    masters: bool = True, fused_plain: bool = True) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters with the fused kernel: one pass over each parameter's weight, gradient
     and moments, no multi-tensor temporaries, and `found_inf` to skip an update on the device (train/diverge.py).
     FSDP2's DTensor shards take it too (torch 2.13 runs `_fused_adamw_` on their local shards, tested against the
     unfused update on 2 ranks); `fused_shards=False` gives them the multi-tensor (foreach) kernel instead, what
-    torch picks by default and other tools run (the planner's `fused_adamw`; plan --simulate builds either).
+    torch picks by default and other tools run (the planner's `fused_adamw`; plan --simulate builds either), and
+    `fused_plain=False` gives plain tensors that kernel too (the HF Trainer's `adamw_torch` on one GPU or DDP).
     A torch or a device without the fused kernel falls back to torch's default. 16-bit parameters (bf16 adapters)
     are updated through fp32 masters (`MasterAdamW`); `masters=False` keeps their states in 16 bits, as stacks
     without masters ran (peft < 0.12's 16-bit adapters, which plan --simulate measures)."""
@@ -74,7 +75,7 @@ def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: f
     # foreach kernel cannot take both kinds.
     groups: list[Any] = params if plain or len(sharded) == len(params) else [
         {"params": sharded}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
-    fused = plain or fused_shards
+    fused = fused_plain if plain else fused_shards
     adamw = MasterAdamW if masters and any(p.dtype != torch.float32 for p in params) else torch.optim.AdamW
     try:
         return adamw(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8, fused=fused,
