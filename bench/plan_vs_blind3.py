@@ -71,7 +71,7 @@ def evaluate(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    pvb.run(argv, __doc__.split("\n\n")[0], SET, OUT, evaluate, [pvb.markdown, pvb.docs_table])
+    pvb.run(argv, __doc__.split("\n\n")[0], SET, OUT, evaluate, [pvb.markdown, pvb.docs_table, pvb.headline])
 
 
 if __name__ == "__main__":
