@@ -35,6 +35,11 @@ def outsiders_line() -> str:
     return _figures(yaml.safe_load(OUTSIDERS.read_text()), "former blind threads (now dev, in-sample)")
 
 
+def _repo(case: dict) -> str:
+    """A thread's repository (or site), from its `repo` key or its url."""
+    return (case.get("repo") or "/".join(case["url"].split("/")[3:5])).lower()
+
+
 @pytest.fixture(scope="module")
 def sentence() -> str:
     return headline()
@@ -44,9 +49,10 @@ def test_the_blind_set_is_outside_the_other_corpora() -> None:
     blind = yaml.safe_load(CASES.read_text())
     assert len(blind) >= 50 and all({"url", "repo", "label", "log"} <= set(c) for c in blind)
     assert len({c["url"] for c in blind}) == len(blind)
-    for corpus in (ROOT / "tests" / "diagnose_real" / "cases.yaml", OUTSIDERS):
-        other = yaml.safe_load(corpus.read_text())
-        assert not {c["repo"].lower() for c in blind} & {c["repo"].lower() for c in other}, corpus
+    for corpus in (ROOT / "tests" / "diagnose_real" / "cases.yaml", ROOT / "tests" / "diagnose_public" / "cases.yaml",
+                   ROOT / "tests" / "diagnose_short" / "cases.yaml", OUTSIDERS):
+        other = [c for c in yaml.safe_load(corpus.read_text()) if isinstance(c, dict) and "url" in c]
+        assert not {_repo(c) for c in blind} & {_repo(c) for c in other}, corpus
         assert not {c["url"] for c in blind} & {c["url"] for c in other}, corpus
 
 
