@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardfit import method as methods
@@ -206,6 +207,16 @@ def workload_of(cfg: Config) -> Workload:
                     # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
                     static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
                     fused_adamw=True, adapter_input_casts=False)
+
+
+# What `shardfit plan --model` and the UI's plan page change of a default config: the workload users of other tools
+# run by default (LLaMA-Factory, TRL and ms-swift checkpoint), on shardfit's own kernels (`workload_of`).
+MODEL_DEFAULT = {"grad_ckpt": "full"}
+
+
+def model_workload() -> Workload:
+    """The workload planned for a model named without a config: a default config's, with MODEL_DEFAULT."""
+    return dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
