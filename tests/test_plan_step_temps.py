@@ -145,3 +145,61 @@ def test_tools_optimizer_names_decide_the_foreach_copy(tmp_path) -> None:  # noq
                        f"optim: {optim}\ncutoff_len: 1024\nper_device_train_batch_size: 1\nbf16: true\n")
         fused[optim] = read_job("llamafactory", str(cfg), JobOptions()).workload.fused_adamw
     assert fused == {"adamw_torch": False, "adamw_torch_fused": True}
+
+
+@pytest.mark.parametrize("tool, name, text", [
+    ("llamafactory", "lf.yaml", "model_name_or_path: meta-llama/Llama-3.2-1B\nstage: sft\nfinetuning_type: full\n"
+                                "cutoff_len: 512\nbf16: true\n"),
+    ("swift", "run.sh", "swift sft --model meta-llama/Llama-3.2-1B --train_type full --max_length 512\n"),
+    ("hf", "run.sh", "torchrun --nproc_per_node 1 train.py --model_name_or_path meta-llama/Llama-3.2-1B "
+                     "--bf16 True --max_seq_length 512\n"),
+])
+def test_missing_optim_is_the_trainers_default_of_its_version(tmp_path, tool: str, name: str, text: str) -> None:
+    """A job without `optim` runs the HF Trainer's default: adamw_torch_fused from transformers 4.54 on torch >= 2.8
+    (PR #37358; stepped in place, no AdamW copy), adamw_torch before (the multi-tensor copy); the plan says which
+    kernel it assumed. An `optim` the job names is read as it is."""
+    from shardfit.foreign.read import JobOptions, read_job
+
+    path = tmp_path / name
+    path.write_text(text)
+    new, old = (read_job(tool, str(path), JobOptions(transformers=v)) for v in ("4.56.2", "4.53.3"))
+    assert new.workload.fused_adamw and not new.workload.multi_tensor_step
+    assert any("adamw_torch_fused" in n and "4.56.2" in n for n in new.notes)
+    assert old.workload.multi_tensor_step and any("adamw_torch" in n and "4.53.3" in n for n in old.notes)
+    key = "--optim adamw_torch" if tool != "llamafactory" else "optim: adamw_torch"
+    path.write_text(text.rstrip("\n") + (" " if tool != "llamafactory" else "\n") + key + "\n")
+    named = read_job(tool, str(path), JobOptions(transformers="4.56.2"))
+    assert named.workload.multi_tensor_step and not any("optim not set" in n for n in named.notes)
+
+
+def test_axolotl_default_optimizer_is_fused(tmp_path) -> None:
+    """axolotl's own default optimizer is adamw_torch_fused (its PR #2293), whatever the transformers version."""
+    from shardfit.foreign.read import JobOptions, read_job
+
+    path = tmp_path / "a.yml"
+    path.write_text("base_model: meta-llama/Llama-3.2-1B\nsequence_len: 512\nbf16: true\n")
+    job = read_job("axolotl", str(path), JobOptions(transformers="4.53.3"))
+    assert job.workload.fused_adamw and any("adamw_torch_fused" in n for n in job.notes)
+    path.write_text(path.read_text() + "optimizer: adamw_torch\n")
+    assert read_job("axolotl", str(path), JobOptions()).workload.multi_tensor_step
+
+
+def test_deepspeed_torch_adam_section_plans_the_copy() -> None:
+    """An optimizer section with `torch_adam: true` makes DeepSpeed build torch's AdamW (multi-tensor on a GPU)
+    instead of FusedAdam: the step holds the copy of the sub-group even when the tool's optim is fused, as the
+    client's multi-tensor AdamW does; `fused: true` among the params steps in place."""
+    shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
+    base = {"zero_optimization": {"stage": 3}}
+    torch_adam = {**base, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
+    fused = {**base, "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True}}}
+    w = Workload(method="full", seq_len=512, grad_ckpt="full", loss="full", attention="flash", fused_adamw=True)
+    hw = parse_gpus("8xH100")
+    step = {k: estimate_deepspeed(shape, w, hw, read_deepspeed(c, "ds.json", shape.hidden).zero)
+            .extra["optimizer_step_gib"] for k, c in (("torch", torch_adam), ("fused", fused), ("own", {
+                **base, "optimizer": {"type": "AdamW"}}))}
+    client = estimate_deepspeed(shape, replace(w, fused_adamw=False), hw, read_deepspeed(base, "ds.json",
+                                                                                        shape.hidden).zero)
+    assert step["torch"] == pytest.approx(client.extra["optimizer_step_gib"], rel=1e-12)
+    assert step["fused"] == step["own"] < step["torch"]
+    job = read_deepspeed(torch_adam, "ds.json", shape.hidden)
+    assert "torch_adam" in job.keys["optimizer.params"] and "optimizer.params" not in job.not_modelled

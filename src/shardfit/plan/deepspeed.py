@@ -81,6 +81,9 @@ class ZeroSettings:
     # offload), whose step allocates nothing. Without one the tool's optimizer steps the partitions (the HF
     # Trainer's torch AdamW), with torch's temporaries (`step_bytes`).
     ds_optimizer: bool = False
+    # The section's Adam/AdamW has `torch_adam: true`: DeepSpeed builds torch's AdamW instead of FusedAdam
+    # (runtime/engine.py `_configure_basic_optimizer`), multi-tensor on a GPU, whatever the tool's `optim` says.
+    torch_adam: bool = False
 
     @property
     def strategy(self) -> str:
@@ -247,13 +250,13 @@ def step_bytes(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroM
     16-bit partition before the step itself. A client torch AdamW (no optimizer section in the JSON,
     `ds_optimizer` off: the HF Trainer's `adamw_torch`, multi-tensor on a GPU) then allocates
     `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one fp32 copy of the partition (torch/optim/adam.py
-    `_multi_tensor_adam`); DeepSpeed's FusedAdam, torch's fused kernel (`fused_adamw`) and 8-bit AdamW update in
-    place."""
+    `_multi_tensor_adam`), as does an optimizer section's torch AdamW (`torch_adam`); DeepSpeed's FusedAdam, torch's
+    fused kernel (`fused_adamw`) and 8-bit AdamW update in place."""
     if z.offload_optimizer:
         return g_rest, 0.0
     p = step_partition(shape, w, n, z)
     low = compute_bytes(w)
-    foreach = w.optimizer == "adamw" and not (z.ds_optimizer or w.fused_adamw)
+    foreach = z.torch_adam if z.ds_optimizer else w.multi_tensor_step
     temp = 4 * p if foreach else 0.0
     if z.stage == 3:
         return g_rest + 4 * p, max(temp, low * p)

@@ -160,6 +160,12 @@ class Workload:
         return self.method == "qlora" and (self.quant_backend == "bnb" or self.bnb_precision)
 
     @property
+    def multi_tensor_step(self) -> bool:
+        """AdamW stepped by torch's multi-tensor kernel (`foreach`, torch's default on a GPU), which allocates one
+        copy of what it steps (plan/estimate.py `foreach_temp_bytes`); the fused kernel and 8-bit AdamW do not."""
+        return self.optimizer == "adamw" and not self.fused_adamw
+
+    @property
     def trains_adapters(self) -> bool:
         """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
         return methods.get(self.method).adapters
