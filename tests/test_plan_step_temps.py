@@ -203,3 +203,33 @@ def test_deepspeed_torch_adam_section_plans_the_copy() -> None:
     assert step["fused"] == step["own"] < step["torch"]
     job = read_deepspeed(torch_adam, "ds.json", shape.hidden)
     assert "torch_adam" in job.keys["optimizer.params"] and "optimizer.params" not in job.not_modelled
+
+
+def test_eight_bit_adamw_has_no_copy_under_fsdp() -> None:
+    """bitsandbytes' 8-bit AdamW updates each tensor in place on every strategy: no multi-tensor copy under FSDP
+    either (the FSDP branches once planned one whenever `fused_adamw` was off)."""
+    from shardfit.plan.estimate import per_rank
+    from shardfit.strategy import get
+
+    shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
+    hw = parse_gpus("8xH100")
+    for name in ("zero2", "zero3"):
+        w = Workload(method="full", seq_len=512, grad_ckpt="full")
+        assert per_rank(shape, w, hw, get(name)).foreach == foreach_temp_bytes(shape.params(), w) / 8 > 0
+        assert per_rank(shape, replace(w, optimizer="adamw8bit"), hw, get(name)).foreach == 0
+
+
+def test_pipeline_stage_steps_only_what_it_holds() -> None:
+    """A middle pipeline stage holds neither the embedding nor the head: at its step the multi-tensor AdamW copies
+    only its blocks' parameters, so its optimizer column is the fused kernel's plus that copy, not plus a copy of
+    the whole stage-shaped model's embedding and head too."""
+    from shardfit.plan.estimate import GIB, trainable_params
+    from shardfit.plan.model_shape import ModelShape
+    from shardfit.plan.pipeline import stage_breakdown
+
+    shape = ModelShape("tiny-llama", 6, 256, 704, 8, 2, 32000, False, None)
+    w = Workload(method="full", precision="bf16", seq_len=16, micro_batch=1, grad_ckpt="full")
+    hw = parse_gpus("3x80GB")
+    foreach, fused = (stage_breakdown(shape, x, hw, 3, 1, 2) for x in (w, replace(w, fused_adamw=True)))
+    held = trainable_params(replace(shape, layers=2), w) - 2 * shape.vocab * shape.hidden
+    assert foreach.optimizer - fused.optimizer == pytest.approx(foreach_temp_bytes(held, w) / GIB, rel=1e-9)

@@ -145,8 +145,9 @@ class Workload:
     # Times per micro-batch the host waits for the device (a value read back, a data-dependent size): 0 on
     # shardfit's training path (tests/test_host_syncs.py); plan/timing.py `host_sync_s`.
     host_syncs: float = 0.0
-    # AdamW's fused kernel for FSDP2's DTensor shards too (shardfit's runs, train/optim.py): no multi-tensor
-    # temporary. False: the foreach kernel torch picks by default (plan/estimate.py `PerRank.foreach`).
+    # AdamW's fused kernel, on plain tensors and FSDP2's DTensor shards alike (shardfit's runs, train/optim.py;
+    # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
+    # default on a GPU, one copy of what it steps (plan/estimate.py `foreach_temp_bytes`).
     fused_adamw: bool = False
     # peft casts each fp32 adapter's input to fp32 first, which autocast casts back to 16 bits and keeps for the
     # adapter's backward: a 16-bit copy of the input of every adapted layer (peft's default; the HF Trainer, TRL,
