@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardfit.foreign.deepspeed import read_deepspeed
-from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed, step_partition
+from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
 from shardfit.plan.estimate import estimate, foreach_temp_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
@@ -59,7 +59,7 @@ def test_foreach_adamw_temporary_is_one_copy_of_the_group() -> None:
 
 def test_single_gpu_full_finetune_step_holds_the_foreach_copy() -> None:
     """A one-GPU full fine-tune with torch's default AdamW (the HF Trainer's `adamw_torch`) peaks at the step:
-    fp32 weights, gradients, moments and one more fp32 copy of the model; 18.6 GiB more than the fused kernel for
+    fp32 weights, gradients, moments and one more fp32 copy of the model; 29.9 GiB more than the fused kernel for
     Llama-3-8B (4 bytes x 8.03e9 parameters)."""
     shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
     w = Workload(method="full", seq_len=512, grad_ckpt="full", loss="full", attention="flash")
@@ -102,15 +102,20 @@ def test_recorded_deepspeed_optimizer_steps_within_5_percent() -> None:
 
 def test_zero3_steps_one_sub_group_at_a_time() -> None:
     """ZeRO-3's step holds one sub-group's fp32 gradient and AdamW copy, not the rank's whole partition: for
-    Llama-3-70B on 8 GPUs (8.8e9 parameters per rank) the default sub_group_size of 1e9 caps them at 1e9 elements
-    plus the largest parameter's partition."""
+    Llama-3-70B on 8 GPUs (8.8e9 parameters per rank) the planner's optimizer moment under the default
+    sub_group_size of 1e9 is 8 bytes (fp32 gradient, AdamW's fp32 copy) lower for each element beyond the
+    sub-group than with one sub-group as large as the partition; a sub-group is at most 1e9 elements plus the
+    largest parameter's partition. Smaller sub-groups lower it further."""
     shape = resolve_shape("meta-llama/Meta-Llama-3-70B")
     w = Workload(method="full", seq_len=2048, grad_ckpt="full", loss="full", attention="flash")
+    hw = parse_gpus("8xH100")
     z = ZeroSettings(stage=3)
-    p = step_partition(shape, w, 8, z)
-    assert p == 1e9 + shape.vocab * shape.hidden / 8 < shape.params() / 8
-    small = step_partition(shape, w, 8, replace(z, sub_group_size=100_000_000))
-    assert small < p
+    step = {size: estimate_deepspeed(shape, w, hw, replace(z, sub_group_size=size)).extra["optimizer_step_gib"]
+            for size in (z.sub_group_size, 10**13, 100_000_000)}
+    partition = shape.params() / 8
+    saved = (step[10**13] - step[z.sub_group_size]) * 2**30
+    assert 8 * (partition - 1e9 - shape.vocab * shape.hidden / 8) * (1 - 1e-9) <= saved <= 8 * (partition - 1e9)
+    assert step[100_000_000] < step[z.sub_group_size]
 
 
 def test_deepspeed_optimizer_section_and_sub_groups_are_read() -> None:

@@ -139,7 +139,6 @@ class ZeroMemory:
     bwd_temp: float
     states: float = 0.0  # fp32 masters and moments
     grad_part: float = 0.0  # the reduced 16-bit gradient partition
-    grad32: float = 0.0  # the fp32 gradient the optimizer step reads
     staging: float = 0.0  # ZeRO-1/2 offload's GPU staging buffer, allocated once
     host: float = 0.0
     host_optimizer: float = 0.0
@@ -219,7 +218,7 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
         m = ZeroMemory(model_bytes, 0.0, block_grads)  # the whole model on every rank
     master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
     moments = 2 * 4 * t / n if w.optimizer == "adamw" else 2 * t / n
-    m.states, m.grad_part, m.grad32 = master + moments, low * t / n, 4 * t / n
+    m.states, m.grad_part = master + moments, low * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)
     return m
@@ -280,9 +279,12 @@ def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, 
     partition on the host."""
     low = compute_bytes(w)
     t = trainable_params(shape, w)
-    m.host += states + m.grad32
-    m.host_optimizer = states + m.grad32
-    m.states = m.grad32 = 0.0
+    # The whole partition's fp32 gradient, kept on the host for the CPU step (on the GPU the step makes one
+    # sub-group's at a time: `step_bytes`)
+    grad32 = 4 * t / n
+    m.host += states + grad32
+    m.host_optimizer = states + grad32
+    m.states = 0.0
     if z.stage == 3:
         m.host += m.grad_part
         m.grad_part = 0.0
