@@ -290,7 +290,10 @@ def estimate_case(case: str, world: int = 2) -> dict:
     model, method, seq, batch, _ = CASES[case]
     shape = shape_of(model)
     zero = read_deepspeed(ds_config(case), case, shape.hidden).zero
-    # The model's own loss (transformers 5); no mask: rows without padding go to SDPA's causal kernel.
+    # The model's own loss (transformers 5); no mask: rows without padding go to SDPA's causal kernel. The
+    # planner's multi-tensor AdamW (`fused_adamw` off) is what the FOREACH cases run; the others run torch's
+    # one-tensor-at-a-time kernel (a temporary per tensor, not a copy of the partition) and peak in backward: the
+    # copy planned at their step stays under their peak, and their step's own figure over-counts it.
     w = Workload(method=method, precision="bf16", seq_len=seq, micro_batch=batch, grad_ckpt="full", loss="full",
                  attention="flash")
     c = estimate_deepspeed(shape, w, Hardware(1, world, 80.0), zero)

@@ -195,8 +195,8 @@ def test_attention_mask_in_plan(capsys) -> None:
 
 def test_plan_model_defaults_are_the_training_defaults(capsys) -> None:
     """`plan --model` sizes the workload `shardfit train` runs when the config says nothing more, with gradient
-    checkpointing on as the tools most users run do by default (plan_cmd.MODEL_DEFAULT)."""
-    from shardfit.cli.plan_cmd import MODEL_DEFAULT
+    checkpointing on as the tools most users run do by default (plan/workload.py MODEL_DEFAULT)."""
+    from shardfit.plan.workload import MODEL_DEFAULT
 
     _, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB")
     assert plan["workload"] == dataclasses.asdict(dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardfit.foreign.deepspeed import read_deepspeed
-from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed, step_partition
+from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
 from shardfit.plan.estimate import estimate, foreach_temp_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
@@ -59,7 +59,7 @@ def test_foreach_adamw_temporary_is_one_copy_of_the_group() -> None:
 
 def test_single_gpu_full_finetune_step_holds_the_foreach_copy() -> None:
     """A one-GPU full fine-tune with torch's default AdamW (the HF Trainer's `adamw_torch`) peaks at the step:
-    fp32 weights, gradients, moments and one more fp32 copy of the model; 18.6 GiB more than the fused kernel for
+    fp32 weights, gradients, moments and one more fp32 copy of the model; 29.9 GiB more than the fused kernel for
     Llama-3-8B (4 bytes x 8.03e9 parameters)."""
     shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
     w = Workload(method="full", seq_len=512, grad_ckpt="full", loss="full", attention="flash")
@@ -102,15 +102,20 @@ def test_recorded_deepspeed_optimizer_steps_within_5_percent() -> None:
 
 def test_zero3_steps_one_sub_group_at_a_time() -> None:
     """ZeRO-3's step holds one sub-group's fp32 gradient and AdamW copy, not the rank's whole partition: for
-    Llama-3-70B on 8 GPUs (8.8e9 parameters per rank) the default sub_group_size of 1e9 caps them at 1e9 elements
-    plus the largest parameter's partition."""
+    Llama-3-70B on 8 GPUs (8.8e9 parameters per rank) the planner's optimizer moment under the default
+    sub_group_size of 1e9 is 8 bytes (fp32 gradient, AdamW's fp32 copy) lower for each element beyond the
+    sub-group than with one sub-group as large as the partition; a sub-group is at most 1e9 elements plus the
+    largest parameter's partition. Smaller sub-groups lower it further."""
     shape = resolve_shape("meta-llama/Meta-Llama-3-70B")
     w = Workload(method="full", seq_len=2048, grad_ckpt="full", loss="full", attention="flash")
+    hw = parse_gpus("8xH100")
     z = ZeroSettings(stage=3)
-    p = step_partition(shape, w, 8, z)
-    assert p == 1e9 + shape.vocab * shape.hidden / 8 < shape.params() / 8
-    small = step_partition(shape, w, 8, replace(z, sub_group_size=100_000_000))
-    assert small < p
+    step = {size: estimate_deepspeed(shape, w, hw, replace(z, sub_group_size=size)).extra["optimizer_step_gib"]
+            for size in (z.sub_group_size, 10**13, 100_000_000)}
+    partition = shape.params() / 8
+    saved = (step[10**13] - step[z.sub_group_size]) * 2**30
+    assert 8 * (partition - 1e9 - shape.vocab * shape.hidden / 8) * (1 - 1e-9) <= saved <= 8 * (partition - 1e9)
+    assert step[100_000_000] < step[z.sub_group_size]
 
 
 def test_deepspeed_optimizer_section_and_sub_groups_are_read() -> None:
@@ -145,3 +150,91 @@ def test_tools_optimizer_names_decide_the_foreach_copy(tmp_path) -> None:  # noq
                        f"optim: {optim}\ncutoff_len: 1024\nper_device_train_batch_size: 1\nbf16: true\n")
         fused[optim] = read_job("llamafactory", str(cfg), JobOptions()).workload.fused_adamw
     assert fused == {"adamw_torch": False, "adamw_torch_fused": True}
+
+
+@pytest.mark.parametrize("tool, name, text", [
+    ("llamafactory", "lf.yaml", "model_name_or_path: meta-llama/Llama-3.2-1B\nstage: sft\nfinetuning_type: full\n"
+                                "cutoff_len: 512\nbf16: true\n"),
+    ("swift", "run.sh", "swift sft --model meta-llama/Llama-3.2-1B --train_type full --max_length 512\n"),
+    ("hf", "run.sh", "torchrun --nproc_per_node 1 train.py --model_name_or_path meta-llama/Llama-3.2-1B "
+                     "--bf16 True --max_seq_length 512\n"),
+])
+def test_missing_optim_is_the_trainers_default_of_its_version(tmp_path, tool: str, name: str, text: str) -> None:
+    """A job without `optim` runs the HF Trainer's default: adamw_torch_fused from transformers 4.54 on torch >= 2.8
+    (PR #37358; stepped in place, no AdamW copy), adamw_torch before (the multi-tensor copy); the plan says which
+    kernel it assumed. An `optim` the job names is read as it is."""
+    from shardfit.foreign.read import JobOptions, read_job
+
+    path = tmp_path / name
+    path.write_text(text)
+    new, old = (read_job(tool, str(path), JobOptions(transformers=v)) for v in ("4.56.2", "4.53.3"))
+    assert new.workload.fused_adamw and not new.workload.multi_tensor_step
+    assert any("adamw_torch_fused" in n and "4.56.2" in n for n in new.notes)
+    assert old.workload.multi_tensor_step and any("adamw_torch" in n and "4.53.3" in n for n in old.notes)
+    key = "--optim adamw_torch" if tool != "llamafactory" else "optim: adamw_torch"
+    path.write_text(text.rstrip("\n") + (" " if tool != "llamafactory" else "\n") + key + "\n")
+    named = read_job(tool, str(path), JobOptions(transformers="4.56.2"))
+    assert named.workload.multi_tensor_step and not any("optim not set" in n for n in named.notes)
+
+
+def test_axolotl_default_optimizer_is_fused(tmp_path) -> None:
+    """axolotl's own default optimizer is adamw_torch_fused (its PR #2293), whatever the transformers version."""
+    from shardfit.foreign.read import JobOptions, read_job
+
+    path = tmp_path / "a.yml"
+    path.write_text("base_model: meta-llama/Llama-3.2-1B\nsequence_len: 512\nbf16: true\n")
+    job = read_job("axolotl", str(path), JobOptions(transformers="4.53.3"))
+    assert job.workload.fused_adamw and any("adamw_torch_fused" in n for n in job.notes)
+    path.write_text(path.read_text() + "optimizer: adamw_torch\n")
+    assert read_job("axolotl", str(path), JobOptions()).workload.multi_tensor_step
+
+
+def test_deepspeed_torch_adam_section_plans_the_copy() -> None:
+    """An optimizer section with `torch_adam: true` makes DeepSpeed build torch's AdamW (multi-tensor on a GPU)
+    instead of FusedAdam: the step holds the copy of the sub-group even when the tool's optim is fused, as the
+    client's multi-tensor AdamW does; `fused: true` among the params steps in place."""
+    shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
+    base = {"zero_optimization": {"stage": 3}}
+    torch_adam = {**base, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
+    fused = {**base, "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True}}}
+    w = Workload(method="full", seq_len=512, grad_ckpt="full", loss="full", attention="flash", fused_adamw=True)
+    hw = parse_gpus("8xH100")
+    step = {k: estimate_deepspeed(shape, w, hw, read_deepspeed(c, "ds.json", shape.hidden).zero)
+            .extra["optimizer_step_gib"] for k, c in (("torch", torch_adam), ("fused", fused), ("own", {
+                **base, "optimizer": {"type": "AdamW"}}))}
+    client = estimate_deepspeed(shape, replace(w, fused_adamw=False), hw, read_deepspeed(base, "ds.json",
+                                                                                        shape.hidden).zero)
+    assert step["torch"] == pytest.approx(client.extra["optimizer_step_gib"], rel=1e-12)
+    assert step["fused"] == step["own"] < step["torch"]
+    job = read_deepspeed(torch_adam, "ds.json", shape.hidden)
+    assert "torch_adam" in job.keys["optimizer.params"] and "optimizer.params" not in job.not_modelled
+
+
+def test_eight_bit_adamw_has_no_copy_under_fsdp() -> None:
+    """bitsandbytes' 8-bit AdamW updates each tensor in place on every strategy: no multi-tensor copy under FSDP
+    either (the FSDP branches once planned one whenever `fused_adamw` was off)."""
+    from shardfit.plan.estimate import per_rank
+    from shardfit.strategy import get
+
+    shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
+    hw = parse_gpus("8xH100")
+    for name in ("zero2", "zero3"):
+        w = Workload(method="full", seq_len=512, grad_ckpt="full")
+        assert per_rank(shape, w, hw, get(name)).foreach == foreach_temp_bytes(shape.params(), w) / 8 > 0
+        assert per_rank(shape, replace(w, optimizer="adamw8bit"), hw, get(name)).foreach == 0
+
+
+def test_pipeline_stage_steps_only_what_it_holds() -> None:
+    """A middle pipeline stage holds neither the embedding nor the head: at its step the multi-tensor AdamW copies
+    only its blocks' parameters, so its optimizer column is the fused kernel's plus that copy, not plus a copy of
+    the whole stage-shaped model's embedding and head too."""
+    from shardfit.plan.estimate import GIB, trainable_params
+    from shardfit.plan.model_shape import ModelShape
+    from shardfit.plan.pipeline import stage_breakdown
+
+    shape = ModelShape("tiny-llama", 6, 256, 704, 8, 2, 32000, False, None)
+    w = Workload(method="full", precision="bf16", seq_len=16, micro_batch=1, grad_ckpt="full")
+    hw = parse_gpus("3x80GB")
+    foreach, fused = (stage_breakdown(shape, x, hw, 3, 1, 2) for x in (w, replace(w, fused_adamw=True)))
+    held = trainable_params(replace(shape, layers=2), w) - 2 * shape.vocab * shape.hidden
+    assert foreach.optimizer - fused.optimizer == pytest.approx(foreach_temp_bytes(held, w) / GIB, rel=1e-9)

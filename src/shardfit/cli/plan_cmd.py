@@ -35,7 +35,15 @@ from shardfit.plan.pipeline import LAYOUT_HEADER
 from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
-from shardfit.plan.workload import ATTENTIONS, LOSSES, OPTIMIZERS, QUANT_BACKENDS, Workload, workload_of
+from shardfit.plan.workload import (
+    ATTENTIONS,
+    LOSSES,
+    OPTIMIZERS,
+    QUANT_BACKENDS,
+    Workload,
+    model_workload,
+    workload_of,
+)
 from shardfit.strategy import MULTI_RANK, NAMES
 
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
@@ -44,7 +52,6 @@ if TYPE_CHECKING:  # the data readers load only for a config with a tower
 
 # `plan --model` plans what LLaMA-Factory (disable_gradient_checkpointing: false), TRL's SFTConfig
 # (gradient_checkpointing=True) and ms-swift run unless told otherwise: gradient checkpointing on.
-MODEL_DEFAULT = {"grad_ckpt": "full"}
 MODEL_DEFAULT_NOTE = ("gradient checkpointing on (--grad-ckpt full), as LLaMA-Factory, TRL and ms-swift run by "
                       "default; --grad-ckpt none plans without it")
 
@@ -418,7 +425,7 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
         cfg = load_config(args.config, check_files=False)
         shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
     elif args.model:  # the workload users of other tools run by default (MODEL_DEFAULT); the flags change it
-        w = dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT)
+        w = model_workload()
         shape, source = resolve_shape(args.model), args.model
     else:
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")

@@ -47,9 +47,13 @@ def hf_loss(version: str, fused: bool) -> str:
     Cut Cross-Entropy) never holds the full logits: closest is shardfit's chunked loss."""
     if fused:
         return "chunked"
+    return "full_shift" if _major_minor(version) in ((4, 46), (4, 47), (4, 48)) else "full"
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string; an unreadable one counts as a current release."""
     m = re.match(r"(\d+)\.(\d+)", version)
-    major, minor = (int(m.group(1)), int(m.group(2))) if m else (5, 0)
-    return "full_shift" if (major, minor) in ((4, 46), (4, 47), (4, 48)) else "full"
+    return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
 
 
 # Attention implementations by the names the tools use, onto the planner's three memory behaviours.
@@ -76,6 +80,26 @@ def multi_tensor_step(name: str) -> bool:
     (`adamw_torch_fused`, apex's), bitsandbytes' 8-bit and paged optimizers update each tensor in place (the
     planner's `fused_adamw`)."""
     return name.lower() == "adamw_torch"
+
+
+# transformers' Trainer defaults `optim` to adamw_torch_fused from 4.54 (PR #37358) when torch is 2.8 or newer;
+# before, to adamw_torch. axolotl has defaulted to adamw_torch_fused since its PR #2293 (January 2025).
+FUSED_DEFAULT_SINCE = (4, 54)
+
+
+def default_optim(given: Any, version: str, tool_default: str | None = None) -> tuple[str, str | None]:
+    """The optimizer a job runs: `given`, else the tool's own default (`tool_default`), else the default of the HF
+    Trainer of transformers `version`; with a note saying which AdamW kernel was assumed when the job names none."""
+    if given is not None:
+        return str(given), None
+    if tool_default is not None:
+        return tool_default, f"optimizer not set: the tool's default {tool_default} (AdamW stepped in place)"
+    if _major_minor(version) >= FUSED_DEFAULT_SINCE:
+        return "adamw_torch_fused", (f"optim not set: transformers {version} defaults to adamw_torch_fused with torch "
+                                     ">= 2.8 (stepped in place; an older torch runs adamw_torch, whose multi-tensor "
+                                     "step adds one fp32 copy of what each GPU trains)")
+    return "adamw_torch", (f"optim not set: transformers {version} defaults to adamw_torch (torch's multi-tensor "
+                           "AdamW: one fp32 copy of what each GPU trains at the step)")
 
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")

@@ -77,6 +77,16 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _torch_adam_foreach(kind: Any, params: Any) -> bool:
+    """Whether an Adam/AdamW section (`kind` its type) has params that make DeepSpeed build torch's AdamW instead
+    of its FusedAdam (`torch_adam: true`, runtime/engine.py `_configure_basic_optimizer`) with torch's default
+    kernel on a GPU, the multi-tensor one (not `fused: true`, nor `foreach: false`)."""
+    if str(kind).lower() not in ("adam", "adamw") or not isinstance(params, dict) or \
+            _enabled(params.get("torch_adam", False)) is not True:
+        return False
+    return _enabled(params.get("fused", False)) is not True and _enabled(params.get("foreach", True)) is not False
+
+
 def _number(v: Any, auto: float, key: str, where: str) -> int:
     if v == "auto":
         return int(auto)
@@ -131,7 +141,8 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
         sub_group_size=_number(get("zero_optimization.sub_group_size", SUB_GROUP), SUB_GROUP,
                                "zero_optimization.sub_group_size", where),
         # an optimizer section: DeepSpeed builds its own optimizer instead of stepping the tool's
-        ds_optimizer=get("optimizer.type") is not None,
+        ds_optimizer=get("optimizer.type") is not None, torch_adam=_torch_adam_foreach(get("optimizer.type"),
+                                                                             get("optimizer.params")),
     )
     precision = "bf16" if _enabled(get("bf16.enabled")) else "fp16" if _enabled(get("fp16.enabled")) else None
     if get("bf16.enabled") is False and get("fp16.enabled") in (False, None):
@@ -151,7 +162,9 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
         text = json.dumps(value) if not isinstance(value, str) else value
         if value == "auto" and key in resolved:
             text = f"auto = {resolved[key]:,}"
-        if key in MODELLED and not (key == "optimizer.type" and optimizer is None):
+        if key == "optimizer.params" and zero.torch_adam:
+            job.keys[key] = f"{text} (torch_adam: torch AdamW's multi-tensor step, one fp32 copy of the partition)"
+        elif key in MODELLED and not (key == "optimizer.type" and optimizer is None):
             job.keys[key] = text
         elif key in NO_MEMORY_EFFECT or key.split(".")[0] in NO_MEMORY_EFFECT:
             job.keys[key] = f"{text} (no effect on memory)"

@@ -7,7 +7,14 @@ from pathlib import Path
 
 from shardfit.errors import UserError
 from shardfit.foreign.axolotl import read_axolotl
-from shardfit.foreign.common import hf_loss, parse_json, read_text, transformers_version
+from shardfit.foreign.common import (
+    default_optim,
+    hf_loss,
+    multi_tensor_step,
+    parse_json,
+    read_text,
+    transformers_version,
+)
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
 from shardfit.foreign.job import TOOLS, ForeignJob, Words
@@ -78,9 +85,11 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
     shape = _shape_of(opts.model)
     raw = parse_json(read_text(path), str(path))
     ds = read_deepspeed(raw, str(path), shape.hidden)
+    optim, assumed = default_optim(None, version) if not ds.zero.ds_optimizer else ("adamw_torch_fused", None)
     w = Workload(method=opts.method or "full", precision=ds.precision or "bf16", seq_len=opts.seq or 2048,
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
-                 loss=hf_loss(version, False), attention="sdpa", grad_accum=ds.grad_accum or 1)
+                 loss=hf_loss(version, False), attention="sdpa", grad_accum=ds.grad_accum or 1,
+                 fused_adamw=not multi_tensor_step(optim))
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
                                          "{device: cpu}"},
@@ -90,4 +99,6 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                      keys=ds.keys, not_modelled=ds.not_modelled, words=words)
     job.notes.append("gradient checkpointing assumed on (the training script decides; pass --grad-ckpt none to plan "
                      "without)")
+    if assumed:  # no optimizer section: the script's optimizer steps, planned as the HF Trainer's default
+        job.notes.append(assumed)
     return job

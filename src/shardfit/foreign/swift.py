@@ -15,6 +15,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    default_optim,
     hf_loss,
     local_file,
     multi_tensor_step,
@@ -205,10 +206,12 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     if "max_length" not in src:
         job.notes.append("--max_length not given: ms-swift then uses the model's context; planned at 2048 tokens "
                          "(pass --seq to plan another)")
+    optim, assumed = default_optim(src.get("optim"), version)
+    if assumed:
+        job.notes.append(assumed)
     return Workload(method=method, precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
-                    optimizer=optimizer(src.get("optim", "adamw_torch")) or "adamw",
-                    fused_adamw=not multi_tensor_step(str(src.get("optim", "adamw_torch"))),
+                    optimizer=optimizer(optim) or "adamw", fused_adamw=not multi_tensor_step(optim),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
                     **settings(src, KEYS, "field"))
 

@@ -81,6 +81,9 @@ class ZeroSettings:
     # offload), whose step allocates nothing. Without one the tool's optimizer steps the partitions (the HF
     # Trainer's torch AdamW), with torch's temporaries (`step_bytes`).
     ds_optimizer: bool = False
+    # The section's Adam/AdamW has `torch_adam: true`: DeepSpeed builds torch's AdamW instead of FusedAdam
+    # (runtime/engine.py `_configure_basic_optimizer`), multi-tensor on a GPU, whatever the tool's `optim` says.
+    torch_adam: bool = False
 
     @property
     def strategy(self) -> str:
@@ -136,7 +139,6 @@ class ZeroMemory:
     bwd_temp: float
     states: float = 0.0  # fp32 masters and moments
     grad_part: float = 0.0  # the reduced 16-bit gradient partition
-    grad32: float = 0.0  # the fp32 gradient the optimizer step reads
     staging: float = 0.0  # ZeRO-1/2 offload's GPU staging buffer, allocated once
     host: float = 0.0
     host_optimizer: float = 0.0
@@ -216,7 +218,7 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
         m = ZeroMemory(model_bytes, 0.0, block_grads)  # the whole model on every rank
     master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
     moments = 2 * 4 * t / n if w.optimizer == "adamw" else 2 * t / n
-    m.states, m.grad_part, m.grad32 = master + moments, low * t / n, 4 * t / n
+    m.states, m.grad_part = master + moments, low * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)
     return m
@@ -247,13 +249,13 @@ def step_bytes(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroM
     16-bit partition before the step itself. A client torch AdamW (no optimizer section in the JSON,
     `ds_optimizer` off: the HF Trainer's `adamw_torch`, multi-tensor on a GPU) then allocates
     `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one fp32 copy of the partition (torch/optim/adam.py
-    `_multi_tensor_adam`); DeepSpeed's FusedAdam, torch's fused kernel (`fused_adamw`) and 8-bit AdamW update in
-    place."""
+    `_multi_tensor_adam`), as does an optimizer section's torch AdamW (`torch_adam`); DeepSpeed's FusedAdam, torch's
+    fused kernel (`fused_adamw`) and 8-bit AdamW update in place."""
     if z.offload_optimizer:
         return g_rest, 0.0
     p = step_partition(shape, w, n, z)
     low = compute_bytes(w)
-    foreach = w.optimizer == "adamw" and not (z.ds_optimizer or w.fused_adamw)
+    foreach = z.torch_adam if z.ds_optimizer else w.multi_tensor_step
     temp = 4 * p if foreach else 0.0
     if z.stage == 3:
         return g_rest + 4 * p, max(temp, low * p)
@@ -277,9 +279,12 @@ def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, 
     partition on the host."""
     low = compute_bytes(w)
     t = trainable_params(shape, w)
-    m.host += states + m.grad32
-    m.host_optimizer = states + m.grad32
-    m.states = m.grad32 = 0.0
+    # The whole partition's fp32 gradient, kept on the host for the CPU step (on the GPU the step makes one
+    # sub-group's at a time: `step_bytes`)
+    grad32 = 4 * t / n
+    m.host += states + grad32
+    m.host_optimizer = states + grad32
+    m.states = 0.0
     if z.stage == 3:
         m.host += m.grad_part
         m.grad_part = 0.0

@@ -704,7 +704,7 @@ class PerRank:
     optimizer: float
     cpu: float = 0.0
     layers: int = 0
-    foreach: float = 0.0  # the multi-tensor AdamW's temporary (DTensor shards without `fused_adamw`)
+    foreach: float = 0.0  # the multi-tensor AdamW's copy of what this rank steps (`foreach_temp_bytes`)
     fwd_temp: float = 0.0
     bwd_temp: float = 0.0
     persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
@@ -731,8 +731,10 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     # FSDP1 runs wrap the decoder blocks only (Lightning's {Block}, accelerate's TRANSFORMER_BASED_WRAP), so an
     # untied input embedding is in the root unit, which FSDP1 never frees after forward (torch/distributed/fsdp/
     # _runtime_utils.py `_post_forward_reshard`: "Do not free the root's parameters in the post-forward for
-    # FULL_SHARD"): gathered from the first forward to the end of backward, once (FSDP1 gathers into the flat
-    # parameter itself).
+    # FULL_SHARD"; the root's pre-backward unshard then finds it gathered): held from the first forward to the
+    # root's post-backward reshard, once (FSDP1 gathers into the flat parameter itself). Forward adds it to
+    # FSDP2's layout, which frees the embedding unit after it runs; backward already counts one embedding (FSDP2
+    # gathers its unit again for its gradient), which under FSDP1 is this same copy.
     embedding_in_root = own_embedding_16 if w.fsdp1 else 0
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
@@ -745,16 +747,17 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
         r.bwd_temp = layer_grads
-        r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
+        r.foreach = foreach_temp_bytes(t_all, w) / n
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
-        # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients.
-        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16 + embedding_in_root
-        r.foreach = 0.0 if w.fused_adamw else t_all * trainable_bytes(w) / n
+        # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients;
+        # an untied embedding once (FSDP2 gathers its unit again, FSDP1's root still holds it: embedding_in_root).
+        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        r.foreach = foreach_temp_bytes(t_all, w) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
             weights = grads = optim = r.foreach = 0.0
@@ -781,7 +784,7 @@ def foreach_temp_bytes(params: float, w: Workload) -> float:
     allocates over a param group of `params` plain tensors: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`,
     one copy of the group in the states' dtype, alive until the update (torch/optim/adam.py `_multi_tensor_adam`).
     The fused kernel (`fused_adamw`) and 8-bit AdamW (bitsandbytes, per tensor in place) allocate none."""
-    return 0.0 if w.fused_adamw or w.optimizer != "adamw" else params * trainable_bytes(w)
+    return params * trainable_bytes(w) if w.multi_tensor_step else 0.0
 
 
 def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float, float]:

@@ -62,6 +62,7 @@ from shardfit.plan.estimate import (
     checkpointed_block_bytes_per_token,
     compute_bytes,
     estimate,
+    foreach_temp_bytes,
     head_weight_bytes,
     image_activation_bytes,
     trainable_bytes,
@@ -235,7 +236,9 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     name = strategy if dp > 1 else "single"
     s = strategies.get(name)
     stage_shape = dataclasses.replace(shape, layers=blocks)
-    b = dataclasses.replace(estimate(stage_shape, w, stage_hardware(hw, dp), name).per_gpu_gib)
+    whole = estimate(stage_shape, w, stage_hardware(hw, dp), name)
+    b = dataclasses.replace(whole.per_gpu_gib)
+    step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor AdamW's copy of what it steps
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
@@ -254,9 +257,10 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
         b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params else 0.0
     for params, trained in parts:
         wt, g, o = _part_gib(params, trained, w)
+        copy = foreach_temp_bytes(params, w) / GIB if trained and step_copy else 0.0
         b.weights -= wt / (dp if s.shards_params else 1)
         b.grads -= g / (dp if s.shards_grads else 1)
-        b.optimizer -= o / (dp if s.shards_optimizer else 1)
+        b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)
     held_by_pipeline(b, w, s, dp)
     in_flight = min(stages - stage, w.grad_accum)
     held = activation_bytes(stage_shape, w, blocks, name) if w.grad_ckpt == "none" else \

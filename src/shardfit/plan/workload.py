@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardfit import method as methods
@@ -144,8 +145,9 @@ class Workload:
     # Times per micro-batch the host waits for the device (a value read back, a data-dependent size): 0 on
     # shardfit's training path (tests/test_host_syncs.py); plan/timing.py `host_sync_s`.
     host_syncs: float = 0.0
-    # AdamW's fused kernel for FSDP2's DTensor shards too (shardfit's runs, train/optim.py): no multi-tensor
-    # temporary. False: the foreach kernel torch picks by default (plan/estimate.py `PerRank.foreach`).
+    # AdamW's fused kernel, on plain tensors and FSDP2's DTensor shards alike (shardfit's runs, train/optim.py;
+    # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
+    # default on a GPU, one copy of what it steps (plan/estimate.py `foreach_temp_bytes`).
     fused_adamw: bool = False
     # peft casts each fp32 adapter's input to fp32 first, which autocast casts back to 16 bits and keeps for the
     # adapter's backward: a 16-bit copy of the input of every adapted layer (peft's default; the HF Trainer, TRL,
@@ -157,6 +159,12 @@ class Workload:
     def bnb(self) -> bool:
         """QLoRA's weights dequantized by bitsandbytes (`quant_backend: bnb`, or Lightning's plugin)."""
         return self.method == "qlora" and (self.quant_backend == "bnb" or self.bnb_precision)
+
+    @property
+    def multi_tensor_step(self) -> bool:
+        """AdamW stepped by torch's multi-tensor kernel (`foreach`, torch's default on a GPU), which allocates one
+        copy of what it steps (plan/estimate.py `foreach_temp_bytes`); the fused kernel and 8-bit AdamW do not."""
+        return self.optimizer == "adamw" and not self.fused_adamw
 
     @property
     def trains_adapters(self) -> bool:
@@ -206,6 +214,16 @@ def workload_of(cfg: Config) -> Workload:
                     # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
                     static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
                     fused_adamw=True, adapter_input_casts=False)
+
+
+# What `shardfit plan --model` and the UI's plan page change of a default config: the workload users of other tools
+# run by default (LLaMA-Factory, TRL and ms-swift checkpoint), on shardfit's own kernels (`workload_of`).
+MODEL_DEFAULT = {"grad_ckpt": "full"}
+
+
+def model_workload() -> Workload:
+    """The workload planned for a model named without a config: a default config's, with MODEL_DEFAULT."""
+    return dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT)
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:

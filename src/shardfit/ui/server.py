@@ -30,10 +30,10 @@ from shardfit.config import load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS
 from shardfit.errors import UserError
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.plan import make_plan
+from shardfit.plan.plan import Plan, make_plan
 from shardfit.plan.render import plot
 from shardfit.plan.shapes import catalog, resolve_shape
-from shardfit.plan.workload import Workload
+from shardfit.plan.workload import model_workload
 from shardfit.report.build import finished, make_report
 from shardfit.ui import pages
 from shardfit.ui.guard import (
@@ -103,13 +103,17 @@ class UI:
         return sorted(p for p in self.runs_root.iterdir() if (p / "metrics.jsonl").is_file()
                       or (p / "config.yaml").is_file())
 
-    def plan(self, q: dict[str, str]) -> str:
-        """The plan page for the form's values."""
-        w = dataclasses.replace(Workload(), method=_choice(q, "method", METHODS, "lora"), precision="bf16",
+    def plan_of(self, q: dict[str, str]) -> Plan:
+        """The plan for the form's values: `shardfit plan --model` with the same flags (its workload, its kernels)."""
+        w = dataclasses.replace(model_workload(), method=_choice(q, "method", METHODS, "lora"), precision="bf16",
                                 seq_len=_int(q, "seq", 2048), micro_batch=_int(q, "batch", 1),
                                 grad_ckpt=_choice(q, "grad_ckpt", GRAD_CKPT, "full"))
         shape = resolve_shape(q.get("model", "").strip())
-        plan = make_plan(shape, w, parse_gpus(q.get("gpus", "1x24GB"), _int(q, "nodes", 1)))
+        return make_plan(shape, w, parse_gpus(q.get("gpus", "1x24GB"), _int(q, "nodes", 1)))
+
+    def plan(self, q: dict[str, str]) -> str:
+        """The plan page for the form's values."""
+        plan = self.plan_of(q)
         with tempfile.TemporaryDirectory() as tmp, self.drawing:
             plot(plan, f"{tmp}/plan.png")
             png = base64.b64encode(Path(tmp, "plan.png").read_bytes()).decode()
