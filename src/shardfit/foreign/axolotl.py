@@ -13,11 +13,10 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
-    default_optim,
     hf_loss,
     local_file,
-    multi_tensor_step,
     optimizer,
+    optimizer_keys,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -200,11 +199,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
         "cut_cross_entropy")
     flash = src.flag("flash_attention") or src.flag("flex_attention")
     gc = src.get("gradient_checkpointing", False)
-    optim, assumed = default_optim(src.get("optimizer"), version, "adamw_torch_fused")
-    if assumed:
-        job.notes.append(assumed)
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
-                    optimizer=optimizer(optim) or "adamw", fused_adamw=not multi_tensor_step(optim),
+                    **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
                         "eager_attention") else "sdpa", frozen_fp32=method == "qlora", quant_backend="bnb",
                     **settings(src, KEYS, "field"))

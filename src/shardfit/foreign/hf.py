@@ -17,11 +17,10 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
-    default_optim,
     hf_loss,
     local_file,
-    multi_tensor_step,
     optimizer,
+    optimizer_keys,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -238,12 +237,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
     if not any(k in src for k in SEQ_KEYS):
         job.notes.append("no sequence length among the arguments: planned at 2048 tokens (pass --seq)")
-    optim, assumed = default_optim(src.get("optim"), version)
-    if assumed:
-        job.notes.append(assumed)
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "false") else "none",
-                    optimizer=optimizer(optim) or "adamw", fused_adamw=not multi_tensor_step(optim),
+                    **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=ATTENTION.get(src.get("attn_implementation", "sdpa"), "sdpa"), frozen_fp32=q,
                     quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'

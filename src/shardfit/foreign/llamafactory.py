@@ -15,11 +15,10 @@ from shardfit.foreign.common import (
     TRAINER_NO_EFFECT,
     as_float,
     as_int,
-    default_optim,
     hf_loss,
     local_file,
-    multi_tensor_step,
     optimizer,
+    optimizer_keys,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -227,12 +226,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     if attn not in ATTENTION:
         raise UserError(f"{src.at('flash_attn')}: 'flash_attn' is {attn!r}; LLaMA-Factory's are auto, disabled, sdpa, "
                         f"fa2.")
-    optim, assumed = default_optim(src.get("optim"), version)
-    if assumed:
-        job.notes.append(assumed)
     return Workload(method=method, precision=precision,
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
-                    optimizer=optimizer(optim) or "adamw", fused_adamw=not multi_tensor_step(optim),
+                    **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
                     **settings(src, KEYS, "field"))

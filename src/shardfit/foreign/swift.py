@@ -15,11 +15,10 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
-    default_optim,
     hf_loss,
     local_file,
-    multi_tensor_step,
     optimizer,
+    optimizer_keys,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -206,12 +205,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     if "max_length" not in src:
         job.notes.append("--max_length not given: ms-swift then uses the model's context; planned at 2048 tokens "
                          "(pass --seq to plan another)")
-    optim, assumed = default_optim(src.get("optim"), version)
-    if assumed:
-        job.notes.append(assumed)
     return Workload(method=method, precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
-                    optimizer=optimizer(optim) or "adamw", fused_adamw=not multi_tensor_step(optim),
+                    **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
                     **settings(src, KEYS, "field"))
 
