@@ -351,6 +351,18 @@ def _resumed_on_another_layout(tmp: Path, model: Path, data: Path, saved: str, r
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the resolver and stage tests above hold its ground without launching ranks
+def test_a_named_zero3_over_lone_stages_trains_as_ddp_under_autocast(tmp_path: Path, tiny_qwen2: Path,
+                                                                      small_data: Path) -> None:
+    """strategy: zero3, 2 stages on 2 ranks, bf16: the run is ddp per stage under autocast, and says why."""
+    run = _run(tmp_path, tiny_qwen2, small_data, "pp", "--nproc", "2", pipeline_parallel=2, strategy="zero3",
+               precision="bf16", max_steps=2, save_steps=100, eval_steps=100)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["strategy"], summary["resolved"]["autocast"]) == ("ddp", "bf16")
+    assert summary["resolved"]["why"][0].startswith("strategy zero3 -> ddp: zero3 over one rank per pipeline stage")
+
+
+@pytest.mark.slow
 def test_two_stages_resume_under_zero3(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
     """Saved by 2 pipeline stages, resumed with zero3 on 2 ranks: each stage's share of the weights and AdamW
     moments lands in FSDP2's shards by name, with the schedule's step and the data position."""

@@ -156,7 +156,7 @@ def _lone_stages(cfg: Config, plan: Plan | None, stages: int, nnodes: int) -> tu
     only where the plan predicts the stages fit there (or force: true); else a UserError naming the fixes."""
     name = cfg.strategy
     note = (f"strategy {name} -> ddp: {name} over {LONE_STAGE} shards nothing; running each stage as ddp "
-            "(under autocast, as the plan plans the stages)")
+            "(computing as one process does, under the job's autocast, as the plan plans the stages)")
     if not strategies.get(name).offload:
         return "ddp", stages // nnodes, [note]
     shape = None
@@ -175,6 +175,7 @@ def _lone_stages(cfg: Config, plan: Plan | None, stages: int, nnodes: int) -> tu
                     f"{held}, predicted not to fit: set pipeline_parallel: 1 ({name} over every rank), or "
                     f"strategy: zero3 with more stages (pipeline_parallel and --nproc), grad_ckpt: full, or a smaller "
                     f"micro_batch or max_seq_len (see `shardfit plan`).")
+
 
 # How the reason of auto's pipeline begins (`plan --config` prints it under the job's line).
 PIPE_WHY = "pipeline_parallel auto"
