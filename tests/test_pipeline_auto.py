@@ -77,6 +77,50 @@ def test_one_rank_per_stage_runs_as_ddp_under_autocast() -> None:
     assert any(w.startswith("strategy auto -> ddp: one rank per pipeline stage") for w in job.why)
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
+def test_a_named_sharded_strategy_over_one_rank_per_stage_runs_as_ddp(strategy: str) -> None:
+    """A sharded strategy the config names over a pipeline of one rank per stage shards nothing and, left on the
+    stage, would drop autocast (FSDP2's mixed precision never wraps a lone stage): the resolver runs each stage as
+    ddp under autocast, says so, and the job, its plan and check's stage verdict are those of strategy: ddp."""
+    job, plan = resolve_job(_seed_002(strategy=strategy, pipeline_parallel=8), RTX, GPU, nproc=8)
+    assert (job.strategy, job.autocast, job.dims.stage_ranks) == ("ddp", "bf16", 1)
+    assert job.why[0].startswith(f"strategy {strategy} -> ddp: {strategy} over one rank per pipeline stage shards "
+                                 "nothing; running each stage as ddp")
+    assert ("not offloaded to host memory" in job.why[0]) == (strategy == "zero3_offload")
+    ddp, ddp_plan = resolve_job(_seed_002(strategy="ddp", pipeline_parallel=8), RTX, GPU, nproc=8)
+    assert dataclasses.replace(job, why=()) == dataclasses.replace(ddp, why=())
+    assert plan.to_json() == ddp_plan.to_json()
+    assert pipeline_plan_rules(settled(_seed_002(strategy=strategy, pipeline_parallel=8), job), plan,
+                               job.strategy) == []
+
+
+def test_an_offload_strategy_whose_lone_stages_do_not_fit_is_refused() -> None:
+    """zero3_offload over one rank per stage keeps each stage on its GPU (no host offload through the schedule):
+    where the plan predicts a stage does not fit there (no checkpointing), exit 2 naming the keys and the fixes;
+    with force: true it runs as ddp and says it is predicted not to fit."""
+    cfg = _seed_002(strategy="zero3_offload", pipeline_parallel=8, grad_ckpt="none")
+    with pytest.raises(UserError) as e:
+        resolve_job(cfg, RTX, GPU, nproc=8)
+    assert e.value.exit_code == 2
+    assert "strategy: zero3_offload with pipeline_parallel: 8 on 8 ranks" in str(e.value)
+    assert "set pipeline_parallel: 1" in str(e.value) and "grad_ckpt: full" in str(e.value)
+    job, _ = resolve_job(dataclasses.replace(cfg, force=True), RTX, GPU, nproc=8)
+    assert job.strategy == "ddp" and job.autocast == "bf16" and "predicted NOT to fit" in job.why[0]
+
+
+def test_plan_shows_the_lone_stages_run_as_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan CONFIG` of strategy: zero3 over 8 stages on 8 GPUs shows the job train runs (ddp under autocast)
+    and why."""
+    (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "there"}\n')
+    path = tmp_path / "zero3.yaml"
+    path.write_text(f"model: {SEED_002}\ndata: {tmp_path / 'd.jsonl'}\nmethod: lora\nmax_seq_len: 2048\n"
+                    "micro_batch: 1\ngrad_accum: 16\ngrad_ckpt: full\nstrategy: zero3\npipeline_parallel: 8\n")
+    assert main(["plan", str(path), "--gpus", "8x24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "job: strategy ddp, method lora, 8 processes (8 stages, data over 1) on cuda, bf16 (autocast)" in out
+    assert "\n  strategy zero3 -> ddp: zero3 over one rank per pipeline stage shards nothing" in out
+
+
 @pytest.mark.parametrize("cfg,nproc", [
     (_seed_002(pipeline_parallel=1), 8),  # no pipeline asked for
     (_seed_002(strategy="zero3_offload"), 8),  # a strategy named: the user's layout
@@ -250,3 +294,34 @@ def test_a_stage_predicted_not_to_fit_exits_3() -> None:
     assert e.value.exit_code == 3 and "pipeline_parallel: 2" in str(e.value)
     refuse_stage_oom(pipeline_plan_rules(settled(_seed_002(pipeline_parallel=2, force=True), job), plan,
                                          job.strategy))  # forced: a warning, the run starts
+
+
+@pytest.mark.parametrize("model,family", [("mistralai/Mistral-7B-v0.1", "MistralConfig"),
+                                          ("google/gemma-2-2b", "Gemma2Config"), ("google/gemma-2-9b", "Gemma2Config"),
+                                          ("google/gemma-2-27b", "Gemma2Config")])
+def test_the_catalogs_sliding_windows_are_the_built_models(model: str, family: str) -> None:
+    """The catalog's window and sliding blocks are what transformers builds the family with (its defaults are the
+    published configs': Mistral-7B-v0.1's 4096 on every block, Gemma 2's 4096 on every other), so the planner's
+    rules read what the rank reads on the built model, and refuse the same layouts."""
+    import transformers
+
+    from shardfit.plan.shapes import resolve_shape
+    from shardfit.resolve import pipeline as pipelines
+    from shardfit.resolve import sequence
+
+    shape = resolve_shape(model)
+    built = getattr(transformers, family)(num_hidden_layers=shape.layers)
+    types = getattr(built, "layer_types", None) or ["sliding_attention"] * shape.layers
+    assert (shape.sliding_window, shape.sliding_layers) == (built.sliding_window, types.count("sliding_attention"))
+    assert pipelines.facts_of_shape(shape).partial_attention and pipelines.facts_of_config(built).partial_attention
+    assert sequence.facts_of_shape(shape).partial_attention and sequence.facts_of_config(built).partial_attention
+
+
+@pytest.mark.parametrize("model,seq", [("mistralai/Mistral-7B-v0.1", 65536), ("google/gemma-2-9b", 32768)])
+def test_auto_never_splits_the_rows_of_a_sliding_window_model(model: str, seq: int) -> None:
+    """One row of `seq` tokens fits no strategy on a 24 GB card; split over ranks it would, but the rank refuses to
+    split (or cut) a model with sliding windows: auto stops with exit 3, not with a split the rank then refuses."""
+    cfg = dataclasses.replace(Config(), model=model, max_seq_len=seq, method="lora", micro_batch=1, grad_accum=16,
+                              grad_ckpt="full")
+    with pytest.raises(DoesNotFitError):
+        resolve_job(cfg, RTX, GPU, nproc=8)

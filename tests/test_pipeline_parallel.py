@@ -153,6 +153,33 @@ def test_stages_in_turn_give_the_whole_models_hidden_states(arch: str, packed: b
     assert stages[1].model.model.embed_tokens is None and stages[1].model.lm_head is None
 
 
+@pytest.mark.parametrize("strategy", ["zero3", "zero3_offload"])
+def test_a_named_sharded_strategy_over_lone_stages_computes_under_autocast(strategy: str) -> None:
+    """strategy: zero3 (or zero3_offload) with as many stages as ranks: the stage as train builds it from the
+    resolved job (its strategy over the stage's one rank, the pipeline's autocast) computes in bf16, as one process
+    under autocast does, not in the fp32 of an unwrapped stage that FSDP2's mixed precision never reached."""
+    from shardfit import strategy as strategies
+    from shardfit.dtypes import DTYPES
+    from shardfit.parallel.layout import Layout
+    from shardfit.parallel.parallelize import parallelize
+    from shardfit.plan.hardware import parse_gpus
+    from shardfit.resolve import DeviceFacts, resolve_job
+    from shardfit.train.pipeline import PipelineRun
+
+    cfg = _cfg(model="Qwen/Qwen2.5-0.5B-Instruct", strategy=strategy, method="lora")
+    job, _ = resolve_job(cfg, parse_gpus("2x24GB", 1, None), DeviceFacts("cuda", True), nproc=2)
+    cpu = torch.device("cpu")
+    stage = cut(_tiny("qwen2"), 0, 2)
+    PipelineRun([stage], Layout(dp=1, dp_rank=0, pp=2), cpu, 64, DTYPES[job.autocast] if job.autocast else None)
+    module = parallelize(stage, strategies.get(job.strategy), device=cpu, world=job.dims.stage_ranks,
+                         precision=job.precision)
+    seen: list[torch.dtype] = []  # the residual stream stays fp32 under autocast: the projections' outputs tell
+    stage.model.model.layers["0"].mlp.down_proj.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    with torch.no_grad():
+        module(torch.randint(0, 128, (2, 12)), torch.arange(12).repeat(2, 1))
+    assert module is stage and seen == [torch.bfloat16]
+
+
 def test_looped_stages_in_turn_give_the_whole_models_hidden_states() -> None:
     """2 ranks x 2 stages each of a five-block Qwen2 (stages 0-3: blocks 0-1, 2, 3, 4): rank 0 holds stages 0 and 2
     with the embedding, rank 1 stages 1 and 3 with the final norm and head; run in stage order they give the whole
@@ -321,6 +348,18 @@ def _resumed_on_another_layout(tmp: Path, model: Path, data: Path, saved: str, r
     assert got == pytest.approx(ref, rel=1e-5)
     _same_weights(single / "adapter" / "adapter_model.safetensors",
                   tmp / "moved" / "adapter" / "adapter_model.safetensors", 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # the resolver and stage tests above hold its ground without launching ranks
+def test_a_named_zero3_over_lone_stages_trains_as_ddp_under_autocast(tmp_path: Path, tiny_qwen2: Path,
+                                                                      small_data: Path) -> None:
+    """strategy: zero3, 2 stages on 2 ranks, bf16: the run is ddp per stage under autocast, and says why."""
+    run = _run(tmp_path, tiny_qwen2, small_data, "pp", "--nproc", "2", pipeline_parallel=2, strategy="zero3",
+               precision="bf16", max_steps=2, save_steps=100, eval_steps=100)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["strategy"], summary["resolved"]["autocast"]) == ("ddp", "bf16")
+    assert summary["resolved"]["why"][0].startswith("strategy zero3 -> ddp: zero3 over one rank per pipeline stage")
 
 
 @pytest.mark.slow
