@@ -89,7 +89,10 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
 
 
 def sliding_layers(text: dict[str, Any], layers: int) -> tuple[int, int]:
-    """(window, blocks that attend within it): `layer_types`, Gemma's every-Nth-global pattern, or Qwen's switch."""
+    """(window, blocks that attend within it): `layer_types`, Gemma's every-Nth-global pattern, or Qwen's switch;
+    for Llama 4's chunked attention, the chunk and the chunked blocks."""
+    if text.get("attention_chunk_size"):
+        return text["attention_chunk_size"], chunked_layers(text, layers)
     window = text.get("sliding_window") or 0
     if not window:
         return 0, 0
@@ -98,6 +101,17 @@ def sliding_layers(text: dict[str, Any], layers: int) -> tuple[int, int]:
     if text.get("sliding_window_pattern"):
         return window, layers - layers // int(text["sliding_window_pattern"])
     return (window, layers) if text.get("use_sliding_window") else (0, 0)
+
+
+def chunked_layers(text: dict[str, Any], layers: int) -> int:
+    """How many blocks of a Llama 4 config attend within chunks: its `layer_types`, else its `no_rope_layers` (1: a
+    RoPE block, which chunks), else transformers' Llama4TextConfig rule (every `no_rope_layer_interval`-th block,
+    4 by default, attends to the whole row; the published configs leave both lists out)."""
+    if isinstance(text.get("layer_types"), list):
+        return sum(t == "chunked_attention" for t in text["layer_types"])
+    if text.get("no_rope_layers"):
+        return sum(bool(x) for x in text["no_rope_layers"])
+    return layers - layers // int(text.get("no_rope_layer_interval") or 4)
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
