@@ -65,3 +65,42 @@ def test_every_kept_config_reads_as_its_built_model(model: str) -> None:
     built = hf_config(shape)
     assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
     assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
+
+
+SMALL = dict(num_hidden_layers=12, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+# config.json files as their families publish them: the window, and the layout left to the class (Mistral-7B-v0.1,
+# Phi-3 4k, Gemma 2, Gemma 3's 4b text_config) or switched by Qwen's use_sliding_window.
+LOCAL = [
+    ("mistral", dict(sliding_window=4096)),
+    ("phi3", dict(sliding_window=2047)),
+    ("gemma2", dict(sliding_window=4096, head_dim=16)),
+    ("gemma3_text", dict(sliding_window=1024, head_dim=16)),
+    ("gemma3_text", dict(sliding_window=512, sliding_window_pattern=6, head_dim=16)),
+    ("cohere2", dict(sliding_window=4096)),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=False, max_window_layers=12)),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=4)),
+    ("qwen3", dict(sliding_window=4096)),
+    ("mixtral", dict(sliding_window=None, num_local_experts=4)),
+]
+
+
+@pytest.mark.parametrize("model_type,keys", LOCAL, ids=[f"{t}-{i}" for i, (t, _) in enumerate(LOCAL)])
+def test_a_local_config_json_reads_its_windows_as_transformers_builds_them(model_type: str,
+                                                                           keys: dict[str, Any]) -> None:
+    """A model planned from its own config.json (a local folder, not the catalog) gets the windows transformers'
+    class builds from that file, where the file leaves the layout to the class's defaults: the planner's rules
+    refuse what the rank refuses and allow what it allows."""
+    from transformers import AutoConfig
+
+    from shardfit.plan.config_shape import shape_from_config
+
+    cfg = dict(SMALL, model_type=model_type, **keys)
+    shape = shape_from_config(cfg, "local")
+    built = AutoConfig.for_model(**cfg)
+    types = getattr(built, "layer_types", None) or \
+        ["sliding_attention" if built.sliding_window else "full_attention"] * built.num_hidden_layers
+    assert shape.sliding_layers == types.count("sliding_attention")
+    assert shape.sliding_window == (cfg["sliding_window"] if shape.sliding_layers else 0)
+    assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
+    assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
