@@ -1,12 +1,16 @@
-"""The caching allocator's reserve, refitted from public OOM messages (bench/allocator_reserve.yaml).
+"""The caching allocator's two fractions, refitted from public logs (bench/allocator_reserve.yaml).
 
-Each case is PyTorch's own report at a failed allocation of a training run: the memory allocated, the memory
-reserved but unallocated (what the allocator kept after freeing every cached segment it could; PyTorch frees them
-and retries before it raises), and the request that failed. The reserve a full card cannot give back is compared
-with the tensor peak the step was reaching, allocated + request. The planner's fraction
-(shardfit.plan.estimate.ALLOCATOR_RESERVE) is the median of that ratio over the cases, rounded to 0.1 %: each run
-counts once, as each run's error does in the planner's own figures. Prints the fit and the distribution it comes
-from (by request size, card size, message format, expandable_segments), and the successful peaks for contrast.
+The reserve that decides a fit, from OOM messages (`cases`). Each case is PyTorch's own report at a failed
+allocation of a training run: the memory allocated, the memory reserved but unallocated (what the allocator kept
+after freeing every cached segment it could; PyTorch frees them and retries before it raises), and the request that
+failed. The reserve a full card cannot give back is compared with the tensor peak the step was reaching, allocated +
+request. The planner's fraction (shardfit.plan.estimate.ALLOCATOR_RESERVE) is the median of that ratio over the
+cases, rounded to 0.1 %: each run counts once, as each run's error does in the planner's own figures.
+
+The cache a successful run reads, from logs of runs that did not fail (`successful_runs`): max_memory_reserved() /
+max_memory_allocated() - 1. The planner's fraction (shardfit.plan.estimate.ALLOCATOR_CACHE) is its median over the
+runs not near their card, to 0.1 %; a run near its card shows the cap (the allocator frees cache before it fails),
+not the cache. Prints both fits and the distributions they come from.
 
     python bench/allocator_reserve.py
 """
@@ -20,12 +24,14 @@ from pathlib import Path
 import yaml
 
 DATA = Path(__file__).resolve().parent / "allocator_reserve.yaml"
+# A run whose max reserved passes this share of its card's stated capacity is near its card.
+NEAR_CARD = 0.9
 # A failed request of this size or more is a large allocation (the fp32 logits of a long sequence, a batch of images).
 LARGE_REQUEST_GIB = 1.0
 
 
 def load(path: Path = DATA) -> dict:
-    """The YAML's cases and successful peaks."""
+    """The YAML's OOM cases and successful runs."""
     return yaml.safe_load(path.read_text())
 
 
@@ -37,6 +43,22 @@ def reserve_ratio(case: dict) -> float:
 def fit(cases: list[dict]) -> float:
     """The planner's reserve fraction: the median ratio, to 0.1 %."""
     return round(statistics.median(reserve_ratio(c) for c in cases), 3)
+
+
+def cache_ratio(run: dict) -> float:
+    """What a successful run's cache held at its peak, per GiB of its tensor peak."""
+    return run["max_reserved_gib"] / run["max_allocated_gib"] - 1
+
+
+def near_card(run: dict) -> bool:
+    """Whether the run met its card: max reserved over NEAR_CARD of a stated capacity, or cudaMalloc retries."""
+    full = run.get("gpu_gib") is not None and run["max_reserved_gib"] > NEAR_CARD * run["gpu_gib"]
+    return full or bool(run.get("alloc_retries"))
+
+
+def fit_cache(runs: list[dict]) -> float:
+    """The planner's cache fraction: the median ratio over the runs not near their card, to 0.1 %."""
+    return round(statistics.median(cache_ratio(r) for r in runs if not near_card(r)), 3)
 
 
 def _spread(values: list[float]) -> str:
@@ -85,9 +107,25 @@ def report(data: dict) -> list[str]:
                  + " .. ".join(f"{q:.2f}" for q in statistics.quantiles(unalloc, n=4)[::2]))
     slope, intercept = lad_line([c["allocated_gib"] + c["request_gib"] for c in cases], unalloc)
     lines.append(f"least-absolute-GiB line (not used): {100 * slope:.1f} % of the peak + {intercept:.3f} GiB")
-    for p in data.get("successful_peaks", []):
-        over = p["peak_reserved_gib"] / p["peak_allocated_gib"] - 1
-        lines.append(f"successful peak (not fitted): reserved {100 * over:.0f} % over allocated  {p['url']}")
+    return lines + cache_report(data["successful_runs"])
+
+
+def cache_report(runs: list[dict]) -> list[str]:
+    """The cache fit and the distribution behind it: by size, by source, and the runs near their card."""
+    room = [r for r in runs if not near_card(r)]
+    megatron = [r for r in room if r["printed"] == "MB" and "Megatron" in r["run"]]
+    lines = ["",
+             f"{len(runs)} successful training runs ({len(room)} not near their card); cache = max reserved / "
+             "max allocated - 1",
+             f"fit (median, planner's ALLOCATOR_CACHE): {100 * fit_cache(runs):.1f} % of the tensor peak",
+             "not near their card:      " + _spread([cache_ratio(r) for r in room]),
+             "Megatron logs:            " + _spread([cache_ratio(r) for r in megatron]),
+             "other logs:               " + _spread([cache_ratio(r) for r in room if r not in megatron])]
+    for lo, hi in ((0, 10), (10, 30), (30, 60), (60, 1000)):
+        sel = [cache_ratio(r) for r in room if lo <= r["max_allocated_gib"] < hi]
+        lines.append(f"max allocated {lo:3d}-{hi:<4d} GiB: " + (_spread(sel) if sel else "n=  0"))
+    lines += [f"near its card: reserved {100 * cache_ratio(r):.1f} % over allocated ({r['run']})"
+              for r in runs if near_card(r)]
     return lines
 
 
