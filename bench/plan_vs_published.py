@@ -3,18 +3,21 @@
     python bench/plan_vs_published.py          # prints the table, writes bench/results/plan_vs_published.json
 
 Each case is predicted with the settings its source ran (the source's defaults, then the case's own keys):
-- measured: the error is the predicted total over the reported peak, minus one; the verdict is whether the
+- measured: the error is the predicted reading over the reported peak, minus one; the verdict is whether the
   planner agrees that the run fit the card.
 - max_context: the run at `seq` just fit the card, so its real peak lay just under the card's memory: the error is
   the predicted total at `seq` over the card's memory, minus one. The planner's own largest fitting sequence
   length is printed beside the published one.
 - oom: right when the planner says that the run does not fit.
 
-`nodes` spreads `gpu` over several nodes. `reading: reserved` marks a peak read with
-torch.cuda.max_memory_reserved(), which holds neither the CUDA context nor NCCL's buffers: it is compared with the
-predicted tensor peak plus the allocator's reserve (the total without those two). `reading: allocated` marks
-torch.cuda.max_memory_allocated() (torchtune's "peak memory active"): the tensor peak alone. `deepspeed` holds
-the ZeRO settings of a DeepSpeed run, predicted by plan/deepspeed.py instead of the FSDP strategies.
+Every verdict is the plan's own: its `total` (the tensors, the reserve a full card cannot give back, the runtime)
+against the card. A measured peak is a successful run's READING on a card that may have room, predicted by
+shardfit.plan.estimate.peak_reading: `reading: total` (the default) is the device as nvidia-smi shows it, the
+tensor peak with the allocator's cache and the runtime; `reading: reserved` torch.cuda.max_memory_reserved(), which
+holds neither the CUDA context nor NCCL's buffers; both capped by the card (the allocator frees its cache before a
+request fails). `reading: allocated` is torch.cuda.max_memory_allocated() (torchtune's "peak memory active"): the
+tensor peak alone. `nodes` spreads `gpu` over several nodes. `deepspeed` holds the ZeRO settings of a DeepSpeed run,
+predicted by plan/deepspeed.py instead of the FSDP strategies.
 Summaries are given per source, per part and per `family` (who measured) within each part.
 """
 
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed  # noqa: E402
-from shardfit.plan.estimate import GIB, Breakdown, estimate  # noqa: E402
+from shardfit.plan.estimate import GIB, Breakdown, estimate, peak_reading  # noqa: E402
 from shardfit.plan.hardware import Hardware, parse_gpus  # noqa: E402
 from shardfit.plan.shapes import ModelShape, resolve_shape  # noqa: E402
 from shardfit.plan.timing import step_time  # noqa: E402
@@ -70,30 +73,33 @@ def hardware(case: dict) -> Hardware:
     return parse_gpus(str(case["gpu"]), nodes=case.get("nodes", 1))
 
 
-def predicted_total(case: dict, seq: int) -> float:
-    """Per-GPU GiB the planner predicts for `case` at sequence length `seq`: the total, or with `reading:
-    reserved` what the caching allocator holds (the tensor peak and its reserve)."""
+def predicted(case: dict, seq: int) -> Breakdown:
+    """The planner's per-GPU breakdown (GiB) for `case` at sequence length `seq`."""
     w = workload(case, seq)
     shape, hw = resolve_shape(case["model"]), hardware(case)
     if "deepspeed" in case:
-        b = estimate_deepspeed(shape, w, hw, ZeroSettings(**case["deepspeed"])).per_gpu_gib
-    else:
-        b = estimate(shape, w, hw, case.get("strategy", "single")).per_gpu_gib
-    return read_as(b, case.get("reading", "total"))
+        return estimate_deepspeed(shape, w, hw, ZeroSettings(**case["deepspeed"])).per_gpu_gib
+    return estimate(shape, w, hw, case.get("strategy", "single")).per_gpu_gib
 
 
-def read_as(b: Breakdown, reading: str) -> float:
-    """What a peak read as `reading` holds of the predicted per-GPU breakdown `b` (GiB): `total` the whole device
-    (CUDA context and NCCL buffers included), `reserved` the tensor peak and the allocator's reserve, `allocated`
-    the tensor peak alone."""
-    tensors = b.total - b.runtime_overhead - b.allocator_reserve
-    if reading == "reserved":
-        return tensors + b.allocator_reserve
-    if reading == "allocated":
-        return tensors
-    if reading != "total":
-        raise ValueError(f"reading {reading!r}: one of total, reserved, allocated")
-    return b.total
+def predicted_total(case: dict, seq: int) -> float:
+    """Per-GPU GiB the planner predicts `case`'s published peak reads at sequence length `seq`, as its `reading`
+    (`read_as`)."""
+    return read_as(predicted(case, seq), case.get("reading", "total"), hardware(case).gpu_mem_gib)
+
+
+def fit_total(case: dict, seq: int) -> float:
+    """Per-GPU GiB the planner's fit verdict compares with the card: the tensors, the reserve a full card cannot
+    give back, and the runtime."""
+    return predicted(case, seq).total
+
+
+def read_as(b: Breakdown, reading: str, gpu_gib: float = float("inf")) -> float:
+    """What a successful run's peak read as `reading` holds of the predicted per-GPU breakdown `b` (GiB) on a card
+    of `gpu_gib`: `total` the whole device as nvidia-smi shows it (CUDA context and NCCL buffers included),
+    `reserved` max_memory_reserved() (the tensor peak and the allocator's cache, capped by the card), `allocated`
+    the tensor peak alone (shardfit.plan.estimate.peak_reading)."""
+    return peak_reading(b, gpu_gib, reading)
 
 
 def workload(case: dict, seq: int) -> Workload:
@@ -108,7 +114,7 @@ def max_fitting_seq(case: dict) -> int:
     lo, hi = 0, 1 << 22
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if predicted_total(case, mid) <= cap:
+        if fit_total(case, mid) <= cap:
             lo = mid
         else:
             hi = mid - 1
@@ -121,21 +127,23 @@ def evaluate_case(c: dict, source: str, smallest_seq: int) -> dict:
     cap = hw.gpu_mem_gib
     kind = c["kind"]
     seq = c.get("seq", smallest_seq)
-    total = predicted_total(c, seq)
+    b = predicted(c, seq)
+    fit = b.total  # what the verdict compares with the card
+    total = read_as(b, c.get("reading", "total"), cap) if kind == "measured" else fit
     gpus = str(c["gpu"]) if hw.nodes == 1 else f"{hw.nodes} nodes x {c['gpu']}"
     row = {"source": source, "part": part(source), "family": c.get("family", source), "model": c["model"],
            "gpu": gpus,
            "strategy": c.get("strategy", "single"), "gpu_gib": cap, "seq": seq, "kind": kind,
            "reading": c.get("reading", "total"),
-           "predicted_total_gib": round(total, 2)}
+           "predicted_total_gib": round(total, 2), "fit_total_gib": round(fit, 2)}
     if kind == "oom":
-        row.update(published="OOM", verdict_right=total > cap)
+        row.update(published="OOM", verdict_right=fit > cap)
     elif kind == "max_context":
-        row.update(published=f"fits at {seq}", verdict_right=total <= cap, error=round(total / cap - 1, 4),
+        row.update(published=f"fits at {seq}", verdict_right=fit <= cap, error=round(fit / cap - 1, 4),
                    predicted_max_seq=max_fitting_seq(c))
     else:
         peak = c["peak"] * UNITS[c["unit"]]
-        row.update(published=f"{c['peak']} {c['unit']}", published_gib=round(peak, 2), verdict_right=total <= cap,
+        row.update(published=f"{c['peak']} {c['unit']}", published_gib=round(peak, 2), verdict_right=fit <= cap,
                    error=round(total / peak - 1, 4))
     return row
 

@@ -16,7 +16,7 @@ from shardfit.config import Config, load_config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, pipeline_choice, resolve_job
-from shardfit.resolve.decide import PIPE_WHY, settled
+from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, settled
 
 GPU = DeviceFacts("cuda", True)
 SEED_002 = "Qwen/Qwen2-VL-72B-Instruct"
@@ -74,7 +74,7 @@ def test_one_rank_per_stage_runs_as_ddp_under_autocast() -> None:
     the plan plans it, not a sharded strategy picked for the whole model (zero3_offload here)."""
     job, _ = resolve_job(_seed_002(pipeline_parallel=8), RTX, GPU, nproc=8)
     assert job.strategy == "ddp" and job.autocast == "bf16"
-    assert any(w.startswith("strategy auto -> ddp: one rank per pipeline stage") for w in job.why)
+    assert any(w.startswith(f"{LONE_WHY}: strategy auto -> ddp") for w in job.why)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
@@ -84,8 +84,8 @@ def test_a_named_sharded_strategy_over_one_rank_per_stage_runs_as_ddp(strategy: 
     ddp under autocast, says so, and the job, its plan and check's stage verdict are those of strategy: ddp."""
     job, plan = resolve_job(_seed_002(strategy=strategy, pipeline_parallel=8), RTX, GPU, nproc=8)
     assert (job.strategy, job.autocast, job.dims.stage_ranks) == ("ddp", "bf16", 1)
-    assert job.why[0].startswith(f"strategy {strategy} -> ddp: {strategy} over one rank per pipeline stage shards "
-                                 "nothing; running each stage as ddp")
+    assert job.why[0].startswith(f"{LONE_WHY}: strategy {strategy} -> ddp: a stage of one rank has nothing to "
+                                 "shard or replicate, so each stage runs as ddp")
     assert ("not offloaded to host memory" in job.why[0]) == (strategy == "zero3_offload")
     ddp, ddp_plan = resolve_job(_seed_002(strategy="ddp", pipeline_parallel=8), RTX, GPU, nproc=8)
     assert dataclasses.replace(job, why=()) == dataclasses.replace(ddp, why=())
@@ -94,18 +94,59 @@ def test_a_named_sharded_strategy_over_one_rank_per_stage_runs_as_ddp(strategy: 
                                job.strategy) == []
 
 
+def _offload_over_lone_stages(**over) -> Config:
+    """zero3_offload over 8 stages on 8 ranks without checkpointing: each stage, held on its 24 GB GPU, is
+    predicted not to fit."""
+    return _seed_002(**{"strategy": "zero3_offload", "pipeline_parallel": 8, "grad_ckpt": "none", **over})
+
+
 def test_an_offload_strategy_whose_lone_stages_do_not_fit_is_refused() -> None:
     """zero3_offload over one rank per stage keeps each stage on its GPU (no host offload through the schedule):
-    where the plan predicts a stage does not fit there (no checkpointing), exit 2 naming the keys and the fixes;
-    with force: true it runs as ddp and says it is predicted not to fit."""
-    cfg = _seed_002(strategy="zero3_offload", pipeline_parallel=8, grad_ckpt="none")
-    with pytest.raises(UserError) as e:
-        resolve_job(cfg, RTX, GPU, nproc=8)
+    the resolver runs it as ddp and notes the plan's verdict; the stages' check refuses it with exit 3, as any stage
+    predicted out of memory, saying offload cannot run per stage and naming real fixes; with force: true it runs
+    (a warning); the layout's own input errors come first (exit 2)."""
+    from shardfit.check.pipeline_rules import refuse_stage_oom
+
+    cfg = _offload_over_lone_stages()
+    job, plan = resolve_job(cfg, RTX, GPU, nproc=8)
+    assert job.strategy == "ddp" and job.autocast == "bf16"
+    assert "not offloaded to host memory" in job.why[0] and "predicted NOT to fit)" in job.why[0]
+    [f] = pipeline_plan_rules(settled(cfg, job), plan, job.strategy)
+    assert f.severity == "error"
+    with pytest.raises(DoesNotFitError) as e:
+        refuse_stage_oom([f])
+    msg = str(e.value)
+    assert e.value.exit_code == 3 and msg.startswith("pipeline_parallel: 8: strategy: zero3_offload over one rank")
+    assert "does not offload a pipeline stage to host memory" in msg
+    assert "strategy: zero3 with fewer stages than ranks" in msg and "pipeline_parallel: 4 on 8 ranks" in msg
+    assert "grad_ckpt: full" in msg and "force: true" in msg and "method: lora" not in msg  # lora already
+    checkpointed = _offload_over_lone_stages(max_seq_len=16384, grad_ckpt="full")
+    job, plan = resolve_job(checkpointed, RTX, GPU, nproc=8)
+    [f] = pipeline_plan_rules(settled(checkpointed, job), plan, job.strategy)
+    assert "grad_ckpt" not in f.fix  # already on: not a fix
+    forced = dataclasses.replace(cfg, force=True)
+    job, plan = resolve_job(forced, RTX, GPU, nproc=8)
+    assert job.strategy == "ddp" and "predicted NOT to fit, started anyway (force: true)" in job.why[0]
+    refuse_stage_oom(pipeline_plan_rules(settled(forced, job), plan, job.strategy))  # a warning: it starts
+    with pytest.raises(UserError, match="eval_metrics") as e:
+        resolve_job(_offload_over_lone_stages(eval_metrics=["rouge"]), RTX, GPU, nproc=8)
     assert e.value.exit_code == 2
-    assert "strategy: zero3_offload with pipeline_parallel: 8 on 8 ranks" in str(e.value)
-    assert "set pipeline_parallel: 1" in str(e.value) and "grad_ckpt: full" in str(e.value)
-    job, _ = resolve_job(dataclasses.replace(cfg, force=True), RTX, GPU, nproc=8)
-    assert job.strategy == "ddp" and job.autocast == "bf16" and "predicted NOT to fit" in job.why[0]
+
+
+def test_plan_config_shows_the_table_of_an_offload_whose_lone_stages_do_not_fit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan CONFIG` of that job prints the plan's table and the job train would run (ddp per stage), with the
+    note of the stages' verdict, rather than stopping with exit 2 and no table."""
+    (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "there"}\n')
+    path = tmp_path / "offload.yaml"
+    path.write_text(f"model: {SEED_002}\ndata: {tmp_path / 'd.jsonl'}\nmethod: lora\nmax_seq_len: 2048\n"
+                    "micro_batch: 1\ngrad_accum: 16\ngrad_ckpt: none\nstrategy: zero3_offload\n"
+                    "pipeline_parallel: 8\n")
+    main(["plan", str(path), "--gpus", "8x24GB"])
+    out = capsys.readouterr().out
+    assert "zero3_offload" in out.split("job:")[0]  # the strategies' table
+    assert "job: strategy ddp, method lora, 8 processes (8 stages, data over 1)" in out
+    assert f"\n  {LONE_WHY}: strategy zero3_offload -> ddp" in out and "predicted NOT to fit)" in out
 
 
 def test_plan_shows_the_lone_stages_run_as_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,7 +159,17 @@ def test_plan_shows_the_lone_stages_run_as_ddp(tmp_path: Path, capsys: pytest.Ca
     assert main(["plan", str(path), "--gpus", "8x24GB"]) == 0
     out = capsys.readouterr().out
     assert "job: strategy ddp, method lora, 8 processes (8 stages, data over 1) on cuda, bf16 (autocast)" in out
-    assert "\n  strategy zero3 -> ddp: zero3 over one rank per pipeline stage shards nothing" in out
+    assert f"\n  {LONE_WHY}: strategy zero3 -> ddp: a stage of one rank has nothing to shard" in out
+
+
+def test_plan_config_notes_the_lone_stages_under_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan CONFIG` of strategy: auto over 8 stages on 8 GPUs prints the same note under the job's line."""
+    (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "there"}\n')
+    path = tmp_path / "auto.yaml"
+    path.write_text(f"model: {SEED_002}\ndata: {tmp_path / 'd.jsonl'}\nmethod: lora\nmax_seq_len: 2048\n"
+                    "micro_batch: 1\ngrad_accum: 16\ngrad_ckpt: full\npipeline_parallel: 8\n")
+    assert main(["plan", str(path), "--gpus", "8x24GB"]) == 0
+    assert f"\n  {LONE_WHY}: strategy auto -> ddp: a stage of one rank" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("cfg,nproc", [
@@ -229,13 +280,13 @@ SEED_LONG = "meta-llama/Llama-3.1-8B"
 
 
 def _long_rows(**over) -> Config:
-    keys = dict(model=SEED_LONG, method="lora", max_seq_len=32768, grad_accum=8, micro_batch=1,
+    keys = dict(model=SEED_LONG, method="lora", max_seq_len=36864, grad_accum=8, micro_batch=1,
                 grad_ckpt="full")
     return dataclasses.replace(Config(), **{**keys, **over})
 
 
 def test_a_pipeline_is_weighed_against_what_auto_would_run() -> None:
-    """Llama-3.1-8B LoRA, 32k-token rows, 8 x 24 GB, --nproc 8: no strategy fits a whole row, model_parallel
+    """Llama-3.1-8B LoRA, 36k-token rows, 8 x 24 GB, --nproc 8: no strategy fits a whole row, model_parallel
     (which fits) cannot run on 8 ranks, and splitting the rows over 2 ranks under zero3 trains faster than any
     pipeline. Auto splits the rows; weighed against model_parallel it turned on a slower pipeline."""
     from shardfit.plan.pipeline import fastest, layouts, versus
@@ -325,3 +376,19 @@ def test_auto_never_splits_the_rows_of_a_sliding_window_model(model: str, seq: i
                               grad_ckpt="full")
     with pytest.raises(DoesNotFitError):
         resolve_job(cfg, RTX, GPU, nproc=8)
+
+
+@pytest.mark.parametrize("schedule,gib", [("interleaved_1f1b", 26.8), ("zero_bubble", 24.6)])
+def test_looped_stages_are_checked_under_their_own_schedule(schedule: str, gib: float) -> None:
+    """Llama-2-70b LoRA, 4,096-token rows, on 8 x 24 GB as 8 ranks x 2 looped stages: the first rank keeps more
+    micro-batches in flight than under 1F1B, whose stages fit (23.0 GiB) where the looped schedule's do not (26.8
+    under interleaved 1F1B, 24.6 under zero bubble): the stages' check plans the schedule the job runs."""
+    cfg = dataclasses.replace(Config(), model="meta-llama/Llama-2-70b-hf", method="lora", max_seq_len=4096,
+                              micro_batch=1, grad_accum=16, grad_ckpt="full", pipeline_parallel=8, strategy="ddp")
+    plain, plan = resolve_job(cfg, RTX, GPU, nproc=8)
+    assert pipeline_plan_rules(settled(cfg, plain), plan, plain.strategy) == []
+    looped = dataclasses.replace(cfg, pipeline_schedule=schedule, pipeline_stages_per_rank=2)
+    job, plan = resolve_job(looped, RTX, GPU, nproc=8)
+    [f] = pipeline_plan_rules(settled(looped, job), plan, job.strategy)
+    assert f.severity == "error" and f.message.startswith(f"pipeline_parallel=8 (2 stages per rank, {schedule}): "
+                                                          f"predicted {gib} GiB on the first rank")

@@ -359,7 +359,7 @@ def test_a_named_zero3_over_lone_stages_trains_as_ddp_under_autocast(tmp_path: P
                precision="bf16", max_steps=2, save_steps=100, eval_steps=100)
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["strategy"], summary["resolved"]["autocast"]) == ("ddp", "bf16")
-    assert summary["resolved"]["why"][0].startswith("strategy zero3 -> ddp: zero3 over one rank per pipeline stage")
+    assert summary["resolved"]["why"][0].startswith("one rank per pipeline stage: strategy zero3 -> ddp")
 
 
 @pytest.mark.slow

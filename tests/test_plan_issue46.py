@@ -105,8 +105,9 @@ def test_gradient_accumulation_never_multiplies_activations_or_the_loss() -> Non
 
 
 def test_the_allocator_reserve_is_its_own_line() -> None:
-    """The tensor columns are what max_memory_allocated() reports, the reserve (8 % of them) brings them to
-    max_memory_reserved(), and runtime_overhead (CUDA context, NCCL) is outside the allocator."""
+    """The tensor columns are what max_memory_allocated() reports, the reserve (ALLOCATOR_RESERVE of them) brings
+    them to the max_memory_reserved() of a full card, and runtime_overhead (CUDA context, NCCL) is outside the
+    allocator."""
     from shardfit.plan.estimate import ALLOCATOR_RESERVE, CUDA_CONTEXT_GIB, NCCL_GIB, estimate
 
     for hw, strategy, runtime in ((H100, "single", CUDA_CONTEXT_GIB),

@@ -120,9 +120,9 @@ def _job(**over) -> Config:
 
 
 def test_check_and_auto_judge_the_stages_on_their_data_parallel_ranks() -> None:
-    """A full fine-tune of 8B in 4 stages on 8 x 40 GB: ddp's replicated states do not fit a stage, zero3's shards
+    """A full fine-tune of 8B in 4 stages on 8 x 38 GB: ddp's replicated states do not fit a stage, zero3's shards
     do. `strategy: auto` picks a strategy whose stages fit and cuts for it; check's verdict names the layout."""
-    node = parse_gpus("8x40GB", 1, None)
+    node = parse_gpus("8x38GB", 1, None)
     job, plan = resolve_job(_job(strategy="auto"), node, DeviceFacts("cuda", True), nproc=8)
     assert job.strategy in ("zero2", "zero3") and "over each stage's 2 ranks" in job.why[0]
     assert sum(job.stage_layers) == 32

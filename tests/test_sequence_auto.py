@@ -29,16 +29,16 @@ def _long(seq: int, **over) -> Config:
 
 
 def test_a_row_too_long_for_one_gpu_is_split_over_the_fewest_ranks_that_fit() -> None:
-    """131,072 tokens on 8 x H100: no strategy fits the whole row on a GPU; split over 2 ranks it fits, and auto
+    """139,264 tokens on 8 x H100: no strategy fits the whole row on a GPU; split over 2 ranks it fits, and auto
     says so, with the global batch it then takes."""
-    job, plan = resolve_job(_long(131072), H100, GPU)
+    job, plan = resolve_job(_long(139264), H100, GPU)
     assert job.sequence_parallel == 2 and job.world == 8 and job.dims.dp == 4
     assert plan is not None and plan.workload.sequence_parallel == 2 and plan.fits(job.strategy)
-    assert job.why[0].startswith("sequence_parallel auto -> 2: one 131,072-token row does not fit")
+    assert job.why[0].startswith("sequence_parallel auto -> 2: one 139,264-token row does not fit")
     assert "micro_batch x grad_accum x 4 examples" in job.why[0]
-    assert settled(_long(131072), job).sequence_parallel == 2  # what config.yaml records and the ranks read
+    assert settled(_long(139264), job).sequence_parallel == 2  # what config.yaml records and the ranks read
     # The choice is the smallest: the whole row does not fit under any multi-rank strategy.
-    whole = plan_for_config(dataclasses.replace(_long(131072), precision="bf16", compile=False),
+    whole = plan_for_config(dataclasses.replace(_long(139264), precision="bf16", compile=False),
                             job_hardware_of(H100, None, 8, 1))
     assert whole is not None and not any(c.fits for c in whole.candidates if c.strategy in ("ddp", "zero3"))
 

@@ -399,10 +399,10 @@ def run(args: argparse.Namespace) -> int:
     if job is not None:
         out["resolved"] = job.to_json()
         lines.append(job.describe())
-        from shardfit.resolve.decide import LONE_STAGE, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
+        from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
 
         # auto split the rows or turned a pipeline on, or a pipeline's lone stages run as ddp: why
-        lines.extend(f"  {w}" for w in job.why if w.startswith((SPLIT_WHY, PIPE_WHY)) or LONE_STAGE in w)
+        lines.extend(f"  {w}" for w in job.why if w.startswith((SPLIT_WHY, PIPE_WHY, LONE_WHY)))
     print(json.dumps(out, indent=2) if args.json else "\n".join([table, *lines]))
     if args.plot:
         try:

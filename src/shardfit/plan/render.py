@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shardfit import method as methods
 from shardfit.plan.cards import card_of
+from shardfit.plan.estimate import ALLOCATOR_CACHE, ALLOCATOR_RESERVE
 from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
 
@@ -86,8 +87,11 @@ def legend(plan: Plan) -> str:
                 "where a CPU cannot run the strategy; step: one optimizer step, tokens/s: the whole job's (none for "
                 "a row that cannot run), bound: what the step waits on (compute, host: launching ops, comm)")
     return ("per-GPU GiB at the step's peak (fwd: the loss, bwd: backward, opt: the optimizer step); tensors: "
-            "torch.cuda.max_memory_allocated(); + reserve (the caching allocator's rounding and fragmentation, 8 %): "
-            "max_memory_reserved(); total = that + runtime (CUDA context, NCCL): the device as nvidia-smi shows it; "
+            "torch.cuda.max_memory_allocated(); + reserve (the fragmentation a full card's caching allocator cannot "
+            f"give back, {100 * ALLOCATOR_RESERVE:.1f} %): the least max_memory_reserved() it fits in; total = that + "
+            "runtime (CUDA context, NCCL): the least device memory it fits in, which decides fits; "
+            f"a run on a card with room reads more: max_memory_reserved() = tensors + {100 * ALLOCATOR_CACHE:.1f} % "
+            "(the allocator's cache), nvidia-smi that + runtime, at most the card; "
             "fits: n/a where these GPUs cannot run the strategy; "
             "step: one optimizer step, tokens/s: the whole job's (none for a row that cannot run), bound: what the "
             "step waits on (compute, host: launching ops, comm, pcie)")

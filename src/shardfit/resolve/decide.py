@@ -17,7 +17,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.pipeline import config_cut, fastest, layouts, plan_pipeline
+from shardfit.plan.pipeline import config_cut, fastest, layouts
 from shardfit.plan.plan import Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
@@ -138,43 +138,32 @@ def _auto_pipeline(cfg: Config, plan: Plan, world: int, nnodes: int) -> tuple[st
                                       "predicted to fit, and zero3 shards the most"]
 
 
-# Why a pipeline of one rank per stage runs as ddp under `strategy: auto`: nothing wraps a lone stage, which then
-# computes under autocast as one process does (FSDP2's strategies would leave it without autocast or mixed
-# precision), as the plan plans it.
-ONE_RANK_PER_STAGE = ("strategy auto -> ddp: one rank per pipeline stage, which no strategy wraps (ddp over a "
-                      "stage's one rank is the stage itself, under autocast as in one process)")
-# What the notes of a pipeline's lone stages share (auto's above, a named strategy's in `_lone_stages`): `plan
-# CONFIG` prints them under the job's line.
-LONE_STAGE = "one rank per pipeline stage"
+# How the note of a pipeline of one rank per stage begins, under `strategy: auto` or a sharded strategy named:
+# `plan CONFIG` prints the notes that begin so under the job's line.
+LONE_WHY = "one rank per pipeline stage"
 
 
 def _lone_stages(cfg: Config, plan: Plan | None, stages: int, nnodes: int) -> tuple[str, int, list[str]]:
-    """A sharded strategy the config names (zero2, zero3, zero3_offload) over a pipeline of one rank per stage:
-    sharding over one rank splits nothing, and FSDP2's mixed precision is not applied to an unwrapped stage, so
-    each stage runs as ddp (the stage itself, under autocast), which is also what the plan plans for it. An offload
-    strategy keeps the stage on its GPU, which this version does not offload through a pipeline's schedule: run
-    only where the plan predicts the stages fit there (or force: true); else a UserError naming the fixes."""
+    """`strategy: auto`, or a sharded strategy the config names (zero2, zero3, zero3_offload), over a pipeline of
+    one rank per stage: no strategy wraps a lone stage (sharding over one rank splits nothing, and FSDP2's mixed
+    precision is not applied to an unwrapped stage), so each stage runs as ddp, the stage itself under the job's
+    autocast, which is also what the plan plans for it. An offload strategy keeps the stage on its GPU (not
+    offloaded through the pipeline's schedule): the note says so with the plan's verdict on the stages, which the
+    stages' check (check/pipeline_rules.py) then refuses with exit 3 or forces."""
     name = cfg.strategy
-    note = (f"strategy {name} -> ddp: {name} over {LONE_STAGE} shards nothing; running each stage as ddp "
-            "(computing as one process does, under the job's autocast, as the plan plans the stages)")
-    if not strategies.get(name).offload:
+    note = (f"{LONE_WHY}: strategy {name} -> ddp: a stage of one rank has nothing to shard or replicate, so each "
+            "stage runs as ddp (the stage itself, under the job's autocast as in one process, as the plan plans the "
+            "stages)")
+    if name == "auto" or not strategies.get(name).offload:
         return "ddp", stages // nnodes, [note]
-    shape = None
-    with contextlib.suppress(UserError):
-        shape = resolve_shape(cfg.model)
-    if plan is None or shape is None or shape.layers < stages:  # the rank checks the built model's blocks
+    pipe = pipelines.job_stages(cfg, plan, "ddp")
+    if pipe is None:  # the rank checks the built model's blocks
         return "ddp", stages // nnodes, [f"{note}; not offloaded to host memory, and the planner cannot read the "
                                          "model's shape to say whether its stages fit on their GPUs"]
-    pipe = plan_pipeline(shape, plan.workload, plan.hardware, stages)
-    held = f"the fullest stage held on its GPU: {pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB"
-    if pipe.fits or cfg.force:
-        verdict = "predicted to fit" if pipe.fits else "predicted NOT to fit, started anyway (force: true)"
-        return "ddp", stages // nnodes, [f"{note}; not offloaded to host memory ({held}, {verdict})"]
-    raise UserError(f"strategy: {name} with pipeline_parallel: {stages} on {stages} ranks: each stage has one rank, "
-                    f"which this version does not offload to host memory through the pipeline's schedule, and "
-                    f"{held}, predicted not to fit: set pipeline_parallel: 1 ({name} over every rank), or "
-                    f"strategy: zero3 with more stages (pipeline_parallel and --nproc), grad_ckpt: full, or a smaller "
-                    f"micro_batch or max_seq_len (see `shardfit plan`).")
+    verdict = "predicted to fit" if pipe.fits else "predicted NOT to fit" + (
+        ", started anyway (force: true)" if cfg.force else "")
+    return "ddp", stages // nnodes, [f"{note}; not offloaded to host memory (the fullest stage held on its GPU: "
+                                     f"{pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB, {verdict})"]
 
 
 # How the reason of auto's pipeline begins (`plan --config` prints it under the job's line).
@@ -306,9 +295,7 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     local = node.gpus_per_node if device.type == "cuda" else 1
     world = (nproc if nproc is not None else local) * nnodes
     pp = pipelines.stages_of(cfg)  # `auto` not resolved yet (resolve_job resolves it): no pipeline
-    if cfg.strategy == "auto" and 1 < pp == world:
-        name, n, why = "ddp", world // nnodes, [ONE_RANK_PER_STAGE]
-    elif 1 < pp == world and cfg.strategy in strategies.BY_NAME and strategies.get(cfg.strategy).sharded:
+    if 1 < pp == world and (cfg.strategy == "auto" or strategies.get(cfg.strategy).sharded):
         name, n, why = _lone_stages(cfg, plan, world, nnodes)
     elif cfg.strategy == "auto" and 1 < pp < world and plan is not None:
         name, n, why = _auto_pipeline(cfg, plan, world, nnodes)

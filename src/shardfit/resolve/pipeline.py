@@ -20,6 +20,9 @@ from shardfit import objective as objectives
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
+from shardfit.plan.plan import Plan
+from shardfit.plan.shapes import resolve_shape
 from shardfit.resolve.dims import ParallelDims
 from shardfit.resolve.sequence import facts_of_config as decoder_facts
 
@@ -120,6 +123,25 @@ def check_layout(cfg: Config, world: int, strategy: str | None = None) -> None:
 def stages_per_rank(cfg: Config) -> int:
     """The stages each rank holds: pipeline_stages_per_rank under interleaved 1F1B and zero bubble, else one."""
     return cfg.pipeline_stages_per_rank if cfg.pipeline_schedule in LOOPED else 1
+
+
+def job_stages(cfg: Config, plan: Plan | None, strategy: str) -> PipelinePlan | None:
+    """The pipeline the job runs as the plan plans it: its stages on their data-parallel ranks under `strategy`,
+    under the config's schedule (interleaved 1F1B and zero bubble with their looped stages, whose peak is not
+    1F1B's); None without a pipeline, a plan, a shape the planner reads, or blocks for every stage (the rules
+    refuse those, naming the blocks)."""
+    stages, per_rank = stages_of(cfg), stages_per_rank(cfg)
+    if plan is None or stages == 1:
+        return None
+    try:
+        shape = resolve_shape(cfg.model)
+    except UserError:
+        return None
+    if shape.layers < stages * per_rank:
+        return None
+    return plan_pipeline(shape, plan.workload, plan.hardware, stages, per_rank=per_rank,
+                         dp=max(1, plan.hardware.world // stages), strategy=strategy,
+                         schedule=cfg.pipeline_schedule)
 
 
 def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: int = 1) -> None:
