@@ -33,6 +33,9 @@ EVERY_EXPERT_TYPES = ("llama4", "llama4_text")
 # Families whose experts run gpt-oss's clamped SwiGLU behind a top-k softmax router, and whose attention softmaxes
 # over a sink logit per head (plan/model_shape.py `clamped_swiglu`, `attention_sinks`).
 GPT_OSS_TYPES = ("gpt_oss",)
+# Sliding-window families whose config.json leaves the layout to the class: one block in N attends to the whole row
+# (transformers' Gemma2Config, Gemma3TextConfig and Cohere2Config defaults: the last of every N).
+GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -88,16 +91,37 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
     return inter, expert, shared
 
 
-def sliding_layers(text: dict[str, Any], layers: int) -> tuple[int, int]:
-    """(window, blocks that attend within it): `layer_types`, Gemma's every-Nth-global pattern, or Qwen's switch."""
+def sliding_layers(text: dict[str, Any], layers: int, model_type: str | None = None) -> tuple[int, int]:
+    """(window, blocks that attend within it), as transformers' config class of `model_type` lays them out:
+    `layer_types` where the config lists them; Qwen's switch (`use_sliding_window`, off by default; the first
+    `max_window_layers` blocks attend to the whole row); one global block in every `sliding_window_pattern` (or the
+    family's default, GLOBAL_EVERY); else the window on every block (Mistral, Mixtral, Phi-3, Starcoder2). For
+    Llama 4's chunked attention, the chunk and the chunked blocks."""
+    if text.get("attention_chunk_size"):
+        return text["attention_chunk_size"], chunked_layers(text, layers)
     window = text.get("sliding_window") or 0
     if not window:
         return 0, 0
     if isinstance(text.get("layer_types"), list):
         return window, sum(t == "sliding_attention" for t in text["layer_types"])
-    if text.get("sliding_window_pattern"):
-        return window, layers - layers // int(text["sliding_window_pattern"])
-    return (window, layers) if text.get("use_sliding_window") else (0, 0)
+    if "use_sliding_window" in text or str(model_type or "").startswith("qwen"):
+        if not text.get("use_sliding_window"):
+            return 0, 0
+        return window, layers - min(layers, int(text.get("max_window_layers") or 0))
+    pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") \
+        or GLOBAL_EVERY.get(str(model_type))
+    return window, (layers - layers // int(pattern) if pattern else layers)
+
+
+def chunked_layers(text: dict[str, Any], layers: int) -> int:
+    """How many blocks of a Llama 4 config attend within chunks: its `layer_types`, else its `no_rope_layers` (1: a
+    RoPE block, which chunks), else transformers' Llama4TextConfig rule (every `no_rope_layer_interval`-th block,
+    4 by default, attends to the whole row; the published configs leave both lists out)."""
+    if isinstance(text.get("layer_types"), list):
+        return sum(t == "chunked_attention" for t in text["layer_types"])
+    if text.get("no_rope_layers"):
+        return sum(bool(x) for x in text["no_rope_layers"])
+    return layers - layers // int(text.get("no_rope_layer_interval") or 4)
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
@@ -116,8 +140,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         _require_counts(name, text, ("num_hidden_layers", "hidden_size", "num_attention_heads"))
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
-        window, sliding = sliding_layers(text, layers)
         model_type = text.get("model_type", cfg.get("model_type"))
+        window, sliding = sliding_layers(text, layers, model_type)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,

@@ -51,7 +51,8 @@ class ModelShape:
     dense_layers: int = 0
     mla: MLA | None = None
     attn_bias: bool = False  # q/k/v (and gpt-oss's o) projections with biases
-    # Sliding-window attention: the window and how many blocks use it (the rest attend to the whole sequence).
+    # Sliding-window attention: the window and how many blocks use it (the rest attend to the whole sequence);
+    # for Llama 4's chunked attention, the chunk and the chunked blocks (the rules refuse both alike).
     sliding_window: int = 0
     sliding_layers: int = 0
     # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the

@@ -1,0 +1,106 @@
+"""The catalog's attention windows and chunks are the published models': the planner's sequence-parallel and
+pipeline rules read them from the catalog before anything is built, the rank reads them from the built model's
+config, and the two must refuse the same layouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import transformers
+
+from shardfit.plan.shapes import catalog, hf_config, resolve_shape
+from shardfit.resolve import pipeline as pipelines
+from shardfit.resolve import sequence
+
+# The published config.json files' windows where transformers' class default differs (Phi3Config: None;
+# Gemma3TextConfig: 4096): microsoft/Phi-3-mini-4k-instruct and Phi-3-medium-4k-instruct set sliding_window 2047;
+# google/gemma-3-1b-it sets 512 and gemma-3-4b/12b/27b-it 1024, each with every sixth block global (the class's
+# default pattern, which the 1b and 12b files also state and the 4b file leaves out).
+PUBLISHED = [
+    ("microsoft/Phi-3-mini-4k-instruct", "Phi3Config", 2047),
+    ("microsoft/Phi-3-medium-4k-instruct", "Phi3Config", 2047),
+    ("google/gemma-3-1b-it", "Gemma3TextConfig", 512),
+    ("google/gemma-3-4b-it", "Gemma3TextConfig", 1024),
+    ("google/gemma-3-12b-it", "Gemma3TextConfig", 1024),
+    ("google/gemma-3-27b-it", "Gemma3TextConfig", 1024),
+]
+
+
+def _partial_everywhere(shape: Any, built: Any) -> None:
+    """Both rules read partial attention from the catalog's shape and from the built config alike."""
+    assert pipelines.facts_of_shape(shape).partial_attention and pipelines.facts_of_config(built).partial_attention
+    assert sequence.facts_of_shape(shape).partial_attention and sequence.facts_of_config(built).partial_attention
+
+
+@pytest.mark.parametrize("model,family,window", PUBLISHED)
+def test_the_catalogs_windows_are_the_published_ones(model: str, family: str, window: int) -> None:
+    """The catalog's window and sliding-block count are what transformers builds the family with from the
+    published window: Phi-3 4k windows every block, Gemma 3 five blocks of every six."""
+    shape = resolve_shape(model)
+    built = getattr(transformers, family)(num_hidden_layers=shape.layers, sliding_window=window)
+    types = getattr(built, "layer_types", None) or ["sliding_attention"] * shape.layers
+    assert (shape.sliding_window, shape.sliding_layers) == (window, types.count("sliding_attention"))
+    _partial_everywhere(shape, built)
+
+
+def test_llama4s_chunked_attention_reaches_the_rules() -> None:
+    """Llama 4 attends within 8192-token chunks on three blocks of four (its config's attention_chunk_size, the
+    blocks transformers' Llama4TextConfig marks chunked_attention): the catalog's shape says so, so auto does not
+    split rows or cut stages the rank then refuses."""
+    shape = resolve_shape("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    built = hf_config(shape)
+    text = built.text_config
+    assert (shape.sliding_window, shape.sliding_layers) == (text.attention_chunk_size,
+                                                            text.layer_types.count("chunked_attention"))
+    assert (shape.sliding_window, shape.sliding_layers) == (8192, 36)
+    _partial_everywhere(shape, built)
+
+
+@pytest.mark.parametrize("model", sorted(k for k, v in catalog().items() if "config" in v))
+def test_every_kept_config_reads_as_its_built_model(model: str) -> None:
+    """Every catalog entry that keeps its published config.json whole builds the transformers class it names:
+    the rules' reading of the catalog's shape (windows, chunks) is their reading of that class."""
+    shape = resolve_shape(model)
+    built = hf_config(shape)
+    assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
+    assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
+
+
+SMALL = dict(num_hidden_layers=12, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+# config.json files as their families publish them: the window, and the layout left to the class (Mistral-7B-v0.1,
+# Phi-3 4k, Gemma 2, Gemma 3's 4b text_config) or switched by Qwen's use_sliding_window.
+LOCAL = [
+    ("mistral", dict(sliding_window=4096)),
+    ("phi3", dict(sliding_window=2047)),
+    ("gemma2", dict(sliding_window=4096, head_dim=16)),
+    ("gemma3_text", dict(sliding_window=1024, head_dim=16)),
+    ("gemma3_text", dict(sliding_window=512, sliding_window_pattern=6, head_dim=16)),
+    ("cohere2", dict(sliding_window=4096)),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=False, max_window_layers=12)),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=4)),
+    ("qwen3", dict(sliding_window=4096)),
+    ("mixtral", dict(sliding_window=None, num_local_experts=4)),
+]
+
+
+@pytest.mark.parametrize("model_type,keys", LOCAL, ids=[f"{t}-{i}" for i, (t, _) in enumerate(LOCAL)])
+def test_a_local_config_json_reads_its_windows_as_transformers_builds_them(model_type: str,
+                                                                           keys: dict[str, Any]) -> None:
+    """A model planned from its own config.json (a local folder, not the catalog) gets the windows transformers'
+    class builds from that file, where the file leaves the layout to the class's defaults: the planner's rules
+    refuse what the rank refuses and allow what it allows."""
+    from transformers import AutoConfig
+
+    from shardfit.plan.config_shape import shape_from_config
+
+    cfg = dict(SMALL, model_type=model_type, **keys)
+    shape = shape_from_config(cfg, "local")
+    built = AutoConfig.for_model(**cfg)
+    types = getattr(built, "layer_types", None) or \
+        ["sliding_attention" if built.sliding_window else "full_attention"] * built.num_hidden_layers
+    assert shape.sliding_layers == types.count("sliding_attention")
+    assert shape.sliding_window == (cfg["sliding_window"] if shape.sliding_layers else 0)
+    assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
+    assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
