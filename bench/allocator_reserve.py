@@ -5,12 +5,21 @@ allocation of a training run: the memory allocated, the memory reserved but unal
 after freeing every cached segment it could; PyTorch frees them and retries before it raises), and the request that
 failed. The reserve a full card cannot give back is compared with the tensor peak the step was reaching, allocated +
 request. The planner's fraction (shardfit.plan.estimate.ALLOCATOR_RESERVE) is the median of that ratio over the
-cases, rounded to 0.1 %: each run counts once, as each run's error does in the planner's own figures.
+cases not `excluded` (a card other processes filled), rounded to 0.1 %: one case per thread, so each source counts
+once, as each run's error does in the planner's own figures.
 
 The cache a successful run reads, from logs of runs that did not fail (`successful_runs`): max_memory_reserved() /
-max_memory_allocated() - 1. The planner's fraction (shardfit.plan.estimate.ALLOCATOR_CACHE) is its median over the
-runs not near their card, to 0.1 %; a run near its card shows the cap (the allocator frees cache before it fails),
-not the cache. Prints both fits and the distributions they come from.
+max_memory_allocated() - 1. The planner's fraction (shardfit.plan.estimate.ALLOCATOR_CACHE) follows a rule fixed
+before any planner error was looked at (`usable`, `fit_cache`):
+- a run near its card is left out: it shows the cap (the allocator frees cache before it fails), not the cache.
+  Near: max reserved over NEAR_CARD of the stated card, cudaMalloc retries, or, with the card unknown, max reserved
+  over NEAR_CARD of an 80 GB card (the log cannot show that it had room);
+- a run whose peak was not captured (`peak_captured: false`: allocated equals max allocated after one iteration) is
+  left out;
+- a whole-GiB-floored run is kept only when the flooring can move its ratio by FLOOR_SPREAD or less;
+- each source (a thread, pull request, commit or indexed file) counts once, as each OOM thread gives one case: the
+  median of its usable runs, then the median over sources, to 0.1 %.
+Prints both fits and the distributions they come from.
 
     python bench/allocator_reserve.py
 """
@@ -26,6 +35,11 @@ import yaml
 DATA = Path(__file__).resolve().parent / "allocator_reserve.yaml"
 # A run whose max reserved passes this share of its card's stated capacity is near its card.
 NEAR_CARD = 0.9
+# An unknown card is taken to be an 80 GB one (79.2 GiB), the largest card most of these logs name.
+UNKNOWN_CARD_GIB = 79.2
+# A floored row is kept when (reserved + 1) / allocated - reserved / (allocated + 1), the widest its true ratio can
+# range, is at most this: a few points, well under the spread between sources.
+FLOOR_SPREAD = 0.05
 # A failed request of this size or more is a large allocation (the fp32 logits of a long sequence, a batch of images).
 LARGE_REQUEST_GIB = 1.0
 
@@ -40,9 +54,14 @@ def reserve_ratio(case: dict) -> float:
     return case["unallocated_gib"] / (case["allocated_gib"] + case["request_gib"])
 
 
+def fitted_cases(cases: list[dict]) -> list[dict]:
+    """The cases the reserve is fitted to: all but those `excluded` (with the reason in the YAML)."""
+    return [c for c in cases if not c.get("excluded")]
+
+
 def fit(cases: list[dict]) -> float:
-    """The planner's reserve fraction: the median ratio, to 0.1 %."""
-    return round(statistics.median(reserve_ratio(c) for c in cases), 3)
+    """The planner's reserve fraction: the median ratio over the cases not excluded, to 0.1 %."""
+    return round(statistics.median(reserve_ratio(c) for c in fitted_cases(cases)), 3)
 
 
 def cache_ratio(run: dict) -> float:
@@ -51,14 +70,42 @@ def cache_ratio(run: dict) -> float:
 
 
 def near_card(run: dict) -> bool:
-    """Whether the run met its card: max reserved over NEAR_CARD of a stated capacity, or cudaMalloc retries."""
-    full = run.get("gpu_gib") is not None and run["max_reserved_gib"] > NEAR_CARD * run["gpu_gib"]
-    return full or bool(run.get("alloc_retries"))
+    """Whether the run met (or may have met) its card: max reserved over NEAR_CARD of its stated capacity, or of an
+    80 GB card when the log does not state one, or cudaMalloc retries."""
+    card = run["gpu_gib"] if run.get("gpu_gib") is not None else UNKNOWN_CARD_GIB
+    return run["max_reserved_gib"] > NEAR_CARD * card or bool(run.get("alloc_retries"))
+
+
+def floor_spread(run: dict) -> float:
+    """How far whole-GiB flooring can move a run's ratio (0 for a run printed in MB or to the hundredth)."""
+    if "floored" not in run["printed"]:
+        return 0.0
+    a, r = run["max_allocated_gib"], run["max_reserved_gib"]
+    return (r + 1) / a - r / (a + 1)
+
+
+def usable(run: dict) -> bool:
+    """Whether a run's ratio shows the cache: not near its card, its peak captured, its flooring a few points."""
+    return not near_card(run) and run.get("peak_captured", True) and floor_spread(run) <= FLOOR_SPREAD
+
+
+def source(run: dict) -> str:
+    """Where a run came from; a run printed in two indexed files names the first (`source`)."""
+    return str(run.get("source") or run.get("url") or run["index_file"])
+
+
+def per_source(runs: list[dict]) -> dict[str, float]:
+    """Each source's median cache ratio over its usable runs."""
+    groups: dict[str, list[float]] = {}
+    for r in runs:
+        if usable(r):
+            groups.setdefault(source(r), []).append(cache_ratio(r))
+    return {k: statistics.median(v) for k, v in groups.items()}
 
 
 def fit_cache(runs: list[dict]) -> float:
-    """The planner's cache fraction: the median ratio over the runs not near their card, to 0.1 %."""
-    return round(statistics.median(cache_ratio(r) for r in runs if not near_card(r)), 3)
+    """The planner's cache fraction: the median over sources of each source's median usable ratio, to 0.1 %."""
+    return round(statistics.median(per_source(runs).values()), 3)
 
 
 def _spread(values: list[float]) -> str:
@@ -83,9 +130,10 @@ def lad_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def report(data: dict) -> list[str]:
     """The fit and the distribution behind it, one line each."""
-    cases = data["cases"]
+    cases = fitted_cases(data["cases"])
     ratios = [reserve_ratio(c) for c in cases]
-    lines = [f"{len(cases)} OOM messages of training runs; reserve = unallocated / (allocated + request)",
+    lines = [f"{len(cases)} OOM messages of training runs ({len(data['cases']) - len(cases)} excluded); "
+             "reserve = unallocated / (allocated + request)",
              f"fit (median, planner's ALLOCATOR_RESERVE): {100 * fit(cases):.1f} % of the tensor peak",
              f"all:                      {_spread(ratios)}",
              f"  90th percentile {100 * statistics.quantiles(ratios, n=10)[-1]:.1f} %, "
@@ -111,21 +159,26 @@ def report(data: dict) -> list[str]:
 
 
 def cache_report(runs: list[dict]) -> list[str]:
-    """The cache fit and the distribution behind it: by size, by source, and the runs near their card."""
-    room = [r for r in runs if not near_card(r)]
-    megatron = [r for r in room if r["printed"] == "MB" and "Megatron" in r["run"]]
+    """The cache fit and the distribution behind it: by source kind and size, and the runs left out and why."""
+    kept = [r for r in runs if usable(r)]
+    sources = per_source(runs)
+    megatron = {source(r) for r in kept if r["printed"] == "MB" and "Megatron" in r["run"]}
     lines = ["",
-             f"{len(runs)} successful training runs ({len(room)} not near their card); cache = max reserved / "
-             "max allocated - 1",
-             f"fit (median, planner's ALLOCATOR_CACHE): {100 * fit_cache(runs):.1f} % of the tensor peak",
-             "not near their card:      " + _spread([cache_ratio(r) for r in room]),
-             "Megatron logs:            " + _spread([cache_ratio(r) for r in megatron]),
-             "other logs:               " + _spread([cache_ratio(r) for r in room if r not in megatron])]
+             f"{len(runs)} successful training runs, {len(kept)} usable from {len(sources)} sources; cache = max "
+             "reserved / max allocated - 1",
+             f"fit (median over sources, planner's ALLOCATOR_CACHE): {100 * fit_cache(runs):.1f} % of the tensor peak",
+             "per source:               " + _spread(list(sources.values())),
+             "usable runs, each counted:" + _spread([cache_ratio(r) for r in kept]),
+             "Megatron sources:         " + _spread([v for k, v in sources.items() if k in megatron]),
+             "other sources:            " + _spread([v for k, v in sources.items() if k not in megatron])]
     for lo, hi in ((0, 10), (10, 30), (30, 60), (60, 1000)):
-        sel = [cache_ratio(r) for r in room if lo <= r["max_allocated_gib"] < hi]
+        sel = [cache_ratio(r) for r in kept if lo <= r["max_allocated_gib"] < hi]
         lines.append(f"max allocated {lo:3d}-{hi:<4d} GiB: " + (_spread(sel) if sel else "n=  0"))
-    lines += [f"near its card: reserved {100 * cache_ratio(r):.1f} % over allocated ({r['run']})"
-              for r in runs if near_card(r)]
+    for r in runs:
+        why = ("near its card" if near_card(r) else "peak not captured" if not r.get("peak_captured", True)
+               else f"flooring moves it {100 * floor_spread(r):.0f} points" if not usable(r) else "")
+        if why:
+            lines.append(f"left out, {why}: {100 * cache_ratio(r):.1f} % ({r['run']})")
     return lines
 
 

@@ -7,8 +7,11 @@ Each row is predicted with what it states, the YAML's `unknown` defaults where i
 mapping of model, GPUs, strategy and precision onto the planner's vocabulary (bench/plan_vs_published.py's helpers
 build the workload, the hardware and the shape). A row the planner cannot describe is counted as not planned, with
 its reason. Per planned row:
-- memory (rows with a published peak): the error is the predicted per-GPU total over the peak, minus one (the
-  peak converted from the source's unit: GB = 1e9 bytes, GiB = 2^30);
+- memory (rows with a published peak): the error is the predicted per-GPU reading over the peak, minus one (the
+  peak converted from the source's unit: GB = 1e9 bytes, GiB = 2^30). The reading (the device as nvidia-smi shows
+  it unless the case names `reserved` or `allocated`) is predicted by the in-sample bench's own function,
+  plan_vs_published.read_as on the row's card (shardfit.plan.estimate.peak_reading), so both benches read a plan
+  alike;
 - verdict (every row): right when the planner agrees that the run fit the card (or ran out of memory);
 - tokens/s (rows that give a speed): the predicted whole-job tokens/s over the published one, minus one.
 `summary` gives, over a set of rows: the median and 90th percentile of |memory error|, the share of memory rows
@@ -37,7 +40,7 @@ import plan_vs_published as pvp  # noqa: E402
 
 from shardfit.errors import UserError  # noqa: E402
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed  # noqa: E402
-from shardfit.plan.estimate import estimate  # noqa: E402
+from shardfit.plan.estimate import Breakdown, estimate  # noqa: E402
 from shardfit.plan.timing import step_time  # noqa: E402
 
 SET = BENCH / "published_blind.yaml"
@@ -159,9 +162,15 @@ def predict(case: dict) -> dict:
     out = {"card_gib": hw.gpu_mem_gib, "world": hw.world, "predicted_total_gib": round(b.total, 2),
            "breakdown_gib": {p: round(getattr(b, p), 2) for p in parts}, "peak_phase": cand.peak_phase,
            "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound}
-    if case.get("reading", "total") != "total":  # a peak read without the CUDA context (and NCCL's buffers)
-        out.update(reading=case["reading"], predicted_read_gib=round(pvp.read_as(b, case["reading"]), 2))
+    reading = case.get("reading", "total")
+    out.update(reading=reading, predicted_read_gib=round(predicted_reading(b, reading, hw.gpu_mem_gib), 2))
     return out
+
+
+def predicted_reading(b: Breakdown, reading: str, gpu_gib: float) -> float:
+    """What a successful run of breakdown `b` reads as `reading` on a card of `gpu_gib`: the in-sample bench's
+    prediction (plan_vs_published.read_as), so that a blind row and an in-sample row are read alike."""
+    return pvp.read_as(b, reading, gpu_gib)
 
 
 def published_rate(rate: dict, row: dict, ranks: int) -> float | str:
@@ -189,7 +198,7 @@ def row_head(index: int, row: dict, source: str) -> dict[str, Any]:
 
 def evaluate_row(index: int, row: dict, spec: dict, settings: dict | None = None) -> dict:
     """One row: its prediction, errors and verdict, or its reason for not being planned. The memory error is
-    against what the peak's reading holds (the total unless the case says `reading`); `settings` as case_of's."""
+    against what the peak's reading holds (the device unless the case says `reading`); `settings` as case_of's."""
     name = source_of(row, spec)
     out = row_head(index, row, name)
     case = case_of(row, spec["sources"][name], spec, settings)
@@ -209,7 +218,7 @@ def evaluate_row(index: int, row: dict, spec: dict, settings: dict | None = None
     if peak:
         gib = peak["value"] * pvp.UNITS[peak["unit"]]
         out.update(published=f"{peak['value']} {peak['unit']}", published_gib=round(gib, 2),
-                   error=round(p.get("predicted_read_gib", p["predicted_total_gib"]) / gib - 1, 4))
+                   error=round(p["predicted_read_gib"] / gib - 1, 4))
     rate = row.get("tokens_per_s")
     if rate and case.get("assumed"):
         out["tokens_left_out"] = "the row does not name its card: its speed is not compared"

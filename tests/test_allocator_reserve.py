@@ -8,6 +8,7 @@ import importlib.util
 import json
 
 import pytest
+import yaml
 
 from shardfit.cli.main import main
 from shardfit.plan.estimate import ALLOCATOR_CACHE, ALLOCATOR_RESERVE, Breakdown, estimate, peak_reading
@@ -29,6 +30,21 @@ DATA = BENCH.load()
 FIT = BENCH.fit(DATA["cases"])
 CACHE_FIT = BENCH.fit_cache(DATA["successful_runs"])
 TENSORS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries")
+# Held-out sources (docs/planning.md's blind tables) that are GitHub threads: repository -> thread numbers. A blind
+# source scores the planner, so it must not train it.
+BLIND_THREADS = {"llama-recipes": {41, 100, 120}, "llama-cookbook": {41, 100, 120}, "LLaVA": {569, 1499}}
+
+
+def _plain_median(values: list[float]) -> float:
+    """The median by sorting, written apart from the bench's statistics.median so that each checks the other."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def _raw() -> dict:
+    """The YAML as plain data, read here rather than through the bench."""
+    return yaml.safe_load((ROOT / "bench" / "allocator_reserve.yaml").read_text())
 
 
 def test_the_data_are_distinct_training_runs_that_fill_their_cards() -> None:
@@ -45,11 +61,23 @@ def test_the_data_are_distinct_training_runs_that_fill_their_cards() -> None:
 
 
 def test_the_planners_reserve_is_the_median_of_the_data() -> None:
-    """ALLOCATOR_RESERVE is what bench/allocator_reserve.py fits to the YAML, so neither can drift from the other;
-    half the cases lie above it."""
+    """ALLOCATOR_RESERVE is what bench/allocator_reserve.py fits to the YAML, so neither can drift from the other,
+    and it is the median a plain sort gives over the cases not excluded (a card other processes filled)."""
     assert ALLOCATOR_RESERVE == FIT
-    ratios = [BENCH.reserve_ratio(c) for c in DATA["cases"]]
-    assert abs(sum(r > FIT for r in ratios) - sum(r < FIT for r in ratios)) <= 2
+    cases = [c for c in _raw()["cases"] if not c.get("excluded")]
+    assert 0 < len(cases) < len(_raw()["cases"])
+    ratios = [c["unallocated_gib"] / (c["allocated_gib"] + c["request_gib"]) for c in cases]
+    assert ALLOCATOR_RESERVE == round(_plain_median(ratios), 3)
+
+
+def test_no_held_out_source_trains_the_allocator() -> None:
+    """No row, OOM case or successful run, comes from a blind set's GitHub thread."""
+    raw = _raw()
+    for row in raw["cases"] + raw["successful_runs"]:
+        url = row.get("url", "")
+        for repo, threads in BLIND_THREADS.items():
+            if f"/{repo}/" in url:
+                assert int(url.rstrip("/").rsplit("/", 1)[1]) not in threads, url
 
 
 def test_the_plan_line_is_the_fit_of_the_tensor_peak(capsys: pytest.CaptureFixture) -> None:
@@ -68,10 +96,10 @@ def test_the_plan_line_is_the_fit_of_the_tensor_peak(capsys: pytest.CaptureFixtu
 
 
 def test_the_successful_runs_are_distinct_training_runs() -> None:
-    """40 runs or more, each named by where it came from; reserved never below allocated, within a stated card;
+    """35 runs or more, each named by where it came from; reserved never below allocated, within a stated card;
     several sources, not one framework's logs alone."""
     runs = DATA["successful_runs"]
-    assert len(runs) >= 40
+    assert len(runs) >= 35
     assert len({(r.get("url") or r["index_file"], r["run"]) for r in runs}) == len(runs)
     for r in runs:
         assert ("url" in r) != ("index_file" in r), r["run"]
@@ -80,12 +108,23 @@ def test_the_successful_runs_are_distinct_training_runs() -> None:
     assert len({r["printed"] for r in runs}) >= 3
 
 
-def test_the_planners_cache_is_the_median_of_runs_with_room() -> None:
-    """ALLOCATOR_CACHE is what bench/allocator_reserve.py fits to the successful runs not near their card; half of
-    them lie above it, and it is several times the reserve a full card keeps."""
+def test_the_planners_cache_is_the_median_over_sources_of_runs_with_room() -> None:
+    """ALLOCATOR_CACHE is what bench/allocator_reserve.py fits, and what the rule in its docstring gives when done
+    here by hand: runs near a stated card (over 90 %), near an 80 GB card when none is stated, with cudaMalloc
+    retries, with an uncaught peak, or floored so coarsely that the ratio can move over 5 points are left out; each
+    source's median, then the median over sources. Several times the reserve a full card keeps."""
     assert ALLOCATOR_CACHE == CACHE_FIT
-    ratios = [BENCH.cache_ratio(r) for r in DATA["successful_runs"] if not BENCH.near_card(r)]
-    assert abs(sum(r > CACHE_FIT for r in ratios) - sum(r < CACHE_FIT for r in ratios)) <= 2
+    by_source: dict[str, list[float]] = {}
+    for r in _raw()["successful_runs"]:
+        a, res = r["max_allocated_gib"], r["max_reserved_gib"]
+        card = r["gpu_gib"] or 79.2
+        floored = "floored" in r["printed"] and (res + 1) / a - res / (a + 1) > 0.05
+        if res > 0.9 * card or r.get("alloc_retries") or r.get("peak_captured") is False or floored:
+            continue
+        key = str(r.get("source") or r.get("url") or r["index_file"])
+        by_source.setdefault(key, []).append(res / a - 1)
+    assert len(by_source) >= 20
+    assert ALLOCATOR_CACHE == round(_plain_median([_plain_median(v) for v in by_source.values()]), 3)
     assert ALLOCATOR_CACHE > 3 * ALLOCATOR_RESERVE
 
 

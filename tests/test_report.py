@@ -3,6 +3,7 @@ runs side by side, and the page opened in a real headless browser."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -121,3 +122,17 @@ def test_watch_rebuilds_a_live_page_until_the_run_finishes(tmp_path: Path) -> No
         proc.kill()
     assert proc.returncode == 0, err
     assert "refresh" not in page.read_text() and "report written to" in out
+
+
+def test_a_rank_is_compared_with_the_tensors_the_plan_says_it_allocates(tmp_path: Path) -> None:
+    """Training logs max_memory_allocated(), the tensors alone: a rank 15 % over the plan's tensors is over plan,
+    though it stays under the plan's total (with the allocator's reserve and the runtime) by more than 10 %."""
+    run = make_run(tmp_path / "run", mem=[[2.3, 2.3]] * 4, predicted=3.0)
+    plan = json.loads((run / "plan.json").read_text())
+    for c in plan["candidates"]:
+        c["per_gpu_gib"] = {"weights": 1.0, "activations": 1.0, "allocator_reserve": 0.04, "runtime_overhead": 1.0,
+                            "total": 3.04}
+    (run / "plan.json").write_text(json.dumps(plan))
+    data = read_run(run)
+    assert data.predicted_gib() == pytest.approx(2.0)
+    assert any(f.startswith("over plan: rank(s) 0, 1 ") for f in data.memory_findings())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
+from shardfit.plan.estimate import Breakdown, peak_reading
 from shardfit.report.shapes import SHAPES, metrics_line
 
 IMBALANCE = 0.10  # ranks whose peak memory differs by more than this share of the largest are flagged
@@ -67,12 +69,17 @@ class RunData:
         return float(step)
 
     def predicted_gib(self) -> float | None:
-        """The plan's predicted peak per GPU for the strategy the run used (every rank is planned alike)."""
+        """What the plan says a rank's logged peak reads, for the strategy the run used (every rank is planned
+        alike): training logs torch.cuda.max_memory_allocated(), the tensors alone, so the plan's `allocated`
+        reading (shardfit.plan.estimate.peak_reading), not its total with the allocator's reserve and the runtime."""
         if not self.plan or not self.strategy:
             return None
+        names = {f.name for f in dataclasses.fields(Breakdown)}
+        card = float((self.plan.get("hardware") or {}).get("gpu_mem_gib") or float("inf"))
         for c in self.plan.get("candidates", []):
             if c.get("strategy") == self.strategy:
-                return float(c["per_gpu_gib"]["total"])
+                b = Breakdown(**{k: float(v) for k, v in c["per_gpu_gib"].items() if k in names})
+                return peak_reading(b, card, "allocated")
         return None
 
     def peak_per_rank(self) -> list[float]:
@@ -103,7 +110,7 @@ class RunData:
             over = [i for i, p in enumerate(peaks) if p > predicted * (1 + IMBALANCE)]
             if over:
                 out.append(f"over plan: rank(s) {', '.join(map(str, over))} peaked above the plan's "
-                           f"{predicted:.2f} GiB by more than {IMBALANCE:.0%}")
+                           f"{predicted:.2f} GiB of tensors by more than {IMBALANCE:.0%}")
         return out
 
 

@@ -58,7 +58,7 @@ def summary_table(runs: list[RunData]) -> str:
     for k in keys:
         rows.append(f"<tr><th>{_e(k)}</th>" + "".join(_cell((r.summary or {}).get(k)) for r in runs) + "</tr>")
     rows.append("<tr><th>global batch (examples/step)</th>" + "".join(_cell(r.global_batch) for r in runs) + "</tr>")
-    rows.append("<tr><th>plan: predicted GiB/GPU</th>" + "".join(_cell(r.predicted_gib()) for r in runs) + "</tr>")
+    rows.append("<tr><th>plan: tensors GiB/GPU</th>" + "".join(_cell(r.predicted_gib()) for r in runs) + "</tr>")
     return "<table>" + "".join(rows) + "</table>"
 
 

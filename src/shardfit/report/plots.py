@@ -121,7 +121,8 @@ def preference_chart(runs: list[RunData], out: Path, key_set: tuple[str, ...], n
 
 
 def memory_chart(run: RunData, index: int, out: Path) -> Chart | None:
-    """Each rank's memory over the steps against the plan's predicted peak for the strategy the run used."""
+    """Each rank's max_memory_allocated() over the steps against what the plan says it reads (the tensors) for the
+    strategy the run used."""
     steps = [r["step"] for r in run.train if r.get("mem_gib")]
     if not steps:
         return None
@@ -131,7 +132,7 @@ def memory_chart(run: RunData, index: int, out: Path) -> Chart | None:
         ax.plot(steps, values, marker=".", label=f"rank {rank}")
     predicted = run.predicted_gib()
     if predicted:
-        ax.axhline(predicted, color="red", linestyle="--", label=f"plan: {predicted:.2f} GiB ({run.strategy})")
+        ax.axhline(predicted, color="red", linestyle="--", label=f"plan, tensors: {predicted:.2f} GiB ({run.strategy})")
     ax.set_xlabel("step")
     ax.set_ylabel("GiB")
     ax.set_ylim(bottom=0)
