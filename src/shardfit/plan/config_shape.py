@@ -189,8 +189,8 @@ def is_qwen3_vision(cfg: dict[str, Any]) -> bool:
 def other_tower_params(cfg: dict[str, Any]) -> int:
     """A vision tower that is not Qwen-VL's (SigLIP in Gemma 3, Llama 4's, GLM-4.xV's): a ViT of `layers` blocks of
     width `d` (attention 4d^2, MLP 2dm, biases and norms), its patch embedding and positions, and a projection to
-    the language model's width. An estimate within a few per cent of the tower; the tower is a small part of
-    these models."""
+    the language model's width. An estimate within a few per cent of the tower (Gemma 3's, whose layout is known
+    whole, is exact); the tower is a small part of these models."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return 0
@@ -202,4 +202,7 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     out = text_config(cfg).get("hidden_size", d)
     block = 4 * d * d + 2 * d * m + 9 * d + m
     proj = (v.get("projector_output_dim") or v.get("vision_output_dim") or d) * out
-    return int(depth * block + 3 * patch * patch * d + positions * d + proj)
+    # Gemma 3's SigLIP tower is known whole: the patch embedding's bias, the final LayerNorm and the projector's
+    # RMSNorm (4d) make the count the built tower's to the parameter (SigLIP's head is off: vision_use_head false).
+    exact = 4 * d if cfg.get("model_type") == "gemma3" else 0
+    return int(depth * block + 3 * patch * patch * d + positions * d + proj + exact)
