@@ -104,3 +104,46 @@ def test_a_local_config_json_reads_its_windows_as_transformers_builds_them(model
     assert shape.sliding_window == (cfg["sliding_window"] if shape.sliding_layers else 0)
     assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
     assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
+
+
+def _without_layer_types(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as a config.json that leaves the block layout to its class: no `layer_types`, at any depth."""
+    return {k: _without_layer_types(v) if isinstance(v, dict) else v for k, v in d.items() if k != "layer_types"}
+
+
+def _windowed_classes() -> list[str]:
+    """Every model_type whose transformers config class, built with its defaults, has a sliding_window or
+    attention_chunk_size attribute on its language model's config (a decoder's: one with num_hidden_layers)."""
+    from transformers import CONFIG_MAPPING
+
+    found = []
+    for model_type in sorted(CONFIG_MAPPING.keys()):
+        try:
+            built = CONFIG_MAPPING[model_type]()
+            text = getattr(built, "text_config", None) or built
+            windowed = hasattr(text, "sliding_window") or hasattr(text, "attention_chunk_size")
+            windowed = windowed and hasattr(text, "num_hidden_layers") and sequence.facts_of_config(built) is not None
+        except Exception:  # noqa: BLE001 - a class that needs arguments, or that the rank's rules cannot read
+            # (per-layer heterogeneous configs: dots3_note, embedding_gemma2, neomme), cannot be swept
+            continue
+        if windowed:
+            found.append(model_type)
+    return found
+
+
+@pytest.mark.parametrize("model_type", _windowed_classes())
+def test_every_windowed_class_defaults_read_as_the_rank_reads_them(model_type: str) -> None:
+    """For every transformers family with a window or chunk setting, a config.json of its class's defaults that
+    leaves the layout out (as published files do) gets the planner's partial-attention verdict the rank reaches on
+    the built class: no false refusal of a full-attention model (dots1, smollm3, Qwen with use_sliding_window off),
+    no split allowed that the rank refuses (Qwen without max_window_layers, EXAONE 4's "LLLG" pattern)."""
+    from transformers import CONFIG_MAPPING
+
+    from shardfit.plan.config_shape import attention_layout
+
+    built = CONFIG_MAPPING[model_type]()
+    file = _without_layer_types(built.to_dict())
+    window, blocks = attention_layout(file, "local")
+    rank = sequence.facts_of_config(CONFIG_MAPPING[model_type](**{k: v for k, v in file.items()
+                                                                   if k != "model_type"}))
+    assert (window > 0 and blocks > 0) == rank.partial_attention == sequence.facts_of_config(built).partial_attention
