@@ -130,8 +130,9 @@ def built_config(cfg: dict[str, Any], name: str) -> Any:
     try:
         return CONFIG_MAPPING[model_type](**fields)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-        raise UserError(f"{name}: transformers' {type(e).__name__} building the {model_type} config from "
-                        f"config.json ({e}); fix the key it names, as the model would not load either.") from None
+        raise UserError(f"{name}: transformers' {CONFIG_MAPPING[model_type].__name__} cannot be built from this "
+                        f"config.json ({type(e).__name__}: {e}), so the model would not load either: fix or remove "
+                        f"the key it names (or list the blocks' layer_types, as published configs do).") from None
 
 
 def unbuilt_layout(text: dict[str, Any], layers: Any) -> tuple[int, int]:
