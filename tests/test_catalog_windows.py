@@ -82,6 +82,19 @@ LOCAL = [
     ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=4)),
     ("qwen3", dict(sliding_window=4096)),
     ("mixtral", dict(sliding_window=None, num_local_experts=4)),
+    # keys left to the class's defaults or its own pattern keys: Qwen's max_window_layers (28), Mistral's window
+    # (4096), Gemma 3's sliding_window_pattern, Cohere 2 whatever use_sliding_window says, EXAONE 4's text
+    # pattern beside its layer_types (as published), and families whose class never reads the window key
+    # (dots1, SmolLM3 without use_sliding_window).
+    ("qwen2", dict(num_hidden_layers=36, sliding_window=4096, use_sliding_window=True)),
+    ("mistral", dict()),
+    ("gemma3_text", dict(sliding_window=512, sliding_window_pattern=3, head_dim=16)),
+    ("exaone4", dict(sliding_window=4096, sliding_window_pattern="LLLG",
+                     layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3
+                     + ["full_attention"] * 5)),
+    ("cohere2", dict(sliding_window=4096, use_sliding_window=False)),
+    ("dots1", dict(sliding_window=4096)),
+    ("smollm3", dict(sliding_window=4096)),
 ]
 
 
@@ -95,12 +108,82 @@ def test_a_local_config_json_reads_its_windows_as_transformers_builds_them(model
 
     from shardfit.plan.config_shape import shape_from_config
 
-    cfg = dict(SMALL, model_type=model_type, **keys)
+    cfg = {**SMALL, "model_type": model_type, **keys}
     shape = shape_from_config(cfg, "local")
     built = AutoConfig.for_model(**cfg)
     types = getattr(built, "layer_types", None) or \
         ["sliding_attention" if built.sliding_window else "full_attention"] * built.num_hidden_layers
     assert shape.sliding_layers == types.count("sliding_attention")
-    assert shape.sliding_window == (cfg["sliding_window"] if shape.sliding_layers else 0)
+    assert shape.sliding_window == ((built.sliding_window or 0) if shape.sliding_layers else 0)
     assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
     assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
+
+
+def _without_layer_types(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as a config.json that leaves the block layout to its class: no `layer_types`, at any depth."""
+    return {k: _without_layer_types(v) if isinstance(v, dict) else v for k, v in d.items() if k != "layer_types"}
+
+
+def _windowed_classes() -> list[str]:
+    """Every model_type whose transformers config class, built with its defaults, has a sliding_window or
+    attention_chunk_size attribute on its language model's config (a decoder's: one with num_hidden_layers)."""
+    from transformers import CONFIG_MAPPING
+
+    found = []
+    for model_type in sorted(CONFIG_MAPPING.keys()):
+        try:
+            built = CONFIG_MAPPING[model_type]()
+            text = getattr(built, "text_config", None) or built
+            windowed = hasattr(text, "sliding_window") or hasattr(text, "attention_chunk_size")
+            windowed = windowed and hasattr(text, "num_hidden_layers") and sequence.facts_of_config(built) is not None
+        except Exception:  # noqa: BLE001 - a class that needs arguments, or that the rank's rules cannot read
+            # (per-layer heterogeneous configs: dots3_note, embedding_gemma2, neomme), cannot be swept
+            continue
+        if windowed:
+            found.append(model_type)
+    return found
+
+
+@pytest.mark.parametrize("model_type", _windowed_classes())
+def test_every_windowed_class_defaults_read_as_the_rank_reads_them(model_type: str) -> None:
+    """For every transformers family with a window or chunk setting, a config.json of its class's defaults that
+    leaves the layout out (as published files do) gets the planner's partial-attention verdict the rank reaches on
+    the built class: no false refusal of a full-attention model (dots1, smollm3, Qwen with use_sliding_window off),
+    no split allowed that the rank refuses (Qwen without max_window_layers, EXAONE 4's "LLLG" pattern)."""
+    from transformers import CONFIG_MAPPING
+
+    from shardfit.plan.config_shape import attention_layout
+
+    built = CONFIG_MAPPING[model_type]()
+    file = _without_layer_types(built.to_dict())
+    window, blocks = attention_layout(file, "local")
+    rank = sequence.facts_of_config(CONFIG_MAPPING[model_type](**{k: v for k, v in file.items()
+                                                                   if k != "model_type"}))
+    assert (window > 0 and blocks > 0) == rank.partial_attention == sequence.facts_of_config(built).partial_attention
+
+
+def test_a_config_its_class_cannot_build_is_a_message_naming_the_class() -> None:
+    """EXAONE 4's text pattern without the layer_types its published file lists: transformers' own class cannot lay
+    the blocks out (so the model would not load); the planner says so, naming the file's class, not a traceback
+    and not a "size that is not a number"."""
+    from shardfit.errors import UserError
+    from shardfit.plan.config_shape import shape_from_config
+
+    with pytest.raises(UserError, match=r"local: transformers' Exaone4Config cannot be built from this config\.json"):
+        shape_from_config({**SMALL, "model_type": "exaone4", "sliding_window": 4096, "sliding_window_pattern": "LLLG"},
+                          "local")
+
+
+def test_a_llama4_config_without_its_chunk_takes_the_class_default() -> None:
+    """A Llama 4 text config.json that leaves attention_chunk_size out is built by transformers with 8192-token
+    chunks on three blocks of four: the planner reads them so, and refuses what the rank refuses."""
+    from transformers import CONFIG_MAPPING
+
+    from shardfit.plan.config_shape import shape_from_config
+
+    cfg = {**SMALL, "model_type": "llama4_text", "num_local_experts": 4}
+    shape = shape_from_config(cfg, "local")
+    built = CONFIG_MAPPING["llama4_text"](**{k: v for k, v in cfg.items() if k != "model_type"})
+    assert (shape.sliding_window, shape.sliding_layers) == (8192, built.layer_types.count("chunked_attention")) == \
+        (8192, 9)
+    assert sequence.facts_of_config(built).partial_attention and sequence.facts_of_shape(shape).partial_attention

@@ -33,9 +33,9 @@ EVERY_EXPERT_TYPES = ("llama4", "llama4_text")
 # Families whose experts run gpt-oss's clamped SwiGLU behind a top-k softmax router, and whose attention softmaxes
 # over a sink logit per head (plan/model_shape.py `clamped_swiglu`, `attention_sinks`).
 GPT_OSS_TYPES = ("gpt_oss",)
-# Sliding-window families whose config.json leaves the layout to the class: one block in N attends to the whole row
-# (transformers' Gemma2Config, Gemma3TextConfig and Cohere2Config defaults: the last of every N).
-GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+# Families this version of transformers may not know whose window, when set, covers every block (their classes
+# lay out no pattern): the fallback for a model_type transformers cannot build (`unbuilt_layout`).
+EVERY_BLOCK_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -91,37 +91,62 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
     return inter, expert, shared
 
 
-def sliding_layers(text: dict[str, Any], layers: int, model_type: str | None = None) -> tuple[int, int]:
-    """(window, blocks that attend within it), as transformers' config class of `model_type` lays them out:
-    `layer_types` where the config lists them; Qwen's switch (`use_sliding_window`, off by default; the first
-    `max_window_layers` blocks attend to the whole row); one global block in every `sliding_window_pattern` (or the
-    family's default, GLOBAL_EVERY); else the window on every block (Mistral, Mixtral, Phi-3, Starcoder2). For
-    Llama 4's chunked attention, the chunk and the chunked blocks."""
-    if text.get("attention_chunk_size"):
-        return text["attention_chunk_size"], chunked_layers(text, layers)
-    window = text.get("sliding_window") or 0
-    if not window:
-        return 0, 0
-    if isinstance(text.get("layer_types"), list):
-        return window, sum(t == "sliding_attention" for t in text["layer_types"])
-    if "use_sliding_window" in text or str(model_type or "").startswith("qwen"):
-        if not text.get("use_sliding_window"):
-            return 0, 0
-        return window, layers - min(layers, int(text.get("max_window_layers") or 0))
-    pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") \
-        or GLOBAL_EVERY.get(str(model_type))
-    return window, (layers - layers // int(pattern) if pattern else layers)
+def attention_layout(cfg: dict[str, Any], name: str) -> tuple[int, int]:
+    """(window or chunk, blocks that attend within it) of the language model `cfg` describes, read as the rank reads
+    its built model (resolve/sequence.py `facts_of_config`): from transformers' own config class of the file's
+    model_type, so every key the file leaves out takes the class's default and the class lays out its blocks
+    (Qwen's use_sliding_window and max_window_layers, Gemma's and EXAONE's patterns, Llama 4's chunks).
+    The class is built from the file's keys only: no code the file names is imported or run (no auto_map, no
+    trust_remote_code)."""
+    built = built_config(cfg, name)
+    if built is None:
+        return unbuilt_layout(text_config(cfg), text_config(cfg).get("num_hidden_layers"))
+    text = getattr(built, "text_config", None) or getattr(getattr(built, "thinker_config", None), "text_config",
+                                                          None) or built
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    types = list(getattr(text, "layer_types", None) or ())
+    try:
+        chunk = int(getattr(text, "attention_chunk_size", None) or 0)
+        window = int(getattr(text, "sliding_window", None) or 0)
+    except RuntimeError:  # transformers' per-layer configs refuse one global window: some block may slide
+        return 1, layers
+    partial = sum(t != "full_attention" for t in types)
+    if chunk:  # the rank refuses any chunked config, whatever its layer_types say
+        return chunk, partial or layers
+    if types:
+        return ((window or 1) if partial else 0), partial
+    return (window, layers) if window and getattr(text, "use_sliding_window", True) else (0, 0)
 
 
-def chunked_layers(text: dict[str, Any], layers: int) -> int:
-    """How many blocks of a Llama 4 config attend within chunks: its `layer_types`, else its `no_rope_layers` (1: a
-    RoPE block, which chunks), else transformers' Llama4TextConfig rule (every `no_rope_layer_interval`-th block,
-    4 by default, attends to the whole row; the published configs leave both lists out)."""
-    if isinstance(text.get("layer_types"), list):
-        return sum(t == "chunked_attention" for t in text["layer_types"])
-    if text.get("no_rope_layers"):
-        return sum(bool(x) for x in text["no_rope_layers"])
-    return layers - layers // int(text.get("no_rope_layer_interval") or 4)
+def built_config(cfg: dict[str, Any], name: str) -> Any:
+    """transformers' config class of `cfg`'s model_type built from the file's keys, or None where this
+    transformers does not know the model_type. A UserError naming the file when the class rejects a key."""
+    model_type = cfg.get("model_type")
+    from transformers import CONFIG_MAPPING  # configs only, as in plan/shapes.py `hf_config`
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "auto_map")}
+    try:
+        return CONFIG_MAPPING[model_type](**fields)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise UserError(f"{name}: transformers' {CONFIG_MAPPING[model_type].__name__} cannot be built from this "
+                        f"config.json ({type(e).__name__}: {e}), so the model would not load either: fix or remove "
+                        f"the key it names (or list the blocks' layer_types, as published configs do).") from None
+
+
+def unbuilt_layout(text: dict[str, Any], layers: Any) -> tuple[int, int]:
+    """The layout of a model_type this transformers cannot build (so the rank cannot build it either): only what the
+    file states, an explicit `layer_types`, or a window on every block of the EVERY_BLOCK_TYPES families; anything
+    else is read as full attention, since no class is at hand to say which blocks a bare window covers."""
+    window = int(text.get("sliding_window") or text.get("attention_chunk_size") or 0)
+    types = text.get("layer_types")
+    if isinstance(types, list):
+        partial = sum(t != "full_attention" for t in types)
+        return ((window or 1) if partial else 0), partial
+    if window and text.get("model_type") in EVERY_BLOCK_TYPES and text.get("use_sliding_window", True):
+        return window, int(layers)
+    return 0, 0
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
@@ -141,7 +166,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
-        window, sliding = sliding_layers(text, layers, model_type)
+        window, sliding = attention_layout(cfg, name)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
