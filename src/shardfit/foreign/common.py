@@ -102,7 +102,6 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
                            "AdamW: one fp32 copy of what each GPU trains at the step)")
 
 
-
 def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str | None = None) -> dict[str, Any]:
     """The Workload's `optimizer` and `fused_adamw` for a job whose optimizer setting is `given` (None when the
     config names none: `default_optim` decides, and its note joins `notes`)."""
@@ -110,6 +109,7 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
     if assumed:
         notes.append(assumed)
     return {"optimizer": optimizer(optim) or "adamw", "fused_adamw": not multi_tensor_step(optim)}
+
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")
 FALSE_WORDS = ("false", "0", "no", "n", "off", "none", "null", "")

@@ -154,16 +154,17 @@ def _lone_stages(cfg: Config, plan: Plan | None, stages: int, nnodes: int) -> tu
     note = (f"{LONE_WHY}: strategy {name} -> ddp: a stage of one rank has nothing to shard or replicate, so each "
             "stage runs as ddp (the stage itself, under the job's autocast as in one process, as the plan plans the "
             "stages)")
-    if name == "auto" or not strategies.get(name).offload:
-        return "ddp", stages // nnodes, [note]
-    pipe = pipelines.job_stages(cfg, plan, "ddp")
-    if pipe is None:  # the rank checks the built model's blocks
-        return "ddp", stages // nnodes, [f"{note}; not offloaded to host memory, and the planner cannot read the "
-                                         "model's shape to say whether its stages fit on their GPUs"]
-    verdict = "predicted to fit" if pipe.fits else "predicted NOT to fit" + (
-        ", started anyway (force: true)" if cfg.force else "")
-    return "ddp", stages // nnodes, [f"{note}; not offloaded to host memory (the fullest stage held on its GPU: "
-                                     f"{pipe.stage_gib:.1f} of {pipe.card_gib:.0f} GiB, {verdict})"]
+    if name != "auto" and strategies.get(name).offload:
+        pipe = pipelines.job_stages(cfg, plan, "ddp")
+        if pipe is None:  # the rank checks the built model's blocks
+            note += ("; not offloaded to host memory, and the planner cannot read the model's shape to say whether "
+                     "its stages fit on their GPUs")
+        else:
+            verdict = "predicted to fit" if pipe.fits else "predicted NOT to fit" + (
+                ", started anyway (force: true)" if cfg.force else "")
+            note += (f"; not offloaded to host memory (the fullest stage held on its GPU: {pipe.stage_gib:.1f} of "
+                     f"{pipe.card_gib:.0f} GiB, {verdict})")
+    return "ddp", stages // nnodes, [note]
 
 
 # How the reason of auto's pipeline begins (`plan --config` prints it under the job's line).
