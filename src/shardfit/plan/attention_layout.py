@@ -85,7 +85,7 @@ def layout_of(config: Any) -> AttentionLayout:
     """The layout of the language model of a built transformers `config`; UNREAD (refused) where its settings cannot
     be read, never an exception."""
     text = text_of(config)
-    layers = _count(getattr(text, "num_hidden_layers", 0))
+    layers = count_of(getattr(text, "num_hidden_layers", 0))
     if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
         return AttentionLayout(1, max(layers, 1), (RECURRENT,))
     try:
@@ -149,7 +149,8 @@ def _size(value: Any) -> int:
     return int(value)
 
 
-def _count(value: Any) -> int:
+def count_of(value: Any) -> int:
+    """`value` where it is a positive count, else 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
@@ -161,7 +162,7 @@ def block_counts(config: Any, key: str) -> list[int]:
     else:
         values = [getattr(config, key, None)]
     flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])]
-    return [v for v in flat if _count(v)]
+    return [v for v in flat if count_of(v)]
 
 
 def common_count(config: Any, key: str) -> int:

@@ -117,7 +117,8 @@ def built_config(cfg: dict[str, Any], name: str) -> Any:
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "auto_map")}
     try:
         return CONFIG_MAPPING[model_type](**fields)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+    # RuntimeError: a class that reads one global value of a key the file's per_layer_config varies by block
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
         raise UserError(f"{name}: transformers' {CONFIG_MAPPING[model_type].__name__} cannot be built from this "
                         f"config.json ({type(e).__name__}: {e}), so the model would not load either: fix or remove "
                         f"the key it names (or list the blocks' layer_types, as published configs do).") from None

@@ -19,7 +19,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config import Config
 from shardfit.errors import UserError
-from shardfit.plan.attention_layout import refusal
+from shardfit.plan.attention_layout import count_of, refusal
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
 from shardfit.plan.plan import Plan
@@ -188,6 +188,6 @@ def facts_of_config(config: Any) -> StageFacts:
     d = decoder_facts(config)
     text = getattr(config, "text_config", None) or config
     tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-    return StageFacts(layers=int(getattr(text, "num_hidden_layers", 0) or 0), tied=tied, experts=d.experts,
+    return StageFacts(layers=count_of(getattr(text, "num_hidden_layers", 0)), tied=tied, experts=d.experts,
                       multimodal=d.multimodal, partial_attention=d.partial_attention, attention_kinds=d.attention_kinds,
                       staged_tower=getattr(config, "model_type", None) in PP_VISION_TYPES)
