@@ -159,3 +159,12 @@ def test_the_planner_names_a_hybrid_models_layers_too() -> None:
         sequence.check_model(2, sequence.facts_of_shape(shape), "local")
     with pytest.raises(UserError, match=r"has recurrent layers \(linear attention"):
         pipelines.check_model(2, dataclasses.replace(pipelines.facts_of_shape(shape), experts=False), "local", "lora")
+
+
+def test_a_model_type_transformers_cannot_build_is_read_by_its_stated_layer_types_only() -> None:
+    """A config.json of a model_type this transformers does not know: its layer_types are read by the rule (a
+    recurrent block named as such), and a bare window with no class to place it reads as full attention."""
+    file = {**SMALL, "model_type": "not_a_transformers_type", "sliding_window": 512}
+    assert attention_layout({**file, "layer_types": ["linear_attention", "full_attention"] * 2}, "local") == \
+        rule.AttentionLayout(1, 2, ("recurrent",))
+    assert attention_layout({**file, "layer_types": None}, "local") == rule.AttentionLayout()

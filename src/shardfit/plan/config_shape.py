@@ -129,7 +129,7 @@ def unbuilt_layout(text: dict[str, Any], layers: Any) -> AttentionLayout:
     file states, an explicit `layer_types` (read by the rank's rule), or a window on every block of the
     EVERY_BLOCK_TYPES families; anything else is read as full attention, since no class is at hand to say which
     blocks a bare window covers."""
-    if "layer_types" in text:
+    if text.get("layer_types") is not None:
         return layout_of(SimpleNamespace(**text))
     window = text.get("sliding_window") or text.get("attention_chunk_size")
     if window and text.get("model_type") in EVERY_BLOCK_TYPES and text.get("use_sliding_window", True):
