@@ -120,9 +120,12 @@ def test_unusual_settings_are_refused_as_unread_with_a_message(odd: dict[str, An
     assert all("cannot read from its config" in message for message in _refusals(config))
 
 
-def test_a_list_of_one_window_per_block_is_read() -> None:
+def test_a_list_of_one_window_per_block_is_read_and_layer_types_decide_first() -> None:
+    """One window per block reads per block; a window that blocks' layer_types never use is not read at all."""
     config = SimpleNamespace(**SMALL, sliding_window=[None, 512, 0, 1024])
     assert rule.layout_of(config) == rule.AttentionLayout(1024, 2, ("window",))
+    full = SimpleNamespace(**SMALL, sliding_window="4k", layer_types=["full_attention"] * 4)
+    assert rule.layout_of(full) == rule.AttentionLayout()
 
 
 # Families whose blocks are (or hold) linear-attention, Mamba-style or convolutional recurrences in this

@@ -84,11 +84,11 @@ def refusal(kinds: tuple[str, ...]) -> str:
 def layout_of(config: Any) -> AttentionLayout:
     """The layout of the language model of a built transformers `config`; UNREAD (refused) where its settings cannot
     be read, never an exception."""
-    text = text_of(config)
-    layers = count_of(getattr(text, "num_hidden_layers", 0))
-    if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
-        return AttentionLayout(1, max(layers, 1), (RECURRENT,))
+    text, layers = text_of(config), 0
     try:
+        layers = count_of(getattr(text, "num_hidden_layers", 0))
+        if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
+            return AttentionLayout(1, max(layers, 1), (RECURRENT,))
         return _read(text, layers)
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError):  # RuntimeError: a global per-layer read
         return AttentionLayout(1, max(layers, 1), (UNREAD,))
@@ -104,16 +104,16 @@ def _read(text: Any, layers: int) -> AttentionLayout:
     for i in range(len(types) if types is not None else layers):
         block = per_layer[i] if i < len(per_layer) else text
         chunk = _size(_at(block, "attention_chunk_size", i, layers))
-        window = _size(_at(block, "sliding_window", i, layers))
         chunk_seen = max(chunk_seen, chunk)
-        if types is not None:
+        if types is not None:  # the window is read only where the block's type slides
             own = TYPE_KINDS.get(types[i], (UNREAD,))
+        elif chunk:
+            own = (CHUNK,)
         else:
-            own = (CHUNK,) if chunk else (WINDOW,) if window and _at(block, "use_sliding_window", i, layers, True) \
-                else ()
+            own = (WINDOW,) if _at(block, "use_sliding_window", i, layers, True) and _window(block, i, layers) else ()
         kinds.update(own)
         blocks += bool(own)
-        spans += [chunk] if CHUNK in own else [window] if WINDOW in own else []
+        spans += [chunk] if CHUNK in own else [_window(block, i, layers)] if WINDOW in own else []
     if chunk_seen and CHUNK not in kinds:  # a chunk the layer_types do not place: the rules refuse it all the same
         kinds.add(CHUNK)
         blocks, spans = blocks or layers, [*spans, chunk_seen]
@@ -138,6 +138,10 @@ def _at(config: Any, key: str, block: int, layers: int, default: Any = None) -> 
             raise _Unread(key)
         return value[block]
     return value
+
+
+def _window(block: Any, index: int, layers: int) -> int:
+    return _size(_at(block, "sliding_window", index, layers))
 
 
 def _size(value: Any) -> int:

@@ -33,7 +33,8 @@ TOWERS = f"a vision or audio tower other than {SPLIT_VISION_NAMES}'s"
 class DecoderFacts:
     """What the rules need to know of the model: its attention heads and key/value heads, and whether it is a
     mixture of experts, multimodal (vision or audio tower), or has layers that do not attend over the whole row
-    (sliding windows, chunks) or attention of another form (multi-head latent attention)."""
+    (sliding windows, chunks) or attention of another form (multi-head latent attention). Where a per-layer config's
+    blocks have different head counts, `heads` is the largest count all of theirs divide by."""
 
     heads: int
     kv_heads: int
