@@ -95,6 +95,8 @@ def layout_of(config: Any) -> AttentionLayout:
 
 
 def _read(text: Any, layers: int) -> AttentionLayout:
+    """The layout block by block: each block's layer type, else its chunk, else its window (under
+    use_sliding_window); a chunk the types place nowhere still chunks the model, as the rank has always refused."""
     types = getattr(text, "layer_types", None)
     if types is not None and not (isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types)):
         raise _Unread("layer_types")
@@ -141,6 +143,7 @@ def _at(config: Any, key: str, block: int, layers: int, default: Any = None) -> 
 
 
 def _window(block: Any, index: int, layers: int) -> int:
+    """The window block `index` attends within (0: none)."""
     return _size(_at(block, "sliding_window", index, layers))
 
 
