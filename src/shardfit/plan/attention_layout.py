@@ -96,7 +96,7 @@ def layout_of(config: Any) -> AttentionLayout:
 
 def _read(text: Any, layers: int) -> AttentionLayout:
     """The layout block by block: each block's layer type, else its chunk, else its window (under
-    use_sliding_window); a chunk the types place nowhere still chunks the model, as the rank has always refused."""
+    use_sliding_window); a chunk the types place nowhere still counts, since the rank refuses any chunked config."""
     types = getattr(text, "layer_types", None)
     if types is not None and not (isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types)):
         raise _Unread("layer_types")
