@@ -118,6 +118,15 @@ def attention_layout(cfg: dict[str, Any], name: str) -> tuple[int, int]:
     return (window, layers) if window and getattr(text, "use_sliding_window", True) else (0, 0)
 
 
+def chunked(cfg: dict[str, Any], name: str) -> bool:
+    """Whether the partial blocks of `cfg`'s language model attend within chunks (Llama 4's attention_chunk_size,
+    a class default where the file leaves it out) rather than sliding windows."""
+    built = built_config(cfg, name)
+    text = text_config(cfg) if built is None else (getattr(built, "text_config", None) or built)
+    chunk = text.get("attention_chunk_size") if isinstance(text, dict) else getattr(text, "attention_chunk_size", None)
+    return bool(chunk)
+
+
 def built_config(cfg: dict[str, Any], name: str) -> Any:
     """transformers' config class of `cfg`'s model_type built from the file's keys, or None where this
     transformers does not know the model_type. A UserError naming the file when the class rejects a key."""
@@ -176,7 +185,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             moe_intermediate=expert, shared_intermediate=shared,
             dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
-            sliding_window=window, sliding_layers=sliding,
+            sliding_window=window, sliding_layers=sliding, attention_chunked=bool(window) and chunked(cfg, name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)

@@ -55,6 +55,7 @@ class ModelShape:
     # for Llama 4's chunked attention, the chunk and the chunked blocks (the rules refuse both alike).
     sliding_window: int = 0
     sliding_layers: int = 0
+    attention_chunked: bool = False  # the partial blocks attend within chunks (Llama 4), not sliding windows
     # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the
     # ones it was not routed to with a routing score of 0, instead of through its top-k.
     every_expert: bool = False
