@@ -53,6 +53,40 @@ def test_full_finetune_flops_are_six_per_parameter_plus_attention() -> None:
     assert attention_flops_per_token(LLAMA8, flash) == attention_flops_per_token(LLAMA8, w) / 2
 
 
+def test_windowed_blocks_attend_within_their_window_under_flash() -> None:
+    """Gemma 3 1b: 22 of 26 blocks slide over 512 tokens. Under flash (which skips what lies outside the window) a
+    32k-token example's windowed query runs over about 512 positions, not half the row; a dense mask still computes
+    the whole square, and rows no longer than the window are causal rows."""
+    gemma = resolve_shape("google/gemma-3-1b-it")
+    assert (gemma.sliding_window, gemma.sliding_layers, gemma.layers) == (512, 22, 26)
+    flash = Workload(method="lora", grad_ckpt="full", attention="flash", seq_len=32768)
+    windowed = 512 - 512 * 512 / (2 * 32768)
+    assert timing.attended_positions(flash, gemma) == pytest.approx((22 * windowed + 4 * 16384) / 26)
+    assert attention_flops_per_token(gemma, flash) == pytest.approx(
+        4 * (22 * windowed + 4 * 16384) / 26 * gemma.heads * gemma.hd)
+    whole = dataclasses.replace(gemma, sliding_window=0, sliding_layers=0)
+    assert step_flops_per_token(gemma, flash) < 0.6 * step_flops_per_token(whole, flash)
+    sdpa = dataclasses.replace(flash, attention="sdpa")
+    assert timing.attended_positions(sdpa, gemma) == 32768
+    short = dataclasses.replace(flash, seq_len=512)
+    assert timing.attended_positions(short, gemma) == timing.attended_positions(short, whole) == 256
+    # A partial layout of unknown size (window 1) is counted as whole attention, never as a 1-token window.
+    unknown = dataclasses.replace(gemma, sliding_window=1)
+    assert timing.attended_positions(flash, unknown) == 16384
+
+
+def test_chunked_blocks_never_look_back_past_their_chunk() -> None:
+    """Llama 4 Scout: 36 of 48 blocks attend within 8192-token chunks that tile the example."""
+    scout = resolve_shape("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    assert scout.attention_chunked and (scout.sliding_window, scout.sliding_layers) == (8192, 36)
+    seq = 2 * 8192 + 1000
+    flash = Workload(method="lora", grad_ckpt="full", attention="flash", seq_len=seq)
+    chunked = (2 * 8192 * 8192 / 2 + 1000 * 1000 / 2) / seq
+    assert timing.attended_positions(flash, scout) == pytest.approx((36 * chunked + 12 * seq / 2) / 48)
+    sliding = dataclasses.replace(scout, attention_chunked=False)
+    assert timing.attended_positions(flash, sliding) > timing.attended_positions(flash, scout)
+
+
 def test_lora_skips_weight_gradients_and_checkpointing_adds_a_forward() -> None:
     base = Workload(method="lora", grad_ckpt="none", attention="flash")
     full = dataclasses.replace(base, method="full")

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.plan.attention_layout import AttentionLayout, layout_of
+from shardfit.plan.attention_layout import CHUNK, AttentionLayout, layout_of
 from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, ModelShape
@@ -165,6 +165,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
+            attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)

@@ -58,6 +58,7 @@ class ModelShape:
     sliding_window: int = 0
     sliding_layers: int = 0
     attention_kinds: tuple[str, ...] = ()
+    attention_chunked: bool = False  # the partial blocks attend within chunks (Llama 4), not sliding windows
     # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the
     # ones it was not routed to with a routing score of 0, instead of through its top-k.
     every_expert: bool = False

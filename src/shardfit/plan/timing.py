@@ -206,23 +206,46 @@ def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     return 2.0 * params, float(params)
 
 
-def attended_positions(w: Workload) -> float:
-    """Masked attention: the key positions one query's QK^T and PV run over in the kernel `w` runs, at the most.
+def attended_positions(w: Workload, shape: ModelShape | None = None) -> float:
+    """Masked attention: the key positions one query's QK^T and PV run over in the kernel `w` runs, at the most,
+    averaged over the blocks of `shape` (None: every block attends to the whole causal prefix).
 
     A kernel that takes the examples' boundaries (flash-attention 2's variable lengths from the position restarts,
     flex attention's block mask built on the host from them, models/masks.py; SDPA's causal kernel over a row without
     a mask) skips the blocks above the diagonal and across examples: half of seq_len on average for rows of one
     full-length example, whether the row is one example or, under `static_shape`, micro_batch of them side by side.
-    A dense mask (SDPA over packed or padded rows: its memory-efficient kernel, the one that takes an arbitrary
-    mask on a GPU; eager attention) is applied to scores computed over the whole square of the row: every query
-    runs over the row's `row_len`, seq_len, or micro_batch x seq_len under `static_shape`, micro_batch times the
-    attention of separate rows (why resolve/defaults.py turns static_shape on only with a boundary kernel)."""
-    return w.seq_len / 2 if w.attention == "flash" else float(w.row_len)
+    The same kernels skip what lies outside a sliding window or an attention chunk (flash-attention's window_size,
+    the window's or chunk's block mask under flex), so a windowed block's query runs over at most its window
+    (`_within`). A dense mask (SDPA over packed or padded rows: its memory-efficient kernel, the one that takes an
+    arbitrary mask on a GPU; eager attention) is applied to scores computed over the whole square of the row: every
+    query runs over the row's `row_len`, seq_len, or micro_batch x seq_len under `static_shape`, micro_batch times
+    the attention of separate rows (why resolve/defaults.py turns static_shape on only with a boundary kernel)."""
+    if w.attention != "flash":
+        return float(w.row_len)
+    whole = w.seq_len / 2
+    # A window under 2 tokens is the layout's mark for "some block is partial, its size unknown": counted whole.
+    if shape is None or shape.sliding_layers <= 0 or shape.sliding_window < 2:
+        return whole
+    partial = min(shape.sliding_layers, shape.layers)
+    inside = _within(shape.sliding_window, w.seq_len, chunked=shape.attention_chunked)
+    return (partial * inside + (shape.layers - partial) * whole) / shape.layers
+
+
+def _within(size: int, seq: int, *, chunked: bool) -> float:
+    """The mean number of earlier positions (itself included, to the causal kernel's seq/2 at the limit) a query of
+    a `seq`-token example attends to inside a sliding window of `size` tokens, or inside its own `size`-token chunk
+    (Llama 4's chunked attention: the chunks tile the sequence and never look back past their start)."""
+    if seq <= size:
+        return seq / 2
+    if chunked:
+        full, rest = divmod(seq, size)
+        return (full * size * size / 2 + rest * rest / 2) / seq
+    return size - size * size / (2 * seq)  # the first `size` positions fill the window, the rest see all of it
 
 
 def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
-    """Forward FLOPs of one block's QK^T and PV per token over its `attended_positions`."""
-    return 4.0 * attended_positions(w) * shape.heads * shape.hd
+    """Forward FLOPs of one block's QK^T and PV per token over its `attended_positions` (the mean block's)."""
+    return 4.0 * attended_positions(w, shape) * shape.heads * shape.hd
 
 
 def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
