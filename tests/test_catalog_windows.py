@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import transformers
 
+from shardfit.plan.attention_layout import TYPE_KINDS, layout_of, text_of
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve import sequence
@@ -124,42 +125,56 @@ def _without_layer_types(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _without_layer_types(v) if isinstance(v, dict) else v for k, v in d.items() if k != "layer_types"}
 
 
-def _windowed_classes() -> list[str]:
-    """Every model_type whose transformers config class, built with its defaults, has a sliding_window or
-    attention_chunk_size attribute on its language model's config (a decoder's: one with num_hidden_layers)."""
+def _has(config: Any, key: str) -> bool:
+    """Whether `config` sets `key`; a heterogeneous config's per-layer key, which raises when read globally,
+    counts."""
+    try:
+        return hasattr(config, key)
+    except RuntimeError:
+        return True
+
+
+def _layered_classes() -> list[str]:
+    """Every model_type whose transformers config class, built with its defaults, has a language model's config
+    (one with num_hidden_layers) that sets a window, a chunk or layer_types, per-layer configs included."""
     from transformers import CONFIG_MAPPING
 
     found = []
     for model_type in sorted(CONFIG_MAPPING.keys()):
         try:
-            built = CONFIG_MAPPING[model_type]()
-            text = getattr(built, "text_config", None) or built
-            windowed = hasattr(text, "sliding_window") or hasattr(text, "attention_chunk_size")
-            windowed = windowed and hasattr(text, "num_hidden_layers") and sequence.facts_of_config(built) is not None
-        except Exception:  # noqa: BLE001 - a class that needs arguments, or that the rank's rules cannot read
-            # (per-layer heterogeneous configs: dots3_note, embedding_gemma2, neomme), cannot be swept
+            text = text_of(CONFIG_MAPPING[model_type]())
+        except Exception:  # noqa: BLE001 - a class that needs arguments cannot be swept
             continue
-        if windowed:
+        if _has(text, "num_hidden_layers") and any(_has(text, k) for k in ("sliding_window", "attention_chunk_size",
+                                                                          "layer_types")):
             found.append(model_type)
     return found
 
 
-@pytest.mark.parametrize("model_type", _windowed_classes())
-def test_every_windowed_class_defaults_read_as_the_rank_reads_them(model_type: str) -> None:
-    """For every transformers family with a window or chunk setting, a config.json of its class's defaults that
-    leaves the layout out (as published files do) gets the planner's partial-attention verdict the rank reaches on
-    the built class: no false refusal of a full-attention model (dots1, smollm3, Qwen with use_sliding_window off),
-    no split allowed that the rank refuses (Qwen without max_window_layers, EXAONE 4's "LLLG" pattern)."""
+@pytest.mark.parametrize("model_type", _layered_classes())
+def test_every_layered_class_reads_alike_by_the_rule_the_planner_and_the_rank(model_type: str) -> None:
+    """For every transformers family with a window, chunk or layer_types: the rule reads its class's defaults
+    without raising, every layer type it has is one the rule knows, and its partial blocks are those that do not
+    attend over the whole row; a config.json of those defaults that leaves the layout out (as published files do)
+    gets from the planner the verdict and the kinds both resolvers reach on the class built from it: no false
+    refusal of a full-attention model (dots1, smollm3, Qwen with use_sliding_window off), no split allowed that the
+    rank refuses (Qwen without max_window_layers, EXAONE 4's "LLLG" pattern), the same named reason."""
     from transformers import CONFIG_MAPPING
 
     from shardfit.plan.config_shape import attention_layout
 
     built = CONFIG_MAPPING[model_type]()
+    layout, types = layout_of(built), getattr(text_of(built), "layer_types", None)
+    if types is not None:
+        assert set(types) <= set(TYPE_KINDS), set(types) - set(TYPE_KINDS)
+        assert layout.blocks == sum(TYPE_KINDS[t] != () for t in types) or layout.kinds == ("chunk",)
     file = _without_layer_types(built.to_dict())
-    window, blocks = attention_layout(file, "local")
-    rank = sequence.facts_of_config(CONFIG_MAPPING[model_type](**{k: v for k, v in file.items()
-                                                                   if k != "model_type"}))
-    assert (window > 0 and blocks > 0) == rank.partial_attention == sequence.facts_of_config(built).partial_attention
+    planned = attention_layout(file, "local")
+    rebuilt = CONFIG_MAPPING[model_type](**{k: v for k, v in file.items() if k != "model_type"})
+    seq, stage = sequence.facts_of_config(rebuilt), pipelines.facts_of_config(rebuilt)
+    assert (planned.partial, planned.kinds) == (seq.partial_attention, seq.attention_kinds) == \
+        (stage.partial_attention, stage.attention_kinds)
+    assert seq.partial_attention == sequence.facts_of_config(built).partial_attention == layout.partial
 
 
 def test_a_config_its_class_cannot_build_is_a_message_naming_the_class() -> None:

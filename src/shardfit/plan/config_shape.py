@@ -16,9 +16,11 @@ new family is one more name in a table, not a new branch:
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.plan.attention_layout import CHUNK, AttentionLayout, layout_of
 from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, ModelShape
@@ -91,40 +93,17 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
     return inter, expert, shared
 
 
-def attention_layout(cfg: dict[str, Any], name: str) -> tuple[int, int]:
-    """(window or chunk, blocks that attend within it) of the language model `cfg` describes, read as the rank reads
-    its built model (resolve/sequence.py `facts_of_config`): from transformers' own config class of the file's
-    model_type, so every key the file leaves out takes the class's default and the class lays out its blocks
-    (Qwen's use_sliding_window and max_window_layers, Gemma's and EXAONE's patterns, Llama 4's chunks).
+def attention_layout(cfg: dict[str, Any], name: str) -> AttentionLayout:
+    """The attention layout of the language model `cfg` describes, read by the rank's rule for its built model
+    (plan/attention_layout.py `layout_of`): from transformers' own config class of the file's model_type, so every
+    key the file leaves out takes the class's default and the class lays out its blocks (Qwen's use_sliding_window
+    and max_window_layers, Gemma's and EXAONE's patterns, Llama 4's chunks, per-layer configs' own blocks).
     The class is built from the file's keys only: no code the file names is imported or run (no auto_map, no
     trust_remote_code)."""
     built = built_config(cfg, name)
     if built is None:
         return unbuilt_layout(text_config(cfg), text_config(cfg).get("num_hidden_layers"))
-    text = getattr(built, "text_config", None) or getattr(getattr(built, "thinker_config", None), "text_config",
-                                                          None) or built
-    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
-    types = list(getattr(text, "layer_types", None) or ())
-    try:
-        chunk = int(getattr(text, "attention_chunk_size", None) or 0)
-        window = int(getattr(text, "sliding_window", None) or 0)
-    except RuntimeError:  # transformers' per-layer configs refuse one global window: some block may slide
-        return 1, layers
-    partial = sum(t != "full_attention" for t in types)
-    if chunk:  # the rank refuses any chunked config, whatever its layer_types say
-        return chunk, partial or layers
-    if types:
-        return ((window or 1) if partial else 0), partial
-    return (window, layers) if window and getattr(text, "use_sliding_window", True) else (0, 0)
-
-
-def chunked(cfg: dict[str, Any], name: str) -> bool:
-    """Whether the partial blocks of `cfg`'s language model attend within chunks (Llama 4's attention_chunk_size,
-    a class default where the file leaves it out) rather than sliding windows."""
-    built = built_config(cfg, name)
-    text = text_config(cfg) if built is None else (getattr(built, "text_config", None) or built)
-    chunk = text.get("attention_chunk_size") if isinstance(text, dict) else getattr(text, "attention_chunk_size", None)
-    return bool(chunk)
+    return layout_of(built)
 
 
 def built_config(cfg: dict[str, Any], name: str) -> Any:
@@ -138,24 +117,24 @@ def built_config(cfg: dict[str, Any], name: str) -> Any:
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "auto_map")}
     try:
         return CONFIG_MAPPING[model_type](**fields)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+    # RuntimeError: a class that reads one global value of a key the file's per_layer_config varies by block
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
         raise UserError(f"{name}: transformers' {CONFIG_MAPPING[model_type].__name__} cannot be built from this "
                         f"config.json ({type(e).__name__}: {e}), so the model would not load either: fix or remove "
                         f"the key it names (or list the blocks' layer_types, as published configs do).") from None
 
 
-def unbuilt_layout(text: dict[str, Any], layers: Any) -> tuple[int, int]:
+def unbuilt_layout(text: dict[str, Any], layers: Any) -> AttentionLayout:
     """The layout of a model_type this transformers cannot build (so the rank cannot build it either): only what the
-    file states, an explicit `layer_types`, or a window on every block of the EVERY_BLOCK_TYPES families; anything
-    else is read as full attention, since no class is at hand to say which blocks a bare window covers."""
-    window = int(text.get("sliding_window") or text.get("attention_chunk_size") or 0)
-    types = text.get("layer_types")
-    if isinstance(types, list):
-        partial = sum(t != "full_attention" for t in types)
-        return ((window or 1) if partial else 0), partial
+    file states, an explicit `layer_types` (read by the rank's rule), or a window on every block of the
+    EVERY_BLOCK_TYPES families; anything else is read as full attention, since no class is at hand to say which
+    blocks a bare window covers."""
+    if text.get("layer_types") is not None:
+        return layout_of(SimpleNamespace(**text))
+    window = text.get("sliding_window") or text.get("attention_chunk_size")
     if window and text.get("model_type") in EVERY_BLOCK_TYPES and text.get("use_sliding_window", True):
-        return window, int(layers)
-    return 0, 0
+        return layout_of(SimpleNamespace(**{**text, "layer_types": ["sliding_attention"] * int(layers)}))
+    return AttentionLayout()
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
@@ -175,7 +154,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
-        window, sliding = attention_layout(cfg, name)
+        attention = attention_layout(cfg, name)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
@@ -185,7 +164,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             moe_intermediate=expert, shared_intermediate=shared,
             dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
-            sliding_window=window, sliding_layers=sliding, attention_chunked=bool(window) and chunked(cfg, name),
+            sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
+            attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)

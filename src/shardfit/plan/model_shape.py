@@ -51,10 +51,13 @@ class ModelShape:
     dense_layers: int = 0
     mla: MLA | None = None
     attn_bias: bool = False  # q/k/v (and gpt-oss's o) projections with biases
-    # Sliding-window attention: the window and how many blocks use it (the rest attend to the whole sequence);
-    # for Llama 4's chunked attention, the chunk and the chunked blocks (the rules refuse both alike).
+    # Blocks that attend over less than the whole sequence: the window (Llama 4: the chunk; 1 for blocks with
+    # neither, as recurrent ones) and how many blocks (the rest attend to the whole sequence), which the rules
+    # refuse alike, and what those blocks are (plan/attention_layout.py KINDS; empty: a window, as the catalog's
+    # entries state it), which the refusal names.
     sliding_window: int = 0
     sliding_layers: int = 0
+    attention_kinds: tuple[str, ...] = ()
     attention_chunked: bool = False  # the partial blocks attend within chunks (Llama 4), not sliding windows
     # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the
     # ones it was not routed to with a routing score of 0, instead of through its top-k.

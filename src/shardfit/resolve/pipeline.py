@@ -19,6 +19,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.plan.attention_layout import count_of, refusal
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
 from shardfit.plan.plan import Plan
@@ -54,6 +55,7 @@ class StageFacts:
     experts: bool = False
     multimodal: bool = False
     partial_attention: bool = False
+    attention_kinds: tuple[str, ...] = ()  # what the partial-attention blocks are (plan/attention_layout.py KINDS)
     staged_tower: bool = False  # the multimodal part is a vision tower the first stage runs (PP_VISION_TYPES)
 
 
@@ -150,7 +152,7 @@ def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: in
         return
     why = ("is a mixture of experts" if facts.experts else "has a vision or audio tower other than Qwen2(.5)-VL's"
            if facts.multimodal and not facts.staged_tower
-           else "has layers with sliding-window or chunked attention" if facts.partial_attention else None)
+           else refusal(facts.attention_kinds) if facts.partial_attention else None)
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version cuts dense text decoders with full attention "
                         f"(Llama, Qwen2, Qwen3), Qwen2-VL and Qwen2.5-VL only: train it without a pipeline, {FIX}.")
@@ -176,6 +178,7 @@ def facts_of_shape(shape: ModelShape) -> StageFacts:
     return StageFacts(layers=shape.layers, tied=shape.tied, experts=shape.experts > 1,
                       multimodal=shape.vision is not None or shape.audio is not None,
                       partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
+                      attention_kinds=shape.attention_kinds,
                       staged_tower=shape.vision is not None and shape.audio is None and shape.vision.kind in
                       PP_VISION_TYPES)
 
@@ -185,6 +188,6 @@ def facts_of_config(config: Any) -> StageFacts:
     d = decoder_facts(config)
     text = getattr(config, "text_config", None) or config
     tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-    return StageFacts(layers=int(getattr(text, "num_hidden_layers", 0) or 0), tied=tied, experts=d.experts,
-                      multimodal=d.multimodal, partial_attention=d.partial_attention,
+    return StageFacts(layers=count_of(getattr(text, "num_hidden_layers", 0)), tied=tied, experts=d.experts,
+                      multimodal=d.multimodal, partial_attention=d.partial_attention, attention_kinds=d.attention_kinds,
                       staged_tower=getattr(config, "model_type", None) in PP_VISION_TYPES)

@@ -17,6 +17,7 @@ from shardfit import objective as objectives
 from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.plan import attention_layout as attention
 from shardfit.plan.model_shape import ModelShape
 
 # Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
@@ -32,7 +33,8 @@ TOWERS = f"a vision or audio tower other than {SPLIT_VISION_NAMES}'s"
 class DecoderFacts:
     """What the rules need to know of the model: its attention heads and key/value heads, and whether it is a
     mixture of experts, multimodal (vision or audio tower), or has layers that do not attend over the whole row
-    (sliding windows, chunks) or attention of another form (multi-head latent attention)."""
+    (sliding windows, chunks) or attention of another form (multi-head latent attention). Where a per-layer config's
+    blocks have different head counts, `heads` is the largest count all of theirs divide by."""
 
     heads: int
     kv_heads: int
@@ -40,6 +42,8 @@ class DecoderFacts:
     multimodal: bool = False
     partial_attention: bool = False
     latent_attention: bool = False
+    # What the partial-attention blocks are (plan/attention_layout.py KINDS), which the refusal names.
+    attention_kinds: tuple[str, ...] = ()
     # A vision tower whose rows this version splits (Qwen2-VL-style: the images' features go into the embeddings
     # of the whole row, M-RoPE positions; `multimodal` stays True for a model it does not).
     split_vision: bool = False
@@ -84,7 +88,7 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
     why = (f"has {TOWERS}" if towers
            else "is a vision-language mixture of experts (each half splits; together they are untested)"
            if facts.multimodal and facts.experts
-           else "has layers with sliding-window or chunked attention" if facts.partial_attention
+           else attention.refusal(facts.attention_kinds) if facts.partial_attention
            else "uses multi-head latent attention" if facts.latent_attention else None)
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of decoders with full "
@@ -104,22 +108,22 @@ def facts_of_shape(shape: ModelShape) -> DecoderFacts:
     return DecoderFacts(heads=shape.heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
                         multimodal=multimodal, split_vision=shape.audio is None and shape.soft_tower is None,
                         partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
-                        latent_attention=shape.mla is not None)
+                        attention_kinds=shape.attention_kinds, latent_attention=shape.mla is not None)
 
 
 def facts_of_config(config: Any) -> DecoderFacts:
-    """A built model's (transformers) config as the rules read it."""
-    text = getattr(config, "text_config", None) or config
-    types = set(getattr(text, "layer_types", None) or ())
-    sliding = bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True)
-    partial = (bool(types - {"full_attention"}) if types else sliding) or bool(getattr(text, "attention_chunk_size",
-                                                                                       None))
-    experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    return DecoderFacts(heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+    """A built model's (transformers) config as the rules read it. A heterogeneous config's per-layer counts are
+    read block by block: the heads any split must divide are the count every block's heads divide by."""
+    text = attention.text_of(config)
+    layout = attention.layout_of(config)
+    heads = attention.common_count(text, "num_attention_heads")
+    experts = max((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                   for n in attention.block_counts(text, k)), default=0)
+    return DecoderFacts(heads=heads, kv_heads=attention.common_count(text, "num_key_value_heads") or heads,
                         experts=experts > 1,
                         multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")),
-                        partial_attention=partial, latent_attention=bool(getattr(text, "kv_lora_rank", None)),
+                        partial_attention=layout.partial, attention_kinds=layout.kinds,
+                        latent_attention=bool(attention.block_counts(text, "kv_lora_rank")),
                         split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES)
 
 

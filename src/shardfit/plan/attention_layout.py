@@ -1,0 +1,178 @@
+"""Which decoder blocks of a built transformers config attend over less than the whole row, and how: the one rule
+by which the planner (plan/config_shape.py `attention_layout`, on the class built from a config.json) and the rank
+(resolve/sequence.py `facts_of_config`, on the loaded model's config) read a layout, so that the sequence-parallel
+and pipeline rules refuse the same models on both sides. Torch-free; it imports nothing of transformers and reads
+only attributes of the config object it is given.
+
+Blocks are read by their `layer_types` names (transformers' configuration_utils.ALLOWED_LAYER_TYPES and its legacy
+names); without them, by `attention_chunk_size` and by `sliding_window` under Qwen's `use_sliding_window`. A config
+that transformers builds heterogeneous (`per_layer_config`: dots3_note, embedding_gemma2, neomme) raises when one of
+its per-layer attributes is read globally, so it is read block by block from its per-layer view. A window that is
+not a size, a list of windows whose length is not the blocks', or a layer type this table does not know reads as
+UNREAD: a partial layout, which the rules refuse with a message instead of guessing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+WINDOW, CHUNK, RECURRENT, SPARSE, UNREAD = "window", "chunk", "recurrent", "sparse", "unread"
+KINDS = (WINDOW, CHUNK, RECURRENT, SPARSE, UNREAD)
+
+# How the rules' refusals name each kind of block.
+WORDS = {
+    WINDOW: "sliding-window attention layers",
+    CHUNK: "chunked attention layers",
+    RECURRENT: "recurrent layers (linear attention, Mamba-style state spaces or short convolutions)",
+    SPARSE: "sparse attention layers (keys picked by an indexer, or compressed)",
+    UNREAD: "an attention layout this version cannot read from its config (a per-layer or unusual "
+            "sliding_window, attention_chunk_size or layer_types)",
+}
+
+# What each `layer_types` name does. Blocks without attention (nemotron_h's "mlp" and "moe", the MLP layer-type
+# names "dense" and "sparse") act per token and split like full attention. "hybrid" blocks run attention beside a
+# recurrent state (zamba2, falcon_h1, zaya); "reference_sliding_attention" (unlimited_ocr) slides over generated
+# tokens; "conv" is LFM's short convolution, which reaches back a few tokens as a recurrence does.
+TYPE_KINDS: dict[str, tuple[str, ...]] = {
+    "full_attention": (), "attention": (), "mlp": (), "moe": (), "dense": (), "sparse": (),
+    "sliding_attention": (WINDOW,), "window_attention": (WINDOW,), "reference_sliding_attention": (WINDOW,),
+    "chunked_attention": (CHUNK,),
+    "linear_attention": (RECURRENT,), "mamba": (RECURRENT,), "conv": (RECURRENT,), "hybrid": (RECURRENT,),
+    "hybrid_sliding": (WINDOW, RECURRENT),
+    "indexed_attention": (SPARSE,), "deepseek_sparse_attention": (SPARSE,), "qwen_sparse_attention": (SPARSE,),
+    "compressed_sparse_attention": (SPARSE,), "heavily_compressed_attention": (SPARSE,),
+    "minimax_m3_sparse": (SPARSE,),
+}
+# Families whose every block is recurrent and whose configs list no layer_types.
+RECURRENT_MODEL_TYPES = ("rwkv", "xlstm")
+
+
+class _Unread(ValueError):
+    """A value the layout cannot be read from."""
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The blocks that do not attend over the whole row: how many, the window or chunk they attend within (the
+    largest where blocks differ; 1 where they have none, as recurrent blocks), and what they do (of KINDS, in its
+    order)."""
+
+    span: int = 0
+    blocks: int = 0
+    kinds: tuple[str, ...] = ()
+
+    @property
+    def partial(self) -> bool:
+        """Whether any block attends over less than the whole row (the rules refuse to split or cut such a model)."""
+        return self.blocks > 0
+
+
+def text_of(config: Any) -> Any:
+    """The language model's part of a built config: its text_config, Qwen-Omni's thinker's, or itself."""
+    thinker = getattr(config, "thinker_config", None)
+    return getattr(config, "text_config", None) or getattr(thinker, "text_config", None) or config
+
+
+def refusal(kinds: tuple[str, ...]) -> str:
+    """What a refusal says a partial layout has ("has sliding-window attention layers"). No kinds: a window (the
+    catalog's shapes state only the window and its blocks)."""
+    return "has " + " and ".join(WORDS[k] for k in KINDS if k in (kinds or (WINDOW,)))
+
+
+def layout_of(config: Any) -> AttentionLayout:
+    """The layout of the language model of a built transformers `config`; UNREAD (refused) where its settings cannot
+    be read, never an exception."""
+    text, layers = text_of(config), 0
+    try:
+        layers = count_of(getattr(text, "num_hidden_layers", 0))
+        if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
+            return AttentionLayout(1, max(layers, 1), (RECURRENT,))
+        return _read(text, layers)
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError):  # RuntimeError: a global per-layer read
+        return AttentionLayout(1, max(layers, 1), (UNREAD,))
+
+
+def _read(text: Any, layers: int) -> AttentionLayout:
+    """The layout block by block: each block's layer type, else its chunk, else its window (under
+    use_sliding_window); a chunk the types place nowhere still counts, since the rank refuses any chunked config."""
+    types = getattr(text, "layer_types", None)
+    if types is not None and not (isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types)):
+        raise _Unread("layer_types")
+    per_layer = _block_configs(text)
+    kinds: set[str] = set()
+    spans, blocks, chunk_seen = [], 0, 0
+    for i in range(len(types) if types is not None else layers):
+        block = per_layer[i] if i < len(per_layer) else text
+        chunk = _size(_at(block, "attention_chunk_size", i, layers))
+        chunk_seen = max(chunk_seen, chunk)
+        if types is not None:  # the window is read only where the block's type slides
+            own = TYPE_KINDS.get(types[i], (UNREAD,))
+        elif chunk:
+            own = (CHUNK,)
+        else:
+            own = (WINDOW,) if _at(block, "use_sliding_window", i, layers, True) and _window(block, i, layers) else ()
+        kinds.update(own)
+        blocks += bool(own)
+        spans += [chunk] if CHUNK in own else [_window(block, i, layers)] if WINDOW in own else []
+    if chunk_seen and CHUNK not in kinds:  # a chunk the layer_types do not place: the rules refuse it all the same
+        kinds.add(CHUNK)
+        blocks, spans = blocks or layers, [*spans, chunk_seen]
+    if not blocks:
+        return AttentionLayout()
+    return AttentionLayout(max(spans, default=0) or 1, blocks, tuple(k for k in KINDS if k in kinds))
+
+
+def _block_configs(text: Any) -> list[Any]:
+    """Each block's own config where transformers built `text` heterogeneous (its per-layer view); else none (every
+    block reads the config itself)."""
+    if getattr(text, "per_layer_attributes", None):
+        return list(text.per_layer_config)
+    return []
+
+
+def _at(config: Any, key: str, block: int, layers: int, default: Any = None) -> Any:
+    """`key` of `config` for `block`: a list of one value per block gives the block's own."""
+    value = getattr(config, key, default)
+    if isinstance(value, (list, tuple)):
+        if len(value) != layers:
+            raise _Unread(key)
+        return value[block]
+    return value
+
+
+def _window(block: Any, index: int, layers: int) -> int:
+    """The window block `index` attends within (0: none)."""
+    return _size(_at(block, "sliding_window", index, layers))
+
+
+def _size(value: Any) -> int:
+    """A window or chunk as a count of tokens (0: none)."""
+    if value is None or value is False:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        raise _Unread(repr(value))
+    return int(value)
+
+
+def count_of(value: Any) -> int:
+    """`value` where it is a positive count, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def block_counts(config: Any, key: str) -> list[int]:
+    """Every value `config` gives `key` (a count: heads, experts, a rank) across its blocks: the per-layer view's of
+    a heterogeneous config, the items of a list, or its one value; non-counts left out."""
+    if key in (getattr(config, "per_layer_attributes", None) or ()):
+        values = [getattr(block, key, None) for block in config.per_layer_config]
+    else:
+        values = [getattr(config, key, None)]
+    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return [v for v in flat if count_of(v)]
+
+
+def common_count(config: Any, key: str) -> int:
+    """The largest count every block's `key` divides by (its one value where blocks agree; 0 where none): what a
+    split over ranks must divide, as attention heads must."""
+    return math.gcd(*block_counts(config, key))
