@@ -272,6 +272,46 @@ def pipeline_strategies(args: argparse.Namespace, cfg: Config | None) -> tuple[s
     return (named,) if named in PP_DP_STRATEGIES else PP_DP_STRATEGIES
 
 
+def auto_choice(cfg: Config, plan: Any, job: Any) -> str:
+    """The line recommending the job `strategy: auto` resolved where it is not the plan's best strategy over whole
+    rows (auto split the rows over ranks, resolve/decide.py, as train runs the job on these GPUs); empty where it
+    is, where the config names the strategy, or where a pipeline's own line recommends it."""
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or job.pipeline_parallel > 1 \
+            or job.sequence_parallel == 1:
+        return ""
+    split = plan_for_split(cfg, job)
+    rate = f", ~{split.step_s:.0f} s/step, {split.tokens_per_s:,.0f} tokens/s" \
+        if split is not None and split.tokens_per_s and split.step_s else ""
+    lone = f"; {plan.recommended} with whole rows, in one process, trains {c.tokens_per_s:,.0f}" \
+        if plan.recommended and (c := plan.candidate(plan.recommended)) is not None and c.tokens_per_s else ""
+    return (f"recommended: {job.strategy} with each row split over {job.sequence_parallel} GPUs "
+            f"(sequence_parallel {job.sequence_parallel}{rate}), the job below, which train runs on these "
+            f"{job.hardware.world} GPUs{lone}")
+
+
+def plan_for_split(cfg: Config, job: Any) -> Candidate | None:
+    """The job's strategy planned with its rows split as the job runs them (the job's own plan)."""
+    from shardfit.plan.choose import plan_for_config
+
+    split = plan_for_config(dataclasses.replace(cfg, sequence_parallel=job.sequence_parallel,
+                                                precision=job.precision), job.hardware)
+    return split.candidate(job.strategy) if split is not None else None
+
+
+def job_rivals(args: argparse.Namespace, cfg: Config | None, plan: Any,
+               hw: Hardware) -> tuple[list[Candidate] | None, int]:
+    """What a pipeline is weighed against: for a config planned on named GPUs, what `train` would otherwise run on
+    them with the processes left to auto (resolve/decide.py `auto_rivals`, the decision `pipeline_parallel: auto`
+    follows), so that the pipeline recommended is the job's; else the plan's recommended strategy (None)."""
+    if cfg is None or not args.gpus or hw.world < 2:
+        return None, 1
+    from shardfit.resolve import DeviceFacts
+    from shardfit.resolve.decide import auto_rivals
+
+    whole = dataclasses.replace(cfg, pipeline_parallel=1)
+    return auto_rivals(whole, DeviceFacts("cuda", True), plan, None, args.nodes, hw.gpus_per_node)
+
+
 def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape: ModelShape, w: Workload,
                   hw: Hardware, source: str) -> tuple[dict[str, Any] | None, list[str]]:
     """The pipeline layouts planned beside the strategies: their JSON and text lines (a table of the layouts, the
@@ -292,8 +332,9 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
     schedule = "zero_bubble" if named == "zero_bubble" else "interleaved_1f1b"
     looped = asked > 1 and per_rank > 1
     rules = rules_config(cfg, w, schedule if looped else "1f1b")
+    rivals, split = job_rivals(args, cfg, plan, hw)
     choice = choose_pipeline(plan, shape, w, hw, source, rules, asked=asked, per_rank=per_rank,
-                             names=pipeline_strategies(args, cfg), schedule=schedule)
+                             names=pipeline_strategies(args, cfg), schedule=schedule, rivals=rivals, split=split)
     if choice is None:
         return None, []
     pipe, note, why = choice.pick, choice.note, choice.why
@@ -396,8 +437,15 @@ def run(args: argparse.Namespace) -> int:
         if pipeline["recommended"]:  # one recommendation: the strategies' best is then only the best strategy
             table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
     job = resolved_job(cfg, args) if args.config else None
+    out["best_strategy"] = plan.recommended
     if job is not None:
         out["resolved"] = job.to_json()
+        chosen = auto_choice(cfg, plan, job)
+        if chosen:  # the job, not the best strategy over whole rows, is what to run
+            table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
+            lines.append(chosen)
+        if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
+            out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)
         lines.append(job.describe())
         from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
 
