@@ -262,7 +262,9 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     """`strategy: auto` with rows left whole (sequence_parallel 1): when one sequence does not fit on a GPU under
     any strategy auto may pick (nothing fits even at micro-batch 1, so a smaller batch cannot help), the smallest
     sequence_parallel of 2, 4, 8, ... that divides the ranks and the heads, passes the rules and makes the job
-    fit; its plan and the reason. (1, survey, None) where the rows stay whole."""
+    fit; its plan and the reason. With the processes left to auto on one node, a row that fits only one process
+    (`_one_process_best`: model_parallel) is split too where that trains faster beyond the time model's precision
+    (TIE), so that the job is the one `--nproc` with every GPU runs. (1, survey, None) where the rows stay whole."""
     world = (nproc if nproc is not None else local) * nnodes
     if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or pipelines.stages_of(cfg) != 1 or survey is None \
             or world < 2:
