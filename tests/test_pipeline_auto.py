@@ -406,3 +406,30 @@ def test_looped_stages_are_checked_under_their_own_schedule(schedule: str, gib: 
     [f] = pipeline_plan_rules(settled(looped, job), plan, job.strategy)
     assert f.severity == "error" and f.message.startswith(f"pipeline_parallel=8 (2 stages per rank, {schedule}): "
                                                           f"predicted {gib} GiB on the first rank")
+
+
+def test_processes_left_to_auto_run_what_eight_ranks_would(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    """The 36k-token rows on 8 x 24 GB: only model_parallel (one process, 601 tokens/s) fits a whole row, and
+    splitting the rows over 2 of the 8 ranks under zero3 trains faster than it and than any pipeline. `train`
+    with the processes left to auto runs the same job as `--nproc 8` (it turned a slower pipeline on, weighed
+    against model_parallel), and `plan CONFIG --gpus 8x24GB` recommends that job: its recommended line, its
+    pipeline verdict and its JSON `recommended` all name what `resolved` runs."""
+    auto, _ = resolve_job(_long_rows(), RTX, GPU, nproc=None)
+    eight, _ = resolve_job(_long_rows(), RTX, GPU, nproc=8)
+    assert dataclasses.replace(auto, why=()) == dataclasses.replace(eight, why=())
+    assert (auto.strategy, auto.sequence_parallel, auto.pipeline_parallel) == ("zero3", 2, 1)
+    assert "fits a GPU only under model_parallel in one process" in auto.why[0]
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text("\n".join(f"{k}: {v}" for k, v in dict(
+        model=SEED_LONG, method="lora", max_seq_len=36864, grad_accum=8, micro_batch=1, grad_ckpt="full").items()))
+    d = _plan_json(capsys, str(cfg), "--gpus", "8x24GB", "--json")
+    assert d["resolved"]["strategy"] == d["recommended"] == "zero3" and d["resolved"]["sequence_parallel"] == 2
+    assert d["best_strategy"] == "model_parallel"
+    assert not d["pipeline"]["recommended"] and "zero3 with sequence_parallel 2's" in d["pipeline"]["versus"]
+    assert main(["plan", str(cfg), "--gpus", "8x24GB"]) == 0
+    text = capsys.readouterr().out
+    assert "\nbest strategy: model_parallel" in text and "\nrecommended: model_parallel" not in text
+    line = next(x for x in text.splitlines() if x.startswith("recommended: "))
+    assert line.startswith("recommended: zero3 with each row split over 2 GPUs") and "the job below" in line
+    assert "model_parallel with whole rows, in one process, trains 601" in line

@@ -49,6 +49,7 @@ from shardfit.strategy import MULTI_RANK, NAMES
 if TYPE_CHECKING:  # the data readers load only for a config with a tower
     from shardfit.data.image_census import MediaSample
     from shardfit.resolve import Resolved
+    from shardfit.resolve.pipeline_choice import PipelineChoice
 
 # `plan --model` plans what LLaMA-Factory (disable_gradient_checkpointing: false), TRL's SFTConfig
 # (gradient_checkpointing=True) and ms-swift run unless told otherwise: gradient checkpointing on.
@@ -272,6 +273,80 @@ def pipeline_strategies(args: argparse.Namespace, cfg: Config | None) -> tuple[s
     return (named,) if named in PP_DP_STRATEGIES else PP_DP_STRATEGIES
 
 
+def auto_choice(cfg: Config, plan: Any, job: Any) -> str:
+    """The line recommending the job `strategy: auto` resolved where it is not the plan's best strategy over whole
+    rows (auto split the rows over ranks, resolve/decide.py, as train runs the job on these GPUs); empty where it
+    is, where the config names the strategy, or where a pipeline's own line recommends it."""
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or job.pipeline_parallel > 1 \
+            or job.sequence_parallel == 1:
+        return ""
+    split = plan_for_split(cfg, job)
+    rate = f", ~{split.step_s:.0f} s/step, {split.tokens_per_s:,.0f} tokens/s" \
+        if split is not None and split.tokens_per_s and split.step_s else ""
+    lone = f"; {plan.recommended} with whole rows, in one process, trains {c.tokens_per_s:,.0f}" \
+        if plan.recommended and (c := plan.candidate(plan.recommended)) is not None and c.tokens_per_s else ""
+    return (f"recommended: {job.strategy} with each row split over {job.sequence_parallel} GPUs "
+            f"(sequence_parallel {job.sequence_parallel}{rate}), the job below, which train runs on these "
+            f"{job.hardware.world} GPUs{lone}")
+
+
+def plan_for_split(cfg: Config, job: Any) -> Candidate | None:
+    """The job's strategy planned with its rows split as the job runs them (the job's own plan)."""
+    from shardfit.plan.choose import plan_for_config
+
+    split = plan_for_config(dataclasses.replace(cfg, sequence_parallel=job.sequence_parallel,
+                                                precision=job.precision), job.hardware)
+    return split.candidate(job.strategy) if split is not None else None
+
+
+# The flags that plan the images or audio of another workload than the config's data holds (`_with_media`).
+MEDIA_FLAGS = ("images_per_sample", "image_size", "image_max_pixels", "audio_per_sample", "audio_seconds")
+# The flags that plan other pipelines than those `pipeline_parallel: auto` weighs (every count, as 1F1B).
+PIPELINE_FLAGS = ("pipeline_parallel", "pipeline_stages_per_rank", "pipeline_schedule")
+
+
+def plans_the_job(args: argparse.Namespace, cfg: Config | None) -> bool:
+    """Whether the table plans what `train CONFIG` resolves on these GPUs: a config under `strategy: auto`, every
+    strategy planned (no --strategy), and no flag that plans another workload (--seq, --batch, --method, media,
+    pipelines ...). Only then may the plan's recommendation follow the job auto resolves; else the table's
+    recommendation is for what the table plans, which the job line (the config's) does not run."""
+    if cfg is None or cfg.strategy != "auto" or args.strategy not in (None, "all"):
+        return False
+    if any(getattr(args, k) is not None for k in (*MEDIA_FLAGS, *PIPELINE_FLAGS)):
+        return False
+    base = workload_of(cfg)
+    return with_flags(base, args) == base
+
+
+def job_rivals(args: argparse.Namespace, cfg: Config | None, plan: Any,
+               hw: Hardware) -> tuple[list[Candidate] | None, int]:
+    """What a pipeline is weighed against: where the table plans the config's own job (`plans_the_job`) on named
+    GPUs, what `train` would otherwise run on them with the processes left to auto (resolve/decide.py
+    `auto_rivals`, the decision `pipeline_parallel: auto` follows), so that the pipeline recommended is the job's;
+    else the plan's recommended strategy (None)."""
+    if cfg is None or not args.gpus or hw.world < 2 or not plans_the_job(args, cfg):
+        return None, 1
+    from shardfit.resolve import DeviceFacts
+    from shardfit.resolve.decide import auto_rivals
+
+    whole = dataclasses.replace(cfg, pipeline_parallel=1)
+    return auto_rivals(whole, DeviceFacts("cuda", True), plan, None, args.nodes, hw.gpus_per_node)
+
+
+def named_without_stages(args: argparse.Namespace, choice: PipelineChoice) -> PipelineChoice:
+    """`choice` as the plan recommends it where --strategy names a strategy that does not run in stages (single,
+    model_parallel, zero3_offload): the layouts stay planned, but the recommendation stays among the strategy
+    named, so none of them is recommended."""
+    from shardfit.resolve.pipeline import PP_DP_STRATEGIES
+
+    named = args.strategy
+    if named in (None, "all") or named in PP_DP_STRATEGIES or not choice.recommended:
+        return choice
+    return dataclasses.replace(choice, recommended=False, why=(
+        f"not {choice.pick.layout}: --strategy {named} plans that strategy alone, and a pipeline's stages run "
+        f"{', '.join(PP_DP_STRATEGIES)} (plan with --strategy all to weigh the pipelines)"))
+
+
 def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape: ModelShape, w: Workload,
                   hw: Hardware, source: str) -> tuple[dict[str, Any] | None, list[str]]:
     """The pipeline layouts planned beside the strategies: their JSON and text lines (a table of the layouts, the
@@ -292,10 +367,12 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
     schedule = "zero_bubble" if named == "zero_bubble" else "interleaved_1f1b"
     looped = asked > 1 and per_rank > 1
     rules = rules_config(cfg, w, schedule if looped else "1f1b")
+    rivals, split = job_rivals(args, cfg, plan, hw)
     choice = choose_pipeline(plan, shape, w, hw, source, rules, asked=asked, per_rank=per_rank,
-                             names=pipeline_strategies(args, cfg), schedule=schedule)
+                             names=pipeline_strategies(args, cfg), schedule=schedule, rivals=rivals, split=split)
     if choice is None:
         return None, []
+    choice = named_without_stages(args, choice)
     pipe, note, why = choice.pick, choice.note, choice.why
     out = {**pipe.to_json(), "note": note, "recommended": choice.recommended, "versus": why,
            "layouts": [p.to_json() for p in choice.layouts]}
@@ -396,8 +473,17 @@ def run(args: argparse.Namespace) -> int:
         if pipeline["recommended"]:  # one recommendation: the strategies' best is then only the best strategy
             table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
     job = resolved_job(cfg, args) if args.config else None
+    out["best_strategy"] = plan.recommended
+    chosen = ""
     if job is not None:
         out["resolved"] = job.to_json()
+        if plans_the_job(args, cfg):  # the table plans the job train resolves: recommend that job
+            chosen = auto_choice(cfg, plan, job)
+            if chosen:  # the job, not the best strategy over whole rows, is what to run
+                table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
+                lines.append(chosen)
+            if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
+                out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)
         lines.append(job.describe())
         from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
 
@@ -413,8 +499,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     # Nothing fits as configured but checkpointing or a smaller micro-batch makes it fit with the same trained
-    # result: that is the recommendation (printed with the flags it takes), not a failure.
-    return 0 if plan.recommended or plan.adjusted else 3
+    # result: that is the recommendation (printed with the flags it takes), not a failure; so is the job auto
+    # resolves with the rows split.
+    return 0 if plan.recommended or plan.adjusted or chosen else 3
 
 
 def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Workload, str, Hardware]:

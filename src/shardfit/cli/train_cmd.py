@@ -114,11 +114,11 @@ def decide_launch(args: argparse.Namespace, cfg: Config | None) -> tuple[Resolve
         nproc = args.nproc or 1
     elif cfg is not None:
         from shardfit.parallel.job import resolve_here
-        from shardfit.train.rundir import recorded_pipeline
+        from shardfit.train.rundir import recorded_job
 
-        cfg, kept = recorded_pipeline(cfg)  # a resumed run keeps the pipeline it started with
-        if kept:
-            log.info("%s", kept)
+        cfg, kept = recorded_job(cfg)  # a resumed run keeps the strategy, split and pipeline it started with
+        for line in kept:
+            log.info("%s", line)
         job, _ = resolve_here(cfg, nproc=args.nproc, nnodes=args.nnodes, threads=_rank_threads(args, args.nproc))
         nproc = job.nproc_per_node
         for line in job.why:

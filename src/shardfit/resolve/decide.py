@@ -18,7 +18,7 @@ from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.pipeline import config_cut, fastest, layouts
-from shardfit.plan.plan import Plan, recommend
+from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import workload_of
@@ -186,17 +186,24 @@ def _auto_pipeline_parallel(cfg: Config, device: DeviceFacts, survey: Plan | Non
     if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or survey is None or world < 2:
         return 1, None
     shape = resolve_shape(cfg.model)  # the survey read it: known here
-    rivals, split = _fitting(survey, cfg.method, nproc, nnodes, local), 1
-    if not rivals:  # nothing fits whole: weighed against the split auto would run instead
-        sp, split_plan, _ = _auto_sequence_parallel(cfg, device, survey.hardware, survey, nproc, nnodes, local)
-        if sp > 1 and split_plan is not None:
-            rivals, split = _fitting(split_plan, cfg.method, nproc, nnodes, local, split=True), sp
+    rivals, split = auto_rivals(cfg, device, survey, nproc, nnodes, local)
     rules = dataclasses.replace(cfg, pipeline_schedule="1f1b")
     staged = workload_of(_planned(dataclasses.replace(rules, pipeline_parallel=2), device))  # any count alike
     choice = choose_pipeline(survey, shape, staged, survey.hardware, cfg.model, rules, rivals=rivals, split=split)
     if choice is None or not choice.recommended:
         return 1, None
     return choice.pick.stages, _pipeline_why(choice, survey)
+
+
+def auto_rivals(cfg: Config, device: DeviceFacts, survey: Plan, nproc: int | None, nnodes: int,
+                local: int) -> tuple[list[Candidate], int]:
+    """What `strategy: auto` would run without a pipeline, which a pipeline is weighed against (and `plan` shows
+    it weighed against): the candidates of `survey` auto may pick on these ranks, or, where auto would split the
+    rows instead (`_auto_sequence_parallel`), those that fit split; with the split's ranks (1: rows whole)."""
+    sp, split_plan, _ = _auto_sequence_parallel(cfg, device, survey.hardware, survey, nproc, nnodes, local)
+    if sp > 1 and split_plan is not None:
+        return _fitting(split_plan, cfg.method, nproc, nnodes, local, split=True), sp
+    return _fitting(survey, cfg.method, nproc, nnodes, local), 1
 
 
 def _pipeline_why(choice: PipelineChoice, plan: Plan) -> str:
@@ -227,6 +234,19 @@ def _fitting(plan: Plan, method: str, nproc: int | None, nnodes: int, local: int
             and (strategies.get(c.strategy).multi_rank or not split)]
 
 
+def _one_process_best(plan: Plan, method: str, nproc: int | None, nnodes: int, local: int) -> Candidate | None:
+    """With the processes left to auto on one node of several GPUs: the fastest strategy of one process (single,
+    model_parallel) that fits where no strategy over every GPU does, which splitting the rows over the GPUs may
+    beat; None otherwise (the processes given, a multi-rank strategy fits, or nothing fits)."""
+    if nproc is not None or nnodes > 1 or local < 2:
+        return None
+    fits = _fitting(plan, method, nproc, nnodes, local)
+    if not fits or any(strategies.get(c.strategy).multi_rank for c in fits):
+        return None
+    best, _ = recommend(fits, plan.hardware)
+    return next((c for c in fits if c.strategy == best), None)
+
+
 def _split_allowed(cfg: Config, n: int, world: int, shape: ModelShape) -> bool:
     """Whether sequence_parallel `n` passes the rules (resolve/sequence.py) for this config, model and world."""
     try:
@@ -242,16 +262,22 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     """`strategy: auto` with rows left whole (sequence_parallel 1): when one sequence does not fit on a GPU under
     any strategy auto may pick (nothing fits even at micro-batch 1, so a smaller batch cannot help), the smallest
     sequence_parallel of 2, 4, 8, ... that divides the ranks and the heads, passes the rules and makes the job
-    fit; its plan and the reason. (1, survey, None) where the rows stay whole."""
+    fit; its plan and the reason. With the processes left to auto on one node, a row that fits only one process
+    (`_one_process_best`: model_parallel) is split too where that trains faster beyond the time model's precision
+    (TIE), so that the job is the one `--nproc` with every GPU runs. (1, survey, None) where the rows stay whole."""
     world = (nproc if nproc is not None else local) * nnodes
     if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or pipelines.stages_of(cfg) != 1 or survey is None \
             or world < 2:
         return 1, survey, None
-    if _fitting(survey, cfg.method, nproc, nnodes, local):
+    # With the processes left to auto on several GPUs, one process (model_parallel) fitting a whole row does not
+    # settle it: every GPU's rank splitting the rows may train faster, and is then what auto runs.
+    lone = _one_process_best(survey, cfg.method, nproc, nnodes, local)
+    if lone is None and _fitting(survey, cfg.method, nproc, nnodes, local):
         return 1, survey, None
     one_row = plan_for_config(_planned(dataclasses.replace(cfg, micro_batch=1), device), hw) \
         if cfg.micro_batch > 1 else survey
-    if one_row is None or _fitting(one_row, cfg.method, nproc, nnodes, local):
+    if one_row is None or (_fitting(one_row, cfg.method, nproc, nnodes, local) and
+                           _one_process_best(one_row, cfg.method, nproc, nnodes, local) is None):
         return 1, survey, None
     shape = resolve_shape(cfg.model)  # the survey read it: known here
 
@@ -265,6 +291,15 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     if found is None:
         return 1, survey, None
     n, (plan, pick) = found
+    if lone is not None:
+        if not (pick.tokens_per_s and lone.tokens_per_s and pick.tokens_per_s > lone.tokens_per_s * (1 + TIE)):
+            return 1, survey, None  # one process is as fast (or the time model cannot say): rows stay whole
+        return n, plan, (f"{SPLIT_WHY} -> {n}: one {cfg.max_seq_len:,}-token row fits a GPU only under "
+                         f"{lone.strategy} in one process ({lone.tokens_per_s:,.0f} tokens/s); split over {n} of the "
+                         f"{world} ranks it takes {pick.per_gpu_gib.total:.1f} GiB under {pick.strategy}, "
+                         f"{pick.tokens_per_s:,.0f} tokens/s; an optimizer step then takes "
+                         f"micro_batch x grad_accum x {world // n} examples (set sequence_parallel or a strategy to "
+                         "choose otherwise)")
     whole = min(c.per_gpu_gib.total for c in survey.candidates if c.applies)
     return n, plan, (f"{SPLIT_WHY} -> {n}: one {cfg.max_seq_len:,}-token row does not fit on a GPU under any "
                      f"strategy (at least {whole:.1f} of {hw.gpu_mem_gib:.0f} GiB), split over {n} ranks it takes "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import yaml
 
 from shardfit import method as methods
+from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
@@ -107,6 +108,54 @@ def recorded_pipeline(cfg: Config) -> tuple[Config, str | None]:
         {"pipeline_schedule": schedule} if n > 1 and schedule in SCHEDULES else {}))
     return kept, (f"pipeline_parallel auto -> {n}: kept from {run_dir / 'config.yaml'}, the run this one resumes "
                   "(set pipeline_parallel to choose otherwise, or resume: never to start over)")
+
+
+def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
+    """`strategy: auto` on a run that resumes: the pipeline (`recorded_pipeline`), and where the config also leaves
+    the row split to auto (sequence_parallel 1), the strategy and split its run directory recorded
+    (preflight.json's strategy, else summary.json's resolved one; config.yaml's sequence_parallel), with the lines
+    saying so. The choice auto makes for the same config changes as its rules do (one process's model_parallel
+    may now give way to rows split over every GPU), and another strategy or split changes the data-parallel ranks
+    and so the global batch, which the resume refuses (`claim`). `cfg` as the pipeline leaves it where nothing is
+    to resume, a strategy is named, the split is set or the run's pipeline was another."""
+    kept, line = recorded_pipeline(cfg)
+    lines = [line] if line else []
+    run_dir = Path(cfg.output_dir)
+    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or cfg.resume == "never" \
+            or read_run_file(run_dir) is None:
+        return kept, lines
+    recorded = _read_record(run_dir / "config.yaml", yaml.safe_load)
+    name = _recorded_strategy(run_dir)
+    if not isinstance(recorded, dict) or name is None:
+        return kept, lines
+    sp = recorded.get("sequence_parallel", 1)  # absent: a run from before the key, its rows whole
+    pp = recorded.get("pipeline_parallel", 1)
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or pp != kept.pipeline_parallel:
+        return kept, lines
+    lines.append(f"strategy auto -> {name}, sequence_parallel {sp}: kept from {run_dir}, the run this one resumes "
+                 "(set a strategy to choose otherwise, or resume: never to start over)")
+    return dataclasses.replace(kept, strategy=name, sequence_parallel=sp), lines
+
+
+def _read_record(path: Path, parse: Callable[[str], Any]) -> Any:
+    """A file shardfit wrote into the run directory, read as data only; None where it is missing or unreadable."""
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def _recorded_strategy(run_dir: Path) -> str | None:
+    """The strategy the run in `run_dir` resolved: preflight.json's (written as it starts), else summary.json's
+    resolved job (written as it ends); None where neither names one shardfit knows."""
+    preflight = _read_record(run_dir / "preflight.json", json.loads)
+    summary = _read_record(run_dir / "summary.json", json.loads)
+    resolved = summary.get("resolved") if isinstance(summary, dict) else None
+    for record in (preflight, resolved):
+        name = record.get("strategy") if isinstance(record, dict) else None
+        if isinstance(name, str) and name in strategies.NAMES:
+            return name
+    return None
 
 
 def read_run_file(run_dir: Path) -> dict[str, Any] | None:

@@ -1,0 +1,199 @@
+"""`strategy: auto` with the processes left to it, where only model_parallel's one process fits a whole row
+(resolve/decide.py `_one_process_best`): the rows split over every GPU's ranks when that trains faster, as with
+`--nproc 8`; a run recorded under another choice resumes as it started (train/rundir.py `recorded_job`); and
+`plan` follows the resolved job only for a table of the config's own workload over every strategy."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfit.cli.main import main
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.plan.hardware import parse_gpus
+from shardfit.resolve import DeviceFacts, Resolved, resolve_job
+from shardfit.resolve.decide import settled
+from shardfit.train.rundir import claim, fingerprint
+
+GPU = DeviceFacts("cuda", True)
+RTX = parse_gpus("8x24GB", 1, None)
+LONG = dict(model="meta-llama/Llama-3.1-8B", method="lora", max_seq_len=36864, grad_accum=8, micro_batch=1,
+            grad_ckpt="full")
+
+
+def _long_rows(**over) -> Config:
+    """Llama-3.1-8B LoRA, 36,864-token rows: on 8 x 24 GB a whole row fits only model_parallel (601 tokens/s)."""
+    return dataclasses.replace(Config(), **{**LONG, **over})
+
+
+def _args(nproc: int | None = None) -> argparse.Namespace:
+    return argparse.Namespace(nproc=nproc, nnodes=1, node_rank=0, master_addr=None, master_port=None,
+                              rdzv_endpoint=None)
+
+
+@pytest.fixture
+def eight_24gb(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train` deciding its launch on a faked host of eight 24 GB GPUs."""
+    from shardfit.parallel import job as rank_job
+
+    monkeypatch.setattr(rank_job, "node_hardware", lambda threads=None: RTX)
+    monkeypatch.setattr(rank_job, "cuda_available", lambda: True)
+    monkeypatch.setattr(rank_job, "device_facts", lambda device, precision="auto": GPU)
+
+
+def _config_file(tmp_path: Path, **over) -> str:
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump({**LONG, **over}))
+    return str(path)
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    main(["plan", *args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def _global_batch(cfg: Config, job: Resolved) -> int:
+    """Examples per optimizer step, as the run's fingerprint counts them (train/recipe.py)."""
+    return cfg.micro_batch * cfg.grad_accum * job.dims.dp
+
+
+def test_train_without_nproc_runs_what_eight_processes_would(eight_24gb: None) -> None:
+    """`train` deciding its launch with the processes left to auto runs zero3 with the rows split over 2 of the 8
+    ranks (4,550 tokens/s), as `--nproc 8` does, not the 4-stage pipeline (3,105) it weighed against
+    model_parallel."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    auto, nproc = decide_launch(_args(), _long_rows())
+    eight, _ = decide_launch(_args(8), _long_rows())
+    assert nproc == 8 and auto is not None and eight is not None
+    assert (auto.strategy, auto.sequence_parallel, auto.pipeline_parallel) == ("zero3", 2, 1)
+    assert dataclasses.replace(auto, why=()) == dataclasses.replace(eight, why=())
+    assert "4,550 tokens/s" in auto.why[0] and "model_parallel in one process (601 tokens/s)" in auto.why[0]
+
+
+def _run(out: Path, **over) -> Config:
+    """The long rows trained into `out` from a data file beside it (the run's fingerprint digests it)."""
+    data = out.parent / "train.jsonl"
+    data.write_text('{"text": "a row"}\n')
+    return _long_rows(output_dir=str(out), data=str(data), **over)
+
+
+def _record(run_dir: Path, cfg: Config, job: Resolved) -> None:
+    """What a run writes as it starts (train/recipe.py): run.json's fingerprint, config.yaml, preflight.json."""
+    ran = settled(cfg, job)
+    run_dir.mkdir(exist_ok=True)
+    claim(run_dir, ran, fingerprint(ran, _global_batch(ran, job)))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(ran.to_dict(), sort_keys=False))
+    (run_dir / "preflight.json").write_text(json.dumps({"strategy": job.strategy, "ok": True, "findings": []}))
+
+
+def test_a_run_recorded_as_model_parallel_resumes_as_it_started(eight_24gb: None, tmp_path: Path) -> None:
+    """A run that auto started as model_parallel (one process, rows whole, a global batch of 8) resumes with that
+    strategy and split, saying so, and its resume is accepted; resolved anew it would split the rows (a global
+    batch of 32), which the resume refuses with exit 2. A new output_dir or resume: never resolve anew."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    job, nproc = decide_launch(_args(), cfg)
+    assert job is not None and (job.strategy, job.sequence_parallel, job.pipeline_parallel, nproc) == (
+        "model_parallel", 1, 1, 1)
+    ran = settled(cfg, job)
+    claim(tmp_path, ran, fingerprint(ran, _global_batch(ran, job)))  # the same run: resumed
+    fresh, _ = decide_launch(_args(), _run(tmp_path / "new"))
+    assert fresh is not None and (fresh.strategy, fresh.sequence_parallel) == ("zero3", 2)
+    anew = settled(cfg, fresh)
+    with pytest.raises(UserError) as e:
+        claim(tmp_path, anew, fingerprint(anew, _global_batch(anew, fresh)))
+    assert e.value.exit_code == 2 and "global_batch_examples: 8 -> 32" in str(e.value)
+    never, _ = decide_launch(_args(), _run(tmp_path, resume="never"))
+    assert never is not None and never.sequence_parallel == 2
+
+
+def test_a_resume_keeps_a_recorded_split_and_pipeline(eight_24gb: None, tmp_path: Path) -> None:
+    """Runs recorded under the 4-stage pipeline (what auto ran before it split the rows) and under the split
+    itself resume as recorded; a strategy the config names is not replaced."""
+    from shardfit.cli.train_cmd import decide_launch
+    from shardfit.train.rundir import recorded_job
+
+    piped = tmp_path / "piped"
+    cfg = _run(piped)
+    old, _ = resolve_job(_long_rows(pipeline_parallel=4), RTX, GPU)
+    _record(piped, cfg, old)
+    job, _ = decide_launch(_args(), cfg)
+    assert job is not None and (job.strategy, job.pipeline_parallel, job.sequence_parallel) == ("ddp", 4, 1)
+    split = tmp_path / "split"
+    cfg = _run(split)
+    old, _ = resolve_job(cfg, RTX, GPU)
+    _record(split, cfg, old)
+    kept, lines = recorded_job(cfg)
+    assert (kept.strategy, kept.sequence_parallel) == ("zero3", 2)
+    assert lines[-1].startswith("strategy auto -> zero3, sequence_parallel 2: kept from ")
+    named = _run(split, strategy="zero3_offload")
+    assert recorded_job(named)[0].strategy == "zero3_offload"
+
+
+def test_plan_recommends_the_job_it_resolves(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`plan CONFIG --gpus 8x24GB` of the config's own workload recommends the job train runs (its JSON and its
+    `recommended:` line), also where a flag repeats the config's value."""
+    cfg = _config_file(tmp_path)
+    for extra in ((), ("--seq", "36864")):
+        d = _plan(capsys, cfg, "--gpus", "8x24GB", *extra)
+        assert d["recommended"] == d["resolved"]["strategy"] == "zero3" and d["resolved"]["sequence_parallel"] == 2
+        assert d["best_strategy"] == "model_parallel" and not d["pipeline"]["recommended"]
+
+
+@pytest.mark.parametrize("flags", [("--seq", "4096"), ("--batch", "2", "--seq", "8192")])
+def test_plan_of_another_workload_recommends_its_own_table(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           flags: tuple[str, ...]) -> None:
+    """A table for another workload than the config's (`--seq`, `--batch`): its recommendation is the table's,
+    and its pipeline is weighed against the table's strategies, not against the config's job (rows of 36,864
+    tokens split over 2 ranks), which the job line still shows."""
+    cfg = _config_file(tmp_path)
+    d = _plan(capsys, cfg, "--gpus", "8x24GB", *flags)
+    assert d["recommended"] == d["best_strategy"] and d["recommended"] is not None
+    assert d["resolved"]["sequence_parallel"] == 2  # the config's job
+    assert "sequence_parallel" not in d["pipeline"]["versus"]
+    assert main(["plan", cfg, "--gpus", "8x24GB", *flags]) == 0
+    text = capsys.readouterr().out
+    assert f"\nrecommended: {d['recommended']} (" in text and "each row split over" not in text
+
+
+@pytest.mark.parametrize("named", ["ddp", "model_parallel", "zero3_offload"])
+def test_plan_with_a_strategy_named_recommends_only_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                       named: str) -> None:
+    """`--strategy X` plans X alone: the recommendation is X (or nothing fits), a pipeline is recommended only
+    where its stages run X, and never the job auto resolves under another strategy (zero3, rows split)."""
+    cfg = _config_file(tmp_path)
+    d = _plan(capsys, cfg, "--gpus", "8x24GB", "--strategy", named)
+    assert d["recommended"] in (named, None) and d["resolved"]["strategy"] == "zero3"
+    pipe = d["pipeline"]
+    assert not pipe["recommended"] or pipe["strategy"] == named
+    main(["plan", cfg, "--gpus", "8x24GB", "--strategy", named])
+    text = capsys.readouterr().out
+    assert "recommended: zero3" not in text and "each row split over" not in text
+    if pipe["recommended"]:
+        assert f"--set strategy={named}" in pipe["versus"]
+
+
+def test_plan_of_a_config_recommends_the_split_its_job_runs(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:
+    """Qwen3-8B at 139,264-token rows on 8 x H100: no strategy fits a whole row, and the job auto resolves splits
+    it over 2 ranks. The plan recommends that job (its `recommended:` line, JSON `recommended` as `resolved`) and
+    exits 0, as train runs it; `best_strategy` says no strategy fits whole rows."""
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text(yaml.safe_dump(dict(model="Qwen/Qwen3-8B", method="lora", max_seq_len=139264, micro_batch=1,
+                                       grad_ckpt="full", packing=False)))
+    assert main(["plan", str(cfg), "--gpus", "8xH100", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["resolved"]["sequence_parallel"] == 2 and d["recommended"] == d["resolved"]["strategy"] == "ddp"
+    assert d["best_strategy"] is None
+    assert main(["plan", str(cfg), "--gpus", "8xH100"]) == 0
+    assert "\nrecommended: ddp with each row split over 2 GPUs (sequence_parallel 2, " in capsys.readouterr().out
