@@ -51,7 +51,8 @@ class Workload:
     # sdpa: torch's SDPA over shardfit's rows where they hold several examples (packing restarts the positions), so
     # transformers builds a block-diagonal [batch, seq, seq] mask; flash: flash-attention 2 or flex attention
     # (variable lengths, no dense mask), or SDPA over rows of one example each (padding continues the positions,
-    # data/loader.py `collate`: no mask, the causal kernel with GQA); eager: the scores are saved
+    # data/loader.py `collate`: no mask, the causal kernel with GQA) of a model without windowed or chunked blocks
+    # (their masks make SDPA dense: plan such a run as sdpa); eager: the scores are saved
     attention: str = "sdpa"
     grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
     # Ranks that split every row (`sequence_parallel`, parallel/ulysses.py): each forwards 1/N of the row's tokens,
