@@ -564,3 +564,15 @@ def test_a_bare_exception_and_a_truncated_device_pair() -> None:
     assert p.exception is not None and p.exception.type == "Exception"
     assert "sym_device_gpu" in _facts("RuntimeError: Expected all tensors to be on the same device, but found at "
                                       "least two devices, cuda:1 and cuda:")
+
+
+def test_more_wordings_of_the_same_symptoms() -> None:
+    """The same symptoms as other users word them, in English and in Chinese."""
+    assert "sym_oom" in _facts("training stops: not enough VRAM on the 4090")
+    assert "sym_oom" in _facts("the job fails with insufficient GPU memory at step 1")
+    assert "sym_timeout" in _facts("两张卡训练到第一步就卡死")
+    assert "sym_single_gpu_ok" in _facts("单卡训练没问题，多卡就不行")
+    assert _cats("启动第二个训练时提示 29500 端口被占用")[:1] == ["dist_port_in_use"]
+    assert _cats("多机训练时卡在初始化，连不上主节点")[:1] == ["rendezvous_unreachable"]
+    assert _cats("报错说 NVIDIA 驱动版本太旧")[:1] == ["nccl_env_setup"]
+    assert _cats("peft 和 transformers 版本不兼容导致训练报错")[:1] == ["library_version_regression"]
