@@ -576,3 +576,14 @@ def test_more_wordings_of_the_same_symptoms() -> None:
     assert _cats("多机训练时卡在初始化，连不上主节点")[:1] == ["rendezvous_unreachable"]
     assert _cats("报错说 NVIDIA 驱动版本太旧")[:1] == ["nccl_env_setup"]
     assert _cats("peft 和 transformers 版本不兼容导致训练报错")[:1] == ["library_version_regression"]
+
+
+def test_what_users_say_about_resumes_saves_and_lost_peers() -> None:
+    """A resume on another GPU count, a save that times out (in Chinese), a connection reset by a rank that died,
+    a gradient scaler that saw no gradient, several GPUs slower than one (in Chinese)."""
+    assert _cats("resume training from checkpoint with 4 GPUs instead of 8 fails")[:1] == \
+        ["resume_world_size_mismatch"]
+    assert _cats("保存模型的时候 NCCL 超时")[:1] == ["nccl_timeout_save"]
+    assert _cats("RuntimeError: Connection reset by peer")[:1] == ["peer_rank_failed"]
+    assert _cats("AssertionError: No inf checks were recorded for this optimizer.")[:1] == ["gc_inputs_no_grad"]
+    assert _cats("多卡训练速度比单卡还慢")[:1] == ["dataparallel_accidental"]
