@@ -431,3 +431,159 @@ def test_deprecation_warnings_are_noise_and_fp16_loss_that_will_not_settle() -> 
 def test_xformers_without_a_kernel_for_the_gpu() -> None:
     line = "NotImplementedError: No operator found for `memory_efficient_attention_forward` with inputs:"
     assert _cats(line)[:2] == ["gpu_arch_unsupported", "extension_abi_mismatch"], _cats(line)
+
+
+# Mechanisms found on the outsiders' batches 5 and 6 (issue 46, round 5): made-up pastes of the same shapes.
+
+def test_the_launch_collides_with_another_job() -> None:
+    """accelerate's own words for a taken port, and a reporter's; NCCL's duplicate-GPU line without its header."""
+    acc = ("ConnectionError: Tried to launch distributed communication on port `29501`, but another process is "
+           "utilizing it. Please specify a different port (such as using the `--main_process_port` flag)")
+    assert _cats(acc)[:1] == ["dist_port_in_use"] and analyze(acc).answer == "confident"
+    assert _cats("second run on the same box fails: the port is taken by the first training")[:1] == \
+        ["dist_port_in_use"]
+    assert _cats("NCCL WARN rank 3 and rank 11 both on CUDA device 1a000")[:1] == ["more_ranks_than_gpus"]
+    bare = ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage, NCCL "
+            "version 2.21.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.")
+    assert _cats(bare)[:1] == ["more_ranks_than_gpus"]
+    assert _cats("all 4 ranks put their batch on cuda:0 and GPU 0 runs out")[:1] == ["more_ranks_than_gpus"]
+
+
+def test_a_ray_job_that_waits_for_gpus() -> None:
+    """Under Ray a job that just sits there, with no error, is usually waiting for GPUs the cluster lacks."""
+    stuck = "ray start --head\npython -m recipes.ppo_32gpu\nthe script is stuck after printing the config"
+    assert _cats(stuck)[:1] == ["more_ranks_than_gpus"]
+    assert "more_ranks_than_gpus" in _cats("Warning: The following resource request cannot be scheduled right now: "
+                                           "{'GPU': 1.0}")[:1]
+    assert "more_ranks_than_gpus" not in _cats(stuck + "\nTraceback (most recent call last):\nValueError: bad")
+    ray_mem = "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory."
+    assert _cats(ray_mem)[:1] == ["host_ram_oom"]
+
+
+def test_an_embedding_whose_rows_changed_is_a_vocabulary_mismatch() -> None:
+    """A few rows more in the checkpoint's embedding than in the model: tokens were added. A copy with half the rows
+    is a sharded tied head instead."""
+    grown = ("RuntimeError: Error(s) in loading state_dict for MistralForCausalLM:\n\tsize mismatch for "
+             "lm_head.weight: copying a param with shape torch.Size([32002, 4096]) from checkpoint, the shape in "
+             "current model is torch.Size([32000, 4096]).")
+    assert _cats(grown)[:1] == ["tokenizer_embedding_mismatch"]
+    halved = grown.replace("32002, 4096", "16000, 4096")
+    assert "tokenizer_embedding_mismatch" not in _cats(halved)
+
+
+def test_nccl_and_driver_errors_without_their_detail() -> None:
+    """A CUDA crash that only happens with several GPUs, an NCCL error whose class is not shown, and Ray's
+    RayTaskError(X) read as X."""
+    assert _cats("多卡训练报错 CUDA error: unspecified launch failure")[:1] == ["nccl_env_setup"]
+    wrapped = "ray.exceptions.RayTaskError(DistBackendError): ray::Actor.train() (pid=77, ip=10.0.0.3)"
+    p = parse(wrapped, load_knowledge().facts)
+    assert p.exception is not None and p.exception.type == "DistBackendError"
+    assert _cats(wrapped)[:1] == ["nccl_env_setup"]
+    assert "nccl_p2p_hang" in _cats("4x RTX 3090, one card trains; GPU communication error with all four")[:1]
+
+
+def test_ddp_prior_reduction_frame_and_a_reentrant_flag() -> None:
+    """DDP checks the previous iteration's reduction in _pre_forward: a traceback cut there is that check. A flag
+    named reentrant on the command line is a setting, not the error."""
+    frame = ('Training fails at the first iteration\n  File "/venv/lib/python3.11/site-packages/torch/nn/parallel/'
+             'distributed.py", line 1522, in _pre_forward')
+    assert _cats(frame)[:1] == ["ddp_unused_parameters"]
+    flag = "python train.py --use_reentrant_checkpointing true --fsdp full_shard\nsomething went wrong"
+    assert "gc_ddp_reentrant" not in _cats(flag)
+
+
+def test_saved_weights_that_are_empty() -> None:
+    """Parameters listed with size 0 after a DeepSpeed stage-3 run; an adapter file of a few hundred bytes."""
+    listing = ("after deepspeed stage 3 training the saved weights are empty:\nmodel.layers.0.mlp.up_proj.weight : "
+               "torch.Size([0])\nmodel.layers.0.mlp.up_proj.bias : torch.Size([0])")
+    assert "zero3" in _facts(listing)
+    assert _cats(listing)[:1] == ["zero3_save_empty_params"]
+    tiny = "LoRA 训练完 adapter_model.bin 只有 512字节"
+    assert {"zero3_save_empty_params", "library_version_regression"} <= set(_cats(tiny)[:3])
+
+
+def test_a_device_map_error_the_reporter_did_not_cause() -> None:
+    """ZeRO-3 says a device_map was passed; the reporter says none was and names the versions that work: not a
+    confident conflict, and the version regression is among the answers."""
+    log = ("ValueError: DeepSpeed Zero-3 is not compatible with `low_cpu_mem_usage=True` or with passing a "
+           "`device_map`.\nOur script does not pass a device_map at all; it works when we go back to transformers "
+           "4.36.2.")
+    a = analyze(log)
+    assert a.answer != "confident" and "library_version_regression" in _cats(log)[:3]
+
+
+def test_resharded_resumes_and_nodes_that_never_meet() -> None:
+    assert _cats("Optimizer state is lost when the checkpoint is loaded with a different number of nodes")[:1] == \
+        ["resume_world_size_mismatch"]
+    assert _cats("[rank 3] 4,096 values missing for parameter layers.2.w in shard exp_avg (locally 0 out of 0)")[:1] \
+        == ["resume_world_size_mismatch"]
+    assert _cats("sbatch with 2 nodes, but the nodes do not communicate with each other")[:1] == \
+        ["nodes_train_alone"]
+    assert _cats("4 卡训练在 deepspeed init 时 hang 住")[:1] == ["rendezvous_unreachable"]
+
+
+def test_one_gpu_fine_and_dataparallel_in_the_reporters_words() -> None:
+    quiet = "num_gpus=1 is OK, but this fails:\ntorchrun --nproc_per_node 4 finetune.py\nLoading model\nDone loading"
+    assert {"nccl_p2p_hang", "rendezvous_unreachable"} <= set(_cats(quiet)[:3])
+    dp = "with 4 GPUs visible, batch_size=2 uses 2 GPUs and batch_size=4 uses 4 GPUs"
+    assert _cats(dp)[:1] == ["dataparallel_accidental"]
+
+
+def test_libraries_and_extensions_out_of_step() -> None:
+    """A name a guarded import should have defined, a torch function an extension needs, a binary needing a newer
+    glibc, a library's version refusal, a version change in the reporter's words."""
+    assert set(_cats("NameError: name 'flash_attn_func' is not defined")[:2]) == {"library_version_regression",
+                                                                                  "extension_abi_mismatch"}
+    assert "extension_abi_mismatch" in _cats("AttributeError: module 'torch.library' has no attribute 'custom_op'")
+    glibc = ("OSError: /lib64/libc.so.6: version `GLIBC_2.32' not found (required by "
+             "/site-packages/bitsandbytes/libbitsandbytes_cuda121.so)")
+    assert {"extension_abi_mismatch", "library_version_regression"} == set(_cats(glibc)[:2])
+    for line in ("The version of Accelerate you are using is not compatible, please use a version >= 0.30",
+                 "fine until deepspeed moved from 0.14.4 to 0.15.1",
+                 "after the bump, Trainer.log() got an unexpected keyword argument 'start_time'"):
+        assert _cats(line)[:1] == ["library_version_regression"], (line, _cats(line))
+    assert "sym_version" not in _facts("RuntimeError: found 0 updates corresponding to 2 image items")
+
+
+def test_memory_words_and_data_module_tails() -> None:
+    for line in ("8x A100 40GB, training runs into an out-of-memory error", "the run is OOMed at step 3",
+                 "I found that the training is out of GPU memory"):
+        assert "sym_oom" in _facts(line), line
+    logits = "GRPO OOMed: PyTorch tried a 30 GiB logits allocation for a 32k-token sample"
+    assert _cats(logits)[:1] == ["oom_activation_not_sharded"]
+    tail = ("INFO:trainer.data.datasets.utils:Saving idx file = /data/train.jsonl.idx.npy\n"
+            "INFO:trainer.data.datasets.utils:Loading data files\n"
+            "INFO:trainer.data.datasets.utils:Building indexing for fn = /data/train.jsonl")
+    assert "ends_in_data_prep" in _facts(tail) and "saving" not in _facts(tail)
+    assert "nccl_timeout_preprocessing" in _cats(tail)[:3]
+
+
+def test_a_bare_exception_and_a_truncated_device_pair() -> None:
+    p = parse("Exception: Installed CUDA version 12.4 does not match the version torch was compiled with 12.1",
+              load_knowledge().facts)
+    assert p.exception is not None and p.exception.type == "Exception"
+    assert "sym_device_gpu" in _facts("RuntimeError: Expected all tensors to be on the same device, but found at "
+                                      "least two devices, cuda:1 and cuda:")
+
+
+def test_more_wordings_of_the_same_symptoms() -> None:
+    """The same symptoms as other users word them, in English and in Chinese."""
+    assert "sym_oom" in _facts("training stops: not enough VRAM on the 4090")
+    assert "sym_oom" in _facts("the job fails with insufficient GPU memory at step 1")
+    assert "sym_timeout" in _facts("两张卡训练到第一步就卡死")
+    assert "sym_single_gpu_ok" in _facts("单卡训练没问题，多卡就不行")
+    assert _cats("启动第二个训练时提示 29500 端口被占用")[:1] == ["dist_port_in_use"]
+    assert _cats("多机训练时卡在初始化，连不上主节点")[:1] == ["rendezvous_unreachable"]
+    assert _cats("报错说 NVIDIA 驱动版本太旧")[:1] == ["nccl_env_setup"]
+    assert _cats("peft 和 transformers 版本不兼容导致训练报错")[:1] == ["library_version_regression"]
+
+
+def test_what_users_say_about_resumes_saves_and_lost_peers() -> None:
+    """A resume on another GPU count, a save that times out (in Chinese), a connection reset by a rank that died,
+    a gradient scaler that saw no gradient, several GPUs slower than one (in Chinese)."""
+    assert _cats("resume training from checkpoint with 4 GPUs instead of 8 fails")[:1] == \
+        ["resume_world_size_mismatch"]
+    assert _cats("保存模型的时候 NCCL 超时")[:1] == ["nccl_timeout_save"]
+    assert _cats("RuntimeError: Connection reset by peer")[:1] == ["peer_rank_failed"]
+    assert _cats("AssertionError: No inf checks were recorded for this optimizer.")[:1] == ["gc_inputs_no_grad"]
+    assert _cats("多卡训练速度比单卡还慢")[:1] == ["dataparallel_accidental"]

@@ -80,8 +80,8 @@ _DEDUP_KEY = re.compile(r"[\d█▏▎▍▌▋▊▉#]+")
 # `SomeError: message` at the start of a (prefix-stripped) line; dotted module paths allowed.
 _EXC = re.compile(
     r"^(?:[A-Za-z_][\w]*\.)*"
-    r"([A-Z][A-Za-z0-9_]*(?:Error|Exception|Exit|Failure|Interrupt|Warning)|StopIteration|KeyboardInterrupt)"
-    r"(?:\s*:\s?(.*)|\s*$)")
+    r"([A-Z][A-Za-z0-9_]*(?:Error|Exception|Exit|Failure|Interrupt|Warning)|Exception|StopIteration|KeyboardInterrupt)"
+    r"(?:\((\w+(?:Error|Exception))\))?(?:\s*:\s?(.*)|\s*$)")  # RayTaskError(DistBackendError): the cause's type
 _WRAPPER_TYPES = {"ChildFailedError", "ProcessRaisedException", "ProcessExitedException", "RayTaskError",
                   "CalledProcessError", "SystemExit", "KeyboardInterrupt", "CheckpointException"}
 _FRAME_PATTERNS = (
@@ -113,6 +113,9 @@ _VERSION = re.compile(
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 _ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
 _PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
+# a data module's own INFO line ("INFO:x.data.datasets.utils:Building indexing ...", "[INFO] packing sequences")
+_DATA_LOG = re.compile(r"^(?:\[?INFO\]?[: ]|I\d{4} |\S+ - INFO - )[^\n]*(?:data_?sets?\b|data\.|packed|packing|"
+                       r"tokeniz|mem-?mapped|indexing|indices)", re.I)
 _PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|warn", re.I)
 _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
@@ -120,7 +123,8 @@ _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NP
 _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
                     r"|(?:\b|_)zero(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
                     r"|\bds_(?:config_)?(\d)\.json"
-                    r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|stage_1_and_2\.py()", re.I)
+                    r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|\bdeepspeed[^\n]{0,20}\bstage[\s:=_-]*(\d)\b"
+                    r"|stage_1_and_2\.py()", re.I)
 
 
 @dataclass
@@ -305,7 +309,7 @@ def _exceptions(lines: list[str]) -> list[Exc]:
         m = _EXC.match(line)
         if not m or line.startswith(("raise ", "File ")):
             continue
-        etype, msg = m.group(1), (m.group(2) or "").strip()
+        etype, msg = m.group(2) or m.group(1), (m.group(3) or "").strip()
         # A message wrapped over following lines (a terminal, or NCCL's "Last error:" block) is re-joined.
         j = i + 1
         while j < len(lines) and j <= i + 6 and not _FRAMEISH.match(lines[j]) and not _EXC.match(lines[j]):
@@ -455,10 +459,15 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
 
 
 def _ends_in_data_prep(lines: list[str]) -> bool:
-    """The paste stops in a dataset preprocessing progress bar (tokenizing, map, packing) and shows no error after it:
-    the job died or hung while one rank was still preparing data (the other ranks wait at a barrier)."""
+    """The paste stops in a dataset preprocessing progress bar (tokenizing, map, packing), or in a data module's
+    INFO lines (building an index, packing sequences), and shows no error after it: the job died or hung while one
+    rank was still preparing data (the other ranks wait at a barrier)."""
     tail = [x for x in lines[-3:] if x.strip()]
-    if not tail or not _PROGRESS_DATA.search(tail[-1]) or _PROGRESS_BAR_STOP.search(tail[-1]):
+    if not tail or _PROGRESS_BAR_STOP.search(tail[-1]):
+        return False
+    if len(tail) >= 2 and all(_DATA_LOG.search(x) and not _PROGRESS_BAR_STOP.search(x) for x in tail[-2:]):
+        return True
+    if not _PROGRESS_DATA.search(tail[-1]):
         return False
     return bool(re.search(r"[█▏▎▍▌▋▊▉#]{3}|\d+%\||\d+\s*/\s*\d+|examples/s|ba/s", tail[-1]))
 
