@@ -85,6 +85,21 @@ def test_a_window_set_per_block_is_read_per_block() -> None:
     assert rule.layout_of(off) == rule.AttentionLayout(512, 1, ("window",))
 
 
+def test_a_window_no_row_can_fill_never_slides() -> None:
+    """Phi-3.5-mini and Phi-3 128k publish sliding_window 262144 over 131072 positions: no row the model takes
+    reaches past the window, so it attends over the whole row and splits, on the rank and in the planner alike;
+    Phi-3 4k's 2047 over 4096 slides."""
+    file = {**SMALL, "model_type": "phi3", "sliding_window": 262144, "max_position_embeddings": 131072}
+    built = CONFIG_MAPPING["phi3"](**{k: v for k, v in file.items() if k != "model_type"})
+    assert not rule.layout_of(built).partial
+    sequence.check_model(2, sequence.facts_of_config(built), "phi3")
+    assert shape_from_config(file, "local").sliding_layers == 0
+    short = {**file, "sliding_window": 2047, "max_position_embeddings": 4096}
+    assert rule.layout_of(CONFIG_MAPPING["phi3"](**{k: v for k, v in short.items() if k != "model_type"})) == \
+        rule.AttentionLayout(2047, 4, ("window",))
+    assert shape_from_config(short, "local").sliding_layers == 4
+
+
 def test_per_block_key_value_heads_leave_a_full_attention_model_split() -> None:
     """A Llama whose key/value heads differ by block attends over the whole row: it splits, and its heads are read
     from its blocks (the global key raises)."""

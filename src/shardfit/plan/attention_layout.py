@@ -112,7 +112,7 @@ def _read(text: Any, layers: int) -> AttentionLayout:
         elif chunk:
             own = (CHUNK,)
         else:
-            own = (WINDOW,) if _at(block, "use_sliding_window", i, layers, True) and _window(block, i, layers) else ()
+            own = (WINDOW,) if _at(block, "use_sliding_window", i, layers, True) and _slides(block, i, layers) else ()
         kinds.update(own)
         blocks += bool(own)
         spans += [chunk] if CHUNK in own else [_window(block, i, layers)] if WINDOW in own else []
@@ -145,6 +145,13 @@ def _at(config: Any, key: str, block: int, layers: int, default: Any = None) -> 
 def _window(block: Any, index: int, layers: int) -> int:
     """The window block `index` attends within (0: none)."""
     return _size(_at(block, "sliding_window", index, layers))
+
+
+def _slides(block: Any, index: int, layers: int) -> bool:
+    """Whether block `index` has a window shorter than the longest row the model takes: a window of at least
+    max_position_embeddings never slides (Phi-3.5-mini and Phi-3 128k publish 262144 over 131072 positions)."""
+    window, longest = _window(block, index, layers), count_of(getattr(block, "max_position_embeddings", 0))
+    return window > 0 and not (longest and window >= longest)
 
 
 def _size(value: Any) -> int:
