@@ -3,18 +3,22 @@ refusals, and the time model's FP8 rate."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from shardfit.check.config_rules import float8_rules
 from shardfit.check.run import check_config
 from shardfit.config import load_config
-from shardfit.parallel.float8 import convert_to_float8, convertible, float8_linears
+from shardfit.errors import UserError
+from shardfit.parallel.float8 import convert_to_float8, convertible, float8_linears, require_fp8_device
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
@@ -100,8 +104,10 @@ def test_check_refuses_float8_on_a_card_without_fp8(tmp_path: Path, tiny_llama: 
     _, found = check_config(cfg, 1, parse_gpus("1xA100"))
     hits = [f for f in found if f.rule == "float8_unsupported_gpu"]
     assert hits and hits[0].severity == "error" and hits[0].where == "config: float8" and "8.9" in hits[0].message
-    _, ok = check_config(cfg, 1, parse_gpus("1xH100"))
+    job, ok = check_config(cfg, 1, parse_gpus("1xH100"))
     assert not [f for f in ok if f.rule.startswith("float8") and f.severity == "error"]
+    staged = float8_rules(cfg, dataclasses.replace(job, pipeline_parallel=2))
+    assert [f.rule for f in staged] == ["float8_with_pipeline"] and "pipeline_parallel: 1" in staged[0].fix
     _, here = check_config(cfg, 1)  # this machine's CPU: emulated, said as a note
     assert [f.severity for f in here if f.rule.startswith("float8")] == ["info"]
 
@@ -125,3 +131,14 @@ def test_plan_predicts_fp8_faster_but_less_than_twice() -> None:
     bf16, fp8 = tokens_per_s(w), tokens_per_s(Workload(**{**w.__dict__, "float8": True}))
     assert bf16 < fp8 < 2 * bf16
     assert fp8 / bf16 > 1.1  # the block linears are most of an 8B model's FLOPs at 4096 tokens
+
+
+def test_a_gpu_below_sm89_is_refused_when_the_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live guard behind the check's card table: the device's own compute capability."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    with pytest.raises(UserError, match="float8: true needs a GPU of compute capability 8.9.*8.0.*float8: false"):
+        require_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
+    require_fp8_device(torch.device("cuda", 0))
+    require_fp8_device(torch.device("cpu"))
