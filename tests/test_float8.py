@@ -142,3 +142,11 @@ def test_a_gpu_below_sm89_is_refused_when_the_run_starts(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
     require_fp8_device(torch.device("cuda", 0))
     require_fp8_device(torch.device("cpu"))
+
+
+def test_plan_cli_says_fp8_and_warns_on_a_card_without_it(capsys: pytest.CaptureFixture) -> None:
+    args = ("plan", "--model", "meta-llama/Llama-3.1-8B", "--method", "full", "--seq", "4096", "--float8")
+    code, out, _ = run_here(capsys, *args, "--gpus", "8xH100")
+    assert code == 0 and "bf16 + FP8 matmuls" in out.splitlines()[0] and "no FP8 tensor cores" not in out
+    code, out, _ = run_here(capsys, *args, "--gpus", "8xA100")
+    assert code == 0 and "A100 has no FP8 tensor cores" in out
