@@ -150,3 +150,17 @@ def test_plan_cli_says_fp8_and_warns_on_a_card_without_it(capsys: pytest.Capture
     assert code == 0 and "bf16 + FP8 matmuls" in out.splitlines()[0] and "no FP8 tensor cores" not in out
     code, out, _ = run_here(capsys, *args, "--gpus", "8xA100")
     assert code == 0 and "A100 has no FP8 tensor cores" in out
+
+
+def test_axolotl_fp8_is_planned_as_float8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """axolotl's `fp8: true` (torchao's float8 training through accelerate) plans and converts as `float8`."""
+    job = dict(base_model="meta-llama/Llama-3.1-8B", bf16=True, sequence_len=4096, micro_batch_size=1,
+               gradient_checkpointing=True, fsdp_config={"reshard_after_forward": True})
+    speeds = {}
+    for fp8 in (False, True):
+        path = write_config(tmp_path / f"ax-{fp8}.yml", **job, fp8=fp8)
+        code, out, _ = run_here(capsys, "plan", "--from", "axolotl", str(path), "--gpus", "8xH100", "--json")
+        plan = json.loads(out)
+        assert code == 0 and plan["workload"]["float8"] is fp8
+        speeds[fp8] = max(c["tokens_per_s"] or 0 for c in plan["candidates"])
+    assert speeds[False] < speeds[True] < 2 * speeds[False]
