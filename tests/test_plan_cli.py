@@ -186,7 +186,7 @@ def test_attention_mask_in_plan(capsys) -> None:
                           lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True), grad_accum=1,
                           compile=False, freeze_vision_tower=True, freeze_audio_tower=True, loss_chunk="auto",
                           objective="sft", dpo=SimpleNamespace(precompute_reference="auto"), sequence_parallel=1,
-                          expert_parallel=1, static_shape=False)
+                          expert_parallel=1, static_shape=False, float8=False)
     kernels = {"auto": "sdpa", "sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash",
                "flex_attention": "flash"}
     for name, column in kernels.items():

@@ -122,7 +122,7 @@ def _cfg(**over) -> SimpleNamespace:
                 lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True), grad_accum=1,
                 compile=False, freeze_vision_tower=True, freeze_audio_tower=True, loss_chunk="auto",
                 objective="sft", dpo=SimpleNamespace(precompute_reference="auto"), sequence_parallel=1,
-                expert_parallel=1, static_shape="auto", attn_implementation="sdpa")
+                expert_parallel=1, static_shape="auto", attn_implementation="sdpa", float8=False)
     return SimpleNamespace(**{**base, **over})
 
 
@@ -131,6 +131,7 @@ def test_a_configs_workload_has_its_static_shape_and_the_installed_torchs_head_g
     head's gradient is planned as fp32 under a torch without addmm's out_dtype."""
     assert workload_of(_cfg(static_shape=True)).static_shape
     assert not workload_of(_cfg()).static_shape
+    assert workload_of(_cfg(float8=True)).float8 and not workload_of(_cfg()).float8
     monkeypatch.setattr("shardfit.plan.workload.widening_matmul_in_torch", lambda: False)
     assert workload_of(_cfg()).head_grad_fp32
     monkeypatch.setattr("shardfit.plan.workload.widening_matmul_in_torch", lambda: True)

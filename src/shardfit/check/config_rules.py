@@ -3,10 +3,17 @@ anything, and the preflight reports them with the others."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
+from shardfit.config.support import TORCHAO_HINT
+from shardfit.plan.cards import card_of
+from shardfit.resolve import Resolved
 from shardfit.strategy import Strategy
+
+FLOAT8_OFF = "or float8: false (bf16 matmuls)"
 
 
 def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:
@@ -58,4 +65,57 @@ def qlora_rules(cfg: Config, s: Strategy) -> list[Finding]:
             "qlora_compute_dtype_mismatch", "error", "config: qlora.compute_dtype",
             f"the 4-bit weights dequantize to {compute} while the model computes in {cfg.precision}: every matmul "
             f"rounds the weights twice, and {risk}", f"qlora.compute_dtype: auto (= precision {cfg.precision})"))
+    return out
+
+
+def float8_rules(cfg: Config, job: Resolved) -> list[Finding]:
+    """`float8: true` where it cannot train: 4-bit weights (torchao's Float8Linear takes a plain nn.Linear), a
+    precision other than bf16 (its casts start from and return to bf16), pipeline stages (not carried through the
+    stage split), a GPU without FP8 tensor cores (compute capability below 8.9: the card's row in plan/cards.yaml
+    has no `fp8` rate), torchao missing. On a CPU a note: emulated, only a test of the numerics."""
+    if not cfg.float8:
+        return []
+    where = "config: float8"
+    out = []
+    if methods.get(cfg.method).quantized:
+        out.append(Finding(
+            "float8_with_4bit_weights", "error", where,
+            f"float8: true with method {cfg.method}: FP8 matmuls cast 16-bit weights, but QLoRA stores the decoder's "
+            "weights in 4 bits (NF4), which torchao's Float8Linear cannot take",
+            f"method: lora (16-bit frozen weights, their matmuls in FP8), {FLOAT8_OFF}"))
+    if job.precision != "bf16":
+        out.append(Finding(
+            "float8_needs_bf16", "error", where,
+            f"float8: true with precision {job.precision}: torchao's FP8 training scales from bf16 activations and "
+            "returns bf16 outputs; other precisions are not supported", f"precision: bf16, {FLOAT8_OFF}"))
+    if job.pipeline_parallel > 1:
+        out.append(Finding(
+            "float8_with_pipeline", "error", where,
+            f"float8: true with {job.pipeline_parallel} pipeline stages: the FP8 conversion is not carried into the "
+            "stages' copies of the blocks", f"pipeline_parallel: 1, {FLOAT8_OFF}"))
+    if job.device == "cpu":
+        out.append(Finding(
+            "float8_emulated", "info", where,
+            "float8 on a CPU is emulated: the FP8 casts and scales run, the matmuls stay in high precision, so the "
+            "run is slower, not faster; FP8 speeds up GPUs of compute capability 8.9+ (sm_89: L4, L40S, RTX 4090, "
+            "H100 and newer) only", "float8: false outside tests of the FP8 numerics"))
+    else:
+        card = card_of(job.hardware)
+        name = job.hardware.name or card.key.upper()
+        if card.fp8_flops is None and card.assumed is None:
+            out.append(Finding(
+                "float8_unsupported_gpu", "error", where,
+                f"float8: true on {name}: the card has no FP8 tensor cores (compute capability below 8.9; FP8 "
+                "matmuls start with Ada, sm_89, and Hopper, sm_90)",
+                f"train on an Ada, Hopper or Blackwell GPU (L40S, RTX 4090, H100, H200, B200), {FLOAT8_OFF}"))
+        elif card.fp8_flops is None:
+            out.append(Finding(
+                "float8_card_unknown", "warning", where,
+                f"float8: true on an unnamed card planned as {card.key.upper()}, which has no FP8 tensor cores: "
+                "the run refuses on a GPU of compute capability below 8.9",
+                "name the card (e.g. --gpus 8xH100) to check it, " + FLOAT8_OFF))
+    if importlib.util.find_spec("torchao") is None:
+        out.append(Finding("float8_needs_torchao", "error", where,
+                           "float8: true needs torchao for its FP8 linear layers, and it is not installed",
+                           f"{TORCHAO_HINT}, {FLOAT8_OFF}"))
     return out

@@ -12,7 +12,7 @@ from torch import nn
 
 from shardfit import objective as objectives
 from shardfit.check import rules
-from shardfit.check.config_rules import device_map_rules, qlora_rules
+from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.pipeline_rules import pipeline_plan_rules
@@ -104,7 +104,8 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     model = build_model(cfg, s, weights=False)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
-    return job, data + preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed
+    return job, data + preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed + \
+        float8_rules(cfg, job)
 
 
 def format_findings(job: Resolved, findings: list[Finding]) -> str:

@@ -102,6 +102,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile over each block: inductor saves fewer activations (default: the config's "
                         "compile, off with --model)")
+    p.add_argument("--float8", action="store_true", default=None,
+                   help="FP8 matmuls in the decoder blocks' linear layers (torchao float8 training, sm_89+ GPUs): "
+                        "their FLOPs at the card's FP8 rate, plus the casts (default: the config's float8)")
     p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                    help="LoRA dropout above 0 keeps each adapter's dropped-out input and mask (default: the config's)")
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
@@ -421,7 +424,8 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
                  "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
                  "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel,
-                 "quant_backend": args.quant_backend, "expert_parallel": args.expert_parallel}
+                 "quant_backend": args.quant_backend, "expert_parallel": args.expert_parallel,
+                 "float8": args.float8}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
         raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardfit.check.config_rules import device_map_rules, qlora_rules
+from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules
 from shardfit.check.findings import refuse_unfixable
 from shardfit.cli.args import non_negative_int
 from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _refuse_before_launch(cfg: Config, job: Resolved) -> None:
     """What would stop every rank the same way, said once before ranks start."""
     s = get_strategy(job.strategy)
-    refuse_unfixable(device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s))
+    refuse_unfixable(device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s) + float8_rules(cfg, job))
 
 
 def _rank_threads(args: argparse.Namespace, nproc: int | None) -> int | None:
@@ -140,10 +140,11 @@ def run(args: argparse.Namespace) -> int:
     job, nproc = decide_launch(args, cfg)
     if not under_launcher():
         _warn_launch_traps(args, nproc)
+        if cfg is not None and job is not None:
+            _refuse_before_launch(cfg, job)
     if (nproc > 1 or args.nnodes > 1) and not under_launcher():
         extra = {}
         if cfg is not None and job is not None:
-            _refuse_before_launch(cfg, job)
             extra[RESOLVED_ENV] = job.to_env()
         passthrough = ["train"] + ([args.config] if args.config else [])
         for item in args.overrides:

@@ -105,6 +105,11 @@ class Config:
     precision: str = key("bf16", "bf16 | fp16 | fp32 | auto: the compute precision (mixed precision, fp32 trainables); "
                                  "auto: bf16 where the device computes it fast (GPUs with bf16, CPUs with bf16 "
                                  "units), else fp16 on GPUs and fp32 on CPUs")
+    float8: bool = key(False, "FP8 matmuls for the decoder blocks' linear layers (torchao float8 training, dynamic "
+                              "per-tensor scales; the head, embeddings, routers and LoRA adapters stay in the "
+                              "precision): precision bf16 on a GPU of compute capability 8.9+ (L4, L40S, RTX "
+                              "4090/5090, H100, H200, B200); not with qlora or a pipeline. On a CPU it is emulated "
+                              "(tests only). Needs torchao (docs/planning.md has the time model)")
     max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
     packing: bool = key(True, "pack each micro-batch's examples into as few rows as fit max_seq_len (attention kept "
                               "within each example) where padding to the longest would be a quarter or more of its "

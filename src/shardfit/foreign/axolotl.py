@@ -53,6 +53,8 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 KEYS = key_table({
     "adapter": Key("{method}"), "load_in_4bit": Key("4-bit NF4"), "load_in_8bit": Key("planned as 4-bit"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
+    # torchao's float8 training through accelerate, as shardfit's `float8` converts the blocks' linear layers
+    "fp8": Key("FP8 matmuls", field="float8", config="float8", read=flag, default=False),
     "sequence_len": Key("sequence length", field="seq_len", read=as_int, default=2048),
     "micro_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
     "lora_r": Key("adapter size", field="lora_rank", read=as_int, default=8),

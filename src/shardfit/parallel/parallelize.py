@@ -1,5 +1,6 @@
-"""Make a training module ready for its strategy, in one order (as torchtitan's `parallelize_llama` reads):
-activation checkpointing -> compiled blocks -> the strategy's engine (DDP, or FSDP2 `fully_shard` per unit).
+"""Make a training module ready for its strategy, in one order (as torchtitan's `parallelize_llama` reads, its
+model converters first): FP8 linear layers -> activation checkpointing -> compiled blocks -> the strategy's engine
+(DDP, or FSDP2 `fully_shard` per unit).
 
 `train` and `plan --simulate` both call `parallelize`; the simulation passes a mesh over a fake process group.
 """
@@ -20,6 +21,7 @@ from shardfit.dtypes import DTYPES
 from shardfit.models.anatomy import audio_units, transformer_blocks, untied_input_embedding, vision_units
 from shardfit.models.checkpointing import enable_checkpointing
 from shardfit.parallel.compile import compile_blocks
+from shardfit.parallel.float8 import convert_to_float8
 from shardfit.parallel.pipeline import DecoderStage
 from shardfit.strategy import Strategy
 
@@ -75,12 +77,15 @@ def place(module: nn.Module, device: torch.device) -> nn.Module:
 
 def parallelize(module: nn.Module, s: Strategy, *, device: torch.device, world: int, precision: str,
                 grad_ckpt: str = "none", compile: bool = False, mesh: DeviceMesh | None = None,
-                ignored: set[nn.Parameter] | None = None) -> nn.Module:
+                ignored: set[nn.Parameter] | None = None, float8: bool = False) -> nn.Module:
     """Checkpoint, compile and wrap `module` (a loss module holding the model as `.model`) for strategy `s` on
     `world` ranks; returns the module to call and step. `mesh` defaults to one over the rank's device type; given,
     it is also DDP's group (a pipeline stage's data-parallel ranks).
-    `ignored`: parameters FSDP2 leaves whole and unreduced (DDP is told by parallel/experts.py)."""
+    `ignored`: parameters FSDP2 leaves whole and unreduced (DDP is told by parallel/experts.py). `float8`: the
+    decoder blocks' linear layers compute in FP8 (parallel/float8.py), swapped before anything wraps them."""
     model = module.model
+    if float8:
+        convert_to_float8(model, device)
     if grad_ckpt != "none":
         enable_checkpointing(model, selective=grad_ckpt == "selective")
     if compile:

@@ -35,6 +35,7 @@ class Card:
     nic: float  # inter-node per GPU
     latency_s: float  # per collective call
     assumed: str | None = None
+    fp8_flops: float | None = None  # dense FP8 tensor-core peak; None: no FP8 tensor cores (before sm_89)
 
     def dense_flops(self, precision: str) -> float:
         """The card's peak FLOP rate for matmuls in `precision`: fp32 without TF32, else the 16-bit tensor rate."""
@@ -83,4 +84,5 @@ def card_of(hw: Hardware) -> Card:
     nic = row["nic"] if "nic" in row else row["nic_node"] / hw.gpus_per_node
     hfu = row.get("hfu", row["matmul_eff"] * HFU_OF_MAMF)
     return Card(key, row["bf16"] * 1e12, row["fp32"] * 1e12, row["hbm"] * GB, row["matmul_eff"], hfu, row["link"] * GB,
-                row["pcie"] * GB, nic * GB, row.get("latency_us", 10) * 1e-6, assumed)
+                row["pcie"] * GB, nic * GB, row.get("latency_us", 10) * 1e-6, assumed,
+                row["fp8"] * 1e12 if "fp8" in row else None)

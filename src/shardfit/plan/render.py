@@ -40,12 +40,14 @@ def header_lines(plan: Plan) -> list[str]:
     moe = (f" ({m['active_params'] / 1e9:.2f}B active: {m['experts_per_token']} of {m['experts']} experts a token)"
            if m.get("active_params") else "")
     return [f"{m['id']}: {m['params'] / 1e9:.2f}B params{moe}, {m['trainable_params'] / 1e6:.1f}M trainable "
-            f"({w['method']}, {w['precision']}, seq {w['seq_len']} x batch {w['micro_batch']}, "
+            f"({w['method']}, {w['precision']}{' + FP8 matmuls' if w.get('float8') else ''}, "
+            f"seq {w['seq_len']} x batch {w['micro_batch']}, "
             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
             + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
             + (", 16-bit adapters" if w["adapters_16bit"] and methods.get(w["method"]).adapters else "")
             + _objective_label(d["objective"]) + ")",
-            _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"]) + plan.notes]]
+            _hardware_line(plan), *[f"note: {n}" for n in _notes(plan, w["precision"], w.get("float8", False))
+                                    + plan.notes]]
 
 
 def row_cells(c: dict) -> list[str]:
@@ -97,9 +99,12 @@ def legend(plan: Plan) -> str:
             "step waits on (compute, host: launching ops, comm, pcie)")
 
 
-def _notes(plan: Plan, precision: str) -> list[str]:
-    assumed = card_of(plan.hardware).assumed if plan.hardware.name != "cpu" else None
-    return hardware_notes(plan.hardware, precision) + ([assumed] if assumed else [])
+def _notes(plan: Plan, precision: str, float8: bool = False) -> list[str]:
+    card = card_of(plan.hardware)
+    assumed = card.assumed if plan.hardware.name != "cpu" else None
+    no_fp8 = [f"{card.key.upper()} has no FP8 tensor cores (compute capability below 8.9): float8 only adds its "
+              "casts here, and check and train refuse it"] if float8 and card.fp8_flops is None else []
+    return hardware_notes(plan.hardware, precision) + ([assumed] if assumed else []) + no_fp8
 
 
 def _step(s: float | None) -> str:

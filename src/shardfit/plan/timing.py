@@ -287,6 +287,69 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
 
 
+# What torchao's dynamic scaling moves per element of each tensor it casts to FP8: the bf16 tensor read once for
+# its absolute maximum (the scale) and once more to cast it, and the FP8 copy written (2 + 2 + 1 bytes).
+FP8_CAST_BYTES = 5
+FP8_MULTIPLE = 16  # parallel/float8.py: both dims of a converted weight are multiples of 16
+
+
+def float8_linears(shape: ModelShape, moe: bool) -> list[tuple[str, int, int]]:
+    """(name, in, out) of a block's linear layers that `float8: true` converts (parallel/float8.py `convertible`):
+    attention, dense and shared-expert MLPs whose dims are multiples of 16; not the router, nor the routed experts
+    (fused weights, not nn.Linear modules)."""
+    return [(n, i, o) for n, i, o in shape.named_linears(moe)
+            if n != "router" and not n.startswith("expert_") and i % FP8_MULTIPLE == 0 and o % FP8_MULTIPLE == 0]
+
+
+def _linear_passes(w: Workload, shape: ModelShape) -> tuple[float, float]:
+    """(forward passes, backward passes) over every block's linear layers in one micro-batch, as
+    `step_flops_per_token` counts them: each block's forward plus its recomputation, and the backward of the
+    blocks it reaches (a frozen weight's backward is its input gradient alone: one matmul, a trained one's two)."""
+    recompute = {"full": 1.0, "selective": 0.5}.get(w.grad_ckpt, 0.0)
+    layers_bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
+    return shape.layers + layers_bwd * recompute, layers_bwd * (2 if w.method == "full" else 1)
+
+
+def float8_flops(shape: ModelShape, w: Workload) -> float:
+    """FLOPs per micro-batch of the matmuls that run in FP8 under `float8: true` (0 without it): the converted
+    linear layers' forward, recomputation and backward."""
+    if not w.float8:
+        return 0.0
+    fwd, bwd = _linear_passes(w, shape)
+    per_token = shape.over_blocks(lambda moe: sum(2.0 * i * o for _, i, o in float8_linears(shape, moe)))
+    return per_token / shape.layers * (fwd + bwd) * w.tokens
+
+
+def float8_cast_bytes(shape: ModelShape, w: Workload) -> float:
+    """Bytes per micro-batch of torchao's casts to FP8 (`FP8_CAST_BYTES` per element): each converted matmul's
+    input and weight at every forward (recomputation included), its output gradient at every backward."""
+    if not w.float8:
+        return 0.0
+    fwd, _ = _linear_passes(w, shape)
+    bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
+
+    def forward(moe: bool) -> float:
+        return sum(w.tokens * i + i * o for _, i, o in float8_linears(shape, moe))
+
+    def backward(moe: bool) -> float:
+        return sum(w.tokens * o for _, _, o in float8_linears(shape, moe))
+
+    mean = 1 / shape.layers
+    return FP8_CAST_BYTES * (fwd * shape.over_blocks(forward) * mean + bwd * shape.over_blocks(backward) * mean)
+
+
+def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
+    """Seconds per micro-batch `float8: true` adds (a negative number: it saves them): the converted matmuls at
+    the card's FP8 rate instead of its 16-bit one (both at efficiency `eff`), and the casts at its memory
+    bandwidth. A card without an FP8 rate (a CPU, emulating) keeps the 16-bit rate and pays the casts."""
+    flops = float8_flops(shape, w)
+    if flops == 0.0:
+        return 0.0
+    dense = card.dense_flops(w.precision)
+    fp8 = card.fp8_flops or dense
+    return flops / (fp8 * eff) - flops / (dense * eff) + float8_cast_bytes(shape, w) / card.hbm
+
+
 def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:
     """(kernels, views, matmuls) of one decoder layer for `w` with or without full checkpointing."""
     autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
@@ -610,7 +673,8 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     tokens = w.tokens
     flops = step_flops_per_token(shape, w) * tokens
     dequant = _qlora_dequant_bytes(shape, w) / card.hbm
-    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu)
+    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + \
+        float8_s(shape, w, card, card.matmul_eff)
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -619,7 +683,7 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
         matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-            head_gradient_s(shape, w, card, card.matmul_eff)
+            head_gradient_s(shape, w, card, card.matmul_eff) + float8_s(shape, w, card, card.matmul_eff)
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.

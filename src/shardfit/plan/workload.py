@@ -155,6 +155,9 @@ class Workload:
     # LLaMA-Factory). shardfit's own runs under autocast switch the cast off (models/adapters.py
     # `skip_adapter_input_casts`): the adapters read the base layer's 16-bit input, saved once for both.
     adapter_input_casts: bool = True
+    # The decoder blocks' linear layers as torchao's Float8Linear (`float8: true`): their matmuls at the card's FP8
+    # rate, plus the casts to FP8 (plan/timing.py `float8_s`).
+    float8: bool = False
 
     @property
     def bnb(self) -> bool:
@@ -214,7 +217,7 @@ def workload_of(cfg: Config) -> Workload:
                     expert_parallel=cfg.expert_parallel,
                     # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
                     static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
-                    fused_adamw=True, adapter_input_casts=False)
+                    fused_adamw=True, adapter_input_casts=False, float8=cfg.float8)
 
 
 # What `shardfit plan --model` and the UI's plan page change of a default config: the workload users of other tools

@@ -319,7 +319,8 @@ class FineTune:
         self.loss_module = parallelize(loss_module, s, device=env.device, world=self.job.dims.stage_ranks,
                                        precision=cfg.precision, grad_ckpt=cfg.grad_ckpt, compile=cfg.compile,
                                        ignored=set(self.experts_shard.params()) if self.experts_shard else None,
-                                       mesh=self.layout.stage_mesh if self.pipe is not None else None)
+                                       mesh=self.layout.stage_mesh if self.pipe is not None else None,
+                                       float8=cfg.float8)
         if self.pipe is not None:  # the schedule runs the stage as the strategy wrapped it
             self.pipe.module = self.loss_module
         if s.engine != "device_map" and not s.offload:

@@ -1,0 +1,166 @@
+"""`float8: true`: which linear layers torchao's Float8Linear replaces, a real CPU run (emulated FP8), the check's
+refusals, and the time model's FP8 rate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from shardfit.check.config_rules import float8_rules
+from shardfit.check.run import check_config
+from shardfit.config import load_config
+from shardfit.errors import UserError
+from shardfit.parallel.float8 import convert_to_float8, convertible, float8_linears, require_fp8_device
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.plan import make_plan
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+from tests.helpers import read_jsonl, run_cli, run_here, write_config
+
+pytest.importorskip("torchao")
+
+PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+BASE = dict(method="lora", precision="bf16", float8=True, max_seq_len=128, micro_batch=2, lr=1e-3, log_steps=1,
+            save_steps=100, eval_steps=100, max_steps=2, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0)
+
+
+def _cfg(tmp: Path, model: Path, data: Path, name: str = "run", **over) -> Path:
+    keys = dict(BASE, model=str(model), data=str(data), output_dir=str(tmp / name))
+    keys.update(over)
+    return write_config(tmp / f"{name}.yaml", **keys)
+
+
+def test_full_model_converts_the_blocks_linears_only(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert convert_to_float8(model, model.device) == 2 * len(PROJECTIONS)
+    names = float8_linears(model)
+    assert {n.rsplit(".", 1)[-1] for n in names} == PROJECTIONS
+    assert all(n.startswith("model.layers.") for n in names)  # not the head, not the embedding
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+
+
+def test_lora_converts_the_frozen_base_layers_and_keeps_the_adapters(tiny_llama: Path) -> None:
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    convert_to_float8(model, model.device)
+    names = float8_linears(model)
+    assert len(names) == 2 * len(PROJECTIONS) and all(n.endswith(".base_layer") for n in names)
+    adapters = [m for n, m in model.named_modules() if n.endswith((".lora_A.default", ".lora_B.default"))]
+    assert adapters and all(type(m) is nn.Linear for m in adapters)
+    # The same parameters train: the base weights stay frozen, shared (not copied) into the FP8 layers.
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+
+
+def test_convertible_skips_routers_adapters_and_odd_dims() -> None:
+    assert convertible(nn.Linear(32, 64), "mlp.gate_proj")
+    assert not convertible(nn.Linear(32, 64), "mlp.gate")  # a mixture's router
+    assert not convertible(nn.Linear(32, 64), "block_sparse_moe.router.layer")
+    assert not convertible(nn.Linear(32, 16), "self_attn.q_proj.lora_A.default")
+    assert not convertible(nn.Linear(24, 64), "self_attn.q_proj")  # torchao's FP8 matmul: multiples of 16
+    assert not convertible(nn.Linear(32, 40), "self_attn.q_proj")
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_cli_train_with_float8_on_cpu(tmp_path: Path, tiny_llama: Path, small_data: Path, method: str) -> None:
+    cfg = _cfg(tmp_path, tiny_llama, small_data, method=method)
+    r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "float8 on cpu: 14 linear layers emulate FP8" in r.stderr  # 7 per block, 2 blocks
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_with_float8(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg = _cfg(tmp_path, tiny_llama, small_data, method="full", strategy="zero3")
+    r = run_cli("train", str(cfg), "--nproc", "2", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.parametrize("over,rule,fix", [
+    ({"method": "qlora"}, "float8_with_4bit_weights", "method: lora"),
+    ({"precision": "fp32"}, "float8_needs_bf16", "precision: bf16"),
+])
+def test_train_refuses_what_float8_cannot_run(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                             capsys: pytest.CaptureFixture, over: dict, rule: str, fix: str) -> None:
+    code, _, err = run_here(capsys, "train", str(_cfg(tmp_path, tiny_llama, small_data, **over)))
+    assert code == 2, err
+    assert rule in err and "float8: false" in err and fix in err and "Traceback" not in err
+
+
+def test_check_refuses_float8_on_a_card_without_fp8(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+    cfg = load_config(_cfg(tmp_path, tiny_llama, small_data))
+    _, found = check_config(cfg, 1, parse_gpus("1xA100"))
+    hits = [f for f in found if f.rule == "float8_unsupported_gpu"]
+    assert hits and hits[0].severity == "error" and hits[0].where == "config: float8" and "8.9" in hits[0].message
+    job, ok = check_config(cfg, 1, parse_gpus("1xH100"))
+    assert not [f for f in ok if f.rule.startswith("float8") and f.severity == "error"]
+    staged = float8_rules(cfg, dataclasses.replace(job, pipeline_parallel=2))
+    assert [f.rule for f in staged] == ["float8_with_pipeline"] and "pipeline_parallel: 1" in staged[0].fix
+    _, here = check_config(cfg, 1)  # this machine's CPU: emulated, said as a note
+    assert [f.severity for f in here if f.rule.startswith("float8")] == ["info"]
+
+
+def test_check_cli_exits_1_naming_the_key(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = run_here(capsys, "check", str(_cfg(tmp_path, tiny_llama, small_data)), "--gpus", "1xA100",
+                            "--json")
+    found = json.loads(out)["findings"]
+    assert code == 1 and any(f["rule"] == "float8_unsupported_gpu" and "float8: false" in f["fix"] for f in found)
+
+
+def test_plan_predicts_fp8_faster_but_less_than_twice() -> None:
+    shape = resolve_shape("meta-llama/Llama-3.1-8B")
+    w = Workload(method="full", seq_len=4096, micro_batch=1, grad_ckpt="full")
+    hw = parse_gpus("8xH100")
+
+    def tokens_per_s(work: Workload) -> float:
+        return next(c for c in make_plan(shape, work, hw).candidates if c.strategy == "zero3").tokens_per_s
+
+    bf16, fp8 = tokens_per_s(w), tokens_per_s(Workload(**{**w.__dict__, "float8": True}))
+    assert bf16 < fp8 < 2 * bf16
+    assert fp8 / bf16 > 1.1  # the block linears are most of an 8B model's FLOPs at 4096 tokens
+
+
+def test_a_gpu_below_sm89_is_refused_when_the_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live guard behind the check's card table: the device's own compute capability."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    with pytest.raises(UserError, match="float8: true needs a GPU of compute capability 8.9.*8.0.*float8: false"):
+        require_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
+    require_fp8_device(torch.device("cuda", 0))
+    require_fp8_device(torch.device("cpu"))
+
+
+def test_plan_cli_says_fp8_and_warns_on_a_card_without_it(capsys: pytest.CaptureFixture) -> None:
+    args = ("plan", "--model", "meta-llama/Llama-3.1-8B", "--method", "full", "--seq", "4096", "--float8")
+    code, out, _ = run_here(capsys, *args, "--gpus", "8xH100")
+    assert code == 0 and "bf16 + FP8 matmuls" in out.splitlines()[0] and "no FP8 tensor cores" not in out
+    code, out, _ = run_here(capsys, *args, "--gpus", "8xA100")
+    assert code == 0 and "A100 has no FP8 tensor cores" in out
+
+
+def test_axolotl_fp8_is_planned_as_float8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """axolotl's `fp8: true` (torchao's float8 training through accelerate) plans and converts as `float8`."""
+    job = dict(base_model="meta-llama/Llama-3.1-8B", bf16=True, sequence_len=4096, micro_batch_size=1,
+               gradient_checkpointing=True, fsdp_config={"reshard_after_forward": True})
+    speeds = {}
+    for fp8 in (False, True):
+        path = write_config(tmp_path / f"ax-{fp8}.yml", **job, fp8=fp8)
+        code, out, _ = run_here(capsys, "plan", "--from", "axolotl", str(path), "--gpus", "8xH100", "--json")
+        plan = json.loads(out)
+        assert code == 0 and plan["workload"]["float8"] is fp8
+        speeds[fp8] = max(c["tokens_per_s"] or 0 for c in plan["candidates"])
+    assert speeds[False] < speeds[True] < 2 * speeds[False]
