@@ -16,10 +16,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.estimate import lora_params
+from shardfit.plan.estimate import activation_bytes, lora_params
+from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import DELTA_CHUNK, attention_flops_per_token, delta_rule_flops_per_token
+from shardfit.plan.timing import attention_flops_per_token, delta_rule_flops_per_token
 from shardfit.plan.workload import Workload
+from shardfit.train.loss import CausalLMLoss
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 # Tiny text models of each hybrid: 4 blocks (3 Gated DeltaNet, 1 softmax attention), 4 experts where it has them.
@@ -102,3 +104,48 @@ def test_delta_rule_count_is_the_kernels_products() -> None:
     solves = 2 * DELTA_CHUNK * (dk + dv) * heads
     conv = 2 * shape.linear_conv * heads * (2 * dk + dv)
     assert delta_rule_flops_per_token(shape) - conv == counter.get_total_flops() / tokens + solves
+
+
+def _block_config(kind: str, layers: int, dk: int) -> AutoConfig:
+    """A tiny Qwen3.5 text model whose `layers` blocks are all of `kind`."""
+    return AutoConfig.for_model(
+        "qwen3_5_text", hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=4096, tie_word_embeddings=False, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=dk, linear_value_head_dim=48, layer_types=[kind] * layers,
+        attn_implementation="sdpa")
+
+
+def _saved_per_token(config: AutoConfig, method: str, seq: int = 256) -> float:
+    """Bytes autograd keeps for backward after one forward under bf16 autocast, per token (weights excluded)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
+    if method == "lora":
+        model = apply_lora(model, LoraSettings(rank=8, alpha=16))
+    module = CausalLMLoss(model, all_labelled=True)
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 4096, (1, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(ids, None, ids)
+    return sum(kept.values()) / seq
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+@pytest.mark.parametrize(("method", "dk"), [("lora", 32), ("lora", 64), ("full", 32)])
+def test_block_activations_match_saved_tensors(kind: str, method: str, dk: int) -> None:
+    """One block's saved activations (a second block's, less the first's) against the plan's, within 5 %: a Gated
+    DeltaNet block keeps its delta rule's fp32 chunks (before, the plan counted it as plain attention: half of what
+    it keeps), a gated attention block its q/k norms and output gate."""
+    measured = _saved_per_token(_block_config(kind, 2, dk), method) - _saved_per_token(_block_config(kind, 1, dk),
+                                                                                        method)
+    shape = shape_from_config(_block_config(kind, 2, dk).to_dict(), "tiny")
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=1, grad_ckpt="none", lora_rank=8,
+                 attention="flash")
+    planned = (activation_bytes(shape, w, 2) - activation_bytes(shape, w, 1)) / 256
+    assert planned == pytest.approx(measured, rel=0.05)

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from shardfit.plan.audio import AudioShape
 from shardfit.plan.media import SoftTokenTower, VisionShape
 
+# Gated DeltaNet's chunk: fla's chunk_gated_delta_rule and transformers' torch_chunk_gated_delta_rule run the delta
+# rule over 64-token chunks.
+DELTA_CHUNK = 64
+
 
 @dataclass(frozen=True)
 class MLA:

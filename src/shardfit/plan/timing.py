@@ -90,7 +90,7 @@ from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.model_shape import Block
+from shardfit.plan.model_shape import DELTA_CHUNK, Block
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -102,8 +102,6 @@ HOST_ADAM_BYTES_PER_S = 10e9
 ADAM_BYTES_PER_PARAM = 28
 FWD_SHARE = 1 / 3  # the forward pass's part of a micro-batch, for what overlaps with forward-only traffic
 FLASH_BWD = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
-# Gated DeltaNet's chunk (fla's chunk_gated_delta_rule and transformers' torch_chunk_gated_delta_rule: 64 tokens).
-DELTA_CHUNK = 64
 # Host time per dispatched op (sources in the module docstring): one that launches a kernel, one that is a view.
 DISPATCH_KERNEL_S = 8e-6
 DISPATCH_VIEW_S = 1e-6
