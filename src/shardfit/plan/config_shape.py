@@ -38,6 +38,11 @@ GPT_OSS_TYPES = ("gpt_oss",)
 # Families this version of transformers may not know whose window, when set, covers every block (their classes
 # lay out no pattern): the fallback for a model_type transformers cannot build (`unbuilt_layout`).
 EVERY_BLOCK_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
+# Families whose `linear_attention` blocks are transformers' Gated DeltaNet (Qwen3NextGatedDeltaNet,
+# Qwen3_5GatedDeltaNet) and whose softmax attention gates its output (plan/model_shape.py `linear_layers`,
+# `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
+GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+FUSED_DELTANET_TYPES = ("qwen3_next",)
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -137,6 +142,33 @@ def unbuilt_layout(text: dict[str, Any], layers: Any) -> AttentionLayout:
     return AttentionLayout()
 
 
+def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], moe_flags: list[bool]) -> dict[str, Any]:
+    """The ModelShape fields of a Gated DeltaNet hybrid (GATED_DELTANET_TYPES; {} for any other family): which
+    blocks are `linear_attention` (the file's layer_types, or its class's default where the file leaves them out:
+    every `full_attention_interval`-th block, 4 by default, keeps softmax attention) and the DeltaNet's sizes."""
+    model_type = text.get("model_type", cfg.get("model_type"))
+    if model_type not in GATED_DELTANET_TYPES:
+        return {}
+    built = built_config(cfg, name)
+    built_text = None if built is None else getattr(built, "text_config", None) or built
+    types = list(getattr(built_text, "layer_types", None) or text.get("layer_types") or [])
+    if not types:
+        every = int(text.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(len(moe_flags))]
+    linear = [t == "linear_attention" for t in types[:len(moe_flags)]]
+    sizes = {k: getattr(built_text, k, None) if built_text is not None else None for k in (
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_conv_kernel_dim")}
+    sizes = {k: text.get(k) if text.get(k) is not None else v for k, v in sizes.items()}
+    _require_counts(name, sizes, tuple(sizes))
+    return dict(linear_layers=sum(linear), linear_dense_layers=sum(a and not m for a, m in zip(linear, moe_flags,
+                                                                                                strict=True)),
+                linear_k_heads=sizes["linear_num_key_heads"], linear_v_heads=sizes["linear_num_value_heads"],
+                linear_k_dim=sizes["linear_key_head_dim"], linear_v_dim=sizes["linear_value_head_dim"],
+                linear_conv=sizes["linear_conv_kernel_dim"], linear_fused=model_type in FUSED_DELTANET_TYPES,
+                gated_attention=True)
+
+
 def mla_of(text: dict[str, Any]) -> MLA | None:
     """DeepSeek's latent attention, where the config has a `kv_lora_rank`."""
     if not text.get("kv_lora_rank"):
@@ -167,7 +199,9 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
-            clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES)
+            clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
+            shared_gate=bool(shared) and bool(text.get("shared_expert_intermediate_size")),
+            **linear_attention_of(cfg, name, text, moe_layer_flags(text, layers, experts)))
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
@@ -177,6 +211,9 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     towers = tower_params(vision, audio) if vision is not None or audio is not None else other_tower_params(cfg)
     if vision is not None and is_qwen3_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
+    elif vision is not None and is_qwen3_5_vision(cfg):
+        vision = dataclasses.replace(vision, gated=False)
+        towers = qwen3_5_tower_params(cfg, vision)
     return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers,
                                soft_tower=soft_token_tower_of(cfg))
 
@@ -198,6 +235,18 @@ def is_qwen3_vision(cfg: dict[str, Any]) -> bool:
     """Qwen3-VL's tower (also Qwen3-Omni's): LayerNorm and a plain GELU MLP, where Qwen2.5-VL's is gated."""
     v = cfg.get("vision_config") or (cfg.get("thinker_config") or {}).get("vision_config") or {}
     return "deepstack_visual_indexes" in v
+
+
+def is_qwen3_5_vision(cfg: dict[str, Any]) -> bool:
+    """Qwen3.5's tower: Qwen3-VL's blocks (LayerNorm, a plain GELU MLP) without its deepstack mergers."""
+    return str((cfg.get("vision_config") or {}).get("model_type", "")).startswith("qwen3_5")
+
+
+def qwen3_5_tower_params(cfg: dict[str, Any], vision: VisionShape) -> int:
+    """Qwen3.5's tower (transformers' Qwen3_5VisionModel): the blocks and merger `vision` counts, the patch
+    embedding's bias and the learned position embedding of `num_position_embeddings` positions."""
+    positions = int((cfg.get("vision_config") or {}).get("num_position_embeddings") or 0)
+    return vision.params() + vision.dim + positions * vision.dim
 
 
 def other_tower_params(cfg: dict[str, Any]) -> int:

@@ -32,6 +32,7 @@ from shardfit.plan import experts, quant
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.media import vision_activation_bytes
+from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, LORA_TARGETS, Workload
 
@@ -117,10 +118,14 @@ class Candidate:
 def adapts(name: str, w: Workload) -> bool:
     """Whether LoRA adapts the block's linear layer `name` (ModelShape.named_linears): one of `lora_targets` (all
     of them by default); a mixture's routed experts only with `lora_experts` (their fused gate/up weight when `gate`
-    or `up` is a target); never a router."""
+    or `up` is a target); never a router. Gated DeltaNet's projections (`linear_*`) and a shared experts' gate
+    (`shared_gate`) bear no q_proj...down_proj name, so only all-linear (`lora_targets` None) reaches them, as it
+    reaches every nn.Linear but the head and the routers (models/experts.py `lora_targets`)."""
     targets = w.lora_targets or LORA_TARGETS
     if name == "router":
         return False
+    if name.startswith("linear_") or name == "shared_gate":
+        return w.lora_targets is None
     if name.startswith("expert_"):
         parts = name.removeprefix("expert_").split("_")
         return w.lora_experts and any(p in targets for p in parts)
@@ -400,10 +405,41 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
             attn += (w.sequence_parallel - a) * w.seq_len
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
+    if shape.gated_attention:
+        # Qwen3-Next's and Qwen3.5's attention (saved-tensor hooks on tiny blocks, tests/test_plan_hybrid.py): the
+        # fp32 inputs of the q and k RMSNorms (and their 16-bit outputs where the norm weights train), the output
+        # gate's input and its sigmoid, and the attention output the gate multiplies.
+        attn += 4 * (q + kv) + 3 * a * q + (a * (q + kv) if w.method == "full" else 0)
+    if shape.linear_layers:  # the mean block: Gated DeltaNet blocks keep their delta rule's tensors instead
+        softmax = shape.layers - shape.linear_layers
+        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape)) / shape.layers
     if w.compile:
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
     return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
         mlp_activation_bytes_per_token(shape, w, strategy) + lora
+
+
+def deltanet_saved_bytes_per_token(shape: ModelShape) -> float:
+    """What a Gated DeltaNet block's token mixing saves per token where softmax attention saves q, k, v, its output
+    and log-sum-exp: counted from transformers' chunked delta rule in PyTorch (torch_chunk_gated_delta_rule, what
+    runs where flash-linear-attention is not installed, as in shardfit's environment), which computes in fp32
+    whatever the weights' dtype, and checked against saved-tensor hooks on tiny Qwen3.5 blocks under bf16 autocast
+    (tests/test_plan_hybrid.py). Per value head (keys are repeated to the value heads), in bytes:
+    - `14 C`: per chunk of C tokens two fp32 C x C matrices (the pairwise decays and the chunk's scores) and
+      autocast's 16-bit copies of two for their matmuls;
+    - `38 dk`: q and k normalised, and the decayed keys, in fp32 over the sequence and again in chunks, and the
+      16-bit copies the chunks' matmuls make of them;
+    - `28 dv`: the values times beta and the corrected values in fp32, their chunks' 16-bit copies, the gated
+      norm's fp32 input, gate and normalised value, and out_proj's 16-bit input;
+    - `12 dk dv / C`: the running state each chunk reads (fp32) and the 16-bit copies its matmuls make;
+    - 32 for the per-head decay, beta and their cumulative sums;
+    plus the depthwise convolution's 16-bit input and output over q, k and v (`4` bytes per channel). fla's fused
+    kernel, where installed, keeps far less (q, k, v, gates and one C-wide matrix per head): this is the larger
+    count."""
+    c, dk, dv = DELTA_CHUNK, shape.linear_k_dim, shape.linear_v_dim
+    channels = 2 * shape.linear_k_heads * dk + shape.linear_v_heads * dv
+    per_head = 14 * c + 38 * dk + 28 * dv + 12 * dk * dv / c + 32
+    return shape.linear_v_heads * per_head + 4 * channels
 
 
 def latent_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:

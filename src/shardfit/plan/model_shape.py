@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from shardfit.plan.audio import AudioShape
 from shardfit.plan.media import SoftTokenTower, VisionShape
 
+# Gated DeltaNet's chunk: fla's chunk_gated_delta_rule and transformers' torch_chunk_gated_delta_rule run the delta
+# rule over 64-token chunks.
+DELTA_CHUNK = 64
+
 
 @dataclass(frozen=True)
 class MLA:
@@ -23,6 +27,19 @@ class MLA:
     nope: int
     rope: int
     v: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One kind of decoder block: whether it holds a mixture of experts (`moe`) and whether its token mixer is Gated
+    DeltaNet linear attention (`linear`) rather than softmax attention. Truthy exactly when it holds a mixture, so a
+    `per_block(moe)` callback that only asks whether the block is a mixture reads it as the bool it stands for."""
+
+    moe: bool
+    linear: bool = False
+
+    def __bool__(self) -> bool:
+        return self.moe
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,22 @@ class ModelShape:
     # the top-k logits; attention whose softmax also runs over a learned sink logit per head.
     clamped_swiglu: bool = False
     attention_sinks: bool = False
+    # Qwen3-Next and Qwen3.5 (transformers' *GatedDeltaNet): `linear_layers` blocks mix tokens with Gated DeltaNet
+    # linear attention instead of softmax attention (`linear_dense_layers` of them keep a dense MLP in a mixture);
+    # its key and value heads and their widths, its depthwise convolution's kernel, and whether its input
+    # projections are fused (Qwen3-Next's in_proj_qkvz and in_proj_ba; Qwen3.5 splits them into qkv, z, b, a).
+    linear_layers: int = 0
+    linear_dense_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 4
+    linear_fused: bool = False
+    # The same families' softmax attention: q_proj twice as wide (its second half gates the output), RMSNorms
+    # on q and k; their shared experts scaled by a one-output linear gate (also Qwen2-MoE's).
+    gated_attention: bool = False
+    shared_gate: bool = False
 
     @property
     def hd(self) -> int:
@@ -97,29 +130,56 @@ class ModelShape:
             return q + [("k", h, m.kv_rank + m.rope), ("k", m.kv_rank, self.heads * (m.nope + m.v)),
                         ("o", self.heads * m.v, h)]
         q, kv = self.heads * self.hd, self.kv_heads * self.hd
-        return [("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h)]
+        return [("q", h, q * (2 if self.gated_attention else 1)), ("k", h, kv), ("v", h, kv), ("o", q, h)]
+
+    def linear_attention_linears(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of a Gated DeltaNet block's projections: queries, keys and values (into the convolution),
+        the output gate z, the per-value-head beta and decay inputs b and a, and the output projection. Names start
+        with `linear_` (LoRA adapts them under all-linear only: no q_proj...down_proj name matches them)."""
+        h, k, v = self.hidden, self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
+        heads = self.linear_v_heads
+        if self.linear_fused:
+            inputs = [("linear_qkvz", h, 2 * k + 2 * v), ("linear_ba", h, 2 * heads)]
+        else:
+            inputs = [("linear_qkv", h, 2 * k + v), ("linear_z", h, v), ("linear_b", h, heads), ("linear_a", h, heads)]
+        return inputs + [("linear_out", v, h)]
+
+    @property
+    def linear_is_larger(self) -> bool:
+        """Whether a Gated DeltaNet block weighs more than a softmax-attention one (what `the largest kind` of block
+        takes where a caller names no kind)."""
+        return self.linear_layers > 0 and (self.linear_layers >= self.layers or sum(
+            i * o for _, i, o in self.linear_attention_linears()) > sum(i * o for _, i, o in self.attention_linears()))
+
+    def mixer_linears(self, block: Block | bool | None = None) -> list[tuple[str, int, int]]:
+        """The token mixer's projections of a block of kind `block` (a plain bool or None: the largest kind)."""
+        linear = block.linear if isinstance(block, Block) else self.linear_is_larger
+        return self.linear_attention_linears() if linear else self.attention_linears()
 
     def named_linears(self, moe: bool | None = None) -> list[tuple[str, int, int]]:
         """(name, in, out) of every linear layer of one decoder block: a mixture's block (`moe`, the default where
         the model has one) counts each routed expert's MLP (`expert_gate_up`, `expert_down`), its shared
         experts' (as a dense MLP) and its router; a dense block its MLP of `intermediate`."""
-        moe = self.moe_layers > 0 if moe is None else moe
+        mixer = self.mixer_linears(moe)
+        moe = self.moe_layers > 0 if moe is None else bool(moe)
         h = self.hidden
         if not moe:
-            return self.attention_linears() + _mlp("", h, self.intermediate)
+            return mixer + _mlp("", h, self.intermediate)
         # Routed experts as transformers 5 stores them: one fused gate/up weight and one down weight per expert.
         e = self.expert_width
         experts = [("expert_gate_up", h, 2 * e), ("expert_down", e, h)] * self.experts
         shared = _mlp("", h, self.shared_intermediate) if self.shared_intermediate else []
-        return self.attention_linears() + experts + shared + [("router", h, self.experts)]
+        if shared and self.shared_gate:
+            shared.append(("shared_gate", h, 1))
+        return mixer + experts + shared + [("router", h, self.experts)]
 
     def stored_weights(self, moe: bool | None = None) -> list[tuple[str, int, int]]:
         """(name, rows, cols) of one decoder block's matrix weights as the model stores them: each linear layer's
         (out, in), and a mixture's routed experts as the two fused stacks transformers 5 keeps (all experts'
         gate/up projections in one, their down projections in the other), flattened to 2-D as QLoRA stores them
         in NF4."""
-        moe = self.moe_layers > 0 if moe is None else moe
         named = self.named_linears(moe)
+        moe = self.moe_layers > 0 if moe is None else bool(moe)
         out = [(n, o, i) for n, i, o in named if not n.startswith("expert_")]
         if moe:
             e, h = self.expert_width, self.hidden
@@ -136,18 +196,31 @@ class ModelShape:
         """(token, expert) pairs a mixture's block computes per token: its top-k, or every expert (`every_expert`)."""
         return self.experts if self.every_expert else self.top_k
 
-    def block_kinds(self) -> list[tuple[int, bool]]:
-        """(how many blocks, whether they are a mixture's) for each kind of block the decoder holds."""
-        kinds = [(self.moe_layers, True), (self.layers - self.moe_layers, False)]
-        return [(n, moe) for n, moe in kinds if n > 0]
+    def block_kinds(self) -> list[tuple[int, Block]]:
+        """(how many blocks, their kind) for each kind of block the decoder holds: mixtures and dense blocks, each
+        split into Gated DeltaNet and softmax-attention blocks."""
+        dense_linear = self.linear_dense_layers if self.moe else self.linear_layers
+        moe_linear = self.linear_layers - dense_linear
+        dense = self.layers - self.moe_layers
+        kinds = [(moe_linear, Block(True, True)), (self.moe_layers - moe_linear, Block(True)),
+                 (dense_linear, Block(False, True)), (dense - dense_linear, Block(False))]
+        return [(n, kind) for n, kind in kinds if n > 0]
 
-    def over_blocks(self, per_block: Callable[[bool], float]) -> float:
-        """`per_block(moe)` summed over every decoder block."""
+    def over_blocks(self, per_block: Callable[[Block], float]) -> float:
+        """`per_block(kind)` summed over every decoder block (a kind is truthy for a mixture's block)."""
         return sum(n * per_block(moe) for n, moe in self.block_kinds())
 
-    def block_extra_params(self) -> int:
-        """A block's weights outside its linear layers: two norms, biases, MLA's latent norms, q/k norms."""
+    def block_extra_params(self, block: Block | bool | None = None) -> int:
+        """A block's weights outside its linear layers: two norms, biases, MLA's latent norms, gated attention's q/k
+        norms; a Gated DeltaNet block's (`block`; a plain bool or None: the largest kind) depthwise convolution over
+        q, k and v, its per-head decay and dt bias, and its gated norm over a value head."""
         extra = 2 * self.hidden
+        linear = block.linear if isinstance(block, Block) else self.linear_is_larger
+        if linear:
+            conv = 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+            return extra + conv * self.linear_conv + 2 * self.linear_v_heads + self.linear_v_dim
+        if self.gated_attention:
+            extra += 2 * self.hd
         if self.mla is not None:
             extra += self.mla.q_rank + self.mla.kv_rank
         if self.attn_bias:
@@ -156,7 +229,7 @@ class ModelShape:
 
     def layer_params(self, moe: bool | None = None) -> int:
         """One decoder block's weights (the largest kind by default)."""
-        return sum(i * o for i, o in self.linear_shapes(moe)) + self.block_extra_params()
+        return sum(i * o for i, o in self.linear_shapes(moe)) + self.block_extra_params(moe)
 
     def decoder_linear_params(self) -> int:
         """Every decoder block's linear weights together."""
@@ -173,7 +246,7 @@ class ModelShape:
 
     def active_mlp_width(self, moe: bool | None = None) -> int:
         """The MLP width one token runs through in a block: top-k experts and the shared ones, or the dense MLP."""
-        moe = self.moe_layers > 0 if moe is None else moe
+        moe = self.moe_layers > 0 if moe is None else bool(moe)
         return self.top_k * self.expert_width + self.shared_intermediate if moe else self.intermediate
 
     def mean_active_mlp_width(self) -> float:
@@ -183,11 +256,10 @@ class ModelShape:
     def active_params(self) -> int:
         """The weights one token computes with: attention, the top-k experts and shared ones, the router, the
         head (the embedding row is a lookup, not counted, as model cards count active parameters)."""
-        attn = sum(i * o for _, i, o in self.attention_linears())
-
-        def block(moe: bool) -> float:
+        def block(moe: Block) -> float:
             router = self.hidden * self.experts if moe else 0
-            return attn + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params()
+            mixer = sum(i * o for _, i, o in self.mixer_linears(moe))
+            return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe)
 
         return int(self.over_blocks(block) + self.vocab * self.hidden + self.hidden + self.extra_params)
 

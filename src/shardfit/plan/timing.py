@@ -90,6 +90,7 @@ from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.model_shape import DELTA_CHUNK, Block
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -197,10 +198,9 @@ class StepTime:
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     """(forward FLOPs of one block's linear layers, their parameter count) per token, active experts only."""
-    attn = sum(i * o for _, i, o in shape.attention_linears())
-
-    def active(moe: bool) -> float:
-        return attn + 3 * shape.hidden * shape.active_mlp_width(moe) + (shape.hidden * shape.experts if moe else 0)
+    def active(moe: Block) -> float:
+        mixer = sum(i * o for _, i, o in shape.mixer_linears(moe))
+        return mixer + 3 * shape.hidden * shape.active_mlp_width(moe) + (shape.hidden * shape.experts if moe else 0)
 
     params = shape.over_blocks(active) / shape.layers  # the mean block: mixtures and dense blocks in their shares
     return 2.0 * params, float(params)
@@ -226,9 +226,10 @@ def attended_positions(w: Workload, shape: ModelShape | None = None) -> float:
     # A window under 2 tokens is the layout's mark for "some block is partial, its size unknown": counted whole.
     if shape is None or shape.sliding_layers <= 0 or shape.sliding_window < 2:
         return whole
-    partial = min(shape.sliding_layers, shape.layers)
+    softmax = shape.layers - shape.linear_layers  # Gated DeltaNet blocks attend to no positions
+    partial = min(shape.sliding_layers, softmax)
     inside = _within(shape.sliding_window, w.seq_len, chunked=shape.attention_chunked)
-    return (partial * inside + (shape.layers - partial) * whole) / shape.layers
+    return (partial * inside + (softmax - partial) * whole) / softmax if softmax > 0 else whole
 
 
 def _within(size: int, seq: int, *, chunked: bool) -> float:
@@ -244,8 +245,31 @@ def _within(size: int, seq: int, *, chunked: bool) -> float:
 
 
 def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
-    """Forward FLOPs of one block's QK^T and PV per token over its `attended_positions` (the mean block's)."""
-    return 4.0 * attended_positions(w, shape) * shape.heads * shape.hd
+    """Forward FLOPs per token of the mean block's token mixing outside its projections: a softmax-attention
+    block's QK^T and PV over its `attended_positions`, a Gated DeltaNet block's chunked delta rule
+    (`delta_rule_flops_per_token`, no term that grows with the sequence)."""
+    softmax = 4.0 * attended_positions(w, shape) * shape.heads * shape.hd
+    if not shape.linear_layers:
+        return softmax
+    linear = shape.linear_layers * delta_rule_flops_per_token(shape)
+    return ((shape.layers - shape.linear_layers) * softmax + linear) / shape.layers
+
+
+def delta_rule_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs per token of one Gated DeltaNet block's token mixing (fla's chunk_gated_delta_rule, the
+    kernel transformers calls where it is installed; its torch fallback does the same products). Per value head
+    (the key heads are repeated to the value heads), 2 FLOPs per multiply-add: inside a `DELTA_CHUNK`-token chunk
+    three products of C x dk (K K^T, the WY transform's decayed keys, the queries' scores against the chunk's keys)
+    and two of C x dv (the transform's values, the scores times the corrected values); across chunks three of
+    dk x dv against the running state (the keys' and the queries' products with it, its update). The chunk's
+    triangular solve (C^2 / 3 per token, under 2 % of the rest at C = 64, dk = dv = 128) is left out; the
+    depthwise convolution over q, k and v adds its kernel's width per channel. The backward is counted at the
+    forward's FLASH_BWD like softmax attention's (fla's backward recomputes the chunk's products, then takes the
+    gradients of each)."""
+    c, dk, dv = DELTA_CHUNK, shape.linear_k_dim, shape.linear_v_dim
+    per_head = 2 * c * (3 * dk + 2 * dv) + 6 * dk * dv
+    conv = 2 * shape.linear_conv * (2 * shape.linear_k_heads * dk + shape.linear_v_heads * dv)
+    return float(shape.linear_v_heads * per_head + conv)
 
 
 def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:

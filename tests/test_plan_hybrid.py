@@ -1,0 +1,151 @@
+"""Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the plan reads which blocks are linear attention and
+counts the model transformers builds, the adapters peft makes on it, and a step's token mixing per kind of block."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from shardfit.config import LoraSettings
+from shardfit.models.adapters import apply_lora
+from shardfit.plan.config_shape import shape_from_config
+from shardfit.plan.estimate import activation_bytes, lora_params
+from shardfit.plan.model_shape import DELTA_CHUNK
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.timing import attention_flops_per_token, delta_rule_flops_per_token
+from shardfit.plan.workload import Workload
+from shardfit.train.loss import CausalLMLoss
+
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+# Tiny text models of each hybrid: 4 blocks (3 Gated DeltaNet, 1 softmax attention), 4 experts where it has them.
+TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+            num_experts_per_tok=2)
+TINY_TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+EXPERT_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok")
+
+
+def _tiny(model_type: str) -> AutoConfig:
+    """The tiny config of `model_type` (a dense family without the mixture's keys)."""
+    moe = model_type != "qwen3_5_text"
+    return AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if moe or k not in EXPERT_KEYS})
+
+
+def _written_default(model_type: str, tmp_path: Path) -> Path:
+    """A folder whose config.json is transformers' default config of `model_type`."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG_MAPPING[model_type]().to_dict()))
+    return tmp_path
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_default_hybrid_configs_count_the_built_model(model_type: str, tmp_path: Path) -> None:
+    """Before: every block counted as plain attention (Qwen3.5's default 8.79B against 9.41B built)."""
+    shape = resolve_shape(str(_written_default(model_type, tmp_path)))
+    config = CONFIG_MAPPING[model_type]()
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config) if hasattr(config, "vision_config") else \
+            AutoModelForCausalLM.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    towers = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
+    assert shape.linear_layers == 3 * shape.layers // 4
+    assert shape.params() == pytest.approx(built, rel=1e-4)
+    assert shape.params() - shape.extra_params == pytest.approx(built - towers, rel=1e-4)
+    assert shape.extra_params == pytest.approx(towers, rel=1e-3)
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
+def test_plan_counts_the_adapters_peft_makes_on_a_hybrid(model_type: str, targets: str | list[str]) -> None:
+    """shardfit's default all-linear targets reach the DeltaNet's projections and the shared experts' gate, which
+    bear none of the q_proj...down_proj names; a list of those names reaches neither (the routed experts left out
+    there: training adapts every expert weight whatever the list names, models/adapters.py)."""
+    torch.manual_seed(0)
+    config = _tiny(model_type)
+    model = AutoModelForCausalLM.from_config(config)
+    shape = shape_from_config(config.to_dict(), model_type)
+    assert shape.params() == sum(p.numel() for p in model.parameters())
+    experts = isinstance(targets, str)
+    peft_model = apply_lora(model, LoraSettings(rank=4, targets=targets, experts=experts))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    short = None if isinstance(targets, str) else tuple(t.removesuffix("_proj") for t in targets)
+    assert trainable == lora_params(shape, Workload(lora_rank=4, lora_targets=short, lora_experts=experts))
+
+
+def test_linear_attention_blocks_add_no_sequence_term() -> None:
+    """Doubling the sequence grows only the softmax blocks' attention (a quarter of Qwen3.5's blocks); before, the
+    planner grew every block's."""
+    shape = shape_from_config(CONFIG_MAPPING["qwen3_5"]().to_dict(), "qwen3_5")
+    short, long = (attention_flops_per_token(shape, Workload(seq_len=s, attention="flash")) for s in (4096, 8192))
+    softmax_growth = 4.0 * (8192 - 4096) / 2 * shape.heads * shape.hd
+    assert long - short == pytest.approx(softmax_growth * (shape.layers - shape.linear_layers) / shape.layers)
+    every_block = dataclasses.replace(shape, linear_layers=0)
+    assert attention_flops_per_token(every_block, Workload(seq_len=32768, attention="flash")) > \
+        3 * attention_flops_per_token(shape, Workload(seq_len=32768, attention="flash"))
+
+
+def test_delta_rule_count_is_the_kernels_products() -> None:
+    """The delta rule's count against torch's FLOP counter on transformers' chunked delta rule: its matmuls, plus
+    the two triangular solves (uncounted by torch) at the dense products fla's kernel runs in their place."""
+    heads, dk, dv, tokens = 2, 32, 48, 512
+    shape = dataclasses.replace(shape_from_config(_tiny("qwen3_5_text").to_dict(), "t"),
+                                linear_k_heads=heads, linear_v_heads=heads, linear_k_dim=dk, linear_v_dim=dv)
+    q, k, v = torch.randn(1, tokens, heads, dk), torch.randn(1, tokens, heads, dk), torch.randn(1, tokens, heads, dv)
+    with FlopCounterMode(display=False) as counter:
+        modeling_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g=-torch.rand(1, tokens, heads),
+                                                      beta=torch.rand(1, tokens, heads), use_qk_l2norm_in_kernel=True)
+    solves = 2 * DELTA_CHUNK * (dk + dv) * heads
+    conv = 2 * shape.linear_conv * heads * (2 * dk + dv)
+    assert delta_rule_flops_per_token(shape) - conv == counter.get_total_flops() / tokens + solves
+
+
+def _block_config(kind: str, layers: int, dk: int) -> AutoConfig:
+    """A tiny Qwen3.5 text model whose `layers` blocks are all of `kind`."""
+    return AutoConfig.for_model(
+        "qwen3_5_text", hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=4096, tie_word_embeddings=False, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=dk, linear_value_head_dim=48, layer_types=[kind] * layers,
+        attn_implementation="sdpa")
+
+
+def _saved_per_token(config: AutoConfig, method: str, seq: int = 256) -> float:
+    """Bytes autograd keeps for backward after one forward under bf16 autocast, per token (weights excluded)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
+    if method == "lora":
+        model = apply_lora(model, LoraSettings(rank=8, alpha=16))
+    module = CausalLMLoss(model, all_labelled=True)
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 4096, (1, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(ids, None, ids)
+    return sum(kept.values()) / seq
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+@pytest.mark.parametrize(("method", "dk"), [("lora", 32), ("lora", 64), ("full", 32)])
+def test_block_activations_match_saved_tensors(kind: str, method: str, dk: int) -> None:
+    """One block's saved activations (a second block's, less the first's) against the plan's, within 5 %: a Gated
+    DeltaNet block keeps its delta rule's fp32 chunks (before, the plan counted it as plain attention: half of what
+    it keeps), a gated attention block its q/k norms and output gate."""
+    measured = _saved_per_token(_block_config(kind, 2, dk), method) - _saved_per_token(_block_config(kind, 1, dk),
+                                                                                        method)
+    shape = shape_from_config(_block_config(kind, 2, dk).to_dict(), "tiny")
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=1, grad_ckpt="none", lora_rank=8,
+                 attention="flash")
+    planned = (activation_bytes(shape, w, 2) - activation_bytes(shape, w, 1)) / 256
+    assert planned == pytest.approx(measured, rel=0.05)
