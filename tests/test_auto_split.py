@@ -16,7 +16,7 @@ import yaml
 from shardfit.cli.main import main
 from shardfit.config import Config
 from shardfit.errors import UserError
-from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
 from shardfit.train.rundir import claim, fingerprint
@@ -38,13 +38,20 @@ def _args(nproc: int | None = None) -> argparse.Namespace:
 
 
 @pytest.fixture
-def eight_24gb(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`train` deciding its launch on a faked host of eight 24 GB GPUs."""
+def host(monkeypatch: pytest.MonkeyPatch) -> dict[str, Hardware]:
+    """`train` deciding its launch on a faked host, eight 24 GB GPUs unless the test sets `host["gpus"]`."""
     from shardfit.parallel import job as rank_job
 
-    monkeypatch.setattr(rank_job, "node_hardware", lambda threads=None: RTX)
+    gpus = {"gpus": RTX}
+    monkeypatch.setattr(rank_job, "node_hardware", lambda threads=None: gpus["gpus"])
     monkeypatch.setattr(rank_job, "cuda_available", lambda: True)
     monkeypatch.setattr(rank_job, "device_facts", lambda device, precision="auto": GPU)
+    return gpus
+
+
+@pytest.fixture
+def eight_24gb(host: dict[str, Hardware]) -> None:
+    """`train` deciding its launch on a faked host of eight 24 GB GPUs."""
 
 
 def _config_file(tmp_path: Path, **over) -> str:
@@ -105,6 +112,10 @@ def test_a_run_recorded_as_model_parallel_resumes_as_it_started(eight_24gb: None
     job, nproc = decide_launch(_args(), cfg)
     assert job is not None and (job.strategy, job.sequence_parallel, job.pipeline_parallel, nproc) == (
         "model_parallel", 1, 1, 1)
+    # Said in the job's reasons (the launcher's log and summary.json), with why the recorded job is kept.
+    assert any(w.startswith("strategy auto -> model_parallel, sequence_parallel 1: kept from ") for w in job.why)
+    why = next(w for w in job.why if w.startswith("resumed as recorded"))
+    assert "trains a global batch of 8 examples (run.json)" in why and "global batch of 32" in why
     ran = settled(cfg, job)
     claim(tmp_path, ran, fingerprint(ran, _global_batch(ran, job)))  # the same run: resumed
     fresh, _ = decide_launch(_args(), _run(tmp_path / "new"))
@@ -197,3 +208,46 @@ def test_plan_of_a_config_recommends_the_split_its_job_runs(capsys: pytest.Captu
     assert d["best_strategy"] is None
     assert main(["plan", str(cfg), "--gpus", "8xH100"]) == 0
     assert "\nrecommended: ddp with each row split over 2 GPUs (sequence_parallel 2, " in capsys.readouterr().out
+
+
+def _claims(run_dir: Path, cfg: Config, job: Resolved) -> str:
+    """The resume's verdict on `job` in `run_dir`: "ok", or the refusal's message."""
+    ran = settled(cfg, job)
+    try:
+        claim(run_dir, ran, fingerprint(ran, _global_batch(ran, job)))
+    except UserError as e:
+        return str(e)
+    return "ok"
+
+
+@pytest.mark.parametrize(("recorded", "grad_accum"), [("model_parallel", 1), ("auto", 4)])
+def test_a_resume_on_other_gpus_resolves_anew_where_that_keeps_the_run(host: dict[str, Hardware], tmp_path: Path,
+                                                                        recorded: str, grad_accum: int) -> None:
+    """A run recorded on 8 x 24 GB (model_parallel, global batch 8; zero3 with rows split over 2, global batch
+    32) moved to 8 x 80 GB with grad_accum rebalanced so that eight ddp ranks train the same global batch: the
+    job resolved anew (ddp over 8 processes) resumes, not the recorded one, which would change it."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy=recorded), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    host["gpus"] = parse_gpus("8x80GB", 1, None)
+    moved = _run(tmp_path, grad_accum=grad_accum)
+    job, nproc = decide_launch(_args(), moved)
+    assert job is not None and (job.strategy, job.sequence_parallel, nproc) == ("ddp", 1, 8)
+    assert not any("kept from" in w for w in job.why)
+    assert _claims(tmp_path, moved, job) == "ok"
+
+
+def test_a_recorded_job_that_cannot_run_here_is_not_kept(eight_24gb: None, tmp_path: Path) -> None:
+    """A run recorded as model_parallel (one process) resumed with --nproc 8, as the UI launches: the recorded job
+    cannot run on 8 ranks, so the job resolved anew is taken and the resume's refusal names what differs (the
+    global batch), not a strategy the config never named."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    job, _ = decide_launch(_args(8), cfg)
+    assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
+    assert "global_batch_examples: 8 -> 32" in _claims(tmp_path, cfg, job)

@@ -24,8 +24,9 @@ import yaml
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config import Config
-from shardfit.errors import UserError
+from shardfit.errors import DoesNotFitError, UserError
 from shardfit.parallel.env import DistEnv
+from shardfit.resolve.job import Resolved
 from shardfit.resolve.pipeline import LOOPED
 
 LOCK = ".shardfit.lock"
@@ -111,12 +112,10 @@ def recorded_pipeline(cfg: Config) -> tuple[Config, str | None]:
 
 
 def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
-    """`strategy: auto` on a run that resumes: the pipeline (`recorded_pipeline`), and where the config also leaves
-    the row split to auto (sequence_parallel 1), the strategy and split its run directory recorded
-    (preflight.json's strategy, else summary.json's resolved one; config.yaml's sequence_parallel), with the lines
-    saying so. The choice auto makes for the same config changes as its rules do (one process's model_parallel
-    may now give way to rows split over every GPU), and another strategy or split changes the data-parallel ranks
-    and so the global batch, which the resume refuses (`claim`). `cfg` as the pipeline leaves it where nothing is
+    """`strategy: auto` on a run that resumes: the job its run directory recorded, which `resumed_job` falls back
+    to: the pipeline (`recorded_pipeline`), and where the config also leaves the row split to auto
+    (sequence_parallel 1), the strategy and split (preflight.json's strategy, else summary.json's resolved one;
+    config.yaml's sequence_parallel), with the lines saying so. `cfg` as the pipeline leaves it where nothing is
     to resume, a strategy is named, the split is set or the run's pipeline was another."""
     kept, line = recorded_pipeline(cfg)
     lines = [line] if line else []
@@ -135,6 +134,47 @@ def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
     lines.append(f"strategy auto -> {name}, sequence_parallel {sp}: kept from {run_dir}, the run this one resumes "
                  "(set a strategy to choose otherwise, or resume: never to start over)")
     return dataclasses.replace(kept, strategy=name, sequence_parallel=sp), lines
+
+
+def resumed_job(cfg: Config, resolve: Callable[[Config], Resolved]) -> Resolved:
+    """The job `cfg` runs, as `resolve` resolves it anew, unless the run it resumes would then be refused: auto's
+    choice for the same config changes as its rules do (one process's model_parallel may give way to rows split
+    over every GPU), and another strategy, split or pipeline changes the data-parallel ranks and so the global
+    batch, which the resume refuses (`claim`). Only where the job resolved anew changes run.json's global batch
+    and the recorded job (`recorded_job`) keeps it is the recorded one run, its reason first in `why` (the
+    launcher's log, summary.json). Where the recorded job cannot run here (other GPUs, --nproc) or keeps no more
+    than the new one, the new one runs, and `claim` says what differs."""
+    kept, lines = recorded_job(cfg)
+    if not lines:
+        return resolve(cfg)
+    run = read_run_file(Path(cfg.output_dir)) or {}
+    target = (run.get("fingerprint") or {}).get("global_batch_examples") if isinstance(run, dict) else None
+    fresh: Resolved | DoesNotFitError | UserError
+    try:
+        fresh = resolve(cfg)
+    except (DoesNotFitError, UserError) as e:  # the recorded job may still fit and keep the run
+        fresh = e
+    if isinstance(fresh, Resolved) and (not isinstance(target, int) or _global_batch(cfg, fresh) == target):
+        return fresh
+    try:
+        job: Resolved | None = resolve(kept)
+    except (DoesNotFitError, UserError):
+        job = None
+    if job is None or _global_batch(kept, job) != target:
+        if not isinstance(fresh, Resolved):
+            raise fresh
+        return fresh
+    anew = (f"{fresh.strategy}, sequence_parallel {fresh.sequence_parallel}, pipeline_parallel "
+            f"{fresh.pipeline_parallel}, a global batch of {_global_batch(cfg, fresh)} examples"
+            if isinstance(fresh, Resolved) else str(fresh).split("\n")[0])
+    why = (f"resumed as recorded: the run in {cfg.output_dir} trains a global batch of {target} examples "
+           f"(run.json), which the recorded job keeps; resolved anew: {anew}")
+    return dataclasses.replace(job, why=(*lines, why, *job.why))
+
+
+def _global_batch(cfg: Config, job: Resolved) -> int:
+    """Examples per optimizer step, as the run's fingerprint counts them (train/recipe.py)."""
+    return cfg.micro_batch * cfg.grad_accum * job.dims.dp
 
 
 def _read_record(path: Path, parse: Callable[[str], Any]) -> Any:
