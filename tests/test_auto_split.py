@@ -15,7 +15,7 @@ import yaml
 
 from shardfit.cli.main import main
 from shardfit.config import Config
-from shardfit.errors import UserError
+from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
@@ -251,3 +251,29 @@ def test_a_recorded_job_that_cannot_run_here_is_not_kept(eight_24gb: None, tmp_p
     job, _ = decide_launch(_args(8), cfg)
     assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
     assert "global_batch_examples: 8 -> 32" in _claims(tmp_path, cfg, job)
+
+
+def test_micro_batch_two_splits_only_where_faster_than_one_process_at_micro_batch_one(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """micro_batch 2 (grad_accum 4) of the long rows on 8 x 24 GB: no strategy fits a whole row of that batch, and
+    at micro-batch 1 only model_parallel's one process does (601 tokens/s). The split over 4 ranks (4,425) is
+    weighed against that one process, with a reason that says so; `plan` recommends the same job on one
+    `recommended:` line. Where the split would not be faster, the smaller micro-batch stays the fix: exit 3."""
+    from shardfit.resolve import decide
+
+    job, _ = resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
+    assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("zero3", 4, 8)
+    assert job.why[0].startswith("sequence_parallel auto -> 4: one 36,864-token row fits a GPU only under "
+                                 "model_parallel in one process at micro-batch 1 (601 tokens/s; micro_batch 2 ")
+    cfg = _config_file(tmp_path, micro_batch=2, grad_accum=4)
+    assert main(["plan", cfg, "--gpus", "8x24GB"]) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if "recommended: " in x]
+    assert len(said) == 1 and said[0].startswith("recommended: zero3 with each row split over 4 GPUs")
+    assert said[0].endswith("with whole rows only model_parallel with micro-batch 1 with grad_accum 8 fits, "
+                            "601 tokens/s")
+    d = _plan(capsys, cfg, "--gpus", "8x24GB")
+    assert d["recommended"] == d["resolved"]["strategy"] == "zero3" and d["resolved"]["sequence_parallel"] == 4
+    monkeypatch.setattr(decide, "TIE", 10.0)  # the split no faster than one process, within the time model
+    with pytest.raises(DoesNotFitError) as e:
+        resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
+    assert e.value.exit_code == 3 and "model_parallel with micro-batch 1" in str(e.value)
