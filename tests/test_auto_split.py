@@ -242,7 +242,8 @@ def test_a_resume_on_other_gpus_resolves_anew_where_that_keeps_the_run(host: dic
 def test_a_recorded_job_that_cannot_run_here_is_not_kept(eight_24gb: None, tmp_path: Path) -> None:
     """A run recorded as model_parallel (one process) resumed with --nproc 8, as the UI launches: the recorded job
     cannot run on 8 ranks, so the job resolved anew is taken and the resume's refusal names what differs (the
-    global batch), not a strategy the config never named."""
+    global batch), not a strategy the config never named, with the grad_accum that resumes it there, which
+    does."""
     from shardfit.cli.train_cmd import decide_launch
 
     cfg = _run(tmp_path)
@@ -250,7 +251,11 @@ def test_a_recorded_job_that_cannot_run_here_is_not_kept(eight_24gb: None, tmp_p
     _record(tmp_path, cfg, old)
     job, _ = decide_launch(_args(8), cfg)
     assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
-    assert "global_batch_examples: 8 -> 32" in _claims(tmp_path, cfg, job)
+    refused = _claims(tmp_path, cfg, job)
+    assert "global_batch_examples: 8 -> 32" in refused and "--set grad_accum=2 (the run's 8 examples" in refused
+    fixed = _run(tmp_path, grad_accum=2)
+    job, _ = decide_launch(_args(8), fixed)
+    assert job is not None and _claims(tmp_path, fixed, job) == "ok"
 
 
 def test_micro_batch_two_splits_only_where_faster_than_one_process_at_micro_batch_one(

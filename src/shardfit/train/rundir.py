@@ -345,7 +345,8 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
             if longer is None:
                 diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
                 raise UserError(f"output_dir {run_dir} holds a different run ({diff}). Its checkpoints are not "
-                                "this config's: use a new output_dir, or --set resume=never to start over there.")
+                                f"this config's: {_same_batch(previous.get('fingerprint') or {}, new, cfg)}use a "
+                                "new output_dir, or --set resume=never to start over there.")
     else:
         if previous is not None and previous.get("fingerprint") != new:
             longer = longer_schedule(run_dir, previous, new)
@@ -362,6 +363,19 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
                                 "its weights cannot load into this config.")
     (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": new}, indent=2))
     return longer
+
+
+def _same_batch(old: dict[str, Any], new: dict[str, Any], cfg: Config) -> str:
+    """Where only the global batch differs (other GPUs, processes or split: other data-parallel ranks), the
+    grad_accum that trains the recorded one on these ranks, when there is one; else nothing."""
+    was, now = old.get("global_batch_examples"), new.get("global_batch_examples")
+    if differences(old, new) != differences(old, new, ("global_batch_examples",)) \
+            or not isinstance(was, int) or not isinstance(now, int) or now % (cfg.micro_batch * cfg.grad_accum):
+        return ""
+    per_accum = cfg.micro_batch * now // (cfg.micro_batch * cfg.grad_accum)  # micro_batch x data-parallel ranks
+    if was % per_accum or was < per_accum:
+        return ""
+    return f"to resume it on these ranks, --set grad_accum={was // per_accum} (the run's {was} examples a step); "
 
 
 def record_length(run_dir: Path, steps: int, steps_per_epoch: int) -> None:
