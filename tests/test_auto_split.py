@@ -282,3 +282,16 @@ def test_micro_batch_two_splits_only_where_faster_than_one_process_at_micro_batc
     with pytest.raises(DoesNotFitError) as e:
         resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
     assert e.value.exit_code == 3 and "model_parallel with micro-batch 1" in str(e.value)
+
+
+def test_a_switch_from_a_named_strategy_to_auto_is_not_undone(eight_24gb: None, tmp_path: Path) -> None:
+    """A run recorded under `strategy: zero3` (2,048-token rows, 8 ranks) whose config now says auto: auto's ddp
+    over the same 8 ranks keeps the global batch, so it runs, not the recorded zero3."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    named = _run(tmp_path, strategy="zero3", max_seq_len=2048)
+    old, _ = resolve_job(named, RTX, GPU)
+    _record(tmp_path, named, old)
+    auto = _run(tmp_path, max_seq_len=2048)
+    job, _ = decide_launch(_args(), auto)
+    assert job is not None and job.strategy == "ddp" and _claims(tmp_path, auto, job) == "ok"
