@@ -118,7 +118,7 @@ def decide_launch(args: argparse.Namespace, cfg: Config | None) -> tuple[Resolve
 
         threads = _rank_threads(args, args.nproc)
         # A resumed run keeps the job it started with where resolving anew would change its global batch.
-        job = resumed_job(cfg, lambda c: resolve_here(c, nproc=args.nproc, nnodes=args.nnodes, threads=threads)[0])
+        job, _ = resumed_job(cfg, lambda c: resolve_here(c, nproc=args.nproc, nnodes=args.nnodes, threads=threads))
         nproc = job.nproc_per_node
         for line in job.why:
             log.info("%s", line)

@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import yaml
@@ -136,40 +136,45 @@ def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
     return dataclasses.replace(kept, strategy=name, sequence_parallel=sp), lines
 
 
-def resumed_job(cfg: Config, resolve: Callable[[Config], Resolved]) -> Resolved:
-    """The job `cfg` runs, as `resolve` resolves it anew, unless the run it resumes would then be refused: auto's
-    choice for the same config changes as its rules do (one process's model_parallel may give way to rows split
-    over every GPU), and another strategy, split or pipeline changes the data-parallel ranks and so the global
-    batch, which the resume refuses (`claim`). Only where the job resolved anew changes run.json's global batch
-    and the recorded job (`recorded_job`) keeps it is the recorded one run, its reason first in `why` (the
-    launcher's log, summary.json). Where the recorded job cannot run here (other GPUs, --nproc) or keeps no more
-    than the new one, the new one runs, and `claim` says what differs."""
+T = TypeVar("T")
+
+
+def resumed_job(cfg: Config, resolve: Callable[[Config], tuple[Resolved, T]]) -> tuple[Resolved, T]:
+    """The job `cfg` runs, with what else `resolve` gives (its plan), as `resolve` resolves it anew, unless the
+    run it resumes would then be refused: auto's choice for the same config changes as its rules do (one
+    process's model_parallel may give way to rows split over every GPU), and another strategy, split or pipeline
+    changes the data-parallel ranks and so the global batch, which the resume refuses (`claim`). Only where the
+    job resolved anew changes run.json's global batch and the recorded job (`recorded_job`) keeps it is the
+    recorded one run, its reasons first in `why` (the launcher's log, summary.json, `check`). Where the recorded
+    job cannot run here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim`
+    says what differs."""
     kept, lines = recorded_job(cfg)
     if not lines:
         return resolve(cfg)
     run = read_run_file(Path(cfg.output_dir)) or {}
     target = (run.get("fingerprint") or {}).get("global_batch_examples") if isinstance(run, dict) else None
-    fresh: Resolved | DoesNotFitError | UserError
+    fresh: tuple[Resolved, T] | DoesNotFitError | UserError
     try:
         fresh = resolve(cfg)
     except (DoesNotFitError, UserError) as e:  # the recorded job may still fit and keep the run
         fresh = e
-    if isinstance(fresh, Resolved) and (not isinstance(target, int) or _global_batch(cfg, fresh) == target):
+    if isinstance(fresh, tuple) and (not isinstance(target, int) or _global_batch(cfg, fresh[0]) == target):
         return fresh
     try:
-        job: Resolved | None = resolve(kept)
+        recorded: tuple[Resolved, T] | None = resolve(kept)
     except (DoesNotFitError, UserError):
-        job = None
-    if job is None or _global_batch(kept, job) != target:
-        if not isinstance(fresh, Resolved):
+        recorded = None
+    if recorded is None or _global_batch(kept, recorded[0]) != target:
+        if not isinstance(fresh, tuple):
             raise fresh
         return fresh
-    anew = (f"{fresh.strategy}, sequence_parallel {fresh.sequence_parallel}, pipeline_parallel "
-            f"{fresh.pipeline_parallel}, a global batch of {_global_batch(cfg, fresh)} examples"
-            if isinstance(fresh, Resolved) else str(fresh).split("\n")[0])
+    job = recorded[0]
+    anew = (f"{fresh[0].strategy}, sequence_parallel {fresh[0].sequence_parallel}, pipeline_parallel "
+            f"{fresh[0].pipeline_parallel}, a global batch of {_global_batch(cfg, fresh[0])} examples"
+            if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
     why = (f"resumed as recorded: the run in {cfg.output_dir} trains a global batch of {target} examples "
            f"(run.json), which the recorded job keeps; resolved anew: {anew}")
-    return dataclasses.replace(job, why=(*lines, why, *job.why))
+    return dataclasses.replace(job, why=(*lines, why, *job.why)), recorded[1]
 
 
 def _global_batch(cfg: Config, job: Resolved) -> int:
