@@ -15,8 +15,8 @@ import yaml
 
 from shardfit.cli.main import main
 from shardfit.config import Config
-from shardfit.errors import UserError
-from shardfit.plan.hardware import parse_gpus
+from shardfit.errors import DoesNotFitError, UserError
+from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
 from shardfit.train.rundir import claim, fingerprint
@@ -38,13 +38,20 @@ def _args(nproc: int | None = None) -> argparse.Namespace:
 
 
 @pytest.fixture
-def eight_24gb(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`train` deciding its launch on a faked host of eight 24 GB GPUs."""
+def host(monkeypatch: pytest.MonkeyPatch) -> dict[str, Hardware]:
+    """`train` deciding its launch on a faked host, eight 24 GB GPUs unless the test sets `host["gpus"]`."""
     from shardfit.parallel import job as rank_job
 
-    monkeypatch.setattr(rank_job, "node_hardware", lambda threads=None: RTX)
+    gpus = {"gpus": RTX}
+    monkeypatch.setattr(rank_job, "node_hardware", lambda threads=None: gpus["gpus"])
     monkeypatch.setattr(rank_job, "cuda_available", lambda: True)
     monkeypatch.setattr(rank_job, "device_facts", lambda device, precision="auto": GPU)
+    return gpus
+
+
+@pytest.fixture
+def eight_24gb(host: dict[str, Hardware]) -> None:
+    """`train` deciding its launch on a faked host of eight 24 GB GPUs."""
 
 
 def _config_file(tmp_path: Path, **over) -> str:
@@ -105,6 +112,10 @@ def test_a_run_recorded_as_model_parallel_resumes_as_it_started(eight_24gb: None
     job, nproc = decide_launch(_args(), cfg)
     assert job is not None and (job.strategy, job.sequence_parallel, job.pipeline_parallel, nproc) == (
         "model_parallel", 1, 1, 1)
+    # Said in the job's reasons (the launcher's log and summary.json), with why the recorded job is kept.
+    assert any(w.startswith("strategy auto -> model_parallel, sequence_parallel 1: kept from ") for w in job.why)
+    why = next(w for w in job.why if w.startswith("resumed as recorded"))
+    assert "trains a global batch of 8 examples (run.json)" in why and "global batch of 32" in why
     ran = settled(cfg, job)
     claim(tmp_path, ran, fingerprint(ran, _global_batch(ran, job)))  # the same run: resumed
     fresh, _ = decide_launch(_args(), _run(tmp_path / "new"))
@@ -197,3 +208,90 @@ def test_plan_of_a_config_recommends_the_split_its_job_runs(capsys: pytest.Captu
     assert d["best_strategy"] is None
     assert main(["plan", str(cfg), "--gpus", "8xH100"]) == 0
     assert "\nrecommended: ddp with each row split over 2 GPUs (sequence_parallel 2, " in capsys.readouterr().out
+
+
+def _claims(run_dir: Path, cfg: Config, job: Resolved) -> str:
+    """The resume's verdict on `job` in `run_dir`: "ok", or the refusal's message."""
+    ran = settled(cfg, job)
+    try:
+        claim(run_dir, ran, fingerprint(ran, _global_batch(ran, job)))
+    except UserError as e:
+        return str(e)
+    return "ok"
+
+
+@pytest.mark.parametrize(("recorded", "grad_accum"), [("model_parallel", 1), ("auto", 4)])
+def test_a_resume_on_other_gpus_resolves_anew_where_that_keeps_the_run(host: dict[str, Hardware], tmp_path: Path,
+                                                                        recorded: str, grad_accum: int) -> None:
+    """A run recorded on 8 x 24 GB (model_parallel, global batch 8; zero3 with rows split over 2, global batch
+    32) moved to 8 x 80 GB with grad_accum rebalanced so that eight ddp ranks train the same global batch: the
+    job resolved anew (ddp over 8 processes) resumes, not the recorded one, which would change it."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy=recorded), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    host["gpus"] = parse_gpus("8x80GB", 1, None)
+    moved = _run(tmp_path, grad_accum=grad_accum)
+    job, nproc = decide_launch(_args(), moved)
+    assert job is not None and (job.strategy, job.sequence_parallel, nproc) == ("ddp", 1, 8)
+    assert not any("kept from" in w for w in job.why)
+    assert _claims(tmp_path, moved, job) == "ok"
+
+
+def test_a_recorded_job_that_cannot_run_here_is_not_kept(eight_24gb: None, tmp_path: Path) -> None:
+    """A run recorded as model_parallel (one process) resumed with --nproc 8, as the UI launches: the recorded job
+    cannot run on 8 ranks, so the job resolved anew is taken and the resume's refusal names what differs (the
+    global batch), not a strategy the config never named, with the grad_accum that resumes it there, which
+    does."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    job, _ = decide_launch(_args(8), cfg)
+    assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
+    refused = _claims(tmp_path, cfg, job)
+    assert "global_batch_examples: 8 -> 32" in refused and "--set grad_accum=2 (the run's 8 examples" in refused
+    fixed = _run(tmp_path, grad_accum=2)
+    job, _ = decide_launch(_args(8), fixed)
+    assert job is not None and _claims(tmp_path, fixed, job) == "ok"
+
+
+def test_micro_batch_two_splits_only_where_faster_than_one_process_at_micro_batch_one(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """micro_batch 2 (grad_accum 4) of the long rows on 8 x 24 GB: no strategy fits a whole row of that batch, and
+    at micro-batch 1 only model_parallel's one process does (601 tokens/s). The split over 4 ranks (4,425) is
+    weighed against that one process, with a reason that says so; `plan` recommends the same job on one
+    `recommended:` line. Where the split would not be faster, the smaller micro-batch stays the fix: exit 3."""
+    from shardfit.resolve import decide
+
+    job, _ = resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
+    assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("zero3", 4, 8)
+    assert job.why[0].startswith("sequence_parallel auto -> 4: one 36,864-token row fits a GPU only under "
+                                 "model_parallel in one process at micro-batch 1 (601 tokens/s; micro_batch 2 ")
+    cfg = _config_file(tmp_path, micro_batch=2, grad_accum=4)
+    assert main(["plan", cfg, "--gpus", "8x24GB"]) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if "recommended: " in x]
+    assert len(said) == 1 and said[0].startswith("recommended: zero3 with each row split over 4 GPUs")
+    assert said[0].endswith("with whole rows only model_parallel with micro-batch 1 with grad_accum 8 fits, "
+                            "601 tokens/s")
+    d = _plan(capsys, cfg, "--gpus", "8x24GB")
+    assert d["recommended"] == d["resolved"]["strategy"] == "zero3" and d["resolved"]["sequence_parallel"] == 4
+    monkeypatch.setattr(decide, "TIE", 10.0)  # the split no faster than one process, within the time model
+    with pytest.raises(DoesNotFitError) as e:
+        resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
+    assert e.value.exit_code == 3 and "model_parallel with micro-batch 1" in str(e.value)
+
+
+def test_a_switch_from_a_named_strategy_to_auto_is_not_undone(eight_24gb: None, tmp_path: Path) -> None:
+    """A run recorded under `strategy: zero3` (2,048-token rows, 8 ranks) whose config now says auto: auto's ddp
+    over the same 8 ranks keeps the global batch, so it runs, not the recorded zero3."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    named = _run(tmp_path, strategy="zero3", max_seq_len=2048)
+    old, _ = resolve_job(named, RTX, GPU)
+    _record(tmp_path, named, old)
+    auto = _run(tmp_path, max_seq_len=2048)
+    job, _ = decide_launch(_args(), auto)
+    assert job is not None and job.strategy == "ddp" and _claims(tmp_path, auto, job) == "ok"

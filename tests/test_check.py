@@ -317,3 +317,23 @@ def test_check_omni_under_ddp_gives_consistent_drop_advice(tmp_path: Path, tiny_
     assert not any("talker" in f.fix or "token2wav" in f.fix for f in found), [f.fix for f in found]
     towers = {f.where.rpartition(".")[2] for f in found if f.rule == "unused_module"}
     assert towers == {"audio_tower", "visual"}  # the thinker's towers: outside the text forward, frozen
+
+
+def test_check_resolves_a_resumed_run_as_train_does(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A run directory recorded as zero3 with rows split over 2 ranks (one data-parallel rank, a global batch of
+    2): `check --nproc 2` of the same config under auto shows the job `train` resumes it with (the recorded one:
+    ddp over 2 data-parallel ranks would train 4 a step), with the reason, not the job of a fresh directory."""
+    import yaml
+
+    cfg = _cfg(tmp_path, tiny_llama, small_data)
+    run = Path(cfg.output_dir)
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"fingerprint": {"global_batch_examples": 2}}))
+    (run / "config.yaml").write_text(yaml.safe_dump({**cfg.to_dict(), "strategy": "auto", "sequence_parallel": 2,
+                                                     "pipeline_parallel": 1}))
+    (run / "preflight.json").write_text(json.dumps({"strategy": "zero3", "ok": True, "findings": []}))
+    main(["check", str(tmp_path / "c.yaml"), "--nproc", "2", "--json"])
+    job = json.loads(capsys.readouterr().out)["resolved"]
+    assert (job["strategy"], job["sequence_parallel"]) == ("zero3", 2)
+    assert any(w.startswith("resumed as recorded: ") and "a global batch of 4 examples" in w for w in job["why"])

@@ -432,4 +432,4 @@ def test_processes_left_to_auto_run_what_eight_ranks_would(capsys: pytest.Captur
     assert "\nbest strategy: model_parallel" in text and "\nrecommended: model_parallel" not in text
     line = next(x for x in text.splitlines() if x.startswith("recommended: "))
     assert line.startswith("recommended: zero3 with each row split over 2 GPUs") and "the job below" in line
-    assert "model_parallel with whole rows, in one process, trains 601" in line
+    assert line.endswith("model_parallel with whole rows, in one process, trains 601 tokens/s")

@@ -7,6 +7,7 @@ meta model the fixes are only recorded), so `check` reports exactly the findings
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from torch import nn
 
@@ -85,14 +86,25 @@ def data_findings(cfg: Config) -> list[Finding]:
     return []
 
 
-def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None) -> tuple[
-        Resolved, list[Finding]]:
+# How a run that resumes is resolved (train/rundir.py `resumed_job`, which `check` cannot import: train imports
+# check): from the config and the resolver, the job and its plan.
+Resolution = tuple[Resolved, Plan | None]
+Resumed = Callable[[Config, Callable[[Config], Resolution]], Resolution]
+
+
+def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None,
+                 resumed: Resumed | None = None) -> tuple[Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on this machine
-    by default, resolved as `train` resolves it (`world` ranks when given, as --nproc is); returns (the resolved
+    by default, resolved as `train` resolves it (`world` ranks when given, as --nproc is; on this machine through
+    `resumed`, which `train` resolves a resumed run with: train/rundir.py `resumed_job`); returns (the resolved
     job, findings)."""
     if hw is None:
         nodes = 1
-        job, plan = resolve_here(cfg, nproc=world)
+
+        def here(c: Config) -> Resolution:
+            return resolve_here(c, nproc=world)
+
+        job, plan = resumed(cfg, here) if resumed is not None else here(cfg)
     else:  # every node like the one named: `world` ranks (default: a rank per GPU for multi-rank strategies)
         nodes = hw.nodes
         node = dataclasses.replace(hw, nodes=1)

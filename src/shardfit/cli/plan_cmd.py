@@ -286,8 +286,11 @@ def auto_choice(cfg: Config, plan: Any, job: Any) -> str:
     split = plan_for_split(cfg, job)
     rate = f", ~{split.step_s:.0f} s/step, {split.tokens_per_s:,.0f} tokens/s" \
         if split is not None and split.tokens_per_s and split.step_s else ""
-    lone = f"; {plan.recommended} with whole rows, in one process, trains {c.tokens_per_s:,.0f}" \
-        if plan.recommended and (c := plan.candidate(plan.recommended)) is not None and c.tokens_per_s else ""
+    a = plan.adjusted
+    lone = f"; {plan.recommended} with whole rows, in one process, trains {c.tokens_per_s:,.0f} tokens/s" \
+        if plan.recommended and (c := plan.candidate(plan.recommended)) is not None and c.tokens_per_s else \
+        f"; with whole rows only {a.strategy} with {a.what} fits, {a.tokens_per_s:,.0f} tokens/s" \
+        if not plan.recommended and a is not None and a.tokens_per_s else ""
     return (f"recommended: {job.strategy} with each row split over {job.sequence_parallel} GPUs "
             f"(sequence_parallel {job.sequence_parallel}{rate}), the job below, which train runs on these "
             f"{job.hardware.world} GPUs{lone}")
@@ -483,8 +486,9 @@ def run(args: argparse.Namespace) -> int:
         out["resolved"] = job.to_json()
         if plans_the_job(args, cfg):  # the table plans the job train resolves: recommend that job
             chosen = auto_choice(cfg, plan, job)
-            if chosen:  # the job, not the best strategy over whole rows, is what to run
-                table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
+            if chosen:  # the job, not the best strategy over whole rows (or a smaller micro-batch), is what to run
+                table = table.replace("\nrecommended: ", "\nbest strategy: ", 1).replace(
+                    "\nnothing fits as configured. recommended: ", "\nnothing fits as configured with whole rows: ", 1)
                 lines.append(chosen)
             if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
                 out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)

@@ -263,8 +263,11 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     any strategy auto may pick (nothing fits even at micro-batch 1, so a smaller batch cannot help), the smallest
     sequence_parallel of 2, 4, 8, ... that divides the ranks and the heads, passes the rules and makes the job
     fit; its plan and the reason. With the processes left to auto on one node, a row that fits only one process
-    (`_one_process_best`: model_parallel) is split too where that trains faster beyond the time model's precision
-    (TIE), so that the job is the one `--nproc` with every GPU runs. (1, survey, None) where the rows stay whole."""
+    (`_one_process_best`: model_parallel), at the config's micro-batch or, where nothing fits that whole, at
+    micro-batch 1, is split too where that trains faster beyond the time model's precision (TIE), so that the job
+    is the one `--nproc` with every GPU runs. Where it is not faster the rows stay whole; where that one process
+    fits only micro-batch 1, nothing fits as configured then (exit 3, the plan's adjusted recommendation says the
+    smaller micro-batch). (1, survey, None) where the rows stay whole."""
     world = (nproc if nproc is not None else local) * nnodes
     if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or pipelines.stages_of(cfg) != 1 or survey is None \
             or world < 2:
@@ -279,6 +282,12 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     if one_row is None or (_fitting(one_row, cfg.method, nproc, nnodes, local) and
                            _one_process_best(one_row, cfg.method, nproc, nnodes, local) is None):
         return 1, survey, None
+    # Nothing fits the config's micro-batch whole, but one process does at micro-batch 1 (the plan's adjusted
+    # recommendation): the split is weighed against that as against `lone`, and where it is no faster, the
+    # smaller micro-batch stays the fix (nothing fits: exit 3, with it).
+    smaller = lone is None and one_row is not survey
+    if smaller:
+        lone = _one_process_best(one_row, cfg.method, nproc, nnodes, local)
     shape = resolve_shape(cfg.model)  # the survey read it: known here
 
     def fitting(n: int) -> tuple[Plan, Candidate] | None:
@@ -294,10 +303,12 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
     if lone is not None:
         if not (pick.tokens_per_s and lone.tokens_per_s and pick.tokens_per_s > lone.tokens_per_s * (1 + TIE)):
             return 1, survey, None  # one process is as fast (or the time model cannot say): rows stay whole
+        at = (" at micro-batch 1", f"; micro_batch {cfg.micro_batch} fits no strategy with whole rows") \
+            if smaller else ("", "")
         return n, plan, (f"{SPLIT_WHY} -> {n}: one {cfg.max_seq_len:,}-token row fits a GPU only under "
-                         f"{lone.strategy} in one process ({lone.tokens_per_s:,.0f} tokens/s); split over {n} of the "
-                         f"{world} ranks it takes {pick.per_gpu_gib.total:.1f} GiB under {pick.strategy}, "
-                         f"{pick.tokens_per_s:,.0f} tokens/s; an optimizer step then takes "
+                         f"{lone.strategy} in one process{at[0]} ({lone.tokens_per_s:,.0f} tokens/s{at[1]}); split "
+                         f"over {n} of the {world} ranks it takes {pick.per_gpu_gib.total:.1f} GiB under "
+                         f"{pick.strategy}, {pick.tokens_per_s:,.0f} tokens/s; an optimizer step then takes "
                          f"micro_batch x grad_accum x {world // n} examples (set sequence_parallel or a strategy to "
                          "choose otherwise)")
     whole = min(c.per_gpu_gib.total for c in survey.candidates if c.applies)

@@ -178,7 +178,9 @@ class FineTune:
         self.job, self.plan = job_of_rank(self.cfg, env, self.job)
         require_same(env, self.job.decisions(), "the resolved job",
                      "The nodes resolved the job differently: start every node with the same shardfit, config and "
-                     "flags, on the same kind of GPUs.")
+                     "flags, on the same kind of GPUs, and with the same output_dir contents (a run that resumes "
+                     "may keep the job its run directory recorded: share output_dir between the nodes, or use "
+                     "resume: never).")
         self.cfg = cfg = settled(self.cfg, self.job)
         fast_fp32_matmuls(env.device, cfg.precision)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():

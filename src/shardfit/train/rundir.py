@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import yaml
@@ -24,8 +24,9 @@ import yaml
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config import Config
-from shardfit.errors import UserError
+from shardfit.errors import DoesNotFitError, UserError
 from shardfit.parallel.env import DistEnv
+from shardfit.resolve.job import Resolved
 from shardfit.resolve.pipeline import LOOPED
 
 LOCK = ".shardfit.lock"
@@ -111,12 +112,10 @@ def recorded_pipeline(cfg: Config) -> tuple[Config, str | None]:
 
 
 def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
-    """`strategy: auto` on a run that resumes: the pipeline (`recorded_pipeline`), and where the config also leaves
-    the row split to auto (sequence_parallel 1), the strategy and split its run directory recorded
-    (preflight.json's strategy, else summary.json's resolved one; config.yaml's sequence_parallel), with the lines
-    saying so. The choice auto makes for the same config changes as its rules do (one process's model_parallel
-    may now give way to rows split over every GPU), and another strategy or split changes the data-parallel ranks
-    and so the global batch, which the resume refuses (`claim`). `cfg` as the pipeline leaves it where nothing is
+    """`strategy: auto` on a run that resumes: the job its run directory recorded, which `resumed_job` falls back
+    to: the pipeline (`recorded_pipeline`), and where the config also leaves the row split to auto
+    (sequence_parallel 1), the strategy and split (preflight.json's strategy, else summary.json's resolved one;
+    config.yaml's sequence_parallel), with the lines saying so. `cfg` as the pipeline leaves it where nothing is
     to resume, a strategy is named, the split is set or the run's pipeline was another."""
     kept, line = recorded_pipeline(cfg)
     lines = [line] if line else []
@@ -135,6 +134,52 @@ def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
     lines.append(f"strategy auto -> {name}, sequence_parallel {sp}: kept from {run_dir}, the run this one resumes "
                  "(set a strategy to choose otherwise, or resume: never to start over)")
     return dataclasses.replace(kept, strategy=name, sequence_parallel=sp), lines
+
+
+T = TypeVar("T")
+
+
+def resumed_job(cfg: Config, resolve: Callable[[Config], tuple[Resolved, T]]) -> tuple[Resolved, T]:
+    """The job `cfg` runs, with what else `resolve` gives (its plan), as `resolve` resolves it anew, unless the
+    run it resumes would then be refused: auto's choice for the same config changes as its rules do (one
+    process's model_parallel may give way to rows split over every GPU), and another strategy, split or pipeline
+    changes the data-parallel ranks and so the global batch, which the resume refuses (`claim`). Only where the
+    job resolved anew changes run.json's global batch and the recorded job (`recorded_job`) keeps it is the
+    recorded one run, its reasons first in `why` (the launcher's log, summary.json, `check`). Where the recorded
+    job cannot run here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim`
+    says what differs."""
+    kept, lines = recorded_job(cfg)
+    if not lines:
+        return resolve(cfg)
+    run = read_run_file(Path(cfg.output_dir)) or {}
+    target = (run.get("fingerprint") or {}).get("global_batch_examples") if isinstance(run, dict) else None
+    fresh: tuple[Resolved, T] | DoesNotFitError | UserError
+    try:
+        fresh = resolve(cfg)
+    except (DoesNotFitError, UserError) as e:  # the recorded job may still fit and keep the run
+        fresh = e
+    if isinstance(fresh, tuple) and (not isinstance(target, int) or _global_batch(cfg, fresh[0]) == target):
+        return fresh
+    try:
+        recorded: tuple[Resolved, T] | None = resolve(kept)
+    except (DoesNotFitError, UserError):
+        recorded = None
+    if recorded is None or _global_batch(kept, recorded[0]) != target:
+        if not isinstance(fresh, tuple):
+            raise fresh
+        return fresh
+    job = recorded[0]
+    anew = (f"{fresh[0].strategy}, sequence_parallel {fresh[0].sequence_parallel}, pipeline_parallel "
+            f"{fresh[0].pipeline_parallel}, a global batch of {_global_batch(cfg, fresh[0])} examples"
+            if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
+    why = (f"resumed as recorded: the run in {cfg.output_dir} trains a global batch of {target} examples "
+           f"(run.json), which the recorded job keeps; resolved anew: {anew}")
+    return dataclasses.replace(job, why=(*lines, why, *job.why)), recorded[1]
+
+
+def _global_batch(cfg: Config, job: Resolved) -> int:
+    """Examples per optimizer step, as the run's fingerprint counts them (train/recipe.py)."""
+    return cfg.micro_batch * cfg.grad_accum * job.dims.dp
 
 
 def _read_record(path: Path, parse: Callable[[str], Any]) -> Any:
@@ -305,7 +350,8 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
             if longer is None:
                 diff = "; ".join(differences(previous.get("fingerprint") or {}, new))
                 raise UserError(f"output_dir {run_dir} holds a different run ({diff}). Its checkpoints are not "
-                                "this config's: use a new output_dir, or --set resume=never to start over there.")
+                                f"this config's: {_same_batch(previous.get('fingerprint') or {}, new, cfg)}use a "
+                                "new output_dir, or --set resume=never to start over there.")
     else:
         if previous is not None and previous.get("fingerprint") != new:
             longer = longer_schedule(run_dir, previous, new)
@@ -322,6 +368,19 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
                                 "its weights cannot load into this config.")
     (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": new}, indent=2))
     return longer
+
+
+def _same_batch(old: dict[str, Any], new: dict[str, Any], cfg: Config) -> str:
+    """Where only the global batch differs (other GPUs, processes or split: other data-parallel ranks), the
+    grad_accum that trains the recorded one on these ranks, when there is one; else nothing."""
+    was, now = old.get("global_batch_examples"), new.get("global_batch_examples")
+    if differences(old, new) != differences(old, new, ("global_batch_examples",)) \
+            or not isinstance(was, int) or not isinstance(now, int) or now % (cfg.micro_batch * cfg.grad_accum):
+        return ""
+    per_accum = cfg.micro_batch * now // (cfg.micro_batch * cfg.grad_accum)  # micro_batch x data-parallel ranks
+    if was % per_accum or was < per_accum:
+        return ""
+    return f"to resume it on these ranks, --set grad_accum={was // per_accum} (the run's {was} examples a step); "
 
 
 def record_length(run_dir: Path, steps: int, steps_per_epoch: int) -> None:
