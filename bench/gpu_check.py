@@ -240,7 +240,10 @@ def card() -> dict[str, Any]:
 PIECES = (*METHODS, "vl_lora", "speed-full", "speed-lora")
 # Runs outside the ten minutes, named with --only: the full fine-tune again with one input shape per run (every
 # micro-batch one row of micro_batch x seq tokens, flex attention's block mask, compiled blocks).
-EXTRA = {"speed-static": ("full", {"static_shape": True, "attn_implementation": "flex_attention", "compile": True})}
+# `speed-float8`: the same full fine-tune with FP8 matmuls (`float8: true`, torchao; an sm_89+ card), whose ratio to
+# `speed-full` is what the time model predicts (plan/timing.py); run them together: --only speed-full speed-float8.
+EXTRA = {"speed-static": ("full", {"static_shape": True, "attn_implementation": "flex_attention", "compile": True}),
+         "speed-float8": ("full", {"float8": True})}
 
 
 def check(out: Path, work: Path, assets: Path, scale: Scale, only: tuple[str, ...] = PIECES) -> dict[str, Any]:
@@ -283,6 +286,12 @@ def check(out: Path, work: Path, assets: Path, scale: Scale, only: tuple[str, ..
         if piece in only:
             report["speed"][piece.removeprefix("speed-")] = speed(method, text, long, work, scale, over, piece)
             save()
+    fp8, bf16 = (report["speed"].get(k, {}).get("shardfit", {}) for k in ("float8", "full"))
+    if fp8.get("ok") and bf16.get("ok"):
+        report["float8_over_bf16"] = {
+            "measured": round(fp8["train_tokens_per_s"] / bf16["train_tokens_per_s"], 3),
+            "predicted": round(fp8["predicted_tokens_per_s"] / bf16["predicted_tokens_per_s"], 3)
+            if fp8.get("predicted_tokens_per_s") and bf16.get("predicted_tokens_per_s") else None}
     save()
     return report
 
