@@ -16,7 +16,13 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.estimate import activation_bytes, lora_params
+from shardfit.plan.estimate import (
+    activation_bytes,
+    block_activation_bytes_per_token,
+    lora_params,
+    recompute_cast_bytes_per_token,
+    reference_activation_bytes,
+)
 from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import attention_flops_per_token, delta_rule_flops_per_token
@@ -149,3 +155,22 @@ def test_block_activations_match_saved_tensors(kind: str, method: str, dk: int) 
                  attention="flash")
     planned = (activation_bytes(shape, w, 2) - activation_bytes(shape, w, 1)) / 256
     assert planned == pytest.approx(measured, rel=0.05)
+
+
+def test_recomputed_block_is_the_gated_deltanet_block() -> None:
+    """Under checkpointing backward recomputes each block in turn, so its peak holds a Gated DeltaNet block's saved
+    tensors, not the mean of 3 DeltaNet blocks and 1 softmax block's (before, the plan held the mean: 15 % short on
+    Qwen3.5-9B). The reference's forward, one block at a time, peaks on the same block."""
+    measured = _saved_per_token(_block_config("linear_attention", 2, 64), "lora") - \
+        _saved_per_token(_block_config("linear_attention", 1, 64), "lora")
+    config = _block_config("linear_attention", 4, 64)
+    config.layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    shape = shape_from_config(config.to_dict(), "tiny")
+    assert shape.linear_layers == 3
+    w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=1, grad_ckpt="full", lora_rank=8,
+                 attention="flash")
+    # No checkpointed block: only the recomputed one, and its transient adapter-input cast.
+    recomputed = activation_bytes(shape, w, 0) / 256 - recompute_cast_bytes_per_token(shape, w, "single")
+    assert recomputed >= 0.97 * measured
+    assert recomputed > block_activation_bytes_per_token(shape, w)
+    assert reference_activation_bytes(shape, w, "single") / 256 - 2 * 2 * 256 == pytest.approx(recomputed)

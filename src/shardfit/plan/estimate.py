@@ -343,8 +343,11 @@ def autocast_fp32_master(w: Workload, strategy: str) -> bool:
     return w.method == "full" and runs_autocast(w, strategy)
 
 
-def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
-    """What autograd saves per token in one decoder block without checkpointing.
+def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single",
+                                     linear: bool | None = None) -> float:
+    """What autograd saves per token in one decoder block without checkpointing: the mean over the decoder's
+    blocks, or in a Gated DeltaNet hybrid one kind's (`linear`: True for a Gated DeltaNet block, False for a
+    softmax-attention block).
 
     Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
     RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the normalised value in the
@@ -410,13 +413,25 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # fp32 inputs of the q and k RMSNorms (and their 16-bit outputs where the norm weights train), the output
         # gate's input and its sigmoid, and the attention output the gate multiplies.
         attn += 4 * (q + kv) + 3 * a * q + (a * (q + kv) if w.method == "full" else 0)
-    if shape.linear_layers:  # the mean block: Gated DeltaNet blocks keep their delta rule's tensors instead
+    if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
         softmax = shape.layers - shape.linear_layers
         attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape)) / shape.layers
+    elif shape.linear_layers and linear:
+        attn = deltanet_saved_bytes_per_token(shape)
     if w.compile:
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
     return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
         mlp_activation_bytes_per_token(shape, w, strategy) + lora
+
+
+def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What the one block alive at a time saves per token (the block checkpointing recomputes, the reference's
+    forward): the mean block, or in a Gated DeltaNet hybrid the larger of its two kinds, as every block of each
+    kind is recomputed at some point of the backward."""
+    if not shape.linear_layers:
+        return block_activation_bytes_per_token(shape, w, strategy)
+    kinds = [True] + ([False] if shape.linear_layers < shape.layers else [])
+    return max(block_activation_bytes_per_token(shape, w, strategy, linear) for linear in kinds)
 
 
 def deltanet_saved_bytes_per_token(shape: ModelShape) -> float:
@@ -559,7 +574,8 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        return tokens * (layers * kept + per_block + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
+        recomputed = largest_block_activation_bytes_per_token(shape, w, strategy)
+        return tokens * (layers * kept + recomputed + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
             copies + held_mask_bytes(w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
 
@@ -915,7 +931,7 @@ def reference_activation_bytes(shape: ModelShape, w: Workload, strategy: str) ->
     save with gradients), beside its input in the residual stream and the last block's output, which the
     log-probabilities read. The policy's own forward starts after it, so the two never add up."""
     r = residual_bytes(w, strategy)
-    return w.tokens * (block_activation_bytes_per_token(shape, w, strategy) + 2 * r * shape.hidden)
+    return w.tokens * (largest_block_activation_bytes_per_token(shape, w, strategy) + 2 * r * shape.hidden)
 
 
 def reference_logits_bytes(shape: ModelShape, w: Workload) -> float:
