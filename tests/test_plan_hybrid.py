@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from shardfit.cli.main import main
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.plan.config_shape import shape_from_config
@@ -174,3 +175,26 @@ def test_recomputed_block_is_the_gated_deltanet_block() -> None:
     assert recomputed >= 0.97 * measured
     assert recomputed > block_activation_bytes_per_token(shape, w)
     assert reference_activation_bytes(shape, w, "single") / 256 - 2 * 2 * 256 == pytest.approx(recomputed)
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    ({"full_attention_interval": 0, "layer_types": None}, "full_attention_interval"),
+    ({"linear_num_value_heads": None}, "linear_num_value_heads"),
+    ({"linear_value_head_dim": "128"}, "linear_value_head_dim"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+])
+def test_bad_hybrid_config_values_are_a_message(change: dict, key: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """A hybrid's config.json with a 0 interval, a null or string size or layer_types of the wrong length is the
+    user's to fix: exit 2 naming the file and the key (before, transformers' strict-validation errors and the
+    ZeroDivisionError ended as 'a bug in shardfit', exit 1)."""
+    cfg = {**_tiny("qwen3_5_text").to_dict(), **change}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                                      if v is not None or k != "layer_types"}))
+    try:
+        code = main(["plan", "--model", str(tmp_path), "--gpus", "1x80GB", "--seq", "512"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "bug in shardfit" not in err and str(tmp_path) in err and key in err
