@@ -198,3 +198,14 @@ def test_bad_hybrid_config_values_are_a_message(change: dict, key: str, tmp_path
     err = capsys.readouterr().err
     assert code == 2, err
     assert "bug in shardfit" not in err and str(tmp_path) in err and key in err
+
+
+@pytest.mark.parametrize("model_type", ["flint", "laguna"])
+def test_ungated_shared_experts_have_no_gate(model_type: str, tmp_path: Path) -> None:
+    """Families whose shared experts are not gated (no shared_expert_gate in their modeling) count none, though
+    their configs name a shared_expert_intermediate_size (before, each MoE block gained a phantom hidden x 1
+    linear and its LoRA adapter)."""
+    shape = resolve_shape(str(_written_default(model_type, tmp_path)))
+    assert shape.shared_intermediate and shape.moe_layers
+    assert not shape.shared_gate
+    assert "shared_gate" not in [n for n, _, _ in shape.named_linears(True)]

@@ -43,6 +43,9 @@ EVERY_BLOCK_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
 # `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
 GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 FUSED_DELTANET_TYPES = ("qwen3_next",)
+# Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
+# their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
+SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -220,7 +223,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            shared_gate=bool(shared) and bool(text.get("shared_expert_intermediate_size")),
+            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES,
             **linear_attention_of(cfg, name, text, moe_layer_flags(text, layers, experts)))
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:
