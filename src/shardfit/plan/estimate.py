@@ -415,9 +415,9 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         attn += 4 * (q + kv) + 3 * a * q + (a * (q + kv) if w.method == "full" else 0)
     if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
         softmax = shape.layers - shape.linear_layers
-        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape)) / shape.layers
+        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
     elif shape.linear_layers and linear:
-        attn = deltanet_saved_bytes_per_token(shape)
+        attn = deltanet_saved_bytes_per_token(shape, w)
     if w.compile:
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
     return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
@@ -434,12 +434,14 @@ def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, str
     return max(block_activation_bytes_per_token(shape, w, strategy, linear) for linear in kinds)
 
 
-def deltanet_saved_bytes_per_token(shape: ModelShape) -> float:
+def deltanet_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     """What a Gated DeltaNet block's token mixing saves per token where softmax attention saves q, k, v, its output
-    and log-sum-exp: counted from transformers' chunked delta rule in PyTorch (torch_chunk_gated_delta_rule, what
-    runs where flash-linear-attention is not installed, as in shardfit's environment), which computes in fp32
-    whatever the weights' dtype, and checked against saved-tensor hooks on tiny Qwen3.5 blocks under bf16 autocast
-    (tests/test_plan_hybrid.py). Per value head (keys are repeated to the value heads), in bytes:
+    and log-sum-exp, for the kernel `w.delta_rule` names.
+
+    `torch`: counted from transformers' chunked delta rule in PyTorch (torch_chunk_gated_delta_rule, what runs
+    where flash-linear-attention is not installed), which computes in fp32 whatever the weights' dtype, and checked
+    against saved-tensor hooks on tiny Qwen3.5 blocks under bf16 autocast (tests/test_plan_hybrid.py). Per value
+    head (keys are repeated to the value heads), in bytes:
     - `14 C`: per chunk of C tokens two fp32 C x C matrices (the pairwise decays and the chunk's scores) and
       autocast's 16-bit copies of two for their matmuls;
     - `38 dk`: q and k normalised, and the decayed keys, in fp32 over the sequence and again in chunks, and the
@@ -448,12 +450,21 @@ def deltanet_saved_bytes_per_token(shape: ModelShape) -> float:
       norm's fp32 input, gate and normalised value, and out_proj's 16-bit input;
     - `12 dk dv / C`: the running state each chunk reads (fp32) and the 16-bit copies its matmuls make;
     - 32 for the per-head decay, beta and their cumulative sums;
-    plus the depthwise convolution's 16-bit input and output over q, k and v (`4` bytes per channel). fla's fused
-    kernel, where installed, keeps far less (q, k, v, gates and one C-wide matrix per head): this is the larger
-    count."""
+    plus the depthwise convolution's 16-bit input and output over q, k and v (`4` bytes per channel).
+
+    `fla`: flash-linear-attention's chunk_gated_delta_rule keeps, per the design of its autograd function (its
+    backward recomputes the chunks' products), the l2-normalised q and k and v in the compute dtype, the fp32
+    cumulative decay, beta, the fp32 reciprocal norms of q and k, and the chunk's solved C-wide triangular matrix
+    in the compute dtype; what the block does around the kernel (the decay and beta, the gated norm, out_proj's
+    input: `16 dv + 32`, and the convolution) as the torch count. Not measured here (fla needs a GPU): a count from
+    the kernel's published design."""
     c, dk, dv = DELTA_CHUNK, shape.linear_k_dim, shape.linear_v_dim
     channels = 2 * shape.linear_k_heads * dk + shape.linear_v_heads * dv
-    per_head = 14 * c + 38 * dk + 28 * dv + 12 * dk * dv / c + 32
+    if w.delta_rule == "fla":
+        a = compute_bytes(w)
+        per_head = a * (2 * dk + dv + c + 1) + 4 + 8 + 16 * dv + 32
+    else:
+        per_head = 14 * c + 38 * dk + 28 * dv + 12 * dk * dv / c + 32
     return shape.linear_v_heads * per_head + 4 * channels
 
 
