@@ -14,10 +14,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from shardfit import kernels
+from shardfit import kernels, strategy
 from shardfit.cli.main import main
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora
+from shardfit.plan.cards import card_of
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import (
     activation_bytes,
@@ -38,6 +39,7 @@ from shardfit.plan.timing import (
     attention_flops_per_token,
     delta_rule_flops_per_token,
     host_dispatch_s,
+    reference_work,
 )
 from shardfit.plan.workload import Workload
 from shardfit.train.loss import CausalLMLoss
@@ -244,6 +246,22 @@ def test_torch_delta_rule_dispatches_each_chunk(tmp_path: Path) -> None:
     assert host(8192, "torch") - host(4096, "torch") == pytest.approx(64 * per_chunk)
     assert host(4096, "torch") - host(4096, "fla") == pytest.approx(64 * per_chunk)
     assert host(4096, "torch", "none") < host(4096, "torch")  # nothing recomputed
+
+
+def test_torch_delta_rule_reference_forward_dispatches_each_chunk(tmp_path: Path) -> None:
+    """DPO's reference forward runs the fallback's chunk loop too, forward only: its host time grows with the
+    sequence by DELTA_CHUNK_OPS' forward count per chunk and DeltaNet block."""
+    shape, card, single = _q35_9b(tmp_path), card_of(parse_gpus("1xH200")), strategy.get("single")
+
+    def host(seq: int, kernel: str) -> float:
+        w = Workload(method="lora", seq_len=seq, attention="flash", objective="dpo", delta_rule=kernel)
+        return reference_work(shape, w, card, single).host
+
+    (fk, fv), _ = DELTA_CHUNK_OPS[True]
+    per_chunk = 24 * (fk * DISPATCH_KERNEL_S + fv * DISPATCH_VIEW_S)
+    assert host(4096, "fla") == host(2048, "fla")
+    # 32 more chunks per row; the pair's two rows run side by side, through the same loop
+    assert host(4096, "torch") - host(2048, "torch") == pytest.approx(32 * per_chunk)
 
 
 def test_delta_rule_chunk_ops_are_counted() -> None:

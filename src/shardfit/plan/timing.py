@@ -796,7 +796,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     at the training utilization, QLoRA's dequantization of each weight once more; on a GPU no faster than its
     matmuls plus its non-matmul bytes (the frozen base's forward part, FWD_SHARE of a step without recomputation:
     a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
-    (REFERENCE_LAYER_OPS) with the forward's share of the engine's per-block work."""
+    (REFERENCE_LAYER_OPS, and the forward of the torch Gated DeltaNet's chunk loop, DELTA_CHUNK_OPS) with the
+    forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = shape.decoder_linear_params() * dequant_per_use(w)[2] / card.hbm
     compute = flops / card.peak(w.precision) + dequant
@@ -814,6 +815,10 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
     ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
+    if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
+        (ck, cv), _ = DELTA_CHUNK_OPS[autocast]
+        chunks = shape.linear_layers * -(-w.row_len // DELTA_CHUNK)
+        ops += chunks * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)
     return GpuWork(compute, ops + FWD_SHARE * engine_host_s(shape, w, s))
 
 
