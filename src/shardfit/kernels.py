@@ -5,6 +5,7 @@ version, not from torch itself."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 from importlib import metadata
 
@@ -28,3 +29,22 @@ def widening_matmul_in_torch() -> bool:
     `widening_matmul` tries it on the device)."""
     version = _torch_version()
     return version is not None and version >= WIDENING_MATMUL_SINCE
+
+
+# The first flash-linear-attention transformers calls (transformers' is_flash_linear_attention_available).
+FLA_SINCE = (0, 2, 2)
+
+
+@functools.cache
+def delta_rule_kernel() -> str:
+    """Which Gated DeltaNet kernel transformers runs here on a GPU (Qwen3.5's and Qwen3-Next's linear-attention
+    blocks): `fla` where flash-linear-attention (the `fla` package, 0.2.2 or later) is installed, its fused
+    chunk_gated_delta_rule; else `torch`, transformers' torch_chunk_gated_delta_rule, a Python loop over the
+    sequence's chunks. Read as transformers reads it (the package and its version), without importing torch."""
+    if importlib.util.find_spec("fla") is None:
+        return "torch"
+    try:
+        found = re.match(r"(\d+)\.(\d+)\.(\d+)", metadata.version("flash-linear-attention"))
+    except metadata.PackageNotFoundError:
+        return "fla"  # a source checkout without package metadata
+    return "fla" if found is None or tuple(int(x) for x in found.groups()) >= FLA_SINCE else "torch"

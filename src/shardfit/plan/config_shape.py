@@ -43,6 +43,9 @@ EVERY_BLOCK_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
 # `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
 GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 FUSED_DELTANET_TYPES = ("qwen3_next",)
+# Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
+# their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
+SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -122,11 +125,31 @@ def built_config(cfg: dict[str, Any], name: str) -> Any:
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "auto_map")}
     try:
         return CONFIG_MAPPING[model_type](**fields)
-    # RuntimeError: a class that reads one global value of a key the file's per_layer_config varies by block
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+    # RuntimeError: a class that reads one global value of a key the file's per_layer_config varies by block;
+    # ZeroDivisionError: a class that lays its blocks out every N-th by a key the file sets to 0
+    # (full_attention_interval); strict dataclass errors: transformers 5's typed config fields and validators.
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError,
+            *_strict_config_errors()) as e:
+        zeros = [k for k, v in fields.items() if v == 0 and type(v) is int and k.endswith(COUNT_KEY_ENDINGS)]
+        named = f" (a count set to 0: {', '.join(zeros)})" if isinstance(e, ZeroDivisionError) and zeros else ""
         raise UserError(f"{name}: transformers' {CONFIG_MAPPING[model_type].__name__} cannot be built from this "
-                        f"config.json ({type(e).__name__}: {e}), so the model would not load either: fix or remove "
-                        f"the key it names (or list the blocks' layer_types, as published configs do).") from None
+                        f"config.json ({type(e).__name__}: {e}){named}, so the model would not load either: fix or "
+                        f"remove the key it names (or list the blocks' layer_types, as published configs do).") \
+            from None
+
+
+# How the keys of counts end (a layout every N-th block, heads, sizes): what a 0 that divides names.
+COUNT_KEY_ENDINGS = ("_interval", "_heads", "_dim", "_size", "_layers", "_step", "_experts")
+
+
+def _strict_config_errors() -> tuple[type[Exception], ...]:
+    """The errors transformers' strict config classes raise for a field of the wrong type or a failed validator
+    (huggingface_hub's StrictDataclassError; none where this huggingface_hub has no strict dataclasses)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def unbuilt_layout(text: dict[str, Any], layers: Any) -> AttentionLayout:
@@ -200,7 +223,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            shared_gate=bool(shared) and bool(text.get("shared_expert_intermediate_size")),
+            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES,
             **linear_attention_of(cfg, name, text, moe_layer_flags(text, layers, experts)))
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:

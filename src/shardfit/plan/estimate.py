@@ -343,8 +343,11 @@ def autocast_fp32_master(w: Workload, strategy: str) -> bool:
     return w.method == "full" and runs_autocast(w, strategy)
 
 
-def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
-    """What autograd saves per token in one decoder block without checkpointing.
+def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single",
+                                     linear: bool | None = None) -> float:
+    """What autograd saves per token in one decoder block without checkpointing: the mean over the decoder's
+    blocks, or in a Gated DeltaNet hybrid one kind's (`linear`: True for a Gated DeltaNet block, False for a
+    softmax-attention block).
 
     Counted from transformers' Llama/Qwen2 blocks with saved-tensor hooks (tests/test_plan.py measures it):
     RMSNorm upcasts its input to fp32 and keeps it (and, when the norm weight trains, the normalised value in the
@@ -410,21 +413,35 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # fp32 inputs of the q and k RMSNorms (and their 16-bit outputs where the norm weights train), the output
         # gate's input and its sigmoid, and the attention output the gate multiplies.
         attn += 4 * (q + kv) + 3 * a * q + (a * (q + kv) if w.method == "full" else 0)
-    if shape.linear_layers:  # the mean block: Gated DeltaNet blocks keep their delta rule's tensors instead
+    if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
         softmax = shape.layers - shape.linear_layers
-        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape)) / shape.layers
+        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
+    elif shape.linear_layers and linear:
+        attn = deltanet_saved_bytes_per_token(shape, w)
     if w.compile:
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
     return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
         mlp_activation_bytes_per_token(shape, w, strategy) + lora
 
 
-def deltanet_saved_bytes_per_token(shape: ModelShape) -> float:
+def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What the one block alive at a time saves per token (the block checkpointing recomputes, the reference's
+    forward): the mean block, or in a Gated DeltaNet hybrid the larger of its two kinds, as every block of each
+    kind is recomputed at some point of the backward."""
+    if not shape.linear_layers:
+        return block_activation_bytes_per_token(shape, w, strategy)
+    kinds = [True] + ([False] if shape.linear_layers < shape.layers else [])
+    return max(block_activation_bytes_per_token(shape, w, strategy, linear) for linear in kinds)
+
+
+def deltanet_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     """What a Gated DeltaNet block's token mixing saves per token where softmax attention saves q, k, v, its output
-    and log-sum-exp: counted from transformers' chunked delta rule in PyTorch (torch_chunk_gated_delta_rule, what
-    runs where flash-linear-attention is not installed, as in shardfit's environment), which computes in fp32
-    whatever the weights' dtype, and checked against saved-tensor hooks on tiny Qwen3.5 blocks under bf16 autocast
-    (tests/test_plan_hybrid.py). Per value head (keys are repeated to the value heads), in bytes:
+    and log-sum-exp, for the kernel `w.delta_rule` names.
+
+    `torch`: counted from transformers' chunked delta rule in PyTorch (torch_chunk_gated_delta_rule, what runs
+    where flash-linear-attention is not installed), which computes in fp32 whatever the weights' dtype, and checked
+    against saved-tensor hooks on tiny Qwen3.5 blocks under bf16 autocast (tests/test_plan_hybrid.py). Per value
+    head (keys are repeated to the value heads), in bytes:
     - `14 C`: per chunk of C tokens two fp32 C x C matrices (the pairwise decays and the chunk's scores) and
       autocast's 16-bit copies of two for their matmuls;
     - `38 dk`: q and k normalised, and the decayed keys, in fp32 over the sequence and again in chunks, and the
@@ -433,12 +450,21 @@ def deltanet_saved_bytes_per_token(shape: ModelShape) -> float:
       norm's fp32 input, gate and normalised value, and out_proj's 16-bit input;
     - `12 dk dv / C`: the running state each chunk reads (fp32) and the 16-bit copies its matmuls make;
     - 32 for the per-head decay, beta and their cumulative sums;
-    plus the depthwise convolution's 16-bit input and output over q, k and v (`4` bytes per channel). fla's fused
-    kernel, where installed, keeps far less (q, k, v, gates and one C-wide matrix per head): this is the larger
-    count."""
+    plus the depthwise convolution's 16-bit input and output over q, k and v (`4` bytes per channel).
+
+    `fla`: flash-linear-attention's chunk_gated_delta_rule keeps, per the design of its autograd function (its
+    backward recomputes the chunks' products), the l2-normalised q and k and v in the compute dtype, the fp32
+    cumulative decay, beta, the fp32 reciprocal norms of q and k, and the chunk's solved C-wide triangular matrix
+    in the compute dtype; what the block does around the kernel (the decay and beta, the gated norm, out_proj's
+    input: `16 dv + 32`, and the convolution) as the torch count. Not measured here (fla needs a GPU): a count from
+    the kernel's published design."""
     c, dk, dv = DELTA_CHUNK, shape.linear_k_dim, shape.linear_v_dim
     channels = 2 * shape.linear_k_heads * dk + shape.linear_v_heads * dv
-    per_head = 14 * c + 38 * dk + 28 * dv + 12 * dk * dv / c + 32
+    if w.delta_rule == "fla":
+        a = compute_bytes(w)
+        per_head = a * (2 * dk + dv + c + 1) + 4 + 8 + 16 * dv + 32
+    else:
+        per_head = 14 * c + 38 * dk + 28 * dv + 12 * dk * dv / c + 32
     return shape.linear_v_heads * per_head + 4 * channels
 
 
@@ -559,7 +585,8 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        return tokens * (layers * kept + per_block + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
+        recomputed = largest_block_activation_bytes_per_token(shape, w, strategy)
+        return tokens * (layers * kept + recomputed + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
             copies + held_mask_bytes(w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
 
@@ -915,7 +942,7 @@ def reference_activation_bytes(shape: ModelShape, w: Workload, strategy: str) ->
     save with gradients), beside its input in the residual stream and the last block's output, which the
     log-probabilities read. The policy's own forward starts after it, so the two never add up."""
     r = residual_bytes(w, strategy)
-    return w.tokens * (block_activation_bytes_per_token(shape, w, strategy) + 2 * r * shape.hidden)
+    return w.tokens * (largest_block_activation_bytes_per_token(shape, w, strategy) + 2 * r * shape.hidden)
 
 
 def reference_logits_bytes(shape: ModelShape, w: Workload) -> float:

@@ -17,7 +17,7 @@ from shardfit.config.support import trainable_methods
 from shardfit.plan.estimate import Candidate, estimate, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
-from shardfit.plan.timing import reference_pass_s, step_time
+from shardfit.plan.timing import delta_rule_chunk_ops, reference_pass_s, step_time
 from shardfit.plan.workload import Workload
 from shardfit.strategy import NAMES, SPEED_ORDER
 
@@ -289,7 +289,7 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
-                objective_notes(shape, w, hw, cands, best),
+                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w),
                 same_result(shape, w, hw, strategies) if best is None else None)
 
 
@@ -322,6 +322,19 @@ def objective_notes(shape: ModelShape, w: Workload, hw: Hardware, cands: list[Ca
     return [*notes, f"reference: log-probabilities computed once before step 1 (one forward without gradients "
                     f"over the data:{per_1k} not in step_s); no second copy of the weights and nothing added to "
                     "the step's memory"]
+
+
+def delta_rule_notes(shape: ModelShape, w: Workload) -> list[str]:
+    """Where a Gated DeltaNet hybrid is planned for transformers' torch fallback (flash-linear-attention is not
+    installed where the plan runs, workload.py `delta_rule`): what it costs and how to get the fused kernels."""
+    if not shape.linear_layers or w.delta_rule != "torch":
+        return []
+    kernels, _ = delta_rule_chunk_ops(w)
+    return [f"the {shape.linear_layers} Gated DeltaNet blocks are planned with transformers' torch fallback "
+            "(flash-linear-attention is not installed here): a Python loop over each row's 64-token chunks, "
+            f"{kernels * shape.linear_layers:,.0f} more kernel launches per micro-batch, and fp32 chunk tensors "
+            "saved for backward; `pip install flash-linear-attention causal-conv1d` (on the GPU machine, then plan "
+            "again there) for the fused kernels"]
 
 
 def _duration(s: float) -> str:

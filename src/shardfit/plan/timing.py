@@ -120,6 +120,10 @@ LAYER_OPS: dict[tuple[str, bool, bool], tuple[int, int, int]] = {
 # Dropout on the adapters (lora7, lora_dropout 0.05): extra kernels per adapted linear, by checkpointing.
 DROPOUT_OPS = {False: (222 - 187) / 7, True: (324 - 261) / 7}
 FIXED_OPS = (50, 25)  # embedding, final norm, head and loss, once per micro-batch (kernels, views)
+# transformers' torch Gated DeltaNet (`delta_rule: torch`): what each DELTA_CHUNK-token chunk of a row adds to one
+# DeltaNet block (kernels, views), counted by bench/delta_rule_ops.py (torch 2.13, transformers 5.23), keyed by
+# autocast: (forward, forward + backward). Its Python loop over the chunks dispatches them one by one.
+DELTA_CHUNK_OPS = {True: ((21, 24), (64, 46)), False: ((13, 24), (45, 46))}
 # The reference forward of DPO/KTO with the adapters switched off (peft's disable_adapter, under torch.no_grad): the
 # aten ops of one decoder layer and of the rest of the model (kernels, views), keyed by autocast, counted as
 # bench/dispatch_ops.py counts a step (its OpCounter over tiny Llama models of 1 and 2 layers, the difference per
@@ -256,8 +260,9 @@ def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
 
 
 def delta_rule_flops_per_token(shape: ModelShape) -> float:
-    """Forward FLOPs per token of one Gated DeltaNet block's token mixing (fla's chunk_gated_delta_rule, the
-    kernel transformers calls where it is installed; its torch fallback does the same products). Per value head
+    """Forward FLOPs per token of one Gated DeltaNet block's token mixing (fla's chunk_gated_delta_rule where it is
+    installed, or transformers' torch fallback, which does the same products as a loop over the chunks: its
+    host cost, chunk by chunk, is `delta_rule_chunk_ops`'s). Per value head
     (the key heads are repeated to the value heads), 2 FLOPs per multiply-add: inside a `DELTA_CHUNK`-token chunk
     three products of C x dk (K K^T, the WY transform's decayed keys, the queries' scores against the chunk's keys)
     and two of C x dv (the transform's values, the scores times the corrected values); across chunks three of
@@ -410,6 +415,10 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
     k, v = dispatch_ops_per_layer(w)
     kernels = shape.layers * k + FIXED_OPS[0]
     views = shape.layers * v + (0 if w.compile else FIXED_OPS[1])
+    if shape.linear_layers and w.delta_rule == "torch":
+        dk, dv = delta_rule_chunk_ops(w)
+        kernels += shape.linear_layers * dk
+        views += shape.linear_layers * dv
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
         autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
@@ -417,6 +426,18 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
         kernels += extra * ck
         views += extra * cv
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
+
+
+def delta_rule_chunk_ops(w: Workload) -> tuple[float, float]:
+    """(kernels, views) the torch Gated DeltaNet's chunk loop adds to one DeltaNet block of one micro-batch: each
+    row's `ceil(row_len / DELTA_CHUNK)` chunks (the rows of a micro-batch run side by side), forward and backward,
+    and the forward again where checkpointing recomputes the block (selective checkpointing too: it keeps only
+    `mm`s, and the loop's products are `bmm`s)."""
+    autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocast]
+    again = w.grad_ckpt != "none"
+    chunks = -(-w.row_len // DELTA_CHUNK)
+    return chunks * (sk + (fk if again else 0)), chunks * (sv + (fv if again else 0))
 
 
 def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
@@ -775,7 +796,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     at the training utilization, QLoRA's dequantization of each weight once more; on a GPU no faster than its
     matmuls plus its non-matmul bytes (the frozen base's forward part, FWD_SHARE of a step without recomputation:
     a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
-    (REFERENCE_LAYER_OPS) with the forward's share of the engine's per-block work."""
+    (REFERENCE_LAYER_OPS, and the forward of the torch Gated DeltaNet's chunk loop, DELTA_CHUNK_OPS) with the
+    forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = shape.decoder_linear_params() * dequant_per_use(w)[2] / card.hbm
     compute = flops / card.peak(w.precision) + dequant
@@ -793,6 +815,10 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
     ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
+    if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
+        (ck, cv), _ = DELTA_CHUNK_OPS[autocast]
+        chunks = shape.linear_layers * -(-w.row_len // DELTA_CHUNK)
+        ops += chunks * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)
     return GpuWork(compute, ops + FWD_SHARE * engine_host_s(shape, w, s))
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config import Config
-from shardfit.kernels import widening_matmul_in_torch
+from shardfit.kernels import delta_rule_kernel, widening_matmul_in_torch
 
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
 # in three generations: see `Workload.loss`.
@@ -158,6 +158,11 @@ class Workload:
     # The decoder blocks' linear layers as torchao's Float8Linear (`float8: true`): their matmuls at the card's FP8
     # rate, plus the casts to FP8 (plan/timing.py `float8_s`).
     float8: bool = False
+    # The Gated DeltaNet kernel of Qwen3.5's and Qwen3-Next's linear-attention blocks (kernels.py
+    # `delta_rule_kernel`, what is installed where the plan runs): `fla`, flash-linear-attention's fused kernel, or
+    # `torch`, transformers' fallback, which saves the chunks' fp32 tensors (plan/estimate.py
+    # `deltanet_saved_bytes_per_token`) and dispatches its ops chunk by chunk (plan/timing.py `host_dispatch_s`).
+    delta_rule: str = dataclasses.field(default_factory=delta_rule_kernel)
 
     @property
     def bnb(self) -> bool:
