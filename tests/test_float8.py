@@ -18,7 +18,14 @@ from shardfit.check.config_rules import float8_rules
 from shardfit.check.run import check_config
 from shardfit.config import load_config
 from shardfit.errors import UserError
-from shardfit.parallel.float8 import convert_to_float8, convertible, float8_linears, require_fp8_device
+from shardfit.models.nf4 import to_nf4
+from shardfit.parallel.float8 import (
+    convert_to_float8,
+    convertible,
+    float8_config,
+    float8_linears,
+    require_fp8_device,
+)
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
@@ -67,6 +74,30 @@ def test_convertible_skips_routers_adapters_and_odd_dims() -> None:
     assert not convertible(nn.Linear(32, 16), "self_attn.q_proj.lora_A.default")
     assert not convertible(nn.Linear(24, 64), "self_attn.q_proj")  # torchao's FP8 matmul: multiples of 16
     assert not convertible(nn.Linear(32, 40), "self_attn.q_proj")
+
+
+def test_convertible_skips_an_nf4_weight() -> None:
+    layer = nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+    layer.weight = nn.Parameter(to_nf4(layer.weight.detach(), torch.bfloat16), requires_grad=False)
+    assert type(layer) is nn.Linear and not convertible(layer, "self_attn.q_proj")  # NF4 has no FP8 cast
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_gpu_config_runs_a_token_count_off_16(frozen: bool) -> None:
+    """The meta device applies torch._scaled_mm's GPU checks (emulation skips them): the weight gradient's inner
+    dimension is the micro-batch's tokens, 100 here, which torchao must pad to 16. torchao computes that gradient for
+    a frozen weight (a LoRA base layer) too."""
+    from torchao.float8 import convert_to_float8_training
+
+    config = float8_config(torch.device("cuda"))
+    assert not config.emulate
+    model = nn.Sequential(nn.Linear(64, 128, bias=False, device="meta", dtype=torch.bfloat16))
+    model[0].weight.requires_grad_(not frozen)
+    convert_to_float8_training(model, config=config)
+    x = torch.empty(100, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = model(x)
+    y.backward(torch.empty_like(y))
+    assert x.grad is not None and x.grad.shape == x.shape
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
