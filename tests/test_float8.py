@@ -130,6 +130,19 @@ def test_train_refuses_what_float8_cannot_run(tmp_path: Path, tiny_llama: Path, 
     assert rule in err and "float8: false" in err and fix in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("over,rule", [({"method": "qlora"}, "float8_with_4bit_weights"),
+                                       ({"precision": "fp32"}, "float8_needs_bf16")])
+def test_train_under_an_external_launcher_refuses_too(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                     over: dict, rule: str) -> None:
+    """torchrun or srun start each rank with RANK and WORLD_SIZE set: `train` then skips its own pre-launch checks,
+    so the rank must refuse by itself (exit 2), not crash in torchao."""
+    env = {"OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29517"}
+    r = run_cli("train", str(_cfg(tmp_path, tiny_llama, small_data, **over)), env=env)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert rule in r.stderr and "float8: false" in r.stderr and "a bug in shardfit" not in r.stderr
+
+
 def test_check_refuses_float8_on_a_card_without_fp8(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     cfg = load_config(_cfg(tmp_path, tiny_llama, small_data))
     _, found = check_config(cfg, 1, parse_gpus("1xA100"))
