@@ -224,6 +224,10 @@ def test_a_gpu_below_sm89_is_refused_when_the_run_starts(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
     require_fp8_device(torch.device("cuda", 0))
     require_fp8_device(torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: its capability numbers are not NVIDIA's
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    with pytest.raises(UserError, match="NVIDIA GPUs only.*float8: false"):
+        require_fp8_device(torch.device("cuda", 0))
 
 
 def test_plan_cli_says_fp8_and_warns_on_a_card_without_it(capsys: pytest.CaptureFixture) -> None:

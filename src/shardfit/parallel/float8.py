@@ -46,7 +46,12 @@ def float8_linears(model: nn.Module) -> list[str]:
 
 
 def require_fp8_device(device: torch.device) -> None:
-    """A CUDA device without FP8 tensor cores cannot run torchao's FP8 matmul (exit 2); a CPU emulates it."""
+    """A CUDA device without FP8 tensor cores cannot run torchao's FP8 matmul (exit 2); a CPU emulates it. ROCm
+    reports its own architecture numbers as a capability (MI250X, without FP8, as 9.0), so an AMD GPU is refused by
+    name, as check refuses it (plan/cards.py NO_FP8_AMD)."""
+    if device.type == "cuda" and torch.version.hip:
+        raise UserError(f"config key float8: true on {torch.cuda.get_device_name(device)}: shardfit's FP8 path is "
+                        "tried on NVIDIA GPUs only (Ada, Hopper, Blackwell), not on ROCm. Fix: float8: false.")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(f"config key float8: true needs a GPU of compute capability 8.9 or newer (Ada, Hopper, "
