@@ -261,6 +261,10 @@ def test_check_warns_when_float8_runs_uncompiled(tmp_path: Path, tiny_llama: Pat
 
     assert rules() == []  # compile: auto compiles a float8 run on a GPU
     assert rules(compile=False) == ["float8_uncompiled"]
+    cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, name="c1"))
+    job, _ = check_config(cfg, 1, parse_gpus("1xH100"))
+    split = float8_rules(cfg, dataclasses.replace(job, compile=False, sequence_parallel=2))
+    assert [f.rule for f in split] == ["float8_uncompiled"] and split[0].fix.startswith("float8: false")
 
 
 def test_axolotl_fp8_is_planned_as_float8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

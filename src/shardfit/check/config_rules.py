@@ -121,6 +121,8 @@ def float8_rules(cfg: Config, job: Resolved) -> list[Finding]:
                 "float8: true with the decoder blocks uncompiled: torchao's casts to FP8 then run as separate "
                 "kernels (about 33 bytes moved per element instead of 5 fused), which costs more than the FP8 "
                 "matmuls save: the plan predicts it slower than bf16 (shardfit plan --float8 without --compile)",
+                # sequence parallelism compiles nothing (resolve/sequence.py refuses compile: true)
+                FLOAT8_OFF.removeprefix("or ") if job.sequence_parallel > 1 else
                 f"compile: auto (compiles with float8 on a GPU) or true, {FLOAT8_OFF}"))
     if importlib.util.find_spec("torchao") is None:
         out.append(Finding("float8_needs_torchao", "error", where,
