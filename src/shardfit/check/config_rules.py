@@ -9,7 +9,7 @@ from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.config.support import TORCHAO_HINT
-from shardfit.plan.cards import card_of
+from shardfit.plan.cards import card_of, no_fp8_reason
 from shardfit.resolve import Resolved
 from shardfit.strategy import Strategy
 
@@ -72,7 +72,8 @@ def float8_rules(cfg: Config, job: Resolved) -> list[Finding]:
     """`float8: true` where it cannot train: 4-bit weights (torchao's Float8Linear takes a plain nn.Linear), a
     precision other than bf16 (its casts start from and return to bf16), pipeline stages (not carried through the
     stage split), a GPU without FP8 tensor cores (compute capability below 8.9: the card's row in plan/cards.yaml
-    has no `fp8` rate), torchao missing. On a CPU a note: emulated, only a test of the numerics."""
+    has no `fp8` rate), torchao missing; a warning when the blocks run uncompiled on a GPU (the casts then cost
+    more than FP8 saves). On a CPU a note: emulated, only a test of the numerics."""
     if not cfg.float8:
         return []
     where = "config: float8"
@@ -105,15 +106,24 @@ def float8_rules(cfg: Config, job: Resolved) -> list[Finding]:
         if card.fp8_flops is None and card.assumed is None:
             out.append(Finding(
                 "float8_unsupported_gpu", "error", where,
-                f"float8: true on {name}: the card has no FP8 tensor cores (compute capability below 8.9; FP8 "
-                "matmuls start with Ada, sm_89, and Hopper, sm_90)",
+                f"float8: true on {name}: {no_fp8_reason(card.key)}",
                 f"train on an Ada, Hopper or Blackwell GPU (L40S, RTX 4090, H100, H200, B200), {FLOAT8_OFF}"))
         elif card.fp8_flops is None:
             out.append(Finding(
                 "float8_card_unknown", "warning", where,
                 f"float8: true on an unnamed card planned as {card.key.upper()}, which has no FP8 tensor cores: "
                 "the run refuses on a GPU of compute capability below 8.9",
-                "name the card (e.g. --gpus 8xH100) to check it, " + FLOAT8_OFF))
+                "check names the card with --gpus (e.g. --gpus 8xH100); train checks the device's compute capability "
+                "itself when the run starts; " + FLOAT8_OFF))
+        elif not job.compile:
+            out.append(Finding(
+                "float8_uncompiled", "warning", where,
+                "float8: true with the decoder blocks uncompiled: torchao's casts to FP8 then run as separate "
+                "kernels (about 33 bytes moved per element instead of 5 fused), which costs more than the FP8 "
+                "matmuls save: the plan predicts it slower than bf16 (shardfit plan --float8 without --compile)",
+                # sequence parallelism compiles nothing (resolve/sequence.py refuses compile: true)
+                FLOAT8_OFF.removeprefix("or ") if job.sequence_parallel > 1 else
+                f"compile: auto (compiles with float8 on a GPU) or true, {FLOAT8_OFF}"))
     if importlib.util.find_spec("torchao") is None:
         out.append(Finding("float8_needs_torchao", "error", where,
                            "float8: true needs torchao for its FP8 linear layers, and it is not installed",

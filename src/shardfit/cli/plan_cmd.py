@@ -35,6 +35,7 @@ from shardfit.plan.pipeline import LAYOUT_HEADER
 from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
+from shardfit.plan.timing import float8_applies
 from shardfit.plan.workload import (
     ATTENTIONS,
     LOSSES,
@@ -99,9 +100,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="qlora: what dequantizes the 4-bit weights for each matmul: torchao (shardfit's, eager ops; "
                         "default) or bnb (bitsandbytes' fused kernel, as HF Trainer / TRL / LLaMA-Factory / axolotl "
                         "runs): sets the dequantization's time and temporary")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile over each block: inductor saves fewer activations (default: the config's "
-                        "compile, off with --model)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile over each block: inductor saves fewer activations and fuses float8's casts "
+                        "(default: the config's compile, off with --model; on a GPU on with float8, as train's "
+                        "compile: auto)")
     p.add_argument("--float8", action="store_true", default=None,
                    help="FP8 matmuls in the decoder blocks' linear layers (torchao float8 training, sm_89+ GPUs): "
                         "their FLOPs at the card's FP8 rate, plus the casts (default: the config's float8)")
@@ -458,6 +460,9 @@ def run(args: argparse.Namespace) -> int:
         plan.alternatives = [split, *(plan.alternatives or [])]
     if args.model and not args.config and args.grad_ckpt is None:
         plan.notes.append(MODEL_DEFAULT_NOTE)
+    if w.float8 and (args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)) not in (1, "auto"):
+        plan.notes.append("float8 with pipeline stages: check and train refuse it (the FP8 layers are not carried "
+                          "into the stages); the pipeline's times here assume them")
     if args.simulate:
         from shardfit.simulate.step import simulate_plan  # torch and transformers: only when simulating
 
@@ -534,6 +539,11 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
 
         check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
+    if float8_applies(w) and args.compile is None and (cfg is None or cfg.compile == "auto"):
+        # train's compile: auto compiles a float8 run on a GPU, without sequence parallelism or pipeline stages
+        # (resolve/defaults.py resolve_compile): plan what it runs.
+        stages = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
+        w = dataclasses.replace(w, compile=hw.name != "cpu" and w.sequence_parallel == 1 and stages in (1, "auto"))
     if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
         from shardfit.resolve.dims import ParallelDims
 

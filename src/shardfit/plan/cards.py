@@ -86,3 +86,17 @@ def card_of(hw: Hardware) -> Card:
     return Card(key, row["bf16"] * 1e12, row["fp32"] * 1e12, row["hbm"] * GB, row["matmul_eff"], hfu, row["link"] * GB,
                 row["pcie"] * GB, nic * GB, row.get("latency_us", 10) * 1e-6, assumed,
                 row["fp8"] * 1e12 if "fp8" in row else None)
+
+
+# Why an AMD row has no `fp8` rate: the generic reason below speaks of NVIDIA's compute capabilities.
+NO_FP8_AMD = {
+    "mi300x": "shardfit's FP8 path is tried and planned on NVIDIA GPUs only (Ada, Hopper, Blackwell): MI300X's FP8 "
+              "(torchao's e4m3fnuz formats on ROCm) is not supported yet",
+    "mi250x": "the card has no FP8 matrix cores (AMD's start with MI300)",
+}
+
+
+def no_fp8_reason(key: str) -> str:
+    """Why float8 cannot run on the card keyed `key` in plan/cards.yaml (a row without an `fp8` rate)."""
+    return NO_FP8_AMD.get(key, "the card has no FP8 tensor cores (compute capability below 8.9; FP8 matmuls start "
+                               "with Ada, sm_89, and Hopper, sm_90)")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from shardfit import method as methods
-from shardfit.plan.cards import card_of
+from shardfit.plan.cards import Card, card_of, no_fp8_reason
 from shardfit.plan.estimate import ALLOCATOR_CACHE, ALLOCATOR_RESERVE
 from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
+from shardfit.plan.timing import FP8_CAST_BYTES
 
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
@@ -40,7 +41,7 @@ def header_lines(plan: Plan) -> list[str]:
     moe = (f" ({m['active_params'] / 1e9:.2f}B active: {m['experts_per_token']} of {m['experts']} experts a token)"
            if m.get("active_params") else "")
     return [f"{m['id']}: {m['params'] / 1e9:.2f}B params{moe}, {m['trainable_params'] / 1e6:.1f}M trainable "
-            f"({w['method']}, {w['precision']}{' + FP8 matmuls' if w.get('float8') else ''}, "
+            f"({w['method']}, {w['precision']}{_float8_label(w)}, "
             f"seq {w['seq_len']} x batch {w['micro_batch']}, "
             f"grad-ckpt {w['grad_ckpt']}, {w['optimizer']}"
             + _loss_label(w["loss"]) + (", frozen fp32" if w["frozen_fp32"] else "")
@@ -99,12 +100,37 @@ def legend(plan: Plan) -> str:
             "step waits on (compute, host: launching ops, comm, pcie)")
 
 
+def _float8_label(w: dict) -> str:
+    """What the header says of float8: nothing where the plan leaves it out (float8_notes says why)."""
+    if not w.get("float8") or methods.get(w["method"]).quantized or w["precision"] != "bf16":
+        return ""
+    return " + FP8 matmuls, compiled" if w["compile"] else " + FP8 matmuls, uncompiled"
+
+
 def _notes(plan: Plan, precision: str, float8: bool = False) -> list[str]:
     card = card_of(plan.hardware)
     assumed = card.assumed if plan.hardware.name != "cpu" else None
-    no_fp8 = [f"{card.key.upper()} has no FP8 tensor cores (compute capability below 8.9): float8 only adds its "
-              "casts here, and check and train refuse it"] if float8 and card.fp8_flops is None else []
-    return hardware_notes(plan.hardware, precision) + ([assumed] if assumed else []) + no_fp8
+    return hardware_notes(plan.hardware, precision) + ([assumed] if assumed else []) + \
+        (float8_notes(plan, card) if float8 else [])
+
+
+def float8_notes(plan: Plan, card: Card) -> list[str]:
+    """What `--float8` plans on `card` where it does not speed the run up as FP8 does on a GPU that has it."""
+    w = plan.workload
+    if methods.get(w.method).quantized or w.precision != "bf16":
+        why = f"method {w.method}" if methods.get(w.method).quantized else f"precision {w.precision}"
+        return [f"float8 with {why}: check and train refuse it (FP8 casts 16-bit bf16 weights), so this plan "
+                "leaves it out"]
+    if card.key == "cpu":
+        return ["float8 on a CPU is emulated: the casts run without the FP8 speed (a test of the numerics only)"]
+    if card.fp8_flops is None:
+        return [f"float8 on {card.key.upper()}: {no_fp8_reason(card.key)}; it only adds its casts here, and check "
+                "and train refuse it"]
+    if not w.compile:
+        return [f"float8 uncompiled: torchao's casts to FP8 run as separate kernels ({FP8_CAST_BYTES['eager']} "
+                f"bytes moved per element, {FP8_CAST_BYTES['compiled']} compiled), slower than bf16 here; train's "
+                "compile: auto compiles with float8 on a GPU (--compile plans it)"]
+    return []
 
 
 def _step(s: float | None) -> str:

@@ -85,6 +85,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
@@ -316,9 +317,12 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
 
 
-# What torchao's dynamic scaling moves per element of each tensor it casts to FP8: the bf16 tensor read once for
-# its absolute maximum (the scale) and once more to cast it, and the FP8 copy written (2 + 2 + 1 bytes).
-FP8_CAST_BYTES = 5
+# What torchao's dynamic scaling moves per element of each tensor it casts to FP8 (float8_utils.py tensor_to_amax,
+# float8_training_tensor.py _ToFloat8ConstrFunc). Compiled, inductor fuses the cast: the bf16 tensor read once for
+# its absolute maximum and once more to cast it, the FP8 copy written (2 + 2 + 1 bytes). Eager, each step is its own
+# kernel: abs (2 read, 2 written), max (2 read), the upcast to fp32 (2 + 4), the multiply by the scale (4 + 4), the
+# clamp to FP8's range (4 + 4), the cast to FP8 (4 + 1): 33 bytes.
+FP8_CAST_BYTES = {"compiled": 5, "eager": 33}
 FP8_MULTIPLE = 16  # parallel/float8.py: both dims of a converted weight are multiples of 16
 
 
@@ -339,44 +343,71 @@ def _linear_passes(w: Workload, shape: ModelShape) -> tuple[float, float]:
     return shape.layers + layers_bwd * recompute, layers_bwd * (2 if w.method == "full" else 1)
 
 
+def _float8_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs per token of one block's converted layers (the mean block's, for a model mixing layer kinds)."""
+    return shape.over_blocks(lambda moe: sum(2.0 * i * o for _, i, o in float8_linears(shape, moe))) / shape.layers
+
+
+def float8_applies(w: Workload) -> bool:
+    """Whether the run converts layers to FP8: `float8: true` with 16-bit weights and bf16 compute, which check and
+    train require (check/config_rules.py float8_rules)."""
+    return w.float8 and not methods.get(w.method).quantized and w.precision == "bf16"
+
+
 def float8_flops(shape: ModelShape, w: Workload) -> float:
     """FLOPs per micro-batch of the matmuls that run in FP8 under `float8: true` (0 without it): the converted
-    linear layers' forward, recomputation and backward."""
-    if not w.float8:
+    linear layers' forward, recomputation and backward. torchao's backward computes the weight gradient of every
+    converted layer, a frozen one's too (LoRA's base layers: computed and dropped), so two matmuls each."""
+    if not float8_applies(w):
+        return 0.0
+    fwd, _ = _linear_passes(w, shape)
+    layers_bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
+    return _float8_per_token(shape) * (fwd + 2 * layers_bwd) * w.tokens
+
+
+def float8_replaced_flops(shape: ModelShape, w: Workload) -> float:
+    """FLOPs per micro-batch of the 16-bit matmuls the FP8 ones replace: what the run without float8 computes of
+    those layers (a frozen weight's backward there is its input gradient alone)."""
+    if not float8_applies(w):
         return 0.0
     fwd, bwd = _linear_passes(w, shape)
-    per_token = shape.over_blocks(lambda moe: sum(2.0 * i * o for _, i, o in float8_linears(shape, moe)))
-    return per_token / shape.layers * (fwd + bwd) * w.tokens
+    return _float8_per_token(shape) * (fwd + bwd) * w.tokens
 
 
 def float8_cast_bytes(shape: ModelShape, w: Workload) -> float:
-    """Bytes per micro-batch of torchao's casts to FP8 (`FP8_CAST_BYTES` per element): each converted matmul's
-    input and weight at every forward (recomputation included), its output gradient at every backward."""
-    if not w.float8:
+    """Bytes per micro-batch of torchao's casts to FP8 (`FP8_CAST_BYTES` per element, fused when compiled): each
+    converted matmul's input and weight at every forward (recomputation included); at every backward, frozen weight
+    or not, its output gradient twice (one layout per gradient matmul) and its weight and input again (torchao
+    saves them in bf16)."""
+    if not float8_applies(w):
         return 0.0
     fwd, _ = _linear_passes(w, shape)
     bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
+    t = w.tokens
 
     def forward(moe: bool) -> float:
-        return sum(w.tokens * i + i * o for _, i, o in float8_linears(shape, moe))
+        return sum(t * i + i * o for _, i, o in float8_linears(shape, moe))
 
     def backward(moe: bool) -> float:
-        return sum(w.tokens * o for _, _, o in float8_linears(shape, moe))
+        return sum(2 * t * o + i * o + t * i for _, i, o in float8_linears(shape, moe))
 
     mean = 1 / shape.layers
-    return FP8_CAST_BYTES * (fwd * shape.over_blocks(forward) * mean + bwd * shape.over_blocks(backward) * mean)
+    per = FP8_CAST_BYTES["compiled" if w.compile else "eager"]
+    return per * (fwd * shape.over_blocks(forward) * mean + bwd * shape.over_blocks(backward) * mean)
 
 
 def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
     """Seconds per micro-batch `float8: true` adds (a negative number: it saves them): the converted matmuls at
-    the card's FP8 rate instead of its 16-bit one (both at efficiency `eff`), and the casts at its memory
-    bandwidth. A card without an FP8 rate (a CPU, emulating) keeps the 16-bit rate and pays the casts."""
+    the card's FP8 rate instead of the 16-bit ones they replace at its 16-bit rate (both at efficiency `eff`; the
+    frozen weights' gradients are new work), and the casts at its memory bandwidth. A card without an FP8 rate (a
+    CPU, emulating) keeps the 16-bit rate and pays the casts."""
     flops = float8_flops(shape, w)
     if flops == 0.0:
         return 0.0
     dense = card.dense_flops(w.precision)
     fp8 = card.fp8_flops or dense
-    return flops / (fp8 * eff) - flops / (dense * eff) + float8_cast_bytes(shape, w) / card.hbm
+    return flops / (fp8 * eff) - float8_replaced_flops(shape, w) / (dense * eff) + \
+        float8_cast_bytes(shape, w) / card.hbm
 
 
 def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:

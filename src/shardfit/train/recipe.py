@@ -24,7 +24,7 @@ import yaml
 
 from shardfit import method as methods
 from shardfit import objective as objectives
-from shardfit.check.config_rules import device_map_rules, qlora_rules
+from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules
 from shardfit.check.findings import Finding, is_ok, refuse_unfixable
 from shardfit.check.pipeline_rules import pipeline_plan_rules, refuse_stage_oom
 from shardfit.check.rules import placement_rules, quantized_placement_rules
@@ -203,8 +203,10 @@ class FineTune:
         if self.job.pipeline_parallel == 1:
             refuse_if_oom(self.plan, self.strategy.name, cfg.force)
         # Stop on a config the preflight will refuse before loading anything (the preflight reports it later); a
-        # pipeline's memory verdict is its stages', no rank of it holding the whole model.
-        refuse_unfixable(device_map_rules(cfg, self.strategy, env.world) + qlora_rules(cfg, self.strategy))
+        # pipeline's memory verdict is its stages', no rank of it holding the whole model. Under an external launcher
+        # (torchrun, srun) this is the only place the refusals run: `train` checks them only when it launches.
+        refuse_unfixable(device_map_rules(cfg, self.strategy, env.world) + qlora_rules(cfg, self.strategy) +
+                         float8_rules(cfg, self.job))
         refuse_stage_oom(pipeline_plan_rules(cfg, self.plan, self.strategy.name))  # exit 3, as refuse_if_oom
         self.startup.mark("plan")
         self._setup_data()
