@@ -485,7 +485,6 @@ def run(args: argparse.Namespace) -> int:
         if pipeline["recommended"]:  # one recommendation: the strategies' best is then only the best strategy
             table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
     job = resolved_job(cfg, args) if args.config else None
-    out["best_strategy"] = plan.recommended
     chosen = ""
     if job is not None:
         out["resolved"] = job.to_json()
