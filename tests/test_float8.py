@@ -147,7 +147,7 @@ def test_train_under_an_external_launcher_refuses_too(tmp_path: Path, tiny_llama
 
 
 def test_check_refuses_float8_on_a_card_without_fp8(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    cfg = load_config(_cfg(tmp_path, tiny_llama, small_data))
+    cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, packing=False))  # compiled on a GPU: no other warning
     _, found = check_config(cfg, 1, parse_gpus("1xA100"))
     hits = [f for f in found if f.rule == "float8_unsupported_gpu"]
     assert hits and hits[0].severity == "error" and hits[0].where == "config: float8" and "8.9" in hits[0].message
@@ -206,13 +206,19 @@ def test_plan_ignores_float8_where_it_is_refused() -> None:
                                                                         0.7) == 0
 
 
-def test_compile_auto_is_on_with_float8_on_a_gpu(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    assert resolve_compile("auto", "cuda", packing=True, float8=True)
-    assert not resolve_compile("auto", "cpu", packing=True, float8=True)
-    assert not resolve_compile("auto", "cuda", packing=True, sequence_parallel=2, float8=True)
-    assert not resolve_compile(False, "cuda", packing=True, float8=True)
-    assert workload_of(load_config(_cfg(tmp_path, tiny_llama, small_data))).compile
-    assert not workload_of(load_config(_cfg(tmp_path, tiny_llama, small_data, name="off", compile=False))).compile
+def test_compile_auto_compiles_float8_only_where_one_shape_is_free(tmp_path: Path, tiny_llama: Path,
+                                                                    small_data: Path) -> None:
+    """float8 wants its casts compiled, but auto does not compile packed rows without static_shape for it: each
+    micro-batch would be padded to micro_batch x max_seq_len; nor expert-parallel runs, whose dispatch is not
+    compiled (compile: true refuses them)."""
+    assert not resolve_compile("auto", "cuda", packing=True)
+    assert resolve_compile("auto", "cuda", packing=True, static_shape=True)
+    assert resolve_compile("auto", "cuda", packing=False)
+    assert not resolve_compile("auto", "cuda", packing=False, expert_parallel=2)
+    assert not resolve_compile("auto", "cpu", packing=False)
+    packed = workload_of(load_config(_cfg(tmp_path, tiny_llama, small_data, packing=True)))
+    assert packed.float8 and not packed.compile  # the plan of a config: auto planned eager, float8 or not
+    assert workload_of(load_config(_cfg(tmp_path, tiny_llama, small_data, name="on", compile=True))).compile
 
 
 def test_a_gpu_below_sm89_is_refused_when_the_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,8 +238,10 @@ def test_a_gpu_below_sm89_is_refused_when_the_run_starts(monkeypatch: pytest.Mon
 
 def test_plan_cli_says_fp8_and_warns_on_a_card_without_it(capsys: pytest.CaptureFixture) -> None:
     args = ("plan", "--model", "meta-llama/Llama-3.1-8B", "--method", "full", "--seq", "4096", "--float8")
-    code, out, _ = run_here(capsys, *args, "--gpus", "8xH100")
+    code, out, _ = run_here(capsys, *args, "--gpus", "8xH100", "--compile")
     assert code == 0 and "bf16 + FP8 matmuls, compiled" in out.splitlines()[0] and "note: float8" not in out
+    code, out, _ = run_here(capsys, *args, "--gpus", "8xH100")  # as a packed config resolves: uncompiled
+    assert code == 0 and "FP8 matmuls, uncompiled" in out.splitlines()[0] and "float8 uncompiled" in out
     code, out, _ = run_here(capsys, *args, "--gpus", "8xA100")
     assert code == 0 and "float8 on A100: the card has no FP8 tensor cores" in out
     code, out, _ = run_here(capsys, *args, "--gpus", "1xMI300X")
@@ -259,7 +267,8 @@ def test_check_warns_when_float8_runs_uncompiled(tmp_path: Path, tiny_llama: Pat
         cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, name=f"c{len(over)}", **over))
         return [f.rule for f in check_config(cfg, 1, parse_gpus("1xH100"))[1] if f.rule.startswith("float8")]
 
-    assert rules() == []  # compile: auto compiles a float8 run on a GPU
+    assert rules(packing=False) == []  # compile: auto compiles unpacked rows on a GPU
+    assert rules(packing=True) == ["float8_uncompiled"]  # packed rows stay eager without static_shape
     assert rules(compile=False) == ["float8_uncompiled"]
     cfg = load_config(_cfg(tmp_path, tiny_llama, small_data, name="c1"))
     job, _ = check_config(cfg, 1, parse_gpus("1xH100"))

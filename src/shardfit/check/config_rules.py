@@ -123,7 +123,8 @@ def float8_rules(cfg: Config, job: Resolved) -> list[Finding]:
                 "matmuls save: the plan predicts it slower than bf16 (shardfit plan --float8 without --compile)",
                 # sequence parallelism compiles nothing (resolve/sequence.py refuses compile: true)
                 FLOAT8_OFF.removeprefix("or ") if job.sequence_parallel > 1 else
-                f"compile: auto (compiles with float8 on a GPU) or true, {FLOAT8_OFF}"))
+                f"compile: true with packing off or static_shape: true (one input shape for the compiled blocks; "
+                f"packed rows compiled without it are padded to micro_batch x max_seq_len), {FLOAT8_OFF}"))
     if importlib.util.find_spec("torchao") is None:
         out.append(Finding("float8_needs_torchao", "error", where,
                            "float8: true needs torchao for its FP8 linear layers, and it is not installed",

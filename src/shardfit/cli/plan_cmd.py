@@ -35,7 +35,6 @@ from shardfit.plan.pipeline import LAYOUT_HEADER
 from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
-from shardfit.plan.timing import float8_applies
 from shardfit.plan.workload import (
     ATTENTIONS,
     LOSSES,
@@ -538,11 +537,6 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
 
         check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
-    if float8_applies(w) and args.compile is None and (cfg is None or cfg.compile == "auto"):
-        # train's compile: auto compiles a float8 run on a GPU, without sequence parallelism or pipeline stages
-        # (resolve/defaults.py resolve_compile): plan what it runs.
-        stages = args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)
-        w = dataclasses.replace(w, compile=hw.name != "cpu" and w.sequence_parallel == 1 and stages in (1, "auto"))
     if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
         from shardfit.resolve.dims import ParallelDims
 

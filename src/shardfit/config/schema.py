@@ -166,11 +166,11 @@ class Config:
                                            "other kernels compute the whole masked square of the row. SFT only: "
                                            "preference pairs and sequence parallelism keep their rows")
     compile: bool | str = key("auto", "torch.compile each decoder block: auto | true | false (true needs a C++ "
-                                      "compiler on CPU). auto compiles only on a GPU, with packing off, with "
-                                      "static_shape on, or with float8 on (its FP8 casts need fusing): a compiled "
-                                      "run wants one input shape (it pads unpacked micro-batches to one; "
-                                      "static_shape packs them into one), and its first run waits for the compile, "
-                                      "which did not pay on CPU")
+                                      "compiler on CPU). auto compiles only on a GPU, with packing off or "
+                                      "static_shape on (float8 wants it: uncompiled, its casts cost more than FP8 "
+                                      "saves), and not with expert_parallel: a compiled run wants one input shape (it "
+                                      "pads unpacked micro-batches to one; static_shape packs them into one), and "
+                                      "its first run waits for the compile, which did not pay on CPU")
     attn_implementation: str = key("auto", "attention kernel: auto | sdpa | eager | flash_attention_2 | "
                                            "flex_attention. auto: eager for compiled blocks on CPU with packed rows "
                                            "of at most 256 tokens (measured faster than SDPA's masked kernel there) "

@@ -128,8 +128,8 @@ def float8_notes(plan: Plan, card: Card) -> list[str]:
                 "and train refuse it"]
     if not w.compile:
         return [f"float8 uncompiled: torchao's casts to FP8 run as separate kernels ({FP8_CAST_BYTES['eager']} "
-                f"bytes moved per element, {FP8_CAST_BYTES['compiled']} compiled), slower than bf16 here; train's "
-                "compile: auto compiles with float8 on a GPU (--compile plans it)"]
+                f"bytes moved per element, {FP8_CAST_BYTES['compiled']} compiled), slower than bf16 here; "
+                "train with compile: true and packing off or static_shape: true (--compile plans it)"]
     return []
 
 

@@ -211,11 +211,8 @@ def workload_of(cfg: Config) -> Workload:
     return Workload(method=cfg.method, precision=cfg.precision, seq_len=cfg.max_seq_len, micro_batch=cfg.micro_batch,
                     grad_ckpt=cfg.grad_ckpt, optimizer="adamw", lora_rank=cfg.lora.rank,
                     attention=ATTENTION_MEMORY.get(cfg.attn_implementation, "sdpa"), grad_accum=cfg.grad_accum,
-                    # `compile: auto` is decided at train time; planning it as eager errs on the large side, except
-                    # with float8, which compiles on a GPU (resolve/defaults.py resolve_compile).
-                    compile=cfg.compile is True or cfg.compile == "true" or
-                    (cfg.compile == "auto" and cfg.float8 and not methods.get(cfg.method).quantized and
-                     cfg.sequence_parallel == 1 and cfg.pipeline_parallel in (1, "auto")),
+                    # `compile: auto` is decided at train time; planning it as eager errs on the large side.
+                    compile=cfg.compile is True or cfg.compile == "true",
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
                     lora_experts=cfg.lora.experts,
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),

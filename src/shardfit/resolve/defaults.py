@@ -34,18 +34,18 @@ EAGER_ATTENTION_BF16_MAX_WIDTH = 192
 
 
 def resolve_compile(value: bool | str, device_type: str, packing: bool, sequence_parallel: int = 1,
-                    pipeline_parallel: int = 1, static_shape: bool = False, float8: bool = False) -> bool:
+                    pipeline_parallel: int = 1, static_shape: bool = False, expert_parallel: int = 1) -> bool:
     """`compile` as a bool: `auto` compiles on GPUs where the micro-batches have one shape at no cost: rows not
     packed (padded to one static shape), or packed into `static_shape` rows (one row of micro_batch x max_seq_len
-    tokens: the compiled blocks meet one input shape for the whole run, and packing is kept); with `float8` whatever
-    the rows (uncompiled, torchao's casts to FP8 are six separate kernels each, which ate the FP8 matmuls' gain:
-    plan/timing.py FP8_CAST_BYTES); not under sequence parallelism (its all-to-all attention is not compiled;
-    resolve/sequence.py refuses `true`) nor in a pipeline's stages (not tried yet; resolve/pipeline.py refuses
-    `true`)."""
+    tokens: the compiled blocks meet one input shape for the whole run, and packing is kept). Packed rows without
+    `static_shape` stay eager, float8 or not: compiled, each micro-batch would be padded to micro_batch x
+    max_seq_len tokens (check warns that float8 then runs its casts uncompiled). Not under sequence parallelism
+    (its all-to-all attention is not compiled; resolve/sequence.py refuses `true`), in a pipeline's stages (not
+    tried yet; resolve/pipeline.py refuses `true`) nor with expert parallelism (its dispatch is not compiled)."""
     if value != "auto":
         return bool(value)
-    return device_type == "cuda" and (not packing or static_shape or float8) and sequence_parallel == 1 \
-        and pipeline_parallel == 1
+    return device_type == "cuda" and (not packing or static_shape) and sequence_parallel == 1 \
+        and pipeline_parallel == 1 and expert_parallel == 1
 
 
 def compiled_for(cfg: Config, device_type: str) -> bool:
@@ -54,7 +54,7 @@ def compiled_for(cfg: Config, device_type: str) -> bool:
     static = resolve_static_shape(cfg.static_shape, device_type, cfg.packing, cfg.attn_implementation,
                                   objectives.get(cfg.objective).preference, cfg.sequence_parallel)
     return resolve_compile(cfg.compile, device_type, cfg.packing, cfg.sequence_parallel, stages_of(cfg),
-                           static, cfg.float8)
+                           static, cfg.expert_parallel)
 
 
 # Attention kernels that take a packed row's example boundaries from its positions (variable-length flash attention)
