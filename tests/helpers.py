@@ -137,6 +137,22 @@ def run_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def saved_tensor_bytes(module: torch.nn.Module, forward: Callable[[], object]) -> int:
+    """Bytes autograd keeps for backward while `forward()` runs `module` (saved-tensor hooks), each storage once,
+    the module's own parameters left out: what the planner's activation estimates model."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(kept.values())
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

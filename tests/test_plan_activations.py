@@ -17,6 +17,7 @@ from shardfit.plan.workload import Workload
 from shardfit.simulate.step import packed_positions
 from shardfit.simulate.tracker import skip_frozen_grad_hooks
 from shardfit.train.loss import CausalLMLoss
+from tests.helpers import saved_tensor_bytes
 
 
 def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, seq: int = 256,
@@ -38,20 +39,10 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     if grad_ckpt == "full":
         enable_hf_checkpointing(model)
     module = CausalLMLoss(model, all_labelled=True)
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     ids = torch.randint(0, 4096, (2, seq))
     positions = None if attention == "flash" else packed_positions(2, seq)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(ids, positions, ids)
-    return sum(kept.values()) / (2 * seq)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return saved_tensor_bytes(module, lambda: module(ids, positions, ids)) / (2 * seq)
 
 
 @pytest.mark.parametrize(("arch", "method", "grad_ckpt", "attention", "strategy"), [

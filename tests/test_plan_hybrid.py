@@ -43,6 +43,7 @@ from shardfit.plan.timing import (
 )
 from shardfit.plan.workload import Workload
 from shardfit.train.loss import CausalLMLoss
+from tests.helpers import saved_tensor_bytes
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 # Tiny text models of each hybrid: 4 blocks (3 Gated DeltaNet, 1 softmax attention), 4 experts where it has them.
@@ -143,18 +144,9 @@ def _saved_per_token(config: AutoConfig, method: str, seq: int = 256) -> float:
     if method == "lora":
         model = apply_lora(model, LoraSettings(rank=8, alpha=16))
     module = CausalLMLoss(model, all_labelled=True)
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     ids = torch.randint(0, 4096, (1, seq))
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(ids, None, ids)
-    return sum(kept.values()) / seq
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return saved_tensor_bytes(module, lambda: module(ids, None, ids)) / seq
 
 
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
