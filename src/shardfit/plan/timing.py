@@ -293,6 +293,17 @@ def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.over_blocks(per_block) / shape.layers
 
 
+def backward_layers(shape: ModelShape, w: Workload) -> int:
+    """The decoder blocks backward passes through: every one, or under `freeze` the last two, which train (backward
+    stops below them)."""
+    return min(2, shape.layers) if w.method == "freeze" else shape.layers
+
+
+def autocasts(w: Workload) -> bool:
+    """Whether `w`'s step runs under 16-bit autocast (which the op counts are keyed by)."""
+    return w.precision in ("bf16", "fp16") and not w.pure_16bit
+
+
 def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     """Forward + backward + recomputation FLOPs per token of one micro-batch."""
     lin, _ = linear_flops_per_token(shape)
@@ -310,9 +321,7 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
         recompute = (lin + lora) / 2
     else:
         recompute = 0.0
-    layers_bwd = shape.layers
-    if w.method == "freeze":  # the last two blocks train: backward stops below them
-        layers_bwd = min(2, shape.layers)
+    layers_bwd = backward_layers(shape, w)
     head_bwd = head * (2 if weights_train else 1)
     return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
 
@@ -339,7 +348,7 @@ def _linear_passes(w: Workload, shape: ModelShape) -> tuple[float, float]:
     `step_flops_per_token` counts them: each block's forward plus its recomputation, and the backward of the
     blocks it reaches (a frozen weight's backward is its input gradient alone: one matmul, a trained one's two)."""
     recompute = {"full": 1.0, "selective": 0.5}.get(w.grad_ckpt, 0.0)
-    layers_bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
+    layers_bwd = backward_layers(shape, w)
     return shape.layers + layers_bwd * recompute, layers_bwd * (2 if w.method == "full" else 1)
 
 
@@ -361,8 +370,7 @@ def float8_flops(shape: ModelShape, w: Workload) -> float:
     if not float8_applies(w):
         return 0.0
     fwd, _ = _linear_passes(w, shape)
-    layers_bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
-    return _float8_per_token(shape) * (fwd + 2 * layers_bwd) * w.tokens
+    return _float8_per_token(shape) * (fwd + 2 * backward_layers(shape, w)) * w.tokens
 
 
 def float8_replaced_flops(shape: ModelShape, w: Workload) -> float:
@@ -382,7 +390,7 @@ def float8_cast_bytes(shape: ModelShape, w: Workload) -> float:
     if not float8_applies(w):
         return 0.0
     fwd, _ = _linear_passes(w, shape)
-    bwd = min(2, shape.layers) if w.method == "freeze" else shape.layers
+    bwd = backward_layers(shape, w)
     t = w.tokens
 
     def forward(moe: bool) -> float:
@@ -412,7 +420,7 @@ def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
 
 def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:
     """(kernels, views, matmuls) of one decoder layer for `w` with or without full checkpointing."""
-    autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+    autocast = autocasts(w)
     if w.method == "full":
         return tuple(float(x) for x in LAYER_OPS[("full", ckpt, autocast)])
     # LoRA's ops grow by the same amount per adapted linear (the 7- and 2-target counts give the step); `freeze`
@@ -452,22 +460,23 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
         views += shape.linear_layers * dv
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
-        autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+        autocast = autocasts(w)
         ck, cv = LOSS_CHUNK_OPS[(w.method == "full", autocast)]
         kernels += extra * ck
         views += extra * cv
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
 
 
-def delta_rule_chunk_ops(w: Workload) -> tuple[float, float]:
+def delta_rule_chunk_ops(w: Workload, *, forward_only: bool = False) -> tuple[float, float]:
     """(kernels, views) the torch Gated DeltaNet's chunk loop adds to one DeltaNet block of one micro-batch: each
     row's `ceil(row_len / DELTA_CHUNK)` chunks (the rows of a micro-batch run side by side), forward and backward,
     and the forward again where checkpointing recomputes the block (selective checkpointing too: it keeps only
-    `mm`s, and the loop's products are `bmm`s)."""
-    autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
-    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocast]
-    again = w.grad_ckpt != "none"
+    `mm`s, and the loop's products are `bmm`s); `forward_only`: the forward alone (a reference's)."""
+    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocasts(w)]
     chunks = -(-w.row_len // DELTA_CHUNK)
+    if forward_only:
+        return chunks * fk, chunks * fv
+    again = w.grad_ckpt != "none"
     return chunks * (sk + (fk if again else 0)), chunks * (sv + (fv if again else 0))
 
 
@@ -749,8 +758,8 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     tokens = w.tokens
     flops = step_flops_per_token(shape, w) * tokens
     dequant = _qlora_dequant_bytes(shape, w) / card.hbm
-    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + \
-        float8_s(shape, w, card, card.matmul_eff)
+    fp8 = float8_s(shape, w, card, card.matmul_eff)
+    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -759,7 +768,7 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
         matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-            head_gradient_s(shape, w, card, card.matmul_eff) + float8_s(shape, w, card, card.matmul_eff)
+            head_gradient_s(shape, w, card, card.matmul_eff) + fp8
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
@@ -839,7 +848,7 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff)
     compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
                   / card.hbm)
-    autocast = w.precision in ("bf16", "fp16") and not w.pure_16bit
+    autocast = autocasts(w)
     (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
     dk, dv, _ = dequant_per_use(w)  # each 4-bit weight dequantized once more for the reference's forward
     k, v = k + 7 * dk, v + 7 * dv
@@ -847,9 +856,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
         k, v = 16, 0
     ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
     if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
-        (ck, cv), _ = DELTA_CHUNK_OPS[autocast]
-        chunks = shape.linear_layers * -(-w.row_len // DELTA_CHUNK)
-        ops += chunks * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)
+        ck, cv = delta_rule_chunk_ops(w, forward_only=True)
+        ops += shape.linear_layers * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)
     return GpuWork(compute, ops + FWD_SHARE * engine_host_s(shape, w, s))
 
 
