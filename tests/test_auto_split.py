@@ -19,7 +19,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
-from shardfit.train.rundir import claim, fingerprint
+from shardfit.train.rundir import claim, fingerprint, global_batch
 
 GPU = DeviceFacts("cuda", True)
 RTX = parse_gpus("8x24GB", 1, None)
@@ -65,11 +65,6 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _global_batch(cfg: Config, job: Resolved) -> int:
-    """Examples per optimizer step, as the run's fingerprint counts them (train/recipe.py)."""
-    return cfg.micro_batch * cfg.grad_accum * job.dims.dp
-
-
 def test_train_without_nproc_runs_what_eight_processes_would(eight_24gb: None) -> None:
     """`train` deciding its launch with the processes left to auto runs zero3 with the rows split over 2 of the 8
     ranks (4,550 tokens/s), as `--nproc 8` does, not the 4-stage pipeline (3,105) it weighed against
@@ -95,7 +90,7 @@ def _record(run_dir: Path, cfg: Config, job: Resolved) -> None:
     """What a run writes as it starts (train/recipe.py): run.json's fingerprint, config.yaml, preflight.json."""
     ran = settled(cfg, job)
     run_dir.mkdir(exist_ok=True)
-    claim(run_dir, ran, fingerprint(ran, _global_batch(ran, job)))
+    claim(run_dir, ran, fingerprint(ran, global_batch(ran, job)))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(ran.to_dict(), sort_keys=False))
     (run_dir / "preflight.json").write_text(json.dumps({"strategy": job.strategy, "ok": True, "findings": []}))
 
@@ -117,12 +112,12 @@ def test_a_run_recorded_as_model_parallel_resumes_as_it_started(eight_24gb: None
     why = next(w for w in job.why if w.startswith("resumed as recorded"))
     assert "trains a global batch of 8 examples (run.json)" in why and "global batch of 32" in why
     ran = settled(cfg, job)
-    claim(tmp_path, ran, fingerprint(ran, _global_batch(ran, job)))  # the same run: resumed
+    claim(tmp_path, ran, fingerprint(ran, global_batch(ran, job)))  # the same run: resumed
     fresh, _ = decide_launch(_args(), _run(tmp_path / "new"))
     assert fresh is not None and (fresh.strategy, fresh.sequence_parallel) == ("zero3", 2)
     anew = settled(cfg, fresh)
     with pytest.raises(UserError) as e:
-        claim(tmp_path, anew, fingerprint(anew, _global_batch(anew, fresh)))
+        claim(tmp_path, anew, fingerprint(anew, global_batch(anew, fresh)))
     assert e.value.exit_code == 2 and "global_batch_examples: 8 -> 32" in str(e.value)
     never, _ = decide_launch(_args(), _run(tmp_path, resume="never"))
     assert never is not None and never.sequence_parallel == 2
@@ -214,7 +209,7 @@ def _claims(run_dir: Path, cfg: Config, job: Resolved) -> str:
     """The resume's verdict on `job` in `run_dir`: "ok", or the refusal's message."""
     ran = settled(cfg, job)
     try:
-        claim(run_dir, ran, fingerprint(ran, _global_batch(ran, job)))
+        claim(run_dir, ran, fingerprint(ran, global_batch(ran, job)))
     except UserError as e:
         return str(e)
     return "ok"

@@ -95,7 +95,15 @@ from shardfit.train.optim import build_optimizer, cosine_with_warmup
 from shardfit.train.pipeline import PipelineEvalModule, PipelineRun, clip_global_norm, gather_stages, over_stages
 from shardfit.train.preference import PreferenceLoss, PreferenceSettings
 from shardfit.train.profiling import StepProfiler
-from shardfit.train.rundir import RunLock, check_writable, claim, decide_on_rank0, fingerprint, record_length
+from shardfit.train.rundir import (
+    RunLock,
+    check_writable,
+    claim,
+    decide_on_rank0,
+    fingerprint,
+    global_batch,
+    record_length,
+)
 from shardfit.train.startup import StartupTimer
 from shardfit.train.trackers import open_trackers, resolve_report_to
 
@@ -230,8 +238,7 @@ class FineTune:
         def decide() -> tuple[str | None, str | None]:
             check_writable(self.run_dir)
             warning = self.lock.acquire()
-            global_batch = cfg.micro_batch * cfg.grad_accum * self.job.dims.dp
-            return warning, claim(self.run_dir, cfg, fingerprint(cfg, global_batch))
+            return warning, claim(self.run_dir, cfg, fingerprint(cfg, global_batch(cfg, self.job)))
 
         warning, self.longer = decide_on_rank0(env, decide)
         if warning and env.is_main:

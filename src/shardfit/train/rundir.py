@@ -158,27 +158,27 @@ def resumed_job(cfg: Config, resolve: Callable[[Config], tuple[Resolved, T]]) ->
         fresh = resolve(cfg)
     except (DoesNotFitError, UserError) as e:  # the recorded job may still fit and keep the run
         fresh = e
-    if isinstance(fresh, tuple) and (not isinstance(target, int) or _global_batch(cfg, fresh[0]) == target):
+    if isinstance(fresh, tuple) and (not isinstance(target, int) or global_batch(cfg, fresh[0]) == target):
         return fresh
     try:
         recorded: tuple[Resolved, T] | None = resolve(kept)
     except (DoesNotFitError, UserError):
         recorded = None
-    if recorded is None or _global_batch(kept, recorded[0]) != target:
+    if recorded is None or global_batch(kept, recorded[0]) != target:
         if not isinstance(fresh, tuple):
             raise fresh
         return fresh
     job = recorded[0]
     anew = (f"{fresh[0].strategy}, sequence_parallel {fresh[0].sequence_parallel}, pipeline_parallel "
-            f"{fresh[0].pipeline_parallel}, a global batch of {_global_batch(cfg, fresh[0])} examples"
+            f"{fresh[0].pipeline_parallel}, a global batch of {global_batch(cfg, fresh[0])} examples"
             if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
     why = (f"resumed as recorded: the run in {cfg.output_dir} trains a global batch of {target} examples "
            f"(run.json), which the recorded job keeps; resolved anew: {anew}")
     return dataclasses.replace(job, why=(*lines, why, *job.why)), recorded[1]
 
 
-def _global_batch(cfg: Config, job: Resolved) -> int:
-    """Examples per optimizer step, as the run's fingerprint counts them (train/recipe.py)."""
+def global_batch(cfg: Config, job: Resolved) -> int:
+    """Examples per optimizer step: the global batch the run's fingerprint records (`fingerprint`)."""
     return cfg.micro_batch * cfg.grad_accum * job.dims.dp
 
 
