@@ -108,7 +108,12 @@ def attention_layout(cfg: dict[str, Any], name: str) -> AttentionLayout:
     and max_window_layers, Gemma's and EXAONE's patterns, Llama 4's chunks, per-layer configs' own blocks).
     The class is built from the file's keys only: no code the file names is imported or run (no auto_map, no
     trust_remote_code)."""
-    built = built_config(cfg, name)
+    return layout_of_built(cfg, built_config(cfg, name))
+
+
+def layout_of_built(cfg: dict[str, Any], built: Any) -> AttentionLayout:
+    """`attention_layout` of `cfg` from its class `built` already (`built_config`; None: a model_type this
+    transformers does not know)."""
     if built is None:
         return unbuilt_layout(text_config(cfg), text_config(cfg).get("num_hidden_layers"))
     return layout_of(built)
@@ -165,14 +170,15 @@ def unbuilt_layout(text: dict[str, Any], layers: Any) -> AttentionLayout:
     return AttentionLayout()
 
 
-def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], moe_flags: list[bool]) -> dict[str, Any]:
+def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], moe_flags: list[bool],
+                        built: Any) -> dict[str, Any]:
     """The ModelShape fields of a Gated DeltaNet hybrid (GATED_DELTANET_TYPES; {} for any other family): which
     blocks are `linear_attention` (the file's layer_types, or its class's default where the file leaves them out:
-    every `full_attention_interval`-th block, 4 by default, keeps softmax attention) and the DeltaNet's sizes."""
+    every `full_attention_interval`-th block, 4 by default, keeps softmax attention) and the DeltaNet's sizes;
+    `built`: the file's config class (`built_config`)."""
     model_type = text.get("model_type", cfg.get("model_type"))
     if model_type not in GATED_DELTANET_TYPES:
         return {}
-    built = built_config(cfg, name)
     built_text = None if built is None else getattr(built, "text_config", None) or built
     types = list(getattr(built_text, "layer_types", None) or text.get("layer_types") or [])
     if not types:
@@ -209,7 +215,9 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
-        attention = attention_layout(cfg, name)
+        built = built_config(cfg, name)  # once: the layout and a hybrid's blocks both read the class
+        attention = layout_of_built(cfg, built)
+        moe_flags = moe_layer_flags(text, layers, experts)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
@@ -217,14 +225,14 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             tied=tied_of(cfg, text),
             experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
             moe_intermediate=expert, shared_intermediate=shared,
-            dense_layers=moe_layer_flags(text, layers, experts).count(False) if experts > 1 else 0,
+            dense_layers=moe_flags.count(False) if experts > 1 else 0,
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES,
-            **linear_attention_of(cfg, name, text, moe_layer_flags(text, layers, experts)))
+            **linear_attention_of(cfg, name, text, moe_flags, built))
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
