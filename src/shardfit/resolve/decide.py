@@ -279,15 +279,17 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
         return 1, survey, None
     one_row = plan_for_config(_planned(dataclasses.replace(cfg, micro_batch=1), device), hw) \
         if cfg.micro_batch > 1 else survey
-    if one_row is None or (_fitting(one_row, cfg.method, nproc, nnodes, local) and
-                           _one_process_best(one_row, cfg.method, nproc, nnodes, local) is None):
+    if one_row is None:
+        return 1, survey, None
+    lone_row = lone if one_row is survey else _one_process_best(one_row, cfg.method, nproc, nnodes, local)
+    if lone_row is None and _fitting(one_row, cfg.method, nproc, nnodes, local):
         return 1, survey, None
     # Nothing fits the config's micro-batch whole, but one process does at micro-batch 1 (the plan's adjusted
     # recommendation): the split is weighed against that as against `lone`, and where it is no faster, the
     # smaller micro-batch stays the fix (nothing fits: exit 3, with it).
     smaller = lone is None and one_row is not survey
     if smaller:
-        lone = _one_process_best(one_row, cfg.method, nproc, nnodes, local)
+        lone = lone_row
     shape = resolve_shape(cfg.model)  # the survey read it: known here
 
     def fitting(n: int) -> tuple[Plan, Candidate] | None:
