@@ -579,7 +579,6 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     also keeps the 16-bit copy of every weight it cast until backward has used it: 2 bytes per block parameter for
     a full fine-tune over fp32 master weights."""
     tokens = w.tokens
-    per_block = block_activation_bytes_per_token(shape, w, strategy)
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
     copies = lora_expert_copy_bytes(shape, w)
     if w.grad_ckpt != "none":
@@ -588,6 +587,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
         recomputed = largest_block_activation_bytes_per_token(shape, w, strategy)
         return tokens * (layers * kept + recomputed + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
             copies + held_mask_bytes(w, strategy)
+    per_block = block_activation_bytes_per_token(shape, w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
 
 
