@@ -101,8 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "runs): sets the dequantization's time and temporary")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile over each block: inductor saves fewer activations and fuses float8's casts "
-                        "(default: the config's compile, off with --model; on a GPU on with float8, as train's "
-                        "compile: auto)")
+                        "(default: the config's compile: true, else off, as compile: auto is planned)")
     p.add_argument("--float8", action="store_true", default=None,
                    help="FP8 matmuls in the decoder blocks' linear layers (torchao float8 training, sm_89+ GPUs): "
                         "their FLOPs at the card's FP8 rate, plus the casts (default: the config's float8)")
