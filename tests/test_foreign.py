@@ -250,3 +250,35 @@ def test_tool_yaml_is_read_as_strictly_as_ours(tmp_path: Path, text: bytes, expe
         path.write_bytes(text)
         with pytest.raises(UserError, match=expected.replace("'", ".")):
             read_job(tool, str(path), JobOptions())
+
+
+def _with_torch_compile(tool: str, src: Path, dst: Path, value: str | None) -> None:
+    """A copy of one of tests/foreign_jobs' files with `torch_compile` set to `value` (None: left out)."""
+    text = src.read_text()
+    if value is not None:
+        if tool in ("llamafactory", "axolotl"):
+            text += f"\ntorch_compile: {value}\n"
+        elif src.suffix == ".json":
+            text = json.dumps({**json.loads(text), "torch_compile": value == "true"})
+        else:
+            text = text.rstrip() + f" \\\n    --torch_compile {value}\n"
+    dst.write_text(text)
+
+
+@pytest.mark.parametrize("tool,file,opts", [
+    ("llamafactory", "lf/qwen25_7b_qlora.yaml", {}), ("axolotl", "axolotl/mistral_lora_ddp.yml", {"nproc": 4}),
+    ("swift", "swift/qwen25_7b_lora_ddp.sh", {}),
+    ("hf", "hf/trainer_args.json", {"model": "Qwen/Qwen2.5-7B-Instruct", "nproc": 8})])
+def test_torch_compile_is_planned_and_carried_over(tmp_path: Path, tool: str, file: str, opts: dict) -> None:
+    """TrainingArguments' `torch_compile` (and axolotl's) compiles the model, as shardfit's `compile: true` does: the
+    plan times it compiled and the converted config says so; left out, the plan stays eager and the converted
+    config leaves shardfit's `compile: auto`."""
+    seen = {}
+    for value in (None, "true"):
+        path = tmp_path / f"{value}{Path(file).suffix}"
+        _with_torch_compile(tool, JOBS / file, path, value)
+        job = read_job(tool, str(path), JobOptions(**opts))
+        cfg = yaml.safe_load(to_yaml(job))
+        seen[value] = (job.workload.compile, cfg.get("compile", "auto"))
+        _assert_every_key_read(tool, path, job)
+    assert seen == {None: (False, "auto"), "true": (True, True)}

@@ -20,6 +20,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    TORCH_COMPILE,
     Key,
     Source,
     epochs,
@@ -51,6 +52,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each axolotl key means to shardfit. Settings that carry over are read as axolotl reads them: a null value
 # leaves axolotl's default.
 KEYS = key_table({
+    "torch_compile": TORCH_COMPILE,
     "adapter": Key("{method}"), "load_in_4bit": Key("4-bit NF4"), "load_in_8bit": Key("planned as 4-bit"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     # torchao's float8 training through accelerate, as shardfit's `float8` converts the blocks' linear layers

@@ -29,7 +29,7 @@ TRAINER_NO_EFFECT = {
     "push_to_hub", "hub_model_id", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "disable_tqdm", "log_level", "plot_loss", "lazy_preprocess", "group_by_length", "include_num_input_tokens_seen",
     "per_device_eval_batch_size", "eval_accumulation_steps", "prediction_loss_only", "local_rank", "tf32",
-    "ddp_backend", "label_names", "save_on_each_node", "use_cpu", "torch_compile", "ignore_data_skip",
+    "ddp_backend", "label_names", "save_on_each_node", "use_cpu", "ignore_data_skip",
 }
 
 

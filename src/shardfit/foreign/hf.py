@@ -25,6 +25,7 @@ from shardfit.foreign.common import (
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
+    TORCH_COMPILE,
     Key,
     Source,
     command_source,
@@ -51,6 +52,7 @@ SEQ_KEYS = ("model_max_length", "max_seq_length", "max_length", "cutoff_len", "s
 # What each TrainingArguments (or training script) argument means to shardfit: the first sequence length given
 # wins, then lora_r over lora_rank.
 KEYS = key_table({
+    "torch_compile": TORCH_COMPILE,
     "use_lora": Key("{method}"), "q_lora": Key("4-bit NF4 frozen weights, fp32 embeddings/norms/head"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     **{k: Key("sequence length", field="seq_len", read=as_int, default=2048) for k in SEQ_KEYS},

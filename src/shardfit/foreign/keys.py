@@ -220,3 +220,8 @@ def if_truthy(read: Read) -> Read:
 def only_true(value: Any, key: str, where: str) -> bool | None:
     """True when the value is true; otherwise nothing is set (shardfit's default stands)."""
     return True if as_bool(value) else None
+
+
+# transformers' TrainingArguments.torch_compile (also axolotl's key): the whole model goes through torch.compile,
+# which fuses the elementwise ops as shardfit's `compile: true` does per block; not given, shardfit keeps `auto`.
+TORCH_COMPILE = Key("compiled {compile}", field="compile", config="compile", read=flag)

@@ -22,6 +22,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    TORCH_COMPILE,
     Key,
     Source,
     epochs,
@@ -57,6 +58,7 @@ PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "kto_pair":
                "simpo": "simpo"}
 # What each LLaMA-Factory key means to shardfit.
 KEYS = key_table({
+    "torch_compile": TORCH_COMPILE,
     "finetuning_type": Key("{method}"), "quantization_bit": Key("4-bit NF4 frozen weights"),
     "pure_bf16": Key("16-bit adapters"), "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     "cutoff_len": Key("sequence length", field="seq_len", read=as_int, default=2048),

@@ -23,6 +23,7 @@ from shardfit.foreign.common import (
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
+    TORCH_COMPILE,
     Key,
     Source,
     command_source,
@@ -56,6 +57,7 @@ REFUSED = {"rm": "reward-model training", "ppo": "PPO, with reward and value mod
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each `swift sft` option means to shardfit.
 KEYS = key_table({
+    "torch_compile": TORCH_COMPILE,
     "train_type": Key("{method}"), "sft_type": Key("{method}"), "quant_bits": Key("4-bit NF4 frozen weights"),
     "torch_dtype": Key("{precision}"), "attn_impl": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "max_length": Key("sequence length", field="seq_len", read=as_int, default=2048),
