@@ -209,7 +209,8 @@ def evaluate_throughput(spec: dict) -> dict:
                     if k not in PLAN_CHOICES + ENGINE_KEYS + ("micro_batch", "grad_accum")}
             row = {"source": name, "part": part(name), "model": c["model"], "gpu": c["gpu"],
                    "nodes": hw.nodes, "strategy": strategy, "seq": c["seq"], "grad_ckpt": w.grad_ckpt,
-                   "compile": w.compile, "micro_batch": w.micro_batch, "workload": json.dumps(rest, sort_keys=True),
+                   "compile": w.compile, "float8": w.float8, "micro_batch": w.micro_batch,
+                   "workload": json.dumps(rest, sort_keys=True),
                    "ordering_only": bool(c.get("ordering_only")),
                    "published_tokens_per_s": round(published, 4 if c.get("ordering_only") else 1),
                    "predicted_tokens_per_s": round(t.tokens_per_s, 1), "bound": t.bound}
@@ -224,7 +225,33 @@ def evaluate_throughput(spec: dict) -> dict:
                                                         **ordering([r for r in rows if r["part"] == p])}
                                                     for p in ("dev", "test")},
             "sources": {n: {**stats([r for r in rows if r["source"] == n]), "part": part(n)}
-                        for n in spec["sources"]}}
+                        for n in spec["sources"]},
+            "float8_pairs": float8_pairs(rows)}
+
+
+def float8_pairs(rows: list[dict]) -> list[dict]:
+    """Every run with `float8: true` beside the run of its source that differs from it only in float8 (the same
+    model, GPUs, strategy, checkpointing, compile, batch and workload): the FP8 run's tokens/s over the bf16 one's,
+    published and predicted, and the predicted ratio's error against the published one (an `ordering_only` pair
+    too: its two published rates are over the same data)."""
+    def key(r: dict) -> tuple:
+        work = {k: v for k, v in json.loads(r["workload"]).items() if k != "float8"}
+        return (r["source"], r["model"], r["gpu"], r["nodes"], r["strategy"], r["grad_ckpt"], r["compile"],
+                r["micro_batch"], r["seq"], json.dumps(work, sort_keys=True))
+    bf16 = {key(r): r for r in rows if not r["float8"]}
+    out = []
+    for fp8 in (r for r in rows if r["float8"]):
+        base = bf16.get(key(fp8))
+        if base is None:
+            continue
+        published = fp8["published_tokens_per_s"] / base["published_tokens_per_s"]
+        predicted = fp8["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
+        out.append({"source": fp8["source"], "part": fp8["part"], "model": fp8["model"], "gpu": fp8["gpu"],
+                    "nodes": fp8["nodes"], "seq": fp8["seq"], "grad_ckpt": fp8["grad_ckpt"],
+                    "compile": fp8["compile"], "micro_batch": fp8["micro_batch"],
+                    "published_ratio": round(published, 3), "predicted_ratio": round(predicted, 3),
+                    "ratio_error": round(predicted / published - 1, 4)})
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -298,7 +325,7 @@ def throughput_markdown(result: dict) -> str:
         published = f"{r['published_tokens_per_s']:.4g} (rel.)" if r["ordering_only"] else \
             f"{r['published_tokens_per_s']:,.0f}"
         err = f"{r['error']:+.1%}" if "error" in r else "-"
-        ckpt = r["grad_ckpt"] + (" +compile" if r["compile"] else "")
+        ckpt = r["grad_ckpt"] + (" +compile" if r["compile"] else "") + (" +fp8" if r["float8"] else "")
         lines.append(f"| {r['source']} | {r['part']} | {r['model']} | {gpus} | {r['strategy']} | {r['seq']:,} | "
                      f"{ckpt} | {published} | {r['predicted_tokens_per_s']:,.0f} | {err} | {r['bound']} |")
     lines.append("")
@@ -308,7 +335,8 @@ def throughput_markdown(result: dict) -> str:
     lines.append("")
 
     def label(r: dict) -> str:
-        return f"{r['strategy']}/{r['grad_ckpt']}{'+compile' if r['compile'] else ''}/mb{r['micro_batch']}"
+        return (f"{r['strategy']}/{r['grad_ckpt']}{'+compile' if r['compile'] else ''}"
+                f"{'+fp8' if r['float8'] else ''}/mb{r['micro_batch']}")
     rows = result["cases"]
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
@@ -326,6 +354,11 @@ def throughput_markdown(result: dict) -> str:
                          f"{label(b)}: published faster {label(pub)}, predicted faster "
                          f"{label(pred) if pred else 'neither (tie)'} ({ratios}): "
                          f"{'right' if pred is pub else 'WRONG'}")
+    for f in result["float8_pairs"]:
+        gpus = f["gpu"] if f["nodes"] == 1 else f"{f['nodes']} x {f['gpu']}"
+        lines.append(f"float8 pair ({f['part']}) {f['source']} {f['model']} {gpus} {f['grad_ckpt']}"
+                     f"{' +compile' if f['compile'] else ''} mb{f['micro_batch']}: FP8/bf16 tokens/s published "
+                     f"x{f['published_ratio']:.2f}, predicted x{f['predicted_ratio']:.2f} ({f['ratio_error']:+.1%})")
     for p, s in result["parts"].items():
         if not s["n"]:
             continue

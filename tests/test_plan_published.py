@@ -108,3 +108,19 @@ def test_throughput_cases_are_complete_and_compare_strategies() -> None:
     assert all(("error" in r) != r["ordering_only"] for r in result["cases"])
     for part in ("dev", "test"):
         assert result["parts"][part]["strategy_pairs"]["pairs"] >= 3
+
+
+def test_float8_pairs_are_runs_that_differ_only_in_float8() -> None:
+    """An FP8 run pairs with the bf16 run of its source that differs from it in float8 alone, and the pair gives
+    both speed ratios; a bf16 run that differs in anything else (here compile) is no pair."""
+    mod = load_bench()
+    bf16 = _row(seq=8192, float8=False, ordering_only=False, workload='{"float8": false, "seq_len": 8192}',
+                published_tokens_per_s=100, predicted_tokens_per_s=120)
+    fp8 = {**bf16, "float8": True, "workload": '{"float8": true, "seq_len": 8192}',
+           "published_tokens_per_s": 128, "predicted_tokens_per_s": 144}
+    eager = {**bf16, "compile": True}
+    pairs = mod.float8_pairs([bf16, eager, fp8])
+    assert len(pairs) == 1
+    assert pairs[0]["published_ratio"] == 1.28 and pairs[0]["predicted_ratio"] == 1.2
+    assert pairs[0]["ratio_error"] == round(1.2 / 1.28 - 1, 4)
+    assert mod.float8_pairs([eager, fp8]) == []
