@@ -698,3 +698,5 @@ def test_op_builds_checkpoint_hooks_resharded_loads_and_fp16() -> None:
     assert _likely_only(load)[:1] == ["resume_world_size_mismatch"]
     assert _likely_only("关掉 fp16 之后就没有这个报错了")[:1] == ["fp16_nan_loss"]
     assert _likely_only("I did not get this error without the --fp16 flag")[:1] == ["fp16_nan_loss"]
+    # a config echo that says fp16 is off is a setting, not the reporter's test
+    assert "fp16_nan_loss" not in _cats("fp16 disabled\nbf16 enabled\nValueError: unknown dataset format")
