@@ -19,7 +19,8 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
-from shardfit.train.rundir import claim, fingerprint, global_batch
+from shardfit.resolve.resume import global_batch
+from shardfit.train.rundir import claim, fingerprint
 
 GPU = DeviceFacts("cuda", True)
 RTX = parse_gpus("8x24GB", 1, None)
@@ -127,7 +128,7 @@ def test_a_resume_keeps_a_recorded_split_and_pipeline(eight_24gb: None, tmp_path
     """Runs recorded under the 4-stage pipeline (what auto ran before it split the rows) and under the split
     itself resume as recorded; a strategy the config names is not replaced."""
     from shardfit.cli.train_cmd import decide_launch
-    from shardfit.train.rundir import recorded_job
+    from shardfit.resolve.resume import recorded_job
 
     piped = tmp_path / "piped"
     cfg = _run(piped)
