@@ -33,6 +33,11 @@ Resolution = tuple[Resolved, Plan | None]
 Resolver = Callable[[Config], Resolution]
 
 
+class ResumeDoesNotFit(DoesNotFitError):
+    """The job a run that resumes keeps from its run directory is predicted not to fit (exit 3, as any job
+    predicted not to fit); `plan` says so beside its table."""
+
+
 def read_run_file(run_dir: Path) -> dict[str, Any] | None:
     """run.json of `run_dir` (the run's fingerprint, written as it starts), or None where there is none."""
     try:
@@ -147,7 +152,7 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
             f"{fresh[0].pipeline_parallel}, a global batch of {global_batch(cfg, fresh[0])} examples"
             if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
     if not cfg.force and not _fits(kept, job, plan)[0]:
-        raise DoesNotFitError(_misfit(kept, job, plan, target, anew, resolve))
+        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, resolve))
     why = (f"{RESUMED_WHY}: the run in {cfg.output_dir} trains a global batch of {target} examples (run.json), "
            f"which the recorded job keeps; resolved anew: {anew}")
     return dataclasses.replace(job, why=(*lines, why, *job.why)), plan
