@@ -459,6 +459,41 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
     return w
 
 
+def add_job(args: argparse.Namespace, cfg: Config, plan: Any, pipeline: dict[str, Any] | None, out: dict[str, Any],
+            table: str, lines: list[str]) -> tuple[str, list[str], str]:
+    """The job `train` runs for the config (`resolved_job`) added to the plan's JSON and text: its line and why,
+    and where the table plans that job, the recommendation of it (the job auto split, or a resumed run's job);
+    the table and lines as they are then, and the line recommending the job (empty where the table's own
+    recommendation stands)."""
+    job, refused = resolved_job(cfg, args)
+    chosen = ""
+    if refused:  # train would refuse the resumed run's job before loading: say so with the table
+        out["resume_refused"] = refused
+        lines = [*lines, refused]
+    if job is None:
+        return table, lines, chosen
+    out["resolved"] = job.to_json()
+    if plans_the_job(args, cfg):  # the table plans the job train resolves: recommend that job
+        resumed = resumed_choice(cfg, job)
+        chosen = resumed or auto_choice(cfg, plan, job)
+        if resumed and pipeline is not None and pipeline["recommended"] and job.pipeline_parallel == 1:
+            lines = [x.replace("recommended over the strategies above", "fastest over the strategies above")
+                     for x in lines]
+        if chosen:  # the job, not the best strategy over whole rows (or a smaller micro-batch), is what to run
+            table = table.replace("\nrecommended: ", "\nbest strategy: ", 1).replace(
+                "\nnothing fits as configured. recommended: ", "\nnothing fits as configured with whole rows: ", 1)
+            lines = [*lines, chosen]
+        if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
+            out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)
+    from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
+    from shardfit.resolve.resume import RESUMED_WHY
+
+    # auto split the rows or turned a pipeline on, a pipeline's lone stages run as ddp, or the run resumes as
+    # recorded: why
+    return table, [*lines, job.describe(), *(f"  {w}" for w in job.why if w.startswith(
+        (SPLIT_WHY, PIPE_WHY, LONE_WHY, RESUMED_WHY)))], chosen
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
@@ -504,32 +539,8 @@ def run(args: argparse.Namespace) -> int:
         lines += pipe_lines
         if pipeline["recommended"]:  # one recommendation: the strategies' best is then only the best strategy
             table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
-    job, refused = resolved_job(cfg, args) if args.config else (None, None)
-    chosen = ""
-    if refused:  # train would refuse the resumed run's job before loading: say so with the table
-        out["resume_refused"] = refused
-        lines.append(refused)
-    if job is not None:
-        out["resolved"] = job.to_json()
-        if plans_the_job(args, cfg):  # the table plans the job train resolves: recommend that job
-            resumed = resumed_choice(cfg, job)
-            chosen = resumed or auto_choice(cfg, plan, job)
-            if resumed and pipeline is not None and pipeline["recommended"] and job.pipeline_parallel == 1:
-                lines = [x.replace("recommended over the strategies above", "fastest over the strategies above")
-                         for x in lines]
-            if chosen:  # the job, not the best strategy over whole rows (or a smaller micro-batch), is what to run
-                table = table.replace("\nrecommended: ", "\nbest strategy: ", 1).replace(
-                    "\nnothing fits as configured. recommended: ", "\nnothing fits as configured with whole rows: ", 1)
-                lines.append(chosen)
-            if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
-                out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)
-        lines.append(job.describe())
-        from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
-        from shardfit.resolve.resume import RESUMED_WHY
-
-        # auto split the rows or turned a pipeline on, a pipeline's lone stages run as ddp, or the run resumes as
-        # recorded: why
-        lines.extend(f"  {w}" for w in job.why if w.startswith((SPLIT_WHY, PIPE_WHY, LONE_WHY, RESUMED_WHY)))
+    table, lines, chosen = add_job(args, cfg, plan, pipeline, out, table, lines) if args.config \
+        else (table, lines, "")
     print(json.dumps(out, indent=2) if args.json else "\n".join([table, *lines]))
     if args.plot:
         try:
