@@ -126,10 +126,12 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
     the global batch, which the resume refuses (`claim`). Only where the job resolved anew changes run.json's
     global batch and the recorded job (`recorded_job`) keeps it is the recorded one run, its reasons first in `why`
     (the launcher's log, summary.json, `check`, `plan`). It is planned as any job resolved: where it is predicted
-    not to fit (and `force` is off), the resume is refused before anything loads (DoesNotFitError, exit 3), naming
-    the micro_batch and grad_accum that keep the batch and fit. Where the recorded job cannot run here (other
-    GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim` says what differs. Every entry
-    point calls this: the same run directory gives the same job whatever started it."""
+    not to fit (and `force` is off), the resume is refused before anything loads (ResumeDoesNotFit, exit 3),
+    naming the micro_batch and grad_accum that keep the batch and fit, or, where no smaller micro_batch does, how
+    to start over (unless the new job runs here: it then runs, and `claim` names the grad_accum that keeps the
+    batch on its ranks). Where the recorded job cannot run here (other GPUs, --nproc) or keeps no more than the new
+    one, the new one runs, and `claim` says what differs. Every entry point calls this: the same run directory
+    gives the same job whatever started it."""
     kept, lines = recorded_job(cfg)
     if not lines:
         return resolve(cfg)
@@ -152,7 +154,10 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
             f"{fresh[0].pipeline_parallel}, a global batch of {global_batch(cfg, fresh[0])} examples"
             if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
     if not cfg.force and not _fits(kept, job, plan)[0]:
-        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, resolve))
+        fix = smaller_micro_batch(kept, target, resolve)
+        if fix is None and isinstance(fresh, tuple):
+            return fresh  # `claim` refuses it naming what differs, and the grad_accum that keeps the batch there
+        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, fix))
     why = (f"{RESUMED_WHY}: the run in {cfg.output_dir} trains a global batch of {target} examples (run.json), "
            f"which the recorded job keeps; resolved anew: {anew}")
     return dataclasses.replace(job, why=(*lines, why, *job.why)), plan
@@ -198,12 +203,13 @@ def smaller_micro_batch(kept: Config, target: Any, resolve: Resolver) -> tuple[i
     return None
 
 
-def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str, resolve: Resolver) -> str:
+def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str,
+            fix: tuple[int, int, float] | None) -> str:
     """Why the recorded job of a run that resumes is refused: it keeps the run's global batch but is predicted
-    not to fit; the micro_batch and grad_accum that keep both, where there are, else how to start over."""
+    not to fit; the micro_batch and grad_accum that keep both (`fix`, `smaller_micro_batch`), where there are,
+    else how to start over."""
     _, gib, card = _fits(kept, job, plan)
     what = f"{job.strategy}, sequence_parallel {job.sequence_parallel}, pipeline_parallel {job.pipeline_parallel}"
-    fix = smaller_micro_batch(kept, target, resolve)
     how = (f"To keep the run, resume it with --set micro_batch={fix[0]} --set grad_accum={fix[1]} (the same "
            f"{target} examples a step, {fix[2]:.1f} GiB per GPU); or use a new output_dir, or --set resume=never "
            "to start over there." if fix is not None else
