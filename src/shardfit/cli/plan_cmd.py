@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the data readers load only for a config with a tower
     from shardfit.data.image_census import MediaSample
     from shardfit.resolve import Resolved
     from shardfit.resolve.pipeline_choice import PipelineChoice
+    from shardfit.resolve.resume import Resolution
 
 # `plan --model` plans what LLaMA-Factory (disable_gradient_checkpointing: false), TRL's SFTConfig
 # (gradient_checkpointing=True) and ms-swift run unless told otherwise: gradient checkpointing on.
@@ -261,12 +262,12 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> tuple[Resolved | None
     if args.gpus:  # planned GPUs compute in bf16
         node = parse_gpus(args.gpus, 1, args.cpu_mem)
 
-        def resolve(c: Config) -> Any:
+        def resolve(c: Config) -> Resolution:
             return resolve_job(c, node, DeviceFacts("cuda", True), nnodes=args.nodes)
     else:
         from shardfit.parallel.job import resolve_here  # torch: detect() has loaded it already
 
-        def resolve(c: Config) -> Any:
+        def resolve(c: Config) -> Resolution:
             return resolve_here(c, nproc=None, nnodes=args.nodes)
     try:
         return resumed_job(cfg, resolve)[0], None
