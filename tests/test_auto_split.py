@@ -366,3 +366,17 @@ def test_plan_recommends_the_job_a_resumed_run_runs(capsys: pytest.CaptureFixtur
     path = _config_file(tmp_path, output_dir=str(split), data=ran.data, micro_batch=2, grad_accum=4)
     d = _plan(capsys, path, "--gpus", "2x24GB")
     assert "--set micro_batch=1 --set grad_accum=8" in d["resume_refused"] and "resolved" not in d
+
+
+def test_check_on_named_gpus_checks_the_job_a_resumed_run_runs(tmp_path: Path) -> None:
+    """`check CONFIG --gpus 8x24GB` where output_dir holds a run recorded as model_parallel: the job checked is
+    the one train resumes (model_parallel in one process), not the rows split over 2 ranks resolved anew."""
+    from shardfit.check.run import check_config
+
+    cfg = _run(tmp_path / "run")
+    Path(cfg.data).write_text(json.dumps({"instruction": "a question", "output": "an answer"}) + "\n")
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path / "run", cfg, old)
+    job, _ = check_config(cfg, None, RTX)
+    assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("model_parallel", 1, 1)
+    assert any(w.startswith("resumed as recorded: ") for w in job.why)
