@@ -1,7 +1,8 @@
 """`strategy: auto` with the processes left to it, where only model_parallel's one process fits a whole row
 (resolve/decide.py `_one_process_best`): the rows split over every GPU's ranks when that trains faster, as with
-`--nproc 8`; a run recorded under another choice resumes as it started (train/rundir.py `recorded_job`); and
-`plan` follows the resolved job only for a table of the config's own workload over every strategy."""
+`--nproc 8`; a run recorded under another choice resumes as it started (resolve/resume.py `resumed_job`), where it
+still fits, whether train, a rank torchrun started, check or plan resolves it; and `plan` follows the resolved job
+only for a table of the config's own workload over every strategy."""
 
 from __future__ import annotations
 
