@@ -1,7 +1,8 @@
 """`strategy: auto` with the processes left to it, where only model_parallel's one process fits a whole row
 (resolve/decide.py `_one_process_best`): the rows split over every GPU's ranks when that trains faster, as with
-`--nproc 8`; a run recorded under another choice resumes as it started (train/rundir.py `recorded_job`); and
-`plan` follows the resolved job only for a table of the config's own workload over every strategy."""
+`--nproc 8`; a run recorded under another choice resumes as it started (resolve/resume.py `resumed_job`), where it
+still fits, whether train, a rank torchrun started, check or plan resolves it; and `plan` follows the resolved job
+only for a table of the config's own workload over every strategy."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
-from shardfit.train.rundir import claim, fingerprint, global_batch
+from shardfit.resolve.resume import global_batch
+from shardfit.train.rundir import claim, fingerprint
 
 GPU = DeviceFacts("cuda", True)
 RTX = parse_gpus("8x24GB", 1, None)
@@ -127,7 +129,7 @@ def test_a_resume_keeps_a_recorded_split_and_pipeline(eight_24gb: None, tmp_path
     """Runs recorded under the 4-stage pipeline (what auto ran before it split the rows) and under the split
     itself resume as recorded; a strategy the config names is not replaced."""
     from shardfit.cli.train_cmd import decide_launch
-    from shardfit.train.rundir import recorded_job
+    from shardfit.resolve.resume import recorded_job
 
     piped = tmp_path / "piped"
     cfg = _run(piped)
@@ -290,3 +292,92 @@ def test_a_switch_from_a_named_strategy_to_auto_is_not_undone(eight_24gb: None, 
     auto = _run(tmp_path, max_seq_len=2048)
     job, _ = decide_launch(_args(), auto)
     assert job is not None and job.strategy == "ddp" and _claims(tmp_path, auto, job) == "ok"
+
+
+def test_a_kept_job_that_does_not_fit_is_refused_before_loading(host: dict[str, Hardware], tmp_path: Path) -> None:
+    """A run recorded on 2 x 24 GB as zero3 with rows split over both ranks (micro_batch 1 x grad_accum 8: 22.5
+    GiB, a global batch of 8), resumed at micro_batch 2 x grad_accum 4 (the same 8 examples a step): resolved anew
+    nothing fits, and the recorded job keeps the batch but is predicted at 32.3 of 24 GiB. The resume is refused
+    before anything loads (exit 3), naming the micro_batch and grad_accum that keep both; with them it resumes."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    host["gpus"] = parse_gpus("2x24GB", 1, None)
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(cfg, host["gpus"], GPU)
+    assert (old.strategy, old.sequence_parallel, old.dims.dp) == ("zero3", 2, 1)
+    _record(tmp_path, cfg, old)
+    with pytest.raises(DoesNotFitError) as e:
+        decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4))
+    said = str(e.value)
+    assert e.value.exit_code == 3 and "predicted not to fit: 32.3 of 24 GiB per GPU" in said
+    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 22.5 GiB per GPU)" in said
+    job, _ = decide_launch(_args(), _run(tmp_path, micro_batch=1, grad_accum=8))
+    assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
+    forced, _ = decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4, force=True))
+    assert forced is not None and forced.sequence_parallel == 2  # force: true starts it anyway, as for any job
+
+
+def test_a_rank_started_by_torchrun_resumes_as_train_launches(eight_24gb: None, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that torchrun (or srun) started without `shardfit train` resolve a resumed run by the same rule: a
+    run recorded under the 4-stage pipeline resumes with it on every rank, the job `train --nproc 8` launches,
+    not the split that resolving anew gives."""
+    import torch
+
+    from shardfit.cli.train_cmd import decide_launch
+    from shardfit.parallel.env import DistEnv
+    from shardfit.parallel.job import job_of_rank
+    from shardfit.resolve.job import ENV
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(pipeline_parallel=4), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    job, plan = job_of_rank(cfg, DistEnv(3, 8, 3, torch.device("cpu"), "gloo"))
+    assert (job.strategy, job.pipeline_parallel, job.sequence_parallel) == ("ddp", 4, 1) and plan is not None
+    launched, _ = decide_launch(_args(8), cfg)
+    assert launched == job
+    assert _claims(tmp_path, cfg, job) == "ok"
+
+
+def test_plan_recommends_the_job_a_resumed_run_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`plan CONFIG --gpus 8x24GB` where output_dir holds a run recorded as model_parallel (a global batch of 8):
+    train resumes it as recorded, not as the rows split over 2 ranks (a global batch of 32), so the plan resolves
+    and recommends that job and says it is the resumed run's. A run it would refuse is said beside the table."""
+    run = tmp_path / "run"
+    cfg = _run(run)
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(run, cfg, old)
+    path = _config_file(tmp_path, output_dir=str(run), data=cfg.data)
+    d = _plan(capsys, path, "--gpus", "8x24GB")
+    assert d["resolved"]["strategy"] == d["recommended"] == "model_parallel"
+    assert d["resolved"]["sequence_parallel"] == 1 and "resume_refused" not in d
+    assert main(["plan", path, "--gpus", "8x24GB"]) == 0
+    text = capsys.readouterr().out
+    said = [x for x in text.splitlines() if x.startswith("recommended: ")]
+    assert len(said) == 1 and said[0].startswith(f"recommended: model_parallel, the job below: the run in {run} "
+                                                 "resumes as it was recorded")
+    assert "\n  resumed as recorded: the run in " in text
+    split = tmp_path / "split"  # a run recorded as zero3 over 2 x 24 GB, planned at a micro-batch that does not fit
+    two = parse_gpus("2x24GB", 1, None)
+    ran = _run(split)
+    old, _ = resolve_job(ran, two, GPU)
+    _record(split, ran, old)
+    path = _config_file(tmp_path, output_dir=str(split), data=ran.data, micro_batch=2, grad_accum=4)
+    d = _plan(capsys, path, "--gpus", "2x24GB")
+    assert "--set micro_batch=1 --set grad_accum=8" in d["resume_refused"] and "resolved" not in d
+
+
+def test_check_on_named_gpus_checks_the_job_a_resumed_run_runs(tmp_path: Path) -> None:
+    """`check CONFIG --gpus 8x24GB` where output_dir holds a run recorded as model_parallel: the job checked is
+    the one train resumes (model_parallel in one process), not the rows split over 2 ranks resolved anew."""
+    from shardfit.check.run import check_config
+
+    cfg = _run(tmp_path / "run")
+    Path(cfg.data).write_text(json.dumps({"instruction": "a question", "output": "an answer"}) + "\n")
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path / "run", cfg, old)
+    job, _ = check_config(cfg, None, RTX)
+    assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("model_parallel", 1, 1)
+    assert any(w.startswith("resumed as recorded: ") for w in job.why)

@@ -314,7 +314,7 @@ def test_a_resumed_run_keeps_the_pipeline_it_started_with(tmp_path: Path) -> Non
     resume: never resolve anew."""
     import yaml
 
-    from shardfit.train.rundir import RUN_FILE, recorded_pipeline
+    from shardfit.resolve.resume import RUN_FILE, recorded_pipeline
 
     cfg = _seed_002(output_dir=str(tmp_path))
     assert recorded_pipeline(cfg) == (cfg, None)  # nothing to resume

@@ -7,7 +7,6 @@ meta model the fixes are only recorded), so `check` reports exactly the findings
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from torch import nn
 
@@ -32,6 +31,7 @@ from shardfit.plan.plan import Plan
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
 from shardfit.resolve.decide import settled
 from shardfit.resolve.pipeline import stages_of
+from shardfit.resolve.resume import resumed_job
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
 
@@ -86,30 +86,17 @@ def data_findings(cfg: Config) -> list[Finding]:
     return []
 
 
-# How a run that resumes is resolved (train/rundir.py `resumed_job`, which `check` cannot import: train imports
-# check): from the config and the resolver, the job and its plan.
-Resolution = tuple[Resolved, Plan | None]
-Resumed = Callable[[Config, Callable[[Config], Resolution]], Resolution]
-
-
-def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None,
-                 resumed: Resumed | None = None) -> tuple[Resolved, list[Finding]]:
+def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None) -> tuple[Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on this machine
-    by default, resolved as `train` resolves it (`world` ranks when given, as --nproc is; on this machine through
-    `resumed`, which `train` resolves a resumed run with: train/rundir.py `resumed_job`); returns (the resolved
-    job, findings)."""
+    by default, resolved as `train` resolves it (`world` ranks when given, as --nproc is; a run that resumes as
+    resolve/resume.py `resumed_job` resolves it); returns (the resolved job, findings)."""
     if hw is None:
-        nodes = 1
-
-        def here(c: Config) -> Resolution:
-            return resolve_here(c, nproc=world)
-
-        job, plan = resumed(cfg, here) if resumed is not None else here(cfg)
+        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=world))
     else:  # every node like the one named: `world` ranks (default: a rank per GPU for multi-rank strategies)
-        nodes = hw.nodes
         node = dataclasses.replace(hw, nodes=1)
-        per_node = None if world is None else max(1, world // nodes)
-        job, plan = resolve_job(cfg, node, DeviceFacts("cuda", True), nproc=per_node, nnodes=nodes)
+        per_node = None if world is None else max(1, world // hw.nodes)
+        job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=per_node,
+                                                           nnodes=hw.nodes))
     cfg = settled(cfg, job)
     s = get_strategy(job.strategy)
     data = data_findings(cfg)

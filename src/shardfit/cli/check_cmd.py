@@ -72,9 +72,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None
     from shardfit.check.run import check_config, format_findings  # torch and transformers: only for this command
-    from shardfit.train.rundir import resumed_job
 
-    job, findings = check_config(cfg, args.nproc, hw, resumed_job)  # a resumed run's job, as train resolves it
+    job, findings = check_config(cfg, args.nproc, hw)  # a resumed run's job, as train resolves it
     ok = is_ok(findings)
     if args.json:
         print(json.dumps({"ok": ok, "resolved": job.to_json(), "findings": [f.to_json() for f in findings]},

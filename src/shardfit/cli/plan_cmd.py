@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the data readers load only for a config with a tower
     from shardfit.data.image_census import MediaSample
     from shardfit.resolve import Resolved
     from shardfit.resolve.pipeline_choice import PipelineChoice
+    from shardfit.resolve.resume import Resolution
 
 # `plan --model` plans what LLaMA-Factory (disable_gradient_checkpointing: false), TRL's SFTConfig
 # (gradient_checkpointing=True) and ms-swift run unless told otherwise: gradient checkpointing on.
@@ -251,20 +252,42 @@ def media_from_data(cfg: Config, sample: MediaSample, quiet: bool) -> MediaLoad 
                      max_pixels=cfg.image_max_pixels or DEFAULT_MAX_PIXELS)
 
 
-def resolved_job(cfg: Config, args: argparse.Namespace) -> Resolved | None:
-    """The job `train` would run for the config on the hardware planned (as `check` prints it), or None when no
-    strategy fits it (the table says why)."""
+def resolved_job(cfg: Config, args: argparse.Namespace) -> tuple[Resolved | None, str | None]:
+    """The job `train` would run for the config on the hardware planned (as `check` prints it), where output_dir
+    holds a run to resume, as train resumes it (resolve/resume.py `resumed_job`); None when no strategy fits it
+    (the table says why), with the refusal's first line where it is the resumed run's job that does not fit."""
     from shardfit.resolve import DeviceFacts, resolve_job
+    from shardfit.resolve.resume import ResumeDoesNotFit, resumed_job
 
-    try:
-        if args.gpus:  # planned GPUs compute in bf16
-            node = parse_gpus(args.gpus, 1, args.cpu_mem)
-            return resolve_job(cfg, node, DeviceFacts("cuda", True), nnodes=args.nodes)[0]
+    if args.gpus:  # planned GPUs compute in bf16
+        node = parse_gpus(args.gpus, 1, args.cpu_mem)
+
+        def resolve(c: Config) -> Resolution:
+            return resolve_job(c, node, DeviceFacts("cuda", True), nnodes=args.nodes)
+    else:
         from shardfit.parallel.job import resolve_here  # torch: detect() has loaded it already
 
-        return resolve_here(cfg, nproc=None, nnodes=args.nodes)[0]
+        def resolve(c: Config) -> Resolution:
+            return resolve_here(c, nproc=None, nnodes=args.nodes)
+    try:
+        return resumed_job(cfg, resolve)[0], None
+    except ResumeDoesNotFit as e:
+        return None, str(e).split("\n")[0]
     except DoesNotFitError:
-        return None
+        return None, None
+
+
+def resumed_choice(cfg: Config, job: Resolved) -> str:
+    """The line recommending the job of the run in output_dir that `train` resumes, where it keeps the job its run
+    directory recorded (resolve/resume.py); empty where train resolves the job anew."""
+    from shardfit.resolve.resume import RESUMED_WHY
+
+    if not any(w.startswith(RESUMED_WHY) for w in job.why):
+        return ""
+    split = f" with each row split over {job.sequence_parallel} GPUs" if job.sequence_parallel > 1 else ""
+    stages = f" in {job.pipeline_parallel} pipeline stages" if job.pipeline_parallel > 1 else ""
+    return (f"recommended: {job.strategy}{split}{stages}, the job below: the run in {cfg.output_dir} resumes as it "
+            "was recorded, which train runs (resume: never, or a new output_dir, resolves the job anew)")
 
 
 def pipeline_strategies(args: argparse.Namespace, cfg: Config | None) -> tuple[str, ...]:
@@ -437,6 +460,41 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
     return w
 
 
+def add_job(args: argparse.Namespace, cfg: Config, plan: Any, pipeline: dict[str, Any] | None, out: dict[str, Any],
+            table: str, lines: list[str]) -> tuple[str, list[str], str]:
+    """The job `train` runs for the config (`resolved_job`) added to the plan's JSON and text: its line and why,
+    and where the table plans that job, the recommendation of it (the job auto split, or a resumed run's job);
+    the table and lines as they are then, and the line recommending the job (empty where the table's own
+    recommendation stands)."""
+    job, refused = resolved_job(cfg, args)
+    chosen = ""
+    if refused:  # train would refuse the resumed run's job before loading: say so with the table
+        out["resume_refused"] = refused
+        lines = [*lines, refused]
+    if job is None:
+        return table, lines, chosen
+    out["resolved"] = job.to_json()
+    if plans_the_job(args, cfg):  # the table plans the job train resolves: recommend that job
+        resumed = resumed_choice(cfg, job)
+        chosen = resumed or auto_choice(cfg, plan, job)
+        if resumed and pipeline is not None and pipeline["recommended"] and job.pipeline_parallel == 1:
+            lines = [x.replace("recommended over the strategies above", "fastest over the strategies above")
+                     for x in lines]
+        if chosen:  # the job, not the best strategy over whole rows (or a smaller micro-batch), is what to run
+            table = table.replace("\nrecommended: ", "\nbest strategy: ", 1).replace(
+                "\nnothing fits as configured. recommended: ", "\nnothing fits as configured with whole rows: ", 1)
+            lines = [*lines, chosen]
+        if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
+            out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)
+    from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
+    from shardfit.resolve.resume import RESUMED_WHY
+
+    # auto split the rows or turned a pipeline on, a pipeline's lone stages run as ddp, or the run resumes as
+    # recorded: why
+    return table, [*lines, job.describe(), *(f"  {w}" for w in job.why if w.startswith(
+        (SPLIT_WHY, PIPE_WHY, LONE_WHY, RESUMED_WHY)))], chosen
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; create "
@@ -482,23 +540,8 @@ def run(args: argparse.Namespace) -> int:
         lines += pipe_lines
         if pipeline["recommended"]:  # one recommendation: the strategies' best is then only the best strategy
             table = table.replace("\nrecommended: ", "\nbest strategy: ", 1)
-    job = resolved_job(cfg, args) if args.config else None
-    chosen = ""
-    if job is not None:
-        out["resolved"] = job.to_json()
-        if plans_the_job(args, cfg):  # the table plans the job train resolves: recommend that job
-            chosen = auto_choice(cfg, plan, job)
-            if chosen:  # the job, not the best strategy over whole rows (or a smaller micro-batch), is what to run
-                table = table.replace("\nrecommended: ", "\nbest strategy: ", 1).replace(
-                    "\nnothing fits as configured. recommended: ", "\nnothing fits as configured with whole rows: ", 1)
-                lines.append(chosen)
-            if chosen or (pipeline is not None and pipeline["recommended"] and job.pipeline_parallel > 1):
-                out["recommended"] = job.strategy  # the strategy the recommended job runs (`resolved` says how)
-        lines.append(job.describe())
-        from shardfit.resolve.decide import LONE_WHY, PIPE_WHY, SPLIT_WHY  # resolved_job imported it
-
-        # auto split the rows or turned a pipeline on, or a pipeline's lone stages run as ddp: why
-        lines.extend(f"  {w}" for w in job.why if w.startswith((SPLIT_WHY, PIPE_WHY, LONE_WHY)))
+    table, lines, chosen = add_job(args, cfg, plan, pipeline, out, table, lines) if args.config \
+        else (table, lines, "")
     print(json.dumps(out, indent=2) if args.json else "\n".join([table, *lines]))
     if args.plot:
         try:

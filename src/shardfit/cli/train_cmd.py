@@ -114,7 +114,7 @@ def decide_launch(args: argparse.Namespace, cfg: Config | None) -> tuple[Resolve
         nproc = args.nproc or 1
     elif cfg is not None:
         from shardfit.parallel.job import resolve_here
-        from shardfit.train.rundir import resumed_job
+        from shardfit.resolve.resume import resumed_job
 
         threads = _rank_threads(args, args.nproc)
         # A resumed run keeps the job it started with where resolving anew would change its global batch.

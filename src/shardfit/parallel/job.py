@@ -16,6 +16,7 @@ from shardfit.plan.plan import Plan
 from shardfit.resolve import Resolved, resolve_job
 from shardfit.resolve.decide import settled
 from shardfit.resolve.job import ENV
+from shardfit.resolve.resume import resumed_job
 
 
 def node_hardware(threads: int | None = None) -> Hardware:
@@ -37,14 +38,17 @@ def resolve_here(cfg: Config, *, nproc: int | None, nnodes: int = 1, threads: in
 
 def job_of_rank(cfg: Config, env: DistEnv, job: Resolved | None = None) -> tuple[Resolved, Plan | None]:
     """This rank's job: `job` as given, else the one the launching `shardfit train` put in the environment, else
-    (a rank torchrun started without it) resolved here for the launch it is part of. The plan is the job's own,
-    made again from the resolved settings (it is a pure function of them)."""
+    (a rank torchrun or srun started without it) resolved here for the launch it is part of, a run that resumes
+    by the rule `shardfit train` follows (resolve/resume.py `resumed_job`), so that the same run directory gives
+    the same job whatever started the ranks. The plan is the job's own, made again from the resolved settings (it
+    is a pure function of them)."""
     raw = os.environ.get(ENV) if job is None and env.distributed else None
     if job is None and raw:
         job = Resolved.from_env(raw)
     if job is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world))
-        return resolve_here(cfg, nproc=local, nnodes=max(1, env.world // local))
+        nnodes = max(1, env.world // local)
+        return resumed_job(cfg, lambda c: resolve_here(c, nproc=local, nnodes=nnodes))
     if job.world != env.world:
         raise UserError(f"the job was resolved for {job.world} ranks but {env.world} started: launch it with "
                         "`shardfit train` (which resolves and launches together), or give torchrun the same "

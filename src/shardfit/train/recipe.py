@@ -80,6 +80,7 @@ from shardfit.resolve.defaults import (
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
 )
+from shardfit.resolve.resume import global_batch
 from shardfit.resolve.sequence import check_balancing, check_model, facts_of_config
 from shardfit.strategy import get as get_strategy
 from shardfit.train.base_ref import BaseRef, base_for_adapter
@@ -101,7 +102,6 @@ from shardfit.train.rundir import (
     claim,
     decide_on_rank0,
     fingerprint,
-    global_batch,
     record_length,
 )
 from shardfit.train.startup import StartupTimer

@@ -7,7 +7,6 @@ same message instead of some waiting forever in a collective.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -16,21 +15,17 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
-import yaml
 
 from shardfit import method as methods
-from shardfit import strategy as strategies
 from shardfit.config import Config
-from shardfit.errors import DoesNotFitError, UserError
+from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
-from shardfit.resolve.job import Resolved
-from shardfit.resolve.pipeline import LOOPED
+from shardfit.resolve.resume import RUN_FILE, read_run_file
 
 LOCK = ".shardfit.lock"
-RUN_FILE = "run.json"
 # What a run writes; `resume: never` removes these before it starts over.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "adapter", "model", "plan.json", "preflight.json",
                "config.yaml", RUN_FILE, "tb")
@@ -39,8 +34,6 @@ SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "fr
 # Keys of the schedule's length: a longer schedule of the same job continues from its last checkpoint; the trained
 # result of the steps done so far is the same, the rest of the schedule now reaches further.
 LENGTH_KEYS = ("epochs", "max_steps")
-# The pipeline schedules a recorded config.yaml may name (resolve/pipeline.py).
-SCHEDULES = ("1f1b", *LOOPED)
 
 
 def file_digest(path: str | Path) -> str:
@@ -85,129 +78,6 @@ def differences(old: dict[str, Any], new: dict[str, Any], keys: tuple[str, ...] 
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def recorded_pipeline(cfg: Config) -> tuple[Config, str | None]:
-    """`pipeline_parallel: auto` on a run that resumes: the stages (and schedule) its run directory's config.yaml
-    recorded, with a line saying so. A run started before auto could turn a pipeline on, or resolved otherwise,
-    would else be resolved anew, and a pipeline changes the global batch, which the resume refuses (`claim`).
-    `cfg` as it is where nothing is to resume (no run.json, `resume: never`) or the key is set."""
-    run_dir = Path(cfg.output_dir)
-    if cfg.pipeline_parallel != "auto" or cfg.resume == "never" or read_run_file(run_dir) is None:
-        return cfg, None
-    try:  # the file shardfit wrote: read as data only
-        recorded = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return cfg, None
-    if not isinstance(recorded, dict):
-        return cfg, None
-    n = recorded.get("pipeline_parallel", 1)  # absent: a run from before the key, without a pipeline
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        return cfg, None
-    schedule = recorded.get("pipeline_schedule")
-    kept = dataclasses.replace(cfg, pipeline_parallel=n, **(
-        {"pipeline_schedule": schedule} if n > 1 and schedule in SCHEDULES else {}))
-    return kept, (f"pipeline_parallel auto -> {n}: kept from {run_dir / 'config.yaml'}, the run this one resumes "
-                  "(set pipeline_parallel to choose otherwise, or resume: never to start over)")
-
-
-def recorded_job(cfg: Config) -> tuple[Config, list[str]]:
-    """`strategy: auto` on a run that resumes: the job its run directory recorded, which `resumed_job` falls back
-    to: the pipeline (`recorded_pipeline`), and where the config also leaves the row split to auto
-    (sequence_parallel 1), the strategy and split (preflight.json's strategy, else summary.json's resolved one;
-    config.yaml's sequence_parallel), with the lines saying so. `cfg` as the pipeline leaves it where nothing is
-    to resume, a strategy is named, the split is set or the run's pipeline was another."""
-    kept, line = recorded_pipeline(cfg)
-    lines = [line] if line else []
-    run_dir = Path(cfg.output_dir)
-    if cfg.strategy != "auto" or cfg.sequence_parallel != 1 or cfg.resume == "never" \
-            or read_run_file(run_dir) is None:
-        return kept, lines
-    recorded = _read_record(run_dir / "config.yaml", yaml.safe_load)
-    name = _recorded_strategy(run_dir)
-    if not isinstance(recorded, dict) or name is None:
-        return kept, lines
-    sp = recorded.get("sequence_parallel", 1)  # absent: a run from before the key, its rows whole
-    pp = recorded.get("pipeline_parallel", 1)
-    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or pp != kept.pipeline_parallel:
-        return kept, lines
-    lines.append(f"strategy auto -> {name}, sequence_parallel {sp}: kept from {run_dir}, the run this one resumes "
-                 "(set a strategy to choose otherwise, or resume: never to start over)")
-    return dataclasses.replace(kept, strategy=name, sequence_parallel=sp), lines
-
-
-T = TypeVar("T")
-
-
-def resumed_job(cfg: Config, resolve: Callable[[Config], tuple[Resolved, T]]) -> tuple[Resolved, T]:
-    """The job `cfg` runs, with what else `resolve` gives (its plan), as `resolve` resolves it anew, unless the
-    run it resumes would then be refused: auto's choice for the same config changes as its rules do (one
-    process's model_parallel may give way to rows split over every GPU), and another strategy, split or pipeline
-    changes the data-parallel ranks and so the global batch, which the resume refuses (`claim`). Only where the
-    job resolved anew changes run.json's global batch and the recorded job (`recorded_job`) keeps it is the
-    recorded one run, its reasons first in `why` (the launcher's log, summary.json, `check`). Where the recorded
-    job cannot run here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim`
-    says what differs."""
-    kept, lines = recorded_job(cfg)
-    if not lines:
-        return resolve(cfg)
-    run = read_run_file(Path(cfg.output_dir)) or {}
-    target = (run.get("fingerprint") or {}).get("global_batch_examples") if isinstance(run, dict) else None
-    fresh: tuple[Resolved, T] | DoesNotFitError | UserError
-    try:
-        fresh = resolve(cfg)
-    except (DoesNotFitError, UserError) as e:  # the recorded job may still fit and keep the run
-        fresh = e
-    if isinstance(fresh, tuple) and (not isinstance(target, int) or global_batch(cfg, fresh[0]) == target):
-        return fresh
-    try:
-        recorded: tuple[Resolved, T] | None = resolve(kept)
-    except (DoesNotFitError, UserError):
-        recorded = None
-    if recorded is None or global_batch(kept, recorded[0]) != target:
-        if not isinstance(fresh, tuple):
-            raise fresh
-        return fresh
-    job = recorded[0]
-    anew = (f"{fresh[0].strategy}, sequence_parallel {fresh[0].sequence_parallel}, pipeline_parallel "
-            f"{fresh[0].pipeline_parallel}, a global batch of {global_batch(cfg, fresh[0])} examples"
-            if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
-    why = (f"resumed as recorded: the run in {cfg.output_dir} trains a global batch of {target} examples "
-           f"(run.json), which the recorded job keeps; resolved anew: {anew}")
-    return dataclasses.replace(job, why=(*lines, why, *job.why)), recorded[1]
-
-
-def global_batch(cfg: Config, job: Resolved) -> int:
-    """Examples per optimizer step: the global batch the run's fingerprint records (`fingerprint`)."""
-    return cfg.micro_batch * cfg.grad_accum * job.dims.dp
-
-
-def _read_record(path: Path, parse: Callable[[str], Any]) -> Any:
-    """A file shardfit wrote into the run directory, read as data only; None where it is missing or unreadable."""
-    try:
-        return parse(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
-        return None
-
-
-def _recorded_strategy(run_dir: Path) -> str | None:
-    """The strategy the run in `run_dir` resolved: preflight.json's (written as it starts), else summary.json's
-    resolved job (written as it ends); None where neither names one shardfit knows."""
-    preflight = _read_record(run_dir / "preflight.json", json.loads)
-    summary = _read_record(run_dir / "summary.json", json.loads)
-    resolved = summary.get("resolved") if isinstance(summary, dict) else None
-    for record in (preflight, resolved):
-        name = record.get("strategy") if isinstance(record, dict) else None
-        if isinstance(name, str) and name in strategies.NAMES:
-            return name
-    return None
-
-
-def read_run_file(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def decide_on_rank0(env: DistEnv, decide: Callable[[], Any]) -> Any:
