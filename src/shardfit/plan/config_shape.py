@@ -20,9 +20,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.plan.attention_layout import CHUNK, AttentionLayout, layout_of
+from shardfit.plan.attention_layout import CHUNK, AttentionLayout, block_counts, layout_of, text_of
 from shardfit.plan.audio import AudioShape, audio_shape_of
-from shardfit.plan.media import VisionShape, soft_token_tower_of, vision_shape_of
+from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, ModelShape
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -198,6 +198,16 @@ def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], mo
                 gated_attention=True)
 
 
+def block_heads_of(built: Any) -> tuple[int, ...]:
+    """The attention heads of a per-layer config's blocks where they differ, largest first, as the rank reads them
+    from the same class (resolve/sequence.py `facts_of_config`); () where every block has the same count or no class
+    is at hand (`built` None)."""
+    if built is None:
+        return ()
+    counts = sorted(set(block_counts(text_of(built), "num_attention_heads")), reverse=True)
+    return tuple(counts) if len(counts) > 1 else ()
+
+
 def mla_of(text: dict[str, Any]) -> MLA | None:
     """DeepSeek's latent attention, where the config has a `kv_lora_rank`."""
     if not text.get("kv_lora_rank"):
@@ -231,9 +241,10 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES,
+            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built),
             **linear_attention_of(cfg, name, text, moe_flags, built))
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
+        tower = has_tower(built if built is not None else SimpleNamespace(**cfg))
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     except (TypeError, ValueError) as e:
@@ -245,8 +256,9 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     elif vision is not None and is_qwen3_5_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
         towers = qwen3_5_tower_params(cfg, vision)
-    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers,
-                               soft_tower=soft_token_tower_of(cfg))
+    soft_tower = soft_token_tower_of(cfg)
+    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
+                               other_tower=tower and vision is None and audio is None and soft_tower is None)
 
 
 def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:
@@ -254,6 +266,14 @@ def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) ->
         value = values.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key} is {value!r}; it must be a positive integer.")
+
+
+def _side(value: Any, default: int) -> int:
+    """A square image's or patch's side as a vision_config gives it: one number, or [height, width] (InternVL,
+    Molmo 2), whose larger side is taken; `default` where it is unset."""
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, int)), default=None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
 def tower_params(vision: VisionShape | None, audio: AudioShape | None) -> int:
@@ -291,8 +311,8 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     d = v.get("hidden_size") or v.get("embed_dim") or 0
     m = v.get("intermediate_size") or 4 * d
     depth = v.get("num_hidden_layers") or v.get("depth") or 0
-    patch = v.get("patch_size") or 14
-    positions = ((v.get("image_size") or 336) // patch) ** 2
+    patch = _side(v.get("patch_size"), 14)
+    positions = (_side(v.get("image_size"), 336) // patch) ** 2
     out = text_config(cfg).get("hidden_size", d)
     block = 4 * d * d + 2 * d * m + 9 * d + m
     proj = (v.get("projector_output_dim") or v.get("vision_output_dim") or d) * out

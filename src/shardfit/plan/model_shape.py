@@ -61,6 +61,9 @@ class ModelShape:
     vision: VisionShape | None = None
     audio: AudioShape | None = None
     soft_tower: SoftTokenTower | None = None  # Gemma 3: a fixed number of soft tokens per image
+    # A tower none of the three above describes (LLaVA's CLIP, Mistral 3's Pixtral, InternVL's, ...): its weights are
+    # in `extra_params`; the rules refuse to split or cut it as they refuse any tower they do not run.
+    other_tower: bool = False
     # A mixture of experts: one routed expert's width (0: `intermediate`), the width of the experts every token
     # runs (shared experts, summed), and how many blocks keep a dense MLP of `intermediate` instead.
     moe_intermediate: int = 0
@@ -100,6 +103,9 @@ class ModelShape:
     # on q and k; their shared experts scaled by a one-output linear gate (also Qwen2-MoE's).
     gated_attention: bool = False
     shared_gate: bool = False
+    # A per-layer config whose blocks' attention heads differ: each count, largest first (empty: every block has
+    # `heads`). A sequence-parallel split must divide them all (resolve/sequence.py).
+    block_heads: tuple[int, ...] = ()
 
     @property
     def hd(self) -> int:
@@ -107,6 +113,11 @@ class ModelShape:
         if self.mla is not None:
             return self.mla.nope + self.mla.rope
         return self.head_dim or self.hidden // self.heads
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the model has a vision or audio tower of any kind."""
+        return self.vision is not None or self.audio is not None or self.soft_tower is not None or self.other_tower
 
     @property
     def moe(self) -> bool:

@@ -176,7 +176,7 @@ def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: in
 def facts_of_shape(shape: ModelShape) -> StageFacts:
     """The planner's shape of the model as the rules read it."""
     return StageFacts(layers=shape.layers, tied=shape.tied, experts=shape.experts > 1,
-                      multimodal=shape.vision is not None or shape.audio is not None,
+                      multimodal=shape.multimodal,
                       partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
                       attention_kinds=shape.attention_kinds,
                       staged_tower=shape.vision is not None and shape.audio is None and shape.vision.kind in
