@@ -48,6 +48,19 @@ FUSED_DELTANET_TYPES = ("qwen3_next",)
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
 
 
+# Families whose query, key and value projections always carry biases, whatever the config says (Qwen2 and the
+# language models of Qwen2-VL, Qwen2.5-VL and Qwen2.5-Omni built on it); their output projection has none.
+QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_5_omni_thinker",
+                  "qwen2_5_omni_text")
+# The keys by which the other families put biases on q/k/v: most families' attention_bias (which biases the output
+# projection too, but in QKV_ONLY_BIAS_TYPES), Qwen2-MoE's qkv_bias (on by default) and StableLM's use_qkv_bias
+# (neither biases the output projection).
+QKV_BIAS_KEYS = ("attention_bias", "qkv_bias", "use_qkv_bias")
+QKV_ONLY_BIAS_TYPES = ("glm", "glm4", "glm4_moe", "glm4v", "glm4v_text", "glm4v_moe",
+                       "glm4v_moe_text", "glm_image", "glm_image_text", "helium", "mimo_v2_flash", "molmo2",
+                       "moonshine", "solar_open")
+
+
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
     """The value of the first of `keys` that `d` holds and is not null."""
     for k in keys:
@@ -198,6 +211,19 @@ def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], mo
                 gated_attention=True)
 
 
+def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bool]:
+    """The ModelShape bias flags of the attention: q/k/v (`attn_bias`) and the output projection (`o_bias`), by the
+    family's key as its class reads it (`built`: the file's config class, whose defaults fill the keys the file
+    leaves out, as Qwen2-MoE's qkv_bias; None: the file's keys only)."""
+    if model_type in QKV_BIAS_TYPES:
+        return dict(attn_bias=True, o_bias=False)
+    built_text = None if built is None else text_of(built)
+    values = {k: getattr(built_text, k, None) if built_text is not None else text.get(k) for k in QKV_BIAS_KEYS}
+    key = next((k for k in QKV_BIAS_KEYS if values[k] is not None), None)
+    on = key is not None and values[key] is True
+    return dict(attn_bias=on, o_bias=on and key == "attention_bias" and model_type not in QKV_ONLY_BIAS_TYPES)
+
+
 def block_heads_of(built: Any) -> tuple[int, ...]:
     """The attention heads of a per-layer config's blocks where they differ, largest first, as the rank reads them
     from the same class (resolve/sequence.py `facts_of_config`); () where every block has the same count or no class
@@ -236,7 +262,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
             moe_intermediate=expert, shared_intermediate=shared,
             dense_layers=moe_flags.count(False) if experts > 1 else 0,
-            mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
+            mla=mla_of(text), **biases_of(text, model_type, built),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,

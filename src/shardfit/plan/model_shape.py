@@ -70,7 +70,8 @@ class ModelShape:
     shared_intermediate: int = 0
     dense_layers: int = 0
     mla: MLA | None = None
-    attn_bias: bool = False  # q/k/v (and gpt-oss's o) projections with biases
+    attn_bias: bool = False  # q/k/v projections with biases
+    o_bias: bool = False  # the attention's output projection with a bias (most families' attention_bias sets both)
     # Blocks that attend over less than the whole sequence: the window (Llama 4: the chunk; 1 for blocks with
     # neither, as recurrent ones) and how many blocks (the rest attend to the whole sequence), which the rules
     # refuse alike, and what those blocks are (plan/attention_layout.py KINDS; empty: a window, as the catalog's
@@ -223,9 +224,13 @@ class ModelShape:
 
     def block_extra_params(self, block: Block | bool | None = None) -> int:
         """A block's weights outside its linear layers: two norms, biases, MLA's latent norms, gated attention's q/k
-        norms; a Gated DeltaNet block's (`block`; a plain bool or None: the largest kind) depthwise convolution over
-        q, k and v, its per-head decay and dt bias, and its gated norm over a value head."""
+        norms, gpt-oss's sinks and its experts' and router's biases; a Gated DeltaNet block's (`block`; a plain bool
+        or None: the largest kind) depthwise convolution over q, k and v, its per-head decay and dt bias, and its
+        gated norm over a value head."""
         extra = 2 * self.hidden
+        moe = block.moe if isinstance(block, Block) else self.moe_layers > 0 if block is None else bool(block)
+        if moe and self.clamped_swiglu:  # gpt-oss's experts: a bias on each expert's gate/up and down, and the router's
+            extra += self.experts * (2 * self.expert_width + self.hidden) + self.experts
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
         if linear:
             conv = 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
@@ -236,6 +241,10 @@ class ModelShape:
             extra += self.mla.q_rank + self.mla.kv_rank
         if self.attn_bias:
             extra += (self.heads + 2 * self.kv_heads) * self.hd
+        if self.o_bias:
+            extra += self.hidden
+        if self.attention_sinks:
+            extra += self.heads
         return extra
 
     def layer_params(self, moe: bool | None = None) -> int:
