@@ -1,7 +1,7 @@
-"""The attention's and experts' biases the planner counts, family by family, against the model transformers builds:
-Qwen2-MoE's qkv_bias (on by default, though its published config.json leaves it out), Qwen2's q/k/v biases (no key
-says them), attention_bias on the output projection where the family puts one there, gpt-oss's sinks and its
-experts' and router's biases."""
+"""The attention's and experts' biases and q/k norms the planner counts, family by family, against the model
+transformers builds: Qwen2-MoE's qkv_bias (on by default, though its published config.json leaves it out), Qwen2's
+q/k/v biases (no key says them), attention_bias on the output projection where the family puts one there, gpt-oss's
+sinks and its experts' and router's biases, Qwen3's and OLMo 2's q/k norms."""
 
 from __future__ import annotations
 
@@ -51,5 +51,18 @@ def test_biases_count_the_built_model(model_type: str, keys: dict[str, Any]) -> 
     """The count of a tiny config of each family is the built model's to the parameter (before: Qwen2-MoE's and
     Qwen2's q/k/v biases, the output projection's bias under attention_bias, and gpt-oss's sinks and expert
     biases were left out)."""
+    config = CONFIG_MAPPING[model_type](**SMALL, **keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("qwen3", {}),  # one head's width for q and one for k
+    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2)),
+    ("olmo2", {}),  # q and k normalized across all heads
+    ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+])
+def test_qk_norms_count_the_built_model(model_type: str, keys: dict[str, Any]) -> None:
+    """The q and k norms of Qwen3's and OLMo 2's attention are the built model's weights too (before: left out,
+    256 parameters a block of a default Qwen3, 8,192 of a default OLMo 2)."""
     config = CONFIG_MAPPING[model_type](**SMALL, **keys)
     assert shape_from_config(config.to_dict(), model_type).params() == _built(config)

@@ -39,10 +39,17 @@ GPT_OSS_TYPES = ("gpt_oss",)
 # lay out no pattern): the fallback for a model_type transformers cannot build (`unbuilt_layout`).
 EVERY_BLOCK_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
 # Families whose `linear_attention` blocks are transformers' Gated DeltaNet (Qwen3NextGatedDeltaNet,
-# Qwen3_5GatedDeltaNet) and whose softmax attention gates its output (plan/model_shape.py `linear_layers`,
-# `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
-GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Qwen3_5GatedDeltaNet, OlmoHybridGatedDeltaNet) and whose softmax attention gates its output but OLMo hybrid's
+# (plan/model_shape.py `linear_layers`, `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
+GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid")
 FUSED_DELTANET_TYPES = ("qwen3_next",)
+# OLMo hybrid's Gated DeltaNet (OlmoHybridGatedDeltaNet) projects q, k and v apart under softmax attention's names
+# (plan/model_shape.py `linear_split`); its softmax attention is OLMo 2's, ungated.
+SPLIT_DELTANET_TYPES = ("olmo_hybrid",)
+# Families whose softmax attention normalizes q and k: across all heads at once (OLMo 2's q_norm and k_norm over
+# heads x head_dim), or one head's width shared by every head (Qwen3's).
+QK_NORM_ALL_HEADS_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid")
+QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe")
 # Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
@@ -208,7 +215,7 @@ def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], mo
                 linear_k_heads=sizes["linear_num_key_heads"], linear_v_heads=sizes["linear_num_value_heads"],
                 linear_k_dim=sizes["linear_key_head_dim"], linear_v_dim=sizes["linear_value_head_dim"],
                 linear_conv=sizes["linear_conv_kernel_dim"], linear_fused=model_type in FUSED_DELTANET_TYPES,
-                gated_attention=True)
+                linear_split=model_type in SPLIT_DELTANET_TYPES, gated_attention=model_type not in SPLIT_DELTANET_TYPES)
 
 
 def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bool]:
@@ -222,6 +229,14 @@ def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bo
     key = next((k for k in QKV_BIAS_KEYS if values[k] is not None), None)
     on = key is not None and values[key] is True
     return dict(attn_bias=on, o_bias=on and key == "attention_bias" and model_type not in QKV_ONLY_BIAS_TYPES)
+
+
+def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
+    """The softmax attention's q and k norm weights of a block of `shape` (QK_NORM_ALL_HEADS_TYPES,
+    QK_NORM_PER_HEAD_TYPES; 0 for any other family)."""
+    if model_type in QK_NORM_ALL_HEADS_TYPES:
+        return (shape.heads + shape.kv_heads) * shape.hd
+    return 2 * shape.hd if model_type in QK_NORM_PER_HEAD_TYPES else 0
 
 
 def block_heads_of(built: Any) -> tuple[int, ...]:
@@ -284,6 +299,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         towers = qwen3_5_tower_params(cfg, vision)
     soft_tower = soft_token_tower_of(cfg)
     return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
+                               qk_norm=qk_norm_of(shape, model_type),
                                other_tower=tower and vision is None and audio is None and soft_tower is None)
 
 

@@ -100,10 +100,16 @@ class ModelShape:
     linear_v_dim: int = 0
     linear_conv: int = 4
     linear_fused: bool = False
+    # OLMo hybrid's Gated DeltaNet: q, k and v projected apart under softmax attention's names (q_proj, k_proj,
+    # v_proj, o_proj, which q/k/v/o LoRA targets reach), its output gate g_proj beside a_proj and b_proj.
+    linear_split: bool = False
     # The same families' softmax attention: q_proj twice as wide (its second half gates the output), RMSNorms
     # on q and k; their shared experts scaled by a one-output linear gate (also Qwen2-MoE's).
     gated_attention: bool = False
     shared_gate: bool = False
+    # The softmax attention's q and k norm weights together, where a family normalizes them (OLMo 2 across all
+    # heads, Qwen3 per head; gated attention's are counted with it).
+    qk_norm: int = 0
     # A per-layer config whose blocks' attention heads differ: each count, largest first (empty: every block has
     # `heads`). A sequence-parallel split must divide them all (resolve/sequence.py).
     block_heads: tuple[int, ...] = ()
@@ -152,6 +158,9 @@ class ModelShape:
         heads = self.linear_v_heads
         if self.linear_fused:
             inputs = [("linear_qkvz", h, 2 * k + 2 * v), ("linear_ba", h, 2 * heads)]
+        elif self.linear_split:
+            return [("q", h, k), ("k", h, k), ("v", h, v), ("linear_g", h, v), ("linear_b", h, heads),
+                    ("linear_a", h, heads), ("o", v, h)]
         else:
             inputs = [("linear_qkv", h, 2 * k + v), ("linear_z", h, v), ("linear_b", h, heads), ("linear_a", h, heads)]
         return inputs + [("linear_out", v, h)]
@@ -237,6 +246,7 @@ class ModelShape:
             return extra + conv * self.linear_conv + 2 * self.linear_v_heads + self.linear_v_dim
         if self.gated_attention:
             extra += 2 * self.hd
+        extra += self.qk_norm
         if self.mla is not None:
             extra += self.mla.q_rank + self.mla.kv_rank
         if self.attn_bias:
