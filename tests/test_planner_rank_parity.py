@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import CONFIG_MAPPING, AutoConfig
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForImageTextToText
 
 from shardfit.cli.main import main
 from shardfit.errors import UserError
@@ -131,3 +132,22 @@ def test_vision_language_defaults_read_alike_on_both_sides(model_type: str) -> N
     rank = _verdicts(sequence.facts_of_config(built), pipelines.facts_of_config(built))
     assert planner == rank
     assert shape.multimodal == sequence.facts_of_config(built).multimodal is True
+
+
+def test_a_vision_language_head_is_tied_as_its_top_level_config_says(tmp_path: Path) -> None:
+    """transformers ties a multimodal model's head by its top-level tie_word_embeddings, whatever its text_config
+    says. Mistral 3's file leaves the key out (its class ties by default) and its text_config says untied: the
+    planner read it untied (671M parameters too many); Qwen3-VL-MoE's class is untied at the top and tied in its
+    text_config: the rank read it tied. Now both read the top level, and the decoder counts the built one's."""
+    folder = _written(MISTRAL3, tmp_path)
+    built = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(built)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    shape = resolve_shape(str(folder))
+    assert shape.tied == pipelines.facts_of_config(built).tied == tied is True
+    decoder = sum(p.numel() for n, p in model.named_parameters() if "language_model" in n or "lm_head" in n)
+    assert shape.params() - shape.extra_params == decoder
+    untied_top = CONFIG_MAPPING["qwen3_vl_moe"]()
+    assert not pipelines.facts_of_config(untied_top).tied
+    assert not shape_from_config(untied_top.to_dict(), "qwen3_vl_moe").tied

@@ -82,10 +82,15 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return nested if isinstance(nested, dict) else cfg
 
 
-def tied_of(cfg: dict[str, Any], text: dict[str, Any]) -> bool:
+def tied_of(cfg: dict[str, Any], text: dict[str, Any], built: Any = None) -> bool:
     """Whether the head shares the embedding. Qwen-Omni: the thinker's own setting decides (its head is untied
-    whatever its text config says). A config without the key takes its class's default: tied for Gemma, untied
-    for the rest."""
+    whatever its text config says). Any other model: the setting of its config class `built` (the file's, its
+    defaults filling what the file leaves out), whose top level decides for a multimodal model whatever its
+    text_config says, as transformers ties the model it builds (resolve/pipeline.py `facts_of_config` reads the
+    loaded model's alike). Without a class (a model_type this transformers does not know), a config without the key
+    is read as its family's default: tied for Gemma, untied for the rest."""
+    if built is not None and cfg.get("thinker_config") is None:
+        return bool(getattr(built, "tie_word_embeddings", getattr(text_of(built), "tie_word_embeddings", False)))
     default = str(cfg.get("model_type", "")).startswith("gemma")
     return bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
         "tie_word_embeddings", text.get("tie_word_embeddings", default))))
@@ -273,7 +278,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
             vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
-            tied=tied_of(cfg, text),
+            tied=tied_of(cfg, text, built),
             experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
             moe_intermediate=expert, shared_intermediate=shared,
             dense_layers=moe_flags.count(False) if experts > 1 else 0,

@@ -184,10 +184,11 @@ def facts_of_shape(shape: ModelShape) -> StageFacts:
 
 
 def facts_of_config(config: Any) -> StageFacts:
-    """A built model's (transformers) config as the rules read it."""
+    """A built model's (transformers) config as the rules read it: the head is tied where the config's top level
+    says so (transformers ties a multimodal model's head by it, whatever its text_config says)."""
     d = decoder_facts(config)
     text = getattr(config, "text_config", None) or config
-    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     return StageFacts(layers=count_of(getattr(text, "num_hidden_layers", 0)), tied=tied, experts=d.experts,
                       multimodal=d.multimodal, partial_attention=d.partial_attention, attention_kinds=d.attention_kinds,
                       staged_tower=getattr(config, "model_type", None) in PP_VISION_TYPES)
