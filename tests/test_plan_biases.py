@@ -46,6 +46,8 @@ def test_a_default_qwen2_moe_config_json_counts_its_qkv_biases(tmp_path: Path) -
     ("glm4_moe", dict(attention_bias=True, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
                       use_qk_norm=False)),  # q/k/v only
     ("gpt_oss", dict(num_local_experts=4)),  # q/k/v/o, sinks, the experts' and the router's biases
+    ("seed_oss", dict(attention_bias=True, attention_out_bias=False)),  # q/k/v only
+    ("seed_oss", dict(attention_bias=False, attention_out_bias=True)),  # o only
 ])
 def test_biases_count_the_built_model(model_type: str, keys: dict[str, Any]) -> None:
     """The count of a tiny config of each family is the built model's to the parameter (before: Qwen2-MoE's and

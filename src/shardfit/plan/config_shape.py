@@ -61,11 +61,12 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_v
                   "qwen2_5_omni_text")
 # The keys by which the other families put biases on q/k/v: most families' attention_bias (which biases the output
 # projection too, but in QKV_ONLY_BIAS_TYPES), Qwen2-MoE's qkv_bias (on by default) and StableLM's use_qkv_bias
-# (neither biases the output projection).
+# (neither biases the output projection); Seed-OSS biases its output projection by its own attention_out_bias.
 QKV_BIAS_KEYS = ("attention_bias", "qkv_bias", "use_qkv_bias")
+O_BIAS_KEY = "attention_out_bias"
 QKV_ONLY_BIAS_TYPES = ("glm", "glm4", "glm4_moe", "glm4v", "glm4v_text", "glm4v_moe",
                        "glm4v_moe_text", "glm_image", "glm_image_text", "helium", "mimo_v2_flash", "molmo2",
-                       "moonshine", "solar_open")
+                       "moonshine", "seed_oss", "solar_open")
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -230,10 +231,12 @@ def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bo
     if model_type in QKV_BIAS_TYPES:
         return dict(attn_bias=True, o_bias=False)
     built_text = None if built is None else text_of(built)
-    values = {k: getattr(built_text, k, None) if built_text is not None else text.get(k) for k in QKV_BIAS_KEYS}
+    keys = (*QKV_BIAS_KEYS, O_BIAS_KEY)
+    values = {k: getattr(built_text, k, None) if built_text is not None else text.get(k) for k in keys}
     key = next((k for k in QKV_BIAS_KEYS if values[k] is not None), None)
     on = key is not None and values[key] is True
-    return dict(attn_bias=on, o_bias=on and key == "attention_bias" and model_type not in QKV_ONLY_BIAS_TYPES)
+    return dict(attn_bias=on, o_bias=values[O_BIAS_KEY] is True or on and key == "attention_bias" and
+                model_type not in QKV_ONLY_BIAS_TYPES)
 
 
 def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
