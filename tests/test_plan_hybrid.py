@@ -45,20 +45,24 @@ from shardfit.plan.workload import Workload
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import saved_tensor_bytes
 
-HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 # Tiny text models of each hybrid: 4 blocks (3 Gated DeltaNet, 1 softmax attention), 4 experts where it has them.
 TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
             num_experts_per_tok=2)
-TINY_TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+TINY_TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"]
+# The dense hybrids, and OLMo hybrid's padding token (its default, 100277, lies past the tiny vocabulary).
+DENSE_TYPES = ("qwen3_5_text", "olmo_hybrid")
+TINY_PAD = {"olmo_hybrid": dict(pad_token_id=0, eos_token_id=1)}
 EXPERT_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok")
 
 
 def _tiny(model_type: str) -> AutoConfig:
     """The tiny config of `model_type` (a dense family without the mixture's keys)."""
-    moe = model_type != "qwen3_5_text"
-    return AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if moe or k not in EXPERT_KEYS})
+    moe = model_type not in DENSE_TYPES
+    return AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if moe or k not in EXPERT_KEYS},
+                                **TINY_PAD.get(model_type, {}))
 
 
 def _written_default(model_type: str, tmp_path: Path) -> Path:
@@ -88,7 +92,9 @@ def test_default_hybrid_configs_count_the_built_model(model_type: str, tmp_path:
 def test_plan_counts_the_adapters_peft_makes_on_a_hybrid(model_type: str, targets: str | list[str]) -> None:
     """shardfit's default all-linear targets reach the DeltaNet's projections and the shared experts' gate, which
     bear none of the q_proj...down_proj names; a list of those names reaches neither (the routed experts left out
-    there: training adapts every expert weight whatever the list names, models/adapters.py)."""
+    there: training adapts every expert weight whatever the list names, models/adapters.py), but for OLMo hybrid's
+    DeltaNet, whose q, k, v and output projections bear softmax attention's names (before, the plan counted its
+    DeltaNet as Qwen3.5's, with a fused qkv projection, and its softmax attention as gated)."""
     torch.manual_seed(0)
     config = _tiny(model_type)
     model = AutoModelForCausalLM.from_config(config)

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.plan.attention_layout import CHUNK, AttentionLayout, layout_of
+from shardfit.plan.attention_layout import CHUNK, AttentionLayout, block_counts, layout_of, text_of
 from shardfit.plan.audio import AudioShape, audio_shape_of
-from shardfit.plan.media import VisionShape, soft_token_tower_of, vision_shape_of
+from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, ModelShape
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -39,13 +39,34 @@ GPT_OSS_TYPES = ("gpt_oss",)
 # lay out no pattern): the fallback for a model_type transformers cannot build (`unbuilt_layout`).
 EVERY_BLOCK_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
 # Families whose `linear_attention` blocks are transformers' Gated DeltaNet (Qwen3NextGatedDeltaNet,
-# Qwen3_5GatedDeltaNet) and whose softmax attention gates its output (plan/model_shape.py `linear_layers`,
-# `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
-GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Qwen3_5GatedDeltaNet, OlmoHybridGatedDeltaNet) and whose softmax attention gates its output but OLMo hybrid's
+# (plan/model_shape.py `linear_layers`, `gated_attention`); Qwen3-Next fuses the DeltaNet's input projections.
+GATED_DELTANET_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid")
 FUSED_DELTANET_TYPES = ("qwen3_next",)
+# OLMo hybrid's Gated DeltaNet (OlmoHybridGatedDeltaNet) projects q, k and v apart under softmax attention's names
+# (plan/model_shape.py `linear_split`); its softmax attention is OLMo 2's, ungated.
+SPLIT_DELTANET_TYPES = ("olmo_hybrid",)
+# Families whose softmax attention normalizes q and k: across all heads at once (OLMo 2's q_norm and k_norm over
+# heads x head_dim), or one head's width shared by every head (Qwen3's).
+QK_NORM_ALL_HEADS_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid")
+QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe")
 # Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
+
+
+# Families whose query, key and value projections always carry biases, whatever the config says (Qwen2 and the
+# language models of Qwen2-VL, Qwen2.5-VL and Qwen2.5-Omni built on it); their output projection has none.
+QKV_BIAS_TYPES = ("qwen2", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_5_omni_thinker",
+                  "qwen2_5_omni_text")
+# The keys by which the other families put biases on q/k/v: most families' attention_bias (which biases the output
+# projection too, but in QKV_ONLY_BIAS_TYPES), Qwen2-MoE's qkv_bias (on by default) and StableLM's use_qkv_bias
+# (neither biases the output projection); Seed-OSS biases its output projection by its own attention_out_bias.
+QKV_BIAS_KEYS = ("attention_bias", "qkv_bias", "use_qkv_bias")
+O_BIAS_KEY = "attention_out_bias"
+QKV_ONLY_BIAS_TYPES = ("glm", "glm4", "glm4_moe", "glm4v", "glm4v_text", "glm4v_moe",
+                       "glm4v_moe_text", "glm_image", "glm_image_text", "helium", "mimo_v2_flash", "molmo2",
+                       "moonshine", "seed_oss", "solar_open")
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -62,10 +83,15 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return nested if isinstance(nested, dict) else cfg
 
 
-def tied_of(cfg: dict[str, Any], text: dict[str, Any]) -> bool:
+def tied_of(cfg: dict[str, Any], text: dict[str, Any], built: Any = None) -> bool:
     """Whether the head shares the embedding. Qwen-Omni: the thinker's own setting decides (its head is untied
-    whatever its text config says). A config without the key takes its class's default: tied for Gemma, untied
-    for the rest."""
+    whatever its text config says). Any other model: the setting of its config class `built` (the file's, its
+    defaults filling what the file leaves out), whose top level decides for a multimodal model whatever its
+    text_config says, as transformers ties the model it builds (resolve/pipeline.py `facts_of_config` reads the
+    loaded model's alike). Without a class (a model_type this transformers does not know), a config without the key
+    is read as its family's default: tied for Gemma, untied for the rest."""
+    if built is not None and cfg.get("thinker_config") is None:
+        return bool(getattr(built, "tie_word_embeddings", getattr(text_of(built), "tie_word_embeddings", False)))
     default = str(cfg.get("model_type", "")).startswith("gemma")
     return bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
         "tie_word_embeddings", text.get("tie_word_embeddings", default))))
@@ -195,7 +221,40 @@ def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], mo
                 linear_k_heads=sizes["linear_num_key_heads"], linear_v_heads=sizes["linear_num_value_heads"],
                 linear_k_dim=sizes["linear_key_head_dim"], linear_v_dim=sizes["linear_value_head_dim"],
                 linear_conv=sizes["linear_conv_kernel_dim"], linear_fused=model_type in FUSED_DELTANET_TYPES,
-                gated_attention=True)
+                linear_split=model_type in SPLIT_DELTANET_TYPES, gated_attention=model_type not in SPLIT_DELTANET_TYPES)
+
+
+def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bool]:
+    """The ModelShape bias flags of the attention: q/k/v (`attn_bias`) and the output projection (`o_bias`), by the
+    family's key as its class reads it (`built`: the file's config class, whose defaults fill the keys the file
+    leaves out, as Qwen2-MoE's qkv_bias; None: the file's keys only)."""
+    if model_type in QKV_BIAS_TYPES:
+        return dict(attn_bias=True, o_bias=False)
+    built_text = None if built is None else text_of(built)
+    keys = (*QKV_BIAS_KEYS, O_BIAS_KEY)
+    values = {k: getattr(built_text, k, None) if built_text is not None else text.get(k) for k in keys}
+    key = next((k for k in QKV_BIAS_KEYS if values[k] is not None), None)
+    on = key is not None and values[key] is True
+    return dict(attn_bias=on, o_bias=values[O_BIAS_KEY] is True or on and key == "attention_bias" and
+                model_type not in QKV_ONLY_BIAS_TYPES)
+
+
+def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
+    """The softmax attention's q and k norm weights of a block of `shape` (QK_NORM_ALL_HEADS_TYPES,
+    QK_NORM_PER_HEAD_TYPES; 0 for any other family)."""
+    if model_type in QK_NORM_ALL_HEADS_TYPES:
+        return (shape.heads + shape.kv_heads) * shape.hd
+    return 2 * shape.hd if model_type in QK_NORM_PER_HEAD_TYPES else 0
+
+
+def block_heads_of(built: Any) -> tuple[int, ...]:
+    """The attention heads of a per-layer config's blocks where they differ, largest first, as the rank reads them
+    from the same class (resolve/sequence.py `facts_of_config`); () where every block has the same count or no class
+    is at hand (`built` None)."""
+    if built is None:
+        return ()
+    counts = sorted(set(block_counts(text_of(built), "num_attention_heads")), reverse=True)
+    return tuple(counts) if len(counts) > 1 else ()
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
@@ -222,18 +281,19 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
             vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
-            tied=tied_of(cfg, text),
+            tied=tied_of(cfg, text, built),
             experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
             moe_intermediate=expert, shared_intermediate=shared,
             dense_layers=moe_flags.count(False) if experts > 1 else 0,
-            mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
+            mla=mla_of(text), **biases_of(text, model_type, built),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES,
+            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built),
             **linear_attention_of(cfg, name, text, moe_flags, built))
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
+        tower = has_tower(built if built is not None else SimpleNamespace(**cfg))
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     except (TypeError, ValueError) as e:
@@ -245,8 +305,10 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     elif vision is not None and is_qwen3_5_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
         towers = qwen3_5_tower_params(cfg, vision)
-    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers,
-                               soft_tower=soft_token_tower_of(cfg))
+    soft_tower = soft_token_tower_of(cfg)
+    return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
+                               qk_norm=qk_norm_of(shape, model_type),
+                               other_tower=tower and vision is None and audio is None and soft_tower is None)
 
 
 def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:
@@ -254,6 +316,14 @@ def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) ->
         value = values.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key} is {value!r}; it must be a positive integer.")
+
+
+def _side(value: Any, default: int) -> int:
+    """A square image's or patch's side as a vision_config gives it: one number, or [height, width] (InternVL,
+    Molmo 2), whose larger side is taken; `default` where it is unset."""
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, int)), default=None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
 def tower_params(vision: VisionShape | None, audio: AudioShape | None) -> int:
@@ -291,8 +361,8 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     d = v.get("hidden_size") or v.get("embed_dim") or 0
     m = v.get("intermediate_size") or 4 * d
     depth = v.get("num_hidden_layers") or v.get("depth") or 0
-    patch = v.get("patch_size") or 14
-    positions = ((v.get("image_size") or 336) // patch) ** 2
+    patch = _side(v.get("patch_size"), 14)
+    positions = (_side(v.get("image_size"), 336) // patch) ** 2
     out = text_config(cfg).get("hidden_size", d)
     block = 4 * d * d + 2 * d * m + 9 * d + m
     proj = (v.get("projector_output_dim") or v.get("vision_output_dim") or d) * out

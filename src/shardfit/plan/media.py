@@ -8,8 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from shardfit.errors import UserError
+
+# The keys under which a transformers config holds a tower beside its language model (Qwen-Omni's thinker holds
+# both of its towers).
+TOWER_KEYS = ("vision_config", "audio_config", "thinker_config")
 
 # The published Qwen2-VL / Qwen2.5-VL preprocessor_config.json bounds.
 DEFAULT_MIN_PIXELS = 56 * 56
@@ -88,6 +93,14 @@ class SoftTokenTower:
     def load(self, media: MediaLoad) -> MediaLoad:
         """`media` (images per sample and their size) as this tower takes them."""
         return dataclasses.replace(media, patch=self.patch, merge=1, soft_tokens=self.tokens, square=self.side)
+
+
+def has_tower(config: Any) -> bool:
+    """Whether `config` (a built transformers config, or a config.json's keys as attributes) holds a vision or
+    audio tower beside its language model, of whatever kind: the one reading by which the planner and the rank
+    (resolve/sequence.py `facts_of_config`) tell a multimodal model. A tower key set to null builds no tower
+    (Gemma 4's text-only configs)."""
+    return any(getattr(config, key, None) is not None for key in TOWER_KEYS)
 
 
 def soft_token_tower_of(config: dict) -> SoftTokenTower | None:

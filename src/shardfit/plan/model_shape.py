@@ -61,13 +61,17 @@ class ModelShape:
     vision: VisionShape | None = None
     audio: AudioShape | None = None
     soft_tower: SoftTokenTower | None = None  # Gemma 3: a fixed number of soft tokens per image
+    # A tower none of the three above describes (LLaVA's CLIP, Mistral 3's Pixtral, InternVL's, ...): its weights are
+    # in `extra_params`; the rules refuse to split or cut it as they refuse any tower they do not run.
+    other_tower: bool = False
     # A mixture of experts: one routed expert's width (0: `intermediate`), the width of the experts every token
     # runs (shared experts, summed), and how many blocks keep a dense MLP of `intermediate` instead.
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: int = 0
     mla: MLA | None = None
-    attn_bias: bool = False  # q/k/v (and gpt-oss's o) projections with biases
+    attn_bias: bool = False  # q/k/v projections with biases
+    o_bias: bool = False  # the attention's output projection with a bias (most families' attention_bias sets both)
     # Blocks that attend over less than the whole sequence: the window (Llama 4: the chunk; 1 for blocks with
     # neither, as recurrent ones) and how many blocks (the rest attend to the whole sequence), which the rules
     # refuse alike, and what those blocks are (plan/attention_layout.py KINDS; empty: a window, as the catalog's
@@ -96,10 +100,19 @@ class ModelShape:
     linear_v_dim: int = 0
     linear_conv: int = 4
     linear_fused: bool = False
+    # OLMo hybrid's Gated DeltaNet: q, k and v projected apart under softmax attention's names (q_proj, k_proj,
+    # v_proj, o_proj, which q/k/v/o LoRA targets reach), its output gate g_proj beside a_proj and b_proj.
+    linear_split: bool = False
     # The same families' softmax attention: q_proj twice as wide (its second half gates the output), RMSNorms
     # on q and k; their shared experts scaled by a one-output linear gate (also Qwen2-MoE's).
     gated_attention: bool = False
     shared_gate: bool = False
+    # The softmax attention's q and k norm weights together, where a family normalizes them (OLMo 2 across all
+    # heads, Qwen3 per head; gated attention's are counted with it).
+    qk_norm: int = 0
+    # A per-layer config whose blocks' attention heads differ: each count, largest first (empty: every block has
+    # `heads`). A sequence-parallel split must divide them all (resolve/sequence.py).
+    block_heads: tuple[int, ...] = ()
 
     @property
     def hd(self) -> int:
@@ -107,6 +120,11 @@ class ModelShape:
         if self.mla is not None:
             return self.mla.nope + self.mla.rope
         return self.head_dim or self.hidden // self.heads
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the model has a vision or audio tower of any kind."""
+        return self.vision is not None or self.audio is not None or self.soft_tower is not None or self.other_tower
 
     @property
     def moe(self) -> bool:
@@ -140,6 +158,9 @@ class ModelShape:
         heads = self.linear_v_heads
         if self.linear_fused:
             inputs = [("linear_qkvz", h, 2 * k + 2 * v), ("linear_ba", h, 2 * heads)]
+        elif self.linear_split:
+            return [("q", h, k), ("k", h, k), ("v", h, v), ("linear_g", h, v), ("linear_b", h, heads),
+                    ("linear_a", h, heads), ("o", v, h)]
         else:
             inputs = [("linear_qkv", h, 2 * k + v), ("linear_z", h, v), ("linear_b", h, heads), ("linear_a", h, heads)]
         return inputs + [("linear_out", v, h)]
@@ -212,19 +233,28 @@ class ModelShape:
 
     def block_extra_params(self, block: Block | bool | None = None) -> int:
         """A block's weights outside its linear layers: two norms, biases, MLA's latent norms, gated attention's q/k
-        norms; a Gated DeltaNet block's (`block`; a plain bool or None: the largest kind) depthwise convolution over
-        q, k and v, its per-head decay and dt bias, and its gated norm over a value head."""
+        norms, gpt-oss's sinks and its experts' and router's biases; a Gated DeltaNet block's (`block`; a plain bool
+        or None: the largest kind) depthwise convolution over q, k and v, its per-head decay and dt bias, and its
+        gated norm over a value head."""
         extra = 2 * self.hidden
+        moe = block.moe if isinstance(block, Block) else self.moe_layers > 0 if block is None else bool(block)
+        if moe and self.clamped_swiglu:  # gpt-oss's experts: a bias on each expert's gate/up and down, and the router's
+            extra += self.experts * (2 * self.expert_width + self.hidden) + self.experts
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
         if linear:
             conv = 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
             return extra + conv * self.linear_conv + 2 * self.linear_v_heads + self.linear_v_dim
         if self.gated_attention:
             extra += 2 * self.hd
+        extra += self.qk_norm
         if self.mla is not None:
             extra += self.mla.q_rank + self.mla.kv_rank
         if self.attn_bias:
             extra += (self.heads + 2 * self.kv_heads) * self.hd
+        if self.o_bias:
+            extra += self.hidden
+        if self.attention_sinks:
+            extra += self.heads
         return extra
 
     def layer_params(self, moe: bool | None = None) -> int:

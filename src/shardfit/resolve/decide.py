@@ -438,7 +438,7 @@ def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int 
             shape = resolve_shape(cfg.model)
         if shape is not None and cfg.expert_parallel > 1:
             check_ep_model(cfg.expert_parallel, shape.experts, cfg.model, every_expert=shape.every_expert,
-                           multimodal=shape.vision is not None or shape.audio is not None)
+                           multimodal=shape.multimodal)
         if shape is not None and pipelines.stages_of(cfg) > 1:
             pipelines.check_model(pipelines.stages_of(cfg), pipelines.facts_of_shape(shape), cfg.model, cfg.method,
                                   per_rank=pipelines.stages_per_rank(cfg))

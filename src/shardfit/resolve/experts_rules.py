@@ -16,6 +16,7 @@ from shardfit import objective as objectives
 from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.plan.media import has_tower
 from shardfit.resolve.dims import ParallelDims
 
 FIX = "or set expert_parallel: 1"
@@ -90,4 +91,4 @@ def check_ep_config(n: int, config: Any, model: str) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     check_ep_model(n, experts, model, every_expert=str(getattr(text, "model_type", "")).startswith("llama4"),
-                   multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")))
+                   multimodal=has_tower(config))

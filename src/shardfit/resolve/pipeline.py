@@ -176,7 +176,7 @@ def check_model(n: int, facts: StageFacts, model: str, method: str, per_rank: in
 def facts_of_shape(shape: ModelShape) -> StageFacts:
     """The planner's shape of the model as the rules read it."""
     return StageFacts(layers=shape.layers, tied=shape.tied, experts=shape.experts > 1,
-                      multimodal=shape.vision is not None or shape.audio is not None,
+                      multimodal=shape.multimodal,
                       partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
                       attention_kinds=shape.attention_kinds,
                       staged_tower=shape.vision is not None and shape.audio is None and shape.vision.kind in
@@ -184,10 +184,11 @@ def facts_of_shape(shape: ModelShape) -> StageFacts:
 
 
 def facts_of_config(config: Any) -> StageFacts:
-    """A built model's (transformers) config as the rules read it."""
+    """A built model's (transformers) config as the rules read it: the head is tied where the config's top level
+    says so (transformers ties a multimodal model's head by it, whatever its text_config says)."""
     d = decoder_facts(config)
     text = getattr(config, "text_config", None) or config
-    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     return StageFacts(layers=count_of(getattr(text, "num_hidden_layers", 0)), tied=tied, experts=d.experts,
                       multimodal=d.multimodal, partial_attention=d.partial_attention, attention_kinds=d.attention_kinds,
                       staged_tower=getattr(config, "model_type", None) in PP_VISION_TYPES)

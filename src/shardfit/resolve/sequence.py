@@ -10,6 +10,7 @@ inside the Ulysses kernel (parallel/ulysses.py). Everything else is refused with
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan import attention_layout as attention
+from shardfit.plan.media import has_tower
 from shardfit.plan.model_shape import ModelShape
 
 # Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
@@ -34,7 +36,8 @@ class DecoderFacts:
     """What the rules need to know of the model: its attention heads and key/value heads, and whether it is a
     mixture of experts, multimodal (vision or audio tower), or has layers that do not attend over the whole row
     (sliding windows, chunks) or attention of another form (multi-head latent attention). Where a per-layer config's
-    blocks have different head counts, `heads` is the largest count all of theirs divide by."""
+    blocks have different head counts (`block_heads`, largest first), `heads` is the largest count all of theirs
+    divide by."""
 
     heads: int
     kv_heads: int
@@ -47,6 +50,7 @@ class DecoderFacts:
     # A vision tower whose rows this version splits (Qwen2-VL-style: the images' features go into the embeddings
     # of the whole row, M-RoPE positions; `multimodal` stays True for a model it does not).
     split_vision: bool = False
+    block_heads: tuple[int, ...] = ()
 
 
 def _prefix(n: int) -> str:
@@ -96,17 +100,25 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
                         f"images): train it without sequence parallelism, {fix}.")
     if facts.heads % n != 0:
         divisors = [d for d in range(2, facts.heads + 1) if facts.heads % d == 0]
-        raise UserError(f"{_prefix(n)}: {model} has {facts.heads} attention heads, which {n} ranks cannot share "
-                        f"out evenly (each rank attends with heads/{n} of them): use a sequence_parallel that divides "
-                        f"{facts.heads} ({', '.join(map(str, divisors[:6])) or 'none above 1'}), {fix}.")
+        has = f" has {facts.heads} attention heads, which" if len(facts.block_heads) < 2 else \
+            f"'s blocks' attention heads ({_and(facts.block_heads)}) share only {facts.heads}, which"
+        raise UserError(f"{_prefix(n)}: {model}{has} {n} ranks cannot share out evenly (each rank attends with "
+                        f"heads/{n} of each block's): use a sequence_parallel that divides {facts.heads} "
+                        f"({', '.join(map(str, divisors[:6])) or 'none above 1'}), {fix}.")
+
+
+def _and(counts: tuple[int, ...]) -> str:
+    """(16, 8, 4) -> '16, 8 and 4'."""
+    return ", ".join(map(str, counts[:-1])) + f" and {counts[-1]}"
 
 
 def facts_of_shape(shape: ModelShape) -> DecoderFacts:
     """The planner's shape of the model as the rules read it."""
-    multimodal = shape.vision is not None or shape.audio is not None or shape.soft_tower is not None
-    # A Qwen2-VL-style tower without audio passes here; the built model's type decides (`facts_of_config`).
-    return DecoderFacts(heads=shape.heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
-                        multimodal=multimodal, split_vision=shape.audio is None and shape.soft_tower is None,
+    split = shape.multimodal and shape.audio is None and shape.vision is not None and \
+        shape.vision.kind in SPLIT_VISION_TYPES
+    heads = math.gcd(*shape.block_heads) if shape.block_heads else shape.heads
+    return DecoderFacts(heads=heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
+                        multimodal=shape.multimodal, split_vision=split, block_heads=shape.block_heads,
                         partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
                         attention_kinds=shape.attention_kinds, latent_attention=shape.mla is not None)
 
@@ -117,14 +129,15 @@ def facts_of_config(config: Any) -> DecoderFacts:
     text = attention.text_of(config)
     layout = attention.layout_of(config)
     heads = attention.common_count(text, "num_attention_heads")
+    counts = sorted(set(attention.block_counts(text, "num_attention_heads")), reverse=True)
     experts = max((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
                    for n in attention.block_counts(text, k)), default=0)
     return DecoderFacts(heads=heads, kv_heads=attention.common_count(text, "num_key_value_heads") or heads,
                         experts=experts > 1,
-                        multimodal=any(hasattr(config, k) for k in ("vision_config", "audio_config", "thinker_config")),
-                        partial_attention=layout.partial, attention_kinds=layout.kinds,
+                        multimodal=has_tower(config), partial_attention=layout.partial, attention_kinds=layout.kinds,
                         latent_attention=bool(attention.block_counts(text, "kv_lora_rank")),
-                        split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES)
+                        split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES,
+                        block_heads=tuple(counts) if len(counts) > 1 else ())
 
 
 def check_balancing(n: int, whole_row: bool, model: str) -> None:
