@@ -23,7 +23,8 @@ from shardfit.errors import UserError
 from shardfit.plan.attention_layout import CHUNK, AttentionLayout, layout_of
 from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, soft_token_tower_of, vision_shape_of
-from shardfit.plan.model_shape import MLA, ModelShape
+from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
+from shardfit.plan.token_mixers import block_groups
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
@@ -46,6 +47,11 @@ FUSED_DELTANET_TYPES = ("qwen3_next",)
 # Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
+# Families whose MLP is two matrices (up, an activation, down) where ModelShape's is three (gate, up, down): planned
+# as three of 2/3 the width, the same weights and FLOPs. Their config.json leaves the width null for 4 x hidden.
+TWO_MATRIX_MLP_TYPES = ("gpt_neo",)
+# Families whose class ties the head to the embedding where the file does not say (besides Gemma's).
+TIED_BY_DEFAULT_TYPES = ("gpt_neo",)
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -66,7 +72,8 @@ def tied_of(cfg: dict[str, Any], text: dict[str, Any]) -> bool:
     """Whether the head shares the embedding. Qwen-Omni: the thinker's own setting decides (its head is untied
     whatever its text config says). A config without the key takes its class's default: tied for Gemma, untied
     for the rest."""
-    default = str(cfg.get("model_type", "")).startswith("gemma")
+    model_type = str(cfg.get("model_type", ""))
+    default = model_type.startswith("gemma") or model_type in TIED_BY_DEFAULT_TYPES
     return bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
         "tie_word_embeddings", text.get("tie_word_embeddings", default))))
 
@@ -92,7 +99,7 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
     """(dense MLP width, one routed expert's width (0: the same), shared experts' total width)."""
     inter = text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
     if experts <= 1:
-        return inter, 0, 0
+        return (round(2 * inter / 3) if text.get("model_type") in TWO_MATRIX_MLP_TYPES else inter), 0, 0
     if text.get("intermediate_size_mlp"):  # Llama 4: one shared expert as wide as a routed one
         return text["intermediate_size_mlp"], inter, inter
     expert = text.get("moe_intermediate_size") or 0
@@ -206,18 +213,45 @@ def mla_of(text: dict[str, Any]) -> MLA | None:
                rope=text["qk_rope_head_dim"], v=text["v_head_dim"])
 
 
+def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
+    """`text` with the standard name of each size its family names otherwise (its class's attribute_map: GPT-Neo's
+    `num_heads` and `num_layers` are `num_attention_heads` and `num_hidden_layers`), where the file has no key of
+    the standard name."""
+    built_text = None if built is None else getattr(built, "text_config", None) or built
+    aliases = getattr(built_text, "attribute_map", None) or {}
+    return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
+
+
+def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool) -> tuple[BlockGroup, ...]:
+    """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
+    language model (`built`) where there is one, else from the file's keys."""
+    built_text = None if built is None else getattr(built, "text_config", None) or built
+
+    def get(key: str) -> Any:
+        try:
+            value = getattr(built_text, key, None) if built_text is not None else None
+        except RuntimeError:  # a per-layer attribute read globally
+            value = None
+        return value if value is not None else text.get(key)
+
+    heads, hidden = text["num_attention_heads"], text["hidden_size"]
+    return block_groups(attention, get, hidden=hidden, heads=heads,
+                        head_dim=text.get("head_dim") or hidden // heads, deltanet=deltanet)
+
+
 def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
-    text = text_config(cfg)
+    built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
+    text = with_standard_names(text_config(cfg), built)
     try:
         heads, layers = text["num_attention_heads"], text["num_hidden_layers"]
         _require_counts(name, text, ("num_hidden_layers", "hidden_size", "num_attention_heads"))
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
-        built = built_config(cfg, name)  # once: the layout and a hybrid's blocks both read the class
         attention = layout_of_built(cfg, built)
         moe_flags = moe_layer_flags(text, layers, experts)
+        deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
@@ -229,10 +263,11 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             mla=mla_of(text), attn_bias=bool(text.get("attention_bias", False)),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
+            attention_groups=groups_of(attention, text, built, bool(deltanet)),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES,
-            **linear_attention_of(cfg, name, text, moe_flags, built))
+            **deltanet)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
