@@ -153,3 +153,19 @@ def test_a_window_set_per_block_leaves_the_mask_to_transformers() -> None:
     for kernel in ("sdpa", "eager", "flex_attention"):
         model.config._attn_implementation = kernel
         assert mask_argument(model, positions, True) == {}
+
+
+def test_a_mamba_block_is_timed_by_its_state() -> None:
+    """A tiny Jamba (one Mamba block, one attention block): its scan updates as many state elements per token as
+    transformers' Mamba mixer holds in A_log (channels x state size), 6 FLOPs each; Zamba2's hybrid blocks run
+    attention over the whole row beside their Mamba state."""
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, attn_layer_period=2, attn_layer_offset=1,
+                 expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2,
+                 mamba_dt_rank=8)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["jamba"](**sizes))
+    (state,) = [p.numel() for name, p in model.named_parameters() if name.endswith("A_log")]
+    (group,) = shape_from_config({"model_type": "jamba", **sizes}, "jamba").attention_groups
+    assert (group.blocks, group.attention, group.recurrence) == (1, "none", 6 * state)
+    assert rule.layout_of(CONFIG_MAPPING["zamba2"]()).groups == ((("recurrent",), 0, 45), (("recurrent", "full"), 0, 9))

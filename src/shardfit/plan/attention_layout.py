@@ -45,6 +45,10 @@ TYPE_KINDS: dict[str, tuple[str, ...]] = {
     "compressed_sparse_attention": (SPARSE,), "heavily_compressed_attention": (SPARSE,),
     "minimax_m3_sparse": (SPARSE,),
 }
+# Block types whose recurrent state runs beside attention over the whole row (zamba2's shared attention block): in
+# the time model's `groups` their kinds also hold FULL.
+FULL = "full"
+BESIDE_FULL_ATTENTION = ("hybrid",)
 # Families whose every block is recurrent and whose configs list no layer_types.
 RECURRENT_MODEL_TYPES = ("rwkv", "xlstm")
 # Families that name their blocks' attention under other keys: (the list of per-block names, the window's key, what
@@ -125,7 +129,8 @@ def _read(text: Any, layers: int) -> AttentionLayout:
             kinds.update(own)
             span = chunk if CHUNK in own else _window(block, i, layers, window_key) if WINDOW in own else \
                 _size(getattr(block, "index_topk", None)) if SPARSE in own else 0
-            groups[own, span] = groups.get((own, span), 0) + 1
+            timed = (*own, FULL) if types is not None and types[i] in BESIDE_FULL_ATTENTION else own
+            groups[timed, span] = groups.get((timed, span), 0) + 1
     spans = [span for own, span in groups if WINDOW in own or CHUNK in own]
     if chunk_seen and CHUNK not in kinds:  # a chunk the layer_types do not place: the rules refuse it all the same
         kinds.add(CHUNK)

@@ -21,7 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardfit.plan.attention_layout import CHUNK, RECURRENT, SPARSE, UNREAD, WINDOW, AttentionLayout, count_of
+from shardfit.plan.attention_layout import (
+    CHUNK,
+    FULL,
+    RECURRENT,
+    SPARSE,
+    UNREAD,
+    WINDOW,
+    AttentionLayout,
+    count_of,
+)
 from shardfit.plan.model_shape import BlockGroup
 
 SCAN_FLOPS_PER_STATE = 6.0  # decay, input and read-out: three multiply-adds per state element
@@ -35,21 +44,27 @@ def block_groups(layout: AttentionLayout, get: Callable[[str], Any], *, hidden: 
     `linear_*` fields already count (they are left out here)."""
     groups = []
     for kinds, span, blocks in layout.groups:
-        recurrent = RECURRENT in kinds and not deltanet
-        if UNREAD in kinds or (RECURRENT in kinds and deltanet):
-            attention = "full" if UNREAD in kinds else ""
-        elif WINDOW in kinds or CHUNK in kinds:
-            attention = CHUNK if CHUNK in kinds else WINDOW
-        elif SPARSE in kinds:
-            attention = SPARSE
-        else:
-            attention = "none"
-        if not attention:
+        attention = _attention(kinds, deltanet)
+        if attention is None:
             continue
         index = count_of(get("index_n_heads")) * count_of(get("index_head_dim")) if attention == SPARSE else 0
+        recurrent = RECURRENT in kinds and not deltanet and UNREAD not in kinds
         flops = recurrence_flops(get, hidden=hidden, heads=heads, head_dim=head_dim) if recurrent else 0.0
         groups.append(BlockGroup(blocks, attention, span, flops, index))
     return tuple(groups)
+
+
+def _attention(kinds: tuple[str, ...], deltanet: bool) -> str | None:
+    """What softmax attention blocks of `kinds` run (BlockGroup's `attention`); None: Gated DeltaNet blocks, which
+    the shape's `linear_*` fields time. A layout that could not be read is timed as whole attention."""
+    if UNREAD in kinds:
+        return FULL
+    if RECURRENT in kinds and deltanet:
+        return None
+    for kind in (CHUNK, WINDOW, SPARSE, FULL):
+        if kind in kinds:
+            return kind
+    return "none"
 
 
 def recurrence_flops(get: Callable[[str], Any], *, hidden: int, heads: int, head_dim: int) -> float:
