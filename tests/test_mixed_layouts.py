@@ -169,3 +169,11 @@ def test_a_mamba_block_is_timed_by_its_state() -> None:
     (group,) = shape_from_config({"model_type": "jamba", **sizes}, "jamba").attention_groups
     assert (group.blocks, group.attention, group.recurrence) == (1, "none", 6 * state)
     assert rule.layout_of(CONFIG_MAPPING["zamba2"]()).groups == ((("recurrent",), 0, 45), (("recurrent", "full"), 0, 9))
+
+
+def test_compressed_sparse_blocks_are_timed_whole_without_an_indexer_over_the_row() -> None:
+    """DeepSeek-V4's compressed sparse blocks attend to compressed keys, not a top-k of the row's, and its indexer
+    scores compressed entries: timed as whole attention (as before), with no indexer over the row."""
+    shape = shape_from_config(CONFIG_MAPPING["deepseek_v4"]().to_dict(), "deepseek_v4")
+    assert [(g.blocks, g.attention, g.index) for g in shape.attention_groups] == [(shape.layers, "full", 0)]
+    assert timing.attended_positions(_flash(8192), shape) == 4096

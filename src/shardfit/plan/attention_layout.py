@@ -45,10 +45,14 @@ TYPE_KINDS: dict[str, tuple[str, ...]] = {
     "compressed_sparse_attention": (SPARSE,), "heavily_compressed_attention": (SPARSE,),
     "minimax_m3_sparse": (SPARSE,),
 }
-# Block types whose recurrent state runs beside attention over the whole row (zamba2's shared attention block): in
-# the time model's `groups` their kinds also hold FULL.
+# Block types the time model counts as attention over the whole row, their kinds in `groups` also holding FULL:
+# "hybrid" blocks, whose recurrent state runs beside attention (zamba2's shared attention block), and the sparse
+# types whose keys are not a top-k of the row's (DeepSeek-V4's compressed ones) or whose picking transformers does
+# not state (qwen_sparse_attention, minimax_m3_sparse). The rest of the sparse types attend to an indexer's
+# `index_topk` of the row's keys (DeepSeek-V3.2's DSA).
 FULL = "full"
-BESIDE_FULL_ATTENTION = ("hybrid",)
+TIMED_WHOLE = ("hybrid", "compressed_sparse_attention", "heavily_compressed_attention", "qwen_sparse_attention",
+               "minimax_m3_sparse")
 # Families whose every block is recurrent and whose configs list no layer_types.
 RECURRENT_MODEL_TYPES = ("rwkv", "xlstm")
 # Families that name their blocks' attention under other keys: (the list of per-block names, the window's key, what
@@ -129,7 +133,7 @@ def _read(text: Any, layers: int) -> AttentionLayout:
             kinds.update(own)
             span = chunk if CHUNK in own else _window(block, i, layers, window_key) if WINDOW in own else \
                 _size(getattr(block, "index_topk", None)) if SPARSE in own else 0
-            timed = (*own, FULL) if types is not None and types[i] in BESIDE_FULL_ATTENTION else own
+            timed = (*own, FULL) if types is not None and types[i] in TIMED_WHOLE else own
             groups[timed, span] = groups.get((timed, span), 0) + 1
     spans = [span for own, span in groups if WINDOW in own or CHUNK in own]
     if chunk_seen and CHUNK not in kinds:  # a chunk the layer_types do not place: the rules refuse it all the same

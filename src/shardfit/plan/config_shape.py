@@ -52,6 +52,10 @@ SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text
 TWO_MATRIX_MLP_TYPES = ("gpt_neo",)
 # Families whose class ties the head to the embedding where the file does not say (besides Gemma's).
 TIED_BY_DEFAULT_TYPES = ("gpt_neo",)
+# Decoder families whose config.json names sizes by their own names, read through their class's attribute_map
+# (GPT-Neo: `num_heads`, `num_layers`). Only these: other classes' maps also rename sizes of encoders, towers and
+# expert layouts this planner does not model.
+ALIASED_TYPES = ("gpt_neo",)
 
 
 def first_of(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -214,10 +218,12 @@ def mla_of(text: dict[str, Any]) -> MLA | None:
 
 
 def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
-    """`text` with the standard name of each size its family names otherwise (its class's attribute_map: GPT-Neo's
-    `num_heads` and `num_layers` are `num_attention_heads` and `num_hidden_layers`), where the file has no key of
-    the standard name."""
+    """`text` with the standard name of each size an ALIASED_TYPES family names otherwise (its class's
+    attribute_map: GPT-Neo's `num_heads` and `num_layers` are `num_attention_heads` and `num_hidden_layers`), where
+    the file has no key of the standard name."""
     built_text = None if built is None else getattr(built, "text_config", None) or built
+    if text.get("model_type") not in ALIASED_TYPES:
+        return text
     aliases = getattr(built_text, "attribute_map", None) or {}
     return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
 

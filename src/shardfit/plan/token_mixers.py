@@ -61,7 +61,7 @@ def _attention(kinds: tuple[str, ...], deltanet: bool) -> str | None:
         return FULL
     if RECURRENT in kinds and deltanet:
         return None
-    for kind in (CHUNK, WINDOW, SPARSE, FULL):
+    for kind in (CHUNK, WINDOW, FULL, SPARSE):
         if kind in kinds:
             return kind
     return "none"
