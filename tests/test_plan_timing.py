@@ -85,7 +85,8 @@ def test_chunked_blocks_never_look_back_past_their_chunk() -> None:
     assert timing.attended_positions(flash, scout) == pytest.approx((36 * chunked + 12 * seq / 2) / 48)
     gpt_oss = resolve_shape("openai/gpt-oss-20b")  # windows, not chunks: 128-token windows on half its blocks
     assert not gpt_oss.attention_chunked and (gpt_oss.sliding_window, gpt_oss.sliding_layers) == (128, 12)
-    sliding = dataclasses.replace(scout, attention_chunked=False)
+    windows = tuple(dataclasses.replace(g, attention="window") for g in scout.attention_groups)
+    sliding = dataclasses.replace(scout, attention_chunked=False, attention_groups=windows)
     assert timing.attended_positions(flash, sliding) > timing.attended_positions(flash, scout)
 
 

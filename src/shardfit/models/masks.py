@@ -14,9 +14,9 @@ batch already knows on the host whether any row restarts its positions (`Batch.r
   them out), and their packed rows would attend across examples;
 - flex attention on full-attention decoders: the block mask of the examples (causal within each), built from the
   positions on the host's word that a row restarts, so the kernel skips the blocks across examples;
-- anything else (no host facts, chunked layers, a windowed decoder without the mapping, another attention kernel,
-  SDPA on rows without a restart in a decoder without the mapping, such as Llama's): no argument, transformers
-  decides as before.
+- anything else (no host facts, chunked layers, a windowed decoder without the mapping, windows that differ by
+  block (a per_layer_config), another attention kernel, SDPA on rows without a restart in a decoder without the
+  mapping, such as Llama's): no argument, transformers decides as before.
 Every case gives the attention kernel the mask transformers means for these rows; only the wait goes.
 """
 
@@ -46,18 +46,36 @@ def takes_mask_mapping(decoder_cls: type) -> bool:
     return "causal_mask_mapping := attention_mask, dict" in source
 
 
+# What `_one_value` gives for a key a heterogeneous config sets block by block.
+_PER_BLOCK = object()
+
+
+def _one_value(config: Any, key: str) -> Any:
+    """`key` of `config` where every block shares it (None where unset), or _PER_BLOCK where a heterogeneous config
+    (transformers' per_layer_config) sets it per block: transformers raises on reading such a key globally
+    (AmbiguousGlobalPerLayerAttributeError, a RuntimeError), and one mask per layer type cannot hold windows that
+    differ by block."""
+    if key in (getattr(config, "per_layer_attributes", None) or ()):
+        return _PER_BLOCK
+    try:
+        return getattr(config, key, None)
+    except RuntimeError:
+        return _PER_BLOCK
+
+
 def _full_attention_only(config: Any) -> bool:
     """Every layer attends causally over the whole row (no sliding window, no chunks)."""
-    types = getattr(config, "layer_types", None)
-    return (types is None or set(types) == {"full_attention"}) and not getattr(config, "sliding_window", None) \
-        and not getattr(config, "attention_chunk_size", None)
+    types = _one_value(config, "layer_types")
+    return (types is None or (types is not _PER_BLOCK and set(types) == {"full_attention"})) \
+        and not _one_value(config, "sliding_window") and not _one_value(config, "attention_chunk_size")
 
 
 def _full_and_sliding_only(config: Any) -> bool:
-    """Every layer attends causally over the whole row or within a sliding window (no chunks)."""
-    types = getattr(config, "layer_types", None)
-    return bool(types) and set(types) <= {"full_attention", "sliding_attention"} \
-        and bool(getattr(config, "sliding_window", None)) and not getattr(config, "attention_chunk_size", None)
+    """Every layer attends causally over the whole row or within one sliding window (no chunks, no window that
+    differs by block)."""
+    types, window = _one_value(config, "layer_types"), _one_value(config, "sliding_window")
+    return types is not _PER_BLOCK and bool(types) and set(types) <= {"full_attention", "sliding_attention"} \
+        and window is not _PER_BLOCK and bool(window) and not _one_value(config, "attention_chunk_size")
 
 
 def block_causal_mask(config: Any, position_ids: torch.Tensor, dtype: torch.dtype,

@@ -15,7 +15,7 @@ UNREAD: a partial layout, which the rules refuse with a message instead of guess
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 WINDOW, CHUNK, RECURRENT, SPARSE, UNREAD = "window", "chunk", "recurrent", "sparse", "unread"
@@ -45,8 +45,22 @@ TYPE_KINDS: dict[str, tuple[str, ...]] = {
     "compressed_sparse_attention": (SPARSE,), "heavily_compressed_attention": (SPARSE,),
     "minimax_m3_sparse": (SPARSE,),
 }
+# Block types the time model counts as attention over the whole row, their kinds in `groups` also holding FULL:
+# "hybrid" blocks, whose recurrent state runs beside attention (zamba2's shared attention block), and the sparse
+# types whose keys are not a top-k of the row's (DeepSeek-V4's compressed ones) or whose picking transformers does
+# not state (qwen_sparse_attention, minimax_m3_sparse). The rest of the sparse types attend to an indexer's
+# `index_topk` of the row's keys (DeepSeek-V3.2's DSA).
+FULL = "full"
+TIMED_WHOLE = ("hybrid", "compressed_sparse_attention", "heavily_compressed_attention", "qwen_sparse_attention",
+               "minimax_m3_sparse")
 # Families whose every block is recurrent and whose configs list no layer_types.
 RECURRENT_MODEL_TYPES = ("rwkv", "xlstm")
+# Families that name their blocks' attention under other keys: (the list of per-block names, the window's key, what
+# each name is as a layer type). GPT-Neo's "local" blocks attend to the last `window_size` positions
+# (GPTNeoSelfAttention masks everything `window_size` or more positions back), its "global" ones to the whole row.
+BLOCK_NAME_KEYS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "gpt_neo": ("attention_layers", "window_size", {"global": "full_attention", "local": "sliding_attention"}),
+}
 
 
 class _Unread(ValueError):
@@ -57,11 +71,14 @@ class _Unread(ValueError):
 class AttentionLayout:
     """The blocks that do not attend over the whole row: how many, the window or chunk they attend within (the
     largest where blocks differ; 1 where they have none, as recurrent blocks), and what they do (of KINDS, in its
-    order)."""
+    order), which the rules read; and for the time model each kind of partial block apart (`groups`: its kinds,
+    its own window, chunk or sparse top-k (0: none or unknown), and how many blocks, in the order they first
+    appear; left out of equality, which is the rules' reading)."""
 
     span: int = 0
     blocks: int = 0
     kinds: tuple[str, ...] = ()
+    groups: tuple[tuple[tuple[str, ...], int, int], ...] = field(default=(), compare=False)
 
     @property
     def partial(self) -> bool:
@@ -88,21 +105,20 @@ def layout_of(config: Any) -> AttentionLayout:
     try:
         layers = count_of(getattr(text, "num_hidden_layers", 0))
         if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
-            return AttentionLayout(1, max(layers, 1), (RECURRENT,))
+            return AttentionLayout(1, max(layers, 1), (RECURRENT,), (((RECURRENT,), 0, max(layers, 1)),))
         return _read(text, layers)
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError):  # RuntimeError: a global per-layer read
-        return AttentionLayout(1, max(layers, 1), (UNREAD,))
+        return AttentionLayout(1, max(layers, 1), (UNREAD,), (((UNREAD,), 0, max(layers, 1)),))
 
 
 def _read(text: Any, layers: int) -> AttentionLayout:
     """The layout block by block: each block's layer type, else its chunk, else its window (under
     use_sliding_window); a chunk the types place nowhere still counts, since the rank refuses any chunked config."""
-    types = getattr(text, "layer_types", None)
-    if types is not None and not (isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types)):
-        raise _Unread("layer_types")
+    types, window_key = _types(text)
     per_layer = _block_configs(text)
     kinds: set[str] = set()
-    spans, blocks, chunk_seen = [], 0, 0
+    groups: dict[tuple[tuple[str, ...], int], int] = {}
+    chunk_seen = 0
     for i in range(len(types) if types is not None else layers):
         block = per_layer[i] if i < len(per_layer) else text
         chunk = _size(_at(block, "attention_chunk_size", i, layers))
@@ -113,15 +129,35 @@ def _read(text: Any, layers: int) -> AttentionLayout:
             own = (CHUNK,)
         else:
             own = (WINDOW,) if _at(block, "use_sliding_window", i, layers, True) and _slides(block, i, layers) else ()
-        kinds.update(own)
-        blocks += bool(own)
-        spans += [chunk] if CHUNK in own else [_window(block, i, layers)] if WINDOW in own else []
+        if own:
+            kinds.update(own)
+            span = chunk if CHUNK in own else _window(block, i, layers, window_key) if WINDOW in own else \
+                _size(getattr(block, "index_topk", None)) if SPARSE in own else 0
+            timed = (*own, FULL) if types is not None and types[i] in TIMED_WHOLE else own
+            groups[timed, span] = groups.get((timed, span), 0) + 1
+    spans = [span for own, span in groups if WINDOW in own or CHUNK in own]
     if chunk_seen and CHUNK not in kinds:  # a chunk the layer_types do not place: the rules refuse it all the same
         kinds.add(CHUNK)
-        blocks, spans = blocks or layers, [*spans, chunk_seen]
-    if not blocks:
+        groups, spans = groups or {((CHUNK,), chunk_seen): layers}, [*spans, chunk_seen]
+    if not groups:
         return AttentionLayout()
-    return AttentionLayout(max(spans, default=0) or 1, blocks, tuple(k for k in KINDS if k in kinds))
+    return AttentionLayout(max(spans, default=0) or 1, sum(groups.values()), tuple(k for k in KINDS if k in kinds),
+                           tuple((own, span, n) for (own, span), n in groups.items()))
+
+
+def _types(text: Any) -> tuple[list[str] | None, str]:
+    """The blocks' layer types (None: the config lists none) and the key of their window: `layer_types` and
+    `sliding_window`, or a family's own names for them (BLOCK_NAME_KEYS)."""
+    types = getattr(text, "layer_types", None)
+    if types is None and getattr(text, "model_type", None) in BLOCK_NAME_KEYS:
+        key, window_key, names = BLOCK_NAME_KEYS[text.model_type]
+        named = getattr(text, key, None)
+        if isinstance(named, (list, tuple)) and all(isinstance(t, str) for t in named):
+            return [names.get(t, t) for t in named], window_key
+        raise _Unread(key)
+    if types is not None and not (isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types)):
+        raise _Unread("layer_types")
+    return types, "sliding_window"
 
 
 def _block_configs(text: Any) -> list[Any]:
@@ -142,9 +178,9 @@ def _at(config: Any, key: str, block: int, layers: int, default: Any = None) -> 
     return value
 
 
-def _window(block: Any, index: int, layers: int) -> int:
-    """The window block `index` attends within (0: none)."""
-    return _size(_at(block, "sliding_window", index, layers))
+def _window(block: Any, index: int, layers: int, key: str = "sliding_window") -> int:
+    """The window block `index` attends within (0: none), under the config's `key` for it."""
+    return _size(_at(block, key, index, layers))
 
 
 def _slides(block: Any, index: int, layers: int) -> bool:

@@ -23,7 +23,8 @@ from shardfit.errors import UserError
 from shardfit.plan.attention_layout import CHUNK, AttentionLayout, block_counts, layout_of, text_of
 from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
-from shardfit.plan.model_shape import MLA, ModelShape
+from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
+from shardfit.plan.token_mixers import block_groups
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
@@ -53,6 +54,15 @@ QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe")
 # Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
+# Families whose MLP is two matrices (up, an activation, down) where ModelShape's is three (gate, up, down): planned
+# as three of 2/3 the width, the same weights and FLOPs. Their config.json leaves the width null for 4 x hidden.
+TWO_MATRIX_MLP_TYPES = ("gpt_neo",)
+# Families whose class ties the head to the embedding where the file does not say (besides Gemma's).
+TIED_BY_DEFAULT_TYPES = ("gpt_neo",)
+# Decoder families whose config.json names sizes by their own names, read through their class's attribute_map
+# (GPT-Neo: `num_heads`, `num_layers`). Only these: other classes' maps also rename sizes of encoders, towers and
+# expert layouts this planner does not model.
+ALIASED_TYPES = ("gpt_neo",)
 
 
 # Families whose query, key and value projections always carry biases, whatever the config says (Qwen2 and the
@@ -89,10 +99,11 @@ def tied_of(cfg: dict[str, Any], text: dict[str, Any], built: Any = None) -> boo
     defaults filling what the file leaves out), whose top level decides for a multimodal model whatever its
     text_config says, as transformers ties the model it builds (resolve/pipeline.py `facts_of_config` reads the
     loaded model's alike). Without a class (a model_type this transformers does not know), a config without the key
-    is read as its family's default: tied for Gemma, untied for the rest."""
+    is read as its family's default: tied for Gemma and GPT-Neo, untied for the rest."""
     if built is not None and cfg.get("thinker_config") is None:
         return bool(getattr(built, "tie_word_embeddings", getattr(text_of(built), "tie_word_embeddings", False)))
-    default = str(cfg.get("model_type", "")).startswith("gemma")
+    model_type = str(cfg.get("model_type", ""))
+    default = model_type.startswith("gemma") or model_type in TIED_BY_DEFAULT_TYPES
     return bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
         "tie_word_embeddings", text.get("tie_word_embeddings", default))))
 
@@ -118,7 +129,7 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
     """(dense MLP width, one routed expert's width (0: the same), shared experts' total width)."""
     inter = text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
     if experts <= 1:
-        return inter, 0, 0
+        return (round(2 * inter / 3) if text.get("model_type") in TWO_MATRIX_MLP_TYPES else inter), 0, 0
     if text.get("intermediate_size_mlp"):  # Llama 4: one shared expert as wide as a routed one
         return text["intermediate_size_mlp"], inter, inter
     expert = text.get("moe_intermediate_size") or 0
@@ -265,18 +276,47 @@ def mla_of(text: dict[str, Any]) -> MLA | None:
                rope=text["qk_rope_head_dim"], v=text["v_head_dim"])
 
 
+def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
+    """`text` with the standard name of each size an ALIASED_TYPES family names otherwise (its class's
+    attribute_map: GPT-Neo's `num_heads` and `num_layers` are `num_attention_heads` and `num_hidden_layers`), where
+    the file has no key of the standard name."""
+    built_text = None if built is None else getattr(built, "text_config", None) or built
+    if text.get("model_type") not in ALIASED_TYPES:
+        return text
+    aliases = getattr(built_text, "attribute_map", None) or {}
+    return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
+
+
+def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool) -> tuple[BlockGroup, ...]:
+    """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
+    language model (`built`) where there is one, else from the file's keys."""
+    built_text = None if built is None else getattr(built, "text_config", None) or built
+
+    def get(key: str) -> Any:
+        try:
+            value = getattr(built_text, key, None) if built_text is not None else None
+        except RuntimeError:  # a per-layer attribute read globally
+            value = None
+        return value if value is not None else text.get(key)
+
+    heads, hidden = text["num_attention_heads"], text["hidden_size"]
+    return block_groups(attention, get, hidden=hidden, heads=heads,
+                        head_dim=text.get("head_dim") or hidden // heads, deltanet=deltanet)
+
+
 def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
-    text = text_config(cfg)
+    built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
+    text = with_standard_names(text_config(cfg), built)
     try:
         heads, layers = text["num_attention_heads"], text["num_hidden_layers"]
         _require_counts(name, text, ("num_hidden_layers", "hidden_size", "num_attention_heads"))
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
-        built = built_config(cfg, name)  # once: the layout and a hybrid's blocks both read the class
         attention = layout_of_built(cfg, built)
         moe_flags = moe_layer_flags(text, layers, experts)
+        deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
             kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
@@ -288,10 +328,11 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             mla=mla_of(text), **biases_of(text, model_type, built),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
+            attention_groups=groups_of(attention, text, built, bool(deltanet)),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built),
-            **linear_attention_of(cfg, name, text, moe_flags, built))
+            **deltanet)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
         tower = has_tower(built if built is not None else SimpleNamespace(**cfg))
     except KeyError as e:

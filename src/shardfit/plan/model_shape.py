@@ -43,6 +43,22 @@ class Block:
 
 
 @dataclass(frozen=True)
+class BlockGroup:
+    """Blocks that mix tokens alike other than by softmax attention over the whole causal prefix, for the time model
+    (plan/timing.py `softmax_groups`): their `attention` (window | chunk | sparse: their own `span`, the window's or
+    chunk's tokens or the indexer's top-k, 0 where unknown: the whole prefix; full: the whole prefix; none: no
+    softmax attention, a recurrent block's), the forward FLOPs per token of their `recurrence` (a state each token
+    updates: Mamba's scan, RG-LRU, a short convolution, linear attention), and a sparse block's indexer (`index`:
+    its heads times their width)."""
+
+    blocks: int
+    attention: str = "full"
+    span: int = 0
+    recurrence: float = 0.0
+    index: int = 0
+
+
+@dataclass(frozen=True)
 class ModelShape:
     id: str
     layers: int
@@ -80,6 +96,8 @@ class ModelShape:
     sliding_layers: int = 0
     attention_kinds: tuple[str, ...] = ()
     attention_chunked: bool = False  # the partial blocks attend within chunks (Llama 4), not sliding windows
+    # The same blocks kind by kind, where a config.json was read (empty: `sliding_*` describe them all).
+    attention_groups: tuple[BlockGroup, ...] = ()
     # Llama 4's text experts (transformers' Llama4TextExperts): every token runs through every routed expert, the
     # ones it was not routed to with a routing score of 0, instead of through its top-k.
     every_expert: bool = False

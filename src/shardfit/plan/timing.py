@@ -88,10 +88,11 @@ from dataclasses import dataclass, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.plan import experts
+from shardfit.plan.attention_layout import CHUNK, SPARSE, WINDOW
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.model_shape import DELTA_CHUNK, Block
+from shardfit.plan.model_shape import DELTA_CHUNK, Block, BlockGroup
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -225,16 +226,33 @@ def attended_positions(w: Workload, shape: ModelShape | None = None) -> float:
     arbitrary mask on a GPU; eager attention) is applied to scores computed over the whole square of the row: every
     query runs over the row's `row_len`, seq_len, or micro_batch x seq_len under `static_shape`, micro_batch times
     the attention of separate rows (why resolve/defaults.py turns static_shape on only with a boundary kernel)."""
-    if w.attention != "flash":
-        return float(w.row_len)
-    whole = w.seq_len / 2
-    # A window under 2 tokens is the layout's mark for "some block is partial, its size unknown": counted whole.
-    if shape is None or shape.sliding_layers <= 0 or shape.sliding_window < 2:
-        return whole
-    softmax = shape.layers - shape.linear_layers  # Gated DeltaNet blocks attend to no positions
-    partial = min(shape.sliding_layers, softmax)
-    inside = _within(shape.sliding_window, w.seq_len, chunked=shape.attention_chunked)
-    return (partial * inside + (softmax - partial) * whole) / softmax if softmax > 0 else whole
+    whole = float(w.row_len) if w.attention != "flash" else w.seq_len / 2
+    groups = softmax_groups(shape, w) if shape is not None else []
+    blocks = sum(n for n, _ in groups)
+    return sum(n * p for n, p in groups) / blocks if blocks else whole
+
+
+def softmax_groups(shape: ModelShape, w: Workload) -> list[tuple[int, float]]:
+    """(blocks, `attended_positions` of each) for every group of `shape`'s blocks that runs softmax attention (not
+    its Gated DeltaNet and other recurrent blocks), each kind within its own span: a window's or a chunk's
+    (`_within`), a sparse block's top-k (a kernel that takes the indexer's picks, FlashMLA's, runs over them: a
+    window's count of the prefix; a dense mask over the whole row in SDPA and eager, as transformers' DeepSeek-V3.2
+    applies them), the rest the whole causal prefix. A group's span under 2 is unknown: the whole prefix. Without
+    `attention_groups` (a catalog entry) `sliding_layers` blocks of the model's softmax blocks attend within
+    `sliding_window`, a window or (`attention_chunked`) a chunk."""
+    groups = shape.attention_groups
+    if not groups and shape.sliding_layers > 0 and shape.sliding_window >= 2:
+        groups = (BlockGroup(min(shape.sliding_layers, shape.layers - shape.linear_layers),
+                             CHUNK if shape.attention_chunked else WINDOW, shape.sliding_window),)
+    whole = float(w.row_len) if w.attention != "flash" else w.seq_len / 2
+    full = shape.layers - shape.linear_layers - sum(g.blocks for g in groups)
+    out = [(full, whole)] if full > 0 else []
+    for g in groups:
+        if g.attention == "none":
+            continue
+        inside = w.attention == "flash" and g.attention in (WINDOW, CHUNK, SPARSE) and g.span >= 2
+        out.append((g.blocks, _within(g.span, w.seq_len, chunked=g.attention == CHUNK) if inside else whole))
+    return out
 
 
 def _within(size: int, seq: int, *, chunked: bool) -> float:
@@ -250,14 +268,22 @@ def _within(size: int, seq: int, *, chunked: bool) -> float:
 
 
 def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
-    """Forward FLOPs per token of the mean block's token mixing outside its projections: a softmax-attention
-    block's QK^T and PV over its `attended_positions`, a Gated DeltaNet block's chunked delta rule
-    (`delta_rule_flops_per_token`, no term that grows with the sequence)."""
-    softmax = 4.0 * attended_positions(w, shape) * shape.heads * shape.hd
-    if not shape.linear_layers:
-        return softmax
-    linear = shape.linear_layers * delta_rule_flops_per_token(shape)
-    return ((shape.layers - shape.linear_layers) * softmax + linear) / shape.layers
+    """Forward FLOPs per token of the mean block's token mixing outside its projections, the part backward passes
+    through: a softmax-attention block's QK^T and PV over its own `attended_positions` (`softmax_groups`), a Gated
+    DeltaNet block's chunked delta rule (`delta_rule_flops_per_token`), another recurrent block's state update
+    (plan/token_mixers.py), neither with a term that grows with the sequence."""
+    softmax = sum(n * p for n, p in softmax_groups(shape, w)) * 4.0 * shape.heads * shape.hd
+    linear = shape.linear_layers * delta_rule_flops_per_token(shape) if shape.linear_layers else 0.0
+    recurrent = sum(g.blocks * g.recurrence for g in shape.attention_groups)
+    return (softmax + linear + recurrent) / shape.layers
+
+
+def indexer_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs per token of the mean block's sparse-attention indexer (DeepSeek-V3.2, GLM-DSA, dots3_note):
+    its heads' scores against every key of the row (transformers' torch indexer scores the whole row, then masks
+    it; the sum over its heads, 1/width of that, is left out), under torch.no_grad: no backward pass, only full
+    checkpointing's recomputation."""
+    return sum(g.blocks * 2.0 * g.index * float(w.row_len) for g in shape.attention_groups) / shape.layers
 
 
 def delta_rule_flops_per_token(shape: ModelShape) -> float:
@@ -310,7 +336,8 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     attn = attention_flops_per_token(shape, w)
     lora = lora_flops_per_token(shape, w)
     head = 2.0 * shape.hidden * shape.vocab
-    block_fwd = lin + attn + lora
+    index = indexer_flops_per_token(shape, w)
+    block_fwd = lin + attn + lora + index
     weights_train = w.method == "full"
     lin_bwd = lin * (2 if weights_train else 1)
     attn_bwd = attn * (FLASH_BWD if w.attention != "eager" else 2)
@@ -828,7 +855,8 @@ def reference_flops_per_token(shape: ModelShape, w: Workload) -> float:
     """Forward FLOPs per token of the reference model: every block's linear layers and attention (no adapters: they
     are switched off) and the head. No backward and no recomputation: it runs without gradients."""
     lin, _ = linear_flops_per_token(shape)
-    return shape.layers * (lin + attention_flops_per_token(shape, w)) + 2.0 * shape.hidden * shape.vocab
+    return shape.layers * (lin + attention_flops_per_token(shape, w) + indexer_flops_per_token(shape, w)) + \
+        2.0 * shape.hidden * shape.vocab
 
 
 def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
