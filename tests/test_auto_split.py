@@ -462,3 +462,24 @@ def test_a_refused_resume_names_the_grad_accum_that_keeps_the_batch_anew(eight_2
     job, _ = decide_launch(_args(), faster)
     assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 4)
     assert _claims(tmp_path, faster, job) == "ok"
+
+
+def test_check_on_nodes_like_this_machine_checks_the_job_train_resumes(eight_24gb: None, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`check CONFIG --nodes 2` without --gpus where output_dir holds a run recorded over 2 nodes of 8 x 24 GB as
+    zero3 with rows split over 8: check resolves on 2 nodes like this one, the job `train --nnodes 2` resumes."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    run = tmp_path / "run"
+    cfg = _run(run)
+    Path(cfg.data).write_text(json.dumps({"instruction": "a question", "output": "an answer"}) + "\n")
+    old, _ = resolve_job(_long_rows(strategy="zero3", sequence_parallel=8), RTX, GPU, nnodes=2)
+    _record(run, cfg, old)
+    two = _args()
+    two.nnodes, two.master_addr = 2, "10.0.0.1"
+    launched, _ = decide_launch(two, cfg)
+    assert launched is not None and (launched.sequence_parallel, launched.nnodes) == (8, 2)
+    assert main(["check", _config_file(tmp_path, output_dir=str(run), data=cfg.data), "--nodes", "2",
+                 "--json"]) in (0, 1)
+    checked = json.loads(capsys.readouterr().out)["resolved"]
+    assert (checked["strategy"], checked["sequence_parallel"], checked["nnodes"]) == ("zero3", 8, 2)
