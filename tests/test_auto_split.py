@@ -483,3 +483,31 @@ def test_check_on_nodes_like_this_machine_checks_the_job_train_resumes(eight_24g
                  "--json"]) in (0, 1)
     checked = json.loads(capsys.readouterr().out)["resolved"]
     assert (checked["strategy"], checked["sequence_parallel"], checked["nnodes"]) == ("zero3", 8, 2)
+
+
+def test_a_rank_refused_as_it_resolves_still_meets_the_others(host: dict[str, Hardware], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an output_dir per node, a node whose run directory holds a run whose recorded job does not fit is
+    refused as its ranks resolve (exit 3). Its ranks still take part in the agreement on the job, with the
+    refusal in place of a job, so that the other nodes' ranks hear the nodes differ instead of waiting for them in
+    a collective; where every rank agrees, the refusal is raised after it."""
+    import torch
+
+    from shardfit.parallel import job as rank_job
+    from shardfit.parallel.env import DistEnv
+    from shardfit.resolve.job import ENV
+    from shardfit.resolve.resume import ResumeDoesNotFit
+
+    host["gpus"] = parse_gpus("2x24GB", 1, None)
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(cfg, host["gpus"], GPU)
+    _record(tmp_path, cfg, old)
+    agreed: list[dict] = []
+    monkeypatch.setattr(rank_job, "require_same", lambda env, values, what, fix: agreed.append(values))
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ResumeDoesNotFit):
+        rank_job.agreed_job(_run(tmp_path, micro_batch=2, grad_accum=4), DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
+    assert agreed == [{"refused": "ResumeDoesNotFit (exit 3)"}]
+    job, _ = rank_job.agreed_job(cfg, DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
+    assert agreed[1] == job.decisions() and job.sequence_parallel == 2
