@@ -310,7 +310,8 @@ def test_a_kept_job_that_does_not_fit_is_refused_before_loading(host: dict[str, 
         decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4))
     said = str(e.value)
     assert e.value.exit_code == 3 and "predicted not to fit: 32.3 of 24 GiB per GPU" in said
-    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 22.5 GiB per GPU)" in said
+    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 22.5 GiB per GPU, 1,137 tokens" in said
+    assert "(resolved anew: no strategy fits this hardware). To keep" in said
     job, _ = decide_launch(_args(), _run(tmp_path, micro_batch=1, grad_accum=8))
     assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
     forced, _ = decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4, force=True))
@@ -381,3 +382,132 @@ def test_check_on_named_gpus_checks_the_job_a_resumed_run_runs(tmp_path: Path) -
     job, _ = check_config(cfg, None, RTX)
     assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("model_parallel", 1, 1)
     assert any(w.startswith("resumed as recorded: ") for w in job.why)
+
+
+def test_a_different_run_is_refused_as_different_not_kept(eight_24gb: None, tmp_path: Path) -> None:
+    """A run recorded as model_parallel (a global batch of 8) resumed with another lr at micro_batch 2 x grad_accum
+    4 is another run: the recorded job is not kept (nor refused as not fitting, exit 3, with advice that `claim`
+    then refuses); the job resolved anew runs and `claim` refuses it naming lr (exit 2)."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    other = _run(tmp_path, micro_batch=2, grad_accum=4, lr=5e-5)
+    job, _ = decide_launch(_args(), other)
+    assert job is not None and job.strategy != "model_parallel"
+    assert not any(w.startswith("resumed as recorded") for w in job.why)
+    assert "lr: 0.0002 -> 5e-05" in _claims(tmp_path, other, job)
+    longer = _run(tmp_path, max_steps=500)  # a longer schedule of the same run still keeps the recorded job
+    job, _ = decide_launch(_args(), longer)
+    assert job is not None and job.strategy == "model_parallel"
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("run.json", '{"fingerprint": "x"}'), ("run.json", '{"fingerprint": [1, 2]}'), ("run.json", "[1]"),
+    ("run.json", "[" * 200_000), ("preflight.json", "[" * 200_000), ("config.yaml", "[" * 20_000)])
+def test_a_hand_edited_run_directory_is_exit_2_naming_the_file(eight_24gb: None, tmp_path: Path, name: str,
+                                                               text: str, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A run directory whose run.json is not an object (or holds a fingerprint that is not one), or whose records
+    are nested too deeply to parse: train, a rank torchrun started, check (here and on named GPUs) and plan exit
+    2 naming the file, not as a bug in shardfit."""
+    import torch
+
+    from shardfit.cli.train_cmd import decide_launch
+    from shardfit.parallel.env import DistEnv
+    from shardfit.parallel.job import job_of_rank
+    from shardfit.resolve.job import ENV
+
+    run = tmp_path / "run"
+    cfg = _run(run)
+    Path(cfg.data).write_text(json.dumps({"instruction": "a question", "output": "an answer"}) + "\n")
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(run, cfg, old)
+    (run / name).write_text(text)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for start in (lambda: decide_launch(_args(), cfg),
+                  lambda: job_of_rank(cfg, DistEnv(0, 8, 0, torch.device("cpu"), "gloo"))):
+        with pytest.raises(UserError) as e:
+            start()
+        assert str(run / name) in str(e.value)
+    path = _config_file(tmp_path, output_dir=str(run), data=cfg.data)
+    for argv in (["check", path], ["check", path, "--gpus", "8x24GB"], ["plan", path, "--gpus", "8x24GB"]):
+        assert main(argv) == 2, argv
+        assert str(run / name) in capsys.readouterr().err
+    if name == "run.json":  # claim reads it too, for a strategy named (no run directory record read before it)
+        assert str(run / name) in _claims(run, cfg, old)
+        assert _claims(run, dataclasses.replace(cfg, resume="never"), old) == "ok"  # never: it goes
+
+
+def test_a_refused_resume_names_the_grad_accum_that_keeps_the_batch_anew(eight_24gb: None, tmp_path: Path) -> None:
+    """A run recorded as model_parallel (a global batch of 8) resumed at micro_batch 2 x grad_accum 4: the recorded
+    job does not fit at micro_batch 2, and micro_batch 1 keeps it (601 tokens/s); the refusal also names
+    grad_accum 2, which keeps the batch on the job resolved anew (zero3 with rows split over 4, 4,425 tokens/s),
+    and that resumes."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(_long_rows(strategy="model_parallel"), RTX, GPU)
+    _record(tmp_path, cfg, old)
+    with pytest.raises(DoesNotFitError) as e:
+        decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4))
+    said = str(e.value).split("\n")[0]
+    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 15.5 GiB per GPU, 601 tokens/s)" \
+        in said
+    assert ("or --set grad_accum=2, which keeps the batch on the job resolved anew (zero3, sequence_parallel 4, "
+            "pipeline_parallel 1: 17.9 GiB per GPU, 4,425 tokens/s)") in said
+    faster = _run(tmp_path, micro_batch=2, grad_accum=2)
+    job, _ = decide_launch(_args(), faster)
+    assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 4)
+    assert _claims(tmp_path, faster, job) == "ok"
+
+
+def test_check_on_nodes_like_this_machine_checks_the_job_train_resumes(eight_24gb: None, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`check CONFIG --nodes 2` without --gpus where output_dir holds a run recorded over 2 nodes of 8 x 24 GB as
+    zero3 with rows split over 8: check resolves on 2 nodes like this one, the job `train --nnodes 2` resumes."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    run = tmp_path / "run"
+    cfg = _run(run)
+    Path(cfg.data).write_text(json.dumps({"instruction": "a question", "output": "an answer"}) + "\n")
+    old, _ = resolve_job(_long_rows(strategy="zero3", sequence_parallel=8), RTX, GPU, nnodes=2)
+    _record(run, cfg, old)
+    two = _args()
+    two.nnodes, two.master_addr = 2, "10.0.0.1"
+    launched, _ = decide_launch(two, cfg)
+    assert launched is not None and (launched.sequence_parallel, launched.nnodes) == (8, 2)
+    assert main(["check", _config_file(tmp_path, output_dir=str(run), data=cfg.data), "--nodes", "2",
+                 "--json"]) in (0, 1)
+    checked = json.loads(capsys.readouterr().out)["resolved"]
+    assert (checked["strategy"], checked["sequence_parallel"], checked["nnodes"]) == ("zero3", 8, 2)
+
+
+def test_a_rank_refused_as_it_resolves_still_meets_the_others(host: dict[str, Hardware], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an output_dir per node, a node whose run directory holds a run whose recorded job does not fit is
+    refused as its ranks resolve (exit 3). Its ranks still take part in the agreement on the job, with the
+    refusal in place of a job, so that the other nodes' ranks hear the nodes differ instead of waiting for them in
+    a collective; where every rank agrees, the refusal is raised after it."""
+    import torch
+
+    from shardfit.parallel import job as rank_job
+    from shardfit.parallel.env import DistEnv
+    from shardfit.resolve.job import ENV
+    from shardfit.resolve.resume import ResumeDoesNotFit
+
+    host["gpus"] = parse_gpus("2x24GB", 1, None)
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(cfg, host["gpus"], GPU)
+    _record(tmp_path, cfg, old)
+    agreed: list[dict] = []
+    monkeypatch.setattr(rank_job, "require_same", lambda env, values, what, fix: agreed.append(values))
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ResumeDoesNotFit):
+        rank_job.agreed_job(_run(tmp_path, micro_batch=2, grad_accum=4), DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
+    assert agreed == [{"refused": "ResumeDoesNotFit (exit 3)"}]
+    job, _ = rank_job.agreed_job(cfg, DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
+    assert agreed[1] == job.decisions() and job.sequence_parallel == 2

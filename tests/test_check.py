@@ -329,7 +329,10 @@ def test_check_resolves_a_resumed_run_as_train_does(tmp_path: Path, tiny_llama: 
     cfg = _cfg(tmp_path, tiny_llama, small_data)
     run = Path(cfg.output_dir)
     run.mkdir()
-    (run / "run.json").write_text(json.dumps({"fingerprint": {"global_batch_examples": 2}}))
+    from shardfit.train.rundir import fingerprint
+
+    # This config's run (the keep rule keeps only that), recorded at a global batch of 2.
+    (run / "run.json").write_text(json.dumps({"fingerprint": fingerprint(cfg, 2)}))
     (run / "config.yaml").write_text(yaml.safe_dump({**cfg.to_dict(), "strategy": "auto", "sequence_parallel": 2,
                                                      "pipeline_parallel": 1}))
     (run / "preflight.json").write_text(json.dumps({"strategy": "zero3", "ok": True, "findings": []}))

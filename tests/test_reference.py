@@ -43,3 +43,23 @@ def test_the_from_section_of_plan_json_is_documented() -> None:
     keys = plan_job(job, resolve_shape(job.model), parse_gpus("1x24GB")).to_json()["from"]
     section = _reference_module().REFERENCE.read_text().split("### `plan --json --from TOOL FILE`")[1].split("##")[0]
     assert keys and all(f"`{k}`" in section for k in keys), [k for k in keys if f"`{k}`" not in section]
+
+
+def test_every_key_plan_adds_to_its_json_is_documented() -> None:
+    """The keys `plan --json` adds beside the plan's own (cli/plan_cmd.py `out[...] = ...`: the resumed run's
+    refusal, media, ...) are each named in docs/reference.md's plan JSON section."""
+    import re
+
+    source = (ROOT / "src" / "shardfit" / "cli" / "plan_cmd.py").read_text()
+    keys = set(re.findall(r'out\["(\w+)"\] = ', source))
+    text = _reference_module().REFERENCE.read_text()
+    section = text.split("## `shardfit plan --json`")[1].split("\n## ")[0]
+    assert "resume_refused" in keys and all(f"`{k}`" in section for k in keys), \
+        [k for k in keys if f"`{k}`" not in section]
+
+
+def test_checks_exit_codes_are_documented() -> None:
+    """`check`'s section says its exit codes: 1 when not ok, 3 for a resumed run refused before loading."""
+    text = _reference_module().REFERENCE.read_text()
+    section = text.split("## `shardfit check --json`")[1].split("\n## ")[0]
+    assert "exit code is 0 when `ok`, 1 when not" in section and "exit 3" in section

@@ -86,12 +86,15 @@ def data_findings(cfg: Config) -> list[Finding]:
     return []
 
 
-def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None) -> tuple[Resolved, list[Finding]]:
-    """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on this machine
-    by default, resolved as `train` resolves it (`world` ranks when given, as --nproc is; a run that resumes as
-    resolve/resume.py `resumed_job` resolves it); returns (the resolved job, findings)."""
+def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None,
+                 nodes: int = 1) -> tuple[Resolved, list[Finding]]:
+    """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on `nodes`
+    nodes like this machine by default, resolved as `train` resolves it (`world` ranks in all when given, spread
+    evenly over the nodes; a run that resumes as resolve/resume.py `resumed_job` resolves it); returns (the
+    resolved job, findings)."""
     if hw is None:
-        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=world))
+        here = None if world is None else max(1, world // nodes)
+        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=here, nnodes=nodes))
     else:  # every node like the one named: `world` ranks (default: a rank per GPU for multi-rank strategies)
         node = dataclasses.replace(hw, nodes=1)
         per_node = None if world is None else max(1, world // hw.nodes)

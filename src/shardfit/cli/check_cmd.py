@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--nproc", type=positive_int, default=None,
                    help="ranks the run will use (default: from the strategy)")
     c.add_argument("--gpus", default=None, help="check for these GPUs, e.g. 8x24GB (default: this machine)")
-    c.add_argument("--nodes", type=positive_int, default=1)
+    c.add_argument("--nodes", type=positive_int, default=1,
+                   help="nodes the run will use, each like --gpus (default: like this machine)")
     c.add_argument("--json", action="store_true")
     add_from(c, model_flags=True)
     c.set_defaults(func=run)
@@ -73,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None
     from shardfit.check.run import check_config, format_findings  # torch and transformers: only for this command
 
-    job, findings = check_config(cfg, args.nproc, hw)  # a resumed run's job, as train resolves it
+    # A resumed run's job, as train resolves it; --nodes without --gpus: nodes like this machine.
+    job, findings = check_config(cfg, args.nproc, hw, args.nodes)
     ok = is_ok(findings)
     if args.json:
         print(json.dumps({"ok": ok, "resolved": job.to_json(), "findings": [f.to_json() for f in findings]},

@@ -8,7 +8,8 @@ import os
 import torch
 
 from shardfit.config import Config
-from shardfit.errors import UserError
+from shardfit.errors import DoesNotFitError, UserError
+from shardfit.parallel.agree import require_same
 from shardfit.parallel.env import DistEnv, cpu_matmul_gflops, cuda_available, device_facts
 from shardfit.plan.choose import plan_for_config
 from shardfit.plan.hardware import Hardware, detect, host_mem_gib
@@ -17,6 +18,12 @@ from shardfit.resolve import Resolved, resolve_job
 from shardfit.resolve.decide import settled
 from shardfit.resolve.job import ENV
 from shardfit.resolve.resume import resumed_job
+
+# What to do where the nodes' ranks resolved the job differently (`agreed_job`).
+DIFFERENT_JOBS = ("The nodes resolved the job differently: start every node with the same shardfit, config and flags, "
+                  "on the same kind of GPUs, and with the same output_dir contents (a run that resumes may keep the "
+                  "job its run directory recorded, or be refused where that job does not fit: share output_dir "
+                  "between the nodes, or use resume: never).")
 
 
 def node_hardware(threads: int | None = None) -> Hardware:
@@ -54,3 +61,21 @@ def job_of_rank(cfg: Config, env: DistEnv, job: Resolved | None = None) -> tuple
                         "`shardfit train` (which resolves and launches together), or give torchrun the same "
                         "--nproc-per-node and --nnodes.")
     return job, plan_for_config(settled(cfg, job), job.hardware)
+
+
+def agreed_job(cfg: Config, env: DistEnv, job: Resolved | None = None) -> tuple[Resolved, Plan | None]:
+    """`job_of_rank`, agreed between every rank (a collective): a UserError on every rank where the nodes resolved
+    it differently. A rank whose job is refused as it resolves (with output_dirs per node, a resumed run's
+    recorded job predicted not to fit on one node only) takes part with the refusal in place of its job, so that
+    the ranks that resolved one hear that the nodes differ instead of waiting for it in a collective; where every
+    rank is refused, each raises its refusal together."""
+    refused: DoesNotFitError | UserError | None = None
+    try:
+        job, plan = job_of_rank(cfg, env, job)
+        decisions = job.decisions()
+    except (DoesNotFitError, UserError) as e:
+        refused, decisions = e, {"refused": f"{type(e).__name__} (exit {e.exit_code})"}
+    require_same(env, decisions, "the resolved job", DIFFERENT_JOBS)
+    if refused is not None:
+        raise refused
+    return job, plan

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import DoesNotFitError, UserError
@@ -28,6 +29,13 @@ RUN_FILE = "run.json"
 SCHEDULES = ("1f1b", *LOOPED)
 # How the reason of a job kept from the run directory begins (`plan CONFIG` prints it under the job's line).
 RESUMED_WHY = "resumed as recorded"
+# Keys of the schedule's length: a longer schedule of the same job continues from its last checkpoint; the trained
+# result of the steps done so far is the same, the rest of the schedule now reaches further.
+LENGTH_KEYS = ("epochs", "max_steps")
+# Keys of run.json's fingerprint the keep rule does not compare: the global batch (what it keeps), the schedule's
+# length (a longer one continues the run) and the data's digests (reading the data is the rank's; `claim` compares
+# them before anything trains).
+UNCOMPARED = ("global_batch_examples", "data", "eval_data", *LENGTH_KEYS)
 
 Resolution = tuple[Resolved, Plan | None]
 Resolver = Callable[[Config], Resolution]
@@ -39,19 +47,63 @@ class ResumeDoesNotFit(DoesNotFitError):
 
 
 def read_run_file(run_dir: Path) -> dict[str, Any] | None:
-    """run.json of `run_dir` (the run's fingerprint, written as it starts), or None where there is none."""
+    """run.json of `run_dir` (the run's fingerprint, written as it starts), or None where there is none or it is
+    not JSON. UserError where it is JSON shardfit does not write (not an object, a fingerprint that is not one, or
+    nested too deeply to read): what it holds cannot be told from another run's."""
+    path = run_dir / RUN_FILE
     try:
-        return json.loads((run_dir / RUN_FILE).read_text())
+        run = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    except RecursionError:
+        raise UserError(_not_ours(path, "it is nested too deeply to read")) from None
+    if not isinstance(run, dict):
+        raise UserError(_not_ours(path, f"it holds a JSON {type(run).__name__}, not an object"))
+    if not isinstance(run.get("fingerprint") or {}, dict):
+        raise UserError(_not_ours(path, "its fingerprint is not an object"))
+    return run
+
+
+def _not_ours(path: Path, why: str) -> str:
+    """The refusal of a file in a run directory that shardfit did not write as it is (hand-edited or another
+    tool's)."""
+    return (f"{path} is not a file shardfit wrote ({why}). Move it away, use a new output_dir, or --set "
+            "resume=never to start over there.")
 
 
 def _read_record(path: Path, parse: Callable[[str], Any]) -> Any:
-    """A file shardfit wrote into the run directory, read as data only; None where it is missing or unreadable."""
+    """A file shardfit wrote into the run directory, read as data only; None where it is missing or unreadable.
+    UserError where it is nested too deeply to parse (hand-edited: shardfit writes flat records)."""
     try:
         return parse(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
         return None
+    except RecursionError:
+        raise UserError(_not_ours(path, "it is nested too deeply to read")) from None
+
+
+def run_settings(cfg: Config) -> dict[str, Any]:
+    """The keys of a run's fingerprint (train/rundir.py `fingerprint`) read from the config alone: every one but
+    the data's digests and the global batch, as run.json holds them."""
+    lora = cfg.lora
+    return {
+        "model": cfg.model, "eval_split": cfg.eval_split, "method": cfg.method,
+        "lora": {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.targets}
+        if methods.get(cfg.method).adapters else None,
+        "freeze_trainable": cfg.freeze_trainable, "drop_modules": cfg.drop_modules,
+        "freeze_modules": cfg.freeze_modules, "max_seq_len": cfg.max_seq_len, "packing": cfg.packing,
+        "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio, "weight_decay": cfg.weight_decay,
+        "max_grad_norm": cfg.max_grad_norm, "epochs": cfg.epochs, "max_steps": cfg.max_steps, "seed": cfg.seed,
+        # Only when set: the fingerprints of runs from before the key stay what they were.
+        **({"data_columns": cfg.data_columns} if cfg.data_columns else {}),
+    }
+
+
+def same_run(recorded: dict[str, Any], cfg: Config) -> bool:
+    """Whether run.json's fingerprint `recorded` is `cfg`'s run but for the keys the keep rule leaves aside
+    (UNCOMPARED): only then can keeping the recorded job make the resume one `claim` accepts."""
+    mine = json.loads(json.dumps(run_settings(cfg)))  # as run.json holds it: tuples as lists
+    return all(recorded.get(k) == mine.get(k) for k in dict.fromkeys([*recorded, *mine]) if k not in UNCOMPARED)
 
 
 def recorded_pipeline(cfg: Config) -> tuple[Config, str | None]:
@@ -119,24 +171,37 @@ def global_batch(cfg: Config, job: Resolved) -> int:
     return cfg.micro_batch * cfg.grad_accum * job.dims.dp
 
 
+def keeping_grad_accum(target: Any, micro_batch: int, dp: int) -> int | None:
+    """The grad_accum under which `dp` data-parallel ranks at `micro_batch` train the run's global batch `target`
+    (examples a step); None where none does."""
+    per_accum = micro_batch * dp
+    if isinstance(target, bool) or not isinstance(target, int) or per_accum < 1 or target < per_accum \
+            or target % per_accum:
+        return None
+    return target // per_accum
+
+
 def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
     """The job `cfg` runs and its plan, as `resolve` resolves it anew, unless the run it resumes would then be
     refused: auto's choice for the same config changes as its rules do (one process's model_parallel may give way
     to rows split over every GPU), and another strategy, split or pipeline changes the data-parallel ranks and so
-    the global batch, which the resume refuses (`claim`). Only where the job resolved anew changes run.json's
-    global batch and the recorded job (`recorded_job`) keeps it is the recorded one run, its reasons first in `why`
+    the global batch, which the resume refuses (`claim`). Only where run.json records this config's run (`same_run`:
+    another lr, say, is another run, which `claim` refuses naming it), the job resolved anew changes its global
+    batch and the recorded job (`recorded_job`) keeps it is the recorded one run, its reasons first in `why`
     (the launcher's log, summary.json, `check`, `plan`). It is planned as any job resolved: where it is predicted
     not to fit (and `force` is off), the resume is refused before anything loads (ResumeDoesNotFit, exit 3),
-    naming the micro_batch and grad_accum that keep the batch and fit, or, where no smaller micro_batch does, how
-    to start over (unless the new job runs here: it then runs, and `claim` names the grad_accum that keeps the
-    batch on its ranks). Where the recorded job cannot run here (other GPUs, --nproc) or keeps no more than the new
-    one, the new one runs, and `claim` says what differs. Every entry point calls this: the same run directory
-    gives the same job whatever started it."""
+    naming the micro_batch and grad_accum that keep the batch and fit, and the grad_accum that keeps it on the job
+    resolved anew, or, where no smaller micro_batch does, how to start over (unless the new job runs here: it then
+    runs, and `claim` names the grad_accum that keeps the batch on its ranks). Where the recorded job cannot run
+    here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim` says what differs.
+    Every entry point calls this: the same run directory gives the same job whatever started it."""
     kept, lines = recorded_job(cfg)
     if not lines:
         return resolve(cfg)
-    run = read_run_file(Path(cfg.output_dir)) or {}
-    target = (run.get("fingerprint") or {}).get("global_batch_examples") if isinstance(run, dict) else None
+    recorded = (read_run_file(Path(cfg.output_dir)) or {}).get("fingerprint") or {}
+    if not same_run(recorded, cfg):
+        return resolve(cfg)
+    target = recorded.get("global_batch_examples")
     fresh: Resolution | DoesNotFitError | UserError
     try:
         fresh = resolve(cfg)
@@ -144,20 +209,21 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
         fresh = e
     if isinstance(fresh, tuple) and (not isinstance(target, int) or global_batch(cfg, fresh[0]) == target):
         return fresh
-    recorded = _keeping(kept, target, resolve)
-    if recorded is None:
+    keeping = _keeping(kept, target, resolve)
+    if keeping is None:
         if not isinstance(fresh, tuple):
             raise fresh
         return fresh
-    job, plan = recorded
+    job, plan = keeping
     anew = (f"{fresh[0].strategy}, sequence_parallel {fresh[0].sequence_parallel}, pipeline_parallel "
             f"{fresh[0].pipeline_parallel}, a global batch of {global_batch(cfg, fresh[0])} examples"
-            if isinstance(fresh, tuple) else str(fresh).split("\n")[0])
+            if isinstance(fresh, tuple) else str(fresh).split("\n")[0].rstrip(". "))
     if not cfg.force and not _fits(kept, job, plan)[0]:
         fix = smaller_micro_batch(kept, target, resolve)
         if fix is None and isinstance(fresh, tuple):
             return fresh  # `claim` refuses it naming what differs, and the grad_accum that keeps the batch there
-        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, fix))
+        other = _anew_keeping(cfg, fresh[0], target, resolve) if isinstance(fresh, tuple) else None
+        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, fix, other))
     why = (f"{RESUMED_WHY}: the run in {cfg.output_dir} trains a global batch of {target} examples (run.json), "
            f"which the recorded job keeps; resolved anew: {anew}")
     return dataclasses.replace(job, why=(*lines, why, *job.why)), plan
@@ -186,10 +252,24 @@ def _fits(cfg: Config, job: Resolved, plan: Plan | None) -> tuple[bool, float, f
     return (True, 0.0, 0.0) if c is None else (c.fits, c.per_gpu_gib.total, plan.hardware.gpu_mem_gib)
 
 
-def smaller_micro_batch(kept: Config, target: Any, resolve: Resolver) -> tuple[int, int, float] | None:
+def _rate(cfg: Config, job: Resolved, plan: Plan | None) -> float | None:
+    """The tokens/s the plan predicts for `job` of `cfg` (a pipeline's: its stages'); None where it has none."""
+    if plan is None:
+        return None
+    if job.pipeline_parallel > 1:
+        pipe = job_stages(settled(cfg, job), plan, job.strategy)
+        return None if pipe is None else pipe.tokens_per_s
+    c = plan.candidate(job.strategy)
+    return None if c is None else c.tokens_per_s
+
+
+# A way to resume: (micro_batch, grad_accum, GiB per GPU, tokens/s or None).
+Way = tuple[int, int, float, float | None]
+
+
+def smaller_micro_batch(kept: Config, target: Any, resolve: Resolver) -> Way | None:
     """The largest micro_batch below `kept`'s, with the grad_accum that keeps its examples a step, under which the
-    recorded job trains the run's global batch `target` and fits (micro_batch, grad_accum, GiB per GPU); None
-    where no smaller one does."""
+    recorded job trains the run's global batch `target` and fits; None where no smaller one does."""
     per_rank = kept.micro_batch * kept.grad_accum
     for m in range(kept.micro_batch - 1, 0, -1):
         if per_rank % m:
@@ -199,20 +279,48 @@ def smaller_micro_batch(kept: Config, target: Any, resolve: Resolver) -> tuple[i
         if found is not None:
             fits, gib, _ = _fits(smaller, *found)
             if fits:
-                return m, per_rank // m, gib
+                return m, per_rank // m, gib, _rate(smaller, *found)
     return None
 
 
-def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str,
-            fix: tuple[int, int, float] | None) -> str:
+def _anew_keeping(cfg: Config, fresh: Resolved, target: Any, resolve: Resolver) -> tuple[Way, Resolved] | None:
+    """The grad_accum under which the job resolved anew (`fresh`, at `cfg`'s micro_batch) trains the run's global
+    batch `target`, where it then still resolves to a job that keeps it and fits, with that job; else None."""
+    accum = keeping_grad_accum(target, cfg.micro_batch, fresh.dims.dp)
+    if accum is None or accum == cfg.grad_accum:
+        return None
+    other = dataclasses.replace(cfg, grad_accum=accum)
+    try:
+        job, plan = resolve(other)
+    except (DoesNotFitError, UserError):
+        return None
+    fits, gib, _ = _fits(other, job, plan)
+    if global_batch(other, job) != target or not fits:
+        return None
+    return (cfg.micro_batch, accum, gib, _rate(other, job, plan)), job
+
+
+def _speed(rate: float | None) -> str:
+    return "" if rate is None else f", {rate:,.0f} tokens/s"
+
+
+def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str, fix: Way | None,
+            other: tuple[Way, Resolved] | None) -> str:
     """Why the recorded job of a run that resumes is refused: it keeps the run's global batch but is predicted
-    not to fit; the micro_batch and grad_accum that keep both (`fix`, `smaller_micro_batch`), where there are,
-    else how to start over."""
+    not to fit; the micro_batch and grad_accum that keep both (`fix`, `smaller_micro_batch`), where there are, and
+    the grad_accum that keeps the batch on the job resolved anew (`other`, `_anew_keeping`), else how to start
+    over."""
     _, gib, card = _fits(kept, job, plan)
     what = f"{job.strategy}, sequence_parallel {job.sequence_parallel}, pipeline_parallel {job.pipeline_parallel}"
+    alt = ""
+    if other is not None:
+        (_, accum, other_gib, rate), new = other
+        alt = (f"; or --set grad_accum={accum}, which keeps the batch on the job resolved anew ({new.strategy}, "
+               f"sequence_parallel {new.sequence_parallel}, pipeline_parallel {new.pipeline_parallel}: "
+               f"{other_gib:.1f} GiB per GPU{_speed(rate)})")
     how = (f"To keep the run, resume it with --set micro_batch={fix[0]} --set grad_accum={fix[1]} (the same "
-           f"{target} examples a step, {fix[2]:.1f} GiB per GPU); or use a new output_dir, or --set resume=never "
-           "to start over there." if fix is not None else
+           f"{target} examples a step, {fix[2]:.1f} GiB per GPU{_speed(fix[3])}){alt}; or use a new "
+           "output_dir, or --set resume=never to start over there." if fix is not None else
            "No smaller micro_batch makes it fit with the same examples a step: use a new output_dir, or --set "
            "resume=never to start over there (or set force: true to start it anyway).")
     table = f"\n{format_table(plan, style='config')}" if plan is not None and job.pipeline_parallel == 1 else ""

@@ -62,7 +62,7 @@ from shardfit.parallel.compile import require_compiler
 from shardfit.parallel.env import DistEnv, barrier, cpu_matmul_gflops, fast_cpu_bf16, fast_fp32_matmuls
 from shardfit.parallel.expert_grads import step_grad_norm
 from shardfit.parallel.experts import gather_experts, share_experts
-from shardfit.parallel.job import job_of_rank
+from shardfit.parallel.job import agreed_job
 from shardfit.parallel.layout import layout_of
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.parallel.pipeline import cut, cut_looped
@@ -183,12 +183,7 @@ class FineTune:
     def setup(self) -> None:
         env = self.env
         # Every `auto` of the job was decided before the launch (resolve/); a rank reads the decisions.
-        self.job, self.plan = job_of_rank(self.cfg, env, self.job)
-        require_same(env, self.job.decisions(), "the resolved job",
-                     "The nodes resolved the job differently: start every node with the same shardfit, config and "
-                     "flags, on the same kind of GPUs, and with the same output_dir contents (a run that resumes "
-                     "may keep the job its run directory recorded: share output_dir between the nodes, or use "
-                     "resume: never).")
+        self.job, self.plan = agreed_job(self.cfg, env, self.job)  # every node's the same, or refused
         self.cfg = cfg = settled(self.cfg, self.job)
         fast_fp32_matmuls(env.device, cfg.precision)
         if cfg.precision == "bf16" and env.device.type == "cpu" and env.is_main and not fast_cpu_bf16():

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardfit import method as methods
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
-from shardfit.resolve.resume import RUN_FILE, read_run_file
+from shardfit.resolve.resume import LENGTH_KEYS, RUN_FILE, keeping_grad_accum, read_run_file, run_settings
 
 LOCK = ".shardfit.lock"
 # What a run writes; `resume: never` removes these before it starts over.
@@ -31,9 +30,6 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "adapter", "model
                "config.yaml", RUN_FILE, "tb")
 # Keys that decide the shapes of what a checkpoint holds: a checkpoint whose run differs in one of them cannot load.
 SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "freeze_modules")
-# Keys of the schedule's length: a longer schedule of the same job continues from its last checkpoint; the trained
-# result of the steps done so far is the same, the rest of the schedule now reaches further.
-LENGTH_KEYS = ("epochs", "max_steps")
 
 
 def file_digest(path: str | Path) -> str:
@@ -53,20 +49,8 @@ def _digests(paths: str | list[str] | None) -> list[str] | None:
 def fingerprint(cfg: Config, global_batch_examples: int) -> dict[str, Any]:
     """What determines the trained weights, independent of the strategy and the number of ranks: the model, the
     data (by content), what trains, and the schedule (the global batch, not how it is split over ranks)."""
-    lora = cfg.lora
-    return {
-        "model": cfg.model, "data": _digests(cfg.data), "eval_data": _digests(cfg.eval_data),
-        "eval_split": cfg.eval_split, "method": cfg.method,
-        "lora": {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": lora.targets}
-        if methods.get(cfg.method).adapters else None,
-        "freeze_trainable": cfg.freeze_trainable, "drop_modules": cfg.drop_modules,
-        "freeze_modules": cfg.freeze_modules, "max_seq_len": cfg.max_seq_len, "packing": cfg.packing,
-        "global_batch_examples": global_batch_examples, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,
-        "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm, "epochs": cfg.epochs,
-        "max_steps": cfg.max_steps, "seed": cfg.seed,
-        # Only when set: the fingerprints of runs from before the key stay what they were.
-        **({"data_columns": cfg.data_columns} if cfg.data_columns else {}),
-    }
+    return {**run_settings(cfg), "data": _digests(cfg.data), "eval_data": _digests(cfg.eval_data),
+            "global_batch_examples": global_batch_examples}
 
 
 def differences(old: dict[str, Any], new: dict[str, Any], keys: tuple[str, ...] | None = None) -> list[str]:
@@ -183,7 +167,9 @@ def longer_schedule(run_dir: Path, previous: dict[str, Any], new: dict[str, Any]
         return None
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        summary = {}
+    if not isinstance(summary, dict):
         summary = {}
     per_epoch = previous.get("steps_per_epoch") or summary.get("steps_per_epoch")
     before = previous.get("steps") or summary.get("steps") or _total_steps(old, per_epoch)
@@ -201,7 +187,7 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
     """Decide what this run does with `run_dir` (rank 0): start fresh, resume (the checkpoints are this run's, or
     this run's with a longer schedule), or refuse. `resume: never` clears the previous run's outputs first.
     Writes run.json; returns the words for a longer schedule (longer_schedule), else None."""
-    previous = read_run_file(run_dir)
+    previous = read_run_file(run_dir) if cfg.resume != "never" else None  # never: whatever it holds goes
     has_outputs = (run_dir / "checkpoints").is_dir() or (run_dir / "summary.json").exists()
     longer = None
     if cfg.resume == "never":
@@ -245,12 +231,11 @@ def _same_batch(old: dict[str, Any], new: dict[str, Any], cfg: Config) -> str:
     grad_accum that trains the recorded one on these ranks, when there is one; else nothing."""
     was, now = old.get("global_batch_examples"), new.get("global_batch_examples")
     if differences(old, new) != differences(old, new, ("global_batch_examples",)) \
-            or not isinstance(was, int) or not isinstance(now, int) or now % (cfg.micro_batch * cfg.grad_accum):
+            or not isinstance(now, int) or now % (cfg.micro_batch * cfg.grad_accum):
         return ""
-    per_accum = cfg.micro_batch * now // (cfg.micro_batch * cfg.grad_accum)  # micro_batch x data-parallel ranks
-    if was % per_accum or was < per_accum:
-        return ""
-    return f"to resume it on these ranks, --set grad_accum={was // per_accum} (the run's {was} examples a step); "
+    accum = keeping_grad_accum(was, cfg.micro_batch, now // (cfg.micro_batch * cfg.grad_accum))
+    return "" if accum is None else f"to resume it on these ranks, --set grad_accum={accum} (the run's {was} " \
+        "examples a step); "
 
 
 def record_length(run_dir: Path, steps: int, steps_per_epoch: int) -> None:
