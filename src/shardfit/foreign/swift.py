@@ -58,7 +58,8 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each `swift sft` option means to shardfit.
 KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
-    "train_type": Key("{method}"), "sft_type": Key("{method}"), "quant_bits": Key("4-bit NF4 frozen weights"),
+    "tuner_type": Key("{method}"), "train_type": Key("{method}"), "sft_type": Key("{method}"),
+    "quant_bits": Key("4-bit NF4 frozen weights"),
     "torch_dtype": Key("{precision}"), "attn_impl": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "max_length": Key("sequence length", field="seq_len", read=as_int, default=2048),
     "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
@@ -106,7 +107,7 @@ def words() -> Words:
                  keys={"fused_loss": "--use_liger_kernel true",
                        "grad_ckpt": "--gradient_checkpointing true", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--max_length", "qlora": "--quant_bits 4 "
-                       "--quant_method bnb", "lora": "--train_type lora", "adamw8bit": "--optim adamw_8bit",
+                       "--quant_method bnb", "lora": "--tuner_type lora", "adamw8bit": "--optim adamw_8bit",
                        "device_map": "NPROC_PER_NODE=1 (one process over CUDA_VISIBLE_DEVICES) or drop "
                        "--device_map under NPROC_PER_NODE", "model_parallel": "no NPROC_PER_NODE, "
                        "CUDA_VISIBLE_DEVICES listing every GPU (ms-swift splits the model with device_map)",
@@ -117,7 +118,11 @@ def words() -> Words:
 
 def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
     """The job of an ms-swift `swift sft` command line or script."""
-    src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+    try:
+        src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+    except UserError:
+        _refuse_megatron(path)
+        raise
     model = src.get("model") or src.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
@@ -139,9 +144,33 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     return job
 
 
+def _refuse_megatron(path: Path) -> None:
+    """A script whose trainer is ms-swift's `megatron sft|pt|rlhf` (Megatron-LM's tensor, pipeline and expert
+    parallelism, not the HF Trainer this reader models): say so, and how to plan the same split, rather than that
+    no command was found."""
+    try:
+        src, cmd = command_source(path, ("megatron sft", "megatron pt", "megatron rlhf"))
+    except UserError:
+        return
+    split = {"tensor_model_parallel_size": "", "pipeline_model_parallel_size": " --pipeline-parallel ",
+             "expert_model_parallel_size": " --expert-parallel ", "context_parallel_size": ""}
+    given = [f"--{k} {src.get(k)}" for k in split if k in src]
+    flags = "".join(f"{flag}{src.get(k)}" for k, flag in split.items() if flag and k in src)
+    model = src.get("model", "MODEL")
+    method = "lora" if src.get("tuner_type", "full").startswith("lora") else "full"  # Megatron's default: full
+    unplanned = any(k in src and src.get(k) != "1" for k, flag in split.items() if not flag)
+    seq, batch = src.get("max_length", "2048"), src.get("micro_batch_size", "1")
+    raise UserError(f"{src.where}: `{cmd.program}` is ms-swift's Megatron-LM trainer"
+                    f"{' (' + ', '.join(given) + ')' if given else ''}, which --from swift does not read (it reads "
+                    f"`swift sft|pt|rlhf`, the HF Trainer). Plan the split with `shardfit plan --model {model} --gpus "
+                    f"GPUS --method {method}{flags} --seq {seq} --batch {batch}`"
+                    f"{' (tensor and context parallelism are not planned)' if unplanned else ''}, or "
+                    f"give the job's `swift sft` form.")
+
+
 def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
     """`swift rlhf --rlhf_type ...` (dpo when not given) in shardfit's objectives. ms-swift loads `--ref_model`
-    (default: `--model`) beside the policy for DPO and KTO with `--train_type full` (RLHFArguments); LoRA switches
+    (default: `--model`) beside the policy for DPO and KTO with `--tuner_type full` (RLHFArguments); LoRA switches
     its adapters off instead. Its `simpo` is TRL's CPO trainer with the SimPO loss: beta 2 and gamma 1 by default,
     and `cpo_alpha` (1 by default) times the chosen answer's NLL added."""
     if program != "swift rlhf":
@@ -179,17 +208,19 @@ def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
                   "none")
     if kind in ("dpo", "kto"):
         ref = src.get("ref_model")
-        pref.reference = ReferenceCopy(f"--train_type full with --rlhf_type {kind} loads "
+        pref.reference = ReferenceCopy(f"--tuner_type full with --rlhf_type {kind} loads "
                                        + (f"--ref_model {ref}" if ref else "the model a second time")
                                        + " as the reference", model=ref)
     return pref
 
 
 def _method(src: Source, job: ForeignJob) -> str:
-    train_type = src.get("train_type", src.get("sft_type", "lora")).lower()
+    """`--tuner_type` (ms-swift 4's name; `--train_type` and `--sft_type` before it), LoRA by default."""
+    key = next((k for k in ("tuner_type", "train_type", "sft_type") if k in src), "tuner_type")
+    train_type = src.get(key, "lora").lower()
     method = METHODS.get(train_type)
     if method is None:
-        raise UserError(f"{src.where}: --train_type {train_type}: shardfit plans lora and full (and LoRA variants).")
+        raise UserError(f"{src.where}: --{key} {train_type}: shardfit plans lora and full (and LoRA variants).")
     bits = src.get("quant_bits")
     if bits is not None and method == "lora":
         method = "qlora"

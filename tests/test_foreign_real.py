@@ -1,0 +1,61 @@
+"""Other tools' jobs as their 2026 examples write them: ms-swift 4's option names, its Megatron trainer, and what
+the readers make of them (found by running their current example configs through `--from`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.errors import UserError
+from shardfit.foreign.read import JobOptions, read_job
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("option", "method"), [("--tuner_type full", "full"), ("--tuner_type lora", "lora"),
+                                                ("--train_type full", "full"), ("", "lora")])
+def test_swift_4_names_the_method_tuner_type(tmp_path: Path, option: str, method: str) -> None:
+    """ms-swift 4 renamed --train_type to --tuner_type: a full fine-tune written the new way is planned full, with
+    its optimizer state for every weight, not as LoRA (the default when neither is given)."""
+    script = _write(tmp_path, "full.sh", "NPROC_PER_NODE=4 swift sft --model Qwen/Qwen3-8B --deepspeed zero3 "
+                                         f"{option} --max_length 4096\n")
+    job = read_job("swift", script, JobOptions())
+    assert job.workload.method == method
+    assert "tuner_type" not in job.not_modelled
+
+
+def test_swift_4_unknown_tuner_type_names_the_option(tmp_path: Path) -> None:
+    script = _write(tmp_path, "bad.sh", "swift sft --model Qwen/Qwen3-8B --tuner_type reft\n")
+    with pytest.raises(UserError, match="--tuner_type reft"):
+        read_job("swift", script, JobOptions())
+
+
+def test_swift_megatron_script_is_named_with_a_plan_of_its_split(tmp_path: Path) -> None:
+    """A `megatron sft` script is refused as what it is (Megatron-LM's trainer), with the plan command that
+    splits the model the same way, not as a script with no training command in it."""
+    script = _write(tmp_path, "moe.sh", "NPROC_PER_NODE=8 \\\nmegatron sft \\\n    --model Qwen/Qwen3-30B-A3B \\\n"
+                                        "    --pipeline_model_parallel_size 2 \\\n"
+                                        "    --expert_model_parallel_size 4 \\\n    --micro_batch_size 1 \\\n"
+                                        "    --max_length 8192\n")
+    with pytest.raises(UserError) as err:
+        read_job("swift", script, JobOptions())
+    text = str(err.value)
+    assert "`megatron sft` is ms-swift's Megatron-LM trainer" in text
+    assert ("shardfit plan --model Qwen/Qwen3-30B-A3B --gpus GPUS --method full --pipeline-parallel 2 "
+            "--expert-parallel 4 --seq 8192 --batch 1") in text
+    assert "tensor and context parallelism" not in text
+    lora_tp = _write(tmp_path, "tp.sh", "megatron sft --model Qwen/Qwen3-32B --tuner_type lora "
+                                        "--tensor_model_parallel_size 4\n")
+    with pytest.raises(UserError, match=r"--method lora .*tensor and context parallelism are not planned"):
+        read_job("swift", lora_tp, JobOptions())
+
+
+def test_swift_script_without_a_trainer_still_says_so(tmp_path: Path) -> None:
+    script = _write(tmp_path, "infer.sh", "swift infer --model Qwen/Qwen3-8B\n")
+    with pytest.raises(UserError, match="no command running swift sft"):
+        read_job("swift", script, JobOptions())
