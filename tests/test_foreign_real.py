@@ -59,3 +59,33 @@ def test_swift_script_without_a_trainer_still_says_so(tmp_path: Path) -> None:
     script = _write(tmp_path, "infer.sh", "swift infer --model Qwen/Qwen3-8B\n")
     with pytest.raises(UserError, match="no command running swift sft"):
         read_job("swift", script, JobOptions())
+
+
+AXOLOTL_FSDP2 = """base_model: Qwen/Qwen3-8B
+datasets:
+  - path: data.jsonl
+    type: chat_template
+sequence_len: 4096
+micro_batch_size: 1
+gradient_accumulation_steps: 2
+optimizer: adamw_torch_fused
+learning_rate: 2e-5
+bf16: true
+gradient_checkpointing: true
+fsdp_version: 2
+fsdp_config:
+{fsdp}
+"""
+
+
+@pytest.mark.parametrize(("fsdp", "engine"), [
+    ("  offload_params: true\n  reshard_after_forward: true", "fsdp_offload"),
+    ("  fsdp_offload_params: true", "fsdp_offload"),
+    ("  reshard_after_forward: false\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP", "fsdp_shard_grad_op"),
+    ("  offload_params: false\n  reshard_after_forward: true", "fsdp_full_shard"),
+])
+def test_axolotl_fsdp_config_without_its_old_prefix(tmp_path: Path, fsdp: str, engine: str) -> None:
+    """axolotl's examples write `fsdp_config` keys without the `fsdp_` prefix (it strips the old one): CPU offload
+    and FSDP2's `reshard_after_forward: false` (weights kept gathered, as SHARD_GRAD_OP) decide the engine."""
+    job = read_job("axolotl", _write(tmp_path, "fsdp2.yaml", AXOLOTL_FSDP2.format(fsdp=fsdp)), JobOptions(nproc=8))
+    assert job.engine == engine

@@ -224,8 +224,12 @@ def _fsdp_engine(src: Source) -> str | None:
     fsdp_cfg = src.get("fsdp_config") or {}
     if not (fsdp or fsdp_cfg):
         return None
-    offload = as_bool(fsdp_cfg.get("fsdp_offload_params", False)) or "offload" in fsdp
-    grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(fsdp_cfg.get("fsdp_sharding_strategy", ""))
+    # axolotl reads `fsdp_config` keys with or without their old `fsdp_` prefix (its examples now omit it)
+    cfg = {str(k).removeprefix("fsdp_"): v for k, v in fsdp_cfg.items()} if isinstance(fsdp_cfg, dict) else {}
+    offload = as_bool(cfg.get("offload_params", False)) or "offload" in fsdp
+    # FSDP2 keeping the gathered weights from forward to backward is FSDP1's SHARD_GRAD_OP
+    grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(cfg.get("sharding_strategy", "")) or \
+        not as_bool(cfg.get("reshard_after_forward", True))
     return "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
 
 
