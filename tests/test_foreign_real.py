@@ -89,3 +89,32 @@ def test_axolotl_fsdp_config_without_its_old_prefix(tmp_path: Path, fsdp: str, e
     and FSDP2's `reshard_after_forward: false` (weights kept gathered, as SHARD_GRAD_OP) decide the engine."""
     job = read_job("axolotl", _write(tmp_path, "fsdp2.yaml", AXOLOTL_FSDP2.format(fsdp=fsdp)), JobOptions(nproc=8))
     assert job.engine == engine
+
+
+SWIFT_FSDP = """NPROC_PER_NODE=2 \\
+swift sft \\
+    --model Qwen/Qwen3-8B \\
+    --tuner_type lora \\
+    --gradient_checkpointing false \\
+    --max_length 4096 \\
+    --fsdp {fsdp}
+"""
+
+
+def test_swift_fsdp_option_is_the_engine(tmp_path: Path) -> None:
+    """`--fsdp fsdp2` shards with FSDP (not DDP under NPROC_PER_NODE), and the activation checkpointing its config
+    turns on is planned though --gradient_checkpointing is false; a JSON of its own decides offload."""
+    job = read_job("swift", _write(tmp_path, "fsdp2.sh", SWIFT_FSDP.format(fsdp="fsdp2")), JobOptions())
+    assert (job.engine, job.workload.grad_ckpt, job.reentrant_ckpt) == ("fsdp_full_shard", "full", False)
+    assert "fsdp" not in job.not_modelled
+    _write(tmp_path, "offload.json", '{"fsdp": "full_shard auto_wrap offload", "fsdp_config": '
+                                     '{"fsdp_version": 2, "activation_checkpointing": false, '
+                                     '"activation_cpu_offload": true}}')
+    job = read_job("swift", _write(tmp_path, "off.sh", SWIFT_FSDP.format(fsdp="offload.json")), JobOptions())
+    assert (job.engine, job.workload.grad_ckpt) == ("fsdp_offload", "none")
+    assert "fsdp:activation_cpu_offload" in job.not_modelled
+    _write(tmp_path, "grad_op.json", '{"fsdp_config": {"reshard_after_forward": false}}')
+    job = read_job("swift", _write(tmp_path, "op.sh", SWIFT_FSDP.format(fsdp="grad_op.json")), JobOptions())
+    assert job.engine == "fsdp_shard_grad_op"
+    with pytest.raises(UserError, match="--fsdp missing.json"):
+        read_job("swift", _write(tmp_path, "bad.sh", SWIFT_FSDP.format(fsdp="missing.json")), JobOptions())

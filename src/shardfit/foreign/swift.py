@@ -5,6 +5,7 @@ path or ms-swift's built-in names (zero0 ... zero3_offload)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from shardfit.foreign.common import (
     local_file,
     optimizer,
     optimizer_keys,
+    parse_json,
+    read_text,
+    record,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -67,7 +71,8 @@ KEYS = key_table({
     "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "lora_rank": Key("adapter size", field="lora_rank", read=as_int, default=8),
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
-    "deepspeed": Key("ZeRO settings"), "device_map": Key("placement"), "ddp_find_unused_parameters": Key("DDP"),
+    "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
+    "ddp_find_unused_parameters": Key("DDP"),
     "bnb_4bit_quant_storage": Key("quantized storage"), "freeze_vit": Key("vision tower frozen"),
     "optim": Key("{optimizer}"),
     # carried over to the shardfit config (drop_modules is decided in `_convert`)
@@ -249,6 +254,8 @@ def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
     """DeepSpeed, DDP under a launcher, or one process split over the visible GPUs (device_map)."""
     if src.get("deepspeed"):
         use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, [])
+    elif src.get("fsdp"):
+        _fsdp(src, job)
     elif job.distributed:
         job.engine = "ddp"
     elif len(gpus) > 1 or src.get("device_map"):
@@ -258,6 +265,42 @@ def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
         job.device_map = src.get("device_map")
     elif job.engine == "device_map":
         job.device_map = "auto"
+
+
+# ms-swift's built-in `--fsdp fsdp2` (swift/config/fsdp2.json): full_shard, resharded after forward, FSDP's own
+# activation checkpointing on.
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"reshard_after_forward": True,
+                                                         "activation_checkpointing": True}}
+
+
+def _fsdp(src: Source, job: ForeignJob) -> None:
+    """`--fsdp fsdp2` or an FSDP JSON (ms-swift >= 3.12): its `fsdp` options and `fsdp_config` decide the engine
+    (offload, ZeRO-2-like SHARD_GRAD_OP or full_shard), and `activation_checkpointing` there checkpoints the blocks
+    even with `--gradient_checkpointing false`, as ms-swift's examples write it."""
+    ref = src.get("fsdp")
+    if ref == "fsdp2":
+        raw: Any = FSDP2
+    else:
+        hit = local_file(ref, src.path.parent)
+        if hit is None:
+            raise UserError(f"{src.where}: --fsdp {ref}: not fsdp2 and no such JSON file here; give the FSDP JSON's "
+                            f"path (relative to the script) or --fsdp fsdp2.")
+        raw = parse_json(read_text(Path(hit)), hit)
+    if not isinstance(raw, dict):
+        raise UserError(f"{src.where}: --fsdp {ref}: an FSDP JSON holds one object with `fsdp` and `fsdp_config`.")
+    options = str(raw.get("fsdp", "full_shard auto_wrap")).split()
+    cfg = raw.get("fsdp_config") if isinstance(raw.get("fsdp_config"), dict) else {}
+    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()}
+    offload = "offload" in options or as_bool(cfg.get("offload_params", False))
+    grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
+    job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+    if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
+        record(job, "fsdp:activation_cpu_offload", cfg["activation_cpu_offload"], modelled=False)
+    if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
+        job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
+        job.reentrant_ckpt = False  # accelerate wraps the blocks with the non-reentrant checkpoint
+        job.notes.append(f"--fsdp {ref}: activation_checkpointing in its fsdp_config checkpoints every block "
+                         f"(planned as grad_ckpt full)")
 
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
