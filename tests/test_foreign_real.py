@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
+from shardfit.config import load_config
 from shardfit.errors import UserError
+from shardfit.foreign.convert import to_config
 from shardfit.foreign.read import JobOptions, read_job
 
 
@@ -118,3 +121,46 @@ def test_swift_fsdp_option_is_the_engine(tmp_path: Path) -> None:
     assert job.engine == "fsdp_shard_grad_op"
     with pytest.raises(UserError, match="--fsdp missing.json"):
         read_job("swift", _write(tmp_path, "bad.sh", SWIFT_FSDP.format(fsdp="missing.json")), JobOptions())
+
+
+def test_swift_sequence_parallel_splits_each_row(tmp_path: Path) -> None:
+    """`--sequence_parallel_size 8` (ms-swift's Ulysses) gives each rank 1/8 of a 64k row: planned and carried
+    over as sequence_parallel, not left out (which planned every rank's logits for the whole row)."""
+    script = _write(tmp_path, "sp.sh", "NPROC_PER_NODE=8 swift sft --model Qwen/Qwen2.5-3B-Instruct --tuner_type lora "
+                                       "--max_length 65536 --sequence_parallel_size 8 --attn_impl flash_attn\n")
+    job = read_job("swift", script, JobOptions())
+    assert job.workload.sequence_parallel == 8
+    assert job.convert["sequence_parallel"] == 8
+    assert "sequence_parallel_size" not in job.not_modelled
+
+
+@pytest.mark.parametrize(("keys", "attention", "sp", "ep"), [
+    ("attn_implementation: flash_attention_2\ncontext_parallel_size: 2\n", "flash", 2, 1),
+    ("attn_implementation: kernels-community/vllm-flash-attn3\nsequence_parallel_degree: 4\n", "flash", 4, 1),
+    ("attn_implementation: eager\nexpert_parallel_size: 4\n", "eager", 1, 4),
+    ("attn_implementation: sdpa\n", "sdpa", 1, 1),
+])
+def test_axolotl_attention_and_parallel_sizes(tmp_path: Path, keys: str, attention: str, sp: int, ep: int) -> None:
+    """axolotl's `attn_implementation` (its deprecated flags' successor), `context_parallel_size` (old name
+    `sequence_parallel_degree`) and `expert_parallel_size` reach the plan and the converted config."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + keys
+    job = read_job("axolotl", _write(tmp_path, "par.yaml", text), JobOptions(nproc=8))
+    w = job.workload
+    assert (w.attention, w.sequence_parallel, w.expert_parallel) == (attention, sp, ep)
+    assert job.convert.get("sequence_parallel", 1) == sp and job.convert.get("expert_parallel", 1) == ep
+    assert not {"attn_implementation", "context_parallel_size", "expert_parallel_size"} & set(job.not_modelled)
+
+
+def test_converted_sequence_parallel_job_is_one_check_accepts(tmp_path: Path) -> None:
+    """A sequence-parallel job on flash attention converts to shardfit's Ulysses with its own attention (auto):
+    `flash_attention_2` beside `sequence_parallel` is a config shardfit refuses."""
+    (tmp_path / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                          '{"role": "assistant", "content": "hello"}]}\n')
+    script = _write(tmp_path, "sp.sh", "NPROC_PER_NODE=8 swift sft --model Qwen/Qwen2.5-3B-Instruct --tuner_type lora "
+                                       "--dataset train.jsonl --max_length 65536 --sequence_parallel_size 8 "
+                                       "--attn_impl flash_attn\n")
+    cfg = to_config(read_job("swift", script, JobOptions()))
+    assert (cfg["sequence_parallel"], cfg["attn_implementation"]) == (8, "auto")
+    out = tmp_path / "converted.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    assert load_config(str(out)).sequence_parallel == 8

@@ -63,7 +63,14 @@ KEYS = key_table({
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
     "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"), "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "lora_target_linear": Key("adapters on every linear layer"), "flash_attention": Key(ATTENTION),
-    "sdp_attention": Key(ATTENTION), "flex_attention": Key(ATTENTION),
+    "sdp_attention": Key(ATTENTION), "flex_attention": Key(ATTENTION), "attn_implementation": Key(ATTENTION),
+    # each of N ranks holds 1/N of every row's tokens (axolotl's ring attention, planned with Ulysses' all-to-alls;
+    # `sequence_parallel_degree` is its old name), or 1/N of each block's routed experts
+    "context_parallel_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
+                                 read=as_int),
+    "sequence_parallel_degree": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
+                                    read=as_int),
+    "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
@@ -201,12 +208,14 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     plugins = " ".join(str(p) for p in src.get("plugins") or [])
     fused = (src.flag("liger_fused_linear_cross_entropy") and "liger" in plugins.lower()) or src.flag(
         "cut_cross_entropy")
-    flash = src.flag("flash_attention") or src.flag("flex_attention")
+    impl = str(src.get("attn_implementation") or "").lower()  # the newer key; the flags above are deprecated
+    flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
-                        "eager_attention") else "sdpa", frozen_fp32=method == "qlora", quant_backend="bnb",
+                        "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
+                    quant_backend="bnb",
                     **settings(src, KEYS, "field"))
 
 

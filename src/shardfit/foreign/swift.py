@@ -71,6 +71,9 @@ KEYS = key_table({
     "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "lora_rank": Key("adapter size", field="lora_rank", read=as_int, default=8),
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
+    # Ulysses (ms-swift's sequence_parallel/ulysses.py): each of N ranks holds 1/N of every row's tokens
+    "sequence_parallel_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
+                                  read=as_int),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
     "ddp_find_unused_parameters": Key("DDP"),
     "bnb_4bit_quant_storage": Key("quantized storage"), "freeze_vit": Key("vision tower frozen"),
