@@ -164,3 +164,16 @@ def test_converted_sequence_parallel_job_is_one_check_accepts(tmp_path: Path) ->
     out = tmp_path / "converted.yaml"
     out.write_text(yaml.safe_dump(cfg))
     assert load_config(str(out)).sequence_parallel == 8
+
+
+@pytest.mark.parametrize(("extra", "loss_fused"), [
+    ("plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n", True),
+    ("plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\ncut_cross_entropy: false\n", False),
+    ("", False),
+])
+def test_axolotl_cut_cross_entropy_plugin_fuses_the_loss(tmp_path: Path, extra: str, loss_fused: bool) -> None:
+    """Listing axolotl's Cut Cross-Entropy plugin turns its loss on (`cut_cross_entropy` defaults to true), as
+    axolotl's gpt-oss and long-context examples write it: no full logits are planned."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + extra
+    job = read_job("axolotl", _write(tmp_path, "cce.yaml", text), JobOptions(nproc=8))
+    assert (job.workload.loss == "chunked") == loss_fused

@@ -206,8 +206,10 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     bf16 = src.get("bf16", False)
     precision = "bf16" if bf16 == "auto" or as_bool(bf16) else "fp16" if src.flag("fp16") else "fp32"
     plugins = " ".join(str(p) for p in src.get("plugins") or [])
+    # the Cut Cross-Entropy plugin turns its loss on unless `cut_cross_entropy: false` (its default is true)
+    cce = "cut_cross_entropy" in plugins.lower() and src.flag("cut_cross_entropy", True)
     fused = (src.flag("liger_fused_linear_cross_entropy") and "liger" in plugins.lower()) or src.flag(
-        "cut_cross_entropy")
+        "cut_cross_entropy") or cce
     impl = str(src.get("attn_implementation") or "").lower()  # the newer key; the flags above are deprecated
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
