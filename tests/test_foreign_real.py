@@ -190,3 +190,22 @@ def test_convert_refusal_names_the_job_not_a_temporary_file(tmp_path: Path, caps
     err = capsys.readouterr().err
     assert f"{job}: its converted config would not load: converted config line" in err
     assert "micro_batch" in err and "tmp" not in err.replace(str(tmp_path), "")
+
+
+def test_axolotl_flex_attention_converts_to_flex(tmp_path: Path) -> None:
+    """axolotl's Llama 4 examples run flex attention; the converted config keeps it (Llama 4 has no
+    flash_attention_2 in transformers, so that conversion would not build)."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + "attn_implementation: flex_attention\n"
+    job = read_job("axolotl", _write(tmp_path, "flex.yaml", text), JobOptions(nproc=8))
+    assert job.workload.attention == "flash"
+    assert to_config(job)["attn_implementation"] == "flex_attention"
+
+
+@pytest.mark.parametrize("key", ["activation_checkpointing", "fsdp_activation_checkpointing"])
+def test_axolotl_fsdp_activation_checkpointing_is_planned(tmp_path: Path, key: str) -> None:
+    """FSDP's own activation checkpointing (axolotl's Llama 4 Scout example, no `gradient_checkpointing`) is
+    planned as full checkpointing, not as every block's activations kept (a plan of 800 GiB a GPU)."""
+    text = AXOLOTL_FSDP2.format(fsdp=f"  {key}: true").replace("gradient_checkpointing: true\n", "")
+    job = read_job("axolotl", _write(tmp_path, "ac.yaml", text), JobOptions(nproc=8))
+    assert (job.workload.grad_ckpt, job.reentrant_ckpt) == ("full", False)
+    assert to_config(job)["grad_ckpt"] == "full"

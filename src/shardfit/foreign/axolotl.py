@@ -4,6 +4,7 @@ head), the Liger / Cut Cross-Entropy plugins fuse the loss, `fsdp` / `fsdp_confi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
         use_deepspeed(job, str(src.get("deepspeed")), path.parent, src.at("deepspeed"), shape.hidden, job.notes)
     elif fsdp := _fsdp_engine(src):
         job.engine = fsdp
+        _fsdp_checkpointing(src, job)
     elif nproc and nproc > 1:
         job.engine = "ddp"
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
@@ -228,6 +230,17 @@ def _checkpointing(src: Source, job: ForeignJob) -> None:
     job.find_unused = src.flag("ddp_find_unused_parameters")
 
 
+def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
+    """`activation_checkpointing` in `fsdp_config` (axolotl's Llama 4 examples) checkpoints every block through
+    accelerate's non-reentrant wrapper, with or without `gradient_checkpointing`."""
+    cfg = src.get("fsdp_config") or {}
+    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()} if isinstance(cfg, dict) else {}
+    if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
+        job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
+        job.reentrant_ckpt = False
+        job.notes.append("fsdp_config activation_checkpointing checkpoints every block (planned as grad_ckpt full)")
+
+
 def _fsdp_engine(src: Source) -> str | None:
     """FSDP's engine when `fsdp` (options) or `fsdp_config` asks for it, else None."""
     fsdp = src.get("fsdp") or []
@@ -269,6 +282,8 @@ def _datasets(src: Source, job: ForeignJob) -> list[str]:
 
 def _convert(src: Source) -> dict[str, Any]:
     out = settings(src, KEYS, "config")
+    if src.flag("flex_attention") or "flex" in str(src.get("attn_implementation") or "").lower():
+        out["attn_implementation"] = "flex_attention"  # planned as flash; some models (Llama 4) have no FA2
     # adapters on every linear layer unless lora_target_linear is off and modules are named
     targets = src.get("lora_target_modules")
     out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear", True) or not targets else list(targets)
