@@ -53,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:  # what is written must load as a shardfit config
         check = Path(tmp) / "converted.yaml"
         check.write_text(text)
-        load_config(check, check_files=False)
+        try:
+            load_config(check, check_files=False)
+        except UserError as e:  # the temporary file means nothing to the user: name their job and the output
+            raise UserError(f"{args.config}: its converted config would not load: "
+                            f"{str(e).replace(str(check), 'converted config line')}") from None
     if args.out:
         Path(args.out).write_text(text)
         print(f"shardfit config written to {args.out}")

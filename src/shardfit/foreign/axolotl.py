@@ -4,6 +4,7 @@ head), the Liger / Cut Cross-Entropy plugins fuse the loss, `fsdp` / `fsdp_confi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,14 @@ KEYS = key_table({
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
     "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"), "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "lora_target_linear": Key("adapters on every linear layer"), "flash_attention": Key(ATTENTION),
-    "sdp_attention": Key(ATTENTION), "flex_attention": Key(ATTENTION),
+    "sdp_attention": Key(ATTENTION), "flex_attention": Key(ATTENTION), "attn_implementation": Key(ATTENTION),
+    # each of N ranks holds 1/N of every row's tokens (axolotl's ring attention, planned with Ulysses' all-to-alls;
+    # `sequence_parallel_degree` is its old name), or 1/N of each block's routed experts
+    "context_parallel_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
+                                 read=as_int),
+    "sequence_parallel_degree": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
+                                    read=as_int),
+    "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
@@ -124,6 +132,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
         use_deepspeed(job, str(src.get("deepspeed")), path.parent, src.at("deepspeed"), shape.hidden, job.notes)
     elif fsdp := _fsdp_engine(src):
         job.engine = fsdp
+        _fsdp_checkpointing(src, job)
     elif nproc and nproc > 1:
         job.engine = "ddp"
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
@@ -199,14 +208,18 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     bf16 = src.get("bf16", False)
     precision = "bf16" if bf16 == "auto" or as_bool(bf16) else "fp16" if src.flag("fp16") else "fp32"
     plugins = " ".join(str(p) for p in src.get("plugins") or [])
+    # the Cut Cross-Entropy plugin turns its loss on unless `cut_cross_entropy: false` (its default is true)
+    cce = "cut_cross_entropy" in plugins.lower() and src.flag("cut_cross_entropy", True)
     fused = (src.flag("liger_fused_linear_cross_entropy") and "liger" in plugins.lower()) or src.flag(
-        "cut_cross_entropy")
-    flash = src.flag("flash_attention") or src.flag("flex_attention")
+        "cut_cross_entropy") or cce
+    impl = str(src.get("attn_implementation") or "").lower()  # the newer key; the flags above are deprecated
+    flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
-                        "eager_attention") else "sdpa", frozen_fp32=method == "qlora", quant_backend="bnb",
+                        "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
+                    quant_backend="bnb",
                     **settings(src, KEYS, "field"))
 
 
@@ -217,6 +230,17 @@ def _checkpointing(src: Source, job: ForeignJob) -> None:
     job.find_unused = src.flag("ddp_find_unused_parameters")
 
 
+def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
+    """`activation_checkpointing` in `fsdp_config` (axolotl's Llama 4 examples) checkpoints every block through
+    accelerate's non-reentrant wrapper, with or without `gradient_checkpointing`."""
+    cfg = src.get("fsdp_config") or {}
+    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()} if isinstance(cfg, dict) else {}
+    if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
+        job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
+        job.reentrant_ckpt = False
+        job.notes.append("fsdp_config activation_checkpointing checkpoints every block (planned as grad_ckpt full)")
+
+
 def _fsdp_engine(src: Source) -> str | None:
     """FSDP's engine when `fsdp` (options) or `fsdp_config` asks for it, else None."""
     fsdp = src.get("fsdp") or []
@@ -224,8 +248,12 @@ def _fsdp_engine(src: Source) -> str | None:
     fsdp_cfg = src.get("fsdp_config") or {}
     if not (fsdp or fsdp_cfg):
         return None
-    offload = as_bool(fsdp_cfg.get("fsdp_offload_params", False)) or "offload" in fsdp
-    grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(fsdp_cfg.get("fsdp_sharding_strategy", ""))
+    # axolotl reads `fsdp_config` keys with or without their old `fsdp_` prefix (its examples now omit it)
+    cfg = {str(k).removeprefix("fsdp_"): v for k, v in fsdp_cfg.items()} if isinstance(fsdp_cfg, dict) else {}
+    offload = as_bool(cfg.get("offload_params", False)) or "offload" in fsdp
+    # FSDP2 keeping the gathered weights from forward to backward is FSDP1's SHARD_GRAD_OP
+    grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(cfg.get("sharding_strategy", "")) or \
+        not as_bool(cfg.get("reshard_after_forward", True))
     return "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
 
 
@@ -254,6 +282,8 @@ def _datasets(src: Source, job: ForeignJob) -> list[str]:
 
 def _convert(src: Source) -> dict[str, Any]:
     out = settings(src, KEYS, "config")
+    if src.flag("flex_attention") or "flex" in str(src.get("attn_implementation") or "").lower():
+        out["attn_implementation"] = "flex_attention"  # planned as flash; some models (Llama 4) have no FA2
     # adapters on every linear layer unless lora_target_linear is off and modules are named
     targets = src.get("lora_target_modules")
     out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear", True) or not targets else list(targets)

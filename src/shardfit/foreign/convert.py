@@ -31,6 +31,8 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     if methods.get(w.method).adapters:
         cfg["lora"] = lora
     cfg.update(extra)
+    if cfg.get("sequence_parallel", 1) > 1:  # shardfit's Ulysses runs its own attention around SDPA
+        cfg["attn_implementation"] = "auto"
     if job.engine == "device_map":
         cfg["device_map"] = "auto"
     return cfg

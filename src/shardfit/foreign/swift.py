@@ -5,6 +5,7 @@ path or ms-swift's built-in names (zero0 ... zero3_offload)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from shardfit.foreign.common import (
     local_file,
     optimizer,
     optimizer_keys,
+    parse_json,
+    read_text,
+    record,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -58,7 +62,8 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each `swift sft` option means to shardfit.
 KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
-    "train_type": Key("{method}"), "sft_type": Key("{method}"), "quant_bits": Key("4-bit NF4 frozen weights"),
+    "tuner_type": Key("{method}"), "train_type": Key("{method}"), "sft_type": Key("{method}"),
+    "quant_bits": Key("4-bit NF4 frozen weights"),
     "torch_dtype": Key("{precision}"), "attn_impl": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "max_length": Key("sequence length", field="seq_len", read=as_int, default=2048),
     "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
@@ -66,7 +71,11 @@ KEYS = key_table({
     "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "lora_rank": Key("adapter size", field="lora_rank", read=as_int, default=8),
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
-    "deepspeed": Key("ZeRO settings"), "device_map": Key("placement"), "ddp_find_unused_parameters": Key("DDP"),
+    # Ulysses (ms-swift's sequence_parallel/ulysses.py): each of N ranks holds 1/N of every row's tokens
+    "sequence_parallel_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
+                                  read=as_int),
+    "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
+    "ddp_find_unused_parameters": Key("DDP"),
     "bnb_4bit_quant_storage": Key("quantized storage"), "freeze_vit": Key("vision tower frozen"),
     "optim": Key("{optimizer}"),
     # carried over to the shardfit config (drop_modules is decided in `_convert`)
@@ -106,7 +115,7 @@ def words() -> Words:
                  keys={"fused_loss": "--use_liger_kernel true",
                        "grad_ckpt": "--gradient_checkpointing true", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--max_length", "qlora": "--quant_bits 4 "
-                       "--quant_method bnb", "lora": "--train_type lora", "adamw8bit": "--optim adamw_8bit",
+                       "--quant_method bnb", "lora": "--tuner_type lora", "adamw8bit": "--optim adamw_8bit",
                        "device_map": "NPROC_PER_NODE=1 (one process over CUDA_VISIBLE_DEVICES) or drop "
                        "--device_map under NPROC_PER_NODE", "model_parallel": "no NPROC_PER_NODE, "
                        "CUDA_VISIBLE_DEVICES listing every GPU (ms-swift splits the model with device_map)",
@@ -117,7 +126,11 @@ def words() -> Words:
 
 def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
     """The job of an ms-swift `swift sft` command line or script."""
-    src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+    try:
+        src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+    except UserError:
+        _refuse_megatron(path)
+        raise
     model = src.get("model") or src.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
@@ -139,9 +152,33 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     return job
 
 
+def _refuse_megatron(path: Path) -> None:
+    """A script whose trainer is ms-swift's `megatron sft|pt|rlhf` (Megatron-LM's tensor, pipeline and expert
+    parallelism, not the HF Trainer this reader models): say so, and how to plan the same split, rather than that
+    no command was found."""
+    try:
+        src, cmd = command_source(path, ("megatron sft", "megatron pt", "megatron rlhf"))
+    except UserError:
+        return
+    split = {"tensor_model_parallel_size": "", "pipeline_model_parallel_size": " --pipeline-parallel ",
+             "expert_model_parallel_size": " --expert-parallel ", "context_parallel_size": ""}
+    given = [f"--{k} {src.get(k)}" for k in split if k in src]
+    flags = "".join(f"{flag}{src.get(k)}" for k, flag in split.items() if flag and k in src)
+    model = src.get("model", "MODEL")
+    method = "lora" if src.get("tuner_type", "full").startswith("lora") else "full"  # Megatron's default: full
+    unplanned = any(k in src and src.get(k) != "1" for k, flag in split.items() if not flag)
+    seq, batch = src.get("max_length", "2048"), src.get("micro_batch_size", "1")
+    raise UserError(f"{src.where}: `{cmd.program}` is ms-swift's Megatron-LM trainer"
+                    f"{' (' + ', '.join(given) + ')' if given else ''}, which --from swift does not read (it reads "
+                    f"`swift sft|pt|rlhf`, the HF Trainer). Plan the split with `shardfit plan --model {model} --gpus "
+                    f"GPUS --method {method}{flags} --seq {seq} --batch {batch}`"
+                    f"{' (tensor and context parallelism are not planned)' if unplanned else ''}, or "
+                    f"give the job's `swift sft` form.")
+
+
 def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
     """`swift rlhf --rlhf_type ...` (dpo when not given) in shardfit's objectives. ms-swift loads `--ref_model`
-    (default: `--model`) beside the policy for DPO and KTO with `--train_type full` (RLHFArguments); LoRA switches
+    (default: `--model`) beside the policy for DPO and KTO with `--tuner_type full` (RLHFArguments); LoRA switches
     its adapters off instead. Its `simpo` is TRL's CPO trainer with the SimPO loss: beta 2 and gamma 1 by default,
     and `cpo_alpha` (1 by default) times the chosen answer's NLL added."""
     if program != "swift rlhf":
@@ -179,17 +216,19 @@ def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
                   "none")
     if kind in ("dpo", "kto"):
         ref = src.get("ref_model")
-        pref.reference = ReferenceCopy(f"--train_type full with --rlhf_type {kind} loads "
+        pref.reference = ReferenceCopy(f"--tuner_type full with --rlhf_type {kind} loads "
                                        + (f"--ref_model {ref}" if ref else "the model a second time")
                                        + " as the reference", model=ref)
     return pref
 
 
 def _method(src: Source, job: ForeignJob) -> str:
-    train_type = src.get("train_type", src.get("sft_type", "lora")).lower()
+    """`--tuner_type` (ms-swift 4's name; `--train_type` and `--sft_type` before it), LoRA by default."""
+    key = next((k for k in ("tuner_type", "train_type", "sft_type") if k in src), "tuner_type")
+    train_type = src.get(key, "lora").lower()
     method = METHODS.get(train_type)
     if method is None:
-        raise UserError(f"{src.where}: --train_type {train_type}: shardfit plans lora and full (and LoRA variants).")
+        raise UserError(f"{src.where}: --{key} {train_type}: shardfit plans lora and full (and LoRA variants).")
     bits = src.get("quant_bits")
     if bits is not None and method == "lora":
         method = "qlora"
@@ -218,6 +257,8 @@ def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
     """DeepSpeed, DDP under a launcher, or one process split over the visible GPUs (device_map)."""
     if src.get("deepspeed"):
         use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, [])
+    elif src.get("fsdp"):
+        _fsdp(src, job)
     elif job.distributed:
         job.engine = "ddp"
     elif len(gpus) > 1 or src.get("device_map"):
@@ -227,6 +268,42 @@ def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
         job.device_map = src.get("device_map")
     elif job.engine == "device_map":
         job.device_map = "auto"
+
+
+# ms-swift's built-in `--fsdp fsdp2` (swift/config/fsdp2.json): full_shard, resharded after forward, FSDP's own
+# activation checkpointing on.
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"reshard_after_forward": True,
+                                                         "activation_checkpointing": True}}
+
+
+def _fsdp(src: Source, job: ForeignJob) -> None:
+    """`--fsdp fsdp2` or an FSDP JSON (ms-swift >= 3.12): its `fsdp` options and `fsdp_config` decide the engine
+    (offload, ZeRO-2-like SHARD_GRAD_OP or full_shard), and `activation_checkpointing` there checkpoints the blocks
+    even with `--gradient_checkpointing false`, as ms-swift's examples write it."""
+    ref = src.get("fsdp")
+    if ref == "fsdp2":
+        raw: Any = FSDP2
+    else:
+        hit = local_file(ref, src.path.parent)
+        if hit is None:
+            raise UserError(f"{src.where}: --fsdp {ref}: not fsdp2 and no such JSON file here; give the FSDP JSON's "
+                            f"path (relative to the script) or --fsdp fsdp2.")
+        raw = parse_json(read_text(Path(hit)), hit)
+    if not isinstance(raw, dict):
+        raise UserError(f"{src.where}: --fsdp {ref}: an FSDP JSON holds one object with `fsdp` and `fsdp_config`.")
+    options = str(raw.get("fsdp", "full_shard auto_wrap")).split()
+    cfg = raw.get("fsdp_config") if isinstance(raw.get("fsdp_config"), dict) else {}
+    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()}
+    offload = "offload" in options or as_bool(cfg.get("offload_params", False))
+    grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
+    job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+    if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
+        record(job, "fsdp:activation_cpu_offload", cfg["activation_cpu_offload"], modelled=False)
+    if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
+        job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
+        job.reentrant_ckpt = False  # accelerate wraps the blocks with the non-reentrant checkpoint
+        job.notes.append(f"--fsdp {ref}: activation_checkpointing in its fsdp_config checkpoints every block "
+                         f"(planned as grad_ckpt full)")
 
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:

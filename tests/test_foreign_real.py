@@ -1,0 +1,211 @@
+"""Other tools' jobs as their 2026 examples write them: ms-swift 4's option names, its Megatron trainer, and what
+the readers make of them (found by running their current example configs through `--from`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfit.cli.main import main
+from shardfit.config import load_config
+from shardfit.errors import UserError
+from shardfit.foreign.convert import to_config
+from shardfit.foreign.read import JobOptions, read_job
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("option", "method"), [("--tuner_type full", "full"), ("--tuner_type lora", "lora"),
+                                                ("--train_type full", "full"), ("", "lora")])
+def test_swift_4_names_the_method_tuner_type(tmp_path: Path, option: str, method: str) -> None:
+    """ms-swift 4 renamed --train_type to --tuner_type: a full fine-tune written the new way is planned full, with
+    its optimizer state for every weight, not as LoRA (the default when neither is given)."""
+    script = _write(tmp_path, "full.sh", "NPROC_PER_NODE=4 swift sft --model Qwen/Qwen3-8B --deepspeed zero3 "
+                                         f"{option} --max_length 4096\n")
+    job = read_job("swift", script, JobOptions())
+    assert job.workload.method == method
+    assert "tuner_type" not in job.not_modelled
+
+
+def test_swift_4_unknown_tuner_type_names_the_option(tmp_path: Path) -> None:
+    script = _write(tmp_path, "bad.sh", "swift sft --model Qwen/Qwen3-8B --tuner_type reft\n")
+    with pytest.raises(UserError, match="--tuner_type reft"):
+        read_job("swift", script, JobOptions())
+
+
+def test_swift_megatron_script_is_named_with_a_plan_of_its_split(tmp_path: Path) -> None:
+    """A `megatron sft` script is refused as what it is (Megatron-LM's trainer), with the plan command that
+    splits the model the same way, not as a script with no training command in it."""
+    script = _write(tmp_path, "moe.sh", "NPROC_PER_NODE=8 \\\nmegatron sft \\\n    --model Qwen/Qwen3-30B-A3B \\\n"
+                                        "    --pipeline_model_parallel_size 2 \\\n"
+                                        "    --expert_model_parallel_size 4 \\\n    --micro_batch_size 1 \\\n"
+                                        "    --max_length 8192\n")
+    with pytest.raises(UserError) as err:
+        read_job("swift", script, JobOptions())
+    text = str(err.value)
+    assert "`megatron sft` is ms-swift's Megatron-LM trainer" in text
+    assert ("shardfit plan --model Qwen/Qwen3-30B-A3B --gpus GPUS --method full --pipeline-parallel 2 "
+            "--expert-parallel 4 --seq 8192 --batch 1") in text
+    assert "tensor and context parallelism" not in text
+    lora_tp = _write(tmp_path, "tp.sh", "megatron sft --model Qwen/Qwen3-32B --tuner_type lora "
+                                        "--tensor_model_parallel_size 4\n")
+    with pytest.raises(UserError, match=r"--method lora .*tensor and context parallelism are not planned"):
+        read_job("swift", lora_tp, JobOptions())
+
+
+def test_swift_script_without_a_trainer_still_says_so(tmp_path: Path) -> None:
+    script = _write(tmp_path, "infer.sh", "swift infer --model Qwen/Qwen3-8B\n")
+    with pytest.raises(UserError, match="no command running swift sft"):
+        read_job("swift", script, JobOptions())
+
+
+AXOLOTL_FSDP2 = """base_model: Qwen/Qwen3-8B
+datasets:
+  - path: data.jsonl
+    type: chat_template
+sequence_len: 4096
+micro_batch_size: 1
+gradient_accumulation_steps: 2
+optimizer: adamw_torch_fused
+learning_rate: 2e-5
+bf16: true
+gradient_checkpointing: true
+fsdp_version: 2
+fsdp_config:
+{fsdp}
+"""
+
+
+@pytest.mark.parametrize(("fsdp", "engine"), [
+    ("  offload_params: true\n  reshard_after_forward: true", "fsdp_offload"),
+    ("  fsdp_offload_params: true", "fsdp_offload"),
+    ("  reshard_after_forward: false\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP", "fsdp_shard_grad_op"),
+    ("  offload_params: false\n  reshard_after_forward: true", "fsdp_full_shard"),
+])
+def test_axolotl_fsdp_config_without_its_old_prefix(tmp_path: Path, fsdp: str, engine: str) -> None:
+    """axolotl's examples write `fsdp_config` keys without the `fsdp_` prefix (it strips the old one): CPU offload
+    and FSDP2's `reshard_after_forward: false` (weights kept gathered, as SHARD_GRAD_OP) decide the engine."""
+    job = read_job("axolotl", _write(tmp_path, "fsdp2.yaml", AXOLOTL_FSDP2.format(fsdp=fsdp)), JobOptions(nproc=8))
+    assert job.engine == engine
+
+
+SWIFT_FSDP = """NPROC_PER_NODE=2 \\
+swift sft \\
+    --model Qwen/Qwen3-8B \\
+    --tuner_type lora \\
+    --gradient_checkpointing false \\
+    --max_length 4096 \\
+    --fsdp {fsdp}
+"""
+
+
+def test_swift_fsdp_option_is_the_engine(tmp_path: Path) -> None:
+    """`--fsdp fsdp2` shards with FSDP (not DDP under NPROC_PER_NODE), and the activation checkpointing its config
+    turns on is planned though --gradient_checkpointing is false; a JSON of its own decides offload."""
+    job = read_job("swift", _write(tmp_path, "fsdp2.sh", SWIFT_FSDP.format(fsdp="fsdp2")), JobOptions())
+    assert (job.engine, job.workload.grad_ckpt, job.reentrant_ckpt) == ("fsdp_full_shard", "full", False)
+    assert "fsdp" not in job.not_modelled
+    _write(tmp_path, "offload.json", '{"fsdp": "full_shard auto_wrap offload", "fsdp_config": '
+                                     '{"fsdp_version": 2, "activation_checkpointing": false, '
+                                     '"activation_cpu_offload": true}}')
+    job = read_job("swift", _write(tmp_path, "off.sh", SWIFT_FSDP.format(fsdp="offload.json")), JobOptions())
+    assert (job.engine, job.workload.grad_ckpt) == ("fsdp_offload", "none")
+    assert "fsdp:activation_cpu_offload" in job.not_modelled
+    _write(tmp_path, "grad_op.json", '{"fsdp_config": {"reshard_after_forward": false}}')
+    job = read_job("swift", _write(tmp_path, "op.sh", SWIFT_FSDP.format(fsdp="grad_op.json")), JobOptions())
+    assert job.engine == "fsdp_shard_grad_op"
+    with pytest.raises(UserError, match="--fsdp missing.json"):
+        read_job("swift", _write(tmp_path, "bad.sh", SWIFT_FSDP.format(fsdp="missing.json")), JobOptions())
+
+
+def test_swift_sequence_parallel_splits_each_row(tmp_path: Path) -> None:
+    """`--sequence_parallel_size 8` (ms-swift's Ulysses) gives each rank 1/8 of a 64k row: planned and carried
+    over as sequence_parallel, not left out (which planned every rank's logits for the whole row)."""
+    script = _write(tmp_path, "sp.sh", "NPROC_PER_NODE=8 swift sft --model Qwen/Qwen2.5-3B-Instruct --tuner_type lora "
+                                       "--max_length 65536 --sequence_parallel_size 8 --attn_impl flash_attn\n")
+    job = read_job("swift", script, JobOptions())
+    assert job.workload.sequence_parallel == 8
+    assert job.convert["sequence_parallel"] == 8
+    assert "sequence_parallel_size" not in job.not_modelled
+
+
+@pytest.mark.parametrize(("keys", "attention", "sp", "ep"), [
+    ("attn_implementation: flash_attention_2\ncontext_parallel_size: 2\n", "flash", 2, 1),
+    ("attn_implementation: kernels-community/vllm-flash-attn3\nsequence_parallel_degree: 4\n", "flash", 4, 1),
+    ("attn_implementation: eager\nexpert_parallel_size: 4\n", "eager", 1, 4),
+    ("attn_implementation: sdpa\n", "sdpa", 1, 1),
+])
+def test_axolotl_attention_and_parallel_sizes(tmp_path: Path, keys: str, attention: str, sp: int, ep: int) -> None:
+    """axolotl's `attn_implementation` (its deprecated flags' successor), `context_parallel_size` (old name
+    `sequence_parallel_degree`) and `expert_parallel_size` reach the plan and the converted config."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + keys
+    job = read_job("axolotl", _write(tmp_path, "par.yaml", text), JobOptions(nproc=8))
+    w = job.workload
+    assert (w.attention, w.sequence_parallel, w.expert_parallel) == (attention, sp, ep)
+    assert job.convert.get("sequence_parallel", 1) == sp and job.convert.get("expert_parallel", 1) == ep
+    assert not {"attn_implementation", "context_parallel_size", "expert_parallel_size"} & set(job.not_modelled)
+
+
+def test_converted_sequence_parallel_job_is_one_check_accepts(tmp_path: Path) -> None:
+    """A sequence-parallel job on flash attention converts to shardfit's Ulysses with its own attention (auto):
+    `flash_attention_2` beside `sequence_parallel` is a config shardfit refuses."""
+    (tmp_path / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                          '{"role": "assistant", "content": "hello"}]}\n')
+    script = _write(tmp_path, "sp.sh", "NPROC_PER_NODE=8 swift sft --model Qwen/Qwen2.5-3B-Instruct --tuner_type lora "
+                                       "--dataset train.jsonl --max_length 65536 --sequence_parallel_size 8 "
+                                       "--attn_impl flash_attn\n")
+    cfg = to_config(read_job("swift", script, JobOptions()))
+    assert (cfg["sequence_parallel"], cfg["attn_implementation"]) == (8, "auto")
+    out = tmp_path / "converted.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    assert load_config(str(out)).sequence_parallel == 8
+
+
+@pytest.mark.parametrize(("extra", "loss_fused"), [
+    ("plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n", True),
+    ("plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\ncut_cross_entropy: false\n", False),
+    ("", False),
+])
+def test_axolotl_cut_cross_entropy_plugin_fuses_the_loss(tmp_path: Path, extra: str, loss_fused: bool) -> None:
+    """Listing axolotl's Cut Cross-Entropy plugin turns its loss on (`cut_cross_entropy` defaults to true), as
+    axolotl's gpt-oss and long-context examples write it: no full logits are planned."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + extra
+    job = read_job("axolotl", _write(tmp_path, "cce.yaml", text), JobOptions(nproc=8))
+    assert (job.workload.loss == "chunked") == loss_fused
+
+
+def test_convert_refusal_names_the_job_not_a_temporary_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """LLaMA-Factory's KTO example trains one row per micro-batch, which shardfit's kto refuses: convert says so
+    about the user's file, not about the temporary copy it loads."""
+    job = _write(tmp_path, "kto.yaml", "model_name_or_path: Qwen/Qwen3-4B\nstage: kto\nfinetuning_type: lora\n"
+                                       "dataset: kto_en_demo\ncutoff_len: 2048\nper_device_train_batch_size: 1\n"
+                                       "bf16: true\n")
+    assert main(["convert", "--from", "llamafactory", job]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}: its converted config would not load: converted config line" in err
+    assert "micro_batch" in err and "tmp" not in err.replace(str(tmp_path), "")
+
+
+def test_axolotl_flex_attention_converts_to_flex(tmp_path: Path) -> None:
+    """axolotl's Llama 4 examples run flex attention; the converted config keeps it (Llama 4 has no
+    flash_attention_2 in transformers, so that conversion would not build)."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + "attn_implementation: flex_attention\n"
+    job = read_job("axolotl", _write(tmp_path, "flex.yaml", text), JobOptions(nproc=8))
+    assert job.workload.attention == "flash"
+    assert to_config(job)["attn_implementation"] == "flex_attention"
+
+
+@pytest.mark.parametrize("key", ["activation_checkpointing", "fsdp_activation_checkpointing"])
+def test_axolotl_fsdp_activation_checkpointing_is_planned(tmp_path: Path, key: str) -> None:
+    """FSDP's own activation checkpointing (axolotl's Llama 4 Scout example, no `gradient_checkpointing`) is
+    planned as full checkpointing, not as every block's activations kept (a plan of 800 GiB a GPU)."""
+    text = AXOLOTL_FSDP2.format(fsdp=f"  {key}: true").replace("gradient_checkpointing: true\n", "")
+    job = read_job("axolotl", _write(tmp_path, "ac.yaml", text), JobOptions(nproc=8))
+    assert (job.workload.grad_ckpt, job.reentrant_ckpt) == ("full", False)
+    assert to_config(job)["grad_ckpt"] == "full"
