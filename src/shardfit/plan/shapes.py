@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -72,11 +73,13 @@ def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
 
 
 def _variants(name: str) -> list[str]:
-    """`name` and its base/instruct twin (lower case): the catalog holds one of the two for many models."""
-    for suffix in ("-instruct", "-chat", "-it"):
-        if name.endswith(suffix):
-            return [name, name[: -len(suffix)]]
-    return [name, name + "-instruct", name + "-it"]
+    """`name` and its twins (lower case) that share its shape: the base model and its -Instruct / -Chat / -It /
+    -Thinking / -Base releases, with or without a date stamp (Qwen3-4B-Instruct-2507 is Qwen3-4B retrained); the
+    catalog holds one of them for many models."""
+    stem = re.sub(r"-\d{4}$", "", name)
+    stem = re.sub(r"-(instruct|chat|it|thinking|base)$", "", stem)
+    out = [name, stem, stem + "-instruct", stem + "-it"]
+    return list(dict.fromkeys(out))
 
 
 def catalog_config(model: str) -> dict[str, Any] | None:
