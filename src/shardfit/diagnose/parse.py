@@ -409,6 +409,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.world_size = max(worlds)
         if p.world_size > 1:
             p.facts.add("multi_rank")
+        elif p.world_size == 1:
+            p.facts.add("one_rank")  # a launch of one process: any other holder of its GPU is not a rank of it
     m = re.search(r"(?:device_map\s*[=:]\s*|--device_map(_config(?:_path)?)?\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:./-]+)\2",
                   text)
     if m:
