@@ -231,6 +231,17 @@ CLI_CASES: list[Case] = [
     ("check --gpus garbage", lambda ws: ["check", str(_cfg(ws)), "--gpus", "lots"], 2, "unknown card"),
     ("diagnose missing file", lambda ws: ["diagnose", str(ws / "nope.log")], 2, "no such file"),
     ("diagnose a directory", lambda ws: ["diagnose", str(ws)], 2, "no such file"),
+    ("chat --output a folder", lambda ws: ["chat", str(ws / "model"), "--input", str(ws / "data.jsonl"), "--output",
+                                           str(ws)], 2, "--output"),
+    ("chat --temperature nan", lambda ws: ["chat", str(ws / "model"), "--prompt", "hi", "--temperature", "nan"], 2,
+     "--temperature"),
+    ("chat --top-p 2", lambda ws: ["chat", str(ws / "model"), "--prompt", "hi", "--temperature", "1", "--top-p", "2"],
+     2, "--top-p"),
+    ("eval --max-seq-len 0", lambda ws: ["eval", str(ws / "model"), "--data", str(ws / "data.jsonl"), "--max-seq-len",
+                                         "0"], 2, "--max-seq-len must be at least 1"),
+    ("convert --out a folder", lambda ws: ["convert", "--from", "llamafactory", str(_raw(
+        ws, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\n")), "--out", str(ws)], 2, "--out"),
+    ("doctor --timeout nan", lambda ws: ["doctor", "--timeout", "nan"], 2, "--timeout must be positive"),
     ("export missing run", lambda ws: ["export", str(ws / "no-run")], 2, "not a shardfit run directory"),
     ("export a file", lambda ws: ["export", str(ws / "data.jsonl")], 2, "not a shardfit run directory"),
 ]
