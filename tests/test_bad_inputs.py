@@ -446,7 +446,28 @@ def _other_run(ws: Path) -> list[str]:
     return ["train", str(_cfg(ws, "other.yaml", output_dir=str(run)))]
 
 
+def _damaged_run(name: str, run_json: str) -> Callable[[Path], list[str]]:
+    def build(ws: Path) -> list[str]:
+        run = ws / "runs" / name
+        (run / "checkpoints" / "step-1").mkdir(parents=True, exist_ok=True)
+        (run / "run.json").write_text(run_json)
+        return ["train", str(_cfg(ws, f"{name}.yaml", output_dir=str(run)))]
+    return build
+
+
+def _lock_without_pid(ws: Path) -> list[str]:
+    run = ws / "runs" / "lock-null-pid"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / ".shardfit.lock").write_text(json.dumps({"pid": None, "host": os.uname().nodename}))
+    return ["train", str(_cfg(ws, "lock-null-pid.yaml", output_dir=str(run)))]
+
+
 RUN_DIR_CASES: list[Case] = [
+    ("run.json a list", _damaged_run("rj-list", "[1]"), 2, "not the run record shardfit writes"),
+    ("run.json fingerprint a string", _damaged_run("rj-str", json.dumps({"fingerprint": "x"})), 2,
+     "not the run record shardfit writes"),
+    ("run.json truncated", _damaged_run("rj-cut", '{"fingerprint": {"mod'), 2, "not the run record shardfit writes"),
+    ("lock file with a null pid", _lock_without_pid, 2, "in use by another training"),
     ("output_dir is a file", lambda ws: ["train", str(_cfg(ws, "of.yaml", output_dir=str(ws / "data.jsonl")))], 2,
      "is a file"),
     ("output_dir not writable", lambda ws: ["train", str(_cfg(ws, "ow.yaml", output_dir="/proc/shardfit-run"))], 2,
