@@ -379,6 +379,8 @@ MODEL_CASES: list[Case] = [
     _model_case("config-list", _write("config.json", "[1, 2]"), "one JSON object", "plan"),
     _model_case("zero-heads", _config_edit(num_attention_heads=0), "num_attention_heads", "plan"),
     _model_case("negative-layers", _config_edit(num_hidden_layers=-2), "num_hidden_layers", "plan"),
+    _model_case("negative-head-dim", _config_edit(head_dim=-1), "config.json's head_dim is -1", "plan"),
+    _model_case("negative-kv-heads", _config_edit(num_key_value_heads=-2), "num_key_value_heads is -2", "plan"),
     _model_case("heads-string", _config_edit(num_attention_heads="four"), "num_attention_heads", "plan"),
     _model_case("config-garbage", _write("config.json", "{not json"), "'model'", "check"),
     _model_case("zero-heads", _config_edit(num_attention_heads=0), "'model'", "check"),
