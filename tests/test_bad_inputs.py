@@ -124,6 +124,8 @@ FILE_CASES: list[Case] = [
     ("config alias bomb", _bomb, 2, "expands to more than"),
     ("config duplicate key", lambda ws: ["train", str(_raw(ws, "dup.yaml", "lr: 1.0e-4\nepochs: 1\nlr: 2\n"))], 2,
      "given twice"),
+    ("config seed beyond torch's 64 bits", lambda ws: ["train", str(_cfg(ws, seed=2**70))], 2,
+     "'seed' must be below 9223372036854775808"),
     ("config unknown key", lambda ws: ["train", str(_cfg(ws, micro_batchs=2))], 2, "did you mean 'micro_batch'"),
     ("config lora not a mapping", lambda ws: ["train", str(_cfg(ws, lora=8))], 2, "'lora' must be a mapping"),
     ("config unknown lora key", lambda ws: ["train", str(_cfg(ws, lora={"rnak": 8}))], 2, "did you mean 'rank'"),
@@ -188,6 +190,20 @@ CLI_CASES: list[Case] = [
      "unknown card"),
     ("plan zero GPUs", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "0x24GB"], 2,
      "at least one GPU"),
+    ("plan --gpus a count with extra digits", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus",
+                                                          "1000000x24GB"], 2, "more than any cluster"),
+    ("plan --nodes with extra digits", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--nodes",
+                                                   "125001", "--gpus", "8xH100"], 2, "more than any cluster"),
+    ("plan --gpus two kinds of card", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus",
+                                                  "2xH100+2xA100"], 2, "one kind of GPU per plan"),
+    ("plan --gpus a list of cards", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus",
+                                                "1xH100,1xA100"], 2, "one kind of GPU per plan"),
+    ("plan qlora with expert_parallel", lambda ws: ["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "8xH100",
+                                                    "--expert-parallel", "8", "--method", "qlora"], 2,
+     "expert_parallel: 8 does not train qlora"),
+    ("plan freeze with expert_parallel", lambda ws: ["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "8xH100",
+                                                     "--expert-parallel", "8", "--method", "freeze"], 2,
+     "expert_parallel: 8 trains method lora or full"),
     ("plan --seq 0", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--seq", "0"], 2, "at least 1"),
     ("plan --batch 0", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--batch", "0"], 2, "at least 1"),
     ("plan --nodes 0", lambda ws: ["plan", "--model", "meta-llama/Llama-3.1-8B", "--nodes", "0"], 2, "at least 1"),
@@ -215,6 +231,17 @@ CLI_CASES: list[Case] = [
     ("check --gpus garbage", lambda ws: ["check", str(_cfg(ws)), "--gpus", "lots"], 2, "unknown card"),
     ("diagnose missing file", lambda ws: ["diagnose", str(ws / "nope.log")], 2, "no such file"),
     ("diagnose a directory", lambda ws: ["diagnose", str(ws)], 2, "no such file"),
+    ("chat --output a folder", lambda ws: ["chat", str(ws / "model"), "--input", str(ws / "data.jsonl"), "--output",
+                                           str(ws)], 2, "--output"),
+    ("chat --temperature nan", lambda ws: ["chat", str(ws / "model"), "--prompt", "hi", "--temperature", "nan"], 2,
+     "--temperature"),
+    ("chat --top-p 2", lambda ws: ["chat", str(ws / "model"), "--prompt", "hi", "--temperature", "1", "--top-p", "2"],
+     2, "--top-p"),
+    ("eval --max-seq-len 0", lambda ws: ["eval", str(ws / "model"), "--data", str(ws / "data.jsonl"), "--max-seq-len",
+                                         "0"], 2, "--max-seq-len must be at least 1"),
+    ("convert --out a folder", lambda ws: ["convert", "--from", "llamafactory", str(_raw(
+        ws, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\n")), "--out", str(ws)], 2, "--out"),
+    ("doctor --timeout nan", lambda ws: ["doctor", "--timeout", "nan"], 2, "--timeout must be positive"),
     ("export missing run", lambda ws: ["export", str(ws / "no-run")], 2, "not a shardfit run directory"),
     ("export a file", lambda ws: ["export", str(ws / "data.jsonl")], 2, "not a shardfit run directory"),
 ]
@@ -352,6 +379,8 @@ MODEL_CASES: list[Case] = [
     _model_case("config-list", _write("config.json", "[1, 2]"), "one JSON object", "plan"),
     _model_case("zero-heads", _config_edit(num_attention_heads=0), "num_attention_heads", "plan"),
     _model_case("negative-layers", _config_edit(num_hidden_layers=-2), "num_hidden_layers", "plan"),
+    _model_case("negative-head-dim", _config_edit(head_dim=-1), "config.json's head_dim is -1", "plan"),
+    _model_case("negative-kv-heads", _config_edit(num_key_value_heads=-2), "num_key_value_heads is -2", "plan"),
     _model_case("heads-string", _config_edit(num_attention_heads="four"), "num_attention_heads", "plan"),
     _model_case("config-garbage", _write("config.json", "{not json"), "'model'", "check"),
     _model_case("zero-heads", _config_edit(num_attention_heads=0), "'model'", "check"),
@@ -419,7 +448,28 @@ def _other_run(ws: Path) -> list[str]:
     return ["train", str(_cfg(ws, "other.yaml", output_dir=str(run)))]
 
 
+def _damaged_run(name: str, run_json: str) -> Callable[[Path], list[str]]:
+    def build(ws: Path) -> list[str]:
+        run = ws / "runs" / name
+        (run / "checkpoints" / "step-1").mkdir(parents=True, exist_ok=True)
+        (run / "run.json").write_text(run_json)
+        return ["train", str(_cfg(ws, f"{name}.yaml", output_dir=str(run)))]
+    return build
+
+
+def _lock_without_pid(ws: Path) -> list[str]:
+    run = ws / "runs" / "lock-null-pid"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / ".shardfit.lock").write_text(json.dumps({"pid": None, "host": os.uname().nodename}))
+    return ["train", str(_cfg(ws, "lock-null-pid.yaml", output_dir=str(run)))]
+
+
 RUN_DIR_CASES: list[Case] = [
+    ("run.json a list", _damaged_run("rj-list", "[1]"), 2, "not the run record shardfit writes"),
+    ("run.json fingerprint a string", _damaged_run("rj-str", json.dumps({"fingerprint": "x"})), 2,
+     "not the run record shardfit writes"),
+    ("run.json truncated", _damaged_run("rj-cut", '{"fingerprint": {"mod'), 2, "not the run record shardfit writes"),
+    ("lock file with a null pid", _lock_without_pid, 2, "in use by another training"),
     ("output_dir is a file", lambda ws: ["train", str(_cfg(ws, "of.yaml", output_dir=str(ws / "data.jsonl")))], 2,
      "is a file"),
     ("output_dir not writable", lambda ws: ["train", str(_cfg(ws, "ow.yaml", output_dir="/proc/shardfit-run"))], 2,

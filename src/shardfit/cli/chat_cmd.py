@@ -55,10 +55,17 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    if args.temperature < 0:
+    if not args.temperature >= 0 or args.temperature == float("inf"):  # nan samples from garbage probabilities
         raise UserError(f"--temperature must be 0 (greedy) or more, got {args.temperature}.")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p is the probability mass sampled from, in (0, 1], got {args.top_p}; e.g. "
+                        "--top-p 0.9.")
     if args.output and not args.input:
         raise UserError("--output goes with --input FILE.jsonl.")
+    if args.output and (Path(args.output).is_dir() or not Path(args.output).parent.is_dir()):
+        # said before the model loads, not after every answer is generated
+        raise UserError(f"--output {args.output}: not a file in an existing folder; name the JSONL file to write, "
+                        "e.g. --output answers.jsonl.")
     if args.image and args.prompt is None:
         raise UserError("--image goes with --prompt TEXT, e.g. --image photo.png --prompt \"What is in it?\".")
     if args.input and not Path(args.input).is_file():

@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.config}: its converted config would not load: "
                             f"{str(e).replace(str(check), 'converted config line')}") from None
     if args.out:
-        Path(args.out).write_text(text)
+        try:
+            Path(args.out).write_text(text)
+        except OSError as e:
+            raise UserError(f"--out {args.out}: cannot write it ({e.strerror or e}); name a YAML file in an existing "
+                            "folder, e.g. --out shardfit.yaml.") from None
         print(f"shardfit config written to {args.out}")
     else:
         print(text, end="")

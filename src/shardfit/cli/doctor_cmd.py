@@ -70,7 +70,7 @@ def _options(args: argparse.Namespace) -> dict:
     """The probe's options from the flags and the config (torch-free: ProbeOptions takes them on the ranks)."""
     if args.iters < 1:
         raise UserError(f"--iters must be at least 1, got {args.iters}.")
-    if args.timeout <= 0 or args.peer_wait < 0:
+    if not 0 < args.timeout < float("inf") or not 0 <= args.peer_wait < float("inf"):  # nan fails both
         raise UserError("--timeout must be positive and --peer-wait at least 0.")
     output_dir, data = args.output_dir, []
     if args.config is not None:

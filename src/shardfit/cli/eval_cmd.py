@@ -80,6 +80,8 @@ def _has_images(row: Any) -> bool:
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be at least 1, got {args.limit}.")
+    if args.max_seq_len is not None and args.max_seq_len < 1:  # 0 would read as "the run's own"
+        raise UserError(f"--max-seq-len must be at least 1, got {args.max_seq_len}.")
     if not Path(args.data).is_file():
         raise UserError(f"--data {args.data}: no such file.")
     # torch, transformers and peft: only once a model is actually used

@@ -575,9 +575,10 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
 
         check_model(w.sequence_parallel, facts_of_shape(shape), source)
     if w.expert_parallel > 1:  # experts that share out
-        from shardfit.resolve.experts_rules import check_ep_model
+        from shardfit.resolve.experts_rules import check_ep_method, check_ep_model
 
         check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
+        check_ep_method(w.expert_parallel, w.method)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
         from shardfit.resolve.dims import ParallelDims

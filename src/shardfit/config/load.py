@@ -272,6 +272,11 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
     return cfg
 
 
+def _number(x: float) -> str:
+    """A bound or value as the user would write it: integers whole (a seed's bound is not 1.84467e+19)."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _range_error(value: Any, meta: dict[str, Any]) -> str | None:
     """What is wrong with `value` against a key's declared range, or None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -279,11 +284,11 @@ def _range_error(value: Any, meta: dict[str, Any]) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         ge, gt, lt = meta.get("ge"), meta.get("gt"), meta.get("lt")
         if ge is not None and value < ge:
-            return f"must be at least {ge:g}, got {value:g}."
+            return f"must be at least {_number(ge)}, got {_number(value)}."
         if gt is not None and value <= gt:
-            return f"must be greater than {gt:g}, got {value:g}."
+            return f"must be greater than {_number(gt)}, got {_number(value)}."
         if lt is not None and value >= lt:
-            return f"must be below {lt:g}, got {value:g}."
+            return f"must be below {_number(lt)}, got {_number(value)}."
     if meta.get("nonempty"):
         items = value if isinstance(value, list) else [value]
         if not items or any(isinstance(v, str) and not v.strip() for v in items):

@@ -205,7 +205,9 @@ class Config:
                                        "step, long evaluations and saves)", gt=0)
     watchdog_action: str = key("wait", "after a watchdog report: wait (keep waiting for the phase) | abort (stop "
                                        "every rank, exit 1)")
-    seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters", ge=0)
+    # torch's generators take a 64-bit seed; the data order seeds each epoch's with seed + epoch.
+    seed: int = key(42, "seed of the data order, the eval split and the initialisation of adapters", ge=0,
+                    lt=2**63)
     output_dir: str = key("runs/demo", "the run directory", nonempty=True)
     resume: str = key("auto", "auto (the newest intact checkpoint of this run in output_dir) | never (start over in "
                               "output_dir) | a checkpoint path", nonempty=True)

@@ -311,6 +311,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     try:
         heads, layers = text["num_attention_heads"], text["num_hidden_layers"]
         _require_counts(name, text, ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+        _require_not_negative(name, text, OPTIONAL_SIZES)
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
@@ -350,6 +351,21 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
                                qk_norm=qk_norm_of(shape, model_type),
                                other_tower=tower and vision is None and audio is None and soft_tower is None)
+
+
+# Sizes a config may leave out (or null); where it gives a whole number, a negative one is no model's (the shape
+# would count negative weights and plan them as fitting).
+OPTIONAL_SIZES = ("head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim", "n_shared_experts", *EXPERTS, *TOP_K)
+
+
+def _require_not_negative(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = values.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise UserError(f"{name}: config.json's {key} is {value}; a size is 0 or more: fix it, or remove the "
+                            "key (its family's default then applies).")
 
 
 def _require_counts(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -27,6 +27,9 @@ AMBIGUOUS = {"a100": "A100 taken as the 80 GB card; write A100-40G for the 40 GB
              "v100": "V100 taken as the 32 GB card; write V100-16G for the 16 GB one"}
 # Cards without bf16 arithmetic: bf16 is emulated or refused there, fp16 is what they compute in.
 NO_BF16 = ("t4", "v100", "v100-32g", "v100-16g", "2080ti", "titan")
+# More GPUs than any cluster holds: the planner's per-rank searches (a pipeline's stage counts divide the world)
+# take time in the world size, so a typo of a few extra digits would hang `plan` (and the UI's plan request).
+MAX_WORLD = 100_000
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,10 @@ class Hardware:
 
 def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> Hardware:
     """Parse `NxMEM` or `NxCARD` (MEM like 24GB / 24GiB / 24G / 24)."""
+    if re.search(r"[,+;&]", spec):  # the card table would read only the first card of `2xH100+2xA100`
+        raise UserError(f"--gpus {spec}: one kind of GPU per plan (every rank of a job is planned alike): give "
+                        f"every GPU of the job as its smallest card, e.g. --gpus {_total_count(spec)}xA100, or plan "
+                        f"each kind apart.")
     m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(.+?)\s*", spec)
     count, what = (int(m.group(1)), m.group(2)) if m else (1, spec.strip())
     key = card_key(what)
@@ -66,11 +73,26 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
                         f"or give a size such as 8x24GB.")
     if count < 1 or mem <= 0:
         raise UserError(f"--gpus {spec}: need at least one GPU with positive memory.")
+    check_world(nodes, count, f"--gpus {spec}")
     if key in BRIDGED and count != 2:
         bare = key.removesuffix("-nvlink")
         raise UserError(f"--gpus {spec}: an NVLink bridge joins exactly two cards: write 2x{key}, or {count}x{bare} "
                         f"(a ring over more cards than a bridge joins crosses host memory, as without one).")
     return Hardware(nodes, count, mem, cpu_mem_gib, what)
+
+
+def _total_count(spec: str) -> int:
+    """The GPUs a list of `NxCARD` names, all kinds together (1 for each part without a count)."""
+    return sum(int(m.group(1)) if (m := re.match(r"\s*(\d+)\s*[xX*]", part)) else 1
+               for part in re.split(r"[,+;&]", spec) if part.strip())
+
+
+def check_world(nodes: int, per_node: int, what: str) -> None:
+    """A UserError naming `what` when `nodes` x `per_node` ranks are more than MAX_WORLD."""
+    if nodes * per_node > MAX_WORLD:
+        raise UserError(f"{what}: {nodes} node(s) x {per_node} GPU(s) is {nodes * per_node:,} ranks, more than any "
+                        f"cluster (the planner takes at most {MAX_WORLD:,}): check the count, and give --nodes and "
+                        f"the GPUs of one node apart (e.g. --nodes 16 --gpus 8xH100).")
 
 
 def card_key(name: str) -> str:
@@ -126,8 +148,10 @@ def detect(nodes: int = 1) -> Hardware:
 
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
+        check_world(nodes, n, f"--nodes {nodes}")
         props = torch.cuda.get_device_properties(0)
         return Hardware(nodes, n, props.total_memory / 2**30, host_mem_gib(), props.name)
+    check_world(nodes, 1, f"--nodes {nodes}")
     return Hardware(nodes, 1, host_mem_gib() or 16.0, host_mem_gib(), "cpu")
 
 

@@ -46,12 +46,7 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
         raise UserError(f"{_prefix(n)} with sequence_parallel: {cfg.sequence_parallel}: this version does "
                         f"not combine the two (the tokens a rank sends to the experts' ranks would be its slice's, "
                         f"untested here); set sequence_parallel: 1, {FIX}.")
-    method = methods.get(cfg.method)
-    if method.quantized:
-        raise UserError(f"{_prefix(n)} does not train {method.name} in this version (the experts' 4-bit weights "
-                        f"are not sliced per rank): use method: lora or full, {FIX}.")
-    if not method.adapters and not method.trains_base:
-        raise UserError(f"{_prefix(n)} trains method lora or full in this version, not {method.name}: {FIX}.")
+    check_ep_method(n, cfg.method)
     if objectives.get(cfg.objective).preference:
         raise UserError(f"{_prefix(n)} trains objective sft only in this version: use objective: sft, {FIX}.")
     if cfg.compile is True:
@@ -61,6 +56,19 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
         raise UserError(f"{_prefix(n)} does not generate for eval_metrics in this version (each rank generates "
                         f"its own answers, a different number of forwards, while every forward needs all ranks of "
                         f"the expert group): drop eval_metrics, {FIX}.")
+
+
+def check_ep_method(n: int, name: str) -> None:
+    """The method `name` against expert_parallel `n` (UserError when refused): what `plan` checks too, whose
+    per-rank bytes of the experts assume their bf16 storage."""
+    if n == 1:
+        return
+    method = methods.get(name)
+    if method.quantized:
+        raise UserError(f"{_prefix(n)} does not train {method.name} in this version (the experts' 4-bit weights "
+                        f"are not sliced per rank): use method: lora or full, {FIX}.")
+    if not method.adapters and not method.trains_base:
+        raise UserError(f"{_prefix(n)} trains method lora or full in this version, not {method.name}: {FIX}.")
 
 
 def check_ep_model(n: int, experts: int, model: str, *, every_expert: bool = False,

@@ -140,7 +140,7 @@ class RunLock:
             os.kill(int(owner.get("pid", -1)), 0)
         except ProcessLookupError:
             return False
-        except (PermissionError, ValueError, OverflowError):
+        except (PermissionError, ValueError, OverflowError, TypeError):  # TypeError: an edited lock's null pid
             return True
         return True
 
@@ -198,6 +198,10 @@ def claim(run_dir: Path, cfg: Config, new: dict[str, Any]) -> str | None:
             elif target.exists():
                 target.unlink()
     elif cfg.resume == "auto":
+        if previous is None and has_outputs and (run_dir / RUN_FILE).exists():
+            raise UserError(f"{run_dir / RUN_FILE} is not the run record shardfit writes (truncated or edited: not a "
+                            "JSON object with a fingerprint object), so nothing says which run its checkpoints belong "
+                            "to. Restore it, use a new output_dir, or --set resume=never to start over there.")
         if previous is None and has_outputs:
             raise UserError(f"output_dir {run_dir} holds another run's outputs without a run.json (an older shardfit "
                             "or another tool). Use a new output_dir, or --set resume=never to start over there.")
