@@ -465,9 +465,9 @@ def _lock_without_pid(ws: Path) -> list[str]:
 
 
 RUN_DIR_CASES: list[Case] = [
-    ("run.json a list", _damaged_run("rj-list", "[1]"), 2, "not the run record shardfit writes"),
+    ("run.json a list", _damaged_run("rj-list", "[1]"), 2, "is not a file shardfit wrote"),
     ("run.json fingerprint a string", _damaged_run("rj-str", json.dumps({"fingerprint": "x"})), 2,
-     "not the run record shardfit writes"),
+     "is not a file shardfit wrote"),
     ("run.json truncated", _damaged_run("rj-cut", '{"fingerprint": {"mod'), 2, "not the run record shardfit writes"),
     ("lock file with a null pid", _lock_without_pid, 2, "in use by another training"),
     ("output_dir is a file", lambda ws: ["train", str(_cfg(ws, "of.yaml", output_dir=str(ws / "data.jsonl")))], 2,
