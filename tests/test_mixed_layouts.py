@@ -5,6 +5,7 @@ host's masks (models/masks.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,10 +21,15 @@ from transformers import (
 )
 
 from shardfit.errors import UserError
+from shardfit.models.build import _attention, require_per_layer_support
 from shardfit.models.masks import mask_argument
 from shardfit.plan import attention_layout as rule
 from shardfit.plan import timing
 from shardfit.plan.config_shape import attention_layout, shape_from_config
+from shardfit.plan.estimate import estimate
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.plan import make_plan
+from shardfit.plan.token_mixers import block_groups
 from shardfit.plan.workload import Workload
 from shardfit.resolve import sequence
 
@@ -67,20 +73,23 @@ def test_recurrent_blocks_attend_to_no_positions_beside_windows() -> None:
     assert longer - timing.attention_flops_per_token(shape, w) < 0.02 * timing.attention_flops_per_token(shape, w)
 
 
-def test_sparse_blocks_attend_to_their_top_k_and_pay_their_indexer() -> None:
-    """dots3_note at 32k under flash: its indexed blocks attend to their top-k 2048 (one span gave them the windows'
-    512) and score every key of the row with their indexer (64 heads of 128, forward only); its windowed blocks
-    within 512."""
+def test_sparse_blocks_are_timed_over_the_whole_row_under_every_kernel() -> None:
+    """dots3_note and DeepSeek-V3.2 at 32k under flash: transformers' DSA classes support neither flash nor flex
+    attention and mask the indexer's top-k over the whole row, so their indexed blocks attend to the whole prefix
+    (not their top-k 2048) and score every key of the row with their indexer (64 heads of 128, forward only); the
+    windowed blocks stay within 512."""
     shape = shape_from_config(CONFIG_MAPPING["dots3_note"]().to_dict(), "dots3_note")
     w = _flash(32768)
 
     def within(size: int) -> float:
         return size - size * size / (2 * 32768)
 
-    assert timing.attended_positions(w, shape) == pytest.approx((13 * within(2048) + 33 * within(512)) / 46)
+    assert timing.attended_positions(w, shape) == pytest.approx((13 * 16384 + 33 * within(512)) / 46)
     assert timing.indexer_flops_per_token(shape, w) == pytest.approx(13 * 2 * 64 * 128 * 32768 / 46)
     sdpa = Workload(method="lora", grad_ckpt="full", attention="sdpa", seq_len=32768)
     assert timing.attended_positions(sdpa, shape) == 32768  # transformers' dense mask over the whole row
+    dsa = shape_from_config(CONFIG_MAPPING["deepseek_v32"]().to_dict(), "deepseek_v32")
+    assert timing.attended_positions(w, dsa) == 16384
 
 
 def _counted_growth(model_type: str, sizes: dict[str, Any], short: int = 64, long: int = 192) -> tuple[float, float]:
@@ -177,3 +186,67 @@ def test_compressed_sparse_blocks_are_timed_whole_without_an_indexer_over_the_ro
     shape = shape_from_config(CONFIG_MAPPING["deepseek_v4"]().to_dict(), "deepseek_v4")
     assert [(g.blocks, g.attention, g.index) for g in shape.attention_groups] == [(shape.layers, "full", 0)]
     assert timing.attended_positions(_flash(8192), shape) == 4096
+
+
+def test_gpt_neo_is_planned_as_eager_and_whole_under_flash() -> None:
+    """GPT-Neo's class has no SDPA: its default and `sdpa` plans are its eager plan (the rank loads `auto` as eager
+    by the same rule, and refuses `sdpa` naming eager), and its flash class passes no window, so its local blocks
+    attend to the whole row there."""
+    shape = shape_from_config(GPT_NEO_125M, "gpt-neo-125M")
+    hw = parse_gpus("1x80GB")
+    sdpa, eager = (Workload(method="lora", seq_len=2048, attention=a) for a in ("sdpa", "eager"))
+    planned = make_plan(shape, sdpa, hw, ("single",))
+    assert planned.workload.attention == "eager" and any("runs eager" in n for n in planned.notes)
+    as_eager = make_plan(shape, eager, hw, ("single",)).candidates[0]
+    assert (planned.candidates[0].per_gpu_gib, planned.candidates[0].step_s) == (as_eager.per_gpu_gib, as_eager.step_s)
+    assert estimate(shape, sdpa, hw, "single").per_gpu_gib == as_eager.per_gpu_gib
+    assert timing.attended_positions(_flash(2048), shape) == 1024
+    config = GPTNeoConfig(**{k: v for k, v in GPT_NEO_125M.items() if k != "model_type"})
+    assert _attention(SimpleNamespace(attn_implementation="auto"), config) == {"attn_implementation": "eager"}
+    with pytest.raises(UserError, match="attn_implementation: eager"):
+        _attention(SimpleNamespace(attn_implementation="sdpa"), config)
+
+
+def test_unknown_recurrent_blocks_get_no_made_up_state() -> None:
+    """Inkling's and ZAYA's hybrid blocks (attention beside short convolutions or CCA, no key-by-value state) are
+    timed as the attention their layout states, with no state update; MiniMax's lightning attention keeps its
+    heads x head_dim^2 state; a recurrent layer type of a family without a known state is timed as attention."""
+    for model_type in ("inkling_text", "zaya"):
+        shape = shape_from_config(CONFIG_MAPPING[model_type]().to_dict(), model_type)
+        assert [g.recurrence for g in shape.attention_groups] == [0.0] * len(shape.attention_groups), model_type
+    minimax = shape_from_config(CONFIG_MAPPING["minimax"]().to_dict(), "minimax")
+    assert any(g.recurrence == 6 * minimax.heads * minimax.hd ** 2 for g in minimax.attention_groups)
+    (group,) = block_groups(rule.AttentionLayout(1, 2, ("recurrent",), ((("recurrent",), 0, 2),)),
+                            {"model_type": "unknown"}.get, lambda key: False, name="m", hidden=64, heads=4,
+                            head_dim=16, deltanet=False)
+    assert (group.attention, group.recurrence) == ("full", 0.0)
+
+
+@pytest.mark.parametrize(("model_type", "keys", "named"), [
+    ("deepseek_v32", {"index_topk": 0}, "index_topk"),
+    ("deepseek_v32", {"index_topk": -4}, "index_topk"),
+    ("bamba", {"mamba_d_state": None}, "mamba_d_state"),
+    ("gpt_neo", {"window_size": -1}, "window_size"),
+    ("gpt_neo", {"attention_types": [[["global", "weird"], 12]]}, "attention_layers"),
+])
+def test_odd_settings_are_refused_naming_the_key(model_type: str, keys: dict[str, Any], named: str) -> None:
+    """Settings transformers' config class accepts but whose blocks cannot run (an indexer picking no keys, a state
+    size of null, a window that is not a size, a block name GPT-Neo raises on) exit 2 naming the key."""
+    config = {**CONFIG_MAPPING[model_type]().to_dict(), **keys}
+    config.pop("attention_layers", None) if "attention_types" in keys else None
+    with pytest.raises(UserError, match=named):
+        shape_from_config(config, model_type)
+
+
+def test_a_per_layer_value_its_class_reads_globally_is_refused() -> None:
+    """A Mistral whose per_layer_config gives one block its own window: transformers builds it and its first forward
+    raises; shardfit refuses it before building, naming the block's key (exit 2, not an unexpected error)."""
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=100, sliding_window=8,
+                           per_layer_config={"1": {"sliding_window": 4}})
+    cfg = SimpleNamespace(model="tiny", attn_implementation="auto", trust_remote_code=False)
+    with pytest.raises(UserError, match=r"per_layer_config\.1\.sliding_window"):
+        require_per_layer_support(config, torch.float32, cfg)
+    require_per_layer_support(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100),
+                              torch.float32, cfg)

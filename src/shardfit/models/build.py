@@ -20,6 +20,7 @@ import transformers
 import transformers.modeling_gguf_pytorch_utils as gguf_loading
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from shardfit import method as methods
 from shardfit.config import Config
@@ -38,6 +39,7 @@ from shardfit.models.processor import vision_model_type
 from shardfit.models.quantize import quantize_blocks
 from shardfit.models.quantize_experts import quantize_experts_under_lora
 from shardfit.models.source import ModelSource, resolve_model
+from shardfit.plan.attention_layout import runs_eager, text_of
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
@@ -212,19 +214,26 @@ def attention_kernels(allow_cudnn: bool) -> contextlib.AbstractContextManager:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def _attention(cfg: Config) -> dict[str, Any]:
+def _attention(cfg: Config, config: Any) -> dict[str, Any]:
+    """transformers' `attn_implementation` for `config`'s model: the config's, none for `auto` (transformers'
+    default), eager where the class has no SDPA (plan/attention_layout.py `runs_eager`, the planner's rule too)."""
+    model_type = getattr(text_of(config), "model_type", None)
+    if runs_eager(model_type, cfg.attn_implementation):
+        if cfg.attn_implementation == "sdpa":
+            raise UserError(f"'attn_implementation: sdpa': transformers' {model_type} class has no SDPA attention. "
+                            "Use attn_implementation: eager (or auto, which runs eager for it).")
+        return {"attn_implementation": "eager"}
     return {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
 
 
 def meta_model(config: Any, dtype: torch.dtype, cfg: Config) -> nn.Module:
     """A weightless model of the config's class on the meta device: structure and dtypes, no memory."""
-    cls = model_class(config)
+    cls, attention = model_class(config), _attention(cfg, config)
     try:
         with torch.device("meta"):
             if cls is AutoModelForCausalLM:
-                return cls.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                       **_attention(cfg))
-            return cls._from_config(config, dtype=dtype, **_attention(cfg))
+                return cls.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **attention)
+            return cls._from_config(config, dtype=dtype, **attention)
     except Exception as e:  # noqa: BLE001 - a config that cannot build a model (zero heads, ...) is bad input
         raise UserError(f"'model': {cfg.model}: its config.json does not build a model: {type(e).__name__}: {e}") \
             from None
@@ -247,7 +256,7 @@ def _no_gguf_bar() -> Iterator[None]:
 
 def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Config, s: Strategy) -> nn.Module:
     source = gguf_weights(source, config, dtype, cfg.trust_remote_code)
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **_attention(cfg)}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **_attention(cfg, config)}
     kwargs.update(prequantized.load_kwargs(config, source.name))
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -265,6 +274,34 @@ def _load_weights(config: Any, source: ModelSource, dtype: torch.dtype, cfg: Con
                             "Use attn_implementation: auto (transformers' default, SDPA) or sdpa.") from None
         raise UserError(f"'model': cannot load {source.name}: {type(e).__name__}: {e}. Check that the weight files "
                         "are complete (re-download them) and match config.json.") from None
+
+
+def require_per_layer_support(config: Any, dtype: torch.dtype, cfg: Config) -> None:
+    """A UserError naming `per_layer_config` where the config sets a per-layer value its model's class reads only
+    globally (a Mistral with one block's own `sliding_window`): transformers builds such a model, and its first
+    forward raises. Probed with a two-token forward on the meta device, only for a config with per-layer values;
+    any other failure of the probe is left to the run (the meta device runs no data-dependent op)."""
+    text = text_of(config)
+    if not getattr(text, "per_layer_attributes", None):
+        return
+    try:
+        model = text_model(meta_model(config, dtype, cfg))
+    except UserError:  # a config that builds no model: the build itself says so, as it does without per-layer values
+        return
+    try:
+        with torch.device("meta"), torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except AmbiguousGlobalPerLayerAttributeError as e:
+        key = str(e).split("'")[1] if str(e).count("'") >= 2 else "a per-layer attribute"
+        overrides = text.to_dict().get("per_layer_config") or {}
+        blocks = [i for i, block in overrides.items() if isinstance(block, dict) and key in block]
+        where = f"per_layer_config.{blocks[0]}.{key}" if blocks else f"per_layer_config (its {key})"
+        raise UserError(f"'model': {cfg.model}: config.json sets {where} for one block, but transformers' "
+                        f"{type(model).__name__} reads {key} for the whole model and cannot run it. Remove the "
+                        f"per-layer value (set {key} at the top level) or use a family whose class reads it per "
+                        "block.") from None
+    except Exception:  # noqa: BLE001, S110 - the probe looks for one error only; the run meets any other itself
+        pass
 
 
 def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config: Any = None,
@@ -289,6 +326,7 @@ def build_model(cfg: Config, strategy: Strategy | str, *, weights: bool, config:
     published = prequantized.of(config)
     if published is not None and not published.dequantizable:
         raise UserError(prequantized.refusal(cfg.model, published))
+    require_per_layer_support(config, dtype, cfg)
     if weights:
         log.info("loading %s (%s weights)", source.name, str(dtype).removeprefix("torch."))
         if published is not None:

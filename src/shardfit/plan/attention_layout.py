@@ -61,6 +61,43 @@ RECURRENT_MODEL_TYPES = ("rwkv", "xlstm")
 BLOCK_NAME_KEYS: dict[str, tuple[str, str, dict[str, str]]] = {
     "gpt_neo": ("attention_layers", "window_size", {"global": "full_attention", "local": "sliding_attention"}),
 }
+# Families whose transformers class has no SDPA kernel (GPT-Neo leaves `_supports_sdpa` unset): `auto` loads them
+# with eager attention and `sdpa` does not load, so the rank names eager and the planner plans both as eager.
+NO_SDPA_TYPES = ("gpt_neo",)
+# Families whose flash-attention class passes the kernel no window (GPTNeoFlashAttention2): their windowed blocks
+# attend to the whole row under flash, which the time model counts.
+FLASH_UNWINDOWED_TYPES = ("gpt_neo",)
+
+
+def runs_eager(model_type: Any, attention: str) -> bool:
+    """Whether a `model_type` model asked for `attention` (transformers' `attn_implementation`, `auto` included, or
+    the planner's `sdpa`) runs eager attention because its class has no SDPA: the one rule the rank
+    (models/build.py) and the planner (plan/estimate.py `planned_workload`) follow."""
+    return model_type in NO_SDPA_TYPES and attention in ("auto", "sdpa")
+
+
+def odd_setting(config: Any) -> str | None:
+    """What is wrong with a setting of a built `config`'s language model that transformers accepts but whose blocks
+    cannot run as set, naming the key and its fix (None: nothing): an indexer's `index_topk` that picks no keys
+    (topk of 0 or fewer masks every key), or a BLOCK_NAME_KEYS family's window that is not a positive size or block
+    name its class does not know (GPT-Neo's blocks raise on both)."""
+    text = text_of(config)
+    topk = getattr(text, "index_topk", None)
+    if isinstance(topk, (int, float)) and not isinstance(topk, bool) and (topk <= 0 or topk != int(topk)):
+        return f"'index_topk' is {topk!r}: the indexer must pick a positive number of keys (DeepSeek-V3.2 picks 2048)"
+    model_type = getattr(text, "model_type", None)
+    if model_type not in BLOCK_NAME_KEYS:
+        return None
+    key, window_key, names = BLOCK_NAME_KEYS[model_type]
+    named = getattr(text, key, None)
+    odd = sorted({t for t in named if t not in names}) if isinstance(named, (list, tuple)) else []
+    if odd:
+        return f"'{key}' names {', '.join(map(repr, odd))}: each block is one of {', '.join(map(repr, names))}"
+    window = getattr(text, window_key, None)
+    if isinstance(window, (int, float)) and not isinstance(window, bool) and window <= 0 and \
+            any(names.get(t) == "sliding_attention" for t in named or ()):
+        return f"'{window_key}' is {window!r}: local blocks attend within a positive number of tokens (256)"
+    return None
 
 
 class _Unread(ValueError):

@@ -20,7 +20,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.plan.attention_layout import CHUNK, AttentionLayout, block_counts, layout_of, text_of
+from shardfit.plan.attention_layout import (
+    CHUNK,
+    FLASH_UNWINDOWED_TYPES,
+    AttentionLayout,
+    block_counts,
+    layout_of,
+    odd_setting,
+    runs_eager,
+    text_of,
+)
 from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
@@ -287,9 +296,10 @@ def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
     return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
 
 
-def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool) -> tuple[BlockGroup, ...]:
+def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool,
+              name: str) -> tuple[BlockGroup, ...]:
     """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
-    language model (`built`) where there is one, else from the file's keys."""
+    language model (`built`) where there is one, else from the file's keys (`name`: the model, for an error)."""
     built_text = None if built is None else getattr(built, "text_config", None) or built
 
     def get(key: str) -> Any:
@@ -299,14 +309,22 @@ def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, delt
             value = None
         return value if value is not None else text.get(key)
 
+    def has(key: str) -> bool:
+        try:
+            return key in text or (built_text is not None and hasattr(built_text, key))
+        except RuntimeError:  # a per-layer attribute read globally: the class has it
+            return True
+
     heads, hidden = text["num_attention_heads"], text["hidden_size"]
-    return block_groups(attention, get, hidden=hidden, heads=heads,
+    return block_groups(attention, get, has, name=name, hidden=hidden, heads=heads,
                         head_dim=text.get("head_dim") or hidden // heads, deltanet=deltanet)
 
 
 def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
     built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
+    if built is not None and (odd := odd_setting(built)):
+        raise UserError(f"{name}: config.json {odd}.")
     text = with_standard_names(text_config(cfg), built)
     try:
         heads, layers = text["num_attention_heads"], text["num_hidden_layers"]
@@ -329,9 +347,10 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             mla=mla_of(text), **biases_of(text, model_type, built),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,
-            attention_groups=groups_of(attention, text, built, bool(deltanet)),
+            attention_groups=groups_of(attention, text, built, bool(deltanet), name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
+            eager_only=runs_eager(model_type, "sdpa"), flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built),
             **deltanet)
         vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)

@@ -194,6 +194,12 @@ def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
     return replace(shape, tied=False) if w.untied_head and shape.tied else shape
 
 
+def planned_workload(shape: ModelShape, w: Workload) -> Workload:
+    """The workload as the rank runs it: `sdpa` (transformers' default) is eager for a class without SDPA
+    (attention_layout.py `runs_eager`, the rule models/build.py loads by)."""
+    return replace(w, attention="eager") if shape.eager_only and w.attention == "sdpa" else w
+
+
 def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None) -> float:
     """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
     factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
@@ -763,7 +769,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     optimizer step (gradients, states and the multi-tensor update's temporary). The largest is the peak, and its
     breakdown is the one reported, so the columns add up to what is allocated at one moment."""
     shape = planned_shape(shape, w)
-    w = with_loss_chunk(shape, w, hw)
+    w = with_loss_chunk(shape, planned_workload(shape, w), hw)
     s = strategies.get(strategy)
     rank = per_rank(shape, w, hw, s)
     moments = step_moments(shape, w, strategy, rank)

@@ -106,6 +106,10 @@ class ModelShape:
     # the top-k logits; attention whose softmax also runs over a learned sink logit per head.
     clamped_swiglu: bool = False
     attention_sinks: bool = False
+    # A class without SDPA (plan/attention_layout.py `runs_eager`): `sdpa` (transformers' default) runs eager.
+    eager_only: bool = False
+    # A flash-attention class that passes the kernel no window (FLASH_UNWINDOWED_TYPES): windows are whole rows there.
+    flash_unwindowed: bool = False
     # Qwen3-Next and Qwen3.5 (transformers' *GatedDeltaNet): `linear_layers` blocks mix tokens with Gated DeltaNet
     # linear attention instead of softmax attention (`linear_dense_layers` of them keep a dense MLP in a mixture);
     # its key and value heads and their widths, its depthwise convolution's kernel, and whether its input

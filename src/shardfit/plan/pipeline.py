@@ -65,6 +65,7 @@ from shardfit.plan.estimate import (
     foreach_temp_bytes,
     head_weight_bytes,
     image_activation_bytes,
+    planned_workload,
     trainable_bytes,
 )
 from shardfit.plan.hardware import Hardware
@@ -311,6 +312,7 @@ def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per
     each replica running `w.grad_accum` micro-batches a step through its one stage per GPU (1F1B, cut by
     `stage_cut`) or, one GPU per stage, its `per_rank` looped stages (interleaved 1F1B, or zero bubble where
     `schedule` says so; cut evenly)."""
+    w = planned_workload(shape, w)
     if per_rank > 1:
         return _interleaved(shape, w, hw, stages, per_rank, schedule == "zero_bubble")
     name = strategy if dp > 1 else "single"

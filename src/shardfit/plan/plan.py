@@ -14,7 +14,7 @@ from shardfit import __version__
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config.support import trainable_methods
-from shardfit.plan.estimate import Candidate, estimate, trainable_params
+from shardfit.plan.estimate import Candidate, estimate, planned_workload, trainable_params
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import delta_rule_chunk_ops, reference_pass_s, step_time
@@ -286,12 +286,15 @@ def same_result(shape: ModelShape, w: Workload, hw: Hardware,
 def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[str, ...] = NAMES) -> Plan:
     """Estimate every strategy of `strategies`, recommend the fastest that fits; when none does, the fastest that
     fits with settings that keep the trained result (`same_result`) and the nearest changes."""
+    asked, w = w, planned_workload(shape, w)
     cands = estimate_all(shape, w, hw, strategies)
     best, reason = recommend(cands, hw)
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
-                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w),
+                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w)
+                + ([f"attention {asked.attention} runs eager: transformers' class of {shape.id} has no SDPA"]
+                   if w.attention != asked.attention else []),
                 same_result(shape, w, hw, strategies) if best is None else None)
 
 

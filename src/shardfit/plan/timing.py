@@ -88,9 +88,16 @@ from dataclasses import dataclass, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.plan import experts
-from shardfit.plan.attention_layout import CHUNK, SPARSE, WINDOW
+from shardfit.plan.attention_layout import CHUNK, WINDOW
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import adapts, compute_bytes, planned_shape, trainable_params, with_loss_chunk
+from shardfit.plan.estimate import (
+    adapts,
+    compute_bytes,
+    planned_shape,
+    planned_workload,
+    trainable_params,
+    with_loss_chunk,
+)
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import DELTA_CHUNK, Block, BlockGroup
 from shardfit.plan.shapes import ModelShape
@@ -234,10 +241,12 @@ def attended_positions(w: Workload, shape: ModelShape | None = None) -> float:
 
 def softmax_groups(shape: ModelShape, w: Workload) -> list[tuple[int, float]]:
     """(blocks, `attended_positions` of each) for every group of `shape`'s blocks that runs softmax attention (not
-    its Gated DeltaNet and other recurrent blocks), each kind within its own span: a window's or a chunk's
-    (`_within`), a sparse block's top-k (a kernel that takes the indexer's picks, FlashMLA's, runs over them: a
-    window's count of the prefix; a dense mask over the whole row in SDPA and eager, as transformers' DeepSeek-V3.2
-    applies them), the rest the whole causal prefix. A group's span under 2 is unknown: the whole prefix. Without
+    its Gated DeltaNet and other recurrent blocks), each kind within its own span under flash: a window's or a
+    chunk's (`_within`; the whole prefix for a flash class that passes no window, `flash_unwindowed`), the rest the
+    whole causal prefix. A sparse block's keys are the whole prefix under every kernel: transformers' DSA classes
+    support neither flash nor flex attention and apply the indexer's top-k as a dense mask over the whole row (only
+    a kernel that takes the picks, FlashMLA's, which shardfit never loads, would run over the top-k alone); its
+    indexer is `indexer_flops_per_token`'s. A group's span under 2 is unknown: the whole prefix. Without
     `attention_groups` (a catalog entry) `sliding_layers` blocks of the model's softmax blocks attend within
     `sliding_window`, a window or (`attention_chunked`) a chunk."""
     groups = shape.attention_groups
@@ -250,7 +259,8 @@ def softmax_groups(shape: ModelShape, w: Workload) -> list[tuple[int, float]]:
     for g in groups:
         if g.attention == "none":
             continue
-        inside = w.attention == "flash" and g.attention in (WINDOW, CHUNK, SPARSE) and g.span >= 2
+        inside = w.attention == "flash" and g.span >= 2 and \
+            (g.attention == CHUNK or g.attention == WINDOW and not shape.flash_unwindowed)
         out.append((g.blocks, _within(g.span, w.seq_len, chunked=g.attention == CHUNK) if inside else whole))
     return out
 
@@ -698,7 +708,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     s = strategies.get(strategy)
     card = card_of(hw)
     shape = planned_shape(shape, w)
-    w = with_loss_chunk(shape, w, hw)
+    w = with_loss_chunk(shape, planned_workload(shape, w), hw)
     gpu = micro_batch_work(shape, w, card, s)
     n = hw.world if s.multi_rank else 1
     if s.engine == "plain" or n == 1 and s.engine != "device_map":
@@ -898,7 +908,7 @@ def reference_pass_s(shape: ModelShape, w: Workload, hw: Hardware, strategy: str
     s = strategies.get(strategy)
     card = card_of(hw)
     shape = planned_shape(shape, w)
-    w = with_loss_chunk(shape, w, hw)
+    w = with_loss_chunk(shape, planned_workload(shape, w), hw)
     n = hw.world if s.multi_rank else 1
     busy = reference_work(shape, w, card, s).busy
     if s.engine == "fsdp2" and s.reshard_after_forward and n > 1:  # ZeRO-2 keeps its first gather
