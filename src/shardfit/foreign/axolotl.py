@@ -68,10 +68,11 @@ KEYS = key_table({
     # each of N ranks holds 1/N of every row's tokens (axolotl's ring attention, planned with Ulysses' all-to-alls;
     # `sequence_parallel_degree` is its old name), or 1/N of each block's routed experts
     "context_parallel_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
-                                 read=as_int),
+                                 read=if_set(as_int)),
     "sequence_parallel_degree": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
-                                    read=as_int),
-    "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
+                                    read=if_set(as_int)),
+    "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel",
+                                read=if_set(as_int)),
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
