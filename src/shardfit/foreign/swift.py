@@ -160,19 +160,22 @@ def _refuse_megatron(path: Path) -> None:
         src, cmd = command_source(path, ("megatron sft", "megatron pt", "megatron rlhf"))
     except UserError:
         return
+    # Megatron's context parallelism splits each row over ranks: planned as shardfit's (Ulysses) row split
     split = {"tensor_model_parallel_size": "", "pipeline_model_parallel_size": " --pipeline-parallel ",
-             "expert_model_parallel_size": " --expert-parallel ", "context_parallel_size": ""}
+             "expert_model_parallel_size": " --expert-parallel ", "context_parallel_size": " --sequence-parallel "}
     given = [f"--{k} {src.get(k)}" for k in split if k in src]
     flags = "".join(f"{flag}{src.get(k)}" for k, flag in split.items() if flag and k in src)
     model = src.get("model", "MODEL")
     method = "lora" if src.get("tuner_type", "full").startswith("lora") else "full"  # Megatron's default: full
     unplanned = any(k in src and src.get(k) != "1" for k, flag in split.items() if not flag)
     seq, batch = src.get("max_length", "2048"), src.get("micro_batch_size", "1")
+    # the launch's ranks, on a card the script does not name (said in the message), so the command runs as printed
+    gpus = f"{cmd.nproc or 1}xH100" + (f" --nodes {cmd.nnodes}" if cmd.nnodes > 1 else "")
     raise UserError(f"{src.where}: `{cmd.program}` is ms-swift's Megatron-LM trainer"
                     f"{' (' + ', '.join(given) + ')' if given else ''}, which --from swift does not read (it reads "
                     f"`swift sft|pt|rlhf`, the HF Trainer). Plan the split with `shardfit plan --model {model} --gpus "
-                    f"GPUS --method {method}{flags} --seq {seq} --batch {batch}`"
-                    f"{' (tensor and context parallelism are not planned)' if unplanned else ''}, or "
+                    f"{gpus} --method {method}{flags} --seq {seq} --batch {batch}` (H100: name your card)"
+                    f"{'; tensor parallelism is not planned' if unplanned else ''}, or "
                     f"give the job's `swift sft` form.")
 
 
