@@ -40,6 +40,13 @@ from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
+
+
+def _compiled(value: Any, key: str, where: str) -> bool:
+    """`torch_compile`: axolotl turns `auto` on wherever torch is 2.5.1 or newer (every torch shardfit runs on)."""
+    return str(value).strip().lower() == "auto" or flag(value, key, where)
+
+
 # Preference settings, carried over to shardfit's `dpo:` keys where it has one (`_preference`).
 PREFERENCE_KEYS = {"rl_beta", "dpo_beta", "orpo_alpha", "rpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
                    "kto_undesirable_weight", "dpo_label_smoothing", "precompute_ref_log_probs", "dpo_use_weighting",
@@ -53,7 +60,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each axolotl key means to shardfit. Settings that carry over are read as axolotl reads them: a null value
 # leaves axolotl's default.
 KEYS = key_table({
-    "torch_compile": TORCH_COMPILE,
+    "torch_compile": dataclasses.replace(TORCH_COMPILE, read=_compiled),
     "adapter": Key("{method}"), "load_in_4bit": Key("4-bit NF4"), "load_in_8bit": Key("planned as 4-bit"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     # torchao's float8 training through accelerate, as shardfit's `float8` converts the blocks' linear layers
@@ -214,6 +221,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     fused = (src.flag("liger_fused_linear_cross_entropy") and "liger" in plugins.lower()) or src.flag(
         "cut_cross_entropy") or cce
     impl = str(src.get("attn_implementation") or "").lower()  # the newer key; the flags above are deprecated
+    _one_attention(src, impl)
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
@@ -222,6 +230,18 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                         "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
                     quant_backend="bnb",
                     **settings(src, KEYS, "field"))
+
+
+def _one_attention(src: Source, impl: str) -> None:
+    """A UserError when `attn_implementation` and a deprecated attention flag set to true name different kernels
+    (axolotl's version decides which one runs, so neither is planned silently)."""
+    if not impl:
+        return
+    for key, words in (("flash_attention", ("flash",)), ("flex_attention", ("flex",)), ("sdp_attention", ("sdpa",)),
+                       ("eager_attention", ("eager",))):
+        if src.flag(key) and not any(w in impl for w in words):
+            raise UserError(f"{src.at(key)}: '{key}: true' and 'attn_implementation: {impl}' name different "
+                            f"attention kernels; keep attn_implementation and drop {key}.")
 
 
 def _checkpointing(src: Source, job: ForeignJob) -> None:

@@ -117,10 +117,13 @@ def _check_split(job: ForeignJob, shape_of: Callable[[str], ModelShape]) -> None
     """A job's sequence or expert parallel size against its model (heads and experts that share out) and, when the
     launch says them, its ranks: a UserError naming the tool's key, as `plan --model` refuses the same split."""
     sp, ep = job.workload.sequence_parallel, job.workload.expert_parallel
-    if sp <= 1 and ep <= 1:
-        return
     sp_key = next((k for k in SEQUENCE_KEYS if k in job.keys), "sequence parallel size")
     ep_key = next((k for k in EXPERT_KEYS if k in job.keys), "expert parallel size")
+    for key, n in ((sp_key, sp), (ep_key, ep)):
+        if n < 1:
+            raise UserError(f"{job.source}: {key} {n}: a count of ranks, at least 1 (1: no split).")
+    if sp == 1 and ep == 1:
+        return
     shape = shape_of(job.model)
     checks: list[tuple[str, int, Callable[[], None]]] = [
         (sp_key, sp, lambda: check_model(sp, facts_of_shape(shape), job.model)),

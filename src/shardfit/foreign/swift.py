@@ -227,8 +227,13 @@ def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
 
 def _method(src: Source, job: ForeignJob) -> str:
     """`--tuner_type` (ms-swift 4's name; `--train_type` and `--sft_type` before it), LoRA by default."""
-    key = next((k for k in ("tuner_type", "train_type", "sft_type") if k in src), "tuner_type")
+    names = [k for k in ("tuner_type", "train_type", "sft_type") if k in src]
+    key = names[0] if names else "tuner_type"
     train_type = src.get(key, "lora").lower()
+    for other in names[1:]:  # old and new names that disagree: which one wins depends on ms-swift's version
+        if src.get(other).lower() != train_type:
+            raise UserError(f"{src.where}: --{key} {train_type} and --{other} {src.get(other)} both name the "
+                            f"method; keep one (--tuner_type in ms-swift 4).")
     method = METHODS.get(train_type)
     if method is None:
         raise UserError(f"{src.where}: --{key} {train_type}: shardfit plans lora and full (and LoRA variants).")
