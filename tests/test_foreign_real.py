@@ -307,3 +307,29 @@ def test_axolotl_torch_compile_auto_is_on(tmp_path: Path) -> None:
     job = read_job("axolotl", _write(tmp_path, "tc.yaml", "base_model: Qwen/Qwen3-8B\ntorch_compile: auto\n"),
                    JobOptions())
     assert job.workload.compile is True and to_config(job)["compile"] is True
+
+
+def test_axolotl_null_settings_are_axolotl_defaults_not_off(tmp_path: Path) -> None:
+    """A key left empty in YAML is axolotl's default: `reshard_after_forward:` is FSDP's full_shard (not
+    shard_grad_op's gathered weights), and `cut_cross_entropy:` under its plugin is the fused loss."""
+    text = ("base_model: Qwen/Qwen3-8B\nsequence_len: 2048\nbf16: true\nfsdp_config:\n  reshard_after_forward:\n"
+            "  offload_params: false\nplugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n"
+            "cut_cross_entropy:\n")
+    job = read_job("axolotl", _write(tmp_path, "null.yaml", text), JobOptions(nproc=2))
+    assert (job.engine, job.workload.loss) == ("fsdp_full_shard", "chunked")
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "message"), [
+    ("axolotl", "dup.yaml", "base_model: Qwen/Qwen3-8B\nfsdp_config:\n  fsdp_offload_params: true\n"
+                            "  offload_params: false\n", "fsdp_config gives 'offload_params' twice"),
+    ("axolotl", "both.yaml", "base_model: Qwen/Qwen3-8B\ndeepspeed: zero3.json\nfsdp_config:\n"
+                             "  offload_params: false\n", "both 'deepspeed' and FSDP"),
+    ("swift", "both.sh", "NPROC_PER_NODE=2 swift sft --model Qwen/Qwen3-8B --deepspeed zero3 --fsdp fsdp2\n",
+     "--deepspeed zero3 and --fsdp fsdp2 both choose the sharding"),
+])
+def test_two_shardings_or_spellings_are_refused(tmp_path: Path, tool: str, name: str, text: str,
+                                                message: str) -> None:
+    """DeepSpeed beside FSDP, or an fsdp_config key in both spellings with different values, is refused rather
+    than one silently planned."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_job(tool, _write(tmp_path, name, text), JobOptions(nproc=2))

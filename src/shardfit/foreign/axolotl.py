@@ -14,6 +14,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_settings,
     hf_loss,
     local_file,
     optimizer,
@@ -136,6 +137,9 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     job = ForeignJob("axolotl", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _workload(src, job, version)
     _checkpointing(src, job)
+    if src.get("deepspeed") and (src.get("fsdp") or src.get("fsdp_config")):
+        raise UserError(f"{src.at('deepspeed')}: both 'deepspeed' and FSDP ('fsdp'/'fsdp_config') are set; axolotl "
+                        f"shards with one of them: keep one.")
     if src.get("deepspeed"):
         use_deepspeed(job, str(src.get("deepspeed")), path.parent, src.at("deepspeed"), shape.hidden, job.notes)
     elif fsdp := _fsdp_engine(src):
@@ -217,7 +221,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     precision = "bf16" if bf16 == "auto" or as_bool(bf16) else "fp16" if src.flag("fp16") else "fp32"
     plugins = " ".join(str(p) for p in src.get("plugins") or [])
     # the Cut Cross-Entropy plugin turns its loss on unless `cut_cross_entropy: false` (its default is true)
-    cce = "cut_cross_entropy" in plugins.lower() and src.flag("cut_cross_entropy", True)
+    cce = "cut_cross_entropy" in plugins.lower() and (src.get("cut_cross_entropy") is None
+                                                       or src.flag("cut_cross_entropy"))
     fused = (src.flag("liger_fused_linear_cross_entropy") and "liger" in plugins.lower()) or src.flag(
         "cut_cross_entropy") or cce
     impl = str(src.get("attn_implementation") or "").lower()  # the newer key; the flags above are deprecated
@@ -255,7 +260,7 @@ def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
     """`activation_checkpointing` in `fsdp_config` (axolotl's Llama 4 examples) checkpoints every block through
     accelerate's non-reentrant wrapper, with or without `gradient_checkpointing`."""
     cfg = src.get("fsdp_config") or {}
-    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()} if isinstance(cfg, dict) else {}
+    cfg = fsdp_settings(cfg, src.at("fsdp_config"))
     if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
         job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
         job.reentrant_ckpt = False
@@ -270,7 +275,7 @@ def _fsdp_engine(src: Source) -> str | None:
     if not (fsdp or fsdp_cfg):
         return None
     # axolotl reads `fsdp_config` keys with or without their old `fsdp_` prefix (its examples now omit it)
-    cfg = {str(k).removeprefix("fsdp_"): v for k, v in fsdp_cfg.items()} if isinstance(fsdp_cfg, dict) else {}
+    cfg = fsdp_settings(fsdp_cfg, src.at("fsdp_config"))
     offload = as_bool(cfg.get("offload_params", False)) or "offload" in fsdp
     # FSDP2 keeping the gathered weights from forward to backward is FSDP1's SHARD_GRAD_OP
     grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(cfg.get("sharding_strategy", "")) or \

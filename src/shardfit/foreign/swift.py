@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_settings,
     hf_loss,
     local_file,
     optimizer,
@@ -263,6 +264,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
 
 def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
     """DeepSpeed, DDP under a launcher, or one process split over the visible GPUs (device_map)."""
+    if src.get("deepspeed") and src.get("fsdp"):
+        raise UserError(f"{src.where}: --deepspeed {src.get('deepspeed')} and --fsdp {src.get('fsdp')} both choose "
+                        f"the sharding; the HF Trainer runs one of them: keep one.")
     if src.get("deepspeed"):
         use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, [])
     elif src.get("fsdp"):
@@ -300,8 +304,7 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
     if not isinstance(raw, dict):
         raise UserError(f"{src.where}: --fsdp {ref}: an FSDP JSON holds one object with `fsdp` and `fsdp_config`.")
     options = str(raw.get("fsdp", "full_shard auto_wrap")).split()
-    cfg = raw.get("fsdp_config") if isinstance(raw.get("fsdp_config"), dict) else {}
-    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()}
+    cfg = fsdp_settings(raw.get("fsdp_config"), f"{src.where}: --fsdp {ref}")
     offload = "offload" in options or as_bool(cfg.get("offload_params", False))
     grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
     job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
