@@ -333,3 +333,13 @@ def test_two_shardings_or_spellings_are_refused(tmp_path: Path, tool: str, name:
     than one silently planned."""
     with pytest.raises(UserError, match=re.escape(message)):
         read_job(tool, _write(tmp_path, name, text), JobOptions(nproc=2))
+
+
+def test_swift_split_without_nproc_runs_on_one_process(tmp_path: Path) -> None:
+    """Without NPROC_PER_NODE ms-swift runs one process, which cannot split rows over 2 ranks: refused, naming
+    the option, rather than planned as one GPU holding half of every row."""
+    script = _write(tmp_path, "one.sh", "swift sft --model Qwen/Qwen3-8B --sequence_parallel_size 2 "
+                                        "--max_length 8192\n")
+    with pytest.raises(UserError, match=r"sequence_parallel_size 2: .*1 ranks"):
+        read_job("swift", script, JobOptions())
+    assert read_job("swift", script, JobOptions(nproc=2)).workload.sequence_parallel == 2

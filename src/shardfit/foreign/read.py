@@ -128,8 +128,9 @@ def _check_split(job: ForeignJob, shape_of: Callable[[str], ModelShape]) -> None
     checks: list[tuple[str, int, Callable[[], None]]] = [
         (sp_key, sp, lambda: check_model(sp, facts_of_shape(shape), job.model)),
         (ep_key, ep, lambda: check_ep_model(ep, shape.experts, job.model, every_expert=shape.every_expert))]
-    if job.nproc is not None:
-        world = job.nproc * job.nnodes
+    # ms-swift without NPROC_PER_NODE runs one process; axolotl's YAML does not say how it is launched
+    if job.nproc is not None or job.tool == "swift":
+        world = (job.nproc or 1) * job.nnodes
         checks += [(sp_key, sp, lambda: ParallelDims(world=world, sp=sp).check()),
                    (ep_key, ep, lambda: ParallelDims(world=world, sp=sp, ep=ep).check())]
     for key, n, check in checks:
