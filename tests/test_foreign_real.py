@@ -3,6 +3,7 @@ the readers make of them (found by running their current example configs through
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,13 +51,26 @@ def test_swift_megatron_script_is_named_with_a_plan_of_its_split(tmp_path: Path)
         read_job("swift", script, JobOptions())
     text = str(err.value)
     assert "`megatron sft` is ms-swift's Megatron-LM trainer" in text
-    assert ("shardfit plan --model Qwen/Qwen3-30B-A3B --gpus GPUS --method full --pipeline-parallel 2 "
+    assert ("shardfit plan --model Qwen/Qwen3-30B-A3B --gpus 8xH100 --method full --pipeline-parallel 2 "
             "--expert-parallel 4 --seq 8192 --batch 1") in text
-    assert "tensor and context parallelism" not in text
+    assert "tensor parallelism" not in text
     lora_tp = _write(tmp_path, "tp.sh", "megatron sft --model Qwen/Qwen3-32B --tuner_type lora "
                                         "--tensor_model_parallel_size 4\n")
-    with pytest.raises(UserError, match=r"--method lora .*tensor and context parallelism are not planned"):
+    with pytest.raises(UserError, match=r"--gpus 1xH100 --method lora .*tensor parallelism is not planned"):
         read_job("swift", lora_tp, JobOptions())
+
+
+def test_swift_megatron_suggestion_runs_as_printed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The plan command a `megatron sft` refusal prints runs as printed (no GPUS placeholder plan refuses), with
+    Megatron's context parallelism as shardfit's row split."""
+    script = _write(tmp_path, "cp.sh", "NPROC_PER_NODE=8 megatron sft --model Qwen/Qwen3-30B-A3B --tuner_type lora "
+                                       "--expert_model_parallel_size 4 --context_parallel_size 2 --max_length 8192\n")
+    with pytest.raises(UserError) as err:
+        read_job("swift", script, JobOptions())
+    command = re.search(r"`shardfit (plan [^`]*)`", str(err.value))
+    assert command is not None and "--sequence-parallel 2" in command.group(1)
+    assert main([*command.group(1).split(), "--json"]) in (0, 3)
+    assert "error" not in capsys.readouterr().err
 
 
 def test_swift_script_without_a_trainer_still_says_so(tmp_path: Path) -> None:
@@ -145,6 +159,8 @@ def test_axolotl_attention_and_parallel_sizes(tmp_path: Path, keys: str, attenti
     """axolotl's `attn_implementation` (its deprecated flags' successor), `context_parallel_size` (old name
     `sequence_parallel_degree`) and `expert_parallel_size` reach the plan and the converted config."""
     text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + keys
+    if ep > 1:  # experts to share out
+        text = text.replace("Qwen/Qwen3-8B", "Qwen/Qwen3-30B-A3B")
     job = read_job("axolotl", _write(tmp_path, "par.yaml", text), JobOptions(nproc=8))
     w = job.workload
     assert (w.attention, w.sequence_parallel, w.expert_parallel) == (attention, sp, ep)
@@ -209,3 +225,121 @@ def test_axolotl_fsdp_activation_checkpointing_is_planned(tmp_path: Path, key: s
     job = read_job("axolotl", _write(tmp_path, "ac.yaml", text), JobOptions(nproc=8))
     assert (job.workload.grad_ckpt, job.reentrant_ckpt) == ("full", False)
     assert to_config(job)["grad_ckpt"] == "full"
+
+
+@pytest.mark.parametrize(("model", "keys", "nproc", "message"), [
+    ("Qwen/Qwen3-30B-A3B", "expert_parallel_size: 3\n", 8, r"expert_parallel_size 3: .*128 routed experts"),
+    ("Qwen/Qwen3-30B-A3B", "expert_parallel_size: 256\n", 8, r"expert_parallel_size 256: .*128 routed experts"),
+    ("Qwen/Qwen3-8B", "expert_parallel_size: 2\n", 8, r"expert_parallel_size 2: .*dense model"),
+    ("Qwen/Qwen3-30B-A3B", "expert_parallel_size: 16\n", 8, r"expert_parallel_size 16: .*data-parallel ranks"),
+    ("Qwen/Qwen3-8B", "context_parallel_size: 3\n", None, r"context_parallel_size 3: .*32 attention heads"),
+    ("Qwen/Qwen3-8B", "context_parallel_size: 16\n", 8, r"context_parallel_size 16: .*8 ranks"),
+    ("Qwen/Qwen3-8B", "sequence_parallel_degree: 0\n", 8, r"sequence_parallel_degree 0: a count of ranks"),
+    ("Qwen/Qwen3-8B", "context_parallel_size: 2\nsequence_parallel_degree: 4\n", 8,
+     r"'sequence_parallel_degree' is 4 but 'context_parallel_size' is 2"),
+])
+def test_axolotl_split_the_job_cannot_run_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, model: str,
+                                                  keys: str, nproc: int | None, message: str) -> None:
+    """A split the model or the launch cannot share out evenly (more expert ranks than experts, a dense model,
+    rows over more ranks than launched, a size of 0, an old and a new name that disagree) exits 2 naming the key,
+    as `plan --model` refuses it, rather than planned as if it ran (or a ZeroDivisionError)."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false").replace("Qwen/Qwen3-8B", model) + keys
+    job = _write(tmp_path, "split.yaml", text)
+    nprocs = ["--nproc", str(nproc)] if nproc else []
+    assert main(["plan", "--from", "axolotl", job, "--gpus", "8xH100", *nprocs]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+
+
+def test_axolotl_null_split_sizes_are_axolotl_defaults(tmp_path: Path) -> None:
+    """A YAML `context_parallel_size:` left empty is axolotl's default (no split), not an error."""
+    text = AXOLOTL_FSDP2.format(fsdp="  offload_params: false") + ("context_parallel_size:\n"
+                                                                   "expert_parallel_size:\n")
+    job = read_job("axolotl", _write(tmp_path, "null.yaml", text), JobOptions(nproc=8))
+    assert (job.workload.sequence_parallel, job.workload.expert_parallel) == (1, 1)
+
+
+def test_swift_split_the_model_cannot_share_exits_2(tmp_path: Path) -> None:
+    script = _write(tmp_path, "sp3.sh", "NPROC_PER_NODE=8 swift sft --model Qwen/Qwen3-8B --tuner_type full "
+                                        "--deepspeed zero3 --max_length 32768 --sequence_parallel_size 3\n")
+    with pytest.raises(UserError, match=r"sp3.sh: sequence_parallel_size 3: .*32 attention heads"):
+        read_job("swift", script, JobOptions())
+
+
+@pytest.mark.parametrize(("tool", "name", "text"), [
+    ("swift", "c.sh", "NPROC_PER_NODE=4 swift sft --model Qwen/Qwen3-8B --tuner_type full --fsdp fsdp2 "
+                      "--max_length 4096 --torch_compile true --sequence_parallel_size 2 --dataset train.jsonl\n"),
+    ("axolotl", "c.yaml", "base_model: Qwen/Qwen3-8B\nadapter: lora\nsequence_len: 16384\nbf16: true\n"
+                          "flash_attention: true\ncontext_parallel_size: 4\ntorch_compile: true\n"
+                          "datasets:\n  - path: train.jsonl\n    type: chat_template\n"),
+])
+def test_converted_split_job_is_one_check_accepts(tmp_path: Path, capsys: pytest.CaptureFixture, tool: str,
+                                                  name: str, text: str) -> None:
+    """A split job with torch_compile on, or an axolotl one whose launch says no ranks, converts to a config
+    `shardfit check` accepts on 4 ranks: compile off (shardfit's split runs uncompiled blocks) and a multi-rank
+    strategy, not `compile: true` and `single`, which check refuses."""
+    (tmp_path / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                          '{"role": "assistant", "content": "hello"}]}\n')
+    job = read_job(tool, _write(tmp_path, name, text), JobOptions())
+    cfg = to_config(job)
+    assert cfg["compile"] is False and cfg["strategy"] != "single"
+    out = tmp_path / "converted.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main(["check", str(out), "--gpus", "4xH100", "--nproc", "4"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "message"), [
+    ("swift", "m.sh", "swift sft --model Qwen/Qwen3-8B --tuner_type full --train_type lora\n",
+     "--tuner_type full and --train_type lora"),
+    ("axolotl", "a.yaml", "base_model: Qwen/Qwen3-8B\nadapter: lora\nflash_attention: true\n"
+                          "attn_implementation: eager\n", "'flash_attention: true' and 'attn_implementation: eager'"),
+])
+def test_conflicting_old_and_new_names_are_refused(tmp_path: Path, tool: str, name: str, text: str,
+                                                   message: str) -> None:
+    """Two names of one setting that disagree are refused: which one the tool obeys depends on its version."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_job(tool, _write(tmp_path, name, text), JobOptions())
+
+
+def test_axolotl_torch_compile_auto_is_on(tmp_path: Path) -> None:
+    """axolotl turns `torch_compile: auto` on with any torch 2.5.1 or newer."""
+    job = read_job("axolotl", _write(tmp_path, "tc.yaml", "base_model: Qwen/Qwen3-8B\ntorch_compile: auto\n"),
+                   JobOptions())
+    assert job.workload.compile is True and to_config(job)["compile"] is True
+
+
+def test_axolotl_null_settings_are_axolotl_defaults_not_off(tmp_path: Path) -> None:
+    """A key left empty in YAML is axolotl's default: `reshard_after_forward:` is FSDP's full_shard (not
+    shard_grad_op's gathered weights), and `cut_cross_entropy:` under its plugin is the fused loss."""
+    text = ("base_model: Qwen/Qwen3-8B\nsequence_len: 2048\nbf16: true\nfsdp_config:\n  reshard_after_forward:\n"
+            "  offload_params: false\nplugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n"
+            "cut_cross_entropy:\n")
+    job = read_job("axolotl", _write(tmp_path, "null.yaml", text), JobOptions(nproc=2))
+    assert (job.engine, job.workload.loss) == ("fsdp_full_shard", "chunked")
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "message"), [
+    ("axolotl", "dup.yaml", "base_model: Qwen/Qwen3-8B\nfsdp_config:\n  fsdp_offload_params: true\n"
+                            "  offload_params: false\n", "fsdp_config gives 'offload_params' twice"),
+    ("axolotl", "both.yaml", "base_model: Qwen/Qwen3-8B\ndeepspeed: zero3.json\nfsdp_config:\n"
+                             "  offload_params: false\n", "both 'deepspeed' and FSDP"),
+    ("swift", "both.sh", "NPROC_PER_NODE=2 swift sft --model Qwen/Qwen3-8B --deepspeed zero3 --fsdp fsdp2\n",
+     "--deepspeed zero3 and --fsdp fsdp2 both choose the sharding"),
+])
+def test_two_shardings_or_spellings_are_refused(tmp_path: Path, tool: str, name: str, text: str,
+                                                message: str) -> None:
+    """DeepSpeed beside FSDP, or an fsdp_config key in both spellings with different values, is refused rather
+    than one silently planned."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_job(tool, _write(tmp_path, name, text), JobOptions(nproc=2))
+
+
+def test_swift_split_without_nproc_runs_on_one_process(tmp_path: Path) -> None:
+    """Without NPROC_PER_NODE ms-swift runs one process, which cannot split rows over 2 ranks: refused, naming
+    the option, rather than planned as one GPU holding half of every row."""
+    script = _write(tmp_path, "one.sh", "swift sft --model Qwen/Qwen3-8B --sequence_parallel_size 2 "
+                                        "--max_length 8192\n")
+    with pytest.raises(UserError, match=r"sequence_parallel_size 2: .*1 ranks"):
+        read_job("swift", script, JobOptions())
+    assert read_job("swift", script, JobOptions(nproc=2)).workload.sequence_parallel == 2

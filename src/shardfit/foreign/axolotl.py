@@ -14,6 +14,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_settings,
     hf_loss,
     local_file,
     optimizer,
@@ -40,6 +41,13 @@ from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
+
+
+def _compiled(value: Any, key: str, where: str) -> bool:
+    """`torch_compile`: axolotl turns `auto` on wherever torch is 2.5.1 or newer (every torch shardfit runs on)."""
+    return str(value).strip().lower() == "auto" or flag(value, key, where)
+
+
 # Preference settings, carried over to shardfit's `dpo:` keys where it has one (`_preference`).
 PREFERENCE_KEYS = {"rl_beta", "dpo_beta", "orpo_alpha", "rpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
                    "kto_undesirable_weight", "dpo_label_smoothing", "precompute_ref_log_probs", "dpo_use_weighting",
@@ -53,7 +61,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each axolotl key means to shardfit. Settings that carry over are read as axolotl reads them: a null value
 # leaves axolotl's default.
 KEYS = key_table({
-    "torch_compile": TORCH_COMPILE,
+    "torch_compile": dataclasses.replace(TORCH_COMPILE, read=_compiled),
     "adapter": Key("{method}"), "load_in_4bit": Key("4-bit NF4"), "load_in_8bit": Key("planned as 4-bit"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     # torchao's float8 training through accelerate, as shardfit's `float8` converts the blocks' linear layers
@@ -68,10 +76,11 @@ KEYS = key_table({
     # each of N ranks holds 1/N of every row's tokens (axolotl's ring attention, planned with Ulysses' all-to-alls;
     # `sequence_parallel_degree` is its old name), or 1/N of each block's routed experts
     "context_parallel_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
-                                 read=as_int),
+                                 read=if_set(as_int)),
     "sequence_parallel_degree": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel",
-                                    read=as_int),
-    "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
+                                    read=if_set(as_int)),
+    "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel",
+                                read=if_set(as_int)),
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
@@ -128,6 +137,9 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     job = ForeignJob("axolotl", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _workload(src, job, version)
     _checkpointing(src, job)
+    if src.get("deepspeed") and (src.get("fsdp") or src.get("fsdp_config")):
+        raise UserError(f"{src.at('deepspeed')}: both 'deepspeed' and FSDP ('fsdp'/'fsdp_config') are set; axolotl "
+                        f"shards with one of them: keep one.")
     if src.get("deepspeed"):
         use_deepspeed(job, str(src.get("deepspeed")), path.parent, src.at("deepspeed"), shape.hidden, job.notes)
     elif fsdp := _fsdp_engine(src):
@@ -209,10 +221,12 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     precision = "bf16" if bf16 == "auto" or as_bool(bf16) else "fp16" if src.flag("fp16") else "fp32"
     plugins = " ".join(str(p) for p in src.get("plugins") or [])
     # the Cut Cross-Entropy plugin turns its loss on unless `cut_cross_entropy: false` (its default is true)
-    cce = "cut_cross_entropy" in plugins.lower() and src.flag("cut_cross_entropy", True)
+    cce = "cut_cross_entropy" in plugins.lower() and (src.get("cut_cross_entropy") is None
+                                                       or src.flag("cut_cross_entropy"))
     fused = (src.flag("liger_fused_linear_cross_entropy") and "liger" in plugins.lower()) or src.flag(
         "cut_cross_entropy") or cce
     impl = str(src.get("attn_implementation") or "").lower()  # the newer key; the flags above are deprecated
+    _one_attention(src, impl)
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
@@ -221,6 +235,18 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                         "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
                     quant_backend="bnb",
                     **settings(src, KEYS, "field"))
+
+
+def _one_attention(src: Source, impl: str) -> None:
+    """A UserError when `attn_implementation` and a deprecated attention flag set to true name different kernels
+    (axolotl's version decides which one runs, so neither is planned silently)."""
+    if not impl:
+        return
+    for key, words in (("flash_attention", ("flash",)), ("flex_attention", ("flex",)), ("sdp_attention", ("sdpa",)),
+                       ("eager_attention", ("eager",))):
+        if src.flag(key) and not any(w in impl for w in words):
+            raise UserError(f"{src.at(key)}: '{key}: true' and 'attn_implementation: {impl}' name different "
+                            f"attention kernels; keep attn_implementation and drop {key}.")
 
 
 def _checkpointing(src: Source, job: ForeignJob) -> None:
@@ -234,7 +260,7 @@ def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
     """`activation_checkpointing` in `fsdp_config` (axolotl's Llama 4 examples) checkpoints every block through
     accelerate's non-reentrant wrapper, with or without `gradient_checkpointing`."""
     cfg = src.get("fsdp_config") or {}
-    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()} if isinstance(cfg, dict) else {}
+    cfg = fsdp_settings(cfg, src.at("fsdp_config"))
     if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
         job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
         job.reentrant_ckpt = False
@@ -249,7 +275,7 @@ def _fsdp_engine(src: Source) -> str | None:
     if not (fsdp or fsdp_cfg):
         return None
     # axolotl reads `fsdp_config` keys with or without their old `fsdp_` prefix (its examples now omit it)
-    cfg = {str(k).removeprefix("fsdp_"): v for k, v in fsdp_cfg.items()} if isinstance(fsdp_cfg, dict) else {}
+    cfg = fsdp_settings(fsdp_cfg, src.at("fsdp_config"))
     offload = as_bool(cfg.get("offload_params", False)) or "offload" in fsdp
     # FSDP2 keeping the gathered weights from forward to backward is FSDP1's SHARD_GRAD_OP
     grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(cfg.get("sharding_strategy", "")) or \

@@ -200,3 +200,21 @@ def record(job: ForeignJob, key: str, value: Any, modelled: bool = True, effect:
         job.keys[key] = f"{text} ({effect})" if effect else text
     else:
         job.not_modelled[key] = text
+
+
+def fsdp_settings(cfg: Any, where: str) -> dict[str, Any]:
+    """An `fsdp_config` mapping by its keys without the old `fsdp_` prefix (accelerate and axolotl read both).
+    A null value is the tool's default, so it is left out; both spellings of one key with different values are a
+    UserError (which one wins depends on the tool's version)."""
+    if not isinstance(cfg, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        name = str(key).removeprefix("fsdp_")
+        if value is None:
+            continue
+        if name in out and out[name] != value:
+            raise UserError(f"{where}: fsdp_config gives '{name}' twice ({out[name]!r}, and {value!r} as '{key}'); "
+                            f"keep one spelling.")
+        out[name] = value
+    return out

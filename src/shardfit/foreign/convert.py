@@ -33,6 +33,13 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     cfg.update(extra)
     if cfg.get("sequence_parallel", 1) > 1:  # shardfit's Ulysses runs its own attention around SDPA
         cfg["attn_implementation"] = "auto"
+    if _splits(cfg):
+        # shardfit's sequence and expert parallelism run uncompiled blocks, on several ranks: a launch that does
+        # not say its ranks (axolotl's) would otherwise convert as `single`, which check refuses with a split
+        if cfg.get("compile") is True:
+            cfg["compile"] = False
+        if cfg["strategy"] == "single":
+            cfg["strategy"] = "auto"
     if job.engine == "device_map":
         cfg["device_map"] = "auto"
     return cfg
@@ -42,6 +49,11 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
     """What the YAML's header says: the source, and everything not carried over."""
     out = [f"converted by shardfit from {job.tool}: {job.source}",
            f"{job.describe_engine()} -> strategy: {cfg['strategy']}"]
+    if _splits(cfg) and job.convert.get("compile") is True:
+        out.append("compile: false: shardfit's sequence and expert parallelism run uncompiled blocks")
+    if _splits(cfg) and job.strategy == "single":
+        out.append("strategy: auto: the job splits over ranks its launch does not say; run it with "
+                   "shardfit train --nproc N")
     if not job.data:
         out.append("data: no local file found in the job; replace data/train.jsonl with your data")
     if job.device_map and job.distributed:
@@ -63,6 +75,11 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
     if job.not_modelled:
         out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))
     return out
+
+
+def _splits(cfg: dict[str, Any]) -> bool:
+    """Whether the config splits each row or each block's experts over ranks."""
+    return cfg.get("sequence_parallel", 1) > 1 or cfg.get("expert_parallel", 1) > 1
 
 
 def _reference_way(cfg: dict[str, Any]) -> str:

@@ -130,12 +130,24 @@ def settings(src: Source, table: Table, kind: str, **defaults: Any) -> dict[str,
         read = table[key].read or _as_given
         if given is not None:
             value = read(src.get(given), given, src.at(given))
+            _same(src, table, keys, given, value)
         else:
             default = defaults.get(name, table[key].default)
             value = None if default is None else read(default, key, src.at(key))
         if value is not None:
             _put(out, name, value)
     return out
+
+
+def _same(src: Source, table: Table, keys: list[str], given: str, value: Any) -> None:
+    """A UserError when the job gives two names of one setting (a key and its old name) that disagree: which one
+    the tool obeys depends on its version, so neither is planned silently."""
+    for other in keys:
+        if other != given and other in src:
+            theirs = (table[other].read or _as_given)(src.get(other), other, src.at(other))
+            if None not in (value, theirs) and theirs != value:
+                raise UserError(f"{src.at(other)}: '{other}' is {src.get(other)!r} but '{given}' is "
+                                f"{src.get(given)!r}; they set the same thing: keep one of them.")
 
 
 def _as_given(value: Any, key: str, where: str) -> Any:

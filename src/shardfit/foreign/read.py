@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from shardfit.errors import UserError
@@ -22,6 +23,13 @@ from shardfit.foreign.llamafactory import read_llamafactory
 from shardfit.foreign.swift import read_swift
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
+from shardfit.resolve.dims import ParallelDims
+from shardfit.resolve.experts_rules import check_ep_model
+from shardfit.resolve.sequence import check_model, facts_of_shape
+
+# The tools' keys that split each row over ranks, and that share each block's experts over them.
+SEQUENCE_KEYS = ("sequence_parallel_size", "context_parallel_size", "sequence_parallel_degree")
+EXPERT_KEYS = ("expert_parallel_size",)
 
 
 @dataclasses.dataclass
@@ -72,6 +80,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         job.model = opts.model
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    _check_split(job, shape_of)
     job.notes.append(f"loss as transformers {version} computes it" +
                      (" (fused kernel: no full logits)" if job.workload.loss == "chunked" else ""))
     return job
@@ -102,3 +111,31 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
     if assumed:  # no optimizer section: the script's optimizer steps, planned as the HF Trainer's default
         job.notes.append(assumed)
     return job
+
+
+def _check_split(job: ForeignJob, shape_of: Callable[[str], ModelShape]) -> None:
+    """A job's sequence or expert parallel size against its model (heads and experts that share out) and, when the
+    launch says them, its ranks: a UserError naming the tool's key, as `plan --model` refuses the same split."""
+    sp, ep = job.workload.sequence_parallel, job.workload.expert_parallel
+    sp_key = next((k for k in SEQUENCE_KEYS if k in job.keys), "sequence parallel size")
+    ep_key = next((k for k in EXPERT_KEYS if k in job.keys), "expert parallel size")
+    for key, n in ((sp_key, sp), (ep_key, ep)):
+        if n < 1:
+            raise UserError(f"{job.source}: {key} {n}: a count of ranks, at least 1 (1: no split).")
+    if sp == 1 and ep == 1:
+        return
+    shape = shape_of(job.model)
+    checks: list[tuple[str, int, Callable[[], None]]] = [
+        (sp_key, sp, lambda: check_model(sp, facts_of_shape(shape), job.model)),
+        (ep_key, ep, lambda: check_ep_model(ep, shape.experts, job.model, every_expert=shape.every_expert))]
+    # ms-swift without NPROC_PER_NODE runs one process; axolotl's YAML does not say how it is launched
+    if job.nproc is not None or job.tool == "swift":
+        world = (job.nproc or 1) * job.nnodes
+        checks += [(sp_key, sp, lambda: ParallelDims(world=world, sp=sp).check()),
+                   (ep_key, ep, lambda: ParallelDims(world=world, sp=sp, ep=ep).check())]
+    for key, n, check in checks:
+        if n > 1:
+            try:
+                check()
+            except UserError as e:
+                raise UserError(f"{job.source}: {key} {n}: {e}") from None

@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_settings,
     hf_loss,
     local_file,
     optimizer,
@@ -160,19 +161,22 @@ def _refuse_megatron(path: Path) -> None:
         src, cmd = command_source(path, ("megatron sft", "megatron pt", "megatron rlhf"))
     except UserError:
         return
+    # Megatron's context parallelism splits each row over ranks: planned as shardfit's (Ulysses) row split
     split = {"tensor_model_parallel_size": "", "pipeline_model_parallel_size": " --pipeline-parallel ",
-             "expert_model_parallel_size": " --expert-parallel ", "context_parallel_size": ""}
+             "expert_model_parallel_size": " --expert-parallel ", "context_parallel_size": " --sequence-parallel "}
     given = [f"--{k} {src.get(k)}" for k in split if k in src]
     flags = "".join(f"{flag}{src.get(k)}" for k, flag in split.items() if flag and k in src)
     model = src.get("model", "MODEL")
     method = "lora" if src.get("tuner_type", "full").startswith("lora") else "full"  # Megatron's default: full
     unplanned = any(k in src and src.get(k) != "1" for k, flag in split.items() if not flag)
     seq, batch = src.get("max_length", "2048"), src.get("micro_batch_size", "1")
+    # the launch's ranks, on a card the script does not name (said in the message), so the command runs as printed
+    gpus = f"{cmd.nproc or 1}xH100" + (f" --nodes {cmd.nnodes}" if cmd.nnodes > 1 else "")
     raise UserError(f"{src.where}: `{cmd.program}` is ms-swift's Megatron-LM trainer"
                     f"{' (' + ', '.join(given) + ')' if given else ''}, which --from swift does not read (it reads "
                     f"`swift sft|pt|rlhf`, the HF Trainer). Plan the split with `shardfit plan --model {model} --gpus "
-                    f"GPUS --method {method}{flags} --seq {seq} --batch {batch}`"
-                    f"{' (tensor and context parallelism are not planned)' if unplanned else ''}, or "
+                    f"{gpus} --method {method}{flags} --seq {seq} --batch {batch}` (H100: name your card)"
+                    f"{'; tensor parallelism is not planned' if unplanned else ''}, or "
                     f"give the job's `swift sft` form.")
 
 
@@ -224,8 +228,13 @@ def _preference(src: Source, program: str, job: ForeignJob) -> Preference:
 
 def _method(src: Source, job: ForeignJob) -> str:
     """`--tuner_type` (ms-swift 4's name; `--train_type` and `--sft_type` before it), LoRA by default."""
-    key = next((k for k in ("tuner_type", "train_type", "sft_type") if k in src), "tuner_type")
+    names = [k for k in ("tuner_type", "train_type", "sft_type") if k in src]
+    key = names[0] if names else "tuner_type"
     train_type = src.get(key, "lora").lower()
+    for other in names[1:]:  # old and new names that disagree: which one wins depends on ms-swift's version
+        if src.get(other).lower() != train_type:
+            raise UserError(f"{src.where}: --{key} {train_type} and --{other} {src.get(other)} both name the "
+                            f"method; keep one (--tuner_type in ms-swift 4).")
     method = METHODS.get(train_type)
     if method is None:
         raise UserError(f"{src.where}: --{key} {train_type}: shardfit plans lora and full (and LoRA variants).")
@@ -255,6 +264,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
 
 def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
     """DeepSpeed, DDP under a launcher, or one process split over the visible GPUs (device_map)."""
+    if src.get("deepspeed") and src.get("fsdp"):
+        raise UserError(f"{src.where}: --deepspeed {src.get('deepspeed')} and --fsdp {src.get('fsdp')} both choose "
+                        f"the sharding; the HF Trainer runs one of them: keep one.")
     if src.get("deepspeed"):
         use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, [])
     elif src.get("fsdp"):
@@ -292,8 +304,7 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
     if not isinstance(raw, dict):
         raise UserError(f"{src.where}: --fsdp {ref}: an FSDP JSON holds one object with `fsdp` and `fsdp_config`.")
     options = str(raw.get("fsdp", "full_shard auto_wrap")).split()
-    cfg = raw.get("fsdp_config") if isinstance(raw.get("fsdp_config"), dict) else {}
-    cfg = {str(k).removeprefix("fsdp_"): v for k, v in cfg.items()}
+    cfg = fsdp_settings(raw.get("fsdp_config"), f"{src.where}: --fsdp {ref}")
     offload = "offload" in options or as_bool(cfg.get("offload_params", False))
     grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
     job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
