@@ -22,6 +22,10 @@ from shardfit.plan.attention_layout import block_counts, text_of
 # language model from text_config, without the tower the file describes.
 TEXT_ONLY_CAUSAL_TYPES = ("mllama", "llama4", "qwen3_5", "qwen3_5_moe", "dots3_note", "qwen4_exp")
 
+# Loaded configs (their model_type) whose class has no tied weights: MllamaForCausalLM builds its head apart from
+# its embedding whatever tie_word_embeddings says.
+NEVER_TIED_TYPES = ("mllama_text_model",)
+
 
 def loads_text_only(model_type: Any) -> bool:
     """Whether the rank loads a config of `model_type` as its text model only (TEXT_ONLY_CAUSAL_TYPES)."""
@@ -39,7 +43,9 @@ def rank_config(built: Any) -> Any:
 def tied_of_config(config: Any) -> bool:
     """Whether the model built from `config` (the loaded model's config, `rank_config`) ties its head to its
     embedding: the config's own setting, which transformers ties a multimodal model by whatever its text_config
-    says; a config without one (some composites) defers to its text model's."""
+    says; a config without one (some composites) defers to its text model's. NEVER_TIED_TYPES: never."""
+    if getattr(config, "model_type", None) in NEVER_TIED_TYPES:
+        return False
     return bool(getattr(config, "tie_word_embeddings", getattr(text_of(config), "tie_word_embeddings", False)))
 
 
