@@ -164,3 +164,11 @@ def test_a_vision_language_head_is_tied_as_its_top_level_config_says(tmp_path: P
     untied_top = CONFIG_MAPPING["qwen3_vl_moe"]()
     assert not pipelines.facts_of_config(untied_top).tied
     assert not shape_from_config(untied_top.to_dict(), "qwen3_vl_moe").tied
+
+
+def test_a_block_of_zero_heads_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A per_layer_config block of 0 heads: the block-head reading dropped it and `plan` exited 0; now exit 2
+    names the block's key."""
+    folder = _written({**QWEN3, "per_layer_config": {"3": {"num_attention_heads": 0}}}, tmp_path)
+    code, err = _plan(folder, capsys)
+    assert code == 2 and "per_layer_config[3].num_attention_heads is 0" in err and "Traceback" not in err

@@ -260,11 +260,21 @@ def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
     return 2 * shape.hd if model_type in QK_NORM_PER_HEAD_TYPES else 0
 
 
-def block_heads_of(built: Any) -> tuple[int, ...]:
+def block_heads_of(built: Any, name: str) -> tuple[int, ...]:
     """The attention heads of a per-layer config's blocks where they differ, largest first, as the rank reads them
     from the same class (resolve/sequence.py `facts_of_config`); () where every block has the same count or no class
-    is at hand (`built` None)."""
-    return () if built is None else distinct_block_heads(built)
+    is at hand (`built` None). A UserError naming the block's key where a block's heads are not a count (the rank's
+    reading would drop it, and the model cannot be built)."""
+    if built is None:
+        return ()
+    text = text_of(built)
+    if "num_attention_heads" in (getattr(text, "per_layer_attributes", None) or ()):
+        for i, block in enumerate(text.per_layer_config):
+            heads = getattr(block, "num_attention_heads", None)
+            if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+                raise UserError(f"{name}: config.json's per_layer_config[{i}].num_attention_heads is {heads!r}; it "
+                                f"must be a positive integer (or remove the key to keep the global count).")
+    return distinct_block_heads(built)
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
@@ -330,7 +340,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_groups=groups_of(attention, text, built, bool(deltanet)),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built),
+            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
             **deltanet)
         text_only = loads_text_only(cfg.get("model_type"))  # the rank loads no tower the file describes
         vision, audio = (None, None) if text_only else (vision_shape_of(cfg), audio_shape_of(cfg))
