@@ -375,8 +375,7 @@ def test_auto_never_splits_the_rows_of_a_sliding_window_model(model: str, seq: i
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """One row of `seq` tokens fits no strategy on a 24 GB card; split over ranks it would (the same job read as
     full attention splits its rows), but the rank refuses to split (or cut) a model with sliding windows or
-    chunks: auto stops with exit 3, not with a split the rank then refuses. (Llama 4's vision tower, which both
-    sides refuse as well, is set aside with the attention.)"""
+    chunks: auto stops with exit 3, not with a split the rank then refuses."""
     from shardfit.resolve import decide, pipeline_choice, sequence
     from shardfit.resolve import pipeline as pipelines
 
@@ -386,9 +385,9 @@ def test_auto_never_splits_the_rows_of_a_sliding_window_model(model: str, seq: i
         resolve_job(cfg, RTX, GPU, nproc=8)
     seq_facts, stage_facts = sequence.facts_of_shape, pipelines.facts_of_shape
     monkeypatch.setattr(decide, "facts_of_shape",
-                        lambda s: dataclasses.replace(seq_facts(s), partial_attention=False, multimodal=False))
+                        lambda s: dataclasses.replace(seq_facts(s), partial_attention=False))
     monkeypatch.setattr(pipeline_choice, "facts_of_shape",
-                        lambda s: dataclasses.replace(stage_facts(s), partial_attention=False, multimodal=False))
+                        lambda s: dataclasses.replace(stage_facts(s), partial_attention=False))
     job, _ = resolve_job(cfg, RTX, GPU, nproc=8)
     assert job.sequence_parallel > 1 or job.pipeline_parallel > 1
 

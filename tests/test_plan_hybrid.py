@@ -7,17 +7,19 @@ import dataclasses
 import json
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from shardfit import kernels, strategy
 from shardfit.cli.main import main
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora
+from shardfit.models.build import meta_model
 from shardfit.plan.cards import card_of
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import (
@@ -73,12 +75,12 @@ def _written_default(model_type: str, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("model_type", HYBRIDS)
 def test_default_hybrid_configs_count_the_built_model(model_type: str, tmp_path: Path) -> None:
-    """Before: every block counted as plain attention (Qwen3.5's default 8.79B against 9.41B built)."""
+    """Before: every block counted as plain attention (Qwen3.5's default 8.79B against 9.41B built). The model is
+    the one the rank builds (models/build.py `meta_model`): Qwen3.5's composites load text-only, without the tower."""
     shape = resolve_shape(str(_written_default(model_type, tmp_path)))
     config = CONFIG_MAPPING[model_type]()
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config) if hasattr(config, "vision_config") else \
-            AutoModelForCausalLM.from_config(config)
+    model = meta_model(config, torch.bfloat16, SimpleNamespace(model=model_type, trust_remote_code=False,
+                                                               attn_implementation="auto"))
     built = sum(p.numel() for p in model.parameters())
     towers = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
     assert shape.linear_layers == 3 * shape.layers // 4

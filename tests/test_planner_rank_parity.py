@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForImageTextToText
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from shardfit.cli.main import main
 from shardfit.errors import UserError
@@ -19,11 +19,17 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve import sequence
 
-# A Qwen3 whose fourth block keeps 8 of the 16 heads (a NAS-pruned model): transformers builds it, and the rank
-# reads the heads every block divides by.
-PRUNED_QWEN3 = dict(model_type="qwen3", num_hidden_layers=8, hidden_size=1024, intermediate_size=3072,
-                    num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
-                    per_layer_config={"3": {"num_attention_heads": 8, "num_key_value_heads": 2}})
+# dots.3's text model (Dots3NoteForCausalLM), cut small: its sliding-window blocks keep 4 of the 8 heads, stated
+# by the published swa_* keys that its class folds into per_layer_config; its attention reads each block's own.
+SLIDING = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, head_dim=32,
+               qk_nope_head_dim=16, v_head_dim=16)
+DOTS3_TEXT = dict(model_type="dots3_note_text", num_hidden_layers=4, hidden_size=256, intermediate_size=128,
+                  moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=8,
+                  num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                  v_head_dim=16, head_dim=32, index_n_heads=2, index_head_dim=16, index_topk=8, vocab_size=1000,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, **{f"swa_{k}": v for k, v in SLIDING.items()})
+QWEN3 = dict(model_type="qwen3", num_hidden_layers=8, hidden_size=1024, intermediate_size=3072,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)
 
 # Mistral Small 3.1's config.json as published (mistral3: a Pixtral tower beside a Mistral decoder), its
 # decoder cut to 4 blocks.
@@ -69,28 +75,35 @@ def _verdicts(facts_sp: sequence.DecoderFacts, facts_pp: pipelines.StageFacts) -
     return out[0], out[1]
 
 
-def test_per_layer_heads_are_read_as_the_rank_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Before: the planner read the global 16 heads and planned --sequence-parallel 16 (exit 0), which the rank
-    refused after loading, saying the model 'has 8 attention heads'. Now both read the blocks' 16 and 8, refuse 16
-    with the same words, and allow 8."""
-    folder = _written(PRUNED_QWEN3, tmp_path)
+def test_per_layer_heads_are_read_as_the_rank_reads_them(tmp_path: Path) -> None:
+    """A family whose class builds each block's heads from per_layer_config (built here on the meta device: 8, 8,
+    4, 4 heads): the planner reads the blocks' 16 and 8 as the rank reads its built model's config, and both name
+    the heads every block divides by. (The earlier fixture, a Qwen3 with one block's heads pruned, cannot be built:
+    Qwen3's attention reads the global count, which transformers refuses to give for a per-layer attribute.)"""
+    folder = _written(DOTS3_TEXT, tmp_path)
+    built = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(built)
+    assert [block.self_attn.num_heads for block in model.model.layers] == [8, 8, 4, 4]
     shape = resolve_shape(str(folder))
-    rank = sequence.facts_of_config(AutoConfig.from_pretrained(folder))
-    planner = sequence.facts_of_shape(shape)
-    assert shape.block_heads == (16, 8) and shape.heads == 16
-    assert (planner.heads, planner.block_heads) == (rank.heads, rank.block_heads) == (8, (16, 8))
-    for facts in (planner, rank):
-        with pytest.raises(UserError, match=r"blocks' attention heads \(16 and 8\) share only 8, which 16 ranks"):
-            sequence.check_model(16, facts, "m")
-        sequence.check_model(8, facts, "m")
-    code, err = _plan(folder, capsys, "--sequence-parallel", "16")
-    assert code == 2 and "(16 and 8) share only 8" in err and "Traceback" not in err
-    assert _plan(folder, capsys, "--sequence-parallel", "8")[0] == 0
+    planner, rank = sequence.facts_of_shape(shape), sequence.facts_of_config(model.config)
+    assert shape.block_heads == (8, 4) and shape.heads == 8
+    assert (planner.heads, planner.block_heads) == (rank.heads, rank.block_heads) == (4, (8, 4))
+    assert _verdicts(planner, pipelines.facts_of_shape(shape)) == \
+        _verdicts(rank, pipelines.facts_of_config(model.config))
+
+
+def test_the_heads_message_names_every_blocks_count() -> None:
+    """Blocks of different head counts: the refusal names them all and the count they share."""
+    facts = sequence.DecoderFacts(heads=8, kv_heads=2, experts=False, multimodal=False, block_heads=(16, 8))
+    with pytest.raises(UserError, match=r"blocks' attention heads \(16 and 8\) share only 8, which 16 ranks"):
+        sequence.check_model(16, facts, "m")
+    sequence.check_model(8, facts, "m")
 
 
 def test_blocks_of_one_head_count_keep_the_plain_message() -> None:
-    """A config whose blocks agree (no per_layer_config, or one that leaves the heads alone) names one count."""
-    shape = shape_from_config({**PRUNED_QWEN3, "per_layer_config": {"3": {"num_key_value_heads": 2}}}, "m")
+    """A config whose blocks agree names one count."""
+    shape = shape_from_config(QWEN3, "m")
     assert shape.block_heads == ()
     with pytest.raises(UserError, match=r"m has 16 attention heads, which 32 ranks"):
         sequence.check_model(32, sequence.facts_of_shape(shape), "m")
@@ -115,10 +128,10 @@ def test_a_published_mistral3_config_is_refused_before_loading(flag: str, tmp_pa
 
 # Vision-language families this transformers builds from their class defaults: LLaVA-style (a CLIP or SigLIP
 # tower and a projector), Mistral 3, InternVL and Molmo 2 (image sizes as [height, width]), Idefics 3, PaliGemma,
-# GLM-4V (a `depth` tower that is not Qwen's), Gemma 3 (soft tokens), Qwen3.5 (recurrent blocks beside a tower),
-# and the Qwen-VL towers the rules split.
+# GLM-4V (a `depth` tower that is not Qwen's), Gemma 3 (soft tokens), and the Qwen-VL towers the rules split.
+# (Qwen3.5's tower is not loaded by the rank: tests/test_loaded_config.py.)
 VL_TYPES = ["mistral3", "llava", "llava_next", "llava_onevision", "internvl", "molmo2", "idefics3", "paligemma",
-            "glm4v", "gemma3", "qwen3_5", "aya_vision", "qwen2_vl", "qwen2_5_vl"]
+            "glm4v", "gemma3", "aya_vision", "qwen2_vl", "qwen2_5_vl"]
 
 
 @pytest.mark.parametrize("model_type", VL_TYPES)
@@ -151,3 +164,11 @@ def test_a_vision_language_head_is_tied_as_its_top_level_config_says(tmp_path: P
     untied_top = CONFIG_MAPPING["qwen3_vl_moe"]()
     assert not pipelines.facts_of_config(untied_top).tied
     assert not shape_from_config(untied_top.to_dict(), "qwen3_vl_moe").tied
+
+
+def test_a_block_of_zero_heads_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A per_layer_config block of 0 heads: the block-head reading dropped it and `plan` exited 0; now exit 2
+    names the block's key."""
+    folder = _written({**QWEN3, "per_layer_config": {"3": {"num_attention_heads": 0}}}, tmp_path)
+    code, err = _plan(folder, capsys)
+    assert code == 2 and "per_layer_config[3].num_attention_heads is 0" in err and "Traceback" not in err

@@ -24,13 +24,13 @@ from shardfit.plan.attention_layout import (
     CHUNK,
     FLASH_UNWINDOWED_TYPES,
     AttentionLayout,
-    block_counts,
     layout_of,
     odd_setting,
     runs_eager,
     text_of,
 )
 from shardfit.plan.audio import AudioShape, audio_shape_of
+from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
 from shardfit.plan.token_mixers import block_groups
@@ -104,13 +104,14 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def tied_of(cfg: dict[str, Any], text: dict[str, Any], built: Any = None) -> bool:
     """Whether the head shares the embedding. Qwen-Omni: the thinker's own setting decides (its head is untied
-    whatever its text config says). Any other model: the setting of its config class `built` (the file's, its
-    defaults filling what the file leaves out), whose top level decides for a multimodal model whatever its
-    text_config says, as transformers ties the model it builds (resolve/pipeline.py `facts_of_config` reads the
-    loaded model's alike). Without a class (a model_type this transformers does not know), a config without the key
+    whatever its text config says). Any other model: the setting of the config the rank builds its model from
+    (plan/loaded_config.py `rank_config` of its config class `built`, the file's keys with the class's defaults
+    filling what the file leaves out): a multimodal model's top level whatever its text_config says, a text-only
+    load's text_config (resolve/pipeline.py `facts_of_config` reads the loaded model's by the same rule). Without a
+    class (a model_type this transformers does not know), a config without the key
     is read as its family's default: tied for Gemma and GPT-Neo, untied for the rest."""
     if built is not None and cfg.get("thinker_config") is None:
-        return bool(getattr(built, "tie_word_embeddings", getattr(text_of(built), "tie_word_embeddings", False)))
+        return tied_of_config(rank_config(built))
     model_type = str(cfg.get("model_type", ""))
     default = model_type.startswith("gemma") or model_type in TIED_BY_DEFAULT_TYPES
     return bool(cfg.get("tie_word_embeddings", (cfg.get("thinker_config") or {}).get(
@@ -267,14 +268,21 @@ def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
     return 2 * shape.hd if model_type in QK_NORM_PER_HEAD_TYPES else 0
 
 
-def block_heads_of(built: Any) -> tuple[int, ...]:
+def block_heads_of(built: Any, name: str) -> tuple[int, ...]:
     """The attention heads of a per-layer config's blocks where they differ, largest first, as the rank reads them
     from the same class (resolve/sequence.py `facts_of_config`); () where every block has the same count or no class
-    is at hand (`built` None)."""
+    is at hand (`built` None). A UserError naming the block's key where a block's heads are not a count (the rank's
+    reading would drop it, and the model cannot be built)."""
     if built is None:
         return ()
-    counts = sorted(set(block_counts(text_of(built), "num_attention_heads")), reverse=True)
-    return tuple(counts) if len(counts) > 1 else ()
+    text = text_of(built)
+    if "num_attention_heads" in (getattr(text, "per_layer_attributes", None) or ()):
+        for i, block in enumerate(text.per_layer_config):
+            heads = getattr(block, "num_attention_heads", None)
+            if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+                raise UserError(f"{name}: config.json's per_layer_config[{i}].num_attention_heads is {heads!r}; it "
+                                f"must be a positive integer (or remove the key to keep the global count).")
+    return distinct_block_heads(built)
 
 
 def mla_of(text: dict[str, Any]) -> MLA | None:
@@ -351,22 +359,24 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
             eager_only=runs_eager(model_type, "sdpa"), flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
-            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built),
+            shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
             **deltanet)
-        vision, audio = vision_shape_of(cfg), audio_shape_of(cfg)
-        tower = has_tower(built if built is not None else SimpleNamespace(**cfg))
+        text_only = loads_text_only(cfg.get("model_type"))  # the rank loads no tower the file describes
+        vision, audio = (None, None) if text_only else (vision_shape_of(cfg), audio_shape_of(cfg))
+        tower = not text_only and has_tower(rank_config(built) if built is not None else SimpleNamespace(**cfg))
     except KeyError as e:
         raise UserError(f"{name}: config.json has no {e}; shardfit plans decoder-only transformers.") from None
     except (TypeError, ValueError) as e:
         raise UserError(f"{name}: config.json has a size that is not a number ({e}).") from None
     _require_counts(name, dataclasses.asdict(shape), ("intermediate", "kv_heads", "vocab", "experts", "top_k"))
-    towers = tower_params(vision, audio) if vision is not None or audio is not None else other_tower_params(cfg)
+    towers = tower_params(vision, audio) if vision is not None or audio is not None else \
+        (0 if text_only else other_tower_params(cfg))
     if vision is not None and is_qwen3_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
     elif vision is not None and is_qwen3_5_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
         towers = qwen3_5_tower_params(cfg, vision)
-    soft_tower = soft_token_tower_of(cfg)
+    soft_tower = None if text_only else soft_token_tower_of(cfg)
     return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
                                qk_norm=qk_norm_of(shape, model_type),
                                other_tower=tower and vision is None and audio is None and soft_tower is None)

@@ -20,6 +20,7 @@ from shardfit import objective as objectives
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan.attention_layout import count_of, refusal
+from shardfit.plan.loaded_config import tied_of_config
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.pipeline import PipelinePlan, plan_pipeline
 from shardfit.plan.plan import Plan
@@ -184,11 +185,11 @@ def facts_of_shape(shape: ModelShape) -> StageFacts:
 
 
 def facts_of_config(config: Any) -> StageFacts:
-    """A built model's (transformers) config as the rules read it: the head is tied where the config's top level
-    says so (transformers ties a multimodal model's head by it, whatever its text_config says)."""
+    """A built model's (transformers) config as the rules read it: the head tied by the planner's rule for the
+    config the rank builds (plan/loaded_config.py `tied_of_config`)."""
     d = decoder_facts(config)
     text = getattr(config, "text_config", None) or config
-    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    tied = tied_of_config(config)
     return StageFacts(layers=count_of(getattr(text, "num_hidden_layers", 0)), tied=tied, experts=d.experts,
                       multimodal=d.multimodal, partial_attention=d.partial_attention, attention_kinds=d.attention_kinds,
                       staged_tower=getattr(config, "model_type", None) in PP_VISION_TYPES)

@@ -19,6 +19,7 @@ from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan import attention_layout as attention
+from shardfit.plan.loaded_config import distinct_block_heads
 from shardfit.plan.media import has_tower
 from shardfit.plan.model_shape import ModelShape
 
@@ -129,7 +130,6 @@ def facts_of_config(config: Any) -> DecoderFacts:
     text = attention.text_of(config)
     layout = attention.layout_of(config)
     heads = attention.common_count(text, "num_attention_heads")
-    counts = sorted(set(attention.block_counts(text, "num_attention_heads")), reverse=True)
     experts = max((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
                    for n in attention.block_counts(text, k)), default=0)
     return DecoderFacts(heads=heads, kv_heads=attention.common_count(text, "num_key_value_heads") or heads,
@@ -137,7 +137,7 @@ def facts_of_config(config: Any) -> DecoderFacts:
                         multimodal=has_tower(config), partial_attention=layout.partial, attention_kinds=layout.kinds,
                         latent_attention=bool(attention.block_counts(text, "kv_lora_rank")),
                         split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES,
-                        block_heads=tuple(counts) if len(counts) > 1 else ())
+                        block_heads=distinct_block_heads(config))
 
 
 def check_balancing(n: int, whole_row: bool, model: str) -> None:
