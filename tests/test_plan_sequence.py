@@ -63,3 +63,11 @@ def test_plan_flag_splits_a_mixture_and_refuses_what_the_kernel_cannot_do(
         assert main(["plan", "--model", model, "--gpus", "8xH100", "--sequence-parallel", "2"]) == 2
         err = capsys.readouterr().err
         assert why in err and "sequence_parallel: 1" in err and "Traceback" not in err
+
+
+def test_plan_flag_refuses_a_split_over_more_gpus_than_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    """A row split over 16 GPUs cannot run on 8, as train refuses it: the plan said nothing and planned the rows
+    whole."""
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--sequence-parallel", "16"]) == 2
+    assert "sequence_parallel: 16 does not divide the job's 8 ranks" in capsys.readouterr().err
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--sequence-parallel", "8"]) == 0

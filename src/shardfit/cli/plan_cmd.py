@@ -580,7 +580,7 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
         check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
         check_ep_method(w.expert_parallel, w.method)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
-    if w.expert_parallel > 1:  # the expert groups fit in the planned GPUs' data ranks
+    if w.expert_parallel > 1 or w.sequence_parallel > 1:  # the splits fit in the planned GPUs' ranks
         from shardfit.resolve.dims import ParallelDims
 
         ParallelDims(world=hw.world, sp=w.sequence_parallel, ep=w.expert_parallel).check()
