@@ -71,3 +71,14 @@ def test_plan_flag_refuses_a_split_over_more_gpus_than_planned(capsys: pytest.Ca
     assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--sequence-parallel", "16"]) == 2
     assert "sequence_parallel: 16 does not divide the job's 8 ranks" in capsys.readouterr().err
     assert main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--sequence-parallel", "8"]) == 0
+
+
+@pytest.mark.parametrize("flags", [["--model", "meta-llama/Llama-3.1-8B", "--sequence-parallel", "2"],
+                                   ["--model", "Qwen/Qwen3-30B-A3B", "--expert-parallel", "8"]])
+def test_plan_flag_refuses_a_split_under_a_preference_objective(flags: list[str],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Train refuses a sequence or expert split under DPO (the rule `check_layout` and the experts' rules apply);
+    the plan gives the same refusal instead of planning the split."""
+    assert main(["plan", *flags, "--gpus", "8xH100", "--objective", "dpo"]) == 2
+    assert "trains objective sft only in this version" in capsys.readouterr().err
+    assert main(["plan", *flags, "--gpus", "8xH100"]) == 0

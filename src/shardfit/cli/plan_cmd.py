@@ -571,14 +571,16 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
         raise UserError("plan needs a CONFIG.yaml or --model ID_OR_PATH (e.g. --model meta-llama/Llama-3.1-8B).")
     w = with_flags(w, args)
     if w.sequence_parallel > 1:  # heads that share out, a text model with full attention
-        from shardfit.resolve.sequence import check_model, facts_of_shape
+        from shardfit.resolve.sequence import check_model, check_objective, facts_of_shape
 
         check_model(w.sequence_parallel, facts_of_shape(shape), source)
+        check_objective(w.sequence_parallel, w.objective)
     if w.expert_parallel > 1:  # experts that share out
-        from shardfit.resolve.experts_rules import check_ep_method, check_ep_model
+        from shardfit.resolve.experts_rules import check_ep_method, check_ep_model, check_ep_objective
 
         check_ep_model(w.expert_parallel, shape.experts, source, every_expert=shape.every_expert)
         check_ep_method(w.expert_parallel, w.method)
+        check_ep_objective(w.expert_parallel, w.objective)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
     if w.expert_parallel > 1 or w.sequence_parallel > 1:  # the splits fit in the planned GPUs' ranks
         from shardfit.resolve.dims import ParallelDims

@@ -47,8 +47,7 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
                         f"not combine the two (the tokens a rank sends to the experts' ranks would be its slice's, "
                         f"untested here); set sequence_parallel: 1, {FIX}.")
     check_ep_method(n, cfg.method)
-    if objectives.get(cfg.objective).preference:
-        raise UserError(f"{_prefix(n)} trains objective sft only in this version: use objective: sft, {FIX}.")
+    check_ep_objective(n, cfg.objective)
     if cfg.compile is True:
         raise UserError(f"{_prefix(n)} does not run compiled blocks (the token exchange has data-dependent "
                         f"sizes, which break the compiled graph): set compile: false (or auto), {FIX}.")
@@ -56,6 +55,12 @@ def check_ep_layout(cfg: Config, strategy: str, world: int) -> None:
         raise UserError(f"{_prefix(n)} does not generate for eval_metrics in this version (each rank generates "
                         f"its own answers, a different number of forwards, while every forward needs all ranks of "
                         f"the expert group): drop eval_metrics, {FIX}.")
+
+
+def check_ep_objective(n: int, objective: str) -> None:
+    """The objective against expert_parallel `n` (UserError when refused): what `plan` checks too."""
+    if n > 1 and objectives.get(objective).preference:
+        raise UserError(f"{_prefix(n)} trains objective sft only in this version: use objective: sft, {FIX}.")
 
 
 def check_ep_method(n: int, name: str) -> None:

@@ -58,6 +58,14 @@ def _prefix(n: int) -> str:
     return f"sequence_parallel: {n}"
 
 
+def check_objective(n: int, objective: str) -> None:
+    """The objective against sequence_parallel `n` (UserError when refused): what `plan` checks too."""
+    if n > 1 and objectives.get(objective).preference:
+        raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective sums "
+                        f"each sequence's log-probabilities, which a split row would need gathered): use objective: "
+                        f"sft, or set sequence_parallel: 1.")
+
+
 def check_layout(cfg: Config, strategy: str, world: int) -> None:
     """The config's sequence_parallel against the job's ranks, strategy and settings (UserError when refused)."""
     n = cfg.sequence_parallel
@@ -70,10 +78,7 @@ def check_layout(cfg: Config, strategy: str, world: int) -> None:
     if not strategies.get(strategy).multi_rank:
         raise UserError(f"{_prefix(n)} runs under a multi-rank strategy (ddp, zero2, zero3), not {strategy}: "
                         f"use --set strategy=zero3, {fix}.")
-    if objectives.get(cfg.objective).preference:
-        raise UserError(f"{_prefix(n)} trains objective sft only in this version (a preference objective sums "
-                        f"each sequence's log-probabilities, which a split row would need gathered): use objective: "
-                        f"sft, {fix}.")
+    check_objective(n, cfg.objective)
     if cfg.attn_implementation not in SP_ATTENTION:
         raise UserError(f"{_prefix(n)} runs its own attention (an all-to-all around SDPA), so attn_implementation: "
                         f"{cfg.attn_implementation} cannot apply: set attn_implementation: auto, {fix}.")
