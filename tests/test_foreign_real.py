@@ -343,3 +343,16 @@ def test_swift_split_without_nproc_runs_on_one_process(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"sequence_parallel_size 2: .*1 ranks"):
         read_job("swift", script, JobOptions())
     assert read_job("swift", script, JobOptions(nproc=2)).workload.sequence_parallel == 2
+
+
+@pytest.mark.parametrize("extra,said", [(["--nproc", "16"], "--nproc 16"), ([], "(its launch)")])
+def test_more_ranks_a_node_than_the_named_gpus_is_refused(extra: list[str], said: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A job whose launch (or --nproc) starts more ranks a node than --gpus names would put two ranks on one GPU;
+    the plan planned the ranks as GPUs of the named card."""
+    job = Path(__file__).parent / "foreign_jobs" / "swift" / "qwen25_7b_lora_ddp.sh"  # NPROC_PER_NODE=2
+    gpus = "8xH100" if extra else "1xH100"
+    assert main(["plan", "--from", "swift", str(job), "--gpus", gpus, *extra]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "ranks would share GPUs" in err
+    assert main(["plan", "--from", "swift", str(job), "--gpus", "2xH100"]) == 0

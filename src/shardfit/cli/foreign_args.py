@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from shardfit.cli.args import positive_int
+from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
 from shardfit.foreign.job import TOOLS
 from shardfit.foreign.read import JobOptions, read_job
@@ -35,4 +36,11 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
                       grad_ckpt=args.grad_ckpt, transformers=args.transformers)
     job = read_job(args.from_tool, args.config, opts)
     hw = parse_gpus(args.gpus, args.nodes, getattr(args, "cpu_mem", None)) if args.gpus else detect(args.nodes)
+    if args.gpus and job.nproc and job.nproc > hw.gpus_per_node:  # a node's ranks would share its GPUs
+        said = f"--nproc {args.nproc}" if args.nproc else f"{job.source} (its launch)"
+        n = hw.gpus_per_node
+        raise UserError(f"{said}: the job launches {job.nproc} ranks a node, more than the {n} GPU{'s' * (n > 1)} "
+                        f"of --gpus {args.gpus}; ranks would share GPUs, each with its own CUDA context and model "
+                        f"copy. Launch at most {n} rank{'s' * (n > 1)} a node, or name the node's GPUs (--gpus "
+                        f"{job.nproc}x...).")
     return plan_job(job, resolve_shape(job.model), hw)
