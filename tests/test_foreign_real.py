@@ -356,3 +356,12 @@ def test_more_ranks_a_node_than_the_named_gpus_is_refused(extra: list[str], said
     err = capsys.readouterr().err
     assert said in err and "ranks would share GPUs" in err
     assert main(["plan", "--from", "swift", str(job), "--gpus", "2xH100"]) == 0
+
+
+def test_a_transformers_version_that_is_none_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--transformers names the version whose loss the plan counts: a word that is no version was planned as the
+    current release and echoed back in the notes."""
+    job = str(Path(__file__).parent / "foreign_jobs" / "lf" / "qwen25_7b_qlora.yaml")
+    assert main(["plan", "--from", "llamafactory", job, "--gpus", "1xH100", "--transformers", "not.a.version"]) == 2
+    assert "--transformers not.a.version: a transformers version" in capsys.readouterr().err
+    assert main(["plan", "--from", "llamafactory", job, "--gpus", "1xH100", "--transformers", "4.47.1"]) in (0, 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from shardfit.cli.args import positive_int
 from shardfit.errors import UserError
@@ -32,6 +33,9 @@ def add_from(p: argparse.ArgumentParser, model_flags: bool) -> None:
 
 def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
     """The job named by --from and its plan on --gpus (default: this machine)."""
+    if args.transformers is not None and not re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", args.transformers):
+        raise UserError(f"--transformers {args.transformers}: a transformers version such as 4.47 or 5.2.0, whose "
+                        "loss the plan counts.")
     opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
                       grad_ckpt=args.grad_ckpt, transformers=args.transformers)
     job = read_job(args.from_tool, args.config, opts)
