@@ -226,7 +226,7 @@ def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], mo
     model_type = text.get("model_type", cfg.get("model_type"))
     if model_type not in GATED_DELTANET_TYPES:
         return {}
-    built_text = None if built is None else getattr(built, "text_config", None) or built
+    built_text = None if built is None else text_of(built)
     types = list(getattr(built_text, "layer_types", None) or text.get("layer_types") or [])
     if not types:
         every = int(text.get("full_attention_interval") or 4)
@@ -297,7 +297,7 @@ def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
     """`text` with the standard name of each size an ALIASED_TYPES family names otherwise (its class's
     attribute_map: GPT-Neo's `num_heads` and `num_layers` are `num_attention_heads` and `num_hidden_layers`), where
     the file has no key of the standard name."""
-    built_text = None if built is None else getattr(built, "text_config", None) or built
+    built_text = None if built is None else text_of(built)
     if text.get("model_type") not in ALIASED_TYPES:
         return text
     aliases = getattr(built_text, "attribute_map", None) or {}
@@ -308,7 +308,7 @@ def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, delt
               name: str) -> tuple[BlockGroup, ...]:
     """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
     language model (`built`) where there is one, else from the file's keys (`name`: the model, for an error)."""
-    built_text = None if built is None else getattr(built, "text_config", None) or built
+    built_text = None if built is None else text_of(built)
 
     def get(key: str) -> Any:
         try:
