@@ -38,6 +38,7 @@ from shardfit.foreign.keys import (
     yaml_source,
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
@@ -284,15 +285,21 @@ def _fsdp_engine(src: Source) -> str | None:
 
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
-    unplanned = set()
-    if "lora_target_modules" in src and not src.flag("lora_target_linear"):
-        unplanned.add("lora_target_modules")
-        job.notes.append("lora_target_modules without lora_target_linear: planned as adapters on every linear "
-                         "layer (an over-estimate)")
+    unplanned, effects = set(), {}
+    targets = src.get("lora_target_modules")
+    if targets and not src.flag("lora_target_linear"):
+        effect = plan_targets(job, "lora_target_modules", targets if isinstance(targets, str) else
+                              [str(t) for t in targets])
+        if effect:
+            effects["lora_target_modules"] = effect
+        else:
+            unplanned.add("lora_target_modules")
+    elif targets:  # axolotl adds every linear layer to the modules named
+        effects["lora_target_modules"] = "within every linear layer (lora_target_linear)"
     if optimizer(str(src.get("optimizer", "adamw_torch"))) is None:
         unplanned.add("optimizer")
-    off = {key: "off" for key in ("load_in_4bit", "load_in_8bit") if key in src and not src.flag(key)}
-    file_keys(job, src.items(), KEYS, w, effects=off, unplanned=unplanned)
+    effects |= {key: "off" for key in ("load_in_4bit", "load_in_8bit") if key in src and not src.flag(key)}
+    file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
 
 
 def _datasets(src: Source, job: ForeignJob) -> list[str]:
@@ -312,5 +319,7 @@ def _convert(src: Source) -> dict[str, Any]:
         out["attn_implementation"] = "flex_attention"  # planned as flash; some models (Llama 4) have no FA2
     # adapters on every linear layer unless lora_target_linear is off and modules are named
     targets = src.get("lora_target_modules")
-    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear", True) or not targets else list(targets)
+    # a string is one regular expression over module names (peft's reading, and shardfit's)
+    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear") or not targets else \
+        str(targets) if isinstance(targets, str) else [str(t) for t in targets]
     return out

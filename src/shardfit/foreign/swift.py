@@ -44,6 +44,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.workload import Workload
 
 
@@ -319,12 +320,17 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
+    effects = {}
     if "target_modules" in src and src.get("target_modules") != "all-linear":
-        unplanned.add("target_modules")
-        job.notes.append("--target_modules is not all-linear: planned as adapters on every linear layer")
+        effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
+                                                                    src.where))
+        if effect:
+            effects["target_modules"] = effect
+        else:
+            unplanned.add("target_modules")
     if "freeze_vit" in src and not src.flag("freeze_vit") and w.method == "full":
         unplanned.add("freeze_vit")
-    file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
+    file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
 
 
 def _datasets(src: Source, job: ForeignJob) -> list[str]:

@@ -1,0 +1,89 @@
+"""Other tools' keys that move memory or the launch, as a user writes them: each read as the tool runs it, or
+said in the plan where shardfit has no equivalent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.foreign.asplanned import plan_job
+from shardfit.foreign.convert import to_config
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import lora_targets_of
+
+AXOLOTL_LORA = """base_model: Qwen/Qwen2.5-7B
+adapter: lora
+lora_r: 64
+sequence_len: 4096
+micro_batch_size: 4
+bf16: true
+flash_attention: true
+gradient_checkpointing: true
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _gib(job) -> float:
+    """The job's as-configured GiB a GPU on one H100."""
+    return plan_job(job, resolve_shape(job.model), parse_gpus("1xH100")).configured.per_gpu_gib.total
+
+
+@pytest.mark.parametrize(("tool", "name", "text"), [
+    ("axolotl", "qv.yml", AXOLOTL_LORA + "lora_target_modules:\n  - q_proj\n  - v_proj\n"),
+    ("llamafactory", "qv.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\nlora_rank: 64\n"
+                                "lora_target: q_proj,v_proj\ncutoff_len: 4096\nper_device_train_batch_size: 4\n"
+                                "bf16: true\n"),
+    ("swift", "qv.sh", "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --lora_rank 64 --target_modules q_proj "
+                       "v_proj --max_length 4096 --per_device_train_batch_size 4\n"),
+])
+def test_named_lora_targets_are_planned_on_those_modules_only(tmp_path: Path, tool: str, name: str,
+                                                              text: str) -> None:
+    """Adapters on q_proj and v_proj only: the plan counts those (20M trainable at rank 64 on Qwen2.5-7B, not the
+    161M of every linear layer: 46.9 GiB a GPU, not 48.5), and the key reads as modelled."""
+    job = read_job(tool, _write(tmp_path, name, text), JobOptions())
+    assert job.workload.lora_targets == ("q", "v")
+    assert not job.not_modelled
+    assert not any("over-estimate" in n for n in job.notes)
+    every = read_job(tool, _write(tmp_path, "all" + name, text.replace("q_proj,v_proj", "all").replace(
+        "q_proj v_proj", "all-linear").replace("lora_target_modules:\n  - q_proj\n  - v_proj\n",
+                                               "lora_target_linear: true\n")), JobOptions())
+    assert every.workload.lora_targets is None
+    assert _gib(job) < _gib(every) - 1.5
+
+
+def test_axolotl_regex_targets_are_planned_and_carried(tmp_path: Path) -> None:
+    """A string of lora_target_modules is one regular expression (peft's reading): planned on the attention
+    projections it matches, and carried to shardfit as the same expression, not as a list of its characters."""
+    text = AXOLOTL_LORA + "lora_target_modules: 'model.layers.[\\d]+.self_attn.(q|k|v|o)_proj'\n"
+    job = read_job("axolotl", _write(tmp_path, "rx.yml", text), JobOptions())
+    assert job.workload.lora_targets == ("q", "k", "v", "o")
+    assert "lora_target_modules" in job.keys
+    assert to_config(job)["lora"]["targets"] == "model.layers.[\\d]+.self_attn.(q|k|v|o)_proj"
+
+
+def test_axolotl_named_targets_convert_without_lora_target_linear(tmp_path: Path) -> None:
+    """Without lora_target_linear axolotl adapts only the named modules; convert writes those, not all-linear."""
+    job = read_job("axolotl", _write(tmp_path, "qv.yml", AXOLOTL_LORA + "lora_target_modules: [q_proj, v_proj]\n"),
+                   JobOptions())
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_a_regex_of_targets_is_planned_as_the_projections_it_matches(tmp_path: Path) -> None:
+    """shardfit's own `lora.targets` as a string is the same regular expression: planned on what it matches; a
+    pattern or names the planner cannot place stay every linear layer, said as an over-estimate."""
+    assert lora_targets_of(r".*\.(q|v)_proj") == ("q", "v")
+    assert lora_targets_of(r"model\.layers\.\d+\.mlp\..*") == ("gate", "up", "down")
+    assert lora_targets_of("c_attn") is None
+    job = read_job("axolotl", _write(tmp_path, "gpt2.yml", AXOLOTL_LORA + "lora_target_modules: [c_attn]\n"),
+                   JobOptions())
+    assert job.workload.lora_targets is None
+    assert "lora_target_modules" in job.not_modelled
+    assert any("over-estimate" in n for n in job.notes)
