@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfit.errors import UserError
 from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.convert import to_config
 from shardfit.foreign.read import JobOptions, read_job
@@ -87,3 +88,35 @@ def test_a_regex_of_targets_is_planned_as_the_projections_it_matches(tmp_path: P
     assert job.workload.lora_targets is None
     assert "lora_target_modules" in job.not_modelled
     assert any("over-estimate" in n for n in job.notes)
+
+
+AXOLOTL_LONG = """base_model: Qwen/Qwen2.5-7B
+adapter: lora
+lora_r: 16
+lora_target_linear: true
+sequence_len: 8192
+micro_batch_size: 2
+bf16: true
+flash_attention: true
+"""
+
+
+@pytest.mark.parametrize("keys", ["gradient_checkpointing: offload\n", "gradient_checkpointing: offload_disk\n",
+                                  "gradient_checkpointing: true\nactivation_offloading: true\n",
+                                  "gradient_checkpointing: true\nactivation_offloading: legacy\n"])
+def test_axolotl_activation_offloading_checkpoints_and_says_what_is_not_planned(tmp_path: Path, keys: str) -> None:
+    """axolotl's `gradient_checkpointing: offload` (its older spelling of activation offloading) checkpoints every
+    block: planned with grad_ckpt full (47 GiB a GPU, not the 148 of no checkpointing), and the offload shardfit
+    does not model is said in a note and in convert's header, not dropped."""
+    job = read_job("axolotl", _write(tmp_path, "long.yml", AXOLOTL_LONG + keys), JobOptions())
+    assert job.workload.grad_ckpt == "full"
+    assert any("does not model offloaded activations" in n for n in job.notes)
+    assert any("not carried" in n for n in job.not_carried)
+    assert _gib(job) < 79
+    assert to_config(job)["grad_ckpt"] == "full"
+
+
+def test_axolotl_activation_offloading_without_checkpointing_exits_2(tmp_path: Path) -> None:
+    path = _write(tmp_path, "bad.yml", AXOLOTL_LONG + "activation_offloading: true\n")
+    with pytest.raises(UserError, match=r"bad.yml:9: 'activation_offloading: true' without gradient_checkpointing"):
+        read_job("axolotl", path, JobOptions())

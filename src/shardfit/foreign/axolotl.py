@@ -42,6 +42,10 @@ from shardfit.foreign.targets import plan_targets
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
+# `gradient_checkpointing` values that checkpoint every block beside true: unsloth's, and the older spellings of
+# activation offloading (`offload` is `activation_offloading: true`, `offload_disk` is `disk`).
+OFFLOAD_SPELLINGS = {"offload": "true", "offload_disk": "disk"}
+CHECKPOINT_WORDS = ("unsloth", *OFFLOAD_SPELLINGS)
 
 
 def _compiled(value: Any, key: str, where: str) -> bool:
@@ -230,7 +234,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     _one_attention(src, impl)
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
-    return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
+    return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
+                    else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
                         "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
@@ -252,9 +257,32 @@ def _one_attention(src: Source, impl: str) -> None:
 
 def _checkpointing(src: Source, job: ForeignJob) -> None:
     on = job.workload.grad_ckpt != "none"
+    _offloading(src, job, on)
     kwargs = src.get("gradient_checkpointing_kwargs") or {}
     job.reentrant_ckpt = on and as_bool(kwargs.get("use_reentrant", True)) if isinstance(kwargs, dict) else on
     job.find_unused = src.flag("ddp_find_unused_parameters")
+
+
+def _offloading(src: Source, job: ForeignJob, on: bool) -> None:
+    """axolotl's activation offloading (`activation_offloading`, or `gradient_checkpointing: offload|offload_disk`,
+    its older spelling of true|disk): the activations checkpointing keeps go to host memory or disk. shardfit
+    offloads no activations, so the plan keeps them on the GPU (an over-estimate), and says so."""
+    gc, ao = src.get("gradient_checkpointing"), src.get("activation_offloading")
+    old = OFFLOAD_SPELLINGS.get(str(gc).lower()) if isinstance(gc, str) else None
+    mode = str(ao).lower() if ao not in (None, False) and str(ao).lower() not in ("false", "none") else old
+    if mode is None:
+        return
+    if ao not in (None, False) and not on:
+        raise UserError(f"{src.at('activation_offloading')}: 'activation_offloading: {str(ao).lower()}' without "
+                        f"gradient_checkpointing; axolotl refuses it (activation offloading requires gradient "
+                        f"checkpointing): set gradient_checkpointing: true.")
+    key = "activation_offloading" if ao not in (None, False) else f"gradient_checkpointing: {gc}"
+    where = "disk" if mode == "disk" else "host memory"
+    what = "each block's input" if mode == "hidden_states" else "the activations"
+    job.notes.append(f"{key}: axolotl moves {what} to {where}; shardfit does not model offloaded activations, so "
+                     "the plan keeps them on the GPU as checkpointing does (an over-estimate of the GPU's "
+                     "activations; ask for activation offloading in shardfit)")
+    job.not_carried.append(f"{key} not carried: shardfit keeps activations on the GPU (grad_ckpt full)")
 
 
 def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
