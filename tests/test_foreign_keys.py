@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfit.cli.main import main
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.convert import to_config
@@ -120,3 +121,26 @@ def test_axolotl_activation_offloading_without_checkpointing_exits_2(tmp_path: P
     path = _write(tmp_path, "bad.yml", AXOLOTL_LONG + "activation_offloading: true\n")
     with pytest.raises(UserError, match=r"bad.yml:9: 'activation_offloading: true' without gradient_checkpointing"):
         read_job("axolotl", path, JobOptions())
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "key"), [
+    ("llamafactory", "kto.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: kto\nfinetuning_type: lora\n"
+                                 "per_device_train_batch_size: 1\ngradient_accumulation_steps: 8\nbf16: true\n",
+     "per_device_train_batch_size 1"),
+    ("axolotl", "kto.yml", AXOLOTL_LONG.replace("micro_batch_size: 2", "micro_batch_size: 1") + "rl: kto\n"
+                                "gradient_checkpointing: true\n",
+     "micro_batch_size 1"),
+    ("swift", "kto.sh", "swift rlhf --rlhf_type kto --model Qwen/Qwen2.5-7B --per_device_train_batch_size 1\n",
+     "--per_device_train_batch_size 1"),
+])
+def test_kto_at_one_row_is_refused_by_plan_check_and_convert_alike(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   tool: str, name: str, text: str,
+                                                                   key: str) -> None:
+    """KTO's reference point is over a micro-batch's rows (TRL's KTOTrainer refuses 1 row): convert refused the job
+    when it loaded the converted config, while plan and check planned it. One rule now serves all three, naming
+    the tool's key; --batch 2 plans the job as it could run."""
+    job = _write(tmp_path, name, text)
+    for command in (["plan", "--gpus", "1xH100"], ["check", "--gpus", "1xH100"], ["convert"]):
+        assert main([command[0], "--from", tool, job, *command[1:]]) == 2
+        assert f"{key} with objective kto" in capsys.readouterr().err
+    assert main(["plan", "--from", tool, job, "--gpus", "1xH100", "--batch", "2"]) == 0
