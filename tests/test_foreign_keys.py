@@ -144,3 +144,36 @@ def test_kto_at_one_row_is_refused_by_plan_check_and_convert_alike(tmp_path: Pat
         assert main([command[0], "--from", tool, job, *command[1:]]) == 2
         assert f"{key} with objective kto" in capsys.readouterr().err
     assert main(["plan", "--from", tool, job, "--gpus", "1xH100", "--batch", "2"]) == 0
+
+
+@pytest.mark.parametrize("line", [
+    "accelerate launch --multi_gpu --num_processes 4 /opt/ms-swift/swift/cli/sft.py",
+    "torchrun --nproc_per_node 4 -m swift.cli.sft",
+    "python -m torch.distributed.run --nproc_per_node=4 swift/cli/sft.py",
+])
+def test_swift_entry_script_under_a_launcher_is_swift_sft(tmp_path: Path, line: str) -> None:
+    """ms-swift's own script run by a launcher (`accelerate launch swift/cli/sft.py ...`) is `swift sft` with
+    those ranks, not a script with no training command in it."""
+    script = _write(tmp_path, "run.sh", f"{line} \\\n    --model Qwen/Qwen2.5-7B --tuner_type full --deepspeed zero3 "
+                                        "--max_length 4096 --per_device_train_batch_size 2\n")
+    job = read_job("swift", script, JobOptions())
+    assert (job.workload.method, job.nproc, job.engine, job.workload.seq_len) == ("full", 4, "deepspeed", 4096)
+
+
+def test_swift_rlhf_entry_script_keeps_its_objective(tmp_path: Path) -> None:
+    script = _write(tmp_path, "dpo.sh", "torchrun --nproc_per_node 2 swift/cli/rlhf.py --rlhf_type dpo "
+                                        "--model Qwen/Qwen2.5-7B\n")
+    assert read_job("swift", script, JobOptions()).workload.objective == "dpo"
+
+
+def test_llamafactory_without_nproc_runs_over_every_named_gpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`llamafactory-cli train` starts torchrun over every visible GPU itself: a job planned on --gpus 8xH100
+    without --nproc runs 8 DDP ranks, not one process, and the plan says so; --nproc 1 keeps one process."""
+    job = _write(tmp_path, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\ncutoff_len: 4096\n"
+                                      "per_device_train_batch_size: 2\nbf16: true\n")
+    assert main(["plan", "--from", "llamafactory", job, "--gpus", "8xH100"]) == 0
+    out = capsys.readouterr().out
+    assert "8 rank(s) of 79.2 GiB; DDP (full replica per rank)" in out
+    assert "starts torchrun over all 8 visible GPUs itself" in out
+    assert main(["plan", "--from", "llamafactory", job, "--gpus", "8xH100", "--nproc", "1"]) == 0
+    assert "one process, one GPU" in capsys.readouterr().out

@@ -92,6 +92,20 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     return job
 
 
+def launch_on(job: ForeignJob, gpus_per_node: int) -> None:
+    """The ranks of a job whose launch does not say them, on nodes of `gpus_per_node` GPUs: `llamafactory-cli
+    train` starts torchrun itself over every visible GPU when it sees more than one (or with FORCE_TORCHRUN), so it
+    runs one rank per GPU, not one process."""
+    if job.tool != "llamafactory" or job.nproc is not None or gpus_per_node < 2:
+        return
+    job.nproc = gpus_per_node
+    job.launcher = "torchrun"
+    if job.engine == "single":
+        job.engine = "ddp"
+    job.notes.append(f"llamafactory-cli train starts torchrun over all {gpus_per_node} visible GPUs itself: planned "
+                     f"as {gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")
+
+
 def _check_micro_batch(job: ForeignJob, opts: JobOptions) -> None:
     """A micro-batch the job's objective cannot train at (KTO at 1 row): the rule `shardfit convert` meets when it
     loads the converted config, applied when the job is read, so plan and check refuse it too."""

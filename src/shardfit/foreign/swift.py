@@ -108,6 +108,9 @@ ENV = {"NPROC_PER_NODE": "ranks", "CUDA_VISIBLE_DEVICES": "GPUs", "ENABLE_AUDIO_
         "MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "MAX_PIXELS", "VIDEO_MAX_PIXELS", "FPS_MAX_FRAMES",
         "USE_AUDIO_IN_VIDEO", "SIZE_FACTOR", "PYTHONPATH", "OMP_NUM_THREADS", "NCCL_DEBUG", "HF_ENDPOINT", "USE_HF",
         "WANDB_PROJECT", "MODELSCOPE_CACHE", "HF_HOME", "TOKENIZERS_PARALLELISM")}
+# ms-swift's entry scripts, run by a launcher as `swift sft` runs them (`accelerate launch swift/cli/sft.py ...`,
+# `torchrun ... -m swift.cli.sft`), and the command each one is.
+SCRIPTS = {"swift/cli/sft.py": "swift sft", "swift/cli/pt.py": "swift pt", "swift/cli/rlhf.py": "swift rlhf"}
 METHODS = {"lora": "lora", "full": "full", "longlora": "lora", "adalora": "lora", "dora": "lora"}
 PRECISIONS = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
 
@@ -129,16 +132,17 @@ def words() -> Words:
 def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
     """The job of an ms-swift `swift sft` command line or script."""
     try:
-        src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+        src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf", *SCRIPTS))
     except UserError:
         _refuse_megatron(path)
         raise
+    cmd.program = SCRIPTS.get(cmd.program, cmd.program)
     model = src.get("model") or src.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
     shape = shape_of(model)
     job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=nproc or cmd.nproc,
-                     nnodes=cmd.nnodes, launcher="torchrun" if cmd.nproc else None)
+                     nnodes=cmd.nnodes, launcher=(cmd.launcher or "torchrun") if cmd.nproc else None)
     w = job.workload = _workload(src, job, version)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     job.find_unused = src.flag("ddp_find_unused_parameters", "false")
