@@ -177,3 +177,50 @@ def test_llamafactory_without_nproc_runs_over_every_named_gpu(tmp_path: Path, ca
     assert "starts torchrun over all 8 visible GPUs itself" in out
     assert main(["plan", "--from", "llamafactory", job, "--gpus", "8xH100", "--nproc", "1"]) == 0
     assert "one process, one GPU" in capsys.readouterr().out
+
+
+AXOLOTL_FSDP = """base_model: Qwen/Qwen2.5-14B
+sequence_len: 4096
+micro_batch_size: 1
+gradient_accumulation_steps: 4
+bf16: true
+flash_attention: true
+gradient_checkpointing: true
+fsdp_config:
+  offload_params: false
+  auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  transformer_layer_cls_to_wrap: Qwen2DecoderLayer
+  reshard_after_forward: true
+"""
+
+
+def _gib_on(job, gpus: str) -> float:
+    return plan_job(job, resolve_shape(job.model), parse_gpus(gpus)).configured.per_gpu_gib.total
+
+
+def test_axolotl_dp_shard_size_shards_over_its_group_only(tmp_path: Path) -> None:
+    """dp_shard_size 2 on 8 ranks: FSDP shards the full fine-tune over 2 ranks and replicates that 4 times, so
+    each GPU holds half the model's states (124 GiB, does not fit), not an eighth (40 GiB)."""
+    text = AXOLOTL_FSDP + "fsdp_version: 2\n"
+    every = read_job("axolotl", _write(tmp_path, "all.yml", text), JobOptions(nproc=8))
+    pairs = read_job("axolotl", _write(tmp_path, "hsdp.yml", text + "dp_shard_size: 2\n"), JobOptions(nproc=8))
+    assert "dp_shard_size" in pairs.keys
+    assert _gib_on(pairs, "8xH100") > 2.5 * _gib_on(every, "8xH100")
+
+
+def test_axolotl_parallel_sizes_it_cannot_plan_exit_2(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"tp.yml:\d+: 'tensor_parallel_size: 2' .* shardfit does not plan tensor"):
+        read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
+    no_fsdp = AXOLOTL_LONG + "gradient_checkpointing: true\ndp_shard_size: 2\n"
+    with pytest.raises(UserError, match="'dp_shard_size: 2' without fsdp_config"):
+        read_job("axolotl", _write(tmp_path, "ddp.yml", no_fsdp), JobOptions(nproc=4))
+
+
+def test_axolotl_fsdp_version_decides_fsdp1(tmp_path: Path) -> None:
+    """axolotl runs FSDP1 unless fsdp_version is 2: FSDP1 keeps an untied input embedding gathered in its root
+    unit (Qwen2.5-14B: 1.5 GiB more a GPU)."""
+    one = read_job("axolotl", _write(tmp_path, "v1.yml", AXOLOTL_FSDP), JobOptions(nproc=8))
+    two = read_job("axolotl", _write(tmp_path, "v2.yml", AXOLOTL_FSDP + "fsdp_version: 2\n"), JobOptions(nproc=8))
+    assert one.workload.fsdp1 and not two.workload.fsdp1
+    assert "fsdp_version" in two.keys
+    assert _gib_on(one, "8xH100") > _gib_on(two, "8xH100") + 1

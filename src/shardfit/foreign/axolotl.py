@@ -89,6 +89,8 @@ KEYS = key_table({
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
+    "fsdp_version": Key("FSDP1 or FSDP2"), "dp_shard_size": Key("FSDP shard group"),
+    "tensor_parallel_size": Key("no tensor parallelism (1)"), "dp_replicate_size": Key("replicas of the shards"),
     # carried over to the shardfit config (LoRA's targets are decided in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float, default=0.0),
@@ -150,8 +152,10 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     elif fsdp := _fsdp_engine(src):
         job.engine = fsdp
         _fsdp_checkpointing(src, job)
+        _fsdp_version(src, job)
     elif nproc and nproc > 1:
         job.engine = "ddp"
+    _parallel_sizes(src, job)
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
     job.data = _datasets(src, job)
@@ -294,6 +298,41 @@ def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
         job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
         job.reentrant_ckpt = False
         job.notes.append("fsdp_config activation_checkpointing checkpoints every block (planned as grad_ckpt full)")
+
+
+def _fsdp_version(src: Source, job: ForeignJob) -> None:
+    """`fsdp_version` (top level, or in `fsdp_config`): axolotl runs FSDP1 unless it is 2. FSDP1 wraps the blocks
+    only, so an untied input embedding stays gathered in the root unit through forward and backward."""
+    cfg = fsdp_settings(src.get("fsdp_config") or {}, src.at("fsdp_config"))
+    version = src.get("fsdp_version")
+    version = cfg.get("version", 1) if version is None else version
+    if str(version) not in ("1", "2"):
+        raise UserError(f"{src.at('fsdp_version')}: 'fsdp_version' is {version!r}; axolotl runs FSDP 1 or 2.")
+    job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
+    if "fsdp_version" not in src and "version" not in cfg:
+        job.notes.append("fsdp_version not set: axolotl runs FSDP1 (fsdp_version: 2 for FSDP2)")
+
+
+def _parallel_sizes(src: Source, job: ForeignJob) -> None:
+    """axolotl's ParallelismConfig sizes shardfit plans or refuses: `tensor_parallel_size` (each layer's matrices
+    split over ranks; shardfit plans no tensor parallelism) is refused, `dp_shard_size` shards FSDP over groups of
+    that many ranks, replicated across the groups (HSDP): each rank holds 1/dp_shard_size of the model."""
+    tp = src.get("tensor_parallel_size")
+    if tp is not None and as_int(tp, "tensor_parallel_size", src.at("tensor_parallel_size")) > 1:
+        raise UserError(f"{src.at('tensor_parallel_size')}: 'tensor_parallel_size: {tp}' splits each layer's "
+                        f"matrices over {tp} ranks; shardfit does not plan tensor parallelism. Plan the job without "
+                        f"it (remove the key): FSDP (fsdp_config, fsdp_version: 2) or ZeRO-3 shards the weights "
+                        f"over the ranks instead, or plan a layer split with `shardfit plan --model "
+                        f"{src.get('base_model')} --pipeline-parallel {tp}`.")
+    shard = src.get("dp_shard_size")
+    if shard is None or (n := as_int(shard, "dp_shard_size", src.at("dp_shard_size"))) <= 1:
+        return
+    if not job.engine.startswith("fsdp"):
+        raise UserError(f"{src.at('dp_shard_size')}: 'dp_shard_size: {shard}' without fsdp_config; axolotl refuses "
+                        f"it (dp_shard_size was configured without a corresponding fsdp_config): add fsdp_config.")
+    job.shard_ranks = n
+    job.notes.append(f"dp_shard_size {n}: FSDP shards over groups of {n} ranks and replicates across them; each "
+                     f"GPU is planned as one of {n} shards (gradients are also all-reduced across the groups)")
 
 
 def _fsdp_engine(src: Source) -> str | None:
