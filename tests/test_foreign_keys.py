@@ -224,3 +224,24 @@ def test_axolotl_fsdp_version_decides_fsdp1(tmp_path: Path) -> None:
     assert one.workload.fsdp1 and not two.workload.fsdp1
     assert "fsdp_version" in two.keys
     assert _gib_on(one, "8xH100") > _gib_on(two, "8xH100") + 1
+
+
+def test_axolotl_memory_savings_shardfit_does_not_plan_are_said(tmp_path: Path) -> None:
+    """tiled_mlp (less activation memory) and a QLoRA mixture without quantize_moe_experts (16-bit experts under
+    transformers 5) are said in notes, not read silently."""
+    text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: qlora\nload_in_4bit: true\nlora_target_modules: [q_proj]\n"
+            "sequence_len: 4096\nbf16: true\ngradient_checkpointing: true\ntiled_mlp: true\n")
+    job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions(transformers="5.2"))
+    assert any(n.startswith("tiled_mlp: ") for n in job.notes)
+    assert any(n.startswith("quantize_moe_experts not set") for n in job.notes)
+    quantized = read_job("axolotl", _write(tmp_path, "q.yml", text + "quantize_moe_experts: true\n"),
+                         JobOptions(transformers="5.2"))
+    assert not any("quantize_moe_experts" in n for n in quantized.notes) and "quantize_moe_experts" in quantized.keys
+
+
+def test_swift_padding_free_is_read_as_planned(tmp_path: Path) -> None:
+    """--padding_free drops the pads of a micro-batch: at most what the plan counts, and not packing."""
+    job = read_job("swift", _write(tmp_path, "pf.sh", "swift sft --model Qwen/Qwen2.5-7B --padding_free true "
+                                                      "--attn_impl flash_attn\n"), JobOptions())
+    assert "as planned" in job.keys["padding_free"]
+    assert to_config(job)["packing"] is False

@@ -89,7 +89,8 @@ KEYS = key_table({
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
-    "fsdp_version": Key("FSDP1 or FSDP2"), "dp_shard_size": Key("FSDP shard group"),
+    "quantize_moe_experts": Key("routed experts in 4-bit, as planned"), "fsdp_version": Key("FSDP1 or FSDP2"),
+    "dp_shard_size": Key("FSDP shard group"),
     "tensor_parallel_size": Key("no tensor parallelism (1)"), "dp_replicate_size": Key("replicas of the shards"),
     # carried over to the shardfit config (LoRA's targets are decided in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
@@ -158,6 +159,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     _parallel_sizes(src, job)
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
+    _unplanned_savings(src, job, shape.experts > 1, version)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     apply(job, _preference(src))
@@ -298,6 +300,21 @@ def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
         job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
         job.reentrant_ckpt = False
         job.notes.append("fsdp_config activation_checkpointing checkpoints every block (planned as grad_ckpt full)")
+
+
+def _unplanned_savings(src: Source, job: ForeignJob, moe: bool, version: str) -> None:
+    """Keys whose memory shardfit does not count, said rather than dropped: `tiled_mlp` (ALST's MLP over slices
+    of the sequence: less activation memory than planned), and 4-bit routed experts. transformers 5 keeps a
+    mixture's experts in fused 3-D weights, which bitsandbytes leaves unquantized unless axolotl's
+    `quantize_moe_experts` quantizes them on load; shardfit's QLoRA plans them in NF4 either way."""
+    if src.flag("tiled_mlp"):
+        job.notes.append("tiled_mlp: axolotl runs each MLP over slices of the sequence; shardfit plans it whole (an "
+                         "over-estimate of the MLP's activations at long sequences)")
+    if moe and job.workload.method == "qlora" and not src.flag("quantize_moe_experts") and \
+            version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 5:
+        job.notes.append(f"quantize_moe_experts not set: with transformers {version} the routed experts' fused "
+                         "weights stay in 16-bit, but are planned in 4-bit NF4 (an under-estimate of the frozen "
+                         "weights); quantize_moe_experts: true quantizes them as planned")
 
 
 def _fsdp_version(src: Source, job: ForeignJob) -> None:

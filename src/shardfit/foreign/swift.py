@@ -92,13 +92,17 @@ KEYS = key_table({
     "lora_dropout": Key(config="lora.dropout", read=as_float),
     "target_modules": Key("adapters on every linear layer", config="lora.targets", read=lora_targets,
                           default="all-linear"),
+    # the micro-batch's rows flattened into one without padding (flash attention's varlen): no more tokens than
+    # the planned micro-batch x max_length, which is what the plan counts either way; unlike --packing (shardfit's
+    # `packing`) it does not fill rows with more examples, so it is not carried over as packing
+    "padding_free": Key("rows without padding: at most micro-batch x max_length tokens, as planned"),
     "packing": Key(config="packing", read=flag, default="false"), "output_dir": Key(config="output_dir", read=text),
     # `swift rlhf` (`_preference`): the objective, and the reference model a full fine-tune loads beside the policy
     "rlhf_type": Key("objective {objective}"), "ref_model": Key("reference model loaded beside the policy"),
 }, no_effect=TRAINER_NO_EFFECT | PREFERENCE_KEYS | {
     "dataset", "val_dataset", "system", "model_author", "model_name", "streaming", "dataset_num_proc", "template",
     "model_type", "add_version", "columns", "save_only_model", "load_from_cache_file", "truncation_strategy",
-    "loss_scale", "use_hf", "padding_free", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
+    "loss_scale", "use_hf", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
     "enable_channel_loss", "check_model", "create_checkpoint_symlink", "max_new_tokens", "quant_method",
 })
 # The environment of the command: what it decides, and what changes nothing the planner counts; any other variable
