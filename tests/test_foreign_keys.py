@@ -245,3 +245,14 @@ def test_swift_padding_free_is_read_as_planned(tmp_path: Path) -> None:
                                                       "--attn_impl flash_attn\n"), JobOptions())
     assert "as planned" in job.keys["padding_free"]
     assert to_config(job)["packing"] is False
+
+
+def test_swift_experts_impl_is_read(tmp_path: Path) -> None:
+    """--experts_impl grouped_mm computes the experts as planned; batched_mm's per-token weight copies are not
+    planned, and the plan says so rather than filing the option as unknown."""
+    line = "swift sft --model Qwen/Qwen3-30B-A3B --experts_impl {}\n"
+    grouped = read_job("swift", _write(tmp_path, "g.sh", line.format("grouped_mm")), JobOptions())
+    assert "experts_impl" in grouped.keys
+    batched = read_job("swift", _write(tmp_path, "b.sh", line.format("batched_mm")), JobOptions())
+    assert "experts_impl" in batched.not_modelled
+    assert any(n.startswith("--experts_impl batched_mm") for n in batched.notes)

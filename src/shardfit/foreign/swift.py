@@ -95,6 +95,9 @@ KEYS = key_table({
     # the micro-batch's rows flattened into one without padding (flash attention's varlen): no more tokens than
     # the planned micro-batch x max_length, which is what the plan counts either way; unlike --packing (shardfit's
     # `packing`) it does not fill rows with more examples, so it is not carried over as packing
+    # transformers' experts_implementation: grouped_mm (shardfit's own) or eager's loop over the experts hold what
+    # the plan counts; batched_mm copies each token's expert weights (`_file_keys`)
+    "experts_impl": Key("routed experts computed as planned"),
     "padding_free": Key("rows without padding: at most micro-batch x max_length tokens, as planned"),
     "packing": Key(config="packing", read=flag, default="false"), "output_dir": Key(config="output_dir", read=text),
     # `swift rlhf` (`_preference`): the objective, and the reference model a full fine-tune loads beside the policy
@@ -336,6 +339,10 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
             effects["target_modules"] = effect
         else:
             unplanned.add("target_modules")
+    if src.get("experts_impl", "").lower() == "batched_mm":
+        unplanned.add("experts_impl")
+        job.notes.append("--experts_impl batched_mm copies each token's expert weights for its matmuls (gigabytes "
+                         "at long sequences); not planned: shardfit plans grouped_mm (an under-estimate)")
     if "freeze_vit" in src and not src.flag("freeze_vit") and w.method == "full":
         unplanned.add("freeze_vit")
     file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
