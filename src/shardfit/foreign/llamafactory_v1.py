@@ -53,13 +53,11 @@ KEYS = key_table({
                                       read=lora_targets, default="all"),
     "peft_config.freeze_trainable_layers": Key("trainable blocks"),
     "enable_activation_checkpointing": Key("grad_ckpt {grad_ckpt}"), "flash_attn": Key("attention {attention}"),
-    "cp_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel", read=as_int,
-                   default=1),
+    "cp_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel", read=as_int),
     "cp_mode": Key("Ulysses"),
     "dist_config.name": Key("sharding"), "dist_config.config_file": Key("ZeRO settings"),
     "dist_config.offload_params": Key("sharding"), "dist_config.reshard_after_forward": Key("sharding"),
-    "dist_config.ep_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int,
-                               default=1),
+    "dist_config.ep_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
     "batching_strategy": Key("rows of one example each"), "model_class": Key("causal LM head"),
     "kernel_config.name": Key("no kernels on CUDA (auto picks Ascend NPU kernels only)"),
     # carried over to the shardfit config
@@ -215,8 +213,8 @@ def _workload(src: Source, job: ForeignJob) -> Workload:
     fields = settings(src, KEYS, "field")
     _check_split(src, job, fields, attn)
     fields["grad_accum"] = _grad_accum(src, job, fields)
-    if src.get("dist_config.name") != "fsdpturbo":
-        fields["expert_parallel"] = 1
+    if src.get("dist_config.name") != "fsdpturbo":  # experts are shared over ranks by fsdpturbo only
+        fields.pop("expert_parallel", None)
     if method not in ("lora", "qlora"):
         fields["lora_dropout"] = 0.0
     return Workload(method=method, precision=_precision(src, job, method),
@@ -231,10 +229,11 @@ def _check_split(src: Source, job: ForeignJob, fields: dict[str, Any], attn: str
     mode = src.get("cp_mode", "ulysses")
     if mode != "ulysses":
         raise UserError(f"{src.at('cp_mode')}: 'cp_mode' is {mode!r}; LLaMA-Factory v1 has ulysses only.")
-    if fields["sequence_parallel"] > 1 and attn != "flash_attention_2":
-        raise UserError(f"{src.at('cp_size')}: cp_size {fields['sequence_parallel']} needs `flash_attn: "
+    cp = fields.get("sequence_parallel", 1)
+    if cp > 1 and attn != "flash_attention_2":
+        raise UserError(f"{src.at('cp_size')}: cp_size {cp} needs `flash_attn: "
                         f"flash_attention_2` (LLaMA-Factory v1's Ulysses wraps flash-attention only).")
-    if fields["sequence_parallel"] > 1 and job.engine == "deepspeed":
+    if cp > 1 and job.engine == "deepspeed":
         raise UserError(f"{src.at('cp_size')}: cp_size above 1 needs `dist_config: {{name: fsdp2}}`; LLaMA-Factory "
                         f"v1 refuses context parallelism under DeepSpeed.")
     strategy = src.get("batching_strategy", "normal")
@@ -242,7 +241,8 @@ def _check_split(src: Source, job: ForeignJob, fields: dict[str, Any], attn: str
         raise UserError(f"{src.at('batching_strategy')}: 'batching_strategy' is {strategy!r}; LLaMA-Factory v1's "
                         f"are {', '.join(BATCHING)}.")
     if strategy in ("padding_free", "dynamic_padding_free") and attn != "flash_attention_2":
-        raise UserError(f"{src.at('batching_strategy')}: {strategy} needs `flash_attn: flash_attention_2`.")
+        raise UserError(f"{src.at('batching_strategy')}: batching_strategy {strategy} needs `flash_attn: "
+                        f"flash_attention_2`.")
 
 
 def _grad_accum(src: Source, job: ForeignJob, fields: dict[str, Any]) -> int:
@@ -253,8 +253,9 @@ def _grad_accum(src: Source, job: ForeignJob, fields: dict[str, Any]) -> int:
         return 1
     total = as_int(total, "global_batch_size", src.at("global_batch_size"))
     world = (job.nproc or 1) * job.nnodes
+    cp = fields.get("sequence_parallel", 1)
     dp = src.get("dp_size")
-    dp = as_int(dp, "dp_size", src.at("dp_size")) if dp is not None else max(1, world // fields["sequence_parallel"])
+    dp = as_int(dp, "dp_size", src.at("dp_size")) if dp is not None else max(1, world // cp)
     if job.nproc is None:
         job.notes.append(f"global_batch_size over {dp} data-parallel rank(s): pass --nproc N for the ranks the job "
                          f"runs on")
@@ -285,6 +286,8 @@ def _datasets(src: Source) -> tuple[list[str], list[str]]:
 def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
     """shardfit config keys of the same job (beyond the workload and the strategy)."""
     out = settings(src, KEYS, "config")
+    if src.get("dist_config.name") != "fsdpturbo":
+        out.pop("expert_parallel", None)
     if src.get("batching_strategy") in ("padding_free", "dynamic_padding_free"):
         out["packing"] = True
     if w.method == "freeze":
