@@ -145,6 +145,8 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
         job.notes.append(f"datasets not found as local files (convert leaves them out): "
                          f"{', '.join(job.data_missing)}")
     job.convert = _convert(src, w, shape.layers)
+    job.notes.append("loss: v1's trainer takes an fp32 copy of the logits and a shifted copy of that (full_shift), "
+                     "whatever the transformers version")
     _file_keys(src, job, w)
     return job
 
