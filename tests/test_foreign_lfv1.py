@@ -5,6 +5,7 @@ input exits 2 naming the file and the key."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -94,6 +95,10 @@ def test_v1_precision_and_offload(tmp_path: Path) -> None:
     f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: fsdp2\n  offload_params: true\n")
     assert read_job("llamafactory", str(f), JobOptions(nproc=2)).describe_engine() == \
         "FSDP full_shard with CPU offload"
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: deepspeed\n  config_file: ds.json\n")
+    job = read_job("llamafactory", str(f), JobOptions(nproc=2))
+    assert (job.workload.precision, job.describe_engine()) == ("fp16", "DeepSpeed ZeRO-2")  # the JSON's, not bf16
 
 
 def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
@@ -141,8 +146,10 @@ def test_bad_v1_input_exits_2_naming_file_and_key(tmp_path: Path, capsys: pytest
     assert code == 2 and str(f) in err and key in err and "Traceback" not in err, err
 
 
-def test_v1_without_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("model,says", [(None, "Qwen/Qwen3-4B-Instruct-2507"), ({"name": "Qwen/Qwen3-4B"}, "hub id")])
+def test_v1_without_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, model: object, says: str) -> None:
+    """No `model` (v1 would train its default checkpoint) or one that is not a name: exit 2 naming it."""
     f = tmp_path / "v1.yaml"
-    f.write_text("dist_config:\n  name: fsdp2\nmicro_batch_size: 1\n")
+    f.write_text(yaml.safe_dump({**({"model": model} if model else {}), "dist_config": {"name": "fsdp2"}}))
     code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
-    assert code == 2 and str(f) in err and "'model'" in err and "Qwen/Qwen3-4B-Instruct-2507" in err, err
+    assert code == 2 and str(f) in err and "'model'" in err and says in err, err

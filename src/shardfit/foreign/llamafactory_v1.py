@@ -132,13 +132,16 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
     """The job of a v1 YAML. `nproc` the ranks it is launched with (v1 starts torchrun over every visible GPU)."""
     src = v1_source(path)
     model = src.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise UserError(f"{src.at('model')}: no 'model' (got {model!r}); LLaMA-Factory v1 would train its default "
+    if model is None:
+        raise UserError(f"{src.where}: no 'model'; LLaMA-Factory v1 would train its default "
                         f"Qwen/Qwen3-4B-Instruct-2507. Name the checkpoint: `model: ORG/NAME`.")
+    if not isinstance(model, str) or not model.strip():
+        raise UserError(f"{src.at('model')}: 'model' is {model!r}; LLaMA-Factory v1 reads a checkpoint's hub id or "
+                        f"path, e.g. `model: Qwen/Qwen3-4B`.")
     shape = shape_of(model)
     job = ForeignJob("llamafactory", src.where, model, Workload(), words=words(), nproc=nproc)
-    _engine(src, job, shape.hidden)
-    w = job.workload = _workload(src, job)
+    ds_precision = _engine(src, job, shape.hidden)
+    w = job.workload = _workload(src, job, ds_precision)
     job.quant_storage = w.method == "qlora"  # v1 stores 4-bit weights in the compute dtype
     job.data, job.data_missing = _datasets(src)
     if job.data_missing:
@@ -151,13 +154,14 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
     return job
 
 
-def _engine(src: Source, job: ForeignJob, hidden: int) -> None:
+def _engine(src: Source, job: ForeignJob, hidden: int) -> str | None:
     """`dist_config`: FSDP2 (fsdpturbo too: FSDP2 with experts shared over `ep_size` ranks), DeepSpeed with its
-    JSON, or none: DDP over several ranks (base_trainer `_shard_model`)."""
+    JSON, or none: DDP over several ranks (base_trainer `_shard_model`). Returns the precision a DeepSpeed JSON
+    sets (None: "auto" or none)."""
     name = src.get("dist_config.name")
     if name is None:
         job.engine = "ddp" if job.distributed else "single"
-        return
+        return None
     if name not in DIST:
         raise UserError(f"{src.at('dist_config.name')}: 'dist_config.name' is {name!r}; LLaMA-Factory v1's "
                         f"backends are {', '.join(DIST)} (or no dist_config: DDP).")
@@ -166,11 +170,11 @@ def _engine(src: Source, job: ForeignJob, hidden: int) -> None:
         if not isinstance(ref, str) or not ref:
             raise UserError(f"{src.at('dist_config.name')}: dist_config with name deepspeed needs 'config_file', "
                             f"the DeepSpeed JSON (e.g. examples/deepspeed/ds_z3_config.json).")
-        use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes)
-        return
+        return use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes).precision
     offload = src.flag("dist_config.offload_params")
     reshard = src.flag("dist_config.reshard_after_forward", True)
     job.engine = "fsdp_offload" if offload else "fsdp_full_shard" if reshard else "fsdp_shard_grad_op"
+    return None
 
 
 def _method(src: Source, job: ForeignJob) -> str:
@@ -193,12 +197,12 @@ def _method(src: Source, job: ForeignJob) -> str:
     return method
 
 
-def _precision(src: Source, job: ForeignJob, method: str) -> str:
+def _precision(src: Source, job: ForeignJob, method: str, ds_precision: str | None) -> str:
     """bf16 is FSDP2's compute dtype (and DeepSpeed's, by its JSON); without either nothing autocasts, so a fully
     trained model, cast to fp32 by v1, computes in fp32, and adapters compute beside the checkpoint's 16 bits."""
     bf16 = src.flag("bf16", True)
     if job.engine == "deepspeed":
-        return "bf16" if bf16 else "fp32"
+        return ds_precision or ("bf16" if bf16 else "fp32")
     if job.engine.startswith("fsdp") or method != "full":
         return "bf16" if bf16 or method != "full" else "fp32"
     job.notes.append("full fine-tuning without dist_config: LLaMA-Factory v1 casts the model to fp32 and does not "
@@ -206,7 +210,7 @@ def _precision(src: Source, job: ForeignJob, method: str) -> str:
     return "fp32"
 
 
-def _workload(src: Source, job: ForeignJob) -> Workload:
+def _workload(src: Source, job: ForeignJob, ds_precision: str | None) -> Workload:
     method = _method(src, job)
     attn = src.get("flash_attn", "sdpa")
     if attn not in V1_ATTENTION:
@@ -219,7 +223,7 @@ def _workload(src: Source, job: ForeignJob) -> Workload:
         fields.pop("expert_parallel", None)
     if method not in ("lora", "qlora"):
         fields["lora_dropout"] = 0.0
-    return Workload(method=method, precision=_precision(src, job, method),
+    return Workload(method=method, precision=_precision(src, job, method, ds_precision),
                     grad_ckpt="full" if src.flag("enable_activation_checkpointing", True) else "none",
                     optimizer="adamw", fused_adamw=False, loss="full_shift", attention=ATTENTION[attn],
                     frozen_fp32=False, quant_backend="bnb", **fields)
