@@ -60,5 +60,5 @@ def refuse_megatron(src: Source, nproc: int | None) -> UserError:
                if tp > 1 else "")
     return UserError(f"{src.where}: a LLaMA-Factory Megatron YAML (USE_MCA=1 or USE_MEGATRON_BRIDGE=1"
                      f"{': ' + given if given else ''}), which --from llamafactory does not read (it reads the "
-                     f"HF-Trainer YAML and v1 configs). Plan the same split with `{command}` ({world} GPUs: "
+                     f"HF-Trainer YAML and v1 configs). Plan the same split with `{command}` ({world} GPU(s): "
                      f"{'--nproc' if nproc else 'the fewest the split needs'}; H100: name your card){tp_note}.")
