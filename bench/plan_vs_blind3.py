@@ -43,7 +43,8 @@ def settings_of(index: int, row: dict, spec: dict) -> dict | str | None:
     `row_settings`), or the reason a planned-looking row is not planned (a target its source marks `not_planned`);
     None for a row case_of already does not plan (its model, strategy or method carries the reason)."""
     src = spec["sources"][pvb.source_of(row, spec)]
-    if isinstance(pvb.case_of(row, src, spec), str):
+    # With the row's own settings: a length its column writes in words ("64K") is read from them alone.
+    if isinstance(pvb.case_of(row, src, spec, spec.get("row_settings", {}).get(index)), str):
         return None
     out: dict = {}
     for column, table in COLUMNS:

@@ -5,7 +5,10 @@ the size tests count the characters that reach the rule patterns instead of timi
 from __future__ import annotations
 
 import base64
+import json
 import random
+import subprocess
+import sys
 
 from shardfit.diagnose.engine import analyze, diagnose, load_knowledge
 from shardfit.diagnose.parse import EVIDENCE_CHARS, REGION_BYTES, normalise, parse, select_regions
@@ -154,3 +157,38 @@ def test_words_that_contain_error_do_not_take_the_window_of_the_real_error() -> 
             + _b64_lines(5_000_000, seed=6))
     assert middle.strip() in select_regions(data)
     assert analyze(data).findings[0].category == "zero3_cpu_buffer_rotary"
+
+
+_TIMED = """
+import json, random, sys, time
+from shardfit.diagnose.engine import analyze, load_knowledge
+load_knowledge()
+analyze("warm-up")
+rng = random.Random(5)
+head = "Traceback (most recent call last):\\nRuntimeError: loss is nan\\n"
+words = "the trainer loads each shard then starts its loop on every rank and logs what it saw".split()
+def grow(row):
+    rows, n = [], len(head)
+    while n < SIZE:
+        rows.append(row()); n += len(rows[-1]) + 1
+    return head + "\\n".join(rows) + "\\n"
+u = rng.random
+# fixed-width key=value metrics: the terminal-wrap undo glues them into 2000-char lines ("...=004.189step=000002")
+dense = grow(lambda: f"step={rng.randrange(10**6):06d} loss={u():.6f} lr={u() * 1e-5:.6e} grad_norm={u():.6f} "
+                     f"tokens/s={u() * 1e4:09.2f} mem_gb={u() * 10:07.3f}")
+tensor = grow(lambda: "        [" + ", ".join(f"{u() * 6 - 3: .4e}" for _ in range(8)) + "],")
+plain = grow(lambda: " ".join(rng.choice(words) for _ in range(16)))
+def cpu(text):
+    t = time.process_time(); analyze(text); return time.process_time() - t
+print(json.dumps({"plain": min(cpu(plain) for _ in range(2)), "dense": cpu(dense), "tensor": cpu(tensor)}))
+"""
+
+
+def test_number_dense_logs_parse_about_as_fast_as_plain_ones() -> None:
+    """A log full of numbers (a metrics dump, a printed tensor) is no slower to read than prose of the same size,
+    up to a generous factor: no pattern backtracks over the digits (a glued "a=1b=2" once split two ways per token,
+    exponential on a 2000-char line). Timed in a child process, so a runaway pattern fails by its timeout."""
+    code = _TIMED.replace("SIZE", str(112_000))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    t = json.loads(r.stdout)
+    assert t["dense"] <= 3 * t["plain"] and t["tensor"] <= 3 * t["plain"], t

@@ -10,6 +10,24 @@ import pytest
 from shardfit.diagnose.engine import analyze
 
 LORA_STEP = "{'loss': 1.0874, 'grad_norm': 0.7011, 'learning_rate': 4.95e-05, 'epoch': 0.06}"
+PIP_UPGRADE = (
+    "$ pip install -U transformers accelerate\n"
+    "Requirement already satisfied: filelock in ./venv/lib/python3.11/site-packages (from transformers) (3.16.1)\n"
+    "Collecting transformers\n  Downloading transformers-4.57.1-py3-none-any.whl (12.0 MB)\n"
+    "Collecting accelerate\n  Downloading accelerate-1.10.1-py3-none-any.whl (374 kB)\n"
+    "Installing collected packages: accelerate, transformers\n"
+    "  Attempting uninstall: accelerate\n    Found existing installation: accelerate 0.34.2\n"
+    "    Uninstalling accelerate-0.34.2:\n      Successfully uninstalled accelerate-0.34.2\n"
+    "  Attempting uninstall: transformers\n    Found existing installation: transformers 4.44.2\n"
+    "    Uninstalling transformers-4.44.2:\n      Successfully uninstalled transformers-4.44.2\n"
+    "Successfully installed accelerate-1.10.1 transformers-4.57.1\n")
+# the HF Trainer's loop down to the call of the user's training_step (an installed transformers)
+TRAINER_LOOP = (
+    "[rank0]: Traceback (most recent call last):\n"
+    "[rank0]:   File \"{pkg}/transformers/trainer.py\", line 2325, in train\n"
+    "[rank0]:     return inner_training_loop(\n"
+    "[rank0]:   File \"{pkg}/transformers/trainer.py\", line 2674, in _inner_training_loop\n"
+    "[rank0]:     tr_loss_step = self.training_step(model, inputs, num_items_in_batch)\n")
 
 # label "none": no cause fits, the ranked list must stay empty; otherwise the label must come first and the causes
 # under `not` must stay out of the list
@@ -88,6 +106,29 @@ CASES = [
         "$ python bench_mm.py\nRuntimeError: CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx( "
         "handle, opa, opb, m, n, k, &falpha, a, CUDA_R_16F, lda, b, CUDA_R_16F, ldb)`\n"
         "GPU: H100 80GB, torch 2.4.0+cu124, driver 550")},
+    # an upgrade that went through: pip's transcript names old and new versions, but nothing failed
+    {"id": "clean_pip_upgrade_with_notices", "label": "none", "log": (
+        "# pip install -U deepspeed==0.17.2\nCollecting deepspeed==0.17.2\n"
+        "  Downloading deepspeed-0.17.2.tar.gz (1.6 MB)\n  Preparing metadata (setup.py) ... done\n"
+        "Building wheels for collected packages: deepspeed\n  Building wheel for deepspeed (setup.py) ... done\n"
+        "Successfully built deepspeed\nInstalling collected packages: deepspeed\n"
+        "  Attempting uninstall: deepspeed\n    Found existing installation: deepspeed 0.14.4\n"
+        "    Uninstalling deepspeed-0.14.4:\n      Successfully uninstalled deepspeed-0.14.4\n"
+        "Successfully installed deepspeed-0.17.2\n"
+        "WARNING: Running pip as the 'root' user can result in broken permissions and conflicting behaviour with the "
+        "system package manager.\n\n[notice] A new release of pip is available: 24.2 -> 25.3\n"
+        "[notice] To update, run: pip install --upgrade pip")},
+    # the user's own Trainer subclass calls its own methods with the wrong arguments, from its training_step
+    {"id": "own_compute_loss_called_wrongly", "label": "none", "log": (
+        "$ accelerate launch --num_processes 4 distill.py\n" + TRAINER_LOOP.format(pkg="/work/kd/.venv/lib/"
+        "python3.10/site-packages").replace("[rank0]: ", "") + "  File \"/work/kd/distill.py\", line 96, in "
+        "training_step\n    loss = self.compute_loss(model, inputs, True)\n"
+        "TypeError: DistillTrainer.compute_loss() takes 3 positional arguments but 4 were given")},
+    {"id": "own_helper_missing_argument_tail", "label": "none", "log": (
+        "[rank1]:   File \"/data/proj/sft/run.py\", line 77, in training_step\n"
+        "[rank1]:     scaled = self.weighted_loss(outputs.logits, inputs[\"labels\"])\n"
+        "[rank1]:              ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        "[rank1]: TypeError: WeightedLossTrainer.weighted_loss() missing 1 required positional argument: 'weights'")},
 ]
 
 
@@ -190,3 +231,35 @@ def test_cpu_adam_destructor_alone_still_points_at_the_build() -> None:
     assert _cats(tail)[:1] == ["env_deepspeed_op_build"]
     shown = "ValueError: optimizer got an empty parameter list\n" + tail
     assert _cats(shown) == []
+
+
+def test_a_clean_upgrade_is_no_failure_but_a_conflict_is() -> None:
+    """pip's transcript of an upgrade that went through names old and new versions but no failure; pip's resolver
+    naming a conflict, or a failure after the upgrade, still points at the versions."""
+    assert _cats(PIP_UPGRADE) == []
+    conflict = (PIP_UPGRADE.replace("Successfully installed", "ERROR: pip's dependency resolver does not currently "
+                "take into account all the packages that are installed.\nllamafactory 0.9.1 requires "
+                "transformers<=4.46.1,>=4.41.2, but you have transformers 4.57.1 which is incompatible.\n"
+                "Successfully installed"))
+    assert _cats(conflict)[:1] == ["library_version_regression"]
+    after = (PIP_UPGRADE + "$ python train.py\nTraceback (most recent call last):\n  File \"/home/u/train.py\", "
+             "line 40, in <module>\n    trainer = Trainer(model, args, tokenizer=tok)\n"
+             "TypeError: Trainer.__init__() got an unexpected keyword argument 'tokenizer'")
+    assert _cats(after)[:1] == ["library_version_regression"]
+
+
+def test_an_own_call_is_no_version_change_but_the_librarys_is() -> None:
+    """A TypeError raised where the user's training_step calls its own helper is the user's mistake; the library
+    calling the user's hook with a new argument, or the hook calling the library's with one, is a version change."""
+    pkg = "/home/mei/venv/lib/python3.11/site-packages"
+    own = (TRAINER_LOOP.format(pkg=pkg) + "[rank0]:   File \"/home/mei/rm/train_rm.py\", line 58, in training_step\n"
+           "[rank0]:     margin = self.margin_fn(chosen, rejected, self.args.margin_scale)\n"
+           "[rank0]: TypeError: PairwiseTrainer.margin_fn() takes 3 positional arguments but 4 were given")
+    assert _cats("$ torchrun --nproc_per_node 2 train_rm.py --bf16\n" + own) == []
+    hook = TRAINER_LOOP.format(pkg=pkg) + ("[rank0]: TypeError: PairwiseTrainer.training_step() takes 3 positional "
+                                           "arguments but 4 were given")
+    assert _cats(hook)[:1] == ["library_version_regression"]
+    base = (TRAINER_LOOP.format(pkg=pkg) + "[rank0]:   File \"/home/mei/rm/train_rm.py\", line 60, in training_step\n"
+            "[rank0]:     return super().training_step(model, inputs, num_items_in_batch)\n"
+            "[rank0]: TypeError: Trainer.training_step() takes 3 positional arguments but 4 were given")
+    assert _cats(base)[:1] == ["library_version_regression"]

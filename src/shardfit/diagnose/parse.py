@@ -110,6 +110,37 @@ _VERSION = re.compile(
     r"|xformers|llamafactory|nccl|cuda|triton|unsloth|ms-swift|driver)`?"
     r"(?:\s*\(GPU\?\))?(?:\s+info)?(?:[\s:=]*version)?[\s:=(]*v?(\d+\.\d+(?:\.\d+)?(?:[.+][\w.]*)?)", re.I)
 
+# A TypeError about a call's arguments raised where the user's own code called a method of the user's own class
+# (the frame above it is outside the installed libraries and the frameworks' trees, and the class is none of the
+# libraries'): the user's mistake, not a library that changed a signature.
+_ARG_ERROR = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.\w+\(\) (takes (from \d+ to )?\d+ positional arguments? but \d+ "
+                        r"(was|were) given|missing \d+ required (positional|keyword-only) arguments?|got an unexpected "
+                        r"keyword argument|got multiple values for argument)")
+# the libraries' own classes (a user's subclass has its own name: PairwiseTrainer, DistillTrainer)
+_LIBRARY_CLASS = re.compile(
+    r"(SFT|DPO|PPO|GRPO|KTO|ORPO|CPO|RLOO|BCO|PRM|GKD|XPO|Reward|Seq2Seq|OnlineDPO|IterativeSFT|NashMD)?Trainer|"
+    r"\w+(ForCausalLM|ForConditionalGeneration|ForSequenceClassification|PreTrainedModel|DecoderLayer)|"
+    r"\w*Attention\w*|Peft\w*|Lora\w*|Accelerator|DeepSpeed\w*|Lightning\w*|Module|Tensor|"
+    r"\w*(Config|Tokenizer\w*|Processor|Arguments|Engine)")
+_LIBRARY_PATH = re.compile(r"(site|dist)-packages|/lib/python\d|^<frozen|/(torch|transformers|trl|peft|accelerate|"
+                           r"deepspeed|datasets|llamafactory|llmtuner|swift|axolotl|openrlhf|verl|lightning|"
+                           r"pytorch_lightning|megatron|vllm|xtuner|unsloth|nemo)/")
+
+
+def _own_call(p: Parsed) -> bool:
+    """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code."""
+    e = p.exception
+    m = _ARG_ERROR.match(e.message) if e is not None and e.type == "TypeError" else None
+    if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
+        return False
+    for line in reversed(p.lines[max(0, e.line - 4):e.line]):
+        for pat in _FRAME_PATTERNS:
+            f = pat.search(line)
+            if f:
+                return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
+    return False
+
+
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 _ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
 _PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
@@ -454,6 +485,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
         p.facts.add(f"exit{code}")
     for sig in p.signals:
         p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
+    if _own_call(p):
+        p.facts.add("own_call")
     if p.exception:
         p.facts.add("has_exception")
         if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):

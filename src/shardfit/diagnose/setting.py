@@ -29,7 +29,9 @@ _LAUNCHERS = (
     ("llamafactory-cli", r"llamafactory-cli|FORCE_TORCHRUN"),
     ("swift", r"\bswift (?:sft|rlhf|pt|infer|train)\b|NPROC_PER_NODE=\d+ swift"),
     ("accelerate", r"accelerate launch|accelerate/commands/launch|accelerate\.commands\.launch"),
-    ("deepspeed", r"^\s*(?:\S+=\S+\s+)*deepspeed\s+(?:--\w|\S+\.py)|deepspeed\.launcher|launcher/runner\.py|"
+    # env assignments before the command: the name holds no "=", so a glued "a=1b=2" splits one way only (an
+    # ambiguous split backtracks exponentially on a long line of key=value numbers)
+    ("deepspeed", r"^\s*(?:[^\s=]+=\S+\s+)*deepspeed\s+(?:--\w|\S+\.py)|deepspeed\.launcher|launcher/runner\.py|"
                   r"\[launch\.py:\d+:main\]"),
     ("torchrun", r"\btorchrun\b|torch\.distributed\.(?:run|launch)\b|distributed/run\.py"),
     ("mpirun/srun", r"\bmpirun\b|\bsrun\b"),

@@ -20,7 +20,7 @@ from shardfit.foreign.common import (
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
 from shardfit.foreign.job import TOOL_NAMES, TOOLS, ForeignJob, Words
-from shardfit.foreign.llamafactory import read_llamafactory
+from shardfit.foreign.llamafactory_v1 import read_llamafactory_any
 from shardfit.foreign.swift import read_swift
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
@@ -33,8 +33,8 @@ BATCH_KEYS = {"llamafactory": "per_device_train_batch_size", "swift": "--per_dev
               "axolotl": "micro_batch_size", "hf": "--per_device_train_batch_size",
               "deepspeed": "train_micro_batch_size_per_gpu"}
 # The tools' keys that split each row over ranks, and that share each block's experts over them.
-SEQUENCE_KEYS = ("sequence_parallel_size", "context_parallel_size", "sequence_parallel_degree")
-EXPERT_KEYS = ("expert_parallel_size",)
+SEQUENCE_KEYS = ("sequence_parallel_size", "context_parallel_size", "sequence_parallel_degree", "cp_size")
+EXPERT_KEYS = ("expert_parallel_size", "dist_config.ep_size")
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         return _shape_of(opts.model or model)
 
     if tool == "llamafactory":
-        job = read_llamafactory(path, version, opts.nproc, shape_of)
+        job = read_llamafactory_any(path, version, opts.nproc, shape_of)
     elif tool == "swift":
         job = read_swift(path, shape_of, version, opts.nproc)
     elif tool == "axolotl":

@@ -61,9 +61,10 @@ def resolve_shape(model: str) -> ModelShape:
 
 def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
     """A catalog entry as a shape: a published config.json kept whole (`config`, the families whose layouts the
-    compact form cannot say: experts, shared experts, dense blocks, latent attention), or the compact form (its
+    compact form cannot say: experts, shared experts, dense blocks, latent attention), the compact form (its
     `vision` and `audio` mappings as a VisionShape and an AudioShape; with either and no `extra_params`, the towers'
-    weights are what lies outside the decoder)."""
+    weights are what lies outside the decoder), or `twin`: another entry's shape under this name."""
+    entry = _untwinned(entry)
     if "config" in entry:
         return shape_from_config(entry["config"], name)
     vision = VisionShape(**entry["vision"]) if entry.get("vision") else None
@@ -82,9 +83,17 @@ def _variants(name: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def _untwinned(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry a `twin` entry names (a release whose config.json has its twin's shape under another name, such as
+    Qwen2.5-Coder-7B-Instruct and Qwen2.5-7B-Instruct, which the name-based `_variants` cannot pair), else `entry`."""
+    return catalog()[entry["twin"]] if "twin" in entry else entry
+
+
 def catalog_config(model: str) -> dict[str, Any] | None:
-    """The published config.json a catalog entry keeps whole, or None (a compact entry, or not in the catalog)."""
+    """The published config.json a catalog entry (or its twin) keeps whole, or None (a compact entry, or not in the
+    catalog)."""
     entry = catalog().get(model)
+    entry = _untwinned(entry) if entry else None
     return dict(entry["config"]) if entry and "config" in entry else None
 
 

@@ -1,0 +1,155 @@
+"""`plan|check|convert --from llamafactory` on LLaMA-Factory's v1 configs (top-level `model:`, plugin mappings such
+as `dist_config: {name: fsdp2}`) and its Megatron YAMLs (tests/foreign_jobs/lf_v1/): a v1 job is read into the
+same job as a v0 one, a Megatron one exits 2 with a `shardfit plan` of its split that runs as printed, and bad v1
+input exits 2 naming the file and the key."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfit.config import load_config
+from shardfit.foreign.asplanned import plan_job
+from shardfit.foreign.convert import to_yaml
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from tests.helpers import ROOT, run_here
+
+JOBS = ROOT / "tests" / "foreign_jobs" / "lf_v1"
+PLUGINS = ("dist_config", "peft_config", "quant_config", "kernel_config", "optim_config", "init_config")
+
+# file, ranks, GPUs, the engine read, (method, precision, seq, micro-batch, grad accum, rank, row split, expert
+# split), fits as configured, keys that must be listed as not modelled.
+CASES = [
+    ("lora_fsdp2.yaml", 4, "4xH100", "FSDP full_shard", ("lora", "bf16", 4096, 2, 4, 32, 1, 1), True, set()),
+    ("full_deepspeed.yaml", 8, "8xA100-80G", "DeepSpeed ZeRO-3", ("full", "bf16", 2048, 4, 1, 8, 1, 1), True, set()),
+    ("qlora_single.yaml", None, "1x24GB", "one process, one GPU", ("qlora", "bf16", 1024, 1, 1, 8, 1, 1), True,
+     {"optim_config.name", "peft_config.target_modules", "peft_config.use_dora", "shiny_new_key"}),
+    ("freeze_ddp.yaml", 2, "2x24GB", "DDP (full replica per rank)", ("freeze", "bf16", 512, 8, 1, 8, 1, 1), True,
+     set()),
+    ("moe_cp_ep.yaml", 8, "8xH100", "FSDP full_shard", ("full", "bf16", 16384, 1, 1, 8, 2, 4), False, set()),
+]
+
+
+def _keys(path: Path) -> set[str]:
+    """The file's keys as the reader names them: a plugin mapping's as `plugin.key`."""
+    out = set()
+    for key, value in yaml.safe_load(path.read_text()).items():
+        out |= {f"{key}.{k}" for k in value} if key in PLUGINS and isinstance(value, dict) else {key}
+    return out
+
+
+@pytest.mark.parametrize("file,nproc,gpus,engine,workload,fits,unmodelled", CASES, ids=[c[0] for c in CASES])
+def test_v1_job_planned_checked_converted(tmp_path: Path, capsys: pytest.CaptureFixture, file: str, nproc: int | None,
+                                          gpus: str, engine: str, workload: tuple, fits: bool,
+                                          unmodelled: set) -> None:
+    path = JOBS / file
+    job = read_job("llamafactory", str(path), JobOptions(nproc=nproc))
+    w = job.workload
+    assert job.model == yaml.safe_load(path.read_text())["model"]
+    assert job.describe_engine() == engine
+    assert (w.method, w.precision, w.seq_len, w.micro_batch, w.grad_accum, w.lora_rank, w.sequence_parallel,
+            w.expert_parallel) == workload
+    assert w.loss == "full_shift" and not w.fused_adamw  # v1's own loss over fp32 logits; torch's AdamW
+    fp = plan_job(job, resolve_shape(job.model), parse_gpus(gpus))
+    assert fp.configured.fits is fits and fp.configured.per_gpu_gib.total > 0
+    assert _keys(path) <= set(job.keys) | set(job.not_modelled), _keys(path) - set(job.keys) - set(job.not_modelled)
+    assert unmodelled <= set(job.not_modelled), job.not_modelled
+    launch = ["--nproc", str(nproc)] if nproc else []
+    code, out, err = run_here(capsys, "plan", "--from", "llamafactory", str(path), "--gpus", gpus, *launch)
+    assert code == (0 if fits else 3) and engine in out, err  # 3: does not fit as configured
+    code, out, err = run_here(capsys, "check", "--from", "llamafactory", str(path), "--gpus", gpus, *launch)
+    assert code in (0, 1) and "from llamafactory" in out, err
+    converted = tmp_path / "converted.yaml"
+    code, _, err = run_here(capsys, "convert", "--from", "llamafactory", str(path), *launch, "--out", str(converted))
+    assert code == 0, err
+    cfg = load_config(converted, check_files=False)
+    assert (cfg.method, cfg.max_seq_len, cfg.micro_batch, cfg.grad_accum, cfg.strategy) == (
+        w.method, w.seq_len, w.micro_batch, w.grad_accum, job.strategy)
+
+
+def test_v1_settings_carried_over() -> None:
+    """v1's own defaults and plugin keys reach the config: LoRA alpha and dropout (16 and 0.05 unless given), the
+    freeze plugin's last blocks, the data its dataset YAML names, fsdp2's offload."""
+    lora = to_yaml(read_job("llamafactory", str(JOBS / "lora_fsdp2.yaml"), JobOptions(nproc=4)))
+    cfg = yaml.safe_load(lora)
+    assert cfg["lora"] == {"rank": 32, "dropout": 0.05, "alpha": 64, "targets": "all-linear"}
+    assert cfg["data"].endswith("lf_v1/data/sft.jsonl") and "expert_parallel" not in cfg
+    freeze = yaml.safe_load(to_yaml(read_job("llamafactory", str(JOBS / "freeze_ddp.yaml"), JobOptions(nproc=2))))
+    assert freeze["freeze_trainable"] == [f"layers.{i}." for i in range(24, 28)]  # Qwen3-0.6B: 28 blocks
+
+
+def test_v1_precision_and_offload(tmp_path: Path) -> None:
+    """A full fine-tune without dist_config computes in fp32 (v1 casts the model, and bf16 only sets FSDP2's
+    compute dtype); fsdp2 with offload_params is the offloaded FSDP."""
+    f = tmp_path / "full.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\nmicro_batch_size: 1\n")
+    job = read_job("llamafactory", str(f), JobOptions())
+    assert job.workload.precision == "fp32" and job.workload.method == "full" and job.engine == "single"
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: fsdp2\n  offload_params: true\n")
+    assert read_job("llamafactory", str(f), JobOptions(nproc=2)).describe_engine() == \
+        "FSDP full_shard with CPU offload"
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: deepspeed\n  config_file: ds.json\n")
+    job = read_job("llamafactory", str(f), JobOptions(nproc=2))
+    assert (job.workload.precision, job.describe_engine()) == ("fp16", "DeepSpeed ZeRO-2")  # the JSON's, not bf16
+
+
+def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
+    gpus = ["--gpus", "8xH100"] if command != "convert" else []
+    code, _, err = run_here(capsys, command, "--from", "llamafactory", str(JOBS / file), *gpus)
+    assert code == 2 and "Megatron" in err, err
+    return err
+
+
+@pytest.mark.parametrize("file,flags", [
+    ("megatron_moe.yaml", ("--pipeline-parallel 4", "--expert-parallel 2", "--grad-accum 8", "--grad-ckpt full")),
+    ("megatron_tp.yaml", ("--pipeline-parallel 2", "--grad-accum 2", "--grad-ckpt none")),
+])
+def test_megatron_yaml_refused_with_its_split(capsys: pytest.CaptureFixture, file: str, flags: tuple) -> None:
+    err = _refusal(capsys, "plan", file)
+    for command in ("check", "convert"):
+        _refusal(capsys, command, file)
+    printed = re.search(r"`(shardfit plan [^`]+)`", err).group(1)
+    assert all(f in printed for f in flags), printed
+    assert ("tensor parallelism is not planned" in err) is (file == "megatron_tp.yaml")
+    code, out, err = run_here(capsys, *shlex.split(printed)[1:])  # runs as printed
+    assert code == 0 and "pipeline_parallel=" in out, err
+
+
+BAD = [
+    ("micro_batch_size: two\n", "micro_batch_size"),
+    ("dist_config:\n  name: fsdp3\n", "dist_config.name"),
+    ("dist_config: fsdp2\n", "dist_config"),
+    ("dist_config:\n  name: deepspeed\n", "config_file"),
+    ("peft_config:\n  name: ia3\n", "peft_config.name"),
+    ("quant_config:\n  name: bnb\n  quantization_bit: 3\n", "quant_config.quantization_bit"),
+    ("cp_size: 2\ndist_config:\n  name: fsdp2\n", "cp_size"),
+    ("flash_attn: fa2\n", "flash_attn"),
+    ("micro_batch_size: 3\nglobal_batch_size: 8\n", "global_batch_size"),
+    ("batching_strategy: padding_free\n", "batching_strategy"),
+]
+
+
+@pytest.mark.parametrize("body,key", BAD, ids=[b[1] for b in BAD])
+def test_bad_v1_input_exits_2_naming_file_and_key(tmp_path: Path, capsys: pytest.CaptureFixture, body: str,
+                                                  key: str) -> None:
+    f = tmp_path / "v1.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\n" + body)
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
+    assert code == 2 and str(f) in err and key in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("model,says", [(None, "Qwen/Qwen3-4B-Instruct-2507"), ({"name": "Qwen/Qwen3-4B"}, "hub id")])
+def test_v1_without_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, model: object, says: str) -> None:
+    """No `model` (v1 would train its default checkpoint) or one that is not a name: exit 2 naming it."""
+    f = tmp_path / "v1.yaml"
+    f.write_text(yaml.safe_dump({**({"model": model} if model else {}), "dist_config": {"name": "fsdp2"}}))
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
+    assert code == 2 and str(f) in err and "'model'" in err and says in err, err
