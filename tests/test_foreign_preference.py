@@ -72,7 +72,7 @@ def test_llamafactory_dpo_keys_carry_over(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("extra, objective, dpo", [
-    ("stage: kto\nkto_chosen_weight: 1.5\nkto_rejected_weight: 0.8\n", "kto",
+    ("stage: kto\nkto_chosen_weight: 1.5\nkto_rejected_weight: 0.8\nper_device_train_batch_size: 2\n", "kto",
      {"beta": 0.1, "desirable_weight": 1.5, "undesirable_weight": 0.8}),
     ("stage: dpo\npref_loss: orpo\npref_beta: 0.05\n", "orpo", {"beta": 0.05}),
     ("stage: dpo\npref_loss: simpo\npref_beta: 2.5\nsimpo_gamma: 1.2\n", "simpo", {"beta": 2.5, "simpo_gamma": 1.2}),
@@ -103,7 +103,7 @@ def test_axolotl_rl(tmp_path: Path) -> None:
     ipo = read_job("axolotl", _write(tmp_path, "a.yml", base + "rl: ipo\nrl_beta: 0.4\n"), JobOptions())
     assert to_config(ipo)["dpo"] == {"beta": 0.4, "loss": "ipo"} and ipo.keeps_reference()
     kto = read_job("axolotl", _write(tmp_path, "k.yml", base + "rl: kto\nadapter: lora\nkto_desirable_weight: 2\n"
-                                     "kto_undesirable_weight: 0.5\n"), JobOptions())
+                                     "kto_undesirable_weight: 0.5\nmicro_batch_size: 2\n"), JobOptions())
     assert to_config(kto)["dpo"] == {"beta": 0.1, "desirable_weight": 2.0, "undesirable_weight": 0.5}
     assert not kto.keeps_reference()  # TRL switches the adapter off instead
     own = read_job("axolotl", _write(tmp_path, "o.yml", base + "rl: dpo\nadapter: lora\nrl_adapter_ref_model: true\n"

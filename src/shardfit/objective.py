@@ -60,3 +60,14 @@ def reference_of(objective: str, adapters: bool, precompute: bool | str) -> str 
     if precompute == "auto":
         return "adapters_off" if adapters else "precomputed"
     return "precomputed" if precompute else "adapters_off"
+
+
+def micro_batch_problem(name: str, micro_batch: int) -> str | None:
+    """Why objective `name` cannot train at `micro_batch` rows a micro-batch, or None. KTO's reference point is the
+    policy/reference log-ratio over the micro-batch's rows (TRL's KL term, shardfit's mean): with one row it is that
+    row's own, and the loss stops moving (TRL's KTOTrainer refuses a batch of 1 for the same reason). Shared by
+    shardfit's config checks and `--from` jobs, so plan, check and convert refuse alike."""
+    if name == "kto" and micro_batch < 2:
+        return ("objective kto takes its reference point from the rows of a micro-batch: with one row it is that "
+                "row's own log-ratio and the loss stops moving")
+    return None

@@ -9,7 +9,7 @@ from shardfit.cli.args import positive_int
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
 from shardfit.foreign.job import TOOLS
-from shardfit.foreign.read import JobOptions, read_job
+from shardfit.foreign.read import JobOptions, launch_on, read_job
 from shardfit.method import NAMES as method_names
 from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.shapes import resolve_shape
@@ -47,4 +47,5 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
                         f"of --gpus {args.gpus}; ranks would share GPUs, each with its own CUDA context and model "
                         f"copy. Launch at most {n} rank{'s' * (n > 1)} a node, or name the node's GPUs (--gpus "
                         f"{job.nproc}x...).")
+    launch_on(job, hw.gpus_per_node)
     return plan_job(job, resolve_shape(job.model), hw)

@@ -336,10 +336,9 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
         fail("dpo.precompute_reference", f"is false, but method {cfg.method} has no adapters to switch off for the "
              "reference: set it to auto or true (the reference's log-probabilities are computed once before the "
              "first step, with no second copy of the weights).")
-    if cfg.objective == "kto" and cfg.micro_batch < 2:
-        fail("micro_batch", "is 1, but objective kto takes its reference point from the rows of a micro-batch: with "
-             "one row it is that row's own log-ratio and the loss stops moving. Set micro_batch: 2 or more (lower "
-             "max_seq_len or use grad_ckpt: full if memory is short).")
+    if problem := objective.micro_batch_problem(cfg.objective, cfg.micro_batch):
+        fail("micro_batch", f"is {cfg.micro_batch}, but {problem}. Set micro_batch: 2 or more (lower max_seq_len or "
+             "use grad_ckpt: full if memory is short).")
     problem = adapter_dtype_problem(cfg)
     if problem:
         fail("lora.dtype", problem)

@@ -60,6 +60,9 @@ def configured_estimate(job: ForeignJob, shape: ModelShape, w: Workload, hw: Har
         strategy = ENGINE_STRATEGY.get(engine, "single")
         if strategy == "single" and hw.world > 1:
             hw = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
+        elif engine.startswith("fsdp") and job.shard_ranks and job.shard_ranks < hw.world:
+            # each rank holds 1/N of the model for a shard group of N ranks, whatever the replicas around it
+            hw = dataclasses.replace(hw, nodes=1, gpus_per_node=job.shard_ranks)
         c = estimate(shape, w, hw, strategy)
     return with_reference(c, ref, hw) if ref else c
 

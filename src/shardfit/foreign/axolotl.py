@@ -38,9 +38,14 @@ from shardfit.foreign.keys import (
     yaml_source,
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
+# `gradient_checkpointing` values that checkpoint every block beside true: unsloth's, and the older spellings of
+# activation offloading (`offload` is `activation_offloading: true`, `offload_disk` is `disk`).
+OFFLOAD_SPELLINGS = {"offload": "true", "offload_disk": "disk"}
+CHECKPOINT_WORDS = ("unsloth", *OFFLOAD_SPELLINGS)
 
 
 def _compiled(value: Any, key: str, where: str) -> bool:
@@ -84,6 +89,9 @@ KEYS = key_table({
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
+    "quantize_moe_experts": Key("routed experts in 4-bit, as planned"), "fsdp_version": Key("FSDP1 or FSDP2"),
+    "dp_shard_size": Key("FSDP shard group"),
+    "tensor_parallel_size": Key("no tensor parallelism (1)"), "dp_replicate_size": Key("replicas of the shards"),
     # carried over to the shardfit config (LoRA's targets are decided in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float, default=0.0),
@@ -145,10 +153,13 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     elif fsdp := _fsdp_engine(src):
         job.engine = fsdp
         _fsdp_checkpointing(src, job)
+        _fsdp_version(src, job)
     elif nproc and nproc > 1:
         job.engine = "ddp"
+    _parallel_sizes(src, job)
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
+    _unplanned_savings(src, job, shape.experts > 1, version)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     apply(job, _preference(src))
@@ -229,7 +240,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     _one_attention(src, impl)
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
-    return Workload(method=method, precision=precision, grad_ckpt="full" if gc == "unsloth" or as_bool(gc) else "none",
+    return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
+                    else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
                         "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
@@ -251,9 +263,32 @@ def _one_attention(src: Source, impl: str) -> None:
 
 def _checkpointing(src: Source, job: ForeignJob) -> None:
     on = job.workload.grad_ckpt != "none"
+    _offloading(src, job, on)
     kwargs = src.get("gradient_checkpointing_kwargs") or {}
     job.reentrant_ckpt = on and as_bool(kwargs.get("use_reentrant", True)) if isinstance(kwargs, dict) else on
     job.find_unused = src.flag("ddp_find_unused_parameters")
+
+
+def _offloading(src: Source, job: ForeignJob, on: bool) -> None:
+    """axolotl's activation offloading (`activation_offloading`, or `gradient_checkpointing: offload|offload_disk`,
+    its older spelling of true|disk): the activations checkpointing keeps go to host memory or disk. shardfit
+    offloads no activations, so the plan keeps them on the GPU (an over-estimate), and says so."""
+    gc, ao = src.get("gradient_checkpointing"), src.get("activation_offloading")
+    old = OFFLOAD_SPELLINGS.get(str(gc).lower()) if isinstance(gc, str) else None
+    mode = str(ao).lower() if ao not in (None, False) and str(ao).lower() not in ("false", "none") else old
+    if mode is None:
+        return
+    if ao not in (None, False) and not on:
+        raise UserError(f"{src.at('activation_offloading')}: 'activation_offloading: {str(ao).lower()}' without "
+                        f"gradient_checkpointing; axolotl refuses it (activation offloading requires gradient "
+                        f"checkpointing): set gradient_checkpointing: true.")
+    key = "activation_offloading" if ao not in (None, False) else f"gradient_checkpointing: {gc}"
+    where = "disk" if mode == "disk" else "host memory"
+    what = "each block's input" if mode == "hidden_states" else "the activations"
+    job.notes.append(f"{key}: axolotl moves {what} to {where}; shardfit does not model offloaded activations, so "
+                     "the plan keeps them on the GPU as checkpointing does (an over-estimate of the GPU's "
+                     "activations; ask for activation offloading in shardfit)")
+    job.not_carried.append(f"{key} not carried: shardfit keeps activations on the GPU (grad_ckpt full)")
 
 
 def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
@@ -265,6 +300,56 @@ def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
         job.workload = dataclasses.replace(job.workload, grad_ckpt="full")
         job.reentrant_ckpt = False
         job.notes.append("fsdp_config activation_checkpointing checkpoints every block (planned as grad_ckpt full)")
+
+
+def _unplanned_savings(src: Source, job: ForeignJob, moe: bool, version: str) -> None:
+    """Keys whose memory shardfit does not count, said rather than dropped: `tiled_mlp` (ALST's MLP over slices
+    of the sequence: less activation memory than planned), and 4-bit routed experts. transformers 5 keeps a
+    mixture's experts in fused 3-D weights, which bitsandbytes leaves unquantized unless axolotl's
+    `quantize_moe_experts` quantizes them on load; shardfit's QLoRA plans them in NF4 either way."""
+    if src.flag("tiled_mlp"):
+        job.notes.append("tiled_mlp: axolotl runs each MLP over slices of the sequence; shardfit plans it whole (an "
+                         "over-estimate of the MLP's activations at long sequences)")
+    if moe and job.workload.method == "qlora" and not src.flag("quantize_moe_experts") and \
+            version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 5:
+        job.notes.append(f"quantize_moe_experts not set: with transformers {version} the routed experts' fused "
+                         "weights stay in 16-bit, but are planned in 4-bit NF4 (an under-estimate of the frozen "
+                         "weights); quantize_moe_experts: true quantizes them as planned")
+
+
+def _fsdp_version(src: Source, job: ForeignJob) -> None:
+    """`fsdp_version` (top level, or in `fsdp_config`): axolotl runs FSDP1 unless it is 2. FSDP1 wraps the blocks
+    only, so an untied input embedding stays gathered in the root unit through forward and backward."""
+    cfg = fsdp_settings(src.get("fsdp_config") or {}, src.at("fsdp_config"))
+    version = src.get("fsdp_version")
+    version = cfg.get("version", 1) if version is None else version
+    if str(version) not in ("1", "2"):
+        raise UserError(f"{src.at('fsdp_version')}: 'fsdp_version' is {version!r}; axolotl runs FSDP 1 or 2.")
+    job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
+    if "fsdp_version" not in src and "version" not in cfg:
+        job.notes.append("fsdp_version not set: axolotl runs FSDP1 (fsdp_version: 2 for FSDP2)")
+
+
+def _parallel_sizes(src: Source, job: ForeignJob) -> None:
+    """axolotl's ParallelismConfig sizes shardfit plans or refuses: `tensor_parallel_size` (each layer's matrices
+    split over ranks; shardfit plans no tensor parallelism) is refused, `dp_shard_size` shards FSDP over groups of
+    that many ranks, replicated across the groups (HSDP): each rank holds 1/dp_shard_size of the model."""
+    tp = src.get("tensor_parallel_size")
+    if tp is not None and as_int(tp, "tensor_parallel_size", src.at("tensor_parallel_size")) > 1:
+        raise UserError(f"{src.at('tensor_parallel_size')}: 'tensor_parallel_size: {tp}' splits each layer's "
+                        f"matrices over {tp} ranks; shardfit does not plan tensor parallelism. Plan the job without "
+                        f"it (remove the key): FSDP (fsdp_config, fsdp_version: 2) or ZeRO-3 shards the weights "
+                        f"over the ranks instead, or plan a layer split with `shardfit plan --model "
+                        f"{src.get('base_model')} --pipeline-parallel {tp}`.")
+    shard = src.get("dp_shard_size")
+    if shard is None or (n := as_int(shard, "dp_shard_size", src.at("dp_shard_size"))) <= 1:
+        return
+    if not job.engine.startswith("fsdp"):
+        raise UserError(f"{src.at('dp_shard_size')}: 'dp_shard_size: {shard}' without fsdp_config; axolotl refuses "
+                        f"it (dp_shard_size was configured without a corresponding fsdp_config): add fsdp_config.")
+    job.shard_ranks = n
+    job.notes.append(f"dp_shard_size {n}: FSDP shards over groups of {n} ranks and replicates across them; each "
+                     f"GPU is planned as one of {n} shards (gradients are also all-reduced across the groups)")
 
 
 def _fsdp_engine(src: Source) -> str | None:
@@ -284,15 +369,21 @@ def _fsdp_engine(src: Source) -> str | None:
 
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
-    unplanned = set()
-    if "lora_target_modules" in src and not src.flag("lora_target_linear"):
-        unplanned.add("lora_target_modules")
-        job.notes.append("lora_target_modules without lora_target_linear: planned as adapters on every linear "
-                         "layer (an over-estimate)")
+    unplanned, effects = set(), {}
+    targets = src.get("lora_target_modules")
+    if targets and not src.flag("lora_target_linear"):
+        effect = plan_targets(job, "lora_target_modules", targets if isinstance(targets, str) else
+                              [str(t) for t in targets])
+        if effect:
+            effects["lora_target_modules"] = effect
+        else:
+            unplanned.add("lora_target_modules")
+    elif targets:  # axolotl adds every linear layer to the modules named
+        effects["lora_target_modules"] = "within every linear layer (lora_target_linear)"
     if optimizer(str(src.get("optimizer", "adamw_torch"))) is None:
         unplanned.add("optimizer")
-    off = {key: "off" for key in ("load_in_4bit", "load_in_8bit") if key in src and not src.flag(key)}
-    file_keys(job, src.items(), KEYS, w, effects=off, unplanned=unplanned)
+    effects |= {key: "off" for key in ("load_in_4bit", "load_in_8bit") if key in src and not src.flag(key)}
+    file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
 
 
 def _datasets(src: Source, job: ForeignJob) -> list[str]:
@@ -312,5 +403,7 @@ def _convert(src: Source) -> dict[str, Any]:
         out["attn_implementation"] = "flex_attention"  # planned as flash; some models (Llama 4) have no FA2
     # adapters on every linear layer unless lora_target_linear is off and modules are named
     targets = src.get("lora_target_modules")
-    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear", True) or not targets else list(targets)
+    # a string is one regular expression over module names (peft's reading, and shardfit's)
+    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear") or not targets else \
+        str(targets) if isinstance(targets, str) else [str(t) for t in targets]
     return out

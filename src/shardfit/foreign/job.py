@@ -56,6 +56,7 @@ class ForeignJob:
     nproc: int | None = None  # ranks per node as launched (None: the launch does not say)
     gpus: int | None = None  # GPUs one process spans (a device-map job)
     nnodes: int = 1
+    shard_ranks: int | None = None  # FSDP shards over groups of this many ranks, replicated across groups (HSDP)
     launcher: str | None = None
     device_map: str | None = None  # a device map the job loads with ("auto", "balanced", a dict as text)
     speech_outputs: bool = False  # the model's speech modules (an Omni talker) are loaded with it

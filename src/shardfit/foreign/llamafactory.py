@@ -38,6 +38,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.lf_columns import data_columns
 from shardfit.foreign.preference import Preference, apply, choice, refuse
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -239,9 +240,13 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {"optim"} if optimizer(str(src.get("optim", "adamw_torch"))) is None else set()
     effects = {}
-    if "lora_target" in src and str(src.get("lora_target")) != "all":
-        unplanned.add("lora_target")
-        job.notes.append("lora_target is not all: planned as adapters on every linear layer (an over-estimate)")
+    targets = lora_targets(src.get("lora_target", "all"), "lora_target", src.at("lora_target"))
+    if targets != "all-linear":
+        effect = plan_targets(job, "lora_target", targets)
+        if effect:
+            effects["lora_target"] = effect
+        else:
+            unplanned.add("lora_target")
     if "freeze_vision_tower" in src:
         if w.method != "full":
             effects["freeze_vision_tower"] = "frozen either way"

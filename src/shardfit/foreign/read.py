@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.axolotl import read_axolotl
 from shardfit.foreign.common import (
@@ -18,7 +19,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
-from shardfit.foreign.job import TOOLS, ForeignJob, Words
+from shardfit.foreign.job import TOOL_NAMES, TOOLS, ForeignJob, Words
 from shardfit.foreign.llamafactory_v1 import read_llamafactory_any
 from shardfit.foreign.swift import read_swift
 from shardfit.plan.shapes import ModelShape, resolve_shape
@@ -27,6 +28,10 @@ from shardfit.resolve.dims import ParallelDims
 from shardfit.resolve.experts_rules import check_ep_model
 from shardfit.resolve.sequence import check_model, facts_of_shape
 
+# Each tool's key for the rows of one micro-batch on one rank.
+BATCH_KEYS = {"llamafactory": "per_device_train_batch_size", "swift": "--per_device_train_batch_size",
+              "axolotl": "micro_batch_size", "hf": "--per_device_train_batch_size",
+              "deepspeed": "train_micro_batch_size_per_gpu"}
 # The tools' keys that split each row over ranks, and that share each block's experts over them.
 SEQUENCE_KEYS = ("sequence_parallel_size", "context_parallel_size", "sequence_parallel_degree", "cp_size")
 EXPERT_KEYS = ("expert_parallel_size", "dist_config.ep_size")
@@ -81,9 +86,37 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
     _check_split(job, shape_of)
+    _check_micro_batch(job, opts)
     job.notes.append(f"loss as transformers {version} computes it" +
                      (" (fused kernel: no full logits)" if job.workload.loss == "chunked" else ""))
     return job
+
+
+def launch_on(job: ForeignJob, gpus_per_node: int) -> None:
+    """The ranks of a job whose launch does not say them, on nodes of `gpus_per_node` GPUs: `llamafactory-cli
+    train` starts torchrun itself over every visible GPU when it sees more than one (or with FORCE_TORCHRUN), so it
+    runs one rank per GPU, not one process."""
+    if job.tool != "llamafactory" or job.nproc is not None or gpus_per_node < 2:
+        return
+    job.nproc = gpus_per_node
+    job.launcher = "torchrun"
+    if job.engine == "single":
+        job.engine = "ddp"
+    job.notes.append(f"llamafactory-cli train starts torchrun over all {gpus_per_node} visible GPUs itself: planned "
+                     f"as {gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")
+
+
+def _check_micro_batch(job: ForeignJob, opts: JobOptions) -> None:
+    """A micro-batch the job's objective cannot train at (KTO at 1 row): the rule `shardfit convert` meets when it
+    loads the converted config, applied when the job is read, so plan and check refuse it too."""
+    w = job.workload
+    problem = objectives.micro_batch_problem(w.objective, w.micro_batch)
+    if problem is None:
+        return
+    key = "--batch" if opts.batch is not None else BATCH_KEYS[job.tool]
+    raise UserError(f"{job.source}: {key} {w.micro_batch} with objective {w.objective}: {problem} (TRL's KTOTrainer, "
+                    f"which {TOOL_NAMES[job.tool]} runs, refuses it too). Set {key} to 2 or more (with fewer "
+                    f"gradient accumulation steps for the same global batch); plan --from ... --batch 2 plans that.")
 
 
 def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJob:

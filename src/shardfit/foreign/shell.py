@@ -137,6 +137,10 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
             i = 2
         while i < len(words) and words[i].startswith("-"):
             name, eq, value = words[i].partition("=")
+            if name == "-m" and i + 1 < len(words):  # `python -m pkg.module`, `torchrun -m pkg.module`
+                words = [*words[:i + 1], words[i + 1].replace(".", "/") + ".py", *words[i + 2:]]
+                i += 1
+                break
             if not eq and i + 1 < len(words) and not words[i + 1].startswith("-") and not _is_program(
                     words[i + 1], programs) and name not in ("-u",):
                 value, i = words[i + 1], i + 1
@@ -151,8 +155,8 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
     two = f"{name} {words[i + 1]}" if i + 1 < len(words) else name
     if two in programs:
         cmd.program, i = two, i + 2
-    elif name in programs or any(name.endswith(p) for p in programs if p.startswith(".")):
-        cmd.program, i = name, i + 1
+    elif (one := _one_word_program(prog, programs)) is not None:
+        cmd.program, i = one, i + 1
     else:
         return None
     rest = words[i:]
@@ -175,7 +179,19 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
     return cmd
 
 
+def _one_word_program(word: str, programs: tuple[str, ...]) -> str | None:
+    """The entry of `programs` that one word runs: a name (`finetune.py`), a suffix (`.py`), or a path within a
+    package (`swift/cli/sft.py`, matched at the end of the word's path, as an installed package's script is run);
+    None when it runs none of them."""
+    name = word.rsplit("/", 1)[-1]
+    if name in programs:
+        return name
+    if any(name.endswith(p) for p in programs if p.startswith(".")):
+        return name
+    return next((p for p in programs if "/" in p and (word == p or word.endswith("/" + p))), None)
+
+
 def _is_program(word: str, programs: tuple[str, ...]) -> bool:
     name = word.rsplit("/", 1)[-1]
-    return name in programs or name.split(" ")[0] in {p.split(" ")[0] for p in programs} or any(
-        name.endswith(p) for p in programs if p.startswith("."))
+    return _one_word_program(word, programs) is not None or name.split(" ")[0] in {
+        p.split(" ")[0] for p in programs}

@@ -44,6 +44,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.workload import Workload
 
 
@@ -91,13 +92,20 @@ KEYS = key_table({
     "lora_dropout": Key(config="lora.dropout", read=as_float),
     "target_modules": Key("adapters on every linear layer", config="lora.targets", read=lora_targets,
                           default="all-linear"),
+    # the micro-batch's rows flattened into one without padding (flash attention's varlen): no more tokens than
+    # the planned micro-batch x max_length, which is what the plan counts either way; unlike --packing (shardfit's
+    # `packing`) it does not fill rows with more examples, so it is not carried over as packing
+    # transformers' experts_implementation: grouped_mm (shardfit's own) or eager's loop over the experts hold what
+    # the plan counts; batched_mm copies each token's expert weights (`_file_keys`)
+    "experts_impl": Key("routed experts computed as planned"),
+    "padding_free": Key("rows without padding: at most micro-batch x max_length tokens, as planned"),
     "packing": Key(config="packing", read=flag, default="false"), "output_dir": Key(config="output_dir", read=text),
     # `swift rlhf` (`_preference`): the objective, and the reference model a full fine-tune loads beside the policy
     "rlhf_type": Key("objective {objective}"), "ref_model": Key("reference model loaded beside the policy"),
 }, no_effect=TRAINER_NO_EFFECT | PREFERENCE_KEYS | {
     "dataset", "val_dataset", "system", "model_author", "model_name", "streaming", "dataset_num_proc", "template",
     "model_type", "add_version", "columns", "save_only_model", "load_from_cache_file", "truncation_strategy",
-    "loss_scale", "use_hf", "padding_free", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
+    "loss_scale", "use_hf", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
     "enable_channel_loss", "check_model", "create_checkpoint_symlink", "max_new_tokens", "quant_method",
 })
 # The environment of the command: what it decides, and what changes nothing the planner counts; any other variable
@@ -107,6 +115,9 @@ ENV = {"NPROC_PER_NODE": "ranks", "CUDA_VISIBLE_DEVICES": "GPUs", "ENABLE_AUDIO_
         "MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "MAX_PIXELS", "VIDEO_MAX_PIXELS", "FPS_MAX_FRAMES",
         "USE_AUDIO_IN_VIDEO", "SIZE_FACTOR", "PYTHONPATH", "OMP_NUM_THREADS", "NCCL_DEBUG", "HF_ENDPOINT", "USE_HF",
         "WANDB_PROJECT", "MODELSCOPE_CACHE", "HF_HOME", "TOKENIZERS_PARALLELISM")}
+# ms-swift's entry scripts, run by a launcher as `swift sft` runs them (`accelerate launch swift/cli/sft.py ...`,
+# `torchrun ... -m swift.cli.sft`), and the command each one is.
+SCRIPTS = {"swift/cli/sft.py": "swift sft", "swift/cli/pt.py": "swift pt", "swift/cli/rlhf.py": "swift rlhf"}
 METHODS = {"lora": "lora", "full": "full", "longlora": "lora", "adalora": "lora", "dora": "lora"}
 PRECISIONS = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
 
@@ -128,16 +139,17 @@ def words() -> Words:
 def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
     """The job of an ms-swift `swift sft` command line or script."""
     try:
-        src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf"))
+        src, cmd = command_source(path, ("swift sft", "swift pt", "swift rlhf", *SCRIPTS))
     except UserError:
         _refuse_megatron(path)
         raise
+    cmd.program = SCRIPTS.get(cmd.program, cmd.program)
     model = src.get("model") or src.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
     shape = shape_of(model)
     job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=nproc or cmd.nproc,
-                     nnodes=cmd.nnodes, launcher="torchrun" if cmd.nproc else None)
+                     nnodes=cmd.nnodes, launcher=(cmd.launcher or "torchrun") if cmd.nproc else None)
     w = job.workload = _workload(src, job, version)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     job.find_unused = src.flag("ddp_find_unused_parameters", "false")
@@ -319,12 +331,21 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
+    effects = {}
     if "target_modules" in src and src.get("target_modules") != "all-linear":
-        unplanned.add("target_modules")
-        job.notes.append("--target_modules is not all-linear: planned as adapters on every linear layer")
+        effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
+                                                                    src.where))
+        if effect:
+            effects["target_modules"] = effect
+        else:
+            unplanned.add("target_modules")
+    if src.get("experts_impl", "").lower() == "batched_mm":
+        unplanned.add("experts_impl")
+        job.notes.append("--experts_impl batched_mm copies each token's expert weights for its matmuls (gigabytes "
+                         "at long sequences); not planned: shardfit plans grouped_mm (an under-estimate)")
     if "freeze_vit" in src and not src.flag("freeze_vit") and w.method == "full":
         unplanned.add("freeze_vit")
-    file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
+    file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
 
 
 def _datasets(src: Source, job: ForeignJob) -> list[str]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from shardfit import method as methods
@@ -237,8 +238,33 @@ def model_workload() -> Workload:
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
     """A config's `lora.targets` as LORA_TARGETS names (`q_proj` -> `q`, `o_proj` -> `o`); None for all-linear or
-    for module names the planner does not know (it then counts every projection, the larger estimate)."""
+    for module names the planner does not know (it then counts every projection, the larger estimate). A string
+    other than all-linear is a regular expression over module names, as peft reads it: the projections whose
+    names it matches in full."""
     if isinstance(targets, str):
-        return None
+        return None if targets == "all-linear" else regex_targets(targets)
     names = tuple(t.split(".")[-1].removesuffix("_proj") for t in targets)
     return names if names and all(n in LORA_TARGETS for n in names) else None
+
+
+# Where a decoder block's projections sit in transformers' models (text, and the language model of a
+# vision-language one), and some block numbers: what a regular expression of targets is tried against.
+_BLOCK_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "model.model.layers",
+                "transformer.layers", "layers")
+_BLOCK_NUMBERS = ("0", "1", "7", "10", "15", "31", "63")
+
+
+def regex_targets(pattern: str) -> tuple[str, ...] | None:
+    """The LORA_TARGETS projections that `pattern` matches in full under any block of any of _BLOCK_PATHS (a
+    pattern that reaches some blocks only is counted on every block: the larger estimate); None when it is no
+    regular expression or matches none of them (names the planner does not know)."""
+    try:
+        rx = re.compile(pattern)
+    except re.error:
+        return None
+    found = set()
+    for name in LORA_TARGETS:
+        parent = "self_attn" if name in ("q", "k", "v", "o") else "mlp"
+        if any(rx.fullmatch(f"{path}.{i}.{parent}.{name}_proj") for path in _BLOCK_PATHS for i in _BLOCK_NUMBERS):
+            found.add(name)
+    return tuple(n for n in LORA_TARGETS if n in found) or None

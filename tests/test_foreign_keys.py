@@ -1,0 +1,258 @@
+"""Other tools' keys that move memory or the launch, as a user writes them: each read as the tool runs it, or
+said in the plan where shardfit has no equivalent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.cli.main import main
+from shardfit.errors import UserError
+from shardfit.foreign.asplanned import plan_job
+from shardfit.foreign.convert import to_config
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import lora_targets_of
+
+AXOLOTL_LORA = """base_model: Qwen/Qwen2.5-7B
+adapter: lora
+lora_r: 64
+sequence_len: 4096
+micro_batch_size: 4
+bf16: true
+flash_attention: true
+gradient_checkpointing: true
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _gib(job) -> float:
+    """The job's as-configured GiB a GPU on one H100."""
+    return plan_job(job, resolve_shape(job.model), parse_gpus("1xH100")).configured.per_gpu_gib.total
+
+
+@pytest.mark.parametrize(("tool", "name", "text"), [
+    ("axolotl", "qv.yml", AXOLOTL_LORA + "lora_target_modules:\n  - q_proj\n  - v_proj\n"),
+    ("llamafactory", "qv.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\nlora_rank: 64\n"
+                                "lora_target: q_proj,v_proj\ncutoff_len: 4096\nper_device_train_batch_size: 4\n"
+                                "bf16: true\n"),
+    ("swift", "qv.sh", "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --lora_rank 64 --target_modules q_proj "
+                       "v_proj --max_length 4096 --per_device_train_batch_size 4\n"),
+])
+def test_named_lora_targets_are_planned_on_those_modules_only(tmp_path: Path, tool: str, name: str,
+                                                              text: str) -> None:
+    """Adapters on q_proj and v_proj only: the plan counts those (20M trainable at rank 64 on Qwen2.5-7B, not the
+    161M of every linear layer: 46.9 GiB a GPU, not 48.5), and the key reads as modelled."""
+    job = read_job(tool, _write(tmp_path, name, text), JobOptions())
+    assert job.workload.lora_targets == ("q", "v")
+    assert not job.not_modelled
+    assert not any("over-estimate" in n for n in job.notes)
+    every = read_job(tool, _write(tmp_path, "all" + name, text.replace("q_proj,v_proj", "all").replace(
+        "q_proj v_proj", "all-linear").replace("lora_target_modules:\n  - q_proj\n  - v_proj\n",
+                                               "lora_target_linear: true\n")), JobOptions())
+    assert every.workload.lora_targets is None
+    assert _gib(job) < _gib(every) - 1.5
+
+
+def test_axolotl_regex_targets_are_planned_and_carried(tmp_path: Path) -> None:
+    """A string of lora_target_modules is one regular expression (peft's reading): planned on the attention
+    projections it matches, and carried to shardfit as the same expression, not as a list of its characters."""
+    text = AXOLOTL_LORA + "lora_target_modules: 'model.layers.[\\d]+.self_attn.(q|k|v|o)_proj'\n"
+    job = read_job("axolotl", _write(tmp_path, "rx.yml", text), JobOptions())
+    assert job.workload.lora_targets == ("q", "k", "v", "o")
+    assert "lora_target_modules" in job.keys
+    assert to_config(job)["lora"]["targets"] == "model.layers.[\\d]+.self_attn.(q|k|v|o)_proj"
+
+
+def test_axolotl_named_targets_convert_without_lora_target_linear(tmp_path: Path) -> None:
+    """Without lora_target_linear axolotl adapts only the named modules; convert writes those, not all-linear."""
+    job = read_job("axolotl", _write(tmp_path, "qv.yml", AXOLOTL_LORA + "lora_target_modules: [q_proj, v_proj]\n"),
+                   JobOptions())
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_a_regex_of_targets_is_planned_as_the_projections_it_matches(tmp_path: Path) -> None:
+    """shardfit's own `lora.targets` as a string is the same regular expression: planned on what it matches; a
+    pattern or names the planner cannot place stay every linear layer, said as an over-estimate."""
+    assert lora_targets_of(r".*\.(q|v)_proj") == ("q", "v")
+    assert lora_targets_of(r"model\.layers\.\d+\.mlp\..*") == ("gate", "up", "down")
+    assert lora_targets_of("c_attn") is None
+    job = read_job("axolotl", _write(tmp_path, "gpt2.yml", AXOLOTL_LORA + "lora_target_modules: [c_attn]\n"),
+                   JobOptions())
+    assert job.workload.lora_targets is None
+    assert "lora_target_modules" in job.not_modelled
+    assert any("over-estimate" in n for n in job.notes)
+
+
+AXOLOTL_LONG = """base_model: Qwen/Qwen2.5-7B
+adapter: lora
+lora_r: 16
+lora_target_linear: true
+sequence_len: 8192
+micro_batch_size: 2
+bf16: true
+flash_attention: true
+"""
+
+
+@pytest.mark.parametrize("keys", ["gradient_checkpointing: offload\n", "gradient_checkpointing: offload_disk\n",
+                                  "gradient_checkpointing: true\nactivation_offloading: true\n",
+                                  "gradient_checkpointing: true\nactivation_offloading: legacy\n"])
+def test_axolotl_activation_offloading_checkpoints_and_says_what_is_not_planned(tmp_path: Path, keys: str) -> None:
+    """axolotl's `gradient_checkpointing: offload` (its older spelling of activation offloading) checkpoints every
+    block: planned with grad_ckpt full (47 GiB a GPU, not the 148 of no checkpointing), and the offload shardfit
+    does not model is said in a note and in convert's header, not dropped."""
+    job = read_job("axolotl", _write(tmp_path, "long.yml", AXOLOTL_LONG + keys), JobOptions())
+    assert job.workload.grad_ckpt == "full"
+    assert any("does not model offloaded activations" in n for n in job.notes)
+    assert any("not carried" in n for n in job.not_carried)
+    assert _gib(job) < 79
+    assert to_config(job)["grad_ckpt"] == "full"
+
+
+def test_axolotl_activation_offloading_without_checkpointing_exits_2(tmp_path: Path) -> None:
+    path = _write(tmp_path, "bad.yml", AXOLOTL_LONG + "activation_offloading: true\n")
+    with pytest.raises(UserError, match=r"bad.yml:9: 'activation_offloading: true' without gradient_checkpointing"):
+        read_job("axolotl", path, JobOptions())
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "key"), [
+    ("llamafactory", "kto.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: kto\nfinetuning_type: lora\n"
+                                 "per_device_train_batch_size: 1\ngradient_accumulation_steps: 8\nbf16: true\n",
+     "per_device_train_batch_size 1"),
+    ("axolotl", "kto.yml", AXOLOTL_LONG.replace("micro_batch_size: 2", "micro_batch_size: 1") + "rl: kto\n"
+                                "gradient_checkpointing: true\n",
+     "micro_batch_size 1"),
+    ("swift", "kto.sh", "swift rlhf --rlhf_type kto --model Qwen/Qwen2.5-7B --per_device_train_batch_size 1\n",
+     "--per_device_train_batch_size 1"),
+])
+def test_kto_at_one_row_is_refused_by_plan_check_and_convert_alike(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   tool: str, name: str, text: str,
+                                                                   key: str) -> None:
+    """KTO's reference point is over a micro-batch's rows (TRL's KTOTrainer refuses 1 row): convert refused the job
+    when it loaded the converted config, while plan and check planned it. One rule now serves all three, naming
+    the tool's key; --batch 2 plans the job as it could run."""
+    job = _write(tmp_path, name, text)
+    for command in (["plan", "--gpus", "1xH100"], ["check", "--gpus", "1xH100"], ["convert"]):
+        assert main([command[0], "--from", tool, job, *command[1:]]) == 2
+        assert f"{key} with objective kto" in capsys.readouterr().err
+    assert main(["plan", "--from", tool, job, "--gpus", "1xH100", "--batch", "2"]) == 0
+
+
+@pytest.mark.parametrize("line", [
+    "accelerate launch --multi_gpu --num_processes 4 /opt/ms-swift/swift/cli/sft.py",
+    "torchrun --nproc_per_node 4 -m swift.cli.sft",
+    "python -m torch.distributed.run --nproc_per_node=4 swift/cli/sft.py",
+])
+def test_swift_entry_script_under_a_launcher_is_swift_sft(tmp_path: Path, line: str) -> None:
+    """ms-swift's own script run by a launcher (`accelerate launch swift/cli/sft.py ...`) is `swift sft` with
+    those ranks, not a script with no training command in it."""
+    script = _write(tmp_path, "run.sh", f"{line} \\\n    --model Qwen/Qwen2.5-7B --tuner_type full --deepspeed zero3 "
+                                        "--max_length 4096 --per_device_train_batch_size 2\n")
+    job = read_job("swift", script, JobOptions())
+    assert (job.workload.method, job.nproc, job.engine, job.workload.seq_len) == ("full", 4, "deepspeed", 4096)
+
+
+def test_swift_rlhf_entry_script_keeps_its_objective(tmp_path: Path) -> None:
+    script = _write(tmp_path, "dpo.sh", "torchrun --nproc_per_node 2 swift/cli/rlhf.py --rlhf_type dpo "
+                                        "--model Qwen/Qwen2.5-7B\n")
+    assert read_job("swift", script, JobOptions()).workload.objective == "dpo"
+
+
+def test_llamafactory_without_nproc_runs_over_every_named_gpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`llamafactory-cli train` starts torchrun over every visible GPU itself: a job planned on --gpus 8xH100
+    without --nproc runs 8 DDP ranks, not one process, and the plan says so; --nproc 1 keeps one process."""
+    job = _write(tmp_path, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\ncutoff_len: 4096\n"
+                                      "per_device_train_batch_size: 2\nbf16: true\n")
+    assert main(["plan", "--from", "llamafactory", job, "--gpus", "8xH100"]) == 0
+    out = capsys.readouterr().out
+    assert "8 rank(s) of 79.2 GiB; DDP (full replica per rank)" in out
+    assert "starts torchrun over all 8 visible GPUs itself" in out
+    assert main(["plan", "--from", "llamafactory", job, "--gpus", "8xH100", "--nproc", "1"]) == 0
+    assert "one process, one GPU" in capsys.readouterr().out
+
+
+AXOLOTL_FSDP = """base_model: Qwen/Qwen2.5-14B
+sequence_len: 4096
+micro_batch_size: 1
+gradient_accumulation_steps: 4
+bf16: true
+flash_attention: true
+gradient_checkpointing: true
+fsdp_config:
+  offload_params: false
+  auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  transformer_layer_cls_to_wrap: Qwen2DecoderLayer
+  reshard_after_forward: true
+"""
+
+
+def _gib_on(job, gpus: str) -> float:
+    return plan_job(job, resolve_shape(job.model), parse_gpus(gpus)).configured.per_gpu_gib.total
+
+
+def test_axolotl_dp_shard_size_shards_over_its_group_only(tmp_path: Path) -> None:
+    """dp_shard_size 2 on 8 ranks: FSDP shards the full fine-tune over 2 ranks and replicates that 4 times, so
+    each GPU holds half the model's states (124 GiB, does not fit), not an eighth (40 GiB)."""
+    text = AXOLOTL_FSDP + "fsdp_version: 2\n"
+    every = read_job("axolotl", _write(tmp_path, "all.yml", text), JobOptions(nproc=8))
+    pairs = read_job("axolotl", _write(tmp_path, "hsdp.yml", text + "dp_shard_size: 2\n"), JobOptions(nproc=8))
+    assert "dp_shard_size" in pairs.keys
+    assert _gib_on(pairs, "8xH100") > 2.5 * _gib_on(every, "8xH100")
+
+
+def test_axolotl_parallel_sizes_it_cannot_plan_exit_2(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"tp.yml:\d+: 'tensor_parallel_size: 2' .* shardfit does not plan tensor"):
+        read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
+    no_fsdp = AXOLOTL_LONG + "gradient_checkpointing: true\ndp_shard_size: 2\n"
+    with pytest.raises(UserError, match="'dp_shard_size: 2' without fsdp_config"):
+        read_job("axolotl", _write(tmp_path, "ddp.yml", no_fsdp), JobOptions(nproc=4))
+
+
+def test_axolotl_fsdp_version_decides_fsdp1(tmp_path: Path) -> None:
+    """axolotl runs FSDP1 unless fsdp_version is 2: FSDP1 keeps an untied input embedding gathered in its root
+    unit (Qwen2.5-14B: 1.5 GiB more a GPU)."""
+    one = read_job("axolotl", _write(tmp_path, "v1.yml", AXOLOTL_FSDP), JobOptions(nproc=8))
+    two = read_job("axolotl", _write(tmp_path, "v2.yml", AXOLOTL_FSDP + "fsdp_version: 2\n"), JobOptions(nproc=8))
+    assert one.workload.fsdp1 and not two.workload.fsdp1
+    assert "fsdp_version" in two.keys
+    assert _gib_on(one, "8xH100") > _gib_on(two, "8xH100") + 1
+
+
+def test_axolotl_memory_savings_shardfit_does_not_plan_are_said(tmp_path: Path) -> None:
+    """tiled_mlp (less activation memory) and a QLoRA mixture without quantize_moe_experts (16-bit experts under
+    transformers 5) are said in notes, not read silently."""
+    text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: qlora\nload_in_4bit: true\nlora_target_modules: [q_proj]\n"
+            "sequence_len: 4096\nbf16: true\ngradient_checkpointing: true\ntiled_mlp: true\n")
+    job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions(transformers="5.2"))
+    assert any(n.startswith("tiled_mlp: ") for n in job.notes)
+    assert any(n.startswith("quantize_moe_experts not set") for n in job.notes)
+    quantized = read_job("axolotl", _write(tmp_path, "q.yml", text + "quantize_moe_experts: true\n"),
+                         JobOptions(transformers="5.2"))
+    assert not any("quantize_moe_experts" in n for n in quantized.notes) and "quantize_moe_experts" in quantized.keys
+
+
+def test_swift_padding_free_is_read_as_planned(tmp_path: Path) -> None:
+    """--padding_free drops the pads of a micro-batch: at most what the plan counts, and not packing."""
+    job = read_job("swift", _write(tmp_path, "pf.sh", "swift sft --model Qwen/Qwen2.5-7B --padding_free true "
+                                                      "--attn_impl flash_attn\n"), JobOptions())
+    assert "as planned" in job.keys["padding_free"]
+    assert to_config(job)["packing"] is False
+
+
+def test_swift_experts_impl_is_read(tmp_path: Path) -> None:
+    """--experts_impl grouped_mm computes the experts as planned; batched_mm's per-token weight copies are not
+    planned, and the plan says so rather than filing the option as unknown."""
+    line = "swift sft --model Qwen/Qwen3-30B-A3B --experts_impl {}\n"
+    grouped = read_job("swift", _write(tmp_path, "g.sh", line.format("grouped_mm")), JobOptions())
+    assert "experts_impl" in grouped.keys
+    batched = read_job("swift", _write(tmp_path, "b.sh", line.format("batched_mm")), JobOptions())
+    assert "experts_impl" in batched.not_modelled
+    assert any(n.startswith("--experts_impl batched_mm") for n in batched.notes)
