@@ -157,6 +157,7 @@ class ModelShape:
     mamba_conv: int = 4
     mamba_conv_bias: bool = False
     mamba_bias: bool = False
+    mamba_chunk: int = 128  # the tokens its chunked scan (SSD) works on at once
     # MLPs and experts of two matrices (up, an activation such as relu2, down; no gate), biased under `mlp_bias`;
     # routed experts through a `moe_latent`-wide projection of the hidden state (0: none).
     two_matrix: bool = False

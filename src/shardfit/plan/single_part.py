@@ -60,7 +60,7 @@ def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, na
         mamba_heads=values["mamba_num_heads"], mamba_head_dim=values["mamba_head_dim"],
         mamba_state=values["ssm_state_size"], mamba_groups=values["n_groups"], mamba_conv=values["conv_kernel"],
         mamba_conv_bias=get("use_conv_bias") is not False, mamba_bias=get("use_bias") is True,
-        two_matrix=True, mlp_bias=get("mlp_bias") is True)
+        mamba_chunk=int(get("chunk_size") or 128), two_matrix=True, mlp_bias=get("mlp_bias") is True)
 
 
 def part_groups(fields: dict[str, Any]) -> tuple[BlockGroup, ...]:
