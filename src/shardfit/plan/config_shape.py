@@ -33,7 +33,7 @@ from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
-from shardfit.plan.single_part import part_groups, single_part_fields
+from shardfit.plan.single_part import check_parts, part_groups, single_part_fields
 from shardfit.plan.token_mixers import block_groups
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -335,6 +335,7 @@ def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, delt
 
 def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
+    check_parts(cfg, name)
     built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
     if built is not None and (odd := odd_setting(built)):
         raise UserError(f"{name}: config.json {odd}.")

@@ -429,9 +429,10 @@ def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     NemotronHBlock of each kind (tests/test_nemotron_h.py)."""
     a, h = compute_bytes(w), shape.hidden
     hidden_16 = 3 if casts_trainable_inputs(w, strategy) else 1
-    norm = 4 * h + (residual_bytes(w, strategy) * h if w.method == "full" else 0)
-    if kind.part == ATTENTION:
-        mixed = softmax_attention_bytes_per_token(shape, w, strategy)
+    # NemotronHRMSNorm multiplies its weight in fp32: where the weight trains, the product keeps the fp32 value.
+    norm = 4 * h + 4 + (4 * h if w.method == "full" else 0)
+    if kind.part == ATTENTION:  # and o_proj's input, the kernel's output reshaped
+        mixed = softmax_attention_bytes_per_token(shape, w, strategy) + a * shape.heads * shape.hd
     elif kind.part == MAMBA:
         mixed = mamba_saved_bytes_per_token(shape, w)
     elif kind.part == MOE:
@@ -454,7 +455,8 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     - `32 I`: x in fp32 over the sequence and three times in chunks, and the gated norm's fp32 input, gate,
       product and normalised value;
     - `8 H N P / L`: the chunks' states and the states passed between them (fp32);
-    - `2 a H + 20 H + 4 G`: dt in the compute dtype and fp32, its decays and cumulative sums, the norm's groups.
+    - `2 a H + 20 H + 4 G`: dt in the compute dtype and fp32, its decays and cumulative sums, the norm's groups;
+    - `a I`: out_proj's input.
     `mamba_ssm` (`w.mamba_scan`): its fused mamba_split_conv1d_scan_combined, which transformers calls in training
     with the gated norm and out_proj inside, keeps by its autograd function's design in_proj's output (z, x, B, C
     and dt), the scan's output before the norm, and the norm's fp32 reciprocal RMS per group; its backward
@@ -463,8 +465,12 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     if w.mamba_scan == "mamba_ssm":
         return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + 4 * shape.mamba_groups
     inner, chunk = shape.mamba_inner, max(shape.mamba_chunk, 1)
-    return 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + 32 * inner + \
-        8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + 4 * shape.mamba_groups
+    # Where the mixer's own weights train (a full fine-tune), x in fp32 for D's gradient, the gated norm's
+    # product with its weight and dt once more; out_proj's input for it or its adapter.
+    trained = 8 * inner + 4 * heads if w.method == "full" else 0
+    return trained + a * inner + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + \
+        32 * inner + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + \
+        4 * shape.mamba_groups
 
 
 def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:

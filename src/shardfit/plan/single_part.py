@@ -63,6 +63,15 @@ def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, na
         mamba_chunk=int(get("chunk_size") or 128), two_matrix=True, mlp_bias=get("mlp_bias") is True)
 
 
+def check_parts(cfg: dict[str, Any], name: str) -> None:
+    """A UserError naming the key where a SINGLE_PART_TYPES config.json lists a block its class does not know (a
+    pattern character other than M, *, - and E, or a layers_block_type name other than the four), before the
+    class is built (whose own error names neither key nor fix)."""
+    if cfg.get("model_type") in SINGLE_PART_TYPES and (cfg.get("layers_block_type") is not None or
+                                                       cfg.get("hybrid_override_pattern") is not None):
+        _parts(cfg.get, name)
+
+
 def part_groups(fields: dict[str, Any]) -> tuple[BlockGroup, ...]:
     """The blocks of a single-part decoder (`single_part_fields`) that mix no tokens (its MLPs and mixtures), for
     the time model: no softmax attention and no recurrence (their Mamba-2 blocks are the layout's recurrent group,
@@ -74,14 +83,14 @@ def part_groups(fields: dict[str, Any]) -> tuple[BlockGroup, ...]:
 def _parts(get: Any, name: str) -> list[str]:
     """Each block's part, from the class's `layers_block_type` or the file's, or its `hybrid_override_pattern`."""
     types = get("layers_block_type")
-    if types is None and isinstance(get("hybrid_override_pattern"), str):
+    if types is None and get("hybrid_override_pattern") is not None:
         pattern = get("hybrid_override_pattern")
-        odd = sorted(set(pattern) - set(PATTERN))
+        odd = sorted(set(pattern) - set(PATTERN)) if isinstance(pattern, str) and pattern else [pattern]
         if odd:
             raise UserError(f"{name}: config.json's hybrid_override_pattern has {', '.join(map(repr, odd))}; each "
                             f"block is one of {', '.join(map(repr, PATTERN))} (Mamba-2, attention, MLP, mixture).")
         types = [PATTERN[c] for c in pattern]
     if not isinstance(types, (list, tuple)) or not types or any(t not in PARTS for t in types):
-        raise UserError(f"{name}: config.json lists its blocks neither as layers_block_type (each one of "
-                        f"{', '.join(PARTS)}) nor as hybrid_override_pattern (M, *, -, E): add one.")
+        raise UserError(f"{name}: config.json's layers_block_type is {types!r}: list each block as one of "
+                        f"{', '.join(map(repr, PARTS))} (or give hybrid_override_pattern, one of M, *, -, E a block).")
     return [PARTS[t] for t in types]
