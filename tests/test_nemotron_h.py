@@ -46,7 +46,7 @@ PATTERN_MOE = {"model_type": "nemotron_h", "hidden_size": 384, "num_hidden_layer
                "num_key_value_heads": 2, "head_dim": 64, "mamba_num_heads": 12, "mamba_head_dim": 32,
                "ssm_state_size": 32, "n_groups": 4, "conv_kernel": 4, "vocab_size": 2048, "n_routed_experts": 32,
                "num_experts_per_tok": 6, "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 256,
-               "n_group": 1, "topk_group": 1}
+               "n_group": 1, "topk_group": 1, "tie_word_embeddings": True}
 
 
 def _folder(cfg: dict[str, Any] | None, tmp_path: Path) -> Path:
