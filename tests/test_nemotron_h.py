@@ -194,3 +194,30 @@ def test_splits_are_refused_as_the_rank_refuses_them(which: str, tmp_path: Path)
     assert verdicts[0] == verdicts[1] and all("recurrent layers" in v for v in verdicts[0][:1])
     assert shape.tied is pipelines.facts_of_config(config).tied is False
 
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_the_mamba_scan_is_the_installed_one(installed: bool, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without mamba_ssm the Mamba-2 blocks are planned for transformers' reference scan, with a note naming the
+    fused kernel; with it, for the fused kernel, which saves far less."""
+    import importlib.util
+
+    from shardfit import kernels
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "mamba_ssm" else find(name, *a))
+    kernels.mamba_kernel.cache_clear()
+    try:
+        assert Workload().mamba_scan == ("mamba_ssm" if installed else "torch")
+        assert main(["plan", "--model", str(_folder(NANO9B, tmp_path)), "--gpus", "1xH100", "--seq", "4096"]) == 0
+        assert ("Mamba-2 blocks are planned with transformers' reference torch scan" in capsys.readouterr().out) \
+            is not installed
+    finally:
+        kernels.mamba_kernel.cache_clear()
+    shape = resolve_shape(str(tmp_path))
+    mamba = Block(False, part=MAMBA)
+    fused, torch_scan = (block_activation_bytes_per_token(shape, Workload(mamba_scan=k), part=mamba)
+                         for k in ("mamba_ssm", "torch"))
+    assert fused < torch_scan / 5
