@@ -48,3 +48,11 @@ def delta_rule_kernel() -> str:
     except metadata.PackageNotFoundError:
         return "fla"  # a source checkout without package metadata
     return "fla" if found is None or tuple(int(x) for x in found.groups()) >= FLA_SINCE else "torch"
+
+
+@functools.cache
+def mamba_kernel() -> str:
+    """Which Mamba-2 scan transformers runs here in training (Nemotron-H's mixer): `mamba_ssm` where the mamba_ssm
+    package is installed, its fused mamba_split_conv1d_scan_combined; else `torch`, transformers' reference chunked
+    scan in PyTorch. Read from the package's presence, without importing torch."""
+    return "mamba_ssm" if importlib.util.find_spec("mamba_ssm") is not None else "torch"

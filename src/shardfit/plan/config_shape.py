@@ -33,6 +33,7 @@ from shardfit.plan.audio import AudioShape, audio_shape_of
 from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
+from shardfit.plan.single_part import check_parts, part_groups, single_part_fields
 from shardfit.plan.token_mixers import block_groups
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -175,6 +176,10 @@ def built_config(cfg: dict[str, Any], name: str) -> Any:
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return None
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "auto_map")}
+    # A float JSON cannot hold (Nemotron-H's time_step_limit of inf) as transformers writes and reads it back:
+    # {"__float__": "Infinity"} (PreTrainedConfig._decode_special_floats, what from_pretrained applies).
+    decode = getattr(CONFIG_MAPPING[model_type], "_decode_special_floats", None)
+    fields = decode(fields) if callable(decode) else fields
     try:
         return CONFIG_MAPPING[model_type](**fields)
     # RuntimeError: a class that reads one global value of a key the file's per_layer_config varies by block;
@@ -330,10 +335,14 @@ def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, delt
 
 def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
+    check_parts(cfg, name)
     built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
     if built is not None and (odd := odd_setting(built)):
         raise UserError(f"{name}: config.json {odd}.")
     text = with_standard_names(text_config(cfg), built)
+    single = single_part_fields(cfg, text, built, name)  # Nemotron-H: its class counts blocks by their list
+    if single:
+        text = {**text, "num_hidden_layers": single["layers"]}
     try:
         heads, layers = text["num_attention_heads"], text["num_hidden_layers"]
         _require_counts(name, text, ("num_hidden_layers", "hidden_size", "num_attention_heads"))
@@ -361,6 +370,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             eager_only=runs_eager(model_type, "sdpa"), flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
             **deltanet)
+        if single:
+            shape = dataclasses.replace(shape, **single, attention_groups=shape.attention_groups + part_groups(single))
         text_only = loads_text_only(cfg.get("model_type"))  # the rank loads no tower the file describes
         vision, audio = (None, None) if text_only else (vision_shape_of(cfg), audio_shape_of(cfg))
         tower = not text_only and has_tower(rank_config(built) if built is not None else SimpleNamespace(**cfg))

@@ -32,7 +32,7 @@ from shardfit.plan import experts, quant
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.media import vision_activation_bytes
-from shardfit.plan.model_shape import DELTA_CHUNK
+from shardfit.plan.model_shape import ATTENTION, DELTA_CHUNK, MAMBA, MOE, Block
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, LORA_TARGETS, Workload
 
@@ -350,7 +350,7 @@ def autocast_fp32_master(w: Workload, strategy: str) -> bool:
 
 
 def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single",
-                                     linear: bool | None = None) -> float:
+                                     linear: bool | None = None, part: Block | None = None) -> float:
     """What autograd saves per token in one decoder block without checkpointing: the mean over the decoder's
     blocks, or in a Gated DeltaNet hybrid one kind's (`linear`: True for a Gated DeltaNet block, False for a
     softmax-attention block).
@@ -375,7 +375,15 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
 
     LoRA: each adapter keeps its rank-sized A output; with dropout also its dropped-out input (in the adapters'
     dtype where peft casts the input to it, else in the input's own) and the dropout's bool mask, as wide as the
-    adapted layer's input."""
+    adapted layer's input.
+
+    A `single_part` model's block (Nemotron-H) is one part under one norm (`part_activation_bytes_per_token`): the
+    mean of its kinds, or (`part`) one kind's."""
+    if shape.single_part:
+        if part is not None:
+            return part_activation_bytes_per_token(shape, w, strategy, part)
+        return shape.over_blocks(lambda kind: part_activation_bytes_per_token(shape, w, strategy, kind)) / \
+            shape.layers
     a = compute_bytes(w)
     hidden_16 = 6 if casts_trainable_inputs(w, strategy) else 2
     if hidden_16 == 6 and w.method != "full" and shape.moe_layers and not shape.every_expert:
@@ -383,16 +391,93 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # grouped experts has no such MLP (they read the gathered copy `moe_saved_bytes_per_token` counts, in the
         # weights' dtype), so it makes two. Llama 4's experts are batched matmuls autocast casts the input of.
         hidden_16 -= 2 * shape.moe_layers / shape.layers
-    h, q, kv = shape.hidden, shape.heads * shape.hd, shape.kv_heads * shape.hd
+    h, q = shape.hidden, shape.heads * shape.hd
     mlp = shape.mean_active_mlp_width()
-    lora = 0.0
-    if w.trains_adapters:
-        adapted = adapted_shapes(shape, w)
-        lora = len(adapted) * a * w.lora_rank
-        if w.lora_dropout > 0:
-            dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
-            lora += sum((dropped + 1) * i for i, _ in adapted)
+    lora = lora_saved_bytes_per_token(shape, w, strategy)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
+    attn = softmax_attention_bytes_per_token(shape, w, strategy)
+    if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
+        softmax = shape.layers - shape.linear_layers
+        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
+    elif shape.linear_layers and linear:
+        attn = deltanet_saved_bytes_per_token(shape, w)
+    if w.compile:
+        return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
+    return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
+        mlp_activation_bytes_per_token(shape, w, strategy) + lora
+
+
+def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block | None = None) -> float:
+    """What a block's adapters save per token (`block_activation_bytes_per_token`): of the largest kind of block,
+    or of `kind`."""
+    if not w.trains_adapters:
+        return 0.0
+    a = compute_bytes(w)
+    adapted = adapted_shapes(shape, w, kind)
+    lora = len(adapted) * a * w.lora_rank
+    if w.lora_dropout > 0:
+        dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
+        lora += sum((dropped + 1) * i for i, _ in adapted)
+    return lora
+
+
+def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block) -> float:
+    """What a `single_part` block of `kind` saves per token: its one norm's (half a paired block's norms and
+    16-bit hidden-size tensors), then its part's alone: softmax attention's kernel tensors, a Mamba-2 mixer's
+    (`mamba_saved_bytes_per_token`), a two-matrix MLP's two tensors (up's output and its activation), or a
+    mixture's (`moe_saved_bytes_per_token`); and its adapters'. Checked with saved-tensor hooks on transformers'
+    NemotronHBlock of each kind (tests/test_nemotron_h.py)."""
+    a, h = compute_bytes(w), shape.hidden
+    hidden_16 = 3 if casts_trainable_inputs(w, strategy) else 1
+    # NemotronHRMSNorm multiplies its weight in fp32: where the weight trains, the product keeps the fp32 value.
+    norm = 4 * h + 4 + (4 * h if w.method == "full" else 0)
+    if kind.part == ATTENTION:  # and o_proj's input, the kernel's output reshaped
+        mixed = softmax_attention_bytes_per_token(shape, w, strategy) + a * shape.heads * shape.hd
+    elif kind.part == MAMBA:
+        mixed = mamba_saved_bytes_per_token(shape, w)
+    elif kind.part == MOE:
+        mixed = moe_saved_bytes_per_token(shape, w, strategy)
+    else:
+        mixed = 2 * a * shape.intermediate
+    return norm + hidden_16 * a * h + mixed + lora_saved_bytes_per_token(shape, w, strategy, kind)
+
+
+def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+    """What a Mamba-2 mixer (transformers' NemotronHMamba2Mixer) saves per token as transformers runs it without
+    the mamba_ssm and causal_conv1d kernels: its reference PyTorch chunked scan, which computes in fp32 whatever the
+    weights' dtype. Counted with saved-tensor hooks on a tiny block (tests/test_nemotron_h.py), for H heads of P
+    channels (I = H P), a state of N, G groups, chunks of L tokens and the C = I + 2 G N channels of the
+    convolution, in bytes:
+    - `2 a C`: the convolution's input and output over x, B and C in the compute dtype;
+    - `16 H L`: per head and chunk four fp32 L x L matrices (the segment sums, their exponent, the scores and
+      their product with the decays);
+    - `20 H N`: B and C repeated to the heads, in fp32, for the chunk's and the states' products;
+    - `32 I`: x in fp32 over the sequence and three times in chunks, and the gated norm's fp32 input, gate,
+      product and normalised value;
+    - `8 H N P / L`: the chunks' states and the states passed between them (fp32);
+    - `2 a H + 20 H + 4 G`: dt in the compute dtype and fp32, its decays and cumulative sums, the norm's groups;
+    - `a I`: out_proj's input.
+    `mamba_ssm` (`w.mamba_scan`): its fused mamba_split_conv1d_scan_combined, which transformers calls in training
+    with the gated norm and out_proj inside, keeps by its autograd function's design in_proj's output (z, x, B, C
+    and dt), the scan's output before the norm, and the norm's fp32 reciprocal RMS per group; its backward
+    recomputes the chunks. Not measured here (mamba_ssm needs a GPU): a count from the kernel's design."""
+    a, heads, state = compute_bytes(w), shape.mamba_heads, shape.mamba_state
+    if w.mamba_scan == "mamba_ssm":
+        return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + 4 * shape.mamba_groups
+    inner, chunk = shape.mamba_inner, max(shape.mamba_chunk, 1)
+    # Where the mixer's own weights train (a full fine-tune), x in fp32 for D's gradient, the gated norm's
+    # product with its weight and dt once more; out_proj's input for it or its adapter.
+    trained = 8 * inner + 4 * heads if w.method == "full" else 0
+    return trained + a * inner + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + \
+        32 * inner + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + \
+        4 * shape.mamba_groups
+
+
+def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What a softmax-attention block's attention saves per token, by kernel (`block_activation_bytes_per_token`
+    describes it)."""
+    a = compute_bytes(w)
+    q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
     if w.attention == "eager" and shape.attention_sinks:
         # gpt-oss's eager attention: the softmax runs in the scores' dtype, which the additive mask sets (the
         # residual stream's), over seq_len + 1 columns (the sink's), keeping its output, the int64 index of each
@@ -419,21 +504,15 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         # fp32 inputs of the q and k RMSNorms (and their 16-bit outputs where the norm weights train), the output
         # gate's input and its sigmoid, and the attention output the gate multiplies.
         attn += 4 * (q + kv) + 3 * a * q + (a * (q + kv) if w.method == "full" else 0)
-    if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
-        softmax = shape.layers - shape.linear_layers
-        attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
-    elif shape.linear_layers and linear:
-        attn = deltanet_saved_bytes_per_token(shape, w)
-    if w.compile:
-        return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
-    return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
-        mlp_activation_bytes_per_token(shape, w, strategy) + lora
+    return attn
 
 
 def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """What the one block alive at a time saves per token (the block checkpointing recomputes, the reference's
     forward): the mean block, or in a Gated DeltaNet hybrid the larger of its two kinds, as every block of each
     kind is recomputed at some point of the backward."""
+    if shape.single_part:
+        return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for _, kind in shape.block_kinds())
     if not shape.linear_layers:
         return block_activation_bytes_per_token(shape, w, strategy)
     kinds = [True] + ([False] if shape.linear_layers < shape.layers else [])
@@ -504,7 +583,7 @@ def latent_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
 def mlp_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """What one token's MLP saves, averaged over the decoder's blocks: a dense MLP its four tensors (gate, up,
     act, product); a mixture's block `moe_saved_bytes_per_token`."""
-    dense = 4 * compute_bytes(w) * shape.intermediate
+    dense = (2 if shape.two_matrix else 4) * compute_bytes(w) * shape.intermediate
     return shape.over_blocks(lambda moe: moe_saved_bytes_per_token(shape, w, strategy) if moe else dense) / \
         shape.layers
 
@@ -530,7 +609,7 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
         pairs += shape.routed_per_token * (4 - a) * h
     # gpt-oss's router softmaxes the top-k logits alone, in their 16-bit dtype; the others' all experts' in fp32.
     router = (a if shape.clamped_swiglu else 4 * shape.experts) + 8 * shape.top_k
-    return pairs + router + 4 * a * shape.shared_intermediate
+    return pairs + router + expert_widths_saved(shape) * a * shape.shared_intermediate
 
 
 def expert_widths_saved(shape: ModelShape) -> int:
@@ -538,7 +617,7 @@ def expert_widths_saved(shape: ModelShape) -> int:
     gate/up output (two widths), the activation and its product with up; gpt-oss's clamped SwiGLU the fused output
     (its clamp keeps it), the clamped gate and its sigmoid, their product, clamp(up) + 1 and the product of those
     (the down matmul's input), as saved-tensor hooks count them on transformers' GptOssExperts."""
-    return 7 if shape.clamped_swiglu else 4
+    return 7 if shape.clamped_swiglu else 2 if shape.two_matrix else 4
 
 
 def lora_expert_copy_bytes(shape: ModelShape, w: Workload) -> float:

@@ -17,8 +17,9 @@ from shardfit.plan.workload import Workload
 
 
 def routed_expert_params(shape: ModelShape) -> int:
-    """Every block's routed experts' weights: a fused gate/up and a down projection per expert."""
-    return int(shape.over_blocks(lambda moe: 3 * shape.hidden * shape.expert_width * shape.experts if moe else 0))
+    """Every block's routed experts' weights: a fused gate/up (or, two-matrix experts, an up) and a down projection
+    per expert."""
+    return int(shape.over_blocks(lambda moe: per_block_params(shape) if moe else 0))
 
 
 def applies(w: Workload, shape: ModelShape, engine: str, offload: bool) -> bool:
@@ -42,7 +43,9 @@ def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_byt
 def per_block_params(shape: ModelShape) -> int:
     """One mixture-of-experts block's routed experts' weights (what FSDP2 no longer gathers under expert
     parallelism)."""
-    return 3 * shape.hidden * shape.expert_width * shape.experts if shape.moe else 0
+    if not shape.moe:
+        return 0
+    return sum(i * o for n, i, o in shape.named_linears(True) if n.startswith("expert_"))
 
 
 def exchange_bytes(shape: ModelShape, w: Workload, value_bytes: int) -> float:

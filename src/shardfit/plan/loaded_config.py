@@ -22,9 +22,9 @@ from shardfit.plan.attention_layout import block_counts, text_of
 # language model from text_config, without the tower the file describes.
 TEXT_ONLY_CAUSAL_TYPES = ("mllama", "llama4", "qwen3_5", "qwen3_5_moe", "dots3_note", "qwen4_exp")
 
-# Loaded configs (their model_type) whose class has no tied weights: MllamaForCausalLM builds its head apart from
-# its embedding whatever tie_word_embeddings says.
-NEVER_TIED_TYPES = ("mllama_text_model",)
+# Loaded configs (their model_type) whose class has no tied weights: MllamaForCausalLM and NemotronHForCausalLM
+# (its `_tied_weights_keys` is empty) build their head apart from the embedding whatever tie_word_embeddings says.
+NEVER_TIED_TYPES = ("mllama_text_model", "nemotron_h")
 
 
 def loads_text_only(model_type: Any) -> bool:

@@ -37,9 +37,15 @@ class Block:
 
     moe: bool
     linear: bool = False
+    # A block of one part only (ModelShape `single_part`, Nemotron-H): MAMBA, ATTENTION, MLP or MOE; "" for a
+    # block of a token mixer and an MLP or mixture.
+    part: str = ""
 
     def __bool__(self) -> bool:
         return self.moe
+
+
+MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,28 @@ class ModelShape:
     # A per-layer config whose blocks' attention heads differ: each count, largest first (empty: every block has
     # `heads`). A sequence-parallel split must divide them all (resolve/sequence.py).
     block_heads: tuple[int, ...] = ()
+    # NVIDIA Nemotron-H (transformers' NemotronHBlock): each block is ONE part under its own norm, a Mamba-2 mixer
+    # (`mamba_layers`), softmax attention (`attention_layers`), a dense MLP (the rest of `dense_layers`) or a
+    # mixture (`moe_layers`); no block pairs a mixer with an MLP.
+    single_part: bool = False
+    mamba_layers: int = 0
+    attention_layers: int = 0
+    # Its Mamba-2 mixer (NemotronHMamba2Mixer): heads of `mamba_head_dim` channels, a state of `mamba_state` per
+    # channel, B and C in `mamba_groups` groups, a depthwise convolution of `mamba_conv` taps (with a bias under
+    # `mamba_conv_bias`), in_proj and out_proj biased under `mamba_bias`.
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 0
+    mamba_conv: int = 4
+    mamba_conv_bias: bool = False
+    mamba_bias: bool = False
+    mamba_chunk: int = 128  # the tokens its chunked scan (SSD) works on at once
+    # MLPs and experts of two matrices (up, an activation such as relu2, down; no gate), biased under `mlp_bias`;
+    # routed experts through a `moe_latent`-wide projection of the hidden state (0: none).
+    two_matrix: bool = False
+    mlp_bias: bool = False
+    moe_latent: int = 0
 
     @property
     def hd(self) -> int:
@@ -194,6 +222,67 @@ class ModelShape:
         return self.linear_layers > 0 and (self.linear_layers >= self.layers or sum(
             i * o for _, i, o in self.linear_attention_linears()) > sum(i * o for _, i, o in self.attention_linears()))
 
+    @property
+    def mamba_inner(self) -> int:
+        """A Mamba-2 mixer's channels: its heads times their width."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_channels(self) -> int:
+        """The channels a Mamba-2 mixer's depthwise convolution runs over: x, B and C."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
+
+    def mamba_linears(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of a Mamba-2 mixer's projections: in_proj (z, x, B, C and dt in one) and out_proj. Named
+        `linear_` as Gated DeltaNet's: only all-linear LoRA reaches them."""
+        h, inner = self.hidden, self.mamba_inner
+        return [("linear_in_proj", h, inner + self.mamba_conv_channels + self.mamba_heads),
+                ("linear_out_proj", inner, h)]
+
+    def part_kinds(self) -> list[tuple[int, Block]]:
+        """(blocks, kind) of a `single_part` model's four kinds of block (those it has)."""
+        mlp = self.layers - self.moe_layers - self.mamba_layers - self.attention_layers
+        kinds = [(self.moe_layers, Block(True, part=MOE)), (self.mamba_layers, Block(False, part=MAMBA)),
+                 (self.attention_layers, Block(False, part=ATTENTION)), (mlp, Block(False, part=MLP))]
+        return [(n, kind) for n, kind in kinds if n > 0]
+
+    def kind_of(self, block: Block | bool | None) -> Block | bool | None:
+        """`block` as a `single_part` model's kind: a Block as it is; a plain bool or None (the largest kind, or
+        of the mixtures (True) or the other kinds (False)) the heaviest such kind the model has. Any other model's
+        `block` is returned as it is."""
+        if not self.single_part or isinstance(block, Block):
+            return block
+        kinds = [k for _, k in self.part_kinds() if block is None or k.moe == bool(block)] or \
+            [k for _, k in self.part_kinds()]
+        return max(kinds, key=lambda k: sum(i * o for _, i, o in self._part_linears(k)))
+
+    def _part_linears(self, block: Block) -> list[tuple[str, int, int]]:
+        """(name, in, out) of every linear layer of a `single_part` block of kind `block`."""
+        h = self.hidden
+        if block.part == MAMBA:
+            return self.mamba_linears()
+        if block.part == ATTENTION:
+            return self.attention_linears()
+        if block.part == MLP:
+            return _mlp("", h, self.intermediate, gated=not self.two_matrix)
+        e, d = self.expert_width, self.moe_latent or h
+        up = [("expert_up", d, e)] if self.two_matrix else [("expert_gate_up", d, 2 * e)]
+        experts = (up + [("expert_down", e, d)]) * self.experts
+        latent = [("linear_latent_in", h, d), ("linear_latent_out", d, h)] if self.moe_latent else []
+        shared = _mlp("", h, self.shared_intermediate, gated=not self.two_matrix) if self.shared_intermediate \
+            else []
+        return latent + experts + shared + [("router", h, self.experts)]
+
+    def active_linear_params(self, block: Block | bool) -> float:
+        """The weights of a block of kind `block`'s linear layers one token computes with: its mixer, its dense
+        MLP or its top-k experts (every expert's under `every_expert`) with the shared ones, and the router."""
+        block = self.kind_of(block)
+        if isinstance(block, Block) and block.part:
+            share = self.routed_per_token / self.experts
+            return sum(i * o * (share if n.startswith("expert_") else 1) for n, i, o in self._part_linears(block))
+        mixer = sum(i * o for _, i, o in self.mixer_linears(block))
+        return mixer + 3 * self.hidden * self.active_mlp_width(block) + (self.hidden * self.experts if block else 0)
+
     def mixer_linears(self, block: Block | bool | None = None) -> list[tuple[str, int, int]]:
         """The token mixer's projections of a block of kind `block` (a plain bool or None: the largest kind)."""
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
@@ -203,6 +292,9 @@ class ModelShape:
         """(name, in, out) of every linear layer of one decoder block: a mixture's block (`moe`, the default where
         the model has one) counts each routed expert's MLP (`expert_gate_up`, `expert_down`), its shared
         experts' (as a dense MLP) and its router; a dense block its MLP of `intermediate`."""
+        moe = self.kind_of(moe)
+        if isinstance(moe, Block) and moe.part:
+            return self._part_linears(moe)
         mixer = self.mixer_linears(moe)
         moe = self.moe_layers > 0 if moe is None else bool(moe)
         h = self.hidden
@@ -221,12 +313,12 @@ class ModelShape:
         (out, in), and a mixture's routed experts as the two fused stacks transformers 5 keeps (all experts'
         gate/up projections in one, their down projections in the other), flattened to 2-D as QLoRA stores them
         in NF4."""
+        moe = self.kind_of(moe)
         named = self.named_linears(moe)
-        moe = self.moe_layers > 0 if moe is None else bool(moe)
         out = [(n, o, i) for n, i, o in named if not n.startswith("expert_")]
-        if moe:
-            e, h = self.expert_width, self.hidden
-            out += [("expert_gate_up", self.experts * 2 * e, h), ("expert_down", self.experts * h, e)]
+        for n in dict.fromkeys(n for n, _, _ in named if n.startswith("expert_")):  # one stack per expert weight
+            i, o = next((i, o) for m, i, o in named if m == n)
+            out.append((n, self.experts * o, i))
         return out
 
     def linear_shapes(self, moe: bool | None = None) -> list[tuple[int, int]]:
@@ -242,6 +334,8 @@ class ModelShape:
     def block_kinds(self) -> list[tuple[int, Block]]:
         """(how many blocks, their kind) for each kind of block the decoder holds: mixtures and dense blocks, each
         split into Gated DeltaNet and softmax-attention blocks."""
+        if self.single_part:
+            return self.part_kinds()
         dense_linear = self.linear_dense_layers if self.moe else self.linear_layers
         moe_linear = self.linear_layers - dense_linear
         dense = self.layers - self.moe_layers
@@ -258,6 +352,9 @@ class ModelShape:
         norms, gpt-oss's sinks and its experts' and router's biases; a Gated DeltaNet block's (`block`; a plain bool
         or None: the largest kind) depthwise convolution over q, k and v, its per-head decay and dt bias, and its
         gated norm over a value head."""
+        block = self.kind_of(block)
+        if isinstance(block, Block) and block.part:
+            return self._part_extra_params(block)
         extra = 2 * self.hidden
         moe = block.moe if isinstance(block, Block) else self.moe_layers > 0 if block is None else bool(block)
         if moe and self.clamped_swiglu:  # gpt-oss's experts: a bias on each expert's gate/up and down, and the router's
@@ -279,6 +376,21 @@ class ModelShape:
             extra += self.heads
         return extra
 
+    def _part_extra_params(self, block: Block) -> int:
+        """A `single_part` block's weights outside its linear layers: its one norm; a Mamba-2 mixer's convolution
+        (and its bias), dt bias, A and D per head, the gated norm over its channels, its projections' biases; an MLP's
+        or a mixture's biases (shared experts and latent projections) under `mlp_bias`. Its attention has none."""
+        extra = self.hidden
+        if block.part == MAMBA:
+            conv = self.mamba_conv_channels
+            extra += conv * self.mamba_conv + (conv if self.mamba_conv_bias else 0) + 3 * self.mamba_heads + \
+                self.mamba_inner
+            if self.mamba_bias:
+                extra += sum(o for _, _, o in self.mamba_linears())
+        elif block.part in (MLP, MOE) and self.mlp_bias:
+            extra += sum(o for n, _, o in self._part_linears(block) if n != "router" and not n.startswith("expert_"))
+        return extra
+
     def layer_params(self, moe: bool | None = None) -> int:
         """One decoder block's weights (the largest kind by default)."""
         return sum(i * o for i, o in self.linear_shapes(moe)) + self.block_extra_params(moe)
@@ -297,7 +409,10 @@ class ModelShape:
         return self.decoder_params() + self.embed_params() + self.hidden + self.extra_params
 
     def active_mlp_width(self, moe: bool | None = None) -> int:
-        """The MLP width one token runs through in a block: top-k experts and the shared ones, or the dense MLP."""
+        """The MLP width one token runs through in a block: top-k experts and the shared ones, or the dense MLP (none
+        in a `single_part` model's mixer blocks)."""
+        if isinstance(moe, Block) and moe.part in (MAMBA, ATTENTION):
+            return 0
         moe = self.moe_layers > 0 if moe is None else bool(moe)
         return self.top_k * self.expert_width + self.shared_intermediate if moe else self.intermediate
 
@@ -309,6 +424,8 @@ class ModelShape:
         """The weights one token computes with: attention, the top-k experts and shared ones, the router, the
         head (the embedding row is a lookup, not counted, as model cards count active parameters)."""
         def block(moe: Block) -> float:
+            if moe.part:
+                return self.active_linear_params(moe) + self.block_extra_params(moe)
             router = self.hidden * self.experts if moe else 0
             mixer = sum(i * o for _, i, o in self.mixer_linears(moe))
             return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe)
@@ -321,6 +438,7 @@ class ModelShape:
                                                     if n != "router")))
 
 
-def _mlp(prefix: str, hidden: int, width: int) -> list[tuple[str, int, int]]:
-    """A gated MLP's three projections as named linears."""
-    return [(prefix + "gate", hidden, width), (prefix + "up", hidden, width), (prefix + "down", width, hidden)]
+def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> list[tuple[str, int, int]]:
+    """A gated MLP's three projections as named linears (an ungated one's two: up and down)."""
+    gate = [(prefix + "gate", hidden, width)] if gated else []
+    return gate + [(prefix + "up", hidden, width), (prefix + "down", width, hidden)]

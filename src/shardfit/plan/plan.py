@@ -292,7 +292,7 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
-                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w)
+                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w) + mamba_notes(shape, w)
                 + ([f"attention {asked.attention} runs eager: transformers' class of {shape.id} has no SDPA"]
                    if w.attention != asked.attention else []),
                 same_result(shape, w, hw, strategies) if best is None else None)
@@ -340,6 +340,16 @@ def delta_rule_notes(shape: ModelShape, w: Workload) -> list[str]:
             f"{kernels * shape.linear_layers:,.0f} more kernel launches per micro-batch, and fp32 chunk tensors "
             "saved for backward; `pip install flash-linear-attention causal-conv1d` (on the GPU machine, then plan "
             "again there) for the fused kernels"]
+
+
+def mamba_notes(shape: ModelShape, w: Workload) -> list[str]:
+    """Where Nemotron-H's Mamba-2 blocks are planned for transformers' reference torch scan (mamba_ssm is not
+    installed where the plan runs, workload.py `mamba_scan`): what it saves and how to get the fused kernel."""
+    if not shape.mamba_layers or w.mamba_scan != "torch":
+        return []
+    return [f"the {shape.mamba_layers} Mamba-2 blocks are planned with transformers' reference torch scan (mamba_ssm "
+            "is not installed here), which saves fp32 chunk tensors for backward; `pip install mamba-ssm "
+            "causal-conv1d` (on the GPU machine, then plan again there) for the fused kernel"]
 
 
 def _duration(s: float) -> str:

@@ -99,7 +99,7 @@ from shardfit.plan.estimate import (
     with_loss_chunk,
 )
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.model_shape import DELTA_CHUNK, Block, BlockGroup
+from shardfit.plan.model_shape import DELTA_CHUNK, BlockGroup
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -211,11 +211,8 @@ class StepTime:
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     """(forward FLOPs of one block's linear layers, their parameter count) per token, active experts only."""
-    def active(moe: Block) -> float:
-        mixer = sum(i * o for _, i, o in shape.mixer_linears(moe))
-        return mixer + 3 * shape.hidden * shape.active_mlp_width(moe) + (shape.hidden * shape.experts if moe else 0)
-
-    params = shape.over_blocks(active) / shape.layers  # the mean block: mixtures and dense blocks in their shares
+    # the mean block: mixtures and dense blocks in their shares
+    params = shape.over_blocks(shape.active_linear_params) / shape.layers
     return 2.0 * params, float(params)
 
 

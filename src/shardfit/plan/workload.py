@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config import Config
-from shardfit.kernels import delta_rule_kernel, widening_matmul_in_torch
+from shardfit.kernels import delta_rule_kernel, mamba_kernel, widening_matmul_in_torch
 
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
 # in three generations: see `Workload.loss`.
@@ -164,6 +164,10 @@ class Workload:
     # `torch`, transformers' fallback, which saves the chunks' fp32 tensors (plan/estimate.py
     # `deltanet_saved_bytes_per_token`) and dispatches its ops chunk by chunk (plan/timing.py `host_dispatch_s`).
     delta_rule: str = dataclasses.field(default_factory=delta_rule_kernel)
+    # The Mamba-2 scan of Nemotron-H's mixer blocks (kernels.py `mamba_kernel`): `mamba_ssm`'s fused kernel, or
+    # `torch`, transformers' reference scan, which saves the chunks' fp32 tensors (plan/estimate.py
+    # `mamba_saved_bytes_per_token`).
+    mamba_scan: str = dataclasses.field(default_factory=mamba_kernel)
 
     @property
     def bnb(self) -> bool:

@@ -22,6 +22,7 @@ from shardfit.plan import attention_layout as attention
 from shardfit.plan.loaded_config import distinct_block_heads
 from shardfit.plan.media import has_tower
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.single_part import SINGLE_PART_TYPES
 
 # Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
 SP_ATTENTION = ("auto", "sdpa")
@@ -137,6 +138,9 @@ def facts_of_config(config: Any) -> DecoderFacts:
     heads = attention.common_count(text, "num_attention_heads")
     experts = max((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
                    for n in attention.block_counts(text, k)), default=0)
+    if getattr(text, "model_type", None) in SINGLE_PART_TYPES and "moe" not in (getattr(text, "layer_types", None)
+                                                                                  or ()):
+        experts = 0  # Nemotron-H's class names 8 experts by default, built only in its "moe" blocks
     return DecoderFacts(heads=heads, kv_heads=attention.common_count(text, "num_key_value_heads") or heads,
                         experts=experts > 1,
                         multimodal=has_tower(config), partial_attention=layout.partial, attention_kinds=layout.kinds,
