@@ -4,13 +4,17 @@ Nothing here predicts: how accurate the planner is on the set is the bench's mea
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
 
 from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, OPTIMIZERS, QUANT_BACKENDS
 from tests.helpers import load_bench
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
             "grad_accum", "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "attention", "peak_memory",
@@ -133,3 +137,13 @@ def test_an_unmapped_string_is_an_error_not_a_silent_default(bench, blind) -> No
     with pytest.raises(KeyError):
         bench.settings_of(75, {**row, "peak_memory": {**row["peak_memory"], "reading": "rocm-smi"}}, blind)
     assert bench.settings_of(75, {**row, "attention": "unknown"}, blind)["reading"] == "total"
+
+
+def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
+    """bench/results/plan_vs_blind4.json is what the script computes now, docs/planning.md shows its table and the
+    README its headline: rerun `python bench/plan_vs_blind4.py` and paste both after any change to the planner."""
+    fresh = json.loads(json.dumps(bench.evaluate(blind)))
+    assert json.loads(bench.OUT.read_text()) == fresh
+    assert bench.pvb.docs_table(fresh) in (ROOT / "docs" / "planning.md").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert " ".join(bench.pvb.headline(fresh).split()) in readme
