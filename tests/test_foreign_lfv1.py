@@ -134,6 +134,13 @@ BAD = [
     ("flash_attn: fa2\n", "flash_attn"),
     ("micro_batch_size: 3\nglobal_batch_size: 8\n", "global_batch_size"),
     ("batching_strategy: padding_free\n", "batching_strategy"),
+    # a zero or negative count is refused before grad accumulation divides by it
+    ("micro_batch_size: 0\nglobal_batch_size: 8\n", "micro_batch_size"),
+    ("cp_size: 0\nglobal_batch_size: 8\n", "cp_size"),
+    ("dp_size: 0\nglobal_batch_size: 8\n", "dp_size"),
+    ("micro_batch_size: -1\n", "micro_batch_size"),
+    ("cutoff_len: 0\n", "cutoff_len"),
+    ("peft_config:\n  name: lora\n  r: 0\n", "peft_config.r"),
 ]
 
 
@@ -142,6 +149,16 @@ def test_bad_v1_input_exits_2_naming_file_and_key(tmp_path: Path, capsys: pytest
                                                   key: str) -> None:
     f = tmp_path / "v1.yaml"
     f.write_text("model: Qwen/Qwen3-0.6B\n" + body)
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
+    assert code == 2 and str(f) in err and key in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("body,key", [("per_device_train_batch_size: -1\n", "per_device_train_batch_size"),
+                                      ("cutoff_len: 0\n", "cutoff_len")])
+def test_v0_count_below_one_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, key: str) -> None:
+    """The v0 table shares v1's count reader: a batch or length below 1 names its key (no empty plan)."""
+    f = tmp_path / "v0.yaml"
+    f.write_text("model_name_or_path: Qwen/Qwen3-0.6B\nfinetuning_type: lora\n" + body)
     code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
     assert code == 2 and str(f) in err and key in err and "Traceback" not in err, err
 

@@ -15,7 +15,18 @@ from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.common import ATTENTION, as_float, as_int, load_yaml, local_file
 from shardfit.foreign.job import ForeignJob, Words
-from shardfit.foreign.keys import Key, Source, file_keys, key_table, only_true, positive, settings, text, use_deepspeed
+from shardfit.foreign.keys import (
+    Key,
+    Source,
+    count,
+    file_keys,
+    key_table,
+    only_true,
+    positive,
+    settings,
+    text,
+    use_deepspeed,
+)
 from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
 from shardfit.foreign.llamafactory import read_llamafactory
 from shardfit.plan.workload import Workload
@@ -42,10 +53,10 @@ def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
 KEYS = key_table({
     "peft_config.name": Key("{method}"), "quant_config.quantization_bit": Key("4-bit NF4 frozen weights"),
     "quant_config.name": Key("bitsandbytes"), "bf16": Key("{precision}"),
-    "cutoff_len": Key("sequence length", field="seq_len", read=as_int, default=2048),
-    "micro_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
+    "cutoff_len": Key("sequence length", field="seq_len", read=count, default=2048),
+    "micro_batch_size": Key("micro-batch", field="micro_batch", read=count, default=1),
     "global_batch_size": Key("grad_accum {grad_accum}"), "dp_size": Key("grad_accum {grad_accum}"),
-    "peft_config.r": Key("adapter size", field="lora_rank", read=as_int, default=8),
+    "peft_config.r": Key("adapter size", field="lora_rank", read=count, default=8),
     "peft_config.lora_dropout": Key("adapter dropout {lora_dropout}", field="lora_dropout", config="lora.dropout",
                                     read=as_float, default=0.05),
     "peft_config.lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
@@ -53,7 +64,7 @@ KEYS = key_table({
                                       read=lora_targets, default="all"),
     "peft_config.freeze_trainable_layers": Key("trainable blocks"),
     "enable_activation_checkpointing": Key("grad_ckpt {grad_ckpt}"), "flash_attn": Key("attention {attention}"),
-    "cp_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel", read=as_int),
+    "cp_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel", read=count),
     "cp_mode": Key("Ulysses"),
     "dist_config.name": Key("sharding"), "dist_config.config_file": Key("ZeRO settings"),
     "dist_config.offload_params": Key("sharding"), "dist_config.reshard_after_forward": Key("sharding"),
@@ -257,16 +268,16 @@ def _grad_accum(src: Source, job: ForeignJob, fields: dict[str, Any]) -> int:
     total = src.get("global_batch_size")
     if total is None:
         return 1
-    total = as_int(total, "global_batch_size", src.at("global_batch_size"))
+    total = count(total, "global_batch_size", src.at("global_batch_size"))
     world = (job.nproc or 1) * job.nnodes
     cp = fields.get("sequence_parallel", 1)
     dp = src.get("dp_size")
-    dp = as_int(dp, "dp_size", src.at("dp_size")) if dp is not None else max(1, world // cp)
+    dp = count(dp, "dp_size", src.at("dp_size")) if dp is not None else max(1, world // cp)
     if job.nproc is None:
         job.notes.append(f"global_batch_size over {dp} data-parallel rank(s): pass --nproc N for the ranks the job "
                          f"runs on")
     per_step = dp * fields["micro_batch"]
-    if total < 1 or total % per_step:
+    if total % per_step:
         raise UserError(f"{src.at('global_batch_size')}: global_batch_size {total} is not a multiple of {dp} "
                         f"data-parallel rank(s) x micro_batch_size {fields['micro_batch']}; LLaMA-Factory v1 "
                         f"refuses it. Give a multiple of {per_step}.")
