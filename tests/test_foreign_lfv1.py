@@ -101,6 +101,18 @@ def test_v1_precision_and_offload(tmp_path: Path) -> None:
     assert (job.workload.precision, job.describe_engine()) == ("fp16", "DeepSpeed ZeRO-2")  # the JSON's, not bf16
 
 
+@pytest.mark.parametrize("quant,method", [("{name: auto}", "lora"), ("{name: auto, quantization_bit: 4}", "qlora"),
+                                          ("{name: bnb}", "qlora")])
+def test_v1_quant_auto_needs_bits(tmp_path: Path, quant: str, method: str) -> None:
+    """v1's `auto` quantization plugin loads the model unquantized unless quantization_bit is given (bnb defaults
+    to 4 bits): LoRA over it is planned as plain LoRA, with a note."""
+    f = tmp_path / "q.yaml"
+    f.write_text(f"model: Qwen/Qwen3-0.6B\npeft_config: {{name: lora}}\nquant_config: {quant}\n")
+    job = read_job("llamafactory", str(f), JobOptions())
+    assert job.workload.method == method
+    assert any("applies no quantization" in n for n in job.notes) is (method == "lora"), job.notes
+
+
 def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
     gpus = ["--gpus", "8xH100"] if command != "convert" else []
     code, _, err = run_here(capsys, command, "--from", "llamafactory", str(JOBS / file), *gpus)
@@ -141,6 +153,7 @@ BAD = [
     ("micro_batch_size: -1\n", "micro_batch_size"),
     ("cutoff_len: 0\n", "cutoff_len"),
     ("peft_config:\n  name: lora\n  r: 0\n", "peft_config.r"),
+    ("peft_config:\n  name: lora\nquant_config:\n  name: gptq\n", "quant_config.name"),  # bnb and auto only
 ]
 
 

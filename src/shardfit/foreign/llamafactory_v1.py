@@ -40,6 +40,7 @@ DIST = ("fsdp2", "fsdpturbo", "deepspeed")
 V1_ATTENTION = ("eager", "sdpa", "flash_attention_2")
 BATCHING = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 METHODS = {"lora": "lora", "freeze": "freeze"}
+QUANT = ("bnb", "auto")  # bnb defaults to 4 bits; auto quantizes only when quantization_bit is given
 
 
 def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
@@ -195,8 +196,15 @@ def _method(src: Source, job: ForeignJob) -> str:
     if method is None:
         raise UserError(f"{src.at('peft_config.name')}: 'peft_config.name' is {name!r}; LLaMA-Factory v1's are "
                         f"lora and freeze (no peft_config: full).")
-    if src.get("quant_config.name") is not None:
-        bits = src.get("quant_config.quantization_bit")
+    quant = src.get("quant_config.name")
+    if quant is not None and quant not in QUANT:
+        raise UserError(f"{src.at('quant_config.name')}: 'quant_config.name' is {quant!r}; LLaMA-Factory v1's are "
+                        f"{', '.join(QUANT)}.")
+    bits = src.get("quant_config.quantization_bit")
+    if quant == "auto" and bits is None:  # v1's auto plugin loads the model as it is then
+        job.notes.append("quant_config auto without quantization_bit: LLaMA-Factory v1 applies no quantization, "
+                         "so the weights are planned unquantized")
+    elif quant is not None:
         bits = 4 if bits is None else as_int(bits, "quant_config.quantization_bit", src.at("quant_config"))
         if bits not in (4, 8):
             raise UserError(f"{src.at('quant_config')}: 'quant_config.quantization_bit' is {bits}; bitsandbytes "
@@ -336,6 +344,8 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     if src.get("mp_shard_size") is not None:
         unplanned.add("mp_shard_size")  # FSDP2 over a sub-mesh, replicated over the rest (HSDP)
     effects = {"dist_config.name": job.describe_engine()}
+    if src.get("quant_config.name") == "auto" and src.get("quant_config.quantization_bit") is None:
+        effects["quant_config.name"] = "no quantization (auto without quantization_bit)"
     if src.get("batching_strategy") in ("padding_free", "dynamic_padding_free"):
         effects["batching_strategy"] = "examples packed into rows"
     file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)
