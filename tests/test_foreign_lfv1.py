@@ -113,6 +113,34 @@ def test_v1_quant_auto_needs_bits(tmp_path: Path, quant: str, method: str) -> No
     assert any("applies no quantization" in n for n in job.notes) is (method == "lora"), job.notes
 
 
+def test_freeze_trainable_layers_reach_the_plan(tmp_path: Path) -> None:
+    """The blocks `freeze_trainable_layers` trains are what the plan counts, in v1 and v0 YAMLs and in the converted
+    config: 8 blocks train four times the weights of the default 2, and the first 8 make backward run through every
+    block."""
+    from shardfit.plan.estimate import trainable_params
+    from shardfit.plan.timing import backward_layers
+    from shardfit.plan.workload import workload_of
+
+    shape = resolve_shape("Qwen/Qwen3-0.6B")  # 28 blocks
+    f = tmp_path / "f.yaml"
+    counts = {}
+    for n in (None, 8, -8):
+        given = "" if n is None else f", freeze_trainable_layers: {n}"
+        f.write_text(f"model: Qwen/Qwen3-0.6B\npeft_config: {{name: freeze{given}}}\n")
+        job = read_job("llamafactory", str(f), JobOptions())
+        counts[n] = trainable_params(shape, job.workload), backward_layers(shape, job.workload)
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(to_yaml(job))
+        assert trainable_params(shape, workload_of(load_config(cfg, check_files=False))) == counts[n][0]
+        v0 = tmp_path / "v0.yaml"
+        v0.write_text("model_name_or_path: Qwen/Qwen3-0.6B\nfinetuning_type: freeze\n"
+                      + ("" if n is None else f"freeze_trainable_layers: {n}\n"))
+        assert trainable_params(shape, read_job("llamafactory", str(v0), JobOptions()).workload) == counts[n][0]
+    block = shape.layer_params()
+    assert counts[None] == (2 * block + shape.hidden, 2)  # the default is planned as before
+    assert counts[8] == (8 * block + shape.hidden, 8) and counts[-8] == (8 * block + shape.hidden, 28)
+
+
 def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
     gpus = ["--gpus", "8xH100"] if command != "convert" else []
     code, _, err = run_here(capsys, command, "--from", "llamafactory", str(JOBS / file), *gpus)

@@ -13,7 +13,7 @@ from typing import Any
 
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
-from shardfit.foreign.common import ATTENTION, as_float, as_int, load_yaml, local_file
+from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_blocks, load_yaml, local_file
 from shardfit.foreign.job import ForeignJob, Words
 from shardfit.foreign.keys import (
     Key,
@@ -153,7 +153,7 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
     shape = shape_of(model)
     job = ForeignJob("llamafactory", src.where, model, Workload(), words=words(), nproc=nproc)
     ds_precision = _engine(src, job, shape.hidden)
-    w = job.workload = _workload(src, job, ds_precision)
+    w = job.workload = _workload(src, job, ds_precision, shape.layers)
     job.quant_storage = w.method == "qlora"  # v1 stores 4-bit weights in the compute dtype
     job.data, job.data_missing = _datasets(src)
     if job.data_missing:
@@ -229,7 +229,7 @@ def _precision(src: Source, job: ForeignJob, method: str, ds_precision: str | No
     return "fp32"
 
 
-def _workload(src: Source, job: ForeignJob, ds_precision: str | None) -> Workload:
+def _workload(src: Source, job: ForeignJob, ds_precision: str | None, layers: int) -> Workload:
     method = _method(src, job)
     attn = src.get("flash_attn", "sdpa")
     if attn not in V1_ATTENTION:
@@ -245,7 +245,17 @@ def _workload(src: Source, job: ForeignJob, ds_precision: str | None) -> Workloa
     return Workload(method=method, precision=_precision(src, job, method, ds_precision),
                     grad_ckpt="full" if src.flag("enable_activation_checkpointing", True) else "none",
                     optimizer="adamw", fused_adamw=False, loss="full_shift", attention=ATTENTION[attn],
-                    frozen_fp32=False, quant_backend="bnb", **fields)
+                    frozen_fp32=False, quant_backend="bnb", freeze_blocks=_freeze_blocks(src, method, layers),
+                    **fields)
+
+
+def _freeze_blocks(src: Source, method: str, layers: int) -> tuple[int, ...]:
+    """The blocks the freeze plugin trains (`freeze_trainable_layers`, default the last 2)."""
+    if method != "freeze":
+        return ()
+    n = as_int(src.get("peft_config.freeze_trainable_layers", 2), "peft_config.freeze_trainable_layers",
+               src.at("peft_config"))
+    return tuple(lf_freeze_blocks(n, layers))
 
 
 def _check_split(src: Source, job: ForeignJob, fields: dict[str, Any], attn: str) -> None:
@@ -316,10 +326,7 @@ def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
     if src.get("batching_strategy") in ("padding_free", "dynamic_padding_free"):
         out["packing"] = True
     if w.method == "freeze":
-        n = as_int(src.get("peft_config.freeze_trainable_layers", 2), "peft_config.freeze_trainable_layers",
-                   src.at("peft_config"))
-        ids = range(max(0, layers - n), layers) if n > 0 else range(min(-n, layers))
-        out["freeze_trainable"] = [f"layers.{i}." for i in ids]
+        out["freeze_trainable"] = [f"layers.{i}." for i in w.trained_blocks(layers)]
     return out
 
 
