@@ -141,6 +141,20 @@ def test_freeze_trainable_layers_reach_the_plan(tmp_path: Path) -> None:
     assert counts[8] == (8 * block + shape.hidden, 8) and counts[-8] == (8 * block + shape.hidden, 28)
 
 
+@pytest.mark.parametrize("peft,reference", [("peft_config: {name: lora}\n", False), ("", True)])
+def test_v1_pair_dataset_planned_as_dpo(tmp_path: Path, peft: str, reference: bool) -> None:
+    """A dataset YAML whose entry has `converter: pair` (LF's own train_lora_dpo.yaml has no pref_* key) is
+    v1's DPO data: planned as dpo, a full fine-tune with the trainer's deep-copied reference, LoRA with none."""
+    (tmp_path / "pairs.yaml").write_text("prefs:\n  path: org/prefs\n  converter: pair\n")
+    f = tmp_path / "dpo.yaml"
+    f.write_text(f"model: Qwen/Qwen3-0.6B\n{peft}train_dataset: pairs.yaml\n")
+    job = read_job("llamafactory", str(f), JobOptions())
+    assert job.workload.objective == "dpo" and job.convert["objective"] == "dpo", job.notes
+    assert any("converter: pair" in n for n in job.notes) and (job.reference is not None) is reference
+    (tmp_path / "pairs.yaml").write_text("sft:\n  path: org/sft\n")
+    assert read_job("llamafactory", str(f), JobOptions()).workload.objective == "sft"
+
+
 def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
     gpus = ["--gpus", "8xH100"] if command != "convert" else []
     code, _, err = run_here(capsys, command, "--from", "llamafactory", str(JOBS / file), *gpus)

@@ -14,7 +14,7 @@ from typing import Any
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_blocks, load_yaml, local_file
-from shardfit.foreign.job import ForeignJob, Words
+from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     Key,
     Source,
@@ -29,6 +29,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
 from shardfit.foreign.llamafactory import read_llamafactory
+from shardfit.foreign.preference import Preference, apply, choice
 from shardfit.plan.workload import Workload
 
 # Keys only v1 has at the top level (v0 names the model `model_name_or_path`).
@@ -40,6 +41,7 @@ DIST = ("fsdp2", "fsdpturbo", "deepspeed")
 V1_ATTENTION = ("eager", "sdpa", "flash_attention_2")
 BATCHING = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 METHODS = {"lora": "lora", "freeze": "freeze"}
+PREF_LOSSES = {"sigmoid": "dpo", "orpo": "orpo", "simpo": "simpo"}
 QUANT = ("bnb", "auto")  # bnb defaults to 4 bits; auto quantizes only when quantization_bit is given
 
 
@@ -155,11 +157,14 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
     ds_precision = _engine(src, job, shape.hidden)
     w = job.workload = _workload(src, job, ds_precision, shape.layers)
     job.quant_storage = w.method == "qlora"  # v1 stores 4-bit weights in the compute dtype
-    job.data, job.data_missing = _datasets(src)
+    job.data, job.data_missing, pair = _datasets(src)
     if job.data_missing:
         job.notes.append(f"datasets not found as local files (convert leaves them out): "
                          f"{', '.join(job.data_missing)}")
     job.convert = _convert(src, w, shape.layers)
+    if pair:
+        _preference(src, job, w)
+        w = job.workload
     job.notes.append("loss: v1's trainer takes an fp32 copy of the logits and a shifted copy of that (full_shift), "
                      "whatever the transformers version")
     _file_keys(src, job, w)
@@ -302,20 +307,38 @@ def _grad_accum(src: Source, job: ForeignJob, fields: dict[str, Any]) -> int:
     return total // per_step
 
 
-def _datasets(src: Source) -> tuple[list[str], list[str]]:
-    """Local files of `train_dataset`: a file, or a dataset YAML whose entries' `path` name the files."""
+def _datasets(src: Source) -> tuple[list[str], list[str], bool]:
+    """Local files of `train_dataset`: a file, or a dataset YAML whose entries' `path` name the files; and whether
+    an entry converts chosen/rejected pairs (`converter: pair`, the data of v1's DPO trainer)."""
     given = src.get("train_dataset")
     if not given:
-        return [], []
+        return [], [], False
     bases = (src.path.parent, Path.cwd())
     hit = local_file(str(given), *bases)
     if hit is None or not hit.endswith((".yaml", ".yml")):
-        return ([hit], []) if hit else ([], [str(given)])
+        return ([hit], [], False) if hit else ([], [str(given)], False)
     infos, _ = read_yaml(Path(hit))
-    paths = [str(v["path"]) for v in (infos or {}).values() if isinstance(v, dict) and v.get("path")] \
-        if isinstance(infos, dict) else []
+    entries = [v for v in infos.values() if isinstance(v, dict)] if isinstance(infos, dict) else []
+    paths = [str(v["path"]) for v in entries if v.get("path")]
     found = [h for p in paths if (h := local_file(p, Path(hit).parent, *bases))]
-    return found, [p for p in paths if not local_file(p, Path(hit).parent, *bases)]
+    pair = any(v.get("converter") == "pair" for v in entries)
+    return found, [p for p in paths if not local_file(p, Path(hit).parent, *bases)], pair
+
+
+def _preference(src: Source, job: ForeignJob, w: Workload) -> None:
+    """A dataset of chosen/rejected pairs is trained by `llamafactory-cli dpo` (v1's sft trainer has no use for
+    pairs): planned as that, `pref_loss` (sigmoid, orpo, simpo) picking the objective. Its sigmoid loss keeps a deep
+    copy of the model as the reference unless adapters train (dpo_trainer `_init_ref_model`)."""
+    loss = choice(src.get("pref_loss", "sigmoid"), "pref_loss", src.at("pref_loss"), PREF_LOSSES)
+    pref = Preference(objective=loss)
+    pref.number("beta", src.get("pref_beta", 0.1), "pref_beta", src.at("pref_beta"))
+    if loss == "simpo":
+        pref.number("simpo_gamma", src.get("simpo_gamma"), "simpo_gamma", src.at("simpo_gamma"))
+    if loss == "dpo" and not w.trains_adapters:
+        pref.reference = ReferenceCopy("v1's DPO trainer deep-copies the model as the reference")
+    apply(job, pref)
+    job.notes.append(f"train_dataset has `converter: pair` (chosen/rejected rows): planned as "
+                     f"`llamafactory-cli dpo` with pref_loss {src.get('pref_loss', 'sigmoid')}")
 
 
 def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
@@ -335,7 +358,9 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {k for k in src.values if k.startswith(("optim_config.", "pref_", "simpo_", "dpo_", "ld_"))}
     if "optim_config.name" in src:
         job.notes.append(f"optim_config {src.get('optim_config.name')}: planned as torch's AdamW")
-    if unplanned & {"pref_loss", "pref_beta"}:
+    if job.workload.objective != "sft":
+        unplanned -= {"pref_loss", "pref_beta", "simpo_gamma"}
+    elif unplanned & {"pref_loss", "pref_beta"}:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
     if src.get("peft_config.target_modules", "all") != "all":
         unplanned.add("peft_config.target_modules")
