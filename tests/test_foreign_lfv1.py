@@ -95,10 +95,30 @@ def test_v1_precision_and_offload(tmp_path: Path) -> None:
     f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: fsdp2\n  offload_params: true\n")
     assert read_job("llamafactory", str(f), JobOptions(nproc=2)).describe_engine() == \
         "FSDP full_shard with CPU offload"
-    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
-    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: deepspeed\n  config_file: ds.json\n")
+
+
+@pytest.mark.parametrize("mixed,top,method,precision", [
+    ({"bf16": {"enabled": "auto"}}, "false", "full", "bf16"),  # the YAML's bf16 never reaches DeepSpeed
+    ({}, "true", "full", "bf16"),
+    ({"bf16": {"enabled": False}}, "true", "full", "fp32"),  # no mixed precision over v1's fp32 model
+    ({"fp16": {"enabled": False}}, "true", "full", "fp32"),
+    ({"bf16": {"enabled": False}}, "true", "lora", "bf16"),  # adapters beside the checkpoint's 16 bits
+    ({"fp16": {"enabled": True}}, "true", "full", None),  # v1 refuses fp16 under DeepSpeed
+])
+def test_v1_deepspeed_precision_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture, mixed: dict, top: str,
+                                              method: str, precision: str | None) -> None:
+    """Under DeepSpeed v1 decides the precision from the JSON alone (infer_deepspeed_mixed_precision)."""
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, **mixed}))
+    f = tmp_path / "v1.yaml"
+    peft = "peft_config: {name: lora}\n" if method == "lora" else ""
+    f.write_text(f"model: Qwen/Qwen3-0.6B\nbf16: {top}\n{peft}dist_config:\n  name: deepspeed\n"
+                 f"  config_file: ds.json\n")
+    if precision is None:
+        code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "2xH100", "--nproc", "2")
+        assert code == 2 and "'fp16.enabled'" in err and "ds.json" in err and str(f) in err, err
+        return
     job = read_job("llamafactory", str(f), JobOptions(nproc=2))
-    assert (job.workload.precision, job.describe_engine()) == ("fp16", "DeepSpeed ZeRO-2")  # the JSON's, not bf16
+    assert (job.workload.precision, job.describe_engine()) == (precision, "DeepSpeed ZeRO-2")
 
 
 @pytest.mark.parametrize("quant,method", [("{name: auto}", "lora"), ("{name: auto, quantization_bit: 4}", "qlora"),

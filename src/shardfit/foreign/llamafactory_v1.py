@@ -14,6 +14,7 @@ from typing import Any
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_blocks, load_yaml, local_file
+from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     Key,
@@ -187,11 +188,23 @@ def _engine(src: Source, job: ForeignJob, hidden: int) -> str | None:
         if not isinstance(ref, str) or not ref:
             raise UserError(f"{src.at('dist_config.name')}: dist_config with name deepspeed needs 'config_file', "
                             f"the DeepSpeed JSON (e.g. examples/deepspeed/ds_z3_config.json).")
-        return use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes).precision
+        ds = use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes)
+        return _ds_mixed(ds, src.at("dist_config.config_file"))
     offload = src.flag("dist_config.offload_params")
     reshard = src.flag("dist_config.reshard_after_forward", True)
     job.engine = "fsdp_offload" if offload else "fsdp_full_shard" if reshard else "fsdp_shard_grad_op"
     return None
+
+
+def _ds_mixed(ds: DeepSpeedJob, where: str) -> str:
+    """v1's mixed precision under DeepSpeed, from the JSON alone (deepspeed_utils `infer_deepspeed_mixed_precision`;
+    the YAML's bf16 never reaches the engine): bf16 unless the JSON turns bf16 or fp16 off ("no": none), and fp16
+    refused."""
+    if ds.fp16_on:
+        raise UserError(f"{where}: the DeepSpeed JSON {ds.source} sets 'fp16.enabled' true; LLaMA-Factory v1 "
+                        f"refuses fp16 under "
+                        f"DeepSpeed (bf16 only). Set `\"bf16\": {{\"enabled\": true}}` and fp16's to false or auto.")
+    return "no" if ds.bf16_on is False or (ds.bf16_on is None and ds.fp16_on is False) else "bf16"
 
 
 def _method(src: Source, job: ForeignJob) -> str:
@@ -222,11 +235,16 @@ def _method(src: Source, job: ForeignJob) -> str:
 
 
 def _precision(src: Source, job: ForeignJob, method: str, ds_precision: str | None) -> str:
-    """bf16 is FSDP2's compute dtype (and DeepSpeed's, by its JSON); without either nothing autocasts, so a fully
-    trained model, cast to fp32 by v1, computes in fp32, and adapters compute beside the checkpoint's 16 bits."""
+    """bf16 is FSDP2's compute dtype; DeepSpeed's comes from its JSON alone (`_ds_mixed`); without either nothing
+    autocasts, so a fully trained model, cast to fp32 by v1, computes in fp32, and adapters compute beside the
+    checkpoint's 16 bits."""
     bf16 = src.flag("bf16", True)
     if job.engine == "deepspeed":
-        return ds_precision or ("bf16" if bf16 else "fp32")
+        if ds_precision == "bf16" or method != "full":
+            return "bf16"
+        job.notes.append("full fine-tuning under a DeepSpeed JSON that turns bf16 off: LLaMA-Factory v1 casts the "
+                         "model to fp32 and DeepSpeed runs no mixed precision, so it is planned in fp32")
+        return "fp32"
     if job.engine.startswith("fsdp") or method != "full":
         return "bf16" if bf16 or method != "full" else "fp32"
     job.notes.append("full fine-tuning without dist_config: LLaMA-Factory v1 casts the model to fp32 and does not "
