@@ -175,8 +175,50 @@ def test_v1_pair_dataset_planned_as_dpo(tmp_path: Path, peft: str, reference: bo
     assert read_job("llamafactory", str(f), JobOptions()).workload.objective == "sft"
 
 
-def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
-    gpus = ["--gpus", "8xH100"] if command != "convert" else []
+def test_v1_fsdp_on_one_process_and_fsdp_precision(tmp_path: Path) -> None:
+    """fsdp2 on one process: v1 has no device mesh and leaves the model unwrapped, so a full fine-tune is the
+    unsharded fp32 one; over several ranks `bf16: false` is FSDP2's fp32 param_dtype for LoRA too."""
+    f = tmp_path / "v1.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config: {name: fsdp2}\n")
+    for opts in (JobOptions(nproc=1), JobOptions(gpus=parse_gpus("1x24GB"))):
+        job = read_job("llamafactory", str(f), opts)
+        assert (job.engine, job.workload.precision) == ("single", "fp32"), (job.engine, job.workload)
+        assert any("no device mesh" in n for n in job.notes)
+    assert read_job("llamafactory", str(f), JobOptions(nproc=2)).workload.precision == "bf16"
+    f.write_text("model: Qwen/Qwen3-0.6B\nbf16: false\npeft_config: {name: lora}\ndist_config: {name: fsdp2}\n")
+    job = read_job("llamafactory", str(f), JobOptions(nproc=2))
+    assert (job.engine, job.workload.precision) == ("fsdp_full_shard", "fp32")
+
+
+def test_v1_ranks_default_to_the_gpus(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Without --nproc v1's launcher starts a rank per visible GPU: --gpus' count shards FSDP and divides the global
+    batch alike, so a global batch 8 ranks do not divide exits 2 as v1 refuses it."""
+    f = tmp_path / "v1.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config: {name: fsdp2}\nglobal_batch_size: 16\n")
+    job = read_job("llamafactory", str(f), JobOptions(gpus=parse_gpus("8xH100")))
+    assert (job.nproc, job.workload.grad_accum, job.engine) == (8, 2, "fsdp_full_shard")
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config: {name: fsdp2}\nglobal_batch_size: 12\n")
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "8xH100")
+    assert code == 2 and "global_batch_size" in err, err
+
+
+def test_megatron_refusal_plans_on_the_given_gpus(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """The printed plan keeps --gpus' card and count (Megatron runs its split data-parallel over them); a count
+    the split does not tile, or a fractional split size, exits 2 naming it."""
+    err = _refusal(capsys, "plan", "megatron_tp.yaml", "8xA100-80G")
+    printed = re.search(r"`(shardfit plan [^`]+)`", err).group(1)
+    assert "--gpus 8xA100-80G" in printed, printed
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(JOBS / "megatron_moe.yaml"),
+                            "--gpus", "6xH100")
+    assert code == 2 and "multiple of" in err, err
+    f = tmp_path / "m.yaml"
+    f.write_text("model_name_or_path: Qwen/Qwen3-8B\npipeline_model_parallel_size: 2.5\n")
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "8xH100")
+    assert code == 2 and f"{f}:2" in err and "pipeline_model_parallel_size" in err, err
+
+
+def _refusal(capsys: pytest.CaptureFixture, command: str, file: str, card: str = "8xH100") -> str:
+    gpus = ["--gpus", card] if command != "convert" else []
     code, _, err = run_here(capsys, command, "--from", "llamafactory", str(JOBS / file), *gpus)
     assert code == 2 and "Megatron" in err, err
     return err

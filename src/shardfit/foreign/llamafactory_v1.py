@@ -2,8 +2,8 @@
 checkpoint, and the method, sharding, quantization, kernels and optimizer are plugin mappings with a `name`
 (`peft_config`, `dist_config`, `quant_config`, `kernel_config`, `optim_config`). Read with v1's own behaviour: a
 fully trained model cast to fp32 with bf16 only as FSDP2's compute dtype, non-reentrant checkpointing on unless
-disabled, torch's AdamW, and its own loss over the fp32 logits. `read_llamafactory_any` also sends a Megatron YAML
-to lf_megatron and every other YAML to the v0 reader."""
+disabled, torch's AdamW, and its own loss over the fp32 logits. foreign/read.py tells a v1 YAML from a v0 or
+Megatron one (`is_v1`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
-from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_blocks, load_yaml, local_file
+from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_blocks, local_file
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -28,9 +28,8 @@ from shardfit.foreign.keys import (
     text,
     use_deepspeed,
 )
-from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
-from shardfit.foreign.llamafactory import read_llamafactory
 from shardfit.foreign.preference import Preference, apply, choice
+from shardfit.plan.hardware import Hardware
 from shardfit.plan.workload import Workload
 
 # Keys only v1 has at the top level (v0 names the model `model_name_or_path`).
@@ -101,15 +100,9 @@ def words() -> Words:
                        "launch": "USE_V1=1 FORCE_TORCHRUN=1 llamafactory-cli sft"})
 
 
-def read_llamafactory_any(path: Path, version: str, nproc: int | None, shape_of: Any) -> ForeignJob:
-    """The job of any LLaMA-Factory YAML: a Megatron one is refused with the plan of its split, a v1 one read
-    here, and the rest by the v0 reader."""
-    top, _ = load_yaml(path)
-    if is_megatron(top):
-        raise refuse_megatron(Source(path, top, list(top)), nproc)
-    if "model_name_or_path" not in top and (V1_ONLY | set(PLUGINS)) & set(top):
-        return read_llamafactory_v1(path, nproc, shape_of)
-    return read_llamafactory(path, version, nproc, shape_of)
+def is_v1(top: dict[str, Any]) -> bool:
+    """Whether a LLaMA-Factory YAML's top-level keys are a v1 config's (v0 names its model `model_name_or_path`)."""
+    return "model_name_or_path" not in top and bool((V1_ONLY | set(PLUGINS)) & set(top))
 
 
 def v1_source(path: Path) -> Source:
@@ -143,8 +136,9 @@ def _json_ok(value: str) -> bool:
     return True
 
 
-def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> ForeignJob:
-    """The job of a v1 YAML. `nproc` the ranks it is launched with (v1 starts torchrun over every visible GPU)."""
+def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardware | None = None) -> ForeignJob:
+    """The job of a v1 YAML. `nproc` the ranks a node launches; without it, v1's launcher starts one per visible
+    GPU, so the GPUs a node has in `hw` (--gpus) when given."""
     src = v1_source(path)
     model = src.get("model")
     if model is None:
@@ -155,6 +149,10 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
                         f"path, e.g. `model: Qwen/Qwen3-4B`.")
     shape = shape_of(model)
     job = ForeignJob("llamafactory", src.where, model, Workload(), words=words(), nproc=nproc)
+    if nproc is None and hw is not None:
+        job.nproc, job.nnodes = hw.gpus_per_node, hw.nodes
+        job.notes.append(f"no --nproc: planned as v1's launcher runs, one rank per GPU ({hw.gpus_per_node} a node, "
+                         f"from --gpus); pass --nproc N for NPROC_PER_NODE=N")
     ds_precision = _engine(src, job, shape.hidden)
     w = job.workload = _workload(src, job, ds_precision, shape.layers)
     job.quant_storage = w.method == "qlora"  # v1 stores 4-bit weights in the compute dtype
@@ -190,6 +188,11 @@ def _engine(src: Source, job: ForeignJob, hidden: int) -> str | None:
                             f"the DeepSpeed JSON (e.g. examples/deepspeed/ds_z3_config.json).")
         ds = use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes)
         return _ds_mixed(ds, src.at("dist_config.config_file"))
+    if name != "deepspeed" and not job.distributed:
+        job.engine = "single"
+        job.notes.append(f"dist_config {name} on one process: v1 has no device mesh and leaves the model unwrapped "
+                         f"(no sharding, no mixed-precision policy), so it is planned as one process without it")
+        return None
     offload = src.flag("dist_config.offload_params")
     reshard = src.flag("dist_config.reshard_after_forward", True)
     job.engine = "fsdp_offload" if offload else "fsdp_full_shard" if reshard else "fsdp_shard_grad_op"
@@ -245,8 +248,10 @@ def _precision(src: Source, job: ForeignJob, method: str, ds_precision: str | No
         job.notes.append("full fine-tuning under a DeepSpeed JSON that turns bf16 off: LLaMA-Factory v1 casts the "
                          "model to fp32 and DeepSpeed runs no mixed precision, so it is planned in fp32")
         return "fp32"
-    if job.engine.startswith("fsdp") or method != "full":
-        return "bf16" if bf16 or method != "full" else "fp32"
+    if job.engine.startswith("fsdp"):  # FSDP2's param_dtype: fp32 casts even a LoRA's frozen weights up
+        return "bf16" if bf16 else "fp32"
+    if method != "full":
+        return "bf16"
     job.notes.append("full fine-tuning without dist_config: LLaMA-Factory v1 casts the model to fp32 and does not "
                      "autocast (bf16 is FSDP2's compute dtype), so it is planned in fp32")
     return "fp32"
