@@ -85,6 +85,17 @@ def test_v1_settings_carried_over() -> None:
     assert freeze["freeze_trainable"] == [f"layers.{i}." for i in range(24, 28)]  # Qwen3-0.6B: 28 blocks
 
 
+@pytest.mark.parametrize("strategy,packing", [(None, False), ("normal", False), ("padding_free", True)])
+def test_v1_convert_keeps_padded_rows(tmp_path: Path, strategy: str | None, packing: bool) -> None:
+    """v1's default batching pads one example a row; shardfit's default packs, so convert writes packing always."""
+    f = tmp_path / "v1.yaml"
+    given = f"batching_strategy: {strategy}\n" if strategy else ""
+    f.write_text(f"model: Qwen/Qwen3-0.6B\nflash_attn: flash_attention_2\n{given}")
+    out = tmp_path / "cfg.yaml"
+    out.write_text(to_yaml(read_job("llamafactory", str(f), JobOptions())))
+    assert load_config(out, check_files=False).packing is packing
+
+
 def test_v1_precision_and_offload(tmp_path: Path) -> None:
     """A full fine-tune without dist_config computes in fp32 (v1 casts the model, and bf16 only sets FSDP2's
     compute dtype); fsdp2 with offload_params is the offloaded FSDP."""
