@@ -150,7 +150,7 @@ def test_freeze_trainable_layers_reach_the_plan(tmp_path: Path) -> None:
     block."""
     from shardfit.plan.estimate import trainable_params
     from shardfit.plan.timing import backward_layers
-    from shardfit.plan.workload import workload_of
+    from shardfit.plan.workload import blocks_named, workload_of
 
     shape = resolve_shape("Qwen/Qwen3-0.6B")  # 28 blocks
     f = tmp_path / "f.yaml"
@@ -170,6 +170,9 @@ def test_freeze_trainable_layers_reach_the_plan(tmp_path: Path) -> None:
     block = shape.layer_params()
     assert counts[None] == (2 * block + shape.hidden, 2)  # the default is planned as before
     assert counts[8] == (8 * block + shape.hidden, 8) and counts[-8] == (8 * block + shape.hidden, 28)
+    # shardfit's own freeze_trainable: the blocks it names, the last two when it names none (a glob, the norm)
+    assert blocks_named(["model.layers.11", "layers.3.mlp", "norm"]) == (3, 11)
+    assert blocks_named(["layers.1*", "norm"]) == ()
 
 
 @pytest.mark.parametrize("peft,reference", [("peft_config: {name: lora}\n", False), ("", True)])
