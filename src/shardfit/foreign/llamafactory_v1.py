@@ -188,7 +188,7 @@ def _engine(src: Source, job: ForeignJob, hidden: int) -> str | None:
                             f"the DeepSpeed JSON (e.g. examples/deepspeed/ds_z3_config.json).")
         ds = use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes)
         return _ds_mixed(ds, src.at("dist_config.config_file"))
-    if name != "deepspeed" and not job.distributed:
+    if name != "deepspeed" and job.nproc is not None and not job.distributed:  # unknown ranks: as configured
         job.engine = "single"
         job.notes.append(f"dist_config {name} on one process: v1 has no device mesh and leaves the model unwrapped "
                          f"(no sharding, no mixed-precision policy), so it is planned as one process without it")
