@@ -181,9 +181,10 @@ def test_v1_pair_dataset_planned_as_dpo(tmp_path: Path, peft: str, reference: bo
     v1's DPO data: planned as dpo, a full fine-tune with the trainer's deep-copied reference, LoRA with none."""
     (tmp_path / "pairs.yaml").write_text("prefs:\n  path: org/prefs\n  converter: pair\n")
     f = tmp_path / "dpo.yaml"
-    f.write_text(f"model: Qwen/Qwen3-0.6B\n{peft}train_dataset: pairs.yaml\n")
+    f.write_text(f"model: Qwen/Qwen3-0.6B\n{peft}train_dataset: pairs.yaml\npref_beta: 0.2\n")
     job = read_job("llamafactory", str(f), JobOptions())
     assert job.workload.objective == "dpo" and job.convert["objective"] == "dpo", job.notes
+    assert job.convert["dpo"]["beta"] == 0.2 and "pref_beta" in job.keys and "pref_beta" not in job.not_modelled
     assert any("converter: pair" in n for n in job.notes) and (job.reference is not None) is reference
     (tmp_path / "pairs.yaml").write_text("sft:\n  path: org/sft\n")
     assert read_job("llamafactory", str(f), JobOptions()).workload.objective == "sft"

@@ -17,6 +17,7 @@ from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_block
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    NO_EFFECT,
     Key,
     Source,
     count,
@@ -205,8 +206,8 @@ def _ds_mixed(ds: DeepSpeedJob, where: str) -> str:
     refused."""
     if ds.fp16_on:
         raise UserError(f"{where}: the DeepSpeed JSON {ds.source} sets 'fp16.enabled' true; LLaMA-Factory v1 "
-                        f"refuses fp16 under "
-                        f"DeepSpeed (bf16 only). Set `\"bf16\": {{\"enabled\": true}}` and fp16's to false or auto.")
+                        f"refuses fp16 under DeepSpeed (bf16 only). Set `\"bf16\": {{\"enabled\": true}}` and "
+                        f"fp16's to false or auto.")
     return "no" if ds.bf16_on is False or (ds.bf16_on is None and ds.fp16_on is False) else "bf16"
 
 
@@ -381,8 +382,10 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {k for k in src.values if k.startswith(("optim_config.", "pref_", "simpo_", "dpo_", "ld_"))}
     if "optim_config.name" in src:
         job.notes.append(f"optim_config {src.get('optim_config.name')}: planned as torch's AdamW")
-    if job.workload.objective != "sft":
+    effects = {"dist_config.name": job.describe_engine()}
+    if job.workload.objective != "sft":  # a pair dataset: planned as `llamafactory-cli dpo` (`_preference`)
         unplanned -= {"pref_loss", "pref_beta", "simpo_gamma"}
+        effects |= {"pref_loss": "objective {objective}", "pref_beta": NO_EFFECT, "simpo_gamma": NO_EFFECT}
     elif unplanned & {"pref_loss", "pref_beta"}:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
     if src.get("peft_config.target_modules", "all") != "all":
@@ -398,7 +401,6 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
         unplanned.add("dist_config.ep_size")  # experts are shared over ranks by fsdpturbo only
     if src.get("mp_shard_size") is not None:
         unplanned.add("mp_shard_size")  # FSDP2 over a sub-mesh, replicated over the rest (HSDP)
-    effects = {"dist_config.name": job.describe_engine()}
     if src.get("quant_config.name") == "auto" and src.get("quant_config.quantization_bit") is None:
         effects["quant_config.name"] = "no quantization (auto without quantization_bit)"
     if src.get("batching_strategy") in ("padding_free", "dynamic_padding_free"):
