@@ -85,6 +85,17 @@ def test_v1_settings_carried_over() -> None:
     assert freeze["freeze_trainable"] == [f"layers.{i}." for i in range(24, 28)]  # Qwen3-0.6B: 28 blocks
 
 
+@pytest.mark.parametrize("strategy,packing", [(None, False), ("normal", False), ("padding_free", True)])
+def test_v1_convert_keeps_padded_rows(tmp_path: Path, strategy: str | None, packing: bool) -> None:
+    """v1's default batching pads one example a row; shardfit's default packs, so convert writes packing always."""
+    f = tmp_path / "v1.yaml"
+    given = f"batching_strategy: {strategy}\n" if strategy else ""
+    f.write_text(f"model: Qwen/Qwen3-0.6B\nflash_attn: flash_attention_2\n{given}")
+    out = tmp_path / "cfg.yaml"
+    out.write_text(to_yaml(read_job("llamafactory", str(f), JobOptions())))
+    assert load_config(out, check_files=False).packing is packing
+
+
 def test_v1_precision_and_offload(tmp_path: Path) -> None:
     """A full fine-tune without dist_config computes in fp32 (v1 casts the model, and bf16 only sets FSDP2's
     compute dtype); fsdp2 with offload_params is the offloaded FSDP."""
@@ -95,14 +106,134 @@ def test_v1_precision_and_offload(tmp_path: Path) -> None:
     f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: fsdp2\n  offload_params: true\n")
     assert read_job("llamafactory", str(f), JobOptions(nproc=2)).describe_engine() == \
         "FSDP full_shard with CPU offload"
-    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
-    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config:\n  name: deepspeed\n  config_file: ds.json\n")
+
+
+@pytest.mark.parametrize("mixed,top,method,precision", [
+    ({"bf16": {"enabled": "auto"}}, "false", "full", "bf16"),  # the YAML's bf16 never reaches DeepSpeed
+    ({}, "true", "full", "bf16"),
+    ({"bf16": {"enabled": False}}, "true", "full", "fp32"),  # no mixed precision over v1's fp32 model
+    ({"fp16": {"enabled": False}}, "true", "full", "fp32"),
+    ({"bf16": {"enabled": False}}, "true", "lora", "bf16"),  # adapters beside the checkpoint's 16 bits
+    ({"fp16": {"enabled": True}}, "true", "full", None),  # v1 refuses fp16 under DeepSpeed
+])
+def test_v1_deepspeed_precision_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture, mixed: dict, top: str,
+                                              method: str, precision: str | None) -> None:
+    """Under DeepSpeed v1 decides the precision from the JSON alone (infer_deepspeed_mixed_precision)."""
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, **mixed}))
+    f = tmp_path / "v1.yaml"
+    peft = "peft_config: {name: lora}\n" if method == "lora" else ""
+    f.write_text(f"model: Qwen/Qwen3-0.6B\nbf16: {top}\n{peft}dist_config:\n  name: deepspeed\n"
+                 f"  config_file: ds.json\n")
+    if precision is None:
+        code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "2xH100", "--nproc", "2")
+        assert code == 2 and "'fp16.enabled'" in err and "ds.json" in err and str(f) in err, err
+        return
     job = read_job("llamafactory", str(f), JobOptions(nproc=2))
-    assert (job.workload.precision, job.describe_engine()) == ("fp16", "DeepSpeed ZeRO-2")  # the JSON's, not bf16
+    assert (job.workload.precision, job.describe_engine()) == (precision, "DeepSpeed ZeRO-2")
 
 
-def _refusal(capsys: pytest.CaptureFixture, command: str, file: str) -> str:
-    gpus = ["--gpus", "8xH100"] if command != "convert" else []
+@pytest.mark.parametrize("quant,method", [("{name: auto}", "lora"), ("{name: auto, quantization_bit: 4}", "qlora"),
+                                          ("{name: bnb}", "qlora")])
+def test_v1_quant_auto_needs_bits(tmp_path: Path, quant: str, method: str) -> None:
+    """v1's `auto` quantization plugin loads the model unquantized unless quantization_bit is given (bnb defaults
+    to 4 bits): LoRA over it is planned as plain LoRA, with a note."""
+    f = tmp_path / "q.yaml"
+    f.write_text(f"model: Qwen/Qwen3-0.6B\npeft_config: {{name: lora}}\nquant_config: {quant}\n")
+    job = read_job("llamafactory", str(f), JobOptions())
+    assert job.workload.method == method
+    assert any("applies no quantization" in n for n in job.notes) is (method == "lora"), job.notes
+
+
+def test_freeze_trainable_layers_reach_the_plan(tmp_path: Path) -> None:
+    """The blocks `freeze_trainable_layers` trains are what the plan counts, in v1 and v0 YAMLs and in the converted
+    config: 8 blocks train four times the weights of the default 2, and the first 8 make backward run through every
+    block."""
+    from shardfit.plan.estimate import trainable_params
+    from shardfit.plan.timing import backward_layers
+    from shardfit.plan.workload import blocks_named, workload_of
+
+    shape = resolve_shape("Qwen/Qwen3-0.6B")  # 28 blocks
+    f = tmp_path / "f.yaml"
+    counts = {}
+    for n in (None, 8, -8):
+        given = "" if n is None else f", freeze_trainable_layers: {n}"
+        f.write_text(f"model: Qwen/Qwen3-0.6B\npeft_config: {{name: freeze{given}}}\n")
+        job = read_job("llamafactory", str(f), JobOptions())
+        counts[n] = trainable_params(shape, job.workload), backward_layers(shape, job.workload)
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(to_yaml(job))
+        assert trainable_params(shape, workload_of(load_config(cfg, check_files=False))) == counts[n][0]
+        v0 = tmp_path / "v0.yaml"
+        v0.write_text("model_name_or_path: Qwen/Qwen3-0.6B\nfinetuning_type: freeze\n"
+                      + ("" if n is None else f"freeze_trainable_layers: {n}\n"))
+        assert trainable_params(shape, read_job("llamafactory", str(v0), JobOptions()).workload) == counts[n][0]
+    block = shape.layer_params()
+    assert counts[None] == (2 * block + shape.hidden, 2)  # the default is planned as before
+    assert counts[8] == (8 * block + shape.hidden, 8) and counts[-8] == (8 * block + shape.hidden, 28)
+    # shardfit's own freeze_trainable: the blocks it names, the last two when it names none (a glob, the norm)
+    assert blocks_named(["model.layers.11", "layers.3.mlp", "norm"]) == (3, 11)
+    assert blocks_named(["layers.1*", "norm"]) == ()
+
+
+@pytest.mark.parametrize("peft,reference", [("peft_config: {name: lora}\n", False), ("", True)])
+def test_v1_pair_dataset_planned_as_dpo(tmp_path: Path, peft: str, reference: bool) -> None:
+    """A dataset YAML whose entry has `converter: pair` (LF's own train_lora_dpo.yaml has no pref_* key) is
+    v1's DPO data: planned as dpo, a full fine-tune with the trainer's deep-copied reference, LoRA with none."""
+    (tmp_path / "pairs.yaml").write_text("prefs:\n  path: org/prefs\n  converter: pair\n")
+    f = tmp_path / "dpo.yaml"
+    f.write_text(f"model: Qwen/Qwen3-0.6B\n{peft}train_dataset: pairs.yaml\npref_beta: 0.2\n")
+    job = read_job("llamafactory", str(f), JobOptions())
+    assert job.workload.objective == "dpo" and job.convert["objective"] == "dpo", job.notes
+    assert job.convert["dpo"]["beta"] == 0.2 and "pref_beta" in job.keys and "pref_beta" not in job.not_modelled
+    assert any("converter: pair" in n for n in job.notes) and (job.reference is not None) is reference
+    (tmp_path / "pairs.yaml").write_text("sft:\n  path: org/sft\n")
+    assert read_job("llamafactory", str(f), JobOptions()).workload.objective == "sft"
+
+
+def test_v1_fsdp_on_one_process_and_fsdp_precision(tmp_path: Path) -> None:
+    """fsdp2 on one process: v1 has no device mesh and leaves the model unwrapped, so a full fine-tune is the
+    unsharded fp32 one; over several ranks `bf16: false` is FSDP2's fp32 param_dtype for LoRA too."""
+    f = tmp_path / "v1.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config: {name: fsdp2}\n")
+    for opts in (JobOptions(nproc=1), JobOptions(gpus=parse_gpus("1x24GB"))):
+        job = read_job("llamafactory", str(f), opts)
+        assert (job.engine, job.workload.precision) == ("single", "fp32"), (job.engine, job.workload)
+        assert any("no device mesh" in n for n in job.notes)
+    assert read_job("llamafactory", str(f), JobOptions(nproc=2)).workload.precision == "bf16"
+    f.write_text("model: Qwen/Qwen3-0.6B\nbf16: false\npeft_config: {name: lora}\ndist_config: {name: fsdp2}\n")
+    job = read_job("llamafactory", str(f), JobOptions(nproc=2))
+    assert (job.engine, job.workload.precision) == ("fsdp_full_shard", "fp32")
+
+
+def test_v1_ranks_default_to_the_gpus(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Without --nproc v1's launcher starts a rank per visible GPU: --gpus' count shards FSDP and divides the global
+    batch alike, so a global batch 8 ranks do not divide exits 2 as v1 refuses it."""
+    f = tmp_path / "v1.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config: {name: fsdp2}\nglobal_batch_size: 16\n")
+    job = read_job("llamafactory", str(f), JobOptions(gpus=parse_gpus("8xH100")))
+    assert (job.nproc, job.workload.grad_accum, job.engine) == (8, 2, "fsdp_full_shard")
+    f.write_text("model: Qwen/Qwen3-0.6B\ndist_config: {name: fsdp2}\nglobal_batch_size: 12\n")
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "8xH100")
+    assert code == 2 and "global_batch_size" in err, err
+
+
+def test_megatron_refusal_plans_on_the_given_gpus(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """The printed plan keeps --gpus' card and count (Megatron runs its split data-parallel over them); a count
+    the split does not tile, or a fractional split size, exits 2 naming it."""
+    err = _refusal(capsys, "plan", "megatron_tp.yaml", "8xA100-80G")
+    printed = re.search(r"`(shardfit plan [^`]+)`", err).group(1)
+    assert "--gpus 8xA100-80G" in printed, printed
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(JOBS / "megatron_moe.yaml"),
+                            "--gpus", "6xH100")
+    assert code == 2 and "multiple of" in err, err
+    f = tmp_path / "m.yaml"
+    f.write_text("model_name_or_path: Qwen/Qwen3-8B\npipeline_model_parallel_size: 2.5\n")
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "8xH100")
+    assert code == 2 and f"{f}:2" in err and "pipeline_model_parallel_size" in err, err
+
+
+def _refusal(capsys: pytest.CaptureFixture, command: str, file: str, card: str = "8xH100") -> str:
+    gpus = ["--gpus", card] if command != "convert" else []
     code, _, err = run_here(capsys, command, "--from", "llamafactory", str(JOBS / file), *gpus)
     assert code == 2 and "Megatron" in err, err
     return err
@@ -134,6 +265,14 @@ BAD = [
     ("flash_attn: fa2\n", "flash_attn"),
     ("micro_batch_size: 3\nglobal_batch_size: 8\n", "global_batch_size"),
     ("batching_strategy: padding_free\n", "batching_strategy"),
+    # a zero or negative count is refused before grad accumulation divides by it
+    ("micro_batch_size: 0\nglobal_batch_size: 8\n", "micro_batch_size"),
+    ("cp_size: 0\nglobal_batch_size: 8\n", "cp_size"),
+    ("dp_size: 0\nglobal_batch_size: 8\n", "dp_size"),
+    ("micro_batch_size: -1\n", "micro_batch_size"),
+    ("cutoff_len: 0\n", "cutoff_len"),
+    ("peft_config:\n  name: lora\n  r: 0\n", "peft_config.r"),
+    ("peft_config:\n  name: lora\nquant_config:\n  name: gptq\n", "quant_config.name"),  # bnb and auto only
 ]
 
 
@@ -142,6 +281,16 @@ def test_bad_v1_input_exits_2_naming_file_and_key(tmp_path: Path, capsys: pytest
                                                   key: str) -> None:
     f = tmp_path / "v1.yaml"
     f.write_text("model: Qwen/Qwen3-0.6B\n" + body)
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
+    assert code == 2 and str(f) in err and key in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("body,key", [("per_device_train_batch_size: -1\n", "per_device_train_batch_size"),
+                                      ("cutoff_len: 0\n", "cutoff_len")])
+def test_v0_count_below_one_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, body: str, key: str) -> None:
+    """The v0 table shares v1's count reader: a batch or length below 1 names its key (no empty plan)."""
+    f = tmp_path / "v0.yaml"
+    f.write_text("model_name_or_path: Qwen/Qwen3-0.6B\nfinetuning_type: lora\n" + body)
     code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
     assert code == 2 and str(f) in err and key in err and "Traceback" not in err, err
 

@@ -36,10 +36,10 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
     if args.transformers is not None and not re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", args.transformers):
         raise UserError(f"--transformers {args.transformers}: a transformers version such as 4.47 or 5.2.0, whose "
                         "loss the plan counts.")
-    opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
-                      grad_ckpt=args.grad_ckpt, transformers=args.transformers)
-    job = read_job(args.from_tool, args.config, opts)
     hw = parse_gpus(args.gpus, args.nodes, getattr(args, "cpu_mem", None)) if args.gpus else detect(args.nodes)
+    opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
+                      grad_ckpt=args.grad_ckpt, transformers=args.transformers, gpus=hw if args.gpus else None)
+    job = read_job(args.from_tool, args.config, opts)
     if args.gpus and job.nproc and job.nproc > hw.gpus_per_node:  # a node's ranks would share its GPUs
         said = f"--nproc {args.nproc}" if args.nproc else f"{job.source} (its launch)"
         n = hw.gpus_per_node

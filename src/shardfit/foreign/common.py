@@ -140,6 +140,12 @@ def as_int(v: Any, key: str, where: str) -> int:
         raise UserError(f"{where}: '{key}' is {v!r}; expected a whole number.") from None
 
 
+def lf_freeze_blocks(n: int, layers: int) -> list[int]:
+    """The decoder blocks LLaMA-Factory's `freeze_trainable_layers: n` trains, of `layers`: the last n (n > 0) or
+    the first -n (n < 0)."""
+    return list(range(max(0, layers - n), layers)) if n > 0 else list(range(min(-n, layers)))
+
+
 def as_float(v: Any, key: str, where: str) -> float:
     try:
         return float(v)

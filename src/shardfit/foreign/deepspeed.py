@@ -65,6 +65,9 @@ class DeepSpeedJob:
     keys: dict[str, str] = field(default_factory=dict)
     not_modelled: dict[str, str] = field(default_factory=dict)
     source: str = ""  # the file, or what it was assumed to be
+    # bf16.enabled and fp16.enabled as given: None when "auto" or absent (for tools that decide from them)
+    bf16_on: bool | None = None
+    fp16_on: bool | None = None
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -100,6 +103,11 @@ def _enabled(v: Any) -> bool | None:
     if v == "auto":
         return None
     return bool(v) and str(v).lower() not in ("false", "0", "none")
+
+
+def _switch(v: Any) -> bool | None:
+    """An `enabled` key: None when "auto" or not given."""
+    return None if v is None else _enabled(v)
 
 
 def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeedJob:
@@ -154,7 +162,7 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
     job = DeepSpeedJob(zero, precision,
                        _maybe(get("train_micro_batch_size_per_gpu"), where, "train_micro_batch_size_per_gpu"),
                        _maybe(get("gradient_accumulation_steps"), where, "gradient_accumulation_steps"), optimizer,
-                       source=where)
+                       source=where, bf16_on=_switch(get("bf16.enabled")), fp16_on=_switch(get("fp16.enabled")))
     resolved = {"zero_optimization.reduce_bucket_size": zero.reduce_bucket_size,
                 "zero_optimization.stage3_prefetch_bucket_size": zero.prefetch_bucket_size,
                 "zero_optimization.stage3_param_persistence_threshold": zero.param_persistence_threshold}

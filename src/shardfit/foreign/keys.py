@@ -219,6 +219,15 @@ def positive(value: Any, key: str, where: str) -> int | None:
     return n if n > 0 else None
 
 
+def count(value: Any, key: str, where: str) -> int:
+    """A whole number of at least 1 (a sequence length, a batch size, a rank count): 0, a negative or a fraction is
+    a UserError naming the key, not a division by zero or an empty plan later."""
+    n = as_float(value, key, where)
+    if n != int(n) or n < 1:
+        raise UserError(f"{where}: '{key}' is {value!r}; expected a whole number of at least 1.")
+    return int(n)
+
+
 def if_set(read: Read) -> Read:
     """`read`, except that a null value sets nothing (a YAML `key:` left empty)."""
     return lambda value, key, where: None if value is None else read(value, key, where)

@@ -5,6 +5,7 @@ model's own loss (Liger's fused one with `use_liger_kernel`), data from `dataset
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from shardfit.foreign.common import (
     as_float,
     as_int,
     hf_loss,
+    lf_freeze_blocks,
     local_file,
     optimizer,
     optimizer_keys,
@@ -25,6 +27,7 @@ from shardfit.foreign.keys import (
     TORCH_COMPILE,
     Key,
     Source,
+    count,
     epochs,
     file_keys,
     flag,
@@ -62,8 +65,8 @@ KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
     "finetuning_type": Key("{method}"), "quantization_bit": Key("4-bit NF4 frozen weights"),
     "pure_bf16": Key("16-bit adapters"), "bf16": Key("{precision}"), "fp16": Key("{precision}"),
-    "cutoff_len": Key("sequence length", field="seq_len", read=as_int, default=2048),
-    "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
+    "cutoff_len": Key("sequence length", field="seq_len", read=count, default=2048),
+    "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=count, default=1),
     "lora_rank": Key("adapter size", field="lora_rank", read=as_int, default=8),
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
     "disable_gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"),
@@ -127,7 +130,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
         raise UserError(f"{src.where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
     shape = shape_of(str(model))
     job = ForeignJob("llamafactory", src.where, str(model), Workload(), words=words(), nproc=nproc)
-    w = job.workload = _workload(src, job, version)
+    w = job.workload = _freeze(src, _workload(src, job, version), shape.layers)
     job.reentrant_ckpt = w.grad_ckpt != "none" and src.flag("use_reentrant_gc", True)
     job.find_unused = src.flag("ddp_find_unused_parameters")
     if src.get("deepspeed"):
@@ -295,7 +298,13 @@ def _convert(src: Source, w: Workload, shape: ModelShape) -> dict[str, Any]:
     out = settings(src, KEYS, "config", **{"lora.alpha": 2 * w.lora_rank})
     out["packing"] = out["packing"] or src.flag("neat_packing")
     if w.method == "freeze":
-        n = as_int(src.get("freeze_trainable_layers", 2), "freeze_trainable_layers", src.at("freeze_trainable_layers"))
-        layers = range(shape.layers - n, shape.layers) if n > 0 else range(-n)
-        out["freeze_trainable"] = [f"layers.{i}." for i in layers]
+        out["freeze_trainable"] = [f"layers.{i}." for i in w.trained_blocks(shape.layers)]
     return out
+
+
+def _freeze(src: Source, w: Workload, layers: int) -> Workload:
+    """Under `freeze`, the blocks `freeze_trainable_layers` trains (default the last 2), which the plan counts."""
+    if w.method != "freeze":
+        return w
+    n = as_int(src.get("freeze_trainable_layers", 2), "freeze_trainable_layers", src.at("freeze_trainable_layers"))
+    return replace(w, freeze_blocks=tuple(lf_freeze_blocks(n, layers)))

@@ -2,8 +2,8 @@
 checkpoint, and the method, sharding, quantization, kernels and optimizer are plugin mappings with a `name`
 (`peft_config`, `dist_config`, `quant_config`, `kernel_config`, `optim_config`). Read with v1's own behaviour: a
 fully trained model cast to fp32 with bf16 only as FSDP2's compute dtype, non-reentrant checkpointing on unless
-disabled, torch's AdamW, and its own loss over the fp32 logits. `read_llamafactory_any` also sends a Megatron YAML
-to lf_megatron and every other YAML to the v0 reader."""
+disabled, torch's AdamW, and its own loss over the fp32 logits. foreign/read.py tells a v1 YAML from a v0 or
+Megatron one (`is_v1`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,24 @@ from typing import Any
 
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
-from shardfit.foreign.common import ATTENTION, as_float, as_int, load_yaml, local_file
-from shardfit.foreign.job import ForeignJob, Words
-from shardfit.foreign.keys import Key, Source, file_keys, key_table, only_true, positive, settings, text, use_deepspeed
-from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
-from shardfit.foreign.llamafactory import read_llamafactory
+from shardfit.foreign.common import ATTENTION, as_float, as_int, lf_freeze_blocks, local_file
+from shardfit.foreign.deepspeed import DeepSpeedJob
+from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
+from shardfit.foreign.keys import (
+    NO_EFFECT,
+    Key,
+    Source,
+    count,
+    file_keys,
+    key_table,
+    only_true,
+    positive,
+    settings,
+    text,
+    use_deepspeed,
+)
+from shardfit.foreign.preference import Preference, apply, choice
+from shardfit.plan.hardware import Hardware
 from shardfit.plan.workload import Workload
 
 # Keys only v1 has at the top level (v0 names the model `model_name_or_path`).
@@ -29,6 +42,8 @@ DIST = ("fsdp2", "fsdpturbo", "deepspeed")
 V1_ATTENTION = ("eager", "sdpa", "flash_attention_2")
 BATCHING = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 METHODS = {"lora": "lora", "freeze": "freeze"}
+PREF_LOSSES = {"sigmoid": "dpo", "orpo": "orpo", "simpo": "simpo"}
+QUANT = ("bnb", "auto")  # bnb defaults to 4 bits; auto quantizes only when quantization_bit is given
 
 
 def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
@@ -42,10 +57,10 @@ def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
 KEYS = key_table({
     "peft_config.name": Key("{method}"), "quant_config.quantization_bit": Key("4-bit NF4 frozen weights"),
     "quant_config.name": Key("bitsandbytes"), "bf16": Key("{precision}"),
-    "cutoff_len": Key("sequence length", field="seq_len", read=as_int, default=2048),
-    "micro_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=1),
+    "cutoff_len": Key("sequence length", field="seq_len", read=count, default=2048),
+    "micro_batch_size": Key("micro-batch", field="micro_batch", read=count, default=1),
     "global_batch_size": Key("grad_accum {grad_accum}"), "dp_size": Key("grad_accum {grad_accum}"),
-    "peft_config.r": Key("adapter size", field="lora_rank", read=as_int, default=8),
+    "peft_config.r": Key("adapter size", field="lora_rank", read=count, default=8),
     "peft_config.lora_dropout": Key("adapter dropout {lora_dropout}", field="lora_dropout", config="lora.dropout",
                                     read=as_float, default=0.05),
     "peft_config.lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
@@ -53,7 +68,7 @@ KEYS = key_table({
                                       read=lora_targets, default="all"),
     "peft_config.freeze_trainable_layers": Key("trainable blocks"),
     "enable_activation_checkpointing": Key("grad_ckpt {grad_ckpt}"), "flash_attn": Key("attention {attention}"),
-    "cp_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel", read=as_int),
+    "cp_size": Key("sequence parallel", field="sequence_parallel", config="sequence_parallel", read=count),
     "cp_mode": Key("Ulysses"),
     "dist_config.name": Key("sharding"), "dist_config.config_file": Key("ZeRO settings"),
     "dist_config.offload_params": Key("sharding"), "dist_config.reshard_after_forward": Key("sharding"),
@@ -86,15 +101,9 @@ def words() -> Words:
                        "launch": "USE_V1=1 FORCE_TORCHRUN=1 llamafactory-cli sft"})
 
 
-def read_llamafactory_any(path: Path, version: str, nproc: int | None, shape_of: Any) -> ForeignJob:
-    """The job of any LLaMA-Factory YAML: a Megatron one is refused with the plan of its split, a v1 one read
-    here, and the rest by the v0 reader."""
-    top, _ = load_yaml(path)
-    if is_megatron(top):
-        raise refuse_megatron(Source(path, top, list(top)), nproc)
-    if "model_name_or_path" not in top and (V1_ONLY | set(PLUGINS)) & set(top):
-        return read_llamafactory_v1(path, nproc, shape_of)
-    return read_llamafactory(path, version, nproc, shape_of)
+def is_v1(top: dict[str, Any]) -> bool:
+    """Whether a LLaMA-Factory YAML's top-level keys are a v1 config's (v0 names its model `model_name_or_path`)."""
+    return "model_name_or_path" not in top and bool((V1_ONLY | set(PLUGINS)) & set(top))
 
 
 def v1_source(path: Path) -> Source:
@@ -128,8 +137,9 @@ def _json_ok(value: str) -> bool:
     return True
 
 
-def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> ForeignJob:
-    """The job of a v1 YAML. `nproc` the ranks it is launched with (v1 starts torchrun over every visible GPU)."""
+def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardware | None = None) -> ForeignJob:
+    """The job of a v1 YAML. `nproc` the ranks a node launches; without it, v1's launcher starts one per visible
+    GPU, so the GPUs a node has in `hw` (--gpus) when given."""
     src = v1_source(path)
     model = src.get("model")
     if model is None:
@@ -140,14 +150,21 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any) -> Foreig
                         f"path, e.g. `model: Qwen/Qwen3-4B`.")
     shape = shape_of(model)
     job = ForeignJob("llamafactory", src.where, model, Workload(), words=words(), nproc=nproc)
+    if nproc is None and hw is not None:
+        job.nproc, job.nnodes = hw.gpus_per_node, hw.nodes
+        job.notes.append(f"no --nproc: planned as v1's launcher runs, one rank per GPU ({hw.gpus_per_node} a node, "
+                         f"from --gpus); pass --nproc N for NPROC_PER_NODE=N")
     ds_precision = _engine(src, job, shape.hidden)
-    w = job.workload = _workload(src, job, ds_precision)
+    w = job.workload = _workload(src, job, ds_precision, shape.layers)
     job.quant_storage = w.method == "qlora"  # v1 stores 4-bit weights in the compute dtype
-    job.data, job.data_missing = _datasets(src)
+    job.data, job.data_missing, pair = _datasets(src)
     if job.data_missing:
         job.notes.append(f"datasets not found as local files (convert leaves them out): "
                          f"{', '.join(job.data_missing)}")
     job.convert = _convert(src, w, shape.layers)
+    if pair:
+        _preference(src, job, w)
+        w = job.workload
     job.notes.append("loss: v1's trainer takes an fp32 copy of the logits and a shifted copy of that (full_shift), "
                      "whatever the transformers version")
     _file_keys(src, job, w)
@@ -170,11 +187,28 @@ def _engine(src: Source, job: ForeignJob, hidden: int) -> str | None:
         if not isinstance(ref, str) or not ref:
             raise UserError(f"{src.at('dist_config.name')}: dist_config with name deepspeed needs 'config_file', "
                             f"the DeepSpeed JSON (e.g. examples/deepspeed/ds_z3_config.json).")
-        return use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes).precision
+        ds = use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes)
+        return _ds_mixed(ds, src.at("dist_config.config_file"))
+    if name != "deepspeed" and job.nproc is not None and not job.distributed:  # unknown ranks: as configured
+        job.engine = "single"
+        job.notes.append(f"dist_config {name} on one process: v1 has no device mesh and leaves the model unwrapped "
+                         f"(no sharding, no mixed-precision policy), so it is planned as one process without it")
+        return None
     offload = src.flag("dist_config.offload_params")
     reshard = src.flag("dist_config.reshard_after_forward", True)
     job.engine = "fsdp_offload" if offload else "fsdp_full_shard" if reshard else "fsdp_shard_grad_op"
     return None
+
+
+def _ds_mixed(ds: DeepSpeedJob, where: str) -> str:
+    """v1's mixed precision under DeepSpeed, from the JSON alone (deepspeed_utils `infer_deepspeed_mixed_precision`;
+    the YAML's bf16 never reaches the engine): bf16 unless the JSON turns bf16 or fp16 off ("no": none), and fp16
+    refused."""
+    if ds.fp16_on:
+        raise UserError(f"{where}: the DeepSpeed JSON {ds.source} sets 'fp16.enabled' true; LLaMA-Factory v1 "
+                        f"refuses fp16 under DeepSpeed (bf16 only). Set `\"bf16\": {{\"enabled\": true}}` and "
+                        f"fp16's to false or auto.")
+    return "no" if ds.bf16_on is False or (ds.bf16_on is None and ds.fp16_on is False) else "bf16"
 
 
 def _method(src: Source, job: ForeignJob) -> str:
@@ -184,8 +218,15 @@ def _method(src: Source, job: ForeignJob) -> str:
     if method is None:
         raise UserError(f"{src.at('peft_config.name')}: 'peft_config.name' is {name!r}; LLaMA-Factory v1's are "
                         f"lora and freeze (no peft_config: full).")
-    if src.get("quant_config.name") is not None:
-        bits = src.get("quant_config.quantization_bit")
+    quant = src.get("quant_config.name")
+    if quant is not None and quant not in QUANT:
+        raise UserError(f"{src.at('quant_config.name')}: 'quant_config.name' is {quant!r}; LLaMA-Factory v1's are "
+                        f"{', '.join(QUANT)}.")
+    bits = src.get("quant_config.quantization_bit")
+    if quant == "auto" and bits is None:  # v1's auto plugin loads the model as it is then
+        job.notes.append("quant_config auto without quantization_bit: LLaMA-Factory v1 applies no quantization, "
+                         "so the weights are planned unquantized")
+    elif quant is not None:
         bits = 4 if bits is None else as_int(bits, "quant_config.quantization_bit", src.at("quant_config"))
         if bits not in (4, 8):
             raise UserError(f"{src.at('quant_config')}: 'quant_config.quantization_bit' is {bits}; bitsandbytes "
@@ -198,19 +239,26 @@ def _method(src: Source, job: ForeignJob) -> str:
 
 
 def _precision(src: Source, job: ForeignJob, method: str, ds_precision: str | None) -> str:
-    """bf16 is FSDP2's compute dtype (and DeepSpeed's, by its JSON); without either nothing autocasts, so a fully
-    trained model, cast to fp32 by v1, computes in fp32, and adapters compute beside the checkpoint's 16 bits."""
+    """bf16 is FSDP2's compute dtype; DeepSpeed's comes from its JSON alone (`_ds_mixed`); without either nothing
+    autocasts, so a fully trained model, cast to fp32 by v1, computes in fp32, and adapters compute beside the
+    checkpoint's 16 bits."""
     bf16 = src.flag("bf16", True)
     if job.engine == "deepspeed":
-        return ds_precision or ("bf16" if bf16 else "fp32")
-    if job.engine.startswith("fsdp") or method != "full":
-        return "bf16" if bf16 or method != "full" else "fp32"
+        if ds_precision == "bf16" or method != "full":
+            return "bf16"
+        job.notes.append("full fine-tuning under a DeepSpeed JSON that turns bf16 off: LLaMA-Factory v1 casts the "
+                         "model to fp32 and DeepSpeed runs no mixed precision, so it is planned in fp32")
+        return "fp32"
+    if job.engine.startswith("fsdp"):  # FSDP2's param_dtype: fp32 casts even a LoRA's frozen weights up
+        return "bf16" if bf16 else "fp32"
+    if method != "full":
+        return "bf16"
     job.notes.append("full fine-tuning without dist_config: LLaMA-Factory v1 casts the model to fp32 and does not "
                      "autocast (bf16 is FSDP2's compute dtype), so it is planned in fp32")
     return "fp32"
 
 
-def _workload(src: Source, job: ForeignJob, ds_precision: str | None) -> Workload:
+def _workload(src: Source, job: ForeignJob, ds_precision: str | None, layers: int) -> Workload:
     method = _method(src, job)
     attn = src.get("flash_attn", "sdpa")
     if attn not in V1_ATTENTION:
@@ -226,7 +274,17 @@ def _workload(src: Source, job: ForeignJob, ds_precision: str | None) -> Workloa
     return Workload(method=method, precision=_precision(src, job, method, ds_precision),
                     grad_ckpt="full" if src.flag("enable_activation_checkpointing", True) else "none",
                     optimizer="adamw", fused_adamw=False, loss="full_shift", attention=ATTENTION[attn],
-                    frozen_fp32=False, quant_backend="bnb", **fields)
+                    frozen_fp32=False, quant_backend="bnb", freeze_blocks=_freeze_blocks(src, method, layers),
+                    **fields)
+
+
+def _freeze_blocks(src: Source, method: str, layers: int) -> tuple[int, ...]:
+    """The blocks the freeze plugin trains (`freeze_trainable_layers`, default the last 2)."""
+    if method != "freeze":
+        return ()
+    n = as_int(src.get("peft_config.freeze_trainable_layers", 2), "peft_config.freeze_trainable_layers",
+               src.at("peft_config"))
+    return tuple(lf_freeze_blocks(n, layers))
 
 
 def _check_split(src: Source, job: ForeignJob, fields: dict[str, Any], attn: str) -> None:
@@ -257,36 +315,54 @@ def _grad_accum(src: Source, job: ForeignJob, fields: dict[str, Any]) -> int:
     total = src.get("global_batch_size")
     if total is None:
         return 1
-    total = as_int(total, "global_batch_size", src.at("global_batch_size"))
+    total = count(total, "global_batch_size", src.at("global_batch_size"))
     world = (job.nproc or 1) * job.nnodes
     cp = fields.get("sequence_parallel", 1)
     dp = src.get("dp_size")
-    dp = as_int(dp, "dp_size", src.at("dp_size")) if dp is not None else max(1, world // cp)
+    dp = count(dp, "dp_size", src.at("dp_size")) if dp is not None else max(1, world // cp)
     if job.nproc is None:
         job.notes.append(f"global_batch_size over {dp} data-parallel rank(s): pass --nproc N for the ranks the job "
                          f"runs on")
     per_step = dp * fields["micro_batch"]
-    if total < 1 or total % per_step:
+    if total % per_step:
         raise UserError(f"{src.at('global_batch_size')}: global_batch_size {total} is not a multiple of {dp} "
                         f"data-parallel rank(s) x micro_batch_size {fields['micro_batch']}; LLaMA-Factory v1 "
                         f"refuses it. Give a multiple of {per_step}.")
     return total // per_step
 
 
-def _datasets(src: Source) -> tuple[list[str], list[str]]:
-    """Local files of `train_dataset`: a file, or a dataset YAML whose entries' `path` name the files."""
+def _datasets(src: Source) -> tuple[list[str], list[str], bool]:
+    """Local files of `train_dataset`: a file, or a dataset YAML whose entries' `path` name the files; and whether
+    an entry converts chosen/rejected pairs (`converter: pair`, the data of v1's DPO trainer)."""
     given = src.get("train_dataset")
     if not given:
-        return [], []
+        return [], [], False
     bases = (src.path.parent, Path.cwd())
     hit = local_file(str(given), *bases)
     if hit is None or not hit.endswith((".yaml", ".yml")):
-        return ([hit], []) if hit else ([], [str(given)])
+        return ([hit], [], False) if hit else ([], [str(given)], False)
     infos, _ = read_yaml(Path(hit))
-    paths = [str(v["path"]) for v in (infos or {}).values() if isinstance(v, dict) and v.get("path")] \
-        if isinstance(infos, dict) else []
+    entries = [v for v in infos.values() if isinstance(v, dict)] if isinstance(infos, dict) else []
+    paths = [str(v["path"]) for v in entries if v.get("path")]
     found = [h for p in paths if (h := local_file(p, Path(hit).parent, *bases))]
-    return found, [p for p in paths if not local_file(p, Path(hit).parent, *bases)]
+    pair = any(v.get("converter") == "pair" for v in entries)
+    return found, [p for p in paths if not local_file(p, Path(hit).parent, *bases)], pair
+
+
+def _preference(src: Source, job: ForeignJob, w: Workload) -> None:
+    """A dataset of chosen/rejected pairs is trained by `llamafactory-cli dpo` (v1's sft trainer has no use for
+    pairs): planned as that, `pref_loss` (sigmoid, orpo, simpo) picking the objective. Its sigmoid loss keeps a deep
+    copy of the model as the reference unless adapters train (dpo_trainer `_init_ref_model`)."""
+    loss = choice(src.get("pref_loss", "sigmoid"), "pref_loss", src.at("pref_loss"), PREF_LOSSES)
+    pref = Preference(objective=loss)
+    pref.number("beta", src.get("pref_beta", 0.1), "pref_beta", src.at("pref_beta"))
+    if loss == "simpo":
+        pref.number("simpo_gamma", src.get("simpo_gamma"), "simpo_gamma", src.at("simpo_gamma"))
+    if loss == "dpo" and not w.trains_adapters:
+        pref.reference = ReferenceCopy("v1's DPO trainer deep-copies the model as the reference")
+    apply(job, pref)
+    job.notes.append(f"train_dataset has `converter: pair` (chosen/rejected rows): planned as "
+                     f"`llamafactory-cli dpo` with pref_loss {src.get('pref_loss', 'sigmoid')}")
 
 
 def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
@@ -294,13 +370,10 @@ def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
     out = settings(src, KEYS, "config")
     if src.get("dist_config.name") != "fsdpturbo":
         out.pop("expert_parallel", None)
-    if src.get("batching_strategy") in ("padding_free", "dynamic_padding_free"):
-        out["packing"] = True
+    # v1 pads rows of one example each unless told to pack them; shardfit packs unless told not to
+    out["packing"] = src.get("batching_strategy") in ("padding_free", "dynamic_padding_free")
     if w.method == "freeze":
-        n = as_int(src.get("peft_config.freeze_trainable_layers", 2), "peft_config.freeze_trainable_layers",
-                   src.at("peft_config"))
-        ids = range(max(0, layers - n), layers) if n > 0 else range(min(-n, layers))
-        out["freeze_trainable"] = [f"layers.{i}." for i in ids]
+        out["freeze_trainable"] = [f"layers.{i}." for i in w.trained_blocks(layers)]
     return out
 
 
@@ -309,7 +382,11 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {k for k in src.values if k.startswith(("optim_config.", "pref_", "simpo_", "dpo_", "ld_"))}
     if "optim_config.name" in src:
         job.notes.append(f"optim_config {src.get('optim_config.name')}: planned as torch's AdamW")
-    if unplanned & {"pref_loss", "pref_beta"}:
+    effects = {"dist_config.name": job.describe_engine()}
+    if job.workload.objective != "sft":  # a pair dataset: planned as `llamafactory-cli dpo` (`_preference`)
+        unplanned -= {"pref_loss", "pref_beta", "simpo_gamma"}
+        effects |= {"pref_loss": "objective {objective}", "pref_beta": NO_EFFECT, "simpo_gamma": NO_EFFECT}
+    elif unplanned & {"pref_loss", "pref_beta"}:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
     if src.get("peft_config.target_modules", "all") != "all":
         unplanned.add("peft_config.target_modules")
@@ -324,7 +401,8 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
         unplanned.add("dist_config.ep_size")  # experts are shared over ranks by fsdpturbo only
     if src.get("mp_shard_size") is not None:
         unplanned.add("mp_shard_size")  # FSDP2 over a sub-mesh, replicated over the rest (HSDP)
-    effects = {"dist_config.name": job.describe_engine()}
+    if src.get("quant_config.name") == "auto" and src.get("quant_config.quantization_bit") is None:
+        effects["quant_config.name"] = "no quantization (auto without quantization_bit)"
     if src.get("batching_strategy") in ("padding_free", "dynamic_padding_free"):
         effects["batching_strategy"] = "examples packed into rows"
     file_keys(job, src.items(), KEYS, w, effects=effects, unplanned=unplanned)

@@ -12,6 +12,7 @@ from shardfit.foreign.axolotl import read_axolotl
 from shardfit.foreign.common import (
     default_optim,
     hf_loss,
+    load_yaml,
     multi_tensor_step,
     parse_json,
     read_text,
@@ -20,8 +21,12 @@ from shardfit.foreign.common import (
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
 from shardfit.foreign.job import TOOL_NAMES, TOOLS, ForeignJob, Words
-from shardfit.foreign.llamafactory_v1 import read_llamafactory_any
+from shardfit.foreign.keys import Source
+from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
+from shardfit.foreign.llamafactory import read_llamafactory
+from shardfit.foreign.llamafactory_v1 import is_v1, read_llamafactory_v1
 from shardfit.foreign.swift import read_swift
+from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.resolve.dims import ParallelDims
@@ -49,6 +54,7 @@ class JobOptions:
     method: str | None = None
     grad_ckpt: str | None = None
     transformers: str | None = None
+    gpus: Hardware | None = None  # --gpus: the GPUs a launcher that takes every visible one starts ranks on
 
 
 def _shape_of(model: str) -> ModelShape:
@@ -57,6 +63,17 @@ def _shape_of(model: str) -> ModelShape:
     except UserError as e:
         raise UserError(f"{e} (the job's model; for a model that is neither local nor in the catalog, pass a local "
                         f"config.json with --model)") from None
+
+
+def _read_llamafactory(path: Path, version: str, opts: JobOptions, shape_of: Callable[[str], ModelShape]) -> ForeignJob:
+    """Any LLaMA-Factory YAML: a Megatron one is refused with the plan of its split, a v1 one read by its reader,
+    and the rest by the v0 reader."""
+    top, lines = load_yaml(path)
+    if is_megatron(top):
+        raise refuse_megatron(Source(path, top, list(top), lines), opts.nproc, opts.gpus)
+    if is_v1(top):
+        return read_llamafactory_v1(path, opts.nproc, shape_of, opts.gpus)
+    return read_llamafactory(path, version, opts.nproc, shape_of)
 
 
 def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
@@ -72,7 +89,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         return _shape_of(opts.model or model)
 
     if tool == "llamafactory":
-        job = read_llamafactory_any(path, version, opts.nproc, shape_of)
+        job = _read_llamafactory(path, version, opts, shape_of)
     elif tool == "swift":
         job = read_swift(path, shape_of, version, opts.nproc)
     elif tool == "axolotl":

@@ -157,7 +157,7 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
         tower = shape.audio.lora_params(w.lora_rank) if shape.audio is not None and w.audio_trainable else 0
         return lora_params(shape, w) + tower
     if w.method == "freeze":
-        return 2 * shape.layer_params() + shape.hidden  # default: the last two blocks and the final norm
+        return len(w.trained_blocks(shape.layers)) * shape.layer_params() + shape.hidden  # and the final norm
     return shape.params() - frozen_audio_params(shape, w)
 
 

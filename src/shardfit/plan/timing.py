@@ -327,9 +327,9 @@ def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
 
 
 def backward_layers(shape: ModelShape, w: Workload) -> int:
-    """The decoder blocks backward passes through: every one, or under `freeze` the last two, which train (backward
-    stops below them)."""
-    return min(2, shape.layers) if w.method == "freeze" else shape.layers
+    """The decoder blocks backward passes through: every one, or under `freeze` those from the top down to the
+    lowest that trains (backward stops below it)."""
+    return shape.layers - min(w.trained_blocks(shape.layers)) if w.method == "freeze" else shape.layers
 
 
 def autocasts(w: Workload) -> bool:

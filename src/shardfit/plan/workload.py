@@ -80,6 +80,9 @@ class Workload:
     lora_dropout: float = 0.0
     # A mixture of experts: adapters on the routed experts too (`lora.experts`).
     lora_experts: bool = True
+    # `freeze`: the decoder blocks that train, by index (`trained_blocks`); empty: the last two (LLaMA-Factory's
+    # default). Backward runs from the top down to the lowest of them.
+    freeze_blocks: tuple[int, ...] = ()
     # The training loop keeps the model's output, and with it the fp32 logits of a full loss, until the next step
     # (a loop that writes `output = model(...)` and never deletes it, as Answer.AI's train.py); the HF Trainer
     # and torchtune drop it before backward.
@@ -185,6 +188,11 @@ class Workload:
         """LoRA or QLoRA: low-rank adapters train while the base weights stay frozen."""
         return methods.get(self.method).adapters
 
+    def trained_blocks(self, layers: int) -> list[int]:
+        """Under `freeze`, the indices of the decoder blocks that train, of `layers` blocks."""
+        ids = sorted({i for i in self.freeze_blocks if 0 <= i < layers})
+        return ids or list(range(max(0, layers - 2), layers))
+
     @property
     def rows(self) -> int:
         """Sequences one micro-batch forwards: `micro_batch` examples, each one sequence, or two for a pair
@@ -219,7 +227,7 @@ def workload_of(cfg: Config) -> Workload:
                     # `compile: auto` is decided at train time; planning it as eager errs on the large side.
                     compile=cfg.compile is True or cfg.compile == "true",
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
-                    lora_experts=cfg.lora.experts,
+                    lora_experts=cfg.lora.experts, freeze_blocks=blocks_named(cfg.freeze_trainable),
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
                     objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference,
@@ -238,6 +246,13 @@ MODEL_DEFAULT = {"grad_ckpt": "full"}
 def model_workload() -> Workload:
     """The workload planned for a model named without a config: a default config's, with MODEL_DEFAULT."""
     return dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT)
+
+
+def blocks_named(patterns: list[str]) -> tuple[int, ...]:
+    """The decoder block indices `freeze_trainable` names (`layers.11`, `model.layers.11.mlp`: the whole block is
+    counted); a glob or a module outside the blocks names none, and then the planner counts the last two."""
+    hits = (re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", p) for p in patterns)
+    return tuple(sorted({int(m.group(1)) for m in hits if m}))
 
 
 def lora_targets_of(targets: str | list[str]) -> tuple[str, ...] | None:
