@@ -12,7 +12,7 @@ from torch import nn
 
 from shardfit import objective as objectives
 from shardfit.check import rules
-from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules
+from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules, refuse_missing_inputs
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.pipeline_rules import pipeline_plan_rules
@@ -92,6 +92,7 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     nodes like this machine by default, resolved as `train` resolves it (`world` ranks in all when given, spread
     evenly over the nodes; a run that resumes as resolve/resume.py `resumed_job` resolves it); returns (the
     resolved job, findings)."""
+    refuse_missing_inputs(cfg)
     if hw is None:
         here = None if world is None else max(1, world // nodes)
         job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=here, nnodes=nodes))
