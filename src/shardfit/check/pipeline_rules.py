@@ -53,7 +53,7 @@ def pipeline_plan_rules(cfg: Config, plan: Plan | None, strategy: str = "single"
 
 
 def refuse_stage_oom(findings: list[Finding]) -> None:
-    """Exit 3 (DoesNotFitError), as for a strategy predicted not to fit (plan/choose.py `refuse_if_oom`), when
+    """Exit 3 (DoesNotFitError), as for a strategy predicted not to fit (resolve/fits.py `refuse_if_oom`), when
     `pipeline_plan_rules` predicts out-of-memory on a stage (an error: not forced)."""
     bad = [f for f in findings if f.severity == "error" and not f.auto_fixed]
     if bad:
