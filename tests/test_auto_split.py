@@ -113,10 +113,13 @@ def test_a_run_recorded_as_model_parallel_resumes_as_it_started(eight_24gb: None
     assert any(w.startswith("strategy auto -> model_parallel, sequence_parallel 1: kept from ") for w in job.why)
     why = next(w for w in job.why if w.startswith("resumed as recorded"))
     assert "trains a global batch of 8 examples (run.json)" in why and "global batch of 32" in why
+    # Kept, as a field of the job (not recognised by its reason's words), which the ranks read as train hands it.
+    assert job.kept_as_recorded and Resolved.from_env(job.to_env()).kept_as_recorded
     ran = settled(cfg, job)
     claim(tmp_path, ran, fingerprint(ran, global_batch(ran, job)))  # the same run: resumed
     fresh, _ = decide_launch(_args(), _run(tmp_path / "new"))
     assert fresh is not None and (fresh.strategy, fresh.sequence_parallel) == ("zero3", 2)
+    assert not fresh.kept_as_recorded
     anew = settled(cfg, fresh)
     with pytest.raises(UserError) as e:
         claim(tmp_path, anew, fingerprint(anew, global_batch(anew, fresh)))
@@ -318,6 +321,27 @@ def test_a_kept_job_that_does_not_fit_is_refused_before_loading(host: dict[str, 
     assert forced is not None and forced.sequence_parallel == 2  # force: true starts it anyway, as for any job
 
 
+def test_a_refused_resume_offers_checkpointing_where_it_fits(host: dict[str, Hardware], tmp_path: Path) -> None:
+    """The run recorded on 2 x 24 GB (zero3, rows split over both ranks, micro_batch 1 x grad_accum 8, every block
+    checkpointed) resumed with grad_ckpt: none: no smaller micro_batch exists, but grad_ckpt: full keeps the batch
+    and the trained result and fits (22.5 GiB), so the refusal (exit 3) names it instead of only starting over;
+    with it the run resumes."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    host["gpus"] = parse_gpus("2x24GB", 1, None)
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(cfg, host["gpus"], GPU)
+    _record(tmp_path, cfg, old)
+    with pytest.raises(DoesNotFitError) as e:
+        decide_launch(_args(), _run(tmp_path, grad_ckpt="none"))
+    said = str(e.value).split("\n")[0]
+    assert e.value.exit_code == 3 and "No smaller micro_batch" not in said, said
+    assert ("To keep the run, resume it with --set grad_ckpt=full (every block's activations recomputed in the "
+            "backward: the same micro_batch 1 x grad_accum 8 and trained result, 22.5 GiB per GPU") in said, said
+    job, _ = decide_launch(_args(), _run(tmp_path, grad_ckpt="full"))
+    assert job is not None and job.kept_as_recorded is False and job.sequence_parallel == 2
+
+
 def test_a_rank_started_by_torchrun_resumes_as_train_launches(eight_24gb: None, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks that torchrun (or srun) started without `shardfit train` resolve a resumed run by the same rule: a
@@ -396,7 +420,7 @@ def test_a_different_run_is_refused_as_different_not_kept(eight_24gb: None, tmp_
     other = _run(tmp_path, micro_batch=2, grad_accum=4, lr=5e-5)
     job, _ = decide_launch(_args(), other)
     assert job is not None and job.strategy != "model_parallel"
-    assert not any(w.startswith("resumed as recorded") for w in job.why)
+    assert not any(w.startswith("resumed as recorded") for w in job.why) and not job.kept_as_recorded
     assert "lr: 0.0002 -> 5e-05" in _claims(tmp_path, other, job)
     longer = _run(tmp_path, max_steps=500)  # a longer schedule of the same run still keeps the recorded job
     job, _ = decide_launch(_args(), longer)

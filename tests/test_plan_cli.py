@@ -16,13 +16,14 @@ from shardfit.cli.main import main
 from shardfit.config import Config, load_config
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.parallel.env import init_distributed
-from shardfit.plan.choose import plan_for_config, refuse_if_oom, tokens_per_s_at
+from shardfit.plan.choose import plan_for_config, tokens_per_s_at
 from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import host_mem_gib, job_hardware, parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, workload_of
+from shardfit.resolve.fits import refuse_if_oom
 from shardfit.train.recipe import train
 from tests.helpers import run_cli, write_config
 

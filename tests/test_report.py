@@ -136,3 +136,29 @@ def test_a_rank_is_compared_with_the_tensors_the_plan_says_it_allocates(tmp_path
     data = read_run(run)
     assert data.predicted_gib() == pytest.approx(2.0)
     assert any(f.startswith("over plan: rank(s) 0, 1 ") for f in data.memory_findings())
+
+
+@pytest.mark.parametrize(("name", "text", "want"), [
+    ("run.json", '{"fingerprint": {"mod', "run.json:1: not valid JSON"),
+    ("run.json", "[1]", "run.json: holds a JSON list"),
+    ("run.json", '{"fingerprint": "x"}', "run.json: 'fingerprint' is str"),
+    ("eval.json", "null", "eval.json: 'the file' is None"),
+    ("eval.json", "{}", "eval.json: 'models' is None"),
+    ("eval.json", '{"models": {}}', "eval.json: 'models' is {}"),
+    ("summary.json", "null", "summary.json: 'the file' is None"),
+])
+def test_report_names_a_damaged_run_or_eval_file(tmp_path: Path, capsys: pytest.CaptureFixture, name: str,
+                                                 text: str, want: str) -> None:
+    """A damaged run.json or eval.json was left out of the page without a word; like every other damaged input
+    it is now exit 2 with a message naming the file and what is wrong."""
+    run = make_run(tmp_path / "run", mem=[[1.0]] * 4, predicted=1.5)
+    (run / name).write_text(text)
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err, err
+
+
+def test_report_reads_a_sound_run_json(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", mem=[[1.0]] * 4, predicted=1.5)
+    (run / "run.json").write_text(json.dumps({"fingerprint": {"model": "tiny"}}))
+    assert main(["report", str(run)]) == 0

@@ -9,11 +9,22 @@ from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.config.support import TORCHAO_HINT
+from shardfit.evals.scorers import parse_metrics
 from shardfit.plan.cards import card_of, no_fp8_reason
 from shardfit.resolve import Resolved
+from shardfit.resolve.checkpoint_files import named_checkpoint
 from shardfit.strategy import Strategy
 
 FLOAT8_OFF = "or float8: false (bf16 matmuls)"
+
+
+def refuse_missing_inputs(cfg: Config) -> None:
+    """The files the config names that a rank opens as it starts, refused as the rank refuses them (UserError,
+    exit 2, naming the key): the checkpoint a `resume:` path names (train/checkpoint.py `find_resume`) and the
+    `py:` scorers of eval_metrics (train/recipe.py `parse_metrics`). The same functions decide here, before ranks
+    start or anything loads, so `check` and `train` give the same refusal."""
+    named_checkpoint(cfg.resume)
+    parse_metrics(cfg.eval_metrics)
 
 
 def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:

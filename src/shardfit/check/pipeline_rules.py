@@ -9,7 +9,8 @@ from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.errors import DoesNotFitError
 from shardfit.plan.plan import Plan
-from shardfit.resolve.pipeline import job_stages, stages_of
+from shardfit.resolve.fits import memory_verdict
+from shardfit.resolve.pipeline import stages_of
 
 
 def _fixes(cfg: Config, stages: int, world: int, offload: bool) -> str:
@@ -32,7 +33,7 @@ def _fixes(cfg: Config, stages: int, world: int, offload: bool) -> str:
 def pipeline_plan_rules(cfg: Config, plan: Plan | None, strategy: str = "single") -> list[Finding]:
     """Predicted out-of-memory on a stage: an error (a warning with `force`), naming the stage and what lowers it.
     Nothing when the plan or the model's shape is unknown, or every stage fits."""
-    pipe = job_stages(cfg, plan, strategy)
+    pipe = memory_verdict(plan, strategy, cfg).pipe
     if pipe is None or pipe.fits:
         return []
     stages = stages_of(cfg)
@@ -52,7 +53,7 @@ def pipeline_plan_rules(cfg: Config, plan: Plan | None, strategy: str = "single"
 
 
 def refuse_stage_oom(findings: list[Finding]) -> None:
-    """Exit 3 (DoesNotFitError), as for a strategy predicted not to fit (plan/choose.py `refuse_if_oom`), when
+    """Exit 3 (DoesNotFitError), as for a strategy predicted not to fit (resolve/fits.py `refuse_if_oom`), when
     `pipeline_plan_rules` predicts out-of-memory on a stage (an error: not forced)."""
     bad = [f for f in findings if f.severity == "error" and not f.auto_fixed]
     if bad:

@@ -12,7 +12,7 @@ from torch import nn
 
 from shardfit import objective as objectives
 from shardfit.check import rules
-from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules
+from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules, refuse_missing_inputs
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.pipeline_rules import pipeline_plan_rules
@@ -22,6 +22,7 @@ from shardfit.check.prequantized_rules import prequantized_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
+from shardfit.errors import UserError
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
@@ -92,6 +93,12 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     nodes like this machine by default, resolved as `train` resolves it (`world` ranks in all when given, spread
     evenly over the nodes; a run that resumes as resolve/resume.py `resumed_job` resolves it); returns (the
     resolved job, findings)."""
+    refuse_missing_inputs(cfg)
+    total_nodes = hw.nodes if hw is not None else nodes
+    if world is not None and world % total_nodes:  # train's --nproc is per node: every node runs as many ranks
+        raise UserError(f"--nproc {world} over {total_nodes} nodes: every node runs the same number of ranks, and "
+                        f"{world} is not a multiple of {total_nodes}. Give --nproc as all the ranks of the run, e.g. "
+                        f"{max(1, world // total_nodes) * total_nodes}.")
     if hw is None:
         here = None if world is None else max(1, world // nodes)
         job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=here, nnodes=nodes))

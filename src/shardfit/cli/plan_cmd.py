@@ -280,9 +280,7 @@ def resolved_job(cfg: Config, args: argparse.Namespace) -> tuple[Resolved | None
 def resumed_choice(cfg: Config, job: Resolved) -> str:
     """The line recommending the job of the run in output_dir that `train` resumes, where it keeps the job its run
     directory recorded (resolve/resume.py); empty where train resolves the job anew."""
-    from shardfit.resolve.resume import RESUMED_WHY
-
-    if not any(w.startswith(RESUMED_WHY) for w in job.why):
+    if not job.kept_as_recorded:
         return ""
     split = f" with each row split over {job.sequence_parallel} GPUs" if job.sequence_parallel > 1 else ""
     stages = f" in {job.pipeline_parallel} pipeline stages" if job.pipeline_parallel > 1 else ""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules
+from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules, refuse_missing_inputs
 from shardfit.check.findings import refuse_unfixable
 from shardfit.cli.args import non_negative_int
 from shardfit.cli.launch_flags import add_launch_flags, check_launch_flags
@@ -40,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _refuse_before_launch(cfg: Config, job: Resolved) -> None:
     """What would stop every rank the same way, said once before ranks start."""
+    refuse_missing_inputs(cfg)
     s = get_strategy(job.strategy)
     refuse_unfixable(device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s) + float8_rules(cfg, job))
 

@@ -40,6 +40,7 @@ from shardfit.models.quantize import quantize_blocks
 from shardfit.models.quantize_experts import quantize_experts_under_lora
 from shardfit.models.source import ModelSource, resolve_model
 from shardfit.plan.attention_layout import runs_eager, text_of
+from shardfit.plan.config_shape import require_sane_sizes
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
@@ -161,6 +162,7 @@ def model_config(cfg: Config, source: ModelSource, *, weights: bool) -> Any:
                                 "shardfit's catalog (`shardfit plan --list-models`); download it first "
                                 "(huggingface-cli download) or point at its folder.") from None
             config = hf_config(resolve_shape(cfg.model))
+    require_sane_sizes(f"'model': {source.name}", config.to_dict())  # as the planner reads it: exit 2, not an OOM
     return without_speech(config, source.name)
 
 

@@ -1,4 +1,5 @@
-"""A running job's plan: the strategy `auto` picks, and the refusal to start what is predicted not to fit."""
+"""A running job's plan: the strategy `auto` picks (the refusal to start what is predicted not to fit is
+resolve/fits.py `refuse_if_oom`)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,3 @@ def auto_strategy(plan: Plan | None, world: int) -> str:
         if best is not None:
             return best
     raise DoesNotFitError("no strategy fits this hardware.\n" + format_table(plan, style="config"))
-
-
-def refuse_if_oom(plan: Plan | None, strategy: str, force: bool) -> None:
-    """Exit 3 before loading when the plan predicts out-of-memory for the chosen strategy (unless `force`)."""
-    if plan is None or force:
-        return
-    c = plan.candidate(strategy)
-    if c is not None and not c.fits:
-        raise DoesNotFitError(f"strategy {strategy} is predicted not to fit: {c.notes} "
-                              f"(set force: true to start anyway).\n" + format_table(plan, style="config"))

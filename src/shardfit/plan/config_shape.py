@@ -335,6 +335,7 @@ def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, delt
 
 def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """The shape a config.json describes; a UserError naming the key when a size is missing or not a count."""
+    require_sane_sizes(name, cfg)
     check_parts(cfg, name)
     built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
     if built is not None and (odd := odd_setting(built)):
@@ -398,6 +399,32 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
 OPTIONAL_SIZES = ("head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                   "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                   "linear_value_head_dim", "linear_conv_kernel_dim", "n_shared_experts", *EXPERTS, *TOP_K)
+
+
+# The largest value shardfit takes for each size a config.json gives: far above every published model (512 experts,
+# a vocabulary of 262k, a width of 16k, 126 blocks), and far below what overflows memory while the model is built.
+# A value beyond is a typo or a hand-edited file, refused naming its key, not met as an out-of-memory error.
+SIZE_CEILINGS = {
+    "num_hidden_layers": 1 << 12, "hidden_size": 1 << 18, "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14, "head_dim": 1 << 14, "intermediate_size": 1 << 20,
+    "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20, "vocab_size": 1 << 24,
+    "n_shared_experts": 1 << 16, **dict.fromkeys(EXPERTS, 1 << 16), **dict.fromkeys(TOP_K, 1 << 16),
+}
+
+
+def require_sane_sizes(name: str, cfg: dict[str, Any]) -> None:
+    """A UserError naming the key where config.json (its language model's part) gives a size beyond SIZE_CEILINGS;
+    the planner's shape and the model's build both read config.json through this, so plan, check and train refuse
+    it alike (exit 2) before anything is allocated."""
+    text = text_config(cfg)
+    for key, ceiling in SIZE_CEILINGS.items():
+        value = text.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            continue  # not a number: the count checks name it
+        if value > ceiling:
+            shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
+            raise UserError(f"{name}: config.json's {key} is {shown}, beyond any model's (shardfit takes up to "
+                            f"{ceiling:,}): no memory holds it. Fix the value in {name}'s config.json.")
 
 
 def _require_not_negative(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:

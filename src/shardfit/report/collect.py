@@ -169,10 +169,13 @@ def read_run(path: str | Path) -> RunData:
                         "run's output_dir.")
     config = _config(p / "config.yaml")
     train, evals = read_metrics(p / "metrics.jsonl")
-    files = {name: _json(p / name) for name in ("plan.json", "summary.json", "preflight.json", "eval.json")}
+    # Every file that is there is checked, run.json too (the report shows none of it, but a damaged one stops the
+    # run's resume) and a file that parses to null: none of them is left out without a word.
+    present = [name for name in SHAPES if (p / name).is_file()]
+    files = {name: _json(p / name) for name in present}
     for name, data in files.items():
-        if data is not None:
-            SHAPES[name](data, str(p / name))
+        SHAPES[name](data, str(p / name))
+    files = {name: files.get(name) for name in SHAPES}
     return RunData(p, p.resolve().name, config, files["plan.json"], files["summary.json"], files["preflight.json"],
                    files["eval.json"], train, evals)
 

@@ -84,6 +84,9 @@ def preflight(data: Any, where: str) -> None:
 
 def evaluation(data: Any, where: str) -> None:
     data = _object(data, where, "the file")
+    models = data.get("models")
+    if not isinstance(models, dict) or not models:  # every eval.json has its columns; without them it says nothing
+        raise _bad(where, "models", "an object of model columns (shardfit eval writes one per model)", models)
     _optional(data, where, "metrics", lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),
               "a list of metric names")
     _optional(data, where, "models", lambda v: isinstance(v, dict) and all(isinstance(c, dict) for c in v.values()),
@@ -92,5 +95,18 @@ def evaluation(data: Any, where: str) -> None:
         _optional(col, f"{where}: models.{name}", "metrics", lambda v: isinstance(v, dict), "an object")
 
 
+def run_record(data: Any, where: str) -> None:
+    """run.json: the fingerprint `train` writes as the run starts and compares when it resumes."""
+    fix = ("train refuses to resume this run until it is restored (or started over with --set resume=never); the "
+           "report reads nothing else from it")
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: holds a JSON {type(data).__name__}, not the object with a fingerprint shardfit "
+                        f"writes: {fix}.")
+    if not isinstance(data.get("fingerprint"), dict):
+        raise UserError(f"{where}: 'fingerprint' is {type(data.get('fingerprint')).__name__}, not an object of the "
+                        f"run's settings: {fix}.")
+
+
 SHAPES: dict[str, Callable[[Any, str], None]] = {"plan.json": plan, "summary.json": summary,
-                                                 "preflight.json": preflight, "eval.json": evaluation}
+                                                 "preflight.json": preflight, "eval.json": evaluation,
+                                                 "run.json": run_record}

@@ -417,11 +417,24 @@ def settled(cfg: Config, job: Resolved) -> Config:
                                lora=dataclasses.replace(cfg.lora, dtype=job.adapter_dtype))
 
 
+def require_ranks_fit_node(node: Hardware, device: DeviceFacts, nproc: int | None) -> None:
+    """A UserError where `nproc` ranks a node are more than the node's GPUs: torchrun starts them, but each rank
+    takes the GPU of its local rank (parallel/env.py `init_distributed`), and the ranks past the last GPU have
+    none. On a CPU the ranks share the host, which runs any number of them."""
+    n = node.gpus_per_node
+    if device.type != "cuda" or nproc is None or nproc <= n:
+        return
+    raise UserError(f"--nproc {nproc}: {nproc} ranks a node, more than the node's {n} GPU{'s' * (n > 1)} "
+                    f"({node.name}); each rank runs on the GPU of its local rank, so ranks {n} to {nproc - 1} would "
+                    f"have none. Launch at most {n} rank{'s' * (n > 1)} a node, and more nodes for more ranks.")
+
+
 def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,
                 nnodes: int = 1) -> tuple[Resolved, Plan | None]:
     """Resolve `cfg` on `nnodes` nodes like `node` and plan the job as resolved: the one entry point train, check
-    and plan call. The method must be trainable by this installation."""
+    and plan call. The method must be trainable by this installation; a node runs no more ranks than its GPUs."""
     require_method_support(cfg)
+    require_ranks_fit_node(node, device, nproc)
     # `pipeline_parallel: auto` is read as no pipeline until the plan over every rank recommends one (below).
     pipe_auto = cfg.pipeline_parallel == "auto"
     if pipe_auto:

@@ -77,6 +77,9 @@ class Resolved:
     # The pipeline's schedule (`pipeline_schedule`): the config's, or 1f1b where `pipeline_parallel: auto` turned
     # the pipeline on (the schedule the plan ranks).
     pipeline_schedule: str = "1f1b"
+    # The job the run directory recorded, kept so that a run that resumes trains its global batch (resolve/resume.py
+    # `resumed_job`); False: resolved anew from the config.
+    kept_as_recorded: bool = False
 
     @property
     def world(self) -> int:

@@ -21,8 +21,9 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.plan.plan import Plan
 from shardfit.plan.render import format_table
 from shardfit.resolve.decide import settled
+from shardfit.resolve.fits import memory_verdict
 from shardfit.resolve.job import Resolved
-from shardfit.resolve.pipeline import LOOPED, job_stages
+from shardfit.resolve.pipeline import LOOPED
 
 RUN_FILE = "run.json"
 # The pipeline schedules a recorded config.yaml may name (resolve/pipeline.py).
@@ -190,10 +191,11 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
     batch and the recorded job (`recorded_job`) keeps it is the recorded one run, its reasons first in `why`
     (the launcher's log, summary.json, `check`, `plan`). It is planned as any job resolved: where it is predicted
     not to fit (and `force` is off), the resume is refused before anything loads (ResumeDoesNotFit, exit 3),
-    naming the micro_batch and grad_accum that keep the batch and fit, and the grad_accum that keeps it on the job
-    resolved anew, or, where no smaller micro_batch does, how to start over (unless the new job runs here: it then
-    runs, and `claim` names the grad_accum that keeps the batch on its ranks). Where the recorded job cannot run
-    here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim` says what differs.
+    naming the micro_batch and grad_accum (or grad_ckpt: full) that keep the batch and fit, and the grad_accum
+    that keeps it on the job resolved anew, or, where neither does, how to start over (unless the new job runs
+    here: it then runs, and `claim` names the grad_accum that keeps the batch on its ranks). Where the recorded
+    job cannot run here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim` says
+    what differs.
     Every entry point calls this: the same run directory gives the same job whatever started it."""
     kept, lines = recorded_job(cfg)
     if not lines:
@@ -220,13 +222,14 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
             if isinstance(fresh, tuple) else str(fresh).split("\n")[0].rstrip(". "))
     if not cfg.force and not _fits(kept, job, plan)[0]:
         fix = smaller_micro_batch(kept, target, resolve)
-        if fix is None and isinstance(fresh, tuple):
+        ckpt = with_checkpointing(kept, target, resolve)
+        if fix is None and ckpt is None and isinstance(fresh, tuple):
             return fresh  # `claim` refuses it naming what differs, and the grad_accum that keeps the batch there
         other = _anew_keeping(cfg, fresh[0], target, resolve) if isinstance(fresh, tuple) else None
-        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, fix, other))
+        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, (fix, ckpt), other))
     why = (f"{RESUMED_WHY}: the run in {cfg.output_dir} trains a global batch of {target} examples (run.json), "
            f"which the recorded job keeps; resolved anew: {anew}")
-    return dataclasses.replace(job, why=(*lines, why, *job.why)), plan
+    return dataclasses.replace(job, why=(*lines, why, *job.why), kept_as_recorded=True), plan
 
 
 def _keeping(kept: Config, target: Any, resolve: Resolver) -> Resolution | None:
@@ -241,26 +244,14 @@ def _keeping(kept: Config, target: Any, resolve: Resolver) -> Resolution | None:
 
 def _fits(cfg: Config, job: Resolved, plan: Plan | None) -> tuple[bool, float, float]:
     """Whether the plan predicts `job` of `cfg` to fit, with the GiB it takes per GPU (a pipeline's: its fullest
-    stage's) and the card's; a job the planner cannot plan (no shape, no candidate) is taken to fit, as the rank's
-    own checks take it (plan/choose.py `refuse_if_oom`)."""
-    if plan is None:
-        return True, 0.0, 0.0
-    if job.pipeline_parallel > 1:
-        pipe = job_stages(settled(cfg, job), plan, job.strategy)
-        return (True, 0.0, 0.0) if pipe is None else (pipe.fits, pipe.stage_gib, pipe.card_gib)
-    c = plan.candidate(job.strategy)
-    return (True, 0.0, 0.0) if c is None else (c.fits, c.per_gpu_gib.total, plan.hardware.gpu_mem_gib)
+    stage's) and the card's: resolve/fits.py `memory_verdict`, the rule the rank refuses by."""
+    verdict = memory_verdict(plan, job.strategy, settled(cfg, job))
+    return verdict.fits, verdict.gib, verdict.card_gib
 
 
 def _rate(cfg: Config, job: Resolved, plan: Plan | None) -> float | None:
     """The tokens/s the plan predicts for `job` of `cfg` (a pipeline's: its stages'); None where it has none."""
-    if plan is None:
-        return None
-    if job.pipeline_parallel > 1:
-        pipe = job_stages(settled(cfg, job), plan, job.strategy)
-        return None if pipe is None else pipe.tokens_per_s
-    c = plan.candidate(job.strategy)
-    return None if c is None else c.tokens_per_s
+    return memory_verdict(plan, job.strategy, settled(cfg, job)).tokens_per_s
 
 
 # A way to resume: (micro_batch, grad_accum, GiB per GPU, tokens/s or None).
@@ -281,6 +272,20 @@ def smaller_micro_batch(kept: Config, target: Any, resolve: Resolver) -> Way | N
             if fits:
                 return m, per_rank // m, gib, _rate(smaller, *found)
     return None
+
+
+def with_checkpointing(kept: Config, target: Any, resolve: Resolver) -> Way | None:
+    """The recorded job `kept` at its own micro_batch and grad_accum with every block checkpointed (grad_ckpt:
+    full, which recomputes activations in the backward and leaves the trained result as it is), where it then
+    trains the run's global batch `target` and fits; None where checkpointing is on already or does not help."""
+    if kept.grad_ckpt == "full":
+        return None
+    checkpointed = dataclasses.replace(kept, grad_ckpt="full")
+    found = _keeping(checkpointed, target, resolve)
+    if found is None:
+        return None
+    fits, gib, _ = _fits(checkpointed, *found)
+    return (kept.micro_batch, kept.grad_accum, gib, _rate(checkpointed, *found)) if fits else None
 
 
 def _anew_keeping(cfg: Config, fresh: Resolved, target: Any, resolve: Resolver) -> tuple[Way, Resolved] | None:
@@ -304,13 +309,14 @@ def _speed(rate: float | None) -> str:
     return "" if rate is None else f", {rate:,.0f} tokens/s"
 
 
-def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str, fix: Way | None,
-            other: tuple[Way, Resolved] | None) -> str:
+def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str,
+            ways: tuple[Way | None, Way | None], other: tuple[Way, Resolved] | None) -> str:
     """Why the recorded job of a run that resumes is refused: it keeps the run's global batch but is predicted
-    not to fit; the micro_batch and grad_accum that keep both (`fix`, `smaller_micro_batch`), where there are, and
-    the grad_accum that keeps the batch on the job resolved anew (`other`, `_anew_keeping`), else how to start
-    over."""
+    not to fit; the micro_batch and grad_accum that keep both (`ways[0]`, `smaller_micro_batch`) and checkpointing
+    that does (`ways[1]`, `with_checkpointing`), where there are, and the grad_accum that keeps the batch on the
+    job resolved anew (`other`, `_anew_keeping`), else how to start over."""
     _, gib, card = _fits(kept, job, plan)
+    fix, ckpt = ways
     what = f"{job.strategy}, sequence_parallel {job.sequence_parallel}, pipeline_parallel {job.pipeline_parallel}"
     alt = ""
     if other is not None:
@@ -318,9 +324,16 @@ def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: s
         alt = (f"; or --set grad_accum={accum}, which keeps the batch on the job resolved anew ({new.strategy}, "
                f"sequence_parallel {new.sequence_parallel}, pipeline_parallel {new.pipeline_parallel}: "
                f"{other_gib:.1f} GiB per GPU{_speed(rate)})")
-    how = (f"To keep the run, resume it with --set micro_batch={fix[0]} --set grad_accum={fix[1]} (the same "
-           f"{target} examples a step, {fix[2]:.1f} GiB per GPU{_speed(fix[3])}){alt}; or use a new "
-           "output_dir, or --set resume=never to start over there." if fix is not None else
+    keeps = []
+    if fix is not None:
+        keeps.append(f"--set micro_batch={fix[0]} --set grad_accum={fix[1]} (the same {target} examples a step, "
+                     f"{fix[2]:.1f} GiB per GPU{_speed(fix[3])})")
+    if ckpt is not None:
+        keeps.append(f"--set grad_ckpt=full (every block's activations recomputed in the backward: the same "
+                     f"micro_batch {ckpt[0]} x grad_accum {ckpt[1]} and trained result, {ckpt[2]:.1f} GiB per "
+                     f"GPU{_speed(ckpt[3])})")
+    how = (f"To keep the run, resume it with {'; or with '.join(keeps)}{alt}; or use a new output_dir, or --set "
+           "resume=never to start over there." if keeps else
            "No smaller micro_batch makes it fit with the same examples a step: use a new output_dir, or --set "
            "resume=never to start over there (or set force: true to start it anyway).")
     table = f"\n{format_table(plan, style='config')}" if plan is not None and job.pipeline_parallel == 1 else ""

@@ -34,8 +34,8 @@ from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.pipeline import DecoderStage
 from shardfit.parallel.shared_dir import ranks_seeing
+from shardfit.resolve.checkpoint_files import MANIFEST, file_digest, intact, named_checkpoint
 from shardfit.train.expert_lora_layout import expert_lora_b, state_dict_name, to_model, to_saved
-from shardfit.train.rundir import file_digest
 from shardfit.train.trusted_dcp import TrustedLoadPlanner, TrustedReader, not_trusted, read_metadata, refusal
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,6 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-MANIFEST = "manifest.json"
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -175,27 +172,6 @@ def write_manifest(ckpt: Path) -> None:
     for p in [*files, ckpt / MANIFEST]:
         _fsync(p)
     _fsync(ckpt)
-
-
-def intact(ckpt: Path) -> str | None:
-    """None when every file of the checkpoint matches its manifest, else what is wrong. Checkpoints written before
-    manifests existed are taken as they are."""
-    manifest = ckpt / MANIFEST
-    if not manifest.is_file():
-        return None if (ckpt / "trainer.pt").is_file() else "no trainer.pt"
-    try:
-        entries = json.loads(manifest.read_text())
-    except (OSError, ValueError):
-        return "unreadable manifest"
-    for name, want in entries.items():
-        p = ckpt / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != want["bytes"]:
-            return f"{name} has {p.stat().st_size} bytes, not {want['bytes']}"
-        if file_digest(p) != want["sha256"]:
-            return f"{name} does not match its checksum"
-    return None
 
 
 def save_checkpoint(run_dir: Path, step: int, tokens: int, model: torch.nn.Module,
@@ -303,14 +279,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
                 return path
             log.warning("checkpoint %s is damaged (%s); falling back to the one before it", path, problem)
         return None
-    p = Path(resume)
-    if not (p / "trainer.pt").is_file():
-        raise UserError(f"'resume': {resume} is not a shardfit checkpoint (no trainer.pt). Use auto, never, "
-                        f"or a path like runs/demo/checkpoints/step-200.")
-    problem = intact(p)
-    if problem is not None:
-        raise UserError(f"'resume': {resume} is damaged ({problem}); resume from an earlier checkpoint.")
-    return p
+    return named_checkpoint(resume)
 
 
 def _load_plain(path: Path) -> Any:

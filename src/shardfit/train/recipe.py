@@ -69,7 +69,7 @@ from shardfit.parallel.pipeline import cut, cut_looped
 from shardfit.parallel.sequence import shard_batch
 from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
-from shardfit.plan.choose import refuse_if_oom, tokens_per_s_at
+from shardfit.plan.choose import tokens_per_s_at
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.plan import Plan
 from shardfit.resolve import Resolved
@@ -80,6 +80,7 @@ from shardfit.resolve.defaults import (
     CUDNN_PLAN_SHARE,
     cudnn_attention_allowed,
 )
+from shardfit.resolve.fits import refuse_if_oom
 from shardfit.resolve.resume import global_batch
 from shardfit.resolve.sequence import check_balancing, check_model, facts_of_config
 from shardfit.strategy import get as get_strategy

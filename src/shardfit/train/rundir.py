@@ -7,7 +7,6 @@ same message instead of some waiting forever in a collective.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
+from shardfit.resolve.checkpoint_files import file_digest
 from shardfit.resolve.resume import LENGTH_KEYS, RUN_FILE, keeping_grad_accum, read_run_file, run_settings
 
 LOCK = ".shardfit.lock"
@@ -30,14 +30,6 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "adapter", "model
                "config.yaml", RUN_FILE, "tb")
 # Keys that decide the shapes of what a checkpoint holds: a checkpoint whose run differs in one of them cannot load.
 SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "freeze_modules")
-
-
-def file_digest(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _digests(paths: str | list[str] | None) -> list[str] | None:

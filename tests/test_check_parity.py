@@ -1,0 +1,93 @@
+"""`check` refuses what `train` refuses: a config naming files a rank opens as it starts (a `resume:` checkpoint,
+a `py:` scorer of eval_metrics) that are missing is exit 2 from both, with the same words naming the key."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from shardfit.cli.main import main
+from shardfit.config import Config
+from shardfit.errors import UserError
+from shardfit.plan.hardware import job_hardware, parse_gpus
+from shardfit.resolve import DeviceFacts, resolve_job
+from tests.helpers import write_config
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.err + out.out
+
+
+def _config(tmp_path: Path, model: Path, data: Path, **keys: object) -> Path:
+    return write_config(tmp_path / "c.yaml", model=str(model), data=str(data), precision="fp32", max_seq_len=64,
+                        micro_batch=2, max_steps=1, output_dir=str(tmp_path / "run"), **keys)
+
+
+@pytest.mark.parametrize(("keys", "want"), [
+    ({"resume": "/nonexistent/checkpoints/step-5"}, "'resume': /nonexistent/checkpoints/step-5 is not a shardfit "
+                                                   "checkpoint"),
+    ({"eval_metrics": ["py:/nonexistent/scorer.py:f"]}, "metric py:/nonexistent/scorer.py:f: no file"),
+], ids=["resume-path", "py-scorer"])
+def test_check_refuses_what_train_refuses(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                          capsys: pytest.CaptureFixture, keys: dict, want: str) -> None:
+    cfg = str(_config(tmp_path, tiny_llama, small_data, **keys))
+    check = _run(["check", cfg], capsys)
+    train = _run(["train", cfg], capsys)
+    assert check[0] == train[0] == 2, (check, train)
+    assert want in check[1] and want in train[1], (check[1][-800:], train[1][-800:])
+    assert "Traceback" not in check[1] + train[1]
+
+
+def test_a_damaged_named_checkpoint_is_refused_by_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    ckpt = tmp_path / "old" / "checkpoints" / "step-3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.pt").write_bytes(b"x")
+    (ckpt / "manifest.json").write_text('{"trainer.pt": {"bytes": 99, "sha256": "0"}}')
+    code, out = _run(["check", str(_config(tmp_path, tiny_llama, small_data, resume=str(ckpt)))], capsys)
+    assert code == 2 and f"'resume': {ckpt} is damaged (trainer.pt has 1 bytes, not 99)" in out, out
+
+
+@pytest.fixture
+def eight_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine faked as one node of eight 24 GB GPUs (as `train` and `check` read it)."""
+    from shardfit.parallel import job as rank_job
+
+    monkeypatch.setattr(rank_job, "node_hardware", lambda threads=None: parse_gpus("8x24GB", 1, None))
+    monkeypatch.setattr(rank_job, "cuda_available", lambda: True)
+    monkeypatch.setattr(rank_job, "device_facts", lambda device, precision="auto": DeviceFacts("cuda", True))
+
+
+def _llama(**over: object) -> Config:
+    return dataclasses.replace(Config(), model="meta-llama/Llama-3.1-8B", method="lora", max_seq_len=1024,
+                               grad_ckpt="full", micro_batch=1, **over)
+
+
+def test_more_ranks_a_node_than_its_gpus_is_refused_by_check_and_train(eight_gpus: None) -> None:
+    """`check --nproc 16` without --gpus resolved 16 ranks on this 8-GPU node, a job train launches but whose
+    ranks 8 to 15 have no GPU; both now refuse it (exit 2), and 8 ranks a node (or 16 over 2 nodes) resolve."""
+    from shardfit.check.run import check_config
+    from shardfit.cli.train_cmd import decide_launch
+    from shardfit.parallel.job import resolve_here
+
+    args = argparse.Namespace(nproc=16, nnodes=1, node_rank=0, master_addr=None, master_port=None,
+                              rdzv_endpoint=None)
+    for refused in (lambda: check_config(_llama(), 16), lambda: decide_launch(args, _llama()),
+                    lambda: check_config(_llama(), 16, parse_gpus("8x24GB", 1, None))):
+        with pytest.raises(UserError, match="--nproc 16: 16 ranks a node, more than the node's 8 GPUs") as e:
+            refused()
+        assert e.value.exit_code == 2
+    job, _ = resolve_here(_llama(), nproc=8, nnodes=2)
+    assert job.world == 16 and job.nproc_per_node == 8
+    with pytest.raises(UserError, match="--nproc 16 over 3 nodes"):
+        check_config(_llama(), 16, None, 3)
+    # On a CPU torchrun's 16 ranks share the host and run (gloo): resolved as train runs them.
+    cpu, _ = resolve_job(_llama(precision="fp32", strategy="ddp", force=True), job_hardware("cpu", 1),
+                         DeviceFacts("cpu", False), nproc=16)
+    assert (cpu.device, cpu.nproc_per_node, cpu.nnodes) == ("cpu", 16, 1)
+

@@ -1,0 +1,67 @@
+"""An absurd size in a model's config.json (num_experts: 1e15, a vocabulary of a trillion) is exit 2 naming the
+key from plan, check and the model's build, never an out-of-memory error; every real model still reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardfit.cli.main import main
+from shardfit.config import load_config
+from shardfit.errors import UserError
+from shardfit.models.build import model_config
+from shardfit.models.source import resolve_model
+from shardfit.plan.config_shape import require_sane_sizes
+from shardfit.plan.shapes import catalog, hf_config, resolve_shape
+from tests.helpers import write_config
+
+ABSURD = [("num_experts", 10**15), ("num_experts", 1e15), ("vocab_size", 10**12), ("intermediate_size", 10**13),
+          ("num_hidden_layers", 10**9)]
+
+
+def _absurd_model(tmp_path: Path, tiny_llama: Path, key: str, value: object) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config[key] = value
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize(("key", "value"), ABSURD, ids=[f"{k}={v}" for k, v in ABSURD])
+def test_plan_refuses_an_absurd_size_naming_it(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture,
+                                               key: str, value: object) -> None:
+    model = _absurd_model(tmp_path, tiny_llama, key, value)
+    assert main(["plan", "--model", str(model), "--gpus", "1x80GB"]) == 2
+    err = capsys.readouterr().err
+    assert f"config.json's {key} is " in err and "Traceback" not in err, err
+
+
+def test_check_and_the_build_refuse_it_too(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """The planner swallows a shape it cannot read (the job is then taken to fit), so the build's own read of
+    config.json must refuse it: check (a weightless build) and train (the real one) both go through it."""
+    model = _absurd_model(tmp_path, tiny_llama, "num_experts", 10**15)
+    cfg = write_config(tmp_path / "c.yaml", model=str(model), data=str(small_data), precision="fp32",
+                       max_seq_len=128, micro_batch=2, max_steps=1, output_dir=str(tmp_path / "run"))
+    with pytest.raises(UserError, match="config.json's num_experts is 1,000,000,000,000,000"):
+        model_config(load_config(str(cfg)), resolve_model(str(model)), weights=True)
+    assert main(["check", str(cfg)]) == 2
+    assert "config.json's num_experts is" in capsys.readouterr().err
+
+
+def test_every_catalog_model_is_within_the_ceilings() -> None:
+    """Real models keep working: Qwen3-Next's 512 experts, Gemma 3's 262k vocabulary, every catalog entry."""
+    require_sane_sizes("qwen3-next", {"num_experts": 512, "num_experts_per_tok": 10, "vocab_size": 151936,
+                                      "moe_intermediate_size": 512, "hidden_size": 2048, "num_hidden_layers": 48})
+    require_sane_sizes("gemma-3", {"text_config": {"vocab_size": 262208, "hidden_size": 5376,
+                                                   "intermediate_size": 21504, "num_hidden_layers": 62}})
+    entries = catalog()
+    assert any(e.get("config", {}).get("n_routed_experts") == 256 for e in entries.values())
+    for name in entries:
+        require_sane_sizes(name, hf_config(resolve_shape(name)).to_dict())
+        if "config" in entries[name]:
+            require_sane_sizes(name, entries[name]["config"])
