@@ -53,6 +53,21 @@ def test_a_damaged_named_checkpoint_is_refused_by_check(tmp_path: Path, tiny_lla
     assert code == 2 and f"'resume': {ckpt} is damaged (trainer.pt has 1 bytes, not 99)" in out, out
 
 
+def test_check_reads_a_scorer_without_running_it(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """`check` on a config someone handed over runs none of the code it names: a `py:` scorer is parsed, not
+    imported (a file that writes a marker on import leaves none), and a function it lacks is refused by name."""
+    marker = tmp_path / "ran"
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(f"open({str(marker)!r}, 'w').write('x')\n\ndef score(p, e, row):\n    return p == e\n")
+    code, out = _run(["check", str(_config(tmp_path, tiny_llama, small_data,
+                                           eval_metrics=[f"py:{scorer}:score"], max_bad_rows=64))], capsys)
+    assert code in (0, 1) and not marker.exists(), out
+    code, out = _run(["check", str(_config(tmp_path, tiny_llama, small_data,
+                                           eval_metrics=[f"py:{scorer}:other"]))], capsys)
+    assert code == 2 and f"{scorer} has no function other (it has: score)" in out and not marker.exists(), out
+
+
 @pytest.fixture
 def eight_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine faked as one node of eight 24 GB GPUs (as `train` and `check` read it)."""

@@ -9,7 +9,7 @@ from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.config.support import TORCHAO_HINT
-from shardfit.evals.scorers import parse_metrics
+from shardfit.evals.scorers import check_metrics
 from shardfit.plan.cards import card_of, no_fp8_reason
 from shardfit.resolve import Resolved
 from shardfit.resolve.checkpoint_files import named_checkpoint
@@ -21,10 +21,11 @@ FLOAT8_OFF = "or float8: false (bf16 matmuls)"
 def refuse_missing_inputs(cfg: Config) -> None:
     """The files the config names that a rank opens as it starts, refused as the rank refuses them (UserError,
     exit 2, naming the key): the checkpoint a `resume:` path names (train/checkpoint.py `find_resume`) and the
-    `py:` scorers of eval_metrics (train/recipe.py `parse_metrics`). The same functions decide here, before ranks
-    start or anything loads, so `check` and `train` give the same refusal."""
+    `py:` scorers of eval_metrics (train/recipe.py `parse_metrics`, whose refusals `check_metrics` gives without
+    importing the file: nothing a config names runs at check). Before ranks start or anything loads, so `check`
+    and `train` give the same refusal."""
     named_checkpoint(cfg.resume)
-    parse_metrics(cfg.eval_metrics)
+    check_metrics(cfg.eval_metrics)
 
 
 def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:

@@ -11,6 +11,7 @@ in [0, 1]; a metric is the mean over the examples.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from collections.abc import Callable
@@ -110,3 +111,45 @@ def parse_metrics(specs: list[str]) -> list[Scorer]:
     if dup:
         raise UserError(f"metrics {specs}: two of them are named {dup[0]}; keep one per kind.")
     return scorers
+
+
+def _top_level_names(tree: ast.Module) -> list[str]:
+    """The names a module binds at its top level (functions, assignments, imports): what `getattr` could find."""
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [t.id for t in targets if isinstance(t, ast.Name)]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names += [(a.asname or a.name).split(".")[0] for a in node.names]
+    return names
+
+
+def check_metrics(specs: list[str]) -> None:
+    """What parse_metrics refuses, decided without running anything: a `py:` file is read and parsed, never
+    imported, so that `check` on a config someone handed over runs none of its code (train imports it, as the user
+    asked). A UserError naming the metric otherwise."""
+    names = []
+    for spec in specs:
+        kind, _, rest = spec.partition(":")
+        path, _, func = rest.rpartition(":")
+        if kind != "py" or not (path and func):
+            names.append(parse_metric(spec).name)
+            continue
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise UserError(f"metric {spec}: no file {file}; give py:PATH/TO/scorer.py:FUNCTION.")
+        try:
+            tree = ast.parse(file.read_bytes(), filename=str(file))
+        except (SyntaxError, ValueError) as e:
+            raise UserError(f"metric {spec}: {file} is not valid Python ({e}).") from None
+        bound = _top_level_names(tree)
+        if func not in bound:
+            shown = [n for n in bound if not n.startswith("_")]
+            raise UserError(f"metric {spec}: {file} has no function {func} (it has: {', '.join(shown) or 'none'}).")
+        names.append(func)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UserError(f"metrics {specs}: two of them are named {dup[0]}; keep one per kind.")
