@@ -31,7 +31,13 @@ from shardfit.plan.attention_layout import (
     text_of,
 )
 from shardfit.plan.audio import AudioShape, audio_shape_of
-from shardfit.plan.family_rules import FAMILIES, attention_bias_override, kv_heads_rule, norms_and_biases
+from shardfit.plan.family_rules import (
+    FAMILIES,
+    attention_bias_override,
+    kv_heads_rule,
+    norms_and_biases,
+    per_head_qk_norm,
+)
 from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
@@ -276,12 +282,15 @@ def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bo
                 model_type not in QKV_ONLY_BIAS_TYPES)
 
 
-def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
+def qk_norm_of(shape: ModelShape, model_type: Any, get: Callable[[str], Any]) -> int:
     """The softmax attention's q and k norm weights of a block of `shape` (QK_NORM_ALL_HEADS_TYPES,
-    QK_NORM_PER_HEAD_TYPES; 0 for any other family)."""
+    QK_NORM_PER_HEAD_TYPES, plan/family_rules.py's per-head norms, LayerNorms where the block's are; 0 for any
+    other family)."""
     if model_type in QK_NORM_ALL_HEADS_TYPES:
         return (shape.heads + shape.kv_heads) * shape.hd
-    return 2 * shape.hd if model_type in QK_NORM_PER_HEAD_TYPES else 0
+    if model_type in QK_NORM_PER_HEAD_TYPES or per_head_qk_norm(model_type, get):
+        return 2 * shape.hd * (2 if shape.norm_bias else 1)
+    return 0
 
 
 def block_heads_of(built: Any, name: str) -> tuple[int, ...]:
@@ -405,7 +414,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         towers = qwen3_5_tower_params(cfg, vision)
     soft_tower = None if text_only else soft_token_tower_of(cfg)
     return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
-                               qk_norm=qk_norm_of(shape, model_type),
+                               qk_norm=qk_norm_of(shape, model_type, get),
                                other_tower=tower and vision is None and audio is None and soft_tower is None)
 
 

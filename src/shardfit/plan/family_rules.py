@@ -22,7 +22,9 @@ class Family:
     `mlp_bias`: True where the family's attention's or MLP's linears always carry biases, a key where the config says
     it, None (attention) where the generic keys of plan/config_shape.py decide; `o_bias`: the attention's output
     projection alone always carries one; `head_bias`: a bias on the head; `positions`: a learned position embedding
-    of `max_position_embeddings` rows."""
+    of `max_position_embeddings` rows; `score_bias`: a mixture's router holds a learned bias per expert on its
+    scores (ERNIE 4.5's moe_statics); `act_params`: learned scalars of the MLP's activation (Apertus's xIELU);
+    `qk_norm`: per-head q and k norms (LayerNorms where the block's are), always or by a key."""
 
     two_matrix: bool = False
     norms: int | Callable[[Callable[[str], Any]], int] = 2
@@ -32,6 +34,9 @@ class Family:
     head_bias: bool | str = False
     o_bias: bool = False
     positions: bool = False
+    score_bias: bool = False
+    act_params: int = 0
+    qk_norm: bool | str = False
 
 
 def falcon_norms(get: Callable[[str], Any]) -> int:
@@ -49,8 +54,13 @@ FAMILIES: dict[str, Family] = {
     "phi": Family(two_matrix=True, norms=1, norm_bias=True, attn_bias=True, mlp_bias=True, head_bias=True),
     "starcoder2": Family(two_matrix=True, norm_bias=True, attn_bias="use_bias", mlp_bias="use_bias"),
     "falcon": Family(two_matrix=True, norms=falcon_norms, norm_bias=True, attn_bias="bias", mlp_bias="bias"),
+    "persimmon": Family(two_matrix=True, norm_bias=True, attn_bias=True, mlp_bias=True, qk_norm="qk_layernorm"),
+    "jais2": Family(two_matrix=True, norm_bias=True),
+    "arcee": Family(two_matrix=True),
+    "apertus": Family(two_matrix=True, act_params=2, qk_norm=True),
+    "nanochat": Family(two_matrix=True, norms=0),
     "ernie4_5": Family(attn_bias="use_bias", mlp_bias="use_bias", head_bias="use_bias"),
-    "ernie4_5_moe": Family(attn_bias="use_bias", mlp_bias="use_bias", head_bias="use_bias"),
+    "ernie4_5_moe": Family(attn_bias="use_bias", mlp_bias="use_bias", head_bias="use_bias", score_bias=True),
 }
 PLAIN = Family()
 
@@ -76,20 +86,26 @@ def attention_bias_override(model_type: Any, get: Callable[[str], Any]) -> dict[
 
 
 def norms_and_biases(model_type: Any, get: Callable[[str], Any], hidden: int, width: int) -> dict[str, Any]:
-    """The ModelShape fields `norms`, `norm_bias`, `mlp_extra`, `head_bias` and `positions` of a family whose
-    dense MLP is `width` wide (its real width: a two-matrix MLP's up projection); `get` reads one key of the built
-    language model's config (None where it has none). Llama's `mlp_bias` key biases any family's MLP. A two-matrix
-    MLP's `mlp_extra` also holds what planning it as three matrices of 2/3 the width rounds away (the planned
-    width is a whole number: at most `hidden` weights a block)."""
+    """The ModelShape fields `norms`, `norm_bias`, `mlp_extra`, `head_bias`, `positions` and `score_bias` of a
+    family whose dense MLP is `width` wide (its real width: a two-matrix MLP's up projection); `get` reads one key
+    of the built language model's config (None where it has none). Llama's `mlp_bias` key biases any family's
+    MLP. A two-matrix MLP's `mlp_extra` also holds what planning it as three matrices of 2/3 the width rounds away
+    (the planned width is a whole number: at most `hidden` weights a block)."""
     family = family_of(model_type)
     mlp = _on(family.mlp_bias, get) or get("mlp_bias") is True
     norms = family.norms(get) if callable(family.norms) else family.norms
     linears = 1 if family.two_matrix else 2  # the gate's and the up projection's biases, or the up's alone
     rounded = 2 * width - 3 * round(2 * width / 3) if family.two_matrix else 0
     return dict(norms=norms, norm_bias=family.norm_bias,
-                mlp_extra=(linears * width + hidden if mlp else 0) + rounded * hidden,
+                mlp_extra=(linears * width + hidden if mlp else 0) + rounded * hidden + family.act_params,
                 head_bias=bool(_on(family.head_bias, get)),
-                positions=int(get("max_position_embeddings") or 0) if family.positions else 0)
+                positions=int(get("max_position_embeddings") or 0) if family.positions else 0,
+                score_bias=family.score_bias)
+
+
+def per_head_qk_norm(model_type: Any, get: Callable[[str], Any]) -> bool:
+    """Whether the family's rule puts a per-head norm on q and on k."""
+    return bool(_on(family_of(model_type).qk_norm, get))
 
 
 def kv_heads_rule(model_type: Any, get: Callable[[str], Any]) -> int | None:

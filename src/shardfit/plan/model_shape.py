@@ -144,6 +144,7 @@ class ModelShape:
     mlp_extra: int = 0
     head_bias: bool = False
     positions: int = 0
+    score_bias: bool = False
 
     @property
     def hd(self) -> int:
@@ -271,6 +272,8 @@ class ModelShape:
         moe = block.moe if isinstance(block, Block) else self.moe_layers > 0 if block is None else bool(block)
         if moe and self.clamped_swiglu:  # gpt-oss's experts: a bias on each expert's gate/up and down, and the router's
             extra += self.experts * self.expert_biases + self.experts
+        if moe and self.score_bias:
+            extra += self.experts
         if not moe:
             extra += self.mlp_extra
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
@@ -292,8 +295,9 @@ class ModelShape:
 
     @property
     def norm_width(self) -> int:
-        """The weights of one norm: its scale, and a LayerNorm's bias."""
-        return self.hidden * (2 if self.norm_bias else 1)
+        """The weights of one norm: its scale, and a LayerNorm's bias (0: the family's norms have no weights, as
+        `norms` 0 says, nor has its final norm)."""
+        return self.hidden * (2 if self.norm_bias else 1) if self.norms else 0
 
     @property
     def expert_biases(self) -> int:
