@@ -308,10 +308,10 @@ class ModelShape:
     def qkv_biases(self) -> int:
         """The biases `attn_bias` puts on the attention's input projections: q, k and v; MLA's on its down
         projections only (the query's latent, where it has one, and the keys' and values' latent with their rotary
-        part), its up projections have none."""
+        part), its up projections have none; gated attention's q projection is twice as wide, its bias too."""
         if self.mla is not None:
             return self.mla.q_rank + self.mla.kv_rank + self.mla.rope
-        return (self.heads + 2 * self.kv_heads) * self.hd
+        return ((2 if self.gated_attention else 1) * self.heads + 2 * self.kv_heads) * self.hd
 
     def layer_params(self, moe: bool | None = None) -> int:
         """One decoder block's weights (the largest kind by default)."""
