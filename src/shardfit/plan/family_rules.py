@@ -59,7 +59,7 @@ FAMILIES: dict[str, Family] = {
     "arcee": Family(two_matrix=True),
     "apertus": Family(two_matrix=True, act_params=2, qk_norm=True),
     "nanochat": Family(two_matrix=True, norms=0),
-    "ernie4_5": Family(attn_bias="use_bias", mlp_bias="use_bias", head_bias="use_bias"),
+    "ernie4_5": Family(attn_bias="use_bias", mlp_bias="use_bias"),
     "ernie4_5_moe": Family(attn_bias="use_bias", mlp_bias="use_bias", head_bias="use_bias", score_bias=True),
 }
 PLAIN = Family()

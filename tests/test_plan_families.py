@@ -1,0 +1,73 @@
+"""The planner's parameter count of a config.json, family by family, against the model transformers builds from the
+same config on the meta device (no memory): two-matrix MLPs, LayerNorms' and MLPs' biases, parallel blocks' single
+norm, Falcon's multi-query heads, ERNIE 4.5's expert keys, MLA's and gated attention's biases (plan/family_rules.py,
+plan/config_shape.py), and what a gpt-oss token computes with (only its top-k experts' biases)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+from shardfit.plan.config_shape import shape_from_config
+
+# Two blocks and a small vocabulary keep each build well under half a second; every other size is the family's
+# default, so the widths and the keys that say biases are the class's own.
+FEW = dict(num_hidden_layers=2, vocab_size=512)
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=256, pad_token_id=0)
+
+
+def _model(config: Any) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _built(config: Any) -> int:
+    """The parameters transformers' causal LM of `config` holds."""
+    return sum(p.numel() for p in _model(config).parameters())
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("gpt_neox", FEW),  # LayerNorm biases, fc biases, fused qkv and dense biases (before: 32 % high)
+    ("gpt_neox", dict(FEW, attention_bias=False)),
+    ("phi", FEW),  # one LayerNorm a block, biases everywhere, a biased head (before: 28 % high)
+    ("starcoder2", FEW),  # use_bias on attention and MLP, LayerNorm biases (before: 37 % high)
+    ("starcoder2", dict(FEW, use_bias=False)),
+    ("falcon", FEW),  # parallel block with one LayerNorm, multi-query: one key/value head (before: 57 % high)
+    ("falcon", dict(FEW, new_decoder_architecture=True, num_kv_heads=8, bias=True)),
+    ("falcon", dict(FEW, parallel_attn=False)),
+    ("gpt_neo", dict(FEW, num_layers=2, attention_types=[[["global", "local"], 1]])),  # learned positions, out_proj's bias (before: 0.35 % low)
+    ("ernie4_5_moe", FEW),  # moe_num_experts, moe_k, shared experts, score bias (before: 85 % low)
+    ("ernie4_5_moe", dict(FEW, num_hidden_layers=4, moe_layer_start_index=1, moe_layer_end_index=2,
+                          moe_layer_interval=2)),
+    ("ernie4_5", dict(FEW, use_bias=True)),
+    ("aria_text", FEW),  # moe_num_experts (before: 78 % low)
+    ("persimmon", FEW),  # per-head q/k LayerNorms
+    ("jais2", FEW),
+    ("arcee", FEW),
+    ("apertus", FEW),  # xIELU's two learned scalars, per-head q/k norms
+    ("nanochat", FEW),  # norms without weights
+    ("llama", dict(SMALL, mlp_bias=True)),
+    ("deepseek_v3", dict(FEW, attention_bias=True, n_routed_experts=4, first_k_dense_replace=1)),  # MLA's biases
+    ("deepseek_v3", dict(FEW, attention_bias=True, q_lora_rank=None, n_routed_experts=4, first_k_dense_replace=1)),
+    ("qwen3_next", dict(SMALL, num_hidden_layers=4, attention_bias=True, num_experts=4,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        linear_num_key_heads=2, linear_num_value_heads=4)),  # gated q's bias, twice as wide
+])
+def test_the_count_is_the_built_models(model_type: str, keys: dict[str, Any]) -> None:
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+def test_a_gpt_oss_token_computes_with_its_top_k_experts_biases_only() -> None:
+    """gpt-oss's active weights: all but the embedding, less the experts a token is not routed to, their weights
+    and their biases (before: every expert's biases were counted active)."""
+    config = CONFIG_MAPPING["gpt_oss"](**SMALL, num_local_experts=8, num_experts_per_tok=2)
+    model = _model(config)
+    idle = (config.num_local_experts - config.num_experts_per_tok) / config.num_local_experts
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() - idle * experts
+    assert shape_from_config(config.to_dict(), "gpt_oss").active_params() == active
