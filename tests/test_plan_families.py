@@ -71,3 +71,19 @@ def test_a_gpt_oss_token_computes_with_its_top_k_experts_biases_only() -> None:
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() - idle * experts
     assert shape_from_config(config.to_dict(), "gpt_oss").active_params() == active
+
+
+# Every causal-LM family whose two-block default config the planner counts to the parameter (the families this
+# transformers builds fastest; tower-heavy ones are checked elsewhere): a guard that a rule for one family leaves
+# the others' counts alone.
+EXACT = ("apertus", "arcee", "aria_text", "cwm", "deepseek_v2", "deepseek_v3", "ernie4_5", "ernie4_5_moe",
+         "falcon", "gemma", "glm4_moe", "gpt_neox", "gpt_oss", "granite", "granitemoe", "granitemoeshared", "helium",
+         "internlm3", "iquestcoder", "jais2", "llama", "llama4_text", "minicpm3", "ministral3", "mistral", "mixtral",
+         "nanochat", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
+         "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "solar_open", "starcoder2", "vaultgemma", "youtu")
+
+
+@pytest.mark.parametrize("model_type", EXACT)
+def test_each_default_family_counts_its_built_model(model_type: str) -> None:
+    config = CONFIG_MAPPING[model_type](**FEW)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
