@@ -76,11 +76,13 @@ def test_a_gpt_oss_token_computes_with_its_top_k_experts_biases_only() -> None:
 # Every causal-LM family whose two-block default config the planner counts to the parameter (the families this
 # transformers builds fastest; tower-heavy ones are checked elsewhere): a guard that a rule for one family leaves
 # the others' counts alone.
-EXACT = ("apertus", "arcee", "aria_text", "cwm", "deepseek_v2", "deepseek_v3", "ernie4_5", "ernie4_5_moe",
-         "falcon", "gemma", "glm4_moe", "gpt_neox", "gpt_oss", "granite", "granitemoe", "granitemoeshared", "helium",
-         "internlm3", "iquestcoder", "jais2", "llama", "llama4_text", "minicpm3", "ministral3", "mistral", "mixtral",
-         "nanochat", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
-         "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "solar_open", "starcoder2", "vaultgemma", "youtu")
+EXACT = ("apertus", "arcee", "aria_text", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3",
+         "ernie4_5", "ernie4_5_moe", "exaone4", "falcon", "gemma", "gemma2", "gemma3_text", "glm4_moe", "gpt_neox",
+         "gpt_oss", "granite", "granitemoe", "granitemoeshared", "helium", "hyperclovax", "internlm3", "iquestcoder",
+         "jais2", "kolibri1", "llama", "llama4_text", "mellum", "minicpm3", "ministral3", "mistral", "mixtral",
+         "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phimoe", "qwen2", "qwen2_moe", "qwen3",
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "solar_open", "stablelm",
+         "starcoder2", "vaultgemma", "youtu")
 
 
 @pytest.mark.parametrize("model_type", EXACT)

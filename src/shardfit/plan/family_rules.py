@@ -59,6 +59,18 @@ FAMILIES: dict[str, Family] = {
     "arcee": Family(two_matrix=True),
     "apertus": Family(two_matrix=True, act_params=2, qk_norm=True),
     "nanochat": Family(two_matrix=True, norms=0),
+    "cohere": Family(norms=1),  # a parallel block: one norm before attention and MLP alike
+    "cohere2": Family(norms=1),
+    "cohere2_moe": Family(norms=1),
+    "olmo": Family(norms=0),  # LayerNorms without weights
+    "gemma2": Family(norms=4),  # norms before and after attention and MLP
+    "gemma3_text": Family(norms=4, qk_norm=True),
+    "hyperclovax": Family(norms=4),
+    "kolibri1": Family(norms=4, qk_norm=True),
+    "exaone4": Family(qk_norm=True),
+    "mellum": Family(qk_norm=True),
+    "stablelm": Family(norm_bias=True),
+    "phimoe": Family(norm_bias=True),
     "ernie4_5": Family(attn_bias="use_bias", mlp_bias="use_bias"),
     "ernie4_5_moe": Family(attn_bias="use_bias", mlp_bias="use_bias", head_bias="use_bias", score_bias=True),
 }
