@@ -1,7 +1,8 @@
 """The planner's parameter count of a config.json, family by family, against the model transformers builds from the
 same config on the meta device (no memory): two-matrix MLPs, LayerNorms' and MLPs' biases, parallel blocks' single
 norm, Falcon's multi-query heads, ERNIE 4.5's expert keys, MLA's and gated attention's biases (plan/family_rules.py,
-plan/config_shape.py), and what a gpt-oss token computes with (only its top-k experts' biases)."""
+plan/config_shape.py), Pixtral's vision tower, and what a gpt-oss token computes with (only its top-k experts'
+biases)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from shardfit.plan.config_shape import shape_from_config
 
@@ -39,7 +40,8 @@ def _built(config: Any) -> int:
     ("falcon", FEW),  # parallel block with one LayerNorm, multi-query: one key/value head (before: 57 % high)
     ("falcon", dict(FEW, new_decoder_architecture=True, num_kv_heads=8, bias=True)),
     ("falcon", dict(FEW, parallel_attn=False)),
-    ("gpt_neo", dict(FEW, num_layers=2, attention_types=[[["global", "local"], 1]])),  # learned positions, out_proj's bias (before: 0.35 % low)
+    # learned positions, out_proj's bias (before: 0.35 % low)
+    ("gpt_neo", dict(FEW, num_layers=2, attention_types=[[["global", "local"], 1]])),
     ("ernie4_5_moe", FEW),  # moe_num_experts, moe_k, shared experts, score bias (before: 85 % low)
     ("ernie4_5_moe", dict(FEW, num_hidden_layers=4, moe_layer_start_index=1, moe_layer_end_index=2,
                           moe_layer_interval=2)),
@@ -89,3 +91,16 @@ EXACT = ("apertus", "arcee", "aria_text", "cohere", "cohere2", "cohere2_moe", "c
 def test_each_default_family_counts_its_built_model(model_type: str) -> None:
     config = CONFIG_MAPPING[model_type](**FEW)
     assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("mistral3", {}),  # Pixtral's tower with Mistral 3's norm, patch merger and two linears (before: 27 % low)
+    ("mistral3", dict(multimodal_projector_bias=True, spatial_merge_size=1)),
+    ("llava", dict(vision_config=dict(model_type="pixtral", num_hidden_layers=3))),  # Pixtral under LLaVA's linears
+])
+def test_a_pixtral_tower_counts_its_built_model(model_type: str, keys: dict[str, Any]) -> None:
+    """The count of a Mistral 3 or LLaVA config with a Pixtral vision tower is the built model's to the parameter."""
+    config = CONFIG_MAPPING[model_type](**dict(dict(text_config=dict(model_type="mistral", **FEW)), **keys))
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    assert shape_from_config(config.to_dict(), model_type).params() == built

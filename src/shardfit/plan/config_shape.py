@@ -37,6 +37,7 @@ from shardfit.plan.family_rules import (
     kv_heads_rule,
     norms_and_biases,
     per_head_qk_norm,
+    pixtral_tower_params,
 )
 from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
@@ -476,10 +477,13 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     """A vision tower that is not Qwen-VL's (SigLIP in Gemma 3, Llama 4's, GLM-4.xV's): a ViT of `layers` blocks of
     width `d` (attention 4d^2, MLP 2dm, biases and norms), its patch embedding and positions, and a projection to
     the language model's width. An estimate within a few per cent of the tower (Gemma 3's, whose layout is known
-    whole, is exact); the tower is a small part of these models."""
+    whole, is exact; Pixtral's, in Mistral 3 and LLaVA, is counted whole by plan/family_rules.py); the tower is a
+    small part of these models."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return 0
+    if (pixtral := pixtral_tower_params(cfg, text_config(cfg).get("hidden_size") or 0)) is not None:
+        return pixtral
     d = v.get("hidden_size") or v.get("embed_dim") or 0
     m = v.get("intermediate_size") or 4 * d
     depth = v.get("num_hidden_layers") or v.get("depth") or 0

@@ -126,3 +126,26 @@ def kv_heads_rule(model_type: Any, get: Callable[[str], Any]) -> int | None:
     if model_type != "falcon":
         return None
     return get("num_kv_heads") if get("new_decoder_architecture") or not get("multi_query") else 1
+
+
+def pixtral_tower_params(cfg: dict[str, Any], out: int) -> int | None:
+    """The weights of a Pixtral vision tower and its projector to the language model's width `out` (Mistral 3's:
+    an RMSNorm, a patch merger of `spatial_merge_size`^2 patches and two linears; LLaVA's: the two linears alone),
+    as transformers' PixtralVisionModel builds it: a bias-free patch convolution, an RMSNorm before the blocks, and
+    per block two RMSNorms, the attention's four bias-free projections and a gated MLP. None where the config's
+    vision tower is not Pixtral's."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict) or v.get("model_type") != "pixtral":
+        return None
+    d, m = int(v.get("hidden_size") or 1024), int(v.get("intermediate_size") or 4096)
+    heads = int(v.get("num_attention_heads") or 16)
+    inner = heads * int(v.get("head_dim") or d // heads)
+    patch, channels = int(v.get("patch_size") or 16), int(v.get("num_channels") or 3)
+    block = 2 * d + 4 * d * inner + 3 * d * m
+    tower = channels * patch * patch * d + d + int(v.get("num_hidden_layers") or 24) * block
+    bias = cfg.get("multimodal_projector_bias", cfg.get("model_type") != "mistral3")
+    projector = d * out + out * out + (2 * out if bias else 0)
+    if cfg.get("model_type") == "mistral3":
+        merge = int(cfg.get("spatial_merge_size") or 2)
+        projector += d + d * merge * merge * d
+    return tower + projector

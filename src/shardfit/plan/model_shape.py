@@ -136,9 +136,11 @@ class ModelShape:
     # `heads`). A sequence-parallel split must divide them all (resolve/sequence.py).
     block_heads: tuple[int, ...] = ()
     # Norms and biases a family's class builds beyond two RMSNorms a block and a bias-free head (plan/family_rules.py):
-    # the norms a block holds (one in a parallel block: Phi's, Falcon's), whether each (and the final one) is a
-    # LayerNorm with a bias, the weights of a dense block's MLP beyond its three planned matrices (its biases, at
-    # its real widths, and what planning a two-matrix MLP as three of 2/3 the width rounds away), a bias on the output head (Phi's), and the rows of a learned position embedding (GPT-Neo's).
+    # the norms a block holds (one in a parallel block: Phi's, Falcon's; 0: weightless norms), whether each (and the
+    # final one) is a LayerNorm with a bias, the weights of a dense block's MLP beyond its three planned matrices
+    # (its biases, at its real widths, and what planning a two-matrix MLP as three of 2/3 the width rounds away), a
+    # bias on the output head (Phi's), the rows of a learned position embedding (GPT-Neo's), and a learned bias per
+    # expert on a mixture's routing scores (ERNIE 4.5's).
     norms: int = 2
     norm_bias: bool = False
     mlp_extra: int = 0
