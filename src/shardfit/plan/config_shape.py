@@ -16,6 +16,7 @@ new family is one more name in a table, not a new branch:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,14 +31,23 @@ from shardfit.plan.attention_layout import (
     text_of,
 )
 from shardfit.plan.audio import AudioShape, audio_shape_of
+from shardfit.plan.family_rules import (
+    FAMILIES,
+    attention_bias_override,
+    kv_heads_rule,
+    norms_and_biases,
+    per_head_qk_norm,
+    pixtral_tower_params,
+)
 from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
 from shardfit.plan.single_part import check_parts, part_groups, single_part_fields
 from shardfit.plan.token_mixers import block_groups
 
-EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
-TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k")
+SHARED_EXPERTS = ("n_shared_experts", "moe_num_shared_experts")
 
 
 # Families whose transformers experts run every token through every routed expert (plan/model_shape.py
@@ -65,8 +75,9 @@ QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe")
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
 # Families whose MLP is two matrices (up, an activation, down) where ModelShape's is three (gate, up, down): planned
-# as three of 2/3 the width, the same weights and FLOPs. Their config.json leaves the width null for 4 x hidden.
-TWO_MATRIX_MLP_TYPES = ("gpt_neo",)
+# as three of 2/3 the width, the same weights and FLOPs (plan/family_rules.py). A config.json may leave the width
+# null for 4 x hidden.
+TWO_MATRIX_MLP_TYPES = tuple(name for name, family in FAMILIES.items() if family.two_matrix)
 # Families whose class ties the head to the embedding where the file does not say (besides Gemma's).
 TIED_BY_DEFAULT_TYPES = ("gpt_neo",)
 # Decoder families whose config.json names sizes by their own names, read through their class's attribute_map
@@ -126,6 +137,11 @@ def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[boo
     if "first_k_dense_replace" in text:
         k, every = text.get("first_k_dense_replace") or 0, text.get("moe_layer_freq") or 1
         return [i >= k and i % every == 0 for i in range(layers)]
+    if "moe_layer_start_index" in text:  # ERNIE 4.5: every interval-th block from the start to the end index
+        start, every = text.get("moe_layer_start_index") or 0, text.get("moe_layer_interval") or 1
+        end = text.get("moe_layer_end_index")
+        end = layers - 1 if end is None or end < 0 else end
+        return [(i + 1) % every == 0 and start <= i <= end for i in range(layers)]
     if "mlp_only_layers" in text or "decoder_sparse_step" in text:
         dense, step = set(text.get("mlp_only_layers") or []), text.get("decoder_sparse_step") or 1
         return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
@@ -136,16 +152,21 @@ def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[boo
     return [(i + 1) % step == 0 for i in range(layers)]
 
 
+def mlp_width(text: dict[str, Any]) -> int:
+    """A dense MLP's width as the config gives it (a two-matrix MLP's up projection's)."""
+    return text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
+
+
 def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
     """(dense MLP width, one routed expert's width (0: the same), shared experts' total width)."""
-    inter = text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
+    inter = mlp_width(text)
     if experts <= 1:
         return (round(2 * inter / 3) if text.get("model_type") in TWO_MATRIX_MLP_TYPES else inter), 0, 0
     if text.get("intermediate_size_mlp"):  # Llama 4: one shared expert as wide as a routed one
         return text["intermediate_size_mlp"], inter, inter
     expert = text.get("moe_intermediate_size") or 0
-    shared = (text.get("n_shared_experts") or 0) * (expert or inter) or text.get("shared_expert_intermediate_size") \
-        or 0
+    shared = (first_of(text, SHARED_EXPERTS, 0) or 0) * (expert or inter) or \
+        text.get("shared_expert_intermediate_size") or 0
     return inter, expert, shared
 
 
@@ -252,10 +273,12 @@ def linear_attention_of(cfg: dict[str, Any], name: str, text: dict[str, Any], mo
 
 def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bool]:
     """The ModelShape bias flags of the attention: q/k/v (`attn_bias`) and the output projection (`o_bias`), by the
-    family's key as its class reads it (`built`: the file's config class, whose defaults fill the keys the file
-    leaves out, as Qwen2-MoE's qkv_bias; None: the file's keys only)."""
+    family's rule (plan/family_rules.py) or key as its class reads it (`built`: the file's config class, whose
+    defaults fill the keys the file leaves out, as Qwen2-MoE's qkv_bias; None: the file's keys only)."""
     if model_type in QKV_BIAS_TYPES:
         return dict(attn_bias=True, o_bias=False)
+    if (rule := attention_bias_override(model_type, getter(text, built))) is not None:
+        return rule
     built_text = None if built is None else text_of(built)
     keys = (*QKV_BIAS_KEYS, O_BIAS_KEY)
     values = {k: getattr(built_text, k, None) if built_text is not None else text.get(k) for k in keys}
@@ -265,12 +288,15 @@ def biases_of(text: dict[str, Any], model_type: Any, built: Any) -> dict[str, bo
                 model_type not in QKV_ONLY_BIAS_TYPES)
 
 
-def qk_norm_of(shape: ModelShape, model_type: Any) -> int:
+def qk_norm_of(shape: ModelShape, model_type: Any, get: Callable[[str], Any]) -> int:
     """The softmax attention's q and k norm weights of a block of `shape` (QK_NORM_ALL_HEADS_TYPES,
-    QK_NORM_PER_HEAD_TYPES; 0 for any other family)."""
+    QK_NORM_PER_HEAD_TYPES, plan/family_rules.py's per-head norms, LayerNorms where the block's are; 0 for any
+    other family)."""
     if model_type in QK_NORM_ALL_HEADS_TYPES:
         return (shape.heads + shape.kv_heads) * shape.hd
-    return 2 * shape.hd if model_type in QK_NORM_PER_HEAD_TYPES else 0
+    if model_type in QK_NORM_PER_HEAD_TYPES or per_head_qk_norm(model_type, get):
+        return 2 * shape.hd * (2 if shape.norm_bias else 1)
+    return 0
 
 
 def block_heads_of(built: Any, name: str) -> tuple[int, ...]:
@@ -309,10 +335,9 @@ def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
     return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
 
 
-def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool,
-              name: str) -> tuple[BlockGroup, ...]:
-    """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
-    language model (`built`) where there is one, else from the file's keys (`name`: the model, for an error)."""
+def getter(text: dict[str, Any], built: Any) -> Callable[[str], Any]:
+    """A reader of one key of the language model's config: the built class's value (`built`), else the file's
+    (`text`), else None."""
     built_text = None if built is None else text_of(built)
 
     def get(key: str) -> Any:
@@ -321,6 +346,16 @@ def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, delt
         except RuntimeError:  # a per-layer attribute read globally
             value = None
         return value if value is not None else text.get(key)
+
+    return get
+
+
+def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool,
+              name: str) -> tuple[BlockGroup, ...]:
+    """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
+    language model (`built`) where there is one, else from the file's keys (`name`: the model, for an error)."""
+    built_text = None if built is None else text_of(built)
+    get = getter(text, built)
 
     def has(key: str) -> bool:
         try:
@@ -354,9 +389,11 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         attention = layout_of_built(cfg, built)
         moe_flags = moe_layer_flags(text, layers, experts)
         deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
+        get = getter(text, built)
         shape = ModelShape(
             id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
-            kv_heads=text.get("num_key_value_heads") or text.get("multi_query_group_num") or heads,
+            kv_heads=kv_heads_rule(model_type, get) or text.get("num_key_value_heads") or
+            text.get("multi_query_group_num") or heads,
             vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),
             tied=tied_of(cfg, text, built),
             experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
@@ -370,7 +407,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
             eager_only=runs_eager(model_type, "sdpa"), flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
-            **deltanet)
+            **norms_and_biases(model_type, get, text["hidden_size"], mlp_width(text)), **deltanet)
         if single:
             shape = dataclasses.replace(shape, **single, attention_groups=shape.attention_groups + part_groups(single))
         text_only = loads_text_only(cfg.get("model_type"))  # the rank loads no tower the file describes
@@ -390,7 +427,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         towers = qwen3_5_tower_params(cfg, vision)
     soft_tower = None if text_only else soft_token_tower_of(cfg)
     return dataclasses.replace(shape, vision=vision, audio=audio, extra_params=towers, soft_tower=soft_tower,
-                               qk_norm=qk_norm_of(shape, model_type),
+                               qk_norm=qk_norm_of(shape, model_type, get),
                                other_tower=tower and vision is None and audio is None and soft_tower is None)
 
 
@@ -398,7 +435,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
 # would count negative weights and plan them as fitting).
 OPTIONAL_SIZES = ("head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                   "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                  "linear_value_head_dim", "linear_conv_kernel_dim", "n_shared_experts", *EXPERTS, *TOP_K)
+                  "linear_value_head_dim", "linear_conv_kernel_dim", *SHARED_EXPERTS, *EXPERTS, *TOP_K)
 
 
 # The largest value shardfit takes for each size a config.json gives: far above every published model (512 experts,
@@ -478,10 +515,13 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     """A vision tower that is not Qwen-VL's (SigLIP in Gemma 3, Llama 4's, GLM-4.xV's): a ViT of `layers` blocks of
     width `d` (attention 4d^2, MLP 2dm, biases and norms), its patch embedding and positions, and a projection to
     the language model's width. An estimate within a few per cent of the tower (Gemma 3's, whose layout is known
-    whole, is exact); the tower is a small part of these models."""
+    whole, is exact; Pixtral's, in Mistral 3 and LLaVA, is counted whole by plan/family_rules.py); the tower is a
+    small part of these models."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return 0
+    if (pixtral := pixtral_tower_params(cfg, text_config(cfg).get("hidden_size") or 0)) is not None:
+        return pixtral
     d = v.get("hidden_size") or v.get("embed_dim") or 0
     m = v.get("intermediate_size") or 4 * d
     depth = v.get("num_hidden_layers") or v.get("depth") or 0

@@ -163,6 +163,18 @@ class ModelShape:
     two_matrix: bool = False
     mlp_bias: bool = False
     moe_latent: int = 0
+    # Norms and biases a family's class builds beyond two RMSNorms a block and a bias-free head (plan/family_rules.py):
+    # the norms a block holds (one in a parallel block: Phi's, Falcon's; 0: weightless norms), whether each (and the
+    # final one) is a LayerNorm with a bias, the weights of a dense block's MLP beyond its three planned matrices
+    # (its biases, at its real widths, and what planning a two-matrix MLP as three of 2/3 the width rounds away), a
+    # bias on the output head (Phi's), the rows of a learned position embedding (GPT-Neo's), and a learned bias per
+    # expert on a mixture's routing scores (ERNIE 4.5's).
+    norms: int = 2
+    norm_bias: bool = False
+    mlp_extra: int = 0
+    head_bias: bool = False
+    positions: int = 0
+    score_bias: bool = False
 
     @property
     def hd(self) -> int:
@@ -355,10 +367,14 @@ class ModelShape:
         block = self.kind_of(block)
         if isinstance(block, Block) and block.part:
             return self._part_extra_params(block)
-        extra = 2 * self.hidden
+        extra = self.norms * self.norm_width
         moe = block.moe if isinstance(block, Block) else self.moe_layers > 0 if block is None else bool(block)
         if moe and self.clamped_swiglu:  # gpt-oss's experts: a bias on each expert's gate/up and down, and the router's
-            extra += self.experts * (2 * self.expert_width + self.hidden) + self.experts
+            extra += self.experts * self.expert_biases + self.experts
+        if moe and self.score_bias:
+            extra += self.experts
+        if not moe:
+            extra += self.mlp_extra
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
         if linear:
             conv = 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
@@ -369,7 +385,7 @@ class ModelShape:
         if self.mla is not None:
             extra += self.mla.q_rank + self.mla.kv_rank
         if self.attn_bias:
-            extra += (self.heads + 2 * self.kv_heads) * self.hd
+            extra += self.qkv_biases
         if self.o_bias:
             extra += self.hidden
         if self.attention_sinks:
@@ -391,6 +407,26 @@ class ModelShape:
             extra += sum(o for n, _, o in self._part_linears(block) if n != "router" and not n.startswith("expert_"))
         return extra
 
+    @property
+    def norm_width(self) -> int:
+        """The weights of one norm: its scale, and a LayerNorm's bias (0: the family's norms have no weights, as
+        `norms` 0 says, nor has its final norm)."""
+        return self.hidden * (2 if self.norm_bias else 1) if self.norms else 0
+
+    @property
+    def expert_biases(self) -> int:
+        """One routed expert's biases where its projections have them (gpt-oss's gate/up and down; else 0)."""
+        return 2 * self.expert_width + self.hidden if self.clamped_swiglu else 0
+
+    @property
+    def qkv_biases(self) -> int:
+        """The biases `attn_bias` puts on the attention's input projections: q, k and v; MLA's on its down
+        projections only (the query's latent, where it has one, and the keys' and values' latent with their rotary
+        part), its up projections have none; gated attention's q projection is twice as wide, its bias too."""
+        if self.mla is not None:
+            return self.mla.q_rank + self.mla.kv_rank + self.mla.rope
+        return ((2 if self.gated_attention else 1) * self.heads + 2 * self.kv_heads) * self.hd
+
     def layer_params(self, moe: bool | None = None) -> int:
         """One decoder block's weights (the largest kind by default)."""
         return sum(i * o for i, o in self.linear_shapes(moe)) + self.block_extra_params(moe)
@@ -406,7 +442,12 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     def params(self) -> int:
-        return self.decoder_params() + self.embed_params() + self.hidden + self.extra_params
+        return (self.decoder_params() + self.embed_params() + self.positions * self.hidden + self.norm_width
+                + self.head_params() + self.extra_params)
+
+    def head_params(self) -> int:
+        """The output head's bias, where the family's head has one (its weight is `embed_params`'s)."""
+        return self.vocab if self.head_bias else 0
 
     def active_mlp_width(self, moe: bool | None = None) -> int:
         """The MLP width one token runs through in a block: top-k experts and the shared ones, or the dense MLP (none
@@ -428,9 +469,11 @@ class ModelShape:
                 return self.active_linear_params(moe) + self.block_extra_params(moe)
             router = self.hidden * self.experts if moe else 0
             mixer = sum(i * o for _, i, o in self.mixer_linears(moe))
-            return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe)
+            idle = (self.experts - self.routed_per_token) * self.expert_biases if moe else 0  # experts not run
+            return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe) - idle
 
-        return int(self.over_blocks(block) + self.vocab * self.hidden + self.hidden + self.extra_params)
+        return int(self.over_blocks(block) + self.vocab * self.hidden + self.norm_width + self.head_params()
+                   + self.extra_params)
 
     def lora_params(self, rank: int) -> int:
         """Adapter size for `all-linear` targets (every linear in every block; not the output head or a router)."""

@@ -1,0 +1,106 @@
+"""The planner's parameter count of a config.json, family by family, against the model transformers builds from the
+same config on the meta device (no memory): two-matrix MLPs, LayerNorms' and MLPs' biases, parallel blocks' single
+norm, Falcon's multi-query heads, ERNIE 4.5's expert keys, MLA's and gated attention's biases (plan/family_rules.py,
+plan/config_shape.py), Pixtral's vision tower, and what a gpt-oss token computes with (only its top-k experts'
+biases)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from shardfit.plan.config_shape import shape_from_config
+
+# Two blocks and a small vocabulary keep each build well under half a second; every other size is the family's
+# default, so the widths and the keys that say biases are the class's own.
+FEW = dict(num_hidden_layers=2, vocab_size=512)
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=256, pad_token_id=0)
+
+
+def _model(config: Any) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _built(config: Any) -> int:
+    """The parameters transformers' causal LM of `config` holds."""
+    return sum(p.numel() for p in _model(config).parameters())
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("gpt_neox", FEW),  # LayerNorm biases, fc biases, fused qkv and dense biases (before: 32 % high)
+    ("gpt_neox", dict(FEW, attention_bias=False)),
+    ("phi", FEW),  # one LayerNorm a block, biases everywhere, a biased head (before: 28 % high)
+    ("starcoder2", FEW),  # use_bias on attention and MLP, LayerNorm biases (before: 37 % high)
+    ("starcoder2", dict(FEW, use_bias=False)),
+    ("falcon", FEW),  # parallel block with one LayerNorm, multi-query: one key/value head (before: 57 % high)
+    ("falcon", dict(FEW, new_decoder_architecture=True, num_kv_heads=8, bias=True)),
+    ("falcon", dict(FEW, parallel_attn=False)),
+    # learned positions, out_proj's bias (before: 0.35 % low)
+    ("gpt_neo", dict(FEW, num_layers=2, attention_types=[[["global", "local"], 1]])),
+    ("ernie4_5_moe", FEW),  # moe_num_experts, moe_k, shared experts, score bias (before: 85 % low)
+    ("ernie4_5_moe", dict(FEW, num_hidden_layers=4, moe_layer_start_index=1, moe_layer_end_index=2,
+                          moe_layer_interval=2)),
+    ("ernie4_5", dict(FEW, use_bias=True)),
+    ("aria_text", FEW),  # moe_num_experts (before: 78 % low)
+    ("persimmon", FEW),  # per-head q/k LayerNorms
+    ("jais2", FEW),
+    ("arcee", FEW),
+    ("apertus", FEW),  # xIELU's two learned scalars, per-head q/k norms
+    ("nanochat", FEW),  # norms without weights
+    ("llama", dict(SMALL, mlp_bias=True)),
+    ("deepseek_v3", dict(FEW, attention_bias=True, n_routed_experts=4, first_k_dense_replace=1)),  # MLA's biases
+    ("deepseek_v3", dict(FEW, attention_bias=True, q_lora_rank=None, n_routed_experts=4, first_k_dense_replace=1)),
+    ("qwen3_next", dict(SMALL, num_hidden_layers=4, attention_bias=True, num_experts=4,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        linear_num_key_heads=2, linear_num_value_heads=4)),  # gated q's bias, twice as wide
+])
+def test_the_count_is_the_built_models(model_type: str, keys: dict[str, Any]) -> None:
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+def test_a_gpt_oss_token_computes_with_its_top_k_experts_biases_only() -> None:
+    """gpt-oss's active weights: all but the embedding, less the experts a token is not routed to, their weights
+    and their biases (before: every expert's biases were counted active)."""
+    config = CONFIG_MAPPING["gpt_oss"](**SMALL, num_local_experts=8, num_experts_per_tok=2)
+    model = _model(config)
+    idle = (config.num_local_experts - config.num_experts_per_tok) / config.num_local_experts
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() - idle * experts
+    assert shape_from_config(config.to_dict(), "gpt_oss").active_params() == active
+
+
+# Every causal-LM family whose two-block default config the planner counts to the parameter (the families this
+# transformers builds fastest; tower-heavy ones are checked elsewhere): a guard that a rule for one family leaves
+# the others' counts alone.
+EXACT = ("apertus", "arcee", "aria_text", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3",
+         "ernie4_5", "ernie4_5_moe", "exaone4", "falcon", "gemma", "gemma2", "gemma3_text", "glm4_moe", "gpt_neox",
+         "gpt_oss", "granite", "granitemoe", "granitemoeshared", "helium", "hyperclovax", "internlm3", "iquestcoder",
+         "jais2", "kolibri1", "llama", "llama4_text", "mellum", "minicpm3", "ministral3", "mistral", "mixtral",
+         "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phimoe", "qwen2", "qwen2_moe", "qwen3",
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "seed_oss", "solar_open", "stablelm",
+         "starcoder2", "vaultgemma", "youtu")
+
+
+@pytest.mark.parametrize("model_type", EXACT)
+def test_each_default_family_counts_its_built_model(model_type: str) -> None:
+    config = CONFIG_MAPPING[model_type](**FEW)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("mistral3", {}),  # Pixtral's tower with Mistral 3's norm, patch merger and two linears (before: 27 % low)
+    ("mistral3", dict(multimodal_projector_bias=True, spatial_merge_size=1)),
+    ("llava", dict(vision_config=dict(model_type="pixtral", num_hidden_layers=3))),  # Pixtral under LLaVA's linears
+])
+def test_a_pixtral_tower_counts_its_built_model(model_type: str, keys: dict[str, Any]) -> None:
+    """The count of a Mistral 3 or LLaVA config with a Pixtral vision tower is the built model's to the parameter."""
+    config = CONFIG_MAPPING[model_type](**dict(dict(text_config=dict(model_type="mistral", **FEW)), **keys))
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    assert shape_from_config(config.to_dict(), model_type).params() == built
