@@ -23,6 +23,9 @@ MAMBA2_HYBRID_TYPES = ("bamba", "falcon_h1", "granitemoehybrid")
 MAMBA1_HYBRID_TYPES = ("jamba",)
 # Falcon-H1: every block runs attention and a Mamba-2 mixer side by side before its MLP.
 PARALLEL_TYPES = ("falcon_h1",)
+# IBM Granite 4.0: a block without experts (`num_local_experts` 0: the dense Granite-4.0-H Micro and 1B) keeps only
+# its shared MLP, of `shared_intermediate_size`; `intermediate_size` is then unused.
+SHARED_MLP_ONLY_TYPES = ("granitemoehybrid",)
 MAMBA_BLOCKS = ("linear_attention", "mamba", "hybrid")
 
 
@@ -52,6 +55,8 @@ def mamba_hybrid_fields(text: dict[str, Any], built: Any, name: str) -> dict[str
         dense = [n <= 1 for n in experts]
         fields.update(dense_layers=sum(dense),
                       mamba_dense_mixers=sum(m and d for m, d in zip(mamba, dense, strict=True)))
+    if model_type in SHARED_MLP_ONLY_TYPES and not get("num_local_experts"):
+        fields.update(intermediate=_counts(get, name, ("shared_intermediate_size",))["shared_intermediate_size"])
     if model_type in MAMBA1_HYBRID_TYPES:
         sizes = _counts(get, name, ("hidden_size", "mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank"))
         return dict(fields, mamba_v1=True, mamba_heads=1, mamba_head_dim=sizes["mamba_expand"] * sizes["hidden_size"],
