@@ -86,6 +86,22 @@ def test_a_mamba_hybrid_counts_its_built_model(model_type: str, keys: dict[str, 
     assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
 
 
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("jamba", dict(FEW, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, num_experts=4)),
+    ("granitemoehybrid", dict(FEW, layer_types=["linear_attention", "full_attention"])),
+])
+def test_a_mamba_hybrid_token_computes_with_its_mixers_and_top_k_experts(model_type: str,
+                                                                         keys: dict[str, Any]) -> None:
+    """A Mamba hybrid's active weights: all but the embedding, less the routed experts a token is not sent to."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    model = _model(config)
+    experts = config.num_experts if model_type == "jamba" else config.num_local_experts
+    idle = (experts - config.num_experts_per_tok) / experts
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() - idle * routed
+    assert shape_from_config(config.to_dict(), model_type).active_params() == active
+
+
 def test_a_gpt_oss_token_computes_with_its_top_k_experts_biases_only() -> None:
     """gpt-oss's active weights: all but the embedding, less the experts a token is not routed to, their weights
     and their biases (before: every expert's biases were counted active)."""
