@@ -64,6 +64,44 @@ def test_the_count_is_the_built_models(model_type: str, keys: dict[str, Any]) ->
     assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
 
 
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("granitemoehybrid", FEW),  # Mamba-2 mixers, the shared MLP beside the experts (before: 4.1 % low)
+    ("granitemoehybrid", dict(FEW, layer_types=["linear_attention", "full_attention"])),
+    ("granitemoehybrid", dict(FEW, layer_types=["full_attention", "linear_attention"], num_local_experts=0)),
+    ("granitemoehybrid", dict(FEW, mamba_proj_bias=True, mamba_conv_bias=False, mamba_n_groups=2)),
+    ("falcon_h1", FEW),  # Mamba-2 beside attention in every block (before: 6.5 % low)
+    ("falcon_h1", dict(FEW, mamba_rms_norm=True, projectors_bias=True, mamba_proj_bias=True, mamba_d_ssm=2048,
+                       mamba_n_heads=32)),
+    ("bamba", FEW),  # Mamba-2 mixers (before: 22 % low)
+    ("bamba", dict(FEW, attn_layer_indices=[1])),
+    # Mamba-1 mixers, mixtures every other block (before: 78 % high)
+    ("jamba", dict(FEW, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, num_experts=4)),
+    ("jamba", dict(FEW, attn_layer_period=2, attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0,
+                   num_experts=4, mamba_proj_bias=True, mamba_conv_bias=False)),
+])
+def test_a_mamba_hybrid_counts_its_built_model(model_type: str, keys: dict[str, Any]) -> None:
+    """A block that pairs a Mamba mixer (Mamba-1 in Jamba, Mamba-2 in the others) with an MLP or a mixture is
+    counted with the mixer's own weights, not as an attention block's."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("jamba", dict(FEW, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, num_experts=4)),
+    ("granitemoehybrid", dict(FEW, layer_types=["linear_attention", "full_attention"])),
+])
+def test_a_mamba_hybrid_token_computes_with_its_mixers_and_top_k_experts(model_type: str,
+                                                                         keys: dict[str, Any]) -> None:
+    """A Mamba hybrid's active weights: all but the embedding, less the routed experts a token is not sent to."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    model = _model(config)
+    experts = config.num_experts if model_type == "jamba" else config.num_local_experts
+    idle = (experts - config.num_experts_per_tok) / experts
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() - idle * routed
+    assert shape_from_config(config.to_dict(), model_type).active_params() == active
+
+
 def test_a_gpt_oss_token_computes_with_its_top_k_experts_biases_only() -> None:
     """gpt-oss's active weights: all but the embedding, less the experts a token is not routed to, their weights
     and their biases (before: every expert's biases were counted active)."""

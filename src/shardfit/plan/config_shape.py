@@ -7,7 +7,8 @@ new family is one more name in a table, not a new branch:
 - one expert's width: `moe_intermediate_size` (Qwen-MoE, DeepSeek, GLM-4.5); Llama 4 names it
   `intermediate_size` and its dense MLP `intermediate_size_mlp`; Mixtral and gpt-oss have only `intermediate_size`;
 - shared experts: `n_shared_experts` x the expert width (DeepSeek, GLM-4.5), `shared_expert_intermediate_size`
-  (Qwen2-MoE), one expert-wide shared MLP in every Llama 4 mixture;
+  (Qwen2-MoE), `shared_intermediate_size` (IBM Granite's shared MLP), one expert-wide shared MLP in every Llama 4
+  mixture;
 - dense blocks among the mixtures: `first_k_dense_replace` (DeepSeek, GLM-4.5), `mlp_only_layers` and
   `decoder_sparse_step` (Qwen-MoE), `moe_layers` or `interleave_moe_layer_step` (Llama 4);
 - the text model of a multimodal config: `text_config`, or Qwen-Omni's `thinker_config.text_config`.
@@ -40,6 +41,7 @@ from shardfit.plan.family_rules import (
     pixtral_tower_params,
 )
 from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, rank_config, tied_of_config
+from shardfit.plan.mamba_hybrid import mamba_hybrid_fields
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
 from shardfit.plan.single_part import check_parts, part_groups, single_part_fields
@@ -166,7 +168,7 @@ def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
         return text["intermediate_size_mlp"], inter, inter
     expert = text.get("moe_intermediate_size") or 0
     shared = (first_of(text, SHARED_EXPERTS, 0) or 0) * (expert or inter) or \
-        text.get("shared_expert_intermediate_size") or 0
+        text.get("shared_expert_intermediate_size") or text.get("shared_intermediate_size") or 0
     return inter, expert, shared
 
 
@@ -410,6 +412,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             **norms_and_biases(model_type, get, text["hidden_size"], mlp_width(text)), **deltanet)
         if single:
             shape = dataclasses.replace(shape, **single, attention_groups=shape.attention_groups + part_groups(single))
+        shape = dataclasses.replace(shape, **mamba_hybrid_fields(text, built, name))  # Jamba, Bamba, Falcon-H1
         text_only = loads_text_only(cfg.get("model_type"))  # the rank loads no tower the file describes
         vision, audio = (None, None) if text_only else (vision_shape_of(cfg), audio_shape_of(cfg))
         tower = not text_only and has_tower(rank_config(built) if built is not None else SimpleNamespace(**cfg))
@@ -434,8 +437,9 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
 # Sizes a config may leave out (or null); where it gives a whole number, a negative one is no model's (the shape
 # would count negative weights and plan them as fitting).
 OPTIONAL_SIZES = ("head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-                  "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                  "linear_value_head_dim", "linear_conv_kernel_dim", *SHARED_EXPERTS, *EXPERTS, *TOP_K)
+                  "shared_intermediate_size", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", *SHARED_EXPERTS, *EXPERTS,
+                  *TOP_K)
 
 
 # The largest value shardfit takes for each size a config.json gives: far above every published model (512 experts,

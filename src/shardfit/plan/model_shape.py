@@ -40,6 +40,8 @@ class Block:
     # A block of one part only (ModelShape `single_part`, Nemotron-H): MAMBA, ATTENTION, MLP or MOE; "" for a
     # block of a token mixer and an MLP or mixture.
     part: str = ""
+    # A block whose token mixer is a Mamba mixer (ModelShape `mamba_mixers`), paired with its MLP or mixture.
+    mamba: bool = False
 
     def __bool__(self) -> bool:
         return self.moe
@@ -158,6 +160,21 @@ class ModelShape:
     mamba_conv_bias: bool = False
     mamba_bias: bool = False
     mamba_chunk: int = 128  # the tokens its chunked scan (SSD) works on at once
+    # Mamba hybrids whose blocks pair a token mixer with an MLP or mixture (plan/mamba_hybrid.py: Jamba, Bamba,
+    # Falcon-H1, IBM Granite 4.0): `mamba_mixers` blocks mix tokens with the Mamba mixer above instead of softmax
+    # attention (Falcon-H1, `mamba_parallel`: beside it, in every block), `mamba_dense_mixers` of them with a dense
+    # MLP in a model of mixtures. Its out_proj is biased under `mamba_out_bias` (None: as `mamba_bias`), its
+    # output normed by a gated RMSNorm under `mamba_gated_norm`. A Mamba-1 mixer (`mamba_v1`, Jamba's) has no heads:
+    # one head of all its channels (`mamba_head_dim`), a state of `mamba_state` per channel, a `mamba_dt_rank`-wide
+    # step projection and, under `mamba_inner_norms`, RMSNorms over its step, B and C.
+    mamba_mixers: int = 0
+    mamba_dense_mixers: int = 0
+    mamba_parallel: bool = False
+    mamba_out_bias: bool | None = None
+    mamba_gated_norm: bool = True
+    mamba_v1: bool = False
+    mamba_dt_rank: int = 0
+    mamba_inner_norms: bool = False
     # MLPs and experts of two matrices (up, an activation such as relu2, down; no gate), biased under `mlp_bias`;
     # routed experts through a `moe_latent`-wide projection of the hidden state (0: none).
     two_matrix: bool = False
@@ -235,6 +252,13 @@ class ModelShape:
             i * o for _, i, o in self.linear_attention_linears()) > sum(i * o for _, i, o in self.attention_linears()))
 
     @property
+    def mamba_is_larger(self) -> bool:
+        """Whether a paired block with a Mamba mixer (`mamba_mixers`) weighs more than one with softmax attention
+        (what `the largest kind` of block takes where a caller names no kind)."""
+        return self.mamba_mixers > 0 and (self.mamba_mixers >= self.layers or self.mamba_parallel or sum(
+            i * o for _, i, o in self.mamba_linears()) > sum(i * o for _, i, o in self.attention_linears()))
+
+    @property
     def mamba_inner(self) -> int:
         """A Mamba-2 mixer's channels: its heads times their width."""
         return self.mamba_heads * self.mamba_head_dim
@@ -245,9 +269,14 @@ class ModelShape:
         return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
 
     def mamba_linears(self) -> list[tuple[str, int, int]]:
-        """(name, in, out) of a Mamba-2 mixer's projections: in_proj (z, x, B, C and dt in one) and out_proj. Named
-        `linear_` as Gated DeltaNet's: only all-linear LoRA reaches them."""
+        """(name, in, out) of a Mamba-2 mixer's projections: in_proj (z, x, B, C and dt in one) and out_proj; a
+        Mamba-1 mixer's in_proj (x and z), x_proj (dt, B and C), dt_proj and out_proj. Named `linear_` as Gated
+        DeltaNet's: only all-linear LoRA reaches them."""
         h, inner = self.hidden, self.mamba_inner
+        if self.mamba_v1:
+            rank = self.mamba_dt_rank
+            return [("linear_in_proj", h, 2 * inner), ("linear_x_proj", inner, rank + 2 * self.mamba_state),
+                    ("linear_dt_proj", rank, inner), ("linear_out_proj", inner, h)]
         return [("linear_in_proj", h, inner + self.mamba_conv_channels + self.mamba_heads),
                 ("linear_out_proj", inner, h)]
 
@@ -297,6 +326,8 @@ class ModelShape:
 
     def mixer_linears(self, block: Block | bool | None = None) -> list[tuple[str, int, int]]:
         """The token mixer's projections of a block of kind `block` (a plain bool or None: the largest kind)."""
+        if block.mamba if isinstance(block, Block) else self.mamba_is_larger:
+            return (self.attention_linears() if self.mamba_parallel else []) + self.mamba_linears()
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
         return self.linear_attention_linears() if linear else self.attention_linears()
 
@@ -348,11 +379,21 @@ class ModelShape:
         split into Gated DeltaNet and softmax-attention blocks."""
         if self.single_part:
             return self.part_kinds()
+        if self.mamba_mixers:
+            return self._mamba_kinds()
         dense_linear = self.linear_dense_layers if self.moe else self.linear_layers
         moe_linear = self.linear_layers - dense_linear
         dense = self.layers - self.moe_layers
         kinds = [(moe_linear, Block(True, True)), (self.moe_layers - moe_linear, Block(True)),
                  (dense_linear, Block(False, True)), (dense - dense_linear, Block(False))]
+        return [(n, kind) for n, kind in kinds if n > 0]
+
+    def _mamba_kinds(self) -> list[tuple[int, Block]]:
+        """`block_kinds` of a Mamba hybrid whose blocks pair a mixer with an MLP (`mamba_mixers`)."""
+        dense_mamba = self.mamba_dense_mixers if self.moe else self.mamba_mixers
+        moe_mamba, dense = self.mamba_mixers - dense_mamba, self.layers - self.moe_layers
+        kinds = [(moe_mamba, Block(True, mamba=True)), (self.moe_layers - moe_mamba, Block(True)),
+                 (dense_mamba, Block(False, mamba=True)), (dense - dense_mamba, Block(False))]
         return [(n, kind) for n, kind in kinds if n > 0]
 
     def over_blocks(self, per_block: Callable[[Block], float]) -> float:
@@ -375,6 +416,10 @@ class ModelShape:
             extra += self.experts
         if not moe:
             extra += self.mlp_extra
+        if block.mamba if isinstance(block, Block) else self.mamba_is_larger:
+            extra += self.mamba_extra_params()
+            if not self.mamba_parallel:
+                return extra
         linear = block.linear if isinstance(block, Block) else self.linear_is_larger
         if linear:
             conv = 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
@@ -398,14 +443,26 @@ class ModelShape:
         or a mixture's biases (shared experts and latent projections) under `mlp_bias`. Its attention has none."""
         extra = self.hidden
         if block.part == MAMBA:
-            conv = self.mamba_conv_channels
-            extra += conv * self.mamba_conv + (conv if self.mamba_conv_bias else 0) + 3 * self.mamba_heads + \
-                self.mamba_inner
-            if self.mamba_bias:
-                extra += sum(o for _, _, o in self.mamba_linears())
+            extra += self.mamba_extra_params()
         elif block.part in (MLP, MOE) and self.mlp_bias:
             extra += sum(o for n, _, o in self._part_linears(block) if n != "router" and not n.startswith("expert_"))
         return extra
+
+    def mamba_extra_params(self) -> int:
+        """A Mamba mixer's weights outside its projections: its depthwise convolution (and its bias), its
+        projections' biases; Mamba-2's dt bias, A and D per head and the gated norm over its channels; Mamba-1's
+        dt_proj bias and D per channel, A per channel and state, and its step's, B's and C's norms."""
+        conv = self.mamba_inner if self.mamba_v1 else self.mamba_conv_channels
+        extra = conv * self.mamba_conv + (conv if self.mamba_conv_bias else 0)
+        linears = self.mamba_linears()
+        if self.mamba_bias:
+            extra += linears[0][2]
+        if self.mamba_bias if self.mamba_out_bias is None else self.mamba_out_bias:
+            extra += self.hidden
+        if self.mamba_v1:
+            extra += 2 * self.mamba_inner + self.mamba_inner * self.mamba_state
+            return extra + (self.mamba_dt_rank + 2 * self.mamba_state if self.mamba_inner_norms else 0)
+        return extra + 3 * self.mamba_heads + (self.mamba_inner if self.mamba_gated_norm else 0)
 
     @property
     def norm_width(self) -> int:
