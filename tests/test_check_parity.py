@@ -106,3 +106,23 @@ def test_more_ranks_a_node_than_its_gpus_is_refused_by_check_and_train(eight_gpu
                          DeviceFacts("cpu", False), nproc=16)
     assert (cpu.device, cpu.nproc_per_node, cpu.nnodes) == ("cpu", 16, 1)
 
+
+
+def test_a_scorer_defined_under_a_condition_still_trains(tmp_path: Path) -> None:
+    """The syntax-tree check refuses only what the file's text settles: a scorer defined under `if`, in `try`, by
+    tuple assignment or behind a star import passes (the import decides at train), a missing name does not."""
+    from shardfit.evals.scorers import check_metrics
+
+    bodies = {"cond": "import sys\nif sys.version_info >= (3, 8):\n    def score(p, e, r):\n        return 1\n",
+              "try": "try:\n    from math import score\nexcept ImportError:\n"
+                     "    def score(p, e, r):\n        return 1\n",
+              "tuple": "score, other = (lambda p, e, r: 1), 2\n", "star": "from os.path import *\n"}
+    for name, body in bodies.items():
+        (tmp_path / f"{name}.py").write_text(body)
+        check_metrics([f"py:{tmp_path / name}.py:score"])
+    (tmp_path / "none.py").write_text("def other(p, e, r):\n    return 1\n")
+    with pytest.raises(UserError, match="has no function score \\(it has: other\\)"):
+        check_metrics([f"py:{tmp_path / 'none.py'}:score"])
+    (tmp_path / "bad.py").write_text("def score(:\n")
+    with pytest.raises(UserError, match="is not valid Python"):
+        check_metrics([f"py:{tmp_path / 'bad.py'}:score"])

@@ -113,24 +113,32 @@ def parse_metrics(specs: list[str]) -> list[Scorer]:
     return scorers
 
 
-def _top_level_names(tree: ast.Module) -> list[str]:
-    """The names a module binds at its top level (functions, assignments, imports): what `getattr` could find."""
-    names: list[str] = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names += [t.id for t in targets if isinstance(t, ast.Name)]
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names += [(a.asname or a.name).split(".")[0] for a in node.names]
-    return names
+def _may_bind(tree: ast.Module, name: str) -> bool:
+    """Whether the module could define `name` when run: a def or class of that name, an assignment or import that
+    binds it anywhere (under `if`, `try`, in a tuple), or a star import (which could bind anything)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                a.name == "*" or (a.asname or a.name).split(".")[0] == name for a in node.names):
+            return True
+    return False
+
+
+def _defined(tree: ast.Module) -> list[str]:
+    """The functions a module defines at its top level, to name in a refusal."""
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not n.name.startswith("_")]
 
 
 def check_metrics(specs: list[str]) -> None:
     """What parse_metrics refuses, decided without running anything: a `py:` file is read and parsed, never
-    imported, so that `check` on a config someone handed over runs none of its code (train imports it, as the user
-    asked). A UserError naming the metric otherwise."""
+    imported, so that `check` runs none of the code a config names (train's ranks import it, as the user asked).
+    Only what the file's text settles is refused (no file, not Python, no binding of the name anywhere in it); a
+    name bound under `if` or by a star import passes, and the import itself decides at train. A UserError naming
+    the metric otherwise."""
     names = []
     for spec in specs:
         kind, _, rest = spec.partition(":")
@@ -145,10 +153,9 @@ def check_metrics(specs: list[str]) -> None:
             tree = ast.parse(file.read_bytes(), filename=str(file))
         except (SyntaxError, ValueError) as e:
             raise UserError(f"metric {spec}: {file} is not valid Python ({e}).") from None
-        bound = _top_level_names(tree)
-        if func not in bound:
-            shown = [n for n in bound if not n.startswith("_")]
-            raise UserError(f"metric {spec}: {file} has no function {func} (it has: {', '.join(shown) or 'none'}).")
+        if not _may_bind(tree, func):
+            raise UserError(f"metric {spec}: {file} has no function {func} (it has: "
+                            f"{', '.join(_defined(tree)) or 'none'}).")
         names.append(func)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
