@@ -65,3 +65,14 @@ def test_every_catalog_model_is_within_the_ceilings() -> None:
         require_sane_sizes(name, hf_config(resolve_shape(name)).to_dict())
         if "config" in entries[name]:
             require_sane_sizes(name, entries[name]["config"])
+
+
+def test_per_modality_expert_lists_and_new_expert_keys_are_refused_by_name() -> None:
+    """ERNIE 4.5 VL gives its experts' sizes one per modality ([1536, 512]): refused naming the key (it ended as an
+    unexpected TypeError, exit 1); ERNIE's own shared-expert key has a ceiling like the others."""
+    base = {"model_type": "ernie4_5_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 128, "intermediate_size": 128}
+    with pytest.raises(UserError, match="moe_intermediate_size is a list"):
+        require_sane_sizes("ernie-vl", {**base, "moe_intermediate_size": [1536, 512], "moe_num_experts": 64})
+    with pytest.raises(UserError, match="moe_num_shared_experts is 100,000,000"):
+        require_sane_sizes("ernie", {**base, "moe_num_shared_experts": 10**8})

@@ -449,7 +449,7 @@ SIZE_CEILINGS = {
     "num_hidden_layers": 1 << 12, "hidden_size": 1 << 18, "num_attention_heads": 1 << 14,
     "num_key_value_heads": 1 << 14, "head_dim": 1 << 14, "intermediate_size": 1 << 20,
     "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20, "vocab_size": 1 << 24,
-    "n_shared_experts": 1 << 16, **dict.fromkeys(EXPERTS, 1 << 16), **dict.fromkeys(TOP_K, 1 << 16),
+    **dict.fromkeys(SHARED_EXPERTS, 1 << 16), **dict.fromkeys(EXPERTS, 1 << 16), **dict.fromkeys(TOP_K, 1 << 16),
 }
 
 
@@ -458,6 +458,11 @@ def require_sane_sizes(name: str, cfg: dict[str, Any]) -> None:
     the planner's shape and the model's build both read config.json through this, so plan, check and train refuse
     it alike (exit 2) before anything is allocated."""
     text = text_config(cfg)
+    for key in ("moe_intermediate_size", *SHARED_EXPERTS, *EXPERTS, *TOP_K):
+        if isinstance(text.get(key), list):  # ERNIE 4.5 VL: one value per modality's experts
+            raise UserError(f"{name}: config.json's {key} is a list ({text[key]}), one value per modality's experts "
+                            f"(ERNIE 4.5 VL's text and vision experts); shardfit does not plan such a mixture, nor "
+                            f"does its trainer load it. Plan a text-only model of the family instead.")
     for key, ceiling in SIZE_CEILINGS.items():
         value = text.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
