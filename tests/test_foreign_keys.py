@@ -123,27 +123,47 @@ def test_axolotl_activation_offloading_without_checkpointing_exits_2(tmp_path: P
         read_job("axolotl", path, JobOptions())
 
 
+KTO_AXOLOTL = (AXOLOTL_LONG.replace("micro_batch_size: 2", "micro_batch_size: 1")
+               + "rl: kto\ngradient_checkpointing: true\n")
+KTO_LF = ("model_name_or_path: Qwen/Qwen2.5-7B\nstage: kto\nfinetuning_type: lora\nper_device_train_batch_size: 1\n"
+          "gradient_accumulation_steps: 8\nbf16: true\n")
+KTO_SWIFT = "swift rlhf --rlhf_type kto --model Qwen/Qwen2.5-7B --per_device_train_batch_size 1"
+
+
 @pytest.mark.parametrize(("tool", "name", "text", "key"), [
-    ("llamafactory", "kto.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: kto\nfinetuning_type: lora\n"
-                                 "per_device_train_batch_size: 1\ngradient_accumulation_steps: 8\nbf16: true\n",
-     "per_device_train_batch_size 1"),
-    ("axolotl", "kto.yml", AXOLOTL_LONG.replace("micro_batch_size: 2", "micro_batch_size: 1") + "rl: kto\n"
-                                "gradient_checkpointing: true\n",
-     "micro_batch_size 1"),
-    ("swift", "kto.sh", "swift rlhf --rlhf_type kto --model Qwen/Qwen2.5-7B --per_device_train_batch_size 1\n",
-     "--per_device_train_batch_size 1"),
+    ("axolotl", "kto.yml", KTO_AXOLOTL, "micro_batch_size 1"),
+    ("swift", "kto.sh", KTO_SWIFT + "\n", "--per_device_train_batch_size 1"),
 ])
-def test_kto_at_one_row_is_refused_by_plan_check_and_convert_alike(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                                   tool: str, name: str, text: str,
-                                                                   key: str) -> None:
-    """KTO's reference point is over a micro-batch's rows (TRL's KTOTrainer refuses 1 row): convert refused the job
-    when it loaded the converted config, while plan and check planned it. One rule now serves all three, naming
-    the tool's key; --batch 2 plans the job as it could run."""
+def test_kto_batch_its_tool_refuses_is_refused_by_plan_check_and_convert_alike(
+        tmp_path: Path, capsys: pytest.CaptureFixture, tool: str, name: str, text: str, key: str) -> None:
+    """axolotl runs TRL's KTOTrainer, which refuses a micro-batch of 1; ms-swift refuses a total batch of 1 (one
+    rank, one row, no accumulation). plan, check and convert refuse alike, naming the tool's key."""
     job = _write(tmp_path, name, text)
     for command in (["plan", "--gpus", "1xH100"], ["check", "--gpus", "1xH100"], ["convert"]):
         assert main([command[0], "--from", tool, job, *command[1:]]) == 2
         assert f"{key} with objective kto" in capsys.readouterr().err
     assert main(["plan", "--from", tool, job, "--gpus", "1xH100", "--batch", "2"]) == 0
+
+
+@pytest.mark.parametrize(("tool", "name", "text"), [
+    ("llamafactory", "kto.yaml", KTO_LF),
+    ("swift", "kto.sh", KTO_SWIFT + " --gradient_accumulation_steps 8\n"),
+    ("swift", "kto2.sh", "NPROC_PER_NODE=2 " + KTO_SWIFT + "\n"),
+])
+def test_kto_at_one_row_runs_where_its_tool_runs_it(tmp_path: Path, capsys: pytest.CaptureFixture, tool: str,
+                                                    name: str, text: str) -> None:
+    """LLaMA-Factory and ms-swift skip TRL's micro-batch check (their own KTO examples use a per-device batch of
+    1): the job is planned, and convert writes two rows a micro-batch, which shardfit's KTO needs, with half the
+    accumulation, and says so."""
+    job = _write(tmp_path, name, text)
+    assert main(["plan", "--from", tool, job, "--gpus", "2xH100"]) == 0
+    capsys.readouterr()
+    read = read_job(tool, job, JobOptions())
+    cfg = to_config(read)
+    assert cfg["micro_batch"] == 2
+    assert cfg["grad_accum"] == max(1, read.workload.grad_accum // 2)
+    assert main(["convert", "--from", tool, job]) == 0
+    assert "micro_batch 1 -> 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("line", [

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from shardfit import method as methods
+from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 
@@ -42,6 +43,11 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
             cfg["strategy"] = "auto"
     if job.engine == "device_map":
         cfg["device_map"] = "auto"
+    if objectives.micro_batch_problem(w.objective, w.micro_batch):
+        # the tool trains this batch (its rule is looser, read.kto_batch_problem); shardfit's KTO needs two rows a
+        # micro-batch, so the same rows a step go two at a time with half the accumulation
+        cfg["micro_batch"] = 2
+        cfg["grad_accum"] = max(1, w.micro_batch * w.grad_accum // 2)
     return cfg
 
 
@@ -71,6 +77,10 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
     if job.reference is not None and job.keeps_reference():
         out.append(f"{TOOL_NAMES[job.tool]} keeps a reference model beside the policy ({job.reference.why}); "
                    f"shardfit keeps none: {_reference_way(cfg)}")
+    if cfg["micro_batch"] != job.workload.micro_batch:
+        out.append(f"micro_batch {job.workload.micro_batch} -> {cfg['micro_batch']} with grad_accum "
+                   f"{job.workload.grad_accum} -> {cfg['grad_accum']}: shardfit's {job.workload.objective} needs two "
+                   f"rows a micro-batch; the rows a step stay the same (one fewer for an odd count)")
     out += [f"warning: {x}" for x in job.not_carried]
     if job.not_modelled:
         out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))
