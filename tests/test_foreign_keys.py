@@ -180,6 +180,22 @@ def test_swift_entry_script_under_a_launcher_is_swift_sft(tmp_path: Path, line: 
     assert (job.workload.method, job.nproc, job.engine, job.workload.seq_len) == ("full", 4, "deepspeed", 4096)
 
 
+@pytest.mark.parametrize("setup", ['python -m pip install -U "transformers>=4.45" peft', "python -m venv .venv",
+                                   "python3 -m pip install --upgrade ms-swift"])
+@pytest.mark.parametrize(("tool", "train"), [
+    ("hf", "torchrun --nproc_per_node 4 train.py --model_name_or_path Qwen/Qwen2.5-7B --per_device_train_batch_size 2"),
+    ("hf", "python -m torch.distributed.run --nproc_per_node 4 train.py --model_name_or_path Qwen/Qwen2.5-7B"),
+    ("hf", "torchrun --nproc_per_node 4 -m mypkg.train --model_name_or_path Qwen/Qwen2.5-7B"),
+    ("swift", "torchrun --nproc_per_node 4 -m swift.cli.sft --model Qwen/Qwen2.5-7B --tuner_type lora"),
+])
+def test_setup_module_ahead_of_the_training_command_is_skipped(tmp_path: Path, setup: str, tool: str,
+                                                                train: str) -> None:
+    """`python -m pip install ...` or `python -m venv` before the launch is setup, not the training script: the
+    reader finds the launch after it (4 ranks), where it used to read pip.py and find no model."""
+    job = read_job(tool, _write(tmp_path, "run.sh", f"{setup}\n{train}\n"), JobOptions())
+    assert (job.model, job.nproc) == ("Qwen/Qwen2.5-7B", 4)
+
+
 def test_swift_rlhf_entry_script_keeps_its_objective(tmp_path: Path) -> None:
     script = _write(tmp_path, "dpo.sh", "torchrun --nproc_per_node 2 swift/cli/rlhf.py --rlhf_type dpo "
                                         "--model Qwen/Qwen2.5-7B\n")
