@@ -244,12 +244,42 @@ def test_axolotl_dp_shard_size_shards_over_its_group_only(tmp_path: Path) -> Non
     assert _gib_on(pairs, "8xH100") > 2.5 * _gib_on(every, "8xH100")
 
 
+def test_axolotl_replicas_and_context_parallel_size_the_shard_group(tmp_path: Path) -> None:
+    """axolotl sizes FSDP's group as accelerate does: dp_replicate_size 4 on 8 ranks shards over 2 (as dp_shard_size
+    2 does: 124 GiB, not the 40 of all 8), and the group is dp_shard_size x context_parallel_size (dp_shard 4 x cp 2
+    on 8 ranks is all of them: no replica)."""
+    text = AXOLOTL_FSDP + "fsdp_version: 2\n"
+    def gib(name: str, extra: str) -> float:
+        return _gib_on(read_job("axolotl", _write(tmp_path, name, text + extra), JobOptions(nproc=8)), "8xH100")
+    two = gib("s2.yml", "dp_shard_size: 2\n")
+    assert gib("r4.yml", "dp_replicate_size: 4\n") == pytest.approx(two)
+    assert gib("s2r4.yml", "dp_shard_size: 2\ndp_replicate_size: 4\n") == pytest.approx(two)
+    cp = "context_parallel_size: 2\n"
+    assert gib("c.yml", cp + "dp_shard_size: 4\n") == pytest.approx(gib("c0.yml", cp))
+    assert gib("c2.yml", cp + "dp_shard_size: 2\n") < 0.6 * two
+
+
+def test_axolotl_reference_is_sharded_over_the_shard_group(tmp_path: Path) -> None:
+    """A full DPO under dp_shard_size 2: axolotl prepares the reference with FSDP over the same group of 2, so it
+    takes half the copy a GPU (7.1 GiB of Qwen2.5-7B), not an eighth: 83 GiB, which does not fit an H100."""
+    text = AXOLOTL_FSDP.replace("14B", "7B") + "fsdp_version: 2\nrl: dpo\ndp_shard_size: 2\n"
+    job = read_job("axolotl", _write(tmp_path, "d.yml", text), JobOptions(nproc=8))
+    got = plan_job(job, resolve_shape(job.model), parse_gpus("8xH100")).configured.per_gpu_gib
+    assert got.weights > 20
+    assert got.total > 80
+
+
 def test_axolotl_parallel_sizes_it_cannot_plan_exit_2(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"tp.yml:\d+: 'tensor_parallel_size: 2' .* shardfit does not plan tensor"):
         read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
     no_fsdp = AXOLOTL_LONG + "gradient_checkpointing: true\ndp_shard_size: 2\n"
     with pytest.raises(UserError, match="'dp_shard_size: 2' without fsdp_config"):
         read_job("axolotl", _write(tmp_path, "ddp.yml", no_fsdp), JobOptions(nproc=4))
+    with pytest.raises(UserError, match="'dp_shard_size: 2' with FSDP1"):
+        read_job("axolotl", _write(tmp_path, "f1.yml", AXOLOTL_FSDP + "dp_shard_size: 2\n"), JobOptions(nproc=8))
+    big = AXOLOTL_FSDP + "fsdp_version: 2\ndp_shard_size: 16\n"
+    with pytest.raises(UserError, match="groups of 16 rank.* do not make the 8 ranks"):
+        read_job("axolotl", _write(tmp_path, "s16.yml", big), JobOptions(nproc=8))
 
 
 def test_axolotl_fsdp_version_decides_fsdp1(tmp_path: Path) -> None:

@@ -91,7 +91,8 @@ KEYS = key_table({
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
     "quantize_moe_experts": Key("routed experts in 4-bit, as planned"), "fsdp_version": Key("FSDP1 or FSDP2"),
     "dp_shard_size": Key("FSDP shard group"),
-    "tensor_parallel_size": Key("no tensor parallelism (1)"), "dp_replicate_size": Key("replicas of the shards"),
+    "tensor_parallel_size": Key("no tensor parallelism (1)"),
+    "dp_replicate_size": Key("FSDP shard group (ranks / replicas)"),
     # carried over to the shardfit config (LoRA's targets are decided in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float, default=0.0),
@@ -341,15 +342,29 @@ def _parallel_sizes(src: Source, job: ForeignJob) -> None:
                         f"it (remove the key): FSDP (fsdp_config, fsdp_version: 2) or ZeRO-3 shards the weights "
                         f"over the ranks instead, or plan a layer split with `shardfit plan --model "
                         f"{src.get('base_model')} --pipeline-parallel {tp}`.")
-    shard = src.get("dp_shard_size")
-    if shard is None or (n := as_int(shard, "dp_shard_size", src.at("dp_shard_size"))) <= 1:
-        return
-    if not job.engine.startswith("fsdp"):
+    shard, rep = src.get("dp_shard_size"), src.get("dp_replicate_size")
+    n = 1 if shard is None else as_int(shard, "dp_shard_size", src.at("dp_shard_size"))
+    r = 1 if rep is None else as_int(rep, "dp_replicate_size", src.at("dp_replicate_size"))
+    if n > 1 and not job.engine.startswith("fsdp"):
         raise UserError(f"{src.at('dp_shard_size')}: 'dp_shard_size: {shard}' without fsdp_config; axolotl refuses "
                         f"it (dp_shard_size was configured without a corresponding fsdp_config): add fsdp_config.")
-    job.shard_ranks = n
-    job.notes.append(f"dp_shard_size {n}: FSDP shards over groups of {n} ranks and replicates across them; each "
-                     f"GPU is planned as one of {n} shards (gradients are also all-reduced across the groups)")
+    if n > 1 and job.workload.fsdp1:
+        raise UserError(f"{src.at('dp_shard_size')}: 'dp_shard_size: {shard}' with FSDP1; accelerate's "
+                        f"ParallelismConfig, which axolotl turns on for it, runs only with FSDP2: add "
+                        f"fsdp_version: 2.")
+    if not job.engine.startswith("fsdp") or (n <= 1 and r <= 1):
+        return  # replicas without FSDP are DDP's own
+    cp = job.workload.sequence_parallel
+    if n > 1:  # accelerate shards over the dp_shard x cp ranks (its dp_shard_cp mesh)
+        job.shard_ranks = n * cp
+    if r > 1:
+        job.replicas = r
+    group = f"{n * cp} ranks" if n > 1 else f"the ranks / {r}"
+    with_cp = f" (dp_shard_size {n} x context_parallel_size {cp})" if n > 1 and cp > 1 else ""
+    job.notes.append(f"FSDP shards over groups of {group}{with_cp}, replicated across any groups beyond it: each "
+                     f"GPU is planned as one shard of its group (gradients are also all-reduced across the groups)")
+    if job.nproc:
+        job.shard_group(job.nproc * job.nnodes)  # sizes that cannot make the launched ranks exit 2 now
 
 
 def _fsdp_engine(src: Source) -> str | None:
