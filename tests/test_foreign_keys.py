@@ -322,3 +322,16 @@ def test_swift_experts_impl_is_read(tmp_path: Path) -> None:
     batched = read_job("swift", _write(tmp_path, "b.sh", line.format("batched_mm")), JobOptions())
     assert "experts_impl" in batched.not_modelled
     assert any(n.startswith("--experts_impl batched_mm") for n in batched.notes)
+
+
+@pytest.mark.parametrize(("targets", "experts"), [('".*self_attn\\\\.(q|v)_proj"', False), ("[q_proj, v_proj]", False),
+                                                 ("[q_proj, gate_proj, up_proj, down_proj]", None)])
+def test_axolotl_convert_of_a_mixture_trains_the_experts_axolotl_trains(tmp_path: Path, targets: str,
+                                                                        experts: bool | None) -> None:
+    """axolotl's q/v targets on Qwen3-30B-A3B adapt no routed expert; shardfit's trainer adapts every expert unless
+    `lora.experts` is false, so convert writes false (7M trainable, as axolotl trains, not 636M). Targets that
+    reach the experts keep shardfit's default."""
+    text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: lora\nlora_r: 16\nsequence_len: 2048\nmicro_batch_size: 2\n"
+            f"bf16: true\ngradient_checkpointing: true\nlora_target_modules: {targets}\n")
+    job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions())
+    assert to_config(job)["lora"].get("experts") is experts

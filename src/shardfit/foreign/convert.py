@@ -11,6 +11,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
+from shardfit.plan.shapes import resolve_shape
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
 
@@ -31,6 +32,8 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     lora["rank"] = w.lora_rank
     if methods.get(w.method).adapters:
         cfg["lora"] = lora
+        if "experts" not in lora and _moe(job.model) and not _adapts_experts(job):
+            lora["experts"] = False  # shardfit's trainer would otherwise add every expert's adapters
     cfg.update(extra)
     if cfg.get("sequence_parallel", 1) > 1:  # shardfit's Ulysses runs its own attention around SDPA
         cfg["attn_implementation"] = "auto"
@@ -49,6 +52,21 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
         cfg["micro_batch"] = 2
         cfg["grad_accum"] = max(1, w.micro_batch * w.grad_accum // 2)
     return cfg
+
+
+def _moe(model: str) -> bool:
+    try:
+        return resolve_shape(model).moe
+    except UserError:  # a model not at hand: the converted config keeps shardfit's default
+        return False
+
+
+def _adapts_experts(job: ForeignJob) -> bool:
+    """Whether the tool's adapters reach the routed experts as planned (estimate.adapts): peft's target_modules
+    reach a fused expert weight only through a targeted gate/up/down (or all-linear), while shardfit's trainer
+    adapts every expert weight whatever the targets, unless `lora.experts` is false."""
+    w = job.workload
+    return w.lora_experts and (w.lora_targets is None or any(t in w.lora_targets for t in ("gate", "up", "down")))
 
 
 def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
