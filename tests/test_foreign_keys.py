@@ -335,3 +335,15 @@ def test_axolotl_convert_of_a_mixture_trains_the_experts_axolotl_trains(tmp_path
             f"bf16: true\ngradient_checkpointing: true\nlora_target_modules: {targets}\n")
     job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions())
     assert to_config(job)["lora"].get("experts") is experts
+
+
+def test_swift_target_regex_overrides_target_modules(tmp_path: Path) -> None:
+    """ms-swift trains --target_regex's modules when both are given: planned and converted as the regex (the MLP's
+    gate/up/down: 121M trainable on Qwen2.5-7B at rank 64), not as q/v (20M)."""
+    regex = r"^(model\.layers\.\d+\.mlp\.(gate|up|down)_proj)$"
+    job = read_job("swift", _write(tmp_path, "rx.sh", "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora "
+                                  f"--lora_rank 64 --target_modules q_proj v_proj --target_regex '{regex}'\n"),
+                   JobOptions())
+    assert job.workload.lora_targets == ("gate", "up", "down")
+    assert "overridden by --target_regex" in job.keys["target_modules"]
+    assert to_config(job)["lora"]["targets"] == regex
