@@ -347,3 +347,13 @@ def test_swift_target_regex_overrides_target_modules(tmp_path: Path) -> None:
     assert job.workload.lora_targets == ("gate", "up", "down")
     assert "overridden by --target_regex" in job.keys["target_modules"]
     assert to_config(job)["lora"]["targets"] == regex
+
+
+@pytest.mark.parametrize("value", ["5", "true", "{q: 1}", "[q_proj, 3]"])
+def test_axolotl_target_modules_neither_names_nor_a_regex_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   value: str) -> None:
+    """A number or mapping for lora_target_modules is bad input: exit 2 naming the file's line and what axolotl
+    takes, not a TypeError (a number) nor a mapping's keys planned as module names."""
+    job = _write(tmp_path, "bad.yml", AXOLOTL_LORA + f"lora_target_modules: {value}\n")
+    assert main(["plan", "--from", "axolotl", job, "--gpus", "1xH100"]) == 2
+    assert "bad.yml:9: 'lora_target_modules' is" in capsys.readouterr().err

@@ -383,12 +383,23 @@ def _fsdp_engine(src: Source) -> str | None:
     return "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
 
 
+def _targets(src: Source) -> str | list[str] | None:
+    """`lora_target_modules`: a list of module names or one regular expression (a string), as axolotl takes it;
+    a UserError for anything else (a number, a mapping), which axolotl's config validation refuses too."""
+    targets = src.get("lora_target_modules")
+    if targets is None or isinstance(targets, str):
+        return targets
+    if isinstance(targets, list) and all(isinstance(t, str) for t in targets):
+        return targets
+    raise UserError(f"{src.at('lora_target_modules')}: 'lora_target_modules' is {targets!r}; axolotl takes a list "
+                    f"of module names (e.g. [q_proj, v_proj]) or one regular expression over module names.")
+
+
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned, effects = set(), {}
-    targets = src.get("lora_target_modules")
+    targets = _targets(src)
     if targets and not src.flag("lora_target_linear"):
-        effect = plan_targets(job, "lora_target_modules", targets if isinstance(targets, str) else
-                              [str(t) for t in targets])
+        effect = plan_targets(job, "lora_target_modules", targets)
         if effect:
             effects["lora_target_modules"] = effect
         else:
@@ -417,8 +428,7 @@ def _convert(src: Source) -> dict[str, Any]:
     if src.flag("flex_attention") or "flex" in str(src.get("attn_implementation") or "").lower():
         out["attn_implementation"] = "flex_attention"  # planned as flash; some models (Llama 4) have no FA2
     # adapters on every linear layer unless lora_target_linear is off and modules are named
-    targets = src.get("lora_target_modules")
+    targets = _targets(src)
     # a string is one regular expression over module names (peft's reading, and shardfit's)
-    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear") or not targets else \
-        str(targets) if isinstance(targets, str) else [str(t) for t in targets]
+    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear") or not targets else targets
     return out
