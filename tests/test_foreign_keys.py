@@ -357,3 +357,16 @@ def test_axolotl_target_modules_neither_names_nor_a_regex_exit_2(tmp_path: Path,
     job = _write(tmp_path, "bad.yml", AXOLOTL_LORA + f"lora_target_modules: {value}\n")
     assert main(["plan", "--from", "axolotl", job, "--gpus", "1xH100"]) == 2
     assert "bad.yml:9: 'lora_target_modules' is" in capsys.readouterr().err
+
+
+def test_llamafactory_v1_on_this_machines_gpus_divides_the_global_batch_by_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Without --gpus the plan runs on the GPUs found here; v1's launcher starts a rank on each, so its
+    global_batch_size 32 (micro 2) is 4 accumulation steps on 4 GPUs, decided before the job is read, not 16 (one
+    rank) with the ranks added afterwards."""
+    import shardfit.cli.foreign_args as foreign_args
+    monkeypatch.setattr(foreign_args, "detect", lambda nodes=1: parse_gpus("4xH100"))
+    assert main(["plan", "--from", "llamafactory", "tests/foreign_jobs/lf_v1/lora_fsdp2.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "global_batch_size=32 (grad_accum 4)" in out
+    assert "llamafactory-cli train" not in out

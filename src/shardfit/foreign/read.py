@@ -102,6 +102,8 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         job.model = opts.model
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    if opts.gpus is not None:  # the ranks a launch that takes every GPU starts, before the checks that count ranks
+        launch_on(job, opts.gpus.gpus_per_node)
     _check_split(job, shape_of)
     _check_micro_batch(job, opts)
     job.notes.append(f"loss as transformers {version} computes it" +
@@ -119,8 +121,9 @@ def launch_on(job: ForeignJob, gpus_per_node: int) -> None:
     job.launcher = "torchrun"
     if job.engine == "single":
         job.engine = "ddp"
-    job.notes.append(f"llamafactory-cli train starts torchrun over all {gpus_per_node} visible GPUs itself: planned "
-                     f"as {gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")
+    cli = job.words.say("launch", "llamafactory-cli train").removeprefix("FORCE_TORCHRUN=1 ")
+    job.notes.append(f"{cli} starts torchrun over all {gpus_per_node} visible GPUs itself: planned as "
+                     f"{gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")
 
 
 def kto_batch_problem(tool: str, objective: str, micro_batch: int, total_batch: int) -> str | None:
