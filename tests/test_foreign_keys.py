@@ -370,3 +370,13 @@ def test_llamafactory_v1_on_this_machines_gpus_divides_the_global_batch_by_them(
     out = capsys.readouterr().out
     assert "global_batch_size=32 (grad_accum 4)" in out
     assert "llamafactory-cli train" not in out
+
+
+@pytest.mark.parametrize("value", ["q_proj,v_proj", "[q_proj, v_proj]"])
+def test_llamafactory_lora_target_as_text_or_list(tmp_path: Path, value: str) -> None:
+    """LLaMA-Factory splits a comma list and takes a YAML list alike: both plan q and v, not all-linear with a
+    list's text as one module name."""
+    job = read_job("llamafactory", _write(tmp_path, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\n"
+                                          f"finetuning_type: lora\nlora_target: {value}\n"), JobOptions())
+    assert job.workload.lora_targets == ("q", "v")
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
