@@ -380,3 +380,11 @@ def test_llamafactory_lora_target_as_text_or_list(tmp_path: Path, value: str) ->
                                           f"finetuning_type: lora\nlora_target: {value}\n"), JobOptions())
     assert job.workload.lora_targets == ("q", "v")
     assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_axolotl_gradient_checkpointing_word_it_does_not_take_exits_2(tmp_path: Path) -> None:
+    """axolotl's `gradient_checkpointing` takes true/false or unsloth/offload/offload_disk as written: `Offload` was
+    planned without checkpointing while its offload note said activations were checkpointed."""
+    with pytest.raises(UserError, match=r"b.yml:9: 'gradient_checkpointing: Offload'; axolotl takes"):
+        read_job("axolotl", _write(tmp_path, "b.yml", AXOLOTL_LONG + "gradient_checkpointing: Offload\n"),
+                 JobOptions())

@@ -241,6 +241,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     _one_attention(src, impl)
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
+    if isinstance(gc, str) and gc not in CHECKPOINT_WORDS and gc.lower() not in ("true", "false"):
+        raise UserError(f"{src.at('gradient_checkpointing')}: 'gradient_checkpointing: {gc}'; axolotl takes true, "
+                        f"false or one of {', '.join(CHECKPOINT_WORDS)} (lower case).")
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
                     else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
