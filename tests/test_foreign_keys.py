@@ -388,3 +388,17 @@ def test_axolotl_gradient_checkpointing_word_it_does_not_take_exits_2(tmp_path: 
     with pytest.raises(UserError, match=r"b.yml:9: 'gradient_checkpointing: Offload'; axolotl takes"):
         read_job("axolotl", _write(tmp_path, "b.yml", AXOLOTL_LONG + "gradient_checkpointing: Offload\n"),
                  JobOptions())
+
+
+def test_foreign_target_regex_that_does_not_compile_exits_2(tmp_path: Path) -> None:
+    """An invalid expression is said to be one, not reported as names the planner does not know."""
+    with pytest.raises(UserError, match=r"lora_target_modules '\(q_proj' is not a regular expression"):
+        read_job("axolotl", _write(tmp_path, "rx.yml", AXOLOTL_LORA + 'lora_target_modules: "(q_proj"\n'),
+                 JobOptions())
+
+
+def test_axolotl_tensor_parallel_refusal_suggests_the_jobs_workload(tmp_path: Path) -> None:
+    """The suggested pipeline plan keeps the job's method, sequence and micro-batch (a full fine-tune at 4096, not
+    shardfit's default LoRA at 1024)."""
+    with pytest.raises(UserError, match=r"--method full --seq 4096 --batch 1 --pipeline-parallel 2"):
+        read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())

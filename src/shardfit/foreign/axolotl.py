@@ -344,7 +344,8 @@ def _parallel_sizes(src: Source, job: ForeignJob) -> None:
                         f"matrices over {tp} ranks; shardfit does not plan tensor parallelism. Plan the job without "
                         f"it (remove the key): FSDP (fsdp_config, fsdp_version: 2) or ZeRO-3 shards the weights "
                         f"over the ranks instead, or plan a layer split with `shardfit plan --model "
-                        f"{src.get('base_model')} --pipeline-parallel {tp}`.")
+                        f"{src.get('base_model')} --method {job.workload.method} --seq {job.workload.seq_len} "
+                        f"--batch {job.workload.micro_batch} --pipeline-parallel {tp}`.")
     shard, rep = src.get("dp_shard_size"), src.get("dp_replicate_size")
     n = 1 if shard is None else as_int(shard, "dp_shard_size", src.at("dp_shard_size"))
     r = 1 if rep is None else as_int(rep, "dp_replicate_size", src.at("dp_replicate_size"))
