@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardfit.cli.main import main
-from shardfit.config import LoraSettings
+from shardfit.config import Config, LoraSettings
 from shardfit.data.tokenize import IGNORE
 from shardfit.models.adapters import apply_lora
 from shardfit.models.anatomy import decoder_and_head
@@ -24,7 +24,7 @@ from shardfit.models.experts import use_experts
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import lora_params
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
-from shardfit.plan.workload import Workload
+from shardfit.plan.workload import Workload, workload_of
 from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts
 from shardfit.train.loss import CausalLMLoss
 from tests.families import FAMILIES, HEAVY_ZERO3, MATRIX, MEDIA_MATRIX, make_family_model, table, tiny_text_config
@@ -96,6 +96,21 @@ def test_lora_adapts_experts_never_routers(family: str, experts: bool) -> None:
     # The planner counts exactly the adapters peft makes (fused expert weights: a rank per expert).
     w = Workload(lora_rank=4, lora_experts=experts)
     assert sum(trainable.values()) == lora_params(shape, w)
+
+
+@pytest.mark.parametrize("targets", [r".*self_attn\.(q|v)_proj", ["q_proj", "v_proj"]])
+@pytest.mark.parametrize("experts", [True, False])
+def test_own_config_targets_plan_the_expert_adapters_the_trainer_adds(targets: str | list[str],
+                                                                      experts: bool) -> None:
+    """shardfit's trainer adds adapters to every routed expert weight under `lora.experts`, whatever
+    `lora.targets` names: the planner counts them too, for a regular expression and a list alike, not only where
+    gate/up/down is a target (Qwen3-30B-A3B: 636M trainable at rank 16, not the 7M of q and v alone)."""
+    config = tiny_text_config("Qwen3-MoE")
+    shape = shape_from_config(config.to_dict(), "Qwen3-MoE")
+    lora = LoraSettings(rank=4, targets=targets, experts=experts)
+    peft_model = apply_lora(AutoModelForCausalLM.from_config(config), lora)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert trainable == lora_params(shape, workload_of(Config(lora=lora)))
 
 
 def test_experts_implementation_is_chosen_by_device() -> None:

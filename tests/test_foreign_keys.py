@@ -123,27 +123,47 @@ def test_axolotl_activation_offloading_without_checkpointing_exits_2(tmp_path: P
         read_job("axolotl", path, JobOptions())
 
 
+KTO_AXOLOTL = (AXOLOTL_LONG.replace("micro_batch_size: 2", "micro_batch_size: 1")
+               + "rl: kto\ngradient_checkpointing: true\n")
+KTO_LF = ("model_name_or_path: Qwen/Qwen2.5-7B\nstage: kto\nfinetuning_type: lora\nper_device_train_batch_size: 1\n"
+          "gradient_accumulation_steps: 8\nbf16: true\n")
+KTO_SWIFT = "swift rlhf --rlhf_type kto --model Qwen/Qwen2.5-7B --per_device_train_batch_size 1"
+
+
 @pytest.mark.parametrize(("tool", "name", "text", "key"), [
-    ("llamafactory", "kto.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: kto\nfinetuning_type: lora\n"
-                                 "per_device_train_batch_size: 1\ngradient_accumulation_steps: 8\nbf16: true\n",
-     "per_device_train_batch_size 1"),
-    ("axolotl", "kto.yml", AXOLOTL_LONG.replace("micro_batch_size: 2", "micro_batch_size: 1") + "rl: kto\n"
-                                "gradient_checkpointing: true\n",
-     "micro_batch_size 1"),
-    ("swift", "kto.sh", "swift rlhf --rlhf_type kto --model Qwen/Qwen2.5-7B --per_device_train_batch_size 1\n",
-     "--per_device_train_batch_size 1"),
+    ("axolotl", "kto.yml", KTO_AXOLOTL, "micro_batch_size 1"),
+    ("swift", "kto.sh", KTO_SWIFT + "\n", "--per_device_train_batch_size 1"),
 ])
-def test_kto_at_one_row_is_refused_by_plan_check_and_convert_alike(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                                   tool: str, name: str, text: str,
-                                                                   key: str) -> None:
-    """KTO's reference point is over a micro-batch's rows (TRL's KTOTrainer refuses 1 row): convert refused the job
-    when it loaded the converted config, while plan and check planned it. One rule now serves all three, naming
-    the tool's key; --batch 2 plans the job as it could run."""
+def test_kto_batch_its_tool_refuses_is_refused_by_plan_check_and_convert_alike(
+        tmp_path: Path, capsys: pytest.CaptureFixture, tool: str, name: str, text: str, key: str) -> None:
+    """axolotl runs TRL's KTOTrainer, which refuses a micro-batch of 1; ms-swift refuses a total batch of 1 (one
+    rank, one row, no accumulation). plan, check and convert refuse alike, naming the tool's key."""
     job = _write(tmp_path, name, text)
     for command in (["plan", "--gpus", "1xH100"], ["check", "--gpus", "1xH100"], ["convert"]):
         assert main([command[0], "--from", tool, job, *command[1:]]) == 2
         assert f"{key} with objective kto" in capsys.readouterr().err
     assert main(["plan", "--from", tool, job, "--gpus", "1xH100", "--batch", "2"]) == 0
+
+
+@pytest.mark.parametrize(("tool", "name", "text"), [
+    ("llamafactory", "kto.yaml", KTO_LF),
+    ("swift", "kto.sh", KTO_SWIFT + " --gradient_accumulation_steps 8\n"),
+    ("swift", "kto2.sh", "NPROC_PER_NODE=2 " + KTO_SWIFT + "\n"),
+])
+def test_kto_at_one_row_runs_where_its_tool_runs_it(tmp_path: Path, capsys: pytest.CaptureFixture, tool: str,
+                                                    name: str, text: str) -> None:
+    """LLaMA-Factory and ms-swift skip TRL's micro-batch check (their own KTO examples use a per-device batch of
+    1): the job is planned, and convert writes two rows a micro-batch, which shardfit's KTO needs, with half the
+    accumulation, and says so."""
+    job = _write(tmp_path, name, text)
+    assert main(["plan", "--from", tool, job, "--gpus", "2xH100"]) == 0
+    capsys.readouterr()
+    read = read_job(tool, job, JobOptions())
+    cfg = to_config(read)
+    assert cfg["micro_batch"] == 2
+    assert cfg["grad_accum"] == max(1, read.workload.grad_accum // 2)
+    assert main(["convert", "--from", tool, job]) == 0
+    assert "micro_batch 1 -> 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("line", [
@@ -158,6 +178,22 @@ def test_swift_entry_script_under_a_launcher_is_swift_sft(tmp_path: Path, line: 
                                         "--max_length 4096 --per_device_train_batch_size 2\n")
     job = read_job("swift", script, JobOptions())
     assert (job.workload.method, job.nproc, job.engine, job.workload.seq_len) == ("full", 4, "deepspeed", 4096)
+
+
+@pytest.mark.parametrize("setup", ['python -m pip install -U "transformers>=4.45" peft', "python -m venv .venv",
+                                   "python3 -m pip install --upgrade ms-swift"])
+@pytest.mark.parametrize(("tool", "train"), [
+    ("hf", "torchrun --nproc_per_node 4 train.py --model_name_or_path Qwen/Qwen2.5-7B --per_device_train_batch_size 2"),
+    ("hf", "python -m torch.distributed.run --nproc_per_node 4 train.py --model_name_or_path Qwen/Qwen2.5-7B"),
+    ("hf", "torchrun --nproc_per_node 4 -m mypkg.train --model_name_or_path Qwen/Qwen2.5-7B"),
+    ("swift", "torchrun --nproc_per_node 4 -m swift.cli.sft --model Qwen/Qwen2.5-7B --tuner_type lora"),
+])
+def test_setup_module_ahead_of_the_training_command_is_skipped(tmp_path: Path, setup: str, tool: str,
+                                                                train: str) -> None:
+    """`python -m pip install ...` or `python -m venv` before the launch is setup, not the training script: the
+    reader finds the launch after it (4 ranks), where it used to read pip.py and find no model."""
+    job = read_job(tool, _write(tmp_path, "run.sh", f"{setup}\n{train}\n"), JobOptions())
+    assert (job.model, job.nproc) == ("Qwen/Qwen2.5-7B", 4)
 
 
 def test_swift_rlhf_entry_script_keeps_its_objective(tmp_path: Path) -> None:
@@ -208,12 +244,42 @@ def test_axolotl_dp_shard_size_shards_over_its_group_only(tmp_path: Path) -> Non
     assert _gib_on(pairs, "8xH100") > 2.5 * _gib_on(every, "8xH100")
 
 
+def test_axolotl_replicas_and_context_parallel_size_the_shard_group(tmp_path: Path) -> None:
+    """axolotl sizes FSDP's group as accelerate does: dp_replicate_size 4 on 8 ranks shards over 2 (as dp_shard_size
+    2 does: 124 GiB, not the 40 of all 8), and the group is dp_shard_size x context_parallel_size (dp_shard 4 x cp 2
+    on 8 ranks is all of them: no replica)."""
+    text = AXOLOTL_FSDP + "fsdp_version: 2\n"
+    def gib(name: str, extra: str) -> float:
+        return _gib_on(read_job("axolotl", _write(tmp_path, name, text + extra), JobOptions(nproc=8)), "8xH100")
+    two = gib("s2.yml", "dp_shard_size: 2\n")
+    assert gib("r4.yml", "dp_replicate_size: 4\n") == pytest.approx(two)
+    assert gib("s2r4.yml", "dp_shard_size: 2\ndp_replicate_size: 4\n") == pytest.approx(two)
+    cp = "context_parallel_size: 2\n"
+    assert gib("c.yml", cp + "dp_shard_size: 4\n") == pytest.approx(gib("c0.yml", cp))
+    assert gib("c2.yml", cp + "dp_shard_size: 2\n") < 0.6 * two
+
+
+def test_axolotl_reference_is_sharded_over_the_shard_group(tmp_path: Path) -> None:
+    """A full DPO under dp_shard_size 2: axolotl prepares the reference with FSDP over the same group of 2, so it
+    takes half the copy a GPU (7.1 GiB of Qwen2.5-7B), not an eighth: 83 GiB, which does not fit an H100."""
+    text = AXOLOTL_FSDP.replace("14B", "7B") + "fsdp_version: 2\nrl: dpo\ndp_shard_size: 2\n"
+    job = read_job("axolotl", _write(tmp_path, "d.yml", text), JobOptions(nproc=8))
+    got = plan_job(job, resolve_shape(job.model), parse_gpus("8xH100")).configured.per_gpu_gib
+    assert got.weights > 20
+    assert got.total > 80
+
+
 def test_axolotl_parallel_sizes_it_cannot_plan_exit_2(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"tp.yml:\d+: 'tensor_parallel_size: 2' .* shardfit does not plan tensor"):
         read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
     no_fsdp = AXOLOTL_LONG + "gradient_checkpointing: true\ndp_shard_size: 2\n"
     with pytest.raises(UserError, match="'dp_shard_size: 2' without fsdp_config"):
         read_job("axolotl", _write(tmp_path, "ddp.yml", no_fsdp), JobOptions(nproc=4))
+    with pytest.raises(UserError, match="'dp_shard_size: 2' with FSDP1"):
+        read_job("axolotl", _write(tmp_path, "f1.yml", AXOLOTL_FSDP + "dp_shard_size: 2\n"), JobOptions(nproc=8))
+    big = AXOLOTL_FSDP + "fsdp_version: 2\ndp_shard_size: 16\n"
+    with pytest.raises(UserError, match="groups of 16 rank.* do not make the 8 ranks"):
+        read_job("axolotl", _write(tmp_path, "s16.yml", big), JobOptions(nproc=8))
 
 
 def test_axolotl_fsdp_version_decides_fsdp1(tmp_path: Path) -> None:
@@ -256,3 +322,83 @@ def test_swift_experts_impl_is_read(tmp_path: Path) -> None:
     batched = read_job("swift", _write(tmp_path, "b.sh", line.format("batched_mm")), JobOptions())
     assert "experts_impl" in batched.not_modelled
     assert any(n.startswith("--experts_impl batched_mm") for n in batched.notes)
+
+
+@pytest.mark.parametrize(("targets", "experts"), [('".*self_attn\\\\.(q|v)_proj"', False), ("[q_proj, v_proj]", False),
+                                                 ("[q_proj, gate_proj, up_proj, down_proj]", None)])
+def test_axolotl_convert_of_a_mixture_trains_the_experts_axolotl_trains(tmp_path: Path, targets: str,
+                                                                        experts: bool | None) -> None:
+    """axolotl's q/v targets on Qwen3-30B-A3B adapt no routed expert; shardfit's trainer adapts every expert unless
+    `lora.experts` is false, so convert writes false (7M trainable, as axolotl trains, not 636M). Targets that
+    reach the experts keep shardfit's default."""
+    text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: lora\nlora_r: 16\nsequence_len: 2048\nmicro_batch_size: 2\n"
+            f"bf16: true\ngradient_checkpointing: true\nlora_target_modules: {targets}\n")
+    job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions())
+    assert to_config(job)["lora"].get("experts") is experts
+
+
+def test_swift_target_regex_overrides_target_modules(tmp_path: Path) -> None:
+    """ms-swift trains --target_regex's modules when both are given: planned and converted as the regex (the MLP's
+    gate/up/down: 121M trainable on Qwen2.5-7B at rank 64), not as q/v (20M)."""
+    regex = r"^(model\.layers\.\d+\.mlp\.(gate|up|down)_proj)$"
+    job = read_job("swift", _write(tmp_path, "rx.sh", "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora "
+                                  f"--lora_rank 64 --target_modules q_proj v_proj --target_regex '{regex}'\n"),
+                   JobOptions())
+    assert job.workload.lora_targets == ("gate", "up", "down")
+    assert "overridden by --target_regex" in job.keys["target_modules"]
+    assert to_config(job)["lora"]["targets"] == regex
+
+
+@pytest.mark.parametrize("value", ["5", "true", "{q: 1}", "[q_proj, 3]"])
+def test_axolotl_target_modules_neither_names_nor_a_regex_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   value: str) -> None:
+    """A number or mapping for lora_target_modules is bad input: exit 2 naming the file's line and what axolotl
+    takes, not a TypeError (a number) nor a mapping's keys planned as module names."""
+    job = _write(tmp_path, "bad.yml", AXOLOTL_LORA + f"lora_target_modules: {value}\n")
+    assert main(["plan", "--from", "axolotl", job, "--gpus", "1xH100"]) == 2
+    assert "bad.yml:9: 'lora_target_modules' is" in capsys.readouterr().err
+
+
+def test_llamafactory_v1_on_this_machines_gpus_divides_the_global_batch_by_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Without --gpus the plan runs on the GPUs found here; v1's launcher starts a rank on each, so its
+    global_batch_size 32 (micro 2) is 4 accumulation steps on 4 GPUs, decided before the job is read, not 16 (one
+    rank) with the ranks added afterwards."""
+    import shardfit.cli.foreign_args as foreign_args
+    monkeypatch.setattr(foreign_args, "detect", lambda nodes=1: parse_gpus("4xH100"))
+    assert main(["plan", "--from", "llamafactory", "tests/foreign_jobs/lf_v1/lora_fsdp2.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "global_batch_size=32 (grad_accum 4)" in out
+    assert "llamafactory-cli train" not in out
+
+
+@pytest.mark.parametrize("value", ["q_proj,v_proj", "[q_proj, v_proj]"])
+def test_llamafactory_lora_target_as_text_or_list(tmp_path: Path, value: str) -> None:
+    """LLaMA-Factory splits a comma list and takes a YAML list alike: both plan q and v, not all-linear with a
+    list's text as one module name."""
+    job = read_job("llamafactory", _write(tmp_path, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\n"
+                                          f"finetuning_type: lora\nlora_target: {value}\n"), JobOptions())
+    assert job.workload.lora_targets == ("q", "v")
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_axolotl_gradient_checkpointing_word_it_does_not_take_exits_2(tmp_path: Path) -> None:
+    """axolotl's `gradient_checkpointing` takes true/false or unsloth/offload/offload_disk as written: `Offload` was
+    planned without checkpointing while its offload note said activations were checkpointed."""
+    with pytest.raises(UserError, match=r"b.yml:9: 'gradient_checkpointing: Offload'; axolotl takes"):
+        read_job("axolotl", _write(tmp_path, "b.yml", AXOLOTL_LONG + "gradient_checkpointing: Offload\n"),
+                 JobOptions())
+
+
+def test_foreign_target_regex_that_does_not_compile_exits_2(tmp_path: Path) -> None:
+    """An invalid expression is said to be one, not reported as names the planner does not know."""
+    with pytest.raises(UserError, match=r"lora_target_modules '\(q_proj' is not a regular expression"):
+        read_job("axolotl", _write(tmp_path, "rx.yml", AXOLOTL_LORA + 'lora_target_modules: "(q_proj"\n'),
+                 JobOptions())
+
+
+def test_axolotl_tensor_parallel_refusal_suggests_the_jobs_workload(tmp_path: Path) -> None:
+    """The suggested pipeline plan keeps the job's method, sequence and micro-batch (a full fine-tune at 4096, not
+    shardfit's default LoRA at 1024)."""
+    with pytest.raises(UserError, match=r"--method full --seq 4096 --batch 1 --pipeline-parallel 2"):
+        read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())

@@ -197,14 +197,13 @@ def test_axolotl_cut_cross_entropy_plugin_fuses_the_loss(tmp_path: Path, extra: 
 
 
 def test_convert_refusal_names_the_job_not_a_temporary_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """LLaMA-Factory's KTO example trains one row per micro-batch, which shardfit's kto (and TRL's) refuses: convert
-    says so about the user's file and its key, not about the temporary copy it loads."""
-    job = _write(tmp_path, "kto.yaml", "model_name_or_path: Qwen/Qwen3-4B\nstage: kto\nfinetuning_type: lora\n"
-                                       "dataset: kto_en_demo\ncutoff_len: 2048\nper_device_train_batch_size: 1\n"
-                                       "bf16: true\n")
-    assert main(["convert", "--from", "llamafactory", job]) == 2
+    """A KTO job of one row a step (one rank, micro-batch 1, no accumulation), which ms-swift refuses: convert says
+    so about the user's file and its key, not about a temporary copy."""
+    job = _write(tmp_path, "kto.sh", "swift rlhf --rlhf_type kto --model Qwen/Qwen3-4B --max_length 2048 "
+                                     "--per_device_train_batch_size 1\n")
+    assert main(["convert", "--from", "swift", job]) == 2
     err = capsys.readouterr().err
-    assert f"{job}: per_device_train_batch_size 1 with objective kto" in err
+    assert f"{job}: --per_device_train_batch_size 1 with objective kto" in err
     assert "tmp" not in err.replace(str(tmp_path), "")
 
 

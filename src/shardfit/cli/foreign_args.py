@@ -38,7 +38,9 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
                         "loss the plan counts.")
     hw = parse_gpus(args.gpus, args.nodes, getattr(args, "cpu_mem", None)) if args.gpus else detect(args.nodes)
     opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
-                      grad_ckpt=args.grad_ckpt, transformers=args.transformers, gpus=hw if args.gpus else None)
+                      grad_ckpt=args.grad_ckpt, transformers=args.transformers,
+                      # the GPUs a launch that takes every visible one starts ranks on, known before reading
+                      gpus=hw if args.gpus or hw.gpus_per_node > 1 else None)
     job = read_job(args.from_tool, args.config, opts)
     if args.gpus and job.nproc and job.nproc > hw.gpus_per_node:  # a node's ranks would share its GPUs
         said = f"--nproc {args.nproc}" if args.nproc else f"{job.source} (its launch)"

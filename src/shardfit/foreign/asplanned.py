@@ -51,6 +51,10 @@ def configured_estimate(job: ForeignJob, shape: ModelShape, w: Workload, hw: Har
     with the same sharding), with the reference model the tool keeps beside the policy."""
     engine = engine or job.engine
     zero = zero or job.zero
+    if engine.startswith("fsdp") and (group := job.shard_group(hw.world)):
+        # each rank holds 1/N of the model, and of the reference FSDP prepares alike, for a shard group of N ranks,
+        # whatever the replicas around it
+        hw = dataclasses.replace(hw, nodes=1, gpus_per_node=group)
     ref = reference_bytes(job, shape, w, hw, engine, zero)
     if ref:  # the tool runs its copy's forward inside every step, as the adapters-off reference runs
         w = dataclasses.replace(w, precompute_reference=False)
@@ -60,9 +64,6 @@ def configured_estimate(job: ForeignJob, shape: ModelShape, w: Workload, hw: Har
         strategy = ENGINE_STRATEGY.get(engine, "single")
         if strategy == "single" and hw.world > 1:
             hw = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
-        elif engine.startswith("fsdp") and job.shard_ranks and job.shard_ranks < hw.world:
-            # each rank holds 1/N of the model for a shard group of N ranks, whatever the replicas around it
-            hw = dataclasses.replace(hw, nodes=1, gpus_per_node=job.shard_ranks)
         c = estimate(shape, w, hw, strategy)
     return with_reference(c, ref, hw) if ref else c
 

@@ -91,7 +91,8 @@ KEYS = key_table({
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
     "quantize_moe_experts": Key("routed experts in 4-bit, as planned"), "fsdp_version": Key("FSDP1 or FSDP2"),
     "dp_shard_size": Key("FSDP shard group"),
-    "tensor_parallel_size": Key("no tensor parallelism (1)"), "dp_replicate_size": Key("replicas of the shards"),
+    "tensor_parallel_size": Key("no tensor parallelism (1)"),
+    "dp_replicate_size": Key("FSDP shard group (ranks / replicas)"),
     # carried over to the shardfit config (LoRA's targets are decided in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float, default=0.0),
@@ -240,6 +241,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     _one_attention(src, impl)
     flash = src.flag("flash_attention") or src.flag("flex_attention") or any(k in impl for k in ("flash", "flex"))
     gc = src.get("gradient_checkpointing", False)
+    if isinstance(gc, str) and gc not in CHECKPOINT_WORDS and gc.lower() not in ("true", "false"):
+        raise UserError(f"{src.at('gradient_checkpointing')}: 'gradient_checkpointing: {gc}'; axolotl takes true, "
+                        f"false or one of {', '.join(CHECKPOINT_WORDS)} (lower case).")
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
                     else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
@@ -340,16 +344,31 @@ def _parallel_sizes(src: Source, job: ForeignJob) -> None:
                         f"matrices over {tp} ranks; shardfit does not plan tensor parallelism. Plan the job without "
                         f"it (remove the key): FSDP (fsdp_config, fsdp_version: 2) or ZeRO-3 shards the weights "
                         f"over the ranks instead, or plan a layer split with `shardfit plan --model "
-                        f"{src.get('base_model')} --pipeline-parallel {tp}`.")
-    shard = src.get("dp_shard_size")
-    if shard is None or (n := as_int(shard, "dp_shard_size", src.at("dp_shard_size"))) <= 1:
-        return
-    if not job.engine.startswith("fsdp"):
+                        f"{src.get('base_model')} --method {job.workload.method} --seq {job.workload.seq_len} "
+                        f"--batch {job.workload.micro_batch} --pipeline-parallel {tp}`.")
+    shard, rep = src.get("dp_shard_size"), src.get("dp_replicate_size")
+    n = 1 if shard is None else as_int(shard, "dp_shard_size", src.at("dp_shard_size"))
+    r = 1 if rep is None else as_int(rep, "dp_replicate_size", src.at("dp_replicate_size"))
+    if n > 1 and not job.engine.startswith("fsdp"):
         raise UserError(f"{src.at('dp_shard_size')}: 'dp_shard_size: {shard}' without fsdp_config; axolotl refuses "
                         f"it (dp_shard_size was configured without a corresponding fsdp_config): add fsdp_config.")
-    job.shard_ranks = n
-    job.notes.append(f"dp_shard_size {n}: FSDP shards over groups of {n} ranks and replicates across them; each "
-                     f"GPU is planned as one of {n} shards (gradients are also all-reduced across the groups)")
+    if n > 1 and job.workload.fsdp1:
+        raise UserError(f"{src.at('dp_shard_size')}: 'dp_shard_size: {shard}' with FSDP1; accelerate's "
+                        f"ParallelismConfig, which axolotl turns on for it, runs only with FSDP2: add "
+                        f"fsdp_version: 2.")
+    if not job.engine.startswith("fsdp") or (n <= 1 and r <= 1):
+        return  # replicas without FSDP are DDP's own
+    cp = job.workload.sequence_parallel
+    if n > 1:  # accelerate shards over the dp_shard x cp ranks (its dp_shard_cp mesh)
+        job.shard_ranks = n * cp
+    if r > 1:
+        job.replicas = r
+    group = f"{n * cp} ranks" if n > 1 else f"the ranks / {r}"
+    with_cp = f" (dp_shard_size {n} x context_parallel_size {cp})" if n > 1 and cp > 1 else ""
+    job.notes.append(f"FSDP shards over groups of {group}{with_cp}, replicated across any groups beyond it: each "
+                     f"GPU is planned as one shard of its group (gradients are also all-reduced across the groups)")
+    if job.nproc:
+        job.shard_group(job.nproc * job.nnodes)  # sizes that cannot make the launched ranks exit 2 now
 
 
 def _fsdp_engine(src: Source) -> str | None:
@@ -368,12 +387,23 @@ def _fsdp_engine(src: Source) -> str | None:
     return "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
 
 
+def _targets(src: Source) -> str | list[str] | None:
+    """`lora_target_modules`: a list of module names or one regular expression (a string), as axolotl takes it;
+    a UserError for anything else (a number, a mapping), which axolotl's config validation refuses too."""
+    targets = src.get("lora_target_modules")
+    if targets is None or isinstance(targets, str):
+        return targets
+    if isinstance(targets, list) and all(isinstance(t, str) for t in targets):
+        return targets
+    raise UserError(f"{src.at('lora_target_modules')}: 'lora_target_modules' is {targets!r}; axolotl takes a list "
+                    f"of module names (e.g. [q_proj, v_proj]) or one regular expression over module names.")
+
+
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned, effects = set(), {}
-    targets = src.get("lora_target_modules")
+    targets = _targets(src)
     if targets and not src.flag("lora_target_linear"):
-        effect = plan_targets(job, "lora_target_modules", targets if isinstance(targets, str) else
-                              [str(t) for t in targets])
+        effect = plan_targets(job, "lora_target_modules", targets)
         if effect:
             effects["lora_target_modules"] = effect
         else:
@@ -402,8 +432,7 @@ def _convert(src: Source) -> dict[str, Any]:
     if src.flag("flex_attention") or "flex" in str(src.get("attn_implementation") or "").lower():
         out["attn_implementation"] = "flex_attention"  # planned as flash; some models (Llama 4) have no FA2
     # adapters on every linear layer unless lora_target_linear is off and modules are named
-    targets = src.get("lora_target_modules")
+    targets = _targets(src)
     # a string is one regular expression over module names (peft's reading, and shardfit's)
-    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear") or not targets else \
-        str(targets) if isinstance(targets, str) else [str(t) for t in targets]
+    out["lora"]["targets"] = "all-linear" if src.flag("lora_target_linear") or not targets else targets
     return out

@@ -8,8 +8,10 @@ from typing import Any
 import yaml
 
 from shardfit import method as methods
+from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
+from shardfit.plan.shapes import resolve_shape
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
 
@@ -30,6 +32,8 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     lora["rank"] = w.lora_rank
     if methods.get(w.method).adapters:
         cfg["lora"] = lora
+        if "experts" not in lora and _moe(job.model) and not _adapts_experts(job):
+            lora["experts"] = False  # shardfit's trainer would otherwise add every expert's adapters
     cfg.update(extra)
     if cfg.get("sequence_parallel", 1) > 1:  # shardfit's Ulysses runs its own attention around SDPA
         cfg["attn_implementation"] = "auto"
@@ -42,7 +46,27 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
             cfg["strategy"] = "auto"
     if job.engine == "device_map":
         cfg["device_map"] = "auto"
+    if objectives.micro_batch_problem(w.objective, w.micro_batch):
+        # the tool trains this batch (its rule is looser, read.kto_batch_problem); shardfit's KTO needs two rows a
+        # micro-batch, so the same rows a step go two at a time with half the accumulation
+        cfg["micro_batch"] = 2
+        cfg["grad_accum"] = max(1, w.micro_batch * w.grad_accum // 2)
     return cfg
+
+
+def _moe(model: str) -> bool:
+    try:
+        return resolve_shape(model).moe
+    except UserError:  # a model not at hand: the converted config keeps shardfit's default
+        return False
+
+
+def _adapts_experts(job: ForeignJob) -> bool:
+    """Whether the tool's adapters reach the routed experts as planned (estimate.adapts): peft's target_modules
+    reach a fused expert weight only through a targeted gate/up/down (or all-linear), while shardfit's trainer
+    adapts every expert weight whatever the targets, unless `lora.experts` is false."""
+    w = job.workload
+    return w.lora_experts and (w.lora_targets is None or any(t in w.lora_targets for t in ("gate", "up", "down")))
 
 
 def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
@@ -71,6 +95,10 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
     if job.reference is not None and job.keeps_reference():
         out.append(f"{TOOL_NAMES[job.tool]} keeps a reference model beside the policy ({job.reference.why}); "
                    f"shardfit keeps none: {_reference_way(cfg)}")
+    if cfg["micro_batch"] != job.workload.micro_batch:
+        out.append(f"micro_batch {job.workload.micro_batch} -> {cfg['micro_batch']} with grad_accum "
+                   f"{job.workload.grad_accum} -> {cfg['grad_accum']}: shardfit's {job.workload.objective} needs two "
+                   f"rows a micro-batch; the rows a step stay the same (one fewer for an odd count)")
     out += [f"warning: {x}" for x in job.not_carried]
     if job.not_modelled:
         out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardfit import objective as objectives
+from shardfit.errors import UserError
 from shardfit.plan.deepspeed import ZeroSettings
 from shardfit.plan.workload import Workload
 
@@ -57,6 +58,7 @@ class ForeignJob:
     gpus: int | None = None  # GPUs one process spans (a device-map job)
     nnodes: int = 1
     shard_ranks: int | None = None  # FSDP shards over groups of this many ranks, replicated across groups (HSDP)
+    replicas: int | None = None  # ... or over world/replicas ranks, when only the replica count is given
     launcher: str | None = None
     device_map: str | None = None  # a device map the job loads with ("auto", "balanced", a dict as text)
     speech_outputs: bool = False  # the model's speech modules (an Omni talker) are loaded with it
@@ -86,6 +88,21 @@ class ForeignJob:
         ref = self.reference
         return ref is not None and objectives.get(w.objective).reference and (
             not w.trains_adapters or ref.with_adapters)
+
+    def shard_group(self, world: int) -> int | None:
+        """The ranks FSDP shards the model over on `world` ranks, when fewer than all of them (None: all), as
+        accelerate's ParallelismConfig sizes it; a UserError for sizes whose product is not the world, which
+        accelerate refuses ("total_size ... does not match num_processes")."""
+        if not (self.shard_ranks or self.replicas):
+            return None
+        replicas = self.replicas or 1
+        group = self.shard_ranks or world // replicas
+        if group * replicas != world if self.replicas else world % group:
+            raise UserError(f"{self.source}: FSDP shard groups of {group} rank(s) x {replicas} replica(s) do not "
+                            f"make the {world} ranks planned; accelerate refuses that (ParallelismConfig's total "
+                            f"size must equal the number of processes): size dp_shard_size x context_parallel_size "
+                            f"x dp_replicate_size to the ranks, or plan on other --gpus/--nproc.")
+        return group if group < world else None
 
     @property
     def distributed(self) -> bool:

@@ -47,9 +47,16 @@ from shardfit.plan.workload import Workload
 
 
 def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
-    """`lora_target`: `all`, or module names separated by commas."""
-    target = str(value)
-    return "all-linear" if target == "all" else [t.strip() for t in target.split(",")]
+    """`lora_target`: `all`, or module names separated by commas, or a YAML list of them (LLaMA-Factory's
+    split_arg takes either)."""
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        names = [t.strip() for t in value]
+    elif isinstance(value, str | int | float) and not isinstance(value, bool):
+        names = [t.strip() for t in str(value).split(",")]
+    else:
+        raise UserError(f"{where}: '{key}' is {value!r}; LLaMA-Factory takes all, or module names separated by "
+                        f"commas (q_proj,v_proj) or as a list.")
+    return "all-linear" if names == ["all"] else names
 
 
 # Preference settings, carried over to shardfit's `dpo:` keys where it has one (`_preference`).

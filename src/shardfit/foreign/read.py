@@ -102,6 +102,8 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         job.model = opts.model
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    if opts.gpus is not None:  # the ranks a launch that takes every GPU starts, before the checks that count ranks
+        launch_on(job, opts.gpus.gpus_per_node)
     _check_split(job, shape_of)
     _check_micro_batch(job, opts)
     job.notes.append(f"loss as transformers {version} computes it" +
@@ -119,21 +121,43 @@ def launch_on(job: ForeignJob, gpus_per_node: int) -> None:
     job.launcher = "torchrun"
     if job.engine == "single":
         job.engine = "ddp"
-    job.notes.append(f"llamafactory-cli train starts torchrun over all {gpus_per_node} visible GPUs itself: planned "
-                     f"as {gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")
+    cli = job.words.say("launch", "llamafactory-cli train").removeprefix("FORCE_TORCHRUN=1 ")
+    job.notes.append(f"{cli} starts torchrun over all {gpus_per_node} visible GPUs itself: planned as "
+                     f"{gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")
+
+
+def kto_batch_problem(tool: str, objective: str, micro_batch: int, total_batch: int) -> str | None:
+    """Why `tool` refuses to train objective `objective` at `micro_batch` rows a micro-batch (`total_batch` rows an
+    optimizer step over all ranks), or None. Each tool decides for itself: axolotl and the HF Trainer run TRL's
+    KTOTrainer, which refuses a micro-batch of 1 (its KL pair is shifted within the micro-batch); LLaMA-Factory's
+    KTO trainer skips TRL's check and pairs rows when it preprocesses the data, so it runs any batch; ms-swift
+    also skips TRL's check and shifts the pairs within the whole step's batch, refusing only a total of 1."""
+    if objective != "kto":
+        return None
+    if tool == "llamafactory":
+        return None
+    if tool == "swift":
+        if total_batch > 1:
+            return None
+        return (f"ms-swift shifts KTO's KL pairs within the total batch (ranks x per-device batch x accumulation "
+                f"= {total_batch}), and refuses a total of 1")
+    problem = objectives.micro_batch_problem(objective, micro_batch)
+    return None if problem is None else f"{problem} (TRL's KTOTrainer, which {TOOL_NAMES[tool]} runs, refuses it too)"
 
 
 def _check_micro_batch(job: ForeignJob, opts: JobOptions) -> None:
-    """A micro-batch the job's objective cannot train at (KTO at 1 row): the rule `shardfit convert` meets when it
-    loads the converted config, applied when the job is read, so plan and check refuse it too."""
+    """A batch the job's own tool refuses for its objective (`kto_batch_problem`), refused when the job is read, so
+    plan, check and convert refuse it alike. convert writes a micro-batch shardfit can train where the tool's
+    rule is looser than shardfit's (to_config)."""
     w = job.workload
-    problem = objectives.micro_batch_problem(w.objective, w.micro_batch)
+    total = (job.nproc or 1) * job.nnodes * w.micro_batch * w.grad_accum
+    problem = kto_batch_problem(job.tool, w.objective, w.micro_batch, total)
     if problem is None:
         return
     key = "--batch" if opts.batch is not None else BATCH_KEYS[job.tool]
-    raise UserError(f"{job.source}: {key} {w.micro_batch} with objective {w.objective}: {problem} (TRL's KTOTrainer, "
-                    f"which {TOOL_NAMES[job.tool]} runs, refuses it too). Set {key} to 2 or more (with fewer "
-                    f"gradient accumulation steps for the same global batch); plan --from ... --batch 2 plans that.")
+    raise UserError(f"{job.source}: {key} {w.micro_batch} with objective {w.objective}: {problem}. Set {key} to 2 "
+                    f"or more (with fewer gradient accumulation steps for the same global batch); plan --from ... "
+                    f"--batch 2 plans that.")
 
 
 def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJob:

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from shardfit.errors import UserError
 
 LAUNCHERS = ("torchrun", "deepspeed", "accelerate", "python", "python3")
+# Modules run with `python -m` to set up, install or fetch, never to train.
+SETUP_MODULES = frozenset({"pip", "venv", "virtualenv", "ensurepip", "uv", "pipx", "conda", "site", "http",
+                           "huggingface_hub", "modelscope", "nltk", "spacy", "pytest", "unittest", "compileall",
+                           "json", "zipfile", "tarfile", "bitsandbytes"})
 # torchrun / deepspeed / accelerate launch options that decide how many ranks run, by the name each launcher uses.
 NPROC_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus", "--num_processes",
                "--num-processes")
@@ -138,7 +142,10 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
         while i < len(words) and words[i].startswith("-"):
             name, eq, value = words[i].partition("=")
             if name == "-m" and i + 1 < len(words):  # `python -m pkg.module`, `torchrun -m pkg.module`
-                words = [*words[:i + 1], words[i + 1].replace(".", "/") + ".py", *words[i + 2:]]
+                path = words[i + 1].replace(".", "/") + ".py"
+                if not _trains(words[i + 1], path, head, words[i + 2:], programs):
+                    return None
+                words = [*words[:i + 1], path, *words[i + 2:]]
                 i += 1
                 break
             if not eq and i + 1 < len(words) and not words[i + 1].startswith("-") and not _is_program(
@@ -177,6 +184,18 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
             cmd.positional.append(w)
         j += 1
     return cmd
+
+
+def _trains(module: str, path: str, head: str, args: list[str], programs: tuple[str, ...]) -> bool:
+    """Whether `head -m module args` is a training command: a tool's own entry module (`swift.cli.sft`, a
+    program of `programs` with a package path), or a user's module that a launcher starts or that python runs
+    with options; never a setup command (`python -m pip install ...`, `python -m venv .venv`), which would
+    otherwise be read as the training script."""
+    if any("/" in p and (path == p or path.endswith("/" + p)) for p in programs):
+        return True
+    if module.split(".")[0] in SETUP_MODULES:
+        return False
+    return head in LAUNCHERS and not head.startswith("python") or any(a.startswith("--") for a in args)
 
 
 def _one_word_program(word: str, programs: tuple[str, ...]) -> str | None:

@@ -90,6 +90,8 @@ KEYS = key_table({
     "num_train_epochs": Key(config="epochs", read=epochs),
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=32),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
+    # ms-swift replaces --target_modules with --target_regex when both are given (TunerArguments; `_convert`)
+    "target_regex": Key("adapters on the modules it names"),
     "target_modules": Key("adapters on every linear layer", config="lora.targets", read=lora_targets,
                           default="all-linear"),
     # the micro-batch's rows flattened into one without padding (flash attention's varlen): no more tokens than
@@ -332,7 +334,15 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
-    if "target_modules" in src and src.get("target_modules") != "all-linear":
+    if src.get("target_regex"):
+        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")))
+        if effect:
+            effects["target_regex"] = effect
+        else:
+            unplanned.add("target_regex")
+        if "target_modules" in src:
+            effects["target_modules"] = "overridden by --target_regex (ms-swift trains the regex's modules)"
+    elif "target_modules" in src and src.get("target_modules") != "all-linear":
         effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
                                                                     src.where))
         if effect:
@@ -358,6 +368,8 @@ def _datasets(src: Source, job: ForeignJob) -> list[str]:
 
 def _convert(src: Source, job: ForeignJob) -> dict[str, Any]:
     out = settings(src, KEYS, "config")
+    if src.get("target_regex"):  # one regular expression over module names, as peft (and shardfit) read a string
+        out.setdefault("lora", {})["targets"] = str(src.get("target_regex"))
     if job.speech_outputs or "omni" in job.model.lower():
         out["drop_modules"] = ["talker", "token2wav"]
     return out

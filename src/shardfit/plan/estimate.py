@@ -117,10 +117,11 @@ class Candidate:
 
 def adapts(name: str, w: Workload) -> bool:
     """Whether LoRA adapts the block's linear layer `name` (ModelShape.named_linears): one of `lora_targets` (all
-    of them by default); a mixture's routed experts only with `lora_experts` (their fused gate/up weight when `gate`
-    or `up` is a target); never a router. Gated DeltaNet's projections (`linear_*`) and a shared experts' gate
-    (`shared_gate`) bear no q_proj...down_proj name, so only all-linear (`lora_targets` None) reaches them, as it
-    reaches every nn.Linear but the head and the routers (models/experts.py `lora_targets`)."""
+    of them by default); a mixture's routed experts only with `lora_experts` (all of them with `lora_all_experts`,
+    else their fused gate/up weight when `gate` or `up` is a target); never a router. Gated DeltaNet's projections
+    (`linear_*`) and a shared experts' gate (`shared_gate`) bear no q_proj...down_proj name, so only all-linear
+    (`lora_targets` None) reaches them, as it reaches every nn.Linear but the head and the routers
+    (models/experts.py `lora_targets`)."""
     targets = w.lora_targets or LORA_TARGETS
     if name == "router":
         return False
@@ -128,7 +129,7 @@ def adapts(name: str, w: Workload) -> bool:
         return w.lora_targets is None
     if name.startswith("expert_"):
         parts = name.removeprefix("expert_").split("_")
-        return w.lora_experts and any(p in targets for p in parts)
+        return w.lora_experts and (w.lora_all_experts or any(p in targets for p in parts))
     return name in targets
 
 

@@ -80,6 +80,10 @@ class Workload:
     lora_dropout: float = 0.0
     # A mixture of experts: adapters on the routed experts too (`lora.experts`).
     lora_experts: bool = True
+    # ... on every routed expert weight whatever `lora_targets` names, as shardfit's trainer adds them (peft
+    # target_parameters, models/adapters.py); False: only the expert weights of targeted gate/up/down, as the
+    # other tools' peft target_modules reach them.
+    lora_all_experts: bool = False
     # `freeze`: the decoder blocks that train, by index (`trained_blocks`); empty: the last two (LLaMA-Factory's
     # default). Backward runs from the top down to the lowest of them.
     freeze_blocks: tuple[int, ...] = ()
@@ -227,7 +231,8 @@ def workload_of(cfg: Config) -> Workload:
                     # `compile: auto` is decided at train time; planning it as eager errs on the large side.
                     compile=cfg.compile is True or cfg.compile == "true",
                     lora_targets=lora_targets_of(cfg.lora.targets), lora_dropout=cfg.lora.dropout,
-                    lora_experts=cfg.lora.experts, freeze_blocks=blocks_named(cfg.freeze_trainable),
+                    lora_experts=cfg.lora.experts, lora_all_experts=cfg.lora.experts,
+                    freeze_blocks=blocks_named(cfg.freeze_trainable),
                     loss_chunk=0 if cfg.loss_chunk == "auto" else int(cfg.loss_chunk),
                     vision_trainable=not cfg.freeze_vision_tower, audio_trainable=not cfg.freeze_audio_tower,
                     objective=cfg.objective, precompute_reference=cfg.dpo.precompute_reference,
