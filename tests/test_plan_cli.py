@@ -185,6 +185,7 @@ def test_attention_mask_in_plan(capsys) -> None:
                                                                        rel=0.01)
     cfg = SimpleNamespace(method="lora", precision="bf16", max_seq_len=512, micro_batch=1, grad_ckpt="full",
                           lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True), grad_accum=1,
+                          freeze_trainable=[],
                           compile=False, freeze_vision_tower=True, freeze_audio_tower=True, loss_chunk="auto",
                           objective="sft", dpo=SimpleNamespace(precompute_reference="auto"), sequence_parallel=1,
                           expert_parallel=1, static_shape=False, float8=False)
@@ -200,7 +201,8 @@ def test_plan_model_defaults_are_the_training_defaults(capsys) -> None:
     from shardfit.plan.workload import MODEL_DEFAULT
 
     _, plan = _plan(capsys, "--model", "meta-llama/Llama-3.1-8B", "--gpus", "1x80GB")
-    assert plan["workload"] == dataclasses.asdict(dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT))
+    want = dataclasses.asdict(dataclasses.replace(workload_of(Config()), **MODEL_DEFAULT))
+    assert plan["workload"] == json.loads(json.dumps(want))  # as JSON carries it: tuples are lists
 
 
 def test_cards_and_models_a_user_types(capsys) -> None:
