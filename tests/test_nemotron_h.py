@@ -221,3 +221,44 @@ def test_the_mamba_scan_is_the_installed_one(installed: bool, tmp_path: Path, ca
     fused, torch_scan = (block_activation_bytes_per_token(shape, Workload(mamba_scan=k), part=mamba)
                          for k in ("mamba_ssm", "torch"))
     assert fused < torch_scan / 5
+
+
+TINY_DENSE = {"model_type": "nemotron_h", "hidden_size": 64, "hybrid_override_pattern": "M*-M-",
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+              "chunk_size": 32, "vocab_size": 49152, "tie_word_embeddings": False, "bos_token_id": 1,
+              "eos_token_id": 2, "pad_token_id": 2}
+
+
+@pytest.mark.parametrize("which", ["dense", "latent_moe", "pattern_moe"])
+def test_all_linear_lora_trains_what_the_plan_counts(which: str, tmp_path: Path) -> None:
+    """all-linear leaves each Mamba mixer's out_proj alone (the fused kernel reads its base weight; peft refuses
+    an adapter there) in the trainer and the planner alike, so both count the same adapters."""
+    from shardfit.config import LoraSettings
+    from shardfit.models.adapters import apply_lora
+    from shardfit.plan.estimate import trainable_params
+
+    cfg = {"dense": TINY_DENSE, "latent_moe": LATENT_MOE, "pattern_moe": PATTERN_MOE}[which]
+    folder = _folder(cfg, tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    peft_model = apply_lora(model, LoraSettings(rank=8, targets="all-linear", experts=False))
+    built = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert not any("out_proj.lora" in n for n, p in peft_model.named_parameters() if "mixer" in n)
+    planned = trainable_params(resolve_shape(str(folder)), Workload(method="lora", lora_rank=8, lora_experts=False))
+    assert built == planned
+
+
+def test_a_dense_nemotron_h_trains_with_default_lora(tmp_path: Path, tokenizer_dir: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """The schema's default LoRA (all-linear) on a dense Nemotron-H trains a step on a CPU: peft refused it."""
+    from tests.helpers import DEMO_DATA, save_with_tokenizer, train_here, write_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(NemotronHConfig(**{k: v for k, v in TINY_DENSE.items()
+                                                                if k != "model_type"}))
+    folder = save_with_tokenizer(model, tmp_path / "model", tokenizer_dir)
+    config = write_config(tmp_path / "run.yaml", model=str(folder), data=str(DEMO_DATA), method="lora",
+                          lora={"rank": 8, "targets": "all-linear"}, max_seq_len=128, micro_batch=1, max_steps=1,
+                          output_dir=str(tmp_path / "out"), precision="fp32")
+    train_here(config, capsys)
