@@ -103,7 +103,7 @@ def test_the_default_config_file_plans(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("hybrid_override_pattern", "M-M*X", "hybrid_override_pattern has 'X'"),
-    ("layers_block_type", ["mamba", "mlp"], "layers_block_type is ['mamba', 'mlp']")])
+    ("layers_block_type", ["ssm", "mlp"], "layers_block_type is ['ssm', 'mlp']")])
 def test_a_block_the_class_does_not_know_names_its_key(key: str, value: Any, named: str, tmp_path: Path) -> None:
     """A block other than the four exits 2 naming the key and the four (the class's own error named neither)."""
     cfg = {k: v for k, v in NANO9B.items() if k != "hybrid_override_pattern"}
@@ -111,6 +111,16 @@ def test_a_block_the_class_does_not_know_names_its_key(key: str, value: Any, nam
     with pytest.raises(UserError, match=named.replace("[", r"\[").replace("]", r"\]")) as e:
         resolve_shape(str(folder))
     assert "'M', '*', '-', 'E'" in str(e.value) or "'linear_attention'" in str(e.value)
+
+
+def test_older_block_names_plan_as_the_class_builds_them(tmp_path: Path) -> None:
+    """transformers renames "mamba" and "attention" blocks to "linear_attention" and "full_attention" and builds
+    the model; the planner refused them as unknown blocks."""
+    cfg = {k: v for k, v in LATENT_MOE.items() if k != "layers_block_type"}
+    folder = _folder({**cfg, "layers_block_type": ["mamba", "moe", "attention", "moe", "mamba", "mlp"]}, tmp_path)
+    shape = resolve_shape(str(folder))
+    assert (shape.mamba_layers, shape.attention_layers) == (2, 1)
+    assert shape.params() == _built_params(folder)[0]
 
 
 def test_only_attention_blocks_attend_and_mlps_mix_no_tokens(tmp_path: Path) -> None:

@@ -22,6 +22,9 @@ SINGLE_PART_TYPES = ("nemotron_h",)
 # The class's block names and the pattern's characters (NemotronHConfig._pattern_to_list), as parts.
 PARTS = {"linear_attention": MAMBA, "full_attention": ATTENTION, "mlp": MLP, "moe": MOE}
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# Older files' block names, which transformers renames as it reads them (configuration_utils'
+# remap_legacy_layer_types) and builds.
+LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, name: str) -> dict[str, Any]:
@@ -90,6 +93,8 @@ def _parts(get: Any, name: str) -> list[str]:
             raise UserError(f"{name}: config.json's hybrid_override_pattern has {', '.join(map(repr, odd))}; each "
                             f"block is one of {', '.join(map(repr, PATTERN))} (Mamba-2, attention, MLP, mixture).")
         types = [PATTERN[c] for c in pattern]
+    if isinstance(types, (list, tuple)):
+        types = [LEGACY.get(t, t) if isinstance(t, str) else t for t in types]
     if not isinstance(types, (list, tuple)) or not types or any(t not in PARTS for t in types):
         raise UserError(f"{name}: config.json's layers_block_type is {types!r}: list each block as one of "
                         f"{', '.join(map(repr, PARTS))} (or give hybrid_override_pattern, one of M, *, -, E a block).")
