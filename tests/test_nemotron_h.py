@@ -206,24 +206,44 @@ def test_splits_are_refused_as_the_rank_refuses_them(which: str, tmp_path: Path)
 
 
 
-@pytest.mark.parametrize("installed", [False, True])
-def test_the_mamba_scan_is_the_installed_one(installed: bool, tmp_path: Path, capsys: pytest.CaptureFixture,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without mamba_ssm the Mamba-2 blocks are planned for transformers' reference scan, with a note naming the
-    fused kernel; with it, for the fused kernel, which saves far less."""
+# (packages installed, whether mamba_ssm's kernel module imports) -> the scan transformers runs in training.
+SCANS = {"none": ((), True, "torch"), "no causal_conv1d": (("mamba_ssm",), True, "torch"),
+         "import fails": (("mamba_ssm", "causal_conv1d"), False, "torch"),
+         "both": (("mamba_ssm", "causal_conv1d"), True, "mamba_ssm")}
+
+
+@pytest.mark.parametrize("case", list(SCANS))
+def test_the_mamba_scan_is_the_one_transformers_runs(case: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Mamba-2 blocks are planned for the fused kernel only where transformers would call it (mamba_ssm and
+    causal_conv1d installed and mamba_ssm's kernel importable: transformers falls back to the torch scan on any
+    import error); else for transformers' reference scan, with a note naming the fused kernel."""
+    import importlib
     import importlib.util
+    import types
 
     from shardfit import kernels
 
-    find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if installed else None) if name == "mamba_ssm" else find(name, *a))
+    packages, imports, expected = SCANS[case]
+    find, load = importlib.util.find_spec, importlib.import_module
+    fused = types.SimpleNamespace(mamba_split_conv1d_scan_combined=lambda *a, **k: None)
+
+    def import_module(name: str, *a: Any) -> Any:
+        if not name.startswith("mamba_ssm"):
+            return load(name, *a)
+        if not imports:
+            raise ImportError("undefined symbol in selective_scan_cuda")
+        return fused
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if name in packages else None)
+                        if name in ("mamba_ssm", "causal_conv1d") else find(name, *a))
+    monkeypatch.setattr(importlib, "import_module", import_module)
     kernels.mamba_kernel.cache_clear()
     try:
-        assert Workload().mamba_scan == ("mamba_ssm" if installed else "torch")
+        assert Workload().mamba_scan == expected
         assert main(["plan", "--model", str(_folder(NANO9B, tmp_path)), "--gpus", "1xH100", "--seq", "4096"]) == 0
         assert ("Mamba-2 blocks are planned with transformers' reference torch scan" in capsys.readouterr().out) \
-            is not installed
+            is (expected == "torch")
     finally:
         kernels.mamba_kernel.cache_clear()
     shape = resolve_shape(str(tmp_path))
