@@ -123,6 +123,21 @@ def test_older_block_names_plan_as_the_class_builds_them(tmp_path: Path) -> None
     assert shape.params() == _built_params(folder)[0]
 
 
+def test_a_shared_expert_of_width_0_is_built_as_wide_as_the_mlp(tmp_path: Path) -> None:
+    """NemotronHMLP builds a shared expert given width 0 as intermediate_size wide; the planner counted none."""
+    folder = _folder({**LATENT_MOE, "moe_shared_expert_intermediate_size": 0}, tmp_path)
+    assert resolve_shape(str(folder)).params() == _built_params(folder)[0]
+
+
+@pytest.mark.parametrize(("keys", "named"), [
+    ({"n_routed_experts": 1, "num_experts_per_tok": 1}, "n_routed_experts is 1"),
+    ({"num_experts_per_tok": 17}, "num_experts_per_tok \\(17\\)")])
+def test_a_mixture_that_cannot_route_names_its_key(keys: dict[str, int], named: str, tmp_path: Path) -> None:
+    """One routed expert (planned as a dense MLP, so mis-counted) or more experts a token than there are exits 2."""
+    with pytest.raises(UserError, match=named):
+        resolve_shape(str(_folder({**LATENT_MOE, **keys}, tmp_path)))
+
+
 def test_only_attention_blocks_attend_and_mlps_mix_no_tokens(tmp_path: Path) -> None:
     """The time model runs softmax attention over the 4 attention blocks alone (the 24 MLP blocks were timed as
     attention), the 24 Mamba-2 blocks by their state, and each block's linear FLOPs are its one part's."""

@@ -51,7 +51,15 @@ def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, na
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key} is {value!r}; it must be a positive integer (the "
                             f"{'mixture' if key in sizes[-3:] and moe else 'model'} needs it).")
-    shared, latent = (get("moe_shared_expert_intermediate_size") or 0, get("moe_latent_size") or 0) if moe else (0, 0)
+    if moe and values["n_routed_experts"] < 2:
+        raise UserError(f"{name}: config.json's n_routed_experts is 1 with 'moe' blocks; a mixture routes among at "
+                        "least 2 experts: set n_routed_experts to 2 or more, or make those blocks 'mlp' ('-').")
+    if moe and values["num_experts_per_tok"] > values["n_routed_experts"]:
+        raise UserError(f"{name}: config.json's num_experts_per_tok ({values['num_experts_per_tok']}) exceeds "
+                        f"n_routed_experts ({values['n_routed_experts']}); route each token to at most that many.")
+    # The shared expert is always built; NemotronHMLP takes a width of 0 (or none) as intermediate_size.
+    shared = (get("moe_shared_expert_intermediate_size") or values["intermediate_size"]) if moe else 0
+    latent = (get("moe_latent_size") or 0) if moe else 0
     return dict(
         layers=len(parts), single_part=True, mamba_layers=parts.count(MAMBA), attention_layers=parts.count(ATTENTION),
         dense_layers=len(parts) - moe if moe else 0, hidden=values["hidden_size"],
