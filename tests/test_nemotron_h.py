@@ -103,7 +103,7 @@ def test_the_default_config_file_plans(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("hybrid_override_pattern", "M-M*X", "hybrid_override_pattern has 'X'"),
-    ("layers_block_type", ["mamba", "mlp"], "layers_block_type is ['mamba', 'mlp']")])
+    ("layers_block_type", ["ssm", "mlp"], "layers_block_type is ['ssm', 'mlp']")])
 def test_a_block_the_class_does_not_know_names_its_key(key: str, value: Any, named: str, tmp_path: Path) -> None:
     """A block other than the four exits 2 naming the key and the four (the class's own error named neither)."""
     cfg = {k: v for k, v in NANO9B.items() if k != "hybrid_override_pattern"}
@@ -111,6 +111,31 @@ def test_a_block_the_class_does_not_know_names_its_key(key: str, value: Any, nam
     with pytest.raises(UserError, match=named.replace("[", r"\[").replace("]", r"\]")) as e:
         resolve_shape(str(folder))
     assert "'M', '*', '-', 'E'" in str(e.value) or "'linear_attention'" in str(e.value)
+
+
+def test_older_block_names_plan_as_the_class_builds_them(tmp_path: Path) -> None:
+    """transformers renames "mamba" and "attention" blocks to "linear_attention" and "full_attention" and builds
+    the model; the planner refused them as unknown blocks."""
+    cfg = {k: v for k, v in LATENT_MOE.items() if k != "layers_block_type"}
+    folder = _folder({**cfg, "layers_block_type": ["mamba", "moe", "attention", "moe", "mamba", "mlp"]}, tmp_path)
+    shape = resolve_shape(str(folder))
+    assert (shape.mamba_layers, shape.attention_layers) == (2, 1)
+    assert shape.params() == _built_params(folder)[0]
+
+
+def test_a_shared_expert_of_width_0_is_built_as_wide_as_the_mlp(tmp_path: Path) -> None:
+    """NemotronHMLP builds a shared expert given width 0 as intermediate_size wide; the planner counted none."""
+    folder = _folder({**LATENT_MOE, "moe_shared_expert_intermediate_size": 0}, tmp_path)
+    assert resolve_shape(str(folder)).params() == _built_params(folder)[0]
+
+
+@pytest.mark.parametrize(("keys", "named"), [
+    ({"n_routed_experts": 1, "num_experts_per_tok": 1}, "n_routed_experts is 1"),
+    ({"num_experts_per_tok": 17}, "num_experts_per_tok \\(17\\)")])
+def test_a_mixture_that_cannot_route_names_its_key(keys: dict[str, int], named: str, tmp_path: Path) -> None:
+    """One routed expert (planned as a dense MLP, so mis-counted) or more experts a token than there are exits 2."""
+    with pytest.raises(UserError, match=named):
+        resolve_shape(str(_folder({**LATENT_MOE, **keys}, tmp_path)))
 
 
 def test_only_attention_blocks_attend_and_mlps_mix_no_tokens(tmp_path: Path) -> None:
@@ -196,24 +221,44 @@ def test_splits_are_refused_as_the_rank_refuses_them(which: str, tmp_path: Path)
 
 
 
-@pytest.mark.parametrize("installed", [False, True])
-def test_the_mamba_scan_is_the_installed_one(installed: bool, tmp_path: Path, capsys: pytest.CaptureFixture,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without mamba_ssm the Mamba-2 blocks are planned for transformers' reference scan, with a note naming the
-    fused kernel; with it, for the fused kernel, which saves far less."""
+# (packages installed, whether mamba_ssm's kernel module imports) -> the scan transformers runs in training.
+SCANS = {"none": ((), True, "torch"), "no causal_conv1d": (("mamba_ssm",), True, "torch"),
+         "import fails": (("mamba_ssm", "causal_conv1d"), False, "torch"),
+         "both": (("mamba_ssm", "causal_conv1d"), True, "mamba_ssm")}
+
+
+@pytest.mark.parametrize("case", list(SCANS))
+def test_the_mamba_scan_is_the_one_transformers_runs(case: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Mamba-2 blocks are planned for the fused kernel only where transformers would call it (mamba_ssm and
+    causal_conv1d installed and mamba_ssm's kernel importable: transformers falls back to the torch scan on any
+    import error); else for transformers' reference scan, with a note naming the fused kernel."""
+    import importlib
     import importlib.util
+    import types
 
     from shardfit import kernels
 
-    find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if installed else None) if name == "mamba_ssm" else find(name, *a))
+    packages, imports, expected = SCANS[case]
+    find, load = importlib.util.find_spec, importlib.import_module
+    fused = types.SimpleNamespace(mamba_split_conv1d_scan_combined=lambda *a, **k: None)
+
+    def import_module(name: str, *a: Any) -> Any:
+        if not name.startswith("mamba_ssm"):
+            return load(name, *a)
+        if not imports:
+            raise ImportError("undefined symbol in selective_scan_cuda")
+        return fused
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if name in packages else None)
+                        if name in ("mamba_ssm", "causal_conv1d") else find(name, *a))
+    monkeypatch.setattr(importlib, "import_module", import_module)
     kernels.mamba_kernel.cache_clear()
     try:
-        assert Workload().mamba_scan == ("mamba_ssm" if installed else "torch")
+        assert Workload().mamba_scan == expected
         assert main(["plan", "--model", str(_folder(NANO9B, tmp_path)), "--gpus", "1xH100", "--seq", "4096"]) == 0
         assert ("Mamba-2 blocks are planned with transformers' reference torch scan" in capsys.readouterr().out) \
-            is not installed
+            is (expected == "torch")
     finally:
         kernels.mamba_kernel.cache_clear()
     shape = resolve_shape(str(tmp_path))
@@ -221,3 +266,44 @@ def test_the_mamba_scan_is_the_installed_one(installed: bool, tmp_path: Path, ca
     fused, torch_scan = (block_activation_bytes_per_token(shape, Workload(mamba_scan=k), part=mamba)
                          for k in ("mamba_ssm", "torch"))
     assert fused < torch_scan / 5
+
+
+TINY_DENSE = {"model_type": "nemotron_h", "hidden_size": 64, "hybrid_override_pattern": "M*-M-",
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+              "chunk_size": 32, "vocab_size": 49152, "tie_word_embeddings": False, "bos_token_id": 1,
+              "eos_token_id": 2, "pad_token_id": 2}
+
+
+@pytest.mark.parametrize("which", ["dense", "latent_moe", "pattern_moe"])
+def test_all_linear_lora_trains_what_the_plan_counts(which: str, tmp_path: Path) -> None:
+    """all-linear leaves each Mamba mixer's out_proj alone (the fused kernel reads its base weight; peft refuses
+    an adapter there) in the trainer and the planner alike, so both count the same adapters."""
+    from shardfit.config import LoraSettings
+    from shardfit.models.adapters import apply_lora
+    from shardfit.plan.estimate import trainable_params
+
+    cfg = {"dense": TINY_DENSE, "latent_moe": LATENT_MOE, "pattern_moe": PATTERN_MOE}[which]
+    folder = _folder(cfg, tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    peft_model = apply_lora(model, LoraSettings(rank=8, targets="all-linear", experts=False))
+    built = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert not any("out_proj.lora" in n for n, p in peft_model.named_parameters() if "mixer" in n)
+    planned = trainable_params(resolve_shape(str(folder)), Workload(method="lora", lora_rank=8, lora_experts=False))
+    assert built == planned
+
+
+def test_a_dense_nemotron_h_trains_with_default_lora(tmp_path: Path, tokenizer_dir: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """The schema's default LoRA (all-linear) on a dense Nemotron-H trains a step on a CPU: peft refused it."""
+    from tests.helpers import DEMO_DATA, save_with_tokenizer, train_here, write_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(NemotronHConfig(**{k: v for k, v in TINY_DENSE.items()
+                                                                if k != "model_type"}))
+    folder = save_with_tokenizer(model, tmp_path / "model", tokenizer_dir)
+    config = write_config(tmp_path / "run.yaml", model=str(folder), data=str(DEMO_DATA), method="lora",
+                          lora={"rank": 8, "targets": "all-linear"}, max_seq_len=128, micro_batch=1, max_steps=1,
+                          output_dir=str(tmp_path / "out"), precision="fp32")
+    train_here(config, capsys)

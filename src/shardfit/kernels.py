@@ -52,7 +52,16 @@ def delta_rule_kernel() -> str:
 
 @functools.cache
 def mamba_kernel() -> str:
-    """Which Mamba-2 scan transformers runs here in training (Nemotron-H's mixer): `mamba_ssm` where the mamba_ssm
-    package is installed, its fused mamba_split_conv1d_scan_combined; else `torch`, transformers' reference chunked
-    scan in PyTorch. Read from the package's presence, without importing torch."""
-    return "mamba_ssm" if importlib.util.find_spec("mamba_ssm") is not None else "torch"
+    """Which Mamba-2 scan transformers runs here in training (Nemotron-H's mixer): `mamba_ssm`, its fused
+    mamba_split_conv1d_scan_combined, where transformers would call it; else `torch`, transformers' reference
+    chunked scan in PyTorch. transformers imports mamba_ssm's ops.triton.ssd_combined and falls back to the torch
+    scan on any error (a build for another torch or CUDA, a host without CUDA), and the fused kernel's convolution
+    needs causal_conv1d, so both packages must be installed and the import must succeed. The import (which loads
+    torch) happens only where both are installed; elsewhere the answer costs two spec look-ups."""
+    if importlib.util.find_spec("mamba_ssm") is None or importlib.util.find_spec("causal_conv1d") is None:
+        return "torch"
+    try:
+        module = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    except Exception:  # transformers' fallback catches every import error the same way
+        return "torch"
+    return "mamba_ssm" if callable(getattr(module, "mamba_split_conv1d_scan_combined", None)) else "torch"

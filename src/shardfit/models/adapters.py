@@ -41,9 +41,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
     targets: str | list[str] = lora.targets
     parameters = None
     parts = moe_parts(model)
+    fused_out = mamba_out_projs(model)
+    if targets == "all-linear" and (parts.any or fused_out):
+        targets = [name for name in lora_targets(model, parts) if name not in fused_out]
     if parts.any:  # a mixture: shardfit names the linear layers and the expert weights; never a router
-        if targets == "all-linear":
-            targets = lora_targets(model, parts)
         routers = "|".join(re.escape(r) for r in parts.routers)
         exclude = f"({exclude})|({routers})" if exclude and routers else (exclude or routers or None)
         parameters = expert_target_parameters(parts) if lora.experts else None
@@ -69,6 +70,14 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
         if p.requires_grad and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return peft_model
+
+
+def mamba_out_projs(model: torch.nn.Module) -> set[str]:
+    """The module paths of every Mamba mixer's out_proj, which all-linear LoRA leaves alone: the fused training
+    kernel (mamba_ssm) reads out_proj's base weight itself, so an adapter there would never train, and peft
+    refuses one for the families it knows. A Mamba mixer is told by its state size (Gated DeltaNet has none)."""
+    return {f"{name}.out_proj" if name else "out_proj" for name, m in model.named_modules()
+            if hasattr(m, "ssm_state_size") and isinstance(getattr(m, "out_proj", None), torch.nn.Linear)}
 
 
 def skip_adapter_input_casts(model: torch.nn.Module) -> int:

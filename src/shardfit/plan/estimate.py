@@ -121,9 +121,10 @@ def adapts(name: str, w: Workload) -> bool:
     else their fused gate/up weight when `gate` or `up` is a target); never a router. Gated DeltaNet's projections
     (`linear_*`) and a shared experts' gate (`shared_gate`) bear no q_proj...down_proj name, so only all-linear
     (`lora_targets` None) reaches them, as it reaches every nn.Linear but the head and the routers
-    (models/experts.py `lora_targets`)."""
+    (models/experts.py `lora_targets`), less a Mamba mixer's out_proj (`linear_out_proj`), whose base weight the
+    fused kernel reads itself (models/adapters.py `mamba_out_projs`)."""
     targets = w.lora_targets or LORA_TARGETS
-    if name == "router":
+    if name in ("router", "linear_out_proj"):
         return False
     if name.startswith("linear_") or name == "shared_gate":
         return w.lora_targets is None

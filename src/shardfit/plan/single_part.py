@@ -22,6 +22,9 @@ SINGLE_PART_TYPES = ("nemotron_h",)
 # The class's block names and the pattern's characters (NemotronHConfig._pattern_to_list), as parts.
 PARTS = {"linear_attention": MAMBA, "full_attention": ATTENTION, "mlp": MLP, "moe": MOE}
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# Older files' block names, which transformers renames as it reads them (configuration_utils'
+# remap_legacy_layer_types) and builds.
+LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, name: str) -> dict[str, Any]:
@@ -48,7 +51,15 @@ def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, na
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}: config.json's {key} is {value!r}; it must be a positive integer (the "
                             f"{'mixture' if key in sizes[-3:] and moe else 'model'} needs it).")
-    shared, latent = (get("moe_shared_expert_intermediate_size") or 0, get("moe_latent_size") or 0) if moe else (0, 0)
+    if moe and values["n_routed_experts"] < 2:
+        raise UserError(f"{name}: config.json's n_routed_experts is 1 with 'moe' blocks; a mixture routes among at "
+                        "least 2 experts: set n_routed_experts to 2 or more, or make those blocks 'mlp' ('-').")
+    if moe and values["num_experts_per_tok"] > values["n_routed_experts"]:
+        raise UserError(f"{name}: config.json's num_experts_per_tok ({values['num_experts_per_tok']}) exceeds "
+                        f"n_routed_experts ({values['n_routed_experts']}); route each token to at most that many.")
+    # The shared expert is always built; NemotronHMLP takes a width of 0 (or none) as intermediate_size.
+    shared = (get("moe_shared_expert_intermediate_size") or values["intermediate_size"]) if moe else 0
+    latent = (get("moe_latent_size") or 0) if moe else 0
     return dict(
         layers=len(parts), single_part=True, mamba_layers=parts.count(MAMBA), attention_layers=parts.count(ATTENTION),
         dense_layers=len(parts) - moe if moe else 0, hidden=values["hidden_size"],
@@ -90,6 +101,8 @@ def _parts(get: Any, name: str) -> list[str]:
             raise UserError(f"{name}: config.json's hybrid_override_pattern has {', '.join(map(repr, odd))}; each "
                             f"block is one of {', '.join(map(repr, PATTERN))} (Mamba-2, attention, MLP, mixture).")
         types = [PATTERN[c] for c in pattern]
+    if isinstance(types, (list, tuple)):
+        types = [LEGACY.get(t, t) if isinstance(t, str) else t for t in types]
     if not isinstance(types, (list, tuple)) or not types or any(t not in PARTS for t in types):
         raise UserError(f"{name}: config.json's layers_block_type is {types!r}: list each block as one of "
                         f"{', '.join(map(repr, PARTS))} (or give hybrid_override_pattern, one of M, *, -, E a block).")
