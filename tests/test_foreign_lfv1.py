@@ -82,7 +82,12 @@ def test_v1_settings_carried_over() -> None:
     assert cfg["lora"] == {"rank": 32, "dropout": 0.05, "alpha": 64, "targets": "all-linear"}
     assert cfg["data"].endswith("lf_v1/data/sft.jsonl") and "expert_parallel" not in cfg
     freeze = yaml.safe_load(to_yaml(read_job("llamafactory", str(JOBS / "freeze_ddp.yaml"), JobOptions(nproc=2))))
-    assert freeze["freeze_trainable"] == [f"layers.{i}." for i in range(24, 28)]  # Qwen3-0.6B: 28 blocks
+    assert freeze["freeze_trainable"] == [f"layers.{i}" for i in range(24, 28)]  # Qwen3-0.6B: 28 blocks
+    # The patterns must match the parameters apply_freeze walks (`layers.24.` matched none: train refused it).
+    from shardfit.models.adapters import _matches
+
+    assert all(_matches(f"model.layers.{i}.mlp.down_proj.weight", f"layers.{i}") for i in range(24, 28))
+    assert not _matches("model.layers.2.mlp.down_proj.weight", "layers.24")
 
 
 @pytest.mark.parametrize("strategy,packing", [(None, False), ("normal", False), ("padding_free", True)])

@@ -305,7 +305,7 @@ def _convert(src: Source, w: Workload, shape: ModelShape) -> dict[str, Any]:
     out = settings(src, KEYS, "config", **{"lora.alpha": 2 * w.lora_rank})
     out["packing"] = out["packing"] or src.flag("neat_packing")
     if w.method == "freeze":
-        out["freeze_trainable"] = [f"layers.{i}." for i in w.trained_blocks(shape.layers)]
+        out["freeze_trainable"] = [f"layers.{i}" for i in w.trained_blocks(shape.layers)]
     return out
 
 

@@ -373,7 +373,7 @@ def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
     # v1 pads rows of one example each unless told to pack them; shardfit packs unless told not to
     out["packing"] = src.get("batching_strategy") in ("padding_free", "dynamic_padding_free")
     if w.method == "freeze":
-        out["freeze_trainable"] = [f"layers.{i}." for i in w.trained_blocks(layers)]
+        out["freeze_trainable"] = [f"layers.{i}" for i in w.trained_blocks(layers)]
     return out
 
 
