@@ -113,7 +113,9 @@ class Config:
     max_seq_len: int = key(1024, "tokens per row; longer examples are truncated", ge=1)
     packing: bool = key(True, "pack each micro-batch's examples into as few rows as fit max_seq_len (attention kept "
                               "within each example) where padding to the longest would be a quarter or more of its "
-                              "tokens; the examples per step and the steps stay those of an unpacked run")
+                              "tokens; the examples per step and the steps stay those of an unpacked run. Models with "
+                              "recurrent blocks (Mamba, Gated DeltaNet) train unpacked: their state would run across "
+                              "examples")
     data_cache: bool = key(True, "reuse the tokenised data of an earlier run with the same data files, tokenizer and "
                                  "max_seq_len (kept in $XDG_CACHE_HOME/shardfit/data, default ~/.cache); the "
                                  "environment variable SHARDFIT_DATA_CACHE=0 turns it off too")

@@ -148,6 +148,13 @@ def layout_of(config: Any) -> AttentionLayout:
         return AttentionLayout(1, max(layers, 1), (UNREAD,), (((UNREAD,), 0, max(layers, 1)),))
 
 
+def carries_state(config: Any) -> bool:
+    """Whether a built config's language model has recurrent blocks (linear attention, Mamba-style state spaces,
+    short convolutions), whose state runs along the whole row: examples packed into one row would leak into each
+    other through it, where attention keeps them apart with the packed-row mask."""
+    return RECURRENT in layout_of(config).kinds
+
+
 def _read(text: Any, layers: int) -> AttentionLayout:
     """The layout block by block: each block's layer type, else its chunk, else its window (under
     use_sliding_window); a chunk the types place nowhere still counts, since the rank refuses any chunked config."""

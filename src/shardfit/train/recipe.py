@@ -50,6 +50,7 @@ from shardfit.models.build import (
     attention_kernels,
     build_model,
     load_tokenizer,
+    model_config,
     use_attention,
     weights_cached,
 )
@@ -69,6 +70,7 @@ from shardfit.parallel.pipeline import cut, cut_looped
 from shardfit.parallel.sequence import shard_batch
 from shardfit.parallel.threads import thread_reason
 from shardfit.parallel.watchdog import Watchdog, WatchdogSettings
+from shardfit.plan.attention_layout import carries_state
 from shardfit.plan.choose import tokens_per_s_at
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.plan import Plan
@@ -163,6 +165,7 @@ class FineTune:
                  job: Resolved | None = None, quiet: bool = False, watchdog: Watchdog | None = None):
         self.cfg, self.env, self.model, self.tokenizer, self.job, self.quiet = cfg, env, model, tokenizer, job, quiet
         self.plan: Plan | None = None
+        self.carries_state = False  # recurrent blocks: rows stay unpacked (row_cfg); set with the data
         self.run_dir = Path(cfg.output_dir)
         self.t_start = time.perf_counter()
         self.startup = StartupTimer()
@@ -266,6 +269,8 @@ class FineTune:
             train_ex, eval_ex = encoding.train, encoding.eval
             self.data_cache_hit = encoding.hit
         self.startup.mark("tokenise (cached)" if self.data_cache_hit else "tokenise")
+        built = self.model.config if self.model is not None else model_config(self.cfg, source, weights=False)
+        self.carries_state = carries_state(built)
         self.n_images = sum(len(c.images) for c in split.train)
         self.n_clips = sum(len(c.audios) for c in split.train)
         self.n_videos = sum(len(c.videos) for c in split.train)
@@ -439,7 +444,8 @@ class FineTune:
             cfg, stats = self.cfg, self.data_stats
             world = self.env.world
             packing = "packed where padding would fill a quarter, the same steps as unpacked" if self.row_cfg.packing \
-                else "unpacked"
+                else "unpacked: recurrent blocks would carry one example's state into the next" \
+                if cfg.packing and self.carries_state else "unpacked"
             print(f"shardfit: {self.n_examples} examples, {self.n_eval} eval; rows of <= {cfg.max_seq_len} tokens "
                   f"({packing}); "
                   f"strategy {self.strategy.name} on {world} x {self.env.device.type} ({cfg.precision}); "
@@ -460,11 +466,14 @@ class FineTune:
 
     @property
     def row_cfg(self) -> Config:
-        """The config rows are formed by: the run's, except that Gemma 3's image rows stay unpacked. Its image tokens
-        attend to each other both ways, which shardfit's packed-row mask does not compose with the examples'
-        blocks; one example per row gets the model's own mask (train/soft_token_forward.py). The run's config,
-        its fingerprint and config.yaml keep the user's setting."""
-        if self.vision is not None and self.vision.soft_grid is not None and self.cfg.packing:
+        """The config rows are formed by: the run's, except that Gemma 3's image rows and the rows of a model with
+        recurrent blocks stay unpacked. Gemma 3's image tokens attend to each other both ways, which shardfit's
+        packed-row mask does not compose with the examples' blocks; one example per row gets the model's own mask
+        (train/soft_token_forward.py). A recurrent block's state (Mamba, Gated DeltaNet) runs along the whole row,
+        past any mask, so a packed example would start from the state its neighbour left. The run's config, its
+        fingerprint and config.yaml keep the user's setting."""
+        soft_grid = self.vision is not None and self.vision.soft_grid is not None
+        if (soft_grid or self.carries_state) and self.cfg.packing:
             return dataclasses.replace(self.cfg, packing=False)
         return self.cfg
 
