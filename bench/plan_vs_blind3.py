@@ -15,6 +15,7 @@ are the first blind set's: memory error against the peak as read, fits-or-not ve
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -58,12 +59,18 @@ def settings_of(index: int, row: dict, spec: dict) -> dict | str | None:
     return out
 
 
-def evaluate_row(index: int, row: dict, spec: dict) -> dict:
-    """One row: the first blind set's evaluation with the row's settings, or its reason for not being planned."""
-    settings = settings_of(index, row, spec)
-    if isinstance(settings, str):
-        return {**pvb.row_head(index, row, pvb.source_of(row, spec)), "planned": False, "reason": settings}
-    return pvb.evaluate_row(index, row, spec, settings)
+def row_evaluator(settings: Callable[[int, dict, dict], dict | str | None]) -> Callable[[int, dict, dict], dict]:
+    """One row's evaluation for a set whose rows carry settings: the first blind set's with what `settings` reads
+    for the row, or the row's reason for not being planned where `settings` gives one."""
+    def evaluate_row(index: int, row: dict, spec: dict) -> dict:
+        found = settings(index, row, spec)
+        if isinstance(found, str):
+            return {**pvb.row_head(index, row, pvb.source_of(row, spec)), "planned": False, "reason": found}
+        return pvb.evaluate_row(index, row, spec, found)
+    return evaluate_row
+
+
+evaluate_row = row_evaluator(settings_of)
 
 
 def evaluate(spec: dict) -> dict:

@@ -37,12 +37,7 @@ def settings_of(index: int, row: dict, spec: dict) -> dict | str | None:
     return pvb3.settings_of(index, row, spec)
 
 
-def evaluate_row(index: int, row: dict, spec: dict) -> dict:
-    """One row: the first blind set's evaluation with the row's settings, or its reason for not being planned."""
-    settings = settings_of(index, row, spec)
-    if isinstance(settings, str):
-        return {**pvb.row_head(index, row, pvb.source_of(row, spec)), "planned": False, "reason": settings}
-    return pvb.evaluate_row(index, row, spec, settings)
+evaluate_row = pvb3.row_evaluator(settings_of)
 
 
 def evaluate(spec: dict) -> dict:

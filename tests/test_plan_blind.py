@@ -4,15 +4,12 @@ How accurate the planner is on the set is the bench's measurement, not asserted 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import yaml
 
+from tests.blind_sets import check_committed, check_planned_or_reasoned, check_rows
 from tests.helpers import load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "seq_len", "micro_batch", "grad_accum",
             "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "peak_memory", "tokens_per_s", "fits"}
 
@@ -35,27 +32,13 @@ def fresh(bench, blind) -> dict:
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     """41 rows of five sources, each row the collector's fields and the url of exactly one source."""
     assert len(blind["rows"]) == 41 and len(blind["sources"]) == 5
-    for row in blind["rows"]:
-        assert set(row) == ROW_KEYS, set(row) ^ ROW_KEYS
-        assert sum(src["url"] == row["source_url"] for src in blind["sources"].values()) == 1
-        if row["peak_memory"]:
-            assert row["peak_memory"]["unit"] in bench.pvp.UNITS and row["peak_memory"]["value"] > 0
-    assert set(blind["unknown"]) <= bench.pvp.WORKLOAD_KEYS
-
+    check_rows(blind, bench.pvp, ROW_KEYS, bench.source_of)
 
 def test_every_row_is_planned_or_says_why_not(fresh) -> None:
     """No row is dropped: a planned row has a prediction and a verdict (and an error for each published figure),
     a row not planned has its reason."""
-    assert len(fresh["rows"]) == 41
-    for r in fresh["rows"]:
-        if r["planned"]:
-            assert r["predicted_total_gib"] > 0 and isinstance(r["verdict_right"], bool)
-            assert ("error" in r) == ("published_gib" in r)
-            assert ("tokens_error" in r) == ("published_tokens_per_s" in r)
-        else:
-            assert len(r["reason"]) > 20, r
+    check_planned_or_reasoned(fresh, 41)
     s = fresh["summary"]
-    assert s["planned"] + s["not_planned"] == 41 and len(fresh["not_planned"]) == s["not_planned"]
     assert s["memory"]["n"] > 0 and s["verdicts"]["n"] == s["planned"]
 
 
@@ -72,10 +55,6 @@ def test_committed_results_and_docs_match_a_fresh_run(bench, fresh) -> None:
     """bench/results/plan_vs_blind.json is what the script computes now, docs/planning.md shows its table and the
     README its headline: rerun `python bench/plan_vs_blind.py` and paste both after any change to the planner or the
     set."""
-    stored = json.loads(bench.OUT.read_text())
-    fresh_json = json.loads(json.dumps(fresh))
-    assert stored["summary"] == fresh_json["summary"]
-    assert stored["sources"] == fresh_json["sources"] and stored["in_sample"] == fresh_json["in_sample"]
-    assert stored == fresh_json
-    assert bench.docs_table(fresh) in (ROOT / "docs" / "planning.md").read_text()
-    assert " ".join(bench.headline(fresh).split()) in " ".join((ROOT / "README.md").read_text().split())
+    check_committed(bench, fresh, bench.docs_table, bench.headline)
+    stored = bench.OUT.read_text()
+    assert '"sources"' in stored and '"in_sample"' in stored

@@ -5,16 +5,14 @@ are those a fresh run computes. How accurate the planner is on the set is the be
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 
 import pytest
 import yaml
 
 from shardfit.plan.estimate import ALLOCATOR_CACHE, Breakdown, peak_reading
+from tests.blind_sets import ROOT, check_committed, check_planned_or_reasoned, check_rows
 from tests.helpers import load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
             "grad_accum", "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "peak_memory", "tokens_per_s",
             "fits", "notes"}
@@ -38,12 +36,7 @@ def fresh(bench, moe) -> dict:
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, moe) -> None:
     """60 rows, each the collector's fields and of exactly one source; mapped rows and skipped rows are apart."""
     assert len(moe["rows"]) == 60
-    for row in moe["rows"]:
-        assert set(row) == ROW_KEYS, set(row) ^ ROW_KEYS
-        bench.pvb.source_of(row, moe)  # raises unless exactly one source matches
-        if row["peak_memory"]:
-            assert row["peak_memory"]["unit"] in bench.pvp.UNITS and row["peak_memory"]["value"] > 0
-    assert set(moe["unknown"]) <= bench.pvp.WORKLOAD_KEYS
+    check_rows(moe, bench.pvp, ROW_KEYS, bench.pvb.source_of)
     skipped, settings = set(moe["not_planned"]["rows"]), set(moe["row_settings"])
     assert not skipped & settings and skipped <= set(range(1, 61))
 
@@ -59,15 +52,10 @@ def test_the_split_is_the_yaml_rule_and_keeps_a_document_together(moe, fresh) ->
 def test_every_row_is_planned_or_says_why_not(fresh) -> None:
     """A planned row has a prediction and a verdict (an error for each published figure it compares), a row not
     planned its reason and group; the per-reason counts add up."""
-    for r in fresh["rows"]:
-        if r["planned"]:
-            assert r["predicted_total_gib"] > 0 and isinstance(r["verdict_right"], bool)
-            assert ("error" in r) == ("published_gib" in r)
-            assert ("tokens_error" in r) == ("published_tokens_per_s" in r)
-        else:
-            assert len(r["reason"]) > 20 and r["why"], r
+    check_planned_or_reasoned(fresh, 60)
+    assert all(r["why"] for r in fresh["rows"] if not r["planned"])
     s = fresh["summary"]
-    assert s["planned"] + s["not_planned"] == 60 == s["rows"]
+    assert s["rows"] == 60
     assert sum(fresh["not_planned_by_reason"].values()) == s["not_planned"] == len(fresh["not_planned"])
     for p in ("dev", "test"):
         v = fresh["parts"][p]["verdicts"]
@@ -102,12 +90,8 @@ def test_committed_results_and_docs_match_a_fresh_run(bench, fresh) -> None:
     """bench/results/plan_vs_moe_blind.json is what the script computes now and docs/planning.md shows its table
     and its not-planned counts: rerun `python bench/plan_vs_moe_blind.py` and paste both after any change to the
     planner or the set."""
-    stored = json.loads(bench.OUT.read_text())
-    fresh_json = json.loads(json.dumps(fresh))
-    assert stored["parts"] == fresh_json["parts"] and stored["summary"] == fresh_json["summary"]
-    assert stored == fresh_json
+    check_committed(bench, fresh, bench.docs_table)
     docs = (ROOT / "docs" / "planning.md").read_text()
-    assert bench.docs_table(fresh) in docs
     assert bench.reasons_line(fresh) in " ".join(docs.split())
 
 

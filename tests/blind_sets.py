@@ -1,0 +1,95 @@
+"""What every blind planner set's tests check, written once: the set loads as collected, each row maps onto the
+planner's vocabulary or says why not, and the committed results, docs table and README headline are a fresh run's.
+The sets' own tests (test_plan_blind*.py, test_plan_moe_blind.py) add what is particular to each set."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, OPTIMIZERS, QUANT_BACKENDS
+
+ROOT = Path(__file__).resolve().parent.parent
+# The collectors' fields of a row in the third and later sets (the first and MoE sets have fewer or other columns).
+ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
+            "grad_accum", "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "attention", "peak_memory",
+            "tokens_per_s", "fits"}
+STRATEGIES = {"single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel"}
+READINGS = {"total", "reserved", "allocated"}
+
+
+def check_rows(blind: dict, pvp: ModuleType, row_keys: set[str], source_of) -> None:  # noqa: ANN001
+    """Each row holds exactly the collector's fields and belongs to one source (`source_of` raises otherwise, or
+    returns it); a peak has a unit the bench converts and a positive value; the set's defaults are Workload keys."""
+    for row in blind["rows"]:
+        assert set(row) == row_keys, set(row) ^ row_keys
+        source_of(row, blind)
+        if row["peak_memory"]:
+            assert row["peak_memory"]["unit"] in pvp.UNITS and row["peak_memory"]["value"] > 0
+    assert set(blind["unknown"]) <= pvp.WORKLOAD_KEYS
+
+
+def cases(bench: ModuleType, blind: dict) -> list[tuple[int, str, dict | str]]:
+    """(row number, source, case or reason) of every row of a set read through `bench.settings_of`: the mapping
+    alone, no prediction."""
+    out = []
+    for i, row in enumerate(blind["rows"], start=1):
+        name = bench.pvb.source_of(row, blind)
+        settings = bench.settings_of(i, row, blind)
+        case = settings if isinstance(settings, str) else \
+            bench.pvb.case_of(row, blind["sources"][name], blind, settings)
+        out.append((i, name, case))
+    return out
+
+
+def check_mapping(bench: ModuleType, blind: dict, planned: dict[str, int], case_keys: set[str]) -> None:
+    """A planned row resolves to a catalog model (or inline shape), a card the planner parses, one of its
+    strategies, Workload keys it accepts (beyond `case_keys`) and a reading it can compare; a row not planned
+    carries its reason; the rows planned per source are `planned`, as written before any prediction."""
+    pvp = bench.pvb.pvp
+    counted: Counter = Counter()
+    for i, name, case in cases(bench, blind):
+        if isinstance(case, str):
+            assert len(case) > 20, (i, case)
+            continue
+        counted[name] += 1
+        shape, hw = pvp.throughput_shape(case), pvp.hardware(case)
+        w = pvp.workload(case, case["seq"])
+        assert shape.layers > 0 and hw.world >= 1 and w.seq_len == case["seq"] > 0, i
+        assert case["strategy"] in STRATEGIES and case.get("reading", "total") in READINGS, (i, case)
+        assert w.method in ("full", "lora", "qlora") and w.attention in ATTENTIONS, (i, w)
+        assert w.optimizer in OPTIMIZERS and w.quant_backend in QUANT_BACKENDS, (i, w)
+        assert w.lora_targets is None or set(w.lora_targets) <= set(LORA_TARGETS), (i, w)
+        assert set(case) - {"strategy", "deepspeed", "reading"} - case_keys <= pvp.WORKLOAD_KEYS | pvp.CASE_KEYS
+        if "deepspeed" in case:
+            assert bench.pvb.ZeroSettings(**case["deepspeed"]).strategy == case["strategy"], (i, case)
+    assert dict(counted) == planned
+
+
+def check_planned_or_reasoned(fresh: dict, rows: int) -> None:
+    """No row is dropped: a planned row has a prediction and a verdict (and an error for each published figure it
+    compares), a row not planned its reason; the summary's counts add up."""
+    assert len(fresh["rows"]) == rows
+    for r in fresh["rows"]:
+        if r["planned"]:
+            assert r["predicted_total_gib"] > 0 and isinstance(r["verdict_right"], bool)
+            assert ("error" in r) == ("published_gib" in r)
+            assert ("tokens_error" in r) == ("published_tokens_per_s" in r)
+        else:
+            assert len(r["reason"]) > 20, r
+    s = fresh["summary"]
+    assert s["planned"] + s["not_planned"] == rows and len(fresh["not_planned"]) == s["not_planned"]
+
+
+def check_committed(bench: ModuleType, fresh: dict, docs_table, headline=None) -> None:  # noqa: ANN001
+    """bench/results/<set>.json is what the script computes now, docs/planning.md shows its table and (where the
+    set has one) the README its headline: rerun the bench script and paste both after any change to the planner."""
+    fresh_json = json.loads(json.dumps(fresh))
+    stored = json.loads(bench.OUT.read_text())
+    assert stored["summary"] == fresh_json["summary"]
+    assert stored == fresh_json
+    assert docs_table(fresh) in (ROOT / "docs" / "planning.md").read_text()
+    if headline is not None:
+        assert " ".join(headline(fresh).split()) in " ".join((ROOT / "README.md").read_text().split())
