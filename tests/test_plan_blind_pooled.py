@@ -1,0 +1,38 @@
+"""bench/plan_vs_blind_pooled.py: every blind set's counted rows pooled; the committed result, the docs table and
+the README's headline are what a fresh pooling of the committed per-set results gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.blind_sets import ROOT, check_committed
+from tests.helpers import load_bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("plan_vs_blind_pooled")
+
+
+def test_the_pool_is_the_sum_of_the_sets(bench) -> None:
+    """Every set's counted rows reach the pool once: its counts are the sets' sums, and the MoE set gives its test
+    part only (its dev part was looked at while its rules were written)."""
+    fresh = bench.evaluate()
+    sets, pooled = fresh["sources"], fresh["summary"]
+    for key in ("rows", "planned"):
+        assert pooled[key] == sum(s[key] for s in sets.values())
+    assert pooled["memory"]["n"] == sum(s["memory"]["n"] for s in sets.values())
+    assert pooled["verdicts"]["oom_rows"] == sum(s["verdicts"]["oom_rows"] for s in sets.values())
+    moe = json.loads((bench.RESULTS / "plan_vs_moe_blind.json").read_text())
+    assert sets["MoE (test part)"]["rows"] == moe["parts"]["test"]["rows"] < len(moe["rows"])
+    first = json.loads((bench.RESULTS / "plan_vs_blind.json").read_text())
+    assert sets["first"] == first["summary"]
+
+
+def test_committed_results_and_docs_match_a_fresh_pooling(bench) -> None:
+    """Rerun `python bench/plan_vs_blind_pooled.py` after any blind set's results change, and paste its table into
+    docs/planning.md and its headline into the README."""
+    check_committed(bench, bench.evaluate(), bench.pvb.docs_table, bench.pvb.headline)
+    assert bench.OUT.parent == ROOT / "bench" / "results"
