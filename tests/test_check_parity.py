@@ -126,3 +126,30 @@ def test_a_scorer_defined_under_a_condition_still_trains(tmp_path: Path) -> None
     (tmp_path / "bad.py").write_text("def score(:\n")
     with pytest.raises(UserError, match="is not valid Python"):
         check_metrics([f"py:{tmp_path / 'bad.py'}:score"])
+
+
+def test_checks_strategy_verdict_is_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check's verdict on a strategy without a pipeline is resolve/fits.py `memory_verdict`, the one the rank
+    refuses by (`refuse_if_oom`), not a reading of the plan's candidate of its own: a verdict that says otherwise
+    than the candidate is the one check reports."""
+    from shardfit.check import rules
+    from shardfit.errors import DoesNotFitError
+    from shardfit.plan.plan import make_plan
+    from shardfit.plan.shapes import resolve_shape
+    from shardfit.plan.workload import Workload
+    from shardfit.resolve import fits
+    from shardfit.strategy import get as get_strategy
+
+    small = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M-Instruct"), Workload(), parse_gpus("1x24GB"))
+    assert small.candidate("single").fits and rules.plan_rules(small, get_strategy("single"), False) == []
+    real = fits.memory_verdict
+
+    def refusing(plan: object, strategy: str, cfg: object = None) -> fits.Verdict:
+        return dataclasses.replace(real(plan, strategy, cfg), fits=False)
+
+    monkeypatch.setattr(fits, "memory_verdict", refusing)
+    monkeypatch.setattr(rules, "memory_verdict", refusing, raising=False)
+    with pytest.raises(DoesNotFitError):
+        fits.refuse_if_oom(small, "single", force=False)
+    found = rules.plan_rules(small, get_strategy("single"), False)
+    assert [f.rule for f in found] == ["predicted_oom"] and found[0].severity == "error", found
