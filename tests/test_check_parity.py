@@ -1,10 +1,13 @@
 """`check` refuses what `train` refuses: a config naming files a rank opens as it starts (a `resume:` checkpoint,
-a `py:` scorer of eval_metrics) that are missing is exit 2 from both, with the same words naming the key."""
+a `py:` scorer of eval_metrics) that are missing is exit 2 from both, with the same words naming the key. One
+exception: a `resume:` path with nothing at it where check runs may be on the machine that trains, so check warns
+(saying where it looked) where train refuses."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -29,18 +32,67 @@ def _config(tmp_path: Path, model: Path, data: Path, **keys: object) -> Path:
 
 
 @pytest.mark.parametrize(("keys", "want"), [
-    ({"resume": "/nonexistent/checkpoints/step-5"}, "'resume': /nonexistent/checkpoints/step-5 is not a shardfit "
-                                                   "checkpoint"),
+    ({"resume": "{tmp}"}, "'resume': {tmp} is not a shardfit checkpoint (no trainer.pt in it)"),
     ({"eval_metrics": ["py:/nonexistent/scorer.py:f"]}, "metric py:/nonexistent/scorer.py:f: no file"),
 ], ids=["resume-path", "py-scorer"])
 def test_check_refuses_what_train_refuses(tmp_path: Path, tiny_llama: Path, small_data: Path,
                                           capsys: pytest.CaptureFixture, keys: dict, want: str) -> None:
+    keys = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in keys.items()}
+    want = want.format(tmp=tmp_path)
     cfg = str(_config(tmp_path, tiny_llama, small_data, **keys))
     check = _run(["check", cfg], capsys)
     train = _run(["train", cfg], capsys)
     assert check[0] == train[0] == 2, (check, train)
     assert want in check[1] and want in train[1], (check[1][-800:], train[1][-800:])
     assert "Traceback" not in check[1] + train[1]
+
+
+def test_a_resume_path_absent_here_is_a_warning_of_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """A `resume:` path with nothing at it where check runs (a login node without the cluster's scratch, or a
+    checkpoint a queued job will write) was exit 2, stopping every other rule. check now says it looked on this
+    machine and how to check on the node (a warning: exit 0, the other rules run); train there still refuses it
+    (exit 2), now saying where it looked."""
+    import socket
+
+    absent = "/nonexistent/checkpoints/step-5"
+    cfg = str(_config(tmp_path, tiny_llama, small_data, resume=absent, max_bad_rows=64))
+    code = main(["check", cfg, "--json"])
+    said = capsys.readouterr()
+    assert said.out.startswith("{"), said.err[-2000:]
+    out = said.out
+    found = {f["rule"]: f for f in json.loads(out)["findings"]}
+    assert code == 0 and found["resume_not_here"]["severity"] == "warning", out
+    assert f"'resume': {absent} does not exist on {socket.gethostname()}, the machine check ran on" \
+        in found["resume_not_here"]["message"]
+    assert "srun -N1 shardfit check CONFIG" in found["resume_not_here"]["fix"]
+    code, out = _run(["train", cfg], capsys)
+    assert code == 2 and f"'resume': {absent} is not a shardfit checkpoint (nothing is at that path on " \
+        f"{socket.gethostname()})" in out and "Traceback" not in out, out
+
+
+def test_the_refusal_names_a_real_checkpoint_never_the_refused_path(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal's example was fixed text (runs/demo/checkpoints/step-200), the very path refused when the user
+    gave it; it now names the newest checkpoint of the run the path points into (or of output_dir), and where
+    there is none, what a checkpoint's path is."""
+    from shardfit.resolve.checkpoint_files import named_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        named_checkpoint("runs/demo/checkpoints/step-200", "runs/demo")
+    said = str(e.value)
+    assert said.count("runs/demo/checkpoints/step-200") == 1, said
+    assert "a step-N folder under a run's checkpoints/, holding trainer.pt; runs/demo/checkpoints holds none" in said
+    for step in (100, 150):
+        (tmp_path / "runs" / "demo" / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "runs" / "demo" / "checkpoints" / f"step-{step}" / "trainer.pt").write_bytes(b"x")
+    (tmp_path / "runs" / "demo" / "checkpoints" / ".tmp-step-175").mkdir()
+    for refused, output_dir in (("runs/demo/checkpoints/step-200", None), ("runs/demo", None),
+                                ("elsewhere/step-1", "runs/demo")):
+        with pytest.raises(UserError, match=r"e\.g\. runs/demo/checkpoints/step-150 \(the newest of 2 in "
+                                            r"runs/demo/checkpoints\)"):
+            named_checkpoint(refused, output_dir)
 
 
 def test_a_damaged_named_checkpoint_is_refused_by_check(tmp_path: Path, tiny_llama: Path, small_data: Path,

@@ -12,7 +12,13 @@ from torch import nn
 
 from shardfit import objective as objectives
 from shardfit.check import rules
-from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules, refuse_missing_inputs
+from shardfit.check.config_rules import (
+    device_map_rules,
+    float8_rules,
+    qlora_rules,
+    refuse_missing_inputs,
+    resume_elsewhere_rules,
+)
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.pipeline_rules import pipeline_plan_rules
@@ -93,7 +99,7 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     nodes like this machine by default, resolved as `train` resolves it (`world` ranks in all when given, spread
     evenly over the nodes; a run that resumes as resolve/resume.py `resumed_job` resolves it); returns (the
     resolved job, findings)."""
-    refuse_missing_inputs(cfg)
+    refuse_missing_inputs(cfg, elsewhere_ok=True)  # a checkpoint only the training machine sees: a warning
     total_nodes = hw.nodes if hw is not None else nodes
     if world is not None and world % total_nodes:  # train's --nproc is per node: every node runs as many ranks
         raise UserError(f"--nproc {world} over {total_nodes} nodes: every node runs the same number of ranks, and "
@@ -113,8 +119,8 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     model = build_model(cfg, s, weights=False)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
-    return job, data + preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed + \
-        float8_rules(cfg, job)
+    return job, resume_elsewhere_rules(cfg) + data + preflight(model, cfg, s, job.world, plan) + \
+        created_off_meta_rules(model) + speed + float8_rules(cfg, job)
 
 
 def format_findings(job: Resolved, findings: list[Finding]) -> str:
