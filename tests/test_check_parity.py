@@ -151,13 +151,37 @@ def test_more_ranks_a_node_than_its_gpus_is_refused_by_check_and_train(eight_gpu
         assert e.value.exit_code == 2
     job, _ = resolve_here(_llama(), nproc=8, nnodes=2)
     assert job.world == 16 and job.nproc_per_node == 8
-    with pytest.raises(UserError, match="--nproc 16 over 3 nodes"):
-        check_config(_llama(), 16, None, 3)
+    with pytest.raises(UserError, match="--nproc counts the ranks of one node"):  # 16 in all over 2 nodes: 8
+        check_config(_llama(), 16, None, 2)
     # On a CPU torchrun's 16 ranks share the host and run (gloo): resolved as train runs them.
     cpu, _ = resolve_job(_llama(precision="fp32", strategy="ddp", force=True), job_hardware("cpu", 1),
                          DeviceFacts("cpu", False), nproc=16)
     assert (cpu.device, cpu.nproc_per_node, cpu.nnodes) == ("cpu", 16, 1)
 
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_check_nproc_counts_ranks_a_node_as_train_does(eight_gpus: None, tmp_path: Path, tiny_llama: Path,
+                                                       small_data: Path, capsys: pytest.CaptureFixture,
+                                                       nodes: int) -> None:
+    """`check --nproc N --nodes M` took N as the ranks of the whole run where `train --nproc N --nnodes M` (and
+    torchrun's --nproc-per-node) takes N a node: on 2 nodes check resolved half the ranks train launches. Both now
+    count ranks a node, and check takes train's --nnodes spelling too."""
+    from shardfit.check.run import check_config
+    from shardfit.cli.train_cmd import decide_launch
+    from shardfit.config import load_config
+
+    cfg = load_config(str(_config(tmp_path, tiny_llama, small_data, strategy="ddp", max_bad_rows=64)))
+    args = argparse.Namespace(nproc=4, nnodes=nodes, node_rank=0, master_addr="10.0.0.1", master_port=None,
+                              rdzv_endpoint=None)
+    trained, _ = decide_launch(args, cfg)
+    checked, _ = check_config(cfg, 4, None, nodes)
+    planned, _ = check_config(cfg, 4, parse_gpus("8x24GB", nodes, None))
+    assert trained is not None and (trained.nproc_per_node, trained.nnodes, trained.world) == (4, nodes, 4 * nodes)
+    assert checked.decisions() == trained.decisions() and planned.world == 4 * nodes
+    code = main(["check", str(tmp_path / "c.yaml"), "--nproc", "4", "--nnodes", str(nodes), "--json",
+                 "--set", "strategy=ddp", "--set", "max_bad_rows=64"])
+    resolved = json.loads(capsys.readouterr().out)["resolved"]
+    assert code in (0, 1) and (resolved["nproc_per_node"], resolved["nnodes"]) == (4, nodes), resolved
 
 
 def test_a_scorer_defined_under_a_condition_still_trains(tmp_path: Path) -> None:

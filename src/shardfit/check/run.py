@@ -28,7 +28,6 @@ from shardfit.check.prequantized_rules import prequantized_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
-from shardfit.errors import UserError
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
@@ -93,25 +92,18 @@ def data_findings(cfg: Config) -> list[Finding]:
     return []
 
 
-def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None,
+def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = None,
                  nodes: int = 1) -> tuple[Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on `nodes`
-    nodes like this machine by default, resolved as `train` resolves it (`world` ranks in all when given, spread
-    evenly over the nodes; a run that resumes as resolve/resume.py `resumed_job` resolves it); returns (the
-    resolved job, findings)."""
+    nodes like this machine by default, resolved as `train` resolves it: `nproc` ranks a node when given (train's
+    --nproc, torchrun's --nproc-per-node), and a run that resumes as resolve/resume.py `resumed_job` resolves it;
+    returns (the resolved job, findings)."""
     refuse_missing_inputs(cfg, elsewhere_ok=True)  # a checkpoint only the training machine sees: a warning
-    total_nodes = hw.nodes if hw is not None else nodes
-    if world is not None and world % total_nodes:  # train's --nproc is per node: every node runs as many ranks
-        raise UserError(f"--nproc {world} over {total_nodes} nodes: every node runs the same number of ranks, and "
-                        f"{world} is not a multiple of {total_nodes}. Give --nproc as all the ranks of the run, e.g. "
-                        f"{max(1, world // total_nodes) * total_nodes}.")
     if hw is None:
-        here = None if world is None else max(1, world // nodes)
-        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=here, nnodes=nodes))
-    else:  # every node like the one named: `world` ranks (default: a rank per GPU for multi-rank strategies)
+        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=nproc, nnodes=nodes))
+    else:  # every node like the one named
         node = dataclasses.replace(hw, nodes=1)
-        per_node = None if world is None else max(1, world // hw.nodes)
-        job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=per_node,
+        job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=nproc,
                                                            nnodes=hw.nodes))
     cfg = settled(cfg, job)
     s = get_strategy(job.strategy)
