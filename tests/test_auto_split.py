@@ -342,6 +342,28 @@ def test_a_refused_resume_offers_checkpointing_where_it_fits(host: dict[str, Har
     assert job is not None and job.kept_as_recorded is False and job.sequence_parallel == 2
 
 
+def test_a_refused_resume_offers_checkpointing_with_a_smaller_micro_batch(host: dict[str, Hardware],
+                                                                         tmp_path: Path) -> None:
+    """The same recorded run resumed at micro_batch 2 x grad_accum 4 with grad_ckpt: none (316 GiB a GPU):
+    neither micro_batch 1 alone nor grad_ckpt: full alone fits, both together do (22.5 GiB): the refusal (exit 3)
+    names that combined change, which then resumes, where it offered only to start over."""
+    from shardfit.cli.train_cmd import decide_launch
+
+    host["gpus"] = parse_gpus("2x24GB", 1, None)
+    cfg = _run(tmp_path)
+    old, _ = resolve_job(cfg, host["gpus"], GPU)
+    _record(tmp_path, cfg, old)
+    with pytest.raises(DoesNotFitError) as e:
+        decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4, grad_ckpt="none"))
+    said = str(e.value).split("\n")[0]
+    assert e.value.exit_code == 3 and "No smaller micro_batch" not in said, said
+    assert ("To keep the run, resume it with --set grad_ckpt=full --set micro_batch=1 --set grad_accum=8 (every "
+            "block's activations recomputed in the backward, and the same 8 examples a step: 22.5 GiB per GPU") \
+        in said, said
+    job, _ = decide_launch(_args(), _run(tmp_path, micro_batch=1, grad_accum=8, grad_ckpt="full"))
+    assert job is not None and job.sequence_parallel == 2
+
+
 def test_a_rank_started_by_torchrun_resumes_as_train_launches(eight_24gb: None, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks that torchrun (or srun) started without `shardfit train` resolve a resumed run by the same rule: a

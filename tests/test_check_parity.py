@@ -1,10 +1,13 @@
 """`check` refuses what `train` refuses: a config naming files a rank opens as it starts (a `resume:` checkpoint,
-a `py:` scorer of eval_metrics) that are missing is exit 2 from both, with the same words naming the key."""
+a `py:` scorer of eval_metrics) that are missing is exit 2 from both, with the same words naming the key. One
+exception: a `resume:` path with nothing at it where check runs may be on the machine that trains, so check warns
+(saying where it looked) where train refuses."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -29,18 +32,67 @@ def _config(tmp_path: Path, model: Path, data: Path, **keys: object) -> Path:
 
 
 @pytest.mark.parametrize(("keys", "want"), [
-    ({"resume": "/nonexistent/checkpoints/step-5"}, "'resume': /nonexistent/checkpoints/step-5 is not a shardfit "
-                                                   "checkpoint"),
+    ({"resume": "{tmp}"}, "'resume': {tmp} is not a shardfit checkpoint (no trainer.pt in it)"),
     ({"eval_metrics": ["py:/nonexistent/scorer.py:f"]}, "metric py:/nonexistent/scorer.py:f: no file"),
 ], ids=["resume-path", "py-scorer"])
 def test_check_refuses_what_train_refuses(tmp_path: Path, tiny_llama: Path, small_data: Path,
                                           capsys: pytest.CaptureFixture, keys: dict, want: str) -> None:
+    keys = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in keys.items()}
+    want = want.format(tmp=tmp_path)
     cfg = str(_config(tmp_path, tiny_llama, small_data, **keys))
     check = _run(["check", cfg], capsys)
     train = _run(["train", cfg], capsys)
     assert check[0] == train[0] == 2, (check, train)
     assert want in check[1] and want in train[1], (check[1][-800:], train[1][-800:])
     assert "Traceback" not in check[1] + train[1]
+
+
+def test_a_resume_path_absent_here_is_a_warning_of_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """A `resume:` path with nothing at it where check runs (a login node without the cluster's scratch, or a
+    checkpoint a queued job will write) was exit 2, stopping every other rule. check now says it looked on this
+    machine and how to check on the node (a warning: exit 0, the other rules run); train there still refuses it
+    (exit 2), now saying where it looked."""
+    import socket
+
+    absent = "/nonexistent/checkpoints/step-5"
+    cfg = str(_config(tmp_path, tiny_llama, small_data, resume=absent, max_bad_rows=64))
+    code = main(["check", cfg, "--json"])
+    said = capsys.readouterr()
+    assert said.out.startswith("{"), said.err[-2000:]
+    out = said.out
+    found = {f["rule"]: f for f in json.loads(out)["findings"]}
+    assert code == 0 and found["resume_not_here"]["severity"] == "warning", out
+    assert f"'resume': {absent} does not exist on {socket.gethostname()}, the machine check ran on" \
+        in found["resume_not_here"]["message"]
+    assert "srun -N1 shardfit check CONFIG" in found["resume_not_here"]["fix"]
+    code, out = _run(["train", cfg], capsys)
+    assert code == 2 and f"'resume': {absent} is not a shardfit checkpoint (nothing is at that path on " \
+        f"{socket.gethostname()})" in out and "Traceback" not in out, out
+
+
+def test_the_refusal_names_a_real_checkpoint_never_the_refused_path(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal's example was fixed text (runs/demo/checkpoints/step-200), the very path refused when the user
+    gave it; it now names the newest checkpoint of the run the path points into (or of output_dir), and where
+    there is none, what a checkpoint's path is."""
+    from shardfit.resolve.checkpoint_files import named_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        named_checkpoint("runs/demo/checkpoints/step-200", "runs/demo")
+    said = str(e.value)
+    assert said.count("runs/demo/checkpoints/step-200") == 1, said
+    assert "a step-N folder under a run's checkpoints/, holding trainer.pt; runs/demo/checkpoints holds none" in said
+    for step in (100, 150):
+        (tmp_path / "runs" / "demo" / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "runs" / "demo" / "checkpoints" / f"step-{step}" / "trainer.pt").write_bytes(b"x")
+    (tmp_path / "runs" / "demo" / "checkpoints" / ".tmp-step-175").mkdir()
+    for refused, output_dir in (("runs/demo/checkpoints/step-200", None), ("runs/demo", None),
+                                ("elsewhere/step-1", "runs/demo")):
+        with pytest.raises(UserError, match=r"e\.g\. runs/demo/checkpoints/step-150 \(the newest of 2 in "
+                                            r"runs/demo/checkpoints\)"):
+            named_checkpoint(refused, output_dir)
 
 
 def test_a_damaged_named_checkpoint_is_refused_by_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
@@ -99,13 +151,37 @@ def test_more_ranks_a_node_than_its_gpus_is_refused_by_check_and_train(eight_gpu
         assert e.value.exit_code == 2
     job, _ = resolve_here(_llama(), nproc=8, nnodes=2)
     assert job.world == 16 and job.nproc_per_node == 8
-    with pytest.raises(UserError, match="--nproc 16 over 3 nodes"):
-        check_config(_llama(), 16, None, 3)
+    with pytest.raises(UserError, match="--nproc counts the ranks of one node"):  # 16 in all over 2 nodes: 8
+        check_config(_llama(), 16, None, 2)
     # On a CPU torchrun's 16 ranks share the host and run (gloo): resolved as train runs them.
     cpu, _ = resolve_job(_llama(precision="fp32", strategy="ddp", force=True), job_hardware("cpu", 1),
                          DeviceFacts("cpu", False), nproc=16)
     assert (cpu.device, cpu.nproc_per_node, cpu.nnodes) == ("cpu", 16, 1)
 
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_check_nproc_counts_ranks_a_node_as_train_does(eight_gpus: None, tmp_path: Path, tiny_llama: Path,
+                                                       small_data: Path, capsys: pytest.CaptureFixture,
+                                                       nodes: int) -> None:
+    """`check --nproc N --nodes M` took N as the ranks of the whole run where `train --nproc N --nnodes M` (and
+    torchrun's --nproc-per-node) takes N a node: on 2 nodes check resolved half the ranks train launches. Both now
+    count ranks a node, and check takes train's --nnodes spelling too."""
+    from shardfit.check.run import check_config
+    from shardfit.cli.train_cmd import decide_launch
+    from shardfit.config import load_config
+
+    cfg = load_config(str(_config(tmp_path, tiny_llama, small_data, strategy="ddp", max_bad_rows=64)))
+    args = argparse.Namespace(nproc=4, nnodes=nodes, node_rank=0, master_addr="10.0.0.1", master_port=None,
+                              rdzv_endpoint=None)
+    trained, _ = decide_launch(args, cfg)
+    checked, _ = check_config(cfg, 4, None, nodes)
+    planned, _ = check_config(cfg, 4, parse_gpus("8x24GB", nodes, None))
+    assert trained is not None and (trained.nproc_per_node, trained.nnodes, trained.world) == (4, nodes, 4 * nodes)
+    assert checked.decisions() == trained.decisions() and planned.world == 4 * nodes
+    code = main(["check", str(tmp_path / "c.yaml"), "--nproc", "4", "--nnodes", str(nodes), "--json",
+                 "--set", "strategy=ddp", "--set", "max_bad_rows=64"])
+    resolved = json.loads(capsys.readouterr().out)["resolved"]
+    assert code in (0, 1) and (resolved["nproc_per_node"], resolved["nnodes"]) == (4, nodes), resolved
 
 
 def test_a_scorer_defined_under_a_condition_still_trains(tmp_path: Path) -> None:
@@ -126,3 +202,30 @@ def test_a_scorer_defined_under_a_condition_still_trains(tmp_path: Path) -> None
     (tmp_path / "bad.py").write_text("def score(:\n")
     with pytest.raises(UserError, match="is not valid Python"):
         check_metrics([f"py:{tmp_path / 'bad.py'}:score"])
+
+
+def test_checks_strategy_verdict_is_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check's verdict on a strategy without a pipeline is resolve/fits.py `memory_verdict`, the one the rank
+    refuses by (`refuse_if_oom`), not a reading of the plan's candidate of its own: a verdict that says otherwise
+    than the candidate is the one check reports."""
+    from shardfit.check import rules
+    from shardfit.errors import DoesNotFitError
+    from shardfit.plan.plan import make_plan
+    from shardfit.plan.shapes import resolve_shape
+    from shardfit.plan.workload import Workload
+    from shardfit.resolve import fits
+    from shardfit.strategy import get as get_strategy
+
+    small = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M-Instruct"), Workload(), parse_gpus("1x24GB"))
+    assert small.candidate("single").fits and rules.plan_rules(small, get_strategy("single"), False) == []
+    real = fits.memory_verdict
+
+    def refusing(plan: object, strategy: str, cfg: object = None) -> fits.Verdict:
+        return dataclasses.replace(real(plan, strategy, cfg), fits=False)
+
+    monkeypatch.setattr(fits, "memory_verdict", refusing)
+    monkeypatch.setattr(rules, "memory_verdict", refusing, raising=False)
+    with pytest.raises(DoesNotFitError):
+        fits.refuse_if_oom(small, "single", force=False)
+    found = rules.plan_rules(small, get_strategy("single"), False)
+    assert [f.rule for f in found] == ["predicted_oom"] and found[0].severity == "error", found

@@ -76,3 +76,52 @@ def test_per_modality_expert_lists_and_new_expert_keys_are_refused_by_name() -> 
         require_sane_sizes("ernie-vl", {**base, "moe_intermediate_size": [1536, 512], "moe_num_experts": 64})
     with pytest.raises(UserError, match="moe_num_shared_experts is 100,000,000"):
         require_sane_sizes("ernie", {**base, "moe_num_shared_experts": 10**8})
+
+
+def _absurd_tower(tmp_path: Path, model: Path, path: tuple[str, ...], value: object) -> Path:
+    """A copy of `model` whose config.json sets the tower key at `path` (e.g. vision_config, depth) to `value`."""
+    out = tmp_path / "model"
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    holder = config
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1]] = value
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+TOWERS = [(("vision_config", "depth"), 10**9), (("vision_config", "embed_dim"), 10**12),
+          (("vision_config", "patch_size"), 10**6)]
+
+
+@pytest.mark.parametrize(("path", "value"), TOWERS, ids=[".".join(p) for p, _ in TOWERS])
+def test_plan_refuses_an_absurd_vision_tower_naming_its_key(tmp_path: Path, tiny_vl: Path,
+                                                            capsys: pytest.CaptureFixture, path: tuple[str, ...],
+                                                            value: int) -> None:
+    """The ceilings covered the language model only: a vision tower a billion blocks deep was planned (and built)
+    as given. It is now exit 2 naming the tower's key, as the language model's sizes are."""
+    model = _absurd_tower(tmp_path, tiny_vl, path, value)
+    assert main(["plan", "--model", str(model), "--gpus", "1x80GB"]) == 2
+    err = capsys.readouterr().err
+    assert f"config.json's {'.'.join(path)} is {value:,}, beyond any model's" in err and "Traceback" not in err, err
+
+
+def test_the_build_refuses_an_absurd_audio_tower(tmp_path: Path, tiny_omni: Path, small_data: Path) -> None:
+    """Qwen2.5-Omni's audio encoder (thinker_config.audio_config): the build's read of config.json, which check and
+    train go through, refuses a size beyond any model's before allocating it."""
+    model = _absurd_tower(tmp_path, tiny_omni, ("thinker_config", "audio_config", "encoder_layers"), 10**9)
+    cfg = write_config(tmp_path / "c.yaml", model=str(model), data=str(small_data), precision="fp32",
+                       max_seq_len=128, micro_batch=2, max_steps=1, output_dir=str(tmp_path / "run"))
+    with pytest.raises(UserError, match=r"config.json's thinker_config\.audio_config\.encoder_layers is "
+                                        r"1,000,000,000"):
+        model_config(load_config(str(cfg)), resolve_model(str(model)), weights=True)
+
+
+def test_a_towers_two_sided_size_is_checked_side_by_side() -> None:
+    """A [height, width] image_size (InternVL, Molmo 2) is held to the ceiling on each side; real towers pass."""
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128}
+    require_sane_sizes("internvl", {**text, "vision_config": {"image_size": [448, 448], "patch_size": [14, 14],
+                                                              "hidden_size": 1024, "num_hidden_layers": 24}})
+    with pytest.raises(UserError, match=r"vision_config\.image_size is 10,000,000"):
+        require_sane_sizes("internvl", {**text, "vision_config": {"image_size": [448, 10**7]}})

@@ -4,6 +4,7 @@ anything, and the preflight reports them with the others."""
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 from shardfit import method as methods
 from shardfit.check.findings import Finding
@@ -12,20 +13,36 @@ from shardfit.config.support import TORCHAO_HINT
 from shardfit.evals.scorers import check_metrics
 from shardfit.plan.cards import card_of, no_fp8_reason
 from shardfit.resolve import Resolved
-from shardfit.resolve.checkpoint_files import named_checkpoint
+from shardfit.resolve.checkpoint_files import absent_here, named_checkpoint
 from shardfit.strategy import Strategy
 
 FLOAT8_OFF = "or float8: false (bf16 matmuls)"
 
 
-def refuse_missing_inputs(cfg: Config) -> None:
+def refuse_missing_inputs(cfg: Config, elsewhere_ok: bool = False) -> None:
     """The files the config names that a rank opens as it starts, refused as the rank refuses them (UserError,
     exit 2, naming the key): the checkpoint a `resume:` path names (train/checkpoint.py `find_resume`) and the
     `py:` scorers of eval_metrics (train/recipe.py `parse_metrics`, whose refusals `check_metrics` gives without
     importing the file: nothing a config names runs at check). Before ranks start or anything loads, so `check`
-    and `train` give the same refusal."""
-    named_checkpoint(cfg.resume)
+    and `train` give the same refusal. `elsewhere_ok` (check): a `resume:` path with nothing at it on this
+    machine is left to `resume_elsewhere_rules`, since the run may train where it is."""
+    if not (elsewhere_ok and absent_here(cfg.resume)):
+        named_checkpoint(cfg.resume, cfg.output_dir)
     check_metrics(cfg.eval_metrics)
+
+
+def resume_elsewhere_rules(cfg: Config) -> list[Finding]:
+    """A `resume:` path with nothing at it where `check` runs: a login node that does not mount the cluster's
+    scratch, or a checkpoint a job still queued will write. check cannot read it and says so (a warning, the
+    other rules still run); `train` refuses it (exit 2) if it is not there either when the run starts."""
+    if not absent_here(cfg.resume):
+        return []
+    return [Finding("resume_not_here", "warning", "config: resume",
+                    f"'resume': {cfg.resume} does not exist on {socket.gethostname()}, the machine check ran on, so "
+                    "the checkpoint was not checked; train refuses the run (exit 2) unless the path holds a whole "
+                    "checkpoint on the machine that trains when the run starts",
+                    "run check where the run trains, e.g. `srun -N1 shardfit check CONFIG` on a node that mounts "
+                    "it, or correct the path")]
 
 
 def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:

@@ -25,6 +25,7 @@ from shardfit.models.quantize import is_bnb_quantized, is_nf4
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.plan import Plan
 from shardfit.plan.quant import shard_problem
+from shardfit.resolve.fits import memory_verdict
 from shardfit.strategy import Strategy
 
 # Submodules that only serve generation outputs other than text; text fine-tuning never runs them.
@@ -323,10 +324,12 @@ def visible_gpu_rules(s: Strategy, world: int) -> list[Finding]:
 
 
 def plan_rules(plan: Plan | None, s: Strategy, force: bool) -> list[Finding]:
-    """The plan's verdict on the strategy: predicted out-of-memory is an error (a warning with `force`). The fix is
-    an override that works for train and check: the strategy that fits, or the nearest change that makes one fit."""
-    c = plan.candidate(s.name) if plan is not None else None
-    if c is None or c.fits:
+    """The plan's verdict on the strategy (resolve/fits.py `memory_verdict`, by which the rank refuses before
+    loading): predicted out-of-memory is an error (a warning with `force`). The fix is an override that works for
+    train and check: the strategy that fits, or the nearest change that makes one fit."""
+    verdict = memory_verdict(plan, s.name)
+    c = verdict.candidate
+    if plan is None or c is None or verdict.fits:
         return []
     fix = f"--set strategy={plan.recommended}" if plan.recommended else _nearest_fix(plan)
     total = f"{c.per_gpu_gib.total:.1f} GiB"

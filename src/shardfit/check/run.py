@@ -12,7 +12,13 @@ from torch import nn
 
 from shardfit import objective as objectives
 from shardfit.check import rules
-from shardfit.check.config_rules import device_map_rules, float8_rules, qlora_rules, refuse_missing_inputs
+from shardfit.check.config_rules import (
+    device_map_rules,
+    float8_rules,
+    qlora_rules,
+    refuse_missing_inputs,
+    resume_elsewhere_rules,
+)
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.pipeline_rules import pipeline_plan_rules
@@ -22,7 +28,6 @@ from shardfit.check.prequantized_rules import prequantized_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.data.dataset import encode_split, read_split
-from shardfit.errors import UserError
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
@@ -87,25 +92,18 @@ def data_findings(cfg: Config) -> list[Finding]:
     return []
 
 
-def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = None,
+def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = None,
                  nodes: int = 1) -> tuple[Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on `nodes`
-    nodes like this machine by default, resolved as `train` resolves it (`world` ranks in all when given, spread
-    evenly over the nodes; a run that resumes as resolve/resume.py `resumed_job` resolves it); returns (the
-    resolved job, findings)."""
-    refuse_missing_inputs(cfg)
-    total_nodes = hw.nodes if hw is not None else nodes
-    if world is not None and world % total_nodes:  # train's --nproc is per node: every node runs as many ranks
-        raise UserError(f"--nproc {world} over {total_nodes} nodes: every node runs the same number of ranks, and "
-                        f"{world} is not a multiple of {total_nodes}. Give --nproc as all the ranks of the run, e.g. "
-                        f"{max(1, world // total_nodes) * total_nodes}.")
+    nodes like this machine by default, resolved as `train` resolves it: `nproc` ranks a node when given (train's
+    --nproc, torchrun's --nproc-per-node), and a run that resumes as resolve/resume.py `resumed_job` resolves it;
+    returns (the resolved job, findings)."""
+    refuse_missing_inputs(cfg, elsewhere_ok=True)  # a checkpoint only the training machine sees: a warning
     if hw is None:
-        here = None if world is None else max(1, world // nodes)
-        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=here, nnodes=nodes))
-    else:  # every node like the one named: `world` ranks (default: a rank per GPU for multi-rank strategies)
+        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=nproc, nnodes=nodes))
+    else:  # every node like the one named
         node = dataclasses.replace(hw, nodes=1)
-        per_node = None if world is None else max(1, world // hw.nodes)
-        job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=per_node,
+        job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=nproc,
                                                            nnodes=hw.nodes))
     cfg = settled(cfg, job)
     s = get_strategy(job.strategy)
@@ -113,8 +111,8 @@ def check_config(cfg: Config, world: int | None = None, hw: Hardware | None = No
     model = build_model(cfg, s, weights=False)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
-    return job, data + preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + speed + \
-        float8_rules(cfg, job)
+    return job, resume_elsewhere_rules(cfg) + data + preflight(model, cfg, s, job.world, plan) + \
+        created_off_meta_rules(model) + speed + float8_rules(cfg, job)
 
 
 def format_findings(job: Resolved, findings: list[Finding]) -> str:

@@ -23,10 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--nproc", type=positive_int, default=None,
-                   help="ranks the run will use (default: from the strategy)")
+                   help="ranks a node, as train --nproc and torchrun --nproc-per-node (default: from the strategy)")
     c.add_argument("--gpus", default=None, help="check for these GPUs, e.g. 8x24GB (default: this machine)")
-    c.add_argument("--nodes", type=positive_int, default=1,
-                   help="nodes the run will use, each like --gpus (default: like this machine)")
+    c.add_argument("--nodes", "--nnodes", dest="nodes", type=positive_int, default=1,
+                   help="nodes the run will use, each like --gpus (default: like this machine); train's --nnodes")
     c.add_argument("--json", action="store_true")
     add_from(c, model_flags=True)
     c.set_defaults(func=run)

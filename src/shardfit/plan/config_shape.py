@@ -452,25 +452,60 @@ SIZE_CEILINGS = {
     **dict.fromkeys(SHARED_EXPERTS, 1 << 16), **dict.fromkeys(EXPERTS, 1 << 16), **dict.fromkeys(TOP_K, 1 << 16),
 }
 
+# The same for the vision and audio towers' sizes (vision_config, audio_config, also under Qwen-Omni's
+# thinker_config), under each name a family gives them: far above every published tower (ViTs of 4k wide, 63
+# blocks deep, images of a few thousand pixels; Whisper-like encoders of 32 layers over 1,500 positions).
+TOWER_CEILINGS = {
+    **dict.fromkeys(("depth", "num_hidden_layers", "encoder_layers"), 1 << 12),
+    **dict.fromkeys(("hidden_size", "embed_dim", "d_model", "out_hidden_size", "output_dim", "projector_output_dim",
+                     "vision_output_dim"), 1 << 18),
+    **dict.fromkeys(("intermediate_size", "encoder_ffn_dim"), 1 << 20),
+    **dict.fromkeys(("num_heads", "num_attention_heads", "encoder_attention_heads", "num_mel_bins"), 1 << 14),
+    **dict.fromkeys(("patch_size", "spatial_merge_size", "temporal_patch_size", "in_channels", "in_chans",
+                     "mlp_ratio"), 1 << 10),
+    **dict.fromkeys(("image_size", "n_window"), 1 << 16),
+    **dict.fromkeys(("num_position_embeddings", "max_source_positions"), 1 << 24),
+}
+
+
+def tower_configs(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The towers' parts of a config, each with the path of keys that leads to it (`thinker_config.audio_config`)."""
+    out = []
+    for outer in ("", "thinker_config"):
+        holder = cfg.get(outer) if outer else cfg
+        for key in ("vision_config", "audio_config"):
+            tower = holder.get(key) if isinstance(holder, dict) else None
+            if isinstance(tower, dict):
+                out.append((f"{outer}.{key}" if outer else key, tower))
+    return out
+
+
+def _require_below(name: str, where: str, values: dict[str, Any], ceilings: dict[str, int]) -> None:
+    """A UserError naming `where`'s key whose number (or each side of a [height, width]) exceeds its ceiling."""
+    for key, ceiling in ceilings.items():
+        raw = values.get(key)
+        for value in raw if isinstance(raw, list) else [raw]:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                continue  # not a number: the count checks name it
+            if value > ceiling:
+                shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
+                raise UserError(f"{name}: config.json's {where}{key} is {shown}, beyond any model's (shardfit takes "
+                                f"up to {ceiling:,}): no memory holds it. Fix the value in {name}'s config.json.")
+
 
 def require_sane_sizes(name: str, cfg: dict[str, Any]) -> None:
-    """A UserError naming the key where config.json (its language model's part) gives a size beyond SIZE_CEILINGS;
-    the planner's shape and the model's build both read config.json through this, so plan, check and train refuse
-    it alike (exit 2) before anything is allocated."""
+    """A UserError naming the key where config.json (its language model's part, or a vision or audio tower's) gives
+    a size beyond SIZE_CEILINGS or TOWER_CEILINGS; the planner's shape and the model's build both read config.json
+    through this, so plan, check and train refuse it alike (exit 2) before anything is allocated."""
     text = text_config(cfg)
     for key in ("moe_intermediate_size", *SHARED_EXPERTS, *EXPERTS, *TOP_K):
         if isinstance(text.get(key), list):  # ERNIE 4.5 VL: one value per modality's experts
             raise UserError(f"{name}: config.json's {key} is a list ({text[key]}), one value per modality's experts "
                             f"(ERNIE 4.5 VL's text and vision experts); shardfit does not plan such a mixture, nor "
                             f"does its trainer load it. Plan a text-only model of the family instead.")
-    for key, ceiling in SIZE_CEILINGS.items():
-        value = text.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            continue  # not a number: the count checks name it
-        if value > ceiling:
-            shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
-            raise UserError(f"{name}: config.json's {key} is {shown}, beyond any model's (shardfit takes up to "
-                            f"{ceiling:,}): no memory holds it. Fix the value in {name}'s config.json.")
+    _require_below(name, "", text, SIZE_CEILINGS)
+    for where, tower in tower_configs(cfg):
+        _require_below(name, f"{where}.", tower, TOWER_CEILINGS)
 
 
 def _require_not_negative(name: str, values: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import socket
 from pathlib import Path
 
 from shardfit.errors import UserError
@@ -13,6 +15,8 @@ from shardfit.errors import UserError
 MANIFEST = "manifest.json"
 # Written last into a checkpoint (step, tokens, scheduler): a directory without it is no checkpoint.
 TRAINER_FILE = "trainer.pt"
+# A checkpoint's folder under the run directory's checkpoints/ (temporary ones are named .tmp-step-N).
+STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def file_digest(path: str | Path) -> str:
@@ -49,15 +53,52 @@ def intact(ckpt: Path) -> str | None:
     return None
 
 
-def named_checkpoint(resume: str) -> Path | None:
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first (temporary directories are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / TRAINER_FILE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def absent_here(resume: str) -> bool:
+    """Whether `resume:` names a path with nothing at it on this machine (auto and never name none)."""
+    return resume not in ("auto", "never") and not Path(resume).exists()
+
+
+def _instead(resume: str, output_dir: str | None) -> str:
+    """A checkpoint to name in place of `resume`, which is none: the newest one of the run the path points into
+    (its checkpoints/ folder, or the run directory itself), else of `output_dir`; where none has any, what a
+    checkpoint's path looks like, never a made-up path (which could be the very one refused)."""
+    p = Path(resume)
+    runs = [p.parent.parent] if p.parent.name == "checkpoints" else []
+    runs += [p.parent if p.name == "checkpoints" else p]
+    runs += [Path(output_dir)] if output_dir else []
+    for run in runs:
+        saved = [path for _, path in list_checkpoints(run) if path != p]
+        if saved:
+            return f"e.g. {saved[-1]} (the newest of {len(saved)} in {saved[-1].parent})"
+    where = f"; {Path(output_dir) / 'checkpoints'} holds none" if output_dir else ""
+    return f"a step-N folder under a run's checkpoints/, holding {TRAINER_FILE}{where}"
+
+
+def named_checkpoint(resume: str, output_dir: str | None = None) -> Path | None:
     """The checkpoint a `resume:` path names (None for auto and never, which pick from the run directory): a
-    UserError naming the key where it is not a shardfit checkpoint or is damaged."""
+    UserError naming the key where it is not a shardfit checkpoint or is damaged, and a checkpoint to name instead
+    (of the run the path points into, or of `output_dir`)."""
     if resume in ("auto", "never"):
         return None
     p = Path(resume)
     if not (p / TRAINER_FILE).is_file():
-        raise UserError(f"'resume': {resume} is not a shardfit checkpoint (no {TRAINER_FILE}). Use auto, never, "
-                        f"or a path like runs/demo/checkpoints/step-200.")
+        why = f"nothing is at that path on {socket.gethostname()}" if absent_here(resume) else \
+            f"no {TRAINER_FILE} in it"
+        raise UserError(f"'resume': {resume} is not a shardfit checkpoint ({why}). Use auto (the newest checkpoint "
+                        f"of output_dir), never, or a checkpoint's path: {_instead(resume, output_dir)}.")
     problem = intact(p)
     if problem is not None:
         raise UserError(f"'resume': {resume} is damaged ({problem}); resume from an earlier checkpoint.")

@@ -426,7 +426,8 @@ def require_ranks_fit_node(node: Hardware, device: DeviceFacts, nproc: int | Non
         return
     raise UserError(f"--nproc {nproc}: {nproc} ranks a node, more than the node's {n} GPU{'s' * (n > 1)} "
                     f"({node.name}); each rank runs on the GPU of its local rank, so ranks {n} to {nproc - 1} would "
-                    f"have none. Launch at most {n} rank{'s' * (n > 1)} a node, and more nodes for more ranks.")
+                    f"have none. --nproc counts the ranks of one node (torchrun's --nproc-per-node): launch at most "
+                    f"{n} a node, and more nodes for more ranks.")
 
 
 def resolve_job(cfg: Config, node: Hardware, device: DeviceFacts, *, nproc: int | None = None,

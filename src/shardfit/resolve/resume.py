@@ -191,7 +191,8 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
     batch and the recorded job (`recorded_job`) keeps it is the recorded one run, its reasons first in `why`
     (the launcher's log, summary.json, `check`, `plan`). It is planned as any job resolved: where it is predicted
     not to fit (and `force` is off), the resume is refused before anything loads (ResumeDoesNotFit, exit 3),
-    naming the micro_batch and grad_accum (or grad_ckpt: full) that keep the batch and fit, and the grad_accum
+    naming the micro_batch and grad_accum, grad_ckpt: full, or (where neither alone does) both together that keep
+    the batch and fit, and the grad_accum
     that keeps it on the job resolved anew, or, where neither does, how to start over (unless the new job runs
     here: it then runs, and `claim` names the grad_accum that keeps the batch on its ranks). Where the recorded
     job cannot run here (other GPUs, --nproc) or keeps no more than the new one, the new one runs, and `claim` says
@@ -223,10 +224,12 @@ def resumed_job(cfg: Config, resolve: Resolver) -> Resolution:
     if not cfg.force and not _fits(kept, job, plan)[0]:
         fix = smaller_micro_batch(kept, target, resolve)
         ckpt = with_checkpointing(kept, target, resolve)
-        if fix is None and ckpt is None and isinstance(fresh, tuple):
+        # Both changes at once only where neither alone fits: the fewer keys a resume changes, the better.
+        both = checkpointed_smaller(kept, target, resolve) if fix is None and ckpt is None else None
+        if fix is None and ckpt is None and both is None and isinstance(fresh, tuple):
             return fresh  # `claim` refuses it naming what differs, and the grad_accum that keeps the batch there
         other = _anew_keeping(cfg, fresh[0], target, resolve) if isinstance(fresh, tuple) else None
-        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, (fix, ckpt), other))
+        raise ResumeDoesNotFit(_misfit(kept, job, plan, target, anew, (fix, ckpt, both), other))
     why = (f"{RESUMED_WHY}: the run in {cfg.output_dir} trains a global batch of {target} examples (run.json), "
            f"which the recorded job keeps; resolved anew: {anew}")
     return dataclasses.replace(job, why=(*lines, why, *job.why), kept_as_recorded=True), plan
@@ -288,6 +291,15 @@ def with_checkpointing(kept: Config, target: Any, resolve: Resolver) -> Way | No
     return (kept.micro_batch, kept.grad_accum, gib, _rate(checkpointed, *found)) if fits else None
 
 
+def checkpointed_smaller(kept: Config, target: Any, resolve: Resolver) -> Way | None:
+    """grad_ckpt: full together with the largest micro_batch below `kept`'s (and the grad_accum that keeps its
+    examples a step) under which the recorded job trains the run's global batch `target` and fits; None where
+    checkpointing is on already or no such micro_batch fits."""
+    if kept.grad_ckpt == "full":
+        return None
+    return smaller_micro_batch(dataclasses.replace(kept, grad_ckpt="full"), target, resolve)
+
+
 def _anew_keeping(cfg: Config, fresh: Resolved, target: Any, resolve: Resolver) -> tuple[Way, Resolved] | None:
     """The grad_accum under which the job resolved anew (`fresh`, at `cfg`'s micro_batch) trains the run's global
     batch `target`, where it then still resolves to a job that keeps it and fits, with that job; else None."""
@@ -310,13 +322,14 @@ def _speed(rate: float | None) -> str:
 
 
 def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: str,
-            ways: tuple[Way | None, Way | None], other: tuple[Way, Resolved] | None) -> str:
+            ways: tuple[Way | None, Way | None, Way | None], other: tuple[Way, Resolved] | None) -> str:
     """Why the recorded job of a run that resumes is refused: it keeps the run's global batch but is predicted
-    not to fit; the micro_batch and grad_accum that keep both (`ways[0]`, `smaller_micro_batch`) and checkpointing
-    that does (`ways[1]`, `with_checkpointing`), where there are, and the grad_accum that keeps the batch on the
-    job resolved anew (`other`, `_anew_keeping`), else how to start over."""
+    not to fit; the micro_batch and grad_accum that keep both (`ways[0]`, `smaller_micro_batch`), checkpointing
+    that does (`ways[1]`, `with_checkpointing`) and the two together (`ways[2]`, `checkpointed_smaller`), where
+    there are, and the grad_accum that keeps the batch on the job resolved anew (`other`, `_anew_keeping`), else
+    how to start over."""
     _, gib, card = _fits(kept, job, plan)
-    fix, ckpt = ways
+    fix, ckpt, both = ways
     what = f"{job.strategy}, sequence_parallel {job.sequence_parallel}, pipeline_parallel {job.pipeline_parallel}"
     alt = ""
     if other is not None:
@@ -332,10 +345,14 @@ def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: s
         keeps.append(f"--set grad_ckpt=full (every block's activations recomputed in the backward: the same "
                      f"micro_batch {ckpt[0]} x grad_accum {ckpt[1]} and trained result, {ckpt[2]:.1f} GiB per "
                      f"GPU{_speed(ckpt[3])})")
+    if both is not None:
+        keeps.append(f"--set grad_ckpt=full --set micro_batch={both[0]} --set grad_accum={both[1]} (every block's "
+                     f"activations recomputed in the backward, and the same {target} examples a step: "
+                     f"{both[2]:.1f} GiB per GPU{_speed(both[3])})")
     how = (f"To keep the run, resume it with {'; or with '.join(keeps)}{alt}; or use a new output_dir, or --set "
            "resume=never to start over there." if keeps else
-           "No smaller micro_batch makes it fit with the same examples a step: use a new output_dir, or --set "
-           "resume=never to start over there (or set force: true to start it anyway).")
+           "No smaller micro_batch, nor checkpointing, makes it fit with the same examples a step: use a new "
+           "output_dir, or --set resume=never to start over there (or set force: true to start it anyway).")
     table = f"\n{format_table(plan, style='config')}" if plan is not None and job.pipeline_parallel == 1 else ""
     return (f"output_dir {kept.output_dir} holds a run that resumes only as it was recorded ({what}: the run's "
             f"global batch of {target} examples, run.json), and that job at micro_batch {kept.micro_batch} x "

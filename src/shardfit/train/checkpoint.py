@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -34,13 +33,12 @@ from shardfit.errors import JobFailed, UserError
 from shardfit.parallel.env import DistEnv, barrier
 from shardfit.parallel.pipeline import DecoderStage
 from shardfit.parallel.shared_dir import ranks_seeing
-from shardfit.resolve.checkpoint_files import MANIFEST, file_digest, intact, named_checkpoint
+from shardfit.resolve.checkpoint_files import MANIFEST, file_digest, intact, list_checkpoints, named_checkpoint
 from shardfit.train.expert_lora_layout import expert_lora_b, state_dict_name, to_model, to_saved
 from shardfit.train.trusted_dcp import TrustedLoadPlanner, TrustedReader, not_trusted, read_metadata, refusal
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTS = StateDictOptions(ignore_frozen_params=True)
 # The optimizer state under each parameter's own name, param_groups too (`param_groups.<name>.lr`): how pipeline
 # checkpoints were written before they took the whole model's layout; such a checkpoint still loads, on any layout.
@@ -140,19 +138,6 @@ def require_shared_dir(run_dir: Path, env: DistEnv) -> None:
         raise UserError(f"output_dir {run_dir} is not shared: {missing} of {env.world} ranks cannot see what "
                         "rank 0 wrote there. Checkpoints are sharded across ranks, so on several nodes output_dir "
                         "must be on a filesystem every node mounts (NFS, Lustre, a shared volume).")
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first (temporary directories are ignored)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / "trainer.pt").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
 
 
 def _fsync(path: Path) -> None:
@@ -279,7 +264,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
                 return path
             log.warning("checkpoint %s is damaged (%s); falling back to the one before it", path, problem)
         return None
-    return named_checkpoint(resume)
+    return named_checkpoint(resume, str(run_dir))
 
 
 def _load_plain(path: Path) -> Any:
