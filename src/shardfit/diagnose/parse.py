@@ -141,6 +141,45 @@ def _own_call(p: Parsed) -> bool:
     return False
 
 
+
+# A package manager's report that an install went through (pip, uv, poetry, conda/mamba), and what it may print
+# after that: its notices and the list of the packages it changed. A transcript that ends there (or in a question the
+# user typed after it) names the old and new releases but no failure: its upgrade command is no version symptom.
+_INSTALL_DONE = re.compile(
+    r"^(Successfully installed \S|Installed \d+ packages? in \d|Audited \d+ packages? in \d|Writing lock file$|"
+    r"Package operations: \d+ installs?|No dependencies to install or update|Installing the current project: |"
+    r"Executing transaction: (\S+ )*done$|Transaction finished$|All requested packages already installed)")
+_INSTALL_AFTER = re.compile(
+    r"^(\[notice\]|WARNING: (Running pip|You are using pip|The scripts? \S+ (is|are) installed|"
+    r"Ignoring invalid distribution)|Consider adding this directory to PATH|Note: you may need to restart|"
+    r"[-+~] [\w.\[\],-]+==[\w.+!-]+$|"                                # uv's list of removed / added packages
+    r"[-•] (Installing|Updating|Downgrading|Removing) [\w.\[\]-]+ \([\w.+!-]+( -> [\w.+!-]+)?\)$|"  # poetry's
+    r"Writing lock file$|Installing the current project: |(Preparing|Verifying|Executing) transaction: |"
+    r"Transaction (starting|finished)$|==> .* <==$|#)")
+# a line typed after the transcript that still reports a failure (then the upgrade may well be the cause)
+_FAILURE_WORDS = re.compile(
+    r"error|exception|traceback|fail|crash|broke|break|wrong|(n't|not|never) (work|run|start|load|train)|"
+    r"cannot|can't|unable|\bnan\b|killed|\bhang|stuck|slower|issue|problem|\bbug|regress|报错|错误|失败|崩|卡住", re.I)
+
+
+def install_ok_end(lines: list[str]) -> bool:
+    """The paste ends in a package manager's report of a successful install, followed at most by the manager's own
+    notices and package list, then by prose with no failure word that ends in a question; and the line just above
+    the manager's closing block reports no failure (a build that failed on the way: poetry still ends its run)."""
+    done = next((i for i in range(len(lines) - 1, -1, -1) if _INSTALL_DONE.match(lines[i])), None)
+    if done is None:
+        return False
+    above = done
+    while above > 0 and (_INSTALL_AFTER.match(lines[above - 1]) or _INSTALL_DONE.match(lines[above - 1])):
+        above -= 1
+    if above > 0 and (_FAILURE_WORDS.search(lines[above - 1]) or _EXC.match(lines[above - 1])):
+        return False
+    rest = [x for x in lines[done + 1:] if not _INSTALL_AFTER.match(x)]
+    if not rest:
+        return True
+    # the user's question after the transcript: prose only (no exception, no failure word), the last line asks
+    return rest[-1].endswith("?") and not any(_FAILURE_WORDS.search(x) or _EXC.match(x) for x in rest)
+
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 _ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
 _PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
@@ -530,6 +569,8 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
+    if install_ok_end(lines):
+        p.facts.add("install_ok_end")
     raw = text if len(text) <= 2 * HEAD_BYTES else text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:]
     p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b, gpu_rows(_ANSI.sub("", raw)),
                              p.world_size)
