@@ -311,3 +311,32 @@ def test_a_clean_install_by_any_manager_is_no_failure(log: str, question: str) -
     if failed != log:
         assert _cats(failed)[:1] == ["library_version_regression"]
 
+
+
+@pytest.mark.parametrize(("line", "label"), [
+    # a user's own class and method, pasted without its frame: the user's mistake
+    ("TypeError: RewardHead.forward() got an unexpected keyword argument 'chosen_ids'", "none"),
+    ("TypeError: TinyVisionEncoder.__init__() got an unexpected keyword argument 'patch_size'", "none"),
+    ("TypeError: SpanDataset.__init__() got an unexpected keyword argument 'max_len'", "none"),
+    ("TypeError: FocalLossModel.forward() missing 1 required positional argument: 'labels'", "none"),
+    # a hook the framework calls on the user's subclass, with another release's arguments
+    ("TypeError: compute_loss() got an unexpected keyword argument 'num_items_in_batch'", "library_version_regression"),
+    ("TypeError: RankTrainer.compute_loss() takes 3 positional arguments but 4 were given",
+     "library_version_regression"),
+    ("TypeError: GradLogCallback.on_step_end() missing 1 required positional argument: 'control'",
+     "library_version_regression"),
+    # a library's class (a model family's, peft's tuner, a collator) or a keyword the libraries renamed
+    ("TypeError: Qwen2Model.forward() got an unexpected keyword argument 'labels'", "library_version_regression"),
+    ("TypeError: BaseTuner.__init__() got an unexpected keyword argument 'low_cpu_mem_usage'",
+     "library_version_regression"),
+    ("TypeError: DataCollatorForSeq2Seq.__init__() got an unexpected keyword argument 'pad_to_multiple'",
+     "library_version_regression"),
+    ("TypeError: RewardHead.forward() got an unexpected keyword argument 'cache_position'",
+     "library_version_regression"),
+], ids=lambda x: x.split("(")[0][11:] if x.startswith("TypeError") else x)
+def test_a_bare_argument_typeerror_names_its_side(line: str, label: str) -> None:
+    """Pasted without its frame, an argument TypeError says whose call it was by its names alone: a method of the
+    user's own class that no framework calls is the user's mistake; a framework hook on the user's subclass, a
+    library's class, or a keyword the libraries renamed is a version change."""
+    cats = _cats(line)
+    assert (cats[:1] if label != "none" else cats) == ([label] if label != "none" else []), cats

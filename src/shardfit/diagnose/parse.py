@@ -113,9 +113,9 @@ _VERSION = re.compile(
 # A TypeError about a call's arguments raised where the user's own code called a method of the user's own class
 # (the frame above it is outside the installed libraries and the frameworks' trees, and the class is none of the
 # libraries'): the user's mistake, not a library that changed a signature.
-_ARG_ERROR = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.\w+\(\) (takes (from \d+ to )?\d+ positional arguments? but \d+ "
-                        r"(was|were) given|missing \d+ required (positional|keyword-only) arguments?|got an unexpected "
-                        r"keyword argument|got multiple values for argument)")
+_ARG_ERROR = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.(?P<method>\w+)\(\) (takes (from \d+ to )?\d+ positional "
+                        r"arguments? but \d+ (was|were) given|missing \d+ required (positional|keyword-only) "
+                        r"arguments?|got an unexpected keyword argument|got multiple values for argument)")
 # the libraries' own classes (a user's subclass has its own name: PairwiseTrainer, DistillTrainer)
 _LIBRARY_CLASS = re.compile(
     r"(SFT|DPO|PPO|GRPO|KTO|ORPO|CPO|RLOO|BCO|PRM|GKD|XPO|Reward|Seq2Seq|OnlineDPO|IterativeSFT|NashMD)?Trainer|"
@@ -127,8 +127,26 @@ _LIBRARY_PATH = re.compile(r"(site|dist)-packages|/lib/python\d|^<frozen|/(torch
                            r"pytorch_lightning|megatron|vllm|xtuner|unsloth|nemo)/")
 
 
+# Pasted bare (no frame anywhere), the class and the method are all there is. A framework calls the user's
+# subclass hooks (a Trainer's compute_loss / training_step, Lightning's *_step): another release passing other
+# arguments is the classic version break, so a hook is never the user's own call. Neither is a class named after a
+# model family (Qwen2Model, BertModel: the library's), nor a library's collator, tuner (peft's BaseTuner) or mixin.
+_FRAMEWORK_HOOK = re.compile(
+    r"training_step|compute_loss|prediction_step|evaluation_loop|_save|_save_checkpoint|create_optimizer\w*|"
+    r"create_scheduler|get_train_dataloader|get_eval_dataloader|_get_train_sampler|_prepare_inputs|get_batch_samples|"
+    r"_maybe_log_save_evaluate|_load_from_checkpoint|log|on_\w+|configure_optimizers|validation_step|test_step|"
+    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops")
+_FAMILY_CLASS = re.compile(
+    r"(Llama|Qwen|Mistral|Mixtral|Gemma|Phi|GPT|Falcon|Baichuan|ChatGLM|GLM|InternLM|DeepSeek|Bert|Roberta|Deberta|"
+    r"T5|MT5|Bart|Whisper|CLIP|Clip|Siglip|Llava|LLaVA|Idefics|Mllama|OPT|Bloom|Olmo|Cohere|Starcoder|MiniCPM|ViT|"
+    r"Vit|Wav2Vec2|Mamba|Jamba|Granite|Pixtral|Paligemma|PaliGemma|Florence|Blip|Yi|Gemma\d|Hunyuan|Ernie|Aquila|"
+    r"DataCollator|Megatron|MCore)\w*|\w+(Tuner|Mixin)")
+
+
 def _own_call(p: Parsed) -> bool:
-    """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code."""
+    """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
+    pasted with no frame at all, one of a user's class (no library's, no model family's) in a method no framework
+    calls on the user's behalf."""
     e = p.exception
     m = _ARG_ERROR.match(e.message) if e is not None and e.type == "TypeError" else None
     if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
@@ -138,8 +156,8 @@ def _own_call(p: Parsed) -> bool:
             f = pat.search(line)
             if f:
                 return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
-    return False
-
+    return not p.frames and not _FRAMEWORK_HOOK.fullmatch(m.group("method")) and not _FAMILY_CLASS.fullmatch(
+        m.group("cls"))
 
 
 # A package manager's report that an install went through (pip, uv, poetry, conda/mamba), and what it may print
