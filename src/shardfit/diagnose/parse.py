@@ -472,7 +472,30 @@ def _versions(text: str) -> dict[str, str]:
     return out
 
 
-def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
+
+@dataclass(frozen=True)
+class LineFilter:
+    """A fact's regex tried only on the lines that hold one of its literal keys (any case): a substring test per
+    line is far cheaper than a long alternation tried at every position. Every alternative of the regex must
+    contain one of the keys, and must not span lines, for the answer to be the plain search's."""
+
+    pattern: re.Pattern
+    keys: tuple[str, ...]  # lower case
+
+    def search(self, text: str) -> re.Match | None:
+        for line in text.split("\n"):
+            low = line.lower()
+            if any(k in low for k in self.keys):
+                m = self.pattern.search(line)
+                if m:
+                    return m
+        return None
+
+
+FactPattern = re.Pattern | LineFilter
+
+
+def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     text = p.text
     for name, pat in fact_patterns.items():
         if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else text):
@@ -564,7 +587,7 @@ def _ends_in_data_prep(lines: list[str]) -> bool:
     return bool(re.search(r"[█▏▎▍▌▋▊▉#]{3}|\d+%\||\d+\s*/\s*\d+|examples/s|ba/s", tail[-1]))
 
 
-def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None) -> Parsed:
+def parse(data: bytes | str, fact_patterns: dict[str, FactPattern] | None = None) -> Parsed:
     """Everything the rules need, from at most REGION_BYTES of input and EVIDENCE_CHARS of normalised text."""
     text, n = _decode(data)
     lines = _evidence(normalise(text))
