@@ -325,6 +325,8 @@ def test_a_clean_install_by_any_manager_is_no_failure(log: str, question: str) -
      "library_version_regression"),
     ("TypeError: GradLogCallback.on_step_end() missing 1 required positional argument: 'control'",
      "library_version_regression"),
+    ("TypeError: KDTrainer.create_accelerator_and_postprocess() got an unexpected keyword argument 'plugin'",
+     "library_version_regression"),
     # a library's class (a model family's, peft's tuner, a collator) or a keyword the libraries renamed
     ("TypeError: Qwen2Model.forward() got an unexpected keyword argument 'labels'", "library_version_regression"),
     ("TypeError: BaseTuner.__init__() got an unexpected keyword argument 'low_cpu_mem_usage'",

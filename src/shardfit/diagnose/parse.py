@@ -156,8 +156,10 @@ def _own_call(p: Parsed) -> bool:
             f = pat.search(line)
             if f:
                 return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
-    return not p.frames and not _FRAMEWORK_HOOK.fullmatch(m.group("method")) and not _FAMILY_CLASS.fullmatch(
-        m.group("cls"))
+    cls, method = m.group("cls"), m.group("method")
+    # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
+    return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
+                or cls.endswith(("Trainer", "Callback")))
 
 
 # A package manager's report that an install went through (pip, uv, poetry, conda/mamba), and what it may print
