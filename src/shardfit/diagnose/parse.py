@@ -145,8 +145,8 @@ _FAMILY_CLASS = re.compile(
 
 def _own_call(p: Parsed) -> bool:
     """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
-    pasted with no frame at all, one of a user's class (no library's, no model family's) in a method no framework
-    calls on the user's behalf."""
+    pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
+    framework's Trainer or callback) in a method no framework calls on the user's behalf."""
     e = p.exception
     m = _ARG_ERROR.match(e.message) if e is not None and e.type == "TypeError" else None
     if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
@@ -199,6 +199,7 @@ def install_ok_end(lines: list[str]) -> bool:
         return True
     # the user's question after the transcript: prose only (no exception, no failure word), the last line asks
     return rest[-1].endswith("?") and not any(_FAILURE_WORDS.search(x) or _EXC.match(x) for x in rest)
+
 
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 _ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
@@ -472,7 +473,6 @@ def _versions(text: str) -> dict[str, str]:
             continue  # a path or another number, not this library's version
         out.setdefault(name, ver)
     return out
-
 
 
 @dataclass(frozen=True)
