@@ -700,3 +700,37 @@ def test_op_builds_checkpoint_hooks_resharded_loads_and_fp16() -> None:
     assert _likely_only("I did not get this error without the --fp16 flag")[:1] == ["fp16_nan_loss"]
     # a config echo that says fp16 is off is a setting, not the reporter's test
     assert "fp16_nan_loss" not in _cats("fp16 disabled\nbf16 enabled\nValueError: unknown dataset format")
+
+
+# Bare lines the dev corpora left unanswered (or without their cause in the top three), each a mechanism that the
+# one line names: made-up pastes of the same shapes, never confident on their own.
+
+def test_a_failed_jit_build_points_at_the_op_build() -> None:
+    """torch's JIT extension build failing in ninja is, in fine-tuning, DeepSpeed building its fused ops at run time;
+    with the job count that torch passes on newer releases too."""
+    for line in ("subprocess.CalledProcessError: Command '['ninja', '-v']' returned non-zero exit status 1.",
+                 "CalledProcessError: Command '['ninja', '-v', '-j', '16']' returned non-zero exit status 255."):
+        assert _likely_only(line)[:1] == ["env_deepspeed_op_build"], line
+    assert "env_deepspeed_op_build" not in _cats("CalledProcessError: Command '['git', 'pull']' returned non-zero "
+                                                 "exit status 1.")
+
+
+def test_meta_tensors_in_an_operator_also_list_a_release_change() -> None:
+    """An operator refusing meta tensors while a model is built or tied is a loading path of a newer release as
+    often as weights never materialised: the version cause is listed beside the meta-device ones."""
+    line = ("NotImplementedError: aten::equal: attempted to run this operator with Meta tensors, but there was no "
+            "fake impl or Meta kernel registered.")
+    cats = _likely_only(line)
+    assert cats[0] == "meta_device_loading" and "library_version_regression" in cats[:3], cats
+
+
+def test_device_map_without_low_cpu_mem_and_qlora_flat_dtypes() -> None:
+    """transformers refusing a device_map with low_cpu_mem_usage off (what ZeRO-3 turns off); FSDP's uniform-dtype
+    check on a 4-bit model (its quant storage dtype differs from the other weights')."""
+    dm = "ValueError: Passing along a `device_map` requires `low_cpu_mem_usage=True`"
+    assert _likely_only(dm)[:1] == ["zero3_device_map_conflict"]
+    qlora = ("bnb_4bit_quant_storage: float16, torch_dtype: bfloat16\n"
+             "ValueError: Must flatten tensors with uniform dtype but got torch.bfloat16 and torch.float16")
+    assert "fsdp_qlora_quant_storage" in _cats(qlora)[:3]
+    assert "fsdp_qlora_quant_storage" not in _cats("ValueError: Must flatten tensors with uniform dtype but got "
+                                                   "torch.bfloat16 and torch.float32")

@@ -9,9 +9,14 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+import yaml
 
 from shardfit.diagnose.engine import analyze, diagnose, load_knowledge
-from shardfit.diagnose.parse import EVIDENCE_CHARS, REGION_BYTES, normalise, parse, select_regions
+from shardfit.diagnose.parse import EVIDENCE_CHARS, REGION_BYTES, LineFilter, normalise, parse, select_regions
+from shardfit.errors import UserError
 
 
 def _parse(text: str):
@@ -192,3 +197,68 @@ def test_number_dense_logs_parse_about_as_fast_as_plain_ones() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     t = json.loads(r.stdout)
     assert t["dense"] <= 3 * t["plain"] and t["tensor"] <= 3 * t["plain"], t
+
+
+# the same three logs; the version fact searched alone on each one's head and tail, against reading the plain log
+_VERSION_TIMED = _TIMED.split("def cpu(text):")[0] + """
+from shardfit.diagnose.parse import parse
+fact = load_knowledge().facts["sym_version"]
+def alone(text):
+    brief = parse(text).brief
+    t = time.process_time()
+    for _ in range(20):
+        fact.search(brief)
+    return (time.process_time() - t) / 20
+def cpu(text):
+    t = time.process_time(); analyze(text); return time.process_time() - t
+print(json.dumps({"version_plain": min(alone(plain) for _ in range(2)), "version_dense": alone(dense),
+                  "version_tensor": alone(tensor), "plain": min(cpu(plain) for _ in range(2))}))
+"""
+
+
+def test_the_version_fact_skips_lines_without_its_words() -> None:
+    """The version wordings (a long alternation tried at every position) cost more than any other fact on a big
+    paste; tried only on the lines that hold one of its words, they cost a sliver of reading a plain log of the same
+    size, on prose, a metrics dump and a printed tensor alike. Timed in a child process, as a ratio."""
+    code = _VERSION_TIMED.replace("SIZE", str(112_000))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    t = json.loads(r.stdout.splitlines()[-1])
+    assert max(t["version_plain"], t["version_dense"], t["version_tensor"]) <= 0.02 * t["plain"], t
+
+
+def _all_logs() -> list[str]:
+    from tests.diagnose_real.evaluate import synthetic_cases
+    from tests.diagnose_real.split import load_cases
+
+    logs = [c["log"] for c in load_cases() + synthetic_cases()]
+    for name in ("diagnose_short", "diagnose_outsiders"):
+        corpus = yaml.safe_load((Path(__file__).with_name(name) / "cases.yaml").read_text())
+        logs += [c["log"] for c in corpus if isinstance(c, dict) and c.get("log")]
+    return logs
+
+
+def test_a_filtered_fact_answers_as_its_plain_regex_on_every_corpus() -> None:
+    """A fact with keys (causes.yaml `fact_keys`) is tried only on lines holding one of them: that must never change
+    its answer. On every line of every corpus's pastes, and on each paste's head and tail as a whole, the filtered
+    search agrees with the plain one; an alternative added to the regex without a key fails here."""
+    k = load_knowledge()
+    filtered = {name: f for name, f in k.facts.items() if isinstance(f, LineFilter)}
+    assert "sym_version" in filtered
+    for log in _all_logs():
+        brief = parse(log, k.facts).brief
+        for name, f in filtered.items():
+            assert bool(f.search(brief)) == bool(f.pattern.search(brief)), (name, brief[-300:])
+            for line in brief.split("\n"):
+                assert bool(f.search(line)) == bool(f.pattern.search(line)), (name, line)
+
+
+def test_fact_keys_name_a_fact_and_list_words(tmp_path: Path) -> None:
+    base = "facts:\n  x: 'abc'\ncauses: []\n"
+    for bad in ("fact_keys:\n  y: [abc]\n", "fact_keys:\n  x: []\n", "fact_keys:\n  x: abc\n"):
+        f = tmp_path / f"c{len(bad)}.yaml"
+        f.write_text(base + bad)
+        with pytest.raises(UserError, match="fact_keys"):
+            load_knowledge(f)
+    f = tmp_path / "ok.yaml"
+    f.write_text(base + "fact_keys:\n  x: [ABC]\n")
+    assert load_knowledge(f).facts["x"].keys == ("abc",)

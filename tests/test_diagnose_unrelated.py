@@ -21,6 +21,30 @@ PIP_UPGRADE = (
     "  Attempting uninstall: transformers\n    Found existing installation: transformers 4.44.2\n"
     "    Uninstalling transformers-4.44.2:\n      Successfully uninstalled transformers-4.44.2\n"
     "Successfully installed accelerate-1.10.1 transformers-4.57.1\n")
+# the same kind of upgrade through uv, poetry and conda: each tool's own report that the install went through
+UV_UPGRADE = (
+    "$ uv pip install -U transformers==4.57.1 peft\n"
+    "Resolved 41 packages in 1.18s\nPrepared 3 packages in 2.40s\nUninstalled 2 packages in 131ms\n"
+    "Installed 3 packages in 52ms\n - peft==0.13.2\n + peft==0.17.1\n + safetensors==0.6.2\n"
+    " - transformers==4.46.3\n + transformers==4.57.1\n")
+POETRY_UPDATE = (
+    "$ poetry update transformers accelerate\nUpdating dependencies\nResolving dependencies... (4.1s)\n\n"
+    "Package operations: 1 install, 2 updates, 0 removals\n\n"
+    "  - Updating accelerate (0.34.2 -> 1.10.1)\n  - Installing safetensors (0.6.2)\n"
+    "  - Updating transformers (4.44.2 -> 4.57.1)\n\nWriting lock file\n")
+CONDA_UPDATE = (
+    "(ft) $ conda update transformers\nChannels:\n - conda-forge\nPlatform: linux-64\n"
+    "Collecting package metadata (repodata.json): done\nSolving environment: done\n\n## Package Plan ##\n\n"
+    "  environment location: /opt/conda/envs/ft\n\n  added / updated specs:\n    - transformers\n\n"
+    "The following packages will be UPDATED:\n\n"
+    "  transformers                 4.44.2-pyhd8ed1ab_0 --> 4.57.1-pyhd8ed1ab_0\n\n"
+    "Proceed ([y]/n)? y\n\n\nDownloading and Extracting Packages:\n\n"
+    "Preparing transaction: done\nVerifying transaction: done\nExecuting transaction: done\n")
+# a release's changed attribute, raised in the library's own frame: a real regression after an upgrade
+ATTR_AFTER = ("$ torchrun --nproc_per_node 2 train.py\nTraceback (most recent call last):\n"
+              "  File \"/srv/ft/.venv/lib/python3.11/site-packages/peft/tuners/lora/model.py\", line 212, in "
+              "_create_and_replace\n    target.update_layer(adapter_name, r, lora_alpha=alpha)\n"
+              "AttributeError: 'LoraModel' object has no attribute 'prefix'\n")
 # the HF Trainer's loop down to the call of the user's training_step (an installed transformers)
 TRAINER_LOOP = (
     "[rank0]: Traceback (most recent call last):\n"
@@ -263,3 +287,58 @@ def test_an_own_call_is_no_version_change_but_the_librarys_is() -> None:
             "[rank0]:     return super().training_step(model, inputs, num_items_in_batch)\n"
             "[rank0]: TypeError: Trainer.training_step() takes 3 positional arguments but 4 were given")
     assert _cats(base)[:1] == ["library_version_regression"]
+
+
+@pytest.mark.parametrize(("log", "question"), [
+    (UV_UPGRADE, "Should I pin these in requirements.txt as well?"),
+    (POETRY_UPDATE, "Is a poetry.lock with these versions safe to commit?"),
+    (CONDA_UPDATE, "conda 的环境里还需要重新装 flash-attn 吗？"),
+    (PIP_UPGRADE, "Do I also need to upgrade accelerate before the 8-GPU run, or is this enough?"),
+], ids=["uv", "poetry", "conda", "pip"])
+def test_a_clean_install_by_any_manager_is_no_failure(log: str, question: str) -> None:
+    """uv, poetry and conda report an install that went through in their own words ("Installed 3 packages",
+    "Writing lock file", "Executing transaction: done"), and a user may type a question after it: old and new
+    releases are named, nothing failed. An error after the transcript, even below such a question, is what the
+    upgrade may have caused: the version answer stays first."""
+    assert _cats(log) == []
+    assert _cats(log + "\n" + question + "\n") == []
+    assert _cats(log + ATTR_AFTER)[:1] == ["library_version_regression"]
+    said = log + "Since then the same script fails at the first step, what changed?\n"
+    assert _cats(said + ATTR_AFTER.split("\n")[-2])[:1] == ["library_version_regression"]
+    # poetry ends its run with the lock-file line even when a package failed to build on the way
+    failed = log.replace("  - Installing safetensors (0.6.2)\n",
+                         "  - Installing flash-attn (2.8.3): Failed\n\nChefBuildError\n")
+    if failed != log:
+        assert _cats(failed)[:1] == ["library_version_regression"]
+
+
+
+@pytest.mark.parametrize(("line", "label"), [
+    # a user's own class and method, pasted without its frame: the user's mistake
+    ("TypeError: RewardHead.forward() got an unexpected keyword argument 'chosen_ids'", "none"),
+    ("TypeError: TinyVisionEncoder.__init__() got an unexpected keyword argument 'patch_size'", "none"),
+    ("TypeError: SpanDataset.__init__() got an unexpected keyword argument 'max_len'", "none"),
+    ("TypeError: FocalLossModel.forward() missing 1 required positional argument: 'labels'", "none"),
+    # a hook the framework calls on the user's subclass, with another release's arguments
+    ("TypeError: compute_loss() got an unexpected keyword argument 'num_items_in_batch'", "library_version_regression"),
+    ("TypeError: RankTrainer.compute_loss() takes 3 positional arguments but 4 were given",
+     "library_version_regression"),
+    ("TypeError: GradLogCallback.on_step_end() missing 1 required positional argument: 'control'",
+     "library_version_regression"),
+    ("TypeError: KDTrainer.create_accelerator_and_postprocess() got an unexpected keyword argument 'plugin'",
+     "library_version_regression"),
+    # a library's class (a model family's, peft's tuner, a collator) or a keyword the libraries renamed
+    ("TypeError: Qwen2Model.forward() got an unexpected keyword argument 'labels'", "library_version_regression"),
+    ("TypeError: BaseTuner.__init__() got an unexpected keyword argument 'low_cpu_mem_usage'",
+     "library_version_regression"),
+    ("TypeError: DataCollatorForSeq2Seq.__init__() got an unexpected keyword argument 'pad_to_multiple'",
+     "library_version_regression"),
+    ("TypeError: RewardHead.forward() got an unexpected keyword argument 'cache_position'",
+     "library_version_regression"),
+], ids=lambda x: x.split("(")[0][11:] if x.startswith("TypeError") else x)
+def test_a_bare_argument_typeerror_names_its_side(line: str, label: str) -> None:
+    """Pasted without its frame, an argument TypeError says whose call it was by its names alone: a method of the
+    user's own class that no framework calls is the user's mistake; a framework hook on the user's subclass, a
+    library's class, or a keyword the libraries renamed is a version change."""
+    cats = _cats(line)
+    assert (cats[:1] if label != "none" else cats) == ([label] if label != "none" else []), cats

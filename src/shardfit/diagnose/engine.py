@@ -36,7 +36,7 @@ import yaml
 
 from shardfit.diagnose.likely import likely_causes
 from shardfit.diagnose.model import Cause, Finding, Item, Likely, Scored
-from shardfit.diagnose.parse import Parsed, parse, squash
+from shardfit.diagnose.parse import FactPattern, LineFilter, Parsed, parse, squash
 from shardfit.diagnose.similar import nearest
 from shardfit.errors import UserError
 
@@ -59,7 +59,7 @@ class Analysis:
 @dataclass(frozen=True)
 class Knowledge:
     causes: tuple[Cause, ...]
-    facts: dict[str, re.Pattern]
+    facts: dict[str, FactPattern]
     generic: tuple[tuple[re.Pattern, str], ...]
 
 
@@ -117,6 +117,12 @@ def _load(path: str) -> Knowledge:
             facts[name] = re.compile(pat, re.I | re.M)
         except re.error as e:
             raise UserError(f"{path}: fact {name}: bad regex: {e}") from None
+    for name, keys in (raw.get("fact_keys") or {}).items():
+        if name not in facts or not isinstance(keys, list) or not keys or not all(
+                isinstance(k, str) and k.strip() for k in keys):
+            raise UserError(f"{path}: fact_keys {name}: needs a fact of that name under facts: and a list of "
+                            f"non-empty words, e.g. {name}: [upgrad, version]") from None
+        facts[name] = LineFilter(facts[name], tuple(k.lower() for k in keys))
     causes = []
     ids = set()
     for i, entry in enumerate(raw.get("causes") or []):

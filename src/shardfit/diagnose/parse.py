@@ -113,9 +113,9 @@ _VERSION = re.compile(
 # A TypeError about a call's arguments raised where the user's own code called a method of the user's own class
 # (the frame above it is outside the installed libraries and the frameworks' trees, and the class is none of the
 # libraries'): the user's mistake, not a library that changed a signature.
-_ARG_ERROR = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.\w+\(\) (takes (from \d+ to )?\d+ positional arguments? but \d+ "
-                        r"(was|were) given|missing \d+ required (positional|keyword-only) arguments?|got an unexpected "
-                        r"keyword argument|got multiple values for argument)")
+_ARG_ERROR = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.(?P<method>\w+)\(\) (takes (from \d+ to )?\d+ positional "
+                        r"arguments? but \d+ (was|were) given|missing \d+ required (positional|keyword-only) "
+                        r"arguments?|got an unexpected keyword argument|got multiple values for argument)")
 # the libraries' own classes (a user's subclass has its own name: PairwiseTrainer, DistillTrainer)
 _LIBRARY_CLASS = re.compile(
     r"(SFT|DPO|PPO|GRPO|KTO|ORPO|CPO|RLOO|BCO|PRM|GKD|XPO|Reward|Seq2Seq|OnlineDPO|IterativeSFT|NashMD)?Trainer|"
@@ -127,8 +127,26 @@ _LIBRARY_PATH = re.compile(r"(site|dist)-packages|/lib/python\d|^<frozen|/(torch
                            r"pytorch_lightning|megatron|vllm|xtuner|unsloth|nemo)/")
 
 
+# Pasted bare (no frame anywhere), the class and the method are all there is. A framework calls the user's
+# subclass hooks (a Trainer's compute_loss / training_step, Lightning's *_step): another release passing other
+# arguments is the classic version break, so a hook is never the user's own call. Neither is a class named after a
+# model family (Qwen2Model, BertModel: the library's), nor a library's collator, tuner (peft's BaseTuner) or mixin.
+_FRAMEWORK_HOOK = re.compile(
+    r"training_step|compute_loss|prediction_step|evaluation_loop|_save|_save_checkpoint|create_optimizer\w*|"
+    r"create_scheduler|get_train_dataloader|get_eval_dataloader|_get_train_sampler|_prepare_inputs|get_batch_samples|"
+    r"_maybe_log_save_evaluate|_load_from_checkpoint|log|on_\w+|configure_optimizers|validation_step|test_step|"
+    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops")
+_FAMILY_CLASS = re.compile(
+    r"(Llama|Qwen|Mistral|Mixtral|Gemma|Phi|GPT|Falcon|Baichuan|ChatGLM|GLM|InternLM|DeepSeek|Bert|Roberta|Deberta|"
+    r"T5|MT5|Bart|Whisper|CLIP|Clip|Siglip|Llava|LLaVA|Idefics|Mllama|OPT|Bloom|Olmo|Cohere|Starcoder|MiniCPM|ViT|"
+    r"Vit|Wav2Vec2|Mamba|Jamba|Granite|Pixtral|Paligemma|PaliGemma|Florence|Blip|Yi|Gemma\d|Hunyuan|Ernie|Aquila|"
+    r"DataCollator|Megatron|MCore)\w*|\w+(Tuner|Mixin)")
+
+
 def _own_call(p: Parsed) -> bool:
-    """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code."""
+    """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
+    pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
+    framework's Trainer or callback) in a method no framework calls on the user's behalf."""
     e = p.exception
     m = _ARG_ERROR.match(e.message) if e is not None and e.type == "TypeError" else None
     if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
@@ -138,7 +156,49 @@ def _own_call(p: Parsed) -> bool:
             f = pat.search(line)
             if f:
                 return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
-    return False
+    cls, method = m.group("cls"), m.group("method")
+    # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
+    return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
+                or cls.endswith(("Trainer", "Callback")))
+
+
+# A package manager's report that an install went through (pip, uv, poetry, conda/mamba), and what it may print
+# after that: its notices and the list of the packages it changed. A transcript that ends there (or in a question the
+# user typed after it) names the old and new releases but no failure: its upgrade command is no version symptom.
+_INSTALL_DONE = re.compile(
+    r"^(Successfully installed \S|Installed \d+ packages? in \d|Audited \d+ packages? in \d|Writing lock file$|"
+    r"Package operations: \d+ installs?|No dependencies to install or update|Installing the current project: |"
+    r"Executing transaction: (\S+ )*done$|Transaction finished$|All requested packages already installed)")
+_INSTALL_AFTER = re.compile(
+    r"^(\[notice\]|WARNING: (Running pip|You are using pip|The scripts? \S+ (is|are) installed|"
+    r"Ignoring invalid distribution)|Consider adding this directory to PATH|Note: you may need to restart|"
+    r"[-+~] [\w.\[\],-]+==[\w.+!-]+$|"                                # uv's list of removed / added packages
+    r"[-•] (Installing|Updating|Downgrading|Removing) [\w.\[\]-]+ \([\w.+!-]+( -> [\w.+!-]+)?\)$|"  # poetry's
+    r"Writing lock file$|Installing the current project: |(Preparing|Verifying|Executing) transaction: |"
+    r"Transaction (starting|finished)$|==> .* <==$|#)")
+# a line typed after the transcript that still reports a failure (then the upgrade may well be the cause)
+_FAILURE_WORDS = re.compile(
+    r"error|exception|traceback|fail|crash|broke|break|wrong|(n't|not|never) (work|run|start|load|train)|"
+    r"cannot|can't|unable|\bnan\b|killed|\bhang|stuck|slower|issue|problem|\bbug|regress|报错|错误|失败|崩|卡住", re.I)
+
+
+def install_ok_end(lines: list[str]) -> bool:
+    """The paste ends in a package manager's report of a successful install, followed at most by the manager's own
+    notices and package list, then by prose with no failure word that ends in a question; and the line just above
+    the manager's closing block reports no failure (a build that failed on the way: poetry still ends its run)."""
+    done = next((i for i in range(len(lines) - 1, -1, -1) if _INSTALL_DONE.match(lines[i])), None)
+    if done is None:
+        return False
+    above = done
+    while above > 0 and (_INSTALL_AFTER.match(lines[above - 1]) or _INSTALL_DONE.match(lines[above - 1])):
+        above -= 1
+    if above > 0 and (_FAILURE_WORDS.search(lines[above - 1]) or _EXC.match(lines[above - 1])):
+        return False
+    rest = [x for x in lines[done + 1:] if not _INSTALL_AFTER.match(x)]
+    if not rest:
+        return True
+    # the user's question after the transcript: prose only (no exception, no failure word), the last line asks
+    return rest[-1].endswith("?") and not any(_FAILURE_WORDS.search(x) or _EXC.match(x) for x in rest)
 
 
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
@@ -415,7 +475,29 @@ def _versions(text: str) -> dict[str, str]:
     return out
 
 
-def _facts(p: Parsed, fact_patterns: dict[str, re.Pattern]) -> None:
+@dataclass(frozen=True)
+class LineFilter:
+    """A fact's regex tried only on the lines that hold one of its literal keys (any case): a substring test per
+    line is far cheaper than a long alternation tried at every position. Every alternative of the regex must
+    contain one of the keys, and must not span lines, for the answer to be the plain search's."""
+
+    pattern: re.Pattern
+    keys: tuple[str, ...]  # lower case
+
+    def search(self, text: str) -> re.Match | None:
+        for line in text.split("\n"):
+            low = line.lower()
+            if any(k in low for k in self.keys):
+                m = self.pattern.search(line)
+                if m:
+                    return m
+        return None
+
+
+FactPattern = re.Pattern | LineFilter
+
+
+def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     text = p.text
     for name, pat in fact_patterns.items():
         if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else text):
@@ -507,7 +589,7 @@ def _ends_in_data_prep(lines: list[str]) -> bool:
     return bool(re.search(r"[█▏▎▍▌▋▊▉#]{3}|\d+%\||\d+\s*/\s*\d+|examples/s|ba/s", tail[-1]))
 
 
-def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None) -> Parsed:
+def parse(data: bytes | str, fact_patterns: dict[str, FactPattern] | None = None) -> Parsed:
     """Everything the rules need, from at most REGION_BYTES of input and EVIDENCE_CHARS of normalised text."""
     text, n = _decode(data)
     lines = _evidence(normalise(text))
@@ -530,6 +612,8 @@ def parse(data: bytes | str, fact_patterns: dict[str, re.Pattern] | None = None)
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
     _facts(p, fact_patterns or {})
+    if install_ok_end(lines):
+        p.facts.add("install_ok_end")
     raw = text if len(text) <= 2 * HEAD_BYTES else text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:]
     p.setting = read_setting(p.brief, p.facts, p.zero_stage, p.model_size_b, gpu_rows(_ANSI.sub("", raw)),
                              p.world_size)
