@@ -3,6 +3,7 @@ said in the plan where shardfit has no equivalent."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,11 @@ def _gib(job) -> float:
                                 "bf16: true\n"),
     ("swift", "qv.sh", "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --lora_rank 64 --target_modules q_proj "
                        "v_proj --max_length 4096 --per_device_train_batch_size 4\n"),
+    ("hf", "qv_hf.sh", "torchrun --nproc_per_node 1 finetune.py --model_name_or_path Qwen/Qwen2.5-7B --use_lora True "
+                       "--lora_r 64 --lora_target_modules q_proj v_proj --model_max_length 4096 "
+                       "--per_device_train_batch_size 4 --bf16 True --gradient_checkpointing True\n"),
+    ("llamafactory", "qv_v1.yaml", "model: Qwen/Qwen2.5-7B\npeft_config:\n  name: lora\n  r: 64\n"
+                                   "  target_modules: [q_proj, v_proj]\ncutoff_len: 4096\nmicro_batch_size: 4\n"),
 ])
 def test_named_lora_targets_are_planned_on_those_modules_only(tmp_path: Path, tool: str, name: str,
                                                               text: str) -> None:
@@ -56,7 +62,8 @@ def test_named_lora_targets_are_planned_on_those_modules_only(tmp_path: Path, to
     assert not any("over-estimate" in n for n in job.notes)
     every = read_job(tool, _write(tmp_path, "all" + name, text.replace("q_proj,v_proj", "all").replace(
         "q_proj v_proj", "all-linear").replace("lora_target_modules:\n  - q_proj\n  - v_proj\n",
-                                               "lora_target_linear: true\n")), JobOptions())
+                                               "lora_target_linear: true\n").replace("[q_proj, v_proj]", "all")),
+                     JobOptions())
     assert every.workload.lora_targets is None
     assert _gib(job) < _gib(every) - 1.5
 
@@ -402,3 +409,28 @@ def test_axolotl_tensor_parallel_refusal_suggests_the_jobs_workload(tmp_path: Pa
     shardfit's default LoRA at 1024)."""
     with pytest.raises(UserError, match=r"--method full --seq 4096 --batch 1 --pipeline-parallel 2"):
         read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
+
+
+TRAINER_ARGS = {"seed": 0, "num_train_epochs": 2.6, "save_steps": 0.25, "logging_steps": 5, "max_steps": -1,
+                "learning_rate": 3e-5, "max_grad_norm": 0.5, "output_dir": "runs/a", "weight_decay": 0.1}
+
+
+@pytest.mark.parametrize(("tool", "name", "head"), [
+    ("llamafactory", "v0.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\n"),
+    ("llamafactory", "v1.yaml", "model: Qwen/Qwen2.5-7B\npeft_config:\n  name: lora\n"),
+    ("hf", "args.json", None),
+], ids=["lf_v0", "lf_v1", "hf"])
+def test_trainer_arguments_are_carried_over_alike(tmp_path: Path, tool: str, name: str, head: str | None) -> None:
+    """The HF Trainer's arguments mean one thing whichever tool passes them: a seed of 0 is a seed, 2.6 epochs are
+    3 whole ones, a save_steps below 1 (a ratio of the run) and max_steps -1 set nothing. LLaMA-Factory v1's own
+    trainer takes no weight_decay (its optimizer plugin does): not carried over there, and said as not modelled."""
+    if head is None:
+        text = json.dumps({"model_name_or_path": "Qwen/Qwen2.5-7B", "use_lora": True, **TRAINER_ARGS})
+    else:
+        text = head + "".join(f"{k}: {v}\n" for k, v in TRAINER_ARGS.items())
+    cfg = to_config(read_job(tool, _write(tmp_path, name, text), JobOptions()))
+    carried = {k: cfg.get(k) for k in ("seed", "epochs", "save_steps", "log_steps", "max_steps", "lr",
+                                       "max_grad_norm", "output_dir")}
+    assert carried == {"seed": 0, "epochs": 3, "save_steps": None, "log_steps": 5, "max_steps": None, "lr": 3e-5,
+                       "max_grad_norm": 0.5, "output_dir": "runs/a"}
+    assert cfg.get("weight_decay") == (None if name == "v1.yaml" else 0.1)

@@ -5,6 +5,7 @@ a command line cannot show it."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -24,25 +25,23 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    HF_TRAINER,
     NO_EFFECT,
     TORCH_COMPILE,
     Key,
     Source,
     command_source,
-    epochs,
     file_env,
     file_keys,
-    if_truthy,
     json_source,
     key_table,
-    positive,
     settings,
-    text,
     use_deepspeed,
 )
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.workload import Workload
 
 # TRL's trainers (script_ast.TRAINERS) as shardfit's objectives; the rest are refused. CPO is planned as simpo.
@@ -67,14 +66,11 @@ KEYS = key_table({
     # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
-    "learning_rate": Key(config="lr", read=as_float), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
-    "weight_decay": Key(config="weight_decay", read=as_float),
-    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "max_steps": Key(config="max_steps", read=positive),
-    "save_steps": Key(config="save_steps", read=as_int), "eval_steps": Key(config="eval_steps", read=as_int),
-    "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
-    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
-    "output_dir": Key(config="output_dir", read=if_truthy(text)),
+    **HF_TRAINER,
     "ref_model": Key("reference model given to the trainer"),
+    # the script's own argument, and peft's LoraConfig(target_modules=...) read in the script (`_file_keys`)
+    "lora_target_modules": Key(config="lora.targets", read=lambda v, k, at: target_names(v, k, at, True)),
+    "target_modules": Key(config="lora.targets", read=lambda v, k, at: target_names(v, k, at, False)),
 }, no_effect=TRAINER_NO_EFFECT | {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "rpo_alpha",
                                   "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight"} | {
                                   "model_name_or_path", "data_path", "eval_data_path", "cache_dir",
@@ -131,6 +127,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
     job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    if not _lora(src):
+        job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload)
     file_env(job, env, ENV, unknown=NO_EFFECT)
@@ -275,11 +273,44 @@ def _device_map(src: Source, job: ForeignJob, script: Path | None, env: dict[str
             job.gpus = len(visible_devices(env)) or None
 
 
+def target_names(value: Any, key: str, where: str, names: bool) -> str | list[str]:
+    """LoRA's target modules as given: a JSON or Python list of module names, or text. A script's own argument
+    (`names`, e.g. Qwen's `lora_target_modules: List[str]`) is module names, on the command line separated by
+    spaces (HfArgumentParser's nargs) or commas; peft's `target_modules` as a string is one regular expression over
+    module names, or all-linear."""
+    text = str(value).strip()
+    if text.startswith("["):
+        try:
+            items = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            items = None
+        if not isinstance(items, list) or not items or not all(isinstance(t, str) for t in items):
+            raise UserError(f"{where}: '{key}' is {text!r}; give module names (q_proj v_proj), not this.")
+        return [t.strip() for t in items]
+    if not names:
+        return text
+    parts = [t for t in re.split(r"[,\s]+", text) if t]
+    if not parts:
+        raise UserError(f"{where}: '{key}' is empty; give module names (q_proj v_proj) or leave it out.")
+    return "all-linear" if parts == ["all-linear"] else parts
+
+
 def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
-    unplanned = {"lora_target_modules"} | ({"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set())
-    if "lora_target_modules" in src:
-        job.notes.append("lora_target_modules planned as adapters on every linear layer (an over-estimate)")
-    file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
+    unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
+    effects = {}
+    for key in ("lora_target_modules", "target_modules"):
+        if key not in src:
+            continue
+        if not w.trains_adapters:
+            unplanned.add(key)  # no adapters train: the targets change nothing
+            continue
+        targets = KEYS[key].read(src.get(key), key, src.at(key))
+        effect = "adapters on every linear layer" if targets == "all-linear" else plan_targets(job, key, targets)
+        if effect:
+            effects[key] = effect
+        else:
+            unplanned.add(key)
+    file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:

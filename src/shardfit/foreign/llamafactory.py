@@ -24,18 +24,16 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    HF_TRAINER,
     TORCH_COMPILE,
+    TRUST_REMOTE_CODE,
     Key,
     Source,
     count,
-    epochs,
     file_keys,
     flag,
     key_table,
-    only_true,
-    positive,
     settings,
-    text,
     use_deepspeed,
     yaml_source,
 )
@@ -82,20 +80,13 @@ KEYS = key_table({
     "ddp_find_unused_parameters": Key("DDP"), "freeze_vision_tower": Key("vision tower frozen"),
     "freeze_trainable_layers": Key("trainable blocks"), "quantization_method": Key("bitsandbytes"),
     "double_quantization": Key("NF4 constants"),
-    # carried over to the shardfit config (`freeze_trainable` is decided in `_convert`); LLaMA-Factory reads a
-    # count below 1 as unset
-    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=epochs),
-    "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
-    "eval_steps": Key(config="eval_steps", read=positive), "logging_steps": Key(config="log_steps", read=positive),
-    "seed": Key(config="seed", read=positive), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
-    "weight_decay": Key(config="weight_decay", read=as_float),
-    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "val_size": Key(config="eval_split", read=as_float),
+    # carried over to the shardfit config (`freeze_trainable` is decided in `_convert`): v0 runs the HF Trainer
+    **HF_TRAINER, "val_size": Key(config="eval_split", read=as_float),
     # LLaMA-Factory's default alpha is twice the rank (given in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int), "lora_dropout": Key(config="lora.dropout", read=as_float),
     "lora_target": Key("adapters on every linear layer (all)", config="lora.targets", read=lora_targets,
                        default="all"),
-    "packing": Key(config="packing", read=flag, default=False), "output_dir": Key(config="output_dir", read=text),
-    "trust_remote_code": Key(config="trust_remote_code", read=only_true),
+    "packing": Key(config="packing", read=flag, default=False), "trust_remote_code": TRUST_REMOTE_CODE,
     # preference training (`_preference`): the stage decides the objective, a reference copy changes memory
     "stage": Key("objective {objective}"), "ref_model": Key("reference model loaded beside the policy"),
     "ref_model_quantization_bit": Key("reference model stored quantized"),

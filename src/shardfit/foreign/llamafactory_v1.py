@@ -18,18 +18,18 @@ from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
+    TRUST_REMOTE_CODE,
     Key,
     Source,
     count,
     file_keys,
+    hf_trainer,
     key_table,
-    only_true,
-    positive,
     settings,
-    text,
     use_deepspeed,
 )
 from shardfit.foreign.preference import Preference, apply, choice
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.workload import Workload
 
@@ -75,12 +75,10 @@ KEYS = key_table({
     "dist_config.ep_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
     "batching_strategy": Key("rows of one example each"), "model_class": Key("causal LM head"),
     "kernel_config.name": Key("no kernels on CUDA (auto picks Ascend NPU kernels only)"),
-    # carried over to the shardfit config
-    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=positive),
-    "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
-    "logging_steps": Key(config="log_steps", read=positive), "seed": Key(config="seed", read=positive),
-    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "output_dir": Key(config="output_dir", read=text),
-    "trust_remote_code": Key(config="trust_remote_code", read=only_true),
+    # carried over to the shardfit config: v1's own TrainingArguments keep the HF Trainer's names and meaning for
+    # these (its step counts are steps, its epochs scale the steps), and leave warmup and weight decay to its
+    # optimizer and scheduler plugins and evaluation out; HfArgumentParser refuses those names at the top level
+    **hf_trainer("eval_steps", "warmup_ratio", "weight_decay"), "trust_remote_code": TRUST_REMOTE_CODE,
 }, no_effect={
     "model", "train_dataset", "eval_dataset", "custom_chat_template", "sample_backend", "max_new_tokens",
     "batching_workers", "dist_timeout", "resume_from_checkpoint", "save_epochs", "save_ckpt_as_hf",
@@ -388,9 +386,13 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
         effects |= {"pref_loss": "objective {objective}", "pref_beta": NO_EFFECT, "simpo_gamma": NO_EFFECT}
     elif unplanned & {"pref_loss", "pref_beta"}:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
-    if src.get("peft_config.target_modules", "all") != "all":
-        unplanned.add("peft_config.target_modules")
-        job.notes.append("target_modules is not all: planned as adapters on every linear layer (an over-estimate)")
+    targets = lora_targets(src.get("peft_config.target_modules", "all"), "", "")
+    if targets != "all-linear" and w.trains_adapters:  # the freeze plugin has no targets
+        effect = plan_targets(job, "peft_config.target_modules", targets)
+        if effect:
+            effects["peft_config.target_modules"] = effect
+        else:
+            unplanned.add("peft_config.target_modules")
     for key, default in (("peft_config.freeze_trainable_modules", "all"), ("peft_config.freeze_extra_modules", None),
                          ("model_class", "llm"), ("kernel_config.name", "auto")):
         if src.get(key, default) not in (default, []):
