@@ -13,6 +13,7 @@ from shardfit.errors import UserError
 from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.convert import to_config
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import lora_targets_of
@@ -434,3 +435,44 @@ def test_trainer_arguments_are_carried_over_alike(tmp_path: Path, tool: str, nam
     assert carried == {"seed": 0, "epochs": 3, "save_steps": None, "log_steps": 5, "max_steps": None, "lr": 3e-5,
                        "max_grad_norm": 0.5, "output_dir": "runs/a"}
     assert cfg.get("weight_decay") == (None if name == "v1.yaml" else 0.1)
+
+
+def _trainable(job) -> float:
+    """The plan's trainable parameters, in millions."""
+    return trainable_params(resolve_shape(job.model), job.workload) / 1e6
+
+
+def test_list_targets_match_as_peft_does_on_the_end_of_module_names(tmp_path: Path) -> None:
+    """peft matches a list entry on the end of a module's name, so `q` reaches no `q_proj`: `q,v_proj` adapts v_proj
+    only (1.8M trainable at rank 16 on Qwen2.5-7B, not the 5.0M of q and v), said in a note; targets of which
+    none matches (`[q, v]`) are refused by peft, so shardfit exits 2 naming the key and the names to give."""
+    lf = ("model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\nlora_rank: 16\nlora_target: {}\n"
+          "cutoff_len: 4096\nbf16: true\n")
+    mixed = read_job("llamafactory", _write(tmp_path, "mixed.yaml", lf.format("q,v_proj")), JobOptions())
+    both = read_job("llamafactory", _write(tmp_path, "both.yaml", lf.format("q_proj,v_proj")), JobOptions())
+    assert mixed.workload.lora_targets == ("v",)
+    assert round(_trainable(mixed), 1) == 1.8 and round(_trainable(both), 1) == 5.0
+    assert any("q matches no module" in n for n in mixed.notes)
+    text = AXOLOTL_LORA + "lora_target_modules: [q, v]\n"
+    assert main(["plan", "--from", "axolotl", _write(tmp_path, "short.yml", text), "--gpus", "1xH100"]) == 2
+    with pytest.raises(UserError, match=r"lora_target_modules q, v matches no module.*q_proj, v_proj"):
+        read_job("axolotl", _write(tmp_path, "short.yml", text), JobOptions())
+
+
+def test_regex_targets_are_tried_on_the_models_own_module_names(tmp_path: Path) -> None:
+    """A regular expression matches the model's own module names, not every model's: a vision-language model's
+    blocks sit under model.language_model, so a pattern written for a text model's model.layers reaches none of
+    them (every linear layer planned, said as an over-estimate: 40.4M trainable, not 5.0M), while one over its own
+    names plans q and v; a pattern over blocks the model lacks (Qwen2.5-7B has 28) reaches none either."""
+    def job(model: str, pattern: str):
+        text = AXOLOTL_LORA.replace("Qwen/Qwen2.5-7B", model).replace("lora_r: 64", "lora_r: 16")
+        return read_job("axolotl", _write(tmp_path, "rx.yml", text + f"lora_target_modules: '{pattern}'\n"),
+                        JobOptions())
+    vl = "Qwen/Qwen2.5-VL-7B-Instruct"
+    text_layout = job(vl, r"model\.layers\.\d+\.self_attn\.(q|v)_proj")
+    assert text_layout.workload.lora_targets is None and "lora_target_modules" in text_layout.not_modelled
+    assert round(_trainable(text_layout), 1) == 40.4
+    own = job(vl, r"model\.language_model\.layers\.\d+\.self_attn\.(q|v)_proj")
+    assert own.workload.lora_targets == ("q", "v") and round(_trainable(own), 1) == 5.0
+    assert job("Qwen/Qwen2.5-7B", r"model\.layers\.3\d\.self_attn\.(q|v)_proj").workload.lora_targets is None
+    assert job("Qwen/Qwen2.5-7B", r"model\.layers\.2\d\.self_attn\.(q|v)_proj").workload.lora_targets == ("q", "v")

@@ -42,6 +42,7 @@ from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.foreign.targets import plan_targets
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 # TRL's trainers (script_ast.TRAINERS) as shardfit's objectives; the rest are refused. CPO is planned as simpo.
@@ -130,7 +131,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload)
+    _file_keys(src, job, job.workload, shape)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -295,7 +296,7 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
     return "all-linear" if parts == ["all-linear"] else parts
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     for key in ("lora_target_modules", "target_modules"):
@@ -305,7 +306,8 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
             unplanned.add(key)  # no adapters train: the targets change nothing
             continue
         targets = KEYS[key].read(src.get(key), key, src.at(key))
-        effect = "adapters on every linear layer" if targets == "all-linear" else plan_targets(job, key, targets)
+        effect = "adapters on every linear layer" if targets == "all-linear" else \
+            plan_targets(job, key, targets, shape)
         if effect:
             effects[key] = effect
         else:

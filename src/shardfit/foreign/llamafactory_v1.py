@@ -31,6 +31,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, choice
 from shardfit.foreign.targets import plan_targets
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 # Keys only v1 has at the top level (v0 names the model `model_name_or_path`).
@@ -165,7 +166,7 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardw
         w = job.workload
     job.notes.append("loss: v1's trainer takes an fp32 copy of the logits and a shifted copy of that (full_shift), "
                      "whatever the transformers version")
-    _file_keys(src, job, w)
+    _file_keys(src, job, w, shape)
     return job
 
 
@@ -375,7 +376,7 @@ def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
     return out
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     """Every key, with what v1 does with it; what the plan leaves out as not modelled."""
     unplanned = {k for k in src.values if k.startswith(("optim_config.", "pref_", "simpo_", "dpo_", "ld_"))}
     if "optim_config.name" in src:
@@ -388,7 +389,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
     targets = lora_targets(src.get("peft_config.target_modules", "all"), "", "")
     if targets != "all-linear" and w.trains_adapters:  # the freeze plugin has no targets
-        effect = plan_targets(job, "peft_config.target_modules", targets)
+        effect = plan_targets(job, "peft_config.target_modules", targets, shape)
         if effect:
             effects["peft_config.target_modules"] = effect
         else:

@@ -45,6 +45,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
 from shardfit.foreign.targets import plan_targets
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 
@@ -162,7 +163,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
     apply(job, _preference(src, cmd.program, job))
-    _file_keys(src, job, job.workload)
+    _file_keys(src, job, job.workload, shape)
     file_env(job, cmd.exported, ENV, unknown=None)
     return job
 
@@ -331,11 +332,11 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
                          f"(planned as grad_ckpt full)")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     if src.get("target_regex"):
-        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")))
+        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")), shape)
         if effect:
             effects["target_regex"] = effect
         else:
@@ -344,7 +345,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
             effects["target_modules"] = "overridden by --target_regex (ms-swift trains the regex's modules)"
     elif "target_modules" in src and src.get("target_modules") != "all-linear":
         effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
-                                                                    src.where))
+                                                                    src.where), shape)
         if effect:
             effects["target_modules"] = effect
         else:
