@@ -175,14 +175,15 @@ def parse_json(text: str, where: str) -> Any:
             from None
 
 
-def load_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A tool's YAML config and the line of each top-level key, read as strictly as shardfit's own configs
-    (non-UTF-8 text, alias bombs and keys given twice are a UserError naming the file and line)."""
+def load_yaml(path: Path, nested: bool = False) -> tuple[dict[str, Any], dict[str, int]]:
+    """A tool's YAML config and the line of each top-level key (`nested`: of nested keys too, as `a.b`), read as
+    strictly as shardfit's own configs (non-UTF-8 text, alias bombs and keys given twice are a UserError naming the
+    file and line)."""
     data, lines = read_yaml(path)
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of keys (model_name_or_path: ..., ...), got "
                         f"{type(data).__name__}.")
-    return data, {k: line for k, line in lines.items() if "." not in k}
+    return data, lines if nested else {k: line for k, line in lines.items() if "." not in k}
 
 
 def local_file(name: str, *bases: Path) -> str | None:

@@ -90,10 +90,11 @@ class Source:
 
 
 
-def yaml_source(path: Path) -> Source:
-    """A tool's YAML config (LLaMA-Factory, axolotl), with the line of each top-level key."""
-    cfg, lines = load_yaml(path)
-    return Source(path, cfg, list(cfg), lines)
+def yaml_source(path: Path, parsed: tuple[dict[str, Any], dict[str, int]] | None = None) -> Source:
+    """A tool's YAML config (LLaMA-Factory, axolotl), with the line of each top-level key; `parsed` is the file as
+    common.load_yaml read it already, so it is not read twice."""
+    cfg, lines = parsed or load_yaml(path)
+    return Source(path, cfg, list(cfg), {k: line for k, line in lines.items() if "." not in k})
 
 
 def command_source(path: Path, programs: tuple[str, ...]) -> tuple[Source, Command]:

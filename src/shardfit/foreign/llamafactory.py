@@ -118,11 +118,12 @@ def words() -> Words:
                        "reentrant": "use_reentrant_gc: false"})
 
 
-def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any) -> ForeignJob:
-    """The job of a LLaMA-Factory YAML. `shape_of(model)` resolves the model's shape (for DeepSpeed's "auto"
-    buckets and freeze layers); `nproc` the ranks it is launched with (LLaMA-Factory starts torchrun itself when
-    several GPUs are visible)."""
-    src = yaml_source(path)
+def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any,
+                      parsed: tuple[dict[str, Any], dict[str, int]] | None = None) -> ForeignJob:
+    """The job of a LLaMA-Factory YAML (`parsed`: its mapping and lines, when read already). `shape_of(model)`
+    resolves the model's shape (for DeepSpeed's "auto" buckets and freeze layers); `nproc` the ranks it is launched
+    with (LLaMA-Factory starts torchrun itself when several GPUs are visible)."""
+    src = yaml_source(path, parsed)
     model = src.get("model_name_or_path")
     if not model:
         raise UserError(f"{src.where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")

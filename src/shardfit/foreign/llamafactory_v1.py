@@ -105,9 +105,10 @@ def is_v1(top: dict[str, Any]) -> bool:
     return "model_name_or_path" not in top and bool((V1_ONLY | set(PLUGINS)) & set(top))
 
 
-def v1_source(path: Path) -> Source:
-    """A v1 YAML with each plugin mapping's keys flattened to `plugin.key` (a plugin's line for its own keys)."""
-    data, lines = read_yaml(path)
+def v1_source(path: Path, data: dict[str, Any], lines: dict[str, int]) -> Source:
+    """A v1 YAML, as read (`data`, the `lines` of its keys), with each plugin mapping's keys flattened to
+    `plugin.key` (a plugin's line for its own keys where the file's lines do not say)."""
+    lines = dict(lines)
     values: dict[str, Any] = {}
     for key, value in data.items():
         where = f"{path}:{lines[key]}" if key in lines else str(path)
@@ -136,10 +137,12 @@ def _json_ok(value: str) -> bool:
     return True
 
 
-def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardware | None = None) -> ForeignJob:
-    """The job of a v1 YAML. `nproc` the ranks a node launches; without it, v1's launcher starts one per visible
-    GPU, so the GPUs a node has in `hw` (--gpus) when given."""
-    src = v1_source(path)
+def read_llamafactory_v1(path: Path, parsed: tuple[dict[str, Any], dict[str, int]], nproc: int | None,
+                         shape_of: Any, hw: Hardware | None = None) -> ForeignJob:
+    """The job of a v1 YAML, `parsed` its mapping and the lines of its keys (common.load_yaml, nested). `nproc` the
+    ranks a node launches; without it, v1's launcher starts one per visible GPU, so the GPUs a node has in `hw`
+    (--gpus) when given."""
+    src = v1_source(path, *parsed)
     model = src.get("model")
     if model is None:
         raise UserError(f"{src.where}: no 'model'; LLaMA-Factory v1 would train its default "
@@ -162,6 +165,7 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardw
                          f"{', '.join(job.data_missing)}")
     job.convert = _convert(src, w, shape.layers)
     if pair:
+        _check_dpo(src, w)
         _preference(src, job, w)
         w = job.workload
     job.notes.append("loss: v1's trainer takes an fp32 copy of the logits and a shifted copy of that (full_shift), "
@@ -346,6 +350,16 @@ def _datasets(src: Source) -> tuple[list[str], list[str], bool]:
     found = [h for p in paths if (h := local_file(p, Path(hit).parent, *bases))]
     pair = any(v.get("converter") == "pair" for v in entries)
     return found, [p for p in paths if not local_file(p, Path(hit).parent, *bases)], pair
+
+
+def _check_dpo(src: Source, w: Workload) -> None:
+    """What v1's DPO trainer refuses when it starts, whatever its pref_loss: rows split over ranks (cp_size above
+    1; its chosen and rejected halves are scored whole on each rank)."""
+    if w.sequence_parallel > 1:
+        raise UserError(f"{src.at('cp_size')}: cp_size {w.sequence_parallel} with a chosen/rejected dataset "
+                        f"(`converter: pair`, trained by `llamafactory-cli dpo`): LLaMA-Factory v1's DPO trainer "
+                        f"refuses context parallelism (cp_size == 1 only). Remove cp_size (or set it to 1); where a "
+                        f"whole row then does not fit one GPU, shorten cutoff_len.")
 
 
 def _preference(src: Source, job: ForeignJob, w: Workload) -> None:
