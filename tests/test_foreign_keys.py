@@ -3,6 +3,7 @@ said in the plan where shardfit has no equivalent."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -476,3 +477,47 @@ def test_regex_targets_are_tried_on_the_models_own_module_names(tmp_path: Path) 
     assert own.workload.lora_targets == ("q", "v") and round(_trainable(own), 1) == 5.0
     assert job("Qwen/Qwen2.5-7B", r"model\.layers\.3\d\.self_attn\.(q|v)_proj").workload.lora_targets is None
     assert job("Qwen/Qwen2.5-7B", r"model\.layers\.2\d\.self_attn\.(q|v)_proj").workload.lora_targets == ("q", "v")
+
+
+SWIFT_FSDP = ("NPROC_PER_NODE=8 swift sft --model Qwen/Qwen2.5-14B --tuner_type full --torch_dtype bfloat16 "
+              "--max_length 4096 --per_device_train_batch_size 1 --gradient_accumulation_steps 4 --fsdp {}\n")
+
+
+@pytest.mark.parametrize(("fsdp_config", "transformers", "fsdp1"), [
+    ({}, "4.57.1", True), ({}, "5.10.1", False), ({"fsdp_version": 1}, "5.23.0", True),
+    ({"fsdp_version": 2}, "4.57.1", False), (None, "4.57.1", False),
+])
+def test_swift_fsdp_version_as_the_trainer_reads_it(tmp_path: Path, fsdp_config: dict | None, transformers: str,
+                                                    fsdp1: bool) -> None:
+    """ms-swift hands its FSDP JSON to the HF Trainer, which runs FSDP1 unless fsdp_config's (fsdp_)version says 2
+    before transformers 5.10, FSDP2 unless it says 1 since; `--fsdp fsdp2` (None here) sets version 2 itself.
+    FSDP1 keeps Qwen2.5-14B's untied input embedding gathered in its root unit: 1.5 GiB more a GPU."""
+    if fsdp_config is None:
+        ref = "fsdp2"
+    else:
+        ref = "fsdp.json"
+        (tmp_path / ref).write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": fsdp_config}))
+    job = read_job("swift", _write(tmp_path, "train.sh", SWIFT_FSDP.format(ref)), JobOptions(transformers=transformers))
+    assert job.engine == "fsdp_full_shard" and job.workload.fsdp1 is fsdp1
+    if fsdp1:
+        two = dataclasses.replace(job, workload=dataclasses.replace(job.workload, fsdp1=False))
+        assert _gib_on(job, "8xH100") > _gib_on(two, "8xH100") + 1
+
+
+def test_hf_fsdp_config_version_decides_fsdp1(tmp_path: Path) -> None:
+    """TrainingArguments' fsdp_config (a JSON object, or a JSON file beside the job) says the FSDP version: 1 plans
+    FSDP1's gathered root embedding, 2 does not; a version neither 1 nor 2 exits 2 naming --fsdp_config."""
+    def job(cfg: object, name: str):
+        args = {"model_name_or_path": "Qwen/Qwen2.5-14B", "per_device_train_batch_size": 1, "bf16": True,
+                "gradient_accumulation_steps": 4,
+                "model_max_length": 4096, "gradient_checkpointing": True, "fsdp": "full_shard auto_wrap",
+                "fsdp_config": cfg}
+        return read_job("hf", _write(tmp_path, name, json.dumps(args)), JobOptions(nproc=8, transformers="5.23.0"))
+    one, two = job({"version": 1}, "one.json"), job({"version": 2}, "two.json")
+    assert one.workload.fsdp1 and not two.workload.fsdp1 and "fsdp_config" in one.keys
+    assert _gib_on(one, "8xH100") > _gib_on(two, "8xH100") + 1
+    (tmp_path / "fsdp.json").write_text('{"fsdp_version": 1, "reshard_after_forward": false}')
+    from_file = job("fsdp.json", "file.json")
+    assert from_file.workload.fsdp1 and from_file.engine == "fsdp_shard_grad_op"
+    with pytest.raises(UserError, match=r"--fsdp_config.*version is 3"):
+        job({"version": 3}, "three.json")

@@ -14,14 +14,19 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.common import (
     ATTENTION,
+    FALSE_WORDS,
     TRAINER_NO_EFFECT,
     as_bool,
     as_float,
     as_int,
+    fsdp_settings,
     hf_loss,
     local_file,
     optimizer,
     optimizer_keys,
+    parse_json,
+    read_text,
+    trainer_fsdp1,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -63,6 +68,7 @@ KEYS = key_table({
     "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"), "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "attn_implementation": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
+    "fsdp_config": Key("FSDP1 or FSDP2, sharding"),
     "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "model": Key("model"),
     # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
@@ -121,7 +127,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
-    _engine(src, job, shape.hidden)
+    _engine(src, job, shape.hidden, version)
     _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
@@ -247,18 +253,40 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 
-def _engine(src: Source, job: ForeignJob, hidden: int) -> None:
+def _engine(src: Source, job: ForeignJob, hidden: int, version: str) -> None:
     """DeepSpeed (whose JSON decides the precision where the arguments leave it), FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
         if ds.precision and not src.get("bf16") and not src.get("fp16"):  # the JSON decides, not "auto"
             job.workload = dataclasses.replace(job.workload, precision=ds.precision)
-    elif src.get("fsdp"):
-        f = src.get("fsdp")
-        job.engine = "fsdp_offload" if "offload" in f else "fsdp_shard_grad_op" if "shard_grad_op" in f \
-            else "fsdp_full_shard"
+    elif str(src.get("fsdp") or "").strip().lower() not in FALSE_WORDS:  # options, or true (fsdp_config decides)
+        f = str(src.get("fsdp")).lower()
+        cfg = _fsdp_config(src)
+        offload = "offload" in f or as_bool(cfg.get("cpu_offload", cfg.get("offload_params", False)))
+        grad_op = "shard_grad_op" in f or not as_bool(cfg.get("reshard_after_forward", True))
+        job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+        fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
+        job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     elif job.distributed:
         job.engine = "ddp"
+
+
+def _fsdp_config(src: Source) -> dict[str, Any]:
+    """`--fsdp_config`: a JSON file (beside the script, or as given) or a JSON object, by fsdp_settings' names."""
+    ref = src.get("fsdp_config")
+    if not ref:
+        return {}
+    text = str(ref).strip()
+    if not text.startswith("{"):
+        hit = local_file(text, src.path.parent)
+        if hit is None:
+            raise UserError(f"{src.at('fsdp_config')}: --fsdp_config {text}: no such JSON file here; give its path "
+                            f"(relative to the script) or the settings as a JSON object.")
+        text = read_text(Path(hit))
+    raw = parse_json(text, f"{src.where}: --fsdp_config")
+    if not isinstance(raw, dict):
+        raise UserError(f"{src.at('fsdp_config')}: --fsdp_config must hold one JSON object of FSDP settings.")
+    return fsdp_settings(raw, f"{src.where}: --fsdp_config")
 
 
 def _device_map(src: Source, job: ForeignJob, script: Path | None, env: dict[str, str]) -> None:
