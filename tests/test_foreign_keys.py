@@ -521,3 +521,32 @@ def test_hf_fsdp_config_version_decides_fsdp1(tmp_path: Path) -> None:
     assert from_file.workload.fsdp1 and from_file.engine == "fsdp_shard_grad_op"
     with pytest.raises(UserError, match=r"--fsdp_config.*version is 3"):
         job({"version": 3}, "three.json")
+
+
+ACCELERATE_FSDP = """distributed_type: FSDP
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: {reshard}
+{version}mixed_precision: bf16
+num_processes: 8
+"""
+
+
+@pytest.mark.parametrize(("version", "reshard", "engine", "fsdp1"), [
+    ("  fsdp_version: 2\n", "true", "fsdp_full_shard", False), ("", "FULL_SHARD", "fsdp_full_shard", True),
+    ("  fsdp_version: 2\n", "false", "fsdp_shard_grad_op", False),
+])
+def test_hf_under_accelerate_fsdp_config(tmp_path: Path, version: str, reshard: str, engine: str,
+                                         fsdp1: bool) -> None:
+    """`accelerate launch --config_file fsdp.yaml train.py ...` runs the Trainer under accelerate's FSDP plugin: the
+    full fine-tune of Qwen2.5-14B is sharded over 8 ranks (40 to 87 GiB a GPU, not DDP's 261), FSDP1 unless the
+    config's fsdp_version is 2, as accelerate runs it."""
+    (tmp_path / "fsdp.yaml").write_text(ACCELERATE_FSDP.format(version=version, reshard=reshard))
+    cmd = ("accelerate launch --config_file fsdp.yaml --num_processes 8 train.py --model_name_or_path "
+           "Qwen/Qwen2.5-14B --bf16 True --per_device_train_batch_size 1 --gradient_accumulation_steps 4 "
+           "--model_max_length 4096 --gradient_checkpointing True\n")
+    job = read_job("hf", _write(tmp_path, "run.sh", cmd), JobOptions())
+    assert job.engine == engine and job.workload.fsdp1 is fsdp1
+    assert "accelerate:fsdp_version" in job.keys or not version
+    assert _gib_on(job, "8xH100") < 100  # DDP: 261

@@ -21,11 +21,13 @@ from shardfit.foreign.common import (
     as_int,
     fsdp_settings,
     hf_loss,
+    load_yaml,
     local_file,
     optimizer,
     optimizer_keys,
     parse_json,
     read_text,
+    record,
     trainer_fsdp1,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
@@ -127,7 +129,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
-    _engine(src, job, shape.hidden, version)
+    _engine(src, job, shape.hidden, version, cmd)
     _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
@@ -253,7 +255,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 
-def _engine(src: Source, job: ForeignJob, hidden: int, version: str) -> None:
+def _engine(src: Source, job: ForeignJob, hidden: int, version: str, cmd: Command | None) -> None:
     """DeepSpeed (whose JSON decides the precision where the arguments leave it), FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
@@ -267,8 +269,45 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str) -> None:
         job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
         fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
-    elif job.distributed:
+    elif not _accelerate_fsdp(src, job, cmd) and job.distributed:
         job.engine = "ddp"
+
+
+def _accelerate_fsdp(src: Source, job: ForeignJob, cmd: Command | None) -> bool:
+    """`accelerate launch --config_file FILE` whose config (or `--use_fsdp`) runs FSDP: the Trainer takes accelerate's
+    FSDP plugin, with the file's fsdp_config and the launch's `--fsdp_*` flags over it. accelerate runs FSDP1
+    unless fsdp_version is 2; FSDP2 reshards after forward unless told not to, FSDP1 by its sharding strategy."""
+    if cmd is None or cmd.launcher != "accelerate":
+        return False
+    ref = cmd.launcher_args.get("--config_file") or cmd.launcher_args.get("--config-file")
+    config: dict[str, Any] = {}
+    if ref:
+        hit = local_file(ref, src.path.parent)
+        if hit is None:
+            job.notes.append(f"accelerate --config_file {ref} is not here: planned without it (give the file beside "
+                             f"the script to plan its FSDP settings)")
+        else:
+            config = load_yaml(Path(hit))[0]
+    if str(config.get("distributed_type", "")).upper() != "FSDP" and "--use_fsdp" not in cmd.launcher_args:
+        return False
+    where = f"{src.where}: accelerate {ref or '--use_fsdp'}"
+    cfg = fsdp_settings(config.get("fsdp_config") or {}, where)
+    cfg |= {k.removeprefix("--fsdp_"): v for k, v in cmd.launcher_args.items() if k.startswith("--fsdp_")}
+    version = cfg.get("version", 1)
+    if str(version) not in ("1", "2"):
+        raise UserError(f"{where}: fsdp_version is {version!r}; accelerate runs FSDP 1 or 2.")
+    if "version" not in cfg:
+        job.notes.append("accelerate's fsdp_version not set: it runs FSDP1 (fsdp_version: 2 for FSDP2)")
+    sharding = str(cfg.get("reshard_after_forward", cfg.get("sharding_strategy", "FULL_SHARD"))).upper()
+    if as_bool(cfg.get("offload_params", False)):
+        job.engine = "fsdp_offload"
+    elif sharding in ("NO_SHARD", "3"):
+        job.engine = "ddp" if job.distributed else "single"
+    else:
+        job.engine = "fsdp_shard_grad_op" if sharding in ("SHARD_GRAD_OP", "2", "FALSE") else "fsdp_full_shard"
+    job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
+    record(job, "accelerate:fsdp_version", version, effect=f"FSDP{version}")
+    return True
 
 
 def _fsdp_config(src: Source) -> dict[str, Any]:
