@@ -550,3 +550,18 @@ def test_hf_under_accelerate_fsdp_config(tmp_path: Path, version: str, reshard: 
     assert job.engine == engine and job.workload.fsdp1 is fsdp1
     assert "accelerate:fsdp_version" in job.keys or not version
     assert _gib_on(job, "8xH100") < 100  # DDP: 261
+
+
+def test_hf_script_lora_config_targets_are_planned(tmp_path: Path) -> None:
+    """peft's LoraConfig(target_modules=[...]) written in the training script plans those modules (5.0M trainable at
+    rank 16 on Qwen2.5-7B, not every linear layer's 40.4M), and convert carries them over; a string there is peft's
+    regular expression."""
+    script = ("from peft import LoraConfig\nfrom transformers import AutoModelForCausalLM, TrainingArguments\n"
+              "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-7B')\n"
+              "cfg = LoraConfig(r=16, target_modules={})\n"
+              "args = TrainingArguments(output_dir='out', per_device_train_batch_size=1, bf16=True)\n")
+    job = read_job("hf", _write(tmp_path, "train.py", script.format("['q_proj', 'v_proj']")), JobOptions())
+    assert job.workload.lora_targets == ("q", "v") and round(_trainable(job), 1) == 5.0
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+    rx = read_job("hf", _write(tmp_path, "rx.py", script.format(r"r'.*\.mlp\.(up|down)_proj'")), JobOptions())
+    assert rx.workload.lora_targets == ("up", "down")
