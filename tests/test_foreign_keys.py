@@ -3,6 +3,8 @@ said in the plan where shardfit has no equivalent."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from shardfit.errors import UserError
 from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.convert import to_config
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import lora_targets_of
@@ -45,6 +48,11 @@ def _gib(job) -> float:
                                 "bf16: true\n"),
     ("swift", "qv.sh", "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --lora_rank 64 --target_modules q_proj "
                        "v_proj --max_length 4096 --per_device_train_batch_size 4\n"),
+    ("hf", "qv_hf.sh", "torchrun --nproc_per_node 1 finetune.py --model_name_or_path Qwen/Qwen2.5-7B --use_lora True "
+                       "--lora_r 64 --lora_target_modules q_proj v_proj --model_max_length 4096 "
+                       "--per_device_train_batch_size 4 --bf16 True --gradient_checkpointing True\n"),
+    ("llamafactory", "qv_v1.yaml", "model: Qwen/Qwen2.5-7B\npeft_config:\n  name: lora\n  r: 64\n"
+                                   "  target_modules: [q_proj, v_proj]\ncutoff_len: 4096\nmicro_batch_size: 4\n"),
 ])
 def test_named_lora_targets_are_planned_on_those_modules_only(tmp_path: Path, tool: str, name: str,
                                                               text: str) -> None:
@@ -56,7 +64,8 @@ def test_named_lora_targets_are_planned_on_those_modules_only(tmp_path: Path, to
     assert not any("over-estimate" in n for n in job.notes)
     every = read_job(tool, _write(tmp_path, "all" + name, text.replace("q_proj,v_proj", "all").replace(
         "q_proj v_proj", "all-linear").replace("lora_target_modules:\n  - q_proj\n  - v_proj\n",
-                                               "lora_target_linear: true\n")), JobOptions())
+                                               "lora_target_linear: true\n").replace("[q_proj, v_proj]", "all")),
+                     JobOptions())
     assert every.workload.lora_targets is None
     assert _gib(job) < _gib(every) - 1.5
 
@@ -402,3 +411,157 @@ def test_axolotl_tensor_parallel_refusal_suggests_the_jobs_workload(tmp_path: Pa
     shardfit's default LoRA at 1024)."""
     with pytest.raises(UserError, match=r"--method full --seq 4096 --batch 1 --pipeline-parallel 2"):
         read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
+
+
+TRAINER_ARGS = {"seed": 0, "num_train_epochs": 2.6, "save_steps": 0.25, "logging_steps": 5, "max_steps": -1,
+                "learning_rate": 3e-5, "max_grad_norm": 0.5, "output_dir": "runs/a", "weight_decay": 0.1}
+
+
+@pytest.mark.parametrize(("tool", "name", "head"), [
+    ("llamafactory", "v0.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\n"),
+    ("llamafactory", "v1.yaml", "model: Qwen/Qwen2.5-7B\npeft_config:\n  name: lora\n"),
+    ("hf", "args.json", None),
+], ids=["lf_v0", "lf_v1", "hf"])
+def test_trainer_arguments_are_carried_over_alike(tmp_path: Path, tool: str, name: str, head: str | None) -> None:
+    """The HF Trainer's arguments mean one thing whichever tool passes them: a seed of 0 is a seed, 2.6 epochs are
+    3 whole ones, a save_steps below 1 (a ratio of the run) and max_steps -1 set nothing. LLaMA-Factory v1's own
+    trainer takes no weight_decay (its optimizer plugin does): not carried over there, and said as not modelled."""
+    if head is None:
+        text = json.dumps({"model_name_or_path": "Qwen/Qwen2.5-7B", "use_lora": True, **TRAINER_ARGS})
+    else:
+        text = head + "".join(f"{k}: {v}\n" for k, v in TRAINER_ARGS.items())
+    cfg = to_config(read_job(tool, _write(tmp_path, name, text), JobOptions()))
+    carried = {k: cfg.get(k) for k in ("seed", "epochs", "save_steps", "log_steps", "max_steps", "lr",
+                                       "max_grad_norm", "output_dir")}
+    assert carried == {"seed": 0, "epochs": 3, "save_steps": None, "log_steps": 5, "max_steps": None, "lr": 3e-5,
+                       "max_grad_norm": 0.5, "output_dir": "runs/a"}
+    assert cfg.get("weight_decay") == (None if name == "v1.yaml" else 0.1)
+
+
+def _trainable(job) -> float:
+    """The plan's trainable parameters, in millions."""
+    return trainable_params(resolve_shape(job.model), job.workload) / 1e6
+
+
+def test_list_targets_match_as_peft_does_on_the_end_of_module_names(tmp_path: Path) -> None:
+    """peft matches a list entry on the end of a module's name, so `q` reaches no `q_proj`: `q,v_proj` adapts v_proj
+    only (1.8M trainable at rank 16 on Qwen2.5-7B, not the 5.0M of q and v), said in a note; targets of which
+    none matches (`[q, v]`) are refused by peft, so shardfit exits 2 naming the key and the names to give."""
+    lf = ("model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\nlora_rank: 16\nlora_target: {}\n"
+          "cutoff_len: 4096\nbf16: true\n")
+    mixed = read_job("llamafactory", _write(tmp_path, "mixed.yaml", lf.format("q,v_proj")), JobOptions())
+    both = read_job("llamafactory", _write(tmp_path, "both.yaml", lf.format("q_proj,v_proj")), JobOptions())
+    assert mixed.workload.lora_targets == ("v",)
+    assert round(_trainable(mixed), 1) == 1.8 and round(_trainable(both), 1) == 5.0
+    assert any("q matches no module" in n for n in mixed.notes)
+    text = AXOLOTL_LORA + "lora_target_modules: [q, v]\n"
+    assert main(["plan", "--from", "axolotl", _write(tmp_path, "short.yml", text), "--gpus", "1xH100"]) == 2
+    with pytest.raises(UserError, match=r"lora_target_modules q, v matches no module.*q_proj, v_proj"):
+        read_job("axolotl", _write(tmp_path, "short.yml", text), JobOptions())
+
+
+def test_regex_targets_are_tried_on_the_models_own_module_names(tmp_path: Path) -> None:
+    """A regular expression matches the model's own module names, not every model's: a vision-language model's
+    blocks sit under model.language_model, so a pattern written for a text model's model.layers reaches none of
+    them (every linear layer planned, said as an over-estimate: 40.4M trainable, not 5.0M), while one over its own
+    names plans q and v; a pattern over blocks the model lacks (Qwen2.5-7B has 28) reaches none either."""
+    def job(model: str, pattern: str):
+        text = AXOLOTL_LORA.replace("Qwen/Qwen2.5-7B", model).replace("lora_r: 64", "lora_r: 16")
+        return read_job("axolotl", _write(tmp_path, "rx.yml", text + f"lora_target_modules: '{pattern}'\n"),
+                        JobOptions())
+    vl = "Qwen/Qwen2.5-VL-7B-Instruct"
+    text_layout = job(vl, r"model\.layers\.\d+\.self_attn\.(q|v)_proj")
+    assert text_layout.workload.lora_targets is None and "lora_target_modules" in text_layout.not_modelled
+    assert round(_trainable(text_layout), 1) == 40.4
+    own = job(vl, r"model\.language_model\.layers\.\d+\.self_attn\.(q|v)_proj")
+    assert own.workload.lora_targets == ("q", "v") and round(_trainable(own), 1) == 5.0
+    assert job("Qwen/Qwen2.5-7B", r"model\.layers\.3\d\.self_attn\.(q|v)_proj").workload.lora_targets is None
+    assert job("Qwen/Qwen2.5-7B", r"model\.layers\.2\d\.self_attn\.(q|v)_proj").workload.lora_targets == ("q", "v")
+
+
+SWIFT_FSDP = ("NPROC_PER_NODE=8 swift sft --model Qwen/Qwen2.5-14B --tuner_type full --torch_dtype bfloat16 "
+              "--max_length 4096 --per_device_train_batch_size 1 --gradient_accumulation_steps 4 --fsdp {}\n")
+
+
+@pytest.mark.parametrize(("fsdp_config", "transformers", "fsdp1"), [
+    ({}, "4.57.1", True), ({}, "5.10.1", False), ({"fsdp_version": 1}, "5.23.0", True),
+    ({"fsdp_version": 2}, "4.57.1", False), (None, "4.57.1", False),
+])
+def test_swift_fsdp_version_as_the_trainer_reads_it(tmp_path: Path, fsdp_config: dict | None, transformers: str,
+                                                    fsdp1: bool) -> None:
+    """ms-swift hands its FSDP JSON to the HF Trainer, which runs FSDP1 unless fsdp_config's (fsdp_)version says 2
+    before transformers 5.10, FSDP2 unless it says 1 since; `--fsdp fsdp2` (None here) sets version 2 itself.
+    FSDP1 keeps Qwen2.5-14B's untied input embedding gathered in its root unit: 1.5 GiB more a GPU."""
+    if fsdp_config is None:
+        ref = "fsdp2"
+    else:
+        ref = "fsdp.json"
+        (tmp_path / ref).write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": fsdp_config}))
+    job = read_job("swift", _write(tmp_path, "train.sh", SWIFT_FSDP.format(ref)), JobOptions(transformers=transformers))
+    assert job.engine == "fsdp_full_shard" and job.workload.fsdp1 is fsdp1
+    if fsdp1:
+        two = dataclasses.replace(job, workload=dataclasses.replace(job.workload, fsdp1=False))
+        assert _gib_on(job, "8xH100") > _gib_on(two, "8xH100") + 1
+
+
+def test_hf_fsdp_config_version_decides_fsdp1(tmp_path: Path) -> None:
+    """TrainingArguments' fsdp_config (a JSON object, or a JSON file beside the job) says the FSDP version: 1 plans
+    FSDP1's gathered root embedding, 2 does not; a version neither 1 nor 2 exits 2 naming --fsdp_config."""
+    def job(cfg: object, name: str):
+        args = {"model_name_or_path": "Qwen/Qwen2.5-14B", "per_device_train_batch_size": 1, "bf16": True,
+                "gradient_accumulation_steps": 4,
+                "model_max_length": 4096, "gradient_checkpointing": True, "fsdp": "full_shard auto_wrap",
+                "fsdp_config": cfg}
+        return read_job("hf", _write(tmp_path, name, json.dumps(args)), JobOptions(nproc=8, transformers="5.23.0"))
+    one, two = job({"version": 1}, "one.json"), job({"version": 2}, "two.json")
+    assert one.workload.fsdp1 and not two.workload.fsdp1 and "fsdp_config" in one.keys
+    assert _gib_on(one, "8xH100") > _gib_on(two, "8xH100") + 1
+    (tmp_path / "fsdp.json").write_text('{"fsdp_version": 1, "reshard_after_forward": false}')
+    from_file = job("fsdp.json", "file.json")
+    assert from_file.workload.fsdp1 and from_file.engine == "fsdp_shard_grad_op"
+    with pytest.raises(UserError, match=r"--fsdp_config.*version is 3"):
+        job({"version": 3}, "three.json")
+
+
+ACCELERATE_FSDP = """distributed_type: FSDP
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: {reshard}
+{version}mixed_precision: bf16
+num_processes: 8
+"""
+
+
+@pytest.mark.parametrize(("version", "reshard", "engine", "fsdp1"), [
+    ("  fsdp_version: 2\n", "true", "fsdp_full_shard", False), ("", "FULL_SHARD", "fsdp_full_shard", True),
+    ("  fsdp_version: 2\n", "false", "fsdp_shard_grad_op", False),
+])
+def test_hf_under_accelerate_fsdp_config(tmp_path: Path, version: str, reshard: str, engine: str,
+                                         fsdp1: bool) -> None:
+    """`accelerate launch --config_file fsdp.yaml train.py ...` runs the Trainer under accelerate's FSDP plugin: the
+    full fine-tune of Qwen2.5-14B is sharded over 8 ranks (40 to 87 GiB a GPU, not DDP's 261), FSDP1 unless the
+    config's fsdp_version is 2, as accelerate runs it."""
+    (tmp_path / "fsdp.yaml").write_text(ACCELERATE_FSDP.format(version=version, reshard=reshard))
+    cmd = ("accelerate launch --config_file fsdp.yaml --num_processes 8 train.py --model_name_or_path "
+           "Qwen/Qwen2.5-14B --bf16 True --per_device_train_batch_size 1 --gradient_accumulation_steps 4 "
+           "--model_max_length 4096 --gradient_checkpointing True\n")
+    job = read_job("hf", _write(tmp_path, "run.sh", cmd), JobOptions())
+    assert job.engine == engine and job.workload.fsdp1 is fsdp1
+    assert "accelerate:fsdp_version" in job.keys or not version
+    assert _gib_on(job, "8xH100") < 100  # DDP: 261
+
+
+def test_hf_script_lora_config_targets_are_planned(tmp_path: Path) -> None:
+    """peft's LoraConfig(target_modules=[...]) written in the training script plans those modules (5.0M trainable at
+    rank 16 on Qwen2.5-7B, not every linear layer's 40.4M), and convert carries them over; a string there is peft's
+    regular expression."""
+    script = ("from peft import LoraConfig\nfrom transformers import AutoModelForCausalLM, TrainingArguments\n"
+              "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-7B')\n"
+              "cfg = LoraConfig(r=16, target_modules={})\n"
+              "args = TrainingArguments(output_dir='out', per_device_train_batch_size=1, bf16=True)\n")
+    job = read_job("hf", _write(tmp_path, "train.py", script.format("['q_proj', 'v_proj']")), JobOptions())
+    assert job.workload.lora_targets == ("q", "v") and round(_trainable(job), 1) == 5.0
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+    rx = read_job("hf", _write(tmp_path, "rx.py", script.format(r"r'.*\.mlp\.(up|down)_proj'")), JobOptions())
+    assert rx.workload.lora_targets == ("up", "down")

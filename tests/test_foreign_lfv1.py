@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import shardfit.config.load as load
+import shardfit.foreign.common as common
+import shardfit.foreign.llamafactory_v1 as v1
+from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.convert import to_yaml
@@ -30,7 +34,7 @@ CASES = [
     ("lora_fsdp2.yaml", 4, "4xH100", "FSDP full_shard", ("lora", "bf16", 4096, 2, 4, 32, 1, 1), True, set()),
     ("full_deepspeed.yaml", 8, "8xA100-80G", "DeepSpeed ZeRO-3", ("full", "bf16", 2048, 4, 1, 8, 1, 1), True, set()),
     ("qlora_single.yaml", None, "1x24GB", "one process, one GPU", ("qlora", "bf16", 1024, 1, 1, 8, 1, 1), True,
-     {"optim_config.name", "peft_config.target_modules", "peft_config.use_dora", "shiny_new_key"}),
+     {"optim_config.name", "peft_config.use_dora", "shiny_new_key"}),
     ("freeze_ddp.yaml", 2, "2x24GB", "DDP (full replica per rank)", ("freeze", "bf16", 512, 8, 1, 8, 1, 1), True,
      set()),
     ("moe_cp_ep.yaml", 8, "8xH100", "FSDP full_shard", ("full", "bf16", 16384, 1, 1, 8, 2, 4), False, set()),
@@ -307,3 +311,32 @@ def test_v1_without_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture,
     f.write_text(yaml.safe_dump({**({"model": model} if model else {}), "dist_config": {"name": "fsdp2"}}))
     code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "1x24GB")
     assert code == 2 and str(f) in err and "'model'" in err and says in err, err
+
+
+@pytest.mark.parametrize("command", ["plan", "check", "convert"])
+def test_v1_dpo_with_context_parallel_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture, command: str) -> None:
+    """v1's DPO trainer refuses cp_size above 1 when it starts (whatever pref_loss): plan, check and convert exit 2
+    naming the key and the fix, not a plan of a job that never runs; the same rows as SFT data still plan."""
+    (tmp_path / "pairs.yaml").write_text("prefs:\n  path: org/prefs\n  converter: pair\n")
+    f = tmp_path / "dpo_cp.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\npeft_config: {name: lora}\ndist_config: {name: fsdp2}\n"
+                 "flash_attn: flash_attention_2\ncp_size: 2\ncutoff_len: 16384\ntrain_dataset: pairs.yaml\n")
+    gpus = [] if command == "convert" else ["--gpus", "2xH100"]
+    assert main([command, "--from", "llamafactory", str(f), "--nproc", "2", *gpus]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:5" in err and "cp_size 2" in err and "DPO" in err and "set it to 1" in err
+    (tmp_path / "pairs.yaml").write_text("sft:\n  path: org/sft\n")
+    assert read_job("llamafactory", str(f), JobOptions(nproc=2)).workload.sequence_parallel == 2
+
+
+def test_v1_yaml_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's YAML is parsed once: the reader that tells v1 from v0 hands the v1 reader its mapping."""
+    seen: list[str] = []
+
+    def counted(path, *args, **kwargs):
+        seen.append(str(path))
+        return load.read_yaml(path, *args, **kwargs)
+    monkeypatch.setattr(common, "read_yaml", counted)
+    monkeypatch.setattr(v1, "read_yaml", counted)
+    read_job("llamafactory", str(JOBS / "lora_fsdp2.yaml"), JobOptions(nproc=4))
+    assert seen.count(str(JOBS / "lora_fsdp2.yaml")) == 1, seen

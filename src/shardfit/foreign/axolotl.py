@@ -39,6 +39,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.targets import plan_targets
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 ATTENTION = "attention {attention}"
@@ -164,7 +165,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     apply(job, _preference(src))
-    _file_keys(src, job, job.workload)
+    _file_keys(src, job, job.workload, shape)
     return job
 
 
@@ -399,11 +400,11 @@ def _targets(src: Source) -> str | list[str] | None:
                     f"of module names (e.g. [q_proj, v_proj]) or one regular expression over module names.")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     unplanned, effects = set(), {}
     targets = _targets(src)
     if targets and not src.flag("lora_target_linear"):
-        effect = plan_targets(job, "lora_target_modules", targets)
+        effect = plan_targets(job, "lora_target_modules", targets, shape)
         if effect:
             effects["lora_target_modules"] = effect
         else:

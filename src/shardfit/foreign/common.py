@@ -175,14 +175,15 @@ def parse_json(text: str, where: str) -> Any:
             from None
 
 
-def load_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A tool's YAML config and the line of each top-level key, read as strictly as shardfit's own configs
-    (non-UTF-8 text, alias bombs and keys given twice are a UserError naming the file and line)."""
+def load_yaml(path: Path, nested: bool = False) -> tuple[dict[str, Any], dict[str, int]]:
+    """A tool's YAML config and the line of each top-level key (`nested`: of nested keys too, as `a.b`), read as
+    strictly as shardfit's own configs (non-UTF-8 text, alias bombs and keys given twice are a UserError naming the
+    file and line)."""
     data, lines = read_yaml(path)
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of keys (model_name_or_path: ..., ...), got "
                         f"{type(data).__name__}.")
-    return data, {k: line for k, line in lines.items() if "." not in k}
+    return data, lines if nested else {k: line for k, line in lines.items() if "." not in k}
 
 
 def local_file(name: str, *bases: Path) -> str | None:
@@ -224,3 +225,23 @@ def fsdp_settings(cfg: Any, where: str) -> dict[str, Any]:
                             f"keep one spelling.")
         out[name] = value
     return out
+
+
+# transformers' Trainer runs FSDP2 unless fsdp_config's `version` is 1 from 5.10 on (its PR #45640); before, FSDP1
+# unless it is 2.
+FSDP2_DEFAULT_SINCE = (5, 10)
+
+
+def trainer_fsdp1(cfg: Mapping[str, Any], version: str, where: str, notes: list[str]) -> bool:
+    """Whether the HF Trainer of transformers `version` runs FSDP1 for `cfg` (an fsdp_config by `fsdp_settings`, so
+    `fsdp_version` reads as `version`, as the Trainer strips the prefix too). FSDP1 wraps the blocks only, so an
+    untied input embedding stays gathered in the root unit (the planner's `fsdp1`)."""
+    given = cfg.get("version")
+    if given is None:
+        run = 2 if _major_minor(version) >= FSDP2_DEFAULT_SINCE else 1
+        notes.append(f"fsdp_config gives no version: transformers {version} runs FSDP{run} (set \"version\": "
+                     f"{3 - run} in fsdp_config for FSDP{3 - run})")
+        return run == 1
+    if str(given) not in ("1", "2"):
+        raise UserError(f"{where}: fsdp_config's version is {given!r}; the HF Trainer runs FSDP 1 or 2.")
+    return str(given) == "1"

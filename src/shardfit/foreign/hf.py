@@ -5,6 +5,7 @@ a command line cannot show it."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -13,36 +14,42 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.common import (
     ATTENTION,
+    FALSE_WORDS,
     TRAINER_NO_EFFECT,
     as_bool,
     as_float,
     as_int,
+    fsdp_settings,
     hf_loss,
+    load_yaml,
     local_file,
     optimizer,
     optimizer_keys,
+    parse_json,
+    read_text,
+    record,
+    trainer_fsdp1,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    HF_TRAINER,
     NO_EFFECT,
     TORCH_COMPILE,
     Key,
     Source,
     command_source,
-    epochs,
     file_env,
     file_keys,
-    if_truthy,
     json_source,
     key_table,
-    positive,
     settings,
-    text,
     use_deepspeed,
 )
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
+from shardfit.foreign.targets import plan_targets
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 # TRL's trainers (script_ast.TRAINERS) as shardfit's objectives; the rest are refused. CPO is planned as simpo.
@@ -63,18 +70,16 @@ KEYS = key_table({
     "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"), "gradient_checkpointing_kwargs": Key("reentrant or not"),
     "attn_implementation": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
+    "fsdp_config": Key("FSDP1 or FSDP2, sharding"),
     "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "model": Key("model"),
     # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
-    "learning_rate": Key(config="lr", read=as_float), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
-    "weight_decay": Key(config="weight_decay", read=as_float),
-    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "max_steps": Key(config="max_steps", read=positive),
-    "save_steps": Key(config="save_steps", read=as_int), "eval_steps": Key(config="eval_steps", read=as_int),
-    "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
-    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
-    "output_dir": Key(config="output_dir", read=if_truthy(text)),
+    **HF_TRAINER,
     "ref_model": Key("reference model given to the trainer"),
+    # the script's own argument, and peft's LoraConfig(target_modules=...) read in the script (`_file_keys`)
+    "lora_target_modules": Key(config="lora.targets", read=lambda v, k, at: target_names(v, k, at, True)),
+    "target_modules": Key(config="lora.targets", read=lambda v, k, at: target_names(v, k, at, False)),
 }, no_effect=TRAINER_NO_EFFECT | {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "rpo_alpha",
                                   "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight"} | {
                                   "model_name_or_path", "data_path", "eval_data_path", "cache_dir",
@@ -124,15 +129,17 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
-    _engine(src, job, shape.hidden)
+    _engine(src, job, shape.hidden, version, cmd)
     _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
     job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    if not _lora(src):
+        job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload)
+    _file_keys(src, job, job.workload, shape)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -248,18 +255,77 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 
-def _engine(src: Source, job: ForeignJob, hidden: int) -> None:
+def _engine(src: Source, job: ForeignJob, hidden: int, version: str, cmd: Command | None) -> None:
     """DeepSpeed (whose JSON decides the precision where the arguments leave it), FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
         if ds.precision and not src.get("bf16") and not src.get("fp16"):  # the JSON decides, not "auto"
             job.workload = dataclasses.replace(job.workload, precision=ds.precision)
-    elif src.get("fsdp"):
-        f = src.get("fsdp")
-        job.engine = "fsdp_offload" if "offload" in f else "fsdp_shard_grad_op" if "shard_grad_op" in f \
-            else "fsdp_full_shard"
-    elif job.distributed:
+    elif str(src.get("fsdp") or "").strip().lower() not in FALSE_WORDS:  # options, or true (fsdp_config decides)
+        f = str(src.get("fsdp")).lower()
+        cfg = _fsdp_config(src)
+        offload = "offload" in f or as_bool(cfg.get("cpu_offload", cfg.get("offload_params", False)))
+        grad_op = "shard_grad_op" in f or not as_bool(cfg.get("reshard_after_forward", True))
+        job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+        fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
+        job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
+    elif not _accelerate_fsdp(src, job, cmd) and job.distributed:
         job.engine = "ddp"
+
+
+def _accelerate_fsdp(src: Source, job: ForeignJob, cmd: Command | None) -> bool:
+    """`accelerate launch --config_file FILE` whose config (or `--use_fsdp`) runs FSDP: the Trainer takes accelerate's
+    FSDP plugin, with the file's fsdp_config and the launch's `--fsdp_*` flags over it. accelerate runs FSDP1
+    unless fsdp_version is 2; FSDP2 reshards after forward unless told not to, FSDP1 by its sharding strategy."""
+    if cmd is None or cmd.launcher != "accelerate":
+        return False
+    ref = cmd.launcher_args.get("--config_file") or cmd.launcher_args.get("--config-file")
+    config: dict[str, Any] = {}
+    if ref:
+        hit = local_file(ref, src.path.parent)
+        if hit is None:
+            job.notes.append(f"accelerate --config_file {ref} is not here: planned without it (give the file beside "
+                             f"the script to plan its FSDP settings)")
+        else:
+            config = load_yaml(Path(hit))[0]
+    if str(config.get("distributed_type", "")).upper() != "FSDP" and "--use_fsdp" not in cmd.launcher_args:
+        return False
+    where = f"{src.where}: accelerate {ref or '--use_fsdp'}"
+    cfg = fsdp_settings(config.get("fsdp_config") or {}, where)
+    cfg |= {k.removeprefix("--fsdp_"): v for k, v in cmd.launcher_args.items() if k.startswith("--fsdp_")}
+    version = cfg.get("version", 1)
+    if str(version) not in ("1", "2"):
+        raise UserError(f"{where}: fsdp_version is {version!r}; accelerate runs FSDP 1 or 2.")
+    if "version" not in cfg:
+        job.notes.append("accelerate's fsdp_version not set: it runs FSDP1 (fsdp_version: 2 for FSDP2)")
+    sharding = str(cfg.get("reshard_after_forward", cfg.get("sharding_strategy", "FULL_SHARD"))).upper()
+    if as_bool(cfg.get("offload_params", False)):
+        job.engine = "fsdp_offload"
+    elif sharding in ("NO_SHARD", "3"):
+        job.engine = "ddp" if job.distributed else "single"
+    else:
+        job.engine = "fsdp_shard_grad_op" if sharding in ("SHARD_GRAD_OP", "2", "FALSE") else "fsdp_full_shard"
+    job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
+    record(job, "accelerate:fsdp_version", version, effect=f"FSDP{version}")
+    return True
+
+
+def _fsdp_config(src: Source) -> dict[str, Any]:
+    """`--fsdp_config`: a JSON file (beside the script, or as given) or a JSON object, by fsdp_settings' names."""
+    ref = src.get("fsdp_config")
+    if not ref:
+        return {}
+    text = str(ref).strip()
+    if not text.startswith("{"):
+        hit = local_file(text, src.path.parent)
+        if hit is None:
+            raise UserError(f"{src.at('fsdp_config')}: --fsdp_config {text}: no such JSON file here; give its path "
+                            f"(relative to the script) or the settings as a JSON object.")
+        text = read_text(Path(hit))
+    raw = parse_json(text, f"{src.where}: --fsdp_config")
+    if not isinstance(raw, dict):
+        raise UserError(f"{src.at('fsdp_config')}: --fsdp_config must hold one JSON object of FSDP settings.")
+    return fsdp_settings(raw, f"{src.where}: --fsdp_config")
 
 
 def _device_map(src: Source, job: ForeignJob, script: Path | None, env: dict[str, str]) -> None:
@@ -275,11 +341,45 @@ def _device_map(src: Source, job: ForeignJob, script: Path | None, env: dict[str
             job.gpus = len(visible_devices(env)) or None
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
-    unplanned = {"lora_target_modules"} | ({"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set())
-    if "lora_target_modules" in src:
-        job.notes.append("lora_target_modules planned as adapters on every linear layer (an over-estimate)")
-    file_keys(job, src.items(), KEYS, w, unplanned=unplanned)
+def target_names(value: Any, key: str, where: str, names: bool) -> str | list[str]:
+    """LoRA's target modules as given: a JSON or Python list of module names, or text. A script's own argument
+    (`names`, e.g. Qwen's `lora_target_modules: List[str]`) is module names, on the command line separated by
+    spaces (HfArgumentParser's nargs) or commas; peft's `target_modules` as a string is one regular expression over
+    module names, or all-linear."""
+    text = str(value).strip()
+    if text.startswith("["):
+        try:
+            items = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            items = None
+        if not isinstance(items, list) or not items or not all(isinstance(t, str) for t in items):
+            raise UserError(f"{where}: '{key}' is {text!r}; give module names (q_proj v_proj), not this.")
+        return [t.strip() for t in items]
+    if not names:
+        return text
+    parts = [t for t in re.split(r"[,\s]+", text) if t]
+    if not parts:
+        raise UserError(f"{where}: '{key}' is empty; give module names (q_proj v_proj) or leave it out.")
+    return "all-linear" if parts == ["all-linear"] else parts
+
+
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+    unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
+    effects = {}
+    for key in ("lora_target_modules", "target_modules"):
+        if key not in src:
+            continue
+        if not w.trains_adapters:
+            unplanned.add(key)  # no adapters train: the targets change nothing
+            continue
+        targets = KEYS[key].read(src.get(key), key, src.at(key))
+        effect = "adapters on every linear layer" if targets == "all-linear" else \
+            plan_targets(job, key, targets, shape)
+        if effect:
+            effects[key] = effect
+        else:
+            unplanned.add(key)
+    file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:

@@ -90,10 +90,11 @@ class Source:
 
 
 
-def yaml_source(path: Path) -> Source:
-    """A tool's YAML config (LLaMA-Factory, axolotl), with the line of each top-level key."""
-    cfg, lines = load_yaml(path)
-    return Source(path, cfg, list(cfg), lines)
+def yaml_source(path: Path, parsed: tuple[dict[str, Any], dict[str, int]] | None = None) -> Source:
+    """A tool's YAML config (LLaMA-Factory, axolotl), with the line of each top-level key; `parsed` is the file as
+    common.load_yaml read it already, so it is not read twice."""
+    cfg, lines = parsed or load_yaml(path)
+    return Source(path, cfg, list(cfg), {k: line for k, line in lines.items() if "." not in k})
 
 
 def command_source(path: Path, programs: tuple[str, ...]) -> tuple[Source, Command]:
@@ -246,3 +247,28 @@ def only_true(value: Any, key: str, where: str) -> bool | None:
 # transformers' TrainingArguments.torch_compile (also axolotl's key): the whole model goes through torch.compile,
 # which fuses the elementwise ops as shardfit's `compile: true` does per block; not given, shardfit keeps `auto`.
 TORCH_COMPILE = Key("compiled {compile}", field="compile", config="compile", read=flag)
+
+
+# transformers' TrainingArguments that shardfit carries over to its config, read as the HF Trainer reads them: each
+# tool that runs the Trainer (LLaMA-Factory v0, a training script's HfArgumentParser) takes this table as it is, and
+# one with a trainer of its own (LLaMA-Factory v1) the subset it keeps. A step count below 1 is unset (the Trainer's
+# -1 is "no limit", a fraction below 1 of save/eval/logging steps is a ratio of the whole run: neither is a step
+# count), as is an epoch count of 0; a seed of 0 is a seed.
+HF_TRAINER: dict[str, Key] = {
+    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
+    "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
+    "eval_steps": Key(config="eval_steps", read=positive), "logging_steps": Key(config="log_steps", read=positive),
+    "seed": Key(config="seed", read=as_int), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
+    "weight_decay": Key(config="weight_decay", read=as_float),
+    "max_grad_norm": Key(config="max_grad_norm", read=as_float),
+    "output_dir": Key(config="output_dir", read=if_truthy(text)),
+}
+# The model argument both LLaMA-Factory versions read: remote code is carried over only when it is asked for.
+TRUST_REMOTE_CODE = Key(config="trust_remote_code", read=only_true)
+
+
+def hf_trainer(*left_out: str) -> dict[str, Key]:
+    """HF_TRAINER without the arguments of `left_out` (those a tool's own trainer does not take)."""
+    unknown = set(left_out) - set(HF_TRAINER)
+    assert not unknown, f"not HF_TRAINER keys: {unknown}"
+    return {k: v for k, v in HF_TRAINER.items() if k not in left_out}

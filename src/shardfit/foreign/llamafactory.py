@@ -24,18 +24,16 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    HF_TRAINER,
     TORCH_COMPILE,
+    TRUST_REMOTE_CODE,
     Key,
     Source,
     count,
-    epochs,
     file_keys,
     flag,
     key_table,
-    only_true,
-    positive,
     settings,
-    text,
     use_deepspeed,
     yaml_source,
 )
@@ -82,20 +80,13 @@ KEYS = key_table({
     "ddp_find_unused_parameters": Key("DDP"), "freeze_vision_tower": Key("vision tower frozen"),
     "freeze_trainable_layers": Key("trainable blocks"), "quantization_method": Key("bitsandbytes"),
     "double_quantization": Key("NF4 constants"),
-    # carried over to the shardfit config (`freeze_trainable` is decided in `_convert`); LLaMA-Factory reads a
-    # count below 1 as unset
-    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=epochs),
-    "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
-    "eval_steps": Key(config="eval_steps", read=positive), "logging_steps": Key(config="log_steps", read=positive),
-    "seed": Key(config="seed", read=positive), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
-    "weight_decay": Key(config="weight_decay", read=as_float),
-    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "val_size": Key(config="eval_split", read=as_float),
+    # carried over to the shardfit config (`freeze_trainable` is decided in `_convert`): v0 runs the HF Trainer
+    **HF_TRAINER, "val_size": Key(config="eval_split", read=as_float),
     # LLaMA-Factory's default alpha is twice the rank (given in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int), "lora_dropout": Key(config="lora.dropout", read=as_float),
     "lora_target": Key("adapters on every linear layer (all)", config="lora.targets", read=lora_targets,
                        default="all"),
-    "packing": Key(config="packing", read=flag, default=False), "output_dir": Key(config="output_dir", read=text),
-    "trust_remote_code": Key(config="trust_remote_code", read=only_true),
+    "packing": Key(config="packing", read=flag, default=False), "trust_remote_code": TRUST_REMOTE_CODE,
     # preference training (`_preference`): the stage decides the objective, a reference copy changes memory
     "stage": Key("objective {objective}"), "ref_model": Key("reference model loaded beside the policy"),
     "ref_model_quantization_bit": Key("reference model stored quantized"),
@@ -127,11 +118,12 @@ def words() -> Words:
                        "reentrant": "use_reentrant_gc: false"})
 
 
-def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any) -> ForeignJob:
-    """The job of a LLaMA-Factory YAML. `shape_of(model)` resolves the model's shape (for DeepSpeed's "auto"
-    buckets and freeze layers); `nproc` the ranks it is launched with (LLaMA-Factory starts torchrun itself when
-    several GPUs are visible)."""
-    src = yaml_source(path)
+def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any,
+                      parsed: tuple[dict[str, Any], dict[str, int]] | None = None) -> ForeignJob:
+    """The job of a LLaMA-Factory YAML (`parsed`: its mapping and lines, when read already). `shape_of(model)`
+    resolves the model's shape (for DeepSpeed's "auto" buckets and freeze layers); `nproc` the ranks it is launched
+    with (LLaMA-Factory starts torchrun itself when several GPUs are visible)."""
+    src = yaml_source(path, parsed)
     model = src.get("model_name_or_path")
     if not model:
         raise UserError(f"{src.where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
@@ -154,7 +146,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     if columns:
         job.convert["data_columns"] = columns
     apply(job, _preference(src, str(model)))
-    _file_keys(src, job, job.workload)
+    _file_keys(src, job, job.workload, shape)
     return job
 
 
@@ -247,12 +239,12 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field"))
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     unplanned = {"optim"} if optimizer(str(src.get("optim", "adamw_torch"))) is None else set()
     effects = {}
     targets = lora_targets(src.get("lora_target", "all"), "lora_target", src.at("lora_target"))
     if targets != "all-linear":
-        effect = plan_targets(job, "lora_target", targets)
+        effect = plan_targets(job, "lora_target", targets, shape)
         if effect:
             effects["lora_target"] = effect
         else:

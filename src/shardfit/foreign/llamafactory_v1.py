@@ -18,19 +18,20 @@ from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
+    TRUST_REMOTE_CODE,
     Key,
     Source,
     count,
     file_keys,
+    hf_trainer,
     key_table,
-    only_true,
-    positive,
     settings,
-    text,
     use_deepspeed,
 )
 from shardfit.foreign.preference import Preference, apply, choice
+from shardfit.foreign.targets import plan_targets
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 # Keys only v1 has at the top level (v0 names the model `model_name_or_path`).
@@ -75,12 +76,10 @@ KEYS = key_table({
     "dist_config.ep_size": Key("expert parallel", field="expert_parallel", config="expert_parallel", read=as_int),
     "batching_strategy": Key("rows of one example each"), "model_class": Key("causal LM head"),
     "kernel_config.name": Key("no kernels on CUDA (auto picks Ascend NPU kernels only)"),
-    # carried over to the shardfit config
-    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=positive),
-    "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
-    "logging_steps": Key(config="log_steps", read=positive), "seed": Key(config="seed", read=positive),
-    "max_grad_norm": Key(config="max_grad_norm", read=as_float), "output_dir": Key(config="output_dir", read=text),
-    "trust_remote_code": Key(config="trust_remote_code", read=only_true),
+    # carried over to the shardfit config: v1's own TrainingArguments keep the HF Trainer's names and meaning for
+    # these (its step counts are steps, its epochs scale the steps), and leave warmup and weight decay to its
+    # optimizer and scheduler plugins and evaluation out; HfArgumentParser refuses those names at the top level
+    **hf_trainer("eval_steps", "warmup_ratio", "weight_decay"), "trust_remote_code": TRUST_REMOTE_CODE,
 }, no_effect={
     "model", "train_dataset", "eval_dataset", "custom_chat_template", "sample_backend", "max_new_tokens",
     "batching_workers", "dist_timeout", "resume_from_checkpoint", "save_epochs", "save_ckpt_as_hf",
@@ -106,9 +105,10 @@ def is_v1(top: dict[str, Any]) -> bool:
     return "model_name_or_path" not in top and bool((V1_ONLY | set(PLUGINS)) & set(top))
 
 
-def v1_source(path: Path) -> Source:
-    """A v1 YAML with each plugin mapping's keys flattened to `plugin.key` (a plugin's line for its own keys)."""
-    data, lines = read_yaml(path)
+def v1_source(path: Path, data: dict[str, Any], lines: dict[str, int]) -> Source:
+    """A v1 YAML, as read (`data`, the `lines` of its keys), with each plugin mapping's keys flattened to
+    `plugin.key` (a plugin's line for its own keys where the file's lines do not say)."""
+    lines = dict(lines)
     values: dict[str, Any] = {}
     for key, value in data.items():
         where = f"{path}:{lines[key]}" if key in lines else str(path)
@@ -137,10 +137,12 @@ def _json_ok(value: str) -> bool:
     return True
 
 
-def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardware | None = None) -> ForeignJob:
-    """The job of a v1 YAML. `nproc` the ranks a node launches; without it, v1's launcher starts one per visible
-    GPU, so the GPUs a node has in `hw` (--gpus) when given."""
-    src = v1_source(path)
+def read_llamafactory_v1(path: Path, parsed: tuple[dict[str, Any], dict[str, int]], nproc: int | None,
+                         shape_of: Any, hw: Hardware | None = None) -> ForeignJob:
+    """The job of a v1 YAML, `parsed` its mapping and the lines of its keys (common.load_yaml, nested). `nproc` the
+    ranks a node launches; without it, v1's launcher starts one per visible GPU, so the GPUs a node has in `hw`
+    (--gpus) when given."""
+    src = v1_source(path, *parsed)
     model = src.get("model")
     if model is None:
         raise UserError(f"{src.where}: no 'model'; LLaMA-Factory v1 would train its default "
@@ -163,11 +165,12 @@ def read_llamafactory_v1(path: Path, nproc: int | None, shape_of: Any, hw: Hardw
                          f"{', '.join(job.data_missing)}")
     job.convert = _convert(src, w, shape.layers)
     if pair:
+        _check_dpo(src, w)
         _preference(src, job, w)
         w = job.workload
     job.notes.append("loss: v1's trainer takes an fp32 copy of the logits and a shifted copy of that (full_shift), "
                      "whatever the transformers version")
-    _file_keys(src, job, w)
+    _file_keys(src, job, w, shape)
     return job
 
 
@@ -349,6 +352,16 @@ def _datasets(src: Source) -> tuple[list[str], list[str], bool]:
     return found, [p for p in paths if not local_file(p, Path(hit).parent, *bases)], pair
 
 
+def _check_dpo(src: Source, w: Workload) -> None:
+    """What v1's DPO trainer refuses when it starts, whatever its pref_loss: rows split over ranks (cp_size above
+    1; its chosen and rejected halves are scored whole on each rank)."""
+    if w.sequence_parallel > 1:
+        raise UserError(f"{src.at('cp_size')}: cp_size {w.sequence_parallel} with a chosen/rejected dataset "
+                        f"(`converter: pair`, trained by `llamafactory-cli dpo`): LLaMA-Factory v1's DPO trainer "
+                        f"refuses context parallelism (cp_size == 1 only). Remove cp_size (or set it to 1); where a "
+                        f"whole row then does not fit one GPU, shorten cutoff_len.")
+
+
 def _preference(src: Source, job: ForeignJob, w: Workload) -> None:
     """A dataset of chosen/rejected pairs is trained by `llamafactory-cli dpo` (v1's sft trainer has no use for
     pairs): planned as that, `pref_loss` (sigmoid, orpo, simpo) picking the objective. Its sigmoid loss keeps a deep
@@ -377,7 +390,7 @@ def _convert(src: Source, w: Workload, layers: int) -> dict[str, Any]:
     return out
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     """Every key, with what v1 does with it; what the plan leaves out as not modelled."""
     unplanned = {k for k in src.values if k.startswith(("optim_config.", "pref_", "simpo_", "dpo_", "ld_"))}
     if "optim_config.name" in src:
@@ -388,9 +401,13 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
         effects |= {"pref_loss": "objective {objective}", "pref_beta": NO_EFFECT, "simpo_gamma": NO_EFFECT}
     elif unplanned & {"pref_loss", "pref_beta"}:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
-    if src.get("peft_config.target_modules", "all") != "all":
-        unplanned.add("peft_config.target_modules")
-        job.notes.append("target_modules is not all: planned as adapters on every linear layer (an over-estimate)")
+    targets = lora_targets(src.get("peft_config.target_modules", "all"), "", "")
+    if targets != "all-linear" and w.trains_adapters:  # the freeze plugin has no targets
+        effect = plan_targets(job, "peft_config.target_modules", targets, shape)
+        if effect:
+            effects["peft_config.target_modules"] = effect
+        else:
+            unplanned.add("peft_config.target_modules")
     for key, default in (("peft_config.freeze_trainable_modules", "all"), ("peft_config.freeze_extra_modules", None),
                          ("model_class", "llm"), ("kernel_config.name", "auto")):
         if src.get(key, default) not in (default, []):

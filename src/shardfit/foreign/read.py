@@ -68,12 +68,13 @@ def _shape_of(model: str) -> ModelShape:
 def _read_llamafactory(path: Path, version: str, opts: JobOptions, shape_of: Callable[[str], ModelShape]) -> ForeignJob:
     """Any LLaMA-Factory YAML: a Megatron one is refused with the plan of its split, a v1 one read by its reader,
     and the rest by the v0 reader."""
-    top, lines = load_yaml(path)
+    top, lines = load_yaml(path, nested=True)  # read once: each reader takes the mapping
     if is_megatron(top):
-        raise refuse_megatron(Source(path, top, list(top), lines), opts.nproc, opts.gpus)
+        raise refuse_megatron(Source(path, top, list(top), {k: n for k, n in lines.items() if "." not in k}),
+                              opts.nproc, opts.gpus)
     if is_v1(top):
-        return read_llamafactory_v1(path, opts.nproc, shape_of, opts.gpus)
-    return read_llamafactory(path, version, opts.nproc, shape_of)
+        return read_llamafactory_v1(path, (top, lines), opts.nproc, shape_of, opts.gpus)
+    return read_llamafactory(path, version, opts.nproc, shape_of, (top, lines))
 
 
 def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:

@@ -96,6 +96,9 @@ def read_script(path: Path, text: str) -> ScriptSettings:
                 out.args["lora_r"] = str(known["r"])
             if "lora_alpha" in known:
                 out.args["lora_alpha"] = _as_arg(known["lora_alpha"])
+            targets = known.get("target_modules")
+            if isinstance(targets, str) or isinstance(targets, list | tuple) and targets:
+                out.args["target_modules"] = targets if isinstance(targets, str) else str(list(targets))
             out.found.append(f"LoraConfig({_shown(known, ('r', 'lora_alpha'))}) at {at}: LoRA")
         elif name == "BitsAndBytesConfig" and known.get("load_in_4bit") is True:
             out.args["q_lora"] = "true"

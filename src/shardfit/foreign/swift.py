@@ -24,6 +24,7 @@ from shardfit.foreign.common import (
     parse_json,
     read_text,
     record,
+    trainer_fsdp1,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
@@ -45,6 +46,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
 from shardfit.foreign.targets import plan_targets
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 
@@ -155,14 +157,14 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     w = job.workload = _workload(src, job, version)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     job.find_unused = src.flag("ddp_find_unused_parameters", "false")
-    _engine(src, job, visible_devices(cmd.env), shape.hidden)
+    _engine(src, job, visible_devices(cmd.env), shape.hidden, version)
     audio = cmd.env.get("ENABLE_AUDIO_OUTPUT")
     job.speech_outputs = "omni" in model.lower() and (audio is None or as_bool(audio))
     job.quant_storage = src.get("bnb_4bit_quant_storage") is not None
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
     apply(job, _preference(src, cmd.program, job))
-    _file_keys(src, job, job.workload)
+    _file_keys(src, job, job.workload, shape)
     file_env(job, cmd.exported, ENV, unknown=None)
     return job
 
@@ -276,7 +278,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field"))
 
 
-def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
+def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int, version: str) -> None:
     """DeepSpeed, DDP under a launcher, or one process split over the visible GPUs (device_map)."""
     if src.get("deepspeed") and src.get("fsdp"):
         raise UserError(f"{src.where}: --deepspeed {src.get('deepspeed')} and --fsdp {src.get('fsdp')} both choose "
@@ -284,7 +286,7 @@ def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
     if src.get("deepspeed"):
         use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, [])
     elif src.get("fsdp"):
-        _fsdp(src, job)
+        _fsdp(src, job, version)
     elif job.distributed:
         job.engine = "ddp"
     elif len(gpus) > 1 or src.get("device_map"):
@@ -296,13 +298,13 @@ def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int) -> None:
         job.device_map = "auto"
 
 
-# ms-swift's built-in `--fsdp fsdp2` (swift/config/fsdp2.json): full_shard, resharded after forward, FSDP's own
-# activation checkpointing on.
-FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"reshard_after_forward": True,
+# ms-swift's built-in `--fsdp fsdp2` (swift/config/fsdp2.json): FSDP2, full_shard, resharded after forward, FSDP's
+# own activation checkpointing on.
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True,
                                                          "activation_checkpointing": True}}
 
 
-def _fsdp(src: Source, job: ForeignJob) -> None:
+def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
     """`--fsdp fsdp2` or an FSDP JSON (ms-swift >= 3.12): its `fsdp` options and `fsdp_config` decide the engine
     (offload, ZeRO-2-like SHARD_GRAD_OP or full_shard), and `activation_checkpointing` there checkpoints the blocks
     even with `--gradient_checkpointing false`, as ms-swift's examples write it."""
@@ -322,6 +324,8 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
     offload = "offload" in options or as_bool(cfg.get("offload_params", False))
     grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
     job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+    fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp {ref}", job.notes)  # ms-swift runs the HF Trainer
+    job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
         record(job, "fsdp:activation_cpu_offload", cfg["activation_cpu_offload"], modelled=False)
     if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
@@ -331,11 +335,11 @@ def _fsdp(src: Source, job: ForeignJob) -> None:
                          f"(planned as grad_ckpt full)")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     if src.get("target_regex"):
-        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")))
+        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")), shape)
         if effect:
             effects["target_regex"] = effect
         else:
@@ -344,7 +348,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload) -> None:
             effects["target_modules"] = "overridden by --target_regex (ms-swift trains the regex's modules)"
     elif "target_modules" in src and src.get("target_modules") != "all-linear":
         effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
-                                                                    src.where))
+                                                                    src.where), shape)
         if effect:
             effects["target_modules"] = effect
         else:
