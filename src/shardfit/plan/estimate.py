@@ -398,6 +398,10 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     lora = lora_saved_bytes_per_token(shape, w, strategy)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
     attn = softmax_attention_bytes_per_token(shape, w, strategy)
+    if shape.mamba_mixers:  # the mean block, or (`part`) a block with a Mamba mixer or one with attention alone
+        mixed = paired_mamba_bytes_per_token(shape, w, strategy)
+        attn = (mixed if part.mamba else attn) if part is not None else \
+            (shape.mamba_mixers * mixed + (shape.layers - shape.mamba_mixers) * attn) / shape.layers
     if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
         softmax = shape.layers - shape.linear_layers
         attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
@@ -462,17 +466,47 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     `mamba_ssm` (`w.mamba_scan`): its fused mamba_split_conv1d_scan_combined, which transformers calls in training
     with the gated norm and out_proj inside, keeps by its autograd function's design in_proj's output (z, x, B, C
     and dt), the scan's output before the norm, and the norm's fp32 reciprocal RMS per group; its backward
-    recomputes the chunks. Not measured here (mamba_ssm needs a GPU): a count from the kernel's design."""
+    recomputes the chunks. Not measured here (mamba_ssm needs a GPU): a count from the kernel's design.
+
+    A mixer without the gated norm (Falcon-H1 unless `mamba_rms_norm`: ModelShape `mamba_gated_norm` off) gates
+    the scan's output by silu(z) alone, which keeps z in 16 bits and the fp32 product (`6 I`) where the norm kept
+    `20 I + 4 G` (hooks on Falcon-H1's and Bamba's tiny mixers)."""
     a, heads, state = compute_bytes(w), shape.mamba_heads, shape.mamba_state
+    norm = 4 * shape.mamba_groups if shape.mamba_gated_norm else 0
     if w.mamba_scan == "mamba_ssm":
-        return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + 4 * shape.mamba_groups
+        return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + norm
     inner, chunk = shape.mamba_inner, max(shape.mamba_chunk, 1)
     # Where the mixer's own weights train (a full fine-tune), x in fp32 for D's gradient, the gated norm's
     # product with its weight and dt once more; out_proj's input for it or its adapter.
     trained = 8 * inner + 4 * heads if w.method == "full" else 0
+    gate = 32 * inner if shape.mamba_gated_norm else 18 * inner
     return trained + a * inner + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + \
-        32 * inner + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + \
-        4 * shape.mamba_groups
+        gate + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + norm
+
+
+def paired_mamba_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What a Mamba hybrid's block that pairs a Mamba mixer with its MLP (ModelShape `mamba_mixers`: Jamba, Bamba,
+    Falcon-H1, IBM Granite 4.0) saves per token for its token mixing, where an attention block saves softmax
+    attention's tensors: the Mamba-2 mixer as Nemotron-H's (`mamba_saved_bytes_per_token`: the same reference
+    scan, or mamba_ssm's fused kernel), Jamba's Mamba-1 mixer `mamba1_saved_bytes_per_token`; Falcon-H1's
+    (`mamba_parallel`) both, side by side. Measured with saved-tensor hooks on each family's tiny model
+    (tests/test_plan_mamba_hybrid.py)."""
+    mixer = mamba1_saved_bytes_per_token(shape, w) if shape.mamba_v1 else mamba_saved_bytes_per_token(shape, w)
+    return mixer + (softmax_attention_bytes_per_token(shape, w, strategy) if shape.mamba_parallel else 0.0)
+
+
+def mamba1_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+    """What Jamba's Mamba-1 mixer saves per token without the mamba_ssm kernels: transformers' reference selective
+    scan, a loop over the tokens in fp32. For I channels and a state of N per channel: `14 I N`, the step's decay
+    exp(dt A) and input dt B x per state element in fp32, the state each step reads out (fp32) and its 16-bit
+    copy; about `25 I` for in_proj's output (x and the gate), the convolution's, dt in 16 bits and fp32, the
+    gate's activation, the scan's output and out_proj's input; `20 N` for B and C through their norms. Counted
+    with saved-tensor hooks on tiny mixers (I 128 to 256, N 8 to 32). `mamba_ssm`: its selective_scan_fn keeps the
+    scan's inputs (x, dt, B, C, the gate) and, per chunk of 2048 tokens, the state (a count from its design)."""
+    a, inner, state = compute_bytes(w), shape.mamba_inner, shape.mamba_state
+    if w.mamba_scan == "mamba_ssm":
+        return a * (4 * inner + 2 * state + shape.mamba_dt_rank) + 4 * inner * state / 2048
+    return 14 * inner * state + 25 * inner + 20 * state
 
 
 def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
@@ -515,6 +549,9 @@ def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, str
     kind is recomputed at some point of the backward."""
     if shape.single_part:
         return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for _, kind in shape.block_kinds())
+    if shape.mamba_mixers:
+        kinds = [Block(False, mamba=True)] + ([Block(False)] if shape.mamba_mixers < shape.layers else [])
+        return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for kind in kinds)
     if not shape.linear_layers:
         return block_activation_bytes_per_token(shape, w, strategy)
     kinds = [True] + ([False] if shape.linear_layers < shape.layers else [])
