@@ -632,23 +632,65 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     of the top-k (token, expert) pairs (every expert's, for Llama 4) the token's input gathered in expert order,
     the tensors of its activation one expert width wide (`expert_widths_saved`) and the down output (weighted by
     the routing weight afterwards), with the routing weight and the int64 indices of the sort, the gather and the
-    unsort; the router's fp32 probabilities (gpt-oss's: its top-k softmax in 16 bits) and its top-k indices; the
-    shared experts as a dense MLP.
+    unsort; the router's (`router_saved_bytes_per_token`); the shared experts as a dense MLP. Experts behind a
+    latent projection (Nemotron-H's `moe_latent`) gather and return latent-wide tensors, and the latent output
+    projection keeps its input.
 
     The experts' matmuls run in their weights' dtype (transformers casts the input to it; autocast does not cover
     grouped_mm): fp32 for a full fine-tune's master weights under autocast, so those pairs' tensors are fp32.
-    Llama 4's experts are plain batched matmuls, which autocast runs in 16 bits."""
+    Llama 4's experts are plain batched matmuls, which autocast runs in 16 bits. A DeepSeek-V3 router's top-k
+    weights stay fp32 outside autocast: the pairs' weighting reads them, no 16-bit copy.
+
+    Under autocast over a full fine-tune's fp32 weights, `block_activation_bytes_per_token` counts a dense MLP's
+    two 16-bit casts of its input (gate, up); a mixture's block makes the router's one (`router_saved_bytes_per_
+    token`) and its shared experts' own (a single-part block, Nemotron-H's, counts no MLP's casts). Checked with saved-tensor hooks on the mixture modules of tiny Qwen3-MoE,
+    gpt-oss, GLM-4.5, DeepSeek-V3 and Nemotron-H models (tests/test_plan_moe_saved.py)."""
     a = compute_bytes(w)
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
-    h, width = shape.hidden, shape.expert_width
-    pairs = shape.routed_per_token * (e * (2 * h + expert_widths_saved(shape) * width) + a + 3 * 8)
+    width, d = shape.expert_width, shape.moe_latent or shape.hidden
+    weight = 0 if shape.router_groups and not runs_autocast(w, strategy) else a
+    pairs = shape.routed_per_token * (e * (2 * d + expert_widths_saved(shape) * width) + weight + 3 * 8)
     if shape.every_expert and autocast_fp32_master(w, strategy):
         # Llama 4 weighs every expert's copy of the input by its router score before the experts' matmuls, in the
         # fp32 residual stream's dtype: that product keeps its input fp32 where the pair's other tensors are 16-bit.
-        pairs += shape.routed_per_token * (4 - a) * h
-    # gpt-oss's router softmaxes the top-k logits alone, in their 16-bit dtype; the others' all experts' in fp32.
-    router = (a if shape.clamped_swiglu else 4 * shape.experts) + 8 * shape.top_k
-    return pairs + router + expert_widths_saved(shape) * a * shape.shared_intermediate
+        pairs += shape.routed_per_token * (4 - a) * shape.hidden
+    casts = 0
+    if casts_trainable_inputs(w, strategy) and w.method == "full" and not (shape.every_expert or shape.single_part):
+        shared = (1 if shape.two_matrix else 2) if shape.shared_intermediate else 0
+        casts = a * shape.hidden * (shared - 2)
+    # The latent output projection's input: the experts' combined output, in their dtype, and autocast's 16-bit
+    # copy of it where that is fp32.
+    latent = (e + a if e != a else a) * shape.moe_latent
+    return pairs + router_saved_bytes_per_token(shape, w, strategy) + latent + casts + \
+        expert_widths_saved(shape) * a * shape.shared_intermediate
+
+
+def router_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What a mixture's router saves per token: the int64 indices of its top-k, and
+    - a softmax router (Qwen3-MoE's, Mixtral's): its fp32 probabilities over every expert, the top-k of them
+      renormalised (fp32) and their sum; under autocast over fp32 weights the 16-bit copy of its input;
+    - gpt-oss's: its top-k softmax in 16 bits;
+    - DeepSeek-V3's (`router_groups`): its input upcast to fp32 (under autocast the 16-bit copy autocast makes of
+      it instead), the sigmoid scores, each group's top two (int64), the best groups (int64) and the experts' mask
+      (bool), the top-k weights and their sum, all in fp32 (16 bits under autocast)."""
+    a, h, k, experts = compute_bytes(w), shape.hidden, shape.top_k, shape.experts
+    if shape.clamped_swiglu:
+        return a + 8 * k
+    autocast = runs_autocast(w, strategy)
+    if not shape.router_groups:
+        return 4 * experts + 8 * k + 4 * (k + 1) + (a * h if autocast and w.method == "full" else 0)
+    r = a if autocast else 4
+    groups = 16 * shape.router_groups + 8 * shape.router_topk_groups + experts
+    return r * h + r * experts + groups + 8 * k + r * (k + 1)
+
+
+def router_copy_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The copy of a DeepSeek-V3 router's weight (`router_groups`) each mixture's block keeps for its backward: fp32
+    outside autocast (the router upcasts it), 16 bits under autocast over 16-bit weights (autocast's cast of that
+    upcast); none over fp32 weights, whose cast the weight casts already count."""
+    if not shape.router_groups or autocast_fp32_master(w, strategy):
+        return 0.0
+    return (compute_bytes(w) if runs_autocast(w, strategy) else 4) * shape.experts * shape.hidden
 
 
 def expert_widths_saved(shape: ModelShape) -> int:
@@ -704,7 +746,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     a full fine-tune over fp32 master weights."""
     tokens = w.tokens
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    copies = lora_expert_copy_bytes(shape, w)
+    copies = lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
@@ -774,7 +816,8 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
     if w.grad_ckpt == "none":  # checkpointed blocks save nothing in forward
-        cast += lora_expert_copy_bytes(shape, w) * layers * shape.moe_layers / shape.layers
+        cast += (lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)) * layers * \
+            shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
     return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy) + all_to_all_bytes(shape, w)
