@@ -643,8 +643,9 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
 
     Under autocast over a full fine-tune's fp32 weights, `block_activation_bytes_per_token` counts a dense MLP's
     two 16-bit casts of its input (gate, up); a mixture's block makes the router's one (`router_saved_bytes_per_
-    token`) and its shared experts' own (a single-part block, Nemotron-H's, counts no MLP's casts). Checked with saved-tensor hooks on the mixture modules of tiny Qwen3-MoE,
-    gpt-oss, GLM-4.5, DeepSeek-V3 and Nemotron-H models (tests/test_plan_moe_saved.py)."""
+    token`) and its shared experts' own (a single-part block, Nemotron-H's, counts no MLP's casts). Checked with
+    saved-tensor hooks on the mixture modules of tiny Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3 and Nemotron-H
+    models (tests/test_plan_moe_saved.py)."""
     a = compute_bytes(w)
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
     width, d = shape.expert_width, shape.moe_latent or shape.hidden
