@@ -435,6 +435,11 @@ def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     NemotronHBlock of each kind (tests/test_nemotron_h.py)."""
     a, h = compute_bytes(w), shape.hidden
     hidden_16 = 3 if casts_trainable_inputs(w, strategy) else 1
+    if kind.part == MOE and hidden_16 == 3 and w.method == "full":
+        # A full fine-tune's mixture under autocast: the 16-bit casts of its fp32 input that the shared expert's
+        # matmuls (one a matrix that reads it) and the latent projection make; the router's is its own count.
+        hidden_16 = (0 if not shape.shared_intermediate else 1 if shape.two_matrix else 2) + \
+            (1 if shape.moe_latent else 0)
     # NemotronHRMSNorm multiplies its weight in fp32: where the weight trains, the product keeps the fp32 value.
     norm = 4 * h + 4 + (4 * h if w.method == "full" else 0)
     if kind.part == ATTENTION:  # and o_proj's input, the kernel's output reshaped
@@ -649,7 +654,8 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     a = compute_bytes(w)
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
     width, d = shape.expert_width, shape.moe_latent or shape.hidden
-    weight = 0 if shape.router_groups and not runs_autocast(w, strategy) else a
+    # Nemotron-H's experts weigh their output by the fp32 weights under autocast too (hooks see no 16-bit copy).
+    weight = 0 if shape.router_groups and (shape.single_part or not runs_autocast(w, strategy)) else a
     pairs = shape.routed_per_token * (e * (2 * d + expert_widths_saved(shape) * width) + weight + 3 * 8)
     if shape.every_expert and autocast_fp32_master(w, strategy):
         # Llama 4 weighs every expert's copy of the input by its router score before the experts' matmuls, in the
@@ -659,9 +665,9 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     if casts_trainable_inputs(w, strategy) and w.method == "full" and not (shape.every_expert or shape.single_part):
         shared = (1 if shape.two_matrix else 2) if shape.shared_intermediate else 0
         casts = a * shape.hidden * (shared - 2)
-    # The latent output projection's input: the experts' combined output, in their dtype, and autocast's 16-bit
-    # copy of it where that is fp32.
-    latent = (e + a if e != a else a) * shape.moe_latent
+    # The latent output projection's input: the experts' combined output in 16 bits (autocast's copy where the
+    # experts ran in fp32).
+    latent = a * shape.moe_latent
     return pairs + router_saved_bytes_per_token(shape, w, strategy) + latent + casts + \
         expert_widths_saved(shape) * a * shape.shared_intermediate
 
