@@ -678,8 +678,9 @@ def router_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) 
       renormalised (fp32) and their sum; under autocast over fp32 weights the 16-bit copy of its input;
     - gpt-oss's: its top-k softmax in 16 bits;
     - DeepSeek-V3's (`router_groups`): where its weight trains (a full fine-tune), its input upcast to fp32 (under
-      autocast the 16-bit copy autocast makes of it instead); the sigmoid scores, each group's top two (int64), the best groups (int64) and the experts' mask
-      (bool), the top-k weights and their sum, all in fp32 (16 bits under autocast)."""
+      autocast the 16-bit copy autocast makes of it instead); the sigmoid scores, each group's top two (int64),
+      the best groups (int64) and the experts' mask (bool), the top-k weights and their sum, all in fp32 (16 bits
+      under autocast)."""
     a, h, k, experts = compute_bytes(w), shape.hidden, shape.top_k, shape.experts
     if shape.clamped_swiglu:
         return a + 8 * k
