@@ -75,6 +75,11 @@ QK_NORM_ALL_HEADS_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid"
 QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe")
 # Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
+# Families whose router is DeepSeek-V3's (plan/model_shape.py `router_groups`): n_group groups of experts, the
+# top-k of the best topk_group of them, the router run in fp32 over the upcast input.
+GROUP_ROUTER_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm4v_moe_text",
+                      "glm_moe_dsa", "glm5_next", "nemotron_h", "dots1", "exaone_moe", "solar_open", "mistral_large4",
+                      "kimi_linear", "mimo_v2_flash")
 SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text")
 # Families whose MLP is two matrices (up, an activation, down) where ModelShape's is three (gate, up, down): planned
 # as three of 2/3 the width, the same weights and FLOPs (plan/family_rules.py). A config.json may leave the width
@@ -352,6 +357,16 @@ def getter(text: dict[str, Any], built: Any) -> Callable[[str], Any]:
     return get
 
 
+def router_groups_of(model_type: str | None, get: Callable[[str], Any], experts: int) -> dict[str, int]:
+    """ModelShape's `router_groups` and `router_topk_groups` of a GROUP_ROUTER_TYPES mixture ({} for any other):
+    its n_group and topk_group, 1 each where the config leaves them out."""
+    if experts < 2 or model_type not in GROUP_ROUTER_TYPES:
+        return {}
+    groups, best = get("n_group"), get("topk_group")
+    return dict(router_groups=groups if isinstance(groups, int) and groups > 0 else 1,
+                router_topk_groups=best if isinstance(best, int) and best > 0 else 1)
+
+
 def groups_of(attention: AttentionLayout, text: dict[str, Any], built: Any, deltanet: bool,
               name: str) -> tuple[BlockGroup, ...]:
     """The partial blocks kind by kind for the time model (plan/token_mixers.py), read from the built class's
@@ -409,6 +424,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
             eager_only=runs_eager(model_type, "sdpa"), flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
+            **router_groups_of(model_type, get, experts),
             **norms_and_biases(model_type, get, text["hidden_size"], mlp_width(text)), **deltanet)
         if single:
             shape = dataclasses.replace(shape, **single, attention_groups=shape.attention_groups + part_groups(single))

@@ -398,6 +398,10 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     lora = lora_saved_bytes_per_token(shape, w, strategy)
     norms = 2 * 4 * h + (2 * residual_bytes(w, strategy) * h if w.method == "full" else 0)
     attn = softmax_attention_bytes_per_token(shape, w, strategy)
+    if shape.mamba_mixers:  # the mean block, or (`part`) a block with a Mamba mixer or one with attention alone
+        mixed = paired_mamba_bytes_per_token(shape, w, strategy)
+        attn = (mixed if part.mamba else attn) if part is not None else \
+            (shape.mamba_mixers * mixed + (shape.layers - shape.mamba_mixers) * attn) / shape.layers
     if shape.linear_layers and linear is None:  # the mean block: Gated DeltaNet blocks keep the delta rule's
         softmax = shape.layers - shape.linear_layers
         attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
@@ -431,6 +435,11 @@ def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     NemotronHBlock of each kind (tests/test_nemotron_h.py)."""
     a, h = compute_bytes(w), shape.hidden
     hidden_16 = 3 if casts_trainable_inputs(w, strategy) else 1
+    if kind.part == MOE and hidden_16 == 3 and w.method == "full":
+        # A full fine-tune's mixture under autocast: the 16-bit casts of its fp32 input that the shared expert's
+        # matmuls (one a matrix that reads it) and the latent projection make; the router's is its own count.
+        hidden_16 = (0 if not shape.shared_intermediate else 1 if shape.two_matrix else 2) + \
+            (1 if shape.moe_latent else 0)
     # NemotronHRMSNorm multiplies its weight in fp32: where the weight trains, the product keeps the fp32 value.
     norm = 4 * h + 4 + (4 * h if w.method == "full" else 0)
     if kind.part == ATTENTION:  # and o_proj's input, the kernel's output reshaped
@@ -462,17 +471,47 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     `mamba_ssm` (`w.mamba_scan`): its fused mamba_split_conv1d_scan_combined, which transformers calls in training
     with the gated norm and out_proj inside, keeps by its autograd function's design in_proj's output (z, x, B, C
     and dt), the scan's output before the norm, and the norm's fp32 reciprocal RMS per group; its backward
-    recomputes the chunks. Not measured here (mamba_ssm needs a GPU): a count from the kernel's design."""
+    recomputes the chunks. Not measured here (mamba_ssm needs a GPU): a count from the kernel's design.
+
+    A mixer without the gated norm (Falcon-H1 unless `mamba_rms_norm`: ModelShape `mamba_gated_norm` off) gates
+    the scan's output by silu(z) alone, which keeps z in 16 bits and the fp32 product (`6 I`) where the norm kept
+    `20 I + 4 G` (hooks on Falcon-H1's and Bamba's tiny mixers)."""
     a, heads, state = compute_bytes(w), shape.mamba_heads, shape.mamba_state
+    norm = 4 * shape.mamba_groups if shape.mamba_gated_norm else 0
     if w.mamba_scan == "mamba_ssm":
-        return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + 4 * shape.mamba_groups
+        return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + norm
     inner, chunk = shape.mamba_inner, max(shape.mamba_chunk, 1)
     # Where the mixer's own weights train (a full fine-tune), x in fp32 for D's gradient, the gated norm's
     # product with its weight and dt once more; out_proj's input for it or its adapter.
     trained = 8 * inner + 4 * heads if w.method == "full" else 0
+    gate = 32 * inner if shape.mamba_gated_norm else 18 * inner
     return trained + a * inner + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + \
-        32 * inner + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + \
-        4 * shape.mamba_groups
+        gate + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + norm
+
+
+def paired_mamba_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """What a Mamba hybrid's block that pairs a Mamba mixer with its MLP (ModelShape `mamba_mixers`: Jamba, Bamba,
+    Falcon-H1, IBM Granite 4.0) saves per token for its token mixing, where an attention block saves softmax
+    attention's tensors: the Mamba-2 mixer as Nemotron-H's (`mamba_saved_bytes_per_token`: the same reference
+    scan, or mamba_ssm's fused kernel), Jamba's Mamba-1 mixer `mamba1_saved_bytes_per_token`; Falcon-H1's
+    (`mamba_parallel`) both, side by side. Measured with saved-tensor hooks on each family's tiny model
+    (tests/test_plan_mamba_hybrid.py)."""
+    mixer = mamba1_saved_bytes_per_token(shape, w) if shape.mamba_v1 else mamba_saved_bytes_per_token(shape, w)
+    return mixer + (softmax_attention_bytes_per_token(shape, w, strategy) if shape.mamba_parallel else 0.0)
+
+
+def mamba1_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+    """What Jamba's Mamba-1 mixer saves per token without the mamba_ssm kernels: transformers' reference selective
+    scan, a loop over the tokens in fp32. For I channels and a state of N per channel: `14 I N`, the step's decay
+    exp(dt A) and input dt B x per state element in fp32, the state each step reads out (fp32) and its 16-bit
+    copy; about `25 I` for in_proj's output (x and the gate), the convolution's, dt in 16 bits and fp32, the
+    gate's activation, the scan's output and out_proj's input; `20 N` for B and C through their norms. Counted
+    with saved-tensor hooks on tiny mixers (I 128 to 256, N 8 to 32). `mamba_ssm`: its selective_scan_fn keeps the
+    scan's inputs (x, dt, B, C, the gate) and, per chunk of 2048 tokens, the state (a count from its design)."""
+    a, inner, state = compute_bytes(w), shape.mamba_inner, shape.mamba_state
+    if w.mamba_scan == "mamba_ssm":
+        return a * (4 * inner + 2 * state + shape.mamba_dt_rank) + 4 * inner * state / 2048
+    return 14 * inner * state + 25 * inner + 20 * state
 
 
 def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
@@ -515,6 +554,9 @@ def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, str
     kind is recomputed at some point of the backward."""
     if shape.single_part:
         return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for _, kind in shape.block_kinds())
+    if shape.mamba_mixers:
+        kinds = [Block(False, mamba=True)] + ([Block(False)] if shape.mamba_mixers < shape.layers else [])
+        return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for kind in kinds)
     if not shape.linear_layers:
         return block_activation_bytes_per_token(shape, w, strategy)
     kinds = [True] + ([False] if shape.linear_layers < shape.layers else [])
@@ -595,23 +637,68 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     of the top-k (token, expert) pairs (every expert's, for Llama 4) the token's input gathered in expert order,
     the tensors of its activation one expert width wide (`expert_widths_saved`) and the down output (weighted by
     the routing weight afterwards), with the routing weight and the int64 indices of the sort, the gather and the
-    unsort; the router's fp32 probabilities (gpt-oss's: its top-k softmax in 16 bits) and its top-k indices; the
-    shared experts as a dense MLP.
+    unsort; the router's (`router_saved_bytes_per_token`); the shared experts as a dense MLP. Experts behind a
+    latent projection (Nemotron-H's `moe_latent`) gather and return latent-wide tensors, and the latent output
+    projection keeps its input.
 
     The experts' matmuls run in their weights' dtype (transformers casts the input to it; autocast does not cover
     grouped_mm): fp32 for a full fine-tune's master weights under autocast, so those pairs' tensors are fp32.
-    Llama 4's experts are plain batched matmuls, which autocast runs in 16 bits."""
+    Llama 4's experts are plain batched matmuls, which autocast runs in 16 bits. A DeepSeek-V3 router's top-k
+    weights stay fp32 outside autocast: the pairs' weighting reads them, no 16-bit copy.
+
+    Under autocast over a full fine-tune's fp32 weights, `block_activation_bytes_per_token` counts a dense MLP's
+    two 16-bit casts of its input (gate, up); a mixture's block makes the router's one (`router_saved_bytes_per_
+    token`) and its shared experts' own (a single-part block, Nemotron-H's, counts no MLP's casts). Checked with
+    saved-tensor hooks on the mixture modules of tiny Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3 and Nemotron-H
+    models (tests/test_plan_moe_saved.py)."""
     a = compute_bytes(w)
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
-    h, width = shape.hidden, shape.expert_width
-    pairs = shape.routed_per_token * (e * (2 * h + expert_widths_saved(shape) * width) + a + 3 * 8)
+    width, d = shape.expert_width, shape.moe_latent or shape.hidden
+    # Nemotron-H's experts weigh their output by the fp32 weights under autocast too (hooks see no 16-bit copy).
+    weight = 0 if shape.router_groups and (shape.single_part or not runs_autocast(w, strategy)) else a
+    pairs = shape.routed_per_token * (e * (2 * d + expert_widths_saved(shape) * width) + weight + 3 * 8)
     if shape.every_expert and autocast_fp32_master(w, strategy):
         # Llama 4 weighs every expert's copy of the input by its router score before the experts' matmuls, in the
         # fp32 residual stream's dtype: that product keeps its input fp32 where the pair's other tensors are 16-bit.
-        pairs += shape.routed_per_token * (4 - a) * h
-    # gpt-oss's router softmaxes the top-k logits alone, in their 16-bit dtype; the others' all experts' in fp32.
-    router = (a if shape.clamped_swiglu else 4 * shape.experts) + 8 * shape.top_k
-    return pairs + router + expert_widths_saved(shape) * a * shape.shared_intermediate
+        pairs += shape.routed_per_token * (4 - a) * shape.hidden
+    casts = 0
+    if casts_trainable_inputs(w, strategy) and w.method == "full" and not (shape.every_expert or shape.single_part):
+        shared = (1 if shape.two_matrix else 2) if shape.shared_intermediate else 0
+        casts = a * shape.hidden * (shared - 2)
+    # The latent output projection's input: the experts' combined output in 16 bits (autocast's copy where the
+    # experts ran in fp32).
+    latent = a * shape.moe_latent
+    return pairs + router_saved_bytes_per_token(shape, w, strategy) + latent + casts + \
+        expert_widths_saved(shape) * a * shape.shared_intermediate
+
+
+def router_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What a mixture's router saves per token: the int64 indices of its top-k, and
+    - a softmax router (Qwen3-MoE's, Mixtral's): its fp32 probabilities over every expert, the top-k of them
+      renormalised (fp32) and their sum; under autocast over fp32 weights the 16-bit copy of its input;
+    - gpt-oss's: its top-k softmax in 16 bits;
+    - DeepSeek-V3's (`router_groups`): where its weight trains (a full fine-tune), its input upcast to fp32 (under
+      autocast the 16-bit copy autocast makes of it instead); the sigmoid scores, each group's top two (int64),
+      the best groups (int64) and the experts' mask (bool), the top-k weights and their sum, all in fp32 (16 bits
+      under autocast)."""
+    a, h, k, experts = compute_bytes(w), shape.hidden, shape.top_k, shape.experts
+    if shape.clamped_swiglu:
+        return a + 8 * k
+    autocast = runs_autocast(w, strategy)
+    if not shape.router_groups:
+        return 4 * experts + 8 * k + 4 * (k + 1) + (a * h if autocast and w.method == "full" else 0)
+    r = a if autocast else 4
+    groups = 16 * shape.router_groups + 8 * shape.router_topk_groups + experts
+    return (r * h if w.method == "full" else 0) + r * experts + groups + 8 * k + r * (k + 1)
+
+
+def router_copy_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The copy of a DeepSeek-V3 router's weight (`router_groups`) each mixture's block keeps for its backward: fp32
+    outside autocast (the router upcasts it), 16 bits under autocast over 16-bit weights (autocast's cast of that
+    upcast); none over fp32 weights, whose cast the weight casts already count."""
+    if not shape.router_groups or autocast_fp32_master(w, strategy):
+        return 0.0
+    return (compute_bytes(w) if runs_autocast(w, strategy) else 4) * shape.experts * shape.hidden
 
 
 def expert_widths_saved(shape: ModelShape) -> int:
@@ -667,7 +754,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     a full fine-tune over fp32 master weights."""
     tokens = w.tokens
     cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
-    copies = lora_expert_copy_bytes(shape, w)
+    copies = lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
@@ -737,7 +824,8 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
     if w.grad_ckpt == "none":  # checkpointed blocks save nothing in forward
-        cast += lora_expert_copy_bytes(shape, w) * layers * shape.moe_layers / shape.layers
+        cast += (lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)) * layers * \
+            shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
     return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy) + all_to_all_bytes(shape, w)

@@ -192,6 +192,11 @@ class ModelShape:
     head_bias: bool = False
     positions: int = 0
     score_bias: bool = False
+    # DeepSeek-V3's router (and GLM-4.5's, Nemotron-H's: plan/config_shape.py GROUP_ROUTER_TYPES): an fp32 linear
+    # over the input upcast to fp32, sigmoid scores, the top-k experts of the best `router_topk_groups` of
+    # `router_groups` groups (0: a softmax router).
+    router_groups: int = 0
+    router_topk_groups: int = 0
 
     @property
     def hd(self) -> int:

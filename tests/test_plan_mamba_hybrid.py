@@ -1,0 +1,92 @@
+"""Mamba hybrids whose blocks pair a Mamba mixer with an MLP (Jamba, Bamba, Falcon-H1, IBM Granite 4.0): what a
+block saves for backward, planned (plan/estimate.py `paired_mamba_bytes_per_token`) against saved-tensor hooks on
+each family's tiny model as a user without mamba_ssm runs it (transformers' reference torch scans). The Mamba
+blocks were planned as attention blocks: 4.9 kB a token where Bamba's keeps 23.7 kB, Jamba's 68 kB."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+from shardfit.plan.config_shape import shape_from_config
+from shardfit.plan.estimate import block_activation_bytes_per_token, largest_block_activation_bytes_per_token
+from shardfit.plan.model_shape import Block
+from shardfit.plan.workload import Workload
+
+SEQ = 96
+BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            pad_token_id=0)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+              mamba_chunk_size=32)
+
+
+def _config(family: str, mamba: bool, layers: int) -> Any:
+    """A tiny `family` config of `layers` blocks, all with a Mamba mixer (`mamba`) or all with attention alone."""
+    if family == "bamba":
+        keys = dict(MAMBA2, attn_layer_indices=[] if mamba else list(range(layers)))
+    elif family == "granitemoehybrid":
+        keys = dict(MAMBA2, shared_intermediate_size=256, num_local_experts=0,
+                    layer_types=["mamba" if mamba else "full_attention"] * layers)
+    elif family == "falcon_h1":  # every block runs both; no gated norm unless mamba_rms_norm
+        keys = dict(MAMBA2, head_dim=32, mamba_d_ssm=256)
+    else:  # jamba: Mamba-1, attention every `period`-th block from `offset`
+        keys = dict(attn_layer_period=layers + 1 if mamba else 1, attn_layer_offset=layers if mamba else 0,
+                    num_experts=1, mamba_d_state=16, mamba_expand=2, mamba_dt_rank=8, mamba_d_conv=4)
+    config = CONFIG_MAPPING[family](**BASE, **keys, num_hidden_layers=layers)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _saved_per_token(config: Any) -> float:
+    """Bytes autograd keeps per token over one forward of the bf16 model (weights left out, each storage once)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(1, 256, (1, SEQ)), logits_to_keep=1, use_cache=False)
+    return sum(kept.values()) / SEQ
+
+
+def _measured_and_planned(family: str, mamba: bool) -> tuple[float, float]:
+    """One block's saved activations per token (a two-block model less a one-block one: the embedding and head
+    cancel) and the plan's for its kind: a pure-bf16 full fine-tune, the reference scans, SDPA without a mask."""
+    measured = _saved_per_token(_config(family, mamba, 2)) - _saved_per_token(_config(family, mamba, 1))
+    shape = shape_from_config(_config(family, mamba, 2).to_dict(), family)
+    w = Workload(seq_len=SEQ, method="full", precision="bf16", pure_16bit=True, attention="flash",
+                 mamba_scan="torch")
+    planned = block_activation_bytes_per_token(shape, w, part=Block(False, mamba=mamba))
+    assert block_activation_bytes_per_token(shape, w) == pytest.approx(planned)  # every block is of that kind
+    return measured, planned
+
+
+@pytest.mark.parametrize("family", ["bamba", "granitemoehybrid", "falcon_h1", "jamba"])
+def test_a_mamba_block_saves_what_its_mixer_keeps(family: str) -> None:
+    """Within 3 % of the hooks: the Mamba-2 mixer as Nemotron-H's (Falcon-H1's without its gated norm, beside
+    its attention), Jamba's Mamba-1 by its sequential scan; and Jamba's attention block as before."""
+    measured, planned = _measured_and_planned(family, True)
+    assert planned == pytest.approx(measured, rel=0.03)
+    if family == "jamba":
+        measured, planned = _measured_and_planned(family, False)
+        assert planned == pytest.approx(measured, rel=0.03)
+
+
+def test_the_mean_and_largest_block_weigh_the_mixers() -> None:
+    """A Bamba of one Mamba block in four: its mean block a quarter of the way from attention's to the Mamba
+    block's, and the block checkpointing recomputes the Mamba one."""
+    config = CONFIG_MAPPING["bamba"](**BASE, **MAMBA2, num_hidden_layers=4, attn_layer_indices=[1, 2, 3])
+    shape = shape_from_config(config.to_dict(), "bamba")
+    w = Workload(seq_len=SEQ, method="lora", precision="bf16", mamba_scan="torch")
+    mamba, attention = (block_activation_bytes_per_token(shape, w, part=Block(False, mamba=m)) for m in (True, False))
+    assert mamba > 3 * attention
+    assert block_activation_bytes_per_token(shape, w) == pytest.approx((mamba + 3 * attention) / 4)
+    assert largest_block_activation_bytes_per_token(shape, w) == pytest.approx(mamba)
