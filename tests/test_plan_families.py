@@ -142,3 +142,38 @@ def test_a_pixtral_tower_counts_its_built_model(model_type: str, keys: dict[str,
     with torch.device("meta"):
         built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
     assert shape_from_config(config.to_dict(), model_type).params() == built
+
+
+MAMBA2, HYBRID = "linear_attention", "hybrid"
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("zamba", dict(FEW, num_hidden_layers=9)),  # one shared block for both hybrid blocks (before: 130 % high)
+    ("zamba", dict(FEW, num_hidden_layers=9, mamba_proj_bias=True, mamba_conv_bias=False, num_key_value_heads=4)),
+    ("zamba2", dict(FEW, num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID])),
+    ("zamba2", dict(FEW, num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID],
+                    num_mem_blocks=2, use_shared_attention_adapter=True, add_bias_linear=True)),
+    ("zamba2", dict(FEW, num_hidden_layers=3, layers_block_type=[MAMBA2, HYBRID, HYBRID], num_mem_blocks=4,
+                    num_key_value_heads=8)),  # more shared blocks than hybrid blocks: one each
+])
+def test_shared_transformer_blocks_count_once(model_type: str, keys: dict[str, Any]) -> None:
+    """Zamba's and Zamba2's hybrid blocks share their transformer blocks' weights (counted once), each keeps its
+    own linear and Zamba2's adapters; every block is a Mamba mixer without an MLP."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize("keys", [
+    dict(layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID], num_mem_blocks=2,
+         use_shared_attention_adapter=True),
+    dict(layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID]),
+])
+def test_lora_adapts_each_use_of_a_shared_block(keys: dict[str, Any]) -> None:
+    """PEFT wraps every hybrid block's copy of a shared block apart (the base weights are tied, the modules are
+    not): all-linear LoRA adapts each copy's linears, its adapters' too, as peft resolves all-linear."""
+    config = CONFIG_MAPPING["zamba2"](**dict(FEW, num_hidden_layers=5, **keys))
+    model = _model(config)
+    head = model.get_output_embeddings()
+    adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head)
+    assert shape_from_config(config.to_dict(), "zamba2").lora_params(8) == adapted

@@ -141,8 +141,11 @@ def adapted_shapes(shape: ModelShape, w: Workload, moe: bool | None = None) -> l
 
 
 def lora_params(shape: ModelShape, w: Workload) -> int:
-    """Adapter parameters of the whole model: rank x (in + out) per adapted layer."""
-    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe))))
+    """Adapter parameters of the whole model: rank x (in + out) per adapted layer (each hybrid block's copy of a
+    shared block's layers too: ModelShape `shared_linears`)."""
+    shared = sum(w.lora_rank * (i + o) for n, i, o in shape.shared_linears if adapts(n, w))
+    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe)))
+               + shared)
 
 
 def lora_expert_params(shape: ModelShape, w: Workload) -> int:

@@ -192,6 +192,11 @@ class ModelShape:
     head_bias: bool = False
     positions: int = 0
     score_bias: bool = False
+    # Zamba's and Zamba2's transformer blocks that the "hybrid" blocks share (plan/shared_blocks.py): their
+    # weights once, with what each use holds of its own (its linear, Zamba2's adapters), and every linear module
+    # the hybrid blocks hold, one copy per use, as LoRA adapts them (PEFT wraps each copy apart).
+    shared_params: int = 0
+    shared_linears: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def hd(self) -> int:
@@ -500,7 +505,7 @@ class ModelShape:
 
     def params(self) -> int:
         return (self.decoder_params() + self.embed_params() + self.positions * self.hidden + self.norm_width
-                + self.head_params() + self.extra_params)
+                + self.head_params() + self.extra_params + self.shared_params)
 
     def head_params(self) -> int:
         """The output head's bias, where the family's head has one (its weight is `embed_params`'s)."""
@@ -530,12 +535,13 @@ class ModelShape:
             return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe) - idle
 
         return int(self.over_blocks(block) + self.vocab * self.hidden + self.norm_width + self.head_params()
-                   + self.extra_params)
+                   + self.extra_params + self.shared_params)
 
     def lora_params(self, rank: int) -> int:
         """Adapter size for `all-linear` targets (every linear in every block; not the output head or a router)."""
+        shared = sum(rank * (i + o) for _, i, o in self.shared_linears)
         return int(self.over_blocks(lambda moe: sum(rank * (i + o) for n, i, o in self.named_linears(moe)
-                                                    if n != "router")))
+                                                    if n != "router")) + shared)
 
 
 def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> list[tuple[str, int, int]]:
