@@ -163,17 +163,18 @@ def test_shared_transformer_blocks_count_once(model_type: str, keys: dict[str, A
     assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
 
 
-@pytest.mark.parametrize("keys", [
-    dict(layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID], num_mem_blocks=2,
-         use_shared_attention_adapter=True),
-    dict(layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID]),
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("zamba2", dict(num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID], num_mem_blocks=2,
+                    use_shared_attention_adapter=True)),
+    ("zamba2", dict(num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID])),
+    ("zamba", dict(num_hidden_layers=9)),  # x_proj and dt_proj are bare weights, not linear layers
 ])
-def test_lora_adapts_each_use_of_a_shared_block(keys: dict[str, Any]) -> None:
+def test_lora_adapts_each_use_of_a_shared_block(model_type: str, keys: dict[str, Any]) -> None:
     """PEFT wraps every hybrid block's copy of a shared block apart (the base weights are tied, the modules are
     not): all-linear LoRA adapts each copy's linears, its adapters' too, as peft resolves all-linear."""
-    config = CONFIG_MAPPING["zamba2"](**dict(FEW, num_hidden_layers=5, **keys))
+    config = CONFIG_MAPPING[model_type](**dict(FEW, **keys))
     model = _model(config)
     head = model.get_output_embeddings()
     adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
                   if isinstance(m, torch.nn.Linear) and m is not head)
-    assert shape_from_config(config.to_dict(), "zamba2").lora_params(8) == adapted
+    assert shape_from_config(config.to_dict(), model_type).lora_params(8) == adapted

@@ -124,7 +124,7 @@ def adapts(name: str, w: Workload) -> bool:
     (models/experts.py `lora_targets`), less a Mamba mixer's out_proj (`linear_out_proj`), whose base weight the
     fused kernel reads itself (models/adapters.py `mamba_out_projs`)."""
     targets = w.lora_targets or LORA_TARGETS
-    if name in ("router", "linear_out_proj"):
+    if name in ("router", "linear_out_proj") or name.startswith("weight_"):  # bare weights: no module to wrap
         return False
     if name.startswith("linear_") or name == "shared_gate":
         return w.lora_targets is None

@@ -175,6 +175,9 @@ class ModelShape:
     mamba_v1: bool = False
     mamba_dt_rank: int = 0
     mamba_inner_norms: bool = False
+    # Zamba's Mamba-1 mixer holds its x_proj and dt_proj as bare weights, one slice a head, not linear layers: no
+    # LoRA reaches them (named `weight_` instead of `linear_`).
+    mamba_bare_projections: bool = False
     # MLPs and experts of two matrices (up, an activation such as relu2, down; no gate), biased under `mlp_bias`;
     # routed experts through a `moe_latent`-wide projection of the hidden state (0: none).
     two_matrix: bool = False
@@ -279,9 +282,9 @@ class ModelShape:
         DeltaNet's: only all-linear LoRA reaches them."""
         h, inner = self.hidden, self.mamba_inner
         if self.mamba_v1:
-            rank = self.mamba_dt_rank
-            return [("linear_in_proj", h, 2 * inner), ("linear_x_proj", inner, rank + 2 * self.mamba_state),
-                    ("linear_dt_proj", rank, inner), ("linear_out_proj", inner, h)]
+            rank, bare = self.mamba_dt_rank, "weight_" if self.mamba_bare_projections else "linear_"
+            return [("linear_in_proj", h, 2 * inner), (bare + "x_proj", inner, rank + 2 * self.mamba_state),
+                    (bare + "dt_proj", rank, inner), ("linear_out_proj", inner, h)]
         return [("linear_in_proj", h, inner + self.mamba_conv_channels + self.mamba_heads),
                 ("linear_out_proj", inner, h)]
 
@@ -538,10 +541,11 @@ class ModelShape:
                    + self.extra_params + self.shared_params)
 
     def lora_params(self, rank: int) -> int:
-        """Adapter size for `all-linear` targets (every linear in every block; not the output head or a router)."""
+        """Adapter size for `all-linear` targets (every linear in every block; not the output head, a router or bare
+        weights)."""
         shared = sum(rank * (i + o) for _, i, o in self.shared_linears)
         return int(self.over_blocks(lambda moe: sum(rank * (i + o) for n, i, o in self.named_linears(moe)
-                                                    if n != "router")) + shared)
+                                                    if n != "router" and not n.startswith("weight_"))) + shared)
 
 
 def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> list[tuple[str, int, int]]:

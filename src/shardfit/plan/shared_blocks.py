@@ -52,7 +52,7 @@ def shared_block_fields(text: dict[str, Any], built: Any, name: str) -> dict[str
         mamba_state=sizes["mamba_d_state"], mamba_conv=sizes["mamba_d_conv"])
     if model_type == "zamba":
         fields.update(mamba_v1=True, mamba_heads=1, mamba_head_dim=inner, mamba_dt_rank=sizes["mamba_dt_rank"],
-                      mamba_conv_bias=getattr(c, "mamba_conv_bias", True) is not False,
+                      mamba_bare_projections=True, mamba_conv_bias=getattr(c, "mamba_conv_bias", True) is not False,
                       mamba_bias=getattr(c, "mamba_proj_bias", False) is True)
         blocks, uses = [_shared_block(sizes, bias=False, fused=False)] * min(hybrids, 1), [0] * hybrids
         adapters: dict[str, Any] = dict(shared_params=0, shared_linears=())
