@@ -178,3 +178,19 @@ def test_lora_adapts_each_use_of_a_shared_block(model_type: str, keys: dict[str,
     adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
                   if isinstance(m, torch.nn.Linear) and m is not head)
     assert shape_from_config(config.to_dict(), model_type).lora_params(8) == adapted
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("gpt2", dict(n_layer=2, vocab_size=512)),  # n_embd, n_head, n_positions, learned positions (before: refused)
+    ("gpt2", dict(n_layer=2, vocab_size=512, n_inner=1024, n_embd=256, n_head=4)),
+    ("gpt_bigcode", dict(n_layer=2, vocab_size=512)),  # multi_query: one key/value head
+    ("gpt_bigcode", dict(n_layer=2, vocab_size=512, multi_query=False)),
+    ("bloom", dict(n_layer=2, vocab_size=512)),  # the embedding's LayerNorm, ALiBi: no positions
+    ("codegen", dict(n_layer=2, vocab_size=512, n_embd=256, n_head=4)),  # one norm a block, a biased head
+    ("gptj", dict(n_layer=2, vocab_size=512, n_embd=256, n_head=4, n_inner=512)),
+])
+def test_sizes_by_gpt2_style_names_count_the_built_model(model_type: str, keys: dict[str, Any]) -> None:
+    """A config.json that names its sizes `n_embd`, `n_head`, `n_layer`, `n_inner` (its class's attribute_map) is
+    read and counted to the parameter, not refused for a missing num_attention_heads."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)

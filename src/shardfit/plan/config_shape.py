@@ -81,11 +81,14 @@ SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text
 # null for 4 x hidden.
 TWO_MATRIX_MLP_TYPES = tuple(name for name, family in FAMILIES.items() if family.two_matrix)
 # Families whose class ties the head to the embedding where the file does not say (besides Gemma's).
-TIED_BY_DEFAULT_TYPES = ("gpt_neo",)
+TIED_BY_DEFAULT_TYPES = ("gpt_neo", "gpt2", "gpt_bigcode", "bloom")
 # Decoder families whose config.json names sizes by their own names, read through their class's attribute_map
-# (GPT-Neo: `num_heads`, `num_layers`). Only these: other classes' maps also rename sizes of encoders, towers and
-# expert layouts this planner does not model.
-ALIASED_TYPES = ("gpt_neo",)
+# (GPT-Neo: `num_heads`, `num_layers`; GPT-2, GPT-BigCode, CodeGen, GPT-J: `n_embd`, `n_head`, `n_layer`,
+# `n_positions`; BLOOM: `n_head`, `n_layer`). Only these: other classes' maps also rename sizes of encoders, towers
+# and expert layouts this planner does not model.
+ALIASED_TYPES = ("gpt_neo", "gpt2", "gpt_bigcode", "codegen", "gptj", "bloom")
+# The names of a dense MLP's width, in the order they are tried (GPT-2's family: `n_inner`, null for 4 x hidden).
+MLP_WIDTH = ("intermediate_size", "ffn_hidden_size", "n_inner")
 
 
 # Families whose query, key and value projections always carry biases, whatever the config says (Qwen2 and the
@@ -156,7 +159,7 @@ def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[boo
 
 def mlp_width(text: dict[str, Any]) -> int:
     """A dense MLP's width as the config gives it (a two-matrix MLP's up projection's)."""
-    return text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
+    return first_of(text, MLP_WIDTH) or 4 * text["hidden_size"]
 
 
 def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:

@@ -195,6 +195,7 @@ class ModelShape:
     head_bias: bool = False
     positions: int = 0
     score_bias: bool = False
+    embed_norm: bool = False  # a norm over the embedding's output (BLOOM's), as wide as the final one
     # Zamba's and Zamba2's transformer blocks that the "hybrid" blocks share (plan/shared_blocks.py): their
     # weights once, with what each use holds of its own (its linear, Zamba2's adapters), and every linear module
     # the hybrid blocks hold, one copy per use, as LoRA adapts them (PEFT wraps each copy apart).
@@ -479,6 +480,11 @@ class ModelShape:
         return self.hidden * (2 if self.norm_bias else 1) if self.norms else 0
 
     @property
+    def final_norms(self) -> int:
+        """The weights of the norms outside the blocks: the final one, and the embedding's where it has one."""
+        return self.norm_width * (2 if self.embed_norm else 1)
+
+    @property
     def expert_biases(self) -> int:
         """One routed expert's biases where its projections have them (gpt-oss's gate/up and down; else 0)."""
         return 2 * self.expert_width + self.hidden if self.clamped_swiglu else 0
@@ -507,7 +513,7 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     def params(self) -> int:
-        return (self.decoder_params() + self.embed_params() + self.positions * self.hidden + self.norm_width
+        return (self.decoder_params() + self.embed_params() + self.positions * self.hidden + self.final_norms
                 + self.head_params() + self.extra_params + self.shared_params)
 
     def head_params(self) -> int:
@@ -537,7 +543,7 @@ class ModelShape:
             idle = (self.experts - self.routed_per_token) * self.expert_biases if moe else 0  # experts not run
             return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe) - idle
 
-        return int(self.over_blocks(block) + self.vocab * self.hidden + self.norm_width + self.head_params()
+        return int(self.over_blocks(block) + self.vocab * self.hidden + self.final_norms + self.head_params()
                    + self.extra_params + self.shared_params)
 
     def lora_params(self, rank: int) -> int:
