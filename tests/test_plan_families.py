@@ -194,3 +194,14 @@ def test_sizes_by_gpt2_style_names_count_the_built_model(model_type: str, keys: 
     read and counted to the parameter, not refused for a missing num_attention_heads."""
     config = CONFIG_MAPPING[model_type](**keys)
     assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize("use_head", [True, False])
+def test_a_siglip_tower_counts_its_pooling_head_where_built(use_head: bool) -> None:
+    """Gemma 3's SigLIP tower builds its pooling head under vision_use_head, on by the class's default (before:
+    never counted, 7.1M short of a default Gemma 3)."""
+    vision = dict(num_hidden_layers=2, vision_use_head=use_head)
+    config = CONFIG_MAPPING["gemma3"](text_config=FEW, vision_config=vision)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    assert shape_from_config(config.to_dict(), "gemma3").params() == built

@@ -545,4 +545,13 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     # Gemma 3's SigLIP tower is known whole: the patch embedding's bias, the final LayerNorm and the projector's
     # RMSNorm (4d) make the count the built tower's to the parameter (SigLIP's head is off: vision_use_head false).
     exact = 4 * d if cfg.get("model_type") == "gemma3" else 0
-    return int(depth * block + 3 * patch * patch * d + positions * d + proj + exact)
+    return int(depth * block + 3 * patch * patch * d + positions * d + proj + exact + siglip_head_params(v, d, m))
+
+
+def siglip_head_params(v: dict[str, Any], d: int, m: int) -> int:
+    """The weights of a SigLIP tower's pooling head (transformers' SiglipMultiheadAttentionPoolingHead: a probe
+    token, a multi-head attention with biases, a LayerNorm and an MLP of width `m`), built under its
+    `vision_use_head`, on by the class's default (published Gemma 3 files turn it off); 0 for any other tower."""
+    if v.get("model_type") != "siglip_vision_model" or v.get("vision_use_head", True) is False:
+        return 0
+    return d + 4 * d * d + 4 * d + 2 * d + 2 * d * m + m + d
