@@ -340,6 +340,21 @@ def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
     return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
 
 
+def with_built_mlp_width(text: dict[str, Any], built: Any) -> dict[str, Any]:
+    """`text` with the MLP width its class builds where the class derives it from `intermediate_size` (LFM2's
+    Lfm2MLP, under `block_auto_adjust_ff_dim`, on by default: two thirds of it, times `block_ffn_dim_multiplier`
+    where set, rounded up to a multiple of `block_multiple_of`); `text` itself for any other class."""
+    get = getter(text, built)
+    width = text.get("intermediate_size")
+    if get("block_auto_adjust_ff_dim") is not True or not isinstance(width, int) or isinstance(width, bool):
+        return text
+    width = int(2 * width / 3)
+    if get("block_ffn_dim_multiplier") is not None:
+        step = int(get("block_multiple_of") or 1)
+        width = -(-int(get("block_ffn_dim_multiplier") * width) // step) * step
+    return {**text, "intermediate_size": width}
+
+
 def getter(text: dict[str, Any], built: Any) -> Callable[[str], Any]:
     """A reader of one key of the language model's config: the built class's value (`built`), else the file's
     (`text`), else None."""
@@ -380,7 +395,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
     if built is not None and (odd := odd_setting(built)):
         raise UserError(f"{name}: config.json {odd}.")
-    text = with_standard_names(text_config(cfg), built)
+    text = with_built_mlp_width(with_standard_names(text_config(cfg), built), built)
     single = single_part_fields(cfg, text, built, name)  # Nemotron-H: its class counts blocks by their list
     if single:
         text = {**text, "num_hidden_layers": single["layers"]}

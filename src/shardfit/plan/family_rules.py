@@ -77,6 +77,7 @@ FAMILIES: dict[str, Family] = {
     "kolibri1": Family(norms=4, qk_norm=True),
     "exaone4": Family(qk_norm=True),
     "mellum": Family(qk_norm=True),
+    "lfm2": Family(qk_norm=True),  # on its attention blocks (its short-convolution blocks are not told apart yet)
     "stablelm": Family(norm_bias=True),
     "phimoe": Family(norm_bias=True),
     "ernie4_5": Family(attn_bias="use_bias", mlp_bias="use_bias"),
