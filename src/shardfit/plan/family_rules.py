@@ -25,7 +25,8 @@ class Family:
     of `max_position_embeddings` rows; `score_bias`: a mixture's router holds a learned bias per expert on its
     scores (ERNIE 4.5's moe_statics); `act_params`: learned scalars of the MLP's activation (Apertus's xIELU);
     `qk_norm`: per-head q and k norms (LayerNorms where the block's are), always or by a key; `embed_norm`: a norm
-    over the embedding's output (BLOOM's word_embeddings_layernorm)."""
+    over the embedding's output (BLOOM's word_embeddings_layernorm); `mlp_norm`: a norm over the MLP's inner width
+    (BitNet's ffn_sub_norm)."""
 
     two_matrix: bool = False
     norms: int | Callable[[Callable[[str], Any]], int] = 2
@@ -39,6 +40,7 @@ class Family:
     act_params: int = 0
     qk_norm: bool | str = False
     embed_norm: bool = False
+    mlp_norm: bool = False
 
 
 def falcon_norms(get: Callable[[str], Any]) -> int:
@@ -77,6 +79,7 @@ FAMILIES: dict[str, Family] = {
     "kolibri1": Family(norms=4, qk_norm=True),
     "exaone4": Family(qk_norm=True),
     "mellum": Family(qk_norm=True),
+    "bitnet": Family(norms=3, mlp_norm=True),  # sub-norms: the attention's output (hidden-wide) and the MLP's inner
     "lfm2": Family(qk_norm=True),  # on its attention blocks (its short-convolution blocks are not told apart yet)
     "stablelm": Family(norm_bias=True),
     "phimoe": Family(norm_bias=True),
@@ -118,7 +121,8 @@ def norms_and_biases(model_type: Any, get: Callable[[str], Any], hidden: int, wi
     linears = 1 if family.two_matrix else 2  # the gate's and the up projection's biases, or the up's alone
     rounded = 2 * width - 3 * round(2 * width / 3) if family.two_matrix else 0
     return dict(norms=norms, norm_bias=family.norm_bias,
-                mlp_extra=(linears * width + hidden if mlp else 0) + rounded * hidden + family.act_params,
+                mlp_extra=(linears * width + hidden if mlp else 0) + rounded * hidden + family.act_params +
+                (width if family.mlp_norm else 0),
                 head_bias=bool(_on(family.head_bias, get)),
                 positions=int(get("max_position_embeddings") or 0) if family.positions else 0,
                 score_bias=family.score_bias, embed_norm=family.embed_norm)
