@@ -135,10 +135,14 @@ def tied_of(cfg: dict[str, Any], text: dict[str, Any], built: Any = None) -> boo
         "tie_word_embeddings", text.get("tie_word_embeddings", default))))
 
 
-def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[bool]:
-    """Which of `layers` blocks hold a mixture of experts, by whichever of the families' keys the config has."""
+def moe_layer_flags(text: dict[str, Any], layers: int, experts: int, mlp_types: Any = None) -> list[bool]:
+    """Which of `layers` blocks hold a mixture of experts, by whichever of the families' keys the config has: the
+    class's `mlp_layer_types` (`mlp_types`: "dense" or a mixture's kind a block, GLM-4.7-Flash, Kimi Linear, MiMo-V2
+    and others, whose classes derive it from first_k_dense_replace where the file leaves it out) first."""
     if experts <= 1:
         return [False] * layers
+    if isinstance(mlp_types, (list, tuple)) and len(mlp_types) == layers:
+        return [t != "dense" for t in mlp_types]
     if "first_k_dense_replace" in text:
         k, every = text.get("first_k_dense_replace") or 0, text.get("moe_layer_freq") or 1
         return [i >= k and i % every == 0 for i in range(layers)]
@@ -407,7 +411,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
         attention = layout_of_built(cfg, built)
-        moe_flags = moe_layer_flags(text, layers, experts)
+        moe_flags = moe_layer_flags(text, layers, experts, getter(text, built)("mlp_layer_types"))
         deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
         get = getter(text, built)
         shape = ModelShape(
