@@ -214,3 +214,20 @@ def test_a_siglip_tower_counts_its_pooling_head_where_built(use_head: bool) -> N
     with torch.device("meta"):
         built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
     assert shape_from_config(config.to_dict(), "gemma3").params() == built
+
+
+@pytest.mark.parametrize("keys", [
+    dict(global_head_dim=256),  # every block's heads as wide: the per-layer embeddings alone (before: 47 % low)
+    dict(global_head_dim=256, vocab_size_per_layer_input=1000, hidden_size_per_layer_input=64),
+    dict(global_head_dim=256, hidden_size_per_layer_input=0),  # no per-layer embeddings: four norms, q/k norms
+])
+def test_gemma4_per_layer_embeddings_count_the_built_model(keys: dict[str, Any]) -> None:
+    """Gemma 4's per-layer embeddings (a second table, the hidden state's projection to it, and each block's gate
+    and projection) are counted, and LoRA adapts their linear layers as all-linear finds them."""
+    config = CONFIG_MAPPING["gemma4_text"](**FEW, **keys)
+    model = _model(config)
+    head = model.get_output_embeddings()
+    adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head)
+    shape = shape_from_config(config.to_dict(), "gemma4_text")
+    assert (shape.params(), shape.lora_params(8)) == (sum(p.numel() for p in model.parameters()), adapted)

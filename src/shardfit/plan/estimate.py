@@ -143,7 +143,8 @@ def adapted_shapes(shape: ModelShape, w: Workload, moe: bool | None = None) -> l
 def lora_params(shape: ModelShape, w: Workload) -> int:
     """Adapter parameters of the whole model: rank x (in + out) per adapted layer (each hybrid block's copy of a
     shared block's layers too: ModelShape `shared_linears`)."""
-    shared = sum(w.lora_rank * (i + o) for n, i, o in shape.shared_linears if adapts(n, w))
+    shared = sum(w.lora_rank * (i + o) for n, i, o in shape.shared_linears + shape.per_layer_model_linears()
+                 if adapts(n, w))
     return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe)))
                + shared)
 

@@ -75,6 +75,7 @@ FAMILIES: dict[str, Family] = {
     "olmo": Family(norms=0),  # LayerNorms without weights
     "gemma2": Family(norms=4),  # norms before and after attention and MLP
     "gemma3_text": Family(norms=4, qk_norm=True),
+    "gemma4_text": Family(norms=4, qk_norm=True),
     "hyperclovax": Family(norms=4),
     "kolibri1": Family(norms=4, qk_norm=True),
     "exaone4": Family(qk_norm=True),
@@ -111,10 +112,11 @@ def attention_bias_override(model_type: Any, get: Callable[[str], Any]) -> dict[
 
 def norms_and_biases(model_type: Any, get: Callable[[str], Any], hidden: int, width: int) -> dict[str, Any]:
     """The ModelShape fields `norms`, `norm_bias`, `mlp_extra`, `head_bias`, `positions`, `score_bias` and
-    `embed_norm` of a family whose dense MLP is `width` wide (its real width: a two-matrix MLP's up projection); `get`
-    reads one key of the built language model's config (None where it has none). Llama's `mlp_bias` key biases any
-    family's MLP. A two-matrix MLP's `mlp_extra` also holds what planning it as three matrices of 2/3 the width
-    rounds away (the planned width is a whole number: at most `hidden` weights a block)."""
+    `embed_norm` (and the per-layer embeddings' sizes, by Gemma 4's keys) of a family whose dense MLP is `width`
+    wide (its real width: a two-matrix MLP's up projection); `get` reads one key of the built language model's config
+    (None where it has none). Llama's `mlp_bias` key biases any family's MLP. A two-matrix MLP's `mlp_extra` also
+    holds what planning it as three matrices of 2/3 the width rounds away (the planned width is a whole number: at
+    most `hidden` weights a block)."""
     family = family_of(model_type)
     mlp = _on(family.mlp_bias, get) or get("mlp_bias") is True
     norms = family.norms(get) if callable(family.norms) else family.norms
@@ -125,7 +127,9 @@ def norms_and_biases(model_type: Any, get: Callable[[str], Any], hidden: int, wi
                 (width if family.mlp_norm else 0),
                 head_bias=bool(_on(family.head_bias, get)),
                 positions=int(get("max_position_embeddings") or 0) if family.positions else 0,
-                score_bias=family.score_bias, embed_norm=family.embed_norm)
+                score_bias=family.score_bias, embed_norm=family.embed_norm,
+                per_layer_input=int(get("hidden_size_per_layer_input") or 0),
+                per_layer_vocab=int(get("vocab_size_per_layer_input") or 0))
 
 
 def per_head_qk_norm(model_type: Any, get: Callable[[str], Any]) -> bool:
