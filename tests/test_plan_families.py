@@ -13,6 +13,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from shardfit.plan.config_shape import shape_from_config
+from shardfit.plan.timing import linear_flops_per_token
 
 # Two blocks and a small vocabulary keep each build well under half a second; every other size is the family's
 # default, so the widths and the keys that say biases are the class's own.
@@ -187,6 +188,28 @@ def test_lora_adapts_each_use_of_a_shared_block(model_type: str, keys: dict[str,
     adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
                   if isinstance(m, torch.nn.Linear) and m is not head)
     assert shape_from_config(config.to_dict(), model_type).lora_params(8) == adapted
+
+
+def test_each_hybrid_block_computes_with_its_shared_block() -> None:
+    """The time model's linear weights a token runs: every block's Mamba mixer, and in each hybrid block its shared
+    block, its own linear and the one adapter set kept for it (before: the shared blocks were left out)."""
+    keys = dict(FEW, num_hidden_layers=5, num_mem_blocks=2, use_shared_attention_adapter=True,
+                layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID])
+    config = CONFIG_MAPPING["zamba2"](**keys)
+    model = _model(config)
+    computed = 0
+    for i, layer in enumerate(model.model.layers):
+        modules = [m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and "adapter_list" not in n]
+        if hasattr(layer, "shared_transformer"):
+            block = layer.shared_transformer
+            use = block.feed_forward.layer_dic[i]
+            modules += [m for adapters in (block.feed_forward.gate_up_proj_adapter_list,
+                                           block.self_attn.linear_q_adapter_list, block.self_attn.linear_k_adapter_list,
+                                           block.self_attn.linear_v_adapter_list)
+                        for m in adapters[use].modules() if isinstance(m, torch.nn.Linear)]
+        computed += sum(m.in_features * m.out_features for m in modules)
+    shape = shape_from_config(config.to_dict(), "zamba2")
+    assert linear_flops_per_token(shape)[1] * shape.layers == computed
 
 
 @pytest.mark.parametrize(("model_type", "keys"), [

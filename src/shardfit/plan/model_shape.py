@@ -203,9 +203,11 @@ class ModelShape:
     per_layer_vocab: int = 0
     # Zamba's and Zamba2's transformer blocks that the "hybrid" blocks share (plan/shared_blocks.py): their
     # weights once, with what each use holds of its own (its linear, Zamba2's adapters), and every linear module
-    # the hybrid blocks hold, one copy per use, as LoRA adapts them (PEFT wraps each copy apart).
+    # the hybrid blocks hold, one copy per use, as LoRA adapts them (PEFT wraps each copy apart); the linear weights
+    # the hybrid blocks compute with, summed over the uses (for the time model).
     shared_params: int = 0
     shared_linears: tuple[tuple[str, int, int], ...] = ()
+    shared_active: int = 0
 
     @property
     def hd(self) -> int:

@@ -55,6 +55,7 @@ def shared_block_fields(text: dict[str, Any], built: Any, name: str) -> dict[str
                       mamba_bare_projections=True, mamba_conv_bias=getattr(c, "mamba_conv_bias", True) is not False,
                       mamba_bias=getattr(c, "mamba_proj_bias", False) is True)
         blocks, uses = [_shared_block(sizes, bias=False, fused=False)] * min(hybrids, 1), [0] * hybrids
+        adapter: list[tuple[str, int, int]] = []
         adapters: dict[str, Any] = dict(shared_params=0, shared_linears=())
     else:
         bias = getattr(c, "add_bias_linear", False) is True
@@ -66,8 +67,10 @@ def shared_block_fields(text: dict[str, Any], built: Any, name: str) -> dict[str
         adapter = _adapter(sizes, getattr(c, "use_shared_attention_adapter", False) is True)
         adapters = _zamba2_adapters(c, every, len(blocks), uses, adapter)
     linears = tuple(lin for b in uses for lin in blocks[b][0] + [("linear_hybrid", h, h)])
+    # each use runs its block's linears, its own linear and the one adapter set kept for it
+    active = sum(i * o for _, i, o in linears) + hybrids * sum(i * o for _, i, o in adapter)
     return dict(fields, shared_params=sum(p for _, p in blocks) + hybrids * h * h + adapters["shared_params"],
-                shared_linears=linears + adapters["shared_linears"])
+                shared_linears=linears + adapters["shared_linears"], shared_active=active)
 
 
 def _shared_block(sizes: dict[str, int], *, bias: bool, fused: bool) -> tuple[list[tuple[str, int, int]], int]:
