@@ -36,8 +36,6 @@ TWINS = {
     "Qwen/Qwen2.5-Coder-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct",
     "01-ai/Yi-1.5-34B": "01-ai/Yi-34B",
 }
-# Twins of compact Qwen2.5 entries, which plan without the q/k/v biases Qwen2 has.
-QKV_BIASED = {"Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-3B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct"}
 # Cards whose total is written to the billion and is more than 1 % from the count: checked at the card's precision
 # only (Mistral-Nemo's "12B" is 12.25B, Yi-1.5-34B's "34B" 34.39B).
 ROUNDED = {"mistralai/Mistral-Nemo-Base-2407", "01-ai/Yi-1.5-34B"}
@@ -87,10 +85,7 @@ def test_the_planned_total_is_transformers_built_model(model: str) -> None:
     shape = resolve_shape(model)
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(hf_config(shape))
-    # The compact Qwen2.5 entries the Coder releases are twins of carry no `attn_bias`, so the plan leaves out their
-    # q/k/v biases (Qwen2's, 0.002 % of the weights): exactly those, and nothing else, differ.
-    biases = shape.layers * (shape.heads + 2 * shape.kv_heads) * shape.hd if model in QKV_BIASED else 0
-    assert sum(p.numel() for p in built.parameters()) == shape.params() + biases
+    assert sum(p.numel() for p in built.parameters()) == shape.params()
 
 
 def test_qwen3_next_is_planned_as_its_cards_hybrid_layout() -> None:

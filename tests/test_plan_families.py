@@ -13,6 +13,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from shardfit.plan.config_shape import shape_from_config
+from shardfit.plan.timing import linear_flops_per_token
 
 # Two blocks and a small vocabulary keep each build well under half a second; every other size is the family's
 # default, so the widths and the keys that say biases are the class's own.
@@ -53,6 +54,15 @@ def _built(config: Any) -> int:
     ("apertus", FEW),  # xIELU's two learned scalars, per-head q/k norms
     ("nanochat", FEW),  # norms without weights
     ("llama", dict(SMALL, mlp_bias=True)),
+    # the MLP width its class derives from intermediate_size (2/3, rounded up to block_multiple_of), per-head q/k
+    # norms (before: 39 % high)
+    ("lfm2", FEW),
+    ("lfm2", dict(FEW, intermediate_size=1000, block_ffn_dim_multiplier=1.5, block_multiple_of=64)),
+    ("lfm2", dict(FEW, block_auto_adjust_ff_dim=False)),
+    # mlp_layer_types: a dense MLP in the "dense" blocks, the mixture in the others (before: 76 % high)
+    ("glm4_moe_lite", FEW),
+    ("glm4_moe_lite", dict(FEW, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "dense"])),
+    ("bitnet", FEW),  # sub-norms on the attention's output and the MLP's inner width (before: 0.013 % low)
     ("deepseek_v3", dict(FEW, attention_bias=True, n_routed_experts=4, first_k_dense_replace=1)),  # MLA's biases
     ("deepseek_v3", dict(FEW, attention_bias=True, q_lora_rank=None, n_routed_experts=4, first_k_dense_replace=1)),
     ("qwen3_next", dict(SMALL, num_hidden_layers=4, attention_bias=True, num_experts=4,
@@ -142,3 +152,105 @@ def test_a_pixtral_tower_counts_its_built_model(model_type: str, keys: dict[str,
     with torch.device("meta"):
         built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
     assert shape_from_config(config.to_dict(), model_type).params() == built
+
+
+MAMBA2, HYBRID = "linear_attention", "hybrid"
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("zamba", dict(FEW, num_hidden_layers=9)),  # one shared block for both hybrid blocks (before: 130 % high)
+    ("zamba", dict(FEW, num_hidden_layers=9, mamba_proj_bias=True, mamba_conv_bias=False, num_key_value_heads=4)),
+    ("zamba2", dict(FEW, num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID])),
+    ("zamba2", dict(FEW, num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID],
+                    num_mem_blocks=2, use_shared_attention_adapter=True, add_bias_linear=True)),
+    ("zamba2", dict(FEW, num_hidden_layers=3, layers_block_type=[MAMBA2, HYBRID, HYBRID], num_mem_blocks=4,
+                    num_key_value_heads=8)),  # more shared blocks than hybrid blocks: one each
+])
+def test_shared_transformer_blocks_count_once(model_type: str, keys: dict[str, Any]) -> None:
+    """Zamba's and Zamba2's hybrid blocks share their transformer blocks' weights (counted once), each keeps its
+    own linear and Zamba2's adapters; every block is a Mamba mixer without an MLP."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("zamba2", dict(num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID], num_mem_blocks=2,
+                    use_shared_attention_adapter=True)),
+    ("zamba2", dict(num_hidden_layers=5, layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID])),
+    ("zamba", dict(num_hidden_layers=9)),  # x_proj and dt_proj are bare weights, not linear layers
+])
+def test_lora_adapts_each_use_of_a_shared_block(model_type: str, keys: dict[str, Any]) -> None:
+    """PEFT wraps every hybrid block's copy of a shared block apart (the base weights are tied, the modules are
+    not): all-linear LoRA adapts each copy's linears, its adapters' too, as peft resolves all-linear."""
+    config = CONFIG_MAPPING[model_type](**dict(FEW, **keys))
+    model = _model(config)
+    head = model.get_output_embeddings()
+    adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head)
+    assert shape_from_config(config.to_dict(), model_type).lora_params(8) == adapted
+
+
+def test_each_hybrid_block_computes_with_its_shared_block() -> None:
+    """The time model's linear weights a token runs: every block's Mamba mixer, and in each hybrid block its shared
+    block, its own linear and the one adapter set kept for it (before: the shared blocks were left out)."""
+    keys = dict(FEW, num_hidden_layers=5, num_mem_blocks=2, use_shared_attention_adapter=True,
+                layers_block_type=[MAMBA2, HYBRID, MAMBA2, HYBRID, HYBRID])
+    config = CONFIG_MAPPING["zamba2"](**keys)
+    model = _model(config)
+    computed = 0
+    for i, layer in enumerate(model.model.layers):
+        modules = [m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and "adapter_list" not in n]
+        if hasattr(layer, "shared_transformer"):
+            block = layer.shared_transformer
+            use = block.feed_forward.layer_dic[i]
+            modules += [m for adapters in (block.feed_forward.gate_up_proj_adapter_list,
+                                           block.self_attn.linear_q_adapter_list, block.self_attn.linear_k_adapter_list,
+                                           block.self_attn.linear_v_adapter_list)
+                        for m in adapters[use].modules() if isinstance(m, torch.nn.Linear)]
+        computed += sum(m.in_features * m.out_features for m in modules)
+    shape = shape_from_config(config.to_dict(), "zamba2")
+    assert linear_flops_per_token(shape)[1] * shape.layers == computed
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("gpt2", dict(n_layer=2, vocab_size=512)),  # n_embd, n_head, n_positions, learned positions (before: refused)
+    ("gpt2", dict(n_layer=2, vocab_size=512, n_inner=1024, n_embd=256, n_head=4)),
+    ("gpt_bigcode", dict(n_layer=2, vocab_size=512)),  # multi_query: one key/value head
+    ("gpt_bigcode", dict(n_layer=2, vocab_size=512, multi_query=False)),
+    ("bloom", dict(n_layer=2, vocab_size=512)),  # the embedding's LayerNorm, ALiBi: no positions
+    ("codegen", dict(n_layer=2, vocab_size=512, n_embd=256, n_head=4)),  # one norm a block, a biased head
+    ("gptj", dict(n_layer=2, vocab_size=512, n_embd=256, n_head=4, n_inner=512)),
+])
+def test_sizes_by_gpt2_style_names_count_the_built_model(model_type: str, keys: dict[str, Any]) -> None:
+    """A config.json that names its sizes `n_embd`, `n_head`, `n_layer`, `n_inner` (its class's attribute_map) is
+    read and counted to the parameter, not refused for a missing num_attention_heads."""
+    config = CONFIG_MAPPING[model_type](**keys)
+    assert shape_from_config(config.to_dict(), model_type).params() == _built(config)
+
+
+@pytest.mark.parametrize("use_head", [True, False])
+def test_a_siglip_tower_counts_its_pooling_head_where_built(use_head: bool) -> None:
+    """Gemma 3's SigLIP tower builds its pooling head under vision_use_head, on by the class's default (before:
+    never counted, 7.1M short of a default Gemma 3)."""
+    vision = dict(num_hidden_layers=2, vision_use_head=use_head)
+    config = CONFIG_MAPPING["gemma3"](text_config=FEW, vision_config=vision)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    assert shape_from_config(config.to_dict(), "gemma3").params() == built
+
+
+@pytest.mark.parametrize("keys", [
+    dict(global_head_dim=256),  # every block's heads as wide: the per-layer embeddings alone (before: 47 % low)
+    dict(global_head_dim=256, vocab_size_per_layer_input=1000, hidden_size_per_layer_input=64),
+    dict(global_head_dim=256, hidden_size_per_layer_input=0),  # no per-layer embeddings: four norms, q/k norms
+])
+def test_gemma4_per_layer_embeddings_count_the_built_model(keys: dict[str, Any]) -> None:
+    """Gemma 4's per-layer embeddings (a second table, the hidden state's projection to it, and each block's gate
+    and projection) are counted, and LoRA adapts their linear layers as all-linear finds them."""
+    config = CONFIG_MAPPING["gemma4_text"](**FEW, **keys)
+    model = _model(config)
+    head = model.get_output_embeddings()
+    adapted = sum(8 * (m.in_features + m.out_features) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head)
+    shape = shape_from_config(config.to_dict(), "gemma4_text")
+    assert (shape.params(), shape.lora_params(8)) == (sum(p.numel() for p in model.parameters()), adapted)

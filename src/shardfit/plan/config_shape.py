@@ -86,11 +86,14 @@ SHARED_GATE_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text
 # null for 4 x hidden.
 TWO_MATRIX_MLP_TYPES = tuple(name for name, family in FAMILIES.items() if family.two_matrix)
 # Families whose class ties the head to the embedding where the file does not say (besides Gemma's).
-TIED_BY_DEFAULT_TYPES = ("gpt_neo",)
+TIED_BY_DEFAULT_TYPES = ("gpt_neo", "gpt2", "gpt_bigcode", "bloom")
 # Decoder families whose config.json names sizes by their own names, read through their class's attribute_map
-# (GPT-Neo: `num_heads`, `num_layers`). Only these: other classes' maps also rename sizes of encoders, towers and
-# expert layouts this planner does not model.
-ALIASED_TYPES = ("gpt_neo",)
+# (GPT-Neo: `num_heads`, `num_layers`; GPT-2, GPT-BigCode, CodeGen, GPT-J: `n_embd`, `n_head`, `n_layer`,
+# `n_positions`; BLOOM: `n_head`, `n_layer`). Only these: other classes' maps also rename sizes of encoders, towers
+# and expert layouts this planner does not model.
+ALIASED_TYPES = ("gpt_neo", "gpt2", "gpt_bigcode", "codegen", "gptj", "bloom")
+# The names of a dense MLP's width, in the order they are tried (GPT-2's family: `n_inner`, null for 4 x hidden).
+MLP_WIDTH = ("intermediate_size", "ffn_hidden_size", "n_inner")
 
 
 # Families whose query, key and value projections always carry biases, whatever the config says (Qwen2 and the
@@ -137,10 +140,14 @@ def tied_of(cfg: dict[str, Any], text: dict[str, Any], built: Any = None) -> boo
         "tie_word_embeddings", text.get("tie_word_embeddings", default))))
 
 
-def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[bool]:
-    """Which of `layers` blocks hold a mixture of experts, by whichever of the families' keys the config has."""
+def moe_layer_flags(text: dict[str, Any], layers: int, experts: int, mlp_types: Any = None) -> list[bool]:
+    """Which of `layers` blocks hold a mixture of experts, by whichever of the families' keys the config has: the
+    class's `mlp_layer_types` (`mlp_types`: "dense" or a mixture's kind a block, GLM-4.7-Flash, Kimi Linear, MiMo-V2
+    and others, whose classes derive it from first_k_dense_replace where the file leaves it out) first."""
     if experts <= 1:
         return [False] * layers
+    if isinstance(mlp_types, (list, tuple)) and len(mlp_types) == layers:
+        return [t != "dense" for t in mlp_types]
     if "first_k_dense_replace" in text:
         k, every = text.get("first_k_dense_replace") or 0, text.get("moe_layer_freq") or 1
         return [i >= k and i % every == 0 for i in range(layers)]
@@ -161,7 +168,7 @@ def moe_layer_flags(text: dict[str, Any], layers: int, experts: int) -> list[boo
 
 def mlp_width(text: dict[str, Any]) -> int:
     """A dense MLP's width as the config gives it (a two-matrix MLP's up projection's)."""
-    return text.get("intermediate_size") or text.get("ffn_hidden_size") or 4 * text["hidden_size"]
+    return first_of(text, MLP_WIDTH) or 4 * text["hidden_size"]
 
 
 def expert_sizes(text: dict[str, Any], experts: int) -> tuple[int, int, int]:
@@ -342,6 +349,21 @@ def with_standard_names(text: dict[str, Any], built: Any) -> dict[str, Any]:
     return {**{std: text[own] for std, own in aliases.items() if own in text and std not in text}, **text}
 
 
+def with_built_mlp_width(text: dict[str, Any], built: Any) -> dict[str, Any]:
+    """`text` with the MLP width its class builds where the class derives it from `intermediate_size` (LFM2's
+    Lfm2MLP, under `block_auto_adjust_ff_dim`, on by default: two thirds of it, times `block_ffn_dim_multiplier`
+    where set, rounded up to a multiple of `block_multiple_of`); `text` itself for any other class."""
+    get = getter(text, built)
+    width = text.get("intermediate_size")
+    if get("block_auto_adjust_ff_dim") is not True or not isinstance(width, int) or isinstance(width, bool):
+        return text
+    width = int(2 * width / 3)
+    if get("block_ffn_dim_multiplier") is not None:
+        step = int(get("block_multiple_of") or 1)
+        width = -(-int(get("block_ffn_dim_multiplier") * width) // step) * step
+    return {**text, "intermediate_size": width}
+
+
 def getter(text: dict[str, Any], built: Any) -> Callable[[str], Any]:
     """A reader of one key of the language model's config: the built class's value (`built`), else the file's
     (`text`), else None."""
@@ -392,7 +414,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     built = built_config(cfg, name)  # once: the layout, a hybrid's blocks and the names of sizes read the class
     if built is not None and (odd := odd_setting(built)):
         raise UserError(f"{name}: config.json {odd}.")
-    text = with_standard_names(text_config(cfg), built)
+    text = with_built_mlp_width(with_standard_names(text_config(cfg), built), built)
     single = single_part_fields(cfg, text, built, name)  # Nemotron-H: its class counts blocks by their list
     if single:
         text = {**text, "num_hidden_layers": single["layers"]}
@@ -404,7 +426,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
         attention = layout_of_built(cfg, built)
-        moe_flags = moe_layer_flags(text, layers, experts)
+        moe_flags = moe_layer_flags(text, layers, experts, getter(text, built)("mlp_layer_types"))
         deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
         get = getter(text, built)
         shape = ModelShape(
@@ -593,4 +615,13 @@ def other_tower_params(cfg: dict[str, Any]) -> int:
     # Gemma 3's SigLIP tower is known whole: the patch embedding's bias, the final LayerNorm and the projector's
     # RMSNorm (4d) make the count the built tower's to the parameter (SigLIP's head is off: vision_use_head false).
     exact = 4 * d if cfg.get("model_type") == "gemma3" else 0
-    return int(depth * block + 3 * patch * patch * d + positions * d + proj + exact)
+    return int(depth * block + 3 * patch * patch * d + positions * d + proj + exact + siglip_head_params(v, d, m))
+
+
+def siglip_head_params(v: dict[str, Any], d: int, m: int) -> int:
+    """The weights of a SigLIP tower's pooling head (transformers' SiglipMultiheadAttentionPoolingHead: a probe
+    token, a multi-head attention with biases, a LayerNorm and an MLP of width `m`), built under its
+    `vision_use_head`, on by the class's default (published Gemma 3 files turn it off); 0 for any other tower."""
+    if v.get("model_type") != "siglip_vision_model" or v.get("vision_use_head", True) is False:
+        return 0
+    return d + 4 * d * d + 4 * d + 2 * d + 2 * d * m + m + d

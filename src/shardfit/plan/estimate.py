@@ -124,7 +124,7 @@ def adapts(name: str, w: Workload) -> bool:
     (models/experts.py `lora_targets`), less a Mamba mixer's out_proj (`linear_out_proj`), whose base weight the
     fused kernel reads itself (models/adapters.py `mamba_out_projs`)."""
     targets = w.lora_targets or LORA_TARGETS
-    if name in ("router", "linear_out_proj"):
+    if name in ("router", "linear_out_proj") or name.startswith("weight_"):  # bare weights: no module to wrap
         return False
     if name.startswith("linear_") or name == "shared_gate":
         return w.lora_targets is None
@@ -141,8 +141,12 @@ def adapted_shapes(shape: ModelShape, w: Workload, moe: bool | None = None) -> l
 
 
 def lora_params(shape: ModelShape, w: Workload) -> int:
-    """Adapter parameters of the whole model: rank x (in + out) per adapted layer."""
-    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe))))
+    """Adapter parameters of the whole model: rank x (in + out) per adapted layer (each hybrid block's copy of a
+    shared block's layers too: ModelShape `shared_linears`)."""
+    shared = sum(w.lora_rank * (i + o) for n, i, o in shape.shared_linears + shape.per_layer_model_linears()
+                 if adapts(n, w))
+    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe)))
+               + shared)
 
 
 def lora_expert_params(shape: ModelShape, w: Workload) -> int:

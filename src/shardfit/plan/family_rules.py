@@ -24,7 +24,9 @@ class Family:
     projection alone always carries one; `head_bias`: a bias on the head; `positions`: a learned position embedding
     of `max_position_embeddings` rows; `score_bias`: a mixture's router holds a learned bias per expert on its
     scores (ERNIE 4.5's moe_statics); `act_params`: learned scalars of the MLP's activation (Apertus's xIELU);
-    `qk_norm`: per-head q and k norms (LayerNorms where the block's are), always or by a key."""
+    `qk_norm`: per-head q and k norms (LayerNorms where the block's are), always or by a key; `embed_norm`: a norm
+    over the embedding's output (BLOOM's word_embeddings_layernorm); `mlp_norm`: a norm over the MLP's inner width
+    (BitNet's ffn_sub_norm)."""
 
     two_matrix: bool = False
     norms: int | Callable[[Callable[[str], Any]], int] = 2
@@ -37,6 +39,8 @@ class Family:
     score_bias: bool = False
     act_params: int = 0
     qk_norm: bool | str = False
+    embed_norm: bool = False
+    mlp_norm: bool = False
 
 
 def falcon_norms(get: Callable[[str], Any]) -> int:
@@ -51,6 +55,12 @@ def falcon_norms(get: Callable[[str], Any]) -> int:
 FAMILIES: dict[str, Family] = {
     "gpt_neo": Family(two_matrix=True, norm_bias=True, mlp_bias=True, o_bias=True, positions=True),
     "gpt_neox": Family(two_matrix=True, norm_bias=True, mlp_bias=True),
+    "gpt2": Family(two_matrix=True, norm_bias=True, attn_bias=True, mlp_bias=True, positions=True),
+    "gpt_bigcode": Family(two_matrix=True, norm_bias=True, attn_bias=True, mlp_bias=True, positions=True),
+    "bloom": Family(two_matrix=True, norm_bias=True, attn_bias=True, mlp_bias=True, embed_norm=True),
+    # a parallel block under one LayerNorm, attention without biases, a biased head
+    "codegen": Family(two_matrix=True, norms=1, norm_bias=True, mlp_bias=True, head_bias=True),
+    "gptj": Family(two_matrix=True, norms=1, norm_bias=True, mlp_bias=True, head_bias=True),
     "phi": Family(two_matrix=True, norms=1, norm_bias=True, attn_bias=True, mlp_bias=True, head_bias=True),
     "starcoder2": Family(two_matrix=True, norm_bias=True, attn_bias="use_bias", mlp_bias="use_bias"),
     "falcon": Family(two_matrix=True, norms=falcon_norms, norm_bias=True, attn_bias="bias", mlp_bias="bias"),
@@ -65,10 +75,13 @@ FAMILIES: dict[str, Family] = {
     "olmo": Family(norms=0),  # LayerNorms without weights
     "gemma2": Family(norms=4),  # norms before and after attention and MLP
     "gemma3_text": Family(norms=4, qk_norm=True),
+    "gemma4_text": Family(norms=4, qk_norm=True),
     "hyperclovax": Family(norms=4),
     "kolibri1": Family(norms=4, qk_norm=True),
     "exaone4": Family(qk_norm=True),
     "mellum": Family(qk_norm=True),
+    "bitnet": Family(norms=3, mlp_norm=True),  # sub-norms: the attention's output (hidden-wide) and the MLP's inner
+    "lfm2": Family(qk_norm=True),  # on its attention blocks (its short-convolution blocks are not told apart yet)
     "stablelm": Family(norm_bias=True),
     "phimoe": Family(norm_bias=True),
     "ernie4_5": Family(attn_bias="use_bias", mlp_bias="use_bias"),
@@ -98,21 +111,25 @@ def attention_bias_override(model_type: Any, get: Callable[[str], Any]) -> dict[
 
 
 def norms_and_biases(model_type: Any, get: Callable[[str], Any], hidden: int, width: int) -> dict[str, Any]:
-    """The ModelShape fields `norms`, `norm_bias`, `mlp_extra`, `head_bias`, `positions` and `score_bias` of a
-    family whose dense MLP is `width` wide (its real width: a two-matrix MLP's up projection); `get` reads one key
-    of the built language model's config (None where it has none). Llama's `mlp_bias` key biases any family's
-    MLP. A two-matrix MLP's `mlp_extra` also holds what planning it as three matrices of 2/3 the width rounds away
-    (the planned width is a whole number: at most `hidden` weights a block)."""
+    """The ModelShape fields `norms`, `norm_bias`, `mlp_extra`, `head_bias`, `positions`, `score_bias` and
+    `embed_norm` (and the per-layer embeddings' sizes, by Gemma 4's keys) of a family whose dense MLP is `width`
+    wide (its real width: a two-matrix MLP's up projection); `get` reads one key of the built language model's config
+    (None where it has none). Llama's `mlp_bias` key biases any family's MLP. A two-matrix MLP's `mlp_extra` also
+    holds what planning it as three matrices of 2/3 the width rounds away (the planned width is a whole number: at
+    most `hidden` weights a block)."""
     family = family_of(model_type)
     mlp = _on(family.mlp_bias, get) or get("mlp_bias") is True
     norms = family.norms(get) if callable(family.norms) else family.norms
     linears = 1 if family.two_matrix else 2  # the gate's and the up projection's biases, or the up's alone
     rounded = 2 * width - 3 * round(2 * width / 3) if family.two_matrix else 0
     return dict(norms=norms, norm_bias=family.norm_bias,
-                mlp_extra=(linears * width + hidden if mlp else 0) + rounded * hidden + family.act_params,
+                mlp_extra=(linears * width + hidden if mlp else 0) + rounded * hidden + family.act_params +
+                (width if family.mlp_norm else 0),
                 head_bias=bool(_on(family.head_bias, get)),
                 positions=int(get("max_position_embeddings") or 0) if family.positions else 0,
-                score_bias=family.score_bias)
+                score_bias=family.score_bias, embed_norm=family.embed_norm,
+                per_layer_input=int(get("hidden_size_per_layer_input") or 0),
+                per_layer_vocab=int(get("vocab_size_per_layer_input") or 0))
 
 
 def per_head_qk_norm(model_type: Any, get: Callable[[str], Any]) -> bool:
@@ -122,7 +139,10 @@ def per_head_qk_norm(model_type: Any, get: Callable[[str], Any]) -> bool:
 
 def kv_heads_rule(model_type: Any, get: Callable[[str], Any]) -> int | None:
     """Key/value heads a family counts by its own rule (Falcon: one under `multi_query` outside its new decoder
-    architecture, else `num_kv_heads`); None for the rest."""
+    architecture, else `num_kv_heads`; GPT-BigCode: its class's count, one under `multi_query`); None for the
+    rest."""
+    if model_type == "gpt_bigcode":  # its class reads multi_query as one key/value head
+        return get("num_key_value_heads")
     if model_type != "falcon":
         return None
     return get("num_kv_heads") if get("new_decoder_architecture") or not get("multi_query") else 1

@@ -175,6 +175,9 @@ class ModelShape:
     mamba_v1: bool = False
     mamba_dt_rank: int = 0
     mamba_inner_norms: bool = False
+    # Zamba's Mamba-1 mixer holds its x_proj and dt_proj as bare weights, one slice a head, not linear layers: no
+    # LoRA reaches them (named `weight_` instead of `linear_`).
+    mamba_bare_projections: bool = False
     # MLPs and experts of two matrices (up, an activation such as relu2, down; no gate), biased under `mlp_bias`;
     # routed experts through a `moe_latent`-wide projection of the hidden state (0: none).
     two_matrix: bool = False
@@ -197,6 +200,19 @@ class ModelShape:
     # `router_groups` groups (0: a softmax router).
     router_groups: int = 0
     router_topk_groups: int = 0
+    embed_norm: bool = False  # a norm over the embedding's output (BLOOM's), as wide as the final one
+    # Per-layer embeddings (Gemma 4's PLE): a second table of `per_layer_vocab` rows, `layers` x `per_layer_input`
+    # wide, beside a projection of the hidden state to the same width and a norm; each block gates its slice in (a
+    # hidden -> per_layer_input gate, a projection back, a norm).
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    # Zamba's and Zamba2's transformer blocks that the "hybrid" blocks share (plan/shared_blocks.py): their
+    # weights once, with what each use holds of its own (its linear, Zamba2's adapters), and every linear module
+    # the hybrid blocks hold, one copy per use, as LoRA adapts them (PEFT wraps each copy apart); the linear weights
+    # the hybrid blocks compute with, summed over the uses (for the time model).
+    shared_params: int = 0
+    shared_linears: tuple[tuple[str, int, int], ...] = ()
+    shared_active: int = 0
 
     @property
     def hd(self) -> int:
@@ -279,9 +295,9 @@ class ModelShape:
         DeltaNet's: only all-linear LoRA reaches them."""
         h, inner = self.hidden, self.mamba_inner
         if self.mamba_v1:
-            rank = self.mamba_dt_rank
-            return [("linear_in_proj", h, 2 * inner), ("linear_x_proj", inner, rank + 2 * self.mamba_state),
-                    ("linear_dt_proj", rank, inner), ("linear_out_proj", inner, h)]
+            rank, bare = self.mamba_dt_rank, "weight_" if self.mamba_bare_projections else "linear_"
+            return [("linear_in_proj", h, 2 * inner), (bare + "x_proj", inner, rank + 2 * self.mamba_state),
+                    (bare + "dt_proj", rank, inner), ("linear_out_proj", inner, h)]
         return [("linear_in_proj", h, inner + self.mamba_conv_channels + self.mamba_heads),
                 ("linear_out_proj", inner, h)]
 
@@ -347,14 +363,31 @@ class ModelShape:
         moe = self.moe_layers > 0 if moe is None else bool(moe)
         h = self.hidden
         if not moe:
-            return mixer + _mlp("", h, self.intermediate)
+            return mixer + _mlp("", h, self.intermediate) + self.per_layer_linears()
         # Routed experts as transformers 5 stores them: one fused gate/up weight and one down weight per expert.
         e = self.expert_width
         experts = [("expert_gate_up", h, 2 * e), ("expert_down", e, h)] * self.experts
         shared = _mlp("", h, self.shared_intermediate) if self.shared_intermediate else []
         if shared and self.shared_gate:
             shared.append(("shared_gate", h, 1))
-        return mixer + experts + shared + [("router", h, self.experts)]
+        return mixer + experts + shared + [("router", h, self.experts)] + self.per_layer_linears()
+
+    def per_layer_linears(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of a block's per-layer-embedding gate and projection (none without PLE)."""
+        p = self.per_layer_input
+        return [("linear_per_layer_gate", self.hidden, p), ("linear_per_layer_proj", p, self.hidden)] if p else []
+
+    def per_layer_model_linears(self) -> tuple[tuple[str, int, int], ...]:
+        """The per-layer embeddings' linear layer outside the blocks: the hidden state's projection (none without
+        PLE)."""
+        p = self.per_layer_input
+        return (("linear_per_layer_model", self.hidden, self.layers * p),) if p else ()
+
+    def per_layer_model_params(self) -> int:
+        """The per-layer embeddings' weights outside the blocks: the table, the hidden state's projection to all
+        blocks' slices and its norm (0 without PLE)."""
+        p = self.per_layer_input
+        return self.layers * p * (self.per_layer_vocab + self.hidden) + p if p else 0
 
     def stored_weights(self, moe: bool | None = None) -> list[tuple[str, int, int]]:
         """(name, rows, cols) of one decoder block's matrix weights as the model stores them: each linear layer's
@@ -413,7 +446,7 @@ class ModelShape:
         block = self.kind_of(block)
         if isinstance(block, Block) and block.part:
             return self._part_extra_params(block)
-        extra = self.norms * self.norm_width
+        extra = self.norms * self.norm_width + (self.hidden if self.per_layer_input else 0)
         moe = block.moe if isinstance(block, Block) else self.moe_layers > 0 if block is None else bool(block)
         if moe and self.clamped_swiglu:  # gpt-oss's experts: a bias on each expert's gate/up and down, and the router's
             extra += self.experts * self.expert_biases + self.experts
@@ -476,6 +509,11 @@ class ModelShape:
         return self.hidden * (2 if self.norm_bias else 1) if self.norms else 0
 
     @property
+    def final_norms(self) -> int:
+        """The weights of the norms outside the blocks: the final one, and the embedding's where it has one."""
+        return self.norm_width * (2 if self.embed_norm else 1)
+
+    @property
     def expert_biases(self) -> int:
         """One routed expert's biases where its projections have them (gpt-oss's gate/up and down; else 0)."""
         return 2 * self.expert_width + self.hidden if self.clamped_swiglu else 0
@@ -504,8 +542,8 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     def params(self) -> int:
-        return (self.decoder_params() + self.embed_params() + self.positions * self.hidden + self.norm_width
-                + self.head_params() + self.extra_params)
+        return (self.decoder_params() + self.embed_params() + self.positions * self.hidden + self.final_norms
+                + self.head_params() + self.extra_params + self.shared_params + self.per_layer_model_params())
 
     def head_params(self) -> int:
         """The output head's bias, where the family's head has one (its weight is `embed_params`'s)."""
@@ -532,15 +570,20 @@ class ModelShape:
             router = self.hidden * self.experts if moe else 0
             mixer = sum(i * o for _, i, o in self.mixer_linears(moe))
             idle = (self.experts - self.routed_per_token) * self.expert_biases if moe else 0  # experts not run
-            return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe) - idle
+            per_layer = sum(i * o for _, i, o in self.per_layer_linears())
+            return mixer + 3 * self.hidden * self.active_mlp_width(moe) + router + self.block_extra_params(moe) - idle \
+                + per_layer
 
-        return int(self.over_blocks(block) + self.vocab * self.hidden + self.norm_width + self.head_params()
-                   + self.extra_params)
+        table = self.layers * self.per_layer_input * self.per_layer_vocab  # a lookup, as the embedding's
+        return int(self.over_blocks(block) + self.vocab * self.hidden + self.final_norms + self.head_params()
+                   + self.extra_params + self.shared_params + self.per_layer_model_params() - table)
 
     def lora_params(self, rank: int) -> int:
-        """Adapter size for `all-linear` targets (every linear in every block; not the output head or a router)."""
+        """Adapter size for `all-linear` targets (every linear in every block; not the output head, a router or bare
+        weights)."""
+        shared = sum(rank * (i + o) for _, i, o in self.shared_linears + self.per_layer_model_linears())
         return int(self.over_blocks(lambda moe: sum(rank * (i + o) for n, i, o in self.named_linears(moe)
-                                                    if n != "router")))
+                                                    if n != "router" and not n.startswith("weight_"))) + shared)
 
 
 def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> list[tuple[str, int, int]]:

@@ -17,6 +17,7 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.plan.attention_layout import text_of
 from shardfit.plan.model_shape import ATTENTION, MAMBA, MLP, MOE, BlockGroup
+from shardfit.plan.shared_blocks import SHARED_BLOCK_TYPES, shared_block_fields
 
 SINGLE_PART_TYPES = ("nemotron_h",)
 # The class's block names and the pattern's characters (NemotronHConfig._pattern_to_list), as parts.
@@ -32,6 +33,8 @@ def single_part_fields(cfg: dict[str, Any], text: dict[str, Any], built: Any, na
     Mamba-2 mixer's sizes, the experts (of the "moe" blocks only: a dense file's class defaults name 8 experts it
     never builds), two-matrix MLPs, and attention without biases (NemotronHAttention's projections have none
     whatever `attention_bias` says). `built`: the file's config class (plan/config_shape.py `built_config`)."""
+    if text.get("model_type", cfg.get("model_type")) in SHARED_BLOCK_TYPES:
+        return shared_block_fields(text, built, name)
     if text.get("model_type", cfg.get("model_type")) not in SINGLE_PART_TYPES:
         return {}
     built_text = None if built is None else text_of(built)

@@ -211,8 +211,8 @@ class StepTime:
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     """(forward FLOPs of one block's linear layers, their parameter count) per token, active experts only."""
-    # the mean block: mixtures and dense blocks in their shares
-    params = shape.over_blocks(shape.active_linear_params) / shape.layers
+    # the mean block: mixtures and dense blocks in their shares, and the shared blocks Zamba's hybrid blocks run
+    params = (shape.over_blocks(shape.active_linear_params) + shape.shared_active) / shape.layers
     return 2.0 * params, float(params)
 
 
