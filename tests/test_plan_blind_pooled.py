@@ -1,5 +1,5 @@
 """bench/plan_vs_blind_pooled.py: every blind set's counted rows pooled; the committed result, the docs table and
-the README's headline are what a fresh pooling of the committed per-set results gives."""
+the README's headline, counts and range are what a fresh pooling of the committed per-set results gives."""
 
 from __future__ import annotations
 
@@ -34,5 +34,11 @@ def test_the_pool_is_the_sum_of_the_sets(bench) -> None:
 def test_committed_results_and_docs_match_a_fresh_pooling(bench) -> None:
     """Rerun `python bench/plan_vs_blind_pooled.py` after any blind set's results change, and paste its table into
     docs/planning.md and its headline into the README."""
-    check_committed(bench, bench.evaluate(), bench.pvb.docs_table, bench.pvb.headline)
-    assert bench.OUT.parent == ROOT / "bench" / "results"
+    fresh = bench.evaluate()
+    check_committed(bench, fresh, bench.pvb.docs_table, bench.pvb.headline)
+    pooled, medians = fresh["summary"], [s["memory"]["median_abs_error"] for s in fresh["sources"].values()]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    words = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    assert f"Pooled over {words[len(bench.SETS)]} blind sets ({pooled['rows']} published rows, " \
+           f"{pooled['planned']} plannable" in readme
+    assert f"(memory {min(medians):.0%} to {max(medians):.0%};" in readme.replace(" %", "%")
