@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
@@ -25,10 +25,10 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     """Bytes autograd keeps for backward after one forward of the training module (saved-tensor hooks; weights
     themselves excluded), per token: the quantity the analytic activation estimate models."""
 
-    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     # flash: what flash-attention saves, as SDPA saves it over rows of one unpadded example (no mask built)
     config = cls(hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False,
+                 num_key_value_heads=2, head_dim=32, vocab_size=4096, tie_word_embeddings=False,
                  attn_implementation="sdpa" if attention == "flash" else attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
@@ -53,16 +53,21 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
                                      ("qwen2", "full", "full", "flash", "single"),
                                      ("llama", "lora", "none", "sdpa", "zero3"),
                                      ("qwen2", "lora", "none", "flash", "zero3"),
-                                     ("qwen2", "full", "none", "sdpa", "zero3")])
+                                     ("qwen2", "full", "none", "sdpa", "zero3"),
+                                     ("qwen3", "lora", "none", "sdpa", "single"),
+                                     ("qwen3", "full", "none", "sdpa", "single"),
+                                     ("qwen3", "lora", "full", "flash", "single"),
+                                     ("qwen3", "full", "none", "flash", "zero3")])
 def test_activation_estimate_matches_saved_tensors(arch: str, method: str, grad_ckpt: str, attention: str,
                                                    strategy: str) -> None:
     """Per decoder block, what the analytic estimate counts equals what autograd really saves, within 5%: under
     autocast (single, ddp) and with 16-bit parameters and no autocast (FSDP2's mixed precision); over packed rows
-    (sdpa, eager: a block-diagonal mask) and rows of one example (flash: no mask)."""
+    (sdpa, eager: a block-diagonal mask) and rows of one example (flash: no mask); Qwen3's q and k norms keep their
+    fp32 inputs (and, in a full fine-tune, their outputs)."""
     autocast = strategy == "single"
     per_block = _saved_bytes_per_token(arch, method, grad_ckpt, 4, attention=attention, autocast=autocast) - \
         _saved_bytes_per_token(arch, method, grad_ckpt, 2, attention=attention, autocast=autocast)
-    shape = ModelShape(f"tiny-{arch}", 2, 256, 704, 8, 2, 4096, False, None)
+    shape = ModelShape(f"tiny-{arch}", 2, 256, 704, 8, 2, 4096, False, 32, qk_norm=64 if arch == "qwen3" else 0)
     w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
                  attention=attention)
     tokens = 512

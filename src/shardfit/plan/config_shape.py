@@ -72,7 +72,8 @@ SPLIT_DELTANET_TYPES = ("olmo_hybrid",)
 # Families whose softmax attention normalizes q and k: across all heads at once (OLMo 2's q_norm and k_norm over
 # heads x head_dim), or one head's width shared by every head (Qwen3's).
 QK_NORM_ALL_HEADS_TYPES = ("olmo2", "olmo3", "olmoe", "flex_olmo", "olmo_hybrid")
-QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe")
+QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_omni_moe",
+                          "qwen3_omni_moe_thinker", "qwen3_omni_moe_text")
 # Families whose shared experts' output is scaled by a sigmoid gate (a hidden x 1 linear, `shared_expert_gate` in
 # their modeling); other families with shared experts (laguna, flint, kolibri1, ...) add them ungated.
 # Families whose router is DeepSeek-V3's (plan/model_shape.py `router_groups`): n_group groups of experts, the

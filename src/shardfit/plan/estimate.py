@@ -544,11 +544,14 @@ def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: 
             attn += (w.sequence_parallel - a) * w.seq_len
     else:
         attn = a * (2 * q + 2 * kv) + 4 * shape.heads
+    if shape.qk_norm or shape.gated_attention:
+        # RMSNorms over q and k (Qwen3, Qwen3-VL, Gemma 3, OLMo 2, GLM-4.5, Qwen3-Next...): each upcasts its input
+        # and keeps it in fp32, and, where the norm weights train, its 16-bit output (saved-tensor hooks on tiny
+        # Qwen3 and Qwen3-Next blocks: tests/test_plan_activations.py, tests/test_plan_hybrid.py).
+        attn += 4 * (q + kv) + (a * (q + kv) if w.method == "full" else 0)
     if shape.gated_attention:
-        # Qwen3-Next's and Qwen3.5's attention (saved-tensor hooks on tiny blocks, tests/test_plan_hybrid.py): the
-        # fp32 inputs of the q and k RMSNorms (and their 16-bit outputs where the norm weights train), the output
-        # gate's input and its sigmoid, and the attention output the gate multiplies.
-        attn += 4 * (q + kv) + 3 * a * q + (a * (q + kv) if w.method == "full" else 0)
+        # Qwen3-Next's and Qwen3.5's output gate: its input and sigmoid, and the attention output it multiplies.
+        attn += 3 * a * q
     return attn
 
 

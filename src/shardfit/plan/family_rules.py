@@ -75,6 +75,7 @@ FAMILIES: dict[str, Family] = {
     "olmo": Family(norms=0),  # LayerNorms without weights
     "gemma2": Family(norms=4),  # norms before and after attention and MLP
     "gemma3_text": Family(norms=4, qk_norm=True),
+    "glm4_moe": Family(qk_norm="use_qk_norm"),  # GLM-4.5 normalizes q and k per head; GLM-4.5-Air does not
     "gemma4_text": Family(norms=4, qk_norm=True),
     "hyperclovax": Family(norms=4),
     "kolibri1": Family(norms=4, qk_norm=True),

@@ -99,15 +99,16 @@ def catalog_config(model: str) -> dict[str, Any] | None:
 
 def hf_config(shape: ModelShape) -> Any:
     """A transformers config of the shape's architecture family: the catalog's own config.json where it keeps one,
-    else Qwen2 for Qwen ids and Llama for the rest: what a weightless model is built from when no config.json is at
-    hand (a catalog id)."""
-    from transformers import AutoConfig, LlamaConfig, Qwen2Config  # configs only; the planner needs no transformers
+    else Qwen3 for Qwen ids whose attention normalizes q and k, Qwen2 for the other Qwen ids and Llama for the rest:
+    what a weightless model is built from when no config.json is at hand (a catalog id)."""
+    from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config  # configs only; the planner needs none
 
     kept = catalog_config(shape.id)
     if kept is not None:
         return AutoConfig.for_model(kept.pop("model_type"), **kept)
 
-    cls = Qwen2Config if "qwen" in shape.id.lower() else LlamaConfig
+    qwen = "qwen" in shape.id.lower()
+    cls = (Qwen3Config if shape.qk_norm else Qwen2Config) if qwen else LlamaConfig
     kwargs = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
                   tie_word_embeddings=shape.tied, max_position_embeddings=131072)
