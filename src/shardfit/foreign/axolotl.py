@@ -165,7 +165,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     apply(job, _preference(src))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     return job
 
 
@@ -400,11 +400,11 @@ def _targets(src: Source) -> str | list[str] | None:
                     f"of module names (e.g. [q_proj, v_proj]) or one regular expression over module names.")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned, effects = set(), {}
     targets = _targets(src)
     if targets and not src.flag("lora_target_linear"):
-        effect = plan_targets(job, "lora_target_modules", targets, shape)
+        effect = plan_targets(job, "lora_target_modules", targets, shape, version)
         if effect:
             effects["lora_target_modules"] = effect
         else:

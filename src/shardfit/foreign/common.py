@@ -47,10 +47,10 @@ def hf_loss(version: str, fused: bool) -> str:
     Cut Cross-Entropy) never holds the full logits: closest is shardfit's chunked loss."""
     if fused:
         return "chunked"
-    return "full_shift" if _major_minor(version) in ((4, 46), (4, 47), (4, 48)) else "full"
+    return "full_shift" if major_minor(version) in ((4, 46), (4, 47), (4, 48)) else "full"
 
 
-def _major_minor(version: str) -> tuple[int, int]:
+def major_minor(version: str) -> tuple[int, int]:
     """(major, minor) of a version string; an unreadable one counts as a current release."""
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
@@ -94,7 +94,7 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
         return str(given), None
     if tool_default is not None:
         return tool_default, f"optimizer not set: the tool's default {tool_default} (AdamW stepped in place)"
-    if _major_minor(version) >= FUSED_DEFAULT_SINCE:
+    if major_minor(version) >= FUSED_DEFAULT_SINCE:
         return "adamw_torch_fused", (f"optim not set: transformers {version} defaults to adamw_torch_fused with torch "
                                      ">= 2.8 (stepped in place; an older torch runs adamw_torch, whose multi-tensor "
                                      "step adds one fp32 copy of what each GPU trains)")
@@ -238,7 +238,7 @@ def trainer_fsdp1(cfg: Mapping[str, Any], version: str, where: str, notes: list[
     untied input embedding stays gathered in the root unit (the planner's `fsdp1`)."""
     given = cfg.get("version")
     if given is None:
-        run = 2 if _major_minor(version) >= FSDP2_DEFAULT_SINCE else 1
+        run = 2 if major_minor(version) >= FSDP2_DEFAULT_SINCE else 1
         notes.append(f"fsdp_config gives no version: transformers {version} runs FSDP{run} (set \"version\": "
                      f"{3 - run} in fsdp_config for FSDP{3 - run})")
         return run == 1

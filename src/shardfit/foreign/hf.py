@@ -139,7 +139,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -363,7 +363,7 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
     return "all-linear" if parts == ["all-linear"] else parts
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     for key in ("lora_target_modules", "target_modules"):
@@ -374,7 +374,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> 
             continue
         targets = KEYS[key].read(src.get(key), key, src.at(key))
         effect = "adapters on every linear layer" if targets == "all-linear" else \
-            plan_targets(job, key, targets, shape)
+            plan_targets(job, key, targets, shape, version)
         if effect:
             effects[key] = effect
         else:

@@ -164,7 +164,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
     apply(job, _preference(src, cmd.program, job))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     file_env(job, cmd.exported, ENV, unknown=None)
     return job
 
@@ -335,11 +335,11 @@ def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
                          f"(planned as grad_ckpt full)")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     if src.get("target_regex"):
-        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")), shape)
+        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")), shape, version)
         if effect:
             effects["target_regex"] = effect
         else:
@@ -348,7 +348,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> 
             effects["target_modules"] = "overridden by --target_regex (ms-swift trains the regex's modules)"
     elif "target_modules" in src and src.get("target_modules") != "all-linear":
         effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
-                                                                    src.where), shape)
+                                                                    src.where), shape, version)
         if effect:
             effects["target_modules"] = effect
         else:
