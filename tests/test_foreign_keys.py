@@ -563,6 +563,30 @@ def test_hf_under_accelerate_fsdp_config(tmp_path: Path, version: str, reshard: 
     assert _gib_on(job, "8xH100") < 100  # DDP: 261
 
 
+@pytest.mark.parametrize(("value", "engine"), [
+    ('"FULL_SHARD"', "fsdp_full_shard"), ('"SHARD_GRAD_OP"', "fsdp_shard_grad_op"), ('"NO_SHARD"', "ddp"),
+    ('"HYBRID_SHARD"', "fsdp_full_shard"), ("1", "fsdp_full_shard"), ("2", "fsdp_shard_grad_op"), ("3", "ddp"),
+    ("4", "fsdp_full_shard"), ("false", "fsdp_shard_grad_op"), ("true", "fsdp_full_shard"),
+])
+def test_fsdp1_sharding_strategies_are_read_by_name_and_number(tmp_path: Path, value: str, engine: str) -> None:
+    """FSDP1 stores its sharding strategy under reshard_after_forward (accelerate, the Trainer): FULL_SHARD is
+    full_shard, not a false boolean's shard_grad_op, alike in the HF Trainer's fsdp_config, ms-swift's FSDP JSON
+    and axolotl's fsdp_config; something else exits 2 naming the key."""
+    cfg = f'{{"version": 1, "reshard_after_forward": {value}}}'
+    args = {"model_name_or_path": "Qwen/Qwen2.5-14B", "bf16": True, "per_device_train_batch_size": 1,
+            "model_max_length": 4096, "fsdp": "full_shard auto_wrap", "fsdp_config": json.loads(cfg)}
+    hf = read_job("hf", _write(tmp_path, "a.json", json.dumps(args)), JobOptions(nproc=8, transformers="5.23.0"))
+    _write(tmp_path, "fsdp.json", f'{{"fsdp": "full_shard auto_wrap", "fsdp_config": {cfg}}}')
+    swift = read_job("swift", _write(tmp_path, "s.sh", SWIFT_FSDP.format("fsdp.json")), JobOptions())
+    axolotl = read_job("axolotl", _write(tmp_path, "x.yml", AXOLOTL_LORA + f"fsdp_config:\n  fsdp_version: 1\n"
+                                                           f"  reshard_after_forward: {value}\n"),
+                       JobOptions(nproc=8))
+    assert (hf.engine, swift.engine, axolotl.engine) == (engine, engine, engine)
+    with pytest.raises(UserError, match=r"fsdp_config 'reshard_after_forward' is 'FULL'.*SHARD_GRAD_OP"):
+        args["fsdp_config"] = {"version": 1, "reshard_after_forward": "FULL"}
+        read_job("hf", _write(tmp_path, "b.json", json.dumps(args)), JobOptions(nproc=8))
+
+
 def test_hf_script_lora_config_targets_are_planned(tmp_path: Path) -> None:
     """peft's LoraConfig(target_modules=[...]) written in the training script plans those modules (5.0M trainable at
     rank 16 on Qwen2.5-7B, not every linear layer's 40.4M), and convert carries them over; a string there is peft's

@@ -19,7 +19,9 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_engine,
     fsdp_settings,
+    fsdp_sharding,
     hf_loss,
     load_yaml,
     local_file,
@@ -265,8 +267,8 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, cmd: Comman
         f = str(src.get("fsdp")).lower()
         cfg = _fsdp_config(src)
         offload = "offload" in f or as_bool(cfg.get("cpu_offload", cfg.get("offload_params", False)))
-        grad_op = "shard_grad_op" in f or not as_bool(cfg.get("reshard_after_forward", True))
-        job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+        sharding = "shard_grad_op" if "shard_grad_op" in f else fsdp_sharding(cfg, f"{src.where}: --fsdp_config")
+        job.engine = fsdp_engine(sharding, offload, job.distributed)
         fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     elif not _accelerate_fsdp(src, job, cmd) and job.distributed:
@@ -298,13 +300,7 @@ def _accelerate_fsdp(src: Source, job: ForeignJob, cmd: Command | None) -> bool:
         raise UserError(f"{where}: fsdp_version is {version!r}; accelerate runs FSDP 1 or 2.")
     if "version" not in cfg:
         job.notes.append("accelerate's fsdp_version not set: it runs FSDP1 (fsdp_version: 2 for FSDP2)")
-    sharding = str(cfg.get("reshard_after_forward", cfg.get("sharding_strategy", "FULL_SHARD"))).upper()
-    if as_bool(cfg.get("offload_params", False)):
-        job.engine = "fsdp_offload"
-    elif sharding in ("NO_SHARD", "3"):
-        job.engine = "ddp" if job.distributed else "single"
-    else:
-        job.engine = "fsdp_shard_grad_op" if sharding in ("SHARD_GRAD_OP", "2", "FALSE") else "fsdp_full_shard"
+    job.engine = fsdp_engine(fsdp_sharding(cfg, where), as_bool(cfg.get("offload_params", False)), job.distributed)
     job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
     record(job, "accelerate:fsdp_version", version, effect=f"FSDP{version}")
     return True

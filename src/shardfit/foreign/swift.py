@@ -16,7 +16,9 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_engine,
     fsdp_settings,
+    fsdp_sharding,
     hf_loss,
     local_file,
     optimizer,
@@ -322,8 +324,8 @@ def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
     options = str(raw.get("fsdp", "full_shard auto_wrap")).split()
     cfg = fsdp_settings(raw.get("fsdp_config"), f"{src.where}: --fsdp {ref}")
     offload = "offload" in options or as_bool(cfg.get("offload_params", False))
-    grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
-    job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+    sharding = "shard_grad_op" if "shard_grad_op" in options else fsdp_sharding(cfg, f"{src.where}: --fsdp {ref}")
+    job.engine = fsdp_engine(sharding, offload, job.distributed)
     fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp {ref}", job.notes)  # ms-swift runs the HF Trainer
     job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
