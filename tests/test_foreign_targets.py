@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardfit.cli.main import main
+from shardfit.config.load import load_config
 from shardfit.errors import UserError
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.foreign.targets import block_modules
@@ -103,3 +104,18 @@ def test_families_with_other_module_names_are_planned_with_a_note(tmp_path: Path
     job = _lf(tmp_path, "microsoft/Phi-3-mini-4k-instruct", "q_proj,v_proj")
     assert job.workload.lora_targets == ("q", "v")
     assert any("qkv_proj" in n and "peft refuses" in n for n in job.notes)
+
+
+@pytest.mark.parametrize(("targets", "fix"), [("[q, v]", "q_proj, v_proj"), ("[q_proj, up]", "up_proj"),
+                                              ("['q_proj,v_proj']", r"\[q_proj, v_proj\]")])
+def test_own_lora_targets_that_name_no_module_exit_2(tmp_path: Path, targets: str, fix: str) -> None:
+    """shardfit's own `lora.targets` hands a list to peft as the readers' jobs do: `[q, v]` names no module (peft
+    would refuse it at train time, or skip `up` beside q_proj), so plan exits 2 naming the key and the fix, by
+    the readers' rule; a full fine-tune's unused targets are not checked."""
+    text = f"model: Qwen/Qwen2.5-7B\ndata: d.jsonl\nmethod: {{method}}\nlora: {{{{rank: 8, targets: {targets}}}}}\n"
+    path = _write(tmp_path, "own.yaml", text.format(method="lora"))
+    assert main(["plan", path, "--gpus", "1xH100"]) == 2
+    with pytest.raises(UserError, match=rf"own.yaml:4: 'lora.targets' has .* no module.*{fix}"):
+        load_config(Path(path), check_files=False)
+    full = _write(tmp_path, "full.yaml", text.format(method="full"))
+    assert load_config(Path(full), check_files=False).method == "full"

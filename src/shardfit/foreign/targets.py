@@ -12,18 +12,16 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from shardfit.config.targets import names_no_module, targets_fix
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor, transformers_version
 from shardfit.foreign.job import ForeignJob
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import LORA_TARGETS
 
-# A module name is dotted identifiers: a list entry with any other character (`q_proj,v_proj`, `.*\.q_proj`)
-# can name no module.
-_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 # The projection names the planner places on every model it lists (block_modules): an entry ending in one of them
 # that matches none of the model's modules names a module the model does not have.
-_PROJECTIONS = {f"{n}_proj" for n in LORA_TARGETS} | set(LORA_TARGETS)
+_PROJECTIONS = {f"{n}_proj" for n in LORA_TARGETS}
 # Families whose attention and MLP modules have other names than the planner's shapes can say (their catalog
 # entries are the compact form): a job naming q_proj... on them is planned, with a note to check.
 _OTHER_NAMES = {"phi-3": "qkv_proj, o_proj, gate_up_proj, down_proj",
@@ -96,26 +94,17 @@ def _own_names(modules: dict[str, list[str]]) -> str:
 
 def _refused(t: str) -> bool:
     """Whether a list entry that matched none of the modules the planner lists matches none of the model's at
-    all: no module name holds its characters, or it names one of the planner's projections (bare, or under
-    self_attn/mlp), which the planner lists wherever the model has them. Other names (lm_head, a vision tower's
-    modules) may name modules the planner does not model."""
-    if not _NAME.fullmatch(t):
+    all: it names no module of any model (config/targets.py), or names one of the planner's projections (bare,
+    or under self_attn/mlp), which the planner lists wherever the model has them. Other names (lm_head, a vision
+    tower's modules) may name modules the planner does not model."""
+    if names_no_module(t):
         return True
     return t.rsplit(".", 1)[-1] in _PROJECTIONS and (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
 
 
 def _fix(missed: list[str], modules: dict[str, list[str]]) -> str:
-    """What to give instead of the `missed` entries: the projection a short name means, a list for what is no
-    name, and the model's own module names."""
-    names = [t for t in missed if _NAME.fullmatch(t)]
-    longer = [f"{t}_proj" if t in LORA_TARGETS else t for t in names]
-    out = f"Name the projections: {', '.join(longer)}. " if longer != names else ""
-    odd = [t for t in missed if not _NAME.fullmatch(t)]
-    if odd:
-        out += (f"{odd[0]!r} is no module name (a name is dotted letters, digits and _; a list entry is not a "
-                f"regular expression, and one string holds one name): give a list of names such as "
-                f"[q_proj, v_proj]. ")
-    return out + f"The model's block modules: {_own_names(modules)}."
+    """What to give instead of the `missed` entries, and the model's own module names."""
+    return f"{targets_fix(missed)} The model's block modules: {_own_names(modules)}.".lstrip()
 
 
 def _other_family(job: ForeignJob, shape: ModelShape) -> str | None:
