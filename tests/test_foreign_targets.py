@@ -95,6 +95,9 @@ def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -
     text = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r".*mlp\.experts\.\d+\.(gate|up|down)_proj")
     experts = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions())
     assert experts.workload.lora_targets == ("gate", "up", "down")
+    short = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r"experts\.\d+\.gate_proj")
+    with pytest.raises(UserError, match=r"only the end of module names \(experts\.127\.gate_proj of model\.layers"):
+        read_job("axolotl", _write(tmp_path, "b.yml", short), JobOptions())
     assert not any(m.endswith(".mlp.gate") for m in block_modules(resolve_shape("Qwen/Qwen2.5-7B"))["gate"])
 
 

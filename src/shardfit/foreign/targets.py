@@ -124,12 +124,14 @@ def _fallback(job: ForeignJob, key: str, shown: str, modules: dict[str, list[str
 
 
 def _short_match(rx: re.Pattern[str], modules: dict[str, list[str]]) -> str | None:
-    """A trailing part of a module name (`q_proj`, `self_attn.q_proj`) that `rx` matches in full, if any."""
-    for names in modules.values():
-        parts = names[0].split(".")
+    """A trailing part of a module name that `rx` matches in full (`q_proj of model.layers.0.self_attn.q_proj`),
+    if any."""
+    kinds = {re.sub(r"\.\d+\.", ".N.", m): m for names in modules.values() for m in names}  # one of each layout
+    for name in kinds.values():
+        parts = name.split(".")
         for i in range(1, len(parts)):
             if rx.fullmatch(".".join(parts[i:])):
-                return ".".join(parts[i:])
+                return f"{'.'.join(parts[i:])} of {name}"
     return None
 
 
@@ -155,11 +157,10 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         if not planned:
             short = _short_match(rx, modules)
             if short is not None:
-                raise UserError(f"{job.source}: {key} {targets!r} matches only the end of module names ({short} "
-                                f"of {next(iter(modules.values()))[0]}): peft matches a string as a regular "
-                                f"expression on the whole name, and refuses one that matches no module. Give a "
-                                f"list of names ([q_proj, v_proj]) or a pattern over whole names "
-                                f"('.*\\.(q_proj|v_proj)').")
+                raise UserError(f"{job.source}: {key} {targets!r} matches only the end of module names ({short}): "
+                                f"peft matches a string as a regular expression on the whole name, and refuses "
+                                f"one that matches no module. Give a list of names ([q_proj, v_proj]) or a "
+                                f"pattern over whole names ('.*\\.(q_proj|v_proj)').")
             return _fallback(job, key, shown, modules, "matches none")
     else:
         hits = {n: [m for m in names if any(_matches(t, m) for t in targets)] for n, names in modules.items()}
