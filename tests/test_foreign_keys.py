@@ -12,7 +12,8 @@ import pytest
 from shardfit.cli.main import main
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import plan_job
-from shardfit.foreign.convert import to_config
+from shardfit.foreign.convert import to_config, to_yaml
+from shardfit.foreign.keys import epochs, fractional_epochs
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import parse_gpus
@@ -413,7 +414,7 @@ def test_axolotl_tensor_parallel_refusal_suggests_the_jobs_workload(tmp_path: Pa
         read_job("axolotl", _write(tmp_path, "tp.yml", AXOLOTL_FSDP + "tensor_parallel_size: 2\n"), JobOptions())
 
 
-TRAINER_ARGS = {"seed": 0, "num_train_epochs": 2.6, "save_steps": 0.25, "logging_steps": 5, "max_steps": -1,
+TRAINER_ARGS = {"seed": 0, "num_train_epochs": 2.5, "save_steps": 0.25, "logging_steps": 5, "max_steps": -1,
                 "learning_rate": 3e-5, "max_grad_norm": 0.5, "output_dir": "runs/a", "weight_decay": 0.1}
 
 
@@ -423,19 +424,29 @@ TRAINER_ARGS = {"seed": 0, "num_train_epochs": 2.6, "save_steps": 0.25, "logging
     ("hf", "args.json", None),
 ], ids=["lf_v0", "lf_v1", "hf"])
 def test_trainer_arguments_are_carried_over_alike(tmp_path: Path, tool: str, name: str, head: str | None) -> None:
-    """The HF Trainer's arguments mean one thing whichever tool passes them: a seed of 0 is a seed, 2.6 epochs are
-    3 whole ones, a save_steps below 1 (a ratio of the run) and max_steps -1 set nothing. LLaMA-Factory v1's own
-    trainer takes no weight_decay (its optimizer plugin does): not carried over there, and said as not modelled."""
+    """The HF Trainer's arguments mean one thing whichever tool passes them: a seed of 0 is a seed, 2.5 epochs are
+    3 whole ones (the Trainer trains half the third: rounded up, said in the YAML's comments), a save_steps below 1
+    (a ratio of the run) and max_steps -1 set nothing. LLaMA-Factory v1's own trainer takes no weight_decay (its
+    optimizer plugin does): not carried over there, and said as not modelled."""
     if head is None:
         text = json.dumps({"model_name_or_path": "Qwen/Qwen2.5-7B", "use_lora": True, **TRAINER_ARGS})
     else:
         text = head + "".join(f"{k}: {v}\n" for k, v in TRAINER_ARGS.items())
-    cfg = to_config(read_job(tool, _write(tmp_path, name, text), JobOptions()))
+    job = read_job(tool, _write(tmp_path, name, text), JobOptions())
+    cfg = to_config(job)
+    assert "num_train_epochs 2.5 -> epochs 3: shardfit trains whole epochs, rounded up" in to_yaml(job)
     carried = {k: cfg.get(k) for k in ("seed", "epochs", "save_steps", "log_steps", "max_steps", "lr",
                                        "max_grad_norm", "output_dir")}
     assert carried == {"seed": 0, "epochs": 3, "save_steps": None, "log_steps": 5, "max_steps": None, "lr": 3e-5,
                        "max_grad_norm": 0.5, "output_dir": "runs/a"}
     assert cfg.get("weight_decay") == (None if name == "v1.yaml" else 0.1)
+
+
+@pytest.mark.parametrize(("given", "whole"), [(2.1, 3), (1.5, 2), (0.5, 1), (2, 2)])
+def test_fractional_epochs_round_up(given: float, whole: int) -> None:
+    """Whole epochs never fewer than the Trainer's fractional count trains (2.1 is 3, not 2)."""
+    assert epochs(given, "num_train_epochs", "t.yaml") == whole
+    assert (fractional_epochs({"num_train_epochs": given}) is None) == (given == whole)
 
 
 def _trainable(job) -> float:
@@ -550,6 +561,30 @@ def test_hf_under_accelerate_fsdp_config(tmp_path: Path, version: str, reshard: 
     assert job.engine == engine and job.workload.fsdp1 is fsdp1
     assert "accelerate:fsdp_version" in job.keys or not version
     assert _gib_on(job, "8xH100") < 100  # DDP: 261
+
+
+@pytest.mark.parametrize(("value", "engine"), [
+    ('"FULL_SHARD"', "fsdp_full_shard"), ('"SHARD_GRAD_OP"', "fsdp_shard_grad_op"), ('"NO_SHARD"', "ddp"),
+    ('"HYBRID_SHARD"', "fsdp_full_shard"), ("1", "fsdp_full_shard"), ("2", "fsdp_shard_grad_op"), ("3", "ddp"),
+    ("4", "fsdp_full_shard"), ("false", "fsdp_shard_grad_op"), ("true", "fsdp_full_shard"),
+])
+def test_fsdp1_sharding_strategies_are_read_by_name_and_number(tmp_path: Path, value: str, engine: str) -> None:
+    """FSDP1 stores its sharding strategy under reshard_after_forward (accelerate, the Trainer): FULL_SHARD is
+    full_shard, not a false boolean's shard_grad_op, alike in the HF Trainer's fsdp_config, ms-swift's FSDP JSON
+    and axolotl's fsdp_config; something else exits 2 naming the key."""
+    cfg = f'{{"version": 1, "reshard_after_forward": {value}}}'
+    args = {"model_name_or_path": "Qwen/Qwen2.5-14B", "bf16": True, "per_device_train_batch_size": 1,
+            "model_max_length": 4096, "fsdp": "full_shard auto_wrap", "fsdp_config": json.loads(cfg)}
+    hf = read_job("hf", _write(tmp_path, "a.json", json.dumps(args)), JobOptions(nproc=8, transformers="5.23.0"))
+    _write(tmp_path, "fsdp.json", f'{{"fsdp": "full_shard auto_wrap", "fsdp_config": {cfg}}}')
+    swift = read_job("swift", _write(tmp_path, "s.sh", SWIFT_FSDP.format("fsdp.json")), JobOptions())
+    axolotl = read_job("axolotl", _write(tmp_path, "x.yml", AXOLOTL_LORA + f"fsdp_config:\n  fsdp_version: 1\n"
+                                                           f"  reshard_after_forward: {value}\n"),
+                       JobOptions(nproc=8))
+    assert (hf.engine, swift.engine, axolotl.engine) == (engine, engine, engine)
+    with pytest.raises(UserError, match=r"fsdp_config 'reshard_after_forward' is 'FULL'.*SHARD_GRAD_OP"):
+        args["fsdp_config"] = {"version": 1, "reshard_after_forward": "FULL"}
+        read_job("hf", _write(tmp_path, "b.json", json.dumps(args)), JobOptions(nproc=8))
 
 
 def test_hf_script_lora_config_targets_are_planned(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_engine,
     fsdp_settings,
+    fsdp_sharding,
     hf_loss,
     local_file,
     optimizer,
@@ -152,7 +154,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
                         f"shards with one of them: keep one.")
     if src.get("deepspeed"):
         use_deepspeed(job, str(src.get("deepspeed")), path.parent, src.at("deepspeed"), shape.hidden, job.notes)
-    elif fsdp := _fsdp_engine(src):
+    elif fsdp := _fsdp_engine(src, job.distributed):
         job.engine = fsdp
         _fsdp_checkpointing(src, job)
         _fsdp_version(src, job)
@@ -165,7 +167,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     apply(job, _preference(src))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     return job
 
 
@@ -372,8 +374,9 @@ def _parallel_sizes(src: Source, job: ForeignJob) -> None:
         job.shard_group(job.nproc * job.nnodes)  # sizes that cannot make the launched ranks exit 2 now
 
 
-def _fsdp_engine(src: Source) -> str | None:
-    """FSDP's engine when `fsdp` (options) or `fsdp_config` asks for it, else None."""
+def _fsdp_engine(src: Source, distributed: bool) -> str | None:
+    """FSDP's engine when `fsdp` (options) or `fsdp_config` asks for it, else None (`distributed`: over several
+    ranks, where NO_SHARD is DDP)."""
     fsdp = src.get("fsdp") or []
     fsdp = fsdp.split() if isinstance(fsdp, str) else [str(x) for x in fsdp]
     fsdp_cfg = src.get("fsdp_config") or {}
@@ -383,9 +386,8 @@ def _fsdp_engine(src: Source) -> str | None:
     cfg = fsdp_settings(fsdp_cfg, src.at("fsdp_config"))
     offload = as_bool(cfg.get("offload_params", False)) or "offload" in fsdp
     # FSDP2 keeping the gathered weights from forward to backward is FSDP1's SHARD_GRAD_OP
-    grad_op = "shard_grad_op" in fsdp or "SHARD_GRAD_OP" in str(cfg.get("sharding_strategy", "")) or \
-        not as_bool(cfg.get("reshard_after_forward", True))
-    return "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+    sharding = "shard_grad_op" if "shard_grad_op" in fsdp else fsdp_sharding(cfg, src.at("fsdp_config"))
+    return fsdp_engine(sharding, offload, distributed)
 
 
 def _targets(src: Source) -> str | list[str] | None:
@@ -400,11 +402,11 @@ def _targets(src: Source) -> str | list[str] | None:
                     f"of module names (e.g. [q_proj, v_proj]) or one regular expression over module names.")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned, effects = set(), {}
     targets = _targets(src)
     if targets and not src.flag("lora_target_linear"):
-        effect = plan_targets(job, "lora_target_modules", targets, shape)
+        effect = plan_targets(job, "lora_target_modules", targets, shape, version)
         if effect:
             effects["lora_target_modules"] = effect
         else:

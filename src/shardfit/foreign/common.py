@@ -47,10 +47,10 @@ def hf_loss(version: str, fused: bool) -> str:
     Cut Cross-Entropy) never holds the full logits: closest is shardfit's chunked loss."""
     if fused:
         return "chunked"
-    return "full_shift" if _major_minor(version) in ((4, 46), (4, 47), (4, 48)) else "full"
+    return "full_shift" if major_minor(version) in ((4, 46), (4, 47), (4, 48)) else "full"
 
 
-def _major_minor(version: str) -> tuple[int, int]:
+def major_minor(version: str) -> tuple[int, int]:
     """(major, minor) of a version string; an unreadable one counts as a current release."""
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
@@ -94,7 +94,7 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
         return str(given), None
     if tool_default is not None:
         return tool_default, f"optimizer not set: the tool's default {tool_default} (AdamW stepped in place)"
-    if _major_minor(version) >= FUSED_DEFAULT_SINCE:
+    if major_minor(version) >= FUSED_DEFAULT_SINCE:
         return "adamw_torch_fused", (f"optim not set: transformers {version} defaults to adamw_torch_fused with torch "
                                      ">= 2.8 (stepped in place; an older torch runs adamw_torch, whose multi-tensor "
                                      "step adds one fp32 copy of what each GPU trains)")
@@ -227,6 +227,40 @@ def fsdp_settings(cfg: Any, where: str) -> dict[str, Any]:
     return out
 
 
+# FSDP1's ShardingStrategy by name and by number (torch's enum), as accelerate and the HF Trainer store it under
+# `sharding_strategy` or, for FSDP1, `reshard_after_forward`; FSDP2's reshard_after_forward is a boolean (true:
+# resharded after forward, as full_shard; false: kept, as shard_grad_op), and 1 and 0 read the same either way.
+SHARDING_STRATEGIES = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "NO_SHARD": "no_shard",
+                       "HYBRID_SHARD": "hybrid_shard", "_HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
+                       "HYBRID_SHARD_ZERO2": "hybrid_shard_zero2", "1": "full_shard", "2": "shard_grad_op",
+                       "3": "no_shard", "4": "hybrid_shard", "5": "hybrid_shard_zero2"}
+
+
+def fsdp_sharding(cfg: Mapping[str, Any], where: str) -> str:
+    """How an fsdp_config (by fsdp_settings' names) shards: full_shard, shard_grad_op, no_shard, hybrid_shard or
+    hybrid_shard_zero2. `sharding_strategy` wins over `reshard_after_forward` (accelerate's plugin takes it first);
+    either may be a strategy's name or number, or a boolean. Anything else is a UserError naming the key."""
+    key = "sharding_strategy" if "sharding_strategy" in cfg else "reshard_after_forward"
+    value = cfg.get(key, True)
+    text = str(value).strip().upper().removeprefix("SHARDINGSTRATEGY.")
+    if text in SHARDING_STRATEGIES:
+        return SHARDING_STRATEGIES[text]
+    if isinstance(value, bool) or text.lower() in TRUE_WORDS + FALSE_WORDS:
+        return "full_shard" if as_bool(value) else "shard_grad_op"
+    raise UserError(f"{where}: fsdp_config '{key}' is {value!r}; give true or false (FSDP2), or an FSDP1 sharding "
+                    f"strategy: {', '.join(k for k in SHARDING_STRATEGIES if k[0].isalpha())} (or 1-5).")
+
+
+def fsdp_engine(sharding: str, offload: bool, distributed: bool) -> str:
+    """The job's engine for an FSDP run sharding as `sharding` (fsdp_sharding): no_shard is plain data
+    parallelism; a hybrid strategy shards as its within-node part (full_shard, or shard_grad_op for ZeRO-2's)."""
+    if offload:
+        return "fsdp_offload"
+    if sharding == "no_shard":
+        return "ddp" if distributed else "single"
+    return "fsdp_shard_grad_op" if sharding in ("shard_grad_op", "hybrid_shard_zero2") else "fsdp_full_shard"
+
+
 # transformers' Trainer runs FSDP2 unless fsdp_config's `version` is 1 from 5.10 on (its PR #45640); before, FSDP1
 # unless it is 2.
 FSDP2_DEFAULT_SINCE = (5, 10)
@@ -238,7 +272,7 @@ def trainer_fsdp1(cfg: Mapping[str, Any], version: str, where: str, notes: list[
     untied input embedding stays gathered in the root unit (the planner's `fsdp1`)."""
     given = cfg.get("version")
     if given is None:
-        run = 2 if _major_minor(version) >= FSDP2_DEFAULT_SINCE else 1
+        run = 2 if major_minor(version) >= FSDP2_DEFAULT_SINCE else 1
         notes.append(f"fsdp_config gives no version: transformers {version} runs FSDP{run} (set \"version\": "
                      f"{3 - run} in fsdp_config for FSDP{3 - run})")
         return run == 1

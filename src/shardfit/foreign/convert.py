@@ -11,6 +11,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
+from shardfit.foreign.keys import fractional_epochs
 from shardfit.plan.shapes import resolve_shape
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
@@ -86,6 +87,8 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
         out.append("ZeRO-3 with only the optimizer offloaded: zero3_offload keeps parameters on the host too")
     if job.zero is not None and job.zero.stage in (0, 1):
         out.append(f"ZeRO-{job.zero.stage} shards no parameters or gradients: closest is ddp")
+    if (epochs := fractional_epochs(job.keys)) is not None:
+        out.append(epochs)
     if job.workload.optimizer != "adamw":
         out.append(f"optimizer {job.workload.optimizer}: shardfit trains with AdamW")
     if job.workload.method == "qlora":

@@ -19,7 +19,9 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_engine,
     fsdp_settings,
+    fsdp_sharding,
     hf_loss,
     load_yaml,
     local_file,
@@ -139,7 +141,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -265,8 +267,8 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, cmd: Comman
         f = str(src.get("fsdp")).lower()
         cfg = _fsdp_config(src)
         offload = "offload" in f or as_bool(cfg.get("cpu_offload", cfg.get("offload_params", False)))
-        grad_op = "shard_grad_op" in f or not as_bool(cfg.get("reshard_after_forward", True))
-        job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+        sharding = "shard_grad_op" if "shard_grad_op" in f else fsdp_sharding(cfg, f"{src.where}: --fsdp_config")
+        job.engine = fsdp_engine(sharding, offload, job.distributed)
         fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     elif not _accelerate_fsdp(src, job, cmd) and job.distributed:
@@ -298,13 +300,7 @@ def _accelerate_fsdp(src: Source, job: ForeignJob, cmd: Command | None) -> bool:
         raise UserError(f"{where}: fsdp_version is {version!r}; accelerate runs FSDP 1 or 2.")
     if "version" not in cfg:
         job.notes.append("accelerate's fsdp_version not set: it runs FSDP1 (fsdp_version: 2 for FSDP2)")
-    sharding = str(cfg.get("reshard_after_forward", cfg.get("sharding_strategy", "FULL_SHARD"))).upper()
-    if as_bool(cfg.get("offload_params", False)):
-        job.engine = "fsdp_offload"
-    elif sharding in ("NO_SHARD", "3"):
-        job.engine = "ddp" if job.distributed else "single"
-    else:
-        job.engine = "fsdp_shard_grad_op" if sharding in ("SHARD_GRAD_OP", "2", "FALSE") else "fsdp_full_shard"
+    job.engine = fsdp_engine(fsdp_sharding(cfg, where), as_bool(cfg.get("offload_params", False)), job.distributed)
     job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
     record(job, "accelerate:fsdp_version", version, effect=f"FSDP{version}")
     return True
@@ -363,7 +359,7 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
     return "all-linear" if parts == ["all-linear"] else parts
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     for key in ("lora_target_modules", "target_modules"):
@@ -374,7 +370,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> 
             continue
         targets = KEYS[key].read(src.get(key), key, src.at(key))
         effect = "adapters on every linear layer" if targets == "all-linear" else \
-            plan_targets(job, key, targets, shape)
+            plan_targets(job, key, targets, shape, version)
         if effect:
             effects[key] = effect
         else:

@@ -10,6 +10,7 @@ job gives under "modelled" or "not modelled", so that a key no table knows is sh
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,8 +209,30 @@ def flag(value: Any, key: str, where: str) -> bool:
 
 
 def epochs(value: Any, key: str, where: str) -> int:
-    """Whole epochs, at least one (shardfit trains whole epochs)."""
-    return max(1, round(as_float(value, key, where)))
+    """Whole epochs, at least one (shardfit trains whole epochs), rounded up: the HF Trainer trains a fractional
+    epoch count as that fraction of the last epoch's steps, so fewer whole epochs would train less than the job
+    (convert says so in a comment: `fractional_epochs`)."""
+    return max(1, math.ceil(as_float(value, key, where)))
+
+
+# The tools' keys for the epochs to train, by which `fractional_epochs` finds the job's.
+EPOCH_KEYS = ("num_train_epochs", "num_epochs")
+
+
+def fractional_epochs(given: Mapping[str, Any]) -> str | None:
+    """What converting a fractional epoch count (`given`: tool key -> value, as ForeignJob.keys files it) to whole
+    ones does, or None
+    when the count is whole (or not a number)."""
+    for key in EPOCH_KEYS:
+        value = str(given.get(key, "")).split(" ", 1)[0]  # a filed key reads "2.5 (its effect)"
+        try:
+            n = float(value)
+        except ValueError:
+            continue
+        if n > 0 and not n.is_integer():
+            return (f"{key} {value} -> epochs {math.ceil(n)}: shardfit trains whole epochs, rounded up so the "
+                    f"run trains no less than the tool's {n} (set max_steps to the tool's step count to stop there)")
+    return None
 
 
 def positive(value: Any, key: str, where: str) -> int | None:

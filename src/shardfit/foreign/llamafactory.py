@@ -146,7 +146,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     if columns:
         job.convert["data_columns"] = columns
     apply(job, _preference(src, str(model)))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     return job
 
 
@@ -239,12 +239,12 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field"))
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned = {"optim"} if optimizer(str(src.get("optim", "adamw_torch"))) is None else set()
     effects = {}
     targets = lora_targets(src.get("lora_target", "all"), "lora_target", src.at("lora_target"))
     if targets != "all-linear":
-        effect = plan_targets(job, "lora_target", targets, shape)
+        effect = plan_targets(job, "lora_target", targets, shape, version)
         if effect:
             effects["lora_target"] = effect
         else:

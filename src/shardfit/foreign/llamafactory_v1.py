@@ -48,10 +48,16 @@ QUANT = ("bnb", "auto")  # bnb defaults to 4 bits; auto quantizes only when quan
 
 
 def lora_targets(value: Any, key: str, where: str) -> str | list[str]:
-    """`target_modules`: `all`, one module name, or a list of them."""
+    """`target_modules` (`key`, at `where`): `all`, one module name (v1 hands a string to peft as a one-name list,
+    so it is no regular expression), or a list of names; anything else peft cannot match is a UserError."""
     if value == "all":
         return "all-linear"
-    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise UserError(f"{where}: {key} is {value!r}; v1 takes `all` or module names, one or a YAML list of them: "
+                        f"`{key.rsplit('.', 1)[-1]}: [q_proj, v_proj]`.")
+    return value
 
 
 # What each v1 key means to shardfit; a plugin's keys are named `plugin.key`.
@@ -401,7 +407,8 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> 
         effects |= {"pref_loss": "objective {objective}", "pref_beta": NO_EFFECT, "simpo_gamma": NO_EFFECT}
     elif unplanned & {"pref_loss", "pref_beta"}:
         job.notes.append("v1 trains DPO when run as `llamafactory-cli dpo`; this YAML is planned as sft")
-    targets = lora_targets(src.get("peft_config.target_modules", "all"), "", "")
+    targets = lora_targets(src.get("peft_config.target_modules", "all"), "peft_config.target_modules",
+                           src.at("peft_config.target_modules"))
     if targets != "all-linear" and w.trains_adapters:  # the freeze plugin has no targets
         effect = plan_targets(job, "peft_config.target_modules", targets, shape)
         if effect:

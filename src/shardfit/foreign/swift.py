@@ -16,7 +16,9 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    fsdp_engine,
     fsdp_settings,
+    fsdp_sharding,
     hf_loss,
     local_file,
     optimizer,
@@ -164,7 +166,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
     apply(job, _preference(src, cmd.program, job))
-    _file_keys(src, job, job.workload, shape)
+    _file_keys(src, job, job.workload, shape, version)
     file_env(job, cmd.exported, ENV, unknown=None)
     return job
 
@@ -322,8 +324,8 @@ def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
     options = str(raw.get("fsdp", "full_shard auto_wrap")).split()
     cfg = fsdp_settings(raw.get("fsdp_config"), f"{src.where}: --fsdp {ref}")
     offload = "offload" in options or as_bool(cfg.get("offload_params", False))
-    grad_op = "shard_grad_op" in options or not as_bool(cfg.get("reshard_after_forward", True))
-    job.engine = "fsdp_offload" if offload else "fsdp_shard_grad_op" if grad_op else "fsdp_full_shard"
+    sharding = "shard_grad_op" if "shard_grad_op" in options else fsdp_sharding(cfg, f"{src.where}: --fsdp {ref}")
+    job.engine = fsdp_engine(sharding, offload, job.distributed)
     fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp {ref}", job.notes)  # ms-swift runs the HF Trainer
     job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
@@ -335,11 +337,11 @@ def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
                          f"(planned as grad_ckpt full)")
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
     if src.get("target_regex"):
-        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")), shape)
+        effect = plan_targets(job, "--target_regex", str(src.get("target_regex")), shape, version)
         if effect:
             effects["target_regex"] = effect
         else:
@@ -348,7 +350,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> 
             effects["target_modules"] = "overridden by --target_regex (ms-swift trains the regex's modules)"
     elif "target_modules" in src and src.get("target_modules") != "all-linear":
         effect = plan_targets(job, "--target_modules", lora_targets(src.get("target_modules"), "target_modules",
-                                                                    src.where), shape)
+                                                                    src.where), shape, version)
         if effect:
             effects["target_modules"] = effect
         else:

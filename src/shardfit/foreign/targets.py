@@ -3,31 +3,82 @@ ms-swift's `--target_modules`, peft's `target_modules`), planned as the adapters
 
 Targets are matched as peft matches them, on the module names of the job's own model: a list entry names the
 modules whose name is it or ends with "." and it (`q_proj`, `self_attn.q_proj`; `q` is no suffix of `q_proj`), a
-string is one regular expression that must match a module's whole name."""
+string is one regular expression that must match a module's whole name. Where peft would refuse the targets
+(nothing matches), the job exits 2; where the planner cannot tell (names of modules it does not model), it plans
+every linear layer and says so."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 
+from shardfit.config.targets import names_no_module, targets_fix
 from shardfit.errors import UserError
+from shardfit.foreign.common import major_minor, transformers_version
 from shardfit.foreign.job import ForeignJob
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import LORA_TARGETS
 
+# The projection names the planner places on every model it lists (block_modules): an entry ending in one of them
+# that matches none of the model's modules names a module the model does not have.
+_PROJECTIONS = {f"{n}_proj" for n in LORA_TARGETS}
+# Families whose attention and MLP modules have other names than the planner's shapes can say (their catalog
+# entries are the compact form): a job naming q_proj... on them is planned, with a note to check.
+_OTHER_NAMES = {"phi-3": "qkv_proj, o_proj, gate_up_proj, down_proj",
+                "phi-4-mini": "qkv_proj, o_proj, gate_up_proj, down_proj",
+                "mixtral": "q_proj, k_proj, v_proj, o_proj, and in transformers 4 block_sparse_moe.gate and its "
+                           "experts' w1, w2, w3",
+                "glm-4-9b": "query_key_value, dense, dense_h_to_4h, dense_4h_to_h",
+                "chatglm": "query_key_value, dense, dense_h_to_4h, dense_4h_to_h"}
 
-def block_modules(shape: ModelShape) -> dict[str, list[str]]:
-    """The projections of `shape`'s decoder blocks that the planner counts adapters on (LORA_TARGETS names), each
-    with its module names as transformers builds the model: `model.layers.N.self_attn.q_proj` for a text model,
-    under `model.language_model` for one with a vision or audio tower; an MLP of two matrices has no gate_proj."""
-    prefix = "model.language_model.layers" if shape.multimodal else "model.layers"
-    out = {}
-    for name in LORA_TARGETS:
-        if name == "gate" and shape.two_matrix:
-            continue
-        parent = "self_attn" if name in ("q", "k", "v", "o") else "mlp"
-        out[name] = [f"{prefix}.{i}.{parent}.{name}_proj" for i in range(shape.layers)]
-    return out
+
+def _block_prefixes(shape: ModelShape, version: str) -> tuple[str, ...]:
+    """Where the decoder blocks sit: `model.layers`, or for a model with a vision or audio tower
+    `model.language_model.layers` from transformers 4.52 (its refactor of the multimodal classes); before it, one
+    of `model.layers` (Qwen2-VL) and `language_model.model.layers` (LLaVA-style), which the shape does not say."""
+    if not shape.multimodal:
+        return ("model.layers",)
+    if major_minor(version) >= (4, 52):
+        return ("model.language_model.layers",)
+    return ("model.layers", "language_model.model.layers")
+
+
+def _attention(shape: ModelShape) -> dict[str, list[str]]:
+    """A block's attention modules by the LORA_TARGETS name the planner counts them under (ModelShape.
+    attention_linears): MLA's low-rank query and key-value projections count as q and k, and it has no v_proj."""
+    if shape.mla is None:
+        return {n: [f"self_attn.{n}_proj"] for n in ("q", "k", "v", "o")}
+    q = ["self_attn.q_a_proj", "self_attn.q_b_proj"] if shape.mla.q_rank else ["self_attn.q_proj"]
+    return {"q": q, "k": ["self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"], "o": ["self_attn.o_proj"]}
+
+
+def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, list[str]]:
+    """The modules of `shape`'s decoder blocks that the planner counts adapters on, by LORA_TARGETS name, with
+    their names as transformers `version` (default: the installed one) builds the model:
+    `model.layers.N.self_attn.q_proj` for a text model; an MLP of two matrices has no gate_proj; a mixture's
+    blocks hold `mlp.experts.M.gate_proj`... and a shared expert's, its first `dense_layers` a dense MLP, and
+    `mlp.gate`, the router, a linear layer that peft adapts, counted under gate (the router's adapters are not
+    modelled: planning it as gate projections is the larger estimate)."""
+    prefixes = _block_prefixes(shape, version or transformers_version())
+    parts = _attention(shape)
+    mlp = [n for n in ("gate", "up", "down") if not (n == "gate" and shape.two_matrix)]
+    shared = "shared_experts" if shape.mla is not None else "shared_expert"
+    out: dict[str, list[str]] = {n: [] for n in LORA_TARGETS}
+    for prefix in prefixes:
+        for i in range(shape.layers):
+            block = f"{prefix}.{i}"
+            for name, modules in parts.items():
+                out[name] += [f"{block}.{m}" for m in modules]
+            if not shape.moe or i < shape.dense_layers:
+                for name in mlp:
+                    out[name].append(f"{block}.mlp.{name}_proj")
+                continue
+            out["gate"].append(f"{block}.mlp.gate")
+            for name in mlp:
+                out[name] += [f"{block}.mlp.experts.{e}.{name}_proj" for e in range(shape.experts)]
+                if shape.shared_intermediate:
+                    out[name].append(f"{block}.mlp.{shared}.{name}_proj")
+    return {n: names for n, names in out.items() if names}
 
 
 def _matches(target: str, module: str) -> bool:
@@ -35,46 +86,111 @@ def _matches(target: str, module: str) -> bool:
     return module == target or module.endswith("." + target)
 
 
-def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: ModelShape) -> str:
+def _own_names(modules: dict[str, list[str]]) -> str:
+    """The last parts of the model's block modules, each once (`q_proj, k_proj, ..., down_proj`)."""
+    seen = dict.fromkeys(m.rsplit(".", 1)[-1] for names in modules.values() for m in names)
+    return ", ".join(seen)
+
+
+def _refused(t: str) -> bool:
+    """Whether a list entry that matched none of the modules the planner lists matches none of the model's at
+    all: it names no module of any model (config/targets.py), or names one of the planner's projections (bare,
+    or under self_attn/mlp), which the planner lists wherever the model has them. Other names (lm_head, a vision
+    tower's modules) may name modules the planner does not model."""
+    if names_no_module(t):
+        return True
+    return t.rsplit(".", 1)[-1] in _PROJECTIONS and (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
+
+
+def _fix(missed: list[str], modules: dict[str, list[str]]) -> str:
+    """What to give instead of the `missed` entries, and the model's own module names."""
+    return f"{targets_fix(missed)} The model's block modules: {_own_names(modules)}.".lstrip()
+
+
+def _other_family(job: ForeignJob, shape: ModelShape) -> str | None:
+    """The module names of a family the shape cannot tell apart (Phi-3's fused qkv_proj...), when `job`'s model
+    is one of them."""
+    ids = f"{job.model} {shape.id}".lower()
+    return next((names for family, names in _OTHER_NAMES.items() if family in ids), None)
+
+
+def _fallback(job: ForeignJob, key: str, shown: str, modules: dict[str, list[str]], what: str) -> str:
+    """Every linear layer, with the note saying why (targets the planner cannot place)."""
+    example = next(iter(modules.values()))[0]
+    job.notes.append(f"{key} {shown}: {what} of the projections of {job.model}'s blocks (named as {example}); "
+                     f"planned as adapters on every linear layer (an over-estimate; peft refuses targets that "
+                     f"match no module of the model at all)")
+    return ""
+
+
+def _short_match(rx: re.Pattern[str], modules: dict[str, list[str]]) -> str | None:
+    """A trailing part of a module name that `rx` matches in full (`q_proj of model.layers.0.self_attn.q_proj`),
+    if any."""
+    kinds = {re.sub(r"\.\d+\.", ".N.", m): m for names in modules.values() for m in names}  # one of each layout
+    for name in kinds.values():
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            if rx.fullmatch(".".join(parts[i:])):
+                return f"{'.'.join(parts[i:])} of {name}"
+    return None
+
+
+def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: ModelShape,
+                 version: str | None = None) -> str:
     """Plan the job's adapters on `targets` (module names, or one regular expression over them as peft reads a
-    string; not all-linear) of `shape`'s modules, and return the effect the plan shows beside `key`. Targets that
-    reach none of the projections the planner counts (other modules, a pattern over another model's names) leave
-    the adapters on every linear layer, said in a note, and return "" (the key is then not modelled). A list whose
-    every entry is a projection's short name that matches nothing (`q` for `q_proj`) is a UserError: peft refuses
-    targets that match no module."""
-    modules = block_modules(shape)
+    string; not all-linear) of `shape`'s modules as transformers `version` names them (default: the installed
+    one), and return the effect the plan shows beside `key`. Targets peft refuses (none matches a module) are a
+    UserError: a string that matches only the end of a name (`q_proj`: peft matches it on the whole name), list
+    entries of which none names a module (`q` for q_proj, `q_proj,v_proj` as one name, a projection the model
+    lacks). Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
+    leave the adapters on every linear layer, said in a note, and return "" (the key is then not modelled)."""
+    modules = block_modules(shape, version)
+    shown = targets if isinstance(targets, str) else ", ".join(targets)
     if isinstance(targets, str):
         try:
             rx = re.compile(targets)
         except re.error as e:  # peft would fail on it when it builds the adapters
             raise UserError(f"{job.source}: {key} {targets!r} is not a regular expression ({e}); give module names "
                             f"or a valid regular expression over module names.") from None
-        planned = tuple(n for n, names in modules.items() if any(rx.fullmatch(m) for m in names))
-        missed: list[str] = []
-        unknown = not planned
-    else:
-        planned = tuple(n for n, names in modules.items() if any(_matches(t, m) for t in targets for m in names))
-        missed = [t for t in targets if not any(_matches(t, m) for names in modules.values() for m in names)]
-        unknown = any(t.split(".")[-1] not in LORA_TARGETS for t in missed)
-    shown = targets if isinstance(targets, str) else ", ".join(targets)
-    if unknown or not planned and not missed:
-        example = modules[next(iter(modules))][0]
-        what = "matches none" if isinstance(targets, str) else "names modules beyond those"
-        job.notes.append(f"{key} {shown}: {what} of the q/k/v/o/gate/up/down projections of {job.model}'s blocks "
-                         f"(named as {example}); planned as adapters on every linear layer (an over-estimate; peft "
-                         f"refuses targets that match no module of the model at all)")
-        return ""
-    if missed:
-        fix = ", ".join(f"{t}_proj" if t in LORA_TARGETS else t for t in missed)
+        hits = {n: [m for m in names if rx.fullmatch(m)] for n, names in modules.items()}
+        planned = tuple(n for n, found in hits.items() if found)
         if not planned:
-            example = modules.get(missed[0].split(".")[-1], next(iter(modules.values())))[0]
+            short = _short_match(rx, modules)
+            if short is not None:
+                raise UserError(f"{job.source}: {key} {targets!r} matches only the end of module names ({short}): "
+                                f"peft matches a string as a regular expression on the whole name, and refuses "
+                                f"one that matches no module. Give a list of names ([q_proj, v_proj]) or a "
+                                f"pattern over whole names ('.*\\.(q_proj|v_proj)').")
+            return _fallback(job, key, shown, modules, "matches none")
+    else:
+        hits = {n: [m for m in names if any(_matches(t, m) for t in targets)] for n, names in modules.items()}
+        planned = tuple(n for n, found in hits.items() if found)
+        missed = [t for t in targets if not any(_matches(t, m) for names in modules.values() for m in names)]
+        if any(not _refused(t) for t in missed):
+            return _fallback(job, key, shown, modules, "names modules beyond those")
+        if missed and not planned:
+            example = next(iter(modules.values()))[0]
             raise UserError(f"{job.source}: {key} {shown} matches no module of {job.model}: peft matches a name on "
-                            f"the module name's last parts ({example}), and refuses "
-                            f"targets that match none. Name the projections: {fix}.")
-        job.notes.append(f"{key}: {', '.join(missed)} matches no module (peft compares the end of the module's "
-                         f"name: {fix}), so peft adapts only the others")
+                            f"the module name's last parts ({example}), and refuses targets that match none. "
+                            f"{_fix(missed, modules)}")
+        if missed:
+            job.notes.append(f"{key}: {', '.join(missed)} matches no module (peft compares the end of the module's "
+                             f"name), so peft adapts only the others. {_fix(missed, modules)}")
+    _notes(job, key, hits, shape)
     job.workload = dataclasses.replace(job.workload, lora_targets=planned)
     on = ", ".join(f"{name}_proj" for name in planned)
     if isinstance(targets, str):
         return f"a regular expression: adapters on {on} of every block it names"
     return f"adapters on {on}"
+
+
+def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelShape) -> None:
+    """What the plan of targets that peft takes leaves uncertain: a mixture's router planned as gate projections,
+    a family whose module names the shape cannot say."""
+    if hits.get("gate") and all(m.endswith(".mlp.gate") for m in hits["gate"]):
+        job.notes.append(f"{key}: mlp.gate is {job.model}'s router, a linear layer peft adapts; its adapters are "
+                         f"planned as gate projections (an over-estimate)")
+    other = _other_family(job, shape)
+    if other is not None:
+        job.notes.append(f"{key}: {job.model}'s modules are named {other}, which the planner's shape does not "
+                         f"say: planned on the usual projection names; peft refuses a name the model does not have")

@@ -1,0 +1,124 @@
+"""LoRA targets of other tools' jobs, matched as peft matches them on the model's own module names: what peft
+refuses exits 2, what the planner cannot place plans every linear layer with a note."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.cli.main import main
+from shardfit.config.load import load_config
+from shardfit.errors import UserError
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.foreign.targets import block_modules
+from shardfit.plan.shapes import resolve_shape
+
+LF = "model_name_or_path: {model}\nfinetuning_type: lora\nlora_rank: 16\nlora_target: {targets}\ncutoff_len: 2048\n"
+V1 = "model: Qwen/Qwen3-4B\npeft_config:\n  name: lora\n  r: 8\n  target_modules: {targets}\ncutoff_len: 1024\n"
+AXOLOTL = ("base_model: {model}\nadapter: lora\nlora_r: 16\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: true\n"
+           "lora_target_modules: '{targets}'\n")
+HF = ("from peft import LoraConfig, get_peft_model\nfrom transformers import AutoModelForCausalLM, Trainer, "
+      "TrainingArguments\nmodel = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-7B')\n"
+      "model = get_peft_model(model, LoraConfig(r=16, target_modules={targets}))\n"
+      "args = TrainingArguments(output_dir='o', per_device_train_batch_size=1, bf16=True)\n"
+      "Trainer(model=model, args=args).train()\n")
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _lf(tmp_path: Path, model: str, targets: str, **opts):
+    return read_job("llamafactory", _write(tmp_path, "lf.yaml", LF.format(model=model, targets=targets)),
+                    JobOptions(**opts))
+
+
+@pytest.mark.parametrize("targets", ["'q_proj'", "'q_proj|v_proj'", "r'self_attn\\.q_proj'"])
+def test_a_string_that_matches_only_the_end_of_module_names_is_refused(tmp_path: Path, targets: str) -> None:
+    """peft matches a string target on the whole module name (re.fullmatch), so `q_proj` as a string reaches no
+    module and peft raises: exit 2 with the fix, not every linear layer planned. A pattern over whole names plans
+    what it matches; one over paths the planner does not model still plans every linear layer, with a note."""
+    script = _write(tmp_path, "train.py", HF.format(targets=targets))
+    with pytest.raises(UserError, match=r"target_modules .* matches only the end of module names.*q_proj\|v_proj"):
+        read_job("hf", script, JobOptions())
+    assert main(["plan", "--from", "hf", script, "--gpus", "1xH100"]) == 2
+    ok = read_job("hf", _write(tmp_path, "train.py", HF.format(targets="r'.*\\.q_proj'")), JobOptions())
+    assert ok.workload.lora_targets == ("q",)
+    other = read_job("hf", _write(tmp_path, "train.py", HF.format(targets="r'vision\\..*'")), JobOptions())
+    assert other.workload.lora_targets is None and any("every linear layer" in n for n in other.notes)
+
+
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "'.*\\.q_proj'"])
+def test_v1_string_targets_are_one_literal_name(tmp_path: Path, targets: str) -> None:
+    """LLaMA-Factory v1 hands a string target to peft as a one-name list, so `q_proj,v_proj` or a regex names a
+    module literally and matches none: exit 2 suggesting a YAML list."""
+    path = _write(tmp_path, "v1.yaml", V1.format(targets=targets))
+    with pytest.raises(UserError, match=r"peft_config.target_modules .*is no module name.*\[q_proj, v_proj\]"):
+        read_job("llamafactory", path, JobOptions())
+
+
+@pytest.mark.parametrize("targets", ["5", "{a: 1}", "[q_proj, 1]"])
+def test_v1_targets_of_another_type_are_refused(tmp_path: Path, targets: str) -> None:
+    path = _write(tmp_path, "v1.yaml", V1.format(targets=targets))
+    with pytest.raises(UserError, match=r"v1.yaml:5: peft_config.target_modules is .*\[q_proj, v_proj\]"):
+        read_job("llamafactory", path, JobOptions())
+
+
+def test_vl_blocks_move_under_language_model_from_transformers_4_52(tmp_path: Path) -> None:
+    """Qwen2-VL's blocks are model.layers.N before transformers 4.52 and model.language_model.layers.N from it: an
+    anchored pattern is planned on the version the job runs."""
+    pattern = r"model\.layers\.\d+\.self_attn\.(q|v)_proj"
+    text = AXOLOTL.format(model="Qwen/Qwen2-VL-7B-Instruct", targets=pattern)
+    old = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions(transformers="4.45.0"))
+    new = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions(transformers="4.52.0"))
+    assert old.workload.lora_targets == ("q", "v")
+    assert new.workload.lora_targets is None
+
+
+def test_mla_attention_has_no_v_proj(tmp_path: Path) -> None:
+    """DeepSeek-V3's attention is q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj: q_proj, v_proj match
+    none of its modules (peft refuses), and its own names are planned as the q and k projections."""
+    with pytest.raises(UserError, match=r"lora_target q_proj, v_proj matches no module.*kv_a_proj_with_mqa"):
+        _lf(tmp_path, "deepseek-ai/DeepSeek-V3", "q_proj,v_proj")
+    own = _lf(tmp_path, "deepseek-ai/DeepSeek-V3", "q_a_proj,q_b_proj,kv_b_proj")
+    assert own.workload.lora_targets == ("q", "k")
+
+
+def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B's mlp.gate is its router, a linear layer: `gate` is planned (as gate projections, with a
+    note), not refused; a pattern over its experts' projections plans them."""
+    gate = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "gate")
+    assert gate.workload.lora_targets == ("gate",) and any("router" in n for n in gate.notes)
+    text = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r".*mlp\.experts\.\d+\.(gate|up|down)_proj")
+    experts = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions())
+    assert experts.workload.lora_targets == ("gate", "up", "down")
+    short = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r"experts\.\d+\.gate_proj")
+    with pytest.raises(UserError, match=r"only the end of module names \(experts\.127\.gate_proj of model\.layers"):
+        read_job("axolotl", _write(tmp_path, "b.yml", short), JobOptions())
+    assert not any(m.endswith(".mlp.gate") for m in block_modules(resolve_shape("Qwen/Qwen2.5-7B"))["gate"])
+
+
+def test_families_with_other_module_names_are_planned_with_a_note(tmp_path: Path) -> None:
+    """Phi-3's shape (the compact catalog form) cannot list its fused qkv_proj/gate_up_proj: q_proj, v_proj is
+    planned as before, with a note that peft refuses names the model lacks."""
+    job = _lf(tmp_path, "microsoft/Phi-3-mini-4k-instruct", "q_proj,v_proj")
+    assert job.workload.lora_targets == ("q", "v")
+    assert any("qkv_proj" in n and "peft refuses" in n for n in job.notes)
+
+
+@pytest.mark.parametrize(("targets", "fix"), [("[q, v]", "q_proj, v_proj"), ("[q_proj, up]", "up_proj"),
+                                              ("['q_proj,v_proj']", r"\[q_proj, v_proj\]")])
+def test_own_lora_targets_that_name_no_module_exit_2(tmp_path: Path, targets: str, fix: str) -> None:
+    """shardfit's own `lora.targets` hands a list to peft as the readers' jobs do: `[q, v]` names no module (peft
+    would refuse it at train time, or skip `up` beside q_proj), so plan exits 2 naming the key and the fix, by
+    the readers' rule; a full fine-tune's unused targets are not checked."""
+    text = f"model: Qwen/Qwen2.5-7B\ndata: d.jsonl\nmethod: {{method}}\nlora: {{{{rank: 8, targets: {targets}}}}}\n"
+    path = _write(tmp_path, "own.yaml", text.format(method="lora"))
+    assert main(["plan", path, "--gpus", "1xH100"]) == 2
+    with pytest.raises(UserError, match=rf"own.yaml:4: 'lora.targets' has .* no module.*{fix}"):
+        load_config(Path(path), check_files=False)
+    full = _write(tmp_path, "full.yaml", text.format(method="full"))
+    assert load_config(Path(full), check_files=False).method == "full"
