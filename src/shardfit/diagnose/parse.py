@@ -19,6 +19,7 @@ a phrase), and the structured fields.
 from __future__ import annotations
 
 import re
+import re._parser as sre_parse  # the regex's parsed form: which pieces can match a line break
 from dataclasses import dataclass, field
 
 from shardfit.diagnose.setting import Setting, gpu_rows, read_setting
@@ -513,6 +514,50 @@ class LineFilter:
 
 
 FactPattern = re.Pattern | LineFilter
+
+
+def _set_has_newline(items: list, negate: bool = False) -> bool:
+    """Whether a character set of the parsed regex (its items: literals, ranges, categories) holds a line break."""
+    hit = False
+    for op, av in items:
+        name = str(op)
+        if name == "NEGATE":
+            negate = True
+        elif name == "LITERAL":
+            hit = hit or av == 10
+        elif name == "RANGE":
+            hit = hit or av[0] <= 10 <= av[1]
+        elif name == "CATEGORY":
+            hit = hit or str(av) in ("CATEGORY_SPACE", "CATEGORY_NOT_WORD", "CATEGORY_NOT_DIGIT",
+                                     "CATEGORY_LINEBREAK")
+    return hit != negate
+
+
+def crosses_lines(pattern: re.Pattern) -> str | None:
+    """The first piece of a regex that can match a line break (`\\s`, `\\W`, `[^x]`, `.` under DOTALL), else None: a
+    LineFilter cuts the text at line breaks, so a keyed pattern must hold none to answer as the plain search."""
+    dotall = bool(pattern.flags & re.S)
+
+    def walk(tree: object) -> str | None:
+        for op, av in tree:
+            name = str(op)
+            if name == "ANY" and dotall:
+                return "'.' under DOTALL"
+            if (name == "LITERAL" and av == 10) or (name == "NOT_LITERAL" and av != 10):
+                return "a character that may be a line break"
+            if name == "IN" and _set_has_newline(av):
+                return "a character class holding the line break (\\s, \\W, [^...] without \\n)"
+            for sub in (av if isinstance(av, (tuple, list)) else ()):
+                found = None
+                if isinstance(sub, sre_parse.SubPattern):
+                    found = walk(sub)
+                elif isinstance(sub, list) and sub and all(isinstance(x, sre_parse.SubPattern) for x in sub):
+                    found = next((f for f in map(walk, sub) if f), None)
+                if found:
+                    return found
+        return None
+
+    return walk(sre_parse.parse(pattern.pattern, pattern.flags))
 
 
 def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
