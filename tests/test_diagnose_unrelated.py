@@ -372,3 +372,11 @@ def test_a_failure_told_outside_the_transcript_keeps_the_version_answer(log: str
     version answer first."""
     assert _cats(log)[:1] == ["library_version_regression"]
 
+
+
+def test_a_version_question_wrapped_before_the_users_version_keeps_the_version_answer() -> None:
+    """sym_version is matched line by line; a question whose answer (the user's own release) a terminal wrapped onto
+    the next line still points at the versions."""
+    log = ("RuntimeError: CUDA error: an illegal memory access was encountered\n"
+           "What version of liger-kernel did you use in the paper? I'm using\n0.3.1 with the recipe's config")
+    assert _cats(log)[:1] == ["library_version_regression"]
