@@ -329,6 +329,19 @@ def test_a_clean_install_by_any_manager_is_no_failure(log: str, question: str) -
      "library_version_regression"),
     ("TypeError: KDTrainer.create_accelerator_and_postprocess() got an unexpected keyword argument 'plugin'",
      "library_version_regression"),
+    # TRL's loop methods, and subclasses named after the trainer anywhere in the name
+    ("TypeError: DistillTrainerKL.get_batch_loss_metrics() got an unexpected keyword argument 'train_eval'",
+     "library_version_regression"),
+    ("TypeError: PatchedGRPO._generate_and_score_completions() got an unexpected keyword argument 'inputs'",
+     "library_version_regression"),
+    ("TypeError: MyCollator.__call__() got an unexpected keyword argument 'return_tensors'",
+     "library_version_regression"),
+    ("TypeError: PatchedGRPO.rescale_advantages() got an unexpected keyword argument 'group_size'",
+     "library_version_regression"),
+    ("TypeError: DistillTrainerKL.kl_term() got an unexpected keyword argument 'temperature'",
+     "library_version_regression"),
+    # the user's own module or dataset named after the method stays the user's
+    ("TypeError: SFTDataset.__init__() got an unexpected keyword argument 'max_len'", "none"),
     # a library's class (a model family's, peft's tuner, a collator) or a keyword the libraries renamed
     ("TypeError: Qwen2Model.forward() got an unexpected keyword argument 'labels'", "library_version_regression"),
     ("TypeError: BaseTuner.__init__() got an unexpected keyword argument 'low_cpu_mem_usage'",

@@ -136,7 +136,15 @@ _FRAMEWORK_HOOK = re.compile(
     r"training_step|compute_loss|prediction_step|evaluation_loop|_save|_save_checkpoint|create_optimizer\w*|"
     r"create_scheduler|get_train_dataloader|get_eval_dataloader|_get_train_sampler|_prepare_inputs|get_batch_samples|"
     r"_maybe_log_save_evaluate|_load_from_checkpoint|log|on_\w+|configure_optimizers|validation_step|test_step|"
-    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops")
+    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops|"
+    # TRL's loops call these on a DPO / GRPO / PPO / KTO subclass; a DataLoader calls a collator's __call__
+    r"get_batch_loss_metrics|concatenated_forward|concatenated_inputs|_generate_and_score_completions|"
+    r"_?compute_rewards?\w*|_get_per_token_logps|compute_ref_log_probs|tokenize_row|_prepare_dataset|dpo_loss|"
+    r"__call__|torch_call|numpy_call")
+# a subclass of a framework's trainer or callback, by a name holding the trainer's (PatchedGRPO, DistillTrainerKL);
+# not a model part or dataset of the user's named after the method (RewardHead, SFTDataset, DPOLoss)
+_FRAMEWORK_CLASS = re.compile(r"(?!\w*(Head|Model|Net|Module|Layer|Encoder|Decoder|Loss|Dataset)$)"
+                              r"\w*(Trainer|Callback|DPO|GRPO|PPO|KTO|ORPO|SFT|Reward)\w*")
 _FAMILY_CLASS = re.compile(
     r"(Llama|Qwen|Mistral|Mixtral|Gemma|Phi|GPT|Falcon|Baichuan|ChatGLM|GLM|InternLM|DeepSeek|Bert|Roberta|Deberta|"
     r"T5|MT5|Bart|Whisper|CLIP|Clip|Siglip|Llava|LLaVA|Idefics|Mllama|OPT|Bloom|Olmo|Cohere|Starcoder|MiniCPM|ViT|"
@@ -160,7 +168,7 @@ def _own_call(p: Parsed) -> bool:
     cls, method = m.group("cls"), m.group("method")
     # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
     return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
-                or cls.endswith(("Trainer", "Callback")))
+                or _FRAMEWORK_CLASS.fullmatch(cls))
 
 
 # A package manager's report that an install went through (pip, uv, poetry, conda/mamba), and what it may print
