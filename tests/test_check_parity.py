@@ -262,3 +262,16 @@ def test_checks_strategy_verdict_is_the_ranks(monkeypatch: pytest.MonkeyPatch) -
         fits.refuse_if_oom(small, "single", force=False)
     found = rules.plan_rules(small, get_strategy("single"), False)
     assert [f.rule for f in found] == ["predicted_oom"] and found[0].severity == "error", found
+
+
+def test_check_refuses_two_node_counts_that_disagree(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`check C --nodes 2 --nnodes 3` silently took 3 (one dest, last wins); two spellings that disagree are now
+    exit 2 naming both, while the same count twice is taken."""
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(tmp_path / "c.yaml"), "--nodes", "2", "--nnodes", "3"])
+    assert e.value.code == 2
+    assert "--nodes 2 and --nnodes 3 disagree" in capsys.readouterr().err
+    from shardfit.cli.main import build_parser
+
+    args = build_parser().parse_args(["check", "c.yaml", "--nodes", "2", "--nnodes", "2"])
+    assert args.nodes == 2
