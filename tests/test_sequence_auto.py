@@ -105,3 +105,16 @@ def test_plan_suggests_the_split_auto_would_choose(capsys: pytest.CaptureFixture
     capsys.readouterr()
     main([*flags, "--objective", "dpo"])
     assert "--sequence-parallel" not in capsys.readouterr().out
+
+
+def test_a_split_that_cannot_divide_the_ranks_names_the_nodes_it_needs(capsys: pytest.CaptureFixture) -> None:
+    """70B full at 64k tokens fits 2 nodes of 8x24GB split 16 ways, but 3 such nodes (24 ranks) found no split (16
+    does not divide 24; 8 does not fit) and said nothing fits even with 16x the GPUs. The plan now names the node
+    count the fitting split can be laid out on."""
+    flags = ["plan", "--model", "meta-llama/Llama-3.1-70B", "--gpus", "8x24GB", "--method", "full", "--seq",
+             "65536", "--batch", "1"]
+    assert main([*flags, "--nodes", "3"]) == 3
+    first = capsys.readouterr().out.split("Nearest alternatives:\n")[1].splitlines()[0]
+    assert first.startswith("  - every row split over 16 GPUs, on 2 node(s) (16 does not divide the 24 ranks of 3 "
+                            "nodes") and "(--nodes 2 --sequence-parallel 16): zero3_offload" in first, first
+    assert main([*flags, "--nodes", "2", "--sequence-parallel", "16"]) == 0  # as suggested: it fits
