@@ -34,7 +34,11 @@ def _config(tmp_path: Path, model: Path, data: Path, **keys: object) -> Path:
 @pytest.mark.parametrize(("keys", "want"), [
     ({"resume": "{tmp}"}, "'resume': {tmp} is not a shardfit checkpoint (no trainer.pt in it)"),
     ({"eval_metrics": ["py:/nonexistent/scorer.py:f"]}, "metric py:/nonexistent/scorer.py:f: no file"),
-], ids=["resume-path", "py-scorer"])
+    # other tools' word for the newest checkpoint names nothing on any machine: no "run check where it trains"
+    ({"resume": "latest"}, "'resume': 'latest' is no checkpoint path. Use resume: auto"),
+    # a path the OS refuses to look at (here: a name too long) was an unexpected OSError, exit 1
+    ({"resume": "{tmp}/" + "s" * 300}, "'resume': {tmp}/" + "s" * 300 + " cannot be read on "),
+], ids=["resume-path", "py-scorer", "resume-latest", "resume-name-too-long"])
 def test_check_refuses_what_train_refuses(tmp_path: Path, tiny_llama: Path, small_data: Path,
                                           capsys: pytest.CaptureFixture, keys: dict, want: str) -> None:
     keys = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in keys.items()}
@@ -90,9 +94,38 @@ def test_the_refusal_names_a_real_checkpoint_never_the_refused_path(tmp_path: Pa
     (tmp_path / "runs" / "demo" / "checkpoints" / ".tmp-step-175").mkdir()
     for refused, output_dir in (("runs/demo/checkpoints/step-200", None), ("runs/demo", None),
                                 ("elsewhere/step-1", "runs/demo")):
-        with pytest.raises(UserError, match=r"e\.g\. runs/demo/checkpoints/step-150 \(the newest of 2 in "
+        with pytest.raises(UserError, match=r"e\.g\. runs/demo/checkpoints/step-150 \(the newest whole one of 2 in "
                                             r"runs/demo/checkpoints\)"):
             named_checkpoint(refused, output_dir)
+
+
+def test_a_resume_path_expands_home_as_data_and_model_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`resume: ~/runs/x/checkpoints/step-5` was taken literally (a folder named ~), so train refused it on every
+    machine while check said to run where it trains."""
+    from shardfit.resolve.checkpoint_files import absent_here, named_checkpoint
+
+    ckpt = tmp_path / "runs" / "x" / "checkpoints" / "step-5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.pt").write_bytes(b"x")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "runs")
+    assert not absent_here("~/runs/x/checkpoints/step-5")
+    assert named_checkpoint("~/runs/x/checkpoints/step-5") == ckpt
+
+
+def test_the_refusals_example_is_a_checkpoint_train_would_take(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "e.g." checkpoint was the newest with a trainer.pt, even a damaged one that train's auto mode skips."""
+    from shardfit.resolve.checkpoint_files import named_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    for step in (100, 150):
+        (tmp_path / "runs" / "demo" / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "runs" / "demo" / "checkpoints" / f"step-{step}" / "trainer.pt").write_bytes(b"x")
+    (tmp_path / "runs" / "demo" / "checkpoints" / "step-150" / "manifest.json").write_text(
+        '{"trainer.pt": {"bytes": 99, "sha256": "0"}}')
+    with pytest.raises(UserError, match=r"e\.g\. runs/demo/checkpoints/step-100 \(the newest whole one of 1 in "):
+        named_checkpoint("runs/demo/checkpoints/step-200")
 
 
 def test_a_damaged_named_checkpoint_is_refused_by_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
@@ -229,3 +262,16 @@ def test_checks_strategy_verdict_is_the_ranks(monkeypatch: pytest.MonkeyPatch) -
         fits.refuse_if_oom(small, "single", force=False)
     found = rules.plan_rules(small, get_strategy("single"), False)
     assert [f.rule for f in found] == ["predicted_oom"] and found[0].severity == "error", found
+
+
+def test_check_refuses_two_node_counts_that_disagree(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`check C --nodes 2 --nnodes 3` silently took 3 (one dest, last wins); two spellings that disagree are now
+    exit 2 naming both, while the same count twice is taken."""
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(tmp_path / "c.yaml"), "--nodes", "2", "--nnodes", "3"])
+    assert e.value.code == 2
+    assert "--nodes 2 and --nnodes 3 disagree" in capsys.readouterr().err
+    from shardfit.cli.main import build_parser
+
+    args = build_parser().parse_args(["check", "c.yaml", "--nodes", "2", "--nnodes", "2"])
+    assert args.nodes == 2

@@ -226,11 +226,20 @@ def test_the_version_fact_skips_lines_without_its_words() -> None:
     assert max(t["version_plain"], t["version_dense"], t["version_tensor"]) <= 0.02 * t["plain"], t
 
 
+# version wordings a terminal or the user broke across lines: the plain regex and the filtered one must both stop at
+# the line break (a question on one line and the version on the next, a requirement wrapped before its operator, a
+# lookahead whose refusal sits on the next line)
+CROSS_LINE = ["Which version did you use? I'm using\n v4.45", "requires torch\n>=2.4",
+              "please update to main\ncheckpoint loading still fails",
+              "RuntimeError: CUDA error: an illegal memory access was encountered\nWhat version of liger-kernel did "
+              "you use in the paper? I'm using\n0.3.1 with the recipe's config"]
+
+
 def _all_logs() -> list[str]:
     from tests.diagnose_real.evaluate import synthetic_cases
     from tests.diagnose_real.split import load_cases
 
-    logs = [c["log"] for c in load_cases() + synthetic_cases()]
+    logs = [c["log"] for c in load_cases() + synthetic_cases()] + CROSS_LINE
     for name in ("diagnose_short", "diagnose_outsiders"):
         corpus = yaml.safe_load((Path(__file__).with_name(name) / "cases.yaml").read_text())
         logs += [c["log"] for c in corpus if isinstance(c, dict) and c.get("log")]
@@ -261,4 +270,17 @@ def test_fact_keys_name_a_fact_and_list_words(tmp_path: Path) -> None:
             load_knowledge(f)
     f = tmp_path / "ok.yaml"
     f.write_text(base + "fact_keys:\n  x: [ABC]\n")
+    assert load_knowledge(f).facts["x"].keys == ("abc",)
+
+
+def test_a_keyed_fact_that_can_cross_a_line_is_refused(tmp_path: Path) -> None:
+    """A keyed fact is searched line by line, so a regex piece that matches a line break (\\s, \\W, [^x]) would
+    answer otherwise than the plain search: the loader names the fact and the fix."""
+    for i, pat in enumerate((r"abc\s*x", r"abc\W{0,3}x", r"abc[^x]y", r"abc(?!\s*x)")):
+        f = tmp_path / f"c{i}.yaml"
+        f.write_text(f"facts:\n  x: '{pat}'\nfact_keys:\n  x: [abc]\ncauses: []\n")
+        with pytest.raises(UserError, match="fact x: has fact_keys.*line break"):
+            load_knowledge(f)
+    f = tmp_path / "ok.yaml"
+    f.write_text("facts:\n  x: 'abc[ \\t]*[^\\w\\n]x[^\\n]{0,9}'\nfact_keys:\n  x: [abc]\ncauses: []\n")
     assert load_knowledge(f).facts["x"].keys == ("abc",)

@@ -302,6 +302,8 @@ def test_a_clean_install_by_any_manager_is_no_failure(log: str, question: str) -
     upgrade may have caused: the version answer stays first."""
     assert _cats(log) == []
     assert _cats(log + "\n" + question + "\n") == []
+    # conda's own `#` lines after a create (how to activate the environment) are no prose of the user's
+    assert _cats(log + "#\n# To activate this environment, use\n#\n#     $ conda activate ft\n#\n") == []
     assert _cats(log + ATTR_AFTER)[:1] == ["library_version_regression"]
     said = log + "Since then the same script fails at the first step, what changed?\n"
     assert _cats(said + ATTR_AFTER.split("\n")[-2])[:1] == ["library_version_regression"]
@@ -327,6 +329,19 @@ def test_a_clean_install_by_any_manager_is_no_failure(log: str, question: str) -
      "library_version_regression"),
     ("TypeError: KDTrainer.create_accelerator_and_postprocess() got an unexpected keyword argument 'plugin'",
      "library_version_regression"),
+    # TRL's loop methods, and subclasses named after the trainer anywhere in the name
+    ("TypeError: DistillTrainerKL.get_batch_loss_metrics() got an unexpected keyword argument 'train_eval'",
+     "library_version_regression"),
+    ("TypeError: PatchedGRPO._generate_and_score_completions() got an unexpected keyword argument 'inputs'",
+     "library_version_regression"),
+    ("TypeError: MyCollator.__call__() got an unexpected keyword argument 'return_tensors'",
+     "library_version_regression"),
+    ("TypeError: PatchedGRPO.rescale_advantages() got an unexpected keyword argument 'group_size'",
+     "library_version_regression"),
+    ("TypeError: DistillTrainerKL.kl_term() got an unexpected keyword argument 'temperature'",
+     "library_version_regression"),
+    # the user's own module or dataset named after the method stays the user's
+    ("TypeError: SFTDataset.__init__() got an unexpected keyword argument 'max_len'", "none"),
     # a library's class (a model family's, peft's tuner, a collator) or a keyword the libraries renamed
     ("TypeError: Qwen2Model.forward() got an unexpected keyword argument 'labels'", "library_version_regression"),
     ("TypeError: BaseTuner.__init__() got an unexpected keyword argument 'low_cpu_mem_usage'",
@@ -342,3 +357,39 @@ def test_a_bare_argument_typeerror_names_its_side(line: str, label: str) -> None
     library's class, or a keyword the libraries renamed is a version change."""
     cats = _cats(line)
     assert (cats[:1] if label != "none" else cats) == ([label] if label != "none" else []), cats
+
+
+# A failure the user reports outside the install transcript: above the command, in a `#` note of their own after it,
+# or in the words of a symptom other than an error (memory, loss) typed below it
+@pytest.mark.parametrize("log", [
+    ("It worked with peft 0.12.0. Since upgrading, loading my adapter gives KeyError: 'base_model.model.lm_head'\n"
+     "$ pip install -U peft\nCollecting peft\n  Downloading peft-0.13.0-py3-none-any.whl (320 kB)\n"
+     "Installing collected packages: peft\nSuccessfully installed peft-0.13.0\n"
+     "WARNING: Running pip as the 'root' user can result in broken permissions and conflicting behaviour with the "
+     "system package manager.\nAny idea?"),
+    ("after upgrading transformers to 4.46 my loss is 10x larger with gradient accumulation (it worked with 4.45.2)\n"
+     "$ poetry add transformers@4.46.0\nUpdating dependencies\nResolving dependencies... (2.3s)\n\n"
+     "Package operations: 0 installs, 1 update, 0 removals\n\n  - Updating transformers (4.45.2 -> 4.46.0)\n\n"
+     "Writing lock file\nshould I pin it back?"),
+    ("$ pip install -U peft\nCollecting peft\nInstalling collected packages: peft\n"
+     "  Attempting uninstall: peft\n    Found existing installation: peft 0.12.0\n"
+     "    Uninstalling peft-0.12.0:\n      Successfully uninstalled peft-0.12.0\nSuccessfully installed peft-0.13.0\n"
+     "# after this upgrade, training errors out with KeyError: 'base_model.model.lm_head'\n"
+     "# it worked with peft 0.12.0"),
+    ("I upgraded transformers from 4.44.2 to 4.46.0:\n" + PIP_UPGRADE.split("\n", 1)[1]
+     + "Now the same config goes out of memory on step 1 with the same batch size, what changed?"),
+], ids=["above_command", "poetry_loss", "hash_note", "oom_below"])
+def test_a_failure_told_outside_the_transcript_keeps_the_version_answer(log: str) -> None:
+    """install_ok_end is for a transcript nothing failed around: a failure in any prose line outside the
+    manager's own output (before the command, a comment of the user's, an OOM or a loss typed after) keeps the
+    version answer first."""
+    assert _cats(log)[:1] == ["library_version_regression"]
+
+
+
+def test_a_version_question_wrapped_before_the_users_version_keeps_the_version_answer() -> None:
+    """sym_version is matched line by line; a question whose answer (the user's own release) a terminal wrapped onto
+    the next line still points at the versions."""
+    log = ("RuntimeError: CUDA error: an illegal memory access was encountered\n"
+           "What version of liger-kernel did you use in the paper? I'm using\n0.3.1 with the recipe's config")
+    assert _cats(log)[:1] == ["library_version_regression"]

@@ -17,6 +17,20 @@ EXAMPLE = ("example: shardfit check my.yaml --gpus 8x24GB\n"
            "         shardfit check --from swift train.sh --gpus 4xH100")
 
 
+class _OneNodeCount(argparse.Action):
+    """--nodes and train's --nnodes are one setting: given twice with different counts, neither is what the user
+    meant (argparse would silently keep the last), so the command stops (exit 2) naming both."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        seen = getattr(namespace, "_nodes_from", None)
+        if seen is not None and seen[1] != values:
+            parser.error(f"{seen[0]} {seen[1]} and {option_string} {values} disagree: they are one setting (the "
+                         "nodes the run will use); give one of them")
+        namespace._nodes_from = (option_string, values)
+        setattr(namespace, self.dest, values)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("check", help="preflight: find placement, sharding and precision problems before training",
                        epilog=EXAMPLE)
@@ -25,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--nproc", type=positive_int, default=None,
                    help="ranks a node, as train --nproc and torchrun --nproc-per-node (default: from the strategy)")
     c.add_argument("--gpus", default=None, help="check for these GPUs, e.g. 8x24GB (default: this machine)")
-    c.add_argument("--nodes", "--nnodes", dest="nodes", type=positive_int, default=1,
+    c.add_argument("--nodes", "--nnodes", dest="nodes", type=positive_int, default=1, action=_OneNodeCount,
                    help="nodes the run will use, each like --gpus (default: like this machine); train's --nnodes")
     c.add_argument("--json", action="store_true")
     add_from(c, model_flags=True)

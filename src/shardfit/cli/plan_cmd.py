@@ -424,17 +424,29 @@ def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str)
             return False
         return True
 
-    def fits(n: int) -> Candidate | None:
-        cands = estimate_all(shape, dataclasses.replace(w, sequence_parallel=n), hw, MULTI_RANK)
-        best, _ = recommend(cands, hw)
-        return next(c for c in cands if c.strategy == best) if best else None
+    def fits_on(on: Hardware) -> Callable[[int], Candidate | None]:
+        def fits(n: int) -> Candidate | None:
+            cands = estimate_all(shape, dataclasses.replace(w, sequence_parallel=n), on, MULTI_RANK)
+            best, _ = recommend(cands, on)
+            return next(c for c in cands if c.strategy == best) if best else None
+        return fits
 
-    found = smallest_split(hw.world, allowed, fits)
-    if found is None:
-        return None
-    n, c = found
-    return Alternative(f"every row split over {n} GPUs", (("sequence_parallel", n),), None, c.strategy,
-                       c.per_gpu_gib.total, hw.unit)
+    found = smallest_split(hw.world, allowed, fits_on(hw))
+    if found is not None:
+        n, c = found
+        return Alternative(f"every row split over {n} GPUs", (("sequence_parallel", n),), None, c.strategy,
+                           c.per_gpu_gib.total, hw.unit)
+    # A split must divide the ranks: on 3 nodes of 8 (24 ranks) a 16-way split, which a 64-head model allows and
+    # which fits, cannot be laid out, while 2 or 4 such nodes take it. Fewer nodes first (the GPUs at hand).
+    for nodes in [*range(hw.nodes - 1, 0, -1), *range(hw.nodes + 1, 2 * hw.nodes + 1)]:
+        on = dataclasses.replace(hw, nodes=nodes)
+        found = smallest_split(on.world, lambda n: hw.world % n != 0 and allowed(n), fits_on(on))
+        if found is not None:
+            n, c = found
+            return Alternative(f"every row split over {n} GPUs, on {nodes} node(s) ({n} does not divide the "
+                               f"{hw.world} ranks of {hw.nodes} nodes: a split must divide the ranks and the heads)",
+                               (("sequence_parallel", n),), nodes, c.strategy, c.per_gpu_gib.total, hw.unit)
+    return None
 
 
 def with_flags(w: Workload, args: argparse.Namespace) -> Workload:

@@ -36,7 +36,7 @@ import yaml
 
 from shardfit.diagnose.likely import likely_causes
 from shardfit.diagnose.model import Cause, Finding, Item, Likely, Scored
-from shardfit.diagnose.parse import FactPattern, LineFilter, Parsed, parse, squash
+from shardfit.diagnose.parse import FactPattern, LineFilter, Parsed, crosses_lines, parse, squash
 from shardfit.diagnose.similar import nearest
 from shardfit.errors import UserError
 
@@ -122,6 +122,10 @@ def _load(path: str) -> Knowledge:
                 isinstance(k, str) and k.strip() for k in keys):
             raise UserError(f"{path}: fact_keys {name}: needs a fact of that name under facts: and a list of "
                             f"non-empty words, e.g. {name}: [upgrad, version]") from None
+        crossing = crosses_lines(facts[name])
+        if crossing:
+            raise UserError(f"{path}: fact {name}: has fact_keys, so its regex is tried line by line, but it holds "
+                            f"{crossing}: write [^\\w\\n] for \\W, [ \\t] for \\s, [^x\\n] for [^x]") from None
         facts[name] = LineFilter(facts[name], tuple(k.lower() for k in keys))
     causes = []
     ids = set()

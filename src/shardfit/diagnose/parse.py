@@ -19,6 +19,7 @@ a phrase), and the structured fields.
 from __future__ import annotations
 
 import re
+import re._parser as sre_parse  # the regex's parsed form: which pieces can match a line break
 from dataclasses import dataclass, field
 
 from shardfit.diagnose.setting import Setting, gpu_rows, read_setting
@@ -135,7 +136,15 @@ _FRAMEWORK_HOOK = re.compile(
     r"training_step|compute_loss|prediction_step|evaluation_loop|_save|_save_checkpoint|create_optimizer\w*|"
     r"create_scheduler|get_train_dataloader|get_eval_dataloader|_get_train_sampler|_prepare_inputs|get_batch_samples|"
     r"_maybe_log_save_evaluate|_load_from_checkpoint|log|on_\w+|configure_optimizers|validation_step|test_step|"
-    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops")
+    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops|"
+    # TRL's loops call these on a DPO / GRPO / PPO / KTO subclass; a DataLoader calls a collator's __call__
+    r"get_batch_loss_metrics|concatenated_forward|concatenated_inputs|_generate_and_score_completions|"
+    r"_?compute_rewards?\w*|_get_per_token_logps|compute_ref_log_probs|tokenize_row|_prepare_dataset|dpo_loss|"
+    r"__call__|torch_call|numpy_call")
+# a subclass of a framework's trainer or callback, by a name holding the trainer's (PatchedGRPO, DistillTrainerKL);
+# not a model part or dataset of the user's named after the method (RewardHead, SFTDataset, DPOLoss)
+_FRAMEWORK_CLASS = re.compile(r"(?!\w*(Head|Model|Net|Module|Layer|Encoder|Decoder|Loss|Dataset)$)"
+                              r"\w*(Trainer|Callback|DPO|GRPO|PPO|KTO|ORPO|SFT|Reward)\w*")
 _FAMILY_CLASS = re.compile(
     r"(Llama|Qwen|Mistral|Mixtral|Gemma|Phi|GPT|Falcon|Baichuan|ChatGLM|GLM|InternLM|DeepSeek|Bert|Roberta|Deberta|"
     r"T5|MT5|Bart|Whisper|CLIP|Clip|Siglip|Llava|LLaVA|Idefics|Mllama|OPT|Bloom|Olmo|Cohere|Starcoder|MiniCPM|ViT|"
@@ -159,7 +168,7 @@ def _own_call(p: Parsed) -> bool:
     cls, method = m.group("cls"), m.group("method")
     # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
     return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
-                or cls.endswith(("Trainer", "Callback")))
+                or _FRAMEWORK_CLASS.fullmatch(cls))
 
 
 # A package manager's report that an install went through (pip, uv, poetry, conda/mamba), and what it may print
@@ -175,30 +184,48 @@ _INSTALL_AFTER = re.compile(
     r"[-+~] [\w.\[\],-]+==[\w.+!-]+$|"                                # uv's list of removed / added packages
     r"[-•] (Installing|Updating|Downgrading|Removing) [\w.\[\]-]+ \([\w.+!-]+( -> [\w.+!-]+)?\)$|"  # poetry's
     r"Writing lock file$|Installing the current project: |(Preparing|Verifying|Executing) transaction: |"
-    r"Transaction (starting|finished)$|==> .* <==$|#)")
-# a line typed after the transcript that still reports a failure (then the upgrade may well be the cause)
+    r"Transaction (starting|finished)$|==> .* <==$|"
+    # conda's own comment block after a create; any other `#` line is the user's note
+    r"#\s*$|#\s*(To (de)?activate (this|an active) environment|\$ conda (de)?activate\b))")
+# the command that starts the transcript, after any shell prompt ("$ ", "# ", "(env) user@host:~$ ")
+_INSTALL_CMD = re.compile(
+    r"^(\(\S+\) )?(\S*[$#>%] ?)?(python3? -m )?(pip3?|uv( pip)?|poetry|conda|mamba|micromamba) "
+    r"(install|add|update|upgrade|lock|sync)\b")
+# a line of the user's outside the transcript that still reports a failure (then the upgrade may well be the cause)
 _FAILURE_WORDS = re.compile(
     r"error|exception|traceback|fail|crash|broke|break|wrong|(n't|not|never) (work|run|start|load|train)|"
-    r"cannot|can't|unable|\bnan\b|killed|\bhang|stuck|slower|issue|problem|\bbug|regress|报错|错误|失败|崩|卡住", re.I)
+    r"cannot|can't|unable|\bnan\b|killed|\bhang|stuck|slower|issue|problem|\bbug|regress|out of memory|\bOOM\b|"
+    r"\bloss\b|(worked|working|was fine|ran fine) (fine |well )?(with|on|in|under|before)\b|since (upgrad|updat)|"
+    r"报错|错误|失败|崩|卡住|显存", re.I)
+
+
+def _reports_failure(line: str) -> bool:
+    return bool(_FAILURE_WORDS.search(line) or _EXC.match(line))
 
 
 def install_ok_end(lines: list[str]) -> bool:
     """The paste ends in a package manager's report of a successful install, followed at most by the manager's own
-    notices and package list, then by prose with no failure word that ends in a question; and the line just above
-    the manager's closing block reports no failure (a build that failed on the way: poetry still ends its run)."""
+    notices and package list, then by prose with no failure word that ends in a question; no line of the user's
+    above the install command reports a failure either (the user may tell what broke before pasting the upgrade),
+    nor does the line just above the manager's closing block (a build that failed on the way: poetry still ends its
+    run)."""
     done = next((i for i in range(len(lines) - 1, -1, -1) if _INSTALL_DONE.match(lines[i])), None)
     if done is None:
         return False
     above = done
     while above > 0 and (_INSTALL_AFTER.match(lines[above - 1]) or _INSTALL_DONE.match(lines[above - 1])):
         above -= 1
-    if above > 0 and (_FAILURE_WORDS.search(lines[above - 1]) or _EXC.match(lines[above - 1])):
+    if above > 0 and _reports_failure(lines[above - 1]):
+        return False
+    # the transcript itself always names the upgrade; the user's prose is what comes before its command
+    cmd = next((i for i in range(above - 1, -1, -1) if _INSTALL_CMD.match(lines[i].strip())), None)
+    if cmd is not None and any(_reports_failure(x) for x in lines[:cmd]):
         return False
     rest = [x for x in lines[done + 1:] if not _INSTALL_AFTER.match(x)]
     if not rest:
         return True
     # the user's question after the transcript: prose only (no exception, no failure word), the last line asks
-    return rest[-1].endswith("?") and not any(_FAILURE_WORDS.search(x) or _EXC.match(x) for x in rest)
+    return rest[-1].endswith("?") and not any(_reports_failure(x) for x in rest)
 
 
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
@@ -495,6 +522,50 @@ class LineFilter:
 
 
 FactPattern = re.Pattern | LineFilter
+
+
+def _set_has_newline(items: list, negate: bool = False) -> bool:
+    """Whether a character set of the parsed regex (its items: literals, ranges, categories) holds a line break."""
+    hit = False
+    for op, av in items:
+        name = str(op)
+        if name == "NEGATE":
+            negate = True
+        elif name == "LITERAL":
+            hit = hit or av == 10
+        elif name == "RANGE":
+            hit = hit or av[0] <= 10 <= av[1]
+        elif name == "CATEGORY":
+            hit = hit or str(av) in ("CATEGORY_SPACE", "CATEGORY_NOT_WORD", "CATEGORY_NOT_DIGIT",
+                                     "CATEGORY_LINEBREAK")
+    return hit != negate
+
+
+def crosses_lines(pattern: re.Pattern) -> str | None:
+    """The first piece of a regex that can match a line break (`\\s`, `\\W`, `[^x]`, `.` under DOTALL), else None: a
+    LineFilter cuts the text at line breaks, so a keyed pattern must hold none to answer as the plain search."""
+    dotall = bool(pattern.flags & re.S)
+
+    def walk(tree: object) -> str | None:
+        for op, av in tree:
+            name = str(op)
+            if name == "ANY" and dotall:
+                return "'.' under DOTALL"
+            if (name == "LITERAL" and av == 10) or (name == "NOT_LITERAL" and av != 10):
+                return "a character that may be a line break"
+            if name == "IN" and _set_has_newline(av):
+                return "a character class holding the line break (\\s, \\W, [^...] without \\n)"
+            for sub in (av if isinstance(av, (tuple, list)) else ()):
+                found = None
+                if isinstance(sub, sre_parse.SubPattern):
+                    found = walk(sub)
+                elif isinstance(sub, list) and sub and all(isinstance(x, sre_parse.SubPattern) for x in sub):
+                    found = next((f for f in map(walk, sub) if f), None)
+                if found:
+                    return found
+        return None
+
+    return walk(sre_parse.parse(pattern.pattern, pattern.flags))
 
 
 def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:

@@ -189,9 +189,9 @@ _FLAG = {"grad_ckpt": ("--grad-ckpt", "grad_ckpt"), "micro_batch": ("--batch", "
 
 
 def _flags(a: Alternative, style: str) -> str | None:
-    if a.nodes is not None:
-        return f"--nodes {a.nodes}" if style == "plan" else f"--nnodes {a.nodes}"
     parts = []
+    if a.nodes is not None:
+        parts.append(f"--nodes {a.nodes}" if style == "plan" else f"--nnodes {a.nodes}")
     for field_name, value in a.changes:
         flag, key = _FLAG[field_name]
         if style == "plan":

@@ -66,40 +66,72 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+# Values other tools take for "the newest checkpoint": never a path, so never resolvable on any machine.
+_NOT_A_PATH = re.compile(r"(?i)(latest|last|newest|recent|best|final|true|yes|on|resume|continue)")
+
+
+def _path(resume: str) -> Path:
+    """The path `resume:` names, `~` expanded as data: and model: expand it; a word that only other tools take for
+    the newest checkpoint is refused (there is nothing it could name on any machine)."""
+    if _NOT_A_PATH.fullmatch(resume.strip()) and not Path(resume).exists():
+        raise UserError(f"'resume': {resume!r} is no checkpoint path. Use resume: auto (the newest whole checkpoint "
+                        "of output_dir), never, or a checkpoint's folder (a run's checkpoints/step-N).")
+    return Path(resume).expanduser()
+
+
+def _unreadable(resume: str, e: OSError) -> UserError:
+    return UserError(f"'resume': {resume} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct the "
+                     "path (a run's checkpoints/step-N folder), or give this user read access to it.")
+
+
 def absent_here(resume: str) -> bool:
-    """Whether `resume:` names a path with nothing at it on this machine (auto and never name none)."""
-    return resume not in ("auto", "never") and not Path(resume).exists()
+    """Whether `resume:` names a path with nothing at it on this machine (auto and never name none). A value that
+    can be no path, or one the OS refuses to look at (a name too long, a folder this user may not enter), is a
+    UserError naming the key."""
+    if resume in ("auto", "never"):
+        return False
+    p = _path(resume)
+    try:
+        return not p.exists()
+    except OSError as e:
+        raise _unreadable(resume, e) from None
 
 
-def _instead(resume: str, output_dir: str | None) -> str:
-    """A checkpoint to name in place of `resume`, which is none: the newest one of the run the path points into
-    (its checkpoints/ folder, or the run directory itself), else of `output_dir`; where none has any, what a
-    checkpoint's path looks like, never a made-up path (which could be the very one refused)."""
-    p = Path(resume)
+def _instead(p: Path, output_dir: str | None) -> str:
+    """A checkpoint to name in place of the refused path `p`: the newest whole one (the one train's auto mode
+    would take) of the run the path points into (its checkpoints/ folder, or the run directory itself), else of
+    `output_dir`; where none has any, what a checkpoint's path looks like, never a made-up path (which could be the
+    very one refused)."""
     runs = [p.parent.parent] if p.parent.name == "checkpoints" else []
     runs += [p.parent if p.name == "checkpoints" else p]
-    runs += [Path(output_dir)] if output_dir else []
+    runs += [Path(output_dir).expanduser()] if output_dir else []
     for run in runs:
-        saved = [path for _, path in list_checkpoints(run) if path != p]
+        try:
+            saved = [path for _, path in list_checkpoints(run) if path != p and intact(path) is None]
+        except OSError:
+            continue
         if saved:
-            return f"e.g. {saved[-1]} (the newest of {len(saved)} in {saved[-1].parent})"
+            return f"e.g. {saved[-1]} (the newest whole one of {len(saved)} in {saved[-1].parent})"
     where = f"; {Path(output_dir) / 'checkpoints'} holds none" if output_dir else ""
     return f"a step-N folder under a run's checkpoints/, holding {TRAINER_FILE}{where}"
 
 
 def named_checkpoint(resume: str, output_dir: str | None = None) -> Path | None:
     """The checkpoint a `resume:` path names (None for auto and never, which pick from the run directory): a
-    UserError naming the key where it is not a shardfit checkpoint or is damaged, and a checkpoint to name instead
-    (of the run the path points into, or of `output_dir`)."""
+    UserError naming the key where it is not a shardfit checkpoint, is damaged or cannot be read, and a checkpoint
+    to name instead (of the run the path points into, or of `output_dir`)."""
     if resume in ("auto", "never"):
         return None
-    p = Path(resume)
-    if not (p / TRAINER_FILE).is_file():
-        why = f"nothing is at that path on {socket.gethostname()}" if absent_here(resume) else \
-            f"no {TRAINER_FILE} in it"
-        raise UserError(f"'resume': {resume} is not a shardfit checkpoint ({why}). Use auto (the newest checkpoint "
-                        f"of output_dir), never, or a checkpoint's path: {_instead(resume, output_dir)}.")
-    problem = intact(p)
+    p = _path(resume)
+    try:
+        if not (p / TRAINER_FILE).is_file():
+            why = f"nothing is at that path on {socket.gethostname()}" if absent_here(resume) else \
+                f"no {TRAINER_FILE} in it"
+            raise UserError(f"'resume': {resume} is not a shardfit checkpoint ({why}). Use auto (the newest "
+                            f"checkpoint of output_dir), never, or a checkpoint's path: {_instead(p, output_dir)}.")
+        problem = intact(p)
+    except OSError as e:
+        raise _unreadable(resume, e) from None
     if problem is not None:
         raise UserError(f"'resume': {resume} is damaged ({problem}); resume from an earlier checkpoint.")
     return p

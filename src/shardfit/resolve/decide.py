@@ -18,7 +18,7 @@ from shardfit.plan.choose import plan_for_config
 from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.pipeline import config_cut, fastest, layouts
-from shardfit.plan.plan import TIE, Plan, recommend
+from shardfit.plan.plan import TIE, Alternative, Plan, recommend
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import workload_of
@@ -300,6 +300,7 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
 
     found = smallest_split(world, lambda n: _split_allowed(cfg, n, world, shape), fitting)
     if found is None:
+        _note_split_elsewhere(cfg, device, hw, survey, nproc, nnodes, local, shape)
         return 1, survey, None
     n, (plan, pick) = found
     if lone is not None:
@@ -319,6 +320,35 @@ def _auto_sequence_parallel(cfg: Config, device: DeviceFacts, hw: Hardware, surv
                      f"{pick.per_gpu_gib.total:.1f} GiB under {pick.strategy}; an optimizer step then takes "
                      f"micro_batch x grad_accum x {world // n} examples (set sequence_parallel or a strategy to "
                      "choose otherwise)")
+
+
+def _note_split_elsewhere(cfg: Config, device: DeviceFacts, hw: Hardware, survey: Plan, nproc: int | None,
+                          nnodes: int, local: int, shape: ModelShape) -> None:
+    """Where no split of these ranks fits, one that fits may still exist that does not divide them (16 of 24 ranks
+    on 3 nodes of 8): the refusal's alternatives then name the node count it can be laid out on, fewer nodes first,
+    instead of "none found"."""
+    if survey.alternatives is None:
+        return
+    world = (nproc if nproc is not None else local) * nnodes
+    for k in [*range(nnodes - 1, 0, -1), *range(nnodes + 1, 2 * nnodes + 1)]:
+        on, ranks = dataclasses.replace(hw, nodes=k), (nproc if nproc is not None else local) * k
+
+        def fitting(n: int, on: Hardware = on, k: int = k) -> Candidate | None:
+            plan = plan_for_config(_planned(dataclasses.replace(cfg, sequence_parallel=n), device), on)
+            fits = _fitting(plan, cfg.method, nproc, k, local, split=True) if plan is not None else []
+            best, _ = recommend(fits, on)
+            return next(c for c in fits if c.strategy == best) if best else None
+
+        found = smallest_split(ranks, lambda n, r=ranks: world % n != 0 and _split_allowed(cfg, n, r, shape),
+                               fitting)
+        if found is not None:
+            n, pick = found
+            alt = Alternative(f"every row split over {n} GPUs, on {k} node(s) ({n} does not divide the {world} ranks "
+                              f"of {nnodes} nodes: a split must divide the ranks and the heads)",
+                              (("sequence_parallel", n),), k, pick.strategy, pick.per_gpu_gib.total, hw.unit)
+            if alt not in survey.alternatives:  # the same survey may be resolved twice
+                survey.alternatives.insert(0, alt)
+            return
 
 
 def smallest_split(world: int, allowed: Callable[[int], bool],
