@@ -63,7 +63,7 @@ def _workload(autocast: bool) -> Workload:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize(("family", "top_k"), [("GLM-4.5", 2), ("DeepSeek-V3", 4), ("Qwen3-MoE", 2)])
+@pytest.mark.parametrize(("family", "top_k"), [("GLM-4.5", 2), ("DeepSeek-V3", 4), ("Qwen3-MoE", 2), ("gpt-oss", 2)])
 def test_a_mixture_module_saves_what_the_plan_counts(family: str, top_k: int, autocast: bool) -> None:
     """The mixture module of a tiny model (8 experts, its input left out: the block's norm output) within 1 % of the
     plan, with the router's weight copy per block; under autocast also the dense MLP's two input casts the block

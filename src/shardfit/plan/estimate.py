@@ -683,17 +683,20 @@ def router_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) 
     """What a mixture's router saves per token: the int64 indices of its top-k, and
     - a softmax router (Qwen3-MoE's, Mixtral's): its fp32 probabilities over every expert, the top-k of them
       renormalised (fp32) and their sum; under autocast over fp32 weights the 16-bit copy of its input;
-    - gpt-oss's: its top-k softmax in 16 bits;
+    - gpt-oss's: its top-k softmax in 16 bits (k values), and under autocast over fp32 weights the 16-bit copy of
+      its input;
     - DeepSeek-V3's (`router_groups`): where its weight trains (a full fine-tune), its input upcast to fp32 (under
       autocast the 16-bit copy autocast makes of it instead); the sigmoid scores, each group's top two (int64),
       the best groups (int64) and the experts' mask (bool), the top-k weights and their sum, all in fp32 (16 bits
       under autocast)."""
     a, h, k, experts = compute_bytes(w), shape.hidden, shape.top_k, shape.experts
+    # Under autocast over fp32 weights the router's F.linear keeps autocast's 16-bit copy of its input.
+    cast = a * h if runs_autocast(w, strategy) and w.method == "full" else 0
     if shape.clamped_swiglu:
-        return a + 8 * k
+        return a * k + 8 * k + cast
     autocast = runs_autocast(w, strategy)
     if not shape.router_groups:
-        return 4 * experts + 8 * k + 4 * (k + 1) + (a * h if autocast and w.method == "full" else 0)
+        return 4 * experts + 8 * k + 4 * (k + 1) + cast
     r = a if autocast else 4
     groups = 16 * shape.router_groups + 8 * shape.router_topk_groups + experts
     return (r * h if w.method == "full" else 0) + r * experts + groups + 8 * k + r * (k + 1)
