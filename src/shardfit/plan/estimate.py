@@ -760,10 +760,9 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
     what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
-    also keeps the 16-bit copy of every weight it cast until backward has used it: 2 bytes per block parameter for
-    a full fine-tune over fp32 master weights."""
+    also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`)."""
     tokens = w.tokens
-    cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
+    cast = weight_cast_bytes(shape, w, strategy)
     copies = lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
@@ -773,6 +772,18 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
             copies + held_mask_bytes(w, strategy)
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
+
+
+def weight_cast_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The 16-bit copies of one block's weights autocast keeps for backward in a full fine-tune over fp32 master
+    weights: 2 bytes a weight, less the routed experts' where transformers runs them as grouped matmuls, which
+    autocast does not cover (they compute in fp32 from the master weights; Llama 4's batched matmuls are cast).
+    Whole-model saved-tensor hooks on tiny Qwen3-MoE and GLM-4.5 models showed no copy of the expert weights."""
+    if not autocast_fp32_master(w, strategy):
+        return 0.0
+    grouped = 0 if shape.every_expert else sum(i * o for name, i, o in shape.named_linears()
+                                               if name.startswith("expert_"))
+    return 2.0 * (shape.layer_params() - grouped)
 
 
 def recompute_cast_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
