@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, NemotronHConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
 
+from shardfit.cli import plan_cmd
 from shardfit.cli.main import main
 from shardfit.errors import UserError
 from shardfit.plan.estimate import block_activation_bytes_per_token
@@ -253,6 +254,7 @@ def test_the_mamba_scan_is_the_one_transformers_runs(case: str, tmp_path: Path, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if name in packages else None)
                         if name in ("mamba_ssm", "causal_conv1d") else find(name, *a))
     monkeypatch.setattr(importlib, "import_module", import_module)
+    monkeypatch.setattr(plan_cmd, "cards_here", lambda hw: True)  # planned on the GPU machine itself: probed
     kernels.mamba_kernel.cache_clear()
     try:
         assert Workload().mamba_scan == expected

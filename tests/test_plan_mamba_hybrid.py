@@ -5,12 +5,17 @@ blocks were planned as attention blocks: 4.9 kB a token where Bamba's keeps 23.7
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
+from shardfit.cli import plan_cmd
+from shardfit.cli.main import main
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import block_activation_bytes_per_token, largest_block_activation_bytes_per_token
 from shardfit.plan.model_shape import Block
@@ -90,3 +95,31 @@ def test_the_mean_and_largest_block_weigh_the_mixers() -> None:
     assert mamba > 3 * attention
     assert block_activation_bytes_per_token(shape, w) == pytest.approx((mamba + 3 * attention) / 4)
     assert largest_block_activation_bytes_per_token(shape, w) == pytest.approx(mamba)
+
+
+def _plan_bamba(tmp_path: Path, capsys: pytest.CaptureFixture, gpus: str) -> dict[str, Any]:
+    """`plan --json` of transformers' default Bamba config (9B) on `gpus`: LoRA, 4096 x 1, no checkpointing."""
+    CONFIG_MAPPING["bamba"]().save_pretrained(tmp_path)
+    main(["plan", "--model", str(tmp_path), "--gpus", gpus, "--seq", "4096", "--batch", "1", "--grad-ckpt", "none",
+          "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_gpus_named_from_elsewhere_are_planned_with_the_fused_scan(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning 8xH100 from a machine without them (or without mamba_ssm) plans what the GPU machine runs,
+    mamba_ssm's fused scan (ddp in ~47 GiB, not the torch fallback's 235 GiB and model parallelism), and a note
+    gives the fallback's figure; on the GPU machine itself the probe's torch answer stands."""
+    assert Workload().mamba_scan == "torch"  # no mamba_ssm in the test environment
+    monkeypatch.setattr(plan_cmd, "cards_here", lambda hw: False)
+    out = _plan_bamba(tmp_path, capsys, "8xH100")
+    ddp = next(c for c in out["candidates"] if c["strategy"] == "ddp")
+    assert out["recommended"] == "ddp"
+    assert ddp["per_gpu_gib"]["total"] == pytest.approx(47, abs=3)
+    note = next(n for n in out["notes"] if "Mamba-2 blocks" in n)
+    fallback = float(re.search(r"torch fallback.*?ddp would need (\d+\.\d) GiB", note)[1])
+    assert fallback > 150
+    monkeypatch.setattr(plan_cmd, "cards_here", lambda hw: True)
+    here = _plan_bamba(tmp_path, capsys, "8xH100")
+    assert here["recommended"] != "ddp"
+    assert any("reference torch scan" in n for n in here["notes"])

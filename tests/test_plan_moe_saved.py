@@ -7,6 +7,7 @@ fine-tune's mixture made the router's cast where the plan counted a dense MLP's 
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, NemotronHConfig
 
-from shardfit.plan.estimate import block_activation_bytes_per_token, moe_saved_bytes_per_token, router_copy_bytes
+from shardfit.config.schema import LoraSettings
+from shardfit.models.adapters import apply_lora
+from shardfit.plan.estimate import (
+    activation_bytes,
+    block_activation_bytes_per_token,
+    moe_saved_bytes_per_token,
+    planned_workload,
+    router_copy_bytes,
+)
 from shardfit.plan.model_shape import MOE, Block
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
+from shardfit.train.loss import CausalLMLoss
 from tests.families import tiny_text_config
+from tests.helpers import saved_tensor_bytes
 from tests.test_nemotron_h import LATENT_MOE, PATTERN_MOE, cfg_path
 
 SEQ = 100
@@ -63,7 +74,7 @@ def _workload(autocast: bool) -> Workload:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize(("family", "top_k"), [("GLM-4.5", 2), ("DeepSeek-V3", 4), ("Qwen3-MoE", 2)])
+@pytest.mark.parametrize(("family", "top_k"), [("GLM-4.5", 2), ("DeepSeek-V3", 4), ("Qwen3-MoE", 2), ("gpt-oss", 2)])
 def test_a_mixture_module_saves_what_the_plan_counts(family: str, top_k: int, autocast: bool) -> None:
     """The mixture module of a tiny model (8 experts, its input left out: the block's norm output) within 1 % of the
     plan, with the router's weight copy per block; under autocast also the dense MLP's two input casts the block
@@ -109,3 +120,56 @@ def test_a_nemotron_mixture_block_saves_what_the_plan_counts(cfg: dict[str, Any]
     planned = block_activation_bytes_per_token(shape, w, part=Block(True, part=MOE)) + \
         router_copy_bytes(shape, w, "single") / SEQ
     assert planned == pytest.approx(measured, rel=0.01)
+
+
+def _all_mixture_config(family: str, layers: int) -> Any:
+    """A tiny `family` config of `layers` blocks, every one a mixture (the 4-less-2 difference is two of them)."""
+    config = tiny_text_config(family)
+    config.num_hidden_layers = layers
+    if getattr(config, "first_k_dense_replace", None) is not None:
+        config.first_k_dense_replace = 0
+    for key in ("layer_types", "mlp_layer_types"):
+        if getattr(config, key, None) is not None:
+            setattr(config, key, [getattr(config, key)[-1]] * layers)
+    # SDPA over rows of one example builds no mask (the plan's `flash`); gpt-oss's sinks run eager only (so
+    # does its plan: estimate.py `planned_workload`).
+    config._attn_implementation = "eager" if family == "gpt-oss" else "sdpa"
+    return config
+
+
+def _model_saved_per_token(family: str, method: str, layers: int) -> float:
+    """Bytes per token autograd keeps over one forward of a tiny `family` model of `layers` mixture blocks through
+    the training loss (shardfit's adapters for LoRA), under CPU bf16 autocast over fp32 weights (LoRA: 16-bit
+    base weights, fp32 adapters)."""
+    config = _all_mixture_config(family, layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
+    for layer in model.model.layers:
+        _routing(layer.mlp)
+    if method == "lora":
+        model = apply_lora(model, LoraSettings(rank=8, alpha=16))
+    module = CausalLMLoss(model, all_labelled=True)
+    ids = torch.randint(0, config.vocab_size, (1, SEQ))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return saved_tensor_bytes(module, lambda: module(ids, None, ids)) / SEQ
+
+
+# LoRA over Qwen3-MoE and GLM-4.5 is planned 3.2 % and 10 % under these hooks (3611 vs 3731, 3551 vs 3948 B/token
+# a block): not yet traced, so not held here.
+@pytest.mark.parametrize(("family", "method"), [("Qwen3-MoE", "full"), ("GLM-4.5", "full"), ("gpt-oss", "full"),
+                                                ("gpt-oss", "lora")])
+def test_a_whole_model_saves_what_the_plan_counts_per_mixture_block(family: str, method: str) -> None:
+    """Two more mixture blocks of a real tiny model (4 less 2, the embedding, head and loss cancel) keep what the
+    plan's block count sums for two, within 3 %: what the plan adds up, not the mixture's count alone. A full
+    fine-tune's grouped experts run in fp32 and autocast keeps no 16-bit copy of their weights (the plan counted
+    one: Qwen3-MoE 12 % and GLM-4.5 10 % heavy)."""
+    measured = (_model_saved_per_token(family, method, 4) - _model_saved_per_token(family, method, 2)) / 2
+    folder = Path(tempfile.mkdtemp())
+    _all_mixture_config(family, 4).save_pretrained(folder)
+    shape = resolve_shape(str(folder))
+    w = Workload(seq_len=SEQ, micro_batch=1, method=method, precision="bf16", attention="flash", lora_rank=8,
+                 grad_ckpt="none")
+    w = planned_workload(shape, dataclasses.replace(w, attention="eager")
+                         if family == "gpt-oss" else w)
+    planned = (activation_bytes(shape, w, 2, "single") - activation_bytes(shape, w, 0, "single")) / 2 / w.tokens
+    assert planned == pytest.approx(measured, rel=0.03)

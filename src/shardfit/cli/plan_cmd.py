@@ -21,7 +21,7 @@ from shardfit.objective import NAMES as OBJECTIVES
 from shardfit.objective import get as get_objective
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
 from shardfit.plan.estimate import Candidate
-from shardfit.plan.hardware import Hardware, detect, parse_gpus
+from shardfit.plan.hardware import Hardware, cards_here, detect, parse_gpus
 from shardfit.plan.media import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
@@ -41,6 +41,7 @@ from shardfit.plan.workload import (
     OPTIMIZERS,
     QUANT_BACKENDS,
     Workload,
+    for_target,
     model_workload,
     workload_of,
 )
@@ -592,6 +593,8 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
         check_ep_method(w.expert_parallel, w.method)
         check_ep_objective(w.expert_parallel, w.objective)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
+    # GPUs named are planned as their machine runs the model (torch asked only for a Mamba model planned here).
+    w = for_target(w, shape.mamba_blocks > 0, bool(args.gpus) and shape.mamba_blocks > 0 and not cards_here(hw))
     if w.expert_parallel > 1 or w.sequence_parallel > 1:  # the splits fit in the planned GPUs' ranks
         from shardfit.resolve.dims import ParallelDims
 

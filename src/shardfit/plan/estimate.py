@@ -683,17 +683,20 @@ def router_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) 
     """What a mixture's router saves per token: the int64 indices of its top-k, and
     - a softmax router (Qwen3-MoE's, Mixtral's): its fp32 probabilities over every expert, the top-k of them
       renormalised (fp32) and their sum; under autocast over fp32 weights the 16-bit copy of its input;
-    - gpt-oss's: its top-k softmax in 16 bits;
+    - gpt-oss's: its top-k softmax in 16 bits (k values), and under autocast over fp32 weights the 16-bit copy of
+      its input;
     - DeepSeek-V3's (`router_groups`): where its weight trains (a full fine-tune), its input upcast to fp32 (under
       autocast the 16-bit copy autocast makes of it instead); the sigmoid scores, each group's top two (int64),
       the best groups (int64) and the experts' mask (bool), the top-k weights and their sum, all in fp32 (16 bits
       under autocast)."""
     a, h, k, experts = compute_bytes(w), shape.hidden, shape.top_k, shape.experts
+    # Under autocast over fp32 weights the router's F.linear keeps autocast's 16-bit copy of its input.
+    cast = a * h if runs_autocast(w, strategy) and w.method == "full" else 0
     if shape.clamped_swiglu:
-        return a + 8 * k
+        return a * k + 8 * k + cast
     autocast = runs_autocast(w, strategy)
     if not shape.router_groups:
-        return 4 * experts + 8 * k + 4 * (k + 1) + (a * h if autocast and w.method == "full" else 0)
+        return 4 * experts + 8 * k + 4 * (k + 1) + cast
     r = a if autocast else 4
     groups = 16 * shape.router_groups + 8 * shape.router_topk_groups + experts
     return (r * h if w.method == "full" else 0) + r * experts + groups + 8 * k + r * (k + 1)
@@ -757,10 +760,9 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
     what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
-    also keeps the 16-bit copy of every weight it cast until backward has used it: 2 bytes per block parameter for
-    a full fine-tune over fp32 master weights."""
+    also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`)."""
     tokens = w.tokens
-    cast = 2 * shape.layer_params() if autocast_fp32_master(w, strategy) else 0
+    cast = weight_cast_bytes(shape, w, strategy)
     copies = lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
@@ -770,6 +772,18 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
             copies + held_mask_bytes(w, strategy)
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
+
+
+def weight_cast_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """The 16-bit copies of one block's weights autocast keeps for backward in a full fine-tune over fp32 master
+    weights: 2 bytes a weight, less the routed experts' where transformers runs them as grouped matmuls, which
+    autocast does not cover (they compute in fp32 from the master weights; Llama 4's batched matmuls are cast).
+    Whole-model saved-tensor hooks on tiny Qwen3-MoE and GLM-4.5 models showed no copy of the expert weights."""
+    if not autocast_fp32_master(w, strategy):
+        return 0.0
+    grouped = 0 if shape.every_expert else sum(i * o for name, i, o in shape.named_linears()
+                                               if name.startswith("expert_"))
+    return 2.0 * (shape.layer_params() - grouped)
 
 
 def recompute_cast_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:

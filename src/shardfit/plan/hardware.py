@@ -155,6 +155,20 @@ def detect(nodes: int = 1) -> Hardware:
     return Hardware(nodes, 1, host_mem_gib() or 16.0, host_mem_gib(), "cpu")
 
 
+def cards_here(hw: Hardware) -> bool:
+    """Whether this machine has CUDA GPUs of `hw`'s kind: the same card (as the table keys it) or, for a size
+    such as `8x24GB`, the same memory within 5 %. Imports torch, to ask the driver."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    name = torch.cuda.get_device_name(0)
+    mem = torch.cuda.get_device_properties(0).total_memory / 2**30
+    base = card_key(hw.name).split("-")[0]
+    same_card = base not in CARDS or card_key(name).split("-")[0] == base  # a size names no card
+    return same_card and abs(mem - hw.gpu_mem_gib) <= 0.05 * mem
+
+
 def job_hardware(device_type: str, world: int, cpu_gflops: tuple[float, float] | None = None) -> Hardware:
     """The hardware of a running job of `world` ranks: its GPUs, or on a CPU machine the host RAM they share and,
     when given, each rank's measured (fp32, bf16) matmul GFLOP/s."""

@@ -273,6 +273,13 @@ class ModelShape:
             i * o for _, i, o in self.linear_attention_linears()) > sum(i * o for _, i, o in self.attention_linears()))
 
     @property
+    def mamba_blocks(self) -> int:
+        """Blocks whose token mixer is a Mamba scan, of either layout (Nemotron-H's and Zamba's single-part
+        `mamba_layers`, the paired `mamba_mixers` of Jamba, Bamba, Falcon-H1 and Granite 4.0): what the kernel
+        choice (Workload `mamba_scan`) and its notes key on."""
+        return self.mamba_layers + self.mamba_mixers
+
+    @property
     def mamba_is_larger(self) -> bool:
         """Whether a paired block with a Mamba mixer (`mamba_mixers`) weighs more than one with softmax attention
         (what `the largest kind` of block takes where a caller names no kind)."""

@@ -292,7 +292,8 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
     model = ModelInfo(shape.id, shape.params(), trainable_params(shape, w), shape.layers, shape.hidden, shape.vocab,
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
-                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w) + mamba_notes(shape, w)
+                objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w)
+                + mamba_notes(shape, w, hw, best, strategies)
                 + ([f"attention {asked.attention} runs eager: transformers' class of {shape.id} has no SDPA"]
                    if w.attention != asked.attention else []),
                 same_result(shape, w, hw, strategies) if best is None else None)
@@ -342,14 +343,27 @@ def delta_rule_notes(shape: ModelShape, w: Workload) -> list[str]:
             "again there) for the fused kernels"]
 
 
-def mamba_notes(shape: ModelShape, w: Workload) -> list[str]:
-    """Where Nemotron-H's Mamba-2 blocks are planned for transformers' reference torch scan (mamba_ssm is not
-    installed where the plan runs, workload.py `mamba_scan`): what it saves and how to get the fused kernel."""
-    if not shape.mamba_layers or w.mamba_scan != "torch":
+def mamba_notes(shape: ModelShape, w: Workload, hw: Hardware, chosen: str | None,
+                strategies: tuple[str, ...] = NAMES) -> list[str]:
+    """Which Mamba scan the Mamba blocks are planned with (workload.py `mamba_scan`) where it is not the probed
+    fused kernel: transformers' torch fallback (mamba_ssm not installed where the plan runs, for this machine's
+    GPUs), with how to get the fused kernel; or the fused kernel assumed for other GPUs, with what the torch
+    fallback would need there for the `chosen` strategy."""
+    if not shape.mamba_blocks or not (w.mamba_scan == "torch" or w.mamba_scan_assumed):
         return []
-    return [f"the {shape.mamba_layers} Mamba-2 blocks are planned with transformers' reference torch scan (mamba_ssm "
-            "is not installed here), which saves fp32 chunk tensors for backward; `pip install mamba-ssm "
-            "causal-conv1d` (on the GPU machine, then plan again there) for the fused kernel"]
+    blocks = f"the {shape.mamba_blocks} Mamba-{1 if shape.mamba_v1 else 2} blocks"
+    if w.mamba_scan == "torch":
+        return [f"{blocks} are planned with transformers' reference torch scan (mamba_ssm is not installed here), "
+                "which saves fp32 chunk tensors for backward; `pip install mamba-ssm causal-conv1d` (on the GPU "
+                "machine, then plan again there) for the fused kernel"]
+    cands = estimate_all(shape, dataclasses.replace(w, mamba_scan="torch", mamba_scan_assumed=False), hw, strategies)
+    fallback, _ = recommend(cands, hw)
+    same = next(c for c in cands if c.strategy == (chosen or cands[0].strategy))
+    then = (f"{fallback} the fastest that fits then" if fallback and fallback != same.strategy
+            else "nothing fits then" if not fallback else "it still fits")
+    return [f"{blocks} are planned with mamba_ssm's fused scan, what the GPU machine runs with `pip install "
+            f"mamba-ssm causal-conv1d` (not installed here); transformers' torch fallback, without it, saves fp32 "
+            f"chunk tensors: {same.strategy} would need {same.per_gpu_gib.total:.1f} GiB a {hw.unit}, {then}"]
 
 
 def _duration(s: float) -> str:

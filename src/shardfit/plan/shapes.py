@@ -97,23 +97,48 @@ def catalog_config(model: str) -> dict[str, Any] | None:
     return dict(entry["config"]) if entry and "config" in entry else None
 
 
+# Compact catalog entries whose id names a family transformers builds apart from Llama (its norms, biases and
+# MLP differ): the first pattern the lower-cased id contains picks the config class.
+FAMILY_CONFIGS = (("gemma-3-", "Gemma3TextConfig"), ("gemma-2-", "Gemma2Config"), ("gemma", "GemmaConfig"),
+                  ("glm-4", "GlmConfig"), ("phi-3", "Phi3Config"), ("mistral", "MistralConfig"))
+
+
+def _compact_config_class(shape: ModelShape) -> Any:
+    """The transformers config class a compact entry's family is built from: Mixtral for a mixture of experts,
+    Qwen3 for Qwen ids whose attention normalizes q and k, Qwen2 for the other Qwen ids, the `FAMILY_CONFIGS`
+    family the id names, and Llama for the rest."""
+    import transformers  # configs only; the planner needs none
+
+    lower = shape.id.lower()
+    if shape.moe:
+        return transformers.MixtralConfig
+    if "qwen" in lower:
+        return transformers.Qwen3Config if shape.qk_norm else transformers.Qwen2Config
+    name = next((cls for pattern, cls in FAMILY_CONFIGS if pattern in lower), "LlamaConfig")
+    return getattr(transformers, name)
+
+
 def hf_config(shape: ModelShape) -> Any:
     """A transformers config of the shape's architecture family: the catalog's own config.json where it keeps one,
-    else Qwen3 for Qwen ids whose attention normalizes q and k, Qwen2 for the other Qwen ids and Llama for the rest:
-    what a weightless model is built from when no config.json is at hand (a catalog id)."""
-    from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config  # configs only; the planner needs none
+    else the compact entry's family (`_compact_config_class`) at its sizes: what a weightless model is built from
+    when no config.json is at hand (a catalog id)."""
+    from transformers import AutoConfig  # configs only; the planner needs none
 
     kept = catalog_config(shape.id)
     if kept is not None:
         return AutoConfig.for_model(kept.pop("model_type"), **kept)
 
-    qwen = "qwen" in shape.id.lower()
-    cls = (Qwen3Config if shape.qk_norm else Qwen2Config) if qwen else LlamaConfig
-    kwargs = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-                  tie_word_embeddings=shape.tied, max_position_embeddings=131072)
+    cls = _compact_config_class(shape)
+    kwargs: dict[str, Any] = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                                  num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+                                  tie_word_embeddings=shape.tied, max_position_embeddings=131072)
     if shape.head_dim:
         kwargs["head_dim"] = shape.head_dim
+    if shape.moe:
+        kwargs.update(num_local_experts=shape.experts, num_experts_per_tok=shape.top_k)
+    if cls.model_type in ("glm", "llama", "mistral"):  # their default attention bias is not the entry's
+        kwargs["attention_bias"] = shape.attn_bias
     if shape.vision is not None and ("-vl" in shape.id.lower() or shape.audio is not None):
         # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).
         half = shape.hd // 2
@@ -149,7 +174,8 @@ def vl_config(v: VisionShape, text: dict[str, Any]) -> Any:
                     temporal_patch_size=v.temporal_patch, in_channels=v.in_channels)
     if v.gated:
         vision = dict(geometry, hidden_size=v.dim, intermediate_size=v.mlp, out_hidden_size=v.out)
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
                                 architectures=["Qwen2_5_VLForConditionalGeneration"])
     vision = dict(geometry, embed_dim=v.dim, hidden_size=v.out, mlp_ratio=v.mlp // v.dim)
-    return Qwen2VLConfig(text_config=text, vision_config=vision, architectures=["Qwen2VLForConditionalGeneration"])
+    return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
+                         architectures=["Qwen2VLForConditionalGeneration"])

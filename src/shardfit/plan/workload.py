@@ -175,6 +175,9 @@ class Workload:
     # `torch`, transformers' reference scan, which saves the chunks' fp32 tensors (plan/estimate.py
     # `mamba_saved_bytes_per_token`).
     mamba_scan: str = dataclasses.field(default_factory=mamba_kernel)
+    # The fused kernel taken for GPUs other than the planning machine's (`for_target`), not found installed: the
+    # plan's note gives the torch fallback's figure beside it.
+    mamba_scan_assumed: bool = False
 
     @property
     def bnb(self) -> bool:
@@ -292,3 +295,13 @@ def regex_targets(pattern: str) -> tuple[str, ...] | None:
         if any(rx.fullmatch(f"{path}.{i}.{parent}.{name}_proj") for path in _BLOCK_PATHS for i in _BLOCK_NUMBERS):
             found.add(name)
     return tuple(n for n in LORA_TARGETS if n in found) or None
+
+
+def for_target(w: Workload, mamba: bool, elsewhere: bool) -> Workload:
+    """The workload as the job's own machine runs it, where the plan is for GPUs other than this machine's
+    (`elsewhere`: no CUDA here, or other cards) and the model has Mamba blocks: mamba_ssm's fused scan, what the
+    model cards have a GPU user install, in place of the torch fallback this machine would run. On the GPU
+    machine itself (and for train and check, which run where the job runs) the probe's answer stands."""
+    if not mamba or not elsewhere or w.mamba_scan != "torch":
+        return w
+    return dataclasses.replace(w, mamba_scan="mamba_ssm", mamba_scan_assumed=True)
