@@ -438,8 +438,9 @@ def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str)
         return Alternative(f"every row split over {n} GPUs", (("sequence_parallel", n),), None, c.strategy,
                            c.per_gpu_gib.total, hw.unit)
     # A split must divide the ranks: on 3 nodes of 8 (24 ranks) a 16-way split, which a 64-head model allows and
-    # which fits, cannot be laid out, while 2 or 4 such nodes take it. Fewer nodes first (the GPUs at hand).
-    for nodes in [*range(hw.nodes - 1, 0, -1), *range(hw.nodes + 1, 2 * hw.nodes + 1)]:
+    # which fits, cannot be laid out, while 2 or 4 such nodes take it. Fewer nodes first (the GPUs at hand). On one
+    # node every split divides some node count: more nodes are the "twice the GPUs" alternative's to offer.
+    for nodes in [*range(hw.nodes - 1, 0, -1), *range(hw.nodes + 1, 2 * hw.nodes + 1)] if hw.nodes > 1 else []:
         on = dataclasses.replace(hw, nodes=nodes)
         found = smallest_split(on.world, lambda n: hw.world % n != 0 and allowed(n), fits_on(on))
         if found is not None:
