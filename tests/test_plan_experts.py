@@ -72,4 +72,4 @@ def test_plan_flag(capsys: pytest.CaptureFixture[str]) -> None:
     main(["plan", "--model", "Qwen/Qwen3-235B-A22B", "--gpus", "8xH100", "--method", "lora", "--grad-ckpt", "full",
           "--batch", "1", "--seq", "4096", "--expert-parallel", "8"])
     ddp = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ddp "))
-    assert "replica with 1/8 of the experts per GPU: 81.7 GiB" in ddp
+    assert "replica with 1/8 of the experts per GPU: 81.9 GiB" in ddp
