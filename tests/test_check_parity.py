@@ -113,6 +113,15 @@ def test_a_resume_path_expands_home_as_data_and_model_do(tmp_path: Path, monkeyp
     assert named_checkpoint("~/runs/x/checkpoints/step-5") == ckpt
 
 
+def test_a_resume_path_in_an_unknown_users_home_is_exit_2() -> None:
+    """`~nosuchuser/...` raised Path.expanduser's RuntimeError (the last guard's exit 1) from check and train."""
+    from shardfit.errors import UserError
+    from shardfit.resolve.checkpoint_files import absent_here
+
+    with pytest.raises(UserError, match="'resume'.*does not know"):
+        absent_here("~shardfit-no-such-user/runs/x/checkpoints/step-5")
+
+
 def test_the_refusals_example_is_a_checkpoint_train_would_take(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The "e.g." checkpoint was the newest with a trainer.pt, even a damaged one that train's auto mode skips."""

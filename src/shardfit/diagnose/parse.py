@@ -19,7 +19,11 @@ a phrase), and the structured fields.
 from __future__ import annotations
 
 import re
-import re._parser as sre_parse  # the regex's parsed form: which pieces can match a line break
+
+try:  # the regex's parsed form: which pieces can match a line break (re._parser from Python 3.11)
+    import re._parser as sre_parse
+except ImportError:  # Python 3.10
+    import sre_parse  # type: ignore[no-redef]
 from dataclasses import dataclass, field
 
 from shardfit.diagnose.setting import Setting, gpu_rows, read_setting

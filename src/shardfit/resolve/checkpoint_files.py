@@ -76,7 +76,11 @@ def _path(resume: str) -> Path:
     if _NOT_A_PATH.fullmatch(resume.strip()) and not Path(resume).exists():
         raise UserError(f"'resume': {resume!r} is no checkpoint path. Use resume: auto (the newest whole checkpoint "
                         "of output_dir), never, or a checkpoint's folder (a run's checkpoints/step-N).")
-    return Path(resume).expanduser()
+    try:
+        return Path(resume).expanduser()
+    except RuntimeError:  # `~user/...` of a user this machine does not know
+        raise UserError(f"'resume': {resume!r} names the home of a user {socket.gethostname()} does not know. Give "
+                        "the checkpoint's full path (a run's checkpoints/step-N folder).") from None
 
 
 def _unreadable(resume: str, e: OSError) -> UserError:
