@@ -18,6 +18,9 @@ ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_t
             "tokens_per_s", "fits"}
 STRATEGIES = {"single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel"}
 READINGS = {"total", "reserved", "allocated"}
+# The defaults the fourth and later sets plan a row that states nothing with (the earlier sets' own).
+UNKNOWN = {"grad_ckpt": "full", "optimizer": "adamw", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
+           "lora_rank": 8, "lora_dropout": 0.0, "loss": "full", "attention": "sdpa", "adapters_16bit": False}
 
 
 def check_rows(blind: dict, pvp: ModuleType, row_keys: set[str], source_of) -> None:  # noqa: ANN001
@@ -29,6 +32,20 @@ def check_rows(blind: dict, pvp: ModuleType, row_keys: set[str], source_of) -> N
         if row["peak_memory"]:
             assert row["peak_memory"]["unit"] in pvp.UNITS and row["peak_memory"]["value"] > 0
     assert set(blind["unknown"]) <= pvp.WORKLOAD_KEYS
+
+
+def check_readings_and_defaults(blind: dict, rows: int) -> None:
+    """A set of the fourth kind: each peak's reading is in the set's `readings`, each rate a positive tokens/s per
+    GPU or in total (or s/it), the defaults are UNKNOWN's, and `row_settings`/`row_reasons` name rows it holds."""
+    for row in blind["rows"]:
+        if row["peak_memory"]:
+            assert row["peak_memory"]["reading"] in blind["readings"]
+        rate = row["tokens_per_s"]
+        if rate:
+            assert rate["value"] > 0 and (rate.get("unit") == "s/it" or rate["per"] in ("gpu", "total"))
+    assert blind["unknown"] == UNKNOWN and blind["unknown_qlora"] == {"frozen_fp32": True, "double_quant": True}
+    assert blind["unknown_seq_len"] > 0
+    assert set(blind["row_settings"]) | set(blind["row_reasons"]) <= set(range(1, rows + 1))
 
 
 def cases(bench: ModuleType, blind: dict) -> list[tuple[int, str, dict | str]]:

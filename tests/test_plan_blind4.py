@@ -7,12 +7,16 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.blind_sets import ROW_KEYS, cases, check_committed, check_mapping, check_rows
+from tests.blind_sets import (
+    ROW_KEYS,
+    cases,
+    check_committed,
+    check_mapping,
+    check_readings_and_defaults,
+    check_rows,
+)
 from tests.helpers import load_bench
 
-# The defaults every blind set plans a row that states nothing with.
-UNKNOWN = {"grad_ckpt": "full", "optimizer": "adamw", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
-           "lora_rank": 8, "lora_dropout": 0.0, "loss": "full", "attention": "sdpa", "adapters_16bit": False}
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"easycontext": 1, "openr1-readme": 1, "halo-30": 2, "openr1-506": 1, "openr1-446": 1, "soup-378": 4,
            "liger-677": 1, "verl-798": 1, "thunder-1528": 1, "qwen2vl-ft-23": 2, "vectorlm-5": 1,
@@ -34,15 +38,7 @@ def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     and the url of exactly one source; the defaults are the other blind sets'."""
     assert len(blind["rows"]) == 107 and len(blind["sources"]) == 38
     check_rows(blind, bench.pvb.pvp, ROW_KEYS, bench.pvb.source_of)
-    for row in blind["rows"]:
-        if row["peak_memory"]:
-            assert row["peak_memory"]["reading"] in blind["readings"]
-        rate = row["tokens_per_s"]
-        if rate:
-            assert rate["value"] > 0 and (rate.get("unit") == "s/it" or rate["per"] in ("gpu", "total"))
-    assert blind["unknown"] == UNKNOWN and blind["unknown_qlora"] == {"frozen_fp32": True, "double_quant": True}
-    assert set(blind["unknown"]) <= bench.pvb.pvp.WORKLOAD_KEYS and blind["unknown_seq_len"] > 0
-    assert set(blind["row_settings"]) | set(blind["row_reasons"]) <= set(range(1, 108))
+    check_readings_and_defaults(blind, 107)
     assert bench.OUT.name == "plan_vs_blind4.json" and bench.SET.name == "published_blind4.yaml"
 
 

@@ -9,12 +9,16 @@ import json
 import pytest
 import yaml
 
-from tests.blind_sets import ROW_KEYS, cases, check_committed, check_mapping, check_rows
+from tests.blind_sets import (
+    ROW_KEYS,
+    cases,
+    check_committed,
+    check_mapping,
+    check_readings_and_defaults,
+    check_rows,
+)
 from tests.helpers import load_bench
 
-# The defaults every blind set plans a row that states nothing with.
-UNKNOWN = {"grad_ckpt": "full", "optimizer": "adamw", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
-           "lora_rank": 8, "lora_dropout": 0.0, "loss": "full", "attention": "sdpa", "adapters_16bit": False}
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"alignment-handbook-22": 1, "flash-sample-pack": 2, "exxact-lora": 2, "accelerate-3647": 2,
            "hf-blog-4bit": 10, "self-llm-qwen3-moe": 1, "belle-faq": 1, "accessory-91": 1, "self-llm-93": 1,
@@ -38,15 +42,7 @@ def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     check_rows(blind, bench.pvb.pvp, ROW_KEYS, bench.pvb.source_of)
     as_text = [json.dumps(row, sort_keys=True) for row in blind["rows"]]
     assert len(set(as_text)) == len(as_text)
-    for row in blind["rows"]:
-        if row["peak_memory"]:
-            assert row["peak_memory"]["reading"] in blind["readings"]
-        rate = row["tokens_per_s"]
-        if rate:
-            assert rate["value"] > 0 and (rate.get("unit") == "s/it" or rate["per"] in ("gpu", "total"))
-    assert blind["unknown"] == UNKNOWN and blind["unknown_qlora"] == {"frozen_fp32": True, "double_quant": True}
-    assert set(blind["unknown"]) <= bench.pvb.pvp.WORKLOAD_KEYS and blind["unknown_seq_len"] > 0
-    assert set(blind["row_settings"]) | set(blind["row_reasons"]) <= set(range(1, 116))
+    check_readings_and_defaults(blind, 115)
     assert bench.OUT.name == "plan_vs_blind5.json" and bench.SET.name == "published_blind5.yaml"
 
 

@@ -20,6 +20,7 @@ from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import block_activation_bytes_per_token, largest_block_activation_bytes_per_token
 from shardfit.plan.model_shape import Block
 from shardfit.plan.workload import Workload
+from tests.helpers import saved_tensor_bytes
 
 SEQ = 96
 BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -49,17 +50,8 @@ def _saved_per_token(config: Any) -> float:
     """Bytes autograd keeps per token over one forward of the bf16 model (weights left out, each storage once)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=torch.randint(1, 256, (1, SEQ)), logits_to_keep=1, use_cache=False)
-    return sum(kept.values()) / SEQ
+    ids = torch.randint(1, 256, (1, SEQ))
+    return saved_tensor_bytes(model, lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False)) / SEQ
 
 
 def _measured_and_planned(family: str, mamba: bool) -> tuple[float, float]:
