@@ -191,8 +191,17 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
-    optim = t * (2.0 if w.optimizer == "adamw8bit" else 2.0 * trainable_bytes(w))  # AdamW's states match the weight
-    return weights, grads, optim
+    return weights, grads, t * optimizer_state_bytes(w)
+
+
+def optimizer_state_bytes(w: Workload) -> float:
+    """Bytes of AdamW's two states per trainable weight: one byte each for 8-bit AdamW; for torch's AdamW the
+    weight's own dtype (torch/optim/adamw.py: `torch.zeros_like(p)`); for bitsandbytes' 32-bit AdamW
+    (`paged_adamw_32bit`, `bnb_optimizer`) fp32 whatever the weight's dtype (bitsandbytes/optim/optimizer.py
+    `Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
+    if w.optimizer == "adamw8bit":
+        return 2.0
+    return 2.0 * (4 if w.bnb_optimizer else trainable_bytes(w))
 
 
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
@@ -266,11 +275,22 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
     tokens = w.tokens
     if w.bnb_precision:
         held = bnb_dequantize_bytes(i * o, w)
-    elif w.bnb:  # bitsandbytes' one kernel writes the weight in the compute dtype, nothing else
-        held = float(i * o * compute_bytes(w))
+    elif w.bnb:  # bitsandbytes' one kernel writes the weight, no index tensors
+        held = float(i * o * bnb_dequantized_bytes_per_weight(w))
     else:
         held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * compute_bytes(w))
+
+
+def bnb_dequantized_bytes_per_weight(w: Workload) -> int:
+    """Bytes per element one bitsandbytes Linear4bit holds while it multiplies by its dequantized weight.
+    MatMul4Bit (bitsandbytes/autograd/_functions.py) computes `F.dequantize_4bit(B, quant_state).to(A.dtype)`, A
+    being the input Linear4bit cast to its compute dtype: dequantize_4bit writes the weight in quant_state.dtype,
+    the 16-bit dtype the model was loaded in. With a 16-bit compute dtype the cast is a no-op: the weight once, in
+    the compute precision. With an fp32 compute dtype (`bnb_compute_fp32`, transformers' default) the 16-bit weight
+    and its fp32 cast exist together for the cast, and under autocast the linear casts the fp32 weight back to 16
+    bits while the fp32 one is alive: 2 + 4 bytes either way."""
+    return 2 + 4 if w.bnb_compute_fp32 else compute_bytes(w)
 
 
 def head_dequantize_bytes(shape: ModelShape, w: Workload) -> float:

@@ -1,0 +1,57 @@
+"""The planner's bitsandbytes terms: the QLoRA compute dtype and bitsandbytes' AdamW states."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shardfit.foreign.common import bitsandbytes_optimizer, optimizer_keys
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.estimate import dequantize_bytes, lora_params, state_bytes
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+
+SHAPE = resolve_shape("meta-llama/Llama-2-7b-hf")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_fp32_compute_dtype_holds_the_16bit_weight_and_its_fp32_cast(precision: str) -> None:
+    """transformers' BitsAndBytesConfig computes in fp32 unless told otherwise: MatMul4Bit's dequantized weight
+    comes in the 16-bit dtype the model was loaded in and is cast to fp32 for the matmul (and, under fp16
+    autocast, back to fp16 by the linear), so the largest weight's dequantization holds 6 bytes an element, where
+    a 16-bit compute dtype holds it once in the compute precision."""
+    w = Workload(method="qlora", precision=precision, quant_backend="bnb", seq_len=1024, micro_batch=2,
+                 frozen_fp32=True)
+    largest = SHAPE.hidden * SHAPE.intermediate  # gate/up/down: 4096 x 11008
+    grad_input = w.tokens * SHAPE.intermediate * (4 if precision == "fp32" else 2)  # down_proj's input gradient
+    assert dequantize_bytes(SHAPE, w) == largest * (4 if precision == "fp32" else 2) + grad_input
+    assert dequantize_bytes(SHAPE, replace(w, bnb_compute_fp32=True)) == largest * 6 + grad_input
+
+
+def test_bitsandbytes_32bit_adamw_keeps_fp32_states_of_16bit_adapters() -> None:
+    """bitsandbytes' 32-bit AdamW (paged_adamw_32bit) allocates its two states in fp32 whatever the weight's dtype;
+    torch's AdamW keeps them in the weight's own: 16-bit adapters (LLaMA-Factory's pure_bf16) need 8 bytes a
+    weight of states under the first, 4 under the second. 8-bit states stay one byte each."""
+    w = Workload(method="lora", adapters_16bit=True, lora_rank=16)
+    t = lora_params(SHAPE, w)
+    assert state_bytes(SHAPE, w)[2] == 4 * t
+    assert state_bytes(SHAPE, replace(w, bnb_optimizer=True))[2] == 8 * t
+    assert state_bytes(SHAPE, replace(w, bnb_optimizer=True, optimizer="adamw8bit"))[2] == 2 * t
+    fp32_adapters = replace(w, adapters_16bit=False)
+    assert state_bytes(SHAPE, replace(fp32_adapters, bnb_optimizer=True))[2] == state_bytes(SHAPE, fp32_adapters)[2]
+
+
+def test_tools_bitsandbytes_optimizer_names(tmp_path) -> None:  # noqa: ANN001
+    """The HF Trainer's bitsandbytes AdamW names (8-bit and paged) set `bnb_optimizer`, torch's do not; a
+    LLaMA-Factory LoRA run in pure bf16 with paged_adamw_32bit plans fp32 states for its bf16 adapters."""
+    assert all(bitsandbytes_optimizer(n) for n in ("paged_adamw_32bit", "PAGED_ADAMW_8BIT", "adamw_bnb_8bit",
+                                                   "adamw_8bit"))
+    assert not any(bitsandbytes_optimizer(n) for n in ("adamw_torch", "adamw_torch_fused", "adamw_hf"))
+    assert optimizer_keys("paged_adamw_32bit", "4.56.0", [])["bnb_optimizer"]
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: sft\nfinetuning_type: lora\n"
+                   "optim: paged_adamw_32bit\npure_bf16: true\ncutoff_len: 1024\nper_device_train_batch_size: 1\n")
+    w = read_job("llamafactory", str(cfg), JobOptions()).workload
+    assert w.adapters_16bit and w.bnb_optimizer
+    assert state_bytes(SHAPE, w)[2] == 8 * lora_params(SHAPE, w)
