@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from shardfit.cli.main import main
 from shardfit.foreign.common import bitsandbytes_optimizer, optimizer_keys
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.estimate import dequantize_bytes, lora_params, state_bytes
@@ -55,3 +57,18 @@ def test_tools_bitsandbytes_optimizer_names(tmp_path) -> None:  # noqa: ANN001
     w = read_job("llamafactory", str(cfg), JobOptions()).workload
     assert w.adapters_16bit and w.bnb_optimizer
     assert state_bytes(SHAPE, w)[2] == 8 * lora_params(SHAPE, w)
+
+
+def test_plan_flags_set_the_bitsandbytes_keys(capsys: pytest.CaptureFixture) -> None:
+    """`plan --bnb-compute-fp32 --bnb-optimizer` plans bitsandbytes' fp32 compute dtype and fp32 AdamW states:
+    16-bit adapters' optimizer column doubles."""
+    args = ["plan", "--model", "meta-llama/Llama-2-7b-hf", "--gpus", "1xT4", "--method", "qlora", "--precision",
+            "fp16", "--quant-backend", "bnb", "--adapters-16bit", "--seq", "512", "--batch", "1", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--bnb-compute-fp32", "--bnb-optimizer"]) == 0
+    bnb = json.loads(capsys.readouterr().out)
+    assert bnb["workload"]["bnb_compute_fp32"] and bnb["workload"]["bnb_optimizer"]
+    single = [next(c for c in p["candidates"] if c["strategy"] == "single") for p in (plain, bnb)]
+    assert single[1]["per_gpu_gib"]["optimizer"] == pytest.approx(2 * single[0]["per_gpu_gib"]["optimizer"],
+                                                                 rel=0.01)
