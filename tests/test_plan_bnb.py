@@ -17,18 +17,24 @@ from shardfit.plan.workload import Workload
 SHAPE = resolve_shape("meta-llama/Llama-2-7b-hf")
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp32"])
-def test_fp32_compute_dtype_holds_the_16bit_weight_and_its_fp32_cast(precision: str) -> None:
-    """transformers' BitsAndBytesConfig computes in fp32 unless told otherwise: MatMul4Bit's dequantized weight
-    comes in the 16-bit dtype the model was loaded in and is cast to fp32 for the matmul (and, under fp16
-    autocast, back to fp16 by the linear), so the largest weight's dequantization holds 6 bytes an element, where
-    a 16-bit compute dtype holds it once in the compute precision."""
+@pytest.mark.parametrize(("precision", "frozen_fp32", "compute_fp32", "pure", "per_weight"), [
+    ("bf16", False, False, False, 2), ("fp16", False, True, False, 2),  # autocast: a 16-bit gradient
+    ("fp16", True, True, False, 2),
+    ("fp32", True, False, False, 6),  # a 16-bit model made fp32 by prepare_model_for_kbit_training, no autocast
+    ("bf16", False, True, True, 6), ("bf16", False, False, True, 2),  # pure bf16: the compute dtype decides
+    ("fp32", False, False, False, 4)])  # loaded in fp32: no cast
+def test_bnb_dequantized_weight_in_the_gradients_dtype(precision: str, frozen_fp32: bool, compute_fp32: bool,
+                                                        pure: bool, per_weight: int) -> None:
+    """bitsandbytes' MatMul4Bit.backward dequantizes the weight in the dtype the model was loaded in and casts it
+    to the incoming gradient's dtype: 16-bit under autocast, else the layer's compute dtype (transformers'
+    default: fp32). An fp32 gradient and a 16-bit model hold 6 bytes an element of the largest weight (measured
+    on bitsandbytes 0.50.2's CPU backend: 6.0 without autocast, 2.1 under fp16 autocast)."""
     w = Workload(method="qlora", precision=precision, quant_backend="bnb", seq_len=1024, micro_batch=2,
-                 frozen_fp32=True)
+                 frozen_fp32=frozen_fp32, bnb_compute_fp32=compute_fp32, pure_16bit=pure)
     largest = SHAPE.hidden * SHAPE.intermediate  # gate/up/down: 4096 x 11008
-    grad_input = w.tokens * SHAPE.intermediate * (4 if precision == "fp32" else 2)  # down_proj's input gradient
-    assert dequantize_bytes(SHAPE, w) == largest * (4 if precision == "fp32" else 2) + grad_input
-    assert dequantize_bytes(SHAPE, replace(w, bnb_compute_fp32=True)) == largest * 6 + grad_input
+    # down_proj's input gradient: fp32 in the fp32 stream prepare_model_for_kbit_training makes
+    grad_input = w.tokens * SHAPE.intermediate * (4 if frozen_fp32 or precision == "fp32" else 2)
+    assert dequantize_bytes(SHAPE, w) == largest * per_weight + grad_input
 
 
 def test_bitsandbytes_32bit_adamw_keeps_fp32_states_of_16bit_adapters() -> None:

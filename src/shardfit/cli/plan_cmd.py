@@ -103,8 +103,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "runs): sets the dequantization's time and temporary")
     p.add_argument("--bnb-compute-fp32", action="store_true", default=None,
                    help="qlora with bitsandbytes computing in fp32: transformers' BitsAndBytesConfig without "
-                        "bnb_4bit_compute_dtype (its default), which dequantizes each weight to 16 bits and casts it "
-                        "to fp32")
+                        "bnb_4bit_compute_dtype (its default); without autocast each weight's backward then holds "
+                        "its 16-bit dequantization and an fp32 cast")
     p.add_argument("--bnb-optimizer", action="store_true", default=None,
                    help="AdamW from bitsandbytes (paged_adamw_32bit, adamw_bnb_8bit...): 32-bit states in fp32 "
                         "whatever the trainable weights' dtype")

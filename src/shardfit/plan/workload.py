@@ -128,9 +128,9 @@ class Workload:
     # `dequantize_bytes`). Lightning's BitsandbytesPrecision (`bnb_precision`) is bitsandbytes whatever this says.
     quant_backend: str = "torchao"
     # bitsandbytes QLoRA computing in fp32: transformers' BitsAndBytesConfig without `bnb_4bit_compute_dtype`
-    # (its default is torch.float32, transformers/utils/quantization_config.py). Linear4bit casts each input to
-    # fp32, and MatMul4Bit dequantizes the weight in the dtype it was loaded in (16-bit) and casts it to fp32 for
-    # the matmul, which autocast casts back to 16 bits (plan/estimate.py `dequantize_bytes`).
+    # (its default is torch.float32, transformers/utils/quantization_config.py). Without autocast the layers'
+    # outputs, and so their gradients, are fp32, and MatMul4Bit's backward casts each dequantized 16-bit weight to
+    # fp32 beside it (plan/estimate.py `bnb_dequantized_bytes`); under autocast the outputs are 16-bit.
     bnb_compute_fp32: bool = False
     # AdamW from bitsandbytes (the tools' `adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`):
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
