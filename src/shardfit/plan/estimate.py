@@ -194,13 +194,19 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     return weights, grads, t * optimizer_state_bytes(w)
 
 
+# bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
+# (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`: blocksize 256, `absmax1` and `absmax2`).
+BNB_STATE_BLOCK = 256
+
+
 def optimizer_state_bytes(w: Workload) -> float:
-    """Bytes of AdamW's two states per trainable weight: one byte each for 8-bit AdamW; for torch's AdamW the
-    weight's own dtype (torch/optim/adamw.py: `torch.zeros_like(p)`); for bitsandbytes' 32-bit AdamW
-    (`paged_adamw_32bit`, `bnb_optimizer`) fp32 whatever the weight's dtype (bitsandbytes/optim/optimizer.py
-    `Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
+    """Bytes of AdamW's two states per trainable weight. 8-bit AdamW (bitsandbytes'): one byte each and an fp32
+    absmax per BNB_STATE_BLOCK elements of each (tensors under its min_8bit_size, 4,096 elements, keep fp32 states:
+    norms and biases, not counted apart). torch's AdamW: the weight's own dtype (torch/optim/adamw.py:
+    `torch.zeros_like(p)`). bitsandbytes' 32-bit AdamW (`paged_adamw_32bit`, `bnb_optimizer`): fp32 whatever the
+    weight's dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
     if w.optimizer == "adamw8bit":
-        return 2.0
+        return 2.0 * (1 + 4 / BNB_STATE_BLOCK)
     return 2.0 * (4 if w.bnb_optimizer else trainable_bytes(w))
 
 
