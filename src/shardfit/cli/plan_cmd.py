@@ -101,6 +101,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="qlora: what dequantizes the 4-bit weights for each matmul: torchao (shardfit's, eager ops; "
                         "default) or bnb (bitsandbytes' fused kernel, as HF Trainer / TRL / LLaMA-Factory / axolotl "
                         "runs): sets the dequantization's time and temporary")
+    p.add_argument("--bnb-compute-fp32", action="store_true", default=None,
+                   help="qlora with bitsandbytes computing in fp32: transformers' BitsAndBytesConfig without "
+                        "bnb_4bit_compute_dtype (its default); without autocast each weight's backward then holds "
+                        "its 16-bit dequantization and an fp32 cast")
+    p.add_argument("--bnb-optimizer", action="store_true", default=None,
+                   help="AdamW from bitsandbytes (paged_adamw_32bit, adamw_bnb_8bit...): 32-bit states in fp32 "
+                        "whatever the trainable weights' dtype")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile over each block: inductor saves fewer activations and fuses float8's casts "
                         "(default: the config's compile: true, else off, as compile: auto is planned)")
@@ -463,7 +470,8 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
                  "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel,
                  "quant_backend": args.quant_backend, "expert_parallel": args.expert_parallel,
-                 "float8": args.float8}
+                 "float8": args.float8, "bnb_compute_fp32": args.bnb_compute_fp32,
+                 "bnb_optimizer": args.bnb_optimizer}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
         raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "

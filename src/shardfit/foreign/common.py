@@ -64,14 +64,23 @@ EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "ada
 
 
 def optimizer(name: str) -> str | None:
-    """adamw, adamw8bit, or None for an optimizer the planner does not model (paged AdamW counts as AdamW: its
-    states are the same size, only their pages may move to the host under pressure)."""
+    """adamw, adamw8bit, or None for an optimizer the planner does not model (paged AdamW counts as AdamW, from
+    bitsandbytes: `bitsandbytes_optimizer`)."""
     n = name.lower()
     if n in EIGHT_BIT_OPTIMIZERS:
         return "adamw8bit"
     if n.startswith(("adamw", "paged_adamw")) or n == "adam":
         return "adamw"
     return None
+
+
+def bitsandbytes_optimizer(name: str) -> bool:
+    """Whether the HF Trainer's `optim` = `name` is bitsandbytes' AdamW (its 8-bit ones, and the paged ones of
+    either width): the planner's `bnb_optimizer`, whose 32-bit states are fp32 whatever the weights' dtype. Paged
+    states live in CUDA managed memory (cudaMallocManaged), but only those of tensors of 100,000 elements or more
+    (bitsandbytes/optim/optimizer.py `get_state_buffer`); they are counted on the card as the others are."""
+    n = name.lower()
+    return n in EIGHT_BIT_OPTIMIZERS or n.startswith("paged_adamw")
 
 
 def multi_tensor_step(name: str) -> bool:
@@ -108,7 +117,8 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
     optim, assumed = default_optim(given, version, tool_default)
     if assumed:
         notes.append(assumed)
-    return {"optimizer": optimizer(optim) or "adamw", "fused_adamw": not multi_tensor_step(optim)}
+    return {"optimizer": optimizer(optim) or "adamw", "fused_adamw": not multi_tensor_step(optim),
+            "bnb_optimizer": bitsandbytes_optimizer(optim)}
 
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")

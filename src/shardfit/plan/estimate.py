@@ -191,8 +191,23 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
-    optim = t * (2.0 if w.optimizer == "adamw8bit" else 2.0 * trainable_bytes(w))  # AdamW's states match the weight
-    return weights, grads, optim
+    return weights, grads, t * optimizer_state_bytes(w)
+
+
+# bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
+# (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`: blocksize 256, `absmax1` and `absmax2`).
+BNB_STATE_BLOCK = 256
+
+
+def optimizer_state_bytes(w: Workload) -> float:
+    """Bytes of AdamW's two states per trainable weight. 8-bit AdamW (bitsandbytes'): one byte each and an fp32
+    absmax per BNB_STATE_BLOCK elements of each (tensors under its min_8bit_size, 4,096 elements, keep fp32 states:
+    norms and biases, not counted apart). torch's AdamW: the weight's own dtype (torch/optim/adamw.py:
+    `torch.zeros_like(p)`). bitsandbytes' 32-bit AdamW (`paged_adamw_32bit`, `bnb_optimizer`): fp32 whatever the
+    weight's dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
+    if w.optimizer == "adamw8bit":
+        return 2.0 * (1 + 4 / BNB_STATE_BLOCK)
+    return 2.0 * (4 if w.bnb_optimizer else trainable_bytes(w))
 
 
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
@@ -250,7 +265,7 @@ def block_weight_bytes(shape: ModelShape, w: Workload) -> float:
     return linear_weight_bytes(shape, w) + 2 * shape.hidden * compute_bytes(w)
 
 
-def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
+def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """QLoRA in backward: the most one layer's dequantization holds (plan/quant.py), for the largest NF4 weight of a
     block, and the gradient of that layer's input its LoRA branch has already made (autograd runs the adapter's
     backward first: it was recorded after the base matmul). Each linear layer dequantizes its weight for its matmul
@@ -264,13 +279,33 @@ def dequantize_bytes(shape: ModelShape, w: Workload) -> float:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
     tokens = w.tokens
+    grad_input = compute_bytes(w)
     if w.bnb_precision:
         held = bnb_dequantize_bytes(i * o, w)
-    elif w.bnb:  # bitsandbytes' one kernel writes the weight in the compute dtype, nothing else
-        held = float(i * o * compute_bytes(w))
+    elif w.bnb:  # bitsandbytes' one kernel writes the weight, no index tensors
+        held = float(i * o * bnb_dequantized_bytes(w, strategy))
+        grad_input = 4 if w.frozen_fp32 and runs_autocast(w, strategy) else grad_input  # the fp32 stream's
     else:
         held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
-    return float(held + tokens * i * compute_bytes(w))
+    return float(held + tokens * i * grad_input)
+
+
+def bnb_dequantized_bytes(w: Workload, strategy: str = "single") -> int:
+    """Bytes per element one bitsandbytes Linear4bit holds in backward while it multiplies the incoming gradient by
+    its dequantized weight: MatMul4Bit.backward (bitsandbytes/autograd/_functions.py, 0.42 to 0.50) computes
+    `F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)`, and dequantize_4bit writes quant_state.dtype, the dtype
+    the model was loaded in (16-bit, or fp32 for an fp32 run without prepare_model_for_kbit_training). The
+    gradient has the dtype of the forward's output: under autocast the 16-bit one; without autocast the layer's
+    compute dtype, which transformers always passes (BitsAndBytesConfig's bnb_4bit_compute_dtype, fp32 by default,
+    `bnb_compute_fp32`, else the run's precision; Linear4bit's `compute_type_is_set` then keeps it whatever the
+    input's dtype). A cast to
+    another dtype exists beside the weight it is made from: 2 + 4 bytes when an fp32 gradient meets a 16-bit
+    weight. Measured with MemTracker on bitsandbytes 0.50.2's CPU backend (fp32 compute dtype: 6.0 bytes without
+    autocast, 2.1 under fp16 autocast). Before 0.50 the forward dequantized the same way (to the compute dtype)
+    instead of running a fused kernel."""
+    loaded = 4 if w.precision == "fp32" and not w.frozen_fp32 else 2
+    grad = 4 if w.bnb_compute_fp32 and not runs_autocast(w, strategy) else compute_bytes(w)
+    return loaded + (grad if grad != loaded else 0)
 
 
 def head_dequantize_bytes(shape: ModelShape, w: Workload) -> float:
@@ -1102,7 +1137,7 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
-    bwd_temp = r.bwd_temp + dequantize_bytes(shape, w)
+    bwd_temp = r.bwd_temp + dequantize_bytes(shape, w, strategy)
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward

@@ -65,6 +65,7 @@ from shardfit.plan.estimate import (
     foreach_temp_bytes,
     head_weight_bytes,
     image_activation_bytes,
+    optimizer_state_bytes,
     planned_workload,
     trainable_bytes,
 )
@@ -193,7 +194,7 @@ def _part_gib(params: int, trained: bool, w: Workload) -> tuple[float, float, fl
     if not trained:
         return params * (4 if w.frozen_fp32 else compute_bytes(w)) / GIB, 0.0, 0.0
     t = trainable_bytes(w)
-    return params * t / GIB, params * t / GIB, params * (2.0 if w.optimizer == "adamw8bit" else 2.0 * t) / GIB
+    return params * t / GIB, params * t / GIB, params * optimizer_state_bytes(w) / GIB
 
 
 def stage_hardware(hw: Hardware, dp: int) -> Hardware:

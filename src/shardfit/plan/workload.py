@@ -127,6 +127,15 @@ class Workload:
     # dequantization (plan/timing.py `dequant_per_use`), and what one dequantization holds (plan/estimate.py
     # `dequantize_bytes`). Lightning's BitsandbytesPrecision (`bnb_precision`) is bitsandbytes whatever this says.
     quant_backend: str = "torchao"
+    # bitsandbytes QLoRA computing in fp32: transformers' BitsAndBytesConfig without `bnb_4bit_compute_dtype`
+    # (its default is torch.float32, transformers/utils/quantization_config.py). Without autocast the layers'
+    # outputs, and so their gradients, are fp32, and MatMul4Bit's backward casts each dequantized 16-bit weight to
+    # fp32 beside it (plan/estimate.py `bnb_dequantized_bytes`); under autocast the outputs are 16-bit.
+    bnb_compute_fp32: bool = False
+    # AdamW from bitsandbytes (the tools' `adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`):
+    # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
+    # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
+    bnb_optimizer: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
