@@ -6,7 +6,7 @@ A transformers Llama block in bf16 (no autocast: torchtune's and Answer.AI's pur
 its saved tensors read with saved-tensor hooks, and once through AOTAutograd with the partitioner inductor uses
 (min-cut rematerialisation), the saved tensors read from the forward graph's outputs. Only tensors with a token
 dimension count (weights and the rotary tables are shared, not per token). The planner's per-block formula
-(plan/estimate.py `block_activation_bytes_per_token`) is printed beside each measurement.
+(plan/activations.py `block_activation_bytes_per_token`) is printed beside each measurement.
 The partition runs on CPU in seconds: no kernel is generated.
 """
 
@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from shardfit.plan.estimate import block_activation_bytes_per_token  # noqa: E402
+from shardfit.plan.activations import block_activation_bytes_per_token  # noqa: E402
 from shardfit.plan.shapes import ModelShape  # noqa: E402
 from shardfit.plan.workload import Workload  # noqa: E402
 

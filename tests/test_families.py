@@ -21,8 +21,8 @@ from shardfit.models.adapters import apply_lora
 from shardfit.models.anatomy import decoder_and_head
 from shardfit.models.build import model_class
 from shardfit.models.experts import use_experts
+from shardfit.plan.adapters import lora_params
 from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.estimate import lora_params
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.plan.workload import Workload, workload_of
 from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts

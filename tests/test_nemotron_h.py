@@ -17,7 +17,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
 from shardfit.cli import plan_cmd
 from shardfit.cli.main import main
 from shardfit.errors import UserError
-from shardfit.plan.estimate import block_activation_bytes_per_token
+from shardfit.plan.activations import block_activation_bytes_per_token
 from shardfit.plan.model_shape import ATTENTION, MAMBA, MLP, Block
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import linear_flops_per_token, softmax_groups

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.models.checkpointing import enable_hf_checkpointing
-from shardfit.plan.estimate import FULL_LOSS_BYTES, activation_bytes
+from shardfit.plan.activations import FULL_LOSS_BYTES, activation_bytes
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.step import packed_positions

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from shardfit.cli.main import main
+from shardfit.plan.adapters import lora_expert_params
 from shardfit.plan.cards import card_of
-from shardfit.plan.estimate import estimate, lora_expert_params
+from shardfit.plan.estimate import estimate
 from shardfit.plan.experts import all_to_all_s, exchange_bytes, routed_expert_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape

@@ -15,14 +15,11 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from shardfit.config import Config, LoraSettings
 from shardfit.models.adapters import apply_lora, skip_adapter_input_casts
-from shardfit.plan.estimate import (
-    autocast_fp32_master,
-    block_activation_bytes_per_token,
-    casts_fp32_trainables,
-    estimate,
-    lora_params,
-)
+from shardfit.plan.activations import block_activation_bytes_per_token
+from shardfit.plan.adapters import lora_params
+from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.precision import autocast_fp32_master, casts_fp32_trainables
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, workload_of
 from tests.helpers import saved_storage_bytes

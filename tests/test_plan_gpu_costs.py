@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from shardfit.plan import timing
+from shardfit.plan.activations import held_mask_bytes
 from shardfit.plan.cards import card_of
-from shardfit.plan.estimate import held_mask_bytes
 from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import (

@@ -20,16 +20,16 @@ from shardfit.cli.main import main
 from shardfit.config import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.models.build import meta_model
-from shardfit.plan.cards import card_of
-from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.estimate import (
+from shardfit.plan.activations import (
     activation_bytes,
     block_activation_bytes_per_token,
     deltanet_saved_bytes_per_token,
-    lora_params,
     recompute_cast_bytes_per_token,
     reference_activation_bytes,
 )
+from shardfit.plan.adapters import lora_params
+from shardfit.plan.cards import card_of
+from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.model_shape import DELTA_CHUNK, ModelShape
 from shardfit.plan.plan import make_plan

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from shardfit.models.build import build_model
-from shardfit.plan.estimate import activation_bytes
+from shardfit.plan.activations import activation_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.gpu_kernels import sdpa_as_on_a_gpu

@@ -17,14 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import shardfit.strategy as strategies
-from shardfit.plan.estimate import (
-    _tensors,
-    checkpointed_block_bytes_per_token,
-    logits_bytes,
-    per_rank,
-    recompute_cast_bytes_per_token,
-    step_moments,
-)
+from shardfit.plan.activations import checkpointed_block_bytes_per_token, logits_bytes, recompute_cast_bytes_per_token
+from shardfit.plan.estimate import _tensors, per_rank, step_moments
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload

@@ -1,5 +1,5 @@
 """Mamba hybrids whose blocks pair a Mamba mixer with an MLP (Jamba, Bamba, Falcon-H1, IBM Granite 4.0): what a
-block saves for backward, planned (plan/estimate.py `paired_mamba_bytes_per_token`) against saved-tensor hooks on
+block saves for backward, planned (plan/activations.py `paired_mamba_bytes_per_token`) against saved-tensor hooks on
 each family's tiny model as a user without mamba_ssm runs it (transformers' reference torch scans). The Mamba
 blocks were planned as attention blocks: 4.9 kB a token where Bamba's keeps 23.7 kB, Jamba's 68 kB."""
 
@@ -16,8 +16,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from shardfit.cli import plan_cmd
 from shardfit.cli.main import main
+from shardfit.plan.activations import block_activation_bytes_per_token, largest_block_activation_bytes_per_token
 from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.estimate import block_activation_bytes_per_token, largest_block_activation_bytes_per_token
 from shardfit.plan.model_shape import Block
 from shardfit.plan.workload import Workload
 from tests.helpers import saved_tensor_bytes

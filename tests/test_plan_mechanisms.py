@@ -9,12 +9,11 @@ from dataclasses import replace
 import pytest
 
 from shardfit.plan import quant
+from shardfit.plan.activations import block_activation_bytes_per_token, logits_bytes
 from shardfit.plan.estimate import (
     GIB,
-    block_activation_bytes_per_token,
     estimate,
     head_dequantize_bytes,
-    logits_bytes,
     no_sync_grad_bytes,
     planned_shape,
     state_bytes,

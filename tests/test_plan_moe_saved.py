@@ -1,4 +1,4 @@
-"""What a mixture-of-experts block saves for backward, planned (plan/estimate.py `moe_saved_bytes_per_token`,
+"""What a mixture-of-experts block saves for backward, planned (plan/activations.py `moe_saved_bytes_per_token`,
 `router_saved_bytes_per_token`, `router_copy_bytes`) against saved-tensor hooks on tiny real models with transformers'
 grouped experts (what a run sets). DeepSeek-V3's router (GLM-4.5's, Nemotron-H's) runs in fp32 over an upcast input
 and keeps its group choice, which the plan left out (GLM-4.5 and DeepSeek-V3 18 % light); Nemotron-H's latent
@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM, NemotronHConfig
 
 from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
-from shardfit.plan.estimate import (
+from shardfit.plan.activations import (
     activation_bytes,
     block_activation_bytes_per_token,
     moe_saved_bytes_per_token,
-    planned_workload,
     router_copy_bytes,
 )
+from shardfit.plan.estimate import planned_workload
 from shardfit.plan.model_shape import MOE, Block
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shardfit.plan.estimate import block_activation_bytes_per_token
+from shardfit.plan.activations import block_activation_bytes_per_token
 from shardfit.plan.shapes import hf_config, resolve_shape
 from shardfit.plan.workload import Workload
 

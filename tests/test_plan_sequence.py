@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from shardfit.cli.main import main
+from shardfit.plan.activations import all_to_all_bytes
 from shardfit.plan.cards import card_of
-from shardfit.plan.estimate import all_to_all_bytes, estimate
+from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time, ulysses_s

@@ -504,7 +504,8 @@ def test_auto_loss_chunk_by_vocabulary_and_card() -> None:
     """`loss_chunk: auto` keeps a chunk's fp32 logits within 32 MiB, never below the rows that keep the head's
     matmul compute-bound on the card; the plan times and sizes the chunks a run on that card takes."""
     from shardfit.config.support import loss_chunk_rows
-    from shardfit.plan.estimate import logits_bytes, with_loss_chunk
+    from shardfit.plan.activations import logits_bytes
+    from shardfit.plan.estimate import with_loss_chunk
     from shardfit.plan.hardware import Hardware
 
     h100 = card_of(Hardware(1, 1, 80, 512, "h100"))

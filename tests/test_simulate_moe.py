@@ -2,7 +2,7 @@
 full, one process and two FSDP ranks: the state columns agree exactly and the activations within the bounds below.
 
 The fake-tensor step measures the transformers model itself; the estimate is a formula per block. For the MoE block
-the formula counts what transformers 5's grouped experts save (plan/estimate.py `moe_saved_bytes_per_token`),
+the formula counts what transformers 5's grouped experts save (plan/activations.py `moe_saved_bytes_per_token`),
 LoRA's merged expert weights and Llama 4's every-expert routing; DeepSeek's latent attention
 (`latent_attention_bytes_per_token`) and gpt-oss's clamped SwiGLU experts and attention with sinks are counted from
 saved-tensor hooks on the real modules over several widths. The simulation runs the attention kernel a GPU would

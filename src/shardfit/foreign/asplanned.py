@@ -9,9 +9,10 @@ from typing import Any
 
 from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
-from shardfit.plan.estimate import GIB, Candidate, add_runtime_overhead, compute_bytes, estimate
+from shardfit.plan.estimate import GIB, Candidate, add_runtime_overhead, estimate
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, make_plan
+from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from shardfit.check.findings import Finding
 from shardfit.foreign.asplanned import ForeignPlan, reference_bytes
 from shardfit.foreign.job import ForeignJob
-from shardfit.plan.estimate import GIB, compute_bytes
+from shardfit.plan.estimate import GIB
+from shardfit.plan.precision import compute_bytes
 
 
 def foreign_rules(fp: ForeignPlan) -> list[Finding]:

@@ -18,7 +18,7 @@ in bf16):
 - Offload (`offload_optimizer: cpu`): masters, moments and the fp32 gradient partition live in host RAM (pinned
   when `pin_memory`); ZeRO-3's `offload_param` keeps the 16-bit partitions there too, gathered to the GPU per
   module.
-Activations and the loss are the planner's (`estimate.py`), with DeepSpeed's 16-bit weights: no autocast, as
+Activations and the loss are the planner's (`activations.py`), with DeepSpeed's 16-bit weights: no autocast, as
 under FSDP's mixed precision.
 
 Checked against real DeepSpeed 0.19 steps on gloo ranks (bench/deepspeed_memory.py, tests/test_foreign_deepspeed.py).
@@ -28,23 +28,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardfit.plan.activations import activation_bytes, forward_activation_bytes, logits_bytes
 from shardfit.plan.estimate import (
     GIB,
     Breakdown,
     Candidate,
-    activation_bytes,
     add_runtime_overhead,
-    compute_bytes,
-    forward_activation_bytes,
     in_gib,
-    logits_bytes,
     optimizer_state_bytes,
     planned_shape,
     state_bytes,
-    trainable_bytes,
     trainable_params,
 )
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.precision import compute_bytes, trainable_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 

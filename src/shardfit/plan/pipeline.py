@@ -49,6 +49,12 @@ from dataclasses import dataclass
 from shardfit import strategy as strategies
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.plan.activations import (
+    activation_bytes,
+    audio_activation_bytes,
+    checkpointed_block_bytes_per_token,
+    image_activation_bytes,
+)
 from shardfit.plan.cards import card_of
 from shardfit.plan.estimate import (
     ALLOCATOR_RESERVE,
@@ -57,21 +63,16 @@ from shardfit.plan.estimate import (
     NCCL_GIB,
     Breakdown,
     Candidate,
-    activation_bytes,
-    audio_activation_bytes,
-    checkpointed_block_bytes_per_token,
-    compute_bytes,
     estimate,
     foreach_temp_bytes,
     head_weight_bytes,
-    image_activation_bytes,
     optimizer_state_bytes,
     planned_workload,
-    trainable_bytes,
 )
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.plan import TIE, Plan, recommend
+from shardfit.plan.precision import compute_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import FWD_SHARE, stage_sync_s, step_time
 from shardfit.plan.workload import Workload, workload_of

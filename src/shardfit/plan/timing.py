@@ -88,18 +88,13 @@ from dataclasses import dataclass, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.plan import experts
+from shardfit.plan.adapters import adapts
 from shardfit.plan.attention_layout import CHUNK, WINDOW
 from shardfit.plan.cards import Card, card_of
-from shardfit.plan.estimate import (
-    adapts,
-    compute_bytes,
-    planned_shape,
-    planned_workload,
-    trainable_params,
-    with_loss_chunk,
-)
+from shardfit.plan.estimate import planned_shape, planned_workload, trainable_params, with_loss_chunk
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import DELTA_CHUNK, BlockGroup
+from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 

@@ -177,11 +177,11 @@ class Workload:
     float8: bool = False
     # The Gated DeltaNet kernel of Qwen3.5's and Qwen3-Next's linear-attention blocks (kernels.py
     # `delta_rule_kernel`, what is installed where the plan runs): `fla`, flash-linear-attention's fused kernel, or
-    # `torch`, transformers' fallback, which saves the chunks' fp32 tensors (plan/estimate.py
+    # `torch`, transformers' fallback, which saves the chunks' fp32 tensors (plan/activations.py
     # `deltanet_saved_bytes_per_token`) and dispatches its ops chunk by chunk (plan/timing.py `host_dispatch_s`).
     delta_rule: str = dataclasses.field(default_factory=delta_rule_kernel)
     # The Mamba-2 scan of Nemotron-H's mixer blocks (kernels.py `mamba_kernel`): `mamba_ssm`'s fused kernel, or
-    # `torch`, transformers' reference scan, which saves the chunks' fp32 tensors (plan/estimate.py
+    # `torch`, transformers' reference scan, which saves the chunks' fp32 tensors (plan/activations.py
     # `mamba_saved_bytes_per_token`).
     mamba_scan: str = dataclasses.field(default_factory=mamba_kernel)
     # The fused kernel taken for GPUs other than the planning machine's (`for_target`), not found installed: the

@@ -1,0 +1,50 @@
+"""What LoRA adapts: which of a block's linear layers carry an adapter, and how many adapter parameters the model
+has."""
+
+from __future__ import annotations
+
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import LORA_TARGETS, Workload
+
+
+def adapts(name: str, w: Workload) -> bool:
+    """Whether LoRA adapts the block's linear layer `name` (ModelShape.named_linears): one of `lora_targets` (all
+    of them by default); a mixture's routed experts only with `lora_experts` (all of them with `lora_all_experts`,
+    else their fused gate/up weight when `gate` or `up` is a target); never a router. Gated DeltaNet's projections
+    (`linear_*`) and a shared experts' gate (`shared_gate`) bear no q_proj...down_proj name, so only all-linear
+    (`lora_targets` None) reaches them, as it reaches every nn.Linear but the head and the routers
+    (models/experts.py `lora_targets`), less a Mamba mixer's out_proj (`linear_out_proj`), whose base weight the
+    fused kernel reads itself (models/adapters.py `mamba_out_projs`)."""
+    targets = w.lora_targets or LORA_TARGETS
+    if name in ("router", "linear_out_proj") or name.startswith("weight_"):  # bare weights: no module to wrap
+        return False
+    if name.startswith("linear_") or name == "shared_gate":
+        return w.lora_targets is None
+    if name.startswith("expert_"):
+        parts = name.removeprefix("expert_").split("_")
+        return w.lora_experts and (w.lora_all_experts or any(p in targets for p in parts))
+    return name in targets
+
+
+def adapted_shapes(shape: ModelShape, w: Workload, moe: bool | None = None) -> list[tuple[int, int]]:
+    """(in, out) of each linear layer of one block (the largest kind by default) that LoRA adapts; a fused expert
+    weight counts once per expert (peft's target_parameters gives each expert its own rank)."""
+    return [(i, o) for name, i, o in shape.named_linears(moe) if adapts(name, w)]
+
+
+def lora_params(shape: ModelShape, w: Workload) -> int:
+    """Adapter parameters of the whole model: rank x (in + out) per adapted layer (each hybrid block's copy of a
+    shared block's layers too: ModelShape `shared_linears`)."""
+    shared = sum(w.lora_rank * (i + o) for n, i, o in shape.shared_linears + shape.per_layer_model_linears()
+                 if adapts(n, w))
+    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for i, o in adapted_shapes(shape, w, moe)))
+               + shared)
+
+
+def lora_expert_params(shape: ModelShape, w: Workload) -> int:
+    """The adapter parameters on the routed experts (`lora.experts`): the part of `lora_params` expert parallelism
+    shares out with the experts."""
+    if not w.trains_adapters:
+        return 0
+    return int(shape.over_blocks(lambda moe: sum(w.lora_rank * (i + o) for n, i, o in shape.named_linears(moe)
+                                                 if moe and n.startswith("expert_") and adapts(n, w))))

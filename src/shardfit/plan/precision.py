@@ -1,0 +1,53 @@
+"""Bytes per element in a training step: the compute precision, the trainable weights' dtype, and where autocast
+casts (what the planner's memory, activation and time models all read)."""
+
+from __future__ import annotations
+
+from shardfit import strategy as strategies
+from shardfit.plan.workload import Workload
+
+
+def compute_bytes(w: Workload) -> int:
+    """Bytes per element in the compute precision: 2 for bf16 and fp16, 4 for fp32."""
+    return 4 if w.precision == "fp32" else 2
+
+
+def trainable_bytes(w: Workload) -> int:
+    """Bytes per element of the trainable weights and their gradients: fp32, except 16-bit LoRA adapters and
+    pure 16-bit training (every weight in the compute precision)."""
+    if w.pure_16bit or (w.adapters_16bit and w.trains_adapters):
+        return compute_bytes(w)
+    return 4
+
+
+def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
+    """Autocast runs over fp32 trainable weights (a full fine-tune's masters, fp32 adapters), so it makes 16-bit
+    copies of their inputs and of the weights themselves; 16-bit adapters need none."""
+    return runs_autocast(w, strategy) and trainable_bytes(w) == 4
+
+
+def casts_trainable_inputs(w: Workload, strategy: str) -> bool:
+    """Autocast keeps a 16-bit copy of the inputs of the fp32 trainables' matmuls: a full fine-tune's (the fp32
+    residual stream into each projection), and fp32 adapters' where peft first casts their input to fp32
+    (`adapter_input_casts`); without that cast an adapter reads the base layer's 16-bit input, which autocast
+    leaves as it is."""
+    return casts_fp32_trainables(w, strategy) and (not w.trains_adapters or w.adapter_input_casts)
+
+
+def runs_autocast(w: Workload, strategy: str) -> bool:
+    """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy), and
+    pure 16-bit training has nothing to cast."""
+    return w.precision != "fp32" and strategies.get(strategy).autocast and not w.pure_16bit
+
+
+def autocast_fp32_master(w: Workload, strategy: str) -> bool:
+    """Full fine-tunes keep fp32 weights, cast by autocast on the fly unless FSDP casts them."""
+    return w.method == "full" and runs_autocast(w, strategy)
+
+
+def residual_bytes(w: Workload, strategy: str) -> int:
+    """Bytes per element of the residual stream: fp32 when autocast runs over an fp32 embedding (fp32 master
+    weights, or `frozen_fp32`): the embedding output is fp32 and every residual add keeps it so; else the compute
+    precision."""
+    fp32_embedding = runs_autocast(w, strategy) and (w.method == "full" or w.frozen_fp32)
+    return 4 if fp32_embedding else compute_bytes(w)
