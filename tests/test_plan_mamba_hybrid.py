@@ -97,6 +97,19 @@ def _plan_bamba(tmp_path: Path, capsys: pytest.CaptureFixture, gpus: str) -> dic
     return json.loads(capsys.readouterr().out)
 
 
+def test_the_mamba_test_is_for_targets_and_it_asks_about_the_gpus_only_for_a_mamba_model() -> None:
+    """The CLI tested "has Mamba blocks" beside for_target's own test; for_target now takes the block count and
+    asks whether the GPUs are elsewhere (which may load torch) only for a model that has them."""
+    def never() -> bool:
+        raise AssertionError("asked about the GPUs for a model without Mamba blocks")
+
+    w = Workload()
+    assert plan_cmd.for_target(w, 0, never) is w
+    assert plan_cmd.for_target(w, 4, lambda: False) is w  # the GPUs are this machine's: its probe stands
+    assumed = plan_cmd.for_target(w, 4, lambda: True)
+    assert (assumed.mamba_scan, assumed.mamba_scan_assumed) == ("mamba_ssm", True)
+
+
 def test_gpus_named_from_elsewhere_are_planned_with_the_fused_scan(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning 8xH100 from a machine without them (or without mamba_ssm) plans what the GPU machine runs,

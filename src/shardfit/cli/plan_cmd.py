@@ -594,8 +594,8 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
         check_ep_method(w.expert_parallel, w.method)
         check_ep_objective(w.expert_parallel, w.objective)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
-    # GPUs named are planned as their machine runs the model (torch asked only for a Mamba model planned here).
-    w = for_target(w, shape.mamba_blocks > 0, bool(args.gpus) and shape.mamba_blocks > 0 and not cards_here(hw))
+    # GPUs named are planned as their machine runs the model.
+    w = for_target(w, shape.mamba_blocks, lambda: bool(args.gpus) and not cards_here(hw))
     if w.expert_parallel > 1 or w.sequence_parallel > 1:  # the splits fit in the planned GPUs' ranks
         from shardfit.resolve.dims import ParallelDims
 
