@@ -410,8 +410,11 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
 
 def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str) -> Alternative | None:
     """When nothing fits: the fewest GPUs splitting every row (`sequence_parallel`) under which a multi-rank
-    strategy fits, found by the rule `strategy: auto` follows (resolve/decide.py `smallest_split`); None where the
-    rows are split already, the split's rules refuse the model or the objective, or no split fits."""
+    strategy fits, found by the rule `strategy: auto` follows (resolve/decide.py `smallest_split`). On several
+    nodes, where no split dividing their ranks fits, a split that fits on another node count (fewer nodes first,
+    then up to twice as many), the count given as the Alternative's `nodes` and said in its words. None where the
+    rows are split already, the split's rules refuse the model or the objective, or no split fits on any of
+    those node counts."""
     from shardfit.resolve.decide import smallest_split
     from shardfit.resolve.sequence import check_model, facts_of_shape
 
