@@ -194,3 +194,21 @@ def test_a_mixtures_module_names_are_those_transformers_builds(model_type: str) 
     projections = {m for m in built if m.endswith("_proj") and ".layers." in m} | \
         {m for m in built if re.search(r"\.(mlp|feed_forward)\.(gate|router)$", m)}
     assert projections <= listed, sorted(projections - listed)[:4]
+
+
+def test_own_and_other_tools_targets_are_refused_by_one_rule_with_the_same_words(tmp_path: Path) -> None:
+    """An entry that names no module beside one that does (`q_proj, up`: peft skips `up` silently) was refused in
+    shardfit's own lora.targets but only noted in another tool's job; both now exit 2 with config/targets.py's
+    words. `gate` is a mixture's router (mlp.gate), a module: neither refuses it."""
+    own = _write(tmp_path, "own.yaml", "model: Qwen/Qwen2.5-7B\ndata: d.jsonl\nmethod: lora\n"
+                                       "lora: {rank: 8, targets: [q_proj, up]}\n")
+    with pytest.raises(UserError) as mine:
+        load_config(Path(own), check_files=False)
+    with pytest.raises(UserError) as theirs:
+        _lf(tmp_path, "Qwen/Qwen2.5-7B", "q_proj,up")
+    said = "has up, which names no module: peft matches a list entry on the end of a module's name"
+    assert said in str(mine.value) and said in str(theirs.value)
+    assert main(["plan", "--from", "llamafactory", str(tmp_path / "lf.yaml"), "--gpus", "1xH100"]) == 2
+    router = _write(tmp_path, "router.yaml", "model: Qwen/Qwen3-30B-A3B\ndata: d.jsonl\nmethod: lora\n"
+                                             "lora: {rank: 8, targets: [q_proj, gate]}\n")
+    assert load_config(Path(router), check_files=False).lora.targets == ["q_proj", "gate"]
