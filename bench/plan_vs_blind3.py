@@ -70,16 +70,26 @@ def row_evaluator(settings: Callable[[int, dict, dict], dict | str | None]) -> C
     return evaluate_row
 
 
-evaluate_row = row_evaluator(settings_of)
+def set_runner(path: Path, out: Path, doc: str, settings: Callable[[int, dict, dict], dict | str | None]
+               ) -> tuple[Callable[[dict], dict], Callable[[list[str] | None], None]]:
+    """The `evaluate` and `main` of a blind set whose rows carry settings (this set's and the later ones'): rows
+    of the set at `path` read by `settings` (row_evaluator), results written to `out`, the tables titled by the
+    first paragraph of `doc` (the script's docstring)."""
+    evaluate_row = row_evaluator(settings)
+
+    def evaluate(spec: dict) -> dict:
+        """Every row, the rows not planned with their reasons, and the summaries over all, per source and
+        in-sample."""
+        return pvb.evaluate(spec, path, evaluate_row)
+
+    def main(argv: list[str] | None = None) -> None:
+        """Print the set's tables and write its results."""
+        pvb.run(argv, doc.split("\n\n")[0], path, out, evaluate, [pvb.markdown, pvb.docs_table, pvb.headline])
+
+    return evaluate, main
 
 
-def evaluate(spec: dict) -> dict:
-    """Every row, the rows not planned with their reasons, and the summaries over all, per source and in-sample."""
-    return pvb.evaluate(spec, SET, evaluate_row)
-
-
-def main(argv: list[str] | None = None) -> None:
-    pvb.run(argv, __doc__.split("\n\n")[0], SET, OUT, evaluate, [pvb.markdown, pvb.docs_table, pvb.headline])
+evaluate, main = set_runner(SET, OUT, __doc__, settings_of)
 
 
 if __name__ == "__main__":

@@ -20,24 +20,15 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import plan_vs_blind as pvb  # noqa: E402
 import plan_vs_blind3 as pvb3  # noqa: E402
 import plan_vs_blind4 as pvb4  # noqa: E402
 
 SET = BENCH / "published_blind5.yaml"
 OUT = BENCH / "results" / "plan_vs_blind5.json"
+pvb = pvb3.pvb  # the first set's functions, which the tests reach through each set's script
 # A row's reason from `row_reasons` first, else its settings as the third set reads them.
 settings_of = pvb4.settings_of
-evaluate_row = pvb3.row_evaluator(settings_of)
-
-
-def evaluate(spec: dict) -> dict:
-    """Every row, the rows not planned with their reasons, and the summaries over all, per source and in-sample."""
-    return pvb.evaluate(spec, SET, evaluate_row)
-
-
-def main(argv: list[str] | None = None) -> None:
-    pvb.run(argv, __doc__.split("\n\n")[0], SET, OUT, evaluate, [pvb.markdown, pvb.docs_table, pvb.headline])
+evaluate, main = pvb3.set_runner(SET, OUT, __doc__, settings_of)
 
 
 if __name__ == "__main__":

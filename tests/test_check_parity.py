@@ -122,6 +122,21 @@ def test_a_resume_path_in_an_unknown_users_home_is_exit_2() -> None:
         absent_here("~shardfit-no-such-user/runs/x/checkpoints/step-5")
 
 
+def test_an_output_dir_in_an_unknown_users_home_is_exit_2_naming_it(tmp_path: Path, tiny_llama: Path,
+                                                                    small_data: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """A refused `resume:` looks for a checkpoint to suggest in output_dir, whose `~nosuchuser/...` raised
+    expanduser's RuntimeError (exit 1 from check and train) instead of naming output_dir."""
+    (tmp_path / "not-a-checkpoint").mkdir()
+    cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=str(small_data), precision="fp32",
+                       max_seq_len=64, micro_batch=2, max_steps=1, output_dir="~shardfit-no-such-user/run",
+                       resume=str(tmp_path / "not-a-checkpoint"))
+    for command in ("check", "train"):
+        code, out = _run([command, str(cfg)], capsys)
+        assert code == 2 and "'output_dir': '~shardfit-no-such-user/run' names the home of a user" in out, out[-800:]
+        assert "Traceback" not in out
+
+
 def test_the_refusals_example_is_a_checkpoint_train_would_take(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The "e.g." checkpoint was the newest with a trainer.pt, even a damaged one that train's auto mode skips."""

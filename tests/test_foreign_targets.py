@@ -3,6 +3,7 @@ refuses exits 2, what the planner cannot place plans every linear layer with a n
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -88,17 +89,40 @@ def test_mla_attention_has_no_v_proj(tmp_path: Path) -> None:
 
 
 def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -> None:
-    """Qwen3-30B-A3B's mlp.gate is its router, a linear layer: `gate` is planned (as gate projections, with a
-    note), not refused; a pattern over its experts' projections plans them."""
+    """Qwen3-30B-A3B's mlp.gate is its router, a module peft adapts: `gate` is planned (as gate projections, with a
+    note), not refused. Under transformers 4 each routed expert is a module of its own, and a pattern over their
+    projections plans them; transformers 5 fuses them into 3-D weights, so the same pattern reaches no module
+    (every linear layer planned, with a note), an entry naming one expert's module exits 2 saying why, and
+    gate_proj, up_proj, down_proj are planned on every expert (peft 0.21 rewrites them onto the fused weights),
+    said in a note."""
     gate = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "gate")
     assert gate.workload.lora_targets == ("gate",) and any("router" in n for n in gate.notes)
     text = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r".*mlp\.experts\.\d+\.(gate|up|down)_proj")
-    experts = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions())
+    experts = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions(transformers="4.57.6"))
     assert experts.workload.lora_targets == ("gate", "up", "down")
+    fused = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions(transformers="5.0.0"))
+    assert fused.workload.lora_targets is None and any("every linear layer" in n for n in fused.notes)
+    with pytest.raises(UserError, match=r"lora_target mlp\.experts\.0\.gate_proj names one routed expert's module, "
+                                        r"but transformers 5\.0\.0 builds .* fused.*Name gate_proj, up_proj"):
+        _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.gate_proj", transformers="5.0.0")
+    assert _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.gate_proj",
+               transformers="4.57.6").workload.lora_targets == ("q", "gate")
+    mlp = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "gate_proj,up_proj,down_proj", transformers="5.0.0")
+    assert mlp.workload.lora_targets == ("gate", "up", "down")
+    assert any("fuses" in n and "peft 0.21 rewrites" in n for n in mlp.notes)
     short = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r"experts\.\d+\.gate_proj")
     with pytest.raises(UserError, match=r"only the end of module names \(experts\.127\.gate_proj of model\.layers"):
-        read_job("axolotl", _write(tmp_path, "b.yml", short), JobOptions())
+        read_job("axolotl", _write(tmp_path, "b.yml", short), JobOptions(transformers="4.57.6"))
     assert not any(m.endswith(".mlp.gate") for m in block_modules(resolve_shape("Qwen/Qwen2.5-7B"))["gate"])
+
+
+def test_glm45s_shared_expert_is_shared_experts(tmp_path: Path) -> None:
+    """GLM-4.5 names its shared expert mlp.shared_experts, as DeepSeek does (the planner named it shared_expert
+    for every family without latent attention, so this job exited 2); Qwen2-MoE's is mlp.shared_expert."""
+    job = _lf(tmp_path, "zai-org/GLM-4.5-Air", "mlp.shared_experts.gate_proj,mlp.shared_experts.up_proj")
+    assert job.workload.lora_targets == ("gate", "up")
+    with pytest.raises(UserError, match=r"mlp\.shared_expert\.gate_proj matches no module of zai-org/GLM-4\.5-Air"):
+        _lf(tmp_path, "zai-org/GLM-4.5-Air", "q_proj,mlp.shared_expert.gate_proj")
 
 
 def test_families_with_other_module_names_are_planned_with_a_note(tmp_path: Path) -> None:
@@ -122,3 +146,69 @@ def test_own_lora_targets_that_name_no_module_exit_2(tmp_path: Path, targets: st
         load_config(Path(path), check_files=False)
     full = _write(tmp_path, "full.yaml", text.format(method="full"))
     assert load_config(Path(full), check_files=False).method == "full"
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, head_dim=16)
+MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+       "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32),
+       "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1),
+       "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                           first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+       "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+       "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                           interleave_moe_layer_step=1),
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("model_type", list(MOE))
+def test_a_mixtures_module_names_are_those_transformers_builds(model_type: str) -> None:
+    """The names the targets are matched on are the installed transformers' own, read off a tiny model of each
+    family built on the meta device: GLM-4.5's shared expert is mlp.shared_experts (as DeepSeek's; Qwen's is
+    mlp.shared_expert), Llama 4's MLP is feed_forward, gpt-oss's router mlp.router. transformers 5 fuses the routed
+    experts into 3-D weights: no expert's own module is listed, only the transformers-4 names peft rewrites onto
+    the fused weights (where the family had them), which stand for weights the build has."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardfit.foreign.targets import fused_experts
+    from shardfit.plan.config_shape import shape_from_config
+
+    config = AutoConfig.for_model(model_type, **SMALL, **MOE[model_type])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    built = {name for name, _ in model.named_modules()}
+    weights = {name for name, _ in model.named_parameters()}
+    shape = shape_from_config(config.to_dict(), model_type)
+    listed = {m for names in block_modules(shape, transformers.__version__).values() for m in names}
+    fused = fused_experts(shape, transformers.__version__)
+    for m in listed - built:
+        container, _, last = m.rpartition(".")
+        weight = "down_proj" if last == "down_proj" else "gate_up_proj"
+        assert fused and container.endswith(".experts") and f"{container}.{weight}" in weights, m
+    assert not fused or not any(re.search(r"experts\.\d+\.", m) for m in listed)
+    projections = {m for m in built if m.endswith("_proj") and ".layers." in m} | \
+        {m for m in built if re.search(r"\.(mlp|feed_forward)\.(gate|router)$", m)}
+    assert projections <= listed, sorted(projections - listed)[:4]
+
+
+def test_own_and_other_tools_targets_are_refused_by_one_rule_with_the_same_words(tmp_path: Path) -> None:
+    """An entry that names no module beside one that does (`q_proj, up`: peft skips `up` silently) was refused in
+    shardfit's own lora.targets but only noted in another tool's job; both now exit 2 with config/targets.py's
+    words. `gate` is a mixture's router (mlp.gate), a module: neither refuses it."""
+    own = _write(tmp_path, "own.yaml", "model: Qwen/Qwen2.5-7B\ndata: d.jsonl\nmethod: lora\n"
+                                       "lora: {rank: 8, targets: [q_proj, up]}\n")
+    with pytest.raises(UserError) as mine:
+        load_config(Path(own), check_files=False)
+    with pytest.raises(UserError) as theirs:
+        _lf(tmp_path, "Qwen/Qwen2.5-7B", "q_proj,up")
+    said = "has up, which names no module: peft matches a list entry on the end of a module's name"
+    assert said in str(mine.value) and said in str(theirs.value)
+    assert main(["plan", "--from", "llamafactory", str(tmp_path / "lf.yaml"), "--gpus", "1xH100"]) == 2
+    router = _write(tmp_path, "router.yaml", "model: Qwen/Qwen3-30B-A3B\ndata: d.jsonl\nmethod: lora\n"
+                                             "lora: {rank: 8, targets: [q_proj, gate]}\n")
+    assert load_config(Path(router), check_files=False).lora.targets == ["q_proj", "gate"]

@@ -79,3 +79,15 @@ def test_a_compact_qwen2_catalog_entry_counts_its_qkv_biases(model: str) -> None
     with torch.device("meta"):
         built = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config(shape)).parameters())
     assert shape.params() == built
+
+
+@pytest.mark.parametrize(("model", "declared"), [("mistralai/Mistral-7B-v0.1", False),
+                                                 ("mistralai/Mistral-Nemo-Base-2407", False),
+                                                 ("meta-llama/Llama-3.1-8B", True)])
+def test_a_compact_entrys_config_holds_only_keys_its_class_declares(model: str, declared: bool) -> None:
+    """Mistral's config class has no attention_bias (its projections are bias-free): hf_config set one anyway,
+    an attribute the model never reads; Llama's declares it, and gets the entry's."""
+    config = hf_config(resolve_shape(model))
+    assert ("attention_bias" in config.to_dict()) is declared
+    if declared:
+        assert config.attention_bias is resolve_shape(model).attn_bias

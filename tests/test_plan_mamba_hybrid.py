@@ -97,6 +97,33 @@ def _plan_bamba(tmp_path: Path, capsys: pytest.CaptureFixture, gpus: str) -> dic
     return json.loads(capsys.readouterr().out)
 
 
+def test_the_mamba_test_is_for_targets_and_it_asks_about_the_gpus_only_for_a_mamba_model() -> None:
+    """The CLI tested "has Mamba blocks" beside for_target's own test; for_target now takes the block count and
+    asks whether the GPUs are elsewhere (which may load torch) only for a model that has them."""
+    def never() -> bool:
+        raise AssertionError("asked about the GPUs for a model without Mamba blocks")
+
+    w = Workload()
+    assert plan_cmd.for_target(w, 0, never) is w
+    assert plan_cmd.for_target(w, 4, lambda: False) is w  # the GPUs are this machine's: its probe stands
+    assumed = plan_cmd.for_target(w, 4, lambda: True)
+    assert (assumed.mamba_scan, assumed.mamba_scan_assumed) == ("mamba_ssm", True)
+
+
+def test_the_fallbacks_figure_is_of_a_strategy_the_plan_was_made_of() -> None:
+    """mamba_notes looks up the plan's pick among the strategies it estimates again: a pick outside them was a bare
+    StopIteration; it is an assertion saying which strategy and which strategies (no user input reaches it)."""
+    from shardfit.plan.hardware import parse_gpus
+    from shardfit.plan.plan import mamba_notes
+
+    shape = shape_from_config(_config("bamba", True, 2).to_dict(), "bamba")
+    w = Workload(mamba_scan="mamba_ssm", mamba_scan_assumed=True)
+    hw = parse_gpus("1xH100")
+    assert "single would need" in mamba_notes(shape, w, hw, "single", ("single",))[0]
+    with pytest.raises(AssertionError, match=r"ddp is not among the strategies \('single',\)"):
+        mamba_notes(shape, w, hw, "ddp", ("single",))
+
+
 def test_gpus_named_from_elsewhere_are_planned_with_the_fused_scan(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning 8xH100 from a machine without them (or without mamba_ssm) plans what the GPU machine runs,

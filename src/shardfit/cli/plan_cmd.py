@@ -417,8 +417,11 @@ def add_pipelines(args: argparse.Namespace, cfg: Config | None, plan: Any, shape
 
 def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str) -> Alternative | None:
     """When nothing fits: the fewest GPUs splitting every row (`sequence_parallel`) under which a multi-rank
-    strategy fits, found by the rule `strategy: auto` follows (resolve/decide.py `smallest_split`); None where the
-    rows are split already, the split's rules refuse the model or the objective, or no split fits."""
+    strategy fits, found by the rule `strategy: auto` follows (resolve/decide.py `smallest_split`). On several
+    nodes, where no split dividing their ranks fits, a split that fits on another node count (fewer nodes first,
+    then up to twice as many), the count given as the Alternative's `nodes` and said in its words. None where the
+    rows are split already, the split's rules refuse the model or the objective, or no split fits on any of
+    those node counts."""
     from shardfit.resolve.decide import smallest_split
     from shardfit.resolve.sequence import check_model, facts_of_shape
 
@@ -602,8 +605,8 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
         check_ep_method(w.expert_parallel, w.method)
         check_ep_objective(w.expert_parallel, w.objective)
     hw = parse_gpus(args.gpus, args.nodes, args.cpu_mem) if args.gpus else detect(args.nodes)
-    # GPUs named are planned as their machine runs the model (torch asked only for a Mamba model planned here).
-    w = for_target(w, shape.mamba_blocks > 0, bool(args.gpus) and shape.mamba_blocks > 0 and not cards_here(hw))
+    # GPUs named are planned as their machine runs the model.
+    w = for_target(w, shape.mamba_blocks, lambda: bool(args.gpus) and not cards_here(hw))
     if w.expert_parallel > 1 or w.sequence_parallel > 1:  # the splits fit in the planned GPUs' ranks
         from shardfit.resolve.dims import ParallelDims
 

@@ -21,7 +21,7 @@ import yaml
 from shardfit import method, objective
 from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, DpoSettings, LoraSettings, QLoraSettings
 from shardfit.config.support import adapter_dtype_problem
-from shardfit.config.targets import own_targets_problem
+from shardfit.config.targets import targets_problem
 from shardfit.errors import UserError
 
 # The sections of the config: mappings of keys of their own (`lora.rank`), each a dataclass.
@@ -313,7 +313,7 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
             problem = _range_error(value, f.metadata)
             if problem:
                 fail(prefix + f.name, problem)
-    if method.get(cfg.method).adapters and (problem := own_targets_problem(cfg.lora.targets)) is not None:
+    if method.get(cfg.method).adapters and (problem := targets_problem(cfg.lora.targets)) is not None:
         fail("lora.targets", problem)
     if not cfg.qlora.double_quant:
         fail("qlora.double_quant", "is false, but torchao's NF4 weights always quantize their block scales (double "

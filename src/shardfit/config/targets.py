@@ -15,10 +15,13 @@ SHORT_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 def names_no_module(entry: str) -> bool:
     """Whether a list entry of targets matches no module of a transformers decoder's blocks whatever the model:
     it is no module name (`q_proj,v_proj`, `.*\\.q_proj`: a list entry is no regular expression), or a
-    projection's short name, bare or under self_attn/mlp (`q`, `self_attn.q`)."""
+    projection's short name, bare or under self_attn/mlp (`q`, `self_attn.q`), except `gate` and `mlp.gate`: a
+    mixture's router (Qwen-MoE's, Mixtral's, DeepSeek's `mlp.gate`)."""
     if not MODULE_NAME.fullmatch(entry):
         return True
     head, _, last = entry.rpartition(".")
+    if last == "gate" and head in ("", "mlp"):
+        return False
     return last in SHORT_NAMES and head in ("", "self_attn", "mlp")
 
 
@@ -36,10 +39,12 @@ def targets_fix(entries: list[str]) -> str:
     return out.strip()
 
 
-def own_targets_problem(targets: str | list[str]) -> str | None:
-    """What is wrong with a config's `lora.targets` that peft would refuse at train time, or None: entries that
-    name no module (a list whose entries all do makes peft raise; one of several is ignored silently by peft, so
-    it is refused too: the run would train fewer adapters than asked)."""
+def targets_problem(targets: str | list[str]) -> str | None:
+    """What is wrong with a list of LoRA targets whatever the model, or None: entries that name no module. The one
+    rule for shardfit's own `lora.targets` and the other tools' target keys (foreign/targets.py), which both exit
+    2 on it: a list whose entries all name no module makes peft raise; one of several is skipped silently by peft,
+    so it is refused too (the run would train fewer adapters than asked). A string is one regular expression,
+    which only a model's module names can judge."""
     if isinstance(targets, str):
         return None
     bad = [t for t in targets if names_no_module(t)]

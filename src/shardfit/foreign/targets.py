@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardfit.config.targets import names_no_module, targets_fix
+from shardfit.config.targets import targets_fix, targets_problem
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor, transformers_version
 from shardfit.foreign.job import ForeignJob
@@ -52,17 +52,47 @@ def _attention(shape: ModelShape) -> dict[str, list[str]]:
     return {"q": q, "k": ["self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"], "o": ["self_attn.o_proj"]}
 
 
+def fused_experts(shape: ModelShape, version: str) -> bool:
+    """Whether transformers `version` builds `shape`'s routed experts fused: one `experts` module per block holding
+    3-D weights for all of them (`gate_up_proj`, `down_proj`), no module per expert. Every family from
+    transformers 5; gpt-oss's and Llama 4's classes from their first release."""
+    return shape.moe and (major_minor(version) >= (5, 0) or shape.every_expert or shape.clamped_swiglu)
+
+
+def _had_modules_per_expert(shape: ModelShape) -> bool:
+    """Whether transformers 4 built the family's routed experts as a module each (all but gpt-oss and Llama 4):
+    the families whose transformers-4 names (`gate_proj`, `up_proj`, `down_proj`) peft 0.21 rewrites onto
+    transformers 5's fused weights."""
+    return not (shape.every_expert or shape.clamped_swiglu)
+
+
+def _moe_names(shape: ModelShape) -> tuple[str, str, str]:
+    """The MLP's attribute, the router's and the shared expert's names as transformers builds the family: Llama
+    4's feed_forward, feed_forward.router and feed_forward.shared_expert; gpt-oss's mlp.router; the Qwen MoE
+    families' mlp.shared_expert (beside its gate); DeepSeek's, GLM-4.5's and the other families'
+    mlp.shared_experts."""
+    if shape.every_expert:
+        return "feed_forward", "router", "shared_expert"
+    return "mlp", "router" if shape.clamped_swiglu else "gate", "shared_expert" if shape.shared_gate else \
+        "shared_experts"
+
+
 def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, list[str]]:
     """The modules of `shape`'s decoder blocks that the planner counts adapters on, by LORA_TARGETS name, with
     their names as transformers `version` (default: the installed one) builds the model:
     `model.layers.N.self_attn.q_proj` for a text model; an MLP of two matrices has no gate_proj; a mixture's
-    blocks hold `mlp.experts.M.gate_proj`... and a shared expert's, its first `dense_layers` a dense MLP, and
-    `mlp.gate`, the router, a linear layer that peft adapts, counted under gate (the router's adapters are not
-    modelled: planning it as gate projections is the larger estimate)."""
-    prefixes = _block_prefixes(shape, version or transformers_version())
+    blocks hold its router (`mlp.gate`, a module peft adapts, counted under gate: the router's adapters are not
+    modelled, and planning it as gate projections is the larger estimate), a shared expert's projections, its
+    first `dense_layers` a dense MLP, and its routed experts' projections: `mlp.experts.M.gate_proj`... where
+    `version` builds a module per expert; where it fuses them (`fused_experts`), no expert's own module but, for
+    the families transformers 4 built apart, `mlp.experts.gate_proj`, `up_proj` and `down_proj`: the names
+    peft 0.21 rewrites onto the fused weights of every expert."""
+    version = version or transformers_version()
+    prefixes = _block_prefixes(shape, version)
     parts = _attention(shape)
     mlp = [n for n in ("gate", "up", "down") if not (n == "gate" and shape.two_matrix)]
-    shared = "shared_experts" if shape.mla is not None else "shared_expert"
+    ffn, router, shared = _moe_names(shape)
+    fused = fused_experts(shape, version)
     out: dict[str, list[str]] = {n: [] for n in LORA_TARGETS}
     for prefix in prefixes:
         for i in range(shape.layers):
@@ -71,13 +101,16 @@ def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, li
                 out[name] += [f"{block}.{m}" for m in modules]
             if not shape.moe or i < shape.dense_layers:
                 for name in mlp:
-                    out[name].append(f"{block}.mlp.{name}_proj")
+                    out[name].append(f"{block}.{ffn}.{name}_proj")
                 continue
-            out["gate"].append(f"{block}.mlp.gate")
+            out["gate"].append(f"{block}.{ffn}.{router}")
             for name in mlp:
-                out[name] += [f"{block}.mlp.experts.{e}.{name}_proj" for e in range(shape.experts)]
+                if not fused:
+                    out[name] += [f"{block}.{ffn}.experts.{e}.{name}_proj" for e in range(shape.experts)]
+                elif _had_modules_per_expert(shape):
+                    out[name].append(f"{block}.{ffn}.experts.{name}_proj")
                 if shape.shared_intermediate:
-                    out[name].append(f"{block}.mlp.{shared}.{name}_proj")
+                    out[name].append(f"{block}.{ffn}.{shared}.{name}_proj")
     return {n: names for n, names in out.items() if names}
 
 
@@ -94,12 +127,27 @@ def _own_names(modules: dict[str, list[str]]) -> str:
 
 def _refused(t: str) -> bool:
     """Whether a list entry that matched none of the modules the planner lists matches none of the model's at
-    all: it names no module of any model (config/targets.py), or names one of the planner's projections (bare,
-    or under self_attn/mlp), which the planner lists wherever the model has them. Other names (lm_head, a vision
-    tower's modules) may name modules the planner does not model."""
-    if names_no_module(t):
-        return True
+    all: it names one of the planner's projections (bare, or under self_attn/mlp), which the planner lists
+    wherever the model has them. Other names (lm_head, a vision tower's modules) may name modules the planner does
+    not model. (Entries that name no module of any model are refused before: config/targets.py.)"""
     return t.rsplit(".", 1)[-1] in _PROJECTIONS and (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
+
+
+# An entry naming one routed expert's module (`mlp.experts.3.down_proj`, `experts.0.gate_proj`).
+_ONE_EXPERT = re.compile(r"(^|\.)experts\.\d+(\.|$)")
+
+
+def _one_expert_refusal(job: ForeignJob, key: str, entries: list[str], shape: ModelShape, version: str) -> str:
+    """Why entries naming one routed expert's module are refused where transformers `version` fuses the experts,
+    and what to name instead."""
+    instead = ("gate_proj, up_proj and down_proj: peft 0.21 rewrites them onto every expert's fused weights "
+               "(gate_proj and up_proj only together), a peft without that rewrite refuses them"
+               if _had_modules_per_expert(shape) else
+               "the attention's or shared expert's projections: the fused weights are reached only by peft's "
+               "target_parameters, which this key does not set")
+    return (f"{job.source}: {key} {', '.join(entries)} names one routed expert's module, but transformers "
+            f"{version} builds {job.model}'s routed experts fused: one experts module per block holding 3-D "
+            f"weights (gate_up_proj, down_proj) for all of them, and no module per expert. Name {instead}.")
 
 
 def _fix(missed: list[str], modules: dict[str, list[str]]) -> str:
@@ -144,7 +192,8 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
     entries of which none names a module (`q` for q_proj, `q_proj,v_proj` as one name, a projection the model
     lacks). Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
     leave the adapters on every linear layer, said in a note, and return "" (the key is then not modelled)."""
-    modules = block_modules(shape, version)
+    ver = version or transformers_version()
+    modules = block_modules(shape, ver)
     shown = targets if isinstance(targets, str) else ", ".join(targets)
     if isinstance(targets, str):
         try:
@@ -163,20 +212,23 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
                                 f"pattern over whole names ('.*\\.(q_proj|v_proj)').")
             return _fallback(job, key, shown, modules, "matches none")
     else:
+        if (problem := targets_problem(targets)) is not None:
+            raise UserError(f"{job.source}: {key} {problem} The model's block modules: {_own_names(modules)}.")
+        one = [t for t in targets if _ONE_EXPERT.search(t)]
+        if one and fused_experts(shape, ver):
+            raise UserError(_one_expert_refusal(job, key, one, shape, ver))
         hits = {n: [m for m in names if any(_matches(t, m) for t in targets)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
         missed = [t for t in targets if not any(_matches(t, m) for names in modules.values() for m in names)]
         if any(not _refused(t) for t in missed):
             return _fallback(job, key, shown, modules, "names modules beyond those")
-        if missed and not planned:
-            example = next(iter(modules.values()))[0]
-            raise UserError(f"{job.source}: {key} {shown} matches no module of {job.model}: peft matches a name on "
-                            f"the module name's last parts ({example}), and refuses targets that match none. "
-                            f"{_fix(missed, modules)}")
         if missed:
-            job.notes.append(f"{key}: {', '.join(missed)} matches no module (peft compares the end of the module's "
-                             f"name), so peft adapts only the others. {_fix(missed, modules)}")
-    _notes(job, key, hits, shape)
+            example = next(iter(modules.values()))[0]
+            raise UserError(f"{job.source}: {key} {', '.join(missed)} matches no module of {job.model}: peft "
+                            f"matches a name on the module name's last parts ({example}), refuses targets of "
+                            f"which none matches and skips one that matches nothing beside others (the run would "
+                            f"train fewer adapters than asked). {_fix(missed, modules)}")
+    _notes(job, key, hits, shape, ver)
     job.workload = dataclasses.replace(job.workload, lora_targets=planned)
     on = ", ".join(f"{name}_proj" for name in planned)
     if isinstance(targets, str):
@@ -184,12 +236,20 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
     return f"adapters on {on}"
 
 
-def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelShape) -> None:
+def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelShape, version: str) -> None:
     """What the plan of targets that peft takes leaves uncertain: a mixture's router planned as gate projections,
-    a family whose module names the shape cannot say."""
-    if hits.get("gate") and all(m.endswith(".mlp.gate") for m in hits["gate"]):
-        job.notes.append(f"{key}: mlp.gate is {job.model}'s router, a linear layer peft adapts; its adapters are "
+    fused experts reached through peft's rewrite of transformers 4's names, a family whose module names the shape
+    cannot say."""
+    if hits.get("gate") and all(m.rsplit(".", 1)[-1] in ("gate", "router") for m in hits["gate"]):
+        router = re.sub(r"^.*\.layers\.\d+\.", "", hits["gate"][0])
+        job.notes.append(f"{key}: {router} is {job.model}'s router, a module peft adapts; its adapters are "
                          f"planned as gate projections (an over-estimate)")
+    if fused_experts(shape, version) and any(re.search(r"\.experts\.[a-z]", m) for found in hits.values()
+                                             for m in found):
+        job.notes.append(f"{key}: transformers {version} fuses {job.model}'s routed experts into 3-D weights "
+                         f"(experts.gate_up_proj, experts.down_proj); peft 0.21 rewrites gate_proj, up_proj and "
+                         f"down_proj onto them (every expert's; gate_proj and up_proj only together), a peft "
+                         f"without that rewrite refuses them: planned as adapters on every routed expert")
     other = _other_family(job, shape)
     if other is not None:
         job.notes.append(f"{key}: {job.model}'s modules are named {other}, which the planner's shape does not "

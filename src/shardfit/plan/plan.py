@@ -358,7 +358,10 @@ def mamba_notes(shape: ModelShape, w: Workload, hw: Hardware, chosen: str | None
                 "machine, then plan again there) for the fused kernel"]
     cands = estimate_all(shape, dataclasses.replace(w, mamba_scan="torch", mamba_scan_assumed=False), hw, strategies)
     fallback, _ = recommend(cands, hw)
-    same = next(c for c in cands if c.strategy == (chosen or cands[0].strategy))
+    # `chosen` is make_plan's pick among the same `strategies` (None: nothing fits), so it is among `cands`.
+    name = chosen or strategies[0]
+    same = next((c for c in cands if c.strategy == name), None)
+    assert same is not None, f"mamba_notes: {name} is not among the strategies {strategies} the plan was made of"
     then = (f"{fallback} the fastest that fits then" if fallback and fallback != same.strategy
             else "nothing fits then" if not fallback else "it still fits")
     return [f"{blocks} are planned with mamba_ssm's fused scan, what the GPU machine runs with `pip install "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 import json
 import re
 from functools import cache
@@ -118,6 +120,15 @@ def _compact_config_class(shape: ModelShape) -> Any:
     return getattr(transformers, name)
 
 
+def _declared_keys(cls: Any) -> set[str]:
+    """The keys a transformers config class declares (its dataclass fields, or its `__init__`'s parameters): a key
+    it does not declare is kept on the config as an attribute its model never reads (Mistral's class has no
+    attention_bias: its projections are bias-free whatever the key says)."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls.__init__).parameters)
+
+
 def hf_config(shape: ModelShape) -> Any:
     """A transformers config of the shape's architecture family: the catalog's own config.json where it keeps one,
     else the compact entry's family (`_compact_config_class`) at its sizes: what a weightless model is built from
@@ -137,7 +148,7 @@ def hf_config(shape: ModelShape) -> Any:
         kwargs["head_dim"] = shape.head_dim
     if shape.moe:
         kwargs.update(num_local_experts=shape.experts, num_experts_per_tok=shape.top_k)
-    if cls.model_type in ("glm", "llama", "mistral"):  # their default attention bias is not the entry's
+    if "attention_bias" in _declared_keys(cls):  # Llama's, GLM's, Gemma's default is no bias, not the entry's
         kwargs["attention_bias"] = shape.attn_bias
     if shape.vision is not None and ("-vl" in shape.id.lower() or shape.audio is not None):
         # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardfit import method as methods
@@ -306,11 +307,12 @@ def regex_targets(pattern: str) -> tuple[str, ...] | None:
     return tuple(n for n in LORA_TARGETS if n in found) or None
 
 
-def for_target(w: Workload, mamba: bool, elsewhere: bool) -> Workload:
-    """The workload as the job's own machine runs it, where the plan is for GPUs other than this machine's
-    (`elsewhere`: no CUDA here, or other cards) and the model has Mamba blocks: mamba_ssm's fused scan, what the
+def for_target(w: Workload, mamba_blocks: int, elsewhere: Callable[[], bool]) -> Workload:
+    """The workload as the job's own machine runs it, where the model has Mamba blocks (`mamba_blocks`, ModelShape
+    `mamba_blocks`) and the plan is for GPUs other than this machine's (`elsewhere()`: GPUs named, and no CUDA
+    here or other cards; asked only for a Mamba model, as it may load torch): mamba_ssm's fused scan, what the
     model cards have a GPU user install, in place of the torch fallback this machine would run. On the GPU
     machine itself (and for train and check, which run where the job runs) the probe's answer stands."""
-    if not mamba or not elsewhere or w.mamba_scan != "torch":
+    if mamba_blocks <= 0 or w.mamba_scan != "torch" or not elsewhere():
         return w
     return dataclasses.replace(w, mamba_scan="mamba_ssm", mamba_scan_assumed=True)

@@ -76,11 +76,17 @@ def _path(resume: str) -> Path:
     if _NOT_A_PATH.fullmatch(resume.strip()) and not Path(resume).exists():
         raise UserError(f"'resume': {resume!r} is no checkpoint path. Use resume: auto (the newest whole checkpoint "
                         "of output_dir), never, or a checkpoint's folder (a run's checkpoints/step-N).")
+    return _expanded(resume, "resume", "the checkpoint's full path (a run's checkpoints/step-N folder)")
+
+
+def _expanded(value: str, key: str, what: str) -> Path:
+    """`value` of config key `key` as a path, `~` expanded; a UserError naming the key (and `what` to give
+    instead) where it names the home of a user this machine does not know (`~user/...`)."""
     try:
-        return Path(resume).expanduser()
-    except RuntimeError:  # `~user/...` of a user this machine does not know
-        raise UserError(f"'resume': {resume!r} names the home of a user {socket.gethostname()} does not know. Give "
-                        "the checkpoint's full path (a run's checkpoints/step-N folder).") from None
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise UserError(f"'{key}': {value!r} names the home of a user {socket.gethostname()} does not know. Give "
+                        f"{what}.") from None
 
 
 def _unreadable(resume: str, e: OSError) -> UserError:
@@ -108,7 +114,7 @@ def _instead(p: Path, output_dir: str | None) -> str:
     very one refused)."""
     runs = [p.parent.parent] if p.parent.name == "checkpoints" else []
     runs += [p.parent if p.name == "checkpoints" else p]
-    runs += [Path(output_dir).expanduser()] if output_dir else []
+    runs += [_expanded(output_dir, "output_dir", "the run directory's full path")] if output_dir else []
     for run in runs:
         try:
             saved = [path for _, path in list_checkpoints(run) if path != p and intact(path) is None]
