@@ -41,6 +41,7 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     command_source,
+    default_epochs,
     file_env,
     file_keys,
     json_source,
@@ -52,6 +53,7 @@ from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -119,6 +121,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
     code = _script_settings(script, src)
+    check_trainer_args(src, "the HF Trainer", "--" if cmd else "")
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
@@ -143,6 +146,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
     job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    default_epochs(job, src, KEYS, "the HF Trainer")
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
@@ -279,9 +283,10 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
         f = str(src.get("fsdp")).lower()
         cfg = _fsdp_config(src)
         offload = "offload" in f or as_bool(cfg.get("cpu_offload", cfg.get("offload_params", False)))
+        fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
+        check_fsdp2_options(f, cfg, version, fsdp1, src.at("fsdp"))
         sharding = "shard_grad_op" if "shard_grad_op" in f else fsdp_sharding(cfg, f"{src.where}: --fsdp_config")
         job.engine = fsdp_engine(sharding, offload, job.distributed)
-        fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     elif not _accelerate_plugin(src, job, acc, hidden, version) and job.distributed:
         job.engine = "ddp"

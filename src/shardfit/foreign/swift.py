@@ -35,6 +35,7 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     command_source,
+    default_epochs,
     epochs,
     file_env,
     file_keys,
@@ -91,7 +92,7 @@ KEYS = key_table({
     "split_dataset_ratio": Key(config="eval_split", read=as_float), "max_steps": Key(config="max_steps", read=positive),
     "save_steps": Key(config="save_steps", read=as_int), "eval_steps": Key(config="eval_steps", read=as_int),
     "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
-    "num_train_epochs": Key(config="epochs", read=epochs),
+    "num_train_epochs": Key(config="epochs", read=epochs, default=3.0),  # HF's: swift keeps it
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=32),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
     # ms-swift replaces --target_modules with --target_regex when both are given (TunerArguments; `_convert`)
@@ -165,6 +166,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     job.quant_storage = src.get("bnb_4bit_quant_storage") is not None
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
+    default_epochs(job, src, KEYS, "ms-swift")
     apply(job, _preference(src, cmd.program, job))
     _file_keys(src, job, job.workload, shape, version)
     file_env(job, cmd.exported, ENV, unknown=None)
