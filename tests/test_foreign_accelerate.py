@@ -137,3 +137,17 @@ def test_fsdp_version_is_read_where_accelerate_reads_it(tmp_path: Path) -> None:
     job = _job(tmp_path, launch.format(""), **{"f.yaml": FSDP_CFG.replace("fsdp_config:\n", "fsdp_config:\n"
                                                                             "  fsdp_version: 2\n").format(version="")})
     assert job.workload.fsdp1 is False
+
+
+def test_swift_under_accelerate_launch(tmp_path: Path) -> None:
+    """ms-swift's entry script under `accelerate launch` runs as many ranks as accelerate starts: one per visible
+    GPU without a config file (4 on 4 GPUs, not one process), the config file's num_processes with one."""
+    run = "accelerate launch {}/opt/ms-swift/swift/cli/sft.py --model Qwen/Qwen2.5-7B --tuner_type lora " \
+          "--torch_dtype bfloat16 --max_length 2048\n"
+    (tmp_path / "run.sh").write_text(run.format(""))
+    job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", gpus=parse_gpus("4xH100")))
+    assert (job.nproc, job.engine) == (4, "ddp")
+    (tmp_path / "acc.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    (tmp_path / "run.sh").write_text(run.format("--config_file acc.yaml "))
+    job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.nproc, job.engine) == (2, "ddp")

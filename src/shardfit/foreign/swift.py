@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.accelerate import read_accelerate
 from shardfit.foreign.common import (
     ATTENTION,
     TRAINER_NO_EFFECT,
@@ -155,8 +156,15 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
     shape = shape_of(model)
-    job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=nproc or cmd.nproc,
-                     nnodes=cmd.nnodes, launcher=(cmd.launcher or "torchrun") if cmd.nproc else None)
+    # `accelerate launch swift/cli/sft.py`: the ranks accelerate starts (its config file's, or one per visible GPU)
+    acc = read_accelerate(cmd, path.parent, src.where) if cmd.launcher == "accelerate" else None
+    ranks = nproc or (acc.nproc if acc is not None else cmd.nproc)
+    job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=ranks,
+                     nnodes=acc.nnodes if acc is not None else cmd.nnodes,
+                     launcher=(cmd.launcher or "torchrun") if acc is not None or cmd.nproc else None)
+    if acc is not None:
+        job.every_gpu = acc.every_gpu and ranks is None
+        job.notes += acc.notes
     w = job.workload = _workload(src, job, version)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     job.find_unused = src.flag("ddp_find_unused_parameters", "false")
