@@ -151,3 +151,18 @@ def test_swift_under_accelerate_launch(tmp_path: Path) -> None:
     (tmp_path / "run.sh").write_text(run.format("--config_file acc.yaml "))
     job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
     assert (job.nproc, job.engine) == (2, "ddp")
+
+
+def test_accelerate_fsdp2_reads_reshard_after_forward_only(tmp_path: Path) -> None:
+    """With fsdp_version 2 accelerate's plugin shards by fsdp_reshard_after_forward alone: an FSDP1
+    fsdp_sharding_strategy (SHARD_GRAD_OP) is not read, so the run reshards as full_shard; a strategy name as
+    reshard_after_forward exits 2, as accelerate refuses it."""
+    cfg = FSDP_CFG.replace("  fsdp_reshard_after_forward: true\n", "  fsdp_version: 2\n{shard}").format(
+        shard="  fsdp_sharding_strategy: SHARD_GRAD_OP\n", version="")
+    job = _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n", **{"f.yaml": cfg})
+    assert (job.engine, job.workload.fsdp1) == ("fsdp_full_shard", False)
+    assert any("fsdp_sharding_strategy is FSDP1's" in n for n in job.notes)
+    bad = FSDP_CFG.replace("fsdp_reshard_after_forward: true", "fsdp_version: 2\n  fsdp_reshard_after_forward: "
+                                                                "HYBRID_SHARD").format(version="")
+    with pytest.raises(UserError, match=r"fsdp_reshard_after_forward 'HYBRID_SHARD' with fsdp_version 2"):
+        _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n", **{"f.yaml": bad})

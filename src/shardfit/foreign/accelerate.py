@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import TRUE_WORDS, as_bool, fsdp_settings, load_yaml, local_file
+from shardfit.foreign.common import STR_TO_BOOL_WORDS, TRUE_WORDS, as_bool, fsdp_settings, load_yaml, local_file
 from shardfit.foreign.shell import Command, visible_devices
 
 # DeepSpeedPlugin settings that accelerate refuses beside `deepspeed_config_file` (utils/dataclasses.py
@@ -165,8 +165,23 @@ def _launch_fsdp(flags: dict[str, str], config: dict[str, Any], env: dict[str, s
     if exported is not None and exported != version:
         acc.notes.append(f"FSDP_VERSION={exported} is exported, but accelerate launch sets FSDP_VERSION={version} "
                          f"from fsdp_version for the script: planned as FSDP{version}")
+    if version == "2":
+        _fsdp2_settings(cfg, acc)
     acc.keys["fsdp_version"] = version
     return {**cfg, "version": version}
+
+
+def _fsdp2_settings(cfg: dict[str, Any], acc: Accelerate) -> None:
+    """FSDP2's plugin reads its sharding from reshard_after_forward alone, as true or false (accelerate's
+    str_to_bool refuses anything else: "invalid truth value"); a sharding_strategy is FSDP1's and not read."""
+    value = cfg.get("reshard_after_forward")
+    if value is not None and not isinstance(value, bool) and str(value).strip().lower() not in STR_TO_BOOL_WORDS:
+        raise UserError(f"{acc.source}: fsdp_reshard_after_forward {value!r} with fsdp_version 2: accelerate reads "
+                        f"it as true or false and refuses anything else (\"invalid truth value\"). Give true "
+                        f"(full_shard) or false (shard_grad_op), or fsdp_version 1 for FSDP1's strategies.")
+    if cfg.pop("sharding_strategy", None) is not None:
+        acc.notes.append("fsdp_sharding_strategy is FSDP1's; with fsdp_version 2 accelerate reads only "
+                         "fsdp_reshard_after_forward (true unless given)")
 
 
 def _launch_deepspeed(flags: dict[str, str], config: dict[str, Any], mp_from_config: bool, acc: Accelerate) -> None:

@@ -9,13 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import FSDP2_DEFAULT_SINCE, TRUE_WORDS, major_minor
+from shardfit.foreign.common import FSDP2_DEFAULT_SINCE, STR_TO_BOOL_WORDS, TRUE_WORDS, major_minor
 from shardfit.foreign.keys import Source
 
 # FSDP options the Trainer's FSDP2 takes in `--fsdp`; the other sharding strategies are FSDP1's.
 FSDP2_STRATEGIES = ("full_shard", "shard_grad_op")
 FSDP1_ONLY = ("hybrid_shard", "hybrid_shard_zero2", "no_shard")
-BOOL_WORDS = ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0")  # transformers' str_to_bool
 
 
 def check_trainer_args(src: Source, whose: str, option: str = "--") -> None:
@@ -106,7 +105,7 @@ def check_fsdp2_options(fsdp: str, cfg: Mapping[str, Any], version: str, fsdp1: 
                             f"refuses it before training (\"only available with FSDP1\"). Use --fsdp "
                             f"{' or '.join(FSDP2_STRATEGIES)}, or set \"version\": 1 in --fsdp_config (FSDP1).")
     value = cfg.get("reshard_after_forward")
-    if value is not None and not isinstance(value, bool) and str(value).strip().lower() not in BOOL_WORDS:
+    if value is not None and not isinstance(value, bool) and str(value).strip().lower() not in STR_TO_BOOL_WORDS:
         raise UserError(f"{where}: fsdp_config reshard_after_forward {value!r} with FSDP2: the Trainer reads it as "
                         f"true or false and refuses anything else (\"invalid truth value\"). Give true (full_shard) "
                         f"or false (shard_grad_op), or set \"version\": 1 for FSDP1's strategies.")
