@@ -166,3 +166,19 @@ def test_accelerate_fsdp2_reads_reshard_after_forward_only(tmp_path: Path) -> No
                                                                 "HYBRID_SHARD").format(version="")
     with pytest.raises(UserError, match=r"fsdp_reshard_after_forward 'HYBRID_SHARD' with fsdp_version 2"):
         _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n", **{"f.yaml": bad})
+
+
+def test_accelerate_fsdp1_takes_the_sharding_strategy_the_launcher_sets(tmp_path: Path) -> None:
+    """FSDP1 under accelerate launch: the launcher always passes FSDP_SHARDING_STRATEGY (the config's
+    fsdp_sharding_strategy, FULL_SHARD unless given), which the plugin takes before reshard_after_forward, so a
+    reshard_after_forward of SHARD_GRAD_OP alone still runs full_shard (said in a note); fsdp_sharding_strategy
+    SHARD_GRAD_OP runs shard_grad_op."""
+    cfg = FSDP_CFG.replace("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: SHARD_GRAD_OP")
+    job = _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n",
+               **{"f.yaml": cfg.format(version="")})
+    assert (job.engine, job.workload.fsdp1) == ("fsdp_full_shard", True)
+    assert any("FSDP_SHARDING_STRATEGY=FULL_SHARD" in n for n in job.notes)
+    cfg = FSDP_CFG.replace("fsdp_reshard_after_forward: true", "fsdp_sharding_strategy: SHARD_GRAD_OP")
+    job = _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n",
+               **{"f.yaml": cfg.format(version="")})
+    assert job.engine == "fsdp_shard_grad_op"

@@ -167,6 +167,15 @@ def _launch_fsdp(flags: dict[str, str], config: dict[str, Any], env: dict[str, s
                          f"from fsdp_version for the script: planned as FSDP{version}")
     if version == "2":
         _fsdp2_settings(cfg, acc)
+    elif "sharding_strategy" not in cfg:
+        # the launcher always sets FSDP_SHARDING_STRATEGY (fsdp_sharding_strategy, FULL_SHARD unless given), which
+        # FSDP1's plugin takes before reshard_after_forward (utils/launch.py, FullyShardedDataParallelPlugin)
+        cfg["sharding_strategy"] = "FULL_SHARD"
+        given = cfg.get("reshard_after_forward")
+        if given is not None and str(given).strip().upper() not in ("FULL_SHARD", "1", "TRUE"):
+            acc.notes.append(f"fsdp_reshard_after_forward {given} with fsdp_version 1: accelerate launch passes "
+                             f"FSDP_SHARDING_STRATEGY=FULL_SHARD (fsdp_sharding_strategy's default), which FSDP1 "
+                             f"takes first: planned as FULL_SHARD (set fsdp_sharding_strategy: {given} for it)")
     acc.keys["fsdp_version"] = version
     return {**cfg, "version": version}
 
