@@ -27,6 +27,7 @@ from shardfit.foreign.keys import (
     TORCH_COMPILE,
     Key,
     Source,
+    default_epochs,
     epochs,
     file_keys,
     flag,
@@ -110,7 +111,7 @@ KEYS = key_table({
     "seed": Key(config="seed", read=if_set(as_int)),
     "save_steps": Key(config="save_steps", read=if_set(as_int)),
     "eval_steps": Key(config="eval_steps", read=if_set(as_int)),
-    "num_epochs": Key(config="epochs", read=if_set(epochs)),
+    "num_epochs": Key(config="epochs", read=if_set(epochs), default=1.0),
     "output_dir": Key(config="output_dir", read=if_truthy(text)),
     "trust_remote_code": Key(config="trust_remote_code", read=only_true),
     # preference training (`_preference`): the objective, and a reference model loaded beside the policy
@@ -166,6 +167,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     _unplanned_savings(src, job, shape.experts > 1, version)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
+    default_epochs(job, src, KEYS, "axolotl")
     apply(job, _preference(src))
     _file_keys(src, job, job.workload, shape, version)
     return job

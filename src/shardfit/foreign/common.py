@@ -122,6 +122,8 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
 
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")
+# The words transformers' and accelerate's str_to_bool take (each refuses any other: "invalid truth value").
+STR_TO_BOOL_WORDS = ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0")
 FALSE_WORDS = ("false", "0", "no", "n", "off", "none", "null", "")
 
 

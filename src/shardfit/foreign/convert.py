@@ -11,7 +11,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
-from shardfit.foreign.keys import fractional_epochs
+from shardfit.foreign.keys import EPOCH_KEYS, fractional_epochs
 from shardfit.plan.shapes import resolve_shape
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
@@ -89,6 +89,8 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
         out.append(f"ZeRO-{job.zero.stage} shards no parameters or gradients: closest is ddp")
     if (epochs := fractional_epochs(job.keys)) is not None:
         out.append(epochs)
+    elif "epochs" in cfg and not any(k in job.keys for k in EPOCH_KEYS):
+        out.append(f"epochs {cfg['epochs']}: {TOOL_NAMES[job.tool]}'s default, as the job names no epoch count")
     if job.workload.optimizer != "adamw":
         out.append(f"optimizer {job.workload.optimizer}: shardfit trains with AdamW")
     if job.workload.method == "qlora":

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.accelerate import Accelerate, read_accelerate
 from shardfit.foreign.common import (
     ATTENTION,
     FALSE_WORDS,
@@ -23,7 +25,6 @@ from shardfit.foreign.common import (
     fsdp_settings,
     fsdp_sharding,
     hf_loss,
-    load_yaml,
     local_file,
     optimizer,
     optimizer_keys,
@@ -40,6 +41,7 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     command_source,
+    default_epochs,
     file_env,
     file_keys,
     json_source,
@@ -51,6 +53,7 @@ from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -118,26 +121,32 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
     code = _script_settings(script, src)
+    check_trainer_args(src, "the HF Trainer", "--" if cmd else "")
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
     shape = shape_of(model)
-    job = ForeignJob("hf", src.where, model, Workload(), words=words(), nproc=_ranks(cmd, env, nproc),
-                     nnodes=cmd.nnodes if cmd else 1, launcher=cmd.launcher if cmd else None)
-    job.notes += _assumptions(src, code)
-    w = job.workload = _workload(src, job, version)
+    acc = read_accelerate(cmd, path.parent, src.where)
+    launched = acc if cmd is not None and cmd.launcher == "accelerate" else None
+    job = ForeignJob("hf", src.where, model, Workload(), words=words(), nproc=_ranks(cmd, env, nproc, launched),
+                     nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
+                     launcher=cmd.launcher if cmd else None)
+    job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
+    job.notes += _assumptions(src, code) + (acc.notes if acc else [])
+    w = job.workload = _workload(src, job, version, acc)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
-    _engine(src, job, shape.hidden, version, cmd)
+    _engine(src, job, shape.hidden, version, acc)
     _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
     job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    default_epochs(job, src, KEYS, "the HF Trainer")
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
@@ -223,11 +232,12 @@ def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
     return out
 
 
-def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None) -> int | None:
-    """Ranks per node: --nproc, else the launcher's; the deepspeed launcher starts one per visible GPU."""
+def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None, acc: Accelerate | None) -> int | None:
+    """Ranks per node: --nproc, else the launcher's (accelerate's: its flags, its config file, or None for one per
+    visible GPU); the deepspeed launcher starts one per visible GPU."""
     if cmd is None:
         return nproc
-    ranks = nproc or cmd.nproc
+    ranks = nproc or (acc.nproc if acc is not None else cmd.nproc)
     if cmd.launcher == "deepspeed" and ranks is None:
         ranks = len(visible_devices(env)) or None
     return ranks
@@ -243,9 +253,15 @@ def _lora(src: Source) -> bool:
     return src.flag("use_lora", "false") or src.flag("q_lora", "false") or "lora_r" in src
 
 
-def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
+def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None) -> Workload:
     q, lora = src.flag("q_lora", "false"), _lora(src)
     precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
+    if precision == "fp32" and acc is not None and acc.mixed_precision in ("bf16", "fp16"):
+        # TrainingArguments takes ACCELERATE_MIXED_PRECISION, which the launch sets, unless --bf16/--fp16 say
+        # otherwise (transformers' training_args.py `__post_init__`, `self.mixed_precision`)
+        precision = acc.mixed_precision
+        job.notes.append(f"neither --bf16 nor --fp16: the Trainer runs accelerate's mixed precision {precision} "
+                         f"({acc.source})")
     if not any(k in src for k in SEQ_KEYS):
         job.notes.append("no sequence length among the arguments: planned at 2048 tokens (pass --seq)")
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
@@ -257,7 +273,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 
-def _engine(src: Source, job: ForeignJob, hidden: int, version: str, cmd: Command | None) -> None:
+def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accelerate | None) -> None:
     """DeepSpeed (whose JSON decides the precision where the arguments leave it), FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
@@ -267,42 +283,39 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, cmd: Comman
         f = str(src.get("fsdp")).lower()
         cfg = _fsdp_config(src)
         offload = "offload" in f or as_bool(cfg.get("cpu_offload", cfg.get("offload_params", False)))
+        fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
+        check_fsdp2_options(f, cfg, version, fsdp1, src.at("fsdp"))
         sharding = "shard_grad_op" if "shard_grad_op" in f else fsdp_sharding(cfg, f"{src.where}: --fsdp_config")
         job.engine = fsdp_engine(sharding, offload, job.distributed)
-        fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp_config", job.notes)
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
-    elif not _accelerate_fsdp(src, job, cmd) and job.distributed:
+    elif not _accelerate_plugin(src, job, acc, hidden, version) and job.distributed:
         job.engine = "ddp"
 
 
-def _accelerate_fsdp(src: Source, job: ForeignJob, cmd: Command | None) -> bool:
-    """`accelerate launch --config_file FILE` whose config (or `--use_fsdp`) runs FSDP: the Trainer takes accelerate's
-    FSDP plugin, with the file's fsdp_config and the launch's `--fsdp_*` flags over it. accelerate runs FSDP1
-    unless fsdp_version is 2; FSDP2 reshards after forward unless told not to, FSDP1 by its sharding strategy."""
-    if cmd is None or cmd.launcher != "accelerate":
+def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hidden: int, version: str) -> bool:
+    """The DeepSpeed or FSDP plugin accelerate builds for the Trainer when its arguments name neither (the Trainer's
+    Accelerator takes it from the environment the launch sets: accelerate/accelerator.py, transformers'
+    TrainingArguments `__post_init__` for DeepSpeed): ZeRO as the plugin's JSON says; FSDP1 unless fsdp_version is
+    2, FSDP2 resharding after forward unless told not to, FSDP1 by its sharding strategy."""
+    if acc is None or (acc.fsdp is None and acc.deepspeed is None and acc.deepspeed_file is None):
         return False
-    ref = cmd.launcher_args.get("--config_file") or cmd.launcher_args.get("--config-file")
-    config: dict[str, Any] = {}
-    if ref:
-        hit = local_file(ref, src.path.parent)
-        if hit is None:
-            job.notes.append(f"accelerate --config_file {ref} is not here: planned without it (give the file beside "
-                             f"the script to plan its FSDP settings)")
-        else:
-            config = load_yaml(Path(hit))[0]
-    if str(config.get("distributed_type", "")).upper() != "FSDP" and "--use_fsdp" not in cmd.launcher_args:
-        return False
-    where = f"{src.where}: accelerate {ref or '--use_fsdp'}"
-    cfg = fsdp_settings(config.get("fsdp_config") or {}, where)
-    cfg |= {k.removeprefix("--fsdp_"): v for k, v in cmd.launcher_args.items() if k.startswith("--fsdp_")}
-    version = cfg.get("version", 1)
-    if str(version) not in ("1", "2"):
-        raise UserError(f"{where}: fsdp_version is {version!r}; accelerate runs FSDP 1 or 2.")
-    if "version" not in cfg:
-        job.notes.append("accelerate's fsdp_version not set: it runs FSDP1 (fsdp_version: 2 for FSDP2)")
-    job.engine = fsdp_engine(fsdp_sharding(cfg, where), as_bool(cfg.get("offload_params", False)), job.distributed)
-    job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
-    record(job, "accelerate:fsdp_version", version, effect=f"FSDP{version}")
+    job.keys.update({f"accelerate:{k}": v for k, v in acc.keys.items()})
+    if acc.fsdp is not None:
+        cfg = acc.fsdp
+        job.engine = fsdp_engine(fsdp_sharding(cfg, acc.source), as_bool(cfg.get("offload_params", False)),
+                                 job.distributed)
+        job.workload = dataclasses.replace(job.workload, fsdp1=str(cfg["version"]) == "1")
+        record(job, "accelerate:fsdp_version", cfg["version"], effect=f"FSDP{cfg['version']}")
+        return True
+    ref = acc.deepspeed_file or json.dumps(acc.deepspeed)
+    ds = use_deepspeed(job, ref, src.path.parent, f"{acc.source}: deepspeed_config", hidden, job.notes)
+    if ds.precision and not src.get("bf16") and not src.get("fp16"):
+        job.workload = dataclasses.replace(job.workload, precision=ds.precision)
+    if acc.deepspeed is not None:
+        stage = acc.deepspeed["zero_optimization"]["stage"]
+        job.notes.append(f"accelerate's DeepSpeed plugin builds its own JSON: ZeRO-{stage}"
+                         + (" (zero_stage not set: accelerate's default)" if "deepspeed_config.zero_stage"
+                            not in acc.keys else ""))
     return True
 
 

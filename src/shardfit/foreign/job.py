@@ -55,6 +55,7 @@ class ForeignJob:
     engine: str = "single"
     zero: ZeroSettings | None = None
     nproc: int | None = None  # ranks per node as launched (None: the launch does not say)
+    every_gpu: bool = False  # ... but it starts one rank per GPU the machine shows (read.launch_on counts them)
     gpus: int | None = None  # GPUs one process spans (a device-map job)
     nnodes: int = 1
     shard_ranks: int | None = None  # FSDP shards over groups of this many ranks, replicated across groups (HSDP)

@@ -235,6 +235,19 @@ def fractional_epochs(given: Mapping[str, Any]) -> str | None:
     return None
 
 
+def default_epochs(job: ForeignJob, src: Source, table: Table, whose: str) -> None:
+    """Say, for a job that names no epoch count, the tool's own default from `table` (which the converted config
+    and the step counts take): the HF Trainer's num_train_epochs 3.0 (transformers' TrainingArguments, which
+    LLaMA-Factory v0's and ms-swift's arguments extend without changing it), axolotl's num_epochs 1.0
+    (utils/schemas/training.py)."""
+    key = next((k for k in EPOCH_KEYS if k in table and table[k].default is not None), None)
+    if key is None or key in src:
+        return
+    n = table[key].default
+    job.notes.append(f"{key} not set: {whose}'s default, {n:g} epoch{'s' * (n != 1)} (the converted config trains "
+                     f"epochs: {math.ceil(n)})")
+
+
 def positive(value: Any, key: str, where: str) -> int | None:
     """A count that is unset unless it is above 0 (max_steps: -1 is the tools' "no limit")."""
     if value is None:
@@ -278,7 +291,9 @@ TORCH_COMPILE = Key("compiled {compile}", field="compile", config="compile", rea
 # -1 is "no limit", a fraction below 1 of save/eval/logging steps is a ratio of the whole run: neither is a step
 # count), as is an epoch count of 0; a seed of 0 is a seed.
 HF_TRAINER: dict[str, Key] = {
-    "learning_rate": Key(config="lr", read=as_float), "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
+    "learning_rate": Key(config="lr", read=as_float),
+    # transformers' TrainingArguments.num_train_epochs defaults to 3.0 (training_args.py)
+    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs), default=3.0),
     "max_steps": Key(config="max_steps", read=positive), "save_steps": Key(config="save_steps", read=positive),
     "eval_steps": Key(config="eval_steps", read=positive), "logging_steps": Key(config="log_steps", read=positive),
     "seed": Key(config="seed", read=as_int), "warmup_ratio": Key(config="warmup_ratio", read=as_float),

@@ -30,6 +30,7 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     count,
+    default_epochs,
     file_keys,
     flag,
     key_table,
@@ -40,6 +41,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.lf_columns import data_columns
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.trainer_checks import check_trainer_args
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -127,6 +129,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     model = src.get("model_name_or_path")
     if not model:
         raise UserError(f"{src.where}: no 'model_name_or_path'; LLaMA-Factory needs it, and shardfit plans from it.")
+    check_trainer_args(src, "LLaMA-Factory (its TrainingArguments are the HF Trainer's)", "")
     shape = shape_of(str(model))
     job = ForeignJob("llamafactory", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _freeze(src, _workload(src, job, version), shape.layers)
@@ -143,6 +146,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     if missing:
         job.notes.append(f"datasets not found as local files (convert leaves them out): {', '.join(missing)}")
     job.convert = _convert(src, w, shape)
+    default_epochs(job, src, KEYS, "LLaMA-Factory (the HF Trainer)")
     if columns:
         job.convert["data_columns"] = columns
     apply(job, _preference(src, str(model)))

@@ -22,8 +22,10 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     count,
+    epochs,
     file_keys,
     hf_trainer,
+    if_truthy,
     key_table,
     settings,
     use_deepspeed,
@@ -86,6 +88,8 @@ KEYS = key_table({
     # these (its step counts are steps, its epochs scale the steps), and leave warmup and weight decay to its
     # optimizer and scheduler plugins and evaluation out; HfArgumentParser refuses those names at the top level
     **hf_trainer("eval_steps", "warmup_ratio", "weight_decay"), "trust_remote_code": TRUST_REMOTE_CODE,
+    # v1's own TrainingArguments, not the HF Trainer's: its default epoch count is not assumed to be HF's 3.0
+    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
 }, no_effect={
     "model", "train_dataset", "eval_dataset", "custom_chat_template", "sample_backend", "max_new_tokens",
     "batching_workers", "dist_timeout", "resume_from_checkpoint", "save_epochs", "save_ckpt_as_hf",

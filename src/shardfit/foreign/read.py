@@ -114,14 +114,20 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
 
 def launch_on(job: ForeignJob, gpus_per_node: int) -> None:
     """The ranks of a job whose launch does not say them, on nodes of `gpus_per_node` GPUs: `llamafactory-cli
-    train` starts torchrun itself over every visible GPU when it sees more than one (or with FORCE_TORCHRUN), so it
-    runs one rank per GPU, not one process."""
-    if job.tool != "llamafactory" or job.nproc is not None or gpus_per_node < 2:
+    train` starts torchrun itself over every visible GPU when it sees more than one (or with FORCE_TORCHRUN), and
+    `accelerate launch` without --num_processes or a config file starts one process per visible GPU
+    (commands/launch.py `_validate_launch_command`: torch.cuda.device_count()), so each runs one rank per GPU, not
+    one process."""
+    if job.nproc is not None or gpus_per_node < 2 or not (job.tool == "llamafactory" or job.every_gpu):
         return
     job.nproc = gpus_per_node
-    job.launcher = "torchrun"
     if job.engine == "single":
         job.engine = "ddp"
+    if job.every_gpu:
+        job.notes.append(f"accelerate launch without --num_processes starts one process per visible GPU: planned "
+                         f"as {gpus_per_node} ranks (--num_processes 1, or --nproc 1 here, for one process)")
+        return
+    job.launcher = "torchrun"
     cli = job.words.say("launch", "llamafactory-cli train").removeprefix("FORCE_TORCHRUN=1 ")
     job.notes.append(f"{cli} starts torchrun over all {gpus_per_node} visible GPUs itself: planned as "
                      f"{gpus_per_node} ranks (CUDA_VISIBLE_DEVICES=0, or --nproc 1 here, for one process)")

@@ -41,7 +41,9 @@ class Command:
         """Ranks per node the launch starts: the launcher's flag, else NPROC_PER_NODE (ms-swift), else None."""
         for flag in NPROC_FLAGS:
             if flag in self.launcher_args:
-                return _int(self.launcher_args[flag], flag)
+                n = _int(self.launcher_args[flag], flag)
+                # accelerate's --num_processes counts every machine's (utils/launch.py: // num_machines)
+                return max(1, n // self.nnodes) if self.launcher == "accelerate" else n
         if "NPROC_PER_NODE" in self.env:
             return _int(self.env["NPROC_PER_NODE"], "NPROC_PER_NODE")
         if self.launcher == "deepspeed" and "CUDA_VISIBLE_DEVICES" in self.env:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.accelerate import read_accelerate
 from shardfit.foreign.common import (
     ATTENTION,
     TRAINER_NO_EFFECT,
@@ -35,6 +36,7 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     command_source,
+    default_epochs,
     epochs,
     file_env,
     file_keys,
@@ -91,7 +93,7 @@ KEYS = key_table({
     "split_dataset_ratio": Key(config="eval_split", read=as_float), "max_steps": Key(config="max_steps", read=positive),
     "save_steps": Key(config="save_steps", read=as_int), "eval_steps": Key(config="eval_steps", read=as_int),
     "logging_steps": Key(config="log_steps", read=as_int), "seed": Key(config="seed", read=as_int),
-    "num_train_epochs": Key(config="epochs", read=epochs),
+    "num_train_epochs": Key(config="epochs", read=epochs, default=3.0),  # HF's: swift keeps it
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=32),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
     # ms-swift replaces --target_modules with --target_regex when both are given (TunerArguments; `_convert`)
@@ -154,8 +156,15 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")
     shape = shape_of(model)
-    job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=nproc or cmd.nproc,
-                     nnodes=cmd.nnodes, launcher=(cmd.launcher or "torchrun") if cmd.nproc else None)
+    # `accelerate launch swift/cli/sft.py`: the ranks accelerate starts (its config file's, or one per visible GPU)
+    acc = read_accelerate(cmd, path.parent, src.where) if cmd.launcher == "accelerate" else None
+    ranks = nproc or (acc.nproc if acc is not None else cmd.nproc)
+    job = ForeignJob("swift", src.where, model, Workload(), words=words(), nproc=ranks,
+                     nnodes=acc.nnodes if acc is not None else cmd.nnodes,
+                     launcher=(cmd.launcher or "torchrun") if acc is not None or cmd.nproc else None)
+    if acc is not None:
+        job.every_gpu = acc.every_gpu and ranks is None
+        job.notes += acc.notes
     w = job.workload = _workload(src, job, version)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     job.find_unused = src.flag("ddp_find_unused_parameters", "false")
@@ -165,6 +174,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
     job.quant_storage = src.get("bnb_4bit_quant_storage") is not None
     job.data = _datasets(src, job)
     job.convert = _convert(src, job)
+    default_epochs(job, src, KEYS, "ms-swift")
     apply(job, _preference(src, cmd.program, job))
     _file_keys(src, job, job.workload, shape, version)
     file_env(job, cmd.exported, ENV, unknown=None)

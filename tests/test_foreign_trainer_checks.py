@@ -1,0 +1,113 @@
+"""What the tools do with settings a job leaves out or gets wrong before training: their default epoch counts, and
+the TrainingArguments combinations transformers' Trainer refuses at start (exit 2 naming the key and the fix)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardfit.cli.main import main
+from shardfit.errors import UserError
+from shardfit.foreign.convert import comments, to_config
+from shardfit.foreign.read import JobOptions, read_job
+
+HF = {"model_name_or_path": "Qwen/Qwen2.5-7B", "bf16": True, "per_device_train_batch_size": 1,
+      "model_max_length": 2048}
+LF = "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\nfinetuning_type: lora\ncutoff_len: 2048\nbf16: true\n"
+AXOLOTL = "base_model: Qwen/Qwen2.5-7B\nadapter: lora\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: true\n"
+SWIFT = "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --torch_dtype bfloat16 --max_length 2048\n"
+
+
+def _read(tmp_path: Path, tool: str, name: str, text: str):
+    (tmp_path / name).write_text(text)
+    return read_job(tool, str(tmp_path / name), JobOptions(transformers="5.23.0"))
+
+
+def _hf(tmp_path: Path, **args) -> str:
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({**HF, **args}))
+    return str(path)
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "epochs"), [
+    ("hf", "args.json", json.dumps(HF), 3), ("llamafactory", "lf.yaml", LF, 3), ("swift", "run.sh", SWIFT, 3),
+    ("axolotl", "ax.yml", AXOLOTL, 1),
+])
+def test_tools_default_epochs_are_planned_and_said(tmp_path: Path, tool: str, name: str, text: str,
+                                                    epochs: int) -> None:
+    """A job that names no epoch count trains the tool's default: the HF Trainer's num_train_epochs 3.0 (which
+    LLaMA-Factory v0 and ms-swift keep), axolotl's num_epochs 1.0; the converted config trains as many, and the
+    plan's notes and convert's header say it was the tool's default."""
+    job = _read(tmp_path, tool, name, text)
+    cfg = to_config(job)
+    assert cfg["epochs"] == epochs
+    assert any("not set" in n and "default" in n and "epoch" in n for n in job.notes)
+    assert any(line.startswith(f"epochs {epochs}: ") and "default" in line for line in comments(job, cfg))
+    given = _read(tmp_path, "hf", "given.json", json.dumps({**HF, "num_train_epochs": 2}))
+    assert to_config(given)["epochs"] == 2 and not any("num_train_epochs not set" in n for n in given.notes)
+
+
+BEST = {"load_best_model_at_end": True, "eval_strategy": "steps"}
+
+
+@pytest.mark.parametrize(("args", "match", "fixed"), [
+    ({"logging_steps": 0}, r"logging_steps 0: logging every 0 steps.*logging_strategy to epoch or no",
+     {"logging_steps": 0, "logging_strategy": "epoch"}),
+    ({"logging_steps": 0, "logging_strategy": "no", "eval_strategy": "steps"},
+     r"eval_steps None: .*neither eval_steps nor logging_steps",
+     {"logging_steps": 0, "logging_strategy": "no", "eval_strategy": "steps", "eval_steps": 50}),
+    ({"save_steps": 12.5}, r"save_steps 12.5: a step count above 1 must be whole", {"save_steps": 0.125}),
+    ({**BEST, "eval_steps": 200, "save_steps": 500}, r"save_steps 500: is not a whole multiple of eval_steps "
+     r"200.*\(e.g. 400\)", {**BEST, "eval_steps": 250, "save_steps": 500}),
+    ({**BEST, "eval_steps": 0.1, "save_steps": 500}, r"save_steps 500: is not a whole multiple",
+     {**BEST, "eval_steps": 0.1, "save_steps": 0.2}),
+    ({**BEST, "logging_steps": 300}, r"save_steps 500: is not a whole multiple of eval_steps 300",
+     {**BEST, "logging_steps": 100}),  # eval_steps falls back to logging_steps
+    ({**BEST, "save_steps": 7, "eval_steps": 5}, r"save_steps 7: is not a whole multiple",
+     {**BEST, "save_strategy": "best", "save_steps": 7, "eval_steps": 5}),
+    ({"load_best_model_at_end": True, "eval_strategy": "epoch"},
+     r"load_best_model_at_end true: needs the save and eval strategies to match.*steps and epoch",
+     {"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "epoch"}),
+    ({"fp16": True}, r"bf16 true: with fp16 also true", {"fp16": False}),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, r"lr_scheduler_type reduce_lr_on_plateau: .*eval_strategy is no",
+     {"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "epoch"}),
+    ({"warmup_steps": -5}, r"warmup_steps -5: a negative warmup", {"warmup_steps": 5}),
+])
+def test_trainer_refusals_exit_2(tmp_path: Path, args: dict, match: str, fixed: dict) -> None:
+    """TrainingArguments that transformers' Trainer refuses in __post_init__ / _validate_args are refused as the
+    Trainer would, naming the key and the fix; the fixed arguments, which the Trainer runs, read as before."""
+    with pytest.raises(UserError, match=match):
+        read_job("hf", _hf(tmp_path, **args), JobOptions(transformers="5.23.0"))
+    read_job("hf", _hf(tmp_path, **fixed), JobOptions(transformers="5.23.0"))
+
+
+def test_trainer_refusals_in_llamafactory_and_on_the_command_line(tmp_path: Path, capsys) -> None:
+    """LLaMA-Factory v0 parses the same TrainingArguments: its YAML is refused at the key's line; a command line
+    names the option with its dashes; `plan --from` exits 2."""
+    with pytest.raises(UserError, match=r"lf.yaml:6: logging_steps 0: .*LLaMA-Factory"):
+        _read(tmp_path, "llamafactory", "lf.yaml", LF + "logging_steps: 0\n")
+    cmd = "torchrun --nproc_per_node 2 train.py --model_name_or_path Qwen/Qwen2.5-7B --bf16 True --logging_steps 0\n"
+    with pytest.raises(UserError, match=r"--logging_steps 0: .*Set --logging_steps"):
+        _read(tmp_path, "hf", "run.sh", cmd)
+    assert main(["plan", "--from", "hf", str(tmp_path / "run.sh"), "--gpus", "2xH100"]) == 2
+    assert "logging_steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("fsdp", "cfg", "match"), [
+    ("hybrid_shard auto_wrap", {}, r"--fsdp hybrid_shard with FSDP2.*\"version\": 1"),
+    ("full_shard", {"reshard_after_forward": "HYBRID_SHARD"}, r"reshard_after_forward 'HYBRID_SHARD' with FSDP2"),
+])
+def test_trainer_fsdp2_refuses_fsdp1_strategies(tmp_path: Path, fsdp: str, cfg: dict, match: str) -> None:
+    """transformers 5.23 runs FSDP2 unless fsdp_config's version is 1, and refuses FSDP1's strategies there
+    (`hybrid_shard` in --fsdp, a strategy name as reshard_after_forward); with version 1, or with a transformers
+    that runs FSDP1 by default, the same options read as before."""
+    args = {"fsdp": fsdp, "fsdp_config": cfg}
+    with pytest.raises(UserError, match=match):
+        read_job("hf", _hf(tmp_path, **args), JobOptions(nproc=8, transformers="5.23.0"))
+    ok = read_job("hf", _hf(tmp_path, fsdp=fsdp, fsdp_config={**cfg, "version": 1}),
+                  JobOptions(nproc=8, transformers="5.23.0"))
+    assert ok.engine == "fsdp_full_shard" and ok.workload.fsdp1
+    old = read_job("hf", _hf(tmp_path, **args), JobOptions(nproc=8, transformers="4.57.1"))
+    assert old.engine == "fsdp_full_shard"
