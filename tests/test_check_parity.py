@@ -284,3 +284,21 @@ def test_check_refuses_two_node_counts_that_disagree(tmp_path: Path, capsys: pyt
 
     args = build_parser().parse_args(["check", "c.yaml", "--nodes", "2", "--nnodes", "2"])
     assert args.nodes == 2
+
+
+def test_the_predicted_oom_refusal_is_in_the_same_words_from_check_and_train(tmp_path: Path, small_data: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """check said `predicted not to fit: ...` with a fix, train `strategy single is predicted not to fit: ...`
+    without one (and where the plan's notes give no total, check named the figure and train did not): one function
+    (resolve/fits.py `oom_refusal`) now writes it, and train's refusal is check's finding, where, message and fix."""
+    cfg = str(write_config(tmp_path / "c.yaml", model="meta-llama/Llama-3.1-70B", data=str(small_data),
+                           strategy="single", method="full", max_seq_len=512, micro_batch=1, max_steps=1,
+                           output_dir=str(tmp_path / "run")))
+    code = main(["check", cfg, "--json"])
+    found = {f["rule"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    oom = found["predicted_oom"]
+    assert code == 1 and oom["severity"] == "error" and oom["message"].startswith("predicted "), oom
+    train = _run(["train", cfg], capsys)
+    assert train[0] == 3, train
+    line = f"{oom['where']}: {oom['message']} (fix: {oom['fix']}; or set force: true to start anyway)"
+    assert line in train[1], (line, train[1][-1500:])
