@@ -302,3 +302,59 @@ def test_the_predicted_oom_refusal_is_in_the_same_words_from_check_and_train(tmp
     assert train[0] == 3, train
     line = f"{oom['where']}: {oom['message']} (fix: {oom['fix']}; or set force: true to start anyway)"
     assert line in train[1], (line, train[1][-1500:])
+
+
+@pytest.mark.parametrize(("key", "absent", "refusal"), [
+    ("data", "/nonexistent/data/train.jsonl", "'data' file not found: /nonexistent/data/train.jsonl"),
+    ("eval_data", "/nonexistent/data/held.jsonl", "'eval_data' file not found: /nonexistent/data/held.jsonl"),
+    ("model", "/nonexistent/models/llama", "'model': /nonexistent/models/llama does not exist"),
+    ("model", "~/nonexistent-shardfit-model.gguf", "'model': ~/nonexistent-shardfit-model.gguf does not exist"),
+], ids=["data", "eval-data", "model-folder", "model-gguf"])
+def test_a_data_file_or_model_absent_here_is_a_warning_of_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                                capsys: pytest.CaptureFixture, key: str,
+                                                                absent: str, refusal: str) -> None:
+    """A data file or local model with nothing at it where check runs (a login node without the cluster's
+    storage) was exit 2 from check, stopping every other rule, where an absent `resume:` path is a warning: the
+    same rule now holds for all three. check warns naming the machine it looked on and that train refuses unless
+    the path is there where it trains (exit 0, the other rules run); train still refuses it (exit 2)."""
+    import socket
+
+    keys = {"data": small_data, "model": tiny_llama, key: absent}
+    cfg = str(_config(tmp_path, keys.pop("model"), keys.pop("data"), **keys))
+    code = main(["check", cfg, "--json"])
+    said = capsys.readouterr()
+    assert said.out.startswith("{"), said.err[-2000:]
+    found = {f["rule"]: f for f in json.loads(said.out)["findings"]}
+    rule = "model_not_here" if key == "model" else "data_not_here"
+    assert code == 0 and found[rule]["severity"] == "warning", said.out
+    assert found[rule]["where"] == f"config: {key}"
+    assert f"'{key}': {absent} does not exist on {socket.gethostname()}, the machine check ran on" \
+        in found[rule]["message"] and "train refuses the run (exit 2) unless" in found[rule]["message"]
+    assert "srun -N1 shardfit check CONFIG" in found[rule]["fix"]
+    code, out = _run(["train", cfg], capsys)
+    assert code == 2 and refusal in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize(("key", "value", "want"), [
+    ("data", "~shardfit-no-such-user/d.jsonl", "'data' names the home of a user"),
+    ("data", "{tmp}/" + "d" * 300 + ".jsonl", "'data' {tmp}/" + "d" * 300 + ".jsonl cannot be read on "),
+    ("data", "https://example.com/train.jsonl", "'data' is a URL (https://example.com/train.jsonl)"),
+    ("model", "/nonexistent/model.safetensors", "'model': /nonexistent/model.safetensors names a .safetensors file"),
+    ("model", "~shardfit-no-such-user/llama", "'model': ~shardfit-no-such-user/llama names the home of a user"),
+    ("model", "{tmp}/" + "m" * 300, "'model': {tmp}/" + "m" * 300 + " cannot be read on "),
+], ids=["data-unknown-user", "data-name-too-long", "data-url", "model-safetensors", "model-unknown-user",
+        "model-name-too-long"])
+def test_a_malformed_data_or_model_path_is_exit_2_from_check_and_train(tmp_path: Path, tiny_llama: Path,
+                                                                       small_data: Path,
+                                                                       capsys: pytest.CaptureFixture, key: str,
+                                                                       value: str, want: str) -> None:
+    """A path that could be no file on any machine is no warning: exit 2 from both, naming the key (an unknown
+    user's home and a name too long were Path's RuntimeError and OSError, the last guard's exit 1)."""
+    value, want = value.format(tmp=tmp_path), want.format(tmp=tmp_path)
+    keys = {"data": small_data, "model": tiny_llama, key: value}
+    cfg = str(_config(tmp_path, keys.pop("model"), keys.pop("data"), **keys))
+    check = _run(["check", cfg], capsys)
+    train = _run(["train", cfg], capsys)
+    assert check[0] == train[0] == 2, (check, train)
+    assert want in check[1] and want in train[1], (check[1][-800:], train[1][-800:])
+    assert "Traceback" not in check[1] + train[1]

@@ -39,8 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _refuse_before_launch(cfg: Config, job: Resolved) -> None:
-    """What would stop every rank the same way, said once before ranks start."""
-    refuse_missing_inputs(cfg)
+    """What would stop every rank the same way, said once before ranks start (after `refuse_missing_inputs`)."""
     s = get_strategy(job.strategy)
     refuse_unfixable(device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s) + float8_rules(cfg, job))
 
@@ -137,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides) if args.config else None
     from shardfit.parallel.launch import launch_env, relaunch, torchrun_command, under_launcher
 
+    if cfg is not None and not under_launcher():
+        refuse_missing_inputs(cfg)  # before the job is resolved: the planner reads a local model's config.json
     job, nproc = decide_launch(args, cfg)
     if not under_launcher():
         _warn_launch_traps(args, nproc)
