@@ -358,3 +358,25 @@ def test_a_malformed_data_or_model_path_is_exit_2_from_check_and_train(tmp_path:
     assert check[0] == train[0] == 2, (check, train)
     assert want in check[1] and want in train[1], (check[1][-800:], train[1][-800:])
     assert "Traceback" not in check[1] + train[1]
+
+
+def test_check_and_train_name_one_job_for_two_nodes(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                   capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check --nproc 2 --nodes 2` and `train --nproc 2 --nnodes 2` on this machine: train said only `strategy
+    auto -> X on 2 processes per node` before it launched, and check's job line named neither the world size nor
+    the micro-batch (and measured a CPU's rates at its own threads, not the ranks'). Both now give one job line,
+    strategy, ranks and micro-batch; train's is logged before it launches (the launch is stubbed here)."""
+    import shardfit.parallel.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
+    cfg = str(_config(tmp_path, tiny_llama, small_data, max_bad_rows=64))
+    assert main(["check", cfg, "--nproc", "2", "--nodes", "2"]) == 0
+    checked = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("job: "))
+    assert "2 processes x 2 nodes, 4 ranks" in checked and checked.endswith(", micro-batch 2"), checked
+    with caplog.at_level("INFO", logger="shardfit"):
+        assert main(["train", cfg, "--nproc", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"]) == 0
+    assert launched and "--nnodes=2" in launched[0] and "--nproc-per-node=2" in launched[0], launched
+    said = [r.getMessage() for r in caplog.records]
+    assert checked in said, (checked, said)

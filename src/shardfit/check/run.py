@@ -35,6 +35,7 @@ from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.job import resolve_here
+from shardfit.parallel.launch import launch_threads
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
@@ -109,7 +110,8 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
     `absent_data`, a local model) is a warning (config_rules.py `elsewhere_rules`), and what needs it is not run."""
     refuse_missing_inputs(cfg, elsewhere_ok=True)  # a checkpoint only the training machine sees: a warning
     if hw is None:
-        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=nproc, nnodes=nodes))
+        threads = launch_threads(nproc, nodes)  # the ranks' threads, at which train measures a CPU's rates
+        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=nproc, nnodes=nodes, threads=threads))
     else:  # every node like the one named
         node = dataclasses.replace(hw, nodes=1)
         job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=nproc,
