@@ -33,6 +33,7 @@ from shardfit.data.dataset import encode_split, read_split
 from shardfit.data.preference import read_preference_split
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
+from shardfit.models.source import absent_here as model_absent_here
 from shardfit.models.source import resolve_model
 from shardfit.parallel.job import resolve_here
 from shardfit.parallel.launch import launch_threads
@@ -119,7 +120,7 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
     cfg = settled(cfg, job)
     s = get_strategy(job.strategy)
     elsewhere = elsewhere_rules(cfg, absent_data)
-    model_here = "model_not_here" not in {f.rule for f in elsewhere}
+    model_here = not model_absent_here(cfg.model)
     data = [] if absent_data else data_findings(cfg, model_here)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")

@@ -257,7 +257,6 @@ class NotHere:
 
     key: str  # data or eval_data
     path: str  # as the config gives it
-    loc: str  # config file and line
 
 
 def _data_path(path: str, loc: str, key: str) -> Path:
@@ -297,7 +296,7 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
             return str(base_dir / p)
         if absent is None:
             raise UserError(f"{loc}: '{key}' file not found: {path}. Give a path to a .json or .jsonl file.")
-        absent.append(NotHere(key, path, loc))
+        absent.append(NotHere(key, path))
         return path
 
     def resolve_all(key: str, value: str | list[str] | None) -> str | list[str] | None:
