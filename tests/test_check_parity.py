@@ -299,3 +299,99 @@ def test_check_refuses_two_node_counts_that_disagree(tmp_path: Path, capsys: pyt
 
     args = build_parser().parse_args(["check", "c.yaml", "--nodes", "2", "--nnodes", "2"])
     assert args.nodes == 2
+
+
+def test_the_predicted_oom_refusal_is_in_the_same_words_from_check_and_train(tmp_path: Path, small_data: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """check said `predicted not to fit: ...` with a fix, train `strategy single is predicted not to fit: ...`
+    without one (and where the plan's notes give no total, check named the figure and train did not): one function
+    (resolve/fits.py `oom_refusal`) now writes it, and train's refusal is check's finding, where, message and fix."""
+    cfg = str(write_config(tmp_path / "c.yaml", model="meta-llama/Llama-3.1-70B", data=str(small_data),
+                           strategy="single", method="full", max_seq_len=512, micro_batch=1, max_steps=1,
+                           output_dir=str(tmp_path / "run")))
+    code = main(["check", cfg, "--json"])
+    found = {f["rule"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    oom = found["predicted_oom"]
+    assert code == 1 and oom["severity"] == "error" and oom["message"].startswith("predicted "), oom
+    train = _run(["train", cfg], capsys)
+    assert train[0] == 3, train
+    line = f"{oom['where']}: {oom['message']} (fix: {oom['fix']}; or set force: true to start anyway)"
+    assert line in train[1], (line, train[1][-1500:])
+
+
+@pytest.mark.parametrize(("key", "absent", "refusal"), [
+    ("data", "/nonexistent/data/train.jsonl", "'data' file not found: /nonexistent/data/train.jsonl"),
+    ("eval_data", "/nonexistent/data/held.jsonl", "'eval_data' file not found: /nonexistent/data/held.jsonl"),
+    ("model", "/nonexistent/models/llama", "'model': /nonexistent/models/llama does not exist"),
+    ("model", "~/nonexistent-shardfit-model.gguf", "'model': ~/nonexistent-shardfit-model.gguf does not exist"),
+], ids=["data", "eval-data", "model-folder", "model-gguf"])
+def test_a_data_file_or_model_absent_here_is_a_warning_of_check(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                                capsys: pytest.CaptureFixture, key: str,
+                                                                absent: str, refusal: str) -> None:
+    """A data file or local model with nothing at it where check runs (a login node without the cluster's
+    storage) was exit 2 from check, stopping every other rule, where an absent `resume:` path is a warning: the
+    same rule now holds for all three. check warns naming the machine it looked on and that train refuses unless
+    the path is there where it trains (exit 0, the other rules run); train still refuses it (exit 2)."""
+    import socket
+
+    keys = {"data": small_data, "model": tiny_llama, key: absent}
+    cfg = str(_config(tmp_path, keys.pop("model"), keys.pop("data"), **keys))
+    code = main(["check", cfg, "--json"])
+    said = capsys.readouterr()
+    assert said.out.startswith("{"), said.err[-2000:]
+    found = {f["rule"]: f for f in json.loads(said.out)["findings"]}
+    rule = "model_not_here" if key == "model" else "data_not_here"
+    assert code == 0 and found[rule]["severity"] == "warning", said.out
+    assert found[rule]["where"] == f"config: {key}"
+    assert f"'{key}': {absent} does not exist on {socket.gethostname()}, the machine check ran on" \
+        in found[rule]["message"] and "train refuses the run (exit 2) unless" in found[rule]["message"]
+    assert "srun -N1 shardfit check CONFIG" in found[rule]["fix"]
+    code, out = _run(["train", cfg], capsys)
+    assert code == 2 and refusal in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize(("key", "value", "want"), [
+    ("data", "~shardfit-no-such-user/d.jsonl", "'data' names the home of a user"),
+    ("data", "{tmp}/" + "d" * 300 + ".jsonl", "'data' {tmp}/" + "d" * 300 + ".jsonl cannot be read on "),
+    ("data", "https://example.com/train.jsonl", "'data' is a URL (https://example.com/train.jsonl)"),
+    ("model", "/nonexistent/model.safetensors", "'model': /nonexistent/model.safetensors names a .safetensors file"),
+    ("model", "~shardfit-no-such-user/llama", "'model': ~shardfit-no-such-user/llama names the home of a user"),
+    ("model", "{tmp}/" + "m" * 300, "'model': {tmp}/" + "m" * 300 + " cannot be read on "),
+], ids=["data-unknown-user", "data-name-too-long", "data-url", "model-safetensors", "model-unknown-user",
+        "model-name-too-long"])
+def test_a_malformed_data_or_model_path_is_exit_2_from_check_and_train(tmp_path: Path, tiny_llama: Path,
+                                                                       small_data: Path,
+                                                                       capsys: pytest.CaptureFixture, key: str,
+                                                                       value: str, want: str) -> None:
+    """A path that could be no file on any machine is no warning: exit 2 from both, naming the key (an unknown
+    user's home and a name too long were Path's RuntimeError and OSError, the last guard's exit 1)."""
+    value, want = value.format(tmp=tmp_path), want.format(tmp=tmp_path)
+    keys = {"data": small_data, "model": tiny_llama, key: value}
+    cfg = str(_config(tmp_path, keys.pop("model"), keys.pop("data"), **keys))
+    check = _run(["check", cfg], capsys)
+    train = _run(["train", cfg], capsys)
+    assert check[0] == train[0] == 2, (check, train)
+    assert want in check[1] and want in train[1], (check[1][-800:], train[1][-800:])
+    assert "Traceback" not in check[1] + train[1]
+
+
+def test_check_and_train_name_one_job_for_two_nodes(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                   capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check --nproc 2 --nodes 2` and `train --nproc 2 --nnodes 2` on this machine: train said only `strategy
+    auto -> X on 2 processes per node` before it launched, and check's job line named neither the world size nor
+    the micro-batch (and measured a CPU's rates at its own threads, not the ranks'). Both now give one job line,
+    strategy, ranks and micro-batch; train's is logged before it launches (the launch is stubbed here)."""
+    import shardfit.parallel.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
+    cfg = str(_config(tmp_path, tiny_llama, small_data, max_bad_rows=64))
+    assert main(["check", cfg, "--nproc", "2", "--nodes", "2"]) == 0
+    checked = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("job: "))
+    assert "2 processes x 2 nodes, 4 ranks" in checked and checked.endswith(", micro-batch 2"), checked
+    with caplog.at_level("INFO", logger="shardfit"):
+        assert main(["train", cfg, "--nproc", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"]) == 0
+    assert launched and "--nnodes=2" in launched[0] and "--nproc-per-node=2" in launched[0], launched
+    said = [r.getMessage() for r in caplog.records]
+    assert checked in said, (checked, said)

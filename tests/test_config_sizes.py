@@ -4,6 +4,7 @@ key from plan, check and the model's build, never an out-of-memory error; every 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -125,3 +126,42 @@ def test_a_towers_two_sided_size_is_checked_side_by_side() -> None:
                                                               "hidden_size": 1024, "num_hidden_layers": 24}})
     with pytest.raises(UserError, match=r"vision_config\.image_size is 10,000,000"):
         require_sane_sizes("internvl", {**text, "vision_config": {"image_size": [448, 10**7]}})
+
+
+TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128}
+ELSEWHERE = [({"visual": {"depth": 10**9}}, "visual.depth is 1,000,000,000"),
+             ({"speech_config": {"encoder_layers": 10**9}}, "speech_config.encoder_layers is 1,000,000,000"),
+             ({"vit_config": {"hidden_size": 10**12}}, "vit_config.hidden_size is 1,000,000,000,000"),
+             ({"thinker_config": {"visual": {"patch_size": 10**6}}}, "thinker_config.visual.patch_size is 1,000,000"),
+             ({"vision_config": {"image_size": {"height": 448, "width": 10**7}}},
+              "vision_config.image_size.width is 10,000,000"),
+             ({"vision_config": {"image_size": {"shortest_edge": 10**7}}},
+              "vision_config.image_size.shortest_edge is 10,000,000")]
+
+
+@pytest.mark.parametrize(("towers", "said"), ELSEWHERE, ids=["visual", "speech_config", "vit_config",
+                                                             "thinker-visual", "image-size-height-width",
+                                                             "image-size-shortest-edge"])
+def test_a_tower_under_another_key_or_a_mapped_image_size_has_its_ceiling(towers: dict, said: str) -> None:
+    """The ceilings read vision_config and audio_config (and Qwen-Omni's under thinker_config) only: a tower under
+    another key (Qwen-VL's visual, speech_config, vit_config) and an image_size given as a mapping ({"height",
+    "width"} or {"shortest_edge"}, image processors' form) went unchecked. Each is now held to the tower ceilings,
+    naming the key; the same towers at real sizes pass."""
+    with pytest.raises(UserError, match=re.escape(f"config.json's {said}, beyond any model's")):
+        require_sane_sizes("m", {**TEXT, **towers})
+    real = {"visual": {"depth": 32, "image_size": {"height": 448, "width": 448}, "patch_size": 14},
+            "speech_config": {"encoder_layers": 32, "d_model": 1280},
+            "thinker_config": {"visual": {"image_size": {"shortest_edge": 336}}}}
+    require_sane_sizes("m", {**TEXT, **real})
+
+
+def test_check_refuses_a_mapped_image_size_beyond_any_model(tmp_path: Path, tiny_vl: Path, small_data: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """End to end: a vision tower's image_size of {"height": 448, "width": 10**7} is exit 2 from check (the build's
+    read of config.json, which train goes through too), naming the key."""
+    model = _absurd_tower(tmp_path, tiny_vl, ("vision_config", "image_size"), {"height": 448, "width": 10**7})
+    cfg = write_config(tmp_path / "c.yaml", model=str(model), data=str(small_data), precision="fp32",
+                       max_seq_len=128, micro_batch=2, max_steps=1, output_dir=str(tmp_path / "run"))
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json's vision_config.image_size.width is 10,000,000, beyond any model's" in err, err

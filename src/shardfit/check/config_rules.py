@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+from collections.abc import Sequence
 
 from shardfit import method as methods
 from shardfit.check.findings import Finding
 from shardfit.config import Config
+from shardfit.config.load import NotHere
 from shardfit.config.support import TORCHAO_HINT
 from shardfit.evals.scorers import check_metrics
+from shardfit.models.source import absent_here as model_absent_here
+from shardfit.models.source import resolve_model
 from shardfit.plan.cards import card_of, no_fp8_reason
 from shardfit.resolve import Resolved
 from shardfit.resolve.checkpoint_files import absent_here, named_checkpoint
@@ -21,28 +25,49 @@ FLOAT8_OFF = "or float8: false (bf16 matmuls)"
 
 def refuse_missing_inputs(cfg: Config, elsewhere_ok: bool = False) -> None:
     """The files the config names that a rank opens as it starts, refused as the rank refuses them (UserError,
-    exit 2, naming the key): the checkpoint a `resume:` path names (train/checkpoint.py `find_resume`) and the
-    `py:` scorers of eval_metrics (train/recipe.py `parse_metrics`, whose refusals `check_metrics` gives without
-    importing the file: nothing a config names runs at check). Before ranks start or anything loads, so `check`
-    and `train` give the same refusal. `elsewhere_ok` (check): a `resume:` path with nothing at it on this
-    machine is left to `resume_elsewhere_rules`, since the run may train where it is."""
+    exit 2, naming the key): a local model path (models/source.py `resolve_model`), the checkpoint a `resume:`
+    path names (train/checkpoint.py `find_resume`) and the `py:` scorers of eval_metrics (train/recipe.py
+    `parse_metrics`, whose refusals `check_metrics` gives without importing the file: nothing a config names runs
+    at check). Before the job is resolved (the planner reads a local model's config.json), so `check` and `train`
+    give the same refusal. `elsewhere_ok` (check): a model or `resume:` path with nothing at it on this machine is
+    left to `elsewhere_rules`, since the run may train where it is; a path that can be none is refused still."""
+    if not (elsewhere_ok and model_absent_here(cfg.model)):
+        resolve_model(cfg.model)
     if not (elsewhere_ok and absent_here(cfg.resume)):
         named_checkpoint(cfg.resume, cfg.output_dir)
     check_metrics(cfg.eval_metrics)
 
 
-def resume_elsewhere_rules(cfg: Config) -> list[Finding]:
-    """A `resume:` path with nothing at it where `check` runs: a login node that does not mount the cluster's
-    scratch, or a checkpoint a job still queued will write. check cannot read it and says so (a warning, the
-    other rules still run); `train` refuses it (exit 2) if it is not there either when the run starts."""
-    if not absent_here(cfg.resume):
-        return []
-    return [Finding("resume_not_here", "warning", "config: resume",
-                    f"'resume': {cfg.resume} does not exist on {socket.gethostname()}, the machine check ran on, so "
-                    "the checkpoint was not checked; train refuses the run (exit 2) unless the path holds a whole "
-                    "checkpoint on the machine that trains when the run starts",
-                    "run check where the run trains, e.g. `srun -N1 shardfit check CONFIG` on a node that mounts "
-                    "it, or correct the path")]
+ELSEWHERE_FIX = ("run check where the run trains, e.g. `srun -N1 shardfit check CONFIG` on a node that mounts it, "
+                 "or correct the path")
+
+
+def not_here(rule: str, key: str, value: str, unchecked: str, needed: str) -> Finding:
+    """A path the config names with nothing at it where `check` runs (a login node that does not mount the
+    cluster's storage, or a file a job still queued will write): check cannot read it and says so (a warning: the
+    other rules still run), while `train` refuses it (exit 2) if it is not there either when the run starts. One
+    rule for every such path: nothing at it on this machine, whatever the machine is."""
+    return Finding(rule, "warning", f"config: {key}",
+                   f"'{key}': {value} does not exist on {socket.gethostname()}, the machine check ran on, so "
+                   f"{unchecked}; train refuses the run (exit 2) unless {needed} on the machine that trains when "
+                   "the run starts", ELSEWHERE_FIX)
+
+
+def elsewhere_rules(cfg: Config, absent_data: Sequence[NotHere] = ()) -> list[Finding]:
+    """The paths check could not read on this machine (`not_here`): a `resume:` checkpoint, data files (listed by
+    `load_config(absent=...)`), a local model folder or .gguf file."""
+    out = []
+    if absent_here(cfg.resume):
+        out.append(not_here("resume_not_here", "resume", cfg.resume, "the checkpoint was not checked",
+                            "the path holds a whole checkpoint"))
+    for gone in absent_data:
+        out.append(not_here("data_not_here", gone.key, gone.path, "the data was not read (the rows' format, bad "
+                            "rows, the chat template and max_seq_len were not checked)", "the file is there"))
+    if model_absent_here(cfg.model):
+        out.append(not_here("model_not_here", "model", cfg.model, "the model was not built: the rules that read its "
+                            "modules did not run, and the plan, without its shape, resolved the job as for an "
+                            "unknown model", "the path holds the model"))
+    return out
 
 
 def device_map_rules(cfg: Config, s: Strategy, world: int) -> list[Finding]:

@@ -9,7 +9,7 @@ from shardfit.check.findings import Finding
 from shardfit.config import Config
 from shardfit.errors import DoesNotFitError
 from shardfit.plan.plan import Plan
-from shardfit.resolve.fits import memory_verdict
+from shardfit.resolve.fits import memory_verdict, refusal_line
 from shardfit.resolve.pipeline import stages_of
 
 
@@ -57,5 +57,4 @@ def refuse_stage_oom(findings: list[Finding]) -> None:
     `pipeline_plan_rules` predicts out-of-memory on a stage (an error: not forced)."""
     bad = [f for f in findings if f.severity == "error" and not f.auto_fixed]
     if bad:
-        raise DoesNotFitError("\n".join(f"{f.where}: {f.message} (fix: {f.fix}; or set force: true to start "
-                                         "anyway)" for f in bad))
+        raise DoesNotFitError("\n".join(refusal_line(f.where, f.message, f.fix) for f in bad))

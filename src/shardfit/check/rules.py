@@ -25,7 +25,7 @@ from shardfit.models.quantize import is_bnb_quantized, is_nf4
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.plan import Plan
 from shardfit.plan.quant import shard_problem
-from shardfit.resolve.fits import memory_verdict
+from shardfit.resolve.fits import oom_refusal
 from shardfit.strategy import Strategy
 
 # Submodules that only serve generation outputs other than text; text fine-tuning never runs them.
@@ -324,22 +324,9 @@ def visible_gpu_rules(s: Strategy, world: int) -> list[Finding]:
 
 
 def plan_rules(plan: Plan | None, s: Strategy, force: bool) -> list[Finding]:
-    """The plan's verdict on the strategy (resolve/fits.py `memory_verdict`, by which the rank refuses before
-    loading): predicted out-of-memory is an error (a warning with `force`). The fix is an override that works for
-    train and check: the strategy that fits, or the nearest change that makes one fit."""
-    verdict = memory_verdict(plan, s.name)
-    c = verdict.candidate
-    if plan is None or c is None or verdict.fits:
+    """The plan's verdict on the strategy: resolve/fits.py `oom_refusal`, the refusal the rank raises before
+    loading in the same words. Predicted out-of-memory is an error (a warning with `force`)."""
+    refusal = oom_refusal(plan, s.name)
+    if refusal is None:
         return []
-    fix = f"--set strategy={plan.recommended}" if plan.recommended else _nearest_fix(plan)
-    total = f"{c.per_gpu_gib.total:.1f} GiB"
-    said = "not to fit" if f"{total} of" in c.notes else \
-        f"{total} per {plan.hardware.unit} of {plan.hardware.gpu_mem_gib:.0f}"  # the notes say it, or we do
-    return [Finding("predicted_oom", "warning" if force else "error", f"strategy: {s.name}",
-                    f"predicted {said}: {c.notes}", fix)]
-
-
-def _nearest_fix(plan: Plan) -> str:
-    """When no strategy fits as configured: the planner's nearest changes that make one fit, as overrides."""
-    phrases = [p for p in (a.phrase("config") for a in plan.alternatives or []) if p]
-    return "; or ".join(phrases[:2]) if phrases else "more or larger GPUs (see `shardfit plan`)"
+    return [Finding("predicted_oom", "warning" if force else "error", refusal.where, refusal.message, refusal.fix)]

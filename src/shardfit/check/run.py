@@ -7,6 +7,7 @@ meta model the fixes are only recorded), so `check` reports exactly the findings
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -14,24 +15,28 @@ from shardfit import objective as objectives
 from shardfit.check import rules
 from shardfit.check.config_rules import (
     device_map_rules,
+    elsewhere_rules,
     float8_rules,
     qlora_rules,
     refuse_missing_inputs,
-    resume_elsewhere_rules,
 )
 from shardfit.check.findings import Finding
 from shardfit.check.moe_rules import aux_loss_rules, quantized_expert_rules, router_lora_rules
 from shardfit.check.pipeline_rules import pipeline_plan_rules
 from shardfit.check.precision_rules import precision_rules
-from shardfit.check.preference_rules import preference_data_rules
+from shardfit.check.preference_rules import kto_balance_rules, preference_data_rules
 from shardfit.check.prequantized_rules import prequantized_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
+from shardfit.config.load import NotHere
 from shardfit.data.dataset import encode_split, read_split
+from shardfit.data.preference import read_preference_split
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
+from shardfit.models.source import absent_here as model_absent_here
 from shardfit.models.source import resolve_model
 from shardfit.parallel.job import resolve_here
+from shardfit.parallel.launch import launch_threads
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan
 from shardfit.resolve import DeviceFacts, Resolved, resolve_job
@@ -83,36 +88,48 @@ def validate_data(cfg: Config) -> None:
         encode_split(cfg, tokenizer, split, load_vision_processor(source, cfg, tokenizer))
 
 
-def data_findings(cfg: Config) -> list[Finding]:
+def data_findings(cfg: Config, model_here: bool = True) -> list[Finding]:
     """The data as `train` reads it for the config's objective: SFT data validated (a bad row is exit 2), preference
-    data with its findings (check/preference_rules.py)."""
-    if objectives.get(cfg.objective).preference:
-        return preference_data_rules(cfg)
-    validate_data(cfg)
+    data with its findings (check/preference_rules.py). Without the model here (`model_here` False: a local path
+    with nothing at it) the rows are read and checked without its tokenizer."""
+    preference = objectives.get(cfg.objective).preference
+    if preference:
+        return preference_data_rules(cfg) if model_here else kto_balance_rules(cfg, read_preference_split(cfg))
+    if model_here:
+        validate_data(cfg)
+    else:
+        read_split(cfg)  # a bad row or file is exit 2 here as in train
     return []
 
 
-def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = None,
-                 nodes: int = 1) -> tuple[Resolved, list[Finding]]:
+def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = None, nodes: int = 1,
+                 absent_data: Sequence[NotHere] = ()) -> tuple[Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on `nodes`
     nodes like this machine by default, resolved as `train` resolves it: `nproc` ranks a node when given (train's
     --nproc, torchrun's --nproc-per-node), and a run that resumes as resolve/resume.py `resumed_job` resolves it;
-    returns (the resolved job, findings)."""
+    returns (the resolved job, findings). A path with nothing at it here (a `resume:` checkpoint, the data files in
+    `absent_data`, a local model) is a warning (config_rules.py `elsewhere_rules`), and what needs it is not run."""
     refuse_missing_inputs(cfg, elsewhere_ok=True)  # a checkpoint only the training machine sees: a warning
     if hw is None:
-        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=nproc, nnodes=nodes))
+        threads = launch_threads(nproc, nodes)  # the ranks' threads, at which train measures a CPU's rates
+        job, plan = resumed_job(cfg, lambda c: resolve_here(c, nproc=nproc, nnodes=nodes, threads=threads))
     else:  # every node like the one named
         node = dataclasses.replace(hw, nodes=1)
         job, plan = resumed_job(cfg, lambda c: resolve_job(c, node, DeviceFacts("cuda", True), nproc=nproc,
                                                            nnodes=hw.nodes))
     cfg = settled(cfg, job)
     s = get_strategy(job.strategy)
-    data = data_findings(cfg)
-    model = build_model(cfg, s, weights=False)
+    elsewhere = elsewhere_rules(cfg, absent_data)
+    model_here = not model_absent_here(cfg.model)
+    data = [] if absent_data else data_findings(cfg, model_here)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
-    return job, resume_elsewhere_rules(cfg) + data + preflight(model, cfg, s, job.world, plan) + \
-        created_off_meta_rules(model) + speed + float8_rules(cfg, job)
+    if not model_here:  # the rules that need no model, as train runs them before it loads one
+        return job, elsewhere + data + device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s) + speed + \
+            float8_rules(cfg, job)
+    model = build_model(cfg, s, weights=False)
+    return job, elsewhere + data + preflight(model, cfg, s, job.world, plan) + created_off_meta_rules(model) + \
+        speed + float8_rules(cfg, job)
 
 
 def format_findings(job: Resolved, findings: list[Finding]) -> str:

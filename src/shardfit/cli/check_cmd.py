@@ -9,6 +9,7 @@ from shardfit.check.findings import is_ok
 from shardfit.cli.args import positive_int
 from shardfit.cli.foreign_args import add_from, foreign_plan
 from shardfit.config import load_config
+from shardfit.config.load import NotHere
 from shardfit.foreign.asplanned import ForeignPlan
 from shardfit.foreign.rules import foreign_rules
 from shardfit.plan.hardware import parse_gpus
@@ -84,12 +85,13 @@ def run(args: argparse.Namespace) -> int:
         return run_from(args)
     # The config first, without torch: a mistake in it is reported in a fraction of a second, not after ~5 s of
     # imports.
-    cfg = load_config(args.config, args.overrides)
+    absent: list[NotHere] = []  # data files with nothing at them here: warnings, the run may train elsewhere
+    cfg = load_config(args.config, args.overrides, absent=absent)
     hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None
     from shardfit.check.run import check_config, format_findings  # torch and transformers: only for this command
 
     # A resumed run's job, as train resolves it; --nodes without --gpus: nodes like this machine.
-    job, findings = check_config(cfg, args.nproc, hw, args.nodes)
+    job, findings = check_config(cfg, args.nproc, hw, args.nodes, absent)
     ok = is_ok(findings)
     if args.json:
         print(json.dumps({"ok": ok, "resolved": job.to_json(), "findings": [f.to_json() for f in findings]},

@@ -39,20 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _refuse_before_launch(cfg: Config, job: Resolved) -> None:
-    """What would stop every rank the same way, said once before ranks start."""
-    refuse_missing_inputs(cfg)
+    """What would stop every rank the same way, said once before ranks start (after `refuse_missing_inputs`)."""
     s = get_strategy(job.strategy)
     refuse_unfixable(device_map_rules(cfg, s, job.world) + qlora_rules(cfg, s) + float8_rules(cfg, job))
-
-
-def _rank_threads(args: argparse.Namespace, nproc: int | None) -> int | None:
-    """The threads each rank of a launch of several will run (what a CPU's matmul rate is measured at for the
-    plan), or None for a job that runs in this process with its own."""
-    if (nproc or 1) * args.nnodes <= 1:
-        return None
-    from shardfit.parallel.launch import rank_threads
-
-    return rank_threads(nproc or 1)[0].threads
 
 
 def _base_line(base: dict) -> list[str]:
@@ -106,7 +95,7 @@ def decide_launch(args: argparse.Namespace, cfg: Config | None) -> tuple[Resolve
     number of processes included (strategy auto can pick model_parallel: one process over every GPU); the ranks
     read the job from their environment. A rank (under torchrun) decides nothing; the demo (no config) resolves in
     its process, on every GPU unless --nproc says otherwise."""
-    from shardfit.parallel.launch import default_nproc, under_launcher
+    from shardfit.parallel.launch import default_nproc, launch_threads, under_launcher
 
     if args.nproc is not None:
         check_launch_flags(args, args.nproc)
@@ -117,10 +106,11 @@ def decide_launch(args: argparse.Namespace, cfg: Config | None) -> tuple[Resolve
         from shardfit.parallel.job import resolve_here
         from shardfit.resolve.resume import resumed_job
 
-        threads = _rank_threads(args, args.nproc)
+        threads = launch_threads(args.nproc, args.nnodes)
         # A resumed run keeps the job it started with where resolving anew would change its global batch.
         job, _ = resumed_job(cfg, lambda c: resolve_here(c, nproc=args.nproc, nnodes=args.nnodes, threads=threads))
         nproc = job.nproc_per_node
+        log.info("%s", job.describe())  # the line `check` prints for the same flags
         for line in job.why:
             log.info("%s", line)
     else:
@@ -137,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides) if args.config else None
     from shardfit.parallel.launch import launch_env, relaunch, torchrun_command, under_launcher
 
+    if cfg is not None and not under_launcher():
+        refuse_missing_inputs(cfg)  # before the job is resolved: the planner reads a local model's config.json
     job, nproc = decide_launch(args, cfg)
     if not under_launcher():
         _warn_launch_traps(args, nproc)

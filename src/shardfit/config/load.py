@@ -10,9 +10,10 @@ import dataclasses
 import difflib
 import math
 import re
+import socket
 import types
 import typing
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Union
 
@@ -249,17 +250,54 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path | None) -> Config:
-    """Data files must exist; relative paths are tried against the cwd, then the config file's folder."""
+@dataclass(frozen=True)
+class NotHere:
+    """A data file the config names with nothing at it on this machine (check's warning: the run may train where
+    it is)."""
+
+    key: str  # data or eval_data
+    path: str  # as the config gives it
+
+
+def _data_path(path: str, loc: str, key: str) -> Path:
+    """The path a data value names, `~` expanded; a value that can be no file on any machine (a URL, the home of a
+    user this machine does not know) is a UserError naming the key."""
+    if re.match(r"^[A-Za-z][\w+.-]*://", path):
+        raise UserError(f"{loc}: '{key}' is a URL ({path}); shardfit reads local files. Download it and give the "
+                        "path to the .json or .jsonl file.")
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # `~user/...` of a user this machine does not know
+        raise UserError(f"{loc}: '{key}' names the home of a user {socket.gethostname()} does not know ({path}). "
+                        "Give the file's full path.") from None
+
+
+def _exists(p: Path, loc: str, key: str) -> bool:
+    """Whether anything is at `p`; a path the OS refuses to look at (a name too long, a folder this user may not
+    enter) is a UserError naming the key, on any machine."""
+    try:
+        return p.exists()
+    except OSError as e:
+        raise UserError(f"{loc}: '{key}' {p} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct "
+                        "the path, or give this user read access to it.") from None
+
+
+def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path | None,
+                 absent: list[NotHere] | None = None) -> Config:
+    """Data files must exist; relative paths are tried against the cwd, then the config file's folder. With
+    `absent` (check), a file with nothing at it here is listed there and kept as given instead of refused."""
 
     def resolve(key: str, path: str) -> str:
-        p = Path(path).expanduser()
-        if p.exists():
-            return str(p)
-        if base_dir is not None and not p.is_absolute() and (base_dir / p).exists():
-            return str(base_dir / p)
         loc = f"{where}:{lines[key]}" if key in lines else where
-        raise UserError(f"{loc}: '{key}' file not found: {path}. Give a path to a .json or .jsonl file.")
+        p = _data_path(path, loc, key)
+        if _exists(p, loc, key):
+            return str(p)
+        if base_dir is not None and not p.is_absolute() and _exists(base_dir / p, loc, key):
+            return str(base_dir / p)
+        if absent is None:
+            raise UserError(f"{loc}: '{key}' file not found: {path}. Give a path to a .json or .jsonl file.")
+        absent.append(NotHere(key, path))
+        return path
 
     def resolve_all(key: str, value: str | list[str] | None) -> str | list[str] | None:
         if value is None:
@@ -374,8 +412,11 @@ def load_config(
     overrides: typing.Sequence[str] = (),
     defaults: dict[str, Any] | None = None,
     check_files: bool = True,
+    absent: list[NotHere] | None = None,
 ) -> Config:
-    """Read `path` (YAML) over `defaults`, apply `--set` overrides, validate, and return a `Config`."""
+    """Read `path` (YAML) over `defaults`, apply `--set` overrides, validate, and return a `Config`. Data files
+    with nothing at them are refused, or, given `absent` (check, which may not run where the run trains), listed
+    there."""
     raw: dict[str, Any] = dict(defaults or {})
     where = "config"
     lines: dict[str, int] = {}
@@ -400,7 +441,7 @@ def load_config(
     cfg = _build(Config, raw, where, lines)
     cfg = validate(cfg, where, lines)
     if check_files:
-        cfg = _check_paths(cfg, where, lines, base_dir)
+        cfg = _check_paths(cfg, where, lines, base_dir, absent)
     return cfg
 
 

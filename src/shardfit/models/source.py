@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +36,40 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _local_path(model: str) -> Path:
+    """The path a `model` value names, `~` expanded (a hub id is returned as a relative path, never looked up)."""
+    try:
+        return Path(model).expanduser()
+    except RuntimeError:  # `~user/...` of a user this machine does not know
+        raise UserError(f"'model': {model} names the home of a user {socket.gethostname()} does not know. Give the "
+                        "model folder's full path, or a hub id.") from None
+
+
+def _exists(p: Path, model: str) -> bool:
+    try:
+        return p.exists()
+    except OSError as e:  # a name too long, a folder this user may not enter
+        raise UserError(f"'model': {model} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct the "
+                        "path, or give this user read access to it.") from None
+
+
+def absent_here(model: str) -> bool:
+    """Whether `model` names a local folder or .gguf file with nothing at it on this machine: check warns (the run
+    may train where it is), train refuses (`resolve_model`). A value that could name no model on any machine (a
+    .safetensors or .json file, a path the OS refuses to look at) is a UserError naming the key."""
+    p = _local_path(model)
+    if _exists(p, model):
+        return False
+    if p.suffix in (".safetensors", ".json"):
+        raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
+                        "a model is the folder that holds config.json and the weights, or a .gguf file.")
+    return p.suffix == ".gguf" or model.startswith((".", "/", "~"))
+
+
 def resolve_model(model: str) -> ModelSource:
     """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
-    p = Path(model).expanduser()
+    p = _local_path(model)
+    _exists(p, model)  # a path the OS refuses to look at: exit 2 here, before the checks below raise it bare
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(str(p.parent), p.name, model)
     if p.is_dir():
@@ -58,7 +90,7 @@ def resolve_model(model: str) -> ModelSource:
     if p.is_file():
         raise UserError(f"'model': {model} is a file, not a model: give the folder that holds config.json and the "
                         "weights, or a .gguf file.")
-    if p.suffix in (".gguf", ".safetensors", ".json") or model.startswith((".", "/", "~")):
+    if absent_here(model):
         raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, "
                         f"or a hub id.")
     return ModelSource(model, None, model)

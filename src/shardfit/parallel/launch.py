@@ -81,6 +81,15 @@ def rank_threads(nproc: int) -> tuple[threads.ThreadChoice, dict[str, str]]:
     return threads.choose(threads.cpu_budget(), nproc, env), env
 
 
+def launch_threads(nproc: int | None, nnodes: int) -> int | None:
+    """The threads each rank of a launch of `nproc` ranks a node on `nnodes` nodes runs (what a CPU's matmul rate
+    is measured at for the plan: `train` before it launches, `check` for the same flags), or None for a job that
+    runs in this process with its own."""
+    if (nproc or 1) * nnodes <= 1:
+        return None
+    return rank_threads(nproc or 1)[0].threads
+
+
 def relaunch(cmd: list[str], env: dict[str, str]) -> int:
     """Run torchrun and return its exit code. SIGINT, SIGTERM and SIGHUP sent to shardfit are passed on to
     torchrun, which stops its ranks; if shardfit itself is killed, the kernel stops torchrun (PDEATHSIG)."""

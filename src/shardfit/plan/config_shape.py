@@ -17,6 +17,7 @@ new family is one more name in a table, not a new branch:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -507,29 +508,48 @@ TOWER_CEILINGS = {
 }
 
 
-def tower_configs(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The towers' parts of a config, each with the path of keys that leads to it (`thinker_config.audio_config`)."""
+# A mapping in config.json is a tower's when its key names one: vision_config, Qwen-VL's visual, audio_config,
+# speech_config, vit_config, Granite Speech's encoder_config, projector_config... under any holder
+# (thinker_config for Qwen-Omni). The language model's part (text_config, llm_config) is held to SIZE_CEILINGS.
+_TOWER_KEY = re.compile(r"(?i)(vision|visual|vit|image|audio|speech|whisper|encoder|perceiver|projector)")
+
+
+def tower_configs(cfg: dict[str, Any], prefix: str = "", depth: int = 3) -> list[tuple[str, dict[str, Any]]]:
+    """The towers' parts of a config, each with the path of keys that leads to it (`thinker_config.audio_config`),
+    found under any key that names a tower, `depth` mappings deep."""
     out = []
-    for outer in ("", "thinker_config"):
-        holder = cfg.get(outer) if outer else cfg
-        for key in ("vision_config", "audio_config"):
-            tower = holder.get(key) if isinstance(holder, dict) else None
-            if isinstance(tower, dict):
-                out.append((f"{outer}.{key}" if outer else key, tower))
+    for key, value in cfg.items():
+        if not isinstance(value, dict) or depth <= 0:
+            continue
+        where = f"{prefix}{key}"
+        if _TOWER_KEY.search(str(key)):
+            out.append((where, value))
+        out += tower_configs(value, f"{where}.", depth - 1)
     return out
 
 
+def _numbers(raw: Any) -> list[tuple[str, Any]]:
+    """A size's numbers, each with what follows its key in the name: one number, each side of a [height, width],
+    or each entry of a mapping ({"height": .., "width": ..}, {"shortest_edge": ..}: image processors' form)."""
+    if isinstance(raw, list):
+        return [("", v) for v in raw]
+    if isinstance(raw, dict):
+        return [(f".{k}", v) for k, v in raw.items()]
+    return [("", raw)]
+
+
 def _require_below(name: str, where: str, values: dict[str, Any], ceilings: dict[str, int]) -> None:
-    """A UserError naming `where`'s key whose number (or each side of a [height, width]) exceeds its ceiling."""
+    """A UserError naming `where`'s key whose number (or each side of a [height, width] or {height, width})
+    exceeds its ceiling."""
     for key, ceiling in ceilings.items():
-        raw = values.get(key)
-        for value in raw if isinstance(raw, list) else [raw]:
+        for sub, value in _numbers(values.get(key)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 continue  # not a number: the count checks name it
             if value > ceiling:
                 shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
-                raise UserError(f"{name}: config.json's {where}{key} is {shown}, beyond any model's (shardfit takes "
-                                f"up to {ceiling:,}): no memory holds it. Fix the value in {name}'s config.json.")
+                raise UserError(f"{name}: config.json's {where}{key}{sub} is {shown}, beyond any model's (shardfit "
+                                f"takes up to {ceiling:,}): no memory holds it. Fix the value in {name}'s "
+                                "config.json.")
 
 
 def require_sane_sizes(name: str, cfg: dict[str, Any]) -> None:

@@ -50,10 +50,47 @@ def memory_verdict(plan: Plan | None, strategy: str, cfg: Config | None = None) 
                                              c.tokens_per_s, candidate=c)
 
 
-def refuse_if_oom(plan: Plan | None, strategy: str, force: bool) -> None:
-    """Exit 3 before loading when the plan predicts out-of-memory for the chosen strategy (unless `force`)."""
+@dataclass(frozen=True)
+class Refusal:
+    """The plan's refusal of a job predicted not to fit: where in the config, what, and the change that fits. check
+    reports it as its `predicted_oom` finding and train raises it (`refusal_line`) in the same words."""
+
+    where: str
+    message: str
+    fix: str
+
+
+def refusal_line(where: str, message: str, fix: str) -> str:
+    """How train says a refusal that check reports as a finding (where, message, fix): one line, the same words."""
+    return f"{where}: {message} (fix: {fix}; or set force: true to start anyway)"
+
+
+def oom_refusal(plan: Plan | None, strategy: str) -> Refusal | None:
+    """The refusal of `strategy` the plan predicts out-of-memory for (none where it fits or the planner cannot
+    tell). The fix is an override train and check both take: the strategy that fits, or the nearest change that
+    makes one fit."""
     verdict = memory_verdict(plan, strategy)
-    if force or verdict.fits or verdict.candidate is None or plan is None:
+    c = verdict.candidate
+    if plan is None or c is None or verdict.fits:
+        return None
+    fix = f"--set strategy={plan.recommended}" if plan.recommended else _nearest_fix(plan)
+    total = f"{c.per_gpu_gib.total:.1f} GiB"
+    said = "not to fit" if f"{total} of" in c.notes else \
+        f"{total} per {plan.hardware.unit} of {plan.hardware.gpu_mem_gib:.0f}"  # the notes say it, or we do
+    return Refusal(f"strategy: {strategy}", f"predicted {said}: {c.notes}", fix)
+
+
+def _nearest_fix(plan: Plan) -> str:
+    """When no strategy fits as configured: the planner's nearest changes that make one fit, as overrides."""
+    phrases = [p for p in (a.phrase("config") for a in plan.alternatives or []) if p]
+    return "; or ".join(phrases[:2]) if phrases else "more or larger GPUs (see `shardfit plan`)"
+
+
+def refuse_if_oom(plan: Plan | None, strategy: str, force: bool) -> None:
+    """Exit 3 before loading when the plan predicts out-of-memory for the chosen strategy (unless `force`), in the
+    words of check's `predicted_oom` finding, with the plan's table."""
+    refusal = None if force else oom_refusal(plan, strategy)
+    if refusal is None or plan is None:
         return
-    raise DoesNotFitError(f"strategy {strategy} is predicted not to fit: {verdict.candidate.notes} "
-                          f"(set force: true to start anyway).\n" + format_table(plan, style="config"))
+    raise DoesNotFitError(refusal_line(refusal.where, refusal.message, refusal.fix) + "\n"
+                          + format_table(plan, style="config"))

@@ -92,9 +92,9 @@ class Resolved:
                             ep=self.expert_parallel)
 
     def describe(self) -> str:
-        """One line: the job as it will run."""
+        """One line: the job as it will run (check prints it, train logs it before it launches the ranks)."""
         ranks = f"{self.nproc_per_node} process{'es' if self.nproc_per_node > 1 else ''}" + (
-            f" x {self.nnodes} nodes" if self.nnodes > 1 else "")
+            f" x {self.nnodes} nodes, {self.world} ranks" if self.nnodes > 1 else "")
         chunk = f", loss chunk {self.loss_chunk} rows" if self.loss_chunk else ""
         ref = f" (reference: {self.reference.replace('_', ' ')})" if self.reference else ""
         objective = f"objective {self.objective}{ref}, " if self.objective != "sft" else ""
@@ -103,7 +103,8 @@ class Resolved:
             ranks += f" ({self.dims.describe()})"
         return (f"job: {objective}strategy {self.strategy}, method {self.method}, {ranks} on {self.device}, "
                 f"{self.precision}{' (autocast)' if self.autocast else ''}{adapters}, "
-                f"compile {'on' if self.compile else 'off'}, attention {self.attention}{chunk}")
+                f"compile {'on' if self.compile else 'off'}, attention {self.attention}{chunk}, micro-batch "
+                f"{self.rows.micro_batch}")
 
     def decisions(self) -> dict[str, Any]:
         """What was decided, without the CPU's matmul rates (a measurement each node makes for itself)."""
