@@ -16,7 +16,13 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from shardfit.cli import plan_cmd
 from shardfit.cli.main import main
-from shardfit.plan.activations import block_activation_bytes_per_token, largest_block_activation_bytes_per_token
+from shardfit.config.schema import LoraSettings
+from shardfit.models.adapters import apply_lora
+from shardfit.plan.activations import (
+    activation_bytes,
+    block_activation_bytes_per_token,
+    largest_block_activation_bytes_per_token,
+)
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.model_shape import Block
 from shardfit.plan.workload import Workload
@@ -84,7 +90,7 @@ def test_the_mean_and_largest_block_weigh_the_mixers() -> None:
     shape = shape_from_config(config.to_dict(), "bamba")
     w = Workload(seq_len=SEQ, method="lora", precision="bf16", mamba_scan="torch")
     mamba, attention = (block_activation_bytes_per_token(shape, w, part=Block(False, mamba=m)) for m in (True, False))
-    assert mamba > 3 * attention
+    assert mamba > 2.5 * attention  # the hooks: 17.1 kB against 5.9 kB under LoRA and autocast
     assert block_activation_bytes_per_token(shape, w) == pytest.approx((mamba + 3 * attention) / 4)
     assert largest_block_activation_bytes_per_token(shape, w) == pytest.approx(mamba)
 
@@ -115,3 +121,32 @@ def test_gpus_named_from_elsewhere_are_planned_with_the_fused_scan(tmp_path: Pat
     here = _plan_bamba(tmp_path, capsys, "8xH100")
     assert here["recommended"] != "ddp"
     assert any("reference torch scan" in n for n in here["notes"])
+
+
+def _saved_under_autocast(config: Any, method: str) -> float:
+    """Bytes autograd keeps per token over one forward under bf16 autocast: LoRA (peft's default adapters, fp32
+    over bf16 weights) or a full fine-tune over fp32 weights; autocast's weight casts are kept, as the plan counts
+    them (`activation_bytes`)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32 if method == "full" else torch.bfloat16)
+    if method == "lora":
+        model = apply_lora(model, LoraSettings(rank=8, alpha=16))
+    ids = torch.randint(1, 256, (1, SEQ))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return saved_tensor_bytes(model, lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False)) / SEQ
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize(("family", "rel"), [("bamba", 0.06), ("granitemoehybrid", 0.06), ("falcon_h1", 0.10)])
+def test_a_mamba_block_under_autocast(family: str, rel: float, method: str) -> None:
+    """Under bf16 autocast a Mamba block's scan keeps its einsums' 16-bit input copies, not the fp32 ones a
+    pure-bf16 run keeps, LoRA leaves out_proj's input unsaved (no adapter there), and the block casts three
+    hidden-size inputs, not an attention block's six: the plan was 20-34 % over the hooks with LoRA. Within 6 %
+    (Falcon-H1, attention beside the mixer: 10 %), LoRA and full, one block (a two-block model less one)."""
+    measured = _saved_under_autocast(_config(family, True, 2), method) - \
+        _saved_under_autocast(_config(family, True, 1), method)
+    shape = shape_from_config(_config(family, True, 2).to_dict(), family)
+    w = Workload(seq_len=SEQ, method=method, precision="bf16", attention="flash", mamba_scan="torch", lora_rank=8,
+                 grad_ckpt="none")
+    planned = (activation_bytes(shape, w, 2) - activation_bytes(shape, w, 1)) / SEQ
+    assert planned == pytest.approx(measured, rel=rel)
