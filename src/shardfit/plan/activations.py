@@ -70,7 +70,8 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     if shape.single_part:
         if part is not None:
             return part_activation_bytes_per_token(shape, w, strategy, part)
-        return shape.over_blocks(lambda kind: part_activation_bytes_per_token(shape, w, strategy, kind)) / \
+        shared = shape.shared_uses * shared_block_bytes_per_token(shape, w)
+        return (shape.over_blocks(lambda kind: part_activation_bytes_per_token(shape, w, strategy, kind)) + shared) / \
             shape.layers
     a = compute_bytes(w)
     hidden_16 = 6 if casts_trainable_inputs(w, strategy) else 2
@@ -111,6 +112,31 @@ def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, ki
         dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
         lora += sum((dropped + 1) * i for i, _ in adapted)
     return lora
+
+
+def shared_block_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+    """What one use of Zamba's or Zamba2's shared transformer block (plan/shared_blocks.py) saves per token in a
+    hybrid block, for an attention input A wide (the hidden state and the embedding side by side), an MLP m wide
+    and Zamba2's adapters of rank r: its input norm's fp32 upcast and reciprocal RMS, and where the norm weight
+    trains its normalised value; q/k/v's input (`a A`); the attention kernel's q, k, v, output and fp32 log-sum-exp;
+    the MLP's norm as the input norm's over the hidden width, gate/up's input, the MLP's four m-wide tensors (the
+    fused gate/up output that the activation reads, its output and the down projection's input), the adapter's
+    rank-wide input; and the hybrid block's own linear's input. Counted with saved-tensor hooks on a tiny Zamba2,
+    a pure-bf16 full fine-tune (tests/test_plan_mamba_hybrid.py); 0 for a block without a shared block."""
+    if not shape.shared_uses:
+        return 0.0
+    widths = {name: (i, o) for name, i, o in shape.shared_linears}
+    a, h = compute_bytes(w), shape.hidden
+    attention_in, q = widths["q"]
+    kv = widths["k"][1]
+    m = widths["down"][0]
+    rank = min(o for name, i, o in shape.shared_linears if name == "linear_adapter" and i == h) \
+        if "linear_adapter" in widths else 0
+    trained = a if w.method == "full" else 0
+    norms = (4 + trained) * (attention_in + h) + 2 * 4
+    attention = a * (attention_in + 2 * q + 2 * kv) + 4 * shape.heads
+    mlp = a * (h + 4 * m + rank)
+    return norms + attention + mlp + a * h
 
 
 def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block) -> float:
@@ -257,8 +283,10 @@ def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, str
     """What the one block alive at a time saves per token (the block checkpointing recomputes, the reference's
     forward): the mean block, or in a Gated DeltaNet hybrid the larger of its two kinds, as every block of each
     kind is recomputed at some point of the backward."""
-    if shape.single_part:
-        return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for _, kind in shape.block_kinds())
+    if shape.single_part:  # a hybrid block (Zamba's) runs its shared block after its own part
+        shared = shared_block_bytes_per_token(shape, w) if shape.shared_uses else 0.0
+        return shared + max(block_activation_bytes_per_token(shape, w, strategy, part=kind)
+                            for _, kind in shape.block_kinds())
     if shape.mamba_mixers:
         kinds = [Block(False, mamba=True)] + ([Block(False)] if shape.mamba_mixers < shape.layers else [])
         return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for kind in kinds)

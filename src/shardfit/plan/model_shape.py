@@ -213,6 +213,7 @@ class ModelShape:
     shared_params: int = 0
     shared_linears: tuple[tuple[str, int, int], ...] = ()
     shared_active: int = 0
+    shared_uses: int = 0  # the hybrid blocks: each runs a shared block once
 
     @property
     def hd(self) -> int:
