@@ -70,7 +70,8 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     if shape.single_part:
         if part is not None:
             return part_activation_bytes_per_token(shape, w, strategy, part)
-        return shape.over_blocks(lambda kind: part_activation_bytes_per_token(shape, w, strategy, kind)) / \
+        shared = shape.shared_uses * shared_block_bytes_per_token(shape, w)
+        return (shape.over_blocks(lambda kind: part_activation_bytes_per_token(shape, w, strategy, kind)) + shared) / \
             shape.layers
     a = compute_bytes(w)
     hidden_16 = 6 if casts_trainable_inputs(w, strategy) else 2
@@ -113,6 +114,31 @@ def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, ki
     return lora
 
 
+def shared_block_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+    """What one use of Zamba's or Zamba2's shared transformer block (plan/shared_blocks.py) saves per token in a
+    hybrid block, for an attention input A wide (the hidden state and the embedding side by side), an MLP m wide
+    and Zamba2's adapters of rank r: its input norm's fp32 upcast and reciprocal RMS, and where the norm weight
+    trains its normalised value; q/k/v's input (`a A`); the attention kernel's q, k, v, output and fp32 log-sum-exp;
+    the MLP's norm as the input norm's over the hidden width, gate/up's input, the MLP's four m-wide tensors (the
+    fused gate/up output that the activation reads, its output and the down projection's input), the adapter's
+    rank-wide input; and the hybrid block's own linear's input. Counted with saved-tensor hooks on a tiny Zamba2,
+    a pure-bf16 full fine-tune (tests/test_plan_mamba_hybrid.py); 0 for a block without a shared block."""
+    if not shape.shared_uses:
+        return 0.0
+    widths = {name: (i, o) for name, i, o in shape.shared_linears}
+    a, h = compute_bytes(w), shape.hidden
+    attention_in, q = widths["q"]
+    kv = widths["k"][1]
+    m = widths["down"][0]
+    rank = min(o for name, i, o in shape.shared_linears if name == "linear_adapter" and i == h) \
+        if "linear_adapter" in widths else 0
+    trained = a if w.method == "full" else 0
+    norms = (4 + trained) * (attention_in + h) + 2 * 4
+    attention = a * (attention_in + 2 * q + 2 * kv) + 4 * shape.heads
+    mlp = a * (h + 4 * m + rank)
+    return norms + attention + mlp + a * h
+
+
 def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block) -> float:
     """What a `single_part` block of `kind` saves per token: its one norm's (half a paired block's norms and
     16-bit hidden-size tensors), then its part's alone: softmax attention's kernel tensors, a Mamba-2 mixer's
@@ -131,7 +157,7 @@ def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     if kind.part == ATTENTION:  # and o_proj's input, the kernel's output reshaped
         mixed = softmax_attention_bytes_per_token(shape, w, strategy) + a * shape.heads * shape.hd
     elif kind.part == MAMBA:
-        mixed = mamba_saved_bytes_per_token(shape, w)
+        mixed = mamba_saved_bytes_per_token(shape, w, strategy)
     elif kind.part == MOE:
         mixed = moe_saved_bytes_per_token(shape, w, strategy)
     else:
@@ -139,7 +165,7 @@ def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     return norm + hidden_16 * a * h + mixed + lora_saved_bytes_per_token(shape, w, strategy, kind)
 
 
-def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """What a Mamba-2 mixer (transformers' NemotronHMamba2Mixer) saves per token as transformers runs it without
     the mamba_ssm and causal_conv1d kernels: its reference PyTorch chunked scan, which computes in fp32 whatever the
     weights' dtype. Counted with saved-tensor hooks on a tiny block (tests/test_nemotron_h.py), for H heads of P
@@ -153,7 +179,12 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
       product and normalised value;
     - `8 H N P / L`: the chunks' states and the states passed between them (fp32);
     - `2 a H + 20 H + 4 G`: dt in the compute dtype and fp32, its decays and cumulative sums, the norm's groups;
-    - `a I`: out_proj's input.
+    - `a I`: out_proj's input, where its weight trains (a full fine-tune: LoRA leaves out_proj without an adapter,
+      plan/adapters.py `adapts`, so its frozen matmul keeps no input).
+    Under autocast the scan's einsums keep 16-bit copies of their inputs where the fp32 scan kept fp32 ones: B
+    and C repeated to the heads (`5 H N` values), four of the L x L matrices (`4 H L`), x in chunks (`I`) and the
+    states passed between chunks (`H N P / L`), 2 bytes a value fewer each (saved-tensor hooks on tiny Bamba,
+    Granite 4.0 and Falcon-H1 blocks, LoRA and full, tests/test_plan_mamba_hybrid.py).
     `mamba_ssm` (`w.mamba_scan`): its fused mamba_split_conv1d_scan_combined, which transformers calls in training
     with the gated norm and out_proj inside, keeps by its autograd function's design in_proj's output (z, x, B, C
     and dt), the scan's output before the norm, and the norm's fp32 reciprocal RMS per group; its backward
@@ -168,11 +199,14 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
         return a * (2 * shape.mamba_inner + shape.mamba_conv_channels + heads) + norm
     inner, chunk = shape.mamba_inner, max(shape.mamba_chunk, 1)
     # Where the mixer's own weights train (a full fine-tune), x in fp32 for D's gradient, the gated norm's
-    # product with its weight and dt once more; out_proj's input for it or its adapter.
-    trained = 8 * inner + 4 * heads if w.method == "full" else 0
+    # product with its weight, dt once more, and out_proj's input.
+    trained = 8 * inner + 4 * heads + a * inner if w.method == "full" else 0
     gate = 32 * inner if shape.mamba_gated_norm else 18 * inner
-    return trained + a * inner + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + \
-        gate + 8 * heads * state * shape.mamba_head_dim / chunk + 2 * a * heads + 20 * heads + norm
+    states = heads * state * shape.mamba_head_dim / chunk
+    # The einsums' inputs autocast casts to 16 bits (the fp32 scan keeps them in fp32).
+    cast = (4 - a) * (5 * heads * state + 4 * heads * chunk + inner + states) if runs_autocast(w, strategy) else 0
+    return trained + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + gate + \
+        8 * states + 2 * a * heads + 20 * heads + norm - cast
 
 
 def paired_mamba_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
@@ -181,9 +215,17 @@ def paired_mamba_bytes_per_token(shape: ModelShape, w: Workload, strategy: str =
     attention's tensors: the Mamba-2 mixer as Nemotron-H's (`mamba_saved_bytes_per_token`: the same reference
     scan, or mamba_ssm's fused kernel), Jamba's Mamba-1 mixer `mamba1_saved_bytes_per_token`; Falcon-H1's
     (`mamba_parallel`) both, side by side. Measured with saved-tensor hooks on each family's tiny model
-    (tests/test_plan_mamba_hybrid.py)."""
-    mixer = mamba1_saved_bytes_per_token(shape, w) if shape.mamba_v1 else mamba_saved_bytes_per_token(shape, w)
-    return mixer + (softmax_attention_bytes_per_token(shape, w, strategy) if shape.mamba_parallel else 0.0)
+    (tests/test_plan_mamba_hybrid.py).
+
+    Where autocast casts the trainables' inputs (`casts_trainable_inputs`), a block whose mixer is Mamba alone
+    keeps three hidden-size 16-bit casts of its norms' outputs (in_proj's, gate's and up's inputs) where
+    `block_activation_bytes_per_token` counts an attention block's six: three fewer."""
+    mixer = mamba1_saved_bytes_per_token(shape, w) if shape.mamba_v1 else \
+        mamba_saved_bytes_per_token(shape, w, strategy)
+    if shape.mamba_parallel:
+        return mixer + softmax_attention_bytes_per_token(shape, w, strategy)
+    fewer_casts = 3 * compute_bytes(w) * shape.hidden if casts_trainable_inputs(w, strategy) else 0
+    return mixer - fewer_casts
 
 
 def mamba1_saved_bytes_per_token(shape: ModelShape, w: Workload) -> float:
@@ -241,8 +283,10 @@ def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, str
     """What the one block alive at a time saves per token (the block checkpointing recomputes, the reference's
     forward): the mean block, or in a Gated DeltaNet hybrid the larger of its two kinds, as every block of each
     kind is recomputed at some point of the backward."""
-    if shape.single_part:
-        return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for _, kind in shape.block_kinds())
+    if shape.single_part:  # a hybrid block (Zamba's) runs its shared block after its own part
+        shared = shared_block_bytes_per_token(shape, w) if shape.shared_uses else 0.0
+        return shared + max(block_activation_bytes_per_token(shape, w, strategy, part=kind)
+                            for _, kind in shape.block_kinds())
     if shape.mamba_mixers:
         kinds = [Block(False, mamba=True)] + ([Block(False)] if shape.mamba_mixers < shape.layers else [])
         return max(block_activation_bytes_per_token(shape, w, strategy, part=kind) for kind in kinds)

@@ -213,6 +213,7 @@ class ModelShape:
     shared_params: int = 0
     shared_linears: tuple[tuple[str, int, int], ...] = ()
     shared_active: int = 0
+    shared_uses: int = 0  # the hybrid blocks: each runs a shared block once
 
     @property
     def hd(self) -> int:
@@ -584,13 +585,6 @@ class ModelShape:
         table = self.layers * self.per_layer_input * self.per_layer_vocab  # a lookup, as the embedding's
         return int(self.over_blocks(block) + self.vocab * self.hidden + self.final_norms + self.head_params()
                    + self.extra_params + self.shared_params + self.per_layer_model_params() - table)
-
-    def lora_params(self, rank: int) -> int:
-        """Adapter size for `all-linear` targets (every linear in every block; not the output head, a router or bare
-        weights)."""
-        shared = sum(rank * (i + o) for _, i, o in self.shared_linears + self.per_layer_model_linears())
-        return int(self.over_blocks(lambda moe: sum(rank * (i + o) for n, i, o in self.named_linears(moe)
-                                                    if n != "router" and not n.startswith("weight_"))) + shared)
 
 
 def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> list[tuple[str, int, int]]:

@@ -70,7 +70,7 @@ def shared_block_fields(text: dict[str, Any], built: Any, name: str) -> dict[str
     # each use runs its block's linears, its own linear and the one adapter set kept for it
     active = sum(i * o for _, i, o in linears) + hybrids * sum(i * o for _, i, o in adapter)
     return dict(fields, shared_params=sum(p for _, p in blocks) + hybrids * h * h + adapters["shared_params"],
-                shared_linears=linears + adapters["shared_linears"], shared_active=active)
+                shared_linears=linears + adapters["shared_linears"], shared_active=active, shared_uses=hybrids)
 
 
 def _shared_block(sizes: dict[str, int], *, bias: bool, fused: bool) -> tuple[list[tuple[str, int, int]], int]:
