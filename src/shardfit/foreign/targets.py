@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardfit.config.targets import targets_fix, targets_problem
+from shardfit.config.targets import names_no_module, targets_fix, targets_problem, unmatched
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor, transformers_version
 from shardfit.foreign.job import ForeignJob
@@ -190,7 +190,8 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
     one), and return the effect the plan shows beside `key`. Targets peft refuses (none matches a module) are a
     UserError: a string that matches only the end of a name (`q_proj`: peft matches it on the whole name), list
     entries of which none names a module (`q` for q_proj, `q_proj,v_proj` as one name, a projection the model
-    lacks). Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
+    lacks). A list entry that matches nothing beside others that do is skipped, as peft skips it, with a note.
+    Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
     leave the adapters on every linear layer, said in a note, and return "" (the key is then not modelled)."""
     ver = version or transformers_version()
     modules = block_modules(shape, ver)
@@ -212,22 +213,31 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
                                 f"pattern over whole names ('.*\\.(q_proj|v_proj)').")
             return _fallback(job, key, shown, modules, "matches none")
     else:
-        if (problem := targets_problem(targets)) is not None:
-            raise UserError(f"{job.source}: {key} {problem} The model's block modules: {_own_names(modules)}.")
-        one = [t for t in targets if _ONE_EXPERT.search(t)]
+        # Another tool's job runs under peft's rule: entries that match nothing are skipped beside others that
+        # match, so only a list of which none matches exits 2 (config/targets.py `unmatched`).
+        problem = targets_problem(targets, skip_partial=True)
+        if problem is not None and problem.refused:
+            raise UserError(f"{job.source}: {key} {problem.message} The model's block modules: "
+                            f"{_own_names(modules)}.")
+        named = [t for t in targets if not names_no_module(t)]
+        one = [t for t in named if _ONE_EXPERT.search(t)]
         if one and fused_experts(shape, ver):
             raise UserError(_one_expert_refusal(job, key, one, shape, ver))
-        hits = {n: [m for m in names if any(_matches(t, m) for t in targets)] for n, names in modules.items()}
+        hits = {n: [m for m in names if any(_matches(t, m) for t in named)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
-        missed = [t for t in targets if not any(_matches(t, m) for names in modules.values() for m in names)]
+        missed = [t for t in named if not any(_matches(t, m) for names in modules.values() for m in names)]
         if any(not _refused(t) for t in missed):
             return _fallback(job, key, shown, modules, "names modules beyond those")
-        if missed:
-            example = next(iter(modules.values()))[0]
-            raise UserError(f"{job.source}: {key} {', '.join(missed)} matches no module of {job.model}: peft "
-                            f"matches a name on the module name's last parts ({example}), refuses targets of "
-                            f"which none matches and skips one that matches nothing beside others (the run would "
-                            f"train fewer adapters than asked). {_fix(missed, modules)}")
+        if problem is not None:
+            job.notes.append(f"{key} {problem.message}")
+        example = next(iter(modules.values()))[0]
+        why = (f"{job.source}: {key} {', '.join(missed)} matches no module of {job.model}: peft matches a name on "
+               f"the module name's last parts ({example}). {_fix(missed, modules)}")
+        verdict = unmatched(named, missed, why, skip_partial=True)
+        if verdict is not None and verdict.refused:
+            raise UserError(f"{why} peft refuses targets of which none matches a module.")
+        if verdict is not None:
+            job.notes.append(verdict.message.removeprefix(f"{job.source}: "))
     _notes(job, key, hits, shape, ver)
     job.workload = dataclasses.replace(job.workload, lora_targets=planned)
     on = ", ".join(f"{name}_proj" for name in planned)
@@ -253,4 +263,5 @@ def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelSh
     other = _other_family(job, shape)
     if other is not None:
         job.notes.append(f"{key}: {job.model}'s modules are named {other}, which the planner's shape does not "
-                         f"say: planned on the usual projection names; peft refuses a name the model does not have")
+                         f"say: planned on the usual projection names; peft skips a name the model does "
+                         f"not have, and refuses the targets only when none matches")
