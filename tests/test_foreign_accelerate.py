@@ -182,3 +182,18 @@ def test_accelerate_fsdp1_takes_the_sharding_strategy_the_launcher_sets(tmp_path
     job = _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n",
                **{"f.yaml": cfg.format(version="")})
     assert job.engine == "fsdp_shard_grad_op"
+
+
+def test_a_config_without_num_processes_is_refused_as_accelerate_refuses_it(tmp_path: Path) -> None:
+    """A config file leaves num_processes at -1 (ClusterConfig's default) unless distributed_type is NO, and
+    accelerate launch refuses -1 ("You need to manually pass in `--num_processes` using this config yaml"): exit 2
+    naming the key and the fix, not one rank per GPU; --num_processes on the command line, or NO, plans."""
+    cfg = "distributed_type: MULTI_GPU\nmixed_precision: bf16\nuse_cpu: false\n"
+    with pytest.raises(UserError, match=r"num_processes is -1 or not given in the config file.*set num_processes"):
+        _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN}\n", **{"acc.yaml": cfg})
+    given = _job(tmp_path, f"accelerate launch --config_file acc.yaml --num_processes 4 {TRAIN}\n",
+                 **{"acc.yaml": cfg})
+    assert given.nproc == 4
+    single = _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN}\n",
+                  **{"acc.yaml": "distributed_type: 'NO'\nmixed_precision: bf16\n"})
+    assert single.nproc == 1 and not single.every_gpu

@@ -105,6 +105,11 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
     kind = _kind(flags, config)
     acc.nnodes = _count(flags.get("num_machines") or (config or {}).get("num_machines") or 1, "num_machines", acc)
     total = flags.get("num_processes") or (config or {}).get("num_processes")
+    if total is None and config is not None:
+        # A config file's num_processes defaults to -1 (commands/config/config_args.py ClusterConfig), set to 1
+        # only for distributed_type NO (config_args.py `from_yaml_file`), and commands/launch.py
+        # `_validate_launch_command` refuses -1: only a launch without a config file counts the GPUs.
+        total = 1 if kind == "NO" else -1
     if total is not None:
         n = _count(total, "num_processes", acc, from_config=config is not None and "num_processes" not in flags)
         acc.nproc = max(1, n // acc.nnodes)  # the total over all machines (utils/launch.py: // num_machines)
@@ -142,8 +147,9 @@ def _count(value: Any, key: str, acc: Accelerate, from_config: bool = False) -> 
     except (TypeError, ValueError):
         raise UserError(f"{acc.source}: {key} is {value!r}; give a whole number.") from None
     if n == -1 and from_config:  # commands/launch.py refuses a config that leaves it to the command line
-        raise UserError(f"{acc.source}: num_processes is -1: accelerate refuses it (\"You need to manually pass in "
-                        f"`--num_processes` using this config yaml\"); pass --num_processes N to accelerate launch.")
+        raise UserError(f"{acc.source}: num_processes is -1 or not given in the config file: accelerate refuses "
+                        f"it (\"You need to manually pass in `--num_processes` using this config yaml\"); set "
+                        f"num_processes: N in the config file, or pass --num_processes N to accelerate launch.")
     if n < 1:
         raise UserError(f"{acc.source}: {key} is {value!r}; give a whole number of at least 1.")
     return n
