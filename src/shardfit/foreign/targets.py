@@ -315,7 +315,7 @@ def plan_all_linear(job: ForeignJob, shape: ModelShape, version: str) -> None:
         fields = {"lora_experts": False, "lora_router": shape.every_expert}
     else:
         fields = {"lora_experts": True, "lora_rewritten": ("gate_up", "down"), "lora_router": True}
-        job.notes.append(f"all-linear on {job.model}: peft 0.21 moves gate_proj, up_proj and down_proj onto the "
-                         f"fused routed experts (gate_up_proj at twice the rank), so the dense layers' and shared "
-                         f"experts' MLPs get no adapter; the router's weight gets one")
+        job.notes.append(f"all-linear on {job.model}: peft 0.21 moves {', '.join(moved)} onto the fused routed "
+                         f"experts (gate_up_proj at twice the rank), so the dense layers' and shared experts' MLPs "
+                         f"get no adapter; the router's weight gets one")
     job.workload = dataclasses.replace(job.workload, **fields)
