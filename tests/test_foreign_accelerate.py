@@ -197,3 +197,20 @@ def test_a_config_without_num_processes_is_refused_as_accelerate_refuses_it(tmp_
     single = _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN}\n",
                   **{"acc.yaml": "distributed_type: 'NO'\nmixed_precision: bf16\n"})
     assert single.nproc == 1 and not single.every_gpu
+
+
+@pytest.mark.parametrize(("cfg", "match"), [
+    ("distributed_type: fsdp\nnum_processes: 8\n", r"distributed_type 'fsdp' is not a valid DistributedType.*write "
+                                                   r"it FSDP"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\nmixed_precision: 5\n", r"mixed_precision 5: accelerate refuses"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\ngpu_ids: 0,1\n", r"gpu_ids 0,1 makes 2 GPU\(s\) visible.*8 "
+                                                                      r"processes")])
+def test_accelerate_configs_accelerate_refuses_exit_2(tmp_path: Path, cfg: str, match: str) -> None:
+    """A distributed_type that is no exact DistributedType (lower case), a mixed_precision that is no
+    PrecisionType, and gpu_ids fewer than the processes a machine starts are refused as accelerate refuses them
+    (or its ranks fail), naming the key; the same configs written right plan."""
+    with pytest.raises(UserError, match=match):
+        _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": cfg})
+    fixed = cfg.replace("fsdp", "FSDP").replace("5", "bf16").replace("0,1", "0,1,2,3,4,5,6,7")
+    job = _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": fixed})
+    assert job.nproc == 8
