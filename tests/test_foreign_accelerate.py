@@ -214,3 +214,9 @@ def test_accelerate_configs_accelerate_refuses_exit_2(tmp_path: Path, cfg: str, 
     fixed = cfg.replace("fsdp", "FSDP").replace("5", "bf16").replace("0,1", "0,1,2,3,4,5,6,7")
     job = _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": fixed})
     assert job.nproc == 8
+
+
+def test_an_empty_accelerate_config_names_accelerates_keys(tmp_path: Path) -> None:
+    """An empty --config_file is no mapping: the message shows accelerate's keys, not a training config's."""
+    with pytest.raises(UserError, match=r"acc\.yaml: expected a mapping of keys \(distributed_type: MULTI_GPU"):
+        _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": ""})

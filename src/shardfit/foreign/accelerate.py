@@ -107,7 +107,7 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
             acc.notes.append(f"accelerate --config_file {ref} is not here: planned with accelerate's defaults for "
                              f"what the flags leave (give the file beside the script to plan its settings)")
         else:
-            config = load_yaml(Path(hit))[0]
+            config = load_yaml(Path(hit), example="distributed_type: MULTI_GPU, num_processes: 8")[0]
     kind = _kind(flags, config, acc.source)
     acc.nnodes = _count(flags.get("num_machines") or (config or {}).get("num_machines") or 1, "num_machines", acc)
     total = flags.get("num_processes") or (config or {}).get("num_processes")
