@@ -109,7 +109,8 @@ def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -
                transformers="4.57.6").workload.lora_targets == ("q", "gate")
     mlp = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "gate_proj,up_proj,down_proj", transformers="5.0.0")
     assert mlp.workload.lora_targets == ("gate", "up", "down")
-    assert any("fuses" in n and "peft 0.21 rewrites" in n for n in mlp.notes)
+    assert any("fuses" in n and "peft 0.21 moves" in n for n in mlp.notes)
+    assert mlp.workload.lora_rewritten == ("gate_up", "down") and not mlp.workload.lora_router
     short = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r"experts\.\d+\.gate_proj")
     with pytest.raises(UserError, match=r"only the end of module names \(experts\.127\.gate_proj of model\.layers"):
         read_job("axolotl", _write(tmp_path, "b.yml", short), JobOptions(transformers="4.57.6"))

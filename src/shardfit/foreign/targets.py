@@ -265,8 +265,12 @@ def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelSh
     cannot say."""
     if hits.get("gate") and all(m.rsplit(".", 1)[-1] in ("gate", "router") for m in hits["gate"]):
         router = re.sub(r"^.*\.layers\.\d+\.", "", hits["gate"][0])
-        job.notes.append(f"{key}: {router} is {job.model}'s router; peft 0.21 adapts its weight (gate.weight, "
-                         f"through target_parameters) where it rewrites the family's expert names, and planned so")
+        if peft_rewrite(shape, version) is not None:
+            job.notes.append(f"{key}: {router} is {job.model}'s router; peft 0.21 adapts its weight (gate.weight, "
+                             f"through target_parameters), planned so")
+        else:
+            job.notes.append(f"{key}: {router} is {job.model}'s router, a module peft adapts; its adapters are "
+                             f"planned as gate projections (an over-estimate)")
     moved = peft_rewrite(shape, version)
     if moved is not None and any(re.search(r"\.experts\.[a-z]", m) for found in hits.values() for m in found):
         job.notes.append(f"{key}: transformers {version} fuses {job.model}'s routed experts into 3-D weights "
