@@ -182,3 +182,41 @@ def test_accelerate_fsdp1_takes_the_sharding_strategy_the_launcher_sets(tmp_path
     job = _job(tmp_path, f"accelerate launch --config_file f.yaml {TRAIN} --bf16 True\n",
                **{"f.yaml": cfg.format(version="")})
     assert job.engine == "fsdp_shard_grad_op"
+
+
+def test_a_config_without_num_processes_is_refused_as_accelerate_refuses_it(tmp_path: Path) -> None:
+    """A config file leaves num_processes at -1 (ClusterConfig's default) unless distributed_type is NO, and
+    accelerate launch refuses -1 ("You need to manually pass in `--num_processes` using this config yaml"): exit 2
+    naming the key and the fix, not one rank per GPU; --num_processes on the command line, or NO, plans."""
+    cfg = "distributed_type: MULTI_GPU\nmixed_precision: bf16\nuse_cpu: false\n"
+    with pytest.raises(UserError, match=r"num_processes is -1 or not given in the config file.*set num_processes"):
+        _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN}\n", **{"acc.yaml": cfg})
+    given = _job(tmp_path, f"accelerate launch --config_file acc.yaml --num_processes 4 {TRAIN}\n",
+                 **{"acc.yaml": cfg})
+    assert given.nproc == 4
+    single = _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN}\n",
+                  **{"acc.yaml": "distributed_type: 'NO'\nmixed_precision: bf16\n"})
+    assert single.nproc == 1 and not single.every_gpu
+
+
+@pytest.mark.parametrize(("cfg", "match"), [
+    ("distributed_type: fsdp\nnum_processes: 8\n", r"distributed_type 'fsdp' is not a valid DistributedType.*write "
+                                                   r"it FSDP"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\nmixed_precision: 5\n", r"mixed_precision 5: accelerate refuses"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\ngpu_ids: 0,1\n", r"gpu_ids 0,1 makes 2 GPU\(s\) visible.*8 "
+                                                                      r"processes")])
+def test_accelerate_configs_accelerate_refuses_exit_2(tmp_path: Path, cfg: str, match: str) -> None:
+    """A distributed_type that is no exact DistributedType (lower case), a mixed_precision that is no
+    PrecisionType, and gpu_ids fewer than the processes a machine starts are refused as accelerate refuses them
+    (or its ranks fail), naming the key; the same configs written right plan."""
+    with pytest.raises(UserError, match=match):
+        _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": cfg})
+    fixed = cfg.replace("fsdp", "FSDP").replace("5", "bf16").replace("0,1", "0,1,2,3,4,5,6,7")
+    job = _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": fixed})
+    assert job.nproc == 8
+
+
+def test_an_empty_accelerate_config_names_accelerates_keys(tmp_path: Path) -> None:
+    """An empty --config_file is no mapping: the message shows accelerate's keys, not a training config's."""
+    with pytest.raises(UserError, match=r"acc\.yaml: expected a mapping of keys \(distributed_type: MULTI_GPU"):
+        _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": ""})

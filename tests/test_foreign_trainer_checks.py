@@ -12,6 +12,7 @@ from shardfit.cli.main import main
 from shardfit.errors import UserError
 from shardfit.foreign.convert import comments, to_config
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.foreign.trainer_checks import trainer_defaults
 
 HF = {"model_name_or_path": "Qwen/Qwen2.5-7B", "bf16": True, "per_device_train_batch_size": 1,
       "model_max_length": 2048}
@@ -111,3 +112,30 @@ def test_trainer_fsdp2_refuses_fsdp1_strategies(tmp_path: Path, fsdp: str, cfg: 
     assert ok.engine == "fsdp_full_shard" and ok.workload.fsdp1
     old = read_job("hf", _hf(tmp_path, **args), JobOptions(nproc=8, transformers="4.57.1"))
     assert old.engine == "fsdp_full_shard"
+
+
+SFT_CLI = ("from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser\n"
+           "parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))\n"
+           "script_args, training_args, model_args = parser.parse_args_and_config()\n"
+           "SFTTrainer(model=model_args.model_name_or_path, args=training_args).train()\n")
+DPO = ("from trl import DPOConfig, DPOTrainer\n"
+       "args = DPOConfig(output_dir='o', per_device_train_batch_size=8)\n"
+       "DPOTrainer(model='Qwen/Qwen2.5-7B', args=args).train()\n")
+RUN = ("python {script} --model_name_or_path Qwen/Qwen2.5-7B --per_device_train_batch_size 1 --bf16 True "
+       "--eval_strategy steps --save_steps {save} --load_best_model_at_end True\n")
+
+
+@pytest.mark.parametrize(("script", "fits", "misfits"), [(SFT_CLI, 100, 105), (DPO, 30, None)])
+def test_trl_scripts_are_checked_with_trls_defaults(tmp_path: Path, script: str, fits: int,
+                                                    misfits: int | None) -> None:
+    """TRL's configs log every 10 steps (SFTConfig, DPOConfig...) or every step (GRPOConfig), not the HF Trainer's
+    500, and eval_steps falls back to logging_steps: save_steps 100 with load_best_model_at_end runs under an
+    SFTConfig (a multiple of 10), so it is planned, while 105 is still refused naming TRL's default."""
+    assert trainer_defaults("GRPOConfig")["logging_steps"] == 1 and trainer_defaults(None)["logging_steps"] == 500
+    (tmp_path / "train.py").write_text(script)
+    job = _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=fits))
+    assert job.model == "Qwen/Qwen2.5-7B"
+    if misfits is not None:
+        with pytest.raises(UserError, match=r"--save_steps 105: is not a whole multiple of eval_steps 10.*TRL's "
+                                            r"SFTConfig refuses"):
+            _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=misfits))

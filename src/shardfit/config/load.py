@@ -351,8 +351,10 @@ def validate(cfg: Config, where: str = "config", lines: dict[str, int] | None = 
             problem = _range_error(value, f.metadata)
             if problem:
                 fail(prefix + f.name, problem)
-    if method.get(cfg.method).adapters and (problem := targets_problem(cfg.lora.targets)) is not None:
-        fail("lora.targets", problem)
+    # shardfit's own targets refuse even a partial miss: peft would skip the entry and train fewer adapters.
+    if method.get(cfg.method).adapters and (problem := targets_problem(cfg.lora.targets,
+                                                                      skip_partial=False)) is not None:
+        fail("lora.targets", problem.message)
     if not cfg.qlora.double_quant:
         fail("qlora.double_quant", "is false, but torchao's NF4 weights always quantize their block scales (double "
              "quantization: 0.127 bit per weight instead of 0.5, the QLoRA paper's choice). Remove the key or set "

@@ -23,6 +23,12 @@ IGNORED_BESIDE_FILE = ("gradient_accumulation_steps", "gradient_clipping", "zero
 # `accelerate launch` DeepSpeed flags, which the config file's deepspeed_config keys fill when not given.
 DEEPSPEED_FLAGS = (*IGNORED_BESIDE_FILE, "zero3_init_flag", "deepspeed_config_file")
 DEFAULT_CONFIG = "~/.cache/huggingface/accelerate/default_config.yaml"
+# accelerate's DistributedType values (utils/dataclasses.py): a config's distributed_type is converted by
+# DistributedType(value) (commands/config/config_args.py), which takes these exact, upper-case words only.
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
+                     "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM", "MULTI_HPU", "MULTI_NEURON")
+# PrecisionType's values, which utils/launch.py reads lower-cased ("Unknown mixed_precision mode").
+PRECISIONS = ("no", "fp8", "fp16", "bf16")
 
 
 @dataclass
@@ -101,10 +107,15 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
             acc.notes.append(f"accelerate --config_file {ref} is not here: planned with accelerate's defaults for "
                              f"what the flags leave (give the file beside the script to plan its settings)")
         else:
-            config = load_yaml(Path(hit))[0]
-    kind = _kind(flags, config)
+            config = load_yaml(Path(hit), example="distributed_type: MULTI_GPU, num_processes: 8")[0]
+    kind = _kind(flags, config, acc.source)
     acc.nnodes = _count(flags.get("num_machines") or (config or {}).get("num_machines") or 1, "num_machines", acc)
     total = flags.get("num_processes") or (config or {}).get("num_processes")
+    if total is None and config is not None:
+        # A config file's num_processes defaults to -1 (commands/config/config_args.py ClusterConfig), set to 1
+        # only for distributed_type NO (config_args.py `from_yaml_file`), and commands/launch.py
+        # `_validate_launch_command` refuses -1: only a launch without a config file counts the GPUs.
+        total = 1 if kind == "NO" else -1
     if total is not None:
         n = _count(total, "num_processes", acc, from_config=config is not None and "num_processes" not in flags)
         acc.nproc = max(1, n // acc.nnodes)  # the total over all machines (utils/launch.py: // num_machines)
@@ -114,6 +125,10 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
         acc.every_gpu = True
     given_mp = flags.get("mixed_precision") or (config or {}).get("mixed_precision")
     acc.mixed_precision = str(given_mp or "no").lower()
+    if not isinstance(given_mp, bool) and acc.mixed_precision not in PRECISIONS:  # YAML's bare no reads False
+        raise UserError(f"{acc.source}: mixed_precision {given_mp!r}: accelerate refuses it (\"Unknown "
+                        f"mixed_precision mode\", utils/launch.py). Give one of {', '.join(PRECISIONS)}.")
+    _check_gpu_ids(flags.get("gpu_ids", (config or {}).get("gpu_ids")), acc)
     if config is None:
         used = ["one process per visible GPU (multi-GPU when more than one)"] * (total is None) + \
             ["mixed precision 'no'"] * (given_mp is None) + ["one machine"] * ("num_machines" not in flags)
@@ -127,13 +142,31 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
     return acc
 
 
-def _kind(flags: dict[str, str], config: dict[str, Any] | None) -> str:
+def _kind(flags: dict[str, str], config: dict[str, Any] | None, source: str) -> str:
     """DEEPSPEED, FSDP, MULTI_GPU or NO: a --use_deepspeed / --use_fsdp / --multi_gpu flag, else the config's
     distributed_type (commands/launch.py reads the config's only when no such flag is given)."""
     for flag, kind in (("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU")):
         if str(flags.get(flag, "false")).lower() in TRUE_WORDS:
             return kind
-    return str((config or {}).get("distributed_type", "NO")).upper()
+    value = (config or {}).get("distributed_type", "NO")
+    if str(value) not in DISTRIBUTED_TYPES:
+        hint = f" (write it {str(value).upper()})" if str(value).upper() in DISTRIBUTED_TYPES else ""
+        raise UserError(f"{source}: distributed_type {value!r} is not a valid DistributedType: accelerate "
+                        f"refuses it when it reads the file{hint}. Give one of {', '.join(DISTRIBUTED_TYPES[:3])}, "
+                        f"DEEPSPEED, FSDP.")
+    return str(value)
+
+
+def _check_gpu_ids(gpu_ids: Any, acc: Accelerate) -> None:
+    """gpu_ids (flag or config) is the launch's CUDA_VISIBLE_DEVICES (utils/launch.py): fewer GPUs than processes
+    a machine starts leave ranks without a GPU of their own, which fail when they take it."""
+    if gpu_ids is None or str(gpu_ids).strip().lower() == "all" or acc.nproc is None:
+        return
+    ids = [g for g in str(gpu_ids).split(",") if g.strip()]
+    if len(ids) < acc.nproc:
+        raise UserError(f"{acc.source}: gpu_ids {gpu_ids} makes {len(ids)} GPU(s) visible, but the launch starts "
+                        f"{acc.nproc} processes on each machine: ranks {len(ids)} and up have no GPU. List at least "
+                        f"{acc.nproc} GPU ids, use gpu_ids all, or start {len(ids)} processes a machine.")
 
 
 def _count(value: Any, key: str, acc: Accelerate, from_config: bool = False) -> int:
@@ -142,8 +175,9 @@ def _count(value: Any, key: str, acc: Accelerate, from_config: bool = False) -> 
     except (TypeError, ValueError):
         raise UserError(f"{acc.source}: {key} is {value!r}; give a whole number.") from None
     if n == -1 and from_config:  # commands/launch.py refuses a config that leaves it to the command line
-        raise UserError(f"{acc.source}: num_processes is -1: accelerate refuses it (\"You need to manually pass in "
-                        f"`--num_processes` using this config yaml\"); pass --num_processes N to accelerate launch.")
+        raise UserError(f"{acc.source}: num_processes is -1 or not given in the config file: accelerate refuses "
+                        f"it (\"You need to manually pass in `--num_processes` using this config yaml\"); set "
+                        f"num_processes: N in the config file, or pass --num_processes N to accelerate launch.")
     if n < 1:
         raise UserError(f"{acc.source}: {key} is {value!r}; give a whole number of at least 1.")
     return n

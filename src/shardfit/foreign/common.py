@@ -187,14 +187,14 @@ def parse_json(text: str, where: str) -> Any:
             from None
 
 
-def load_yaml(path: Path, nested: bool = False) -> tuple[dict[str, Any], dict[str, int]]:
+def load_yaml(path: Path, nested: bool = False, example: str = "model_name_or_path: ...") \
+        -> tuple[dict[str, Any], dict[str, int]]:
     """A tool's YAML config and the line of each top-level key (`nested`: of nested keys too, as `a.b`), read as
     strictly as shardfit's own configs (non-UTF-8 text, alias bombs and keys given twice are a UserError naming the
-    file and line)."""
+    file and line). `example`: keys of that kind of file, shown when it holds no mapping."""
     data, lines = read_yaml(path)
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of keys (model_name_or_path: ..., ...), got "
-                        f"{type(data).__name__}.")
+        raise UserError(f"{path}: expected a mapping of keys ({example}, ...), got {type(data).__name__}.")
     return data, lines if nested else {k: line for k, line in lines.items() if "." not in k}
 
 

@@ -67,6 +67,8 @@ def _adapts_experts(job: ForeignJob) -> bool:
     reach a fused expert weight only through a targeted gate/up/down (or all-linear), while shardfit's trainer
     adapts every expert weight whatever the targets, unless `lora.experts` is false."""
     w = job.workload
+    if w.lora_rewritten is not None:  # peft's rewrite onto the fused weights says which it reaches
+        return w.lora_experts and bool(w.lora_rewritten)
     return w.lora_experts and (w.lora_targets is None or any(t in w.lora_targets for t in ("gate", "up", "down")))
 
 

@@ -53,7 +53,7 @@ from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.foreign.targets import plan_targets
-from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args
+from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -121,7 +121,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
     code = _script_settings(script, src)
-    check_trainer_args(src, "the HF Trainer", "--" if cmd else "")
+    check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
+                       "--" if cmd else "", trainer_defaults(code.trl_config))
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")

@@ -26,6 +26,7 @@ from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
 from shardfit.foreign.llamafactory import read_llamafactory
 from shardfit.foreign.llamafactory_v1 import is_v1, read_llamafactory_v1
 from shardfit.foreign.swift import read_swift
+from shardfit.foreign.targets import plan_all_linear
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
@@ -101,6 +102,8 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         job = _read_bare_deepspeed(path, opts, version)
     if opts.model is not None:
         job.model = opts.model
+    if job.workload.lora_targets is None and job.workload.trains_adapters:  # all-linear, or every linear layer
+        plan_all_linear(job, shape_of(job.model), version)
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
     if opts.gpus is not None:  # the ranks a launch that takes every GPU starts, before the checks that count ranks

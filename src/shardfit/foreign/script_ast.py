@@ -27,6 +27,10 @@ TRAINING_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "
 TRAINERS = ("DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "GRPOTrainer", "PPOTrainer", "RewardTrainer",
             "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer", "BCOTrainer", "PRMTrainer")
 SEQ_KEYS = ("max_seq_length", "max_length", "model_max_length")
+# TRL's config classes (TrainingArguments with TRL's own defaults, trainer_checks.py `trainer_defaults`).
+TRL_CONFIGS = tuple(c for c in ARGUMENT_CLASSES if c not in ("TrainingArguments", "Seq2SeqTrainingArguments")) + \
+    ("RLOOConfig", "PPOConfig", "OnlineDPOConfig", "XPOConfig", "NashMDConfig", "GKDConfig", "BCOConfig",
+     "PRMConfig")
 
 
 @dataclass
@@ -37,6 +41,9 @@ class ScriptSettings:
     found: list[str] = field(default_factory=list)  # "LoraConfig(r=16) at train.py:12", for the report's notes
     model: str | None = None  # from_pretrained("...")'s literal first argument
     trainer: str | None = None  # the TRL trainer class the script builds (TRAINERS), e.g. "DPOTrainer"
+    # the TRL config class whose defaults its TrainingArguments take: one the script names (SFTConfig(...), or
+    # TrlParser((ScriptArguments, SFTConfig, ModelConfig))), else its TRL trainer's (SFTTrainer: SFTConfig)
+    trl_config: str | None = None
 
 
 def _name(func: ast.expr) -> str:
@@ -123,7 +130,20 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             first = _value(node.args[0], constants)
             if isinstance(first, str) and "/" in first and "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
+    out.trl_config = _trl_config(tree, out.trainer or next(
+        (n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None))
     return out
+
+
+def _trl_config(tree: ast.Module, trainer: str | None) -> str | None:
+    """The first TRL config class the script names (a call, or a class handed to TrlParser), else the config of
+    its TRL trainer."""
+    named = (n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
+             if isinstance(n, ast.Name | ast.Attribute))
+    found = next((n for n in named if n in TRL_CONFIGS), None)
+    if found is None and trainer is not None:
+        found = trainer.removesuffix("Trainer") + "Config"
+    return found
 
 
 def _shown(values: dict[str, Any], keys: tuple[str, ...]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardfit.config.targets import targets_fix, targets_problem
+from shardfit.config.targets import names_no_module, targets_fix, targets_problem, unmatched
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor, transformers_version
 from shardfit.foreign.job import ForeignJob
@@ -59,11 +59,24 @@ def fused_experts(shape: ModelShape, version: str) -> bool:
     return shape.moe and (major_minor(version) >= (5, 0) or shape.every_expert or shape.clamped_swiglu)
 
 
-def _had_modules_per_expert(shape: ModelShape) -> bool:
-    """Whether transformers 4 built the family's routed experts as a module each (all but gpt-oss and Llama 4):
-    the families whose transformers-4 names (`gate_proj`, `up_proj`, `down_proj`) peft 0.21 rewrites onto
-    transformers 5's fused weights."""
-    return not (shape.every_expert or shape.clamped_swiglu)
+# The model types whose transformers-4 expert names peft 0.21 rewrites onto transformers 5's fused weights
+# (peft/utils/transformers_weight_conversion.py, `_convert_peft_config_moe`), by the gate, up and down names it
+# moves from target_modules to target_parameters: Mixtral's w1, w3, w2; the rest's gate_proj, up_proj, down_proj.
+# Qwen2-MoE itself, gpt-oss, Llama 4 and the other mixtures get no rewrite: their routed experts take no adapter
+# from target_modules.
+_MIXTRAL_NAMES = ("w1", "w3", "w2")
+_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
+_REWRITTEN = {"mixtral": _MIXTRAL_NAMES, "minimax": _MIXTRAL_NAMES, "minimax_m2": _MIXTRAL_NAMES,
+              **dict.fromkeys(("afmoe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe",
+                               "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm4v_moe", "longcat_flash",
+                               "solar_open", "mellum", "qwen3_moe", "beam", "qwen3_omni_moe", "qwen3_next",
+                               "hunyuan_v1_moe", "flex_olmo", "olmoe", "exaone_moe", "cohere2_moe"), _PROJ_NAMES)}
+
+
+def peft_rewrite(shape: ModelShape, version: str) -> tuple[str, str, str] | None:
+    """The gate, up and down names peft 0.21 moves onto `shape`'s fused expert weights under transformers
+    `version` (None: no rewrite; transformers 4 has no fused weights to rewrite onto)."""
+    return _REWRITTEN.get(shape.model_type) if fused_experts(shape, version) else None
 
 
 def _moe_names(shape: ModelShape) -> tuple[str, str, str]:
@@ -85,8 +98,8 @@ def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, li
     modelled, and planning it as gate projections is the larger estimate), a shared expert's projections, its
     first `dense_layers` a dense MLP, and its routed experts' projections: `mlp.experts.M.gate_proj`... where
     `version` builds a module per expert; where it fuses them (`fused_experts`), no expert's own module but, for
-    the families transformers 4 built apart, `mlp.experts.gate_proj`, `up_proj` and `down_proj`: the names
-    peft 0.21 rewrites onto the fused weights of every expert."""
+    the families peft 0.21 rewrites (`peft_rewrite`), `mlp.experts.gate_proj`, `up_proj` and `down_proj`
+    (Mixtral's `w1`, `w3`, `w2`): the names it moves onto the fused weights of every expert."""
     version = version or transformers_version()
     prefixes = _block_prefixes(shape, version)
     parts = _attention(shape)
@@ -107,8 +120,8 @@ def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, li
             for name in mlp:
                 if not fused:
                     out[name] += [f"{block}.{ffn}.experts.{e}.{name}_proj" for e in range(shape.experts)]
-                elif _had_modules_per_expert(shape):
-                    out[name].append(f"{block}.{ffn}.experts.{name}_proj")
+                elif (moved := peft_rewrite(shape, version)) is not None:
+                    out[name].append(f"{block}.{ffn}.experts.{moved[('gate', 'up', 'down').index(name)]}")
                 if shape.shared_intermediate:
                     out[name].append(f"{block}.{ffn}.{shared}.{name}_proj")
     return {n: names for n, names in out.items() if names}
@@ -140,9 +153,9 @@ _ONE_EXPERT = re.compile(r"(^|\.)experts\.\d+(\.|$)")
 def _one_expert_refusal(job: ForeignJob, key: str, entries: list[str], shape: ModelShape, version: str) -> str:
     """Why entries naming one routed expert's module are refused where transformers `version` fuses the experts,
     and what to name instead."""
-    instead = ("gate_proj, up_proj and down_proj: peft 0.21 rewrites them onto every expert's fused weights "
-               "(gate_proj and up_proj only together), a peft without that rewrite refuses them"
-               if _had_modules_per_expert(shape) else
+    moved = peft_rewrite(shape, version)
+    instead = (f"{', '.join(moved)}: peft 0.21 moves them onto every expert's fused weights ({moved[0]} and "
+               f"{moved[1]} only together), a peft without that rewrite refuses them" if moved is not None else
                "the attention's or shared expert's projections: the fused weights are reached only by peft's "
                "target_parameters, which this key does not set")
     return (f"{job.source}: {key} {', '.join(entries)} names one routed expert's module, but transformers "
@@ -190,7 +203,8 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
     one), and return the effect the plan shows beside `key`. Targets peft refuses (none matches a module) are a
     UserError: a string that matches only the end of a name (`q_proj`: peft matches it on the whole name), list
     entries of which none names a module (`q` for q_proj, `q_proj,v_proj` as one name, a projection the model
-    lacks). Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
+    lacks). A list entry that matches nothing beside others that do is skipped, as peft skips it, with a note.
+    Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
     leave the adapters on every linear layer, said in a note, and return "" (the key is then not modelled)."""
     ver = version or transformers_version()
     modules = block_modules(shape, ver)
@@ -212,24 +226,33 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
                                 f"pattern over whole names ('.*\\.(q_proj|v_proj)').")
             return _fallback(job, key, shown, modules, "matches none")
     else:
-        if (problem := targets_problem(targets)) is not None:
-            raise UserError(f"{job.source}: {key} {problem} The model's block modules: {_own_names(modules)}.")
-        one = [t for t in targets if _ONE_EXPERT.search(t)]
+        # Another tool's job runs under peft's rule: entries that match nothing are skipped beside others that
+        # match, so only a list of which none matches exits 2 (config/targets.py `unmatched`).
+        problem = targets_problem(targets, skip_partial=True)
+        if problem is not None and problem.refused:
+            raise UserError(f"{job.source}: {key} {problem.message} The model's block modules: "
+                            f"{_own_names(modules)}.")
+        named = [t for t in targets if not names_no_module(t)]
+        one = [t for t in named if _ONE_EXPERT.search(t)]
         if one and fused_experts(shape, ver):
             raise UserError(_one_expert_refusal(job, key, one, shape, ver))
-        hits = {n: [m for m in names if any(_matches(t, m) for t in targets)] for n, names in modules.items()}
+        hits = {n: [m for m in names if any(_matches(t, m) for t in named)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
-        missed = [t for t in targets if not any(_matches(t, m) for names in modules.values() for m in names)]
+        missed = [t for t in named if not any(_matches(t, m) for names in modules.values() for m in names)]
         if any(not _refused(t) for t in missed):
             return _fallback(job, key, shown, modules, "names modules beyond those")
-        if missed:
-            example = next(iter(modules.values()))[0]
-            raise UserError(f"{job.source}: {key} {', '.join(missed)} matches no module of {job.model}: peft "
-                            f"matches a name on the module name's last parts ({example}), refuses targets of "
-                            f"which none matches and skips one that matches nothing beside others (the run would "
-                            f"train fewer adapters than asked). {_fix(missed, modules)}")
+        if problem is not None:
+            job.notes.append(f"{key} {problem.message}")
+        example = next(iter(modules.values()))[0]
+        why = (f"{job.source}: {key} {', '.join(missed)} matches no module of {job.model}: peft matches a name on "
+               f"the module name's last parts ({example}). {_fix(missed, modules)}")
+        verdict = unmatched(named, missed, why, skip_partial=True)
+        if verdict is not None and verdict.refused:
+            raise UserError(f"{why} peft refuses targets of which none matches a module.")
+        if verdict is not None:
+            job.notes.append(verdict.message.removeprefix(f"{job.source}: "))
     _notes(job, key, hits, shape, ver)
-    job.workload = dataclasses.replace(job.workload, lora_targets=planned)
+    job.workload = dataclasses.replace(job.workload, lora_targets=planned, **_experts(job, key, hits, shape, ver))
     on = ", ".join(f"{name}_proj" for name in planned)
     if isinstance(targets, str):
         return f"a regular expression: adapters on {on} of every block it names"
@@ -242,15 +265,61 @@ def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelSh
     cannot say."""
     if hits.get("gate") and all(m.rsplit(".", 1)[-1] in ("gate", "router") for m in hits["gate"]):
         router = re.sub(r"^.*\.layers\.\d+\.", "", hits["gate"][0])
-        job.notes.append(f"{key}: {router} is {job.model}'s router, a module peft adapts; its adapters are "
-                         f"planned as gate projections (an over-estimate)")
-    if fused_experts(shape, version) and any(re.search(r"\.experts\.[a-z]", m) for found in hits.values()
-                                             for m in found):
+        if peft_rewrite(shape, version) is not None:
+            job.notes.append(f"{key}: {router} is {job.model}'s router; peft 0.21 adapts its weight (gate.weight, "
+                             f"through target_parameters), planned so")
+        else:
+            job.notes.append(f"{key}: {router} is {job.model}'s router, a module peft adapts; its adapters are "
+                             f"planned as gate projections (an over-estimate)")
+    moved = peft_rewrite(shape, version)
+    if moved is not None and any(re.search(r"\.experts\.[a-z]", m) for found in hits.values() for m in found):
         job.notes.append(f"{key}: transformers {version} fuses {job.model}'s routed experts into 3-D weights "
-                         f"(experts.gate_up_proj, experts.down_proj); peft 0.21 rewrites gate_proj, up_proj and "
-                         f"down_proj onto them (every expert's; gate_proj and up_proj only together), a peft "
-                         f"without that rewrite refuses them: planned as adapters on every routed expert")
+                         f"(experts.gate_up_proj, experts.down_proj); peft 0.21 moves {', '.join(moved)} onto "
+                         f"them (every expert's; {moved[0]} and {moved[1]} only together, gate_up_proj at twice "
+                         f"the rank), so the dense layers' and shared experts' MLPs get no adapter; a peft without "
+                         f"that rewrite refuses them")
     other = _other_family(job, shape)
     if other is not None:
         job.notes.append(f"{key}: {job.model}'s modules are named {other}, which the planner's shape does not "
-                         f"say: planned on the usual projection names; peft refuses a name the model does not have")
+                         f"say: planned on the usual projection names; peft skips a name the model does "
+                         f"not have, and refuses the targets only when none matches")
+
+
+def _experts(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelShape, version: str) -> dict:
+    """The Workload fields of what peft 0.21 adapts on a mixture whose experts transformers `version` fuses, for
+    target_modules matching the modules `hits`: under its rewrite (`peft_rewrite`) the moved names reach the
+    fused weights (gate_up at twice the rank, gate and up only together: it raises on one alone) and no dense or
+    shared expert's module, and the router's `gate` its weight; without it no routed expert (a 3-D weight is no
+    module), and the router only where it is an nn.Linear (Llama 4's)."""
+    if not fused_experts(shape, version):
+        return {}
+    leaves = {m.rsplit(".", 1)[-1] for found in hits.values() for m in found}
+    moved = peft_rewrite(shape, version)
+    if moved is None:
+        return {"lora_experts": False, "lora_router": shape.every_expert and "router" in leaves}
+    gate, up, down = moved
+    if (gate in leaves) != (up in leaves):
+        one, other = (gate, up) if gate in leaves else (up, gate)
+        raise UserError(f"{job.source}: {key} reaches {one} but not {other}: peft 0.21 moves both onto "
+                        f"{job.model}'s fused experts.gate_up_proj under transformers {version}, and refuses one "
+                        f"without the other. Add {other}, or drop {one}.")
+    fused = (("gate_up",) if gate in leaves else ()) + (("down",) if down in leaves else ())
+    return {"lora_experts": True, "lora_rewritten": fused, "lora_router": "gate" in leaves}
+
+
+def plan_all_linear(job: ForeignJob, shape: ModelShape, version: str) -> None:
+    """What peft 0.21's all-linear adapts on a mixture whose experts transformers `version` fuses: every
+    nn.Linear's module name, which under its rewrite includes the moved expert names and the router's `gate`
+    (the fused weights at their ranks, no dense or shared expert's MLP), and without it reaches no routed expert
+    and the router only where it is an nn.Linear (Llama 4's)."""
+    if not (job.workload.trains_adapters and fused_experts(shape, version)):
+        return
+    moved = peft_rewrite(shape, version)
+    if moved is None:
+        fields = {"lora_experts": False, "lora_router": shape.every_expert}
+    else:
+        fields = {"lora_experts": True, "lora_rewritten": ("gate_up", "down"), "lora_router": True}
+        job.notes.append(f"all-linear on {job.model}: peft 0.21 moves {', '.join(moved)} onto the fused routed "
+                         f"experts (gate_up_proj at twice the rank), so the dense layers' and shared experts' MLPs "
+                         f"get no adapter; the router's weight gets one")
+    job.workload = dataclasses.replace(job.workload, **fields)

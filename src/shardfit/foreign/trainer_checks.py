@@ -17,22 +17,34 @@ FSDP2_STRATEGIES = ("full_shard", "shard_grad_op")
 FSDP1_ONLY = ("hybrid_shard", "hybrid_shard_zero2", "no_shard")
 
 
-def check_trainer_args(src: Source, whose: str, option: str = "--") -> None:
+def trainer_defaults(trl_config: str | None) -> dict[str, Any]:
+    """The TrainingArguments defaults the checks assume: the HF Trainer's, or where the script's arguments are a
+    TRL config (script_ast.py `trl_config`), TRL's overrides of them: logging_steps 10 (SFTConfig, DPOConfig and
+    the other offline configs), 1 for GRPOConfig and RLOOConfig (their online generation logs every step)."""
+    if trl_config is None:
+        return DEFAULTS
+    return DEFAULTS | {"logging_steps": 1 if trl_config in ("GRPOConfig", "RLOOConfig") else 10}
+
+
+def check_trainer_args(src: Source, whose: str, option: str = "--", defaults: Mapping[str, Any] | None = None) \
+        -> None:
     """A UserError for the first TrainingArguments combination the HF Trainer refuses at start; `whose` names the
-    tool running it, `option` how it writes a key ("--" on a command line, "" in YAML)."""
+    tool running it, `option` how it writes a key ("--" on a command line, "" in YAML), `defaults` the arguments'
+    defaults (`trainer_defaults`; the HF Trainer's unless given)."""
+    defaults = DEFAULTS if defaults is None else defaults
     values = {k: src.get(k) for k in src.values}
     if "evaluation_strategy" in values and "eval_strategy" not in values:
         values["eval_strategy"] = values["evaluation_strategy"]
 
     def say(key: str) -> str:
-        return f"{option}{key} {_text(values.get(key, DEFAULTS.get(key)))}"
+        return f"{option}{key} {_text(values.get(key, defaults.get(key)))}"
 
     def refuse(key: str, why: str, fix: str) -> UserError:
         return UserError(f"{src.at(key)}: {say(key)}: {why}; {whose} refuses it before training (transformers' "
                          f"TrainingArguments). {fix}")
 
     logging, eval_, save = (_word(values, k) for k in ("logging_strategy", "eval_strategy", "save_strategy"))
-    steps = {k: _number(values, k, src) for k in ("logging_steps", "eval_steps", "save_steps")}
+    steps = {k: _number(values, k, src, defaults) for k in ("logging_steps", "eval_steps", "save_steps")}
     if logging == "steps" and steps["logging_steps"] == 0:
         raise refuse("logging_steps", "logging every 0 steps with logging_strategy steps",
                      f"Set {option}logging_steps to a step count (or a fraction of the run below 1), or "
@@ -121,8 +133,9 @@ def _flag(values: Mapping[str, Any], key: str) -> bool:
     return value is True or str(value).strip().lower() in TRUE_WORDS if value is not None else False
 
 
-def _number(values: Mapping[str, Any], key: str, src: Source) -> float | None:
-    value = values.get(key, DEFAULTS.get(key))
+def _number(values: Mapping[str, Any], key: str, src: Source,
+            defaults: Mapping[str, Any] = DEFAULTS) -> float | None:
+    value = values.get(key, defaults.get(key))
     if value is None or str(value).strip().lower() in ("none", "null", ""):
         return None
     try:

@@ -432,7 +432,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
         get = getter(text, built)
         shape = ModelShape(
-            id=name, layers=layers, hidden=text["hidden_size"], intermediate=inter, heads=heads,
+            id=name, model_type=str(cfg.get("model_type") or ""), layers=layers, hidden=text["hidden_size"],
+            intermediate=inter, heads=heads,
             kv_heads=kv_heads_rule(model_type, get) or text.get("num_key_value_heads") or
             text.get("multi_query_group_num") or heads,
             vocab=text.get("vocab_size") or cfg["vocab_size"], head_dim=text.get("head_dim"),

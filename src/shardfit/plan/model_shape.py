@@ -93,6 +93,9 @@ class ModelShape:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: int = 0
+    # config.json's model_type ("" where not known): which of peft's transformers-5 rewrites of a mixture's LoRA
+    # targets applies (foreign/targets.py `peft_rewrite`).
+    model_type: str = ""
     mla: MLA | None = None
     attn_bias: bool = False  # q/k/v projections with biases
     o_bias: bool = False  # the attention's output projection with a bias (most families' attention_bias sets both)

@@ -85,6 +85,13 @@ class Workload:
     # target_parameters, models/adapters.py); False: only the expert weights of targeted gate/up/down, as the
     # other tools' peft target_modules reach them.
     lora_all_experts: bool = False
+    # A mixture's router (its gate weight or module) carries an adapter: peft's all-linear or a `gate` target on
+    # the families peft 0.21 rewrites, all-linear on Llama 4 (whose router is an nn.Linear).
+    lora_router: bool = False
+    # peft 0.21's rewrite of transformers 4's expert names onto transformers 5's fused weights (None: not applied):
+    # the routed expert weights it adapts ("gate_up" at twice the rank: gate_proj's and up_proj's adapters fused;
+    # "down"), while the MLP names it moves (gate/up/down) adapt no dense layer's or shared expert's module.
+    lora_rewritten: tuple[str, ...] | None = None
     # `freeze`: the decoder blocks that train, by index (`trained_blocks`); empty: the last two (LLaMA-Factory's
     # default). Backward runs from the top down to the lowest of them.
     freeze_blocks: tuple[int, ...] = ()
