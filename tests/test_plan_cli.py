@@ -43,7 +43,7 @@ def test_seed_case_json_contract(capsys) -> None:
     assert set(plan) >= {"shardfit_version", "model", "hardware", "workload", "candidates", "recommended", "reason"}
     assert plan["model"]["params"] == pytest.approx(73.4e9, rel=0.01)
     assert 0 < plan["model"]["trainable_params"] < 0.01 * plan["model"]["params"]  # LoRA: the adapter only
-    assert plan["hardware"] == {"name": "24GB", "nodes": 1, "gpus_per_node": 8, "gpu_mem_gib": 24.0,
+    assert plan["hardware"] == {"name": "24GB", "nodes": 1, "gpus_per_node": 8, "gpu_mem_gib": 23.64,
                                 "cpu_mem_gib": None}
     assert plan["workload"]["method"] == "lora" and plan["workload"]["seq_len"] == 2048
     names = [c["strategy"] for c in plan["candidates"]]
