@@ -18,7 +18,7 @@ from shardfit.errors import DoesNotFitError, UserError
 from shardfit.parallel.env import init_distributed
 from shardfit.plan.choose import plan_for_config, tokens_per_s_at
 from shardfit.plan.estimate import estimate
-from shardfit.plan.hardware import host_mem_gib, job_hardware, parse_gpus
+from shardfit.plan.hardware import hardware_notes, host_mem_gib, job_hardware, parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import resolve_shape
@@ -43,7 +43,7 @@ def test_seed_case_json_contract(capsys) -> None:
     assert set(plan) >= {"shardfit_version", "model", "hardware", "workload", "candidates", "recommended", "reason"}
     assert plan["model"]["params"] == pytest.approx(73.4e9, rel=0.01)
     assert 0 < plan["model"]["trainable_params"] < 0.01 * plan["model"]["params"]  # LoRA: the adapter only
-    assert plan["hardware"] == {"name": "24GB", "nodes": 1, "gpus_per_node": 8, "gpu_mem_gib": 24.0,
+    assert plan["hardware"] == {"name": "24GB", "nodes": 1, "gpus_per_node": 8, "gpu_mem_gib": 23.64,
                                 "cpu_mem_gib": None}
     assert plan["workload"]["method"] == "lora" and plan["workload"]["seq_len"] == 2048
     names = [c["strategy"] for c in plan["candidates"]]
@@ -88,11 +88,28 @@ def test_nothing_fits_exit_3_with_alternatives(capsys) -> None:
     assert r.returncode == 3 and "nothing fits" in r.stdout
 
 
-@pytest.mark.parametrize("spec, count, mem", [("8x24GB", 8, 24.0), ("8x24GiB", 8, 24.0), ("1x4090", 1, 23.6),
+@pytest.mark.parametrize("spec, count, mem", [("8x24GB", 8, 23.64), ("8x24GiB", 8, 23.64), ("1x4090", 1, 23.6),
                                              ("4xA100-80G", 4, 79.2), ("2xH100", 2, 79.2), ("4xa100-40gb", 4, 39.4)])
 def test_gpu_specs(spec: str, count: int, mem: float) -> None:
     hw = parse_gpus(spec)
     assert hw.gpus_per_node == count and hw.gpu_mem_gib == pytest.approx(mem)
+
+
+@pytest.mark.parametrize("spec, mem, read", [
+    ("8x16GB", 15.76, "sold with 16 GB"),  # a T4, a V100-16 and a 4080 differ: 0.985 of it
+    ("2x80GB", 79.2, "sold with 80 GB"),  # every 80 GB card of the table offers 79.2 GiB
+    ("1x40G", 39.4, "sold with 40 GB"),
+    ("4x48", 47.28, "sold with 48 GB"),
+    ("8x89.4GB", 89.4, "read as usable memory"),  # decimals: what PyTorch can use already
+    ("2x24.0GB", 24.0, "read as usable memory")])
+def test_integer_sizes_are_nominal_decimals_usable(spec: str, mem: float, read: str) -> None:
+    """A card sold as 16/24/32/40/48/80 GB offers about 0.985 of it to PyTorch (torch.cuda.mem_get_info): an
+    integer size is the card's nominal one, a size with decimals usable memory; the plan's notes say which."""
+    hw = parse_gpus(spec)
+    assert hw.gpu_mem_gib == pytest.approx(mem)
+    assert any(read in note for note in hardware_notes(hw, "bf16"))
+    assert not any("sold with" in note or "usable memory" in note for note in hardware_notes(parse_gpus("1x4090"),
+                                                                                             "bf16"))
 
 
 def test_unknown_card_and_model() -> None:

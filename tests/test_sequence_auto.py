@@ -108,10 +108,10 @@ def test_plan_suggests_the_split_auto_would_choose(capsys: pytest.CaptureFixture
 
 
 def test_a_split_that_cannot_divide_the_ranks_names_the_nodes_it_needs(capsys: pytest.CaptureFixture) -> None:
-    """70B full at 64k tokens fits 2 nodes of 8x24GB split 16 ways, but 3 such nodes (24 ranks) found no split (16
+    """70B full at 64k tokens fits 2 nodes of 8x24.0GB split 16 ways, but 3 such nodes (24 ranks) found no split (16
     does not divide 24; 8 does not fit) and said nothing fits even with 16x the GPUs. The plan now names the node
     count the fitting split can be laid out on."""
-    flags = ["plan", "--model", "meta-llama/Llama-3.1-70B", "--gpus", "8x24GB", "--method", "full", "--seq",
+    flags = ["plan", "--model", "meta-llama/Llama-3.1-70B", "--gpus", "8x24.0GB", "--method", "full", "--seq",
              "65536", "--batch", "1"]
     assert main([*flags, "--nodes", "3"]) == 3
     first = capsys.readouterr().out.split("Nearest alternatives:\n")[1].splitlines()[0]
@@ -126,7 +126,7 @@ def test_check_and_train_name_the_nodes_a_split_that_fits_needs() -> None:
     config overrides."""
     cfg = Config(model="meta-llama/Llama-3.1-70B", method="full", max_seq_len=65536, micro_batch=1,
                  grad_ckpt="full")
-    node = parse_gpus("8x24GB")
+    node = parse_gpus("8x24.0GB")
     job, _ = resolve_job(cfg, node, GPU, nnodes=2)
     assert job.sequence_parallel == 16 and job.world == 16
     with pytest.raises(DoesNotFitError) as e:

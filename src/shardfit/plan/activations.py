@@ -17,6 +17,7 @@ from shardfit.plan.precision import (
     casts_fp32_trainables,
     casts_trainable_inputs,
     compute_bytes,
+    linear_output_bytes,
     residual_bytes,
     runs_autocast,
     trainable_bytes,
@@ -359,8 +360,14 @@ def latent_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
 
 def mlp_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """What one token's MLP saves, averaged over the decoder's blocks: a dense MLP its four tensors (gate, up,
-    act, product); a mixture's block `moe_saved_bytes_per_token`."""
-    dense = (2 if shape.two_matrix else 4) * compute_bytes(w) * shape.intermediate
+    act, product; a two-matrix MLP up and act); a mixture's block `moe_saved_bytes_per_token`.
+
+    All but the last are in the dtype the frozen linears return (`linear_output_bytes`): fp32 for bitsandbytes'
+    4-bit layers over an fp32 residual stream (`frozen_fp32` under autocast), where down_proj's 16-bit input is
+    its adapter's autocast copy. Measured with saved-tensor hooks on a Llama block whose frozen linears return
+    their input's dtype as Linear4bit does (tests/test_plan_qlora_stream.py): 14 bytes a width, not 8."""
+    saved = 2 if shape.two_matrix else 4
+    dense = ((saved - 1) * linear_output_bytes(w, strategy) + compute_bytes(w)) * shape.intermediate
     return shape.over_blocks(lambda moe: moe_saved_bytes_per_token(shape, w, strategy) if moe else dense) / \
         shape.layers
 

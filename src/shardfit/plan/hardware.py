@@ -18,6 +18,19 @@ CARDS = {
     "mi250x": 63.9, "titan": 23.6, "h100-pcie": 79.2, "h100-nvl": 93.1, "3090-nvlink": 23.6, "a6000-nvlink": 47.5,
     "h100-96g": 89.4,
 }
+# The memory each card is sold with (GB as the vendors write it, GiB of memory in fact): an integer size such as
+# `8x24GB` names cards of that nominal size (`usable_gib`).
+NOMINAL = {
+    "4090": 24, "3090": 24, "3090ti": 24, "4080": 16, "3080": 10, "a6000": 48, "l40s": 48, "l40": 48, "l4": 24,
+    "a10": 24, "a10g": 24, "t4": 16, "v100": 32, "v100-32g": 32, "v100-16g": 16, "a100": 80, "a100-40g": 40,
+    "a100-80g": 80, "h100": 80, "h100-80g": 80, "h200": 141, "h20": 96, "a800": 80, "h800": 80, "b200": 192,
+    "mi300x": 192, "5090": 32, "a40": 48, "a30": 24, "6000ada": 48, "4070ti": 12, "4060ti": 16, "2080ti": 11,
+    "h100-94g": 94, "mi250x": 64, "titan": 24, "h100-pcie": 80, "h100-nvl": 94, "3090-nvlink": 24,
+    "a6000-nvlink": 48, "h100-96g": 96,
+}
+# The share of a card's nominal memory PyTorch can allocate (torch.cuda.mem_get_info on an idle card: a 4090 23.65
+# GiB of 24, an A100-80 79.2, a V100-16 15.8), the rest being the driver's and the ECC's.
+USABLE_SHARE = 0.985
 # Cards joined in pairs by an NVLink bridge (`2x3090-nvlink`): the bridge links two cards, no more.
 BRIDGED = ("3090-nvlink", "a6000-nvlink")
 # Form factors the table times apart from the card's SXM module (other memory, clocks and links).
@@ -67,7 +80,7 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
     if key in CARDS:  # before sizes: `1x4090` is a card, not 4090 GiB
         mem = CARDS[key]
     elif size:
-        mem = float(size.group(1))
+        mem = usable_gib(size.group(1))
     else:
         raise UserError(f"--gpus {spec}: unknown card '{what}'. Known: {', '.join(sorted(CARDS))}; "
                         f"or give a size such as 8x24GB.")
@@ -79,6 +92,28 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
         raise UserError(f"--gpus {spec}: an NVLink bridge joins exactly two cards: write 2x{key}, or {count}x{bare} "
                         f"(a ring over more cards than a bridge joins crosses host memory, as without one).")
     return Hardware(nodes, count, mem, cpu_mem_gib, what)
+
+
+def usable_gib(size: str) -> float:
+    """The memory PyTorch can use on a card of `size` as a spec writes it: an integer (`24`) is the card's nominal
+    size, the table's usable figure where every card sold with that size has the same one, else USABLE_SHARE of
+    it; a size with decimals (`23.6`, `89.4`) is usable memory already."""
+    if "." in size:
+        return float(size)
+    nominal = int(size)
+    known = {CARDS[key] for key, gb in NOMINAL.items() if gb == nominal}
+    return known.pop() if len(known) == 1 else round(USABLE_SHARE * nominal, 2)
+
+
+def size_note(hw: Hardware) -> str | None:
+    """How a size-only spec's memory was read (`usable_gib`), for the plan's notes; None for a named card."""
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)?", hw.name.strip().lower())
+    if size is None:
+        return None
+    if "." in size.group(1):
+        return f"{hw.name} read as usable memory: {hw.gpu_mem_gib:g} GiB for PyTorch on each GPU"
+    return (f"{hw.name} read as cards sold with {size.group(1)} GB: {hw.gpu_mem_gib:g} GiB usable by PyTorch on each; "
+            f"write a size with decimals (e.g. {float(size.group(1)):.1f}GB) for exactly that much usable memory")
 
 
 def _total_count(spec: str) -> int:
@@ -130,6 +165,8 @@ def hardware_notes(hw: Hardware, precision: str) -> list[str]:
     """What the plan assumed about the cards that a user may not have meant."""
     key = card_key(hw.name)
     notes = [AMBIGUOUS[key]] if key in AMBIGUOUS else []
+    if key not in CARDS and (read := size_note(hw)):
+        notes.append(read)
     if key in NO_BF16 and precision == "bf16":
         notes.append(f"{hw.name} has no bf16 arithmetic: train with precision fp16 there (same memory)")
     return notes

@@ -51,3 +51,11 @@ def residual_bytes(w: Workload, strategy: str) -> int:
     precision."""
     fp32_embedding = runs_autocast(w, strategy) and (w.method == "full" or w.frozen_fp32)
     return 4 if fp32_embedding else compute_bytes(w)
+
+
+def linear_output_bytes(w: Workload, strategy: str) -> int:
+    """Bytes per element of what a block's frozen base linears return: bitsandbytes' Linear4bit casts its output
+    back to its input's dtype, so over QLoRA's fp32 residual stream (`frozen_fp32` under autocast) the
+    projections' outputs, and the MLP's activation of them, are fp32 where autocast would make them 16-bit; other
+    layers return the compute precision."""
+    return residual_bytes(w, strategy) if w.bnb else compute_bytes(w)
