@@ -85,6 +85,7 @@ def test_fsdps_device_id_clash_ranks_the_script_and_a_device_map() -> None:
 
 @pytest.mark.parametrize("log", [
     "ValueError: the embedding weight has shape torch.Size([0]), expected a 2-D matrix",
+    "deepspeed train.py --deepspeed ds_z3.json\n"
     "RuntimeError: The size of tensor a (4096) must match the size of tensor b (0) at non-singleton dimension 1",
 ])
 def test_a_parameter_of_size_zero_in_an_error_is_an_ungathered_zero3_partition(log: str) -> None:
@@ -120,8 +121,10 @@ def test_fails_on_multiple_gpus_under_a_launcher_asks_for_the_process_count(log:
     ("model.hf_device_map: {'model.embed_tokens': 0, 'lm_head': 1}", "model.hf_device_map: {'': 0}"),
     (MIXED + "RuntimeError: expected scalar type Half but found Float",
      "RuntimeError: Input type (torch.cuda.FloatTensor) and weight type (torch.FloatTensor) should be the same"),
-    ("RuntimeError: The size of tensor a (4096) must match the size of tensor b (0) at non-singleton dimension 1",
+    ("ValueError: the embedding weight has shape torch.Size([0]), expected a 2-D matrix",
      "Model vocab size: 0"),  # a debug print of a size is the user's data
+    ("deepspeed train.py\nRuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2",
+     "RuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2"),  # no DeepSpeed
 ])
 def test_errors_that_only_share_a_word_stay_unanswered(thin: str, ordinary: str) -> None:
     assert _likely(thin)
