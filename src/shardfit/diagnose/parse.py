@@ -156,6 +156,33 @@ _FAMILY_CLASS = re.compile(
     r"DataCollator|Megatron|MCore)\w*|\w+(Tuner|Mixin)")
 
 
+# A memory fault is blamed on a compiled extension only when no other code is shown failing: frames of torch, triton's
+# launcher and the model libraries pass the fault through; an extension's own frame names it.
+_FAULT_PASS_PATH = re.compile(r"(^|/)(torch|triton|transformers|peft|accelerate|trl)/")
+_EXT_PATH = re.compile(r"(^|/)(flash_attn\w*|xformers|apex|bitsandbytes|vllm|transformer_engine|liger_kernel|mamba_ssm|"
+                       r"causal_conv1d|unsloth\w*)/")
+
+
+def _fault_outside_ext(p: Parsed) -> bool:
+    """The innermost frame that is not torch's, triton's or a model library's lies outside every compiled extension
+    (the user's own Triton or CUDA kernel, a library's Python code such as DeepSpeed's hooks), or the paste shows the
+    user's own `@triton.jit` kernel."""
+    last = None
+    for line in p.lines:
+        if ".py" not in line:
+            continue
+        for pat in _FRAME_PATTERNS:
+            m = pat.search(line)
+            if m:
+                f = m.group("file").replace("\\", "/")
+                if not _FAULT_PASS_PATH.search(f):
+                    last = f
+                break
+    if last is None:
+        return "@triton.jit" in p.text
+    return not _EXT_PATH.search(last)
+
+
 def _own_call(p: Parsed) -> bool:
     """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
     pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
@@ -644,6 +671,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
         p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
     if _own_call(p):
         p.facts.add("own_call")
+    if _fault_outside_ext(p):
+        p.facts.add("fault_outside_ext")
     if p.exception:
         p.facts.add("has_exception")
         if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
