@@ -315,7 +315,7 @@ def test_the_predicted_oom_refusal_is_in_the_same_words_from_check_and_train(tmp
     assert code == 1 and oom["severity"] == "error" and oom["message"].startswith("predicted "), oom
     train = _run(["train", cfg], capsys)
     assert train[0] == 3, train
-    line = f"{oom['where']}: {oom['message']} (fix: {oom['fix']}; or set force: true to start anyway)"
+    line = f"{oom['where']}; {oom['message']} (fix: {oom['fix']}; or set force: true to start anyway)"
     assert line in train[1], (line, train[1][-1500:])
 
 
