@@ -84,12 +84,14 @@ def test_a_typo_beside_the_real_path_is_exit_2_from_check_and_train(tmp_path: Pa
 
 def test_a_numbered_sibling_is_no_typo(tmp_path: Path, tiny_llama: Path, small_data: Path,
                                        capsys: pytest.CaptureFixture) -> None:
-    """shard2.jsonl beside shard1.jsonl may be the next file of a series a queued job writes: still a warning."""
+    """shard2.jsonl beside shard1.jsonl may be the next file of a series a queued job writes: still a warning, and
+    `skipped` says that file's rows were not read (shard1's were)."""
     (tmp_path / "shard1.jsonl").write_text(small_data.read_text())
     cfg = _cfg(tmp_path, tiny_llama, [str(tmp_path / "shard1.jsonl"), str(tmp_path / "shard2.jsonl")],
                max_bad_rows=64)
-    code, out = _run(["check", cfg], capsys)
-    assert code == 0 and "data_not_here" in out and "did you mean" not in out, out[-1500:]
+    code, out = _run(["check", cfg, "--json"], capsys)
+    assert code == 0 and "did you mean" not in out, out[-1500:]
+    assert json.loads(out)["skipped"] == ["data: a 'data' file is not here, so its rows were not read"], out
 
 
 def test_a_data_folder_is_exit_2_from_check_and_train_naming_the_key(tmp_path: Path, tiny_llama: Path,
@@ -131,3 +133,14 @@ def test_the_warning_for_a_relative_path_names_the_folders_searched(tmp_path: Pa
     code, out = _run(["train", cfg], capsys)
     assert code == 2 and f"(looked in {work} and {tmp_path})" in out, out[-1500:]
     assert os.getcwd() == str(work)
+
+
+def test_a_new_file_that_shares_only_the_suffix_is_no_typo(tmp_path: Path, tiny_llama: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """held.jsonl beside d.jsonl: alike only by `.jsonl`, so no typo; d.jsonl, which is here, is read (exit 2 on
+    its bad row), and held.jsonl, absent, is only warned about."""
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"instruction": "hi", "output": "there"}\n{not json\n')
+    cfg = _cfg(tmp_path, tiny_llama, str(bad), eval_data=str(tmp_path / "held.jsonl"))
+    code, out = _run(["check", cfg], capsys)
+    assert code == 2 and "not valid JSON" in out and "did you mean" not in out, out[-1500:]

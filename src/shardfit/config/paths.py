@@ -30,9 +30,13 @@ def _numbered_alike(a: str, b: str) -> bool:
 
 
 def _close(name: str, folder: Path) -> str | None:
-    for match in difflib.get_close_matches(name, _names(folder), n=3, cutoff=CUTOFF):
-        if match != name and not _numbered_alike(match, name):
-            return match
+    """The name in `folder` closest to `name`, among those with its suffix, matched on the stems: a shared
+    `.jsonl` would make any two short names look alike (held.jsonl, d.jsonl)."""
+    suffix = Path(name).suffix
+    stems = {Path(n).stem: n for n in _names(folder) if Path(n).suffix == suffix}
+    for match in difflib.get_close_matches(Path(name).stem, list(stems), n=3, cutoff=CUTOFF):
+        if stems[match] != name and not _numbered_alike(match, Path(name).stem):
+            return stems[match]
     return None
 
 
