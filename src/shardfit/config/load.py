@@ -293,8 +293,11 @@ def _refuse_folder(p: Path, loc: str, key: str) -> None:
     """A data value must be a file: a folder is refused naming the key, with the data files it holds."""
     if not p.is_dir():
         return
-    files = sorted(f.name for f in p.iterdir() if f.suffix in (".json", ".jsonl"))[:5]
-    held = f" (it holds {', '.join(files)})" if files else " (it holds no .json or .jsonl file)"
+    try:
+        files = sorted(f.name for f in p.iterdir() if f.suffix in (".json", ".jsonl"))[:5]
+        held = f" (it holds {', '.join(files)})" if files else " (it holds no .json or .jsonl file)"
+    except OSError:  # a folder this user may not list: refused all the same, without its contents
+        held = ""
     raise UserError(f"{loc}: '{key}' {p} is a folder{held}; give the path of the .json or .jsonl file in it.")
 
 
