@@ -338,6 +338,7 @@ def test_a_refused_resume_offers_checkpointing_where_it_fits(host: dict[str, Har
     assert e.value.exit_code == 3 and "No smaller micro_batch" not in said, said
     assert ("To keep the run, resume it with --set grad_ckpt=full (every block's activations recomputed in the "
             "backward: the same micro_batch 1 x grad_accum 8 and trained result, 22.5 GiB per GPU") in said, said
+    assert "start over there (or set force: true to start it anyway)." in said, said  # as every fit refusal ends
     job, _ = decide_launch(_args(), _run(tmp_path, grad_ckpt="full"))
     assert job is not None and job.kept_as_recorded is False and job.sequence_parallel == 2
 

@@ -142,7 +142,7 @@ def test_train_refuses_predicted_oom(tmp_path: Path, tiny_llama: Path, small_dat
 
     plan = make_plan(resolve_shape("meta-llama/Llama-3.1-70B"), Workload(method="full"), parse_gpus("1x24GB"))
     refuse_if_oom(plan, "single", force=True)  # force starts anyway
-    with pytest.raises(DoesNotFitError, match="strategy: single: predicted not to fit"):
+    with pytest.raises(DoesNotFitError, match="strategy: single; predicted not to fit"):
         refuse_if_oom(plan, "single", force=False)
 
     result = train(load_config(cfg), init_distributed(), quiet=True)

@@ -61,8 +61,10 @@ def elsewhere_rules(cfg: Config, absent_data: Sequence[NotHere] = ()) -> list[Fi
         out.append(not_here("resume_not_here", "resume", cfg.resume, "the checkpoint was not checked",
                             "the path holds a whole checkpoint"))
     for gone in absent_data:
-        out.append(not_here("data_not_here", gone.key, gone.path, "the data was not read (the rows' format, bad "
-                            "rows, the chat template and max_seq_len were not checked)", "the file is there"))
+        looked = f" (looked in {' and '.join(gone.looked_in)})" if gone.looked_in else ""
+        out.append(not_here("data_not_here", gone.key, gone.path + looked, "this file was not read (its rows' "
+                            "format, bad rows, the chat template and max_seq_len were not checked; the data files "
+                            "that are here were)", "the file is there"))
     if model_absent_here(cfg.model):
         out.append(not_here("model_not_here", "model", cfg.model, "the model was not built: the rules that read its "
                             "modules did not run, and the plan, without its shape, resolved the job as for an "

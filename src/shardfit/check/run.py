@@ -102,6 +102,21 @@ def data_findings(cfg: Config, model_here: bool = True) -> list[Finding]:
     return []
 
 
+def _present_data(cfg: Config, absent: Sequence[NotHere]) -> Config | None:
+    """`cfg` with only the data files that are here, so those are read as train reads them while the absent ones
+    are warned about (`elsewhere_rules`); None when no training data file is here."""
+    gone = {(g.key, g.path) for g in absent}
+
+    def here(key: str, value: str | list[str] | None) -> str | list[str] | None:
+        if value is None or isinstance(value, str):
+            return None if (key, value) in gone else value
+        kept = [v for v in value if (key, v) not in gone]
+        return kept or None
+
+    data = here("data", cfg.data)
+    return None if data is None else dataclasses.replace(cfg, data=data, eval_data=here("eval_data", cfg.eval_data))
+
+
 def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = None, nodes: int = 1,
                  absent_data: Sequence[NotHere] = ()) -> tuple[Resolved, list[Finding]]:
     """Findings for a config as its job would run: on `hw` (planned GPUs, which compute in bf16) or on `nodes`
@@ -121,7 +136,7 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
     s = get_strategy(job.strategy)
     elsewhere = elsewhere_rules(cfg, absent_data)
     model_here = not model_absent_here(cfg.model)
-    data = [] if absent_data else data_findings(cfg, model_here)
+    data = data_findings(present, model_here) if (present := _present_data(cfg, absent_data)) else []
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
     if not model_here:  # the rules that need no model, as train runs them before it loads one
@@ -132,11 +147,28 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
         speed + float8_rules(cfg, job)
 
 
+def skipped_checks(findings: list[Finding]) -> list[str]:
+    """What check could not run because a path is not here (the `*_not_here` warnings), in words: `check --json`'s
+    `skipped`, and its text's `not checked:` lines. Without the model no memory verdict exists, so none is given."""
+    out = []
+    for f in findings:
+        key = f.where.removeprefix("config: ")
+        if f.rule == "model_not_here":
+            out.append("memory: not predicted, the model is not here (the strategy was resolved as for a model of "
+                       "unknown shape, and the rules that read its modules did not run)")
+        elif f.rule == "data_not_here":
+            out.append(f"data: a '{key}' file is not here, so its rows were not read")
+        elif f.rule == "resume_not_here":
+            out.append("resume: the checkpoint is not here, so it was not checked")
+    return out
+
+
 def format_findings(job: Resolved, findings: list[Finding]) -> str:
-    """The findings as the terminal shows them, after the job they are about."""
+    """The findings as the terminal shows them, after the job they are about and what could not be checked."""
+    skipped = [f"not checked: {s}" for s in skipped_checks(findings)]
     if not findings:
         return f"{job.describe()}\nok: no findings (strategy {job.strategy})"
-    lines = [job.describe(), f"strategy {job.strategy}: {len(findings)} finding(s)"]
+    lines = [job.describe(), *skipped, f"strategy {job.strategy}: {len(findings)} finding(s)"]
     for f in findings:
         mark = "fixed" if f.auto_fixed else f.severity
         lines.append(f"  [{mark:>7}] {f.rule} at {f.where}\n            {f.message}\n            fix: {f.fix}")

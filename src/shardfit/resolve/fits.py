@@ -61,8 +61,9 @@ class Refusal:
 
 
 def refusal_line(where: str, message: str, fix: str) -> str:
-    """How train says a refusal that check reports as a finding (where, message, fix): one line, the same words."""
-    return f"{where}: {message} (fix: {fix}; or set force: true to start anyway)"
+    """How train says a refusal that check reports as a finding (where, message, fix): one line, the same words.
+    A semicolon after `where`, which is itself `key: value`: 'strategy: single; predicted not to fit: ...'."""
+    return f"{where}; {message} (fix: {fix}; or set force: true to start anyway)"
 
 
 def oom_refusal(plan: Plan | None, strategy: str) -> Refusal | None:

@@ -327,7 +327,9 @@ def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: s
     not to fit; the micro_batch and grad_accum that keep both (`ways[0]`, `smaller_micro_batch`), checkpointing
     that does (`ways[1]`, `with_checkpointing`) and the two together (`ways[2]`, `checkpointed_smaller`), where
     there are, and the grad_accum that keeps the batch on the job resolved anew (`other`, `_anew_keeping`), else
-    how to start over."""
+    how to start over. Not resolve/fits.py `refusal_line`: this refuses a run's recorded job, not a strategy, with
+    several ways to keep the run rather than one fix, and check raises it before any finding exists (exit 3) as
+    train does; it ends with the same force tail."""
     _, gib, card = _fits(kept, job, plan)
     fix, ckpt, both = ways
     what = f"{job.strategy}, sequence_parallel {job.sequence_parallel}, pipeline_parallel {job.pipeline_parallel}"
@@ -350,7 +352,7 @@ def _misfit(kept: Config, job: Resolved, plan: Plan | None, target: Any, anew: s
                      f"activations recomputed in the backward, and the same {target} examples a step: "
                      f"{both[2]:.1f} GiB per GPU{_speed(both[3])})")
     how = (f"To keep the run, resume it with {'; or with '.join(keeps)}{alt}; or use a new output_dir, or --set "
-           "resume=never to start over there." if keeps else
+           "resume=never to start over there (or set force: true to start it anyway)." if keeps else
            "No smaller micro_batch, nor checkpointing, makes it fit with the same examples a step: use a new "
            "output_dir, or --set resume=never to start over there (or set force: true to start it anyway).")
     table = f"\n{format_table(plan, style='config')}" if plan is not None and job.pipeline_parallel == 1 else ""

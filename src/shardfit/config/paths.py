@@ -1,0 +1,55 @@
+"""A path a config names with nothing at it: a typo beside the real file, or a file that is elsewhere.
+
+A login node may not mount the storage the run trains from, so `check` warns about a path with nothing at it. But
+when the folder it names is here and holds a name a keystroke away (`trian.jsonl` beside `train.jsonl`, `dat/`
+beside `data/`), the storage is mounted and the path is a typo: check and train both refuse it, naming the match.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+# difflib's ratio at or above which a sibling's name is taken for the one meant: a swapped pair of letters in a
+# four-letter name (tiyn, tiny) scores 0.75, a dropped letter in a folder (dat, data) 0.86.
+CUTOFF = 0.75
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return [p.name for p in folder.iterdir()]
+    except OSError:  # a folder this user may not list: no suggestion, the caller's own message stands
+        return []
+
+
+def _numbered_alike(a: str, b: str) -> bool:
+    """Names that differ only in their digits (shard1/shard2, run_03/run_04) are a series, not a typo: a job still
+    queued may write the next one."""
+    return re.sub(r"\d+", "#", a) == re.sub(r"\d+", "#", b)
+
+
+def _close(name: str, folder: Path) -> str | None:
+    """The name in `folder` closest to `name`, among those with its suffix, matched on the stems: a shared
+    `.jsonl` would make any two short names look alike (held.jsonl, d.jsonl)."""
+    suffix = Path(name).suffix
+    stems = {Path(n).stem: n for n in _names(folder) if Path(n).suffix == suffix}
+    for match in difflib.get_close_matches(Path(name).stem, list(stems), n=3, cutoff=CUTOFF):
+        if stems[match] != name and not _numbered_alike(match, Path(name).stem):
+            return stems[match]
+    return None
+
+
+def close_sibling(p: Path) -> Path | None:
+    """The existing path `p` most likely meant, where `p`'s own folder (or, for a typo in that folder's name, the
+    folder above it) is here and holds a close name; None where nothing is near (the storage is not mounted, or
+    the name is new)."""
+    if p.parent.is_dir():
+        match = _close(p.name, p.parent)
+        return None if match is None else p.parent / match
+    folder = p.parent
+    if folder.parent.is_dir() and folder.name:
+        match = _close(folder.name, folder.parent)
+        if match is not None and (folder.parent / match / p.name).exists():
+            return folder.parent / match / p.name
+    return None
