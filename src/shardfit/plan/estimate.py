@@ -368,8 +368,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
     stored = trainable_bytes(w) if w.method == "full" else low
-    ex = experts.expert_states(shape, w, stored, trainable_bytes(w), lora_expert_params(shape, w)) if ep \
-        else (0.0, 0.0, 0.0)
+    ex = experts.expert_states(shape, w, stored, trainable_bytes(w), optimizer_state_bytes(w),
+                               lora_expert_params(shape, w)) if ep else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     if ep:  # FSDP2 gathers a block without its routed experts
@@ -556,6 +556,10 @@ def _tensors(b: Breakdown) -> float:
 def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     """Fill in what a real GPU adds to the tensor peak (GiB) and the total: the allocator's reserve (its own line),
     the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
+    # A negative part means two paths counted the same bytes differently (what is moved out of a share must be
+    # what was counted in it); it would let a plan that cannot run read as fitting, so it is a bug, never clamped.
+    parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries")
+    assert all(getattr(b, k) > -1e-9 for k in parts), f"negative memory part in {strategy}: {b}"
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.allocator_reserve = tensors * ALLOCATOR_RESERVE
