@@ -241,7 +241,12 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
         held = bnb_dequantize_bytes(i * o, w)
     elif w.bnb:  # bitsandbytes' one kernel writes the weight, no index tensors
         held = float(i * o * bnb_dequantized_bytes(w, strategy))
-        grad_input = 4 if w.frozen_fp32 and runs_autocast(w, strategy) else grad_input  # the fp32 stream's
+        # The fp32 stream's input gradient; or an fp32 compute dtype's: Linear4bit casts its input to the compute
+        # dtype, so the input's gradient is made in fp32 (autograd casts it to the input's dtype, under autocast
+        # too) before `.to()`'s backward casts it back: an fp32 copy beside the 16-bit one (measured with
+        # MemTracker on bitsandbytes 0.50.2's CPU backend: +2 bytes per token x input feature).
+        if w.bnb_compute_fp32 or (w.frozen_fp32 and runs_autocast(w, strategy)):
+            grad_input = 4
     else:
         held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * grad_input)
