@@ -82,3 +82,17 @@ def test_plan_flags_set_the_bitsandbytes_keys(capsys: pytest.CaptureFixture) -> 
     single = [next(c for c in p["candidates"] if c["strategy"] == "single") for p in (plain, bnb)]
     assert single[1]["per_gpu_gib"]["optimizer"] == pytest.approx(2 * single[0]["per_gpu_gib"]["optimizer"],
                                                                  rel=0.01)
+
+
+def test_bnb_flags_without_their_run_are_said(capsys: pytest.CaptureFixture) -> None:
+    """`--bnb-compute-fp32` on a run bitsandbytes does not compute (LoRA, or QLoRA through torchao) exits 2 naming
+    the flags that make it count; `--bnb-optimizer` with 8-bit AdamW plans as before, with a note."""
+    args = ["plan", "--model", "meta-llama/Llama-2-7b-hf", "--gpus", "1xA100-80G", "--seq", "512", "--json"]
+    for method in (["--method", "lora"], ["--method", "qlora"], ["--method", "qlora", "--quant-backend", "torchao"]):
+        assert main([*args, *method, "--bnb-compute-fp32"]) == 2
+        assert "--quant-backend bnb" in capsys.readouterr().err
+    assert main([*args, "--method", "qlora", "--quant-backend", "bnb", "--bnb-compute-fp32"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--method", "lora", "--optimizer", "adamw8bit", "--bnb-optimizer"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("--bnb-optimizer with 8-bit AdamW" in n for n in out["notes"])
