@@ -372,13 +372,14 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     low = compute_bytes(w)
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
-    stored = trainable_bytes(w) if w.method == "full" else low
+    block_experts = expert_block_bytes(shape, w) if ep else 0.0
+    stored = block_experts / experts.per_block_params(shape) if ep else 0.0
     ex = experts.expert_states(shape, w, stored, trainable_bytes(w), optimizer_state_bytes(w),
                                lora_expert_params(shape, w)) if ep else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
-    if ep:  # FSDP2 gathers a block without its routed experts
-        layer_16 -= experts.per_block_params(shape) * low
+    if ep:  # FSDP2 gathers a block without its routed experts (as it stores them: NF4 under QLoRA)
+        layer_16 -= experts.per_block_params(shape) * low if w.method == "full" else block_experts
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # FSDP1 runs wrap the decoder blocks only (Lightning's {Block}, accelerate's TRANSFORMER_BASED_WRAP), so an
@@ -430,6 +431,21 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
         r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w)
     return r
+
+
+def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
+    """One mixture-of-experts block's routed experts as stored (`state_bytes` counts them so): a full fine-tune's
+    fp32 masters (or pure 16-bit weights), QLoRA's NF4 stacks (`linear_weight_bytes`), else the compute dtype."""
+    if w.method == "full":
+        return float(experts.per_block_params(shape) * trainable_bytes(w))
+    low = compute_bytes(w)
+    if w.method == "qlora" and w.bnb_precision:
+        return float(sum(quant.weight_bytes(o, i, low, w.double_quant)
+                         for n, i, o in shape.named_linears(True) if n.startswith("expert_")))
+    if w.method == "qlora":
+        return float(sum(quant.weight_bytes(r, c, low, w.double_quant)
+                         for n, r, c in shape.stored_weights(True) if n.startswith("expert_")))
+    return float(experts.per_block_params(shape) * low)
 
 
 def foreach_temp_bytes(params: float, w: Workload) -> float:
