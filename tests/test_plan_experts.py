@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from shardfit.cli.main import main
+from shardfit.plan import quant
 from shardfit.plan.adapters import lora_expert_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.estimate import estimate
@@ -74,3 +75,19 @@ def test_plan_flag(capsys: pytest.CaptureFixture[str]) -> None:
           "--batch", "1", "--seq", "4096", "--expert-parallel", "8"])
     ddp = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ddp "))
     assert "replica with 1/8 of the experts per GPU: 81.9 GiB" in ddp
+
+
+def test_qlora_experts_move_off_a_rank_as_they_are_stored() -> None:
+    """QLoRA stores the experts in NF4: expert parallelism moves 7/8 of those bytes (and of the expert adapters at
+    fp32) off a ddp rank, not 7/8 of a 16-bit copy; FSDP2's gathered block loses its NF4 experts, so no part of the
+    zero3 row goes below nothing."""
+    shape, hw = resolve_shape("Qwen/Qwen3-30B-A3B"), parse_gpus("8xH100", 1, None)
+    q = dataclasses.replace(W, method="qlora")
+    nf4 = shape.moe_layers * sum(quant.weight_bytes(r, c, 2, q.double_quant)
+                                 for n, r, c in shape.stored_weights(True) if n.startswith("expert_"))
+    adapters = lora_expert_params(shape, q)
+    ep = dataclasses.replace(q, expert_parallel=8)
+    one, got = estimate(shape, q, hw, "ddp").per_gpu_gib, estimate(shape, ep, hw, "ddp").per_gpu_gib
+    assert one.weights - got.weights == pytest.approx((nf4 + adapters * 4) * 7 / 8 / GIB, rel=1e-6)
+    row = estimate(shape, ep, hw, "zero3").per_gpu_gib
+    assert min(row.weights, row.grads, row.optimizer, row.activations, row.logits, row.temporaries) >= 0

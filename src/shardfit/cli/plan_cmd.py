@@ -476,6 +476,11 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "float8": args.float8, "bnb_compute_fp32": args.bnb_compute_fp32,
                  "bnb_optimizer": args.bnb_optimizer}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    if args.bnb_compute_fp32 and not (w.method == "qlora" and w.quant_backend == "bnb"):
+        # the compute dtype is bitsandbytes' Linear4bit's: any other run would plan exactly as without the flag
+        raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but this run is method "
+                        f"{w.method} with quant backend {w.quant_backend}: add --method qlora --quant-backend bnb, "
+                        "or drop the flag.")
     if w.precompute_reference is False and w.reference is not None and not w.trains_adapters:
         raise UserError(f"precompute_reference false: method {w.method} has no adapters to switch off for "
                         f"{w.objective}'s reference; use --precompute-reference auto or true (computed once before "
@@ -539,6 +544,9 @@ def run(args: argparse.Namespace) -> int:
         plan.alternatives = [split, *(plan.alternatives or [])]
     if args.model and not args.config and args.grad_ckpt is None:
         plan.notes.append(MODEL_DEFAULT_NOTE)
+    if args.bnb_optimizer and w.optimizer == "adamw8bit":
+        plan.notes.append("--bnb-optimizer with 8-bit AdamW: its 8-bit states are planned as they are; the flag "
+                          "changes only 32-bit AdamW's states (fp32 whatever the weights' dtype)")
     if w.float8 and (args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)) not in (1, "auto"):
         plan.notes.append("float8 with pipeline stages: check and train refuse it (the FP8 layers are not carried "
                           "into the stages); the pipeline's times here assume them")

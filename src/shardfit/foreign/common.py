@@ -61,17 +61,45 @@ ATTENTION = {"fa2": "flash", "flash_attn": "flash", "flash_attention_2": "flash"
              "fa3": "flash", "flex_attention": "flash", "sdpa": "sdpa", "auto": "sdpa", "eager": "eager",
              "disabled": "eager", "none": "sdpa"}
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adam8bit", "adamw8bit")
+# torchao's 8-bit AdamW (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit): two 8-bit states with an fp32
+# scale per block of 256, the same bytes as bitsandbytes' (torchao subclass_8bit.py `OptimState8bit.zeros`).
+TORCHAO_8BIT = ("adamw_torch_8bit", "ao_adamw_8bit")
+TORCHAO_4BIT = ("adamw_torch_4bit", "ao_adamw_4bit")
+# bitsandbytes' optimizers beyond AdamW by the HF Trainer's names: their 32-bit states are fp32 whatever the weights.
+BNB_OTHERS = ("lion_", "paged_lion_", "ademamix", "paged_ademamix", "rmsprop_bnb")
 
 
 def optimizer(name: str) -> str | None:
     """adamw, adamw8bit, or None for an optimizer the planner does not model (paged AdamW counts as AdamW, from
-    bitsandbytes: `bitsandbytes_optimizer`)."""
+    bitsandbytes: `bitsandbytes_optimizer`; `optimizer_stand_in` says what such a one is planned as)."""
     n = name.lower()
-    if n in EIGHT_BIT_OPTIMIZERS:
+    if n in EIGHT_BIT_OPTIMIZERS or n in TORCHAO_8BIT:
         return "adamw8bit"
+    if n in TORCHAO_4BIT:
+        return None
     if n.startswith(("adamw", "paged_adamw")) or n == "adam":
         return "adamw"
     return None
+
+
+def optimizer_stand_in(name: str) -> tuple[str, bool, str]:
+    """(optimizer, bnb_optimizer, note) the plan runs for `name`, an optimizer `optimizer` does not model: the
+    AdamW of the same state width, with a note naming the optimizer and which way its states differ."""
+    n = name.lower()
+    eight = "8bit" in n
+    planned, bnb = ("adamw8bit" if eight else "adamw"), n.startswith(BNB_OTHERS) and not eight
+    as_what = f"planned as {'8-bit ' if eight else ''}AdamW"
+    if n in TORCHAO_4BIT:
+        return "adamw8bit", False, (f"optim {name} (torchao's 4-bit AdamW: two 4-bit states and an fp32 scale per "
+                                    "128, about 1.06 bytes per trained weight) is planned as 8-bit AdamW (2.03 "
+                                    "bytes): an over-estimate of the optimizer states")
+    if "lion" in n or n.startswith("rmsprop"):
+        return planned, bnb, (f"optim {name} keeps one state per trained weight; {as_what}, two: an "
+                              "over-estimate of the optimizer states")
+    if "ademamix" in n:
+        return planned, bnb, (f"optim {name} keeps three states per trained weight; {as_what}, two: the "
+                              "optimizer states are under-estimated by one state (a third more)")
+    return "adamw", bnb, f"optim {name} is not modelled; planned as AdamW (two states per trained weight)"
 
 
 def bitsandbytes_optimizer(name: str) -> bool:
@@ -117,8 +145,11 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
     optim, assumed = default_optim(given, version, tool_default)
     if assumed:
         notes.append(assumed)
-    return {"optimizer": optimizer(optim) or "adamw", "fused_adamw": not multi_tensor_step(optim),
-            "bnb_optimizer": bitsandbytes_optimizer(optim)}
+    planned, bnb = optimizer(optim), bitsandbytes_optimizer(optim)
+    if planned is None:
+        planned, bnb, note = optimizer_stand_in(optim)
+        notes.append(note)
+    return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb}
 
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")

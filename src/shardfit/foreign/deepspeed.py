@@ -62,6 +62,7 @@ class DeepSpeedJob:
     micro_batch: int | None = None
     grad_accum: int | None = None
     optimizer: str | None = None
+    optimizer_type: str | None = None  # the optimizer section's `type` as written (None: no section)
     keys: dict[str, str] = field(default_factory=dict)
     not_modelled: dict[str, str] = field(default_factory=dict)
     source: str = ""  # the file, or what it was assumed to be
@@ -162,7 +163,8 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
     job = DeepSpeedJob(zero, precision,
                        _maybe(get("train_micro_batch_size_per_gpu"), where, "train_micro_batch_size_per_gpu"),
                        _maybe(get("gradient_accumulation_steps"), where, "gradient_accumulation_steps"), optimizer,
-                       source=where, bf16_on=_switch(get("bf16.enabled")), fp16_on=_switch(get("fp16.enabled")))
+                       None if opt_type is None else str(opt_type), source=where,
+                       bf16_on=_switch(get("bf16.enabled")), fp16_on=_switch(get("fp16.enabled")))
     resolved = {"zero_optimization.reduce_bucket_size": zero.reduce_bucket_size,
                 "zero_optimization.stage3_prefetch_bucket_size": zero.prefetch_bucket_size,
                 "zero_optimization.stage3_param_persistence_threshold": zero.param_persistence_threshold}

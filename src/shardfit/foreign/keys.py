@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +196,26 @@ def use_deepspeed(job: ForeignJob, ref: str, base: Path, where: str, hidden: int
     job.engine, job.zero = "deepspeed", ds.zero
     job.keys.update({f"deepspeed:{k}": v for k, v in ds.keys.items()})
     job.not_modelled.update({f"deepspeed:{k}": v for k, v in ds.not_modelled.items()})
+    if ds.zero.ds_optimizer:
+        deepspeed_builds_optimizer(job, ds, where)
     return ds
+
+
+def deepspeed_builds_optimizer(job: ForeignJob, ds: DeepSpeedJob, where: str) -> None:
+    """Plan the optimizer DeepSpeed builds when its JSON has an `optimizer` section: transformers then hands the
+    optimizer to DeepSpeed whatever the tool's `optim` (transformers/integrations/deepspeed.py
+    `deepspeed_optim_sched`: with `optimizer` in the config it builds a DummyOptim and DeepSpeed makes FusedAdam or
+    DeepSpeedCPUAdam, fp32 moments), so an 8-bit or bitsandbytes `optim` the tool names is never stepped. Said in a
+    note when the tool's own choice would have planned something else."""
+    w = job.workload
+    planned = ds.optimizer or "adamw"
+    if w.optimizer != planned or w.bnb_optimizer:
+        kind = "its Adam (fp32 moments)" if ds.optimizer else f"type {ds.optimizer_type} (not modelled: planned as " \
+                                                               "AdamW with fp32 moments)"
+        job.notes.append(f"{where}: the DeepSpeed JSON has an optimizer section, so DeepSpeed builds the optimizer, "
+                         f"{kind}, and the tool's optimizer setting is not used (transformers' "
+                         "deepspeed_optim_sched); remove the section to run the tool's optimizer")
+    job.workload = replace(w, optimizer=planned, bnb_optimizer=False)
 
 
 # Conversions the tables share beyond common.as_int / as_float.

@@ -241,7 +241,12 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
         held = bnb_dequantize_bytes(i * o, w)
     elif w.bnb:  # bitsandbytes' one kernel writes the weight, no index tensors
         held = float(i * o * bnb_dequantized_bytes(w, strategy))
-        grad_input = 4 if w.frozen_fp32 and runs_autocast(w, strategy) else grad_input  # the fp32 stream's
+        # The fp32 stream's input gradient; or an fp32 compute dtype's: Linear4bit casts its input to the compute
+        # dtype, so the input's gradient is made in fp32 (autograd casts it to the input's dtype, under autocast
+        # too) before `.to()`'s backward casts it back: an fp32 copy beside the 16-bit one (measured with
+        # MemTracker on bitsandbytes 0.50.2's CPU backend: +2 bytes per token x input feature).
+        if w.bnb_compute_fp32 or (w.frozen_fp32 and runs_autocast(w, strategy)):
+            grad_input = 4
     else:
         held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * grad_input)
@@ -367,13 +372,14 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     low = compute_bytes(w)
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
-    stored = trainable_bytes(w) if w.method == "full" else low
-    ex = experts.expert_states(shape, w, stored, trainable_bytes(w), lora_expert_params(shape, w)) if ep \
-        else (0.0, 0.0, 0.0)
+    block_experts = expert_block_bytes(shape, w) if ep else 0.0
+    stored = block_experts / experts.per_block_params(shape) if ep else 0.0
+    ex = experts.expert_states(shape, w, stored, trainable_bytes(w), optimizer_state_bytes(w),
+                               lora_expert_params(shape, w)) if ep else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
-    if ep:  # FSDP2 gathers a block without its routed experts
-        layer_16 -= experts.per_block_params(shape) * low
+    if ep:  # FSDP2 gathers a block without its routed experts (as it stores them: NF4 under QLoRA)
+        layer_16 -= experts.per_block_params(shape) * low if w.method == "full" else block_experts
     root_16 = (shape.embed_params() + shape.hidden) * low
     own_embedding_16 = 0 if shape.tied else shape.vocab * shape.hidden * low
     # FSDP1 runs wrap the decoder blocks only (Lightning's {Block}, accelerate's TRANSFORMER_BASED_WRAP), so an
@@ -425,6 +431,21 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
         r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w)
     return r
+
+
+def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
+    """One mixture-of-experts block's routed experts as stored (`state_bytes` counts them so): a full fine-tune's
+    fp32 masters (or pure 16-bit weights), QLoRA's NF4 stacks (`linear_weight_bytes`), else the compute dtype."""
+    if w.method == "full":
+        return float(experts.per_block_params(shape) * trainable_bytes(w))
+    low = compute_bytes(w)
+    if w.method == "qlora" and w.bnb_precision:
+        return float(sum(quant.weight_bytes(o, i, low, w.double_quant)
+                         for n, i, o in shape.named_linears(True) if n.startswith("expert_")))
+    if w.method == "qlora":
+        return float(sum(quant.weight_bytes(r, c, low, w.double_quant)
+                         for n, r, c in shape.stored_weights(True) if n.startswith("expert_")))
+    return float(experts.per_block_params(shape) * low)
 
 
 def foreach_temp_bytes(params: float, w: Workload) -> float:
@@ -556,6 +577,10 @@ def _tensors(b: Breakdown) -> float:
 def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     """Fill in what a real GPU adds to the tensor peak (GiB) and the total: the allocator's reserve (its own line),
     the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
+    # A negative part means two paths counted the same bytes differently (what is moved out of a share must be
+    # what was counted in it); it would let a plan that cannot run read as fitting, so it is a bug, never clamped.
+    parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries")
+    assert all(getattr(b, k) > -1e-9 for k in parts), f"negative memory part in {strategy}: {b}"
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.allocator_reserve = tensors * ALLOCATOR_RESERVE

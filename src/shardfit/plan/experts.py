@@ -28,16 +28,19 @@ def applies(w: Workload, shape: ModelShape, engine: str, offload: bool) -> bool:
     return w.expert_parallel > 1 and shape.moe and engine in ("ddp", "fsdp2") and not offload
 
 
-def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_bytes: float,
+def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_bytes: float, state_bytes: float,
                   adapter_params: int = 0) -> tuple[float, ...]:
     """(weights, grads, optimizer) bytes of every block's routed experts, before expert parallelism divides them:
-    `weight_bytes` per stored expert weight, `train_bytes` per gradient and per AdamW moment where they train (a
-    full fine-tune), and `adapter_params` LoRA weights on them (`lora.experts`), trained at `train_bytes`."""
+    `weight_bytes` per stored expert weight, `train_bytes` per gradient where they train (a full fine-tune), and
+    `adapter_params` LoRA weights on them (`lora.experts`), trained at `train_bytes`. Each trained weight holds
+    `state_bytes` of optimizer states, the same per-weight count the whole model's states were taken with
+    (plan/estimate.py `optimizer_state_bytes`), so what is moved out of the strategy's share is exactly what was
+    counted in it."""
     e = routed_expert_params(shape)
     trains = w.method == "full"
     a = adapter_params * train_bytes
     return (e * weight_bytes + a, (e * train_bytes if trains else 0.0) + a,
-            (2 * e * train_bytes if trains else 0.0) + 2 * a)
+            ((e if trains else 0) + adapter_params) * state_bytes)
 
 
 def per_block_params(shape: ModelShape) -> int:

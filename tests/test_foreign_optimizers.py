@@ -1,0 +1,82 @@
+"""The optimizer a foreign job steps: the tool's `optim` by its real state bytes (or a stand-in said in a note), and
+DeepSpeed's own when the job's DeepSpeed JSON has an optimizer section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.foreign.common import optimizer_keys
+from shardfit.foreign.read import JobOptions, read_job
+
+DS_ADAM = '{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}'
+DS_LAMB = '{"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}}'
+DS_PLAIN = '{"zero_optimization": {"stage": 2}}'
+
+
+def _job(tool: str, tmp_path: Path, ds: str, optim: str = "paged_adamw_8bit"):  # noqa: ANN202
+    """One job of `tool` with `optim` under the DeepSpeed JSON `ds`."""
+    (tmp_path / "ds.json").write_text(ds)
+    if tool == "llamafactory":
+        path = tmp_path / "lf.yaml"
+        path.write_text("model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: sft\nfinetuning_type: full\nbf16: true\n"
+                        f"optim: {optim}\ndeepspeed: ds.json\ncutoff_len: 1024\nper_device_train_batch_size: 1\n")
+    elif tool == "axolotl":
+        path = tmp_path / "ax.yml"
+        path.write_text(f"base_model: meta-llama/Llama-2-7b-hf\nsequence_len: 1024\nmicro_batch_size: 1\nbf16: true\n"
+                        f"optimizer: {optim}\ndeepspeed: ds.json\n")
+    elif tool == "hf":
+        path = tmp_path / "run.sh"
+        path.write_text("deepspeed --num_gpus 8 train.py --model_name_or_path meta-llama/Llama-2-7b-hf --bf16 True "
+                        f"--optim {optim} --deepspeed ds.json --max_seq_length 1024\n")
+    else:
+        path = tmp_path / "swift.sh"
+        path.write_text("NPROC_PER_NODE=8 swift sft --model meta-llama/Llama-2-7b-hf --tuner_type full --torch_dtype "
+                        f"bfloat16 --optim {optim} --deepspeed ds.json --max_length 1024\n")
+    return read_job(tool, str(path), JobOptions(nproc=8))
+
+
+@pytest.mark.parametrize("tool", ["llamafactory", "axolotl", "hf", "swift"])
+def test_a_deepspeed_optimizer_section_overrides_the_tools_optim(tool: str, tmp_path: Path) -> None:
+    """transformers' deepspeed_optim_sched hands the optimizer to DeepSpeed when its JSON has a section: fp32 Adam
+    states, whatever 8-bit or paged `optim` the tool names; said in a note. Without the section the tool's stands."""
+    job = _job(tool, tmp_path, DS_ADAM)
+    assert job.zero is not None and job.zero.ds_optimizer
+    assert (job.workload.optimizer, job.workload.bnb_optimizer) == ("adamw", False)
+    assert any("optimizer section" in n and "deepspeed_optim_sched" in n for n in job.notes)
+    lamb = _job(tool, tmp_path, DS_LAMB)
+    assert lamb.workload.optimizer == "adamw" and any("type Lamb" in n for n in lamb.notes)
+    plain = _job(tool, tmp_path, DS_PLAIN)
+    assert (plain.workload.optimizer, plain.workload.bnb_optimizer) == ("adamw8bit", True)
+    assert not any("optimizer section" in n for n in plain.notes)
+
+
+# transformers' OptimizerNames (and axolotl's torchao ones) -> (planned optimizer, bnb_optimizer, note says)
+NAMES = {
+    "adamw_torch": ("adamw", False, None), "adamw_torch_fused": ("adamw", False, None),
+    "adamw_bnb_8bit": ("adamw8bit", True, None), "paged_adamw_32bit": ("adamw", True, None),
+    "adamw_torch_8bit": ("adamw8bit", False, None), "ao_adamw_8bit": ("adamw8bit", False, None),
+    "adamw_torch_4bit": ("adamw8bit", False, "over-estimate"), "ao_adamw_4bit": ("adamw8bit", False, "over-estimate"),
+    "lion_8bit": ("adamw8bit", False, "one state"), "paged_lion_8bit": ("adamw8bit", False, "one state"),
+    "lion_32bit": ("adamw", True, "one state"), "paged_lion_32bit": ("adamw", True, "one state"),
+    "rmsprop_bnb_8bit": ("adamw8bit", False, "one state"), "rmsprop_bnb_32bit": ("adamw", True, "one state"),
+    "rmsprop": ("adamw", False, "one state"),
+    "ademamix": ("adamw", True, "three states"), "ademamix_8bit": ("adamw8bit", False, "three states"),
+    "paged_ademamix_32bit": ("adamw", True, "three states"), "paged_ademamix_8bit": ("adamw8bit", False, "three"),
+    "adafactor": ("adamw", False, "not modelled"), "sgd": ("adamw", False, "not modelled"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_optimizer_names_plan_their_states_or_say_what_stands_in(name: str) -> None:
+    """Each name plans its own state bytes, or an AdamW of the same width with a note naming it (never silently):
+    torchao's low-bit AdamW is not fp32 AdamW, Lion keeps one state, AdEMAMix three."""
+    planned, bnb, says = NAMES[name]
+    notes: list[str] = []
+    keys = optimizer_keys(name, "4.56.0", notes)
+    assert (keys["optimizer"], keys["bnb_optimizer"]) == (planned, bnb)
+    if says is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and name in notes[0] and says in notes[0]

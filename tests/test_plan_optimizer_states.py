@@ -1,0 +1,66 @@
+"""One count of optimizer states per trainable weight on every path of the plan: single, FSDP, ZeRO (DeepSpeed),
+the pipeline's parts outside the blocks and expert parallelism's share of the experts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardfit.plan.adapters import lora_expert_params
+from shardfit.plan.deepspeed import ZeroSettings, zero_memory
+from shardfit.plan.estimate import estimate, optimizer_state_bytes, trainable_params
+from shardfit.plan.experts import routed_expert_params
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.pipeline import _part_gib
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+
+GIB = 2**30
+FULL = Workload(method="full", precision="bf16", seq_len=512, micro_batch=1, grad_ckpt="full", fused_adamw=True)
+# (workload overrides, bytes of states per trainable weight): fp32 AdamW moments of fp32 masters, bitsandbytes'
+# 8-bit states with an fp32 absmax per 256 elements each, its 32-bit states (fp32 whatever the weight's dtype).
+OPTIMIZERS = [({"optimizer": "adamw"}, 8.0), ({"optimizer": "adamw8bit"}, 2 * (1 + 4 / 256)),
+              ({"optimizer": "adamw", "bnb_optimizer": True}, 8.0)]
+
+
+@pytest.mark.parametrize(("over", "per_weight"), OPTIMIZERS)
+def test_every_path_counts_the_same_optimizer_bytes_per_trainable_weight(over: dict, per_weight: float) -> None:
+    """Mixtral full fine-tune on 8 H100s: single, zero3 (FSDP) x 8, ZeRO-3 x 8 less its fp32 masters, the
+    pipeline's trained parts and what expert parallelism (8) moves off a ddp rank all give the same bytes per
+    trained weight."""
+    shape, hw = resolve_shape("mistralai/Mixtral-8x7B-v0.1"), parse_gpus("8xH100", 1, None)
+    w = dataclasses.replace(FULL, **over)
+    t = trainable_params(shape, w)
+    assert optimizer_state_bytes(w) == pytest.approx(per_weight)
+    single = estimate(shape, w, hw, "single").per_gpu_gib.optimizer * GIB / t
+    fsdp = estimate(shape, w, hw, "zero3").per_gpu_gib.optimizer * GIB * 8 / t
+    zero = zero_memory(shape, w, 8, ZeroSettings(stage=3))
+    deepspeed = (zero.states - 4 * t / 8) * 8 / t
+    pipe = _part_gib(1000, True, w)[2] * GIB / 1000
+    one = estimate(shape, w, hw, "ddp").per_gpu_gib.optimizer
+    ep = estimate(shape, dataclasses.replace(w, expert_parallel=8), hw, "ddp").per_gpu_gib.optimizer
+    moved = (one - ep) * GIB / (routed_expert_params(shape) * 7 / 8)
+    for got in (single, fsdp, deepspeed, pipe, moved):
+        assert got == pytest.approx(per_weight, rel=1e-6)
+    assert ep > 0
+
+
+@pytest.mark.parametrize(("over", "per_weight"), OPTIMIZERS)
+def test_expert_parallel_lora_with_16bit_adapters_moves_what_was_counted(over: dict, per_weight: float) -> None:
+    """LoRA with 16-bit adapters on the experts: expert parallelism moves 7/8 of the expert adapters' states at
+    the optimizer's own bytes per weight (fp32 for bitsandbytes' 32-bit AdamW, the adapters' bf16 for torch's), never
+    more than the rank held, and leaves every row's optimizer column positive."""
+    shape, hw = resolve_shape("mistralai/Mixtral-8x7B-v0.1"), parse_gpus("8xH100", 1, None)
+    w = dataclasses.replace(FULL, method="lora", adapters_16bit=True, **over)
+    per = optimizer_state_bytes(w)
+    if over == {"optimizer": "adamw"}:
+        assert per == 4.0  # torch AdamW's moments in the adapters' own bf16
+    adapters = lora_expert_params(shape, w)
+    for strategy in ("ddp", "zero2", "zero3"):
+        one = estimate(shape, w, hw, strategy).per_gpu_gib.optimizer
+        ep = estimate(shape, dataclasses.replace(w, expert_parallel=8), hw, strategy).per_gpu_gib.optimizer
+        assert 0 < ep <= one
+    one = estimate(shape, w, hw, "ddp").per_gpu_gib.optimizer
+    ep = estimate(shape, dataclasses.replace(w, expert_parallel=8), hw, "ddp").per_gpu_gib.optimizer
+    assert (one - ep) * GIB == pytest.approx(adapters * 7 / 8 * per, rel=1e-6)
