@@ -116,7 +116,7 @@ def test_an_offload_strategy_whose_lone_stages_do_not_fit_is_refused() -> None:
     with pytest.raises(DoesNotFitError) as e:
         refuse_stage_oom([f])
     msg = str(e.value)
-    assert e.value.exit_code == 3 and msg.startswith("pipeline_parallel: 8: strategy: zero3_offload over one rank")
+    assert e.value.exit_code == 3 and msg.startswith("pipeline_parallel: 8; strategy: zero3_offload over one rank")
     assert "does not offload a pipeline stage to host memory" in msg
     assert "strategy: zero3 with fewer stages than ranks" in msg and "pipeline_parallel: 4 on 8 ranks" in msg
     assert "grad_ckpt: full" in msg and "force: true" in msg and "method: lora" not in msg  # lora already
