@@ -169,15 +169,10 @@ def _fault_outside_ext(p: Parsed) -> bool:
     user's own `@triton.jit` kernel."""
     last = None
     for line in p.lines:
-        if ".py" not in line:
-            continue
-        for pat in _FRAME_PATTERNS:
-            m = pat.search(line)
-            if m:
-                f = m.group("file").replace("\\", "/")
-                if not _FAULT_PASS_PATH.search(f):
-                    last = f
-                break
+        if ".py" in line and (m := _frame(line)):
+            f = m.group("file").replace("\\", "/")
+            if not _FAULT_PASS_PATH.search(f):
+                last = f
     if last is None:
         return "@triton.jit" in p.text
     return not _EXT_PATH.search(last)
@@ -192,10 +187,8 @@ def _own_call(p: Parsed) -> bool:
     if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
         return False
     for line in reversed(p.lines[max(0, e.line - 4):e.line]):
-        for pat in _FRAME_PATTERNS:
-            f = pat.search(line)
-            if f:
-                return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
+        if f := _frame(line):
+            return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
     cls, method = m.group("cls"), m.group("method")
     # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
     return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
@@ -509,17 +502,20 @@ def _primary(excs: list[Exc]) -> Exc | None:
 def _frames(text: str) -> list[str]:
     frames: list[str] = []
     for line in text.split("\n"):
-        if ".py" not in line:
-            continue
-        for pat in _FRAME_PATTERNS:
-            m = pat.search(line)
-            if m:
-                f = m.group("file").replace("\\", "/")
-                parts = re.split(r"(?:site|dist)-packages/", f)
-                f = parts[-1] if len(parts) > 1 else "/".join(f.split("/")[-3:])
-                frames.append(f"{f}:{m.group('func')}")
-                break
+        if ".py" in line and (m := _frame(line)):
+            f = m.group("file").replace("\\", "/")
+            parts = re.split(r"(?:site|dist)-packages/", f)
+            f = parts[-1] if len(parts) > 1 else "/".join(f.split("/")[-3:])
+            frames.append(f"{f}:{m.group('func')}")
     return frames
+
+
+def _frame(line: str) -> re.Match[str] | None:
+    """The first of the traceback frame spellings `line` holds (python's, loguru's, rich's...), or None."""
+    for pat in _FRAME_PATTERNS:
+        if m := pat.search(line):
+            return m
+    return None
 
 
 def _versions(text: str) -> dict[str, str]:
