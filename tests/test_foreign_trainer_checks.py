@@ -18,6 +18,7 @@ HF = {"model_name_or_path": "Qwen/Qwen2.5-7B", "bf16": True, "per_device_train_b
       "model_max_length": 2048}
 LF = "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\nfinetuning_type: lora\ncutoff_len: 2048\nbf16: true\n"
 AXOLOTL = "base_model: Qwen/Qwen2.5-7B\nadapter: lora\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: true\n"
+LF_V1 = "model: Qwen/Qwen2.5-7B\nmicro_batch_size: 1\ncutoff_len: 2048\npeft_config:\n  name: lora\n"
 SWIFT = "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --torch_dtype bfloat16 --max_length 2048\n"
 
 
@@ -34,13 +35,13 @@ def _hf(tmp_path: Path, **args) -> str:
 
 @pytest.mark.parametrize(("tool", "name", "text", "epochs"), [
     ("hf", "args.json", json.dumps(HF), 3), ("llamafactory", "lf.yaml", LF, 3), ("swift", "run.sh", SWIFT, 3),
-    ("axolotl", "ax.yml", AXOLOTL, 1),
+    ("axolotl", "ax.yml", AXOLOTL, 1), ("llamafactory", "v1.yaml", LF_V1, 3),
 ])
 def test_tools_default_epochs_are_planned_and_said(tmp_path: Path, tool: str, name: str, text: str,
                                                     epochs: int) -> None:
     """A job that names no epoch count trains the tool's default: the HF Trainer's num_train_epochs 3.0 (which
-    LLaMA-Factory v0 and ms-swift keep), axolotl's num_epochs 1.0; the converted config trains as many, and the
-    plan's notes and convert's header say it was the tool's default."""
+    LLaMA-Factory v0 and ms-swift keep), LLaMA-Factory v1's own num_train_epochs 3, axolotl's num_epochs 1.0; the
+    converted config trains as many, and the plan's notes and convert's header say it was the tool's default."""
     job = _read(tmp_path, tool, name, text)
     cfg = to_config(job)
     assert cfg["epochs"] == epochs
