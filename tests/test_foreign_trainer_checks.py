@@ -140,3 +140,37 @@ def test_trl_scripts_are_checked_with_trls_defaults(tmp_path: Path, script: str,
         with pytest.raises(UserError, match=r"--save_steps 105: is not a whole multiple of eval_steps 10.*TRL's "
                                             r"SFTConfig refuses"):
             _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=misfits))
+
+
+SWIFT_RUN = "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --torch_dtype bfloat16 --dataset d.jsonl {extra}\n"
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ("--load_best_model_at_end true", r"--load_best_model_at_end true without validation data.*--val_dataset"),
+    ("--split_dataset_ratio 0.01 --save_steps 50 --eval_steps 30 --load_best_model_at_end true",
+     r"--save_steps 50: is not a whole multiple of eval_steps 30.*ms-swift"),
+    ("--logging_steps 0", r"--logging_steps 0: logging every 0 steps.*ms-swift"),
+    ("--bf16 true --fp16 true", r"--bf16 true: with fp16 also true"),
+    ("--fp16 true", r"--bf16 true: with fp16 also true"),  # bf16 unset: --torch_dtype bfloat16's
+    ("--lr_scheduler_type reduce_lr_on_plateau --eval_strategy steps",
+     r"--lr_scheduler_type reduce_lr_on_plateau: .*eval_strategy is no"),
+])
+def test_swift_runs_the_trainers_refusals_on_its_own_values(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             extra: str, match: str) -> None:
+    """ms-swift builds transformers' Seq2SeqTrainingArguments from its own resolved values, so the HF Trainer's
+    start-up refusals hold for it, with its defaults: evaluation off without validation data (whatever
+    --eval_strategy says), eval_steps save_steps, logging_steps 5, bf16/fp16 from --torch_dtype unless given."""
+    with pytest.raises(UserError, match=match):
+        _read(tmp_path, "swift", "run.sh", SWIFT_RUN.format(extra=extra))
+    assert main(["plan", "--from", "swift", str(tmp_path / "run.sh"), "--gpus", "1xH100"]) == 2
+    assert "run.sh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [
+    "--split_dataset_ratio 0.01 --save_steps 50 --load_best_model_at_end true",  # eval_steps: save_steps
+    "--val_dataset v.jsonl --save_strategy epoch --load_best_model_at_end true",  # eval_strategy: save's
+    "--logging_steps 0 --logging_strategy epoch", "--fp16 true --bf16 false",
+])
+def test_swift_jobs_the_trainer_runs_are_planned(tmp_path: Path, extra: str) -> None:
+    """What ms-swift's defaults make consistent is not refused."""
+    assert _read(tmp_path, "swift", "run.sh", SWIFT_RUN.format(extra=extra)).model == "Qwen/Qwen2.5-7B"
