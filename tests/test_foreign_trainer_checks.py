@@ -174,3 +174,33 @@ def test_swift_runs_the_trainers_refusals_on_its_own_values(tmp_path: Path, caps
 def test_swift_jobs_the_trainer_runs_are_planned(tmp_path: Path, extra: str) -> None:
     """What ms-swift's defaults make consistent is not refused."""
     assert _read(tmp_path, "swift", "run.sh", SWIFT_RUN.format(extra=extra)).model == "Qwen/Qwen2.5-7B"
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ("warmup_steps: 10\nwarmup_ratio: 0.1\n", r"ax.yml:\d+: 'warmup_steps' and 'warmup_ratio'"),
+    ("save_strategy: epoch\nsave_steps: 100\n", r"'save_steps: 100' with 'save_strategy: epoch'.*save_strategy: steps"),
+    ("saves_per_epoch: 2\nsave_steps: 100\n", r"'save_steps' and 'saves_per_epoch'"),
+    ("eval_strategy: epoch\neval_steps: 50\n", r"'eval_steps: 50' with 'eval_strategy: epoch'"),
+    ("val_set_size: 0\neval_steps: 50\n", r"'eval_steps' with 'val_set_size: 0'"),
+    ("evals_per_epoch: 4\neval_steps: 50\n", r"'eval_steps' and 'evals_per_epoch'"),
+    ("evals_per_epoch: 4\neval_strategy: epoch\n", r"'eval_strategy: epoch' with 'evals_per_epoch'"),
+    ("early_stopping_patience: 3\nsave_steps: 100\n", r"'early_stopping_patience' without both"),
+    ("early_stopping_patience: 3\nsave_steps: 100\neval_steps: 30\n", r"save_steps 100 not a multiple of eval_steps"),
+])
+def test_axolotl_schedule_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str,
+                                   match: str) -> None:
+    """axolotl's schema refuses these schedules before anything loads (utils/schemas/validation.py, 0.19.0):
+    exit 2 naming the file, the line and the key."""
+    with pytest.raises(UserError, match=match):
+        _read(tmp_path, "axolotl", "ax.yml", AXOLOTL + extra)
+    assert main(["plan", "--from", "axolotl", str(tmp_path / "ax.yml"), "--gpus", "1xH100"]) == 2
+    assert "ax.yml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [
+    "save_strategy: steps\nsave_steps: 100\n", "val_set_size: 0\neval_strategy: 'no'\n", "evals_per_epoch: 4\n",
+    "early_stopping_patience: 3\nsave_steps: 100\neval_steps: 50\n", "val_set_size: 0.05\neval_steps: 50\n",
+])
+def test_axolotl_schedules_it_accepts_are_planned(tmp_path: Path, extra: str) -> None:
+    """What axolotl's schema lets through is not refused (HF Trainer checks are not assumed for axolotl)."""
+    assert _read(tmp_path, "axolotl", "ax.yml", AXOLOTL + extra).model == "Qwen/Qwen2.5-7B"
