@@ -518,14 +518,17 @@ CUT_TAIL_LINES = 2  # after a cut traceback's last frame: its source line and, a
 
 def _cut_frames(p: Parsed) -> list[str]:
     """The last three frames of a traceback that the paste cuts before its exception line (the last frame is among
-    the paste's last lines and the paste holds no exception but a launcher's wrapper or a warning), innermost last;
-    empty for a complete traceback."""
+    the paste's last lines and the paste holds no exception but a launcher's wrapper or a warning) in a library's
+    code, innermost last; empty for a complete traceback or one cut in the user's own code."""
     last = next((i for i in range(len(p.lines) - 1, max(-1, len(p.lines) - 2 - CUT_TAIL_LINES), -1)
                  if ".py" in p.lines[i] and _frame(p.lines[i])), None)
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
     if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") for e in p.exceptions):
         return []
     if any(_EXC.match(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x)) for x in p.lines[last + 1:]):
+        return []
+    # cut in the user's own code, the frames above it name only what the user called, not where it failed
+    if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
         return []
     return _frames("\n".join(p.lines[max(0, last - 8):last + 1]))[-3:]
 
