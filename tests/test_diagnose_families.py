@@ -122,6 +122,11 @@ def test_a_size_0_parameter_under_zero3_is_a_placeholder_used_outside_the_engine
 CUT_CONTROLS = (
     _frames(("/work/proj/train.py", "main", "loss = model(batch)")),
     _frames((SITE + "transformers/tokenization_utils_base.py", "__call__", "return self._call_one(text)")),
+    # the DataLoader re-raising whatever the user's dataset raised in a worker
+    _frames((SITE + "torch/utils/data/dataloader.py", "_next_data", "return self._process_data(data)")),
+    # DDP's forward above a model's own code: every error raised in the model passes through it
+    _frames((SITE + "torch/nn/parallel/distributed.py", "forward", "output = self._run_ddp_forward(*inputs)"),
+            (SITE + "transformers/models/llama/modeling_llama.py", "forward", "hidden = self.norm(hidden)")),
     _frames((SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier()"),
             ("/work/proj/train.py", "collate", "batch = pad(items)")),
 )
@@ -140,7 +145,8 @@ CUT_CONTROLS = (
        "store, rank, world_size = next(rendezvous_iterator)")], "rendezvous_unreachable"),
     ([(SITE + "accelerate/accelerator.py", "prepare_model", "raise ValueError(")], "device_map_auto_in_distributed"),
     ([(SITE + "bitsandbytes/cextension.py", "<module>", "lib = get_native_library()")], "extension_abi_mismatch"),
-    ([(SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()")], "shm_too_small"),
+    ([(SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()"),
+      (SITE + "torch/utils/data/dataloader.py", "_try_get_data", "raise RuntimeError(")], "shm_too_small"),
     ([(SITE + "torch/nn/parallel/distributed.py", "forward", "inputs, kwargs = self._pre_forward(*inputs)")],
      "ddp_unused_parameters"),
 ])

@@ -292,7 +292,7 @@ class Parsed:
     exceptions: list[Exc] = field(default_factory=list)
     exception: Exc | None = None
     frames: list[str] = field(default_factory=list)
-    # the innermost frames (last three, innermost last) of a traceback the paste cuts before its exception line
+    # the innermost frame of a traceback the paste cuts before its exception line, in a library's code
     cut_frames: list[str] = field(default_factory=list)
     exit_codes: list[int] = field(default_factory=list)
     signals: list[str] = field(default_factory=list)
@@ -517,9 +517,10 @@ CUT_TAIL_LINES = 2  # after a cut traceback's last frame: its source line and, a
 
 
 def _cut_frames(p: Parsed) -> list[str]:
-    """The last three frames of a traceback that the paste cuts before its exception line (the last frame is among
-    the paste's last lines and the paste holds no exception but a launcher's wrapper or a warning) in a library's
-    code, innermost last; empty for a complete traceback or one cut in the user's own code."""
+    """The innermost frame of a traceback that the paste cuts before its exception line (the last frame is among the
+    paste's last lines and the paste holds no exception but a launcher's wrapper or a warning), in a library's code;
+    empty for a complete traceback or one cut in the user's own code. Only the innermost frame: the frames above it
+    (DDP's forward, the Trainer's loop) are on the path of every error raised below them."""
     last = next((i for i in range(len(p.lines) - 1, max(-1, len(p.lines) - 2 - CUT_TAIL_LINES), -1)
                  if ".py" in p.lines[i] and _frame(p.lines[i])), None)
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
@@ -530,7 +531,7 @@ def _cut_frames(p: Parsed) -> list[str]:
     # cut in the user's own code, the frames above it name only what the user called, not where it failed
     if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
         return []
-    return _frames("\n".join(p.lines[max(0, last - 8):last + 1]))[-3:]
+    return _frames(p.lines[last])
 
 
 def _frame(line: str) -> re.Match[str] | None:
