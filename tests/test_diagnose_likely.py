@@ -378,7 +378,10 @@ def test_a_multi_gpu_run_that_stops_at_its_start() -> None:
             "[INFO] [comm.py:668:init_distributed] Initializing TorchBackend in DeepSpeed with backend nccl\n")
     assert {"rendezvous_unreachable", "dist_port_in_use"} <= set(_cats(init)[:3]), _cats(init)
     assert _cats(init + "Training started, step 1/100\nstep 100/100 done\n") == []
-    assert _cats("DeepSpeed backend not set, please initialize it using init_process_group()") == []
+    # an error that asks for the group is no run stopped at init: not the rendezvous, but a DeepSpeed release that no
+    # longer creates the group itself (round 9, tests/test_diagnose_families.py)
+    assert _cats("DeepSpeed backend not set, please initialize it using init_process_group()") == [
+        "library_version_regression"]
 
 
 def test_exit_9_and_memory_pressure_in_the_reporters_words() -> None:

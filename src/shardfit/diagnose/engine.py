@@ -8,6 +8,7 @@ out. An item tests one field of the parsed log:
     re:       a regex on the normalised log text (case-insensitive, multi-line)
     exc:      a regex on the final exception ("Type: message"); any_exc: on any exception in the log
     frame:    a regex on a traceback frame ("package/path/file.py:function")
+    cut_frame: the same on the innermost frame of a traceback the paste cuts before its exception line
     fact:     a named fact of the parse (`facts:` in causes.yaml, or computed: zero3, multi_rank, exit-9, ...)
 
 plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count) and
@@ -42,7 +43,7 @@ from shardfit.errors import UserError
 
 HERE = Path(__file__).parent
 MIN_SCORE = 2.0  # below this nothing is reported (the abstain path)
-KINDS = ("phrase", "re", "exc", "any_exc", "frame", "fact")
+KINDS = ("phrase", "re", "exc", "any_exc", "frame", "cut_frame", "fact")
 
 
 @dataclass

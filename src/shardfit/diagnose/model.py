@@ -32,6 +32,8 @@ class Item:
             return any(self.value.search(str(e)) for e in p.exceptions)
         if self.kind == "frame":
             return any(self.value.search(f) for f in p.frames)
+        if self.kind == "cut_frame":
+            return any(self.value.search(f) for f in p.cut_frames)
         return all(f in p.facts for f in self.value)
 
 

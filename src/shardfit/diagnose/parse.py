@@ -263,7 +263,7 @@ _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
                     r"GPUS_PER_NODE|dist_world_size|world[ _]size)[\s:=]+(\d+)", re.I)
 _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
-                    r"|(?:\b|_)zero(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
+                    r"|(?:\b|_)zero-?(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
                     r"|\bds_(?:config_)?(\d)\.json"
                     r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|\bdeepspeed[^\n]{0,20}\bstage[\s:=_-]*(\d)\b"
                     r"|stage_1_and_2\.py()", re.I)
@@ -292,6 +292,8 @@ class Parsed:
     exceptions: list[Exc] = field(default_factory=list)
     exception: Exc | None = None
     frames: list[str] = field(default_factory=list)
+    # the innermost frame of a traceback the paste cuts before its exception line, in a library's code
+    cut_frames: list[str] = field(default_factory=list)
     exit_codes: list[int] = field(default_factory=list)
     signals: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
@@ -510,6 +512,28 @@ def _frames(text: str) -> list[str]:
     return frames
 
 
+_CARETS = re.compile(r"[\^~\s]+")  # python 3.11's markers under a frame's source line
+CUT_TAIL_LINES = 2  # after a cut traceback's last frame: its source line and, at most, one more
+
+
+def _cut_frames(p: Parsed) -> list[str]:
+    """The innermost frame of a traceback that the paste cuts before its exception line (the last frame is among the
+    paste's last lines and the paste holds no exception but a launcher's wrapper or a warning), in a library's code;
+    empty for a complete traceback or one cut in the user's own code. Only the innermost frame: the frames above it
+    (DDP's forward, the Trainer's loop) are on the path of every error raised below them."""
+    last = next((i for i in range(len(p.lines) - 1, max(-1, len(p.lines) - 2 - CUT_TAIL_LINES), -1)
+                 if ".py" in p.lines[i] and _frame(p.lines[i])), None)
+    # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
+    if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") for e in p.exceptions):
+        return []
+    if any(_EXC.match(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x)) for x in p.lines[last + 1:]):
+        return []
+    # cut in the user's own code, the frames above it name only what the user called, not where it failed
+    if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
+        return []
+    return _frames(p.lines[last])
+
+
 def _frame(line: str) -> re.Match[str] | None:
     """The first of the traceback frame spellings `line` holds (python's, loguru's, rich's...), or None."""
     for pat in _FRAME_PATTERNS:
@@ -669,6 +693,8 @@ def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
         p.facts.add("own_call")
     if _fault_outside_ext(p):
         p.facts.add("fault_outside_ext")
+    if p.cut_frames:
+        p.facts.add("tb_cut")
     if p.exception:
         p.facts.add("has_exception")
         if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
@@ -706,6 +732,7 @@ def parse(data: bytes | str, fact_patterns: dict[str, FactPattern] | None = None
     p.exceptions = _exceptions(lines) or _embedded_exceptions(lines)
     p.exception = _primary(p.exceptions)
     p.frames = _frames(p.text)
+    p.cut_frames = _cut_frames(p)
     for m in _EXIT.finditer(p.text):
         p.exit_codes.append(int(next(g for g in m.groups() if g is not None)))
     for m in _SIGNAL.finditer(p.text):

@@ -1,0 +1,174 @@
+"""`shardfit diagnose` by error family (round 9): families that got no answer at all, each now answered with the
+likely causes of the setting the paste shows, never confidently:
+
+- a distributed call with no process group ("Default process group has not been initialized", "DeepSpeed backend
+  not set"): a script started without a launcher, or a library that no longer creates the group;
+- ZeRO-3's size-0 placeholders met by an op ("'weight' must be 2-D", "tensor b (0)", "shape '[0]'", "0x1"): a module
+  used outside the engine, a parameter read ungathered;
+- a traceback cut before its exception line: the last frames alone (torch.distributed, DeepSpeed's ZeRO, accelerate,
+  bitsandbytes, the DataLoader) rank the causes;
+- prose: a hang in words under a multi-process launch.
+
+Each paste is made up here in the shape such threads have (none is taken from a corpus). The controls beside them
+share a word with a family and must stay unanswered: a single-GPU run or a test session that calls dist itself, a
+size 0 in the user's data or with no DeepSpeed, a traceback cut in the user's own code or the tokenizer, NaN in a
+dataset or in generate()."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardfit.diagnose.engine import analyze
+from shardfit.diagnose.parse import parse
+
+NO_PG = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
+
+
+# a deliberate single process (or no setting shown: as often a one-process script calling dist unguarded)
+NO_PG_CONTROLS = (
+    NO_PG,
+    "I fine-tune on one GPU: python train.py --lr 1e-4\n" + NO_PG,
+    "CUDA_VISIBLE_DEVICES=0 python train.py\n" + NO_PG,
+    "python -m pytest tests/test_metrics.py\n" + NO_PG,
+)
+# a size 0 with no DeepSpeed shown, or in the user's data
+SIZE0_CONTROLS = (
+    "RuntimeError: shape '[0]' is invalid for input of size 8192",
+    "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x2048 and 0x1)",
+    "deepspeed --deepspeed ds_z3.json train.py\nValueError: the dataset has size 0 after filtering",
+    "deepspeed --deepspeed ds_z3.json train.py\nKeyError: 'size 0'",
+)
+# NaN in the user's data or in generation, a question about several GPUs
+PROSE_CONTROLS = (
+    "My dataset has NaN values in the label column",
+    "fp16 inference: the logits are nan in model.generate()",
+    "How do I train on several GPUs with a cosine schedule?",
+)
+
+
+def _likely(log: str) -> list[str]:
+    a = analyze(log)
+    assert a.answer == "likely", (log, a.answer, [(x.category, x.confidence) for x in a.likely])
+    assert all(x.confidence < 0.8 for x in a.likely)
+    return [x.category for x in a.likely]
+
+
+def _none(log: str) -> None:
+    a = analyze(log)
+    assert a.answer == "none" and not a.likely, (log, [(x.category, x.confidence) for x in a.likely])
+
+
+def _frames(*frames: tuple[str, str, str]) -> str:
+    """A traceback cut after its last frame's source line, as pasted from a terminal."""
+    out = ["Traceback (most recent call last):"]
+    for path, func, src in frames:
+        out += [f'  File "{path}", line 412, in {func}', f"    {src}"]
+    return "\n".join(out)
+
+
+SITE = "/home/me/miniconda3/envs/ft/lib/python3.11/site-packages/"
+
+
+# -- no process group ------------------------------------------------------------------------------------------------
+
+def test_no_process_group_after_a_plain_python_start_is_the_launch_first() -> None:
+    cats = _likely("CUDA_VISIBLE_DEVICES=0,1,2,3 python sft.py --model_name_or_path meta-llama/Llama-3.1-8B\n" + NO_PG)
+    assert cats[0] == "dataparallel_accidental" and "library_version_regression" in cats, cats
+    assert "torchrun" in analyze("python sft.py --epochs 1\n" + NO_PG).likely[0].check
+    for log in NO_PG_CONTROLS:
+        _none(log)
+
+
+@pytest.mark.parametrize("launch", [
+    "torchrun --nproc_per_node 2 train_lora.py --bf16",
+    "accelerate launch --num_processes 4 finetune.py",
+])
+def test_no_process_group_under_a_launcher_is_a_library_that_stopped_creating_it(launch: str) -> None:
+    assert _likely(f"{launch}\n{NO_PG}")[0] == "library_version_regression"
+    for log in NO_PG_CONTROLS:
+        _none(log)
+
+
+def test_deepspeed_backend_not_set_ranks_the_deepspeed_release() -> None:
+    cats = _likely("AssertionError: DeepSpeed backend not set, please initialize it using init_process_group()")
+    assert cats == ["library_version_regression"]
+
+
+
+
+# -- ZeRO-3 size-0 placeholders --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [
+    "RuntimeError: 'weight' must be 2-D",
+    "RuntimeError: The size of tensor a (4096) must match the size of tensor b (0) at non-singleton dimension 1",
+    "RuntimeError: shape '[0]' is invalid for input of size 8192",
+    "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x2048 and 0x1)",
+])
+@pytest.mark.parametrize("setting", [
+    "deepspeed --num_gpus 4 distill.py --deepspeed configs/ds_zero3.json",
+    "accelerate launch --config_file zero3.yaml dpo.py  # ZeRO-3, reference model loaded apart",
+])
+def test_a_size_0_parameter_under_zero3_is_a_placeholder_used_outside_the_engine(setting: str, error: str) -> None:
+    cats = _likely(f"{setting}\n{error}")
+    assert cats[:2] == ["zero3_save_empty_params", "zero3_cpu_submodule"], cats
+    assert "outside the DeepSpeed engine" in analyze(f"{setting}\n{error}").likely[0].check
+    for log in SIZE0_CONTROLS:
+        _none(log)
+
+
+# -- tracebacks cut before the exception line ------------------------------------------------------------------------
+
+# cut in the user's own code, or in a library no cause names (the tokenizer)
+CUT_CONTROLS = (
+    _frames(("/work/proj/train.py", "main", "loss = model(batch)")),
+    _frames((SITE + "transformers/tokenization_utils_base.py", "__call__", "return self._call_one(text)")),
+    # the DataLoader re-raising whatever the user's dataset raised in a worker
+    _frames((SITE + "torch/utils/data/dataloader.py", "_next_data", "return self._process_data(data)")),
+    # DDP's forward above a model's own code: every error raised in the model passes through it
+    _frames((SITE + "torch/nn/parallel/distributed.py", "forward", "output = self._run_ddp_forward(*inputs)"),
+            (SITE + "transformers/models/llama/modeling_llama.py", "forward", "hidden = self.norm(hidden)")),
+    _frames((SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier()"),
+            ("/work/proj/train.py", "collate", "batch = pad(items)")),
+)
+
+
+@pytest.mark.parametrize(("frames", "first"), [
+    ([(SITE + "deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads",
+       "self.reduce_independent_p_g_buckets_and_remove_grads(param, i)")], "gc_ddp_reentrant"),
+    ([(SITE + "deepspeed/runtime/zero/partition_parameters.py", "wrapper", "f(module, *args, **kwargs)")],
+     "zero3_device_map_conflict"),
+    ([(SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier(opts=opts)")],
+     "nccl_timeout_preprocessing"),
+    ([(SITE + "torch/distributed/distributed_c10d.py", "all_reduce", "work = group.allreduce([tensor], opts)")],
+     "nccl_p2p_hang"),
+    ([(SITE + "torch/distributed/distributed_c10d.py", "init_process_group",
+       "store, rank, world_size = next(rendezvous_iterator)")], "rendezvous_unreachable"),
+    ([(SITE + "accelerate/accelerator.py", "prepare_model", "raise ValueError(")], "device_map_auto_in_distributed"),
+    ([(SITE + "bitsandbytes/cextension.py", "<module>", "lib = get_native_library()")], "extension_abi_mismatch"),
+    ([(SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()"),
+      (SITE + "torch/utils/data/dataloader.py", "_try_get_data", "raise RuntimeError(")], "shm_too_small"),
+    ([(SITE + "torch/nn/parallel/distributed.py", "forward", "inputs, kwargs = self._pre_forward(*inputs)")],
+     "ddp_unused_parameters"),
+])
+def test_a_traceback_cut_in_a_library_ranks_the_causes_of_its_last_frames(frames: list, first: str) -> None:
+    log = _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
+    assert _likely(log)[0] == first
+    assert parse(log).cut_frames and "tb_cut" in parse(log).facts
+    for control in CUT_CONTROLS:
+        _none(control)
+
+
+def test_a_complete_traceback_is_not_cut() -> None:
+    log = _frames((SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier()"))
+    p = parse(log + "\nKeyError: 'input_ids'")
+    assert not p.cut_frames and "tb_cut" not in p.facts
+
+
+
+
+# -- prose -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("control", PROSE_CONTROLS)
+def test_a_hang_in_words_under_a_launch_of_several_processes_ranks_the_p2p_hang(control: str) -> None:
+    assert _likely("The job hangs forever after `torchrun --nproc_per_node 2 sft.py`")[0] == "nccl_p2p_hang"
+    _none(control)
