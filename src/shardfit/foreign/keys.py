@@ -192,9 +192,9 @@ def file_env(job: ForeignJob, env: Mapping[str, str], effects: Mapping[str, str]
 def use_deepspeed(job: ForeignJob, ref: str, base: Path, where: str, hidden: int, notes: list[str],
                   passes_optimizer: str | None = None) -> DeepSpeedJob:
     """Run the job under the DeepSpeed JSON `ref` names (deepspeed.load_deepspeed), its keys filed with the job's,
-    prefixed so they read apart from the tool's own. `passes_optimizer`: the tool (by that name) hands accelerate a torch optimizer
-    and scheduler of its own (LLaMA-Factory v1), which accelerate refuses beside the JSON's `optimizer` or
-    `scheduler` section (accelerator.py `_prepare_deepspeed`: "You cannot specify an optimizer in the config file
+    prefixed so they read apart from the tool's own. `passes_optimizer`: the tool (by that name) hands accelerate
+    a torch optimizer and scheduler of its own (LLaMA-Factory v1), which accelerate refuses beside the JSON's
+    `optimizer` or `scheduler` section (accelerator.py `_prepare_deepspeed`: "You cannot specify an optimizer in the config file
     and in the code at the same time"): a UserError naming the section, since the job cannot start."""
     ds = load_deepspeed(ref, base, where, hidden, notes)
     if passes_optimizer:
