@@ -194,8 +194,9 @@ def use_deepspeed(job: ForeignJob, ref: str, base: Path, where: str, hidden: int
     """Run the job under the DeepSpeed JSON `ref` names (deepspeed.load_deepspeed), its keys filed with the job's,
     prefixed so they read apart from the tool's own. `passes_optimizer`: the tool (by that name) hands accelerate
     a torch optimizer and scheduler of its own (LLaMA-Factory v1), which accelerate refuses beside the JSON's
-    `optimizer` or `scheduler` section (accelerator.py `_prepare_deepspeed`: "You cannot specify an optimizer in the config file
-    and in the code at the same time"): a UserError naming the section, since the job cannot start."""
+    `optimizer` or `scheduler` section (accelerator.py `_prepare_deepspeed`: "You cannot specify an optimizer in
+    the config file and in the code at the same time"): a UserError naming the section, since the job cannot
+    start."""
     ds = load_deepspeed(ref, base, where, hidden, notes)
     if passes_optimizer:
         given = {k.split(".")[0] for k in (*ds.keys, *ds.not_modelled)}
