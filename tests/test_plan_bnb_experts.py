@@ -89,3 +89,12 @@ def test_tools_plan_experts_as_their_transformers_loads_them(tmp_path: Path, ver
     bf16, low = _experts("Qwen/Qwen3-30B-A3B")
     gap = state_bytes(shape, w)[0] - state_bytes(shape, dataclasses.replace(w, quant_backend="torchao"))[0]
     assert gap == pytest.approx(0.0 if nf4 else bf16 - low, abs=1.0)
+
+
+def test_a_negative_part_is_an_internal_error_naming_it() -> None:
+    """A part below zero (two paths counting the same bytes differently) raises PlannerBug naming the strategy and
+    the part: an exception, which `python -O` keeps, not an assertion."""
+    from shardfit.errors import PlannerBug
+    from shardfit.plan.estimate import Breakdown, add_runtime_overhead
+    with pytest.raises(PlannerBug, match="plan of ddp has -1.000 GiB of optimizer"):
+        add_runtime_overhead(Breakdown(weights=4.0, optimizer=-1.0), parse_gpus("8xH100", 1, None), "ddp")

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config.support import loss_chunk_rows
+from shardfit.errors import PlannerBug
 from shardfit.plan import experts, quant
 from shardfit.plan.activations import (
     activation_bytes,
@@ -605,8 +606,11 @@ def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
     # A negative part means two paths counted the same bytes differently (what is moved out of a share must be
     # what was counted in it); it would let a plan that cannot run read as fitting, so it is a bug, never clamped.
-    parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries")
-    assert all(getattr(b, k) > -1e-9 for k in parts), f"negative memory part in {strategy}: {b}"
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        if getattr(b, part) < -1e-9:
+            raise PlannerBug(f"internal error: the plan of {strategy} has {getattr(b, part):.3f} GiB of {part}, below "
+                             "zero (two of the planner's paths count the same bytes differently); please report it "
+                             "with the command line")
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.allocator_reserve = tensors * ALLOCATOR_RESERVE

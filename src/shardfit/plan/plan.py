@@ -23,7 +23,7 @@ from shardfit.plan.estimate import (
     stored_linear_bytes,
     trainable_params,
 )
-from shardfit.plan.hardware import Hardware
+from shardfit.plan.hardware import Hardware, hardware_notes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import delta_rule_chunk_ops, reference_pass_s, step_time
 from shardfit.plan.workload import Workload
@@ -76,7 +76,9 @@ class Plan:
             "hardware": {"name": self.hardware.name, "nodes": self.hardware.nodes,
                          "gpus_per_node": self.hardware.gpus_per_node,
                          "gpu_mem_gib": round(self.hardware.gpu_mem_gib, 2),
-                         "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None},
+                         "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None,
+                         # how the spec was read, as the text output's notes say it (`--gpus 8x24GB`: nominal)
+                         "notes": hardware_notes(self.hardware, self.workload.precision)},
             "workload": dataclasses.asdict(self.workload),
             # What the objective makes of the workload: sequences and tokens one micro-batch forwards, the reference.
             "objective": {"name": self.workload.objective, "rows": self.workload.rows,
