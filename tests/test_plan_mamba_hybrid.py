@@ -164,12 +164,13 @@ def _saved_under_autocast(config: Any, method: str) -> float:
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize(("family", "rel"), [("bamba", 0.06), ("granitemoehybrid", 0.06), ("falcon_h1", 0.10)])
+@pytest.mark.parametrize(("family", "rel"), [("bamba", 0.06), ("granitemoehybrid", 0.06), ("falcon_h1", 0.03)])
 def test_a_mamba_block_under_autocast(family: str, rel: float, method: str) -> None:
     """Under bf16 autocast a Mamba block's scan keeps its einsums' 16-bit input copies, not the fp32 ones a
     pure-bf16 run keeps, LoRA leaves out_proj's input unsaved (no adapter there), and the block casts three
     hidden-size inputs, not an attention block's six: the plan was 20-34 % over the hooks with LoRA. Within 6 %
-    (Falcon-H1, attention beside the mixer: 10 %), LoRA and full, one block (a two-block model less one)."""
+    (Falcon-H1: 3 %, its fp32 exp of the segment sums and in_proj's output kept whole counted; it was 8 % under),
+    and never more than 3 % under, LoRA and full, one block (a two-block model less one)."""
     measured = _saved_under_autocast(_config(family, True, 2), method) - \
         _saved_under_autocast(_config(family, True, 1), method)
     shape = shape_from_config(_config(family, True, 2).to_dict(), family)
@@ -177,6 +178,7 @@ def test_a_mamba_block_under_autocast(family: str, rel: float, method: str) -> N
                  grad_ckpt="none")
     planned = (activation_bytes(shape, w, 2) - activation_bytes(shape, w, 1)) / SEQ
     assert planned == pytest.approx(measured, rel=rel)
+    assert planned >= 0.97 * measured  # a memory plan may err over, hardly under
 
 
 ZAMBA = dict(vocab_size=256, hidden_size=64, attention_hidden_size=128, attention_head_dim=16, num_attention_heads=4,

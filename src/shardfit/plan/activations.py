@@ -238,8 +238,22 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = 
     states = heads * state * shape.mamba_head_dim / chunk
     # The einsums' inputs autocast casts to 16 bits (the fp32 scan keeps them in fp32).
     cast = (4 - a) * (5 * heads * state + 4 * heads * chunk + inner + states) if runs_autocast(w, strategy) else 0
+    if cast and not shape.mamba_gated_norm:
+        cast -= falcon_h1_autocast_bytes(shape, w)
     return trained + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + gate + \
         8 * states + 2 * a * heads + 20 * heads + norm - cast
+
+
+def falcon_h1_autocast_bytes(shape: ModelShape, w: Workload) -> float:
+    """What Falcon-H1's mixer keeps under autocast beyond the cast discount of `mamba_saved_bytes_per_token`
+    (hooks on its tiny block, LoRA and full: tests/test_plan_mamba_hybrid.py): the fp32 exponent of the segment
+    sums, which exp saves for its own backward beside the einsum's 16-bit copy (`4 H L`); and in_proj's output
+    (z, x, B, C and dt, `I + C + H` values), which the gate's saved z keeps alive whole, in the dtype of the mup
+    multiplier it is scaled by: a buffer in the weights' dtype, fp32 under a full fine-tune's fp32 masters (2 bytes
+    a value more than the 16-bit one the pure-16-bit count holds)."""
+    inner, heads = shape.mamba_inner, shape.mamba_heads
+    wider = (4 - compute_bytes(w)) * (inner + shape.mamba_conv_channels + heads) if w.method == "full" else 0
+    return 4 * heads * max(shape.mamba_chunk, 1) + wider
 
 
 def paired_mamba_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
