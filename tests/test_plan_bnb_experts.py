@@ -78,7 +78,8 @@ def test_bnb_experts_move_off_a_rank_in_16_bits() -> None:
                                                        ("5.2", "quantize_moe_experts: true\n", True)])
 def test_tools_plan_experts_as_their_transformers_loads_them(tmp_path: Path, version: str, extra: str,
                                                              nf4: bool) -> None:
-    """An axolotl QLoRA job of Qwen3-30B-A3B: 16-bit experts under transformers 5 unless `quantize_moe_experts`
+    """An axolotl QLoRA job of Qwen3-30B-A3B: under transformers 5 experts bitsandbytes leaves alone, which
+    prepare_model_for_kbit_training (axolotl's QLoRA, `frozen_fp32`) upcasts to fp32, unless `quantize_moe_experts`
     quantizes them on load; NF4 under transformers 4."""
     text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: qlora\nload_in_4bit: true\nlora_target_modules: [q_proj]\n"
             "sequence_len: 4096\nbf16: true\ngradient_checkpointing: true\n" + extra)
@@ -88,7 +89,8 @@ def test_tools_plan_experts_as_their_transformers_loads_them(tmp_path: Path, ver
     shape = resolve_shape("Qwen/Qwen3-30B-A3B")
     bf16, low = _experts("Qwen/Qwen3-30B-A3B")
     gap = state_bytes(shape, w)[0] - state_bytes(shape, dataclasses.replace(w, quant_backend="torchao"))[0]
-    assert gap == pytest.approx(0.0 if nf4 else bf16 - low, abs=1.0)
+    assert w.frozen_fp32
+    assert gap == pytest.approx(0.0 if nf4 else 2 * bf16 - low, abs=1.0)
 
 
 def test_a_negative_part_is_an_internal_error_naming_it() -> None:
@@ -98,3 +100,16 @@ def test_a_negative_part_is_an_internal_error_naming_it() -> None:
     from shardfit.plan.estimate import Breakdown, add_runtime_overhead
     with pytest.raises(PlannerBug, match="plan of ddp has -1.000 GiB of optimizer"):
         add_runtime_overhead(Breakdown(weights=4.0, optimizer=-1.0), parse_gpus("8xH100", 1, None), "ddp")
+
+
+def test_prepare_model_for_kbit_training_upcasts_the_16bit_experts() -> None:
+    """peft's prepare_model_for_kbit_training (`frozen_fp32`) casts every 16-bit parameter but Params4bit to fp32:
+    the fused expert stacks bitsandbytes left alone then take 4 bytes a weight, and the note says fp32."""
+    shape = resolve_shape("Qwen/Qwen3-30B-A3B")
+    fp32 = dataclasses.replace(BNB, frozen_fp32=True)
+    bf16, _ = _experts("Qwen/Qwen3-30B-A3B")
+    gap = state_bytes(shape, fp32)[0] - state_bytes(shape, dataclasses.replace(fp32, quantize_fused_experts=True))[0]
+    _, nf4 = _experts("Qwen/Qwen3-30B-A3B")
+    assert gap == pytest.approx(2 * bf16 - nf4, rel=1e-9)
+    notes = make_plan(shape, fp32, parse_gpus("1xH200", 1, None), ("single",)).notes
+    assert any(n.startswith("the routed experts stay fp32") for n in notes)

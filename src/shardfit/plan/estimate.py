@@ -196,7 +196,8 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
     QLoRA's NF4 (4-bit codes, 8-bit block scales, factors per group of scales: 0.5 byte + ~0.127 bit per weight,
     the QLoRA paper's double quantization, exactly as plan/quant.py lays it out; without `double_quant` an fp32
     scale per 64 weights) for each linear weight and each fused expert stack, except the router (never quantized)
-    and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision; else
+    and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision (fp32
+    after peft's prepare_model_for_kbit_training, `frozen_fp32`); else
     the compute precision. Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per
     expert as it counts them."""
     low = compute_bytes(w)
@@ -209,7 +210,10 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
         if experts_only and not expert:
             continue
         nf4 = w.method == "qlora" and (w.bnb_precision or not (name == "router" or (expert and keep16)))
-        total += quant.weight_bytes(r, c, low, w.double_quant) if nf4 else r * c * low
+        # peft's prepare_model_for_kbit_training (`frozen_fp32`) casts every 16-bit parameter that is not a
+        # Params4bit to fp32 (peft/utils/other.py), the experts bitsandbytes left alone with them
+        dense = 4 if expert and keep16 and w.frozen_fp32 else low
+        total += quant.weight_bytes(r, c, low, w.double_quant) if nf4 else r * c * dense
     return total
 
 

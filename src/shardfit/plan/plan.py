@@ -346,7 +346,8 @@ def expert_dtype_notes(shape: ModelShape, w: Workload) -> list[str]:
     if not experts_stay_16bit(shape, w):
         return []
     gib = stored_linear_bytes(shape, w, True, experts_only=True) * shape.moe_layers / GIB
-    notes = [f"the routed experts stay {w.precision} under bitsandbytes ({gib:.1f} GiB): transformers' 4-bit loading "
+    kept = "fp32 (peft's prepare_model_for_kbit_training upcasts them)" if w.frozen_fp32 else w.precision
+    notes = [f"the routed experts stay {kept} under bitsandbytes ({gib:.1f} GiB): transformers' 4-bit loading "
              "replaces only nn.Linear layers, and its fused 3-D expert weights are not; with transformers 4 "
              "(an nn.Linear per expert, `--from ... --transformers 4.57`) they would be NF4"]
     if shape.clamped_swiglu:
