@@ -304,16 +304,16 @@ def test_axolotl_fsdp_version_decides_fsdp1(tmp_path: Path) -> None:
 
 
 def test_axolotl_memory_savings_shardfit_does_not_plan_are_said(tmp_path: Path) -> None:
-    """tiled_mlp (less activation memory) and a QLoRA mixture without quantize_moe_experts (16-bit experts under
-    transformers 5) are said in notes, not read silently."""
+    """tiled_mlp (less activation memory) is said in a note, not read silently; a QLoRA mixture's experts are
+    planned 16-bit under transformers 5 without quantize_moe_experts, NF4 with it."""
     text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: qlora\nload_in_4bit: true\nlora_target_modules: [q_proj]\n"
             "sequence_len: 4096\nbf16: true\ngradient_checkpointing: true\ntiled_mlp: true\n")
     job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions(transformers="5.2"))
     assert any(n.startswith("tiled_mlp: ") for n in job.notes)
-    assert any(n.startswith("quantize_moe_experts not set") for n in job.notes)
+    assert job.workload.fused_experts and not job.workload.quantize_fused_experts
     quantized = read_job("axolotl", _write(tmp_path, "q.yml", text + "quantize_moe_experts: true\n"),
                          JobOptions(transformers="5.2"))
-    assert not any("quantize_moe_experts" in n for n in quantized.notes) and "quantize_moe_experts" in quantized.keys
+    assert quantized.workload.quantize_fused_experts and "quantize_moe_experts" in quantized.keys
 
 
 def test_swift_padding_free_is_read_as_planned(tmp_path: Path) -> None:

@@ -141,6 +141,21 @@ def test_v1_deepspeed_precision_from_its_json(tmp_path: Path, capsys: pytest.Cap
     assert (job.workload.precision, job.describe_engine()) == (precision, "DeepSpeed ZeRO-2")
 
 
+@pytest.mark.parametrize("section", [{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}},
+                                     {"scheduler": {"type": "WarmupLR"}}])
+def test_v1_deepspeed_optimizer_section_cannot_start(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                     section: dict) -> None:
+    """v1 builds its own torch optimizer and scheduler and passes both to accelerate, which raises a ValueError
+    beside the JSON's optimizer or scheduler section: exit 2 naming the JSON and the section, not "fits"."""
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+                                                  **section}))
+    f = tmp_path / "v1.yaml"
+    f.write_text("model: Qwen/Qwen3-0.6B\nbf16: true\ndist_config:\n  name: deepspeed\n  config_file: ds.json\n")
+    code, out, err = run_here(capsys, "plan", "--from", "llamafactory", str(f), "--gpus", "2xH100", "--nproc", "2")
+    key = next(iter(section))
+    assert code == 2 and f"'{key}' section" in err and "ds.json" in err and "remove" in err, (out, err)
+
+
 @pytest.mark.parametrize("quant,method", [("{name: auto}", "lora"), ("{name: auto, quantization_bit: 4}", "qlora"),
                                           ("{name: bnb}", "qlora")])
 def test_v1_quant_auto_needs_bits(tmp_path: Path, quant: str, method: str) -> None:

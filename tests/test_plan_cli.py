@@ -88,7 +88,7 @@ def test_nothing_fits_exit_3_with_alternatives(capsys) -> None:
     assert r.returncode == 3 and "nothing fits" in r.stdout
 
 
-@pytest.mark.parametrize("spec, count, mem", [("8x24GB", 8, 23.64), ("8x24GiB", 8, 23.64), ("1x4090", 1, 23.6),
+@pytest.mark.parametrize("spec, count, mem", [("8x24GB", 8, 23.64), ("8x24GiB", 8, 24.0), ("1x4090", 1, 23.6),
                                              ("4xA100-80G", 4, 79.2), ("2xH100", 2, 79.2), ("4xa100-40gb", 4, 39.4)])
 def test_gpu_specs(spec: str, count: int, mem: float) -> None:
     hw = parse_gpus(spec)
@@ -101,7 +101,8 @@ def test_gpu_specs(spec: str, count: int, mem: float) -> None:
     ("1x40G", 39.4, "sold with 40 GB"),
     ("4x48", 47.28, "sold with 48 GB"),
     ("8x89.4GB", 89.4, "read as usable memory"),  # decimals: what PyTorch can use already
-    ("2x24.0GB", 24.0, "read as usable memory")])
+    ("2x24.0GB", 24.0, "read as usable memory"),
+    ("8x24GiB", 24.0, "read as usable memory")])  # the binary unit written out: exactly that much
 def test_integer_sizes_are_nominal_decimals_usable(spec: str, mem: float, read: str) -> None:
     """A card sold as 16/24/32/40/48/80 GB offers about 0.985 of it to PyTorch (torch.cuda.mem_get_info): an
     integer size is the card's nominal one, a size with decimals usable memory; the plan's notes say which."""
@@ -110,6 +111,25 @@ def test_integer_sizes_are_nominal_decimals_usable(spec: str, mem: float, read: 
     assert any(read in note for note in hardware_notes(hw, "bf16"))
     assert not any("sold with" in note or "usable memory" in note for note in hardware_notes(parse_gpus("1x4090"),
                                                                                              "bf16"))
+
+
+@pytest.mark.parametrize(("spec", "says"), [("8x99999999999999999999999GB", "more memory than any GPU holds"),
+                                            ("8x5000GiB", "more memory than any GPU holds"),
+                                            ("8x\u0661\u0662GB", "unknown card")])  # Arabic-Indic digits
+def test_impossible_gpu_sizes_exit_2(spec: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A size past any card's memory (it used to end in an unexpected StopIteration) or written in non-ASCII
+    digits: exit 2 naming the spec."""
+    assert main(["plan", "--model", "Qwen/Qwen3-0.6B", "--gpus", spec]) == 2
+    err = capsys.readouterr().err
+    assert says in err and spec in err
+
+
+def test_json_plan_says_how_the_size_was_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--json` carries the hardware notes the text output prints: how a size-only spec was read."""
+    main(["plan", "--model", "Qwen/Qwen3-0.6B", "--gpus", "8x24GB", "--json"])
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert hardware["gpu_mem_gib"] == 23.64
+    assert any("read as cards sold with 24 GB" in n for n in hardware["notes"])
 
 
 def test_unknown_card_and_model() -> None:

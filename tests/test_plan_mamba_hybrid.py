@@ -164,12 +164,13 @@ def _saved_under_autocast(config: Any, method: str) -> float:
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize(("family", "rel"), [("bamba", 0.06), ("granitemoehybrid", 0.06), ("falcon_h1", 0.10)])
+@pytest.mark.parametrize(("family", "rel"), [("bamba", 0.06), ("granitemoehybrid", 0.06), ("falcon_h1", 0.03)])
 def test_a_mamba_block_under_autocast(family: str, rel: float, method: str) -> None:
     """Under bf16 autocast a Mamba block's scan keeps its einsums' 16-bit input copies, not the fp32 ones a
     pure-bf16 run keeps, LoRA leaves out_proj's input unsaved (no adapter there), and the block casts three
     hidden-size inputs, not an attention block's six: the plan was 20-34 % over the hooks with LoRA. Within 6 %
-    (Falcon-H1, attention beside the mixer: 10 %), LoRA and full, one block (a two-block model less one)."""
+    (Falcon-H1: 3 %, its fp32 exp of the segment sums and in_proj's output kept whole counted; it was 8 % under),
+    and never more than 3 % under, LoRA and full, one block (a two-block model less one)."""
     measured = _saved_under_autocast(_config(family, True, 2), method) - \
         _saved_under_autocast(_config(family, True, 1), method)
     shape = shape_from_config(_config(family, True, 2).to_dict(), family)
@@ -177,6 +178,7 @@ def test_a_mamba_block_under_autocast(family: str, rel: float, method: str) -> N
                  grad_ckpt="none")
     planned = (activation_bytes(shape, w, 2) - activation_bytes(shape, w, 1)) / SEQ
     assert planned == pytest.approx(measured, rel=rel)
+    assert planned >= 0.97 * measured  # a memory plan may err over, hardly under
 
 
 ZAMBA = dict(vocab_size=256, hidden_size=64, attention_hidden_size=128, attention_head_dim=16, num_attention_heads=4,
@@ -212,3 +214,54 @@ def test_a_zamba_hybrid_block_saves_its_shared_block(family: str) -> None:
     # the block checkpointing recomputes is a hybrid one
     assert largest_block_activation_bytes_per_token(with_shared, w) == pytest.approx(
         largest_block_activation_bytes_per_token(without, w) + (planned if family == "zamba2" else 0))
+
+
+def _saved_per_token_as_run(config: Any, method: str, autocast: bool, adapters_16bit: bool) -> float:
+    """Bytes autograd keeps per token over one forward: a full fine-tune over fp32 weights under bf16 autocast or of
+    the bf16 model without it; LoRA over bf16 weights, its adapters fp32 under autocast or bf16 without it. Only
+    tensors with a sequence dimension: autocast's weight casts, cast once per forward whatever the tokens, are no
+    per-token activation."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model = model.to(torch.float32 if method == "full" and autocast else torch.bfloat16)
+    if method == "lora":
+        model = apply_lora(model, LoraSettings(rank=8, alpha=16))
+        if adapters_16bit:
+            model = model.to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if SEQ in t.shape and t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(1, 256, (1, SEQ))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, logits_to_keep=1, use_cache=False)
+    return sum(kept.values()) / SEQ
+
+
+@pytest.mark.parametrize(("family", "method", "autocast", "attention"), [
+    ("zamba2", "lora", True, "flash"), ("zamba2", "full", True, "flash"), ("zamba2", "lora", False, "flash"),
+    ("zamba2", "full", False, "eager"), ("zamba", "lora", True, "flash"), ("zamba", "full", True, "flash")])
+def test_a_zamba_shared_block_as_each_workload_runs_it(family: str, method: str, autocast: bool,
+                                                       attention: str) -> None:
+    """The shared block beyond a pure-bf16 full fine-tune: under autocast a full fine-tune's fp32 norm outputs are
+    cast once per linear that reads them, and peft's fp32 adapters copy every adapted layer's input; LoRA keeps
+    each adapter's rank-wide output; eager attention its S x S scores. The plan counted none of these: 19-42 % under
+    the hooks (a hybrid-last model less a Mamba-last one)."""
+    pure = not autocast
+    eager = attention == "eager"
+    configs = [_zamba(family, last) for last in ("hybrid", "linear_attention")]
+    for c in configs:
+        c._attn_implementation = "eager" if eager else "sdpa"
+    with_shared, without = (_saved_per_token_as_run(c, method, autocast, pure and method == "lora") for c in configs)
+    w = Workload(seq_len=SEQ, method=method, precision="bf16", pure_16bit=pure and method == "full",
+                 adapters_16bit=pure and method == "lora", attention=attention, mamba_scan="torch", grad_ckpt="none",
+                 lora_rank=8)
+    shapes = [shape_from_config(c.to_dict(), family) for c in configs]
+    layers = shapes[0].layers
+    planned = (activation_bytes(shapes[0], w, layers) - activation_bytes(shapes[1], w, layers)) / SEQ
+    assert planned == pytest.approx(with_shared - without, rel=0.01)

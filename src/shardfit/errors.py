@@ -31,6 +31,13 @@ class RemoteCodeRefused(UserError):
                          f"pass it if you trust that folder.{why}")
 
 
+class PlannerBug(ShardfitError):
+    """Two of the planner's paths disagree (a memory part below zero): a bug in shardfit, never the input's fault.
+    Raised, not asserted, so `python -O` cannot hide it; the message names the part and asks for a report."""
+
+    exit_code = 1
+
+
 class DoesNotFitError(ShardfitError):
     """The plan predicts out-of-memory for every allowed strategy (or the chosen one)."""
 

@@ -476,7 +476,7 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "float8": args.float8, "bnb_compute_fp32": args.bnb_compute_fp32,
                  "bnb_optimizer": args.bnb_optimizer}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
-    if args.bnb_compute_fp32 and not (w.method == "qlora" and w.quant_backend == "bnb"):
+    if args.bnb_compute_fp32 and not w.bnb:
         # the compute dtype is bitsandbytes' Linear4bit's: any other run would plan exactly as without the flag
         raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but this run is method "
                         f"{w.method} with quant backend {w.quant_backend}: add --method qlora --quant-backend bnb, "

@@ -20,6 +20,7 @@ from shardfit.foreign.common import (
     fsdp_sharding,
     hf_loss,
     local_file,
+    major_minor,
     optimizer,
     optimizer_keys,
 )
@@ -166,7 +167,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     _parallel_sizes(src, job)
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
-    _unplanned_savings(src, job, shape.experts > 1, version)
+    _unplanned_savings(src, job)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     default_epochs(job, src, KEYS, "axolotl")
@@ -256,7 +257,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
                         "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
-                    quant_backend="bnb",
+                    quant_backend="bnb", fused_experts=major_minor(version) >= (5, 0),
+                    quantize_fused_experts=src.flag("quantize_moe_experts"),
                     **settings(src, KEYS, "field"))
 
 
@@ -313,19 +315,12 @@ def _fsdp_checkpointing(src: Source, job: ForeignJob) -> None:
         job.notes.append("fsdp_config activation_checkpointing checkpoints every block (planned as grad_ckpt full)")
 
 
-def _unplanned_savings(src: Source, job: ForeignJob, moe: bool, version: str) -> None:
+def _unplanned_savings(src: Source, job: ForeignJob) -> None:
     """Keys whose memory shardfit does not count, said rather than dropped: `tiled_mlp` (ALST's MLP over slices
-    of the sequence: less activation memory than planned), and 4-bit routed experts. transformers 5 keeps a
-    mixture's experts in fused 3-D weights, which bitsandbytes leaves unquantized unless axolotl's
-    `quantize_moe_experts` quantizes them on load; shardfit's QLoRA plans them in NF4 either way."""
+    of the sequence: less activation memory than planned)."""
     if src.flag("tiled_mlp"):
         job.notes.append("tiled_mlp: axolotl runs each MLP over slices of the sequence; shardfit plans it whole (an "
                          "over-estimate of the MLP's activations at long sequences)")
-    if moe and job.workload.method == "qlora" and not src.flag("quantize_moe_experts") and \
-            version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 5:
-        job.notes.append(f"quantize_moe_experts not set: with transformers {version} the routed experts' fused "
-                         "weights stay in 16-bit, but are planned in 4-bit NF4 (an under-estimate of the frozen "
-                         "weights); quantize_moe_experts: true quantizes them as planned")
 
 
 def _fsdp_version(src: Source, job: ForeignJob) -> None:

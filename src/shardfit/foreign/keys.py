@@ -189,10 +189,24 @@ def file_env(job: ForeignJob, env: Mapping[str, str], effects: Mapping[str, str]
             record(job, f"env {key}", value, effect=effect)
 
 
-def use_deepspeed(job: ForeignJob, ref: str, base: Path, where: str, hidden: int, notes: list[str]) -> DeepSpeedJob:
+def use_deepspeed(job: ForeignJob, ref: str, base: Path, where: str, hidden: int, notes: list[str],
+                  passes_optimizer: str | None = None) -> DeepSpeedJob:
     """Run the job under the DeepSpeed JSON `ref` names (deepspeed.load_deepspeed), its keys filed with the job's,
-    prefixed so they read apart from the tool's own."""
+    prefixed so they read apart from the tool's own. `passes_optimizer`: the tool (by that name) hands accelerate
+    a torch optimizer and scheduler of its own (LLaMA-Factory v1), which accelerate refuses beside the JSON's
+    `optimizer` or `scheduler` section (accelerator.py `_prepare_deepspeed`: "You cannot specify an optimizer in
+    the config file and in the code at the same time"): a UserError naming the section, since the job cannot
+    start."""
     ds = load_deepspeed(ref, base, where, hidden, notes)
+    if passes_optimizer:
+        given = {k.split(".")[0] for k in (*ds.keys, *ds.not_modelled)}
+        for section in ("optimizer", "scheduler"):
+            if section in given:
+                raise UserError(f"{ds.source}: the DeepSpeed JSON has a '{section}' section, but {passes_optimizer} "
+                                f"builds its own {section} and passes it to accelerate, which refuses both at once "
+                                f"(ValueError: \"You cannot specify {'an' if section == 'optimizer' else 'a'} "
+                                f"{section} in the config file and in the code at the same time\"); the job cannot "
+                                f"start: remove the '{section}' section from {ds.source}.")
     job.engine, job.zero = "deepspeed", ds.zero
     job.keys.update({f"deepspeed:{k}": v for k, v in ds.keys.items()})
     job.not_modelled.update({f"deepspeed:{k}": v for k, v in ds.not_modelled.items()})

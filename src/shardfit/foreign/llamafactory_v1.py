@@ -203,7 +203,10 @@ def _engine(src: Source, job: ForeignJob, hidden: int) -> str | None:
         if not isinstance(ref, str) or not ref:
             raise UserError(f"{src.at('dist_config.name')}: dist_config with name deepspeed needs 'config_file', "
                             f"the DeepSpeed JSON (e.g. examples/deepspeed/ds_z3_config.json).")
-        ds = use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes)
+        # v1's trainer builds a torch optimizer and scheduler and passes both to accelerate (core/base_trainer.py,
+        # plugins/trainer_plugins/distributed/deepspeed.py `prepare`, 0.9.5), never DeepSpeed's own
+        ds = use_deepspeed(job, ref, src.path.parent, src.at("dist_config.config_file"), hidden, job.notes,
+                           passes_optimizer="LLaMA-Factory v1")
         return _ds_mixed(ds, src.at("dist_config.config_file"))
     if name != "deepspeed" and job.nproc is not None and not job.distributed:  # unknown ranks: as configured
         job.engine = "single"

@@ -56,7 +56,7 @@ def fused_experts(shape: ModelShape, version: str) -> bool:
     """Whether transformers `version` builds `shape`'s routed experts fused: one `experts` module per block holding
     3-D weights for all of them (`gate_up_proj`, `down_proj`), no module per expert. Every family from
     transformers 5; gpt-oss's and Llama 4's classes from their first release."""
-    return shape.moe and (major_minor(version) >= (5, 0) or shape.every_expert or shape.clamped_swiglu)
+    return shape.moe and (major_minor(version) >= (5, 0) or shape.experts_always_fused)
 
 
 # The model types whose transformers-4 expert names peft 0.21 rewrites onto transformers 5's fused weights

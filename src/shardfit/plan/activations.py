@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS
-from shardfit.plan.adapters import adapted_shapes, adapts, lora_params
+from shardfit.plan.adapters import adapted_shapes, adapts, lora_params, rank_of
 from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.model_shape import ATTENTION, DELTA_CHUNK, MAMBA, MOE, Block
 from shardfit.plan.precision import (
@@ -71,7 +71,7 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
     if shape.single_part:
         if part is not None:
             return part_activation_bytes_per_token(shape, w, strategy, part)
-        shared = shape.shared_uses * shared_block_bytes_per_token(shape, w)
+        shared = shape.shared_uses * shared_block_bytes_per_token(shape, w, strategy)
         return (shape.over_blocks(lambda kind: part_activation_bytes_per_token(shape, w, strategy, kind)) + shared) / \
             shape.layers
     a = compute_bytes(w)
@@ -115,29 +115,61 @@ def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, ki
     return lora
 
 
-def shared_block_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+# Where each linear layer of Zamba's shared block reads its input (`shared_block_bytes_per_token`): the input norm's
+# output over the hidden state and the embedding, the kernel's output, the MLP norm's output, the MLP's activation,
+# Zamba2's adapter's rank-wide middle, the shared block's output (the hybrid block's own linear).
+_SHARED_SOURCES = {"q": "in", "k": "in", "v": "in", "o": "kernel", "linear_gate_up": "ff", "gate": "ff", "up": "ff",
+                   "down": "act", "linear_hybrid": "out"}
+# The sources that are fp32 in a full fine-tune under autocast (norms over fp32 weights, the fp32 residual):
+# autocast casts them to 16 bits for each linear layer that reads them, a copy each.
+_FP32_SOURCES = ("in", "ff", "out")
+
+
+def shared_block_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """What one use of Zamba's or Zamba2's shared transformer block (plan/shared_blocks.py) saves per token in a
     hybrid block, for an attention input A wide (the hidden state and the embedding side by side), an MLP m wide
-    and Zamba2's adapters of rank r: its input norm's fp32 upcast and reciprocal RMS, and where the norm weight
-    trains its normalised value; q/k/v's input (`a A`); the attention kernel's q, k, v, output and fp32 log-sum-exp;
-    the MLP's norm as the input norm's over the hidden width, gate/up's input, the MLP's four m-wide tensors (the
-    fused gate/up output that the activation reads, its output and the down projection's input), the adapter's
-    rank-wide input; and the hybrid block's own linear's input. Counted with saved-tensor hooks on a tiny Zamba2,
-    a pure-bf16 full fine-tune (tests/test_plan_mamba_hybrid.py); 0 for a block without a shared block."""
+    and Zamba2's adapters of rank r:
+    - its two norms' fp32 upcasts and reciprocal RMS; where the norm weights train, their normalised values (the
+      input norm's in the residual dtype, the MLP norm's, over the attention's 16-bit output, in 16 bits);
+    - the attention kernel's tensors (`softmax_attention_bytes_per_token`: eager's S x S scores, or SDPA's and
+      flash's q, k, v, output and log-sum-exp), and the MLP's gate/up output and the activation's input;
+    - each linear layer's input: where nothing casts, each input tensor once (q/k/v's, gate/up's and the adapter's,
+      down's, the adapter's middle, the hybrid linear's; o_proj's is the kernel's output); under autocast a full
+      fine-tune's fp32 inputs (the norms' outputs, the shared block's output) once per layer that reads them, and
+      peft's fp32 adapters a 16-bit copy of every adapted layer's input (the frozen base layers keep none);
+    - LoRA's rank-wide A outputs, and with dropout its dropped-out input and mask, per adapted layer.
+    Counted with saved-tensor hooks on tiny Zamba2 and Zamba models (tests/test_plan_mamba_hybrid.py): full and
+    LoRA, with and without autocast, flash and eager attention; 0 for a block without a shared block."""
     if not shape.shared_uses:
         return 0.0
-    widths = {name: (i, o) for name, i, o in shape.shared_linears}
+    linears = list(dict.fromkeys(shape.shared_linears))  # one use's layers (each use holds the same)
+    widths = {name: (i, o) for name, i, o in linears}
     a, h = compute_bytes(w), shape.hidden
-    attention_in, q = widths["q"]
-    kv = widths["k"][1]
+    attention_in = widths["q"][0]
     m = widths["down"][0]
-    rank = min(o for name, i, o in shape.shared_linears if name == "linear_adapter" and i == h) \
-        if "linear_adapter" in widths else 0
-    trained = a if w.method == "full" else 0
-    norms = (4 + trained) * (attention_in + h) + 2 * 4
-    attention = a * (attention_in + 2 * q + 2 * kv) + 4 * shape.heads
-    mlp = a * (h + 4 * m + rank)
-    return norms + attention + mlp + a * h
+    full = w.method == "full"
+    norms = 4 * (attention_in + h) + 2 * 4 + ((residual_bytes(w, strategy) * attention_in + a * h) if full else 0)
+    inner = softmax_attention_bytes_per_token(shape, w, strategy) + 3 * a * m
+    casts = casts_trainable_inputs(w, strategy)
+    saved: dict[str, float] = {}
+    copies = 0.0
+    for name, i, _ in linears:
+        source = _SHARED_SOURCES.get(name) or ("ff" if i == h else "rank")  # Zamba2's adapter: in, then middle
+        reads = full or adapts(name, w)
+        if not reads or source == "kernel" and not (casts and not full):
+            continue
+        if casts and (not full or source in _FP32_SOURCES):
+            copies += a * i
+        else:
+            saved[source] = a * i
+    lora = 0.0
+    if w.trains_adapters:
+        adapted = [(n, i) for n, i, _ in linears if adapts(n, w)]
+        lora = sum(a * rank_of(n, w) for n, _ in adapted)
+        if w.lora_dropout > 0:
+            dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
+            lora += sum((dropped + 1) * i for _, i in adapted)
+    return norms + inner + sum(saved.values()) + copies + lora
 
 
 def part_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block) -> float:
@@ -206,8 +238,22 @@ def mamba_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = 
     states = heads * state * shape.mamba_head_dim / chunk
     # The einsums' inputs autocast casts to 16 bits (the fp32 scan keeps them in fp32).
     cast = (4 - a) * (5 * heads * state + 4 * heads * chunk + inner + states) if runs_autocast(w, strategy) else 0
+    if cast and not shape.mamba_gated_norm:
+        cast -= falcon_h1_autocast_bytes(shape, w)
     return trained + 2 * a * shape.mamba_conv_channels + 16 * heads * chunk + 20 * heads * state + gate + \
         8 * states + 2 * a * heads + 20 * heads + norm - cast
+
+
+def falcon_h1_autocast_bytes(shape: ModelShape, w: Workload) -> float:
+    """What Falcon-H1's mixer keeps under autocast beyond the cast discount of `mamba_saved_bytes_per_token`
+    (hooks on its tiny block, LoRA and full: tests/test_plan_mamba_hybrid.py): the fp32 exponent of the segment
+    sums, which exp saves for its own backward beside the einsum's 16-bit copy (`4 H L`); and in_proj's output
+    (z, x, B, C and dt, `I + C + H` values), which the gate's saved z keeps alive whole, in the dtype of the mup
+    multiplier it is scaled by: a buffer in the weights' dtype, fp32 under a full fine-tune's fp32 masters (2 bytes
+    a value more than the 16-bit one the pure-16-bit count holds)."""
+    inner, heads = shape.mamba_inner, shape.mamba_heads
+    wider = (4 - compute_bytes(w)) * (inner + shape.mamba_conv_channels + heads) if w.method == "full" else 0
+    return 4 * heads * max(shape.mamba_chunk, 1) + wider
 
 
 def paired_mamba_bytes_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
@@ -285,7 +331,7 @@ def largest_block_activation_bytes_per_token(shape: ModelShape, w: Workload, str
     forward): the mean block, or in a Gated DeltaNet hybrid the larger of its two kinds, as every block of each
     kind is recomputed at some point of the backward."""
     if shape.single_part:  # a hybrid block (Zamba's) runs its shared block after its own part
-        shared = shared_block_bytes_per_token(shape, w) if shape.shared_uses else 0.0
+        shared = shared_block_bytes_per_token(shape, w, strategy) if shape.shared_uses else 0.0
         return shared + max(block_activation_bytes_per_token(shape, w, strategy, part=kind)
                             for _, kind in shape.block_kinds())
     if shape.mamba_mixers:

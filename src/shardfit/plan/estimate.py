@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from shardfit import method as methods
 from shardfit import strategy as strategies
 from shardfit.config.support import loss_chunk_rows
+from shardfit.errors import PlannerBug
 from shardfit.plan import experts, quant
 from shardfit.plan.activations import (
     activation_bytes,
@@ -178,19 +179,55 @@ def planned_workload(shape: ModelShape, w: Workload) -> Workload:
     return replace(w, attention="eager") if shape.eager_only and w.attention == "sdpa" else w
 
 
-def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None) -> float:
-    """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
-    factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
-    plan/quant.py lays it out; without `double_quant` an fp32 scale per 64 weights) for each linear weight and each
-    fused expert stack, the router in the compute precision (never quantized); else the compute precision. Under
-    Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per expert as it counts them."""
+def experts_stay_16bit(shape: ModelShape, w: Workload) -> bool:
+    """Whether bitsandbytes QLoRA leaves a mixture's routed experts in the compute dtype: transformers' 4-bit
+    loading replaces only nn.Linear and Conv1D modules (integrations/bitsandbytes.py `replace_with_bnb_linear`,
+    5.23), so fused 3-D expert stacks (`Workload.fused_experts`, ModelShape.experts_always_fused) keep the dtype they
+    are loaded in (a real load of a Mixtral: q_proj a Params4bit, `experts.gate_up_proj` a bf16 Parameter), unless
+    the tool quantizes them itself (`quantize_fused_experts`). shardfit's torchao path quantizes the stacks itself
+    (models/quantize_experts.py); Lightning's plugin (`bnb_precision`) runs litgpt's mixtures, an nn.Linear per
+    expert."""
+    return (shape.moe and w.method == "qlora" and w.quant_backend == "bnb" and not w.bnb_precision
+            and not w.quantize_fused_experts and (w.fused_experts or shape.experts_always_fused))
+
+
+def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None, experts_only: bool = False) -> float:
+    """What one decoder block's linear weights (with `experts_only`, its routed experts alone) take as stored:
+    QLoRA's NF4 (4-bit codes, 8-bit block scales, factors per group of scales: 0.5 byte + ~0.127 bit per weight,
+    the QLoRA paper's double quantization, exactly as plan/quant.py lays it out; without `double_quant` an fp32
+    scale per 64 weights) for each linear weight and each fused expert stack, except the router (never quantized)
+    and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision (fp32
+    after peft's prepare_model_for_kbit_training, `frozen_fp32`); else
+    the compute precision. Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per
+    expert as it counts them."""
     low = compute_bytes(w)
-    if w.method == "qlora" and w.bnb_precision:
-        return sum(quant.weight_bytes(o, i, low, w.double_quant) for i, o in shape.linear_shapes(moe))
-    if w.method == "qlora":
-        return sum(r * c * low if name == "router" else quant.weight_bytes(r, c, low, w.double_quant)
-                   for name, r, c in shape.stored_weights(moe))
-    return sum(i * o for i, o in shape.linear_shapes(moe)) * low
+    per_layer = w.bnb_precision or w.method != "qlora"
+    rows = [(n, o, i) for n, i, o in shape.named_linears(moe)] if per_layer else shape.stored_weights(moe)
+    keep16 = experts_stay_16bit(shape, w)
+    total = 0.0
+    for name, r, c in rows:
+        expert = name.startswith("expert_")
+        if experts_only and not expert:
+            continue
+        nf4 = w.method == "qlora" and (w.bnb_precision or not (name == "router" or (expert and keep16)))
+        # peft's prepare_model_for_kbit_training (`frozen_fp32`) casts every 16-bit parameter that is not a
+        # Params4bit to fp32 (peft/utils/other.py), the experts bitsandbytes left alone with them
+        dense = 4 if expert and keep16 and w.frozen_fp32 else low
+        total += quant.weight_bytes(r, c, low, w.double_quant) if nf4 else r * c * dense
+    return total
+
+
+def nf4_weights(shape: ModelShape, w: Workload) -> list[tuple[str, int, int]]:
+    """(name, rows, cols) of the largest block's weights QLoRA stores in NF4 (`stored_linear_bytes`'s rule, outside
+    Lightning's plugin): every stored weight but the router and the expert stacks bitsandbytes leaves alone."""
+    keep16 = experts_stay_16bit(shape, w)
+    return [(n, r, c) for n, r, c in shape.stored_weights()
+            if n != "router" and not (keep16 and n.startswith("expert_"))]
+
+
+def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None) -> float:
+    """One decoder block's linear weights as stored (`stored_linear_bytes`)."""
+    return stored_linear_bytes(shape, w, moe)
 
 
 def quantized_head(shape: ModelShape, w: Workload) -> bool:
@@ -231,7 +268,7 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
         return 0.0
     # A fused expert stack dequantizes whole (models/quantize_experts.py): the largest NF4 weight of a mixture.
     linears = [(i, o) for i, o in shape.linear_shapes() if quant.quantizable(o, i)] if w.bnb_precision else \
-        [(c, r) for name, r, c in shape.stored_weights() if name != "router" and quant.quantizable(r, c)]
+        [(c, r) for name, r, c in nf4_weights(shape, w) if quant.quantizable(r, c)]
     if not linears:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
@@ -307,8 +344,8 @@ def qlora_shard_problem(shape: ModelShape, w: Workload, world: int) -> str | Non
     qlora_shard_layout refuses before training), or None."""
     if w.method != "qlora":
         return None
-    for name, r, c in shape.stored_weights():
-        problem = quant.shard_problem(r, c, world) if name != "router" else None
+    for _, r, c in nf4_weights(shape, w):
+        problem = quant.shard_problem(r, c, world)
         if problem:
             return f"a {r}x{c} weight: {problem}"
     return None
@@ -435,17 +472,11 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
 
 def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
     """One mixture-of-experts block's routed experts as stored (`state_bytes` counts them so): a full fine-tune's
-    fp32 masters (or pure 16-bit weights), QLoRA's NF4 stacks (`linear_weight_bytes`), else the compute dtype."""
+    fp32 masters (or pure 16-bit weights), else as `stored_linear_bytes` stores them (QLoRA's NF4 stacks, or the
+    compute dtype)."""
     if w.method == "full":
         return float(experts.per_block_params(shape) * trainable_bytes(w))
-    low = compute_bytes(w)
-    if w.method == "qlora" and w.bnb_precision:
-        return float(sum(quant.weight_bytes(o, i, low, w.double_quant)
-                         for n, i, o in shape.named_linears(True) if n.startswith("expert_")))
-    if w.method == "qlora":
-        return float(sum(quant.weight_bytes(r, c, low, w.double_quant)
-                         for n, r, c in shape.stored_weights(True) if n.startswith("expert_")))
-    return float(experts.per_block_params(shape) * low)
+    return stored_linear_bytes(shape, w, True, experts_only=True)
 
 
 def foreach_temp_bytes(params: float, w: Workload) -> float:
@@ -579,8 +610,11 @@ def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
     # A negative part means two paths counted the same bytes differently (what is moved out of a share must be
     # what was counted in it); it would let a plan that cannot run read as fitting, so it is a bug, never clamped.
-    parts = ("weights", "grads", "optimizer", "activations", "logits", "temporaries")
-    assert all(getattr(b, k) > -1e-9 for k in parts), f"negative memory part in {strategy}: {b}"
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        if getattr(b, part) < -1e-9:
+            raise PlannerBug(f"internal error: the plan of {strategy} has {getattr(b, part):.3f} GiB of {part}, below "
+                             "zero (two of the planner's paths count the same bytes differently); please report it "
+                             "with the command line")
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.allocator_reserve = tensors * ALLOCATOR_RESERVE

@@ -43,6 +43,10 @@ NO_BF16 = ("t4", "v100", "v100-32g", "v100-16g", "2080ti", "titan")
 # More GPUs than any cluster holds: the planner's per-rank searches (a pipeline's stage counts divide the world)
 # take time in the world size, so a typo of a few extra digits would hang `plan` (and the UI's plan request).
 MAX_WORLD = 100_000
+# More memory per GPU than any card holds (GiB): a size past it is a typo.
+MAX_GPU_GIB = 4096
+# A size-only spec (`24GB`, `24GiB`, `24G`, `24`), ASCII digits only.
+SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)?", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -73,14 +77,17 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
         raise UserError(f"--gpus {spec}: one kind of GPU per plan (every rank of a job is planned alike): give "
                         f"every GPU of the job as its smallest card, e.g. --gpus {_total_count(spec)}xA100, or plan "
                         f"each kind apart.")
-    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(.+?)\s*", spec)
+    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(.+?)\s*", spec, re.ASCII)
     count, what = (int(m.group(1)), m.group(2)) if m else (1, spec.strip())
     key = card_key(what)
-    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)?", what.lower())
+    size = SIZE.fullmatch(what.lower())
     if key in CARDS:  # before sizes: `1x4090` is a card, not 4090 GiB
         mem = CARDS[key]
     elif size:
-        mem = usable_gib(size.group(1))
+        mem = usable_gib(size.group(1), size.group(2))
+        if mem > MAX_GPU_GIB:
+            raise UserError(f"--gpus {spec}: {what} is more memory than any GPU holds (at most {MAX_GPU_GIB} GiB); "
+                            f"give the memory of one GPU, e.g. --gpus {count}x80GB.")
     else:
         raise UserError(f"--gpus {spec}: unknown card '{what}'. Known: {', '.join(sorted(CARDS))}; "
                         f"or give a size such as 8x24GB.")
@@ -94,11 +101,12 @@ def parse_gpus(spec: str, nodes: int = 1, cpu_mem_gib: float | None = None) -> H
     return Hardware(nodes, count, mem, cpu_mem_gib, what)
 
 
-def usable_gib(size: str) -> float:
-    """The memory PyTorch can use on a card of `size` as a spec writes it: an integer (`24`) is the card's nominal
-    size, the table's usable figure where every card sold with that size has the same one, else USABLE_SHARE of
-    it; a size with decimals (`23.6`, `89.4`) is usable memory already."""
-    if "." in size:
+def usable_gib(size: str, unit: str | None = None) -> float:
+    """The memory PyTorch can use on a card of `size` as a spec writes it: an integer in GB, G or bare (`24`) is
+    the card's nominal size, the table's usable figure where every card sold with that size has the same one, else
+    USABLE_SHARE of it; a size with decimals (`23.6`, `89.4`), or in the binary unit (`unit` gib: `24GiB`), is
+    usable memory already."""
+    if "." in size or unit == "gib":
         return float(size)
     nominal = int(size)
     known = {CARDS[key] for key, gb in NOMINAL.items() if gb == nominal}
@@ -107,13 +115,13 @@ def usable_gib(size: str) -> float:
 
 def size_note(hw: Hardware) -> str | None:
     """How a size-only spec's memory was read (`usable_gib`), for the plan's notes; None for a named card."""
-    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)?", hw.name.strip().lower())
+    size = SIZE.fullmatch(hw.name.strip().lower())
     if size is None:
         return None
-    if "." in size.group(1):
+    if "." in size.group(1) or size.group(2) == "gib":
         return f"{hw.name} read as usable memory: {hw.gpu_mem_gib:g} GiB for PyTorch on each GPU"
     return (f"{hw.name} read as cards sold with {size.group(1)} GB: {hw.gpu_mem_gib:g} GiB usable by PyTorch on each; "
-            f"write a size with decimals (e.g. {float(size.group(1)):.1f}GB) for exactly that much usable memory")
+            f"write a size with decimals or in GiB (e.g. {size.group(1)}GiB) for exactly that much usable memory")
 
 
 def _total_count(spec: str) -> int:

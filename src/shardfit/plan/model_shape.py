@@ -413,6 +413,12 @@ class ModelShape:
             out.append((n, self.experts * o, i))
         return out
 
+    @property
+    def experts_always_fused(self) -> bool:
+        """Whether transformers' class keeps the routed experts as fused 3-D weights in every version (gpt-oss's
+        GptOssExperts and Llama 4's Llama4TextExperts from their first release), not only from transformers 5."""
+        return self.moe and (self.every_expert or self.clamped_swiglu)
+
     def linear_shapes(self, moe: bool | None = None) -> list[tuple[int, int]]:
         """(in, out) of every linear layer in one decoder block (the largest kind: a mixture's, each expert's MLP
         counted)."""

@@ -14,8 +14,16 @@ from shardfit import __version__
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config.support import trainable_methods
-from shardfit.plan.estimate import Candidate, estimate, planned_workload, trainable_params
-from shardfit.plan.hardware import Hardware
+from shardfit.plan.estimate import (
+    GIB,
+    Candidate,
+    estimate,
+    experts_stay_16bit,
+    planned_workload,
+    stored_linear_bytes,
+    trainable_params,
+)
+from shardfit.plan.hardware import Hardware, hardware_notes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import delta_rule_chunk_ops, reference_pass_s, step_time
 from shardfit.plan.workload import Workload
@@ -68,7 +76,9 @@ class Plan:
             "hardware": {"name": self.hardware.name, "nodes": self.hardware.nodes,
                          "gpus_per_node": self.hardware.gpus_per_node,
                          "gpu_mem_gib": round(self.hardware.gpu_mem_gib, 2),
-                         "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None},
+                         "cpu_mem_gib": round(self.hardware.cpu_mem_gib, 1) if self.hardware.cpu_mem_gib else None,
+                         # how the spec was read, as the text output's notes say it (`--gpus 8x24GB`: nominal)
+                         "notes": hardware_notes(self.hardware, self.workload.precision)},
             "workload": dataclasses.asdict(self.workload),
             # What the objective makes of the workload: sequences and tokens one micro-batch forwards, the reference.
             "objective": {"name": self.workload.objective, "rows": self.workload.rows,
@@ -293,7 +303,7 @@ def make_plan(shape: ModelShape, w: Workload, hw: Hardware, strategies: tuple[st
                       *((shape.active_params(), shape.experts, shape.top_k) if shape.moe else (None, None, None)))
     return Plan(model, hw, w, cands, best, reason, alternatives(shape, w, hw) if best is None else None,
                 objective_notes(shape, w, hw, cands, best) + delta_rule_notes(shape, w)
-                + mamba_notes(shape, w, hw, best, strategies)
+                + mamba_notes(shape, w, hw, best, strategies) + expert_dtype_notes(shape, w)
                 + ([f"attention {asked.attention} runs eager: transformers' class of {shape.id} has no SDPA"]
                    if w.attention != asked.attention else []),
                 same_result(shape, w, hw, strategies) if best is None else None)
@@ -328,6 +338,23 @@ def objective_notes(shape: ModelShape, w: Workload, hw: Hardware, cands: list[Ca
     return [*notes, f"reference: log-probabilities computed once before step 1 (one forward without gradients "
                     f"over the data:{per_1k} not in step_s); no second copy of the weights and nothing added to "
                     "the step's memory"]
+
+
+def expert_dtype_notes(shape: ModelShape, w: Workload) -> list[str]:
+    """Where bitsandbytes QLoRA leaves the fused routed experts in 16 bits (estimate.py `experts_stay_16bit`): how
+    much of the weights that is, and for gpt-oss what its MXFP4 checkpoint does to a 4-bit load."""
+    if not experts_stay_16bit(shape, w):
+        return []
+    gib = stored_linear_bytes(shape, w, True, experts_only=True) * shape.moe_layers / GIB
+    kept = "fp32 (peft's prepare_model_for_kbit_training upcasts them)" if w.frozen_fp32 else w.precision
+    notes = [f"the routed experts stay {kept} under bitsandbytes ({gib:.1f} GiB): transformers' 4-bit loading "
+             "replaces only nn.Linear layers, and its fused 3-D expert weights are not; with transformers 4 "
+             "(an nn.Linear per expert, `--from ... --transformers 4.57`) they would be NF4"]
+    if shape.clamped_swiglu:
+        notes.append("gpt-oss ships MXFP4 experts: transformers refuses a BitsAndBytesConfig over the checkpoint's "
+                     "Mxfp4Config; a tool that loads it dequantized (Mxfp4Config(dequantize=True)) holds every weight "
+                     "in 16 bits, attention included")
+    return notes
 
 
 def delta_rule_notes(shape: ModelShape, w: Workload) -> list[str]:

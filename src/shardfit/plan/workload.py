@@ -140,6 +140,14 @@ class Workload:
     # outputs, and so their gradients, are fp32, and MatMul4Bit's backward casts each dequantized 16-bit weight to
     # fp32 beside it (plan/estimate.py `bnb_dequantized_bytes`); under autocast the outputs are 16-bit.
     bnb_compute_fp32: bool = False
+    # The job's transformers builds a mixture's routed experts as fused 3-D parameters (transformers 5, the default
+    # and the installed one; gpt-oss's and Llama 4's classes in every version: ModelShape.experts_always_fused);
+    # False: transformers 4's nn.Linear per expert. bitsandbytes' 4-bit loading replaces only nn.Linear (and
+    # Conv1D) modules (transformers/integrations/bitsandbytes.py `replace_with_bnb_linear`), so fused stacks stay in
+    # the load dtype (plan/estimate.py `experts_stay_16bit`); the foreign readers set it from `--transformers`.
+    fused_experts: bool = True
+    # The tool quantizes fused expert stacks to 4 bits itself on load (axolotl's `quantize_moe_experts`).
+    quantize_fused_experts: bool = False
     # AdamW from bitsandbytes (the tools' `adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`):
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
