@@ -43,8 +43,10 @@ def test_seed_case_json_contract(capsys) -> None:
     assert set(plan) >= {"shardfit_version", "model", "hardware", "workload", "candidates", "recommended", "reason"}
     assert plan["model"]["params"] == pytest.approx(73.4e9, rel=0.01)
     assert 0 < plan["model"]["trainable_params"] < 0.01 * plan["model"]["params"]  # LoRA: the adapter only
+    notes = plan["hardware"].pop("notes")
     assert plan["hardware"] == {"name": "24GB", "nodes": 1, "gpus_per_node": 8, "gpu_mem_gib": 23.64,
                                 "cpu_mem_gib": None}
+    assert len(notes) == 1 and "23.64 GiB usable" in notes[0]  # how "24GB" was read is said, not silent
     assert plan["workload"]["method"] == "lora" and plan["workload"]["seq_len"] == 2048
     names = [c["strategy"] for c in plan["candidates"]]
     assert names == ["single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel"]
