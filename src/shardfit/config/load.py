@@ -303,6 +303,7 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
         for t in tries:
             if exists_here(t, f"{loc}: '{key}' {t}"):
                 _refuse_folder(t, loc, key)
+                exists_here(t, f"{loc}: '{key}' {t}", read=True)  # as train reads it (and hashes it first)
                 return str(t)
         for t in tries:
             near = close_sibling(t)

@@ -8,6 +8,7 @@ beside `data/`), the storage is mounted and the path is a typo: check and train 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import socket
 from pathlib import Path
@@ -19,14 +20,28 @@ from shardfit.errors import UserError
 CUTOFF = 0.75
 
 
-def exists_here(p: Path, named: str) -> bool:
+def unreadable(named: str, e: OSError) -> UserError:
+    """The refusal of a path the OS will not let this user look at or read, beginning with `named` (the file, line
+    and key): check and train give it alike."""
+    return UserError(f"{named} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct the path, or "
+                     "give this user read access to it.")
+
+
+def exists_here(p: Path, named: str, read: bool = False) -> bool:
     """Whether anything is at `p` on this machine; a path the OS refuses to look at (a name too long, a folder this
-    user may not enter) is a UserError on any machine, beginning with `named` (the file, line and key)."""
+    user may not enter) is a UserError on any machine, beginning with `named` (the file, line and key). With
+    `read`, a file that is here must also open for reading and a folder list its names, as the run will read them
+    (without it, train refused such a file with a PermissionError traceback as it hashed the data)."""
     try:
-        return p.exists()
+        if not p.exists():
+            return False
+        if read and p.is_dir():
+            os.listdir(p)
+        elif read:  # non-blocking: a FIFO given as a file opens at once instead of waiting for a writer
+            os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+        return True
     except OSError as e:
-        raise UserError(f"{named} cannot be read on {socket.gethostname()} ({e.strerror or e}). Correct the path, or "
-                        "give this user read access to it.") from None
+        raise unreadable(named, e) from None
 
 
 def _names(folder: Path) -> list[str]:
@@ -56,7 +71,14 @@ def _close(name: str, folder: Path) -> str | None:
 def close_sibling(p: Path) -> Path | None:
     """The existing path `p` most likely meant, where `p`'s own folder (or, for a typo in that folder's name, the
     folder above it) is here and holds a close name; None where nothing is near (the storage is not mounted, or
-    the name is new)."""
+    the name is new, or a folder on the way this user may not look in: the caller's own message stands)."""
+    try:
+        return _close_sibling(p)
+    except OSError:
+        return None
+
+
+def _close_sibling(p: Path) -> Path | None:
     if p.parent.is_dir():
         match = _close(p.name, p.parent)
         return None if match is None else p.parent / match

