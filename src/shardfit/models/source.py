@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +40,36 @@ def _package_dir(package: str) -> Path | None:
 
 
 def _local_path(model: str) -> Path:
-    """The path a `model` value names, `~` expanded (a hub id is returned as a relative path, never looked up)."""
+    """The path a `model` value names, `~` expanded (a hub id is returned as a relative path, never looked up); a
+    URL, which names no model shardfit loads, is a UserError from check and train alike."""
+    if re.match(r"^[A-Za-z][\w+.-]*://", model):
+        raise UserError(f"'model' is a URL ({model}); shardfit loads a local model folder, a .gguf file or a "
+                        "Hugging Face hub id (owner/name). Give the hub id, or download the model and give its folder.")
     try:
         return Path(model).expanduser()
     except RuntimeError:  # `~user/...` of a user this machine does not know
         raise UserError(f"'model': {model} names the home of a user {socket.gethostname()} does not know. Give the "
                         "model folder's full path, or a hub id.") from None
+
+
+def _is_local(model: str, p: Path) -> bool:
+    """Whether `model` is meant as a path on disk rather than a hub id: a .gguf file, a path written from `.`, `/`
+    or `~`, or one whose first folder is here (`models/tiny` beside a `models/` folder)."""
+    return p.suffix == ".gguf" or model.startswith((".", "/", "~")) or \
+        (len(p.parts) > 1 and os.path.isdir(p.parts[0]))
+
+
+def _shown(model: str, near: Path) -> str:
+    """A path the model value most likely meant, written as the user wrote theirs (`./` kept)."""
+    return f"./{near}" if model.startswith("./") and not near.is_absolute() else str(near)
+
+
+def near_model(model: str) -> str:
+    """For a local model path with nothing at it: ' Did you mean X?' when a close name that is not surely the one
+    meant is here (`config/paths.py` `likeness`), else nothing."""
+    p = _local_path(model)
+    near = close_sibling(p) if _is_local(model, p) else None
+    return f" A close name is here: did you mean {_shown(model, near.path)}?" if near is not None else ""
 
 
 def absent_here(model: str) -> bool:
@@ -57,10 +83,10 @@ def absent_here(model: str) -> bool:
     if p.suffix in (".safetensors", ".json"):
         raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
                         "a model is the folder that holds config.json and the weights, or a .gguf file.")
-    local = p.suffix == ".gguf" or model.startswith((".", "/", "~"))
+    local = _is_local(model, p)
     near = close_sibling(p) if local else None
-    if near is not None:  # the folder is here: a typo, not storage this machine does not mount
-        raise UserError(f"'model': {model} does not exist; did you mean {near}?")
+    if near is not None and near.sure:  # the folder is here: a typo, not storage this machine does not mount
+        raise UserError(f"'model': {model} does not exist; did you mean {_shown(model, near.path)}?")
     return local
 
 
@@ -99,5 +125,5 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource(str(folder), filename, model)
     if absent_here(model):
         raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, "
-                        f"or a hub id.")
+                        f"or a hub id.{near_model(model)}")
     return ModelSource(model, None, model)
