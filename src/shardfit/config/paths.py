@@ -129,8 +129,8 @@ def likeness(want: str, have: str) -> bool | None:
     .jsonl), False for another single edit (a close name, worth naming), None for a name of another file: names
     that differ only in digits (a series: train2, shard_03), in a whole short token (train_en/train_de, shard_a/
     shard_b), or by more than one edit."""
-    if want == have or re.sub(r"\d+", "", want) == re.sub(r"\d+", "", have):
-        return None
+    if want == have or re.sub(r"\d+", "#", want) == re.sub(r"\d+", "#", have):
+        return None  # a series: shard1/shard2, data-0001/data-0002
     stem, suffix = os.path.splitext(want)
     if suffix in DATA_SUFFIXES and os.path.splitext(have) in [(stem, s) for s in DATA_SUFFIXES]:
         return True
@@ -139,6 +139,8 @@ def likeness(want: str, have: str) -> bool | None:
         return None
     kind, i = edit
     longer = want if kind == "add" else have  # the name that holds the edited letter at i
+    if kind in ("add", "drop") and longer[i].isdigit():
+        return None  # a number added or dropped: train2 beside train, the next of a series
     if _SEPARATORS.fullmatch(longer[i]) or (kind == "change" and _SEPARATORS.fullmatch(want[i])):
         return False  # a separator added, dropped or changed (train-x, train_x): worth naming, not sure
     token, at = _token(longer, i)
