@@ -137,3 +137,11 @@ def test_the_folders_looked_in_are_normalised(tmp_path: Path, monkeypatch: pytes
     absent: list[NotHere] = []
     load_config("../c.yaml", absent=absent)
     assert absent[0].looked_in == (str(tmp_path / "work"), str(tmp_path)), absent
+
+
+def test_a_bare_name_is_compared_in_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A regression guard: the walk up from a bare name must reach the working directory (`.`)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="did you mean train.jsonl\\?"):
+        load_config(write_config(tmp_path / "c.yaml", model="m", data="trian.jsonl"), absent=[])

@@ -1,8 +1,9 @@
 """A path a config names with nothing at it: a typo beside the real file, or a file that is elsewhere.
 
 A login node may not mount the storage the run trains from, so `check` warns about a path with nothing at it. But
-when the folder it names is here and holds a name a keystroke away (`trian.jsonl` beside `train.jsonl`, `dat/`
-beside `data/`), the storage is mounted and the path is a typo: check and train both refuse it, naming the match.
+when the folder it names is here and holds a name that is surely the one meant (`trian.jsonl` beside `train.jsonl`,
+`dat/` beside `data/`: `likeness`), the storage is mounted and the path is a typo: check and train both refuse it,
+naming the match. A value that can be no file at all (a wildcard, a looping link, a hub dataset id) is refused too.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Sibling:
 
     path: Path
     sure: bool
+
 
 # A value shaped as a Hugging Face dataset id: owner/name, with no file suffix.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w-]+")
@@ -182,8 +184,8 @@ def close_sibling(p: Path, named: tuple[str | Path, ...] = ()) -> Sibling | None
 
 def _close_sibling(p: Path, named: frozenset[Path]) -> Sibling | None:
     parts = p.parts
-    for depth in range(len(parts) - 1, 0, -1):
-        folder = Path(*parts[:depth])
+    for depth in range(len(parts) - 1, -1, -1):
+        folder = Path(*parts[:depth]) if depth else Path(".")  # a bare name is in the working directory
         if not folder.is_dir():
             continue
         near = _closest(parts[depth], folder, named)
