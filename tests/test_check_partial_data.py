@@ -47,6 +47,10 @@ def test_kto_rows_of_one_kind_here_are_not_judged_while_a_data_file_is_absent(tm
     code, out = _check(tmp_path, tiny_llama, capsys, objective="kto", data=[str(good), f"{ELSEWHERE}/bad.jsonl"])
     assert code == 0 and "kto_one_kind" not in [f["rule"] for f in out["findings"]], out
     assert any("KTO's desirable and undesirable rows" in s for s in out["skipped"]), out["skipped"]
+    # only eval_data absent: every training row is here, so the balance is judged as train judges it
+    code, out = _check(tmp_path, tiny_llama, capsys, objective="kto", data=str(good),
+                       eval_data=f"{ELSEWHERE}/eval.jsonl")
+    assert code == 1 and "kto_one_kind" in [f["rule"] for f in out["findings"]], out
 
 
 def test_a_share_of_the_rows_as_max_bad_rows_is_not_judged_on_part_of_the_data(tmp_path: Path, tiny_llama: Path,

@@ -98,8 +98,9 @@ def validate_data(cfg: Config, whole: bool = True) -> None:
 def data_findings(cfg: Config, model_here: bool = True, whole: bool = True) -> list[Finding]:
     """The data as `train` reads it for the config's objective: SFT data validated (a bad row is exit 2), preference
     data with its findings (check/preference_rules.py). Without the model here (`model_here` False: a local path
-    with nothing at it) the rows are read and checked without its tokenizer. `whole` False: only part of the
-    data is here (`part_of_data`), so the rules over the whole set are left out."""
+    with nothing at it) the rows are read and checked without its tokenizer. `whole` False: a training data file is
+    not here (`part_of_data`), so the rules over every training row (KTO's balance, that one row trains) are left
+    out."""
     preference = objectives.get(cfg.objective).preference
     if preference:
         if model_here:
@@ -180,7 +181,9 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
     elsewhere = elsewhere_rules(cfg, absent_data)
     model_here = not model_absent_here(cfg.model)
     present = part_of_data(cfg, absent_data)
-    data = [] if present is None else data_findings(present, model_here, whole=not absent_data)
+    # every training row here (only eval_data absent): the rules over them hold; `present` drops a max_bad_rows share
+    whole = not any(g.key == "data" for g in absent_data)
+    data = [] if present is None else data_findings(present, model_here, whole)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
     if not model_here:  # the rules that need no model, as train runs them before it loads one
