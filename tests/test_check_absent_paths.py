@@ -85,13 +85,16 @@ def test_a_typo_beside_the_real_path_is_exit_2_from_check_and_train(tmp_path: Pa
 def test_a_numbered_sibling_is_no_typo(tmp_path: Path, tiny_llama: Path, small_data: Path,
                                        capsys: pytest.CaptureFixture) -> None:
     """shard2.jsonl beside shard1.jsonl may be the next file of a series a queued job writes: still a warning, and
-    `skipped` says that file's rows were not read (shard1's were)."""
+    `skipped` says that file's rows were not read (shard1's were), nor what only every row can tell."""
     (tmp_path / "shard1.jsonl").write_text(small_data.read_text())
     cfg = _cfg(tmp_path, tiny_llama, [str(tmp_path / "shard1.jsonl"), str(tmp_path / "shard2.jsonl")],
                max_bad_rows=64)
     code, out = _run(["check", cfg, "--json"], capsys)
     assert code == 0 and "did you mean" not in out, out[-1500:]
-    assert json.loads(out)["skipped"] == ["data: a 'data' file is not here, so its rows were not read"], out
+    skipped = json.loads(out)["skipped"]
+    assert skipped[0] == "data: a 'data' file is not here, so its rows were not read", skipped
+    assert skipped[1:] == ["data: not judged on the files that are here, as a data file is not: that at least one "
+                           "row keeps an answer within max_seq_len"], skipped
 
 
 def test_a_data_folder_is_exit_2_from_check_and_train_naming_the_key(tmp_path: Path, tiny_llama: Path,

@@ -14,7 +14,7 @@ from shardfit.config.load import NotHere
 from shardfit.config.support import TORCHAO_HINT
 from shardfit.evals.scorers import check_metrics
 from shardfit.models.source import absent_here as model_absent_here
-from shardfit.models.source import resolve_model
+from shardfit.models.source import near_model, resolve_model
 from shardfit.plan.cards import card_of, no_fp8_reason
 from shardfit.resolve import Resolved
 from shardfit.resolve.checkpoint_files import absent_here, named_checkpoint
@@ -61,14 +61,17 @@ def elsewhere_rules(cfg: Config, absent_data: Sequence[NotHere] = ()) -> list[Fi
         out.append(not_here("resume_not_here", "resume", cfg.resume, "the checkpoint was not checked",
                             "the path holds a whole checkpoint"))
     for gone in absent_data:
-        looked = f" (looked in {' and '.join(gone.looked_in)})" if gone.looked_in else ""
-        out.append(not_here("data_not_here", gone.key, gone.path + looked, "this file was not read (its rows' "
-                            "format, bad rows, the chat template and max_seq_len were not checked; the data files "
-                            "that are here were)", "the file is there"))
+        found = not_here("data_not_here", gone.key, gone.describe(), "this file was not read (its rows' format, "
+                         "bad rows, the chat template and max_seq_len were not checked; the data files that are here "
+                         "were)", "the file is there")
+        found.message += f".{gone.hint()}" if gone.near else ""
+        out.append(found)
     if model_absent_here(cfg.model):
-        out.append(not_here("model_not_here", "model", cfg.model, "the model was not built: the rules that read its "
-                            "modules did not run, and the plan, without its shape, resolved the job as for an "
-                            "unknown model", "the path holds the model"))
+        found = not_here("model_not_here", "model", cfg.model, "the model was not built: the rules that read its "
+                         "modules did not run, and the plan, without its shape, resolved the job as for an unknown "
+                         "model", "the path holds the model")
+        found.message += f".{hint}" if (hint := near_model(cfg.model)) else ""
+        out.append(found)
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from shardfit.check.findings import Finding
 from shardfit.config import Config
-from shardfit.data.dataset import DataStats, encode_all
+from shardfit.data.dataset import DataStats, encode_all, refuse_lost_rows
 from shardfit.data.preference import Pair, PrefSplit, encode_pairs, encode_preference_split, read_preference_split
 from shardfit.data.vision import VisionProcessor
 from shardfit.models.build import load_tokenizer
@@ -18,20 +18,23 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 
 
-def preference_data_rules(cfg: Config) -> list[Finding]:
+def preference_data_rules(cfg: Config, whole: bool = True) -> list[Finding]:
     """The findings of a preference config's data. A bad row, a file of the wrong layout, or more rows lost than
     max_bad_rows allows stop here as they stop `train` (exit 2); the chat template and max_seq_len are checked when
-    the model's tokenizer is local."""
+    the model's tokenizer is local. Not `whole` (a data file is not here): KTO's balance and the other rules over
+    every row are not judged on part of them (check/run.py `part_of_data`)."""
     split = read_preference_split(cfg)
-    out = kto_balance_rules(cfg, split)
+    out = kto_balance_rules(cfg, split) if whole else []
     source = resolve_model(cfg.model)
     if not source.is_local:
         return out
     tokenizer = load_tokenizer(source, cfg.trust_remote_code)
     vision = load_vision_processor(source, cfg, tokenizer)
-    if out:  # train would refuse the one-sided KTO data; the finding says so with its fix, the lengths still count
+    if out or not whole:  # train would refuse one-sided KTO data (the finding says so), or part is not here
         pairs = [p for convs in (split.train, split.eval)
                  for p in encode_pairs(tokenizer, split, convs, cfg.max_seq_len, cfg.skip_bad_rows, vision)]
+        if not whole:
+            refuse_lost_rows(split.stats, cfg.max_bad_rows, "preference rows")
     else:
         train, evals = encode_preference_split(cfg, tokenizer, split, vision)
         pairs = train + evals

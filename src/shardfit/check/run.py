@@ -29,7 +29,7 @@ from shardfit.check.prequantized_rules import prequantized_rules
 from shardfit.check.vision_rules import vision_unit_rules
 from shardfit.config import Config
 from shardfit.config.load import NotHere
-from shardfit.data.dataset import encode_split, read_split
+from shardfit.data.dataset import encode_all, encode_split, read_split, refuse_lost_rows
 from shardfit.data.preference import read_preference_split
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.processor import load_vision_processor
@@ -78,33 +78,54 @@ def created_off_meta_rules(model: nn.Module) -> list[Finding]:
                     "shardfit moves buffers to the rank's device before training", True)]
 
 
-def validate_data(cfg: Config) -> None:
+def validate_data(cfg: Config, whole: bool = True) -> None:
     """The data validation train runs before it loads the model: formats, and with a local tokenizer the chat
-    template, truncation and max_bad_rows. A bad row is exit 2 here too."""
+    template, truncation and max_bad_rows. A bad row is exit 2 here too. Not `whole` (a data file is not here):
+    each row is encoded as train encodes it, but no rule over the whole set is judged (`part_of_data`)."""
     split = read_split(cfg)
     source = resolve_model(cfg.model)
     if source.is_local:
         tokenizer = load_tokenizer(source, cfg.trust_remote_code)
-        encode_split(cfg, tokenizer, split, load_vision_processor(source, cfg, tokenizer))
+        vision = load_vision_processor(source, cfg, tokenizer)
+        if whole:
+            encode_split(cfg, tokenizer, split, vision)
+            return
+        for convs in (split.train, split.eval):
+            encode_all(tokenizer, convs, cfg.max_seq_len, split.stats, cfg.skip_bad_rows, vision)
+        refuse_lost_rows(split.stats, cfg.max_bad_rows)
 
 
-def data_findings(cfg: Config, model_here: bool = True) -> list[Finding]:
+def data_findings(cfg: Config, model_here: bool = True, whole: bool = True) -> list[Finding]:
     """The data as `train` reads it for the config's objective: SFT data validated (a bad row is exit 2), preference
     data with its findings (check/preference_rules.py). Without the model here (`model_here` False: a local path
-    with nothing at it) the rows are read and checked without its tokenizer."""
+    with nothing at it) the rows are read and checked without its tokenizer. `whole` False: a training data file is
+    not here (`part_of_data`), so the rules over every training row (KTO's balance, that one row trains) are left
+    out."""
     preference = objectives.get(cfg.objective).preference
     if preference:
-        return preference_data_rules(cfg) if model_here else kto_balance_rules(cfg, read_preference_split(cfg))
+        if model_here:
+            return preference_data_rules(cfg, whole)
+        split = read_preference_split(cfg)
+        return kto_balance_rules(cfg, split) if whole else []
     if model_here:
-        validate_data(cfg)
+        validate_data(cfg, whole)
     else:
         read_split(cfg)  # a bad row or file is exit 2 here as in train
     return []
 
 
-def _present_data(cfg: Config, absent: Sequence[NotHere]) -> Config | None:
-    """`cfg` with only the data files that are here, so those are read as train reads them while the absent ones
-    are warned about (`elsewhere_rules`); None when no training data file is here."""
+# A max_bad_rows this large allows any number of lost rows: what a share of every row allows is not known from part.
+_UNJUDGED = float(2**62)
+
+
+def part_of_data(cfg: Config, absent: Sequence[NotHere]) -> Config | None:
+    """`cfg` reading only the data files that are here, so those are read row by row as train reads them while the
+    absent ones are warned about (`elsewhere_rules`); None when no data file is here. With a file absent, what
+    train judges over every row is not judged on part of them (`whole_data_skipped`): no eval_split held-out rows
+    drawn from part (every row is still read), and max_bad_rows only as a count (rows lost here are lost on the
+    whole), not as a share. With no `data` file here, a present `eval_data` is read in its place."""
+    if not absent:
+        return cfg
     gone = {(g.key, g.path) for g in absent}
 
     def here(key: str, value: str | list[str] | None) -> str | list[str] | None:
@@ -113,8 +134,31 @@ def _present_data(cfg: Config, absent: Sequence[NotHere]) -> Config | None:
         kept = [v for v in value if (key, v) not in gone]
         return kept or None
 
-    data = here("data", cfg.data)
-    return None if data is None else dataclasses.replace(cfg, data=data, eval_data=here("eval_data", cfg.eval_data))
+    data, evals = here("data", cfg.data), here("eval_data", cfg.eval_data)
+    if data is None and evals is None:
+        return None
+    limit = cfg.max_bad_rows if cfg.max_bad_rows >= 1 else _UNJUDGED
+    return dataclasses.replace(cfg, data=data or evals, eval_data=evals if data else None, eval_split=0.0,
+                               max_bad_rows=limit)
+
+
+def whole_data_skipped(cfg: Config, absent: Sequence[NotHere]) -> list[str]:
+    """The rules over every row of the data that check did not judge because a data file is not here (`skipped`
+    of check --json), each only where the config uses it."""
+    if not absent or part_of_data(cfg, absent) is None:  # nothing read: the not-here lines say so
+        return []
+    rules = []
+    train_part = any(g.key == "data" for g in absent)
+    if train_part and cfg.objective == "kto":
+        rules.append("KTO's desirable and undesirable rows (both kinds must train)")
+    if cfg.max_bad_rows < 1:
+        rules.append(f"max_bad_rows as a share of the rows ({cfg.max_bad_rows:g})")
+    if train_part and cfg.eval_split > 0 and not cfg.eval_data:
+        rules.append("eval_split's held-out rows")
+    if train_part:
+        rules.append("that at least one row keeps an answer within max_seq_len")
+    return [f"data: not judged on the files that are here, as a data file is not: {', '.join(rules)}"] if rules \
+        else []
 
 
 def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = None, nodes: int = 1,
@@ -136,7 +180,10 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
     s = get_strategy(job.strategy)
     elsewhere = elsewhere_rules(cfg, absent_data)
     model_here = not model_absent_here(cfg.model)
-    data = data_findings(present, model_here) if (present := _present_data(cfg, absent_data)) else []
+    present = part_of_data(cfg, absent_data)
+    # every training row here (only eval_data absent): the rules over them hold; `present` drops a max_bad_rows share
+    whole = not any(g.key == "data" for g in absent_data)
+    data = [] if present is None else data_findings(present, model_here, whole)
     speed = precision_rules(cfg.precision, job.hardware, "config: precision",
                             lambda p: f"precision: {p} (auto picks the precision the device computes fast)")
     if not model_here:  # the rules that need no model, as train runs them before it loads one
@@ -147,9 +194,10 @@ def check_config(cfg: Config, nproc: int | None = None, hw: Hardware | None = No
         speed + float8_rules(cfg, job)
 
 
-def skipped_checks(findings: list[Finding]) -> list[str]:
-    """What check could not run because a path is not here (the `*_not_here` warnings), in words: `check --json`'s
-    `skipped`, and its text's `not checked:` lines. Without the model no memory verdict exists, so none is given."""
+def skipped_checks(findings: list[Finding], cfg: Config | None = None, absent: Sequence[NotHere] = ()) -> list[str]:
+    """What check could not run because a path is not here (the `*_not_here` warnings; with `cfg`, the rules over
+    every data row `whole_data_skipped` names), in words: `check --json`'s `skipped`, and its text's
+    `not checked:` lines. Without the model no memory verdict exists, so none is given."""
     out = []
     for f in findings:
         key = f.where.removeprefix("config: ")
@@ -160,12 +208,13 @@ def skipped_checks(findings: list[Finding]) -> list[str]:
             out.append(f"data: a '{key}' file is not here, so its rows were not read")
         elif f.rule == "resume_not_here":
             out.append("resume: the checkpoint is not here, so it was not checked")
-    return out
+    return out + (whole_data_skipped(cfg, absent) if cfg is not None else [])
 
 
-def format_findings(job: Resolved, findings: list[Finding]) -> str:
+def format_findings(job: Resolved, findings: list[Finding], cfg: Config | None = None,
+                    absent: Sequence[NotHere] = ()) -> str:
     """The findings as the terminal shows them, after the job they are about and what could not be checked."""
-    skipped = [f"not checked: {s}" for s in skipped_checks(findings)]
+    skipped = [f"not checked: {s}" for s in skipped_checks(findings, cfg, absent)]
     if not findings:
         return f"{job.describe()}\nok: no findings (strategy {job.strategy})"
     lines = [job.describe(), *skipped, f"strategy {job.strategy}: {len(findings)} finding(s)"]

@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     job, findings = check_config(cfg, args.nproc, hw, args.nodes, absent)
     ok = is_ok(findings)
     if args.json:
-        print(json.dumps({"ok": ok, "skipped": skipped_checks(findings), "resolved": job.to_json(),
+        print(json.dumps({"ok": ok, "skipped": skipped_checks(findings, cfg, absent), "resolved": job.to_json(),
                           "findings": [f.to_json() for f in findings]}, indent=2))
     else:
-        print(format_findings(job, findings))
+        print(format_findings(job, findings, cfg, absent))
     return 0 if ok else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import socket
 import types
@@ -20,7 +21,7 @@ from typing import Any, Union
 import yaml
 
 from shardfit import method, objective
-from shardfit.config.paths import close_sibling, exists_here
+from shardfit.config.paths import close_sibling, exists_here, looked_in, refuse_no_path
 from shardfit.config.schema import CHOICES, COLUMN_FIELDS, REPORT_TO, Config, DpoSettings, LoraSettings, QLoraSettings
 from shardfit.config.support import adapter_dtype_problem
 from shardfit.config.targets import targets_problem
@@ -259,6 +260,17 @@ class NotHere:
     key: str  # data or eval_data
     path: str  # as the config gives it
     looked_in: tuple[str, ...] = ()  # the folders a relative path was tried in (the cwd, the config's folder)
+    near: str = ""  # a close name that is here, not surely the one meant (config/paths.py `likeness`)
+    link: str = ""  # where a link at the path points, when that is not here
+
+    def describe(self) -> str:
+        """The path, where a link at it points, and where it was looked for, for a message."""
+        link = f" (a link to {self.link}, which is not here)" if self.link else ""
+        return f"{self.path}{link}{looked_in(self.looked_in)}"
+
+    def hint(self) -> str:
+        """A close name that is here, as a question ending a message; nothing without one."""
+        return f" A close name is here: did you mean {self.near}?" if self.near else ""
 
 
 def _data_path(path: str, loc: str, key: str) -> Path:
@@ -272,11 +284,6 @@ def _data_path(path: str, loc: str, key: str) -> Path:
     except RuntimeError:  # `~user/...` of a user this machine does not know
         raise UserError(f"{loc}: '{key}' names the home of a user {socket.gethostname()} does not know ({path}). "
                         "Give the file's full path.") from None
-
-
-def _looked_in(folders: tuple[str, ...]) -> str:
-    """Where a relative path was tried, for a message: ' (looked in A and B)', or nothing for an absolute one."""
-    return f" (looked in {' and '.join(folders)})" if folders else ""
 
 
 def _refuse_folder(p: Path, loc: str, key: str) -> None:
@@ -303,17 +310,22 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
         for t in tries:
             if exists_here(t, f"{loc}: '{key}' {t}"):
                 _refuse_folder(t, loc, key)
+                exists_here(t, f"{loc}: '{key}' {t}", read=True)  # as train reads it (and hashes it first)
                 return str(t)
+        refuse_no_path(path, tries, f"{loc}: '{key}'", key)
+        near = None
         for t in tries:
-            near = close_sibling(t)
-            if near is not None:  # the folder is here: a typo, not storage this machine does not mount
-                raise UserError(f"{loc}: '{key}' file not found: {path}; did you mean {near}?")
+            near = near or close_sibling(t, named)
+            if near is not None and near.sure:  # the folder is here: a typo, not storage this machine lacks
+                raise UserError(f"{loc}: '{key}' file not found: {path}; did you mean {near.path}?")
         looked = () if p.is_absolute() else tuple(dict.fromkeys(  # the working directory, then the config's folder
-            str(b.absolute()) for b in [Path.cwd(), *([base_dir] if base_dir is not None else [])]))
+            os.path.abspath(b) for b in [Path.cwd(), *([base_dir] if base_dir is not None else [])]))
+        link = next((os.readlink(t) for t in tries if t.is_symlink()), "")
+        gone = NotHere(key, path, looked, str(near.path) if near else "", link)
         if absent is None:
-            raise UserError(f"{loc}: '{key}' file not found: {path}{_looked_in(looked)}. Give a path to a .json or "
-                            ".jsonl file.")
-        absent.append(NotHere(key, path, looked))
+            raise UserError(f"{loc}: '{key}' file not found: {gone.describe()}. Give a path to a .json or .jsonl "
+                            f"file.{gone.hint()}")
+        absent.append(gone)
         return path
 
     def resolve_all(key: str, value: str | list[str] | None) -> str | list[str] | None:
@@ -323,6 +335,8 @@ def _check_paths(cfg: Config, where: str, lines: dict[str, int], base_dir: Path 
             return [resolve(key, v) for v in value]
         return resolve(key, value)
 
+    given = [v for value in (cfg.data, cfg.eval_data) for v in ([value] if isinstance(value, str) else value or [])]
+    named = (*given, *(base_dir / v for v in given if base_dir is not None))  # never suggested as a typo's match
     cfg.data = resolve_all("data", cfg.data)  # type: ignore[assignment]
     cfg.eval_data = resolve_all("eval_data", cfg.eval_data)
     return cfg

