@@ -17,7 +17,7 @@ import yaml
 
 from shardfit.diagnose.engine import HERE, analyze, diagnose, load_causes
 from tests.diagnose_real.build import render
-from tests.diagnose_real.evaluate import evaluate, synthetic_cases
+from tests.diagnose_real.evaluate import docs_prose, docs_rows, evaluate, percent, synthetic_cases
 from tests.diagnose_real.split import load_cases, split_of
 from tests.helpers import run_cli
 
@@ -290,3 +290,22 @@ def test_dev9_floors(holdout: bool, variant: str, top3: float) -> None:
     assert m["top3"] >= top3, m["top3"]
     assert m["wrong_confident"] == 0 and m["unconfident_unrelated"] == 1.0
     assert m["abstain_unrelated"] >= (0.66 if holdout else 1.0), m["abstain_unrelated"]
+    # docs/diagnose.md's round 8 table: the figure after each arrow is the one measured now
+    name = "dev9, held out" if holdout else "dev9, dev"
+    doc = (TESTS.parent / "docs" / "diagnose.md").read_text().splitlines()
+    row = next(x for x in doc if x.startswith(f"| {name} | {variant} |"))
+    stated = [cell.split("->")[-1].strip() for cell in row.strip(" |").split("|")[3:]]
+    measured = [percent(m["top1"]), percent(m["top3"]), percent(m["answered"]), f"{m['abstain_unrelated']:.0%}",
+                f"{m['wrong_confident']} of {m['confident']}"]
+    assert stated == measured, (row, measured)
+
+
+def test_docs_main_table_and_its_figures_are_measured_now() -> None:
+    """docs/diagnose.md's main table (whole logs, last lines, one line) and the sentences quoting it, as
+    `python -m tests.diagnose_real.evaluate docs` prints them from the corpus now."""
+    doc = (TESTS.parent / "docs" / "diagnose.md").read_text()
+    missing = [r for r in docs_rows() if r not in doc.splitlines()]
+    assert not missing, "run `python -m tests.diagnose_real.evaluate docs`; the page lacks:\n" + "\n".join(missing)
+    flat = " ".join(doc.split())
+    for sentence in docs_prose():
+        assert sentence in flat, sentence

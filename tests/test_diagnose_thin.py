@@ -123,7 +123,12 @@ def test_fails_on_multiple_gpus_under_a_launcher_asks_for_the_process_count(log:
      "RuntimeError: Input type (torch.cuda.FloatTensor) and weight type (torch.FloatTensor) should be the same"),
     ("ValueError: the embedding weight has shape torch.Size([0]), expected a 2-D matrix",
      "Model vocab size: 0"),  # a debug print of a size is the user's data
-    ("deepspeed train.py\nRuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2",
+    ("deepspeed train.py --deepspeed ds_z3.json\n"
+     "RuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2",
+     "deepspeed train.py --deepspeed ds_z2.json\n"  # ZeRO-2 never partitions a parameter
+     "RuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2"),
+    ("deepspeed train.py --deepspeed ds_z3.json\n"
+     "RuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2",
      "RuntimeError: The size of tensor a (96) must match the size of tensor b (0) at dimension 2"),  # no DeepSpeed
 ])
 def test_errors_that_only_share_a_word_stay_unanswered(thin: str, ordinary: str) -> None:
@@ -186,3 +191,162 @@ CONTROLS = {
 def test_ordinary_errors_near_a_thin_family_get_no_answer(name: str) -> None:
     a = analyze(CONTROLS[name])
     assert a.answer == "none", (name, [(x.category, x.confidence) for x in a.likely])
+
+
+# Review of round 8: full tracebacks (the user's script above library frames), the setting each hint needs, and the
+# logs of inference. Each paste is written here in the shape such logs have.
+SITE = "/opt/conda/lib/python3.11/site-packages"
+EMBED_FAULT = (
+    "Added 2 special tokens: ['<tool_call>', '</tool_call>']\n"
+    "Traceback (most recent call last):\n"
+    '  File "/home/kim/agent-ft/run_sft.py", line 203, in <module>\n'
+    "    outputs = model(**batch)\n"
+    f'  File "{SITE}/torch/nn/modules/module.py", line 1736, in _wrapped_call_impl\n'
+    "    return self._call_impl(*args, **kwargs)\n"
+    f'  File "{SITE}/transformers/models/qwen2/modeling_qwen2.py", line 816, in forward\n'
+    "    outputs = self.model(\n"
+    f'  File "{SITE}/transformers/models/qwen2/modeling_qwen2.py", line 521, in forward\n'
+    "    inputs_embeds = self.embed_tokens(input_ids)\n"
+    f'  File "{SITE}/torch/nn/modules/sparse.py", line 190, in forward\n'
+    "    return F.embedding(\n"
+    f'  File "{SITE}/torch/nn/functional.py", line 2551, in embedding\n'
+    "    return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)\n"
+    "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be "
+    "incorrect.\n")
+ZERO3_BACKWARD_FAULT = (
+    "[2026-11-02 17:40:12,118] [INFO] [config.py:1003:print]   zero_optimization ............ {'stage': 3}\n"
+    "[rank1]: Traceback (most recent call last):\n"
+    '[rank1]:   File "/mnt/exp/pretrain.py", line 188, in <module>\n'
+    "[rank1]:     model_engine.backward(loss)\n"
+    f'[rank1]:   File "{SITE}/deepspeed/runtime/engine.py", line 2126, in backward\n'
+    "[rank1]:     self.optimizer.backward(loss, retain_graph=retain_graph)\n"
+    f'[rank1]:   File "{SITE}/deepspeed/runtime/zero/stage3.py", line 2281, in backward\n'
+    "[rank1]:     self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)\n"
+    f'[rank1]:   File "{SITE}/torch/_tensor.py", line 626, in backward\n'
+    "[rank1]:     torch.autograd.backward(\n"
+    "[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered\n")
+
+
+def test_a_memory_fault_below_the_users_script_in_a_library_op_keeps_its_ranking() -> None:
+    # the user's script sits above every traceback: the op at fault is torch's embedding, not a kernel of the user's
+    assert _likely(EMBED_FAULT)[0] == "tokenizer_embedding_mismatch"
+    # DeepSpeed's engine between the script and autograd: the bare line's ranking (CUDA reports a fault late)
+    assert _likely(ZERO3_BACKWARD_FAULT) == _likely("RuntimeError: CUDA error: an illegal memory access was "
+                                                    "encountered")
+
+
+USER_OP_VIA_DISPATCH = (
+    "Traceback (most recent call last):\n"
+    '  File "/home/ro/pointops/bench.py", line 22, in <module>\n'
+    "    idx = knn(xyz, new_xyz, 16)\n"
+    '  File "/home/ro/pointops/pointops/functions.py", line 58, in knn\n'
+    "    return torch.ops.pointops.knn_query(xyz, new_xyz, k)\n"
+    f'  File "{SITE}/torch/_ops.py", line 1116, in __call__\n'
+    "    return self._op(*args, **(kwargs or {}))\n"
+    "RuntimeError: CUDA error: an illegal memory access was encountered\n")
+EMPTY_SLICE_ZERO2 = (
+    "[2026-11-05 09:14:51,007] [INFO] [launch.py:256:main] process 40113 spawned with command: ['/usr/bin/python3', "
+    "'-u', 'train_rm.py', '--local_rank=0', '--deepspeed', 'configs/zero2_bf16.json']\n"
+    "[rank0]: Traceback (most recent call last):\n"
+    '[rank0]:   File "/data/rm/train_rm.py", line 131, in pairwise_loss\n'
+    "[rank0]:     margin = r_chosen - r_rejected[:, valid]\n"
+    "[rank0]: RuntimeError: The size of tensor a (16) must match the size of tensor b (0) at non-singleton "
+    "dimension 1\n")
+DOUBLE_TARGET_FSDP = (
+    "accelerate launch --config_file configs/fsdp_8gpu.yaml train_value_head.py\n"
+    "[rank2]:   File \"/srv/vh/train_value_head.py\", line 77, in <module>\n"
+    "[rank2]:     loss = F.smooth_l1_loss(values, returns)\n"
+    "[rank2]: RuntimeError: Found dtype Double but expected BFloat16\n")
+DOUBLE_FEATURES_TRAINING = (
+    "python train_probe.py --bf16 --lr 1e-4\n"
+    '  File "/home/e/probe/train_probe.py", line 64, in <module>\n'
+    "    logits = probe(feats)\n"
+    "RuntimeError: mat1 and mat2 must have the same dtype, but got Double and BFloat16\n")
+REPL_INFERENCE_CLASH = (
+    '>>> model = AutoModelForCausalLM.from_pretrained("mistralai/Mistral-7B-v0.3", torch_dtype=torch.bfloat16, '
+    'device_map="cuda")\n'
+    ">>> embeds = model.get_input_embeddings()(ids).float() + soft_prompt\n"
+    ">>> out = model(inputs_embeds=embeds)\n"
+    "Traceback (most recent call last):\n"
+    '  File "<stdin>", line 1, in <module>\n'
+    f'  File "{SITE}/transformers/models/mistral/modeling_mistral.py", line 262, in forward\n'
+    "    query_states = self.q_proj(hidden_states)\n"
+    f'  File "{SITE}/torch/nn/modules/linear.py", line 125, in forward\n'
+    "    return F.linear(input, self.weight, self.bias)\n"
+    "RuntimeError: expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16\n")
+FOUR_BIT_HEAD = (
+    "bnb_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)\n"
+    "Traceback (most recent call last):\n"
+    '  File "/home/j/zero_shot/score_reviews.py", line 48, in <module>\n'
+    "    probs = head(last_hidden[:, -1]).softmax(-1)\n"
+    f'  File "{SITE}/torch/nn/modules/linear.py", line 125, in forward\n'
+    "    return F.linear(input, self.weight, self.bias)\n"
+    "RuntimeError: mat1 and mat2 must have the same dtype, but got BFloat16 and Float\n")
+FP16_EVAL_SCRIPT = (
+    "$ python eval_retrieval.py --fp16 --ckpt runs/e5-ft/checkpoint-3000 --split test\n"
+    '  File "/home/q/ir/eval_retrieval.py", line 93, in encode\n'
+    "    scores = sim_proj(query_vecs) @ doc_vecs.T\n"
+    "RuntimeError: expected scalar type Half but found Float\n")
+DS_DATASET_TYPEERROR = (
+    "[2026-11-07 11:20:03,441] [INFO] [runner.py:607:main] cmd = /usr/bin/python3 -u -m deepspeed.launcher.launch "
+    "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19 --master_port=29511 sft.py --deepspeed ds_z2.json\n"
+    "Map (num_proc=8):  37%|███▋      | 14800/40000 [00:06<00:10, 2411.09 examples/s]\n"
+    "Traceback (most recent call last):\n"
+    '  File "/home/v/sft/sft.py", line 71, in build_prompt\n'
+    '    return tmpl.format(**ex) + ex["output"].strip()\n'
+    "AttributeError: 'NoneType' object has no attribute 'strip'\n"
+    "[2026-11-07 11:20:12,902] [INFO] [launch.py:319:sigkill_handler] Killing subprocess 51707\n"
+    "[2026-11-07 11:20:12,903] [ERROR] [launch.py:325:sigkill_handler] ['/usr/bin/python3', '-u', 'sft.py', "
+    "'--local_rank=1', '--deepspeed', 'ds_z2.json'] exits with return code = 1\n")
+REVIEW_CONTROLS = {"user_op_via_torch_ops": USER_OP_VIA_DISPATCH, "empty_slice_under_zero2": EMPTY_SLICE_ZERO2,
+                   "numpy_double_target_under_fsdp": DOUBLE_TARGET_FSDP,
+                   "double_features_in_training": DOUBLE_FEATURES_TRAINING,
+                   "repl_inference_float_embeds": REPL_INFERENCE_CLASH, "four_bit_model_fp32_head": FOUR_BIT_HEAD,
+                   "fp16_eval_script": FP16_EVAL_SCRIPT, "deepspeed_dataset_typeerror": DS_DATASET_TYPEERROR}
+
+
+@pytest.mark.parametrize("name", list(REVIEW_CONTROLS))
+def test_user_code_errors_in_a_training_or_inference_setting_get_no_answer(name: str) -> None:
+    a = analyze(REVIEW_CONTROLS[name])
+    assert a.answer == "none", (name, [(x.category, x.confidence) for x in a.likely])
+
+
+def test_the_same_clash_and_kill_still_rank_where_their_setting_is_shown() -> None:
+    # a 4-bit model's dtype clash inside a Trainer's step: a training setting, so a release that broke it
+    training = (f"{FOUR_BIT_HEAD.splitlines()[0]}\n"
+                f'  File "{SITE}/transformers/trainer.py", line 3612, in training_step\n'
+                f"{FOUR_BIT_HEAD.split(chr(10), 1)[1]}")
+    assert _likely(training)[0] == "library_version_regression"
+    # a rank the OOM killer took: its exit code, not the handler's name
+    killed = DS_DATASET_TYPEERROR.split("Traceback")[0] + (
+        "[2026-11-07 11:20:12,903] [ERROR] [launch.py:325:sigkill_handler] ['/usr/bin/python3', '-u', 'sft.py', "
+        "'--local_rank=1'] exits with return code = -9\n")
+    assert "host_ram_oom" in _likely(killed)
+    # the launcher stopping the ranks with no error, traceback or exit code anywhere: a rank killed from outside
+    assert _likely("[2026-11-07 11:20:12,902] [INFO] [launch.py:319:sigkill_handler] Killing subprocess 51707")[0] \
+        == "host_ram_oom"
+
+
+VLLM_OOM = (
+    "INFO 11-12 08:31:55 config.py:905] Defaulting to use mp for distributed inference\n"
+    "INFO 11-12 08:31:57 llm_engine.py:237] Initializing an LLM engine (v0.6.4) with config: "
+    "model='/models/Qwen2.5-72B-Instruct', dtype=torch.bfloat16, max_seq_len=32768, tensor_parallel_size=1, "
+    "gpu_memory_utilization=0.95\n"
+    "INFO 11-12 08:34:40 model_runner.py:1072] Loading model weights took 135.4 GiB\n"
+    "Traceback (most recent call last):\n"
+    '  File "/home/s/batch_infer.py", line 14, in <module>\n'
+    '    llm = LLM(model="/models/Qwen2.5-72B-Instruct", max_model_len=32768)\n'
+    f'  File "{SITE}/vllm/worker/worker.py", line 195, in determine_num_available_blocks\n'
+    "    self.model_runner.profile_run()\n"
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of "
+    "139.81 GiB of which 2.06 GiB is free. Of the allocated memory 136.10 GiB is allocated by PyTorch.\n")
+
+
+def test_an_inference_engines_oom_gets_no_training_memory_answer() -> None:
+    a = analyze(VLLM_OOM)  # the engine's own config shows its launch: no training cause, nor a bare line's
+    assert a.answer == "none", [(x.category, x.confidence) for x in a.likely]
+    # the same engine generating rollouts inside a training run: its OOM is a training run's again
+    grpo = ("trl==0.12.1\n" + VLLM_OOM.replace("batch_infer.py", "grpo_train.py").replace(
+        "Traceback", f'  File "{SITE}/trl/trainer/grpo_trainer.py", line 402, in __init__\nTraceback'))
+    assert {x.category for x in analyze(grpo).likely} & {"oom_full_replica_per_rank", "oom_activation_not_sharded"}

@@ -3,6 +3,7 @@
     python -m tests.diagnose_real.evaluate dev              # the part rules were tuned on (prints the misses)
     python -m tests.diagnose_real.evaluate test             # the held-out part (aggregate numbers only)
     python -m tests.diagnose_real.evaluate dev --variant line --misses   (misses are never shown for test)
+    python -m tests.diagnose_real.evaluate docs             # the main table of docs/diagnose.md
 
 Each case is scored in three forms (VARIANTS): `full` (the log as collected), `tail` (its last 6 lines: the end of a
 traceback) and `line` (one line: the final exception "Type: message", else the last error-looking line). Per form:
@@ -20,6 +21,7 @@ traceback) and `line` (one line: the final exception "Type: message", else the l
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -105,7 +107,62 @@ def report(m: dict, show_misses: bool = True) -> str:
     return "\n".join(lines)
 
 
+def percent(x: float) -> str:
+    """A share as the docs write it: one decimal, a whole 100%."""
+    return "100%" if x == 1 else f"{x:.1%}"
+
+
+def docs_rows() -> list[str]:
+    """The rows of docs/diagnose.md's main table (whole logs, last lines, one line), computed from the corpus now;
+    tests/test_diagnose_real.py holds the page to them. The held-out rows show aggregates only."""
+    from tests.diagnose_real.perturb import mangle
+
+    test, dev = load_cases("test"), load_cases("dev")
+    dev_repos = {c["repo"] for c in dev}
+    parts = [("**test (held out)**", test, v, True) for v in VARIANTS]
+    parts += [("test, confirmed resolution only", [c for c in test if c["resolved"] == "confirmed"], "line", False),
+              ("test, repositories absent from dev", [c for c in test if c["repo"] not in dev_repos], "line", False),
+              ("test, mangled (79-col wrap, `[rankN]:`, ANSI, `\\r` bars)",
+               [dict(c, log=mangle(c["log"], i)) for i, c in enumerate(test)], "full", False)]
+    parts += [("dev (in-sample)", dev, v, False) for v in VARIANTS]
+    parts.append(("hand-written + first public set (in-sample)", synthetic_cases(), "line", False))
+    rows = []
+    for name, cases, variant, bold in parts:
+        m = evaluate(cases, variant)
+        b = "**" if bold else ""
+        abstain = (f"{m['abstain_unrelated']:.0%} ({round(m['abstain_unrelated'] * m['unrelated'])}/"
+                   f"{m['unrelated']})" if m["unrelated"] else "-")
+        rows.append(f"| {name} | {variant} | {m['known']} / {m['unrelated']} | {b}{percent(m['top1'])}{b} | "
+                    f"{b}{percent(m['top3'])}{b} | {b}{m['wrong_confident']} of {m['confident']}{b} | {abstain} | "
+                    f"{percent(m['findings_top1'])} |")
+    return rows
+
+
+def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of k successes in n."""
+    p, d = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return centre - half, centre + half
+
+
+def docs_prose() -> list[str]:
+    """The sentences under docs/diagnose.md's main table that quote the held-out one-line and whole-log figures."""
+    full, line = evaluate(load_cases("test"), "full"), evaluate(load_cases("test"), "line")
+    right = round(line["top3"] * line["known"])
+    lo, hi = _wilson(right, line["known"])
+    return [f"on one-line pastes it answers {line['findings_top1']:.1%} of held-out cases right, the ranked list "
+            f"{line['top1']:.1%} first and {line['top3']:.1%} in its top three",
+            f"{full['wrong_confident']} wrong among {full['confident']} confident held-out answers (whole logs) "
+            f"bounds the confident-wrong rate below about {3 / full['confident']:.1%} (95%, rule of three), among "
+            f"{line['confident']} (one line) below {3 / line['confident']:.1%}; top-3 {line['top3']:.1%} ({right} "
+            f"of {line['known']}) on one line has a 95% Wilson interval of about {lo:.0%}-{hi:.0%}".replace(
+                "%-", "-")]
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["docs"]:  # the main table of docs/diagnose.md and the figures quoted under it
+        print("\n".join(docs_rows()) + "\n\n" + "\n".join(docs_prose()))
+        sys.exit()
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     part = args[0] if args else "dev"
     variants = VARIANTS

@@ -159,23 +159,33 @@ _FAMILY_CLASS = re.compile(
 # A memory fault is blamed on a compiled extension only when no other code is shown failing: frames of torch, triton's
 # launcher and the model libraries pass the fault through; an extension's own frame names it.
 _FAULT_PASS_PATH = re.compile(r"(^|/)(torch|triton|transformers|peft|accelerate|trl)/")
+# frames that launch the kernel of the code above them (triton's JIT, a custom op's dispatch) rather than run an op
+_LAUNCH_PATH = re.compile(r"(^|/)triton/|(^|/)torch/_ops\.py$")
 _EXT_PATH = re.compile(r"(^|/)(flash_attn\w*|xformers|apex|bitsandbytes|vllm|transformer_engine|liger_kernel|mamba_ssm|"
                        r"causal_conv1d|unsloth\w*)/")
 
 
 def _fault_outside_ext(p: Parsed) -> bool:
     """The innermost frame that is not torch's, triton's or a model library's lies outside every compiled extension
-    (the user's own Triton or CUDA kernel, a library's Python code such as DeepSpeed's hooks), or the paste shows the
-    user's own `@triton.jit` kernel."""
-    last = None
+    (the user's own Triton or CUDA kernel, a library's Python code such as DeepSpeed's hooks) and only a kernel
+    launcher (triton's, a custom op's dispatch) runs below it, or the paste shows the user's own `@triton.jit` kernel.
+
+    A torch or model-library frame below that frame means the fault surfaced in their op: the user's script (or
+    DeepSpeed's engine) only called down into it. CUDA reports a fault at the next call that synchronises, so such a
+    traceback says no more about the kernel at fault than the bare error line, and keeps the bare line's ranking; that
+    holds for a ZeRO-3 `engine.backward` too, where autograd runs every op's backward kernel (an extension's included)
+    with no frame of the op shown."""
+    last, below = None, False
     for line in p.lines:
         if ".py" in line and (m := _frame(line)):
             f = m.group("file").replace("\\", "/")
             if not _FAULT_PASS_PATH.search(f):
-                last = f
+                last, below = f, False
+            elif last is not None and not _LAUNCH_PATH.search(f):
+                below = True
     if last is None:
         return "@triton.jit" in p.text
-    return not _EXT_PATH.search(last)
+    return not below and not _EXT_PATH.search(last)
 
 
 def _own_call(p: Parsed) -> bool:
