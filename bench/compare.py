@@ -301,8 +301,8 @@ def model_flops_per_token(cfg: dict) -> float:
     import dataclasses
 
     from shardfit.config import load_config
+    from shardfit.plan.flops import step_flops_per_token
     from shardfit.plan.shapes import resolve_shape
-    from shardfit.plan.timing import step_flops_per_token
     from shardfit.plan.workload import workload_of
 
     config = load_config(None, overrides({k: v for k, v in cfg.items() if v is not None}))

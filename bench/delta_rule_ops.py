@@ -2,7 +2,7 @@
 where flash-linear-attention is not installed: `torch_chunk_gated_delta_rule` loops over the sequence's 64-token
 chunks in Python, and `torch_causal_conv1d_update`'s reference path).
 
-    python bench/delta_rule_ops.py          # prints the per-chunk counts plan/timing.py DELTA_CHUNK_OPS carries
+    python bench/delta_rule_ops.py          # prints the per-chunk counts plan/dispatch.py DELTA_CHUNK_OPS carries
 
 Counted as bench/dispatch_ops.py counts a layer: an OpCounter over tiny Qwen3.5 text models of 2 and 3 blocks (the
 first softmax attention, the rest Gated DeltaNet), LoRA on every linear, at 1024 and 2048 tokens; the difference

@@ -6,7 +6,7 @@ weight), and once more where checkpointing recomputes the block. A TorchDispatch
 weight (a 4096 x 4096 weight, bf16, CPU: the op sequence and tensor sizes are the device's) counts the aten ops
 that launch a kernel (views apart, as bench/dispatch_ops.py counts them) and the bytes each reads (its tensor
 inputs) and writes (its outputs); the matmul itself is left out (a LoRA step runs it too). Per weight per use.
-plan/timing.py (DEQUANT) carries the figures this writes to bench/results/dequant_traffic.json.
+plan/dequant.py (DEQUANT) carries the figures this writes to bench/results/dequant_traffic.json.
 
 `compiled` in the same file: the same dequantization under torch.compile (inductor, this machine's CPU backend):
 the kernels inductor generated for it (its own count), whether the values are bit-equal to the eager ones (and

@@ -7,7 +7,7 @@ which is what eager PyTorch hands to the device one call at a time. Each count i
 of 1 and 2 decoder layers (fp32, CPU, sdpa attention, a padded-free batch of one row); the difference is one
 layer's ops, the rest the model's fixed ops (embedding, final norm, head, loss). Views (`aten.view`, `t`,
 `transpose`, ...) are counted apart: they cost host time but launch no kernel. The widths do not change the count,
-so the tiny model's count is the real model's. plan/timing.py (DISPATCH_OPS) carries the figures this prints.
+so the tiny model's count is the real model's. plan/dispatch.py (LAYER_OPS) carries the figures this prints.
 
 shardfit's chunked loss (train/loss.py) adds the ops of each chunk after the first: counted on the loss alone over
 64 labelled positions in one chunk and in four, head trained (full) and frozen (LoRA), with and without autocast.
@@ -129,7 +129,7 @@ def per_loss_chunk(head_trains: bool, bf16: bool) -> dict[str, float]:
     return {f"chunk_{k}": (four[k] - one[k]) / 3 for k in ("kernel", "view", "matmul")}
 
 
-# The grid plan/timing.py reads: the base's method, checkpointing, autocast; LoRA on all seven linears or on two
+# The grid plan/dispatch.py reads: the base's method, checkpointing, autocast; LoRA on all seven linears or on two
 # (the difference is the per-target cost), and dropout on the adapters.
 RECIPES = {f"{m}{'+ckpt' if c else ''}{'+autocast' if a else ''}": (m.rstrip("27"), c, t, 0.0, a)
            for m, t in (("full", []), ("lora7", ALL_LINEAR), ("lora2", ["q_proj", "v_proj"]))

@@ -10,7 +10,7 @@ each output once. What a compiled step saves is the difference in bytes, at the 
 
 - eager: a TorchDispatchMode sums the bytes of every tensor input and output of each aten op below autograd
   (forward, backward, checkpointing's recomputation) that launches an elementwise/reduction kernel: neither a
-  matmul, nor the attention kernel (both are counted as FLOPs by plan/timing.py), nor a view, nor an allocation
+  matmul, nor the attention kernel (both are counted as FLOPs by plan/flops.py), nor a view, nor an allocation
   that touches no memory (`empty*`).
 - compiled: inductor's own count (`graph.count_bytes()`, logged with `inductor_metrics`) of every scheduler node
   of the forward and backward graphs (AOT autograd), leaving out its extern kernels (the matmuls and attention it

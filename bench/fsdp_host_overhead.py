@@ -7,7 +7,7 @@ engine runs Python around every wrapped block: FSDP2's pre- and post-forward and
 (all-gather copy-in and copy-out, resharding, the reduce-scatter's copies), FSDP1's as well, and with
 use_orig_params=True it re-points every original parameter at the unsharded flat parameter and back each time.
 On a GPU the host does this between kernel launches, so where the host sets the pace (short rows, small models)
-it adds to the step as surely as the launches do (plan/timing.py's host floor).
+it adds to the step as surely as the launches do (plan/dispatch.py `engine_host_s`, the host floor).
 
 Measured here on tiny transformers Llama models in one gloo process (world size 1: the hooks and the collectives'
 calls run, the transfers are empty), fp32 on the CPU: the time of a forward + backward of one micro-batch of one

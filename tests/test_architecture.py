@@ -63,9 +63,8 @@ def test_every_package_has_its_line_in_the_architecture_doc() -> None:
 
 
 # Lines a module of src/shardfit may hold: just above the largest one after plan/estimate.py's activations moved
-# to plan/activations.py. plan/timing.py is older and larger; it may not grow until it is split too.
+# to plan/activations.py and plan/timing.py's FLOPs, dispatch, dequantization and traffic to modules of their own.
 MAX_LINES = 800
-OVER_LIMIT = {"plan/timing.py": 1010}
 
 
 def test_no_module_outgrows_the_size_limit() -> None:
@@ -73,9 +72,8 @@ def test_no_module_outgrows_the_size_limit() -> None:
     (as plan/activations.py came out of plan/estimate.py), and update its importers."""
     src = ROOT / "src" / "shardfit"
     sizes = {p.relative_to(src).as_posix(): len(p.read_text().splitlines()) for p in src.rglob("*.py")}
-    over = {name: n for name, n in sizes.items() if n > OVER_LIMIT.get(name, MAX_LINES)}
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not over, "; ".join(
-        f"src/shardfit/{name} has {n} lines, over the {OVER_LIMIT.get(name, MAX_LINES)} allowed: split it along its "
-        "seams into modules with one job each (as plan/activations.py came out of plan/estimate.py)"
+        f"src/shardfit/{name} has {n} lines, over the {MAX_LINES} allowed: split it along its seams into modules "
+        "with one job each (as plan/activations.py came out of plan/estimate.py)"
         for name, n in sorted(over.items()))
-    assert all(sizes[name] > MAX_LINES for name in OVER_LIMIT), "a module in OVER_LIMIT fits now: drop its entry"

@@ -26,7 +26,7 @@ from shardfit.parallel.float8 import (
     float8_linears,
     require_fp8_device,
 )
-from shardfit.plan import timing
+from shardfit.plan import flops
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
@@ -188,11 +188,11 @@ def test_lora_pays_the_frozen_weights_gradient_in_fp8() -> None:
     shape = resolve_shape("meta-llama/Llama-3.1-8B")
     lora = Workload(method="lora", seq_len=4096, micro_batch=1, grad_ckpt="full", float8=True, compile=True)
     full = dataclasses.replace(lora, method="full")
-    assert timing.float8_flops(shape, lora) == timing.float8_flops(shape, full)
-    assert timing.float8_cast_bytes(shape, lora) == timing.float8_cast_bytes(shape, full)
-    assert timing.float8_replaced_flops(shape, lora) < timing.float8_replaced_flops(shape, full)
+    assert flops.float8_flops(shape, lora) == flops.float8_flops(shape, full)
+    assert flops.float8_cast_bytes(shape, lora) == flops.float8_cast_bytes(shape, full)
+    assert flops.float8_replaced_flops(shape, lora) < flops.float8_replaced_flops(shape, full)
     eager = dataclasses.replace(lora, compile=False)
-    assert timing.float8_cast_bytes(shape, eager) == pytest.approx(33 / 5 * timing.float8_cast_bytes(shape, lora))
+    assert flops.float8_cast_bytes(shape, eager) == pytest.approx(33 / 5 * flops.float8_cast_bytes(shape, lora))
     off = dataclasses.replace(lora, float8=False)
     assert _speed("meta-llama/Llama-3.1-8B", lora, "1xH100", "single") / \
         _speed("meta-llama/Llama-3.1-8B", off, "1xH100", "single") < 1.05
@@ -202,7 +202,7 @@ def test_plan_ignores_float8_where_it_is_refused() -> None:
     shape = resolve_shape("meta-llama/Llama-3.1-8B")
     for over in ({"method": "qlora"}, {"precision": "fp16"}):
         w = Workload(seq_len=4096, micro_batch=1, grad_ckpt="full", float8=True, compile=True, **over)
-        assert timing.float8_flops(shape, w) == 0 and timing.float8_s(shape, w, card_of(parse_gpus("1xH100")),
+        assert flops.float8_flops(shape, w) == 0 and flops.float8_s(shape, w, card_of(parse_gpus("1xH100")),
                                                                         0.7) == 0
 
 

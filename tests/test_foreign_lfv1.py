@@ -173,7 +173,7 @@ def test_freeze_trainable_layers_reach_the_plan(tmp_path: Path) -> None:
     config: 8 blocks train four times the weights of the default 2, and the first 8 make backward run through every
     block."""
     from shardfit.plan.estimate import trainable_params
-    from shardfit.plan.timing import backward_layers
+    from shardfit.plan.flops import backward_layers
     from shardfit.plan.workload import blocks_named, workload_of
 
     shape = resolve_shape("Qwen/Qwen3-0.6B")  # 28 blocks

@@ -1,5 +1,5 @@
 """Models whose blocks mix tokens in different ways (windows beside recurrent or sparse blocks) timed block kind by
-block kind (plan/token_mixers.py, plan/timing.py `softmax_groups`), checked against transformers' own classes with
+block kind (plan/token_mixers.py, plan/flops.py `softmax_groups`), checked against transformers' own classes with
 torch's FLOP counter; GPT-Neo's local attention read from its own keys; a window set per block kept off the
 host's masks (models/masks.py)."""
 
@@ -24,7 +24,7 @@ from shardfit.errors import UserError
 from shardfit.models.build import _attention, require_per_layer_support
 from shardfit.models.masks import mask_argument
 from shardfit.plan import attention_layout as rule
-from shardfit.plan import timing
+from shardfit.plan import flops
 from shardfit.plan.config_shape import attention_layout, shape_from_config
 from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import parse_gpus
@@ -64,13 +64,13 @@ def test_recurrent_blocks_attend_to_no_positions_beside_windows() -> None:
     shape = shape_from_config(CONFIG_MAPPING["recurrent_gemma"]().to_dict(), "recurrent-gemma-2b")
     w = _flash(32768)
     window = 2048 - 2048 * 2048 / (2 * 32768)
-    assert timing.attended_positions(w, shape) == pytest.approx(window)
+    assert flops.attended_positions(w, shape) == pytest.approx(window)
     per_head = 4 * shape.heads * shape.hd
-    assert timing.attention_flops_per_token(shape, w) == pytest.approx(
+    assert flops.attention_flops_per_token(shape, w) == pytest.approx(
         (8 * window * per_head + 18 * 6 * 2560) / 26)
     # twice the sequence: only the windows' first positions grow (whole attention would double)
-    longer = timing.attention_flops_per_token(shape, _flash(65536))
-    assert longer - timing.attention_flops_per_token(shape, w) < 0.02 * timing.attention_flops_per_token(shape, w)
+    longer = flops.attention_flops_per_token(shape, _flash(65536))
+    assert longer - flops.attention_flops_per_token(shape, w) < 0.02 * flops.attention_flops_per_token(shape, w)
 
 
 def test_sparse_blocks_are_timed_over_the_whole_row_under_every_kernel() -> None:
@@ -84,12 +84,12 @@ def test_sparse_blocks_are_timed_over_the_whole_row_under_every_kernel() -> None
     def within(size: int) -> float:
         return size - size * size / (2 * 32768)
 
-    assert timing.attended_positions(w, shape) == pytest.approx((13 * 16384 + 33 * within(512)) / 46)
-    assert timing.indexer_flops_per_token(shape, w) == pytest.approx(13 * 2 * 64 * 128 * 32768 / 46)
+    assert flops.attended_positions(w, shape) == pytest.approx((13 * 16384 + 33 * within(512)) / 46)
+    assert flops.indexer_flops_per_token(shape, w) == pytest.approx(13 * 2 * 64 * 128 * 32768 / 46)
     sdpa = Workload(method="lora", grad_ckpt="full", attention="sdpa", seq_len=32768)
-    assert timing.attended_positions(sdpa, shape) == 32768  # transformers' dense mask over the whole row
+    assert flops.attended_positions(sdpa, shape) == 32768  # transformers' dense mask over the whole row
     dsa = shape_from_config(CONFIG_MAPPING["deepseek_v32"]().to_dict(), "deepseek_v32")
-    assert timing.attended_positions(w, dsa) == 16384
+    assert flops.attended_positions(w, dsa) == 16384
 
 
 def _counted_growth(model_type: str, sizes: dict[str, Any], short: int = 64, long: int = 192) -> tuple[float, float]:
@@ -108,7 +108,7 @@ def _counted_growth(model_type: str, sizes: dict[str, Any], short: int = 64, lon
 
     def planned(seq: int) -> float:
         w = Workload(method="lora", grad_ckpt="none", attention="eager", seq_len=seq)
-        return shape.layers * (timing.attention_flops_per_token(shape, w) + timing.indexer_flops_per_token(shape, w))
+        return shape.layers * (flops.attention_flops_per_token(shape, w) + flops.indexer_flops_per_token(shape, w))
 
     return counted(long) - counted(short), planned(long) - planned(short)
 
@@ -185,7 +185,7 @@ def test_compressed_sparse_blocks_are_timed_whole_without_an_indexer_over_the_ro
     scores compressed entries: timed as whole attention (as before), with no indexer over the row."""
     shape = shape_from_config(CONFIG_MAPPING["deepseek_v4"]().to_dict(), "deepseek_v4")
     assert [(g.blocks, g.attention, g.index) for g in shape.attention_groups] == [(shape.layers, "full", 0)]
-    assert timing.attended_positions(_flash(8192), shape) == 4096
+    assert flops.attended_positions(_flash(8192), shape) == 4096
 
 
 def test_gpt_neo_is_planned_as_eager_and_whole_under_flash() -> None:
@@ -200,7 +200,7 @@ def test_gpt_neo_is_planned_as_eager_and_whole_under_flash() -> None:
     as_eager = make_plan(shape, eager, hw, ("single",)).candidates[0]
     assert (planned.candidates[0].per_gpu_gib, planned.candidates[0].step_s) == (as_eager.per_gpu_gib, as_eager.step_s)
     assert estimate(shape, sdpa, hw, "single").per_gpu_gib == as_eager.per_gpu_gib
-    assert timing.attended_positions(_flash(2048), shape) == 1024
+    assert flops.attended_positions(_flash(2048), shape) == 1024
     config = GPTNeoConfig(**{k: v for k, v in GPT_NEO_125M.items() if k != "model_type"})
     assert _attention(SimpleNamespace(attn_implementation="auto"), config) == {"attn_implementation": "eager"}
     with pytest.raises(UserError, match="attn_implementation: eager"):

@@ -18,9 +18,9 @@ from shardfit.cli import plan_cmd
 from shardfit.cli.main import main
 from shardfit.errors import UserError
 from shardfit.plan.activations import block_activation_bytes_per_token
+from shardfit.plan.flops import linear_flops_per_token, softmax_groups
 from shardfit.plan.model_shape import ATTENTION, MAMBA, MLP, Block
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import linear_flops_per_token, softmax_groups
 from shardfit.plan.workload import Workload
 from shardfit.resolve import pipeline as pipelines
 from shardfit.resolve import sequence

@@ -1,4 +1,4 @@
-"""The planner's per-layer op table (plan/timing.py LAYER_OPS, what `host_dispatch_s` charges a GPU step) held to
+"""The planner's per-layer op table (plan/dispatch.py LAYER_OPS, what `host_dispatch_s` charges a GPU step) held to
 what torch, transformers and peft dispatch today: one decoder layer's aten ops of a training micro-batch, counted
 below autograd by bench/dispatch_ops.py's counter on tiny models of 1 and 2 layers. A new release that adds ops per
 layer (a cast, a copy, a view) fails here before it shows as a slower step on a GPU."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench.dispatch_ops import ALL_LINEAR, per_layer
-from shardfit.plan.timing import LAYER_OPS
+from shardfit.plan.dispatch import LAYER_OPS
 
 
 @pytest.mark.parametrize("key,method,ckpt,targets,bf16", [

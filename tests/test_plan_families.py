@@ -16,7 +16,7 @@ from shardfit.config.schema import LoraSettings
 from shardfit.models.adapters import apply_lora
 from shardfit.plan.adapters import lora_params
 from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.timing import linear_flops_per_token
+from shardfit.plan.flops import linear_flops_per_token
 from shardfit.plan.workload import Workload
 
 # Two blocks and a small vocabulary keep each build well under half a second; every other size is the family's

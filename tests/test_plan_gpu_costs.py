@@ -8,20 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardfit.plan import timing
+from shardfit.plan import dispatch
 from shardfit.plan.activations import held_mask_bytes
 from shardfit.plan.cards import card_of
+from shardfit.plan.dispatch import HOST_SYNC_S
+from shardfit.plan.flops import attended_positions, step_flops_per_token
 from shardfit.plan.hardware import Hardware, parse_gpus
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import (
-    HOST_SYNC_S,
-    attended_positions,
-    head_gradient_flops,
-    head_gradient_s,
-    micro_batch_work,
-    step_flops_per_token,
-    step_time,
-)
+from shardfit.plan.timing import head_gradient_flops, head_gradient_s, micro_batch_work, step_time
 from shardfit.plan.workload import Workload, workload_of
 from shardfit.strategy import get as strategy_of
 
@@ -114,7 +108,7 @@ def test_each_wait_for_the_device_stalls_a_gpu_micro_batch_and_not_a_cpus() -> N
     s = strategy_of("single")
     assert micro_batch_work(QWEN05, waits, card_of(cpu), s).busy == micro_batch_work(QWEN05, lora, card_of(cpu),
                                                                                        s).busy
-    assert timing.host_sync_s(lora, card_of(parse_gpus("1xH100"))) == 0.0
+    assert dispatch.host_sync_s(lora, card_of(parse_gpus("1xH100"))) == 0.0
 
 
 def _cfg(**over) -> SimpleNamespace:

@@ -30,19 +30,13 @@ from shardfit.plan.activations import (
 from shardfit.plan.adapters import lora_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.config_shape import shape_from_config
+from shardfit.plan.dispatch import DELTA_CHUNK_OPS, DISPATCH_KERNEL_S, DISPATCH_VIEW_S, host_dispatch_s
+from shardfit.plan.flops import attention_flops_per_token, delta_rule_flops_per_token
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.model_shape import DELTA_CHUNK, ModelShape
 from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import (
-    DELTA_CHUNK_OPS,
-    DISPATCH_KERNEL_S,
-    DISPATCH_VIEW_S,
-    attention_flops_per_token,
-    delta_rule_flops_per_token,
-    host_dispatch_s,
-    reference_work,
-)
+from shardfit.plan.timing import reference_work
 from shardfit.plan.workload import Workload
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import saved_tensor_bytes

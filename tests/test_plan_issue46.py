@@ -10,9 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardfit.plan.cards import card_of
+from shardfit.plan.dequant import DEQUANT, dequant_per_use, dequant_uses
+from shardfit.plan.dispatch import host_dispatch_s
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import DEQUANT, dequant_per_use, dequant_uses, host_dispatch_s, step_time
+from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload
 
 ROOT = Path(__file__).resolve().parent.parent

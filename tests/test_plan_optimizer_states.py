@@ -64,3 +64,21 @@ def test_expert_parallel_lora_with_16bit_adapters_moves_what_was_counted(over: d
     one = estimate(shape, w, hw, "ddp").per_gpu_gib.optimizer
     ep = estimate(shape, dataclasses.replace(w, expert_parallel=8), hw, "ddp").per_gpu_gib.optimizer
     assert (one - ep) * GIB == pytest.approx(adapters * 7 / 8 * per, rel=1e-6)
+
+
+@pytest.mark.parametrize(("over", "per_weight"), OPTIMIZERS)
+def test_deepspeed_states_follow_the_one_rule_on_its_fp32_masters(over: dict, per_weight: float) -> None:
+    """DeepSpeed's ZeRO optimizer steps its fp32 master partition, so its states per trained weight are
+    `optimizer_state_bytes` of fp32 weights at every stage: the table's bytes for a full fine-tune and for LoRA
+    adapters in fp32 or bf16 alike, where the other engines keep torch AdamW's moments in bf16 adapters' own dtype."""
+    shape = resolve_shape("mistralai/Mixtral-8x7B-v0.1")
+    for method, extra in (("full", {}), ("lora", {}), ("lora", {"adapters_16bit": True})):
+        w = dataclasses.replace(FULL, method=method, **extra, **over)
+        t = trainable_params(shape, w)
+        assert optimizer_state_bytes(w, fp32_masters=True) == pytest.approx(per_weight)
+        for stage in (1, 2, 3):
+            zero = zero_memory(shape, w, 8, ZeroSettings(stage=stage))
+            assert (zero.states - 4 * t / 8) * 8 / t == pytest.approx(per_weight, rel=1e-9)
+    bf16_adapters = dataclasses.replace(FULL, method="lora", adapters_16bit=True, **over)
+    if over == {"optimizer": "adamw"}:
+        assert optimizer_state_bytes(bf16_adapters) == 4.0  # torch AdamW beside them, outside DeepSpeed

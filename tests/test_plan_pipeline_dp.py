@@ -12,12 +12,12 @@ import pytest
 from shardfit import strategy as strategies
 from shardfit.check.pipeline_rules import pipeline_plan_rules
 from shardfit.config import Config
+from shardfit.plan.comms import stage_sync_s
 from shardfit.plan.estimate import Breakdown
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.pipeline import bubble, held_by_pipeline, plan_pipeline, stage_breakdown, stage_gib
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import stage_sync_s
 from shardfit.plan.workload import workload_of
 from shardfit.resolve import DeviceFacts, resolve_job
 from tests.helpers import run_cli

@@ -9,10 +9,11 @@ import pytest
 from shardfit.cli.main import main
 from shardfit.plan.activations import all_to_all_bytes
 from shardfit.plan.cards import card_of
+from shardfit.plan.comms import ulysses_s
 from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import step_time, ulysses_s
+from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload
 
 LONG = Workload(method="lora", seq_len=131072, micro_batch=1, grad_ckpt="full", attention="flash")

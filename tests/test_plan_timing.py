@@ -10,27 +10,26 @@ from pathlib import Path
 import pytest
 
 from shardfit.cli.main import main
-from shardfit.plan import timing
+from shardfit.plan import comms, flops, timing
 from shardfit.plan.cards import card_of
+from shardfit.plan.comms import ADAM_BYTES_PER_PARAM
+from shardfit.plan.dispatch import ENGINE_HOST_S, LAYER_OPS, dispatch_ops_per_layer, host_dispatch_s
 from shardfit.plan.estimate import trainable_params
+from shardfit.plan.flops import (
+    attention_flops_per_token,
+    linear_flops_per_token,
+    lora_flops_per_token,
+    step_flops_per_token,
+)
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan, with_candidates
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.timing import (
-    ADAM_BYTES_PER_PARAM,
     ELEMENTWISE_BYTES,
-    ENGINE_HOST_S,
-    LAYER_OPS,
     REST_BYTES,
-    attention_flops_per_token,
-    dispatch_ops_per_layer,
     elementwise_bytes_per_micro_batch,
     elementwise_bytes_per_token,
     fused_bytes_saved,
-    host_dispatch_s,
-    linear_flops_per_token,
-    lora_flops_per_token,
-    step_flops_per_token,
     step_time,
 )
 from shardfit.plan.workload import Workload
@@ -61,18 +60,18 @@ def test_windowed_blocks_attend_within_their_window_under_flash() -> None:
     assert (gemma.sliding_window, gemma.sliding_layers, gemma.layers) == (512, 22, 26)
     flash = Workload(method="lora", grad_ckpt="full", attention="flash", seq_len=32768)
     windowed = 512 - 512 * 512 / (2 * 32768)
-    assert timing.attended_positions(flash, gemma) == pytest.approx((22 * windowed + 4 * 16384) / 26)
+    assert flops.attended_positions(flash, gemma) == pytest.approx((22 * windowed + 4 * 16384) / 26)
     assert attention_flops_per_token(gemma, flash) == pytest.approx(
         4 * (22 * windowed + 4 * 16384) / 26 * gemma.heads * gemma.hd)
     whole = dataclasses.replace(gemma, sliding_window=0, sliding_layers=0)
     assert step_flops_per_token(gemma, flash) < 0.6 * step_flops_per_token(whole, flash)
     sdpa = dataclasses.replace(flash, attention="sdpa")
-    assert timing.attended_positions(sdpa, gemma) == 32768
+    assert flops.attended_positions(sdpa, gemma) == 32768
     short = dataclasses.replace(flash, seq_len=512)
-    assert timing.attended_positions(short, gemma) == timing.attended_positions(short, whole) == 256
+    assert flops.attended_positions(short, gemma) == flops.attended_positions(short, whole) == 256
     # A partial layout of unknown size (window 1) is counted as whole attention, never as a 1-token window.
     unknown = dataclasses.replace(gemma, sliding_window=1)
-    assert timing.attended_positions(flash, unknown) == 16384
+    assert flops.attended_positions(flash, unknown) == 16384
 
 
 def test_chunked_blocks_never_look_back_past_their_chunk() -> None:
@@ -82,12 +81,12 @@ def test_chunked_blocks_never_look_back_past_their_chunk() -> None:
     seq = 2 * 8192 + 1000
     flash = Workload(method="lora", grad_ckpt="full", attention="flash", seq_len=seq)
     chunked = (2 * 8192 * 8192 / 2 + 1000 * 1000 / 2) / seq
-    assert timing.attended_positions(flash, scout) == pytest.approx((36 * chunked + 12 * seq / 2) / 48)
+    assert flops.attended_positions(flash, scout) == pytest.approx((36 * chunked + 12 * seq / 2) / 48)
     gpt_oss = resolve_shape("openai/gpt-oss-20b")  # windows, not chunks: 128-token windows on half its blocks
     assert not gpt_oss.attention_chunked and (gpt_oss.sliding_window, gpt_oss.sliding_layers) == (128, 12)
     windows = tuple(dataclasses.replace(g, attention="window") for g in scout.attention_groups)
     sliding = dataclasses.replace(scout, attention_chunked=False, attention_groups=windows)
-    assert timing.attended_positions(flash, sliding) > timing.attended_positions(flash, scout)
+    assert flops.attended_positions(flash, sliding) > flops.attended_positions(flash, scout)
 
 
 def test_lora_skips_weight_gradients_and_checkpointing_adds_a_forward() -> None:
@@ -429,7 +428,7 @@ LLAMA2_7 = resolve_shape("meta-llama/Llama-2-7b-hf")
 
 def test_fsdp1_adapter_units_expose_both_all_gathers() -> None:
     """FSDP1 with LoRA under use_orig_params=False (`flat_params`): each adapter is an FSDP unit inside its block, so
-    the rate limiter and BACKWARD_PRE's order leave the block's all-gathers unhidden (timing.exposed_collectives).
+    the rate limiter and BACKWARD_PRE's order leave the block's all-gathers unhidden (comms.exposed_collectives).
     FULL_SHARD waits for both gathers of a micro-batch; SHARD_GRAD_OP, NO_SHARD and a full fine-tune are as
     before."""
     w = Workload(method="lora", grad_ckpt="full", seq_len=2048, micro_batch=4, attention="flash",
@@ -478,7 +477,7 @@ def test_deepspeed_zero3_sync_fetch_serialises_everything() -> None:
     assert new.step_s == pytest.approx(new.compute_s, rel=0.02)  # FSDP2's prefetch hides all of it
     assert old.step_s == pytest.approx(old.compute_s + old.host_s + old.comm_s, rel=1e-6)
     assert old.comm_s > 2 * new.comm_s  # ~440 collectives per gather instead of 49
-    assert timing.param_tensors(gpt2) == 48 * 9 + 2
+    assert comms.param_tensors(gpt2) == 48 * 9 + 2
     assert step_time(gpt2, sync, hw, "zero2").step_s == step_time(gpt2, w, hw, "zero2").step_s
 
 

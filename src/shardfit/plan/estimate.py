@@ -157,15 +157,17 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
 BNB_STATE_BLOCK = 256
 
 
-def optimizer_state_bytes(w: Workload) -> float:
+def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False) -> float:
     """Bytes of AdamW's two states per trainable weight. 8-bit AdamW (bitsandbytes'): one byte each and an fp32
     absmax per BNB_STATE_BLOCK elements of each (tensors under its min_8bit_size, 4,096 elements, keep fp32 states:
-    norms and biases, not counted apart). torch's AdamW: the weight's own dtype (torch/optim/adamw.py:
-    `torch.zeros_like(p)`). bitsandbytes' 32-bit AdamW (`paged_adamw_32bit`, `bnb_optimizer`): fp32 whatever the
-    weight's dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
+    norms and biases, not counted apart). torch's AdamW: the dtype of the weights it steps (torch/optim/adamw.py:
+    `torch.zeros_like(p)`): the trainable weights' own, or fp32 where the engine steps fp32 masters of them
+    (`fp32_masters`: DeepSpeed's ZeRO optimizer steps its fp32 partition whatever the weights' dtype, even for 16-bit
+    LoRA adapters). bitsandbytes' 32-bit AdamW (`paged_adamw_32bit`, `bnb_optimizer`): fp32 whatever the weight's
+    dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
     if w.optimizer == "adamw8bit":
         return 2.0 * (1 + 4 / BNB_STATE_BLOCK)
-    return 2.0 * (4 if w.bnb_optimizer else trainable_bytes(w))
+    return 2.0 * (4 if w.bnb_optimizer or fp32_masters else trainable_bytes(w))
 
 
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:

@@ -53,7 +53,7 @@ MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 @dataclass(frozen=True)
 class BlockGroup:
     """Blocks that mix tokens alike other than by softmax attention over the whole causal prefix, for the time model
-    (plan/timing.py `softmax_groups`): their `attention` (window | chunk | sparse: their own `span`, the window's or
+    (plan/flops.py `softmax_groups`): their `attention` (window | chunk | sparse: their own `span`, the window's or
     chunk's tokens or the indexer's top-k, 0 where unknown: the whole prefix; full: the whole prefix; none: no
     softmax attention, a recurrent block's), the forward FLOPs per token of their `recurrence` (a state each token
     updates: Mamba's scan, RG-LRU, a short convolution, linear attention), and a sparse block's indexer (`index`:

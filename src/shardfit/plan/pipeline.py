@@ -37,7 +37,7 @@ strategy (ddp, zero2, zero3), and each of the dp replicas runs `grad_accum` micr
 pipeline (the global batch is dp times one pipeline's, as for any strategy). A stage's memory is the strategy's
 estimate over its dp ranks (plan/estimate.py: what the strategy table replicates or shards, zero3's gathered
 blocks), with what torch's PipelineStage makes FSDP2 keep besides (`held_by_pipeline`); the step adds each stage's
-gradient reduction over its ranks (plan/timing.py `stage_sync_s`).
+gradient reduction over its ranks (plan/comms.py `stage_sync_s`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from shardfit.plan.activations import (
     image_activation_bytes,
 )
 from shardfit.plan.cards import card_of
+from shardfit.plan.comms import FWD_SHARE, stage_sync_s
 from shardfit.plan.estimate import (
     ALLOCATOR_RESERVE,
     CUDA_CONTEXT_GIB,
@@ -74,7 +75,7 @@ from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.precision import compute_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.timing import FWD_SHARE, stage_sync_s, step_time
+from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload, workload_of
 
 # The columns of `PipelinePlan.row`: one pipeline layout per line.

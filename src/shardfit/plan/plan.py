@@ -14,6 +14,7 @@ from shardfit import __version__
 from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config.support import trainable_methods
+from shardfit.plan.dispatch import delta_rule_chunk_ops
 from shardfit.plan.estimate import (
     GIB,
     Candidate,
@@ -25,7 +26,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.hardware import Hardware, hardware_notes
 from shardfit.plan.shapes import ModelShape
-from shardfit.plan.timing import delta_rule_chunk_ops, reference_pass_s, step_time
+from shardfit.plan.timing import reference_pass_s, step_time
 from shardfit.plan.workload import Workload
 from shardfit.strategy import NAMES, SPEED_ORDER
 

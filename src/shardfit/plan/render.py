@@ -5,9 +5,9 @@ from __future__ import annotations
 from shardfit import method as methods
 from shardfit.plan.cards import Card, card_of, no_fp8_reason
 from shardfit.plan.estimate import ALLOCATOR_CACHE, ALLOCATOR_RESERVE
+from shardfit.plan.flops import FP8_CAST_BYTES
 from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
-from shardfit.plan.timing import FP8_CAST_BYTES
 
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",

@@ -2,7 +2,7 @@
 `AttentionLayout.groups`): its window, chunk or top-k, the FLOPs of a recurrent block's state update, a sparse
 block's indexer. Torch-free; it reads the built config's attributes, or the file's keys where none was built.
 
-A recurrent block other than Gated DeltaNet (which plan/timing.py `delta_rule_flops_per_token` counts from its own
+A recurrent block other than Gated DeltaNet (which plan/flops.py `delta_rule_flops_per_token` counts from its own
 sizes) is counted by the state each token updates, read by the keys its family names it with:
 - Mamba and Mamba-2 (jamba, zamba, zamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h): its channels (the
   SSM's width: `mamba_d_ssm`, heads x head width, or `mamba_expand` x hidden) x the state size per channel

@@ -25,7 +25,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTIONS = ("sdpa", "flash", "eager")
 OPTIMIZERS = ("adamw", "adamw8bit")
 # What dequantizes QLoRA's 4-bit weights for each matmul: torchao's NF4Tensor in plain PyTorch ops (shardfit's own
-# QLoRA) or bitsandbytes' fused CUDA kernel (the HF Trainer, TRL, LLaMA-Factory, axolotl, unsloth): plan/timing.py
+# QLoRA) or bitsandbytes' fused CUDA kernel (the HF Trainer, TRL, LLaMA-Factory, axolotl, unsloth): plan/dequant.py
 # `DEQUANT`.
 QUANT_BACKENDS = ("torchao", "bnb")
 # transformers' attention implementations by what they keep: a dense mask (sdpa, and transformers' default) or not.
@@ -58,7 +58,7 @@ class Workload:
     attention: str = "sdpa"
     grad_accum: int = 1  # above 1, the gradients of earlier micro-batches are held through each forward
     # Ranks that split every row (`sequence_parallel`, parallel/ulysses.py): each forwards 1/N of the row's tokens,
-    # and four all-to-alls per block move its attention's q, k, v and output (plan/timing.py `ulysses_s`).
+    # and four all-to-alls per block move its attention's q, k, v and output (plan/comms.py `ulysses_s`).
     sequence_parallel: int = 1
     # Ranks that share each block's routed experts (`expert_parallel`, parallel/experts.py): each holds 1/N of them,
     # and the tokens travel by all-to-all (plan/experts.py).
@@ -110,15 +110,15 @@ class Workload:
     flat_params: bool = False
     # FSDP1 with backward_prefetch=None: torch 1.12's default, which accelerate 0.7 passed on unless its plugin was
     # told otherwise. The next unit's all-gather is then issued after the current unit's reduce-scatter, on the
-    # same NCCL stream, so a FULL_SHARD backward waits for both (plan/timing.py `exposed_collectives`).
+    # same NCCL stream, so a FULL_SHARD backward waits for both (plan/comms.py `exposed_collectives`).
     fsdp1_no_backward_prefetch: bool = False
     # DeepSpeed ZeRO-3 before v0.6.0: every submodule's parameters are all-gathered one tensor at a time and the
     # host then calls torch.cuda.synchronize(), so compute, the host's launches and the collectives take turns
-    # (plan/timing.py `exposed_collectives`). shardfit's FSDP2 prefetches instead.
+    # (plan/comms.py `exposed_collectives`). shardfit's FSDP2 prefetches instead.
     zero3_sync_fetch: bool = False
     # FSDP1 (FullyShardedDataParallel) ran the published zero2/zero3 run, blocks wrapped with use_orig_params=True
     # (Lightning Fabric, Composer, accelerate): its hooks cost the host more per block than FSDP2's
-    # (plan/timing.py ENGINE_HOST_S). shardfit's own runs are FSDP2.
+    # (plan/dispatch.py ENGINE_HOST_S). shardfit's own runs are FSDP2.
     fsdp1: bool = False
     # The LM head as its own copy of the embedding even where the checkpoint ties them: litgpt's GPT has no tying
     # at the commits its config-hub tables ran (scripts/convert_hf_checkpoint.py copies wte into lm_head).
@@ -132,7 +132,7 @@ class Workload:
     # `bnb_dequantize_bytes`). shardfit's QLoRA is torchao's NF4 with a 16-bit head.
     bnb_precision: bool = False
     # QLoRA's dequantizing library (QUANT_BACKENDS): its kernels and bytes per weight per use set the time of the
-    # dequantization (plan/timing.py `dequant_per_use`), and what one dequantization holds (plan/estimate.py
+    # dequantization (plan/dequant.py `dequant_per_use`), and what one dequantization holds (plan/estimate.py
     # `dequantize_bytes`). Lightning's BitsandbytesPrecision (`bnb_precision`) is bitsandbytes whatever this says.
     quant_backend: str = "torchao"
     # bitsandbytes QLoRA computing in fp32: transformers' BitsAndBytesConfig without `bnb_4bit_compute_dtype`
@@ -177,7 +177,7 @@ class Workload:
     # (16-bit operands into an fp32 result, CUDA only); plan/timing.py `head_gradient_s`.
     head_grad_fp32: bool = False
     # Times per micro-batch the host waits for the device (a value read back, a data-dependent size): 0 on
-    # shardfit's training path (tests/test_host_syncs.py); plan/timing.py `host_sync_s`.
+    # shardfit's training path (tests/test_host_syncs.py); plan/dispatch.py `host_sync_s`.
     host_syncs: float = 0.0
     # AdamW's fused kernel, on plain tensors and FSDP2's DTensor shards alike (shardfit's runs, train/optim.py;
     # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
@@ -189,12 +189,12 @@ class Workload:
     # `skip_adapter_input_casts`): the adapters read the base layer's 16-bit input, saved once for both.
     adapter_input_casts: bool = True
     # The decoder blocks' linear layers as torchao's Float8Linear (`float8: true`): their matmuls at the card's FP8
-    # rate, plus the casts to FP8 (plan/timing.py `float8_s`).
+    # rate, plus the casts to FP8 (plan/flops.py `float8_s`).
     float8: bool = False
     # The Gated DeltaNet kernel of Qwen3.5's and Qwen3-Next's linear-attention blocks (kernels.py
     # `delta_rule_kernel`, what is installed where the plan runs): `fla`, flash-linear-attention's fused kernel, or
     # `torch`, transformers' fallback, which saves the chunks' fp32 tensors (plan/activations.py
-    # `deltanet_saved_bytes_per_token`) and dispatches its ops chunk by chunk (plan/timing.py `host_dispatch_s`).
+    # `deltanet_saved_bytes_per_token`) and dispatches its ops chunk by chunk (plan/dispatch.py `host_dispatch_s`).
     delta_rule: str = dataclasses.field(default_factory=delta_rule_kernel)
     # The Mamba-2 scan of Nemotron-H's mixer blocks (kernels.py `mamba_kernel`): `mamba_ssm`'s fused kernel, or
     # `torch`, transformers' reference scan, which saves the chunks' fp32 tensors (plan/activations.py

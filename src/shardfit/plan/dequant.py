@@ -1,0 +1,44 @@
+"""QLoRA's dequantization: every 4-bit linear weight is dequantized in every use (forward, backward, and again
+where checkpointing recomputes the block), memory-bound traffic that the runs behind the training utilization did
+not do, and kernels the host launches (`DEQUANT`, per backend: torchao's eager ops or bitsandbytes' fused kernel)."""
+
+from __future__ import annotations
+
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import Workload
+
+# QLoRA: one dequantization of a 4-bit weight for one matmul, per backend: (kernels, views, bytes read + written per
+# weight). torchao's NF4Tensor (shardfit's QLoRA) dequantizes in eager PyTorch ops, the nibbles as int64 indices into
+# the code book: counted by bench/dequant_traffic.py (a TorchDispatchMode over F.linear on a 4096 x 4096 NF4 weight,
+# torch 2.13, torchao 0.18; bench/results/dequant_traffic.json). bitsandbytes' dequantize_4bit (kDequantizeBlockwise,
+# csrc/kernels.cu) reads the packed codes (0.5 byte) and writes the weight in its 16-bit dtype (2 bytes) in one
+# kernel, after two small ones that dequantize the double-quantized block scales (8-bit absmax and its offset add:
+# 5 bytes per block of 64 weights); Lightning's BitsandbytesPrecision (`bnb_precision`) writes fp16 and casts it to
+# bf16, one more kernel reading 2 bytes and writing 2 (plan/estimate.py `bnb_dequantize_bytes`).
+DEQUANT: dict[str, tuple[int, int, float]] = {"torchao": (15, 11, 39.11), "bnb": (3, 1, 2.5 + 5 / 64)}
+BNB_CAST = (1, 0, 4.0)
+
+
+def dequant_per_use(w: Workload) -> tuple[float, float, float]:
+    """(kernels, views, bytes per weight) of one dequantization of a 4-bit weight for one matmul under `w`'s
+    backend (`DEQUANT`); zeros when nothing is 4-bit."""
+    if w.method != "qlora":
+        return 0.0, 0.0, 0.0
+    if not w.bnb:
+        return tuple(float(x) for x in DEQUANT["torchao"])
+    k, v, b = DEQUANT["bnb"]
+    if w.bnb_precision and w.precision != "fp16":
+        k, v, b = k + BNB_CAST[0], v + BNB_CAST[1], b + BNB_CAST[2]
+    return float(k), float(v), float(b)
+
+
+def dequant_uses(w: Workload) -> float:
+    """Dequantizations of each 4-bit weight per micro-batch: forward and backward (the gradient of the input needs
+    the weight), and the recomputed forward under full checkpointing (selective: half its matmuls)."""
+    return 2.0 + {"full": 1.0, "selective": 0.5}.get(w.grad_ckpt, 0.0)
+
+
+def dequant_bytes(shape: ModelShape, w: Workload) -> float:
+    """Per micro-batch: the bytes every 4-bit linear weight's dequantizations move (`dequant_per_use`), as memory-bound
+    traffic; the same per weight whatever the tokens, so it weighs most on short micro-batches."""
+    return dequant_uses(w) * shape.decoder_linear_params() * dequant_per_use(w)[2]

@@ -1,0 +1,275 @@
+"""FLOPs per token of one micro-batch, and what float8 changes of them (plan/timing.py runs them at the card's
+rate).
+
+Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add):
+- forward: every linear layer of a block (a mixture of experts: its top-k experts), attention's two matmuls over
+  the attended positions (half the sequence on average for a causal kernel that skips masked blocks, the whole
+  sequence where a dense mask is applied), LoRA's A and B, and the head;
+- backward: the input gradient of every layer that backward passes through (as much as the forward), the weight
+  gradient only of trainable weights (LoRA skips it for the frozen base); flash attention's backward recomputes
+  the scores, 2.5 times its forward (Dao, FlashAttention-2, sec. 3.1.2); backward stops below the first trainable
+  layer (a `freeze` run of the last blocks does not reach the first ones);
+- recomputation: full checkpointing runs each block's forward again; selective checkpointing only the matmuls whose
+  outputs it does not keep (every other one, models/checkpointing.py).
+
+Under `float8: true` the converted linear layers run at the card's FP8 rate, plus torchao's casts to FP8
+(`float8_s`).
+"""
+
+from __future__ import annotations
+
+from shardfit import method as methods
+from shardfit.plan.adapters import adapts
+from shardfit.plan.attention_layout import CHUNK, WINDOW
+from shardfit.plan.cards import Card
+from shardfit.plan.model_shape import DELTA_CHUNK, BlockGroup
+from shardfit.plan.shapes import ModelShape
+from shardfit.plan.workload import Workload
+
+FLASH_BWD = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
+
+
+def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
+    """(forward FLOPs of one block's linear layers, their parameter count) per token, active experts only."""
+    # the mean block: mixtures and dense blocks in their shares, and the shared blocks Zamba's hybrid blocks run
+    params = (shape.over_blocks(shape.active_linear_params) + shape.shared_active) / shape.layers
+    return 2.0 * params, float(params)
+
+
+def attended_positions(w: Workload, shape: ModelShape | None = None) -> float:
+    """Masked attention: the key positions one query's QK^T and PV run over in the kernel `w` runs, at the most,
+    averaged over the blocks of `shape` (None: every block attends to the whole causal prefix).
+
+    A kernel that takes the examples' boundaries (flash-attention 2's variable lengths from the position restarts,
+    flex attention's block mask built on the host from them, models/masks.py; SDPA's causal kernel over a row without
+    a mask) skips the blocks above the diagonal and across examples: half of seq_len on average for rows of one
+    full-length example, whether the row is one example or, under `static_shape`, micro_batch of them side by side.
+    The same kernels skip what lies outside a sliding window or an attention chunk (flash-attention's window_size,
+    the window's or chunk's block mask under flex), so a windowed block's query runs over at most its window
+    (`_within`). A dense mask (SDPA over packed or padded rows: its memory-efficient kernel, the one that takes an
+    arbitrary mask on a GPU; eager attention) is applied to scores computed over the whole square of the row: every
+    query runs over the row's `row_len`, seq_len, or micro_batch x seq_len under `static_shape`, micro_batch times
+    the attention of separate rows (why resolve/defaults.py turns static_shape on only with a boundary kernel)."""
+    whole = float(w.row_len) if w.attention != "flash" else w.seq_len / 2
+    groups = softmax_groups(shape, w) if shape is not None else []
+    blocks = sum(n for n, _ in groups)
+    return sum(n * p for n, p in groups) / blocks if blocks else whole
+
+
+def softmax_groups(shape: ModelShape, w: Workload) -> list[tuple[int, float]]:
+    """(blocks, `attended_positions` of each) for every group of `shape`'s blocks that runs softmax attention (not
+    its Gated DeltaNet and other recurrent blocks), each kind within its own span under flash: a window's or a
+    chunk's (`_within`; the whole prefix for a flash class that passes no window, `flash_unwindowed`), the rest the
+    whole causal prefix. A sparse block's keys are the whole prefix under every kernel: transformers' DSA classes
+    support neither flash nor flex attention and apply the indexer's top-k as a dense mask over the whole row (only
+    a kernel that takes the picks, FlashMLA's, which shardfit never loads, would run over the top-k alone); its
+    indexer is `indexer_flops_per_token`'s. A group's span under 2 is unknown: the whole prefix. Without
+    `attention_groups` (a catalog entry) `sliding_layers` blocks of the model's softmax blocks attend within
+    `sliding_window`, a window or (`attention_chunked`) a chunk."""
+    groups = shape.attention_groups
+    if not groups and shape.sliding_layers > 0 and shape.sliding_window >= 2:
+        groups = (BlockGroup(min(shape.sliding_layers, shape.layers - shape.linear_layers),
+                             CHUNK if shape.attention_chunked else WINDOW, shape.sliding_window),)
+    whole = float(w.row_len) if w.attention != "flash" else w.seq_len / 2
+    full = shape.layers - shape.linear_layers - sum(g.blocks for g in groups)
+    out = [(full, whole)] if full > 0 else []
+    for g in groups:
+        if g.attention == "none":
+            continue
+        inside = w.attention == "flash" and g.span >= 2 and \
+            (g.attention == CHUNK or g.attention == WINDOW and not shape.flash_unwindowed)
+        out.append((g.blocks, _within(g.span, w.seq_len, chunked=g.attention == CHUNK) if inside else whole))
+    return out
+
+
+def _within(size: int, seq: int, *, chunked: bool) -> float:
+    """The mean number of earlier positions (itself included, to the causal kernel's seq/2 at the limit) a query of
+    a `seq`-token example attends to inside a sliding window of `size` tokens, or inside its own `size`-token chunk
+    (Llama 4's chunked attention: the chunks tile the sequence and never look back past their start)."""
+    if seq <= size:
+        return seq / 2
+    if chunked:
+        full, rest = divmod(seq, size)
+        return (full * size * size / 2 + rest * rest / 2) / seq
+    return size - size * size / (2 * seq)  # the first `size` positions fill the window, the rest see all of it
+
+
+def attention_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs per token of the mean block's token mixing outside its projections, the part backward passes
+    through: a softmax-attention block's QK^T and PV over its own `attended_positions` (`softmax_groups`), a Gated
+    DeltaNet block's chunked delta rule (`delta_rule_flops_per_token`), another recurrent block's state update
+    (plan/token_mixers.py), neither with a term that grows with the sequence."""
+    softmax = sum(n * p for n, p in softmax_groups(shape, w)) * 4.0 * shape.heads * shape.hd
+    linear = shape.linear_layers * delta_rule_flops_per_token(shape) if shape.linear_layers else 0.0
+    recurrent = sum(g.blocks * g.recurrence for g in shape.attention_groups)
+    return (softmax + linear + recurrent) / shape.layers
+
+
+def indexer_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs per token of the mean block's sparse-attention indexer (DeepSeek-V3.2, GLM-DSA, dots3_note):
+    its heads' scores against every key of the row (transformers' torch indexer scores the whole row, then masks
+    it; the sum over its heads, 1/width of that, is left out), under torch.no_grad: no backward pass, only full
+    checkpointing's recomputation."""
+    return sum(g.blocks * 2.0 * g.index * float(w.row_len) for g in shape.attention_groups) / shape.layers
+
+
+def delta_rule_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs per token of one Gated DeltaNet block's token mixing (fla's chunk_gated_delta_rule where it is
+    installed, or transformers' torch fallback, which does the same products as a loop over the chunks: its
+    host cost, chunk by chunk, is `delta_rule_chunk_ops`'s). Per value head
+    (the key heads are repeated to the value heads), 2 FLOPs per multiply-add: inside a `DELTA_CHUNK`-token chunk
+    three products of C x dk (K K^T, the WY transform's decayed keys, the queries' scores against the chunk's keys)
+    and two of C x dv (the transform's values, the scores times the corrected values); across chunks three of
+    dk x dv against the running state (the keys' and the queries' products with it, its update). The chunk's
+    triangular solve (C^2 / 3 per token, under 2 % of the rest at C = 64, dk = dv = 128) is left out; the
+    depthwise convolution over q, k and v adds its kernel's width per channel. The backward is counted at the
+    forward's FLASH_BWD like softmax attention's (fla's backward recomputes the chunk's products, then takes the
+    gradients of each)."""
+    c, dk, dv = DELTA_CHUNK, shape.linear_k_dim, shape.linear_v_dim
+    per_head = 2 * c * (3 * dk + 2 * dv) + 6 * dk * dv
+    conv = 2 * shape.linear_conv * (2 * shape.linear_k_heads * dk + shape.linear_v_heads * dv)
+    return float(shape.linear_v_heads * per_head + conv)
+
+
+def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs of one block's LoRA A and B (active experts only)."""
+    if not w.trains_adapters:
+        return 0.0
+
+    def per_block(moe: bool) -> float:
+        flops = 0.0
+        for name, i, o in shape.named_linears(moe):
+            if adapts(name, w):  # a token runs its top-k experts' adapters only
+                flops += 2 * w.lora_rank * (i + o) / (shape.experts / shape.top_k if name.startswith("expert_") else 1)
+        return flops
+
+    return shape.over_blocks(per_block) / shape.layers
+
+
+def backward_layers(shape: ModelShape, w: Workload) -> int:
+    """The decoder blocks backward passes through: every one, or under `freeze` those from the top down to the
+    lowest that trains (backward stops below it)."""
+    return shape.layers - min(w.trained_blocks(shape.layers)) if w.method == "freeze" else shape.layers
+
+
+def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward + backward + recomputation FLOPs per token of one micro-batch."""
+    lin, _ = linear_flops_per_token(shape)
+    attn = attention_flops_per_token(shape, w)
+    lora = lora_flops_per_token(shape, w)
+    head = 2.0 * shape.hidden * shape.vocab
+    index = indexer_flops_per_token(shape, w)
+    block_fwd = lin + attn + lora + index
+    weights_train = w.method == "full"
+    lin_bwd = lin * (2 if weights_train else 1)
+    attn_bwd = attn * (FLASH_BWD if w.attention != "eager" else 2)
+    block_bwd = lin_bwd + attn_bwd + 2 * lora
+    if w.grad_ckpt == "full":
+        recompute = block_fwd
+    elif w.grad_ckpt == "selective":
+        recompute = (lin + lora) / 2
+    else:
+        recompute = 0.0
+    layers_bwd = backward_layers(shape, w)
+    head_bwd = head * (2 if weights_train else 1)
+    return shape.layers * block_fwd + head + layers_bwd * (block_bwd + recompute) + head_bwd
+
+
+def reference_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs per token of the reference model: every block's linear layers and attention (no adapters: they
+    are switched off) and the head. No backward and no recomputation: it runs without gradients."""
+    lin, _ = linear_flops_per_token(shape)
+    return shape.layers * (lin + attention_flops_per_token(shape, w) + indexer_flops_per_token(shape, w)) + \
+        2.0 * shape.hidden * shape.vocab
+# What torchao's dynamic scaling moves per element of each tensor it casts to FP8 (float8_utils.py tensor_to_amax,
+# float8_training_tensor.py _ToFloat8ConstrFunc). Compiled, inductor fuses the cast: the bf16 tensor read once for
+# its absolute maximum and once more to cast it, the FP8 copy written (2 + 2 + 1 bytes). Eager, each step is its own
+# kernel: abs (2 read, 2 written), max (2 read), the upcast to fp32 (2 + 4), the multiply by the scale (4 + 4), the
+# clamp to FP8's range (4 + 4), the cast to FP8 (4 + 1): 33 bytes.
+FP8_CAST_BYTES = {"compiled": 5, "eager": 33}
+
+
+FP8_MULTIPLE = 16  # parallel/float8.py: both dims of a converted weight are multiples of 16
+
+
+def float8_linears(shape: ModelShape, moe: bool) -> list[tuple[str, int, int]]:
+    """(name, in, out) of a block's linear layers that `float8: true` converts (parallel/float8.py `convertible`):
+    attention, dense and shared-expert MLPs whose dims are multiples of 16; not the router, nor the routed experts
+    (fused weights, not nn.Linear modules)."""
+    return [(n, i, o) for n, i, o in shape.named_linears(moe)
+            if n != "router" and not n.startswith("expert_") and i % FP8_MULTIPLE == 0 and o % FP8_MULTIPLE == 0]
+
+
+def _linear_passes(w: Workload, shape: ModelShape) -> tuple[float, float]:
+    """(forward passes, backward passes) over every block's linear layers in one micro-batch, as
+    `step_flops_per_token` counts them: each block's forward plus its recomputation, and the backward of the
+    blocks it reaches (a frozen weight's backward is its input gradient alone: one matmul, a trained one's two)."""
+    recompute = {"full": 1.0, "selective": 0.5}.get(w.grad_ckpt, 0.0)
+    layers_bwd = backward_layers(shape, w)
+    return shape.layers + layers_bwd * recompute, layers_bwd * (2 if w.method == "full" else 1)
+
+
+def _float8_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs per token of one block's converted layers (the mean block's, for a model mixing layer kinds)."""
+    return shape.over_blocks(lambda moe: sum(2.0 * i * o for _, i, o in float8_linears(shape, moe))) / shape.layers
+
+
+def float8_applies(w: Workload) -> bool:
+    """Whether the run converts layers to FP8: `float8: true` with 16-bit weights and bf16 compute, which check and
+    train require (check/config_rules.py float8_rules)."""
+    return w.float8 and not methods.get(w.method).quantized and w.precision == "bf16"
+
+
+def float8_flops(shape: ModelShape, w: Workload) -> float:
+    """FLOPs per micro-batch of the matmuls that run in FP8 under `float8: true` (0 without it): the converted
+    linear layers' forward, recomputation and backward. torchao's backward computes the weight gradient of every
+    converted layer, a frozen one's too (LoRA's base layers: computed and dropped), so two matmuls each."""
+    if not float8_applies(w):
+        return 0.0
+    fwd, _ = _linear_passes(w, shape)
+    return _float8_per_token(shape) * (fwd + 2 * backward_layers(shape, w)) * w.tokens
+
+
+def float8_replaced_flops(shape: ModelShape, w: Workload) -> float:
+    """FLOPs per micro-batch of the 16-bit matmuls the FP8 ones replace: what the run without float8 computes of
+    those layers (a frozen weight's backward there is its input gradient alone)."""
+    if not float8_applies(w):
+        return 0.0
+    fwd, bwd = _linear_passes(w, shape)
+    return _float8_per_token(shape) * (fwd + bwd) * w.tokens
+
+
+def float8_cast_bytes(shape: ModelShape, w: Workload) -> float:
+    """Bytes per micro-batch of torchao's casts to FP8 (`FP8_CAST_BYTES` per element, fused when compiled): each
+    converted matmul's input and weight at every forward (recomputation included); at every backward, frozen weight
+    or not, its output gradient twice (one layout per gradient matmul) and its weight and input again (torchao
+    saves them in bf16)."""
+    if not float8_applies(w):
+        return 0.0
+    fwd, _ = _linear_passes(w, shape)
+    bwd = backward_layers(shape, w)
+    t = w.tokens
+
+    def forward(moe: bool) -> float:
+        return sum(t * i + i * o for _, i, o in float8_linears(shape, moe))
+
+    def backward(moe: bool) -> float:
+        return sum(2 * t * o + i * o + t * i for _, i, o in float8_linears(shape, moe))
+
+    mean = 1 / shape.layers
+    per = FP8_CAST_BYTES["compiled" if w.compile else "eager"]
+    return per * (fwd * shape.over_blocks(forward) * mean + bwd * shape.over_blocks(backward) * mean)
+
+
+def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
+    """Seconds per micro-batch `float8: true` adds (a negative number: it saves them): the converted matmuls at
+    the card's FP8 rate instead of the 16-bit ones they replace at its 16-bit rate (both at efficiency `eff`; the
+    frozen weights' gradients are new work), and the casts at its memory bandwidth. A card without an FP8 rate (a
+    CPU, emulating) keeps the 16-bit rate and pays the casts."""
+    flops = float8_flops(shape, w)
+    if flops == 0.0:
+        return 0.0
+    dense = card.dense_flops(w.precision)
+    fp8 = card.fp8_flops or dense
+    return flops / (fp8 * eff) - float8_replaced_flops(shape, w) / (dense * eff) + \
+        float8_cast_bytes(shape, w) / card.hbm
