@@ -33,6 +33,12 @@ def adapts(name: str, w: Workload) -> bool:
     return name in targets
 
 
+def adapts_experts(shape: ModelShape, w: Workload) -> bool:
+    """Whether LoRA reaches any routed expert's weight of `shape` (`adapts` on its expert_* layers): the one
+    answer for the plan and for what a converted config must say (`lora.experts`)."""
+    return any(adapts(n, w) for n, _, _ in shape.named_linears(True) if n.startswith("expert_"))
+
+
 def rank_of(name: str, w: Workload) -> int:
     """The adapter rank on the linear layer `name`: the workload's, doubled on a fused gate/up expert weight that
     peft's rewrite reaches (it fuses gate_proj's and up_proj's adapters, each of the rank, into one)."""
