@@ -10,7 +10,7 @@ import pytest
 
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
-from shardfit.foreign.targets import plan_all_linear, plan_targets
+from shardfit.foreign.targets import plan_all_linear, plan_saved, plan_targets
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.workload import Workload
@@ -104,3 +104,21 @@ def test_lists_peft_reads_otherwise_are_planned_or_refused_as_peft_does(model_ty
         if any("every linear layer" in n for n in notes):
             continue  # names the planner cannot place (`router` where the model has none): its stated fallback
         assert planned == expected, (model_type, name)
+
+
+@pytest.mark.parametrize("saved", [["embed_tokens"], ["embed_tokens", "lm_head"]])
+def test_modules_to_save_count_the_trainable_copies_peft_makes(saved: list[str]) -> None:
+    """LLaMA-Factory's additional_target, axolotl's lora_modules_to_save, ms-swift's --modules_to_save: peft trains
+    a full copy of each module beside the adapters; the plan counts them (it said "no effect on memory")."""
+    config = transformers.AutoConfig.for_model("qwen2", **TINY)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=RANK, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=saved))
+    expected = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    shape = shape_from_config({**config.to_dict(), "model_type": "qwen2"}, "tiny/qwen2")
+    job = ForeignJob(tool="llamafactory", source="job.yml", model="tiny/qwen2",
+                     workload=Workload(method="lora", lora_rank=RANK))
+    plan_targets(job, "lora_target", ["q_proj", "v_proj"], shape, transformers.__version__)
+    assert plan_saved(job, "additional_target", saved)
+    assert trainable_params(shape, job.workload) == expected

@@ -246,3 +246,20 @@ def test_entries_a_model_lacks_beside_others_are_skipped_as_peft_skips_them(tmp_
     assert main(["plan", "--from", "axolotl", script, "--gpus", "8xH100", "--transformers", "5.0.0"]) in (0, 3)
     with pytest.raises(UserError, match=r"matches no module.*refuses targets of which none matches"):
         _lf(tmp_path, "openai/gpt-oss-20b", "gate_proj,up_proj")
+
+
+def test_modules_to_save_of_each_tool_are_planned_as_trainable_copies(tmp_path: Path) -> None:
+    """LLaMA-Factory's additional_target (and resize_vocab without it), axolotl's lora_modules_to_save and
+    ms-swift's --modules_to_save are peft's modules_to_save: the embedding's and head's copies train whole."""
+    base = LF.format(model="Qwen/Qwen2.5-7B", targets="q_proj,v_proj")
+    for extra, saved in (("additional_target: embed_tokens,lm_head\n", ("embed", "head")),
+                         ("resize_vocab: true\n", ("embed", "head")), ("additional_target: lm_head\n", ("head",))):
+        job = read_job("llamafactory", _write(tmp_path, "lf.yaml", base + extra), JobOptions())
+        assert job.workload.lora_saved == saved, extra
+        assert not job.not_modelled
+    ax = (AXOLOTL.format(model="Qwen/Qwen2.5-7B", targets=r".*\.q_proj")
+          + "lora_modules_to_save: [embed_tokens, lm_head]\n")
+    assert read_job("axolotl", _write(tmp_path, "a.yml", ax), JobOptions()).workload.lora_saved == ("embed", "head")
+    sw = ("swift sft --model Qwen/Qwen2.5-7B --train_type lora --target_modules q_proj v_proj --modules_to_save "
+          "embed_tokens lm_head --dataset x.jsonl\n")
+    assert read_job("swift", _write(tmp_path, "s.sh", sw), JobOptions()).workload.lora_saved == ("embed", "head")

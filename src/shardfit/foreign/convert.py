@@ -101,6 +101,10 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
         out.append(f"micro_batch {job.workload.micro_batch} -> {cfg['micro_batch']} with grad_accum "
                    f"{job.workload.grad_accum} -> {cfg['grad_accum']}: shardfit's {job.workload.objective} needs two "
                    f"rows a micro-batch; the rows a step stay the same (one fewer for an odd count)")
+    if job.workload.lora_saved:
+        out.append(f"{' and '.join(job.workload.lora_saved)} trained whole beside the adapters (peft's "
+                   f"modules_to_save): not carried, shardfit trains the adapters only (the converted job needs "
+                   f"less memory than the tool's)")
     out += [f"warning: {x}" for x in job.not_carried]
     if job.not_modelled:
         out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))

@@ -397,3 +397,34 @@ def plan_all_linear(job: ForeignJob, shape: ModelShape, version: str) -> None:
                          f"experts (gate_up_proj at twice the rank), so the dense layers' and shared experts' MLPs "
                          f"get no adapter; the router's weight gets one")
     job.workload = dataclasses.replace(job.workload, **fields)
+
+
+# The last parts of the module names peft's modules_to_save reaches on the planner's models: the input embedding
+# and the LM head (ChatGLM's output_layer, InternLM2's output, GPT-NeoX's embed_in/embed_out).
+_SAVED = {"embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "embed_in": "embed",
+          "lm_head": "head", "output_layer": "head", "output": "head", "embed_out": "head"}
+
+
+def saved_names(value: object) -> list[str]:
+    """The module names of a modules_to_save setting: a list, or names separated by commas (LLaMA-Factory's
+    additional_target) or spaces (ms-swift's `--modules_to_save a b`); empty for none."""
+    if value is None or value is False:
+        return []
+    items = value if isinstance(value, (list, tuple, set)) else [value]
+    return [t for item in items for t in re.split(r"[,\s]+", str(item)) if t]
+
+
+def plan_saved(job: ForeignJob, key: str, names: list[str]) -> str:
+    """Plan peft's modules_to_save `names`: a full trainable copy of the embedding and the head among them (its
+    weights, gradients and optimizer states; the frozen original stays), the effect shown beside `key`. Other
+    modules are not modelled: "" when none of the names is planned."""
+    kinds = {_SAVED[n.rsplit(".", 1)[-1]] for n in names if n.rsplit(".", 1)[-1] in _SAVED}
+    other = [n for n in names if n.rsplit(".", 1)[-1] not in _SAVED]
+    if not kinds:
+        return ""
+    job.workload = dataclasses.replace(job.workload, lora_saved=tuple(sorted(kinds)))
+    if other:
+        job.notes.append(f"{key}: {', '.join(other)} also trained whole (peft's modules_to_save), not planned: "
+                         f"only the embedding's and the head's copies are (an under-estimate)")
+    what = " and ".join({"embed": "the embedding", "head": "the head"}[k] for k in sorted(kinds))
+    return f"{what} trained whole beside the adapters (peft's modules_to_save: a full trainable copy)"

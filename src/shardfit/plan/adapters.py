@@ -68,3 +68,9 @@ def lora_expert_params(shape: ModelShape, w: Workload) -> int:
         return 0
     return int(shape.over_blocks(lambda moe: sum(rank_of(n, w) * (i + o) for n, i, o in shape.named_linears(moe)
                                                  if moe and n.startswith("expert_") and adapts(n, w))))
+
+
+def saved_params(shape: ModelShape, w: Workload) -> int:
+    """The weights of the modules trained whole beside the adapters (`lora_saved`): a full copy of the embedding
+    or of the head per name, tied or not (peft copies each module it is given)."""
+    return len(set(w.lora_saved)) * shape.vocab * shape.hidden if w.trains_adapters else 0
