@@ -122,3 +122,23 @@ def test_modules_to_save_count_the_trainable_copies_peft_makes(saved: list[str])
     plan_targets(job, "lora_target", ["q_proj", "v_proj"], shape, transformers.__version__)
     assert plan_saved(job, "additional_target", saved)
     assert trainable_params(shape, job.workload) == expected
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_tools_all_is_the_list_of_linear_names_they_hand_peft(model_type: str) -> None:
+    """LLaMA-Factory's `lora_target: all` (0.9.5 find_all_linear_modules) and ms-swift's all-linear (4.6.0
+    find_all_linears) hand peft the leaf names of the modules whose class name says Linear, less the head: under
+    transformers 5 no fused experts container or router, so the plan counts what peft trains on that list."""
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if "Linear" in type(m).__name__ and "lm_head" not in n})
+    expected = _peft_count(config, names)
+    shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
+    for tool in ("llamafactory", "swift"):
+        job = ForeignJob(tool=tool, source="job.yml", model=f"tiny/{model_type}",
+                         workload=Workload(method="lora", lora_rank=RANK))
+        plan_all_linear(job, shape, transformers.__version__)
+        assert trainable_params(shape, job.workload) == expected, (tool, names)

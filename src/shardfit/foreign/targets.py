@@ -15,7 +15,7 @@ import re
 from shardfit.config.targets import names_no_module, targets_fix, targets_problem, unmatched
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor, transformers_version
-from shardfit.foreign.job import ForeignJob
+from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import LORA_TARGETS
 
@@ -381,16 +381,40 @@ def _router_is_linear(shape: ModelShape, moved: tuple[str, str, str] | None) -> 
     return moved is None and shape.every_expert
 
 
+# The tools that resolve their "all" targets themselves into the leaf names of the model's modules whose class
+# name says Linear, and hand peft that list (LLaMA-Factory 0.9.5 `find_all_linear_modules`, ms-swift 4.6.0
+# `find_all_linears` for a text model), rather than peft's string all-linear.
+LINEAR_NAME_TOOLS = {"llamafactory": "lora_target all", "swift": "--target_modules all-linear"}
+
+
 def plan_all_linear(job: ForeignJob, shape: ModelShape, version: str) -> None:
-    """What peft 0.21's all-linear adapts on a mixture whose experts transformers `version` fuses: every
+    """What all-linear adapts on a mixture whose experts transformers `version` fuses. peft 0.21's string: every
     nn.Linear's module name, which under its rewrite includes the moved expert names and the router's `gate`
     (the fused weights at their ranks, no dense or shared expert's MLP), and without it reaches no routed expert
-    and the router only where it is an nn.Linear (Llama 4's)."""
+    and the router only where it is an nn.Linear (Llama 4's). A tool that hands peft its Linear modules' names
+    (LINEAR_NAME_TOOLS) reaches the same modules without the rewrite; under it, no router (a module of its own
+    class, no Linear) and the fused experts only when a dense layer's or shared expert's MLP puts gate_proj,
+    up_proj and down_proj in the list, which peft then moves onto every expert."""
     if not (job.workload.trains_adapters and fused_experts(shape, version)):
         return
     moved = peft_rewrite(shape, version)
+    if moved is not None and job.tool in LINEAR_NAME_TOOLS and not (job.tool == "swift" and shape.multimodal):
+        listed = moved == _PROJ_NAMES and (shape.dense_layers > 0 or shape.shared_intermediate > 0)
+        fields = {"lora_experts": listed, "lora_rewritten": ("gate_up", "down") if listed else (),
+                  "lora_router": False}
+        reached = (f"its dense layers' or shared experts' MLPs put {', '.join(moved)} in that list, which peft "
+                   f"0.21 moves onto every routed expert's fused weights (gate_up_proj at twice the rank, no "
+                   f"adapter left on those MLPs)" if listed else
+                   f"none of {', '.join(moved)} is in that list, so the routed experts get no adapter")
+        job.notes.append(f"{LINEAR_NAME_TOOLS[job.tool]} on {job.model}: {TOOL_NAMES[job.tool]} hands peft the "
+                         f"names of the modules whose class is a Linear, not peft's all-linear; under transformers "
+                         f"{version} the router and the fused experts are no Linear: {reached}; no router adapter")
+        job.workload = dataclasses.replace(job.workload, **fields)
+        return
     if moved is None:
-        fields = {"lora_experts": False, "lora_router": _router_is_linear(shape, moved)}
+        # Llama 4's router is an nn.Linear of class Llama4Router: a Linear for peft, no "Linear" in its name
+        fields = {"lora_experts": False,
+                  "lora_router": _router_is_linear(shape, moved) and job.tool not in LINEAR_NAME_TOOLS}
     else:
         fields = {"lora_experts": True, "lora_rewritten": ("gate_up", "down"), "lora_router": True}
         job.notes.append(f"all-linear on {job.model}: peft 0.21 moves {', '.join(moved)} onto the fused routed "
