@@ -139,3 +139,22 @@ def test_trl_scripts_are_checked_with_trls_defaults(tmp_path: Path, script: str,
         with pytest.raises(UserError, match=r"--save_steps 105: is not a whole multiple of eval_steps 10.*TRL's "
                                             r"SFTConfig refuses"):
             _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=misfits))
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "key"), [
+    ("hf", "args.json", json.dumps({**HF, "save_steps": float("inf"), "eval_strategy": "steps",
+                                    "load_best_model_at_end": True}), "save_steps"),
+    ("hf", "args.json", json.dumps({**HF, "logging_steps": float("nan")}), "logging_steps"),
+    ("hf", "args.json", json.dumps({**HF, "use_lora": True, "lora_r": 1e400}), "lora_r"),
+    ("llamafactory", "lf.yaml", LF + "save_steps: .inf\neval_strategy: steps\nload_best_model_at_end: true\n",
+     "save_steps"),
+    ("llamafactory", "lf.yaml", LF + "eval_steps: .nan\neval_strategy: steps\n", "eval_steps"),
+    ("llamafactory", "lf.yaml", LF + "lora_rank: .inf\n", "lora_rank"),
+    ("llamafactory", "lf.yaml", LF + "lora_dropout: .nan\n", "lora_dropout"),
+])
+def test_infinite_or_nan_numbers_exit_2_naming_the_key(tmp_path: Path, capsys, tool: str, name: str, text: str,
+                                                        key: str) -> None:
+    """An infinite or NaN step count or rank was an OverflowError (exit 1, "a bug in shardfit"): now exit 2."""
+    (tmp_path / name).write_text(text)
+    assert main(["plan", "--from", tool, str(tmp_path / name), "--gpus", "1xH100"]) == 2
+    assert key in capsys.readouterr().err

@@ -5,6 +5,7 @@ never starts. Only refusals that hold whatever the machine (not bf16 support, no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,9 +140,13 @@ def _number(values: Mapping[str, Any], key: str, src: Source,
     if value is None or str(value).strip().lower() in ("none", "null", ""):
         return None
     try:
-        return float(value)
+        out = float(value)
     except (TypeError, ValueError):
         raise UserError(f"{src.at(key)}: '{key}' is {value!r}; expected a number of steps.") from None
+    if not math.isfinite(out):  # the Trainer's int() of it raises OverflowError or ValueError
+        raise UserError(f"{src.at(key)}: '{key}' is {value!r}; give a whole number of steps (or a fraction of the "
+                        f"run below 1).")
+    return out
 
 
 def _text(value: Any) -> str:
