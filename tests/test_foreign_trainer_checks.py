@@ -128,10 +128,12 @@ RUN = ("python {script} --model_name_or_path Qwen/Qwen2.5-7B --per_device_train_
 @pytest.mark.parametrize(("script", "fits", "misfits"), [(SFT_CLI, 100, 105), (DPO, 30, None)])
 def test_trl_scripts_are_checked_with_trls_defaults(tmp_path: Path, script: str, fits: int,
                                                     misfits: int | None) -> None:
-    """TRL's configs log every 10 steps (SFTConfig, DPOConfig...) or every step (GRPOConfig), not the HF Trainer's
-    500, and eval_steps falls back to logging_steps: save_steps 100 with load_best_model_at_end runs under an
-    SFTConfig (a multiple of 10), so it is planned, while 105 is still refused naming TRL's default."""
-    assert trainer_defaults("GRPOConfig")["logging_steps"] == 1 and trainer_defaults(None)["logging_steps"] == 500
+    """TRL's configs log every 10 steps (SFTConfig, DPOConfig, GRPOConfig and RLOOConfig alike: trl 0.19-1.16),
+    not the HF Trainer's 500, and eval_steps falls back to logging_steps: save_steps 100 with
+    load_best_model_at_end runs under an SFTConfig (a multiple of 10), so it is planned, while 105 is still refused
+    naming TRL's default."""
+    assert all(trainer_defaults(c)["logging_steps"] == 10 for c in ("SFTConfig", "GRPOConfig", "RLOOConfig"))
+    assert trainer_defaults(None)["logging_steps"] == 500
     (tmp_path / "train.py").write_text(script)
     job = _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=fits))
     assert job.model == "Qwen/Qwen2.5-7B"
