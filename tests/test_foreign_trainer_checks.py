@@ -18,6 +18,7 @@ HF = {"model_name_or_path": "Qwen/Qwen2.5-7B", "bf16": True, "per_device_train_b
       "model_max_length": 2048}
 LF = "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\nfinetuning_type: lora\ncutoff_len: 2048\nbf16: true\n"
 AXOLOTL = "base_model: Qwen/Qwen2.5-7B\nadapter: lora\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: true\n"
+LF_V1 = "model: Qwen/Qwen2.5-7B\nmicro_batch_size: 1\ncutoff_len: 2048\npeft_config:\n  name: lora\n"
 SWIFT = "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --torch_dtype bfloat16 --max_length 2048\n"
 
 
@@ -34,13 +35,13 @@ def _hf(tmp_path: Path, **args) -> str:
 
 @pytest.mark.parametrize(("tool", "name", "text", "epochs"), [
     ("hf", "args.json", json.dumps(HF), 3), ("llamafactory", "lf.yaml", LF, 3), ("swift", "run.sh", SWIFT, 3),
-    ("axolotl", "ax.yml", AXOLOTL, 1),
+    ("axolotl", "ax.yml", AXOLOTL, 1), ("llamafactory", "v1.yaml", LF_V1, 3),
 ])
 def test_tools_default_epochs_are_planned_and_said(tmp_path: Path, tool: str, name: str, text: str,
                                                     epochs: int) -> None:
     """A job that names no epoch count trains the tool's default: the HF Trainer's num_train_epochs 3.0 (which
-    LLaMA-Factory v0 and ms-swift keep), axolotl's num_epochs 1.0; the converted config trains as many, and the
-    plan's notes and convert's header say it was the tool's default."""
+    LLaMA-Factory v0 and ms-swift keep), LLaMA-Factory v1's own num_train_epochs 3, axolotl's num_epochs 1.0; the
+    converted config trains as many, and the plan's notes and convert's header say it was the tool's default."""
     job = _read(tmp_path, tool, name, text)
     cfg = to_config(job)
     assert cfg["epochs"] == epochs
@@ -160,3 +161,67 @@ def test_infinite_or_nan_numbers_exit_2_naming_the_key(tmp_path: Path, capsys, t
     (tmp_path / name).write_text(text)
     assert main(["plan", "--from", tool, str(tmp_path / name), "--gpus", "1xH100"]) == 2
     assert key in capsys.readouterr().err
+
+
+SWIFT_RUN = "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --torch_dtype bfloat16 --dataset d.jsonl {extra}\n"
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ("--load_best_model_at_end true", r"--load_best_model_at_end true without validation data.*--val_dataset"),
+    ("--split_dataset_ratio 0.01 --save_steps 50 --eval_steps 30 --load_best_model_at_end true",
+     r"--save_steps 50: is not a whole multiple of eval_steps 30.*ms-swift"),
+    ("--logging_steps 0", r"--logging_steps 0: logging every 0 steps.*ms-swift"),
+    ("--bf16 true --fp16 true", r"--bf16 true: with fp16 also true"),
+    ("--fp16 true", r"--bf16 true: with fp16 also true"),  # bf16 unset: --torch_dtype bfloat16's
+    ("--lr_scheduler_type reduce_lr_on_plateau --eval_strategy steps",
+     r"--lr_scheduler_type reduce_lr_on_plateau: .*eval_strategy is no"),
+])
+def test_swift_runs_the_trainers_refusals_on_its_own_values(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             extra: str, match: str) -> None:
+    """ms-swift builds transformers' Seq2SeqTrainingArguments from its own resolved values, so the HF Trainer's
+    start-up refusals hold for it, with its defaults: evaluation off without validation data (whatever
+    --eval_strategy says), eval_steps save_steps, logging_steps 5, bf16/fp16 from --torch_dtype unless given."""
+    with pytest.raises(UserError, match=match):
+        _read(tmp_path, "swift", "run.sh", SWIFT_RUN.format(extra=extra))
+    assert main(["plan", "--from", "swift", str(tmp_path / "run.sh"), "--gpus", "1xH100"]) == 2
+    assert "run.sh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [
+    "--split_dataset_ratio 0.01 --save_steps 50 --load_best_model_at_end true",  # eval_steps: save_steps
+    "--val_dataset v.jsonl --save_strategy epoch --load_best_model_at_end true",  # eval_strategy: save's
+    "--logging_steps 0 --logging_strategy epoch", "--fp16 true --bf16 false",
+])
+def test_swift_jobs_the_trainer_runs_are_planned(tmp_path: Path, extra: str) -> None:
+    """What ms-swift's defaults make consistent is not refused."""
+    assert _read(tmp_path, "swift", "run.sh", SWIFT_RUN.format(extra=extra)).model == "Qwen/Qwen2.5-7B"
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ("warmup_steps: 10\nwarmup_ratio: 0.1\n", r"ax.yml:\d+: 'warmup_steps' and 'warmup_ratio'"),
+    ("save_strategy: epoch\nsave_steps: 100\n", r"'save_steps: 100' with 'save_strategy: epoch'.*save_strategy: steps"),
+    ("saves_per_epoch: 2\nsave_steps: 100\n", r"'save_steps' and 'saves_per_epoch'"),
+    ("eval_strategy: epoch\neval_steps: 50\n", r"'eval_steps: 50' with 'eval_strategy: epoch'"),
+    ("val_set_size: 0\neval_steps: 50\n", r"'eval_steps' with 'val_set_size: 0'"),
+    ("evals_per_epoch: 4\neval_steps: 50\n", r"'eval_steps' and 'evals_per_epoch'"),
+    ("evals_per_epoch: 4\neval_strategy: epoch\n", r"'eval_strategy: epoch' with 'evals_per_epoch'"),
+    ("early_stopping_patience: 3\nsave_steps: 100\n", r"'early_stopping_patience' without both"),
+    ("early_stopping_patience: 3\nsave_steps: 100\neval_steps: 30\n", r"save_steps 100 not a multiple of eval_steps"),
+])
+def test_axolotl_schedule_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str,
+                                   match: str) -> None:
+    """axolotl's schema refuses these schedules before anything loads (utils/schemas/validation.py, 0.19.0):
+    exit 2 naming the file, the line and the key."""
+    with pytest.raises(UserError, match=match):
+        _read(tmp_path, "axolotl", "ax.yml", AXOLOTL + extra)
+    assert main(["plan", "--from", "axolotl", str(tmp_path / "ax.yml"), "--gpus", "1xH100"]) == 2
+    assert "ax.yml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [
+    "save_strategy: steps\nsave_steps: 100\n", "val_set_size: 0\neval_strategy: 'no'\n", "evals_per_epoch: 4\n",
+    "early_stopping_patience: 3\nsave_steps: 100\neval_steps: 50\n", "val_set_size: 0.05\neval_steps: 50\n",
+])
+def test_axolotl_schedules_it_accepts_are_planned(tmp_path: Path, extra: str) -> None:
+    """What axolotl's schema lets through is not refused (HF Trainer checks are not assumed for axolotl)."""
+    assert _read(tmp_path, "axolotl", "ax.yml", AXOLOTL + extra).model == "Qwen/Qwen2.5-7B"

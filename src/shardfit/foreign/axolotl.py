@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.axolotl_checks import check_axolotl_schedule
 from shardfit.foreign.common import (
     TRAINER_NO_EFFECT,
     as_bool,
@@ -146,6 +147,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     model = src.get("base_model")
     if not model:
         raise UserError(f"{src.where}: no 'base_model'; axolotl needs it, and shardfit plans from it.")
+    check_axolotl_schedule(src)
     shape = shape_of(str(model))
     job = ForeignJob("axolotl", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _workload(src, job, version)

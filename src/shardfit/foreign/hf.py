@@ -134,13 +134,13 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + (acc.notes if acc else [])
-    w = job.workload = _workload(src, job, version, acc)
+    w = job.workload = _workload(src, job, version, acc, code.trl_config)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
-    _engine(src, job, shape.hidden, version, acc)
+    _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
     _device_map(src, job, script, env)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
@@ -254,10 +254,23 @@ def _lora(src: Source) -> bool:
     return src.flag("use_lora", "false") or src.flag("q_lora", "false") or "lora_r" in src
 
 
-def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None) -> Workload:
+def _trl_bf16(src: Source, trl_config: str | None) -> bool:
+    """Whether the job trains in bf16 by TRL's default: its arguments are a TRL config and set neither bf16 nor
+    fp16 (TRL >= 0.19 resolves `bf16=None` to `not fp16` in the config's `__post_init__`, before the
+    TrainingArguments' own, so it also wins over accelerate's mixed precision)."""
+    return trl_config is not None and src.get("bf16") in (None, "None") and not src.flag("fp16", "false")
+
+
+def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None, trl_config: str | None) \
+        -> Workload:
     q, lora = src.flag("q_lora", "false"), _lora(src)
     precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
-    if precision == "fp32" and acc is not None and acc.mixed_precision in ("bf16", "fp16"):
+    if _trl_bf16(src, trl_config):
+        precision = "bf16"
+        job.notes.append(f"neither bf16 nor fp16 set: bf16, TRL's {trl_config} default (TRL 0.19 and later; "
+                         f"transformers refuses it on a GPU without bf16, \"Your setup doesn't support bf16/gpu\": "
+                         f"set fp16 true there)")
+    elif precision == "fp32" and acc is not None and acc.mixed_precision in ("bf16", "fp16"):
         # TrainingArguments takes ACCELERATE_MIXED_PRECISION, which the launch sets, unless --bf16/--fp16 say
         # otherwise (transformers' training_args.py `__post_init__`, `self.mixed_precision`)
         precision = acc.mixed_precision
@@ -274,11 +287,13 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 
-def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accelerate | None) -> None:
-    """DeepSpeed (whose JSON decides the precision where the arguments leave it), FSDP, or DDP under a launcher."""
+def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accelerate | None,
+            trl_bf16: bool = False) -> None:
+    """DeepSpeed (whose JSON decides the precision where the arguments leave it, and TRL's default does not),
+    FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
-        if ds.precision and not src.get("bf16") and not src.get("fp16"):  # the JSON decides, not "auto"
+        if ds.precision and not src.get("bf16") and not src.get("fp16") and not trl_bf16:  # the JSON, not "auto"
             job.workload = dataclasses.replace(job.workload, precision=ds.precision)
     elif str(src.get("fsdp") or "").strip().lower() not in FALSE_WORDS:  # options, or true (fsdp_config decides)
         f = str(src.get("fsdp")).lower()
@@ -289,11 +304,12 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
         sharding = "shard_grad_op" if "shard_grad_op" in f else fsdp_sharding(cfg, f"{src.where}: --fsdp_config")
         job.engine = fsdp_engine(sharding, offload, job.distributed)
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
-    elif not _accelerate_plugin(src, job, acc, hidden, version) and job.distributed:
+    elif not _accelerate_plugin(src, job, acc, hidden, version, trl_bf16) and job.distributed:
         job.engine = "ddp"
 
 
-def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hidden: int, version: str) -> bool:
+def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hidden: int, version: str,
+                       trl_bf16: bool = False) -> bool:
     """The DeepSpeed or FSDP plugin accelerate builds for the Trainer when its arguments name neither (the Trainer's
     Accelerator takes it from the environment the launch sets: accelerate/accelerator.py, transformers'
     TrainingArguments `__post_init__` for DeepSpeed): ZeRO as the plugin's JSON says; FSDP1 unless fsdp_version is
@@ -310,7 +326,7 @@ def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hid
         return True
     ref = acc.deepspeed_file or json.dumps(acc.deepspeed)
     ds = use_deepspeed(job, ref, src.path.parent, f"{acc.source}: deepspeed_config", hidden, job.notes)
-    if ds.precision and not src.get("bf16") and not src.get("fp16"):
+    if ds.precision and not src.get("bf16") and not src.get("fp16") and not trl_bf16:
         job.workload = dataclasses.replace(job.workload, precision=ds.precision)
     if acc.deepspeed is not None:
         stage = acc.deepspeed["zero_optimization"]["stage"]

@@ -22,6 +22,7 @@ from shardfit.foreign.keys import (
     Key,
     Source,
     count,
+    default_epochs,
     epochs,
     file_keys,
     hf_trainer,
@@ -88,8 +89,9 @@ KEYS = key_table({
     # these (its step counts are steps, its epochs scale the steps), and leave warmup and weight decay to its
     # optimizer and scheduler plugins and evaluation out; HfArgumentParser refuses those names at the top level
     **hf_trainer("eval_steps", "warmup_ratio", "weight_decay"), "trust_remote_code": TRUST_REMOTE_CODE,
-    # v1's own TrainingArguments, not the HF Trainer's: its default epoch count is not assumed to be HF's 3.0
-    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs)),
+    # v1's own TrainingArguments (v1/config/training_args.py, LLaMA-Factory 0.9.5): num_train_epochs defaults to 3,
+    # which its trainer multiplies by the batches of an epoch unless max_steps is above 0
+    "num_train_epochs": Key(config="epochs", read=if_truthy(epochs), default=3),
 }, no_effect={
     "model", "train_dataset", "eval_dataset", "custom_chat_template", "sample_backend", "max_new_tokens",
     "batching_workers", "dist_timeout", "resume_from_checkpoint", "save_epochs", "save_ckpt_as_hf",
@@ -174,6 +176,7 @@ def read_llamafactory_v1(path: Path, parsed: tuple[dict[str, Any], dict[str, int
         job.notes.append(f"datasets not found as local files (convert leaves them out): "
                          f"{', '.join(job.data_missing)}")
     job.convert = _convert(src, w, shape.layers)
+    default_epochs(job, src, KEYS, "LLaMA-Factory v1")
     if pair:
         _check_dpo(src, w)
         _preference(src, job, w)

@@ -23,12 +23,13 @@ TRAINING_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "
                  "max_grad_norm", "seed", "save_steps", "logging_steps", "use_liger_kernel", "attn_implementation",
                  *("beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "rpo_alpha", "simpo_gamma",
                    "cpo_alpha", "desirable_weight", "undesirable_weight"))
+HF_ARGUMENTS = ("TrainingArguments", "Seq2SeqTrainingArguments")
 # TRL's trainers: what the script optimises (hf.py maps each to shardfit's objective, or refuses it).
 TRAINERS = ("DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "GRPOTrainer", "PPOTrainer", "RewardTrainer",
             "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer", "BCOTrainer", "PRMTrainer")
 SEQ_KEYS = ("max_seq_length", "max_length", "model_max_length")
 # TRL's config classes (TrainingArguments with TRL's own defaults, trainer_checks.py `trainer_defaults`).
-TRL_CONFIGS = tuple(c for c in ARGUMENT_CLASSES if c not in ("TrainingArguments", "Seq2SeqTrainingArguments")) + \
+TRL_CONFIGS = tuple(c for c in ARGUMENT_CLASSES if c not in HF_ARGUMENTS) + \
     ("RLOOConfig", "PPOConfig", "OnlineDPOConfig", "XPOConfig", "NashMDConfig", "GKDConfig", "BCOConfig",
      "PRMConfig")
 
@@ -137,11 +138,12 @@ def read_script(path: Path, text: str) -> ScriptSettings:
 
 def _trl_config(tree: ast.Module, trainer: str | None) -> str | None:
     """The first TRL config class the script names (a call, or a class handed to TrlParser), else the config of
-    its TRL trainer."""
-    named = (n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
-             if isinstance(n, ast.Name | ast.Attribute))
+    its TRL trainer, unless the script builds the Trainer's own TrainingArguments: TRL's trainers turn those into
+    their config through `to_dict()`, which carries every field as set, so none of TRL's defaults apply."""
+    named = [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
+             if isinstance(n, ast.Name | ast.Attribute)]
     found = next((n for n in named if n in TRL_CONFIGS), None)
-    if found is None and trainer is not None:
+    if found is None and trainer is not None and not any(n in HF_ARGUMENTS for n in named):
         found = trainer.removesuffix("Trainer") + "Config"
     return found
 

@@ -50,6 +50,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
 from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
+from shardfit.foreign.trainer_checks import check_swift_args
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -152,6 +153,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
         _refuse_megatron(path)
         raise
     cmd.program = SCRIPTS.get(cmd.program, cmd.program)
+    check_swift_args(src)
     model = src.get("model") or src.get("model_id_or_path") or (cmd.positional[0] if cmd.positional else None)
     if not model:
         raise UserError(f"{src.where}: the swift command has no --model; shardfit plans from it.")

@@ -72,6 +72,50 @@ def check_trainer_args(src: Source, whose: str, option: str = "--", defaults: Ma
         raise refuse("warmup_steps", "a negative warmup", f"Give {option}warmup_steps 0 or more.")
 
 
+def check_swift_args(src: Source) -> None:
+    """The HF Trainer's refusals for an ms-swift job (`swift sft|pt|rlhf`): its arguments end in transformers'
+    Seq2SeqTrainingArguments (or TRL's configs), built from every field as ms-swift resolved it
+    (`TrainerFactory.get_training_args`, ms-swift 4.6), so TrainingArguments' `__post_init__` runs on ms-swift's
+    values: logging_steps 5, eval_strategy that of saving, eval_steps save_steps, and evaluation off without
+    validation data (no --val_dataset, --eval_dataset, --cached_val_dataset or --split_dataset_ratio above 0), and
+    fp16/bf16 from --torch_dtype where not given (so --fp16 true beside a bfloat16 dtype sets both)."""
+    values = dict(src.values)
+    # fp16/bf16 left unset follow --torch_dtype (`_init_mixed_precision`: float16 and float32 train in fp16)
+    dtype = str(values.get("torch_dtype", "")).strip().lower()
+    if dtype in SWIFT_DTYPES:
+        for key, on in zip(("fp16", "bf16"), SWIFT_DTYPES[dtype], strict=True):
+            values.setdefault(key, on)
+    evaluates = any(_given(values.get(k)) for k in ("val_dataset", "eval_dataset", "cached_val_dataset")) or \
+        _ratio(values, src) > 0
+    save = _word(values, "save_strategy")
+    if not evaluates:
+        if _flag(values, "load_best_model_at_end") and save != "best":
+            raise UserError(f"{src.at('load_best_model_at_end')}: --load_best_model_at_end true without validation "
+                            f"data: ms-swift then sets eval_strategy no, and the HF Trainer it runs refuses "
+                            f"loading the best model without evaluating (transformers' TrainingArguments). Give "
+                            f"--val_dataset or --split_dataset_ratio, or drop --load_best_model_at_end.")
+        values["eval_strategy"] = "no"
+    elif values.get("eval_strategy") is None:
+        values["eval_strategy"] = save
+    if _word(values, "eval_strategy") == "steps" and values.get("eval_steps") is None:
+        values["eval_steps"] = values.get("save_steps", DEFAULTS["save_steps"])
+    check_trainer_args(Source(src.path, values, list(values), src.lines),
+                       "ms-swift (its arguments are the HF Trainer's)", "--", DEFAULTS | {"logging_steps": 5})
+
+
+# ms-swift's --torch_dtype -> the (fp16, bf16) it sets where neither is given.
+SWIFT_DTYPES = {"bfloat16": ("false", "true"), "bf16": ("false", "true"), "float16": ("true", "false"),
+                "fp16": ("true", "false"), "float32": ("true", "false"), "fp32": ("true", "false")}
+
+
+def _given(value: Any) -> bool:
+    return value is not None and str(value).strip().strip("[]'\"") not in ("", "None", "null")
+
+
+def _ratio(values: Mapping[str, Any], src: Source) -> float:
+    return _number(values, "split_dataset_ratio", src) or 0.0
+
+
 DEFAULTS = {"logging_strategy": "steps", "eval_strategy": "no", "save_strategy": "steps", "logging_steps": 500,
             "save_steps": 500}
 

@@ -1,0 +1,69 @@
+"""TRL jobs read with TRL's own defaults: its configs train in bf16 unless fp16 is set (TRL >= 0.19,
+`bf16=None` resolved to `not fp16`), which beats accelerate's mixed precision and a DeepSpeed JSON's, while an
+explicit bf16 false or fp16 true wins; a script that builds the Trainer's own TrainingArguments keeps theirs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardfit.foreign.convert import to_config
+from shardfit.foreign.read import JobOptions, read_job
+
+SFT = ("from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser\n"
+       "parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))\n"
+       "script_args, training_args, model_args = parser.parse_args_and_config()\n"
+       "SFTTrainer(model=model_args.model_name_or_path, args=training_args).train()\n")
+DPO = ("from trl import DPOConfig, DPOTrainer\n"
+       "args = DPOConfig(output_dir='o', per_device_train_batch_size=1{extra})\n"
+       "DPOTrainer(model='Qwen/Qwen2.5-0.5B', args=args).train()\n")
+HF_ARGS = ("from transformers import TrainingArguments\nfrom trl import SFTTrainer\n"
+           "args = TrainingArguments(output_dir='o', per_device_train_batch_size=1)\n"
+           "SFTTrainer(model='Qwen/Qwen2.5-0.5B', args=args).train()\n")
+BARE = ("from trl import SFTTrainer\n"
+        "SFTTrainer(model='Qwen/Qwen2.5-0.5B', train_dataset=None).train()\n")
+RUN = "{launch} train.py --model_name_or_path Qwen/Qwen2.5-0.5B --per_device_train_batch_size 1 {flags}\n"
+
+
+def _job(tmp_path: Path, script: str, flags: str = "", launch: str = "python"):
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "run.sh").write_text(RUN.format(launch=launch, flags=flags))
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize("script", [SFT, DPO.format(extra=""), BARE])
+def test_trl_configs_default_to_bf16(tmp_path: Path, script: str) -> None:
+    """No precision flag under a TRL config (named, or the trainer's own when the script passes none): bf16, said
+    as TRL's default, and carried into the converted config."""
+    job = _job(tmp_path, script)
+    assert job.workload.precision == "bf16"
+    assert any("TRL's" in n and "default" in n and "bf16" in n for n in job.notes), job.notes
+    assert to_config(job)["precision"] == "bf16"
+
+
+@pytest.mark.parametrize(("script", "flags", "precision"), [
+    (SFT, "--bf16 False", "fp32"), (SFT, "--fp16 True", "fp16"), (SFT, "--fp16 False", "bf16"),
+    (DPO.format(extra=", bf16=False"), "", "fp32"), (DPO.format(extra=", fp16=True"), "", "fp16"),
+    (HF_ARGS, "", "fp32"),
+])
+def test_explicit_precision_and_hf_arguments_win(tmp_path: Path, script: str, flags: str, precision: str) -> None:
+    """bf16 false or fp16 true, on the command line or in the config's call, wins over TRL's default (fp16 false
+    leaves it); so do the Trainer's own TrainingArguments, which TRL's trainers copy field by field (bf16 false)."""
+    job = _job(tmp_path, script, flags)
+    assert job.workload.precision == precision
+    assert any("TRL's" in n and "bf16" in n for n in job.notes) == (precision == "bf16")  # fp16 false: TRL's
+
+
+def test_trl_default_beats_accelerate_and_deepspeed_json(tmp_path: Path) -> None:
+    """TRL sets bf16 before TrainingArguments reads ACCELERATE_MIXED_PRECISION, so an accelerate config's fp16
+    does not apply; a DeepSpeed JSON's explicit fp16 does not decide either (the args say bf16)."""
+    (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
+                                       "mixed_precision: fp16\nnum_processes: 2\n")
+    job = _job(tmp_path, SFT, launch="accelerate launch --config_file acc.yaml")
+    assert job.workload.precision == "bf16"
+    (tmp_path / "ds.json").write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                                                  "train_micro_batch_size_per_gpu": "auto"}))
+    job = _job(tmp_path, SFT, flags="--deepspeed ds.json", launch="torchrun --nproc_per_node 2")
+    assert job.workload.precision == "bf16"
