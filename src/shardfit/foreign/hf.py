@@ -117,10 +117,10 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     elif path.suffix == ".py":  # the training script itself: what it sets in code is all there is
         src, cmd = Source(path, {}, []), None
     else:
-        src, cmd = command_source(path, (".py",))
+        src, cmd = command_source(path, (".py", *(f"trl {c}" for c in TRL_CLI)))
     env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
-    code = _script_settings(script, src)
+    code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else _script_settings(script, src)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
@@ -242,6 +242,31 @@ def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None, acc: Acc
     if cmd.launcher == "deepspeed" and ranks is None:
         ranks = len(visible_devices(env)) or None
     return ranks
+
+
+# TRL's own command line (trl 1.16 cli/commands/training.py): `trl <command>` runs trl/scripts/<command>.py under
+# `accelerate launch`, by the trainer and config classes that script builds (SFT: no preference trainer).
+TRL_CLI = {"sft": (None, "SFTConfig"), "dpo": ("DPOTrainer", "DPOConfig"), "kto": ("KTOTrainer", "KTOConfig"),
+           "grpo": ("GRPOTrainer", "GRPOConfig"), "rloo": ("RLOOTrainer", "RLOOConfig"),
+           "reward": ("RewardTrainer", "RewardConfig"), "distillation": ("DistillationTrainer", "DistillationConfig")}
+# `accelerate launch` options, which `trl <command>` passes to accelerate (its script does not take them).
+ACCELERATE_OPTIONS = ("config_file", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                      "main_process_port", "mixed_precision", "multi_gpu", "use_deepspeed", "use_fsdp", "gpu_ids",
+                      "fsdp_version", "zero_stage", "deepspeed_config_file", "dynamo_backend")
+
+
+def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
+    """Read `trl <command> ...` as the `accelerate launch trl/scripts/<command>.py ...` it runs: accelerate's options
+    (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
+    cmd.launcher = "accelerate"
+    for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
+        if name in src.values:
+            value = src.values.pop(name)
+            src.order.remove(name)
+            cmd.launcher_args["--config_file" if name == "accelerate_config" else f"--{name}"] = value
+    trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
+    return ScriptSettings(trainer=trainer, trl_config=config,
+                          found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
 
 
 def _script(cmd: Command | None, path: Path) -> Path | None:
