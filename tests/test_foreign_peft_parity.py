@@ -46,7 +46,7 @@ TRICKY = {"dotted": ["self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.do
           "one layer's": ["q_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
           "gate without up": ["q_proj", "mlp.shared_expert.gate_proj"],
           "router": ["q_proj", "gate"], "router dotted": ["q_proj", "mlp.gate"], "gpt-oss router": ["q_proj", "router"],
-          "mlp pattern": r".*mlp.*", "experts pattern": r".*\.mlp\.experts.*",
+          "mlp pattern": r".*mlp.*", "experts pattern": r".*\.mlp\.experts.*", "under mlp": r".*\.mlp\..*",
           "attention pattern": r".*\.(q_proj|v_proj)"}
 RANK = 4
 

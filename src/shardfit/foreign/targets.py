@@ -139,9 +139,10 @@ def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, li
 
 
 def _containers(shape: ModelShape, version: str) -> list[str]:
-    """Names of modules that hold others and that peft cannot wrap (no nn.Linear, nn.Embedding or the like), in
-    one dense and one mixture block of `shape` as transformers `version` names them: the model and its layer list,
-    the block, its norms, attention and MLP, and a mixture's experts container and shared expert."""
+    """Names of modules that peft cannot wrap (no nn.Linear, nn.Embedding or the like), in one dense and one
+    mixture block of `shape` as transformers `version` names them: the model and its layer list, the block, its
+    norms, attention and MLP, a dense gated MLP's activation module, and a mixture's experts container and shared
+    expert."""
     ffn, _, shared = _moe_names(shape)
     out: list[str] = []
     for prefix in _block_prefixes(shape, version):
@@ -151,6 +152,9 @@ def _containers(shape: ModelShape, version: str) -> list[str]:
             block = f"{prefix}.{i}"
             out += [block, f"{block}.self_attn", f"{block}.{ffn}", f"{block}.input_layernorm",
                     f"{block}.post_attention_layernorm"]
+            if ffn == "mlp" and not (shape.two_matrix or shape.clamped_swiglu) and i < shape.dense_layers + \
+                    (0 if shape.moe else 1):
+                out.append(f"{block}.mlp.act_fn")  # a gated MLP's activation is a module of its own (SiLU...)
             if shape.moe and i >= shape.dense_layers:
                 out.append(f"{block}.{ffn}.experts")
                 if shape.shared_intermediate:
@@ -262,7 +266,7 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
                             f"or a valid regular expression over module names.") from None
         box = next((c for c in _containers(shape, ver) if rx.fullmatch(c)), None)
         if box is not None:
-            raise UserError(f"{job.source}: {key} {targets!r} matches {box}, a module holding others (no nn.Linear): "
+            raise UserError(f"{job.source}: {key} {targets!r} matches {box}, a module peft cannot wrap (no nn.Linear): "
                             f"peft wraps every module whose whole name the pattern matches, and raises \"Target "
                             f"module ... is not supported\" on this one. Match only the projections' names "
                             f"('.*\\.(q_proj|v_proj)').")
