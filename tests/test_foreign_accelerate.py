@@ -220,3 +220,24 @@ def test_an_empty_accelerate_config_names_accelerates_keys(tmp_path: Path) -> No
     """An empty --config_file is no mapping: the message shows accelerate's keys, not a training config's."""
     with pytest.raises(UserError, match=r"acc\.yaml: expected a mapping of keys \(distributed_type: MULTI_GPU"):
         _job(tmp_path, f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n", **{"acc.yaml": ""})
+
+
+def test_accelerate_distributed_type_as_accelerate_reads_it(tmp_path: Path) -> None:
+    """YAML's bare `distributed_type: NO` reads false, which accelerate runs as one process (with num_processes;
+    without it accelerate refuses the -1 it leaves); a config with no distributed_type, or `{}`, is refused as
+    accelerate refuses it; MULTI_CPU, XLA and MEGATRON_LM run nothing the planner models: exit 2 naming the key,
+    a flag or not."""
+    run = f"accelerate launch --config_file acc.yaml {TRAIN} --bf16 True\n"
+    job = _job(tmp_path, run, **{"acc.yaml": "distributed_type: NO\nnum_processes: 1\n"})
+    assert (job.nproc, job.engine) == (1, "single")
+    with pytest.raises(UserError, match="num_processes is -1 or not given"):
+        _job(tmp_path, run, **{"acc.yaml": "distributed_type: NO\n"})
+    for text in ("num_processes: 8\nmixed_precision: bf16\n", "{}\n"):
+        with pytest.raises(UserError, match=r"no distributed_type: accelerate refuses it.*distributed_type: MULTI_GPU"):
+            _job(tmp_path, run, **{"acc.yaml": text})
+    for kind in ("MULTI_CPU", "XLA", "MEGATRON_LM"):
+        with pytest.raises(UserError, match=rf"distributed_type {kind}: shardfit plans GPU jobs"):
+            _job(tmp_path, run, **{"acc.yaml": f"distributed_type: {kind}\nnum_processes: 8\n"})
+    with pytest.raises(UserError, match=r"distributed_type 'deepspeed' is not a valid DistributedType"):
+        _job(tmp_path, f"accelerate launch --use_deepspeed --config_file acc.yaml {TRAIN}\n",
+             **{"acc.yaml": "distributed_type: deepspeed\nnum_processes: 8\n"})

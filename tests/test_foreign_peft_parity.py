@@ -6,12 +6,11 @@ whose routed experts take no adapter from target_modules. Tiny models built on t
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
-from shardfit.foreign.targets import plan_all_linear, plan_targets
+from shardfit.foreign.targets import plan_all_linear, plan_saved, plan_targets
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.workload import Workload
@@ -40,6 +39,15 @@ FAMILIES = {
 }
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LISTS = {"all-linear": "all-linear", "seven": SEVEN, "attention": SEVEN[:4]}
+# Lists and patterns peft 0.21 reads otherwise than as written, or refuses: dotted MLP names it moves onto every
+# expert whatever their prefix, gate_proj without up_proj after that move, the router by a prefixed name, a
+# pattern that matches a block's MLP or experts container, the router of a family without the rewrite.
+TRICKY = {"dotted": ["self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+          "one layer's": ["q_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+          "gate without up": ["q_proj", "mlp.shared_expert.gate_proj"],
+          "router": ["q_proj", "gate"], "router dotted": ["q_proj", "mlp.gate"], "gpt-oss router": ["q_proj", "router"],
+          "mlp pattern": r".*mlp.*", "experts pattern": r".*\.mlp\.experts.*", "under mlp": r".*\.mlp\..*",
+          "attention pattern": r".*\.(q_proj|v_proj)"}
 RANK = 4
 
 
@@ -53,6 +61,11 @@ def _peft_count(config: object, targets: str | list[str]) -> int:
 
 def _planned(model_type: str, config: object, targets: str | list[str]) -> int:
     """The planner's trainable parameters for another tool's job with `targets` on that model."""
+    return _plan(model_type, config, targets)[0]
+
+
+def _plan(model_type: str, config: object, targets: str | list[str]) -> tuple[int, list[str]]:
+    """The planner's trainable parameters and notes for another tool's job with `targets` on that model."""
     version = transformers.__version__
     shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
     job = ForeignJob(tool="axolotl", source="job.yml", model=f"tiny/{model_type}",
@@ -60,8 +73,9 @@ def _planned(model_type: str, config: object, targets: str | list[str]) -> int:
     if targets == "all-linear":
         plan_all_linear(job, shape, version)
     else:
-        plan_targets(job, "lora_target_modules", list(targets), shape, version)
-    return trainable_params(shape, dataclasses.replace(job.workload))
+        plan_targets(job, "lora_target_modules", targets if isinstance(targets, str) else list(targets), shape,
+                     version)
+    return trainable_params(shape, job.workload), job.notes
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
@@ -71,3 +85,60 @@ def test_planned_adapters_equal_what_peft_trains_on_each_mixture(model_type: str
     config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
     for name, targets in LISTS.items():
         assert _planned(model_type, config, targets) == _peft_count(config, targets), (model_type, name)
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_lists_peft_reads_otherwise_are_planned_or_refused_as_peft_does(model_type: str) -> None:
+    """Where peft trains a list or pattern, the plan counts what it trains; where peft raises, the job exits 2."""
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
+    for name, targets in TRICKY.items():
+        try:
+            expected: int | None = _peft_count(config, targets)
+        except ValueError:
+            expected = None
+        try:
+            planned, notes = _plan(model_type, config, targets)
+        except UserError:
+            planned, notes = None, []
+        if any("every linear layer" in n for n in notes):
+            continue  # names the planner cannot place (`router` where the model has none): its stated fallback
+        assert planned == expected, (model_type, name)
+
+
+@pytest.mark.parametrize("saved", [["embed_tokens"], ["embed_tokens", "lm_head"]])
+def test_modules_to_save_count_the_trainable_copies_peft_makes(saved: list[str]) -> None:
+    """LLaMA-Factory's additional_target, axolotl's lora_modules_to_save, ms-swift's --modules_to_save: peft trains
+    a full copy of each module beside the adapters; the plan counts them (it said "no effect on memory")."""
+    config = transformers.AutoConfig.for_model("qwen2", **TINY)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=RANK, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=saved))
+    expected = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    shape = shape_from_config({**config.to_dict(), "model_type": "qwen2"}, "tiny/qwen2")
+    job = ForeignJob(tool="llamafactory", source="job.yml", model="tiny/qwen2",
+                     workload=Workload(method="lora", lora_rank=RANK))
+    plan_targets(job, "lora_target", ["q_proj", "v_proj"], shape, transformers.__version__)
+    assert plan_saved(job, "additional_target", saved)
+    assert trainable_params(shape, job.workload) == expected
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_tools_all_is_the_list_of_linear_names_they_hand_peft(model_type: str) -> None:
+    """LLaMA-Factory's `lora_target: all` (0.9.5 find_all_linear_modules) and ms-swift's all-linear (4.6.0
+    find_all_linears) hand peft the leaf names of the modules whose class name says Linear, less the head: under
+    transformers 5 no fused experts container or router, so the plan counts what peft trains on that list."""
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if "Linear" in type(m).__name__ and "lm_head" not in n})
+    expected = _peft_count(config, names)
+    shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
+    for tool in ("llamafactory", "swift"):
+        job = ForeignJob(tool=tool, source="job.yml", model=f"tiny/{model_type}",
+                         workload=Workload(method="lora", lora_rank=RANK))
+        plan_all_linear(job, shape, transformers.__version__)
+        assert trainable_params(shape, job.workload) == expected, (tool, names)

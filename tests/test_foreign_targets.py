@@ -123,16 +123,25 @@ def test_glm45s_shared_expert_is_shared_experts(tmp_path: Path) -> None:
     job = _lf(tmp_path, "zai-org/GLM-4.5-Air", "mlp.shared_experts.gate_proj,mlp.shared_experts.up_proj")
     assert job.workload.lora_targets == ("gate", "up")
     with pytest.raises(UserError, match=r"mlp\.shared_expert\.gate_proj matches no module of zai-org/GLM-4\.5-Air"):
-        _lf(tmp_path, "zai-org/GLM-4.5-Air", "mlp.shared_expert.gate_proj")
-    skipped = _lf(tmp_path, "zai-org/GLM-4.5-Air", "q_proj,mlp.shared_expert.gate_proj")
+        _lf(tmp_path, "zai-org/GLM-4.5-Air", "mlp.shared_expert.gate_proj", transformers="4.57.6")
+    skipped = _lf(tmp_path, "zai-org/GLM-4.5-Air", "q_proj,mlp.shared_expert.gate_proj", transformers="4.57.6")
     assert skipped.workload.lora_targets == ("q",)
+    # peft 0.21 moves any entry ending in .gate_proj onto the fused experts, whatever its prefix, and then raises
+    # on gate_proj without up_proj
+    for targets in ("mlp.shared_expert.gate_proj", "q_proj,mlp.shared_expert.gate_proj"):
+        with pytest.raises(UserError, match=r"reaches gate_proj but not up_proj.*Cannot convert PEFT target"):
+            _lf(tmp_path, "zai-org/GLM-4.5-Air", targets, transformers="5.0.0")
 
 
-def test_families_with_other_module_names_are_planned_with_a_note(tmp_path: Path) -> None:
-    """Phi-3's shape (the compact catalog form) cannot list its fused qkv_proj/gate_up_proj: q_proj, v_proj is
-    planned as before, with a note that peft skips names the model lacks."""
-    job = _lf(tmp_path, "microsoft/Phi-3-mini-4k-instruct", "q_proj,v_proj")
-    assert job.workload.lora_targets == ("q", "v")
+def test_families_with_other_module_names_refuse_lists_none_of_whose_names_they_have(tmp_path: Path) -> None:
+    """Phi-3's and GLM-4-9B's shapes (the compact catalog form) cannot list their fused qkv_proj/query_key_value:
+    q_proj, v_proj matches none of their modules, which peft refuses ("Target modules ... not found"); a list
+    naming one of their own modules beside q_proj is planned, with a note that peft skips names the model lacks."""
+    for model, own in (("microsoft/Phi-3-mini-4k-instruct", "qkv_proj"), ("THUDM/glm-4-9b-chat", "query_key_value")):
+        with pytest.raises(UserError, match=rf"q_proj, v_proj matches no module of {model}.*{own}"):
+            _lf(tmp_path, model, "q_proj,v_proj")
+    job = _lf(tmp_path, "microsoft/Phi-3-mini-4k-instruct", "q_proj,o_proj")
+    assert job.workload.lora_targets == ("q", "o")
     assert any("qkv_proj" in n and "peft skips a name" in n for n in job.notes)
 
 
@@ -237,3 +246,20 @@ def test_entries_a_model_lacks_beside_others_are_skipped_as_peft_skips_them(tmp_
     assert main(["plan", "--from", "axolotl", script, "--gpus", "8xH100", "--transformers", "5.0.0"]) in (0, 3)
     with pytest.raises(UserError, match=r"matches no module.*refuses targets of which none matches"):
         _lf(tmp_path, "openai/gpt-oss-20b", "gate_proj,up_proj")
+
+
+def test_modules_to_save_of_each_tool_are_planned_as_trainable_copies(tmp_path: Path) -> None:
+    """LLaMA-Factory's additional_target (and resize_vocab without it), axolotl's lora_modules_to_save and
+    ms-swift's --modules_to_save are peft's modules_to_save: the embedding's and head's copies train whole."""
+    base = LF.format(model="Qwen/Qwen2.5-7B", targets="q_proj,v_proj")
+    for extra, saved in (("additional_target: embed_tokens,lm_head\n", ("embed", "head")),
+                         ("resize_vocab: true\n", ("embed", "head")), ("additional_target: lm_head\n", ("head",))):
+        job = read_job("llamafactory", _write(tmp_path, "lf.yaml", base + extra), JobOptions())
+        assert job.workload.lora_saved == saved, extra
+        assert not job.not_modelled
+    ax = (AXOLOTL.format(model="Qwen/Qwen2.5-7B", targets=r".*\.q_proj")
+          + "lora_modules_to_save: [embed_tokens, lm_head]\n")
+    assert read_job("axolotl", _write(tmp_path, "a.yml", ax), JobOptions()).workload.lora_saved == ("embed", "head")
+    sw = ("swift sft --model Qwen/Qwen2.5-7B --train_type lora --target_modules q_proj v_proj --modules_to_save "
+          "embed_tokens lm_head --dataset x.jsonl\n")
+    assert read_job("swift", _write(tmp_path, "s.sh", sw), JobOptions()).workload.lora_saved == ("embed", "head")

@@ -129,10 +129,12 @@ RUN = ("python {script} --model_name_or_path Qwen/Qwen2.5-7B --per_device_train_
 @pytest.mark.parametrize(("script", "fits", "misfits"), [(SFT_CLI, 100, 105), (DPO, 30, None)])
 def test_trl_scripts_are_checked_with_trls_defaults(tmp_path: Path, script: str, fits: int,
                                                     misfits: int | None) -> None:
-    """TRL's configs log every 10 steps (SFTConfig, DPOConfig...) or every step (GRPOConfig), not the HF Trainer's
-    500, and eval_steps falls back to logging_steps: save_steps 100 with load_best_model_at_end runs under an
-    SFTConfig (a multiple of 10), so it is planned, while 105 is still refused naming TRL's default."""
-    assert trainer_defaults("GRPOConfig")["logging_steps"] == 1 and trainer_defaults(None)["logging_steps"] == 500
+    """TRL's configs log every 10 steps (SFTConfig, DPOConfig, GRPOConfig and RLOOConfig alike: trl 0.19-1.16),
+    not the HF Trainer's 500, and eval_steps falls back to logging_steps: save_steps 100 with
+    load_best_model_at_end runs under an SFTConfig (a multiple of 10), so it is planned, while 105 is still refused
+    naming TRL's default."""
+    assert all(trainer_defaults(c)["logging_steps"] == 10 for c in ("SFTConfig", "GRPOConfig", "RLOOConfig"))
+    assert trainer_defaults(None)["logging_steps"] == 500
     (tmp_path / "train.py").write_text(script)
     job = _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=fits))
     assert job.model == "Qwen/Qwen2.5-7B"
@@ -140,6 +142,25 @@ def test_trl_scripts_are_checked_with_trls_defaults(tmp_path: Path, script: str,
         with pytest.raises(UserError, match=r"--save_steps 105: is not a whole multiple of eval_steps 10.*TRL's "
                                             r"SFTConfig refuses"):
             _read(tmp_path, "hf", "run.sh", RUN.format(script="train.py", save=misfits))
+
+
+@pytest.mark.parametrize(("tool", "name", "text", "key"), [
+    ("hf", "args.json", json.dumps({**HF, "save_steps": float("inf"), "eval_strategy": "steps",
+                                    "load_best_model_at_end": True}), "save_steps"),
+    ("hf", "args.json", json.dumps({**HF, "logging_steps": float("nan")}), "logging_steps"),
+    ("hf", "args.json", json.dumps({**HF, "use_lora": True, "lora_r": 1e400}), "lora_r"),
+    ("llamafactory", "lf.yaml", LF + "save_steps: .inf\neval_strategy: steps\nload_best_model_at_end: true\n",
+     "save_steps"),
+    ("llamafactory", "lf.yaml", LF + "eval_steps: .nan\neval_strategy: steps\n", "eval_steps"),
+    ("llamafactory", "lf.yaml", LF + "lora_rank: .inf\n", "lora_rank"),
+    ("llamafactory", "lf.yaml", LF + "lora_dropout: .nan\n", "lora_dropout"),
+])
+def test_infinite_or_nan_numbers_exit_2_naming_the_key(tmp_path: Path, capsys, tool: str, name: str, text: str,
+                                                        key: str) -> None:
+    """An infinite or NaN step count or rank was an OverflowError (exit 1, "a bug in shardfit"): now exit 2."""
+    (tmp_path / name).write_text(text)
+    assert main(["plan", "--from", tool, str(tmp_path / name), "--gpus", "1xH100"]) == 2
+    assert key in capsys.readouterr().err
 
 
 SWIFT_RUN = "swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --torch_dtype bfloat16 --dataset d.jsonl {extra}\n"

@@ -67,3 +67,30 @@ def test_trl_default_beats_accelerate_and_deepspeed_json(tmp_path: Path) -> None
                                                   "train_micro_batch_size_per_gpu": "auto"}))
     job = _job(tmp_path, SFT, flags="--deepspeed ds.json", launch="torchrun --nproc_per_node 2")
     assert job.workload.precision == "bf16"
+
+
+@pytest.mark.parametrize(("flags", "method", "rank", "alpha"), [
+    ("--use_peft", "lora", 16, 32), ("--use_peft --lora_r 8 --lora_alpha 16", "lora", 8, 16),
+    ("--use_peft --load_in_4bit", "qlora", 16, 32), ("--lora_r 8", "full", None, None), ("", "full", None, None),
+])
+def test_trl_model_config_decides_lora(tmp_path: Path, flags: str, method: str, rank: int | None,
+                                       alpha: int | None) -> None:
+    """A script parsing TRL's ModelConfig trains LoRA only with --use_peft (r 16, alpha 32 by default; QLoRA with
+    --load_in_4bit), and checkpoints by TRL's default: --lora_r alone trains every weight."""
+    job = _job(tmp_path, SFT, flags)
+    assert job.workload.method == method and job.workload.grad_ckpt == "full"
+    assert not {"use_peft", "load_in_4bit"} & set(job.not_modelled)
+    if rank is not None:
+        assert job.workload.lora_rank == rank and to_config(job)["lora"]["alpha"] == alpha
+
+
+def test_trl_cli_is_read_as_the_trl_script_it_launches(tmp_path: Path) -> None:
+    """`trl sft ...` runs TRL's sft.py under accelerate launch: its accelerate options (--num_processes) set the
+    ranks, the rest are SFTConfig's and ModelConfig's; `trl dpo` is TRL's DPO trainer."""
+    (tmp_path / "run.sh").write_text("trl sft --model_name_or_path Qwen/Qwen2.5-0.5B --per_device_train_batch_size 1 "
+                                     "--num_processes 4 --use_peft --max_length 1024\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.nproc, job.workload.method, job.workload.precision) == (4, "lora", "bf16")
+    assert "num_processes" not in job.keys and "num_processes" not in job.not_modelled
+    (tmp_path / "dpo.sh").write_text("trl dpo --model_name_or_path Qwen/Qwen2.5-0.5B --num_processes 1\n")
+    assert read_job("hf", str(tmp_path / "dpo.sh"), JobOptions(transformers="5.23.0")).workload.objective == "dpo"

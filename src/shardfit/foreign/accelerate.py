@@ -115,7 +115,7 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
         # A config file's num_processes defaults to -1 (commands/config/config_args.py ClusterConfig), set to 1
         # only for distributed_type NO (config_args.py `from_yaml_file`), and commands/launch.py
         # `_validate_launch_command` refuses -1: only a launch without a config file counts the GPUs.
-        total = 1 if kind == "NO" else -1
+        total = 1 if kind == "NO" and config.get("distributed_type") is not False else -1
     if total is not None:
         n = _count(total, "num_processes", acc, from_config=config is not None and "num_processes" not in flags)
         acc.nproc = max(1, n // acc.nnodes)  # the total over all machines (utils/launch.py: // num_machines)
@@ -142,19 +142,43 @@ def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
     return acc
 
 
+# The distributed types shardfit plans (GPU data parallel, ZeRO, FSDP, one process); the others run on CPUs
+# (MULTI_CPU), TPUs (XLA), other accelerators (MULTI_NPU, MULTI_XPU...) or split each layer by Megatron-LM's
+# tensor and pipeline degrees (MEGATRON_LM), none of which the planner models.
+PLANNED_TYPES = ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
+
+
 def _kind(flags: dict[str, str], config: dict[str, Any] | None, source: str) -> str:
     """DEEPSPEED, FSDP, MULTI_GPU or NO: a --use_deepspeed / --use_fsdp / --multi_gpu flag, else the config's
-    distributed_type (commands/launch.py reads the config's only when no such flag is given)."""
+    distributed_type (commands/launch.py reads the config's only when no such flag is given). accelerate builds the
+    config's DistributedType whatever the flags (commands/config/config_args.py), so a missing or invalid one is
+    refused either way. YAML's bare `NO` reads false, which accelerate leaves as it is and runs one process with
+    (the caller keeps num_processes required for it); a type the planner does not model exits 2."""
+    value = None
+    if config is not None:
+        if "distributed_type" not in config:
+            raise UserError(f"{source}: the config file has no distributed_type: accelerate refuses it (\"A "
+                            f"`distributed_type` must be specified in the config file.\"). Add distributed_type: "
+                            f"MULTI_GPU (or NO, DEEPSPEED, FSDP).")
+        value = "NO" if config["distributed_type"] is False else config["distributed_type"]
+        if str(value) not in DISTRIBUTED_TYPES:
+            hint = f" (write it {str(value).upper()})" if str(value).upper() in DISTRIBUTED_TYPES else ""
+            raise UserError(f"{source}: distributed_type {value!r} is not a valid DistributedType: accelerate "
+                            f"refuses it when it reads the file{hint}. Give one of "
+                            f"{', '.join(DISTRIBUTED_TYPES[:3])}, DEEPSPEED, FSDP.")
     for flag, kind in (("use_deepspeed", "DEEPSPEED"), ("use_fsdp", "FSDP"), ("multi_gpu", "MULTI_GPU")):
         if str(flags.get(flag, "false")).lower() in TRUE_WORDS:
             return kind
-    value = (config or {}).get("distributed_type", "NO")
-    if str(value) not in DISTRIBUTED_TYPES:
-        hint = f" (write it {str(value).upper()})" if str(value).upper() in DISTRIBUTED_TYPES else ""
-        raise UserError(f"{source}: distributed_type {value!r} is not a valid DistributedType: accelerate "
-                        f"refuses it when it reads the file{hint}. Give one of {', '.join(DISTRIBUTED_TYPES[:3])}, "
-                        f"DEEPSPEED, FSDP.")
-    return str(value)
+    if value is not None and str(value) not in PLANNED_TYPES:
+        raise UserError(f"{source}: distributed_type {value}: shardfit plans GPU jobs run as {', '.join(PLANNED_TYPES)}"
+                        f"; {value} runs {_UNPLANNED.get(str(value), 'on other accelerators than NVIDIA GPUs')}, "
+                        f"which it does not model. To plan the job on GPUs, give distributed_type MULTI_GPU, "
+                        f"DEEPSPEED or FSDP.")
+    return str(value or "NO")
+
+
+_UNPLANNED = {"MULTI_CPU": "on CPUs", "XLA": "on TPUs (torch_xla)",
+              "MEGATRON_LM": "Megatron-LM's tensor and pipeline parallelism (megatron_lm_config's tp/pp degrees)"}
 
 
 def _check_gpu_ids(gpu_ids: Any, acc: Accelerate) -> None:

@@ -43,7 +43,7 @@ from shardfit.foreign.keys import (
     yaml_source,
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
-from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -412,6 +412,11 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             unplanned.add("lora_target_modules")
     elif targets:  # axolotl adds every linear layer to the modules named
         effects["lora_target_modules"] = "within every linear layer (lora_target_linear)"
+    if saved_names(src.get("lora_modules_to_save")) and job.workload.trains_adapters:
+        effect = plan_saved(job, "lora_modules_to_save", saved_names(src.get("lora_modules_to_save")))
+        effects["lora_modules_to_save"] = effect
+        if not effect:
+            unplanned.add("lora_modules_to_save")
     if optimizer(str(src.get("optimizer", "adamw_torch"))) is None:
         unplanned.add("optimizer")
     effects |= {key: "off" for key in ("load_in_4bit", "load_in_8bit") if key in src and not src.flag(key)}

@@ -4,6 +4,7 @@ attention kernels, optimizers), YAML loading with line numbers, and local data p
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
@@ -177,9 +178,11 @@ def check_bools(values: Mapping[str, Any], keys: Iterable[str], at: Callable[[st
 
 
 def as_int(v: Any, key: str, where: str) -> int:
+    """A whole number a tool's key gives (`8`, `8.0`, "8"); anything else, an infinity or NaN included (YAML's
+    `.inf`, JSON's `Infinity`), is a UserError naming the key."""
     try:
         return int(float(v))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UserError(f"{where}: '{key}' is {v!r}; expected a whole number.") from None
 
 
@@ -190,10 +193,15 @@ def lf_freeze_blocks(n: int, layers: int) -> list[int]:
 
 
 def as_float(v: Any, key: str, where: str) -> float:
+    """A number a tool's key gives; NaN (YAML's `.nan`, JSON's `NaN`) is a UserError naming the key, as no setting
+    means it (an infinity passes: `max_grad_norm: .inf` is no clipping)."""
     try:
-        return float(v)
+        out = float(v)
     except (TypeError, ValueError):
         raise UserError(f"{where}: '{key}' is {v!r}; expected a number.") from None
+    if math.isnan(out):
+        raise UserError(f"{where}: '{key}' is {v!r}; expected a number, not NaN.")
+    return out
 
 
 def read_text(path: Path) -> str:

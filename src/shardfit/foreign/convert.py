@@ -12,6 +12,7 @@ from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 from shardfit.foreign.keys import EPOCH_KEYS, fractional_epochs
+from shardfit.plan.adapters import adapts_experts
 from shardfit.plan.shapes import resolve_shape
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
@@ -33,7 +34,7 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     lora["rank"] = w.lora_rank
     if methods.get(w.method).adapters:
         cfg["lora"] = lora
-        if "experts" not in lora and _moe(job.model) and not _adapts_experts(job):
+        if "experts" not in lora and _moe_without_expert_adapters(job):
             lora["experts"] = False  # shardfit's trainer would otherwise add every expert's adapters
     cfg.update(extra)
     if cfg.get("sequence_parallel", 1) > 1:  # shardfit's Ulysses runs its own attention around SDPA
@@ -55,21 +56,15 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     return cfg
 
 
-def _moe(model: str) -> bool:
+def _moe_without_expert_adapters(job: ForeignJob) -> bool:
+    """Whether the job's model is a mixture whose routed experts the tool's adapters do not reach as planned
+    (plan/adapters.py `adapts_experts`), while shardfit's trainer adapts every expert weight whatever the targets
+    unless `lora.experts` is false. A model not at hand: False (the converted config keeps shardfit's default)."""
     try:
-        return resolve_shape(model).moe
-    except UserError:  # a model not at hand: the converted config keeps shardfit's default
+        shape = resolve_shape(job.model)
+    except UserError:
         return False
-
-
-def _adapts_experts(job: ForeignJob) -> bool:
-    """Whether the tool's adapters reach the routed experts as planned (estimate.adapts): peft's target_modules
-    reach a fused expert weight only through a targeted gate/up/down (or all-linear), while shardfit's trainer
-    adapts every expert weight whatever the targets, unless `lora.experts` is false."""
-    w = job.workload
-    if w.lora_rewritten is not None:  # peft's rewrite onto the fused weights says which it reaches
-        return w.lora_experts and bool(w.lora_rewritten)
-    return w.lora_experts and (w.lora_targets is None or any(t in w.lora_targets for t in ("gate", "up", "down")))
+    return shape.moe and not adapts_experts(shape, job.workload)
 
 
 def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
@@ -106,6 +101,10 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
         out.append(f"micro_batch {job.workload.micro_batch} -> {cfg['micro_batch']} with grad_accum "
                    f"{job.workload.grad_accum} -> {cfg['grad_accum']}: shardfit's {job.workload.objective} needs two "
                    f"rows a micro-batch; the rows a step stay the same (one fewer for an odd count)")
+    if job.workload.lora_saved:
+        out.append(f"{' and '.join(job.workload.lora_saved)} trained whole beside the adapters (peft's "
+                   f"modules_to_save): not carried, shardfit trains the adapters only (the converted job needs "
+                   f"less memory than the tool's)")
     out += [f"warning: {x}" for x in job.not_carried]
     if job.not_modelled:
         out.append("not carried (not modelled): " + ", ".join(sorted(job.not_modelled)))

@@ -67,6 +67,8 @@ SEQ_KEYS = ("model_max_length", "max_seq_length", "max_length", "cutoff_len", "s
 KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
     "use_lora": Key("{method}"), "q_lora": Key("4-bit NF4 frozen weights, fp32 embeddings/norms/head"),
+    # TRL's ModelConfig (`_trl_model_config`)
+    "use_peft": Key("{method}"), "load_in_4bit": Key("4-bit NF4 frozen weights beside --use_peft"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     **{k: Key("sequence length", field="seq_len", read=as_int, default=2048) for k in SEQ_KEYS},
     "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=8),
@@ -118,10 +120,12 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     elif path.suffix == ".py":  # the training script itself: what it sets in code is all there is
         src, cmd = Source(path, {}, []), None
     else:
-        src, cmd = command_source(path, (".py",))
+        src, cmd = command_source(path, (".py", *(f"trl {c}" for c in TRL_CLI)))
     env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
-    code = _script_settings(script, src)
+    code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else _script_settings(script, src)
+    trl_notes: list[str] = []
+    _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
@@ -134,7 +138,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
-    job.notes += _assumptions(src, code) + (acc.notes if acc else [])
+    job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
@@ -229,7 +233,10 @@ def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
                    "--method lora)")
     if "per_device_train_batch_size" not in src:
         out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
-    if "gradient_checkpointing" not in src:
+    if "gradient_checkpointing" not in src and code.trl_config is not None:
+        out.append(f"gradient checkpointing not set: on, TRL's {code.trl_config} default (TRL 0.23 and later; "
+                   f"off before: pass --grad-ckpt none)")
+    elif "gradient_checkpointing" not in src:
         out.append("gradient checkpointing not set: off, the Trainer's default (pass --grad-ckpt full)")
     return out
 
@@ -243,6 +250,55 @@ def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None, acc: Acc
     if cmd.launcher == "deepspeed" and ranks is None:
         ranks = len(visible_devices(env)) or None
     return ranks
+
+
+# TRL's own command line (trl 1.16 cli/commands/training.py): `trl <command>` runs trl/scripts/<command>.py under
+# `accelerate launch`, by the trainer and config classes that script builds (SFT: no preference trainer).
+TRL_CLI = {"sft": (None, "SFTConfig"), "dpo": ("DPOTrainer", "DPOConfig"), "kto": ("KTOTrainer", "KTOConfig"),
+           "grpo": ("GRPOTrainer", "GRPOConfig"), "rloo": ("RLOOTrainer", "RLOOConfig"),
+           "reward": ("RewardTrainer", "RewardConfig"), "distillation": ("DistillationTrainer", "DistillationConfig")}
+# `accelerate launch` options, which `trl <command>` passes to accelerate (its script does not take them).
+ACCELERATE_OPTIONS = ("config_file", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                      "main_process_port", "mixed_precision", "multi_gpu", "use_deepspeed", "use_fsdp", "gpu_ids",
+                      "fsdp_version", "zero_stage", "deepspeed_config_file", "dynamo_backend")
+
+
+def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
+    """Read `trl <command> ...` as the `accelerate launch trl/scripts/<command>.py ...` it runs: accelerate's options
+    (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
+    cmd.launcher = "accelerate"
+    for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
+        if name in src.values:
+            value = src.values.pop(name)
+            src.order.remove(name)
+            cmd.launcher_args["--config_file" if name == "accelerate_config" else f"--{name}"] = value
+    trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
+    return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
+                          found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
+
+
+def _trl_model_config(src: Source, code: ScriptSettings, notes: list[str]) -> None:
+    """Read TRL's ModelConfig arguments as TRL does (trl 1.16 trainer/model_config.py, `get_peft_config`): LoRA only
+    with --use_peft (then --lora_r 16 and --lora_alpha 32 by default), 4-bit base weights with --load_in_4bit
+    beside it; without --use_peft the script trains every weight, whatever --lora_r says. Said in `src` as the
+    Trainer scripts' own keys (use_lora, q_lora, lora_r), which the rest of the reader plans."""
+    if not code.model_config:
+        return
+    if not src.flag("use_peft", "false"):
+        for key in ("lora_r", "lora_rank"):
+            if key in src.values:
+                src.values.pop(key)
+                src.order.remove(key)
+                notes.append(f"--{key} without --use_peft: TRL's ModelConfig builds no LoRA, the script trains "
+                             f"every weight (pass --use_peft for LoRA)")
+        return
+    src.values.setdefault("use_lora", "true")
+    src.values.setdefault("lora_r", "16")
+    src.values.setdefault("lora_alpha", "32")
+    if src.flag("load_in_4bit", "false"):
+        src.values.setdefault("q_lora", "true")
+    notes.append("--use_peft: LoRA through TRL's ModelConfig (lora_r 16, lora_alpha 32 unless given" +
+                 ("; --load_in_4bit: 4-bit NF4 base weights)" if src.flag("load_in_4bit", "false") else ")"))
 
 
 def _script(cmd: Command | None, path: Path) -> Path | None:
@@ -280,7 +336,8 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
     if not any(k in src for k in SEQ_KEYS):
         job.notes.append("no sequence length among the arguments: planned at 2048 tokens (pass --seq)")
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
-                    grad_ckpt="full" if src.flag("gradient_checkpointing", "false") else "none",
+                    grad_ckpt="full" if src.flag("gradient_checkpointing", "true" if trl_config else "false")
+                    else "none",
                     **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=ATTENTION.get(src.get("attn_implementation", "sdpa"), "sdpa"), frozen_fp32=q,

@@ -41,7 +41,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.lf_columns import data_columns
 from shardfit.foreign.preference import Preference, apply, choice, refuse
-from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_trainer_args
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -95,10 +95,10 @@ KEYS = key_table({
     "ref_model_quantization_bit": Key("reference model stored quantized"),
 }, no_effect=TRAINER_NO_EFFECT | PREFERENCE_KEYS | {
     "template", "max_samples", "overwrite_cache", "preprocessing_num_workers", "eval_dataset",
-    "additional_target", "loraplus_lr_ratio", "create_new_adapter", "mix_strategy", "streaming", "buffer_size",
+    "loraplus_lr_ratio", "create_new_adapter", "mix_strategy", "streaming", "buffer_size",
     "tokenized_path", "default_system", "enable_thinking", "train_on_prompt", "mask_history", "finetuning_args",
     "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
-    "export_dir", "export_size", "infer_backend", "adapter_name_or_path", "new_special_tokens", "resize_vocab",
+    "export_dir", "export_size", "infer_backend", "adapter_name_or_path", "new_special_tokens",
     "use_fast_tokenizer", "split_special_tokens", "print_param_status", "freeze_multi_modal_projector", "cache_dir",
     "hf_hub_token", "ms_hub_token", "use_unsloth_gc", "dataset", "dataset_dir", "neat_packing",
     "model_name_or_path",
@@ -245,6 +245,28 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **settings(src, KEYS, "field"))
 
 
+def _saved(src: Source, job: ForeignJob, effects: dict[str, str], unplanned: set[str]) -> None:
+    """additional_target, or without it resize_vocab's embedding and head: LLaMA-Factory passes them to peft as
+    modules_to_save (model/adapter.py, LLaMA-Factory 0.9.5), each trained whole beside the adapters."""
+    names = saved_names(src.get("additional_target"))
+    key = "additional_target" if names else "resize_vocab"
+    if "resize_vocab" in src:
+        effects["resize_vocab"] = ("off" if not src.flag("resize_vocab") else
+                                   "additional_target says what trains whole" if names else "")
+    if not names and src.flag("resize_vocab"):
+        names = ["embed_tokens", "lm_head"]
+    if not names:
+        return
+    if not job.workload.trains_adapters:
+        effects[key] = "no effect on memory: every weight trains already"
+        return
+    effect = plan_saved(job, key, names)
+    if effect:
+        effects[key] = effect
+    else:
+        unplanned.add(key)
+
+
 def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
     unplanned = {"optim"} if optimizer(str(src.get("optim", "adamw_torch"))) is None else set()
     effects = {}
@@ -255,6 +277,7 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects["lora_target"] = effect
         else:
             unplanned.add("lora_target")
+    _saved(src, job, effects, unplanned)
     if "freeze_vision_tower" in src:
         if w.method != "full":
             effects["freeze_vision_tower"] = "frozen either way"

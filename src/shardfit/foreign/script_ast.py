@@ -45,6 +45,9 @@ class ScriptSettings:
     # the TRL config class whose defaults its TrainingArguments take: one the script names (SFTConfig(...), or
     # TrlParser((ScriptArguments, SFTConfig, ModelConfig))), else its TRL trainer's (SFTTrainer: SFTConfig)
     trl_config: str | None = None
+    # the script parses TRL's ModelConfig (TrlParser((..., ModelConfig)), get_peft_config): --use_peft,
+    # --load_in_4bit, --lora_r and --lora_alpha are TRL's, with TRL's defaults (hf.py `_trl_model_config`)
+    model_config: bool = False
 
 
 def _name(func: ast.expr) -> str:
@@ -133,6 +136,9 @@ def read_script(path: Path, text: str) -> ScriptSettings:
                 out.model = first
     out.trl_config = _trl_config(tree, out.trainer or next(
         (n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None))
+    out.model_config = any(isinstance(n, ast.Name | ast.Attribute) and
+                           (n.id if isinstance(n, ast.Name) else n.attr) in ("ModelConfig", "get_peft_config")
+                           for n in ast.walk(tree))
     return out
 
 

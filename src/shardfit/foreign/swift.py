@@ -49,7 +49,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
-from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_swift_args
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
@@ -367,6 +367,11 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects["target_modules"] = effect
         else:
             unplanned.add("target_modules")
+    if saved_names(src.get("modules_to_save")) and job.workload.trains_adapters:
+        effect = plan_saved(job, "--modules_to_save", saved_names(src.get("modules_to_save")))
+        effects["modules_to_save"] = effect
+        if not effect:
+            unplanned.add("modules_to_save")
     if src.get("experts_impl", "").lower() == "batched_mm":
         unplanned.add("experts_impl")
         job.notes.append("--experts_impl batched_mm copies each token's expert weights for its matmuls (gigabytes "

@@ -15,7 +15,7 @@ import re
 from shardfit.config.targets import names_no_module, targets_fix, targets_problem, unmatched
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor, transformers_version
-from shardfit.foreign.job import ForeignJob
+from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import LORA_TARGETS
 
@@ -79,6 +79,17 @@ def peft_rewrite(shape: ModelShape, version: str) -> tuple[str, str, str] | None
     return _REWRITTEN.get(shape.model_type) if fused_experts(shape, version) else None
 
 
+def as_peft_reads(entry: str, shape: ModelShape, version: str) -> str:
+    """The name a list entry reaches under peft 0.21's rewrite (`peft_rewrite`): an entry that is a moved name or
+    the router's `gate`, or ends in "." and one (`mlp.gate_proj`, `model.layers.0.mlp.up_proj`,
+    `block_sparse_moe.gate`), is moved whatever its prefix, onto every block's fused experts (the router's weight);
+    any other entry, and every entry without the rewrite, is matched as written."""
+    moved = peft_rewrite(shape, version)
+    if moved is None:
+        return entry
+    return next((name for name in (*moved, "gate") if entry == name or entry.endswith("." + name)), entry)
+
+
 def _moe_names(shape: ModelShape) -> tuple[str, str, str]:
     """The MLP's attribute, the router's and the shared expert's names as transformers builds the family: Llama
     4's feed_forward, feed_forward.router and feed_forward.shared_expert; gpt-oss's mlp.router; the Qwen MoE
@@ -125,6 +136,30 @@ def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, li
                 if shape.shared_intermediate:
                     out[name].append(f"{block}.{ffn}.{shared}.{name}_proj")
     return {n: names for n, names in out.items() if names}
+
+
+def _containers(shape: ModelShape, version: str) -> list[str]:
+    """Names of modules that peft cannot wrap (no nn.Linear, nn.Embedding or the like), in one dense and one
+    mixture block of `shape` as transformers `version` names them: the model and its layer list, the block, its
+    norms, attention and MLP, a dense gated MLP's activation module, and a mixture's experts container and shared
+    expert."""
+    ffn, _, shared = _moe_names(shape)
+    out: list[str] = []
+    for prefix in _block_prefixes(shape, version):
+        parts = prefix.split(".")
+        out += [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+        for i in sorted({0, min(shape.dense_layers, shape.layers - 1)}):
+            block = f"{prefix}.{i}"
+            out += [block, f"{block}.self_attn", f"{block}.{ffn}", f"{block}.input_layernorm",
+                    f"{block}.post_attention_layernorm"]
+            if ffn == "mlp" and not (shape.two_matrix or shape.clamped_swiglu) and i < shape.dense_layers + \
+                    (0 if shape.moe else 1):
+                out.append(f"{block}.mlp.act_fn")  # a gated MLP's activation is a module of its own (SiLU...)
+            if shape.moe and i >= shape.dense_layers:
+                out.append(f"{block}.{ffn}.experts")
+                if shape.shared_intermediate:
+                    out.append(f"{block}.{ffn}.{shared}")
+    return list(dict.fromkeys(out))
 
 
 def _matches(target: str, module: str) -> bool:
@@ -175,6 +210,20 @@ def _other_family(job: ForeignJob, shape: ModelShape) -> str | None:
     return next((names for family, names in _OTHER_NAMES.items() if family in ids), None)
 
 
+def _none_of_the_family(job: ForeignJob, key: str, entries: list[str], shape: ModelShape) -> None:
+    """Refuse list entries of which none ends in a module name of a family the shape cannot tell apart (`q_proj,
+    v_proj` on GLM-4-9B, whose attention is query_key_value): peft raises "Target modules ... not found" when no
+    entry matches a module."""
+    other = _other_family(job, shape)
+    if other is None:
+        return
+    names = set(re.findall(r"[A-Za-z0-9_]+", other))
+    if entries and not any(t.rsplit(".", 1)[-1] in names for t in entries):
+        raise UserError(f"{job.source}: {key} {', '.join(entries)} matches no module of {job.model}, whose modules "
+                        f"are named {other}: peft raises \"Target modules ... not found in the base model\" when "
+                        f"no entry matches. Name its own modules ({other.split(', ')[0]}, ...).")
+
+
 def _fallback(job: ForeignJob, key: str, shown: str, modules: dict[str, list[str]], what: str) -> str:
     """Every linear layer, with the note saying why (targets the planner cannot place)."""
     example = next(iter(modules.values()))[0]
@@ -215,6 +264,12 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         except re.error as e:  # peft would fail on it when it builds the adapters
             raise UserError(f"{job.source}: {key} {targets!r} is not a regular expression ({e}); give module names "
                             f"or a valid regular expression over module names.") from None
+        box = next((c for c in _containers(shape, ver) if rx.fullmatch(c)), None)
+        if box is not None:
+            raise UserError(f"{job.source}: {key} {targets!r} matches {box}, a module peft cannot wrap (no nn.Linear): "
+                            f"peft wraps every module whose whole name the pattern matches, and raises \"Target "
+                            f"module ... is not supported\" on this one. Match only the projections' names "
+                            f"('.*\\.(q_proj|v_proj)').")
         hits = {n: [m for m in names if rx.fullmatch(m)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
         if not planned:
@@ -236,11 +291,13 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         one = [t for t in named if _ONE_EXPERT.search(t)]
         if one and fused_experts(shape, ver):
             raise UserError(_one_expert_refusal(job, key, one, shape, ver))
-        hits = {n: [m for m in names if any(_matches(t, m) for t in named)] for n, names in modules.items()}
+        read = {t: as_peft_reads(t, shape, ver) for t in named}
+        hits = {n: [m for m in names if any(_matches(read[t], m) for t in named)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
-        missed = [t for t in named if not any(_matches(t, m) for names in modules.values() for m in names)]
+        missed = [t for t in named if not any(_matches(read[t], m) for names in modules.values() for m in names)]
         if any(not _refused(t) for t in missed):
             return _fallback(job, key, shown, modules, "names modules beyond those")
+        _none_of_the_family(job, key, [read[t] for t in named], shape)
         if problem is not None:
             job.notes.append(f"{key} {problem.message}")
         example = next(iter(modules.values()))[0]
@@ -252,7 +309,12 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         if verdict is not None:
             job.notes.append(verdict.message.removeprefix(f"{job.source}: "))
     _notes(job, key, hits, shape, ver)
-    job.workload = dataclasses.replace(job.workload, lora_targets=planned, **_experts(job, key, hits, shape, ver))
+    fields = _experts(job, key, hits, shape, ver)
+    if fields.get("lora_router") and all(m.rsplit(".", 1)[-1] in ("gate", "router") for m in hits.get("gate", [])):
+        # the router is counted as itself (lora_router), not as gate projections; an empty tuple would read as
+        # every projection, so a router alone keeps `gate` (the larger estimate)
+        planned = tuple(n for n in planned if n != "gate") or planned
+    job.workload = dataclasses.replace(job.workload, lora_targets=planned, **fields)
     on = ", ".join(f"{name}_proj" for name in planned)
     if isinstance(targets, str):
         return f"a regular expression: adapters on {on} of every block it names"
@@ -279,7 +341,7 @@ def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelSh
                          f"the rank), so the dense layers' and shared experts' MLPs get no adapter; a peft without "
                          f"that rewrite refuses them")
     other = _other_family(job, shape)
-    if other is not None:
+    if other is not None and peft_rewrite(shape, version) is None:
         job.notes.append(f"{key}: {job.model}'s modules are named {other}, which the planner's shape does not "
                          f"say: planned on the usual projection names; peft skips a name the model does "
                          f"not have, and refuses the targets only when none matches")
@@ -296,30 +358,101 @@ def _experts(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: Model
     leaves = {m.rsplit(".", 1)[-1] for found in hits.values() for m in found}
     moved = peft_rewrite(shape, version)
     if moved is None:
-        return {"lora_experts": False, "lora_router": shape.every_expert and "router" in leaves}
+        router = next((m for m in hits.get("gate", ()) if m.rsplit(".", 1)[-1] in ("gate", "router")), None)
+        if router is not None and not _router_is_linear(shape, moved):
+            raise UserError(f"{job.source}: {key} reaches {re.sub(r'^.*[.]layers[.][0-9]+[.]', '', router)}, "
+                            f"{job.model}'s router, which transformers {version} builds as its own module class "
+                            f"(no nn.Linear) and peft 0.21 does not rewrite: peft raises \"Target module ... is "
+                            f"not supported\". Drop it from {key}.")
+        return {"lora_experts": False, "lora_router": _router_is_linear(shape, moved) and "router" in leaves}
     gate, up, down = moved
     if (gate in leaves) != (up in leaves):
         one, other = (gate, up) if gate in leaves else (up, gate)
-        raise UserError(f"{job.source}: {key} reaches {one} but not {other}: peft 0.21 moves both onto "
-                        f"{job.model}'s fused experts.gate_up_proj under transformers {version}, and refuses one "
-                        f"without the other. Add {other}, or drop {one}.")
+        raise UserError(f"{job.source}: {key} reaches {one} but not {other}: peft 0.21 moves every entry named or "
+                        f"ending in .{gate}/.{up} onto {job.model}'s fused experts.gate_up_proj under "
+                        f"transformers {version}, and raises \"Cannot convert PEFT target(s) {one} without also "
+                        f"targeting {other} because they are fused into gate_up_proj\". Add {other}, or drop "
+                        f"{one}.")
     fused = (("gate_up",) if gate in leaves else ()) + (("down",) if down in leaves else ())
     return {"lora_experts": True, "lora_rewritten": fused, "lora_router": "gate" in leaves}
 
 
+def _router_is_linear(shape: ModelShape, moved: tuple[str, str, str] | None) -> bool:
+    """Whether peft 0.21 puts an adapter on the router of `shape`'s fused mixture as a module (all-linear or a
+    target naming it): without its rewrite (`moved` None) only Llama 4's router is an nn.Linear; the other
+    families' routers are modules of their own class, which peft refuses to wrap and all-linear passes over.
+    Under the rewrite the router's weight is reached as a parameter instead (`lora_router` from its name)."""
+    return moved is None and shape.every_expert
+
+
+# The tools that resolve their "all" targets themselves into the leaf names of the model's modules whose class
+# name says Linear, and hand peft that list (LLaMA-Factory 0.9.5 `find_all_linear_modules`, ms-swift 4.6.0
+# `find_all_linears` for a text model), rather than peft's string all-linear.
+LINEAR_NAME_TOOLS = {"llamafactory": "lora_target all", "swift": "--target_modules all-linear"}
+
+
 def plan_all_linear(job: ForeignJob, shape: ModelShape, version: str) -> None:
-    """What peft 0.21's all-linear adapts on a mixture whose experts transformers `version` fuses: every
+    """What all-linear adapts on a mixture whose experts transformers `version` fuses. peft 0.21's string: every
     nn.Linear's module name, which under its rewrite includes the moved expert names and the router's `gate`
     (the fused weights at their ranks, no dense or shared expert's MLP), and without it reaches no routed expert
-    and the router only where it is an nn.Linear (Llama 4's)."""
+    and the router only where it is an nn.Linear (Llama 4's). A tool that hands peft its Linear modules' names
+    (LINEAR_NAME_TOOLS) reaches the same modules without the rewrite; under it, no router (a module of its own
+    class, no Linear) and the fused experts only when a dense layer's or shared expert's MLP puts gate_proj,
+    up_proj and down_proj in the list, which peft then moves onto every expert."""
     if not (job.workload.trains_adapters and fused_experts(shape, version)):
         return
     moved = peft_rewrite(shape, version)
+    if moved is not None and job.tool in LINEAR_NAME_TOOLS and not (job.tool == "swift" and shape.multimodal):
+        listed = moved == _PROJ_NAMES and (shape.dense_layers > 0 or shape.shared_intermediate > 0)
+        fields = {"lora_experts": listed, "lora_rewritten": ("gate_up", "down") if listed else (),
+                  "lora_router": False}
+        reached = (f"its dense layers' or shared experts' MLPs put {', '.join(moved)} in that list, which peft "
+                   f"0.21 moves onto every routed expert's fused weights (gate_up_proj at twice the rank, no "
+                   f"adapter left on those MLPs)" if listed else
+                   f"none of {', '.join(moved)} is in that list, so the routed experts get no adapter")
+        job.notes.append(f"{LINEAR_NAME_TOOLS[job.tool]} on {job.model}: {TOOL_NAMES[job.tool]} hands peft the "
+                         f"names of the modules whose class is a Linear, not peft's all-linear; under transformers "
+                         f"{version} the router and the fused experts are no Linear: {reached}; no router adapter")
+        job.workload = dataclasses.replace(job.workload, **fields)
+        return
     if moved is None:
-        fields = {"lora_experts": False, "lora_router": shape.every_expert}
+        # Llama 4's router is an nn.Linear of class Llama4Router: a Linear for peft, no "Linear" in its name
+        fields = {"lora_experts": False,
+                  "lora_router": _router_is_linear(shape, moved) and job.tool not in LINEAR_NAME_TOOLS}
     else:
         fields = {"lora_experts": True, "lora_rewritten": ("gate_up", "down"), "lora_router": True}
         job.notes.append(f"all-linear on {job.model}: peft 0.21 moves {', '.join(moved)} onto the fused routed "
                          f"experts (gate_up_proj at twice the rank), so the dense layers' and shared experts' MLPs "
                          f"get no adapter; the router's weight gets one")
     job.workload = dataclasses.replace(job.workload, **fields)
+
+
+# The last parts of the module names peft's modules_to_save reaches on the planner's models: the input embedding
+# and the LM head (ChatGLM's output_layer, InternLM2's output, GPT-NeoX's embed_in/embed_out).
+_SAVED = {"embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "embed_in": "embed",
+          "lm_head": "head", "output_layer": "head", "output": "head", "embed_out": "head"}
+
+
+def saved_names(value: object) -> list[str]:
+    """The module names of a modules_to_save setting: a list, or names separated by commas (LLaMA-Factory's
+    additional_target) or spaces (ms-swift's `--modules_to_save a b`); empty for none."""
+    if value is None or value is False:
+        return []
+    items = value if isinstance(value, (list, tuple, set)) else [value]
+    return [t for item in items for t in re.split(r"[,\s]+", str(item)) if t]
+
+
+def plan_saved(job: ForeignJob, key: str, names: list[str]) -> str:
+    """Plan peft's modules_to_save `names`: a full trainable copy of the embedding and the head among them (its
+    weights, gradients and optimizer states; the frozen original stays), the effect shown beside `key`. Other
+    modules are not modelled: "" when none of the names is planned."""
+    kinds = {_SAVED[n.rsplit(".", 1)[-1]] for n in names if n.rsplit(".", 1)[-1] in _SAVED}
+    other = [n for n in names if n.rsplit(".", 1)[-1] not in _SAVED]
+    if not kinds:
+        return ""
+    job.workload = dataclasses.replace(job.workload, lora_saved=tuple(sorted(kinds)))
+    if other:
+        job.notes.append(f"{key}: {', '.join(other)} also trained whole (peft's modules_to_save), not planned: "
+                         f"only the embedding's and the head's copies are (an under-estimate)")
+    what = " and ".join({"embed": "the embedding", "head": "the head"}[k] for k in sorted(kinds))
+    return f"{what} trained whole beside the adapters (peft's modules_to_save: a full trainable copy)"

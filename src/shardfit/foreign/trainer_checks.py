@@ -5,6 +5,7 @@ never starts. Only refusals that hold whatever the machine (not bf16 support, no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,11 +20,12 @@ FSDP1_ONLY = ("hybrid_shard", "hybrid_shard_zero2", "no_shard")
 
 def trainer_defaults(trl_config: str | None) -> dict[str, Any]:
     """The TrainingArguments defaults the checks assume: the HF Trainer's, or where the script's arguments are a
-    TRL config (script_ast.py `trl_config`), TRL's overrides of them: logging_steps 10 (SFTConfig, DPOConfig and
-    the other offline configs), 1 for GRPOConfig and RLOOConfig (their online generation logs every step)."""
+    TRL config (script_ast.py `trl_config`), TRL's overrides of them: logging_steps 10 for every config,
+    GRPOConfig and RLOOConfig included (trl 0.19.1, 0.23.0 and 1.16.0; only TRL's experimental async trainers log
+    every step)."""
     if trl_config is None:
         return DEFAULTS
-    return DEFAULTS | {"logging_steps": 1 if trl_config in ("GRPOConfig", "RLOOConfig") else 10}
+    return DEFAULTS | {"logging_steps": 10}
 
 
 def check_trainer_args(src: Source, whose: str, option: str = "--", defaults: Mapping[str, Any] | None = None) \
@@ -183,9 +185,13 @@ def _number(values: Mapping[str, Any], key: str, src: Source,
     if value is None or str(value).strip().lower() in ("none", "null", ""):
         return None
     try:
-        return float(value)
+        out = float(value)
     except (TypeError, ValueError):
         raise UserError(f"{src.at(key)}: '{key}' is {value!r}; expected a number of steps.") from None
+    if not math.isfinite(out):  # the Trainer's int() of it raises OverflowError or ValueError
+        raise UserError(f"{src.at(key)}: '{key}' is {value!r}; give a whole number of steps (or a fraction of the "
+                        f"run below 1).")
+    return out
 
 
 def _text(value: Any) -> str:

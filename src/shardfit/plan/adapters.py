@@ -33,6 +33,12 @@ def adapts(name: str, w: Workload) -> bool:
     return name in targets
 
 
+def adapts_experts(shape: ModelShape, w: Workload) -> bool:
+    """Whether LoRA reaches any routed expert's weight of `shape` (`adapts` on its expert_* layers): the one
+    answer for the plan and for what a converted config must say (`lora.experts`)."""
+    return any(adapts(n, w) for n, _, _ in shape.named_linears(True) if n.startswith("expert_"))
+
+
 def rank_of(name: str, w: Workload) -> int:
     """The adapter rank on the linear layer `name`: the workload's, doubled on a fused gate/up expert weight that
     peft's rewrite reaches (it fuses gate_proj's and up_proj's adapters, each of the rank, into one)."""
@@ -62,3 +68,9 @@ def lora_expert_params(shape: ModelShape, w: Workload) -> int:
         return 0
     return int(shape.over_blocks(lambda moe: sum(rank_of(n, w) * (i + o) for n, i, o in shape.named_linears(moe)
                                                  if moe and n.startswith("expert_") and adapts(n, w))))
+
+
+def saved_params(shape: ModelShape, w: Workload) -> int:
+    """The weights of the modules trained whole beside the adapters (`lora_saved`): a full copy of the embedding
+    or of the head per name, tied or not (peft copies each module it is given)."""
+    return len(set(w.lora_saved)) * shape.vocab * shape.hidden if w.trains_adapters else 0

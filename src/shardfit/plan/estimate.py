@@ -39,7 +39,7 @@ from shardfit.plan.activations import (
     reference_activation_bytes,
     reference_logits_bytes,
 )
-from shardfit.plan.adapters import lora_expert_params, lora_params
+from shardfit.plan.adapters import lora_expert_params, lora_params, saved_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes, runs_autocast, trainable_bytes
@@ -119,7 +119,7 @@ class Candidate:
 def trainable_params(shape: ModelShape, w: Workload) -> int:
     if w.trains_adapters:
         tower = shape.audio.lora_params(w.lora_rank) if shape.audio is not None and w.audio_trainable else 0
-        return lora_params(shape, w) + tower
+        return lora_params(shape, w) + tower + saved_params(shape, w)
     if w.method == "freeze":
         return len(w.trained_blocks(shape.layers)) * shape.layer_params() + shape.hidden  # and the final norm
     return shape.params() - frozen_audio_params(shape, w)

@@ -92,6 +92,10 @@ class Workload:
     # the routed expert weights it adapts ("gate_up" at twice the rank: gate_proj's and up_proj's adapters fused;
     # "down"), while the MLP names it moves (gate/up/down) adapt no dense layer's or shared expert's module.
     lora_rewritten: tuple[str, ...] | None = None
+    # Modules trained whole beside the adapters (peft's modules_to_save: LLaMA-Factory's additional_target,
+    # axolotl's lora_modules_to_save, ms-swift's --modules_to_save): "embed", "head". peft trains a full copy of
+    # each while the original stays frozen, so each adds its weights to the trainable parameters.
+    lora_saved: tuple[str, ...] = ()
     # `freeze`: the decoder blocks that train, by index (`trained_blocks`); empty: the last two (LLaMA-Factory's
     # default). Backward runs from the top down to the lowest of them.
     freeze_blocks: tuple[int, ...] = ()
