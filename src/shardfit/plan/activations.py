@@ -258,7 +258,9 @@ def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: 
     elif w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
-        attn = a * (2 * q + 2 * q) + shape.heads * w.row_len * (4 + a)
+        # In fp32 the probabilities are the softmax's output itself (`.to(query.dtype)` returns it), kept once;
+        # over QLoRA's fp32 stream under autocast the PV matmul keeps autocast's 16-bit copy beside it.
+        attn = a * (2 * q + 2 * q) + shape.heads * w.row_len * (4 + (a if a != 4 else 0))
     elif w.attention == "sdpa":
         # With a mask, SDPA converts it to an additive bias in the compute dtype per call and keeps it for its
         # backward (the row's width per token, every block: micro_batch x seq_len under static_shape), and
