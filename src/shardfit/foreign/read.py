@@ -26,7 +26,7 @@ from shardfit.foreign.lf_megatron import is_megatron, refuse_megatron
 from shardfit.foreign.llamafactory import read_llamafactory
 from shardfit.foreign.llamafactory_v1 import is_v1, read_llamafactory_v1
 from shardfit.foreign.swift import read_swift
-from shardfit.foreign.targets import plan_all_linear
+from shardfit.foreign.targets import fused_experts, plan_all_linear
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
@@ -106,6 +106,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         plan_all_linear(job, shape_of(job.model), version)
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    _dense_experts(job, shape_of, version)
     if opts.gpus is not None:  # the ranks a launch that takes every GPU starts, before the checks that count ranks
         launch_on(job, opts.gpus.gpus_per_node)
     _check_split(job, shape_of)
@@ -113,6 +114,22 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     job.notes.append(f"loss as transformers {version} computes it" +
                      (" (fused kernel: no full logits)" if job.workload.loss == "chunked" else ""))
     return job
+
+
+def _dense_experts(job: ForeignJob, shape_of: Callable[[str], ModelShape], version: str) -> None:
+    """bitsandbytes QLoRA of a mixture whose experts transformers `version` fuses: its 4-bit loading quantizes
+    nn.Linear modules only, so the fused expert stacks stay unquantized (plan/workload.py `bnb_dense_experts`);
+    Llama 4's are unfused for bitsandbytes first."""
+    w = job.workload
+    if not (w.bnb and not w.bnb_precision):
+        return
+    shape = shape_of(job.model)
+    if not (fused_experts(shape, version) and not shape.every_expert):
+        return
+    job.workload = dataclasses.replace(w, bnb_dense_experts=True)
+    job.notes.append(f"bitsandbytes 4-bit leaves transformers {version}'s fused expert weights unquantized (it "
+                     f"replaces nn.Linear layers only): planned in " +
+                     ("fp32 (prepare_model_for_kbit_training upcasts them)" if w.frozen_fp32 else "16 bits"))
 
 
 def launch_on(job: ForeignJob, gpus_per_node: int) -> None:

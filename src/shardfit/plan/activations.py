@@ -17,6 +17,8 @@ from shardfit.plan.precision import (
     casts_fp32_trainables,
     casts_trainable_inputs,
     compute_bytes,
+    dense_expert_bytes,
+    dense_experts,
     linear_output_bytes,
     residual_bytes,
     runs_autocast,
@@ -107,7 +109,10 @@ def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, ki
     if not w.trains_adapters:
         return 0.0
     a = compute_bytes(w)
-    adapted = adapted_shapes(shape, w, kind)
+    # LoRA on a fused expert weight (peft's ParamWrapper) adds B A to the weight itself: no per-token rank-wide
+    # tensor (`lora_expert_copy_bytes` counts the merged weight it keeps instead).
+    adapted = [(i, o) for name, i, o in shape.named_linears(kind)
+               if adapts(name, w) and not name.startswith("expert_")]
     lora = len(adapted) * a * w.lora_rank
     if w.lora_dropout > 0:
         dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
@@ -394,7 +399,8 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     saved-tensor hooks on the mixture modules of tiny Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3 and Nemotron-H
     models (tests/test_plan_moe_saved.py)."""
     a = compute_bytes(w)
-    e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
+    e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else \
+        dense_expert_bytes(w) if dense_experts(w) else a
     width, d = shape.expert_width, shape.moe_latent or shape.hidden
     # Nemotron-H's experts weigh their output by the fp32 weights under autocast too (hooks see no 16-bit copy).
     weight = 0 if shape.router_groups and (shape.single_part or not runs_autocast(w, strategy)) else a
@@ -461,7 +467,7 @@ def lora_expert_copy_bytes(shape: ModelShape, w: Workload) -> float:
     if not (w.trains_adapters and w.lora_experts and shape.moe_layers):
         return 0.0
     weights = sum(i * o for name, i, o in shape.named_linears(True) if name.startswith("expert_") and adapts(name, w))
-    return weights * compute_bytes(w)
+    return weights * (dense_expert_bytes(w) if dense_experts(w) else compute_bytes(w))
 
 
 def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:

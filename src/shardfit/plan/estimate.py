@@ -41,7 +41,7 @@ from shardfit.plan.activations import (
 from shardfit.plan.adapters import lora_expert_params, lora_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.precision import compute_bytes, runs_autocast, trainable_bytes
+from shardfit.plan.precision import compute_bytes, dense_expert_bytes, dense_experts, runs_autocast, trainable_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, Workload
 
@@ -182,14 +182,17 @@ def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None)
     """What one decoder block's linear weights take as stored: QLoRA's NF4 (4-bit codes, 8-bit block scales,
     factors per group of scales: 0.5 byte + ~0.127 bit per weight, the QLoRA paper's double quantization, exactly as
     plan/quant.py lays it out; without `double_quant` an fp32 scale per 64 weights) for each linear weight and each
-    fused expert stack, the router in the compute precision (never quantized); else the compute precision. Under
-    Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per expert as it counts them."""
+    fused expert stack, the router in the compute precision (never quantized; fp32 after
+    prepare_model_for_kbit_training, `frozen_fp32`), fused expert stacks bitsandbytes does not quantize
+    (`dense_experts`) in their own dtype; else the compute precision. Under Lightning's BitsandbytesPrecision
+    (`bnb_precision`) every linear layer, one per expert as it counts them."""
     low = compute_bytes(w)
     if w.method == "qlora" and w.bnb_precision:
         return sum(quant.weight_bytes(o, i, low, w.double_quant) for i, o in shape.linear_shapes(moe))
     if w.method == "qlora":
-        return sum(r * c * low if name == "router" else quant.weight_bytes(r, c, low, w.double_quant)
-                   for name, r, c in shape.stored_weights(moe))
+        return sum(r * c * (4 if w.frozen_fp32 else low) if name == "router" else
+                   r * c * dense_expert_bytes(w) if dense_experts(w) and name.startswith("expert_") else
+                   quant.weight_bytes(r, c, low, w.double_quant) for name, r, c in shape.stored_weights(moe))
     return sum(i * o for i, o in shape.linear_shapes(moe)) * low
 
 
@@ -231,7 +234,8 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
         return 0.0
     # A fused expert stack dequantizes whole (models/quantize_experts.py): the largest NF4 weight of a mixture.
     linears = [(i, o) for i, o in shape.linear_shapes() if quant.quantizable(o, i)] if w.bnb_precision else \
-        [(c, r) for name, r, c in shape.stored_weights() if name != "router" and quant.quantizable(r, c)]
+        [(c, r) for name, r, c in shape.stored_weights() if name != "router" and quant.quantizable(r, c)
+         and not (dense_experts(w) and name.startswith("expert_"))]
     if not linears:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
@@ -443,7 +447,8 @@ def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
         return float(sum(quant.weight_bytes(o, i, low, w.double_quant)
                          for n, i, o in shape.named_linears(True) if n.startswith("expert_")))
     if w.method == "qlora":
-        return float(sum(quant.weight_bytes(r, c, low, w.double_quant)
+        return float(sum(r * c * dense_expert_bytes(w) if dense_experts(w) else
+                         quant.weight_bytes(r, c, low, w.double_quant)
                          for n, r, c in shape.stored_weights(True) if n.startswith("expert_")))
     return float(experts.per_block_params(shape) * low)
 

@@ -59,3 +59,15 @@ def linear_output_bytes(w: Workload, strategy: str) -> int:
     projections' outputs, and the MLP's activation of them, are fp32 where autocast would make them 16-bit; other
     layers return the compute precision."""
     return residual_bytes(w, strategy) if w.bnb else compute_bytes(w)
+
+
+def dense_experts(w: Workload) -> bool:
+    """QLoRA whose routed experts bitsandbytes left unquantized (`bnb_dense_experts`: fused expert stacks under
+    transformers' 4-bit loading); Lightning's plugin quantizes every linear layer, one per expert."""
+    return w.bnb and w.bnb_dense_experts and not w.bnb_precision
+
+
+def dense_expert_bytes(w: Workload) -> int:
+    """Bytes per element of unquantized expert stacks (`dense_experts`): fp32 where prepare_model_for_kbit_training
+    upcast every non-4-bit weight (`frozen_fp32`), else the 16-bit loading dtype."""
+    return 4 if w.frozen_fp32 else compute_bytes(w)

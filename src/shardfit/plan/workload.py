@@ -140,6 +140,13 @@ class Workload:
     # outputs, and so their gradients, are fp32, and MatMul4Bit's backward casts each dequantized 16-bit weight to
     # fp32 beside it (plan/estimate.py `bnb_dequantized_bytes`); under autocast the outputs are 16-bit.
     bnb_compute_fp32: bool = False
+    # bitsandbytes QLoRA through transformers' 4-bit loading of a mixture whose routed experts are fused 3-D
+    # weights (transformers 5's every family, gpt-oss's always): replace_with_bnb_linear swaps nn.Linear modules
+    # only (transformers/integrations/bitsandbytes.py: `type(module) is nn.Linear`), so the expert stacks stay in
+    # the loading dtype, fp32 after prepare_model_for_kbit_training (`frozen_fp32`), and the grouped experts run
+    # in that dtype; bitsandbytes issue #1849. Llama 4's experts are unfused per expert for bitsandbytes first
+    # (quantizers/base.py MODULES_TO_PATCH_FOR_QUANTIZATION), so they are quantized.
+    bnb_dense_experts: bool = False
     # AdamW from bitsandbytes (the tools' `adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`):
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
