@@ -13,6 +13,7 @@ import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM
 
+from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.activations import block_activation_bytes_per_token
 from shardfit.plan.estimate import expert_block_bytes, linear_weight_bytes
 from shardfit.plan.shapes import resolve_shape
@@ -20,6 +21,8 @@ from shardfit.plan.workload import Workload
 from tests.families import tiny_text_config
 from tests.test_plan_moe_saved import _routing
 from tests.test_plan_qlora_stream import FrozenLinear4bit
+
+JOBS = Path(__file__).parent / "foreign_jobs"
 
 RANK = 8
 NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -123,3 +126,16 @@ def test_qlora_mixture_weights_as_loaded(family: str) -> None:
     shape, w = _shape_and_workload(family, "fp16")
     assert expert_block_bytes(shape, w) == pytest.approx(stacks, rel=0.01)
     assert linear_weight_bytes(shape, w) > stacks
+
+
+@pytest.mark.parametrize(("model", "version", "dense"), [
+    ("Qwen/Qwen3-30B-A3B", "5.0.0", True),
+    ("Qwen/Qwen3-30B-A3B", "4.57.1", False),
+    (None, "5.0.0", False)])
+def test_a_tool_s_qlora_plans_fused_experts_unquantized(model: str | None, version: str, dense: bool) -> None:
+    """An axolotl QLoRA job (load_in_4bit, prepare_model_for_kbit_training) of Qwen3-30B-A3B under transformers 5
+    plans its experts unquantized and says so; under transformers 4 (an nn.Linear per expert) and on a dense model
+    (the file's Llama 3.1 8B) they are NF4."""
+    job = read_job("axolotl", str(JOBS / "axolotl/llama31_8b_qlora.yml"), JobOptions(model=model, transformers=version))
+    assert job.workload.bnb_dense_experts is dense
+    assert any("fused expert weights unquantized" in n for n in job.notes) is dense
