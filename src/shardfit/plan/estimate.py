@@ -38,7 +38,7 @@ from shardfit.plan.activations import (
     reference_activation_bytes,
     reference_logits_bytes,
 )
-from shardfit.plan.adapters import lora_expert_params, lora_params
+from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes, dense_expert_bytes, dense_experts, runs_autocast, trainable_bytes
@@ -148,7 +148,7 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
-    return weights, grads, t * optimizer_state_bytes(w)
+    return weights, grads, t * optimizer_state_bytes(w) + fp32_state_params(shape, w) * (8 - optimizer_state_bytes(w))
 
 
 # bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
@@ -165,6 +165,35 @@ def optimizer_state_bytes(w: Workload) -> float:
     if w.optimizer == "adamw8bit":
         return 2.0 * (1 + 4 / BNB_STATE_BLOCK)
     return 2.0 * (4 if w.bnb_optimizer else trainable_bytes(w))
+
+
+# bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements than this (Optimizer2State's
+# `min_8bit_size` default; `init_state`: `if p.numel() < config["min_8bit_size"]: dtype = torch.float32`).
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def fp32_state_params(shape: ModelShape, w: Workload) -> float:
+    """Trainable weights bitsandbytes' 8-bit AdamW keeps two fp32 states for (8 bytes, not `optimizer_state_bytes`'
+    2.03): each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B matrices of a small model's narrow layers; a
+    full fine-tune's norm weights and biases where the hidden size is under it), and under the HF Trainer (a
+    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`) a trained input embedding, which transformers'
+    Trainer.create_optimizer registers for 32-bit states (`GlobalOptimManager.register_module_override(module, "weight", {"optim_bits": 32})` on every
+    nn.Embedding). 0 for other optimizers."""
+    if w.optimizer != "adamw8bit":
+        return 0.0
+    small = BNB_MIN_8BIT_SIZE
+    if w.trains_adapters:
+        return float(shape.over_blocks(lambda moe: sum(
+            (r * i if r * i < small else 0) + (r * o if r * o < small else 0)
+            for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
+            for r in (rank_of(n, w),))))
+    if w.method != "full":
+        return 0.0
+    # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
+    # projection's output: under min_8bit_size where the hidden size is.
+    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if shape.hidden < small else 0
+    embedding = shape.vocab * shape.hidden if w.bnb_optimizer else 0
+    return float(norms + embedding)
 
 
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
