@@ -177,8 +177,8 @@ def fp32_state_params(shape: ModelShape, w: Workload) -> float:
     2.03): each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B matrices of a small model's narrow layers; a
     full fine-tune's norm weights and biases where the hidden size is under it), and under the HF Trainer (a
     tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`) a trained input embedding, which transformers'
-    Trainer.create_optimizer registers for 32-bit states (`GlobalOptimManager.register_module_override(module, "weight", {"optim_bits": 32})` on every
-    nn.Embedding). 0 for other optimizers."""
+    Trainer.create_optimizer registers for 32-bit states (GlobalOptimManager's `register_module_override` with
+    `optim_bits` 32 on every nn.Embedding). 0 for other optimizers."""
     if w.optimizer != "adamw8bit":
         return 0.0
     small = BNB_MIN_8BIT_SIZE
