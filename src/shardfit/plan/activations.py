@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS
-from shardfit.plan.adapters import adapted_shapes, adapts, lora_params
+from shardfit.plan.adapters import adapted_shapes, adapts, lora_params, rank_of
 from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.model_shape import ATTENTION, DELTA_CHUNK, MAMBA, MOE, Block
 from shardfit.plan.precision import (
@@ -460,14 +460,21 @@ def expert_widths_saved(shape: ModelShape) -> int:
     return 7 if shape.clamped_swiglu else 2 if shape.two_matrix else 4
 
 
-def lora_expert_copy_bytes(shape: ModelShape, w: Workload) -> float:
+def lora_expert_copy_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """LoRA on the routed experts (peft `target_parameters`): every forward of a mixture's block makes the merged
     weights W + B A of all its experts (one baddbmm per fused weight, in the frozen weights' dtype), which the
-    grouped matmuls save for their backward: a copy of the block's expert weights, kept until that block's backward."""
+    grouped matmuls save for their backward: a copy of the block's expert weights, kept until that block's
+    backward. Under autocast over fp32 adapters the merge also keeps the 16-bit casts of the experts' A and B
+    (saved-tensor hooks on a tiny gpt-oss, tests/test_plan_moe_saved.py); over bitsandbytes' unquantized fp32
+    experts (`dense_experts`) the merge runs in fp32 and keeps none (tests/test_plan_qlora_experts.py)."""
     if not (w.trains_adapters and w.lora_experts and shape.moe_layers):
         return 0.0
-    weights = sum(i * o for name, i, o in shape.named_linears(True) if name.startswith("expert_") and adapts(name, w))
-    return weights * (dense_expert_bytes(w) if dense_experts(w) else compute_bytes(w))
+    adapted = [(n, i, o) for n, i, o in shape.named_linears(True) if n.startswith("expert_") and adapts(n, w)]
+    weights = sum(i * o for _, i, o in adapted)
+    copies = weights * (dense_expert_bytes(w) if dense_experts(w) else compute_bytes(w))
+    if casts_fp32_trainables(w, strategy) and not dense_experts(w):
+        copies += compute_bytes(w) * sum(rank_of(n, w) * (i + o) for n, i, o in adapted)
+    return copies
 
 
 def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
@@ -504,7 +511,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`)."""
     tokens = w.tokens
     cast = weight_cast_bytes(shape, w, strategy)
-    copies = lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)
+    copies = lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
@@ -578,7 +585,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
     if w.grad_ckpt == "none":  # checkpointed blocks save nothing in forward
-        cast += (lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)) * layers * \
+        cast += (lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)) * layers * \
             shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
