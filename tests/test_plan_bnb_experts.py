@@ -13,7 +13,7 @@ import pytest
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan import quant
 from shardfit.plan.adapters import lora_expert_params
-from shardfit.plan.estimate import estimate, state_bytes
+from shardfit.plan.estimate import estimate, expert_block_bytes, state_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
@@ -113,3 +113,14 @@ def test_prepare_model_for_kbit_training_upcasts_the_16bit_experts() -> None:
     assert gap == pytest.approx(2 * bf16 - nf4, rel=1e-9)
     notes = make_plan(shape, fp32, parse_gpus("1xH200", 1, None), ("single",)).notes
     assert any(n.startswith("the routed experts stay fp32") for n in notes)
+
+
+def test_bnb_quantizes_llama_4_s_experts_unfused_first() -> None:
+    """transformers swaps Llama 4's fused Llama4TextExperts for an nn.Linear per expert before a bitsandbytes
+    load (quantizers/base.py MODULES_TO_PATCH_FOR_QUANTIZATION), so its experts are NF4 as torchao's, with no note."""
+    shape = resolve_shape("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    fp32 = dataclasses.replace(BNB, frozen_fp32=True)
+    torchao = dataclasses.replace(fp32, quant_backend="torchao")
+    assert expert_block_bytes(shape, fp32) == expert_block_bytes(shape, torchao)
+    notes = make_plan(shape, fp32, parse_gpus("8xH200", 1, None), ("ddp",)).notes
+    assert not any("routed experts stay" in n for n in notes)

@@ -8,6 +8,8 @@ hidden 256, MLP 704, rank 8, 128 tokens)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,12 +47,12 @@ class FrozenLinear4bit(torch.nn.Linear):
         return _FrozenMatmul.apply(x.to(self.compute_dtype), self.weight).to(x.dtype)
 
 
-def _qlora_model(compute: torch.dtype, checkpointing: bool) -> torch.nn.Module:
+def _qlora_model(compute: torch.dtype, checkpointing: bool, attention: str = "sdpa") -> torch.nn.Module:
     """A two-block Llama as transformers, peft and TRL make a QLoRA model: 4-bit-like linears in the blocks,
     prepare_model_for_kbit_training (every other weight in fp32), LoRA on every linear, fp32 adapters."""
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=2, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+                         attn_implementation=attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
     for module in list(model.model.layers.modules()):
@@ -67,11 +69,11 @@ def _qlora_model(compute: torch.dtype, checkpointing: bool) -> torch.nn.Module:
 
 
 def _second_block_saved(compute: torch.dtype, autocast: torch.dtype | None, seq: int,
-                        checkpointing: bool) -> tuple[int, int]:
+                        checkpointing: bool, attention: str = "sdpa", padded: bool = False) -> tuple[int, int]:
     """Bytes autograd saves while the second block runs (in backward's recomputation where it is checkpointed;
-    the module's weights, their autocast copies and the rotary cos/sin
-    every block reads left out), and the bytes of that block's input."""
-    model = _qlora_model(compute, checkpointing)
+    the module's weights, their autocast copies and the rotary cos/sin and mask every block reads left out), and
+    the bytes of that block's input. `padded`: the first position is padding, so SDPA is handed a mask."""
+    model = _qlora_model(compute, checkpointing, attention)
     block = model.base_model.model.model.layers[1]
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
@@ -83,8 +85,10 @@ def _second_block_saved(compute: torch.dtype, autocast: torch.dtype | None, seq:
         block_input[0] = args[0].numel() * args[0].element_size() if args else 0
 
     def shared(_module: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
-        # rotary cos/sin: made once for every block (the plan counts them once, after the last block)
+        # rotary cos/sin and the mask: made once for every block (the plan counts them apart from the blocks)
         weights.update(t.untyped_storage().data_ptr() for t in kwargs.get("position_embeddings", ()))
+        if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            weights.add(kwargs["attention_mask"].untyped_storage().data_ptr())
 
     block.register_forward_pre_hook(shared, with_kwargs=True)
     # On the block's first and last modules: a checkpointed block's recomputation does not pass its own hooks.
@@ -97,10 +101,12 @@ def _second_block_saved(compute: torch.dtype, autocast: torch.dtype | None, seq:
         return t
 
     ids = torch.randint(0, VOCAB, (1, seq))
+    mask = torch.ones(1, seq, dtype=torch.long)
+    mask[0, 0] = 0
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=autocast or torch.float16, enabled=autocast is not None):
-            loss = model(input_ids=ids).logits.float().square().mean()
+            loss = model(input_ids=ids, attention_mask=mask if padded else None).logits.float().square().mean()
         if checkpointing:
             kept.clear()
             loss.backward()
@@ -135,3 +141,24 @@ def test_qlora_block_saves_the_fp32_stream(compute: torch.dtype, autocast: torch
     assert planned == pytest.approx(saved, rel=0.05)
     if grad_ckpt == "full":
         assert checkpointed_block_bytes_per_token(SHAPE, w, "single") == pytest.approx(block_input, rel=0.01)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize(("compute", "autocast", "precision"), [
+    (torch.float16, torch.float16, "fp16"),
+    (torch.bfloat16, torch.bfloat16, "bf16"),
+    (torch.float32, None, "fp32")])
+def test_qlora_attention_over_the_fp32_stream(compute: torch.dtype, autocast: torch.dtype | None, precision: str,
+                                              attention: str) -> None:
+    """Eager attention's probabilities and SDPA's mask over QLoRA's stream, padded rows (a mask handed to the
+    kernel). Under autocast the scores' matmul reads 16-bit casts of the fp32 q and k, and the softmax (fp32) is
+    cast back to the fp32 query's dtype, which the PV matmul keeps as a 16-bit copy: fp32 + 16-bit per score, as
+    over a 16-bit stream. In fp32 the probabilities are the softmax's own output, kept once, not twice. The block
+    grows from 64 to 128 tokens (eager's scores grow with the square) as the plan's does, within 2 %."""
+    short = _second_block_saved(compute, autocast, 64, False, attention, padded=True)[0]
+    long = _second_block_saved(compute, autocast, 128, False, attention, padded=True)[0]
+    w = Workload(method="qlora", precision=precision, grad_ckpt="none", lora_rank=RANK, frozen_fp32=True,
+                 quant_backend="bnb", attention=attention, seq_len=128)
+    planned = 128 * block_activation_bytes_per_token(SHAPE, w) - \
+        64 * block_activation_bytes_per_token(SHAPE, replace(w, seq_len=64))
+    assert planned == pytest.approx(long - short, rel=0.02)

@@ -545,8 +545,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model and not args.config and args.grad_ckpt is None:
         plan.notes.append(MODEL_DEFAULT_NOTE)
     if args.bnb_optimizer and w.optimizer == "adamw8bit":
-        plan.notes.append("--bnb-optimizer with 8-bit AdamW: its 8-bit states are planned as they are; the flag "
-                          "changes only 32-bit AdamW's states (fp32 whatever the weights' dtype)")
+        plan.notes.append("--bnb-optimizer with 8-bit AdamW: planned as the HF Trainer builds it, 8-bit states "
+                          "but fp32 ones for a trained input embedding (the Trainer's 32-bit override for "
+                          "nn.Embedding) and for tensors under 4,096 elements")
     if w.float8 and (args.pipeline_parallel or (cfg.pipeline_parallel if cfg is not None else 1)) not in (1, "auto"):
         plan.notes.append("float8 with pipeline stages: check and train refuse it (the FP8 layers are not carried "
                           "into the stages); the pipeline's times here assume them")

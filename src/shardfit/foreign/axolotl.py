@@ -20,7 +20,6 @@ from shardfit.foreign.common import (
     fsdp_sharding,
     hf_loss,
     local_file,
-    major_minor,
     optimizer,
     optimizer_keys,
 )
@@ -257,8 +256,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
                         "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
-                    quant_backend="bnb", fused_experts=major_minor(version) >= (5, 0),
-                    quantize_fused_experts=src.flag("quantize_moe_experts"),
+                    quant_backend="bnb", quantize_fused_experts=src.flag("quantize_moe_experts"),
                     **settings(src, KEYS, "field"))
 
 

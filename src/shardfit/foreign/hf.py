@@ -26,7 +26,6 @@ from shardfit.foreign.common import (
     fsdp_sharding,
     hf_loss,
     local_file,
-    major_minor,
     optimizer,
     optimizer_keys,
     parse_json,
@@ -342,7 +341,6 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=ATTENTION.get(src.get("attn_implementation", "sdpa"), "sdpa"), frozen_fp32=q,
                     quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'
-                    fused_experts=major_minor(version) >= (5, 0),
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 

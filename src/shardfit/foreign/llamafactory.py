@@ -19,7 +19,6 @@ from shardfit.foreign.common import (
     hf_loss,
     lf_freeze_blocks,
     local_file,
-    major_minor,
     optimizer,
     optimizer_keys,
 )
@@ -241,7 +240,6 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
-                    fused_experts=major_minor(version) >= (5, 0),
                     **settings(src, KEYS, "field"))
 
 

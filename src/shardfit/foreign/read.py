@@ -13,6 +13,7 @@ from shardfit.foreign.common import (
     default_optim,
     hf_loss,
     load_yaml,
+    major_minor,
     multi_tensor_step,
     parse_json,
     read_text,
@@ -106,6 +107,9 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         plan_all_linear(job, shape_of(job.model), version)
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
+    # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
+    job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
     if opts.gpus is not None:  # the ranks a launch that takes every GPU starts, before the checks that count ranks
         launch_on(job, opts.gpus.gpus_per_node)
     _check_split(job, shape_of)

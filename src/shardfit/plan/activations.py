@@ -17,6 +17,8 @@ from shardfit.plan.precision import (
     casts_fp32_trainables,
     casts_trainable_inputs,
     compute_bytes,
+    dense_expert_bytes,
+    experts_stay_16bit,
     linear_output_bytes,
     residual_bytes,
     runs_autocast,
@@ -107,7 +109,10 @@ def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, ki
     if not w.trains_adapters:
         return 0.0
     a = compute_bytes(w)
-    adapted = adapted_shapes(shape, w, kind)
+    # LoRA on a fused expert weight (peft's ParamWrapper) adds B A to the weight itself: no per-token rank-wide
+    # tensor (`lora_expert_copy_bytes` counts the merged weight it keeps instead).
+    adapted = [(i, o) for name, i, o in shape.named_linears(kind)
+               if adapts(name, w) and not name.startswith("expert_")]
     lora = len(adapted) * a * w.lora_rank
     if w.lora_dropout > 0:
         dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
@@ -304,7 +309,9 @@ def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: 
     elif w.attention == "eager":
         # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
         # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
-        attn = a * (2 * q + 2 * q) + shape.heads * w.row_len * (4 + a)
+        # In fp32 the probabilities are the softmax's output itself (`.to(query.dtype)` returns it), kept once;
+        # over QLoRA's fp32 stream under autocast the PV matmul keeps autocast's 16-bit copy beside it.
+        attn = a * (2 * q + 2 * q) + shape.heads * w.row_len * (4 + (a if a != 4 else 0))
     elif w.attention == "sdpa":
         # With a mask, SDPA converts it to an additive bias in the compute dtype per call and keeps it for its
         # backward (the row's width per token, every block: micro_batch x seq_len under static_shape), and
@@ -438,7 +445,8 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     saved-tensor hooks on the mixture modules of tiny Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3 and Nemotron-H
     models (tests/test_plan_moe_saved.py)."""
     a = compute_bytes(w)
-    e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else a
+    e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else \
+        dense_expert_bytes(w) if experts_stay_16bit(shape, w) else a
     width, d = shape.expert_width, shape.moe_latent or shape.hidden
     # Nemotron-H's experts weigh their output by the fp32 weights under autocast too (hooks see no 16-bit copy).
     weight = 0 if shape.router_groups and (shape.single_part or not runs_autocast(w, strategy)) else a
@@ -498,14 +506,23 @@ def expert_widths_saved(shape: ModelShape) -> int:
     return 7 if shape.clamped_swiglu else 2 if shape.two_matrix else 4
 
 
-def lora_expert_copy_bytes(shape: ModelShape, w: Workload) -> float:
+def lora_expert_copy_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """LoRA on the routed experts (peft `target_parameters`): every forward of a mixture's block makes the merged
     weights W + B A of all its experts (one baddbmm per fused weight, in the frozen weights' dtype), which the
-    grouped matmuls save for their backward: a copy of the block's expert weights, kept until that block's backward."""
+    grouped matmuls save for their backward: a copy of the block's expert weights, kept until that block's
+    backward. Under autocast over fp32 adapters the merge also keeps the 16-bit casts of the experts' A and B
+    (saved-tensor hooks on a tiny gpt-oss, tests/test_plan_moe_saved.py); over bitsandbytes' unquantized experts
+    upcast to fp32 (`experts_stay_16bit`, `dense_expert_bytes`) the merge runs in fp32 and keeps none
+    (tests/test_plan_qlora_experts.py)."""
     if not (w.trains_adapters and w.lora_experts and shape.moe_layers):
         return 0.0
-    weights = sum(i * o for name, i, o in shape.named_linears(True) if name.startswith("expert_") and adapts(name, w))
-    return weights * compute_bytes(w)
+    adapted = [(n, i, o) for n, i, o in shape.named_linears(True) if n.startswith("expert_") and adapts(n, w)]
+    weights = sum(i * o for _, i, o in adapted)
+    stored = dense_expert_bytes(w) if experts_stay_16bit(shape, w) else compute_bytes(w)
+    copies = weights * stored
+    if casts_fp32_trainables(w, strategy) and stored != 4:
+        copies += compute_bytes(w) * sum(rank_of(n, w) * (i + o) for n, i, o in adapted)
+    return copies
 
 
 def matmul_widths(shape: ModelShape, w: Workload) -> list[int]:
@@ -542,7 +559,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`)."""
     tokens = w.tokens
     cast = weight_cast_bytes(shape, w, strategy)
-    copies = lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)
+    copies = lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)
     if w.grad_ckpt != "none":
         # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
@@ -616,7 +633,7 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
     if w.grad_ckpt == "none":  # checkpointed blocks save nothing in forward
-        cast += (lora_expert_copy_bytes(shape, w) + router_copy_bytes(shape, w, strategy)) * layers * \
+        cast += (lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)) * layers * \
             shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0

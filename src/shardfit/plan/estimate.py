@@ -39,10 +39,16 @@ from shardfit.plan.activations import (
     reference_activation_bytes,
     reference_logits_bytes,
 )
-from shardfit.plan.adapters import lora_expert_params, lora_params, saved_params
+from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.precision import compute_bytes, runs_autocast, trainable_bytes
+from shardfit.plan.precision import (
+    compute_bytes,
+    dense_expert_bytes,
+    experts_stay_16bit,
+    runs_autocast,
+    trainable_bytes,
+)
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, Workload
 
@@ -149,7 +155,7 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
-    return weights, grads, t * optimizer_state_bytes(w)
+    return weights, grads, t * optimizer_state_bytes(w) + fp32_state_params(shape, w) * (8 - optimizer_state_bytes(w))
 
 
 # bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
@@ -170,6 +176,35 @@ def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False) -> float:
     return 2.0 * (4 if w.bnb_optimizer or fp32_masters else trainable_bytes(w))
 
 
+# bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements than this (Optimizer2State's
+# `min_8bit_size` default; `init_state`: `if p.numel() < config["min_8bit_size"]: dtype = torch.float32`).
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def fp32_state_params(shape: ModelShape, w: Workload) -> float:
+    """Trainable weights bitsandbytes' 8-bit AdamW keeps two fp32 states for (8 bytes, not `optimizer_state_bytes`'
+    2.03): each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B matrices of a small model's narrow layers; a
+    full fine-tune's norm weights and biases where the hidden size is under it), and under the HF Trainer (a
+    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`) a trained input embedding, which transformers'
+    Trainer.create_optimizer registers for 32-bit states (GlobalOptimManager's `register_module_override` with
+    `optim_bits` 32 on every nn.Embedding). 0 for other optimizers."""
+    if w.optimizer != "adamw8bit":
+        return 0.0
+    small = BNB_MIN_8BIT_SIZE
+    if w.trains_adapters:
+        return float(shape.over_blocks(lambda moe: sum(
+            (r * i if r * i < small else 0) + (r * o if r * o < small else 0)
+            for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
+            for r in (rank_of(n, w),))))
+    if w.method != "full":
+        return 0.0
+    # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
+    # projection's output: under min_8bit_size where the hidden size is.
+    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if shape.hidden < small else 0
+    embedding = shape.vocab * shape.hidden if w.bnb_optimizer else 0
+    return float(norms + embedding)
+
+
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
     """The shape the recipe runs: with `untied_head`, a tied checkpoint's head is a copy of its own."""
     return replace(shape, tied=False) if w.untied_head and shape.tied else shape
@@ -181,27 +216,15 @@ def planned_workload(shape: ModelShape, w: Workload) -> Workload:
     return replace(w, attention="eager") if shape.eager_only and w.attention == "sdpa" else w
 
 
-def experts_stay_16bit(shape: ModelShape, w: Workload) -> bool:
-    """Whether bitsandbytes QLoRA leaves a mixture's routed experts in the compute dtype: transformers' 4-bit
-    loading replaces only nn.Linear and Conv1D modules (integrations/bitsandbytes.py `replace_with_bnb_linear`,
-    5.23), so fused 3-D expert stacks (`Workload.fused_experts`, ModelShape.experts_always_fused) keep the dtype they
-    are loaded in (a real load of a Mixtral: q_proj a Params4bit, `experts.gate_up_proj` a bf16 Parameter), unless
-    the tool quantizes them itself (`quantize_fused_experts`). shardfit's torchao path quantizes the stacks itself
-    (models/quantize_experts.py); Lightning's plugin (`bnb_precision`) runs litgpt's mixtures, an nn.Linear per
-    expert."""
-    return (shape.moe and w.method == "qlora" and w.quant_backend == "bnb" and not w.bnb_precision
-            and not w.quantize_fused_experts and (w.fused_experts or shape.experts_always_fused))
-
-
 def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None, experts_only: bool = False) -> float:
     """What one decoder block's linear weights (with `experts_only`, its routed experts alone) take as stored:
     QLoRA's NF4 (4-bit codes, 8-bit block scales, factors per group of scales: 0.5 byte + ~0.127 bit per weight,
     the QLoRA paper's double quantization, exactly as plan/quant.py lays it out; without `double_quant` an fp32
     scale per 64 weights) for each linear weight and each fused expert stack, except the router (never quantized)
-    and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision (fp32
-    after peft's prepare_model_for_kbit_training, `frozen_fp32`); else
-    the compute precision. Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per
-    expert as it counts them."""
+    and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision, fp32
+    after peft's prepare_model_for_kbit_training (`frozen_fp32`, `dense_expert_bytes`); else the compute
+    precision. Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per expert as it
+    counts them."""
     low = compute_bytes(w)
     per_layer = w.bnb_precision or w.method != "qlora"
     rows = [(n, o, i) for n, i, o in shape.named_linears(moe)] if per_layer else shape.stored_weights(moe)
@@ -213,8 +236,10 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
             continue
         nf4 = w.method == "qlora" and (w.bnb_precision or not (name == "router" or (expert and keep16)))
         # peft's prepare_model_for_kbit_training (`frozen_fp32`) casts every 16-bit parameter that is not a
-        # Params4bit to fp32 (peft/utils/other.py), the experts bitsandbytes left alone with them
-        dense = 4 if expert and keep16 and w.frozen_fp32 else low
+        # Params4bit to fp32 (peft/utils/other.py): the router, and the experts bitsandbytes left alone
+        qlora = w.method == "qlora" and not w.bnb_precision
+        dense = dense_expert_bytes(w) if qlora and expert and keep16 else \
+            4 if qlora and name == "router" and w.frozen_fp32 else low
         total += quant.weight_bytes(r, c, low, w.double_quant) if nf4 else r * c * dense
     return total
 

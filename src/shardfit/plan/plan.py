@@ -19,12 +19,12 @@ from shardfit.plan.estimate import (
     GIB,
     Candidate,
     estimate,
-    experts_stay_16bit,
     planned_workload,
     stored_linear_bytes,
     trainable_params,
 )
 from shardfit.plan.hardware import Hardware, hardware_notes
+from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import reference_pass_s, step_time
 from shardfit.plan.workload import Workload
@@ -342,15 +342,16 @@ def objective_notes(shape: ModelShape, w: Workload, hw: Hardware, cands: list[Ca
 
 
 def expert_dtype_notes(shape: ModelShape, w: Workload) -> list[str]:
-    """Where bitsandbytes QLoRA leaves the fused routed experts in 16 bits (estimate.py `experts_stay_16bit`): how
+    """Where bitsandbytes QLoRA leaves the fused routed experts in 16 bits (precision.py `experts_stay_16bit`): how
     much of the weights that is, and for gpt-oss what its MXFP4 checkpoint does to a 4-bit load."""
     if not experts_stay_16bit(shape, w):
         return []
     gib = stored_linear_bytes(shape, w, True, experts_only=True) * shape.moe_layers / GIB
     kept = "fp32 (peft's prepare_model_for_kbit_training upcasts them)" if w.frozen_fp32 else w.precision
+    older = "" if shape.experts_always_fused else \
+        "; with transformers 4 (an nn.Linear per expert, `--from ... --transformers 4.57`) they would be NF4"
     notes = [f"the routed experts stay {kept} under bitsandbytes ({gib:.1f} GiB): transformers' 4-bit loading "
-             "replaces only nn.Linear layers, and its fused 3-D expert weights are not; with transformers 4 "
-             "(an nn.Linear per expert, `--from ... --transformers 4.57`) they would be NF4"]
+             f"replaces only nn.Linear layers, and its fused 3-D expert weights are not{older}"]
     if shape.clamped_swiglu:
         notes.append("gpt-oss ships MXFP4 experts: transformers refuses a BitsAndBytesConfig over the checkpoint's "
                      "Mxfp4Config; a tool that loads it dequantized (Mxfp4Config(dequantize=True)) holds every weight "

@@ -4,6 +4,7 @@ casts (what the planner's memory, activation and time models all read)."""
 from __future__ import annotations
 
 from shardfit import strategy as strategies
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
 
@@ -59,3 +60,26 @@ def linear_output_bytes(w: Workload, strategy: str) -> int:
     projections' outputs, and the MLP's activation of them, are fp32 where autocast would make them 16-bit; other
     layers return the compute precision."""
     return residual_bytes(w, strategy) if w.bnb else compute_bytes(w)
+
+
+def experts_stay_16bit(shape: ModelShape, w: Workload) -> bool:
+    """Whether bitsandbytes QLoRA leaves a mixture's routed experts unquantized, in the dtype they are loaded in
+    (fp32 after prepare_model_for_kbit_training: `dense_expert_bytes`): transformers' 4-bit loading replaces only
+    nn.Linear and Conv1D modules (integrations/bitsandbytes.py `replace_with_bnb_linear`, 5.23), so fused 3-D
+    expert stacks (`Workload.fused_experts`, ModelShape.experts_always_fused) stay as they are (a real load of a
+    Mixtral: q_proj a Params4bit, `experts.gate_up_proj` a bf16 Parameter), and the grouped experts compute in
+    their dtype; unless the tool quantizes them itself (`quantize_fused_experts`). Llama 4's experts
+    (`every_expert`) are unfused into an nn.Linear per expert for bitsandbytes first (quantizers/base.py
+    MODULES_TO_PATCH_FOR_QUANTIZATION), so they are quantized. shardfit's torchao path quantizes the stacks itself
+    (models/quantize_experts.py); Lightning's plugin (`bnb_precision`) runs litgpt's mixtures, an nn.Linear per
+    expert."""
+    return (shape.moe and w.method == "qlora" and w.quant_backend == "bnb" and not w.bnb_precision
+            and not w.quantize_fused_experts and not shape.every_expert
+            and (w.fused_experts or shape.experts_always_fused))
+
+
+def dense_expert_bytes(w: Workload) -> int:
+    """Bytes per element of the expert stacks bitsandbytes leaves unquantized (`experts_stay_16bit`): fp32 where
+    peft's prepare_model_for_kbit_training upcasts every weight that is not 4-bit (`frozen_fp32`), else the 16-bit
+    loading dtype."""
+    return 4 if w.frozen_fp32 else compute_bytes(w)

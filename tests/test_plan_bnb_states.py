@@ -1,0 +1,57 @@
+"""bitsandbytes' 8-bit AdamW keeps fp32 states for some tensors (plan/estimate.py `fp32_state_params`): each under
+its `min_8bit_size` (4,096 elements), and under the HF Trainer every nn.Embedding's weight, which
+Trainer.create_optimizer registers for 32-bit states. Counted here on a tiny real model's trainable tensors."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from shardfit.plan.estimate import BNB_MIN_8BIT_SIZE, fp32_state_params, optimizer_state_bytes, state_bytes
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+
+CONFIG = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}
+
+
+def _model_and_shape() -> tuple[torch.nn.Module, object]:
+    """A tiny Qwen2 (k/v projections 128 wide) and the plan's shape of it."""
+    config = Qwen2Config(**CONFIG)
+    folder = Path(tempfile.mkdtemp())
+    config.save_pretrained(folder)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config), resolve_shape(str(folder))
+
+
+@pytest.mark.parametrize("rank", [4, 8, 16])
+def test_small_lora_matrices_keep_fp32_states(rank: int) -> None:
+    """LoRA on every projection of the tiny model: the trainable tensors under min_8bit_size (B of k and v, and
+    at rank 4 every A over the 512-wide input) are what the plan counts at 8 bytes, and the optimizer part grows
+    by them."""
+    model, shape = _model_and_shape()
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=names))
+    trained = [p.numel() for p in peft_model.parameters() if p.requires_grad]
+    small = sum(n for n in trained if n < BNB_MIN_8BIT_SIZE)
+    w = Workload(method="lora", precision="bf16", lora_rank=rank, optimizer="adamw8bit")
+    assert small > 0
+    assert fp32_state_params(shape, w) == small
+    assert state_bytes(shape, w)[2] == pytest.approx(
+        (sum(trained) - small) * optimizer_state_bytes(w) + small * 8)
+
+
+def test_the_hf_trainer_keeps_the_embedding_s_states_in_fp32() -> None:
+    """A full fine-tune with a tool's bitsandbytes 8-bit `optim`: the embedding (tied here) has fp32 states, and so
+    do the norms and q/k/v biases (512 and 128 wide); without the HF Trainer only those."""
+    model, shape = _model_and_shape()
+    small = sum(p.numel() for p in model.parameters() if p.numel() < BNB_MIN_8BIT_SIZE)
+    embedding = model.get_input_embeddings().weight.numel()
+    trainer = Workload(method="full", precision="bf16", optimizer="adamw8bit", bnb_optimizer=True)
+    assert fp32_state_params(shape, trainer) == small + embedding
+    assert fp32_state_params(shape, Workload(method="full", precision="bf16", optimizer="adamw8bit")) == small
