@@ -132,30 +132,86 @@ CUT_CONTROLS = (
 )
 
 
-@pytest.mark.parametrize(("frames", "first"), [
-    ([(SITE + "deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads",
+TORCHRUN = "torchrun --nproc_per_node 2 train.py"
+
+
+# each cut frame with the setting its cause needs shown in the paste (a launch of several processes, ZeRO-3, a
+# device_map, LoRA)
+@pytest.mark.parametrize(("setting", "frames", "first"), [
+    (TORCHRUN + " --deepspeed ds_z2.json",
+     [(SITE + "deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads",
        "self.reduce_independent_p_g_buckets_and_remove_grads(param, i)")], "gc_ddp_reentrant"),
-    ([(SITE + "deepspeed/runtime/zero/partition_parameters.py", "wrapper", "f(module, *args, **kwargs)")],
-     "zero3_device_map_conflict"),
-    ([(SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier(opts=opts)")],
+    ('deepspeed --deepspeed ds_z3.json train.py  # from_pretrained(name, device_map={"": 0})',
+     [(SITE + "deepspeed/runtime/zero/partition_parameters.py", "_post_init_method",
+       "self._convert_to_deepspeed_param(param)")], "zero3_device_map_conflict"),
+    (TORCHRUN, [(SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier(opts=opts)")],
      "nccl_timeout_preprocessing"),
-    ([(SITE + "torch/distributed/distributed_c10d.py", "all_reduce", "work = group.allreduce([tensor], opts)")],
-     "nccl_p2p_hang"),
-    ([(SITE + "torch/distributed/distributed_c10d.py", "init_process_group",
-       "store, rank, world_size = next(rendezvous_iterator)")], "rendezvous_unreachable"),
-    ([(SITE + "accelerate/accelerator.py", "prepare_model", "raise ValueError(")], "device_map_auto_in_distributed"),
-    ([(SITE + "bitsandbytes/cextension.py", "<module>", "lib = get_native_library()")], "extension_abi_mismatch"),
-    ([(SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()"),
-      (SITE + "torch/utils/data/dataloader.py", "_try_get_data", "raise RuntimeError(")], "shm_too_small"),
-    ([(SITE + "torch/nn/parallel/distributed.py", "forward", "inputs, kwargs = self._pre_forward(*inputs)")],
-     "ddp_unused_parameters"),
+    (TORCHRUN, [(SITE + "torch/distributed/distributed_c10d.py", "all_reduce",
+                 "work = group.allreduce([tensor], opts)")], "nccl_p2p_hang"),
+    ("", [(SITE + "torch/distributed/distributed_c10d.py", "init_process_group",
+           "store, rank, world_size = next(rendezvous_iterator)")], "rendezvous_unreachable"),
+    ("accelerate launch --num_processes 2 train.py --device_map auto",
+     [(SITE + "accelerate/accelerator.py", "prepare_model", "raise ValueError(")], "device_map_auto_in_distributed"),
+    ("", [(SITE + "bitsandbytes/cextension.py", "<module>", "lib = get_native_library()")], "extension_abi_mismatch"),
+    ("docker run --gpus all trainer", [
+        (SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()"),
+        (SITE + "torch/utils/data/_utils/signal_handling.py", "handler", "_error_if_any_worker_fails()")],
+     "shm_too_small"),
+    (TORCHRUN, [(SITE + "torch/nn/parallel/distributed.py", "_pre_forward",
+                 "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():")], "ddp_unused_parameters"),
 ])
-def test_a_traceback_cut_in_a_library_ranks_the_causes_of_its_last_frames(frames: list, first: str) -> None:
-    log = _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
+def test_a_traceback_cut_in_a_library_ranks_the_causes_of_its_last_frames(setting: str, frames: list,
+                                                                           first: str) -> None:
+    log = setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
     assert _likely(log)[0] == first
     assert parse(log).cut_frames and "tb_cut" in parse(log).facts
     for control in CUT_CONTROLS:
         _none(control)
+
+
+# a cut in a frame every error of that call passes through, or in a cause's frame with its setting absent (one GPU,
+# no ZeRO-3, no device_map, no LoRA, a collective late in training): no answer
+CUT_NO_SETTING = (
+    ("python train.py", [(SITE + "accelerate/accelerator.py", "prepare", "result = self._prepare_one(obj)"),
+                         (SITE + "accelerate/accelerator.py", "prepare_model", "model = model.to(self.device)")]),
+    ("python eval.py  # one GPU", [(SITE + "transformers/generation/utils.py", "generate", "out = self._sample()"),
+                                    (SITE + "accelerate/hooks.py", "new_forward",
+                                     "output = module._old_forward(*args, **kwargs)")]),
+    ("python train.py", [(SITE + "peft/peft_model.py", "save_pretrained", "os.makedirs(save_directory)")]),
+    ("deepspeed --deepspeed ds_z3.json train.py", [
+        ("/work/proj/model.py", "build", "model = MyModel(cfg)"),
+        (SITE + "deepspeed/runtime/zero/partition_parameters.py", "wrapper", "f(module, *args, **kwargs)")]),
+    ("python infer.py", [(SITE + "bitsandbytes/nn/modules.py", "to", "return self._quantize(device)")]),
+    ("python train.py --gradient_checkpointing", [(SITE + "torch/utils/checkpoint.py", "backward",
+                                                   "torch.autograd.backward(outputs, args)")]),
+    (TORCHRUN, [(SITE + "torch/nn/parallel/distributed.py", "_run_ddp_forward",
+                 "return self.module(*inputs, **kwargs)")]),
+    (TORCHRUN + "\n{'loss': 1.21, 'epoch': 0.9}\nstep 1200", [
+        (SITE + "torch/distributed/distributed_c10d.py", "all_reduce", "work = group.allreduce([tensor], opts)")]),
+    ("python train.py", [(SITE + "torch/utils/data/dataloader.py", "_try_get_data",
+                          "data = self._data_queue.get(timeout=timeout)")]),
+)
+
+
+@pytest.mark.parametrize(("setting", "frames"), CUT_NO_SETTING)
+def test_a_cut_without_its_causes_setting_or_in_a_pass_through_frame_is_unanswered(setting: str,
+                                                                                     frames: list) -> None:
+    _none(setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames))
+
+
+@pytest.mark.parametrize("end", [
+    "Segmentation fault (core dumped)",
+    "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: RuntimeError: foo",
+    "triton.runtime.autotuner.OutOfResources: out of resource: shared memory",
+    "Killed",
+])
+def test_a_traceback_ending_in_a_death_or_an_unusual_exception_is_not_cut(end: str) -> None:
+    log = "accelerate launch --num_processes 2 train.py --device_map auto\n" + _frames(
+        ("/work/proj/train.py", "main", "model = accelerator.prepare(model)"),
+        (SITE + "accelerate/accelerator.py", "prepare_model", "model = model.to(self.device)"))
+    assert parse(log).cut_frames
+    p = parse(log + "\n" + end)
+    assert not p.cut_frames and "tb_cut" not in p.facts
 
 
 def test_a_complete_traceback_is_not_cut() -> None:
