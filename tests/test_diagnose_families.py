@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfit.diagnose.engine import analyze
+from shardfit.diagnose.engine import analyze, load_knowledge
 from shardfit.diagnose.parse import parse
 
 NO_PG = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
@@ -228,3 +228,23 @@ def test_a_complete_traceback_is_not_cut() -> None:
 def test_a_hang_in_words_under_a_launch_of_several_processes_ranks_the_p2p_hang(control: str) -> None:
     assert _likely("The job hangs forever after `torchrun --nproc_per_node 2 sft.py`")[0] == "nccl_p2p_hang"
     _none(control)
+
+
+# -- facts that must not take a user's own names ---------------------------------------------------------------------
+
+MM_OOM = "\n".join([
+    "python main.py --model llava-7b --bs 8",
+    "Traceback (most recent call last):",
+    '  File "/work/proj/mm/model.py", line 88, in forward',
+    "    h = self.llm(inputs_embeds=emb, attention_mask=mask)",
+    f'  File "{SITE}transformers/models/llama/modeling_llama.py", line 1190, in forward',
+    "    logits = self.lm_head(hidden_states)",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 79.15 GiB "
+    "of which 1.02 GiB is free."])
+
+
+def test_a_models_own_llm_attribute_is_not_a_serving_engine() -> None:
+    facts = load_knowledge().facts
+    assert "inference_engine" not in parse(MM_OOM, facts).facts
+    assert analyze(MM_OOM).likely[0].category == "oom_activation_not_sharded"
+    assert "inference_engine" in parse('llm = LLM(model="Qwen/Qwen2-7B", tensor_parallel_size=2)', facts).facts
