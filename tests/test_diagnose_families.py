@@ -37,6 +37,10 @@ SIZE0_CONTROLS = (
     "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x2048 and 0x1)",
     "deepspeed --deepspeed ds_z3.json train.py\nValueError: the dataset has size 0 after filtering",
     "deepspeed --deepspeed ds_z3.json train.py\nKeyError: 'size 0'",
+    # a debug print of the user's batch under ZeRO-3, and an empty feature map of the user's own head
+    "deepspeed --deepspeed ds_z3.json dpo.py\nchosen_ids: torch.Size([0]) rejected_ids: torch.Size([0])\n"
+    "IndexError: index 0 is out of bounds for dimension 0 with size 0",
+    "deepspeed train.py --deepspeed ds.json\nRuntimeError: mat1 and mat2 shapes cannot be multiplied (4x0 and 0x512)",
 )
 # NaN in the user's data or in generation, a question about several GPUs
 PROSE_CONTROLS = (
