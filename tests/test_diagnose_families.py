@@ -47,6 +47,10 @@ PROSE_CONTROLS = (
     "My dataset has NaN values in the label column",
     "fp16 inference: the logits are nan in model.generate()",
     "How do I train on several GPUs with a cosine schedule?",
+    # a hang long after the first collective: a rank that diverged, not peer-to-peer failing
+    "torchrun --nproc_per_node 4 sft.py\n{'loss': 0.812, 'learning_rate': 1.9e-05, 'epoch': 0.97}\n"
+    "It hangs after 3000 steps with no error, then the job times out.",
+    "torchrun --nproc_per_node 4 sft.py\nThe run gets stuck after 1500 iterations and times out, no error printed.",
 )
 
 
