@@ -256,3 +256,16 @@ def test_a_models_own_llm_attribute_is_not_a_serving_engine() -> None:
     assert "inference_engine" not in parse(MM_OOM, facts).facts
     assert analyze(MM_OOM).likely[0].category == "oom_activation_not_sharded"
     assert "inference_engine" in parse('llm = LLM(model="Qwen/Qwen2-7B", tensor_parallel_size=2)', facts).facts
+
+
+def test_fsdps_own_file_is_not_dataparallels() -> None:
+    facts = load_knowledge().facts
+    fsdp = _frames(("/work/proj/train.py", "<module>", "model = FSDP(model, use_orig_params=False)"),
+                   (SITE + "torch/distributed/fsdp/fully_sharded_data_parallel.py", "__init__", "_auto_wrap("),
+                   (SITE + "torch/distributed/fsdp/_wrap_utils.py", "_auto_wrap", "_recursive_wrap(**kwargs)"))
+    assert "sym_dp" not in parse(fsdp, facts).facts
+    # FSDP's wrapping calls the user's policy: a cut there is any error of it, no cause's
+    _none("torchrun --nproc_per_node 8 train.py --fsdp\n" + fsdp)
+    dp = _frames(("/work/proj/train.py", "<module>", "out = model(x)"),
+                 (SITE + "torch/nn/parallel/data_parallel.py", "forward", "outputs = self.parallel_apply(replicas)"))
+    assert "sym_dp" in parse(dp, facts).facts
