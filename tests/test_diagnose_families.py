@@ -269,3 +269,11 @@ def test_fsdps_own_file_is_not_dataparallels() -> None:
     dp = _frames(("/work/proj/train.py", "<module>", "out = model(x)"),
                  (SITE + "torch/nn/parallel/data_parallel.py", "forward", "outputs = self.parallel_apply(replicas)"))
     assert "sym_dp" in parse(dp, facts).facts
+
+
+def test_a_watchdog_timeout_late_in_training_is_not_p2p() -> None:
+    log = ("torchrun --nproc_per_node 4 sft.py\n{'loss': 0.64, 'grad_norm': 1.2, 'epoch': 1.0}\n"
+           "[rank2]:[E ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective operation timeout: "
+           "WorkNCCL(SeqNum=48211, OpType=ALLREDUCE, NumelIn=1, Timeout(ms)=1800000) ran for 1800412 milliseconds "
+           "before timing out.")
+    assert "nccl_p2p_hang" not in [x.category for x in analyze(log).likely]
