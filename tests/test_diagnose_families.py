@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfit.diagnose.engine import analyze
+from shardfit.diagnose.engine import analyze, load_knowledge
 from shardfit.diagnose.parse import parse
 
 NO_PG = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
@@ -37,12 +37,20 @@ SIZE0_CONTROLS = (
     "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x2048 and 0x1)",
     "deepspeed --deepspeed ds_z3.json train.py\nValueError: the dataset has size 0 after filtering",
     "deepspeed --deepspeed ds_z3.json train.py\nKeyError: 'size 0'",
+    # a debug print of the user's batch under ZeRO-3, and an empty feature map of the user's own head
+    "deepspeed --deepspeed ds_z3.json dpo.py\nchosen_ids: torch.Size([0]) rejected_ids: torch.Size([0])\n"
+    "IndexError: index 0 is out of bounds for dimension 0 with size 0",
+    "deepspeed train.py --deepspeed ds.json\nRuntimeError: mat1 and mat2 shapes cannot be multiplied (4x0 and 0x512)",
 )
 # NaN in the user's data or in generation, a question about several GPUs
 PROSE_CONTROLS = (
     "My dataset has NaN values in the label column",
     "fp16 inference: the logits are nan in model.generate()",
     "How do I train on several GPUs with a cosine schedule?",
+    # a hang long after the first collective: a rank that diverged, not peer-to-peer failing
+    "torchrun --nproc_per_node 4 sft.py\n{'loss': 0.812, 'learning_rate': 1.9e-05, 'epoch': 0.97}\n"
+    "It hangs after 3000 steps with no error, then the job times out.",
+    "torchrun --nproc_per_node 4 sft.py\nThe run gets stuck after 1500 iterations and times out, no error printed.",
 )
 
 
@@ -132,30 +140,86 @@ CUT_CONTROLS = (
 )
 
 
-@pytest.mark.parametrize(("frames", "first"), [
-    ([(SITE + "deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads",
+TORCHRUN = "torchrun --nproc_per_node 2 train.py"
+
+
+# each cut frame with the setting its cause needs shown in the paste (a launch of several processes, ZeRO-3, a
+# device_map, LoRA)
+@pytest.mark.parametrize(("setting", "frames", "first"), [
+    (TORCHRUN + " --deepspeed ds_z2.json",
+     [(SITE + "deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads",
        "self.reduce_independent_p_g_buckets_and_remove_grads(param, i)")], "gc_ddp_reentrant"),
-    ([(SITE + "deepspeed/runtime/zero/partition_parameters.py", "wrapper", "f(module, *args, **kwargs)")],
-     "zero3_device_map_conflict"),
-    ([(SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier(opts=opts)")],
+    ('deepspeed --deepspeed ds_z3.json train.py  # from_pretrained(name, device_map={"": 0})',
+     [(SITE + "deepspeed/runtime/zero/partition_parameters.py", "_post_init_method",
+       "self._convert_to_deepspeed_param(param)")], "zero3_device_map_conflict"),
+    (TORCHRUN, [(SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier(opts=opts)")],
      "nccl_timeout_preprocessing"),
-    ([(SITE + "torch/distributed/distributed_c10d.py", "all_reduce", "work = group.allreduce([tensor], opts)")],
-     "nccl_p2p_hang"),
-    ([(SITE + "torch/distributed/distributed_c10d.py", "init_process_group",
-       "store, rank, world_size = next(rendezvous_iterator)")], "rendezvous_unreachable"),
-    ([(SITE + "accelerate/accelerator.py", "prepare_model", "raise ValueError(")], "device_map_auto_in_distributed"),
-    ([(SITE + "bitsandbytes/cextension.py", "<module>", "lib = get_native_library()")], "extension_abi_mismatch"),
-    ([(SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()"),
-      (SITE + "torch/utils/data/dataloader.py", "_try_get_data", "raise RuntimeError(")], "shm_too_small"),
-    ([(SITE + "torch/nn/parallel/distributed.py", "forward", "inputs, kwargs = self._pre_forward(*inputs)")],
-     "ddp_unused_parameters"),
+    (TORCHRUN, [(SITE + "torch/distributed/distributed_c10d.py", "all_reduce",
+                 "work = group.allreduce([tensor], opts)")], "nccl_p2p_hang"),
+    ("", [(SITE + "torch/distributed/distributed_c10d.py", "init_process_group",
+           "store, rank, world_size = next(rendezvous_iterator)")], "rendezvous_unreachable"),
+    ("accelerate launch --num_processes 2 train.py --device_map auto",
+     [(SITE + "accelerate/accelerator.py", "prepare_model", "raise ValueError(")], "device_map_auto_in_distributed"),
+    ("", [(SITE + "bitsandbytes/cextension.py", "<module>", "lib = get_native_library()")], "extension_abi_mismatch"),
+    ("docker run --gpus all trainer", [
+        (SITE + "torch/utils/data/dataloader.py", "_next_data", "idx, data = self._get_data()"),
+        (SITE + "torch/utils/data/_utils/signal_handling.py", "handler", "_error_if_any_worker_fails()")],
+     "shm_too_small"),
+    (TORCHRUN, [(SITE + "torch/nn/parallel/distributed.py", "_pre_forward",
+                 "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():")], "ddp_unused_parameters"),
 ])
-def test_a_traceback_cut_in_a_library_ranks_the_causes_of_its_last_frames(frames: list, first: str) -> None:
-    log = _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
+def test_a_traceback_cut_in_a_library_ranks_the_causes_of_its_last_frames(setting: str, frames: list,
+                                                                           first: str) -> None:
+    log = setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
     assert _likely(log)[0] == first
     assert parse(log).cut_frames and "tb_cut" in parse(log).facts
     for control in CUT_CONTROLS:
         _none(control)
+
+
+# a cut in a frame every error of that call passes through, or in a cause's frame with its setting absent (one GPU,
+# no ZeRO-3, no device_map, no LoRA, a collective late in training): no answer
+CUT_NO_SETTING = (
+    ("python train.py", [(SITE + "accelerate/accelerator.py", "prepare", "result = self._prepare_one(obj)"),
+                         (SITE + "accelerate/accelerator.py", "prepare_model", "model = model.to(self.device)")]),
+    ("python eval.py  # one GPU", [(SITE + "transformers/generation/utils.py", "generate", "out = self._sample()"),
+                                    (SITE + "accelerate/hooks.py", "new_forward",
+                                     "output = module._old_forward(*args, **kwargs)")]),
+    ("python train.py", [(SITE + "peft/peft_model.py", "save_pretrained", "os.makedirs(save_directory)")]),
+    ("deepspeed --deepspeed ds_z3.json train.py", [
+        ("/work/proj/model.py", "build", "model = MyModel(cfg)"),
+        (SITE + "deepspeed/runtime/zero/partition_parameters.py", "wrapper", "f(module, *args, **kwargs)")]),
+    ("python infer.py", [(SITE + "bitsandbytes/nn/modules.py", "to", "return self._quantize(device)")]),
+    ("python train.py --gradient_checkpointing", [(SITE + "torch/utils/checkpoint.py", "backward",
+                                                   "torch.autograd.backward(outputs, args)")]),
+    (TORCHRUN, [(SITE + "torch/nn/parallel/distributed.py", "_run_ddp_forward",
+                 "return self.module(*inputs, **kwargs)")]),
+    (TORCHRUN + "\n{'loss': 1.21, 'epoch': 0.9}\nstep 1200", [
+        (SITE + "torch/distributed/distributed_c10d.py", "all_reduce", "work = group.allreduce([tensor], opts)")]),
+    ("python train.py", [(SITE + "torch/utils/data/dataloader.py", "_try_get_data",
+                          "data = self._data_queue.get(timeout=timeout)")]),
+)
+
+
+@pytest.mark.parametrize(("setting", "frames"), CUT_NO_SETTING)
+def test_a_cut_without_its_causes_setting_or_in_a_pass_through_frame_is_unanswered(setting: str,
+                                                                                     frames: list) -> None:
+    _none(setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames))
+
+
+@pytest.mark.parametrize("end", [
+    "Segmentation fault (core dumped)",
+    "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: RuntimeError: foo",
+    "triton.runtime.autotuner.OutOfResources: out of resource: shared memory",
+    "Killed",
+])
+def test_a_traceback_ending_in_a_death_or_an_unusual_exception_is_not_cut(end: str) -> None:
+    log = "accelerate launch --num_processes 2 train.py --device_map auto\n" + _frames(
+        ("/work/proj/train.py", "main", "model = accelerator.prepare(model)"),
+        (SITE + "accelerate/accelerator.py", "prepare_model", "model = model.to(self.device)"))
+    assert parse(log).cut_frames
+    p = parse(log + "\n" + end)
+    assert not p.cut_frames and "tb_cut" not in p.facts
 
 
 def test_a_complete_traceback_is_not_cut() -> None:
@@ -172,3 +236,44 @@ def test_a_complete_traceback_is_not_cut() -> None:
 def test_a_hang_in_words_under_a_launch_of_several_processes_ranks_the_p2p_hang(control: str) -> None:
     assert _likely("The job hangs forever after `torchrun --nproc_per_node 2 sft.py`")[0] == "nccl_p2p_hang"
     _none(control)
+
+
+# -- facts that must not take a user's own names ---------------------------------------------------------------------
+
+MM_OOM = "\n".join([
+    "python main.py --model llava-7b --bs 8",
+    "Traceback (most recent call last):",
+    '  File "/work/proj/mm/model.py", line 88, in forward',
+    "    h = self.llm(inputs_embeds=emb, attention_mask=mask)",
+    f'  File "{SITE}transformers/models/llama/modeling_llama.py", line 1190, in forward',
+    "    logits = self.lm_head(hidden_states)",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 79.15 GiB "
+    "of which 1.02 GiB is free."])
+
+
+def test_a_models_own_llm_attribute_is_not_a_serving_engine() -> None:
+    facts = load_knowledge().facts
+    assert "inference_engine" not in parse(MM_OOM, facts).facts
+    assert analyze(MM_OOM).likely[0].category == "oom_activation_not_sharded"
+    assert "inference_engine" in parse('llm = LLM(model="Qwen/Qwen2-7B", tensor_parallel_size=2)', facts).facts
+
+
+def test_fsdps_own_file_is_not_dataparallels() -> None:
+    facts = load_knowledge().facts
+    fsdp = _frames(("/work/proj/train.py", "<module>", "model = FSDP(model, use_orig_params=False)"),
+                   (SITE + "torch/distributed/fsdp/fully_sharded_data_parallel.py", "__init__", "_auto_wrap("),
+                   (SITE + "torch/distributed/fsdp/_wrap_utils.py", "_auto_wrap", "_recursive_wrap(**kwargs)"))
+    assert "sym_dp" not in parse(fsdp, facts).facts
+    # FSDP's wrapping calls the user's policy: a cut there is any error of it, no cause's
+    _none("torchrun --nproc_per_node 8 train.py --fsdp\n" + fsdp)
+    dp = _frames(("/work/proj/train.py", "<module>", "out = model(x)"),
+                 (SITE + "torch/nn/parallel/data_parallel.py", "forward", "outputs = self.parallel_apply(replicas)"))
+    assert "sym_dp" in parse(dp, facts).facts
+
+
+def test_a_watchdog_timeout_late_in_training_is_not_p2p() -> None:
+    log = ("torchrun --nproc_per_node 4 sft.py\n{'loss': 0.64, 'grad_norm': 1.2, 'epoch': 1.0}\n"
+           "[rank2]:[E ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective operation timeout: "
+           "WorkNCCL(SeqNum=48211, OpType=ALLREDUCE, NumelIn=1, Timeout(ms)=1800000) ran for 1800412 milliseconds "
+           "before timing out.")
+    assert "nccl_p2p_hang" not in [x.category for x in analyze(log).likely]

@@ -290,10 +290,11 @@ def test_dev9_floors(holdout: bool, variant: str, top3: float) -> None:
     assert m["top3"] >= top3, m["top3"]
     assert m["wrong_confident"] == 0 and m["unconfident_unrelated"] == 1.0
     assert m["abstain_unrelated"] >= (0.66 if holdout else 1.0), m["abstain_unrelated"]
-    # docs/diagnose.md's round 8 table: the figure after each arrow is the one measured now
+    # docs/diagnose.md's latest before -> after table holding dev9 (the earlier rounds' tables are their record):
+    # the figure after each arrow is the one measured now
     name = "dev9, held out" if holdout else "dev9, dev"
     doc = (TESTS.parent / "docs" / "diagnose.md").read_text().splitlines()
-    row = next(x for x in doc if x.startswith(f"| {name} | {variant} |"))
+    row = [x for x in doc if x.startswith(f"| {name} | {variant} |")][-1]
     stated = [cell.split("->")[-1].strip() for cell in row.strip(" |").split("|")[3:]]
     measured = [percent(m["top1"]), percent(m["top3"]), percent(m["answered"]), f"{m['abstain_unrelated']:.0%}",
                 f"{m['wrong_confident']} of {m['confident']}"]
@@ -309,3 +310,12 @@ def test_docs_main_table_and_its_figures_are_measured_now() -> None:
     flat = " ".join(doc.split())
     for sentence in docs_prose():
         assert sentence in flat, sentence
+
+
+def test_the_confident_wrong_bound_is_the_rule_of_three_only_with_none_wrong() -> None:
+    from tests.diagnose_real.evaluate import _bound_name, _upper
+    assert _upper({"confident": 100, "wrong_confident": 0}) == "3.0%"
+    assert _bound_name({"confident": 100, "wrong_confident": 0}) == "95%, rule of three"
+    # 2 wrong of 100: the rule of three's 3% would be below what 2 wrong already suggest
+    assert float(_upper({"confident": 100, "wrong_confident": 2}).rstrip("%")) > 6
+    assert _bound_name({"confident": 100, "wrong_confident": 2}) == "95%, Wilson upper bound"

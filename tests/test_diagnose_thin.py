@@ -323,9 +323,15 @@ def test_the_same_clash_and_kill_still_rank_where_their_setting_is_shown() -> No
         "[2026-11-07 11:20:12,903] [ERROR] [launch.py:325:sigkill_handler] ['/usr/bin/python3', '-u', 'sft.py', "
         "'--local_rank=1'] exits with return code = -9\n")
     assert "host_ram_oom" in _likely(killed)
-    # the launcher stopping the ranks with no error, traceback or exit code anywhere: a rank killed from outside
+    # the launcher stopping the ranks with nothing else shown: DeepSpeed prints this after any rank's failure, so
+    # another rank failing stays first; a scheduler's time-limit cancel is not the OOM killer either
     assert _likely("[2026-11-07 11:20:12,902] [INFO] [launch.py:319:sigkill_handler] Killing subprocess 51707")[0] \
-        == "host_ram_oom"
+        == "peer_rank_failed"
+    cancelled = ("slurmstepd: error: *** JOB 88121 ON gpu07 CANCELLED AT 2026-03-02T04:00:11 DUE TO TIME LIMIT ***\n"
+                 "torchrun --nproc_per_node 4 pretrain.py\n"
+                 "W0302 04:00:11.52 api.py:891] Sending process 3301 closing signal SIGTERM\n"
+                 "W0302 04:00:11.52 api.py:891] Sending process 3302 closing signal SIGTERM")
+    assert _likely(cancelled)[0] == "peer_rank_failed"
 
 
 VLLM_OOM = (

@@ -153,10 +153,21 @@ def docs_prose() -> list[str]:
     return [f"on one-line pastes it answers {line['findings_top1']:.1%} of held-out cases right, the ranked list "
             f"{line['top1']:.1%} first and {line['top3']:.1%} in its top three",
             f"{full['wrong_confident']} wrong among {full['confident']} confident held-out answers (whole logs) "
-            f"bounds the confident-wrong rate below about {3 / full['confident']:.1%} (95%, rule of three), among "
-            f"{line['confident']} (one line) below {3 / line['confident']:.1%}; top-3 {line['top3']:.1%} ({right} "
+            f"bounds the confident-wrong rate below about {_upper(full)} ({_bound_name(full, line)}), among "
+            f"{line['confident']} (one line) below {_upper(line)}; top-3 {line['top3']:.1%} ({right} "
             f"of {line['known']}) on one line has a 95% Wilson interval of about {lo:.0%}-{hi:.0%}".replace(
                 "%-", "-")]
+
+
+def _upper(m: dict) -> str:
+    """A 95% upper bound of the confident-wrong rate: the rule of three (3/n) holds only with none wrong; with some
+    wrong, the Wilson interval's upper end."""
+    n, w = m["confident"], m["wrong_confident"]
+    return f"{3 / n if w == 0 else _wilson(w, n)[1]:.1%}"
+
+
+def _bound_name(*ms: dict) -> str:
+    return "95%, rule of three" if all(m["wrong_confident"] == 0 for m in ms) else "95%, Wilson upper bound"
 
 
 if __name__ == "__main__":

@@ -87,6 +87,11 @@ _EXC = re.compile(
     r"^(?:[A-Za-z_][\w]*\.)*"
     r"([A-Z][A-Za-z0-9_]*(?:Error|Exception|Exit|Failure|Interrupt|Warning)|Exception|StopIteration|KeyboardInterrupt)"
     r"(?:\((\w+(?:Error|Exception))\))?(?:\s*:\s?(.*)|\s*$)")  # RayTaskError(DistBackendError): the cause's type
+# how a traceback can end other than in a Python exception line: the process died (the shell or loader says so), or
+# an exception class whose name _EXC does not know (dynamo's BackendCompilerFailed, triton's OutOfResources)
+_END_NOT_EXC = re.compile(
+    r"Segmentation fault|core dumped|Bus error|^Aborted\b|^Killed\b|Fatal Python error|exitcode\s*:\s*-\d+|"
+    r"^(?:[A-Za-z_]\w*\.)*[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+(?:\([\w.]+\))?:\s")
 _WRAPPER_TYPES = {"ChildFailedError", "ProcessRaisedException", "ProcessExitedException", "RayTaskError",
                   "CalledProcessError", "SystemExit", "KeyboardInterrupt", "CheckpointException"}
 _FRAME_PATTERNS = (
@@ -536,7 +541,8 @@ def _cut_frames(p: Parsed) -> list[str]:
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
     if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") for e in p.exceptions):
         return []
-    if any(_EXC.match(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x)) for x in p.lines[last + 1:]):
+    if any(_EXC.match(x) or _END_NOT_EXC.search(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x))
+           for x in p.lines[last + 1:]):
         return []
     # cut in the user's own code, the frames above it name only what the user called, not where it failed
     if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
