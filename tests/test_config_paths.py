@@ -77,17 +77,31 @@ def test_a_typo_two_folders_up_is_refused(tmp_path: Path, monkeypatch: pytest.Mo
         load_config(write_config(tmp_path / "c.yaml", model="m", data="projetc/sft/train.jsonl"), absent=[])
 
 
-@pytest.mark.parametrize("folder", ["models", "."])
+@pytest.mark.parametrize("model", ["./models/Qwen2.5-7B-Instrcut", "tree/models/Qwen2.5-7B-Instrcut"])
 def test_a_typo_in_a_dotted_model_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    folder: str) -> None:
-    """Qwen2.5-7B-Instrcut: Path.suffix took `.5-7B-Instrcut` for a suffix, so no sibling matched; `models/tiyn`
-    without `./` was taken for a hub id, and train leaked a network error."""
+                                                    model: str) -> None:
+    """Qwen2.5-7B-Instrcut: Path.suffix took `.5-7B-Instrcut` for a suffix, so no sibling matched. A path of
+    three parts is no hub id, so it is a local path without `./` too."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "models" / "Qwen2.5-7B-Instruct").mkdir(parents=True)
-    model = "models/Qwen2.5-7B-Instrcut" if folder == "models" else "./models/Qwen2.5-7B-Instrcut"
+    (tmp_path / Path(model).parent / "Qwen2.5-7B-Instruct").mkdir(parents=True)
     for probe in (absent_here, resolve_model):
-        with pytest.raises(UserError, match="did you mean (./)?models/Qwen2.5-7B-Instruct\\?"):
+        with pytest.raises(UserError, match="did you mean (./|tree/)?models/Qwen2.5-7B-Instruct\\?"):
             probe(model)
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5", "models/tiny"])
+def test_a_hub_id_stays_one_beside_a_folder_named_like_its_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 model: str) -> None:
+    """A project keeping a download as Qwen/Qwen2.5-0.5B (`--local-dir` named as the hub id) could name no other
+    Qwen hub id: `Qwen/` here made every `Qwen/...` a missing local folder, which check warned about and train
+    refused, and the answer hung on the cwd. An owner/name value is local only when something is at it or it is
+    written from `./`, `../`, `/` or `~`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Qwen" / "Qwen2.5-0.5B").mkdir(parents=True)
+    (tmp_path / "models" / "tiyn").mkdir(parents=True)
+    assert not absent_here(model)
+    assert resolve_model(model).folder == model
+    assert absent_here("./Qwen/Qwen2.5-7B-Instruct")
 
 
 def test_another_model_is_no_typo_but_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
