@@ -94,3 +94,15 @@ def test_trl_cli_is_read_as_the_trl_script_it_launches(tmp_path: Path) -> None:
     assert "num_processes" not in job.keys and "num_processes" not in job.not_modelled
     (tmp_path / "dpo.sh").write_text("trl dpo --model_name_or_path Qwen/Qwen2.5-0.5B --num_processes 1\n")
     assert read_job("hf", str(tmp_path / "dpo.sh"), JobOptions(transformers="5.23.0")).workload.objective == "dpo"
+
+
+@pytest.mark.parametrize("launch", ["trl sft --num_processes 2", "python train.py"])
+def test_trl_lora_modules_to_save_are_planned(tmp_path: Path, launch: str) -> None:
+    """ModelConfig's --lora_modules_to_save (peft's modules_to_save: a full trainable copy of the embedding and the
+    head) was 'not modelled', so a 7B job with it was planned ~16 GiB low; LF, axolotl and ms-swift plan it."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(f"{launch} --model_name_or_path Qwen/Qwen2.5-0.5B --use_peft "
+                                     "--lora_target_modules all-linear --lora_modules_to_save embed_tokens lm_head\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.lora_saved == ("embed", "head")
+    assert "lora_modules_to_save" not in job.not_modelled

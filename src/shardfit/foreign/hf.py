@@ -52,7 +52,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
-from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
@@ -462,6 +462,15 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects[key] = effect
         else:
             unplanned.add(key)
+    # ModelConfig's --lora_modules_to_save goes to peft's modules_to_save (trl `get_peft_config`), as LF's,
+    # axolotl's and ms-swift's do: planned alike
+    saved = saved_names(src.get("lora_modules_to_save"))
+    if saved and job.workload.trains_adapters:
+        effect = plan_saved(job, "--lora_modules_to_save", saved)
+        if effect:
+            effects["lora_modules_to_save"] = effect
+        else:
+            unplanned.add("lora_modules_to_save")
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 
