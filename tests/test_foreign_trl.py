@@ -5,10 +5,12 @@ explicit bf16 false or fp16 true wins; a script that builds the Trainer's own Tr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from shardfit.errors import UserError
 from shardfit.foreign.convert import to_config
 from shardfit.foreign.read import JobOptions, read_job
 
@@ -58,15 +60,37 @@ def test_explicit_precision_and_hf_arguments_win(tmp_path: Path, script: str, fl
 
 def test_trl_default_beats_accelerate_and_deepspeed_json(tmp_path: Path) -> None:
     """TRL sets bf16 before TrainingArguments reads ACCELERATE_MIXED_PRECISION, so an accelerate config's fp16
-    does not apply; a DeepSpeed JSON's explicit fp16 does not decide either (the args say bf16)."""
+    does not apply; a DeepSpeed JSON's "auto" takes the args' bf16."""
     (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
                                        "mixed_precision: fp16\nnum_processes: 2\n")
     job = _job(tmp_path, SFT, launch="accelerate launch --config_file acc.yaml")
     assert job.workload.precision == "bf16"
-    (tmp_path / "ds.json").write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
-                                                  "train_micro_batch_size_per_gpu": "auto"}))
+    (tmp_path / "ds.json").write_text(json.dumps({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+                                                  "zero_optimization": {"stage": 2}}))
     job = _job(tmp_path, SFT, flags="--deepspeed ds.json", launch="torchrun --nproc_per_node 2")
     assert job.workload.precision == "bf16"
+
+
+@pytest.mark.parametrize(("script", "enabled", "flags", "refused"), [
+    (SFT, {"fp16": {"enabled": True}}, "", "fp16.enabled is true while --fp16 resolves to false"),
+    (SFT, {"bf16": {"enabled": False}}, "", "bf16.enabled is false while --bf16 resolves to true (TRL's default"),
+    (HF_ARGS, {"bf16": {"enabled": True}}, "", "bf16.enabled is true while --bf16 resolves to false"),
+    (HF_ARGS, {"fp16": {"enabled": True}}, "--fp16 true", None),
+    (SFT, {"fp16": {"enabled": True}}, "--fp16 true", None),
+])
+def test_a_deepspeed_json_contradicting_the_arguments_is_refused(tmp_path: Path, script: str, enabled: dict,
+                                                                 flags: str, refused: str | None) -> None:
+    """A JSON's explicit fp16/bf16 `enabled` that differs from what the arguments resolve to (TRL: bf16 unless
+    fp16) was planned in either precision, but transformers' HfTrainerDeepSpeedConfig raises on the mismatch
+    before step 1: exit 2 naming the JSON key and the flag. Agreeing values, and "auto", plan."""
+    (tmp_path / "ds.json").write_text(json.dumps({**enabled, "zero_optimization": {"stage": 2}}))
+    if refused is None:
+        job = _job(tmp_path, script, flags=f"--deepspeed ds.json {flags}", launch="torchrun --nproc_per_node 2")
+        assert job.workload.precision == "fp16"
+        return
+    with pytest.raises(UserError, match=re.escape(refused)) as e:
+        _job(tmp_path, script, flags=f"--deepspeed ds.json {flags}", launch="torchrun --nproc_per_node 2")
+    assert "ds.json" in str(e.value) and '"auto"' in str(e.value)
 
 
 @pytest.mark.parametrize(("flags", "method", "rank", "alpha"), [

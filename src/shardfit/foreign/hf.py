@@ -33,6 +33,7 @@ from shardfit.foreign.common import (
     record,
     trainer_fsdp1,
 )
+from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     HF_TRAINER,
@@ -350,6 +351,7 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
     FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
+        _refuse_precision_mismatch(ds, src, trl_bf16, f"{src.at('deepspeed')}: --deepspeed {src.get('deepspeed')}")
         if ds.precision and not src.get("bf16") and not src.get("fp16") and not trl_bf16:  # the JSON, not "auto"
             job.workload = dataclasses.replace(job.workload, precision=ds.precision)
     elif str(src.get("fsdp") or "").strip().lower() not in FALSE_WORDS:  # options, or true (fsdp_config decides)
@@ -363,6 +365,23 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     elif not _accelerate_plugin(src, job, acc, hidden, version, trl_bf16) and job.distributed:
         job.engine = "ddp"
+
+
+def _refuse_precision_mismatch(ds: DeepSpeedJob, src: Source, trl_bf16: bool, where: str) -> None:
+    """A DeepSpeed JSON's fp16.enabled or bf16.enabled given as true or false (not "auto") must equal what the
+    arguments resolve to (fp16 or fp16_full_eval; bf16, bf16_full_eval, or TRL's bf16 default): transformers'
+    HfTrainerDeepSpeedConfig records any difference and `trainer_config_finalize` raises before step 1, so the
+    job never trains."""
+    for kind, ds_on in (("fp16", ds.fp16_on), ("bf16", ds.bf16_on)):
+        hf_on = src.flag(kind, "false") or src.flag(f"{kind}_full_eval", "false") or (kind == "bf16" and trl_bf16)
+        if ds_on is None or ds_on == hf_on:
+            continue
+        why = "TRL's default, as neither bf16 nor fp16 is given" if kind == "bf16" and trl_bf16 and \
+            not src.get("bf16") else "the arguments" if src.get(kind) else "not set among the arguments"
+        raise UserError(f"{where}: {kind}.enabled is {str(ds_on).lower()} while --{kind} resolves to "
+                        f"{str(hf_on).lower()} ({why}); transformers refuses the mismatch before the first step "
+                        f"(\"DeepSpeed config values that mismatch TrainingArguments values\"). Set {kind}.enabled "
+                        f"to \"auto\" in the JSON, or pass --{kind} {str(ds_on).lower()}.")
 
 
 def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hidden: int, version: str,
@@ -383,6 +402,8 @@ def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hid
         return True
     ref = acc.deepspeed_file or json.dumps(acc.deepspeed)
     ds = use_deepspeed(job, ref, src.path.parent, f"{acc.source}: deepspeed_config", hidden, job.notes)
+    if acc.deepspeed_file:  # accelerate's own JSON follows its mixed_precision; a file is checked as the Trainer does
+        _refuse_precision_mismatch(ds, src, trl_bf16, f"{acc.source}: deepspeed_config_file {acc.deepspeed_file}")
     if ds.precision and not src.get("bf16") and not src.get("fp16") and not trl_bf16:
         job.workload = dataclasses.replace(job.workload, precision=ds.precision)
     if acc.deepspeed is not None:
