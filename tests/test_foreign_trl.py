@@ -130,3 +130,21 @@ def test_trl_lora_modules_to_save_are_planned(tmp_path: Path, launch: str) -> No
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
     assert job.workload.lora_saved == ("embed", "head")
     assert "lora_modules_to_save" not in job.not_modelled
+
+
+@pytest.mark.parametrize(("name", "engine", "stage"), [
+    ("zero3", "deepspeed", 3), ("zero2", "deepspeed", 2), ("fsdp2", "fsdp_full", None), ("multi_gpu", "ddp", None),
+])
+def test_trl_accelerate_config_names_a_bundled_config(tmp_path: Path, name: str, engine: str,
+                                                      stage: int | None) -> None:
+    """`trl sft --accelerate_config zero3` names the config TRL ships (no file of that name here); it was taken for
+    a missing file and planned unsharded. An unknown name, or none, TRL refuses: exit 2."""
+    run = "trl sft --model_name_or_path Qwen/Qwen2.5-0.5B --num_processes 8 --accelerate_config {}\n"
+    (tmp_path / "run.sh").write_text(run.format(name))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.nproc == 8 and job.engine.startswith(engine), (job.engine, job.notes)
+    assert (job.zero.stage if job.zero else None) == stage
+    for bad in ("zero4", ""):
+        (tmp_path / "run.sh").write_text(run.format(bad))
+        with pytest.raises(UserError, match="--accelerate_config"):
+            read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.accelerate import Accelerate, read_accelerate
+from shardfit.foreign.accelerate import TRL_CONFIGS, Accelerate, read_accelerate
 from shardfit.foreign.common import (
     ATTENTION,
     FALSE_WORDS,
@@ -271,10 +271,24 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
         if name in src.values:
             value = src.values.pop(name)
             src.order.remove(name)
-            cmd.launcher_args["--config_file" if name == "accelerate_config" else f"--{name}"] = value
+            cmd.launcher_args[_trl_accelerate_config(value, src) if name == "accelerate_config" else
+                              f"--{name}"] = value
     trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
     return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
                           found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
+
+
+def _trl_accelerate_config(value: str, src: Source) -> str:
+    """The launch option `trl --accelerate_config VALUE` becomes (trl 1.16 cli/accelerate_config.py): a file's
+    path, else the name of a config TRL ships (zero3, fsdp2, ...); any other name (or none) TRL refuses."""
+    if local_file(value, src.path.parent) is not None or value not in TRL_CONFIGS and \
+            ("/" in value or value.endswith((".yaml", ".yml", ".json"))):
+        return "--config_file"  # a path, here or on the machine that runs it (the launch notes which)
+    if value in TRL_CONFIGS:
+        return "--trl_accelerate_config"
+    raise UserError(f"{src.at('accelerate_config')}: --accelerate_config {value} is neither a file here nor a config "
+                    f"TRL ships; TRL refuses it (\"neither a file nor a valid config in the `trl` package\"). Give "
+                    f"the file's path or one of {', '.join(TRL_CONFIGS)}.")
 
 
 def _trl_model_config(src: Source, code: ScriptSettings, notes: list[str]) -> None:
