@@ -33,6 +33,7 @@ def _load(tmp_path: Path, here: list[str], data: object, **keys: object) -> list
     ("val.jsonl", "eval.jsonl"), ("train_en.jsonl", "train_de.jsonl"), ("shard_a.jsonl", "shard_b.jsonl"),
     ("train.jsonl", "train2.jsonl"), ("chat_clean.jsonl", "chat_clean_dedup.jsonl"), ("eval.jsonl", "evals.jsonl"),
     ("model-Q4_K_M.gguf", "model-Q4_K_S.gguf"), ("train_v1.jsonl", "train_v1b.jsonl"),
+    ("samples.jsonl", "sample.jsonl"), ("chats.jsonl", "chat.jsonl"), ("pairs_clean.jsonl", "pair_clean.jsonl"),
 ])
 def test_another_file_of_a_set_is_no_typo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, here: str,
                                           given: str) -> None:
@@ -159,3 +160,12 @@ def test_a_bare_name_is_compared_in_the_working_directory(tmp_path: Path, monkey
     (tmp_path / "train.jsonl").write_text("{}\n")
     with pytest.raises(UserError, match="did you mean train.jsonl\\?"):
         load_config(write_config(tmp_path / "c.yaml", model="m", data="trian.jsonl"), absent=[])
+
+
+@pytest.mark.parametrize(("one", "other"), [("sample.jsonl", "samples.jsonl"), ("chat.jsonl", "chats.jsonl"),
+                                            ("dataset", "datasets")])
+def test_a_plural_is_named_alike_both_ways(one: str, other: str) -> None:
+    """A dropped final s was a sure typo (exit 2) where an added one was a close name: a singular/plural pair is
+    the same kind of set both ways, so each is named as a hint, never refused."""
+    from shardfit.config.paths import likeness
+    assert likeness(one, other) is False and likeness(other, one) is False
