@@ -148,3 +148,20 @@ def test_trl_accelerate_config_names_a_bundled_config(tmp_path: Path, name: str,
         (tmp_path / "run.sh").write_text(run.format(bad))
         with pytest.raises(UserError, match="--accelerate_config"):
             read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_trl_config_yaml_is_read_as_the_command_line(tmp_path: Path) -> None:
+    """`trl sft --config sft.yaml` (TRL's documented form) exited 2 for want of --model_name_or_path, and its
+    use_peft and batch would have been ignored; the YAML's keys are the command line's now, which win over them,
+    and its accelerate keys set the launch."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
+                                       "per_device_train_batch_size: 4\nnum_processes: 4\n"
+                                       "lora_target_modules: [q_proj, v_proj]\n")
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --lora_r 32\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.model, job.nproc, job.workload.method, job.workload.lora_rank) == ("Qwen/Qwen2.5-0.5B", 4, "lora",
+                                                                                    32)
+    assert job.workload.micro_batch == 4
+    (tmp_path / "run.sh").write_text("trl sft --config gone.yaml\n")
+    with pytest.raises(UserError, match="--config gone.yaml"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

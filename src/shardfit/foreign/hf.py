@@ -25,6 +25,7 @@ from shardfit.foreign.common import (
     fsdp_settings,
     fsdp_sharding,
     hf_loss,
+    load_yaml,
     local_file,
     optimizer,
     optimizer_keys,
@@ -267,6 +268,7 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     """Read `trl <command> ...` as the `accelerate launch trl/scripts/<command>.py ...` it runs: accelerate's options
     (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
     cmd.launcher = "accelerate"
+    _trl_yaml(src)
     for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
         if name in src.values:
             value = src.values.pop(name)
@@ -276,6 +278,27 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
     return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
                           found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
+
+
+def _trl_yaml(src: Source) -> None:
+    """`trl <command> --config FILE`: TrlParser reads the YAML's keys as the command line's, which win over them
+    (`set_defaults_with_config`); its accelerate keys go to the launch as the command line's do (trl 1.16
+    cli/commands/training.py). Said in `src` as if given on the command line."""
+    ref = src.values.pop("config", None)
+    if ref is None:
+        return
+    src.order.remove("config")
+    hit = local_file(str(ref), src.path.parent)
+    if hit is None:
+        raise UserError(f"{src.where}: --config {ref}: no such YAML file here; TRL reads the job's arguments from "
+                        f"it. Give its path (relative to the command's file), or the arguments on the command line.")
+    data, _ = load_yaml(Path(hit))
+    for key, value in data.items():
+        if key in src.values or key == "env" or value is None:  # env: variables TrlParser exports, no argument
+            continue
+        src.values[key] = " ".join(map(str, value)) if isinstance(value, list) else \
+            str(value).lower() if isinstance(value, bool) else str(value)
+        src.order.append(key)
 
 
 def _trl_accelerate_config(value: str, src: Source) -> str:
