@@ -69,3 +69,21 @@ def test_a_share_of_the_rows_as_max_bad_rows_is_not_judged_on_part_of_the_data(t
                        precision="fp32", max_seq_len=512, max_steps=1, output_dir=str(tmp_path / "run"))
     assert main(["check", str(cfg)]) == 2
     assert "3 of 21 rows would not train" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("absent", ["eval_data", "a data file"])
+def test_max_bad_rows_zero_is_judged_on_part_of_the_data(tmp_path: Path, tiny_llama: Path, absent: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """max_bad_rows 0 (no row may be lost) was taken for a share of the rows and not judged, so check said exit 0
+    where train refuses the row too long here whatever the absent file holds; now both exit 2."""
+    here = tmp_path / "train.jsonl"
+    rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(20)] + [{"instruction": "word " * 400,
+                                                                                "output": "x"}]
+    here.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keys = {"eval_data": f"{ELSEWHERE}/eval.jsonl"} if absent == "eval_data" else {}
+    data = str(here) if absent == "eval_data" else [str(here), f"{ELSEWHERE}/more.jsonl"]
+    cfg = write_config(tmp_path / "c.yaml", model=str(tiny_llama), data=data, max_bad_rows=0, precision="fp32",
+                       max_seq_len=64, max_steps=1, output_dir=str(tmp_path / "run"), **keys)
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 21 rows would not train" in err and "max_bad_rows as a share" not in err, err[-1500:]

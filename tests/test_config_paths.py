@@ -33,6 +33,7 @@ def _load(tmp_path: Path, here: list[str], data: object, **keys: object) -> list
     ("val.jsonl", "eval.jsonl"), ("train_en.jsonl", "train_de.jsonl"), ("shard_a.jsonl", "shard_b.jsonl"),
     ("train.jsonl", "train2.jsonl"), ("chat_clean.jsonl", "chat_clean_dedup.jsonl"), ("eval.jsonl", "evals.jsonl"),
     ("model-Q4_K_M.gguf", "model-Q4_K_S.gguf"), ("train_v1.jsonl", "train_v1b.jsonl"),
+    ("samples.jsonl", "sample.jsonl"), ("chats.jsonl", "chat.jsonl"), ("pairs_clean.jsonl", "pair_clean.jsonl"),
 ])
 def test_another_file_of_a_set_is_no_typo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, here: str,
                                           given: str) -> None:
@@ -77,17 +78,31 @@ def test_a_typo_two_folders_up_is_refused(tmp_path: Path, monkeypatch: pytest.Mo
         load_config(write_config(tmp_path / "c.yaml", model="m", data="projetc/sft/train.jsonl"), absent=[])
 
 
-@pytest.mark.parametrize("folder", ["models", "."])
+@pytest.mark.parametrize("model", ["./models/Qwen2.5-7B-Instrcut", "tree/models/Qwen2.5-7B-Instrcut"])
 def test_a_typo_in_a_dotted_model_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    folder: str) -> None:
-    """Qwen2.5-7B-Instrcut: Path.suffix took `.5-7B-Instrcut` for a suffix, so no sibling matched; `models/tiyn`
-    without `./` was taken for a hub id, and train leaked a network error."""
+                                                    model: str) -> None:
+    """Qwen2.5-7B-Instrcut: Path.suffix took `.5-7B-Instrcut` for a suffix, so no sibling matched. A path of
+    three parts is no hub id, so it is a local path without `./` too."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "models" / "Qwen2.5-7B-Instruct").mkdir(parents=True)
-    model = "models/Qwen2.5-7B-Instrcut" if folder == "models" else "./models/Qwen2.5-7B-Instrcut"
+    (tmp_path / Path(model).parent / "Qwen2.5-7B-Instruct").mkdir(parents=True)
     for probe in (absent_here, resolve_model):
-        with pytest.raises(UserError, match="did you mean (./)?models/Qwen2.5-7B-Instruct\\?"):
+        with pytest.raises(UserError, match="did you mean (./|tree/)?models/Qwen2.5-7B-Instruct\\?"):
             probe(model)
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5", "models/tiny"])
+def test_a_hub_id_stays_one_beside_a_folder_named_like_its_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 model: str) -> None:
+    """A project keeping a download as Qwen/Qwen2.5-0.5B (`--local-dir` named as the hub id) could name no other
+    Qwen hub id: `Qwen/` here made every `Qwen/...` a missing local folder, which check warned about and train
+    refused, and the answer hung on the cwd. An owner/name value is local only when something is at it or it is
+    written from `./`, `../`, `/` or `~`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Qwen" / "Qwen2.5-0.5B").mkdir(parents=True)
+    (tmp_path / "models" / "tiyn").mkdir(parents=True)
+    assert not absent_here(model)
+    assert resolve_model(model).folder == model
+    assert absent_here("./Qwen/Qwen2.5-7B-Instruct")
 
 
 def test_another_model_is_no_typo_but_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,3 +160,12 @@ def test_a_bare_name_is_compared_in_the_working_directory(tmp_path: Path, monkey
     (tmp_path / "train.jsonl").write_text("{}\n")
     with pytest.raises(UserError, match="did you mean train.jsonl\\?"):
         load_config(write_config(tmp_path / "c.yaml", model="m", data="trian.jsonl"), absent=[])
+
+
+@pytest.mark.parametrize(("one", "other"), [("sample.jsonl", "samples.jsonl"), ("chat.jsonl", "chats.jsonl"),
+                                            ("dataset", "datasets")])
+def test_a_plural_is_named_alike_both_ways(one: str, other: str) -> None:
+    """A dropped final s was a sure typo (exit 2) where an added one was a close name: a singular/plural pair is
+    the same kind of set both ways, so each is named as a hint, never refused."""
+    from shardfit.config.paths import likeness
+    assert likeness(one, other) is False and likeness(other, one) is False

@@ -230,10 +230,16 @@ def test_cli_bad_input_exits_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "not found" in r.stderr
 
 
-def test_deepspeed_json_decides_the_precision(tmp_path: Path) -> None:
+def test_deepspeed_json_precision_must_match_the_arguments(tmp_path: Path) -> None:
+    """A JSON's explicit fp16.enabled true with --fp16 unset: transformers raises on the mismatch before step 1,
+    so exit 2 naming both; with --fp16 true the job plans in fp16."""
     (tmp_path / "ds.json").write_text('{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}')
-    (tmp_path / "run.sh").write_text("deepspeed --num_gpus 2 train.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct "
-                                     "--deepspeed ds.json --max_seq_length 1024\n")
+    run = ("deepspeed --num_gpus 2 train.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct --deepspeed ds.json "
+           "--max_seq_length 1024{}\n")
+    (tmp_path / "run.sh").write_text(run.format(""))
+    with pytest.raises(UserError, match="fp16.enabled is true while --fp16 resolves to false"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    (tmp_path / "run.sh").write_text(run.format(" --fp16 true"))
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
     assert (job.workload.precision, job.nproc, job.zero.stage, job.workload.seq_len) == ("fp16", 2, 2, 1024)
 

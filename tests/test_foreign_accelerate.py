@@ -94,8 +94,12 @@ def test_accelerate_deepspeed_flags_and_config_file(tmp_path: Path) -> None:
     ds_json = '{"zero_optimization": {"stage": 1}, "bf16": {"enabled": true}}'
     cfg = ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: z1.json\n"
            "  zero3_init_flag: false\nnum_processes: 8\n")
-    job = _job(tmp_path, f"accelerate launch --config_file ds.yaml {TRAIN}\n", **{"ds.yaml": cfg, "z1.json": ds_json})
+    job = _job(tmp_path, f"accelerate launch --config_file ds.yaml {TRAIN} --bf16 true\n",
+               **{"ds.yaml": cfg, "z1.json": ds_json})
     assert (job.engine, job.zero.stage, job.workload.precision) == ("deepspeed", 1, "bf16")
+    # the file's bf16 true with --bf16 unset: the Trainer raises on the mismatch (propagate_args_to_deepspeed)
+    with pytest.raises(UserError, match="z1.json: bf16.enabled is true while --bf16 resolves to false"):
+        _job(tmp_path, f"accelerate launch --config_file ds.yaml {TRAIN}\n", **{"ds.yaml": cfg, "z1.json": ds_json})
     for clash, key in (("  zero_stage: 3\n", "zero_stage"), ("", "mixed_precision")):
         bad = cfg.replace("deepspeed_config:\n", "deepspeed_config:\n" + clash) + \
             ("mixed_precision: bf16\n" if not clash else "")

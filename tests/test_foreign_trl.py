@@ -5,10 +5,12 @@ explicit bf16 false or fp16 true wins; a script that builds the Trainer's own Tr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from shardfit.errors import UserError
 from shardfit.foreign.convert import to_config
 from shardfit.foreign.read import JobOptions, read_job
 
@@ -58,15 +60,37 @@ def test_explicit_precision_and_hf_arguments_win(tmp_path: Path, script: str, fl
 
 def test_trl_default_beats_accelerate_and_deepspeed_json(tmp_path: Path) -> None:
     """TRL sets bf16 before TrainingArguments reads ACCELERATE_MIXED_PRECISION, so an accelerate config's fp16
-    does not apply; a DeepSpeed JSON's explicit fp16 does not decide either (the args say bf16)."""
+    does not apply; a DeepSpeed JSON's "auto" takes the args' bf16."""
     (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
                                        "mixed_precision: fp16\nnum_processes: 2\n")
     job = _job(tmp_path, SFT, launch="accelerate launch --config_file acc.yaml")
     assert job.workload.precision == "bf16"
-    (tmp_path / "ds.json").write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
-                                                  "train_micro_batch_size_per_gpu": "auto"}))
+    (tmp_path / "ds.json").write_text(json.dumps({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+                                                  "zero_optimization": {"stage": 2}}))
     job = _job(tmp_path, SFT, flags="--deepspeed ds.json", launch="torchrun --nproc_per_node 2")
     assert job.workload.precision == "bf16"
+
+
+@pytest.mark.parametrize(("script", "enabled", "flags", "refused"), [
+    (SFT, {"fp16": {"enabled": True}}, "", "fp16.enabled is true while --fp16 resolves to false"),
+    (SFT, {"bf16": {"enabled": False}}, "", "bf16.enabled is false while --bf16 resolves to true (TRL's default"),
+    (HF_ARGS, {"bf16": {"enabled": True}}, "", "bf16.enabled is true while --bf16 resolves to false"),
+    (HF_ARGS, {"fp16": {"enabled": True}}, "--fp16 true", None),
+    (SFT, {"fp16": {"enabled": True}}, "--fp16 true", None),
+])
+def test_a_deepspeed_json_contradicting_the_arguments_is_refused(tmp_path: Path, script: str, enabled: dict,
+                                                                 flags: str, refused: str | None) -> None:
+    """A JSON's explicit fp16/bf16 `enabled` that differs from what the arguments resolve to (TRL: bf16 unless
+    fp16) was planned in either precision, but transformers' HfTrainerDeepSpeedConfig raises on the mismatch
+    before step 1: exit 2 naming the JSON key and the flag. Agreeing values, and "auto", plan."""
+    (tmp_path / "ds.json").write_text(json.dumps({**enabled, "zero_optimization": {"stage": 2}}))
+    if refused is None:
+        job = _job(tmp_path, script, flags=f"--deepspeed ds.json {flags}", launch="torchrun --nproc_per_node 2")
+        assert job.workload.precision == "fp16"
+        return
+    with pytest.raises(UserError, match=re.escape(refused)) as e:
+        _job(tmp_path, script, flags=f"--deepspeed ds.json {flags}", launch="torchrun --nproc_per_node 2")
+    assert "ds.json" in str(e.value) and '"auto"' in str(e.value)
 
 
 @pytest.mark.parametrize(("flags", "method", "rank", "alpha"), [
@@ -94,3 +118,50 @@ def test_trl_cli_is_read_as_the_trl_script_it_launches(tmp_path: Path) -> None:
     assert "num_processes" not in job.keys and "num_processes" not in job.not_modelled
     (tmp_path / "dpo.sh").write_text("trl dpo --model_name_or_path Qwen/Qwen2.5-0.5B --num_processes 1\n")
     assert read_job("hf", str(tmp_path / "dpo.sh"), JobOptions(transformers="5.23.0")).workload.objective == "dpo"
+
+
+@pytest.mark.parametrize("launch", ["trl sft --num_processes 2", "python train.py"])
+def test_trl_lora_modules_to_save_are_planned(tmp_path: Path, launch: str) -> None:
+    """ModelConfig's --lora_modules_to_save (peft's modules_to_save: a full trainable copy of the embedding and the
+    head) was 'not modelled', so a 7B job with it was planned ~16 GiB low; LF, axolotl and ms-swift plan it."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(f"{launch} --model_name_or_path Qwen/Qwen2.5-0.5B --use_peft "
+                                     "--lora_target_modules all-linear --lora_modules_to_save embed_tokens lm_head\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.lora_saved == ("embed", "head")
+    assert "lora_modules_to_save" not in job.not_modelled
+
+
+@pytest.mark.parametrize(("name", "engine", "stage"), [
+    ("zero3", "deepspeed", 3), ("zero2", "deepspeed", 2), ("fsdp2", "fsdp_full", None), ("multi_gpu", "ddp", None),
+])
+def test_trl_accelerate_config_names_a_bundled_config(tmp_path: Path, name: str, engine: str,
+                                                      stage: int | None) -> None:
+    """`trl sft --accelerate_config zero3` names the config TRL ships (no file of that name here); it was taken for
+    a missing file and planned unsharded. An unknown name, or none, TRL refuses: exit 2."""
+    run = "trl sft --model_name_or_path Qwen/Qwen2.5-0.5B --num_processes 8 --accelerate_config {}\n"
+    (tmp_path / "run.sh").write_text(run.format(name))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.nproc == 8 and job.engine.startswith(engine), (job.engine, job.notes)
+    assert (job.zero.stage if job.zero else None) == stage
+    for bad in ("zero4", ""):
+        (tmp_path / "run.sh").write_text(run.format(bad))
+        with pytest.raises(UserError, match="--accelerate_config"):
+            read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_trl_config_yaml_is_read_as_the_command_line(tmp_path: Path) -> None:
+    """`trl sft --config sft.yaml` (TRL's documented form) exited 2 for want of --model_name_or_path, and its
+    use_peft and batch would have been ignored; the YAML's keys are the command line's now, which win over them,
+    and its accelerate keys set the launch."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
+                                       "per_device_train_batch_size: 4\nnum_processes: 4\n"
+                                       "lora_target_modules: [q_proj, v_proj]\n")
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --lora_r 32\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.model, job.nproc, job.workload.method, job.workload.lora_rank) == ("Qwen/Qwen2.5-0.5B", 4, "lora",
+                                                                                    32)
+    assert job.workload.micro_batch == 4
+    (tmp_path / "run.sh").write_text("trl sft --config gone.yaml\n")
+    with pytest.raises(UserError, match="--config gone.yaml"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

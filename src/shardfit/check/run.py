@@ -122,8 +122,8 @@ def part_of_data(cfg: Config, absent: Sequence[NotHere]) -> Config | None:
     """`cfg` reading only the data files that are here, so those are read row by row as train reads them while the
     absent ones are warned about (`elsewhere_rules`); None when no data file is here. With a file absent, what
     train judges over every row is not judged on part of them (`whole_data_skipped`): no eval_split held-out rows
-    drawn from part (every row is still read), and max_bad_rows only as a count (rows lost here are lost on the
-    whole), not as a share. With no `data` file here, a present `eval_data` is read in its place."""
+    drawn from part (every row is still read), and max_bad_rows only as a count, 0 included (rows lost here are lost on
+    the whole), not as a share. With no `data` file here, a present `eval_data` is read in its place."""
     if not absent:
         return cfg
     gone = {(g.key, g.path) for g in absent}
@@ -137,7 +137,8 @@ def part_of_data(cfg: Config, absent: Sequence[NotHere]) -> Config | None:
     data, evals = here("data", cfg.data), here("eval_data", cfg.eval_data)
     if data is None and evals is None:
         return None
-    limit = cfg.max_bad_rows if cfg.max_bad_rows >= 1 else _UNJUDGED
+    # 0 is a count too (no row may be lost): a row lost here is lost on the whole, whatever the rest holds
+    limit = cfg.max_bad_rows if cfg.max_bad_rows >= 1 or cfg.max_bad_rows == 0 else _UNJUDGED
     return dataclasses.replace(cfg, data=data or evals, eval_data=evals if data else None, eval_split=0.0,
                                max_bad_rows=limit)
 
@@ -151,7 +152,7 @@ def whole_data_skipped(cfg: Config, absent: Sequence[NotHere]) -> list[str]:
     train_part = any(g.key == "data" for g in absent)
     if train_part and cfg.objective == "kto":
         rules.append("KTO's desirable and undesirable rows (both kinds must train)")
-    if cfg.max_bad_rows < 1:
+    if 0 < cfg.max_bad_rows < 1:
         rules.append(f"max_bad_rows as a share of the rows ({cfg.max_bad_rows:g})")
     if train_part and cfg.eval_split > 0 and not cfg.eval_data:
         rules.append("eval_split's held-out rows")

@@ -127,10 +127,10 @@ def _token(name: str, i: int) -> tuple[str, int]:
 
 def likeness(want: str, have: str) -> bool | None:
     """Whether the name given (`want`) is a typo of the name here (`have`): True for an edit a typist makes (a
-    swapped pair of letters; a letter dropped from a word of 4 or more, 5 for its first; a letter doubled; .json for
-    .jsonl), False for another single edit (a close name, worth naming), None for a name of another file: names
-    that differ only in digits (a series: train2, shard_03), in a whole short token (train_en/train_de, shard_a/
-    shard_b), or by more than one edit."""
+    swapped pair of letters; a letter dropped from a word of 4 or more, 5 for its first, but for a plural's final s;
+    a letter doubled; .json for .jsonl), False for another single edit (a close name, worth naming), None for a
+    name of another file: names that differ only in digits (a series: train2, shard_03), in a whole short token
+    (train_en/train_de, shard_a/shard_b), or by more than one edit."""
     if want == have or re.sub(r"\d+", "#", want) == re.sub(r"\d+", "#", have):
         return None  # a series: shard1/shard2, data-0001/data-0002
     stem, suffix = os.path.splitext(want)
@@ -152,6 +152,8 @@ def likeness(want: str, have: str) -> bool | None:
         return None  # a whole short token differs (en/de, a/b, v1/v1b): another file of a set
     if kind == "swap":
         return True
+    if kind == "drop" and at == len(token) - 1 and token[at] == "s":
+        return False  # a plural's s: sample beside samples is another file of a set, as evals beside eval is
     if kind == "drop":  # a first letter dropped is sure only in a long word: val.jsonl beside eval.jsonl is a file
         return len(token) >= (4 if at > 0 else 5)
     if kind == "add":

@@ -95,12 +95,42 @@ def _env_fsdp(env: dict[str, str]) -> dict[str, Any]:
     return cfg
 
 
+def _trl_config(name: str) -> dict[str, Any]:
+    """What TRL's bundled accelerate config `name` sets (trl/accelerate_configs/<name>.yaml, the same in TRL 0.24
+    and 1.16): 8 processes on one machine in bf16, with DeepSpeed ZeRO, FSDP, DDP or one process."""
+    common: dict[str, Any] = {"num_machines": 1, "num_processes": 8, "mixed_precision": "bf16"}
+    zero: dict[str, Any] = {"offload_optimizer_device": "none", "offload_param_device": "none"}
+    wrap = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_offload_params": False,
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": False,
+            "fsdp_state_dict_type": "FULL_STATE_DICT"}
+    return common | {
+        "zero1": {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "zero_stage": 1, "zero3_init_flag": False, "gradient_accumulation_steps": 1}},
+        "zero2": {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "zero_stage": 2, "zero3_init_flag": False, **zero}},
+        "zero3": {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "zero_stage": 3, "zero3_init_flag": True, "zero3_save_16bit_model": True, **zero}},
+        "fsdp1": {"distributed_type": "FSDP", "fsdp_config": {
+            **wrap, "fsdp_version": 1, "fsdp_reshard_after_forward": "FULL_SHARD"}},
+        "fsdp2": {"distributed_type": "FSDP", "fsdp_config": {
+            **wrap, "fsdp_version": 2, "fsdp_reshard_after_forward": True}},
+        "multi_gpu": {"distributed_type": "MULTI_GPU"},
+        "single_gpu": {"distributed_type": "NO"},
+    }[name]
+
+
+TRL_CONFIGS = ("zero1", "zero2", "zero3", "fsdp1", "fsdp2", "multi_gpu", "single_gpu")
+
+
 def _launch(cmd: Command, base: Path, where: str) -> Accelerate:
-    """`accelerate launch`: its flags, over its config file's keys, over accelerate's defaults."""
+    """`accelerate launch`: its flags, over its config file's keys (or those of TRL's bundled config a `trl`
+    command names), over accelerate's defaults."""
     flags = {k.lstrip("-").replace("-", "_"): v for k, v in cmd.launcher_args.items()}
     ref = flags.get("config_file")
-    acc = Accelerate(f"{where}: accelerate launch" + (f" --config_file {ref}" if ref else ""))
-    config: dict[str, Any] | None = None
+    bundled = flags.pop("trl_accelerate_config", None)
+    acc = Accelerate(f"{where}: accelerate launch" + (f" --config_file {ref}" if ref else "") +
+                     (f" --config_file TRL's {bundled}.yaml" if bundled else ""))
+    config: dict[str, Any] | None = _trl_config(bundled) if bundled else None
     if ref:
         hit = local_file(ref, base)
         if hit is None:

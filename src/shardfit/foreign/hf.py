@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.accelerate import Accelerate, read_accelerate
+from shardfit.foreign.accelerate import TRL_CONFIGS, Accelerate, read_accelerate
 from shardfit.foreign.common import (
     ATTENTION,
     FALSE_WORDS,
@@ -25,6 +25,7 @@ from shardfit.foreign.common import (
     fsdp_settings,
     fsdp_sharding,
     hf_loss,
+    load_yaml,
     local_file,
     optimizer,
     optimizer_keys,
@@ -33,6 +34,7 @@ from shardfit.foreign.common import (
     record,
     trainer_fsdp1,
 )
+from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     HF_TRAINER,
@@ -52,7 +54,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
-from shardfit.foreign.targets import plan_targets
+from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
@@ -266,14 +268,50 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     """Read `trl <command> ...` as the `accelerate launch trl/scripts/<command>.py ...` it runs: accelerate's options
     (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
     cmd.launcher = "accelerate"
+    _trl_yaml(src)
     for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
         if name in src.values:
             value = src.values.pop(name)
             src.order.remove(name)
-            cmd.launcher_args["--config_file" if name == "accelerate_config" else f"--{name}"] = value
+            cmd.launcher_args[_trl_accelerate_config(value, src) if name == "accelerate_config" else
+                              f"--{name}"] = value
     trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
     return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
                           found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
+
+
+def _trl_yaml(src: Source) -> None:
+    """`trl <command> --config FILE`: TrlParser reads the YAML's keys as the command line's, which win over them
+    (`set_defaults_with_config`); its accelerate keys go to the launch as the command line's do (trl 1.16
+    cli/commands/training.py). Said in `src` as if given on the command line."""
+    ref = src.values.pop("config", None)
+    if ref is None:
+        return
+    src.order.remove("config")
+    hit = local_file(str(ref), src.path.parent)
+    if hit is None:
+        raise UserError(f"{src.where}: --config {ref}: no such YAML file here; TRL reads the job's arguments from "
+                        f"it. Give its path (relative to the command's file), or the arguments on the command line.")
+    data, _ = load_yaml(Path(hit))
+    for key, value in data.items():
+        if key in src.values or key == "env" or value is None:  # env: variables TrlParser exports, no argument
+            continue
+        src.values[key] = " ".join(map(str, value)) if isinstance(value, list) else \
+            str(value).lower() if isinstance(value, bool) else str(value)
+        src.order.append(key)
+
+
+def _trl_accelerate_config(value: str, src: Source) -> str:
+    """The launch option `trl --accelerate_config VALUE` becomes (trl 1.16 cli/accelerate_config.py): a file's
+    path, else the name of a config TRL ships (zero3, fsdp2, ...); any other name (or none) TRL refuses."""
+    if local_file(value, src.path.parent) is not None or value not in TRL_CONFIGS and \
+            ("/" in value or value.endswith((".yaml", ".yml", ".json"))):
+        return "--config_file"  # a path, here or on the machine that runs it (the launch notes which)
+    if value in TRL_CONFIGS:
+        return "--trl_accelerate_config"
+    raise UserError(f"{src.at('accelerate_config')}: --accelerate_config {value} is neither a file here nor a config "
+                    f"TRL ships; TRL refuses it (\"neither a file nor a valid config in the `trl` package\"). Give "
+                    f"the file's path or one of {', '.join(TRL_CONFIGS)}.")
 
 
 def _trl_model_config(src: Source, code: ScriptSettings, notes: list[str]) -> None:
@@ -350,6 +388,7 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
     FSDP, or DDP under a launcher."""
     if src.get("deepspeed"):
         ds = use_deepspeed(job, src.get("deepspeed"), src.path.parent, f"{src.where}: --deepspeed", hidden, job.notes)
+        _refuse_precision_mismatch(ds, src, trl_bf16, f"{src.at('deepspeed')}: --deepspeed {src.get('deepspeed')}")
         if ds.precision and not src.get("bf16") and not src.get("fp16") and not trl_bf16:  # the JSON, not "auto"
             job.workload = dataclasses.replace(job.workload, precision=ds.precision)
     elif str(src.get("fsdp") or "").strip().lower() not in FALSE_WORDS:  # options, or true (fsdp_config decides)
@@ -363,6 +402,23 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
         job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
     elif not _accelerate_plugin(src, job, acc, hidden, version, trl_bf16) and job.distributed:
         job.engine = "ddp"
+
+
+def _refuse_precision_mismatch(ds: DeepSpeedJob, src: Source, trl_bf16: bool, where: str) -> None:
+    """A DeepSpeed JSON's fp16.enabled or bf16.enabled given as true or false (not "auto") must equal what the
+    arguments resolve to (fp16 or fp16_full_eval; bf16, bf16_full_eval, or TRL's bf16 default): transformers'
+    HfTrainerDeepSpeedConfig records any difference and `trainer_config_finalize` raises before step 1, so the
+    job never trains."""
+    for kind, ds_on in (("fp16", ds.fp16_on), ("bf16", ds.bf16_on)):
+        hf_on = src.flag(kind, "false") or src.flag(f"{kind}_full_eval", "false") or (kind == "bf16" and trl_bf16)
+        if ds_on is None or ds_on == hf_on:
+            continue
+        why = "TRL's default, as neither bf16 nor fp16 is given" if kind == "bf16" and trl_bf16 and \
+            not src.get("bf16") else "the arguments" if src.get(kind) else "not set among the arguments"
+        raise UserError(f"{where}: {kind}.enabled is {str(ds_on).lower()} while --{kind} resolves to "
+                        f"{str(hf_on).lower()} ({why}); transformers refuses the mismatch before the first step "
+                        f"(\"DeepSpeed config values that mismatch TrainingArguments values\"). Set {kind}.enabled "
+                        f"to \"auto\" in the JSON, or pass --{kind} {str(ds_on).lower()}.")
 
 
 def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hidden: int, version: str,
@@ -383,6 +439,8 @@ def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hid
         return True
     ref = acc.deepspeed_file or json.dumps(acc.deepspeed)
     ds = use_deepspeed(job, ref, src.path.parent, f"{acc.source}: deepspeed_config", hidden, job.notes)
+    if acc.deepspeed_file:  # accelerate's own JSON follows its mixed_precision; a file is checked as the Trainer does
+        _refuse_precision_mismatch(ds, src, trl_bf16, f"{acc.source}: deepspeed_config_file {acc.deepspeed_file}")
     if ds.precision and not src.get("bf16") and not src.get("fp16") and not trl_bf16:
         job.workload = dataclasses.replace(job.workload, precision=ds.precision)
     if acc.deepspeed is not None:
@@ -462,6 +520,15 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects[key] = effect
         else:
             unplanned.add(key)
+    # ModelConfig's --lora_modules_to_save goes to peft's modules_to_save (trl `get_peft_config`), as LF's,
+    # axolotl's and ms-swift's do: planned alike
+    saved = saved_names(src.get("lora_modules_to_save"))
+    if saved and job.workload.trains_adapters:
+        effect = plan_saved(job, "--lora_modules_to_save", saved)
+        if effect:
+            effects["lora_modules_to_save"] = effect
+        else:
+            unplanned.add("lora_modules_to_save")
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import socket
 from dataclasses import dataclass
@@ -53,10 +52,12 @@ def _local_path(model: str) -> Path:
 
 
 def _is_local(model: str, p: Path) -> bool:
-    """Whether `model` is meant as a path on disk rather than a hub id: a .gguf file, a path written from `.`, `/`
-    or `~`, or one whose first folder is here (`models/tiny` beside a `models/` folder)."""
-    return p.suffix == ".gguf" or model.startswith((".", "/", "~")) or \
-        (len(p.parts) > 1 and os.path.isdir(p.parts[0]))
+    """Whether `model`, with nothing at it, is meant as a path on disk rather than a hub id: a .gguf file, a path
+    written from `./`, `../`, `/` or `~`, or one of more than two parts (a hub id is owner/name). An owner/name
+    value stays a hub id beside a folder named like its owner: downloads kept as `Qwen/Qwen2.5-0.5B` must not make
+    every other `Qwen/...` id a missing folder, nor the answer hang on the cwd."""
+    return p.suffix == ".gguf" or model.startswith(("./", "../", "/", "~")) or model in (".", "..") or \
+        len(p.parts) > 2
 
 
 def _shown(model: str, near: Path) -> str:
