@@ -36,7 +36,7 @@ MATRIX = [(family, method, "single") for family in TRAINED for method in ("lora"
     [(family, "lora", "zero3") for family in ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)")]
 # Of the zero3 cases, those make test leaves to make test-all (heavy): the layouts the cases above already shard
 # (a dense block; GLM-4.5's mixture is Qwen3-MoE's plus shared experts; Gemma 3's windows are gpt-oss's).
-HEAVY_ZERO3 = ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)")
+HEAVY_ZERO3 = ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)", "gpt-oss")
 # Families trained on media rows by a test file of their own: (family, method, strategy) -> the test that trains
 # the case (tests/test_qwen3_omni.py checks that each exists).
 OMNI3 = "Qwen3-Omni-MoE (thinker: text, images, audio)"

@@ -54,7 +54,7 @@ def single_runs(tmp_path_factory, tiny_llama: Path, small_data: Path) -> dict[st
 
 # zero2 and zero3_offload train a full fine-tune as zero3 does, save where the optimizer state lives; DDP
 # all-reduces a full fine-tune's gradients as it does LoRA's (ddp-lora holds it): heavy.
-HEAVY_PAIRS = (("zero2", "full"), ("zero3_offload", "full"), ("ddp", "full"))
+HEAVY_PAIRS = (("zero2", "full"), ("zero3_offload", "full"), ("ddp", "full"), ("zero2", "lora"))
 
 
 @pytest.mark.parametrize("strategy,method", [

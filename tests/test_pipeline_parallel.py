@@ -425,7 +425,7 @@ def test_full_zero3_stages_times_replicas_resume(tmp_path: Path, tiny_qwen2: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", pytest.param("zero_bubble", marks=pytest.mark.heavy)])
 def test_looped_schedules_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, small_data: Path,
                                          schedule: str) -> None:
     """A four-block Qwen2 as 2 ranks x 2 looped stages over 4 micro-batches, under interleaved 1F1B or torch's
