@@ -10,6 +10,7 @@ from typing import Any
 
 from shardfit.errors import UserError
 from shardfit.foreign.keys import Source
+from shardfit.foreign.trainer_checks import _number as steps_of
 
 
 def check_axolotl_schedule(src: Source) -> None:
@@ -45,20 +46,16 @@ def check_axolotl_schedule(src: Source) -> None:
                      "Leave eval_strategy out or set it to steps.")
     if get("early_stopping_patience"):
         save, every = get("save_steps"), get("eval_steps")
-        if not save or not every:
+        steps = {"save_steps": save, "eval_steps": every}
+        # read as the Trainer's step counts are (trainer_checks.py): a non-number or inf is exit 2, "none" is unset
+        save_n, every_n = steps_of(steps, "save_steps", src, {}), steps_of(steps, "eval_steps", src, {})
+        if not save_n or not every_n:
             raise refuse("early_stopping_patience", "'early_stopping_patience' without both save_steps and "
                          "eval_steps", "Set save_steps and eval_steps, eval_steps dividing save_steps.")
-        if _number(save, "save_steps", src) % _number(every, "eval_steps", src):
+        if save_n % every_n:
             raise refuse("save_steps", f"'early_stopping_patience' with save_steps {save} not a multiple of "
                          f"eval_steps {every}", "Make eval_steps divide save_steps.")
 
 
 def _zero(value: Any) -> bool:
     return value is not None and not isinstance(value, bool) and isinstance(value, int | float) and value == 0
-
-
-def _number(value: Any, key: str, src: Source) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{src.at(key)}: '{key}' is {value!r}; expected a number of steps.") from None
