@@ -69,6 +69,8 @@ def test_cli_json_contract(tmp_path: Path) -> None:
     assert r.returncode == 0 and "full replica" in r.stdout
     r = run_cli("diagnose", str(tmp_path / "missing.log"), timeout=60)
     assert r.returncode == 2 and "no such file" in r.stderr
+    r = run_cli("diagnose", str(tmp_path), timeout=60)  # a run's folder: said so, not "no such file"
+    assert r.returncode == 2 and "is a folder" in r.stderr and "no such file" not in r.stderr
 
 
 def test_public_issue_logs_rank_the_right_category_first() -> None:

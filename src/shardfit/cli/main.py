@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 import traceback
 from collections.abc import Sequence
@@ -92,6 +93,38 @@ def complete(parser: argparse.ArgumentParser) -> None:
     argcomplete.autocomplete(parser)
 
 
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone away (`shardfit plan ... | head`). Then stdout is pointed at
+    the null device, so that the interpreter's last flush at exit does not report the broken pipe again."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # no real stdout, or no poll() on this system
+        return False
+    poller.register(fd, select.POLLOUT)
+    if not any(ev & select.POLLERR for _, ev in poller.poll(0)):  # a pipe without readers polls as an error
+        return False
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
+
+
+def unexpected(e: Exception, args: argparse.Namespace) -> int:
+    """The last guard: a short message, not a traceback (the traceback with --debug), exit 1."""
+    if args.debug or os.environ.get("SHARDFIT_DEBUG") == "1":
+        traceback.print_exc()
+    what = ran_out(e)
+    if what is not None:  # an expected failure (chat, eval, export on too small a machine), not a bug
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        print(f"shardfit: error: out of memory: {what} ran out in `shardfit {args.command}` ({first}). Use a "
+              "smaller batch (--batch-size, --batch), shorter inputs, or a device with more memory.",
+              file=sys.stderr)
+        return 1
+    print(f"shardfit: error: unexpected {type(e).__name__}: {e}\nThis is a bug in shardfit or a case it does "
+          "not handle yet; please report it with the command you ran (rerun with --debug for the traceback).",
+          file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -112,20 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardfit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError as e:
+        # The reader of stdout went away: like cat or grep, stop without an error message.
+        return 141 if stdout_closed() else unexpected(e, args)  # 141: 128 + SIGPIPE, as a shell reports it
     except Exception as e:  # noqa: BLE001 - the last guard: a message, not a traceback
-        if args.debug or os.environ.get("SHARDFIT_DEBUG") == "1":
-            traceback.print_exc()
-        what = ran_out(e)
-        if what is not None:  # an expected failure (chat, eval, export on too small a machine), not a bug
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            print(f"shardfit: error: out of memory: {what} ran out in `shardfit {args.command}` ({first}). Use a "
-                  "smaller batch (--batch-size, --batch), shorter inputs, or a device with more memory.",
-                  file=sys.stderr)
-            return 1
-        print(f"shardfit: error: unexpected {type(e).__name__}: {e}\nThis is a bug in shardfit or a case it does "
-              "not handle yet; please report it with the command you ran (rerun with --debug for the traceback).",
-              file=sys.stderr)
-        return 1
+        return unexpected(e, args)
 
 
 def entry() -> int:
