@@ -90,7 +90,8 @@ def test_a_typo_in_a_dotted_model_folder_is_refused(tmp_path: Path, monkeypatch:
             probe(model)
 
 
-@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5", "models/tiny"])
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5", "Qwen/Qwen2.5-0.5B-Instrcut",
+                                   "models/tni"])
 def test_a_hub_id_stays_one_beside_a_folder_named_like_its_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  model: str) -> None:
     """A project keeping a download as Qwen/Qwen2.5-0.5B (`--local-dir` named as the hub id) could name no other
@@ -103,6 +104,21 @@ def test_a_hub_id_stays_one_beside_a_folder_named_like_its_owner(tmp_path: Path,
     assert not absent_here(model)
     assert resolve_model(model).folder == model
     assert absent_here("./Qwen/Qwen2.5-7B-Instruct")
+
+
+def test_an_owner_name_value_a_sure_typo_of_a_folder_in_its_owner_folder_is_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """models/tiyn beside models/tiny was read as a hub id (an owner/name value stays one beside its owner's
+    folder), so train said it could not download it, with no "did you mean". A sure typo of a name in the owner
+    folder here is that folder's typo; another close name or a series keeps the hub id (the test above)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "Qwen" / "Qwen2.5-0.5B-Instruct").mkdir(parents=True)
+    for value, meant in (("models/tiyn", "models/tiny"), ("Qwen/Qwen2.5-0.5B-Instrcut", "Qwen/Qwen2.5-0.5B-Instruct")):
+        for probe in (absent_here, resolve_model):
+            with pytest.raises(UserError, match=f"does not exist; did you mean {meant}\\?"):
+                probe(value)
+    assert not absent_here("Qwen/Qwen2.5-7B-Instruct") and not absent_here("Qwen/Qwen2.5-0.5B")
 
 
 def test_another_model_is_no_typo_but_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,6 +60,13 @@ def _is_local(model: str, p: Path) -> bool:
         len(p.parts) > 2
 
 
+def _owner_folder_here(p: Path) -> bool:
+    """Whether an owner/name value has its owner as a folder here (`models/tiyn` beside `models/tiny`): only a sure
+    typo of a name in that folder then makes it a path (a hub id stays a hub id beside a folder of its owner's
+    other downloads, and a folder elsewhere named like the owner never counts)."""
+    return len(p.parts) == 2 and not p.is_absolute() and p.parent.is_dir()
+
+
 def _shown(model: str, near: Path) -> str:
     """A path the model value most likely meant, written as the user wrote theirs (`./` kept)."""
     return f"./{near}" if model.startswith("./") and not near.is_absolute() else str(near)
@@ -85,7 +92,7 @@ def absent_here(model: str) -> bool:
         raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
                         "a model is the folder that holds config.json and the weights, or a .gguf file.")
     local = _is_local(model, p)
-    near = close_sibling(p) if local else None
+    near = close_sibling(p) if local or _owner_folder_here(p) else None
     if near is not None and near.sure:  # the folder is here: a typo, not storage this machine does not mount
         raise UserError(f"'model': {model} does not exist; did you mean {_shown(model, near.path)}?")
     return local
