@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from shardfit import strategy as strategies
 from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
+from shardfit.plan.dequant import quantized_linear_params
 from shardfit.plan.dispatch import GpuWork
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import Hardware
@@ -58,10 +59,11 @@ def bus_bandwidth(card: Card, hw: Hardware) -> float:
 
 
 def param_bytes_16(shape: ModelShape, w: Workload) -> float:
-    """What FSDP2 all-gathers: the parameters in the compute dtype (QLoRA: the packed 4-bit data and scales)."""
+    """What FSDP2 all-gathers: the parameters in the compute dtype (QLoRA: the packed 4-bit data and scales of
+    the weights stored in 4 bits, plan/dequant.py `quantized_linear_params`)."""
     p = shape.params()
     if w.method == "qlora":
-        linear = shape.decoder_linear_params()
+        linear = quantized_linear_params(shape, w)
         return linear * (0.5 + 0.127 / 8) + (p - linear) * compute_bytes(w)
     return p * compute_bytes(w)
 

@@ -1,9 +1,13 @@
 """QLoRA's dequantization: every 4-bit linear weight is dequantized in every use (forward, backward, and again
 where checkpointing recomputes the block), memory-bound traffic that the runs behind the training utilization did
-not do, and kernels the host launches (`DEQUANT`, per backend: torchao's eager ops or bitsandbytes' fused kernel)."""
+not do, and kernels the host launches (`DEQUANT`, per backend: torchao's eager ops or bitsandbytes' fused kernel).
+Only what is stored in 4 bits is dequantized: the routed expert stacks bitsandbytes leaves in 16 bits
+(plan/precision.py `experts_stay_16bit`, the rule the memory side reads) are multiplied as they are."""
 
 from __future__ import annotations
 
+from shardfit.plan.experts import routed_expert_params
+from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -17,6 +21,27 @@ from shardfit.plan.workload import Workload
 # bf16, one more kernel reading 2 bytes and writing 2 (plan/estimate.py `bnb_dequantize_bytes`).
 DEQUANT: dict[str, tuple[int, int, float]] = {"torchao": (15, 11, 39.11), "bnb": (3, 1, 2.5 + 5 / 64)}
 BNB_CAST = (1, 0, 4.0)
+# The 4-bit weights of the decoder layer the host's counts were taken on (plan/dispatch.py LAYER_OPS, Llama's): q, k,
+# v, o, gate, up, down, each dequantized by its own kernels.
+LAYER_WEIGHTS = 7
+# Of those, the MLP's: a mixture's routed experts stand in for them.
+MLP_WEIGHTS = 3
+
+
+def quantized_linear_params(shape: ModelShape, w: Workload) -> int:
+    """The decoder's linear weights a QLoRA stores in 4 bits, as the step's time counts them: every one, less the
+    routed expert stacks bitsandbytes leaves in 16 bits (`experts_stay_16bit`)."""
+    linear = shape.decoder_linear_params()
+    return linear - routed_expert_params(shape) if experts_stay_16bit(shape, w) else linear
+
+
+def dequantized_weights_per_layer(shape: ModelShape, w: Workload) -> float:
+    """4-bit weights the host dispatches a dequantization for in the mean decoder layer: LAYER_WEIGHTS, except where
+    the routed experts stay 16-bit (`experts_stay_16bit`): a mixture's block then dequantizes its attention's and
+    its shared experts' weights (a shared MLP's as a dense one's), not its routed experts'."""
+    if not experts_stay_16bit(shape, w) or shape.shared_intermediate:
+        return float(LAYER_WEIGHTS)
+    return LAYER_WEIGHTS - MLP_WEIGHTS * shape.moe_layers / shape.layers
 
 
 def dequant_per_use(w: Workload) -> tuple[float, float, float]:
@@ -39,6 +64,7 @@ def dequant_uses(w: Workload) -> float:
 
 
 def dequant_bytes(shape: ModelShape, w: Workload) -> float:
-    """Per micro-batch: the bytes every 4-bit linear weight's dequantizations move (`dequant_per_use`), as memory-bound
-    traffic; the same per weight whatever the tokens, so it weighs most on short micro-batches."""
-    return dequant_uses(w) * shape.decoder_linear_params() * dequant_per_use(w)[2]
+    """Per micro-batch: the bytes every 4-bit linear weight's dequantizations move (`dequant_per_use`,
+    `quantized_linear_params`), as memory-bound traffic; the same per weight whatever the tokens, so it weighs most
+    on short micro-batches."""
+    return dequant_uses(w) * quantized_linear_params(shape, w) * dequant_per_use(w)[2]

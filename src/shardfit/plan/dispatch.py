@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card
-from shardfit.plan.dequant import dequant_per_use
+from shardfit.plan.dequant import LAYER_WEIGHTS, dequant_per_use, dequantized_weights_per_layer
 from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -106,7 +106,13 @@ class GpuWork:
 
 
 def autocasts(w: Workload) -> bool:
-    """Whether `w`'s step runs under 16-bit autocast (which the op counts are keyed by)."""
+    """Whether `w`'s step runs under 16-bit autocast (which the op counts are keyed by).
+
+    Not plan/precision.py `runs_autocast`, on purpose: that one follows shardfit's own engines, whose FSDP2 casts the
+    parameters (MixedPrecisionPolicy) instead of autocasting, for the tensors autocast's copies save. The host's
+    counts are the workload's whatever the engine: LAYER_OPS were measured on one process (no MixedPrecisionPolicy
+    column), and the tools behind the measured runs autocast under FSDP too (accelerate wraps the forward in
+    autocast whenever it mixes precision, accelerator.py `native_amp`, 1.15)."""
     return w.precision in ("bf16", "fp16") and not w.pure_16bit
 
 
@@ -116,8 +122,9 @@ def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
     return (at(False) + at(True)) / 2 if w.grad_ckpt == "selective" else at(w.grad_ckpt == "full")
 
 
-def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:
-    """(kernels, views, matmuls) of one decoder layer for `w` with or without full checkpointing."""
+def _layer_ops(w: Workload, ckpt: bool, dequantized: float) -> tuple[float, float, float]:
+    """(kernels, views, matmuls) of one decoder layer for `w` with or without full checkpointing; `dequantized`:
+    the layer's 4-bit weights (QLoRA)."""
     autocast = autocasts(w)
     if w.method == "full":
         return tuple(float(x) for x in LAYER_OPS[("full", ckpt, autocast)])
@@ -130,26 +137,28 @@ def _layer_ops(w: Workload, ckpt: bool) -> tuple[float, float, float]:
         k += n * DROPOUT_OPS[ckpt]
     if w.method == "qlora":  # each 4-bit weight dequantized per use: forward, backward, recomputation
         dk, dv, _ = dequant_per_use(w)
-        k += 7 * (3 if ckpt else 2) * dk
-        v += 7 * (3 if ckpt else 2) * dv
+        k += dequantized * (3 if ckpt else 2) * dk
+        v += dequantized * (3 if ckpt else 2) * dv
     return k, v, m
 
 
-def dispatch_ops_per_layer(w: Workload) -> tuple[float, float]:
+def dispatch_ops_per_layer(w: Workload, dequantized: float = LAYER_WEIGHTS) -> tuple[float, float]:
     """(kernel launches, views) the host dispatches for one decoder layer of one micro-batch of `w`: measured
     counts (LAYER_OPS) by method, LoRA targets and dropout, checkpointing (selective: half of full's
-    recomputation) and autocast; compiled, about two kernels per matmul (one fused kernel beside each) and no
-    views."""
+    recomputation) and autocast, and QLoRA's dequantization of each of the layer's `dequantized` 4-bit weights
+    (plan/dequant.py `dequantized_weights_per_layer`); compiled, about two kernels per matmul (one fused kernel
+    beside each) and no views."""
     if w.grad_ckpt == "selective":
-        k, v, m = ((a + b) / 2 for a, b in zip(_layer_ops(w, False), _layer_ops(w, True), strict=True))
+        k, v, m = ((a + b) / 2 for a, b in zip(_layer_ops(w, False, dequantized), _layer_ops(w, True, dequantized),
+                                               strict=True))
     else:
-        k, v, m = _layer_ops(w, w.grad_ckpt == "full")
+        k, v, m = _layer_ops(w, w.grad_ckpt == "full", dequantized)
     return (2 * m, 0.0) if w.compile else (k, v)
 
 
 def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
     """Seconds the host spends launching one micro-batch's ops (a GPU step cannot be shorter)."""
-    k, v = dispatch_ops_per_layer(w)
+    k, v = dispatch_ops_per_layer(w, dequantized_weights_per_layer(shape, w))
     kernels = shape.layers * k + FIXED_OPS[0]
     views = shape.layers * v + (0 if w.compile else FIXED_OPS[1])
     if shape.linear_layers and w.delta_rule == "torch":
@@ -209,7 +218,8 @@ def reference_dispatch_s(shape: ModelShape, w: Workload) -> float:
     autocast = autocasts(w)
     (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
     dk, dv, _ = dequant_per_use(w)  # each 4-bit weight dequantized once more for the reference's forward
-    k, v = k + 7 * dk, v + 7 * dv
+    weights = dequantized_weights_per_layer(shape, w)
+    k, v = k + weights * dk, v + weights * dv
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
     ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S

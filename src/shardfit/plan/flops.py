@@ -13,7 +13,8 @@ Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add
   outputs it does not keep (every other one, models/checkpointing.py).
 
 Under `float8: true` the converted linear layers run at the card's FP8 rate, plus torchao's casts to FP8
-(`float8_s`).
+(`float8_s`). The routed experts bitsandbytes leaves unquantized and peft upcasts to fp32 run at the card's fp32
+rate (`fp32_experts_s`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from shardfit.plan.adapters import adapts
 from shardfit.plan.attention_layout import CHUNK, WINDOW
 from shardfit.plan.cards import Card
 from shardfit.plan.model_shape import DELTA_CHUNK, BlockGroup
+from shardfit.plan.precision import compute_bytes, dense_expert_bytes, experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -273,3 +275,31 @@ def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
     fp8 = card.fp8_flops or dense
     return flops / (fp8 * eff) - float8_replaced_flops(shape, w) / (dense * eff) + \
         float8_cast_bytes(shape, w) / card.hbm
+
+
+def fp32_expert_flops(shape: ModelShape, w: Workload, *, forward_only: bool = False) -> float:
+    """FLOPs per micro-batch of the routed experts' matmuls that run in fp32 in a 16-bit run (0 elsewhere): the
+    stacks bitsandbytes leaves unquantized (`experts_stay_16bit`) where peft's prepare_model_for_kbit_training
+    upcast them (`dense_expert_bytes` 4). transformers' grouped experts cast their input to the weights' dtype
+    (integrations/moe.py `_grouped_mm`, 5.x) and autocast does not cover grouped_mm, so the top-k experts' forward,
+    its recomputation and the frozen weights' input gradient are fp32 matmuls; `forward_only`: one forward (a
+    reference's)."""
+    if compute_bytes(w) == 4 or not experts_stay_16bit(shape, w) or dense_expert_bytes(w) != 4:
+        return 0.0
+
+    def routed(moe: bool) -> float:  # a token's top-k experts
+        share = shape.routed_per_token / shape.experts
+        return sum(2.0 * i * o * share for n, i, o in shape.named_linears(moe) if n.startswith("expert_"))
+
+    fwd, bwd = (float(shape.layers), 0.0) if forward_only else _linear_passes(w, shape)
+    return shape.over_blocks(lambda moe: routed(moe) if moe else 0.0) / shape.layers * (fwd + bwd) * w.tokens
+
+
+def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, *, forward_only: bool = False) -> float:
+    """The fp32-experts term: seconds per micro-batch the routed experts' fp32 matmuls (`fp32_expert_flops`) take
+    beyond what the 16-bit rate counted for them, both at efficiency `eff`. At the card's plain fp32 rate: the
+    tools that run bitsandbytes QLoRA (the HF Trainer and those built on it) leave torch's default, no TF32."""
+    flops = fp32_expert_flops(shape, w, forward_only=forward_only)
+    if flops == 0.0:
+        return 0.0
+    return flops / (card.dense_flops("fp32") * eff) - flops / (card.dense_flops(w.precision) * eff)

@@ -51,7 +51,7 @@ from shardfit import strategy as strategies
 from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.comms import FWD_SHARE, bus_bandwidth, param_bytes_16, param_bytes_stored, ring_s, traffic, ulysses_s
-from shardfit.plan.dequant import dequant_bytes, dequant_per_use
+from shardfit.plan.dequant import dequant_bytes, dequant_per_use, quantized_linear_params
 from shardfit.plan.dispatch import (
     GpuWork,
     by_checkpointing,
@@ -61,7 +61,7 @@ from shardfit.plan.dispatch import (
     reference_dispatch_s,
 )
 from shardfit.plan.estimate import planned_shape, planned_workload, with_loss_chunk
-from shardfit.plan.flops import float8_s, reference_flops_per_token, step_flops_per_token
+from shardfit.plan.flops import float8_s, fp32_experts_s, reference_flops_per_token, step_flops_per_token
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
@@ -108,13 +108,15 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
 
 def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
     """The FLOPs at the training utilization (which holds the step's own elementwise work), the head gradient's
-    fp32 matmul where it is one, and QLoRA's dequantization, which the runs behind that utilization did not do;
-    the host's dispatch, and the waits for the device that stall both."""
+    fp32 matmul where it is one, bitsandbytes' fp32 routed experts (plan/flops.py `fp32_experts_s`), and QLoRA's
+    dequantization, which the runs behind that utilization did not do; the host's dispatch, and the waits for the
+    device that stall both."""
     tokens = w.tokens
     flops = step_flops_per_token(shape, w) * tokens
     dequant = dequant_bytes(shape, w) / card.hbm
     fp8 = float8_s(shape, w, card, card.matmul_eff)
-    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8
+    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8 + \
+        fp32_experts_s(shape, w, card, card.hfu)
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -123,7 +125,7 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
         matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-            head_gradient_s(shape, w, card, card.matmul_eff) + fp8
+            head_gradient_s(shape, w, card, card.matmul_eff) + fp8 + fp32_experts_s(shape, w, card, card.matmul_eff)
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
@@ -171,13 +173,14 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
     (plan/dispatch.py `reference_dispatch_s`) with the forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
-    dequant = shape.decoder_linear_params() * dequant_per_use(w)[2] / card.hbm
-    compute = flops / card.peak(w.precision) + dequant
+    dequant = quantized_linear_params(shape, w) * dequant_per_use(w)[2] / card.hbm
+    compute = flops / card.peak(w.precision) + dequant + fp32_experts_s(shape, w, card, card.hfu, forward_only=True)
     if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
         return GpuWork(compute, 0.0)
     side = "compiled" if w.compile else "eager"
     base = replace(w, method="freeze", grad_ckpt="none")
-    matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff)
+    matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
+        fp32_experts_s(shape, w, card, card.matmul_eff, forward_only=True)
     compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
                   / card.hbm)
     return GpuWork(compute, reference_dispatch_s(shape, w) + FWD_SHARE * engine_host_s(shape, w, s))

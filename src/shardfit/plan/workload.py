@@ -149,7 +149,7 @@ class Workload:
     # False: transformers 4's nn.Linear per expert. bitsandbytes' 4-bit loading replaces only nn.Linear (and
     # Conv1D) modules (transformers/integrations/bitsandbytes.py `replace_with_bnb_linear`), so fused stacks stay
     # unquantized, fp32 after prepare_model_for_kbit_training (plan/precision.py `experts_stay_16bit`, the one rule
-    # the weights and activations read); foreign/read.py sets it from `--transformers`.
+    # the weights, activations and step time read: plan/dequant.py); foreign/read.py sets it from `--transformers`.
     fused_experts: bool = True
     # The tool quantizes fused expert stacks to 4 bits itself on load (axolotl's `quantize_moe_experts`).
     quantize_fused_experts: bool = False

@@ -1,0 +1,123 @@
+"""The time side of bitsandbytes QLoRA of a mixture: transformers 5's fused expert stacks stay unquantized under
+bitsandbytes (plan/precision.py `experts_stay_16bit`, the rule the memory side reads), so a step dequantizes only
+the attention's, the shared experts' and the dense blocks' weights, and the experts run as plain matmuls in their
+dtype: fp32 where peft's prepare_model_for_kbit_training upcast them (`frozen_fp32`). Dense models, shardfit's
+torchao QLoRA (it quantizes the stacks itself) and Llama 4 (its experts are an nn.Linear each under bitsandbytes)
+dequantize every decoder linear as before."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardfit import strategy as strategies
+from shardfit.plan.cards import card_of
+from shardfit.plan.comms import param_bytes_16
+from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
+from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, host_dispatch_s
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import ModelShape, resolve_shape
+from shardfit.plan.timing import micro_batch_work
+from shardfit.plan.workload import Workload
+
+BNB = Workload(method="qlora", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="full",
+               quant_backend="bnb")
+TORCHAO = dataclasses.replace(BNB, quant_backend="torchao")
+MIXTURES = ["Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"]
+SINGLE = strategies.get("single")
+
+
+def _linears(shape: ModelShape, experts: bool) -> int:
+    """The decoder's linear weights, counted from the blocks' named linears: the routed experts' alone
+    (`experts`), or every other one."""
+    return int(shape.over_blocks(lambda moe: sum(
+        i * o for n, i, o in shape.named_linears(moe) if n.startswith("expert_") == experts)))
+
+
+def _dequantized(shape: ModelShape, w: Workload) -> float:
+    """Weights dequantized per use, read back from the planned dequantization traffic."""
+    return dequant_bytes(shape, w) / (dequant_uses(w) * dequant_per_use(w)[2])
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_bnb_mixture_dequantizes_only_its_4bit_weights(model: str) -> None:
+    """bitsandbytes dequantizes attention (and router) weights, not the 16-bit routed expert stacks; torchao,
+    which quantizes the stacks, dequantizes them too."""
+    shape = resolve_shape(model)
+    assert _dequantized(shape, BNB) == pytest.approx(_linears(shape, experts=False), rel=1e-12)
+    assert _dequantized(shape, TORCHAO) == pytest.approx(shape.decoder_linear_params(), rel=1e-12)
+    # transformers 4 builds an nn.Linear per expert, which bitsandbytes quantizes: every linear again
+    old = dataclasses.replace(BNB, fused_experts=False)
+    assert _dequantized(shape, old) == pytest.approx(shape.decoder_linear_params(), rel=1e-12)
+
+
+@pytest.mark.parametrize(("model", "w"), [
+    ("meta-llama/Llama-3.1-8B", BNB), ("meta-llama/Llama-3.1-8B", TORCHAO),
+    ("Qwen/Qwen3-30B-A3B", TORCHAO), ("mistralai/Mixtral-8x7B-v0.1", dataclasses.replace(BNB, fused_experts=False)),
+    ("meta-llama/Llama-4-Scout-17B-16E-Instruct", BNB), ("Qwen/Qwen3-30B-A3B", BNB)])
+def test_whole_dequantization_unless_bnb_leaves_the_stacks(model: str, w: Workload) -> None:
+    """Every decoder linear is dequantized for a dense model, shardfit's torchao QLoRA, transformers 4's experts and
+    Llama 4 (unfused into an nn.Linear per expert for bitsandbytes); a fused mixture under bitsandbytes leaves out
+    exactly its routed experts."""
+    shape = resolve_shape(model)
+    fused_bnb = shape.moe and w.bnb and w.fused_experts and not shape.every_expert
+    expected = _linears(shape, experts=False) if fused_bnb else shape.decoder_linear_params()
+    assert _dequantized(shape, w) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_bnb_mixture_launches_attention_dequantizations_only(model: str) -> None:
+    """The host launches bitsandbytes' dequantization kernels for a mixture's four attention weights per layer
+    (no shared experts), not for the gate, up and down the measured Llama layer had: three fewer per layer and
+    use than where the experts are 4-bit."""
+    shape = resolve_shape(model)
+    quantized = dataclasses.replace(BNB, fused_experts=False)
+    dk, dv, _ = dequant_per_use(BNB)
+    saved = shape.layers * 3 * dequant_uses(BNB) * (dk * DISPATCH_KERNEL_S + dv * DISPATCH_VIEW_S)
+    assert host_dispatch_s(shape, quantized) - host_dispatch_s(shape, BNB) == pytest.approx(saved, rel=1e-9)
+
+
+def test_llama4_bnb_launches_as_torchao() -> None:
+    """Llama 4's experts are 4-bit under bitsandbytes: as many dequantizations as a 4-bit mixture launches."""
+    shape = resolve_shape("meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    qwen = resolve_shape("Qwen/Qwen3-30B-A3B")
+    per_layer = (host_dispatch_s(shape, BNB) - host_dispatch_s(shape, dataclasses.replace(BNB, method="lora"))) / \
+        shape.layers
+    old = dataclasses.replace(BNB, fused_experts=False)
+    qwen_per_layer = (host_dispatch_s(qwen, old) - host_dispatch_s(qwen, dataclasses.replace(old, method="lora"))) / \
+        qwen.layers
+    assert per_layer == pytest.approx(qwen_per_layer, rel=1e-9)
+    assert host_dispatch_s(qwen, BNB) < host_dispatch_s(qwen, old)
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_fp32_experts_run_at_the_fp32_rate(model: str) -> None:
+    """peft's prepare_model_for_kbit_training upcasts bitsandbytes' 16-bit expert stacks to fp32, and transformers'
+    grouped experts run in the weights' dtype: the top-k experts' forward, recomputation and input gradient take
+    the fp32 rate instead of the 16-bit one. Nothing else in a micro-batch's compute changes with `frozen_fp32`."""
+    shape = resolve_shape(model)
+    card = card_of(parse_gpus("1xH100", 1, None))
+    upcast = dataclasses.replace(BNB, frozen_fp32=True)
+    per_token = shape.moe_layers * sum(2.0 * i * o * shape.top_k / shape.experts
+                                       for n, i, o in shape.named_linears(True) if n.startswith("expert_"))
+    flops = per_token * 3 * BNB.tokens  # forward, recomputation, input gradient
+    extra = micro_batch_work(shape, upcast, card, SINGLE).compute - micro_batch_work(shape, BNB, card, SINGLE).compute
+    # the training utilization's term or the kernels-in-turn floor's (the matmuls at the GEMM efficiency)
+    at = [flops / (card.dense_flops("fp32") * eff) - flops / (card.dense_flops("bf16") * eff)
+          for eff in (card.hfu, card.matmul_eff)]
+    assert min(at) * (1 - 1e-9) <= extra <= max(at) * (1 + 1e-9)
+    assert extra > 0
+    # without the upcast (16-bit experts) and for torchao's NF4 stacks, the experts stay at the 16-bit rate
+    torchao = dataclasses.replace(TORCHAO, frozen_fp32=True)
+    assert micro_batch_work(shape, torchao, card, SINGLE).compute == micro_batch_work(shape, TORCHAO, card,
+                                                                                       SINGLE).compute
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_fsdp_gathers_16bit_stacks_whole(model: str) -> None:
+    """FSDP's all-gather carries the packed 4-bit weights and the 16-bit expert stacks as they are."""
+    shape = resolve_shape(model)
+    experts = _linears(shape, experts=True)
+    gap = param_bytes_16(shape, BNB) - param_bytes_16(shape, TORCHAO)
+    assert gap == pytest.approx(experts * (2 - (0.5 + 0.127 / 8)), rel=1e-9)
