@@ -165,3 +165,26 @@ def test_trl_config_yaml_is_read_as_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "run.sh").write_text("trl sft --config gone.yaml\n")
     with pytest.raises(UserError, match="--config gone.yaml"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_a_trl_parser_script_reads_its_config_yaml(tmp_path: Path) -> None:
+    """`python sft.py --config sft.yaml` with a script parsing by TrlParser exited 2 for want of
+    --model_name_or_path: the YAML was read only under `trl sft`. TrlParser makes its keys the dataclasses'
+    defaults, so the command line's --lora_r 32 wins over the YAML's 8."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
+                                       "per_device_train_batch_size: 4\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text("python train.py --config sft.yaml --lora_r 32\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.model, job.workload.method, job.workload.lora_rank, job.workload.micro_batch) == \
+        ("Qwen/Qwen2.5-0.5B", "lora", 32, 4)
+
+
+def test_lora_config_modules_to_save_in_the_script_is_planned(tmp_path: Path) -> None:
+    """LoraConfig(modules_to_save=[...]) in the script's code trains full copies of the embedding and the head, as
+    the flag's spelling does; it was not read."""
+    script = ("from peft import LoraConfig\nfrom transformers import Trainer, TrainingArguments\n"
+              "cfg = LoraConfig(r=8, target_modules=['q_proj', 'v_proj'], modules_to_save=['embed_tokens', "
+              "'lm_head'])\nTrainer(args=TrainingArguments(output_dir='o')).train()\n")
+    job = _job(tmp_path, script)
+    assert job.workload.method == "lora" and job.workload.lora_saved == ("embed", "head"), job.notes

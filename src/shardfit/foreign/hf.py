@@ -212,13 +212,16 @@ def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference
 
 def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
     """What the training script sets in code (script_ast.py, read, never run), added to `src` where the command
-    line is silent."""
+    line is silent. A script parsing with TRL's TrlParser reads `--config FILE.yaml` as TRL does first: the YAML's
+    keys are its dataclasses' fields, below the command line's."""
     if script is None:
         return ScriptSettings()
     try:
         code = read_script(script, script.read_text())
     except OSError:
         return ScriptSettings()
+    if code.trl_parser:
+        _trl_yaml(src)
     for k, v in code.args.items():
         if k not in src:
             src.values[k] = v
@@ -281,9 +284,11 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
 
 
 def _trl_yaml(src: Source) -> None:
-    """`trl <command> --config FILE`: TrlParser reads the YAML's keys as the command line's, which win over them
-    (`set_defaults_with_config`); its accelerate keys go to the launch as the command line's do (trl 1.16
-    cli/commands/training.py). Said in `src` as if given on the command line."""
+    """`--config FILE` to TrlParser (`trl <command>`, or a script that parses with it): the YAML's keys become the
+    defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
+    scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
+    keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
+    command line."""
     ref = src.values.pop("config", None)
     if ref is None:
         return
