@@ -10,7 +10,7 @@ import pytest
 
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
-from shardfit.foreign.targets import plan_all_linear, plan_saved, plan_targets
+from shardfit.foreign.targets import PEFT_DEFAULT_TARGETS, plan_all_linear, plan_peft_default, plan_saved, plan_targets
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.workload import Workload
@@ -51,7 +51,7 @@ TRICKY = {"dotted": ["self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.do
 RANK = 4
 
 
-def _peft_count(config: object, targets: str | list[str]) -> int:
+def _peft_count(config: object, targets: str | list[str] | None) -> int:
     """What peft trains on the model of `config`, built on the meta device."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -142,3 +142,30 @@ def test_tools_all_is_the_list_of_linear_names_they_hand_peft(model_type: str) -
                          workload=Workload(method="lora", lora_rank=RANK))
         plan_all_linear(job, shape, transformers.__version__)
         assert trainable_params(shape, job.workload) == expected, (tool, names)
+
+
+def test_peft_default_targets_are_peft_own_table() -> None:
+    """The planner's copy of peft's per-model defaults (a LoraConfig without target_modules) is peft's."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+
+    assert {k: list(v) for k, v in PEFT_DEFAULT_TARGETS.items()} == {k: table[k] for k in PEFT_DEFAULT_TARGETS}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3_moe"])
+def test_no_target_modules_is_planned_or_refused_as_peft_does(model_type: str) -> None:
+    """TRL's --use_peft without targets: peft's default for the type, counted alike; a type peft has no default
+    for raises in peft and exits 2 here."""
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES.get(model_type, {}))
+    try:
+        expected: int | None = _peft_count(config, None)
+    except ValueError:
+        expected = None
+    shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
+    job = ForeignJob(tool="hf", source="run.sh", model=f"tiny/{model_type}",
+                     workload=Workload(method="lora", lora_rank=RANK))
+    try:
+        plan_peft_default(job, "--use_peft", shape, transformers.__version__)
+        planned: int | None = trainable_params(shape, job.workload)
+    except UserError:
+        planned = None
+    assert planned == expected

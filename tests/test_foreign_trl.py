@@ -188,3 +188,22 @@ def test_lora_config_modules_to_save_in_the_script_is_planned(tmp_path: Path) ->
               "'lm_head'])\nTrainer(args=TrainingArguments(output_dir='o')).train()\n")
     job = _job(tmp_path, script)
     assert job.workload.method == "lora" and job.workload.lora_saved == ("embed", "head"), job.notes
+
+
+@pytest.mark.parametrize(("model", "targets"), [
+    ("Qwen/Qwen2.5-0.5B", ("q", "v")), ("meta-llama/Llama-3.1-8B", ("q", "v")), ("Qwen/Qwen3-30B-A3B", None),
+])
+def test_use_peft_without_targets_takes_peft_defaults(tmp_path: Path, model: str, targets: tuple | None) -> None:
+    """TRL's --use_peft without --lora_target_modules builds LoraConfig(target_modules=None): peft takes its
+    default for the model's type (q_proj, v_proj for qwen2 and llama), and raises for a type it has none for
+    (qwen3_moe); it was planned as every linear layer."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(f"python train.py --model_name_or_path {model} --use_peft\n")
+    if targets is None:
+        with pytest.raises(UserError, match="Please specify `target_modules`"):
+            read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+        return
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.lora_targets == targets
+    assert any("peft's default" in n for n in job.notes)
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]

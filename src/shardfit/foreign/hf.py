@@ -54,7 +54,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
-from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
+from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
@@ -157,7 +157,9 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload, shape, version)
+    peft_default = code.model_config and src.flag("use_peft", "false") and not \
+        {"lora_target_modules", "target_modules", "lora_target_parameters"} & set(src.values)
+    _file_keys(src, job, job.workload, shape, version, peft_default)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -509,9 +511,16 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
     return "all-linear" if parts == ["all-linear"] else parts
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str,
+               peft_default: bool = False) -> None:
+    """Plan the LoRA targets and modules_to_save given, and record every key's effect. `peft_default`: TRL's
+    --use_peft names no targets, so its LoraConfig has none and peft takes its default for the model's type."""
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
+    if peft_default and w.trains_adapters:
+        _, targets = plan_peft_default(job, "--use_peft", shape, version)  # its note says the targets
+        if targets:
+            job.convert.setdefault("lora", {})["targets"] = targets
     for key in ("lora_target_modules", "target_modules"):
         if key not in src:
             continue

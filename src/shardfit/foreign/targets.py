@@ -456,3 +456,50 @@ def plan_saved(job: ForeignJob, key: str, names: list[str]) -> str:
                          f"only the embedding's and the head's copies are (an under-estimate)")
     what = " and ".join({"embed": "the embedding", "head": "the head"}[k] for k in sorted(kinds))
     return f"{what} trained whole beside the adapters (peft's modules_to_save: a full trainable copy)"
+
+
+# peft 0.21's targets for a LoraConfig without target_modules (peft/utils/constants.py
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, looked up by the top-level config's model_type in
+# LoraModel._prepare_adapter_config), for the decoder families the planner models; any other model_type makes
+# peft raise. tests/test_foreign_peft_parity.py holds this against the installed peft's table.
+PEFT_DEFAULT_TARGETS = {
+    **dict.fromkeys(("llama", "llama4", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                     "stablelm", "opt", "gptj", "gpt_neo"), ("q_proj", "v_proj")),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"), "chatglm": ("query_key_value",),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj")}
+# The model_type of the catalog's entries that do not carry one, by their hub id (their config.json's).
+_CATALOG_TYPES = ((r"(meta-)?llama-[23]|.*tinyllama|.*smollm2|yi-", "llama"),
+                  (r"qwen(1\.5|2|2\.5)(-coder)?-\d", "qwen2"), (r"qwen3-\d", "qwen3"), (r"qwen-\d", "qwen"),
+                  (r"qwen2-vl", "qwen2_vl"), (r"qwen2\.5-vl", "qwen2_5_vl"), (r"qwen2\.5-omni", "qwen2_5_omni"),
+                  (r"glm-4-9b", "chatglm"), (r"mistral-", "mistral"), (r"gemma-2-", "gemma2"),
+                  (r"gemma-\d+b", "gemma"), (r"gemma-3-1b", "gemma3_text"), (r"phi-3", "phi3"))
+
+
+def model_type_of(model: str, shape: ModelShape) -> str:
+    """`shape`'s config.json model_type, else the catalog entry's by its hub id (`_CATALOG_TYPES`); "" unknown."""
+    if shape.model_type:
+        return shape.model_type
+    name = f"{shape.id or model}".lower().split("/", 1)[-1]
+    return next((kind for rx, kind in _CATALOG_TYPES if re.match(rx, name)), "")
+
+
+def plan_peft_default(job: ForeignJob, key: str, shape: ModelShape, version: str) -> tuple[str, list[str]]:
+    """Plan a LoraConfig built without target_modules (TRL's --use_peft without --lora_target_modules): peft
+    takes its table's targets for the model's type (PEFT_DEFAULT_TARGETS), planned as those targets are; a type
+    outside the table peft refuses, exit 2. A model whose type the planner cannot tell keeps every linear layer,
+    said in a note. Returns the effect shown beside `key` ("" where not modelled) and the targets peft takes."""
+    kind = model_type_of(job.model, shape)
+    if not kind:
+        job.notes.append(f"{key} without target modules: peft takes its default targets for the model's type "
+                         f"(q_proj, v_proj for llama, qwen2, mistral...), which the planner cannot tell for "
+                         f"{job.model}: planned on every linear layer (an over-estimate)")
+        return "", []
+    targets = PEFT_DEFAULT_TARGETS.get(kind)
+    if targets is None:
+        raise UserError(f"{job.source}: {key} gives peft no target modules, and peft has no default for "
+                        f"{job.model}'s model_type {kind}: it raises \"Please specify `target_modules` or "
+                        f"`target_parameters` in `peft_config`\". Name them (--lora_target_modules with the "
+                        f"model's module names, or all-linear).")
+    job.notes.append(f"{key} without target modules: peft's default for model_type {kind}, "
+                     f"{', '.join(targets)}")
+    return plan_targets(job, key, list(targets), shape, version), list(targets)
