@@ -10,7 +10,14 @@ import pytest
 
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
-from shardfit.foreign.targets import PEFT_DEFAULT_TARGETS, plan_all_linear, plan_peft_default, plan_saved, plan_targets
+from shardfit.foreign.targets import (
+    PEFT_DEFAULT_TARGETS,
+    plan_all_linear,
+    plan_linear_names,
+    plan_peft_default,
+    plan_saved,
+    plan_targets,
+)
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.workload import Workload
@@ -169,3 +176,31 @@ def test_no_target_modules_is_planned_or_refused_as_peft_does(model_type: str) -
     except UserError:
         planned = None
     assert planned == expected
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("named", [[], ["q_proj", "gate"]])
+def test_axolotl_target_linear_is_its_list_of_linear_names(model_type: str, named: list[str]) -> None:
+    """axolotl's `lora_target_linear: true` (0.19 loaders/adapter.py find_all_linear_names) hands peft the leaf
+    names of the modules that are an nn.Linear or whose class name says Linear, less lm_head, joined with any
+    lora_target_modules beside it: on transformers 5 no fused experts container and no router but Llama 4's (an
+    nn.Linear). It was planned as peft's all-linear, which reaches the fused experts through peft's rewrite."""
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and n != "lm_head" and
+                    (isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__)} | set(named))
+    try:
+        expected: int | None = _peft_count(config, names)
+    except ValueError:
+        expected = None
+    shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
+    job = ForeignJob(tool="axolotl", source="job.yml", model=f"tiny/{model_type}",
+                     workload=Workload(method="lora", lora_rank=RANK))
+    try:
+        plan_linear_names(job, "lora_target_linear", named, shape, transformers.__version__)
+        planned: int | None = trainable_params(shape, job.workload)
+    except UserError:
+        planned = None
+    assert planned == expected, names

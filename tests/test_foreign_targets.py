@@ -263,3 +263,17 @@ def test_modules_to_save_of_each_tool_are_planned_as_trainable_copies(tmp_path: 
     sw = ("swift sft --model Qwen/Qwen2.5-7B --train_type lora --target_modules q_proj v_proj --modules_to_save "
           "embed_tokens lm_head --dataset x.jsonl\n")
     assert read_job("swift", _write(tmp_path, "s.sh", sw), JobOptions()).workload.lora_saved == ("embed", "head")
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B", "openai/gpt-oss-20b"])
+def test_a_router_name_the_model_lacks_is_refused_or_skipped_as_peft_does(tmp_path: Path, model: str) -> None:
+    """`gate` or `router` on a model without that router (a dense model; gpt-oss, whose router is `router`)
+    matches no module: alone, peft raises "Target modules ... not found in the base model" (exit 2 quoting it);
+    beside q_proj, peft skips it. Both were planned as every linear layer."""
+    with pytest.raises(UserError, match=r"Target modules .* not found in the base model"):
+        _lf(tmp_path, model, "gate", transformers="5.0.0")
+    job = _lf(tmp_path, model, "q_proj,gate", transformers="5.0.0")
+    assert job.workload.lora_targets == ("q",) and any("peft skips" in n for n in job.notes)
+    if model == "Qwen/Qwen2.5-7B":
+        with pytest.raises(UserError, match="not found in the base model"):
+            _lf(tmp_path, model, "router", transformers="5.0.0")

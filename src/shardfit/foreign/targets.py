@@ -22,6 +22,9 @@ from shardfit.plan.workload import LORA_TARGETS
 # The projection names the planner places on every model it lists (block_modules): an entry ending in one of them
 # that matches none of the model's modules names a module the model does not have.
 _PROJECTIONS = {f"{n}_proj" for n in LORA_TARGETS}
+# A mixture's router names (`_moe_names`), which the planner lists on every mixture it models: on a model without
+# them (a dense one, gpt-oss's `router` beside Qwen's `gate`) they match no module.
+_ROUTERS = {"gate", "router"}
 # Families whose attention and MLP modules have other names than the planner's shapes can say (their catalog
 # entries are the compact form): a job naming q_proj... on them is planned, with a note to check.
 _OTHER_NAMES = {"phi-3": "qkv_proj, o_proj, gate_up_proj, down_proj",
@@ -178,7 +181,8 @@ def _refused(t: str) -> bool:
     all: it names one of the planner's projections (bare, or under self_attn/mlp), which the planner lists
     wherever the model has them. Other names (lm_head, a vision tower's modules) may name modules the planner does
     not model. (Entries that name no module of any model are refused before: config/targets.py.)"""
-    return t.rsplit(".", 1)[-1] in _PROJECTIONS and (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
+    return t.rsplit(".", 1)[-1] in _PROJECTIONS | _ROUTERS and \
+        (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
 
 
 # An entry naming one routed expert's module (`mlp.experts.3.down_proj`, `experts.0.gate_proj`).
@@ -305,7 +309,8 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
                f"the module name's last parts ({example}). {_fix(missed, modules)}")
         verdict = unmatched(named, missed, why, skip_partial=True)
         if verdict is not None and verdict.refused:
-            raise UserError(f"{why} peft refuses targets of which none matches a module.")
+            raise UserError(f"{why} peft refuses targets of which none matches a module (\"Target modules "
+                            f"{set(targets)} not found in the base model\").")
         if verdict is not None:
             job.notes.append(verdict.message.removeprefix(f"{job.source}: "))
     _notes(job, key, hits, shape, ver)
@@ -503,3 +508,37 @@ def plan_peft_default(job: ForeignJob, key: str, shape: ModelShape, version: str
     job.notes.append(f"{key} without target modules: peft's default for model_type {kind}, "
                      f"{', '.join(targets)}")
     return plan_targets(job, key, list(targets), shape, version), list(targets)
+
+
+def _linear_leaves(shape: ModelShape, version: str) -> list[str]:
+    """The last parts of the names of `shape`'s block modules that are an nn.Linear under transformers `version`
+    (axolotl's find_all_linear_names): where the experts are fused, no expert's name and a router only where it
+    is one (Llama 4's Llama4Router); before that, every expert's projections and the router (an nn.Linear)."""
+    fused = fused_experts(shape, version)
+    _, router, _ = _moe_names(shape)
+    leaves = [m.rsplit(".", 1)[-1] for names in block_modules(shape, version).values() for m in names
+              if not (fused and re.search(r"\.experts\.[a-z]", m))]
+    return [n for n in dict.fromkeys(leaves) if not (fused and n == router and not shape.every_expert)]
+
+
+def plan_linear_names(job: ForeignJob, key: str, named: list[str], shape: ModelShape, version: str) -> None:
+    """axolotl's `lora_target_linear: true` (0.19 loaders/adapter.py): peft gets the last names of the modules
+    that are an nn.Linear (or whose class name says Linear), less lm_head, joined with the `named`
+    lora_target_modules beside it. Every linear layer where the experts are not fused; on fused experts
+    (transformers 5) that list reaches no routed expert unless peft's rewrite moves a dense or shared expert's
+    gate_proj, up_proj and down_proj onto them, and no router but Llama 4's, or one `named`."""
+    if not (job.workload.trains_adapters and fused_experts(shape, version)):
+        return
+    if peft_rewrite(shape, version) is None:
+        # no rewrite: the list reaches what every linear layer does (plan_all_linear: no routed expert, Llama 4's
+        # router), and a named router of its own class peft refuses to wrap (`_experts`)
+        modules = block_modules(shape, version)
+        _experts(job, key, {n: [m for m in found if any(_matches(t, m) for t in named)]
+                            for n, found in modules.items()}, shape, version)
+        plan_all_linear(job, shape, version)
+        return
+    names = list(dict.fromkeys([*_linear_leaves(shape, version), *named]))
+    job.notes.append(f"{key}: axolotl hands peft the names of {job.model}'s linear modules ({', '.join(names)}); "
+                     f"transformers {version} builds its routed experts fused (no Linear), planned as peft "
+                     f"adapts that list")
+    plan_targets(job, key, names, shape, version)
