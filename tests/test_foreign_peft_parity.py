@@ -204,3 +204,32 @@ def test_axolotl_target_linear_is_its_list_of_linear_names(model_type: str, name
     except UserError:
         planned = None
     assert planned == expected, names
+
+
+ONE_EXPERT = {"alone": ["mlp.experts.0.gate_proj"], "beside q_proj": ["q_proj", "mlp.experts.0.down_proj"],
+              "gate and up": ["mlp.experts.0.gate_proj", "mlp.experts.0.up_proj"],
+              "mixtral's name": ["q_proj", "experts.1.w2"]}
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("case", list(ONE_EXPERT))
+def test_one_experts_module_is_planned_or_refused_as_peft_does(model_type: str, case: str) -> None:
+    """An entry naming one expert's module on fused experts was refused outright. peft 0.21 moves it onto every
+    expert's fused weight where it ends in a name its rewrite moves (gate_proj on Qwen3-MoE, w2 on Mixtral; gate
+    only with up), and elsewhere it matches no module: skipped beside others, "not found" alone."""
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
+    targets = ONE_EXPERT[case]
+    try:
+        expected: int | None = _peft_count(config, targets)
+    except ValueError:
+        expected = None
+    planned: int | None
+    try:
+        planned, notes = _plan(model_type, config, targets)
+    except UserError:
+        planned, notes = None, []
+    if any("every linear layer" in n for n in notes):
+        assert case == "mixtral's name" and model_type != "mixtral"  # w2 is no name the planner places there
+        return
+    assert planned == expected, targets

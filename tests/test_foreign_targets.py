@@ -92,9 +92,9 @@ def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -
     """Qwen3-30B-A3B's mlp.gate is its router, a module peft adapts: `gate` is planned (as gate projections, with a
     note), not refused. Under transformers 4 each routed expert is a module of its own, and a pattern over their
     projections plans them; transformers 5 fuses them into 3-D weights, so the same pattern reaches no module
-    (every linear layer planned, with a note), an entry naming one expert's module exits 2 saying why, and
-    gate_proj, up_proj, down_proj are planned on every expert (peft 0.21 rewrites them onto the fused weights),
-    said in a note."""
+    (every linear layer planned, with a note); peft 0.21 moves an entry naming one expert's gate_proj onto every
+    expert, refused without up_proj as peft refuses it; gate_proj, up_proj, down_proj are planned on every expert
+    (peft 0.21 rewrites them onto the fused weights), said in a note."""
     gate = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "gate")
     assert gate.workload.lora_targets == ("gate",) and any("router" in n for n in gate.notes)
     text = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r".*mlp\.experts\.\d+\.(gate|up|down)_proj")
@@ -102,8 +102,7 @@ def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -
     assert experts.workload.lora_targets == ("gate", "up", "down")
     fused = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions(transformers="5.0.0"))
     assert fused.workload.lora_targets is None and any("every linear layer" in n for n in fused.notes)
-    with pytest.raises(UserError, match=r"lora_target mlp\.experts\.0\.gate_proj names one routed expert's module, "
-                                        r"but transformers 5\.0\.0 builds .* fused.*Name gate_proj, up_proj"):
+    with pytest.raises(UserError, match=r"Cannot convert PEFT target\(s\) gate_proj without also targeting up_proj"):
         _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.gate_proj", transformers="5.0.0")
     assert _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.gate_proj",
                transformers="4.57.6").workload.lora_targets == ("q", "gate")
@@ -277,3 +276,11 @@ def test_a_router_name_the_model_lacks_is_refused_or_skipped_as_peft_does(tmp_pa
     if model == "Qwen/Qwen2.5-7B":
         with pytest.raises(UserError, match="not found in the base model"):
             _lf(tmp_path, model, "router", transformers="5.0.0")
+
+
+def test_one_experts_down_proj_reaches_every_fused_expert_as_peft_moves_it(tmp_path: Path) -> None:
+    """peft 0.21 moves `mlp.experts.0.down_proj` on Qwen3-MoE under transformers 5 onto every expert's fused
+    down_proj (it moves any entry ending in .down_proj); the entry was refused as naming a module that no longer
+    exists."""
+    job = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.down_proj", transformers="5.0.0")
+    assert job.workload.lora_rewritten == ("down",) and job.workload.lora_targets == ("q", "down")

@@ -185,23 +185,6 @@ def _refused(t: str) -> bool:
         (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
 
 
-# An entry naming one routed expert's module (`mlp.experts.3.down_proj`, `experts.0.gate_proj`).
-_ONE_EXPERT = re.compile(r"(^|\.)experts\.\d+(\.|$)")
-
-
-def _one_expert_refusal(job: ForeignJob, key: str, entries: list[str], shape: ModelShape, version: str) -> str:
-    """Why entries naming one routed expert's module are refused where transformers `version` fuses the experts,
-    and what to name instead."""
-    moved = peft_rewrite(shape, version)
-    instead = (f"{', '.join(moved)}: peft 0.21 moves them onto every expert's fused weights ({moved[0]} and "
-               f"{moved[1]} only together), a peft without that rewrite refuses them" if moved is not None else
-               "the attention's or shared expert's projections: the fused weights are reached only by peft's "
-               "target_parameters, which this key does not set")
-    return (f"{job.source}: {key} {', '.join(entries)} names one routed expert's module, but transformers "
-            f"{version} builds {job.model}'s routed experts fused: one experts module per block holding 3-D "
-            f"weights (gate_up_proj, down_proj) for all of them, and no module per expert. Name {instead}.")
-
-
 def _fix(missed: list[str], modules: dict[str, list[str]]) -> str:
     """What to give instead of the `missed` entries, and the model's own module names."""
     return f"{targets_fix(missed)} The model's block modules: {_own_names(modules)}.".lstrip()
@@ -291,10 +274,10 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         if problem is not None and problem.refused:
             raise UserError(f"{job.source}: {key} {problem.message} The model's block modules: "
                             f"{_own_names(modules)}.")
+        # an entry naming one expert's module (`mlp.experts.0.down_proj`) needs no rule of its own: where
+        # transformers fuses the experts, peft 0.21 moves it onto every expert's fused weight when it ends in a
+        # moved name (`as_peft_reads`), and otherwise it matches no module, as any name the model lacks
         named = [t for t in targets if not names_no_module(t)]
-        one = [t for t in named if _ONE_EXPERT.search(t)]
-        if one and fused_experts(shape, ver):
-            raise UserError(_one_expert_refusal(job, key, one, shape, ver))
         read = {t: as_peft_reads(t, shape, ver) for t in named}
         hits = {n: [m for m in names if any(_matches(read[t], m) for t in named)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
