@@ -207,3 +207,10 @@ def test_use_peft_without_targets_takes_peft_defaults(tmp_path: Path, model: str
     assert job.workload.lora_targets == targets
     assert any("peft's default" in n for n in job.notes)
     assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_the_bf16_default_note_says_what_transformers_does_on_older_gpus(tmp_path: Path) -> None:
+    """transformers 5 checks bf16 with torch.cuda.is_bf16_supported(), which counts torch's emulation, so a T4 or
+    V100 runs TRL's bf16 default (slowly) rather than being refused; the note said transformers refuses it."""
+    note = next(n for n in _job(tmp_path, SFT).notes if "TRL's SFTConfig default" in n and "bf16" in n)
+    assert "is_bf16_supported" in note and "lets it run" in note and "transformers refuses" not in note

@@ -368,9 +368,13 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
     precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
     if _trl_bf16(src, trl_config):
         precision = "bf16"
-        job.notes.append(f"neither bf16 nor fp16 set: bf16, TRL's {trl_config} default (TRL 0.19 and later; "
-                         f"transformers refuses it on a GPU without bf16, \"Your setup doesn't support bf16/gpu\": "
-                         f"set fp16 true there)")
+        # transformers 5's TrainingArguments checks bf16 with torch.cuda.is_bf16_supported(), which a GPU before
+        # Ampere passes wherever it can hold a bf16 tensor (torch's emulation check); an older torch asked for
+        # compute capability 8 and transformers then raised
+        job.notes.append(f"neither bf16 nor fp16 set: bf16, TRL's {trl_config} default (TRL 0.19 and later). On a "
+                         f"GPU without bf16 arithmetic (T4, V100) transformers lets it run, as torch.cuda."
+                         f"is_bf16_supported() counts the emulation, so it trains slowly; with an older torch it "
+                         f"raises \"Your setup doesn't support bf16/gpu\". Set fp16 true there")
     elif precision == "fp32" and acc is not None and acc.mixed_precision in ("bf16", "fp16"):
         # TrainingArguments takes ACCELERATE_MIXED_PRECISION, which the launch sets, unless --bf16/--fp16 say
         # otherwise (transformers' training_args.py `__post_init__`, `self.mixed_precision`)
