@@ -214,3 +214,13 @@ def test_the_bf16_default_note_says_what_transformers_does_on_older_gpus(tmp_pat
     V100 runs TRL's bf16 default (slowly) rather than being refused; the note said transformers refuses it."""
     note = next(n for n in _job(tmp_path, SFT).notes if "TRL's SFTConfig default" in n and "bf16" in n)
     assert "is_bf16_supported" in note and "lets it run" in note and "transformers refuses" not in note
+
+
+def test_one_lora_target_module_reaches_peft_as_a_pattern(tmp_path: Path) -> None:
+    """TRL's ModelConfig (trl 1.16 `__post_init__`) unwraps --lora_target_modules of one entry into a string, which
+    peft reads as a regular expression over whole module names: `q_proj` matches none (peft raises), `.*q_proj`
+    adapts the q projections. It was planned as the list [q_proj]."""
+    with pytest.raises(UserError, match=r"TRL's ModelConfig hands peft .* one entry as this string"):
+        _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj")
+    job = _job(tmp_path, SFT, "--use_peft --lora_target_modules '.*q_proj'")
+    assert job.workload.lora_targets == ("q",)

@@ -157,9 +157,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    peft_default = code.model_config and src.flag("use_peft", "false") and not \
-        {"lora_target_modules", "target_modules", "lora_target_parameters"} & set(src.values)
-    _file_keys(src, job, job.workload, shape, version, peft_default)
+    _file_keys(src, job, job.workload, shape, version, code.model_config)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -516,12 +514,16 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
 
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str,
-               peft_default: bool = False) -> None:
-    """Plan the LoRA targets and modules_to_save given, and record every key's effect. `peft_default`: TRL's
-    --use_peft names no targets, so its LoraConfig has none and peft takes its default for the model's type."""
+               model_config: bool = False) -> None:
+    """Plan the LoRA targets and modules_to_save given, and record every key's effect. Under TRL's ModelConfig
+    (`model_config`, trl 1.16 `get_peft_config`), --use_peft without targets builds a LoraConfig without
+    target_modules, so peft takes its default for the model's type, and one --lora_target_modules entry reaches
+    peft as a string (ModelConfig's `__post_init__` unwraps a list of one), which peft reads as a regular
+    expression over whole module names."""
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
-    if peft_default and w.trains_adapters:
+    if model_config and w.trains_adapters and src.flag("use_peft", "false") and \
+            not {"lora_target_modules", "target_modules", "lora_target_parameters"} & set(src.values):
         _, targets = plan_peft_default(job, "--use_peft", shape, version)  # its note says the targets
         if targets:
             job.convert.setdefault("lora", {})["targets"] = targets
@@ -532,8 +534,20 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             unplanned.add(key)  # no adapters train: the targets change nothing
             continue
         targets = KEYS[key].read(src.get(key), key, src.at(key))
-        effect = "adapters on every linear layer" if targets == "all-linear" else \
-            plan_targets(job, key, targets, shape, version)
+        one = model_config and key == "lora_target_modules" and isinstance(targets, list) and len(targets) == 1
+        if one:  # TRL's ModelConfig unwraps a list of one into the string peft gets
+            targets = targets[0]
+            job.notes.append(f"--lora_target_modules {targets}: TRL's ModelConfig hands peft one entry as a "
+                             f"string, a regular expression over whole module names")
+        try:
+            effect = "adapters on every linear layer" if targets == "all-linear" else \
+                plan_targets(job, key, targets, shape, version)
+        except UserError as e:
+            if not one:
+                raise
+            raise UserError(f"{e} TRL's ModelConfig hands peft a --lora_target_modules of one entry as this "
+                            f"string, not as a list of one name: give a pattern of whole names "
+                            f"('.*\\.{targets}').") from None
         if effect:
             effects[key] = effect
         else:
