@@ -16,6 +16,7 @@ from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.convert import to_config, to_yaml
 from shardfit.foreign.keys import epochs, fractional_epochs
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.adapters import adapts_experts
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
@@ -602,3 +603,13 @@ def test_hf_script_lora_config_targets_are_planned(tmp_path: Path) -> None:
     assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
     rx = read_job("hf", _write(tmp_path, "rx.py", script.format(r"r'.*\.mlp\.(up|down)_proj'")), JobOptions())
     assert rx.workload.lora_targets == ("up", "down")
+
+
+def test_axolotl_target_linear_on_fused_experts_is_its_list_of_linear_names(tmp_path: Path) -> None:
+    """axolotl's lora_target_linear hands peft the names of the model's linear modules: on Qwen3-MoE under
+    transformers 5 (fused experts, a router of its own class) only the attention's, so no routed expert trains;
+    it was planned as peft's all-linear, whose rewrite adapts every expert."""
+    text = AXOLOTL_LORA.replace("Qwen/Qwen2.5-7B", "Qwen/Qwen3-30B-A3B") + "lora_target_linear: true\n"
+    job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions(transformers="5.23.0"))
+    assert job.workload.lora_targets == ("q", "k", "v", "o")
+    assert not adapts_experts(resolve_shape(job.model), job.workload) and not job.workload.lora_router

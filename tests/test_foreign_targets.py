@@ -92,9 +92,9 @@ def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -
     """Qwen3-30B-A3B's mlp.gate is its router, a module peft adapts: `gate` is planned (as gate projections, with a
     note), not refused. Under transformers 4 each routed expert is a module of its own, and a pattern over their
     projections plans them; transformers 5 fuses them into 3-D weights, so the same pattern reaches no module
-    (every linear layer planned, with a note), an entry naming one expert's module exits 2 saying why, and
-    gate_proj, up_proj, down_proj are planned on every expert (peft 0.21 rewrites them onto the fused weights),
-    said in a note."""
+    (every linear layer planned, with a note); peft 0.21 moves an entry naming one expert's gate_proj onto every
+    expert, refused without up_proj as peft refuses it; gate_proj, up_proj, down_proj are planned on every expert
+    (peft 0.21 rewrites them onto the fused weights), said in a note."""
     gate = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "gate")
     assert gate.workload.lora_targets == ("gate",) and any("router" in n for n in gate.notes)
     text = AXOLOTL.format(model="Qwen/Qwen3-30B-A3B", targets=r".*mlp\.experts\.\d+\.(gate|up|down)_proj")
@@ -102,8 +102,7 @@ def test_a_mixtures_router_and_experts_are_modules_peft_adapts(tmp_path: Path) -
     assert experts.workload.lora_targets == ("gate", "up", "down")
     fused = read_job("axolotl", _write(tmp_path, "a.yml", text), JobOptions(transformers="5.0.0"))
     assert fused.workload.lora_targets is None and any("every linear layer" in n for n in fused.notes)
-    with pytest.raises(UserError, match=r"lora_target mlp\.experts\.0\.gate_proj names one routed expert's module, "
-                                        r"but transformers 5\.0\.0 builds .* fused.*Name gate_proj, up_proj"):
+    with pytest.raises(UserError, match=r"Cannot convert PEFT target\(s\) gate_proj without also targeting up_proj"):
         _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.gate_proj", transformers="5.0.0")
     assert _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.gate_proj",
                transformers="4.57.6").workload.lora_targets == ("q", "gate")
@@ -263,3 +262,25 @@ def test_modules_to_save_of_each_tool_are_planned_as_trainable_copies(tmp_path: 
     sw = ("swift sft --model Qwen/Qwen2.5-7B --train_type lora --target_modules q_proj v_proj --modules_to_save "
           "embed_tokens lm_head --dataset x.jsonl\n")
     assert read_job("swift", _write(tmp_path, "s.sh", sw), JobOptions()).workload.lora_saved == ("embed", "head")
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B", "openai/gpt-oss-20b"])
+def test_a_router_name_the_model_lacks_is_refused_or_skipped_as_peft_does(tmp_path: Path, model: str) -> None:
+    """`gate` or `router` on a model without that router (a dense model; gpt-oss, whose router is `router`)
+    matches no module: alone, peft raises "Target modules ... not found in the base model" (exit 2 quoting it);
+    beside q_proj, peft skips it. Both were planned as every linear layer."""
+    with pytest.raises(UserError, match=r"Target modules .* not found in the base model"):
+        _lf(tmp_path, model, "gate", transformers="5.0.0")
+    job = _lf(tmp_path, model, "q_proj,gate", transformers="5.0.0")
+    assert job.workload.lora_targets == ("q",) and any("peft skips" in n for n in job.notes)
+    if model == "Qwen/Qwen2.5-7B":
+        with pytest.raises(UserError, match="not found in the base model"):
+            _lf(tmp_path, model, "router", transformers="5.0.0")
+
+
+def test_one_experts_down_proj_reaches_every_fused_expert_as_peft_moves_it(tmp_path: Path) -> None:
+    """peft 0.21 moves `mlp.experts.0.down_proj` on Qwen3-MoE under transformers 5 onto every expert's fused
+    down_proj (it moves any entry ending in .down_proj); the entry was refused as naming a module that no longer
+    exists."""
+    job = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.down_proj", transformers="5.0.0")
+    assert job.workload.lora_rewritten == ("down",) and job.workload.lora_targets == ("q", "down")

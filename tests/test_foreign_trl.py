@@ -165,3 +165,62 @@ def test_trl_config_yaml_is_read_as_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "run.sh").write_text("trl sft --config gone.yaml\n")
     with pytest.raises(UserError, match="--config gone.yaml"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_a_trl_parser_script_reads_its_config_yaml(tmp_path: Path) -> None:
+    """`python sft.py --config sft.yaml` with a script parsing by TrlParser exited 2 for want of
+    --model_name_or_path: the YAML was read only under `trl sft`. TrlParser makes its keys the dataclasses'
+    defaults, so the command line's --lora_r 32 wins over the YAML's 8."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
+                                       "per_device_train_batch_size: 4\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text("python train.py --config sft.yaml --lora_r 32\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.model, job.workload.method, job.workload.lora_rank, job.workload.micro_batch) == \
+        ("Qwen/Qwen2.5-0.5B", "lora", 32, 4)
+
+
+def test_lora_config_modules_to_save_in_the_script_is_planned(tmp_path: Path) -> None:
+    """LoraConfig(modules_to_save=[...]) in the script's code trains full copies of the embedding and the head, as
+    the flag's spelling does; it was not read."""
+    script = ("from peft import LoraConfig\nfrom transformers import Trainer, TrainingArguments\n"
+              "cfg = LoraConfig(r=8, target_modules=['q_proj', 'v_proj'], modules_to_save=['embed_tokens', "
+              "'lm_head'])\nTrainer(args=TrainingArguments(output_dir='o')).train()\n")
+    job = _job(tmp_path, script)
+    assert job.workload.method == "lora" and job.workload.lora_saved == ("embed", "head"), job.notes
+
+
+@pytest.mark.parametrize(("model", "targets"), [
+    ("Qwen/Qwen2.5-0.5B", ("q", "v")), ("meta-llama/Llama-3.1-8B", ("q", "v")), ("Qwen/Qwen3-30B-A3B", None),
+])
+def test_use_peft_without_targets_takes_peft_defaults(tmp_path: Path, model: str, targets: tuple | None) -> None:
+    """TRL's --use_peft without --lora_target_modules builds LoraConfig(target_modules=None): peft takes its
+    default for the model's type (q_proj, v_proj for qwen2 and llama), and raises for a type it has none for
+    (qwen3_moe); it was planned as every linear layer."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(f"python train.py --model_name_or_path {model} --use_peft\n")
+    if targets is None:
+        with pytest.raises(UserError, match="Please specify `target_modules`"):
+            read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+        return
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.lora_targets == targets
+    assert any("peft's default" in n for n in job.notes)
+    assert to_config(job)["lora"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_the_bf16_default_note_says_what_transformers_does_on_older_gpus(tmp_path: Path) -> None:
+    """transformers 5 checks bf16 with torch.cuda.is_bf16_supported(), which counts torch's emulation, so a T4 or
+    V100 runs TRL's bf16 default (slowly) rather than being refused; the note said transformers refuses it."""
+    note = next(n for n in _job(tmp_path, SFT).notes if "TRL's SFTConfig default" in n and "bf16" in n)
+    assert "is_bf16_supported" in note and "lets it run" in note and "transformers refuses" not in note
+
+
+def test_one_lora_target_module_reaches_peft_as_a_pattern(tmp_path: Path) -> None:
+    """TRL's ModelConfig (trl 1.16 `__post_init__`) unwraps --lora_target_modules of one entry into a string, which
+    peft reads as a regular expression over whole module names: `q_proj` matches none (peft raises), `.*q_proj`
+    adapts the q projections. It was planned as the list [q_proj]."""
+    with pytest.raises(UserError, match=r"TRL's ModelConfig hands peft .* one entry as this string"):
+        _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj")
+    job = _job(tmp_path, SFT, "--use_peft --lora_target_modules '.*q_proj'")
+    assert job.workload.lora_targets == ("q",)

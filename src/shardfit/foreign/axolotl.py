@@ -42,7 +42,7 @@ from shardfit.foreign.keys import (
     yaml_source,
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
-from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
+from shardfit.foreign.targets import plan_linear_names, plan_saved, plan_targets, saved_names
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -409,7 +409,11 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
         else:
             unplanned.add("lora_target_modules")
     elif targets:  # axolotl adds every linear layer to the modules named
-        effects["lora_target_modules"] = "within every linear layer (lora_target_linear)"
+        effects["lora_target_modules"] = "joined with the linear layers' names (lora_target_linear)"
+    if src.flag("lora_target_linear") and job.workload.trains_adapters:
+        # axolotl puts a string beside the linear names as one more name, not as a pattern
+        plan_linear_names(job, "lora_target_linear", [targets] if isinstance(targets, str) else targets or [],
+                          shape, version)
     if saved_names(src.get("lora_modules_to_save")) and job.workload.trains_adapters:
         effect = plan_saved(job, "lora_modules_to_save", saved_names(src.get("lora_modules_to_save")))
         effects["lora_modules_to_save"] = effect

@@ -54,7 +54,7 @@ from shardfit.foreign.keys import (
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
-from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
+from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
@@ -157,7 +157,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload, shape, version)
+    _file_keys(src, job, job.workload, shape, version, code.model_config)
     file_env(job, env, ENV, unknown=NO_EFFECT)
     return job
 
@@ -212,13 +212,16 @@ def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference
 
 def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
     """What the training script sets in code (script_ast.py, read, never run), added to `src` where the command
-    line is silent."""
+    line is silent. A script parsing with TRL's TrlParser reads `--config FILE.yaml` as TRL does first: the YAML's
+    keys are its dataclasses' fields, below the command line's."""
     if script is None:
         return ScriptSettings()
     try:
         code = read_script(script, script.read_text())
     except OSError:
         return ScriptSettings()
+    if code.trl_parser:
+        _trl_yaml(src)
     for k, v in code.args.items():
         if k not in src:
             src.values[k] = v
@@ -281,9 +284,11 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
 
 
 def _trl_yaml(src: Source) -> None:
-    """`trl <command> --config FILE`: TrlParser reads the YAML's keys as the command line's, which win over them
-    (`set_defaults_with_config`); its accelerate keys go to the launch as the command line's do (trl 1.16
-    cli/commands/training.py). Said in `src` as if given on the command line."""
+    """`--config FILE` to TrlParser (`trl <command>`, or a script that parses with it): the YAML's keys become the
+    defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
+    scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
+    keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
+    command line."""
     ref = src.values.pop("config", None)
     if ref is None:
         return
@@ -361,9 +366,13 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
     precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
     if _trl_bf16(src, trl_config):
         precision = "bf16"
-        job.notes.append(f"neither bf16 nor fp16 set: bf16, TRL's {trl_config} default (TRL 0.19 and later; "
-                         f"transformers refuses it on a GPU without bf16, \"Your setup doesn't support bf16/gpu\": "
-                         f"set fp16 true there)")
+        # transformers 5's TrainingArguments checks bf16 with torch.cuda.is_bf16_supported(), which a GPU before
+        # Ampere passes wherever it can hold a bf16 tensor (torch's emulation check); an older torch asked for
+        # compute capability 8 and transformers then raised
+        job.notes.append(f"neither bf16 nor fp16 set: bf16, TRL's {trl_config} default (TRL 0.19 and later). On a "
+                         f"GPU without bf16 arithmetic (T4, V100) transformers lets it run, as torch.cuda."
+                         f"is_bf16_supported() counts the emulation, so it trains slowly; with an older torch it "
+                         f"raises \"Your setup doesn't support bf16/gpu\". Set fp16 true there")
     elif precision == "fp32" and acc is not None and acc.mixed_precision in ("bf16", "fp16"):
         # TrainingArguments takes ACCELERATE_MIXED_PRECISION, which the launch sets, unless --bf16/--fp16 say
         # otherwise (transformers' training_args.py `__post_init__`, `self.mixed_precision`)
@@ -504,9 +513,20 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
     return "all-linear" if parts == ["all-linear"] else parts
 
 
-def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
+def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str,
+               model_config: bool = False) -> None:
+    """Plan the LoRA targets and modules_to_save given, and record every key's effect. Under TRL's ModelConfig
+    (`model_config`, trl 1.16 `get_peft_config`), --use_peft without targets builds a LoraConfig without
+    target_modules, so peft takes its default for the model's type, and one --lora_target_modules entry reaches
+    peft as a string (ModelConfig's `__post_init__` unwraps a list of one), which peft reads as a regular
+    expression over whole module names."""
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
+    if model_config and w.trains_adapters and src.flag("use_peft", "false") and \
+            not {"lora_target_modules", "target_modules", "lora_target_parameters"} & set(src.values):
+        _, targets = plan_peft_default(job, "--use_peft", shape, version)  # its note says the targets
+        if targets:
+            job.convert.setdefault("lora", {})["targets"] = targets
     for key in ("lora_target_modules", "target_modules"):
         if key not in src:
             continue
@@ -514,8 +534,20 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             unplanned.add(key)  # no adapters train: the targets change nothing
             continue
         targets = KEYS[key].read(src.get(key), key, src.at(key))
-        effect = "adapters on every linear layer" if targets == "all-linear" else \
-            plan_targets(job, key, targets, shape, version)
+        one = model_config and key == "lora_target_modules" and isinstance(targets, list) and len(targets) == 1
+        if one:  # TRL's ModelConfig unwraps a list of one into the string peft gets
+            targets = targets[0]
+            job.notes.append(f"--lora_target_modules {targets}: TRL's ModelConfig hands peft one entry as a "
+                             f"string, a regular expression over whole module names")
+        try:
+            effect = "adapters on every linear layer" if targets == "all-linear" else \
+                plan_targets(job, key, targets, shape, version)
+        except UserError as e:
+            if not one:
+                raise
+            raise UserError(f"{e} TRL's ModelConfig hands peft a --lora_target_modules of one entry as this "
+                            f"string, not as a list of one name: give a pattern of whole names "
+                            f"('.*\\.{targets}').") from None
         if effect:
             effects[key] = effect
         else:

@@ -48,6 +48,8 @@ class ScriptSettings:
     # the script parses TRL's ModelConfig (TrlParser((..., ModelConfig)), get_peft_config): --use_peft,
     # --load_in_4bit, --lora_r and --lora_alpha are TRL's, with TRL's defaults (hf.py `_trl_model_config`)
     model_config: bool = False
+    # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
+    trl_parser: bool = False
 
 
 def _name(func: ast.expr) -> str:
@@ -110,6 +112,9 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             targets = known.get("target_modules")
             if isinstance(targets, str) or isinstance(targets, list | tuple) and targets:
                 out.args["target_modules"] = targets if isinstance(targets, str) else str(list(targets))
+            saved = known.get("modules_to_save")
+            if isinstance(saved, list | tuple) and saved and all(isinstance(t, str) for t in saved):
+                out.args["lora_modules_to_save"] = " ".join(saved)  # as ModelConfig's flag spells it
             out.found.append(f"LoraConfig({_shown(known, ('r', 'lora_alpha'))}) at {at}: LoRA")
         elif name == "BitsAndBytesConfig" and known.get("load_in_4bit") is True:
             out.args["q_lora"] = "true"
@@ -136,9 +141,10 @@ def read_script(path: Path, text: str) -> ScriptSettings:
                 out.model = first
     out.trl_config = _trl_config(tree, out.trainer or next(
         (n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None))
-    out.model_config = any(isinstance(n, ast.Name | ast.Attribute) and
-                           (n.id if isinstance(n, ast.Name) else n.attr) in ("ModelConfig", "get_peft_config")
-                           for n in ast.walk(tree))
+    names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
+             if isinstance(n, ast.Name | ast.Attribute)}
+    out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
+    out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
     return out
 
 

@@ -22,6 +22,9 @@ from shardfit.plan.workload import LORA_TARGETS
 # The projection names the planner places on every model it lists (block_modules): an entry ending in one of them
 # that matches none of the model's modules names a module the model does not have.
 _PROJECTIONS = {f"{n}_proj" for n in LORA_TARGETS}
+# A mixture's router names (`_moe_names`), which the planner lists on every mixture it models: on a model without
+# them (a dense one, gpt-oss's `router` beside Qwen's `gate`) they match no module.
+_ROUTERS = {"gate", "router"}
 # Families whose attention and MLP modules have other names than the planner's shapes can say (their catalog
 # entries are the compact form): a job naming q_proj... on them is planned, with a note to check.
 _OTHER_NAMES = {"phi-3": "qkv_proj, o_proj, gate_up_proj, down_proj",
@@ -178,24 +181,8 @@ def _refused(t: str) -> bool:
     all: it names one of the planner's projections (bare, or under self_attn/mlp), which the planner lists
     wherever the model has them. Other names (lm_head, a vision tower's modules) may name modules the planner does
     not model. (Entries that name no module of any model are refused before: config/targets.py.)"""
-    return t.rsplit(".", 1)[-1] in _PROJECTIONS and (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
-
-
-# An entry naming one routed expert's module (`mlp.experts.3.down_proj`, `experts.0.gate_proj`).
-_ONE_EXPERT = re.compile(r"(^|\.)experts\.\d+(\.|$)")
-
-
-def _one_expert_refusal(job: ForeignJob, key: str, entries: list[str], shape: ModelShape, version: str) -> str:
-    """Why entries naming one routed expert's module are refused where transformers `version` fuses the experts,
-    and what to name instead."""
-    moved = peft_rewrite(shape, version)
-    instead = (f"{', '.join(moved)}: peft 0.21 moves them onto every expert's fused weights ({moved[0]} and "
-               f"{moved[1]} only together), a peft without that rewrite refuses them" if moved is not None else
-               "the attention's or shared expert's projections: the fused weights are reached only by peft's "
-               "target_parameters, which this key does not set")
-    return (f"{job.source}: {key} {', '.join(entries)} names one routed expert's module, but transformers "
-            f"{version} builds {job.model}'s routed experts fused: one experts module per block holding 3-D "
-            f"weights (gate_up_proj, down_proj) for all of them, and no module per expert. Name {instead}.")
+    return t.rsplit(".", 1)[-1] in _PROJECTIONS | _ROUTERS and \
+        (t.count(".") == 0 or t.startswith(("self_attn.", "mlp.")))
 
 
 def _fix(missed: list[str], modules: dict[str, list[str]]) -> str:
@@ -287,10 +274,10 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         if problem is not None and problem.refused:
             raise UserError(f"{job.source}: {key} {problem.message} The model's block modules: "
                             f"{_own_names(modules)}.")
+        # an entry naming one expert's module (`mlp.experts.0.down_proj`) needs no rule of its own: where
+        # transformers fuses the experts, peft 0.21 moves it onto every expert's fused weight when it ends in a
+        # moved name (`as_peft_reads`), and otherwise it matches no module, as any name the model lacks
         named = [t for t in targets if not names_no_module(t)]
-        one = [t for t in named if _ONE_EXPERT.search(t)]
-        if one and fused_experts(shape, ver):
-            raise UserError(_one_expert_refusal(job, key, one, shape, ver))
         read = {t: as_peft_reads(t, shape, ver) for t in named}
         hits = {n: [m for m in names if any(_matches(read[t], m) for t in named)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
@@ -305,7 +292,8 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
                f"the module name's last parts ({example}). {_fix(missed, modules)}")
         verdict = unmatched(named, missed, why, skip_partial=True)
         if verdict is not None and verdict.refused:
-            raise UserError(f"{why} peft refuses targets of which none matches a module.")
+            raise UserError(f"{why} peft refuses targets of which none matches a module (\"Target modules "
+                            f"{set(targets)} not found in the base model\").")
         if verdict is not None:
             job.notes.append(verdict.message.removeprefix(f"{job.source}: "))
     _notes(job, key, hits, shape, ver)
@@ -456,3 +444,84 @@ def plan_saved(job: ForeignJob, key: str, names: list[str]) -> str:
                          f"only the embedding's and the head's copies are (an under-estimate)")
     what = " and ".join({"embed": "the embedding", "head": "the head"}[k] for k in sorted(kinds))
     return f"{what} trained whole beside the adapters (peft's modules_to_save: a full trainable copy)"
+
+
+# peft 0.21's targets for a LoraConfig without target_modules (peft/utils/constants.py
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, looked up by the top-level config's model_type in
+# LoraModel._prepare_adapter_config), for the decoder families the planner models; any other model_type makes
+# peft raise. tests/test_foreign_peft_parity.py holds this against the installed peft's table.
+PEFT_DEFAULT_TARGETS = {
+    **dict.fromkeys(("llama", "llama4", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                     "stablelm", "opt", "gptj", "gpt_neo"), ("q_proj", "v_proj")),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"), "chatglm": ("query_key_value",),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj")}
+# The model_type of the catalog's entries that do not carry one, by their hub id (their config.json's).
+_CATALOG_TYPES = ((r"(meta-)?llama-[23]|.*tinyllama|.*smollm2|yi-", "llama"),
+                  (r"qwen(1\.5|2|2\.5)(-coder)?-\d", "qwen2"), (r"qwen3-\d", "qwen3"), (r"qwen-\d", "qwen"),
+                  (r"qwen2-vl", "qwen2_vl"), (r"qwen2\.5-vl", "qwen2_5_vl"), (r"qwen2\.5-omni", "qwen2_5_omni"),
+                  (r"glm-4-9b", "chatglm"), (r"mistral-", "mistral"), (r"gemma-2-", "gemma2"),
+                  (r"gemma-\d+b", "gemma"), (r"gemma-3-1b", "gemma3_text"), (r"phi-3", "phi3"))
+
+
+def model_type_of(model: str, shape: ModelShape) -> str:
+    """`shape`'s config.json model_type, else the catalog entry's by its hub id (`_CATALOG_TYPES`); "" unknown."""
+    if shape.model_type:
+        return shape.model_type
+    name = f"{shape.id or model}".lower().split("/", 1)[-1]
+    return next((kind for rx, kind in _CATALOG_TYPES if re.match(rx, name)), "")
+
+
+def plan_peft_default(job: ForeignJob, key: str, shape: ModelShape, version: str) -> tuple[str, list[str]]:
+    """Plan a LoraConfig built without target_modules (TRL's --use_peft without --lora_target_modules): peft
+    takes its table's targets for the model's type (PEFT_DEFAULT_TARGETS), planned as those targets are; a type
+    outside the table peft refuses, exit 2. A model whose type the planner cannot tell keeps every linear layer,
+    said in a note. Returns the effect shown beside `key` ("" where not modelled) and the targets peft takes."""
+    kind = model_type_of(job.model, shape)
+    if not kind:
+        job.notes.append(f"{key} without target modules: peft takes its default targets for the model's type "
+                         f"(q_proj, v_proj for llama, qwen2, mistral...), which the planner cannot tell for "
+                         f"{job.model}: planned on every linear layer (an over-estimate)")
+        return "", []
+    targets = PEFT_DEFAULT_TARGETS.get(kind)
+    if targets is None:
+        raise UserError(f"{job.source}: {key} gives peft no target modules, and peft has no default for "
+                        f"{job.model}'s model_type {kind}: it raises \"Please specify `target_modules` or "
+                        f"`target_parameters` in `peft_config`\". Name them (--lora_target_modules with the "
+                        f"model's module names, or all-linear).")
+    job.notes.append(f"{key} without target modules: peft's default for model_type {kind}, "
+                     f"{', '.join(targets)}")
+    return plan_targets(job, key, list(targets), shape, version), list(targets)
+
+
+def _linear_leaves(shape: ModelShape, version: str) -> list[str]:
+    """The last parts of the names of `shape`'s block modules that are an nn.Linear under transformers `version`
+    (axolotl's find_all_linear_names): where the experts are fused, no expert's name and a router only where it
+    is one (Llama 4's Llama4Router); before that, every expert's projections and the router (an nn.Linear)."""
+    fused = fused_experts(shape, version)
+    _, router, _ = _moe_names(shape)
+    leaves = [m.rsplit(".", 1)[-1] for names in block_modules(shape, version).values() for m in names
+              if not (fused and re.search(r"\.experts\.[a-z]", m))]
+    return [n for n in dict.fromkeys(leaves) if not (fused and n == router and not shape.every_expert)]
+
+
+def plan_linear_names(job: ForeignJob, key: str, named: list[str], shape: ModelShape, version: str) -> None:
+    """axolotl's `lora_target_linear: true` (0.19 loaders/adapter.py): peft gets the last names of the modules
+    that are an nn.Linear (or whose class name says Linear), less lm_head, joined with the `named`
+    lora_target_modules beside it. Every linear layer where the experts are not fused; on fused experts
+    (transformers 5) that list reaches no routed expert unless peft's rewrite moves a dense or shared expert's
+    gate_proj, up_proj and down_proj onto them, and no router but Llama 4's, or one `named`."""
+    if not (job.workload.trains_adapters and fused_experts(shape, version)):
+        return
+    if peft_rewrite(shape, version) is None:
+        # no rewrite: the list reaches what every linear layer does (plan_all_linear: no routed expert, Llama 4's
+        # router), and a named router of its own class peft refuses to wrap (`_experts`)
+        modules = block_modules(shape, version)
+        _experts(job, key, {n: [m for m in found if any(_matches(t, m) for t in named)]
+                            for n, found in modules.items()}, shape, version)
+        plan_all_linear(job, shape, version)
+        return
+    names = list(dict.fromkeys([*_linear_leaves(shape, version), *named]))
+    job.notes.append(f"{key}: axolotl hands peft the names of {job.model}'s linear modules ({', '.join(names)}); "
+                     f"transformers {version} builds its routed experts fused (no Linear), planned as peft "
+                     f"adapts that list")
+    plan_targets(job, key, names, shape, version)
