@@ -277,3 +277,130 @@ def test_a_watchdog_timeout_late_in_training_is_not_p2p() -> None:
            "WorkNCCL(SeqNum=48211, OpType=ALLREDUCE, NumelIn=1, Timeout(ms)=1800000) ran for 1800412 milliseconds "
            "before timing out.")
     assert "nccl_p2p_hang" not in [x.category for x in analyze(log).likely]
+
+
+# -- a cut in a frame every ordinary error of that call passes through (review of round 9) ----------------------------
+
+LLAMA = SITE + "transformers/models/llama/modeling_llama.py"
+FA = SITE + "flash_attn/flash_attn_interface.py"
+BNB = SITE + "bitsandbytes/"
+C10D = SITE + "torch/distributed/distributed_c10d.py"
+DDP_INIT = (SITE + "torch/nn/parallel/distributed.py", "__init__",
+            "_verify_param_shape_across_processes(self.process_group, parameters)")
+
+# ordinary errors (a shape, a dtype, an OOM, a second init, a missing package) whose traceback the paste cuts inside
+# an extension's runtime call or a process group's set-up: an import that failed, a GPU too old, a rendezvous that
+# found no one, or a port taken is not what these frames show, so none of them may be a likely cause
+CUT_ORDINARY = (
+    # flash-attn's forward on an H100 with bf16 (the arch is fine; a head dim or a layout is wrong)
+    ("torchrun --nproc_per_node 8 sft.py --bf16 --attn_implementation flash_attention_2  # 8x H100 80GB HBM3", [
+        (LLAMA, "forward", "attn_output, attn_weights = attention_interface("),
+        (SITE + "transformers/integrations/flash_attention.py", "flash_attention_forward",
+         "attn_output = _flash_attention_forward("),
+        (FA, "flash_attn_varlen_func", "return FlashAttnVarlenFunc.apply("),
+        (FA, "forward", "out_padded, softmax_lse, S_dmask, rng_state = _wrapped_flash_attn_varlen_forward("),
+        (FA, "_flash_attn_varlen_forward", "out, softmax_lse, S_dmask, rng_state = flash_attn_gpu.varlen_fwd(")],
+     {"extension_abi_mismatch", "gpu_arch_unsupported"}),
+    ("python train.py --model Qwen/Qwen2.5-7B --bf16  # A100-SXM4-80GB", [
+        (SITE + "transformers/models/qwen2/modeling_qwen2.py", "forward", "attn_output = _flash_attention_forward("),
+        (FA, "flash_attn_func", "return FlashAttnFunc.apply(")],
+     {"extension_abi_mismatch", "gpu_arch_unsupported"}),
+    # flash-attn's padding helpers are plain torch code: an attention mask of the wrong shape
+    ("accelerate launch --num_processes 4 train.py --packing", [
+        (SITE + "transformers/modeling_flash_attention_utils.py", "_upad_input",
+         "indices_k, cu_seqlens_k, max_seqlen_in_batch_k = _get_unpad_data(attention_mask)"),
+        (SITE + "flash_attn/bert_padding.py", "unpad_input",
+         "indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()")],
+     {"extension_abi_mismatch"}),
+    # a QLoRA step: bitsandbytes' runtime Python, past the import that went through
+    ("python qlora.py --load_in_4bit --bnb_4bit_compute_dtype bfloat16  # RTX 4090", [
+        (SITE + "peft/tuners/lora/bnb.py", "forward", "result = self.base_layer(x, *args, **kwargs)"),
+        (BNB + "nn/modules.py", "forward", "return bnb.matmul_4bit(x, self.weight.t(), bias=bias, "
+                                           "quant_state=self.weight.quant_state).to(inp_dtype)"),
+        (BNB + "autograd/_functions.py", "matmul_4bit", "return MatMul4Bit.apply(A, B, out, bias, quant_state)"),
+        (BNB + "autograd/_functions.py", "forward",
+         "output = torch.nn.functional.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)"),
+        (BNB + "functional.py", "dequantize_4bit", "out = torch.empty(shape, dtype=dtype, device=A.device)")],
+     {"extension_abi_mismatch", "gpu_arch_unsupported"}),
+    ("python load.py --load_in_4bit  # quantizing a 70B model onto one 24 GB card", [
+        (SITE + "transformers/modeling_utils.py", "from_pretrained", "model = model.to(device)"),
+        (BNB + "nn/modules.py", "_quantize", "w_4bit, quant_state = bnb.functional.quantize_4bit("),
+        (BNB + "functional.py", "quantize_4bit", "out = torch.zeros(((n + 1) // mod, 1), dtype=quant_storage, "
+                                                 "device=A.device)")],
+     {"extension_abi_mismatch", "gpu_arch_unsupported"}),
+    # a script that calls init_process_group twice, and DeepSpeed looking for MPI without mpi4py
+    ("torchrun --nproc_per_node 2 train.py", [
+        ("/work/proj/train.py", "setup", "dist.init_process_group('nccl')"),
+        (C10D, "init_process_group", 'raise ValueError("trying to initialize the default process group twice!")')],
+     {"rendezvous_unreachable", "dist_port_in_use"}),
+    ("deepspeed --num_gpus 8 train.py --deepspeed ds.json", [
+        (SITE + "deepspeed/comm/comm.py", "init_distributed",
+         "mpi_discovery(distributed_port=distributed_port, verbose=verbose)")],
+     {"rendezvous_unreachable"}),
+    # env:// with no launcher: the variables are missing, no port is taken
+    ("python train.py", [
+        (C10D, "init_process_group", "store, rank, world_size = next(rendezvous_iterator)"),
+        (SITE + "torch/distributed/rendezvous.py", "_env_rendezvous_handler",
+         'rank = int(_get_env_or_raise("RANK"))')],
+     {"dist_port_in_use"}),
+)
+
+
+@pytest.mark.parametrize(("setting", "frames", "wrong"), CUT_ORDINARY)
+def test_an_ordinary_error_cut_in_an_extension_or_a_group_set_up_is_not_its_loader(setting: str, frames: list,
+                                                                                    wrong: set) -> None:
+    log = setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
+    assert parse(log).cut_frames
+    cats = [x.category for x in analyze(log).likely]
+    assert not wrong & set(cats), cats
+
+
+# the frames of each mechanism itself still rank it: an import, the loader, an old GPU in a kernel call, the store
+@pytest.mark.parametrize(("setting", "frames", "first"), [
+    ("python train.py --attn_implementation flash_attention_2", [
+        (SITE + "transformers/utils/import_utils.py", "_get_module", "return importlib.import_module('.' + name)"),
+        (SITE + "flash_attn/__init__.py", "<module>", "from flash_attn.flash_attn_interface import ("),
+        (FA, "<module>", "import flash_attn_2_cuda as flash_attn_gpu")], "extension_abi_mismatch"),
+    ("python qlora.py --load_in_4bit", [
+        (BNB + "__init__.py", "<module>", "from . import research, utils"),
+        (BNB + "cextension.py", "get_native_library", "dll = ct.cdll.LoadLibrary(str(binary_path))")],
+     "extension_abi_mismatch"),
+    ("python train.py --fp16  # Tesla V100-SXM2-32GB", [
+        (FA, "flash_attn_func", "return FlashAttnFunc.apply("),
+        (FA, "_flash_attn_forward", "out, softmax_lse, S_dmask, rng_state = flash_attn_gpu.fwd(")],
+     "gpu_arch_unsupported"),
+    ("torchrun --nproc_per_node 8 train.py", [
+        (C10D, "init_process_group", "store, rank, world_size = next(rendezvous_iterator)"),
+        (SITE + "torch/distributed/rendezvous.py", "_create_c10d_store", "return TCPStore(")], "dist_port_in_use"),
+])
+def test_a_cut_in_a_mechanisms_own_frame_still_ranks_it(setting: str, frames: list, first: str) -> None:
+    log = setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
+    assert _likely(log)[0] == first
+
+
+# -- a traceback cut in DDP's first collective -----------------------------------------------------------------------
+
+def _ddp_cut(setting: str, frame: tuple[str, str, str] = DDP_INIT) -> str:
+    return setting + "\n" + _frames(
+        ("/work/proj/train.py", "main", "model = DDP(model.cuda(), device_ids=[dev])"), frame)
+
+
+def test_a_cut_in_ddps_first_collective_ranks_what_fails_or_waits_there() -> None:
+    a = analyze(_ddp_cut(TORCHRUN))
+    cats = [x.category for x in a.likely]
+    # an error there with no hang in words: NCCL's set-up first, P2P and a rank that never came after it
+    assert a.answer == "likely" and cats == ["nccl_env_setup", "nccl_p2p_hang", "peer_rank_failed"], cats
+    assert all("every rank" in x.check and "NCCL_P2P_DISABLE" in x.check for x in a.likely), a.likely[0].check
+    # a hang there on consumer cards is P2P; a rank still tokenizing leaves the others waiting in DDP's collective
+    assert _likely(_ddp_cut(TORCHRUN + "  # 2x RTX 4090\nIt hangs here forever."))[0] == "nccl_p2p_hang"
+    prep = TORCHRUN + "\nRunning tokenizer on dataset (num_proc=16):  41%|####      | 410000/1000000"
+    assert _likely(_ddp_cut(prep))[0] == "nccl_timeout_preprocessing"
+    # one process has no other rank to wait for
+    _none(_ddp_cut("python train.py"))
+
+
+def test_a_cut_in_ddps_own_checks_is_not_its_collective() -> None:
+    # DDP refusing a model on the CPU (or spread over GPUs) raises from __init__ itself, before any collective
+    log = _ddp_cut(TORCHRUN, (SITE + "torch/nn/parallel/distributed.py", "__init__", "self._log_and_throw("))
+    cats = [x.category for x in analyze(log).likely]
+    assert not {"nccl_p2p_hang", "nccl_env_setup"} & set(cats), cats

@@ -301,12 +301,47 @@ def test_dev9_floors(holdout: bool, variant: str, top3: float) -> None:
     assert stated == measured, (row, measured)
 
 
+MAIN_TABLE_HEADER = "| part | form | known / unrelated | top-1 | top-3 | confident-wrong | abstain on unrelated |"
+
+
+def main_table_diff(doc: str, rows: list[str]) -> list[str]:
+    """How docs/diagnose.md's main table differs from `rows`, the rows measured now: "+ row" for one the page shows
+    and the corpus no longer gives (a stale row), "- row" for one it lacks; empty when the two are the same table,
+    row for row and in order. The table is the lines from its header to the first line that is not a row."""
+    lines = doc.splitlines()
+    start = next((i for i, x in enumerate(lines) if x.startswith(MAIN_TABLE_HEADER)), None)
+    if start is None:
+        return ["- the main table (its header is missing)"]
+    table = []
+    for x in lines[start + 2:]:  # past the header and its |---| line
+        if not x.startswith("|"):
+            break
+        table.append(x)
+    if table == rows:
+        return []
+    return [f"+ {r}" for r in table if r not in rows] + [f"- {r}" for r in rows if r not in table] or [
+        "the rows are the measured ones in another order"]
+
+
+def test_a_stale_extra_or_missing_row_of_the_main_table_is_noticed() -> None:
+    rows = ["| dev (in-sample) | full | 1 / 0 | 100% | 100% | 0 of 1 | - | 100% |",
+            "| dev (in-sample) | line | 1 / 0 | 50.0% | 100% | 0 of 1 | - | 50.0% |"]
+    page = [MAIN_TABLE_HEADER + " `findings` top-1 |", "|---|---|---|---|---|---|---|---|", *rows]
+    assert main_table_diff("\n".join(["# Diagnose", "", *page, "", "Under the table."]), rows) == []
+    stale = "| dev, round 8 (in-sample) | full | 1 / 0 | 90.0% | 100% | 0 of 1 | - | 90.0% |"
+    assert main_table_diff("\n".join([*page, stale, ""]), rows) == [f"+ {stale}"]
+    assert main_table_diff("\n".join(page[:-1]), rows) == [f"- {rows[1]}"]
+    assert main_table_diff("\n".join([*page[:2], rows[1], rows[0]]), rows)
+    assert main_table_diff("no table here", rows)
+
+
 def test_docs_main_table_and_its_figures_are_measured_now() -> None:
     """docs/diagnose.md's main table (whole logs, last lines, one line) and the sentences quoting it, as
-    `python -m tests.diagnose_real.evaluate docs` prints them from the corpus now."""
+    `python -m tests.diagnose_real.evaluate docs` prints them from the corpus now: the whole table, so a row the
+    corpus no longer gives fails as a missing one does."""
     doc = (TESTS.parent / "docs" / "diagnose.md").read_text()
-    missing = [r for r in docs_rows() if r not in doc.splitlines()]
-    assert not missing, "run `python -m tests.diagnose_real.evaluate docs`; the page lacks:\n" + "\n".join(missing)
+    diff = main_table_diff(doc, docs_rows())
+    assert not diff, "run `python -m tests.diagnose_real.evaluate docs`; the page's table differs:\n" + "\n".join(diff)
     flat = " ".join(doc.split())
     for sentence in docs_prose():
         assert sentence in flat, sentence

@@ -9,6 +9,7 @@ out. An item tests one field of the parsed log:
     exc:      a regex on the final exception ("Type: message"); any_exc: on any exception in the log
     frame:    a regex on a traceback frame ("package/path/file.py:function")
     cut_frame: the same on the innermost frame of a traceback the paste cuts before its exception line
+               (followed by a newline and the frame's source line, where the paste shows it)
     fact:     a named fact of the parse (`facts:` in causes.yaml, or computed: zero3, multi_rank, exit-9, ...)
 
 plus `w` (weight) and optionally `when` / `unless` (facts that must / must not hold for the item to count) and

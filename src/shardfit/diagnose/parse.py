@@ -535,7 +535,10 @@ def _cut_frames(p: Parsed) -> list[str]:
     """The innermost frame of a traceback that the paste cuts before its exception line (the last frame is among the
     paste's last lines and the paste holds no exception but a launcher's wrapper or a warning), in a library's code;
     empty for a complete traceback or one cut in the user's own code. Only the innermost frame: the frames above it
-    (DDP's forward, the Trainer's loop) are on the path of every error raised below them."""
+    (DDP's forward, the Trainer's loop) are on the path of every error raised below them. The frame is followed by
+    its source line ("file.py:func\nsource"), where the paste shows it: what the frame was calling when the paste
+    ends (DDP's __init__ in its first collective, init_process_group in its rendezvous) tells a frame of a cause's
+    own mechanism from one every error of that call passes through."""
     last = next((i for i in range(len(p.lines) - 1, max(-1, len(p.lines) - 2 - CUT_TAIL_LINES), -1)
                  if ".py" in p.lines[i] and _frame(p.lines[i])), None)
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
@@ -547,7 +550,8 @@ def _cut_frames(p: Parsed) -> list[str]:
     # cut in the user's own code, the frames above it name only what the user called, not where it failed
     if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
         return []
-    return _frames(p.lines[last])
+    source = next((x.strip() for x in p.lines[last + 1:] if x.strip() and not _CARETS.fullmatch(x)), "")
+    return [f"{f}\n{source}" if source else f for f in _frames(p.lines[last])]
 
 
 def _frame(line: str) -> re.Match[str] | None:
