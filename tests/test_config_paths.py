@@ -119,6 +119,10 @@ def test_an_owner_name_value_a_sure_typo_of_a_folder_in_its_owner_folder_is_one(
             with pytest.raises(UserError, match=f"does not exist; did you mean {meant}\\?"):
                 probe(value)
     assert not absent_here("Qwen/Qwen2.5-7B-Instruct") and not absent_here("Qwen/Qwen2.5-0.5B")
+    # A letter more or less at a word's end is a family's variant, not a typo: bloom beside a bloomz download.
+    (tmp_path / "bigscience" / "bloomz-7b1").mkdir(parents=True)
+    assert not absent_here("bigscience/bloom-7b1")
+    assert resolve_model("bigscience/bloom-7b1").folder == "bigscience/bloom-7b1"
 
 
 def test_another_model_is_no_typo_but_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

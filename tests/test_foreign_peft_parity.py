@@ -6,6 +6,8 @@ whose routed experts take no adapter from target_modules. Tiny models built on t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardfit.errors import UserError
@@ -155,7 +157,13 @@ def test_peft_default_targets_are_peft_own_table() -> None:
     """The planner's copy of peft's per-model defaults (a LoraConfig without target_modules) is peft's."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
 
-    assert {k: list(v) for k, v in PEFT_DEFAULT_TARGETS.items()} == {k: table[k] for k in PEFT_DEFAULT_TARGETS}
+    # Every row: a type missing from the copy would be refused here where peft trains it (gpt_neox, falcon...).
+    assert set(PEFT_DEFAULT_TARGETS) == set(table)
+    for kind, names in table.items():
+        if isinstance(names, str):  # a regex over whole module names (gemma4's language model q/v)
+            assert all(re.search(rf"\b{n}\b", names) for n in PEFT_DEFAULT_TARGETS[kind]), kind
+        else:
+            assert list(PEFT_DEFAULT_TARGETS[kind]) == list(names), kind
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3_moe"])

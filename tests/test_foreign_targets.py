@@ -284,3 +284,14 @@ def test_one_experts_down_proj_reaches_every_fused_expert_as_peft_moves_it(tmp_p
     exists."""
     job = _lf(tmp_path, "Qwen/Qwen3-30B-A3B", "q_proj,mlp.experts.0.down_proj", transformers="5.0.0")
     assert job.workload.lora_rewritten == ("down",) and job.workload.lora_targets == ("q", "down")
+
+
+@pytest.mark.parametrize("model", ["mistralai/Mixtral-8x7B-v0.1", "openai/gpt-oss-20b"])
+def test_one_experts_modules_peft_does_not_move_match_nothing(tmp_path: Path, model: str) -> None:
+    """`experts.0.gate_proj, experts.0.up_proj` (no `mlp.` prefix) on fused experts peft 0.21 does not rewrite:
+    no such module exists, so peft raises NoMatchingPeftModuleError; they were planned as every linear layer (a
+    review's tiny Mixtral/Qwen2-MoE under get_peft_model). Beside q_proj they are skipped, as peft skips them."""
+    with pytest.raises(UserError, match="not found in the base model"):
+        _lf(tmp_path, model, "experts.0.gate_proj,experts.0.up_proj", transformers="5.0.0")
+    job = _lf(tmp_path, model, "q_proj,experts.0.gate_proj", transformers="5.0.0")
+    assert job.workload.lora_targets == ("q",)

@@ -224,3 +224,7 @@ def test_one_lora_target_module_reaches_peft_as_a_pattern(tmp_path: Path) -> Non
         _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj")
     job = _job(tmp_path, SFT, "--use_peft --lora_target_modules '.*q_proj'")
     assert job.workload.lora_targets == ("q",)
+    # argparse splits on spaces, not commas: `q_proj,v_proj` is one entry, a pattern no module name matches
+    with pytest.raises(UserError, match=r"one entry as this string"):
+        _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj,v_proj")
+    assert _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj v_proj").workload.lora_targets == ("q", "v")

@@ -117,6 +117,17 @@ def _edit(want: str, have: str) -> tuple[str, int] | None:
     return (kind, i) if longer[:i] + longer[i + 1:] == shorter else None
 
 
+def ends_a_word_apart(want: str, have: str) -> bool:
+    """Whether `want` and `have` differ by one letter at the end of a word (bloom beside bloomz): how a family
+    names its variants, so between model names no sure typo even where `likeness` would call it one."""
+    edit = _edit(want, have)
+    if edit is None or edit[0] not in ("add", "drop"):
+        return False
+    longer = want if edit[0] == "add" else have
+    token, at = _token(longer, edit[1])
+    return at == len(token) - 1
+
+
 def _token(name: str, i: int) -> tuple[str, int]:
     """The separator-delimited token of `name` that holds position `i` (a letter, not a separator), and `i`'s place
     in it."""

@@ -533,10 +533,21 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
         if not w.trains_adapters:
             unplanned.add(key)  # no adapters train: the targets change nothing
             continue
-        targets = KEYS[key].read(src.get(key), key, src.at(key))
-        one = model_config and key == "lora_target_modules" and isinstance(targets, list) and len(targets) == 1
-        if one:  # TRL's ModelConfig unwraps a list of one into the string peft gets
-            targets = targets[0]
+        raw = src.get(key)
+        targets = KEYS[key].read(raw, key, src.at(key))
+        # TRL's ModelConfig unwraps a list of one into the string peft gets; argparse splits on spaces only, so
+        # `q_proj,v_proj` is that one entry whole (a comma-joined pattern no module name matches)
+        one_raw = raw[0] if isinstance(raw, list) and len(raw) == 1 else raw if isinstance(raw, str) and \
+            len(raw.split()) == 1 else None
+        one = model_config and key == "lora_target_modules" and isinstance(one_raw, str)
+        if one:
+            targets = one_raw.strip()
+            if "," in targets:  # no module name holds a comma: peft raises "Target modules ... not found"
+                raise UserError(f"{src.at(key)}: --lora_target_modules {targets} is one entry: TRL's ModelConfig "
+                                f"hands peft one entry as this string, a regular expression over whole module "
+                                f"names, and no name holds a comma, so peft raises \"Target modules {{'{targets}'}} "
+                                f"not found in the base model\". Separate the names with spaces "
+                                f"(--lora_target_modules {' '.join(targets.split(','))}).")
             job.notes.append(f"--lora_target_modules {targets}: TRL's ModelConfig hands peft one entry as a "
                              f"string, a regular expression over whole module names")
         try:

@@ -176,6 +176,11 @@ def _own_names(modules: dict[str, list[str]]) -> str:
     return ", ".join(seen)
 
 
+# One routed expert's module (`experts.0.gate_proj`, any prefix): where transformers fuses the experts there is no
+# such module, so an entry peft does not move onto the fused weights (`as_peft_reads`) surely matches nothing.
+_ONE_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+
+
 def _refused(t: str) -> bool:
     """Whether a list entry that matched none of the modules the planner lists matches none of the model's at
     all: it names one of the planner's projections (bare, or under self_attn/mlp), which the planner lists
@@ -282,7 +287,8 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
         hits = {n: [m for m in names if any(_matches(read[t], m) for t in named)] for n, names in modules.items()}
         planned = tuple(n for n, found in hits.items() if found)
         missed = [t for t in named if not any(_matches(read[t], m) for names in modules.values() for m in names)]
-        if any(not _refused(t) for t in missed):
+        fused = fused_experts(shape, ver)
+        if any(not (_refused(t) or (fused and _ONE_EXPERT.search(t))) for t in missed):
             return _fallback(job, key, shown, modules, "names modules beyond those")
         _none_of_the_family(job, key, [read[t] for t in named], shape)
         if problem is not None:
@@ -448,13 +454,20 @@ def plan_saved(job: ForeignJob, key: str, names: list[str]) -> str:
 
 # peft 0.21's targets for a LoraConfig without target_modules (peft/utils/constants.py
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, looked up by the top-level config's model_type in
-# LoraModel._prepare_adapter_config), for the decoder families the planner models; any other model_type makes
-# peft raise. tests/test_foreign_peft_parity.py holds this against the installed peft's table.
+# LoraModel._prepare_adapter_config), the whole table: a model_type outside it makes peft raise. Copied so that a
+# plan imports no peft (and with it torch); tests/test_foreign_peft_parity.py holds the copy to the installed
+# peft's table, every row. gemma4's row is a regex over the language model's q_proj/v_proj: the same two names.
 PEFT_DEFAULT_TARGETS = {
     **dict.fromkeys(("llama", "llama4", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-                     "stablelm", "opt", "gptj", "gpt_neo"), ("q_proj", "v_proj")),
-    "phi": ("q_proj", "v_proj", "fc1", "fc2"), "chatglm": ("query_key_value",),
-    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj")}
+                     "stablelm", "opt", "gptj", "gpt_neo", "bart", "gemma4"), ("q_proj", "v_proj")),
+    **dict.fromkeys(("t5", "mt5"), ("q", "v")), **dict.fromkeys(("gpt2", "gpt_bigcode"), ("c_attn",)),
+    **dict.fromkeys(("bloom", "gpt_neox", "chatglm", "RefinedWebModel", "RefinedWeb", "falcon"), ("query_key_value",)),
+    "blip-2": ("q", "v", "q_proj", "v_proj"),
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "layoutlm"), ("query", "value")),
+    "deberta-v2": ("query_proj", "value_proj"), "deberta": ("in_proj",), "mpt": ("Wqkv",),
+    "btlm": ("c_proj", "c_attn"), "codegen": ("qkv_proj",), "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"), "rwkv": ("key", "value", "receptance", "output"),
+    "rwkv7": ("r_proj", "k_proj", "v_proj", "o_proj", "key", "value")}
 # The model_type of the catalog's entries that do not carry one, by their hub id (their config.json's).
 _CATALOG_TYPES = ((r"(meta-)?llama-[23]|.*tinyllama|.*smollm2|yi-", "llama"),
                   (r"qwen(1\.5|2|2\.5)(-coder)?-\d", "qwen2"), (r"qwen3-\d", "qwen3"), (r"qwen-\d", "qwen"),

