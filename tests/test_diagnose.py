@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,6 +72,12 @@ def test_cli_json_contract(tmp_path: Path) -> None:
     assert r.returncode == 2 and "no such file" in r.stderr
     r = run_cli("diagnose", str(tmp_path), timeout=60)  # a run's folder: said so, not "no such file"
     assert r.returncode == 2 and "is a folder" in r.stderr and "no such file" not in r.stderr
+    fifo = tmp_path / "log.fifo"  # a process substitution's pipe, `shardfit diagnose <(kubectl logs ...)`
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"cat {log} > {fifo}"])
+    r = run_cli("diagnose", str(fifo), timeout=60)
+    writer.wait(timeout=60)
+    assert r.returncode == 0 and "full replica" in r.stdout, r.stderr
 
 
 def test_public_issue_logs_rank_the_right_category_first() -> None:

@@ -27,10 +27,13 @@ def read_input(path: str | None, note: list[str] | None = None) -> bytes:
     if p.is_dir():  # a run's folder: shardfit keeps no log in it, and other tools' logs have no one name to look for
         raise UserError(f"diagnose: {p} is a folder; pass the log file itself (the launcher's output saved with "
                         "`2>&1 | tee train.log`, or a rank's log), or - to read the pasted log from stdin.")
-    if not p.is_file():
+    if not p.exists():
         raise UserError(f"diagnose: no such file {p}; pass a log file, or - to read the pasted log from stdin.")
     try:
-        return p.read_bytes()
+        if p.is_file():
+            return p.read_bytes()
+        with p.open("rb") as stream:  # a pipe (`<(kubectl logs ...)`), read as stdin is: bounded
+            return read_stream(stream, note if note is not None else [])
     except OSError as e:  # a file this user may not read: the OS's reason, not a traceback
         raise UserError(f"diagnose: cannot read {p} ({e.strerror or e}); give this user read access to it, or "
                         "paste the log on stdin (-).") from None
