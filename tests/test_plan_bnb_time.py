@@ -8,10 +8,12 @@ dequantize every decoder linear as before."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from shardfit import strategy as strategies
+from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.cards import card_of
 from shardfit.plan.comms import param_bytes_16
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
@@ -26,6 +28,7 @@ BNB = Workload(method="qlora", precision="bf16", seq_len=1024, micro_batch=1, gr
 TORCHAO = dataclasses.replace(BNB, quant_backend="torchao")
 MIXTURES = ["Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"]
 SINGLE = strategies.get("single")
+FOREIGN = Path(__file__).parent / "foreign_jobs"
 
 
 def _linears(shape: ModelShape, experts: bool) -> int:
@@ -121,3 +124,43 @@ def test_fsdp_gathers_16bit_stacks_whole(model: str) -> None:
     experts = _linears(shape, experts=True)
     gap = param_bytes_16(shape, BNB) - param_bytes_16(shape, TORCHAO)
     assert gap == pytest.approx(experts * (2 - (0.5 + 0.127 / 8)), rel=1e-9)
+
+
+H200 = card_of(parse_gpus("1xH200", 1, None))
+UPCAST = dataclasses.replace(BNB, frozen_fp32=True)
+
+
+def _fp32_extra(shape: ModelShape, w: Workload) -> float:
+    """What the fp32 expert stacks add to a micro-batch's compute (single GPU)."""
+    return micro_batch_work(shape, w, H200, SINGLE).compute - \
+        micro_batch_work(shape, dataclasses.replace(w, frozen_fp32=False), H200, SINGLE).compute
+
+
+def test_tf32_runs_the_fp32_experts_at_the_tf32_rate() -> None:
+    """A job that turns TF32 on (its `tf32`, or `torch_compile` with bf16 as transformers' TrainingArguments does)
+    runs the fp32 stacks' matmuls on the TF32 tensor cores: far less extra time than at plain fp32; an explicit
+    `tf32: false` wins over compile."""
+    shape = resolve_shape("Qwen/Qwen3-30B-A3B")
+    plain = _fp32_extra(shape, UPCAST)
+    tf32 = _fp32_extra(shape, dataclasses.replace(UPCAST, tf32=True))
+    assert 0 < tf32 < plain / 5
+    compiled = dataclasses.replace(UPCAST, compile=True)
+    assert compiled.fp32_matmuls_tf32 and not dataclasses.replace(compiled, tf32=False).fp32_matmuls_tf32
+    assert not dataclasses.replace(compiled, precision="fp16").fp32_matmuls_tf32
+
+
+@pytest.mark.parametrize("tool", ["axolotl", "hf"])
+def test_a_jobs_tf32_key_reaches_the_workload(tool: str, tmp_path: Path) -> None:
+    """The job's `tf32` sets the workload's (it was read and dropped as having no effect)."""
+    if tool == "axolotl":
+        text = (FOREIGN / "axolotl" / "llama31_8b_qlora.yml").read_text()
+        on, off = tmp_path / "on.yml", tmp_path / "off.yml"
+        on.write_text(text.replace("tf32: false", "tf32: true"))
+        off.write_text(text)
+    else:
+        on, off = tmp_path / "on.sh", tmp_path / "off.sh"
+        cmd = "python train.py --model_name_or_path Qwen/Qwen3-30B-A3B --load_in_4bit --use_peft --bf16 True"
+        on.write_text(cmd + " --tf32 True\n")
+        off.write_text(cmd + "\n")
+    assert read_job(tool, str(on), JobOptions()).workload.fp32_matmuls_tf32
+    assert not read_job(tool, str(off), JobOptions()).workload.fp32_matmuls_tf32

@@ -298,8 +298,12 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, *, forward_only: bool = Fa
 def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, *, forward_only: bool = False) -> float:
     """The fp32-experts term: seconds per micro-batch the routed experts' fp32 matmuls (`fp32_expert_flops`) take
     beyond what the 16-bit rate counted for them, both at efficiency `eff`. At the card's plain fp32 rate: the
-    tools that run bitsandbytes QLoRA (the HF Trainer and those built on it) leave torch's default, no TF32."""
+    tools that run bitsandbytes QLoRA (the HF Trainer and those built on it) leave torch's default, no TF32; at
+    its TF32 rate where the job turns TF32 on (`Workload.fp32_matmuls_tf32`: its `tf32`, or `torch_compile`).
+    Under compile transformers routes fp32 stacks to its own loop of torch.mm (integrations/moe.py), which TF32
+    covers as it covers torch's grouped_mm fallback."""
     flops = fp32_expert_flops(shape, w, forward_only=forward_only)
     if flops == 0.0:
         return 0.0
-    return flops / (card.dense_flops("fp32") * eff) - flops / (card.dense_flops(w.precision) * eff)
+    fp32 = card.fp32_matmul_flops() if w.fp32_matmuls_tf32 else card.dense_flops("fp32")
+    return flops / (fp32 * eff) - flops / (card.dense_flops(w.precision) * eff)
