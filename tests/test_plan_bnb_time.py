@@ -18,6 +18,12 @@ from shardfit.plan.cards import card_of
 from shardfit.plan.comms import param_bytes_16
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, host_dispatch_s
+from shardfit.plan.flops import (
+    folded_expert_flops_per_token,
+    fp32_expert_flops,
+    lora_flops_per_token,
+    step_flops_per_token,
+)
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.timing import micro_batch_work
@@ -97,20 +103,18 @@ def test_llama4_bnb_launches_as_torchao() -> None:
 @pytest.mark.parametrize("model", MIXTURES)
 def test_fp32_experts_run_at_the_fp32_rate(model: str) -> None:
     """peft's prepare_model_for_kbit_training upcasts bitsandbytes' 16-bit expert stacks to fp32, and transformers'
-    grouped experts run in the weights' dtype: the top-k experts' forward, recomputation and input gradient take
-    the fp32 rate instead of the 16-bit one. Nothing else in a micro-batch's compute changes with `frozen_fp32`."""
+    grouped experts run in the weights' dtype: the top-k experts' forward, recomputation, input gradient and (LoRA
+    folded into the stacks) weight gradient take the fp32 rate instead of the 16-bit one, both at the GEMM
+    efficiency: only those matmuls change rate, not the step's other work that the training utilization holds.
+    Nothing else in a micro-batch's compute changes with `frozen_fp32`."""
     shape = resolve_shape(model)
     card = card_of(parse_gpus("1xH100", 1, None))
-    upcast = dataclasses.replace(BNB, frozen_fp32=True)
-    per_token = shape.moe_layers * sum(2.0 * i * o * shape.top_k / shape.experts
-                                       for n, i, o in shape.named_linears(True) if n.startswith("expert_"))
-    flops = per_token * 3 * BNB.tokens  # forward, recomputation, input gradient
-    extra = micro_batch_work(shape, upcast, card, SINGLE).compute - micro_batch_work(shape, BNB, card, SINGLE).compute
-    # the training utilization's term or the kernels-in-turn floor's (the matmuls at the GEMM efficiency)
-    at = [flops / (card.dense_flops("fp32") * eff) - flops / (card.dense_flops("bf16") * eff)
-          for eff in (card.hfu, card.matmul_eff)]
-    assert min(at) * (1 - 1e-9) <= extra <= max(at) * (1 + 1e-9)
-    assert extra > 0
+    flops = _routed_flops_per_token(shape) * 4 * BNB.tokens
+    extra = micro_batch_work(shape, UPCAST, card, SINGLE).compute - micro_batch_work(shape, BNB, card,
+                                                                                        SINGLE).compute
+    eff = card.matmul_eff
+    assert extra == pytest.approx(flops / (card.dense_flops("fp32") * eff) - flops / (card.dense_flops("bf16") * eff),
+                                  rel=1e-9)
     # without the upcast (16-bit experts) and for torchao's NF4 stacks, the experts stay at the 16-bit rate
     torchao = dataclasses.replace(TORCHAO, frozen_fp32=True)
     assert micro_batch_work(shape, torchao, card, SINGLE).compute == micro_batch_work(shape, TORCHAO, card,
@@ -164,3 +168,27 @@ def test_a_jobs_tf32_key_reaches_the_workload(tool: str, tmp_path: Path) -> None
         off.write_text(cmd + "\n")
     assert read_job(tool, str(on), JobOptions()).workload.fp32_matmuls_tf32
     assert not read_job(tool, str(off), JobOptions()).workload.fp32_matmuls_tf32
+
+
+def _routed_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs per token of the routed experts' matmuls, over every mixture layer, from the shape's widths."""
+    return shape.moe_layers * sum(2.0 * i * o * shape.top_k / shape.experts
+                                  for n, i, o in shape.named_linears(True) if n.startswith("expert_"))
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_lora_on_fused_experts_adds_their_weight_gradient(model: str) -> None:
+    """peft folds LoRA into the fused stack (W + B A requires grad), so backward runs a full-size weight-gradient
+    grouped matmul per stack besides the input gradient (a tiny Qwen3-MoE's backward: twice the forward's
+    grouped_mm FLOPs): four fp32 passes with full checkpointing, not three, and one more 16-bit-rate pass in the
+    step's FLOPs; transformers 4's nn.Linear experts take LoRA as dense layers do."""
+    shape = resolve_shape(model)
+    routed = _routed_flops_per_token(shape) * BNB.tokens
+    bare = dataclasses.replace(UPCAST, lora_experts=False)
+    assert fp32_expert_flops(shape, UPCAST) == pytest.approx(4 * routed, rel=1e-9)
+    assert fp32_expert_flops(shape, bare) == pytest.approx(3 * routed, rel=1e-9)
+    lora = (lora_flops_per_token(shape, UPCAST) - lora_flops_per_token(shape, bare)) * BNB.tokens
+    step = (step_flops_per_token(shape, UPCAST) - step_flops_per_token(shape, bare)) * BNB.tokens
+    assert step == pytest.approx(4 * shape.layers * lora + routed, rel=1e-9)  # forward, recompute, 2 in backward
+    old = dataclasses.replace(UPCAST, fused_experts=False, frozen_fp32=False)
+    assert folded_expert_flops_per_token(shape, old) == 0.0
