@@ -17,7 +17,7 @@ from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.cards import card_of
 from shardfit.plan.comms import param_bytes_16
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
-from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, host_dispatch_s
+from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S, host_dispatch_s
 from shardfit.plan.flops import (
     folded_expert_flops_per_token,
     fp32_expert_flops,
@@ -192,3 +192,16 @@ def test_lora_on_fused_experts_adds_their_weight_gradient(model: str) -> None:
     assert step == pytest.approx(4 * shape.layers * lora + routed, rel=1e-9)  # forward, recompute, 2 in backward
     old = dataclasses.replace(UPCAST, fused_experts=False, frozen_fp32=False)
     assert folded_expert_flops_per_token(shape, old) == 0.0
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_fp32_grouped_matmuls_launch_an_mm_per_expert_and_wait(model: str) -> None:
+    """fp32 stacks miss torch's CUTLASS grouped matmul; its fallback reads the offsets back to the host (a wait)
+    and launches one mm per expert: per mixture layer, two stacks times four passes (forward, recomputation, input
+    and, LoRA folded, weight gradient)."""
+    shape = resolve_shape(model)
+    calls = shape.moe_layers * 2 * 4
+    more = host_dispatch_s(shape, UPCAST) - host_dispatch_s(shape, BNB)
+    assert more == pytest.approx(calls * shape.experts * DISPATCH_KERNEL_S, rel=1e-9)
+    stall = micro_batch_work(shape, UPCAST, H200, SINGLE).stall - micro_batch_work(shape, BNB, H200, SINGLE).stall
+    assert stall == pytest.approx(calls * HOST_SYNC_S, rel=1e-9)

@@ -327,3 +327,20 @@ def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, *, fo
         return 0.0
     fp32 = card.fp32_matmul_flops() if w.fp32_matmuls_tf32 else card.dense_flops("fp32")
     return flops / (fp32 * eff) - flops / (card.dense_flops(w.precision) * eff)
+
+
+def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, *, forward_only: bool = False) -> float:
+    """Grouped-matmul calls per micro-batch over the fp32 expert stacks (`fp32_expert_flops`; 0 where there are
+    none): one per stack and pass (forward, recomputation, input gradient, and the weight gradient of a stack LoRA
+    folds into); `forward_only`: one forward (a reference's). None of them takes torch's CUTLASS kernel (bf16
+    only, GroupedBlas.cpp `_grouped_mm_cuda`): its fallback (GroupedMMUtils.h), like transformers' loop under
+    compile, copies the group offsets to the host and runs one mm per expert (plan/dispatch.py)."""
+    if fp32_expert_flops(shape, w, forward_only=forward_only) == 0.0:
+        return 0.0
+    stacks = {n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")}
+    moe = shape.moe_layers / shape.layers
+    if forward_only:
+        return moe * shape.layers * len(stacks)
+    folded = sum(adapts(n, w) for n in stacks) if folded_expert_flops_per_token(shape, w) else 0
+    fwd, bwd = _linear_passes(w, shape)
+    return moe * (fwd * len(stacks) + bwd * (len(stacks) + folded))

@@ -136,7 +136,8 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     if w.reference == "adapters_off":  # the reference's forward without gradients runs inside every micro-batch
         ref = reference_work(shape, w, card, s)
         compute, host = compute + ref.compute, host + ref.host
-    return GpuWork(compute, host, host_sync_s(w, card))
+        return GpuWork(compute, host, host_sync_s(w, card, shape) + ref.stall)
+    return GpuWork(compute, host, host_sync_s(w, card, shape))
 
 
 def head_gradient_flops(shape: ModelShape, w: Workload) -> float:
@@ -186,7 +187,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
         fp32_experts_s(shape, w, card, card.matmul_eff, forward_only=True)
     compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
                   / card.hbm)
-    return GpuWork(compute, reference_dispatch_s(shape, w) + FWD_SHARE * engine_host_s(shape, w, s))
+    return GpuWork(compute, reference_dispatch_s(shape, w) + FWD_SHARE * engine_host_s(shape, w, s),
+                   host_sync_s(w, card, shape, forward_only=True))
 
 
 def reference_pass_s(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> float | None:
