@@ -15,7 +15,7 @@ import pytest
 from shardfit import strategy as strategies
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.cards import card_of
-from shardfit.plan.comms import param_bytes_16
+from shardfit.plan.comms import param_bytes_16, param_bytes_stored
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S, host_dispatch_s
 from shardfit.plan.flops import (
@@ -205,3 +205,15 @@ def test_fp32_grouped_matmuls_launch_an_mm_per_expert_and_wait(model: str) -> No
     assert more == pytest.approx(calls * shape.experts * DISPATCH_KERNEL_S, rel=1e-9)
     stall = micro_batch_work(shape, UPCAST, H200, SINGLE).stall - micro_batch_work(shape, BNB, H200, SINGLE).stall
     assert stall == pytest.approx(calls * HOST_SYNC_S, rel=1e-9)
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_offload_copies_the_upcast_weights_at_fp32(model: str) -> None:
+    """Offload stores the shards as loaded: under `frozen_fp32` every weight that is not 4-bit (the expert stacks
+    among them) is fp32, two bytes more each than in bf16, though FSDP still gathers them in 16 bits."""
+    shape = resolve_shape(model)
+    gap = param_bytes_stored(shape, UPCAST) - param_bytes_stored(shape, BNB)
+    assert gap == pytest.approx((shape.params() - shape.decoder_linear_params() + _linears(shape, experts=True)) * 2,
+                                rel=0.03)
+    assert gap > _linears(shape, experts=True) * 2
+    assert param_bytes_16(shape, UPCAST) == param_bytes_16(shape, BNB)
