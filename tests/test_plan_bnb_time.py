@@ -39,9 +39,14 @@ FOREIGN = Path(__file__).parent / "foreign_jobs"
 
 def _linears(shape: ModelShape, experts: bool) -> int:
     """The decoder's linear weights, counted from the blocks' named linears: the routed experts' alone
-    (`experts`), or every other one."""
+    (`experts`), or every other one but the router (an nn.Parameter, never 4-bit)."""
     return int(shape.over_blocks(lambda moe: sum(
-        i * o for n, i, o in shape.named_linears(moe) if n.startswith("expert_") == experts)))
+        i * o for n, i, o in shape.named_linears(moe) if n.startswith("expert_") == experts and n != "router")))
+
+
+def _all_but_router(shape: ModelShape) -> int:
+    """Every decoder linear weight a QLoRA can store in 4 bits: all but the routers."""
+    return _linears(shape, experts=False) + _linears(shape, experts=True)
 
 
 def _dequantized(shape: ModelShape, w: Workload) -> float:
@@ -51,14 +56,14 @@ def _dequantized(shape: ModelShape, w: Workload) -> float:
 
 @pytest.mark.parametrize("model", MIXTURES)
 def test_bnb_mixture_dequantizes_only_its_4bit_weights(model: str) -> None:
-    """bitsandbytes dequantizes attention (and router) weights, not the 16-bit routed expert stacks; torchao,
-    which quantizes the stacks, dequantizes them too."""
+    """bitsandbytes dequantizes attention weights, not the 16-bit routed expert stacks nor the router (never
+    4-bit); torchao, which quantizes the stacks, dequantizes them too."""
     shape = resolve_shape(model)
     assert _dequantized(shape, BNB) == pytest.approx(_linears(shape, experts=False), rel=1e-12)
-    assert _dequantized(shape, TORCHAO) == pytest.approx(shape.decoder_linear_params(), rel=1e-12)
+    assert _dequantized(shape, TORCHAO) == pytest.approx(_all_but_router(shape), rel=1e-12)
     # transformers 4 builds an nn.Linear per expert, which bitsandbytes quantizes: every linear again
     old = dataclasses.replace(BNB, fused_experts=False)
-    assert _dequantized(shape, old) == pytest.approx(shape.decoder_linear_params(), rel=1e-12)
+    assert _dequantized(shape, old) == pytest.approx(_all_but_router(shape), rel=1e-12)
 
 
 @pytest.mark.parametrize(("model", "w"), [
@@ -66,12 +71,12 @@ def test_bnb_mixture_dequantizes_only_its_4bit_weights(model: str) -> None:
     ("Qwen/Qwen3-30B-A3B", TORCHAO), ("mistralai/Mixtral-8x7B-v0.1", dataclasses.replace(BNB, fused_experts=False)),
     ("meta-llama/Llama-4-Scout-17B-16E-Instruct", BNB), ("Qwen/Qwen3-30B-A3B", BNB)])
 def test_whole_dequantization_unless_bnb_leaves_the_stacks(model: str, w: Workload) -> None:
-    """Every decoder linear is dequantized for a dense model, shardfit's torchao QLoRA, transformers 4's experts and
-    Llama 4 (unfused into an nn.Linear per expert for bitsandbytes); a fused mixture under bitsandbytes leaves out
-    exactly its routed experts."""
+    """Every decoder linear but the router is dequantized for a dense model, shardfit's torchao QLoRA,
+    transformers 4's experts and Llama 4 (unfused into an nn.Linear per expert for bitsandbytes); a fused mixture
+    under bitsandbytes leaves out exactly its routed experts."""
     shape = resolve_shape(model)
     fused_bnb = shape.moe and w.bnb and w.fused_experts and not shape.every_expert
-    expected = _linears(shape, experts=False) if fused_bnb else shape.decoder_linear_params()
+    expected = _linears(shape, experts=False) if fused_bnb else _all_but_router(shape)
     assert _dequantized(shape, w) == pytest.approx(expected, rel=1e-12)
 
 
@@ -213,7 +218,23 @@ def test_offload_copies_the_upcast_weights_at_fp32(model: str) -> None:
     among them) is fp32, two bytes more each than in bf16, though FSDP still gathers them in 16 bits."""
     shape = resolve_shape(model)
     gap = param_bytes_stored(shape, UPCAST) - param_bytes_stored(shape, BNB)
-    assert gap == pytest.approx((shape.params() - shape.decoder_linear_params() + _linears(shape, experts=True)) * 2,
-                                rel=0.03)
+    assert gap == pytest.approx((shape.params() - _linears(shape, experts=False)) * 2, rel=1e-9)
     assert gap > _linears(shape, experts=True) * 2
     assert param_bytes_16(shape, UPCAST) == param_bytes_16(shape, BNB)
+
+
+@pytest.mark.parametrize(("model", "per_layer"), [
+    # MLA's q_a, q_b, kv_a, kv_b, o and the shared expert's gate, up, down (the dense blocks: the same 8)
+    ("deepseek-ai/DeepSeek-V3", 8.0),
+    # three DeltaNet blocks (qkvz, ba, out) to one attention block (q, k, v, o), each with the shared expert's
+    # gate, up, down and its gate: (3 * 7 + 8) / 4
+    ("Qwen/Qwen3-Next-80B-A3B-Instruct", 7.25),
+    ("Qwen/Qwen3-30B-A3B", 4.0)])
+def test_shared_expert_mixture_launches_its_own_dequantizations(model: str, per_layer: float) -> None:
+    """Under bitsandbytes a mixture's layer dequantizes the 4-bit linears it has, counted from its shape (not the
+    measured Llama layer's 7): its attention (or DeltaNet) projections and its shared expert's."""
+    shape = resolve_shape(model)
+    dk, dv, _ = dequant_per_use(BNB)
+    launched = host_dispatch_s(shape, BNB) - host_dispatch_s(shape, dataclasses.replace(BNB, method="lora"))
+    per_use = dk * DISPATCH_KERNEL_S + dv * DISPATCH_VIEW_S
+    assert launched == pytest.approx(shape.layers * per_layer * dequant_uses(BNB) * per_use, rel=1e-9)
