@@ -3,7 +3,7 @@ bitsandbytes (plan/precision.py `experts_stay_16bit`, the rule the memory side r
 the attention's, the shared experts' and the dense blocks' weights, and the experts run as plain matmuls in their
 dtype: fp32 where peft's prepare_model_for_kbit_training upcast them (`frozen_fp32`). Dense models, shardfit's
 torchao QLoRA (it quantizes the stacks itself) and Llama 4 (its experts are an nn.Linear each under bitsandbytes)
-dequantize every decoder linear as before."""
+dequantize every decoder linear as before (but the router, which no 4-bit loading replaces)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ def test_bnb_mixture_launches_attention_dequantizations_only(model: str) -> None
     assert host_dispatch_s(shape, quantized) - host_dispatch_s(shape, BNB) == pytest.approx(saved, rel=1e-9)
 
 
-def test_llama4_bnb_launches_as_torchao() -> None:
-    """Llama 4's experts are 4-bit under bitsandbytes: as many dequantizations as a 4-bit mixture launches."""
+def test_llama4_bnb_launches_as_a_4bit_mixture() -> None:
+    """Llama 4's experts are 4-bit under bitsandbytes: as many dequantizations as a mixture whose experts are 4-bit
+    (Qwen3 under transformers 4, an nn.Linear per expert) launches."""
     shape = resolve_shape("meta-llama/Llama-4-Scout-17B-16E-Instruct")
     qwen = resolve_shape("Qwen/Qwen3-30B-A3B")
     per_layer = (host_dispatch_s(shape, BNB) - host_dispatch_s(shape, dataclasses.replace(BNB, method="lora"))) / \
@@ -238,3 +239,20 @@ def test_shared_expert_mixture_launches_its_own_dequantizations(model: str, per_
     launched = host_dispatch_s(shape, BNB) - host_dispatch_s(shape, dataclasses.replace(BNB, method="lora"))
     per_use = dk * DISPATCH_KERNEL_S + dv * DISPATCH_VIEW_S
     assert launched == pytest.approx(shape.layers * per_layer * dequant_uses(BNB) * per_use, rel=1e-9)
+
+
+@pytest.mark.parametrize("model", MIXTURES)
+def test_reference_forward_runs_the_fp32_experts_too(model: str) -> None:
+    """DPO's reference forward inside every micro-batch (adapters switched off) multiplies by the same fp32 stacks:
+    one more forward of the top-k experts at the fp32 rate, and one more fallback call per stack and layer, beside
+    the training pass's four."""
+    shape = resolve_shape(model)
+    dpo = dataclasses.replace(UPCAST, objective="dpo", precompute_reference=False)
+    assert dpo.reference == "adapters_off"
+    flops = _routed_flops_per_token(shape) * (4 + 1) * dpo.tokens
+    eff = H200.matmul_eff
+    work = micro_batch_work(shape, dpo, H200, SINGLE)
+    bf16 = micro_batch_work(shape, dataclasses.replace(dpo, frozen_fp32=False), H200, SINGLE)
+    assert work.compute - bf16.compute == pytest.approx(
+        flops / (H200.dense_flops("fp32") * eff) - flops / (H200.dense_flops("bf16") * eff), rel=1e-9)
+    assert work.stall - bf16.stall == pytest.approx(shape.moe_layers * 2 * (4 + 1) * HOST_SYNC_S, rel=1e-9)
