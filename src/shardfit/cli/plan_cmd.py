@@ -91,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frozen-fp32", action="store_true", default=None,
                    help="frozen embeddings, norms and head in fp32, as peft's prepare_model_for_kbit_training leaves "
                         "them (to predict a TRL / axolotl QLoRA run)")
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="TF32 for fp32 matmuls, as the HF Trainer's tf32 sets it (default: on under --compile "
+                        "unless fp16, else off): a bitsandbytes QLoRA's fp32 expert stacks run at that rate")
     p.add_argument("--adapters-16bit", action="store_true", default=None,
                    help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32 (peft "
                         "before 0.12, LLaMA-Factory's pure_bf16)")
@@ -470,7 +473,8 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "grad_ckpt": args.grad_ckpt, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
                  "loss": args.loss, "grad_accum": args.grad_accum, "frozen_fp32": args.frozen_fp32,
                  "attention": args.attention, "adapters_16bit": args.adapters_16bit, "pure_16bit": args.pure_16bit,
-                 "compile": args.compile, "lora_dropout": args.lora_dropout, "objective": args.objective,
+                 "compile": args.compile, "tf32": args.tf32, "lora_dropout": args.lora_dropout,
+                 "objective": args.objective,
                  "precompute_reference": precompute, "sequence_parallel": args.sequence_parallel,
                  "quant_backend": args.quant_backend, "expert_parallel": args.expert_parallel,
                  "float8": args.float8, "bnb_compute_fp32": args.bnb_compute_fp32,

@@ -25,6 +25,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
+    TF32,
     TORCH_COMPILE,
     Key,
     Source,
@@ -72,6 +73,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # leaves axolotl's default.
 KEYS = key_table({
     "torch_compile": dataclasses.replace(TORCH_COMPILE, read=_compiled),
+    "tf32": TF32,
     "adapter": Key("{method}"), "load_in_4bit": Key("4-bit NF4"), "load_in_8bit": Key("planned as 4-bit"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     # torchao's float8 training through accelerate, as shardfit's `float8` converts the blocks' linear layers

@@ -39,6 +39,7 @@ from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
+    TF32,
     TORCH_COMPILE,
     Key,
     Source,
@@ -67,6 +68,7 @@ SEQ_KEYS = ("model_max_length", "max_seq_length", "max_length", "cutoff_len", "s
 # wins, then lora_r over lora_rank.
 KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
+    "tf32": TF32,
     "use_lora": Key("{method}"), "q_lora": Key("4-bit NF4 frozen weights, fp32 embeddings/norms/head"),
     # TRL's ModelConfig (`_trl_model_config`)
     "use_peft": Key("{method}"), "load_in_4bit": Key("4-bit NF4 frozen weights beside --use_peft"),

@@ -316,6 +316,9 @@ def only_true(value: Any, key: str, where: str) -> bool | None:
 # transformers' TrainingArguments.torch_compile (also axolotl's key): the whole model goes through torch.compile,
 # which fuses the elementwise ops as shardfit's `compile: true` does per block; not given, shardfit keeps `auto`.
 TORCH_COMPILE = Key("compiled {compile}", field="compile", config="compile", read=flag)
+# TrainingArguments.tf32 (axolotl and ms-swift pass it through): TF32 for fp32 matmuls, which a bitsandbytes QLoRA
+# of a mixture runs its fp32 expert stacks as (plan/flops.py `fp32_experts_s`); not given, `Workload.tf32` None.
+TF32 = Key("fp32 matmuls in TF32: {tf32}", field="tf32", read=flag)
 
 
 # transformers' TrainingArguments that shardfit carries over to its config, read as the HF Trainer reads them: each

@@ -25,6 +25,7 @@ from shardfit.foreign.common import (
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     HF_TRAINER,
+    TF32,
     TORCH_COMPILE,
     TRUST_REMOTE_CODE,
     Key,
@@ -70,6 +71,7 @@ PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "kto_pair":
 # What each LLaMA-Factory key means to shardfit.
 KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
+    "tf32": TF32,
     "finetuning_type": Key("{method}"), "quantization_bit": Key("4-bit NF4 frozen weights"),
     "pure_bf16": Key("16-bit adapters"), "bf16": Key("{precision}"), "fp16": Key("{precision}"),
     "cutoff_len": Key("sequence length", field="seq_len", read=count, default=2048),

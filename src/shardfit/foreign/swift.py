@@ -32,6 +32,7 @@ from shardfit.foreign.common import (
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.keys import (
     NO_EFFECT,
+    TF32,
     TORCH_COMPILE,
     Key,
     Source,
@@ -71,6 +72,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
 # What each `swift sft` option means to shardfit.
 KEYS = key_table({
     "torch_compile": TORCH_COMPILE,
+    "tf32": TF32,
     "tuner_type": Key("{method}"), "train_type": Key("{method}"), "sft_type": Key("{method}"),
     "quant_bits": Key("4-bit NF4 frozen weights"),
     "torch_dtype": Key("{precision}"), "attn_impl": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),

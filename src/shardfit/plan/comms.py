@@ -69,8 +69,18 @@ def param_bytes_16(shape: ModelShape, w: Workload) -> float:
 
 
 def param_bytes_stored(shape: ModelShape, w: Workload) -> float:
-    """The parameters as their shards are stored (offload copies these): fp32 masters for a full fine-tune."""
-    return shape.params() * 4.0 if w.method == "full" else param_bytes_16(shape, w)
+    """The parameters as their shards are stored (offload copies these): fp32 masters for a full fine-tune; under
+    QLoRA the packed 4-bit weights, and every other weight in its loaded dtype: fp32 where peft's
+    prepare_model_for_kbit_training upcast it (`frozen_fp32`: embeddings, norms, head, routers and the expert
+    stacks bitsandbytes leaves unquantized, plan/precision.py `dense_expert_bytes`). FSDP casts a shard to the
+    compute dtype after copying it to the GPU, so the copy moves the stored bytes (`param_bytes_16` is the
+    gather's)."""
+    if w.method == "full":
+        return shape.params() * 4.0
+    if w.method == "qlora":
+        linear = quantized_linear_params(shape, w)
+        return linear * (0.5 + 0.127 / 8) + (shape.params() - linear) * (4 if w.frozen_fp32 else compute_bytes(w))
+    return param_bytes_16(shape, w)
 
 
 def param_tensors(shape: ModelShape) -> int:

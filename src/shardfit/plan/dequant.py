@@ -6,8 +6,7 @@ Only what is stored in 4 bits is dequantized: the routed expert stacks bitsandby
 
 from __future__ import annotations
 
-from shardfit.plan.experts import routed_expert_params
-from shardfit.plan.precision import experts_stay_16bit
+from shardfit.plan.precision import experts_stay_16bit, stored_nf4
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -24,24 +23,24 @@ BNB_CAST = (1, 0, 4.0)
 # The 4-bit weights of the decoder layer the host's counts were taken on (plan/dispatch.py LAYER_OPS, Llama's): q, k,
 # v, o, gate, up, down, each dequantized by its own kernels.
 LAYER_WEIGHTS = 7
-# Of those, the MLP's: a mixture's routed experts stand in for them.
-MLP_WEIGHTS = 3
 
 
 def quantized_linear_params(shape: ModelShape, w: Workload) -> int:
-    """The decoder's linear weights a QLoRA stores in 4 bits, as the step's time counts them: every one, less the
-    routed expert stacks bitsandbytes leaves in 16 bits (`experts_stay_16bit`)."""
-    linear = shape.decoder_linear_params()
-    return linear - routed_expert_params(shape) if experts_stay_16bit(shape, w) else linear
+    """The decoder's linear weights a QLoRA stores in 4 bits (plan/precision.py `stored_nf4`, the rule the memory
+    side reads): every one but the router and the routed expert stacks bitsandbytes leaves in 16 bits."""
+    return int(shape.over_blocks(lambda moe: sum(i * o for n, i, o in shape.named_linears(moe)
+                                                 if stored_nf4(n, shape, w))))
 
 
 def dequantized_weights_per_layer(shape: ModelShape, w: Workload) -> float:
     """4-bit weights the host dispatches a dequantization for in the mean decoder layer: LAYER_WEIGHTS, except where
-    the routed experts stay 16-bit (`experts_stay_16bit`): a mixture's block then dequantizes its attention's and
-    its shared experts' weights (a shared MLP's as a dense one's), not its routed experts'."""
-    if not experts_stay_16bit(shape, w) or shape.shared_intermediate:
+    the routed experts stay 16-bit (`experts_stay_16bit`): then each block's own 4-bit linears (`stored_nf4`:
+    attention's or DeltaNet's projections, a shared expert's MLP and gate, a dense block's MLP), counted from the
+    shape, each one weight (the routed experts and the router none)."""
+    if not experts_stay_16bit(shape, w):
         return float(LAYER_WEIGHTS)
-    return LAYER_WEIGHTS - MLP_WEIGHTS * shape.moe_layers / shape.layers
+    return shape.over_blocks(lambda moe: float(sum(stored_nf4(n, shape, w) for n, _, _ in shape.named_linears(moe)))) \
+        / shape.layers
 
 
 def dequant_per_use(w: Workload) -> tuple[float, float, float]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card
 from shardfit.plan.dequant import LAYER_WEIGHTS, dequant_per_use, dequantized_weights_per_layer
+from shardfit.plan.flops import fp32_grouped_mm_calls
 from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -165,6 +166,7 @@ def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
         dk, dv = delta_rule_chunk_ops(w)
         kernels += shape.linear_layers * dk
         views += shape.linear_layers * dv
+    kernels += fp32_grouped_mm_calls(shape, w) * shape.experts  # the fallback's mm per expert
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
         autocast = autocasts(w)
@@ -201,13 +203,17 @@ def engine_host_s(shape: ModelShape, w: Workload, s: strategies.Strategy) -> flo
     return shape.layers * by_checkpointing(w, lambda ckpt: table[(kind, ckpt)])
 
 
-def host_sync_s(w: Workload, card: Card) -> float:
-    """The syncs term: seconds per micro-batch the device idles at the host's waits for it (`w.host_syncs`, each
-    HOST_SYNC_S), which neither the GPU's work nor the host's launches overlap. The lower bound: a wait also stops
-    the host from running ahead, so launches after it that it could have hidden behind earlier kernels are not
-    hidden any more. 0 on a CPU (its host is the device) and on shardfit's path (no wait in a step,
-    tests/test_host_syncs.py)."""
-    return 0.0 if card.key == "cpu" else w.host_syncs * HOST_SYNC_S
+def host_sync_s(w: Workload, card: Card, shape: ModelShape | None = None, *, forward_only: bool = False) -> float:
+    """The syncs term: seconds per micro-batch the device idles at the host's waits for it (`w.host_syncs`, and
+    with `shape` one per fp32 grouped matmul: `fp32_grouped_mm_calls`, its offsets read back; `forward_only`: a
+    reference's forward's alone), each HOST_SYNC_S, which neither the GPU's work nor the host's launches overlap.
+    The lower bound: a wait also stops the host from running ahead, so launches after it that it could have hidden
+    behind earlier kernels are not hidden any more. 0 on a CPU (its host is the device) and on shardfit's path (no
+    wait in a step, tests/test_host_syncs.py)."""
+    if card.key == "cpu":
+        return 0.0
+    fallback = 0.0 if shape is None else fp32_grouped_mm_calls(shape, w, forward_only=forward_only)
+    return ((0.0 if forward_only else w.host_syncs) + fallback) * HOST_SYNC_S
 
 
 def reference_dispatch_s(shape: ModelShape, w: Workload) -> float:
@@ -222,7 +228,8 @@ def reference_dispatch_s(shape: ModelShape, w: Workload) -> float:
     k, v = k + weights * dk, v + weights * dv
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
-    ops = (shape.layers * k + fk) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
+    k_fallback = fp32_grouped_mm_calls(shape, w, forward_only=True) * shape.experts  # an mm per expert
+    ops = (shape.layers * k + fk + k_fallback) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
     if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
         ck, cv = delta_rule_chunk_ops(w, forward_only=True)
         ops += shape.linear_layers * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)

@@ -47,6 +47,7 @@ from shardfit.plan.precision import (
     dense_expert_bytes,
     experts_stay_16bit,
     runs_autocast,
+    stored_nf4,
     trainable_bytes,
 )
 from shardfit.plan.shapes import ModelShape
@@ -234,7 +235,7 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
         expert = name.startswith("expert_")
         if experts_only and not expert:
             continue
-        nf4 = w.method == "qlora" and (w.bnb_precision or not (name == "router" or (expert and keep16)))
+        nf4 = stored_nf4(name, shape, w)
         # peft's prepare_model_for_kbit_training (`frozen_fp32`) casts every 16-bit parameter that is not a
         # Params4bit to fp32 (peft/utils/other.py): the router, and the experts bitsandbytes left alone
         qlora = w.method == "qlora" and not w.bnb_precision
@@ -245,11 +246,10 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
 
 
 def nf4_weights(shape: ModelShape, w: Workload) -> list[tuple[str, int, int]]:
-    """(name, rows, cols) of the largest block's weights QLoRA stores in NF4 (`stored_linear_bytes`'s rule, outside
-    Lightning's plugin): every stored weight but the router and the expert stacks bitsandbytes leaves alone."""
-    keep16 = experts_stay_16bit(shape, w)
-    return [(n, r, c) for n, r, c in shape.stored_weights()
-            if n != "router" and not (keep16 and n.startswith("expert_"))]
+    """(name, rows, cols) of the largest block's weights QLoRA stores in NF4 (plan/precision.py `stored_nf4`, the
+    rule `stored_linear_bytes` reads): every stored weight but the router and the expert stacks bitsandbytes leaves
+    alone."""
+    return [(n, r, c) for n, r, c in shape.stored_weights() if stored_nf4(n, shape, w)]
 
 
 def linear_weight_bytes(shape: ModelShape, w: Workload, moe: bool | None = None) -> float:

@@ -148,6 +148,24 @@ def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.over_blocks(per_block) / shape.layers
 
 
+def folded_expert_flops_per_token(shape: ModelShape, w: Workload) -> float:
+    """Forward FLOPs per token (of the mean block) of the routed expert weights whose LoRA peft folds into the
+    fused stack (its ParamWrapper, `target_parameters`: shardfit's and the tools' LoRA on transformers 5's 3-D
+    experts): the grouped matmul then multiplies by W + B A, which requires grad, so its backward computes the
+    stack's full weight gradient besides the input gradient, one more matmul as large as the forward (a tiny
+    Qwen3-MoE under autocast: backward's grouped_mm FLOPs twice the forward's). 0 where no adapter sits on a fused
+    stack (transformers 4's nn.Linear per expert takes LoRA as a dense layer does)."""
+    if not w.trains_adapters or not (w.fused_experts or shape.experts_always_fused):
+        return 0.0
+
+    def per_block(moe: bool) -> float:
+        share = shape.routed_per_token / shape.experts
+        return sum(2.0 * i * o * share for n, i, o in shape.named_linears(moe)
+                   if n.startswith("expert_") and adapts(n, w)) if moe else 0.0
+
+    return shape.over_blocks(per_block) / shape.layers
+
+
 def backward_layers(shape: ModelShape, w: Workload) -> int:
     """The decoder blocks backward passes through: every one, or under `freeze` those from the top down to the
     lowest that trains (backward stops below it)."""
@@ -165,7 +183,7 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     weights_train = w.method == "full"
     lin_bwd = lin * (2 if weights_train else 1)
     attn_bwd = attn * (FLASH_BWD if w.attention != "eager" else 2)
-    block_bwd = lin_bwd + attn_bwd + 2 * lora
+    block_bwd = lin_bwd + attn_bwd + 2 * lora + folded_expert_flops_per_token(shape, w)
     if w.grad_ckpt == "full":
         recompute = block_fwd
     elif w.grad_ckpt == "selective":
@@ -282,8 +300,8 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, *, forward_only: bool = Fa
     stacks bitsandbytes leaves unquantized (`experts_stay_16bit`) where peft's prepare_model_for_kbit_training
     upcast them (`dense_expert_bytes` 4). transformers' grouped experts cast their input to the weights' dtype
     (integrations/moe.py `_grouped_mm`, 5.x) and autocast does not cover grouped_mm, so the top-k experts' forward,
-    its recomputation and the frozen weights' input gradient are fp32 matmuls; `forward_only`: one forward (a
-    reference's)."""
+    its recomputation and the frozen weights' input gradient are fp32 matmuls, and so is the weight gradient of
+    the stacks LoRA folds into (`folded_expert_flops_per_token`); `forward_only`: one forward (a reference's)."""
     if compute_bytes(w) == 4 or not experts_stay_16bit(shape, w) or dense_expert_bytes(w) != 4:
         return 0.0
 
@@ -292,14 +310,37 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, *, forward_only: bool = Fa
         return sum(2.0 * i * o * share for n, i, o in shape.named_linears(moe) if n.startswith("expert_"))
 
     fwd, bwd = (float(shape.layers), 0.0) if forward_only else _linear_passes(w, shape)
-    return shape.over_blocks(lambda moe: routed(moe) if moe else 0.0) / shape.layers * (fwd + bwd) * w.tokens
+    folded = 0.0 if forward_only else backward_layers(shape, w) * folded_expert_flops_per_token(shape, w)
+    return (shape.over_blocks(lambda moe: routed(moe) if moe else 0.0) / shape.layers * (fwd + bwd) + folded) * \
+        w.tokens
 
 
 def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, *, forward_only: bool = False) -> float:
     """The fp32-experts term: seconds per micro-batch the routed experts' fp32 matmuls (`fp32_expert_flops`) take
     beyond what the 16-bit rate counted for them, both at efficiency `eff`. At the card's plain fp32 rate: the
-    tools that run bitsandbytes QLoRA (the HF Trainer and those built on it) leave torch's default, no TF32."""
+    tools that run bitsandbytes QLoRA (the HF Trainer and those built on it) leave torch's default, no TF32; at
+    its TF32 rate where the job turns TF32 on (`Workload.fp32_matmuls_tf32`: its `tf32`, or `torch_compile`).
+    Under compile transformers routes fp32 stacks to its own loop of torch.mm (integrations/moe.py), which TF32
+    covers as it covers torch's grouped_mm fallback."""
     flops = fp32_expert_flops(shape, w, forward_only=forward_only)
     if flops == 0.0:
         return 0.0
-    return flops / (card.dense_flops("fp32") * eff) - flops / (card.dense_flops(w.precision) * eff)
+    fp32 = card.fp32_matmul_flops() if w.fp32_matmuls_tf32 else card.dense_flops("fp32")
+    return flops / (fp32 * eff) - flops / (card.dense_flops(w.precision) * eff)
+
+
+def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, *, forward_only: bool = False) -> float:
+    """Grouped-matmul calls per micro-batch over the fp32 expert stacks (`fp32_expert_flops`; 0 where there are
+    none): one per stack and pass (forward, recomputation, input gradient, and the weight gradient of a stack LoRA
+    folds into); `forward_only`: one forward (a reference's). None of them takes torch's CUTLASS kernel (bf16
+    only, GroupedBlas.cpp `_grouped_mm_cuda`): its fallback (GroupedMMUtils.h), like transformers' loop under
+    compile, copies the group offsets to the host and runs one mm per expert (plan/dispatch.py)."""
+    if fp32_expert_flops(shape, w, forward_only=forward_only) == 0.0:
+        return 0.0
+    stacks = {n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")}
+    moe = shape.moe_layers / shape.layers
+    if forward_only:
+        return moe * shape.layers * len(stacks)
+    folded = sum(adapts(n, w) for n in stacks) if folded_expert_flops_per_token(shape, w) else 0
+    fwd, bwd = _linear_passes(w, shape)
+    return moe * (fwd * len(stacks) + bwd * (len(stacks) + folded))

@@ -83,3 +83,17 @@ def dense_expert_bytes(w: Workload) -> int:
     peft's prepare_model_for_kbit_training upcasts every weight that is not 4-bit (`frozen_fp32`), else the 16-bit
     loading dtype."""
     return 4 if w.frozen_fp32 else compute_bytes(w)
+
+
+def stored_nf4(name: str, shape: ModelShape, w: Workload) -> bool:
+    """Whether QLoRA stores the block's weight `name` (ModelShape.named_linears, stored_weights) in NF4: the one
+    rule the memory side (plan/estimate.py `stored_linear_bytes`, `nf4_weights`) and the time side
+    (plan/dequant.py) read. Every linear weight and fused expert stack, except the router (an nn.Parameter in
+    every mixture of transformers 5, Qwen3MoeTopKRouter to DeepseekV3TopkRouter, which no 4-bit loading replaces)
+    and the expert stacks bitsandbytes leaves alone (`experts_stay_16bit`); under Lightning's BitsandbytesPrecision
+    (`bnb_precision`) every linear layer, litgpt's router among them (an nn.Linear there)."""
+    if w.method != "qlora":
+        return False
+    if w.bnb_precision:
+        return True
+    return name != "router" and not (name.startswith("expert_") and experts_stay_16bit(shape, w))

@@ -115,8 +115,10 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     flops = step_flops_per_token(shape, w) * tokens
     dequant = dequant_bytes(shape, w) / card.hbm
     fp8 = float8_s(shape, w, card, card.matmul_eff)
+    # The fp32 experts at the GEMM efficiency, not the step's utilization: only their matmuls change rate, and
+    # hfu's share of non-matmul work would scale with the fp32/16-bit ratio (15x on an H100) if applied to them.
     compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8 + \
-        fp32_experts_s(shape, w, card, card.hfu)
+        fp32_experts_s(shape, w, card, card.matmul_eff)
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -134,7 +136,8 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     if w.reference == "adapters_off":  # the reference's forward without gradients runs inside every micro-batch
         ref = reference_work(shape, w, card, s)
         compute, host = compute + ref.compute, host + ref.host
-    return GpuWork(compute, host, host_sync_s(w, card))
+        return GpuWork(compute, host, host_sync_s(w, card, shape) + ref.stall)
+    return GpuWork(compute, host, host_sync_s(w, card, shape))
 
 
 def head_gradient_flops(shape: ModelShape, w: Workload) -> float:
@@ -174,7 +177,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     (plan/dispatch.py `reference_dispatch_s`) with the forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = quantized_linear_params(shape, w) * dequant_per_use(w)[2] / card.hbm
-    compute = flops / card.peak(w.precision) + dequant + fp32_experts_s(shape, w, card, card.hfu, forward_only=True)
+    compute = flops / card.peak(w.precision) + dequant + \
+        fp32_experts_s(shape, w, card, card.matmul_eff, forward_only=True)  # GEMMs alone: micro_batch_work's why
     if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
         return GpuWork(compute, 0.0)
     side = "compiled" if w.compile else "eager"
@@ -183,7 +187,8 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
         fp32_experts_s(shape, w, card, card.matmul_eff, forward_only=True)
     compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
                   / card.hbm)
-    return GpuWork(compute, reference_dispatch_s(shape, w) + FWD_SHARE * engine_host_s(shape, w, s))
+    return GpuWork(compute, reference_dispatch_s(shape, w) + FWD_SHARE * engine_host_s(shape, w, s),
+                   host_sync_s(w, card, shape, forward_only=True))
 
 
 def reference_pass_s(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> float | None:

@@ -75,6 +75,9 @@ class Workload:
     # torch.compile over each decoder block (inductor): elementwise ops are fused and recomputed in backward, so a
     # block saves fewer tensors (see estimate.block_activation_bytes_per_token).
     compile: bool = False
+    # TF32 for the run's fp32 matmuls (the HF Trainer's `tf32`); None: as the Trainer leaves torch, on under
+    # `torch_compile` unless the run is fp16 (`fp32_matmuls_tf32`), torch's default (off) otherwise.
+    tf32: bool | None = None
     # The projections LoRA adapts (LORA_TARGETS names); None: all of them (peft's `all-linear`).
     lora_targets: tuple[str, ...] | None = None
     # peft's lora_dropout: above 0 every adapter keeps its dropped-out input and the dropout mask for backward.
@@ -219,6 +222,13 @@ class Workload:
         """AdamW stepped by torch's multi-tensor kernel (`foreach`, torch's default on a GPU), which allocates one
         copy of what it steps (plan/estimate.py `foreach_temp_bytes`); the fused kernel and 8-bit AdamW do not."""
         return self.optimizer == "adamw" and not self.fused_adamw
+
+    @property
+    def fp32_matmuls_tf32(self) -> bool:
+        """Whether the run's fp32 matmuls use TF32: the job's `tf32` where it gives one, else on under
+        `torch_compile` unless fp16 alone is on (transformers' training_args.py `__post_init__`, its TF32 step:
+        `tf32 is None and not fp16 or bf16` enables it for a compiled run, an explicit `tf32` then wins)."""
+        return self.tf32 if self.tf32 is not None else self.compile and self.precision != "fp16"
 
     @property
     def trains_adapters(self) -> bool:
