@@ -182,18 +182,28 @@ def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False) -> float:
 BNB_MIN_8BIT_SIZE = 4096
 
 
+def fp32_state_embedding(w: Workload) -> bool:
+    """Whether bitsandbytes' 8-bit AdamW keeps fp32 states for a trained input embedding: under the HF Trainer (a
+    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`), whose Trainer.create_optimizer registers every nn.Embedding
+    of the model for 32-bit states (GlobalOptimManager's `register_module_override` with `optim_bits` 32): a full
+    fine-tune's embedding, and peft's trained copy of it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an
+    nn.Embedding too). The untied head is an nn.Linear: 8-bit states."""
+    if w.optimizer != "adamw8bit" or not w.bnb_optimizer:
+        return False
+    return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
+
+
 def fp32_state_params(shape: ModelShape, w: Workload) -> float:
     """Trainable weights bitsandbytes' 8-bit AdamW keeps two fp32 states for (8 bytes, not `optimizer_state_bytes`'
     2.03): each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B matrices of a small model's narrow layers; a
-    full fine-tune's norm weights and biases where the hidden size is under it), and under the HF Trainer (a
-    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`) a trained input embedding, which transformers'
-    Trainer.create_optimizer registers for 32-bit states (GlobalOptimManager's `register_module_override` with
-    `optim_bits` 32 on every nn.Embedding). 0 for other optimizers."""
+    full fine-tune's norm weights and biases where the hidden size is under it), and the trained input embedding
+    the HF Trainer registers for 32-bit states (`fp32_state_embedding`). 0 for other optimizers."""
     if w.optimizer != "adamw8bit":
         return 0.0
     small = BNB_MIN_8BIT_SIZE
+    embedding = shape.vocab * shape.hidden if fp32_state_embedding(w) else 0
     if w.trains_adapters:
-        return float(shape.over_blocks(lambda moe: sum(
+        return float(embedding + shape.over_blocks(lambda moe: sum(
             (r * i if r * i < small else 0) + (r * o if r * o < small else 0)
             for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
             for r in (rank_of(n, w),))))
@@ -202,7 +212,6 @@ def fp32_state_params(shape: ModelShape, w: Workload) -> float:
     # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
     # projection's output: under min_8bit_size where the hidden size is.
     norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if shape.hidden < small else 0
-    embedding = shape.vocab * shape.hidden if w.bnb_optimizer else 0
     return float(norms + embedding)
 
 
