@@ -12,7 +12,7 @@ from shardfit.plan.deepspeed import ZeroSettings, zero_memory
 from shardfit.plan.estimate import estimate, optimizer_state_bytes, trainable_params
 from shardfit.plan.experts import routed_expert_params
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.pipeline import _part_gib
+from shardfit.plan.pipeline import _part_gib, stage_breakdown
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 
@@ -82,3 +82,21 @@ def test_deepspeed_states_follow_the_one_rule_on_its_fp32_masters(over: dict, pe
     bf16_adapters = dataclasses.replace(FULL, method="lora", adapters_16bit=True, **over)
     if over == {"optimizer": "adamw"}:
         assert optimizer_state_bytes(bf16_adapters) == 4.0  # torch AdamW beside them, outside DeepSpeed
+
+
+def test_a_stage_without_the_embedding_holds_none_of_its_fp32_8bit_states() -> None:
+    """Llama-3-8B (untied) in two stages under the HF Trainer's 8-bit AdamW: the first stage holds the trained
+    embedding's fp32 states (the Trainer's 32-bit override), the last (the head, an nn.Linear) none of them; the
+    same for peft's trained copy of the embedding beside LoRA."""
+    shape, hw = resolve_shape("meta-llama/Meta-Llama-3-8B"), parse_gpus("2xA100-80G", 1, None)
+    extra = shape.vocab * shape.hidden * (8 - 2 * (1 + 4 / 256)) / GIB
+    for w in (dataclasses.replace(FULL, optimizer="adamw8bit", grad_accum=4),
+              dataclasses.replace(FULL, method="lora", optimizer="adamw8bit", grad_accum=4, lora_saved=("embed",))):
+        trainer = dataclasses.replace(w, bnb_optimizer=True)
+        for stage, added in ((0, extra), (1, 0.0)):
+            plain = stage_breakdown(shape, w, hw, 2, stage, 16).optimizer
+            assert stage_breakdown(shape, trainer, hw, 2, stage, 16).optimizer == pytest.approx(plain + added)
+    lora = dataclasses.replace(FULL, method="lora", optimizer="adamw8bit", grad_accum=4, bnb_optimizer=True)
+    saved = dataclasses.replace(lora, lora_saved=("embed",))
+    assert stage_breakdown(shape, saved, hw, 2, 1, 16).optimizer == \
+        pytest.approx(stage_breakdown(shape, lora, hw, 2, 1, 16).optimizer)
