@@ -641,16 +641,21 @@ def _tensors(b: Breakdown) -> float:
     return b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
 
 
+def check_not_negative(b: Breakdown, what: str) -> None:
+    """PlannerBug where a part of `b` is below zero: one path subtracted what another did not count. It would let a
+    plan that cannot run read as fitting, so it is a bug, never clamped (a pipeline stage's breakdown as much as a
+    strategy's)."""
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        if getattr(b, part) < -1e-9:
+            raise PlannerBug(f"internal error: {what} has {getattr(b, part):.3f} GiB of {part}, below zero (two of "
+                             "the planner's paths count the same bytes differently); please report it with the "
+                             "command line")
+
+
 def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     """Fill in what a real GPU adds to the tensor peak (GiB) and the total: the allocator's reserve (its own line),
     the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
-    # A negative part means two paths counted the same bytes differently (what is moved out of a share must be
-    # what was counted in it); it would let a plan that cannot run read as fitting, so it is a bug, never clamped.
-    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
-        if getattr(b, part) < -1e-9:
-            raise PlannerBug(f"internal error: the plan of {strategy} has {getattr(b, part):.3f} GiB of {part}, below "
-                             "zero (two of the planner's paths count the same bytes differently); please report it "
-                             "with the command line")
+    check_not_negative(b, f"the plan of {strategy}")
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.allocator_reserve = tensors * ALLOCATOR_RESERVE

@@ -64,6 +64,7 @@ from shardfit.plan.estimate import (
     NCCL_GIB,
     Breakdown,
     Candidate,
+    check_not_negative,
     estimate,
     foreach_temp_bytes,
     fp32_state_embedding,
@@ -231,7 +232,8 @@ def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: 
     """The peak (GiB, runtime overhead included) of stage `stage` of `stages` holding `blocks` decoder blocks, on
     each of the `dp` GPUs of `hw` that hold it under `strategy` (`stage_breakdown`)."""
     b = stage_breakdown(shape, w, hw, stages, stage, blocks, dp, strategy)
-    tensors = sum(max(0.0, x) for x in (b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
+    check_not_negative(b, f"stage {stage} of {stages} ({blocks} blocks, {strategy})")
+    tensors = sum((b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
     return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages * dp > 1 else 0.0)
 
 
@@ -266,7 +268,8 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     parts += [(matrix, True, False)] if "head" in saved and not last else []
     if not last:  # the loss's buffers are the last stage's, and zero3's unsharded root (the head) too
         b.logits = 0.0
-        b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params else 0.0
+        # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
+        b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params and not step_copy else 0.0
     for params, trained, embedding in parts:
         wt, g, o = _part_gib(params, trained, w, embedding)
         copy = foreach_temp_bytes(params, w) / GIB if trained and step_copy else 0.0
