@@ -102,3 +102,22 @@ def test_real_8bit_adamw_states_of_peft_s_embedding_copy() -> None:
     w = Workload(method="lora", precision="bf16", lora_rank=16, optimizer="adamw8bit", bnb_optimizer=True,
                  lora_saved=("embed",))
     assert state_bytes(shape, w)[2] == held
+
+
+def test_torchao_s_8bit_adamw_keeps_its_own_full_width_tensors() -> None:
+    """torchao's 8-bit AdamW (adamw_torch_8bit) keeps a tensor full-width when it is under 4,096 elements or not a
+    multiple of its 256-element block, in the parameter's own dtype: LoRA r=13 over a 320-wide tiny Qwen2 (A is
+    13 x 320 = 4,160 elements, 8-bit under bitsandbytes, full-width under torchao)."""
+    config = Qwen2Config(**{**CONFIG, "hidden_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2})
+    folder = Path(tempfile.mkdtemp())
+    config.save_pretrained(folder)
+    shape = resolve_shape(str(folder))
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=13, target_modules=names))
+    trained = [p.numel() for p in model.parameters() if p.requires_grad]
+    wide = sum(n for n in trained if n < BNB_MIN_8BIT_SIZE or n % 256)
+    bnb = Workload(method="lora", precision="bf16", lora_rank=13, optimizer="adamw8bit")
+    torchao = dataclasses.replace(bnb, torchao_optimizer=True, adapters_16bit=True)
+    assert fp32_state_params(shape, bnb) < wide == fp32_state_params(shape, torchao)
+    assert state_bytes(shape, torchao)[2] == pytest.approx((sum(trained) - wide) * optimizer_state_bytes(torchao)
+                                                           + wide * 2 * 2)

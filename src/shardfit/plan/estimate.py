@@ -156,7 +156,8 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
-    return weights, grads, t * optimizer_state_bytes(w) + fp32_state_params(shape, w) * (8 - optimizer_state_bytes(w))
+    wide = fp32_state_params(shape, w) * (full_width_state_bytes(w) - optimizer_state_bytes(w))
+    return weights, grads, t * optimizer_state_bytes(w) + wide
 
 
 # bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
@@ -193,25 +194,37 @@ def fp32_state_embedding(w: Workload) -> bool:
     return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
 
 
+def full_width_state_bytes(w: Workload) -> float:
+    """Bytes of the two states of a tensor an 8-bit AdamW keeps full-width (`fp32_state_params`): fp32 under
+    bitsandbytes; torchao's in the parameter's own dtype (optim/adam.py `_new_buffer`: `torch.zeros_like(p)`)."""
+    return 2.0 * trainable_bytes(w) if w.torchao_optimizer else 8.0
+
+
 def fp32_state_params(shape: ModelShape, w: Workload) -> float:
-    """Trainable weights bitsandbytes' 8-bit AdamW keeps two fp32 states for (8 bytes, not `optimizer_state_bytes`'
-    2.03): each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B matrices of a small model's narrow layers; a
-    full fine-tune's norm weights and biases where the hidden size is under it), and the trained input embedding
-    the HF Trainer registers for 32-bit states (`fp32_state_embedding`). 0 for other optimizers."""
+    """Trainable weights an 8-bit AdamW keeps two full-width states for (`full_width_state_bytes`, not
+    `optimizer_state_bytes`' 2.03): bitsandbytes' each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B
+    matrices of a small model's narrow layers; a full fine-tune's norm weights and biases where the hidden size is
+    under it), and the trained input embedding the HF Trainer registers for 32-bit states
+    (`fp32_state_embedding`); torchao's (`torchao_optimizer`) each under the same size or not a multiple of its
+    block (BNB_STATE_BLOCK, 256), judged on the whole tensor (under FSDP2 it judges each rank's shard: not
+    modelled). 0 for other optimizers."""
     if w.optimizer != "adamw8bit":
         return 0.0
-    small = BNB_MIN_8BIT_SIZE
+
+    def wide(n: int) -> bool:
+        return n < BNB_MIN_8BIT_SIZE or (w.torchao_optimizer and n % BNB_STATE_BLOCK != 0)
+
     embedding = shape.vocab * shape.hidden if fp32_state_embedding(w) else 0
     if w.trains_adapters:
         return float(embedding + shape.over_blocks(lambda moe: sum(
-            (r * i if r * i < small else 0) + (r * o if r * o < small else 0)
+            (r * i if wide(r * i) else 0) + (r * o if wide(r * o) else 0)
             for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
             for r in (rank_of(n, w),))))
     if w.method != "full":
         return 0.0
     # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
-    # projection's output: under min_8bit_size where the hidden size is.
-    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if shape.hidden < small else 0
+    # projection's output: full-width where the hidden size is.
+    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if wide(shape.hidden) else 0
     return float(norms + embedding)
 
 

@@ -164,6 +164,9 @@ class Workload:
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
     bnb_optimizer: bool = False
+    # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
+    # its full-width fallback differs (plan/estimate.py `fp32_state_params`).
+    torchao_optimizer: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
