@@ -121,3 +121,15 @@ def test_torchao_s_8bit_adamw_keeps_its_own_full_width_tensors() -> None:
     assert fp32_state_params(shape, bnb) < wide == fp32_state_params(shape, torchao)
     assert state_bytes(shape, torchao)[2] == pytest.approx((sum(trained) - wide) * optimizer_state_bytes(torchao)
                                                            + wide * 2 * 2)
+
+
+def test_flat_parameters_have_no_small_tensor_or_embedding_override() -> None:
+    """FSDP1 with flat parameters hands bitsandbytes one flat parameter per unit: no tensor under min_8bit_size and
+    no embedding of its own for the Trainer's 32-bit override, so every trained weight has 8-bit states."""
+    _, shape = _model_and_shape()
+    trainer = Workload(method="full", precision="bf16", optimizer="adamw8bit", bnb_optimizer=True)
+    assert fp32_state_params(shape, trainer) > 0
+    flat = dataclasses.replace(trainer, flat_params=True)
+    assert fp32_state_params(shape, flat) == 0
+    assert state_bytes(shape, flat)[2] == pytest.approx(
+        state_bytes(shape, dataclasses.replace(flat, bnb_optimizer=False))[2])

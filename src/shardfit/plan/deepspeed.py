@@ -234,7 +234,9 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
     else:
         m = ZeroMemory(model_bytes, 0.0, block_grads)  # the whole model on every rank
     master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
-    moments = optimizer_state_bytes(w, fp32_masters=True) * t / n  # the optimizer steps those masters
+    # the optimizer steps those masters: flat partitions, so no 8-bit optimizer's small-tensor or per-parameter
+    # override rule applies (estimate.py `fp32_state_params` is not added here)
+    moments = optimizer_state_bytes(w, fp32_masters=True) * t / n
     m.states, m.grad_part = master + moments, low * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)

@@ -207,8 +207,11 @@ def fp32_state_params(shape: ModelShape, w: Workload) -> float:
     under it), and the trained input embedding the HF Trainer registers for 32-bit states
     (`fp32_state_embedding`); torchao's (`torchao_optimizer`) each under the same size or not a multiple of its
     block (BNB_STATE_BLOCK, 256), judged on the whole tensor (under FSDP2 it judges each rank's shard: not
-    modelled). 0 for other optimizers."""
-    if w.optimizer != "adamw8bit":
+    modelled). 0 for other optimizers, and with FSDP1's flat parameters (`flat_params`): the optimizer steps one
+    flat parameter per unit, never a small tensor, and the Trainer's override (keyed by the embedding's own
+    parameter) matches none; DeepSpeed's ZeRO steps flat fp32 partitions alike (plan/deepspeed.py never adds these).
+    """
+    if w.optimizer != "adamw8bit" or w.flat_params:
         return 0.0
 
     def wide(n: int) -> bool:
