@@ -70,7 +70,9 @@ def test_expert_parallel_lora_with_16bit_adapters_moves_what_was_counted(over: d
 def test_deepspeed_states_follow_the_one_rule_on_its_fp32_masters(over: dict, per_weight: float) -> None:
     """DeepSpeed's ZeRO optimizer steps its fp32 master partition, so its states per trained weight are
     `optimizer_state_bytes` of fp32 weights at every stage: the table's bytes for a full fine-tune and for LoRA
-    adapters in fp32 or bf16 alike, where the other engines keep torch AdamW's moments in bf16 adapters' own dtype."""
+    adapters in fp32 or bf16 alike, where the other engines keep torch AdamW's moments in bf16 adapters' own dtype.
+    A guard of the rule, not of a change (the pre-merge code gave the same bytes): it fails where DeepSpeed reads
+    the adapters' own dtype (bf16 adapters under torch AdamW: 4 bytes, not 8), or where a single GPU reads fp32."""
     shape = resolve_shape("mistralai/Mixtral-8x7B-v0.1")
     for method, extra in (("full", {}), ("lora", {}), ("lora", {"adapters_16bit": True})):
         w = dataclasses.replace(FULL, method=method, **extra, **over)
@@ -80,8 +82,14 @@ def test_deepspeed_states_follow_the_one_rule_on_its_fp32_masters(over: dict, pe
             zero = zero_memory(shape, w, 8, ZeroSettings(stage=stage))
             assert (zero.states - 4 * t / 8) * 8 / t == pytest.approx(per_weight, rel=1e-9)
     bf16_adapters = dataclasses.replace(FULL, method="lora", adapters_16bit=True, **over)
+    t = trainable_params(shape, bf16_adapters)
+    single = estimate(shape, bf16_adapters, parse_gpus("1xH100", 1, None), "single").per_gpu_gib.optimizer * GIB
+    deepspeed = zero_memory(shape, bf16_adapters, 8, ZeroSettings(stage=2)).states * 8 - 4 * t
     if over == {"optimizer": "adamw"}:
         assert optimizer_state_bytes(bf16_adapters) == 4.0  # torch AdamW beside them, outside DeepSpeed
+        assert single == pytest.approx(4.0 * t) and deepspeed == pytest.approx(8.0 * t)
+    else:
+        assert deepspeed == pytest.approx(single)
 
 
 def test_a_stage_without_the_embedding_holds_none_of_its_fp32_8bit_states() -> None:
