@@ -76,6 +76,7 @@ def test_optimizer_names_plan_their_states_or_say_what_stands_in(name: str) -> N
     notes: list[str] = []
     keys = optimizer_keys(name, "4.56.0", notes)
     assert (keys["optimizer"], keys["bnb_optimizer"]) == (planned, bnb)
+    assert keys["torchao_optimizer"] == name.endswith(("torch_8bit", "ao_adamw_8bit"))  # its own full-width rule
     if says is None:
         assert notes == []
     else:

@@ -127,6 +127,19 @@ def test_fp32_experts_run_at_the_fp32_rate(model: str) -> None:
                                                                                        SINGLE).compute
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
+def test_engines_that_cast_the_parameters_run_the_stacks_in_16_bits(strategy: str) -> None:
+    """FSDP (accelerate's MixedPrecision(param_dtype=bf16), shardfit's FSDP2) and DeepSpeed hand the grouped matmul
+    16-bit stacks whatever peft upcast (a review measured FSDP2 on the CPU: `_grouped_mm` in bf16): under them the
+    upcast costs no fp32 matmuls, no fallback launches and no waits, as it does on one GPU."""
+    shape = resolve_shape("Qwen/Qwen3-30B-A3B")
+    card = card_of(parse_gpus("1xH100", 1, None))
+    s = strategies.get(strategy)
+    assert micro_batch_work(shape, UPCAST, card, s).compute == micro_batch_work(shape, BNB, card, s).compute
+    assert micro_batch_work(shape, UPCAST, card, s).host == micro_batch_work(shape, BNB, card, s).host
+    assert micro_batch_work(shape, UPCAST, card, SINGLE).compute > micro_batch_work(shape, BNB, card, SINGLE).compute
+
+
 @pytest.mark.parametrize("model", MIXTURES)
 def test_fsdp_gathers_16bit_stacks_whole(model: str) -> None:
     """FSDP's all-gather carries the packed 4-bit weights and the 16-bit expert stacks as they are."""

@@ -223,7 +223,8 @@ def test_attention_mask_in_plan(capsys) -> None:
     assert sdpa["activations"] - flash["activations"] == pytest.approx((mask + repeated_kv + 8192**2) / 2**30,
                                                                        rel=0.01)
     cfg = SimpleNamespace(method="lora", precision="bf16", max_seq_len=512, micro_batch=1, grad_ckpt="full",
-                          lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True), grad_accum=1,
+                          lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True, dtype="fp32"),
+                          grad_accum=1,
                           freeze_trainable=[],
                           compile=False, freeze_vision_tower=True, freeze_audio_tower=True, loss_chunk="auto",
                           objective="sft", dpo=SimpleNamespace(precompute_reference="auto"), sequence_parallel=1,

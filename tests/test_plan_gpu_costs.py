@@ -113,7 +113,8 @@ def test_each_wait_for_the_device_stalls_a_gpu_micro_batch_and_not_a_cpus() -> N
 
 def _cfg(**over) -> SimpleNamespace:
     base = dict(method="full", precision="bf16", max_seq_len=512, micro_batch=1, grad_ckpt="none",
-                lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True), grad_accum=1,
+                lora=SimpleNamespace(rank=8, dropout=0.0, targets="all-linear", experts=True, dtype="fp32"),
+                grad_accum=1,
                 freeze_trainable=[],
                 compile=False, freeze_vision_tower=True, freeze_audio_tower=True, loss_chunk="auto",
                 objective="sft", dpo=SimpleNamespace(precompute_reference="auto"), sequence_parallel=1,

@@ -12,7 +12,7 @@ from shardfit.plan.deepspeed import ZeroSettings, zero_memory
 from shardfit.plan.estimate import estimate, optimizer_state_bytes, trainable_params
 from shardfit.plan.experts import routed_expert_params
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.pipeline import _part_gib
+from shardfit.plan.pipeline import _part_gib, stage_breakdown
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 
@@ -70,7 +70,9 @@ def test_expert_parallel_lora_with_16bit_adapters_moves_what_was_counted(over: d
 def test_deepspeed_states_follow_the_one_rule_on_its_fp32_masters(over: dict, per_weight: float) -> None:
     """DeepSpeed's ZeRO optimizer steps its fp32 master partition, so its states per trained weight are
     `optimizer_state_bytes` of fp32 weights at every stage: the table's bytes for a full fine-tune and for LoRA
-    adapters in fp32 or bf16 alike, where the other engines keep torch AdamW's moments in bf16 adapters' own dtype."""
+    adapters in fp32 or bf16 alike, where the other engines keep torch AdamW's moments in bf16 adapters' own dtype.
+    A guard of the rule, not of a change (the pre-merge code gave the same bytes): it fails where DeepSpeed reads
+    the adapters' own dtype (bf16 adapters under torch AdamW: 4 bytes, not 8), or where a single GPU reads fp32."""
     shape = resolve_shape("mistralai/Mixtral-8x7B-v0.1")
     for method, extra in (("full", {}), ("lora", {}), ("lora", {"adapters_16bit": True})):
         w = dataclasses.replace(FULL, method=method, **extra, **over)
@@ -80,5 +82,29 @@ def test_deepspeed_states_follow_the_one_rule_on_its_fp32_masters(over: dict, pe
             zero = zero_memory(shape, w, 8, ZeroSettings(stage=stage))
             assert (zero.states - 4 * t / 8) * 8 / t == pytest.approx(per_weight, rel=1e-9)
     bf16_adapters = dataclasses.replace(FULL, method="lora", adapters_16bit=True, **over)
+    t = trainable_params(shape, bf16_adapters)
+    single = estimate(shape, bf16_adapters, parse_gpus("1xH100", 1, None), "single").per_gpu_gib.optimizer * GIB
+    deepspeed = zero_memory(shape, bf16_adapters, 8, ZeroSettings(stage=2)).states * 8 - 4 * t
     if over == {"optimizer": "adamw"}:
         assert optimizer_state_bytes(bf16_adapters) == 4.0  # torch AdamW beside them, outside DeepSpeed
+        assert single == pytest.approx(4.0 * t) and deepspeed == pytest.approx(8.0 * t)
+    else:
+        assert deepspeed == pytest.approx(single)
+
+
+def test_a_stage_without_the_embedding_holds_none_of_its_fp32_8bit_states() -> None:
+    """Llama-3-8B (untied) in two stages under the HF Trainer's 8-bit AdamW: the first stage holds the trained
+    embedding's fp32 states (the Trainer's 32-bit override), the last (the head, an nn.Linear) none of them; the
+    same for peft's trained copy of the embedding beside LoRA."""
+    shape, hw = resolve_shape("meta-llama/Meta-Llama-3-8B"), parse_gpus("2xA100-80G", 1, None)
+    extra = shape.vocab * shape.hidden * (8 - 2 * (1 + 4 / 256)) / GIB
+    for w in (dataclasses.replace(FULL, optimizer="adamw8bit", grad_accum=4),
+              dataclasses.replace(FULL, method="lora", optimizer="adamw8bit", grad_accum=4, lora_saved=("embed",))):
+        trainer = dataclasses.replace(w, bnb_optimizer=True)
+        for stage, added in ((0, extra), (1, 0.0)):
+            plain = stage_breakdown(shape, w, hw, 2, stage, 16).optimizer
+            assert stage_breakdown(shape, trainer, hw, 2, stage, 16).optimizer == pytest.approx(plain + added)
+    lora = dataclasses.replace(FULL, method="lora", optimizer="adamw8bit", grad_accum=4, bnb_optimizer=True)
+    saved = dataclasses.replace(lora, lora_saved=("embed",))
+    assert stage_breakdown(shape, saved, hw, 2, 1, 16).optimizer == \
+        pytest.approx(stage_breakdown(shape, lora, hw, 2, 1, 16).optimizer)

@@ -12,13 +12,15 @@ import pytest
 from shardfit import strategy as strategies
 from shardfit.check.pipeline_rules import pipeline_plan_rules
 from shardfit.config import Config
+from shardfit.errors import PlannerBug
+from shardfit.plan import pipeline
 from shardfit.plan.comms import stage_sync_s
 from shardfit.plan.estimate import Breakdown
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.pipeline import bubble, held_by_pipeline, plan_pipeline, stage_breakdown, stage_gib
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import resolve_shape
-from shardfit.plan.workload import workload_of
+from shardfit.plan.workload import Workload, workload_of
 from shardfit.resolve import DeviceFacts, resolve_job
 from tests.helpers import run_cli
 
@@ -130,3 +132,23 @@ def test_check_and_auto_judge_the_stages_on_their_data_parallel_ranks() -> None:
     [f] = pipeline_plan_rules(_job(strategy="ddp"), plan, "ddp")
     assert f.severity == "error" and "pipeline_parallel=4 x ddp 2" in f.message
     assert pipeline_plan_rules(_job(strategy="zero3"), plan, "zero3") == []
+
+
+def test_a_stage_s_optimizer_peak_has_no_head_gather_to_remove() -> None:
+    """Qwen1.5-7B full fine-tune in 4 stages of zero3 over 2 ranks: where a non-last stage peaks in the optimizer
+    step (no gathered head among its temporaries) nothing is taken from its temporaries; in forward or backward the
+    head's gathered copy is."""
+    shape, hw = resolve_shape("Qwen/Qwen1.5-7B"), parse_gpus("8xH100", 1, None)
+    w = Workload(method="full", precision="bf16", grad_accum=4)
+    for stage in range(4):
+        b = stage_breakdown(shape, w, hw, 4, stage, shape.layers // 4, 2, "zero3")
+        assert b.temporaries >= 0
+        stage_gib(shape, w, hw, 4, stage, shape.layers // 4, 2, "zero3")
+
+
+def test_a_negative_stage_part_is_a_planner_bug_not_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage breakdown below zero in any part raises PlannerBug, as a strategy's does (estimate.py
+    `check_not_negative`), instead of reading as zero."""
+    monkeypatch.setattr(pipeline, "stage_breakdown", lambda *a, **k: Breakdown(1.0, 0.0, 0.0, 1.0, 0.0, -0.5))
+    with pytest.raises(PlannerBug, match="temporaries"):
+        stage_gib(resolve_shape("Qwen/Qwen1.5-7B"), Workload(), parse_gpus("2xH100", 1, None), 2, 0, 16)

@@ -150,7 +150,8 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
     if planned is None:
         planned, bnb, note = optimizer_stand_in(optim)
         notes.append(note)
-    return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb}
+    return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb,
+            "torchao_optimizer": optim.lower() in TORCHAO_8BIT}
 
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")

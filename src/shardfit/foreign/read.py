@@ -28,6 +28,7 @@ from shardfit.foreign.llamafactory import read_llamafactory
 from shardfit.foreign.llamafactory_v1 import is_v1, read_llamafactory_v1
 from shardfit.foreign.swift import read_swift
 from shardfit.foreign.targets import plan_all_linear
+from shardfit.plan.deepspeed import as_deepspeed_runs
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
@@ -110,6 +111,11 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
     job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
+    if job.engine == "deepspeed" and as_deepspeed_runs(job.workload) != job.workload:
+        job.workload = as_deepspeed_runs(job.workload)
+        job.notes.append(f"DeepSpeed {job.workload.precision} casts the weights peft's k-bit preparation upcast "
+                         "to fp32 back to 16 bits (engine.py _cast_module_mixed_precision): planned in "
+                         f"{job.workload.precision}")
     if opts.gpus is not None:  # the ranks a launch that takes every GPU starts, before the checks that count ranks
         launch_on(job, opts.gpus.gpus_per_node)
     _check_split(job, shape_of)

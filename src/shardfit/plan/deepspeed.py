@@ -26,7 +26,7 @@ Checked against real DeepSpeed 0.19 steps on gloo ranks (bench/deepspeed_memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardfit.plan.activations import activation_bytes, forward_activation_bytes, logits_bytes
 from shardfit.plan.estimate import (
@@ -142,9 +142,26 @@ class ZeroMemory:
     host_optimizer: float = 0.0
 
 
+def as_deepspeed_runs(w: Workload) -> Workload:
+    """`w` as DeepSpeed's engine holds its weights: with bf16 or fp16 on, `deepspeed.initialize` casts every
+    floating-point parameter to that dtype (runtime/engine.py `_configure_distributed_model` ->
+    `_cast_module_mixed_precision`, 0.19.8: fp16, bf16, fp32 and fp64 alike; only integer storage such as
+    bitsandbytes' packed Params4bit is left), so what peft's prepare_model_for_kbit_training upcast to fp32 (norms,
+    embedding, the routed expert stacks bitsandbytes leaves unquantized) is 16-bit again: no `frozen_fp32`. Under
+    ZeRO-3's zero.Init the engine skips that cast, but the parameters were built partitioned in the config's 16-bit
+    dtype and peft's upcast reaches only their empty placeholders; and transformers loads a quantized model without
+    zero.Init (modeling_utils.py: `if not is_quantized`), so a QLoRA takes the cast at every stage. An fp32 run
+    keeps them as they are. The one rule DeepSpeed's memory (`estimate_deepspeed`) and a DeepSpeed job's
+    workload (foreign/read.py, which the time model reads) both follow."""
+    if w.frozen_fp32 and compute_bytes(w) == 2:
+        return replace(w, frozen_fp32=False)
+    return w
+
+
 def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSettings) -> Candidate:
     """Per-rank GPU peak of a DeepSpeed ZeRO job (and its host RAM per rank), at the step's three moments as in
-    `estimate.estimate`."""
+    `estimate.estimate`, with the weights as the engine casts them (`as_deepspeed_runs`)."""
+    w = as_deepspeed_runs(w)
     shape = planned_shape(shape, w)
     low = compute_bytes(w)
     strategy = "zero3" if z.stage == 3 else "zero2"  # activations: 16-bit weights, no autocast
@@ -190,12 +207,14 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
 
 
 def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> ZeroMemory:
-    """The model, its temporaries and the optimizer states one of `n` ranks holds under `z` (module docstring)."""
+    """The model, its temporaries and the optimizer states one of `n` ranks holds under `z` (module docstring),
+    the weights as the engine casts them (`as_deepspeed_runs`)."""
+    w = as_deepspeed_runs(w)
     low = compute_bytes(w)
     p, t = shape.params(), trainable_params(shape, w)
     full = w.method == "full"
     # The model as DeepSpeed holds it: trainable weights in 16 bits (the fp32 masters are the optimizer's), frozen
-    # ones as the method stores them (4-bit NF4 for QLoRA, fp32 where peft's k-bit preparation upcast them).
+    # ones as the method stores them (4-bit NF4 for QLoRA; peft's fp32 upcast only in an fp32 run: `as_deepspeed_runs`).
     model_bytes = low * p if full else state_bytes(shape, w)[0] - t * trainable_bytes(w) + low * t
     layer_params = shape.layer_params()
     block_grads = (layer_params if full else t / shape.layers) * low  # a block's unreduced gradients
@@ -215,7 +234,9 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
     else:
         m = ZeroMemory(model_bytes, 0.0, block_grads)  # the whole model on every rank
     master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
-    moments = optimizer_state_bytes(w, fp32_masters=True) * t / n  # the optimizer steps those masters
+    # the optimizer steps those masters: flat partitions, so no 8-bit optimizer's small-tensor or per-parameter
+    # override rule applies (estimate.py `fp32_state_params` is not added here)
+    moments = optimizer_state_bytes(w, fp32_masters=True) * t / n
     m.states, m.grad_part = master + moments, low * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)

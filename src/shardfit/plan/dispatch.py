@@ -34,6 +34,7 @@ from shardfit.plan.cards import Card
 from shardfit.plan.dequant import LAYER_WEIGHTS, dequant_per_use, dequantized_weights_per_layer
 from shardfit.plan.flops import fp32_grouped_mm_calls
 from shardfit.plan.model_shape import DELTA_CHUNK
+from shardfit.plan.precision import autocast_launches
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -106,15 +107,11 @@ class GpuWork:
         return max(self.compute, self.host) + self.stall
 
 
-def autocasts(w: Workload) -> bool:
-    """Whether `w`'s step runs under 16-bit autocast (which the op counts are keyed by).
-
-    Not plan/precision.py `runs_autocast`, on purpose: that one follows shardfit's own engines, whose FSDP2 casts the
-    parameters (MixedPrecisionPolicy) instead of autocasting, for the tensors autocast's copies save. The host's
-    counts are the workload's whatever the engine: LAYER_OPS were measured on one process (no MixedPrecisionPolicy
-    column), and the tools behind the measured runs autocast under FSDP too (accelerate wraps the forward in
-    autocast whenever it mixes precision, accelerator.py `native_amp`, 1.15)."""
-    return w.precision in ("bf16", "fp16") and not w.pure_16bit
+def autocasts(w: Workload, strategy: str = "single") -> bool:
+    """Whether `w`'s step under `strategy` runs under 16-bit autocast (which the op counts are keyed by):
+    plan/precision.py `autocast_launches`, the memory model's rule for shardfit's own runner (no autocast under its
+    FSDP2 or beside its bf16 adapters), a tool's engine's autocast wherever it mixes precision."""
+    return autocast_launches(w, strategy)
 
 
 def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
@@ -123,10 +120,10 @@ def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
     return (at(False) + at(True)) / 2 if w.grad_ckpt == "selective" else at(w.grad_ckpt == "full")
 
 
-def _layer_ops(w: Workload, ckpt: bool, dequantized: float) -> tuple[float, float, float]:
-    """(kernels, views, matmuls) of one decoder layer for `w` with or without full checkpointing; `dequantized`:
-    the layer's 4-bit weights (QLoRA)."""
-    autocast = autocasts(w)
+def _layer_ops(w: Workload, ckpt: bool, dequantized: float, strategy: str) -> tuple[float, float, float]:
+    """(kernels, views, matmuls) of one decoder layer for `w` under `strategy` with or without full checkpointing;
+    `dequantized`: the layer's 4-bit weights (QLoRA)."""
+    autocast = autocasts(w, strategy)
     if w.method == "full":
         return tuple(float(x) for x in LAYER_OPS[("full", ckpt, autocast)])
     # LoRA's ops grow by the same amount per adapted linear (the 7- and 2-target counts give the step); `freeze`
@@ -143,45 +140,47 @@ def _layer_ops(w: Workload, ckpt: bool, dequantized: float) -> tuple[float, floa
     return k, v, m
 
 
-def dispatch_ops_per_layer(w: Workload, dequantized: float = LAYER_WEIGHTS) -> tuple[float, float]:
+def dispatch_ops_per_layer(w: Workload, dequantized: float = LAYER_WEIGHTS,
+                           strategy: str = "single") -> tuple[float, float]:
     """(kernel launches, views) the host dispatches for one decoder layer of one micro-batch of `w`: measured
     counts (LAYER_OPS) by method, LoRA targets and dropout, checkpointing (selective: half of full's
     recomputation) and autocast, and QLoRA's dequantization of each of the layer's `dequantized` 4-bit weights
     (plan/dequant.py `dequantized_weights_per_layer`); compiled, about two kernels per matmul (one fused kernel
     beside each) and no views."""
     if w.grad_ckpt == "selective":
-        k, v, m = ((a + b) / 2 for a, b in zip(_layer_ops(w, False, dequantized), _layer_ops(w, True, dequantized),
+        k, v, m = ((a + b) / 2 for a, b in zip(_layer_ops(w, False, dequantized, strategy),
+                                               _layer_ops(w, True, dequantized, strategy),
                                                strict=True))
     else:
-        k, v, m = _layer_ops(w, w.grad_ckpt == "full", dequantized)
+        k, v, m = _layer_ops(w, w.grad_ckpt == "full", dequantized, strategy)
     return (2 * m, 0.0) if w.compile else (k, v)
 
 
-def host_dispatch_s(shape: ModelShape, w: Workload) -> float:
-    """Seconds the host spends launching one micro-batch's ops (a GPU step cannot be shorter)."""
-    k, v = dispatch_ops_per_layer(w, dequantized_weights_per_layer(shape, w))
+def host_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """Seconds the host spends launching one micro-batch's ops under `strategy` (a GPU step cannot be shorter)."""
+    k, v = dispatch_ops_per_layer(w, dequantized_weights_per_layer(shape, w), strategy)
     kernels = shape.layers * k + FIXED_OPS[0]
     views = shape.layers * v + (0 if w.compile else FIXED_OPS[1])
     if shape.linear_layers and w.delta_rule == "torch":
-        dk, dv = delta_rule_chunk_ops(w)
+        dk, dv = delta_rule_chunk_ops(w, strategy)
         kernels += shape.linear_layers * dk
         views += shape.linear_layers * dv
-    kernels += fp32_grouped_mm_calls(shape, w) * shape.experts  # the fallback's mm per expert
+    kernels += fp32_grouped_mm_calls(shape, w, strategy) * shape.experts  # the fallback's mm per expert
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
-        autocast = autocasts(w)
+        autocast = autocasts(w, strategy)
         ck, cv = LOSS_CHUNK_OPS[(w.method == "full", autocast)]
         kernels += extra * ck
         views += extra * cv
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
 
 
-def delta_rule_chunk_ops(w: Workload, *, forward_only: bool = False) -> tuple[float, float]:
+def delta_rule_chunk_ops(w: Workload, strategy: str = "single", *, forward_only: bool = False) -> tuple[float, float]:
     """(kernels, views) the torch Gated DeltaNet's chunk loop adds to one DeltaNet block of one micro-batch: each
     row's `ceil(row_len / DELTA_CHUNK)` chunks (the rows of a micro-batch run side by side), forward and backward,
     and the forward again where checkpointing recomputes the block (selective checkpointing too: it keeps only
     `mm`s, and the loop's products are `bmm`s); `forward_only`: the forward alone (a reference's)."""
-    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocasts(w)]
+    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocasts(w, strategy)]
     chunks = -(-w.row_len // DELTA_CHUNK)
     if forward_only:
         return chunks * fk, chunks * fv
@@ -203,7 +202,8 @@ def engine_host_s(shape: ModelShape, w: Workload, s: strategies.Strategy) -> flo
     return shape.layers * by_checkpointing(w, lambda ckpt: table[(kind, ckpt)])
 
 
-def host_sync_s(w: Workload, card: Card, shape: ModelShape | None = None, *, forward_only: bool = False) -> float:
+def host_sync_s(w: Workload, card: Card, shape: ModelShape | None = None, *, forward_only: bool = False,
+                strategy: str = "single") -> float:
     """The syncs term: seconds per micro-batch the device idles at the host's waits for it (`w.host_syncs`, and
     with `shape` one per fp32 grouped matmul: `fp32_grouped_mm_calls`, its offsets read back; `forward_only`: a
     reference's forward's alone), each HOST_SYNC_S, which neither the GPU's work nor the host's launches overlap.
@@ -212,25 +212,25 @@ def host_sync_s(w: Workload, card: Card, shape: ModelShape | None = None, *, for
     wait in a step, tests/test_host_syncs.py)."""
     if card.key == "cpu":
         return 0.0
-    fallback = 0.0 if shape is None else fp32_grouped_mm_calls(shape, w, forward_only=forward_only)
+    fallback = 0.0 if shape is None else fp32_grouped_mm_calls(shape, w, strategy, forward_only=forward_only)
     return ((0.0 if forward_only else w.host_syncs) + fallback) * HOST_SYNC_S
 
 
-def reference_dispatch_s(shape: ModelShape, w: Workload) -> float:
+def reference_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """Seconds the host spends launching the reference's forward without gradients over one micro-batch (DPO and
     KTO with the adapters switched off): REFERENCE_LAYER_OPS per layer and REFERENCE_FIXED_OPS once, each 4-bit
     weight's dequantization once more, and the forward of the torch Gated DeltaNet's chunk loop
-    (DELTA_CHUNK_OPS)."""
-    autocast = autocasts(w)
+    (DELTA_CHUNK_OPS), under `strategy`."""
+    autocast = autocasts(w, strategy)
     (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
     dk, dv, _ = dequant_per_use(w)  # each 4-bit weight dequantized once more for the reference's forward
     weights = dequantized_weights_per_layer(shape, w)
     k, v = k + weights * dk, v + weights * dv
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
-    k_fallback = fp32_grouped_mm_calls(shape, w, forward_only=True) * shape.experts  # an mm per expert
+    k_fallback = fp32_grouped_mm_calls(shape, w, strategy, forward_only=True) * shape.experts  # an mm per expert
     ops = (shape.layers * k + fk + k_fallback) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
     if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
-        ck, cv = delta_rule_chunk_ops(w, forward_only=True)
+        ck, cv = delta_rule_chunk_ops(w, strategy, forward_only=True)
         ops += shape.linear_layers * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)
     return ops

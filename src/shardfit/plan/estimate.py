@@ -156,7 +156,8 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
     grads = t * trainable_bytes(w)
-    return weights, grads, t * optimizer_state_bytes(w) + fp32_state_params(shape, w) * (8 - optimizer_state_bytes(w))
+    wide = fp32_state_params(shape, w) * (full_width_state_bytes(w) - optimizer_state_bytes(w))
+    return weights, grads, t * optimizer_state_bytes(w) + wide
 
 
 # bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
@@ -182,27 +183,51 @@ def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False) -> float:
 BNB_MIN_8BIT_SIZE = 4096
 
 
+def fp32_state_embedding(w: Workload) -> bool:
+    """Whether bitsandbytes' 8-bit AdamW keeps fp32 states for a trained input embedding: under the HF Trainer (a
+    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`), whose Trainer.create_optimizer registers every nn.Embedding
+    of the model for 32-bit states (GlobalOptimManager's `register_module_override` with `optim_bits` 32): a full
+    fine-tune's embedding, and peft's trained copy of it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an
+    nn.Embedding too). The untied head is an nn.Linear: 8-bit states."""
+    if w.optimizer != "adamw8bit" or not w.bnb_optimizer:
+        return False
+    return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
+
+
+def full_width_state_bytes(w: Workload) -> float:
+    """Bytes of the two states of a tensor an 8-bit AdamW keeps full-width (`fp32_state_params`): fp32 under
+    bitsandbytes; torchao's in the parameter's own dtype (optim/adam.py `_new_buffer`: `torch.zeros_like(p)`)."""
+    return 2.0 * trainable_bytes(w) if w.torchao_optimizer else 8.0
+
+
 def fp32_state_params(shape: ModelShape, w: Workload) -> float:
-    """Trainable weights bitsandbytes' 8-bit AdamW keeps two fp32 states for (8 bytes, not `optimizer_state_bytes`'
-    2.03): each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B matrices of a small model's narrow layers; a
-    full fine-tune's norm weights and biases where the hidden size is under it), and under the HF Trainer (a
-    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`) a trained input embedding, which transformers'
-    Trainer.create_optimizer registers for 32-bit states (GlobalOptimManager's `register_module_override` with
-    `optim_bits` 32 on every nn.Embedding). 0 for other optimizers."""
-    if w.optimizer != "adamw8bit":
+    """Trainable weights an 8-bit AdamW keeps two full-width states for (`full_width_state_bytes`, not
+    `optimizer_state_bytes`' 2.03): bitsandbytes' each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B
+    matrices of a small model's narrow layers; a full fine-tune's norm weights and biases where the hidden size is
+    under it), and the trained input embedding the HF Trainer registers for 32-bit states
+    (`fp32_state_embedding`); torchao's (`torchao_optimizer`) each under the same size or not a multiple of its
+    block (BNB_STATE_BLOCK, 256), judged on the whole tensor (under FSDP2 it judges each rank's shard: not
+    modelled). 0 for other optimizers, and with FSDP1's flat parameters (`flat_params`): the optimizer steps one
+    flat parameter per unit, never a small tensor, and the Trainer's override (keyed by the embedding's own
+    parameter) matches none; DeepSpeed's ZeRO steps flat fp32 partitions alike (plan/deepspeed.py never adds these).
+    """
+    if w.optimizer != "adamw8bit" or w.flat_params:
         return 0.0
-    small = BNB_MIN_8BIT_SIZE
+
+    def wide(n: int) -> bool:
+        return n < BNB_MIN_8BIT_SIZE or (w.torchao_optimizer and n % BNB_STATE_BLOCK != 0)
+
+    embedding = shape.vocab * shape.hidden if fp32_state_embedding(w) else 0
     if w.trains_adapters:
-        return float(shape.over_blocks(lambda moe: sum(
-            (r * i if r * i < small else 0) + (r * o if r * o < small else 0)
+        return float(embedding + shape.over_blocks(lambda moe: sum(
+            (r * i if wide(r * i) else 0) + (r * o if wide(r * o) else 0)
             for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
             for r in (rank_of(n, w),))))
     if w.method != "full":
         return 0.0
     # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
-    # projection's output: under min_8bit_size where the hidden size is.
-    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if shape.hidden < small else 0
-    embedding = shape.vocab * shape.hidden if w.bnb_optimizer else 0
+    # projection's output: full-width where the hidden size is.
+    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if wide(shape.hidden) else 0
     return float(norms + embedding)
 
 
@@ -632,16 +657,21 @@ def _tensors(b: Breakdown) -> float:
     return b.weights + b.grads + b.optimizer + b.activations + b.logits + b.temporaries
 
 
+def check_not_negative(b: Breakdown, what: str) -> None:
+    """PlannerBug where a part of `b` is below zero: one path subtracted what another did not count. It would let a
+    plan that cannot run read as fitting, so it is a bug, never clamped (a pipeline stage's breakdown as much as a
+    strategy's)."""
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
+        if getattr(b, part) < -1e-9:
+            raise PlannerBug(f"internal error: {what} has {getattr(b, part):.3f} GiB of {part}, below zero (two of "
+                             "the planner's paths count the same bytes differently); please report it with the "
+                             "command line")
+
+
 def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
     """Fill in what a real GPU adds to the tensor peak (GiB) and the total: the allocator's reserve (its own line),
     the CUDA context, and NCCL buffers when several ranks of the strategy talk (`runtime_overhead`)."""
-    # A negative part means two paths counted the same bytes differently (what is moved out of a share must be
-    # what was counted in it); it would let a plan that cannot run read as fitting, so it is a bug, never clamped.
-    for part in ("weights", "grads", "optimizer", "activations", "logits", "temporaries"):
-        if getattr(b, part) < -1e-9:
-            raise PlannerBug(f"internal error: the plan of {strategy} has {getattr(b, part):.3f} GiB of {part}, below "
-                             "zero (two of the planner's paths count the same bytes differently); please report it "
-                             "with the command line")
+    check_not_negative(b, f"the plan of {strategy}")
     tensors = _tensors(b)
     talks = hw.world > 1 and strategies.get(strategy).multi_rank
     b.allocator_reserve = tensors * ALLOCATOR_RESERVE

@@ -24,7 +24,7 @@ from shardfit.plan.adapters import adapts
 from shardfit.plan.attention_layout import CHUNK, WINDOW
 from shardfit.plan.cards import Card
 from shardfit.plan.model_shape import DELTA_CHUNK, BlockGroup
-from shardfit.plan.precision import compute_bytes, dense_expert_bytes, experts_stay_16bit
+from shardfit.plan.precision import compute_bytes, dense_expert_bytes, engine_casts_params, experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -295,14 +295,17 @@ def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
         float8_cast_bytes(shape, w) / card.hbm
 
 
-def fp32_expert_flops(shape: ModelShape, w: Workload, *, forward_only: bool = False) -> float:
+def fp32_expert_flops(shape: ModelShape, w: Workload, strategy: str = "single", *, forward_only: bool = False) -> float:
     """FLOPs per micro-batch of the routed experts' matmuls that run in fp32 in a 16-bit run (0 elsewhere): the
     stacks bitsandbytes leaves unquantized (`experts_stay_16bit`) where peft's prepare_model_for_kbit_training
     upcast them (`dense_expert_bytes` 4). transformers' grouped experts cast their input to the weights' dtype
     (integrations/moe.py `_grouped_mm`, 5.x) and autocast does not cover grouped_mm, so the top-k experts' forward,
     its recomputation and the frozen weights' input gradient are fp32 matmuls, and so is the weight gradient of
-    the stacks LoRA folds into (`folded_expert_flops_per_token`); `forward_only`: one forward (a reference's)."""
-    if compute_bytes(w) == 4 or not experts_stay_16bit(shape, w) or dense_expert_bytes(w) != 4:
+    the stacks LoRA folds into (`folded_expert_flops_per_token`); `forward_only`: one forward (a reference's).
+    None under `strategy` where the engine gathers the parameters in 16 bits (FSDP, DeepSpeed:
+    plan/precision.py `engine_casts_params`): the stacks reach the grouped matmul in bf16 there."""
+    if compute_bytes(w) == 4 or not experts_stay_16bit(shape, w) or dense_expert_bytes(w) != 4 or \
+            engine_casts_params(strategy):
         return 0.0
 
     def routed(moe: bool) -> float:  # a token's top-k experts
@@ -315,27 +318,29 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, *, forward_only: bool = Fa
         w.tokens
 
 
-def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, *, forward_only: bool = False) -> float:
+def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, strategy: str = "single", *,
+                   forward_only: bool = False) -> float:
     """The fp32-experts term: seconds per micro-batch the routed experts' fp32 matmuls (`fp32_expert_flops`) take
     beyond what the 16-bit rate counted for them, both at efficiency `eff`. At the card's plain fp32 rate: the
     tools that run bitsandbytes QLoRA (the HF Trainer and those built on it) leave torch's default, no TF32; at
     its TF32 rate where the job turns TF32 on (`Workload.fp32_matmuls_tf32`: its `tf32`, or `torch_compile`).
     Under compile transformers routes fp32 stacks to its own loop of torch.mm (integrations/moe.py), which TF32
     covers as it covers torch's grouped_mm fallback."""
-    flops = fp32_expert_flops(shape, w, forward_only=forward_only)
+    flops = fp32_expert_flops(shape, w, strategy, forward_only=forward_only)
     if flops == 0.0:
         return 0.0
     fp32 = card.fp32_matmul_flops() if w.fp32_matmuls_tf32 else card.dense_flops("fp32")
     return flops / (fp32 * eff) - flops / (card.dense_flops(w.precision) * eff)
 
 
-def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, *, forward_only: bool = False) -> float:
+def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, strategy: str = "single", *,
+                          forward_only: bool = False) -> float:
     """Grouped-matmul calls per micro-batch over the fp32 expert stacks (`fp32_expert_flops`; 0 where there are
     none): one per stack and pass (forward, recomputation, input gradient, and the weight gradient of a stack LoRA
     folds into); `forward_only`: one forward (a reference's). None of them takes torch's CUTLASS kernel (bf16
     only, GroupedBlas.cpp `_grouped_mm_cuda`): its fallback (GroupedMMUtils.h), like transformers' loop under
     compile, copies the group offsets to the host and runs one mm per expert (plan/dispatch.py)."""
-    if fp32_expert_flops(shape, w, forward_only=forward_only) == 0.0:
+    if fp32_expert_flops(shape, w, strategy, forward_only=forward_only) == 0.0:
         return 0.0
     stacks = {n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")}
     moe = shape.moe_layers / shape.layers

@@ -64,8 +64,10 @@ from shardfit.plan.estimate import (
     NCCL_GIB,
     Breakdown,
     Candidate,
+    check_not_negative,
     estimate,
     foreach_temp_bytes,
+    fp32_state_embedding,
     head_weight_bytes,
     optimizer_state_bytes,
     planned_workload,
@@ -190,13 +192,16 @@ def balance(layers: int, fixed: Sequence[float], per_block: Sequence[float], mos
     return blocks
 
 
-def _part_gib(params: int, trained: bool, w: Workload) -> tuple[float, float, float]:
+def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False) -> tuple[float, float, float]:
     """(weights, grads, optimizer) GiB of `params` weights outside the blocks: trained ones as a full fine-tune
-    stores them (AdamW's two states), frozen ones as stored."""
+    stores them (AdamW's two states; fp32 ones for a trained input `embedding` the HF Trainer keeps in 32 bits under
+    an 8-bit AdamW, plan/estimate.py `fp32_state_embedding`, as the stage's estimate counted it), frozen ones as
+    stored."""
     if not trained:
         return params * (4 if w.frozen_fp32 else compute_bytes(w)) / GIB, 0.0, 0.0
     t = trainable_bytes(w)
-    return params * t / GIB, params * t / GIB, params * optimizer_state_bytes(w) / GIB
+    states = 8.0 if embedding and fp32_state_embedding(w) else optimizer_state_bytes(w)
+    return params * t / GIB, params * t / GIB, params * states / GIB
 
 
 def stage_hardware(hw: Hardware, dp: int) -> Hardware:
@@ -227,7 +232,8 @@ def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: 
     """The peak (GiB, runtime overhead included) of stage `stage` of `stages` holding `blocks` decoder blocks, on
     each of the `dp` GPUs of `hw` that hold it under `strategy` (`stage_breakdown`)."""
     b = stage_breakdown(shape, w, hw, stages, stage, blocks, dp, strategy)
-    tensors = sum(max(0.0, x) for x in (b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
+    check_not_negative(b, f"stage {stage} of {stages} ({blocks} blocks, {strategy})")
+    tensors = sum((b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
     return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages * dp > 1 else 0.0)
 
 
@@ -246,21 +252,26 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
-    parts: list[tuple[int, bool]] = []
+    # (weights, trained, the input embedding): the parts another stage holds
+    parts: list[tuple[int, bool, bool]] = []
     if not first:  # the towers stay on the first stage, with the images' and clips' activations
-        parts.append((shape.extra_params, w.vision_trainable and w.method == "full"))
+        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False))
         b.activations -= (image_activation_bytes(stage_shape, w, name)
                           + audio_activation_bytes(stage_shape, w, name)) / GIB
     if shape.tied:  # one matrix counted: the first stage's embedding, the last stage's copy of it as the head
-        parts += [(matrix, trains_embedding)] if not first and not last else []
+        parts += [(matrix, trains_embedding, True)] if not first and not last else []
     else:
-        parts += [(matrix, trains_embedding)] if not first else []
-        parts += [(matrix, trains_embedding)] if not last else []
+        parts += [(matrix, trains_embedding, True)] if not first else []
+        parts += [(matrix, trains_embedding, False)] if not last else []
+    saved = w.lora_saved if w.trains_adapters else ()  # peft's trained copies: the embedding's first, the head's last
+    parts += [(matrix, True, True)] if "embed" in saved and not first else []
+    parts += [(matrix, True, False)] if "head" in saved and not last else []
     if not last:  # the loss's buffers are the last stage's, and zero3's unsharded root (the head) too
         b.logits = 0.0
-        b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params else 0.0
-    for params, trained in parts:
-        wt, g, o = _part_gib(params, trained, w)
+        # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
+        b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params and not step_copy else 0.0
+    for params, trained, embedding in parts:
+        wt, g, o = _part_gib(params, trained, w, embedding)
         copy = foreach_temp_bytes(params, w) / GIB if trained and step_copy else 0.0
         b.weights -= wt / (dp if s.shards_params else 1)
         b.grads -= g / (dp if s.shards_grads else 1)

@@ -35,10 +35,32 @@ def casts_trainable_inputs(w: Workload, strategy: str) -> bool:
     return casts_fp32_trainables(w, strategy) and (not w.trains_adapters or w.adapter_input_casts)
 
 
+def engine_casts_params(strategy: str) -> bool:
+    """Whether the engine of `strategy` hands the step 16-bit copies of the parameters: FSDP (shardfit's FSDP2
+    MixedPrecisionPolicy; accelerate's FSDP1/FSDP2 `MixedPrecision(param_dtype=bf16)` whenever it mixes precision)
+    and DeepSpeed (timed and laid out as the sharded strategies; its engine casts the module,
+    plan/deepspeed.py `as_deepspeed_runs`). A tool's accelerate still wraps the forward in autocast there, but over
+    16-bit weights it casts nothing, so its copies, casts and fp32 weights are those of no autocast."""
+    return not strategies.get(strategy).autocast
+
+
 def runs_autocast(w: Workload, strategy: str) -> bool:
-    """Low precision through autocast; FSDP strategies cast the parameters instead (MixedPrecisionPolicy), and
-    pure 16-bit training has nothing to cast."""
-    return w.precision != "fp32" and strategies.get(strategy).autocast and not w.pure_16bit
+    """Low precision through autocast over fp32 weights, what the memory model and shardfit's runner
+    (resolve/decide.py) read: not where the engine casts the parameters (`engine_casts_params`), nor in pure 16-bit
+    training (nothing to cast), nor beside shardfit's own bf16 adapters, which take its place (not
+    `Workload.tool_autocast`; a tool autocasts beside them, over 16-bit weights: nothing to copy)."""
+    own_16bit_adapters = w.adapters_16bit and w.trains_adapters and not w.tool_autocast
+    return w.precision != "fp32" and not engine_casts_params(strategy) and not w.pure_16bit and not own_16bit_adapters
+
+
+def autocast_launches(w: Workload, strategy: str) -> bool:
+    """Whether the host launches under autocast (plan/dispatch.py's op counts are keyed by it): shardfit's own
+    runner exactly where `runs_autocast` (its FSDP2 casts the parameters and runs no autocast); a tool's engine
+    wherever it mixes precision (`Workload.tool_autocast`): accelerate and Lightning keep autocast on under FSDP
+    too (Lightning's bf16-mixed over fp32 parameters), and the measured rows behind the host's counts ran so."""
+    if w.tool_autocast:
+        return w.precision != "fp32" and not w.pure_16bit
+    return runs_autocast(w, strategy)
 
 
 def autocast_fp32_master(w: Workload, strategy: str) -> bool:

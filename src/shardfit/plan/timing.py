@@ -118,7 +118,7 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # The fp32 experts at the GEMM efficiency, not the step's utilization: only their matmuls change rate, and
     # hfu's share of non-matmul work would scale with the fp32/16-bit ratio (15x on an H100) if applied to them.
     compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8 + \
-        fp32_experts_s(shape, w, card, card.matmul_eff)
+        fp32_experts_s(shape, w, card, card.matmul_eff, s.name)
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -127,17 +127,18 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
         matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-            head_gradient_s(shape, w, card, card.matmul_eff) + fp8 + fp32_experts_s(shape, w, card, card.matmul_eff)
+            head_gradient_s(shape, w, card, card.matmul_eff) + fp8 + \
+            fp32_experts_s(shape, w, card, card.matmul_eff, s.name)
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
-    host = host_dispatch_s(shape, w) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
+    host = host_dispatch_s(shape, w, s.name) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
     if w.reference == "adapters_off":  # the reference's forward without gradients runs inside every micro-batch
         ref = reference_work(shape, w, card, s)
         compute, host = compute + ref.compute, host + ref.host
-        return GpuWork(compute, host, host_sync_s(w, card, shape) + ref.stall)
-    return GpuWork(compute, host, host_sync_s(w, card, shape))
+        return GpuWork(compute, host, host_sync_s(w, card, shape, strategy=s.name) + ref.stall)
+    return GpuWork(compute, host, host_sync_s(w, card, shape, strategy=s.name))
 
 
 def head_gradient_flops(shape: ModelShape, w: Workload) -> float:
@@ -178,17 +179,17 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = quantized_linear_params(shape, w) * dequant_per_use(w)[2] / card.hbm
     compute = flops / card.peak(w.precision) + dequant + \
-        fp32_experts_s(shape, w, card, card.matmul_eff, forward_only=True)  # GEMMs alone: micro_batch_work's why
+        fp32_experts_s(shape, w, card, card.matmul_eff, s.name, forward_only=True)  # GEMMs alone: as above
     if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
         return GpuWork(compute, 0.0)
     side = "compiled" if w.compile else "eager"
     base = replace(w, method="freeze", grad_ckpt="none")
     matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-        fp32_experts_s(shape, w, card, card.matmul_eff, forward_only=True)
+        fp32_experts_s(shape, w, card, card.matmul_eff, s.name, forward_only=True)
     compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
                   / card.hbm)
-    return GpuWork(compute, reference_dispatch_s(shape, w) + FWD_SHARE * engine_host_s(shape, w, s),
-                   host_sync_s(w, card, shape, forward_only=True))
+    return GpuWork(compute, reference_dispatch_s(shape, w, s.name) + FWD_SHARE * engine_host_s(shape, w, s),
+                   host_sync_s(w, card, shape, forward_only=True, strategy=s.name))
 
 
 def reference_pass_s(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> float | None:

@@ -67,8 +67,12 @@ class Workload:
     # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
     frozen_fp32: bool = False
     # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
-    # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16. shardfit's own runs keep them in fp32.
+    # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16, shardfit's `lora.dtype: bf16`.
     adapters_16bit: bool = False
+    # A tool's engine wraps the forward in autocast whenever it mixes precision, under FSDP and beside 16-bit
+    # adapters too (accelerate's `native_amp`, Lightning's bf16-mixed). False: shardfit's own runner, which
+    # autocasts only where resolve/decide.py turns it on (plan/precision.py `runs_autocast`, `autocast_launches`).
+    tool_autocast: bool = True
     # Every weight, gradient and AdamW state in the compute precision and no autocast: torchtune's recipes,
     # Answer.AI's train.py `--precision bf16`. Implies 16-bit adapters.
     pure_16bit: bool = False
@@ -160,6 +164,9 @@ class Workload:
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
     bnb_optimizer: bool = False
+    # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
+    # its full-width fallback differs (plan/estimate.py `fp32_state_params`).
+    torchao_optimizer: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
@@ -283,7 +290,10 @@ def workload_of(cfg: Config) -> Workload:
                     expert_parallel=cfg.expert_parallel,
                     # `static_shape: auto` is decided at train time (resolve/decide.py plans the decided value).
                     static_shape=cfg.static_shape is True, head_grad_fp32=not widening_matmul_in_torch(),
-                    fused_adamw=True, adapter_input_casts=False, float8=cfg.float8)
+                    fused_adamw=True, adapter_input_casts=False, float8=cfg.float8,
+                    # `lora.dtype: bf16`: adapters, their gradients and states in bf16 (resolve/decide.py keeps
+                    # them fp32 under FSDP2, which already computes them in bf16; the rows there count them bf16)
+                    adapters_16bit=cfg.lora.dtype == "bf16", tool_autocast=False)
 
 
 # What `shardfit plan --model` and the UI's plan page change of a default config: the workload users of other tools

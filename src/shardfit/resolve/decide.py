@@ -19,6 +19,7 @@ from shardfit.plan.estimate import Candidate, loss_chunk_for
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.pipeline import config_cut, fastest, layouts
 from shardfit.plan.plan import TIE, Alternative, Plan, recommend
+from shardfit.plan.precision import runs_autocast
 from shardfit.plan.render import format_table
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import workload_of
@@ -410,8 +411,11 @@ def resolve(cfg: Config, node: Hardware, device: DeviceFacts, plan: Plan | None,
     return Resolved(
         strategy=name, method=methods.get(cfg.method).name, nproc_per_node=n, nnodes=nnodes, device=device.type,
         precision=precision, adapter_dtype=adapters,
-        # bf16 adapters compute with the bf16 base as they are: no autocast around them.
-        autocast=precision if precision in ("bf16", "fp16") and s.autocast and adapters == "fp32" else None,
+        # the planner's rule (plan/precision.py `runs_autocast`): bf16 adapters compute with the bf16 base as they
+        # are, and FSDP2 casts the parameters itself
+        autocast=precision if runs_autocast(
+            dataclasses.replace(workload_of(cfg), precision=precision, adapters_16bit=adapters == "bf16"), name)
+        else None,
         compile=compiled, attention=attention,
         # Sequence parallelism runs its own kernel at every width (parallel/ulysses.py).
         eager_max_width=eager_attention_max_width(attention, device.type, compiled, precision)
