@@ -44,3 +44,22 @@ def test_the_rehearsal_trains_measures_and_writes_one_json(tmp_path: Path) -> No
     speed = report["speed"]["lora"]
     assert speed["shardfit"]["ok"] and speed["hf_trainer_bf16"]["train_tokens_per_s"] > 0
     assert speed["speedup"] > 0 and speed["memory_ratio"] > 0 and "mfu" not in speed  # no GPU peak on a CPU
+
+
+def test_the_experts_dtype_timing_rehearses_and_writes_its_json(tmp_path: Path) -> None:
+    """bench/gpu_experts.py (the planner's fp32-experts term, to be timed on a GPU): without CUDA it stops at once;
+    its rehearsal builds the block through the model (transformers' default experts implementation), times bf16 and
+    fp32 stacks under autocast and writes the ratios it printed."""
+    script = str(ROOT / "bench" / "gpu_experts.py")
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, script, "--out", str(tmp_path / "x.json")], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 1 and "no CUDA GPU" in r.stderr and not (tmp_path / "x.json").exists()
+    out = tmp_path / "experts.json"
+    r = subprocess.run([sys.executable, script, "--tiny", "--steps", "2", "--out", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["tiny"] and got["widths"]["num_experts"] == 8 and got["bf16_s"] > 0 and got["fp32_s"] > 0
+    assert got["fp32_over_bf16"] == round(got["fp32_s"] / got["bf16_s"], 2)
+    assert f"{got['fp32_over_bf16']}x the bf16 step" in r.stdout
