@@ -5,6 +5,7 @@ tests/test_plan_qlora_stream.py, swapped in by transformers' own test (`type(mod
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM
 
 from shardfit.foreign.read import JobOptions, read_job
-from shardfit.plan.activations import block_activation_bytes_per_token
+from shardfit.plan.activations import block_activation_bytes_per_token, lora_expert_copy_bytes
 from shardfit.plan.estimate import expert_block_bytes, linear_weight_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
@@ -144,3 +145,17 @@ def test_a_tool_s_qlora_plans_fused_experts_unquantized(model: str | None, versi
     assert experts_stay_16bit(shape, job.workload) is dense
     notes = make_plan(shape, job.workload, parse_gpus("1xH200", 1, None), ("single",)).notes
     assert any(n.startswith("the routed experts stay fp32") for n in notes) is dense
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
+def test_engines_that_cast_the_parameters_keep_16bit_expert_tensors(strategy: str) -> None:
+    """FSDP and DeepSpeed hand the grouped matmuls 16-bit copies of the stacks peft upcast (a review measured
+    FSDP2's `_grouped_mm` in bf16 on the CPU): the experts' saved tensors and LoRA's merged copy are 16-bit under
+    them, as without the upcast; on one GPU or DDP the upcast keeps them fp32 (the time side reads the same rule)."""
+    shape = resolve_shape("Qwen/Qwen3-30B-A3B")
+    w = Workload(method="qlora", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="none", quant_backend="bnb")
+    up = dataclasses.replace(w, frozen_fp32=True)
+    assert block_activation_bytes_per_token(shape, up, strategy) == block_activation_bytes_per_token(shape, w, strategy)
+    assert lora_expert_copy_bytes(shape, up, strategy) == lora_expert_copy_bytes(shape, w, strategy)
+    assert block_activation_bytes_per_token(shape, up, "ddp") > block_activation_bytes_per_token(shape, w, "ddp")
+    assert lora_expert_copy_bytes(shape, up, "single") > lora_expert_copy_bytes(shape, w, "single")

@@ -17,7 +17,7 @@ from shardfit.plan.precision import (
     casts_fp32_trainables,
     casts_trainable_inputs,
     compute_bytes,
-    dense_expert_bytes,
+    expert_matmul_bytes,
     experts_stay_16bit,
     linear_output_bytes,
     residual_bytes,
@@ -446,7 +446,7 @@ def moe_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> 
     models (tests/test_plan_moe_saved.py)."""
     a = compute_bytes(w)
     e = 4 if autocast_fp32_master(w, strategy) and not shape.every_expert else \
-        dense_expert_bytes(w) if experts_stay_16bit(shape, w) else a
+        expert_matmul_bytes(w, strategy) if experts_stay_16bit(shape, w) else a
     width, d = shape.expert_width, shape.moe_latent or shape.hidden
     # Nemotron-H's experts weigh their output by the fp32 weights under autocast too (hooks see no 16-bit copy).
     weight = 0 if shape.router_groups and (shape.single_part or not runs_autocast(w, strategy)) else a
@@ -512,13 +512,13 @@ def lora_expert_copy_bytes(shape: ModelShape, w: Workload, strategy: str = "sing
     grouped matmuls save for their backward: a copy of the block's expert weights, kept until that block's
     backward. Under autocast over fp32 adapters the merge also keeps the 16-bit casts of the experts' A and B
     (saved-tensor hooks on a tiny gpt-oss, tests/test_plan_moe_saved.py); over bitsandbytes' unquantized experts
-    upcast to fp32 (`experts_stay_16bit`, `dense_expert_bytes`) the merge runs in fp32 and keeps none
-    (tests/test_plan_qlora_experts.py)."""
+    upcast to fp32 (`experts_stay_16bit`, `expert_matmul_bytes`) the merge runs in fp32 and keeps none
+    (tests/test_plan_qlora_experts.py), except where FSDP or DeepSpeed hand the step 16-bit stacks."""
     if not (w.trains_adapters and w.lora_experts and shape.moe_layers):
         return 0.0
     adapted = [(n, i, o) for n, i, o in shape.named_linears(True) if n.startswith("expert_") and adapts(n, w)]
     weights = sum(i * o for _, i, o in adapted)
-    stored = dense_expert_bytes(w) if experts_stay_16bit(shape, w) else compute_bytes(w)
+    stored = expert_matmul_bytes(w, strategy) if experts_stay_16bit(shape, w) else compute_bytes(w)
     copies = weights * stored
     if casts_fp32_trainables(w, strategy) and stored != 4:
         copies += compute_bytes(w) * sum(rank_of(n, w) * (i + o) for n, i, o in adapted)

@@ -107,6 +107,14 @@ def dense_expert_bytes(w: Workload) -> int:
     return 4 if w.frozen_fp32 else compute_bytes(w)
 
 
+def expert_matmul_bytes(w: Workload, strategy: str) -> int:
+    """Bytes per element the grouped matmuls of bitsandbytes' unquantized expert stacks (`experts_stay_16bit`) run
+    and keep their tensors in: the stored dtype (`dense_expert_bytes`), except where the engine hands the step
+    16-bit copies of the parameters (`engine_casts_params`: FSDP, DeepSpeed), whose matmul gets the compute dtype
+    whatever peft upcast (measured on FSDP2 over the CPU: `_grouped_mm` in bf16)."""
+    return compute_bytes(w) if engine_casts_params(strategy) else dense_expert_bytes(w)
+
+
 def stored_nf4(name: str, shape: ModelShape, w: Workload) -> bool:
     """Whether QLoRA stores the block's weight `name` (ModelShape.named_linears, stored_weights) in NF4: the one
     rule the memory side (plan/estimate.py `stored_linear_bytes`, `nf4_weights`) and the time side
