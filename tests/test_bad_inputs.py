@@ -230,7 +230,7 @@ CLI_CASES: list[Case] = [
     ("check missing config", lambda ws: ["check", str(ws / "nope.yaml")], 2, "config file not found"),
     ("check --gpus garbage", lambda ws: ["check", str(_cfg(ws)), "--gpus", "lots"], 2, "unknown card"),
     ("diagnose missing file", lambda ws: ["diagnose", str(ws / "nope.log")], 2, "no such file"),
-    ("diagnose a directory", lambda ws: ["diagnose", str(ws)], 2, "no such file"),
+    ("diagnose a directory", lambda ws: ["diagnose", str(ws)], 2, "is a folder"),
     ("chat --output a folder", lambda ws: ["chat", str(ws / "model"), "--input", str(ws / "data.jsonl"), "--output",
                                            str(ws)], 2, "--output"),
     ("chat --temperature nan", lambda ws: ["chat", str(ws / "model"), "--prompt", "hi", "--temperature", "nan"], 2,
