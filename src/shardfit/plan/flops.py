@@ -24,7 +24,7 @@ from shardfit.plan.adapters import adapts
 from shardfit.plan.attention_layout import CHUNK, WINDOW
 from shardfit.plan.cards import Card
 from shardfit.plan.model_shape import DELTA_CHUNK, BlockGroup
-from shardfit.plan.precision import compute_bytes, dense_expert_bytes, engine_casts_params, experts_stay_16bit
+from shardfit.plan.precision import experts_run_fp32
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -302,10 +302,9 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, strategy: str = "single", 
     (integrations/moe.py `_grouped_mm`, 5.x) and autocast does not cover grouped_mm, so the top-k experts' forward,
     its recomputation and the frozen weights' input gradient are fp32 matmuls, and so is the weight gradient of
     the stacks LoRA folds into (`folded_expert_flops_per_token`); `forward_only`: one forward (a reference's).
-    None under `strategy` where the engine gathers the parameters in 16 bits (FSDP, DeepSpeed:
-    plan/precision.py `engine_casts_params`): the stacks reach the grouped matmul in bf16 there."""
-    if compute_bytes(w) == 4 or not experts_stay_16bit(shape, w) or dense_expert_bytes(w) != 4 or \
-            engine_casts_params(strategy):
+    None under `strategy` where the engine gathers the parameters in 16 bits (FSDP, DeepSpeed): the stacks reach
+    the grouped matmul in bf16 there (plan/precision.py `experts_run_fp32`, the rule memory reads too)."""
+    if not experts_run_fp32(shape, w, strategy):
         return 0.0
 
     def routed(moe: bool) -> float:  # a token's top-k experts

@@ -68,6 +68,7 @@ from shardfit.plan.estimate import (
     estimate,
     foreach_temp_bytes,
     fp32_state_embedding,
+    full_width_state_bytes,
     head_weight_bytes,
     optimizer_state_bytes,
     planned_workload,
@@ -200,7 +201,7 @@ def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False) 
     if not trained:
         return params * (4 if w.frozen_fp32 else compute_bytes(w)) / GIB, 0.0, 0.0
     t = trainable_bytes(w)
-    states = 8.0 if embedding and fp32_state_embedding(w) else optimizer_state_bytes(w)
+    states = full_width_state_bytes(w) if embedding and fp32_state_embedding(w) else optimizer_state_bytes(w)
     return params * t / GIB, params * t / GIB, params * states / GIB
 
 

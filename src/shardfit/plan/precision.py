@@ -115,6 +115,14 @@ def expert_matmul_bytes(w: Workload, strategy: str) -> int:
     return compute_bytes(w) if engine_casts_params(strategy) else dense_expert_bytes(w)
 
 
+def experts_run_fp32(shape: ModelShape, w: Workload, strategy: str) -> bool:
+    """Whether the routed experts' grouped matmuls run in fp32 in a 16-bit run under `strategy`: bitsandbytes'
+    unquantized stacks (`experts_stay_16bit`) that peft upcast, where the engine does not hand the step 16-bit
+    copies (`expert_matmul_bytes`). The one rule the time side (plan/flops.py `fp32_expert_flops`) reads, as the
+    memory side reads `expert_matmul_bytes`."""
+    return compute_bytes(w) != 4 and experts_stay_16bit(shape, w) and expert_matmul_bytes(w, strategy) == 4
+
+
 def stored_nf4(name: str, shape: ModelShape, w: Workload) -> bool:
     """Whether QLoRA stores the block's weight `name` (ModelShape.named_linears, stored_weights) in NF4: the one
     rule the memory side (plan/estimate.py `stored_linear_bytes`, `nf4_weights`) and the time side
