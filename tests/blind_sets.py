@@ -9,6 +9,8 @@ from collections import Counter
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, OPTIMIZERS, QUANT_BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +112,18 @@ def check_committed(bench: ModuleType, fresh: dict, docs_table, headline=None) -
     assert docs_table(fresh) in (ROOT / "docs" / "planning.md").read_text()
     if headline is not None:
         assert " ".join(headline(fresh).split()) in " ".join((ROOT / "README.md").read_text().split())
+
+
+def check_unmapped_strings_raise(bench: ModuleType, blind: dict, number: int, reading: str) -> None:
+    """A planned row (`number`, 1-based) whose GPUs, attention or peak reading (`reading`, a name the set does not
+    map) its source does not map fails loudly rather than being planned on a guess; `unknown` attention is the
+    set's default and reads the peak as `total`."""
+    row = blind["rows"][number - 1]
+    name = bench.pvb.source_of(row, blind)
+    with pytest.raises(KeyError):
+        bench.pvb.case_of({**row, "gpus": "3xMystery"}, blind["sources"][name], blind)
+    with pytest.raises(KeyError):
+        bench.settings_of(number, {**row, "attention": "a mystery kernel"}, blind)
+    with pytest.raises(KeyError):
+        bench.settings_of(number, {**row, "peak_memory": {**row["peak_memory"], "reading": reading}}, blind)
+    assert bench.settings_of(number, {**row, "attention": "unknown"}, blind)["reading"] == "total"

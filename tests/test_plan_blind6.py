@@ -9,7 +9,15 @@ import json
 import pytest
 import yaml
 
-from tests.blind_sets import ROW_KEYS, cases, check_committed, check_mapping, check_readings_and_defaults, check_rows
+from tests.blind_sets import (
+    ROW_KEYS,
+    cases,
+    check_committed,
+    check_mapping,
+    check_readings_and_defaults,
+    check_rows,
+    check_unmapped_strings_raise,
+)
 from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
@@ -85,15 +93,7 @@ def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -
 def test_an_unmapped_string_is_an_error_not_a_silent_default(bench, blind) -> None:
     """A planned row whose GPUs, attention or reading its source does not map fails loudly rather than being
     planned on a guess."""
-    row = blind["rows"][0]
-    name = bench.pvb.source_of(row, blind)
-    with pytest.raises(KeyError):
-        bench.pvb.case_of({**row, "gpus": "3xMystery"}, blind["sources"][name], blind)
-    with pytest.raises(KeyError):
-        bench.settings_of(1, {**row, "attention": "a mystery kernel"}, blind)
-    with pytest.raises(KeyError):
-        bench.settings_of(1, {**row, "peak_memory": {**row["peak_memory"], "reading": "nvml"}}, blind)
-    assert bench.settings_of(1, {**row, "attention": "unknown"}, blind)["reading"] == "total"
+    check_unmapped_strings_raise(bench, blind, 1, "nvml")
 
 
 def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
