@@ -7,6 +7,7 @@ whose routed experts take no adapter from target_modules. Tiny models built on t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -22,6 +23,7 @@ from shardfit.foreign.targets import (
 )
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.estimate import trainable_params
+from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
 torch = pytest.importorskip("torch")
@@ -68,6 +70,25 @@ def _peft_count(config: object, targets: str | list[str] | None) -> int:
     return sum(p.numel() for p in lora.parameters() if p.requires_grad)
 
 
+def _peft_count_or_none(config: object, targets: str | list[str] | None) -> int | None:
+    """`_peft_count`, or None where peft refuses the targets (it raises ValueError)."""
+    try:
+        return _peft_count(config, targets)
+    except ValueError:
+        return None
+
+
+def _job_count_or_none(job: ForeignJob, shape: ModelShape, plan: Callable[..., object],
+                       *args: object) -> int | None:
+    """The trainable parameters on `shape` of `job` after `plan(job, *args)` reads its targets, or None where the
+    plan refuses them (exit 2, as peft raises)."""
+    try:
+        plan(job, *args)
+    except UserError:
+        return None
+    return trainable_params(shape, job.workload)
+
+
 def _planned(model_type: str, config: object, targets: str | list[str]) -> int:
     """The planner's trainable parameters for another tool's job with `targets` on that model."""
     return _plan(model_type, config, targets)[0]
@@ -102,10 +123,7 @@ def test_lists_peft_reads_otherwise_are_planned_or_refused_as_peft_does(model_ty
     """Where peft trains a list or pattern, the plan counts what it trains; where peft raises, the job exits 2."""
     config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
     for name, targets in TRICKY.items():
-        try:
-            expected: int | None = _peft_count(config, targets)
-        except ValueError:
-            expected = None
+        expected = _peft_count_or_none(config, targets)
         try:
             planned, notes = _plan(model_type, config, targets)
         except UserError:
@@ -171,19 +189,11 @@ def test_no_target_modules_is_planned_or_refused_as_peft_does(model_type: str) -
     """TRL's --use_peft without targets: peft's default for the type, counted alike; a type peft has no default
     for raises in peft and exits 2 here."""
     config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES.get(model_type, {}))
-    try:
-        expected: int | None = _peft_count(config, None)
-    except ValueError:
-        expected = None
+    expected = _peft_count_or_none(config, None)
     shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
     job = ForeignJob(tool="hf", source="run.sh", model=f"tiny/{model_type}",
                      workload=Workload(method="lora", lora_rank=RANK))
-    try:
-        plan_peft_default(job, "--use_peft", shape, transformers.__version__)
-        planned: int | None = trainable_params(shape, job.workload)
-    except UserError:
-        planned = None
-    assert planned == expected
+    assert _job_count_or_none(job, shape, plan_peft_default, "--use_peft", shape, transformers.__version__) == expected
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="peft's rewrite needs transformers 5")
@@ -199,18 +209,12 @@ def test_axolotl_target_linear_is_its_list_of_linear_names(model_type: str, name
         model = transformers.AutoModelForCausalLM.from_config(config)
     names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and n != "lm_head" and
                     (isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__)} | set(named))
-    try:
-        expected: int | None = _peft_count(config, names)
-    except ValueError:
-        expected = None
+    expected = _peft_count_or_none(config, names)
     shape = shape_from_config({**config.to_dict(), "model_type": model_type}, f"tiny/{model_type}")
     job = ForeignJob(tool="axolotl", source="job.yml", model=f"tiny/{model_type}",
                      workload=Workload(method="lora", lora_rank=RANK))
-    try:
-        plan_linear_names(job, "lora_target_linear", named, shape, transformers.__version__)
-        planned: int | None = trainable_params(shape, job.workload)
-    except UserError:
-        planned = None
+    planned = _job_count_or_none(job, shape, plan_linear_names, "lora_target_linear", named, shape,
+                                 transformers.__version__)
     assert planned == expected, names
 
 
@@ -228,10 +232,7 @@ def test_one_experts_module_is_planned_or_refused_as_peft_does(model_type: str, 
     only with up), and elsewhere it matches no module: skipped beside others, "not found" alone."""
     config = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILIES[model_type])
     targets = ONE_EXPERT[case]
-    try:
-        expected: int | None = _peft_count(config, targets)
-    except ValueError:
-        expected = None
+    expected = _peft_count_or_none(config, targets)
     planned: int | None
     try:
         planned, notes = _plan(model_type, config, targets)
