@@ -12,10 +12,10 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.config import Config, LoraSettings
-from shardfit.plan.dispatch import autocasts, dispatch_ops_per_layer, engine_host_s, host_dispatch_s
+from shardfit.plan.dispatch import dispatch_ops_per_layer, engine_host_s, host_dispatch_s
 from shardfit.plan.flops import fp32_expert_flops
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.precision import runs_autocast
+from shardfit.plan.precision import autocast_launches, runs_autocast
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload, model_workload, workload_of
@@ -32,7 +32,7 @@ def test_shardfit_s_launches_follow_the_memory_model_s_autocast(strategy: str) -
     run; a bf16 LoRA under its zero3 launches fewer kernels than under ddp (FSDP2 casts the parameters), a tool's
     job under FSDP as many as under ddp (accelerate and Lightning autocast there)."""
     for w in (OWN, dataclasses.replace(OWN, method="full"), dataclasses.replace(OWN, adapters_16bit=True)):
-        assert autocasts(w, strategy) == runs_autocast(w, strategy)
+        assert autocast_launches(w, strategy) == runs_autocast(w, strategy)
     sharded = strategies.get(strategy).sharded
     assert (dispatch_ops_per_layer(OWN, strategy=strategy)[0] < dispatch_ops_per_layer(OWN)[0]) == sharded
     assert dispatch_ops_per_layer(LORA, strategy=strategy) == dispatch_ops_per_layer(LORA)

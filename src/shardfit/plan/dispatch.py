@@ -107,13 +107,6 @@ class GpuWork:
         return max(self.compute, self.host) + self.stall
 
 
-def autocasts(w: Workload, strategy: str = "single") -> bool:
-    """Whether `w`'s step under `strategy` runs under 16-bit autocast (which the op counts are keyed by):
-    plan/precision.py `autocast_launches`, the memory model's rule for shardfit's own runner (no autocast under its
-    FSDP2 or beside its bf16 adapters), a tool's engine's autocast wherever it mixes precision."""
-    return autocast_launches(w, strategy)
-
-
 def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
     """`at(full checkpointing?)` for `w`'s checkpointing; selective checkpointing half-way between none and full
     (it recomputes about half of what full checkpointing does)."""
@@ -123,7 +116,7 @@ def by_checkpointing(w: Workload, at: Callable[[bool], float]) -> float:
 def _layer_ops(w: Workload, ckpt: bool, dequantized: float, strategy: str) -> tuple[float, float, float]:
     """(kernels, views, matmuls) of one decoder layer for `w` under `strategy` with or without full checkpointing;
     `dequantized`: the layer's 4-bit weights (QLoRA)."""
-    autocast = autocasts(w, strategy)
+    autocast = autocast_launches(w, strategy)
     if w.method == "full":
         return tuple(float(x) for x in LAYER_OPS[("full", ckpt, autocast)])
     # LoRA's ops grow by the same amount per adapted linear (the 7- and 2-target counts give the step); `freeze`
@@ -168,7 +161,7 @@ def host_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") ->
     kernels += fp32_grouped_mm_calls(shape, w, strategy) * shape.experts  # the fallback's mm per expert
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
-        autocast = autocasts(w, strategy)
+        autocast = autocast_launches(w, strategy)
         ck, cv = LOSS_CHUNK_OPS[(w.method == "full", autocast)]
         kernels += extra * ck
         views += extra * cv
@@ -180,7 +173,7 @@ def delta_rule_chunk_ops(w: Workload, strategy: str = "single", *, forward_only:
     row's `ceil(row_len / DELTA_CHUNK)` chunks (the rows of a micro-batch run side by side), forward and backward,
     and the forward again where checkpointing recomputes the block (selective checkpointing too: it keeps only
     `mm`s, and the loop's products are `bmm`s); `forward_only`: the forward alone (a reference's)."""
-    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocasts(w, strategy)]
+    (fk, fv), (sk, sv) = DELTA_CHUNK_OPS[autocast_launches(w, strategy)]
     chunks = -(-w.row_len // DELTA_CHUNK)
     if forward_only:
         return chunks * fk, chunks * fv
@@ -221,7 +214,7 @@ def reference_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single
     KTO with the adapters switched off): REFERENCE_LAYER_OPS per layer and REFERENCE_FIXED_OPS once, each 4-bit
     weight's dequantization once more, and the forward of the torch Gated DeltaNet's chunk loop
     (DELTA_CHUNK_OPS), under `strategy`."""
-    autocast = autocasts(w, strategy)
+    autocast = autocast_launches(w, strategy)
     (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
     dk, dv, _ = dequant_per_use(w)  # each 4-bit weight dequantized once more for the reference's forward
     weights = dequantized_weights_per_layer(shape, w)

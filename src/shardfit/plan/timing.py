@@ -117,8 +117,9 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     fp8 = float8_s(shape, w, card, card.matmul_eff)
     # The fp32 experts at the GEMM efficiency, not the step's utilization: only their matmuls change rate, and
     # hfu's share of non-matmul work would scale with the fp32/16-bit ratio (15x on an H100) if applied to them.
+    fp32_experts = fp32_experts_s(shape, w, card, card.matmul_eff, s.name)
     compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8 + \
-        fp32_experts_s(shape, w, card, card.matmul_eff, s.name)
+        fp32_experts
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
     # Never faster than its kernels one after another: the matmuls at the card's GEMM efficiency and every other
@@ -127,8 +128,7 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     # bandwidth a generic figure, not the datasheet's a GPU has.
     if card.key != "cpu":
         matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-            head_gradient_s(shape, w, card, card.matmul_eff) + fp8 + \
-            fp32_experts_s(shape, w, card, card.matmul_eff, s.name)
+            head_gradient_s(shape, w, card, card.matmul_eff) + fp8 + fp32_experts
         side = "compiled" if w.compile else "eager"
         compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
@@ -178,14 +178,13 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     (plan/dispatch.py `reference_dispatch_s`) with the forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = quantized_linear_params(shape, w) * dequant_per_use(w)[2] / card.hbm
-    compute = flops / card.peak(w.precision) + dequant + \
-        fp32_experts_s(shape, w, card, card.matmul_eff, s.name, forward_only=True)  # GEMMs alone: as above
+    fp32_experts = fp32_experts_s(shape, w, card, card.matmul_eff, s.name, forward_only=True)  # GEMMs: as above
+    compute = flops / card.peak(w.precision) + dequant + fp32_experts
     if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
         return GpuWork(compute, 0.0)
     side = "compiled" if w.compile else "eager"
     base = replace(w, method="freeze", grad_ckpt="none")
-    matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
-        fp32_experts_s(shape, w, card, card.matmul_eff, s.name, forward_only=True)
+    matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + fp32_experts
     compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
                   / card.hbm)
     return GpuWork(compute, reference_dispatch_s(shape, w, s.name) + FWD_SHARE * engine_host_s(shape, w, s),
