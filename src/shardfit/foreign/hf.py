@@ -98,6 +98,9 @@ KEYS = key_table({
 # The environment of the command line: what decides the ranks and GPUs; any other variable changes nothing the
 # planner counts.
 ENV = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks", "GPUS_PER_NODE": "ranks"}
+# Variables that change the memory a rank holds in ways the planner does not count: the caching allocator's
+# settings (expandable_segments changes the fragmentation reserve) and NCCL's buffers and transports.
+UNMODELLED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_")
 _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-z_][\w.]*)")
 
 
@@ -124,9 +127,11 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         src, cmd = Source(path, {}, []), None
     else:
         src, cmd = command_source(path, (".py", *(f"trl {c}" for c in TRL_CLI)))
-    env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
+    shell = dict(cmd.exported) if cmd else {}
     code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else _script_settings(script, src)
+    env = cmd.exported if cmd else {}  # what the launcher sees (under `trl <command>`, with the YAML's env)
+    ran = {**env, **code.config_env}  # what the script's processes see once TrlParser has set the YAML's env
     trl_notes: list[str] = []
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
@@ -149,7 +154,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
     _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
-    _device_map(src, job, script, env)
+    _device_map(src, job, script, ran)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
@@ -160,8 +165,28 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config)
-    file_env(job, env, ENV, unknown=NO_EFFECT)
+    file_env(job, ran, ENV, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
+    _config_env_notes(job, code, shell, cmd)
     return job
+
+
+def _config_env_notes(job: ForeignJob, code: ScriptSettings, shell: dict[str, str], cmd: Command | None) -> None:
+    """Say what the TrlParser YAML's `env:` set, over which of the shell's values, and what its
+    CUDA_VISIBLE_DEVICES does: under `trl <command>` accelerate counts those GPUs; in a script TrlParser sets it in
+    each rank after the launcher has counted, so a rank past the GPUs it leaves has no device of its own."""
+    if not code.config_env:
+        return
+    trl_cli = cmd is not None and cmd.program.startswith("trl ")
+    over = [f"{k}={shell[k]}" for k in code.config_env if k in shell and shell[k] != code.config_env[k]]
+    job.notes.append(f"{code.config_file}'s env: sets " + ", ".join(f"{k}={v}" for k, v in code.config_env.items())
+                     + (" before `trl` starts accelerate" if trl_cli else " in the script's processes") +
+                     " (TrlParser exports it into os.environ" + (f", over the shell's {', '.join(over)}" if over
+                                                                 else "") + ")")
+    gpus = visible_devices(code.config_env)
+    if gpus and not trl_cli and job.nproc is not None and job.nproc > len(gpus):
+        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={code.config_env['CUDA_VISIBLE_DEVICES']} "
+                         f"leaves each of the {job.nproc} ranks {len(gpus)} GPU(s): a rank whose LOCAL_RANK is past "
+                         f"them has no device (\"invalid device ordinal\") unless CUDA started before TrlParser ran")
 
 
 def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference:
@@ -223,7 +248,8 @@ def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
     except OSError:
         return ScriptSettings()
     if code.trl_parser:
-        _trl_yaml(src)
+        code.config_file = src.get("config")
+        code.config_env = _trl_yaml(src)
     for k, v in code.args.items():
         if k not in src:
             src.values[k] = v
@@ -273,7 +299,10 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     """Read `trl <command> ...` as the `accelerate launch trl/scripts/<command>.py ...` it runs: accelerate's options
     (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
     cmd.launcher = "accelerate"
-    _trl_yaml(src)
+    config_file = src.get("config")
+    config_env = _trl_yaml(src)
+    # the trl CLI parses the YAML in its own process, which then starts accelerate: the launch sees the variables
+    cmd.exported = {**cmd.exported, **config_env}
     for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
         if name in src.values:
             value = src.values.pop(name)
@@ -282,30 +311,54 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
                               f"--{name}"] = value
     trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
     return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
-                          found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
+                          found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"],
+                          config_env=config_env, config_file=config_file)
 
 
-def _trl_yaml(src: Source) -> None:
+def _trl_yaml(src: Source) -> dict[str, str]:
     """`--config FILE` to TrlParser (`trl <command>`, or a script that parses with it): the YAML's keys become the
     defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
     scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
     keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
-    command line."""
+    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument."""
     ref = src.values.pop("config", None)
     if ref is None:
-        return
+        return {}
     src.order.remove("config")
     hit = local_file(str(ref), src.path.parent)
     if hit is None:
         raise UserError(f"{src.where}: --config {ref}: no such YAML file here; TRL reads the job's arguments from "
                         f"it. Give its path (relative to the command's file), or the arguments on the command line.")
-    data, _ = load_yaml(Path(hit))
+    data, lines = load_yaml(Path(hit), nested=True)
     for key, value in data.items():
-        if key in src.values or key == "env" or value is None:  # env: variables TrlParser exports, no argument
+        if key in src.values or key == "env" or value is None:
             continue
         src.values[key] = " ".join(map(str, value)) if isinstance(value, list) else \
             str(value).lower() if isinstance(value, bool) else str(value)
         src.order.append(key)
+    return _trl_env(data, lines, Path(hit)) if "env" in data else {}
+
+
+def _trl_env(data: dict[str, Any], lines: dict[str, int], path: Path) -> dict[str, str]:
+    """The `env:` section of a TrlParser YAML: variables TrlParser sets in os.environ (each value as `str()` of it,
+    over what the shell exported) before it parses, so before the script touches CUDA. TRL refuses an `env` that is
+    not a mapping; a null, list or mapping value it would export as Python's text of it ("None", "['0', '1']"),
+    never what was meant, so shardfit refuses those too, naming the key."""
+    env = data["env"]
+    if not isinstance(env, dict):  # `env:` with nothing under it too: TrlParser refuses None alike
+        what = "empty" if env is None else f"{type(env).__name__} {env!r}"
+        raise UserError(f"{path}:{lines.get('env', '?')}: 'env' is {what}; TrlParser needs a "
+                        f"mapping of variable names to values (ValueError: \"`env` field should be a dict in the "
+                        f"YAML file\"), e.g. env: {{CUDA_VISIBLE_DEVICES: \"0,1\"}}.")
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        if value is None or isinstance(value, (dict, list)):
+            what = "empty" if value is None else f"a {type(value).__name__}"
+            raise UserError(f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}: env.{name} is {what}; "
+                            f"TrlParser exports str() of it ({str(value)!r}) as the variable, not a value you "
+                            f"meant. Give a string (quote it: {name}: \"...\") or remove the key.")
+        out[str(name)] = str(value)
+    return out
 
 
 def _trl_accelerate_config(value: str, src: Source) -> str:

@@ -50,6 +50,9 @@ class ScriptSettings:
     model_config: bool = False
     # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
     trl_parser: bool = False
+    # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
+    config_env: dict[str, str] = field(default_factory=dict)
+    config_file: str | None = None  # that YAML, as `--config` names it
 
 
 def _name(func: ast.expr) -> str:
