@@ -53,7 +53,7 @@ from shardfit.foreign.keys import (
     use_deepspeed,
 )
 from shardfit.foreign.preference import Preference, apply, refuse
-from shardfit.foreign.script_ast import ScriptSettings, read_script
+from shardfit.foreign.script_ast import ArgFile, ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
@@ -129,7 +129,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         src, cmd = command_source(path, (".py", *(f"trl {c}" for c in TRL_CLI)))
     script = path if path.suffix == ".py" else _script(cmd, path)
     shell = dict(cmd.exported) if cmd else {}
-    code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else _script_settings(script, src)
+    code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else \
+        _script_settings(script, src, cmd)
     env = cmd.exported if cmd else {}  # what the launcher sees (under `trl <command>`, with the YAML's env)
     ran = {**env, **code.config_env}  # what the script's processes see once TrlParser has set the YAML's env
     trl_notes: list[str] = []
@@ -237,7 +238,7 @@ def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference
     return pref
 
 
-def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
+def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> ScriptSettings:
     """What the training script sets in code (script_ast.py, read, never run), added to `src` where the command
     line is silent. A script parsing with TRL's TrlParser reads `--config FILE.yaml` as TRL does first: the YAML's
     keys are its dataclasses' fields, below the command line's."""
@@ -250,11 +251,76 @@ def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
     if code.trl_parser:
         code.config_file = src.get("config")
         code.config_env = _trl_yaml(src)
+    _arg_file(code, src, script, cmd)
     for k, v in code.args.items():
         if k not in src:
             src.values[k] = v
             src.order.append(k)
     return code
+
+
+def _arg_file(code: ScriptSettings, src: Source, script: Path, cmd: Command | None) -> None:
+    """The file of arguments a script hands HfArgumentParser's parse_json_file / parse_yaml_file, read into `src`
+    as its arguments (the parser reads nothing else then, so the file's keys win over the command line's). Which
+    call runs is told as the script tells it: `sys.argv[1]` when the command gives that one argument and no
+    options (the `len(sys.argv) == 2 and sys.argv[1].endswith(".json")` branch of transformers' examples),
+    the file of an option the script parses itself (`args.config`) when it is given, and a path in the code when
+    the script never parses its command line or the command gives no options. A file named so that is not here
+    or not readable is a UserError naming it."""
+    positional = cmd.positional if cmd else []
+    options = bool(src.values)
+    for call in code.arg_files:
+        if call.given == "argv":
+            index = int(call.ref)
+            if options or index > len(positional) or not _suffix_fits(positional[index - 1], call.kind, any(
+                    c.given == "argv" and c.kind != call.kind for c in code.arg_files)):
+                continue
+            ref, how = positional[index - 1], f"sys.argv[{index}]"
+        elif call.given == "option":
+            if call.ref not in src.values:
+                continue
+            ref, how = str(src.values.pop(call.ref)), f"--{call.ref}"
+            src.order.remove(call.ref)
+        elif code.parses_command_line and options:
+            continue
+        else:
+            ref, how = call.ref, "the path in the code"
+        _read_arg_file(ref, how, call, code, src, script)
+        return
+
+
+def _suffix_fits(name: str, kind: str, other_kinds: bool) -> bool:
+    """Whether the script's `parse_<kind>_file(sys.argv[N])` reads the argument `name`: by its suffix where the
+    script reads the other format too (each branch tests it), else whatever it is called."""
+    suffixes = (".json",) if kind == "json" else (".yaml", ".yml")
+    return name.lower().endswith(suffixes) or not other_kinds and not name.startswith("-")
+
+
+def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src: Source, script: Path) -> None:
+    """Read the arguments file `ref` the script's `call` parses, as HfArgumentParser does (its keys are the
+    dataclasses' fields), into `src` over the command line's keys; said in the script's findings."""
+    hit = local_file(ref, src.path.parent, script.parent)
+    what = f"parse_{call.kind}_file({how}) at {call.at}"
+    if hit is None:
+        raise UserError(f"{src.where}: {ref}: no such file here, and the script reads its arguments from it "
+                        f"({what}). Give the file beside the command's file (or its path), or the arguments "
+                        f"on the command line.")
+    if call.kind == "json":
+        data: Any = parse_json(read_text(Path(hit)), hit)
+    else:
+        data = load_yaml(Path(hit), example="model_name_or_path: ..., per_device_train_batch_size: 1")[0]
+    if not isinstance(data, dict):
+        raise UserError(f"{hit}: the script's {what} reads an object of argument names (model_name_or_path, "
+                        f"per_device_train_batch_size, ...), got {type(data).__name__}.")
+    for key, value in data.items():
+        if value is None:
+            continue
+        if key not in src.values:
+            src.order.append(key)
+        src.values[key] = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else \
+            " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
+            else str(value)
+    code.found.append(f"{what}: the arguments in {Path(hit).name}")
 
 
 def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
