@@ -5,6 +5,7 @@ script's own code (LoRA, checkpointing, batch, length) read from its syntax tree
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,69 @@ def test_the_command_line_wins_over_the_scripts_code(tmp_path: Path) -> None:
     assumed = " ".join(job.notes)
     assert job.workload.method == "full" and "no LoRA" in assumed and "default, 8" in assumed
     assert "planned at 2048 tokens" in assumed
+
+
+# transformers' examples' way of taking a file of arguments (run_clm.py and its kin), and a script given one path.
+ARG_FILE_SCRIPT = ("import os, sys\nfrom transformers import HfArgumentParser, TrainingArguments\n"
+                   "parser = HfArgumentParser((ModelArguments, TrainingArguments))\n"
+                   "if len(sys.argv) == 2 and sys.argv[1].endswith('.json'):\n"
+                   "    margs, targs = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))\n"
+                   "elif len(sys.argv) == 2 and sys.argv[1].endswith(('.yaml', '.yml')):\n"
+                   "    margs, targs = parser.parse_yaml_file(os.path.abspath(sys.argv[1]))\n"
+                   "else:\n    margs, targs = parser.parse_args_into_dataclasses()\n")
+ARGS = {"model_name_or_path": "Qwen/Qwen2.5-0.5B", "per_device_train_batch_size": 3, "gradient_checkpointing": True,
+        "use_lora": True, "lora_r": 8}
+
+
+@pytest.mark.parametrize(("name", "script", "launch"), [
+    ("args.json", ARG_FILE_SCRIPT, "torchrun --nproc_per_node 2 train.py args.json"),
+    ("args.yaml", ARG_FILE_SCRIPT, "python train.py args.yaml"),
+    ("conf/a.yaml", "from transformers import HfArgumentParser\nPATH = 'conf/a.yaml'\n"
+                    "targs, = HfArgumentParser(TrainingArguments).parse_yaml_file(yaml_file=PATH)\n",
+     "python train.py"),
+    ("my.json", "import argparse\np = argparse.ArgumentParser()\np.add_argument('--config')\na = p.parse_args()\n"
+                "targs, = HfArgumentParser(TrainingArguments).parse_json_file(Path(a.config).resolve())\n",
+     "python train.py --config my.json"),
+])
+def test_a_script_reading_its_arguments_from_a_file_is_followed(tmp_path: Path, name: str, script: str,
+                                                                 launch: str) -> None:
+    """A script handing HfArgumentParser.parse_json_file / parse_yaml_file a file (sys.argv[1], a path in the code,
+    an option it parses itself) exited 2 for want of --model_name_or_path: the file was never read. Its keys are
+    the job's arguments now."""
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text(json.dumps(ARGS) if name.endswith(".json") else yaml.safe_dump(ARGS))
+    (tmp_path / "run.sh").write_text(launch + "\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    w = job.workload
+    assert (job.model, w.micro_batch, w.grad_ckpt, w.method, w.lora_rank) == ("Qwen/Qwen2.5-0.5B", 3, "full", "lora", 8)
+    assert any(f"the arguments in {Path(name).name}" in n for n in job.notes), job.notes
+    assert "config" not in job.keys and "config" not in job.not_modelled
+
+
+def test_the_command_lines_branch_does_not_read_the_file(tmp_path: Path) -> None:
+    """With options on the command line the examples' scripts take parse_args_into_dataclasses: no file is read,
+    even one named on the line beside them."""
+    (tmp_path / "train.py").write_text(ARG_FILE_SCRIPT)
+    (tmp_path / "args.json").write_text(json.dumps(ARGS))
+    (tmp_path / "run.sh").write_text("python train.py --model_name_or_path Qwen/Qwen2.5-1.5B "
+                                     "--per_device_train_batch_size 5\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    assert (job.model, job.workload.micro_batch, job.workload.method) == ("Qwen/Qwen2.5-1.5B", 5, "full")
+
+
+@pytest.mark.parametrize(("content", "named"), [
+    (None, "gone.json: no such file here"), ("{not json", "gone.json:1: not valid JSON"),
+    ("[1, 2]", "gone.json: the script's parse_json_file(sys.argv[1]) at train.py:5 reads an object"),
+])
+def test_an_arguments_file_that_cannot_be_read_exits_2(tmp_path: Path, content: str | None, named: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The file the script reads its arguments from, missing or not a JSON object: exit 2 naming it."""
+    (tmp_path / "train.py").write_text(ARG_FILE_SCRIPT)
+    if content is not None:
+        (tmp_path / "gone.json").write_text(content)
+    (tmp_path / "run.sh").write_text("python train.py gone.json\n")
+    with pytest.raises(UserError, match=re.escape(named)):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    assert main(["plan", "--from", "hf", str(tmp_path / "run.sh"), "--gpus", "1x24GB"]) == 2
+    assert "gone.json" in capsys.readouterr().err

@@ -228,3 +228,53 @@ def test_one_lora_target_module_reaches_peft_as_a_pattern(tmp_path: Path) -> Non
     with pytest.raises(UserError, match=r"one entry as this string"):
         _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj,v_proj")
     assert _job(tmp_path, SFT, "--use_peft --lora_target_modules q_proj v_proj").workload.lora_targets == ("q", "v")
+
+
+def test_trl_config_env_is_applied_as_trl_parser_sets_it(tmp_path: Path) -> None:
+    """A TrlParser YAML's `env:` was dropped: TRL exports it before it parses, over the shell's values. Under
+    `trl sft` accelerate then counts the GPUs its CUDA_VISIBLE_DEVICES leaves (2 ranks, not every GPU); the
+    allocator's and NCCL's settings are shown as not modelled, a WANDB_* variable as changing nothing."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: '0,1'\n"
+                                       "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n  NCCL_BUFFSIZE: 8388608\n"
+                                       "  WANDB_PROJECT: x\n")
+    (tmp_path / "run.sh").write_text("CUDA_VISIBLE_DEVICES=0,1,2,3 trl sft --config sft.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.nproc == 2 and not job.every_gpu
+    assert job.keys["env CUDA_VISIBLE_DEVICES"] == "0,1 (GPUs)"
+    assert job.not_modelled["env PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert job.not_modelled["env NCCL_BUFFSIZE"] == "8388608"  # a YAML number, exported as its text
+    assert "env WANDB_PROJECT" in job.keys and "env" not in job.keys and "env" not in job.not_modelled
+    note = next(n for n in job.notes if n.startswith("sft.yaml's env:"))
+    assert "CUDA_VISIBLE_DEVICES=0,1" in note and "over the shell's CUDA_VISIBLE_DEVICES=0,1,2,3" in note
+
+
+def test_trl_parser_script_env_reaches_its_processes_not_the_launcher(tmp_path: Path) -> None:
+    """In a script, TrlParser sets the YAML's env in each process after the launcher started it: one process with
+    device_map='auto' splits the model over the GPUs that env leaves; torchrun's rank count stays its own, and
+    ranks past those GPUs are said to have none."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: 0,1,2\n")
+    (tmp_path / "train.py").write_text(SFT.replace("SFTTrainer(model=", "AutoModelForCausalLM.from_pretrained("
+                                                   "'x', device_map='auto')\nSFTTrainer(model="))
+    (tmp_path / "run.sh").write_text("python train.py --config sft.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.engine, job.gpus) == ("device_map", 3)
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: 0\n")
+    (tmp_path / "run.sh").write_text("torchrun --nproc_per_node 4 train.py --config sft.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.nproc == 4 and job.keys["env CUDA_VISIBLE_DEVICES"] == "0 (GPUs)"
+    assert any("invalid device ordinal" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ("env: CUDA_VISIBLE_DEVICES=0\n", "sft.yaml:2: 'env' is str"), ("env:\n", "sft.yaml:2: 'env' is empty"),
+    ("env: [A, B]\n", "'env' is list"), ("env:\n  CUDA_VISIBLE_DEVICES: [0, 1]\n", "sft.yaml:3: env.CUDA_VISIBLE"),
+    ("env:\n  WANDB_PROJECT:\n", "sft.yaml:3: env.WANDB_PROJECT is empty"),
+])
+def test_a_trl_config_env_that_is_no_mapping_of_strings_exits_2(tmp_path: Path, env: str, named: str) -> None:
+    """TRL refuses an `env` that is not a mapping; a list, mapping or empty value it would export as Python's text
+    of it. Each is an error naming the file, line and key, never a traceback."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\n" + env)
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml\n")
+    with pytest.raises(UserError, match=re.escape(named)):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

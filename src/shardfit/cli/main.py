@@ -1,7 +1,9 @@
 """The `shardfit` command line: one module per command, listed in COMMANDS (docs/reference.md).
 
 User errors print one message and exit 2; nothing-fits exits 3; a failed job exits 1. No traceback for any of
-them; an unexpected exception prints a short message (its traceback with --debug or SHARDFIT_DEBUG=1).
+them; an unexpected exception prints a short message (its traceback with --debug or SHARDFIT_DEBUG=1). Output that
+cannot be written to stdout exits 1 with one line on stderr; a reader of stdout that went away, 141 quietly; a
+stderr that cannot be written changes nothing but the messages lost (streams.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from shardfit.cli import (
     train_cmd,
     ui_cmd,
 )
+from shardfit.cli.streams import OutputLost, fill_closed, guard
 from shardfit.errors import Interrupted, ShardfitError, ran_out
 from shardfit.gc_policy import process_entry
 from shardfit.parallel import threads
@@ -125,17 +128,31 @@ def unexpected(e: Exception, args: argparse.Namespace) -> int:
     return 1
 
 
+def output_lost(e: OutputLost) -> int:
+    """The command's output could not be written: say so on stderr, exit 1 (the output is not what it should be,
+    whatever the command would have returned)."""
+    print(f"shardfit: error: {e}", file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
     parser = build_parser()
     complete(parser)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OutputLost as e:  # --help or --version with stdout closed (argparse drops only OSErrors itself)
+        return output_lost(e)
     if args.command in THREADED:  # before the command imports torch: OpenMP reads its settings when torch loads
         threads.configure(quiet=args.command not in BUSY_WARNING)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit, where a failure is only "Exception ignored" and exit 120
+        return code
+    except OutputLost as e:
+        return output_lost(e)
     except Interrupted as e:  # Ctrl-C in a command that knows what survives it
         print(f"shardfit: interrupted{f'. {e}' if str(e) else ''}", file=sys.stderr)
         return e.exit_code
@@ -154,12 +171,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> int:
     """The process entry point (`shardfit`, `python -m shardfit`): `main` under the process's collector policy,
-    `train` first re-executed with a faster malloc where the system has one (parallel/allocator.py)."""
+    `train` first re-executed with a faster malloc where the system has one (parallel/allocator.py). stdout and
+    stderr are guarded first (streams.py); a descriptor closed at start is given the null device only after the
+    re-execution, which then meets it closed as this process did."""
+    guard()
     try:
         reexec_with_allocator(sys.argv[1:], os.environ)
     except ShardfitError as e:
         print(f"shardfit: error: {e}", file=sys.stderr)
         return e.exit_code
+    fill_closed()
     return process_entry(main)
 
 

@@ -53,7 +53,7 @@ from shardfit.foreign.keys import (
     use_deepspeed,
 )
 from shardfit.foreign.preference import Preference, apply, refuse
-from shardfit.foreign.script_ast import ScriptSettings, read_script
+from shardfit.foreign.script_ast import ArgFile, ScriptSettings, read_script
 from shardfit.foreign.shell import Command, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
@@ -98,6 +98,9 @@ KEYS = key_table({
 # The environment of the command line: what decides the ranks and GPUs; any other variable changes nothing the
 # planner counts.
 ENV = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks", "GPUS_PER_NODE": "ranks"}
+# Variables that change the memory a rank holds in ways the planner does not count: the caching allocator's
+# settings (expandable_segments changes the fragmentation reserve) and NCCL's buffers and transports.
+UNMODELLED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_")
 _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-z_][\w.]*)")
 
 
@@ -124,9 +127,12 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         src, cmd = Source(path, {}, []), None
     else:
         src, cmd = command_source(path, (".py", *(f"trl {c}" for c in TRL_CLI)))
-    env = cmd.exported if cmd else {}
     script = path if path.suffix == ".py" else _script(cmd, path)
-    code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else _script_settings(script, src)
+    shell = dict(cmd.exported) if cmd else {}
+    code = _trl_cli(cmd, src) if cmd is not None and cmd.program.startswith("trl ") else \
+        _script_settings(script, src, cmd)
+    env = cmd.exported if cmd else {}  # what the launcher sees (under `trl <command>`, with the YAML's env)
+    ran = {**env, **code.config_env}  # what the script's processes see once TrlParser has set the YAML's env
     trl_notes: list[str] = []
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
@@ -149,7 +155,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
     _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
-    _device_map(src, job, script, env)
+    _device_map(src, job, script, ran)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
@@ -160,8 +166,28 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config)
-    file_env(job, env, ENV, unknown=NO_EFFECT)
+    file_env(job, ran, ENV, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
+    _config_env_notes(job, code, shell, cmd)
     return job
+
+
+def _config_env_notes(job: ForeignJob, code: ScriptSettings, shell: dict[str, str], cmd: Command | None) -> None:
+    """Say what the TrlParser YAML's `env:` set, over which of the shell's values, and what its
+    CUDA_VISIBLE_DEVICES does: under `trl <command>` accelerate counts those GPUs; in a script TrlParser sets it in
+    each rank after the launcher has counted, so a rank past the GPUs it leaves has no device of its own."""
+    if not code.config_env:
+        return
+    trl_cli = cmd is not None and cmd.program.startswith("trl ")
+    over = [f"{k}={shell[k]}" for k in code.config_env if k in shell and shell[k] != code.config_env[k]]
+    job.notes.append(f"{code.config_file}'s env: sets " + ", ".join(f"{k}={v}" for k, v in code.config_env.items())
+                     + (" before `trl` starts accelerate" if trl_cli else " in the script's processes") +
+                     " (TrlParser exports it into os.environ" + (f", over the shell's {', '.join(over)}" if over
+                                                                 else "") + ")")
+    gpus = visible_devices(code.config_env)
+    if gpus and not trl_cli and job.nproc is not None and job.nproc > len(gpus):
+        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={code.config_env['CUDA_VISIBLE_DEVICES']} "
+                         f"leaves each of the {job.nproc} ranks {len(gpus)} GPU(s): a rank whose LOCAL_RANK is past "
+                         f"them has no device (\"invalid device ordinal\") unless CUDA started before TrlParser ran")
 
 
 def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference:
@@ -212,7 +238,7 @@ def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference
     return pref
 
 
-def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
+def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> ScriptSettings:
     """What the training script sets in code (script_ast.py, read, never run), added to `src` where the command
     line is silent. A script parsing with TRL's TrlParser reads `--config FILE.yaml` as TRL does first: the YAML's
     keys are its dataclasses' fields, below the command line's."""
@@ -223,12 +249,78 @@ def _script_settings(script: Path | None, src: Source) -> ScriptSettings:
     except OSError:
         return ScriptSettings()
     if code.trl_parser:
-        _trl_yaml(src)
+        code.config_file = src.get("config")
+        code.config_env = _trl_yaml(src)
+    _arg_file(code, src, script, cmd)
     for k, v in code.args.items():
         if k not in src:
             src.values[k] = v
             src.order.append(k)
     return code
+
+
+def _arg_file(code: ScriptSettings, src: Source, script: Path, cmd: Command | None) -> None:
+    """The file of arguments a script hands HfArgumentParser's parse_json_file / parse_yaml_file, read into `src`
+    as its arguments (the parser reads nothing else then, so the file's keys win over the command line's). Which
+    call runs is told as the script tells it: `sys.argv[1]` when the command gives that one argument and no
+    options (the `len(sys.argv) == 2 and sys.argv[1].endswith(".json")` branch of transformers' examples),
+    the file of an option the script parses itself (`args.config`) when it is given, and a path in the code when
+    the script never parses its command line or the command gives no options. A file named so that is not here
+    or not readable is a UserError naming it."""
+    positional = cmd.positional if cmd else []
+    options = bool(src.values)
+    for call in code.arg_files:
+        if call.given == "argv":
+            index = int(call.ref)
+            if options or index > len(positional) or not _suffix_fits(positional[index - 1], call.kind, any(
+                    c.given == "argv" and c.kind != call.kind for c in code.arg_files)):
+                continue
+            ref, how = positional[index - 1], f"sys.argv[{index}]"
+        elif call.given == "option":
+            if call.ref not in src.values:
+                continue
+            ref, how = str(src.values.pop(call.ref)), f"--{call.ref}"
+            src.order.remove(call.ref)
+        elif code.parses_command_line and options:
+            continue
+        else:
+            ref, how = call.ref, "the path in the code"
+        _read_arg_file(ref, how, call, code, src, script)
+        return
+
+
+def _suffix_fits(name: str, kind: str, other_kinds: bool) -> bool:
+    """Whether the script's `parse_<kind>_file(sys.argv[N])` reads the argument `name`: by its suffix where the
+    script reads the other format too (each branch tests it), else whatever it is called."""
+    suffixes = (".json",) if kind == "json" else (".yaml", ".yml")
+    return name.lower().endswith(suffixes) or not other_kinds and not name.startswith("-")
+
+
+def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src: Source, script: Path) -> None:
+    """Read the arguments file `ref` the script's `call` parses, as HfArgumentParser does (its keys are the
+    dataclasses' fields), into `src` over the command line's keys; said in the script's findings."""
+    hit = local_file(ref, src.path.parent, script.parent)
+    what = f"parse_{call.kind}_file({how}) at {call.at}"
+    if hit is None:
+        raise UserError(f"{src.where}: {ref}: no such file here, and the script reads its arguments from it "
+                        f"({what}). Give the file beside the command's file (or its path), or the arguments "
+                        f"on the command line.")
+    if call.kind == "json":
+        data: Any = parse_json(read_text(Path(hit)), hit)
+    else:
+        data = load_yaml(Path(hit), example="model_name_or_path: ..., per_device_train_batch_size: 1")[0]
+    if not isinstance(data, dict):
+        raise UserError(f"{hit}: the script's {what} reads an object of argument names (model_name_or_path, "
+                        f"per_device_train_batch_size, ...), got {type(data).__name__}.")
+    for key, value in data.items():
+        if value is None:
+            continue
+        if key not in src.values:
+            src.order.append(key)
+        src.values[key] = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else \
+            " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
+            else str(value)
+    code.found.append(f"{what}: the arguments in {Path(hit).name}")
 
 
 def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
@@ -273,7 +365,10 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     """Read `trl <command> ...` as the `accelerate launch trl/scripts/<command>.py ...` it runs: accelerate's options
     (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
     cmd.launcher = "accelerate"
-    _trl_yaml(src)
+    config_file = src.get("config")
+    config_env = _trl_yaml(src)
+    # the trl CLI parses the YAML in its own process, which then starts accelerate: the launch sees the variables
+    cmd.exported = {**cmd.exported, **config_env}
     for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
         if name in src.values:
             value = src.values.pop(name)
@@ -282,30 +377,54 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
                               f"--{name}"] = value
     trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
     return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
-                          found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"])
+                          found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"],
+                          config_env=config_env, config_file=config_file)
 
 
-def _trl_yaml(src: Source) -> None:
+def _trl_yaml(src: Source) -> dict[str, str]:
     """`--config FILE` to TrlParser (`trl <command>`, or a script that parses with it): the YAML's keys become the
     defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
     scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
     keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
-    command line."""
+    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument."""
     ref = src.values.pop("config", None)
     if ref is None:
-        return
+        return {}
     src.order.remove("config")
     hit = local_file(str(ref), src.path.parent)
     if hit is None:
         raise UserError(f"{src.where}: --config {ref}: no such YAML file here; TRL reads the job's arguments from "
                         f"it. Give its path (relative to the command's file), or the arguments on the command line.")
-    data, _ = load_yaml(Path(hit))
+    data, lines = load_yaml(Path(hit), nested=True)
     for key, value in data.items():
-        if key in src.values or key == "env" or value is None:  # env: variables TrlParser exports, no argument
+        if key in src.values or key == "env" or value is None:
             continue
         src.values[key] = " ".join(map(str, value)) if isinstance(value, list) else \
             str(value).lower() if isinstance(value, bool) else str(value)
         src.order.append(key)
+    return _trl_env(data, lines, Path(hit)) if "env" in data else {}
+
+
+def _trl_env(data: dict[str, Any], lines: dict[str, int], path: Path) -> dict[str, str]:
+    """The `env:` section of a TrlParser YAML: variables TrlParser sets in os.environ (each value as `str()` of it,
+    over what the shell exported) before it parses, so before the script touches CUDA. TRL refuses an `env` that is
+    not a mapping; a null, list or mapping value it would export as Python's text of it ("None", "['0', '1']"),
+    never what was meant, so shardfit refuses those too, naming the key."""
+    env = data["env"]
+    if not isinstance(env, dict):  # `env:` with nothing under it too: TrlParser refuses None alike
+        what = "empty" if env is None else f"{type(env).__name__} {env!r}"
+        raise UserError(f"{path}:{lines.get('env', '?')}: 'env' is {what}; TrlParser needs a "
+                        f"mapping of variable names to values (ValueError: \"`env` field should be a dict in the "
+                        f"YAML file\"), e.g. env: {{CUDA_VISIBLE_DEVICES: \"0,1\"}}.")
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        if value is None or isinstance(value, (dict, list)):
+            what = "empty" if value is None else f"a {type(value).__name__}"
+            raise UserError(f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}: env.{name} is {what}; "
+                            f"TrlParser exports str() of it ({str(value)!r}) as the variable, not a value you "
+                            f"meant. Give a string (quote it: {name}: \"...\") or remove the key.")
+        out[str(name)] = str(value)
+    return out
 
 
 def _trl_accelerate_config(value: str, src: Source) -> str:

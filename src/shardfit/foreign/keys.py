@@ -178,11 +178,12 @@ def file_keys(job: ForeignJob, items: Iterable[tuple[str, Any]], table: Table, v
             record(job, key, value, effect=effect.format_map(vars(values)))
 
 
-def file_env(job: ForeignJob, env: Mapping[str, str], effects: Mapping[str, str], unknown: str | None) -> None:
+def file_env(job: ForeignJob, env: Mapping[str, str], effects: Mapping[str, str], unknown: str | None,
+             unmodelled: tuple[str, ...] = ()) -> None:
     """File the environment a command runs with as `env NAME`: with its effect, `unknown` for a variable
-    `effects` does not name (None: not modelled)."""
+    `effects` does not name (None: not modelled); a name starting with one of `unmodelled` is not modelled."""
     for key, value in env.items():
-        effect = effects.get(key, unknown)
+        effect = None if key.startswith(unmodelled) and key not in effects else effects.get(key, unknown)
         if effect is None:
             record(job, f"env {key}", value, modelled=False)
         else:

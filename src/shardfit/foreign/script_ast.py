@@ -50,6 +50,26 @@ class ScriptSettings:
     model_config: bool = False
     # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
     trl_parser: bool = False
+    # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
+    config_env: dict[str, str] = field(default_factory=dict)
+    config_file: str | None = None  # that YAML, as `--config` names it
+    # HfArgumentParser.parse_json_file / parse_yaml_file calls, each the file it reads as one of: a path in the
+    # code, the script's sys.argv[N], or an option the script parsed itself (args.config): hf.py `_arg_files`
+    arg_files: list[ArgFile] = field(default_factory=list)
+    # the script hands its command line to HfArgumentParser (parse_args_into_dataclasses, TRL's
+    # parse_args_and_config): its options are the dataclasses' fields, beside any file it reads in another branch
+    parses_command_line: bool = False
+
+
+@dataclass(frozen=True)
+class ArgFile:
+    """One `parser.parse_json_file(...)` / `parse_yaml_file(...)` of the script: the format (json or yaml), how
+    the path is given (`literal`, `argv` with `ref` the index, `option` with `ref` the option's name) and where."""
+
+    kind: str
+    given: str
+    ref: str
+    at: str
 
 
 def _name(func: ast.expr) -> str:
@@ -132,6 +152,14 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             ref = next((k.value for k in node.keywords if k.arg == "ref_model"), None)
             if ref is not None and _value(ref, constants) is not None:
                 out.args["ref_model"] = ast.unparse(ref)
+        elif name in ARG_FILE_CALLS:
+            arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg in (
+                "json_file", "yaml_file")), None)
+            ref = _file_ref(arg, constants) if arg is not None else None
+            if ref is not None:
+                out.arg_files.append(ArgFile(ARG_FILE_CALLS[name], *ref, at))
+        elif name in COMMAND_LINE_CALLS:
+            out.parses_command_line = True
         elif name == "gradient_checkpointing_enable":
             out.args["gradient_checkpointing"] = "true"
             out.found.append(f"gradient_checkpointing_enable() at {at}")
@@ -146,6 +174,36 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
     return out
+
+
+# HfArgumentParser's readers of a whole file of arguments (transformers hf_argparser.py), by the format each reads.
+ARG_FILE_CALLS = {"parse_json_file": "json", "parse_yaml_file": "yaml"}
+COMMAND_LINE_CALLS = ("parse_args_into_dataclasses", "parse_args_and_config")
+# Calls that only turn a path into the same file's path (os.path.abspath(sys.argv[1]), Path(args.config)).
+_PATH_WRAPPERS = ("abspath", "realpath", "normpath", "expanduser", "Path", "PurePath", "str", "fspath")
+
+
+def _file_ref(node: ast.expr, constants: dict[str, Any]) -> tuple[str, str] | None:
+    """How a parse_*_file call names its file: ("literal", path), ("argv", "N") for sys.argv[N], ("option",
+    name) for `args.name` (an option the script parsed itself); None for anything computed otherwise."""
+    while isinstance(node, ast.Call):
+        name = _name(node.func)
+        if name in ("resolve", "absolute", "expanduser") and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Call):
+            node = node.func.value  # Path(x).resolve()
+        elif name in _PATH_WRAPPERS and len(node.args) == 1:
+            node = node.args[0]
+        else:
+            return None
+    value = _value(node, constants)
+    if isinstance(value, str):
+        return "literal", value
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.argv":
+        index = _value(node.slice, constants)
+        return ("argv", str(index)) if isinstance(index, int) and index >= 1 else None
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return "option", node.attr
+    return None
 
 
 def _trl_config(tree: ast.Module, trainer: str | None) -> str | None:
