@@ -101,8 +101,11 @@ def catalog_config(model: str) -> dict[str, Any] | None:
 
 # Compact catalog entries whose id names a family transformers builds apart from Llama (its norms, biases and
 # MLP differ): the first pattern the lower-cased id contains picks the config class.
+# ChatGLM2/3 (remote code) are built as Qwen2: biases on q, k and v only and a gated MLP, the same weights as their
+# fused query_key_value and dense_h_to_4h (Llama's attention_bias would add an o_proj bias they do not have).
 FAMILY_CONFIGS = (("gemma-3-", "Gemma3TextConfig"), ("gemma-2-", "Gemma2Config"), ("gemma", "GemmaConfig"),
-                  ("glm-4", "GlmConfig"), ("phi-3", "Phi3Config"), ("mistral", "MistralConfig"))
+                  ("glm-4", "GlmConfig"), ("chatglm", "Qwen2Config"), ("phi-3", "Phi3Config"),
+                  ("mistral", "MistralConfig"))
 
 
 def _compact_config_class(shape: ModelShape) -> Any:
