@@ -328,8 +328,7 @@ def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, strat
     flops = fp32_expert_flops(shape, w, strategy, forward_only=forward_only)
     if flops == 0.0:
         return 0.0
-    fp32 = card.fp32_matmul_flops() if w.fp32_matmuls_tf32 else card.dense_flops("fp32")
-    return flops / (fp32 * eff) - flops / (card.dense_flops(w.precision) * eff)
+    return flops / (card.fp32_matmul_flops(w.fp32_matmuls_tf32) * eff) - flops / (card.dense_flops(w.precision) * eff)
 
 
 def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, strategy: str = "single", *,
