@@ -111,7 +111,7 @@ def test_each_wait_for_the_device_stalls_a_gpu_micro_batch_and_not_a_cpus() -> N
     s = strategy_of("single")
     assert micro_batch_work(QWEN05, waits, card_of(cpu), s).busy == micro_batch_work(QWEN05, lora, card_of(cpu),
                                                                                        s).busy
-    assert dispatch.host_sync_s(lora, card_of(parse_gpus("1xH100"))) == 0.0
+    assert dispatch.host_sync_s(lora, card_of(parse_gpus("1xH100")), QWEN05) == 0.0
 
 
 def _cfg(**over) -> SimpleNamespace:
