@@ -126,12 +126,13 @@ def experts_run_fp32(shape: ModelShape, w: Workload, strategy: str) -> bool:
 
 
 def stored_nf4(name: str, shape: ModelShape, w: Workload) -> bool:
-    """Whether QLoRA stores the block's weight `name` (ModelShape.named_linears, stored_weights) in NF4: the one
-    rule the memory side (plan/estimate.py `stored_linear_bytes`, `nf4_weights`) and the time side
-    (plan/dequant.py) read. Every linear weight and fused expert stack, except the router (an nn.Parameter in
+    """Whether the block's weight `name` (ModelShape.named_linears, stored_weights) is stored in NF4: the one
+    rule the memory (plan/estimate.py `stored_linear_bytes`, `nf4_linear_bytes`, `nf4_weights`), the gathers and
+    offload copies (plan/comms.py) and the dequantization's time (plan/dequant.py) read. False without QLoRA.
+    Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, litgpt's router among them (an
+    nn.Linear there); else every linear weight and fused expert stack except the router (an nn.Parameter in
     every mixture of transformers 5, Qwen3MoeTopKRouter to DeepseekV3TopkRouter, which no 4-bit loading replaces)
-    and the expert stacks bitsandbytes leaves alone (`experts_stay_16bit`); under Lightning's BitsandbytesPrecision
-    (`bnb_precision`) every linear layer, litgpt's router among them (an nn.Linear there)."""
+    and the expert stacks bitsandbytes leaves alone (`experts_stay_16bit`)."""
     if w.method != "qlora":
         return False
     if w.bnb_precision:
