@@ -105,7 +105,7 @@ def card_ratios() -> dict[str, Any]:
         return {"gpu": name, "plan_card": None, "why": str(e)}
     return {"gpu": name, "plan_card": card.key,
             "plan_bf16_over_fp32": round(card.dense_flops("bf16") / card.dense_flops("fp32"), 2),
-            "plan_bf16_over_tf32": round(card.dense_flops("bf16") / card.fp32_matmul_flops(), 2)}
+            "plan_bf16_over_tf32": round(card.dense_flops("bf16") / card.fp32_matmul_flops(True), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from shardfit.plan.cards import card_of
 from shardfit.plan.comms import param_bytes_16, param_bytes_stored
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S, host_dispatch_s
+from shardfit.plan.estimate import stored_linear_bytes
 from shardfit.plan.flops import (
     folded_expert_flops_per_token,
     fp32_expert_flops,
@@ -142,11 +143,14 @@ def test_engines_that_cast_the_parameters_run_the_stacks_in_16_bits(strategy: st
 
 @pytest.mark.parametrize("model", MIXTURES)
 def test_fsdp_gathers_16bit_stacks_whole(model: str) -> None:
-    """FSDP's all-gather carries the packed 4-bit weights and the 16-bit expert stacks as they are."""
+    """FSDP's all-gather carries the packed 4-bit weights, as the memory counts them stored (about 0.516 byte a
+    weight), and the 16-bit expert stacks as they are."""
     shape = resolve_shape(model)
     experts = _linears(shape, experts=True)
     gap = param_bytes_16(shape, BNB) - param_bytes_16(shape, TORCHAO)
-    assert gap == pytest.approx(experts * (2 - (0.5 + 0.127 / 8)), rel=1e-9)
+    nf4 = shape.over_blocks(lambda moe: stored_linear_bytes(shape, TORCHAO, moe, experts_only=True))
+    assert gap == pytest.approx(experts * 2 - nf4, rel=1e-9)
+    assert nf4 == pytest.approx(experts * (0.5 + 0.127 / 8), rel=0.01)
 
 
 H200 = card_of(parse_gpus("1xH200", 1, None))

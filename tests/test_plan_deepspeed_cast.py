@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from shardfit.foreign.read import JobOptions, read_job
-from shardfit.plan.deepspeed import ZeroSettings, as_deepspeed_runs, zero_memory
+from shardfit.plan.deepspeed import ZeroSettings, as_deepspeed_runs, estimate_deepspeed, zero_memory
+from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 
@@ -50,8 +51,11 @@ def test_deepspeed_memory_holds_the_experts_in_16_bits(stage: int) -> None:
     holds (an fp32 run has nothing to cast: its weights were fp32 already)."""
     shape = resolve_shape("Qwen/Qwen3-30B-A3B")
     z = ZeroSettings(stage=stage)
-    kept = zero_memory(shape, QLORA, 8, z).weights
-    assert kept == zero_memory(shape, dataclasses.replace(QLORA, frozen_fp32=False), 8, z).weights
+    hw = parse_gpus("8xA100-80G")
+    kept = estimate_deepspeed(shape, QLORA, hw, z).per_gpu_gib.weights
+    assert kept == estimate_deepspeed(shape, dataclasses.replace(QLORA, frozen_fp32=False), hw, z).per_gpu_gib.weights
+    assert zero_memory(shape, as_deepspeed_runs(QLORA), 8, z) == \
+        zero_memory(shape, dataclasses.replace(QLORA, frozen_fp32=False), 8, z)
     fp32 = dataclasses.replace(QLORA, precision="fp32")
     assert as_deepspeed_runs(fp32) == fp32
 

@@ -33,6 +33,9 @@ def test_the_full_fine_tunes_step_is_longer_when_the_heads_gradient_is_fp32() ->
     TF32 (half the bf16 rate) costs the difference of the two rates at the training utilization, a few percent of
     the step; a V100 in fp16 has no TF32, so its fp32 rate (15.7 of 125 TFLOP/s) makes it far more."""
     widened, fp32 = _step(FULL), _step(dataclasses.replace(FULL, head_grad_fp32=True))
+    # shardfit's own loss runs in its trainer, which sets TF32 for a 16-bit run: the one TF32 rule says so
+    assert dataclasses.replace(FULL, head_grad_fp32=True, tf32=False).fp32_matmuls_tf32
+    assert not FULL.fp32_matmuls_tf32
     flops = head_gradient_flops(QWEN05, FULL)
     assert flops == pytest.approx(2 * 896 * 151936 * 8192)
     card = card_of(parse_gpus("1xH100"))
@@ -108,7 +111,7 @@ def test_each_wait_for_the_device_stalls_a_gpu_micro_batch_and_not_a_cpus() -> N
     s = strategy_of("single")
     assert micro_batch_work(QWEN05, waits, card_of(cpu), s).busy == micro_batch_work(QWEN05, lora, card_of(cpu),
                                                                                        s).busy
-    assert dispatch.host_sync_s(lora, card_of(parse_gpus("1xH100"))) == 0.0
+    assert dispatch.host_sync_s(lora, card_of(parse_gpus("1xH100")), QWEN05) == 0.0
 
 
 def _cfg(**over) -> SimpleNamespace:

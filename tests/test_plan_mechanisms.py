@@ -10,6 +10,7 @@ import pytest
 
 from shardfit.plan import quant
 from shardfit.plan.activations import block_activation_bytes_per_token, logits_bytes
+from shardfit.plan.comms import param_bytes_16, param_bytes_stored
 from shardfit.plan.estimate import (
     GIB,
     estimate,
@@ -20,6 +21,7 @@ from shardfit.plan.estimate import (
     trainable_params,
 )
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.precision import trainable_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, lora_targets_of
 
@@ -124,3 +126,21 @@ def test_litgpt_qlora_head_and_scales() -> None:
     single = state_bytes(tied, replace(w, double_quant=False))[0]
     assert single - base == pytest.approx(tied.layers * sum(i * o for i, o in tied.linear_shapes()) * (
         1 / 16 - 0.127 / 8), rel=0.02)
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("frozen_fp32", [False, True])
+def test_qlora_gathers_and_offload_copies_move_the_weights_as_stored(double_quant: bool, frozen_fp32: bool) -> None:
+    """What FSDP all-gathers of a QLoRA and what offload copies are the frozen weights as the memory counts them
+    stored: the NF4 weights with their block scales as laid out (bitsandbytes' plain nf4: an fp32 scale per 64
+    weights), the others in the compute dtype or, after peft's upcast, fp32 (the copy; the gather casts first)."""
+    shape = resolve_shape("Qwen/Qwen3-30B-A3B")
+    w = Workload(method="qlora", seq_len=1024, micro_batch=1, grad_ckpt="full", quant_backend="bnb",
+                 double_quant=double_quant, frozen_fp32=frozen_fp32)
+    stored = state_bytes(shape, w)[0] - trainable_params(shape, w) * trainable_bytes(w)
+    assert param_bytes_stored(shape, w) == pytest.approx(stored, rel=1e-12)
+    as_16 = replace(w, frozen_fp32=False)
+    assert param_bytes_16(shape, w) == pytest.approx(state_bytes(shape, as_16)[0] - trainable_params(shape, w) * 4,
+                                                     rel=1e-12)
+    if not double_quant:
+        assert param_bytes_16(shape, w) > param_bytes_16(shape, replace(w, double_quant=True))

@@ -643,43 +643,13 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
     expression over whole module names."""
     unplanned = {"optim"} if optimizer(src.get("optim", "adamw_torch")) is None else set()
     effects = {}
-    if model_config and w.trains_adapters and src.flag("use_peft", "false") and \
-            not {"lora_target_modules", "target_modules", "lora_target_parameters"} & set(src.values):
-        _, targets = plan_peft_default(job, "--use_peft", shape, version)  # its note says the targets
-        if targets:
-            job.convert.setdefault("lora", {})["targets"] = targets
+    if model_config:
+        _plan_peft_default(src, job, w, shape, version)
     for key in ("lora_target_modules", "target_modules"):
         if key not in src:
             continue
-        if not w.trains_adapters:
-            unplanned.add(key)  # no adapters train: the targets change nothing
-            continue
-        raw = src.get(key)
-        targets = KEYS[key].read(raw, key, src.at(key))
-        # TRL's ModelConfig unwraps a list of one into the string peft gets; argparse splits on spaces only, so
-        # `q_proj,v_proj` is that one entry whole (a comma-joined pattern no module name matches)
-        one_raw = raw[0] if isinstance(raw, list) and len(raw) == 1 else raw if isinstance(raw, str) and \
-            len(raw.split()) == 1 else None
-        one = model_config and key == "lora_target_modules" and isinstance(one_raw, str)
-        if one:
-            targets = one_raw.strip()
-            if "," in targets:  # no module name holds a comma: peft raises "Target modules ... not found"
-                raise UserError(f"{src.at(key)}: --lora_target_modules {targets} is one entry: TRL's ModelConfig "
-                                f"hands peft one entry as this string, a regular expression over whole module "
-                                f"names, and no name holds a comma, so peft raises \"Target modules {{'{targets}'}} "
-                                f"not found in the base model\". Separate the names with spaces "
-                                f"(--lora_target_modules {' '.join(targets.split(','))}).")
-            job.notes.append(f"--lora_target_modules {targets}: TRL's ModelConfig hands peft one entry as a "
-                             f"string, a regular expression over whole module names")
-        try:
-            effect = "adapters on every linear layer" if targets == "all-linear" else \
-                plan_targets(job, key, targets, shape, version)
-        except UserError as e:
-            if not one:
-                raise
-            raise UserError(f"{e} TRL's ModelConfig hands peft a --lora_target_modules of one entry as this "
-                            f"string, not as a list of one name: give a pattern of whole names "
-                            f"('.*\\.{targets}').") from None
+        # no adapters train: the targets change nothing
+        effect = _plan_target_key(src, job, key, shape, version, model_config) if w.trains_adapters else ""
         if effect:
             effects[key] = effect
         else:
@@ -694,6 +664,58 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
         else:
             unplanned.add("lora_modules_to_save")
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
+
+
+def _plan_peft_default(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:
+    """TRL's ModelConfig with --use_peft and no targets: peft's default targets for the model's type, planned
+    (`plan_peft_default`, whose note says them) and kept for the converted config."""
+    if w.trains_adapters and src.flag("use_peft", "false") and \
+            not {"lora_target_modules", "target_modules", "lora_target_parameters"} & set(src.values):
+        _, targets = plan_peft_default(job, "--use_peft", shape, version)
+        if targets:
+            job.convert.setdefault("lora", {})["targets"] = targets
+
+
+def _one_entry(src: Source, job: ForeignJob, key: str, model_config: bool) -> str | None:
+    """The string peft gets where TRL's ModelConfig unwraps a --lora_target_modules of one entry (a regular
+    expression over whole module names), with a note saying so; None where the targets reach peft as a list.
+    argparse splits on spaces only, so `q_proj,v_proj` is that one entry whole, which no module name matches:
+    exit 2 naming the fix."""
+    raw = src.get(key)
+    one_raw = raw[0] if isinstance(raw, list) and len(raw) == 1 else raw if isinstance(raw, str) and \
+        len(raw.split()) == 1 else None
+    if not (model_config and key == "lora_target_modules" and isinstance(one_raw, str)):
+        return None
+    targets = one_raw.strip()
+    if "," in targets:  # no module name holds a comma: peft raises "Target modules ... not found"
+        raise UserError(f"{src.at(key)}: --lora_target_modules {targets} is one entry: TRL's ModelConfig "
+                        f"hands peft one entry as this string, a regular expression over whole module "
+                        f"names, and no name holds a comma, so peft raises \"Target modules {{'{targets}'}} "
+                        f"not found in the base model\". Separate the names with spaces "
+                        f"(--lora_target_modules {' '.join(targets.split(','))}).")
+    job.notes.append(f"--lora_target_modules {targets}: TRL's ModelConfig hands peft one entry as a "
+                     f"string, a regular expression over whole module names")
+    return targets
+
+
+def _plan_target_key(src: Source, job: ForeignJob, key: str, shape: ModelShape, version: str,
+                     model_config: bool) -> str:
+    """Plan the LoRA targets of `key` (`plan_targets`; all-linear: every linear layer) and return their effect,
+    "" where not modelled. A pattern of one entry under TRL's ModelConfig (`_one_entry`) that peft would refuse
+    says how to write it as whole names."""
+    targets = KEYS[key].read(src.get(key), key, src.at(key))
+    one = _one_entry(src, job, key, model_config)
+    if one is not None:
+        targets = one
+    try:
+        return "adapters on every linear layer" if targets == "all-linear" else \
+            plan_targets(job, key, targets, shape, version)
+    except UserError as e:
+        if one is None:
+            raise
+        raise UserError(f"{e} TRL's ModelConfig hands peft a --lora_target_modules of one entry as this "
+                        f"string, not as a list of one name: give a pattern of whole names "
+                        f"('.*\\.{targets}').") from None
 
 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:

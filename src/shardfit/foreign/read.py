@@ -111,8 +111,9 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
     job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
-    if job.engine == "deepspeed" and as_deepspeed_runs(job.workload) != job.workload:
-        job.workload = as_deepspeed_runs(job.workload)
+    cast = as_deepspeed_runs(job.workload) if job.engine == "deepspeed" else job.workload
+    if cast != job.workload:
+        job.workload = cast
         job.notes.append(f"DeepSpeed {job.workload.precision} casts the weights peft's k-bit preparation upcast "
                          "to fp32 back to 16 bits (engine.py _cast_module_mixed_precision): planned in "
                          f"{job.workload.precision}")

@@ -381,7 +381,8 @@ def _router_is_linear(shape: ModelShape, moved: tuple[str, str, str] | None) -> 
 
 # The tools that resolve their "all" targets themselves into the leaf names of the model's modules whose class
 # name says Linear, and hand peft that list (LLaMA-Factory 0.9.5 `find_all_linear_modules`, ms-swift 4.6.0
-# `find_all_linears` for a text model), rather than peft's string all-linear.
+# `find_all_linears` for a text model), rather than peft's string all-linear: the list `_linear_leaves` makes,
+# as axolotl's lora_target_linear does (`plan_linear_names`).
 LINEAR_NAME_TOOLS = {"llamafactory": "lora_target all", "swift": "--target_modules all-linear"}
 
 
@@ -391,13 +392,15 @@ def plan_all_linear(job: ForeignJob, shape: ModelShape, version: str) -> None:
     (the fused weights at their ranks, no dense or shared expert's MLP), and without it reaches no routed expert
     and the router only where it is an nn.Linear (Llama 4's). A tool that hands peft its Linear modules' names
     (LINEAR_NAME_TOOLS) reaches the same modules without the rewrite; under it, no router (a module of its own
-    class, no Linear) and the fused experts only when a dense layer's or shared expert's MLP puts gate_proj,
-    up_proj and down_proj in the list, which peft then moves onto every expert."""
+    class, no Linear) and the fused experts only when the list (`_linear_leaves`: a dense layer's or shared
+    expert's MLP) holds every name peft moves, gate_proj, up_proj and down_proj, which it then moves onto every
+    expert."""
     if not (job.workload.trains_adapters and fused_experts(shape, version)):
         return
     moved = peft_rewrite(shape, version)
     if moved is not None and job.tool in LINEAR_NAME_TOOLS and not (job.tool == "swift" and shape.multimodal):
-        listed = moved == _PROJ_NAMES and (shape.dense_layers > 0 or shape.shared_intermediate > 0)
+        leaves = _linear_leaves(shape, version)
+        listed = all(name in leaves for name in moved)
         fields = {"lora_experts": listed, "lora_rewritten": ("gate_up", "down") if listed else (),
                   "lora_router": False}
         reached = (f"its dense layers' or shared experts' MLPs put {', '.join(moved)} in that list, which peft "

@@ -41,13 +41,14 @@ class Card:
         """The card's peak FLOP rate for matmuls in `precision`: fp32 without TF32, else the 16-bit tensor rate."""
         return self.fp32_flops if precision == "fp32" else self.bf16_flops
 
-    def fp32_matmul_flops(self) -> float:
-        """The peak rate of an fp32 matmul in a run that allows TF32 (shardfit's 16-bit GPU runs,
-        parallel/env.py `fast_fp32_matmuls`): TF32 tensor cores at half the 16-bit rate on the cards that have
-        them (NVIDIA since Ampere: A100 156 of 312 TFLOP/s, H100 SXM 495 of 989; MI300X's xf32 654 of 1307; the
-        datasheets of plan/cards.yaml), the fp32 rate on the others (NO_TF32) and on a CPU."""
-        return self.fp32_flops if self.key in NO_TF32 or self.key == "cpu" else max(self.fp32_flops,
-                                                                                     self.bf16_flops / 2)
+    def fp32_matmul_flops(self, tf32: bool) -> float:
+        """The peak rate of an fp32 matmul, in a run that allows TF32 where `tf32` (the run's rule is
+        `Workload.fp32_matmuls_tf32`): TF32 tensor cores at half the 16-bit rate on the cards that have them
+        (NVIDIA since Ampere: A100 156 of 312 TFLOP/s, H100 SXM 495 of 989; MI300X's xf32 654 of 1307; the
+        datasheets of plan/cards.yaml); the fp32 rate without TF32, on the others (NO_TF32) and on a CPU."""
+        if not tf32 or self.key in NO_TF32 or self.key == "cpu":
+            return self.fp32_flops
+        return max(self.fp32_flops, self.bf16_flops / 2)
 
     def peak(self, precision: str) -> float:
         """The FLOP rate a training step in `precision` reaches (its achievable fraction of the peak)."""

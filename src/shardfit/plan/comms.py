@@ -27,9 +27,9 @@ from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.dequant import quantized_linear_params
 from shardfit.plan.dispatch import GpuWork
-from shardfit.plan.estimate import trainable_params
+from shardfit.plan.estimate import nf4_linear_bytes, trainable_params
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.precision import compute_bytes
+from shardfit.plan.precision import compute_bytes, frozen_weight_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -59,28 +59,28 @@ def bus_bandwidth(card: Card, hw: Hardware) -> float:
 
 
 def param_bytes_16(shape: ModelShape, w: Workload) -> float:
-    """What FSDP2 all-gathers: the parameters in the compute dtype (QLoRA: the packed 4-bit data and scales of
-    the weights stored in 4 bits, plan/dequant.py `quantized_linear_params`)."""
-    p = shape.params()
-    if w.method == "qlora":
-        linear = quantized_linear_params(shape, w)
-        return linear * (0.5 + 0.127 / 8) + (p - linear) * compute_bytes(w)
-    return p * compute_bytes(w)
+    """What FSDP2 all-gathers: the parameters in the compute dtype (QLoRA: the weights stored in 4 bits as
+    stored, packed codes and block scales, plan/estimate.py `nf4_linear_bytes`, the memory's rule)."""
+    return _params_bytes(shape, w, compute_bytes(w))
 
 
 def param_bytes_stored(shape: ModelShape, w: Workload) -> float:
     """The parameters as their shards are stored (offload copies these): fp32 masters for a full fine-tune; under
-    QLoRA the packed 4-bit weights, and every other weight in its loaded dtype: fp32 where peft's
-    prepare_model_for_kbit_training upcast it (`frozen_fp32`: embeddings, norms, head, routers and the expert
-    stacks bitsandbytes leaves unquantized, plan/precision.py `dense_expert_bytes`). FSDP casts a shard to the
-    compute dtype after copying it to the GPU, so the copy moves the stored bytes (`param_bytes_16` is the
-    gather's)."""
+    QLoRA the 4-bit weights as stored (plan/estimate.py `nf4_linear_bytes`) and every other weight as stored
+    (plan/precision.py `frozen_weight_bytes`: fp32 where peft's prepare_model_for_kbit_training upcast it); every
+    weight of a LoRA or freeze run in the compute dtype (`param_bytes_16`). FSDP casts a shard to the compute
+    dtype after copying it to the GPU, so the copy moves the stored bytes (`param_bytes_16` is the gather's)."""
     if w.method == "full":
         return shape.params() * 4.0
     if w.method == "qlora":
-        linear = quantized_linear_params(shape, w)
-        return linear * (0.5 + 0.127 / 8) + (shape.params() - linear) * (4 if w.frozen_fp32 else compute_bytes(w))
+        return _params_bytes(shape, w, frozen_weight_bytes(w))
     return param_bytes_16(shape, w)
+
+
+def _params_bytes(shape: ModelShape, w: Workload, other: int) -> float:
+    """Every parameter, QLoRA's 4-bit weights as stored (`nf4_linear_bytes`) and the others at `other` bytes."""
+    linear = quantized_linear_params(shape, w) if w.method == "qlora" else 0
+    return nf4_linear_bytes(shape, w) + (shape.params() - linear) * other
 
 
 def param_tensors(shape: ModelShape) -> int:

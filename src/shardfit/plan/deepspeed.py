@@ -151,8 +151,9 @@ def as_deepspeed_runs(w: Workload) -> Workload:
     ZeRO-3's zero.Init the engine skips that cast, but the parameters were built partitioned in the config's 16-bit
     dtype and peft's upcast reaches only their empty placeholders; and transformers loads a quantized model without
     zero.Init (modeling_utils.py: `if not is_quantized`), so a QLoRA takes the cast at every stage. An fp32 run
-    keeps them as they are. The one rule DeepSpeed's memory (`estimate_deepspeed`) and a DeepSpeed job's
-    workload (foreign/read.py, which the time model reads) both follow."""
+    keeps them as they are. `w` itself where it has no `frozen_fp32` or is not 16-bit. The one rule DeepSpeed's
+    memory (`estimate_deepspeed`, which applies it) and a DeepSpeed job's workload (foreign/read.py, which the
+    time model reads) both follow."""
     if w.frozen_fp32 and compute_bytes(w) == 2:
         return replace(w, frozen_fp32=False)
     return w
@@ -207,9 +208,8 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
 
 
 def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> ZeroMemory:
-    """The model, its temporaries and the optimizer states one of `n` ranks holds under `z` (module docstring),
-    the weights as the engine casts them (`as_deepspeed_runs`)."""
-    w = as_deepspeed_runs(w)
+    """The model, its temporaries and the optimizer states one of `n` ranks holds under `z` (module docstring), for
+    `w` as the engine runs it (`estimate_deepspeed` casts it with `as_deepspeed_runs` first)."""
     low = compute_bytes(w)
     p, t = shape.params(), trainable_params(shape, w)
     full = w.method == "full"

@@ -195,17 +195,17 @@ def engine_host_s(shape: ModelShape, w: Workload, s: strategies.Strategy) -> flo
     return shape.layers * by_checkpointing(w, lambda ckpt: table[(kind, ckpt)])
 
 
-def host_sync_s(w: Workload, card: Card, shape: ModelShape | None = None, *, forward_only: bool = False,
+def host_sync_s(w: Workload, card: Card, shape: ModelShape, *, forward_only: bool = False,
                 strategy: str = "single") -> float:
     """The syncs term: seconds per micro-batch the device idles at the host's waits for it (`w.host_syncs`, and
-    with `shape` one per fp32 grouped matmul: `fp32_grouped_mm_calls`, its offsets read back; `forward_only`: a
+    one per fp32 grouped matmul of `shape`: `fp32_grouped_mm_calls`, its offsets read back; `forward_only`: a
     reference's forward's alone), each HOST_SYNC_S, which neither the GPU's work nor the host's launches overlap.
     The lower bound: a wait also stops the host from running ahead, so launches after it that it could have hidden
     behind earlier kernels are not hidden any more. 0 on a CPU (its host is the device) and on shardfit's path (no
     wait in a step, tests/test_host_syncs.py)."""
     if card.key == "cpu":
         return 0.0
-    fallback = 0.0 if shape is None else fp32_grouped_mm_calls(shape, w, strategy, forward_only=forward_only)
+    fallback = fp32_grouped_mm_calls(shape, w, strategy, forward_only=forward_only)
     return ((0.0 if forward_only else w.host_syncs) + fallback) * HOST_SYNC_S
 
 

@@ -44,8 +44,8 @@ from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
-    dense_expert_bytes,
     experts_stay_16bit,
+    frozen_weight_bytes,
     runs_autocast,
     stored_nf4,
     trainable_bytes,
@@ -143,14 +143,13 @@ def frozen_audio_params(shape: ModelShape, w: Workload) -> int:
 def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes for the whole model, before any sharding."""
     p, t = shape.params(), trainable_params(shape, w)
-    low = compute_bytes(w)
     if w.method == "full":
         # fp32 master weights, cast per layer on the fly by autocast/FSDP; or, pure 16-bit, the weights themselves
         weights = p * float(trainable_bytes(w))
     else:
         frozen = p - (t if w.method == "freeze" else 0)
         linear = shape.decoder_linear_params()
-        per_other = 4 if w.frozen_fp32 else low
+        per_other = frozen_weight_bytes(w)
         stored = shape.over_blocks(lambda moe: linear_weight_bytes(shape, w, moe))
         weights = stored + (frozen - linear) * per_other + t * trainable_bytes(w)
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
@@ -248,26 +247,44 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
     the QLoRA paper's double quantization, exactly as plan/quant.py lays it out; without `double_quant` an fp32
     scale per 64 weights) for each linear weight and each fused expert stack, except the router (never quantized)
     and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision, fp32
-    after peft's prepare_model_for_kbit_training (`frozen_fp32`, `dense_expert_bytes`); else the compute
+    after peft's prepare_model_for_kbit_training (`frozen_fp32`, `frozen_weight_bytes`); else the compute
     precision. Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per expert as it
     counts them."""
     low = compute_bytes(w)
-    per_layer = w.bnb_precision or w.method != "qlora"
-    rows = [(n, o, i) for n, i, o in shape.named_linears(moe)] if per_layer else shape.stored_weights(moe)
     keep16 = experts_stay_16bit(shape, w)
     total = 0.0
-    for name, r, c in rows:
+    for name, r, c in _stored_rows(shape, w, moe):
         expert = name.startswith("expert_")
         if experts_only and not expert:
             continue
-        nf4 = stored_nf4(name, shape, w)
         # peft's prepare_model_for_kbit_training (`frozen_fp32`) casts every 16-bit parameter that is not a
         # Params4bit to fp32 (peft/utils/other.py): the router, and the experts bitsandbytes left alone
         qlora = w.method == "qlora" and not w.bnb_precision
-        dense = dense_expert_bytes(w) if qlora and expert and keep16 else \
-            4 if qlora and name == "router" and w.frozen_fp32 else low
-        total += quant.weight_bytes(r, c, low, w.double_quant) if nf4 else r * c * dense
+        dense = frozen_weight_bytes(w) if qlora and (expert and keep16 or name == "router") else low
+        total += _nf4_bytes(r, c, w) if stored_nf4(name, shape, w) else r * c * dense
     return total
+
+
+def _stored_rows(shape: ModelShape, w: Workload, moe: bool | None) -> list[tuple[str, int, int]]:
+    """(name, rows, cols) of one block's linear weights as they are stored: one per linear layer (every expert's
+    own under Lightning's BitsandbytesPrecision, `bnb_precision`, and without QLoRA), else QLoRA's stored weights
+    (ModelShape.stored_weights: a fused expert stack as one)."""
+    if w.bnb_precision or w.method != "qlora":
+        return [(n, o, i) for n, i, o in shape.named_linears(moe)]
+    return shape.stored_weights(moe)
+
+
+def _nf4_bytes(rows: int, cols: int, w: Workload) -> int:
+    """One weight QLoRA stores in NF4, as stored (plan/quant.py `weight_bytes`, with or without `double_quant`)."""
+    return quant.weight_bytes(rows, cols, compute_bytes(w), w.double_quant)
+
+
+def nf4_linear_bytes(shape: ModelShape, w: Workload) -> float:
+    """The decoder's linear weights QLoRA stores in NF4 (plan/precision.py `stored_nf4`), as stored: the 4-bit
+    part of `stored_linear_bytes` over every block, what FSDP all-gathers and offload copies of them
+    (plan/comms.py); 0 without QLoRA."""
+    return shape.over_blocks(lambda moe: float(sum(_nf4_bytes(r, c, w) for n, r, c in _stored_rows(shape, w, moe)
+                                                   if stored_nf4(n, shape, w))))
 
 
 def nf4_weights(shape: ModelShape, w: Workload) -> list[tuple[str, int, int]]:
@@ -291,7 +308,7 @@ def quantized_head(shape: ModelShape, w: Workload) -> bool:
 
 def head_weight_bytes(shape: ModelShape, w: Workload) -> float:
     """The 4-bit LM head as stored (`quantized_head`)."""
-    return float(quant.weight_bytes(shape.vocab, shape.hidden, compute_bytes(w), w.double_quant))
+    return float(_nf4_bytes(shape.vocab, shape.hidden, w))
 
 
 def bnb_dequantize_bytes(numel: int, w: Workload) -> float:

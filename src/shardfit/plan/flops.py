@@ -298,7 +298,7 @@ def float8_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
 def fp32_expert_flops(shape: ModelShape, w: Workload, strategy: str = "single", *, forward_only: bool = False) -> float:
     """FLOPs per micro-batch of the routed experts' matmuls that run in fp32 in a 16-bit run (0 elsewhere): the
     stacks bitsandbytes leaves unquantized (`experts_stay_16bit`) where peft's prepare_model_for_kbit_training
-    upcast them (`dense_expert_bytes` 4). transformers' grouped experts cast their input to the weights' dtype
+    upcast them (`frozen_weight_bytes` 4). transformers' grouped experts cast their input to the weights' dtype
     (integrations/moe.py `_grouped_mm`, 5.x) and autocast does not cover grouped_mm, so the top-k experts' forward,
     its recomputation and the frozen weights' input gradient are fp32 matmuls, and so is the weight gradient of
     the stacks LoRA folds into (`folded_expert_flops_per_token`); `forward_only`: one forward (a reference's).
@@ -328,8 +328,7 @@ def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, strat
     flops = fp32_expert_flops(shape, w, strategy, forward_only=forward_only)
     if flops == 0.0:
         return 0.0
-    fp32 = card.fp32_matmul_flops() if w.fp32_matmuls_tf32 else card.dense_flops("fp32")
-    return flops / (fp32 * eff) - flops / (card.dense_flops(w.precision) * eff)
+    return flops / (card.fp32_matmul_flops(w.fp32_matmuls_tf32) * eff) - flops / (card.dense_flops(w.precision) * eff)
 
 
 def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, strategy: str = "single", *,

@@ -76,7 +76,7 @@ from shardfit.plan.estimate import (
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.plan import TIE, Plan, recommend
-from shardfit.plan.precision import compute_bytes, trainable_bytes
+from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload, workload_of
@@ -199,7 +199,7 @@ def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False) 
     an 8-bit AdamW, plan/estimate.py `fp32_state_embedding`, as the stage's estimate counted it), frozen ones as
     stored."""
     if not trained:
-        return params * (4 if w.frozen_fp32 else compute_bytes(w)) / GIB, 0.0, 0.0
+        return params * frozen_weight_bytes(w) / GIB, 0.0, 0.0
     t = trainable_bytes(w)
     states = full_width_state_bytes(w) if embedding and fp32_state_embedding(w) else optimizer_state_bytes(w)
     return params * t / GIB, params * t / GIB, params * states / GIB

@@ -86,7 +86,7 @@ def linear_output_bytes(w: Workload, strategy: str) -> int:
 
 def experts_stay_16bit(shape: ModelShape, w: Workload) -> bool:
     """Whether bitsandbytes QLoRA leaves a mixture's routed experts unquantized, in the dtype they are loaded in
-    (fp32 after prepare_model_for_kbit_training: `dense_expert_bytes`): transformers' 4-bit loading replaces only
+    (fp32 after prepare_model_for_kbit_training: `frozen_weight_bytes`): transformers' 4-bit loading replaces only
     nn.Linear and Conv1D modules (integrations/bitsandbytes.py `replace_with_bnb_linear`, 5.23), so fused 3-D
     expert stacks (`Workload.fused_experts`, ModelShape.experts_always_fused) stay as they are (a real load of a
     Mixtral: q_proj a Params4bit, `experts.gate_up_proj` a bf16 Parameter), and the grouped experts compute in
@@ -100,19 +100,21 @@ def experts_stay_16bit(shape: ModelShape, w: Workload) -> bool:
             and (w.fused_experts or shape.experts_always_fused))
 
 
-def dense_expert_bytes(w: Workload) -> int:
-    """Bytes per element of the expert stacks bitsandbytes leaves unquantized (`experts_stay_16bit`): fp32 where
+def frozen_weight_bytes(w: Workload) -> int:
+    """Bytes per element of a frozen weight outside the 4-bit ones, as stored: the embeddings, norms and head, a
+    mixture's router and the expert stacks bitsandbytes leaves unquantized (`experts_stay_16bit`). fp32 where
     peft's prepare_model_for_kbit_training upcasts every weight that is not 4-bit (`frozen_fp32`), else the 16-bit
-    loading dtype."""
+    loading dtype. The one rule of the memory (plan/estimate.py), the pipeline's stages (plan/pipeline.py) and
+    offload's copies (plan/comms.py `param_bytes_stored`)."""
     return 4 if w.frozen_fp32 else compute_bytes(w)
 
 
 def expert_matmul_bytes(w: Workload, strategy: str) -> int:
     """Bytes per element the grouped matmuls of bitsandbytes' unquantized expert stacks (`experts_stay_16bit`) run
-    and keep their tensors in: the stored dtype (`dense_expert_bytes`), except where the engine hands the step
+    and keep their tensors in: the stored dtype (`frozen_weight_bytes`), except where the engine hands the step
     16-bit copies of the parameters (`engine_casts_params`: FSDP, DeepSpeed), whose matmul gets the compute dtype
     whatever peft upcast (measured on FSDP2 over the CPU: `_grouped_mm` in bf16)."""
-    return compute_bytes(w) if engine_casts_params(strategy) else dense_expert_bytes(w)
+    return compute_bytes(w) if engine_casts_params(strategy) else frozen_weight_bytes(w)
 
 
 def experts_run_fp32(shape: ModelShape, w: Workload, strategy: str) -> bool:
@@ -124,12 +126,13 @@ def experts_run_fp32(shape: ModelShape, w: Workload, strategy: str) -> bool:
 
 
 def stored_nf4(name: str, shape: ModelShape, w: Workload) -> bool:
-    """Whether QLoRA stores the block's weight `name` (ModelShape.named_linears, stored_weights) in NF4: the one
-    rule the memory side (plan/estimate.py `stored_linear_bytes`, `nf4_weights`) and the time side
-    (plan/dequant.py) read. Every linear weight and fused expert stack, except the router (an nn.Parameter in
+    """Whether the block's weight `name` (ModelShape.named_linears, stored_weights) is stored in NF4: the one
+    rule the memory (plan/estimate.py `stored_linear_bytes`, `nf4_linear_bytes`, `nf4_weights`), the gathers and
+    offload copies (plan/comms.py) and the dequantization's time (plan/dequant.py) read. False without QLoRA.
+    Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, litgpt's router among them (an
+    nn.Linear there); else every linear weight and fused expert stack except the router (an nn.Parameter in
     every mixture of transformers 5, Qwen3MoeTopKRouter to DeepseekV3TopkRouter, which no 4-bit loading replaces)
-    and the expert stacks bitsandbytes leaves alone (`experts_stay_16bit`); under Lightning's BitsandbytesPrecision
-    (`bnb_precision`) every linear layer, litgpt's router among them (an nn.Linear there)."""
+    and the expert stacks bitsandbytes leaves alone (`experts_stay_16bit`)."""
     if w.method != "qlora":
         return False
     if w.bnb_precision:

@@ -159,15 +159,15 @@ def head_gradient_flops(shape: ModelShape, w: Workload) -> float:
 def head_gradient_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> float:
     """The head-gradient term: seconds per micro-batch the head's weight gradient takes beyond what the 16-bit
     matmul rate (at efficiency `eff`) counted for it, where it is an fp32 matmul (`head_gradient_flops`): at the
-    card's fp32 matmul rate (TF32 where the card has it: shardfit sets TF32 for a 16-bit GPU run,
-    parallel/env.py `fast_fp32_matmuls`; the fp32 rate on cards without, and on a CPU, where it can also be the
-    faster one). Before the 16-bit kernel this matmul made a Qwen2.5-0.5B full fine-tune's step 23-46 % longer on
-    an H100 without TF32 (issue 45's study)."""
+    card's fp32 matmul rate, TF32 as the run sets it (`Workload.fp32_matmuls_tf32`: on in shardfit's 16-bit GPU
+    runs, whose loss this matmul is) where the card has it; the fp32 rate on cards without, and on a CPU, where
+    it can also be the faster one). Before the 16-bit kernel this matmul made a Qwen2.5-0.5B full fine-tune's
+    step 23-46 % longer on an H100 without TF32 (issue 45's study)."""
     widened = card.key != "cpu" and not w.head_grad_fp32
     flops = 0.0 if widened else head_gradient_flops(shape, w)
     if flops == 0.0:
         return 0.0
-    return flops / (card.fp32_matmul_flops() * eff) - flops / (card.dense_flops(w.precision) * eff)
+    return flops / (card.fp32_matmul_flops(w.fp32_matmuls_tf32) * eff) - flops / (card.dense_flops(w.precision) * eff)
 
 
 def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:

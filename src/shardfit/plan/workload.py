@@ -232,9 +232,15 @@ class Workload:
 
     @property
     def fp32_matmuls_tf32(self) -> bool:
-        """Whether the run's fp32 matmuls use TF32: the job's `tf32` where it gives one, else on under
-        `torch_compile` unless fp16 alone is on (transformers' training_args.py `__post_init__`, its TF32 step:
-        `tf32 is None and not fp16 or bf16` enables it for a compiled run, an explicit `tf32` then wins)."""
+        """Whether the run's fp32 matmuls use TF32 (where the card has it: plan/cards.py `fp32_matmul_flops`), the
+        one rule of every fp32 matmul the step time counts. In shardfit's trainer, which sets it for every 16-bit
+        run (parallel/env.py `fast_fp32_matmuls`): the run whose loss computes the head's gradient as an fp32
+        matmul (`head_grad_fp32`, shardfit's own loss). Else as the HF Trainer sets it: the job's `tf32` where it
+        gives one, else on under `torch_compile` unless fp16 alone is on (transformers' training_args.py
+        `__post_init__`, its TF32 step: `tf32 is None and not fp16 or bf16` enables it for a compiled run, an
+        explicit `tf32` then wins)."""
+        if self.head_grad_fp32 and self.precision in ("bf16", "fp16"):
+            return True
         return self.tf32 if self.tf32 is not None else self.compile and self.precision != "fp16"
 
     @property
