@@ -295,3 +295,24 @@ def test_one_experts_modules_peft_does_not_move_match_nothing(tmp_path: Path, mo
         _lf(tmp_path, model, "experts.0.gate_proj,experts.0.up_proj", transformers="5.0.0")
     job = _lf(tmp_path, model, "q_proj,experts.0.gate_proj", transformers="5.0.0")
     assert job.workload.lora_targets == ("q",)
+
+
+@pytest.mark.parametrize(("model", "kind"), [("THUDM/chatglm3-6b", "chatglm"), ("baichuan-inc/Baichuan2-7B-Base",
+                                              "baichuan"), ("deepseek-ai/deepseek-llm-7b-base", "llama")])
+def test_compact_catalog_entries_have_their_config_model_type(model: str, kind: str) -> None:
+    """The compact catalog form carries no model_type, so peft's default targets (looked up by it) come from the
+    hub id: ChatGLM3's config.json says chatglm (peft: query_key_value), Baichuan2's baichuan (no peft default:
+    peft raises, the plan exits 2), deepseek-llm's llama (q_proj, v_proj)."""
+    from shardfit.foreign.job import ForeignJob
+    from shardfit.foreign.targets import model_type_of, plan_peft_default
+    from shardfit.plan.workload import Workload
+
+    shape = resolve_shape(model)
+    assert model_type_of(model, shape) == kind
+    job = ForeignJob(tool="hf", source="run.sh", model=model, workload=Workload(method="lora", lora_rank=8))
+    if kind == "baichuan":
+        with pytest.raises(UserError, match="baichuan"):
+            plan_peft_default(job, "--use_peft", shape, "5.23.0")
+    else:
+        assert plan_peft_default(job, "--use_peft", shape, "5.23.0")[1] == \
+            (["query_key_value"] if kind == "chatglm" else ["q_proj", "v_proj"])

@@ -475,7 +475,8 @@ PEFT_DEFAULT_TARGETS = {
 _CATALOG_TYPES = ((r"(meta-)?llama-[23]|.*tinyllama|.*smollm2|yi-", "llama"),
                   (r"qwen(1\.5|2|2\.5)(-coder)?-\d", "qwen2"), (r"qwen3-\d", "qwen3"), (r"qwen-\d", "qwen"),
                   (r"qwen2-vl", "qwen2_vl"), (r"qwen2\.5-vl", "qwen2_5_vl"), (r"qwen2\.5-omni", "qwen2_5_omni"),
-                  (r"glm-4-9b", "chatglm"), (r"mistral-", "mistral"), (r"gemma-2-", "gemma2"),
+                  (r"glm-4-9b|chatglm3-", "chatglm"), (r"baichuan2-", "baichuan"), (r"deepseek-llm-", "llama"),
+                  (r"mistral-", "mistral"), (r"gemma-2-", "gemma2"),
                   (r"gemma-\d+b", "gemma"), (r"gemma-3-1b", "gemma3_text"), (r"phi-3", "phi3"))
 
 
