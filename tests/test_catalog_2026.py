@@ -52,6 +52,9 @@ TWINS = {
     "Qwen/Qwen2.5-Coder-3B-Instruct": "Qwen/Qwen2.5-3B-Instruct",
     "Qwen/Qwen2.5-Coder-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct",
     "01-ai/Yi-1.5-34B": "01-ai/Yi-34B",
+    "baichuan-inc/Baichuan2-7B-Chat": "baichuan-inc/Baichuan2-7B-Base",
+    "THUDM/chatglm2-6b": "THUDM/chatglm3-6b",
+    "deepseek-ai/deepseek-math-7b-base": "deepseek-ai/deepseek-llm-7b-base",
 }
 # Cards whose total is written to the billion and is more than 1 % from the count: checked at the card's precision
 # only (Mistral-Nemo's "12B" is 12.25B, Yi-1.5-34B's "34B" 34.39B; the small Qwen3.5 cards' "0.8B", "2B", "4B" are
