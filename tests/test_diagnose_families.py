@@ -145,7 +145,7 @@ TORCHRUN = "torchrun --nproc_per_node 2 train.py"
 
 # each cut frame with the setting its cause needs shown in the paste (a launch of several processes, ZeRO-3, a
 # device_map, LoRA)
-@pytest.mark.parametrize(("setting", "frames", "first"), [
+CUT_IN_LIBRARY = [
     (TORCHRUN + " --deepspeed ds_z2.json",
      [(SITE + "deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ready_partitions_and_remove_grads",
        "self.reduce_independent_p_g_buckets_and_remove_grads(param, i)")], "gc_ddp_reentrant"),
@@ -167,7 +167,10 @@ TORCHRUN = "torchrun --nproc_per_node 2 train.py"
      "shm_too_small"),
     (TORCHRUN, [(SITE + "torch/nn/parallel/distributed.py", "_pre_forward",
                  "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():")], "ddp_unused_parameters"),
-])
+]
+
+
+@pytest.mark.parametrize(("setting", "frames", "first"), CUT_IN_LIBRARY)
 def test_a_traceback_cut_in_a_library_ranks_the_causes_of_its_last_frames(setting: str, frames: list,
                                                                            first: str) -> None:
     log = setting + "\n" + _frames(("/work/proj/train.py", "main", "trainer.train()"), *frames)
@@ -226,6 +229,52 @@ def test_a_complete_traceback_is_not_cut() -> None:
     log = _frames((SITE + "torch/distributed/distributed_c10d.py", "barrier", "work = default_pg.barrier()"))
     p = parse(log + "\nKeyError: 'input_ids'")
     assert not p.cut_frames and "tb_cut" not in p.facts
+
+
+# -- the same tracebacks as IPython / Jupyter print them ---------------------------------------------------------------
+
+def _ipython(*frames: tuple[str, str, str], old: bool = False, exc: str = "ValueError") -> str:
+    """A notebook's traceback cut after its last frame's source excerpt: IPython 8 ("File path:N, in Class.f(...)",
+    the home folder as ~) or IPython 7 ("path in f(...)"), five context lines around the arrowed line."""
+    out = ["-" * 75, f"{exc}{' ' * 32}Traceback (most recent call last)"]
+    out += ["<ipython-input-3-9f2c1e> in <module>", "----> 1 trainer.train()"] if old else \
+        ["Cell In[3], line 1", "----> 1 trainer.train()"]
+    for path, func, src in frames:
+        out.append("")
+        if old:
+            out.append(f"{path} in {func}(self, *args, **kwargs)")
+        else:
+            out.append(f"File {path.replace('/home/me', '~')}:412, in Owner.{func}(self, *args, **kwargs)")
+        out += ["    410     if self.debug:", "    411         log(args)", f"--> 412     {src}", "    413 ",
+                "    414     return out"]
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("old", [False, True])
+@pytest.mark.parametrize(("setting", "frames", "first"), CUT_IN_LIBRARY)
+def test_a_notebooks_traceback_cut_in_a_library_ranks_as_a_terminals(setting: str, frames: list, first: str,
+                                                                      old: bool) -> None:
+    log = setting + "\n" + _ipython(*frames, old=old)
+    assert _likely(log)[0] == first
+    p = parse(log)
+    # the frame's arrowed line is its source; the header's type stands for the message the paste cuts
+    assert p.cut_frames and p.cut_frames[-1].endswith("\n" + frames[-1][2]), p.cut_frames
+    assert str(p.exception) == "ValueError"
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_a_notebooks_traceback_cut_in_the_users_code_or_a_pass_through_frame_is_unanswered(old: bool) -> None:
+    _none(_ipython(("/work/proj/train.py", "main", "loss = model(batch)"), old=old))
+    _none(_ipython((SITE + "torch/utils/data/dataloader.py", "_next_data", "return self._process_data(data)"),
+                   old=old))
+    for setting, frames in CUT_NO_SETTING:
+        _none(setting + "\n" + _ipython(*frames, old=old))
+
+
+def test_a_notebooks_complete_traceback_keeps_its_message_and_is_not_cut() -> None:
+    log = _ipython((C10D, "barrier", "work = default_pg.barrier()")) + "\n\nKeyError: 'input_ids'"
+    p = parse(log)
+    assert not p.cut_frames and str(p.exception) == "KeyError: 'input_ids'"
 
 
 

@@ -384,6 +384,33 @@ def test_a_multi_gpu_run_that_stops_at_its_start() -> None:
         "library_version_regression"]
 
 
+def test_a_bare_symptom_names_the_causes_of_its_setting_with_the_checks_that_tell_them_apart() -> None:
+    """An issue title with no log: never confident, the causes of that symptom ranked, each with its own check."""
+    # tqdm reads 0% until the first step ends: a start hang (P2P, or a rank that has not reached the first step)
+    for title in ("Training hangs at 0%", "stuck at 0%|          | 0/1000 with 2 GPUs"):
+        a = analyze(title)
+        assert a.answer == "likely" and all(x.confidence < 0.8 for x in a.likely)
+        assert [x.category for x in a.likely][:2] == ["nccl_p2p_hang", "nccl_timeout_preprocessing"], _cats(title)
+        assert "NCCL_P2P_DISABLE" in a.likely[0].check and "py-spy dump" in a.likely[1].check
+    assert "sym_start_hang" not in _facts("stuck at 50% of the epoch") | _facts("hangs at 10%")
+    # out of memory on several GPUs where one fits: what the wrapper adds per GPU, ranks sharing GPU 0, activations
+    # (the same per GPU whatever the count) last
+    for title in ("OOM with 8 GPUs but not 1", "Out of memory on 4 GPUs while 1 GPU works"):
+        a = analyze(title)
+        assert a.answer == "likely", _cats(title)
+        assert [x.category for x in a.likely] == ["oom_full_replica_per_rank", "more_ranks_than_gpus",
+                                                  "oom_activation_not_sharded"], _cats(title)
+        assert "gradient buckets" in a.likely[0].check and "cuda:0" in a.likely[1].check
+    # torch's own message is a signature of activations: the three stay, the full replica first
+    cats = _cats("CUDA out of memory on 4 GPUs while 1 GPU works")
+    assert cats[0] == "oom_full_replica_per_rank" and "more_ranks_than_gpus" in cats, cats
+    # one process started with python: DataParallel gathers on GPU 0
+    assert _cats("python train.py: CUDA out of memory with 2 GPUs but not with 1")[0] == "dataparallel_accidental"
+    # a plain OOM keeps the activations above ranks sharing a GPU
+    assert set(_cats("CUDA out of memory")[:2]) == {"oom_full_replica_per_rank", "oom_activation_not_sharded"}
+    assert _cats("loss is nan on fp16")[:1] == ["fp16_nan_loss"]
+
+
 def test_exit_9_and_memory_pressure_in_the_reporters_words() -> None:
     assert _cats("the job dies with exit -9, no traceback")[:1] == ["host_ram_oom"]
     assert _cats("training exited with code -9 after an hour")[:1] == ["host_ram_oom"]

@@ -289,6 +289,7 @@ class Exc:
     type: str
     message: str
     line: int
+    header: bool = False  # read from IPython's traceback header, which names the type only
 
     def __str__(self) -> str:
         return f"{self.type}: {self.message}" if self.message else self.type
@@ -461,10 +462,18 @@ def squash(text: str) -> str:
     return re.sub(r"[\s`'\"\u2018\u2019\u201c\u201d]+", "", text).lower()
 
 
+# IPython's (and Jupyter's) traceback opens with the exception's type beside the banner, the message only at its end
+_IPY_HEADER = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z][A-Za-z0-9_]*(?:Error|Exception|Exit|Failure|Interrupt)|Exception|"
+                         r"StopIteration|KeyboardInterrupt) Traceback \(most recent call last\)$")
+
+
 def _exceptions(lines: list[str]) -> list[Exc]:
     found: list[Exc] = []
     seen: set[str] = set()
     for i, line in enumerate(lines):
+        if h := _IPY_HEADER.match(line):
+            found.append(Exc(h.group(1), "", i, header=True))
+            continue
         m = _EXC.match(line)
         if not m or line.startswith(("raise ", "File ")):
             continue
@@ -507,7 +516,10 @@ def _embedded_exceptions(lines: list[str]) -> list[Exc]:
 
 
 def _primary(excs: list[Exc]) -> Exc | None:
-    """The exception that explains the failure: the last one that is neither a warning nor a launcher wrapper."""
+    """The exception that explains the failure: the last one that is neither a warning nor a launcher wrapper; the
+    type of an IPython traceback's header only when no line of the paste states an exception of its own."""
+    stated = [e for e in excs if not e.header]
+    excs = stated if any(not e.type.endswith("Warning") for e in stated) else excs
     for pred in (lambda e: e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning"),
                  lambda e: not e.type.endswith("Warning"), lambda e: True):
         cands = [e for e in excs if pred(e)]
@@ -523,12 +535,19 @@ def _frames(text: str) -> list[str]:
             f = m.group("file").replace("\\", "/")
             parts = re.split(r"(?:site|dist)-packages/", f)
             f = parts[-1] if len(parts) > 1 else "/".join(f.split("/")[-3:])
-            frames.append(f"{f}:{m.group('func')}")
+            # IPython names a method by its qualified name (Accelerator.prepare_model), python by its own name
+            frames.append(f"{f}:{m.group('func').rsplit('.', 1)[-1]}")
     return frames
 
 
 _CARETS = re.compile(r"[\^~\s]+")  # python 3.11's markers under a frame's source line
 CUT_TAIL_LINES = 2  # after a cut traceback's last frame: its source line and, at most, one more
+# IPython / Jupyter print each frame as a header ("File ~/.../x.py:171, in f(args)", or "/.../x.py in f(args)" before
+# IPython 8) over a numbered excerpt of its source, the running line marked by an arrow ("--> 171 ..."); the excerpt
+# holds IPython's context lines (five by default, more with %xmode), so a cut after it ends further from its frame
+_IPY_SOURCE = re.compile(r"^(?:-*>\s?)?\d{1,6}(?: |$)")
+_IPY_ARROW = re.compile(r"^-*>\s?\d{1,6}(?: (.*)|$)")
+IPY_CONTEXT_LINES = 12
 
 
 def _cut_frames(p: Parsed) -> list[str]:
@@ -539,10 +558,10 @@ def _cut_frames(p: Parsed) -> list[str]:
     its source line ("file.py:func\nsource"), where the paste shows it: what the frame was calling when the paste
     ends (DDP's __init__ in its first collective, init_process_group in its rendezvous) tells a frame of a cause's
     own mechanism from one every error of that call passes through."""
-    last = next((i for i in range(len(p.lines) - 1, max(-1, len(p.lines) - 2 - CUT_TAIL_LINES), -1)
-                 if ".py" in p.lines[i] and _frame(p.lines[i])), None)
+    last = _last_cut_frame(p.lines)
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
-    if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") for e in p.exceptions):
+    if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") and not e.header
+                           for e in p.exceptions):
         return []
     if any(_EXC.match(x) or _END_NOT_EXC.search(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x))
            for x in p.lines[last + 1:]):
@@ -550,8 +569,30 @@ def _cut_frames(p: Parsed) -> list[str]:
     # cut in the user's own code, the frames above it name only what the user called, not where it failed
     if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
         return []
-    source = next((x.strip() for x in p.lines[last + 1:] if x.strip() and not _CARETS.fullmatch(x)), "")
+    source = _cut_source(p.lines[last + 1:])
     return [f"{f}\n{source}" if source else f for f in _frames(p.lines[last])]
+
+
+def _last_cut_frame(lines: list[str]) -> int | None:
+    """The index of the frame a paste ends in: among its last CUT_TAIL_LINES + 1 lines, or (IPython's layout) the
+    frame just above the numbered source excerpt the paste ends with; None when the paste ends elsewhere."""
+    end = len(lines)
+    while end > 0 and len(lines) - end < IPY_CONTEXT_LINES and _IPY_SOURCE.match(lines[end - 1]):
+        end -= 1
+    if end < len(lines) and end > 0 and ".py" in lines[end - 1] and _frame(lines[end - 1]):
+        return end - 1  # an IPython excerpt under its frame's header
+    return next((i for i in range(len(lines) - 1, max(-1, len(lines) - 2 - CUT_TAIL_LINES), -1)
+                 if ".py" in lines[i] and _frame(lines[i])), None)
+
+
+def _cut_source(after: list[str]) -> str:
+    """The source line of a cut traceback's last frame: IPython's arrowed line (the one running), else the first
+    line under the frame that is not python's carets, without IPython's line number."""
+    for x in after:
+        if m := _IPY_ARROW.match(x):
+            return (m.group(1) or "").strip()
+    first = next((x.strip() for x in after if x.strip() and not _CARETS.fullmatch(x)), "")
+    return _IPY_SOURCE.sub("", first, count=1).strip() if _IPY_SOURCE.match(first) else first
 
 
 def _frame(line: str) -> re.Match[str] | None:

@@ -29,7 +29,9 @@ _FACTS = ("zero3", "fsdp", "deepspeed", "offload", "lora", "quant", "fp16", "bf1
 def tokens(p: Parsed) -> list[str]:
     """The words that characterise a parsed error (what similar reports are matched on)."""
     out: list[str] = []
-    for e in p.exceptions[-4:]:
+    # IPython's header names the type its last line states again: a type counts once unless no line states it
+    stated = [e for e in p.exceptions if not e.header]
+    for e in (stated or p.exceptions)[-4:]:
         out.append("exc:" + e.type.lower())
         out += [w for w in _WORD.findall(e.message.lower()) if w not in _STOP]
     out += ["fn:" + f.rsplit(":", 1)[-1].lower() for f in p.frames[-12:]]
