@@ -20,7 +20,7 @@ from shardfit.plan.comms import param_bytes_16, param_bytes_stored
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses, experts_hit
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S, host_dispatch_s
 from shardfit.plan.flops import (
-    folded_expert_flops_per_token,
+    expert_weight_grad_flops_per_token,
     fp32_expert_flops,
     lora_flops_per_token,
     step_flops_per_token,
@@ -217,7 +217,7 @@ def test_lora_on_fused_experts_adds_their_weight_gradient(model: str) -> None:
     step = (step_flops_per_token(shape, UPCAST) - step_flops_per_token(shape, bare)) * BNB.tokens
     assert step == pytest.approx(4 * shape.layers * lora + routed, rel=1e-9)  # forward, recompute, 2 in backward
     old = dataclasses.replace(UPCAST, fused_experts=False, frozen_fp32=False)
-    assert folded_expert_flops_per_token(shape, old) == 0.0
+    assert expert_weight_grad_flops_per_token(shape, old) == 0.0
 
 
 @pytest.mark.parametrize("model", MIXTURES)

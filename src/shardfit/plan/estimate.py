@@ -41,10 +41,12 @@ from shardfit.plan.activations import (
 )
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
+from shardfit.plan.flops import compiled_expert_fallback, expert_weight_grad_stacks
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
     dense_expert_bytes,
+    expert_matmul_bytes,
     experts_stay_16bit,
     runs_autocast,
     stored_nf4,
@@ -341,6 +343,18 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
     return float(held + tokens * i * grad_input)
 
 
+def expert_weight_grad_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """The largest routed expert stack's weight gradient, which the backward of the compiled fallback makes
+    whole while the block's saved tensors are still alive (`compiled_expert_fallback`: `zeros_like(weight)`,
+    transformers 5.23 integrations/moe.py l.247), in the dtype the stack's matmul runs in; autograd drops it for
+    a frozen stack once the op returns. 0 elsewhere."""
+    if not compiled_expert_fallback(shape, w, strategy):
+        return 0.0
+    names = expert_weight_grad_stacks(shape, w, strategy)
+    largest = max((i * o for n, i, o in shape.named_linears(True) if n in names), default=0)
+    return float(shape.experts * largest * expert_matmul_bytes(w, strategy))
+
+
 def bnb_dequantized_bytes(w: Workload, strategy: str = "single") -> int:
     """Bytes per element one bitsandbytes Linear4bit holds in backward while it multiplies the incoming gradient by
     its dequantized weight: MatMul4Bit.backward (bitsandbytes/autograd/_functions.py, 0.42 to 0.50) computes
@@ -576,7 +590,9 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
-    bwd_temp = r.bwd_temp + dequantize_bytes(shape, w, strategy)
+    # The fp32 expert stacks' weight gradient the compiled fallback makes comes at another moment of the block's
+    # backward than its linears' dequantization: the larger of the two.
+    bwd_temp = r.bwd_temp + max(dequantize_bytes(shape, w, strategy), expert_weight_grad_bytes(shape, w, strategy))
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
