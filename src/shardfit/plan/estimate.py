@@ -190,8 +190,11 @@ def fp32_state_embedding(w: Workload) -> bool:
     tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`), whose Trainer.create_optimizer registers every nn.Embedding
     of the model for 32-bit states (GlobalOptimManager's `register_module_override` with `optim_bits` 32): a full
     fine-tune's embedding, and peft's trained copy of it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an
-    nn.Embedding too). The untied head is an nn.Linear: 8-bit states."""
-    if w.optimizer != "adamw8bit" or not w.bnb_optimizer:
+    nn.Embedding too). The untied head is an nn.Linear: 8-bit states. Not with FSDP1's flat parameters
+    (`flat_params`): the override is keyed by the embedding's own parameter, which no flat parameter is
+    (`fp32_state_params`); the one rule the estimate and a pipeline stage's parts (plan/pipeline.py `_part_gib`)
+    read."""
+    if w.optimizer != "adamw8bit" or not w.bnb_optimizer or w.flat_params:
         return False
     return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
 
