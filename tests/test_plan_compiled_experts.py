@@ -62,3 +62,33 @@ def test_the_compiled_fallback_s_step_is_slower_and_holds_a_stack_s_gradient() -
     assert eager_temps < 0.1  # the residual stream's gradient and one attention weight's dequantization
     assert c.per_gpu_gib.temporaries - eager_temps == pytest.approx(stack / GIB, abs=0.05)
     assert expert_weight_grad_stacks(QWEN3_MOE, COMPILED, "zero3") == ()
+
+
+def test_a_folded_stack_s_backward_makes_the_merged_stack_s_gradient() -> None:
+    """LoRA folded into a fused expert stack (peft's `_LoraFactorsProxy.forward`: `baddbmm(W, lhs, rhs)`), eager
+    too: the grouped matmul's backward returns the merged stack's whole gradient, in its dtype, before the baddbmm
+    turns it into A's and B's (seen here on torch's CPU grouped_mm). Qwen3-30B-A3B bf16 LoRA on every expert
+    stack on one H200: the backward holds the gate/up stack's bf16 gradient (0.75 GiB) beside the block's
+    tensors; with the experts not adapted, none (review s65, noticed and confirmed)."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    experts, width_in, width_out, rank = 4, 16, 32, 2
+    frozen = torch.randn(experts, width_in, width_out)
+    lhs = torch.randn(experts, width_in, rank, requires_grad=True)
+    rhs = torch.zeros(experts, rank, width_out, requires_grad=True)
+    merged = torch.baddbmm(frozen, lhs, rhs, alpha=2.0)
+    seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+    merged.register_hook(lambda g: seen.append((tuple(g.shape), g.dtype)))
+    x = torch.randn(12, width_in, requires_grad=True)
+    out = F.grouped_mm(x, merged, offs=torch.tensor([3, 6, 9, 12], dtype=torch.int32))
+    out.backward(torch.randn_like(out))
+    assert seen == [((experts, width_in, width_out), torch.float32)]
+
+    lora = Workload(method="lora", precision="bf16", seq_len=2048, micro_batch=1, grad_ckpt="full")
+    attention_only = dataclasses.replace(lora, lora_experts=False, lora_targets=("q", "k", "v", "o"))
+    assert set(expert_weight_grad_stacks(QWEN3_MOE, lora)) == {"expert_gate_up", "expert_down"}
+    stack = QWEN3_MOE.experts * QWEN3_MOE.hidden * 2 * QWEN3_MOE.expert_width * 2
+    folded, plain = estimate(QWEN3_MOE, lora, H200, "single"), estimate(QWEN3_MOE, attention_only, H200, "single")
+    assert folded.peak_phase == plain.peak_phase == "backward"
+    assert folded.per_gpu_gib.temporaries - plain.per_gpu_gib.temporaries == pytest.approx(stack / GIB, rel=1e-6)

@@ -41,7 +41,7 @@ from shardfit.plan.activations import (
 )
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
-from shardfit.plan.flops import compiled_expert_fallback, expert_weight_grad_stacks
+from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
@@ -347,15 +347,22 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
 
 
 def expert_weight_grad_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
-    """The largest routed expert stack's weight gradient, which the backward of the compiled fallback makes
-    whole while the block's saved tensors are still alive (`compiled_expert_fallback`: `zeros_like(weight)`,
-    transformers 5.23 integrations/moe.py l.247), in the dtype the stack's matmul runs in; autograd drops it for
-    a frozen stack once the op returns. 0 elsewhere."""
-    if not compiled_expert_fallback(shape, w, strategy):
-        return 0.0
+    """The largest routed expert stack's weight gradient, made whole in the block's backward while its saved
+    tensors are still alive, for the stacks that compute one (`expert_weight_grad_stacks`), in the dtype their
+    matmul runs in: LoRA folded into a stack (peft's `_LoraFactorsProxy`: `baddbmm(W, lhs, rhs)` requires grad, so
+    the grouped matmul's backward returns the merged stack's full gradient before the baddbmm's backward turns it
+    into A's and B's; a hook on a CPU grouped_mm over a merged stack sees the stack's shape and dtype), and the
+    compiled fallback's `zeros_like(weight)` (transformers 5.23 integrations/moe.py l.247), dropped for a frozen
+    stack once the op returns. Under expert parallelism a rank's stacks hold its 1/N of the experts. 0 where no
+    stack computes one."""
     names = expert_weight_grad_stacks(shape, w, strategy)
-    largest = max((i * o for n, i, o in shape.named_linears(True) if n in names), default=0)
-    return float(shape.experts * largest * expert_matmul_bytes(w, strategy))
+    if not names:
+        return 0.0
+    largest = max(i * o for n, i, o in shape.named_linears(True) if n in names)
+    stored = expert_matmul_bytes(w, strategy) if experts_stay_16bit(shape, w) else compute_bytes(w)
+    s = strategies.get(strategy)
+    local = shape.experts // (w.expert_parallel if experts.applies(w, shape, s.engine, s.offload) else 1)
+    return float(local * largest * stored)
 
 
 def bnb_dequantized_bytes(w: Workload, strategy: str = "single") -> int:
@@ -593,8 +600,8 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
-    # The fp32 expert stacks' weight gradient the compiled fallback makes comes at another moment of the block's
-    # backward than its linears' dequantization: the larger of the two.
+    # An expert stack's weight gradient comes at another moment of the block's backward than its linears'
+    # dequantization: the larger of the two.
     bwd_temp = r.bwd_temp + max(dequantize_bytes(shape, w, strategy), expert_weight_grad_bytes(shape, w, strategy))
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
