@@ -28,11 +28,17 @@ NAMES = [s.name for s in strategies.TABLE]
 
 @pytest.mark.parametrize("strategy", NAMES)
 def test_shardfit_s_launches_follow_the_memory_model_s_autocast(strategy: str) -> None:
-    """Every strategy: shardfit's own host launches autocast's casts exactly where the memory model has autocast
-    run; a bf16 LoRA under its zero3 launches fewer kernels than under ddp (FSDP2 casts the parameters), a tool's
-    job under FSDP as many as under ddp (accelerate and Lightning autocast there)."""
-    for w in (OWN, dataclasses.replace(OWN, method="full"), dataclasses.replace(OWN, adapters_16bit=True)):
-        assert autocast_launches(w, strategy) == runs_autocast(w, strategy)
+    """Every strategy: shardfit's own host launches autocast's casts exactly where its runner autocasts (the job
+    resolve_job makes of fp32 or bf16 adapters and of a full fine-tune); a bf16 LoRA under its zero3 launches
+    fewer kernels than under ddp (FSDP2 casts the parameters), a tool's job under FSDP as many as under ddp
+    (accelerate and Lightning autocast there)."""
+    gpus = parse_gpus("1xH100" if strategy == "single" else "2xH100", 1, None)
+    for method, lora in (("lora", LoraSettings()), ("lora", LoraSettings(dtype="bf16")), ("full", LoraSettings())):
+        cfg = Config(model="HuggingFaceTB/SmolLM2-135M-Instruct", method=method, strategy=strategy,
+                     precision="bf16", lora=lora)
+        job, _ = resolve_job(cfg, gpus, DeviceFacts("cuda", True))
+        own = dataclasses.replace(workload_of(cfg), adapters_16bit=job.adapter_dtype == "bf16")
+        assert autocast_launches(own, strategy) == (job.autocast is not None)
     sharded = strategies.get(strategy).sharded
     assert (dispatch_ops_per_layer(OWN, strategy=strategy)[0] < dispatch_ops_per_layer(OWN)[0]) == sharded
     assert dispatch_ops_per_layer(LORA, strategy=strategy) == dispatch_ops_per_layer(LORA)

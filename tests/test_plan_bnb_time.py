@@ -3,7 +3,8 @@ bitsandbytes (plan/precision.py `experts_stay_16bit`, the rule the memory side r
 the attention's, the shared experts' and the dense blocks' weights, and the experts run as plain matmuls in their
 dtype: fp32 where peft's prepare_model_for_kbit_training upcast them (`frozen_fp32`). Dense models, shardfit's
 torchao QLoRA (it quantizes the stacks itself) and Llama 4 (its experts are an nn.Linear each under bitsandbytes)
-dequantize every decoder linear as before (but the router, which no 4-bit loading replaces)."""
+dequantize every decoder linear as before (but the router, which no 4-bit loading replaces), an expert's own
+linears per expert that gets tokens."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from shardfit import strategy as strategies
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.cards import card_of
 from shardfit.plan.comms import param_bytes_16, param_bytes_stored
-from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses
+from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses, experts_hit
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S, host_dispatch_s
 from shardfit.plan.estimate import stored_linear_bytes
 from shardfit.plan.flops import (
-    folded_expert_flops_per_token,
+    expert_weight_grad_flops_per_token,
     fp32_expert_flops,
     lora_flops_per_token,
     step_flops_per_token,
@@ -84,26 +85,32 @@ def test_whole_dequantization_unless_bnb_leaves_the_stacks(model: str, w: Worklo
 @pytest.mark.parametrize("model", MIXTURES)
 def test_bnb_mixture_launches_attention_dequantizations_only(model: str) -> None:
     """The host launches bitsandbytes' dequantization kernels for a mixture's four attention weights per layer
-    (no shared experts), not for the gate, up and down the measured Llama layer had: three fewer per layer and
-    use than where the experts are 4-bit."""
+    (no shared experts), not for the experts: where they are 4-bit (transformers 4, an nn.Linear per expert),
+    each expert that gets tokens dequantizes its gate, up and down on its own, three per expert hit and use."""
     shape = resolve_shape(model)
     quantized = dataclasses.replace(BNB, fused_experts=False)
     dk, dv, _ = dequant_per_use(BNB)
-    saved = shape.layers * 3 * dequant_uses(BNB) * (dk * DISPATCH_KERNEL_S + dv * DISPATCH_VIEW_S)
+    assert experts_hit(shape, BNB) == shape.experts  # 1,024 tokens at top-k reach every expert
+    saved = shape.layers * 3 * shape.experts * dequant_uses(BNB) * (dk * DISPATCH_KERNEL_S + dv * DISPATCH_VIEW_S)
     assert host_dispatch_s(shape, quantized) - host_dispatch_s(shape, BNB) == pytest.approx(saved, rel=1e-9)
 
 
 def test_llama4_bnb_launches_as_a_4bit_mixture() -> None:
-    """Llama 4's experts are 4-bit under bitsandbytes: as many dequantizations as a mixture whose experts are 4-bit
-    (Qwen3 under transformers 4, an nn.Linear per expert) launches."""
+    """Llama 4's experts are 4-bit under bitsandbytes, an MLP per expert as transformers unfuses them: each layer
+    dequantizes its attention and shared expert (7 weights) and the gate, up and down of every one of its 16
+    experts (every token runs through each), as a mixture whose experts are 4-bit (Qwen3 under transformers 4)
+    dequantizes its attention and each expert hit."""
     shape = resolve_shape("meta-llama/Llama-4-Scout-17B-16E-Instruct")
     qwen = resolve_shape("Qwen/Qwen3-30B-A3B")
-    per_layer = (host_dispatch_s(shape, BNB) - host_dispatch_s(shape, dataclasses.replace(BNB, method="lora"))) / \
-        shape.layers
+    dk, dv, _ = dequant_per_use(BNB)
+    per_weight = dequant_uses(BNB) * (dk * DISPATCH_KERNEL_S + dv * DISPATCH_VIEW_S)
+
+    def per_layer(s: ModelShape, w: Workload) -> float:
+        return (host_dispatch_s(s, w) - host_dispatch_s(s, dataclasses.replace(w, method="lora"))) / s.layers
+
+    assert per_layer(shape, BNB) == pytest.approx((7 + 3 * 16) * per_weight, rel=1e-9)
     old = dataclasses.replace(BNB, fused_experts=False)
-    qwen_per_layer = (host_dispatch_s(qwen, old) - host_dispatch_s(qwen, dataclasses.replace(old, method="lora"))) / \
-        qwen.layers
-    assert per_layer == pytest.approx(qwen_per_layer, rel=1e-9)
+    assert per_layer(qwen, old) == pytest.approx((4 + 3 * 128) * per_weight, rel=1e-9)
     assert host_dispatch_s(qwen, BNB) < host_dispatch_s(qwen, old)
 
 
@@ -214,7 +221,7 @@ def test_lora_on_fused_experts_adds_their_weight_gradient(model: str) -> None:
     step = (step_flops_per_token(shape, UPCAST) - step_flops_per_token(shape, bare)) * BNB.tokens
     assert step == pytest.approx(4 * shape.layers * lora + routed, rel=1e-9)  # forward, recompute, 2 in backward
     old = dataclasses.replace(UPCAST, fused_experts=False, frozen_fp32=False)
-    assert folded_expert_flops_per_token(shape, old) == 0.0
+    assert expert_weight_grad_flops_per_token(shape, old) == 0.0
 
 
 @pytest.mark.parametrize("model", MIXTURES)

@@ -9,7 +9,7 @@ import pytest
 
 from shardfit.plan.adapters import lora_expert_params
 from shardfit.plan.deepspeed import ZeroSettings, zero_memory
-from shardfit.plan.estimate import estimate, optimizer_state_bytes, trainable_params
+from shardfit.plan.estimate import estimate, fp32_state_params, optimizer_state_bytes, trainable_params
 from shardfit.plan.experts import routed_expert_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.pipeline import _part_gib, stage_breakdown
@@ -108,3 +108,19 @@ def test_a_stage_without_the_embedding_holds_none_of_its_fp32_8bit_states() -> N
     saved = dataclasses.replace(lora, lora_saved=("embed",))
     assert stage_breakdown(shape, saved, hw, 2, 1, 16).optimizer == \
         pytest.approx(stage_breakdown(shape, lora, hw, 2, 1, 16).optimizer)
+
+
+def test_a_stage_s_embedding_states_are_those_the_estimate_added() -> None:
+    """A trained input embedding under the HF Trainer's 8-bit bitsandbytes AdamW: fp32 states where the estimate
+    adds them (`fp32_state_params`), and a pipeline stage's parts take away the same width; under FSDP1's flat
+    parameters the estimate adds none (the Trainer's override matches no flat parameter), so a stage without the
+    embedding takes away 8-bit states, never more than were counted (review s65, finding R5)."""
+    shape = resolve_shape("Qwen/Qwen2.5-0.5B-Instruct")
+    w = dataclasses.replace(FULL, optimizer="adamw8bit", bnb_optimizer=True)
+    embed = shape.vocab * shape.hidden
+    for flat in (False, True):
+        v = dataclasses.replace(w, flat_params=flat)
+        added = fp32_state_params(shape, v)
+        part = _part_gib(embed, True, v, embedding=True)[2] * GIB / embed
+        assert (added >= embed) == (not flat)
+        assert part == pytest.approx(8.0 if not flat else optimizer_state_bytes(v), rel=1e-9)

@@ -95,8 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="TF32 for fp32 matmuls, as the HF Trainer's tf32 sets it (default: on under --compile "
                         "unless fp16, else off): a bitsandbytes QLoRA's fp32 expert stacks run at that rate")
     p.add_argument("--adapters-16bit", action="store_true", default=None,
-                   help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32 (peft "
-                        "before 0.12, LLaMA-Factory's pure_bf16)")
+                   help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32: "
+                        "shardfit's lora.dtype bf16 (no autocast); with --tool-autocast or a flag that implies it, "
+                        "peft before 0.12 or LLaMA-Factory's pure_bf16 under their tool's autocast")
     p.add_argument("--pure-16bit", action="store_true", default=None,
                    help="every weight, gradient and AdamW state in the 16-bit compute dtype, no autocast (to predict "
                         "a torchtune recipe)")
@@ -111,6 +112,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bnb-optimizer", action="store_true", default=None,
                    help="AdamW from bitsandbytes (paged_adamw_32bit, adamw_bnb_8bit...): 32-bit states in fp32 "
                         "whatever the trainable weights' dtype")
+    p.add_argument("--tool-autocast", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan another tool's engine, which autocasts wherever it mixes precision (accelerate, "
+                        "Lightning), not shardfit's runner (no autocast under FSDP2 or beside 16-bit adapters); "
+                        "default: on with a flag that names another tool's library (--frozen-fp32, --quant-backend "
+                        "bnb, --bnb-compute-fp32, --bnb-optimizer), as plan --from plans those runs; else off")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile over each block: inductor saves fewer activations and fuses float8's casts "
                         "(default: the config's compile: true, else off, as compile: auto is planned)")
@@ -464,6 +470,13 @@ def split_alternative(shape: ModelShape, w: Workload, hw: Hardware, source: str)
     return None
 
 
+def names_a_tool(args: argparse.Namespace) -> bool:
+    """Whether a flag names what only another tool's stack does (peft's prepare_model_for_kbit_training,
+    bitsandbytes' kernels or optimizer): the run is then that tool's, under its engine's autocast, as `plan --from`
+    plans it (`Workload.tool_autocast`); the one rule behind --tool-autocast's default."""
+    return bool(args.frozen_fp32 or args.quant_backend == "bnb" or args.bnb_compute_fp32 or args.bnb_optimizer)
+
+
 def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
     """The workload with the fields the flags set (the others as the config, or `train`'s defaults, have them)."""
     if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
@@ -480,6 +493,9 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "float8": args.float8, "bnb_compute_fp32": args.bnb_compute_fp32,
                  "bnb_optimizer": args.bnb_optimizer}
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    tool = args.tool_autocast if args.tool_autocast is not None else names_a_tool(args) or None
+    if tool is not None:
+        w = dataclasses.replace(w, tool_autocast=tool)
     if args.bnb_compute_fp32 and not w.bnb:
         # the compute dtype is bitsandbytes' Linear4bit's: any other run would plan exactly as without the flag
         raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but this run is method "

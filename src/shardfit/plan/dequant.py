@@ -6,6 +6,7 @@ Only what is stored in 4 bits is dequantized: the routed expert stacks bitsandby
 
 from __future__ import annotations
 
+from shardfit.plan.model_shape import Block
 from shardfit.plan.precision import experts_stay_16bit, stored_nf4
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -32,15 +33,47 @@ def quantized_linear_params(shape: ModelShape, w: Workload) -> int:
                                                  if stored_nf4(n, shape, w))))
 
 
+# The nn.Linear layers of one routed expert where each expert is its own MLP (transformers 4's Qwen3MoeMLP,
+# Llama 4's Llama4TextMLP, litgpt's LLaMAMLP): gate, up and down.
+EXPERT_LINEARS = 3
+
+
+def experts_each_linear(shape: ModelShape, w: Workload) -> bool:
+    """Whether bitsandbytes QLoRA quantizes every routed expert as its own Linear4bit layers, each dequantized by
+    its own kernels in every use: transformers 4's mixtures (an MLP module per expert, `fused_experts` False),
+    Llama 4's experts, which transformers unfuses into an MLP per expert for bitsandbytes (quantizers/base.py
+    MODULES_TO_PATCH_FOR_QUANTIZATION, SequentialLlama4TextExperts), and Lightning's plugin over litgpt's mixtures
+    (`bnb_precision`: an nn.Linear per expert). Fused stacks, 16-bit (`experts_stay_16bit`) or quantized whole
+    (shardfit's torchao path, axolotl's `quantize_fused_experts`), are one weight each."""
+    if not (shape.moe and w.bnb):
+        return False
+    return w.bnb_precision or shape.every_expert or not (w.fused_experts or shape.experts_always_fused)
+
+
+def experts_hit(shape: ModelShape, w: Workload) -> int:
+    """Routed experts of one block that get tokens in a micro-batch, at most: every (token, expert) pair a
+    different expert, up to all of them (a few thousand tokens at top-8 reach every one of 128)."""
+    return min(shape.experts, w.tokens * shape.routed_per_token)
+
+
 def dequantized_weights_per_layer(shape: ModelShape, w: Workload) -> float:
-    """4-bit weights the host dispatches a dequantization for in the mean decoder layer: LAYER_WEIGHTS, except where
-    the routed experts stay 16-bit (`experts_stay_16bit`): then each block's own 4-bit linears (`stored_nf4`:
-    attention's or DeltaNet's projections, a shared expert's MLP and gate, a dense block's MLP), counted from the
-    shape, each one weight (the routed experts and the router none)."""
-    if not experts_stay_16bit(shape, w):
+    """4-bit weights the host dispatches a dequantization for in the mean decoder layer: LAYER_WEIGHTS, except in
+    two cases counted from the shape's blocks. Where the routed experts stay 16-bit (`experts_stay_16bit`): each
+    block's own 4-bit linears (`stored_nf4`: attention's or DeltaNet's projections, a shared expert's MLP and gate,
+    a dense block's MLP), each one weight (the routed experts and the router none). Where every expert is its own
+    Linear4bit layers (`experts_each_linear`): those linears and EXPERT_LINEARS per expert that gets tokens
+    (`experts_hit`), each dequantized on its own."""
+    each = experts_each_linear(shape, w)
+    if not (each or experts_stay_16bit(shape, w)):
         return float(LAYER_WEIGHTS)
-    return shape.over_blocks(lambda moe: float(sum(stored_nf4(n, shape, w) for n, _, _ in shape.named_linears(moe)))) \
-        / shape.layers
+    hit = experts_hit(shape, w) if each else 0
+
+    def per_block(moe: Block) -> float:
+        own = sum(stored_nf4(n, shape, w) for n, _, _ in shape.named_linears(moe) if not n.startswith("expert_"))
+        routed = any(n.startswith("expert_") for n, _, _ in shape.named_linears(moe))
+        return float(own + (EXPERT_LINEARS * hit if routed else 0))
+
+    return shape.over_blocks(per_block) / shape.layers
 
 
 def dequant_per_use(w: Workload) -> tuple[float, float, float]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card
 from shardfit.plan.dequant import LAYER_WEIGHTS, dequant_per_use, dequantized_weights_per_layer
-from shardfit.plan.flops import fp32_grouped_mm_calls
+from shardfit.plan.flops import fp32_expert_mms, fp32_grouped_mm_calls
 from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.precision import autocast_launches
 from shardfit.plan.shapes import ModelShape
@@ -158,7 +158,7 @@ def host_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") ->
         dk, dv = delta_rule_chunk_ops(w, strategy)
         kernels += shape.linear_layers * dk
         views += shape.linear_layers * dv
-    kernels += fp32_grouped_mm_calls(shape, w, strategy) * shape.experts  # the fallback's mm per expert
+    kernels += fp32_expert_mms(shape, w, strategy)  # the fallbacks' mm per expert
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
         autocast = autocast_launches(w, strategy)
@@ -221,7 +221,7 @@ def reference_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single
     k, v = k + weights * dk, v + weights * dv
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
-    k_fallback = fp32_grouped_mm_calls(shape, w, strategy, forward_only=True) * shape.experts  # an mm per expert
+    k_fallback = fp32_expert_mms(shape, w, strategy, forward_only=True)  # an mm per expert
     ops = (shape.layers * k + fk + k_fallback) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
     if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
         ck, cv = delta_rule_chunk_ops(w, strategy, forward_only=True)

@@ -41,9 +41,11 @@ from shardfit.plan.activations import (
 )
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
+from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
+    expert_matmul_bytes,
     experts_stay_16bit,
     frozen_weight_bytes,
     runs_autocast,
@@ -187,8 +189,11 @@ def fp32_state_embedding(w: Workload) -> bool:
     tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`), whose Trainer.create_optimizer registers every nn.Embedding
     of the model for 32-bit states (GlobalOptimManager's `register_module_override` with `optim_bits` 32): a full
     fine-tune's embedding, and peft's trained copy of it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an
-    nn.Embedding too). The untied head is an nn.Linear: 8-bit states."""
-    if w.optimizer != "adamw8bit" or not w.bnb_optimizer:
+    nn.Embedding too). The untied head is an nn.Linear: 8-bit states. Not with FSDP1's flat parameters
+    (`flat_params`): the override is keyed by the embedding's own parameter, which no flat parameter is
+    (`fp32_state_params`); the one rule the estimate and a pipeline stage's parts (plan/pipeline.py `_part_gib`)
+    read."""
+    if w.optimizer != "adamw8bit" or not w.bnb_optimizer or w.flat_params:
         return False
     return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
 
@@ -356,6 +361,25 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
     else:
         held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
     return float(held + tokens * i * grad_input)
+
+
+def expert_weight_grad_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """The largest routed expert stack's weight gradient, made whole in the block's backward while its saved
+    tensors are still alive, for the stacks that compute one (`expert_weight_grad_stacks`), in the dtype their
+    matmul runs in: LoRA folded into a stack (peft's `_LoraFactorsProxy`: `baddbmm(W, lhs, rhs)` requires grad, so
+    the grouped matmul's backward returns the merged stack's full gradient before the baddbmm's backward turns it
+    into A's and B's; a hook on a CPU grouped_mm over a merged stack sees the stack's shape and dtype), and the
+    compiled fallback's `zeros_like(weight)` (transformers 5.23 integrations/moe.py l.247), dropped for a frozen
+    stack once the op returns. Under expert parallelism a rank's stacks hold its 1/N of the experts. 0 where no
+    stack computes one."""
+    names = expert_weight_grad_stacks(shape, w, strategy)
+    if not names:
+        return 0.0
+    largest = max(i * o for n, i, o in shape.named_linears(True) if n in names)
+    stored = expert_matmul_bytes(w, strategy) if experts_stay_16bit(shape, w) else compute_bytes(w)
+    s = strategies.get(strategy)
+    local = shape.experts // (w.expert_parallel if experts.applies(w, shape, s.engine, s.offload) else 1)
+    return float(local * largest * stored)
 
 
 def bnb_dequantized_bytes(w: Workload, strategy: str = "single") -> int:
@@ -593,7 +617,9 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
-    bwd_temp = r.bwd_temp + dequantize_bytes(shape, w, strategy)
+    # An expert stack's weight gradient comes at another moment of the block's backward than its linears'
+    # dequantization: the larger of the two.
+    bwd_temp = r.bwd_temp + max(dequantize_bytes(shape, w, strategy), expert_weight_grad_bytes(shape, w, strategy))
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward

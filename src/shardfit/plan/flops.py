@@ -148,20 +148,42 @@ def lora_flops_per_token(shape: ModelShape, w: Workload) -> float:
     return shape.over_blocks(per_block) / shape.layers
 
 
-def folded_expert_flops_per_token(shape: ModelShape, w: Workload) -> float:
-    """Forward FLOPs per token (of the mean block) of the routed expert weights whose LoRA peft folds into the
-    fused stack (its ParamWrapper, `target_parameters`: shardfit's and the tools' LoRA on transformers 5's 3-D
-    experts): the grouped matmul then multiplies by W + B A, which requires grad, so its backward computes the
-    stack's full weight gradient besides the input gradient, one more matmul as large as the forward (a tiny
-    Qwen3-MoE under autocast: backward's grouped_mm FLOPs twice the forward's). 0 where no adapter sits on a fused
-    stack (transformers 4's nn.Linear per expert takes LoRA as a dense layer does)."""
+def compiled_expert_fallback(shape: ModelShape, w: Workload, strategy: str = "single") -> bool:
+    """Whether the fp32 expert stacks (`experts_run_fp32`) run transformers' own fallback op: under torch.compile
+    `_can_use_grouped_mm` refuses every stack that is not bf16 (transformers 5.23 integrations/moe.py l.323,
+    `is_torchdynamo_compiling() and weight.dtype != torch.bfloat16`), so `_grouped_mm` calls the custom op
+    `transformers::grouped_mm_fallback` (l.383): a loop of torch.mm per expert after one `offs.tolist()`."""
+    return w.compile and experts_run_fp32(shape, w, strategy)
+
+
+def expert_weight_grad_stacks(shape: ModelShape, w: Workload, strategy: str = "single") -> tuple[str, ...]:
+    """The routed expert stacks whose backward computes their full weight gradient, the one rule the FLOPs, the
+    host's launches and the backward's temporary read: those LoRA folds into (peft's ParamWrapper,
+    `target_parameters`: the grouped matmul multiplies by W + B A, which requires grad), and every stack of the
+    compiled fallback (`compiled_expert_fallback`), whose registered backward `_grouped_mm_fallback_bwd`
+    (integrations/moe.py l.236-256) makes `zeros_like(weight)` and an mm into it per expert beside the input
+    gradient's, with no `needs_input_grad` check: a frozen stack's gradient is computed, then dropped. None where no
+    adapter sits on a fused stack (transformers 4's nn.Linear per expert takes LoRA as a dense layer does)."""
+    stacks = tuple(dict.fromkeys(n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")))
+    if compiled_expert_fallback(shape, w, strategy):
+        return stacks
     if not w.trains_adapters or not (w.fused_experts or shape.experts_always_fused):
+        return ()
+    return tuple(n for n in stacks if adapts(n, w))
+
+
+def expert_weight_grad_flops_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """Forward FLOPs per token (of the mean block) of the routed expert stacks whose backward computes their
+    weight gradient (`expert_weight_grad_stacks`): one more matmul as large as the forward in each backward (a
+    tiny Qwen3-MoE with LoRA folded into its stacks, under autocast: backward's grouped_mm FLOPs twice the
+    forward's)."""
+    names = expert_weight_grad_stacks(shape, w, strategy)
+    if not names:
         return 0.0
 
     def per_block(moe: bool) -> float:
         share = shape.routed_per_token / shape.experts
-        return sum(2.0 * i * o * share for n, i, o in shape.named_linears(moe)
-                   if n.startswith("expert_") and adapts(n, w)) if moe else 0.0
+        return sum(2.0 * i * o * share for n, i, o in shape.named_linears(moe) if n in names) if moe else 0.0
 
     return shape.over_blocks(per_block) / shape.layers
 
@@ -172,8 +194,8 @@ def backward_layers(shape: ModelShape, w: Workload) -> int:
     return shape.layers - min(w.trained_blocks(shape.layers)) if w.method == "freeze" else shape.layers
 
 
-def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
-    """Forward + backward + recomputation FLOPs per token of one micro-batch."""
+def step_flops_per_token(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
+    """Forward + backward + recomputation FLOPs per token of one micro-batch under `strategy`."""
     lin, _ = linear_flops_per_token(shape)
     attn = attention_flops_per_token(shape, w)
     lora = lora_flops_per_token(shape, w)
@@ -183,7 +205,7 @@ def step_flops_per_token(shape: ModelShape, w: Workload) -> float:
     weights_train = w.method == "full"
     lin_bwd = lin * (2 if weights_train else 1)
     attn_bwd = attn * (FLASH_BWD if w.attention != "eager" else 2)
-    block_bwd = lin_bwd + attn_bwd + 2 * lora + folded_expert_flops_per_token(shape, w)
+    block_bwd = lin_bwd + attn_bwd + 2 * lora + expert_weight_grad_flops_per_token(shape, w, strategy)
     if w.grad_ckpt == "full":
         recompute = block_fwd
     elif w.grad_ckpt == "selective":
@@ -301,7 +323,8 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, strategy: str = "single", 
     upcast them (`frozen_weight_bytes` 4). transformers' grouped experts cast their input to the weights' dtype
     (integrations/moe.py `_grouped_mm`, 5.x) and autocast does not cover grouped_mm, so the top-k experts' forward,
     its recomputation and the frozen weights' input gradient are fp32 matmuls, and so is the weight gradient of
-    the stacks LoRA folds into (`folded_expert_flops_per_token`); `forward_only`: one forward (a reference's).
+    the stacks that compute one (`expert_weight_grad_stacks`: LoRA folded in, or every stack of the compiled
+    fallback); `forward_only`: one forward (a reference's).
     None under `strategy` where the engine gathers the parameters in 16 bits (FSDP, DeepSpeed): the stacks reach
     the grouped matmul in bf16 there (plan/precision.py `experts_run_fp32`, the rule memory reads too)."""
     if not experts_run_fp32(shape, w, strategy):
@@ -312,7 +335,7 @@ def fp32_expert_flops(shape: ModelShape, w: Workload, strategy: str = "single", 
         return sum(2.0 * i * o * share for n, i, o in shape.named_linears(moe) if n.startswith("expert_"))
 
     fwd, bwd = (float(shape.layers), 0.0) if forward_only else _linear_passes(w, shape)
-    folded = 0.0 if forward_only else backward_layers(shape, w) * folded_expert_flops_per_token(shape, w)
+    folded = 0.0 if forward_only else backward_layers(shape, w) * expert_weight_grad_flops_per_token(shape, w, strategy)
     return (shape.over_blocks(lambda moe: routed(moe) if moe else 0.0) / shape.layers * (fwd + bwd) + folded) * \
         w.tokens
 
@@ -334,16 +357,33 @@ def fp32_experts_s(shape: ModelShape, w: Workload, card: Card, eff: float, strat
 def fp32_grouped_mm_calls(shape: ModelShape, w: Workload, strategy: str = "single", *,
                           forward_only: bool = False) -> float:
     """Grouped-matmul calls per micro-batch over the fp32 expert stacks (`fp32_expert_flops`; 0 where there are
-    none): one per stack and pass (forward, recomputation, input gradient, and the weight gradient of a stack LoRA
-    folds into); `forward_only`: one forward (a reference's). None of them takes torch's CUTLASS kernel (bf16
-    only, GroupedBlas.cpp `_grouped_mm_cuda`): its fallback (GroupedMMUtils.h), like transformers' loop under
-    compile, copies the group offsets to the host and runs one mm per expert (plan/dispatch.py)."""
+    none), each reading its group offsets back to the host once: one per stack and pass (forward, recomputation,
+    input gradient), and in eager one more for each weight gradient (`expert_weight_grad_stacks`); the compiled
+    fallback's backward is one op for both gradients (`compiled_expert_fallback`). `forward_only`: one forward (a
+    reference's). None of them takes torch's CUTLASS kernel (bf16 only, GroupedBlas.cpp `_grouped_mm_cuda`): its
+    fallback (GroupedMMUtils.h), like transformers' loop under compile, copies the group offsets to the host and
+    runs one mm per expert (`fp32_expert_mms`)."""
     if fp32_expert_flops(shape, w, strategy, forward_only=forward_only) == 0.0:
         return 0.0
-    stacks = {n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")}
+    stacks = len({n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")})
     moe = shape.moe_layers / shape.layers
     if forward_only:
-        return moe * shape.layers * len(stacks)
-    folded = sum(adapts(n, w) for n in stacks) if folded_expert_flops_per_token(shape, w) else 0
+        return moe * shape.layers * stacks
+    grads = 0 if compiled_expert_fallback(shape, w, strategy) else len(expert_weight_grad_stacks(shape, w, strategy))
     fwd, bwd = _linear_passes(w, shape)
-    return moe * (fwd * len(stacks) + bwd * (len(stacks) + folded))
+    return moe * (fwd * stacks + bwd * (stacks + grads))
+
+
+def fp32_expert_mms(shape: ModelShape, w: Workload, strategy: str = "single", *, forward_only: bool = False) -> float:
+    """The mm kernels per micro-batch the fp32 expert stacks' fallbacks launch (plan/dispatch.py), one per expert
+    for each input or output and each weight gradient (`expert_weight_grad_stacks`): torch's fallback one per
+    expert per call, the compiled fallback's backward two per expert in its one call (integrations/moe.py
+    l.252-253)."""
+    if fp32_expert_flops(shape, w, strategy, forward_only=forward_only) == 0.0:
+        return 0.0
+    if forward_only:
+        return fp32_grouped_mm_calls(shape, w, strategy, forward_only=True) * shape.experts
+    stacks = len({n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")})
+    fwd, bwd = _linear_passes(w, shape)
+    grads = len(expert_weight_grad_stacks(shape, w, strategy))
+    return shape.moe_layers / shape.layers * (fwd * stacks + bwd * (stacks + grads)) * shape.experts

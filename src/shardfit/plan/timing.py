@@ -112,7 +112,7 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
     dequantization, which the runs behind that utilization did not do; the host's dispatch, and the waits for the
     device that stall both."""
     tokens = w.tokens
-    flops = step_flops_per_token(shape, w) * tokens
+    flops = step_flops_per_token(shape, w, s.name) * tokens
     dequant = dequant_bytes(shape, w) / card.hbm
     fp8 = float8_s(shape, w, card, card.matmul_eff)
     # The fp32 experts at the GEMM efficiency, not the step's utilization: only their matmuls change rate, and
