@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from shardfit.plan.estimate import estimate
+from shardfit.plan.estimate import estimate, expert_weight_grad_bytes
 from shardfit.plan.flops import (
     expert_weight_grad_stacks,
     fp32_expert_flops,
@@ -92,3 +92,14 @@ def test_a_folded_stack_s_backward_makes_the_merged_stack_s_gradient() -> None:
     folded, plain = estimate(QWEN3_MOE, lora, H200, "single"), estimate(QWEN3_MOE, attention_only, H200, "single")
     assert folded.peak_phase == plain.peak_phase == "backward"
     assert folded.per_gpu_gib.temporaries - plain.per_gpu_gib.temporaries == pytest.approx(stack / GIB, rel=1e-6)
+
+
+def test_a_dense_mlp_computes_no_expert_stack_gradient() -> None:
+    """A dense model's MLP is named as one expert's stacks in the shape, but it is plain nn.Linear layers under
+    LoRA: no stack's weight gradient is made whole, so no backward temporary, compiled or not (a dense 72B's
+    LoRA on every linear once read 0.9 GiB more here)."""
+    shape = resolve_shape("Qwen/Qwen2-VL-72B-Instruct")
+    for compile_ in (False, True):
+        w = Workload(method="lora", seq_len=2048, grad_ckpt="full", compile=compile_)
+        assert expert_weight_grad_stacks(shape, w, "single") == ()
+        assert expert_weight_grad_bytes(shape, w, "single") == 0.0

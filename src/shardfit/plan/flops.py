@@ -164,6 +164,8 @@ def expert_weight_grad_stacks(shape: ModelShape, w: Workload, strategy: str = "s
     (integrations/moe.py l.236-256) makes `zeros_like(weight)` and an mm into it per expert beside the input
     gradient's, with no `needs_input_grad` check: a frozen stack's gradient is computed, then dropped. None where no
     adapter sits on a fused stack (transformers 4's nn.Linear per expert takes LoRA as a dense layer does)."""
+    if not shape.moe:  # a dense MLP is named as one expert's stacks here, but it is plain nn.Linear layers
+        return ()
     stacks = tuple(dict.fromkeys(n for n, _, _ in shape.named_linears(True) if n.startswith("expert_")))
     if compiled_expert_fallback(shape, w, strategy):
         return stacks
