@@ -297,18 +297,21 @@ def test_one_experts_modules_peft_does_not_move_match_nothing(tmp_path: Path, mo
     assert job.workload.lora_targets == ("q",)
 
 
-@pytest.mark.parametrize(("model", "kind"), [("THUDM/chatglm3-6b", "chatglm"), ("baichuan-inc/Baichuan2-7B-Base",
-                                              "baichuan"), ("deepseek-ai/deepseek-llm-7b-base", "llama")])
+@pytest.mark.parametrize(("model", "kind"), [
+    ("THUDM/chatglm3-6b", "chatglm"), ("baichuan-inc/Baichuan2-7B-Base", "baichuan"),
+    ("deepseek-ai/deepseek-llm-7b-base", "llama"), ("THUDM/chatglm2-6b", "chatglm"),
+    ("deepseek-ai/deepseek-math-7b-base", "llama")])
 def test_compact_catalog_entries_have_their_config_model_type(model: str, kind: str) -> None:
-    """The compact catalog form carries no model_type, so peft's default targets (looked up by it) come from the
-    hub id: ChatGLM3's config.json says chatglm (peft: query_key_value), Baichuan2's baichuan (no peft default:
-    peft raises, the plan exits 2), deepseek-llm's llama (q_proj, v_proj)."""
+    """peft's default targets are looked up by the catalog entry's model_type (a twin's by its twin's): ChatGLM2/3's
+    config.json says chatglm (peft: query_key_value), Baichuan2's baichuan (no peft default: peft raises, the plan
+    exits 2), deepseek-llm's and deepseek-math's llama (q_proj, v_proj). chatglm2-6b and deepseek-math-7b-base were
+    planned on every linear layer while the type was guessed from the hub id."""
     from shardfit.foreign.job import ForeignJob
-    from shardfit.foreign.targets import model_type_of, plan_peft_default
+    from shardfit.foreign.targets import plan_peft_default
     from shardfit.plan.workload import Workload
 
     shape = resolve_shape(model)
-    assert model_type_of(model, shape) == kind
+    assert shape.model_type == kind
     job = ForeignJob(tool="hf", source="run.sh", model=model, workload=Workload(method="lora", lora_rank=8))
     if kind == "baichuan":
         with pytest.raises(UserError, match="baichuan"):

@@ -471,29 +471,15 @@ PEFT_DEFAULT_TARGETS = {
     "btlm": ("c_proj", "c_attn"), "codegen": ("qkv_proj",), "phi": ("q_proj", "v_proj", "fc1", "fc2"),
     "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"), "rwkv": ("key", "value", "receptance", "output"),
     "rwkv7": ("r_proj", "k_proj", "v_proj", "o_proj", "key", "value")}
-# The model_type of the catalog's entries that do not carry one, by their hub id (their config.json's).
-_CATALOG_TYPES = ((r"(meta-)?llama-[23]|.*tinyllama|.*smollm2|yi-", "llama"),
-                  (r"qwen(1\.5|2|2\.5)(-coder)?-\d", "qwen2"), (r"qwen3-\d", "qwen3"), (r"qwen-\d", "qwen"),
-                  (r"qwen2-vl", "qwen2_vl"), (r"qwen2\.5-vl", "qwen2_5_vl"), (r"qwen2\.5-omni", "qwen2_5_omni"),
-                  (r"glm-4-9b|chatglm3-", "chatglm"), (r"baichuan2-", "baichuan"), (r"deepseek-llm-", "llama"),
-                  (r"mistral-", "mistral"), (r"gemma-2-", "gemma2"),
-                  (r"gemma-\d+b", "gemma"), (r"gemma-3-1b", "gemma3_text"), (r"phi-3", "phi3"))
-
-
-def model_type_of(model: str, shape: ModelShape) -> str:
-    """`shape`'s config.json model_type, else the catalog entry's by its hub id (`_CATALOG_TYPES`); "" unknown."""
-    if shape.model_type:
-        return shape.model_type
-    name = f"{shape.id or model}".lower().split("/", 1)[-1]
-    return next((kind for rx, kind in _CATALOG_TYPES if re.match(rx, name)), "")
 
 
 def plan_peft_default(job: ForeignJob, key: str, shape: ModelShape, version: str) -> tuple[str, list[str]]:
     """Plan a LoraConfig built without target_modules (TRL's --use_peft without --lora_target_modules): peft
-    takes its table's targets for the model's type (PEFT_DEFAULT_TARGETS), planned as those targets are; a type
-    outside the table peft refuses, exit 2. A model whose type the planner cannot tell keeps every linear layer,
-    said in a note. Returns the effect shown beside `key` ("" where not modelled) and the targets peft takes."""
-    kind = model_type_of(job.model, shape)
+    takes its table's targets for the model's type (PEFT_DEFAULT_TARGETS; `shape.model_type`: its config.json's, or
+    the catalog entry's, which states it), planned as those targets are; a type outside the table peft refuses,
+    exit 2. A model whose type the planner cannot tell keeps every linear layer, said in a note. Returns the effect
+    shown beside `key` ("" where not modelled) and the targets peft takes."""
+    kind = shape.model_type
     if not kind:
         job.notes.append(f"{key} without target modules: peft takes its default targets for the model's type "
                          f"(q_proj, v_proj for llama, qwen2, mistral...), which the planner cannot tell for "

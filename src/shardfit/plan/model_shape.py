@@ -93,8 +93,9 @@ class ModelShape:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: int = 0
-    # config.json's model_type ("" where not known): which of peft's transformers-5 rewrites of a mixture's LoRA
-    # targets applies (foreign/targets.py `peft_rewrite`).
+    # config.json's model_type (a catalog entry states its published config's; "" where not known): which of peft's
+    # transformers-5 rewrites of a mixture's LoRA targets applies (foreign/targets.py `peft_rewrite`), and peft's
+    # default targets for a LoraConfig without any (`plan_peft_default`).
     model_type: str = ""
     mla: MLA | None = None
     attn_bias: bool = False  # q/k/v projections with biases
