@@ -278,3 +278,20 @@ def test_a_trl_config_env_that_is_no_mapping_of_strings_exits_2(tmp_path: Path, 
     (tmp_path / "run.sh").write_text("trl sft --config sft.yaml\n")
     with pytest.raises(UserError, match=re.escape(named)):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize("run", ["torchrun --nproc_per_node 4 train.py --config sft.yaml",
+                                 "accelerate launch --num_processes 4 train.py --config sft.yaml",
+                                 "trl sft --config sft.yaml --num_processes 4"])
+def test_a_trl_config_env_accelerate_variable_builds_the_plugin(tmp_path: Path, run: str) -> None:
+    """A YAML env ACCELERATE_USE_FSDP was listed as "no effect" and the job planned as DDP: TrlParser exports it
+    before the Trainer builds its Accelerator, which then builds the FSDP plugin from it (accelerate launch copies
+    the environment and sets the variable only for its own FSDP or DeepSpeed launches)."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  ACCELERATE_USE_FSDP: 'true'\n"
+                                       "  ACCELERATE_LOG_LEVEL: info\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(run + "\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.nproc, job.engine) == (4, "fsdp_full_shard")
+    assert job.keys["env ACCELERATE_USE_FSDP"] == "true (FSDP plugin)"
+    assert job.not_modelled["env ACCELERATE_LOG_LEVEL"] == "info"

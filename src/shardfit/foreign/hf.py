@@ -100,7 +100,10 @@ KEYS = key_table({
 ENV = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks", "GPUS_PER_NODE": "ranks"}
 # Variables that change the memory a rank holds in ways the planner does not count: the caching allocator's
 # settings (expandable_segments changes the fragmentation reserve) and NCCL's buffers and transports.
-UNMODELLED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_")
+# accelerate's and FSDP's variables count where the plan builds a plugin from them (`Accelerate.env_read`); any
+# other (or these where a launch's own settings win) is not modelled, never "no effect".
+UNMODELLED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_", "ACCELERATE_", "FSDP_",
+                  "PYTORCH_NO_CUDA_MEMORY_CACHING")
 _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-z_][\w.]*)")
 
 
@@ -141,7 +144,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not model:
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
     shape = shape_of(model)
-    acc = read_accelerate(cmd, path.parent, src.where)
+    acc = read_accelerate(cmd, path.parent, src.where, in_process=code.config_env)
     launched = acc if cmd is not None and cmd.launcher == "accelerate" else None
     job = ForeignJob("hf", src.where, model, Workload(), words=words(), nproc=_ranks(cmd, env, nproc, launched),
                      nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
@@ -166,7 +169,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config)
-    file_env(job, ran, ENV, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
+    file_env(job, ran, {**ENV, **(acc.env_read if acc else {})}, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
     _config_env_notes(job, code, shell, cmd)
     return job
 
