@@ -169,6 +169,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config)
+    for key, value in code.ignored_args.items():
+        record(job, key, value, modelled=False)
     file_env(job, ran, {**ENV, **(acc.env_read if acc else {})}, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
     _config_env_notes(job, code, shell, cmd)
     return job
@@ -315,6 +317,11 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
     if not isinstance(data, dict):
         raise UserError(f"{hit}: the script's {what} reads an object of argument names (model_name_or_path, "
                         f"per_device_train_batch_size, ...), got {type(data).__name__}.")
+    # HfArgumentParser.parse_*_file parses the file's keys alone (parse_dict): an option the command line gives
+    # beside it never reaches the dataclasses, so it must not be planned either
+    for key in [k for k in src.values if k not in data or data[k] is None]:
+        code.ignored_args[key] = str(src.values.pop(key))
+        src.order.remove(key)
     for key, value in data.items():
         if value is None:
             continue
@@ -324,6 +331,9 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
             " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
             else str(value)
     code.found.append(f"{what}: the arguments in {Path(hit).name}")
+    if code.ignored_args:
+        code.found.append(f"{', '.join('--' + k for k in code.ignored_args)} on the command line never reach the "
+                          f"parser, which reads {Path(hit).name} alone: not planned")
 
 
 def _assumptions(src: Source, code: ScriptSettings) -> list[str]:

@@ -59,6 +59,8 @@ class ScriptSettings:
     # the script hands its command line to HfArgumentParser (parse_args_into_dataclasses, TRL's
     # parse_args_and_config): its options are the dataclasses' fields, beside any file it reads in another branch
     parses_command_line: bool = False
+    # command-line options the parser never reads, as the script's arguments come from such a file alone
+    ignored_args: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
