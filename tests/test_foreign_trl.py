@@ -295,3 +295,24 @@ def test_a_trl_config_env_accelerate_variable_builds_the_plugin(tmp_path: Path, 
     assert (job.nproc, job.engine) == (4, "fsdp_full_shard")
     assert job.keys["env ACCELERATE_USE_FSDP"] == "true (FSDP plugin)"
     assert job.not_modelled["env ACCELERATE_LOG_LEVEL"] == "info"
+
+
+@pytest.mark.parametrize("value", ['""', "'-1'", "false", "'x,0'"])
+@pytest.mark.parametrize("run", ["trl sft --config sft.yaml", "python train.py --config sft.yaml"])
+def test_a_trl_config_env_hiding_every_gpu_exits_2(tmp_path: Path, value: str, run: str) -> None:
+    """A YAML CUDA_VISIBLE_DEVICES that CUDA reads as no GPU ("", -1, False, an id it stops at) was planned as
+    every GPU or as one; the job sees none. Exit 2 naming the file, the line and the value."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n"
+                                       f"  CUDA_VISIBLE_DEVICES: {value}\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(run + "\n")
+    with pytest.raises(UserError, match=r"sft\.yaml:3: env\.CUDA_VISIBLE_DEVICES .*no GPU"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_cuda_visible_devices_stops_at_the_first_entry_cuda_cannot_read() -> None:
+    """CUDA takes the ids before the first entry that is not an ordinal or a GPU-/MIG- id."""
+    from shardfit.foreign.shell import hides_every_gpu, visible_devices
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "0, 1,-1,2"}) == ["0", "1"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-ab12,MIG-cd34"}) == ["GPU-ab12", "MIG-cd34"]
+    assert hides_every_gpu({"CUDA_VISIBLE_DEVICES": ""}) and not hides_every_gpu({})

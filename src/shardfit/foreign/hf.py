@@ -54,7 +54,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ArgFile, ScriptSettings, read_script
-from shardfit.foreign.shell import Command, visible_devices
+from shardfit.foreign.shell import Command, hides_every_gpu, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
@@ -140,6 +140,10 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))
+    if cmd is not None and hides_every_gpu(cmd.exported) and "CUDA_VISIBLE_DEVICES" not in code.config_env:
+        raise UserError(f"{src.where}: CUDA_VISIBLE_DEVICES={cmd.exported['CUDA_VISIBLE_DEVICES']!r} leaves CUDA no "
+                        f"GPU (it stops at the first entry that is not 0, 1, ... or a GPU-/MIG- id): the job would "
+                        f"run on no GPU. List the GPUs to use (CUDA_VISIBLE_DEVICES=0,1), or remove it.")
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
@@ -437,6 +441,13 @@ def _trl_env(data: dict[str, Any], lines: dict[str, int], path: Path) -> dict[st
                             f"TrlParser exports str() of it ({str(value)!r}) as the variable, not a value you "
                             f"meant. Give a string (quote it: {name}: \"...\") or remove the key.")
         out[str(name)] = str(value)
+    if hides_every_gpu(out):
+        value = env["CUDA_VISIBLE_DEVICES"]
+        raise UserError(f"{path}:{lines.get('env.CUDA_VISIBLE_DEVICES', lines.get('env', '?'))}: "
+                        f"env.CUDA_VISIBLE_DEVICES is {value!r}, which TrlParser exports as {str(value)!r}: CUDA "
+                        f"reads no GPU id in it (it stops at the first entry that is not 0, 1, ... or a GPU-/MIG- "
+                        f"id), so the job sees no GPU. List the GPUs to use (CUDA_VISIBLE_DEVICES: \"0,1\"), or "
+                        f"remove the key.")
     return out
 
 
