@@ -146,7 +146,9 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                         f"run on no GPU. List the GPUs to use (CUDA_VISIBLE_DEVICES=0,1), or remove it.")
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
-        raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
+        unread = [f for f in code.found if "did not read it" in f]
+        raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH." +
+                        "".join(f" The script's {f}." for f in unread))
     shape = shape_of(model)
     acc = read_accelerate(cmd, path.parent, src.where, in_process=code.config_env)
     launched = acc if cmd is not None and cmd.launcher == "accelerate" else None
@@ -175,6 +177,9 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     _file_keys(src, job, job.workload, shape, version, code.model_config)
     for key, value in code.ignored_args.items():
         record(job, key, value, modelled=False)
+    for key in code.arg_file_keys & job.not_modelled.keys() - KEYS.keys():
+        # a key no TrainingArguments field has: the file may not be arguments at all, so its value stays unshown
+        job.not_modelled[key] = "(value not shown)"
     file_env(job, ran, {**ENV, **(acc.env_read if acc else {})}, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
     _config_env_notes(job, code, shell, cmd)
     return job
@@ -298,6 +303,26 @@ def _arg_file(code: ScriptSettings, src: Source, script: Path, cmd: Command | No
         return
 
 
+def _job_file(ref: str, *folders: Path) -> tuple[str | None, bool]:
+    """The file `ref` names, tried under each of `folders` (an absolute path as it is), and whether it was refused
+    for lying outside them: a path a stranger's script names is followed only when it resolves (links followed)
+    into one of those folder trees, never through `~` (which transformers does not expand either), so that a plan
+    never reads, nor prints, a file elsewhere on this machine."""
+    if ref.startswith("~"):
+        return None, True
+    roots = [f.resolve() for f in folders]
+    path = Path(ref)
+    outside = False
+    for candidate in [path] if path.is_absolute() else [f / path for f in folders]:
+        target = candidate.resolve()
+        if not any(target.is_relative_to(r) for r in roots):
+            outside = outside or candidate.exists() or path.is_absolute()
+            continue
+        if target.is_file():
+            return str(candidate), False
+    return None, outside
+
+
 def _suffix_fits(name: str, kind: str, other_kinds: bool) -> bool:
     """Whether the script's `parse_<kind>_file(sys.argv[N])` reads the argument `name`: by its suffix where the
     script reads the other format too (each branch tests it), else whatever it is called."""
@@ -307,9 +332,19 @@ def _suffix_fits(name: str, kind: str, other_kinds: bool) -> bool:
 
 def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src: Source, script: Path) -> None:
     """Read the arguments file `ref` the script's `call` parses, as HfArgumentParser does (its keys are the
-    dataclasses' fields), into `src` over the command line's keys; said in the script's findings."""
-    hit = local_file(ref, src.path.parent, script.parent)
+    dataclasses' fields), into `src` over the command line's keys; said in the script's findings. The file is
+    followed only inside the job's folders (`_job_file`): one elsewhere is not read, and the plan says so."""
     what = f"parse_{call.kind}_file({how}) at {call.at}"
+    hit, outside = _job_file(ref, src.path.parent, script.parent)
+    if outside:
+        # the parser would read that file alone: the command line's options stay unread either way
+        code.ignored_args.update({k: str(v) for k, v in src.values.items()})
+        src.values.clear()
+        src.order.clear()
+        code.found.append(f"{what}: {ref} lies outside the folders of {src.path.name} and {script.name}, so "
+                          f"shardfit did not read it and plans without the script's arguments (copy the file "
+                          f"beside {src.path.name} and name it by a relative path to plan with it)")
+        return
     if hit is None:
         raise UserError(f"{src.where}: {ref}: no such file here, and the script reads its arguments from it "
                         f"({what}). Give the file beside the command's file (or its path), or the arguments "
@@ -334,6 +369,7 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
         src.values[key] = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else \
             " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
             else str(value)
+    code.arg_file_keys.update(k for k, v in data.items() if v is not None)
     code.found.append(f"{what}: the arguments in {Path(hit).name}")
     if code.ignored_args:
         code.found.append(f"{', '.join('--' + k for k in code.ignored_args)} on the command line never reach the "

@@ -61,6 +61,7 @@ class ScriptSettings:
     parses_command_line: bool = False
     # command-line options the parser never reads, as the script's arguments come from such a file alone
     ignored_args: dict[str, str] = field(default_factory=dict)
+    arg_file_keys: set[str] = field(default_factory=set)  # the keys that file gives
 
 
 @dataclass(frozen=True)
