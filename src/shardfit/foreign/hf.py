@@ -258,10 +258,7 @@ def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> S
     keys are its dataclasses' fields, below the command line's."""
     if script is None:
         return ScriptSettings()
-    try:
-        code = read_script(script, script.read_text())
-    except OSError:
-        return ScriptSettings()
+    code = read_script(script, read_text(script))
     if code.trl_parser:
         code.config_file = src.get("config")
         code.config_env = _trl_yaml(src)
@@ -781,10 +778,7 @@ def _plan_target_key(src: Source, job: ForeignJob, key: str, shape: ModelShape, 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:
     """The device_map the training script loads with, when it names one outright (device_map="auto") or
     computes it as Qwen's finetune.py does (QLoRA: the rank's GPU under a launcher, "auto" without one)."""
-    try:
-        src = script.read_text()
-    except OSError:
-        return None
+    src = read_text(script)
     m = _DEVICE_MAP.search(src)
     if m is None:
         return None
