@@ -316,3 +316,18 @@ def test_cuda_visible_devices_stops_at_the_first_entry_cuda_cannot_read() -> Non
     assert visible_devices({"CUDA_VISIBLE_DEVICES": "0, 1,-1,2"}) == ["0", "1"]
     assert visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-ab12,MIG-cd34"}) == ["GPU-ab12", "MIG-cd34"]
     assert hides_every_gpu({"CUDA_VISIBLE_DEVICES": ""}) and not hides_every_gpu({})
+
+
+def test_ranks_past_the_yaml_env_gpus_are_caught_under_every_launch(tmp_path: Path) -> None:
+    """The "no device" note was missing where ranks outnumber the YAML env's GPUs: `accelerate launch` with no
+    --num_processes (one rank per GPU) now notes it, and `trl sft --num_processes 4` with two GPUs exits 2, as the
+    trl CLI exports the variable before the ranks start and ranks 2 and 3 cannot start."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: '0'\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text("accelerate launch train.py --config sft.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.every_gpu and any("invalid device ordinal" in n for n in job.notes), job.notes
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: 0,1\n")
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --num_processes 4\n")
+    with pytest.raises(UserError, match=r"sft\.yaml: env\.CUDA_VISIBLE_DEVICES is 0,1, 2 GPU\(s\), .* 4 ranks"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

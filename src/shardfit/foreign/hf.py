@@ -198,10 +198,26 @@ def _config_env_notes(job: ForeignJob, code: ScriptSettings, shell: dict[str, st
                      " (TrlParser exports it into os.environ" + (f", over the shell's {', '.join(over)}" if over
                                                                  else "") + ")")
     gpus = visible_devices(code.config_env)
-    if gpus and not trl_cli and job.nproc is not None and job.nproc > len(gpus):
-        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={code.config_env['CUDA_VISIBLE_DEVICES']} "
-                         f"leaves each of the {job.nproc} ranks {len(gpus)} GPU(s): a rank whose LOCAL_RANK is past "
-                         f"them has no device (\"invalid device ordinal\") unless CUDA started before TrlParser ran")
+    if not gpus:
+        return
+    value = code.config_env["CUDA_VISIBLE_DEVICES"]
+    if trl_cli and job.nproc is not None and job.nproc > len(gpus):
+        # the trl CLI exports it before accelerate starts the ranks: each sees these GPUs from its first line
+        raise UserError(f"{code.config_file}: env.CUDA_VISIBLE_DEVICES is {value}, {len(gpus)} GPU(s), but "
+                        f"--num_processes starts {job.nproc} ranks a machine: ranks {len(gpus)} and up have no GPU "
+                        f"and fail (\"invalid device ordinal\"), so the job cannot start. Pass --num_processes "
+                        f"{len(gpus)}, or list {job.nproc} GPUs in env.CUDA_VISIBLE_DEVICES.")
+    if trl_cli:
+        return
+    if job.nproc is not None and job.nproc > len(gpus):
+        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={value} leaves each of the {job.nproc} "
+                         f"ranks {len(gpus)} GPU(s): a rank whose LOCAL_RANK is past them has no device (\"invalid "
+                         f"device ordinal\") unless CUDA started before TrlParser ran")
+    elif job.every_gpu:
+        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={value} leaves each rank {len(gpus)} "
+                         f"GPU(s), but the launch starts one rank per GPU the machine shows: on a machine with more, "
+                         f"a rank whose LOCAL_RANK is past them has no device (\"invalid device ordinal\") unless "
+                         f"CUDA started before TrlParser ran")
 
 
 def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference:
