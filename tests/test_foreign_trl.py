@@ -331,3 +331,14 @@ def test_ranks_past_the_yaml_env_gpus_are_caught_under_every_launch(tmp_path: Pa
     (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --num_processes 4\n")
     with pytest.raises(UserError, match=r"sft\.yaml: env\.CUDA_VISIBLE_DEVICES is 0,1, 2 GPU\(s\), .* 4 ranks"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize("run", ["python train.py --config=sft.yaml", "trl sft --config=sft.yaml"])
+def test_config_joined_by_an_equals_sign_exits_2(tmp_path: Path, run: str) -> None:
+    """TrlParser looks for the word `--config`; `--config=sft.yaml` was read and planned, though the real run
+    stops at start ("Some specified arguments are not used by the HfArgumentParser"). Exit 2 naming the fix."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(run + "\n")
+    with pytest.raises(UserError, match="Write --config sft.yaml"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

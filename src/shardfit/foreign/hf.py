@@ -277,7 +277,7 @@ def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> S
     code = read_script(script, read_text(script))
     if code.trl_parser:
         code.config_file = src.get("config")
-        code.config_env = _trl_yaml(src)
+        code.config_env = _trl_yaml(src, cmd)
     _arg_file(code, src, script, cmd)
     for k, v in code.args.items():
         if k not in src:
@@ -432,7 +432,7 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
     cmd.launcher = "accelerate"
     config_file = src.get("config")
-    config_env = _trl_yaml(src)
+    config_env = _trl_yaml(src, cmd)
     # the trl CLI parses the YAML in its own process, which then starts accelerate: the launch sees the variables
     cmd.exported = {**cmd.exported, **config_env}
     for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
@@ -447,15 +447,22 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
                           config_env=config_env, config_file=config_file)
 
 
-def _trl_yaml(src: Source) -> dict[str, str]:
+def _trl_yaml(src: Source, cmd: Command | None) -> dict[str, str]:
     """`--config FILE` to TrlParser (`trl <command>`, or a script that parses with it): the YAML's keys become the
     defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
     scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
     keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
-    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument."""
+    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument. TrlParser finds the
+    option only as the word `--config` (`args.index("--config")`): `--config=FILE` never reaches it, and the
+    dataclasses' parser then refuses the word, so that spelling is a UserError."""
     ref = src.values.pop("config", None)
     if ref is None:
         return {}
+    if cmd is not None and "config" in cmd.joined:
+        raise UserError(f"{src.where}: --config={ref}: TrlParser reads the YAML only from `--config {ref}`, two "
+                        f"words; written with '=' it is left to the arguments parser, which refuses it "
+                        f"(\"Some specified arguments are not used by the HfArgumentParser: ['--config={ref}']\"), "
+                        f"so the job never starts. Write --config {ref}.")
     src.order.remove("config")
     hit = local_file(str(ref), src.path.parent)
     if hit is None:

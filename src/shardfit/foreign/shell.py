@@ -35,6 +35,7 @@ class Command:
     args: dict[str, str] = field(default_factory=dict)
     positional: list[str] = field(default_factory=list)
     order: list[str] = field(default_factory=list)  # option names in the order given
+    joined: set[str] = field(default_factory=set)  # option names written as one word, `--key=value`
 
     @property
     def nproc(self) -> int | None:
@@ -195,6 +196,8 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
                 value = " ".join(values) if values else "true"
             cmd.args[name[2:]] = value
             cmd.order.append(name[2:])
+            if eq:
+                cmd.joined.add(name[2:])
         else:
             cmd.positional.append(w)
         j += 1
