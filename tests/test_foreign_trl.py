@@ -270,6 +270,11 @@ def test_trl_parser_script_env_reaches_its_processes_not_the_launcher(tmp_path: 
     ("env: CUDA_VISIBLE_DEVICES=0\n", "sft.yaml:2: 'env' is str"), ("env:\n", "sft.yaml:2: 'env' is empty"),
     ("env: [A, B]\n", "'env' is list"), ("env:\n  CUDA_VISIBLE_DEVICES: [0, 1]\n", "sft.yaml:3: env.CUDA_VISIBLE"),
     ("env:\n  WANDB_PROJECT:\n", "sft.yaml:3: env.WANDB_PROJECT is empty"),
+    ("env:\n  1: x\n", "env name 1 is a YAML int"), ("env:\n  true: x\n", "env name True is a YAML bool"),
+    ("env:\n  null: x\n", "env name None is a YAML NoneType"), ("env:\n  A=B: x\n", "env name 'A=B' holds '='"),
+    ("env:\n  '': x\n", "env name '' is empty"), ('env:\n  X: "a\\0b"\n', "sft.yaml:3: env.X holds a NUL byte"),
+    ("env:\n  A_SET: !!set {a, b}\n", "sft.yaml:3: env.A_SET is a YAML set"),
+    ("env:\n  A_BIN: !!binary aGVsbG8=\n", "sft.yaml:3: env.A_BIN is a YAML bytes"),
 ])
 def test_a_trl_config_env_that_is_no_mapping_of_strings_exits_2(tmp_path: Path, env: str, named: str) -> None:
     """TRL refuses an `env` that is not a mapping; a list, mapping or empty value it would export as Python's text

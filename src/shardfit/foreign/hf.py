@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
 import json
 import re
 from pathlib import Path
@@ -491,9 +492,22 @@ def _trl_env(data: dict[str, Any], lines: dict[str, int], path: Path) -> dict[st
                         f"YAML file\"), e.g. env: {{CUDA_VISIBLE_DEVICES: \"0,1\"}}.")
     out: dict[str, str] = {}
     for name, value in env.items():
+        at = f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}"
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            why = (f"is a YAML {type(name).__name__}, which os.environ refuses (TypeError: str expected)"
+                   if not isinstance(name, str) else "is empty" if not name else
+                   "holds '='" if "=" in name else "holds a NUL byte")
+            raise UserError(f"{at}: env name {name!r} {why}, so TrlParser fails setting it; give a variable "
+                            f"name of letters, digits and _ (quote it if YAML reads it otherwise: \"NAME\": ...).")
+        if isinstance(value, str) and "\0" in value:
+            raise UserError(f"{at}: env.{name} holds a NUL byte, which os.environ refuses (ValueError: embedded "
+                            f"null byte); remove it.")
+        if value is not None and not isinstance(value, (dict, list, str, int, float, datetime.date)):
+            raise UserError(f"{at}: env.{name} is a YAML {type(value).__name__} ({value!r}): TrlParser would export "
+                            f"Python's text of it, not a value you meant. Give a string (quote it: {name}: \"...\").")
         if value is None or isinstance(value, (dict, list)):
             what = "empty" if value is None else f"a {type(value).__name__}"
-            raise UserError(f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}: env.{name} is {what}; "
+            raise UserError(f"{at}: env.{name} is {what}; "
                             f"TrlParser exports str() of it ({str(value)!r}) as the variable, not a value you "
                             f"meant. Give a string (quote it: {name}: \"...\") or remove the key.")
         out[str(name)] = str(value)
