@@ -347,3 +347,18 @@ def test_config_joined_by_an_equals_sign_exits_2(tmp_path: Path, run: str) -> No
     (tmp_path / "run.sh").write_text(run + "\n")
     with pytest.raises(UserError, match="Write --config sft.yaml"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_rank_variables_in_a_trl_config_env_count_no_ranks(tmp_path: Path) -> None:
+    """A YAML env WORLD_SIZE / NPROC_PER_NODE was labelled "(ranks)" though nothing counted it. They are not
+    modelled now, with a note; a WORLD_SIZE other than the ranks started hangs the rendezvous: exit 2."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  NPROC_PER_NODE: 2\n")
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --num_processes 4\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.nproc == 4 and job.not_modelled["env NPROC_PER_NODE"] == "2" and "env NPROC_PER_NODE" not in job.keys
+    assert any("count no ranks" in n for n in job.notes), job.notes
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  WORLD_SIZE: 8\n")
+    (tmp_path / "run.sh").write_text("torchrun --nproc_per_node 4 train.py --config sft.yaml\n")
+    with pytest.raises(UserError, match=r"sft\.yaml: env\.WORLD_SIZE is 8, but the launch starts 4 rank"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

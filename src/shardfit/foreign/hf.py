@@ -182,8 +182,39 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         # a key no TrainingArguments field has: the file may not be arguments at all, so its value stays unshown
         job.not_modelled[key] = "(value not shown)"
     file_env(job, ran, {**ENV, **(acc.env_read if acc else {})}, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
+    _config_rank_env(job, code, cmd)
     _config_env_notes(job, code, shell, cmd)
     return job
+
+
+# The variables torch's launchers set in each rank for its rendezvous: one a TrlParser YAML sets replaces the
+# launcher's in every rank before the process group starts (and accelerate launch never reads NPROC_PER_NODE).
+RANK_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NPROC_PER_NODE",
+            "GPUS_PER_NODE")
+
+
+def _config_rank_env(job: ForeignJob, code: ScriptSettings, cmd: Command | None) -> None:
+    """A TrlParser YAML's rank variables (RANK_ENV, MASTER_*) count no ranks: filed as not modelled, with a note.
+    Its WORLD_SIZE overrides the launcher's in every rank, so one other than the ranks the launch starts makes the
+    rendezvous wait for ranks that never come: a UserError."""
+    given = [k for k in code.config_env if k in RANK_ENV or k.startswith("MASTER_")]
+    for key in given:
+        job.keys.pop(f"env {key}", None)
+        record(job, f"env {key}", code.config_env[key], modelled=False)
+    if not given:
+        return
+    ranks = None  # one per GPU the machine shows, or a launcher's own default: not known here
+    if job.nproc and not job.every_gpu:
+        ranks = job.nproc * job.nnodes
+    elif not job.every_gpu and (cmd is None or cmd.launcher is None):
+        ranks = 1  # `python train.py`: one process
+    world = code.config_env.get("WORLD_SIZE")
+    if world is not None and ranks is not None and world.strip() != str(ranks):
+        raise UserError(f"{code.config_file}: env.WORLD_SIZE is {world}, but the launch starts {ranks} rank(s): "
+                        f"TrlParser sets it in every rank over the launcher's value, so the process group waits "
+                        f"for {world} ranks and hangs. Remove WORLD_SIZE from env (the launcher sets it).")
+    job.notes.append(f"{code.config_file}'s env: {', '.join(given)} replace the launcher's own in each rank; they "
+                     f"count no ranks here (the launch does) and are best left to the launcher")
 
 
 def _config_env_notes(job: ForeignJob, code: ScriptSettings, shell: dict[str, str], cmd: Command | None) -> None:
