@@ -362,3 +362,12 @@ def test_rank_variables_in_a_trl_config_env_count_no_ranks(tmp_path: Path) -> No
     (tmp_path / "run.sh").write_text("torchrun --nproc_per_node 4 train.py --config sft.yaml\n")
     with pytest.raises(UserError, match=r"sft\.yaml: env\.WORLD_SIZE is 8, but the launch starts 4 rank"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_a_shell_cuda_visible_devices_hiding_every_gpu_exits_2(tmp_path: Path) -> None:
+    """`CUDA_VISIBLE_DEVICES= torchrun ...` (or -1) leaves the job no GPU; it was planned on every GPU."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text("CUDA_VISIBLE_DEVICES=-1 torchrun --nproc_per_node 2 train.py "
+                                     "--model_name_or_path Qwen/Qwen2.5-0.5B\n")
+    with pytest.raises(UserError, match=r"run\.sh: CUDA_VISIBLE_DEVICES='-1' leaves CUDA no GPU"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
