@@ -481,8 +481,25 @@ RUN_DIR_CASES: list[Case] = [
      "not a shardfit checkpoint"),
 ]
 
+def _hf_script(name: str, script: bytes) -> Callable[[Path], list[str]]:
+    """`plan --from hf` of a command running the training script `script` (bytes as written)."""
+    def build(ws: Path) -> list[str]:
+        job = ws / "hf-scripts" / name
+        job.mkdir(parents=True, exist_ok=True)
+        (job / "train.py").write_bytes(script)
+        (job / "run.sh").write_text("python train.py --model_name_or_path Qwen/Qwen2.5-0.5B\n")
+        return ["plan", "--from", "hf", str(job / "run.sh"), "--gpus", "1x80GB"]
+    return build
+
+
+FOREIGN_CASES: list[Case] = [
+    ("hf training script in Latin-1", _hf_script("latin1", b"import x\n\xff\xfe bad\n"), 2, "not UTF-8 text"),
+    ("hf training script nested too deeply", _hf_script("deep", b"x=" + b"-" * 100000 + b"1\n"), 2,
+     "nested too deeply"),
+]
+
 CASES: list[Case] = (_schema_cases() + FILE_CASES + SET_CASES + CLI_CASES + EXPORT_CASES + DATA_CASES + MODEL_CASES
-                     + RUN_DIR_CASES)
+                     + RUN_DIR_CASES + FOREIGN_CASES)
 
 
 def test_there_are_at_least_150_cases() -> None:

@@ -67,3 +67,12 @@ def test_a_stderr_whose_reader_went_away_keeps_the_exit_code(args: tuple[str, ..
     out = proc.stdout.read().decode()
     assert proc.wait(timeout=120) == code, out
     assert bool(out) == (code == 0) and "Traceback" not in out
+
+
+def test_diagnose_from_a_closed_stdin_is_a_user_error() -> None:
+    """`shardfit diagnose - <&-` called itself a bug (sys.stdin is None then), exit 1: it is the user's input, so
+    exit 2 with one line saying to pipe the log in or name the file."""
+    proc = _shell("<&-", "diagnose", "-")
+    assert proc.returncode == 2, proc.stderr
+    assert "stdin" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "unexpected" not in proc.stderr and "bug" not in proc.stderr

@@ -227,3 +227,58 @@ def test_an_arguments_file_that_cannot_be_read_exits_2(tmp_path: Path, content: 
         read_job("hf", str(tmp_path / "run.sh"), JobOptions())
     assert main(["plan", "--from", "hf", str(tmp_path / "run.sh"), "--gpus", "1x24GB"]) == 2
     assert "gone.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("script", "launch"), [
+    ("from transformers import HfArgumentParser\n"
+     "targs, = HfArgumentParser(TrainingArguments).parse_yaml_file(yaml_file='args.yaml')\n", "python train.py"),
+    ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--config')\na, _ = p.parse_known_args()\n"
+     "targs, = HfArgumentParser(TrainingArguments).parse_yaml_file(a.config)\n", "python train.py --config args.yaml"),
+])
+def test_options_beside_an_arguments_file_are_not_planned(tmp_path: Path, script: str, launch: str) -> None:
+    """parse_*_file reads the file alone: --gradient_checkpointing, --use_lora and --lora_r given beside it never
+    reach the dataclasses, yet were planned (checkpointing, LoRA: memory under-stated). They are filed as not
+    modelled now, with a note, and the run is planned as the file says."""
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "args.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nper_device_train_batch_size: 3\n")
+    (tmp_path / "run.sh").write_text(launch + " --gradient_checkpointing true --lora_r 8 --use_lora true "
+                                     "--per_device_train_batch_size 9\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    w = job.workload
+    assert (w.micro_batch, w.grad_ckpt, w.method) == (3, "none", "full")
+    assert {"gradient_checkpointing", "lora_r", "use_lora"} <= set(job.not_modelled), job.not_modelled
+    assert any("never reach the parser" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize("ref", ["~/.kube/config", "{outside}/secret.yaml", "../secret.yaml", "link.yaml"])
+def test_an_arguments_file_outside_the_job_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      ref: str) -> None:
+    """A stranger's script naming `~/.kube/config` (or any file outside the job's folders) had shardfit read it and
+    print its keys' values in "not modelled". It is not followed now: a note says so, and nothing of it shows."""
+    outside = tmp_path / "home"
+    (outside / ".kube").mkdir(parents=True)
+    secret = "apiVersion: v1\nusers: [{name: admin, user: {token: s3cr3t-TOKEN}}]\n"
+    (outside / ".kube" / "config").write_text(secret)
+    (tmp_path / "secret.yaml").write_text(secret)
+    monkeypatch.setenv("HOME", str(outside))
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "link.yaml").symlink_to(tmp_path / "secret.yaml")
+    (job_dir / "train.py").write_text("from transformers import HfArgumentParser\n"
+                                      f"targs, = HfArgumentParser(TrainingArguments).parse_yaml_file("
+                                      f"{ref.format(outside=tmp_path)!r})\n")
+    (job_dir / "run.sh").write_text("python train.py --model_name_or_path Qwen/Qwen2.5-0.5B\n")
+    job = read_job("hf", str(job_dir / "run.sh"), JobOptions(model="Qwen/Qwen2.5-0.5B"))
+    shown = repr((job.keys, job.not_modelled, job.notes))
+    assert "s3cr3t" not in shown and "apiVersion" not in shown
+    assert any("did not read it" in n for n in job.notes), job.notes
+
+
+def test_unknown_keys_of_an_arguments_file_show_by_name_only(tmp_path: Path) -> None:
+    """A key of the arguments file that no argument has is listed, its value not shown."""
+    (tmp_path / "train.py").write_text("from transformers import HfArgumentParser\n"
+                                       "targs, = HfArgumentParser(TrainingArguments).parse_yaml_file('a.yaml')\n")
+    (tmp_path / "a.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\ntoken: s3cr3t\n")
+    (tmp_path / "run.sh").write_text("python train.py\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions())
+    assert job.not_modelled["token"] == "(value not shown)"

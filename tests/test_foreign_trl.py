@@ -270,6 +270,11 @@ def test_trl_parser_script_env_reaches_its_processes_not_the_launcher(tmp_path: 
     ("env: CUDA_VISIBLE_DEVICES=0\n", "sft.yaml:2: 'env' is str"), ("env:\n", "sft.yaml:2: 'env' is empty"),
     ("env: [A, B]\n", "'env' is list"), ("env:\n  CUDA_VISIBLE_DEVICES: [0, 1]\n", "sft.yaml:3: env.CUDA_VISIBLE"),
     ("env:\n  WANDB_PROJECT:\n", "sft.yaml:3: env.WANDB_PROJECT is empty"),
+    ("env:\n  1: x\n", "env name 1 is a YAML int"), ("env:\n  true: x\n", "env name True is a YAML bool"),
+    ("env:\n  null: x\n", "env name None is a YAML NoneType"), ("env:\n  A=B: x\n", "env name 'A=B' holds '='"),
+    ("env:\n  '': x\n", "env name '' is empty"), ('env:\n  X: "a\\0b"\n', "sft.yaml:3: env.X holds a NUL byte"),
+    ("env:\n  A_SET: !!set {a, b}\n", "sft.yaml:3: env.A_SET is a YAML set"),
+    ("env:\n  A_BIN: !!binary aGVsbG8=\n", "sft.yaml:3: env.A_BIN is a YAML bytes"),
 ])
 def test_a_trl_config_env_that_is_no_mapping_of_strings_exits_2(tmp_path: Path, env: str, named: str) -> None:
     """TRL refuses an `env` that is not a mapping; a list, mapping or empty value it would export as Python's text
@@ -277,4 +282,92 @@ def test_a_trl_config_env_that_is_no_mapping_of_strings_exits_2(tmp_path: Path, 
     (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\n" + env)
     (tmp_path / "run.sh").write_text("trl sft --config sft.yaml\n")
     with pytest.raises(UserError, match=re.escape(named)):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize("run", ["torchrun --nproc_per_node 4 train.py --config sft.yaml",
+                                 "accelerate launch --num_processes 4 train.py --config sft.yaml",
+                                 "trl sft --config sft.yaml --num_processes 4"])
+def test_a_trl_config_env_accelerate_variable_builds_the_plugin(tmp_path: Path, run: str) -> None:
+    """A YAML env ACCELERATE_USE_FSDP was listed as "no effect" and the job planned as DDP: TrlParser exports it
+    before the Trainer builds its Accelerator, which then builds the FSDP plugin from it (accelerate launch copies
+    the environment and sets the variable only for its own FSDP or DeepSpeed launches)."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  ACCELERATE_USE_FSDP: 'true'\n"
+                                       "  ACCELERATE_LOG_LEVEL: info\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(run + "\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert (job.nproc, job.engine) == (4, "fsdp_full_shard")
+    assert job.keys["env ACCELERATE_USE_FSDP"] == "true (FSDP plugin)"
+    assert job.not_modelled["env ACCELERATE_LOG_LEVEL"] == "info"
+
+
+@pytest.mark.parametrize("value", ['""', "'-1'", "false", "'x,0'"])
+@pytest.mark.parametrize("run", ["trl sft --config sft.yaml", "python train.py --config sft.yaml"])
+def test_a_trl_config_env_hiding_every_gpu_exits_2(tmp_path: Path, value: str, run: str) -> None:
+    """A YAML CUDA_VISIBLE_DEVICES that CUDA reads as no GPU ("", -1, False, an id it stops at) was planned as
+    every GPU or as one; the job sees none. Exit 2 naming the file, the line and the value."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n"
+                                       f"  CUDA_VISIBLE_DEVICES: {value}\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(run + "\n")
+    with pytest.raises(UserError, match=r"sft\.yaml:3: env\.CUDA_VISIBLE_DEVICES .*no GPU"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_cuda_visible_devices_stops_at_the_first_entry_cuda_cannot_read() -> None:
+    """CUDA takes the ids before the first entry that is not an ordinal or a GPU-/MIG- id."""
+    from shardfit.foreign.shell import hides_every_gpu, visible_devices
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "0, 1,-1,2"}) == ["0", "1"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-ab12,MIG-cd34"}) == ["GPU-ab12", "MIG-cd34"]
+    assert hides_every_gpu({"CUDA_VISIBLE_DEVICES": ""}) and not hides_every_gpu({})
+
+
+def test_ranks_past_the_yaml_env_gpus_are_caught_under_every_launch(tmp_path: Path) -> None:
+    """The "no device" note was missing where ranks outnumber the YAML env's GPUs: `accelerate launch` with no
+    --num_processes (one rank per GPU) now notes it, and `trl sft --num_processes 4` with two GPUs exits 2, as the
+    trl CLI exports the variable before the ranks start and ranks 2 and 3 cannot start."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: '0'\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text("accelerate launch train.py --config sft.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.every_gpu and any("invalid device ordinal" in n for n in job.notes), job.notes
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  CUDA_VISIBLE_DEVICES: 0,1\n")
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --num_processes 4\n")
+    with pytest.raises(UserError, match=r"sft\.yaml: env\.CUDA_VISIBLE_DEVICES is 0,1, 2 GPU\(s\), .* 4 ranks"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize("run", ["python train.py --config=sft.yaml", "trl sft --config=sft.yaml"])
+def test_config_joined_by_an_equals_sign_exits_2(tmp_path: Path, run: str) -> None:
+    """TrlParser looks for the word `--config`; `--config=sft.yaml` was read and planned, though the real run
+    stops at start ("Some specified arguments are not used by the HfArgumentParser"). Exit 2 naming the fix."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\n")
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text(run + "\n")
+    with pytest.raises(UserError, match="Write --config sft.yaml"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_rank_variables_in_a_trl_config_env_count_no_ranks(tmp_path: Path) -> None:
+    """A YAML env WORLD_SIZE / NPROC_PER_NODE was labelled "(ranks)" though nothing counted it. They are not
+    modelled now, with a note; a WORLD_SIZE other than the ranks started hangs the rendezvous: exit 2."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  NPROC_PER_NODE: 2\n")
+    (tmp_path / "run.sh").write_text("trl sft --config sft.yaml --num_processes 4\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.nproc == 4 and job.not_modelled["env NPROC_PER_NODE"] == "2" and "env NPROC_PER_NODE" not in job.keys
+    assert any("count no ranks" in n for n in job.notes), job.notes
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nenv:\n  WORLD_SIZE: 8\n")
+    (tmp_path / "run.sh").write_text("torchrun --nproc_per_node 4 train.py --config sft.yaml\n")
+    with pytest.raises(UserError, match=r"sft\.yaml: env\.WORLD_SIZE is 8, but the launch starts 4 rank"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_a_shell_cuda_visible_devices_hiding_every_gpu_exits_2(tmp_path: Path) -> None:
+    """`CUDA_VISIBLE_DEVICES= torchrun ...` (or -1) leaves the job no GPU; it was planned on every GPU."""
+    (tmp_path / "train.py").write_text(SFT)
+    (tmp_path / "run.sh").write_text("CUDA_VISIBLE_DEVICES=-1 torchrun --nproc_per_node 2 train.py "
+                                     "--model_name_or_path Qwen/Qwen2.5-0.5B\n")
+    with pytest.raises(UserError, match=r"run\.sh: CUDA_VISIBLE_DEVICES='-1' leaves CUDA no GPU"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

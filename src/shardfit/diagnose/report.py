@@ -22,7 +22,14 @@ def read_input(path: str | None, note: list[str] | None = None) -> bytes:
     """The raw log: a file's bytes, or stdin for None / "-" (bounded; what was left out is said in `note`). A
     missing file is a UserError (exit 2)."""
     if path in (None, "-"):
-        return read_stream(sys.stdin.buffer, note if note is not None else [])
+        if sys.stdin is None:  # started with stdin closed (`<&-`): Python leaves sys.stdin None
+            raise UserError("diagnose: stdin is closed; pipe the log in (`... | shardfit diagnose -`), or name the "
+                            "log file: shardfit diagnose FILE.")
+        try:
+            return read_stream(sys.stdin.buffer, note if note is not None else [])
+        except OSError as e:  # stdin is a folder (`< /tmp`) or a device that refuses reads
+            raise UserError(f"diagnose: cannot read stdin ({e.strerror or e}); pipe the log in, or name the log "
+                            "file: shardfit diagnose FILE.") from None
     p = Path(path)
     if p.is_dir():  # a run's folder: shardfit keeps no log in it, and other tools' logs have no one name to look for
         raise UserError(f"diagnose: {p} is a folder; pass the log file itself (the launcher's output saved with "

@@ -48,20 +48,47 @@ class Accelerate:
     deepspeed_file: str | None = None
     keys: dict[str, str] = field(default_factory=dict)  # accelerate's settings as given, by their names
     notes: list[str] = field(default_factory=list)
+    env_read: dict[str, str] = field(default_factory=dict)  # variables the plan took, with what each decided
 
 
-def read_accelerate(cmd: Command | None, base: Path, where: str) -> Accelerate | None:
+# What each ACCELERATE_* / FSDP_* variable decides when the training process's Accelerator builds its plugin from
+# the environment (accelerator.py, utils/dataclasses.py `__post_init__`).
+PLUGIN_ENV = {"ACCELERATE_USE_FSDP": "FSDP plugin", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed plugin",
+              "ACCELERATE_MIXED_PRECISION": "precision", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ZeRO settings",
+              "ACCELERATE_DEEPSPEED_ZERO_STAGE": "ZeRO stage",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "optimizer offload",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "parameter offload",
+              "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "grad_accum of the plugin", "FSDP_VERSION": "FSDP1 or FSDP2",
+              "FSDP_SHARDING_STRATEGY": "FSDP sharding", "FSDP_RESHARD_AFTER_FORWARD": "FSDP sharding",
+              "FSDP_OFFLOAD_PARAMS": "FSDP offload"}
+
+
+def read_accelerate(cmd: Command | None, base: Path, where: str, in_process: dict[str, str] | None = None) \
+        -> Accelerate | None:
     """The accelerate launch of `cmd` (`accelerate launch [--config_file F] [flags] script ...`), or, under another
-    launcher, the plugins its exported ACCELERATE_* / FSDP_* variables make accelerate build; None when neither."""
+    launcher, the plugins the ACCELERATE_* / FSDP_* variables its training processes see make accelerate build;
+    None when neither. `in_process`: variables set inside each training process before its Accelerator is built
+    (a TrlParser YAML's `env:`), over what the shell exported and what the launcher set."""
     if cmd is None:
         return None
+    in_process = in_process or {}
     if cmd.launcher == "accelerate":
-        return _launch(cmd, base, where)
-    env = cmd.exported
+        acc = _launch(cmd, base, where)
+        _inherited_plugin(acc, cmd.exported, in_process)
+        return acc
+    env = {**cmd.exported, **in_process}
     if not any(k in env for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION")):
         return None
-    acc = Accelerate(f"{where}: the exported ACCELERATE_* variables",
+    acc = Accelerate(f"{where}: the ACCELERATE_* variables the training processes see",
                      mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no").lower())
+    _env_plugin(acc, env)
+    _mark_read(acc, env, ("ACCELERATE_MIXED_PRECISION",))
+    return acc
+
+
+def _env_plugin(acc: Accelerate, env: dict[str, str]) -> None:
+    """The DeepSpeed or FSDP plugin an Accelerator builds from `env` when nothing else names one (accelerator.py
+    checks ACCELERATE_USE_DEEPSPEED first, then ACCELERATE_USE_FSDP)."""
     if _on(env.get("ACCELERATE_USE_DEEPSPEED")):  # accelerator.py: DeepSpeedPlugin() from the environment
         acc.deepspeed_file = _set(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
         acc.deepspeed = None if acc.deepspeed_file else _inline_deepspeed({
@@ -69,9 +96,33 @@ def read_accelerate(cmd: Command | None, base: Path, where: str) -> Accelerate |
             "offload_optimizer_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
             "offload_param_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
             "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")}, acc.source)
+        _mark_read(acc, env, [k for k in PLUGIN_ENV if k.startswith("ACCELERATE_") and k != "ACCELERATE_USE_FSDP"
+                              and k != "ACCELERATE_MIXED_PRECISION"])
     elif _on(env.get("ACCELERATE_USE_FSDP")):  # accelerator.py: FullyShardedDataParallelPlugin() from it
         acc.fsdp = _env_fsdp(env)
-    return acc
+        _mark_read(acc, env, ["ACCELERATE_USE_FSDP", *(k for k in PLUGIN_ENV if k.startswith("FSDP_"))])
+
+
+def _mark_read(acc: Accelerate, env: dict[str, str], names: Any) -> None:
+    """Note which of `names` in `env` the plan took (PLUGIN_ENV says for what)."""
+    acc.env_read.update({k: PLUGIN_ENV[k] for k in names if k in env})
+
+
+def _inherited_plugin(acc: Accelerate, exported: dict[str, str], in_process: dict[str, str]) -> None:
+    """What the processes of an `accelerate launch` inherit beyond the launch's own settings: the launcher copies
+    os.environ and sets only ACCELERATE_MIXED_PRECISION, and ACCELERATE_USE_FSDP / _DEEPSPEED for an FSDP or
+    DeepSpeed launch (utils/launch.py), so a multi-GPU or one-process launch whose environment says
+    ACCELERATE_USE_FSDP=true still builds that plugin in each process; variables set in the process itself
+    (`in_process`) come last and win over the launcher's."""
+    if "ACCELERATE_MIXED_PRECISION" in in_process:
+        acc.mixed_precision = in_process["ACCELERATE_MIXED_PRECISION"].strip().lower()
+        _mark_read(acc, in_process, ("ACCELERATE_MIXED_PRECISION",))
+    if acc.fsdp is None and acc.deepspeed is None and acc.deepspeed_file is None:
+        _env_plugin(acc, {**exported, **in_process})
+        if acc.env_read.keys() - {"ACCELERATE_MIXED_PRECISION"}:
+            acc.notes.append("the launch itself names no DeepSpeed or FSDP, but its processes see " + ", ".join(
+                f"{k}={v}" for k, v in {**exported, **in_process}.items() if k in acc.env_read) +
+                ": accelerate builds the plugin from them")
 
 
 def _on(value: str | None) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
 import json
 import re
 from pathlib import Path
@@ -54,7 +55,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ArgFile, ScriptSettings, read_script
-from shardfit.foreign.shell import Command, visible_devices
+from shardfit.foreign.shell import Command, hides_every_gpu, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.plan.model_shape import ModelShape
@@ -100,7 +101,10 @@ KEYS = key_table({
 ENV = {"CUDA_VISIBLE_DEVICES": "GPUs", "WORLD_SIZE": "ranks", "NPROC_PER_NODE": "ranks", "GPUS_PER_NODE": "ranks"}
 # Variables that change the memory a rank holds in ways the planner does not count: the caching allocator's
 # settings (expandable_segments changes the fragmentation reserve) and NCCL's buffers and transports.
-UNMODELLED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_")
+# accelerate's and FSDP's variables count where the plan builds a plugin from them (`Accelerate.env_read`); any
+# other (or these where a launch's own settings win) is not modelled, never "no effect".
+UNMODELLED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_", "ACCELERATE_", "FSDP_",
+                  "PYTORCH_NO_CUDA_MEMORY_CACHING")
 _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-z_][\w.]*)")
 
 
@@ -137,11 +141,17 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))
+    if cmd is not None and hides_every_gpu(cmd.exported) and "CUDA_VISIBLE_DEVICES" not in code.config_env:
+        raise UserError(f"{src.where}: CUDA_VISIBLE_DEVICES={cmd.exported['CUDA_VISIBLE_DEVICES']!r} leaves CUDA no "
+                        f"GPU (it stops at the first entry that is not 0, 1, ... or a GPU-/MIG- id): the job would "
+                        f"run on no GPU. List the GPUs to use (CUDA_VISIBLE_DEVICES=0,1), or remove it.")
     model = model or src.get("model_name_or_path") or src.get("model") or code.model
     if not model:
-        raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH.")
+        unread = [f for f in code.found if "did not read it" in f]
+        raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH." +
+                        "".join(f" The script's {f}." for f in unread))
     shape = shape_of(model)
-    acc = read_accelerate(cmd, path.parent, src.where)
+    acc = read_accelerate(cmd, path.parent, src.where, in_process=code.config_env)
     launched = acc if cmd is not None and cmd.launcher == "accelerate" else None
     job = ForeignJob("hf", src.where, model, Workload(), words=words(), nproc=_ranks(cmd, env, nproc, launched),
                      nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
@@ -166,9 +176,45 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config)
-    file_env(job, ran, ENV, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
+    for key, value in code.ignored_args.items():
+        record(job, key, value, modelled=False)
+    for key in code.arg_file_keys & job.not_modelled.keys() - KEYS.keys():
+        # a key no TrainingArguments field has: the file may not be arguments at all, so its value stays unshown
+        job.not_modelled[key] = "(value not shown)"
+    file_env(job, ran, {**ENV, **(acc.env_read if acc else {})}, unknown=NO_EFFECT, unmodelled=UNMODELLED_ENV)
+    _config_rank_env(job, code, cmd)
     _config_env_notes(job, code, shell, cmd)
     return job
+
+
+# The variables torch's launchers set in each rank for its rendezvous: one a TrlParser YAML sets replaces the
+# launcher's in every rank before the process group starts (and accelerate launch never reads NPROC_PER_NODE).
+RANK_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NPROC_PER_NODE",
+            "GPUS_PER_NODE")
+
+
+def _config_rank_env(job: ForeignJob, code: ScriptSettings, cmd: Command | None) -> None:
+    """A TrlParser YAML's rank variables (RANK_ENV, MASTER_*) count no ranks: filed as not modelled, with a note.
+    Its WORLD_SIZE overrides the launcher's in every rank, so one other than the ranks the launch starts makes the
+    rendezvous wait for ranks that never come: a UserError."""
+    given = [k for k in code.config_env if k in RANK_ENV or k.startswith("MASTER_")]
+    for key in given:
+        job.keys.pop(f"env {key}", None)
+        record(job, f"env {key}", code.config_env[key], modelled=False)
+    if not given:
+        return
+    ranks = None  # one per GPU the machine shows, or a launcher's own default: not known here
+    if job.nproc and not job.every_gpu:
+        ranks = job.nproc * job.nnodes
+    elif not job.every_gpu and (cmd is None or cmd.launcher is None):
+        ranks = 1  # `python train.py`: one process
+    world = code.config_env.get("WORLD_SIZE")
+    if world is not None and ranks is not None and world.strip() != str(ranks):
+        raise UserError(f"{code.config_file}: env.WORLD_SIZE is {world}, but the launch starts {ranks} rank(s): "
+                        f"TrlParser sets it in every rank over the launcher's value, so the process group waits "
+                        f"for {world} ranks and hangs. Remove WORLD_SIZE from env (the launcher sets it).")
+    job.notes.append(f"{code.config_file}'s env: {', '.join(given)} replace the launcher's own in each rank; they "
+                     f"count no ranks here (the launch does) and are best left to the launcher")
 
 
 def _config_env_notes(job: ForeignJob, code: ScriptSettings, shell: dict[str, str], cmd: Command | None) -> None:
@@ -184,10 +230,26 @@ def _config_env_notes(job: ForeignJob, code: ScriptSettings, shell: dict[str, st
                      " (TrlParser exports it into os.environ" + (f", over the shell's {', '.join(over)}" if over
                                                                  else "") + ")")
     gpus = visible_devices(code.config_env)
-    if gpus and not trl_cli and job.nproc is not None and job.nproc > len(gpus):
-        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={code.config_env['CUDA_VISIBLE_DEVICES']} "
-                         f"leaves each of the {job.nproc} ranks {len(gpus)} GPU(s): a rank whose LOCAL_RANK is past "
-                         f"them has no device (\"invalid device ordinal\") unless CUDA started before TrlParser ran")
+    if not gpus:
+        return
+    value = code.config_env["CUDA_VISIBLE_DEVICES"]
+    if trl_cli and job.nproc is not None and job.nproc > len(gpus):
+        # the trl CLI exports it before accelerate starts the ranks: each sees these GPUs from its first line
+        raise UserError(f"{code.config_file}: env.CUDA_VISIBLE_DEVICES is {value}, {len(gpus)} GPU(s), but "
+                        f"--num_processes starts {job.nproc} ranks a machine: ranks {len(gpus)} and up have no GPU "
+                        f"and fail (\"invalid device ordinal\"), so the job cannot start. Pass --num_processes "
+                        f"{len(gpus)}, or list {job.nproc} GPUs in env.CUDA_VISIBLE_DEVICES.")
+    if trl_cli:
+        return
+    if job.nproc is not None and job.nproc > len(gpus):
+        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={value} leaves each of the {job.nproc} "
+                         f"ranks {len(gpus)} GPU(s): a rank whose LOCAL_RANK is past them has no device (\"invalid "
+                         f"device ordinal\") unless CUDA started before TrlParser ran")
+    elif job.every_gpu:
+        job.notes.append(f"{code.config_file}'s env: CUDA_VISIBLE_DEVICES={value} leaves each rank {len(gpus)} "
+                         f"GPU(s), but the launch starts one rank per GPU the machine shows: on a machine with more, "
+                         f"a rank whose LOCAL_RANK is past them has no device (\"invalid device ordinal\") unless "
+                         f"CUDA started before TrlParser ran")
 
 
 def _preference(src: Source, trainer: str | None, job: ForeignJob) -> Preference:
@@ -244,13 +306,10 @@ def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> S
     keys are its dataclasses' fields, below the command line's."""
     if script is None:
         return ScriptSettings()
-    try:
-        code = read_script(script, script.read_text())
-    except OSError:
-        return ScriptSettings()
+    code = read_script(script, read_text(script))
     if code.trl_parser:
         code.config_file = src.get("config")
-        code.config_env = _trl_yaml(src)
+        code.config_env = _trl_yaml(src, cmd)
     _arg_file(code, src, script, cmd)
     for k, v in code.args.items():
         if k not in src:
@@ -289,6 +348,26 @@ def _arg_file(code: ScriptSettings, src: Source, script: Path, cmd: Command | No
         return
 
 
+def _job_file(ref: str, *folders: Path) -> tuple[str | None, bool]:
+    """The file `ref` names, tried under each of `folders` (an absolute path as it is), and whether it was refused
+    for lying outside them: a path a stranger's script names is followed only when it resolves (links followed)
+    into one of those folder trees, never through `~` (which transformers does not expand either), so that a plan
+    never reads, nor prints, a file elsewhere on this machine."""
+    if ref.startswith("~"):
+        return None, True
+    roots = [f.resolve() for f in folders]
+    path = Path(ref)
+    outside = False
+    for candidate in [path] if path.is_absolute() else [f / path for f in folders]:
+        target = candidate.resolve()
+        if not any(target.is_relative_to(r) for r in roots):
+            outside = outside or candidate.exists() or path.is_absolute()
+            continue
+        if target.is_file():
+            return str(candidate), False
+    return None, outside
+
+
 def _suffix_fits(name: str, kind: str, other_kinds: bool) -> bool:
     """Whether the script's `parse_<kind>_file(sys.argv[N])` reads the argument `name`: by its suffix where the
     script reads the other format too (each branch tests it), else whatever it is called."""
@@ -298,9 +377,19 @@ def _suffix_fits(name: str, kind: str, other_kinds: bool) -> bool:
 
 def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src: Source, script: Path) -> None:
     """Read the arguments file `ref` the script's `call` parses, as HfArgumentParser does (its keys are the
-    dataclasses' fields), into `src` over the command line's keys; said in the script's findings."""
-    hit = local_file(ref, src.path.parent, script.parent)
+    dataclasses' fields), into `src` over the command line's keys; said in the script's findings. The file is
+    followed only inside the job's folders (`_job_file`): one elsewhere is not read, and the plan says so."""
     what = f"parse_{call.kind}_file({how}) at {call.at}"
+    hit, outside = _job_file(ref, src.path.parent, script.parent)
+    if outside:
+        # the parser would read that file alone: the command line's options stay unread either way
+        code.ignored_args.update({k: str(v) for k, v in src.values.items()})
+        src.values.clear()
+        src.order.clear()
+        code.found.append(f"{what}: {ref} lies outside the folders of {src.path.name} and {script.name}, so "
+                          f"shardfit did not read it and plans without the script's arguments (copy the file "
+                          f"beside {src.path.name} and name it by a relative path to plan with it)")
+        return
     if hit is None:
         raise UserError(f"{src.where}: {ref}: no such file here, and the script reads its arguments from it "
                         f"({what}). Give the file beside the command's file (or its path), or the arguments "
@@ -312,6 +401,11 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
     if not isinstance(data, dict):
         raise UserError(f"{hit}: the script's {what} reads an object of argument names (model_name_or_path, "
                         f"per_device_train_batch_size, ...), got {type(data).__name__}.")
+    # HfArgumentParser.parse_*_file parses the file's keys alone (parse_dict): an option the command line gives
+    # beside it never reaches the dataclasses, so it must not be planned either
+    for key in [k for k in src.values if k not in data or data[k] is None]:
+        code.ignored_args[key] = str(src.values.pop(key))
+        src.order.remove(key)
     for key, value in data.items():
         if value is None:
             continue
@@ -320,7 +414,11 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
         src.values[key] = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else \
             " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
             else str(value)
+    code.arg_file_keys.update(k for k, v in data.items() if v is not None)
     code.found.append(f"{what}: the arguments in {Path(hit).name}")
+    if code.ignored_args:
+        code.found.append(f"{', '.join('--' + k for k in code.ignored_args)} on the command line never reach the "
+                          f"parser, which reads {Path(hit).name} alone: not planned")
 
 
 def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
@@ -366,7 +464,7 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
     (and `--accelerate_config`, its config file) move to the launch; the script's arguments are TRL's config's."""
     cmd.launcher = "accelerate"
     config_file = src.get("config")
-    config_env = _trl_yaml(src)
+    config_env = _trl_yaml(src, cmd)
     # the trl CLI parses the YAML in its own process, which then starts accelerate: the launch sees the variables
     cmd.exported = {**cmd.exported, **config_env}
     for name in (*ACCELERATE_OPTIONS, "accelerate_config"):
@@ -381,15 +479,22 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
                           config_env=config_env, config_file=config_file)
 
 
-def _trl_yaml(src: Source) -> dict[str, str]:
+def _trl_yaml(src: Source, cmd: Command | None) -> dict[str, str]:
     """`--config FILE` to TrlParser (`trl <command>`, or a script that parses with it): the YAML's keys become the
     defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
     scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
     keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
-    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument."""
+    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument. TrlParser finds the
+    option only as the word `--config` (`args.index("--config")`): `--config=FILE` never reaches it, and the
+    dataclasses' parser then refuses the word, so that spelling is a UserError."""
     ref = src.values.pop("config", None)
     if ref is None:
         return {}
+    if cmd is not None and "config" in cmd.joined:
+        raise UserError(f"{src.where}: --config={ref}: TrlParser reads the YAML only from `--config {ref}`, two "
+                        f"words; written with '=' it is left to the arguments parser, which refuses it "
+                        f"(\"Some specified arguments are not used by the HfArgumentParser: ['--config={ref}']\"), "
+                        f"so the job never starts. Write --config {ref}.")
     src.order.remove("config")
     hit = local_file(str(ref), src.path.parent)
     if hit is None:
@@ -418,12 +523,32 @@ def _trl_env(data: dict[str, Any], lines: dict[str, int], path: Path) -> dict[st
                         f"YAML file\"), e.g. env: {{CUDA_VISIBLE_DEVICES: \"0,1\"}}.")
     out: dict[str, str] = {}
     for name, value in env.items():
+        at = f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}"
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            why = (f"is a YAML {type(name).__name__}, which os.environ refuses (TypeError: str expected)"
+                   if not isinstance(name, str) else "is empty" if not name else
+                   "holds '='" if "=" in name else "holds a NUL byte")
+            raise UserError(f"{at}: env name {name!r} {why}, so TrlParser fails setting it; give a variable "
+                            f"name of letters, digits and _ (quote it if YAML reads it otherwise: \"NAME\": ...).")
+        if isinstance(value, str) and "\0" in value:
+            raise UserError(f"{at}: env.{name} holds a NUL byte, which os.environ refuses (ValueError: embedded "
+                            f"null byte); remove it.")
+        if value is not None and not isinstance(value, (dict, list, str, int, float, datetime.date)):
+            raise UserError(f"{at}: env.{name} is a YAML {type(value).__name__} ({value!r}): TrlParser would export "
+                            f"Python's text of it, not a value you meant. Give a string (quote it: {name}: \"...\").")
         if value is None or isinstance(value, (dict, list)):
             what = "empty" if value is None else f"a {type(value).__name__}"
-            raise UserError(f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}: env.{name} is {what}; "
+            raise UserError(f"{at}: env.{name} is {what}; "
                             f"TrlParser exports str() of it ({str(value)!r}) as the variable, not a value you "
                             f"meant. Give a string (quote it: {name}: \"...\") or remove the key.")
         out[str(name)] = str(value)
+    if hides_every_gpu(out):
+        value = env["CUDA_VISIBLE_DEVICES"]
+        raise UserError(f"{path}:{lines.get('env.CUDA_VISIBLE_DEVICES', lines.get('env', '?'))}: "
+                        f"env.CUDA_VISIBLE_DEVICES is {value!r}, which TrlParser exports as {str(value)!r}: CUDA "
+                        f"reads no GPU id in it (it stops at the first entry that is not 0, 1, ... or a GPU-/MIG- "
+                        f"id), so the job sees no GPU. List the GPUs to use (CUDA_VISIBLE_DEVICES: \"0,1\"), or "
+                        f"remove the key.")
     return out
 
 
@@ -721,10 +846,7 @@ def _plan_target_key(src: Source, job: ForeignJob, key: str, shape: ModelShape, 
 def _script_device_map(script: Path, q_lora: bool, job: ForeignJob) -> str | None:
     """The device_map the training script loads with, when it names one outright (device_map="auto") or
     computes it as Qwen's finetune.py does (QLoRA: the rank's GPU under a launcher, "auto" without one)."""
-    try:
-        src = script.read_text()
-    except OSError:
-        return None
+    src = read_text(script)
     m = _DEVICE_MAP.search(src)
     if m is None:
         return None

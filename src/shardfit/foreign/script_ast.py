@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardfit.errors import UserError
+
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
 ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig", "ORPOConfig",
                     "KTOConfig", "RewardConfig", "GRPOConfig", "CPOConfig")
@@ -59,6 +61,9 @@ class ScriptSettings:
     # the script hands its command line to HfArgumentParser (parse_args_into_dataclasses, TRL's
     # parse_args_and_config): its options are the dataclasses' fields, beside any file it reads in another branch
     parses_command_line: bool = False
+    # command-line options the parser never reads, as the script's arguments come from such a file alone
+    ignored_args: dict[str, str] = field(default_factory=dict)
+    arg_file_keys: set[str] = field(default_factory=set)  # the keys that file gives
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,9 @@ def read_script(path: Path, text: str) -> ScriptSettings:
         tree = ast.parse(text, filename=str(path))
     except (SyntaxError, ValueError):
         return out
+    except (MemoryError, RecursionError):  # nesting deeper than Python's parser goes
+        raise UserError(f"{path}: nested too deeply for Python's parser to read (the script could not run either); "
+                        f"is this the training script the command runs?") from None
     constants = _constants(tree)
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
     for node in calls:

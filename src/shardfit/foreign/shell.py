@@ -35,6 +35,7 @@ class Command:
     args: dict[str, str] = field(default_factory=dict)
     positional: list[str] = field(default_factory=list)
     order: list[str] = field(default_factory=list)  # option names in the order given
+    joined: set[str] = field(default_factory=set)  # option names written as one word, `--key=value`
 
     @property
     def nproc(self) -> int | None:
@@ -59,8 +60,21 @@ class Command:
 
 
 def visible_devices(env: dict[str, str]) -> list[str]:
-    """The GPUs CUDA_VISIBLE_DEVICES leaves visible (empty when it is not set)."""
-    return [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    """The GPUs CUDA_VISIBLE_DEVICES leaves visible, read as CUDA reads it: the entries before the first that is
+    neither an ordinal (0 or more) nor a GPU-/MIG- id, so "", "-1" and "False" hide every GPU. Empty when the
+    variable is not set too: `hides_every_gpu` tells the two apart."""
+    out = []
+    for entry in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
+        entry = entry.strip()
+        if not (re.fullmatch(r"[0-9]+", entry) or entry.startswith(("GPU-", "MIG-"))):
+            break
+        out.append(entry)
+    return out
+
+
+def hides_every_gpu(env: dict[str, str]) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES is set and leaves CUDA no GPU at all (the job then runs on no GPU)."""
+    return "CUDA_VISIBLE_DEVICES" in env and not visible_devices(env)
 
 
 def _int(text: str, what: str) -> int:
@@ -182,6 +196,8 @@ def _match(words: list[str], programs: tuple[str, ...]) -> Command | None:
                 value = " ".join(values) if values else "true"
             cmd.args[name[2:]] = value
             cmd.order.append(name[2:])
+            if eq:
+                cmd.joined.add(name[2:])
         else:
             cmd.positional.append(w)
         j += 1
