@@ -56,7 +56,7 @@ class ScriptSettings:
     config_env: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None  # that YAML, as `--config` names it
     # HfArgumentParser.parse_json_file / parse_yaml_file calls, each the file it reads as one of: a path in the
-    # code, the script's sys.argv[N], or an option the script parsed itself (args.config): hf.py `_arg_files`
+    # code, the script's sys.argv[N], or an option the script parsed itself (args.config): foreign/arg_files.py
     arg_files: list[ArgFile] = field(default_factory=list)
     # the script hands its command line to HfArgumentParser (parse_args_into_dataclasses, TRL's
     # parse_args_and_config): its options are the dataclasses' fields, beside any file it reads in another branch
