@@ -82,6 +82,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_parallel_flags(p)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--lora-rank", type=positive_int, default=None)
+    _add_tool_flags(p)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile over each block: inductor saves fewer activations and fuses float8's casts "
+                        "(default: the config's compile: true, else off, as compile: auto is planned)")
+    p.add_argument("--float8", action="store_true", default=None,
+                   help="FP8 matmuls in the decoder blocks' linear layers (torchao float8 training, sm_89+ GPUs): "
+                        "their FLOPs at the card's FP8 rate, plus the casts (default: the config's float8)")
+    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="LoRA dropout above 0 keeps each adapter's dropped-out input and mask (default: the config's)")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
+                        "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
+    p.add_argument("--grad-accum", type=positive_int, default=None, metavar="N",
+                   help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
+    p.add_argument("--objective", choices=OBJECTIVES, default=None,
+                   help="what the run optimises (default: the config's, sft with --model): dpo, orpo and simpo "
+                        "forward both answers of each pair (twice the rows of a micro-batch); dpo and kto add the "
+                        "reference's forward without gradients")
+    p.add_argument("--precompute-reference", choices=("auto", "true", "false"), default=None,
+                   help="dpo and kto: the reference's log-probabilities once before step 1 (true) or in every "
+                        "micro-batch with the adapters switched off (false: lora and qlora only); auto: false for "
+                        "lora/qlora, true for full/freeze (default: the config's dpo.precompute_reference)")
+    _add_media_flags(p)
+    p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
+    p.add_argument("--simulate", action="store_true",
+                   help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--nproc", type=positive_int, default=None, help="with --from: ranks the job launches per node")
+    add_from(p, model_flags=False)
+    p.set_defaults(func=run)
+
+
+def _add_tool_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say how another tool's run computes: its loss, the dtypes its libraries leave, its 4-bit
+    backend, TF32 and autocast (to predict an HF Trainer / TRL / LLaMA-Factory / axolotl run with --model)."""
     p.add_argument("--loss", choices=LOSSES, default=None,
                    help="chunked: shardfit's loss (default); full: logits of every position at once, as transformers' "
                         "own loss computes them (to predict an HF Trainer / LLaMA-Factory / axolotl / TRL run); "
@@ -117,36 +153,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "Lightning), not shardfit's runner (no autocast under FSDP2 or beside 16-bit adapters); "
                         "default: on with a flag that names another tool's library (--frozen-fp32, --quant-backend "
                         "bnb, --bnb-compute-fp32, --bnb-optimizer), as plan --from plans those runs; else off")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile over each block: inductor saves fewer activations and fuses float8's casts "
-                        "(default: the config's compile: true, else off, as compile: auto is planned)")
-    p.add_argument("--float8", action="store_true", default=None,
-                   help="FP8 matmuls in the decoder blocks' linear layers (torchao float8 training, sm_89+ GPUs): "
-                        "their FLOPs at the card's FP8 rate, plus the casts (default: the config's float8)")
-    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
-                   help="LoRA dropout above 0 keeps each adapter's dropped-out input and mask (default: the config's)")
-    p.add_argument("--attention", choices=ATTENTIONS, default=None,
-                   help="sdpa: torch SDPA over packed or padded rows, with a [batch, seq, seq] mask (shardfit's and "
-                        "transformers' default); flash: flash-attention 2 / flex attention, no dense mask; eager")
-    p.add_argument("--grad-accum", type=positive_int, default=None, metavar="N",
-                   help="micro-batches per step; above 1 the gradients are held through each forward (default 1)")
-    p.add_argument("--objective", choices=OBJECTIVES, default=None,
-                   help="what the run optimises (default: the config's, sft with --model): dpo, orpo and simpo "
-                        "forward both answers of each pair (twice the rows of a micro-batch); dpo and kto add the "
-                        "reference's forward without gradients")
-    p.add_argument("--precompute-reference", choices=("auto", "true", "false"), default=None,
-                   help="dpo and kto: the reference's log-probabilities once before step 1 (true) or in every "
-                        "micro-batch with the adapters switched off (false: lora and qlora only); auto: false for "
-                        "lora/qlora, true for full/freeze (default: the config's dpo.precompute_reference)")
-    _add_media_flags(p)
-    p.add_argument("--strategy", default=None, help="one strategy, or all (default)")
-    p.add_argument("--simulate", action="store_true",
-                   help="measure a fake-tensor training step (single, ddp, zero2, zero3) instead of estimating")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", default=None, metavar="FILE.png")
-    p.add_argument("--nproc", type=positive_int, default=None, help="with --from: ranks the job launches per node")
-    add_from(p, model_flags=False)
-    p.set_defaults(func=run)
 
 
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
