@@ -116,6 +116,22 @@ def _assert_every_key_read(tool: str, path: Path, job) -> None:
     assert keys <= seen, keys - seen
 
 
+def test_the_remote_code_loss_warning_is_chatglm_s_only(tmp_path: Path) -> None:
+    """The device-unsafe loss is ChatGLM's remote code (model_type chatglm); GLM-4.5-Air is transformers' own
+    glm4_moe class, whose loss moves the labels to the logits' device: split alike, warned only for the first."""
+    found = {}
+    for model in ("THUDM/glm-4-9b-chat", "zai-org/GLM-4.5-Air"):
+        script = tmp_path / "train.sh"
+        script.write_text((JOBS / "hf/glm4/train.sh").read_text().replace("THUDM/glm-4-9b-chat", model))
+        (tmp_path / "finetune_glm.py").write_text((JOBS / "hf/glm4/finetune_glm.py").read_text())
+        job = read_job("hf", str(script), JobOptions())
+        fp = plan_job(job, resolve_shape(job.model), parse_gpus("4x80GB"))
+        found[model] = {f.rule for f in foreign_rules(fp)}
+    assert {"device_map_split", "device_map_cross_device"} <= found["THUDM/glm-4-9b-chat"]
+    assert "device_map_split" in found["zai-org/GLM-4.5-Air"]
+    assert "device_map_cross_device" not in found["zai-org/GLM-4.5-Air"]
+
+
 def test_seed_findings_in_the_tools_words() -> None:
     """The fix each seed user needed, said the way their tool says it."""
     lf = _plan("llamafactory", "lf/qwen2vl_72b_lora_ds3.yaml", {"nproc": 8}, "8x24GB")

@@ -3,6 +3,7 @@ refuses exits 2, what the planner cannot place plans every linear layer with a n
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -142,6 +143,20 @@ def test_families_with_other_module_names_refuse_lists_none_of_whose_names_they_
     job = _lf(tmp_path, "microsoft/Phi-3-mini-4k-instruct", "q_proj,o_proj")
     assert job.workload.lora_targets == ("q", "o")
     assert any("qkv_proj" in n and "peft skips a name" in n for n in job.notes)
+
+
+def test_the_family_is_read_from_the_model_type_not_the_hub_id(tmp_path: Path) -> None:
+    """GLM-4-9B-0414 (model_type glm4) names its attention q_proj...: unlike THUDM/glm-4-9b (chatglm, whose
+    query_key_value the compact shape cannot list), q_proj, v_proj is planned on it without a note."""
+    folder = tmp_path / "GLM-4-9B-0414"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "head_dim": 16}))
+    job = _lf(tmp_path, str(folder), "q_proj,v_proj")
+    assert job.workload.lora_targets == ("q", "v")
+    assert not any("query_key_value" in n for n in job.notes)
 
 
 @pytest.mark.parametrize(("targets", "fix"), [("[q, v]", "q_proj, v_proj"), ("[q_proj, up]", "up_proj"),

@@ -175,7 +175,9 @@ def _device_map_split(fp: ForeignPlan, found: list[Finding]) -> list[Finding]:
         f"{fp.configured.per_gpu_gib.total:.1f} GiB); it trains, but at the speed of one GPU",
         say("ranks", f"shardfit: strategy zero3 over {n} ranks") + " is faster when it fits (the plan shows "
         "both)")]
-    if job.tool in ("hf", "swift") and ("glm" in job.model.lower() or "chatglm" in job.model.lower()):
+    # ChatGLM's remote code (model_type chatglm: ChatGLM2/3, GLM-4-9B); transformers' own GLM classes (glm,
+    # glm4, glm4_moe) move the labels to the logits' device like every native model.
+    if job.tool in ("hf", "swift") and fp.shape.model_type == "chatglm":
         out.append(Finding(
             "device_map_cross_device", "warning", "loss",
             f"{job.model}'s remote code computes the loss on the last GPU's logits with labels left on the first "

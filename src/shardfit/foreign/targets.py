@@ -26,12 +26,12 @@ _PROJECTIONS = {f"{n}_proj" for n in LORA_TARGETS}
 # them (a dense one, gpt-oss's `router` beside Qwen's `gate`) they match no module.
 _ROUTERS = {"gate", "router"}
 # Families whose attention and MLP modules have other names than the planner's shapes can say (their catalog
-# entries are the compact form): a job naming q_proj... on them is planned, with a note to check.
-_OTHER_NAMES = {"phi-3": "qkv_proj, o_proj, gate_up_proj, down_proj",
-                "phi-4-mini": "qkv_proj, o_proj, gate_up_proj, down_proj",
+# entries are the compact form), by config.json's model_type: a job naming q_proj... on them is planned, with a note
+# to check. By model_type, not the hub id: GLM-4-9B-0414 (glm4) names its modules q_proj..., THUDM/glm-4-9b
+# (chatglm) query_key_value; Phi-4-mini is a phi3.
+_OTHER_NAMES = {"phi3": "qkv_proj, o_proj, gate_up_proj, down_proj",
                 "mixtral": "q_proj, k_proj, v_proj, o_proj, and in transformers 4 block_sparse_moe.gate and its "
                            "experts' w1, w2, w3",
-                "glm-4-9b": "query_key_value, dense, dense_h_to_4h, dense_4h_to_h",
                 "chatglm": "query_key_value, dense, dense_h_to_4h, dense_4h_to_h"}
 
 
@@ -195,18 +195,17 @@ def _fix(missed: list[str], modules: dict[str, list[str]]) -> str:
     return f"{targets_fix(missed)} The model's block modules: {_own_names(modules)}.".lstrip()
 
 
-def _other_family(job: ForeignJob, shape: ModelShape) -> str | None:
-    """The module names of a family the shape cannot tell apart (Phi-3's fused qkv_proj...), when `job`'s model
-    is one of them."""
-    ids = f"{job.model} {shape.id}".lower()
-    return next((names for family, names in _OTHER_NAMES.items() if family in ids), None)
+def _other_family(shape: ModelShape) -> str | None:
+    """The module names of a family the shape cannot tell apart (Phi-3's fused qkv_proj...), when the model
+    is one of them (its shape's model_type)."""
+    return _OTHER_NAMES.get(shape.model_type)
 
 
 def _none_of_the_family(job: ForeignJob, key: str, entries: list[str], shape: ModelShape) -> None:
     """Refuse list entries of which none ends in a module name of a family the shape cannot tell apart (`q_proj,
     v_proj` on GLM-4-9B, whose attention is query_key_value): peft raises "Target modules ... not found" when no
     entry matches a module."""
-    other = _other_family(job, shape)
+    other = _other_family(shape)
     if other is None:
         return
     names = set(re.findall(r"[A-Za-z0-9_]+", other))
@@ -334,7 +333,7 @@ def _notes(job: ForeignJob, key: str, hits: dict[str, list[str]], shape: ModelSh
                          f"them (every expert's; {moved[0]} and {moved[1]} only together, gate_up_proj at twice "
                          f"the rank), so the dense layers' and shared experts' MLPs get no adapter; a peft without "
                          f"that rewrite refuses them")
-    other = _other_family(job, shape)
+    other = _other_family(shape)
     if other is not None and peft_rewrite(shape, version) is None:
         job.notes.append(f"{key}: {job.model}'s modules are named {other}, which the planner's shape does not "
                          f"say: planned on the usual projection names; peft skips a name the model does "
