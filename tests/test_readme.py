@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -81,16 +82,23 @@ def test_every_readme_command_runs(tmp_path: Path, tiny_llama: Path, capsys: pyt
     assert ran >= 6
 
 
+# Pages whose shown plans may be an excerpt of the pipeline table alone (no strategy rows to hold).
+EXCERPT_PAGES = {"pipeline.md", "long-context.md"}
+
+
 def shown_plans() -> list[tuple[str, list[str], list[str]]]:
     """(file, the `shardfit plan --model ...` command, the table rows of the output block under it) of every plan
-    the README, docs/models.md and docs/planning.md show."""
+    the README, docs/models.md, docs/planning.md, docs/pipeline.md and docs/long-context.md show. The last two also
+    show excerpts of the pipeline layouts alone, without strategy rows: those are left out."""
     out = []
-    for path in (README, ROOT / "docs" / "models.md", ROOT / "docs" / "planning.md"):
+    docs = ROOT / "docs"
+    for path in (README, docs / "models.md", docs / "planning.md", docs / "pipeline.md", docs / "long-context.md"):
         for cmd, shown in re.findall(r"```bash\n(shardfit plan --model [^\n]*)\n```\n\n```\n(.*?)```", path.read_text(),
                                      re.S):
             rows = [line for line in shown.splitlines() if re.match(r"(single|ddp|zero2|zero3|zero3_offload|"
                                                                      r"model_parallel)\s", line)]
-            out.append((path.name, shlex.split(cmd)[1:], rows))
+            if rows or path.name not in EXCERPT_PAGES:
+                out.append((path.name, shlex.split(cmd)[1:], rows))
     return out
 
 
@@ -109,3 +117,54 @@ def test_shown_plans_are_what_plan_prints(file: str, args: list[str], rows: list
     printed = {" ".join(line.split()) for line in capsys.readouterr().out.splitlines()}
     for row in rows:
         assert " ".join(row.split()) in printed, f"{file}: {row!r} is not what `shardfit {' '.join(args)}` prints"
+
+
+# The README is the five-minute front page; depth belongs in docs/ (a sentence and a link here).
+README_MAX_LINES = 250
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines, more than {README_MAX_LINES}: move the depth "
+                                       "into the matching docs/*.md page and leave a sentence and a link")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of `page`: lower case, punctuation but `-` and `_` dropped, spaces to
+    `-`, a repeated heading numbered `-1`, `-2`, ..."""
+    anchors, repeats = set(), Counter()
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a `# comment` in a code block is no heading
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{repeats[slug]}" if repeats[slug] else slug)
+        repeats[slug] += 1
+    return anchors
+
+
+def readme_links() -> list[str]:
+    """The README's relative link targets (pages, anchors, pictures); web addresses left out."""
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", README.read_text()) if not re.match(r"[a-z]+:", t)]
+
+
+def test_the_readme_links_resolve() -> None:
+    """Every relative link of the README names a file that exists and, after `#`, a heading of that page."""
+    links = readme_links()
+    assert len(links) >= 20, links
+    bad = []
+    for link in links:
+        target, _, anchor = link.partition("#")
+        path = ROOT / target if target else README
+        if not path.is_file():
+            bad.append(f"{link}: no file {target}")
+        elif anchor and anchor not in _anchors(path):
+            bad.append(f"{link}: {target or 'README.md'} has no heading with the anchor #{anchor}")
+    assert not bad, "\n".join(bad)
+
+
+def test_anchors_are_githubs() -> None:
+    """The anchor rule gives GitHub's anchors for headings with code, punctuation and repeats."""
+    page = ROOT / "docs" / "reference.md"
+    anchors = _anchors(page)
+    assert {"config-keys", "shardfit-plan---json", "benchresultslatestjson"} <= anchors, sorted(anchors)[:20]
+    assert "the-demo-make-demo" in _anchors(ROOT / "docs" / "training.md")
+    assert "no-such-heading" not in anchors
