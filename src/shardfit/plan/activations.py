@@ -97,10 +97,42 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         attn = (softmax * attn + shape.linear_layers * deltanet_saved_bytes_per_token(shape, w)) / shape.layers
     elif shape.linear_layers and linear:
         attn = deltanet_saved_bytes_per_token(shape, w)
+    kept = bnb_kept_input_bytes_per_token(shape, w)
     if w.compile:
-        return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora
+        return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora + kept
     return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
-        mlp_activation_bytes_per_token(shape, w, strategy) + lora
+        mlp_activation_bytes_per_token(shape, w, strategy) + lora + kept
+
+
+def bnb_kept_input_bytes_per_token(shape: ModelShape, w: Workload) -> float:
+    """What a dense softmax-attention block's bitsandbytes 4-bit linears keep per token beyond what the block saves
+    anyway, where MatMul4Bit keeps each linear's input until its backward (`Workload.bnb_keeps_inputs`): the
+    inputs no other op of the block keeps, in the compute dtype.
+    - q/k/v's input (the attention norm's output) and gate/up's (the MLP norm's): an adapter of one of them keeps
+      that very tensor where it reads it undropped and uncast (`lora_dropout` 0, adapters in the compute dtype);
+      else a hidden-size tensor each;
+    - o's input: the attention kernel's output, which SDPA and flash attention keep for their backward (the
+      reshape is a view); eager attention's transposed copy is a tensor of its own (unless o's adapter keeps it);
+    - down's input (the product of the activation and up), an MLP width wide: the product's own backward keeps
+      its two factors, not it (unless down's adapter keeps it).
+    Measured with saved-tensor hooks on a transformers Llama block whose frozen linears keep their input as
+    MatMul4Bit does (tests/test_plan_bnb_kept_inputs.py). 0 where the linears keep nothing, and for blocks of
+    other kinds (mixtures, latent attention, Mamba, Gated DeltaNet), whose 4-bit inputs are not modelled."""
+    if not w.bnb_keeps_inputs or shape.moe_layers or shape.mla is not None or shape.linear_layers or \
+            shape.mamba_mixers or shape.single_part:
+        return 0.0
+    a = compute_bytes(w)
+    uncast = w.lora_dropout == 0 and trainable_bytes(w) == a
+
+    def kept_by_adapter(*names: str) -> bool:
+        return uncast and any(adapts(n, w) for n in names)
+
+    h, q = shape.hidden, shape.heads * shape.hd
+    mlp_in = ("up",) if shape.two_matrix else ("gate", "up")
+    return a * ((0 if kept_by_adapter("q", "k", "v") else h) +
+                (q if w.attention == "eager" and not kept_by_adapter("o") else 0) +
+                (0 if kept_by_adapter(*mlp_in) else h) +
+                (0 if kept_by_adapter("down") else shape.intermediate))
 
 
 def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block | None = None) -> float:

@@ -225,6 +225,17 @@ class Workload:
         return self.method == "qlora" and (self.quant_backend == "bnb" or self.bnb_precision)
 
     @property
+    def bnb_keeps_inputs(self) -> bool:
+        """Whether each bitsandbytes 4-bit linear keeps its input until its backward: MatMul4Bit.forward set
+        `ctx.tensors = (A, B)` (bitsandbytes/autograd/_functions.py, 0.42.0) although its backward never reads A
+        (QLoRA trains no 4-bit weight), until bitsandbytes 0.43.2 dropped it (bitsandbytes-foundation/bitsandbytes
+        PR #1270, Jul 2024). Under Lightning's BitsandbytesPrecision (`bnb_precision`): litgpt, which runs it,
+        supports bitsandbytes 0.42.0 alone (litgpt/finetune/lora.py warns for any other version). transformers'
+        QLoRA (`quant_backend: bnb`) is taken to run a bitsandbytes of today (plan/activations.py
+        `bnb_kept_input_bytes_per_token`)."""
+        return self.method == "qlora" and self.bnb_precision
+
+    @property
     def multi_tensor_step(self) -> bool:
         """AdamW stepped by torch's multi-tensor kernel (`foreach`, torch's default on a GPU), which allocates one
         copy of what it steps (plan/estimate.py `foreach_temp_bytes`); the fused kernel and 8-bit AdamW do not."""
