@@ -60,10 +60,9 @@ h1:500:611 [1] proxy.cc:884 NCCL WARN Proxy Call to rank 1 failed (Connect)
 
 
 def test_nccl_out_of_memory_ranks_memory_not_p2p() -> None:
-    log = """n1:40:40 [3] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'
-RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1275, unhandled cuda error, NCCL version 2.18.1
-ncclUnhandledCudaError: Call to CUDA function failed.
-"""
+    log = ("n1:40:40 [3] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'\n"
+           "RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1275, unhandled cuda "
+           "error, NCCL version 2.18.1\nncclUnhandledCudaError: Call to CUDA function failed.\n")
     cats = _cats(log)
     assert cats[0].startswith("oom_") and "nccl_p2p_hang" not in cats
 
