@@ -220,10 +220,13 @@ _DATA_LOG = re.compile(r"^(?:\[?INFO\]?[: ]|I\d{4} |\S+ - INFO - )[^\n]*(?:data_
 _PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|warn", re.I)
 _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
-                    r"GPUS_PER_NODE|dist_world_size|world[ _]size)[\s:=]+(\d+)", re.I)
+                    r"GPUS_PER_NODE|dist_world_size|world[ _]size|"
+                    r"(?:mpirun|mpiexec)\s+(?:--?np?\b|-c\b))[\s:=]+(\d+)", re.I)
 _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
                     r"|(?:\b|_)zero-?(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
                     r"|\bds_(?:config_)?(\d)\.json"
+                    # a DeepSpeed config file named for its stage (ds_config/stage3.json, ds_stage2.json)
+                    r"|\b(?:ds|deepspeed|zero)[^\s`'\"]{0,40}?stage_?(\d)\.json"
                     r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|\bdeepspeed[^\n]{0,20}\bstage[\s:=_-]*(\d)\b"
                     r"|stage_1_and_2\.py()", re.I)
 

@@ -34,7 +34,7 @@ _LAUNCHERS = (
     ("deepspeed", r"^\s*(?:[^\s=]+=\S+\s+)*deepspeed\s+(?:--\w|\S+\.py)|deepspeed\.launcher|launcher/runner\.py|"
                   r"\[launch\.py:\d+:main\]"),
     ("torchrun", r"\btorchrun\b|torch\.distributed\.(?:run|launch)\b|distributed/run\.py"),
-    ("mpirun/srun", r"\bmpirun\b|\bsrun\b"),
+    ("mpirun/srun", r"\bmpirun\b|\bmpiexec\b|\bsrun\b"),
     ("ray", r"\bray\s+(?:start|job)|RayTaskError|\((?:\w+ )?pid=\d+, ip=|ray/_private"),
     ("python", r"(?:^|[\s$;&])python3?(?:\.\d+)?\s+(?:-u\s+)?(?!-m\s+torch\.distributed)"
                r"(?:-m\s+\w[\w.]*|[\w./-]+\.py)\b"),
