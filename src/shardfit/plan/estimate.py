@@ -327,6 +327,31 @@ def bnb_dequantize_bytes(numel: int, w: Workload) -> float:
     return float(numel * (2 + (low if w.precision != "fp16" else 0)))
 
 
+def fsdp1_bnb_quant_state_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
+                                whole_model: bool = False) -> float:
+    """What bitsandbytes' QLoRA keeps outside its parameters under FSDP1 (`runs_fsdp1`, `bnb`): the quant state of
+    every 4-bit weight (its block scales and their factors: all of `_nf4_bytes` but the codes, n/2 bytes), of one
+    decoder block of kind `moe`, or with `whole_model` of every block and a 4-bit head (`quantized_head`); 0
+    otherwise.
+
+    A Linear4bit keeps its weight's quant state on the module as well (bitsandbytes/nn/modules.py, 0.43 on:
+    `fix_4bit_weight_quant_state_from_module`, "the quant state got lost when the parameter got converted. This
+    happens for example for fsdp ... we can recover the state here"): a QuantState of tensors, no nn.Parameter.
+    FSDP1 flattens, shards, all-gathers and offloads a unit's parameters alone (torch/distributed/fsdp/
+    _init_utils.py `_get_orig_params`; _flat_param.py `flat_param_to`, `_local_shard`), so every rank keeps every
+    layer's quant state whole on its GPU, CPU offload or not, and a unit's all-gather carries the codes alone."""
+    if not (w.runs_fsdp1 and w.bnb):
+        return 0.0
+
+    def block(kind: bool | None) -> float:
+        return float(sum(_nf4_bytes(r, c, w) - (r * c + 1) // 2 for n, r, c in _stored_rows(shape, w, kind)
+                         if stored_nf4(n, shape, w) and quant.quantizable(r, c)))
+    if not whole_model:
+        return block(moe)
+    head = head_weight_bytes(shape, w) - (shape.vocab * shape.hidden + 1) // 2 if quantized_head(shape, w) else 0
+    return shape.over_blocks(block) + head
+
+
 def block_weight_bytes(shape: ModelShape, w: Workload) -> float:
     """One decoder block's frozen weights as stored (its linear layers and its two norms): what FSDP all-gathers
     for it."""
@@ -491,6 +516,9 @@ class PerRank:
     fwd_temp: float = 0.0
     bwd_temp: float = 0.0
     persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
+    # FSDP1 under CPU offload: the reduce-scattered gradient shards still on the GPU when backward ends
+    # (`fsdp1_offload_grad_shard_bytes`); they are on the host by the optimizer step.
+    held_grad_shards: float = 0.0
     grad_divisor: float = 1  # how many ways the gradients are split
 
 
@@ -508,6 +536,10 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
                                lora_expert_params(shape, w)) if ep else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
+    # bitsandbytes' quant states under FSDP1: whole on every rank, never gathered (`fsdp1_bnb_quant_state_bytes`)
+    layer_16 -= fsdp1_bnb_quant_state_bytes(shape, w)
+    quant_states = fsdp1_bnb_quant_state_bytes(shape, w, whole_model=True) if s.sharded else 0.0
+    weights -= quant_states
     if ep:  # FSDP2 gathers a block without its routed experts (as it stores them: NF4 under QLoRA)
         layer_16 -= experts.per_block_params(shape) * low if w.method == "full" else block_experts
     root_16 = (shape.embed_params() + shape.hidden) * low
@@ -544,19 +576,24 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         r.foreach = foreach_temp_bytes(t_all, w) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
+            held = fsdp1_offload_grad_shard_bytes(shape, w, grads / n)
             weights = grads = optim = r.foreach = 0.0
             div_w = div_g = div_o = 1
             staging, grad_shard = offload_staging_bytes(shape, w, n)
             r.fwd_temp += staging
-            r.bwd_temp += staging + grad_shard
+            # FSDP1 keeps each unit's gradient shard on the GPU until backward ends (`held_grad_shards`), FSDP2
+            # one unit's at a time until its copy to the host has run.
+            r.bwd_temp += staging + (0.0 if w.runs_fsdp1 else grad_shard)
+            r.held_grad_shards = held
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
         share = (-(-shape.layers // g)) / shape.layers
         div_w = div_g = div_o = 1 / share if g > 1 else 1
         r.layers = -(-shape.layers // g)
     n_ep = w.expert_parallel if ep else 1
-    r.weights, r.grads, r.optimizer, r.grad_divisor = (weights / div_w + ex[0] / n_ep, grads / div_g + ex[1] / n_ep,
-                                                       optim / div_o + ex[2] / n_ep, div_g)
+    r.weights, r.grads, r.optimizer, r.grad_divisor = (weights / div_w + ex[0] / n_ep + quant_states,
+                                                       grads / div_g + ex[1] / n_ep, optim / div_o + ex[2] / n_ep,
+                                                       div_g)
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
         r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w)
@@ -593,9 +630,32 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
         stored = trainable_bytes(w)
         per_unit = layer * (stored + (low if stored != low else 0)) / n
     else:  # frozen weights are stored as they compute (NF4 as NF4): the copy alone
-        per_unit = block_weight_bytes(shape, w) / n
+        per_unit = (block_weight_bytes(shape, w) - fsdp1_bnb_quant_state_bytes(shape, w)) / n
     grads = (layer if w.method == "full" else trainable_params(shape, w) / shape.layers) * 4.0 / n
     return 2 * per_unit, grads
+
+
+def fsdp1_offload_grad_shard_bytes(shape: ModelShape, w: Workload, shards: float) -> float:
+    """What FSDP1 under CPU offload (CPUOffload(offload_params=True)) still holds on the GPU of `shards`, the
+    rank's gradient shards of every trainable weight (bytes), when the input embedding's gradient is made at the
+    end of backward; 0 for FSDP2 (`runs_fsdp1` False).
+
+    Each unit's post-backward hook reduce-scatters its flat gradient into a new padded shard on the GPU and keeps
+    it as `flat_param._saved_grad_shard` (torch/distributed/fsdp/_runtime_utils.py `_reduce_grad`,
+    `_accumulate_sharded_grad`: "flat_param._saved_grad_shard = sharded_grad"); `_offload_grad` copies it into the
+    pinned `_cpu_grad` without dropping it. Only the post-backward final callback lets it go, through
+    `_finalize_params` -> FlatParamHandle.prepare_gradient_for_optim (_flat_param.py: `.grad` becomes
+    `_cpu_grad`, then `delattr(flat_param, "_saved_grad_shard")`). So the shards pile up on the GPU through
+    backward, in the flat parameter's dtype (`_cast_grad_to_param_dtype`), all of them but the root unit's, whose
+    hook runs after the embedding's gradient: a full fine-tune's embedding, final norm and head are in the root
+    (FSDP1 runs wrap the decoder blocks, `embedding_in_root`)."""
+    if not w.runs_fsdp1:
+        return 0.0
+    total = trainable_params(shape, w)
+    if not total:
+        return 0.0
+    root = shape.embed_params() + shape.hidden if w.method == "full" else 0
+    return shards * max(0, total - root) / total
 
 
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
@@ -609,7 +669,7 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
     # block by block, so it holds no more); the optimizer step sees the shards alone.
     # (never below nothing: an offloaded run holds no gradient on the GPU to take it from)
-    g_bwd_end = max(0.0, r.grads - embedding_grad / r.grad_divisor)
+    g_bwd_end = max(0.0, r.grads - embedding_grad / r.grad_divisor) + r.held_grad_shards
     unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
     if unsharded_grads:
         g_fwd = g_bwd_end = max(r.grads, unsharded_grads)

@@ -225,6 +225,12 @@ class Workload:
         return self.method == "qlora" and (self.quant_backend == "bnb" or self.bnb_precision)
 
     @property
+    def runs_fsdp1(self) -> bool:
+        """Whether FSDP1 (FullyShardedDataParallel) ran the published sharded run: `fsdp1`, or `flat_params`, which
+        is FSDP1's use_orig_params=False (FSDP2 shards each parameter and has no flat parameters)."""
+        return self.fsdp1 or self.flat_params
+
+    @property
     def bnb_keeps_inputs(self) -> bool:
         """Whether each bitsandbytes 4-bit linear keeps its input until its backward: MatMul4Bit.forward set
         `ctx.tensors = (A, B)` (bitsandbytes/autograd/_functions.py, 0.42.0) although its backward never reads A
