@@ -106,8 +106,9 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
 
 def bnb_kept_input_bytes_per_token(shape: ModelShape, w: Workload) -> float:
     """What a dense softmax-attention block's bitsandbytes 4-bit linears keep per token beyond what the block saves
-    anyway, where MatMul4Bit keeps each linear's input until its backward (`Workload.bnb_keeps_inputs`): the
-    inputs no other op of the block keeps, in the compute dtype.
+    anyway, where MatMul4Bit keeps each linear's input until its backward (`Workload.bnb_keeps_inputs`, under
+    Lightning's plugin): the inputs no other op of the block keeps, in the compute dtype, over the model's blocks
+    (the mean block, as the block's other terms).
     - q/k/v's input (the attention norm's output) and gate/up's (the MLP norm's): an adapter of one of them keeps
       that very tensor where it reads it undropped and uncast (`lora_dropout` 0, adapters in the compute dtype);
       else a hidden-size tensor each;
@@ -115,24 +116,31 @@ def bnb_kept_input_bytes_per_token(shape: ModelShape, w: Workload) -> float:
       reshape is a view); eager attention's transposed copy is a tensor of its own (unless o's adapter keeps it);
     - down's input (the product of the activation and up), an MLP width wide: the product's own backward keeps
       its two factors, not it (unless down's adapter keeps it).
-    Measured with saved-tensor hooks on a transformers Llama block whose frozen linears keep their input as
-    MatMul4Bit does (tests/test_plan_bnb_kept_inputs.py). 0 where the linears keep nothing, and for blocks of
-    other kinds (mixtures, latent attention, Mamba, Gated DeltaNet), whose 4-bit inputs are not modelled."""
-    if not w.bnb_keeps_inputs or shape.moe_layers or shape.mla is not None or shape.linear_layers or \
-            shape.mamba_mixers or shape.single_part:
+    MatMul4Bit keeps its input only where that input needs a gradient (`any(ctx.needs_input_grad[:2])`; its 4-bit
+    weight never does). In the first block nothing upstream of the first adapted layer trains (the embedding and
+    the norms are frozen under QLoRA), so that block keeps none of those inputs: q/k/v's always, and o's, gate/up's
+    and down's too where no earlier layer of the block is adapted.
+    Measured with saved-tensor hooks on a transformers Llama whose frozen linears keep their input as MatMul4Bit
+    does (tests/test_plan_bnb_kept_inputs.py). 0 where the linears keep nothing, and for blocks of other kinds
+    (mixtures, latent attention, Mamba, Gated DeltaNet), whose 4-bit inputs are not modelled."""
+    if not (w.bnb_keeps_inputs and w.method == "qlora" and w.bnb_precision) or shape.moe_layers or \
+            shape.mla is not None or shape.linear_layers or shape.mamba_mixers or shape.single_part:
         return 0.0
     a = compute_bytes(w)
     uncast = w.lora_dropout == 0 and trainable_bytes(w) == a
-
-    def kept_by_adapter(*names: str) -> bool:
-        return uncast and any(adapts(n, w) for n in names)
-
     h, q = shape.hidden, shape.heads * shape.hd
     mlp_in = ("up",) if shape.two_matrix else ("gate", "up")
-    return a * ((0 if kept_by_adapter("q", "k", "v") else h) +
-                (q if w.attention == "eager" and not kept_by_adapter("o") else 0) +
-                (0 if kept_by_adapter(*mlp_in) else h) +
-                (0 if kept_by_adapter("down") else shape.intermediate))
+    # In block order: the layers that read each input, and what keeping it costs per token (0 where an undropped
+    # adapter of one of them keeps that tensor anyway).
+    groups = ((("q", "k", "v"), h), (("o",), q if w.attention == "eager" else 0), (mlp_in, h),
+              (("down",), shape.intermediate))
+    every, first, upstream_trains = 0.0, 0.0, False
+    for names, width in groups:
+        kept = 0 if uncast and any(adapts(n, w) for n in names) else width
+        every += kept
+        first += kept if upstream_trains else 0
+        upstream_trains = upstream_trains or any(adapts(n, w) for n in names)
+    return a * ((shape.layers - 1) * every + first) / shape.layers
 
 
 def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, kind: Block | None = None) -> float:

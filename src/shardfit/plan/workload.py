@@ -142,6 +142,15 @@ class Workload:
     # weight to fp16 and MatMul4Bit casts it to the compute dtype for every matmul (plan/estimate.py
     # `bnb_dequantize_bytes`). shardfit's QLoRA is torchao's NF4 with a 16-bit head.
     bnb_precision: bool = False
+    # bitsandbytes before 0.43.2 ran Lightning's plugin (`bnb_precision`): its MatMul4Bit.forward kept each 4-bit
+    # linear's input whenever that input needed a gradient (`ctx.tensors = (A, B)`, bitsandbytes/autograd/
+    # _functions.py 0.39-0.43.1) although its backward never reads it, until bitsandbytes-foundation/bitsandbytes
+    # PR #1270 (0.43.2, Jul 2024) dropped it (plan/activations.py `bnb_kept_input_bytes_per_token`). litgpt's `all`
+    # extra pinned bitsandbytes 0.42.0 from Mar to Dec 2024 (0.41.x before); since Dec 2024 (Lightning-AI/litgpt
+    # PR #1893) it installs 0.44 or later on Linux, so a litgpt run of today keeps none, whatever its "only
+    # supports v0.42.0" warning says. Counted under Lightning's plugin alone, the layout it was measured on:
+    # transformers' Linear4bit casts each input to its compute dtype first, copies this count does not hold.
+    bnb_keeps_inputs: bool = False
     # QLoRA's dequantizing library (QUANT_BACKENDS): its kernels and bytes per weight per use set the time of the
     # dequantization (plan/dequant.py `dequant_per_use`), and what one dequantization holds (plan/estimate.py
     # `dequantize_bytes`). Lightning's BitsandbytesPrecision (`bnb_precision`) is bitsandbytes whatever this says.
@@ -229,17 +238,6 @@ class Workload:
         """Whether FSDP1 (FullyShardedDataParallel) ran the published sharded run: `fsdp1`, or `flat_params`, which
         is FSDP1's use_orig_params=False (FSDP2 shards each parameter and has no flat parameters)."""
         return self.fsdp1 or self.flat_params
-
-    @property
-    def bnb_keeps_inputs(self) -> bool:
-        """Whether each bitsandbytes 4-bit linear keeps its input until its backward: MatMul4Bit.forward set
-        `ctx.tensors = (A, B)` (bitsandbytes/autograd/_functions.py, 0.42.0) although its backward never reads A
-        (QLoRA trains no 4-bit weight), until bitsandbytes 0.43.2 dropped it (bitsandbytes-foundation/bitsandbytes
-        PR #1270, Jul 2024). Under Lightning's BitsandbytesPrecision (`bnb_precision`): litgpt, which runs it,
-        supports bitsandbytes 0.42.0 alone (litgpt/finetune/lora.py warns for any other version). transformers'
-        QLoRA (`quant_backend: bnb`) is taken to run a bitsandbytes of today (plan/activations.py
-        `bnb_kept_input_bytes_per_token`)."""
-        return self.method == "qlora" and self.bnb_precision
 
     @property
     def multi_tensor_step(self) -> bool:
