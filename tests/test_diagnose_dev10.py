@@ -115,3 +115,17 @@ def test_mpiexec_counts_as_a_launch_of_several_processes() -> None:
     a = analyze("mpiexec -n 4 python scripts/train.py --batch 32\nit hangs at the first step, nothing printed")
     assert {"launcher", "multi_rank"} <= a.parsed.facts
     assert "nccl_p2p_hang" in [x.category for x in a.likely][:3]
+
+
+# Review of round 13: the symptom words above must not fire on their negations or on look-alike lines.
+
+def test_an_empty_batch_tensor_is_not_a_zero3_placeholder() -> None:
+    log = ("deepspeed --num_gpus 2 train.py --deepspeed ds_z3.json\n"
+           "IndexError: index 0 is out of bounds for dimension 0 with size 0\n"
+           'print(batch["labels"]) -> tensor([], device="cuda:0", dtype=torch.int64)\n')
+    a = analyze(log)
+    assert "sym_zero_size" not in a.parsed.facts
+    assert "zero3_save_empty_params" not in [x.category for x in a.likely]
+    # a parameter printed by torch is the placeholder
+    param = "Parameter containing:\ntensor([], device='cuda:0', dtype=torch.bfloat16, requires_grad=True)"
+    assert "sym_zero_size" in analyze("ds_z3.json\n" + param).parsed.facts
