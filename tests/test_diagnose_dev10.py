@@ -129,3 +129,22 @@ def test_an_empty_batch_tensor_is_not_a_zero3_placeholder() -> None:
     # a parameter printed by torch is the placeholder
     param = "Parameter containing:\ntensor([], device='cuda:0', dtype=torch.bfloat16, requires_grad=True)"
     assert "sym_zero_size" in analyze("ds_z3.json\n" + param).parsed.facts
+
+
+@pytest.mark.parametrize("text", [
+    "I fine-tune with LoRA without gradient checkpointing (it is off).",
+    "args = TrainingArguments(output_dir='out', gradient_checkpointing=False, bf16=True)",
+    "torchrun train.py --lora_r 8 --gradient_checkpointing False",
+    "fsdp_activation_checkpointing: false",
+    "LoRA run; gradient checkpointing is disabled.",
+])
+def test_checkpointing_named_as_off_is_not_checkpointing(text: str) -> None:
+    assert "grad_ckpt" not in analyze(text).parsed.facts
+    log = text + " The adapter weights are not updated and the loss stays flat."
+    assert "gc_inputs_no_grad" not in _cats(log)[:1]
+
+
+@pytest.mark.parametrize("text", ["model.gradient_checkpointing_enable()", "--gradient_checkpointing True",
+                                  "gradient checkpointing on", "gradient_checkpointing: true"])
+def test_checkpointing_named_as_on_is_checkpointing(text: str) -> None:
+    assert "grad_ckpt" in analyze(text).parsed.facts
