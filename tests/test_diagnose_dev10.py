@@ -148,3 +148,10 @@ def test_checkpointing_named_as_off_is_not_checkpointing(text: str) -> None:
                                   "gradient checkpointing on", "gradient_checkpointing: true"])
 def test_checkpointing_named_as_on_is_checkpointing(text: str) -> None:
     assert "grad_ckpt" in analyze(text).parsed.facts
+
+
+def test_gradients_that_are_not_none_are_not_the_none_gradients_hint() -> None:
+    log = ("gradient_checkpointing: true\n"
+           "I checked after backward: the lora grads are not None, yet the eval loss stays at 2.31.\n")
+    assert "gc_inputs_no_grad" not in _cats(log)
+    assert _cats(log.replace("are not None", "are all None"))[0] == "gc_inputs_no_grad"
