@@ -155,3 +155,9 @@ def test_gradients_that_are_not_none_are_not_the_none_gradients_hint() -> None:
            "I checked after backward: the lora grads are not None, yet the eval loss stays at 2.31.\n")
     assert "gc_inputs_no_grad" not in _cats(log)
     assert _cats(log.replace("are not None", "are all None"))[0] == "gc_inputs_no_grad"
+
+
+def test_a_library_error_code_minus_9_is_not_the_oom_killer() -> None:
+    a = analyze("ERROR: failed to load model, error code -9 (invalid file header)")
+    assert "sym_host_mem" not in a.parsed.facts
+    assert "host_ram_oom" not in [x.category for x in a.likely]
