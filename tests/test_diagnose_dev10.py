@@ -161,3 +161,13 @@ def test_a_library_error_code_minus_9_is_not_the_oom_killer() -> None:
     a = analyze("ERROR: failed to load model, error code -9 (invalid file header)")
     assert "sym_host_mem" not in a.parsed.facts
     assert "host_ram_oom" not in [x.category for x in a.likely]
+
+
+def test_open_mpi_processes_per_node_is_not_the_world_size() -> None:
+    a = analyze("mpirun -N 1 --hostfile hosts.txt python train.py\n"
+                "[Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE)\n")
+    assert a.parsed.world_size is None
+    assert not {"one_rank", "multi_rank"} & a.parsed.facts
+    # the process count after other options; the program's own -n is not mpirun's
+    a = analyze("mpirun --allow-run-as-root --hostfile hosts -np 8 python train.py -n 3\nit hangs")
+    assert a.parsed.world_size == 8 and "multi_rank" in a.parsed.facts
