@@ -171,3 +171,13 @@ def test_open_mpi_processes_per_node_is_not_the_world_size() -> None:
     # the process count after other options; the program's own -n is not mpirun's
     a = analyze("mpirun --allow-run-as-root --hostfile hosts -np 8 python train.py -n 3\nit hangs")
     assert a.parsed.world_size == 8 and "multi_rank" in a.parsed.facts
+
+
+def test_thirty_minutes_preparing_the_model_is_not_data_preparation() -> None:
+    log = ("The job fails after 30 minutes preparing the model with deepspeed.initialize: "
+           "Watchdog caught collective operation timeout")
+    ev = [e for x in analyze(log).likely if x.category == "nccl_timeout_preprocessing" for e in x.evidence]
+    assert ev and not any("30 ?(minutes" in e for e in ev), ev
+    ev = [e for x in analyze(log.replace("the model", "the data")).likely
+          if x.category == "nccl_timeout_preprocessing" for e in x.evidence]
+    assert any("30 ?(minutes" in e for e in ev), ev
