@@ -181,3 +181,13 @@ def test_thirty_minutes_preparing_the_model_is_not_data_preparation() -> None:
     ev = [e for x in analyze(log.replace("the model", "the data")).likely
           if x.category == "nccl_timeout_preprocessing" for e in x.evidence]
     assert any("30 ?(minutes" in e for e in ev), ev
+
+
+def test_c10d_errno_99_warning_before_a_watchdog_timeout_is_harmless() -> None:
+    """A watchdog timing a collective out means the ranks met at the rendezvous: the connect warning before it was
+    one address of localhost failing before another connected."""
+    log = ("[W socket.cpp:663] [c10d] The client socket has failed to connect to [localhost]:29500 "
+           "(errno: 99 - Cannot assign requested address).\n"
+           "[Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
+           "Timeout(ms)=1800000) ran for 1800102 milliseconds before timing out.\n")
+    assert "rendezvous_unreachable" not in _cats(log)
