@@ -221,7 +221,11 @@ _PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|w
 _MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
 _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
                     r"GPUS_PER_NODE|dist_world_size|world[ _]size|"
-                    r"(?:mpirun|mpiexec)\s+(?:--?np?\b|-c\b))[\s:=]+(\d+)", re.I)
+                    # mpirun/mpiexec's process count (-n, -np, --n, --np, Open MPI's -c), after any other options
+                    # (--hostfile h, --allow-run-as-root) but not in the program's own arguments; case-sensitive,
+                    # because Open MPI's -N is processes per node, not the world size
+                    r"\b(?:mpirun|mpiexec)\b(?:(?!\bpython|\.py\b)[^\n|;&]){0,200}?\s(?-i:--?np?|-c))[\s:=]+(\d+)",
+                    re.I)
 _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
                     r"|(?:\b|_)zero-?(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
                     r"|\bds_(?:config_)?(\d)\.json"
