@@ -191,3 +191,13 @@ def test_c10d_errno_99_warning_before_a_watchdog_timeout_is_harmless() -> None:
            "[Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
            "Timeout(ms)=1800000) ran for 1800102 milliseconds before timing out.\n")
     assert "rendezvous_unreachable" not in _cats(log)
+
+
+@pytest.mark.parametrize("log", [
+    "I fine-tune with LoRA and save a checkpoint every epoch under DDP; the loss does not change.",
+    "After tokenizing the dataset the eval loss does not change across 4 GPUs.",
+])
+def test_hang_words_are_whole_words(log: str) -> None:
+    """"change" holds "hang": the save, preprocessing and rendezvous hints read hang/hung/stuck as words only."""
+    cats = _cats(log)
+    assert "nccl_timeout_save" not in cats and "nccl_timeout_preprocessing" not in cats, cats
