@@ -169,3 +169,27 @@ def test_offload_copies_every_method_s_weights_as_stored(method: str) -> None:
     if method == "freeze":  # the trained blocks are fp32, two bytes more than the 16-bit frozen ones
         assert param_bytes_stored(shape, w) == pytest.approx(
             shape.params() * 2 + trainable_params(shape, w) * 2, rel=1e-9)
+
+
+@pytest.mark.parametrize(("dtype", "frozen_fp32", "precision", "copy_bytes"), [
+    ("loaded", False, "bf16", 2),  # peft deep-copies the bf16 module (HF Trainer, TRL, axolotl)
+    ("loaded", True, "bf16", 4),  # ... upcast to fp32 by prepare_model_for_kbit_training before the copy
+    ("trainable", False, "bf16", 4),  # LLaMA-Factory casts every trainable weight to fp32 after wrapping
+    ("fp16_upcast", False, "bf16", 2),  # ms-swift leaves a bf16 copy as it is
+    ("fp16_upcast", False, "fp16", 4),  # ... and casts an fp16 one to fp32
+])
+def test_peft_trained_copies_count_in_the_dtype_the_tool_leaves(dtype: str, frozen_fp32: bool, precision: str,
+                                                                copy_bytes: int) -> None:
+    """peft's modules_to_save copy (ModulesToSaveWrapper: a deepcopy of the module) keeps the dtype the module had
+    when peft wrapped it; its weight, gradient and torch AdamW's two states are in that dtype, while the adapters
+    beside it are fp32 (cast_adapter_dtype upcasts only the adapters' own layers)."""
+    shape = resolve_shape("Qwen/Qwen2.5-7B-Instruct")
+    w = Workload(method="lora", precision=precision, seq_len=1024, frozen_fp32=frozen_fp32)
+    saved = replace(w, lora_saved=("embed", "head"), lora_saved_dtype=dtype)
+    copies = 2 * shape.vocab * shape.hidden
+    without, with_copies = state_bytes(shape, w), state_bytes(shape, saved)
+    assert with_copies[0] - without[0] == pytest.approx(copies * copy_bytes, rel=1e-12)
+    assert with_copies[1] - without[1] == pytest.approx(copies * copy_bytes, rel=1e-12)
+    assert with_copies[2] - without[2] == pytest.approx(copies * 2 * copy_bytes, rel=1e-12)
+    # offload and DeepSpeed count the model's own weights without the copies, whatever their dtype
+    assert param_bytes_stored(shape, saved) == pytest.approx(param_bytes_stored(shape, w), rel=1e-12)

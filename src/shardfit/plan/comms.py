@@ -27,9 +27,9 @@ from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.dequant import quantized_linear_params
 from shardfit.plan.dispatch import GpuWork
-from shardfit.plan.estimate import nf4_linear_bytes, state_bytes, trainable_params
+from shardfit.plan.estimate import nf4_linear_bytes, state_bytes, trainable_params, trainable_weight_bytes
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.precision import compute_bytes, trainable_bytes
+from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -73,7 +73,7 @@ def param_bytes_stored(shape: ModelShape, w: Workload) -> float:
     left out. FSDP casts a shard to the compute dtype after copying it to the GPU, so the copy moves the stored
     bytes (`param_bytes_16` is the gather's)."""
     weights = state_bytes(shape, w)[0]
-    return weights - trainable_params(shape, w) * trainable_bytes(w) if w.trains_adapters else weights
+    return weights - trainable_weight_bytes(shape, w) if w.trains_adapters else weights
 
 
 def _params_bytes(shape: ModelShape, w: Workload, other: int) -> float:
