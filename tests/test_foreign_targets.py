@@ -279,6 +279,36 @@ def test_modules_to_save_of_each_tool_are_planned_as_trainable_copies(tmp_path: 
     assert read_job("swift", _write(tmp_path, "s.sh", sw), JobOptions()).workload.lora_saved == ("embed", "head")
 
 
+def test_modules_to_save_copies_are_planned_in_each_tool_s_dtype(tmp_path: Path) -> None:
+    """peft keeps a modules_to_save copy in the dtype the module was loaded in (bf16 here); LLaMA-Factory then casts
+    every trainable weight to fp32 unless pure_bf16: the same job plans about 2 bytes x 2 x (weight, gradient and
+    two AdamW states) per copied weight more under LLaMA-Factory than under axolotl, where it was counted fp32
+    alike."""
+    import dataclasses
+
+    from shardfit.foreign.asplanned import plan_job
+    from shardfit.plan.estimate import state_bytes
+    from shardfit.plan.hardware import parse_gpus
+
+    shape = resolve_shape("Qwen/Qwen2.5-7B")
+    lf = read_job("llamafactory", _write(tmp_path, "lf.yaml", LF.format(model="Qwen/Qwen2.5-7B", targets="q_proj")
+                                         + "bf16: true\nadditional_target: lm_head\n"), JobOptions())
+    pure = read_job("llamafactory", _write(tmp_path, "p.yaml", LF.format(model="Qwen/Qwen2.5-7B", targets="q_proj")
+                                           + "pure_bf16: true\nadditional_target: lm_head\n"), JobOptions())
+    ax = read_job("axolotl", _write(tmp_path, "a.yml", AXOLOTL.format(model="Qwen/Qwen2.5-7B", targets=r".*\.q_proj")
+                                    + "lora_modules_to_save: [lm_head]\n"), JobOptions())
+    head = shape.vocab * shape.hidden
+    for job, copy_bytes in ((lf, 4), (pure, 2), (ax, 2)):
+        w = job.workload
+        assert w.lora_saved == ("head",) and w.precision == "bf16" and not w.frozen_fp32
+        _, grads, _ = state_bytes(shape, w)
+        _, no_copy, _ = state_bytes(shape, dataclasses.replace(w, lora_saved=()))
+        assert grads - no_copy == pytest.approx(head * copy_bytes, rel=1e-9), job.tool
+    fp_lf, fp_ax = (plan_job(j, shape, parse_gpus("1x80GB")).configured.per_gpu_gib for j in (lf, ax))
+    # AdamW's two states of the copy, held through the step: fp32 under LLaMA-Factory, bf16 under axolotl
+    assert fp_lf.optimizer - fp_ax.optimizer == pytest.approx(head * 4 / 2**30, rel=0.05)
+
+
 @pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B", "openai/gpt-oss-20b"])
 def test_a_router_name_the_model_lacks_is_refused_or_skipped_as_peft_does(tmp_path: Path, model: str) -> None:
     """`gate` or `router` on a model without that router (a dense model; gpt-oss, whose router is `router`)

@@ -144,3 +144,52 @@ def test_qlora_gathers_and_offload_copies_move_the_weights_as_stored(double_quan
                                                      rel=1e-12)
     if not double_quant:
         assert param_bytes_16(shape, w) > param_bytes_16(shape, replace(w, double_quant=True))
+
+
+@pytest.mark.parametrize("method", ["lora", "freeze", "full"])
+def test_offload_copies_every_method_s_weights_as_stored(method: str) -> None:
+    """Offload copies the model's weights in the dtype they are stored in, as the memory counts them: under
+    `frozen_fp32` a LoRA's frozen embeddings, norms and head in fp32 (two bytes more each than in bf16, the
+    decoder's linear weights unchanged), a freeze run's trained blocks as fp32 masters, a full fine-tune's masters
+    in 16 bits under `pure_16bit`; the gather still moves 16 bits."""
+    shape = resolve_shape("Qwen/Qwen2.5-7B-Instruct")
+    w = Workload(method=method, seq_len=1024, micro_batch=1, grad_ckpt="full")
+    adapters = trainable_params(shape, w) * trainable_bytes(w) if w.trains_adapters else 0
+    assert param_bytes_stored(shape, w) == pytest.approx(state_bytes(shape, w)[0] - adapters, rel=1e-12)
+    if method == "full":
+        pure = replace(w, pure_16bit=True)
+        assert param_bytes_stored(shape, pure) == pytest.approx(shape.params() * 2, rel=1e-12)
+        return
+    upcast = replace(w, frozen_fp32=True)
+    frozen = shape.params() - shape.decoder_linear_params() - (trainable_params(shape, w) if method == "freeze"
+                                                                else 0)
+    gap = param_bytes_stored(shape, upcast) - param_bytes_stored(shape, w)
+    assert gap == pytest.approx(frozen * 2, rel=1e-9)
+    assert param_bytes_16(shape, upcast) == param_bytes_16(shape, w)
+    if method == "freeze":  # the trained blocks are fp32, two bytes more than the 16-bit frozen ones
+        assert param_bytes_stored(shape, w) == pytest.approx(
+            shape.params() * 2 + trainable_params(shape, w) * 2, rel=1e-9)
+
+
+@pytest.mark.parametrize(("dtype", "frozen_fp32", "precision", "copy_bytes"), [
+    ("loaded", False, "bf16", 2),  # peft deep-copies the bf16 module (HF Trainer, TRL, axolotl)
+    ("loaded", True, "bf16", 4),  # ... upcast to fp32 by prepare_model_for_kbit_training before the copy
+    ("trainable", False, "bf16", 4),  # LLaMA-Factory casts every trainable weight to fp32 after wrapping
+    ("fp16_upcast", False, "bf16", 2),  # ms-swift leaves a bf16 copy as it is
+    ("fp16_upcast", False, "fp16", 4),  # ... and casts an fp16 one to fp32
+])
+def test_peft_trained_copies_count_in_the_dtype_the_tool_leaves(dtype: str, frozen_fp32: bool, precision: str,
+                                                                copy_bytes: int) -> None:
+    """peft's modules_to_save copy (ModulesToSaveWrapper: a deepcopy of the module) keeps the dtype the module had
+    when peft wrapped it; its weight, gradient and torch AdamW's two states are in that dtype, while the adapters
+    beside it are fp32 (cast_adapter_dtype upcasts only the adapters' own layers)."""
+    shape = resolve_shape("Qwen/Qwen2.5-7B-Instruct")
+    w = Workload(method="lora", precision=precision, seq_len=1024, frozen_fp32=frozen_fp32)
+    saved = replace(w, lora_saved=("embed", "head"), lora_saved_dtype=dtype)
+    copies = 2 * shape.vocab * shape.hidden
+    without, with_copies = state_bytes(shape, w), state_bytes(shape, saved)
+    assert with_copies[0] - without[0] == pytest.approx(copies * copy_bytes, rel=1e-12)
+    assert with_copies[1] - without[1] == pytest.approx(copies * copy_bytes, rel=1e-12)
+    assert with_copies[2] - without[2] == pytest.approx(copies * 2 * copy_bytes, rel=1e-12)
+    # offload and DeepSpeed count the model's own weights without the copies, whatever their dtype
+    assert param_bytes_stored(shape, saved) == pytest.approx(param_bytes_stored(shape, w), rel=1e-12)

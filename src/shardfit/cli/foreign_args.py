@@ -39,6 +39,8 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
     hw = parse_gpus(args.gpus, args.nodes, getattr(args, "cpu_mem", None)) if args.gpus else detect(args.nodes)
     opts = JobOptions(model=args.model, nproc=args.nproc, seq=args.seq, batch=args.batch, method=args.method,
                       grad_ckpt=args.grad_ckpt, transformers=args.transformers,
+                      frozen_fp32=getattr(args, "frozen_fp32", None),
+                      bnb_compute_fp32=getattr(args, "bnb_compute_fp32", None),
                       # the GPUs a launch that takes every visible one starts ranks on, known before reading
                       gpus=hw if args.gpus or hw.gpus_per_node > 1 else None)
     job = read_job(args.from_tool, args.config, opts)

@@ -17,6 +17,7 @@ from shardfit.config import Config, load_config
 from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.foreign.asplanned import format_report
+from shardfit.foreign.job import TOOL_NAMES
 from shardfit.objective import NAMES as OBJECTIVES
 from shardfit.objective import get as get_objective
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
@@ -200,6 +201,68 @@ def local_precision() -> str:
     return resolve_precision("auto", "cuda" if cuda_available() else "cpu")
 
 
+# The tools whose job file leaves the model's preparation to a training script the reader does not run: there
+# --frozen-fp32 and --bnb-compute-fp32 say what the script does (foreign/read.py `_script_flags`).
+FROM_SCRIPT_FLAGS = ("hf", "deepspeed")
+# Where the other tools decide those dtypes themselves, as the plan reads them.
+FROZEN_BY_TOOL = {
+    "llamafactory": "LLaMA-Factory loads them in its compute dtype and never runs peft's "
+                    "prepare_model_for_kbit_training",
+    "swift": "ms-swift loads them in its torch_dtype and never runs peft's prepare_model_for_kbit_training",
+    "axolotl": "axolotl's loader decides (peft's prepare_model_for_kbit_training for a 4/8-bit model), as the plan "
+               "reads its adapter and load_in_4bit keys"}
+BNB_COMPUTE_BY_TOOL = {
+    "llamafactory": "LLaMA-Factory passes its compute dtype to bitsandbytes as bnb_4bit_compute_dtype",
+    "swift": "ms-swift takes it from --bnb_4bit_compute_dtype, by default from --torch_dtype (fp32 for float16 and "
+             "float32, bf16 for bfloat16): set that argument in the job",
+    "axolotl": "axolotl passes its torch_dtype to bitsandbytes as bnb_4bit_compute_dtype"}
+OPTIMIZER_KEYS = {"llamafactory": "optim", "swift": "--optim", "axolotl": "optimizer", "hf": "--optim",
+                  "deepspeed": "the JSON's optimizer section, else the training script's optimizer (DeepSpeed steps "
+                               "fp32 masters whatever it is)"}
+# `plan`'s workload flags that a job's file says instead (`with_flags` applies them to --model and a config only).
+FROM_IGNORES = ("precision", "optimizer", "lora_rank", "loss", "adapters_16bit", "pure_16bit", "quant_backend",
+                "tf32", "compile", "float8", "lora_dropout", "attention", "grad_accum", "objective",
+                "precompute_reference", "sequence_parallel", "expert_parallel", "pipeline_parallel",
+                "pipeline_stages_per_rank", "pipeline_schedule", "images_per_sample", "image_size",
+                "image_max_pixels", "audio_per_sample", "audio_seconds", "strategy")
+
+
+def _flag(dest: str, value: object) -> str:
+    """The command-line spelling of `dest` as given: `--float8`, `--no-compile` (a BooleanOptionalAction's
+    False), `--precision fp16`."""
+    name = dest.replace("_", "-")
+    return f"--{name}" if value is True else f"--no-{name}" if value is False else f"--{name} {value}"
+
+
+def check_from_flags(args: argparse.Namespace) -> None:
+    """`plan --from TOOL FILE` with `plan`'s workload flags: each either applies on top of the file, where the file
+    cannot say it (--frozen-fp32 and --bnb-compute-fp32 for a job whose script prepares the model, --method, --seq,
+    --batch, --grad-ckpt), changes nothing (--tool-autocast: a tool's engine is how --from plans), or is refused
+    with exit 2, naming the flag, where the file or its tool decides and the plan reads it from there."""
+    tool = args.from_tool
+    name = TOOL_NAMES[tool]
+    if args.frozen_fp32 and tool not in FROM_SCRIPT_FLAGS:
+        raise UserError(f"--frozen-fp32 with --from {tool}: {FROZEN_BY_TOOL[tool]}, and the plan follows {name} "
+                        f"there. Drop the flag (it says what a training script does: --from hf or deepspeed).")
+    if args.bnb_compute_fp32 and tool not in FROM_SCRIPT_FLAGS:
+        raise UserError(f"--bnb-compute-fp32 with --from {tool}: {BNB_COMPUTE_BY_TOOL[tool]}. Drop the flag (it "
+                        f"says what a training script's BitsAndBytesConfig does: --from hf or deepspeed).")
+    if args.bnb_optimizer:
+        raise UserError(f"--bnb-optimizer with --from {tool}: the job's optimizer is {OPTIMIZER_KEYS[tool]}, which "
+                        f"the plan reads (bitsandbytes' for adamw_bnb_8bit, paged_adamw_32bit...). Name the "
+                        f"optimizer there and drop the flag.")
+    if args.tool_autocast is False:
+        raise UserError(f"--no-tool-autocast plans shardfit's own runner, but a --from job runs under {name}'s "
+                        f"engine, which autocasts wherever it mixes precision (how --from plans it). Drop the flag, "
+                        f"or convert the job (shardfit convert --from {tool} FILE) and plan the config.")
+    given = [dest for dest in FROM_IGNORES if getattr(args, dest, None) is not None]
+    if given:
+        flags = ", ".join(_flag(d, getattr(args, d)) for d in given)
+        raise UserError(f"{flags} with --from {tool}: the job's file says {'this' if len(given) == 1 else 'these'}, "
+                        f"and the plan reads {name}'s settings from it. Change the file, or plan the model with the "
+                        f"flags instead (shardfit plan --model ID {flags.replace(', ', ' ')} ...).")
+
+
 def run_from(args: argparse.Namespace) -> int:
     """`plan --from TOOL FILE`: the job as its tool would run it, shardfit's strategies for the same workload, and
     what would fit. Exit 3 when the job as configured is predicted not to fit."""
@@ -208,6 +271,7 @@ def run_from(args: argparse.Namespace) -> int:
     if not args.config:
         raise UserError(f"--from {args.from_tool} needs the job's file, e.g. shardfit plan --from {args.from_tool} "
                         f"FILE --gpus 8x24GB.")
+    check_from_flags(args)
     fp = foreign_plan(args)
     if args.json:
         print(json.dumps(fp.to_json(), indent=2))

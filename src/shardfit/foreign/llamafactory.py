@@ -242,6 +242,9 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
+                    # init_adapter casts every trainable weight to fp32 after get_peft_model unless pure_bf16:
+                    # additional_target's copies too, as the adapters
+                    lora_saved_dtype="trainable",
                     **settings(src, KEYS, "field"))
 
 

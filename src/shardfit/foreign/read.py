@@ -58,6 +58,10 @@ class JobOptions:
     grad_ckpt: str | None = None
     transformers: str | None = None
     gpus: Hardware | None = None  # --gpus: the GPUs a launcher that takes every visible one starts ranks on
+    # `plan`'s --frozen-fp32 and --bnb-compute-fp32, for the tools whose training script, not the tool, prepares the
+    # model (hf, deepspeed: plan_cmd.py `FROM_SCRIPT_FLAGS`): what the script does that the file does not say
+    frozen_fp32: bool | None = None
+    bnb_compute_fp32: bool | None = None
 
 
 def _shape_of(model: str) -> ModelShape:
@@ -108,6 +112,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         plan_all_linear(job, shape_of(job.model), version)
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    _script_flags(job, opts)
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
     job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
@@ -124,6 +129,32 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     job.notes.append(f"loss as transformers {version} computes it" +
                      (" (fused kernel: no full logits)" if job.workload.loss == "chunked" else ""))
     return job
+
+
+def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
+    """--frozen-fp32 and --bnb-compute-fp32 on a job whose script prepares the model: what the script does after
+    loading, which the file does not say, applied where the reader left the default (before DeepSpeed's cast,
+    which undoes the fp32 upcast as it does peft's). A UserError where the job has nothing the flag could change."""
+    w = job.workload
+    if opts.frozen_fp32:
+        if w.method == "full":
+            raise UserError(f"--frozen-fp32 keeps frozen weights in fp32, but {job.source} is a full fine-tune: every "
+                            "weight trains (fp32 masters already). Drop the flag, or plan the adapters' run with "
+                            "--method lora or qlora.")
+        job.notes.append("--frozen-fp32: frozen embeddings, norms and head planned in fp32, as the script's "
+                         "prepare_model_for_kbit_training leaves them" + (" (as read already)" if w.frozen_fp32
+                                                                          else ""))
+        w = dataclasses.replace(w, frozen_fp32=True)
+    if opts.bnb_compute_fp32:
+        if w.method != "qlora":
+            raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but {job.source} is method "
+                            f"{w.method}, without 4-bit weights: add --method qlora (the script loads the model with "
+                            "a BitsAndBytesConfig), or drop the flag.")
+        job.notes.append("--bnb-compute-fp32: bitsandbytes computes in fp32 (the script's BitsAndBytesConfig without "
+                         "bnb_4bit_compute_dtype)")
+        # the flag names bitsandbytes' kernel: a bare DeepSpeed JSON's 4-bit weights are then bitsandbytes' too
+        w = dataclasses.replace(w, bnb_compute_fp32=True, quant_backend="bnb")
+    job.workload = w
 
 
 def launch_on(job: ForeignJob, gpus_per_node: int) -> None:

@@ -27,9 +27,9 @@ from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.dequant import quantized_linear_params
 from shardfit.plan.dispatch import GpuWork
-from shardfit.plan.estimate import nf4_linear_bytes, trainable_params
+from shardfit.plan.estimate import nf4_linear_bytes, state_bytes, trainable_params, trainable_weight_bytes
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.precision import compute_bytes, frozen_weight_bytes
+from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
@@ -65,16 +65,15 @@ def param_bytes_16(shape: ModelShape, w: Workload) -> float:
 
 
 def param_bytes_stored(shape: ModelShape, w: Workload) -> float:
-    """The parameters as their shards are stored (offload copies these): fp32 masters for a full fine-tune; under
-    QLoRA the 4-bit weights as stored (plan/estimate.py `nf4_linear_bytes`) and every other weight as stored
-    (plan/precision.py `frozen_weight_bytes`: fp32 where peft's prepare_model_for_kbit_training upcast it); every
-    weight of a LoRA or freeze run in the compute dtype (`param_bytes_16`). FSDP casts a shard to the compute
-    dtype after copying it to the GPU, so the copy moves the stored bytes (`param_bytes_16` is the gather's)."""
-    if w.method == "full":
-        return shape.params() * 4.0
-    if w.method == "qlora":
-        return _params_bytes(shape, w, frozen_weight_bytes(w))
-    return param_bytes_16(shape, w)
+    """The model's parameters as their shards are stored (offload copies these), as the memory counts them
+    (plan/estimate.py `state_bytes`): fp32 masters for a full fine-tune (16-bit under `pure_16bit`); a freeze run's
+    trained blocks in their dtype; QLoRA's 4-bit weights as stored (`nf4_linear_bytes`); every frozen weight outside
+    them as stored (plan/precision.py `frozen_weight_bytes`: fp32 where peft's prepare_model_for_kbit_training upcast
+    it, `frozen_fp32`, for LoRA as for QLoRA). Adapters and peft's trained copies, not the model's own weights, are
+    left out. FSDP casts a shard to the compute dtype after copying it to the GPU, so the copy moves the stored
+    bytes (`param_bytes_16` is the gather's)."""
+    weights = state_bytes(shape, w)[0]
+    return weights - trainable_weight_bytes(shape, w) if w.trains_adapters else weights
 
 
 def _params_bytes(shape: ModelShape, w: Workload, other: int) -> float:

@@ -39,9 +39,10 @@ from shardfit.plan.estimate import (
     planned_shape,
     state_bytes,
     trainable_params,
+    trainable_weight_bytes,
 )
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.precision import compute_bytes, trainable_bytes
+from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -215,7 +216,7 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
     full = w.method == "full"
     # The model as DeepSpeed holds it: trainable weights in 16 bits (the fp32 masters are the optimizer's), frozen
     # ones as the method stores them (4-bit NF4 for QLoRA; peft's fp32 upcast only in an fp32 run: `as_deepspeed_runs`).
-    model_bytes = low * p if full else state_bytes(shape, w)[0] - t * trainable_bytes(w) + low * t
+    model_bytes = low * p if full else state_bytes(shape, w)[0] - trainable_weight_bytes(shape, w) + low * t
     layer_params = shape.layer_params()
     block_grads = (layer_params if full else t / shape.layers) * low  # a block's unreduced gradients
     if z.stage == 3:

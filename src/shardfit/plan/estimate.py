@@ -49,6 +49,7 @@ from shardfit.plan.precision import (
     experts_stay_16bit,
     frozen_weight_bytes,
     runs_autocast,
+    saved_copy_bytes,
     stored_nf4,
     trainable_bytes,
 )
@@ -134,6 +135,13 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
     return shape.params() - frozen_audio_params(shape, w)
 
 
+def trainable_weight_bytes(shape: ModelShape, w: Workload) -> float:
+    """Bytes of the trainable weights, and of their gradients: `trainable_bytes` each, but peft's trained copies of
+    whole modules (`saved_params`) in the dtype the tool leaves them in (`saved_copy_bytes`)."""
+    saved = saved_params(shape, w)
+    return float((trainable_params(shape, w) - saved) * trainable_bytes(w) + saved * saved_copy_bytes(w))
+
+
 def frozen_audio_params(shape: ModelShape, w: Workload) -> int:
     """The audio tower's weights a full fine-tune leaves frozen: all of them under freeze_audio_tower, else its
     begin/end-of-audio embedding (it serves only the speech output, models/adapters.py)."""
@@ -153,12 +161,14 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         linear = shape.decoder_linear_params()
         per_other = frozen_weight_bytes(w)
         stored = shape.over_blocks(lambda moe: linear_weight_bytes(shape, w, moe))
-        weights = stored + (frozen - linear) * per_other + t * trainable_bytes(w)
+        weights = stored + (frozen - linear) * per_other + trainable_weight_bytes(shape, w)
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
-    grads = t * trainable_bytes(w)
+    grads = trainable_weight_bytes(shape, w)
     wide = fp32_state_params(shape, w) * (full_width_state_bytes(w) - optimizer_state_bytes(w))
-    return weights, grads, t * optimizer_state_bytes(w) + wide
+    saved = saved_params(shape, w)  # torch AdamW's states of peft's trained copies: in the copies' own dtype
+    states = (t - saved) * optimizer_state_bytes(w) + saved * optimizer_state_bytes(w, weight_bytes=saved_copy_bytes(w))
+    return weights, grads, states + wide
 
 
 # bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
@@ -166,17 +176,19 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
 BNB_STATE_BLOCK = 256
 
 
-def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False) -> float:
+def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False, weight_bytes: int | None = None) -> float:
     """Bytes of AdamW's two states per trainable weight. 8-bit AdamW (bitsandbytes'): one byte each and an fp32
     absmax per BNB_STATE_BLOCK elements of each (tensors under its min_8bit_size, 4,096 elements, keep fp32 states:
     norms and biases, not counted apart). torch's AdamW: the dtype of the weights it steps (torch/optim/adamw.py:
     `torch.zeros_like(p)`): the trainable weights' own, or fp32 where the engine steps fp32 masters of them
     (`fp32_masters`: DeepSpeed's ZeRO optimizer steps its fp32 partition whatever the weights' dtype, even for 16-bit
     LoRA adapters). bitsandbytes' 32-bit AdamW (`paged_adamw_32bit`, `bnb_optimizer`): fp32 whatever the weight's
-    dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32)."""
+    dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32).
+    `weight_bytes`: the dtype of the weights stepped where it is not `trainable_bytes` (peft's trained copies,
+    `saved_copy_bytes`)."""
     if w.optimizer == "adamw8bit":
         return 2.0 * (1 + 4 / BNB_STATE_BLOCK)
-    return 2.0 * (4 if w.bnb_optimizer or fp32_masters else trainable_bytes(w))
+    return 2.0 * (4 if w.bnb_optimizer or fp32_masters else weight_bytes or trainable_bytes(w))
 
 
 # bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements than this (Optimizer2State's

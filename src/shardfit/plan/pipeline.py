@@ -66,7 +66,6 @@ from shardfit.plan.estimate import (
     Candidate,
     check_not_negative,
     estimate,
-    foreach_temp_bytes,
     fp32_state_embedding,
     full_width_state_bytes,
     head_weight_bytes,
@@ -76,7 +75,7 @@ from shardfit.plan.estimate import (
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.plan import TIE, Plan, recommend
-from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, trainable_bytes
+from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, saved_copy_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload, workload_of
@@ -193,15 +192,17 @@ def balance(layers: int, fixed: Sequence[float], per_block: Sequence[float], mos
     return blocks
 
 
-def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False) -> tuple[float, float, float]:
+def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False,
+              saved: bool = False) -> tuple[float, float, float]:
     """(weights, grads, optimizer) GiB of `params` weights outside the blocks: trained ones as a full fine-tune
-    stores them (AdamW's two states; fp32 ones for a trained input `embedding` the HF Trainer keeps in 32 bits under
-    an 8-bit AdamW, plan/estimate.py `fp32_state_embedding`, as the stage's estimate counted it), frozen ones as
-    stored."""
+    stores them, or peft's trained copy (`saved`) in the dtype the tool leaves it in (`saved_copy_bytes`) (AdamW's
+    two states; fp32 ones for a trained input `embedding` the HF Trainer keeps in 32 bits under an 8-bit AdamW,
+    plan/estimate.py `fp32_state_embedding`, as the stage's estimate counted it), frozen ones as stored."""
     if not trained:
         return params * frozen_weight_bytes(w) / GIB, 0.0, 0.0
-    t = trainable_bytes(w)
-    states = full_width_state_bytes(w) if embedding and fp32_state_embedding(w) else optimizer_state_bytes(w)
+    t = saved_copy_bytes(w) if saved else trainable_bytes(w)
+    states = full_width_state_bytes(w) if embedding and fp32_state_embedding(w) else \
+        optimizer_state_bytes(w, weight_bytes=t)
     return params * t / GIB, params * t / GIB, params * states / GIB
 
 
@@ -253,27 +254,29 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
-    # (weights, trained, the input embedding): the parts another stage holds
-    parts: list[tuple[int, bool, bool]] = []
+    # (weights, trained, the input embedding, peft's trained copy): the parts another stage holds
+    parts: list[tuple[int, bool, bool, bool]] = []
     if not first:  # the towers stay on the first stage, with the images' and clips' activations
-        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False))
+        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False, False))
         b.activations -= (image_activation_bytes(stage_shape, w, name)
                           + audio_activation_bytes(stage_shape, w, name)) / GIB
     if shape.tied:  # one matrix counted: the first stage's embedding, the last stage's copy of it as the head
-        parts += [(matrix, trains_embedding, True)] if not first and not last else []
+        parts += [(matrix, trains_embedding, True, False)] if not first and not last else []
     else:
-        parts += [(matrix, trains_embedding, True)] if not first else []
-        parts += [(matrix, trains_embedding, False)] if not last else []
+        parts += [(matrix, trains_embedding, True, False)] if not first else []
+        parts += [(matrix, trains_embedding, False, False)] if not last else []
     saved = w.lora_saved if w.trains_adapters else ()  # peft's trained copies: the embedding's first, the head's last
-    parts += [(matrix, True, True)] if "embed" in saved and not first else []
-    parts += [(matrix, True, False)] if "head" in saved and not last else []
+    parts += [(matrix, True, True, True)] if "embed" in saved and not first else []
+    parts += [(matrix, True, False, True)] if "head" in saved and not last else []
     if not last:  # the loss's buffers are the last stage's, and zero3's unsharded root (the head) too
         b.logits = 0.0
         # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
         b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params and not step_copy else 0.0
-    for params, trained, embedding in parts:
-        wt, g, o = _part_gib(params, trained, w, embedding)
-        copy = foreach_temp_bytes(params, w) / GIB if trained and step_copy else 0.0
+    for params, trained, embedding, copied in parts:
+        wt, g, o = _part_gib(params, trained, w, embedding, copied)
+        # the multi-tensor AdamW's copy (estimate.py `foreach_temp_bytes`), in the trained weights' own dtype
+        stepped = saved_copy_bytes(w) if copied else trainable_bytes(w)
+        copy = params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
         b.weights -= wt / (dp if s.shards_params else 1)
         b.grads -= g / (dp if s.shards_grads else 1)
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)

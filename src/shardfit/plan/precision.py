@@ -21,6 +21,17 @@ def trainable_bytes(w: Workload) -> int:
     return 4
 
 
+def saved_copy_bytes(w: Workload) -> int:
+    """Bytes per element of peft's trained copies of whole modules (`lora_saved`), of their gradients and of torch
+    AdamW's states of them, in the dtype the tool leaves them in (`Workload.lora_saved_dtype`): as the adapters
+    (`trainable_bytes`), or as the module was loaded (`frozen_weight_bytes`), fp16 cast to fp32."""
+    if w.lora_saved_dtype == "trainable" or w.pure_16bit:
+        return trainable_bytes(w)
+    if w.lora_saved_dtype == "fp16_upcast" and w.precision == "fp16":
+        return 4
+    return frozen_weight_bytes(w)
+
+
 def casts_fp32_trainables(w: Workload, strategy: str) -> bool:
     """Autocast runs over fp32 trainable weights (a full fine-tune's masters, fp32 adapters), so it makes 16-bit
     copies of their inputs and of the weights themselves; 16-bit adapters need none."""

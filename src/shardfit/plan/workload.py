@@ -103,6 +103,13 @@ class Workload:
     # axolotl's lora_modules_to_save, ms-swift's --modules_to_save): "embed", "head". peft trains a full copy of
     # each while the original stays frozen, so each adds its weights to the trainable parameters.
     lora_saved: tuple[str, ...] = ()
+    # The dtype those copies, their gradients and torch AdamW's states are in (plan/precision.py `saved_copy_bytes`):
+    # "loaded": peft deep-copies the module as it was loaded (ModulesToSaveWrapper; cast_adapter_dtype upcasts only
+    # the adapters' own layers), fp32 after prepare_model_for_kbit_training (`frozen_fp32`), else the compute dtype
+    # (the HF Trainer and TRL, axolotl); "trainable": the tool casts every trainable weight to fp32 after wrapping,
+    # as the adapters (LLaMA-Factory's cast_trainable_params_to_fp32, off under pure_bf16); "fp16_upcast": as
+    # loaded, but fp16 ones cast to fp32 (ms-swift's fix for GradScaler's "Attempting to unscale FP16 gradients").
+    lora_saved_dtype: str = "loaded"
     # `freeze`: the decoder blocks that train, by index (`trained_blocks`); empty: the last two (LLaMA-Factory's
     # default). Backward runs from the top down to the lowest of them.
     freeze_blocks: tuple[int, ...] = ()

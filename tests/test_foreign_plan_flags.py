@@ -1,0 +1,75 @@
+"""`plan --from TOOL FILE` with plan's workload flags: each applies on top of what the file cannot say, or exits 2
+naming the flag and why; none is dropped in silence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardfit.cli.main import main
+from tests.helpers import ROOT
+
+JOBS = ROOT / "tests" / "foreign_jobs"
+LF_QLORA = str(JOBS / "lf" / "qwen25_7b_qlora.yaml")
+
+
+def _script(tmp_path: Path, q_lora: bool) -> str:
+    """A Qwen finetune.py-style command line: the script (not here) loads and prepares the model."""
+    f = tmp_path / ("q.sh" if q_lora else "lora.sh")
+    f.write_text("python finetune.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct --use_lora True "
+                 f"--q_lora {q_lora} --bf16 True --per_device_train_batch_size 1 --model_max_length 2048 "
+                 "--output_dir out --gradient_checkpointing True\n")
+    return str(f)
+
+
+def _plan(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict | None, str]:
+    """Exit code, the JSON (None when refused) and stderr of `shardfit plan --json ARGV`."""
+    capsys.readouterr()
+    code = main(["plan", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out.strip() else None, err
+
+
+def test_frozen_fp32_applies_to_a_script_job(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    job = _script(tmp_path, q_lora=False)
+    _, plain, _ = _plan(capsys, "--from", "hf", job, "--gpus", "1x24GB")
+    _, flagged, _ = _plan(capsys, "--from", "hf", job, "--gpus", "1x24GB", "--frozen-fp32")
+    assert plain is not None and flagged is not None
+    before, after = plain["from"]["as_configured"], flagged["from"]["as_configured"]
+    # the embedding, head and norms of a 7B model in fp32 instead of bf16: about 2 GiB more weights
+    assert after["per_gpu_gib"]["weights"] - before["per_gpu_gib"]["weights"] > 1.5
+    assert any(n.startswith("--frozen-fp32") for n in flagged["from"]["notes"])
+
+
+def test_bnb_compute_fp32_applies_to_a_script_qlora_job(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _plan(capsys, "--from", "hf", _script(tmp_path, q_lora=True), "--gpus", "1x24GB",
+                         "--bnb-compute-fp32")
+    assert code == 0 and out is not None
+    assert any(n.startswith("--bnb-compute-fp32") for n in out["from"]["notes"])
+    # without 4-bit weights there is no compute dtype of bitsandbytes' to set
+    code, out, err = _plan(capsys, "--from", "hf", _script(tmp_path, q_lora=False), "--gpus", "1x24GB",
+                           "--bnb-compute-fp32")
+    assert (code, out) == (2, None) and "--bnb-compute-fp32" in err and "--method qlora" in err
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--frozen-fp32"], "prepare_model_for_kbit_training"),  # LLaMA-Factory's loader decides
+    (["--bnb-compute-fp32"], "bnb_4bit_compute_dtype"),  # LLaMA-Factory passes its compute dtype
+    (["--bnb-optimizer"], "optim"),  # the file's optimizer decides
+    (["--no-tool-autocast"], "autocast"),  # a tool's engine is what --from plans
+    (["--precision", "fp16"], "--precision fp16"),  # the file says it
+    (["--optimizer", "adamw8bit", "--float8"], "--optimizer adamw8bit, --float8"),
+])
+def test_flags_the_file_decides_exit_2(capsys: pytest.CaptureFixture, flags: list[str], named: str) -> None:
+    code, out, err = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", *flags)
+    assert (code, out) == (2, None)
+    assert flags[0] in err and named in err
+    assert "Traceback" not in err
+
+
+def test_tool_autocast_is_how_from_plans(capsys: pytest.CaptureFixture) -> None:
+    _, plain, _ = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB")
+    _, flagged, _ = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--tool-autocast")
+    assert plain == flagged
