@@ -1,9 +1,13 @@
 """FSDP1's root unit holds an untied input embedding gathered once through backward (plan/estimate.py
-`embedding_in_root`): a 2-rank gloo trace of torch's FullyShardedDataParallel over a tiny untied Llama, its decoder
-blocks wrapped and the embedding, norm and head in the root, as Lightning and accelerate wrap them."""
+`embedding_in_root`), and its backward holds the root and two blocks gathered (`fsdp1_backward_weight_bytes`): 2-rank
+gloo traces of torch's FullyShardedDataParallel over a tiny untied Llama, its decoder blocks wrapped and the
+embedding, norm and head in the root, as Lightning and accelerate wrap them (and with LoRA under flat parameters each
+adapter a unit of its own, as peft and Answer.AI wrap them). A run that sets only `flat_params` is FSDP1 too
+(`runs_fsdp1`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,12 +16,18 @@ from pathlib import Path
 
 import pytest
 
+from shardfit import strategy as strategies
+from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
+from shardfit.plan.estimate import compute_bytes, fsdp1_bnb_quant_state_bytes, per_rank
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
 from tests.helpers import ROOT, free_port
 
-VOCAB, HIDDEN = 4096, 64
+VOCAB, HIDDEN, LAYERS = 4096, 64, 3
 
 
-def _probe() -> None:  # runs on each rank, under torch.distributed.run
+def _probe_root() -> None:  # runs on each rank, under torch.distributed.run
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
@@ -49,22 +59,144 @@ def _probe() -> None:  # runs on each rank, under torch.distributed.run
     dist.destroy_process_group()
 
 
+def _probe_backward(lora: bool) -> None:  # runs on each rank, under torch.distributed.run
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp import _runtime_utils as runtime
+    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    blocks = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    policy = blocks
+    if lora:  # peft's and Answer.AI's wrapping: every leaf whose weight trains is a unit of its own
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]))
+
+        def leaf(m: torch.nn.Module) -> bool:
+            w = getattr(m, "weight", None)
+            return not list(m.children()) and w is not None and w.requires_grad
+
+        policy = functools.partial(_or_policy, policies=[
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=leaf), blocks])
+    model = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                                     sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=False,
+                                     backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    block_handles = [u._handle for u in units if isinstance(u._fsdp_wrapped_module, LlamaDecoderLayer)]
+    root = model._handle
+
+    def gathered(handle) -> bool:
+        return handle.flat_param._full_param_padded.untyped_storage().nbytes() > 0
+
+    seen: list[tuple[int, bool]] = []  # after each all-gather in backward: (blocks gathered, root gathered)
+    unshard = runtime._unshard
+
+    def traced(state, handle, *rest):
+        unshard(state, handle, *rest)
+        if in_backward:
+            seen.append((sum(gathered(h) for h in block_handles), gathered(root)))
+
+    runtime._unshard = traced
+    in_backward = False
+    ids = torch.randint(0, VOCAB, (1, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    in_backward = True
+    loss.backward()
+    if dist.get_rank() == 0:
+        print(json.dumps({"blocks": len(block_handles), "units": len(units), "seen": seen}))
+    dist.destroy_process_group()
+
+
+def _trace(*args: str) -> dict:
+    """Rank 0's line of this file run as `args` on 2 gloo ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), str(Path(__file__)), *args], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp1_backward_holds_the_root_and_two_blocks(lora: bool) -> None:
+    """Through backward FSDP1 holds the root gathered and at most two blocks at once, the current one and the one
+    prefetched, also with LoRA's adapters as units of their own (where the block prefetches its own last adapter
+    and the previous block is gathered from its first adapter, before the block is freed)."""
+    out = _trace("backward", "lora" if lora else "full")
+    assert out["blocks"] == LAYERS and out["units"] == (1 + LAYERS * 15 if lora else 1 + LAYERS)
+    assert out["seen"] and all(root for _, root in out["seen"])
+    assert max(n for n, _ in out["seen"]) == 2
+
+
+def _case(method: str = "full", **keys) -> tuple:
+    shape = resolve_shape("meta-llama/Llama-2-7b-hf")
+    w = Workload(method=method, seq_len=512, micro_batch=1, grad_ckpt="full", precision="bf16", **keys)
+    return shape, w, parse_gpus("2x24GB"), strategies.get("zero3")
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_flat_params_runs_hold_the_embedding_in_the_root_in_forward(method: str) -> None:
+    """A run that sets only `flat_params` (Answer.AI's, PEFT's) is FSDP1: its root keeps the untied embedding
+    gathered after forward, as one that sets `fsdp1` does; FSDP2 frees it."""
+    shape, w, hw, s = _case(method)
+    emb = shape.vocab * shape.hidden * compute_bytes(w)
+    fsdp2 = per_rank(shape, w, hw, s).fwd_temp
+    for keys in ({"fsdp1": True}, {"flat_params": True}):
+        assert per_rank(shape, dataclasses.replace(w, **keys), hw, s).fwd_temp == pytest.approx(fsdp2 + emb)
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None:
+    """FSDP1's backward (`fsdp1` or `flat_params`) holds the root's flat parameter once and two blocks gathered,
+    beside one block's unsharded gradients: the head and final norm not a second time, as FSDP2's count has them
+    (and bitsandbytes' quant states, whole on every rank, in neither block)."""
+    keys = {"quant_backend": "bnb"} if method == "qlora" else {}
+    shape, w, hw, s = _case(method, **keys)
+    low = compute_bytes(w)
+    root = (shape.embed_params() + shape.hidden) * low
+    head = root - shape.vocab * shape.hidden * low
+    fsdp2 = per_rank(shape, w, hw, s).bwd_temp
+    for fsdp1 in ({"fsdp1": True}, {"flat_params": True}):
+        w1 = dataclasses.replace(w, **fsdp1)
+        states = 2 * fsdp1_bnb_quant_state_bytes(shape, w1)  # bitsandbytes' quant states are never gathered
+        assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(fsdp2 - head - states)
+
+
+def test_flat_params_runs_pay_fsdp1s_host_time_per_block() -> None:
+    """The host's cost per block of FSDP1's hooks applies to a run that sets only `flat_params`."""
+    shape = resolve_shape("meta-llama/Llama-2-7b-hf")
+    w = Workload(method="lora", flat_params=True, grad_ckpt="full")
+    want = shape.layers * by_checkpointing(w, lambda ckpt: ENGINE_HOST_S["fsdp1"][("lora", ckpt)])
+    assert engine_host_s(shape, w, strategies.get("zero3")) == pytest.approx(want)
+    assert engine_host_s(shape, dataclasses.replace(w, flat_params=False), strategies.get("zero3")) < want
+
+
 @pytest.mark.slow
 def test_fsdp1_root_holds_the_embedding_once_through_backward() -> None:
     """After forward the root's flat parameter (embedding, final norm, head) is still gathered, stays so, in the
     same buffer, through the blocks' backward and is freed after it: one copy, never gathered again (FSDP2 frees
     the embedding's unit after forward and gathers it again for its gradient: one copy in backward either way,
     what the planner counts)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(Path(__file__))], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _trace("root")
     size, address = out["after_forward"]
     assert out["root_params"] == 2 * VOCAB * HIDDEN + HIDDEN and size >= 4 * out["root_params"]
     assert out["in_backward"] == [[size, address]] and out["after_backward"] == 0
 
 
 if __name__ == "__main__":
-    _probe()
+    if sys.argv[1] == "root":
+        _probe_root()
+    else:
+        _probe_backward(sys.argv[2] == "lora")

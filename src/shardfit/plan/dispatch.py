@@ -187,7 +187,7 @@ def engine_host_s(shape: ModelShape, w: Workload, s: strategies.Strategy) -> flo
     if s.engine == "ddp":
         engine = "ddp"
     elif s.engine == "fsdp2":
-        engine = ("fsdp1" if w.fsdp1 else "fsdp2") + ("" if s.reshard_after_forward else "_zero2")
+        engine = ("fsdp1" if w.runs_fsdp1 else "fsdp2") + ("" if s.reshard_after_forward else "_zero2")
     else:
         return 0.0
     kind = "full" if w.method == "full" else "lora"

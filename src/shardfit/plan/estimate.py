@@ -563,7 +563,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     # root's post-backward reshard, once (FSDP1 gathers into the flat parameter itself). Forward adds it to
     # FSDP2's layout, which frees the embedding unit after it runs; backward already counts one embedding (FSDP2
     # gathers its unit again for its gradient), which under FSDP1 is this same copy.
-    embedding_in_root = own_embedding_16 if w.fsdp1 else 0
+    embedding_in_root = own_embedding_16 if w.runs_fsdp1 else 0
     # Unsharded gradients of one block before its reduce-scatter: only trainable weights have them.
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
     if ep and w.method == "full":
@@ -582,9 +582,12 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
-        # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded gradients;
-        # an untied embedding once (FSDP2 gathers its unit again, FSDP1's root still holds it: embedding_in_root).
-        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
+            r.bwd_temp = fsdp1_backward_weight_bytes(root_16, layer_16) + layer_grads
+        else:
+            # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
+            # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
+            r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
         r.foreach = foreach_temp_bytes(t_all, w) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
@@ -645,6 +648,24 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
         per_unit = (block_weight_bytes(shape, w) - fsdp1_bnb_quant_state_bytes(shape, w)) / n
     grads = (layer if w.method == "full" else trainable_params(shape, w) / shape.layers) * 4.0 / n
     return 2 * per_unit, grads
+
+
+def fsdp1_backward_weight_bytes(root: float, layer: float) -> float:
+    """The gathered weights FSDP1 (`runs_fsdp1`, FULL_SHARD) holds at its backward's worst moment, in bytes, from
+    `root`, the root unit's unsharded flat parameter (embedding, final norm, head), and `layer`, one block's.
+
+    FSDP1 all-gathers a unit straight into its padded unsharded flat parameter, one buffer per unit, whose views
+    the block computes with (torch/distributed/fsdp/_flat_param.py `unshard`: `_alloc_padded_unsharded_flat_param`,
+    then `_all_gather_flat_param` into it); FSDP2 copies each gathered parameter out of its all-gather buffer. The
+    root keeps its buffer from forward to its post-backward (`embedding_in_root`). A block's pre-backward hook
+    gathers it and, under BACKWARD_PRE (the default), prefetches the unit before it in post-forward order
+    (_runtime_utils.py `_pre_backward_hook` -> `_prefetch_handle`, _exec_order_utils.py
+    `get_handle_to_backward_prefetch`): the previous block, or, with LoRA under flat parameters, the block's own
+    last adapter, and the previous block from the block's first adapter near the end of its backward, while the
+    block's frozen weights are still gathered (they are freed only when the gradient of the block's input is made,
+    `_register_post_backward_reshard_only_hook`). Either way two blocks and the root, the root once: FSDP2's
+    count of a second root buffer does not apply."""
+    return root + 2 * layer
 
 
 def fsdp1_offload_grad_shard_bytes(shape: ModelShape, w: Workload, shards: float) -> float:
