@@ -126,3 +126,13 @@ def test_swift_refuses_a_compute_dtype_it_does_not_take(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"--bnb_4bit_compute_dtype int8: ms-swift takes float16, bfloat16, "
                                         r"float32"):
         read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_trl_orpo_prepares_then_casts_embeddings_and_head_back(tmp_path: Path) -> None:
+    """TRL 1.16's experimental ORPO trainer still calls peft's preparation, then under bf16 casts the embeddings and
+    head back (peft_module_casting_to_bf16): a dense model keeps no fp32 frozen weights, and fp32 adapters."""
+    script = SCRIPT.format(imports="", prepare="").replace("SFTConfig, SFTTrainer", "ORPOConfig, ORPOTrainer").replace(
+        "SFTConfig(", "ORPOConfig(").replace("SFTTrainer(", "ORPOTrainer(")
+    job = _hf(tmp_path, script)
+    assert not job.workload.frozen_fp32 and not job.workload.adapters_16bit
+    assert any("ORPOTrainer" in n and "norms stay fp32" in n for n in job.notes), job.notes
