@@ -89,7 +89,7 @@ def test_tools_plan_experts_as_their_transformers_loads_them(tmp_path: Path, ver
     shape = resolve_shape("Qwen/Qwen3-30B-A3B")
     bf16, low = _experts("Qwen/Qwen3-30B-A3B")
     gap = state_bytes(shape, w)[0] - state_bytes(shape, dataclasses.replace(w, quant_backend="torchao"))[0]
-    assert w.frozen_fp32
+    assert w.frozen_fp32 is not nf4  # axolotl's cast back leaves fp32 only on the unquantized experts
     assert gap == pytest.approx(0.0 if nf4 else 2 * bf16 - low, abs=1.0)
 
 

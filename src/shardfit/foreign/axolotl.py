@@ -1,6 +1,7 @@
 """An axolotl YAML (`axolotl train my.yml`, `accelerate launch -m axolotl.cli.train my.yml`), with axolotl's
-memory behaviour: 4/8-bit models go through peft's prepare_model_for_kbit_training (fp32 embeddings, norms and
-head), the Liger / Cut Cross-Entropy plugins fuse the loss, `fsdp` / `fsdp_config` shard with FSDP."""
+memory behaviour: 4/8-bit models go through peft's prepare_model_for_kbit_training, after which axolotl casts the
+embeddings, norms and head back to the compute dtype (`_kbit_dtypes`), the Liger / Cut Cross-Entropy plugins
+fuse the loss, `fsdp` / `fsdp_config` shard with FSDP."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shardfit.foreign.common import (
     optimizer_keys,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
+from shardfit.foreign.kbit import cast_back
 from shardfit.foreign.keys import (
     TF32,
     TORCH_COMPILE,
@@ -168,6 +170,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     _parallel_sizes(src, job)
     # axolotl stores 4-bit weights in the compute dtype itself when it shards them (FSDP, ZeRO-3)
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
+    _kbit_dtypes(src, job, shape, version)
     _unplanned_savings(src, job)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
@@ -257,9 +260,32 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
                     loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
-                        "eager_attention") or impl == "eager" else "sdpa", frozen_fp32=method == "qlora",
+                        "eager_attention") or impl == "eager" else "sdpa",
                     quant_backend="bnb", quantize_fused_experts=src.flag("quantize_moe_experts"),
                     **settings(src, KEYS, "field"))
+
+
+def _kbit_dtypes(src: Source, job: ForeignJob, shape: ModelShape, version: str) -> None:
+    """The frozen weights' dtype of a 4/8-bit job as axolotl's loader leaves them (loaders/model.py
+    `_configure_embedding_dtypes`, `_prepare_model_for_quantization`; utils/models.py before 0.10; the same in
+    every release since 0.3, 0.18.0 read): peft's prepare_model_for_kbit_training upcasts every weight that is not
+    4-bit to fp32, then for lora and qlora axolotl casts the norms, embeddings and head back to the compute dtype.
+    With FSDP it skips both for `adapter: qlora` (since 0.5) or `cpu_ram_efficient_loading`, and under
+    `quantize_moe_experts` it skips the preparation. What stays fp32 is the routed experts bitsandbytes left
+    unquantized (kbit.py `cast_back`). Under ZeRO-3 DeepSpeed's cast decides (foreign/read.py)."""
+    w = job.workload
+    if w.method != "qlora":
+        return
+    cfg = fsdp_settings(src.get("fsdp_config") or {}, src.at("fsdp_config"))
+    fsdp = bool(src.get("fsdp") or src.get("fsdp_config"))
+    why = "adapter: qlora" if str(src.get("adapter")).lower() == "qlora" else "cpu_ram_efficient_loading"
+    if fsdp and (why == "adapter: qlora" or as_bool(cfg.get("cpu_ram_efficient_loading", False))):
+        job.notes.append(f"{why} with FSDP: axolotl skips prepare_model_for_kbit_training, frozen weights stay "
+                         f"{w.precision}")
+        job.workload = dataclasses.replace(w, frozen_fp32=False)
+        return
+    job.workload, note = cast_back(w, shape, version, "axolotl")
+    job.notes.append(note)
 
 
 def _one_attention(src: Source, impl: str) -> None:

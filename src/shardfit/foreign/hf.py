@@ -38,6 +38,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
+from shardfit.foreign.kbit import trl_kbit
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
@@ -160,6 +161,9 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
+    loaded = (src.get("dtype", "float32"), src.at("dtype")) if code.model_config else None
+    job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
+    job.notes += [kbit_note] if kbit_note else []
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
     # with checkpointing on; a PEFT model is not one.
@@ -372,7 +376,7 @@ def _trl_cli(cmd: Command, src: Source) -> ScriptSettings:
             cmd.launcher_args[_trl_accelerate_config(value, src) if name == "accelerate_config" else
                               f"--{name}"] = value
     trainer, config = TRL_CLI[cmd.program.split(" ", 1)[1]]
-    return ScriptSettings(trainer=trainer, trl_config=config, model_config=True,
+    return ScriptSettings(trainer=trainer, trl_trainer=trainer or "SFTTrainer", trl_config=config, model_config=True,
                           found=[f"{cmd.program}: TRL's {config} and ModelConfig, launched by accelerate"],
                           config_env=config_env, config_file=config_file)
 
@@ -686,6 +690,8 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects["lora_modules_to_save"] = effect
         else:
             unplanned.add("lora_modules_to_save")
+    if model_config and w.method == "qlora":  # foreign/kbit.py `trl_kbit`
+        effects["dtype"] = "frozen weights loaded, and 4-bit layers computing, in it"
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 

@@ -44,6 +44,10 @@ class ScriptSettings:
     found: list[str] = field(default_factory=list)  # "LoraConfig(r=16) at train.py:12", for the report's notes
     model: str | None = None  # from_pretrained("...")'s literal first argument
     trainer: str | None = None  # the TRL trainer class the script builds (TRAINERS), e.g. "DPOTrainer"
+    # the TRL trainer class that trains the model, SFTTrainer included (its 4-bit dtypes: foreign/kbit.py)
+    trl_trainer: str | None = None
+    # the script calls peft's prepare_model_for_kbit_training itself (fp32 frozen weights whatever its trainer does)
+    prepares_kbit: bool = False
     # the TRL config class whose defaults its TrainingArguments take: one the script names (SFTConfig(...), or
     # TrlParser((ScriptArguments, SFTConfig, ModelConfig))), else its TRL trainer's (SFTTrainer: SFTConfig)
     trl_config: str | None = None
@@ -168,6 +172,9 @@ def read_script(path: Path, text: str) -> ScriptSettings:
                 out.arg_files.append(ArgFile(ARG_FILE_CALLS[name], *ref, at))
         elif name in COMMAND_LINE_CALLS:
             out.parses_command_line = True
+        elif name == "prepare_model_for_kbit_training":
+            out.prepares_kbit = True
+            out.found.append(f"prepare_model_for_kbit_training() at {at}: fp32 frozen weights")
         elif name == "gradient_checkpointing_enable":
             out.args["gradient_checkpointing"] = "true"
             out.found.append(f"gradient_checkpointing_enable() at {at}")
@@ -175,8 +182,8 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             first = _value(node.args[0], constants)
             if isinstance(first, str) and "/" in first and "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
-    out.trl_config = _trl_config(tree, out.trainer or next(
-        (n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None))
+    out.trl_trainer = out.trainer or next((n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None)
+    out.trl_config = _trl_config(tree, out.trl_trainer)
     names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
              if isinstance(n, ast.Name | ast.Attribute)}
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})

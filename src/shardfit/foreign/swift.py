@@ -30,6 +30,7 @@ from shardfit.foreign.common import (
     trainer_fsdp1,
 )
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
+from shardfit.foreign.kbit import swift_compute_fp32
 from shardfit.foreign.keys import (
     NO_EFFECT,
     TF32,
@@ -87,7 +88,8 @@ KEYS = key_table({
                                   read=as_int),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
     "ddp_find_unused_parameters": Key("DDP"),
-    "bnb_4bit_quant_storage": Key("quantized storage"), "freeze_vit": Key("vision tower frozen"),
+    "bnb_4bit_quant_storage": Key("quantized storage"), "bnb_4bit_compute_dtype": Key("4-bit compute dtype"),
+    "quant_method": Key("4-bit kernels ({quant_backend})"), "freeze_vit": Key("vision tower frozen"),
     "optim": Key("{optimizer}"),
     # carried over to the shardfit config (drop_modules is decided in `_convert`)
     "learning_rate": Key(config="lr", read=as_float), "warmup_ratio": Key(config="warmup_ratio", read=as_float),
@@ -117,7 +119,7 @@ KEYS = key_table({
     "dataset", "val_dataset", "system", "model_author", "model_name", "streaming", "dataset_num_proc", "template",
     "model_type", "add_version", "columns", "save_only_model", "load_from_cache_file", "truncation_strategy",
     "loss_scale", "use_hf", "model", "model_id_or_path", "freeze_aligner", "freeze_llm",
-    "enable_channel_loss", "check_model", "create_checkpoint_symlink", "max_new_tokens", "quant_method",
+    "enable_channel_loss", "check_model", "create_checkpoint_symlink", "max_new_tokens",
 })
 # The environment of the command: what it decides, and what changes nothing the planner counts; any other variable
 # is not modelled.
@@ -293,7 +295,17 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
                     # --modules_to_save's copies stay as loaded, but fp16 trainables go to fp32 (swift's tuner
                     # prepare, after the adapters are made)
-                    lora_saved_dtype="fp16_upcast", **settings(src, KEYS, "field"))
+                    lora_saved_dtype="fp16_upcast", **_bnb(src, method, precision), **settings(src, KEYS, "field"))
+
+
+def _bnb(src: Source, method: str, precision: str) -> dict[str, Any]:
+    """bitsandbytes' 4-bit settings of a `--quant_method bnb` job: its kernels, and whether they compute in fp32
+    (`--bnb_4bit_compute_dtype`, whose default follows `--torch_dtype` but is fp32 under float16 and float32:
+    kbit.py `swift_compute_fp32`). Empty for another method, whose kernels shardfit plans as torchao's."""
+    if method != "qlora" or str(src.get("quant_method", "")).strip().lower() != "bnb":
+        return {}
+    return {"quant_backend": "bnb", "bnb_compute_fp32": swift_compute_fp32(
+        src.get("bnb_4bit_compute_dtype"), precision, src.at("bnb_4bit_compute_dtype"))}
 
 
 def _engine(src: Source, job: ForeignJob, gpus: list[str], hidden: int, version: str) -> None:

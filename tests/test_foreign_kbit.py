@@ -1,0 +1,138 @@
+"""What each tool does to a QLoRA job's dtypes after loading (foreign/kbit.py): axolotl casts the embeddings, norms
+and head back to the compute dtype after prepare_model_for_kbit_training (fp32 stays only on the expert stacks
+bitsandbytes leaves unquantized), TRL 1.16's trainers skip the preparation and cast every trainable parameter to
+bf16, and ms-swift computes 4-bit layers in fp32 under a float16 or float32 torch_dtype unless
+--bnb_4bit_compute_dtype says otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.errors import UserError
+from shardfit.foreign.read import JobOptions, read_job
+
+AXOLOTL = ("base_model: {model}\nadapter: qlora\nload_in_4bit: true\nsequence_len: 2048\nbf16: true\n"
+           "lora_target_linear: true\n{extra}")
+
+
+def _axolotl(tmp_path: Path, extra: str = "", model: str = "meta-llama/Llama-3.1-8B", version: str = "5.23.0"):
+    path = tmp_path / "job.yml"
+    path.write_text(AXOLOTL.format(model=model, extra=extra))
+    return read_job("axolotl", str(path), JobOptions(transformers=version))
+
+
+def test_axolotl_casts_embeddings_norms_and_head_back(tmp_path: Path) -> None:
+    """A dense model's QLoRA: after prepare_model_for_kbit_training axolotl casts every non-4-bit weight it names
+    back to bf16, so nothing frozen stays fp32, and the note says so."""
+    job = _axolotl(tmp_path)
+    assert not job.workload.frozen_fp32
+    assert any("axolotl casts the embeddings, norms and head back to bf16" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("version", "extra", "fp32"), [("5.2", "", True), ("4.57", "", False),
+                                                        ("5.2", "quantize_moe_experts: true\n", False)])
+def test_axolotl_keeps_fp32_only_on_unquantized_experts(tmp_path: Path, version: str, extra: str,
+                                                        fp32: bool) -> None:
+    """A mixture under transformers 5: the fused expert stacks bitsandbytes leaves alone stay fp32 after the
+    preparation (axolotl's cast back does not name them); NF4 experts (transformers 4, quantize_moe_experts) leave
+    nothing fp32."""
+    job = _axolotl(tmp_path, extra, "Qwen/Qwen3-30B-A3B", version)
+    assert job.workload.frozen_fp32 is fp32
+    assert any("routed experts bitsandbytes leaves unquantized stay fp32" in n for n in job.notes) is fp32
+
+
+def test_axolotl_qlora_fsdp_skips_the_preparation(tmp_path: Path) -> None:
+    job = _axolotl(tmp_path, "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n",
+                   "Qwen/Qwen3-30B-A3B", "5.2")
+    assert not job.workload.frozen_fp32
+    assert any("skips prepare_model_for_kbit_training" in n for n in job.notes), job.notes
+
+
+SCRIPT = ("import torch\nfrom transformers import AutoModelForCausalLM, BitsAndBytesConfig\n"
+          "from peft import LoraConfig{imports}\nfrom trl import SFTConfig, SFTTrainer\n"
+          "q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)\n"
+          "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', quantization_config=q)\n{prepare}"
+          "args = SFTConfig(output_dir='o', per_device_train_batch_size=1, max_length=1024, bf16=True)\n"
+          "SFTTrainer(model=model, args=args, peft_config=LoraConfig(r=16, lora_alpha=32)).train()\n")
+
+
+def _hf(tmp_path: Path, script: str, command: str = "python train.py --model_name_or_path Qwen/Qwen2.5-0.5B\n"):
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "run.sh").write_text(command)
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_trl_sft_casts_trainables_to_bf16_without_preparing(tmp_path: Path) -> None:
+    """TRL 1.16's SFTTrainer on a 4-bit model: no prepare_model_for_kbit_training (frozen weights as loaded), and
+    every trainable parameter in bf16 (adapters, saved copies); the note names the version."""
+    w = (job := _hf(tmp_path, SCRIPT.format(imports="", prepare=""))).workload
+    assert w.method == "qlora" and not w.frozen_fp32 and w.adapters_16bit and w.lora_saved_dtype == "trainable"
+    assert any("trl 1.16" in n and "SFT since 0.26" in n for n in job.notes), job.notes
+
+
+def test_a_script_that_prepares_the_model_itself_keeps_fp32_frozen_weights(tmp_path: Path) -> None:
+    script = SCRIPT.format(imports=", prepare_model_for_kbit_training",
+                           prepare="model = prepare_model_for_kbit_training(model)\n")
+    w = _hf(tmp_path, script).workload
+    assert w.frozen_fp32 and w.adapters_16bit
+
+
+@pytest.mark.parametrize(("flags", "fp32"), [("", True), ("--dtype bfloat16", False), ("--dtype auto", False)])
+def test_trl_cli_loads_in_its_model_config_dtype(tmp_path: Path, flags: str, fp32: bool) -> None:
+    """`trl sft --use_peft --load_in_4bit`: ModelConfig loads the model, and sets the 4-bit compute dtype, in
+    --dtype, float32 by default; the adapters are bf16 either way."""
+    (tmp_path / "run.sh").write_text(f"trl sft --model_name_or_path Qwen/Qwen2.5-0.5B --use_peft --load_in_4bit "
+                                     f"--max_length 1024 {flags}\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    w = job.workload
+    assert w.frozen_fp32 is fp32 and w.bnb_compute_fp32 is fp32 and w.adapters_16bit
+    assert "dtype" not in job.not_modelled
+
+
+def test_trl_cli_refuses_a_dtype_model_config_does_not_take(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text("trl sft --model_name_or_path Qwen/Qwen2.5-0.5B --use_peft --load_in_4bit "
+                                     "--dtype fp8\n")
+    with pytest.raises(UserError, match=r"--dtype fp8: TRL's ModelConfig takes auto, bfloat16, float16, float32"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_a_plain_trainer_script_keeps_its_preparation(tmp_path: Path) -> None:
+    """No TRL trainer (Qwen's finetune.py and its --q_lora): the script prepares the model, as read before."""
+    job = _hf(tmp_path, "from transformers import Trainer\n", "python train.py --model_name_or_path "
+              "Qwen/Qwen2.5-0.5B --q_lora True --use_lora True --bf16 True\n")
+    assert job.workload.frozen_fp32 and not job.workload.adapters_16bit
+
+
+SWIFT = "swift sft --model Qwen/Qwen2.5-7B-Instruct --train_type lora --quant_bits 4 --quant_method bnb {flags}\n"
+
+
+@pytest.mark.parametrize(("flags", "fp32"), [
+    ("--torch_dtype float16", True), ("--torch_dtype float32", True), ("--torch_dtype bfloat16", False),
+    ("--torch_dtype float16 --bnb_4bit_compute_dtype bfloat16", False),
+    ("--torch_dtype bfloat16 --bnb_4bit_compute_dtype float32", True)])
+def test_swift_4bit_compute_dtype(tmp_path: Path, flags: str, fp32: bool) -> None:
+    """ms-swift's compute dtype: --bnb_4bit_compute_dtype, else bfloat16 under a bfloat16 torch_dtype and fp32
+    under float16 or float32 (quant_args.py `__post_init__`); bitsandbytes' kernels either way."""
+    (tmp_path / "run.sh").write_text(SWIFT.format(flags=flags))
+    job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.bnb_compute_fp32 is fp32 and job.workload.quant_backend == "bnb"
+    assert not {"bnb_4bit_compute_dtype", "quant_method"} & set(job.not_modelled)
+
+
+def test_swift_refuses_a_compute_dtype_it_does_not_take(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(SWIFT.format(flags="--bnb_4bit_compute_dtype int8"))
+    with pytest.raises(UserError, match=r"--bnb_4bit_compute_dtype int8: ms-swift takes float16, bfloat16, "
+                                        r"float32"):
+        read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_trl_orpo_prepares_then_casts_embeddings_and_head_back(tmp_path: Path) -> None:
+    """TRL 1.16's experimental ORPO trainer still calls peft's preparation, then under bf16 casts the embeddings and
+    head back (peft_module_casting_to_bf16): a dense model keeps no fp32 frozen weights, and fp32 adapters."""
+    script = SCRIPT.format(imports="", prepare="").replace("SFTConfig, SFTTrainer", "ORPOConfig, ORPOTrainer").replace(
+        "SFTConfig(", "ORPOConfig(").replace("SFTTrainer(", "ORPOTrainer(")
+    job = _hf(tmp_path, script)
+    assert not job.workload.frozen_fp32 and not job.workload.adapters_16bit
+    assert any("ORPOTrainer" in n and "norms stay fp32" in n for n in job.notes), job.notes
