@@ -19,7 +19,6 @@ from shardfit.plan.cards import card_of
 from shardfit.plan.comms import param_bytes_16, param_bytes_stored
 from shardfit.plan.dequant import dequant_bytes, dequant_per_use, dequant_uses, experts_hit
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S, host_dispatch_s
-from shardfit.plan.estimate import stored_linear_bytes
 from shardfit.plan.flops import (
     expert_weight_grad_flops_per_token,
     fp32_expert_flops,
@@ -29,6 +28,7 @@ from shardfit.plan.flops import (
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.timing import micro_batch_work
+from shardfit.plan.weight_bytes import stored_linear_bytes
 from shardfit.plan.workload import Workload
 
 BNB = Workload(method="qlora", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="full",

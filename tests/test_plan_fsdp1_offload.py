@@ -18,8 +18,6 @@ import pytest
 from shardfit import strategy as strategies
 from shardfit.plan.estimate import (
     GIB,
-    fsdp1_bnb_quant_state_bytes,
-    nf4_linear_bytes,
     per_rank,
     state_bytes,
     step_moments,
@@ -28,6 +26,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes, nf4_linear_bytes
 from shardfit.plan.workload import Workload
 from tests.helpers import ROOT, free_port
 

@@ -18,9 +18,10 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
-from shardfit.plan.estimate import compute_bytes, fsdp1_bnb_quant_state_bytes, per_rank
+from shardfit.plan.estimate import compute_bytes, per_rank
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
 from shardfit.plan.workload import Workload
 from tests.helpers import ROOT, free_port
 

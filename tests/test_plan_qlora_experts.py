@@ -16,11 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.activations import block_activation_bytes_per_token, lora_expert_copy_bytes
-from shardfit.plan.estimate import expert_block_bytes, linear_weight_bytes
+from shardfit.plan.estimate import expert_block_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan
 from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.weight_bytes import linear_weight_bytes
 from shardfit.plan.workload import Workload
 from tests.families import tiny_text_config
 from tests.test_plan_moe_saved import _routing

@@ -30,7 +30,7 @@ from shardfit.models.quantize import (
 )
 from shardfit.models.quantize_experts import quantize_experts_under_lora
 from shardfit.plan.config_shape import shape_from_config
-from shardfit.plan.estimate import linear_weight_bytes
+from shardfit.plan.weight_bytes import linear_weight_bytes
 from shardfit.plan.workload import Workload
 from tests.families import make_family_model, tiny_text_config
 from tests.helpers import read_jsonl, run_cli, run_here, train_here, write_config

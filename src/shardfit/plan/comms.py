@@ -27,10 +27,11 @@ from shardfit.plan import experts
 from shardfit.plan.cards import Card, card_of
 from shardfit.plan.dequant import quantized_linear_params
 from shardfit.plan.dispatch import GpuWork
-from shardfit.plan.estimate import nf4_linear_bytes, state_bytes, trainable_params, trainable_weight_bytes
+from shardfit.plan.estimate import state_bytes, trainable_params, trainable_weight_bytes
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
+from shardfit.plan.weight_bytes import nf4_linear_bytes
 from shardfit.plan.workload import LORA_TARGETS, Workload
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default

@@ -68,7 +68,6 @@ from shardfit.plan.estimate import (
     estimate,
     fp32_state_embedding,
     full_width_state_bytes,
-    head_weight_bytes,
     optimizer_state_bytes,
     planned_workload,
 )
@@ -78,6 +77,7 @@ from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, saved_copy_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import step_time
+from shardfit.plan.weight_bytes import head_weight_bytes
 from shardfit.plan.workload import Workload, workload_of
 
 # The columns of `PipelinePlan.row`: one pipeline layout per line.

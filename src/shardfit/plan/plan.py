@@ -20,13 +20,13 @@ from shardfit.plan.estimate import (
     Candidate,
     estimate,
     planned_workload,
-    stored_linear_bytes,
     trainable_params,
 )
 from shardfit.plan.hardware import Hardware, hardware_notes
 from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import reference_pass_s, step_time
+from shardfit.plan.weight_bytes import stored_linear_bytes
 from shardfit.plan.workload import Workload
 from shardfit.strategy import NAMES, SPEED_ORDER
 
