@@ -34,9 +34,11 @@ TRAINED = list(FAMILIES)
 MATRIX = [(family, method, "single") for family in TRAINED for method in ("lora", "full")] + \
     [(family, "lora", "zero3") for family in ("Qwen3-MoE", "gpt-oss", "DeepSeek-V3", "Llama 4 (text)")] + \
     [(family, "lora", "zero3") for family in ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)")]
-# Of the zero3 cases, those make test leaves to make test-all (heavy): the layouts the cases above already shard
-# (a dense block; GLM-4.5's mixture is Qwen3-MoE's plus shared experts; Gemma 3's windows are gpt-oss's).
-HEAVY_ZERO3 = ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)", "gpt-oss")
+# Of the zero3 cases, those make test leaves to make test-all (heavy): the layouts Qwen3-MoE's case already shards
+# as one FSDP2 unit a block (a dense block; GLM-4.5's and DeepSeek-V3's mixtures are Qwen3-MoE's plus shared
+# experts, DeepSeek-V3's latent attention trained by its single-process cases; Llama 4's and gpt-oss's experts
+# are stacks like Qwen3-MoE's fused ones; Gemma 3's windows are gpt-oss's).
+HEAVY_ZERO3 = ("Qwen3 (dense)", "GLM-4.5", "Gemma 3 (text)", "gpt-oss", "DeepSeek-V3", "Llama 4 (text)")
 # Families trained on media rows by a test file of their own: (family, method, strategy) -> the test that trains
 # the case (tests/test_qwen3_omni.py checks that each exists).
 OMNI3 = "Qwen3-Omni-MoE (thinker: text, images, audio)"

@@ -243,6 +243,7 @@ def test_lora_leaves_frozen_towers_alone_and_units_uniform(omni: Path, audio_dat
     assert not any(on for n, on in tower.items() if "audio_bos_eos_token" in n)
 
 
+@pytest.mark.heavy  # test_qwen3_omni trains on image and audio rows together
 def test_train_with_audio_and_images_writes_adapter_and_processor(tmp_path: Path, omni: Path, audio_data: Path,
                                                                   capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "omni.yaml", model=str(omni), data=str(audio_data), precision="fp32",

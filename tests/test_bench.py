@@ -255,6 +255,7 @@ def test_peers_train_on_the_gpu_where_there_is_one(tmp_path: Path, monkeypatch: 
     assert peers._common_args(cfg, 4, tmp_path)["use_cpu"] is True
 
 
+@pytest.mark.heavy  # the GPU check's own preparation; test_gpu_check rehearses the check
 def test_gpu_bench_builds_its_model_folders_from_exported_assets(tmp_path: Path) -> None:
     """What a GPU machine without the bundled GGUF gets: `export` writes SmolLM2's config and tokenizer, no weights;
     `models` builds loadable random-weight folders from them, the same on every call (seed 0)."""

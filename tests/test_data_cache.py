@@ -99,6 +99,7 @@ def test_unwritable_cache_dir_only_costs_the_cache(tmp_path: Path, small_data: P
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the encoder's cache hit is held above without training
 def test_second_run_reads_the_cache(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     """Two real runs: the second says it used the cache and trains exactly as the first."""
     env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "SHARDFIT_DATA_CACHE": "1"}

@@ -72,6 +72,7 @@ def test_two_hosts_healthy(hosts: TwoHosts, tmp_path: Path) -> None:
     assert rules.get("hostname_not_routable", {"auto_fixed": True})["auto_fixed"] is True
 
 
+@pytest.mark.heavy  # test_two_hosts_healthy holds two hosts; test_doctor the loopback rule
 def test_loopback_master_addr_on_two_hosts(hosts: TwoHosts) -> None:
     port = str(free_port())
     common = ["--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--timeout", "5"]

@@ -130,7 +130,9 @@ def test_lora_with_experts_shared_over_two_ranks(tmp_path: Path, tiny_qwen3_moe:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resumed_ep", [2, pytest.param(1, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("resumed_ep", [2, 1])
+# test_two_ranks_share_the_experts holds expert parallelism, test_training's kill-and-resume the resume
+@pytest.mark.heavy
 def test_lora_on_the_shared_experts_killed_and_resumed(tmp_path: Path, tiny_qwen3_moe: Path, small_data: Path,
                                                        resumed_ep: int) -> None:
     """LoRA on the routed experts too (`lora.experts: true`): each rank keeps its experts' rows of A and columns of

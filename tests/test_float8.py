@@ -103,7 +103,8 @@ def test_the_gpu_config_runs_a_token_count_off_16(frozen: bool) -> None:
     assert x.grad is not None and x.grad.shape == x.shape
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+# the full fine-tune is heavy: lora runs the same CLI path, test_zero3_two_ranks_with_float8 a full one
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.heavy)])
 def test_cli_train_with_float8_on_cpu(tmp_path: Path, tiny_llama: Path, small_data: Path, method: str) -> None:
     cfg = _cfg(tmp_path, tiny_llama, small_data, method=method)
     r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "1"})

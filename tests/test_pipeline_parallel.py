@@ -363,6 +363,8 @@ def test_a_named_zero3_over_lone_stages_trains_as_ddp_under_autocast(tmp_path: P
 
 
 @pytest.mark.slow
+# test_a_stages_checkpoint_is_a_part_of_the_whole_models holds a stage's checkpoint, the interleaved run its training
+@pytest.mark.heavy
 def test_two_stages_resume_under_zero3(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
     """Saved by 2 pipeline stages, resumed with zero3 on 2 ranks: each stage's share of the weights and AdamW
     moments lands in FSDP2's shards by name, with the schedule's step and the data position."""

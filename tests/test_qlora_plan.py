@@ -82,6 +82,7 @@ def test_simulate_qlora_matches_real_tracked_step(tiny_llama: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # test_simulate holds simulate against a real zero3 step, the tracked QLoRA step here QLoRA's
 def test_simulate_qlora_matches_real_zero3_step_on_two_ranks(tmp_path: Path, tiny_llama: Path) -> None:
     """A real 2-rank FSDP2 step over NF4 weights on gloo (torchao's all-gather of the packed codes and scales)
     holds per rank what the fake process group of --simulate measures."""

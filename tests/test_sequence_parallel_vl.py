@@ -164,6 +164,7 @@ def _vl_keys(**over) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # test_sequence_parallel holds packed rows over two ranks
 def test_qwen2_vl_lora_image_rows_split_over_two_ranks(tmp_path: Path, tiny_vl: Path, sp_vl_data: Path) -> None:
     """Qwen2-VL with LoRA and a trained merger under DDP, unpacked image rows whose image tokens straddle the split:
     two ranks splitting every row train and evaluate to one process's losses (fp32, 1e-5)."""
