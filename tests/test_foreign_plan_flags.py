@@ -73,3 +73,39 @@ def test_tool_autocast_is_how_from_plans(capsys: pytest.CaptureFixture) -> None:
     _, plain, _ = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB")
     _, flagged, _ = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--tool-autocast")
     assert plain == flagged
+
+
+def test_shardfits_own_rows_run_its_own_engine() -> None:
+    """An FSDP1 job's terms (flat parameters, no_sync...) are its engine's: the strategies shardfit compares beside
+    it run FSDP2, planned as for the same workload without them."""
+    from dataclasses import replace
+
+    from shardfit.foreign.asplanned import plan_job
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.hardware import parse_gpus
+    from shardfit.plan.plan import make_plan
+    from shardfit.plan.shapes import resolve_shape
+
+    job = read_job("axolotl", str(JOBS / "axolotl" / "llama31_70b_qlora_fsdp.yml"), JobOptions())
+    job.workload = replace(job.workload, fsdp1=True, flat_params=True)
+    shape, hw = resolve_shape(job.model), parse_gpus("8x24GB")
+    fp = plan_job(job, shape, hw)
+    own = make_plan(shape, job.workload.on_shardfits_engine(), fp.hardware)
+    as_fsdp1 = make_plan(shape, job.workload, fp.hardware)
+    for c in fp.plan.candidates:
+        if c.strategy in ("zero3", "zero3_offload"):
+            mine = next(o for o in own.candidates if o.strategy == c.strategy)
+            other = next(o for o in as_fsdp1.candidates if o.strategy == c.strategy)
+            assert c.per_gpu_gib.total == mine.per_gpu_gib.total != other.per_gpu_gib.total
+
+
+def test_a_plot_path_that_cannot_be_written_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--plot",
+                 str(tmp_path / "plan.xyz")]) == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_check_from_refuses_set(capsys: pytest.CaptureFixture) -> None:
+    """`check --from` checks the tool's file as written: a --set would be dropped, so it is refused."""
+    assert main(["check", "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--set", "seq_len=4096"]) == 2
+    assert "--set seq_len=4096" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from shardfit.cli.args import positive_int
 from shardfit.cli.foreign_args import add_from, foreign_plan
 from shardfit.config import load_config
 from shardfit.config.load import NotHere
+from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan
 from shardfit.foreign.rules import foreign_rules
 from shardfit.plan.hardware import parse_gpus
@@ -53,6 +54,9 @@ def run_from(args: argparse.Namespace) -> int:
     from shardfit.check.run import validate_data  # torch and the tokenizer: only for this command
     from shardfit.foreign.data_rules import data_rules, job_precision_rules
 
+    if args.overrides:
+        raise UserError(f"--set {args.overrides[0]} changes shardfit's own config; with --from the job is the tool's "
+                        f"file: change it there (or `shardfit convert` it and check the converted config with --set).")
     fp = foreign_plan(args)
     findings = foreign_rules(fp) + job_precision_rules(fp.job, fp.hardware) + data_rules(fp.job, validate_data)
     ok = not any(f.severity == "error" for f in findings)

@@ -33,7 +33,7 @@ from shardfit.plan.media import (
 )
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.pipeline import LAYOUT_HEADER
-from shardfit.plan.plan import Alternative, estimate_all, make_plan, recommend
+from shardfit.plan.plan import Alternative, Plan, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
 from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import (
@@ -278,8 +278,19 @@ def run_from(args: argparse.Namespace) -> int:
     else:
         print(format_report(fp, format_table(fp.plan)))
     if args.plot:
-        plot(fp.plan, args.plot)
+        write_plot(fp.plan, args.plot, quiet=args.json)
     return 0 if fp.configured.fits else 3
+
+
+def write_plot(plan: Plan, path: str, *, quiet: bool) -> None:
+    """The plan's chart at `path`; a path that cannot be written is bad input (exit 2), not a crash."""
+    try:
+        plot(plan, path)
+    except (OSError, ValueError) as e:  # ValueError: an extension matplotlib cannot write
+        raise UserError(f"--plot {path}: cannot write it ({getattr(e, 'strerror', None) or e}); give a .png path "
+                        "in an existing folder.") from None
+    if not quiet:
+        print(f"plot written to {path}")
 
 
 def audio_load(args: argparse.Namespace, config_max_seconds: float | None) -> AudioLoad | None:
@@ -666,13 +677,7 @@ def run(args: argparse.Namespace) -> int:
         else (table, lines, "")
     print(json.dumps(out, indent=2) if args.json else "\n".join([table, *lines]))
     if args.plot:
-        try:
-            plot(plan, args.plot)
-        except (OSError, ValueError) as e:  # ValueError: an extension matplotlib cannot write
-            raise UserError(f"--plot {args.plot}: cannot write it ({getattr(e, 'strerror', None) or e}); give a "
-                            ".png path in an existing folder.") from None
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        write_plot(plan, args.plot, quiet=args.json)
     # Nothing fits as configured but checkpointing or a smaller micro-batch makes it fit with the same trained
     # result: that is the recommendation (printed with the flags it takes), not a failure; so is the job auto
     # resolves with the rows split.

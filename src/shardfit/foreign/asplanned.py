@@ -127,7 +127,7 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware) -> ForeignPlan:
     hw = job_hardware(job, hw)
     w = job.workload
     configured = configured_estimate(job, shape, w, hw)
-    plan = make_plan(shape, w, hw)
+    plan = make_plan(shape, w.on_shardfits_engine(), hw)
     fp = ForeignPlan(job, shape, hw, configured, plan)
     if not configured.fits:
         fp.would = what_would_fit(job, shape, w, hw)

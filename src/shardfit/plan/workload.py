@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardfit import method as methods
 from shardfit import objective as objectives
@@ -239,6 +239,13 @@ class Workload:
     def bnb(self) -> bool:
         """QLoRA's weights dequantized by bitsandbytes (`quant_backend: bnb`, or Lightning's plugin)."""
         return self.method == "qlora" and (self.quant_backend == "bnb" or self.bnb_precision)
+
+    def on_shardfits_engine(self) -> Workload:
+        """The same training on shardfit's own engine (FSDP2, prefetching): the settings that describe another
+        engine's sharding (FSDP1's flat parameters, no_sync, no backward prefetch; old ZeRO-3's fetches) off. A
+        plan of another tool's job (`plan --from`) compares shardfit's strategies on this workload."""
+        return replace(self, fsdp1=False, flat_params=False, fsdp1_no_sync=False, fsdp1_no_backward_prefetch=False,
+                       zero3_sync_fetch=False)
 
     @property
     def runs_fsdp1(self) -> bool:
