@@ -136,3 +136,25 @@ def test_trl_orpo_prepares_then_casts_embeddings_and_head_back(tmp_path: Path) -
     job = _hf(tmp_path, script)
     assert not job.workload.frozen_fp32 and not job.workload.adapters_16bit
     assert any("ORPOTrainer" in n and "norms stay fp32" in n for n in job.notes), job.notes
+
+
+def test_frozen_fp32_on_a_trl_kbit_job_plans_older_trl_whole(tmp_path: Path) -> None:
+    """The TRL note's advice for older TRL (--frozen-fp32): that TRL prepared the model and kept the adapters and
+    the modules_to_save copies in fp32, so the flag plans all of them in fp32, not the frozen weights alone."""
+    from shardfit.plan.precision import saved_copy_bytes, trainable_bytes
+
+    (tmp_path / "train.py").write_text(SCRIPT.format(imports="", prepare=""))
+    (tmp_path / "run.sh").write_text("python train.py --model_name_or_path Qwen/Qwen2.5-0.5B\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", frozen_fp32=True))
+    w = job.workload
+    assert w.frozen_fp32 and trainable_bytes(w) == 4 and saved_copy_bytes(w) == 4
+    assert any(n.startswith("--frozen-fp32: planned as older TRL") for n in job.notes), job.notes
+
+
+def test_trl_kto_version_named_as_released(tmp_path: Path) -> None:
+    """KTO's bf16 cast (no preparation) came with trl 1.4's experimental KTO trainer, not 1.8."""
+    script = SCRIPT.format(imports="", prepare="").replace("SFTConfig, SFTTrainer", "KTOConfig, KTOTrainer").replace(
+        "SFTConfig(", "KTOConfig(").replace("SFTTrainer(", "KTOTrainer(").replace(
+        "per_device_train_batch_size=1", "per_device_train_batch_size=2")
+    job = _hf(tmp_path, script)
+    assert any("KTO since 1.4" in n for n in job.notes), job.notes

@@ -109,3 +109,27 @@ def test_check_from_refuses_set(capsys: pytest.CaptureFixture) -> None:
     """`check --from` checks the tool's file as written: a --set would be dropped, so it is refused."""
     assert main(["check", "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--set", "seq_len=4096"]) == 2
     assert "--set seq_len=4096" in capsys.readouterr().err
+
+
+def test_frozen_fp32_refused_where_deepspeed_casts_it_back(capsys: pytest.CaptureFixture) -> None:
+    """DeepSpeed bf16 casts every weight back to bf16, so --frozen-fp32 could change nothing: refused (exit 2),
+    not planned in bf16 under a note that says fp32."""
+    code, out, err = _plan(capsys, "--from", "deepspeed", str(JOBS / "deepspeed" / "ds_z2.json"), "--model",
+                           "Qwen/Qwen2.5-7B", "--method", "lora", "--gpus", "2x80GB", "--frozen-fp32")
+    assert (code, out) == (2, None)
+    assert "--frozen-fp32" in err and "_cast_module_mixed_precision" in err and "Traceback" not in err
+
+
+def test_use_orig_params_false_is_planned_as_flat_params(tmp_path: Path) -> None:
+    """accelerate's fsdp_use_orig_params: false under FSDP1 is flat parameters (trainable and frozen ones apart);
+    under FSDP2 it changes nothing."""
+    from shardfit.foreign.read import JobOptions, read_job
+
+    src = JOBS / "axolotl" / "llama31_70b_qlora_fsdp.yml"
+    job = read_job("axolotl", str(src), JobOptions())
+    assert job.workload.fsdp1 and job.workload.flat_params
+    two = tmp_path / "fsdp2.yml"
+    two.write_text(src.read_text() + "fsdp_version: 2\n")
+    job = read_job("axolotl", str(two), JobOptions())
+    assert not job.workload.fsdp1 and not job.workload.flat_params
+    assert any("fsdp_use_orig_params false with FSDP2" in n for n in job.notes), job.notes

@@ -141,10 +141,19 @@ def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
             raise UserError(f"--frozen-fp32 keeps frozen weights in fp32, but {job.source} is a full fine-tune: every "
                             "weight trains (fp32 masters already). Drop the flag, or plan the adapters' run with "
                             "--method lora or qlora.")
-        job.notes.append("--frozen-fp32: frozen embeddings, norms and head planned in fp32, as the script's "
-                         "prepare_model_for_kbit_training leaves them" + (" (as read already)" if w.frozen_fp32
-                                                                          else ""))
-        w = dataclasses.replace(w, frozen_fp32=True)
+        _refuse_cast_back(job, w)
+        if job.tool == "hf" and w.method == "qlora" and w.adapters_16bit:
+            # only trl_kbit makes a Trainer job's adapters 16-bit: the flag plans the older TRL its note names,
+            # which prepared the model and left the adapters and modules_to_save copies in fp32 too
+            job.notes.append("--frozen-fp32: planned as older TRL ran it, prepare_model_for_kbit_training without "
+                             "TRL's bf16 cast: frozen embeddings, norms and head, the adapters and the saved copies "
+                             "in fp32")
+            w = dataclasses.replace(w, frozen_fp32=True, adapters_16bit=False, lora_saved_dtype="loaded")
+        else:
+            job.notes.append("--frozen-fp32: frozen embeddings, norms and head planned in fp32, as the script's "
+                             "prepare_model_for_kbit_training leaves them" + (" (as read already)" if w.frozen_fp32
+                                                                              else ""))
+            w = dataclasses.replace(w, frozen_fp32=True)
     if opts.bnb_compute_fp32:
         if w.method != "qlora":
             raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but {job.source} is method "
@@ -155,6 +164,17 @@ def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
         # the flag names bitsandbytes' kernel: a bare DeepSpeed JSON's 4-bit weights are then bitsandbytes' too
         w = dataclasses.replace(w, bnb_compute_fp32=True, quant_backend="bnb")
     job.workload = w
+
+
+def _refuse_cast_back(job: ForeignJob, w: Workload) -> None:
+    """A UserError for --frozen-fp32 on a DeepSpeed job whose engine casts every weight back to its 16-bit dtype
+    (`as_deepspeed_runs`): the flag could change nothing there, and planning it would say fp32 and plan 16 bits."""
+    if job.engine != "deepspeed" or as_deepspeed_runs(dataclasses.replace(w, frozen_fp32=True)).frozen_fp32:
+        return
+    raise UserError(f"--frozen-fp32 with {job.source}: DeepSpeed {w.precision} casts every floating-point weight "
+                    f"back to {w.precision} at deepspeed.initialize (engine.py _cast_module_mixed_precision), so "
+                    f"what prepare_model_for_kbit_training upcast to fp32 is {w.precision} again, as the plan has "
+                    f"it. Drop the flag.")
 
 
 def launch_on(job: ForeignJob, gpus_per_node: int) -> None:

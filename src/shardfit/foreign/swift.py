@@ -17,6 +17,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    flat_params_of,
     fsdp_engine,
     fsdp_settings,
     fsdp_sharding,
@@ -355,7 +356,8 @@ def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
     sharding = "shard_grad_op" if "shard_grad_op" in options else fsdp_sharding(cfg, f"{src.where}: --fsdp {ref}")
     job.engine = fsdp_engine(sharding, offload, job.distributed)
     fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp {ref}", job.notes)  # ms-swift runs the HF Trainer
-    job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
+    flat = flat_params_of(cfg, fsdp1, f"{src.where}: --fsdp {ref}", job.notes)
+    job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1, flat_params=flat)
     if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
         record(job, "fsdp:activation_cpu_offload", cfg["activation_cpu_offload"], modelled=False)
     if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
