@@ -62,6 +62,14 @@ class JobOptions:
     # model (hf, deepspeed: plan_cmd.py `FROM_SCRIPT_FLAGS`): what the script does that the file does not say
     frozen_fp32: bool | None = None
     bnb_compute_fp32: bool | None = None
+    # `plan`'s workload flags a script job's file may leave unsaid (SCRIPT_SETTABLE), by Workload field
+    workload: dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+# The Workload fields `plan --from hf|deepspeed` takes from the command line where the file does not say them
+# (the training script decides), with the HF Trainer keys that say each in a file: there the flag is refused.
+SCRIPT_SETTABLE = {"lora_rank": ("lora_r", "lora_rank"), "lora_dropout": ("lora_dropout",),
+                   "attention": ("attn_implementation",), "optimizer": ("optim",), "loss": ("use_liger_kernel",)}
 
 
 def _shape_of(model: str) -> ModelShape:
@@ -112,6 +120,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         plan_all_linear(job, shape_of(job.model), version)
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    _workload_flags(job, opts)
     _script_flags(job, opts)
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
@@ -129,6 +138,28 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     job.notes.append(f"loss as transformers {version} computes it" +
                      (" (fused kernel: no full logits)" if job.workload.loss == "chunked" else ""))
     return job
+
+
+def _workload_flags(job: ForeignJob, opts: JobOptions) -> None:
+    """`plan`'s --lora-rank, --lora-dropout, --attention, --optimizer and --loss on a job whose training script
+    decides them (`SCRIPT_SETTABLE`), applied as --seq is; a UserError naming the file's key where the file says
+    it (the plan reads it from there), or where the job has no adapters for a LoRA flag."""
+    given = {k: v for k, v in opts.workload.items() if v is not None}
+    for field, value in given.items():
+        flag = f"--{field.replace('_', '-')} {value}"
+        said = [k for k in SCRIPT_SETTABLE[field] if k in job.keys or k in job.not_modelled]
+        if field == "optimizer" and job.zero is not None and job.zero.ds_optimizer:  # the JSON's section steps
+            said = [next((k for k in job.keys if k.startswith("optimizer")), "optimizer")]
+        if said:
+            raise UserError(f"{flag} with {job.source}: the file says it ({said[0]} "
+                            f"{job.keys.get(said[0], job.not_modelled.get(said[0], ''))}".rstrip() +
+                            f"), and the plan reads it from there. Change {said[0]} in the file, or drop the flag.")
+        if field.startswith("lora_") and not job.workload.trains_adapters:
+            raise UserError(f"{flag} with {job.source}: the job is method {job.workload.method}, without adapters; "
+                            f"add --method lora or qlora, or drop the flag.")
+    job.workload = dataclasses.replace(job.workload, **given)
+    job.notes += [f"--{k.replace('_', '-')} {v}: as the training script runs it (the file does not say)"
+                  for k, v in given.items()]
 
 
 def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
