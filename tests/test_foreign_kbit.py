@@ -136,3 +136,53 @@ def test_trl_orpo_prepares_then_casts_embeddings_and_head_back(tmp_path: Path) -
     job = _hf(tmp_path, script)
     assert not job.workload.frozen_fp32 and not job.workload.adapters_16bit
     assert any("ORPOTrainer" in n and "norms stay fp32" in n for n in job.notes), job.notes
+
+
+def test_frozen_fp32_on_a_trl_kbit_job_plans_older_trl_whole(tmp_path: Path) -> None:
+    """The TRL note's advice for older TRL (--frozen-fp32): that TRL prepared the model and kept the adapters and
+    the modules_to_save copies in fp32, so the flag plans all of them in fp32, not the frozen weights alone."""
+    from shardfit.plan.precision import saved_copy_bytes, trainable_bytes
+
+    (tmp_path / "train.py").write_text(SCRIPT.format(imports="", prepare=""))
+    (tmp_path / "run.sh").write_text("python train.py --model_name_or_path Qwen/Qwen2.5-0.5B\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", frozen_fp32=True))
+    w = job.workload
+    assert w.frozen_fp32 and trainable_bytes(w) == 4 and saved_copy_bytes(w) == 4
+    assert any(n.startswith("--frozen-fp32: planned as older TRL") for n in job.notes), job.notes
+
+
+def test_trl_kto_version_named_as_released(tmp_path: Path) -> None:
+    """KTO's bf16 cast (no preparation) came with trl 1.4's experimental KTO trainer, not 1.8."""
+    script = SCRIPT.format(imports="", prepare="").replace("SFTConfig, SFTTrainer", "KTOConfig, KTOTrainer").replace(
+        "SFTConfig(", "KTOConfig(").replace("SFTTrainer(", "KTOTrainer(").replace(
+        "per_device_train_batch_size=1", "per_device_train_batch_size=2")
+    job = _hf(tmp_path, script)
+    assert any("KTO since 1.4" in n for n in job.notes), job.notes
+
+
+def test_swift_dtype_follows_the_model_where_torch_dtype_is_unset(tmp_path: Path) -> None:
+    """ms-swift takes an unset --torch_dtype from the model's config.json: a local fp16 model is planned in fp16
+    (its 4-bit layers then compute in fp32); a catalog model, whose dtype shardfit does not record, in bf16 under a
+    note saying so."""
+    import json
+
+    model = tmp_path / "llama2"
+    model.mkdir()
+    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000, "torch_dtype": "float16",
+              "architectures": ["LlamaForCausalLM"]}
+    (model / "config.json").write_text(json.dumps(config))
+    (tmp_path / "run.sh").write_text(SWIFT.replace("Qwen/Qwen2.5-7B-Instruct", str(model)).format(flags=""))
+    job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.precision == "fp16" and job.workload.bnb_compute_fp32
+    (tmp_path / "run.sh").write_text(SWIFT.replace("Qwen/Qwen2.5-7B-Instruct", "meta-llama/Llama-2-7b-hf")
+                                     .format(flags=""))
+    job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.precision == "bf16"
+    assert any("catalog does not record" in n for n in job.notes), job.notes
+
+
+def test_swift_refuses_a_torch_dtype_it_does_not_take(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(SWIFT.format(flags="--torch_dtype half8"))
+    with pytest.raises(UserError, match=r"--torch_dtype half8: ms-swift takes bfloat16, float16 or float32"):
+        read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

@@ -109,3 +109,60 @@ def test_check_from_refuses_set(capsys: pytest.CaptureFixture) -> None:
     """`check --from` checks the tool's file as written: a --set would be dropped, so it is refused."""
     assert main(["check", "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--set", "seq_len=4096"]) == 2
     assert "--set seq_len=4096" in capsys.readouterr().err
+
+
+def test_frozen_fp32_refused_where_deepspeed_casts_it_back(capsys: pytest.CaptureFixture) -> None:
+    """DeepSpeed bf16 casts every weight back to bf16, so --frozen-fp32 could change nothing: refused (exit 2),
+    not planned in bf16 under a note that says fp32."""
+    code, out, err = _plan(capsys, "--from", "deepspeed", str(JOBS / "deepspeed" / "ds_z2.json"), "--model",
+                           "Qwen/Qwen2.5-7B", "--method", "lora", "--gpus", "2x80GB", "--frozen-fp32")
+    assert (code, out) == (2, None)
+    assert "--frozen-fp32" in err and "_cast_module_mixed_precision" in err and "Traceback" not in err
+
+
+def test_use_orig_params_false_is_planned_as_flat_params(tmp_path: Path) -> None:
+    """accelerate's fsdp_use_orig_params: false under FSDP1 is flat parameters (trainable and frozen ones apart);
+    under FSDP2 it changes nothing."""
+    from shardfit.foreign.read import JobOptions, read_job
+
+    src = JOBS / "axolotl" / "llama31_70b_qlora_fsdp.yml"
+    job = read_job("axolotl", str(src), JobOptions())
+    assert job.workload.fsdp1 and job.workload.flat_params
+    two = tmp_path / "fsdp2.yml"
+    two.write_text(src.read_text() + "fsdp_version: 2\n")
+    job = read_job("axolotl", str(two), JobOptions())
+    assert not job.workload.fsdp1 and not job.workload.flat_params
+    assert any("fsdp_use_orig_params false with FSDP2" in n for n in job.notes), job.notes
+
+
+DS_Z2 = str(JOBS / "deepspeed" / "ds_z2.json")
+
+
+def test_a_bare_deepspeed_json_takes_what_it_cannot_say(capsys: pytest.CaptureFixture) -> None:
+    """A DeepSpeed JSON says nothing of the adapters, the attention, the loss or (without an optimizer section)
+    the optimizer: the flags apply, as --seq does, each said in a note; --strategy picks shardfit's rows."""
+    base = ["--from", "deepspeed", DS_Z2, "--model", "Qwen/Qwen2.5-7B", "--method", "lora", "--gpus", "2x80GB"]
+    _, plain, _ = _plan(capsys, *base)
+    flags = ["--lora-rank", "64", "--attention", "flash", "--optimizer", "adamw8bit", "--loss", "full",
+             "--lora-dropout", "0.1"]
+    code, out, err = _plan(capsys, *base, *flags, "--strategy", "zero2")
+    assert code in (0, 3) and out is not None and plain is not None, err
+    notes = out["from"]["notes"]
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        assert any(n.startswith(f"{flag} {value}") for n in notes), (flag, notes)
+    assert out["from"]["as_configured"] != plain["from"]["as_configured"]
+    assert [c["strategy"] for c in out["candidates"]] == ["zero2"]
+
+
+def test_a_script_flag_the_file_says_is_refused_naming_its_key(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    job = tmp_path / "r.sh"
+    job.write_text("python finetune.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct --use_lora True --lora_r 32 "
+                   "--bf16 True --per_device_train_batch_size 1 --model_max_length 2048 --output_dir out\n")
+    code, out, err = _plan(capsys, "--from", "hf", str(job), "--gpus", "1x80GB", "--lora-rank", "64")
+    assert (code, out) == (2, None) and "--lora-rank 64" in err and "lora_r 32" in err
+    code, out, _ = _plan(capsys, "--from", "hf", str(job), "--gpus", "1x80GB", "--attention", "flash")
+    assert out is not None and any(n.startswith("--attention flash") for n in out["from"]["notes"])
+    # another tool's default decides where its file is silent: refused, and worded so
+    code, out, err = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--lora-rank", "64")
+    assert (code, out) == (2, None) and "LLaMA-Factory's own default" in err

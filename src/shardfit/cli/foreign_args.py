@@ -9,7 +9,7 @@ from shardfit.cli.args import positive_int
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
 from shardfit.foreign.job import TOOLS
-from shardfit.foreign.read import JobOptions, launch_on, read_job
+from shardfit.foreign.read import SCRIPT_SETTABLE, JobOptions, launch_on, read_job
 from shardfit.method import NAMES as method_names
 from shardfit.plan.hardware import detect, parse_gpus
 from shardfit.plan.shapes import resolve_shape
@@ -41,6 +41,7 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
                       grad_ckpt=args.grad_ckpt, transformers=args.transformers,
                       frozen_fp32=getattr(args, "frozen_fp32", None),
                       bnb_compute_fp32=getattr(args, "bnb_compute_fp32", None),
+                      workload={k: getattr(args, k, None) for k in SCRIPT_SETTABLE},
                       # the GPUs a launch that takes every visible one starts ranks on, known before reading
                       gpus=hw if args.gpus or hw.gpus_per_node > 1 else None)
     job = read_job(args.from_tool, args.config, opts)
@@ -52,4 +53,5 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
                         f"copy. Launch at most {n} rank{'s' * (n > 1)} a node, or name the node's GPUs (--gpus "
                         f"{job.nproc}x...).")
     launch_on(job, hw.gpus_per_node)
-    return plan_job(job, resolve_shape(job.model), hw)
+    named = getattr(args, "strategy", None)
+    return plan_job(job, resolve_shape(job.model), hw, None if named in (None, "all") else (named,))

@@ -18,6 +18,7 @@ from shardfit.config.schema import GRAD_CKPT, METHODS, PRECISIONS
 from shardfit.errors import DoesNotFitError, UserError
 from shardfit.foreign.asplanned import format_report
 from shardfit.foreign.job import TOOL_NAMES
+from shardfit.foreign.read import SCRIPT_SETTABLE
 from shardfit.objective import NAMES as OBJECTIVES
 from shardfit.objective import get as get_objective
 from shardfit.plan.audio import AudioLoad, check_audio_fits, describe_audio
@@ -220,11 +221,12 @@ OPTIMIZER_KEYS = {"llamafactory": "optim", "swift": "--optim", "axolotl": "optim
                   "deepspeed": "the JSON's optimizer section, else the training script's optimizer (DeepSpeed steps "
                                "fp32 masters whatever it is)"}
 # `plan`'s workload flags that a job's file says instead (`with_flags` applies them to --model and a config only).
+# Those in SCRIPT_SETTABLE apply to a job whose script decides them (hf, deepspeed) where its file does not say them.
 FROM_IGNORES = ("precision", "optimizer", "lora_rank", "loss", "adapters_16bit", "pure_16bit", "quant_backend",
                 "tf32", "compile", "float8", "lora_dropout", "attention", "grad_accum", "objective",
                 "precompute_reference", "sequence_parallel", "expert_parallel", "pipeline_parallel",
                 "pipeline_stages_per_rank", "pipeline_schedule", "images_per_sample", "image_size",
-                "image_max_pixels", "audio_per_sample", "audio_seconds", "strategy")
+                "image_max_pixels", "audio_per_sample", "audio_seconds")
 
 
 def _flag(dest: str, value: object) -> str:
@@ -255,12 +257,16 @@ def check_from_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--no-tool-autocast plans shardfit's own runner, but a --from job runs under {name}'s "
                         f"engine, which autocasts wherever it mixes precision (how --from plans it). Drop the flag, "
                         f"or convert the job (shardfit convert --from {tool} FILE) and plan the config.")
-    given = [dest for dest in FROM_IGNORES if getattr(args, dest, None) is not None]
+    if args.strategy not in (None, "all") and args.strategy not in NAMES:
+        raise UserError(f"--strategy {args.strategy}: choose one of {', '.join(NAMES)} or all.")
+    given = [dest for dest in FROM_IGNORES if getattr(args, dest, None) is not None
+             and not (tool in FROM_SCRIPT_FLAGS and dest in SCRIPT_SETTABLE)]
     if given:
         flags = ", ".join(_flag(d, getattr(args, d)) for d in given)
-        raise UserError(f"{flags} with --from {tool}: the job's file says {'this' if len(given) == 1 else 'these'}, "
-                        f"and the plan reads {name}'s settings from it. Change the file, or plan the model with the "
-                        f"flags instead (shardfit plan --model ID {flags.replace(', ', ' ')} ...).")
+        raise UserError(f"{flags} with --from {tool}: the plan takes {'this' if len(given) == 1 else 'these'} from "
+                        f"the job's file, or {name}'s own default where the file leaves it out, as {name} runs it. "
+                        f"Change the file, or plan the model with the flags instead (shardfit plan --model ID "
+                        f"{flags.replace(', ', ' ')} ...).")
 
 
 def run_from(args: argparse.Namespace) -> int:

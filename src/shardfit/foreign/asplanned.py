@@ -15,6 +15,7 @@ from shardfit.plan.plan import Plan, make_plan
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
+from shardfit.strategy import NAMES
 
 NO_EFFECT_MARK = "(no effect on memory)"
 
@@ -122,12 +123,14 @@ def with_reference(c: Candidate, ref: ReferenceMemory, hw: Hardware) -> Candidat
     return dataclasses.replace(c, fits=fits, per_gpu_gib=b, cpu_gib=c.cpu_gib + host / GIB, notes=note, extra=extra)
 
 
-def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware) -> ForeignPlan:
-    """The job as configured on `hw`, shardfit's plan of the same workload, and what would fit."""
+def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
+             strategies: tuple[str, ...] | None = None) -> ForeignPlan:
+    """The job as configured on `hw`, shardfit's plan of the same workload over `strategies` (default: every one),
+    and what would fit."""
     hw = job_hardware(job, hw)
     w = job.workload
     configured = configured_estimate(job, shape, w, hw)
-    plan = make_plan(shape, w.on_shardfits_engine(), hw)
+    plan = make_plan(shape, w.on_shardfits_engine(), hw, strategies or NAMES)
     fp = ForeignPlan(job, shape, hw, configured, plan)
     if not configured.fits:
         fp.would = what_would_fit(job, shape, w, hw)

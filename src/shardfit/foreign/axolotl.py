@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    flat_params_of,
     fsdp_engine,
     fsdp_settings,
     fsdp_sharding,
@@ -357,7 +358,9 @@ def _fsdp_version(src: Source, job: ForeignJob) -> None:
     version = cfg.get("version", 1) if version is None else version
     if str(version) not in ("1", "2"):
         raise UserError(f"{src.at('fsdp_version')}: 'fsdp_version' is {version!r}; axolotl runs FSDP 1 or 2.")
-    job.workload = dataclasses.replace(job.workload, fsdp1=str(version) == "1")
+    fsdp1 = str(version) == "1"
+    flat = flat_params_of(cfg, fsdp1, src.at("fsdp_config"), job.notes)
+    job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1, flat_params=flat)
     if "fsdp_version" not in src and "version" not in cfg:
         job.notes.append("fsdp_version not set: axolotl runs FSDP1 (fsdp_version: 2 for FSDP2)")
 

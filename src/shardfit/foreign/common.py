@@ -331,3 +331,25 @@ def trainer_fsdp1(cfg: Mapping[str, Any], version: str, where: str, notes: list[
     if str(given) not in ("1", "2"):
         raise UserError(f"{where}: fsdp_config's version is {given!r}; the HF Trainer runs FSDP 1 or 2.")
     return str(given) == "1"
+
+
+def flat_params_of(cfg: Mapping[str, Any], fsdp1: bool, where: str, notes: list[str]) -> bool:
+    """Whether an fsdp_config (by `fsdp_settings`' names) runs FSDP1 with `use_orig_params` false (the planner's
+    `flat_params`: each flat parameter holds only trainable or only frozen weights). accelerate's plugin and the
+    HF Trainer default it to true; FSDP2 has no flat parameters, so there the key changes nothing (said in
+    `notes`). A UserError naming the key for a value that is not a boolean."""
+    value = cfg.get("use_orig_params")
+    if value is None:
+        return False
+    words = str(value).strip().lower()
+    if not isinstance(value, bool) and words not in (*TRUE_WORDS, *FALSE_WORDS):
+        raise UserError(f"{where}: fsdp_use_orig_params is {value!r}; give true or false.")
+    if as_bool(value):
+        return False
+    if not fsdp1:
+        notes.append("fsdp_use_orig_params false with FSDP2: FSDP2 shards each parameter and has no flat "
+                     "parameters, so it changes nothing here")
+        return False
+    notes.append("fsdp_use_orig_params false (FSDP1): each flat parameter holds only trainable or only frozen "
+                 "weights, as planned")
+    return True

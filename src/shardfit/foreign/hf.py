@@ -23,6 +23,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    flat_params_of,
     fsdp_engine,
     fsdp_settings,
     fsdp_sharding,
@@ -556,7 +557,8 @@ def _engine(src: Source, job: ForeignJob, hidden: int, version: str, acc: Accele
         check_fsdp2_options(f, cfg, version, fsdp1, src.at("fsdp"))
         sharding = "shard_grad_op" if "shard_grad_op" in f else fsdp_sharding(cfg, f"{src.where}: --fsdp_config")
         job.engine = fsdp_engine(sharding, offload, job.distributed)
-        job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
+        flat = flat_params_of(cfg, fsdp1, f"{src.where}: --fsdp_config", job.notes)
+        job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1, flat_params=flat)
     elif not _accelerate_plugin(src, job, acc, hidden, version, trl_bf16) and job.distributed:
         job.engine = "ddp"
 
@@ -591,7 +593,9 @@ def _accelerate_plugin(src: Source, job: ForeignJob, acc: Accelerate | None, hid
         cfg = acc.fsdp
         job.engine = fsdp_engine(fsdp_sharding(cfg, acc.source), as_bool(cfg.get("offload_params", False)),
                                  job.distributed)
-        job.workload = dataclasses.replace(job.workload, fsdp1=str(cfg["version"]) == "1")
+        fsdp1 = str(cfg["version"]) == "1"
+        flat = flat_params_of(cfg, fsdp1, acc.source, job.notes)
+        job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1, flat_params=flat)
         record(job, "accelerate:fsdp_version", cfg["version"], effect=f"FSDP{cfg['version']}")
         return True
     ref = acc.deepspeed_file or json.dumps(acc.deepspeed)

@@ -14,7 +14,8 @@ from shardfit.plan.workload import Workload
 
 # TRL's trainers that, for a 4-bit or 8-bit model, skip prepare_model_for_kbit_training and cast every trainable
 # parameter (adapters, modules_to_save copies) to bf16 after get_peft_model (trl 1.16 trainer/*_trainer.py,
-# `_is_quantized_model`): SFT from 0.26, DPO from 0.29, KTO from 1.8 (before, its experimental trainer prepared).
+# `_is_quantized_model`): SFT from 0.26, DPO from 0.29, KTO from 1.4 (trl 1.3's experimental KTO trainer still
+# prepared), and trainer/distillation_trainer.py as 1.16 ships it (the version planned, whatever later TRL does).
 TRL_BF16_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer", "RewardTrainer",
                      "DistillationTrainer")
 # TRL's experimental trainers that still call peft's prepare_model_for_kbit_training, then under bf16 cast the
@@ -73,10 +74,10 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
             else "fp32 as loaded (ModelConfig --dtype float32, its default; the 4-bit layers compute in fp32 too: "
             "--dtype bfloat16 halves them)" if fp32_load
             else f"as loaded ({w.precision}), as TRL no longer calls prepare_model_for_kbit_training")
-    return w, (f"TRL's {trainer} on a 4-bit model (trl 1.16; SFT since 0.26, DPO since 0.29, KTO since 1.8) casts "
+    return w, (f"TRL's {trainer} on a 4-bit model (trl 1.16; SFT since 0.26, DPO since 0.29, KTO since 1.4) casts "
                f"every trainable parameter to bf16: adapters and saved copies planned in 16 bits, frozen weights "
-               f"{kept}. Older TRL prepared the model (fp32 embeddings, norms, head and adapters): plan such a run "
-               f"with --frozen-fp32")
+               f"{kept}. Older TRL prepared the model (fp32 embeddings, norms, head, adapters and saved copies): "
+               f"plan such a run with --frozen-fp32, which plans all of those in fp32")
 
 
 def _model_config_dtype(value: str, where: str) -> str:

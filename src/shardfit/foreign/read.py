@@ -62,6 +62,14 @@ class JobOptions:
     # model (hf, deepspeed: plan_cmd.py `FROM_SCRIPT_FLAGS`): what the script does that the file does not say
     frozen_fp32: bool | None = None
     bnb_compute_fp32: bool | None = None
+    # `plan`'s workload flags a script job's file may leave unsaid (SCRIPT_SETTABLE), by Workload field
+    workload: dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+# The Workload fields `plan --from hf|deepspeed` takes from the command line where the file does not say them
+# (the training script decides), with the HF Trainer keys that say each in a file: there the flag is refused.
+SCRIPT_SETTABLE = {"lora_rank": ("lora_r", "lora_rank"), "lora_dropout": ("lora_dropout",),
+                   "attention": ("attn_implementation",), "optimizer": ("optim",), "loss": ("use_liger_kernel",)}
 
 
 def _shape_of(model: str) -> ModelShape:
@@ -112,6 +120,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         plan_all_linear(job, shape_of(job.model), version)
     overrides = {"seq_len": opts.seq, "micro_batch": opts.batch, "method": opts.method, "grad_ckpt": opts.grad_ckpt}
     job.workload = dataclasses.replace(job.workload, **{k: v for k, v in overrides.items() if v is not None})
+    _workload_flags(job, opts)
     _script_flags(job, opts)
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
@@ -131,6 +140,28 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     return job
 
 
+def _workload_flags(job: ForeignJob, opts: JobOptions) -> None:
+    """`plan`'s --lora-rank, --lora-dropout, --attention, --optimizer and --loss on a job whose training script
+    decides them (`SCRIPT_SETTABLE`), applied as --seq is; a UserError naming the file's key where the file says
+    it (the plan reads it from there), or where the job has no adapters for a LoRA flag."""
+    given = {k: v for k, v in opts.workload.items() if v is not None}
+    for field, value in given.items():
+        flag = f"--{field.replace('_', '-')} {value}"
+        said = [k for k in SCRIPT_SETTABLE[field] if k in job.keys or k in job.not_modelled]
+        if field == "optimizer" and job.zero is not None and job.zero.ds_optimizer:  # the JSON's section steps
+            said = [next((k for k in job.keys if k.startswith("optimizer")), "optimizer")]
+        if said:
+            raise UserError(f"{flag} with {job.source}: the file says it ({said[0]} "
+                            f"{job.keys.get(said[0], job.not_modelled.get(said[0], ''))}".rstrip() +
+                            f"), and the plan reads it from there. Change {said[0]} in the file, or drop the flag.")
+        if field.startswith("lora_") and not job.workload.trains_adapters:
+            raise UserError(f"{flag} with {job.source}: the job is method {job.workload.method}, without adapters; "
+                            f"add --method lora or qlora, or drop the flag.")
+    job.workload = dataclasses.replace(job.workload, **given)
+    job.notes += [f"--{k.replace('_', '-')} {v}: as the training script runs it (the file does not say)"
+                  for k, v in given.items()]
+
+
 def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
     """--frozen-fp32 and --bnb-compute-fp32 on a job whose script prepares the model: what the script does after
     loading, which the file does not say, applied where the reader left the default (before DeepSpeed's cast,
@@ -141,10 +172,19 @@ def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
             raise UserError(f"--frozen-fp32 keeps frozen weights in fp32, but {job.source} is a full fine-tune: every "
                             "weight trains (fp32 masters already). Drop the flag, or plan the adapters' run with "
                             "--method lora or qlora.")
-        job.notes.append("--frozen-fp32: frozen embeddings, norms and head planned in fp32, as the script's "
-                         "prepare_model_for_kbit_training leaves them" + (" (as read already)" if w.frozen_fp32
-                                                                          else ""))
-        w = dataclasses.replace(w, frozen_fp32=True)
+        _refuse_cast_back(job, w)
+        if job.tool == "hf" and w.method == "qlora" and w.adapters_16bit:
+            # only trl_kbit makes a Trainer job's adapters 16-bit: the flag plans the older TRL its note names,
+            # which prepared the model and left the adapters and modules_to_save copies in fp32 too
+            job.notes.append("--frozen-fp32: planned as older TRL ran it, prepare_model_for_kbit_training without "
+                             "TRL's bf16 cast: frozen embeddings, norms and head, the adapters and the saved copies "
+                             "in fp32")
+            w = dataclasses.replace(w, frozen_fp32=True, adapters_16bit=False, lora_saved_dtype="loaded")
+        else:
+            job.notes.append("--frozen-fp32: frozen embeddings, norms and head planned in fp32, as the script's "
+                             "prepare_model_for_kbit_training leaves them" + (" (as read already)" if w.frozen_fp32
+                                                                              else ""))
+            w = dataclasses.replace(w, frozen_fp32=True)
     if opts.bnb_compute_fp32:
         if w.method != "qlora":
             raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but {job.source} is method "
@@ -155,6 +195,17 @@ def _script_flags(job: ForeignJob, opts: JobOptions) -> None:
         # the flag names bitsandbytes' kernel: a bare DeepSpeed JSON's 4-bit weights are then bitsandbytes' too
         w = dataclasses.replace(w, bnb_compute_fp32=True, quant_backend="bnb")
     job.workload = w
+
+
+def _refuse_cast_back(job: ForeignJob, w: Workload) -> None:
+    """A UserError for --frozen-fp32 on a DeepSpeed job whose engine casts every weight back to its 16-bit dtype
+    (`as_deepspeed_runs`): the flag could change nothing there, and planning it would say fp32 and plan 16 bits."""
+    if job.engine != "deepspeed" or as_deepspeed_runs(dataclasses.replace(w, frozen_fp32=True)).frozen_fp32:
+        return
+    raise UserError(f"--frozen-fp32 with {job.source}: DeepSpeed {w.precision} casts every floating-point weight "
+                    f"back to {w.precision} at deepspeed.initialize (engine.py _cast_module_mixed_precision), so "
+                    f"what prepare_model_for_kbit_training upcast to fp32 is {w.precision} again, as the plan has "
+                    f"it. Drop the flag.")
 
 
 def launch_on(job: ForeignJob, gpus_per_node: int) -> None:

@@ -17,6 +17,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    flat_params_of,
     fsdp_engine,
     fsdp_settings,
     fsdp_sharding,
@@ -280,9 +281,36 @@ def _method(src: Source, job: ForeignJob) -> str:
     return method
 
 
+def _precision(src: Source, job: ForeignJob) -> str:
+    """The run's dtype: `--torch_dtype` (a UserError naming it for a value ms-swift's parser refuses), else, as
+    ms-swift takes it, the model's config.json `torch_dtype` (float32 or none: bf16, as ms-swift picks on a GPU
+    with bf16) where the model is a local folder or config.json; the catalog records no dtype, so a catalog model
+    is planned in bf16 under a note saying so."""
+    given = src.get("torch_dtype")
+    if given is not None:
+        precision = PRECISIONS.get(str(given).strip().lower())
+        if precision is None:
+            raise UserError(f"{src.at('torch_dtype')}: --torch_dtype {given}: ms-swift takes bfloat16, float16 or "
+                            f"float32; use one of those.")
+        return precision
+    path = Path(job.model).expanduser()
+    config = path / "config.json" if path.is_dir() else path if path.suffix == ".json" else None
+    if config is not None and config.is_file():
+        raw = parse_json(read_text(config), str(config))
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "").lower() if isinstance(raw, dict) else ""
+        precision = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "bf16")
+        job.notes.append(f"--torch_dtype not given: ms-swift takes the model's config.json torch_dtype "
+                         f"({dtype or 'unset'}): planned in {precision}")
+        return precision
+    job.notes.append(f"--torch_dtype not given: ms-swift takes it from {job.model}'s config.json, which shardfit's "
+                     f"catalog does not record: planned in bf16 (give --torch_dtype float16 in the job for an fp16 "
+                     f"model such as Llama-2, or name the model by its local folder)")
+    return "bf16"
+
+
 def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     method = _method(src, job)
-    precision = PRECISIONS.get(src.get("torch_dtype", "bfloat16").lower(), "bf16")
+    precision = _precision(src, job)
     attn = src.get("attn_impl", "sdpa").lower()
     if attn not in ATTENTION:
         raise UserError(f"{src.where}: --attn_impl {attn}: choose flash_attn, sdpa or eager.")
@@ -355,7 +383,8 @@ def _fsdp(src: Source, job: ForeignJob, version: str) -> None:
     sharding = "shard_grad_op" if "shard_grad_op" in options else fsdp_sharding(cfg, f"{src.where}: --fsdp {ref}")
     job.engine = fsdp_engine(sharding, offload, job.distributed)
     fsdp1 = trainer_fsdp1(cfg, version, f"{src.where}: --fsdp {ref}", job.notes)  # ms-swift runs the HF Trainer
-    job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1)
+    flat = flat_params_of(cfg, fsdp1, f"{src.where}: --fsdp {ref}", job.notes)
+    job.workload = dataclasses.replace(job.workload, fsdp1=fsdp1, flat_params=flat)
     if as_bool(cfg.get("activation_cpu_offload", False)):  # activations moved to host memory: not planned
         record(job, "fsdp:activation_cpu_offload", cfg["activation_cpu_offload"], modelled=False)
     if as_bool(cfg.get("activation_checkpointing", False)) and job.workload.grad_ckpt == "none":
