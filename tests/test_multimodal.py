@@ -150,6 +150,8 @@ def test_lora_adapts_the_language_model_and_keeps_units_uniform(tiny_vl: Path, v
             assert len({p.requires_grad for p in unit.parameters()}) == 1
 
 
+# test_qwen3_omni trains on image rows and writes the processor; test_vl_families under zero3
+@pytest.mark.heavy
 def test_train_with_images_writes_adapter_and_processor(tmp_path: Path, tiny_vl: Path, vl_data: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     """`train` as a user runs it; `export` and `chat` in this process (the CLI's own `main`: no start-up each)."""

@@ -279,6 +279,8 @@ def _node_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+# the gloo-rank cases above hold the stuck phase, the abort and the failing rank
+@pytest.mark.heavy
 def test_two_nodes_stalled_then_failing_rank(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
     """Rank 1 (node 1) stalls 14 s in its data loader at step 3: the watchdog names it and the run goes on. At step
     5 it raises: node 0's rank stops within seconds, naming rank 1's error, instead of waiting in its collective."""
