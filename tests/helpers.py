@@ -153,6 +153,19 @@ def saved_tensor_bytes(module: torch.nn.Module, forward: Callable[[], object]) -
     return sum(kept.values())
 
 
+def freeze_block_linears(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> None:
+    """Swap every plain nn.Linear of the decoder blocks (`model.model.layers`) for `make(linear)`, a stand-in for a
+    quantized layer, holding the linear's own weight and bias frozen."""
+    for module in list(model.model.layers.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                frozen = make(child)
+                frozen.weight = torch.nn.Parameter(child.weight.data.clone(), requires_grad=False)
+                if child.bias is not None:
+                    frozen.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
+                setattr(module, name, frozen)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from shardfit.plan.activations import block_activation_bytes_per_token, bnb_kept_input_bytes_per_token
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
+from tests.helpers import freeze_block_linears
 
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 256, 704, 8, 2, 32, 512, 8
 SHAPE = ModelShape("tiny-bnb-kept", 2, HIDDEN, MLP, HEADS, KV_HEADS, VOCAB, False, HEAD_DIM)
@@ -60,13 +61,12 @@ def _model(keep: bool, targets: tuple[str, ...], dropout: float, attention: str)
                          attn_implementation=attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    for module in list(model.model.layers.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                frozen = FrozenLinear4bit(child.in_features, child.out_features, bias=False, dtype=torch.bfloat16)
-                frozen.keep = keep
-                frozen.weight = torch.nn.Parameter(child.weight.data.clone(), requires_grad=False)
-                setattr(module, name, frozen)
+
+    def frozen(child: torch.nn.Linear) -> FrozenLinear4bit:
+        layer = FrozenLinear4bit(child.in_features, child.out_features, bias=False, dtype=torch.bfloat16)
+        layer.keep = keep
+        return layer
+    freeze_block_linears(model, frozen)
     model.requires_grad_(False)
     modules = [f"{t}_proj" for t in targets]
     return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=16, target_modules=modules, lora_dropout=dropout),

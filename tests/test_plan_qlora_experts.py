@@ -24,6 +24,7 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import linear_weight_bytes
 from shardfit.plan.workload import Workload
 from tests.families import tiny_text_config
+from tests.helpers import freeze_block_linears
 from tests.test_plan_moe_saved import _routing
 from tests.test_plan_qlora_stream import FrozenLinear4bit
 
@@ -51,15 +52,12 @@ def _qlora(family: str, compute: torch.dtype) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float16)
     for layer in model.model.layers:
         _routing(layer.mlp)
-    for module in list(model.model.layers.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                frozen = FrozenLinear4bit(child.in_features, child.out_features, bias=child.bias is not None)
-                frozen.compute_dtype = compute
-                frozen.weight = torch.nn.Parameter(child.weight.data.clone(), requires_grad=False)
-                if child.bias is not None:
-                    frozen.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
-                setattr(module, name, frozen)
+
+    def frozen(child: torch.nn.Linear) -> FrozenLinear4bit:
+        layer = FrozenLinear4bit(child.in_features, child.out_features, bias=child.bias is not None)
+        layer.compute_dtype = compute
+        return layer
+    freeze_block_linears(model, frozen)
     model.is_loaded_in_4bit = True
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=16, target_modules=NAMES, lora_dropout=0.0))

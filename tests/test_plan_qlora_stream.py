@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from shardfit.plan.activations import block_activation_bytes_per_token, checkpointed_block_bytes_per_token
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
+from tests.helpers import freeze_block_linears
 
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 256, 704, 8, 2, 32, 512, 8
 SHAPE = ModelShape("tiny-qlora", 2, HIDDEN, MLP, HEADS, KV_HEADS, VOCAB, False, HEAD_DIM)
@@ -55,13 +56,12 @@ def _qlora_model(compute: torch.dtype, checkpointing: bool, attention: str = "sd
                          attn_implementation=attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-    for module in list(model.model.layers.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                frozen = FrozenLinear4bit(child.in_features, child.out_features, bias=False)
-                frozen.compute_dtype = compute
-                frozen.weight = torch.nn.Parameter(child.weight.data.clone(), requires_grad=False)
-                setattr(module, name, frozen)
+
+    def frozen(child: torch.nn.Linear) -> FrozenLinear4bit:
+        layer = FrozenLinear4bit(child.in_features, child.out_features, bias=False)
+        layer.compute_dtype = compute
+        return layer
+    freeze_block_linears(model, frozen)
     model.is_loaded_in_4bit = True
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": True})
