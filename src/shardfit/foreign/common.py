@@ -339,12 +339,8 @@ def flat_params_of(cfg: Mapping[str, Any], fsdp1: bool, where: str, notes: list[
     HF Trainer default it to true; FSDP2 has no flat parameters, so there the key changes nothing (said in
     `notes`). A UserError naming the key for a value that is not a boolean."""
     value = cfg.get("use_orig_params")
-    if value is None:
-        return False
-    words = str(value).strip().lower()
-    if not isinstance(value, bool) and words not in (*TRUE_WORDS, *FALSE_WORDS):
-        raise UserError(f"{where}: fsdp_use_orig_params is {value!r}; give true or false.")
-    if as_bool(value):
+    check_bools({"fsdp_use_orig_params": value}, ("fsdp_use_orig_params",), lambda _: where)
+    if value is None or as_bool(value):
         return False
     if not fsdp1:
         notes.append("fsdp_use_orig_params false with FSDP2: FSDP2 shards each parameter and has no flat "
