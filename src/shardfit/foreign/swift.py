@@ -55,6 +55,7 @@ from shardfit.foreign.shell import visible_devices
 from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_swift_args
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.shapes import local_config
 from shardfit.plan.workload import Workload
 
 
@@ -293,11 +294,9 @@ def _precision(src: Source, job: ForeignJob) -> str:
             raise UserError(f"{src.at('torch_dtype')}: --torch_dtype {given}: ms-swift takes bfloat16, float16 or "
                             f"float32; use one of those.")
         return precision
-    path = Path(job.model).expanduser()
-    config = path / "config.json" if path.is_dir() else path if path.suffix == ".json" else None
-    if config is not None and config.is_file():
-        raw = parse_json(read_text(config), str(config))
-        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "").lower() if isinstance(raw, dict) else ""
+    raw = local_config(job.model)
+    if raw is not None:
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "").lower()
         precision = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "bf16")
         job.notes.append(f"--torch_dtype not given: ms-swift takes the model's config.json torch_dtype "
                          f"({dtype or 'unset'}): planned in {precision}")

@@ -40,6 +40,17 @@ def _read_config_json(path: Path, name: str) -> dict[str, Any]:
     return cfg
 
 
+def local_config(model: str) -> dict[str, Any] | None:
+    """The config.json of `model` where it names one or a HF folder holding one (a UserError naming the file if it
+    is not a JSON object); None for anything else (a catalog id, a hub id)."""
+    p = Path(model).expanduser()
+    if p.is_file() and p.name.endswith(".json"):
+        return _read_config_json(p, model)
+    if p.is_dir() and (p / "config.json").is_file():
+        return _read_config_json(p / "config.json", model)
+    return None
+
+
 def resolve_shape(model: str) -> ModelShape:
     """The shape of `model`: a catalog id, a config.json path, a HF folder, or a bundled GGUF model."""
     entries = catalog()
@@ -49,11 +60,9 @@ def resolve_shape(model: str) -> ModelShape:
     for variant in _variants(model.lower()):  # a base model and its -Instruct twin share one shape
         if variant in lower:
             return _from_entry(model if variant != model.lower() else lower[variant], entries[lower[variant]])
-    p = Path(model).expanduser()
-    if p.is_file() and p.name.endswith(".json"):
-        return shape_from_config(_read_config_json(p, model), model)
-    if p.is_dir() and (p / "config.json").is_file():
-        return shape_from_config(_read_config_json(p / "config.json", model), model)
+    local = local_config(model)
+    if local is not None:
+        return shape_from_config(local, model)
     stem = model.lower().rsplit("/", 1)[-1]
     close = [k for k in entries if stem and stem in k.lower()][:3] or \
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
