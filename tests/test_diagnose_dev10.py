@@ -54,6 +54,10 @@ h1:500:611 [1] proxy.cc:884 NCCL WARN Proxy Call to rank 1 failed (Connect)
 """
     cats = _cats(log)
     assert "rendezvous_unreachable" in cats[:3]
+    # the RTX card alone is no evidence of P2P when NCCL's socket names the other process as the one that closed
+    assert cats[0] != "nccl_p2p_hang", cats
+    assert _cats(log.replace("Connection closed by remote peer", "Could not enable P2P between dev 1 and dev 0"))[0] \
+        == "nccl_p2p_hang"
     # evidence names the rule (its regex), not the matched line: no NCCL WARN rule of P2P's may fire on these lines
     p2p = [e for x in analyze(log).likely if x.category == "nccl_p2p_hang" for e in x.evidence]
     assert not any(e.startswith("re /NCCL WARN") for e in p2p), p2p
