@@ -19,7 +19,7 @@ import pytest
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
 from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, per_rank
-from shardfit.plan.fsdp1_grads import fsdp1_flat_grad_copy_bytes
+from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
@@ -253,7 +253,7 @@ def test_fsdp1_root_holds_the_embedding_once_through_backward() -> None:
 def test_fsdp1_flattens_a_blocks_gradient_beside_its_weights_gradients() -> None:
     """At the end of each block's backward FSDP1 concatenates its weights' gradients into the flat gradient: both
     are alive then, a block's gradients twice, with the block and the one it prefetched and the root gathered; the
-    reduce-scatter then reads that flat gradient in place (what `fsdp1_flat_grad_copy_bytes` counts)."""
+    reduce-scatter then reads that flat gradient in place (what `fsdp1_backward_grad_bytes` counts)."""
     out = _trace("flatgrad")
     block = out["block_bytes"]
     assert len(out["flattens"]) == LAYERS
@@ -273,8 +273,8 @@ def test_fsdp1_full_fine_tune_backward_holds_a_blocks_gradient_twice(wrapping: d
     lone = dataclasses.replace(w1, method="lora")
     assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(
         fsdp1_backward_weight_bytes(*_root_and_block(shape, w1)) + 2 * grads)
-    assert fsdp1_flat_grad_copy_bytes(w1, grads) == grads
-    assert fsdp1_flat_grad_copy_bytes(w, grads) == 0 and fsdp1_flat_grad_copy_bytes(lone, grads) == 0
+    assert fsdp1_backward_grad_bytes(w1, grads) == 2 * grads
+    assert fsdp1_backward_grad_bytes(w, grads) == grads and fsdp1_backward_grad_bytes(lone, grads) == grads
 
 
 def _root_and_block(shape, w: Workload) -> tuple[float, float]:

@@ -15,14 +15,14 @@ from __future__ import annotations
 from shardfit.plan.workload import Workload
 
 
-def fsdp1_flat_grad_copy_bytes(w: Workload, layer_grads: float) -> float:
-    """The flat gradient FSDP1 (`runs_fsdp1`) makes beside one block's per-weight gradients, in bytes, from
-    `layer_grads`, one block's unsharded gradients; 0 for FSDP2.
+def fsdp1_backward_grad_bytes(w: Workload, layer_grads: float) -> float:
+    """The unsharded gradients FSDP1 (`runs_fsdp1`) holds at its backward's worst moment, in bytes, from
+    `layer_grads`, one block's: those, and for a full fine-tune the flat gradient split's backward makes of them.
 
-    Counted for a full fine-tune, whose block is one flat parameter of trainable weights. With LoRA under flat
-    parameters (`flat_params`) every adapter matrix is a unit of its own, so the copy is one adapter matrix's
-    gradient (a few MiB), left out; with use_orig_params=True a block's frozen and trainable weights share one
-    flat parameter, whose gradient then spans the frozen weights too, which the plan does not count at all."""
+    The copy is counted for a full fine-tune, whose block is one flat parameter of trainable weights. With LoRA
+    under flat parameters (`flat_params`) every adapter matrix is a unit of its own, so the copy is one adapter
+    matrix's gradient (a few MiB), left out; with use_orig_params=True a block's frozen and trainable weights share
+    one flat parameter, whose gradient then spans the frozen weights too, which the plan does not count at all."""
     if not w.runs_fsdp1 or w.method != "full":
-        return 0.0
-    return layer_grads
+        return layer_grads
+    return 2 * layer_grads
