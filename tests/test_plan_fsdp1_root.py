@@ -18,7 +18,8 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
-from shardfit.plan.estimate import compute_bytes, per_rank
+from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, per_rank
+from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
@@ -119,6 +120,57 @@ def _probe_backward(lora: bool) -> None:  # runs on each rank, under torch.distr
     dist.destroy_process_group()
 
 
+def _probe_flat_grad() -> None:  # runs on each rank, under torch.distributed.run
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp import _runtime_utils as runtime
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    model = FullyShardedDataParallel(LlamaForCausalLM(cfg), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                     device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                     use_orig_params=False, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    blocks = [u._handle for u in FullyShardedDataParallel.fsdp_modules(model)
+              if isinstance(u._fsdp_wrapped_module, LlamaDecoderLayer)]
+    numel = blocks[0].flat_param._unpadded_unsharded_size.numel()
+    flattens: list[dict] = []  # each block's flat gradient as split's backward makes it
+    scatters: list[bool] = []  # whether each reduce-scatter reads the gradient itself (no padded copy)
+
+    def gathered(handle) -> bool:
+        return handle.flat_param._full_param_padded.untyped_storage().nbytes() > 0
+
+    class Flattens(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default and out.numel() == numel:
+                flattens.append({"inputs": sum(t.nbytes for t in args[0]), "out": out.nbytes,
+                                 "blocks": sum(gathered(h) for h in blocks), "root": gathered(model._handle)})
+            return out
+
+    tensors = runtime._get_reduce_scatter_tensors
+
+    def traced(state, grad):
+        padded, shard = tensors(state, grad)
+        scatters.append(padded.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
+        return padded, shard
+
+    runtime._get_reduce_scatter_tensors = traced
+    ids = torch.randint(0, VOCAB, (1, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    with Flattens():
+        loss.backward()
+    if dist.get_rank() == 0:
+        print(json.dumps({"block_bytes": 4 * numel, "flattens": flattens, "scatters": scatters}))
+    dist.destroy_process_group()
+
+
 def _trace(*args: str) -> dict:
     """Rank 0's line of this file run as `args` on 2 gloo ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
@@ -172,7 +224,8 @@ def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None
     for fsdp1 in ({"fsdp1": True}, {"flat_params": True}):
         w1 = dataclasses.replace(w, **fsdp1)
         states = 2 * fsdp1_bnb_quant_state_bytes(shape, w1)  # bitsandbytes' quant states are never gathered
-        assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(fsdp2 - head - states)
+        flat_grad = shape.layer_params() * low if method == "full" else 0  # the flattened gradient's copy
+        assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(fsdp2 - head - states + flat_grad)
 
 
 def test_flat_params_runs_pay_fsdp1s_host_time_per_block() -> None:
@@ -196,8 +249,44 @@ def test_fsdp1_root_holds_the_embedding_once_through_backward() -> None:
     assert out["in_backward"] == [[size, address]] and out["after_backward"] == 0
 
 
+@pytest.mark.slow
+def test_fsdp1_flattens_a_blocks_gradient_beside_its_weights_gradients() -> None:
+    """At the end of each block's backward FSDP1 concatenates its weights' gradients into the flat gradient: both
+    are alive then, a block's gradients twice, with the block and the one it prefetched and the root gathered; the
+    reduce-scatter then reads that flat gradient in place (what `fsdp1_backward_grad_bytes` counts)."""
+    out = _trace("flatgrad")
+    block = out["block_bytes"]
+    assert len(out["flattens"]) == LAYERS
+    assert all(f["inputs"] == f["out"] == block and f["root"] for f in out["flattens"])
+    assert max(f["blocks"] for f in out["flattens"]) == 2
+    assert len(out["scatters"]) == LAYERS + 1 and all(out["scatters"])
+
+
+@pytest.mark.parametrize("wrapping", [{"fsdp1": True}, {"flat_params": True}])
+def test_fsdp1_full_fine_tune_backward_holds_a_blocks_gradient_twice(wrapping: dict) -> None:
+    """A full fine-tune under FSDP1 holds one block's unsharded gradients twice at its backward's worst moment (the
+    weights' gradients and the flat one split's backward makes of them); LoRA under flat parameters does not (each
+    adapter matrix is a unit of its own), nor FSDP2."""
+    shape, w, hw, s = _case("full")
+    grads = shape.layer_params() * compute_bytes(w)
+    w1 = dataclasses.replace(w, **wrapping)
+    lone = dataclasses.replace(w1, method="lora")
+    assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(
+        fsdp1_backward_weight_bytes(*_root_and_block(shape, w1)) + 2 * grads)
+    assert fsdp1_backward_grad_bytes(w1, grads) == 2 * grads
+    assert fsdp1_backward_grad_bytes(w, grads) == grads and fsdp1_backward_grad_bytes(lone, grads) == grads
+
+
+def _root_and_block(shape, w: Workload) -> tuple[float, float]:
+    """The root unit's and one block's gathered bytes of a full fine-tune."""
+    low = compute_bytes(w)
+    return (shape.embed_params() + shape.hidden) * low, shape.layer_params() * low
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "root":
         _probe_root()
+    elif sys.argv[1] == "flatgrad":
+        _probe_flat_grad()
     else:
         _probe_backward(sys.argv[2] == "lora")

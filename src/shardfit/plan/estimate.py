@@ -42,6 +42,7 @@ from shardfit.plan.activations import (
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.flops import expert_weight_grad_stacks
+from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
@@ -480,7 +481,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
         if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.bwd_temp = fsdp1_backward_weight_bytes(root_16, layer_16) + layer_grads
+            r.bwd_temp = fsdp1_backward_weight_bytes(root_16, layer_16) + fsdp1_backward_grad_bytes(w, layer_grads)
         else:
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
