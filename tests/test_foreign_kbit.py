@@ -186,3 +186,72 @@ def test_swift_refuses_a_torch_dtype_it_does_not_take(tmp_path: Path) -> None:
     (tmp_path / "run.sh").write_text(SWIFT.format(flags="--torch_dtype half8"))
     with pytest.raises(UserError, match=r"--torch_dtype half8: ms-swift takes bfloat16, float16 or float32"):
         read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def _trl(tmp_path: Path, flags: str):
+    (tmp_path / "run.sh").write_text(f"trl sft --model_name_or_path Qwen/Qwen2.5-0.5B --max_length 1024 {flags}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def _weights_gib(w) -> float:
+    from shardfit.plan.estimate import state_bytes
+    from shardfit.plan.shapes import resolve_shape
+    return state_bytes(resolve_shape("Qwen/Qwen2.5-0.5B"), w)[0] / 2**30
+
+
+@pytest.mark.parametrize(("flags", "fp32"), [("--use_peft", True), ("--use_peft --dtype float32", True),
+                                             ("--use_peft --dtype bfloat16", False)])
+def test_trl_lora_keeps_every_frozen_weight_in_the_dtype_it_loads(tmp_path: Path, flags: str, fp32: bool) -> None:
+    """`trl sft --use_peft` loads the model in ModelConfig's --dtype, float32 unless given (trl 1.16
+    scripts/sft.py passes it to from_pretrained): under bf16 autocast every frozen weight, the blocks' linears
+    too, stays fp32, twice the bytes of a bfloat16 load."""
+    w = (job := _trl(tmp_path, flags)).workload
+    assert w.method == "lora" and w.precision == "bf16" and w.loaded_fp32 is fp32 and w.frozen_fp32 is fp32
+    assert "dtype" not in job.not_modelled
+    if fp32:
+        bf16 = _trl(tmp_path, "--use_peft --dtype bfloat16").workload
+        assert _weights_gib(w) > 1.9 * _weights_gib(bf16)
+        assert any("loads the model in fp32: every frozen weight planned in fp32" in n for n in job.notes)
+
+
+@pytest.mark.parametrize(("flags", "pure"), [("", False), ("--dtype bfloat16", True), ("--dtype auto", True)])
+def test_trl_full_fine_tune_keeps_fp32_masters_only_when_loaded_in_fp32(tmp_path: Path, flags: str,
+                                                                         pure: bool) -> None:
+    """A full `trl sft` run under bf16: the default float32 load gives autocast fp32 masters; a bfloat16 (or auto,
+    a bf16 checkpoint's) load leaves none, so weights, gradients and AdamW states are bf16."""
+    w = (job := _trl(tmp_path, flags)).workload
+    assert w.method == "full" and w.pure_16bit is pure
+    assert any(("no fp32 masters" if pure else "fp32 master weights, as planned") in n for n in job.notes)
+
+
+def test_trl_full_fine_tune_under_fsdp_keeps_fp32_masters(tmp_path: Path) -> None:
+    """accelerate's FSDP upcasts 16-bit trainable parameters to fp32 under mixed precision: a bfloat16 load still
+    trains fp32 masters there."""
+    w = (job := _trl(tmp_path, "--dtype bfloat16 --fsdp 'full_shard auto_wrap'")).workload
+    assert job.engine.startswith("fsdp") and not w.pure_16bit
+
+
+def test_trl_without_mixed_precision_computes_in_the_loaded_dtype(tmp_path: Path) -> None:
+    w = _trl(tmp_path, "--use_peft --dtype bfloat16 --bf16 false").workload
+    assert w.precision == "bf16" and not w.loaded_fp32
+    assert _trl(tmp_path, "--use_peft --bf16 false").workload.precision == "fp32"
+
+
+def test_trl_qlora_adapters_are_bf16_without_bf16(tmp_path: Path) -> None:
+    """TRL 1.16 casts a 4-bit model's trainables to bf16 whether or not bf16 is on (sft_trainer.py reads neither
+    flag): with bf16 and fp16 false the run computes in fp32 (--dtype float32 is the 4-bit compute dtype), but the
+    adapters, their gradients and AdamW states are 2 bytes each."""
+    from shardfit.plan.precision import trainable_bytes
+    w = _trl(tmp_path, "--use_peft --load_in_4bit --bf16 false --fp16 false").workload
+    assert w.precision == "fp32" and w.bnb_compute_fp32 and w.adapters_16bit and trainable_bytes(w) == 2
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ("fp32_norms: true\n", "without an fsdp_config block"),
+    ("fp32_norms: true\nfsdp_version: 1\nfsdp_config:\n  reshard_after_forward: true\n", "fsdp_version 1"),
+])
+def test_axolotl_refuses_fp32_norms_without_fsdp2(tmp_path: Path, extra: str, match: str) -> None:
+    """axolotl's schema refuses fp32_norms outside FSDP2 (0.17.0 to 0.19.0 `check_fp32_norms`)."""
+    with pytest.raises(UserError, match=match):
+        _axolotl(tmp_path, extra)
+

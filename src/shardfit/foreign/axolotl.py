@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.axolotl_checks import check_axolotl_schedule
+from shardfit.foreign.axolotl_checks import check_axolotl_schedule, check_fp32_norms
 from shardfit.foreign.common import (
     TRAINER_NO_EFFECT,
     as_bool,
@@ -153,6 +153,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     if not model:
         raise UserError(f"{src.where}: no 'base_model'; axolotl needs it, and shardfit plans from it.")
     check_axolotl_schedule(src)
+    check_fp32_norms(src)
     shape = shape_of(str(model))
     job = ForeignJob("axolotl", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _workload(src, job, version)

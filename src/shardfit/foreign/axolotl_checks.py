@@ -57,5 +57,25 @@ def check_axolotl_schedule(src: Source) -> None:
                          f"eval_steps {every}", "Make eval_steps divide save_steps.")
 
 
+def check_fp32_norms(src: Source) -> None:
+    """A UserError where `fp32_norms` is on without FSDP2, which axolotl's schema refuses (axolotl 0.17.0 to 0.19.0
+    utils/schemas/config.py `check_fp32_norms`: an fsdp_config block and fsdp_version 2, as FSDP1's flat
+    parameters hold one dtype per wrapped unit). The version is read where the reader reads it: top level, else
+    fsdp_config's `version`/`fsdp_version`."""
+    if not src.flag("fp32_norms", "false"):
+        return
+    cfg = src.get("fsdp_config")
+    if not cfg:
+        raise UserError(f"{src.at('fp32_norms')}: 'fp32_norms: true' without an fsdp_config block; axolotl's config "
+                        f"validation refuses it (\"fp32_norms requires FSDP to be enabled\"). Add fsdp_config with "
+                        f"fsdp_version: 2, or remove fp32_norms.")
+    inner = cfg if isinstance(cfg, dict) else {}
+    version = src.get("fsdp_version", inner.get("fsdp_version", inner.get("version")))
+    if str(version) != "2":
+        raise UserError(f"{src.at('fp32_norms')}: 'fp32_norms: true' with fsdp_version {version}; axolotl's config "
+                        f"validation refuses it (\"fp32_norms requires fsdp_version: 2\"). Set fsdp_version: 2, or "
+                        f"remove fp32_norms.")
+
+
 def _zero(value: Any) -> bool:
     return value is not None and not isinstance(value, bool) and isinstance(value, int | float) and value == 0

@@ -39,7 +39,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
-from shardfit.foreign.kbit import trl_kbit
+from shardfit.foreign.kbit import TRL_DTYPE_EFFECT, trl_kbit, trl_loaded
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
@@ -171,6 +171,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
     _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
+    job.workload, load_note = trl_loaded(job.workload, job.engine, loaded)
+    job.notes += [load_note] if load_note else []
     _device_map(src, job, script, ran)
     job.speech_outputs = "omni" in model.lower()
     job.quant_storage = "bnb_4bit_quant_storage" in src
@@ -694,8 +696,8 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects["lora_modules_to_save"] = effect
         else:
             unplanned.add("lora_modules_to_save")
-    if model_config and w.method == "qlora":  # foreign/kbit.py `trl_kbit`
-        effects["dtype"] = "frozen weights loaded, and 4-bit layers computing, in it"
+    if model_config and w.method in TRL_DTYPE_EFFECT:  # foreign/kbit.py `trl_kbit`, `trl_loaded`
+        effects["dtype"] = TRL_DTYPE_EFFECT[w.method]
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 

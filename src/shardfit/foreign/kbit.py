@@ -1,6 +1,7 @@
 """What each tool does to a 4-bit (QLoRA) model's dtypes after loading it, which the job file does not spell out:
 whether the frozen weights outside the 4-bit layers stay fp32 after peft's prepare_model_for_kbit_training, and
-the dtype the adapters train in. Shared by the readers (axolotl, TRL scripts, ms-swift) so one rule per tool."""
+the dtype the adapters train in. Shared by the readers (axolotl, TRL scripts, ms-swift) so one rule per tool. And
+the dtype TRL's ModelConfig loads a LoRA or full run in (`trl_loaded`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ TRL_BF16_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "R
 TRL_PREPARING_TRAINERS = ("ORPOTrainer", "CPOTrainer")
 # TRL's ModelConfig --dtype choices; float32 is its default (trl 1.16 trainer/model_config.py).
 TRL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# The engines that keep a full fine-tune's trainable weights in fp32 whatever dtype loaded them: DeepSpeed's ZeRO
+# steps fp32 masters; accelerate's FSDP upcasts 16-bit trainable parameters to fp32 under mixed precision
+# (utils/fsdp_utils.py `fsdp2_prepare_model`, accelerator.py `prepare_model` for FSDP1).
+FP32_MASTER_ENGINES = ("deepspeed", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_offload")
+# What --dtype does to each method's weights, as the key's effect.
+TRL_DTYPE_EFFECT = {"qlora": "frozen weights loaded, and 4-bit layers computing, in it",
+                    "lora": "frozen weights loaded in it", "full": "weights loaded in it"}
 # ms-swift's --bnb_4bit_compute_dtype values (swift/arguments/base_args/quant_args.py), as bytes-relevant names.
 SWIFT_COMPUTE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -76,8 +84,48 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
             else f"as loaded ({w.precision}), as TRL no longer calls prepare_model_for_kbit_training")
     return w, (f"TRL's {trainer} on a 4-bit model (trl 1.16; SFT since 0.26, DPO since 0.29, KTO since 1.4) casts "
                f"every trainable parameter to bf16: adapters and saved copies planned in 16 bits, frozen weights "
-               f"{kept}. Older TRL prepared the model (fp32 embeddings, norms, head, adapters and saved copies): "
+               f"{kept}; bf16 under bf16 false too, as the cast reads neither flag. Older TRL prepared the model "
+               f"(fp32 embeddings, norms, head, adapters and saved copies): "
                f"plan such a run with --frozen-fp32, which plans all of those in fp32")
+
+
+def trl_loaded(w: Workload, engine: str, loaded: tuple[str, str] | None) -> tuple[Workload, str | None]:
+    """A LoRA or full run of TRL's scripts (trl 1.16 scripts/sft.py, dpo.py, ...: `model_init_kwargs` with
+    `dtype=model_args.dtype`, which create_model_from_path passes to from_pretrained), loaded in ModelConfig's
+    `--dtype` (`loaded`: the value, float32 by default, and where it is given; None where no ModelConfig parses the
+    job). Under 16-bit autocast an fp32 load keeps LoRA's frozen weights fp32 (`loaded_fp32`; DeepSpeed casts them
+    back) and a full fine-tune's fp32 masters (as planned); a 16-bit load leaves a full fine-tune no fp32 copy
+    (`pure_16bit`) where accelerate's FSDP or DeepSpeed does not keep one. Without autocast the layers compute in
+    the loaded dtype. Returns the workload and a note; `w` and None for a job without ModelConfig or QLoRA's
+    (`trl_kbit`)."""
+    if loaded is None or w.method not in ("lora", "full"):
+        return w, None
+    dtype = _model_config_dtype(*loaded)
+    said = f"TRL's ModelConfig --dtype {dtype} (trl 1.16; float32 unless given) loads the model"
+    if dtype == "float32":
+        if w.precision == "fp32" or w.method == "full":
+            return w, None if w.precision == "fp32" else f"{said} in fp32: fp32 master weights, as planned"
+        if engine == "deepspeed":
+            return w, f"{said} in fp32; DeepSpeed casts the frozen weights to {w.precision} at initialize"
+        return dataclasses.replace(w, frozen_fp32=True, loaded_fp32=True), (
+            f"{said} in fp32: every frozen weight planned in fp32, {w.precision} autocast casting each per matmul "
+            f"(--dtype bfloat16 halves them)")
+    low = "fp16" if dtype == "float16" else "bf16"
+    auto = " (auto: the checkpoint's dtype, taken as bf16; an fp32 checkpoint plans as --dtype float32)" \
+        if dtype == "auto" else ""
+    if w.precision != "fp32":
+        if w.method == "lora":
+            return w, None
+        if engine in FP32_MASTER_ENGINES:
+            return w, f"{said} in {low}{auto}; the {engine} engine keeps fp32 masters of the trained weights"
+        return dataclasses.replace(w, pure_16bit=True), (
+            f"{said} in {low}{auto}: no fp32 masters, weights, gradients and AdamW states planned in {low} "
+            f"(autocast over them casts nothing)")
+    if engine == "deepspeed":
+        return w, None
+    return dataclasses.replace(w, precision=low, pure_16bit=w.method == "full"), (
+        f"{said} in {low}{auto} and neither bf16 nor fp16 is on: the layers compute in {low}, planned as a {low} "
+        f"run" + (" with fp32 adapters (peft upcasts them)" if w.method == "lora" else " with no fp32 masters"))
 
 
 def _model_config_dtype(value: str, where: str) -> str:

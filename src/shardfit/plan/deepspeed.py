@@ -154,9 +154,9 @@ def as_deepspeed_runs(w: Workload) -> Workload:
     zero.Init (modeling_utils.py: `if not is_quantized`), so a QLoRA takes the cast at every stage. An fp32 run
     keeps them as they are. `w` itself where it has no `frozen_fp32` or is not 16-bit. The one rule DeepSpeed's
     memory (`estimate_deepspeed`, which applies it) and a DeepSpeed job's workload (foreign/read.py, which the
-    time model reads) both follow."""
-    if w.frozen_fp32 and compute_bytes(w) == 2:
-        return replace(w, frozen_fp32=False)
+    time model reads) both follow. A model loaded in fp32 (`loaded_fp32`) is cast the same way."""
+    if (w.frozen_fp32 or w.loaded_fp32) and compute_bytes(w) == 2:
+        return replace(w, frozen_fp32=False, loaded_fp32=False)
     return w
 
 

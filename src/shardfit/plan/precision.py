@@ -14,11 +14,12 @@ def compute_bytes(w: Workload) -> int:
 
 
 def trainable_bytes(w: Workload) -> int:
-    """Bytes per element of the trainable weights and their gradients: fp32, except 16-bit LoRA adapters and
-    pure 16-bit training (every weight in the compute precision)."""
-    if w.pure_16bit or (w.adapters_16bit and w.trains_adapters):
+    """Bytes per element of the trainable weights and their gradients: fp32, except pure 16-bit training (every
+    weight in the compute precision) and 16-bit LoRA adapters, 16-bit whatever the compute precision (TRL casts a
+    k-bit model's adapters to bf16 in an fp32 run too)."""
+    if w.pure_16bit:
         return compute_bytes(w)
-    return 4
+    return 2 if w.adapters_16bit and w.trains_adapters else 4
 
 
 def saved_copy_bytes(w: Workload) -> int:
@@ -75,8 +76,9 @@ def autocast_launches(w: Workload, strategy: str) -> bool:
 
 
 def autocast_fp32_master(w: Workload, strategy: str) -> bool:
-    """Full fine-tunes keep fp32 weights, cast by autocast on the fly unless FSDP casts them."""
-    return w.method == "full" and runs_autocast(w, strategy)
+    """Full fine-tunes keep fp32 weights, cast by autocast on the fly unless FSDP casts them; so does a LoRA run
+    whose model was loaded in fp32 (`loaded_fp32`), over its frozen weights."""
+    return (w.method == "full" or w.loaded_fp32) and runs_autocast(w, strategy)
 
 
 def residual_bytes(w: Workload, strategy: str) -> int:
@@ -117,7 +119,7 @@ def frozen_weight_bytes(w: Workload) -> int:
     peft's prepare_model_for_kbit_training upcasts every weight that is not 4-bit (`frozen_fp32`), else the 16-bit
     loading dtype. The one rule of the memory (plan/estimate.py), the pipeline's stages (plan/pipeline.py) and
     offload's copies (plan/comms.py `param_bytes_stored`)."""
-    return 4 if w.frozen_fp32 else compute_bytes(w)
+    return 4 if w.frozen_fp32 or w.loaded_fp32 else compute_bytes(w)
 
 
 def expert_matmul_bytes(w: Workload, strategy: str) -> int:

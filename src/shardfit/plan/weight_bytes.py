@@ -23,8 +23,8 @@ def stored_linear_bytes(shape: ModelShape, w: Workload, moe: bool | None = None,
     and expert stacks bitsandbytes leaves alone (`experts_stay_16bit`), which stay in the compute precision, fp32
     after peft's prepare_model_for_kbit_training (`frozen_fp32`, `frozen_weight_bytes`); else the compute
     precision. Under Lightning's BitsandbytesPrecision (`bnb_precision`) every linear layer, one per expert as it
-    counts them."""
-    low = compute_bytes(w)
+    counts them. A model loaded in fp32 (`loaded_fp32`) stores its dense linears in fp32."""
+    low = 4 if w.loaded_fp32 else compute_bytes(w)
     keep16 = experts_stay_16bit(shape, w)
     total = 0.0
     for name, r, c in _stored_rows(shape, w, moe):

@@ -66,8 +66,14 @@ class Workload:
     # The frozen weights outside the decoder's linear layers (embeddings, norms, head) kept in fp32, as peft's
     # prepare_model_for_kbit_training leaves them (TRL's SFTTrainer and axolotl apply it to every 4-bit model).
     frozen_fp32: bool = False
-    # LoRA adapters, their gradients and AdamW states in the compute precision instead of fp32: peft before 0.12
-    # (adapters took the base layer's dtype), LLaMA-Factory's pure_bf16, shardfit's `lora.dtype: bf16`.
+    # ... and the decoder's frozen linear layers in fp32 too: a LoRA run whose model was loaded in fp32 under 16-bit
+    # autocast (TRL's ModelConfig --dtype float32, its default). Set with `frozen_fp32`; autocast casts each frozen
+    # weight to 16 bits per matmul and the matmul keeps that copy for its input's gradient, as over a full
+    # fine-tune's fp32 masters (plan/precision.py `autocast_fp32_master`).
+    loaded_fp32: bool = False
+    # LoRA adapters, their gradients and AdamW states in 16 bits instead of fp32: peft before 0.12 (adapters took
+    # the base layer's 16-bit dtype), LLaMA-Factory's pure_bf16, shardfit's `lora.dtype: bf16`, TRL's cast of a
+    # k-bit model's trainables to bf16 (in an fp32 run too: plan/precision.py `trainable_bytes`).
     adapters_16bit: bool = False
     # A tool's engine wraps the forward in autocast whenever it mixes precision, under FSDP and beside 16-bit
     # adapters too (accelerate's `native_amp`, Lightning's bf16-mixed). False: shardfit's own runner, which

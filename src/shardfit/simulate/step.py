@@ -122,15 +122,19 @@ def tools_recipe(model: torch.nn.Module, w: Workload, autocast: bool) -> None:
     """What the recipe changes on the built model: shardfit's own stops peft casting the adapters' inputs to
     fp32 under autocast (train/recipe.py, `adapter_input_casts` off); other tools' recipes keep that cast and may
     make the adapters 16-bit (peft < 0.12, LLaMA-Factory's pure_bf16) or the frozen embeddings, norms and head
-    fp32 (peft's k-bit training)."""
+    fp32 (peft's k-bit training), or every frozen weight (a model loaded in fp32, `loaded_fp32`)."""
     if autocast and w.trains_adapters and not w.adapter_input_casts:
         skip_adapter_input_casts(model)
     if w.adapters_16bit and w.trains_adapters:
-        low = torch.float32 if w.precision == "fp32" else torch.bfloat16
+        low = torch.float16 if w.precision == "fp16" else torch.bfloat16  # 16-bit in an fp32 run too
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(low)
-    if w.frozen_fp32:
+    if w.loaded_fp32:  # the model loaded in fp32: every frozen weight, the blocks' linears too
+        for p in model.parameters():
+            if not p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.float()
+    elif w.frozen_fp32:
         upcast_frozen_outside_blocks(model)
 
 
