@@ -9,7 +9,14 @@ import json
 import pytest
 import yaml
 
-from tests.blind_sets import ROW_KEYS, cases, check_mapping, check_readings_and_defaults, check_rows
+from tests.blind_sets import (
+    ROW_KEYS,
+    cases,
+    check_committed,
+    check_mapping,
+    check_readings_and_defaults,
+    check_rows,
+)
 from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
@@ -109,3 +116,10 @@ def test_an_unmapped_string_is_an_error_not_a_silent_default(bench, blind) -> No
     with pytest.raises(KeyError):
         bench.settings_of(number, {**row, "peak_memory": {**row["peak_memory"], "reading": "nvml"}}, blind)
     assert bench.settings_of(number, {**row, "attention": "unknown"}, blind)["reading"] == "reserved"
+
+
+def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
+    """bench/results/plan_vs_blind7.json is what the script computes now and docs/planning.md shows its table (the
+    README states the pooled line, test_plan_blind_pooled.py): rerun `python bench/plan_vs_blind7.py` and
+    `bench/plan_vs_blind_pooled.py` and paste both after any change to the planner."""
+    check_committed(bench, bench.evaluate(blind), bench.pvb.docs_table)
