@@ -494,9 +494,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
             div_w = div_g = div_o = 1
             staging, grad_shard = offload_staging_bytes(shape, w, n)
             r.fwd_temp += staging
-            # FSDP1 keeps each unit's gradient shard on the GPU until backward ends (`held_grad_shards`), FSDP2
-            # one unit's at a time until its copy to the host has run.
-            r.bwd_temp += staging + (0.0 if w.runs_fsdp1 else grad_shard)
+            r.bwd_temp += staging + grad_shard
             r.held_grad_shards = held
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
@@ -536,7 +534,15 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
     stored (a full fine-tune's fp32 masters) and casts it to the compute dtype for the all-gather's input
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`), for the unit that computes and the
     one prefetched ahead of it; after a unit's reduce-scatter its fp32 gradient shard waits on the GPU until the
-    copy to the host has run (_fsdp_collectives.py `foreach_reduce`). The host's pinned buffers are host RAM."""
+    copy to the host has run (_fsdp_collectives.py `foreach_reduce`). The host's pinned buffers are host RAM.
+
+    FSDP1 (`runs_fsdp1`) holds neither beside a computing unit: (0, 0). It copies a unit's shard to the GPU in its
+    pre-unshard and drops the copy before the unit computes (torch/distributed/fsdp/_flat_param.py `pre_unshard` ->
+    `flat_param_to` or `_use_low_precision_shard`; `unshard` then points the flat parameter at the gathered buffer
+    and `post_unshard` frees `_mp_shard`, all inside _runtime_utils.py `_unshard`), and it keeps every gradient
+    shard until backward ends instead (`fsdp1_offload_grad_shard_bytes`)."""
+    if w.runs_fsdp1:
+        return 0.0, 0.0
     low = compute_bytes(w)
     layer = shape.layer_params()
     if w.method == "full":  # the stored shard, and its cast where the masters are wider than the compute dtype
