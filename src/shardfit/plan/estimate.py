@@ -42,7 +42,7 @@ from shardfit.plan.activations import (
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.flops import expert_weight_grad_stacks
-from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes
+from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
@@ -362,8 +362,7 @@ def no_sync_grad_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
     if w.method == "full":
         return float(shape.params() * low)
     if w.trains_adapters and not w.flat_params:
-        blocks = shape.over_blocks(lambda moe: linear_weight_bytes(shape, w, moe) + 2 * shape.hidden * low)
-        return float(blocks + lora_params(shape, w) * low)
+        return block_flat_grad_bytes(shape, w)
     return float(trainable_params(shape, w) * trainable_bytes(w))
 
 
@@ -445,6 +444,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     ex = experts.expert_states(shape, w, stored, trainable_bytes(w), optimizer_state_bytes(w),
                                lora_expert_params(shape, w)) if ep else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
+    if s.sharded and mixes_frozen_and_adapters(w):  # the blocks' flat gradients span their frozen weights
+        grads = block_flat_grad_bytes(shape, w)
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     # bitsandbytes' quant states under FSDP1: whole on every rank, never gathered (`fsdp1_bnb_quant_state_bytes`)
     layer_16 -= fsdp1_bnb_quant_state_bytes(shape, w)
@@ -481,7 +482,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
         if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.bwd_temp = fsdp1_backward_weight_bytes(root_16, layer_16) + fsdp1_backward_grad_bytes(w, layer_grads)
+            r.bwd_temp = (fsdp1_backward_weight_bytes(root_16, layer_16)
+                          + fsdp1_backward_grad_bytes(shape, w, layer_grads))
         else:
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
