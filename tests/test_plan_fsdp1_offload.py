@@ -1,5 +1,6 @@
 """FSDP1 (`runs_fsdp1`) under CPU offload and with bitsandbytes' QLoRA: what stays on the GPU that FSDP2's layout
-does not keep (plan/estimate.py `fsdp1_offload_grad_shard_bytes`, `fsdp1_bnb_quant_state_bytes`). The torch side is
+does not keep (plan/estimate.py `fsdp1_offload_grad_shard_bytes`, `fsdp1_bnb_quant_state_bytes`), and the staged
+shards FSDP2's offload keeps that FSDP1 does not (`offload_staging_bytes`). The torch side is
 a 2-rank gloo trace of FullyShardedDataParallel with CPUOffload(offload_params=True) over a tiny Llama: a CPU has
 no memory to pin and no stream to synchronize, so the probe turns those two calls into no-ops; every other line of
 FSDP1's offload path runs as on a GPU."""
@@ -18,6 +19,7 @@ import pytest
 from shardfit import strategy as strategies
 from shardfit.plan.estimate import (
     GIB,
+    offload_staging_bytes,
     per_rank,
     state_bytes,
     step_moments,
@@ -126,6 +128,23 @@ def test_fsdp1_bnb_quant_states_stay_whole_on_every_rank() -> None:
     fsdp2 = dataclasses.replace(w, flat_params=False)
     assert fsdp1_bnb_quant_state_bytes(shape, fsdp2, whole_model=True) == 0.0
     assert per_rank(shape, fsdp2, hw, s).weights == pytest.approx(weights / 2)
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_fsdp1_offload_holds_no_staged_shard(method: str) -> None:
+    """FSDP1 under CPU offload copies a unit's shard to the GPU in its pre-unshard and drops it once the unit is
+    gathered, before it computes: neither its forward nor its backward holds FSDP2's two staged shards (nor
+    FSDP2's one gradient shard in flight: FSDP1 holds them all, `held_grad_shards`)."""
+    keys = {"quant_backend": "bnb"} if method == "qlora" else {}
+    shape, w, hw, off = _case("zero3_offload", method=method, **keys)
+    on = strategies.get("zero3")
+    staging = offload_staging_bytes(shape, w, hw.world)[0]
+    assert staging > 0 and offload_staging_bytes(shape, dataclasses.replace(w, fsdp1=True), hw.world) == (0, 0)
+    for fsdp1 in ({"fsdp1": True}, {"flat_params": True}):
+        w1 = dataclasses.replace(w, **fsdp1)
+        assert per_rank(shape, w1, hw, off).fwd_temp == pytest.approx(per_rank(shape, w1, hw, on).fwd_temp)
+        assert per_rank(shape, w1, hw, off).bwd_temp == pytest.approx(per_rank(shape, w1, hw, on).bwd_temp)
+    assert per_rank(shape, w, hw, off).fwd_temp == pytest.approx(per_rank(shape, w, hw, on).fwd_temp + staging)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
-from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, per_rank
-from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes
+from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, per_rank, trainable_weight_bytes
+from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
@@ -214,7 +214,8 @@ def test_flat_params_runs_hold_the_embedding_in_the_root_in_forward(method: str)
 def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None:
     """FSDP1's backward (`fsdp1` or `flat_params`) holds the root's flat parameter once and two blocks gathered,
     beside one block's unsharded gradients: the head and final norm not a second time, as FSDP2's count has them
-    (and bitsandbytes' quant states, whole on every rank, in neither block)."""
+    (and bitsandbytes' quant states, whole on every rank, in neither block). LoRA under `fsdp1` alone
+    (use_orig_params=True) holds its whole block's flat gradient twice instead (test_plan_fsdp1_orig_params.py)."""
     keys = {"quant_backend": "bnb"} if method == "qlora" else {}
     shape, w, hw, s = _case(method, **keys)
     low = compute_bytes(w)
@@ -225,6 +226,8 @@ def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None
         w1 = dataclasses.replace(w, **fsdp1)
         states = 2 * fsdp1_bnb_quant_state_bytes(shape, w1)  # bitsandbytes' quant states are never gathered
         flat_grad = shape.layer_params() * low if method == "full" else 0  # the flattened gradient's copy
+        if mixes_frozen_and_adapters(w1):  # use_orig_params=True: the whole block's gradient, twice
+            flat_grad = (2 * block_flat_grad_bytes(shape, w1) - trainable_weight_bytes(shape, w1)) / shape.layers
         assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(fsdp2 - head - states + flat_grad)
 
 
@@ -270,11 +273,12 @@ def test_fsdp1_full_fine_tune_backward_holds_a_blocks_gradient_twice(wrapping: d
     shape, w, hw, s = _case("full")
     grads = shape.layer_params() * compute_bytes(w)
     w1 = dataclasses.replace(w, **wrapping)
-    lone = dataclasses.replace(w1, method="lora")
+    lone = dataclasses.replace(w, method="lora", flat_params=True)
     assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(
         fsdp1_backward_weight_bytes(*_root_and_block(shape, w1)) + 2 * grads)
-    assert fsdp1_backward_grad_bytes(w1, grads) == 2 * grads
-    assert fsdp1_backward_grad_bytes(w, grads) == grads and fsdp1_backward_grad_bytes(lone, grads) == grads
+    assert fsdp1_backward_grad_bytes(shape, w1, grads) == 2 * grads
+    assert fsdp1_backward_grad_bytes(shape, w, grads) == grads
+    assert fsdp1_backward_grad_bytes(shape, lone, grads) == grads
 
 
 def _root_and_block(shape, w: Workload) -> tuple[float, float]:

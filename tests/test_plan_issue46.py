@@ -180,11 +180,13 @@ def test_fsdp1_root_keeps_the_untied_input_embedding_gathered() -> None:
         w = Workload(method="full", seq_len=4096, grad_ckpt="full")
         own, fsdp1 = (per_rank(SHAPE, replace(w, fsdp1=f), hw, get(strategy)) for f in (False, True))
         embedding = SHAPE.vocab * SHAPE.hidden * 2
-        # (under offload FSDP2's fp32 gradient shard in flight goes too: FSDP1 holds them, `held_grad_shards`)
-        in_flight = offload_staging_bytes(SHAPE, w, hw.world)[1] if strategy == "zero3_offload" else 0.0
+        # (under offload FSDP2's staged shards and its fp32 gradient shard in flight go too: FSDP1 drops its
+        # staged copy before a unit computes and holds the gradient shards, `held_grad_shards`)
+        staging, in_flight = offload_staging_bytes(SHAPE, w, hw.world) if strategy == "zero3_offload" else (0, 0)
         head_and_norm = embedding + SHAPE.hidden * 2
-        assert fsdp1.fwd_temp - own.fwd_temp == embedding
-        assert own.bwd_temp - fsdp1.bwd_temp == pytest.approx(head_and_norm + in_flight)
+        flat_grad = SHAPE.layer_params() * 2  # FSDP1's flat copy of a block's gradient (plan/fsdp1_grads.py)
+        assert fsdp1.fwd_temp - own.fwd_temp == pytest.approx(embedding - staging)
+        assert own.bwd_temp - fsdp1.bwd_temp == pytest.approx(head_and_norm + staging + in_flight - flat_grad)
     tied = resolve_shape("Qwen/Qwen2.5-0.5B")
     assert tied.tied
     w = Workload(method="full", seq_len=4096, grad_ckpt="full")

@@ -42,7 +42,7 @@ from shardfit.plan.activations import (
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.flops import expert_weight_grad_stacks
-from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes
+from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import (
     compute_bytes,
@@ -362,8 +362,7 @@ def no_sync_grad_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
     if w.method == "full":
         return float(shape.params() * low)
     if w.trains_adapters and not w.flat_params:
-        blocks = shape.over_blocks(lambda moe: linear_weight_bytes(shape, w, moe) + 2 * shape.hidden * low)
-        return float(blocks + lora_params(shape, w) * low)
+        return block_flat_grad_bytes(shape, w)
     return float(trainable_params(shape, w) * trainable_bytes(w))
 
 
@@ -445,6 +444,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     ex = experts.expert_states(shape, w, stored, trainable_bytes(w), optimizer_state_bytes(w),
                                lora_expert_params(shape, w)) if ep else (0.0, 0.0, 0.0)
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
+    if s.sharded and mixes_frozen_and_adapters(w):  # the blocks' flat gradients span their frozen weights
+        grads = block_flat_grad_bytes(shape, w)
     layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
     # bitsandbytes' quant states under FSDP1: whole on every rank, never gathered (`fsdp1_bnb_quant_state_bytes`)
     layer_16 -= fsdp1_bnb_quant_state_bytes(shape, w)
@@ -481,7 +482,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
         if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.bwd_temp = fsdp1_backward_weight_bytes(root_16, layer_16) + fsdp1_backward_grad_bytes(w, layer_grads)
+            r.bwd_temp = (fsdp1_backward_weight_bytes(root_16, layer_16)
+                          + fsdp1_backward_grad_bytes(shape, w, layer_grads))
         else:
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
@@ -494,9 +496,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
             div_w = div_g = div_o = 1
             staging, grad_shard = offload_staging_bytes(shape, w, n)
             r.fwd_temp += staging
-            # FSDP1 keeps each unit's gradient shard on the GPU until backward ends (`held_grad_shards`), FSDP2
-            # one unit's at a time until its copy to the host has run.
-            r.bwd_temp += staging + (0.0 if w.runs_fsdp1 else grad_shard)
+            r.bwd_temp += staging + grad_shard
             r.held_grad_shards = held
     else:  # model_parallel: one process, blocks split over the node's GPUs, one GPU computes at a time
         g = hw.gpus_per_node
@@ -536,7 +536,15 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
     stored (a full fine-tune's fp32 masters) and casts it to the compute dtype for the all-gather's input
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `all_gather_inputs`), for the unit that computes and the
     one prefetched ahead of it; after a unit's reduce-scatter its fp32 gradient shard waits on the GPU until the
-    copy to the host has run (_fsdp_collectives.py `foreach_reduce`). The host's pinned buffers are host RAM."""
+    copy to the host has run (_fsdp_collectives.py `foreach_reduce`). The host's pinned buffers are host RAM.
+
+    FSDP1 (`runs_fsdp1`) holds neither beside a computing unit: (0, 0). It copies a unit's shard to the GPU in its
+    pre-unshard and drops the copy before the unit computes (torch/distributed/fsdp/_flat_param.py `pre_unshard` ->
+    `flat_param_to` or `_use_low_precision_shard`; `unshard` then points the flat parameter at the gathered buffer
+    and `post_unshard` frees `_mp_shard`, all inside _runtime_utils.py `_unshard`), and it keeps every gradient
+    shard until backward ends instead (`fsdp1_offload_grad_shard_bytes`)."""
+    if w.runs_fsdp1:
+        return 0.0, 0.0
     low = compute_bytes(w)
     layer = shape.layer_params()
     if w.method == "full":  # the stored shard, and its cast where the masters are wider than the compute dtype
