@@ -125,7 +125,7 @@ def test_mixed_unit_backward_holds_the_whole_blocks_gradient_twice() -> None:
     (`flat_params`) and FSDP2 hold the adapters' gradients alone."""
     shape, w, hw = _case()
     s = strategies.get("zero3")
-    mixed = dataclasses.replace(w, fsdp1=True)
+    mixed = dataclasses.replace(w, fsdp1=True, fsdp1_mixed_units=True)
     block = block_flat_grad_bytes(shape, mixed) / shape.layers
     assert mixes_frozen_and_adapters(mixed) and 380 * 2**20 < block < 400 * 2**20
     flat = dataclasses.replace(w, fsdp1=True, flat_params=True)
@@ -136,13 +136,26 @@ def test_mixed_unit_backward_holds_the_whole_blocks_gradient_twice() -> None:
     assert not mixes_frozen_and_adapters(dataclasses.replace(mixed, method="qlora"))
 
 
+def test_fsdp1_alone_wraps_adapters_apart_as_the_trainer_tools_do() -> None:
+    """`fsdp1` without `fsdp1_mixed_units` is FSDP1 as the tools on transformers' Trainer run LoRA: peft's
+    fsdp_auto_wrap_policy makes every adapter matrix a unit of its own, so the blocks' units hold frozen weights only
+    and the held gradients are the adapters' (a foreign job's `fsdp1` must not bring in the whole blocks')."""
+    shape, w, hw = _case()
+    s = strategies.get("zero3")
+    trainer = dataclasses.replace(w, fsdp1=True)
+    assert not mixes_frozen_and_adapters(trainer)
+    assert per_rank(shape, trainer, hw, s).grads == pytest.approx(trainable_weight_bytes(shape, w) / hw.world)
+    adapters = trainable_weight_bytes(shape, w) / shape.layers
+    assert fsdp1_backward_grad_bytes(shape, trainer, adapters) == pytest.approx(adapters)
+
+
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_mixed_unit_keeps_the_whole_blocks_gradient_shards(strategy: str) -> None:
     """After backward each rank keeps its shard of every block's whole flat gradient (the frozen weights' share
     too) until zero_grad: the blocks' bytes / N, not the adapters' gradients / N."""
     shape, w, hw = _case()
     s = strategies.get(strategy)
-    mixed = dataclasses.replace(w, fsdp1=True)
+    mixed = dataclasses.replace(w, fsdp1=True, fsdp1_mixed_units=True)
     assert per_rank(shape, mixed, hw, s).grads == pytest.approx(block_flat_grad_bytes(shape, mixed) / hw.world)
     for other in (w, dataclasses.replace(mixed, flat_params=True)):
         assert per_rank(shape, other, hw, s).grads == pytest.approx(trainable_weight_bytes(shape, w) / hw.world)

@@ -214,7 +214,7 @@ def test_flat_params_runs_hold_the_embedding_in_the_root_in_forward(method: str)
 def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None:
     """FSDP1's backward (`fsdp1` or `flat_params`) holds the root's flat parameter once and two blocks gathered,
     beside one block's unsharded gradients: the head and final norm not a second time, as FSDP2's count has them
-    (and bitsandbytes' quant states, whole on every rank, in neither block). LoRA under `fsdp1` alone
+    (and bitsandbytes' quant states, whole on every rank, in neither block). LoRA under `fsdp1_mixed_units`
     (use_orig_params=True) holds its whole block's flat gradient twice instead (test_plan_fsdp1_orig_params.py)."""
     keys = {"quant_backend": "bnb"} if method == "qlora" else {}
     shape, w, hw, s = _case(method, **keys)

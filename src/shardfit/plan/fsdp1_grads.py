@@ -30,11 +30,13 @@ from shardfit.plan.workload import Workload
 
 
 def mixes_frozen_and_adapters(w: Workload) -> bool:
-    """Whether each FSDP1 block unit flattens its frozen weights and its LoRA adapters into one flat parameter: FSDP1
-    (`fsdp1`) with use_orig_params=True (not `flat_params`) and LoRA, as Lightning Fabric's FSDPStrategy wraps a
-    Block. QLoRA is left out: bitsandbytes' 4-bit matmul returns no gradient for its weight, so split's backward
-    would fill that share with zeros of the packed storage's size, a case no trace here has run."""
-    return w.fsdp1 and not w.flat_params and w.method == "lora"
+    """Whether each FSDP1 block unit flattens its frozen weights and its LoRA adapters into one flat parameter
+    (`fsdp1_mixed_units`, with use_orig_params=True: not `flat_params`) under LoRA, as Lightning Fabric's
+    FSDPStrategy wraps a Block. `fsdp1` alone does not say it: the tools on transformers' Trainer wrap each adapter
+    matrix as a unit of its own (peft's fsdp_auto_wrap_policy). QLoRA is left out: bitsandbytes' 4-bit matmul
+    returns no gradient for its weight, so split's backward would fill that share with zeros of the packed
+    storage's size, a case no trace here has run."""
+    return w.runs_fsdp1 and w.fsdp1_mixed_units and not w.flat_params and w.method == "lora"
 
 
 def block_flat_grad_bytes(shape: ModelShape, w: Workload) -> float:

@@ -144,6 +144,12 @@ class Workload:
     # (Lightning Fabric, Composer, accelerate): its hooks cost the host more per block than FSDP2's
     # (plan/dispatch.py ENGINE_HOST_S). shardfit's own runs are FSDP2.
     fsdp1: bool = False
+    # ... and each wrapped block's one flat parameter holds its LoRA adapters beside its frozen weights, as Lightning
+    # Fabric's FSDPStrategy wraps a Block (use_orig_params=True permits mixed requires_grad): every block's flat
+    # gradient then spans its frozen weights (plan/fsdp1_grads.py). Not under the tools built on transformers'
+    # Trainer (HF Trainer, TRL, axolotl, LLaMA-Factory, ms-swift): for a LoRA model the Trainer swaps in peft's
+    # fsdp_auto_wrap_policy, which wraps every module with a trainable weight (each adapter matrix) as its own unit.
+    fsdp1_mixed_units: bool = False
     # The LM head as its own copy of the embedding even where the checkpoint ties them: litgpt's GPT has no tying
     # at the commits its config-hub tables ran (scripts/convert_hf_checkpoint.py copies wte into lm_head).
     untied_head: bool = False
