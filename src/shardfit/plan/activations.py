@@ -669,7 +669,10 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     # The last block's output itself is not kept: the final norm saves its fp32 upcast (the output itself when
     # the residual stream is fp32).
     head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
-    cast = 2 * shape.decoder_params() * layers / shape.layers if autocast_fp32_master(w, strategy) else 0
+    # Autocast caches only casts of leaf weights that require grad (a full fine-tune's masters); a frozen fp32
+    # weight's cast (`loaded_fp32`) lives on as the matmul's saved tensor, which checkpointed blocks do not keep.
+    held = w.method == "full" or w.grad_ckpt == "none"
+    cast = 2 * shape.decoder_params() * layers / shape.layers if autocast_fp32_master(w, strategy) and held else 0
     if w.trains_adapters and casts_fp32_trainables(w, strategy):
         cast += 2 * lora_params(shape, w) * layers / shape.layers
     if w.grad_ckpt == "none":  # checkpointed blocks save nothing in forward
