@@ -214,6 +214,28 @@ def test_trl_lora_keeps_every_frozen_weight_in_the_dtype_it_loads(tmp_path: Path
         assert any("loads the model in fp32: every frozen weight planned in fp32" in n for n in job.notes)
 
 
+def test_older_trls_torch_dtype_loads_as_dtype_does(tmp_path: Path) -> None:
+    """TRL before `dtype` named ModelConfig's field `torch_dtype`: `--torch_dtype bfloat16` loads in bf16 (not the
+    float32 default) and is a modelled key."""
+    w = (job := _trl(tmp_path, "--use_peft --torch_dtype bfloat16")).workload
+    assert not w.loaded_fp32 and "torch_dtype" not in job.not_modelled
+
+
+def test_a_scripts_own_from_pretrained_dtype_loads_the_model(tmp_path: Path) -> None:
+    """A script that parses ModelConfig (get_peft_config) but loads the model itself with a literal dtype loads in
+    that one, not in --dtype's float32 default; one that passes model_args.dtype through takes the command line's."""
+    body = ("import torch\nfrom transformers import AutoModelForCausalLM\nfrom trl import ModelConfig, SFTTrainer, "
+            "get_peft_config\nmodel_args = ModelConfig()\nmodel = AutoModelForCausalLM.from_pretrained("
+            "'Qwen/Qwen2.5-0.5B', {dtype})\ntrainer = SFTTrainer(model=model, peft_config=get_peft_config(model_args))"
+            "\ntrainer.train()\n")
+    for dtype, fp32 in (("torch_dtype=torch.bfloat16", False), ("dtype='bfloat16'", False),
+                        ("dtype=model_args.dtype", True)):
+        (tmp_path / "train.py").write_text(body.format(dtype=dtype))
+        (tmp_path / "run.sh").write_text("accelerate launch train.py --use_peft --bf16 true\n")
+        w = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0")).workload
+        assert w.loaded_fp32 is fp32, dtype
+
+
 @pytest.mark.parametrize(("flags", "pure"), [("", False), ("--dtype bfloat16", True), ("--dtype auto", True)])
 def test_trl_full_fine_tune_keeps_fp32_masters_only_when_loaded_in_fp32(tmp_path: Path, flags: str,
                                                                          pure: bool) -> None:

@@ -162,7 +162,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
-    loaded = (src.get("dtype", "float32"), src.at("dtype")) if code.model_config else None
+    loaded = _trl_load_dtype(src, code)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
@@ -697,8 +697,22 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
         else:
             unplanned.add("lora_modules_to_save")
     if model_config and w.method in TRL_DTYPE_EFFECT:  # foreign/kbit.py `trl_kbit`, `trl_loaded`
-        effects["dtype"] = TRL_DTYPE_EFFECT[w.method]
+        effects["dtype"] = effects["torch_dtype"] = TRL_DTYPE_EFFECT[w.method]
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
+
+
+def _trl_load_dtype(src: Source, code: ScriptSettings) -> tuple[str, str] | None:
+    """(dtype, where it is given) that TRL's ModelConfig loads the model in: `dtype` (trl >= 0.20), else older TRL's
+    `torch_dtype`, else float32 (trl 1.16's default; older TRL's None left transformers 4 loading fp32). A script
+    whose own from_pretrained spells a dtype loads in that one; None where no ModelConfig parses the job."""
+    if not code.model_config:
+        return None
+    key = next((k for k in ("dtype", "torch_dtype") if src.get(k) is not None), None)
+    if key is not None:
+        return src.get(key), src.at(key)
+    if code.load_dtype is not None:
+        return code.load_dtype, f"{src.where}: the script's from_pretrained"
+    return "float32", src.at("dtype")
 
 
 def _plan_peft_default(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:

@@ -56,6 +56,9 @@ class ScriptSettings:
     model_config: bool = False
     # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
     trl_parser: bool = False
+    # the dtype the script's own from_pretrained(...) loads the model in, where it spells one
+    # (`torch_dtype=torch.bfloat16`, `dtype="bfloat16"`): ModelConfig's --dtype then does not load it
+    load_dtype: str | None = None
     # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
     config_env: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None  # that YAML, as `--config` names it
@@ -182,6 +185,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             first = _value(node.args[0], constants)
             if isinstance(first, str) and "/" in first and "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
+                out.load_dtype = _load_dtype(node)
     out.trl_trainer = out.trainer or next((n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None)
     out.trl_config = _trl_config(tree, out.trl_trainer)
     names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
@@ -189,6 +193,19 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
     return out
+
+
+def _load_dtype(call: ast.Call) -> str | None:
+    """The dtype a from_pretrained call spells (`torch_dtype=` or `dtype=`: torch.bfloat16, "bfloat16", "auto"), as
+    TRL's --dtype names it; None where it passes none or a computed value (model_args.dtype: the command line's)."""
+    for kw in call.keywords:
+        if kw.arg in ("torch_dtype", "dtype"):
+            v = kw.value
+            name = v.attr if isinstance(v, ast.Attribute) and _name(v.value) == "torch" else \
+                v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None
+            return {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
+                    "float32": "float32", "float": "float32", "auto": "auto"}.get(name or "")
+    return None
 
 
 # HfArgumentParser's readers of a whole file of arguments (transformers hf_argparser.py), by the format each reads.
