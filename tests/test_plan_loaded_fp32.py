@@ -52,3 +52,16 @@ def test_checkpointed_forward_keeps_no_frozen_weight_casts() -> None:
         forward_activation_bytes(shape, dataclasses.replace(bare, loaded_fp32=False), shape.layers, STRATEGY) >= \
         casts * 0.9
     assert forward_activation_bytes(shape, plain, shape.layers, STRATEGY) < casts / 4
+
+
+def test_fsdp_gathers_an_fp32_loaded_block_in_the_compute_dtype() -> None:
+    """Under FSDP the frozen fp32 weights are stored fp32 on each rank's shard, but MixedPrecision's param_dtype
+    gathers every unit in bf16: the gathered temporaries are those of a bf16 load."""
+    from shardfit import strategy as strategies
+    from shardfit.plan.estimate import per_rank
+    from shardfit.plan.hardware import parse_gpus
+
+    shape, hw, s = resolve_shape("Qwen/Qwen2.5-7B"), parse_gpus("4xH100"), strategies.get("zero3")
+    fp32, bf16 = _w("full"), dataclasses.replace(_w("full"), loaded_fp32=False, frozen_fp32=False)
+    a, b = per_rank(shape, fp32, hw, s), per_rank(shape, bf16, hw, s)
+    assert a.fwd_temp == pytest.approx(b.fwd_temp) and a.weights > 1.9 * b.weights

@@ -446,7 +446,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     if s.sharded and mixes_frozen_and_adapters(w):  # the blocks' flat gradients span their frozen weights
         grads = block_flat_grad_bytes(shape, w)
-    layer_16 = block_weight_bytes(shape, w) if w.method != "full" else shape.layer_params() * low
+    # A gathered unit is in the compute dtype: FSDP's MixedPrecision gathers param_dtype over an fp32 load too
+    layer_16 = block_weight_bytes(shape, replace(w, loaded_fp32=False)) if w.method != "full" else \
+        shape.layer_params() * low
     # bitsandbytes' quant states under FSDP1: whole on every rank, never gathered (`fsdp1_bnb_quant_state_bytes`)
     layer_16 -= fsdp1_bnb_quant_state_bytes(shape, w)
     quant_states = fsdp1_bnb_quant_state_bytes(shape, w, whole_model=True) if s.sharded else 0.0
@@ -473,7 +475,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         r.persistent_grads = s.engine == "ddp" and n > 1
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
-        r.bwd_temp = layer_grads
+        r.bwd_temp = fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1 flattens them as under zero3
         r.foreach = foreach_temp_bytes(t_all, w) / n
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
