@@ -70,3 +70,28 @@ def test_a_tcp_failure_at_distributed_set_up_is_an_unreachable_rendezvous(log: s
     assert a.answer != "confident"
     # a TCP failure elsewhere (a data server, a download) is not the store's
     assert "rendezvous_unreachable" not in _cats("The data server drops its TCP connection; the loader then fails.")
+
+
+@pytest.mark.parametrize(("log", "wrong"), [
+    # a configuration that turns both half precisions on, a card that has bf16, an NPU: not the architecture
+    ("DeepSpeed 配置里 bf16 和 fp16 同时打开不支持", "gpu_arch_unsupported"),
+    ("A100 上 bf16 不支持 吗, loss 变成 nan", "gpu_arch_unsupported"),
+    ("npu 上 tf32 不支持", "gpu_arch_unsupported"),
+    # an address taken with no distributed launch in sight is some other server's port
+    ("vllm 推理，提示地址已被占用", "dist_port_in_use"),
+    ("wandb sweep agent says the address is already used", "dist_port_in_use"),
+    # a socket timeout in a collective after training ran is not the store's connect at set-up
+    ("socket timeout in process group all_reduce at step 3000", "rendezvous_unreachable"),
+])
+def test_round_14s_words_stay_out_of_other_settings(log: str, wrong: str) -> None:
+    assert wrong not in _cats(log)
+
+
+def test_killing_a_hung_rank_on_p2p_channels_keeps_p2p_first() -> None:
+    """Survivors print NCCL's remote-peer close when a hung rank is killed: on a consumer card whose channels run
+    over P2P that is still the P2P hang's paste."""
+    log = """h1:500:610 [1] NCCL INFO cudaDev 1 busId 3000 - Init START (RTX 4090)
+h1:500:610 [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via P2P/IPC
+h1:500:611 [1] misc/socket.cc:538 NCCL WARN Net : Connection reset by peer
+"""
+    assert _cats(log)[0] == "nccl_p2p_hang"
