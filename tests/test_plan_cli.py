@@ -295,3 +295,13 @@ def test_one_device_rates_multi_rank_strategies_na(capsys) -> None:
     two_cpu = make_plan(resolve_shape("HuggingFaceTB/SmolLM2-135M"), Workload(seq_len=1024, micro_batch=4),
                         Hardware(1, 2, 11.7, 23.5, "cpu"))
     assert [c.strategy for c in two_cpu.candidates if not c.applies] == ["zero3_offload", "model_parallel"]
+
+
+def test_16bit_adapters_at_fp32_exit_2(capsys) -> None:
+    """16-bit adapters with precision fp32: train refuses bf16 adapters without bf16 weights, and peft before 0.12
+    keeps an fp32 base's adapters fp32, so the plan refuses rather than count them 2 bytes."""
+    assert main(["plan", "--model", "Qwen/Qwen3-0.6B", "--gpus", "1x24GB", "--method", "lora", "--adapters-16bit",
+                 "--precision", "fp32"]) == 2
+    assert "--adapters-16bit" in capsys.readouterr().err
+    assert main(["plan", "--model", "Qwen/Qwen3-0.6B", "--gpus", "1x24GB", "--method", "lora", "--adapters-16bit",
+                 "--precision", "bf16", "--json"]) in (0, 3)

@@ -133,7 +133,8 @@ def _add_tool_flags(p: argparse.ArgumentParser) -> None:
                    help="TF32 for fp32 matmuls, as the HF Trainer's tf32 sets it (default: on under --compile "
                         "unless fp16, else off): a bitsandbytes QLoRA's fp32 expert stacks run at that rate")
     p.add_argument("--adapters-16bit", action="store_true", default=None,
-                   help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32: "
+                   help="LoRA adapters, their gradients and AdamW states in the 16-bit compute dtype, not fp32 "
+                        "(refused with --precision fp32): "
                         "shardfit's lora.dtype bf16 (no autocast); with --tool-autocast or a flag that implies it, "
                         "peft before 0.12 or LLaMA-Factory's pure_bf16 under their tool's autocast")
     p.add_argument("--pure-16bit", action="store_true", default=None,
@@ -583,6 +584,12 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
     tool = args.tool_autocast if args.tool_autocast is not None else names_a_tool(args) or None
     if tool is not None:
         w = dataclasses.replace(w, tool_autocast=tool)
+    if w.adapters_16bit and w.precision == "fp32":
+        # 16-bit adapters are planned 2 bytes in any run (TRL's cast of a k-bit model's trainables is bf16 in an
+        # fp32 run too); shardfit's train refuses them at fp32, and peft < 0.12's adapters take an fp32 base's dtype
+        raise UserError("16-bit LoRA adapters (--adapters-16bit or lora.dtype: bf16) with precision fp32: train "
+                        "refuses bf16 adapters without bf16 weights, and peft before 0.12 keeps an fp32 base's "
+                        "adapters in fp32. Use --precision bf16, or drop --adapters-16bit / lora.dtype.")
     if args.bnb_compute_fp32 and not w.bnb:
         # the compute dtype is bitsandbytes' Linear4bit's: any other run would plan exactly as without the flag
         raise UserError(f"--bnb-compute-fp32 sets bitsandbytes' 4-bit compute dtype, but this run is method "

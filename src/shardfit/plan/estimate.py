@@ -431,6 +431,14 @@ class PerRank:
     grad_divisor: float = 1  # how many ways the gradients are split
 
 
+def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
+    """One block's weights as a sharded strategy gathers them: in the compute dtype, as FSDP's MixedPrecision
+    gathers param_dtype over fp32 masters and over a model loaded in fp32 (`loaded_fp32`); QLoRA's NF4 as stored."""
+    if w.method == "full":
+        return shape.layer_params() * compute_bytes(w)
+    return block_weight_bytes(shape, replace(w, loaded_fp32=False))
+
+
 def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> PerRank:
     """The model states one rank holds under `s`, and the buffers its engine adds around each block."""
     n = hw.world
@@ -446,9 +454,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     weights, grads, optim = weights - ex[0], grads - ex[1], optim - ex[2]
     if s.sharded and mixes_frozen_and_adapters(w):  # the blocks' flat gradients span their frozen weights
         grads = block_flat_grad_bytes(shape, w)
-    # A gathered unit is in the compute dtype: FSDP's MixedPrecision gathers param_dtype over an fp32 load too
-    layer_16 = block_weight_bytes(shape, replace(w, loaded_fp32=False)) if w.method != "full" else \
-        shape.layer_params() * low
+    layer_16 = gathered_block_bytes(shape, w)
     # bitsandbytes' quant states under FSDP1: whole on every rank, never gathered (`fsdp1_bnb_quant_state_bytes`)
     layer_16 -= fsdp1_bnb_quant_state_bytes(shape, w)
     quant_states = fsdp1_bnb_quant_state_bytes(shape, w, whole_model=True) if s.sharded else 0.0
