@@ -60,7 +60,8 @@ PLAN_CHOICES = ("strategy", "grad_ckpt", "compile")
 # Workload keys that say how a published run's sharding engine ran (FSDP1, its no_sync(), flat parameters, its
 # prefetch, DeepSpeed's fetch): part of the strategy a run chose, not of its workload, so a one-GPU run and an
 # FSDP1 run of the same job are a strategy pair.
-ENGINE_KEYS = ("fsdp1", "fsdp1_no_sync", "flat_params", "fsdp1_no_backward_prefetch", "zero3_sync_fetch")
+ENGINE_KEYS = ("fsdp1", "fsdp1_mixed_units", "fsdp1_no_sync", "flat_params", "fsdp1_no_backward_prefetch",
+               "zero3_sync_fetch")
 
 
 def part(source: str) -> str:

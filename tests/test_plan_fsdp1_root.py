@@ -18,8 +18,8 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
-from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, per_rank, trainable_weight_bytes
-from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
+from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, per_rank
+from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
@@ -226,8 +226,7 @@ def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None
         w1 = dataclasses.replace(w, **fsdp1)
         states = 2 * fsdp1_bnb_quant_state_bytes(shape, w1)  # bitsandbytes' quant states are never gathered
         flat_grad = shape.layer_params() * low if method == "full" else 0  # the flattened gradient's copy
-        if mixes_frozen_and_adapters(w1):  # use_orig_params=True: the whole block's gradient, twice
-            flat_grad = (2 * block_flat_grad_bytes(shape, w1) - trainable_weight_bytes(shape, w1)) / shape.layers
+        assert not mixes_frozen_and_adapters(w1)  # that layout is its own key (test_plan_fsdp1_orig_params.py)
         assert per_rank(shape, w1, hw, s).bwd_temp == pytest.approx(fsdp2 - head - states + flat_grad)
 
 
