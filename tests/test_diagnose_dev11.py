@@ -95,3 +95,16 @@ h1:500:610 [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via P2P/IPC
 h1:500:611 [1] misc/socket.cc:538 NCCL WARN Net : Connection reset by peer
 """
     assert _cats(log)[0] == "nccl_p2p_hang"
+
+
+def test_a_first_collective_that_moves_the_weights_is_no_confident_data_preparation() -> None:
+    """A watchdog timeout at SeqNum 1 is data preparation's tell-tale when the collective is a barrier (one
+    element); one of millions of elements is the model's weights broadcast (DDP's first parameter sync), after every
+    rank passed data preparation: ranked, not asserted."""
+    line = ("[rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=1, OpType=BROADCAST, NumelIn=131072000, NumelOut=131072000, Timeout(ms)=1800000) ran "
+            "for 1800047 milliseconds before timing out.")
+    assert analyze(line).answer != "confident"
+    barrier = line.replace("OpType=BROADCAST, NumelIn=131072000, NumelOut=131072000", "OpType=ALLREDUCE, NumelIn=1, "
+                           "NumelOut=1")
+    assert analyze(barrier).likely[0].category == "nccl_timeout_preprocessing"

@@ -684,6 +684,10 @@ def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     if p.nccl_ops:
         if min(s for s, _, _ in p.nccl_ops) <= 5:
             p.facts.add("nccl_early_collective")
+        # an early collective of a million elements or more moves the model's weights (DDP's first broadcast of
+        # its parameters, in 250 MB buckets), not a barrier (main_process_first's is one element)
+        if any(s <= 5 and (n or 0) >= 1_000_000 for s, _, n in p.nccl_ops):
+            p.facts.add("nccl_early_weights")
         if max(s for s, _, _ in p.nccl_ops) >= 1000:
             p.facts.add("nccl_late_collective")
     for line in p.lines:
