@@ -631,6 +631,23 @@ def crosses_lines(pattern: re.Pattern) -> str | None:
     return walk(sre_parse.parse(pattern.pattern, pattern.flags))
 
 
+def _collective_facts(p: Parsed, text: str) -> None:
+    """The NCCL work items the watchdog names (SeqNum, OpType, NumelIn) and what their numbers say: an early
+    collective (the first steps), one that moves the weights, a late one (after training ran)."""
+    for m in _SEQ.finditer(text):
+        p.nccl_ops.append((int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None))
+    if not p.nccl_ops:
+        return
+    if min(s for s, _, _ in p.nccl_ops) <= 5:
+        p.facts.add("nccl_early_collective")
+    # an early collective of a million elements or more moves the model's weights (DDP's first broadcast of its
+    # parameters, in 250 MB buckets), not a barrier (main_process_first's is one element)
+    if any(s <= 5 and (n or 0) >= 1_000_000 for s, _, n in p.nccl_ops):
+        p.facts.add("nccl_early_weights")
+    if max(s for s, _, _ in p.nccl_ops) >= 1000:
+        p.facts.add("nccl_late_collective")
+
+
 def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     text = p.text
     for name, pat in fact_patterns.items():
@@ -679,17 +696,7 @@ def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
         p.model_size_b = max(sizes)
         if p.model_size_b >= 30:
             p.facts.add("big_model")
-    for m in _SEQ.finditer(text):
-        p.nccl_ops.append((int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None))
-    if p.nccl_ops:
-        if min(s for s, _, _ in p.nccl_ops) <= 5:
-            p.facts.add("nccl_early_collective")
-        # an early collective of a million elements or more moves the model's weights (DDP's first broadcast of
-        # its parameters, in 250 MB buckets), not a barrier (main_process_first's is one element)
-        if any(s <= 5 and (n or 0) >= 1_000_000 for s, _, n in p.nccl_ops):
-            p.facts.add("nccl_early_weights")
-        if max(s for s, _, _ in p.nccl_ops) >= 1000:
-            p.facts.add("nccl_late_collective")
+    _collective_facts(p, text)
     for line in p.lines:
         m = _ELAPSED.search(line)
         if m and _PROGRESS_DATA.search(line):
