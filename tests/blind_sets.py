@@ -114,10 +114,11 @@ def check_committed(bench: ModuleType, fresh: dict, docs_table, headline=None) -
         assert " ".join(headline(fresh).split()) in " ".join((ROOT / "README.md").read_text().split())
 
 
-def check_unmapped_strings_raise(bench: ModuleType, blind: dict, number: int, reading: str) -> None:
+def check_unmapped_strings_raise(bench: ModuleType, blind: dict, number: int, reading: str,
+                                 mapped_reading: str = "total") -> None:
     """A planned row (`number`, 1-based) whose GPUs, attention or peak reading (`reading`, a name the set does not
     map) its source does not map fails loudly rather than being planned on a guess; `unknown` attention is the
-    set's default and reads the peak as `total`."""
+    set's default and leaves the row's peak read as mapped (`mapped_reading`)."""
     row = blind["rows"][number - 1]
     name = bench.pvb.source_of(row, blind)
     with pytest.raises(KeyError):
@@ -126,4 +127,4 @@ def check_unmapped_strings_raise(bench: ModuleType, blind: dict, number: int, re
         bench.settings_of(number, {**row, "attention": "a mystery kernel"}, blind)
     with pytest.raises(KeyError):
         bench.settings_of(number, {**row, "peak_memory": {**row["peak_memory"], "reading": reading}}, blind)
-    assert bench.settings_of(number, {**row, "attention": "unknown"}, blind)["reading"] == "total"
+    assert bench.settings_of(number, {**row, "attention": "unknown"}, blind)["reading"] == mapped_reading

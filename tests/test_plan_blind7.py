@@ -16,6 +16,7 @@ from tests.blind_sets import (
     check_mapping,
     check_readings_and_defaults,
     check_rows,
+    check_unmapped_strings_raise,
 )
 from tests.helpers import load_bench
 
@@ -105,17 +106,9 @@ def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -
 
 def test_an_unmapped_string_is_an_error_not_a_silent_default(bench, blind) -> None:
     """A planned row whose GPUs, attention or reading its source does not map fails loudly rather than being
-    planned on a guess; an `unknown` attention is the set's default and leaves the row's reading as mapped."""
-    number = 42
-    row = blind["rows"][number - 1]
-    name = bench.pvb.source_of(row, blind)
-    with pytest.raises(KeyError):
-        bench.pvb.case_of({**row, "gpus": "3xMystery"}, blind["sources"][name], blind)
-    with pytest.raises(KeyError):
-        bench.settings_of(number, {**row, "attention": "a mystery kernel"}, blind)
-    with pytest.raises(KeyError):
-        bench.settings_of(number, {**row, "peak_memory": {**row["peak_memory"], "reading": "nvml"}}, blind)
-    assert bench.settings_of(number, {**row, "attention": "unknown"}, blind)["reading"] == "reserved"
+    planned on a guess; an `unknown` attention is the set's default and leaves the row's reading as mapped (row
+    42 reads `reserved`: no planned row of this set reads `total`)."""
+    check_unmapped_strings_raise(bench, blind, 42, "nvml", mapped_reading="reserved")
 
 
 def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
