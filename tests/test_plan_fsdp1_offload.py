@@ -8,11 +8,7 @@ FSDP1's offload path runs as on a GPU."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -30,22 +26,29 @@ from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes, nf4_linear_bytes
 from shardfit.plan.workload import Workload
-from tests.helpers import ROOT, free_port
+from tests.fsdp1_traces import trace
 
 LAYERS = 3
 
 
-def _probe() -> None:  # runs on each rank, under torch.distributed.run
+def probe() -> dict:  # runs on each rank (tests/fsdp1_traces.py)
     import torch
-    import torch.distributed as dist
+
+    # A CPU has no page-locked memory to ask for, and the final callback's wait on the stream has nothing to wait
+    # for: CPU work has already run.
+    with mock.patch.object(torch.Tensor, "pin_memory", lambda self, *a, **k: self), \
+            mock.patch.object(torch.cpu.Stream, "synchronize", lambda self: None, create=True):
+        return _offload_findings()
+
+
+def _offload_findings() -> dict:
+    """What FSDP1's offload keeps through a tiny Llama's backward (a CPU with pinning and the stream's wait off)."""
+    import torch
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    torch.Tensor.pin_memory = lambda self, *a, **k: self  # a CPU has no page-locked memory to ask for
-    torch.cpu.Stream.synchronize = lambda self: None  # the final callback's wait: CPU work has already run
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -68,13 +71,10 @@ def _probe() -> None:  # runs on each rank, under torch.distributed.run
     model(input_ids=ids, labels=ids).loss.backward()
     flat0 = layers[0]._handle.flat_param
     kept = layers[0]._fsdp_wrapped_module.mlp.down_proj.quant_state_absmax
-    if dist.get_rank() == 0:
-        print(json.dumps({"in_block0": in_block0, "after": shards(),
-                          "grad_on_host": all(b._handle.flat_param.grad is b._handle.flat_param._cpu_grad
-                                              for b in layers),
-                          "flat0_unsharded": flat0._unpadded_unsharded_size.numel(), "params0": params0,
-                          "scales_kept": kept is scales}))
-    dist.destroy_process_group()
+    return {"in_block0": in_block0, "after": shards(),
+            "grad_on_host": all(b._handle.flat_param.grad is b._handle.flat_param._cpu_grad for b in layers),
+            "flat0_unsharded": flat0._unpadded_unsharded_size.numel(), "params0": params0,
+            "scales_kept": kept is scales}
 
 
 @pytest.mark.slow
@@ -82,12 +82,7 @@ def test_fsdp1_offload_holds_gradient_shards_until_backward_ends() -> None:
     """While block 0 (the last) runs its backward, blocks 1 and 2 have reduce-scattered their gradients and still
     hold the shards (`_saved_grad_shard`); after backward's final callback none does and `.grad` is the host copy.
     A plain tensor kept on a module is no part of the block's flat parameter and stays where it was."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(Path(__file__))], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = trace("offload")
     assert out["in_block0"] == [[False] + [True] * (LAYERS - 1)]
     assert out["after"] == [False] * LAYERS and out["grad_on_host"]
     assert out["flat0_unsharded"] == out["params0"] and out["scales_kept"]
@@ -146,6 +141,3 @@ def test_fsdp1_offload_holds_no_staged_shard(method: str) -> None:
         assert per_rank(shape, w1, hw, off).bwd_temp == pytest.approx(per_rank(shape, w1, hw, on).bwd_temp)
     assert per_rank(shape, w, hw, off).fwd_temp == pytest.approx(per_rank(shape, w, hw, on).fwd_temp + staging)
 
-
-if __name__ == "__main__":
-    _probe()

@@ -6,11 +6,6 @@ over a tiny untied Llama with peft's LoRA on q and v, its decoder blocks wrapped
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,16 +15,15 @@ from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
-from tests.helpers import ROOT, free_port
+from tests.fsdp1_traces import trace
 
 LAYERS = 3
 
 
-def _probe() -> None:  # runs on each rank, under torch.distributed.run
+def probe() -> dict:  # runs on each rank (tests/fsdp1_traces.py)
     import functools
 
     import torch
-    import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -37,7 +31,6 @@ def _probe() -> None:  # runs on each rank, under torch.distributed.run
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -77,21 +70,9 @@ def _probe() -> None:  # runs on each rank, under torch.distributed.run
         loss.backward()
     kept = [None if h.flat_param.grad is None else h.flat_param.grad.numel() for h in blocks]
     orig = [(p.requires_grad, p.grad is not None) for n, p in model.named_parameters() if ".layers.0." in n]
-    if dist.get_rank() == 0:
-        print(json.dumps({"numel": numel, "frozen": frozen, "adapters": adapters, "params": len(is_frozen),
-                          "flattens": flattens, "kept": kept, "shard": flat._sharded_size.numel(),
-                          "root_grad": model._handle.flat_param.grad is not None, "orig": orig}))
-    dist.destroy_process_group()
-
-
-def _trace() -> dict:
-    """Rank 0's line of this file's probe on 2 gloo ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(Path(__file__))], capture_output=True, text=True, timeout=300,
-                       env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return {"numel": numel, "frozen": frozen, "adapters": adapters, "params": len(is_frozen), "flattens": flattens,
+            "kept": kept, "shard": flat._sharded_size.numel(), "root_grad": model._handle.flat_param.grad is not None,
+            "orig": orig}
 
 
 @pytest.mark.slow
@@ -100,7 +81,7 @@ def test_mixed_unit_flattens_the_frozen_weights_gradients_too() -> None:
     them with the adapters' into a flat gradient of the whole block (both alive, with two blocks and the root
     gathered), and keeps the shard of that whole flat gradient after backward; the frozen weights' own `.grad` is
     None, and the root (all frozen) has no gradient."""
-    out = _trace()
+    out = trace("orig_params")
     block = 4 * out["numel"]
     assert out["numel"] == out["frozen"] + out["adapters"] and out["adapters"] < out["frozen"] / 10
     assert len(out["flattens"]) == LAYERS
@@ -160,6 +141,3 @@ def test_mixed_unit_keeps_the_whole_blocks_gradient_shards(strategy: str) -> Non
     for other in (w, dataclasses.replace(mixed, flat_params=True)):
         assert per_rank(shape, other, hw, s).grads == pytest.approx(trainable_weight_bytes(shape, w) / hw.world)
 
-
-if __name__ == "__main__":
-    _probe()

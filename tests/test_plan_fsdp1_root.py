@@ -8,11 +8,7 @@ adapter a unit of its own, as peft and Answer.AI wrap them). A run that sets onl
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -24,20 +20,18 @@ from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
 from shardfit.plan.workload import Workload
-from tests.helpers import ROOT, free_port
+from tests.fsdp1_traces import trace
 
 VOCAB, HIDDEN, LAYERS = 4096, 64, 3
 
 
-def _probe_root() -> None:  # runs on each rank, under torch.distributed.run
+def probe_root() -> dict:  # runs on each rank (tests/fsdp1_traces.py)
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -55,24 +49,20 @@ def _probe_root() -> None:  # runs on each rank, under torch.distributed.run
     loss = model(input_ids=ids, labels=ids).loss
     after_forward = gathered()
     loss.backward()
-    if dist.get_rank() == 0:
-        print(json.dumps({"after_forward": after_forward, "in_backward": in_backward,
-                          "after_backward": gathered()[0], "root_params": root._unpadded_unsharded_size.numel()}))
-    dist.destroy_process_group()
+    return {"after_forward": after_forward, "in_backward": in_backward, "after_backward": gathered()[0],
+            "root_params": root._unpadded_unsharded_size.numel()}
 
 
-def _probe_backward(lora: bool) -> None:  # runs on each rank, under torch.distributed.run
+def probe_backward(lora: bool) -> dict:  # runs on each rank (tests/fsdp1_traces.py)
     import functools
 
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp import _runtime_utils as runtime
     from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -109,20 +99,17 @@ def _probe_backward(lora: bool) -> None:  # runs on each rank, under torch.distr
         if in_backward:
             seen.append((sum(gathered(h) for h in block_handles), gathered(root)))
 
-    runtime._unshard = traced
     in_backward = False
     ids = torch.randint(0, VOCAB, (1, 8))
-    loss = model(input_ids=ids, labels=ids).loss
-    in_backward = True
-    loss.backward()
-    if dist.get_rank() == 0:
-        print(json.dumps({"blocks": len(block_handles), "units": len(units), "seen": seen}))
-    dist.destroy_process_group()
+    with mock.patch.object(runtime, "_unshard", traced):
+        loss = model(input_ids=ids, labels=ids).loss
+        in_backward = True
+        loss.backward()
+    return {"blocks": len(block_handles), "units": len(units), "seen": seen}
 
 
-def _probe_flat_grad() -> None:  # runs on each rank, under torch.distributed.run
+def probe_flat_grad() -> dict:  # runs on each rank (tests/fsdp1_traces.py)
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp import _runtime_utils as runtime
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -130,7 +117,6 @@ def _probe_flat_grad() -> None:  # runs on each rank, under torch.distributed.ru
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -161,24 +147,11 @@ def _probe_flat_grad() -> None:  # runs on each rank, under torch.distributed.ru
         scatters.append(padded.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
         return padded, shard
 
-    runtime._get_reduce_scatter_tensors = traced
     ids = torch.randint(0, VOCAB, (1, 8))
     loss = model(input_ids=ids, labels=ids).loss
-    with Flattens():
+    with mock.patch.object(runtime, "_get_reduce_scatter_tensors", traced), Flattens():
         loss.backward()
-    if dist.get_rank() == 0:
-        print(json.dumps({"block_bytes": 4 * numel, "flattens": flattens, "scatters": scatters}))
-    dist.destroy_process_group()
-
-
-def _trace(*args: str) -> dict:
-    """Rank 0's line of this file run as `args` on 2 gloo ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(Path(__file__)), *args], capture_output=True, text=True, timeout=300,
-                       env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return {"block_bytes": 4 * numel, "flattens": flattens, "scatters": scatters}
 
 
 # The full fine-tune's trace holds the claim the planner uses (root once, two blocks); LoRA's adapter units only
@@ -189,7 +162,7 @@ def test_fsdp1_backward_holds_the_root_and_two_blocks(lora: bool) -> None:
     """Through backward FSDP1 holds the root gathered and at most two blocks at once, the current one and the one
     prefetched, also with LoRA's adapters as units of their own (where the block prefetches its own last adapter
     and the previous block is gathered from its first adapter, before the block is freed)."""
-    out = _trace("backward", "lora" if lora else "full")
+    out = trace("backward_lora" if lora else "backward_full")
     assert out["blocks"] == LAYERS and out["units"] == (1 + LAYERS * 15 if lora else 1 + LAYERS)
     assert out["seen"] and all(root for _, root in out["seen"])
     assert max(n for n, _ in out["seen"]) == 2
@@ -247,7 +220,7 @@ def test_fsdp1_root_holds_the_embedding_once_through_backward() -> None:
     same buffer, through the blocks' backward and is freed after it: one copy, never gathered again (FSDP2 frees
     the embedding's unit after forward and gathers it again for its gradient: one copy in backward either way,
     what the planner counts)."""
-    out = _trace("root")
+    out = trace("root")
     size, address = out["after_forward"]
     assert out["root_params"] == 2 * VOCAB * HIDDEN + HIDDEN and size >= 4 * out["root_params"]
     assert out["in_backward"] == [[size, address]] and out["after_backward"] == 0
@@ -258,7 +231,7 @@ def test_fsdp1_flattens_a_blocks_gradient_beside_its_weights_gradients() -> None
     """At the end of each block's backward FSDP1 concatenates its weights' gradients into the flat gradient: both
     are alive then, a block's gradients twice, with the block and the one it prefetched and the root gathered; the
     reduce-scatter then reads that flat gradient in place (what `fsdp1_backward_grad_bytes` counts)."""
-    out = _trace("flatgrad")
+    out = trace("flatgrad")
     block = out["block_bytes"]
     assert len(out["flattens"]) == LAYERS
     assert all(f["inputs"] == f["out"] == block and f["root"] for f in out["flattens"])
@@ -297,11 +270,3 @@ def _root_and_block(shape, w: Workload) -> tuple[float, float]:
     low = compute_bytes(w)
     return (shape.embed_params() + shape.hidden) * low, shape.layer_params() * low
 
-
-if __name__ == "__main__":
-    if sys.argv[1] == "root":
-        _probe_root()
-    elif sys.argv[1] == "flatgrad":
-        _probe_flat_grad()
-    else:
-        _probe_backward(sys.argv[2] == "lora")
