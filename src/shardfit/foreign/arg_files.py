@@ -9,6 +9,7 @@ from typing import Any
 
 from shardfit.errors import UserError
 from shardfit.foreign.common import load_yaml, parse_json, read_text
+from shardfit.foreign.kbit import LOAD_DTYPE_KEYS
 from shardfit.foreign.keys import Source
 from shardfit.foreign.script_ast import ArgFile, ScriptSettings
 from shardfit.foreign.shell import Command
@@ -103,14 +104,15 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
         code.ignored_args[key] = str(src.values.pop(key))
         src.order.remove(key)
     for key, value in data.items():
-        if value is None:
+        if value is None and key not in LOAD_DTYPE_KEYS:  # a null dtype reaches from_pretrained as None
             continue
         if key not in src.values:
             src.order.append(key)
-        src.values[key] = value if isinstance(value, str) else json.dumps(value) if isinstance(value, dict) else \
-            " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
-            else str(value)
+        src.values[key] = value if isinstance(value, str) or value is None else json.dumps(value) if \
+            isinstance(value, dict) else " ".join(map(str, value)) if isinstance(value, list) else \
+            str(value).lower() if isinstance(value, bool) else str(value)
     code.arg_file_keys.update(k for k, v in data.items() if v is not None)
+    code.arg_file = hit
     code.found.append(f"{what}: the arguments in {Path(hit).name}")
     if code.ignored_args:
         code.found.append(f"{', '.join('--' + k for k in code.ignored_args)} on the command line never reach the "

@@ -39,7 +39,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
-from shardfit.foreign.kbit import TRL_DTYPE_EFFECT, trl_kbit, trl_loaded
+from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, trl_kbit, trl_load, trl_loaded
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
@@ -162,7 +162,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
-    loaded = _trl_load_dtype(src, code)
+    loaded = trl_load(src, code, version)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
@@ -407,9 +407,9 @@ def _trl_yaml(src: Source, cmd: Command | None) -> dict[str, str]:
                         f"it. Give its path (relative to the command's file), or the arguments on the command line.")
     data, lines = load_yaml(Path(hit), nested=True)
     for key, value in data.items():
-        if key in src.values or key == "env" or value is None:
+        if key in src.values or key == "env" or value is None and key not in LOAD_DTYPE_KEYS:
             continue
-        src.values[key] = " ".join(map(str, value)) if isinstance(value, list) else \
+        src.values[key] = None if value is None else " ".join(map(str, value)) if isinstance(value, list) else \
             str(value).lower() if isinstance(value, bool) else str(value)
         src.order.append(key)
     return _trl_env(data, lines, Path(hit)) if "env" in data else {}
@@ -699,20 +699,6 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
     if model_config and w.method in TRL_DTYPE_EFFECT:  # foreign/kbit.py `trl_kbit`, `trl_loaded`
         effects["dtype"] = effects["torch_dtype"] = TRL_DTYPE_EFFECT[w.method]
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
-
-
-def _trl_load_dtype(src: Source, code: ScriptSettings) -> tuple[str, str] | None:
-    """(dtype, where it is given) that TRL's ModelConfig loads the model in: `dtype` (trl >= 0.20), else older TRL's
-    `torch_dtype`, else float32 (trl 1.16's default; older TRL's None left transformers 4 loading fp32). A script
-    whose own from_pretrained spells a dtype loads in that one; None where no ModelConfig parses the job."""
-    if not code.model_config:
-        return None
-    key = next((k for k in ("dtype", "torch_dtype") if src.get(k) is not None), None)
-    if key is not None:
-        return src.get(key), src.at(key)
-    if code.load_dtype is not None:
-        return code.load_dtype, f"{src.where}: the script's from_pretrained"
-    return "float32", src.at("dtype")
 
 
 def _plan_peft_default(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str) -> None:

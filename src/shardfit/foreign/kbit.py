@@ -1,7 +1,8 @@
 """What each tool does to a 4-bit (QLoRA) model's dtypes after loading it, which the job file does not spell out:
 whether the frozen weights outside the 4-bit layers stay fp32 after peft's prepare_model_for_kbit_training, and
 the dtype the adapters train in. Shared by the readers (axolotl, TRL scripts, ms-swift) so one rule per tool. And
-the dtype TRL's ModelConfig loads a LoRA or full run in (`trl_loaded`)."""
+the dtype TRL's ModelConfig, or the script's own from_pretrained, loads a LoRA or full run in (`Loaded`,
+`trl_loaded`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import dataclasses
 
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor
+from shardfit.foreign.keys import Source
+from shardfit.foreign.script_ast import UNSET_DTYPE, ScriptSettings
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.workload import Workload
@@ -24,6 +27,12 @@ TRL_BF16_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "R
 TRL_PREPARING_TRAINERS = ("ORPOTrainer", "CPOTrainer")
 # TRL's ModelConfig --dtype choices; float32 is its default (trl 1.16 trainer/model_config.py).
 TRL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# How a script that loads the model itself would spell a dtype, for the notes' advice.
+SCRIPT_SPELL = "dtype=\"{}\" in the script's from_pretrained"
+# ModelConfig's field (`dtype`, trl >= 0.20) and older TRL's name for it; a YAML or JSON of arguments may set either
+# to null, which the dataclass takes as None (TrlParser's defaults and HfArgumentParser's parse_dict check no
+# choices), so the readers keep a null of these two where they drop other nulls.
+LOAD_DTYPE_KEYS = ("dtype", "torch_dtype")
 # The engines that keep a full fine-tune's trainable weights in fp32 whatever dtype loaded them: DeepSpeed's ZeRO
 # steps fp32 masters; accelerate's FSDP upcasts 16-bit trainable parameters to fp32 under mixed precision
 # (utils/fsdp_utils.py `fsdp2_prepare_model`, accelerator.py `prepare_model` for FSDP1).
@@ -58,8 +67,67 @@ def cast_back(w: Workload, shape: ModelShape, version: str, tool: str) -> tuple[
         f"prepare_model_for_kbit_training: frozen weights planned in {w.precision}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """The dtype a TRL job's model loads in (`dtype`, by TRL_DTYPES' names: auto is the checkpoint's), the words
+    saying what decides it (`said`, ending "loads the model"), whether the 4-bit layers of a --load_in_4bit run
+    compute in fp32 (`bnb_fp32`: TRL's get_quantization_config hands bitsandbytes the same value, and
+    BitsAndBytesConfig takes None as fp32), and how the job would spell another dtype (`spell`, "{}" the name)."""
+
+    dtype: str
+    said: str
+    bnb_fp32: bool
+    spell: str = "--dtype {}"
+
+
+def model_config_load(value: object, where: str) -> Loaded:
+    """ModelConfig's `--dtype` as given (`where`) or its float32 default: from_pretrained loads in it."""
+    dtype = _model_config_dtype(str(value), where)
+    return Loaded(dtype, f"TRL's ModelConfig --dtype {dtype} (trl 1.16; float32 unless given) loads the model",
+                  dtype == "float32")
+
+
+def script_load(value: str, at: str) -> Loaded:
+    """The dtype the script's own from_pretrained spells (`at`), which loads the model whatever --dtype says."""
+    return Loaded(value, f"the script's from_pretrained at {at} (dtype {value}) loads the model", value == "float32",
+                  SCRIPT_SPELL)
+
+
+def default_load(what: str, version: str, bnb_fp32: bool, spell: str = "--dtype {}") -> Loaded:
+    """A from_pretrained that gets no dtype, or None (`what` says why): transformers 5 takes it as "auto", the
+    checkpoint's dtype (5.23 modeling_utils.py `from_pretrained`: `if dtype is None: dtype = "auto"`), transformers
+    4 as torch's default dtype, fp32 (`_get_dtype`'s "set fp32 as the default dtype for BC")."""
+    if major_minor(version) >= (5, 0):
+        return Loaded("auto", f"{what}; transformers {version} takes None as \"auto\" (4.x: fp32) and loads the "
+                              f"model", bnb_fp32, spell)
+    return Loaded("float32", f"{what}; transformers {version} takes None as torch's default, fp32 (5.x: \"auto\", "
+                             f"the checkpoint's dtype), and loads the model", bnb_fp32, spell)
+
+
+def trl_load(src: Source, code: ScriptSettings, version: str) -> Loaded | None:
+    """The dtype the model loads in where TRL's ModelConfig parses the job: the script's own from_pretrained where
+    it spells a dtype or passes none (ModelConfig's never reaches it), else ModelConfig's `dtype` (trl >= 0.20) or
+    older TRL's `torch_dtype`, float32 unless given (trl 1.16's default; older TRL's None). A YAML or JSON of
+    arguments that sets it to null hands from_pretrained None (trl 1.16 trainer/utils.py create_model_from_path
+    passes None on), and bitsandbytes computes in fp32. None where no ModelConfig parses the job."""
+    if not code.model_config:
+        return None
+    if code.load_dtype == UNSET_DTYPE:
+        return default_load(f"the script's from_pretrained at {code.load_at} passes no dtype (ModelConfig's --dtype "
+                            f"does not reach it)", version, False, SCRIPT_SPELL)
+    if code.load_dtype is not None:
+        return script_load(code.load_dtype, str(code.load_at))
+    key = next((k for k in LOAD_DTYPE_KEYS if k in src), None)
+    if key is None:
+        return model_config_load("float32", src.at("dtype"))
+    if src.get(key) is None:
+        return default_load(f"{code.config_file or code.arg_file or src.where}: {key}: null, which TRL hands "
+                            f"from_pretrained as None", version, True)
+    return model_config_load(src.get(key), src.at(key))
+
+
 def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape, version: str,
-             loaded: tuple[str, str] | None = None) -> tuple[Workload, str | None]:
+             loaded: Loaded | None = None) -> tuple[Workload, str | None]:
     """A QLoRA job a TRL trainer runs (`trainer`, the class the script builds; `prepares`: the script calls
     prepare_model_for_kbit_training itself; `loaded`: TRL's ModelConfig `--dtype` and where it is read, when the
     script parses one), as TRL 1.16 (the version shardfit's bench pins) runs it. The trainers of TRL_BF16_TRAINERS
@@ -75,12 +143,12 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
         return w, note + " (norms stay fp32, planned as the rest)"
     if trainer not in TRL_BF16_TRAINERS:
         return w, None
-    fp32_load = loaded is not None and _model_config_dtype(*loaded) == "float32"
+    fp32_load = loaded is not None and loaded.dtype == "float32"
     w = dataclasses.replace(w, frozen_fp32=prepares or fp32_load, adapters_16bit=True, lora_saved_dtype="trainable",
-                            bnb_compute_fp32=w.bnb_compute_fp32 or fp32_load)
+                            bnb_compute_fp32=w.bnb_compute_fp32 or loaded is not None and loaded.bnb_fp32)
     kept = ("fp32 where the script's own prepare_model_for_kbit_training upcast them" if prepares
-            else "fp32 as loaded (ModelConfig --dtype float32, its default; the 4-bit layers compute in fp32 too: "
-            "--dtype bfloat16 halves them)" if fp32_load
+            else f"fp32 as loaded ({loaded.said} in fp32; the 4-bit layers compute in fp32 too: "
+            f"{loaded.spell.format('bfloat16')} halves them)" if loaded is not None and fp32_load
             else f"as loaded ({w.precision}), as TRL no longer calls prepare_model_for_kbit_training")
     return w, (f"TRL's {trainer} on a 4-bit model (trl 1.16; SFT since 0.26, DPO since 0.29, KTO since 1.4) casts "
                f"every trainable parameter to bf16: adapters and saved copies planned in 16 bits, frozen weights "
@@ -89,43 +157,54 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
                f"plan such a run with --frozen-fp32, which plans all of those in fp32")
 
 
-def trl_loaded(w: Workload, engine: str, loaded: tuple[str, str] | None) -> tuple[Workload, str | None]:
+def trl_loaded(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workload, str | None]:
     """A LoRA or full run of TRL's scripts (trl 1.16 scripts/sft.py, dpo.py, ...: `model_init_kwargs` with
-    `dtype=model_args.dtype`, which create_model_from_path passes to from_pretrained), loaded in ModelConfig's
-    `--dtype` (`loaded`: the value, float32 by default, and where it is given; None where no ModelConfig parses the
-    job). Under 16-bit autocast an fp32 load keeps LoRA's frozen weights fp32 (`loaded_fp32`; DeepSpeed casts them
-    back) and a full fine-tune's fp32 masters (as planned); a 16-bit load leaves a full fine-tune no fp32 copy
-    (`pure_16bit`) where accelerate's FSDP or DeepSpeed does not keep one. Without autocast the layers compute in
-    the loaded dtype. Returns the workload and a note; `w` and None for a job without ModelConfig or QLoRA's
-    (`trl_kbit`)."""
+    `dtype=model_args.dtype`, which create_model_from_path passes to from_pretrained), loaded in `loaded`'s dtype
+    (ModelConfig's `--dtype`, float32 by default, or what the script's own from_pretrained loads; None where no
+    ModelConfig parses the job). Under 16-bit autocast an fp32 load keeps LoRA's frozen weights fp32
+    (`loaded_fp32`; DeepSpeed casts them back) and a full fine-tune's fp32 masters (as planned); a 16-bit load
+    leaves a full fine-tune no fp32 copy (`pure_16bit`) where accelerate's FSDP or DeepSpeed does not keep one.
+    Without autocast the layers compute in the loaded dtype. Returns the workload and a note; `w` and None for a
+    job without ModelConfig or QLoRA's (`trl_kbit`)."""
     if loaded is None or w.method not in ("lora", "full"):
         return w, None
-    dtype = _model_config_dtype(*loaded)
-    said = f"TRL's ModelConfig --dtype {dtype} (trl 1.16; float32 unless given) loads the model"
-    if dtype == "float32":
+    said = loaded.said
+    if loaded.dtype == "float32":
         if w.precision == "fp32" or w.method == "full":
             return w, None if w.precision == "fp32" else f"{said} in fp32: fp32 master weights, as planned"
         if engine == "deepspeed":
             return w, f"{said} in fp32; DeepSpeed casts the frozen weights to {w.precision} at initialize"
         return dataclasses.replace(w, frozen_fp32=True, loaded_fp32=True), (
             f"{said} in fp32: every frozen weight planned in fp32, {w.precision} autocast casting each per matmul "
-            f"(--dtype bfloat16 halves them)")
-    low = "fp16" if dtype == "float16" else "bf16"
-    auto = " (auto: the checkpoint's dtype, taken as bf16; an fp32 checkpoint plans as --dtype float32)" \
-        if dtype == "auto" else ""
+            f"({loaded.spell.format('bfloat16')} halves them)")
+    low = "fp16" if loaded.dtype == "float16" else "bf16"
+    said += f" in {low}" + (f" (auto: the checkpoint's dtype, taken as bf16; an fp32 checkpoint plans as "
+                            f"{loaded.spell.format('float32')})" if loaded.dtype == "auto" else "")
     if w.precision != "fp32":
-        if w.method == "lora":
-            return w, None
-        if engine in FP32_MASTER_ENGINES:
-            return w, f"{said} in {low}{auto}; the {engine} engine keeps fp32 masters of the trained weights"
-        return dataclasses.replace(w, pure_16bit=True), (
-            f"{said} in {low}{auto}: no fp32 masters, weights, gradients and AdamW states planned in {low} "
-            f"(autocast over them casts nothing)")
+        return _loaded_16bit(w, engine, low, said)
     if engine == "deepspeed":
         return w, None
     return dataclasses.replace(w, precision=low, pure_16bit=w.method == "full"), (
-        f"{said} in {low}{auto} and neither bf16 nor fp16 is on: the layers compute in {low}, planned as a {low} "
-        f"run" + (" with fp32 adapters (peft upcasts them)" if w.method == "lora" else " with no fp32 masters"))
+        f"{said} and neither bf16 nor fp16 is on: the layers compute in {low}, planned as a {low} run" +
+        (" with fp32 adapters (peft upcasts them)" if w.method == "lora" else " with no fp32 masters"))
+
+
+def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Workload, str | None]:
+    """`trl_loaded` for a model loaded in 16 bits (`low`) under bf16 or fp16 autocast (`w.precision`). Where the two
+    differ, autocast casts every weight to its own type for each matmul; it caches only casts of fp32 leaves that
+    require grad (torch's autocast `cached_cast`), so each matmul makes its own copy and keeps it for backward, as
+    it keeps a frozen fp32 weight's (`loaded_fp32`); the note says so, as the plan holds no such copy."""
+    cross = (f"; {w.precision} autocast casts each {low} weight to {w.precision} for every matmul, a copy the matmul "
+             f"keeps for backward (autocast caches casts of fp32 weights only), and adds of {low} and {w.precision} "
+             f"make the residual stream fp32: neither is planned (an under-estimate; load in {w.precision} to match)"
+             if low != w.precision else "")
+    if w.method == "lora":
+        return w, f"{said}: frozen weights planned in {low}{cross}" if cross or "(auto:" in said else None
+    if engine in FP32_MASTER_ENGINES:
+        return w, f"{said}; the {engine} engine keeps fp32 masters of the trained weights"
+    return dataclasses.replace(w, pure_16bit=True), (
+        f"{said}: no fp32 masters, weights, gradients and AdamW states planned in {low}" +
+        (cross or f" (autocast over {low} weights casts no weight)"))
 
 
 def _model_config_dtype(value: str, where: str) -> str:

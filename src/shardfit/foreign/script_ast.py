@@ -56,12 +56,15 @@ class ScriptSettings:
     model_config: bool = False
     # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
     trl_parser: bool = False
-    # the dtype the script's own from_pretrained(...) loads the model in, where it spells one
-    # (`torch_dtype=torch.bfloat16`, `dtype="bfloat16"`): ModelConfig's --dtype then does not load it
+    # the dtype the script's first model-loading from_pretrained(...) (`load_at`) spells (`torch_dtype=torch.bfloat16`,
+    # `dtype="bfloat16"`), or UNSET_DTYPE where it passes none (or None): ModelConfig's --dtype then does not load
+    # it; None where it passes a computed value (model_args.dtype, **kwargs) or the script loads no model itself
     load_dtype: str | None = None
+    load_at: str | None = None
     # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
     config_env: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None  # that YAML, as `--config` names it
+    arg_file: str | None = None  # the file of arguments parse_*_file reads (arg_files.py), as found
     # HfArgumentParser.parse_json_file / parse_yaml_file calls, each the file it reads as one of: a path in the
     # code, the script's sys.argv[N], or an option the script parsed itself (args.config): foreign/arg_files.py
     arg_files: list[ArgFile] = field(default_factory=list)
@@ -181,11 +184,13 @@ def read_script(path: Path, text: str) -> ScriptSettings:
         elif name == "gradient_checkpointing_enable":
             out.args["gradient_checkpointing"] = "true"
             out.found.append(f"gradient_checkpointing_enable() at {at}")
-        elif name == "from_pretrained" and out.model is None and node.args:
-            first = _value(node.args[0], constants)
-            if isinstance(first, str) and "/" in first and "Tokenizer" not in ast.unparse(node.func):
+        elif name == "from_pretrained":
+            first = _value(node.args[0], constants) if node.args else None
+            if out.model is None and isinstance(first, str) and "/" in first and \
+                    "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
-                out.load_dtype = _load_dtype(node)
+            if out.load_at is None and _loads_model(node):
+                out.load_dtype, out.load_at = _load_dtype(node, constants), at
     out.trl_trainer = out.trainer or next((n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None)
     out.trl_config = _trl_config(tree, out.trl_trainer)
     names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
@@ -195,17 +200,37 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     return out
 
 
-def _load_dtype(call: ast.Call) -> str | None:
+# ScriptSettings.load_dtype of a from_pretrained that passes no dtype: transformers' own default loads the model.
+UNSET_DTYPE = "unset"
+# What a from_pretrained's dtype spells, by TRL's --dtype names.
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+           "float": "float32", "auto": "auto"}
+# Classes whose from_pretrained loads no model weights (or loads adapters onto a model built already).
+_NOT_MODELS = ("Tokenizer", "Config", "Processor", "FeatureExtractor")
+
+
+def _loads_model(call: ast.Call) -> bool:
+    """Whether a from_pretrained call loads a model: called on a model class (AutoModelForCausalLM,
+    LlamaForCausalLM, AutoPeftModelForCausalLM), not on a tokenizer, config or processor, nor peft's PeftModel
+    (which puts adapters on a model loaded already)."""
+    owner = ast.unparse(call.func.value).rsplit(".", 1)[-1] if isinstance(call.func, ast.Attribute) else ""
+    return ("Model" in owner or "For" in owner) and not owner.startswith("PeftModel") and \
+        not any(n in owner for n in _NOT_MODELS)
+
+
+def _load_dtype(call: ast.Call, constants: dict[str, Any]) -> str | None:
     """The dtype a from_pretrained call spells (`torch_dtype=` or `dtype=`: torch.bfloat16, "bfloat16", "auto"), as
-    TRL's --dtype names it; None where it passes none or a computed value (model_args.dtype: the command line's)."""
+    TRL's --dtype names it; UNSET_DTYPE where it passes none, or None (transformers' default then loads it); None
+    where it passes a computed value (model_args.dtype: the command line's) or may pass one in **kwargs."""
     for kw in call.keywords:
         if kw.arg in ("torch_dtype", "dtype"):
             v = kw.value
+            if _value(v, constants) is None:
+                return UNSET_DTYPE
             name = v.attr if isinstance(v, ast.Attribute) and _name(v.value) == "torch" else \
                 v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None
-            return {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
-                    "float32": "float32", "float": "float32", "auto": "auto"}.get(name or "")
-    return None
+            return _DTYPES.get(name or "")
+    return None if any(kw.arg is None for kw in call.keywords) else UNSET_DTYPE
 
 
 # HfArgumentParser's readers of a whole file of arguments (transformers hf_argparser.py), by the format each reads.
