@@ -12,6 +12,7 @@ import yaml
 from tests.blind_sets import (
     ROW_KEYS,
     cases,
+    check_committed,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
@@ -125,3 +126,10 @@ def test_an_unmapped_string_is_an_error_not_a_silent_default(bench, blind) -> No
     planned on a guess; an `unknown` attention is the set's default and leaves the row's reading as mapped (row 80
     reads `total`)."""
     check_unmapped_strings_raise(bench, blind, 80, "nvml")
+
+
+def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
+    """bench/results/plan_vs_blind8.json is what the script computes now and docs/planning.md shows its table (the
+    README states the pooled line, test_plan_blind_pooled.py): rerun `python bench/plan_vs_blind8.py` and
+    `bench/plan_vs_blind_pooled.py` and paste both after any change to the planner."""
+    check_committed(bench, bench.evaluate(blind), bench.pvb.docs_table)

@@ -38,7 +38,7 @@ def test_committed_results_and_docs_match_a_fresh_pooling(bench) -> None:
     check_committed(bench, fresh, bench.pvb.docs_table, bench.pvb.headline)
     pooled, medians = fresh["summary"], [s["memory"]["median_abs_error"] for s in fresh["sources"].values()]
     readme = " ".join((ROOT / "README.md").read_text().split())
-    words = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
     assert f"Pooled over {words[len(bench.SETS)]} blind sets ({pooled['rows']} published rows, " \
            f"{pooled['planned']} plannable" in readme
     assert f"(memory {min(medians):.0%} to {max(medians):.0%};" in readme.replace(" %", "%")
