@@ -224,7 +224,9 @@ _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NP
                     # mpirun/mpiexec's process count (-n, -np, --n, --np, Open MPI's -c), after any other options
                     # (--hostfile h, --allow-run-as-root) but not in the program's own arguments; case-sensitive,
                     # because Open MPI's -N is processes per node, not the world size
-                    r"\b(?:mpirun|mpiexec)\b(?:(?!\bpython|\.py\b)[^\n|;&]){0,200}?\s(?-i:--?np?|-c))[\s:=]+(\d+)",
+                    # (a program run by path, ./a.out, ends mpirun's options: a -n after it is the program's)
+                    r"\b(?:mpirun|mpiexec)\b(?:(?!\bpython|\.py\b|\s\.{1,2}/)[^\n|;&]){0,200}?\s(?-i:--?np?|-c))"
+                    r"[\s:=]+(\d+)",
                     re.I)
 _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
                     r"|(?:\b|_)zero-?(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
@@ -631,6 +633,19 @@ def crosses_lines(pattern: re.Pattern) -> str | None:
     return walk(sre_parse.parse(pattern.pattern, pattern.flags))
 
 
+# c10d's store-based barrier at process-group set-up (torch/distributed/distributed_c10d.py, _store_based_barrier):
+# every process adds one to the key and waits for the count to reach world_size; the timeout names both numbers
+# ("worker_count=", "num_workers_joined=" from torch 2.1)
+_BARRIER = re.compile(r"store based barrier[^\n]{0,160}\(world_size=(\d+), (?:worker_count|num_workers_joined)=(\d+)")
+
+
+def _barrier_facts(p: Parsed, text: str) -> None:
+    """More processes joined the store-based barrier than the group's world size: a second launcher layer (srun tasks
+    that each spawn a process per GPU) or a store shared with another run, not a rank that is late."""
+    if any(int(m.group(2)) > int(m.group(1)) for m in _BARRIER.finditer(text)):
+        p.facts.add("barrier_extra_workers")
+
+
 def _collective_facts(p: Parsed, text: str) -> None:
     """The NCCL work items the watchdog names (SeqNum, OpType, NumelIn) and what their numbers say: an early
     collective (the first steps), one that moves the weights, a late one (after training ran)."""
@@ -697,6 +712,7 @@ def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
         if p.model_size_b >= 30:
             p.facts.add("big_model")
     _collective_facts(p, text)
+    _barrier_facts(p, text)
     for line in p.lines:
         m = _ELAPSED.search(line)
         if m and _PROGRESS_DATA.search(line):
