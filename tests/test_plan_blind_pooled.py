@@ -27,15 +27,20 @@ def test_the_pool_is_the_sum_of_the_sets(bench) -> None:
     assert pooled["verdicts"]["oom_rows"] == sum(s["verdicts"]["oom_rows"] for s in sets.values())
     moe = json.loads((bench.RESULTS / "plan_vs_moe_blind.json").read_text())
     assert sets["MoE (test part)"]["rows"] == moe["parts"]["test"]["rows"] < len(moe["rows"])
+    eighth = json.loads((bench.RESULTS / "plan_vs_blind8.json").read_text())
+    assert sets["eighth"] == eighth["summary"]
+    # The former blind sets (dev data since 2026-11-30) are shown apart and pooled nowhere.
+    assert set(fresh["former"]) == {"first", "third"} and not set(fresh["former"]) & set(sets)
     first = json.loads((bench.RESULTS / "plan_vs_blind.json").read_text())
-    assert sets["first"] == first["summary"]
+    assert fresh["former"]["first"] == first["summary"]
+    assert "former blind, now dev (in-sample): first |" in bench.docs_table(fresh)
 
 
 def test_committed_results_and_docs_match_a_fresh_pooling(bench) -> None:
     """Rerun `python bench/plan_vs_blind_pooled.py` after any blind set's results change, and paste its table into
     docs/planning.md and its headline into the README."""
     fresh = bench.evaluate()
-    check_committed(bench, fresh, bench.pvb.docs_table, bench.pvb.headline)
+    check_committed(bench, fresh, bench.docs_table, bench.pvb.headline)
     pooled, medians = fresh["summary"], [s["memory"]["median_abs_error"] for s in fresh["sources"].values()]
     readme = " ".join((ROOT / "README.md").read_text().split())
     words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
