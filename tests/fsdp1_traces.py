@@ -31,20 +31,21 @@ TOGETHER = ("root", "backward_full", "flatgrad", "orig_params", "offload")
 
 def trace(name: str) -> dict:
     """Rank 0's findings of probe `name` (PROBES)."""
-    return _run(TOGETHER if name in TOGETHER else (name,))[name]
+    r = _run(TOGETHER if name in TOGETHER else (name,))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])[name]
 
 
 @functools.cache
-def _run(names: tuple[str, ...]) -> dict:
-    """Every probe of `names` on 2 gloo ranks, in one torchrun: {name: rank 0's findings}."""
+def _run(names: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """Every probe of `names` on 2 gloo ranks, in one torchrun (rank 0 prints {name: findings}); kept, a failed run
+    too, so that the tests sharing it do not launch it again."""
     from tests.helpers import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), str(Path(__file__)), *names], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(Path(__file__)), *names], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
 
 
 def _main(names: list[str]) -> None:

@@ -62,3 +62,20 @@ def test_mpiruns_options_end_at_a_program_run_by_path() -> None:
     assert parse("mpirun --oversubscribe ../bin/solver -np 6 --steps 10").world_size is None
     assert parse("mpirun -np 4 ./a.out -n 3").world_size == 4
     assert parse("mpirun --hostfile hosts -np 8 python train.py -n 3").world_size == 8
+    # an option's own path value is not the program: the count after it is mpirun's
+    assert parse("mpirun --hostfile ./hostfile -np 16 python train.py").world_size == 16
+    assert parse("mpirun -machinefile ../hosts -np 8 ./a.out").world_size == 8
+    assert parse("mpirun --prefix ./ompi -n 4 ./a.out -n 3").world_size == 4
+    assert parse("mpirun --mca btl_tcp_if_include eth0 -x NCCL_DEBUG=INFO -np 2 ./train.sh").world_size == 2
+    assert parse("mpirun --allow-run-as-root -N 8 ./a.out").world_size is None  # Open MPI's -N: per node
+
+
+def test_a_file_address_that_names_no_store_leaves_the_extra_workers_read() -> None:
+    """pip's own file:// line above the barrier's error is no file store: the extra workers still read as more
+    processes than the job's world size."""
+    a = analyze("Processing file:///home/u/wheels/flash_attn-2.5.0-cp310-linux_x86_64.whl\n"
+                "RuntimeError: Timed out initializing process group in store based barrier on rank: 0, for key: "
+                "store_based_barrier_key:1 (world_size=2, num_workers_joined=4, timeout=0:30:00)")
+    assert "file_store" not in a.parsed.facts
+    assert a.likely[0].category == "more_ranks_than_gpus"
+

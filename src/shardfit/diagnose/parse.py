@@ -224,8 +224,11 @@ _WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NP
                     # mpirun/mpiexec's process count (-n, -np, --n, --np, Open MPI's -c), after any other options
                     # (--hostfile h, --allow-run-as-root) but not in the program's own arguments; case-sensitive,
                     # because Open MPI's -N is processes per node, not the world size
-                    # (a program run by path, ./a.out, ends mpirun's options: a -n after it is the program's)
-                    r"\b(?:mpirun|mpiexec)\b(?:(?!\bpython|\.py\b|\s\.{1,2}/)[^\n|;&]){0,200}?\s(?-i:--?np?|-c))"
+                    # (a program run by path, ./a.out, ends mpirun's options: a -n after it is the program's; an
+                    # option's own path value, --hostfile ./hosts or --mca key value, does not)
+                    r"\b(?:mpirun|mpiexec)\b(?:\s+(?:--?(?:hostfile|machinefile|prefix|wdir|app|rankfile|x|H|host)"
+                    r"[\s=]+[^\s|;&]+|--?mca\s+\S+\s+[^\s|;&]+|(?!python|\S*\.py\b|\.{1,2}/)[^\s|;&]+)){0,40}?"
+                    r"\s+(?-i:--?np?|-c))"
                     r"[\s:=]+(\d+)",
                     re.I)
 _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
