@@ -37,7 +37,16 @@ from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.audio import AudioLoad
 from shardfit.train.loss import CausalLMLoss
-from tests.helpers import make_tiny_omni, read_jsonl, run_cli, train_here, write_config, write_images, write_wav
+from tests.helpers import (
+    make_tiny_omni,
+    read_jsonl,
+    run_cli,
+    run_here,
+    train_here,
+    write_config,
+    write_images,
+    write_wav,
+)
 from tests.media_checks import assert_adapters_match, assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 
@@ -140,14 +149,14 @@ def test_features_and_token_counts_match_transformers(omni: Path, audio_data: Pa
     assert AudioLoad(1, 47.3, max_seconds=0.25).tokens_per_clip() == 6
 
 
-def test_plan_counts_audio_tokens_and_refuses_what_cannot_fit() -> None:
+def test_plan_counts_audio_tokens_and_refuses_what_cannot_fit(capsys: pytest.CaptureFixture) -> None:
     args = ("plan", "--model", "Qwen/Qwen2.5-Omni-7B", "--gpus", "8x24GB", "--batch", "1", "--json")
-    r = run_cli(*args, "--audio-per-sample", "2", "--audio-seconds", "10", "--seq", "2048")
-    assert r.returncode in (0, 3), r.stderr
-    audio = json.loads(r.stdout)["audio"]
+    code, out, err = run_here(capsys, *args, "--audio-per-sample", "2", "--audio-seconds", "10", "--seq", "2048")
+    assert code in (0, 3), err
+    audio = json.loads(out)["audio"]
     assert audio["tokens_per_clip"] == 250 and audio["audio_tokens_per_sample"] == 500
-    r = run_cli(*args, "--audio-per-sample", "4", "--audio-seconds", "30", "--seq", "2048")
-    assert r.returncode == 2 and "3000 tokens" in r.stderr and "--audio-seconds" in r.stderr
+    code, _, err = run_here(capsys, *args, "--audio-per-sample", "4", "--audio-seconds", "30", "--seq", "2048")
+    assert code == 2 and "3000 tokens" in err and "--audio-seconds" in err
 
 
 def test_audio_rows_in_each_format_carry_their_clips(audio_data: Path) -> None:

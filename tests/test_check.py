@@ -208,9 +208,9 @@ def test_check_demo_config_is_clean(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.parametrize("bad", ["missing.yaml"])
-def test_check_bad_input_exit_2(tmp_path: Path, bad: str) -> None:
-    r = run_cli("check", str(tmp_path / bad), timeout=60)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+def test_check_bad_input_exit_2(tmp_path: Path, bad: str, capsys: pytest.CaptureFixture) -> None:
+    code, _, err = run_here(capsys, "check", str(tmp_path / bad))
+    assert code == 2 and "Traceback" not in err
 
 
 def test_check_72b_under_ddp_on_8x24gb_from_the_catalog(tmp_path: Path, small_data: Path,

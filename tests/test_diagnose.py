@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from shardfit.diagnose.engine import diagnose, load_causes
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, run_here
 
 CORPUS = Path(__file__).with_name("diagnose_corpus")
 LOGS = sorted(CORPUS.glob("*.log"))
@@ -54,11 +54,11 @@ def test_nothing_matches_gives_empty_list() -> None:
     assert diagnose("everything is fine, loss=0.42 at step 100") == []
 
 
-def test_cli_json_contract(tmp_path: Path) -> None:
+def test_cli_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     log = CORPUS / "oom_full_replica_per_rank.1.log"
-    r = run_cli("diagnose", str(log), "--json", timeout=60)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    code, printed, err = run_here(capsys, "diagnose", str(log), "--json")
+    assert code == 0, err
+    out = json.loads(printed)
     f = out["findings"][0]
     assert set(f) == {"category", "confidence", "title", "root_cause", "fix", "prevented_by"}
     assert f["category"] == "oom_full_replica_per_rank" and 0 < f["confidence"] <= 1
@@ -68,16 +68,16 @@ def test_cli_json_contract(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "shardfit", "diagnose", "-"], input=log.read_text(), text=True,
                        capture_output=True, timeout=60)
     assert r.returncode == 0 and "full replica" in r.stdout
-    r = run_cli("diagnose", str(tmp_path / "missing.log"), timeout=60)
-    assert r.returncode == 2 and "no such file" in r.stderr
-    r = run_cli("diagnose", str(tmp_path), timeout=60)  # a run's folder: said so, not "no such file"
-    assert r.returncode == 2 and "is a folder" in r.stderr and "no such file" not in r.stderr
+    code, _, err = run_here(capsys, "diagnose", str(tmp_path / "missing.log"))
+    assert code == 2 and "no such file" in err
+    code, _, err = run_here(capsys, "diagnose", str(tmp_path))  # a run's folder: said so, not "no such file"
+    assert code == 2 and "is a folder" in err and "no such file" not in err
     fifo = tmp_path / "log.fifo"  # a process substitution's pipe, `shardfit diagnose <(kubectl logs ...)`
     os.mkfifo(fifo)
     writer = subprocess.Popen(["sh", "-c", f"cat {log} > {fifo}"])
-    r = run_cli("diagnose", str(fifo), timeout=60)
+    code, printed, err = run_here(capsys, "diagnose", str(fifo))
     writer.wait(timeout=60)
-    assert r.returncode == 0 and "full replica" in r.stdout, r.stderr
+    assert code == 0 and "full replica" in printed, err
 
 
 def test_public_issue_logs_rank_the_right_category_first() -> None:

@@ -28,7 +28,7 @@ from shardfit.plan.workload import Workload, workload_of
 from shardfit.resolve.defaults import EXPERTS_BY_DEVICE, resolve_experts
 from shardfit.train.loss import CausalLMLoss
 from tests.families import FAMILIES, HEAVY_ZERO3, MATRIX, MEDIA_MATRIX, make_family_model, table, tiny_text_config
-from tests.helpers import ROOT, read_jsonl, run_cli, train_here, write_config
+from tests.helpers import ROOT, read_jsonl, run_cli, run_here, train_here, write_config
 
 KEPT = sorted(k for k, e in catalog().items() if "config" in e)
 MOE = ["Qwen3-MoE", "gpt-oss", "GLM-4.5", "DeepSeek-V3", "Llama 4 (text)"]
@@ -56,11 +56,12 @@ def test_catalog_sizes_are_the_built_models(model_id: str) -> None:
     assert shape.active_params() <= shape.params()
 
 
-def test_plan_weights_are_parameters_times_bytes() -> None:
+def test_plan_weights_are_parameters_times_bytes(capsys: pytest.CaptureFixture) -> None:
     """The issue's case: Qwen3-30B-A3B's weights per replica are its 30.5B parameters in bf16 (57 GiB), not 439."""
-    r = run_cli("plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "8xH100", "--method", "lora", "--json")
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(r.stdout)
+    code, out, err = run_here(capsys, "plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpus", "8xH100", "--method", "lora",
+                              "--json")
+    assert code == 0, err
+    plan = json.loads(out)
     single = next(c for c in plan["candidates"] if c["strategy"] == "single")
     frozen = single["per_gpu_gib"]["weights"] * 2**30 - 4 * plan["model"]["trainable_params"]
     # The card's 3.3B counts the embedding too (a lookup, which the plan's compute leaves out: 0.31B).
@@ -68,16 +69,16 @@ def test_plan_weights_are_parameters_times_bytes() -> None:
     assert frozen == pytest.approx(2 * _meta_params("Qwen/Qwen3-30B-A3B"), rel=0.03)
 
 
-def test_moe_step_time_follows_active_parameters() -> None:
+def test_moe_step_time_follows_active_parameters(capsys: pytest.CaptureFixture) -> None:
     """3.3B active parameters train about as fast as a dense 4B, not at 0.28x of it as when every expert counted."""
     speed = {}
     for model in ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-4B"):
         # Checkpointing on, as users run a mixture: without it LoRA on the experts keeps every block's merged
         # expert weights for the backward (peft rebuilds them each forward), about 1.2 GB a block here.
-        r = run_cli("plan", "--model", model, "--gpus", "8xH100", "--method", "lora", "--strategy", "zero3",
-                    "--grad-ckpt", "full", "--json")
-        assert r.returncode == 0, r.stderr
-        speed[model] = json.loads(r.stdout)["candidates"][0]["tokens_per_s"]
+        code, out, err = run_here(capsys, "plan", "--model", model, "--gpus", "8xH100", "--method", "lora",
+                                  "--strategy", "zero3", "--grad-ckpt", "full", "--json")
+        assert code == 0, err
+        speed[model] = json.loads(out)["candidates"][0]["tokens_per_s"]
     assert 0.5 < speed["Qwen/Qwen3-30B-A3B"] / speed["Qwen/Qwen3-4B"] < 1.5, speed
 
 

@@ -21,7 +21,7 @@ from shardfit.foreign.rules import foreign_rules
 from shardfit.foreign.shell import parse_command
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, run_here
 
 JOBS = ROOT / "tests" / "foreign_jobs"
 
@@ -212,40 +212,42 @@ def test_convert_carries_what_shardfit_needs() -> None:
     assert "device_map=auto dropped" in text and "device_map:" not in text.split("\n", 3)[-1]
 
 
-def test_cli_plan_check_convert(tmp_path: Path) -> None:
+def test_cli_plan_check_convert(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     lf = str(JOBS / "lf/qwen2vl_72b_lora_ds3.yaml")
-    r = run_cli("plan", "--from", "llamafactory", lf, "--gpus", "8x24GB", "--nproc", "8")
-    assert r.returncode == 3, r.stderr  # as configured it does not fit
-    assert "as configured: DeepSpeed ZeRO-3" in r.stdout and "does not fit" in r.stdout and "what would" in r.stdout
-    r = run_cli("plan", "--from", "llamafactory", lf, "--gpus", "8x24GB", "--nproc", "8", "--json")
-    d = json.loads(r.stdout)
+    code, out, err = run_here(capsys, "plan", "--from", "llamafactory", lf, "--gpus", "8x24GB", "--nproc", "8")
+    assert code == 3, err  # as configured it does not fit
+    assert "as configured: DeepSpeed ZeRO-3" in out and "does not fit" in out and "what would" in out
+    code, out, err = run_here(capsys, "plan", "--from", "llamafactory", lf, "--gpus", "8x24GB", "--nproc", "8",
+                              "--json")
+    d = json.loads(out)
     assert d["from"]["as_configured"]["fits"] is False and d["from"]["ranks"] == 8 and d["candidates"]
-    r = run_cli("check", "--from", "swift", str(JOBS / "swift/omni_zero3_4xh100.sh"), "--gpus", "4xH100", "--json")
-    assert r.returncode == 1
-    found = {f["rule"]: f for f in json.loads(r.stdout)["findings"]}
+    code, out, err = run_here(capsys, "check", "--from", "swift", str(JOBS / "swift/omni_zero3_4xh100.sh"), "--gpus",
+                              "4xH100", "--json")
+    assert code == 1
+    found = {f["rule"]: f for f in json.loads(out)["findings"]}
     assert found["unused_module"]["fix"] == "ENABLE_AUDIO_OUTPUT=0"
-    out = tmp_path / "shardfit.yaml"
-    r = run_cli("convert", "--from", "llamafactory", lf, "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    assert load_config(out).strategy == "zero3"
+    converted = tmp_path / "shardfit.yaml"
+    code, out, err = run_here(capsys, "convert", "--from", "llamafactory", lf, "--out", str(converted))
+    assert code == 0, err
+    assert load_config(converted).strategy == "zero3"
 
 
-def test_cli_bad_input_exits_2(tmp_path: Path) -> None:
+def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ds = str(JOBS / "deepspeed/ds_z2.json")
-    r = run_cli("plan", "--from", "deepspeed", ds, "--gpus", "8x80GB")
-    assert r.returncode == 2 and "--model" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_here(capsys, "plan", "--from", "deepspeed", ds, "--gpus", "8x80GB")
+    assert code == 2 and "--model" in err and "Traceback" not in err
     bad = tmp_path / "ds.json"
     bad.write_text('{"zero_optimization": {"stage": 3,}}')
-    r = run_cli("check", "--from", "deepspeed", str(bad), "--model", "meta-llama/Llama-3.1-8B")
-    assert r.returncode == 2 and f"{bad}:1" in r.stderr
+    code, _, err = run_here(capsys, "check", "--from", "deepspeed", str(bad), "--model", "meta-llama/Llama-3.1-8B")
+    assert code == 2 and f"{bad}:1" in err
     lf = tmp_path / "lf.yaml"
     lf.write_text("model_name_or_path: meta-llama/Llama-3.1-8B\nfinetuning_type: lorra\n")
-    r = run_cli("plan", "--from", "llamafactory", str(lf), "--gpus", "1x24GB")
-    assert r.returncode == 2 and f"{lf}:2" in r.stderr and "finetuning_type" in r.stderr
-    r = run_cli("convert", str(lf))
-    assert r.returncode == 2 and "--from" in r.stderr
-    r = run_cli("plan", "--from", "axolotl", str(tmp_path / "missing.yml"))
-    assert r.returncode == 2 and "not found" in r.stderr
+    code, _, err = run_here(capsys, "plan", "--from", "llamafactory", str(lf), "--gpus", "1x24GB")
+    assert code == 2 and f"{lf}:2" in err and "finetuning_type" in err
+    code, _, err = run_here(capsys, "convert", str(lf))
+    assert code == 2 and "--from" in err
+    code, _, err = run_here(capsys, "plan", "--from", "axolotl", str(tmp_path / "missing.yml"))
+    assert code == 2 and "not found" in err
 
 
 def test_deepspeed_json_precision_must_match_the_arguments(tmp_path: Path) -> None:

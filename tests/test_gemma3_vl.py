@@ -32,7 +32,7 @@ from shardfit.plan.shapes import resolve_shape
 from shardfit.train import soft_token_forward
 from shardfit.train.loss import CausalLMLoss
 from tests.gemma3_vl import SOFT_TOKENS, make_tiny_gemma3_vl
-from tests.helpers import read_jsonl, run_cli, train_here, write_config
+from tests.helpers import read_jsonl, run_here, train_here, write_config
 from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 
 
@@ -113,7 +113,7 @@ def test_image_rows_lose_what_the_model_own_forward_loses(tiny_gemma3: Path, gem
         assert abs(causal.item() - own.loss.item()) > 10 * tol
 
 
-def test_plan_counts_soft_tokens_per_image(tmp_path: Path) -> None:
+def test_plan_counts_soft_tokens_per_image(capsys: pytest.CaptureFixture) -> None:
     """`shardfit plan` of the published Gemma 3 config: mm_tokens_per_image (256) per image whatever its size, the
     tower's 896-pixel square in 14-pixel patches; a sample whose images fill the sequence is refused."""
     shape = resolve_shape("google/gemma-3-27b-it")
@@ -121,14 +121,14 @@ def test_plan_counts_soft_tokens_per_image(tmp_path: Path) -> None:
     load = shape.soft_tower.load(MediaLoad(3, 1024, 768))
     assert load.tokens_per_image() == 256 and load.tokens_per_sample() == 768
     assert load.patches_per_image() == (896 // 14) ** 2 and load.resized() == (896, 896)
-    r = run_cli("plan", "--model", "google/gemma-3-27b-it", "--gpus", "8x80GB", "--seq", "2048",
-                "--images-per-sample", "3", "--image-size", "1024x768", "--json")
-    assert r.returncode in (0, 3), r.stderr[-2000:]
-    media = json.loads(r.stdout)["media"]
+    code, out, err = run_here(capsys, "plan", "--model", "google/gemma-3-27b-it", "--gpus", "8x80GB", "--seq", "2048",
+                              "--images-per-sample", "3", "--image-size", "1024x768", "--json")
+    assert code in (0, 3), err[-2000:]
+    media = json.loads(out)["media"]
     assert media["tokens_per_image"] == 256 and media["media_tokens_per_sample"] == 768
-    r = run_cli("plan", "--model", "google/gemma-3-27b-it", "--gpus", "8x80GB", "--seq", "512",
-                "--images-per-sample", "2", "--image-size", "64x64")
-    assert r.returncode == 2 and "take 512 tokens (256 each)" in r.stderr and "fewer images" in r.stderr, r.stderr
+    code, _, err = run_here(capsys, "plan", "--model", "google/gemma-3-27b-it", "--gpus", "8x80GB", "--seq", "512",
+                            "--images-per-sample", "2", "--image-size", "64x64")
+    assert code == 2 and "take 512 tokens (256 each)" in err and "fewer images" in err, err
 
 
 @pytest.mark.slow

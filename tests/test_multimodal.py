@@ -23,7 +23,7 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel.parallelize import fsdp_units
 from shardfit.plan.media import DEFAULT_MAX_PIXELS, MediaLoad
-from tests.helpers import read_jsonl, run_cli, train_here, write_config, write_images
+from tests.helpers import read_jsonl, run_cli, run_here, train_here, write_config, write_images
 from tests.media_checks import assert_adapters_match, assert_packed_loss_equals_unpacked, assert_two_ranks_match_one
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 200, 0), "blue": (0, 0, 255)}
@@ -228,23 +228,24 @@ def test_planned_image_tokens_match_the_image_processor(size: tuple[int, int], m
     assert media.tokens_per_image() == grid[1] * grid[2] // 4
 
 
-def test_plan_counts_image_tokens_and_refuses_what_cannot_fit() -> None:
+def test_plan_counts_image_tokens_and_refuses_what_cannot_fit(capsys: pytest.CaptureFixture) -> None:
     args = ("plan", "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--gpus", "8x24GB", "--batch", "1", "--json")
-    r = run_cli(*args, "--images-per-sample", "2", "--image-size", "1024x768", "--seq", "4096")
-    assert r.returncode in (0, 3), r.stderr
-    media = json.loads(r.stdout)["media"]
+    code, out, err = run_here(capsys, *args, "--images-per-sample", "2", "--image-size", "1024x768", "--seq", "4096")
+    assert code in (0, 3), err
+    media = json.loads(out)["media"]
     assert media["tokens_per_image"] == 999 and media["media_tokens_per_sample"] == 1998
-    r = run_cli(*args, "--images-per-sample", "4", "--image-size", "1024x768", "--seq", "2048")
-    assert r.returncode == 2 and "3996 tokens" in r.stderr and "--image-max-pixels" in r.stderr
+    code, _, err = run_here(capsys, *args, "--images-per-sample", "4", "--image-size", "1024x768", "--seq", "2048")
+    assert code == 2 and "3996 tokens" in err and "--image-max-pixels" in err
 
 
-def test_check_makes_a_half_frozen_vision_block_uniform(tmp_path: Path, tiny_vl: Path, vl_data: Path) -> None:
+def test_check_makes_a_half_frozen_vision_block_uniform(tmp_path: Path, tiny_vl: Path, vl_data: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(vl_data), precision="fp32",
                        max_seq_len=128, method="full", strategy="zero3", freeze_vision_tower=False,
                        freeze_modules=["visual.blocks.0.attn"], output_dir=str(tmp_path / "run"))
-    r = run_cli("check", str(cfg), "--nproc", "2", "--json")  # zero3 shards on 2 ranks (1 process: single)
-    assert r.returncode == 0, r.stderr[-2000:]
-    found = {f["rule"]: f for f in json.loads(r.stdout)["findings"]}
+    code, out, err = run_here(capsys, "check", str(cfg), "--nproc", "2", "--json")  # zero3 shards on 2 ranks
+    assert code == 0, err[-2000:]
+    found = {f["rule"]: f for f in json.loads(out)["findings"]}
     rule = found["vision_unit_mixed_requires_grad"]
     assert rule["auto_fixed"] and "vision unit 0" in rule["where"] and "trained whole" in rule["message"]
     assert "unused_module" not in found  # the VL forward runs the vision tower

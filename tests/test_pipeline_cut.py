@@ -23,7 +23,7 @@ from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import workload_of
 from shardfit.resolve import DeviceFacts, resolve_job
-from tests.helpers import run_cli
+from tests.helpers import run_here
 
 SEED_002 = "Qwen/Qwen2-VL-72B-Instruct"
 
@@ -79,11 +79,11 @@ def test_seed_002_moves_blocks_off_the_first_stage_and_evens_the_peaks() -> None
     assert p.blocks_per_stage == max(c)
 
 
-def test_plan_reports_every_stage(tmp_path: Path) -> None:
-    r = run_cli("plan", "--model", SEED_002, "--gpus", "8x24GB", "--method", "lora", "--seq", "2048", "--batch",
-                "1", "--grad-accum", "16", "--pipeline-parallel", "8", "--json")
-    assert r.returncode in (0, 3), r.stderr
-    pipe = json.loads(r.stdout)["pipeline"]
+def test_plan_reports_every_stage(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_here(capsys, "plan", "--model", SEED_002, "--gpus", "8x24GB", "--method", "lora", "--seq",
+                              "2048", "--batch", "1", "--grad-accum", "16", "--pipeline-parallel", "8", "--json")
+    assert code in (0, 3), err
+    pipe = json.loads(out)["pipeline"]
     assert len(pipe["cut"]) == len(pipe["stage_gibs"]) == 8 and sum(pipe["cut"]) == 80
     assert pipe["stage_gib"] == pytest.approx(max(pipe["stage_gibs"]), abs=1e-3)
 
@@ -112,13 +112,13 @@ def test_the_runtime_cuts_where_the_plan_says(tmp_path: Path) -> None:
         assert list(stage.model.model.layers) == [str(i) for i in range(starts[s], starts[s] + want[s])]
 
 
-def test_seed_002_plan_recommends_the_pipeline_over_zero3_offload() -> None:
+def test_seed_002_plan_recommends_the_pipeline_over_zero3_offload(capsys: pytest.CaptureFixture) -> None:
     """8 GPUs and 16 micro-batches: the plan puts an 8-stage pipeline beside the strategies without being asked,
     and recommends it (it fits, train runs it, and it trains more tokens/s than zero3_offload)."""
-    r = run_cli("plan", "--model", SEED_002, "--gpus", "8x24GB", "--method", "lora", "--seq", "2048", "--batch",
-                "1", "--grad-ckpt", "full", "--grad-accum", "16", "--json")
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
+    code, out, err = run_here(capsys, "plan", "--model", SEED_002, "--gpus", "8x24GB", "--method", "lora", "--seq",
+                              "2048", "--batch", "1", "--grad-ckpt", "full", "--grad-accum", "16", "--json")
+    assert code == 0, err
+    d = json.loads(out)
     pipe, offload = d["pipeline"], next(c for c in d["candidates"] if c["strategy"] == "zero3_offload")
     assert d["recommended"] == "zero3_offload" and offload["fits"]
     assert pipe["stages"] == 8 and pipe["fits"] and pipe["note"] == "" and pipe["recommended"]

@@ -19,7 +19,7 @@ from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.media import VisionShape
 from shardfit.plan.shapes import ModelShape, resolve_shape, tower_params
 from shardfit.plan.workload import Workload
-from tests.helpers import run_cli, tiny_omni_config, write_config, write_wav
+from tests.helpers import run_here, tiny_omni_config, write_config, write_wav
 from tests.media_checks import assert_estimate_matches_simulation
 
 
@@ -97,7 +97,8 @@ def test_analytic_audio_terms_agree_with_simulate(omni_config: Path, strategy: s
         (ca.per_gpu_gib.activations, text.activations)
 
 
-def test_plan_reads_audio_from_the_configs_data(tmp_path: Path, omni_config: Path) -> None:
+def test_plan_reads_audio_from_the_configs_data(tmp_path: Path, omni_config: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
     """With a config and no audio flags, plan samples the data's rows: the most clips in a row (2), each as long as
     the longest clip seen (2.5 s, from its WAV header), said on stderr; the flags override it and reach
     --simulate."""
@@ -113,16 +114,16 @@ def test_plan_reads_audio_from_the_configs_data(tmp_path: Path, omni_config: Pat
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = write_config(tmp_path / "omni.yaml", model=str(omni_config), data=str(tmp_path / "train.jsonl"),
                        precision="bf16", max_seq_len=256, micro_batch=1)
-    r = run_cli("plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single")
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, printed, err = run_here(capsys, "plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single")
+    assert code == 0, err[-2000:]
     assert "audio from the data: 2 of 3 sampled rows (of 3) carry clips, 1.5 per such row on average, at most 2; " \
-           "the longest is 2.50 s" in r.stderr
+           "the longest is 2.50 s" in err
     assert "audio: 2 clip(s) per sample of 2.5 s (kept 2.5 s): 250 log-mel frames through the audio tower and 62 " \
-           "tokens in the sequence each" in r.stdout
-    r = run_cli("plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single", "--json", "--audio-per-sample", "1",
-                "--audio-seconds", "3", "--simulate")
-    assert r.returncode == 0 and "audio from the data" not in r.stderr, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+           "tokens in the sequence each" in printed
+    code, printed, err = run_here(capsys, "plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single", "--json",
+                                  "--audio-per-sample", "1", "--audio-seconds", "3", "--simulate")
+    assert code == 0 and "audio from the data" not in err, err[-2000:]
+    out = json.loads(printed)
     assert (out["workload"]["audio_clips"], out["workload"]["audio_frames"]) == (1, 300)
     assert out["candidates"][0]["estimator"] == "simulated"
 

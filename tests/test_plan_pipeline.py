@@ -14,7 +14,7 @@ from shardfit.plan.pipeline import bubble, in_flight, plan_pipeline
 from shardfit.plan.plan import make_plan
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import workload_of
-from tests.helpers import run_cli
+from tests.helpers import run_here
 
 MODEL = "meta-llama/Llama-3.1-8B"
 
@@ -45,7 +45,7 @@ def test_interleaving_shrinks_the_bubble_for_more_activations_in_flight() -> Non
 
 
 
-def test_zero_bubble_fills_the_bubble_with_weight_gradients() -> None:
+def test_zero_bubble_fills_the_bubble_with_weight_gradients(capsys: pytest.CaptureFixture) -> None:
     """Zero bubble over the same looped stages: the idle time is one forward per hop, (stages-1)/(3 x V x
     micro-batches + stages-1); one forward per hop ahead in the warm-up (8 + 7 + 1 chunks = 8 micro-batches'
     worth on 8 GPUs x 2, 16 micro-batches); the step is shorter than interleaved 1F1B's with the same sends, and
@@ -59,9 +59,9 @@ def test_zero_bubble_fills_the_bubble_with_weight_gradients() -> None:
     assert zb.bubble == pytest.approx(3 / 99) and zb.schedule == "zero_bubble" and zb.p2p_s == looped.p2p_s
     assert zb.step_s < looped.step_s and zb.stage_gib < looped.stage_gib
     assert "zero bubble, 2 stages per GPU" in zb.describe()
-    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "16", "--pipeline-parallel", "4",
-                "--pipeline-schedule", "zero_bubble", "--json")
-    pipe = json.loads(r.stdout)["pipeline"]
+    _, out, _ = run_here(capsys, "plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "16",
+                         "--pipeline-parallel", "4", "--pipeline-schedule", "zero_bubble", "--json")
+    pipe = json.loads(out)["pipeline"]
     assert pipe["schedule"] == "zero_bubble" and pipe["per_rank"] == 2
     assert pipe["bubble"] == pytest.approx(3 / 99, abs=1e-4)
 
@@ -77,18 +77,18 @@ def test_more_stages_hold_less_and_run_faster_than_one_gpu_at_a_time() -> None:
     assert four.step_s == pytest.approx(mp.step_s * 19 / 16 / 4, rel=0.1)
 
 
-def test_plan_cli_shows_the_pipeline_and_refuses_more_stages_than_blocks() -> None:
-    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "8", "--pipeline-parallel", "4",
-                "--json")
-    assert r.returncode in (0, 3), r.stderr
-    pipe = json.loads(r.stdout)["pipeline"]
+def test_plan_cli_shows_the_pipeline_and_refuses_more_stages_than_blocks(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_here(capsys, "plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "8",
+                              "--pipeline-parallel", "4", "--json")
+    assert code in (0, 3), err
+    pipe = json.loads(out)["pipeline"]
     assert pipe["stages"] == 4 and pipe["micro_batches"] == 8 and pipe["note"] == ""
-    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "8", "--pipeline-parallel", "4",
-                "--pipeline-stages-per-rank", "2", "--json")
-    pipe = json.loads(r.stdout)["pipeline"]
+    _, out, _ = run_here(capsys, "plan", "--model", MODEL, "--gpus", "4x24GB", "--grad-accum", "8",
+                         "--pipeline-parallel", "4", "--pipeline-stages-per-rank", "2", "--json")
+    pipe = json.loads(out)["pipeline"]
     assert pipe["per_rank"] == 2 and pipe["bubble"] == pytest.approx(3 / 19, abs=1e-4)
-    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--pipeline-parallel", "4",
-                "--pipeline-stages-per-rank", "16")
-    assert r.returncode == 2 and "4 x 16 stages" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("plan", "--model", MODEL, "--gpus", "4x24GB", "--pipeline-parallel", "64")
-    assert r.returncode == 2 and "32 decoder blocks" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_here(capsys, "plan", "--model", MODEL, "--gpus", "4x24GB", "--pipeline-parallel", "4",
+                            "--pipeline-stages-per-rank", "16")
+    assert code == 2 and "4 x 16 stages" in err and "Traceback" not in err
+    code, _, err = run_here(capsys, "plan", "--model", MODEL, "--gpus", "4x24GB", "--pipeline-parallel", "64")
+    assert code == 2 and "32 decoder blocks" in err and "Traceback" not in err

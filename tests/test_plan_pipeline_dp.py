@@ -22,7 +22,7 @@ from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, workload_of
 from shardfit.resolve import DeviceFacts, resolve_job
-from tests.helpers import run_cli
+from tests.helpers import run_here
 
 MODEL = "meta-llama/Llama-3.1-8B"
 
@@ -96,24 +96,24 @@ def test_the_reduction_runs_over_the_link_between_a_stages_ranks() -> None:
     assert stage_sync_s(shape, w, parse_gpus("1xH100", 1, None), "zero3") == (0.0, 0.0, 0.0)
 
 
-def test_plan_cli_shows_the_layout_row_of_8_gpus() -> None:
+def test_plan_cli_shows_the_layout_row_of_8_gpus(capsys: pytest.CaptureFixture) -> None:
     """`plan --gpus 8x80GB --pipeline-parallel 4 --strategy zero3`: a row named pipeline_parallel=4 x zero3 2 with
     the numbers plan_pipeline gives, and the same in --json; a count that does not divide the GPUs is exit 2."""
     args = ("plan", "--model", MODEL, "--gpus", "8x80GB", "--method", "full", "--seq", "2048", "--batch", "1",
             "--grad-ckpt", "full", "--grad-accum", "16", "--pipeline-parallel", "4", "--strategy", "zero3")
-    r = run_cli(*args)
-    assert r.returncode in (0, 3), r.stderr
+    code, out, err = run_here(capsys, *args)
+    assert code in (0, 3), err
     want = plan_pipeline(resolve_shape(MODEL), _w(method="full"), parse_gpus("8x80GB", 1, None), 4, dp=2,
                          strategy="zero3")
-    assert want.row() in r.stdout and "pipeline_parallel=4 x zero3 2: 4 stages x 16 micro-batches per replica" \
-        in r.stdout
-    d = json.loads(run_cli(*args, "--json").stdout)["pipeline"]
+    assert want.row() in out and "pipeline_parallel=4 x zero3 2: 4 stages x 16 micro-batches per replica" in out
+    d = json.loads(run_here(capsys, *args, "--json")[1])["pipeline"]
     assert d["layout"] == "pipeline_parallel=4 x zero3 2" and d["dp"] == 2 and d["strategy"] == "zero3"
     assert d["stage_gib"] == pytest.approx(want.stage_gib, abs=1e-3) and [x["layout"] for x in d["layouts"]] == \
         ["pipeline_parallel=4 x zero3 2"]
-    bad = run_cli("plan", "--model", MODEL, "--gpus", "8x80GB", "--grad-accum", "16", "--pipeline-parallel", "3")
-    assert bad.returncode == 2 and "pipeline_parallel: 3 does not divide the job's 8 ranks" in bad.stderr
-    assert "1, 2, 4, 8" in bad.stderr and "Traceback" not in bad.stderr
+    code, _, err = run_here(capsys, "plan", "--model", MODEL, "--gpus", "8x80GB", "--grad-accum", "16",
+                            "--pipeline-parallel", "3")
+    assert code == 2 and "pipeline_parallel: 3 does not divide the job's 8 ranks" in err
+    assert "1, 2, 4, 8" in err and "Traceback" not in err
 
 
 def _job(**over) -> Config:

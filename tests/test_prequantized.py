@@ -16,7 +16,7 @@ from shardfit.config import load_config
 from shardfit.models import prequantized
 from shardfit.models.build import build_model
 from tests.families import make_family_model
-from tests.helpers import run_cli, write_config
+from tests.helpers import run_cli, run_here, write_config
 
 # The 16 values of an FP4 (e2m1) code, in code order: the MXFP4 format's definition (OCP MX spec).
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -119,13 +119,14 @@ def test_dequantization_is_asked_for_whatever_the_device() -> None:
 
 
 @pytest.mark.slow
-def test_an_mxfp4_gpt_oss_trains_checks_and_exports_a_plain_model(tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_an_mxfp4_gpt_oss_trains_checks_and_exports_a_plain_model(tmp_path: Path, tokenizer_dir: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
     folder = make_family_model("gpt-oss", tmp_path / "gpt-oss", tokenizer_dir)
     write_mxfp4(folder)
     cfg = _cfg(tmp_path, folder, method="lora", lr=1e-2)
-    r = run_cli("check", str(cfg), "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    found = {f["rule"]: f for f in json.loads(r.stdout)["findings"]}
+    code, out, err = run_here(capsys, "check", str(cfg), "--json")
+    assert code == 0, err[-2000:]
+    found = {f["rule"]: f for f in json.loads(out)["findings"]}
     assert "dequantizes them to fp32" in found["prequantized_checkpoint"]["message"]
     r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -141,13 +142,15 @@ def test_an_mxfp4_gpt_oss_trains_checks_and_exports_a_plain_model(tmp_path: Path
                                            pytest.param({"load_in_4bit": True, "quant_method": "bitsandbytes"},
                                                         "bitsandbytes", marks=pytest.mark.heavy)])
 def test_formats_training_cannot_start_from_are_refused_before_loading(tmp_path: Path, tokenizer_dir: Path,
-                                                                       settings: dict, name: str) -> None:
+                                                                       settings: dict, name: str,
+                                                                       capsys: pytest.CaptureFixture) -> None:
     folder = make_family_model("Qwen3 (dense)", tmp_path / "m", tokenizer_dir)
     (folder / "model.safetensors").write_bytes(b"not weights: the refusal must come before they are read")
     _set_quantization(folder, settings)
     cfg = _cfg(tmp_path, folder, method="lora")
-    for command in ("check", "train"):
-        r = run_cli(command, str(cfg))
-        assert r.returncode == 2, (command, r.stderr[-2000:])
-        assert f"{name}-quantized checkpoint" in r.stderr and "unquantized base" in r.stderr, r.stderr[-2000:]
-        assert "Traceback" not in r.stderr and "unexpected" not in r.stderr
+    checked = run_here(capsys, "check", str(cfg))
+    trained = run_cli("train", str(cfg))
+    for command, code, err in (("check", checked[0], checked[2]), ("train", trained.returncode, trained.stderr)):
+        assert code == 2, (command, err[-2000:])
+        assert f"{name}-quantized checkpoint" in err and "unquantized base" in err, err[-2000:]
+        assert "Traceback" not in err and "unexpected" not in err

@@ -29,7 +29,7 @@ from shardfit.models.source import resolve_model
 from shardfit.train import media_forward
 from shardfit.train.loss import CausalLMLoss
 from tests.families import MEDIA_MATRIX
-from tests.helpers import read_jsonl, run_cli, train_here, write_config, write_wav
+from tests.helpers import read_jsonl, run_cli, run_here, train_here, write_config, write_wav
 from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 from tests.qwen3_omni import make_tiny_qwen3_omni
 
@@ -216,10 +216,10 @@ def test_the_speech_side_is_never_built_whatever_gives_the_config(omni3: Path) -
     assert not any("talker" in n or "code2wav" in n for n, _ in model.named_parameters()), names
 
 
-def test_plan_simulates_zero3_on_a_step_without_media(omni3: Path) -> None:
+def test_plan_simulates_zero3_on_a_step_without_media(omni3: Path, capsys: pytest.CaptureFixture) -> None:
     # The step runs the decoder only, so the towers' FSDP units are never gathered: the tracker must not fail
     # on them (simulate/tracker.py).
-    r = run_cli("plan", "--model", str(omni3), "--gpus", "2x80GB", "--simulate", "--strategy", "zero3",
-                "--seq", "64", "--batch", "1")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "fake-tensor step" in r.stdout
+    code, out, err = run_here(capsys, "plan", "--model", str(omni3), "--gpus", "2x80GB", "--simulate", "--strategy",
+                              "zero3", "--seq", "64", "--batch", "1")
+    assert code == 0, err[-2000:]
+    assert "fake-tensor step" in out

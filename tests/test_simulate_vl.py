@@ -15,7 +15,7 @@ from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.media import MediaLoad, VisionShape
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
-from tests.helpers import run_cli, write_config, write_images
+from tests.helpers import run_here, write_config, write_images
 from tests.media_checks import assert_estimate_matches_simulation
 
 
@@ -43,21 +43,21 @@ def test_analytic_vision_terms_agree_with_simulate(arch: str, strategy: str, met
         (ca.per_gpu_gib.activations, text.activations)
 
 
-def test_plan_simulates_images_from_the_flags(tiny_vl: Path) -> None:
+def test_plan_simulates_images_from_the_flags(tiny_vl: Path, capsys: pytest.CaptureFixture) -> None:
     """`--images-per-sample` / `--image-size` reach the simulated step: the patches of each resized image go
     through the tower, and the workload says so."""
     args = ("plan", "--model", str(tiny_vl), "--gpus", "1x24GB", "--seq", "256", "--batch", "2", "--precision",
             "bf16", "--strategy", "single", "--json")
-    r = run_cli(*args, "--images-per-sample", "2", "--image-size", "168x112", "--image-max-pixels", "50000",
-                "--simulate")
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+    code, printed, err = run_here(capsys, *args, "--images-per-sample", "2", "--image-size", "168x112",
+                                  "--image-max-pixels", "50000", "--simulate")
+    assert code == 0, err[-2000:]
+    out = json.loads(printed)
     assert out["workload"]["images"] == 2 and (out["workload"]["image_rows"], out["workload"]["image_cols"]) == (8, 12)
     assert out["media"]["patches_per_image"] == 96 == MediaLoad(1, 168, 112).patches_per_image()
     assert out["candidates"][0]["estimator"] == "simulated"
 
 
-def test_plan_counts_images_from_the_configs_data(tmp_path: Path, tiny_vl: Path) -> None:
+def test_plan_counts_images_from_the_configs_data(tmp_path: Path, tiny_vl: Path, capsys: pytest.CaptureFixture) -> None:
     """With a config and no image flags, plan samples the data's rows: the most images in a row (2) at the largest
     size seen (112x56), said on stderr; the flags override it."""
     write_images(tmp_path / "img", {"red": (255, 0, 0)})
@@ -70,15 +70,15 @@ def test_plan_counts_images_from_the_configs_data(tmp_path: Path, tiny_vl: Path)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_vl), data=str(tmp_path / "train.jsonl"),
                        precision="bf16", max_seq_len=256, micro_batch=1, image_max_pixels=112 * 112)
-    r = run_cli("plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single")
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, out, err = run_here(capsys, "plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single")
+    assert code == 0, err[-2000:]
     assert "images from the data: 2 of 3 sampled rows (of 3) carry images, 1.5 per such row on average, at most 2; " \
-           "the largest is 112x56" in r.stderr
-    assert "images: 2 per sample of 112x56 (resized to 112x56): 32 patches" in r.stdout
-    r = run_cli("plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single", "--json", "--images-per-sample", "1",
-                "--image-size", "56x56")
-    assert r.returncode == 0 and "images from the data" not in r.stderr
-    assert json.loads(r.stdout)["media"]["patches_per_image"] == 16
+           "the largest is 112x56" in err
+    assert "images: 2 per sample of 112x56 (resized to 112x56): 32 patches" in out
+    code, out, err = run_here(capsys, "plan", str(cfg), "--gpus", "1x24GB", "--strategy", "single", "--json",
+                              "--images-per-sample", "1", "--image-size", "56x56")
+    assert code == 0 and "images from the data" not in err
+    assert json.loads(out)["media"]["patches_per_image"] == 16
 
 
 @pytest.mark.parametrize("gated", [False, True])
