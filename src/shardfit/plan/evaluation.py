@@ -112,5 +112,4 @@ def eval_note(shape: ModelShape, w: Workload, ranks: int, peak: bool) -> str:
         return f"evaluation: {keeps}; lowered by prediction_loss_only or eval_accumulation_steps 1"
     lowers = ("prediction_loss_only, " + ("eval_accumulation_steps 1, " if k > 1 else "")) if k else ""
     return (f"peak at evaluation: {w.eval_batch_key} {w.eval_batch} rows through the fp32 eval loss"
-            + (f", {keeps}" if keeps else "") + f"; lowered by {lowers}a smaller {w.eval_batch_key}"
-            + (" or fewer eval steps kept" if assumed else ""))
+            + (f", {keeps}" if keeps else "") + f"; lowered by {lowers}a smaller {w.eval_batch_key}")
