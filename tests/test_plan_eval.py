@@ -74,6 +74,12 @@ def test_kept_logits_grow_with_the_eval_set_and_accumulation_bounds_them() -> No
     whole, bounded = _plan(w, "2xH100", "ddp"), _plan(replace(w, eval_accumulation=1), "2xH100", "ddp")
     assert whole.per_gpu_gib.logits > bounded.per_gpu_gib.logits + 8 * step_kept_bytes(shape, w, 2) / 2**30
     assert "eval_accumulation_steps unset" in whole.notes and "prediction_loss_only" in whole.notes
+    # one process (single on two GPUs) gathers from no other rank: unbounded, every rank ends up with the whole
+    # eval set's logits either way; bounded by eval_accumulation_steps, a step of one rank's rows is half as large
+    assert _plan(w, "2xH100", "single").per_gpu_gib.logits == whole.per_gpu_gib.logits
+    two = replace(w, eval_accumulation=2)
+    assert _plan(two, "2xH100", "single").per_gpu_gib.logits < _plan(two, "2xH100", "ddp").per_gpu_gib.logits - \
+        2 * step_kept_bytes(shape, w, 1) / 2**30
     unknown = _plan(replace(w, eval_examples=0))
     assert "eval set size unknown" in unknown.notes
 

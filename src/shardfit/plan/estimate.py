@@ -478,7 +478,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
     if ep and w.method == "full":
         layer_grads -= experts.per_block_params(shape) * low
-    r = PerRank(0.0, 0.0, 0.0, layers=shape.layers, ranks=1 if s.engine == "device_map" else n)
+    r = PerRank(0.0, 0.0, 0.0, layers=shape.layers, ranks=n if s.multi_rank else 1)
     if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
         r.persistent_grads = s.engine == "ddp" and n > 1
