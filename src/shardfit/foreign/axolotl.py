@@ -47,6 +47,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.targets import plan_linear_names, plan_saved, plan_targets, saved_names
+from shardfit.foreign.trainer_eval import EVAL_KEYS, held_out_eval
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -111,7 +112,8 @@ KEYS = key_table({
     "warmup_ratio": Key(config="warmup_ratio", read=if_set(as_float)),
     "weight_decay": Key(config="weight_decay", read=if_set(as_float)),
     "max_grad_norm": Key(config="max_grad_norm", read=if_set(as_float)),
-    "val_set_size": Key(config="eval_split", read=if_set(as_float)),
+    "val_set_size": Key(config="eval_split", read=if_set(as_float)), **EVAL_KEYS,
+    "eval_batch_size": Key("eval forward of {eval_batch} rows per GPU, its loss upcast to fp32"),
     "max_steps": Key(config="max_steps", read=if_set(as_int)),
     "logging_steps": Key(config="log_steps", read=if_set(as_int)),
     "seed": Key(config="seed", read=if_set(as_int)),
@@ -157,6 +159,9 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     shape = shape_of(str(model))
     job = ForeignJob("axolotl", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _workload(src, job, version)
+    w = job.workload = dataclasses.replace(w, **held_out_eval(
+        src, share="val_set_size", data="test_datasets", strategy_default=True, batch_key="eval_batch_size",
+        default_batch=w.micro_batch))
     _checkpointing(src, job)
     if src.get("deepspeed") and (src.get("fsdp") or src.get("fsdp_config")):
         raise UserError(f"{src.at('deepspeed')}: both 'deepspeed' and FSDP ('fsdp'/'fsdp_config') are set; axolotl "

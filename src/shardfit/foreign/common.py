@@ -18,18 +18,18 @@ from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
 
 # HF TrainingArguments that change nothing the planner counts (logging, saving, schedules, evaluation cadence,
-# data loading, hub and reporting).
+# data loading, hub and reporting). Whether and how the job evaluates while training counts (foreign/trainer_eval.py).
 TRAINER_NO_EFFECT = {
     "output_dir", "overwrite_output_dir", "logging_steps", "logging_dir", "logging_strategy", "logging_first_step",
     "save_steps", "save_strategy", "save_total_limit", "save_only_model", "save_safetensors", "eval_steps",
-    "eval_strategy", "evaluation_strategy", "do_train", "do_eval", "do_predict", "learning_rate", "lr_scheduler_type",
+    "do_train", "do_eval", "do_predict", "learning_rate", "lr_scheduler_type",
     "warmup_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
     "num_train_epochs", "max_steps", "seed", "data_seed", "report_to", "run_name", "ddp_timeout",
     "resume_from_checkpoint",
     "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "remove_unused_columns",
     "push_to_hub", "hub_model_id", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "disable_tqdm", "log_level", "plot_loss", "lazy_preprocess", "group_by_length", "include_num_input_tokens_seen",
-    "per_device_eval_batch_size", "eval_accumulation_steps", "prediction_loss_only", "local_rank", "tf32",
+    "local_rank", "tf32",
     "ddp_backend", "label_names", "save_on_each_node", "use_cpu", "ignore_data_skip",
 }
 

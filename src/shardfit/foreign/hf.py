@@ -61,6 +61,7 @@ from shardfit.foreign.script_ast import ScriptSettings, read_script
 from shardfit.foreign.shell import Command, hides_every_gpu, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
+from shardfit.foreign.trainer_eval import EVAL_KEYS, hf_eval
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -90,7 +91,7 @@ KEYS = key_table({
     # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
-    **HF_TRAINER,
+    **HF_TRAINER, **EVAL_KEYS,
     "ref_model": Key("reference model given to the trainer"),
     # the script's own argument, and peft's LoraConfig(target_modules=...) read in the script (`_file_keys`)
     "lora_target_modules": Key(config="lora.targets", read=lambda v, k, at: target_names(v, k, at, True)),
@@ -162,6 +163,8 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
+    w = job.workload = dataclasses.replace(w, **hf_eval(src, script, code.trainer in TRAINERS,
+                                                        src.flag("predict_with_generate", "false"), job.notes))
     loaded = trl_load(src, code, version)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []

@@ -43,6 +43,7 @@ from shardfit.foreign.lf_columns import data_columns
 from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_trainer_args
+from shardfit.foreign.trainer_eval import EVAL_KEYS, held_out_eval
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -85,7 +86,7 @@ KEYS = key_table({
     "freeze_trainable_layers": Key("trainable blocks"), "quantization_method": Key("bitsandbytes"),
     "double_quantization": Key("NF4 constants"),
     # carried over to the shardfit config (`freeze_trainable` is decided in `_convert`): v0 runs the HF Trainer
-    **HF_TRAINER, "val_size": Key(config="eval_split", read=as_float),
+    **HF_TRAINER, **EVAL_KEYS, "val_size": Key(config="eval_split", read=as_float),
     # LLaMA-Factory's default alpha is twice the rank (given in `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int), "lora_dropout": Key(config="lora.dropout", read=as_float),
     "lora_target": Key("adapters on every linear layer (all)", config="lora.targets", read=lora_targets,
@@ -135,6 +136,8 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     shape = shape_of(str(model))
     job = ForeignJob("llamafactory", src.where, str(model), Workload(), words=words(), nproc=nproc)
     w = job.workload = _freeze(src, _workload(src, job, version), shape.layers)
+    w = job.workload = replace(w, **held_out_eval(src, share="val_size", data="eval_dataset", strategy_default=False,
+                                                  batch_key="per_device_eval_batch_size", default_batch=8))
     job.reentrant_ckpt = w.grad_ckpt != "none" and src.flag("use_reentrant_gc", True)
     job.find_unused = src.flag("ddp_find_unused_parameters")
     if src.get("deepspeed"):

@@ -41,6 +41,7 @@ from shardfit.plan.estimate import (
     trainable_params,
     trainable_weight_bytes,
 )
+from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
@@ -191,13 +192,18 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     opt = Breakdown(m.weights, grads_at_step, m.states + adam_temp, 0.0, 0.0, 0.0)
     step_gib = _tensors(opt) / GIB  # (before the peak's breakdown is turned into GiB in place)
     moments_by_phase = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    if w.eval_batch:  # between steps: ZeRO-3's partition and bucket, ZeRO-1/2 offload's staging (plan/evaluation.py)
+        between = m.grad_part + bucket if z.stage == 3 else m.staging
+        moments_by_phase["eval"] = max((Breakdown(m.weights, between, m.states, a, lg, m.fwd_temp)
+                                        for a, lg in eval_parts(shape, w, strategy, hw.world)), key=_tensors)
     phase = max(moments_by_phase, key=lambda k: _tensors(moments_by_phase[k]))
     b = in_gib(moments_by_phase[phase])
     add_runtime_overhead(b, hw, strategy)
     fits = b.total <= hw.gpu_mem_gib
     host_gib = m.host / GIB
-    notes = f"{z.describe()}: " + (f"{hw.gpu_mem_gib - b.total:.1f} GiB headroom" if fits else
-                                    f"{b.total:.1f} GiB > {hw.gpu_mem_gib:.0f} GiB")
+    said = eval_note(shape, w, hw.world, phase == "eval")
+    notes = f"{z.describe()}: " + (f"{said}; " if said else "") + (
+        f"{hw.gpu_mem_gib - b.total:.1f} GiB headroom" if fits else f"{b.total:.1f} GiB > {hw.gpu_mem_gib:.0f} GiB")
     if hw.cpu_mem_gib is not None and host_gib * hw.gpus_per_node > hw.cpu_mem_gib:
         fits = False
         notes += f"; host RAM too small for the offloaded states: {host_gib * hw.gpus_per_node:.0f} GiB per node"

@@ -41,6 +41,7 @@ from shardfit.plan.activations import (
 )
 from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
 from shardfit.plan.cards import card_of
+from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
@@ -107,7 +108,7 @@ class Candidate:
     cpu_gib: float
     estimator: str = "analytic"
     notes: str = ""
-    peak_phase: str = "forward"  # where the step peaks: forward (at the loss), backward or optimizer
+    peak_phase: str = "forward"  # where the step peaks: forward (at the loss), backward, optimizer or eval
     # False where the hardware named cannot run the strategy at all (a multi-rank strategy on one device, GPU
     # offload or a split over GPUs on a CPU): the memory columns stay, but it is neither rated nor recommended.
     applies: bool = True
@@ -406,6 +407,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     b = in_gib(moments[phase])
     add_runtime_overhead(b, hw, strategy)
     fits, notes = _verdict(shape, w, hw, s, b, rank.cpu)
+    notes = "; ".join(n for n in (eval_note(shape, w, rank.ranks, phase == "eval"), notes) if n)
     not_here = not_applicable(s, hw)  # a row the hardware named cannot run at all says why instead
     return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=not_here or notes,
                      applies=not not_here)
@@ -429,6 +431,7 @@ class PerRank:
     # (`fsdp1_offload_grad_shard_bytes`); they are on the host by the optimizer step.
     held_grad_shards: float = 0.0
     grad_divisor: float = 1  # how many ways the gradients are split
+    ranks: int = 1  # the processes an evaluation gathers its logits from
 
 
 def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
@@ -475,7 +478,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     layer_grads = shape.layer_params() * low if w.method == "full" else t_all / shape.layers * trainable_bytes(w)
     if ep and w.method == "full":
         layer_grads -= experts.per_block_params(shape) * low
-    r = PerRank(0.0, 0.0, 0.0, layers=shape.layers)
+    r = PerRank(0.0, 0.0, 0.0, layers=shape.layers, ranks=n if s.multi_rank else 1)
     if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
         r.persistent_grads = s.engine == "ddp" and n > 1
@@ -607,7 +610,7 @@ def fsdp1_offload_grad_shard_bytes(shape: ModelShape, w: Workload, shards: float
 
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
     """The step at its three candidate peaks (bytes): the loss (forward), the worst moment of backward, and the
-    optimizer step."""
+    optimizer step; and an evaluation while training where the job runs one (plan/evaluation.py)."""
     tokens = w.tokens
     layers = r.layers
     g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
@@ -638,7 +641,7 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
     if w.reference == "adapters_off":  # the reference's forward runs first, on the same weights, saving nothing
         forward = max(forward, Breakdown(wr, g_fwd, opt, reference_activation_bytes(shape, w, strategy) + vision,
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
-    return {
+    moments = {
         "forward": forward,
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
@@ -654,6 +657,11 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
             key=_tensors),
         "optimizer": Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0),
     }
+    if w.eval_batch:  # between steps: gradients freed by zero_grad(set_to_none), an engine's own buffers kept
+        g_eval = r.grads if r.persistent_grads else 0.0
+        moments["eval"] = max((Breakdown(wr, g_eval, opt, a, lg, fwd_temp)
+                               for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)
+    return moments
 
 
 def in_gib(b: Breakdown) -> Breakdown:

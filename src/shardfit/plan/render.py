@@ -9,7 +9,7 @@ from shardfit.plan.flops import FP8_CAST_BYTES
 from shardfit.plan.hardware import hardware_notes
 from shardfit.plan.plan import Plan
 
-PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "eval": "eval"}
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "temporaries", "allocator_reserve",
          "runtime_overhead")
 

@@ -246,6 +246,20 @@ class Workload:
     # The fused kernel taken for GPUs other than the planning machine's (`for_target`), not found installed: the
     # plan's note gives the torch fallback's figure beside it.
     mamba_scan_assumed: bool = False
+    # Evaluation while training under transformers' Trainer (plan/evaluation.py): rows of each eval forward on
+    # every rank (per_device_eval_batch_size, or the tool's key `eval_batch_key`); 0: the job does not evaluate
+    # while it trains. shardfit's own evaluation runs the training micro-batch without gradients through its
+    # chunked loss, below the training step's forward, so its configs leave it 0.
+    eval_batch: int = 0
+    eval_batch_key: str = "per_device_eval_batch_size"
+    # The Trainer gathers every eval step's logits and keeps them on the GPU (a compute_metrics without a
+    # preprocess_logits_for_metrics that reduces them, prediction_loss_only off, no generation) ...
+    eval_keeps_logits: bool = False
+    # ... until eval_accumulation_steps steps have gathered, then moves them to the CPU; 0 (unset): the whole
+    # eval set's stay until evaluation ends.
+    eval_accumulation: int = 0
+    # Examples in the eval set where the job says (it bounds the eval steps kept); 0: not known.
+    eval_examples: int = 0
 
     @property
     def bnb(self) -> bool:

@@ -1,0 +1,144 @@
+"""The evaluation a Trainer job runs while it trains, planned as a moment of the step (plan/evaluation.py), read
+from the tools' keys (foreign/trainer_eval.py), and checked against transformers' Trainer on a tiny model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardfit.errors import UserError
+from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.estimate import estimate
+from shardfit.plan.evaluation import ASSUMED_STEPS, kept_steps, step_kept_bytes
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+
+QWEN = "Qwen/Qwen2.5-7B-Instruct"  # a 152k vocabulary: its eval logits are large
+TRAINER = Workload(method="lora", loss="full", seq_len=2048, micro_batch=1, quant_backend="bnb")
+
+SCRIPT = """from transformers import Trainer
+def compute_metrics(p):
+    return {}
+trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held, compute_metrics=compute_metrics)
+trainer.train()
+"""
+
+
+def _plan(w: Workload, gpus: str = "H100", strategy: str = "single"):
+    return estimate(resolve_shape(QWEN), w, parse_gpus(gpus), strategy)
+
+
+def _hf_job(tmp_path: Path, args: str, script: str = SCRIPT):
+    (tmp_path / "train.py").write_text(script)
+    launch = tmp_path / "run.sh"
+    launch.write_text(f"torchrun --nproc_per_node 2 train.py --model_name_or_path {QWEN} --bf16 True "
+                      f"--per_device_train_batch_size 1 --model_max_length 2048 {args}\n")
+    return read_job("hf", str(launch), JobOptions())
+
+
+def test_no_evaluation_leaves_the_plan_as_it_was() -> None:
+    base = _plan(TRAINER)
+    assert base.peak_phase != "eval"
+    same = _plan(replace(TRAINER, eval_accumulation=4, eval_keeps_logits=True))  # no eval_batch: no evaluation
+    assert same.per_gpu_gib == base.per_gpu_gib and same.notes == base.notes
+
+
+def test_an_eval_batch_larger_than_training_peaks_at_evaluation() -> None:
+    base = _plan(TRAINER)
+    c = _plan(replace(TRAINER, eval_batch=16))
+    assert c.peak_phase == "eval"
+    # 16 rows x 2048 positions x 152k logits: 16-bit, the fp32 upcast and the fp32 log-softmax
+    assert c.per_gpu_gib.logits > 16 * 2048 * 152_000 * 10 / 2**30 * 0.99
+    assert c.per_gpu_gib.total > base.per_gpu_gib.total + 30
+    assert c.per_gpu_gib.grads == 0  # zero_grad(set_to_none) ran before the evaluation
+    assert "per_device_eval_batch_size 16" in c.notes and "smaller per_device_eval_batch_size" in c.notes
+
+
+def test_an_eval_batch_of_the_training_micro_batch_never_wins() -> None:
+    c = _plan(replace(TRAINER, eval_batch=1))
+    assert c.peak_phase != "eval" and c.per_gpu_gib == _plan(TRAINER).per_gpu_gib
+
+
+def test_kept_logits_grow_with_the_eval_set_and_accumulation_bounds_them() -> None:
+    shape = resolve_shape(QWEN)
+    w = replace(TRAINER, eval_batch=8, eval_keeps_logits=True, eval_examples=160)
+    assert kept_steps(w, 2) == (10, False)  # 160 examples over 2 ranks x 8 rows
+    assert kept_steps(replace(w, eval_accumulation=3), 2) == (3, False)
+    assert kept_steps(replace(w, eval_examples=0), 2) == (ASSUMED_STEPS, True)
+    assert kept_steps(replace(w, eval_keeps_logits=False), 2) == (0, False)
+    # each rank keeps every rank's gathered logits
+    assert step_kept_bytes(shape, w, 2) == 2 * step_kept_bytes(shape, w, 1)
+    whole, bounded = _plan(w, "2xH100", "ddp"), _plan(replace(w, eval_accumulation=1), "2xH100", "ddp")
+    assert whole.per_gpu_gib.logits > bounded.per_gpu_gib.logits + 8 * step_kept_bytes(shape, w, 2) / 2**30
+    assert "eval_accumulation_steps unset" in whole.notes and "prediction_loss_only" in whole.notes
+    # one process (single on two GPUs) gathers from no other rank: unbounded, every rank ends up with the whole
+    # eval set's logits either way; bounded by eval_accumulation_steps, a step of one rank's rows is half as large
+    assert _plan(w, "2xH100", "single").per_gpu_gib.logits == whole.per_gpu_gib.logits
+    two = replace(w, eval_accumulation=2)
+    assert _plan(two, "2xH100", "single").per_gpu_gib.logits < _plan(two, "2xH100", "ddp").per_gpu_gib.logits - \
+        2 * step_kept_bytes(shape, w, 1) / 2**30
+    unknown = _plan(replace(w, eval_examples=0))
+    assert "eval set size unknown" in unknown.notes
+
+
+def test_deepspeed_plans_the_evaluation_too() -> None:
+    from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
+    shape, hw = resolve_shape(QWEN), parse_gpus("8xH100")
+    base = estimate_deepspeed(shape, TRAINER, hw, ZeroSettings(stage=3))
+    c = estimate_deepspeed(shape, replace(TRAINER, eval_batch=16), hw, ZeroSettings(stage=3))
+    assert base.peak_phase != "eval" and c.peak_phase == "eval"
+    assert c.per_gpu_gib.total > base.per_gpu_gib.total and "per_device_eval_batch_size 16" in c.notes
+
+
+def test_hf_job_with_compute_metrics_keeps_logits(tmp_path: Path) -> None:
+    job = _hf_job(tmp_path, "--eval_strategy steps --per_device_eval_batch_size 16")
+    w = job.workload
+    assert (w.eval_batch, w.eval_keeps_logits, w.eval_accumulation) == (16, True, 0)
+    assert job.keys["per_device_eval_batch_size"] == "16 (eval forward of 16 rows per GPU, its loss upcast to fp32)"
+    assert "eval_strategy" in job.keys and "eval_strategy" not in job.not_modelled
+    assert _plan(w).peak_phase == "eval"
+
+
+def test_prediction_loss_only_keeps_no_logits(tmp_path: Path) -> None:
+    w = _hf_job(tmp_path, "--eval_strategy steps --prediction_loss_only True").workload
+    assert (w.eval_batch, w.eval_keeps_logits) == (8, False)  # the Trainer's default eval batch
+    reduced = SCRIPT.replace("compute_metrics=compute_metrics", "compute_metrics=compute_metrics, "
+                             "preprocess_logits_for_metrics=lambda l, _: l.argmax(-1)")
+    assert not _hf_job(tmp_path, "--eval_strategy steps", reduced).workload.eval_keeps_logits
+
+
+def test_eval_accumulation_steps_is_read(tmp_path: Path) -> None:
+    w = _hf_job(tmp_path, "--eval_strategy epoch --eval_accumulation_steps 2").workload
+    assert (w.eval_keeps_logits, w.eval_accumulation) == (True, 2)
+    with pytest.raises(UserError, match="per_device_eval_batch_size"):
+        _hf_job(tmp_path, "--eval_strategy steps --per_device_eval_batch_size 0")
+
+
+def test_hf_job_without_eval_strategy_does_not_evaluate(tmp_path: Path) -> None:
+    assert _hf_job(tmp_path, "--per_device_eval_batch_size 16").workload.eval_batch == 0
+    assert _hf_job(tmp_path, "--eval_strategy no").workload.eval_batch == 0
+
+
+def test_tools_with_held_out_data_evaluate_without_keeping_logits(tmp_path: Path) -> None:
+    lf = tmp_path / "lf.yaml"
+    lf.write_text(f"model_name_or_path: {QWEN}\nstage: sft\ndo_train: true\nfinetuning_type: lora\n"
+                  "lora_target: all\ndataset: alpaca_en_demo\ntemplate: qwen\ncutoff_len: 2048\nbf16: true\n"
+                  "per_device_train_batch_size: 1\nval_size: 0.1\neval_strategy: steps\neval_steps: 500\n"
+                  "per_device_eval_batch_size: 16\ncompute_accuracy: true\noutput_dir: out\n")
+    w = read_job("llamafactory", str(lf), JobOptions()).workload
+    assert (w.eval_batch, w.eval_keeps_logits) == (16, False)
+    ax = tmp_path / "ax.yml"
+    ax.write_text(f"base_model: {QWEN}\nadapter: lora\nlora_r: 8\nlora_target_linear: true\nsequence_len: 2048\n"
+                  "micro_batch_size: 2\ngradient_accumulation_steps: 1\nbf16: true\nval_set_size: 0.05\n"
+                  "datasets:\n  - path: data.jsonl\n    type: alpaca\noutput_dir: out\n")
+    w = read_job("axolotl", str(ax), JobOptions()).workload
+    assert (w.eval_batch, w.eval_batch_key) == (2, "eval_batch_size")  # axolotl's default: micro_batch_size
+    sw = tmp_path / "swift.sh"
+    sw.write_text(f"swift sft --model {QWEN} --train_type lora --dataset d.jsonl --max_length 2048 "
+                  "--split_dataset_ratio 0.01 --torch_dtype bfloat16\n")
+    assert read_job("swift", str(sw), JobOptions()).workload.eval_batch == 1  # ms-swift's default
+    sw.write_text(f"swift sft --model {QWEN} --train_type lora --dataset d.jsonl --max_length 2048\n")
+    assert read_job("swift", str(sw), JobOptions()).workload.eval_batch == 0
