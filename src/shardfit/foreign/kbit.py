@@ -78,7 +78,7 @@ def cast_back(w: Workload, shape: ModelShape, version: str, tool: str) -> tuple[
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """The dtype a TRL job's model loads in (`dtype`, by TRL_DTYPES' names: auto is the checkpoint's), the words
+    """The dtype an HF job's model loads in (`dtype`, by TRL_DTYPES' names: auto is the checkpoint's), the words
     saying what decides it (`said`, ending "loads the model"), whether the 4-bit layers of a --load_in_4bit run
     compute in fp32 (`bnb_fp32`: TRL's get_quantization_config hands bitsandbytes the same value, and
     BitsAndBytesConfig takes None as fp32), and how the job would spell another dtype (`spell`, "{}" the name)."""
