@@ -1,4 +1,4 @@
-"""The dtype a TRL job's model loads in where nothing names one (foreign/kbit.py `trl_load`): a YAML of arguments
+"""The dtype a TRL job's model loads in where nothing names one (foreign/kbit.py `job_load`): a YAML of arguments
 that sets ModelConfig's dtype to null hands from_pretrained None, and a script that loads the model itself without
 a dtype passes none; transformers 5 takes either as "auto" (the checkpoint's dtype, planned as bf16), transformers 4
 as fp32 (5.23 modeling_utils.py `from_pretrained`; 4.x `_get_dtype`). And the note of a 16-bit load under the other

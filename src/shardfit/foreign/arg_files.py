@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.arg_nulls import NULL_KEYS
 from shardfit.foreign.common import load_yaml, parse_json, read_text
-from shardfit.foreign.kbit import LOAD_DTYPE_KEYS
 from shardfit.foreign.keys import Source
 from shardfit.foreign.script_ast import ArgFile, ScriptSettings
 from shardfit.foreign.shell import Command
@@ -91,10 +91,11 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
         raise UserError(f"{src.where}: {ref}: no such file here, and the script reads its arguments from it "
                         f"({what}). Give the file beside the command's file (or its path), or the arguments "
                         f"on the command line.")
+    lines: dict[str, int] = {}
     if call.kind == "json":
         data: Any = parse_json(read_text(Path(hit)), hit)
     else:
-        data = load_yaml(Path(hit), example="model_name_or_path: ..., per_device_train_batch_size: 1")[0]
+        data, lines = load_yaml(Path(hit), example="model_name_or_path: ..., per_device_train_batch_size: 1")
     if not isinstance(data, dict):
         raise UserError(f"{hit}: the script's {what} reads an object of argument names (model_name_or_path, "
                         f"per_device_train_batch_size, ...), got {type(data).__name__}.")
@@ -104,8 +105,10 @@ def _read_arg_file(ref: str, how: str, call: ArgFile, code: ScriptSettings, src:
         code.ignored_args[key] = str(src.values.pop(key))
         src.order.remove(key)
     for key, value in data.items():
-        if value is None and key not in LOAD_DTYPE_KEYS:  # a null dtype reaches from_pretrained as None
+        if value is None and key not in NULL_KEYS:  # None means the field's default (arg_nulls.py)
             continue
+        if value is None:
+            src.null_at[key] = f"{hit}:{lines[key]}" if key in lines else hit
         if key not in src.values:
             src.order.append(key)
         src.values[key] = value if isinstance(value, str) or value is None else json.dumps(value) if \

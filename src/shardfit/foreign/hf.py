@@ -16,6 +16,7 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.accelerate import TRL_CONFIGS, Accelerate, read_accelerate
 from shardfit.foreign.arg_files import follow_arg_file
+from shardfit.foreign.arg_nulls import NULL_KEYS, SEQ_KEYS, settle_nulls
 from shardfit.foreign.common import (
     ATTENTION,
     FALSE_WORDS,
@@ -39,7 +40,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
-from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, trl_kbit, trl_load, trl_loaded
+from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, apply_load, job_load, trl_kbit
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
@@ -68,7 +69,6 @@ from shardfit.plan.workload import Workload
 # TRL's trainers (script_ast.TRAINERS) as shardfit's objectives; the rest are refused. CPO is planned as simpo.
 TRAINERS = {"DPOTrainer": "dpo", "KTOTrainer": "kto", "ORPOTrainer": "orpo", "CPOTrainer": "cpo"}
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
-SEQ_KEYS = ("model_max_length", "max_seq_length", "max_length", "cutoff_len", "seq_length")
 # What each TrainingArguments (or training script) argument means to shardfit: the first sequence length given
 # wins, then lora_r over lora_rank.
 KEYS = key_table({
@@ -127,8 +127,9 @@ def words() -> Words:
                        "(--precompute_ref_log_probs True)"})
 
 
-def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None) -> ForeignJob:
-    """TrainingArguments (.json) or a command line / script running a training script."""
+def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None,
+            seq: int | None = None) -> ForeignJob:
+    """TrainingArguments (.json) or a command line / script running a training script; `seq` is plan's --seq."""
     if path.suffix == ".json":
         src, cmd = json_source(path, "TrainingArguments"), None
     elif path.suffix == ".py":  # the training script itself: what it sets in code is all there is
@@ -142,6 +143,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     env = cmd.exported if cmd else {}  # what the launcher sees (under `trl <command>`, with the YAML's env)
     ran = {**env, **code.config_env}  # what the script's processes see once TrlParser has set the YAML's env
     trl_notes: list[str] = []
+    settle_nulls(src, seq, trl_notes)
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))
@@ -165,7 +167,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
     w = job.workload = dataclasses.replace(w, **hf_eval(src, script, code.trainer in TRAINERS,
                                                         src.flag("predict_with_generate", "false"), job.notes))
-    loaded = trl_load(src, code, version)
+    loaded = job_load(src, code, version, cmd.program if cmd else path.name)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
@@ -174,7 +176,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
     _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
-    job.workload, load_note = trl_loaded(job.workload, job.engine, loaded)
+    job.workload, load_note = apply_load(job.workload, job.engine, loaded)
     job.notes += [load_note] if load_note else []
     _device_map(src, job, script, ran)
     job.speech_outputs = "omni" in model.lower()
@@ -186,7 +188,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     if not _lora(src):
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
-    _file_keys(src, job, job.workload, shape, version, code.model_config)
+    _file_keys(src, job, job.workload, shape, version, code.model_config, loaded.key if loaded else None)
     for key, value in code.ignored_args.items():
         record(job, key, value, modelled=False)
     for key in code.arg_file_keys & job.not_modelled.keys() - KEYS.keys():
@@ -410,8 +412,10 @@ def _trl_yaml(src: Source, cmd: Command | None) -> dict[str, str]:
                         f"it. Give its path (relative to the command's file), or the arguments on the command line.")
     data, lines = load_yaml(Path(hit), nested=True)
     for key, value in data.items():
-        if key in src.values or key == "env" or value is None and key not in LOAD_DTYPE_KEYS:
+        if key in src.values or key == "env" or value is None and key not in NULL_KEYS:
             continue
+        if value is None:  # arg_nulls.py `settle_nulls`, kbit.py `job_load`
+            src.null_at[key] = f"{hit}:{lines.get(key, '?')}"
         src.values[key] = None if value is None else " ".join(map(str, value)) if isinstance(value, list) else \
             str(value).lower() if isinstance(value, bool) else str(value)
         src.order.append(key)
@@ -671,7 +675,7 @@ def target_names(value: Any, key: str, where: str, names: bool) -> str | list[st
 
 
 def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, version: str,
-               model_config: bool = False) -> None:
+               model_config: bool = False, load_key: str | None = None) -> None:
     """Plan the LoRA targets and modules_to_save given, and record every key's effect. Under TRL's ModelConfig
     (`model_config`, trl 1.16 `get_peft_config`), --use_peft without targets builds a LoraConfig without
     target_modules, so peft takes its default for the model's type, and one --lora_target_modules entry reaches
@@ -699,8 +703,9 @@ def _file_keys(src: Source, job: ForeignJob, w: Workload, shape: ModelShape, ver
             effects["lora_modules_to_save"] = effect
         else:
             unplanned.add("lora_modules_to_save")
-    if model_config and w.method in TRL_DTYPE_EFFECT:  # foreign/kbit.py `trl_kbit`, `trl_loaded`
-        effects["dtype"] = effects["torch_dtype"] = TRL_DTYPE_EFFECT[w.method]
+    # foreign/kbit.py `job_load`, `trl_kbit`, `apply_load`; `load_key`: the argument that gave the load's dtype
+    for key in (*(LOAD_DTYPE_KEYS if model_config else ()), *((load_key,) if load_key else ())):
+        effects[key] = TRL_DTYPE_EFFECT.get(w.method, "")
     file_keys(job, src.items(), KEYS, job.workload, effects=effects, unplanned=unplanned)
 
 

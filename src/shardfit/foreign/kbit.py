@@ -1,17 +1,20 @@
 """What each tool does to a 4-bit (QLoRA) model's dtypes after loading it, which the job file does not spell out:
 whether the frozen weights outside the 4-bit layers stay fp32 after peft's prepare_model_for_kbit_training, and
 the dtype the adapters train in. Shared by the readers (axolotl, TRL scripts, ms-swift) so one rule per tool. And
-the dtype TRL's ModelConfig, or the script's own from_pretrained, loads a LoRA or full run in (`Loaded`,
-`trl_loaded`)."""
+the dtype an HF script's model loads in (`job_load`: the script's own from_pretrained, TRL's ModelConfig, a TRL
+trainer's model_init_kwargs, a known script's argument) and what that does to a LoRA or full run (`apply_load`)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
+from pathlib import Path
 
 from shardfit.errors import UserError
 from shardfit.foreign.common import major_minor
 from shardfit.foreign.keys import Source
-from shardfit.foreign.script_ast import UNSET_DTYPE, ScriptSettings
+from shardfit.foreign.script_ast import ABSENT_DTYPE, UNSET_DTYPE, ScriptSettings
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.workload import Workload
@@ -31,8 +34,14 @@ TRL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCRIPT_SPELL = "dtype=\"{}\" in the script's from_pretrained"
 # ModelConfig's field (`dtype`, trl >= 0.20) and older TRL's name for it; a YAML or JSON of arguments may set either
 # to null, which the dataclass takes as None (TrlParser's defaults and HfArgumentParser's parse_dict check no
-# choices), so the readers keep a null of these two where they drop other nulls.
+# choices), so the readers keep a null of these two where they drop other nulls (arg_nulls.py).
 LOAD_DTYPE_KEYS = ("dtype", "torch_dtype")
+# How model_init_kwargs would spell a dtype, for the notes' advice.
+INIT_SPELL = 'model_init_kwargs {{"dtype": "{}"}}'
+# Scripts a command runs by name whose model load is an argument with a default of None: transformers' example
+# examples/pytorch/language-modeling/run_clm.py hands ModelArguments' `dtype` (4.x: `torch_dtype`; choices
+# TRL_DTYPES) to from_pretrained, None where the command line does not give it.
+KNOWN_LOADS = {"run_clm.py": ("dtype", "torch_dtype")}
 # The engines that keep a full fine-tune's trainable weights in fp32 whatever dtype loaded them: DeepSpeed's ZeRO
 # steps fp32 masters; accelerate's FSDP upcasts 16-bit trainable parameters to fp32 under mixed precision
 # (utils/fsdp_utils.py `fsdp2_prepare_model`, accelerator.py `prepare_model` for FSDP1).
@@ -69,7 +78,7 @@ def cast_back(w: Workload, shape: ModelShape, version: str, tool: str) -> tuple[
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """The dtype a TRL job's model loads in (`dtype`, by TRL_DTYPES' names: auto is the checkpoint's), the words
+    """The dtype an HF job's model loads in (`dtype`, by TRL_DTYPES' names: auto is the checkpoint's), the words
     saying what decides it (`said`, ending "loads the model"), whether the 4-bit layers of a --load_in_4bit run
     compute in fp32 (`bnb_fp32`: TRL's get_quantization_config hands bitsandbytes the same value, and
     BitsAndBytesConfig takes None as fp32), and how the job would spell another dtype (`spell`, "{}" the name)."""
@@ -78,6 +87,8 @@ class Loaded:
     said: str
     bnb_fp32: bool
     spell: str = "--dtype {}"
+    key: str | None = None  # the job's argument that gives the dtype, where one is not ModelConfig's --dtype
+    none: bool = False  # from_pretrained gets None: transformers' default decides (`default_load`)
 
 
 def model_config_load(value: object, where: str) -> Loaded:
@@ -99,41 +110,120 @@ def default_load(what: str, version: str, bnb_fp32: bool, spell: str = "--dtype 
     4 as torch's default dtype, fp32 (`_get_dtype`'s "set fp32 as the default dtype for BC")."""
     if major_minor(version) >= (5, 0):
         return Loaded("auto", f"{what}; transformers {version} takes None as \"auto\" (4.x: fp32) and loads the "
-                              f"model", bnb_fp32, spell)
+                              f"model", bnb_fp32, spell, none=True)
     return Loaded("float32", f"{what}; transformers {version} takes None as torch's default, fp32 (5.x: \"auto\", "
-                             f"the checkpoint's dtype), and loads the model", bnb_fp32, spell)
+                             f"the checkpoint's dtype), and loads the model", bnb_fp32, spell, none=True)
 
 
-def trl_load(src: Source, code: ScriptSettings, version: str) -> Loaded | None:
-    """The dtype the model loads in where TRL's ModelConfig parses the job: the script's own from_pretrained where
-    it spells a dtype or passes none (ModelConfig's never reaches it), else ModelConfig's `dtype` (trl >= 0.20) or
-    older TRL's `torch_dtype`, float32 unless given (trl 1.16's default; older TRL's None). A YAML or JSON of
-    arguments that sets it to null hands from_pretrained None (trl 1.16 trainer/utils.py create_model_from_path
-    passes None on), and bitsandbytes computes in fp32. None where no ModelConfig parses the job."""
-    if not code.model_config:
-        return None
+def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> Loaded | None:
+    """The dtype the job's model loads in, under transformers `version`: where the script hands its TRL trainer the
+    model by name, the trainer's model_init_kwargs (`init_load`); else the script's own from_pretrained where it
+    spells a dtype or passes none (ModelConfig's --dtype never reaches it); else TRL's ModelConfig's where the
+    script parses one (`model_config_dtype`); else the argument of a script `program` the plan knows
+    (KNOWN_LOADS). None where none of these says it (a computed dtype, **kwargs): the plan keeps its precision."""
+    found = init_load(src, code, version) if code.model_by_name is not None else None
+    if found is not None:
+        return found
     if code.load_dtype == UNSET_DTYPE:
-        return default_load(f"the script's from_pretrained at {code.load_at} passes no dtype (ModelConfig's --dtype "
-                            f"does not reach it)", version, False, SCRIPT_SPELL)
+        return default_load(f"the script's from_pretrained at {code.load_at} passes no dtype" +
+                            (" (ModelConfig's --dtype does not reach it)" if code.model_config else ""), version,
+                            False, SCRIPT_SPELL)
     if code.load_dtype is not None:
         return script_load(code.load_dtype, str(code.load_at))
+    if code.model_config:
+        return model_config_dtype(src, code, version)
+    return known_script_load(src, Path(program).name, version)
+
+
+def model_config_dtype(src: Source, code: ScriptSettings, version: str) -> Loaded:
+    """TRL's ModelConfig `dtype` (trl >= 0.20) or older TRL's `torch_dtype`, float32 unless given (trl 1.16's
+    default; older TRL's None). A YAML or JSON of arguments that sets it to null hands from_pretrained None (trl 1.16
+    trainer/utils.py create_model_from_path passes None on), and bitsandbytes computes in fp32."""
     key = next((k for k in LOAD_DTYPE_KEYS if k in src), None)
     if key is None:
         return model_config_load("float32", src.at("dtype"))
     if src.get(key) is None:
-        return default_load(f"{code.config_file or code.arg_file or src.where}: {key}: null, which TRL hands "
-                            f"from_pretrained as None", version, True)
+        return default_load(f"{src.null_at.get(key) or code.config_file or code.arg_file or src.where}: {key}: "
+                            f"null, which TRL hands from_pretrained as None", version, True)
     return model_config_load(src.get(key), src.at(key))
+
+
+def init_load(src: Source, code: ScriptSettings, version: str) -> Loaded | None:
+    """The dtype a TRL trainer given the model by name (`code.model_by_name`) loads it in: its config's
+    model_init_kwargs (the command line's or YAML's, else the script's literal) go to create_model_from_path, which
+    defaults `dtype` to float32 (trl 0.27 to 1.x trainer/utils.py; 0.26: "auto"; older passed none, transformers'
+    default) and passes None on. None where the mapping is computed or not one."""
+    trainer = f"TRL's {code.trl_trainer or 'trainer'}, given the model by name at {code.model_by_name},"
+    raw, where = src.get("model_init_kwargs"), src.at("model_init_kwargs")
+    if raw is not None:
+        kwargs = _mapping(raw)
+        if kwargs is None:
+            return None
+        dtype = ABSENT_DTYPE if "dtype" not in kwargs else UNSET_DTYPE if kwargs["dtype"] is None else \
+            str(kwargs["dtype"]).removeprefix("torch.")
+    elif code.init_at is not None:
+        dtype, where = code.init_dtype, code.init_at
+    else:
+        dtype, where = ABSENT_DTYPE, ""
+    if dtype is None:
+        return None
+    if dtype == ABSENT_DTYPE:
+        return Loaded("float32", f"{trainer} with no dtype in model_init_kwargs{' at ' + where if where else ''} "
+                                 f"(TRL then sets float32: trl 0.27 and later; 0.26 set \"auto\", older TRL "
+                                 f"transformers' default) loads the model", False, INIT_SPELL, "model_init_kwargs")
+    if dtype == UNSET_DTYPE:
+        return default_load(f"{trainer} with model_init_kwargs dtype None at {where}, which TRL passes on",
+                            version, False, INIT_SPELL)
+    if dtype not in TRL_DTYPES:
+        raise UserError(f"{where}: model_init_kwargs dtype {dtype}: TRL's create_model_from_path takes "
+                        f"{', '.join(TRL_DTYPES)} (or a torch.dtype) and raises ValueError for any other; use one "
+                        f"of those (bfloat16 for a bf16 run).")
+    return Loaded(dtype, f"{trainer} with model_init_kwargs dtype {dtype} at {where} loads the model",
+                  dtype == "float32", INIT_SPELL, "model_init_kwargs")
+
+
+def _mapping(raw: object) -> dict[str, object] | None:
+    """model_init_kwargs as the job gives it: a mapping, or its JSON (TrainingArguments parses a string that starts
+    with "{"), or Python's text of one (a TrlParser YAML's mapping, as the reader keeps it); None for anything else."""
+    if isinstance(raw, dict):
+        return raw
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            value = parse(str(raw))
+        except (ValueError, SyntaxError):
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def known_script_load(src: Source, name: str, version: str) -> Loaded | None:
+    """The dtype a script the plan knows by `name` (KNOWN_LOADS) loads its model in: its argument where given, else
+    its default None, which transformers `version` takes as it does (`default_load`). None for another script."""
+    keys = KNOWN_LOADS.get(name)
+    if keys is None:
+        return None
+    spell = f"--{keys[0] if major_minor(version) >= (5, 0) else keys[1]} {{}}"
+    key = next((k for k in keys if src.get(k) is not None), None)
+    if key is None:
+        return default_load(f"{name} (transformers' example) hands from_pretrained its {spell.format('')}default, "
+                            f"None", version, False, spell)
+    dtype = str(src.get(key)).strip().lower()
+    if dtype not in TRL_DTYPES:
+        raise UserError(f"{src.at(key)}: --{key} {src.get(key)}: {name} takes {', '.join(TRL_DTYPES)} (its "
+                        f"argument parser refuses any other); use one of those (bfloat16 for a bf16 run).")
+    return Loaded(dtype, f"{name}'s --{key} {dtype} loads the model", dtype == "float32", spell, key)
 
 
 def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape, version: str,
              loaded: Loaded | None = None) -> tuple[Workload, str | None]:
     """A QLoRA job a TRL trainer runs (`trainer`, the class the script builds; `prepares`: the script calls
-    prepare_model_for_kbit_training itself; `loaded`: TRL's ModelConfig `--dtype` and where it is read, when the
-    script parses one), as TRL 1.16 (the version shardfit's bench pins) runs it. The trainers of TRL_BF16_TRAINERS
-    skip the preparation and cast every trainable parameter to bf16: 16-bit adapters and saved copies, frozen
-    weights as loaded unless the script prepared the model itself. Returns the workload and a note naming the
-    version and what older TRL did; `w` and None for a job no TRL trainer runs."""
+    prepare_model_for_kbit_training itself; `loaded`: the dtype the model loads in, `job_load`), as TRL 1.16 (the
+    version shardfit's bench pins) runs it. The trainers of TRL_BF16_TRAINERS skip the preparation and cast every
+    trainable parameter to bf16: 16-bit adapters and saved copies, frozen weights as loaded unless the script
+    prepared the model itself. A 4-bit load given no dtype is fp16 under transformers 4 (its bitsandbytes
+    quantizer's `update_dtype`, `update_torch_dtype` before 4.56, replaces None with float16), the checkpoint's
+    under 5. Returns the workload and a note naming the version and what older TRL did; `w` and None for a job no
+    TRL trainer runs."""
     if w.method != "qlora" or trainer is None:
         return w, None
     if trainer in TRL_PREPARING_TRAINERS:
@@ -143,12 +233,15 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
         return w, note + " (norms stay fp32, planned as the rest)"
     if trainer not in TRL_BF16_TRAINERS:
         return w, None
-    fp32_load = loaded is not None and loaded.dtype == "float32"
+    fp16_none = loaded is not None and loaded.none and major_minor(version) < (5, 0)
+    fp32_load = loaded is not None and loaded.dtype == "float32" and not fp16_none
     w = dataclasses.replace(w, frozen_fp32=prepares or fp32_load, adapters_16bit=True, lora_saved_dtype="trainable",
                             bnb_compute_fp32=w.bnb_compute_fp32 or loaded is not None and loaded.bnb_fp32)
     kept = ("fp32 where the script's own prepare_model_for_kbit_training upcast them" if prepares
             else f"fp32 as loaded ({loaded.said} in fp32; the 4-bit layers compute in fp32 too: "
             f"{loaded.spell.format('bfloat16')} halves them)" if loaded is not None and fp32_load
+            else f"fp16 as loaded (transformers {version} loads a 4-bit model given no dtype in fp16; 5.x: the "
+            f"checkpoint's), as TRL no longer calls prepare_model_for_kbit_training" if fp16_none
             else f"as loaded ({w.precision}), as TRL no longer calls prepare_model_for_kbit_training")
     return w, (f"TRL's {trainer} on a 4-bit model (trl 1.16; SFT since 0.26, DPO since 0.29, KTO since 1.4) casts "
                f"every trainable parameter to bf16: adapters and saved copies planned in 16 bits, frozen weights "
@@ -157,15 +250,14 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
                f"plan such a run with --frozen-fp32, which plans all of those in fp32")
 
 
-def trl_loaded(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workload, str | None]:
-    """A LoRA or full run of TRL's scripts (trl 1.16 scripts/sft.py, dpo.py, ...: `model_init_kwargs` with
-    `dtype=model_args.dtype`, which create_model_from_path passes to from_pretrained), loaded in `loaded`'s dtype
-    (ModelConfig's `--dtype`, float32 by default, or what the script's own from_pretrained loads; None where no
-    ModelConfig parses the job). Under 16-bit autocast an fp32 load keeps LoRA's frozen weights fp32
-    (`loaded_fp32`; DeepSpeed casts them back) and a full fine-tune's fp32 masters (as planned); a 16-bit load
-    leaves a full fine-tune no fp32 copy (`pure_16bit`) where accelerate's FSDP or DeepSpeed does not keep one.
-    Without autocast the layers compute in the loaded dtype. Returns the workload and a note; `w` and None for a
-    job without ModelConfig or QLoRA's (`trl_kbit`)."""
+def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workload, str | None]:
+    """A LoRA or full run of an HF script (TRL's or the Trainer's) whose model loads in `loaded`'s dtype
+    (`job_load`; None where the job does not say it). Under 16-bit autocast an fp32 load keeps LoRA's frozen
+    weights fp32 (`loaded_fp32`; DeepSpeed casts them back) and a full fine-tune's fp32 masters (as planned); a
+    16-bit load leaves a full fine-tune no fp32 copy (`pure_16bit`) where accelerate's FSDP or DeepSpeed does not
+    keep one: neither transformers' Trainer nor accelerate's prepare_model upcasts trainable weights otherwise
+    (accelerate 1.15 upcasts only for FSDP). Without autocast the layers compute in the loaded dtype. Returns the
+    workload and a note; `w` and None where `loaded` is None or for QLoRA (`trl_kbit`)."""
     if loaded is None or w.method not in ("lora", "full"):
         return w, None
     said = loaded.said
@@ -190,7 +282,7 @@ def trl_loaded(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
 
 
 def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Workload, str | None]:
-    """`trl_loaded` for a model loaded in 16 bits (`low`) under bf16 or fp16 autocast (`w.precision`). Where the two
+    """`apply_load` for a model loaded in 16 bits (`low`) under bf16 or fp16 autocast (`w.precision`). Where the two
     differ, autocast casts every weight to its own type for each matmul; it caches only casts of fp32 leaves that
     require grad (torch's autocast `cached_cast`), so each matmul makes its own copy and keeps it for backward, as
     it keeps a frozen fp32 weight's (`loaded_fp32`); the note says so, as the plan holds no such copy."""

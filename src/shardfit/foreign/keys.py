@@ -63,6 +63,8 @@ class Source:
     values: dict[str, Any]
     order: list[str]
     lines: dict[str, int] = field(default_factory=dict)
+    # keys a file of arguments sets to null, kept as None (arg_nulls.py `NULL_KEYS`), each with that file and line
+    null_at: dict[str, str] = field(default_factory=dict)
 
     @property
     def where(self) -> str:

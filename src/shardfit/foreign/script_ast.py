@@ -61,6 +61,13 @@ class ScriptSettings:
     # it; None where it passes a computed value (model_args.dtype, **kwargs) or the script loads no model itself
     load_dtype: str | None = None
     load_at: str | None = None
+    # where the script hands its TRL trainer the model as a name (SFTTrainer(model="Qwen/...") or
+    # model=model_args.model_name_or_path): the trainer loads it with its config's model_init_kwargs
+    model_by_name: str | None = None
+    # the dtype the model_init_kwargs the script's config call spells (SFTConfig(model_init_kwargs={...})) hold, as
+    # `load_dtype` says one (UNSET_DTYPE: none, or None), and where; None where the script gives none or a computed one
+    init_dtype: str | None = None
+    init_at: str | None = None
     # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
     config_env: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None  # that YAML, as `--config` names it
@@ -192,6 +199,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             if out.load_at is None and _loads_model(node):
                 out.load_dtype, out.load_at = _load_dtype(node, constants), at
     out.trl_trainer = out.trainer or next((n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None)
+    _by_name(out, tree, calls, constants, path)
     out.trl_config = _trl_config(tree, out.trl_trainer)
     names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
              if isinstance(n, ast.Name | ast.Attribute)}
@@ -202,6 +210,8 @@ def read_script(path: Path, text: str) -> ScriptSettings:
 
 # ScriptSettings.load_dtype of a from_pretrained that passes no dtype: transformers' own default loads the model.
 UNSET_DTYPE = "unset"
+# ScriptSettings.init_dtype of model_init_kwargs without a `dtype` key: TRL's own default loads the model.
+ABSENT_DTYPE = "absent"
 # What a from_pretrained's dtype spells, by TRL's --dtype names.
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
            "float": "float32", "auto": "auto"}
@@ -224,13 +234,59 @@ def _load_dtype(call: ast.Call, constants: dict[str, Any]) -> str | None:
     where it passes a computed value (model_args.dtype: the command line's) or may pass one in **kwargs."""
     for kw in call.keywords:
         if kw.arg in ("torch_dtype", "dtype"):
-            v = kw.value
-            if _value(v, constants) is None:
-                return UNSET_DTYPE
-            name = v.attr if isinstance(v, ast.Attribute) and _name(v.value) == "torch" else \
-                v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None
-            return _DTYPES.get(name or "")
+            return _dtype_named(kw.value, constants)
     return None if any(kw.arg is None for kw in call.keywords) else UNSET_DTYPE
+
+
+def _dtype_named(v: ast.expr, constants: dict[str, Any]) -> str | None:
+    """A dtype argument's value by TRL's --dtype names; UNSET_DTYPE for None, None for anything computed."""
+    if _value(v, constants) is None:
+        return UNSET_DTYPE
+    name = v.attr if isinstance(v, ast.Attribute) and _name(v.value) == "torch" else \
+        v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None
+    return _DTYPES.get(name or "")
+
+
+# How a script names the model it hands a trainer by name (model_args.model_name_or_path, args.model_id).
+_NAME_ATTRS = ("model_name_or_path", "model_name", "model_id", "model_path")
+
+
+def _by_name(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], constants: dict[str, Any],
+             path: Path) -> None:
+    """Where the script's TRL trainer is given its model as a name (`model_by_name`; a literal one is the job's
+    model where no from_pretrained named it), and the dtype of the model_init_kwargs its config call spells
+    (`init_dtype`), with which TRL's trainers load such a model (trl trainer/sft_trainer.py, dpo_trainer.py)."""
+    for call in calls:
+        name, at = _name(call.func), f"{path.name}:{call.lineno}"
+        if name in (*TRAINERS, "SFTTrainer") and out.model_by_name is None:
+            arg = next((k.value for k in call.keywords if k.arg == "model"), call.args[0] if call.args else None)
+            value = _value(arg, constants) if arg is not None else None
+            if isinstance(value, str) or isinstance(arg, ast.Attribute | ast.Name) and \
+                    (arg.attr if isinstance(arg, ast.Attribute) else arg.id) in _NAME_ATTRS:
+                out.model_by_name = at
+                out.model = out.model or (value if isinstance(value, str) and "/" in value else None)
+        init = next((k.value for k in call.keywords if k.arg == "model_init_kwargs"), None)
+        if name in ARGUMENT_CLASSES and init is not None and out.init_at is None:
+            out.init_dtype, out.init_at = _init_dtype(init, constants), at
+    # `training_args.model_init_kwargs = model_kwargs` (TRL's own sft.py did so with ModelConfig's, 0.12 to 0.16)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and out.init_at is None and any(
+                isinstance(t, ast.Attribute) and t.attr == "model_init_kwargs" for t in node.targets):
+            out.init_dtype, out.init_at = _init_dtype(node.value, constants), f"{path.name}:{node.lineno}"
+
+
+def _init_dtype(node: ast.expr, constants: dict[str, Any]) -> str | None:
+    """The dtype a model_init_kwargs literal ({"dtype": torch.bfloat16}, dict(dtype="auto")) holds, as `_load_dtype`
+    names it (UNSET_DTYPE: None, which TRL passes on); ABSENT_DTYPE where it has no `dtype` (TRL then sets its own
+    default, a `torch_dtype` beside it losing to that); None where the mapping is computed."""
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        pairs = {k.value: v for k, v in zip(node.keys, node.values, strict=True) if isinstance(k, ast.Constant)}
+    elif isinstance(node, ast.Call) and _name(node.func) == "dict" and not node.args and \
+            all(k.arg for k in node.keywords):
+        pairs = {k.arg: k.value for k in node.keywords}
+    else:
+        return None
+    return _dtype_named(pairs["dtype"], constants) if "dtype" in pairs else ABSENT_DTYPE
 
 
 # HfArgumentParser's readers of a whole file of arguments (transformers hf_argparser.py), by the format each reads.

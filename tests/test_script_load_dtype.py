@@ -1,0 +1,184 @@
+"""The dtype an HF job's model loads in beyond TRL's ModelConfig (foreign/kbit.py `job_load`): a plain Trainer
+script's own from_pretrained (no dtype: transformers 5 takes None as "auto", 4.x as fp32), transformers' run_clm.py
+(its --dtype defaults to None), and a TRL trainer handed the model by name (create_model_from_path: float32 unless
+model_init_kwargs gives a dtype, trl 0.27 and later). And what transformers 4 loads a 4-bit model in given None
+(bitsandbytes' quantizer makes it fp16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfit.errors import UserError
+from shardfit.foreign.read import JobOptions, read_job
+
+TRAINER = ("from transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
+           "from peft import LoraConfig, get_peft_model\n"
+           "import torch\n"
+           "model = AutoModelForCausalLM.from_pretrained(\"Qwen/Qwen2.5-0.5B\"{load})\n"
+           "{peft}"
+           "args = TrainingArguments(output_dir=\"o\", bf16=True, per_device_train_batch_size=1, max_length=512)\n"
+           "Trainer(model=model, args=args).train()\n")
+PEFT = "model = get_peft_model(model, LoraConfig(r=8))\n"
+
+
+def _plain(tmp_path: Path, load: str = "", peft: str = "", version: str = "5.23.0", launch: str = "python"):
+    (tmp_path / "train.py").write_text(TRAINER.format(load=load, peft=peft))
+    (tmp_path / "run.sh").write_text(f"{launch} train.py\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers=version))
+
+
+@pytest.mark.parametrize(("version", "fp32"), [("4.57.1", True), ("5.23.0", False)])
+def test_a_plain_lora_script_without_dtype_loads_as_transformers_does(tmp_path: Path, version: str,
+                                                                     fp32: bool) -> None:
+    """No ModelConfig: the Trainer script's from_pretrained without a dtype loads fp32 under transformers 4, so
+    LoRA keeps fp32 frozen weights under bf16 autocast; under 5 it loads the checkpoint's bf16."""
+    job = _plain(tmp_path, peft=PEFT, version=version)
+    assert job.workload.method == "lora" and job.workload.loaded_fp32 is fp32 and job.workload.frozen_fp32 is fp32
+    note = next(n for n in job.notes if "passes no dtype" in n)
+    assert "train.py:4" in note and f"transformers {version}" in note and "ModelConfig" not in note
+    assert ("4.x: fp32" if version.startswith("5") else '5.x: "auto"') in note
+
+
+def test_a_plain_full_fine_tune_without_dtype(tmp_path: Path) -> None:
+    """Transformers 5 loads the bf16 checkpoint and neither the Trainer nor accelerate's DDP upcasts it: no fp32
+    masters. Transformers 4 loads fp32: masters, as planned."""
+    w5 = _plain(tmp_path, version="5.23.0").workload
+    assert w5.method == "full" and w5.pure_16bit
+    job4 = _plain(tmp_path, version="4.57.1")
+    assert not job4.workload.pure_16bit
+    assert any("fp32 master weights, as planned" in n for n in job4.notes), job4.notes
+
+
+@pytest.mark.parametrize(("load", "pure"), [(", torch_dtype=torch.bfloat16", True), (", dtype=\"float32\"", False),
+                                            (", **kwargs", False)])
+def test_a_plain_full_fine_tune_with_a_literal_dtype(tmp_path: Path, load: str, pure: bool) -> None:
+    """A literal dtype loads the model in it under either transformers; **kwargs may hold one: left as before."""
+    job = _plain(tmp_path, load=load, version="4.57.1")
+    assert job.workload.pure_16bit is pure
+
+
+def test_deepspeed_keeps_fp32_masters_of_a_bf16_load(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, '
+                                      '"train_micro_batch_size_per_gpu": "auto"}')
+    (tmp_path / "train.py").write_text(TRAINER.format(load="", peft=""))
+    (tmp_path / "run.sh").write_text("deepspeed --num_gpus 2 train.py --deepspeed ds.json\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.engine == "deepspeed" and not job.workload.pure_16bit
+
+
+CLM = "torchrun --nproc_per_node 2 run_clm.py --model_name_or_path Qwen/Qwen2.5-0.5B --bf16 --do_train {flags}\n"
+
+
+@pytest.mark.parametrize(("flags", "version", "pure"), [("", "5.23.0", True), ("", "4.57.1", False),
+                                                        ("--dtype float32", "5.23.0", False),
+                                                        ("--torch_dtype bfloat16", "4.57.1", True)])
+def test_run_clm_loads_in_its_dtype_argument_or_none(tmp_path: Path, flags: str, version: str, pure: bool) -> None:
+    """transformers' run_clm.py hands from_pretrained ModelArguments' dtype (4.x: torch_dtype), None by default."""
+    (tmp_path / "run.sh").write_text(CLM.format(flags=flags))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers=version))
+    assert job.workload.method == "full" and job.workload.pure_16bit is pure
+    if not flags:
+        assert any("run_clm.py" in n and "None" in n and f"transformers {version}" in n for n in job.notes)
+    else:
+        assert flags.split()[0].lstrip("-") in job.keys
+
+
+def test_run_clm_refuses_a_dtype_its_parser_refuses(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(CLM.format(flags="--dtype bf16"))
+    with pytest.raises(UserError, match=r"--dtype bf16: run_clm.py takes auto, bfloat16"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+BY_NAME = ("import torch\n"
+           "from trl import {trainer}, {config}\n"
+           "from peft import LoraConfig\n"
+           "MODEL = \"Qwen/Qwen2.5-0.5B\"\n"
+           "args = {config}(output_dir=\"o\", bf16=True, max_length=512{init})\n"
+           "{trainer}(model={model}, args=args{peft}).train()\n")
+
+
+def _by_name(tmp_path: Path, init: str = "", peft: str = ", peft_config=LoraConfig(r=8)", flags: str = "",
+             trainer: str = "SFTTrainer", model: str = "MODEL"):
+    config = trainer.replace("Trainer", "Config")
+    (tmp_path / "train.py").write_text(BY_NAME.format(trainer=trainer, config=config, init=init, peft=peft,
+                                                      model=model))
+    (tmp_path / "run.sh").write_text(f"accelerate launch train.py {flags}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def test_a_model_given_by_name_loads_in_fp32_by_default(tmp_path: Path) -> None:
+    """SFTTrainer(model="...") with no model_init_kwargs: TRL's create_model_from_path loads float32 (trl 0.27+);
+    the literal name is the job's model."""
+    job = _by_name(tmp_path)
+    assert job.model == "Qwen/Qwen2.5-0.5B"
+    assert job.workload.loaded_fp32 and job.workload.frozen_fp32
+    note = next(n for n in job.notes if "given the model by name at train.py:6" in n)
+    assert "float32" in note and "0.26" in note and 'model_init_kwargs {"dtype": "bfloat16"}' in note
+
+
+@pytest.mark.parametrize(("init", "flags", "loaded_fp32"), [
+    (', model_init_kwargs={"dtype": torch.bfloat16}', "", False),
+    (", model_init_kwargs=dict(dtype=\"auto\")", "", False),
+    (", model_init_kwargs={\"torch_dtype\": \"bfloat16\"}", "", True),
+    ("", "--model_init_kwargs '{\"dtype\": \"bfloat16\"}'", False)])
+def test_model_init_kwargs_dtype_loads_a_model_given_by_name(tmp_path: Path, init: str, flags: str,
+                                                             loaded_fp32: bool) -> None:
+    """The dtype model_init_kwargs gives (in code or on the command line) loads it; a torch_dtype alone loses to
+    the float32 TRL sets as `dtype` beside it."""
+    job = _by_name(tmp_path, init=init, flags=flags)
+    assert job.workload.loaded_fp32 is loaded_fp32
+
+
+def test_a_full_fine_tune_by_name_with_auto_is_pure_16bit(tmp_path: Path) -> None:
+    job = _by_name(tmp_path, init=", model_init_kwargs={\"dtype\": \"auto\"}", peft="")
+    assert job.workload.method == "full" and job.workload.pure_16bit
+
+
+def test_model_init_kwargs_dtype_none_loads_as_transformers_takes_none(tmp_path: Path) -> None:
+    job = _by_name(tmp_path, init=", model_init_kwargs={\"dtype\": None}")
+    assert not job.workload.loaded_fp32
+    assert any('takes None as "auto"' in n and "model_init_kwargs dtype None" in n for n in job.notes), job.notes
+
+
+def test_dpo_given_the_model_args_name(tmp_path: Path) -> None:
+    """DPOTrainer(model=model_args.model_name_or_path): a name, loaded by TRL in float32."""
+    job = _by_name(tmp_path, trainer="DPOTrainer", model="model_args.model_name_or_path",
+                   flags="--model_name_or_path Qwen/Qwen2.5-0.5B")
+    assert job.workload.loaded_fp32
+    assert any("TRL's DPOTrainer, given the model by name" in n for n in job.notes), job.notes
+
+
+def test_a_bad_model_init_kwargs_dtype_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"model_init_kwargs dtype bf16: TRL's create_model_from_path takes"):
+        _by_name(tmp_path, flags="--model_init_kwargs '{\"dtype\": \"bf16\"}'")
+
+
+def test_a_null_dtype_4bit_load_is_fp16_under_transformers_4(tmp_path: Path) -> None:
+    """TRL hands None to from_pretrained with a 4-bit quantization config: transformers 4's bitsandbytes quantizer
+    loads the rest in fp16, not fp32, and the 4-bit layers compute in fp32 (BitsAndBytesConfig's None)."""
+    (tmp_path / "job.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_length: 512\nbf16: true\n"
+                                       "use_peft: true\nload_in_4bit: true\ndtype: null\n")
+    (tmp_path / "run.sh").write_text("trl sft --config job.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="4.57.1"))
+    w = job.workload
+    assert w.method == "qlora" and not w.frozen_fp32 and w.bnb_compute_fp32
+    assert any("frozen weights fp16 as loaded (transformers 4.57.1" in n for n in job.notes), job.notes
+
+
+def test_model_init_kwargs_set_from_model_config_keeps_its_dtype(tmp_path: Path) -> None:
+    """TRL's own sft.py before 0.17 set `training_args.model_init_kwargs = model_kwargs` (ModelConfig's dtype) and
+    handed SFTTrainer the name: ModelConfig's --dtype loads it, not TRL's float32 default."""
+    (tmp_path / "train.py").write_text(
+        "from trl import ModelConfig, SFTConfig, SFTTrainer, TrlParser, get_peft_config\n"
+        "script_args, training_args, model_args = TrlParser((SFTConfig, ModelConfig)).parse_args_and_config()\n"
+        "model_kwargs = dict(torch_dtype=model_args.torch_dtype)\n"
+        "training_args.model_init_kwargs = model_kwargs\n"
+        "SFTTrainer(model=model_args.model_name_or_path, args=training_args, "
+        "peft_config=get_peft_config(model_args)).train()\n")
+    (tmp_path / "run.sh").write_text("accelerate launch train.py --model_name_or_path Qwen/Qwen2.5-0.5B --bf16 true "
+                                     "--max_length 512 --use_peft --dtype bfloat16\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert not job.workload.loaded_fp32
+    assert not any("given the model by name" in n for n in job.notes), job.notes
