@@ -124,6 +124,8 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
     found = init_load(src, code, version) if code.model_by_name is not None else None
     if found is not None:
         return found
+    if code.unsloth_at is not None:
+        return None  # unsloth chooses the dtype by the GPU (script_ast.py `_trained_load` says so)
     if code.load_dtype == UNSET_DTYPE:
         return default_load(f"the script's from_pretrained at {code.load_at} passes no dtype" +
                             (" (ModelConfig's --dtype does not reach it)" if code.model_config else ""), version,
