@@ -113,3 +113,14 @@ def test_a_matching_16bit_load_casts_no_weight(tmp_path: Path) -> None:
                                      "--dtype bfloat16\n")
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
     assert any("autocast over bf16 weights casts no weight" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("body", "fp32"), [("dtype: null\ntorch_dtype: bfloat16\n", False),
+                                            ("torch_dtype: null\ndtype: bfloat16\n", False),
+                                            ("dtype: null\ntorch_dtype: float32\n", True)])
+def test_a_null_dtype_beside_a_given_one_loses_to_it(tmp_path: Path, body: str, fp32: bool) -> None:
+    """TRL 0.20 to 0.26 copy torch_dtype into a falsy dtype: the key given a value decides, whichever comes
+    first; None only where every key given is null (transformers 4.57.1 would take it as fp32)."""
+    job = _yaml_job(tmp_path, "use_peft: true\n" + body, "4.57.1")
+    assert job.workload.loaded_fp32 is fp32
+    assert not any(": null, which TRL hands" in n for n in job.notes), job.notes

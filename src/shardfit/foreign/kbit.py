@@ -141,9 +141,11 @@ def model_config_dtype(src: Source, code: ScriptSettings, version: str) -> Loade
     """TRL's ModelConfig `dtype` (trl >= 0.20) or older TRL's `torch_dtype`, float32 unless given (trl 1.16's
     default; older TRL's None). A YAML or JSON of arguments that sets it to null hands from_pretrained None (trl 1.16
     trainer/utils.py create_model_from_path passes None on), and bitsandbytes computes in fp32."""
-    key = next((k for k in LOAD_DTYPE_KEYS if k in src), None)
-    if key is None:
+    given = [k for k in LOAD_DTYPE_KEYS if k in src]
+    if not given:
         return model_config_load("float32", src.at("dtype"))
+    # a null beside a value loses to it (TRL 0.20 to 0.26's __post_init__ copies torch_dtype into a falsy dtype)
+    key = next((k for k in given if src.get(k) is not None), given[0])
     if src.get(key) is None:
         return default_load(f"{src.null_at.get(key) or code.config_file or code.arg_file or src.where}: {key}: "
                             f"null, which TRL hands from_pretrained as None", version, True)
