@@ -290,3 +290,34 @@ def test_loads_that_disagree_and_are_not_tied_fall_back_to_model_config(tmp_path
     assert _model_config_note(job), job.notes
     assert any("models load in different dtypes at train.py:7, train.py:9" in n and "ModelConfig" in n
                for n in job.notes), job.notes
+
+
+def test_null_dtypes_no_one_reads_stay_quiet(tmp_path: Path) -> None:
+    """A plain Trainer script's JSON of arguments with "torch_dtype": null: no dataclass of the script reads it,
+    so the null means nothing, as other nulls do (no "not modelled" line)."""
+    (tmp_path / "train.py").write_text(
+        "import sys\nimport torch\nfrom transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, "
+        "TrainingArguments\n"
+        "(args,) = HfArgumentParser(TrainingArguments).parse_json_file(sys.argv[1])\n"
+        "model = AutoModelForCausalLM.from_pretrained(\"Qwen/Qwen2.5-0.5B\", torch_dtype=torch.bfloat16)\n"
+        "Trainer(model=model, args=args).train()\n")
+    (tmp_path / "args.json").write_text('{"output_dir": "o", "bf16": true, "max_length": 512, "torch_dtype": null, '
+                                        '"dtype": null}')
+    (tmp_path / "run.sh").write_text("python train.py args.json\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert "torch_dtype" not in job.not_modelled and "dtype" not in job.not_modelled, job.not_modelled
+    assert job.workload.pure_16bit
+
+
+def test_run_clms_null_dtype_is_read_as_its_default(tmp_path: Path) -> None:
+    """run_clm.py reads a JSON of arguments too: its null dtype is ModelArguments' None, planned with the key."""
+    (tmp_path / "args.json").write_text('{"model_name_or_path": "Qwen/Qwen2.5-0.5B", "output_dir": "o", "bf16": true, '
+                                        '"do_train": true, "dtype": null}')
+    (tmp_path / "run_clm.py").write_text(
+        "import sys\nfrom transformers import HfArgumentParser, TrainingArguments\n"
+        "model_args, data_args, training_args = HfArgumentParser((ModelArguments, DataTrainingArguments, "
+        "TrainingArguments)).parse_json_file(json_file=sys.argv[1])\n")
+    (tmp_path / "run.sh").write_text("python run_clm.py args.json\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert "dtype" not in job.not_modelled and "dtype" in job.keys, (job.not_modelled, job.keys)
+    assert job.workload.pure_16bit

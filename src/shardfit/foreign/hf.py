@@ -40,7 +40,7 @@ from shardfit.foreign.common import (
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
-from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, apply_load, job_load, trl_kbit
+from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, apply_load, job_load, load_keys, trl_kbit
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
@@ -143,7 +143,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     env = cmd.exported if cmd else {}  # what the launcher sees (under `trl <command>`, with the YAML's env)
     ran = {**env, **code.config_env}  # what the script's processes see once TrlParser has set the YAML's env
     trl_notes: list[str] = []
-    settle_nulls(src, seq, trl_notes)
+    settle_nulls(src, seq, trl_notes, load_keys(code, cmd.program if cmd else path.name))
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))

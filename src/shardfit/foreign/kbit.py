@@ -137,6 +137,12 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
     return known_script_load(src, Path(program).name, version)
 
 
+def load_keys(code: ScriptSettings, program: str) -> tuple[str, ...]:
+    """The arguments that give the job's load dtype: TRL's ModelConfig's where the script parses one, else those of
+    a script `program` the plan knows (KNOWN_LOADS); none for another script, whose dataclasses take no dtype."""
+    return LOAD_DTYPE_KEYS if code.model_config else KNOWN_LOADS.get(Path(program).name, ())
+
+
 def model_config_dtype(src: Source, code: ScriptSettings, version: str) -> Loaded:
     """TRL's ModelConfig `dtype` (trl >= 0.20) or older TRL's `torch_dtype`, float32 unless given (trl 1.16's
     default; older TRL's None). A YAML or JSON of arguments that sets it to null hands from_pretrained None (trl 1.16
@@ -209,8 +215,10 @@ def known_script_load(src: Source, name: str, version: str) -> Loaded | None:
     spell = f"--{keys[0] if major_minor(version) >= (5, 0) else keys[1]} {{}}"
     key = next((k for k in keys if src.get(k) is not None), None)
     if key is None:
-        return default_load(f"{name} (transformers' example) hands from_pretrained its {spell.format('')}default, "
-                            f"None", version, False, spell)
+        null = next((k for k in keys if k in src), None)  # given null: ModelArguments' None, as its default
+        said = f"{src.null_at.get(null) or src.where}: {null}: null, which {name} hands from_pretrained as None" \
+            if null else f"{name} (transformers' example) hands from_pretrained its {spell.format('')}default, None"
+        return dataclasses.replace(default_load(said, version, False, spell), key=null)
     dtype = str(src.get(key)).strip().lower()
     if dtype not in TRL_DTYPES:
         raise UserError(f"{src.at(key)}: --{key} {src.get(key)}: {name} takes {', '.join(TRL_DTYPES)} (its "
