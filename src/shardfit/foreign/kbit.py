@@ -284,6 +284,9 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
     low = "fp16" if loaded.dtype == "float16" else "bf16"
     said += f" in {low}" + (f" (auto: the checkpoint's dtype, taken as bf16; an fp32 checkpoint plans as "
                             f"{loaded.spell.format('float32')})" if loaded.dtype == "auto" else "")
+    if low == w.precision == "fp16" and w.method == "full" and engine not in FP32_MASTER_ENGINES:
+        raise UserError(_FP16_GRADIENTS.format(said=said, fix=loaded.spell.format("bfloat16"),
+                                               fp32=loaded.spell.format("float32")))
     if w.precision != "fp32":
         return _loaded_16bit(w, engine, low, said)
     if engine == "deepspeed":
@@ -291,6 +294,16 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
     return dataclasses.replace(w, precision=low, pure_16bit=w.method == "full"), (
         f"{said} and neither bf16 nor fp16 is on: the layers compute in {low}, planned as a {low} run" +
         (" with fp32 adapters (peft upcasts them)" if w.method == "lora" else " with no fp32 masters"))
+
+
+# A full fine-tune whose trainable weights load in fp16 under fp16 mixed precision, with no engine that keeps fp32
+# masters: accelerate's GradScaler unscales the gradients before clipping or stepping (accelerator.py
+# `unscale_gradients`), and torch refuses fp16 ones (torch/amp/grad_scaler.py `_unscale_grads_`).
+_FP16_GRADIENTS = ("{said}, and fp16 mixed precision (--fp16) trains every weight of this full fine-tune in it "
+                   "(no DeepSpeed or FSDP keeps fp32 masters): accelerate's GradScaler refuses fp16 gradients at "
+                   "the first optimizer step (ValueError: \"Attempting to unscale FP16 gradients.\"), so the job fails before step 1. "
+                   "Load in bf16 ({fix}) and train with --bf16 true --fp16 false, or load in fp32 ({fp32}) under "
+                   "--fp16 (a GPU without bf16).")
 
 
 def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Workload, str | None]:
