@@ -301,9 +301,9 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
 # `unscale_gradients`), and torch refuses fp16 ones (torch/amp/grad_scaler.py `_unscale_grads_`).
 _FP16_GRADIENTS = ("{said}, and fp16 mixed precision (--fp16) trains every weight of this full fine-tune in it "
                    "(no DeepSpeed or FSDP keeps fp32 masters): accelerate's GradScaler refuses fp16 gradients at "
-                   "the first optimizer step (ValueError: \"Attempting to unscale FP16 gradients.\"), so the job fails before step 1. "
-                   "Load in bf16 ({fix}) and train with --bf16 true --fp16 false, or load in fp32 ({fp32}) under "
-                   "--fp16 (a GPU without bf16).")
+                   "the first optimizer step (ValueError: \"Attempting to unscale FP16 gradients.\"), so the job "
+                   "fails before step 1. Load in bf16 ({fix}) and train with --bf16 true --fp16 false, or load in "
+                   "fp32 ({fp32}) under --fp16 (a GPU without bf16).")
 
 
 def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Workload, str | None]:
