@@ -321,3 +321,38 @@ def test_run_clms_null_dtype_is_read_as_its_default(tmp_path: Path) -> None:
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
     assert "dtype" not in job.not_modelled and "dtype" in job.keys, (job.not_modelled, job.keys)
     assert job.workload.pure_16bit
+
+
+def test_run_clms_block_size_is_its_sequence_length(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(CLM.format(flags="--block_size 512"))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.seq_len == 512 and "block_size" in job.keys, job.not_modelled
+    assert not any("planned at 2048" in n for n in job.notes), job.notes
+
+
+def test_run_clm_without_block_size_says_its_default(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(CLM.format(flags=""))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.seq_len == 2048
+    assert [n for n in job.notes if "2048" in n] == [next(n for n in job.notes if "run_clm.py without --block_size"
+                                                          in n)], job.notes
+
+
+def test_another_scripts_block_size_is_not_its_sequence_length(tmp_path: Path) -> None:
+    """Only run_clm.py's --block_size is known to be the sequence length."""
+    (tmp_path / "train.py").write_text(TRAINER.format(load="", peft=""))
+    (tmp_path / "run.sh").write_text("python train.py --block_size 512\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.seq_len == 512 and "block_size" in job.not_modelled  # max_length=512 in the script
+
+
+@pytest.mark.parametrize("null", [True, False])
+def test_seq_given_says_one_thing(tmp_path: Path, null: bool) -> None:
+    """--seq with no length in the arguments (or a null one): one note, the one that says --seq, not 2048 too."""
+    (tmp_path / "job.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nbf16: true\n" +
+                                       ("max_length: null\n" if null else ""))
+    (tmp_path / "run.sh").write_text("trl sft --config job.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", seq=4096))
+    assert job.workload.seq_len == 4096
+    assert not any("2048" in n for n in job.notes), job.notes
+    assert len([n for n in job.notes if "--seq 4096" in n]) == 1, job.notes

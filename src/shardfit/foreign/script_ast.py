@@ -71,7 +71,7 @@ class ScriptSettings:
     # `load_dtype` says one (UNSET_DTYPE: none, or None), and where; None where the script gives none or a computed one
     init_dtype: str | None = None
     init_at: str | None = None
-    # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
+    # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (trl_env.py `trl_env`)
     config_env: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None  # that YAML, as `--config` names it
     arg_file: str | None = None  # the file of arguments parse_*_file reads (arg_files.py), as found
