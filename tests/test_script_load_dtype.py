@@ -182,3 +182,177 @@ def test_model_init_kwargs_set_from_model_config_keeps_its_dtype(tmp_path: Path)
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
     assert not job.workload.loaded_fp32
     assert not any("given the model by name" in n for n in job.notes), job.notes
+
+
+HEAD = ("import torch\n"
+        "from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification\n"
+        "from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser, get_peft_config\n")
+PARSE = ("    _, training_args, model_args = TrlParser((ScriptArguments, SFTConfig, ModelConfig))"
+         ".parse_args_and_config()\n")
+TRAIN = ("    trainer = SFTTrainer(model=model, args=training_args, peft_config=get_peft_config(model_args))\n"
+         "    trainer.train()\n")
+
+
+def _trained(tmp_path: Path, body: str, flags: str = "--use_peft --dtype float32", version: str = "5.23.0"):
+    (tmp_path / "train.py").write_text(HEAD + body + "\nif __name__ == \"__main__\":\n    main()\n")
+    (tmp_path / "run.sh").write_text(f"accelerate launch train.py --model_name_or_path Qwen/Qwen2.5-0.5B --bf16 true "
+                                     f"--max_length 1024 {flags}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers=version))
+
+
+def _model_config_note(job) -> bool:
+    """ModelConfig's --dtype float32 loaded the model: LoRA's frozen weights fp32 under bf16 autocast."""
+    return job.workload.loaded_fp32 and any("ModelConfig --dtype float32" in n for n in job.notes)
+
+
+def test_a_merge_step_defined_first_does_not_decide_the_load(tmp_path: Path) -> None:
+    """The merge after training loads the base in fp16 in a function written above main: the trained model is the
+    one main hands SFTTrainer, loaded with ModelConfig's dtype through get_peft_model and .to()."""
+    job = _trained(tmp_path, "def merge(path):\n"
+                             "    base = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float16)\n"
+                             "    return base\n"
+                             "def main():\n" + PARSE +
+                             "    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, "
+                             "dtype=model_args.dtype).to('cuda')\n"
+                             "    model = get_peft_model(model, get_peft_config(model_args))\n" + TRAIN +
+                             "    merge(training_args.output_dir)\n")
+    assert _model_config_note(job), job.notes
+    assert not any("train.py:5" in n for n in job.notes), job.notes
+
+
+def test_a_helper_never_called_does_not_decide_the_load(tmp_path: Path) -> None:
+    """A helper loads in fp16 and nothing calls it; the trained model comes from a function the script imports,
+    so nothing ties it: the one load left is the helper's, which never runs: ModelConfig's dtype."""
+    job = _trained(tmp_path, "from helpers import build\n"
+                             "def load_for_eval(path):\n"
+                             "    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float16)\n"
+                             "def main():\n" + PARSE + "    model = build(model_args)\n" + TRAIN)
+    assert _model_config_note(job), job.notes
+    assert not any("dtype float16" in n for n in job.notes), job.notes
+
+
+def test_a_reward_model_loaded_first_does_not_decide_the_load(tmp_path: Path) -> None:
+    job = _trained(tmp_path, "def main():\n" + PARSE +
+                             "    reward = AutoModelForSequenceClassification.from_pretrained('OpenAssistant/rm', "
+                             "num_labels=1, torch_dtype=torch.bfloat16)\n"
+                             "    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, "
+                             "dtype=model_args.dtype)\n" + TRAIN)
+    assert _model_config_note(job), job.notes
+
+
+def test_the_load_the_trainer_gets_decides_where_the_model_loads_twice(tmp_path: Path) -> None:
+    """The model is loaded once to read it (no dtype), then again with ModelConfig's dtype for training."""
+    job = _trained(tmp_path, "def main():\n" + PARSE +
+                             "    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)\n"
+                             "    vocab = model.config.vocab_size\n"
+                             "    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, "
+                             "dtype=model_args.dtype)\n" + TRAIN)
+    assert _model_config_note(job), job.notes
+    assert not any("passes no dtype" in n for n in job.notes), job.notes
+
+
+def test_a_trainer_tied_to_a_classification_head_trains_it(tmp_path: Path) -> None:
+    """Tied to the trainer, a sequence-classification load is the trained one (a reward model's own training)."""
+    (tmp_path / "train.py").write_text(
+        "import torch\nfrom transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments\n"
+        "args = TrainingArguments(output_dir='o', bf16=True, max_length=512)\n"
+        "model = AutoModelForSequenceClassification.from_pretrained('Qwen/Qwen2.5-0.5B', num_labels=1, "
+        "torch_dtype=torch.bfloat16)\n"
+        "Trainer(model=model, args=args).train()\n")
+    (tmp_path / "run.sh").write_text("python train.py\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="4.57.1"))
+    assert job.workload.pure_16bit, job.notes
+
+
+def test_unsloth_picks_its_own_dtype(tmp_path: Path) -> None:
+    """FastLanguageModel.from_pretrained(dtype=None) is bf16 where the GPU has it (unsloth's own choice), not
+    transformers' None: the load is left unplanned and the note says so."""
+    (tmp_path / "train.py").write_text(
+        "from unsloth import FastLanguageModel\nfrom trl import SFTConfig, SFTTrainer\n"
+        "model, tokenizer = FastLanguageModel.from_pretrained(model_name='unsloth/Qwen2.5-0.5B', "
+        "max_seq_length=1024, dtype=None, load_in_4bit=False)\n"
+        "model = FastLanguageModel.get_peft_model(model, r=16)\n"
+        "SFTTrainer(model=model, args=SFTConfig(output_dir='o', bf16=True, max_length=1024)).train()\n")
+    (tmp_path / "run.sh").write_text("python train.py --use_lora true\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="4.57.1", model="Qwen/Qwen2.5-0.5B"))
+    assert not job.workload.loaded_fp32, job.notes
+    assert not any("passes no dtype" in n for n in job.notes), job.notes
+    assert any("unsloth picks its own dtype" in n and "train.py:3" in n for n in job.notes), job.notes
+
+
+def test_loads_that_disagree_and_are_not_tied_fall_back_to_model_config(tmp_path: Path) -> None:
+    job = _trained(tmp_path, "def main():\n" + PARSE +
+                             "    if model_args.use_peft:\n"
+                             "        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)\n"
+                             "    else:\n"
+                             "        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, "
+                             "torch_dtype=torch.float16)\n" + TRAIN)
+    assert _model_config_note(job), job.notes
+    assert any("models load in different dtypes at train.py:7, train.py:9" in n and "ModelConfig" in n
+               for n in job.notes), job.notes
+
+
+def test_null_dtypes_no_one_reads_stay_quiet(tmp_path: Path) -> None:
+    """A plain Trainer script's JSON of arguments with "torch_dtype": null: no dataclass of the script reads it,
+    so the null means nothing, as other nulls do (no "not modelled" line)."""
+    (tmp_path / "train.py").write_text(
+        "import sys\nimport torch\nfrom transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, "
+        "TrainingArguments\n"
+        "(args,) = HfArgumentParser(TrainingArguments).parse_json_file(sys.argv[1])\n"
+        "model = AutoModelForCausalLM.from_pretrained(\"Qwen/Qwen2.5-0.5B\", torch_dtype=torch.bfloat16)\n"
+        "Trainer(model=model, args=args).train()\n")
+    (tmp_path / "args.json").write_text('{"output_dir": "o", "bf16": true, "max_length": 512, "torch_dtype": null, '
+                                        '"dtype": null}')
+    (tmp_path / "run.sh").write_text("python train.py args.json\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert "torch_dtype" not in job.not_modelled and "dtype" not in job.not_modelled, job.not_modelled
+    assert job.workload.pure_16bit
+
+
+def test_run_clms_null_dtype_is_read_as_its_default(tmp_path: Path) -> None:
+    """run_clm.py reads a JSON of arguments too: its null dtype is ModelArguments' None, planned with the key."""
+    (tmp_path / "args.json").write_text('{"model_name_or_path": "Qwen/Qwen2.5-0.5B", "output_dir": "o", "bf16": true, '
+                                        '"do_train": true, "dtype": null}')
+    (tmp_path / "run_clm.py").write_text(
+        "import sys\nfrom transformers import HfArgumentParser, TrainingArguments\n"
+        "model_args, data_args, training_args = HfArgumentParser((ModelArguments, DataTrainingArguments, "
+        "TrainingArguments)).parse_json_file(json_file=sys.argv[1])\n")
+    (tmp_path / "run.sh").write_text("python run_clm.py args.json\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert "dtype" not in job.not_modelled and "dtype" in job.keys, (job.not_modelled, job.keys)
+    assert job.workload.pure_16bit
+
+
+def test_run_clms_block_size_is_its_sequence_length(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(CLM.format(flags="--block_size 512"))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.seq_len == 512 and "block_size" in job.keys, job.not_modelled
+    assert not any("planned at 2048" in n for n in job.notes), job.notes
+
+
+def test_run_clm_without_block_size_says_its_default(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text(CLM.format(flags=""))
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.seq_len == 2048
+    assert [n for n in job.notes if "2048" in n] == [next(n for n in job.notes if "run_clm.py without --block_size"
+                                                          in n)], job.notes
+
+
+def test_another_scripts_block_size_is_not_its_sequence_length(tmp_path: Path) -> None:
+    """Only run_clm.py's --block_size is known to be the sequence length."""
+    (tmp_path / "train.py").write_text(TRAINER.format(load="", peft=""))
+    (tmp_path / "run.sh").write_text("python train.py --block_size 512\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.seq_len == 512 and "block_size" in job.not_modelled  # max_length=512 in the script
+
+
+@pytest.mark.parametrize("null", [True, False])
+def test_seq_given_says_one_thing(tmp_path: Path, null: bool) -> None:
+    """--seq with no length in the arguments (or a null one): one note, the one that says --seq, not 2048 too."""
+    (tmp_path / "job.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nbf16: true\n" +
+                                       ("max_length: null\n" if null else ""))
+    (tmp_path / "run.sh").write_text("trl sft --config job.yaml\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", seq=4096))
+    assert job.workload.seq_len == 4096
+    assert not any("2048" in n for n in job.notes), job.notes
+    assert len([n for n in job.notes if "--seq 4096" in n]) == 1, job.notes

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfit.errors import UserError
 from shardfit.foreign.read import JobOptions, read_job
 
 
@@ -113,3 +114,32 @@ def test_a_matching_16bit_load_casts_no_weight(tmp_path: Path) -> None:
                                      "--dtype bfloat16\n")
     job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
     assert any("autocast over bf16 weights casts no weight" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("body", "fp32"), [("dtype: null\ntorch_dtype: bfloat16\n", False),
+                                            ("torch_dtype: null\ndtype: bfloat16\n", False),
+                                            ("dtype: null\ntorch_dtype: float32\n", True)])
+def test_a_null_dtype_beside_a_given_one_loses_to_it(tmp_path: Path, body: str, fp32: bool) -> None:
+    """TRL 0.20 to 0.26 copy torch_dtype into a falsy dtype: the key given a value decides, whichever comes
+    first; None only where every key given is null (transformers 4.57.1 would take it as fp32)."""
+    job = _yaml_job(tmp_path, "use_peft: true\n" + body, "4.57.1")
+    assert job.workload.loaded_fp32 is fp32
+    assert not any(": null, which TRL hands" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("peft", "launch"), [("", "trl sft"), ("--use_peft", "trl sft"),
+                                              ("", "trl sft --deepspeed ds.json")])
+def test_a_full_fine_tune_loaded_and_trained_in_fp16_fails(tmp_path: Path, peft: str, launch: str) -> None:
+    """--dtype float16 with --fp16 and no DeepSpeed or FSDP: the trained weights and their gradients are fp16, and
+    accelerate's GradScaler refuses them at the first step (torch's "Attempting to unscale FP16 gradients."). LoRA
+    trains fp32 adapters, DeepSpeed fp32 masters: both run."""
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"}, '
+                                      '"train_micro_batch_size_per_gpu": "auto"}')
+    (tmp_path / "run.sh").write_text(f"{launch} --model_name_or_path Qwen/Qwen2.5-0.5B --max_length 1024 "
+                                     f"--dtype float16 --fp16 true --bf16 false {peft}\n")
+    if peft or "deepspeed" in launch:
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+        return
+    with pytest.raises(UserError, match=r"(?s)--dtype float16.*--fp16.*Attempting to unscale FP16 gradients.*"
+                                        r"--dtype bfloat16"):
+        read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))

@@ -22,8 +22,10 @@ FAILS = {"per_device_train_batch_size": "TrainingArguments.train_batch_size mult
 NULL_KEYS = (*SEQ_KEYS, "gradient_checkpointing", *FAILS, "dtype", "torch_dtype")
 
 
-def settle_nulls(src: Source, seq: int | None, notes: list[str]) -> None:
-    """Plan or refuse the nulls `src` kept (`src.null_at`, each key's file and line), but the dtype's. A sequence
+def settle_nulls(src: Source, seq: int | None, notes: list[str], dtype_keys: tuple[str, ...] = ()) -> None:
+    """Plan or refuse the nulls `src` kept (`src.null_at`, each key's file and line). A null dtype key counts only
+    where the job reads it (`dtype_keys`: kbit.py `load_keys`, which plans it); elsewhere it is dropped as other
+    nulls are, for no dataclass of the script takes it. A sequence
     length of None truncates no row (trl 1.x SFTConfig, DPOConfig, RewardConfig `max_length`: "If None, no
     truncation is applied"), which the plan cannot size: planned at `seq` (plan's --seq) with a note, else a
     UserError naming the key. A null gradient_checkpointing turns checkpointing off (transformers 5 TrainingArguments
@@ -31,6 +33,9 @@ def settle_nulls(src: Source, seq: int | None, notes: list[str]) -> None:
     makes the job fail (FAILS) is a UserError."""
     for key in [k for k in src.order if k in src.null_at and src.values.get(k) is None]:
         at = src.null_at[key]
+        if key in ("dtype", "torch_dtype") and key not in dtype_keys:
+            _drop(src, key)
+            continue
         if key in FAILS:
             raise UserError(f"{at}: {key}: null reaches the arguments as None, and {FAILS[key]}, so the job never "
                             f"trains. Give it a number, or remove the key for its default.")
@@ -42,8 +47,7 @@ def settle_nulls(src: Source, seq: int | None, notes: list[str]) -> None:
             continue
         if key not in SEQ_KEYS:
             continue
-        src.values.pop(key)
-        src.order.remove(key)
+        _drop(src, key)
         if any(src.get(k) is not None for k in SEQ_KEYS):
             continue  # another key gives the length the plan reads
         if seq is None:
@@ -53,3 +57,10 @@ def settle_nulls(src: Source, seq: int | None, notes: list[str]) -> None:
                             f"set {key} to a number.")
         notes.append(f"{at}: {key}: null truncates no row (trl 1.x: no truncation), so each row trains at its full "
                      f"length: planned at --seq {seq}, as given (rows longer than that need more memory)")
+
+
+def _drop(src: Source, key: str) -> None:
+    """Forget the null `key`, as if the file had left it out."""
+    src.values.pop(key)
+    src.order.remove(key)
+    src.null_at.pop(key)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import datetime
 import json
 import re
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.accelerate import TRL_CONFIGS, Accelerate, read_accelerate
 from shardfit.foreign.arg_files import follow_arg_file
-from shardfit.foreign.arg_nulls import NULL_KEYS, SEQ_KEYS, settle_nulls
+from shardfit.foreign.arg_nulls import NULL_KEYS, settle_nulls
 from shardfit.foreign.common import (
     ATTENTION,
     FALSE_WORDS,
@@ -39,8 +38,9 @@ from shardfit.foreign.common import (
     trainer_fsdp1,
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
+from shardfit.foreign.hf_seq import ALL_SEQ_KEYS, seq_note, unread_seq_keys
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
-from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, apply_load, job_load, trl_kbit
+from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, apply_load, job_load, load_keys, trl_kbit
 from shardfit.foreign.keys import (
     HF_TRAINER,
     NO_EFFECT,
@@ -63,6 +63,7 @@ from shardfit.foreign.shell import Command, hides_every_gpu, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
 from shardfit.foreign.trainer_eval import EVAL_KEYS, hf_eval
+from shardfit.foreign.trl_env import trl_env
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -78,7 +79,7 @@ KEYS = key_table({
     # TRL's ModelConfig (`_trl_model_config`)
     "use_peft": Key("{method}"), "load_in_4bit": Key("4-bit NF4 frozen weights beside --use_peft"),
     "bf16": Key("{precision}"), "fp16": Key("{precision}"),
-    **{k: Key("sequence length", field="seq_len", read=as_int, default=2048) for k in SEQ_KEYS},
+    **{k: Key("sequence length", field="seq_len", read=as_int, default=2048) for k in ALL_SEQ_KEYS},
     "per_device_train_batch_size": Key("micro-batch", field="micro_batch", read=as_int, default=8),
     "lora_r": Key("adapter size", field="lora_rank", read=as_int),
     "lora_rank": Key("adapter size", field="lora_rank", read=as_int),
@@ -143,7 +144,10 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     env = cmd.exported if cmd else {}  # what the launcher sees (under `trl <command>`, with the YAML's env)
     ran = {**env, **code.config_env}  # what the script's processes see once TrlParser has set the YAML's env
     trl_notes: list[str] = []
-    settle_nulls(src, seq, trl_notes)
+    program = cmd.program if cmd else path.name
+    unread = unread_seq_keys(src, program)
+    settle_nulls(src, seq, trl_notes, load_keys(code, program))
+    seq_note(src, program, seq, trl_notes)
     _trl_model_config(src, code, trl_notes)
     check_trainer_args(src, "the HF Trainer" if code.trl_config is None else f"TRL's {code.trl_config}",
                        "--" if cmd else "", trainer_defaults(code.trl_config))
@@ -167,7 +171,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
     w = job.workload = dataclasses.replace(w, **hf_eval(src, script, code.trainer in TRAINERS,
                                                         src.flag("predict_with_generate", "false"), job.notes))
-    loaded = job_load(src, code, version, cmd.program if cmd else path.name)
+    loaded = job_load(src, code, version, program)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
@@ -189,7 +193,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         job.convert.get("lora", {}).pop("targets", None)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config, loaded.key if loaded else None)
-    for key, value in code.ignored_args.items():
+    for key, value in {**unread, **code.ignored_args}.items():
         record(job, key, value, modelled=False)
     for key in code.arg_file_keys & job.not_modelled.keys() - KEYS.keys():
         # a key no TrainingArguments field has: the file may not be arguments at all, so its value stays unshown
@@ -394,7 +398,7 @@ def _trl_yaml(src: Source, cmd: Command | None) -> dict[str, str]:
     defaults of the script's dataclass fields, so the command line's flags win over them (trl 1.16
     scripts/utils.py `parse_args_and_config`, `set_defaults_with_config`); under `trl <command>` its accelerate
     keys go to the launch as the command line's do (cli/commands/training.py). Said in `src` as if given on the
-    command line. Returns the YAML's `env:` section (`_trl_env`), which is no argument. TrlParser finds the
+    command line. Returns the YAML's `env:` section (trl_env.py `trl_env`), which is no argument. TrlParser finds the
     option only as the word `--config` (`args.index("--config")`): `--config=FILE` never reaches it, and the
     dataclasses' parser then refuses the word, so that spelling is a UserError."""
     ref = src.values.pop("config", None)
@@ -419,49 +423,7 @@ def _trl_yaml(src: Source, cmd: Command | None) -> dict[str, str]:
         src.values[key] = None if value is None else " ".join(map(str, value)) if isinstance(value, list) else \
             str(value).lower() if isinstance(value, bool) else str(value)
         src.order.append(key)
-    return _trl_env(data, lines, Path(hit)) if "env" in data else {}
-
-
-def _trl_env(data: dict[str, Any], lines: dict[str, int], path: Path) -> dict[str, str]:
-    """The `env:` section of a TrlParser YAML: variables TrlParser sets in os.environ (each value as `str()` of it,
-    over what the shell exported) before it parses, so before the script touches CUDA. TRL refuses an `env` that is
-    not a mapping; a null, list or mapping value it would export as Python's text of it ("None", "['0', '1']"),
-    never what was meant, so shardfit refuses those too, naming the key."""
-    env = data["env"]
-    if not isinstance(env, dict):  # `env:` with nothing under it too: TrlParser refuses None alike
-        what = "empty" if env is None else f"{type(env).__name__} {env!r}"
-        raise UserError(f"{path}:{lines.get('env', '?')}: 'env' is {what}; TrlParser needs a "
-                        f"mapping of variable names to values (ValueError: \"`env` field should be a dict in the "
-                        f"YAML file\"), e.g. env: {{CUDA_VISIBLE_DEVICES: \"0,1\"}}.")
-    out: dict[str, str] = {}
-    for name, value in env.items():
-        at = f"{path}:{lines.get(f'env.{name}', lines.get('env', '?'))}"
-        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
-            why = (f"is a YAML {type(name).__name__}, which os.environ refuses (TypeError: str expected)"
-                   if not isinstance(name, str) else "is empty" if not name else
-                   "holds '='" if "=" in name else "holds a NUL byte")
-            raise UserError(f"{at}: env name {name!r} {why}, so TrlParser fails setting it; give a variable "
-                            f"name of letters, digits and _ (quote it if YAML reads it otherwise: \"NAME\": ...).")
-        if isinstance(value, str) and "\0" in value:
-            raise UserError(f"{at}: env.{name} holds a NUL byte, which os.environ refuses (ValueError: embedded "
-                            f"null byte); remove it.")
-        if value is not None and not isinstance(value, (dict, list, str, int, float, datetime.date)):
-            raise UserError(f"{at}: env.{name} is a YAML {type(value).__name__} ({value!r}): TrlParser would export "
-                            f"Python's text of it, not a value you meant. Give a string (quote it: {name}: \"...\").")
-        if value is None or isinstance(value, (dict, list)):
-            what = "empty" if value is None else f"a {type(value).__name__}"
-            raise UserError(f"{at}: env.{name} is {what}; "
-                            f"TrlParser exports str() of it ({str(value)!r}) as the variable, not a value you "
-                            f"meant. Give a string (quote it: {name}: \"...\") or remove the key.")
-        out[str(name)] = str(value)
-    if hides_every_gpu(out):
-        value = env["CUDA_VISIBLE_DEVICES"]
-        raise UserError(f"{path}:{lines.get('env.CUDA_VISIBLE_DEVICES', lines.get('env', '?'))}: "
-                        f"env.CUDA_VISIBLE_DEVICES is {value!r}, which TrlParser exports as {str(value)!r}: CUDA "
-                        f"reads no GPU id in it (it stops at the first entry that is not 0, 1, ... or a GPU-/MIG- "
-                        f"id), so the job sees no GPU. List the GPUs to use (CUDA_VISIBLE_DEVICES: \"0,1\"), or "
-                        f"remove the key.")
-    return out
+    return trl_env(data, lines, Path(hit)) if "env" in data else {}
 
 
 def _trl_accelerate_config(value: str, src: Source) -> str:
@@ -537,8 +499,6 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
         precision = acc.mixed_precision
         job.notes.append(f"neither --bf16 nor --fp16: the Trainer runs accelerate's mixed precision {precision} "
                          f"({acc.source})")
-    if not any(k in src for k in SEQ_KEYS):
-        job.notes.append("no sequence length among the arguments: planned at 2048 tokens (pass --seq)")
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true" if trl_config else "false")
                     else "none",

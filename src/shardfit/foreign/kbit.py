@@ -124,6 +124,8 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
     found = init_load(src, code, version) if code.model_by_name is not None else None
     if found is not None:
         return found
+    if code.unsloth_at is not None:
+        return None  # unsloth chooses the dtype by the GPU (script_ast.py `_trained_load` says so)
     if code.load_dtype == UNSET_DTYPE:
         return default_load(f"the script's from_pretrained at {code.load_at} passes no dtype" +
                             (" (ModelConfig's --dtype does not reach it)" if code.model_config else ""), version,
@@ -135,13 +137,21 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
     return known_script_load(src, Path(program).name, version)
 
 
+def load_keys(code: ScriptSettings, program: str) -> tuple[str, ...]:
+    """The arguments that give the job's load dtype: TRL's ModelConfig's where the script parses one, else those of
+    a script `program` the plan knows (KNOWN_LOADS); none for another script, whose dataclasses take no dtype."""
+    return LOAD_DTYPE_KEYS if code.model_config else KNOWN_LOADS.get(Path(program).name, ())
+
+
 def model_config_dtype(src: Source, code: ScriptSettings, version: str) -> Loaded:
     """TRL's ModelConfig `dtype` (trl >= 0.20) or older TRL's `torch_dtype`, float32 unless given (trl 1.16's
     default; older TRL's None). A YAML or JSON of arguments that sets it to null hands from_pretrained None (trl 1.16
     trainer/utils.py create_model_from_path passes None on), and bitsandbytes computes in fp32."""
-    key = next((k for k in LOAD_DTYPE_KEYS if k in src), None)
-    if key is None:
+    given = [k for k in LOAD_DTYPE_KEYS if k in src]
+    if not given:
         return model_config_load("float32", src.at("dtype"))
+    # a null beside a value loses to it (TRL 0.20 to 0.26's __post_init__ copies torch_dtype into a falsy dtype)
+    key = next((k for k in given if src.get(k) is not None), given[0])
     if src.get(key) is None:
         return default_load(f"{src.null_at.get(key) or code.config_file or code.arg_file or src.where}: {key}: "
                             f"null, which TRL hands from_pretrained as None", version, True)
@@ -205,8 +215,10 @@ def known_script_load(src: Source, name: str, version: str) -> Loaded | None:
     spell = f"--{keys[0] if major_minor(version) >= (5, 0) else keys[1]} {{}}"
     key = next((k for k in keys if src.get(k) is not None), None)
     if key is None:
-        return default_load(f"{name} (transformers' example) hands from_pretrained its {spell.format('')}default, "
-                            f"None", version, False, spell)
+        null = next((k for k in keys if k in src), None)  # given null: ModelArguments' None, as its default
+        said = f"{src.null_at.get(null) or src.where}: {null}: null, which {name} hands from_pretrained as None" \
+            if null else f"{name} (transformers' example) hands from_pretrained its {spell.format('')}default, None"
+        return dataclasses.replace(default_load(said, version, False, spell), key=null)
     dtype = str(src.get(key)).strip().lower()
     if dtype not in TRL_DTYPES:
         raise UserError(f"{src.at(key)}: --{key} {src.get(key)}: {name} takes {', '.join(TRL_DTYPES)} (its "
@@ -272,6 +284,9 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
     low = "fp16" if loaded.dtype == "float16" else "bf16"
     said += f" in {low}" + (f" (auto: the checkpoint's dtype, taken as bf16; an fp32 checkpoint plans as "
                             f"{loaded.spell.format('float32')})" if loaded.dtype == "auto" else "")
+    if low == w.precision == "fp16" and w.method == "full" and engine not in FP32_MASTER_ENGINES:
+        raise UserError(_FP16_GRADIENTS.format(said=said, fix=loaded.spell.format("bfloat16"),
+                                               fp32=loaded.spell.format("float32")))
     if w.precision != "fp32":
         return _loaded_16bit(w, engine, low, said)
     if engine == "deepspeed":
@@ -279,6 +294,16 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
     return dataclasses.replace(w, precision=low, pure_16bit=w.method == "full"), (
         f"{said} and neither bf16 nor fp16 is on: the layers compute in {low}, planned as a {low} run" +
         (" with fp32 adapters (peft upcasts them)" if w.method == "lora" else " with no fp32 masters"))
+
+
+# A full fine-tune whose trainable weights load in fp16 under fp16 mixed precision, with no engine that keeps fp32
+# masters: accelerate's GradScaler unscales the gradients before clipping or stepping (accelerator.py
+# `unscale_gradients`), and torch refuses fp16 ones (torch/amp/grad_scaler.py `_unscale_grads_`).
+_FP16_GRADIENTS = ("{said}, and fp16 mixed precision (--fp16) trains every weight of this full fine-tune in it "
+                   "(no DeepSpeed or FSDP keeps fp32 masters): accelerate's GradScaler refuses fp16 gradients at "
+                   "the first optimizer step (ValueError: \"Attempting to unscale FP16 gradients.\"), so the job "
+                   "fails before step 1. Load in bf16 ({fix}) and train with --bf16 true --fp16 false, or load in "
+                   "fp32 ({fp32}) under --fp16 (a GPU without bf16).")
 
 
 def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Workload, str | None]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
+from shardfit.foreign.script_loads import trained_load
 
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
 ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig", "ORPOConfig",
@@ -56,11 +57,13 @@ class ScriptSettings:
     model_config: bool = False
     # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
     trl_parser: bool = False
-    # the dtype the script's first model-loading from_pretrained(...) (`load_at`) spells (`torch_dtype=torch.bfloat16`,
-    # `dtype="bfloat16"`), or UNSET_DTYPE where it passes none (or None): ModelConfig's --dtype then does not load
-    # it; None where it passes a computed value (model_args.dtype, **kwargs) or the script loads no model itself
+    # the dtype the from_pretrained(...) that loads the trained model (`load_at`, script_loads.py) spells
+    # (`torch_dtype=torch.bfloat16`, `dtype="bfloat16"`), or UNSET_DTYPE where it passes none (or None):
+    # ModelConfig's --dtype then does not load it; None where it passes a computed value (model_args.dtype,
+    # **kwargs), where the script loads no model itself, or where its loads disagree and none is tied to the trainer
     load_dtype: str | None = None
     load_at: str | None = None
+    unsloth_at: str | None = None  # unsloth's FastLanguageModel.from_pretrained loads the model (its own dtype)
     # where the script hands its TRL trainer the model as a name (SFTTrainer(model="Qwen/...") or
     # model=model_args.model_name_or_path): the trainer loads it with its config's model_init_kwargs
     model_by_name: str | None = None
@@ -68,7 +71,7 @@ class ScriptSettings:
     # `load_dtype` says one (UNSET_DTYPE: none, or None), and where; None where the script gives none or a computed one
     init_dtype: str | None = None
     init_at: str | None = None
-    # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (hf.py `_trl_env`)
+    # the `env:` section of that YAML, which TrlParser exports into os.environ before it parses (trl_env.py `trl_env`)
     config_env: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None  # that YAML, as `--config` names it
     arg_file: str | None = None  # the file of arguments parse_*_file reads (arg_files.py), as found
@@ -196,8 +199,6 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             if out.model is None and isinstance(first, str) and "/" in first and \
                     "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
-            if out.load_at is None and _loads_model(node):
-                out.load_dtype, out.load_at = _load_dtype(node, constants), at
     out.trl_trainer = out.trainer or next((n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None)
     _by_name(out, tree, calls, constants, path)
     out.trl_config = _trl_config(tree, out.trl_trainer)
@@ -205,6 +206,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
              if isinstance(n, ast.Name | ast.Attribute)}
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
+    _trained_load(out, tree, constants, path)
     return out
 
 
@@ -215,17 +217,32 @@ ABSENT_DTYPE = "absent"
 # What a from_pretrained's dtype spells, by TRL's --dtype names.
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
            "float": "float32", "auto": "auto"}
-# Classes whose from_pretrained loads no model weights (or loads adapters onto a model built already).
-_NOT_MODELS = ("Tokenizer", "Config", "Processor", "FeatureExtractor")
 
 
-def _loads_model(call: ast.Call) -> bool:
-    """Whether a from_pretrained call loads a model: called on a model class (AutoModelForCausalLM,
-    LlamaForCausalLM, AutoPeftModelForCausalLM), not on a tokenizer, config or processor, nor peft's PeftModel
-    (which puts adapters on a model loaded already)."""
-    owner = ast.unparse(call.func.value).rsplit(".", 1)[-1] if isinstance(call.func, ast.Attribute) else ""
-    return ("Model" in owner or "For" in owner) and not owner.startswith("PeftModel") and \
-        not any(n in owner for n in _NOT_MODELS)
+def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, Any], path: Path) -> None:
+    """The load dtype of the model the script's trainer trains (script_loads.py `trained_load`): the load its
+    `model=` is tied to, else the one load left that could be it. unsloth's loads pick their own dtype
+    (`unsloth_at`); loads that disagree and cannot be told apart decide nothing, which the findings say."""
+    found = trained_load(tree, path.name, ("Trainer", "Seq2SeqTrainer", "SFTTrainer", *TRAINERS))
+    tied = found.tied
+    if tied and tied[0].call.args and isinstance(first := _value(tied[0].call.args[0], constants), str) \
+            and "/" in first:
+        out.model = first  # the trained model's name, not a reward or reference model's loaded before it
+    unsloth = [ld for ld in tied if ld.unsloth] if tied else [] if found.candidates else found.unsloth
+    if unsloth:
+        out.unsloth_at = unsloth[0].at
+        out.found.append(f"{unsloth[0].owner}.from_pretrained at {out.unsloth_at} loads the model: unsloth picks its "
+                         f"own dtype (none given: bf16 where the GPU has it, else fp16), so the load dtype is not "
+                         f"planned (the plan keeps its precision)")
+        return
+    loads = tied or found.candidates
+    dtypes = {_load_dtype(ld.call, constants) for ld in loads}
+    if len(dtypes) == 1:
+        out.load_dtype, out.load_at = dtypes.pop(), ", ".join(ld.at for ld in loads)
+    elif loads:
+        fallback = "TRL's ModelConfig --dtype decides it" if out.model_config else "the plan keeps its precision"
+        out.found.append(f"models load in different dtypes at {', '.join(ld.at for ld in loads)} and "
+                         f"{'each may reach' if tied else 'none can be tied to'} the trainer's model=: {fallback}")
 
 
 def _load_dtype(call: ast.Call, constants: dict[str, Any]) -> str | None:

@@ -1,0 +1,209 @@
+"""Which of a training script's model loads is the model its trainer trains (script_ast.py `read_script`): the
+from_pretrained whose result reaches the trainer's `model=`, followed back through the names it is assigned to, the
+wrappers it passes through (get_peft_model(model, ...)) and the script's own functions that return it. A script
+also loads models it does not train (a reward model, a reference model, a merge after training, a helper never
+called): the first load in the file is not the trained one. Read from the syntax tree, never run."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# The owners of a from_pretrained that loads a model with a classification head (a reward or value model): the
+# trained model only where the trainer's `model=` is tied to it (RewardTrainer).
+HEAD_OWNERS = ("SequenceClassification", "TokenClassification")
+# unsloth's loaders, which choose the dtype themselves (unsloth models/llama.py `from_pretrained`: dtype None is
+# bfloat16 where the GPU supports it, else float16) and patch the model: not transformers' from_pretrained.
+UNSLOTH_OWNERS = ("FastLanguageModel", "FastModel", "FastVisionModel")
+# Classes whose from_pretrained loads no model weights.
+_NOT_MODELS = ("Tokenizer", "Config", "Processor", "FeatureExtractor")
+# How deep the names and calls are followed back from the trainer's `model=` (a loop of reassignments stops here).
+_DEPTH = 12
+# Methods that hand back the model they are called on in its dtype (`.to` unless given a torch dtype).
+_KEEPS = ("to", "cuda", "train", "requires_grad_")
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One from_pretrained call that loads a model: the call, where (`at`, "train.py:12") and on what (`owner`)."""
+
+    call: ast.Call
+    at: str
+    owner: str
+
+    @property
+    def unsloth(self) -> bool:
+        return self.owner in UNSLOTH_OWNERS
+
+    @property
+    def head(self) -> bool:
+        return any(h in self.owner for h in HEAD_OWNERS)
+
+
+def owner_of(call: ast.Call) -> str:
+    """The class a from_pretrained is called on (`AutoModelForCausalLM` for transformers.AutoModelForCausalLM)."""
+    return ast.unparse(call.func.value).rsplit(".", 1)[-1] if isinstance(call.func, ast.Attribute) else ""
+
+
+def loads_model(call: ast.Call) -> bool:
+    """Whether a from_pretrained call loads a model: called on a model class (AutoModelForCausalLM,
+    LlamaForCausalLM, AutoPeftModelForCausalLM, FastLanguageModel), not on a tokenizer, config or processor, nor
+    peft's PeftModel (which puts adapters on a model loaded already)."""
+    owner = owner_of(call)
+    return ("Model" in owner or "For" in owner) and not owner.startswith("PeftModel") and \
+        not any(n in owner for n in _NOT_MODELS)
+
+
+@dataclass
+class TrainedLoad:
+    """What `trained_load` finds: the loads the trainer's `model=` is tied to (`tied`, empty where none can be), the
+    loads that could still be the trained one where it is not (`candidates`), and unsloth's loads among all."""
+
+    tied: list[ModelLoad]
+    candidates: list[ModelLoad]
+    unsloth: list[ModelLoad]
+
+
+def trained_load(tree: ast.Module, file: str, trainers: tuple[str, ...]) -> TrainedLoad:
+    """The model loads of the script (`file` its name) and which of them the first call of a trainer class
+    (`trainers`, or a class the script derives from one) trains. Untied, the candidates leave out heads
+    (HEAD_OWNERS), unsloth's loads, loads in a function the script never names, and loads after the trainer call
+    in its own function (a merge after training)."""
+    flow = _Flow(tree)
+    loads = [ModelLoad(c, f"{file}:{c.lineno}", owner_of(c)) for c in flow.calls
+             if _called(c.func) == "from_pretrained" and loads_model(c)]
+    names = (*trainers, *(c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and
+                          any(_called(b) in trainers for b in c.bases)))
+    trainer = next((c for c in flow.calls if _called(c.func) in names), None)
+    tied: set[ast.Call] | None = None
+    if trainer is not None:
+        arg = next((k.value for k in trainer.keywords if k.arg == "model"), trainer.args[0] if trainer.args else None)
+        tied = flow.resolve(arg, trainer, None, 0) if arg is not None else None
+    called = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    candidates = [ld for ld in loads if not ld.head and not ld.unsloth and flow.reachable(ld.call, called)
+                  and not (trainer is not None and flow.scope(ld.call) is flow.scope(trainer)
+                           and ld.call.lineno > trainer.lineno)]
+    return TrainedLoad([ld for ld in loads if ld.call in (tied or set())], candidates,
+                       [ld for ld in loads if ld.unsloth])
+
+
+def _called(func: ast.expr) -> str:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+class _Flow:
+    """The script's parents, scopes and functions, to follow a value back to the from_pretrained calls it can
+    hold."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.tree = tree
+        self.parent: dict[ast.AST, ast.AST] = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        self.calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)),
+                            key=lambda n: (n.lineno, n.col_offset))
+        self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                self.functions.setdefault(node.name, node)
+
+    def scope(self, node: ast.AST) -> ast.AST:
+        """The function (or class, or the module) whose body holds `node`."""
+        while node in self.parent:
+            node = self.parent[node]
+            if isinstance(node, _SCOPES):
+                return node
+        return self.tree
+
+    def reachable(self, node: ast.AST, named: set[str]) -> bool:
+        """Whether every function around `node` is named somewhere in the script (called, or handed on)."""
+        scope = self.scope(node)
+        while scope is not self.tree:
+            if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef) and scope.name not in named:
+                return False
+            scope = self.scope(scope)
+        return True
+
+    def resolve(self, expr: ast.expr, use: ast.AST, index: int | None, depth: int) -> set[ast.Call] | None:
+        """The model-loading from_pretrained calls whose result `expr` (at `use`; `index`: the element of a tuple
+        it was unpacked from) can hold; None where it can hold anything else, or where that cannot be told."""
+        if depth > _DEPTH:
+            return None
+        if isinstance(expr, ast.Tuple) and index is not None and index < len(expr.elts):
+            return self.resolve(expr.elts[index], use, None, depth + 1)
+        if isinstance(expr, ast.Name):
+            return self._name(expr.id, use, index, depth)
+        if not isinstance(expr, ast.Call):
+            return None
+        name = _called(expr.func)
+        if name == "from_pretrained":
+            return {expr} if loads_model(expr) else None
+        if isinstance(expr.func, ast.Name) and name in self.functions:
+            returns = [n for n in self._body(self.functions[name]) if isinstance(n, ast.Return) and n.value]
+            return _union([self.resolve(r.value, r, index, depth + 1) for r in returns if r.value])
+        if isinstance(expr.func, ast.Attribute) and name in _KEEPS and not any(
+                isinstance(a, ast.Attribute) and _called(a.value) == "torch" for a in (*expr.args, *(
+                    k.value for k in expr.keywords))):
+            return self.resolve(expr.func.value, use, index, depth + 1)  # model.to(device): the same weights
+        # a wrapper handed the model (get_peft_model(model, cfg), prepare_model_for_kbit_training(model))
+        arg = next((k.value for k in expr.keywords if k.arg == "model"), expr.args[0] if expr.args else None)
+        return self.resolve(arg, expr, None, depth + 1) if arg is not None else None
+
+    def _name(self, name: str, use: ast.AST, index: int | None, depth: int) -> set[ast.Call] | None:
+        """The values `name` can hold at `use`: its assignments before it in the same scope, back to the last one
+        that runs whenever `use` does; the module's where the function assigns it nowhere (and takes no such
+        parameter)."""
+        scope = self.scope(use)
+        line = getattr(use, "lineno", 0)
+        above = {id(a) for a in self._ancestors(use)}
+        found: list[set[ast.Call] | None] = []
+        for stmt, value, at in reversed([a for a in self._assigns(scope, name) if a[0].lineno < line]):
+            found.append(self.resolve(value, stmt, index if at is None else at, depth + 1))
+            if id(self.parent.get(stmt)) in above:
+                return _union(found)
+        # no assignment runs whenever `use` does: a function may read the module's name (not a parameter's)
+        if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                name not in {a.arg for a in ast.walk(scope.args) if isinstance(a, ast.arg)}:
+            glob = self._assigns(self.tree, name)
+            if glob:
+                return _union(found + [self.resolve(v, s, index if at is None else at, depth + 1)
+                                       for s, v, at in glob])
+        return None
+
+    def _ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
+        while node in self.parent:
+            node = self.parent[node]
+            yield node
+
+    def _body(self, scope: ast.AST) -> Iterator[ast.AST]:
+        """The nodes of `scope`'s own body, not those of the functions or classes it defines."""
+        stack = list(ast.iter_child_nodes(scope))
+        while stack:
+            node = stack.pop()
+            yield node
+            if not isinstance(node, _SCOPES):
+                stack.extend(ast.iter_child_nodes(node))
+
+    def _assigns(self, scope: ast.AST, name: str) -> list[tuple[ast.stmt, ast.expr, int | None]]:
+        """The statements of `scope` that bind `name` to a value, in order: each with the value and, for a
+        tuple target (`model, tokenizer = ...`), the element `name` takes."""
+        out = []
+        for node in self._body(scope):
+            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Name) and target.id == name:
+                        out.append((node, node.value, None))
+                    elif isinstance(target, ast.Tuple | ast.List):
+                        out += [(node, node.value, i) for i, e in enumerate(target.elts)
+                                if isinstance(e, ast.Name) and e.id == name]
+        return sorted(out, key=lambda a: a[0].lineno)
+
+
+def _union(found: list[set[ast.Call] | None]) -> set[ast.Call] | None:
+    """The loads any of the values can hold; None where one of them can hold something else, or there are none."""
+    if not found or any(f is None for f in found):
+        return None
+    return set().union(*found)  # type: ignore[arg-type]
