@@ -98,10 +98,13 @@ def model_config_load(value: object, where: str) -> Loaded:
                   dtype == "float32")
 
 
-def script_load(value: str, at: str) -> Loaded:
-    """The dtype the script's own from_pretrained spells (`at`), which loads the model whatever --dtype says."""
-    return Loaded(value, f"the script's from_pretrained at {at} (dtype {value}) loads the model", value == "float32",
-                  SCRIPT_SPELL)
+def script_load(value: str, at: str, said: str | None = None, spell: str = SCRIPT_SPELL) -> Loaded:
+    """The dtype the script's own from_pretrained spells (`at`), which loads the model whatever --dtype says; or
+    what `said` names (a from_config, a cast on the chain: ScriptSettings.load_said), spelled another way."""
+    said = said or f"the script's from_pretrained at {at} (dtype {value})"
+    return Loaded(value, f"{said} loads the model", value == "float32", spell)
+
+
 
 
 def default_load(what: str, version: str, bnb_fp32: bool, spell: str = "--dtype {}") -> Loaded:
@@ -131,7 +134,7 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
                             (" (ModelConfig's --dtype does not reach it)" if code.model_config else ""), version,
                             False, SCRIPT_SPELL)
     if code.load_dtype is not None:
-        return script_load(code.load_dtype, str(code.load_at))
+        return script_load(code.load_dtype, str(code.load_at), code.load_said, code.load_spell or SCRIPT_SPELL)
     if code.model_config:
         return model_config_dtype(src, code, version)
     return known_script_load(src, Path(program).name, version)
