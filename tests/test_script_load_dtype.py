@@ -434,3 +434,37 @@ def test_the_trainer_whose_train_runs_is_tied(tmp_path: Path, train: str) -> Non
 def test_two_trainers_none_trained_say_so(tmp_path: Path) -> None:
     job = _script(tmp_path, TWO, "t = Trainer(model=a, args=args)\nu = Trainer(model=b, args=args)\n")
     assert any("trainers at train.py:6, train.py:7" in n and "cannot be told" in n for n in job.notes), job.notes
+
+
+ACC = ("compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: {mp}\nnum_processes: 2\n"
+       "fsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n  fsdp_version: 1\n"
+       "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
+ACC_SCRIPT = ("import torch\nfrom transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, "
+              "TrainingArguments\n"
+              "(args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses()\n"
+              "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', dtype=torch.{dtype})\n"
+              "Trainer(model=model, args=args).train()\n")
+
+
+def _accelerate(tmp_path: Path, kind: str, mp: str, dtype: str, flags: str = ""):
+    (tmp_path / "acc.yaml").write_text(ACC.format(kind=kind, mp=mp))
+    (tmp_path / "train.py").write_text(ACC_SCRIPT.format(dtype=dtype))
+    (tmp_path / "run.sh").write_text(f"accelerate launch --config_file acc.yaml train.py --output_dir o "
+                                     f"--max_length 512 {flags}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize(("mp", "dtype"), [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_fsdp_no_shard_under_mixed_precision_keeps_fp32_masters(tmp_path: Path, mp: str, dtype: str) -> None:
+    """accelerate 1.15 upcasts FSDP1's trainable flat params to fp32 under mixed precision whatever the sharding
+    strategy (accelerator.py `prepare_model`): NO_SHARD, planned as DDP, keeps fp32 masters of a 16-bit load."""
+    job = _accelerate(tmp_path, "FSDP", mp, dtype)
+    assert job.engine == "ddp" and job.workload.precision == mp and not job.workload.pure_16bit, job.notes
+    assert any("FSDP" in n and "fp32 masters" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("mp", "flags", "source"), [("fp16", "", "the accelerate config's mixed_precision fp16"),
+                                                     ("no", "--fp16 true", "--fp16")])
+def test_the_fp16_refusal_names_where_fp16_comes_from(tmp_path: Path, mp: str, flags: str, source: str) -> None:
+    with pytest.raises(UserError, match=f"fp16 mixed precision \\({source}\\)"):
+        _accelerate(tmp_path, "MULTI_GPU", mp, "float16", flags)
