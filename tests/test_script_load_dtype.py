@@ -356,3 +356,115 @@ def test_seq_given_says_one_thing(tmp_path: Path, null: bool) -> None:
     assert job.workload.seq_len == 4096
     assert not any("2048" in n for n in job.notes), job.notes
     assert len([n for n in job.notes if "--seq 4096" in n]) == 1, job.notes
+
+
+PLAIN = ("import torch\n"
+         "from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments\n"
+         "{body}"
+         "args = TrainingArguments(output_dir='o', bf16=True, per_device_train_batch_size=1, max_length=512)\n"
+         "{train}")
+
+
+def _script(tmp_path: Path, body: str, train: str = "Trainer(model=model, args=args).train()\n",
+            version: str = "5.23.0"):
+    (tmp_path / "train.py").write_text(PLAIN.format(body=body, train=train))
+    (tmp_path / "run.sh").write_text("python train.py\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers=version, model="Qwen/Qwen2.5-0.5B"))
+
+
+REF = "ref = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', dtype=torch.bfloat16)\n"
+
+
+def test_from_config_is_the_trained_load_not_the_reference_beside_it(tmp_path: Path) -> None:
+    """from_config builds the trained model, in the config's dtype (transformers 5.23 `_from_config`: dtype
+    defaults to config.dtype, the checkpoint's for AutoConfig.from_pretrained); the bf16 `ref` decides nothing."""
+    job = _script(tmp_path, "cfg = AutoConfig.from_pretrained('Qwen/Qwen2.5-0.5B')\n"
+                            "model = AutoModelForCausalLM.from_config(cfg)\n" + REF)
+    note = next(n for n in job.notes if "from_config at train.py:4" in n)
+    assert "checkpoint" in note and job.workload.pure_16bit, job.notes
+    assert not any("train.py:5" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("build", "pure"), [("LlamaConfig(hidden_size=64)", False),
+                                             ("LlamaConfig(hidden_size=64, dtype='bfloat16')", True),
+                                             ("AutoConfig.from_pretrained('Qwen/Qwen2.5-0.5B'), dtype=None", False),
+                                             ("AutoConfig.from_pretrained('x'), torch_dtype=torch.float32", False)])
+def test_from_config_builds_in_its_dtype_or_the_configs(tmp_path: Path, build: str, pure: bool) -> None:
+    """A config built in the script has no dtype unless given: torch's default, fp32 (masters, as planned); a
+    dtype argument of None is torch's default too (not the config's)."""
+    job = _script(tmp_path, f"model = AutoModelForCausalLM.from_config({build})\n" + REF)
+    assert job.workload.pure_16bit is pure, job.notes
+    assert any("from_config at train.py:3" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("chain", "low"), [(".half()", "fp16"), (".to(dtype=torch.bfloat16)", "bf16"),
+                                            (".cuda().bfloat16()", "bf16"), (".to('cuda', torch.float16)", "fp16"),
+                                            (".half().float()", None)])
+def test_a_cast_on_the_chain_is_the_load_dtype(tmp_path: Path, chain: str, low: str | None) -> None:
+    """.half(), .bfloat16(), .float() and .to(torch.X) cast the loaded weights: the last cast is the dtype."""
+    job = _script(tmp_path, f"model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', "
+                            f"dtype=torch.float32){chain}\n")
+    assert job.workload.pure_16bit is (low is not None), job.notes
+    method = chain.rsplit(").", 1)[-1].split("(")[0].lstrip(".")
+    note = next(n for n in job.notes if f"{method}(" in n and "train.py:3" in n)
+    assert f"in {low or 'fp32'}" in note, note
+
+
+def test_a_call_that_cannot_be_followed_ties_nothing(tmp_path: Path) -> None:
+    """The trained model comes from a function the script imports: the one load left (`ref`, bf16) is not it."""
+    job = _script(tmp_path, "from helpers import build\nmodel = build()\n" + REF)
+    assert not job.workload.pure_16bit, job.notes
+    assert any("build() at train.py:4" in n and "cannot follow" in n for n in job.notes), job.notes
+
+
+TWO = ("a = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', dtype=torch.float32)\n"
+       "b = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', dtype=torch.bfloat16)\n")
+
+
+@pytest.mark.parametrize("train", ["Trainer(model=a, args=args)\nTrainer(model=b, args=args).train()\n",
+                                   "t = Trainer(model=a, args=args)\nu = Trainer(model=b, args=args)\nu.train()\n",
+                                   "def run(m):\n    return m\nt = Trainer(model=b, args=args)\n"
+                                   "u = Trainer(model=a, args=args)\nt.train()\n"])
+def test_the_trainer_whose_train_runs_is_tied(tmp_path: Path, train: str) -> None:
+    job = _script(tmp_path, TWO, train)
+    assert job.workload.pure_16bit, job.notes
+    assert any("from_pretrained at train.py:4" in n for n in job.notes), job.notes
+
+
+def test_two_trainers_none_trained_say_so(tmp_path: Path) -> None:
+    job = _script(tmp_path, TWO, "t = Trainer(model=a, args=args)\nu = Trainer(model=b, args=args)\n")
+    assert any("trainers at train.py:6, train.py:7" in n and "cannot be told" in n for n in job.notes), job.notes
+
+
+ACC = ("compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: {mp}\nnum_processes: 2\n"
+       "fsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n  fsdp_version: 1\n"
+       "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")
+ACC_SCRIPT = ("import torch\nfrom transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, "
+              "TrainingArguments\n"
+              "(args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses()\n"
+              "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', dtype=torch.{dtype})\n"
+              "Trainer(model=model, args=args).train()\n")
+
+
+def _accelerate(tmp_path: Path, kind: str, mp: str, dtype: str, flags: str = ""):
+    (tmp_path / "acc.yaml").write_text(ACC.format(kind=kind, mp=mp))
+    (tmp_path / "train.py").write_text(ACC_SCRIPT.format(dtype=dtype))
+    (tmp_path / "run.sh").write_text(f"accelerate launch --config_file acc.yaml train.py --output_dir o "
+                                     f"--max_length 512 {flags}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize(("mp", "dtype"), [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_fsdp_no_shard_under_mixed_precision_keeps_fp32_masters(tmp_path: Path, mp: str, dtype: str) -> None:
+    """accelerate 1.15 upcasts FSDP1's trainable flat params to fp32 under mixed precision whatever the sharding
+    strategy (accelerator.py `prepare_model`): NO_SHARD, planned as DDP, keeps fp32 masters of a 16-bit load."""
+    job = _accelerate(tmp_path, "FSDP", mp, dtype)
+    assert job.engine == "ddp" and job.workload.precision == mp and not job.workload.pure_16bit, job.notes
+    assert any("FSDP" in n and "fp32 masters" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize(("mp", "flags", "source"), [("fp16", "", "the accelerate config's mixed_precision fp16"),
+                                                     ("no", "--fp16 true", "--fp16")])
+def test_the_fp16_refusal_names_where_fp16_comes_from(tmp_path: Path, mp: str, flags: str, source: str) -> None:
+    with pytest.raises(UserError, match=f"fp16 mixed precision \\({source}\\)"):
+        _accelerate(tmp_path, "MULTI_GPU", mp, "float16", flags)

@@ -89,6 +89,7 @@ class Loaded:
     spell: str = "--dtype {}"
     key: str | None = None  # the job's argument that gives the dtype, where one is not ModelConfig's --dtype
     none: bool = False  # from_pretrained gets None: transformers' default decides (`default_load`)
+    fp16_from: str = "--fp16"  # what turns fp16 mixed precision on, where it is on (`job_load`)
 
 
 def model_config_load(value: object, where: str) -> Loaded:
@@ -98,10 +99,11 @@ def model_config_load(value: object, where: str) -> Loaded:
                   dtype == "float32")
 
 
-def script_load(value: str, at: str) -> Loaded:
-    """The dtype the script's own from_pretrained spells (`at`), which loads the model whatever --dtype says."""
-    return Loaded(value, f"the script's from_pretrained at {at} (dtype {value}) loads the model", value == "float32",
-                  SCRIPT_SPELL)
+def script_load(value: str, at: str, said: str | None = None, spell: str = SCRIPT_SPELL) -> Loaded:
+    """The dtype the script's own from_pretrained spells (`at`), which loads the model whatever --dtype says; or
+    what `said` names (a from_config, a cast on the chain: ScriptSettings.load_said), spelled another way."""
+    said = said or f"the script's from_pretrained at {at} (dtype {value})"
+    return Loaded(value, f"{said} loads the model", value == "float32", spell)
 
 
 def default_load(what: str, version: str, bnb_fp32: bool, spell: str = "--dtype {}") -> Loaded:
@@ -120,7 +122,15 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
     model by name, the trainer's model_init_kwargs (`init_load`); else the script's own from_pretrained where it
     spells a dtype or passes none (ModelConfig's --dtype never reaches it); else TRL's ModelConfig's where the
     script parses one (`model_config_dtype`); else the argument of a script `program` the plan knows
-    (KNOWN_LOADS). None where none of these says it (a computed dtype, **kwargs): the plan keeps its precision."""
+    (KNOWN_LOADS). None where none of these says it (a computed dtype, **kwargs): the plan keeps its precision.
+    Each says where fp16 mixed precision comes from (`fp16_from`): --fp16, else accelerate's config."""
+    found = _job_load(src, code, version, program)
+    fp16_from = "--fp16" if src.flag("fp16", "false") else "the accelerate config's mixed_precision fp16"
+    return dataclasses.replace(found, fp16_from=fp16_from) if found is not None else None
+
+
+def _job_load(src: Source, code: ScriptSettings, version: str, program: str) -> Loaded | None:
+    """`job_load` but for where fp16 comes from."""
     found = init_load(src, code, version) if code.model_by_name is not None else None
     if found is not None:
         return found
@@ -131,7 +141,7 @@ def job_load(src: Source, code: ScriptSettings, version: str, program: str) -> L
                             (" (ModelConfig's --dtype does not reach it)" if code.model_config else ""), version,
                             False, SCRIPT_SPELL)
     if code.load_dtype is not None:
-        return script_load(code.load_dtype, str(code.load_at))
+        return script_load(code.load_dtype, str(code.load_at), code.load_said, code.load_spell or SCRIPT_SPELL)
     if code.model_config:
         return model_config_dtype(src, code, version)
     return known_script_load(src, Path(program).name, version)
@@ -284,11 +294,12 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
     low = "fp16" if loaded.dtype == "float16" else "bf16"
     said += f" in {low}" + (f" (auto: the checkpoint's dtype, taken as bf16; an fp32 checkpoint plans as "
                             f"{loaded.spell.format('float32')})" if loaded.dtype == "auto" else "")
-    if low == w.precision == "fp16" and w.method == "full" and engine not in FP32_MASTER_ENGINES:
+    masters = _masters(w, engine)
+    if low == w.precision == "fp16" and w.method == "full" and masters is None:
         raise UserError(_FP16_GRADIENTS.format(said=said, fix=loaded.spell.format("bfloat16"),
-                                               fp32=loaded.spell.format("float32")))
+                                               fp32=loaded.spell.format("float32"), source=loaded.fp16_from))
     if w.precision != "fp32":
-        return _loaded_16bit(w, engine, low, said)
+        return _loaded_16bit(w, masters, low, said)
     if engine == "deepspeed":
         return w, None
     return dataclasses.replace(w, precision=low, pure_16bit=w.method == "full"), (
@@ -299,14 +310,24 @@ def apply_load(w: Workload, engine: str, loaded: Loaded | None) -> tuple[Workloa
 # A full fine-tune whose trainable weights load in fp16 under fp16 mixed precision, with no engine that keeps fp32
 # masters: accelerate's GradScaler unscales the gradients before clipping or stepping (accelerator.py
 # `unscale_gradients`), and torch refuses fp16 ones (torch/amp/grad_scaler.py `_unscale_grads_`).
-_FP16_GRADIENTS = ("{said}, and fp16 mixed precision (--fp16) trains every weight of this full fine-tune in it "
+_FP16_GRADIENTS = ("{said}, and fp16 mixed precision ({source}) trains every weight of this full fine-tune in it "
                    "(no DeepSpeed or FSDP keeps fp32 masters): accelerate's GradScaler refuses fp16 gradients at "
                    "the first optimizer step (ValueError: \"Attempting to unscale FP16 gradients.\"), so the job "
                    "fails before step 1. Load in bf16 ({fix}) and train with --bf16 true --fp16 false, or load in "
                    "fp32 ({fp32}) under --fp16 (a GPU without bf16).")
 
 
-def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Workload, str | None]:
+def _masters(w: Workload, engine: str) -> str | None:
+    """What keeps fp32 masters of a full fine-tune's 16-bit trainable weights under mixed precision, as the notes
+    name it; None where nothing does. accelerate 1.15 upcasts FSDP1's trainable flat params under any sharding
+    strategy (accelerator.py `prepare_model`, `if self.mixed_precision != "no"`), NO_SHARD's too, which is planned
+    as DDP (common.py `fsdp_engine`): the workload's `fsdp1` says FSDP1 wraps it."""
+    if engine in FP32_MASTER_ENGINES:
+        return f"the {engine} engine"
+    return "accelerate's FSDP1 (NO_SHARD: no sharding, planned as DDP)" if w.runs_fsdp1 else None
+
+
+def _loaded_16bit(w: Workload, masters: str | None, low: str, said: str) -> tuple[Workload, str | None]:
     """`apply_load` for a model loaded in 16 bits (`low`) under bf16 or fp16 autocast (`w.precision`). Where the two
     differ, autocast casts every weight to its own type for each matmul; it caches only casts of fp32 leaves that
     require grad (torch's autocast `cached_cast`), so each matmul makes its own copy and keeps it for backward, as
@@ -317,8 +338,8 @@ def _loaded_16bit(w: Workload, engine: str, low: str, said: str) -> tuple[Worklo
              if low != w.precision else "")
     if w.method == "lora":
         return w, f"{said}: frozen weights planned in {low}{cross}" if cross or "(auto:" in said else None
-    if engine in FP32_MASTER_ENGINES:
-        return w, f"{said}; the {engine} engine keeps fp32 masters of the trained weights"
+    if masters is not None:
+        return w, f"{said}; {masters} keeps fp32 masters of the trained weights"
     return dataclasses.replace(w, pure_16bit=True), (
         f"{said}: no fp32 masters, weights, gradients and AdamW states planned in {low}" +
         (cross or f" (autocast over {low} weights casts no weight)"))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.script_loads import trained_load
+from shardfit.foreign.script_loads import ModelLoad, cast_dtype, cast_said, trained_load
 
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
 ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig", "ORPOConfig",
@@ -63,6 +63,10 @@ class ScriptSettings:
     # **kwargs), where the script loads no model itself, or where its loads disagree and none is tied to the trainer
     load_dtype: str | None = None
     load_at: str | None = None
+    # where one load is tied and it is not a plain from_pretrained: what loads the model ("the script's from_config
+    # at train.py:5 (dtype bfloat16)", a cast on its chain), and how the script would spell another dtype ("{}")
+    load_said: str | None = None
+    load_spell: str | None = None
     unsloth_at: str | None = None  # unsloth's FastLanguageModel.from_pretrained loads the model (its own dtype)
     # where the script hands its TRL trainer the model as a name (SFTTrainer(model="Qwen/...") or
     # model=model_args.model_name_or_path): the trainer loads it with its config's model_init_kwargs
@@ -221,13 +225,21 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "ha
 
 def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, Any], path: Path) -> None:
     """The load dtype of the model the script's trainer trains (script_loads.py `trained_load`): the load its
-    `model=` is tied to, else the one load left that could be it. unsloth's loads pick their own dtype
-    (`unsloth_at`); loads that disagree and cannot be told apart decide nothing, which the findings say."""
+    `model=` is tied to (a cast on the way setting the dtype), else the one load left that could be it, unless the
+    `model=` comes from a call that cannot be followed. unsloth's loads pick their own dtype (`unsloth_at`); loads
+    that disagree and cannot be told apart decide nothing; the findings say each."""
     found = trained_load(tree, path.name, ("Trainer", "Seq2SeqTrainer", "SFTTrainer", *TRAINERS))
     tied = found.tied
-    if tied and tied[0].call.args and isinstance(first := _value(tied[0].call.args[0], constants), str) \
-            and "/" in first:
+    if tied and not tied[0].built and tied[0].call.args and \
+            isinstance(first := _value(tied[0].call.args[0], constants), str) and "/" in first:
         out.model = first  # the trained model's name, not a reward or reference model's loaded before it
+    fallback = "TRL's ModelConfig --dtype decides it" if out.model_config else "the plan keeps its precision"
+    if found.untold:
+        out.found.append(f"the script builds trainers at {', '.join(found.untold)} and which one trains cannot be "
+                         f"told (not one alone has .train() called): each load that could be its model counts")
+    if found.unfollowed:
+        out.found.append(f"the trainer's model= comes from {found.unfollowed}, which shardfit cannot follow back to a "
+                         f"load: {fallback}")
     unsloth = [ld for ld in tied if ld.unsloth] if tied else [] if found.candidates else found.unsloth
     if unsloth:
         out.unsloth_at = unsloth[0].at
@@ -236,23 +248,53 @@ def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, An
                          f"planned (the plan keeps its precision)")
         return
     loads = tied or found.candidates
-    dtypes = {_load_dtype(ld.call, constants) for ld in loads}
+    dtypes = {_load_dtype(ld, constants) for ld in loads}
     if len(dtypes) == 1:
         out.load_dtype, out.load_at = dtypes.pop(), ", ".join(ld.at for ld in loads)
+        if len(loads) == 1 and (loads[0].built or loads[0].cast is not None) and out.load_dtype is not None:
+            out.load_said, out.load_spell = _load_said(loads[0], out.load_dtype, path.name)
     elif loads:
-        fallback = "TRL's ModelConfig --dtype decides it" if out.model_config else "the plan keeps its precision"
         out.found.append(f"models load in different dtypes at {', '.join(ld.at for ld in loads)} and "
                          f"{'each may reach' if tied else 'none can be tied to'} the trainer's model=: {fallback}")
 
 
-def _load_dtype(call: ast.Call, constants: dict[str, Any]) -> str | None:
-    """The dtype a from_pretrained call spells (`torch_dtype=` or `dtype=`: torch.bfloat16, "bfloat16", "auto"), as
-    TRL's --dtype names it; UNSET_DTYPE where it passes none, or None (transformers' default then loads it); None
-    where it passes a computed value (model_args.dtype: the command line's) or may pass one in **kwargs."""
+def _load_said(load: ModelLoad, dtype: str, file: str) -> tuple[str, str]:
+    """What loads the model where a cast on its chain or a from_config decides the dtype, and how the script would
+    spell another dtype (kbit.py `Loaded`)."""
+    if load.cast is not None:
+        cast = cast_said(load.cast)
+        return (f"the script's {_name(load.call.func)} at {load.at}, cast by {cast} at {file}:{load.cast.lineno} "
+                f"(dtype {dtype})", f".to(torch.{{}}) in place of the script's {cast}")
+    given = next((k for k in load.call.keywords if k.arg in ("torch_dtype", "dtype")), None)
+    why = f"dtype {dtype}" if given is not None else "no dtype: the config's, read from the checkpoint" \
+        if dtype == "auto" else f"no dtype: the config's, {dtype}"
+    return f"the script's from_config at {load.at} ({why})", "dtype=\"{}\" in the script's from_config"
+
+
+def _load_dtype(load: ModelLoad, constants: dict[str, Any]) -> str | None:
+    """The dtype a load on its way to the trainer ends in, as TRL's --dtype names it: its last cast's (`.half()`);
+    else for a from_pretrained the dtype it spells (`torch_dtype=` or `dtype=`: torch.bfloat16, "bfloat16",
+    "auto"), UNSET_DTYPE where it passes none, or None (transformers' default then loads it); for a from_config
+    its dtype argument, else its config's (transformers 5.23 `_from_config` takes config.dtype: a config read
+    from a checkpoint holds the checkpoint's, "auto" here; a config class called without one, None), None
+    standing for torch's default, float32. None where a computed value or **kwargs may give the dtype."""
+    if load.cast is not None:
+        return cast_dtype(load.cast)
+    call = load.call
+    if load.built and not any(kw.arg in ("torch_dtype", "dtype") for kw in call.keywords):
+        if load.config is None or any(kw.arg is None for kw in (*call.keywords, *load.config.keywords)):
+            return None
+        call = load.config
+        if _name(call.func) == "from_pretrained" and not any(kw.arg in ("torch_dtype", "dtype") for kw in
+                                                             call.keywords):
+            return "auto"
     for kw in call.keywords:
         if kw.arg in ("torch_dtype", "dtype"):
-            return _dtype_named(kw.value, constants)
-    return None if any(kw.arg is None for kw in call.keywords) else UNSET_DTYPE
+            dtype = _dtype_named(kw.value, constants)
+            return "float32" if dtype == UNSET_DTYPE and load.built else dtype
+    if any(kw.arg is None for kw in call.keywords):
+        return None
+    return "float32" if load.built else UNSET_DTYPE
 
 
 def _dtype_named(v: ast.expr, constants: dict[str, Any]) -> str | None:
