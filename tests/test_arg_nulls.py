@@ -76,3 +76,43 @@ def test_a_null_length_in_parse_yaml_file(tmp_path: Path) -> None:
     (tmp_path / "run.sh").write_text("python train.py args.yaml\n")
     with pytest.raises(UserError, match=r"args\.yaml:2: max_length: null"):
         read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+def _hf(tmp_path: Path, args: str):
+    """The HF Trainer (no TRL config: checkpointing off by default) run from the command line."""
+    (tmp_path / "train.py").write_text("from transformers import HfArgumentParser, Trainer, TrainingArguments\n"
+                                       "(args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses()"
+                                       "\nTrainer(model=model, args=args).train()\n")
+    (tmp_path / "run.sh").write_text(f"python train.py --model_name_or_path Qwen/Qwen2.5-0.5B --bf16 true "
+                                     f"--max_length 512 --per_device_train_batch_size 1 {args}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+
+
+@pytest.mark.parametrize(("args", "ckpt"), [
+    ("--activation_checkpointing true", "full"), ("--activation_checkpointing", "full"),
+    ("--gradient_checkpointing true", "full"), ("", "none"),
+    # the new name wins where both are given (TrainingArguments `__post_init__`, transformers 5.x)
+    ("--activation_checkpointing false --gradient_checkpointing true", "none"),
+    ("--gradient_checkpointing false --activation_checkpointing true", "full"),
+])
+def test_activation_checkpointing_is_gradient_checkpointings_new_name(tmp_path: Path, args: str, ckpt: str) -> None:
+    job = _hf(tmp_path, args)
+    assert job.workload.grad_ckpt == ckpt
+    assert "activation_checkpointing" not in job.not_modelled
+    assert ("gradient checkpointing not set" in " ".join(job.notes)) == (not args)
+
+
+def test_activation_checkpointing_kwargs_say_reentrant(tmp_path: Path) -> None:
+    job = _hf(tmp_path, "--activation_checkpointing true "
+                        "--activation_checkpointing_kwargs '{\"use_reentrant\": false}'")
+    assert not job.reentrant_ckpt and "activation_checkpointing_kwargs" not in job.not_modelled
+    assert _hf(tmp_path, "--activation_checkpointing true").reentrant_ckpt
+
+
+def test_a_null_gradient_checkpointing_leaves_a_set_activation_checkpointing(tmp_path: Path) -> None:
+    """The old name is read only where the new one is None: its null changes nothing then."""
+    job = _trl(tmp_path, "max_length: 512\nactivation_checkpointing: true\ngradient_checkpointing: null\n")
+    assert job.workload.grad_ckpt == "full"
+    assert not any("gradient_checkpointing: null" in n for n in job.notes), job.notes
+    off = _trl(tmp_path, "max_length: 512\nactivation_checkpointing: false\ngradient_checkpointing: null\n")
+    assert off.workload.grad_ckpt == "none"

@@ -11,7 +11,7 @@ import pytest
 from shardfit.errors import UserError
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.estimate import estimate
-from shardfit.plan.evaluation import ASSUMED_STEPS, kept_steps, step_kept_bytes
+from shardfit.plan.evaluation import ASSUMED_STEPS, eval_parts, kept_steps, step_kept_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
@@ -142,3 +142,102 @@ def test_tools_with_held_out_data_evaluate_without_keeping_logits(tmp_path: Path
     assert read_job("swift", str(sw), JobOptions()).workload.eval_batch == 1  # ms-swift's default
     sw.write_text(f"swift sft --model {QWEN} --train_type lora --dataset d.jsonl --max_length 2048\n")
     assert read_job("swift", str(sw), JobOptions()).workload.eval_batch == 0
+
+
+# Trainer calls whose compute_metrics is given in a mapping, or only in a comment or a string (review of 2026-05)
+_KW = "from transformers import Trainer\ndef cm(p):\n    return {}\n"
+
+
+@pytest.mark.parametrize("call", [
+    'Trainer(**{"model": model, "args": args, "compute_metrics": cm}).train()',
+    "kw = {'model': model, 'compute_metrics': cm}\nTrainer(args=args, **kw).train()",
+    "Trainer(**dict(model=model, compute_metrics=cm), args=args).train()",
+    "kw = dict(model=model)\nkw['compute_metrics'] = cm\nTrainer(**kw).train()",
+])
+def test_compute_metrics_given_in_a_mapping_keeps_logits(tmp_path: Path, call: str) -> None:
+    job = _hf_job(tmp_path, "--eval_strategy steps", _KW + call + "\n")
+    assert job.workload.eval_keeps_logits, call
+    assert not any("no training script read" in n or "cannot be told" in n for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize("call", [
+    "# compute_metrics=cm  (disabled: OOMs)\nTrainer(model=model, args=args).train()",
+    '"""compute_metrics=cm is left out."""\nTrainer(model=model, args=args).train()',
+    "Trainer(model=model, args=args, compute_metrics=None).train()",
+    "Trainer(**{'model': model, 'compute_metrics': cm, 'preprocess_logits_for_metrics': pre}).train()",
+    "other(compute_metrics=cm)\nTrainer(model=model, args=args).train()",
+])
+def test_compute_metrics_outside_the_trainer_call_keeps_nothing(tmp_path: Path, call: str) -> None:
+    job = _hf_job(tmp_path, "--eval_strategy steps", _KW + call + "\n")
+    assert not job.workload.eval_keeps_logits, call
+    assert not any("compute_metrics" in n for n in job.notes), job.notes
+
+
+def test_compute_metrics_from_a_computed_mapping_is_noted(tmp_path: Path) -> None:
+    job = _hf_job(tmp_path, "--eval_strategy steps", _KW + "Trainer(model=model, **make_kwargs()).train()\n")
+    assert not job.workload.eval_keeps_logits
+    assert any("compute_metrics" in n and "train.py:4" in n for n in job.notes), job.notes
+
+
+def test_eval_accumulation_steps_0_fails_the_first_eval_step(tmp_path: Path) -> None:
+    """(step + 1) % 0 raises ZeroDivisionError at the first eval step (trainer.py `evaluation_loop`)."""
+    with pytest.raises(UserError, match=r"eval_accumulation_steps.*0.*ZeroDivisionError"):
+        _hf_job(tmp_path, "--eval_strategy steps --eval_accumulation_steps 0")
+
+
+def test_batch_eval_metrics_keeps_no_logits(tmp_path: Path) -> None:
+    """batch_eval_metrics hands each step's logits to compute_metrics and drops them (trainer.py)."""
+    w = _hf_job(tmp_path, "--eval_strategy steps --batch_eval_metrics true").workload
+    assert w.eval_batch == 8 and not w.eval_keeps_logits
+    assert _hf_job(tmp_path, "--eval_strategy steps --batch_eval_metrics false").workload.eval_keeps_logits
+
+
+def test_eval_do_concat_batches_false_appends_without_the_concat_peak(tmp_path: Path) -> None:
+    """EvalLoopContainer appends each step's logits to a list: no torch.cat holding old and new at once."""
+    w = _hf_job(tmp_path, "--eval_strategy steps --per_device_eval_batch_size 4 --max_eval_samples 64 "
+                          "--eval_do_concat_batches false").workload
+    assert w.eval_keeps_logits and not w.eval_concat
+    shape, k = resolve_shape(QWEN), kept_steps(w, 1)[0]
+    g = step_kept_bytes(shape, w, 1)
+    assert k == 16 and eval_parts(shape, w, "single", 1)[1] == (0.0, k * g)  # the list, no torch.cat
+    assert eval_parts(shape, replace(w, eval_concat=True), "single", 1)[1] == (0.0, 2 * k * g)
+    appended, concatenated = _plan(w), _plan(replace(w, eval_concat=True))
+    assert appended.peak_phase == concatenated.peak_phase == "eval"
+    # the peak moves to the last step's loss beside the 15 steps kept before it
+    assert concatenated.per_gpu_gib.logits > appended.per_gpu_gib.logits + 0.5 * k * g / 2**30
+
+
+def _swift(tmp_path: Path, args: str):
+    sw = tmp_path / "swift.sh"
+    sw.write_text(f"swift sft --model {QWEN} --dataset d.jsonl --max_length 2048 --torch_dtype bfloat16 {args}\n")
+    return read_job("swift", str(sw), JobOptions())
+
+
+def test_swift_split_dataset_ratio_defaults_by_its_version(tmp_path: Path) -> None:
+    """ms-swift 3.0 to 3.5 split 1 % off by default (DataArguments split_dataset_ratio 0.01), 3.6 on and 4 none;
+    --tuner_type is ms-swift 4's, --train_type ms-swift 3's name for the method."""
+    four = _swift(tmp_path, "--tuner_type lora")
+    assert four.workload.eval_batch == 0 and not any("split_dataset_ratio" in n for n in four.notes)
+    three = _swift(tmp_path, "--train_type lora")
+    assert three.workload.eval_batch == 0
+    assert any("split_dataset_ratio" in n and "3.0 to 3.5" in n for n in three.notes), three.notes
+    assert _swift(tmp_path, "--train_type lora --split_dataset_ratio 0").notes == \
+        [n for n in three.notes if "split_dataset_ratio" not in n]
+
+
+@pytest.mark.parametrize(("args", "batch"), [
+    ("--cached_val_dataset cache/val", 1), ("--eval_dataset gsm8k", 1), ("--val_dataset v.jsonl", 1),
+    ("--split_dataset_ratio 0.01 --save_strategy no", 0), ("--val_dataset v.jsonl --eval_strategy no", 0),
+    ("--split_dataset_ratio 0.01 --save_strategy epoch", 1),
+])
+def test_swift_evaluates_with_validation_data_on_its_save_strategy(tmp_path: Path, args: str, batch: int) -> None:
+    """eval_strategy follows save_strategy where not given (`_init_eval_strategy`); no validation data, no eval."""
+    assert _swift(tmp_path, f"--tuner_type lora {args}").workload.eval_batch == batch
+
+
+def test_swift_load_best_is_refused_only_where_no_version_evaluates(tmp_path: Path) -> None:
+    """Without validation data load_best_model_at_end fails the job; ms-swift 3.0 to 3.5 split 1 % off, so a job
+    on --train_type (ms-swift 3) and no ratio may have it, and is planned, not refused."""
+    with pytest.raises(UserError, match="load_best_model_at_end"):
+        _swift(tmp_path, "--tuner_type lora --load_best_model_at_end true")
+    assert _swift(tmp_path, "--train_type lora --load_best_model_at_end true").workload.eval_batch == 0

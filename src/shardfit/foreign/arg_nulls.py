@@ -29,7 +29,8 @@ def settle_nulls(src: Source, seq: int | None, notes: list[str], dtype_keys: tup
     length of None truncates no row (trl 1.x SFTConfig, DPOConfig, RewardConfig `max_length`: "If None, no
     truncation is applied"), which the plan cannot size: planned at `seq` (plan's --seq) with a note, else a
     UserError naming the key. A null gradient_checkpointing turns checkpointing off (transformers 5 TrainingArguments
-    `__post_init__` sets None to False; 4.x tests it for truth), though TRL's configs default it to true. A null that
+    `__post_init__` sets None to False; 4.x tests it for truth), though TRL's configs default it to true, unless
+    activation_checkpointing (5.x's name for it, which wins) is set, when it changes nothing. A null that
     makes the job fail (FAILS) is a UserError."""
     for key in [k for k in src.order if k in src.null_at and src.values.get(k) is None]:
         at = src.null_at[key]
@@ -39,6 +40,9 @@ def settle_nulls(src: Source, seq: int | None, notes: list[str], dtype_keys: tup
         if key in FAILS:
             raise UserError(f"{at}: {key}: null reaches the arguments as None, and {FAILS[key]}, so the job never "
                             f"trains. Give it a number, or remove the key for its default.")
+        if key == "gradient_checkpointing" and src.get("activation_checkpointing") is not None:
+            _drop(src, key)  # read only where its new name is None (transformers 5.x `__post_init__`)
+            continue
         if key == "gradient_checkpointing":
             src.values[key] = "false"
             notes.append(f"{at}: gradient_checkpointing: null reaches TrainingArguments as None, which turns "

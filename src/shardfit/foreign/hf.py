@@ -85,6 +85,9 @@ KEYS = key_table({
     "lora_rank": Key("adapter size", field="lora_rank", read=as_int),
     "gradient_accumulation_steps": Key("grad_accum", field="grad_accum", read=as_int, default=1),
     "gradient_checkpointing": Key("grad_ckpt {grad_ckpt}"), "gradient_checkpointing_kwargs": Key("reentrant or not"),
+    # transformers 5.x's names for them, which win where given (`ckpt_key`)
+    "activation_checkpointing": Key("grad_ckpt {grad_ckpt}"),
+    "activation_checkpointing_kwargs": Key("reentrant or not"),
     "attn_implementation": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
     "fsdp_config": Key("FSDP1 or FSDP2, sharding"),
@@ -174,7 +177,9 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     loaded = job_load(src, code, version, program)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
-    job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
+    job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in str(src.get(ckpt_key(src, "_kwargs"), "")).lower()
+    if "activation_checkpointing" in src:  # the old name would lose to it
+        job.words.keys["grad_ckpt"] = "--activation_checkpointing True"
     # The Trainer looks for unused parameters unless told otherwise or the model is a plain transformers model
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
@@ -343,12 +348,21 @@ def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
                    "--method lora)")
     if "per_device_train_batch_size" not in src:
         out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
-    if "gradient_checkpointing" not in src and code.trl_config is not None:
+    unset = ckpt_key(src) not in src
+    if unset and code.trl_config is not None:
         out.append(f"gradient checkpointing not set: on, TRL's {code.trl_config} default (TRL 0.23 and later; "
                    f"off before: pass --grad-ckpt none)")
-    elif "gradient_checkpointing" not in src:
+    elif unset:
         out.append("gradient checkpointing not set: off, the Trainer's default (pass --grad-ckpt full)")
     return out
+
+
+def ckpt_key(src: Source, suffix: str = "") -> str:
+    """The key that decides checkpointing (`suffix` "_kwargs": its arguments): transformers 5.x's
+    activation_checkpointing where given, else its deprecated alias gradient_checkpointing, which TrainingArguments
+    `__post_init__` reads only where the new name is None (4.x has the old name alone)."""
+    new = f"activation_checkpointing{suffix}"
+    return new if src.get(new) is not None else f"gradient_checkpointing{suffix}"
 
 
 def _ranks(cmd: Command | None, env: dict[str, str], nproc: int | None, acc: Accelerate | None) -> int | None:
@@ -500,7 +514,7 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
         job.notes.append(f"neither --bf16 nor --fp16: the Trainer runs accelerate's mixed precision {precision} "
                          f"({acc.source})")
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
-                    grad_ckpt="full" if src.flag("gradient_checkpointing", "true" if trl_config else "false")
+                    grad_ckpt="full" if src.flag(ckpt_key(src), "true" if trl_config else "false")
                     else "none",
                     **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),

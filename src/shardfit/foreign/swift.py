@@ -54,7 +54,7 @@ from shardfit.foreign.preference import Preference, apply, choice, refuse
 from shardfit.foreign.shell import visible_devices
 from shardfit.foreign.targets import plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_swift_args
-from shardfit.foreign.trainer_eval import EVAL_KEYS, held_out_eval
+from shardfit.foreign.trainer_eval import EVAL_KEYS, swift_eval
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.shapes import local_config
 from shardfit.plan.workload import Workload
@@ -176,9 +176,7 @@ def read_swift(path: Path, shape_of: Any, version: str, nproc: int | None) -> Fo
         job.every_gpu = acc.every_gpu and ranks is None
         job.notes += acc.notes
     w = job.workload = _workload(src, job, version)
-    w = job.workload = dataclasses.replace(w, **held_out_eval(
-        src, share="split_dataset_ratio", data="val_dataset", strategy_default=True,
-        batch_key="per_device_eval_batch_size", default_batch=1))
+    w = job.workload = dataclasses.replace(w, **swift_eval(src, job.notes))
     job.reentrant_ckpt = w.grad_ckpt != "none" and "false" not in src.get("gradient_checkpointing_kwargs", "").lower()
     job.find_unused = src.flag("ddp_find_unused_parameters", "false")
     _engine(src, job, visible_devices(cmd.env), shape.hidden, version)

@@ -12,6 +12,7 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.common import FSDP2_DEFAULT_SINCE, STR_TO_BOOL_WORDS, TRUE_WORDS, major_minor
 from shardfit.foreign.keys import Source
+from shardfit.foreign.trainer_eval import swift_val_data
 
 # FSDP options the Trainer's FSDP2 takes in `--fsdp`; the other sharding strategies are FSDP1's.
 FSDP2_STRATEGIES = ("full_shard", "shard_grad_op")
@@ -85,8 +86,8 @@ def check_swift_args(src: Source) -> None:
     if dtype in SWIFT_DTYPES:
         for key, on in zip(("fp16", "bf16"), SWIFT_DTYPES[dtype], strict=True):
             values.setdefault(key, on)
-    evaluates = any(_given(values.get(k)) for k in ("val_dataset", "eval_dataset", "cached_val_dataset")) or \
-        _ratio(values, src) > 0
+    # no refusal where ms-swift's version decides (split_dataset_ratio's default: swift_val_data None)
+    evaluates = swift_val_data(values, src.at) is not False
     save = _word(values, "save_strategy")
     if not evaluates:
         if _flag(values, "load_best_model_at_end") and save != "best":
@@ -106,14 +107,6 @@ def check_swift_args(src: Source) -> None:
 # ms-swift's --torch_dtype -> the (fp16, bf16) it sets where neither is given.
 SWIFT_DTYPES = {"bfloat16": ("false", "true"), "bf16": ("false", "true"), "float16": ("true", "false"),
                 "fp16": ("true", "false"), "float32": ("true", "false"), "fp32": ("true", "false")}
-
-
-def _given(value: Any) -> bool:
-    return value is not None and str(value).strip().strip("[]'\"") not in ("", "None", "null")
-
-
-def _ratio(values: Mapping[str, Any], src: Source) -> float:
-    return _number(values, "split_dataset_ratio", src) or 0.0
 
 
 DEFAULTS = {"logging_strategy": "steps", "eval_strategy": "no", "save_strategy": "steps", "logging_steps": 500,

@@ -12,21 +12,23 @@ When each tool evaluates, with which batch, and whether it keeps logits (each to
   (`eval_logit_processor`), and it refuses predict_with_generate while training: no logits kept.
 - axolotl: with held-out data (`val_set_size` > 0 or `test_datasets`) unless `eval_strategy: no`; `eval_batch_size`
   defaults to `micro_batch_size` (utils/config `normalize_config`). No compute_metrics over logits.
-- ms-swift: with held-out data (`split_dataset_ratio` > 0, default 0 in ms-swift 3's DataArguments, or
-  `val_dataset`) unless `eval_strategy` no; `per_device_eval_batch_size` defaults to 1 (TrainArgumentsMixin). Its
-  `acc` metric reduces the logits to their argmax first (`preprocess_logits_for_acc`): no logits kept.
+- ms-swift: with validation data (`val_dataset`, `eval_dataset`, `cached_val_dataset`, or `split_dataset_ratio`
+  > 0: DataArguments defaults it to 0.01 in ms-swift 3.0 to 3.5, to 0 from 3.6) unless `eval_strategy`, which
+  follows `save_strategy` where not given, is no; `per_device_eval_batch_size` defaults to 1 (TrainArgumentsMixin).
+  Its `acc` metric reduces the logits to their argmax first (`preprocess_logits_for_acc`): no logits kept.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
+import ast
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
 from shardfit.foreign.common import FALSE_WORDS, as_bool, as_float, as_int, check_bools
 from shardfit.foreign.keys import Key
+from shardfit.foreign.script_ast import TRAINERS
 
 # What the eval keys show in the plan ("{...}": the planned workload's fields).
 EVAL_KEYS = {
@@ -36,8 +38,9 @@ EVAL_KEYS = {
     "eval_accumulation_steps": Key("eval logits moved to the CPU every {eval_accumulation} steps (0: at the end)"),
     "prediction_loss_only": Key("eval logits kept on the GPU: {eval_keeps_logits}"),
     "max_eval_samples": Key("eval set of {eval_examples} examples (bounds the logits kept)"),
+    "batch_eval_metrics": Key("eval logits kept on the GPU: {eval_keeps_logits}"),
+    "eval_do_concat_batches": Key("eval logits concatenated step by step: {eval_concat}"),
 }
-_SET = re.compile(r"\b(compute_metrics|preprocess_logits_for_metrics)\s*=\s*(?!None\b)[A-Za-z_(\[]")
 
 
 def strategy_evaluates(value: Any, default: bool) -> bool:
@@ -53,14 +56,102 @@ def held_out(fraction: Any, key: str, where: str) -> bool:
 
 
 def script_keeps_logits(script: Path | None) -> tuple[bool, str | None]:
-    """(whether the training script's Trainer keeps the eval logits, a note where that is assumed): it passes a
-    compute_metrics and no preprocess_logits_for_metrics. Without a script to read, none is assumed (what the
-    causal-LM examples and TRL do)."""
+    """(whether the training script's Trainer keeps the eval logits, a note where that is assumed): its trainer
+    call passes a compute_metrics and no preprocess_logits_for_metrics (`trainer_metrics`). Where the script is
+    not at hand, or its call cannot be read, none is assumed (what the causal-LM examples and TRL do)."""
     if script is None or not script.is_file():
-        return False, ("evaluation planned without compute_metrics (no training script read): a script that passes "
-                       "one keeps every eval step's logits on the GPU unless eval_accumulation_steps is set")
-    given = {m.group(1) for m in _SET.finditer(script.read_text(errors="replace"))}
+        return False, _ASSUMED.format(why="no training script read")
+    given, unread = trainer_metrics(script.read_text(errors="replace"), script.name)
+    if unread:
+        return False, _ASSUMED.format(why=unread)
     return "compute_metrics" in given and "preprocess_logits_for_metrics" not in given, None
+
+
+_ASSUMED = ("evaluation planned without compute_metrics ({why}): a script that passes one keeps every eval step's "
+            "logits on the GPU unless eval_accumulation_steps is set")
+# The Trainer's metric arguments: compute_metrics keeps the logits, preprocess_logits_for_metrics reduces them.
+METRIC_KEYS = ("compute_metrics", "preprocess_logits_for_metrics")
+# The trainer classes whose call takes them (the HF Trainer's, TRL's), and how many leading positional
+# arguments say nothing of them (model, args, data_collator, train_dataset, eval_dataset: the same in each).
+TRAINER_CLASSES = ("Trainer", "Seq2SeqTrainer", "SFTTrainer", *TRAINERS)
+_LEADING = 5
+
+
+def trainer_metrics(text: str, file: str) -> tuple[set[str], str | None]:
+    """(the METRIC_KEYS the script's first trainer call gives a value other than None, why that cannot be told or
+    None): read from the call's syntax tree, as keywords, `**{...}` and `**dict(...)` literals, or `**name` for a
+    name bound once to such a literal (its `name["key"] = ...` items added); `trainer.compute_metrics = ...` counts
+    too. Comments, strings and other calls' keywords do not."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return set(), f"{file} does not parse"
+    names = (*TRAINER_CLASSES, *(c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                                 and any(_called(b) in TRAINER_CLASSES for b in c.bases)))
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n.func) in names),
+                   key=lambda n: (n.lineno, n.col_offset))
+    if not calls:
+        return set(), f"no Trainer call found in {file}"
+    call, at = calls[0], f"{file}:{calls[0].lineno}"
+    if len(call.args) > _LEADING or any(isinstance(a, ast.Starred) for a in call.args):
+        return set(), f"{at} passes its trainer arguments by position"
+    given = {k.arg for k in call.keywords if k.arg in METRIC_KEYS and not _is_none(k.value)}
+    for unpacked in (k.value for k in call.keywords if k.arg is None):
+        keys = _mapping_keys(unpacked, tree)
+        if keys is None:
+            return set(), f"{at} passes its trainer arguments in **{ast.unparse(unpacked)}, which is not read"
+        given |= keys & set(METRIC_KEYS)
+    given |= {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) and not _is_none(n.value)
+              for t in n.targets if isinstance(t, ast.Attribute) and t.attr in METRIC_KEYS}
+    return given, None
+
+
+def _mapping_keys(node: ast.expr, tree: ast.Module) -> set[str] | None:
+    """The keys a `**` mapping gives a value other than None: a dict literal with string keys, dict(k=v, ...), or a
+    name bound exactly once to one of them (with its `name["k"] = v` items); None where that cannot be read."""
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            return None  # a `**` inside the literal, or a computed key
+        return {k.value for k, v in zip(node.keys, node.values, strict=True)
+                if isinstance(k, ast.Constant) and not _is_none(v)}
+    if isinstance(node, ast.Call) and _called(node.func) == "dict":
+        if node.args or any(k.arg is None for k in node.keywords):
+            return None
+        return {k.arg for k in node.keywords if k.arg and not _is_none(k.value)}
+    if not isinstance(node, ast.Name):
+        return None
+    bound = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign)
+             and any(isinstance(t, ast.Name) and t.id == node.id for t in _targets(n))]
+    changed = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and _called(n.func.value) == node.id
+                  and n.func.attr in ("update", "setdefault", "pop", "__setitem__") for n in ast.walk(tree))
+    keys = _mapping_keys(bound[0], tree) if len(bound) == 1 and bound[0] is not None and not changed else None
+    if keys is None:
+        return None
+    for n in ast.walk(tree):
+        for t in _targets(n) if isinstance(n, ast.Assign) else []:
+            if isinstance(t, ast.Subscript) and _called(t.value) == node.id:
+                if not (isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
+                    return None
+                keys = keys | {t.slice.value} if not _is_none(n.value) else keys - {t.slice.value}
+    return keys
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment binds."""
+    if isinstance(node, ast.Assign):
+        return list(node.targets)
+    return [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
+
+
+def _called(func: ast.expr) -> str:
+    """`Trainer` for Trainer(...), transformers.Trainer(...); a name's own id."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def _is_none(node: ast.expr | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
 
 
 def trainer_eval(get: Callable[[str], Any], at: Callable[[str], str], *, evaluates: bool, batch_key: str,
@@ -74,18 +165,31 @@ def trainer_eval(get: Callable[[str], Any], at: Callable[[str], str], *, evaluat
     batch = default_batch if given is None else as_int(given, batch_key, at(batch_key))
     if batch < 1:
         raise UserError(f"{at(batch_key)}: '{batch_key}' is {given!r}; expected 1 or more rows per eval batch.")
-    steps = get("eval_accumulation_steps")
-    steps = 0 if steps is None or str(steps).strip().lower() in FALSE_WORDS else \
-        as_int(steps, "eval_accumulation_steps", at("eval_accumulation_steps"))
-    if steps < 0:
-        raise UserError(f"{at('eval_accumulation_steps')}: 'eval_accumulation_steps' is {steps}; expected 1 or more "
-                        "(or leave it out).")
     examples = get("max_eval_samples")
     examples = 0 if examples is None else max(0, as_int(examples, "max_eval_samples", at("max_eval_samples")))
-    check_bools({"prediction_loss_only": get("prediction_loss_only")}, ("prediction_loss_only",), at)
-    loss_only = as_bool(get("prediction_loss_only") or False)
-    return {"eval_batch": batch, "eval_batch_key": batch_key, "eval_keeps_logits": keeps_logits and not loss_only,
-            "eval_accumulation": steps, "eval_examples": examples}
+    flags = ("prediction_loss_only", "batch_eval_metrics", "eval_do_concat_batches")
+    check_bools({k: get(k) for k in flags}, flags, at)
+    # batch_eval_metrics hands each step's logits to compute_metrics and drops them (no container, and
+    # eval_accumulation_steps is not read); eval_do_concat_batches false appends each step's to a list
+    drops = as_bool(get("prediction_loss_only") or False) or as_bool(get("batch_eval_metrics") or False)
+    concat = get("eval_do_concat_batches")
+    return {"eval_batch": batch, "eval_batch_key": batch_key, "eval_keeps_logits": keeps_logits and not drops,
+            "eval_accumulation": _accumulation(get("eval_accumulation_steps"), at("eval_accumulation_steps")),
+            "eval_examples": examples, "eval_concat": True if concat is None else as_bool(concat)}
+
+
+def _accumulation(given: Any, at: str) -> int:
+    """eval_accumulation_steps as evaluation_loop reads it: 0 where unset (None); 0 itself fails the first eval
+    step, which tests `(step + 1) % eval_accumulation_steps` (ZeroDivisionError)."""
+    if given is None or str(given).strip().lower() in ("none", "null"):
+        return 0
+    steps = as_int(given, "eval_accumulation_steps", at)
+    if steps < 1:
+        why = "the first eval step divides by it ((step + 1) % 0: ZeroDivisionError), so the job fails when it " \
+            "first evaluates" if steps == 0 else "expected 1 or more"
+        raise UserError(f"{at}: 'eval_accumulation_steps' is {given!r}: {why}. Set it to 1 or more (1 moves each "
+                        f"step's logits to the CPU), or leave it out.")
+    return steps
 
 
 def held_out_eval(src: Any, *, share: str, data: str, strategy_default: bool, batch_key: str,
@@ -97,6 +201,54 @@ def held_out_eval(src: Any, *, share: str, data: str, strategy_default: bool, ba
     evaluates = evaluates and strategy_evaluates(src.get("eval_strategy"), strategy_default)
     return trainer_eval(src.get, src.at, evaluates=evaluates, batch_key=batch_key, default_batch=default_batch,
                         keeps_logits=False)
+
+
+# ms-swift's validation data: named (`--val_dataset`, `--eval_dataset`, `--cached_val_dataset`), or split off the
+# training set by `--split_dataset_ratio`, whose default DataArguments changed from 0.01 (3.0 to 3.5) to 0 (3.6 on).
+SWIFT_VAL_KEYS = ("val_dataset", "eval_dataset", "cached_val_dataset")
+SWIFT_SPLIT_NOTE = ("split_dataset_ratio not set: 0 as in ms-swift 3.6 and later (no validation data: no "
+                    "evaluation); ms-swift 3.0 to 3.5 default it to 0.01 and evaluate at each save, "
+                    "per_device_eval_batch_size 1 rows: pass --split_dataset_ratio 0.01 to plan that (--tuner_type, "
+                    "ms-swift 4's name for --train_type, says 4)")
+
+
+def swift_val_data(values: Mapping[str, Any], at: Callable[[str], str]) -> bool | None:
+    """Whether an ms-swift job has validation data (`_val_dataset_exists`, or `eval_dataset`: sft_args.py, ms-swift
+    3.x and 4.x), with which it evaluates: one named, or a split_dataset_ratio above 0 (`--streaming` sets it 0).
+    None where ms-swift's version decides: no ratio given, and the job is not ms-swift 4's (`--tuner_type`)."""
+    if any(_named(values.get(k)) for k in SWIFT_VAL_KEYS):
+        return True
+    if as_bool(values.get("streaming") or False):
+        return False
+    ratio = values.get("split_dataset_ratio")
+    if ratio is None:
+        return False if "tuner_type" in values else None
+    return as_float(ratio, "split_dataset_ratio", at("split_dataset_ratio")) > 0
+
+
+def swift_eval_strategy(values: Mapping[str, Any]) -> str:
+    """ms-swift's eval_strategy: the one given, else its save_strategy (`_init_eval_strategy`), the HF default
+    steps where neither is."""
+    given = values.get("eval_strategy", values.get("save_strategy"))
+    return "steps" if given is None else str(given).strip().lower()
+
+
+def swift_eval(src: Any, notes: list[str]) -> dict[str, Any]:
+    """The evaluation of an ms-swift job: with validation data (`swift_val_data`) on an eval_strategy that
+    evaluates (`swift_eval_strategy`), per_device_eval_batch_size rows (default 1: TrainArgumentsMixin); no logits
+    kept (its `acc` metric reduces them to argmax ids first). Where its version decides, planned as 3.6 and later
+    do, with a note."""
+    data = swift_val_data(src.values, src.at)
+    on = strategy_evaluates(swift_eval_strategy(src.values), True)
+    if data is None and on:
+        notes.append(SWIFT_SPLIT_NOTE)
+    return trainer_eval(src.get, src.at, evaluates=bool(data) and on, batch_key="per_device_eval_batch_size",
+                        default_batch=1, keeps_logits=False)
+
+
+def _named(value: Any) -> bool:
+    """A dataset key given a name (not None, null, or an empty list)."""
+    return value is not None and str(value).strip().strip("[]'\"") not in ("", "None", "null")
 
 
 def hf_eval(src: Any, script: Path | None, preference: bool, generate: bool, notes: list[str]) -> dict[str, Any]:

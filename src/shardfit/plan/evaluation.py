@@ -17,8 +17,10 @@ What the Trainer (transformers 5) holds when it evaluates, from its source:
   all ranks'), optionally reduced by preprocess_logits_for_metrics (LLaMA-Factory's and ms-swift's argmax), and
   concatenated on the GPU into an EvalLoopContainer (trainer_pt_utils.py `nested_concat` -> torch.cat: the old and
   the new tensor exist at once) until `eval_accumulation_steps` steps have gathered, when they move to the CPU
-  (trainer.py `evaluation_loop`); unset, every step's stay until the loop ends. Seq2SeqTrainer's
-  predict_with_generate keeps generated token ids instead (trainer_seq2seq.py `prediction_step`).
+  (trainer.py `evaluation_loop`); unset, every step's stay until the loop ends. eval_do_concat_batches false
+  appends each step's to a list instead (no concatenation: the kept steps alone); batch_eval_metrics hands each
+  step's to compute_metrics and drops them, keeping none. Seq2SeqTrainer's predict_with_generate keeps generated
+  token ids instead (trainer_seq2seq.py `prediction_step`).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def eval_loss_bytes(shape: ModelShape, we: Workload, strategy: str) -> float:
 def eval_parts(shape: ModelShape, w: Workload, strategy: str, ranks: int) -> list[tuple[float, float]]:
     """(activations, logits) in bytes at the evaluation's candidate peaks on one of `ranks` ranks, beside the
     states between steps: the last kept step's loss (its forward's transient, its loss, the earlier steps' logits),
-    and the concatenation that adds its logits to them (old and new at once). Empty without evaluation."""
+    and the concatenation that adds its logits to them (old and new at once; appended to a list, the kept steps
+    alone). Empty without evaluation."""
     if not w.eval_batch:
         return []
     we = eval_workload(w)
@@ -91,7 +94,7 @@ def eval_parts(shape: ModelShape, w: Workload, strategy: str, ranks: int) -> lis
     g = step_kept_bytes(shape, w, ranks)
     parts = [(act, eval_loss_bytes(shape, we, strategy) + max(0, k - 1) * g)]
     if k:
-        parts.append((0.0, 2 * k * g if k > 1 else g))
+        parts.append((0.0, 2 * k * g if k > 1 and w.eval_concat else k * g))
     return parts
 
 

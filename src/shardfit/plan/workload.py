@@ -260,6 +260,9 @@ class Workload:
     eval_accumulation: int = 0
     # Examples in the eval set where the job says (it bounds the eval steps kept); 0: not known.
     eval_examples: int = 0
+    # Each kept step's logits join the earlier ones by torch.cat (eval_do_concat_batches, default true: old and new
+    # at once); false appends them to a list.
+    eval_concat: bool = True
 
     @property
     def bnb(self) -> bool:
