@@ -30,6 +30,8 @@ HF_ARGUMENTS = ("TrainingArguments", "Seq2SeqTrainingArguments")
 # TRL's trainers: what the script optimises (hf.py maps each to shardfit's objective, or refuses it).
 TRAINERS = ("DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "GRPOTrainer", "PPOTrainer", "RewardTrainer",
             "RLOOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer", "BCOTrainer", "PRMTrainer")
+# Every trainer class whose call takes the model and the training arguments: the HF Trainer's and TRL's.
+TRAINER_CLASSES = ("Trainer", "Seq2SeqTrainer", "SFTTrainer", *TRAINERS)
 SEQ_KEYS = ("max_seq_length", "max_length", "model_max_length")
 # TRL's config classes (TrainingArguments with TRL's own defaults, trainer_checks.py `trainer_defaults`).
 TRL_CONFIGS = tuple(c for c in ARGUMENT_CLASSES if c not in HF_ARGUMENTS) + \
@@ -228,7 +230,7 @@ def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, An
     `model=` is tied to (a cast on the way setting the dtype), else the one load left that could be it, unless the
     `model=` comes from a call that cannot be followed. unsloth's loads pick their own dtype (`unsloth_at`); loads
     that disagree and cannot be told apart decide nothing; the findings say each."""
-    found = trained_load(tree, path.name, ("Trainer", "Seq2SeqTrainer", "SFTTrainer", *TRAINERS))
+    found = trained_load(tree, path.name, TRAINER_CLASSES)
     tied = found.tied
     if tied and not tied[0].built and tied[0].call.args and \
             isinstance(first := _value(tied[0].call.args[0], constants), str) and "/" in first:

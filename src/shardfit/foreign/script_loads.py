@@ -48,7 +48,7 @@ class ModelLoad:
     @property
     def built(self) -> bool:
         """A from_config: the model built from a config, not loaded from a checkpoint."""
-        return _called(self.call.func) in FROM_CONFIG
+        return called_name(self.call.func) in FROM_CONFIG
 
     @property
     def unsloth(self) -> bool:
@@ -96,10 +96,9 @@ def trained_load(tree: ast.Module, file: str, trainers: tuple[str, ...]) -> Trai
     `model=` comes from a call that cannot be followed (a builder the script imports)."""
     flow = _Flow(tree)
     loads = [ModelLoad(c, f"{file}:{c.lineno}", owner_of(c)) for c in flow.calls
-             if _called(c.func) in ("from_pretrained", *FROM_CONFIG) and loads_model(c)]
-    names = (*trainers, *(c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and
-                          any(_called(b) in trainers for b in c.bases)))
-    trainer, untold = flow.trained([c for c in flow.calls if _called(c.func) in names], file)
+             if called_name(c.func) in ("from_pretrained", *FROM_CONFIG) and loads_model(c)]
+    names = trainer_names(tree, trainers)
+    trainer, untold = flow.trained([c for c in flow.calls if called_name(c.func) in names], file)
     tied: set[tuple[ast.Call, ast.Call | None]] | None = None
     unfollowed = None
     if trainer is not None:
@@ -125,16 +124,16 @@ def trained_load(tree: ast.Module, file: str, trainers: tuple[str, ...]) -> Trai
 def cast_dtype(call: ast.Call) -> str | None:
     """The dtype a cast on the chain (`_is_cast`) sets, by TRL's --dtype names; None where `.to(dtype=...)` is
     given a computed one."""
-    if _called(call.func) in _CASTS:
-        return _CASTS[_called(call.func)]
+    if called_name(call.func) in _CASTS:
+        return _CASTS[called_name(call.func)]
     dtype = next((a.attr for a in (*call.args, *(k.value for k in call.keywords))
-                  if isinstance(a, ast.Attribute) and _called(a.value) == "torch"), None)
+                  if isinstance(a, ast.Attribute) and called_name(a.value) == "torch"), None)
     return dtype if dtype in _CASTS.values() else None
 
 
 def cast_said(call: ast.Call) -> str:
     """A cast as the script spells it, without the model it is called on: `.to(dtype=torch.bfloat16)`."""
-    return f".{_called(call.func)}({', '.join(ast.unparse(a) for a in (*call.args, *call.keywords))})"
+    return f".{called_name(call.func)}({', '.join(ast.unparse(a) for a in (*call.args, *call.keywords))})"
 
 
 def _is_cast(call: ast.Call) -> bool:
@@ -145,13 +144,20 @@ def _is_cast(call: ast.Call) -> bool:
     if call.func.attr in _CASTS:
         return not call.args and not call.keywords
     return call.func.attr == "to" and (any(k.arg == "dtype" for k in call.keywords) or any(
-        isinstance(a, ast.Attribute) and _called(a.value) == "torch" for a in call.args))
+        isinstance(a, ast.Attribute) and called_name(a.value) == "torch" for a in call.args))
 
 
-def _called(func: ast.expr) -> str:
+def called_name(func: ast.expr) -> str:
+    """`Trainer` for Trainer(...), transformers.Trainer(...); a name's own id."""
     if isinstance(func, ast.Attribute):
         return func.attr
     return func.id if isinstance(func, ast.Name) else ""
+
+
+def trainer_names(tree: ast.Module, trainers: tuple[str, ...]) -> tuple[str, ...]:
+    """The trainer classes a script's calls may build: `trainers`, and the classes the script derives from one."""
+    return (*trainers, *(c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and
+                         any(called_name(b) in trainers for b in c.bases)))
 
 
 class _Flow:
@@ -198,7 +204,7 @@ class _Flow:
             return self._name(expr.id, use, index, depth)
         if not isinstance(expr, ast.Call):
             return None
-        name = _called(expr.func)
+        name = called_name(expr.func)
         if name in ("from_pretrained", *FROM_CONFIG) and loads_model(expr):
             return {(expr, None)}
         if isinstance(expr.func, ast.Name) and name in self.functions:
@@ -250,8 +256,8 @@ class _Flow:
         config.json) or a config class (LlamaConfig(...)); None where it is made otherwise."""
         arg = next((k.value for k in call.keywords if k.arg == "config"), call.args[0] if call.args else None)
         value = self.value_of(arg, call) if arg is not None else None
-        return value if isinstance(value, ast.Call) and _called(value.func).endswith(("Config", "from_pretrained")) \
-            else None
+        made = isinstance(value, ast.Call) and called_name(value.func).endswith(("Config", "from_pretrained"))
+        return value if made else None
 
     def _name(self, name: str, use: ast.AST, index: int | None, depth: int) -> Found:
         """The values `name` can hold at `use`: its assignments before it in the same scope, back to the last one

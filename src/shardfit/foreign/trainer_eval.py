@@ -28,7 +28,8 @@ from typing import Any
 from shardfit.errors import UserError
 from shardfit.foreign.common import FALSE_WORDS, as_bool, as_float, as_int, check_bools
 from shardfit.foreign.keys import Key
-from shardfit.foreign.script_ast import TRAINERS
+from shardfit.foreign.script_ast import TRAINER_CLASSES
+from shardfit.foreign.script_loads import called_name, trainer_names
 
 # What the eval keys show in the plan ("{...}": the planned workload's fields).
 EVAL_KEYS = {
@@ -71,9 +72,8 @@ _ASSUMED = ("evaluation planned without compute_metrics ({why}): a script that p
             "logits on the GPU unless eval_accumulation_steps is set")
 # The Trainer's metric arguments: compute_metrics keeps the logits, preprocess_logits_for_metrics reduces them.
 METRIC_KEYS = ("compute_metrics", "preprocess_logits_for_metrics")
-# The trainer classes whose call takes them (the HF Trainer's, TRL's), and how many leading positional
-# arguments say nothing of them (model, args, data_collator, train_dataset, eval_dataset: the same in each).
-TRAINER_CLASSES = ("Trainer", "Seq2SeqTrainer", "SFTTrainer", *TRAINERS)
+# How many leading positional arguments of a trainer call (TRAINER_CLASSES) say nothing of the metrics (model,
+# args, data_collator, train_dataset, eval_dataset: the same in each).
 _LEADING = 5
 
 
@@ -86,9 +86,8 @@ def trainer_metrics(text: str, file: str) -> tuple[set[str], str | None]:
         tree = ast.parse(text)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return set(), f"{file} does not parse"
-    names = (*TRAINER_CLASSES, *(c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
-                                 and any(_called(b) in TRAINER_CLASSES for b in c.bases)))
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n.func) in names),
+    names = trainer_names(tree, TRAINER_CLASSES)
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and called_name(n.func) in names),
                    key=lambda n: (n.lineno, n.col_offset))
     if not calls:
         return set(), f"no Trainer call found in {file}"
@@ -114,7 +113,7 @@ def _mapping_keys(node: ast.expr, tree: ast.Module) -> set[str] | None:
             return None  # a `**` inside the literal, or a computed key
         return {k.value for k, v in zip(node.keys, node.values, strict=True)
                 if isinstance(k, ast.Constant) and not _is_none(v)}
-    if isinstance(node, ast.Call) and _called(node.func) == "dict":
+    if isinstance(node, ast.Call) and called_name(node.func) == "dict":
         if node.args or any(k.arg is None for k in node.keywords):
             return None
         return {k.arg for k in node.keywords if k.arg and not _is_none(k.value)}
@@ -122,14 +121,14 @@ def _mapping_keys(node: ast.expr, tree: ast.Module) -> set[str] | None:
         return None
     bound = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign)
              and any(isinstance(t, ast.Name) and t.id == node.id for t in _targets(n))]
-    changed = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and _called(n.func.value) == node.id
+    changed = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and called_name(n.func.value) == node.id
                   and n.func.attr in ("update", "setdefault", "pop", "__setitem__") for n in ast.walk(tree))
     keys = _mapping_keys(bound[0], tree) if len(bound) == 1 and bound[0] is not None and not changed else None
     if keys is None:
         return None
     for n in ast.walk(tree):
         for t in _targets(n) if isinstance(n, ast.Assign) else []:
-            if isinstance(t, ast.Subscript) and _called(t.value) == node.id:
+            if isinstance(t, ast.Subscript) and called_name(t.value) == node.id:
                 if not (isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
                     return None
                 keys = keys | {t.slice.value} if not _is_none(n.value) else keys - {t.slice.value}
@@ -141,13 +140,6 @@ def _targets(node: ast.AST) -> list[ast.expr]:
     if isinstance(node, ast.Assign):
         return list(node.targets)
     return [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
-
-
-def _called(func: ast.expr) -> str:
-    """`Trainer` for Trainer(...), transformers.Trainer(...); a name's own id."""
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return func.id if isinstance(func, ast.Name) else ""
 
 
 def _is_none(node: ast.expr | None) -> bool:
