@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    default_attention,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -266,8 +267,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
                     else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
-                    loss=hf_loss(version, fused), attention="flash" if flash else "eager" if src.flag(
-                        "eager_attention") or impl == "eager" else "sdpa",
+                    loss=hf_loss(version, fused), attention=_attention(src, impl, flash, version, job.notes),
                     quant_backend="bnb", quantize_fused_experts=src.flag("quantize_moe_experts"),
                     **settings(src, KEYS, "field"))
 
@@ -293,6 +293,18 @@ def _kbit_dtypes(src: Source, job: ForeignJob, shape: ModelShape, version: str) 
         return
     job.workload, note = cast_back(w, shape, version, "axolotl")
     job.notes.append(note)
+
+
+def _attention(src: Source, impl: str, flash: bool, version: str, notes: list[str]) -> str:
+    """The planner's attention for axolotl's attention keys: transformers' default by version where none is set
+    (axolotl's own SDPA and xformers patches count as set)."""
+    if flash:
+        return "flash"
+    if src.flag("eager_attention") or impl == "eager":
+        return "eager"
+    if impl or src.flag("sdp_attention") or src.flag("xformers_attention"):
+        return "sdpa"
+    return default_attention(version, notes)
 
 
 def _one_attention(src: Source, impl: str) -> None:

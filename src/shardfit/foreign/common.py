@@ -57,6 +57,22 @@ def major_minor(version: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
 
 
+# transformers attends with torch's SDPA by default from 4.36 (where torch is 2.1.1 or newer, as every release that
+# reads a current config needs); before, a model that was not asked for flash-attention 2 attended eagerly,
+# keeping each head's fp32 softmax for the backward.
+SDPA_DEFAULT_SINCE = (4, 36)
+
+
+def default_attention(version: str, notes: list[str]) -> str:
+    """The planner's attention for a job that names none (or leaves it to transformers: LLaMA-Factory's `auto`)
+    under transformers `version`: `sdpa`, or `eager` before 4.36, with a note saying so."""
+    if major_minor(version) >= SDPA_DEFAULT_SINCE:
+        return "sdpa"
+    notes.append(f"attention not set: transformers {version} attends eagerly (SDPA is its default from 4.36): "
+                 "planned with eager attention")
+    return "eager"
+
+
 # Attention implementations by the names the tools use, onto the planner's three memory behaviours.
 ATTENTION = {"fa2": "flash", "flash_attn": "flash", "flash_attention_2": "flash", "flash_attention_3": "flash",
              "fa3": "flash", "flex_attention": "flash", "sdpa": "sdpa", "auto": "sdpa", "eager": "eager",

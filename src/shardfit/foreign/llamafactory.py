@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     TRAINER_NO_EFFECT,
     as_float,
     as_int,
+    default_attention,
     hf_loss,
     lf_freeze_blocks,
     local_file,
@@ -243,7 +244,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
                     **optimizer_keys(src.get("optim"), version, job.notes),
-                    loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
+                    loss=hf_loss(version, src.flag("use_liger_kernel")),
+                    attention=default_attention(version, job.notes) if attn == "auto" else ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
                     # init_adapter casts every trainable weight to fp32 after get_peft_model unless pure_bf16:
                     # additional_target's copies too, as the adapters

@@ -10,6 +10,7 @@ from shardfit import objective as objectives
 from shardfit.errors import UserError
 from shardfit.foreign.axolotl import read_axolotl
 from shardfit.foreign.common import (
+    default_attention,
     default_optim,
     hf_loss,
     load_yaml,
@@ -272,9 +273,11 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
     raw = parse_json(read_text(path), str(path))
     ds = read_deepspeed(raw, str(path), shape.hidden)
     optim, assumed = default_optim(None, version) if not ds.zero.ds_optimizer else ("adamw_torch_fused", None)
+    attention_notes: list[str] = []  # the script decides its attention: transformers' default by version
     w = Workload(method=opts.method or "full", precision=ds.precision or "bf16", seq_len=opts.seq or 2048,
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
-                 loss=hf_loss(version, False), attention="sdpa", grad_accum=ds.grad_accum or 1,
+                 loss=hf_loss(version, False), attention=default_attention(version, attention_notes),
+                 grad_accum=ds.grad_accum or 1,
                  fused_adamw=not multi_tensor_step(optim))
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
@@ -287,6 +290,7 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                      "without)")
     if assumed:  # no optimizer section: the script's optimizer steps, planned as the HF Trainer's default
         job.notes.append(assumed)
+    job.notes.extend(attention_notes)
     return job
 
 

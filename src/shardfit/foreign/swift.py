@@ -17,6 +17,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    default_attention,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -313,7 +314,7 @@ def _precision(src: Source, job: ForeignJob) -> str:
 def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     method = _method(src, job)
     precision = _precision(src, job)
-    attn = src.get("attn_impl", "sdpa").lower()
+    attn = str(src.get("attn_impl", "auto")).lower()
     if attn not in ATTENTION:
         raise UserError(f"{src.where}: --attn_impl {attn}: choose flash_attn, sdpa or eager.")
     if "max_length" not in src:
@@ -322,7 +323,8 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
                     **optimizer_keys(src.get("optim"), version, job.notes),
-                    loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
+                    loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
+                    attention=default_attention(version, job.notes) if attn == "auto" else ATTENTION[attn],
                     # --modules_to_save's copies stay as loaded, but fp16 trainables go to fp32 (swift's tuner
                     # prepare, after the adapters are made)
                     lora_saved_dtype="fp16_upcast", **_bnb(src, method, precision), **settings(src, KEYS, "field"))
