@@ -241,3 +241,28 @@ def test_swift_load_best_is_refused_only_where_no_version_evaluates(tmp_path: Pa
     with pytest.raises(UserError, match="load_best_model_at_end"):
         _swift(tmp_path, "--tuner_type lora --load_best_model_at_end true")
     assert _swift(tmp_path, "--train_type lora --load_best_model_at_end true").workload.eval_batch == 0
+
+
+# Two trainers in one script: the one whose .train() runs decides, as it decides the load dtype (script_loads.py)
+@pytest.mark.parametrize(("calls", "keeps"), [
+    ("scorer = Trainer(model=rm, args=args, compute_metrics=cm)\nscorer.evaluate()\n"
+     "Trainer(model=model, args=args).train()", False),
+    ("warm = Trainer(model=model, args=args)\nt = Trainer(model=model, args=args, compute_metrics=cm)\nt.train()",
+     True),
+])
+def test_the_trainer_that_trains_decides_the_eval_logits(tmp_path: Path, calls: str, keeps: bool) -> None:
+    """The script's first trainer call is not the one that trains: its metrics say nothing of the training's
+    evaluation (a scorer evaluated on its own, a trainer built and dropped)."""
+    job = _hf_job(tmp_path, "--eval_strategy steps", _KW + calls + "\n")
+    assert job.workload.eval_keeps_logits is keeps, job.notes
+    assert not any("compute_metrics (" in n for n in job.notes), job.notes
+
+
+def test_two_trainers_none_seen_training_is_noted(tmp_path: Path) -> None:
+    """Several trainers and no .train() on one of them: which evaluation runs cannot be told, and the plan says
+    so (no logits assumed), naming where the trainers are."""
+    calls = "a = Trainer(model=model, args=args, compute_metrics=cm)\nb = Trainer(model=model, args=args)\nrun(a, b)"
+    job = _hf_job(tmp_path, "--eval_strategy steps", _KW + calls + "\n")
+    assert not job.workload.eval_keeps_logits
+    assert any("which of the trainers at train.py:4, train.py:5 trains cannot be told" in n for n in job.notes), \
+        job.notes

@@ -173,7 +173,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _workload(src, job, version, acc, code.trl_config)
-    w = job.workload = dataclasses.replace(w, **hf_eval(src, script, code.trainer in TRAINERS,
+    w = job.workload = dataclasses.replace(w, **hf_eval(src, code, code.trainer in TRAINERS,
                                                         src.flag("predict_with_generate", "false"), job.notes))
     loaded = job_load(src, code, version, program)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.script_loads import ModelLoad, cast_dtype, cast_said, trained_load
+from shardfit.foreign.script_loads import ModelLoad, TrainedLoad, cast_dtype, cast_said, trained_load
+from shardfit.foreign.script_metrics import call_metrics
 
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
 ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig", "ORPOConfig",
@@ -90,6 +91,10 @@ class ScriptSettings:
     # command-line options the parser never reads, as the script's arguments come from such a file alone
     ignored_args: dict[str, str] = field(default_factory=dict)
     arg_file_keys: set[str] = field(default_factory=set)  # the keys that file gives
+    # the metric arguments the trainer call that trains passes (script_metrics.py `call_metrics`), or why they
+    # cannot be told (no script read, a script that does not parse, arguments passed by position, ...)
+    metrics: frozenset[str] = frozenset()
+    metrics_unread: str | None = "no training script read"
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     try:
         tree = ast.parse(text, filename=str(path))
     except (SyntaxError, ValueError):
+        out.metrics_unread = f"{path.name} does not parse"
         return out
     except (MemoryError, RecursionError):  # nesting deeper than Python's parser goes
         raise UserError(f"{path}: nested too deeply for Python's parser to read (the script could not run either); "
@@ -212,7 +218,8 @@ def read_script(path: Path, text: str) -> ScriptSettings:
              if isinstance(n, ast.Name | ast.Attribute)}
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
-    _trained_load(out, tree, constants, path)
+    found = _trained_load(out, tree, constants, path)
+    out.metrics, out.metrics_unread = call_metrics(tree, found.trainer, path.name, found.untold)
     return out
 
 
@@ -225,11 +232,11 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "ha
            "float": "float32", "auto": "auto"}
 
 
-def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, Any], path: Path) -> None:
+def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, Any], path: Path) -> TrainedLoad:
     """The load dtype of the model the script's trainer trains (script_loads.py `trained_load`): the load its
     `model=` is tied to (a cast on the way setting the dtype), else the one load left that could be it, unless the
     `model=` comes from a call that cannot be followed. unsloth's loads pick their own dtype (`unsloth_at`); loads
-    that disagree and cannot be told apart decide nothing; the findings say each."""
+    that disagree and cannot be told apart decide nothing; the findings say each. Returns what it found."""
     found = trained_load(tree, path.name, TRAINER_CLASSES)
     tied = found.tied
     if tied and not tied[0].built and tied[0].call.args and \
@@ -248,7 +255,7 @@ def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, An
         out.found.append(f"{unsloth[0].owner}.from_pretrained at {out.unsloth_at} loads the model: unsloth picks its "
                          f"own dtype (none given: bf16 where the GPU has it, else fp16), so the load dtype is not "
                          f"planned (the plan keeps its precision)")
-        return
+        return found
     loads = tied or found.candidates
     dtypes = {_load_dtype(ld, constants) for ld in loads}
     if len(dtypes) == 1:
@@ -258,6 +265,7 @@ def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, An
     elif loads:
         out.found.append(f"models load in different dtypes at {', '.join(ld.at for ld in loads)} and "
                          f"{'each may reach' if tied else 'none can be tied to'} the trainer's model=: {fallback}")
+    return found
 
 
 def _load_said(load: ModelLoad, dtype: str, file: str) -> tuple[str, str]:

@@ -79,13 +79,14 @@ class TrainedLoad:
     loads that could still be the trained one where it is not (`candidates`), and unsloth's loads among all;
     `unfollowed`: the call (as "build() at train.py:5") the trainer's `model=` comes from that cannot be followed
     back to a load (no candidate is then taken for it); `untold`: where the trainers are, where several are built
-    and which one trains cannot be told."""
+    and which one trains cannot be told; `trainer`: the call of the one that trains."""
 
     tied: list[ModelLoad]
     candidates: list[ModelLoad]
     unsloth: list[ModelLoad]
     unfollowed: str | None = None
     untold: list[str] = field(default_factory=list)
+    trainer: ast.Call | None = None  # the trainer call that trains (None: no trainer, or `untold`)
 
 
 def trained_load(tree: ast.Module, file: str, trainers: tuple[str, ...]) -> TrainedLoad:
@@ -118,7 +119,7 @@ def trained_load(tree: ast.Module, file: str, trainers: tuple[str, ...]) -> Trai
              for c, cast in sorted(tied or (), key=lambda t: (t[0].lineno, t[0].col_offset,
                                                               t[1].lineno if t[1] else 0))]
     return TrainedLoad(found, [replace(ld, config=flow.config_of(ld.call) if ld.built else None) for ld in candidates],
-                       [ld for ld in loads if ld.unsloth], unfollowed, untold)
+                       [ld for ld in loads if ld.unsloth], unfollowed, untold, trainer)
 
 
 def cast_dtype(call: ast.Call) -> str | None:

@@ -20,16 +20,13 @@ When each tool evaluates, with which batch, and whether it keeps logits (each to
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
 from shardfit.foreign.common import FALSE_WORDS, as_bool, as_float, as_int, check_bools
 from shardfit.foreign.keys import Key
-from shardfit.foreign.script_ast import TRAINER_CLASSES
-from shardfit.foreign.script_loads import called_name, trainer_names
+from shardfit.foreign.script_ast import ScriptSettings
 
 # What the eval keys show in the plan ("{...}": the planned workload's fields).
 EVAL_KEYS = {
@@ -56,94 +53,18 @@ def held_out(fraction: Any, key: str, where: str) -> bool:
     return fraction is not None and as_float(fraction, key, where) > 0
 
 
-def script_keeps_logits(script: Path | None) -> tuple[bool, str | None]:
-    """(whether the training script's Trainer keeps the eval logits, a note where that is assumed): its trainer
-    call passes a compute_metrics and no preprocess_logits_for_metrics (`trainer_metrics`). Where the script is
-    not at hand, or its call cannot be read, none is assumed (what the causal-LM examples and TRL do)."""
-    if script is None or not script.is_file():
-        return False, _ASSUMED.format(why="no training script read")
-    given, unread = trainer_metrics(script.read_text(errors="replace"), script.name)
-    if unread:
-        return False, _ASSUMED.format(why=unread)
-    return "compute_metrics" in given and "preprocess_logits_for_metrics" not in given, None
+def script_keeps_logits(code: ScriptSettings) -> tuple[bool, str | None]:
+    """(whether the training script's Trainer keeps the eval logits, a note where that is assumed): the trainer
+    call that trains (script_ast.py `read_script`, `metrics`) passes a compute_metrics and no
+    preprocess_logits_for_metrics. Where no script was read, or that call cannot be read, none is assumed (what the
+    causal-LM examples and TRL do)."""
+    if code.metrics_unread:
+        return False, _ASSUMED.format(why=code.metrics_unread)
+    return "compute_metrics" in code.metrics and "preprocess_logits_for_metrics" not in code.metrics, None
 
 
 _ASSUMED = ("evaluation planned without compute_metrics ({why}): a script that passes one keeps every eval step's "
             "logits on the GPU unless eval_accumulation_steps is set")
-# The Trainer's metric arguments: compute_metrics keeps the logits, preprocess_logits_for_metrics reduces them.
-METRIC_KEYS = ("compute_metrics", "preprocess_logits_for_metrics")
-# How many leading positional arguments of a trainer call (TRAINER_CLASSES) say nothing of the metrics (model,
-# args, data_collator, train_dataset, eval_dataset: the same in each).
-_LEADING = 5
-
-
-def trainer_metrics(text: str, file: str) -> tuple[set[str], str | None]:
-    """(the METRIC_KEYS the script's first trainer call gives a value other than None, why that cannot be told or
-    None): read from the call's syntax tree, as keywords, `**{...}` and `**dict(...)` literals, or `**name` for a
-    name bound once to such a literal (its `name["key"] = ...` items added); `trainer.compute_metrics = ...` counts
-    too. Comments, strings and other calls' keywords do not."""
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return set(), f"{file} does not parse"
-    names = trainer_names(tree, TRAINER_CLASSES)
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and called_name(n.func) in names),
-                   key=lambda n: (n.lineno, n.col_offset))
-    if not calls:
-        return set(), f"no Trainer call found in {file}"
-    call, at = calls[0], f"{file}:{calls[0].lineno}"
-    if len(call.args) > _LEADING or any(isinstance(a, ast.Starred) for a in call.args):
-        return set(), f"{at} passes its trainer arguments by position"
-    given = {k.arg for k in call.keywords if k.arg in METRIC_KEYS and not _is_none(k.value)}
-    for unpacked in (k.value for k in call.keywords if k.arg is None):
-        keys = _mapping_keys(unpacked, tree)
-        if keys is None:
-            return set(), f"{at} passes its trainer arguments in **{ast.unparse(unpacked)}, which is not read"
-        given |= keys & set(METRIC_KEYS)
-    given |= {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) and not _is_none(n.value)
-              for t in n.targets if isinstance(t, ast.Attribute) and t.attr in METRIC_KEYS}
-    return given, None
-
-
-def _mapping_keys(node: ast.expr, tree: ast.Module) -> set[str] | None:
-    """The keys a `**` mapping gives a value other than None: a dict literal with string keys, dict(k=v, ...), or a
-    name bound exactly once to one of them (with its `name["k"] = v` items); None where that cannot be read."""
-    if isinstance(node, ast.Dict):
-        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
-            return None  # a `**` inside the literal, or a computed key
-        return {k.value for k, v in zip(node.keys, node.values, strict=True)
-                if isinstance(k, ast.Constant) and not _is_none(v)}
-    if isinstance(node, ast.Call) and called_name(node.func) == "dict":
-        if node.args or any(k.arg is None for k in node.keywords):
-            return None
-        return {k.arg for k in node.keywords if k.arg and not _is_none(k.value)}
-    if not isinstance(node, ast.Name):
-        return None
-    bound = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign)
-             and any(isinstance(t, ast.Name) and t.id == node.id for t in _targets(n))]
-    changed = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and called_name(n.func.value) == node.id
-                  and n.func.attr in ("update", "setdefault", "pop", "__setitem__") for n in ast.walk(tree))
-    keys = _mapping_keys(bound[0], tree) if len(bound) == 1 and bound[0] is not None and not changed else None
-    if keys is None:
-        return None
-    for n in ast.walk(tree):
-        for t in _targets(n) if isinstance(n, ast.Assign) else []:
-            if isinstance(t, ast.Subscript) and called_name(t.value) == node.id:
-                if not (isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
-                    return None
-                keys = keys | {t.slice.value} if not _is_none(n.value) else keys - {t.slice.value}
-    return keys
-
-
-def _targets(node: ast.AST) -> list[ast.expr]:
-    """What an assignment binds."""
-    if isinstance(node, ast.Assign):
-        return list(node.targets)
-    return [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
-
-
-def _is_none(node: ast.expr | None) -> bool:
-    return isinstance(node, ast.Constant) and node.value is None
 
 
 def trainer_eval(get: Callable[[str], Any], at: Callable[[str], str], *, evaluates: bool, batch_key: str,
@@ -243,14 +164,14 @@ def _named(value: Any) -> bool:
     return value is not None and str(value).strip().strip("[]'\"") not in ("", "None", "null")
 
 
-def hf_eval(src: Any, script: Path | None, preference: bool, generate: bool, notes: list[str]) -> dict[str, Any]:
-    """The evaluation of an HF Trainer or TRL job (`script`: its training script, where there is one): when its
+def hf_eval(src: Any, code: ScriptSettings, preference: bool, generate: bool, notes: list[str]) -> dict[str, Any]:
+    """The evaluation of an HF Trainer or TRL job (`code`: what its training script sets, where there is one): when its
     eval_strategy evaluates; logits kept as `script_keeps_logits` finds, never for TRL's preference trainers
     (`preference`: their prediction_step returns the reward margins) or under predict_with_generate (`generate`:
     generated ids)."""
     if not strategy_evaluates(src.get("eval_strategy", src.get("evaluation_strategy")), False):
         return {}
-    keeps, note = (False, None) if preference or generate else script_keeps_logits(script)
+    keeps, note = (False, None) if preference or generate else script_keeps_logits(code)
     if note and not as_bool(src.get("prediction_loss_only") or False):
         notes.append(note)
     return trainer_eval(src.get, src.at, evaluates=True, batch_key="per_device_eval_batch_size", default_batch=8,
