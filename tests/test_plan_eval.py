@@ -266,3 +266,35 @@ def test_two_trainers_none_seen_training_is_noted(tmp_path: Path) -> None:
     assert not job.workload.eval_keeps_logits
     assert any("which of the trainers at train.py:4, train.py:5 trains cannot be told" in n for n in job.notes), \
         job.notes
+
+
+def _eval_fit(tmp_path: Path, eval_args: str):
+    from shardfit.foreign.asplanned import plan_job
+
+    job = _hf_job(tmp_path, "--use_lora True --gradient_checkpointing True --eval_strategy steps " + eval_args)
+    return plan_job(job, resolve_shape(QWEN), parse_gpus("2xL40S"))
+
+
+def test_an_eval_peak_names_the_evaluation_not_the_training_remedies(tmp_path: Path) -> None:
+    """At an eval peak the training's remedies (a smaller micro-batch, shorter sequences) would not lower it: the
+    note says the peak is at evaluation and leaves what lowers it to the eval note before it."""
+    fp = _eval_fit(tmp_path, "--per_device_eval_batch_size 32 --max_eval_samples 2000")
+    c = fp.configured
+    assert c.peak_phase == "eval" and not c.fits
+    assert "at evaluation; largest part: logits" in c.notes, c.notes
+    assert "smaller micro-batch" not in c.notes and "a smaller per_device_eval_batch_size" in c.notes
+
+
+@pytest.mark.parametrize(("eval_args", "first"), [
+    # the logits kept are what does not fit: moving them every step is enough
+    ("--per_device_eval_batch_size 2 --max_eval_samples 2000", "--eval_accumulation_steps 1: "),
+    # one step's logits at 32 rows do not fit either: both, the eval batch the largest halving that fits
+    ("--per_device_eval_batch_size 32 --max_eval_samples 2000",
+     "--eval_accumulation_steps 1 + --per_device_eval_batch_size 4: "),
+])
+def test_what_would_fit_tries_the_evaluation_first(tmp_path: Path, eval_args: str, first: str) -> None:
+    """The nearest changes that fit start with the evaluation's (they change nothing the training computes), in
+    the tool's flags."""
+    fp = _eval_fit(tmp_path, eval_args)
+    assert not fp.configured.fits and fp.would, fp.would
+    assert fp.would[0].startswith(first), fp.would

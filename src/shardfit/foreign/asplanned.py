@@ -4,6 +4,7 @@ workload, and the nearest changes that fit, said in the tool's keys."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,11 +138,35 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
     return fp
 
 
+Try = tuple[str, Workload, ZeroSettings | None, str | None]
+
+
+def _eval_tries(w: Workload, say: Callable[[str, str], str], fits: Callable[[Workload], bool]) -> list[Try]:
+    """The changes to the evaluation while training, first as they change nothing the training computes: the
+    logits moved to the CPU every step (where kept), and the largest halving of the eval batch that fits (`fits`),
+    alone or, where it is not enough alone, with the logits moved."""
+    tries: list[Try] = []
+    bases = [("", w)]
+    if w.eval_batch and w.eval_keeps_logits and w.eval_accumulation != 1:
+        moved = say("eval_accumulation", "eval_accumulation_steps 1")
+        tries.append((moved, dataclasses.replace(w, eval_accumulation=1), None, None))
+        bases.append((f"{moved} + ", tries[0][1]))
+    for label, base in bases:
+        n = base.eval_batch // 2
+        while n >= 1 and not fits(dataclasses.replace(base, eval_batch=n)):
+            n //= 2
+        if n >= 1:
+            tries.append((f"{label}{say('eval_batch', w.eval_batch_key)} {n}",
+                          dataclasses.replace(base, eval_batch=n), None, None))
+            break
+    return tries
+
+
 def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
     """Changes to the job that make its own engine fit, nearest first, in the tool's keys; then shardfit's
     recommendation for the same job."""
-    tries: list[tuple[str, Workload, ZeroSettings | None, str | None]] = []
     say = job.words.say
+    tries = _eval_tries(w, say, lambda w2: configured_estimate(job, shape, w2, hw).fits)
     if w.grad_ckpt == "none":
         tries.append((say("grad_ckpt", "gradient checkpointing on"), dataclasses.replace(w, grad_ckpt="full"),
                       None, None))

@@ -129,7 +129,8 @@ def words() -> Words:
                        "device_map='auto'", "reentrant": "--gradient_checkpointing_kwargs "
                        "'{\"use_reentrant\": false}'", "quant_storage": "bnb_4bit_quant_storage=torch.bfloat16 in "
                        "BitsAndBytesConfig", "ref_precompute": "precompute_ref_log_probs=True in DPOConfig/KTOConfig "
-                       "(--precompute_ref_log_probs True)"})
+                       "(--precompute_ref_log_probs True)", "eval_accumulation": "--eval_accumulation_steps 1",
+                       "eval_batch": "--per_device_eval_batch_size"})
 
 
 def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None,

@@ -406,7 +406,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     phase = max(moments, key=lambda k: _tensors(moments[k]))
     b = in_gib(moments[phase])
     add_runtime_overhead(b, hw, strategy)
-    fits, notes = _verdict(shape, w, hw, s, b, rank.cpu)
+    fits, notes = _verdict(shape, w, hw, s, b, rank.cpu, phase == "eval")
     notes = "; ".join(n for n in (eval_note(shape, w, rank.ranks, phase == "eval"), notes) if n)
     not_here = not_applicable(s, hw)  # a row the hardware named cannot run at all says why instead
     return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=not_here or notes,
@@ -672,7 +672,7 @@ def in_gib(b: Breakdown) -> Breakdown:
 
 
 def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy, b: Breakdown,
-             cpu: float) -> tuple[bool, str]:
+             cpu: float, at_eval: bool = False) -> tuple[bool, str]:
     """Whether the strategy fits (its peak in GPU memory, its offloaded shards in host RAM, the layouts QLoRA and
     model_parallel allow), and the note that says why or how much room is left."""
     n = hw.world
@@ -691,7 +691,7 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if shard_problem:
         fits, notes = False, f"QLoRA's 4-bit weights cannot be sharded over {n} GPUs: {shard_problem} (check: " \
                              "qlora_shard_layout)"
-    return fits, notes or _note(s, b, hw, w.expert_parallel)
+    return fits, notes or _note(s, b, hw, w.expert_parallel, at_eval)
 
 
 def not_applicable(s: strategies.Strategy, hw: Hardware) -> str | None:
@@ -766,7 +766,9 @@ def largest_part(b: Breakdown) -> tuple[str, float]:
     return max(((k, getattr(b, k)) for k in LOWERS), key=lambda kv: kv[1])
 
 
-def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1) -> str:
+def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1, at_eval: bool = False) -> str:
+    """Why a strategy does not fit and what lowers its largest part, or how much room it leaves. At an eval peak
+    (`at_eval`) the evaluation's own note says what lowers it; the training's remedies would not."""
     cap = hw.gpu_mem_gib
     unit = hw.unit
     if b.total > cap:
@@ -776,6 +778,8 @@ def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1) -> st
             replica = f"replica with 1/{ep} of the experts per {unit}: "
         if part == "weights" and gib > cap:
             return f"{replica}weights alone need {gib:.0f} GiB of {cap:.0f} GiB"
+        if at_eval and part not in ("weights", "grads", "optimizer"):
+            return f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB at evaluation; largest part: {part} {gib:.1f} GiB"
         lowers = LOWERS[part]
         if s.shards_params or (s.sharded and part != "weights"):  # sharded already: more ranks share it
             lowers = lowers.replace("sharding (zero2/zero3)", "more GPUs").replace("sharding (zero3)", "more GPUs")
