@@ -24,10 +24,11 @@ try:  # the regex's parsed form: which pieces can match a line break (re._parser
     import re._parser as sre_parse
 except ImportError:  # Python 3.10
     import sre_parse  # type: ignore[no-redef]
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shardfit.diagnose.install_log import install_ok_end
-from shardfit.diagnose.setting import Setting, gpu_rows, read_setting
+from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Exc, Parsed, match_frame
+from shardfit.diagnose.setting import gpu_rows, read_setting
 
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 512 * 1024
@@ -93,14 +94,6 @@ _EXC = re.compile(
 _END_NOT_EXC = re.compile(
     r"Segmentation fault|core dumped|Bus error|^Aborted\b|^Killed\b|Fatal Python error|exitcode\s*:\s*-\d+|"
     r"^(?:[A-Za-z_]\w*\.)*[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+(?:\([\w.]+\))?:\s")
-_WRAPPER_TYPES = {"ChildFailedError", "ProcessRaisedException", "ProcessExitedException", "RayTaskError",
-                  "CalledProcessError", "SystemExit", "KeyboardInterrupt", "CheckpointException"}
-_FRAME_PATTERNS = (
-    re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[\w<>.]+)'),
-    re.compile(r"File (?P<file>\S+\.py):(?P<line>\d+),? in (?P<func>[\w<>.]+)"),
-    re.compile(r"(?P<file>\S+\.py):(?P<line>\d+) in (?P<func>[\w<>.]+)"),
-    re.compile(r"(?P<file>/\S+\.py) in (?P<func>[\w<>.]+)\("),
-)
 _FRAMEISH = re.compile(r'^(?:File "|File \S+\.py|\S+\.py:\d+ in |Traceback|During handling|The above exception|'
                        r'\^+$|~+$|\[\w+\]|\d{4}-\d\d-\d\d|[IWEF]\d{4} )')
 _EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)|return code\s*=\s*(-?\d+)|exit(?:ed with)? code\s*:?\s*(-?\d+)"
@@ -133,9 +126,6 @@ _LIBRARY_CLASS = re.compile(
     r"\w+(ForCausalLM|ForConditionalGeneration|ForSequenceClassification|PreTrainedModel|DecoderLayer)|"
     r"\w*Attention\w*|Peft\w*|Lora\w*|Accelerator|DeepSpeed\w*|Lightning\w*|Module|Tensor|"
     r"\w*(Config|Tokenizer\w*|Processor|Arguments|Engine)")
-_LIBRARY_PATH = re.compile(r"(site|dist)-packages|/lib/python\d|^<frozen|/(torch|transformers|trl|peft|accelerate|"
-                           r"deepspeed|datasets|llamafactory|llmtuner|swift|axolotl|openrlhf|verl|lightning|"
-                           r"pytorch_lightning|megatron|vllm|xtuner|unsloth|nemo)/")
 
 
 # Pasted bare (no frame anywhere), the class and the method are all there is. A framework calls the user's
@@ -183,7 +173,7 @@ def _fault_outside_ext(p: Parsed) -> bool:
     with no frame of the op shown."""
     last, below = None, False
     for line in p.lines:
-        if ".py" in line and (m := _frame(line)):
+        if ".py" in line and (m := match_frame(line)):
             f = m.group("file").replace("\\", "/")
             if not _FAULT_PASS_PATH.search(f):
                 last, below = f, False
@@ -203,8 +193,8 @@ def _own_call(p: Parsed) -> bool:
     if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
         return False
     for line in reversed(p.lines[max(0, e.line - 4):e.line]):
-        if f := _frame(line):
-            return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
+        if f := match_frame(line):
+            return not LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
     cls, method = m.group("cls"), m.group("method")
     # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
     return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
@@ -238,70 +228,6 @@ _STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[
                     r"|\b(?:ds|deepspeed|zero)[^\s`'\"]{0,40}?stage_?(\d)\.json"
                     r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|\bdeepspeed[^\n]{0,20}\bstage[\s:=_-]*(\d)\b"
                     r"|stage_1_and_2\.py()", re.I)
-
-
-@dataclass
-class Exc:
-    type: str
-    message: str
-    line: int
-    header: bool = False  # read from IPython's traceback header, which names the type only
-
-    def __str__(self) -> str:
-        return f"{self.type}: {self.message}" if self.message else self.type
-
-
-@dataclass
-class Parsed:
-    """What was understood of a log. `facts` are named booleans the rules test; the rest is shown to the user."""
-
-    input_chars: int = 0
-    scanned_chars: int = 0
-    lines: list[str] = field(default_factory=list)
-    text: str = ""
-    squashed: str = ""
-    brief: str = ""  # the head and tail of `text`: where hints and the setting are read (see BRIEF_LINES)
-    exceptions: list[Exc] = field(default_factory=list)
-    exception: Exc | None = None
-    frames: list[str] = field(default_factory=list)
-    # the innermost frame of a traceback the paste cuts before its exception line, in a library's code
-    cut_frames: list[str] = field(default_factory=list)
-    exit_codes: list[int] = field(default_factory=list)
-    signals: list[str] = field(default_factory=list)
-    versions: dict[str, str] = field(default_factory=dict)
-    zero_stage: int | None = None
-    world_size: int | None = None
-    device_map: str | None = None
-    dtype: str | None = None
-    model_size_b: float | None = None
-    nccl_ops: list[tuple[int, str, int | None]] = field(default_factory=list)
-    facts: set[str] = field(default_factory=set)
-    setting: Setting = field(default_factory=Setting)
-
-    @property
-    def failing_frame(self) -> str | None:
-        """The innermost frame of the last traceback outside torch/python internals, else the innermost one."""
-        for f in reversed(self.frames):
-            if not re.match(r"(torch/nn/modules/module\.py|python3\.\d+/|runpy\.py|<frozen|threading\.py)", f):
-                return f
-        return self.frames[-1] if self.frames else None
-
-    def summary(self) -> dict:
-        return {
-            "exception": str(self.exception) if self.exception else None,
-            "failing_frame": self.failing_frame,
-            "exit_codes": sorted(set(self.exit_codes)),
-            "signals": sorted(set(self.signals)),
-            "versions": dict(sorted(self.versions.items())),
-            "zero_stage": self.zero_stage,
-            "world_size": self.world_size,
-            "device_map": self.device_map,
-            "dtype": self.dtype,
-            "facts": sorted(self.facts),
-            "setting": self.setting.summary(),
-            "input_chars": self.input_chars,
-            "scanned_chars": self.scanned_chars,
-        }
 
 
 def select_regions(data: bytes) -> bytes:
@@ -476,7 +402,7 @@ def _primary(excs: list[Exc]) -> Exc | None:
     type of an IPython traceback's header only when no line of the paste states an exception of its own."""
     stated = [e for e in excs if not e.header]
     excs = stated if any(not e.type.endswith("Warning") for e in stated) else excs
-    for pred in (lambda e: e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning"),
+    for pred in (lambda e: e.type not in WRAPPER_TYPES and not e.type.endswith("Warning"),
                  lambda e: not e.type.endswith("Warning"), lambda e: True):
         cands = [e for e in excs if pred(e)]
         if cands:
@@ -487,7 +413,7 @@ def _primary(excs: list[Exc]) -> Exc | None:
 def _frames(text: str) -> list[str]:
     frames: list[str] = []
     for line in text.split("\n"):
-        if ".py" in line and (m := _frame(line)):
+        if ".py" in line and (m := match_frame(line)):
             f = m.group("file").replace("\\", "/")
             parts = re.split(r"(?:site|dist)-packages/", f)
             f = parts[-1] if len(parts) > 1 else "/".join(f.split("/")[-3:])
@@ -516,14 +442,14 @@ def _cut_frames(p: Parsed) -> list[str]:
     own mechanism from one every error of that call passes through."""
     last = _last_cut_frame(p.lines)
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
-    if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") and not e.header
+    if last is None or any(e.type not in WRAPPER_TYPES and not e.type.endswith("Warning") and not e.header
                            for e in p.exceptions):
         return []
     if any(_EXC.match(x) or _END_NOT_EXC.search(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x))
            for x in p.lines[last + 1:]):
         return []
     # cut in the user's own code, the frames above it name only what the user called, not where it failed
-    if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
+    if not LIBRARY_PATH.search(match_frame(p.lines[last]).group("file").replace("\\", "/")):
         return []
     source = _cut_source(p.lines[last + 1:])
     return [f"{f}\n{source}" if source else f for f in _frames(p.lines[last])]
@@ -535,10 +461,10 @@ def _last_cut_frame(lines: list[str]) -> int | None:
     end = len(lines)
     while end > 0 and len(lines) - end < IPY_CONTEXT_LINES and _IPY_SOURCE.match(lines[end - 1]):
         end -= 1
-    if end < len(lines) and end > 0 and ".py" in lines[end - 1] and _frame(lines[end - 1]):
+    if end < len(lines) and end > 0 and ".py" in lines[end - 1] and match_frame(lines[end - 1]):
         return end - 1  # an IPython excerpt under its frame's header
     return next((i for i in range(len(lines) - 1, max(-1, len(lines) - 2 - CUT_TAIL_LINES), -1)
-                 if ".py" in lines[i] and _frame(lines[i])), None)
+                 if ".py" in lines[i] and match_frame(lines[i])), None)
 
 
 def _cut_source(after: list[str]) -> str:
@@ -549,14 +475,6 @@ def _cut_source(after: list[str]) -> str:
             return (m.group(1) or "").strip()
     first = next((x.strip() for x in after if x.strip() and not _CARETS.fullmatch(x)), "")
     return _IPY_SOURCE.sub("", first, count=1).strip() if _IPY_SOURCE.match(first) else first
-
-
-def _frame(line: str) -> re.Match[str] | None:
-    """The first of the traceback frame spellings `line` holds (python's, loguru's, rich's...), or None."""
-    for pat in _FRAME_PATTERNS:
-        if m := pat.search(line):
-            return m
-    return None
 
 
 def _versions(text: str) -> dict[str, str]:
@@ -739,7 +657,7 @@ def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
         p.facts.add("tb_cut")
     if p.exception:
         p.facts.add("has_exception")
-        if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
+        if p.exception.type not in WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
             p.facts.add("real_exception")
 
 
