@@ -234,9 +234,25 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     """Add to `p.facts` (and the configuration fields of `p`) every fact its parsed text, lines, frames, exceptions,
     exit codes, signals and versions show; `fact_patterns` are the knowledge file's named patterns."""
     text = p.text
+    _pattern_facts(p, fact_patterns)
+    _launch_facts(p, text)
+    _model_facts(p, text)
+    _collective_facts(p, text)
+    _barrier_facts(p, text)
+    _progress_facts(p)
+    _outcome_facts(p)
+
+
+def _pattern_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
+    """The knowledge file's named facts: a symptom (sym_*) is searched in the head and tail of the log only."""
     for name, pat in fact_patterns.items():
-        if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else text):
+        if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else p.text):
             p.facts.add(name)
+
+
+def _launch_facts(p: Parsed, text: str) -> None:
+    """How the job was launched: the ZeRO stage (from the config, the command line or DeepSpeed's frames) and the
+    world size (one process, or several ranks)."""
     stages = []
     for m in _STAGE.finditer(text):
         groups = [g for g in m.groups() if g is not None]
@@ -259,6 +275,11 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
             p.facts.add("multi_rank")
         elif p.world_size == 1:
             p.facts.add("one_rank")  # a launch of one process: any other holder of its GPU is not a rank of it
+
+
+def _model_facts(p: Parsed, text: str) -> None:
+    """How the model was loaded: its device_map (and whether it splits the model over GPUs), the training dtype and
+    the model's size in billions of parameters."""
     m = re.search(r"(?:device_map\s*[=:]\s*|--device_map(_config(?:_path)?)?\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:./-]+)\2",
                   text)
     if m:
@@ -280,8 +301,10 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
         p.model_size_b = max(sizes)
         if p.model_size_b >= 30:
             p.facts.add("big_model")
-    _collective_facts(p, text)
-    _barrier_facts(p, text)
+
+
+def _progress_facts(p: Parsed) -> None:
+    """Data preparation: a dataset progress bar that ran half an hour or more, or a paste that stops in one."""
     for line in p.lines:
         m = _ELAPSED.search(line)
         if m and _PROGRESS_DATA.search(line):
@@ -291,6 +314,11 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
                 p.facts.add("data_progress_30min")
     if _ends_in_data_prep(p.lines):
         p.facts.add("ends_in_data_prep")
+
+
+def _outcome_facts(p: Parsed) -> None:
+    """How the run ended, as the traceback and the launcher tell: an environment dump, exit codes and signals, the
+    user's own call, a memory fault outside the compiled extensions, a cut traceback, a real exception."""
     if len(p.versions) >= 2:  # an environment dump: the report is about which versions were installed
         p.facts.add("versions_listed")
     for code in p.exit_codes:
