@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from shardfit.diagnose.engine import analyze, diagnose, load_knowledge
-from shardfit.diagnose.parse import EVIDENCE_CHARS, REGION_BYTES, LineFilter, normalise, parse, select_regions
+from shardfit.diagnose.facts import LineFilter
+from shardfit.diagnose.parse import EVIDENCE_CHARS, REGION_BYTES, normalise, parse, select_regions
 from shardfit.errors import UserError
 
 

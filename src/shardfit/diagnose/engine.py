@@ -36,9 +36,11 @@ from pathlib import Path
 
 import yaml
 
+from shardfit.diagnose.facts import FactPattern, LineFilter, crosses_lines
 from shardfit.diagnose.likely import likely_causes
 from shardfit.diagnose.model import Cause, Finding, Item, Likely, Scored
-from shardfit.diagnose.parse import FactPattern, LineFilter, Parsed, crosses_lines, parse, squash
+from shardfit.diagnose.parse import parse, squash
+from shardfit.diagnose.parsed import Parsed
 from shardfit.diagnose.similar import nearest
 from shardfit.errors import UserError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from shardfit.diagnose.parse import Parsed
+from shardfit.diagnose.parsed import Parsed
 
 
 @dataclass(frozen=True)

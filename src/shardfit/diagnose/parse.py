@@ -8,8 +8,8 @@ Three stages, each bounded so that no input size makes diagnosis slow:
    timestamp prefixes and box-drawing borders, collapse whitespace, and fold repeated lines (eight ranks printing
    the same traceback count once).
 3. `parse`: extract the exceptions (type + message, wrapped continuation lines re-joined), the traceback frames
-   (file, function), launcher exit codes and signals, library versions and configuration facts (ZeRO stage, offload,
-   device_map, world size, dtype, ...).
+   (file, function), launcher exit codes and signals and library versions into a `Parsed` record (parsed.py), then
+   have facts.py gather the facts the rules test (ZeRO stage, device_map, world size, dtype, NCCL work items, ...).
 
 The rules then see the normalised evidence text (at most `EVIDENCE_CHARS` characters; `Parsed.scanned_chars` says
 how many), a whitespace-free lowercase copy of it (so a message wrapped or re-spaced by a terminal still matches
@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import re
 
-try:  # the regex's parsed form: which pieces can match a line break (re._parser from Python 3.11)
-    import re._parser as sre_parse
-except ImportError:  # Python 3.10
-    import sre_parse  # type: ignore[no-redef]
-from dataclasses import dataclass, field
-
+from shardfit.diagnose.facts import FactPattern, gather_facts
 from shardfit.diagnose.install_log import install_ok_end
-from shardfit.diagnose.setting import Setting, gpu_rows, read_setting
+from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Exc, Parsed, match_frame
+from shardfit.diagnose.setting import gpu_rows, read_setting
 
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 512 * 1024
@@ -39,7 +35,6 @@ MAX_LINE = 2000  # longer lines (binary junk, minified JSON) are cut into pieces
 # stay cheap on a huge log.
 BRIEF_LINES = (150, 300)
 BRIEF_CHARS = 64 * 1024
-SYMPTOM_PREFIX = "sym_"
 
 # Markers of the failure region in the middle of a huge log (searched with bytes.find: fast, no regex). Each is long
 # or punctuated enough not to occur by chance: a bare b"Error" turns up in 50 MB of base64 one time in twenty, and
@@ -93,14 +88,6 @@ _EXC = re.compile(
 _END_NOT_EXC = re.compile(
     r"Segmentation fault|core dumped|Bus error|^Aborted\b|^Killed\b|Fatal Python error|exitcode\s*:\s*-\d+|"
     r"^(?:[A-Za-z_]\w*\.)*[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+(?:\([\w.]+\))?:\s")
-_WRAPPER_TYPES = {"ChildFailedError", "ProcessRaisedException", "ProcessExitedException", "RayTaskError",
-                  "CalledProcessError", "SystemExit", "KeyboardInterrupt", "CheckpointException"}
-_FRAME_PATTERNS = (
-    re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[\w<>.]+)'),
-    re.compile(r"File (?P<file>\S+\.py):(?P<line>\d+),? in (?P<func>[\w<>.]+)"),
-    re.compile(r"(?P<file>\S+\.py):(?P<line>\d+) in (?P<func>[\w<>.]+)"),
-    re.compile(r"(?P<file>/\S+\.py) in (?P<func>[\w<>.]+)\("),
-)
 _FRAMEISH = re.compile(r'^(?:File "|File \S+\.py|\S+\.py:\d+ in |Traceback|During handling|The above exception|'
                        r'\^+$|~+$|\[\w+\]|\d{4}-\d\d-\d\d|[IWEF]\d{4} )')
 _EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)|return code\s*=\s*(-?\d+)|exit(?:ed with)? code\s*:?\s*(-?\d+)"
@@ -120,188 +107,6 @@ _VERSION = re.compile(
     r"(?<![\w/.-])`?(pytorch|torch|transformers|deepspeed|accelerate|peft|trl|flash[-_]?attn|bitsandbytes|vllm|datasets"
     r"|xformers|llamafactory|nccl|cuda|triton|unsloth|ms-swift|driver)`?"
     r"(?:\s*\(GPU\?\))?(?:\s+info)?(?:[\s:=]*version)?[\s:=(]*v?(\d+\.\d+(?:\.\d+)?(?:[.+][\w.]*)?)", re.I)
-
-# A TypeError about a call's arguments raised where the user's own code called a method of the user's own class
-# (the frame above it is outside the installed libraries and the frameworks' trees, and the class is none of the
-# libraries'): the user's mistake, not a library that changed a signature.
-_ARG_ERROR = re.compile(r"^(?P<cls>[A-Za-z_]\w*)\.(?P<method>\w+)\(\) (takes (from \d+ to )?\d+ positional "
-                        r"arguments? but \d+ (was|were) given|missing \d+ required (positional|keyword-only) "
-                        r"arguments?|got an unexpected keyword argument|got multiple values for argument)")
-# the libraries' own classes (a user's subclass has its own name: PairwiseTrainer, DistillTrainer)
-_LIBRARY_CLASS = re.compile(
-    r"(SFT|DPO|PPO|GRPO|KTO|ORPO|CPO|RLOO|BCO|PRM|GKD|XPO|Reward|Seq2Seq|OnlineDPO|IterativeSFT|NashMD)?Trainer|"
-    r"\w+(ForCausalLM|ForConditionalGeneration|ForSequenceClassification|PreTrainedModel|DecoderLayer)|"
-    r"\w*Attention\w*|Peft\w*|Lora\w*|Accelerator|DeepSpeed\w*|Lightning\w*|Module|Tensor|"
-    r"\w*(Config|Tokenizer\w*|Processor|Arguments|Engine)")
-_LIBRARY_PATH = re.compile(r"(site|dist)-packages|/lib/python\d|^<frozen|/(torch|transformers|trl|peft|accelerate|"
-                           r"deepspeed|datasets|llamafactory|llmtuner|swift|axolotl|openrlhf|verl|lightning|"
-                           r"pytorch_lightning|megatron|vllm|xtuner|unsloth|nemo)/")
-
-
-# Pasted bare (no frame anywhere), the class and the method are all there is. A framework calls the user's
-# subclass hooks (a Trainer's compute_loss / training_step, Lightning's *_step): another release passing other
-# arguments is the classic version break, so a hook is never the user's own call. Neither is a class named after a
-# model family (Qwen2Model, BertModel: the library's), nor a library's collator, tuner (peft's BaseTuner) or mixin.
-_FRAMEWORK_HOOK = re.compile(
-    r"training_step|compute_loss|prediction_step|evaluation_loop|_save|_save_checkpoint|create_optimizer\w*|"
-    r"create_scheduler|get_train_dataloader|get_eval_dataloader|_get_train_sampler|_prepare_inputs|get_batch_samples|"
-    r"_maybe_log_save_evaluate|_load_from_checkpoint|log|on_\w+|configure_optimizers|validation_step|test_step|"
-    r"predict_step|optimizer_step|backward|_inner_training_loop|evaluate|save_model|_wrap_model|floating_point_ops|"
-    # TRL's loops call these on a DPO / GRPO / PPO / KTO subclass; a DataLoader calls a collator's __call__
-    r"get_batch_loss_metrics|concatenated_forward|concatenated_inputs|_generate_and_score_completions|"
-    r"_?compute_rewards?\w*|_get_per_token_logps|compute_ref_log_probs|tokenize_row|_prepare_dataset|dpo_loss|"
-    r"__call__|torch_call|numpy_call")
-# a subclass of a framework's trainer or callback, by a name holding the trainer's (PatchedGRPO, DistillTrainerKL);
-# not a model part or dataset of the user's named after the method (RewardHead, SFTDataset, DPOLoss)
-_FRAMEWORK_CLASS = re.compile(r"(?!\w*(Head|Model|Net|Module|Layer|Encoder|Decoder|Loss|Dataset)$)"
-                              r"\w*(Trainer|Callback|DPO|GRPO|PPO|KTO|ORPO|SFT|Reward)\w*")
-_FAMILY_CLASS = re.compile(
-    r"(Llama|Qwen|Mistral|Mixtral|Gemma|Phi|GPT|Falcon|Baichuan|ChatGLM|GLM|InternLM|DeepSeek|Bert|Roberta|Deberta|"
-    r"T5|MT5|Bart|Whisper|CLIP|Clip|Siglip|Llava|LLaVA|Idefics|Mllama|OPT|Bloom|Olmo|Cohere|Starcoder|MiniCPM|ViT|"
-    r"Vit|Wav2Vec2|Mamba|Jamba|Granite|Pixtral|Paligemma|PaliGemma|Florence|Blip|Yi|Gemma\d|Hunyuan|Ernie|Aquila|"
-    r"DataCollator|Megatron|MCore)\w*|\w+(Tuner|Mixin)")
-
-
-# A memory fault is blamed on a compiled extension only when no other code is shown failing: frames of torch, triton's
-# launcher and the model libraries pass the fault through; an extension's own frame names it.
-_FAULT_PASS_PATH = re.compile(r"(^|/)(torch|triton|transformers|peft|accelerate|trl)/")
-# frames that launch the kernel of the code above them (triton's JIT, a custom op's dispatch) rather than run an op
-_LAUNCH_PATH = re.compile(r"(^|/)triton/|(^|/)torch/_ops\.py$")
-_EXT_PATH = re.compile(r"(^|/)(flash_attn\w*|xformers|apex|bitsandbytes|vllm|transformer_engine|liger_kernel|mamba_ssm|"
-                       r"causal_conv1d|unsloth\w*)/")
-
-
-def _fault_outside_ext(p: Parsed) -> bool:
-    """The innermost frame that is not torch's, triton's or a model library's lies outside every compiled extension
-    (the user's own Triton or CUDA kernel, a library's Python code such as DeepSpeed's hooks) and only a kernel
-    launcher (triton's, a custom op's dispatch) runs below it, or the paste shows the user's own `@triton.jit` kernel.
-
-    A torch or model-library frame below that frame means the fault surfaced in their op: the user's script (or
-    DeepSpeed's engine) only called down into it. CUDA reports a fault at the next call that synchronises, so such a
-    traceback says no more about the kernel at fault than the bare error line, and keeps the bare line's ranking; that
-    holds for a ZeRO-3 `engine.backward` too, where autograd runs every op's backward kernel (an extension's included)
-    with no frame of the op shown."""
-    last, below = None, False
-    for line in p.lines:
-        if ".py" in line and (m := _frame(line)):
-            f = m.group("file").replace("\\", "/")
-            if not _FAULT_PASS_PATH.search(f):
-                last, below = f, False
-            elif last is not None and not _LAUNCH_PATH.search(f):
-                below = True
-    if last is None:
-        return "@triton.jit" in p.text
-    return not below and not _EXT_PATH.search(last)
-
-
-def _own_call(p: Parsed) -> bool:
-    """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
-    pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
-    framework's Trainer or callback) in a method no framework calls on the user's behalf."""
-    e = p.exception
-    m = _ARG_ERROR.match(e.message) if e is not None and e.type == "TypeError" else None
-    if m is None or _LIBRARY_CLASS.fullmatch(m.group("cls")):
-        return False
-    for line in reversed(p.lines[max(0, e.line - 4):e.line]):
-        if f := _frame(line):
-            return not _LIBRARY_PATH.search(f.group("file").replace("\\", "/"))
-    cls, method = m.group("cls"), m.group("method")
-    # a subclass of a framework's Trainer or callback: the framework calls any of its methods, not only the hooks
-    return not (p.frames or _FRAMEWORK_HOOK.fullmatch(method) or _FAMILY_CLASS.fullmatch(cls)
-                or _FRAMEWORK_CLASS.fullmatch(cls))
-
-
-_SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
-_ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
-_PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
-# a data module's own INFO line ("INFO:x.data.datasets.utils:Building indexing ...", "[INFO] packing sequences")
-_DATA_LOG = re.compile(r"^(?:\[?INFO\]?[: ]|I\d{4} |\S+ - INFO - )[^\n]*(?:data_?sets?\b|data\.|packed|packing|"
-                       r"tokeniz|mem-?mapped|indexing|indices)", re.I)
-_PROGRESS_BAR_STOP = re.compile(r"error|exception|traceback|killed|timed? ?out|warn", re.I)
-_MODEL_SIZE = re.compile(r"(?:(?<=[-_/\s(:])|^)(\d{1,3}(?:\.\d)?)[bB](?![a-zA-Z0-9])", re.M)
-_WORLD = re.compile(r"(?:--nproc[_-]per[_-]node|--num_gpus|--num[_-]processes|NPROC_PER_NODE|num_processes|"
-                    r"GPUS_PER_NODE|dist_world_size|world[ _]size|"
-                    # mpirun/mpiexec's process count (-n, -np, --n, --np, Open MPI's -c), after any other options
-                    # (--hostfile h, --allow-run-as-root) but not in the program's own arguments; case-sensitive,
-                    # because Open MPI's -N is processes per node, not the world size
-                    # (a program run by path, ./a.out, ends mpirun's options: a -n after it is the program's; an
-                    # option's own path value, --hostfile ./hosts or --mca key value, does not)
-                    r"\b(?:mpirun|mpiexec)\b(?:\s+(?:--?(?:hostfile|machinefile|prefix|wdir|app|rankfile|x|H|host)"
-                    r"[\s=]+[^\s|;&]+|--?mca\s+\S+\s+[^\s|;&]+|(?!python|\S*\.py\b|\.{1,2}/)[^\s|;&]+)){0,40}?"
-                    r"\s+(?-i:--?np?|-c))"
-                    r"[\s:=]+(\d+)",
-                    re.I)
-_STAGE = re.compile(r'"stage"\s*:\s*(\d)|zero_stage[\s:=]+(\d)|\bzero[_-]?stage[\s:=]*(\d)|\bds_z(\d)'
-                    r"|(?:\b|_)zero-?(\d)(?:\b|_)|deepspeed[_-]zero(\d)|\bzero(\d)[_.]|ZeRO stage (\d)|stage(\d)\.py"
-                    r"|\bds_(?:config_)?(\d)\.json"
-                    # a DeepSpeed config file named for its stage (ds_config/stage3.json, ds_stage2.json)
-                    r"|\b(?:ds|deepspeed|zero)[^\s`'\"]{0,40}?stage_?(\d)\.json"
-                    r"|zero[^\n]{0,30}stage[\s:=_-]*(\d)\b|\bdeepspeed[^\n]{0,20}\bstage[\s:=_-]*(\d)\b"
-                    r"|stage_1_and_2\.py()", re.I)
-
-
-@dataclass
-class Exc:
-    type: str
-    message: str
-    line: int
-    header: bool = False  # read from IPython's traceback header, which names the type only
-
-    def __str__(self) -> str:
-        return f"{self.type}: {self.message}" if self.message else self.type
-
-
-@dataclass
-class Parsed:
-    """What was understood of a log. `facts` are named booleans the rules test; the rest is shown to the user."""
-
-    input_chars: int = 0
-    scanned_chars: int = 0
-    lines: list[str] = field(default_factory=list)
-    text: str = ""
-    squashed: str = ""
-    brief: str = ""  # the head and tail of `text`: where hints and the setting are read (see BRIEF_LINES)
-    exceptions: list[Exc] = field(default_factory=list)
-    exception: Exc | None = None
-    frames: list[str] = field(default_factory=list)
-    # the innermost frame of a traceback the paste cuts before its exception line, in a library's code
-    cut_frames: list[str] = field(default_factory=list)
-    exit_codes: list[int] = field(default_factory=list)
-    signals: list[str] = field(default_factory=list)
-    versions: dict[str, str] = field(default_factory=dict)
-    zero_stage: int | None = None
-    world_size: int | None = None
-    device_map: str | None = None
-    dtype: str | None = None
-    model_size_b: float | None = None
-    nccl_ops: list[tuple[int, str, int | None]] = field(default_factory=list)
-    facts: set[str] = field(default_factory=set)
-    setting: Setting = field(default_factory=Setting)
-
-    @property
-    def failing_frame(self) -> str | None:
-        """The innermost frame of the last traceback outside torch/python internals, else the innermost one."""
-        for f in reversed(self.frames):
-            if not re.match(r"(torch/nn/modules/module\.py|python3\.\d+/|runpy\.py|<frozen|threading\.py)", f):
-                return f
-        return self.frames[-1] if self.frames else None
-
-    def summary(self) -> dict:
-        return {
-            "exception": str(self.exception) if self.exception else None,
-            "failing_frame": self.failing_frame,
-            "exit_codes": sorted(set(self.exit_codes)),
-            "signals": sorted(set(self.signals)),
-            "versions": dict(sorted(self.versions.items())),
-            "zero_stage": self.zero_stage,
-            "world_size": self.world_size,
-            "device_map": self.device_map,
-            "dtype": self.dtype,
-            "facts": sorted(self.facts),
-            "setting": self.setting.summary(),
-            "input_chars": self.input_chars,
-            "scanned_chars": self.scanned_chars,
-        }
 
 
 def select_regions(data: bytes) -> bytes:
@@ -476,7 +281,7 @@ def _primary(excs: list[Exc]) -> Exc | None:
     type of an IPython traceback's header only when no line of the paste states an exception of its own."""
     stated = [e for e in excs if not e.header]
     excs = stated if any(not e.type.endswith("Warning") for e in stated) else excs
-    for pred in (lambda e: e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning"),
+    for pred in (lambda e: e.type not in WRAPPER_TYPES and not e.type.endswith("Warning"),
                  lambda e: not e.type.endswith("Warning"), lambda e: True):
         cands = [e for e in excs if pred(e)]
         if cands:
@@ -487,7 +292,7 @@ def _primary(excs: list[Exc]) -> Exc | None:
 def _frames(text: str) -> list[str]:
     frames: list[str] = []
     for line in text.split("\n"):
-        if ".py" in line and (m := _frame(line)):
+        if ".py" in line and (m := match_frame(line)):
             f = m.group("file").replace("\\", "/")
             parts = re.split(r"(?:site|dist)-packages/", f)
             f = parts[-1] if len(parts) > 1 else "/".join(f.split("/")[-3:])
@@ -516,14 +321,14 @@ def _cut_frames(p: Parsed) -> list[str]:
     own mechanism from one every error of that call passes through."""
     last = _last_cut_frame(p.lines)
     # an exception anywhere (quoted above the traceback, or folded away as a repeat of that quote) is the error
-    if last is None or any(e.type not in _WRAPPER_TYPES and not e.type.endswith("Warning") and not e.header
+    if last is None or any(e.type not in WRAPPER_TYPES and not e.type.endswith("Warning") and not e.header
                            for e in p.exceptions):
         return []
     if any(_EXC.match(x) or _END_NOT_EXC.search(x) or (_FRAMEISH.match(x) and not _CARETS.fullmatch(x))
            for x in p.lines[last + 1:]):
         return []
     # cut in the user's own code, the frames above it name only what the user called, not where it failed
-    if not _LIBRARY_PATH.search(_frame(p.lines[last]).group("file").replace("\\", "/")):
+    if not LIBRARY_PATH.search(match_frame(p.lines[last]).group("file").replace("\\", "/")):
         return []
     source = _cut_source(p.lines[last + 1:])
     return [f"{f}\n{source}" if source else f for f in _frames(p.lines[last])]
@@ -535,10 +340,10 @@ def _last_cut_frame(lines: list[str]) -> int | None:
     end = len(lines)
     while end > 0 and len(lines) - end < IPY_CONTEXT_LINES and _IPY_SOURCE.match(lines[end - 1]):
         end -= 1
-    if end < len(lines) and end > 0 and ".py" in lines[end - 1] and _frame(lines[end - 1]):
+    if end < len(lines) and end > 0 and ".py" in lines[end - 1] and match_frame(lines[end - 1]):
         return end - 1  # an IPython excerpt under its frame's header
     return next((i for i in range(len(lines) - 1, max(-1, len(lines) - 2 - CUT_TAIL_LINES), -1)
-                 if ".py" in lines[i] and _frame(lines[i])), None)
+                 if ".py" in lines[i] and match_frame(lines[i])), None)
 
 
 def _cut_source(after: list[str]) -> str:
@@ -551,14 +356,6 @@ def _cut_source(after: list[str]) -> str:
     return _IPY_SOURCE.sub("", first, count=1).strip() if _IPY_SOURCE.match(first) else first
 
 
-def _frame(line: str) -> re.Match[str] | None:
-    """The first of the traceback frame spellings `line` holds (python's, loguru's, rich's...), or None."""
-    for pat in _FRAME_PATTERNS:
-        if m := pat.search(line):
-            return m
-    return None
-
-
 def _versions(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for m in _VERSION.finditer(text):
@@ -568,193 +365,6 @@ def _versions(text: str) -> dict[str, str]:
             continue  # a path or another number, not this library's version
         out.setdefault(name, ver)
     return out
-
-
-@dataclass(frozen=True)
-class LineFilter:
-    """A fact's regex tried only on the lines that hold one of its literal keys (any case): a substring test per
-    line is far cheaper than a long alternation tried at every position. Every alternative of the regex must
-    contain one of the keys, and must not span lines, for the answer to be the plain search's."""
-
-    pattern: re.Pattern
-    keys: tuple[str, ...]  # lower case
-
-    def search(self, text: str) -> re.Match | None:
-        for line in text.split("\n"):
-            low = line.lower()
-            if any(k in low for k in self.keys):
-                m = self.pattern.search(line)
-                if m:
-                    return m
-        return None
-
-
-FactPattern = re.Pattern | LineFilter
-
-
-def _set_has_newline(items: list, negate: bool = False) -> bool:
-    """Whether a character set of the parsed regex (its items: literals, ranges, categories) holds a line break."""
-    hit = False
-    for op, av in items:
-        name = str(op)
-        if name == "NEGATE":
-            negate = True
-        elif name == "LITERAL":
-            hit = hit or av == 10
-        elif name == "RANGE":
-            hit = hit or av[0] <= 10 <= av[1]
-        elif name == "CATEGORY":
-            hit = hit or str(av) in ("CATEGORY_SPACE", "CATEGORY_NOT_WORD", "CATEGORY_NOT_DIGIT",
-                                     "CATEGORY_LINEBREAK")
-    return hit != negate
-
-
-def crosses_lines(pattern: re.Pattern) -> str | None:
-    """The first piece of a regex that can match a line break (`\\s`, `\\W`, `[^x]`, `.` under DOTALL), else None: a
-    LineFilter cuts the text at line breaks, so a keyed pattern must hold none to answer as the plain search."""
-    dotall = bool(pattern.flags & re.S)
-
-    def walk(tree: object) -> str | None:
-        for op, av in tree:
-            name = str(op)
-            if name == "ANY" and dotall:
-                return "'.' under DOTALL"
-            if (name == "LITERAL" and av == 10) or (name == "NOT_LITERAL" and av != 10):
-                return "a character that may be a line break"
-            if name == "IN" and _set_has_newline(av):
-                return "a character class holding the line break (\\s, \\W, [^...] without \\n)"
-            for sub in (av if isinstance(av, (tuple, list)) else ()):
-                found = None
-                if isinstance(sub, sre_parse.SubPattern):
-                    found = walk(sub)
-                elif isinstance(sub, list) and sub and all(isinstance(x, sre_parse.SubPattern) for x in sub):
-                    found = next((f for f in map(walk, sub) if f), None)
-                if found:
-                    return found
-        return None
-
-    return walk(sre_parse.parse(pattern.pattern, pattern.flags))
-
-
-# c10d's store-based barrier at process-group set-up (torch/distributed/distributed_c10d.py, _store_based_barrier):
-# every process adds one to the key and waits for the count to reach world_size; the timeout names both numbers
-# ("worker_count=", "num_workers_joined=" from torch 2.1)
-_BARRIER = re.compile(r"store based barrier[^\n]{0,160}\(world_size=(\d+), (?:worker_count|num_workers_joined)=(\d+)")
-
-
-def _barrier_facts(p: Parsed, text: str) -> None:
-    """More processes joined the store-based barrier than the group's world size: a second launcher layer (srun tasks
-    that each spawn a process per GPU) or a store shared with another run, not a rank that is late."""
-    if any(int(m.group(2)) > int(m.group(1)) for m in _BARRIER.finditer(text)):
-        p.facts.add("barrier_extra_workers")
-
-
-def _collective_facts(p: Parsed, text: str) -> None:
-    """The NCCL work items the watchdog names (SeqNum, OpType, NumelIn) and what their numbers say: an early
-    collective (the first steps), one that moves the weights, a late one (after training ran)."""
-    for m in _SEQ.finditer(text):
-        p.nccl_ops.append((int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None))
-    if not p.nccl_ops:
-        return
-    if min(s for s, _, _ in p.nccl_ops) <= 5:
-        p.facts.add("nccl_early_collective")
-    # an early collective of a million elements or more moves the model's weights (DDP's first broadcast of its
-    # parameters, in 250 MB buckets), not a barrier (main_process_first's is one element)
-    if any(s <= 5 and (n or 0) >= 1_000_000 for s, _, n in p.nccl_ops):
-        p.facts.add("nccl_early_weights")
-    if max(s for s, _, _ in p.nccl_ops) >= 1000:
-        p.facts.add("nccl_late_collective")
-
-
-def _facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
-    text = p.text
-    for name, pat in fact_patterns.items():
-        if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else text):
-            p.facts.add(name)
-    stages = []
-    for m in _STAGE.finditer(text):
-        groups = [g for g in m.groups() if g is not None]
-        if m.group(0).lower().startswith("stage_1_and_2"):
-            stages.append(2)
-        elif groups and groups[0].isdigit() and int(groups[0]) <= 3:
-            stages.append(int(groups[0]))
-    if any("deepspeed/runtime/zero/stage3.py" in f or "partition_parameters.py" in f or "parameter_offload.py" in f
-           for f in p.frames):
-        stages.append(3)
-    if stages:
-        p.zero_stage = max(stages)
-        p.facts.add(f"zero{p.zero_stage}")
-    if p.zero_stage == 3:
-        p.facts.add("zero3")
-    worlds = [int(m.group(1)) for m in _WORLD.finditer(text)]
-    if worlds:
-        p.world_size = max(worlds)
-        if p.world_size > 1:
-            p.facts.add("multi_rank")
-        elif p.world_size == 1:
-            p.facts.add("one_rank")  # a launch of one process: any other holder of its GPU is not a rank of it
-    m = re.search(r"(?:device_map\s*[=:]\s*|--device_map(_config(?:_path)?)?\s+)(['\"]?)(\{[^}\n]{0,80}\}|[\w:./-]+)\2",
-                  text)
-    if m:
-        p.device_map = m.group(3)
-        p.facts.add("device_map")
-        # ms-swift's --device_map_config(_path) names a JSON that splits one model over several GPUs
-        if m.group(1) or m.group(3).lower() in ("auto", "balanced", "balanced_low_0", "sequential"):
-            p.facts.add("device_map_split")
-    for dtype, pat in (("fp16", r"--fp16(?:\s+True)?\b|\bfp16\s*[:=]\s*true|\"fp16\":\s*\{\s*\"enabled\":\s*true|"
-                                r"mixed_precision[\s=:'\"]*fp16|torch_dtype\s*=\s*torch\.float16|\.half\(\)|"
-                                r"16-mixed|precision[\s=:'\"]*16\b|weight_dtype\s*=\s*torch\.float16"),
-                       ("bf16", r"--bf16(?:\s+True)?\b|\bbf16\s*[:=]\s*true|mixed_precision[\s=:'\"]*bf16|"
-                                r"torch_dtype\s*=\s*torch\.bfloat16")):
-        if re.search(pat, text, re.I):
-            p.dtype = p.dtype or dtype
-            p.facts.add(dtype)
-    sizes = [float(m.group(1)) for m in _MODEL_SIZE.finditer(text) if 0.1 <= float(m.group(1)) <= 700]
-    if sizes:
-        p.model_size_b = max(sizes)
-        if p.model_size_b >= 30:
-            p.facts.add("big_model")
-    _collective_facts(p, text)
-    _barrier_facts(p, text)
-    for line in p.lines:
-        m = _ELAPSED.search(line)
-        if m and _PROGRESS_DATA.search(line):
-            h, mm, ss = (int(m.group(1)), int(m.group(2)), m.group(3))
-            minutes = h * 60 + mm if ss is not None else h + mm / 60
-            if minutes >= 29.5:
-                p.facts.add("data_progress_30min")
-    if _ends_in_data_prep(p.lines):
-        p.facts.add("ends_in_data_prep")
-    if len(p.versions) >= 2:  # an environment dump: the report is about which versions were installed
-        p.facts.add("versions_listed")
-    for code in p.exit_codes:
-        p.facts.add(f"exit{code}")
-    for sig in p.signals:
-        p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
-    if _own_call(p):
-        p.facts.add("own_call")
-    if _fault_outside_ext(p):
-        p.facts.add("fault_outside_ext")
-    if p.cut_frames:
-        p.facts.add("tb_cut")
-    if p.exception:
-        p.facts.add("has_exception")
-        if p.exception.type not in _WRAPPER_TYPES and not p.exception.type.endswith("Warning"):
-            p.facts.add("real_exception")
-
-
-def _ends_in_data_prep(lines: list[str]) -> bool:
-    """The paste stops in a dataset preprocessing progress bar (tokenizing, map, packing), or in a data module's
-    INFO lines (building an index, packing sequences), and shows no error after it: the job died or hung while one
-    rank was still preparing data (the other ranks wait at a barrier)."""
-    tail = [x for x in lines[-3:] if x.strip()]
-    if not tail or _PROGRESS_BAR_STOP.search(tail[-1]):
-        return False
-    if len(tail) >= 2 and all(_DATA_LOG.search(x) and not _PROGRESS_BAR_STOP.search(x) for x in tail[-2:]):
-        return True
-    if not _PROGRESS_DATA.search(tail[-1]):
-        return False
-    return bool(re.search(r"[█▏▎▍▌▋▊▉#]{3}|\d+%\||\d+\s*/\s*\d+|examples/s|ba/s", tail[-1]))
 
 
 def parse(data: bytes | str, fact_patterns: dict[str, FactPattern] | None = None) -> Parsed:
@@ -780,7 +390,7 @@ def parse(data: bytes | str, fact_patterns: dict[str, FactPattern] | None = None
     for m in _SIGNAL.finditer(p.text):
         p.signals.append(next(g for g in m.groups() if g is not None).strip())
     p.versions = _versions(p.text)
-    _facts(p, fact_patterns or {})
+    gather_facts(p, fact_patterns or {})
     if install_ok_end(lines, _EXC):
         p.facts.add("install_ok_end")
     raw = text if len(text) <= 2 * HEAD_BYTES else text[:HEAD_BYTES] + "\n" + text[-HEAD_BYTES:]

@@ -15,7 +15,7 @@ from collections import Counter
 from functools import cache
 from pathlib import Path
 
-from shardfit.diagnose.parse import Parsed
+from shardfit.diagnose.parsed import Parsed
 
 INDEX = Path(__file__).with_name("known_cases.json")
 MIN_SIMILARITY = 0.3
