@@ -114,7 +114,8 @@ def case_of(row: dict, src: dict, spec: dict, settings: dict | None = None) -> d
     deepspeed, seq, reading and Workload keys), or the reason it is not planned. A string a planned row uses that
     its source does not map is an error of the YAML, raised. `settings`: what the row states beyond its columns,
     in the planner's words (Workload keys, `seq`, `reading`), applied last; a sequence length the row leaves
-    unknown is the set's `unknown_seq_len`."""
+    unknown is the set's `unknown_seq_len`. A source's own `unknown` (its era's defaults) overrides the set's
+    `unknown` and `unknown_qlora`, and gives way to what the row maps and states."""
     model = src["models"].get(row["model"], {"model": row["model"]})
     if "not_planned" in model:
         return " ".join(model["not_planned"].split())
@@ -127,6 +128,8 @@ def case_of(row: dict, src: dict, spec: dict, settings: dict | None = None) -> d
     keys = dict(spec["unknown"])
     if method == "qlora":
         keys.update(spec["unknown_qlora"])
+    # The source's era defaults (the ninth and later sets): what its date, versions and tool make of an unstated key.
+    keys.update(src.get("unknown", {}))
     if known(row["precision"]):
         keys.update(src["precisions"][row["precision"]])
     settings = settings or {}

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
             "grad_accum", "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "attention", "peak_memory",
             "tokens_per_s", "fits"}
+# ... and the ninth set's, whose collectors also gave each row's date, stated library versions and tool (the era that
+# decides its source's `unknown` block); the earlier sets keep ROW_KEYS exactly.
+ERA_ROW_KEYS = ROW_KEYS | {"source_date", "versions", "tool"}
 STRATEGIES = {"single", "ddp", "zero2", "zero3", "zero3_offload", "model_parallel"}
 READINGS = {"total", "reserved", "allocated"}
 # The defaults the fourth and later sets plan a row that states nothing with (the earlier sets' own).
