@@ -16,6 +16,7 @@ from tests.blind_sets import (
     ERA_ROW_KEYS,
     ROW_KEYS,
     cases,
+    check_committed,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
@@ -179,3 +180,10 @@ def test_an_era_block_changes_no_earlier_set_and_sits_below_the_row(bench) -> No
         assert new == ({**old} if stated else {**old, "grad_accum": 7}), i
         changed += not stated
     assert changed > 0
+
+
+def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
+    """bench/results/plan_vs_blind9.json is what the script computes now and docs/planning.md shows its table (the
+    README states the pooled line, test_plan_blind_pooled.py): rerun `python bench/plan_vs_blind9.py` and
+    `bench/plan_vs_blind_pooled.py` and paste both after any change to the planner."""
+    check_committed(bench, bench.evaluate(blind), bench.pvb.docs_table)
