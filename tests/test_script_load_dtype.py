@@ -468,3 +468,16 @@ def test_fsdp_no_shard_under_mixed_precision_keeps_fp32_masters(tmp_path: Path, 
 def test_the_fp16_refusal_names_where_fp16_comes_from(tmp_path: Path, mp: str, flags: str, source: str) -> None:
     with pytest.raises(UserError, match=f"fp16 mixed precision \\({source}\\)"):
         _accelerate(tmp_path, "MULTI_GPU", mp, "float16", flags)
+
+
+@pytest.mark.parametrize(("after", "low"), [("model.half()\n", "fp16"), ("model.to(torch.bfloat16)\n", "bf16"),
+                                            ("model.half()\nmodel.float()\n", None),
+                                            ("model.to('cuda')\n", None), ("other.half()\n", None),
+                                            ("if small:\n    model.half()\n", None)])
+def test_a_cast_called_as_its_own_statement_casts_in_place(tmp_path: Path, after: str, low: str | None) -> None:
+    """nn.Module's casts change the weights in place: `model.half()` on a line of its own before the trainer casts
+    the model it trains, as `model = model.half()` does; a move to a device, a cast of another model, or one that
+    runs only sometimes does not decide it."""
+    job = _script(tmp_path, "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', "
+                            "dtype=torch.float32)\n" + after)
+    assert job.workload.pure_16bit is (low is not None), job.notes

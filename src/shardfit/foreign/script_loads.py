@@ -297,9 +297,15 @@ class _Flow:
 
     def _assigns(self, scope: ast.AST, name: str) -> list[tuple[ast.stmt, ast.expr, int | None]]:
         """The statements of `scope` that bind `name` to a value, in order: each with the value and, for a
-        tuple target (`model, tokenizer = ...`), the element `name` takes."""
+        tuple target (`model, tokenizer = ...`), the element `name` takes. A cast called on the name as a statement
+        of its own (`model.half()`) counts as binding it to the cast: nn.Module's casts change the weights in
+        place."""
         out = []
         for node in self._body(scope):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _is_cast(node.value) and \
+                    isinstance(node.value.func, ast.Attribute) and called_name(node.value.func.value) == name and \
+                    isinstance(node.value.func.value, ast.Name):
+                out.append((node, node.value, None))
             if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
                 for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     if isinstance(target, ast.Name) and target.id == name:
