@@ -37,11 +37,11 @@ def _swift(tmp_path: Path, extra: str = "") -> Path:
     return path
 
 
-def _hf(tmp_path: Path, extra: str = "") -> Path:
+def _hf(tmp_path: Path, extra: str = "", load: str = "") -> Path:
     (tmp_path / "train.py").write_text(
         "from transformers import AutoModelForCausalLM\nfrom peft import LoraConfig\n"
         "from trl import SFTConfig, SFTTrainer\n"
-        "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', torch_dtype='bfloat16')\n"
+        f"model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B', torch_dtype='bfloat16'{load})\n"
         "args = SFTConfig(output_dir='o', per_device_train_batch_size=1, max_length=1024, bf16=True)\n"
         "SFTTrainer(model=model, args=args, peft_config=LoraConfig(r=16)).train()\n")
     path = tmp_path / "run.sh"
@@ -100,3 +100,40 @@ def test_plan_of_an_old_run_counts_the_eager_softmax(tmp_path: Path, capsys: pyt
     assert any(EAGER_NOTE in n for n in old["from"]["notes"])
     assert not any("attends eagerly" in n for n in new["from"]["notes"])
     assert old["candidates"][0]["per_gpu_gib"]["activations"] > 1.5 * new["candidates"][0]["per_gpu_gib"]["activations"]
+
+
+@pytest.mark.parametrize(("model", "version", "expected"), [
+    ("mistralai/Mistral-7B-v0.1", "4.36.2", "eager"), ("mistralai/Mistral-7B-v0.1", "4.37.0", "sdpa"),
+    ("meta-llama/Llama-2-7b-hf", "4.36.2", "sdpa"),
+])
+def test_classes_that_gained_sdpa_later_attend_eagerly_until_then(tmp_path: Path, model: str, version: str,
+                                                                  expected: str) -> None:
+    """Mistral's class gained SDPA in 4.37 (transformers PR 28133, after 4.36.0): under 4.36 it still attends
+    eagerly where Llama's does not; the note names the family."""
+    path = tmp_path / "lf.yaml"
+    path.write_text(f"model_name_or_path: {model}\nstage: sft\nfinetuning_type: lora\ncutoff_len: 2048\n")
+    job = read_job("llamafactory", str(path), JobOptions(transformers=version))
+    assert job.workload.attention == expected
+    assert any("in mistral models (SDPA is its default from 4.37)" in n for n in job.notes) is (expected == "eager")
+
+
+@pytest.mark.parametrize(("tool", "kwargs", "expected"), [
+    ("hf", {"load": ", use_flash_attention_2=True"}, "flash"),  # transformers 4.34-4.35's spelling
+    ("hf", {"load": ", attn_implementation='flash_attention_2'"}, "flash"),
+    ("swift", {"extra": " --use_flash_attn true"}, "flash"),  # ms-swift 2.x
+    ("llamafactory", {"extra": "flash_attn: true\n"}, "flash"),  # LLaMA-Factory 0.5's boolean
+    ("llamafactory", {"extra": "flash_attn: false\n"}, "eager"),
+    ("llamafactory", {"extra": "flash_attn: off\n"}, "eager"),  # 0.6-0.8's `off`, which YAML reads as false
+])
+def test_older_spellings_of_the_kernel_are_read(tmp_path: Path, tool: str, kwargs: dict, expected: str) -> None:
+    """The spellings the older stacks used name the kernel: the version's default does not replace them."""
+    job = read_job(tool, str(UNSET[tool](tmp_path, **kwargs)), JobOptions(transformers="4.35.2"))
+    assert job.workload.attention == expected, job.notes
+    assert not any("attends eagerly" in n for n in job.notes)
+
+
+def test_the_attention_flag_says_what_the_script_runs(tmp_path: Path) -> None:
+    """--attention on a bare DeepSpeed JSON is what the training script runs: no version default replaces it."""
+    job = read_job("deepspeed", str(JOBS / "deepspeed/ds_z2.json"),
+                   JobOptions(transformers="4.35.2", model="Qwen/Qwen2.5-7B", workload={"attention": "flash"}))
+    assert job.workload.attention == "flash" and not any("attends eagerly" in n for n in job.notes)

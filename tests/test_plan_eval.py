@@ -298,3 +298,33 @@ def test_what_would_fit_tries_the_evaluation_first(tmp_path: Path, eval_args: st
     fp = _eval_fit(tmp_path, eval_args)
     assert not fp.configured.fits and fp.would, fp.would
     assert fp.would[0].startswith(first), fp.would
+
+
+@pytest.mark.parametrize(("calls", "keeps"), [
+    # the attribute set on the trainer that trains counts; on a scorer, or on a config object, it does not
+    ("t = Trainer(model=model, args=args)\nt.compute_metrics = cm\nt.train()", True),
+    ("scorer = Trainer(model=rm, args=args)\nscorer.compute_metrics = cm\nscorer.evaluate()\n"
+     "Trainer(model=model, args=args).train()", False),
+    ("cfg.compute_metrics = True\nTrainer(model=model, args=args).train()", False),
+    # a trainer built by the script's own function, trained by name, beside a scorer
+    ("def make():\n    return Trainer(model=model, args=args, compute_metrics=cm)\n"
+     "scorer = Trainer(model=rm, args=args)\nt = make()\nt.train()", True),
+    # an unused DPOTrainer does not make the trained Trainer a preference run (whose eval keeps no logits)
+    ("from trl import DPOTrainer\nd = DPOTrainer(model=model, args=args)\n"
+     "Trainer(model=model, args=args, compute_metrics=cm).train()", True),
+])
+def test_only_the_trainer_that_trains_counts(tmp_path: Path, calls: str, keeps: bool) -> None:
+    job = _hf_job(tmp_path, "--eval_strategy steps", _KW + calls + "\n")
+    assert job.workload.eval_keeps_logits is keeps, job.notes
+    assert not any("cannot be told" in n for n in job.notes), job.notes
+
+
+def test_what_would_fit_leaves_the_evaluation_alone_where_training_peaks(tmp_path: Path) -> None:
+    """Where the training step is the peak, no evaluation change is offered (it would lower nothing)."""
+    from shardfit.foreign.asplanned import plan_job
+
+    job = _hf_job(tmp_path, "--use_lora True --per_device_train_batch_size 16 --eval_strategy steps "
+                            "--per_device_eval_batch_size 1 --max_eval_samples 2")
+    fp = plan_job(job, resolve_shape(QWEN), parse_gpus("2xL4"))
+    assert fp.configured.peak_phase != "eval" and not fp.configured.fits
+    assert fp.would and not any("eval" in x for x in fp.would), fp.would

@@ -142,14 +142,16 @@ Try = tuple[str, Workload, ZeroSettings | None, str | None]
 
 
 def _eval_tries(w: Workload, say: Callable[[str, str], str], fits: Callable[[Workload], bool]) -> list[Try]:
-    """The changes to the evaluation while training, first as they change nothing the training computes: the
-    logits moved to the CPU every step (where kept), and the largest halving of the eval batch that fits (`fits`),
-    alone or, where it is not enough alone, with the logits moved."""
+    """The changes to the evaluation while training, for a job whose peak is its evaluation, first as they change
+    nothing the training computes: the logits moved to the CPU every step (where kept), else, or where that alone
+    is not enough, the largest halving of the eval batch that fits (`fits`), with the logits moved if need be."""
     tries: list[Try] = []
     bases = [("", w)]
     if w.eval_batch and w.eval_keeps_logits and w.eval_accumulation != 1:
         moved = say("eval_accumulation", "eval_accumulation_steps 1")
         tries.append((moved, dataclasses.replace(w, eval_accumulation=1), None, None))
+        if fits(tries[0][1]):
+            return tries
         bases.append((f"{moved} + ", tries[0][1]))
     for label, base in bases:
         n = base.eval_batch // 2
@@ -166,7 +168,8 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
     """Changes to the job that make its own engine fit, nearest first, in the tool's keys; then shardfit's
     recommendation for the same job."""
     say = job.words.say
-    tries = _eval_tries(w, say, lambda w2: configured_estimate(job, shape, w2, hw).fits)
+    at_eval = configured_estimate(job, shape, w, hw).peak_phase == "eval"
+    tries = _eval_tries(w, say, lambda w2: configured_estimate(job, shape, w2, hw).fits) if at_eval else []
     if w.grad_ckpt == "none":
         tries.append((say("grad_ckpt", "gradient checkpointing on"), dataclasses.replace(w, grad_ckpt="full"),
                       None, None))

@@ -16,7 +16,6 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
-    default_attention,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -267,7 +266,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
                     else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused"),
-                    loss=hf_loss(version, fused), attention=_attention(src, impl, flash, version, job.notes),
+                    loss=hf_loss(version, fused), attention=_attention(src, impl, flash, job),
                     quant_backend="bnb", quantize_fused_experts=src.flag("quantize_moe_experts"),
                     **settings(src, KEYS, "field"))
 
@@ -295,16 +294,15 @@ def _kbit_dtypes(src: Source, job: ForeignJob, shape: ModelShape, version: str) 
     job.notes.append(note)
 
 
-def _attention(src: Source, impl: str, flash: bool, version: str, notes: list[str]) -> str:
-    """The planner's attention for axolotl's attention keys: transformers' default by version where none is set
-    (axolotl's own SDPA and xformers patches count as set)."""
+def _attention(src: Source, impl: str, flash: bool, job: ForeignJob) -> str:
+    """The planner's attention for axolotl's attention keys (its own SDPA and xformers patches count as set); none
+    set, transformers' default (read.py decides it by version and model)."""
     if flash:
         return "flash"
     if src.flag("eager_attention") or impl == "eager":
         return "eager"
-    if impl or src.flag("sdp_attention") or src.flag("xformers_attention"):
-        return "sdpa"
-    return default_attention(version, notes)
+    job.attention_unset = not (impl or src.flag("sdp_attention") or src.flag("xformers_attention"))
+    return "sdpa"
 
 
 def _one_attention(src: Source, impl: str) -> None:

@@ -57,19 +57,24 @@ def major_minor(version: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
 
 
-# transformers attends with torch's SDPA by default from 4.36 (where torch is 2.1.1 or newer, as every release that
-# reads a current config needs); before, a model that was not asked for flash-attention 2 attended eagerly,
-# keeping each head's fp32 softmax for the backward.
+# transformers attends with torch's SDPA by default from 4.36 (with torch 2.1.1 or newer) for the classes that had
+# an SDPA path then (Llama, Falcon among them); before, a model not asked for flash-attention 2 attended eagerly,
+# keeping each head's fp32 softmax for the backward. Classes that gained SDPA later, by the release that shipped it
+# (Mistral and Mixtral: transformers PR 28133, merged after 4.36.0).
 SDPA_DEFAULT_SINCE = (4, 36)
+SDPA_SINCE = {"mistral": (4, 37), "mixtral": (4, 37)}
 
 
-def default_attention(version: str, notes: list[str]) -> str:
+def default_attention(version: str, model_type: str, notes: list[str]) -> str:
     """The planner's attention for a job that names none (or leaves it to transformers: LLaMA-Factory's `auto`)
-    under transformers `version`: `sdpa`, or `eager` before 4.36, with a note saying so."""
-    if major_minor(version) >= SDPA_DEFAULT_SINCE:
+    under transformers `version` for a `model_type` model: `sdpa`, or `eager` before its class had SDPA, with a note
+    saying so."""
+    since = SDPA_SINCE.get(model_type, SDPA_DEFAULT_SINCE)
+    if major_minor(version) >= since:
         return "sdpa"
-    notes.append(f"attention not set: transformers {version} attends eagerly (SDPA is its default from 4.36): "
-                 "planned with eager attention")
+    notes.append(f"attention not set: transformers {version} attends eagerly"
+                 f"{f' in {model_type} models' if model_type in SDPA_SINCE else ''} (SDPA is its default from "
+                 f"{since[0]}.{since[1]}): planned with eager attention")
     return "eager"
 
 

@@ -23,7 +23,6 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
-    default_attention,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -520,15 +519,17 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
                     else "none",
                     **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
-                    attention=_attention(src.get("attn_implementation"), version, job.notes), frozen_fp32=q,
+                    attention=_attention(src.get("attn_implementation"), job), frozen_fp32=q,
                     quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'
                     **settings(src, KEYS, "field", lora_rank=64 if lora else 8))
 
 
-def _attention(impl: Any, version: str, notes: list[str]) -> str:
-    """The planner's attention for `attn_implementation` = `impl`: transformers' default by version when unset."""
+def _attention(impl: Any, job: ForeignJob) -> str:
+    """The planner's attention for `attn_implementation` = `impl`; unset, transformers' default (read.py decides it
+    by version and model)."""
     if impl is None or str(impl).lower() == "auto":
-        return default_attention(version, notes)
+        job.attention_unset = True
+        return "sdpa"
     return ATTENTION.get(str(impl).lower(), "sdpa")
 
 

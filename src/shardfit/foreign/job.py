@@ -66,6 +66,8 @@ class ForeignJob:
     quant_storage: bool = False  # 4-bit weights stored in a float dtype (bnb_4bit_quant_storage), as FSDP/ZeRO-3 need
     reentrant_ckpt: bool = False  # gradient checkpointing runs reentrant (torch's old default)
     find_unused: bool = False  # DDP looks for unused parameters (the HF Trainer's default for PEFT models)
+    # the job names no attention kernel: transformers' default for its version and model decides (read.py)
+    attention_unset: bool = False
     # what was read and modelled: tool key -> value as given; and what was read but is not modelled
     keys: dict[str, str] = field(default_factory=dict)
     not_modelled: dict[str, str] = field(default_factory=dict)

@@ -126,6 +126,9 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
     job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
+    if job.attention_unset and opts.workload.get("attention") is None:  # --attention says what the script runs
+        job.workload = dataclasses.replace(job.workload, attention=default_attention(
+            version, shape_of(job.model).model_type, job.notes))
     cast = as_deepspeed_runs(job.workload) if job.engine == "deepspeed" else job.workload
     if cast != job.workload:
         job.workload = cast
@@ -273,11 +276,9 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
     raw = parse_json(read_text(path), str(path))
     ds = read_deepspeed(raw, str(path), shape.hidden)
     optim, assumed = default_optim(None, version) if not ds.zero.ds_optimizer else ("adamw_torch_fused", None)
-    attention_notes: list[str] = []  # the script decides its attention: transformers' default by version
     w = Workload(method=opts.method or "full", precision=ds.precision or "bf16", seq_len=opts.seq or 2048,
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
-                 loss=hf_loss(version, False), attention=default_attention(version, attention_notes),
-                 grad_accum=ds.grad_accum or 1,
+                 loss=hf_loss(version, False), grad_accum=ds.grad_accum or 1,
                  fused_adamw=not multi_tensor_step(optim))
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
@@ -290,7 +291,7 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                      "without)")
     if assumed:  # no optimizer section: the script's optimizer steps, planned as the HF Trainer's default
         job.notes.append(assumed)
-    job.notes.extend(attention_notes)
+    job.attention_unset = True  # the training script decides it: transformers' default, as read_job plans it
     return job
 
 

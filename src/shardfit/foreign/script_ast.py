@@ -219,8 +219,35 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
     found = _trained_load(out, tree, constants, path)
+    _chosen_trainer(out, tree, calls, found.trainer)
+    _load_attention(out, found.tied or found.candidates, constants)
     out.metrics, out.metrics_unread = call_metrics(tree, found.trainer, path.name, found.untold)
     return out
+
+
+def _chosen_trainer(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], trainer: ast.Call | None) -> None:
+    """Of several trainer calls, the one that trains (`trainer`) says the objective, not the first: an unused
+    DPOTrainer beside the Trainer that trains makes no preference run."""
+    if trainer is None or len([c for c in calls if _name(c.func) in TRAINER_CLASSES]) < 2:
+        return
+    chosen = _name(trainer.func)
+    out.trainer = chosen if chosen in TRAINERS else None
+    out.trl_trainer = out.trainer or (chosen if chosen == "SFTTrainer" else None)
+    out.trl_config = _trl_config(tree, out.trl_trainer)
+
+
+def _load_attention(out: ScriptSettings, loads: list[ModelLoad], constants: dict[str, Any]) -> None:
+    """The attention the trained model loads with, where its one load spells it: `attn_implementation="..."`, or
+    transformers 4.34-4.35's `use_flash_attention_2=True` (flash-attention 2 before the key existed)."""
+    if len(loads) != 1:
+        return
+    kwargs = {k.arg: _value(k.value, constants) for k in loads[0].call.keywords if k.arg}
+    impl = kwargs.get("attn_implementation")
+    if not isinstance(impl, str) and kwargs.get("use_flash_attention_2") is True:
+        impl = "flash_attention_2"
+    if isinstance(impl, str):
+        out.args["attn_implementation"] = impl
+        out.found.append(f"from_pretrained(attn_implementation={impl!r}) at {loads[0].at}")
 
 
 # ScriptSettings.load_dtype of a from_pretrained that passes no dtype: transformers' own default loads the model.

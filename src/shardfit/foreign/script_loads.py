@@ -236,10 +236,22 @@ class _Flow:
         trained: list[ast.Call] = []
         for call in self.calls:
             if isinstance(call.func, ast.Attribute) and call.func.attr == "train":
-                value = self.value_of(call.func.value, call)
-                if value in built and value not in trained:
-                    trained.append(value)  # type: ignore[arg-type]
+                value = self._built(self.value_of(call.func.value, call), built)
+                if value is not None and value not in trained:
+                    trained.append(value)
         return (trained[0], []) if len(trained) == 1 else (None, [f"{file}:{c.lineno}" for c in built])
+
+    def _built(self, value: ast.expr, built: list[ast.Call]) -> ast.Call | None:
+        """The trainer call of `built` that `value` is: itself, or the one a script function it calls returns
+        (`t = make_trainer(); t.train()`)."""
+        if value in built:
+            return value  # type: ignore[return-value]
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in self.functions:
+            returns = [self.value_of(n.value, n) for n in self._body(self.functions[value.func.id])
+                       if isinstance(n, ast.Return) and n.value is not None]
+            found = {id(r): r for r in returns if r in built}
+            return next(iter(found.values())) if len(found) == 1 else None  # type: ignore[return-value]
+        return None
 
     def value_of(self, expr: ast.expr, use: ast.AST) -> ast.expr:
         """`expr`, or for a name the value of its last assignment before `use` in its scope (else the module's)."""

@@ -20,8 +20,8 @@ def call_metrics(tree: ast.Module, call: ast.Call | None, file: str, untold: lis
     """(the METRIC_KEYS the trainer `call` that trains gives a value other than None, why that cannot be told or
     None): read from the call's syntax tree, as keywords, `**{...}` and `**dict(...)` literals, or `**name` for a
     name bound once to such a literal (its `name["key"] = ...` items added); `trainer.compute_metrics = ...` counts
-    too. Comments, strings and other calls' keywords do not. `call` is None where the script builds no trainer, or
-    several of which none is seen trained (`untold`: where they are)."""
+    too where `trainer` is bound to the call. Comments, strings and other calls' keywords do not. `call` is None
+    where the script builds no trainer, or several of which none is seen trained (`untold`: where they are)."""
     if call is None:
         return frozenset(), (f"which of the trainers at {', '.join(untold)} trains cannot be told" if untold
                              else f"no Trainer call found in {file}")
@@ -34,8 +34,12 @@ def call_metrics(tree: ast.Module, call: ast.Call | None, file: str, untold: lis
         if keys is None:
             return frozenset(), f"{at} passes its trainer arguments in **{ast.unparse(unpacked)}, which is not read"
         given |= keys & set(METRIC_KEYS)
+    # `trainer.compute_metrics = ...` on a name bound to this call (not on another trainer or object)
+    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value is call
+             for t in n.targets if isinstance(t, ast.Name)}
     given |= {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) and not _is_none(n.value)
-              for t in n.targets if isinstance(t, ast.Attribute) and t.attr in METRIC_KEYS}
+              for t in n.targets if isinstance(t, ast.Attribute) and t.attr in METRIC_KEYS
+              and isinstance(t.value, ast.Name) and t.value.id in bound}
     return frozenset(given), None
 
 

@@ -17,7 +17,6 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
-    default_attention,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -314,7 +313,9 @@ def _precision(src: Source, job: ForeignJob) -> str:
 def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     method = _method(src, job)
     precision = _precision(src, job)
-    attn = str(src.get("attn_impl", "auto")).lower()
+    # ms-swift 2.x spelt flash-attention `--use_flash_attn true`; unset, transformers' default (read.py)
+    attn = str(src.get("attn_impl", "flash_attn" if src.flag("use_flash_attn", "false") else "auto")).lower()
+    job.attention_unset = attn == "auto"
     if attn not in ATTENTION:
         raise UserError(f"{src.where}: --attn_impl {attn}: choose flash_attn, sdpa or eager.")
     if "max_length" not in src:
@@ -324,7 +325,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
                     **optimizer_keys(src.get("optim"), version, job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
-                    attention=default_attention(version, job.notes) if attn == "auto" else ATTENTION[attn],
+                    attention=ATTENTION[attn],
                     # --modules_to_save's copies stay as loaded, but fp16 trainables go to fp32 (swift's tuner
                     # prepare, after the adapters are made)
                     lora_saved_dtype="fp16_upcast", **_bnb(src, method, precision), **settings(src, KEYS, "field"))
