@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from shardfit.diagnose.engine import analyze, load_knowledge
-from shardfit.diagnose.parse import parse
+from shardfit.diagnose.parse import Parsed, parse
 from tests.diagnose_real.split import load_cases, read_corpus
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -47,6 +47,11 @@ def synthetic_cases() -> list[dict]:
     return out
 
 
+# log -> its one error line, noted when the whole log was analyzed (analyze parses it as `shorten` does): the one-line
+# form of a log scored whole before needs no second parse
+_LINES: dict[str, str] = {}
+
+
 def shorten(log: str, variant: str) -> str:
     """The log as a user might paste it: whole, its last lines, or the one line that states the error."""
     lines = [x for x in log.splitlines() if x.strip()]
@@ -54,7 +59,13 @@ def shorten(log: str, variant: str) -> str:
         return log
     if variant == "tail":
         return "\n".join(lines[-6:])
-    p = parse(log, load_knowledge().facts)
+    if log not in _LINES:
+        _LINES[log] = _error_line(parse(log, load_knowledge().facts), lines)
+    return _LINES[log]
+
+
+def _error_line(p: Parsed, lines: list[str]) -> str:
+    """The line of a parsed log that states its error: the final exception, else the last error-looking line."""
     if p.exception is not None:
         return str(p.exception)
     errorish = [x for x in p.lines if _ERRORISH.search(x)]
@@ -76,6 +87,9 @@ def answer_of(log: str, variant: str) -> Answer:
     text (its causes and calibration files are fixed while tests run), and the same corpora are scored by several
     tests and by build.py's fits."""
     a = analyze(shorten(log, variant))
+    lines = [x for x in log.splitlines() if x.strip()]
+    if variant == "full" and lines:  # analyze parsed the whole log as shorten's one-line form would
+        _LINES.setdefault(log, _error_line(a.parsed, lines))
     return Answer(tuple((x.category, x.confidence) for x in a.likely), a.answer,
                   tuple(f.category for f in a.findings), tuple(a.scores))
 
