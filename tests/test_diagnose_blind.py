@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.diagnose_real.evaluate import evaluate
+from tests.diagnose_real.split import read_corpus
 from tests.helpers import ROOT
 
 CASES = Path(__file__).resolve().parent / "diagnose_blind" / "cases.yaml"
@@ -27,12 +27,12 @@ def _figures(cases: list[dict], what: str) -> str:
 
 def headline() -> str:
     """The sentence the docs and the README state, computed from the blind set now."""
-    return _figures(yaml.safe_load(CASES.read_text()), "blind threads")
+    return _figures(read_corpus(CASES), "blind threads")
 
 
 def outsiders_line() -> str:
     """The in-sample sentence of docs/diagnose.md: the former blind sets, tuned on since."""
-    return _figures(yaml.safe_load(OUTSIDERS.read_text()), "former blind threads (now dev, in-sample)")
+    return _figures(read_corpus(OUTSIDERS), "former blind threads (now dev, in-sample)")
 
 
 def _repo(case: dict) -> str:
@@ -46,12 +46,12 @@ def sentence() -> str:
 
 
 def test_the_blind_set_is_outside_the_other_corpora() -> None:
-    blind = yaml.safe_load(CASES.read_text())
+    blind = read_corpus(CASES)
     assert len(blind) >= 50 and all({"url", "repo", "label", "log"} <= set(c) for c in blind)
     assert len({c["url"] for c in blind}) == len(blind)
     for corpus in (ROOT / "tests" / "diagnose_real" / "cases.yaml", ROOT / "tests" / "diagnose_public" / "cases.yaml",
                    ROOT / "tests" / "diagnose_short" / "cases.yaml", OUTSIDERS):
-        other = [c for c in yaml.safe_load(corpus.read_text()) if isinstance(c, dict) and "url" in c]
+        other = [c for c in read_corpus(corpus) if isinstance(c, dict) and "url" in c]
         assert not {_repo(c) for c in blind} & {_repo(c) for c in other}, corpus
         assert not {c["url"] for c in blind} & {c["url"] for c in other}, corpus
 

@@ -15,9 +15,10 @@ from shardfit.diagnose.likely import CONFIDENT
 from shardfit.diagnose.parse import parse
 from shardfit.errors import UserError
 from tests.diagnose_real.evaluate import evaluate, shorten, synthetic_cases
+from tests.diagnose_real.split import read_corpus
 from tests.helpers import run_cli
 
-SHORT = yaml.safe_load(Path(__file__).with_name("diagnose_short").joinpath("cases.yaml").read_text())
+SHORT = read_corpus(Path(__file__).with_name("diagnose_short") / "cases.yaml")
 BARE_CPU = ("RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
             "cuda:0 and cpu!")
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB."

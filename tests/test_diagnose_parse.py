@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from shardfit.diagnose.engine import analyze, diagnose, load_knowledge
 from shardfit.diagnose.facts import LineFilter
@@ -238,11 +237,11 @@ CROSS_LINE = ["Which version did you use? I'm using\n v4.45", "requires torch\n>
 
 def _all_logs() -> list[str]:
     from tests.diagnose_real.evaluate import synthetic_cases
-    from tests.diagnose_real.split import load_cases
+    from tests.diagnose_real.split import load_cases, read_corpus
 
     logs = [c["log"] for c in load_cases() + synthetic_cases()] + CROSS_LINE
     for name in ("diagnose_short", "diagnose_outsiders"):
-        corpus = yaml.safe_load((Path(__file__).with_name(name) / "cases.yaml").read_text())
+        corpus = read_corpus(Path(__file__).with_name(name) / "cases.yaml")
         logs += [c["log"] for c in corpus if isinstance(c, dict) and c.get("log")]
     return logs
 

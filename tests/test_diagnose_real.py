@@ -18,7 +18,7 @@ import yaml
 from shardfit.diagnose.engine import HERE, analyze, diagnose, load_causes
 from tests.diagnose_real.build import render
 from tests.diagnose_real.evaluate import docs_prose, docs_rows, evaluate, percent, synthetic_cases
-from tests.diagnose_real.split import load_cases, split_of
+from tests.diagnose_real.split import load_cases, read_corpus, split_of
 from tests.helpers import run_cli
 
 TESTS = Path(__file__).parent
@@ -36,7 +36,7 @@ def test_corpus_is_complete_and_well_formed() -> None:
     assert len(cases) >= 250
     urls = [c["url"] for c in cases]
     assert len(set(urls)) == len(urls)
-    public = {c["url"] for c in yaml.safe_load((TESTS / "diagnose_public" / "cases.yaml").read_text())}
+    public = {c["url"] for c in read_corpus(TESTS / "diagnose_public" / "cases.yaml")}
     assert not public & set(urls), "a case of the tuned public set is reused"
     for c in cases:
         assert set(c) >= {"url", "repo", "label", "resolved", "note", "log"}, c["url"]
@@ -262,7 +262,7 @@ def test_mangled_dev_logs_still_diagnosed() -> None:
 
 # The ninth dev corpus (tests/diagnose_dev9): real threads collected on 2026-11-29, split by repository before round 8
 # was written; `holdout: true` was scored only once round 8 was done (the same figures before and after it).
-DEV9 = yaml.safe_load((TESTS / "diagnose_dev9" / "cases.yaml").read_text())
+DEV9 = read_corpus(TESTS / "diagnose_dev9" / "cases.yaml")
 
 
 def test_dev9_is_well_formed_and_split_by_repository() -> None:
@@ -277,7 +277,7 @@ def test_dev9_is_well_formed_and_split_by_repository() -> None:
     assert 0.4 <= len(held) / len(DEV9) <= 0.6 and any(c["label"] == "none" for c in held)
     others = {c["url"] for c in load_cases()}
     for name in ("diagnose_outsiders", "diagnose_public"):
-        others |= {c["url"] for c in yaml.safe_load((TESTS / name / "cases.yaml").read_text())}
+        others |= {c["url"] for c in read_corpus(TESTS / name / "cases.yaml")}
     assert not others & {c["url"] for c in DEV9}
 
 

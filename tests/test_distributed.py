@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardfit.parallel import launch
 from shardfit.parallel.allocator import PRELOADED_ENV, choose, gpu_host
-from tests.helpers import free_port, read_jsonl, run_cli, train_here, write_config
+from tests.helpers import free_port, read_jsonl, run_cli, run_here, train_here, write_config
 
 pytestmark = pytest.mark.slow
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -89,16 +90,20 @@ def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-5)
 
 
-def test_device_map_is_overridden_or_refused(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
+def test_device_map_is_overridden_or_refused(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                            capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _cfg(tmp_path, tiny_llama, small_data, "dm", device_map="auto", max_steps=2, strategy="ddp")
     r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     # One cause, one warning: the preflight's rule, saying it is ignored (fixed) and how to make it an error.
     assert r.stderr.count("device_map_in_distributed") == 1 and "shardfit ignores it" in r.stderr
     assert "[fixed]" in r.stderr
-    r = run_cli("train", str(cfg), "--nproc", "2", "--set", "strict=true", env=ENV)
-    assert r.returncode != 0
-    assert "splits one process's model over several GPUs" in r.stderr and "Traceback" not in r.stderr.split(
+    # strict: refused before any rank starts, so in this process; a launch is recorded, never run
+    launched: list[list[str]] = []
+    monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
+    code, _, err = run_here(capsys, "train", str(cfg), "--nproc", "2", "--set", "strict=true")
+    assert code == 2 and not launched, err[-3000:]
+    assert "splits one process's model over several GPUs" in err and "Traceback" not in err.split(
         "shardfit: error")[-1]
 
 

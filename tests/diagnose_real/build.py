@@ -17,12 +17,12 @@ from pathlib import Path
 
 import yaml
 
-from shardfit.diagnose.engine import HERE, analyze, evidence_strength, load_knowledge
+from shardfit.diagnose.engine import HERE, evidence_strength, load_knowledge
 from shardfit.diagnose.likely import TOP
 from shardfit.diagnose.parse import parse
 from shardfit.diagnose.similar import tokens
-from tests.diagnose_real.evaluate import VARIANTS, shorten
-from tests.diagnose_real.split import load_cases
+from tests.diagnose_real.evaluate import VARIANTS, answer_of
+from tests.diagnose_real.split import load_cases, read_corpus
 
 TESTS = Path(__file__).resolve().parent.parent
 EDGES = (2.0, 3.0, 4.0, 5.0, 6.0)  # strength bins [2,3) [3,4) [4,5) [5,6) [6,inf)
@@ -33,7 +33,7 @@ TUNING_DISCOUNT = 0.25
 
 
 def public_cases() -> list[dict]:
-    raw = yaml.safe_load((TESTS / "diagnose_public" / "cases.yaml").read_text())
+    raw = read_corpus(TESTS / "diagnose_public" / "cases.yaml")
     return [{"url": c["url"], "label": c["expected"], "log": c["log"]} for c in raw]
 
 
@@ -42,7 +42,7 @@ def calibration_points() -> dict[float, float]:
     keyed by bin start."""
     bins = [[0, 0] for _ in EDGES]
     for case in load_cases("dev") + public_cases():
-        a = analyze(case["log"])
+        a = answer_of(case["log"], "full")  # the log as collected
         if not a.scores or a.scores[0][1] < 2.0:
             continue
         top, rival = a.scores[0][1], (a.scores[1][1] if len(a.scores) > 1 else 0.0)
@@ -73,11 +73,11 @@ def likely_points() -> list[float]:
     counts = [[0, 0] for _ in range(TOP)]
     for case in load_cases("dev") + public_cases():
         for variant in VARIANTS:
-            a = analyze(shorten(case["log"], variant))
-            found = {f.category for f in a.findings}
-            for i, x in enumerate(a.likely[:TOP]):
-                if x.category not in found:
-                    counts[i][0] += x.category == case["label"]
+            a = answer_of(case["log"], variant)
+            found = set(a.findings)
+            for i, (category, _) in enumerate(a.likely[:TOP]):
+                if category not in found:
+                    counts[i][0] += category == case["label"]
                     counts[i][1] += 1
     probs = [round(_lower_bound(r, n), 2) for r, n in counts]
     return [min(probs[: i + 1]) for i in range(len(probs))]

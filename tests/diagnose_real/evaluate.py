@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 import re
 import sys
+from functools import cache
 from pathlib import Path
-
-import yaml
+from typing import NamedTuple
 
 from shardfit.diagnose.engine import analyze, load_knowledge
-from shardfit.diagnose.parse import parse
-from tests.diagnose_real.split import load_cases
+from shardfit.diagnose.parse import Parsed, parse
+from tests.diagnose_real.split import load_cases, read_corpus
 
 TESTS = Path(__file__).resolve().parent.parent
 CONFIDENT = 0.8
@@ -42,9 +42,14 @@ def synthetic_cases() -> list[dict]:
     """The hand-written corpus (tests/diagnose_corpus) and the first public set (tests/diagnose_public)."""
     out = [{"url": p.name, "label": p.name.split(".")[0], "log": p.read_text()}
            for p in sorted((TESTS / "diagnose_corpus").glob("*.log"))]
-    for c in yaml.safe_load((TESTS / "diagnose_public" / "cases.yaml").read_text()):
+    for c in read_corpus(TESTS / "diagnose_public" / "cases.yaml"):
         out.append({"url": c["url"], "label": c["expected"], "log": c["log"]})
     return out
+
+
+# log -> its one error line, noted when the whole log was analyzed (analyze parses it as `shorten` does): the one-line
+# form of a log scored whole before needs no second parse
+_LINES: dict[str, str] = {}
 
 
 def shorten(log: str, variant: str) -> str:
@@ -54,22 +59,49 @@ def shorten(log: str, variant: str) -> str:
         return log
     if variant == "tail":
         return "\n".join(lines[-6:])
-    p = parse(log, load_knowledge().facts)
+    if log not in _LINES:
+        _LINES[log] = _error_line(parse(log, load_knowledge().facts), lines)
+    return _LINES[log]
+
+
+def _error_line(p: Parsed, lines: list[str]) -> str:
+    """The line of a parsed log that states its error: the final exception, else the last error-looking line."""
     if p.exception is not None:
         return str(p.exception)
     errorish = [x for x in p.lines if _ERRORISH.search(x)]
     return (errorish or p.lines or lines)[-1]
 
 
+class Answer(NamedTuple):
+    """What the engine answers on one paste, as the scorers read it: the ranked likely causes with their shown
+    confidence, the answer kind, the findings' categories and the raw cause scores (best first)."""
+    likely: tuple[tuple[str, float], ...]
+    answer: str
+    findings: tuple[str, ...]
+    scores: tuple[tuple[str, float], ...]
+
+
+@cache
+def answer_of(log: str, variant: str) -> Answer:
+    """`analyze(shorten(log, variant))`, once per paste and form in a process: the engine is a pure function of the
+    text (its causes and calibration files are fixed while tests run), and the same corpora are scored by several
+    tests and by build.py's fits."""
+    a = analyze(shorten(log, variant))
+    lines = [x for x in log.splitlines() if x.strip()]
+    if variant == "full" and lines:  # analyze parsed the whole log as shorten's one-line form would
+        _LINES.setdefault(log, _error_line(a.parsed, lines))
+    return Answer(tuple((x.category, x.confidence) for x in a.likely), a.answer,
+                  tuple(f.category for f in a.findings), tuple(a.scores))
+
+
 def evaluate(cases: list[dict], variant: str = "full") -> dict:
     rows = []
     for c in cases:
-        a = analyze(shorten(c["log"], variant))
-        cats = [x.category for x in a.likely]
+        a = answer_of(c["log"], variant)
+        cats = [cat for cat, _ in a.likely]
         rows.append({"url": c["url"], "label": c["label"], "top": cats[0] if cats else None, "cats": cats,
-                     "answer": a.answer, "conf": a.likely[0].confidence if a.likely else 0.0,
-                     "finding": a.findings[0].category if a.findings else None,
-                     "scores": [(x.category, x.confidence) for x in a.likely]})
+                     "answer": a.answer, "conf": a.likely[0][1] if a.likely else 0.0,
+                     "finding": a.findings[0] if a.findings else None, "scores": list(a.likely)})
     known = [r for r in rows if r["label"] != "none"]
     unrelated = [r for r in rows if r["label"] == "none"]
     confident = [r for r in rows if r["answer"] == "confident"]

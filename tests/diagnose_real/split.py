@@ -7,7 +7,9 @@ tests/diagnose_corpus + tests/diagnose_public) only; `test` is the held-out part
 
 from __future__ import annotations
 
+import copy
 import hashlib
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -19,9 +21,22 @@ def split_of(url: str) -> str:
     return "test" if int(hashlib.sha256(url.encode()).hexdigest(), 16) % 2 else "dev"
 
 
+@cache
+def _parsed(text: str) -> list:
+    """A corpus file's text as data, once per text: libyaml's safe loader, plain data as `yaml.safe_load` builds it
+    (the pure-Python loader spends seconds on the larger corpora, which many tests read)."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def read_corpus(path: Path) -> list:
+    """The cases of a corpus file (a YAML list), as the file holds them now: a fresh copy on every call, so a
+    caller may change it; parsed once per content in a test session."""
+    return copy.deepcopy(_parsed(path.read_text()))
+
+
 def load_cases(part: str | None = None) -> list[dict]:
     """All cases (part=None) or those of one part ('dev' / 'test'), each with its 'split' added."""
-    cases = yaml.safe_load(CASES.read_text())
+    cases = read_corpus(CASES)
     for c in cases:
         c["split"] = split_of(c["url"])
     return [c for c in cases if part is None or c["split"] == part]
