@@ -88,6 +88,18 @@ def _fault_outside_ext(p: Parsed) -> bool:
     return not below and not _EXT_PATH.search(last)
 
 
+def _library_kwarg_error(p: Parsed) -> bool:
+    """The primary exception is a TypeError about an unexpected keyword argument, raised in an installed library's
+    frame that the user's code called into (transformers' from_pretrained forwarding the caller's keywords to the
+    model's __init__, a trainer passing its own to a hook): a keyword one release knows and the installed one does
+    not, whichever side spelled it."""
+    e = p.exception
+    if e is None or e.type != "TypeError" or "got an unexpected keyword argument" not in e.message:
+        return False
+    files = [m.group("file").replace("\\", "/") for line in p.lines[:e.line] if (m := match_frame(line))]
+    return bool(files) and bool(LIBRARY_PATH.search(files[-1])) and any(not LIBRARY_PATH.search(f) for f in files)
+
+
 def _own_call(p: Parsed) -> bool:
     """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
     pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
@@ -361,6 +373,8 @@ def _outcome_facts(p: Parsed) -> None:
         p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
     if _own_call(p):
         p.facts.add("own_call")
+    elif _library_kwarg_error(p):
+        p.facts.add("library_kwarg_error")
     if _fault_outside_ext(p):
         p.facts.add("fault_outside_ext")
     if p.cut_frames:
