@@ -88,6 +88,18 @@ def _fault_outside_ext(p: Parsed) -> bool:
     return not below and not _EXT_PATH.search(last)
 
 
+def _library_kwarg_error(p: Parsed) -> bool:
+    """The primary exception is a TypeError about an unexpected keyword argument, raised in an installed library's
+    frame that the user's code called into (transformers' from_pretrained forwarding the caller's keywords to the
+    model's __init__, a trainer passing its own to a hook): a keyword one release knows and the installed one does
+    not, whichever side spelled it."""
+    e = p.exception
+    if e is None or e.type != "TypeError" or "got an unexpected keyword argument" not in e.message:
+        return False
+    files = [m.group("file").replace("\\", "/") for line in p.lines[:e.line] if (m := match_frame(line))]
+    return bool(files) and bool(LIBRARY_PATH.search(files[-1])) and any(not LIBRARY_PATH.search(f) for f in files)
+
+
 def _own_call(p: Parsed) -> bool:
     """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
     pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
@@ -106,8 +118,23 @@ def _own_call(p: Parsed) -> bool:
 
 
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
+# the watchdog names the rank whose own work timed out (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, the
+# watchdog's "[Rank N] Watchdog caught collective operation timeout: WorkNCCL(...)"): that rank was in the collective
+_RANK_SEQ = re.compile(r"\[Rank (\d+)\] Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), "
+                       r"OpType=\w+, NumelIn=(\d+)")
 _ELAPSED = re.compile(r"\[(\d+):(\d\d)(?::(\d\d))?<")
-_PROGRESS_DATA = re.compile(r"tokeniz|Map\b|examples/s|ba/s|Generating \w+ split|pre-?process|Filter\b|dataset", re.I)
+# datasets' own bars are named "Map", "Filter" ("Map (num_proc=8):", arrow_dataset.py's default desc) in that case
+# and with a colon: a detector's "mAP@.5" column in an evaluation bar is not data preparation
+_PROGRESS_DATA = re.compile(r"tokeniz|(?-i:\b(?:Map|Filter)(?: \(num_proc=\d+\))?:)|examples/s|ba/s|"
+                            r"Generating \w+ split|pre-?process|dataset", re.I)
+# a CUDA release named in the paste (the toolkit torch was built with, "cu102", nvidia-smi's "CUDA Version") and a GPU
+# of the Ampere generation or newer: CUDA 10.x and older cannot build for sm_80 and up (CUDA 11.0 added sm_80, 11.1
+# sm_86), so a torch built with them has no kernel image for the card
+_CUDA_RELEASE = re.compile(r"\b(?:cuda(?:toolkit)?|cuda version|cuda runtime)[\s:=_-]{0,3}v?(\d{1,2})\.\d|"
+                           r"\+cu(1\d\d|[89]\d)\b|\bcu(1\d\d|[89]\d)(?=\b|_)", re.I)
+_AMPERE_OR_NEWER = re.compile(r"\bRTX ?(?:30[5-9]0|40[6-9]0|50[6-9]0)\b|\b(?:30[5-9]0|40[6-9]0|50[7-9]0)(?: ?Ti)?\b|"
+                              r"\bA(?:100|800|6000|5000|4000|40|30|10G?)\b|\bH(?:100|800|200|20)\b|\bL40S?\b|"
+                              r"\bB200\b|\bRTX (?:PRO )?[456]000 Ada\b|sm_(?:8\d|9\d|1[0-2]\d)\b", re.I)
 # a data module's own INFO line ("INFO:x.data.datasets.utils:Building indexing ...", "[INFO] packing sequences")
 _DATA_LOG = re.compile(r"^(?:\[?INFO\]?[: ]|I\d{4} |\S+ - INFO - )[^\n]*(?:data_?sets?\b|data\.|packed|packing|"
                        r"tokeniz|mem-?mapped|indexing|indices)", re.I)
@@ -228,6 +255,24 @@ def _collective_facts(p: Parsed, text: str) -> None:
         p.facts.add("nccl_early_weights")
     if max(s for s, _, _ in p.nccl_ops) >= 1000:
         p.facts.add("nccl_late_collective")
+    # rank 0 itself waiting, after the first steps, in a collective of gradient size (a million elements or more):
+    # rank 0 was training, not saving a checkpoint or preparing data while the others waited for it
+    if any(r == "0" and int(s) > 5 and int(n) >= 1_000_000 for r, s, n in _RANK_SEQ.findall(text)):
+        p.facts.add("nccl_rank0_in_step")
+
+
+def _build_facts(p: Parsed, text: str) -> None:
+    """What the paste shows of the build against the card: a CUDA release of 10.x or older named beside a GPU of
+    the Ampere generation or newer (the build has no kernel image for the card)."""
+    releases = []
+    for m in _CUDA_RELEASE.finditer(text):
+        if m.group(1):
+            releases.append(int(m.group(1)))
+        else:  # cu102 -> 10, cu92 -> 9, cu118 -> 11
+            digits = m.group(2) or m.group(3)
+            releases.append(int(digits[:-1]))
+    if releases and max(releases) <= 10 and _AMPERE_OR_NEWER.search(text):
+        p.facts.add("cuda_predates_gpu")
 
 
 def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
@@ -239,6 +284,7 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     _model_facts(p, text)
     _collective_facts(p, text)
     _barrier_facts(p, text)
+    _build_facts(p, text)
     _progress_facts(p)
     _outcome_facts(p)
 
@@ -327,6 +373,8 @@ def _outcome_facts(p: Parsed) -> None:
         p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
     if _own_call(p):
         p.facts.add("own_call")
+    elif _library_kwarg_error(p):
+        p.facts.add("library_kwarg_error")
     if _fault_outside_ext(p):
         p.facts.add("fault_outside_ext")
     if p.cut_frames:
