@@ -182,6 +182,25 @@ def test_an_era_block_changes_no_earlier_set_and_sits_below_the_row(bench) -> No
     assert changed > 0
 
 
+def test_an_era_block_sits_above_the_qlora_defaults(bench) -> None:
+    """A source's era block is applied after the set's QLoRA defaults (`unknown_qlora`): on the third set (dev data),
+    a block saying `double_quant: false` turns off the double quantization a QLoRA row leaves unstated, and changes
+    no other key of any row."""
+    pvb, third = bench.pvb, load_bench("plan_vs_blind3")
+    spec = yaml.safe_load((pvb.BENCH / "published_blind3.yaml").read_text())
+    era = copy.deepcopy(spec)
+    for src in era["sources"].values():
+        src["unknown"] = {"double_quant": False}
+    flipped = 0
+    for (i, _, old), (_, _, new) in zip(cases(third, spec), cases(third, era), strict=True):
+        if isinstance(old, str):
+            continue
+        assert {k: v for k, v in new.items() if k != "double_quant"} == \
+            {k: v for k, v in old.items() if k != "double_quant"}, i
+        flipped += old.get("double_quant") is True and new["double_quant"] is False
+    assert flipped > 0
+
+
 def test_committed_results_and_docs_match_a_fresh_run(bench, blind) -> None:
     """bench/results/plan_vs_blind9.json is what the script computes now and docs/planning.md shows its table (the
     README states the pooled line, test_plan_blind_pooled.py): rerun `python bench/plan_vs_blind9.py` and
