@@ -134,7 +134,7 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
     plan = make_plan(shape, w.on_shardfits_engine(), hw, strategies or NAMES)
     fp = ForeignPlan(job, shape, hw, configured, plan)
     if not configured.fits:
-        fp.would = what_would_fit(job, shape, w, hw)
+        fp.would = what_would_fit(job, shape, w, hw, configured)
     return fp
 
 
@@ -164,11 +164,12 @@ def _eval_tries(w: Workload, say: Callable[[str, str], str], fits: Callable[[Wor
     return tries
 
 
-def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware) -> list[str]:
+def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware, configured: Candidate) -> list[str]:
     """Changes to the job that make its own engine fit, nearest first, in the tool's keys; then shardfit's
-    recommendation for the same job."""
+    recommendation for the same job. `configured`: the job's own estimate, whose peak says whether the evaluation's
+    changes are worth trying."""
     say = job.words.say
-    at_eval = configured_estimate(job, shape, w, hw).peak_phase == "eval"
+    at_eval = configured.peak_phase == "eval"
     tries = _eval_tries(w, say, lambda w2: configured_estimate(job, shape, w2, hw).fits) if at_eval else []
     if w.grad_ckpt == "none":
         tries.append((say("grad_ckpt", "gradient checkpointing on"), dataclasses.replace(w, grad_ckpt="full"),

@@ -237,7 +237,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     pure = src.flag("pure_bf16")
     precision = "bf16" if src.flag("bf16") or pure else "fp16" if src.flag("fp16") else "fp32"
     given = src.get("flash_attn", "auto")
-    # LLaMA-Factory 0.5 took a boolean (true: flash-attention 2, false: eager); YAML also reads 0.6-0.8's `off` so
+    # LLaMA-Factory 0.5 took a boolean (true: flash-attention 2, false: eager); 0.6-0.8's `off` reads as false too
     attn = ("fa2" if given else "disabled") if isinstance(given, bool) else str(given).lower()
     if attn not in ATTENTION:
         raise UserError(f"{src.at('flash_attn')}: 'flash_attn' is {attn!r}; LLaMA-Factory's are auto, disabled, sdpa, "
@@ -246,8 +246,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
                     **optimizer_keys(src.get("optim"), version, job.notes),
-                    loss=hf_loss(version, src.flag("use_liger_kernel")),
-                    attention=ATTENTION[attn],
+                    loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
                     # init_adapter casts every trainable weight to fp32 after get_peft_model unless pure_bf16:
                     # additional_target's copies too, as the adapters

@@ -406,8 +406,9 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     phase = max(moments, key=lambda k: _tensors(moments[k]))
     b = in_gib(moments[phase])
     add_runtime_overhead(b, hw, strategy)
-    fits, notes = _verdict(shape, w, hw, s, b, rank.cpu, phase == "eval")
-    notes = "; ".join(n for n in (eval_note(shape, w, rank.ranks, phase == "eval"), notes) if n)
+    at_eval = phase == "eval"
+    fits, notes = _verdict(shape, w, hw, s, b, rank.cpu, at_eval)
+    notes = "; ".join(n for n in (eval_note(shape, w, rank.ranks, at_eval), notes) if n)
     not_here = not_applicable(s, hw)  # a row the hardware named cannot run at all says why instead
     return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=not_here or notes,
                      applies=not not_here)
