@@ -128,6 +128,21 @@ def test_trl_script(tmp_path: Path) -> None:
     assert pre.workload.reference == "precomputed" and to_config(pre)["dpo"]["precompute_reference"] is True
 
 
+def test_only_the_trained_trl_trainer_lends_its_settings(tmp_path: Path) -> None:
+    """The keywords (beta, loss_type, ref_model) of a TRL trainer the script builds but never trains are not the
+    run's: of two, the one whose .train() runs says them."""
+    from shardfit.foreign.script_ast import read_script
+
+    unused = ("from trl import DPOTrainer, KTOTrainer\nfrom transformers import Trainer\n"
+              "d = DPOTrainer(model=m, ref_model=r, beta=0.5, loss_type='hinge', args=args)\n")
+    plain = read_script(Path("t.py"), unused + "Trainer(model=m, args=args).train()\n")
+    assert plain.trainer is None and not {"beta", "loss_type", "ref_model"} & set(plain.args), plain.args
+    kto = read_script(Path("t.py"), unused + "k = KTOTrainer(model=m, args=args, beta=0.2)\nk.train()\n")
+    assert kto.trainer == "KTOTrainer" and kto.args.get("beta") == "0.2" and "ref_model" not in kto.args, kto.args
+    alone = read_script(Path("t.py"), unused)
+    assert alone.trainer == "DPOTrainer" and alone.args["beta"] == "0.5" and alone.args["ref_model"] == "r"
+
+
 @pytest.mark.parametrize("tool, name, text, said", [
     ("llamafactory", "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nstage: ppo\n", "'stage' is 'ppo'"),
     ("llamafactory", "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nstage: rm\n", "reward-model"),

@@ -185,13 +185,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             if keys:
                 out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
         elif name in TRAINERS and out.trainer is None:
-            out.trainer = name
-            keys = {k: v for k, v in known.items() if k in TRAINING_KEYS and not isinstance(v, (dict, list))}
-            out.args.update({k: _as_arg(v) for k, v in keys.items() if k not in out.args})  # TRL before configs
-            out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
-            ref = next((k.value for k in node.keywords if k.arg == "ref_model"), None)
-            if ref is not None and _value(ref, constants) is not None:
-                out.args["ref_model"] = ast.unparse(ref)
+            out.trainer = name  # its keywords are read once the trainer that trains is known (_trl_keywords)
         elif name in ARG_FILE_CALLS:
             arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg in (
                 "json_file", "yaml_file")), None)
@@ -220,6 +214,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
     found = _trained_load(out, tree, constants, path)
     _chosen_trainer(out, tree, calls, found.trainer)
+    _trl_keywords(out, calls, found.trainer, constants, path)
     _load_attention(out, found.tied or found.candidates, constants)
     out.metrics, out.metrics_unread = call_metrics(tree, found.trainer, path.name, found.untold)
     return out
@@ -234,6 +229,25 @@ def _chosen_trainer(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call]
     out.trainer = chosen if chosen in TRAINERS else None
     out.trl_trainer = out.trainer or (chosen if chosen == "SFTTrainer" else None)
     out.trl_config = _trl_config(tree, out.trl_trainer)
+
+
+def _trl_keywords(out: ScriptSettings, calls: list[ast.Call], trainer: ast.Call | None, constants: dict[str, Any],
+                  path: Path) -> None:
+    """The TrainingArguments keywords (beta, loss_type, ...) and the ref_model of the TRL trainer call that trains:
+    the one `trainer` names where it is that class, else the first of its class. A DPOTrainer the script builds but
+    never trains lends the run none of its settings."""
+    if out.trainer is None:
+        return
+    node = trainer if trainer is not None and _name(trainer.func) == out.trainer else \
+        next(c for c in calls if _name(c.func) == out.trainer)
+    kwargs = {k.arg: _value(k.value, constants) for k in node.keywords if k.arg}
+    keys = {k: v for k, v in kwargs.items() if v is not _UNKNOWN and k in TRAINING_KEYS and
+            not isinstance(v, (dict, list))}
+    out.args.update({k: _as_arg(v) for k, v in keys.items() if k not in out.args})  # TRL before configs
+    out.found.append(f"{out.trainer}({_shown(keys, tuple(keys))}) at {path.name}:{node.lineno}")
+    ref = next((k.value for k in node.keywords if k.arg == "ref_model"), None)
+    if ref is not None and _value(ref, constants) is not None:
+        out.args["ref_model"] = ast.unparse(ref)
 
 
 def _load_attention(out: ScriptSettings, loads: list[ModelLoad], constants: dict[str, Any]) -> None:
