@@ -143,6 +143,22 @@ def test_only_the_trained_trl_trainer_lends_its_settings(tmp_path: Path) -> None
     assert alone.trainer == "DPOTrainer" and alone.args["beta"] == "0.5" and alone.args["ref_model"] == "r"
 
 
+@pytest.mark.parametrize("calls", [
+    # alone, and beside a scorer Trainer the script never trains: the subclass (of a subclass) is what trains
+    "t = MyDPO(model=m, args=args, beta=0.3)\nt.train()\n",
+    "s = Trainer(model=rm, args=args)\nt = MyDPO(model=m, args=args, beta=0.3)\nt.train()\n",
+])
+def test_a_script_s_own_trl_subclass_keeps_its_objective(tmp_path: Path, calls: str) -> None:
+    """Research scripts derive their trainer from TRL's (`class MyDPO(DPOTrainer)`): the objective and keywords
+    are DPO's, however many of the script's own classes sit between."""
+    from shardfit.foreign.script_ast import read_script
+
+    head = ("from trl import DPOTrainer\nfrom transformers import Trainer\n"
+            "class Base(DPOTrainer):\n    pass\nclass MyDPO(Base):\n    pass\n")
+    got = read_script(Path("t.py"), head + calls)
+    assert got.trainer == "DPOTrainer" and got.trl_trainer == "DPOTrainer" and got.args["beta"] == "0.3", got
+
+
 @pytest.mark.parametrize("tool, name, text, said", [
     ("llamafactory", "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nstage: ppo\n", "'stage' is 'ppo'"),
     ("llamafactory", "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nstage: rm\n", "reward-model"),

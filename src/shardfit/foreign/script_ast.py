@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.script_loads import ModelLoad, TrainedLoad, cast_dtype, cast_said, trained_load
+from shardfit.foreign.script_loads import (
+    ModelLoad,
+    TrainedLoad,
+    cast_dtype,
+    cast_said,
+    trained_load,
+    trainer_bases,
+)
 from shardfit.foreign.script_metrics import call_metrics
 
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
@@ -159,8 +166,10 @@ def read_script(path: Path, text: str) -> ScriptSettings:
                         f"is this the training script the command runs?") from None
     constants = _constants(tree)
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    bases = trainer_bases(tree, TRAINER_CLASSES)
     for node in calls:
         name, at = _name(node.func), f"{path.name}:{node.lineno}"
+        kind = bases.get(name)  # the trainer class a call builds, where it builds one (a subclass: its base)
         kwargs = {k.arg: _value(k.value, constants) for k in node.keywords if k.arg}
         known = {k: v for k, v in kwargs.items() if v is not _UNKNOWN}
         if name == "LoraConfig":
@@ -179,13 +188,13 @@ def read_script(path: Path, text: str) -> ScriptSettings:
         elif name == "BitsAndBytesConfig" and known.get("load_in_4bit") is True:
             out.args["q_lora"] = "true"
             out.found.append(f"BitsAndBytesConfig(load_in_4bit=True) at {at}: 4-bit base weights")
-        elif name in ARGUMENT_CLASSES or name == "SFTTrainer":
+        elif name in ARGUMENT_CLASSES or kind == "SFTTrainer":
             keys = {k: v for k, v in known.items() if k in TRAINING_KEYS and not isinstance(v, (dict, list))}
             out.args.update({k: _as_arg(v) for k, v in keys.items()})
             if keys:
                 out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
-        elif name in TRAINERS and out.trainer is None:
-            out.trainer = name  # its keywords are read once the trainer that trains is known (_trl_keywords)
+        elif kind in TRAINERS and out.trainer is None:
+            out.trainer = kind  # its keywords are read once the trainer that trains is known (_trl_keywords)
         elif name in ARG_FILE_CALLS:
             arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg in (
                 "json_file", "yaml_file")), None)
@@ -205,41 +214,44 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             if out.model is None and isinstance(first, str) and "/" in first and \
                     "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
-    out.trl_trainer = out.trainer or next((n for n in (_name(c.func) for c in calls) if n == "SFTTrainer"), None)
-    _by_name(out, tree, calls, constants, path)
+    out.trl_trainer = out.trainer or next((k for k in (bases.get(_name(c.func)) for c in calls)
+                                           if k == "SFTTrainer"), None)
+    _by_name(out, tree, calls, bases, constants, path)
     out.trl_config = _trl_config(tree, out.trl_trainer)
     names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(tree)
              if isinstance(n, ast.Name | ast.Attribute)}
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
     found = _trained_load(out, tree, constants, path)
-    _chosen_trainer(out, tree, calls, found.trainer)
-    _trl_keywords(out, calls, found.trainer, constants, path)
+    _chosen_trainer(out, tree, calls, bases, found.trainer)
+    _trl_keywords(out, calls, bases, found.trainer, constants, path)
     _load_attention(out, found.tied or found.candidates, constants)
     out.metrics, out.metrics_unread = call_metrics(tree, found.trainer, path.name, found.untold)
     return out
 
 
-def _chosen_trainer(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], trainer: ast.Call | None) -> None:
+def _chosen_trainer(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], bases: dict[str, str],
+                    trainer: ast.Call | None) -> None:
     """Of several trainer calls, the one that trains (`trainer`) says the objective, not the first: an unused
-    DPOTrainer beside the Trainer that trains makes no preference run."""
-    if trainer is None or len([c for c in calls if _name(c.func) in TRAINER_CLASSES]) < 2:
+    DPOTrainer beside the Trainer that trains makes no preference run. Calls of the script's own subclasses count
+    as their base class (`bases`)."""
+    if trainer is None or len([c for c in calls if _name(c.func) in bases]) < 2:
         return
-    chosen = _name(trainer.func)
+    chosen = bases.get(_name(trainer.func), "")
     out.trainer = chosen if chosen in TRAINERS else None
     out.trl_trainer = out.trainer or (chosen if chosen == "SFTTrainer" else None)
     out.trl_config = _trl_config(tree, out.trl_trainer)
 
 
-def _trl_keywords(out: ScriptSettings, calls: list[ast.Call], trainer: ast.Call | None, constants: dict[str, Any],
-                  path: Path) -> None:
+def _trl_keywords(out: ScriptSettings, calls: list[ast.Call], bases: dict[str, str], trainer: ast.Call | None,
+                  constants: dict[str, Any], path: Path) -> None:
     """The TrainingArguments keywords (beta, loss_type, ...) and the ref_model of the TRL trainer call that trains:
     the one `trainer` names where it is that class, else the first of its class. A DPOTrainer the script builds but
     never trains lends the run none of its settings."""
     if out.trainer is None:
         return
-    node = trainer if trainer is not None and _name(trainer.func) == out.trainer else \
-        next(c for c in calls if _name(c.func) == out.trainer)
+    node = trainer if trainer is not None and bases.get(_name(trainer.func)) == out.trainer else \
+        next(c for c in calls if bases.get(_name(c.func)) == out.trainer)
     kwargs = {k.arg: _value(k.value, constants) for k in node.keywords if k.arg}
     keys = {k: v for k, v in kwargs.items() if v is not _UNKNOWN and k in TRAINING_KEYS and
             not isinstance(v, (dict, list))}
@@ -361,14 +373,14 @@ def _dtype_named(v: ast.expr, constants: dict[str, Any]) -> str | None:
 _NAME_ATTRS = ("model_name_or_path", "model_name", "model_id", "model_path")
 
 
-def _by_name(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], constants: dict[str, Any],
-             path: Path) -> None:
+def _by_name(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], bases: dict[str, str],
+             constants: dict[str, Any], path: Path) -> None:
     """Where the script's TRL trainer is given its model as a name (`model_by_name`; a literal one is the job's
     model where no from_pretrained named it), and the dtype of the model_init_kwargs its config call spells
     (`init_dtype`), with which TRL's trainers load such a model (trl trainer/sft_trainer.py, dpo_trainer.py)."""
     for call in calls:
         name, at = _name(call.func), f"{path.name}:{call.lineno}"
-        if name in (*TRAINERS, "SFTTrainer") and out.model_by_name is None:
+        if bases.get(name) in (*TRAINERS, "SFTTrainer") and out.model_by_name is None:
             arg = next((k.value for k in call.keywords if k.arg == "model"), call.args[0] if call.args else None)
             value = _value(arg, constants) if arg is not None else None
             if isinstance(value, str) or isinstance(arg, ast.Attribute | ast.Name) and \

@@ -157,8 +157,23 @@ def called_name(func: ast.expr) -> str:
 
 def trainer_names(tree: ast.Module, trainers: tuple[str, ...]) -> tuple[str, ...]:
     """The trainer classes a script's calls may build: `trainers`, and the classes the script derives from one."""
-    return (*trainers, *(c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and
-                         any(called_name(b) in trainers for b in c.bases)))
+    return tuple(trainer_bases(tree, trainers))
+
+
+def trainer_bases(tree: ast.Module, trainers: tuple[str, ...]) -> dict[str, str]:
+    """Each trainer class a script's calls may build, mapped to the library class it is (`trainers`): itself, or
+    the one a class the script derives from it (through its own classes too: `class A(DPOTrainer)`,
+    `class B(A)`) extends -- a custom DPOTrainer still optimises DPO."""
+    out = {t: t for t in trainers}
+    classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+    grew = True
+    while grew:  # a chain of the script's own classes resolves one link per pass
+        grew = False
+        for c in classes:
+            base = next((out[called_name(b)] for b in c.bases if called_name(b) in out), None)
+            if base is not None and c.name not in out:
+                out[c.name], grew = base, True
+    return out
 
 
 class _Flow:
