@@ -117,6 +117,26 @@ def test_classes_that_gained_sdpa_later_attend_eagerly_until_then(tmp_path: Path
     assert any("in mistral models (SDPA is its default from 4.37)" in n for n in job.notes) is (expected == "eager")
 
 
+@pytest.mark.parametrize(("model", "version", "expected", "said"), [
+    # Phi-3's modeling file set `_supports_sdpa = False` until 4.45
+    ("microsoft/Phi-3-mini-4k-instruct", "4.44.2", "eager", "in phi3 models (SDPA is its default from 4.45)"),
+    ("microsoft/Phi-3-mini-4k-instruct", "4.45.0", "sdpa", None),
+    # Gemma2 had SDPA from its first release, defaulted to eager in 4.45-4.47, and back to SDPA from 4.48
+    ("google/gemma-2-9b", "4.44.2", "sdpa", None),
+    ("google/gemma-2-9b", "4.45.2", "eager", "defaults gemma2 models to eager attention (4.45 to 4.47 do)"),
+    ("google/gemma-2-9b", "4.47.1", "eager", "defaults gemma2 models to eager attention (4.45 to 4.47 do)"),
+    ("google/gemma-2-9b", "4.48.0", "sdpa", None),
+])
+def test_the_version_table_follows_each_class_s_release(tmp_path: Path, model: str, version: str, expected: str,
+                                                        said: str | None) -> None:
+    """Each class attends as its transformers release's modeling file decides, read from the published wheels."""
+    path = tmp_path / "lf.yaml"
+    path.write_text(f"model_name_or_path: {model}\nstage: sft\nfinetuning_type: lora\ncutoff_len: 2048\n")
+    job = read_job("llamafactory", str(path), JobOptions(transformers=version))
+    assert job.workload.attention == expected
+    assert (said is not None and any(said in n for n in job.notes)) is (said is not None), job.notes
+
+
 @pytest.mark.parametrize(("tool", "kwargs", "expected"), [
     ("hf", {"load": ", use_flash_attention_2=True"}, "flash"),  # transformers 4.34-4.35's spelling
     ("hf", {"load": ", attn_implementation='flash_attention_2'"}, "flash"),

@@ -59,18 +59,30 @@ def major_minor(version: str) -> tuple[int, int]:
 
 # transformers attends with torch's SDPA by default from 4.36 (with torch 2.1.1 or newer) for the classes that had
 # an SDPA path then (Llama, Falcon among them); before, a model not asked for flash-attention 2 attended eagerly,
-# keeping each head's fp32 softmax for the backward. Classes that gained SDPA later, by the release that shipped it
-# (Mistral and Mixtral: transformers PR 28133, merged after 4.36.0).
+# keeping each head's fp32 softmax for the backward. Classes that gained SDPA later, by the first release whose
+# modeling file sets `_supports_sdpa = True` (read in the published wheels 4.36.2 to 4.50.3; Mistral and Mixtral:
+# transformers PR 28133, after 4.36.0; Phi-3's class said False until 4.45).
 SDPA_DEFAULT_SINCE = (4, 36)
-SDPA_SINCE = {"mistral": (4, 37), "mixtral": (4, 37)}
+SDPA_SINCE = {"mistral": (4, 37), "mixtral": (4, 37), "phi": (4, 39), "stablelm": (4, 39), "gpt_neox": (4, 42),
+              "gpt2": (4, 42), "phi3": (4, 45), "opt": (4, 46)}
+# Releases in which a class that has SDPA still defaults to eager attention: Gemma2's 4.45 to 4.47 overrode
+# `_check_and_enable_sdpa` to swap the default SDPA for eager (its logit soft-capping); 4.48's attention interface
+# dropped the override.
+EAGER_DEFAULT = {"gemma2": ((4, 45), (4, 48))}
 
 
 def default_attention(version: str, model_type: str, notes: list[str]) -> str:
     """The planner's attention for a job that names none (or leaves it to transformers: LLaMA-Factory's `auto`)
-    under transformers `version` for a `model_type` model: `sdpa`, or `eager` before its class had SDPA, with a note
-    saying so."""
-    since = SDPA_SINCE.get(model_type, SDPA_DEFAULT_SINCE)
-    if major_minor(version) >= since:
+    under transformers `version` for a `model_type` model: `sdpa`, or `eager` before its class had SDPA (or in the
+    releases that defaulted it to eager), with a note saying so."""
+    since, at = SDPA_SINCE.get(model_type, SDPA_DEFAULT_SINCE), major_minor(version)
+    window = EAGER_DEFAULT.get(model_type)
+    if window is not None and window[0] <= at < window[1]:
+        notes.append(f"attention not set: transformers {version} defaults {model_type} models to eager attention "
+                     f"({window[0][0]}.{window[0][1]} to {window[1][0]}.{window[1][1] - 1} do): planned with eager "
+                     f"attention")
+        return "eager"
+    if at >= since:
         return "sdpa"
     notes.append(f"attention not set: transformers {version} attends eagerly"
                  f"{f' in {model_type} models' if model_type in SDPA_SINCE else ''} (SDPA is its default from "
