@@ -1,0 +1,66 @@
+"""Mechanisms found on the outsiders' batch 14 (dev since it was replaced as the blind set): version breaks read by the
+message the library prints (TCPStore's libuv refusal on Windows' torch >= 2.4, torch 1.7's reducer assert under a
+framework's own DDP wrapper), a launched script's exit status 2 read as argparse refusing the launcher's argument,
+and users counting extra processes on the first GPU. Each paste is made up in the shape of the library's message (its
+source is cited in causes.yaml), not taken from a thread.
+"""
+
+from __future__ import annotations
+
+from shardfit.diagnose.engine import analyze
+
+
+def _cats(log: str) -> list[str]:
+    return [x.category for x in analyze(log).likely]
+
+
+# torch/distributed/rendezvous.py asks TCPStore for libuv by default from torch 2.4 (USE_LIBUV defaults to "1");
+# TCPStore.cpp's TORCH_CHECK refuses on a build without it (the Windows wheels)
+LIBUV = (
+    'Traceback (most recent call last):\n'
+    '  File "C:\\proj\\train.py", line 88, in main\n'
+    '    dist.init_process_group(backend="gloo", init_method="env://")\n'
+    '  File "C:\\proj\\venv\\lib\\site-packages\\torch\\distributed\\rendezvous.py", line 190, in _create_c10d_store\n'
+    '    return TCPStore(\n'
+    'RuntimeError: use_libuv was requested but PyTorch was build without libuv support')
+
+
+def test_tcpstores_libuv_refusal_is_a_version_break() -> None:
+    assert _cats(LIBUV)[0] == "library_version_regression"
+    # the bare line, as a title or a one-line paste
+    assert _cats(LIBUV.splitlines()[-1])[0] == "library_version_regression"
+
+
+# reducer.cpp's rebuild_buckets internal assert, as torch 1.7 prints it
+REDUCER = (
+    'RuntimeError: replicas_[0].size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED at '
+    '"/pytorch/torch/csrc/distributed/c10d/reducer.cpp":1326, please report a bug to PyTorch. rebuilt parameter '
+    'indices size is not same as original model parameters size.Original model param size is: 212 versus rebuilt '
+    'params size of: 84800')
+
+
+def test_the_reducers_rebuild_assert_is_a_version_break() -> None:
+    assert _cats(REDUCER)[0] == "library_version_regression"
+
+
+def _elastic(code: int) -> str:
+    return (f"ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: {code}) local_rank: 0 (pid: 4242) "
+            f"of binary: /usr/bin/python3")
+
+
+def test_a_launched_script_exiting_2_reads_as_its_parser_refusing_the_launcher() -> None:
+    assert _cats(_elastic(2))[0] == "library_version_regression"
+    # another status, or an exception the paste states, is not argparse's exit
+    assert "library_version_regression" not in _cats(_elastic(1))
+    stated = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+              "23.69 GiB of which 1.10 GiB is free.\n" + _elastic(2))
+    assert "library_version_regression" not in _cats(stated)
+
+
+def test_extra_processes_counted_on_the_first_gpu_are_ranks_sharing_it() -> None:
+    words = ("With torchrun --nproc_per_node 4 the memory is unbalanced: there are 3 additional processes on GPU 0, "
+             "each holding about 600 MB.")
+    assert _cats(words)[0] == "more_ranks_than_gpus"
+    assert _cats("用 torchrun 启动 4 卡训练，4个进程都跑到第一张卡上了")[0] == "more_ranks_than_gpus"
+    # processes spread one per card are not
+    assert "more_ranks_than_gpus" not in _cats("nvidia-smi shows one process on each GPU and training is slow")
