@@ -90,6 +90,18 @@ def check_mapping(bench: ModuleType, blind: dict, planned: dict[str, int], case_
     assert dict(counted) == planned
 
 
+def check_era_blocks(bench: ModuleType, blind: dict, planned: dict[str, int], empty: set[str]) -> None:
+    """Each source carries its era's `unknown` block of Workload keys (the ninth set's rules); a block is empty only
+    for the sources named in `empty` (not dated, tool unread, or no row planned), and every source with a planned
+    row outside `empty` has keys."""
+    keys = bench.pvb.pvp.WORKLOAD_KEYS
+    for name, src in blind["sources"].items():
+        assert isinstance(src.get("unknown"), dict), name
+        assert set(src["unknown"]) <= keys, (name, set(src["unknown"]) - keys)
+    assert {name for name, src in blind["sources"].items() if not src["unknown"]} == empty
+    assert all(blind["sources"][name]["unknown"] for name in planned if name not in empty)
+
+
 def check_planned_or_reasoned(fresh: dict, rows: int) -> None:
     """No row is dropped: a planned row has a prediction and a verdict (and an error for each published figure it
     compares), a row not planned its reason; the summary's counts add up."""

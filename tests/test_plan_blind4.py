@@ -11,6 +11,7 @@ from tests.blind_sets import (
     ROW_KEYS,
     cases,
     check_committed,
+    check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
@@ -41,6 +42,23 @@ def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     check_rows(blind, bench.pvb.pvp, ROW_KEYS, bench.pvb.source_of)
     check_readings_and_defaults(blind, 107)
     assert bench.OUT.name == "plan_vs_blind4.json" and bench.SET.name == "published_blind4.yaml"
+
+
+def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
+    """Each source carries its own `unknown`, Workload keys only; it is empty for a source with no row planned (not
+    dated) and for halo-30, whose own engine was not read."""
+    unplanned = set(blind["sources"]) - set(PLANNED)
+    check_era_blocks(bench, blind, PLANNED, unplanned | {"halo-30"})
+
+
+def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+    """Liger's April 2025 Colab run attends by SDPA without checkpointing or the fused AdamW (transformers 4.51, the
+    plain Trainer); thunder's benchmark steps a fused AdamW; EasyContext's stated flash attention stays."""
+    by_row = {i: case for i, _, case in cases(bench, blind)}
+    liger, thunder, easy = by_row[79], by_row[84], by_row[16]
+    assert liger["attention"] == "sdpa" and liger["grad_ckpt"] == "none" and liger["fused_adamw"] is False, liger
+    assert thunder["fused_adamw"] is True and thunder["grad_ckpt"] == "none", thunder
+    assert easy["attention"] == "flash" and easy["grad_ckpt"] == "full" and easy["loss"] == "full", easy
 
 
 def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:

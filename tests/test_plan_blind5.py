@@ -13,6 +13,7 @@ from tests.blind_sets import (
     ROW_KEYS,
     cases,
     check_committed,
+    check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
@@ -46,6 +47,22 @@ def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     assert len(set(as_text)) == len(as_text)
     check_readings_and_defaults(blind, 115)
     assert bench.OUT.name == "plan_vs_blind5.json" and bench.SET.name == "published_blind5.yaml"
+
+
+def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
+    """Each source carries its own `unknown`, Workload keys only; it is empty for a source with no row planned (not
+    dated) and for exxact-lora, whose blog's date was not found."""
+    unplanned = set(blind["sources"]) - set(PLANNED)
+    check_era_blocks(bench, blind, PLANNED, unplanned | {"exxact-lora"})
+
+
+def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+    """LIMO's LLaMA-Factory under transformers 4.48 copies the shifted fp32 logits and attends with the yaml's fa2;
+    self-llm's April 2024 LoRA keeps its adapters in the bf16 base's dtype (peft 0.10)."""
+    by_row = {i: case for i, name, case in cases(bench, blind) if not isinstance(case, str)}
+    limo = [c for i, c in by_row.items() if blind["rows"][i - 1]["source_url"].endswith("LIMO/issues/10")]
+    assert limo and all(c["loss"] == "full_shift" and c["attention"] == "flash" for c in limo), limo
+    assert by_row[103]["adapters_16bit"] is True and by_row[103]["grad_ckpt"] == "full", by_row[103]
 
 
 def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:

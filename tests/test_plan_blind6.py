@@ -13,6 +13,7 @@ from tests.blind_sets import (
     ROW_KEYS,
     cases,
     check_committed,
+    check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
@@ -51,6 +52,24 @@ def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     assert len(set(as_text)) == len(as_text)
     check_readings_and_defaults(blind, 116)
     assert bench.OUT.name == "plan_vs_blind6.json" and bench.SET.name == "published_blind6.yaml"
+
+
+def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
+    """Each source carries its own `unknown`, Workload keys only; every planned source has keys, and a source with no
+    row planned is empty unless it shares a planned source's commit and tool."""
+    shared = {name for name in blind["sources"] if name.startswith("arctic-")} | {"lit-llama-adapter",
+                                                                                  "rocm-llama2-qlora-mi250"}
+    check_era_blocks(bench, blind, PLANNED, set(blind["sources"]) - set(PLANNED) - shared)
+
+
+def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+    """Sky-T1's LLaMA-Factory under transformers 4.46 copies the shifted fp32 logits; torchtune's October 2024 LoRA
+    config chunks its loss and fuses its AdamW; a January 2026 HF Trainer steps adamw_torch_fused while the row's
+    stated checkpointing stays."""
+    by_row = {i: case for i, _, case in cases(bench, blind)}
+    assert by_row[41]["loss"] == "full_shift" and by_row[41]["grad_ckpt"] == "full", by_row[41]
+    assert by_row[116]["loss"] == "chunked" and by_row[116]["fused_adamw"] is True, by_row[116]
+    assert by_row[94]["fused_adamw"] is True and by_row[94]["grad_ckpt"] == "none", by_row[94]
 
 
 def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
