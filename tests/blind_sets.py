@@ -53,6 +53,15 @@ def check_readings_and_defaults(blind: dict, rows: int) -> None:
     assert set(blind["row_settings"]) | set(blind["row_reasons"]) <= set(range(1, rows + 1))
 
 
+def check_era_blocks(blind: dict, workload_keys: set[str], empty: set[str]) -> None:
+    """Each source carries its own `unknown` (its era's defaults, decided from its date, versions and tool), Workload
+    keys only; the sources in `empty` are those nothing decides (an empty block, their comment says why)."""
+    for name, src in blind["sources"].items():
+        assert isinstance(src.get("unknown"), dict), name
+        assert set(src["unknown"]) <= workload_keys, (name, set(src["unknown"]) - workload_keys)
+    assert {name for name, src in blind["sources"].items() if not src["unknown"]} == empty
+
+
 def cases(bench: ModuleType, blind: dict) -> list[tuple[int, str, dict | str]]:
     """(row number, source, case or reason) of every row of a set read through `bench.settings_of`: the mapping
     alone, no prediction."""

@@ -13,6 +13,7 @@ from tests.blind_sets import (
     ROW_KEYS,
     cases,
     check_committed,
+    check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
@@ -22,6 +23,11 @@ from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"torchao-lowbit-optim": 3, "torchao-float8-training": 3}
+# Sources whose era nothing decides (own engines, own code not read, or not dated): an empty `unknown` block.
+NO_ERA = {"opentau-pr429", "opentau-pr273", "opentau-issue264", "opentau-pr265", "galore-readme",
+          "theailabs-a100-walkthrough", "torchao-quantized-training", "llmq-readme", "rwkv-peft",
+          "internevo-performance", "aquila2-readme-cn", "telechat2-deepspeed", "chatglm6b-ptuning-notes",
+          "lomo-readme-zh", "onlybooks-llm-ch5"}
 LLMQ_ROWS = range(64, 106)
 TORCHTITAN_ROWS = range(42, 54)
 
@@ -58,6 +64,24 @@ def test_torchtitan_peaks_are_read_as_gib_reserved(blind) -> None:
     for i in range(38, 42):
         peak = rows[i - 1]["peak_memory"]
         assert peak["unit"] == "GB" and blind["readings"][peak["reading"]] == {"reading": "allocated"}, i
+
+
+def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
+    """Each source carries its own `unknown`, Workload keys only (added by the ninth set's rules by a reader who saw
+    no prediction of this set); a source nothing dates or places keeps the set's defaults (an empty block)."""
+    check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, NO_ERA)
+
+
+def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+    """torchtune at 52d1b838 checkpoints, attends without a mask and runs its chunked-output loss; torchtitan steps
+    its fused AdamW by default; a row's stated fused AdamW and the strategy's maskless SDPA still win."""
+    by_row = {i: case for i, _, case in cases(bench, blind)}
+    for i in (38, 39, 40):
+        assert by_row[i]["loss"] == "chunked_output" and by_row[i]["attention"] == "flash", by_row[i]
+        assert by_row[i]["grad_ckpt"] == "full", by_row[i]
+    assert by_row[38]["fused_adamw"] and "fused_adamw" not in by_row[39]
+    for i in (42, 43, 45):
+        assert by_row[i]["fused_adamw"] and by_row[i]["grad_ckpt"] == "selective" and by_row[i]["loss"] == "full", i
 
 
 def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from shardfit.plan.estimate import ALLOCATOR_CACHE, Breakdown, peak_reading
-from tests.blind_sets import ROOT, check_committed, check_planned_or_reasoned, check_rows
+from tests.blind_sets import ROOT, check_committed, check_era_blocks, check_planned_or_reasoned, check_rows
 from tests.helpers import load_bench
 
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
@@ -39,6 +39,30 @@ def test_the_set_loads_with_every_row_tied_to_one_source(bench, moe) -> None:
     check_rows(moe, bench.pvp, ROW_KEYS, bench.pvb.source_of)
     skipped, settings = set(moe["not_planned"]["rows"]), set(moe["row_settings"])
     assert not skipped & settings and skipped <= set(range(1, 61))
+
+
+def test_every_source_has_an_era_block_of_workload_keys(bench, moe) -> None:
+    """Each source group carries its own `unknown`, Workload keys only, holding what its documents' eras agree on
+    (added by the ninth set's rules by a reader who saw no prediction); NeMo AutoModel's own engine keeps the set's
+    defaults (an empty block)."""
+    check_era_blocks(moe, bench.pvp.WORKLOAD_KEYS, {"S3-nemo-automodel", "S4-hf-blog-automodel"})
+
+
+def test_the_era_reaches_the_case_below_what_the_row_states(bench, moe) -> None:
+    """xtuner's December 2023 Mixtral runs (transformers 4.36) attend eagerly with nn.Linear experts and checkpoint;
+    the 2024 issues' Mixtral runs keep per-expert linears; ms-swift's 2025 runs step the fused AdamW and checkpoint,
+    with the kernel a row names. Mapping only: nothing is predicted."""
+    def case(i: int) -> dict:
+        row = moe["rows"][i - 1]
+        src = moe["sources"][bench.pvb.source_of(row, moe)]
+        return bench.pvb.case_of(row, src, moe, moe["row_settings"].get(i))
+
+    for i in (50, 51):
+        assert case(i)["attention"] == "eager" and case(i)["fused_experts"] is False and case(i)["grad_ckpt"] == "full"
+    assert case(55)["fused_experts"] is False and case(58)["fused_experts"] is False
+    assert case(60)["attention"] == "flash" and not case(55)["adapters_16bit"]
+    assert case(13)["fused_adamw"] and case(13)["attention"] == "flash" and case(10)["grad_ckpt"] == "full"
+    assert "fused_experts" not in case(14) and case(45)["attention"] == "flash"
 
 
 def test_the_split_is_the_yaml_rule_and_keeps_a_document_together(moe, fresh) -> None:
