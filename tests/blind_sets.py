@@ -53,15 +53,6 @@ def check_readings_and_defaults(blind: dict, rows: int) -> None:
     assert set(blind["row_settings"]) | set(blind["row_reasons"]) <= set(range(1, rows + 1))
 
 
-def check_era_blocks(blind: dict, workload_keys: set[str], empty: set[str]) -> None:
-    """Each source carries its own `unknown` (its era's defaults, decided from its date, versions and tool), Workload
-    keys only; the sources in `empty` are those nothing decides (an empty block, their comment says why)."""
-    for name, src in blind["sources"].items():
-        assert isinstance(src.get("unknown"), dict), name
-        assert set(src["unknown"]) <= workload_keys, (name, set(src["unknown"]) - workload_keys)
-    assert {name for name, src in blind["sources"].items() if not src["unknown"]} == empty
-
-
 def cases(bench: ModuleType, blind: dict) -> list[tuple[int, str, dict | str]]:
     """(row number, source, case or reason) of every row of a set read through `bench.settings_of`: the mapping
     alone, no prediction."""
@@ -99,16 +90,16 @@ def check_mapping(bench: ModuleType, blind: dict, planned: dict[str, int], case_
     assert dict(counted) == planned
 
 
-def check_era_blocks(bench: ModuleType, blind: dict, planned: dict[str, int], empty: set[str]) -> None:
-    """Each source carries its era's `unknown` block of Workload keys (the ninth set's rules); a block is empty only
-    for the sources named in `empty` (not dated, tool unread, or no row planned), and every source with a planned
-    row outside `empty` has keys."""
-    keys = bench.pvb.pvp.WORKLOAD_KEYS
+def check_era_blocks(blind: dict, workload_keys: set[str], empty: set[str], planned: dict[str, int] | None = None
+                     ) -> None:
+    """Each source carries its era's `unknown` block (its date, versions and tool decide it: the ninth set's
+    rules), Workload keys only; a block is empty only for the sources named in `empty` (not dated, tool unread, or
+    no row planned; their comment says why), and every source of `planned` outside `empty` has keys."""
     for name, src in blind["sources"].items():
         assert isinstance(src.get("unknown"), dict), name
-        assert set(src["unknown"]) <= keys, (name, set(src["unknown"]) - keys)
+        assert set(src["unknown"]) <= workload_keys, (name, set(src["unknown"]) - workload_keys)
     assert {name for name, src in blind["sources"].items() if not src["unknown"]} == empty
-    assert all(blind["sources"][name]["unknown"] for name in planned if name not in empty)
+    assert all(blind["sources"][name]["unknown"] for name in planned or {} if name not in empty)
 
 
 def check_planned_or_reasoned(fresh: dict, rows: int) -> None:

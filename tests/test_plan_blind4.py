@@ -48,7 +48,7 @@ def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     """Each source carries its own `unknown`, Workload keys only; it is empty for a source with no row planned (not
     dated) and for halo-30, whose own engine was not read."""
     unplanned = set(blind["sources"]) - set(PLANNED)
-    check_era_blocks(bench, blind, PLANNED, unplanned | {"halo-30"})
+    check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, unplanned | {"halo-30"}, PLANNED)
 
 
 def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:

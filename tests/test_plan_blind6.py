@@ -59,7 +59,7 @@ def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     row planned is empty unless it shares a planned source's commit and tool."""
     shared = {name for name in blind["sources"] if name.startswith("arctic-")} | {"lit-llama-adapter",
                                                                                   "rocm-llama2-qlora-mi250"}
-    check_era_blocks(bench, blind, PLANNED, set(blind["sources"]) - set(PLANNED) - shared)
+    check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, set(blind["sources"]) - set(PLANNED) - shared, PLANNED)
 
 
 def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
