@@ -53,6 +53,15 @@ def single_runs(tmp_path_factory, tiny_llama: Path, small_data: Path) -> dict[st
     return out
 
 
+@pytest.fixture(scope="module")
+def zero3_lora_run(tmp_path_factory, tiny_llama: Path, small_data: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """The 2-rank zero3 LoRA run (its launch and its run directory), launched once: the strategy matrix compares it
+    with one process, the resume test finishes a copy of it on one process."""
+    tmp = tmp_path_factory.mktemp("zero3-lora")
+    cfg = _cfg(tmp, tiny_llama, small_data, "run", method="lora", strategy="zero3", lr=1e-2)
+    return run_cli("train", str(cfg), "--nproc", "2", env=ENV), tmp / "run"
+
+
 # zero2 and zero3_offload train a full fine-tune as zero3 does, save where the optimizer state lives; DDP
 # all-reduces a full fine-tune's gradients as it does LoRA's (ddp-lora holds it): heavy.
 HEAVY_PAIRS = (("zero2", "full"), ("zero3_offload", "full"), ("ddp", "full"), ("zero2", "lora"))
@@ -62,12 +71,14 @@ HEAVY_PAIRS = (("zero2", "full"), ("zero3_offload", "full"), ("ddp", "full"), ("
     pytest.param(s, m, marks=pytest.mark.heavy) if (s, m) in HEAVY_PAIRS else (s, m)
     for s in ("ddp", "zero2", "zero3", "zero3_offload") for m in ("lora", "full")])
 def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small_data: Path, single_runs,
-                                         strategy: str, method: str) -> None:
-    cfg = _cfg(tmp_path, tiny_llama, small_data, "run", method=method, strategy=strategy,
-               lr=1e-2 if method == "lora" else 1e-3)
-    r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
+                                         request: pytest.FixtureRequest, strategy: str, method: str) -> None:
+    if (strategy, method) == ("zero3", "lora"):  # the same config the resume test starts from: one launch for both
+        r, run = request.getfixturevalue("zero3_lora_run")
+    else:
+        cfg = _cfg(tmp_path, tiny_llama, small_data, "run", method=method, strategy=strategy,
+                   lr=1e-2 if method == "lora" else 1e-3)
+        r, run = run_cli("train", str(cfg), "--nproc", "2", env=ENV), tmp_path / "run"
     assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "run"
     ref, got = _losses(single_runs[method]), _losses(run)
     assert len(got) == len(ref) == 6
     for a, b in zip(ref, got, strict=True):
@@ -107,24 +118,29 @@ def test_device_map_is_overridden_or_refused(tmp_path: Path, tiny_llama: Path, s
         "shardfit: error")[-1]
 
 
-def test_zero3_checkpoint_resumes_on_other_world_size(tmp_path: Path, tiny_llama: Path, small_data: Path) -> None:
-    cfg = _cfg(tmp_path, tiny_llama, small_data, "rs", strategy="zero3")
-    r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
+def test_zero3_checkpoint_resumes_on_other_world_size(tmp_path: Path, tiny_llama: Path, small_data: Path,
+                                                      zero3_lora_run, capsys: pytest.CaptureFixture) -> None:
+    r, trained = zero3_lora_run  # 6 steps of zero3 LoRA on 2 ranks, a checkpoint every 3
     assert r.returncode == 0, r.stderr[-3000:]
+    # A copy of the run under this config's output_dir (the checkpoints hold no path): the module's run stays whole.
+    cfg = _cfg(tmp_path, tiny_llama, small_data, "rs", strategy="zero3")
     run = tmp_path / "rs"
+    shutil.copytree(trained, run)
     two_rank = _weights(run, "lora")
     # Forget everything after step 3, then finish on ONE process (same global batch via accumulation).
     shutil.rmtree(run / "checkpoints" / "step-6")
     shutil.rmtree(run / "adapter")
-    r = run_cli("train", str(cfg), "--set", "grad_accum=2", env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    # One process launches nothing: it resumes in this one (the CLI's `main`), without a new interpreter's start-up.
+    code, _, err = run_here(capsys, "train", str(cfg), "--set", "grad_accum=2")
+    assert code == 0, err[-3000:]
     assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 3
     one_rank = _weights(run, "lora")
     for k in two_rank:
         torch.testing.assert_close(one_rank[k], two_rank[k], rtol=1e-4, atol=1e-5)
 
 
-def test_qwen_omni_text_model_trains_under_zero3(tmp_path: Path, tiny_omni: Path, small_data: Path) -> None:
+def test_qwen_omni_text_model_trains_under_zero3(tmp_path: Path, tiny_omni: Path, small_data: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
     cfg = _cfg(tmp_path, tiny_omni, small_data, "omni", strategy="zero3", max_steps=3)
     r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -134,9 +150,10 @@ def test_qwen_omni_text_model_trains_under_zero3(tmp_path: Path, tiny_omni: Path
     adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert adapter and not any("talker" in k or "token2wav" in k for k in adapter)
     # `check` builds the same model and runs the same preflight: it exits 0 with exactly the findings train applied.
-    r = run_cli("check", str(cfg), "--nproc", "2", "--json", env=ENV)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    checked = json.loads(r.stdout)
+    # It launches no ranks, so it runs in this process (the CLI's `main`), without a second start-up.
+    code, out, err = run_here(capsys, "check", str(cfg), "--nproc", "2", "--json")
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    checked = json.loads(out)
     applied = json.loads((run / "preflight.json").read_text())
     assert checked["ok"] is applied["ok"] is True and applied["strategy"] == "zero3"
 

@@ -52,8 +52,14 @@ def _stand_in(args: list[str], model: Path, out: Path) -> list[str]:
 
 
 # The commands that only read and print run in this process (the CLI's own `main`, from the repository root), which
-# saves a start-up each; `train` and `doctor` (which launch ranks) run as a user runs them, in a new process.
+# saves a start-up each, and so does `train` on one process; `train --nproc` and `doctor` (which launch ranks) run as
+# a user runs them, in a new process.
 IN_PROCESS = {"plan", "check", "eval", "report", "diagnose"}
+
+
+def in_process(args: list[str]) -> bool:
+    """Whether the README command `args` runs through `main` in this process: it launches no ranks."""
+    return args[0] in IN_PROCESS or (args[0] == "train" and "--nproc" not in args)
 
 
 @pytest.mark.slow
@@ -67,7 +73,7 @@ def test_every_readme_command_runs(tmp_path: Path, tiny_llama: Path, capsys: pyt
         if any(flag in args for flag in NOT_HERE):
             continue
         cmd = _stand_in(args, tiny_llama, tmp_path)
-        if args[0] in IN_PROCESS:
+        if in_process(args):
             capsys.readouterr()
             code, err = main(cmd), capsys.readouterr().err
         else:
