@@ -143,6 +143,31 @@ def test_only_the_trained_trl_trainer_lends_its_settings(tmp_path: Path) -> None
     assert alone.trainer == "DPOTrainer" and alone.args["beta"] == "0.5" and alone.args["ref_model"] == "r"
 
 
+@pytest.mark.parametrize(("trains", "seq", "objective"), [("s", "4096", None), ("d", "512", "DPOTrainer")])
+def test_an_untrained_sft_trainer_lends_nothing_either(trains: str, seq: str, objective: str | None) -> None:
+    """An SFTTrainer (here the script's own subclass) built beside the DPOTrainer that trains lends it no length,
+    and the other way round; the notes name the call as the script spells it."""
+    from shardfit.foreign.script_ast import read_script
+
+    got = read_script(Path("t.py"), "from trl import DPOTrainer, SFTTrainer\nclass MySFT(SFTTrainer):\n    pass\n"
+                      "s = MySFT(model=m, max_seq_length=4096, args=a)\n"
+                      f"d = DPOTrainer(model=m, beta=0.5, max_length=512, args=a)\n{trains}.train()\n")
+    assert got.trainer == objective and got.args.get("max_seq_length", got.args.get("max_length")) == seq, got.args
+    assert ("max_seq_length" in got.args) is (trains == "s") and ("max_length" in got.args) is (trains == "d")
+    assert any(f.startswith("MySFT(" if trains == "s" else "DPOTrainer(") for f in got.found), got.found
+
+
+def test_a_subclass_defined_in_a_block_is_still_found() -> None:
+    """The chain of the script's own classes resolves in any order of definition: a base defined inside an `if`
+    below the subclass that names it."""
+    from shardfit.foreign.script_ast import read_script
+
+    got = read_script(Path("t.py"), "from trl import DPOTrainer\nclass Mine(Base):\n    pass\n"
+                      "if True:\n    class Base(DPOTrainer):\n        pass\nMine(model=m, args=a, beta=0.1).train()\n")
+    assert got.trainer == "DPOTrainer" and got.args["beta"] == "0.1"
+    assert any(f.startswith("Mine(beta=0.1) at t.py:7, a DPOTrainer") for f in got.found), got.found
+
+
 @pytest.mark.parametrize("calls", [
     # alone, and beside a scorer Trainer the script never trains: the subclass (of a subclass) is what trains
     "t = MyDPO(model=m, args=args, beta=0.3)\nt.train()\n",

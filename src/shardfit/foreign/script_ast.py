@@ -167,6 +167,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     constants = _constants(tree)
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
     bases = trainer_bases(tree, TRAINER_CLASSES)
+    found = trained_load(tree, path.name, TRAINER_CLASSES)
     for node in calls:
         name, at = _name(node.func), f"{path.name}:{node.lineno}"
         kind = bases.get(name)  # the trainer class a call builds, where it builds one (a subclass: its base)
@@ -188,7 +189,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
         elif name == "BitsAndBytesConfig" and known.get("load_in_4bit") is True:
             out.args["q_lora"] = "true"
             out.found.append(f"BitsAndBytesConfig(load_in_4bit=True) at {at}: 4-bit base weights")
-        elif name in ARGUMENT_CLASSES or kind == "SFTTrainer":
+        elif name in ARGUMENT_CLASSES or kind == "SFTTrainer" and _lends(node, found.trainer):
             keys = {k: v for k, v in known.items() if k in TRAINING_KEYS and not isinstance(v, (dict, list))}
             out.args.update({k: _as_arg(v) for k, v in keys.items()})
             if keys:
@@ -222,7 +223,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
              if isinstance(n, ast.Name | ast.Attribute)}
     out.model_config = bool(names & {"ModelConfig", "get_peft_config"})
     out.trl_parser = "TrlParser" in names or "parse_args_and_config" in names
-    found = _trained_load(out, tree, constants, path)
+    _trained_load(out, found, constants, path)
     _chosen_trainer(out, tree, calls, bases, found.trainer)
     _trl_keywords(out, calls, bases, found.trainer, constants, path)
     _load_attention(out, found.tied or found.candidates, constants)
@@ -256,7 +257,9 @@ def _trl_keywords(out: ScriptSettings, calls: list[ast.Call], bases: dict[str, s
     keys = {k: v for k, v in kwargs.items() if v is not _UNKNOWN and k in TRAINING_KEYS and
             not isinstance(v, (dict, list))}
     out.args.update({k: _as_arg(v) for k, v in keys.items() if k not in out.args})  # TRL before configs
-    out.found.append(f"{out.trainer}({_shown(keys, tuple(keys))}) at {path.name}:{node.lineno}")
+    name = _name(node.func)
+    out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {path.name}:{node.lineno}"
+                     f"{f', a {out.trainer}' if name != out.trainer else ''}")
     ref = next((k.value for k in node.keywords if k.arg == "ref_model"), None)
     if ref is not None and _value(ref, constants) is not None:
         out.args["ref_model"] = ast.unparse(ref)
@@ -285,12 +288,19 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "ha
            "float": "float32", "auto": "auto"}
 
 
-def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, Any], path: Path) -> TrainedLoad:
+def _lends(call: ast.Call, trainer: ast.Call | None) -> bool:
+    """Whether a trainer `call` lends the run its keywords: it is the call that trains (`trainer`), or no call is
+    known to train and it is of that kind at all; an SFTTrainer built beside the DPOTrainer that trains lends
+    nothing."""
+    return call is trainer or trainer is None
+
+
+def _trained_load(out: ScriptSettings, found: TrainedLoad, constants: dict[str, Any], path: Path) -> None:
     """The load dtype of the model the script's trainer trains (script_loads.py `trained_load`): the load its
     `model=` is tied to (a cast on the way setting the dtype), else the one load left that could be it, unless the
     `model=` comes from a call that cannot be followed. unsloth's loads pick their own dtype (`unsloth_at`); loads
-    that disagree and cannot be told apart decide nothing; the findings say each. Returns what it found."""
-    found = trained_load(tree, path.name, TRAINER_CLASSES)
+    that disagree and cannot be told apart decide nothing; the findings say each (`found`: script_loads.py's
+    reading of the script)."""
     tied = found.tied
     if tied and not tied[0].built and tied[0].call.args and \
             isinstance(first := _value(tied[0].call.args[0], constants), str) and "/" in first:
@@ -308,7 +318,7 @@ def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, An
         out.found.append(f"{unsloth[0].owner}.from_pretrained at {out.unsloth_at} loads the model: unsloth picks its "
                          f"own dtype (none given: bf16 where the GPU has it, else fp16), so the load dtype is not "
                          f"planned (the plan keeps its precision)")
-        return found
+        return
     loads = tied or found.candidates
     dtypes = {_load_dtype(ld, constants) for ld in loads}
     if len(dtypes) == 1:
@@ -318,7 +328,6 @@ def _trained_load(out: ScriptSettings, tree: ast.Module, constants: dict[str, An
     elif loads:
         out.found.append(f"models load in different dtypes at {', '.join(ld.at for ld in loads)} and "
                          f"{'each may reach' if tied else 'none can be tied to'} the trainer's model=: {fallback}")
-    return found
 
 
 def _load_said(load: ModelLoad, dtype: str, file: str) -> tuple[str, str]:
