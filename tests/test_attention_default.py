@@ -134,7 +134,35 @@ def test_the_version_table_follows_each_class_s_release(tmp_path: Path, model: s
     path.write_text(f"model_name_or_path: {model}\nstage: sft\nfinetuning_type: lora\ncutoff_len: 2048\n")
     job = read_job("llamafactory", str(path), JobOptions(transformers=version))
     assert job.workload.attention == expected
-    assert (said is not None and any(said in n for n in job.notes)) is (said is not None), job.notes
+    if said is None:
+        assert not any("attention not set" in n for n in job.notes), job.notes
+    else:
+        assert any(said in n for n in job.notes), job.notes
+
+
+# The first release whose modeling file sets `_supports_sdpa = True`, read in the published wheels (the last release
+# before it set nothing or False); the classes that never set it (NO_SDPA_TYPES) attend eagerly under every release.
+@pytest.mark.parametrize(("model_type", "before", "since"), [
+    ("llama", "4.35.2", "4.36.0"), ("mistral", "4.36.2", "4.37.0"), ("mixtral", "4.36.2", "4.37.0"),
+    ("phi", "4.38.2", "4.39.0"), ("stablelm", "4.38.2", "4.39.0"), ("gpt_neox", "4.41.2", "4.42.0"),
+    ("gpt2", "4.41.2", "4.42.0"), ("phi3", "4.44.2", "4.45.0"), ("opt", "4.45.2", "4.46.0"),
+    ("persimmon", "4.52.4", "4.53.0"),
+])
+def test_each_class_attends_with_sdpa_from_its_release(model_type: str, before: str, since: str) -> None:
+    from shardfit.foreign.common import default_attention
+
+    notes: list[str] = []
+    assert default_attention(before, model_type, notes) == "eager" and notes
+    assert default_attention(since, model_type, notes := []) == "sdpa" and not notes
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neo", "gptj", "bloom", "codegen"])
+def test_classes_without_sdpa_attend_eagerly_under_every_release(model_type: str) -> None:
+    from shardfit.foreign.common import default_attention
+    from shardfit.plan.attention_layout import runs_eager
+
+    assert {default_attention(v, model_type, []) for v in ("4.35.2", "4.50.3", "5.23.0")} == {"eager"}
+    assert runs_eager(model_type, "sdpa") and runs_eager(model_type, "auto")
 
 
 @pytest.mark.parametrize(("tool", "kwargs", "expected"), [

@@ -16,6 +16,7 @@ import yaml
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
+from shardfit.plan.attention_layout import NO_SDPA_TYPES
 
 # HF TrainingArguments that change nothing the planner counts (logging, saving, schedules, evaluation cadence,
 # data loading, hub and reporting). Whether and how the job evaluates while training counts (foreign/trainer_eval.py).
@@ -64,7 +65,7 @@ def major_minor(version: str) -> tuple[int, int]:
 # transformers PR 28133, after 4.36.0; Phi-3's class said False until 4.45).
 SDPA_DEFAULT_SINCE = (4, 36)
 SDPA_SINCE = {"mistral": (4, 37), "mixtral": (4, 37), "phi": (4, 39), "stablelm": (4, 39), "gpt_neox": (4, 42),
-              "gpt2": (4, 42), "phi3": (4, 45), "opt": (4, 46)}
+              "gpt2": (4, 42), "phi3": (4, 45), "opt": (4, 46), "persimmon": (4, 53)}
 # Releases in which a class that has SDPA still defaults to eager attention: Gemma2's 4.45 to 4.47 overrode
 # `_check_and_enable_sdpa` to swap the default SDPA for eager (its logit soft-capping); 4.48's attention interface
 # dropped the override.
@@ -75,6 +76,8 @@ def default_attention(version: str, model_type: str, notes: list[str]) -> str:
     """The planner's attention for a job that names none (or leaves it to transformers: LLaMA-Factory's `auto`)
     under transformers `version` for a `model_type` model: `sdpa`, or `eager` before its class had SDPA (or in the
     releases that defaulted it to eager), with a note saying so."""
+    if model_type in NO_SDPA_TYPES:  # eager under every version: the planner's own rule says it (runs_eager)
+        return "eager"
     since, at = SDPA_SINCE.get(model_type, SDPA_DEFAULT_SINCE), major_minor(version)
     window = EAGER_DEFAULT.get(model_type)
     if window is not None and window[0] <= at < window[1]:
