@@ -1,4 +1,4 @@
-"""Mechanisms found on the outsiders' batch 14 (dev since it was replaced as the blind set): version breaks read by the
+"""Mechanisms found on the outsiders' batch 14 (dev data): version breaks read by the
 message the library prints (TCPStore's libuv refusal on Windows' torch >= 2.4, torch 1.7's reducer assert under a
 framework's own DDP wrapper), a launched script's exit status 2 read as argparse refusing the launcher's argument,
 and users counting extra processes on the first GPU. Each paste is made up in the shape of the library's message (its
@@ -64,3 +64,33 @@ def test_extra_processes_counted_on_the_first_gpu_are_ranks_sharing_it() -> None
     assert _cats("用 torchrun 启动 4 卡训练，4个进程都跑到第一张卡上了")[0] == "more_ranks_than_gpus"
     # processes spread one per card are not
     assert "more_ranks_than_gpus" not in _cats("nvidia-smi shows one process on each GPU and training is slow")
+
+
+_ELASTIC = ("ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 2) local_rank: 0 (pid: 4242) "
+            "of binary: /usr/bin/python3")
+
+
+def test_exit_2_for_a_stated_other_reason_or_outside_torch_launchers_is_no_version_break() -> None:
+    """Exit status 2 reads as the launcher's argument only under torch's and DeepSpeed's launchers (which add it) and
+    where the script states no other refusal: argparse refusing another argument, Python not finding the script,
+    Hydra's override error, or a Slurm step's exit code."""
+    for log in ("/usr/bin/python3: can't open file '/w/train.py': [Errno 2] No such file or directory\n" + _ELASTIC,
+                "usage: train.py [-h] --output_dir D\ntrain.py: error: the following arguments are required: "
+                "--output_dir\n" + _ELASTIC,
+                "Error executing job with overrides: []\nCould not override 'trainer.devices'.\n"
+                "[ERROR] [launch.py:321:sigkill_handler] exits with return code = 2",
+                "srun: error: gpu-node12: task 0: Exited with exit code 2"):
+        assert "library_version_regression" not in _cats(log), log
+    # argparse refusing the launcher's own argument still is one
+    refusal = "usage: train.py [-h]\ntrain.py: error: unrecognized arguments: --local-rank=0\n" + _ELASTIC
+    assert _cats(refusal)[0] == "library_version_regression"
+
+
+def test_workers_data_or_listed_gpus_on_gpu_0_are_not_ranks_sharing_it() -> None:
+    """DataLoader workers on the first GPU, a list of GPUs that starts with 0, or data (not processes) on cuda:0 say
+    nothing about ranks sharing a card."""
+    for log in ("I set 8 workers on the first GPU for the dataloader and it is slow",
+                "I launch with torchrun and see 4 processes on GPU 0,1,2,3 as expected but training hangs",
+                "RuntimeError: Expected all tensors to be on the same device, but found at least two devices, cuda:0 "
+                "and cuda:1! 我的数据都在cuda:0上，模型在cuda:1"):
+        assert "more_ranks_than_gpus" not in _cats(log), log
