@@ -59,6 +59,7 @@ class HandLoop:
     amp: str | None = None  # bf16 or fp16 where autocast (or a GradScaler, Accelerator, FSDP policy) says it
     amp_said: str = ""
     amp_unread: str = ""  # an autocast whose dtype is computed: refused
+    scaler_at: str = ""  # a GradScaler the script builds (not disabled by a literal)
     ckpt_said: str = ""  # torch.utils.checkpoint / apply_activation_checkpointing where the script calls one
     reentrant: bool = True
     wraps: list[tuple[str, str, ast.Call]] = field(default_factory=list)  # ("ddp"|"fsdp1"|"fsdp2"|"deepspeed", at)
@@ -88,11 +89,19 @@ class HandLoop:
 
     def loaded(self, loaded: Loaded, job: ForeignJob) -> Loaded:
         """The load as kbit.py `apply_load` plans it for this loop: fp16 from the script's own autocast or
-        GradScaler; under torch's own FSDP (no Accelerator) a 16-bit load whose mixed-precision policy names the
-        same dtype casts nothing and keeps no fp32 masters (only accelerate upcasts), so it plans as no autocast."""
+        GradScaler. Without an Accelerator nothing upcasts a 16-bit load: under torch's own FSDP a mixed-precision
+        policy of the same dtype, or fp16 autocast over an fp16 load, casts nothing and keeps no fp32 masters, so
+        it plans as no autocast; a GradScaler over fp16 weights of a full fine-tune exits 2 (torch refuses it)."""
         low = {"bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}.get(loaded.dtype)
-        if job.engine.startswith("fsdp") and not self.accelerator and low == job.workload.precision:
-            job.workload = dataclasses.replace(job.workload, precision="fp32")
+        w = job.workload
+        if low == w.precision == "fp16" and w.method == "full" and job.engine != "deepspeed" and self.scaler_at:
+            raise UserError(f"{self.scaler_at}: the script loads the model in fp16 ({loaded.said}) and its "
+                            f"GradScaler unscales this full fine-tune's fp16 gradients, which torch refuses at the "
+                            f"first step (ValueError: \"Attempting to unscale FP16 gradients.\"): the loop cannot "
+                            f"train. Load in fp32 (torch_dtype=torch.float32) under fp16 autocast, or in bf16 "
+                            f"without the GradScaler.")
+        if low == w.precision and not self.accelerator and (job.engine.startswith("fsdp") or low == "fp16"):
+            job.workload = dataclasses.replace(w, precision="fp32")
         return dataclasses.replace(loaded, fp16_from=f"the script's {self.amp_said}" if self.amp_said else
                                    loaded.fp16_from)
 
@@ -335,7 +344,8 @@ def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: 
         out.amp_said = f"{out.amp_said}: {out.amp}"
         if out.amp == "fp32":
             out.amp, out.amp_said = None, ""
-    elif scaler:
+    out.scaler_at = scaler
+    if scaler and not found:
         out.amp, out.amp_said = "fp16", f"GradScaler at {scaler} without autocast: fp16 mixed precision"
 
 
@@ -421,7 +431,8 @@ def refuse_unread(loop: HandLoop, source: str, batch: int | None, optimizer: str
     kinds = {k for k, _, _ in loop.wraps}
     if len(kinds) > 1:
         wraps = ", ".join(f"{k} at {a}" for k, a, _ in loop.wraps)
-        raise UserError(f"{source}: the script wraps the model with {wraps}; which one the hand-written loop at {loop.at} trains cannot be told. Keep one wrapper.")
+        raise UserError(f"{source}: the script wraps the model with {wraps}; which one the hand-written loop at "
+                        f"{loop.at} trains cannot be told. Keep one wrapper.")
 
 
 def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str | None, precision_from_launch: str,
