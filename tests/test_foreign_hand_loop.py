@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardfit.errors import UserError
+from shardfit.foreign.convert import comments, to_config
 from shardfit.foreign.read import JobOptions, read_job
 
 HEAD = ("import torch\n"
@@ -212,7 +213,7 @@ def test_speed_note_names_the_loops_host_syncs(tmp_path: Path) -> None:
     loop = LOOP + "    print(loss.item())\n"
     job = _job(tmp_path, OPT + LOADER + loop)
     note = next(n for n in job.notes if n.startswith("tokens/s is what a tuned stack"))
-    assert "host syncs" in note and "train.py:11" in note
+    assert "host syncs" in note and "at train.py:11 each time" in note
 
 
 def test_accumulation_and_epochs_of_the_loop(tmp_path: Path) -> None:
@@ -224,4 +225,7 @@ def test_accumulation_and_epochs_of_the_loop(tmp_path: Path) -> None:
                            "            opt.zero_grad()\n")
     job = _job(tmp_path, body)
     assert job.workload.grad_accum == 8 and job.convert.get("epochs") == 2
+    assert job.keys["for epoch in range"] == "2 (the loop's epochs, train.py:6)"
+    said = comments(job, to_config(job))
+    assert not any("names no epoch count" in n for n in said), said
     assert any("a hand-written training loop at train.py:7-11" in n for n in job.notes), job.notes

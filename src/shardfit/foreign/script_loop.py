@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file
+from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file, record
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.keys import Source, use_deepspeed
 from shardfit.plan.workload import Workload
@@ -68,6 +68,7 @@ class HandLoop:
     accum_said: str = ""
     syncs: list[str] = field(default_factory=list)  # .item() / print(...) in the loop: host waits each step
     epochs: int | None = None
+    epochs_at: str = ""
 
     def assumptions(self, ckpt_on: bool) -> list[str]:
         """The first notes of the plan: that the script is a hand-written loop, and its checkpointing where it
@@ -84,6 +85,7 @@ class HandLoop:
         default (no Trainer default of 3)."""
         if self.epochs is not None:
             job.convert["epochs"] = self.epochs
+            record(job, "for epoch in range", self.epochs, effect=f"the loop's epochs, {self.epochs_at}")
         else:
             job.convert.pop("epochs", None)
 
@@ -130,7 +132,7 @@ def read_loop(tree: ast.Module, path: Path, constants: dict[str, Any], bases: di
     outer = [f for f in ast.walk(tree) if isinstance(f, ast.For) and f is not loop and loop in ast.walk(f)]
     if len(outer) == 1 and isinstance(outer[0].iter, ast.Call) and _called(outer[0].iter) == "range" and \
             len(outer[0].iter.args) == 1 and isinstance(n := _literal(outer[0].iter.args[0], constants), int):
-        out.epochs = n
+        out.epochs, out.epochs_at = n, f"{name}:{outer[0].lineno}"
     return out
 
 
@@ -570,8 +572,9 @@ def _loop_deepspeed(job: ForeignJob, call: ast.Call, at: str, src: Source, hidde
 
 def loop_speed_note(loop: HandLoop) -> str:
     """What the planned speed assumes of a hand-written loop."""
-    syncs = f"; this loop waits on the host at {', '.join(loop.syncs)} every step (.item(), print)" \
-        if loop.syncs else ""
+    lines = list(dict.fromkeys(loop.syncs))
+    syncs = f"; this loop makes the host wait for the GPU (.item(), print) at {', '.join(lines)} each time that " \
+        "line runs" if lines else ""
     return ("tokens/s is what a tuned stack (the HF Trainer, torchtitan) reaches on this card, as the time model "
             "is fitted on those: a hand-written loop's own data loading, per-step host syncs and missing fusions "
             f"can make it slower{syncs}")
