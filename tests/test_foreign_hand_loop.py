@@ -29,7 +29,7 @@ def _job(tmp_path: Path, body: str = OPT + LOADER + LOOP, dtype: str = "torch.bf
          **opts: object):
     (tmp_path / "train.py").write_text(HEAD.format(dtype=dtype) + body)
     (tmp_path / "run.sh").write_text(f"{launch} train.py\n")
-    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", **opts))  # type: ignore[arg-type]
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0", **opts))
 
 
 def test_the_example_is_read_as_its_loop_not_the_trainer(tmp_path: Path) -> None:

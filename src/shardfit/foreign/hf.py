@@ -59,7 +59,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
-from shardfit.foreign.script_loop import hand_loop_job, loop_workload, refuse_unread
+from shardfit.foreign.script_loop import HandLoop, hand_loop_job, loop_workload, refuse_unread
 from shardfit.foreign.shell import Command, hides_every_gpu, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
@@ -167,8 +167,6 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH." +
                         "".join(f" The script's {f}." for f in unread))
     loop = code.hand_loop
-    if loop is not None:
-        refuse_unread(loop, src.where, batch, optimizer)
     shape = shape_of(model)
     acc = read_accelerate(cmd, path.parent, src.where, in_process=code.config_env)
     launched = acc if cmd is not None and cmd.launcher == "accelerate" else None
@@ -177,12 +175,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
-    w = job.workload = _workload(src, job, version, acc, code.trl_config, loop is not None)
-    if loop is not None:  # none of the Trainer's defaults: what the loop runs (script_loop.py)
-        w = job.workload = loop_workload(w, loop, batch, optimizer, w.precision, job.notes)
-    else:
-        w = job.workload = dataclasses.replace(w, **hf_eval(src, code, code.trainer in TRAINERS,
-                                                            src.flag("predict_with_generate", "false"), job.notes))
+    w = job.workload = _job_workload(src, job, code, version, acc, batch, optimizer)
     loaded = job_load(src, code, version, program)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
@@ -203,13 +196,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.quant_storage = "bnb_4bit_quant_storage" in src
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
-    job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
-    if loop is None:
-        default_epochs(job, src, KEYS, "the HF Trainer")
-    else:
-        loop.convert(job)
-    if not _lora(src):
-        job.convert.get("lora", {}).pop("targets", None)
+    _convert_keys(src, job, loop)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config, loaded.key if loaded else None)
     for key, value in {**unread, **code.ignored_args}.items():
@@ -221,6 +208,29 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     _config_rank_env(job, code, cmd)
     _config_env_notes(job, code, shell, cmd)
     return job
+
+
+def _job_workload(src: Source, job: ForeignJob, code: ScriptSettings, version: str, acc: Accelerate | None,
+                  batch: int | None, optimizer: str | None) -> Workload:
+    """The Trainer's workload with its evaluation; for a hand-written loop, none of the Trainer's defaults but what
+    the loop runs, or exit 2 for what cannot be read (script_loop.py; `batch`, `optimizer`: plan's flags)."""
+    w = _workload(src, job, version, acc, code.trl_config, code.hand_loop is not None)
+    if code.hand_loop is not None:
+        refuse_unread(code.hand_loop, src.where, batch, optimizer)
+        return loop_workload(w, code.hand_loop, batch, optimizer, w.precision, job.notes)
+    return dataclasses.replace(w, **hf_eval(src, code, code.trainer in TRAINERS,
+                                            src.flag("predict_with_generate", "false"), job.notes))
+
+
+def _convert_keys(src: Source, job: ForeignJob, loop: HandLoop | None) -> None:
+    """The shardfit config keys the job carries over; its epochs the Trainer's default, or a hand loop's own."""
+    job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    if loop is None:
+        default_epochs(job, src, KEYS, "the HF Trainer")
+    else:
+        loop.convert(job)
+    if not _lora(src):
+        job.convert.get("lora", {}).pop("targets", None)
 
 
 # The variables torch's launchers set in each rank for its rendezvous: one a TrlParser YAML sets replaces the

@@ -174,8 +174,8 @@ def _trainer_trains(tree: ast.Module, bases: dict[str, str]) -> bool:
         return False
     names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value in built
              for t in n.targets if isinstance(t, ast.Name)}
-    return any(_attr(c) == "train" and (isinstance(c.func.value, ast.Name) and c.func.value.id in names  # type: ignore[attr-defined]
-                                        or c.func.value in built) for c in calls)  # type: ignore[attr-defined]
+    return any(_attr(c) == "train" and (isinstance(c.func.value, ast.Name) and c.func.value.id in names
+                                        or c.func.value in built) for c in calls)
 
 
 def _bindings(tree: ast.Module) -> dict[str, list[tuple[ast.expr, int | None]]]:
@@ -225,7 +225,7 @@ def _read_batch(out: HandLoop, loop: ast.AST, tree: ast.Module, binds: dict[str,
         if isinstance(loop, ast.For | ast.AsyncFor) else []
     every = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _called(c) in _LOADERS]
     loaders = found or (every if len(every) == 1 else [])
-    out.batch_at = f"{name}:{loop.lineno}"  # type: ignore[attr-defined]
+    out.batch_at = f"{name}:{loop.lineno}"
     if len({id(c) for c in loaders}) != 1:
         out.batch_said = (f"the loop at {out.at} iterates no DataLoader shardfit can follow" if not every else
                           f"the script builds DataLoaders at {', '.join(f'{name}:{c.lineno}' for c in every)} and "
@@ -265,7 +265,7 @@ def _read_optimizer(out: HandLoop, loop: ast.AST, binds: dict[str, list[tuple[as
     steps = [c for c in ast.walk(loop) if isinstance(c, ast.Call) and _attr(c) == "step"]
     for step in steps:
         target = step.args[0] if step.args and _called(step) == "step" and \
-            "scaler" in ast.unparse(step.func.value).lower() else step.func.value  # type: ignore[attr-defined]
+            "scaler" in ast.unparse(step.func.value).lower() else step.func.value
         origins = _origins(target, binds, set())
         ds = next((c for c in origins if _called(c) == "initialize"), None)
         if ds is not None:
@@ -329,9 +329,9 @@ def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: 
             kind = "fp16" if dtype is None else _dtype(dtype, constants)
             what = f"autocast at {at}"
         elif _called(c) == "Accelerator" and _kw(c, "mixed_precision") is not None:
-            kind, what = _dtype(_kw(c, "mixed_precision"), constants), f"Accelerator(mixed_precision=...) at {at}"  # type: ignore[arg-type]
+            kind, what = _dtype(_kw(c, "mixed_precision"), constants), f"Accelerator(mixed_precision=...) at {at}"
         elif _called(c) in ("MixedPrecision", "MixedPrecisionPolicy") and _kw(c, "param_dtype") is not None:
-            kind, what = _dtype(_kw(c, "param_dtype"), constants), f"{_called(c)}(param_dtype=...) at {at}"  # type: ignore[arg-type]
+            kind, what = _dtype(_kw(c, "param_dtype"), constants), f"{_called(c)}(param_dtype=...) at {at}"
         else:
             continue
         if kind is None:
@@ -538,7 +538,7 @@ def loop_engine(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bo
         strategy = _kw(call, "sharding_strategy")
         name = ast.unparse(strategy).rsplit(".", 1)[-1].upper() if strategy is not None else "FULL_SHARD"
         if name not in SHARDING_STRATEGIES:
-            raise UserError(f"{at}: FullyShardedDataParallel(sharding_strategy={ast.unparse(strategy)}) cannot be "  # type: ignore[arg-type]
+            raise UserError(f"{at}: FullyShardedDataParallel(sharding_strategy={ast.unparse(strategy)}) cannot be "
                             f"read; write the strategy literally (ShardingStrategy.FULL_SHARD, SHARD_GRAD_OP, ...).")
         offload = _kw(call, "cpu_offload")
         orig = _kw(call, "use_orig_params")
