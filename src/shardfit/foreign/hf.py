@@ -59,6 +59,7 @@ from shardfit.foreign.keys import (
 )
 from shardfit.foreign.preference import Preference, apply, refuse
 from shardfit.foreign.script_ast import ScriptSettings, read_script
+from shardfit.foreign.script_loop import HandLoop, hand_loop_job, loop_workload, refuse_unread
 from shardfit.foreign.shell import Command, hides_every_gpu, visible_devices
 from shardfit.foreign.targets import plan_peft_default, plan_saved, plan_targets, saved_names
 from shardfit.foreign.trainer_checks import check_fsdp2_options, check_trainer_args, trainer_defaults
@@ -133,8 +134,9 @@ def words() -> Words:
 
 
 def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: str | None,
-            seq: int | None = None) -> ForeignJob:
-    """TrainingArguments (.json) or a command line / script running a training script; `seq` is plan's --seq."""
+            seq: int | None = None, batch: int | None = None, optimizer: str | None = None) -> ForeignJob:
+    """TrainingArguments (.json) or a command line / script running a training script; `seq`, `batch` and
+    `optimizer` are plan's --seq, --batch and --optimizer (a hand-written loop's refusals: script_loop.py)."""
     if path.suffix == ".json":
         src, cmd = json_source(path, "TrainingArguments"), None
     elif path.suffix == ".py":  # the training script itself: what it sets in code is all there is
@@ -164,6 +166,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
         unread = [f for f in code.found if "did not read it" in f]
         raise UserError(f"{src.where}: no --model_name_or_path; pass the model with --model ID_OR_PATH." +
                         "".join(f" The script's {f}." for f in unread))
+    loop = code.hand_loop
     shape = shape_of(model)
     acc = read_accelerate(cmd, path.parent, src.where, in_process=code.config_env)
     launched = acc if cmd is not None and cmd.launcher == "accelerate" else None
@@ -172,9 +175,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
-    w = job.workload = _workload(src, job, version, acc, code.trl_config)
-    w = job.workload = dataclasses.replace(w, **hf_eval(src, code, code.trainer in TRAINERS,
-                                                        src.flag("predict_with_generate", "false"), job.notes))
+    w = job.workload = _job_workload(src, job, code, version, acc, batch, optimizer)
     loaded = job_load(src, code, version, program)
     job.workload, kbit_note = trl_kbit(w, code.trl_trainer, code.prepares_kbit, shape, version, loaded)
     job.notes += [kbit_note] if kbit_note else []
@@ -185,7 +186,9 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     # with checkpointing on; a PEFT model is not one.
     fu = src.get("ddp_find_unused_parameters")
     job.find_unused = as_bool(fu) if fu is not None else (_lora(src) or w.grad_ckpt == "none")
-    _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
+    if loop is None or not hand_loop_job(job, loop, src, shape.hidden):
+        _engine(src, job, shape.hidden, version, acc, trl_bf16=_trl_bf16(src, code.trl_config))
+    loaded = loop.loaded(loaded, job) if loop is not None and loaded is not None else loaded
     job.workload, load_note = apply_load(job.workload, job.engine, loaded)
     job.notes += [load_note] if load_note else []
     _device_map(src, job, script, ran)
@@ -193,10 +196,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     job.quant_storage = "bnb_4bit_quant_storage" in src
     data = [src.get(k) for k in ("data_path", "train_file", "dataset") if src.get(k)]
     job.data = [hit for d in data if (hit := local_file(d, path.parent))]
-    job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
-    default_epochs(job, src, KEYS, "the HF Trainer")
-    if not _lora(src):
-        job.convert.get("lora", {}).pop("targets", None)
+    _convert_keys(src, job, loop)
     apply(job, _preference(src, code.trainer, job))
     _file_keys(src, job, job.workload, shape, version, code.model_config, loaded.key if loaded else None)
     for key, value in {**unread, **code.ignored_args}.items():
@@ -208,6 +208,29 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
     _config_rank_env(job, code, cmd)
     _config_env_notes(job, code, shell, cmd)
     return job
+
+
+def _job_workload(src: Source, job: ForeignJob, code: ScriptSettings, version: str, acc: Accelerate | None,
+                  batch: int | None, optimizer: str | None) -> Workload:
+    """The Trainer's workload with its evaluation; for a hand-written loop, none of the Trainer's defaults but what
+    the loop runs, or exit 2 for what cannot be read (script_loop.py; `batch`, `optimizer`: plan's flags)."""
+    w = _workload(src, job, version, acc, code.trl_config, code.hand_loop is not None)
+    if code.hand_loop is not None:
+        refuse_unread(code.hand_loop, src.where, batch, optimizer)
+        return loop_workload(w, code.hand_loop, batch, optimizer, w.precision, job.notes)
+    return dataclasses.replace(w, **hf_eval(src, code, code.trainer in TRAINERS,
+                                            src.flag("predict_with_generate", "false"), job.notes))
+
+
+def _convert_keys(src: Source, job: ForeignJob, loop: HandLoop | None) -> None:
+    """The shardfit config keys the job carries over; its epochs the Trainer's default, or a hand loop's own."""
+    job.convert = settings(src, KEYS, "config", **{"lora.dropout": 0.05 if _lora(src) else 0.0})
+    if loop is None:
+        default_epochs(job, src, KEYS, "the HF Trainer")
+    else:
+        loop.convert(job)
+    if not _lora(src):
+        job.convert.get("lora", {}).pop("targets", None)
 
 
 # The variables torch's launchers set in each rank for its rendezvous: one a TrlParser YAML sets replaces the
@@ -347,6 +370,8 @@ def _assumptions(src: Source, code: ScriptSettings) -> list[str]:
     if not any(k in src for k in ("use_lora", "q_lora", "lora_r")):
         out.append("no LoRA (no --use_lora, no peft LoraConfig in the script): planned as a full fine-tune (pass "
                    "--method lora)")
+    if code.hand_loop is not None:
+        return out + code.hand_loop.assumptions(ckpt_key(src) in src)
     if "per_device_train_batch_size" not in src:
         out.append("per_device_train_batch_size not set: the Trainer's default, 8 (pass --batch)")
     unset = ckpt_key(src) not in src
@@ -495,11 +520,13 @@ def _trl_bf16(src: Source, trl_config: str | None) -> bool:
     return trl_config is not None and src.get("bf16") in (None, "None") and not src.flag("fp16", "false")
 
 
-def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None, trl_config: str | None) \
-        -> Workload:
+def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None, trl_config: str | None,
+              hand_loop: bool = False) -> Workload:
+    """The Trainer's workload; for a `hand_loop`, the fields script_loop.py `loop_workload` replaces are said by it,
+    not here (its precision: accelerate's, which only the script's Accelerator applies)."""
     q, lora = src.flag("q_lora", "false"), _lora(src)
     precision = "bf16" if src.flag("bf16", "false") else "fp16" if src.flag("fp16", "false") else "fp32"
-    if _trl_bf16(src, trl_config):
+    if _trl_bf16(src, trl_config) and not hand_loop:
         precision = "bf16"
         # transformers 5's TrainingArguments checks bf16 with torch.cuda.is_bf16_supported(), which a GPU before
         # Ampere passes wherever it can hold a bf16 tensor (torch's emulation check); an older torch asked for
@@ -512,12 +539,12 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
         # TrainingArguments takes ACCELERATE_MIXED_PRECISION, which the launch sets, unless --bf16/--fp16 say
         # otherwise (transformers' training_args.py `__post_init__`, `self.mixed_precision`)
         precision = acc.mixed_precision
-        job.notes.append(f"neither --bf16 nor --fp16: the Trainer runs accelerate's mixed precision {precision} "
-                         f"({acc.source})")
+        job.notes += [] if hand_loop else [f"neither --bf16 nor --fp16: the Trainer runs accelerate's mixed "
+                                           f"precision {precision} ({acc.source})"]
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
                     grad_ckpt="full" if src.flag(ckpt_key(src), "true" if trl_config else "false")
                     else "none",
-                    **optimizer_keys(src.get("optim"), version, job.notes),
+                    **optimizer_keys(src.get("optim"), version, [] if hand_loop else job.notes),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=_attention(src.get("attn_implementation"), job), frozen_fp32=q,
                     quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'

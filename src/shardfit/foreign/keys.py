@@ -252,7 +252,8 @@ def epochs(value: Any, key: str, where: str) -> int:
 
 
 # The tools' keys for the epochs to train, by which `fractional_epochs` finds the job's.
-EPOCH_KEYS = ("num_train_epochs", "num_epochs")
+# the tools' epoch counts, and a hand-written loop's `for epoch in range(N)` (script_loop.py `HandLoop.convert`)
+EPOCH_KEYS = ("num_train_epochs", "num_epochs", "for epoch in range")
 
 
 def fractional_epochs(given: Mapping[str, Any]) -> str | None:

@@ -112,7 +112,8 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     elif tool == "axolotl":
         job = read_axolotl(path, shape_of, version, opts.nproc)
     elif tool == "hf":
-        job = read_hf(path, shape_of, version, opts.nproc, opts.model, opts.seq)
+        job = read_hf(path, shape_of, version, opts.nproc, opts.model, opts.seq, opts.batch,
+                      opts.workload.get("optimizer"))
     else:
         job = _read_bare_deepspeed(path, opts, version)
     if opts.model is not None:

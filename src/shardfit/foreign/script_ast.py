@@ -22,6 +22,7 @@ from shardfit.foreign.script_loads import (
     trained_load,
     trainer_bases,
 )
+from shardfit.foreign.script_loop import HandLoop, read_loop
 from shardfit.foreign.script_metrics import call_metrics
 
 # Calls whose keyword arguments are TrainingArguments (the Trainer's own, TRL's configs, Seq2Seq's).
@@ -102,6 +103,8 @@ class ScriptSettings:
     # cannot be told (no script read, a script that does not parse, arguments passed by position, ...)
     metrics: frozenset[str] = frozenset()
     metrics_unread: str | None = "no training script read"
+    # the script trains with its own loop (`.backward()`, an optimizer's `.step()`) and no trainer: script_loop.py
+    hand_loop: HandLoop | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     _trl_keywords(out, calls, bases, found.trainer, constants, path)
     _load_attention(out, found.tied or found.candidates, constants)
     out.metrics, out.metrics_unread = call_metrics(tree, found.trainer, path.name, found.untold)
+    out.hand_loop = read_loop(tree, path, constants, bases)
     return out
 
 

@@ -1,0 +1,592 @@
+"""A training script that trains with its own loop: no Trainer call that trains, a loop that calls `.backward()`
+and an optimizer's `.step()` (research code, and many posts users copy). Read from the syntax tree (never run):
+what that loop runs instead of the HF Trainer's defaults -- the micro-batch of the DataLoader it iterates, the
+optimizer it steps, autocast or a GradScaler, the checkpointing it calls, and the wrapper (DDP, FSDP1/2,
+deepspeed.initialize) that shares the model over ranks. What cannot be read from literals is refused (exit 2)
+with the fix, never guessed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardfit.errors import UserError
+from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file, record
+from shardfit.foreign.job import ForeignJob
+from shardfit.foreign.keys import Source, use_deepspeed
+from shardfit.plan.workload import Workload
+
+if TYPE_CHECKING:  # kbit.py reads script_ast.py, which reads this module
+    from shardfit.foreign.kbit import Loaded
+
+# The optimizers the planner models, by class name: (optimizer, bitsandbytes' kernel). torch's Adam and AdamW keep
+# the same two fp32 states; bitsandbytes' 32-bit and paged ones step in place with fp32 states.
+MODELLED = {"AdamW": ("adamw", False), "Adam": ("adamw", False), "FusedAdam": ("adamw", False),
+            "AdamW8bit": ("adamw8bit", True), "Adam8bit": ("adamw8bit", True), "PagedAdamW8bit": ("adamw8bit", True),
+            "PagedAdam8bit": ("adamw8bit", True), "PagedAdamW": ("adamw", True), "PagedAdamW32bit": ("adamw", True),
+            "AdamW32bit": ("adamw", True), "Adam32bit": ("adamw", True)}
+# Optimizers a loop may step that the planner does not model (beside any other class from an `optim` module).
+OTHERS = ("SGD", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS", "SparseAdam", "ASGD",
+          "Rprop", "Adafactor", "Lion", "Lion8bit", "PagedLion8bit", "SGD8bit", "RMSprop8bit", "AdEMAMix", "Muon",
+          "SophiaG", "Prodigy", "DAdaptAdam", "CAME", "Lamb", "LAMB", "Shampoo", "SOAP", "ScheduleFreeAdamW",
+          "AdamWScheduleFree")
+# autocast's spellings (accelerate's `accelerator.autocast()` follows its Accelerator's mixed_precision instead).
+AUTOCAST = ("torch.autocast", "autocast", "torch.amp.autocast", "amp.autocast", "torch.cuda.amp.autocast",
+            "cuda.amp.autocast")
+DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "fp16", "fp16": "fp16",
+          "float32": "fp32", "float": "fp32", "no": "fp32"}
+# Calls a loop iterates through on its way to the DataLoader (enumerate(loader), tqdm(loader), ...).
+_WRAPPERS = ("enumerate", "tqdm", "iter", "islice", "cycle")
+_LOADERS = ("DataLoader", "StatefulDataLoader")
+
+
+@dataclass
+class HandLoop:
+    """What a hand-written loop runs (`read_loop`), each with where the script says it (`file:line`)."""
+
+    at: str  # the loop itself, "train.py:6-10"
+    batch: int | None = None  # rows a micro-batch: the literal batch_size of the DataLoader the loop iterates
+    batch_said: str = ""  # where that comes from; or why it cannot be read
+    batch_at: str = ""  # the DataLoader (or the loop, where it iterates none shardfit can follow)
+    optimizer: str | None = None  # the class the loop steps (AdamW, SGD, ...); None where it cannot be followed
+    optimizer_at: str = ""
+    optimizer_kind: str = ""  # "fused", "foreach", "for-loop", "bnb", "torchao", "deepspeed", or "computed"
+    amsgrad: bool = False
+    amp: str | None = None  # bf16 or fp16 where autocast (or a GradScaler, Accelerator, FSDP policy) says it
+    amp_said: str = ""
+    amp_unread: str = ""  # an autocast whose dtype is computed: refused
+    scaler_at: str = ""  # a GradScaler the script builds (not disabled by a literal)
+    ckpt_said: str = ""  # torch.utils.checkpoint / apply_activation_checkpointing where the script calls one
+    reentrant: bool = True
+    wraps: list[tuple[str, str, ast.Call]] = field(default_factory=list)  # ("ddp"|"fsdp1"|"fsdp2"|"deepspeed", at)
+    accelerator: bool = False  # the script builds an accelerate Accelerator (its launch's plugin then applies)
+    grad_accum: int = 1
+    accum_said: str = ""
+    syncs: list[str] = field(default_factory=list)  # .item() / print(...) in the loop: host waits each step
+    epochs: int | None = None
+    epochs_at: str = ""
+
+    def assumptions(self, ckpt_on: bool) -> list[str]:
+        """The first notes of the plan: that the script is a hand-written loop, and its checkpointing where it
+        calls none (`ckpt_on`: gradient_checkpointing_enable, read with the Trainer's keys)."""
+        out = [f"a hand-written training loop at {self.at} (no Trainer trains): none of the HF Trainer's defaults "
+               f"apply; evaluation, saving and logging are the loop's own and not planned"]
+        if not ckpt_on and not self.ckpt_said:
+            out.append("gradient checkpointing: off (the script calls neither gradient_checkpointing_enable nor "
+                       "torch.utils.checkpoint; pass --grad-ckpt full)")
+        return out
+
+    def convert(self, job: ForeignJob) -> None:
+        """The converted config's epochs: the loop's `for epoch in range(N)` where it has one, else shardfit's
+        default (no Trainer default of 3)."""
+        if self.epochs is not None:
+            job.convert["epochs"] = self.epochs
+            record(job, "for epoch in range", self.epochs, effect=f"the loop's epochs, {self.epochs_at}")
+        else:
+            job.convert.pop("epochs", None)
+
+    def loaded(self, loaded: Loaded, job: ForeignJob) -> Loaded:
+        """The load as kbit.py `apply_load` plans it for this loop: fp16 from the script's own autocast or
+        GradScaler. Without an Accelerator nothing upcasts a 16-bit load: under torch's own FSDP a mixed-precision
+        policy of the same dtype, or fp16 autocast over an fp16 load, casts nothing and keeps no fp32 masters, so
+        it plans as no autocast; a GradScaler over fp16 weights of a full fine-tune exits 2 (torch refuses it)."""
+        low = {"bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}.get(loaded.dtype)
+        w = job.workload
+        if low == w.precision == "fp16" and w.method == "full" and job.engine != "deepspeed" and self.scaler_at:
+            raise UserError(f"{self.scaler_at}: the script loads the model in fp16 ({loaded.said}) and its "
+                            f"GradScaler unscales this full fine-tune's fp16 gradients, which torch refuses at the "
+                            f"first step (ValueError: \"Attempting to unscale FP16 gradients.\"): the loop cannot "
+                            f"train. Load in fp32 (torch_dtype=torch.float32) under fp16 autocast, or in bf16 "
+                            f"without the GradScaler.")
+        if low == w.precision and not self.accelerator and (job.engine.startswith("fsdp") or low == "fp16"):
+            job.workload = dataclasses.replace(w, precision="fp32")
+        return dataclasses.replace(loaded, fp16_from=f"the script's {self.amp_said}" if self.amp_said else
+                                   loaded.fp16_from)
+
+
+def read_loop(tree: ast.Module, path: Path, constants: dict[str, Any], bases: dict[str, str]) -> HandLoop | None:
+    """The script's hand-written training loop (`HandLoop`), or None where a trainer trains or no loop calls
+    `.backward()` and `.step()`. The innermost such loop counts; a trainer whose `.train()` is called wins."""
+    if _trainer_trains(tree, bases):
+        return None
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For | ast.AsyncFor | ast.While)
+             and _calls_attr(n, "backward") and _calls_attr(n, "step")]
+    if not loops:
+        return None
+    loop = min(loops, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
+    name = path.name
+    out = HandLoop(at=f"{name}:{loop.lineno}-{loop.end_lineno}")
+    binds = _bindings(tree)
+    _read_batch(out, loop, tree, binds, constants, name)
+    step = _read_optimizer(out, loop, binds, _imports(tree), constants, name)
+    _read_amp(out, tree, constants, name)
+    _read_ckpt(out, tree, constants, name)
+    _read_wraps(out, tree, name)
+    _read_accum(out, loop, step, constants, name)
+    out.syncs = [f"{name}:{c.lineno}" for c in ast.walk(loop) if isinstance(c, ast.Call) and
+                 (_attr(c) == "item" or _called(c) == "print")]
+    outer = [f for f in ast.walk(tree) if isinstance(f, ast.For) and f is not loop and loop in ast.walk(f)]
+    if len(outer) == 1 and isinstance(outer[0].iter, ast.Call) and _called(outer[0].iter) == "range" and \
+            len(outer[0].iter.args) == 1 and isinstance(n := _literal(outer[0].iter.args[0], constants), int):
+        out.epochs, out.epochs_at = n, f"{name}:{outer[0].lineno}"
+    return out
+
+
+def _called(call: ast.Call) -> str:
+    """The called name: `AdamW` for torch.optim.AdamW(...) and AdamW(...)."""
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _attr(call: ast.Call) -> str:
+    """The method a call calls (`step` for opt.step()), "" for a plain function."""
+    return call.func.attr if isinstance(call.func, ast.Attribute) else ""
+
+
+def _calls_attr(node: ast.AST, attr: str) -> bool:
+    return any(isinstance(c, ast.Call) and _attr(c) == attr for c in ast.walk(node))
+
+
+def _literal(node: ast.expr, constants: dict[str, Any]) -> Any:
+    """A literal, or a module-level name bound once to one; None for anything computed."""
+    if isinstance(node, ast.Name):
+        return constants.get(node.id)
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, SyntaxError, TypeError):
+        return None
+
+
+def _kw(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def _trainer_trains(tree: ast.Module, bases: dict[str, str]) -> bool:
+    """Whether a trainer call's `.train()` is called (`trainer.train()`, `Trainer(...).train()`); a script that
+    builds none trains by its own loop, if at all."""
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
+    built = [c for c in calls if _called(c) in bases]
+    if not built:
+        return False
+    names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value in built
+             for t in n.targets if isinstance(t, ast.Name)}
+    return any(_attr(c) == "train" and (isinstance(c.func.value, ast.Name) and c.func.value.id in names
+                                        or c.func.value in built) for c in calls)
+
+
+def _bindings(tree: ast.Module) -> dict[str, list[tuple[ast.expr, int | None]]]:
+    """Each name the script assigns, with every value bound to it: (the value, None) for `x = v`, (the call,
+    i) for the i-th name of `a, b = call(...)`."""
+    out: dict[str, list[tuple[ast.expr, int | None]]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        for t in node.targets:
+            if isinstance(t, ast.Name):
+                out.setdefault(t.id, []).append((node.value, None))
+            elif isinstance(t, ast.Tuple):
+                for i, e in enumerate(t.elts):
+                    if isinstance(e, ast.Name):
+                        out.setdefault(e.id, []).append((node.value, i))
+    return out
+
+
+def _origins(node: ast.expr, binds: dict[str, list[tuple[ast.expr, int | None]]], seen: set[str]) -> list[ast.Call]:
+    """The calls a value may come from, followed through names and through `a, b = prepare(a, b)` (accelerate's
+    prepare hands each object back in its place); a deepspeed.initialize tuple ends at that call."""
+    if isinstance(node, ast.Call):
+        if _called(node) in _WRAPPERS and node.args:
+            return _origins(node.args[0], binds, seen)
+        return [node]
+    if not isinstance(node, ast.Name) or node.id in seen:
+        return []
+    seen = seen | {node.id}
+    out: list[ast.Call] = []
+    for value, i in binds.get(node.id, []):
+        if i is None:
+            out += _origins(value, binds, seen)
+        elif isinstance(value, ast.Call) and _called(value) == "initialize":
+            out.append(value)
+        elif isinstance(value, ast.Call) and i < len(value.args):
+            out += _origins(value.args[i], binds, seen)
+    return out
+
+
+def _read_batch(out: HandLoop, loop: ast.AST, tree: ast.Module, binds: dict[str, list[tuple[ast.expr, int | None]]],
+                constants: dict[str, Any], name: str) -> None:
+    """The micro-batch: the literal batch_size of the DataLoader the loop iterates (the script's only DataLoader
+    where the loop iterates something else, as `for step in range(n): batch = next(it)` does); torch's default 1
+    where it passes none."""
+    found = [c for c in _origins(loop.iter, binds, set()) if _called(c) in _LOADERS] \
+        if isinstance(loop, ast.For | ast.AsyncFor) else []
+    every = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _called(c) in _LOADERS]
+    loaders = found or (every if len(every) == 1 else [])
+    out.batch_at = f"{name}:{loop.lineno}"
+    if len({id(c) for c in loaders}) != 1:
+        out.batch_said = (f"the loop at {out.at} iterates no DataLoader shardfit can follow" if not every else
+                          f"the script builds DataLoaders at {', '.join(f'{name}:{c.lineno}' for c in every)} and "
+                          f"which one the loop at {out.at} iterates cannot be told")
+        return
+    dl = loaders[0]
+    out.batch_at = f"{name}:{dl.lineno}"
+    arg = _kw(dl, "batch_size") or (dl.args[1] if len(dl.args) > 1 else None)
+    if arg is None and _kw(dl, "batch_sampler") is None:
+        out.batch, out.batch_said = 1, f"the DataLoader at {out.batch_at} passes no batch_size: torch's default, 1"
+        return
+    value = _literal(arg, constants) if arg is not None else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        out.batch, out.batch_said = value, f"the DataLoader at {out.batch_at}: batch_size={value}"
+    else:
+        out.batch_said = f"the DataLoader at {out.batch_at} computes its batch " + \
+            (f"(batch_size={ast.unparse(arg)})" if arg is not None else "(batch_sampler=...)")
+
+
+def _imports(tree: ast.Module) -> dict[str, str]:
+    """Each name `from MODULE import NAME` binds, with its module."""
+    return {(a.asname or a.name): n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            for a in n.names}
+
+
+def _is_optimizer(call: ast.Call) -> bool:
+    text = ast.unparse(call.func)
+    return _called(call) in MODELLED or _called(call) in OTHERS or \
+        ("optim." in text and "lr_scheduler" not in text and _called(call)[:1].isupper())
+
+
+def _read_optimizer(out: HandLoop, loop: ast.AST, binds: dict[str, list[tuple[ast.expr, int | None]]],
+                    imports: dict[str, str], constants: dict[str, Any], name: str) -> ast.Call | None:
+    """The optimizer the loop steps: the receiver of its `.step()` (or the argument of `scaler.step(opt)`)
+    followed back to the call that builds it; a DeepSpeed engine's step runs the optimizer initialize got.
+    Returns the step call."""
+    steps = [c for c in ast.walk(loop) if isinstance(c, ast.Call) and _attr(c) == "step"]
+    for step in steps:
+        target = step.args[0] if step.args and _called(step) == "step" and \
+            "scaler" in ast.unparse(step.func.value).lower() else step.func.value
+        origins = _origins(target, binds, set())
+        ds = next((c for c in origins if _called(c) == "initialize"), None)
+        if ds is not None:
+            opt = _kw(ds, "optimizer")
+            origins = _origins(opt, binds, set()) if opt is not None else []
+            if not origins:
+                out.optimizer, out.optimizer_kind, out.optimizer_at = "DeepSpeed", "deepspeed", f"{name}:{ds.lineno}"
+                return step
+        built = next((c for c in origins if _is_optimizer(c)), None)
+        if built is not None:
+            _optimizer_kind(out, built, imports, constants, name)
+            return step
+    named = [s for s in steps if "sched" not in ast.unparse(s.func).lower()]
+    if named:
+        out.optimizer_at = f"{name}:{named[0].lineno}"
+    return named[0] if named else None
+
+
+def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], constants: dict[str, Any],
+                    name: str) -> None:
+    """The class a loop's optimizer is and the kernel it steps with: torch's Adam/AdamW `fused=True` in place,
+    `foreach=False` one tensor at a time, else foreach (torch's default on CUDA tensors); bitsandbytes' and
+    torchao's by their module."""
+    cls, text = _called(built), ast.unparse(built.func)
+    module = text.rsplit(".", 1)[0] if "." in text else imports.get(cls, "")
+    out.optimizer, out.optimizer_at = cls, f"{name}:{built.lineno}"
+    out.amsgrad = _literal(_kw(built, "amsgrad"), constants) is True if _kw(built, "amsgrad") is not None else False
+    if "torchao" in module or "ao." in f"{module}.":
+        out.optimizer_kind = "torchao"
+    elif "bnb" in module or "bitsandbytes" in module:
+        out.optimizer_kind = "bnb"
+    elif cls == "FusedAdam":
+        out.optimizer_kind = "fused"
+    else:
+        fused, foreach = _kw(built, "fused"), _kw(built, "foreach")
+        f_val = _literal(fused, constants) if fused is not None else False
+        e_val = _literal(foreach, constants) if foreach is not None else None
+        out.optimizer_kind = "fused" if f_val is True else "for-loop" if e_val is False and not fused else \
+            "computed" if fused is not None and f_val is None else "foreach"
+
+
+def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: str) -> None:
+    """Mixed precision: torch's autocast (CUDA's default dtype fp16), accelerate's Accelerator(mixed_precision=),
+    FSDP's MixedPrecision(param_dtype=) / MixedPrecisionPolicy, or a GradScaler alone (fp16)."""
+    found: dict[str, str] = {}
+    scaler = ""
+    for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        text, at = ast.unparse(c.func), f"{name}:{c.lineno}"
+        if _called(c) == "GradScaler" or _called(c) == "ShardedGradScaler":
+            enabled = _kw(c, "enabled")
+            if enabled is None or _literal(enabled, constants) is not False:
+                scaler = scaler or at
+            continue
+        if text in AUTOCAST:
+            if _kw(c, "enabled") is not None and _literal(_kw(c, "enabled"), constants) is False:
+                continue
+            device = _kw(c, "device_type") or (c.args[0] if c.args and text != "torch.cuda.amp.autocast" else None)
+            if device is not None and _literal(device, constants) == "cpu":
+                continue
+            dtype = _kw(c, "dtype")
+            kind = "fp16" if dtype is None else _dtype(dtype, constants)
+            what = f"autocast at {at}"
+        elif _called(c) == "Accelerator" and _kw(c, "mixed_precision") is not None:
+            kind, what = _dtype(_kw(c, "mixed_precision"), constants), f"Accelerator(mixed_precision=...) at {at}"
+        elif _called(c) in ("MixedPrecision", "MixedPrecisionPolicy") and _kw(c, "param_dtype") is not None:
+            kind, what = _dtype(_kw(c, "param_dtype"), constants), f"{_called(c)}(param_dtype=...) at {at}"
+        else:
+            continue
+        if kind is None:
+            out.amp_unread = f"{what} computes its dtype ({ast.unparse(c)})"
+            return
+        found.setdefault(kind, what)
+    if len(found) > 1:
+        out.amp_unread = f"{' and '.join(found.values())} name different dtypes ({', '.join(found)})"
+        return
+    if found:
+        out.amp, out.amp_said = next(iter(found.items()))
+        out.amp_said = f"{out.amp_said}: {out.amp}"
+        if out.amp == "fp32":
+            out.amp, out.amp_said = None, ""
+    out.scaler_at = scaler
+    if scaler and not found:
+        out.amp, out.amp_said = "fp16", f"GradScaler at {scaler} without autocast: fp16 mixed precision"
+
+
+def _dtype(node: ast.expr, constants: dict[str, Any]) -> str | None:
+    """bf16 / fp16 / fp32 for torch.bfloat16, "bf16", ...; None for a computed value."""
+    if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "torch":
+        return DTYPES.get(node.attr)
+    value = _literal(node, constants)
+    return DTYPES.get(value) if isinstance(value, str) else None
+
+
+def _read_ckpt(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: str) -> None:
+    """torch's own activation checkpointing: torch.utils.checkpoint's checkpoint / checkpoint_sequential (reentrant
+    unless use_reentrant=False), or apply_activation_checkpointing (non-reentrant by default).
+    gradient_checkpointing_enable() is read with the Trainer's keys (script_ast.py)."""
+    imports = _imports(tree)
+    for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        text = ast.unparse(c.func)
+        torch_ckpt = _called(c) in ("checkpoint", "checkpoint_sequential") and (
+            "utils.checkpoint" in text or imports.get(_called(c), "").endswith("utils.checkpoint")
+            or text.startswith("checkpoint."))
+        if torch_ckpt:
+            flag = _kw(c, "use_reentrant")
+            out.reentrant = not (flag is not None and _literal(flag, constants) is False)
+        elif _called(c) == "apply_activation_checkpointing":
+            out.reentrant = "REENTRANT" in ast.unparse(c) and "NO_REENTRANT" not in ast.unparse(c)
+        else:
+            continue
+        out.ckpt_said = f"{text}(...) at {name}:{c.lineno}"
+        return
+
+
+def _read_wraps(out: HandLoop, tree: ast.Module, name: str) -> None:
+    """The wrappers that share the model over ranks: DistributedDataParallel (DDP), FSDP1's
+    FullyShardedDataParallel (FSDP), FSDP2's fully_shard, deepspeed.initialize; and an accelerate Accelerator."""
+    kinds = {"DistributedDataParallel": "ddp", "DDP": "ddp", "FullyShardedDataParallel": "fsdp1", "FSDP": "fsdp1",
+             "fully_shard": "fsdp2"}
+    for c in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno):
+        kind = kinds.get(_called(c)) or ("deepspeed" if ast.unparse(c.func) in ("deepspeed.initialize",
+                                                                                 "ds.initialize") else None)
+        if kind:
+            out.wraps.append((kind, f"{name}:{c.lineno}", c))
+        out.accelerator = out.accelerator or _called(c) == "Accelerator"
+
+
+def _read_accum(out: HandLoop, loop: ast.AST, step: ast.Call | None, constants: dict[str, Any], name: str) -> None:
+    """Gradient accumulation: the optimizer's step under `if (i + 1) % N == 0` in the loop (N literal)."""
+    if step is None:
+        return
+    for node in ast.walk(loop):
+        if not isinstance(node, ast.If) or not any(step in ast.walk(b) for b in node.body):
+            continue
+        mods = [b for b in ast.walk(node.test) if isinstance(b, ast.BinOp) and isinstance(b.op, ast.Mod)]
+        n = _literal(mods[0].right, constants) if mods else None
+        if isinstance(n, int) and n > 1:
+            out.grad_accum, out.accum_said = n, f"the loop steps every {n} micro-batches ({name}:{node.lineno})"
+        else:
+            out.accum_said = (f"the loop steps the optimizer under a condition shardfit cannot read ({name}:"
+                              f"{node.lineno}): planned as one micro-batch a step")
+        return
+
+
+def refuse_unread(loop: HandLoop, source: str, batch: int | None, optimizer: str | None) -> None:
+    """Exit 2 for what the loop runs that cannot be read and no flag gives: the micro-batch (--batch), the
+    optimizer (the planner's AdamW kernels; --optimizer), the autocast dtype, an unclear wrapping."""
+    if loop.batch is None and batch is None:
+        raise UserError(f"{loop.batch_at}: {loop.batch_said}, so the micro-batch of the hand-written training loop "
+                        f"at {loop.at} is not known; pass --batch N (rows each rank's loop runs a step) to plan it.")
+    if optimizer is None and (loop.optimizer is None or loop.optimizer_kind not in ("deepspeed",) and
+                              (loop.optimizer not in MODELLED or loop.amsgrad)):
+        if loop.optimizer is None:
+            raise UserError(f"{loop.optimizer_at or loop.at}: the optimizer the hand-written loop at {loop.at} steps "
+                            f"is built where shardfit cannot follow it; pass --optimizer adamw or adamw8bit as the "
+                            f"script builds it.")
+        what = f"{loop.optimizer}(amsgrad=True), a third state per weight" if loop.amsgrad else loop.optimizer
+        raise UserError(f"{loop.optimizer_at}: optim {what} (the optimizer the hand-written loop at {loop.at} "
+                        f"steps) is not modelled: the planner counts AdamW/Adam (torch's fused, foreach or "
+                        f"for-loop step) and 8-bit AdamW (bitsandbytes, torchao). Step one of those in the script, "
+                        f"or pass --optimizer adamw to plan AdamW's two fp32 states per trained weight in its place.")
+    if loop.amp_unread:
+        raise UserError(f"{loop.amp_unread}: the hand-written loop's precision cannot be told from the code. Write "
+                        f"the dtype literally (dtype=torch.bfloat16, or torch.float16) to plan it.")
+    kinds = {k for k, _, _ in loop.wraps}
+    if len(kinds) > 1:
+        wraps = ", ".join(f"{k} at {a}" for k, a, _ in loop.wraps)
+        raise UserError(f"{source}: the script wraps the model with {wraps}; which one the hand-written loop at "
+                        f"{loop.at} trains cannot be told. Keep one wrapper.")
+
+
+def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str | None, precision_from_launch: str,
+                  notes: list[str]) -> Workload:
+    """The workload of a hand-written loop: its micro-batch, accumulation, optimizer kernel, precision and
+    checkpointing, where the Trainer's defaults stood (`w`). `precision_from_launch`: accelerate's mixed precision
+    from the launch, which only an Accelerator in the script applies."""
+    changes: dict[str, Any] = {"micro_batch": loop.batch or batch or w.micro_batch, "grad_accum": loop.grad_accum,
+                               "precision": loop.amp or (precision_from_launch if loop.accelerator else "fp32")}
+    if loop.ckpt_said:
+        changes["grad_ckpt"] = "full"
+    if optimizer is None and loop.optimizer in MODELLED:
+        planned, bnb = MODELLED[loop.optimizer]
+        changes.update(optimizer=planned, bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
+                       torchao_optimizer=loop.optimizer_kind == "torchao",
+                       fused_adamw=loop.optimizer_kind not in ("foreach", "computed"))
+    elif optimizer is None and loop.optimizer_kind == "deepspeed":
+        changes.update(optimizer="adamw", bnb_optimizer=False, fused_adamw=True)
+    else:
+        changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False)
+    _say_workload(loop, batch, optimizer, changes, notes)
+    return dataclasses.replace(w, **changes)
+
+
+_KERNELS = {"fused": "fused=True: stepped in place", "foreach": "torch's default foreach step on CUDA, one copy "
+            "of what each GPU trains at the step", "for-loop": "foreach=False: stepped one tensor at a time, no copy "
+            "of the whole group", "bnb": "bitsandbytes: stepped in place", "torchao": "torchao: stepped in place",
+            "computed": "fused= computed in the script: planned as torch's default foreach step, one copy of "
+            "what each GPU trains (an upper bound; fused=True steps in place)"}
+
+
+def _say_workload(loop: HandLoop, batch: int | None, optimizer: str | None, changes: dict[str, Any],
+                  notes: list[str]) -> None:
+    """The notes for `loop_workload`: where each setting comes from."""
+    if loop.batch is not None:
+        notes.append(f"micro-batch {loop.batch}: {loop.batch_said}" + (" (--batch wins)" if batch else ""))
+    elif batch is not None:
+        notes.append(f"micro-batch --batch {batch}: {loop.batch_said}")
+    if loop.accum_said:
+        notes.append(loop.accum_said)
+    if optimizer is not None:
+        notes.append(f"--optimizer {optimizer} in place of the loop's {loop.optimizer or 'optimizer'}" +
+                     (f" ({loop.optimizer_at})" if loop.optimizer_at else ""))
+    elif loop.optimizer_kind == "deepspeed":
+        notes.append(f"the loop steps the DeepSpeed engine of deepspeed.initialize at {loop.optimizer_at}: the "
+                     f"optimizer its JSON builds")
+    else:
+        notes.append(f"optimizer: {loop.optimizer} at {loop.optimizer_at} ({_KERNELS[loop.optimizer_kind]})")
+    if loop.amp:
+        notes.append(f"precision: {loop.amp_said} around the loop's forward (autocast over the weights as loaded)")
+    elif changes["precision"] != "fp32":
+        notes.append(f"precision: {changes['precision']}, the launch's accelerate mixed precision, which the "
+                     f"script's Accelerator applies")
+    if loop.ckpt_said:
+        notes.append(f"gradient checkpointing: {loop.ckpt_said}" + ("" if loop.reentrant else " (non-reentrant)"))
+
+
+def hand_loop_job(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bool:
+    """What a hand-written loop's job runs beside its workload: the engine (`loop_engine`), DDP's
+    find_unused_parameters, torch checkpointing's reentrancy, the tool's words for the plan's suggestions, and what
+    the planned speed assumes. False where the script's Accelerator decides the engine (hf.py `_engine`)."""
+    if loop.ckpt_said:
+        job.reentrant_ckpt = loop.reentrant
+    loop_words(job)
+    job.notes.append(loop_speed_note(loop))
+    return loop_engine(job, loop, src, hidden)
+
+
+def loop_engine(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bool:
+    """How the loop's ranks share the model, by the wrapper it calls: DDP; FSDP2's fully_shard (full_shard unless
+    reshard_after_forward=False; CPUOffloadPolicy: offload); FSDP1 by its sharding_strategy and cpu_offload (torch's
+    use_orig_params=False: flat parameters); deepspeed.initialize by its JSON. Under several ranks with none of
+    them: planned as DDP, said. False where the script's Accelerator decides (accelerate's plugin, hf.py)."""
+    job.find_unused = False
+    if not loop.wraps:
+        if loop.accelerator:
+            return False
+        if job.distributed:
+            job.engine = "ddp"
+            job.notes.append(f"the hand-written loop at {loop.at} runs under {job.nproc} ranks a node and the script "
+                             f"wraps the model in no DistributedDataParallel, FSDP or deepspeed.initialize shardfit "
+                             f"can see: planned as DDP (a full copy per rank); a loop that syncs no gradients at all "
+                             f"holds a little less")
+        return True
+    kind, at, call = loop.wraps[0]
+    if kind == "ddp":
+        job.engine = "ddp" if job.distributed else "single"
+        unused = _kw(call, "find_unused_parameters")
+        job.find_unused = unused is not None and _literal(unused, {}) is True
+        job.notes.append(f"DistributedDataParallel at {at}" + (" (find_unused_parameters=True)" if job.find_unused
+                                                                else ""))
+    elif kind == "fsdp2":
+        reshard = _kw(call, "reshard_after_forward")
+        offload = _kw(call, "offload_policy")
+        job.engine = fsdp_engine("shard_grad_op" if reshard is not None and _literal(reshard, {}) is False else
+                                 "full_shard", offload is not None and "CPUOffloadPolicy" in ast.unparse(offload),
+                                 job.distributed)
+        job.workload = dataclasses.replace(job.workload, fsdp1=False, flat_params=False)
+        job.notes.append(f"FSDP2's fully_shard at {at}: {job.engine}")
+    elif kind == "fsdp1":
+        strategy = _kw(call, "sharding_strategy")
+        name = ast.unparse(strategy).rsplit(".", 1)[-1].upper() if strategy is not None else "FULL_SHARD"
+        if name not in SHARDING_STRATEGIES:
+            raise UserError(f"{at}: FullyShardedDataParallel(sharding_strategy={ast.unparse(strategy)}) cannot be "
+                            f"read; write the strategy literally (ShardingStrategy.FULL_SHARD, SHARD_GRAD_OP, ...).")
+        offload = _kw(call, "cpu_offload")
+        orig = _kw(call, "use_orig_params")
+        job.engine = fsdp_engine(SHARDING_STRATEGIES[name], offload is not None and "offload_params=True" in
+                                 ast.unparse(offload), job.distributed)
+        flat = not (orig is not None and _literal(orig, {}) is True)
+        job.workload = dataclasses.replace(job.workload, fsdp1=True, flat_params=flat)
+        job.notes.append(f"FSDP1's FullyShardedDataParallel at {at}: {job.engine}" +
+                         (" (use_orig_params=False, torch's default: flat parameters)" if flat else ""))
+    else:
+        _loop_deepspeed(job, call, at, src, hidden)
+    return True
+
+
+def _loop_deepspeed(job: ForeignJob, call: ast.Call, at: str, src: Source, hidden: int) -> None:
+    """deepspeed.initialize(config=FILE) (or config_params=, or args whose --deepspeed_config the command line
+    gives): the JSON is read as any DeepSpeed job's; its precision section decides the precision."""
+    given = _kw(call, "config") or _kw(call, "config_params")
+    ref = _literal(given, {}) if given is not None else None
+    if not isinstance(ref, str):
+        ref = src.get("deepspeed_config") or src.get("deepspeed")
+    if not isinstance(ref, str) or local_file(ref, src.path.parent) is None:
+        raise UserError(f"{at}: deepspeed.initialize's config cannot be read (" +
+                        (f"{ast.unparse(given)}" if given is not None else "no config=") + "): give the JSON as "
+                        "config=\"ds_config.json\" in the call, or --deepspeed_config FILE on the command line.")
+    ds = use_deepspeed(job, ref, src.path.parent, f"{at}: deepspeed.initialize", hidden, job.notes)
+    if ds.precision:
+        job.workload = dataclasses.replace(job.workload, precision=ds.precision)
+    job.notes.append(f"deepspeed.initialize at {at} with {ref}: ZeRO as the JSON says")
+
+
+def loop_speed_note(loop: HandLoop) -> str:
+    """What the planned speed assumes of a hand-written loop."""
+    lines = list(dict.fromkeys(loop.syncs))
+    syncs = f"; this loop makes the host wait for the GPU (.item(), print) at {', '.join(lines)} each time that " \
+        "line runs" if lines else ""
+    return ("tokens/s is what a tuned stack (the HF Trainer, torchtitan) reaches on this card, as the time model "
+            "is fitted on those: a hand-written loop's own data loading, per-step host syncs and missing fusions "
+            f"can make it slower{syncs}")
+
+
+def loop_words(job: ForeignJob) -> None:
+    """The changes the plan may suggest, spelled in the script's code rather than the Trainer's arguments."""
+    job.words.keys.update({
+        "micro_batch": "a smaller DataLoader batch_size with gradient accumulation in the loop",
+        "grad_ckpt": "model.gradient_checkpointing_enable() before the loop",
+        "adamw8bit": "bitsandbytes.optim.AdamW8bit in place of the script's optimizer",
+        "lora": "peft's get_peft_model(model, LoraConfig(...))",
+        "fused_loss": "a fused linear cross-entropy (Liger's) in the loop's loss"})
+    job.words.zero.update({z: f"deepspeed.initialize(..., config=\"ds_config_{z}.json\")"
+                           for z in ("zero2", "zero3", "zero3_offload")})
