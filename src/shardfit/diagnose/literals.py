@@ -19,13 +19,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 try:  # the regex's parsed form (re._parser from Python 3.11)
     import re._parser as sre_parse
 except ImportError:  # Python 3.10
     import sre_parse  # type: ignore[no-redef]
 
-from shardfit.diagnose.parsed import Parsed
+if TYPE_CHECKING:  # parsed.py imports setting.py, which reads its tables through this module
+    from shardfit.diagnose.parsed import Parsed
 
 Needles = tuple[str, ...]
 # characters that squashing removes, among the ASCII ones (parse.squash's class, asked of the regex engine itself)
@@ -114,10 +116,13 @@ class Haystack:
 
     @classmethod
     def of(cls, p: Parsed) -> Haystack:
-        text = squash_ascii(p.text) if p.text.isascii() else None
-        if p.brief is p.text:
-            return cls(text, text)
-        return cls(text, squash_ascii(p.brief) if p.brief.isascii() else None)
+        text = ascii_squashed(p.text)
+        return cls(text, text if p.brief is p.text else ascii_squashed(p.brief))
+
+
+def ascii_squashed(text: str) -> str | None:
+    """The haystack of one text: squashed when it is ASCII, else None (no regex is skipped on it)."""
+    return squash_ascii(text) if text.isascii() else None
 
 
 def may_match(needles: Needles | None, hay: str | None) -> bool:

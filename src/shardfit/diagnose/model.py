@@ -23,7 +23,8 @@ class Item:
 
     def matches(self, p: Parsed, hay: Haystack | None = None) -> bool:
         """Whether the item holds for the parsed log; `hay` (the log squashed, see literals.py) only saves time."""
-        if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
+        facts = p.facts
+        if (self.when and not facts.issuperset(self.when)) or (self.unless and not facts.isdisjoint(self.unless)):
             return False
         if self.kind == "phrase":
             return any(ph in p.squashed for ph in self.value)
@@ -39,7 +40,7 @@ class Item:
             return any(self.value.search(f) for f in p.frames)
         if self.kind == "cut_frame":
             return any(self.value.search(f) for f in p.cut_frames)
-        return all(f in p.facts for f in self.value)
+        return facts.issuperset(self.value)
 
 
 @dataclass(frozen=True)
