@@ -14,7 +14,9 @@ try:  # the regex's parsed form: which pieces can match a line break (re._parser
 except ImportError:  # Python 3.10
     import sre_parse  # type: ignore[no-redef]
 from dataclasses import dataclass
+from functools import cache
 
+from shardfit.diagnose.literals import Haystack, may_match, required_literals
 from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Parsed, match_frame
 
 SYMPTOM_PREFIX = "sym_"
@@ -290,10 +292,20 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
 
 
 def _pattern_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
-    """The knowledge file's named facts: a symptom (sym_*) is searched in the head and tail of the log only."""
+    """The knowledge file's named facts: a symptom (sym_*) is searched in the head and tail of the log only. A
+    pattern none of whose required words the squashed log holds is not run (literals.py: the same answer)."""
+    hay = Haystack.of(p)
     for name, pat in fact_patterns.items():
-        if pat.search(p.brief if name.startswith(SYMPTOM_PREFIX) else p.text):
+        brief = name.startswith(SYMPTOM_PREFIX)
+        regex = pat.pattern if isinstance(pat, LineFilter) else pat
+        if may_match(_needles(regex), hay.brief if brief else hay.text) and pat.search(p.brief if brief else p.text):
             p.facts.add(name)
+
+
+@cache
+def _needles(pattern: re.Pattern) -> tuple[str, ...] | None:
+    """required_literals of a fact's pattern, read once per pattern in a process."""
+    return required_literals(pattern)
 
 
 def _launch_facts(p: Parsed, text: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from shardfit.diagnose.literals import Haystack, Needles, may_match
 from shardfit.diagnose.parsed import Parsed
 
 
@@ -18,13 +19,18 @@ class Item:
     label: str = ""
     check: str = ""  # the check to show when this item decided the cause (else the cause's own check)
     brief: bool = False  # a hint: `re` items search Parsed.brief (head and tail), not the whole evidence text
+    needles: Needles | None = None  # of a `re` item: words one of which any match holds (literals.py)
 
-    def matches(self, p: Parsed) -> bool:
-        if any(f not in p.facts for f in self.when) or any(f in p.facts for f in self.unless):
+    def matches(self, p: Parsed, hay: Haystack | None = None) -> bool:
+        """Whether the item holds for the parsed log; `hay` (the log squashed, see literals.py) only saves time."""
+        facts = p.facts
+        if (self.when and not facts.issuperset(self.when)) or (self.unless and not facts.isdisjoint(self.unless)):
             return False
         if self.kind == "phrase":
             return any(ph in p.squashed for ph in self.value)
         if self.kind == "re":
+            if hay is not None and not may_match(self.needles, hay.brief if self.brief else hay.text):
+                return False
             return self.value.search(p.brief if self.brief else p.text) is not None
         if self.kind == "exc":
             return p.exception is not None and self.value.search(str(p.exception)) is not None
@@ -34,7 +40,7 @@ class Item:
             return any(self.value.search(f) for f in p.frames)
         if self.kind == "cut_frame":
             return any(self.value.search(f) for f in p.cut_frames)
-        return all(f in p.facts for f in self.value)
+        return facts.issuperset(self.value)
 
 
 @dataclass(frozen=True)

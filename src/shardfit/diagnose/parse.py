@@ -22,6 +22,7 @@ import re
 
 from shardfit.diagnose.facts import FactPattern, gather_facts
 from shardfit.diagnose.install_log import install_ok_end
+from shardfit.diagnose.literals import squash_ascii
 from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Exc, Parsed, match_frame
 from shardfit.diagnose.setting import gpu_rows, read_setting
 
@@ -220,6 +221,8 @@ def _evidence(lines: list[str]) -> list[str]:
 
 def squash(text: str) -> str:
     """Lowercase without any whitespace: phrases match regardless of wrapping, indentation or spacing."""
+    if text.isascii():
+        return squash_ascii(text)
     return re.sub(r"[\s`'\"\u2018\u2019\u201c\u201d]+", "", text).lower()
 
 

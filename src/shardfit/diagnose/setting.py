@@ -24,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from shardfit.diagnose.literals import Needles, ascii_squashed, may_match, required_literals
+
 # First match wins: the specific launchers before the generic ones.
 _LAUNCHERS = (
     ("llamafactory-cli", r"llamafactory-cli|FORCE_TORCHRUN"),
@@ -76,6 +78,8 @@ _FULL_FT = re.compile(r"finetuning_type[\s:=]+full|(?:sft|train)_type[\s:=]+full
                       r"--full\b|full_finetune", re.I)
 _ADAPTER = re.compile(r"\blora\b|qlora|\bpeft\b|adapter|finetuning_type[\s:=]+(?:lora|freeze)", re.I)
 
+_CARD_RX = tuple((re.compile(pat, re.I), gib) for pat, gib in _CARDS)
+
 
 @dataclass
 class Setting:
@@ -92,8 +96,18 @@ class Setting:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def _first(table: tuple[tuple[str, str], ...], text: str) -> str | None:
-    return next((name for name, pat in table if re.search(pat, text, re.I | re.M)), None)
+def _compiled(table: tuple[tuple[str, str], ...], flags: int) -> tuple[tuple[str, re.Pattern, Needles | None], ...]:
+    """A table's patterns compiled once, each with the words one of which its match holds (literals.py)."""
+    return tuple((name, rx, required_literals(rx)) for name, pat in table for rx in [re.compile(pat, flags)])
+
+
+def _first(table: tuple[tuple[str, re.Pattern, Needles | None], ...], text: str, hay: str | None) -> str | None:
+    """The name of the first pattern of `table` found in `text` (`hay`: the text squashed, to skip the others)."""
+    return next((name for name, rx, words in table if may_match(words, hay) and rx.search(text)), None)
+
+
+_LAUNCHER_RX = _compiled(_LAUNCHERS, re.I | re.M)
+_FRAMEWORK_RX = _compiled(_FRAMEWORKS, re.I | re.M)
 
 
 def gpu_rows(raw: str) -> int:
@@ -115,8 +129,8 @@ def _gpu_mem(text: str) -> float | None:
     caps = [float(g) for m in _CAPACITY.finditer(text) for g in m.groups() if g]
     if caps:
         return max(caps)
-    for pat, gib in _CARDS:
-        if re.search(pat, text, re.I):
+    for pat, gib in _CARD_RX:
+        if pat.search(text):
             return gib
     return None
 
@@ -151,7 +165,9 @@ def _rank_facts(text: str, facts: set[str], ranks_per_node: int | None) -> None:
 def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_b: float | None,
                  smi_rows: int = 0, ranks_per_node: int | None = None) -> Setting:
     """The setting the log shows; adds the facts listed in the module docstring to `facts`."""
-    s = Setting(launcher=_first(_LAUNCHERS, text), framework=_first(_FRAMEWORKS, text), model_size_b=model_size_b)
+    hay = ascii_squashed(text)
+    s = Setting(launcher=_first(_LAUNCHER_RX, text, hay), framework=_first(_FRAMEWORK_RX, text, hay),
+                model_size_b=model_size_b)
     m = _MODEL.search(text)
     s.model = m.group(1).strip("'\"") if m else None
     s.gpus_visible = _gpus_visible(text, smi_rows)
