@@ -70,8 +70,9 @@ _ELASTIC = ("ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcod
             "of binary: /usr/bin/python3")
 
 
-def test_exit_2_for_a_stated_other_reason_or_outside_torch_launchers_is_no_version_break() -> None:
-    """Exit status 2 reads as the launcher's argument only under torch's and DeepSpeed's launchers (which add it) and
+def test_exit_2_for_another_stated_reason_or_launcher_is_no_version_break() -> None:
+    """Exit status 2 reads as the launcher's argument only under the launchers that add it (torch.distributed.launch,
+    DeepSpeed's; torch's elastic agent where the paste names neither torchrun nor accelerate) and
     where the script states no other refusal: argparse refusing another argument, Python not finding the script,
     Hydra's override error, or a Slurm step's exit code."""
     for log in ("/usr/bin/python3: can't open file '/w/train.py': [Errno 2] No such file or directory\n" + _ELASTIC,
@@ -79,11 +80,17 @@ def test_exit_2_for_a_stated_other_reason_or_outside_torch_launchers_is_no_versi
                 "--output_dir\n" + _ELASTIC,
                 "Error executing job with overrides: []\nCould not override 'trainer.devices'.\n"
                 "[ERROR] [launch.py:321:sigkill_handler] exits with return code = 2",
-                "srun: error: gpu-node12: task 0: Exited with exit code 2"):
+                "srun: error: gpu-node12: task 0: Exited with exit code 2",
+                # torchrun and accelerate pass the rank in the environment, never as an argument
+                "$ torchrun --nproc_per_node 2 train.py\n" + _ELASTIC,
+                "accelerate launch train.py\n" + _ELASTIC):
         assert "library_version_regression" not in _cats(log), log
     # argparse refusing the launcher's own argument still is one
     refusal = "usage: train.py [-h]\ntrain.py: error: unrecognized arguments: --local-rank=0\n" + _ELASTIC
     assert _cats(refusal)[0] == "library_version_regression"
+    # the legacy launcher, or its elastic agent alone, adds the argument
+    for log in ("python -m torch.distributed.launch --nproc_per_node 2 train.py\n" + _ELASTIC, _ELASTIC):
+        assert _cats(log)[0] == "library_version_regression", log
 
 
 def test_workers_data_or_listed_gpus_on_gpu_0_are_not_ranks_sharing_it() -> None:
