@@ -229,3 +229,34 @@ def test_accumulation_and_epochs_of_the_loop(tmp_path: Path) -> None:
     said = comments(job, to_config(job))
     assert not any("names no epoch count" in n for n in said), said
     assert any("a hand-written training loop at train.py:7-11" in n for n in job.notes), job.notes
+
+
+def test_a_step_done_in_the_scripts_own_function_is_the_loops(tmp_path: Path) -> None:
+    """`for batch in loader: train_step(batch)` with the backward and the step in `train_step`: the hand loop (its
+    optimizer and micro-batch), not the HF Trainer's defaults; the epoch loop around it stays the epochs."""
+    body = (OPT.replace("AdamW(model.parameters(), lr=1e-5)", "AdamW(model.parameters(), lr=1e-5, fused=True)") +
+            LOADER + "def train_step(batch):\n    loss = model(**batch).loss\n    loss.backward()\n"
+            "    opt.step()\n    opt.zero_grad()\n"
+            "for epoch in range(2):\n    for batch in loader:\n        train_step(batch)\n")
+    job = _job(tmp_path, body)
+    assert any("a hand-written training loop at train.py:12-13" in n for n in job.notes), job.notes
+    assert not any("the Trainer's default" in n for n in job.notes), job.notes
+    w = job.workload
+    assert w.micro_batch == 4 and w.optimizer == "adamw" and w.fused_adamw
+
+
+def test_a_gradscaler_under_any_name_steps_the_optimizer(tmp_path: Path) -> None:
+    """The scaler is known by the call that builds it, not by its variable's name."""
+    body = (OPT + LOADER + "gs = torch.amp.GradScaler(\"cuda\")\n" +
+            LOOP.replace("loss.backward()", "gs.scale(loss).backward()").replace("opt.step()", "gs.step(opt)"))
+    job = _job(tmp_path, body, dtype="torch.float32")
+    assert job.workload.optimizer == "adamw" and any(n.startswith("optimizer: AdamW at train.py:4") for n in job.notes)
+
+
+def test_arguments_passed_by_double_star_are_not_guessed(tmp_path: Path) -> None:
+    """DataLoader(ds, **kw) may hold the batch: exit 2 asking --batch, never torch's default 1; AdamW(**okw) may
+    hold fused=: planned as the foreach upper bound, said."""
+    with pytest.raises(UserError, match=r"train.py:5: the DataLoader at train.py:5 takes its arguments from \*\*kw"):
+        _job(tmp_path, OPT + "loader = torch.utils.data.DataLoader(ds, **kw)\n" + LOOP)
+    job = _job(tmp_path, "opt = torch.optim.AdamW(model.parameters(), **okw)\n" + LOADER + LOOP)
+    assert not job.workload.fused_adamw and any("computed in the script" in n for n in job.notes), job.notes

@@ -113,27 +113,42 @@ def read_loop(tree: ast.Module, path: Path, constants: dict[str, Any], bases: di
     `.backward()` and `.step()`. The innermost such loop counts; a trainer whose `.train()` is called wins."""
     if _trainer_trains(tree, bases):
         return None
-    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For | ast.AsyncFor | ast.While)
-             and _calls_attr(n, "backward") and _calls_attr(n, "step")]
-    if not loops:
+    every = [n for n in ast.walk(tree) if isinstance(n, ast.For | ast.AsyncFor | ast.While)]
+    trains = [n for n in every if _calls_attr(n, "backward") and _calls_attr(n, "step")]
+    if not trains:  # a loop whose step is one of the script's own functions (`train_step(batch)`)
+        functions = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+        trains = [n for n in every if _calls_attr(_scope(n, functions), "backward") and
+                  _calls_attr(_scope(n, functions), "step")]
+    else:
+        functions = {}
+    if not trains:
         return None
-    loop = min(loops, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
+    loop = min(trains, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
+    scope = _scope(loop, functions)  # the loop and the functions it calls that step (one level)
     name = path.name
     out = HandLoop(at=f"{name}:{loop.lineno}-{loop.end_lineno}")
     binds = _bindings(tree)
     _read_batch(out, loop, tree, binds, constants, name)
-    step = _read_optimizer(out, loop, binds, _imports(tree), constants, name)
+    step = _read_optimizer(out, scope, binds, _imports(tree), constants, name)
     _read_amp(out, tree, constants, name)
     _read_ckpt(out, tree, constants, name)
     _read_wraps(out, tree, name)
-    _read_accum(out, loop, step, constants, name)
-    out.syncs = [f"{name}:{c.lineno}" for c in ast.walk(loop) if isinstance(c, ast.Call) and
+    _read_accum(out, scope, step, constants, name)
+    out.syncs = [f"{name}:{c.lineno}" for c in ast.walk(scope) if isinstance(c, ast.Call) and
                  (_attr(c) == "item" or _called(c) == "print")]
     outer = [f for f in ast.walk(tree) if isinstance(f, ast.For) and f is not loop and loop in ast.walk(f)]
     if len(outer) == 1 and isinstance(outer[0].iter, ast.Call) and _called(outer[0].iter) == "range" and \
             len(outer[0].iter.args) == 1 and isinstance(n := _literal(outer[0].iter.args[0], constants), int):
         out.epochs, out.epochs_at = n, f"{name}:{outer[0].lineno}"
     return out
+
+
+def _scope(loop: ast.AST, functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef]) -> ast.AST:
+    """`loop` with the bodies of the script's own functions it calls by name (`functions`; one level), walked as
+    one tree: where a step done in `train_step(batch)` is found."""
+    called = [functions[c.func.id] for c in ast.walk(loop) if isinstance(c, ast.Call) and
+              isinstance(c.func, ast.Name) and c.func.id in functions]
+    return ast.Module(body=[loop, *dict.fromkeys(called)], type_ignores=[]) if called else loop
 
 
 def _called(call: ast.Call) -> str:
@@ -234,6 +249,10 @@ def _read_batch(out: HandLoop, loop: ast.AST, tree: ast.Module, binds: dict[str,
     dl = loaders[0]
     out.batch_at = f"{name}:{dl.lineno}"
     arg = _kw(dl, "batch_size") or (dl.args[1] if len(dl.args) > 1 else None)
+    star = next((k.value for k in dl.keywords if k.arg is None), None)
+    if arg is None and star is not None:  # DataLoader(ds, **kw): the batch may be in kw
+        out.batch_said = f"the DataLoader at {out.batch_at} takes its arguments from **{ast.unparse(star)}"
+        return
     if arg is None and _kw(dl, "batch_sampler") is None:
         out.batch, out.batch_said = 1, f"the DataLoader at {out.batch_at} passes no batch_size: torch's default, 1"
         return
@@ -264,8 +283,10 @@ def _read_optimizer(out: HandLoop, loop: ast.AST, binds: dict[str, list[tuple[as
     Returns the step call."""
     steps = [c for c in ast.walk(loop) if isinstance(c, ast.Call) and _attr(c) == "step"]
     for step in steps:
-        target = step.args[0] if step.args and _called(step) == "step" and \
-            "scaler" in ast.unparse(step.func.value).lower() else step.func.value
+        receiver = step.func.value
+        scaler = "scaler" in ast.unparse(receiver).lower() or any(
+            _called(c) in ("GradScaler", "ShardedGradScaler") for c in _origins(receiver, binds, set()))
+        target = step.args[0] if step.args and scaler else receiver
         origins = _origins(target, binds, set())
         ds = next((c for c in origins if _called(c) == "initialize"), None)
         if ds is not None:
@@ -301,6 +322,9 @@ def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], con
         out.optimizer_kind = "fused"
     else:
         fused, foreach = _kw(built, "fused"), _kw(built, "foreach")
+        if fused is None and foreach is None and any(k.arg is None for k in built.keywords):
+            out.optimizer_kind = "computed"  # AdamW(params, **okw): fused= may be in okw
+            return
         f_val = _literal(fused, constants) if fused is not None else False
         e_val = _literal(foreach, constants) if foreach is not None else None
         out.optimizer_kind = "fused" if f_val is True else "for-loop" if e_val is False and not fused else \
