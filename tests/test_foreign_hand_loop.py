@@ -260,3 +260,9 @@ def test_arguments_passed_by_double_star_are_not_guessed(tmp_path: Path) -> None
         _job(tmp_path, OPT + "loader = torch.utils.data.DataLoader(ds, **kw)\n" + LOOP)
     job = _job(tmp_path, "opt = torch.optim.AdamW(model.parameters(), **okw)\n" + LOADER + LOOP)
     assert not job.workload.fused_adamw and any("computed in the script" in n for n in job.notes), job.notes
+
+
+def test_batch_flag_over_the_dataloaders_is_planned_and_said(tmp_path: Path) -> None:
+    job = _job(tmp_path, batch=2)
+    assert job.workload.micro_batch == 2
+    assert any(n.startswith("micro-batch --batch 2 in place of the loop's 4") for n in job.notes), job.notes

@@ -466,7 +466,7 @@ def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str
     """The workload of a hand-written loop: its micro-batch, accumulation, optimizer kernel, precision and
     checkpointing, where the Trainer's defaults stood (`w`). `precision_from_launch`: accelerate's mixed precision
     from the launch, which only an Accelerator in the script applies."""
-    changes: dict[str, Any] = {"micro_batch": loop.batch or batch or w.micro_batch, "grad_accum": loop.grad_accum,
+    changes: dict[str, Any] = {"micro_batch": batch or loop.batch or w.micro_batch, "grad_accum": loop.grad_accum,
                                "precision": loop.amp or (precision_from_launch if loop.accelerator else "fp32")}
     if loop.ckpt_said:
         changes["grad_ckpt"] = "full"
@@ -494,7 +494,8 @@ def _say_workload(loop: HandLoop, batch: int | None, optimizer: str | None, chan
                   notes: list[str]) -> None:
     """The notes for `loop_workload`: where each setting comes from."""
     if loop.batch is not None:
-        notes.append(f"micro-batch {loop.batch}: {loop.batch_said}" + (" (--batch wins)" if batch else ""))
+        notes.append(f"micro-batch --batch {batch} in place of the loop's {loop.batch} ({loop.batch_said})" if batch
+                     else f"micro-batch {loop.batch}: {loop.batch_said}")
     elif batch is not None:
         notes.append(f"micro-batch --batch {batch}: {loop.batch_said}")
     if loop.accum_said:
