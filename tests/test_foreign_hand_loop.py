@@ -266,3 +266,14 @@ def test_batch_flag_over_the_dataloaders_is_planned_and_said(tmp_path: Path) -> 
     job = _job(tmp_path, batch=2)
     assert job.workload.micro_batch == 2
     assert any(n.startswith("micro-batch --batch 2 in place of the loop's 4") for n in job.notes), job.notes
+
+
+@pytest.mark.parametrize("lightning", [
+    "import lightning as L\ntrainer = L.Trainer(max_epochs=1)\ntrainer.fit(module, loader)\n",
+    "import pytorch_lightning as pl\npl.Trainer(devices=2).fit(module)\n",
+    "from lightning.pytorch import Trainer\nTrainer(devices=2).fit(module)\n",
+])
+def test_a_lightning_script_is_refused_not_read_as_the_hf_trainer(tmp_path: Path, lightning: str) -> None:
+    """Lightning's Trainer shares the HF Trainer's name, not its loop or defaults: exit 2 saying how to plan it."""
+    with pytest.raises(UserError, match=r"train.py:\d+: the script trains with Lightning's Trainer.*shardfit plan "):
+        _job(tmp_path, LOADER + lightning)

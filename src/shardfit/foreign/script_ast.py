@@ -167,6 +167,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     except (MemoryError, RecursionError):  # nesting deeper than Python's parser goes
         raise UserError(f"{path}: nested too deeply for Python's parser to read (the script could not run either); "
                         f"is this the training script the command runs?") from None
+    _refuse_lightning(tree, path)
     constants = _constants(tree)
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
     bases = trainer_bases(tree, TRAINER_CLASSES)
@@ -233,6 +234,34 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     out.metrics, out.metrics_unread = call_metrics(tree, found.trainer, path.name, found.untold)
     out.hand_loop = read_loop(tree, path, constants, bases)
     return out
+
+
+LIGHTNING = ("lightning", "pytorch_lightning")
+
+
+def _refuse_lightning(tree: ast.Module, path: Path) -> None:
+    """Exit 2 for a script that trains with Lightning's Trainer (`_lightning_trainer`), saying how to plan it."""
+    line = _lightning_trainer(tree)
+    if line is not None:
+        raise UserError(f"{path.name}:{line}: the script trains with Lightning's Trainer, whose loop `plan --from "
+                        f"hf` does not read (it reads the HF Trainer's and TRL's scripts and hand-written loops). "
+                        f"Plan the run from its settings instead: shardfit plan --model ID --method lora|full "
+                        f"--seq N --batch N --gpus ...")
+
+
+def _lightning_trainer(tree: ast.Module) -> int | None:
+    """The line of a Lightning Trainer the script builds (`from lightning import Trainer`, `pl.Trainer(...)` with
+    `import pytorch_lightning as pl`), or None: its name is the HF Trainer's, its loop is Lightning's."""
+    modules = {a.asname or a.name: a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and
+                (n.module or "").split(".")[0] in LIGHTNING for a in n.names if a.name == "Trainer"}
+    for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        f = c.func
+        if isinstance(f, ast.Name) and f.id in imported or isinstance(f, ast.Attribute) and f.attr == "Trainer" and \
+                ast.unparse(f.value).split(".")[0] in {k for k, v in modules.items()
+                                                       if v.split(".")[0] in LIGHTNING} | set(LIGHTNING):
+            return c.lineno
+    return None
 
 
 def _chosen_trainer(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], bases: dict[str, str],
