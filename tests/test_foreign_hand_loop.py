@@ -277,3 +277,24 @@ def test_a_lightning_script_is_refused_not_read_as_the_hf_trainer(tmp_path: Path
     """Lightning's Trainer shares the HF Trainer's name, not its loop or defaults: exit 2 saying how to plan it."""
     with pytest.raises(UserError, match=r"train.py:\d+: the script trains with Lightning's Trainer.*shardfit plan "):
         _job(tmp_path, LOADER + lightning)
+
+
+def test_accelerators_accumulation_and_module_constants_of_the_wrappers(tmp_path: Path) -> None:
+    """Accelerator(gradient_accumulation_steps=4) with the loop under accelerator.accumulate() steps every 4
+    micro-batches; a wrapper's keyword given by a module constant is read (find_unused_parameters=UNUSED)."""
+    body = (OPT + LOADER + "from accelerate import Accelerator\nacc = Accelerator(gradient_accumulation_steps=4)\n"
+            "model, opt, loader = acc.prepare(model, opt, loader)\n" +
+            LOOP.replace("    loss = model", "    with acc.accumulate(model):\n        loss = model").replace(
+                "    loss.backward()\n    opt.step()\n    opt.zero_grad()\n",
+                "        acc.backward(loss)\n        opt.step()\n        opt.zero_grad()\n"))
+    job = _job(tmp_path, body)
+    assert job.workload.grad_accum == 4 and any("gradient_accumulation_steps=4" in n for n in job.notes), job.notes
+    ddp = (OPT + LOADER + "UNUSED = True\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+           "model = DDP(model, find_unused_parameters=UNUSED)\n" + LOOP)
+    assert _job(tmp_path, ddp, launch="torchrun --nproc_per_node 2").find_unused
+
+
+def test_an_annotated_trainer_that_trains_is_the_trainers(tmp_path: Path) -> None:
+    body = (OPT + LOADER + LOOP + "from transformers import Trainer\n"
+            "trainer: Trainer = Trainer(model=model)\ntrainer.train()\n")
+    assert not any("hand-written" in n for n in _job(tmp_path, body).notes)

@@ -69,6 +69,8 @@ class HandLoop:
     syncs: list[str] = field(default_factory=list)  # .item() / print(...) in the loop: host waits each step
     epochs: int | None = None
     epochs_at: str = ""
+    # the script's module-level names bound once to a literal, for the wrappers' keywords read later (loop_engine)
+    constants: dict[str, Any] = field(default_factory=dict)
 
     def assumptions(self, ckpt_on: bool) -> list[str]:
         """The first notes of the plan: that the script is a hand-written loop, and its checkpointing where it
@@ -126,14 +128,14 @@ def read_loop(tree: ast.Module, path: Path, constants: dict[str, Any], bases: di
     loop = min(trains, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
     scope = _scope(loop, functions)  # the loop and the functions it calls that step (one level)
     name = path.name
-    out = HandLoop(at=f"{name}:{loop.lineno}-{loop.end_lineno}")
+    out = HandLoop(at=f"{name}:{loop.lineno}-{loop.end_lineno}", constants=constants)
     binds = _bindings(tree)
     _read_batch(out, loop, tree, binds, constants, name)
     step = _read_optimizer(out, scope, binds, _imports(tree), constants, name)
     _read_amp(out, tree, constants, name)
     _read_ckpt(out, tree, constants, name)
     _read_wraps(out, tree, name)
-    _read_accum(out, scope, step, constants, name)
+    _read_accum(out, scope, tree, step, constants, name)
     out.syncs = [f"{name}:{c.lineno}" for c in ast.walk(scope) if isinstance(c, ast.Call) and
                  (_attr(c) == "item" or _called(c) == "print")]
     outer = [f for f in ast.walk(tree) if isinstance(f, ast.For) and f is not loop and loop in ast.walk(f)]
@@ -189,6 +191,8 @@ def _trainer_trains(tree: ast.Module, bases: dict[str, str]) -> bool:
         return False
     names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value in built
              for t in n.targets if isinstance(t, ast.Name)}
+    names |= {n.target.id for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and n.value in built
+              and isinstance(n.target, ast.Name)}  # trainer: Trainer = Trainer(...)
     return any(_attr(c) == "train" and (isinstance(c.func.value, ast.Name) and c.func.value.id in names
                                         or c.func.value in built) for c in calls)
 
@@ -417,10 +421,21 @@ def _read_wraps(out: HandLoop, tree: ast.Module, name: str) -> None:
         out.accelerator = out.accelerator or _called(c) == "Accelerator"
 
 
-def _read_accum(out: HandLoop, loop: ast.AST, step: ast.Call | None, constants: dict[str, Any], name: str) -> None:
-    """Gradient accumulation: the optimizer's step under `if (i + 1) % N == 0` in the loop (N literal)."""
+def _read_accum(out: HandLoop, loop: ast.AST, tree: ast.Module, step: ast.Call | None, constants: dict[str, Any],
+                name: str) -> None:
+    """Gradient accumulation: the optimizer's step under `if (i + 1) % N == 0` in the loop (N literal), or an
+    Accelerator(gradient_accumulation_steps=N) whose `accumulate()` the loop enters (its step runs every N)."""
     if step is None:
         return
+    accumulate = any(isinstance(c, ast.Call) and _attr(c) == "accumulate" for c in ast.walk(loop))
+    for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) == "Accelerator"):
+        n = _literal(_kw(c, "gradient_accumulation_steps"), constants) \
+            if accumulate and _kw(c, "gradient_accumulation_steps") is not None else None
+        if isinstance(n, int) and n > 1:
+            out.grad_accum = n
+            out.accum_said = f"Accelerator(gradient_accumulation_steps={n}) at {name}:{c.lineno}: the loop's " \
+                             f"accelerator.accumulate() steps every {n} micro-batches"
+            return
     for node in ast.walk(loop):
         if not isinstance(node, ast.If) or not any(step in ast.walk(b) for b in node.body):
             continue
@@ -548,15 +563,15 @@ def loop_engine(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bo
     if kind == "ddp":
         job.engine = "ddp" if job.distributed else "single"
         unused = _kw(call, "find_unused_parameters")
-        job.find_unused = unused is not None and _literal(unused, {}) is True
+        job.find_unused = unused is not None and _literal(unused, loop.constants) is True
         job.notes.append(f"DistributedDataParallel at {at}" + (" (find_unused_parameters=True)" if job.find_unused
                                                                 else ""))
     elif kind == "fsdp2":
         reshard = _kw(call, "reshard_after_forward")
         offload = _kw(call, "offload_policy")
-        job.engine = fsdp_engine("shard_grad_op" if reshard is not None and _literal(reshard, {}) is False else
-                                 "full_shard", offload is not None and "CPUOffloadPolicy" in ast.unparse(offload),
-                                 job.distributed)
+        keeps = reshard is not None and _literal(reshard, loop.constants) is False
+        job.engine = fsdp_engine("shard_grad_op" if keeps else "full_shard",
+                                 offload is not None and "CPUOffloadPolicy" in ast.unparse(offload), job.distributed)
         job.workload = dataclasses.replace(job.workload, fsdp1=False, flat_params=False)
         job.notes.append(f"FSDP2's fully_shard at {at}: {job.engine}")
     elif kind == "fsdp1":
@@ -569,20 +584,21 @@ def loop_engine(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bo
         orig = _kw(call, "use_orig_params")
         job.engine = fsdp_engine(SHARDING_STRATEGIES[name], offload is not None and "offload_params=True" in
                                  ast.unparse(offload), job.distributed)
-        flat = not (orig is not None and _literal(orig, {}) is True)
+        flat = not (orig is not None and _literal(orig, loop.constants) is True)
         job.workload = dataclasses.replace(job.workload, fsdp1=True, flat_params=flat)
         job.notes.append(f"FSDP1's FullyShardedDataParallel at {at}: {job.engine}" +
                          (" (use_orig_params=False, torch's default: flat parameters)" if flat else ""))
     else:
-        _loop_deepspeed(job, call, at, src, hidden)
+        _loop_deepspeed(job, call, at, src, hidden, loop.constants)
     return True
 
 
-def _loop_deepspeed(job: ForeignJob, call: ast.Call, at: str, src: Source, hidden: int) -> None:
+def _loop_deepspeed(job: ForeignJob, call: ast.Call, at: str, src: Source, hidden: int,
+                    constants: dict[str, Any]) -> None:
     """deepspeed.initialize(config=FILE) (or config_params=, or args whose --deepspeed_config the command line
     gives): the JSON is read as any DeepSpeed job's; its precision section decides the precision."""
     given = _kw(call, "config") or _kw(call, "config_params")
-    ref = _literal(given, {}) if given is not None else None
+    ref = _literal(given, constants) if given is not None else None
     if not isinstance(ref, str):
         ref = src.get("deepspeed_config") or src.get("deepspeed")
     if not isinstance(ref, str) or local_file(ref, src.path.parent) is None:
