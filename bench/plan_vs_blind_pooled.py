@@ -3,7 +3,7 @@ does not rest on the handful of peaks one set happens to hold.
 
     python bench/plan_vs_blind_pooled.py   # prints the table, writes bench/results/plan_vs_blind_pooled.json
 
-Each blind set's own script computes its rows (bench/plan_vs_blind4.py to plan_vs_blind9.py, plan_vs_moe_blind.py);
+Each blind set's own script computes its rows (bench/plan_vs_blind4.py to plan_vs_blind10.py, plan_vs_moe_blind.py);
 this reads their committed results and nothing else, so it predicts nothing itself. The MoE set contributes its
 test part only: its dev part was looked at while the planner's MoE rules were written. Every set was collected by
 people who never saw a prediction. The first and third sets (bench/plan_vs_blind.py, plan_vs_blind3.py) were blind
@@ -29,7 +29,7 @@ OUT = RESULTS / "plan_vs_blind_pooled.json"
 SETS = (("fourth", "plan_vs_blind4.json", None), ("fifth", "plan_vs_blind5.json", None),
         ("sixth", "plan_vs_blind6.json", None), ("seventh", "plan_vs_blind7.json", None),
         ("eighth", "plan_vs_blind8.json", None), ("ninth", "plan_vs_blind9.json", None),
-        ("MoE (test part)", "plan_vs_moe_blind.json", "test"))
+        ("tenth", "plan_vs_blind10.json", None), ("MoE (test part)", "plan_vs_moe_blind.json", "test"))
 # Former blind sets, dev data since their last blind scores: shown, never pooled into the headline.
 FORMER = (("first", "plan_vs_blind.json", None), ("third", "plan_vs_blind3.json", None))
 

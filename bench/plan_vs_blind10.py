@@ -1,0 +1,36 @@
+"""The planner against the tenth blind set (bench/published_blind10.yaml): published figures of real fine-tuning and
+training runs, collected by two people who never saw this project's code nor a prediction; an out-of-sample
+measure, not tuned on.
+
+    python bench/plan_vs_blind10.py        # prints the tables, writes bench/results/plan_vs_blind10.json
+
+The method is the ninth set's (bench/plan_vs_blind9.py, itself the fourth to eighth sets' bench/plan_vs_blind4.py):
+each row is predicted with what it states, the defaults where it states nothing, its source's mapping of model, GPUs,
+strategy, precision, optimizer and attention, the set's `readings` and `row_settings`; a row in `row_reasons` (a run
+the planner does not model, or one that states too little to describe) is not planned, with that reason. Each
+source's own `unknown` block, decided from its date, stated versions and tool before any prediction, overrides the
+set's `unknown` for its rows (plan_vs_blind.case_of). The figures are the first blind set's: memory error against the
+peak as read, fits-or-not verdicts, tokens/s error.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import plan_vs_blind3 as pvb3  # noqa: E402
+import plan_vs_blind4 as pvb4  # noqa: E402
+
+SET = BENCH / "published_blind10.yaml"
+OUT = BENCH / "results" / "plan_vs_blind10.json"
+pvb = pvb3.pvb  # the first set's functions, which the tests reach through each set's script
+# A row's reason from `row_reasons` first, else its settings as the third set reads them.
+settings_of = pvb4.settings_of
+evaluate, main = pvb3.set_runner(SET, OUT, __doc__, settings_of)
+
+
+if __name__ == "__main__":
+    main()
