@@ -18,6 +18,7 @@ from shardfit.errors import UserError
 from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file, record
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.keys import Source, use_deepspeed
+from shardfit.foreign.script_loads import called_name
 from shardfit.plan.workload import Workload
 
 if TYPE_CHECKING:  # kbit.py reads script_ast.py, which reads this module
@@ -137,9 +138,9 @@ def read_loop(tree: ast.Module, path: Path, constants: dict[str, Any], bases: di
     _read_wraps(out, tree, name)
     _read_accum(out, scope, tree, step, constants, name)
     out.syncs = [f"{name}:{c.lineno}" for c in ast.walk(scope) if isinstance(c, ast.Call) and
-                 (_attr(c) == "item" or _called(c) == "print")]
+                 (_attr(c) == "item" or called_name(c.func) == "print")]
     outer = [f for f in ast.walk(tree) if isinstance(f, ast.For) and f is not loop and loop in ast.walk(f)]
-    if len(outer) == 1 and isinstance(outer[0].iter, ast.Call) and _called(outer[0].iter) == "range" and \
+    if len(outer) == 1 and isinstance(outer[0].iter, ast.Call) and called_name(outer[0].iter.func) == "range" and \
             len(outer[0].iter.args) == 1 and isinstance(n := _literal(outer[0].iter.args[0], constants), int):
         out.epochs, out.epochs_at = n, f"{name}:{outer[0].lineno}"
     return out
@@ -151,12 +152,6 @@ def _scope(loop: ast.AST, functions: dict[str, ast.FunctionDef | ast.AsyncFuncti
     called = [functions[c.func.id] for c in ast.walk(loop) if isinstance(c, ast.Call) and
               isinstance(c.func, ast.Name) and c.func.id in functions]
     return ast.Module(body=[loop, *dict.fromkeys(called)], type_ignores=[]) if called else loop
-
-
-def _called(call: ast.Call) -> str:
-    """The called name: `AdamW` for torch.optim.AdamW(...) and AdamW(...)."""
-    f = call.func
-    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
 
 
 def _attr(call: ast.Call) -> str:
@@ -186,7 +181,7 @@ def _trainer_trains(tree: ast.Module, bases: dict[str, str]) -> bool:
     """Whether a trainer call's `.train()` is called (`trainer.train()`, `Trainer(...).train()`); a script that
     builds none trains by its own loop, if at all."""
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
-    built = [c for c in calls if _called(c) in bases]
+    built = [c for c in calls if called_name(c.func) in bases]
     if not built:
         return False
     names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value in built
@@ -218,7 +213,7 @@ def _origins(node: ast.expr, binds: dict[str, list[tuple[ast.expr, int | None]]]
     """The calls a value may come from, followed through names and through `a, b = prepare(a, b)` (accelerate's
     prepare hands each object back in its place); a deepspeed.initialize tuple ends at that call."""
     if isinstance(node, ast.Call):
-        if _called(node) in _WRAPPERS and node.args:
+        if called_name(node.func) in _WRAPPERS and node.args:
             return _origins(node.args[0], binds, seen)
         return [node]
     if not isinstance(node, ast.Name) or node.id in seen:
@@ -228,7 +223,7 @@ def _origins(node: ast.expr, binds: dict[str, list[tuple[ast.expr, int | None]]]
     for value, i in binds.get(node.id, []):
         if i is None:
             out += _origins(value, binds, seen)
-        elif isinstance(value, ast.Call) and _called(value) == "initialize":
+        elif isinstance(value, ast.Call) and called_name(value.func) == "initialize":
             out.append(value)
         elif isinstance(value, ast.Call) and i < len(value.args):
             out += _origins(value.args[i], binds, seen)
@@ -240,9 +235,9 @@ def _read_batch(out: HandLoop, loop: ast.AST, tree: ast.Module, binds: dict[str,
     """The micro-batch: the literal batch_size of the DataLoader the loop iterates (the script's only DataLoader
     where the loop iterates something else, as `for step in range(n): batch = next(it)` does); torch's default 1
     where it passes none."""
-    found = [c for c in _origins(loop.iter, binds, set()) if _called(c) in _LOADERS] \
+    found = [c for c in _origins(loop.iter, binds, set()) if called_name(c.func) in _LOADERS] \
         if isinstance(loop, ast.For | ast.AsyncFor) else []
-    every = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _called(c) in _LOADERS]
+    every = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and called_name(c.func) in _LOADERS]
     loaders = found or (every if len(every) == 1 else [])
     out.batch_at = f"{name}:{loop.lineno}"
     if len({id(c) for c in loaders}) != 1:
@@ -276,8 +271,8 @@ def _imports(tree: ast.Module) -> dict[str, str]:
 
 def _is_optimizer(call: ast.Call) -> bool:
     text = ast.unparse(call.func)
-    return _called(call) in MODELLED or _called(call) in OTHERS or \
-        ("optim." in text and "lr_scheduler" not in text and _called(call)[:1].isupper())
+    return called_name(call.func) in MODELLED or called_name(call.func) in OTHERS or \
+        ("optim." in text and "lr_scheduler" not in text and called_name(call.func)[:1].isupper())
 
 
 def _read_optimizer(out: HandLoop, loop: ast.AST, binds: dict[str, list[tuple[ast.expr, int | None]]],
@@ -289,10 +284,10 @@ def _read_optimizer(out: HandLoop, loop: ast.AST, binds: dict[str, list[tuple[as
     for step in steps:
         receiver = step.func.value
         scaler = "scaler" in ast.unparse(receiver).lower() or any(
-            _called(c) in ("GradScaler", "ShardedGradScaler") for c in _origins(receiver, binds, set()))
+            called_name(c.func) in ("GradScaler", "ShardedGradScaler") for c in _origins(receiver, binds, set()))
         target = step.args[0] if step.args and scaler else receiver
         origins = _origins(target, binds, set())
-        ds = next((c for c in origins if _called(c) == "initialize"), None)
+        ds = next((c for c in origins if called_name(c.func) == "initialize"), None)
         if ds is not None:
             opt = _kw(ds, "optimizer")
             origins = _origins(opt, binds, set()) if opt is not None else []
@@ -314,7 +309,7 @@ def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], con
     """The class a loop's optimizer is and the kernel it steps with: torch's Adam/AdamW `fused=True` in place,
     `foreach=False` one tensor at a time, else foreach (torch's default on CUDA tensors); bitsandbytes' and
     torchao's by their module."""
-    cls, text = _called(built), ast.unparse(built.func)
+    cls, text = called_name(built.func), ast.unparse(built.func)
     module = text.rsplit(".", 1)[0] if "." in text else imports.get(cls, "")
     out.optimizer, out.optimizer_at = cls, f"{name}:{built.lineno}"
     out.amsgrad = _literal(_kw(built, "amsgrad"), constants) is True if _kw(built, "amsgrad") is not None else False
@@ -342,7 +337,7 @@ def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: 
     scaler = ""
     for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
         text, at = ast.unparse(c.func), f"{name}:{c.lineno}"
-        if _called(c) == "GradScaler" or _called(c) == "ShardedGradScaler":
+        if called_name(c.func) == "GradScaler" or called_name(c.func) == "ShardedGradScaler":
             enabled = _kw(c, "enabled")
             if enabled is None or _literal(enabled, constants) is not False:
                 scaler = scaler or at
@@ -356,10 +351,10 @@ def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: 
             dtype = _kw(c, "dtype")
             kind = "fp16" if dtype is None else _dtype(dtype, constants)
             what = f"autocast at {at}"
-        elif _called(c) == "Accelerator" and _kw(c, "mixed_precision") is not None:
+        elif called_name(c.func) == "Accelerator" and _kw(c, "mixed_precision") is not None:
             kind, what = _dtype(_kw(c, "mixed_precision"), constants), f"Accelerator(mixed_precision=...) at {at}"
-        elif _called(c) in ("MixedPrecision", "MixedPrecisionPolicy") and _kw(c, "param_dtype") is not None:
-            kind, what = _dtype(_kw(c, "param_dtype"), constants), f"{_called(c)}(param_dtype=...) at {at}"
+        elif called_name(c.func) in ("MixedPrecision", "MixedPrecisionPolicy") and _kw(c, "param_dtype") is not None:
+            kind, what = _dtype(_kw(c, "param_dtype"), constants), f"{called_name(c.func)}(param_dtype=...) at {at}"
         else:
             continue
         if kind is None:
@@ -394,13 +389,13 @@ def _read_ckpt(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name:
     imports = _imports(tree)
     for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
         text = ast.unparse(c.func)
-        torch_ckpt = _called(c) in ("checkpoint", "checkpoint_sequential") and (
-            "utils.checkpoint" in text or imports.get(_called(c), "").endswith("utils.checkpoint")
+        torch_ckpt = called_name(c.func) in ("checkpoint", "checkpoint_sequential") and (
+            "utils.checkpoint" in text or imports.get(called_name(c.func), "").endswith("utils.checkpoint")
             or text.startswith("checkpoint."))
         if torch_ckpt:
             flag = _kw(c, "use_reentrant")
             out.reentrant = not (flag is not None and _literal(flag, constants) is False)
-        elif _called(c) == "apply_activation_checkpointing":
+        elif called_name(c.func) == "apply_activation_checkpointing":
             out.reentrant = "REENTRANT" in ast.unparse(c) and "NO_REENTRANT" not in ast.unparse(c)
         else:
             continue
@@ -414,11 +409,11 @@ def _read_wraps(out: HandLoop, tree: ast.Module, name: str) -> None:
     kinds = {"DistributedDataParallel": "ddp", "DDP": "ddp", "FullyShardedDataParallel": "fsdp1", "FSDP": "fsdp1",
              "fully_shard": "fsdp2"}
     for c in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno):
-        kind = kinds.get(_called(c)) or ("deepspeed" if ast.unparse(c.func) in ("deepspeed.initialize",
+        kind = kinds.get(called_name(c.func)) or ("deepspeed" if ast.unparse(c.func) in ("deepspeed.initialize",
                                                                                  "ds.initialize") else None)
         if kind:
             out.wraps.append((kind, f"{name}:{c.lineno}", c))
-        out.accelerator = out.accelerator or _called(c) == "Accelerator"
+        out.accelerator = out.accelerator or called_name(c.func) == "Accelerator"
 
 
 def _read_accum(out: HandLoop, loop: ast.AST, tree: ast.Module, step: ast.Call | None, constants: dict[str, Any],
@@ -428,7 +423,7 @@ def _read_accum(out: HandLoop, loop: ast.AST, tree: ast.Module, step: ast.Call |
     if step is None:
         return
     accumulate = any(isinstance(c, ast.Call) and _attr(c) == "accumulate" for c in ast.walk(loop))
-    for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) == "Accelerator"):
+    for c in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and called_name(n.func) == "Accelerator"):
         n = _literal(_kw(c, "gradient_accumulation_steps"), constants) \
             if accumulate and _kw(c, "gradient_accumulation_steps") is not None else None
         if isinstance(n, int) and n > 1:
