@@ -7,6 +7,9 @@ import importlib.util
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from shardfit import strategy
 from shardfit.config.schema import CHOICES
@@ -44,6 +47,28 @@ def test_plan_and_diagnose_start_without_torch() -> None:
             "assert 'torch' not in sys.modules, 'torch was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_command_imports_only_its_own_module(tmp_path: Path) -> None:
+    """`shardfit diagnose` does not pay for the planner's and the foreign readers' imports that plan/check/convert
+    need to build their parsers (cli/main.py COMMANDS)."""
+    log = tmp_path / "x.log"
+    log.write_text("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    code = (f"import sys; import shardfit.cli.main as m; code = m.main(['diagnose', {str(log)!r}]); "
+            "heavy = sorted(n for n in sys.modules if n.startswith(('shardfit.foreign', 'shardfit.plan', "
+            "'shardfit.cli.plan_cmd', 'shardfit.cli.check_cmd'))); assert code == 0 and not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv", [["diagnose", "x.log", "--json"], ["--debug", "plan", "--model", "Qwen/Qwen3-8B"],
+                                  ["check", "c.yaml", "--nodes", "2"], ["report", "runs/x"], ["doctor"]])
+def test_a_command_parses_as_under_the_full_parser(argv: list[str]) -> None:
+    from shardfit.cli.main import build_parser
+
+    lazy, full = vars(build_parser(argv).parse_args(argv)), vars(build_parser().parse_args(argv))
+    assert lazy.keys() == full.keys() and all(lazy[k] == full[k] for k in full if k != "func")
+    assert lazy["func"].__module__ == full["func"].__module__
 
 
 def test_config_strategies_are_the_table() -> None:

@@ -9,6 +9,7 @@ stderr that cannot be written changes nothing but the messages lost (streams.py)
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import select
@@ -17,27 +18,19 @@ import traceback
 from collections.abc import Sequence
 
 from shardfit import __version__
-from shardfit.cli import (
-    chat_cmd,
-    check_cmd,
-    convert_cmd,
-    diagnose_cmd,
-    doctor_cmd,
-    eval_cmd,
-    export_cmd,
-    plan_cmd,
-    report_cmd,
-    train_cmd,
-    ui_cmd,
-)
 from shardfit.cli.streams import OutputLost, fill_closed, guard
 from shardfit.errors import Interrupted, ShardfitError, ran_out
 from shardfit.gc_policy import process_entry
 from shardfit.parallel import threads
 from shardfit.parallel.allocator import reexec_with_allocator
 
-COMMANDS = (train_cmd, plan_cmd, check_cmd, convert_cmd, diagnose_cmd, export_cmd, chat_cmd, eval_cmd, report_cmd,
-            ui_cmd, doctor_cmd)
+# Each command's module under shardfit.cli, in the order `shardfit --help` lists them. A module is imported only
+# when its command runs (or for the full list: --help, shell completion, a mistyped command): the parsers of plan,
+# check and convert need the planner's and the foreign readers' tables, a second of imports that `diagnose`,
+# `doctor` and `report` never use.
+COMMANDS = {"train": "train_cmd", "plan": "plan_cmd", "check": "check_cmd", "convert": "convert_cmd",
+            "diagnose": "diagnose_cmd", "export": "export_cmd", "chat": "chat_cmd", "eval": "eval_cmd",
+            "report": "report_cmd", "ui": "ui_cmd", "doctor": "doctor_cmd"}
 # Commands that compute with torch get their threads from the cores they may use (parallel/threads.py); the ones
 # that run long say so when the machine is oversubscribed.
 THREADED = ("train", "eval", "chat", "export", "plan", "check")
@@ -55,14 +48,28 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or, given the command line `argv` that names a command, one whose other
+    commands are bare names: what `argv` parses to and every message it can print are the same either way (a
+    command's errors and help are its own parser's; the top-level usage lists only names)."""
     parser = _Parser(prog="shardfit", description="Fine-tune open LLMs on the GPUs you have.")
     parser.add_argument("--version", action="version", version=f"shardfit {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    named = command_named(argv) if argv is not None else None
+    for name, module in COMMANDS.items():
+        if named is None or name == named:
+            importlib.import_module(f"shardfit.cli.{module}").add_parser(sub)
+        else:
+            sub.add_parser(name)
     return parser
+
+
+def command_named(argv: Sequence[str]) -> str | None:
+    """The command `argv` runs: its first word that is not an option (shardfit's own options take no value), when
+    that is a command's name and the shell is not asking for completions."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS and "_ARGCOMPLETE" not in os.environ else None
 
 
 def configure_logging() -> None:
@@ -139,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
-    parser = build_parser()
+    parser = build_parser(argv)
     complete(parser)
     try:
         args = parser.parse_args(argv)
