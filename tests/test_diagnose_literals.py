@@ -93,3 +93,54 @@ def test_nearest_is_the_plain_dot_product() -> None:
         plain = sorted(((s, c) for s, c in plain if s >= MIN_SIMILARITY), key=lambda x: -x[0])[:3]
         want = [{"url": c["url"], "category": c["label"], "similarity": round(s, 2)} for s, c in plain]
         assert nearest(p) == want
+
+
+def test_the_bundled_table_is_what_the_knowledge_file_gives() -> None:
+    """literals.json (every pattern's required words, read without compiling) is a fresh reading of causes.yaml:
+    after an edit, `python -m shardfit.diagnose.regex --write` must be run, or this fails."""
+    import json
+
+    import yaml
+
+    from shardfit.diagnose.regex import TABLE, fresh_table
+
+    fresh = fresh_table(yaml.safe_load((TABLE.parent / "causes.yaml").read_text()))
+    assert json.loads(TABLE.read_text()) == fresh, "run: python -m shardfit.diagnose.regex --write"
+
+
+def test_a_pattern_is_compiled_only_when_searched() -> None:
+    """Loading the knowledge compiles nothing of the bundled file; a one-line paste compiles only the few regexes
+    whose words it holds, and every answer equals the compiled regex's."""
+    from shardfit.diagnose.engine import analyze
+    from shardfit.diagnose.regex import Regex
+
+    k = load_knowledge()
+    regexes = [i.value for c in k.causes for part in (c.signatures, c.context, c.veto, c.hints) for i in part
+               if isinstance(i.value, Regex)]
+    regexes += [p.pattern if isinstance(p, LineFilter) else p for p in k.facts.values()]
+    assert len(regexes) > 300
+    before = sum(r._compiled is not None for r in regexes)
+    analyze("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    after = sum(r._compiled is not None for r in regexes)
+    assert after - before < len(regexes) / 4, (before, after, len(regexes))
+    text = CORPUS[0].read_text()
+    for r in regexes[:60]:
+        plain = re.compile(r.pattern, r.flags).search(text)
+        assert (r.search(text) is None) == (plain is None) and (plain is None or r.search(text).span() == plain.span())
+
+
+def test_a_causes_file_of_ones_own_is_read_and_checked_at_load(tmp_path: Path) -> None:
+    """A pattern the table does not hold is compiled and read at load: its words are the regex's own, and a bad
+    one is refused there, naming the cause."""
+    from shardfit.errors import UserError
+
+    base = ("causes:\n- id: mine\n  title: t\n  root_cause: r\n  fix: f\n  prevented_by: p\n  check: c\n"
+            "  signatures:\n  - {{re: '{}', w: 3}}\n")
+    good = tmp_path / "good.yaml"
+    good.write_text(base.format("zebra[0-9]+ stripes"))
+    item = load_knowledge(good).causes[0].signatures[0]
+    assert item.value._compiled is not None and item.needles == ("stripes",)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(base.format("zebra(unclosed"))
+    with pytest.raises(UserError, match="cause mine.*bad re"):
+        load_knowledge(bad)

@@ -38,10 +38,11 @@ import yaml
 
 from shardfit.diagnose.facts import FactPattern, LineFilter, crosses_lines
 from shardfit.diagnose.likely import likely_causes
-from shardfit.diagnose.literals import Haystack, required_literals
+from shardfit.diagnose.literals import Haystack
 from shardfit.diagnose.model import Cause, Finding, Item, Likely, Scored
 from shardfit.diagnose.parse import parse, squash
 from shardfit.diagnose.parsed import Parsed
+from shardfit.diagnose.regex import EXC_FLAGS, RE_FLAGS, Regex, regex
 from shardfit.diagnose.similar import nearest
 from shardfit.errors import UserError
 
@@ -65,7 +66,7 @@ class Analysis:
 class Knowledge:
     causes: tuple[Cause, ...]
     facts: dict[str, FactPattern]
-    generic: tuple[tuple[re.Pattern, str], ...]
+    generic: tuple[tuple[Regex, str], ...]
 
 
 def _read_yaml(path: Path) -> object:
@@ -93,14 +94,13 @@ def _item(raw: dict, where: str, brief: bool = False) -> Item:
             value = (val,) if isinstance(val, str) else tuple(val)
             label = f"fact {'+'.join(value)}"
         else:
-            flags = re.I | re.M if kind == "re" else re.I | re.S
-            value = re.compile(val, flags)
+            value = regex(val, RE_FLAGS if kind == "re" else EXC_FLAGS)
             label = f"{kind} /{val}/"
     except (re.error, TypeError) as e:
         raise UserError(f"{where}: bad {kind} {val!r}: {e}") from None
     return Item(kind, value, float(raw["w"]), _as_tuple(raw.get("when")), _as_tuple(raw.get("unless")), label,
                 " ".join(str(raw.get("check") or "").split()), brief,
-                required_literals(value) if kind == "re" else None)
+                value.needles if isinstance(value, Regex) and kind == "re" else None)
 
 
 def load_knowledge(path: Path | None = None) -> Knowledge:
@@ -120,7 +120,7 @@ def _load(path: str) -> Knowledge:
     facts = {}
     for name, pat in (raw.get("facts") or {}).items():
         try:
-            facts[name] = re.compile(pat, re.I | re.M)
+            facts[name] = regex(pat, RE_FLAGS)
         except re.error as e:
             raise UserError(f"{path}: fact {name}: bad regex: {e}") from None
     for name, keys in (raw.get("fact_keys") or {}).items():
@@ -146,13 +146,13 @@ def _load(path: str) -> Knowledge:
         items = {k: tuple(_item(x, where, brief=k == "hints") for x in entry.get(k) or [])
                  for k in ("signatures", "context", "veto", "hints")}
         try:
-            quote = re.compile(entry["quote"], re.I | re.M) if entry.get("quote") else None
+            quote = regex(entry["quote"], RE_FLAGS) if entry.get("quote") else None
         except re.error as e:
             raise UserError(f"{where}: bad quote regex: {e}") from None
         causes.append(Cause(entry["id"], entry["title"], items["signatures"], items["context"], items["veto"],
                             " ".join(entry["root_cause"].split()), " ".join(entry["fix"].split()),
                             entry["prevented_by"], " ".join(entry["check"].split()), items["hints"], quote))
-    generic = tuple((re.compile(g["exc"], re.I | re.S), " ".join(g["step"].split())) for g in raw.get("generic") or [])
+    generic = tuple((regex(g["exc"], EXC_FLAGS), " ".join(g["step"].split())) for g in raw.get("generic") or [])
     return Knowledge(tuple(causes), facts, generic)
 
 

@@ -18,6 +18,7 @@ from functools import cache
 
 from shardfit.diagnose.literals import Haystack, may_match, required_literals
 from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Parsed, match_frame
+from shardfit.diagnose.regex import Regex
 
 SYMPTOM_PREFIX = "sym_"
 
@@ -169,7 +170,7 @@ class LineFilter:
     line is far cheaper than a long alternation tried at every position. Every alternative of the regex must
     contain one of the keys, and must not span lines, for the answer to be the plain search's."""
 
-    pattern: re.Pattern
+    pattern: re.Pattern | Regex
     keys: tuple[str, ...]  # lower case
 
     def search(self, text: str) -> re.Match | None:
@@ -182,7 +183,7 @@ class LineFilter:
         return None
 
 
-FactPattern = re.Pattern | LineFilter
+FactPattern = re.Pattern | Regex | LineFilter
 
 
 def _set_has_newline(items: list, negate: bool = False) -> bool:
@@ -298,7 +299,8 @@ def _pattern_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     for name, pat in fact_patterns.items():
         brief = name.startswith(SYMPTOM_PREFIX)
         regex = pat.pattern if isinstance(pat, LineFilter) else pat
-        if may_match(_needles(regex), hay.brief if brief else hay.text) and pat.search(p.brief if brief else p.text):
+        needles = regex.needles if isinstance(regex, Regex) else _needles(regex)
+        if may_match(needles, hay.brief if brief else hay.text) and pat.search(p.brief if brief else p.text):
             p.facts.add(name)
 
 
