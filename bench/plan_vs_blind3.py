@@ -23,8 +23,6 @@ sys.path.insert(0, str(BENCH))
 
 import plan_vs_blind as pvb  # noqa: E402
 
-SET = BENCH / "published_blind3.yaml"
-OUT = BENCH / "results" / "plan_vs_blind3.json"
 # A row's columns that map through a table of its source (column, table), beyond those case_of reads.
 COLUMNS = (("attention", "attentions"), ("lora_targets", "targets"))
 
@@ -89,7 +87,16 @@ def set_runner(path: Path, out: Path, doc: str, settings: Callable[[int, dict, d
     return evaluate, main
 
 
-evaluate, main = set_runner(SET, OUT, __doc__, settings_of)
+def set_script(number: int, doc: str, settings: Callable[[int, dict, dict], dict | str | None]
+               ) -> tuple[Path, Path, Callable[[dict], dict], Callable[[list[str] | None], None]]:
+    """What the script of blind set `number` (the third on) binds: its SET (bench/published_blind<number>.yaml),
+    its OUT (bench/results/plan_vs_blind<number>.json), and the `evaluate` and `main` of set_runner over them, with
+    the script's docstring `doc` and its row reader `settings`."""
+    path, out = BENCH / f"published_blind{number}.yaml", BENCH / "results" / f"plan_vs_blind{number}.json"
+    return (path, out, *set_runner(path, out, doc, settings))
+
+
+SET, OUT, evaluate, main = set_script(3, __doc__, settings_of)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plan_vs_blind3 as pvb3  # noqa: E402
 
-SET = BENCH / "published_blind4.yaml"
-OUT = BENCH / "results" / "plan_vs_blind4.json"
 pvb = pvb3.pvb  # the first set's functions, which the tests reach through each set's script
 
 
@@ -37,7 +34,7 @@ def settings_of(index: int, row: dict, spec: dict) -> dict | str | None:
     return pvb3.settings_of(index, row, spec)
 
 
-evaluate, main = pvb3.set_runner(SET, OUT, __doc__, settings_of)
+SET, OUT, evaluate, main = pvb3.set_script(4, __doc__, settings_of)
 
 
 if __name__ == "__main__":

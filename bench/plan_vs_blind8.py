@@ -17,18 +17,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plan_vs_blind3 as pvb3  # noqa: E402
 import plan_vs_blind4 as pvb4  # noqa: E402
 
-SET = BENCH / "published_blind8.yaml"
-OUT = BENCH / "results" / "plan_vs_blind8.json"
 pvb = pvb3.pvb  # the first set's functions, which the tests reach through each set's script
-# A row's reason from `row_reasons` first, else its settings as the third set reads them.
-settings_of = pvb4.settings_of
-evaluate, main = pvb3.set_runner(SET, OUT, __doc__, settings_of)
+settings_of = pvb4.settings_of  # a row's reason from `row_reasons` first, else the third set's reading
+SET, OUT, evaluate, main = pvb3.set_script(8, __doc__, settings_of)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What every blind planner set's tests check, written once: the set loads as collected, each row maps onto the
 planner's vocabulary or says why not, and the committed results, docs table and README headline are a fresh run's.
-The sets' own tests (test_plan_blind*.py, test_plan_moe_blind.py) add what is particular to each set."""
+The sets' own tests (test_plan_blind*.py, test_plan_moe_blind.py) bind its fixtures (`set_fixtures`) and add what is
+particular to each set."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import json
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
 
 from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, OPTIMIZERS, QUANT_BACKENDS
+from tests.helpers import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 # The collectors' fields of a row in the third and later sets (the first and MoE sets have fewer or other columns).
@@ -26,6 +30,32 @@ READINGS = {"total", "reserved", "allocated"}
 # The defaults the fourth and later sets plan a row that states nothing with (the earlier sets' own).
 UNKNOWN = {"grad_ckpt": "full", "optimizer": "adamw", "precision": "bf16", "micro_batch": 1, "grad_accum": 1,
            "lora_rank": 8, "lora_dropout": 0.0, "loss": "full", "attention": "sdpa", "adapters_16bit": False}
+
+
+def set_fixtures(script: str) -> tuple[Any, Any, Any, Any]:
+    """A blind set's module fixtures, bound by its test module as `bench, blind, fresh, by_row =
+    set_fixtures("plan_vs_blind9")`: `bench` is bench/<script>.py loaded, `blind` the set its SET names as read,
+    `fresh` bench.evaluate of that set (every row predicted), `by_row` each row number's case or reason as
+    `cases` maps it (no prediction; the sets read through a `settings_of`, the third on). Each is built once per
+    module, and only where a test asks for it."""
+
+    @pytest.fixture(scope="module")
+    def bench() -> ModuleType:
+        return load_bench(script)
+
+    @pytest.fixture(scope="module")
+    def blind(bench: ModuleType) -> dict:
+        return yaml.safe_load(bench.SET.read_text())
+
+    @pytest.fixture(scope="module")
+    def fresh(bench: ModuleType, blind: dict) -> dict:
+        return bench.evaluate(blind)
+
+    @pytest.fixture(scope="module")
+    def by_row(bench: ModuleType, blind: dict) -> dict:
+        return {i: case for i, _, case in cases(bench, blind)}
+
+    return bench, blind, fresh, by_row
 
 
 def check_rows(blind: dict, pvp: ModuleType, row_keys: set[str], source_of) -> None:  # noqa: ANN001

@@ -5,28 +5,14 @@ How accurate the planner is on the set is the bench's measurement, not asserted 
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from tests.blind_sets import check_committed, check_planned_or_reasoned, check_rows
-from tests.helpers import load_bench
+from tests.blind_sets import check_committed, check_planned_or_reasoned, check_rows, set_fixtures
 
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "seq_len", "micro_batch", "grad_accum",
             "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "peak_memory", "tokens_per_s", "fits"}
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
-
-
-@pytest.fixture(scope="module")
-def fresh(bench, blind) -> dict:
-    return bench.evaluate(blind)
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:

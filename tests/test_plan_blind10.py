@@ -9,18 +9,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from tests.blind_sets import (
     ERA_ROW_KEYS,
-    cases,
     check_committed,
     check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"djangopeng-llm-quickstart": 1, "anyscale-templates-pr-35": 6}
@@ -33,19 +31,7 @@ MEGATRON_ROWS = range(48, 59)
 ANYSCALE_ROWS = range(71, 77)
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind10")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
-
-
-@pytest.fixture(scope="module")
-def by_row(bench, blind) -> dict:
-    return {i: case for i, _, case in cases(bench, blind)}
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind10")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:

@@ -4,19 +4,17 @@ or says why not. Nothing here predicts: how accurate the planner is on the set i
 
 from __future__ import annotations
 
-import pytest
 import yaml
 
 from tests.blind_sets import (
     ROOT,
     ROW_KEYS,
-    cases,
     check_committed,
     check_mapping,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"fms-accel-a100": 10, "glm4-finetune-demo": 2, "glm4-finetune": 2, "llama-recipes-pr41": 3,
@@ -24,14 +22,7 @@ PLANNED = {"fms-accel-a100": 10, "glm4-finetune-demo": 2, "glm4-finetune": 2, "l
            "philschmid-fsdp-qlora-llama3": 1, "alpaca-280": 2, "platypus-10": 2}
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind3")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind3")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
@@ -51,10 +42,9 @@ def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
     assert sum(PLANNED.values()) == 28
 
 
-def test_row_settings_come_from_what_the_row_states(bench, blind) -> None:
+def test_row_settings_come_from_what_the_row_states(blind, by_row) -> None:
     """The columns beyond the first set's reach the case: flash attention, named targets, a reserved reading, the
     logits kept alive before llama-recipes' fix, and a length the row leaves unknown."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[1]["attention"] == "flash" and by_row[1]["reading"] == "total"
     assert by_row[4]["lora_targets"] == ["q", "k", "v", "o"] and by_row[4]["lora_rank"] == 16
     assert by_row[22]["reading"] == "reserved" and by_row[22]["keeps_logits"] is True

@@ -4,20 +4,16 @@ Nothing here predicts: how accurate the planner is on the set is the bench's mea
 
 from __future__ import annotations
 
-import pytest
-import yaml
-
 from tests.blind_sets import (
     ROW_KEYS,
-    cases,
     check_committed,
     check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"easycontext": 1, "openr1-readme": 1, "halo-30": 2, "openr1-506": 1, "openr1-446": 1, "soup-378": 4,
@@ -25,14 +21,7 @@ PLANNED = {"easycontext": 1, "openr1-readme": 1, "halo-30": 2, "openr1-506": 1, 
            "qwen-vl-series-122": 1}
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind4")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind4")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
@@ -51,10 +40,9 @@ def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, unplanned | {"halo-30"}, PLANNED)
 
 
-def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+def test_the_era_reaches_the_case_below_what_the_row_states(by_row) -> None:
     """Liger's April 2025 Colab run attends by SDPA without checkpointing or the fused AdamW (transformers 4.51, the
     plain Trainer); thunder's benchmark steps a fused AdamW; EasyContext's stated flash attention stays."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     liger, thunder, easy = by_row[79], by_row[84], by_row[16]
     assert liger["attention"] == "sdpa" and liger["grad_ckpt"] == "none" and liger["fused_adamw"] is False, liger
     assert thunder["fused_adamw"] is True and thunder["grad_ckpt"] == "none", thunder
@@ -68,11 +56,10 @@ def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
     assert sum(PLANNED.values()) == 17
 
 
-def test_row_settings_come_from_what_the_row_states(bench, blind) -> None:
+def test_row_settings_come_from_what_the_row_states(blind, by_row) -> None:
     """What a row's text states beyond its columns reaches the case: a length written "64K", four packed examples
     as one row, Liger's fused loss, torch.compile, a trained vision tower, the peak's reading, a card assumed from
     the source where the row does not restate it."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[16]["seq"] == 65536 and by_row[16]["strategy"] == "zero3_offload"
     assert by_row[16]["attention"] == "flash" and by_row[16]["method"] == "full"
     assert by_row[65]["micro_batch"] == 1 and by_row[65]["seq"] == 16384 and by_row[65]["adapters_16bit"] is True
@@ -85,10 +72,9 @@ def test_row_settings_come_from_what_the_row_states(bench, blind) -> None:
     assert by_row[82]["fsdp1"] is True and by_row[82]["strategy"] == "zero3"
 
 
-def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -> None:
+def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind, by_row) -> None:
     """Rows of another training engine or an on-policy objective are not planned, with their reason, though their
     columns alone would plan; the reasons of models, strategies and methods reach the rows they cover."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert "Unsloth" in by_row[1] and "Surogate" in by_row[3] and "GRPO" in by_row[67]
     assert "TransformerEngine" in by_row[85] and "host" in by_row[96]
     without = {**blind, "row_reasons": {}}

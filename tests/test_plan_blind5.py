@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import yaml
-
 from tests.blind_sets import (
     ROW_KEYS,
     cases,
@@ -18,8 +15,8 @@ from tests.blind_sets import (
     check_readings_and_defaults,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"alignment-handbook-22": 1, "flash-sample-pack": 2, "exxact-lora": 2, "accelerate-3647": 2,
@@ -28,14 +25,7 @@ PLANNED = {"alignment-handbook-22": 1, "flash-sample-pack": 2, "exxact-lora": 2,
            "chatglm2-ft-1": 1}  # mapped on 2026-11-30 after the catalog gained chatglm2-6b (no prediction seen)
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind5")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind5")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
@@ -72,11 +62,10 @@ def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
     assert sum(PLANNED.values()) == 24
 
 
-def test_row_settings_come_from_what_the_row_states(bench, blind) -> None:
+def test_row_settings_come_from_what_the_row_states(blind, by_row) -> None:
     """What a row's text states beyond its columns reaches the case: a DPO objective, Liger's fused loss, torchtune's
     chunked loss under FSDP2 offload, nested quantization, LoRA dropout, a length written in words and no
     checkpointing; a card known only by its memory is marked assumed; a length the row leaves unknown is the set's."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[3]["objective"] == "dpo" and by_row[3]["strategy"] == "zero3"
     assert by_row[3]["model"] == "mistralai/Mistral-7B-v0.1" and by_row[3]["deepspeed"] == {"stage": 3}
     assert by_row[31]["loss"] == "chunked" and by_row[31]["attention"] == "flash" and by_row[31]["fused_adamw"]
@@ -93,11 +82,10 @@ def test_row_settings_come_from_what_the_row_states(bench, blind) -> None:
     assert by_row[108]["deepspeed"]["offload_param"] is True and by_row[107]["strategy"] == "zero3"
 
 
-def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -> None:
+def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind, by_row) -> None:
     """GRPO runs, BAdam, an LLM.int8 base, a length given only as truncation limits and a peak not said to be one
     GPU's are not planned, with their reasons, though the columns alone would plan some of them; the reasons of
     models and strategies reach the rows they cover."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert all("GRPO" in by_row[i] for i in (36, 68, 69, 109, 110))
     assert "BAdam" in by_row[1] and "LLM.int8" in by_row[47] and "truncation" in by_row[37]
     assert "device_map" in by_row[63]

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import yaml
-
 from tests.blind_sets import (
     ROW_KEYS,
-    cases,
     check_committed,
     check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"arctic-h100-8b-baseline": 2, "arctic-h200-8b-baseline": 1, "arctic-h200-8b-liger": 1,
@@ -33,14 +29,7 @@ PLANNED = {"arctic-h100-8b-baseline": 2, "arctic-h200-8b-baseline": 1, "arctic-h
 RL_ROWS = (35, 36, *range(42, 49), *range(90, 94), *range(101, 116))
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind6")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind6")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
@@ -62,11 +51,10 @@ def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, set(blind["sources"]) - set(PLANNED) - shared, PLANNED)
 
 
-def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+def test_the_era_reaches_the_case_below_what_the_row_states(by_row) -> None:
     """Sky-T1's LLaMA-Factory under transformers 4.46 copies the shifted fp32 logits; torchtune's October 2024 LoRA
     config chunks its loss and fuses its AdamW; a January 2026 HF Trainer steps adamw_torch_fused while the row's
     stated checkpointing stays."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[41]["loss"] == "full_shift" and by_row[41]["grad_ckpt"] == "full", by_row[41]
     assert by_row[116]["loss"] == "chunked" and by_row[116]["fused_adamw"] is True, by_row[116]
     assert by_row[94]["fused_adamw"] is True and by_row[94]["grad_ckpt"] == "none", by_row[94]
@@ -79,11 +67,10 @@ def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
     assert sum(PLANNED.values()) == 27
 
 
-def test_row_settings_and_tables_reach_the_case(bench, blind) -> None:
+def test_row_settings_and_tables_reach_the_case(blind, by_row) -> None:
     """What a row and its source state reaches the case: ArcticTraining's ZeRO-3 offload with DeepSpeed's CPUAdam
     and Liger's fused loss, lit-llama's bf16-true LoRA on q and v and its FSDP1, an fp32 and a 4-bit run on an
     MI300X read by rocm-smi, LoRA dropout, a pinned-memory choice and a length the row leaves unknown."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[1]["strategy"] == "zero3_offload" and by_row[1]["deepspeed"]["ds_optimizer"] is True
     assert by_row[1]["loss"] == "full" and by_row[6]["loss"] == "chunked" and by_row[10]["seq"] == 350000
     assert by_row[5]["gpu"] == "H200" and by_row[5]["attention"] == "flash"
@@ -96,11 +83,10 @@ def test_row_settings_and_tables_reach_the_case(bench, blind) -> None:
     assert by_row[80]["seq"] == blind["unknown_seq_len"] and by_row[116]["pure_16bit"]
 
 
-def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -> None:
+def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind, by_row) -> None:
     """RL runs, ALST's tiled MLP and host-offloaded checkpoints, KTransformers' and Unsloth's engines, an MI250 and
     lengths given only as truncation limits are not planned, with their reasons, though the columns alone would
     plan some of them; the reasons of models and strategies reach the rows they cover."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert all("PPO/GRPO" in by_row[i] for i in RL_ROWS)
     assert all("tiled MLP" in by_row[i] for i in (3, 4, 8, 9, 12, 13, 14, 15))
     assert "host memory" in by_row[7] and "host memory" in by_row[11]

@@ -7,19 +7,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from tests.blind_sets import (
     ROW_KEYS,
-    cases,
     check_committed,
     check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"torchao-lowbit-optim": 3, "torchao-float8-training": 3}
@@ -32,14 +30,7 @@ LLMQ_ROWS = range(64, 106)
 TORCHTITAN_ROWS = range(42, 54)
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind7")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind7")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
@@ -72,10 +63,9 @@ def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, NO_ERA)
 
 
-def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+def test_the_era_reaches_the_case_below_what_the_row_states(by_row) -> None:
     """torchtune at 52d1b838 checkpoints, attends without a mask and runs its chunked-output loss; torchtitan steps
     its fused AdamW by default; a row's stated fused AdamW and the strategy's maskless SDPA still win."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     for i in (38, 39, 40):
         assert by_row[i]["loss"] == "chunked_output" and by_row[i]["attention"] == "flash", by_row[i]
         assert by_row[i]["grad_ckpt"] == "full", by_row[i]
@@ -91,11 +81,10 @@ def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
     assert sum(PLANNED.values()) == 6
 
 
-def test_row_settings_and_tables_reach_the_case(bench, blind) -> None:
+def test_row_settings_and_tables_reach_the_case(blind, by_row) -> None:
     """What a row and its source state reaches the case: torchtune's full-bf16 fine-tune with torch's fused AdamW,
     bitsandbytes' and torchao's 8-bit AdamW at the set's length; torchtitan's FSDP2 with torch.compile, op-level
     selective checkpointing, its full-logits loss and maskless SDPA, tensor-wise float8, on H100s and MI300Xs."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[38]["pure_16bit"] and by_row[38]["fused_adamw"] and by_row[38]["optimizer"] == "adamw"
     assert by_row[38]["seq"] == blind["unknown_seq_len"] and by_row[38]["model"] == "meta-llama/Llama-2-7b-hf"
     assert by_row[39]["optimizer"] == "adamw8bit" and by_row[39]["bnb_optimizer"]
@@ -109,11 +98,10 @@ def test_row_settings_and_tables_reach_the_case(bench, blind) -> None:
     assert by_row[43]["float8"] and not by_row[42].get("float8") and by_row[45]["gpu"] == "8xMI300X"
 
 
-def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -> None:
+def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind, by_row) -> None:
     """llm.q's engine, float8 recipes other than tensor-wise, float8 on the MI300X, power-limited B200s, a 4-bit
     AdamW, GaLore, LOMO and a reading that is not a peak are not planned, with their reasons, though the columns
     alone would plan some of them or fail on a string no table maps."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert all("llm.q" in by_row[i] for i in LLMQ_ROWS)
     assert all("power-limited" in by_row[i] for i in range(49, 54))
     assert "row-wise float8" in by_row[44] and all("MI300X" in by_row[i] for i in (46, 47, 48))

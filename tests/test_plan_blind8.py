@@ -7,19 +7,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from tests.blind_sets import (
     ROW_KEYS,
-    cases,
     check_committed,
     check_era_blocks,
     check_mapping,
     check_readings_and_defaults,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
-from tests.helpers import load_bench
 
 # The mapping as written before any prediction: rows planned per source (the rest say why not).
 PLANNED = {"databricks-llama2-7b-deepspeed": 2, "databricks-llama2-13b-deepspeed": 1, "databricks-llama2-70b-qlora": 1,
@@ -36,14 +34,7 @@ XTUNER_ROWS = range(43, 52)
 LLM_ACTION_MB_ROWS = [*range(61, 69), *range(73, 77)]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind8")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind8")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
@@ -79,11 +70,10 @@ def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     check_era_blocks(blind, bench.pvb.pvp.WORKLOAD_KEYS, NO_ERA)
 
 
-def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
+def test_the_era_reaches_the_case_below_what_the_row_states(by_row) -> None:
     """Databricks' 2023 notebooks under transformers 4.31/4.34 attend eagerly and TRL's SFTTrainer checkpoints a 4-bit
     model; Determined's TRL 0.8.1 run checkpoints nothing; the gemma-2-2b project's peft 0.10 keeps its bf16 LoRA
     adapters 16-bit while its 4-bit QLoRA's stay fp32; a row's stated kernel and checkpointing win."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     for i in (18, 20, 21, 22, 24, 25):
         assert by_row[i]["attention"] == "eager" and by_row[i]["grad_ckpt"] == "full", (i, by_row[i])
     assert not by_row[21]["adapters_16bit"] and not by_row[18]["fused_adamw"]
@@ -101,11 +91,10 @@ def test_every_row_maps_onto_the_planner_or_says_why_not(bench, blind) -> None:
     assert sum(PLANNED.values()) == 36
 
 
-def test_row_settings_and_tables_reach_the_case(bench, blind) -> None:
+def test_row_settings_and_tables_reach_the_case(by_row) -> None:
     """What a row and its source state reaches the case: Databricks' ZeRO-3 with both offloads and its bitsandbytes
     QLoRA (fp16 compute, paged 32-bit AdamW, every projection); llm-action's rank-64 adapters with dropout 0.05;
     an unnamed 32 GB card and the RTX 3060 planned by their memory, `assumed`; the peaks' readings."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert by_row[18]["strategy"] == "zero3_offload" and by_row[18]["seq"] == 256 and by_row[18]["micro_batch"] == 24
     assert by_row[18]["deepspeed"] == {"stage": 3, "offload_optimizer": True, "offload_param": True}
     assert by_row[20]["gpu"] == "8xA10G" and by_row[20]["model"] == "meta-llama/Llama-2-13b-hf"
@@ -123,12 +112,11 @@ def test_row_settings_and_tables_reach_the_case(bench, blind) -> None:
     assert by_row[90]["reading"] == "allocated" and by_row[91]["method"] == "lora"
 
 
-def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind) -> None:
+def test_a_row_reason_keeps_out_a_run_the_planner_does_not_model(bench, blind, by_row) -> None:
     """Ring-attention sequence parallelism (its DPO rows too, an objective the planner models), xtuner v1's MoE
     engine, the GB10, a classification head, frozen embeddings and fused Adafactor, DeepSpeed's pipeline on MI100s, an
     unstated weight dtype and a peak past the card are not planned, with their reasons, though the columns alone would
     plan some of them or fail on a string no table maps."""
-    by_row = {i: case for i, _, case in cases(bench, blind)}
     assert all("ring attention" in by_row[i] and by_row[i].startswith("Qwen2.5-") for i in RING_ROWS)
     assert all("DPO" in by_row[i] for i in DPO_ROWS) and "DPO" not in by_row[5]
     assert all("xtuner v1" in by_row[i] for i in XTUNER_ROWS)

@@ -21,6 +21,7 @@ from tests.blind_sets import (
     check_readings_and_defaults,
     check_rows,
     check_unmapped_strings_raise,
+    set_fixtures,
 )
 from tests.helpers import load_bench
 
@@ -34,19 +35,7 @@ SGD_ROWS = range(15, 51)
 OPTIMUM_ROWS = range(59, 87)
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind9")
-
-
-@pytest.fixture(scope="module")
-def blind(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
-
-
-@pytest.fixture(scope="module")
-def by_row(bench, blind) -> dict:
-    return {i: case for i, _, case in cases(bench, blind)}
+bench, blind, fresh, by_row = set_fixtures("plan_vs_blind9")
 
 
 def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:

@@ -5,15 +5,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
+from tests.blind_sets import ROOT, check_committed, set_fixtures
 
-from tests.blind_sets import ROOT, check_committed
-from tests.helpers import load_bench
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_blind_pooled")
+bench = set_fixtures("plan_vs_blind_pooled")[0]  # it pools committed results: no set of its own to load
 
 
 def test_the_pool_is_the_sum_of_the_sets(bench) -> None:

@@ -7,55 +7,48 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-import yaml
 
 from shardfit.plan.estimate import ALLOCATOR_CACHE, Breakdown, peak_reading
-from tests.blind_sets import ROOT, check_committed, check_era_blocks, check_planned_or_reasoned, check_rows
-from tests.helpers import load_bench
+from tests.blind_sets import (
+    ROOT,
+    check_committed,
+    check_era_blocks,
+    check_planned_or_reasoned,
+    check_rows,
+    set_fixtures,
+)
 
 ROW_KEYS = {"source_url", "source_text", "model", "method", "lora_rank", "lora_targets", "seq_len", "micro_batch",
             "grad_accum", "grad_ckpt", "gpus", "strategy", "precision", "optimizer", "peak_memory", "tokens_per_s",
             "fits", "notes"}
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("plan_vs_moe_blind")
+bench, blind, fresh, by_row = set_fixtures("plan_vs_moe_blind")
 
 
-@pytest.fixture(scope="module")
-def moe(bench) -> dict:
-    return yaml.safe_load(bench.SET.read_text())
-
-
-@pytest.fixture(scope="module")
-def fresh(bench, moe) -> dict:
-    return bench.evaluate(moe)
-
-
-def test_the_set_loads_with_every_row_tied_to_one_source(bench, moe) -> None:
+def test_the_set_loads_with_every_row_tied_to_one_source(bench, blind) -> None:
     """60 rows, each the collector's fields and of exactly one source; mapped rows and skipped rows are apart."""
-    assert len(moe["rows"]) == 60
-    check_rows(moe, bench.pvp, ROW_KEYS, bench.pvb.source_of)
-    skipped, settings = set(moe["not_planned"]["rows"]), set(moe["row_settings"])
+    assert len(blind["rows"]) == 60
+    check_rows(blind, bench.pvp, ROW_KEYS, bench.pvb.source_of)
+    skipped, settings = set(blind["not_planned"]["rows"]), set(blind["row_settings"])
     assert not skipped & settings and skipped <= set(range(1, 61))
 
 
-def test_every_source_has_an_era_block_of_workload_keys(bench, moe) -> None:
+def test_every_source_has_an_era_block_of_workload_keys(bench, blind) -> None:
     """Each source group carries its own `unknown`, Workload keys only, holding what its documents' eras agree on
     (added by the ninth set's rules by a reader who saw no prediction); NeMo AutoModel's own engine keeps the set's
     defaults (an empty block)."""
-    check_era_blocks(moe, bench.pvp.WORKLOAD_KEYS, {"S3-nemo-automodel", "S4-hf-blog-automodel"})
+    check_era_blocks(blind, bench.pvp.WORKLOAD_KEYS, {"S3-nemo-automodel", "S4-hf-blog-automodel"})
 
 
-def test_the_era_reaches_the_case_below_what_the_row_states(bench, moe) -> None:
+def test_the_era_reaches_the_case_below_what_the_row_states(bench, blind) -> None:
     """xtuner's December 2023 Mixtral runs (transformers 4.36) attend eagerly with nn.Linear experts and checkpoint;
     the 2024 issues' Mixtral runs keep per-expert linears; ms-swift's 2025 runs step the fused AdamW and checkpoint,
     with the kernel a row names. Mapping only: nothing is predicted."""
     def case(i: int) -> dict:
-        row = moe["rows"][i - 1]
-        src = moe["sources"][bench.pvb.source_of(row, moe)]
-        return bench.pvb.case_of(row, src, moe, moe["row_settings"].get(i))
+        row = blind["rows"][i - 1]
+        src = blind["sources"][bench.pvb.source_of(row, blind)]
+        return bench.pvb.case_of(row, src, blind, blind["row_settings"].get(i))
 
     for i in (50, 51):
         assert case(i)["attention"] == "eager" and case(i)["fused_experts"] is False and case(i)["grad_ckpt"] == "full"
@@ -65,9 +58,9 @@ def test_the_era_reaches_the_case_below_what_the_row_states(bench, moe) -> None:
     assert "fused_experts" not in case(14) and case(45)["attention"] == "flash"
 
 
-def test_the_split_is_the_yaml_rule_and_keeps_a_document_together(moe, fresh) -> None:
+def test_the_split_is_the_yaml_rule_and_keeps_a_document_together(blind, fresh) -> None:
     """dev when the first hex digit of sha256(source_url) is even: 24 dev and 36 test rows, as the YAML says."""
-    for r, row in zip(fresh["rows"], moe["rows"], strict=True):
+    for r, row in zip(fresh["rows"], blind["rows"], strict=True):
         digit = int(hashlib.sha256(row["source_url"].encode()).hexdigest()[0], 16)
         assert r["part"] == ("dev" if digit % 2 == 0 else "test")
     assert [fresh["parts"][p]["rows"] for p in ("dev", "test")] == [24, 36]
@@ -86,7 +79,7 @@ def test_every_row_is_planned_or_says_why_not(fresh) -> None:
         assert v["oom_predicted_fit"] == v["oom_rows"] - v["oom_right"]
 
 
-def test_a_reserved_peak_is_compared_with_what_the_allocator_holds(bench, fresh) -> None:
+def test_a_reserved_peak_is_compared_with_what_the_allocator_holds(fresh) -> None:
     """axolotl's gpt-oss rows are read as reserved memory: the error is against what a run on a card with room
     reads from max_memory_reserved() (the tensor peak and the allocator's cache, capped by the card: estimate.py
     peak_reading), not the total with the CUDA context."""

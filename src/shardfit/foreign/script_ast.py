@@ -17,6 +17,7 @@ from shardfit.errors import UserError
 from shardfit.foreign.script_loads import (
     ModelLoad,
     TrainedLoad,
+    called_name,
     cast_dtype,
     cast_said,
     trained_load,
@@ -118,13 +119,6 @@ class ArgFile:
     at: str
 
 
-def _name(func: ast.expr) -> str:
-    """The called name: `LoraConfig` for LoraConfig(...), peft.LoraConfig(...) and model.LoraConfig(...)."""
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return func.id if isinstance(func, ast.Name) else ""
-
-
 def _constants(tree: ast.Module) -> dict[str, Any]:
     """Module-level names bound exactly once, to a literal (MAX_LEN = 512)."""
     seen: dict[str, list[Any]] = {}
@@ -173,7 +167,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
     bases = trainer_bases(tree, TRAINER_CLASSES)
     found = trained_load(tree, path.name, TRAINER_CLASSES)
     for node in calls:
-        name, at = _name(node.func), f"{path.name}:{node.lineno}"
+        name, at = called_name(node.func), f"{path.name}:{node.lineno}"
         kind = bases.get(name)  # the trainer class a call builds, where it builds one (a subclass: its base)
         kwargs = {k.arg: _value(k.value, constants) for k in node.keywords if k.arg}
         known = {k: v for k, v in kwargs.items() if v is not _UNKNOWN}
@@ -219,7 +213,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
             if out.model is None and isinstance(first, str) and "/" in first and \
                     "Tokenizer" not in ast.unparse(node.func):
                 out.model = first
-    out.trl_trainer = out.trainer or next((k for k in (bases.get(_name(c.func)) for c in calls)
+    out.trl_trainer = out.trainer or next((k for k in (bases.get(called_name(c.func)) for c in calls)
                                            if k == "SFTTrainer"), None)
     _by_name(out, tree, calls, bases, constants, path)
     out.trl_config = _trl_config(tree, out.trl_trainer)
@@ -269,9 +263,9 @@ def _chosen_trainer(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call]
     """Of several trainer calls, the one that trains (`trainer`) says the objective, not the first: an unused
     DPOTrainer beside the Trainer that trains makes no preference run. Calls of the script's own subclasses count
     as their base class (`bases`)."""
-    if trainer is None or len([c for c in calls if _name(c.func) in bases]) < 2:
+    if trainer is None or len([c for c in calls if called_name(c.func) in bases]) < 2:
         return
-    chosen = bases.get(_name(trainer.func), "")
+    chosen = bases.get(called_name(trainer.func), "")
     out.trainer = chosen if chosen in TRAINERS else None
     out.trl_trainer = out.trainer or (chosen if chosen == "SFTTrainer" else None)
     out.trl_config = _trl_config(tree, out.trl_trainer)
@@ -284,13 +278,13 @@ def _trl_keywords(out: ScriptSettings, calls: list[ast.Call], bases: dict[str, s
     never trains lends the run none of its settings."""
     if out.trainer is None:
         return
-    node = trainer if trainer is not None and bases.get(_name(trainer.func)) == out.trainer else \
-        next(c for c in calls if bases.get(_name(c.func)) == out.trainer)
+    node = trainer if trainer is not None and bases.get(called_name(trainer.func)) == out.trainer else \
+        next(c for c in calls if bases.get(called_name(c.func)) == out.trainer)
     kwargs = {k.arg: _value(k.value, constants) for k in node.keywords if k.arg}
     keys = {k: v for k, v in kwargs.items() if v is not _UNKNOWN and k in TRAINING_KEYS and
             not isinstance(v, (dict, list))}
     out.args.update({k: _as_arg(v) for k, v in keys.items() if k not in out.args})  # TRL before configs
-    name = _name(node.func)
+    name = called_name(node.func)
     out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {path.name}:{node.lineno}"
                      f"{f', a {out.trainer}' if name != out.trainer else ''}")
     ref = next((k.value for k in node.keywords if k.arg == "ref_model"), None)
@@ -368,7 +362,7 @@ def _load_said(load: ModelLoad, dtype: str, file: str) -> tuple[str, str]:
     spell another dtype (kbit.py `Loaded`)."""
     if load.cast is not None:
         cast = cast_said(load.cast)
-        return (f"the script's {_name(load.call.func)} at {load.at}, cast by {cast} at {file}:{load.cast.lineno} "
+        return (f"the script's {called_name(load.call.func)} at {load.at}, cast by {cast} at {file}:{load.cast.lineno} "
                 f"(dtype {dtype})", f".to(torch.{{}}) in place of the script's {cast}")
     given = next((k for k in load.call.keywords if k.arg in ("torch_dtype", "dtype")), None)
     why = f"dtype {dtype}" if given is not None else "no dtype: the config's, read from the checkpoint" \
@@ -390,7 +384,7 @@ def _load_dtype(load: ModelLoad, constants: dict[str, Any]) -> str | None:
         if load.config is None or any(kw.arg is None for kw in (*call.keywords, *load.config.keywords)):
             return None
         call = load.config
-        if _name(call.func) == "from_pretrained" and not any(kw.arg in ("torch_dtype", "dtype") for kw in
+        if called_name(call.func) == "from_pretrained" and not any(kw.arg in ("torch_dtype", "dtype") for kw in
                                                              call.keywords):
             return "auto"
     for kw in call.keywords:
@@ -406,7 +400,7 @@ def _dtype_named(v: ast.expr, constants: dict[str, Any]) -> str | None:
     """A dtype argument's value by TRL's --dtype names; UNSET_DTYPE for None, None for anything computed."""
     if _value(v, constants) is None:
         return UNSET_DTYPE
-    name = v.attr if isinstance(v, ast.Attribute) and _name(v.value) == "torch" else \
+    name = v.attr if isinstance(v, ast.Attribute) and called_name(v.value) == "torch" else \
         v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None
     return _DTYPES.get(name or "")
 
@@ -421,7 +415,7 @@ def _by_name(out: ScriptSettings, tree: ast.Module, calls: list[ast.Call], bases
     model where no from_pretrained named it), and the dtype of the model_init_kwargs its config call spells
     (`init_dtype`), with which TRL's trainers load such a model (trl trainer/sft_trainer.py, dpo_trainer.py)."""
     for call in calls:
-        name, at = _name(call.func), f"{path.name}:{call.lineno}"
+        name, at = called_name(call.func), f"{path.name}:{call.lineno}"
         if bases.get(name) in (*TRAINERS, "SFTTrainer") and out.model_by_name is None:
             arg = next((k.value for k in call.keywords if k.arg == "model"), call.args[0] if call.args else None)
             value = _value(arg, constants) if arg is not None else None
@@ -445,7 +439,7 @@ def _init_dtype(node: ast.expr, constants: dict[str, Any]) -> str | None:
     default, a `torch_dtype` beside it losing to that); None where the mapping is computed."""
     if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
         pairs = {k.value: v for k, v in zip(node.keys, node.values, strict=True) if isinstance(k, ast.Constant)}
-    elif isinstance(node, ast.Call) and _name(node.func) == "dict" and not node.args and \
+    elif isinstance(node, ast.Call) and called_name(node.func) == "dict" and not node.args and \
             all(k.arg for k in node.keywords):
         pairs = {k.arg: k.value for k in node.keywords}
     else:
@@ -464,7 +458,7 @@ def _file_ref(node: ast.expr, constants: dict[str, Any]) -> tuple[str, str] | No
     """How a parse_*_file call names its file: ("literal", path), ("argv", "N") for sys.argv[N], ("option",
     name) for `args.name` (an option the script parsed itself); None for anything computed otherwise."""
     while isinstance(node, ast.Call):
-        name = _name(node.func)
+        name = called_name(node.func)
         if name in ("resolve", "absolute", "expanduser") and isinstance(node.func, ast.Attribute) and \
                 isinstance(node.func.value, ast.Call):
             node = node.func.value  # Path(x).resolve()

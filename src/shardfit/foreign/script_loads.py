@@ -149,7 +149,8 @@ def _is_cast(call: ast.Call) -> bool:
 
 
 def called_name(func: ast.expr) -> str:
-    """`Trainer` for Trainer(...), transformers.Trainer(...); a name's own id."""
+    """The called name: `Trainer` for Trainer(...) and transformers.Trainer(...) (a chain's last attribute,
+    a name's own id); "" for any other callee (a call, a subscript)."""
     if isinstance(func, ast.Attribute):
         return func.attr
     return func.id if isinstance(func, ast.Name) else ""
