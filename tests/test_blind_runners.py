@@ -12,7 +12,7 @@ from tests.helpers import load_bench
 
 
 @pytest.mark.parametrize("name", ["plan_vs_blind3", "plan_vs_blind4", "plan_vs_blind5", "plan_vs_blind6",
-                                  "plan_vs_blind7", "plan_vs_blind8", "plan_vs_blind9"])
+                                  "plan_vs_blind7", "plan_vs_blind8", "plan_vs_blind9", "plan_vs_blind10"])
 def test_each_set_runs_through_the_one_runner_with_its_own_paths(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     bench = load_bench(name)
     assert bench.pvb is sys.modules["plan_vs_blind"]
