@@ -302,10 +302,24 @@ def test_export_merge_generates_from_a_clip(tmp_path: Path, omni: Path, audio_da
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.heavy), "zero3",
                                       pytest.param("zero3_offload", marks=pytest.mark.heavy)])
 def test_rank_without_audio_matches_single_process(tmp_path: Path, omni: Path, audio_data: Path,
-                                                   strategy: str) -> None:
+                                                   strategy: str, capsys: pytest.CaptureFixture) -> None:
     """Two rows, one with a clip and one text-only, one row per rank: every step one rank has no audio (the ZeRO-3
-    stall of Omni models). The audio tower trains (LoRA on it), so its gradients are reduced across ranks too."""
+    stall of Omni models). The audio tower trains (LoRA on it), so its gradients are reduced across ranks too.
+    The thinker alone is built (no talker or token2wav in the adapter), and `check` of the 2-rank config reports
+    exactly the findings the launch applied."""
     data = _write(tmp_path / "two.jsonl", [_rows(audio_data.parent, True)[0], _rows(audio_data.parent)[4]])
     one, two = assert_two_ranks_match_one(tmp_path, omni, data, strategy, steps=3, freeze_audio_tower=False)
     # Adam turns the reduction order's rounding in tiny gradients into ~1e-5 differences of a weight
     assert_adapters_match(one, two, "audio_tower", atol=5e-5)
+    adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    assert not any("talker" in k or "token2wav" in k for k in adapter)
+    # `check` launches no ranks: the CLI's `main` in this process.
+    code, out, err = run_here(capsys, "check", str(tmp_path / "two.yaml"), "--nproc", "2", "--json")
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    checked, applied = json.loads(out), json.loads((two / "preflight.json").read_text())
+    assert checked["ok"] is applied["ok"] is True and applied["strategy"] == strategy
+
+    def key(f: dict) -> tuple:
+        return f["rule"], f["where"], f["severity"], f["auto_fixed"]
+
+    assert sorted(map(key, checked["findings"])) == sorted(map(key, applied["findings"]))

@@ -62,6 +62,16 @@ def zero3_lora_run(tmp_path_factory, tiny_llama: Path, small_data: Path) -> tupl
     return run_cli("train", str(cfg), "--nproc", "2", env=ENV), tmp / "run"
 
 
+@pytest.fixture(scope="module")
+def ddp_lora_run(tmp_path_factory, tiny_llama: Path, small_data: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """The 2-rank DDP LoRA run, its config asking for `device_map: auto` (which shardfit ignores under DDP, saying
+    so once), launched once: the strategy matrix compares it with one process, the device_map test reads its
+    warning. Each is a whole launch of its own otherwise."""
+    tmp = tmp_path_factory.mktemp("ddp-lora")
+    cfg = _cfg(tmp, tiny_llama, small_data, "run", method="lora", strategy="ddp", lr=1e-2, device_map="auto")
+    return run_cli("train", str(cfg), "--nproc", "2", env=ENV), tmp / "run"
+
+
 # zero2 and zero3_offload train a full fine-tune as zero3 does, save where the optimizer state lives; DDP
 # all-reduces a full fine-tune's gradients as it does LoRA's (ddp-lora holds it): heavy.
 HEAVY_PAIRS = (("zero2", "full"), ("zero3_offload", "full"), ("ddp", "full"), ("zero2", "lora"))
@@ -74,6 +84,8 @@ def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small
                                          request: pytest.FixtureRequest, strategy: str, method: str) -> None:
     if (strategy, method) == ("zero3", "lora"):  # the same config the resume test starts from: one launch for both
         r, run = request.getfixturevalue("zero3_lora_run")
+    elif (strategy, method) == ("ddp", "lora"):  # the device_map test's launch too
+        r, run = request.getfixturevalue("ddp_lora_run")
     else:
         cfg = _cfg(tmp_path, tiny_llama, small_data, "run", method=method, strategy=strategy,
                    lr=1e-2 if method == "lora" else 1e-3)
@@ -101,10 +113,9 @@ def test_strategy_matches_single_process(tmp_path: Path, tiny_llama: Path, small
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-5)
 
 
-def test_device_map_is_overridden_or_refused(tmp_path: Path, tiny_llama: Path, small_data: Path,
+def test_device_map_is_overridden_or_refused(tmp_path: Path, tiny_llama: Path, small_data: Path, ddp_lora_run,
                                             capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _cfg(tmp_path, tiny_llama, small_data, "dm", device_map="auto", max_steps=2, strategy="ddp")
-    r = run_cli("train", str(cfg), "--nproc", "2", env=ENV)
+    r, _ = ddp_lora_run  # 2 DDP ranks of a config with device_map: auto
     assert r.returncode == 0, r.stderr[-3000:]
     # One cause, one warning: the preflight's rule, saying it is ignored (fixed) and how to make it an error.
     assert r.stderr.count("device_map_in_distributed") == 1 and "shardfit ignores it" in r.stderr
@@ -112,6 +123,7 @@ def test_device_map_is_overridden_or_refused(tmp_path: Path, tiny_llama: Path, s
     # strict: refused before any rank starts, so in this process; a launch is recorded, never run
     launched: list[list[str]] = []
     monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
+    cfg = _cfg(tmp_path, tiny_llama, small_data, "dm", device_map="auto", max_steps=2, strategy="ddp")
     code, _, err = run_here(capsys, "train", str(cfg), "--nproc", "2", "--set", "strict=true")
     assert code == 2 and not launched, err[-3000:]
     assert "splits one process's model over several GPUs" in err and "Traceback" not in err.split(
@@ -139,6 +151,9 @@ def test_zero3_checkpoint_resumes_on_other_world_size(tmp_path: Path, tiny_llama
         torch.testing.assert_close(one_rank[k], two_rank[k], rtol=1e-4, atol=1e-5)
 
 
+# test_audio's zero3 case trains a tiny Qwen2.5-Omni on two zero3 ranks too (a text-only row on one of them), its
+# adapter without talker or token2wav, and holds check's findings equal to those its launch applied: heavy.
+@pytest.mark.heavy
 def test_qwen_omni_text_model_trains_under_zero3(tmp_path: Path, tiny_omni: Path, small_data: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
     cfg = _cfg(tmp_path, tiny_omni, small_data, "omni", strategy="zero3", max_steps=3)

@@ -14,10 +14,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardfit.models.experts import use_experts
+from shardfit.parallel import launch
 from shardfit.parallel.experts import shard_experts
 from tests import ep_workers
 from tests.families import make_family_model, tiny_text_config
-from tests.helpers import free_port, read_jsonl, run_cli, train_here, write_config
+from tests.helpers import free_port, read_jsonl, run_cli, run_here, train_here, write_config
 
 SHARED = ["Qwen3-MoE", "gpt-oss", "GLM-4.5", "DeepSeek-V3"]
 
@@ -168,15 +169,18 @@ def test_full_fine_tune_killed_and_resumed(tmp_path: Path, tiny_qwen3_moe: Path,
 
 @pytest.mark.slow
 def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen3_moe: Path, tiny_qwen2: Path,
-                                        small_data: Path) -> None:
-    """From the CLI: exit 2 with the message, before any rank starts."""
+                                        small_data: Path, capsys: pytest.CaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the CLI: exit 2 with the message, before any rank starts. The refusal comes before the launch, so the
+    CLI's `main` runs in this process with the launch recorded, never run (a regression launches nothing here)."""
+    launched: list[list[str]] = []
+    monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
     for model, flags, over, words in [
         (tiny_qwen2, ("--nproc", "2"), {}, "is a dense model"),
         (tiny_qwen3_moe, ("--nproc", "3"), {"expert_parallel": 3}, "divides 4 (2, 4)"),
     ]:
         keys = dict(model=str(model), data=str(small_data), precision="fp32", output_dir=str(tmp_path / "run"),
                     strategy="ddp", expert_parallel=2, method="lora")
-        r = run_cli("train", str(write_config(tmp_path / "c.yaml", **{**keys, **over})), *flags,
-                    env={"OMP_NUM_THREADS": "1"})
-        assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
-        assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+        code, _, err = run_here(capsys, "train", str(write_config(tmp_path / "c.yaml", **{**keys, **over})), *flags)
+        assert code == 2 and words in err and not launched, err[-2000:]
+        assert "Traceback" not in err and not (tmp_path / "run").exists()

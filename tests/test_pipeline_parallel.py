@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2
 
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.parallel import launch
 from shardfit.parallel.pipeline import cut, cut_looped, looped_stages, stage_blocks
 from shardfit.resolve.dims import ParallelDims
 from shardfit.resolve.pipeline import check_layout, check_model, facts_of_config, stages_per_rank
-from tests.helpers import make_tiny_model, read_jsonl, run_cli, train_here, write_config
+from tests.helpers import make_tiny_model, read_jsonl, run_cli, run_here, train_here, write_config
 
 
 def _cfg(**over) -> Config:
@@ -445,10 +446,14 @@ def test_looped_schedules_over_two_ranks(tmp_path: Path, tokenizer_dir: Path, sm
                   1e-4)
 
 
-def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
-    """More stages than the model's 2 blocks: exit 2 before any rank starts, naming the key."""
+def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path,
+                                        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More stages than the model's 2 blocks: exit 2 before any rank starts, naming the key. The refusal comes
+    before the launch, so the CLI's `main` runs in this process with the launch recorded, never run."""
+    launched: list[list[str]] = []
+    monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_qwen2), data=str(small_data),
                        output_dir=str(tmp_path / "o"), grad_accum=4)
-    r = run_cli("train", str(cfg), "--nproc", "4", "--set", "pipeline_parallel=4", env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 2 and "pipeline_parallel: 4" in r.stderr and "2 decoder blocks" in r.stderr, r.stderr
-    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_here(capsys, "train", str(cfg), "--nproc", "4", "--set", "pipeline_parallel=4")
+    assert code == 2 and "pipeline_parallel: 4" in err and "2 decoder blocks" in err, err
+    assert not launched and "launching" not in err and "Traceback" not in err

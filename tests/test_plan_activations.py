@@ -19,6 +19,8 @@ from shardfit.simulate.tracker import skip_frozen_grad_hooks
 from shardfit.train.loss import CausalLMLoss
 from tests.helpers import saved_tensor_bytes
 
+VOCAB = 512
+
 
 def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, seq: int = 256,
                            attention: str = "sdpa", autocast: bool = True) -> float:
@@ -26,9 +28,11 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     themselves excluded), per token: the quantity the analytic activation estimate models."""
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    # flash: what flash-attention saves, as SDPA saves it over rows of one unpadded example (no mask built)
+    # flash: what flash-attention saves, as SDPA saves it over rows of one unpadded example (no mask built).
+    # A small vocabulary: the loss keeps the same tensors whatever the block count, so it drops out of the per-block
+    # difference, and its head matmul (16-bit on a CPU: slow) was most of a case's time at 4096.
     config = cls(hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=32, vocab_size=4096, tie_word_embeddings=False,
+                 num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
                  attn_implementation="sdpa" if attention == "flash" else attention)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
@@ -39,7 +43,7 @@ def _saved_bytes_per_token(arch: str, method: str, grad_ckpt: str, layers: int, 
     if grad_ckpt == "full":
         enable_hf_checkpointing(model)
     module = CausalLMLoss(model, all_labelled=True)
-    ids = torch.randint(0, 4096, (2, seq))
+    ids = torch.randint(0, VOCAB, (2, seq))
     positions = None if attention == "flash" else packed_positions(2, seq)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         return saved_tensor_bytes(module, lambda: module(ids, positions, ids)) / (2 * seq)
@@ -67,7 +71,7 @@ def test_activation_estimate_matches_saved_tensors(arch: str, method: str, grad_
     autocast = strategy == "single"
     per_block = _saved_bytes_per_token(arch, method, grad_ckpt, 4, attention=attention, autocast=autocast) - \
         _saved_bytes_per_token(arch, method, grad_ckpt, 2, attention=attention, autocast=autocast)
-    shape = ModelShape(f"tiny-{arch}", 2, 256, 704, 8, 2, 4096, False, 32, qk_norm=64 if arch == "qwen3" else 0)
+    shape = ModelShape(f"tiny-{arch}", 2, 256, 704, 8, 2, VOCAB, False, 32, qk_norm=64 if arch == "qwen3" else 0)
     w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt=grad_ckpt, lora_rank=8,
                  attention=attention)
     tokens = 512

@@ -27,7 +27,7 @@ from shardfit.models.processor import load_vision_processor
 from shardfit.models.source import resolve_model
 from shardfit.train import media_forward
 from shardfit.train.loss import CausalLMLoss
-from tests.helpers import read_jsonl, run_cli, write_config
+from tests.helpers import read_jsonl, run_here, write_config
 from tests.media_checks import assert_adapters_match, assert_two_ranks_match_one, pick_rows
 from tests.vl_families import make_tiny_glm4v_moe, make_tiny_qwen3_vl
 
@@ -169,14 +169,15 @@ def test_glm45v_video_rows_are_refused_naming_the_models(tmp_path: Path, tokeniz
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_video_rows(tmp_path: Path, tiny_qwen3_vl: Path, video_rows: Path) -> None:
+def test_a_run_trains_on_video_rows(tmp_path: Path, tiny_qwen3_vl: Path, video_rows: Path,
+                                    capsys: pytest.CaptureFixture) -> None:
     cfg = write_config(tmp_path / "vl.yaml", model=str(tiny_qwen3_vl), data=str(video_rows), precision="fp32",
                        max_seq_len=256, micro_batch=2, max_steps=2, log_steps=1, save_steps=100, lr=1e-2,
                        warmup_ratio=0.0, lora={"rank": 4, "alpha": 8}, strategy="single",
                        output_dir=str(tmp_path / "run"), report_to=["none"])
-    r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "1 images, 2 videos" in r.stdout, r.stdout[-2000:]
+    code, out, err = run_here(capsys, "train", str(cfg))  # one process: the CLI's `main` here, no start-up
+    assert code == 0, err[-3000:]
+    assert "1 images, 2 videos" in out, out[-2000:]
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
     if "moe" in tiny_qwen3_vl.name:

@@ -10,6 +10,7 @@ from transformers import Glm4vConfig, LlamaConfig, MixtralConfig, Qwen2_5OmniThi
 
 from shardfit.config import Config
 from shardfit.errors import UserError
+from shardfit.parallel import launch
 from shardfit.plan.shapes import resolve_shape
 from shardfit.resolve.sequence import (
     DecoderFacts,
@@ -20,7 +21,7 @@ from shardfit.resolve.sequence import (
     facts_of_shape,
 )
 from tests.families import tiny_text_config
-from tests.helpers import run_cli, write_config
+from tests.helpers import run_here, write_config
 
 
 def _cfg(**over) -> Config:
@@ -100,18 +101,23 @@ def test_heads_that_do_not_share_out_are_refused_with_the_divisors() -> None:
 
 
 @pytest.mark.slow
-def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path) -> None:
-    """From the CLI: exit 2 with the message, before any rank starts (tiny Qwen2 has 4 heads)."""
+def test_train_refuses_before_launching(tmp_path: Path, tiny_qwen2: Path, small_data: Path,
+                                        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the CLI: exit 2 with the message, before any rank starts (tiny Qwen2 has 4 heads). The refusal comes
+    before the launch, so the CLI's `main` runs in this process with the launch recorded, never run."""
+    launched: list[list[str]] = []
+    monkeypatch.setattr(launch, "relaunch", lambda cmd, env: launched.append(cmd) or 0)
     cfg = write_config(tmp_path / "c.yaml", model=str(tiny_qwen2), data=str(small_data), precision="fp32",
                        output_dir=str(tmp_path / "run"), sequence_parallel=3, strategy="ddp")
-    r = run_cli("train", str(cfg), "--nproc", "3", env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "has 4 attention heads" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_here(capsys, "train", str(cfg), "--nproc", "3")
+    assert code == 2 and not launched, err[-2000:]
+    assert "has 4 attention heads" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+    # one process: a regression trains here, 2 steps at most
     write_config(cfg, model=str(tiny_qwen2), data=str(small_data), precision="fp32", output_dir=str(tmp_path / "run"),
-                 sequence_parallel=2, strategy="ddp")
-    r = run_cli("train", str(cfg), env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 2 and "must divide the job's 1 rank" in r.stderr, r.stderr[-2000:]
+                 sequence_parallel=2, strategy="ddp", max_steps=2)
+    code, _, err = run_here(capsys, "train", str(cfg))
+    assert code == 2 and "must divide the job's 1 rank" in err, err[-2000:]
 
 
 def test_the_planner_shape_of_a_qwen_vl_model_passes_and_an_omni_is_refused() -> None:

@@ -22,7 +22,7 @@ from shardfit.parallel.env import cpu_matmul_gflops, init_distributed
 from shardfit.plan.estimate import loss_chunk_for
 from shardfit.plan.hardware import job_hardware
 from shardfit.train.recipe import train
-from tests.helpers import ROOT, read_jsonl, run_cli, run_here, write_config
+from tests.helpers import ROOT, read_jsonl, run_here, train_here, write_config
 
 BASE = dict(method="lora", precision="fp32", max_seq_len=128, micro_batch=2, lr=1e-2, log_steps=1, save_steps=4,
             eval_steps=100, lora={"rank": 4, "alpha": 8}, warmup_ratio=0.0, resume="auto")
@@ -126,8 +126,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, tiny_llama: Path, 
     over = dict(max_steps=12, save_steps=3, lora={"rank": 4, "alpha": 8, "dropout": 0.1})  # dropout: RNG matters
     (tmp_path / "a").mkdir()
     clean = _cfg(tmp_path / "a", tiny_llama, small_data, **over)
-    r = run_cli("train", str(clean))
-    assert r.returncode == 0, r.stderr
+    train_here(clean)  # in this process: only the killed run needs one of its own
 
     (tmp_path / "b").mkdir()
     killed = _cfg(tmp_path / "b", tiny_llama, small_data, **over)
@@ -140,8 +139,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, tiny_llama: Path, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run_b / "summary.json").exists(), "the run finished before it was killed"
-    r = run_cli("train", str(killed))
-    assert r.returncode == 0, r.stderr
+    train_here(killed)  # the resume, in this process too
     summary = json.loads((run_b / "summary.json").read_text())
     assert summary["resumed_from_step"] >= 3
 
