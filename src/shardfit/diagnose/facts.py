@@ -19,6 +19,7 @@ from functools import cache
 from shardfit.diagnose.literals import Haystack, may_match, required_literals
 from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Parsed, match_frame
 from shardfit.diagnose.regex import Regex
+from shardfit.diagnose.setting import visible_counts
 
 SYMPTOM_PREFIX = "sym_"
 
@@ -258,10 +259,28 @@ def _collective_facts(p: Parsed, text: str) -> None:
         p.facts.add("nccl_early_weights")
     if max(s for s, _, _ in p.nccl_ops) >= 1000:
         p.facts.add("nccl_late_collective")
-    # rank 0 itself waiting, after the first steps, in a collective of gradient size (a million elements or more):
-    # rank 0 was training, not saving a checkpoint or preparing data while the others waited for it
-    if any(r == "0" and int(s) > 5 and int(n) >= 1_000_000 for r, s, n in _RANK_SEQ.findall(text)):
+    if _rank0_waits(_RANK_SEQ.findall(text)):
         p.facts.add("nccl_rank0_in_step")
+
+
+def _rank0_waits(timed_out: list[tuple[str, str, str]]) -> bool:
+    """Rank 0's own watchdog line, after the first steps, shows it waiting for the others (rank, SeqNum, NumelIn
+    per line): it was not the rank saving a checkpoint or preparing data. Either it waits in a collective of data
+    size (a thousand elements or more: gradients, activations, weights; a barrier is one element and
+    broadcast_object_list's size header one per rank, the collectives a save's late rank 0 enters), or it timed out
+    in the same collective (SeqNum) as another rank: both were in it, and the rank that never came is another."""
+    zero = [(int(s), int(n)) for r, s, n in timed_out if r == "0" and int(s) > 5]
+    others = {int(s) for r, s, _ in timed_out if r != "0"}
+    return any(n >= 1000 or s in others for s, n in zero)
+
+
+def _rank_fit_facts(p: Parsed) -> None:
+    """The launch starts no more processes per node than the GPUs it makes visible (nproc_per_node 4 beside a
+    CUDA_VISIBLE_DEVICES of four): each rank's local_rank is a valid device, so an invalid ordinal came from the
+    script's own device choice (a hard-coded cuda:N, a --gpu_id), not from the rank count."""
+    visible = visible_counts(p.brief)
+    if p.world_size and p.world_size > 1 and visible and p.world_size <= min(visible):
+        p.facts.add("ranks_fit_gpus")
 
 
 def _build_facts(p: Parsed, text: str) -> None:
@@ -284,6 +303,7 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     text = p.text
     _pattern_facts(p, fact_patterns)
     _launch_facts(p, text)
+    _rank_fit_facts(p)
     _model_facts(p, text)
     _collective_facts(p, text)
     _barrier_facts(p, text)

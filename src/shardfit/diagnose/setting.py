@@ -149,10 +149,15 @@ def _strategy(facts: set[str], zero_stage: int | None, launcher: str | None) -> 
     return None
 
 
+def visible_counts(text: str) -> list[int]:
+    """The GPU counts the launch restricts the job to (each CUDA_VISIBLE_DEVICES list, DeepSpeed's --include)."""
+    return [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]
+
+
 def _rank_facts(text: str, facts: set[str], ranks_per_node: int | None) -> None:
     """Processes against GPUs: more ranks requested than the launch makes visible, or several processes found
     holding memory on the GPU that ran out (two ranks on one GPU, or every rank putting something on cuda:0)."""
-    visible = [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]  # what the launch restricts it to
+    visible = visible_counts(text)
     if ranks_per_node and visible and ranks_per_node > min(visible):
         facts.add("ranks_exceed_gpus")
     holders = len(set(_GPU_HOLDERS.findall(text)))
