@@ -104,6 +104,22 @@ def _library_kwarg_error(p: Parsed) -> bool:
     return bool(files) and bool(LIBRARY_PATH.search(files[-1])) and any(not LIBRARY_PATH.search(f) for f in files)
 
 
+# CPython's message for a local read before any assignment reached it (Python/ceval.c, UNBOUNDLOCAL_ERROR_MSG: "local
+# variable '%s' referenced before assignment" before 3.11, "cannot access local variable '%s' where it is not
+# associated with a value" from 3.11)
+_UNBOUND = re.compile(r"UnboundLocalError|local variable '\w+' referenced before assignment|cannot access local "
+                      r"variable '\w+' where it is not associated with a value")
+
+
+def _unbound_in_library(p: Parsed) -> bool:
+    """A local read before assignment, and the innermost frame the paste shows is an installed library's: a code path
+    of that release that never set the variable (a branch its authors did not run), fixed by another release."""
+    if not _UNBOUND.search(p.text):
+        return False
+    files = [m.group("file").replace("\\", "/") for line in p.lines if (m := match_frame(line))]
+    return bool(files) and bool(LIBRARY_PATH.search(files[-1]))
+
+
 def _own_call(p: Parsed) -> bool:
     """The primary exception is an argument TypeError of a user's class, raised in a frame of the user's code; or,
     pasted with no frame at all, one of a user's class (no library's, no model family's, no subclass of a
@@ -411,6 +427,8 @@ def _outcome_facts(p: Parsed) -> None:
         p.facts.add("library_kwarg_error")
     if _fault_outside_ext(p):
         p.facts.add("fault_outside_ext")
+    if _unbound_in_library(p):
+        p.facts.add("unbound_in_library")
     if p.cut_frames:
         p.facts.add("tb_cut")
     if p.exception:
