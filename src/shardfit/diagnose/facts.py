@@ -299,6 +299,22 @@ def _rank_fit_facts(p: Parsed) -> None:
         p.facts.add("ranks_fit_gpus")
 
 
+# a script that starts its own ranks, one process per GPU: torch.multiprocessing.spawn (torch/multiprocessing/spawn.py),
+# detectron2's launch() (detectron2/engine/launch.py: mp.spawn of num_gpus_per_machine workers; it logs "Process group
+# URL:" when init fails; its parser's --num-machines and --dist-url), torchvision's and pytorch/examples' recipes'
+# --multiprocessing-distributed (mp.spawn of one worker per GPU)
+_SPAWNS = re.compile(r"torch/multiprocessing/spawn\.py|\b(?:mp|multiprocessing)\.spawn\(|detectron2/engine/launch\.py|"
+                     r"^Process group URL: |--multiprocessing-distributed\b|--num[-_]machines\b|--dist[-_]url\b|"
+                     r"\bnum_machines=\d", re.M)
+
+
+def _spawn_facts(p: Parsed, text: str) -> None:
+    """The script starts its own ranks (spawns_ranks): started with `python script.py`, it is still one process per
+    GPU, not one process driving several (nn.DataParallel)."""
+    if _SPAWNS.search(text):
+        p.facts.add("spawns_ranks")
+
+
 def _build_facts(p: Parsed, text: str) -> None:
     """What the paste shows of the build against the card: a CUDA release of 10.x or older named beside a GPU of
     the Ampere generation or newer (the build has no kernel image for the card)."""
@@ -320,6 +336,7 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     _pattern_facts(p, fact_patterns)
     _launch_facts(p, text)
     _rank_fit_facts(p)
+    _spawn_facts(p, text)
     _model_facts(p, text)
     _collective_facts(p, text)
     _barrier_facts(p, text)

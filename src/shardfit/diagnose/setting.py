@@ -7,7 +7,8 @@ command line, a config echo or an environment dump (transformers-cli env, accele
 the HF Trainer's "n_gpu" line) around the error, or name the setup in one sentence; this module reads those into a
 `Setting` (shown to the user) and into facts the rules in causes.yaml test:
 
-    plain_python          started with `python script.py`, no distributed launcher in sight
+    plain_python          started with `python script.py`, no distributed launcher in sight (nor a script that
+                          spawns its own ranks: facts.py's spawns_ranks)
     multi_gpu_visible     the process sees several GPUs (CUDA_VISIBLE_DEVICES, n_gpu, nvidia-smi, "8x A100")
     one_process_many_gpus one process drives several GPUs: nn.DataParallel (HF Trainer without a launcher)
     sharded               ZeRO-3 or FSDP shards the weights
@@ -177,12 +178,13 @@ def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_
     s.model = m.group(1).strip("'\"") if m else None
     s.gpus_visible = _gpus_visible(text, smi_rows)
     s.gpu_mem_gib = _gpu_mem(text)
-    if s.launcher == "python" and "multi_rank" not in facts:
+    if s.launcher == "python" and "multi_rank" not in facts and "spawns_ranks" not in facts:
         facts.add("plain_python")
     if s.gpus_visible and s.gpus_visible > 1:
         facts.add("multi_gpu_visible")
     n_gpu = [int(x) for x in _N_GPU.findall(text)]
-    if (n_gpu and max(n_gpu) > 1) or ("plain_python" in facts and "multi_gpu_visible" in facts):
+    if "spawns_ranks" not in facts and ((n_gpu and max(n_gpu) > 1) or
+                                        ("plain_python" in facts and "multi_gpu_visible" in facts)):
         facts.add("one_process_many_gpus")
     if "zero3" in facts or "fsdp" in facts:
         facts.add("sharded")
