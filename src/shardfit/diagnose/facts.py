@@ -315,6 +315,21 @@ def _spawn_facts(p: Parsed, text: str) -> None:
         p.facts.add("spawns_ranks")
 
 
+# the micro-batch said to be one: a config echo or command line (per_device_train_batch_size=1, batch_size: 1) or the
+# reporter's words ("already set the batch size to 1", "even with batch size 1", "batch size 设为 1")
+_BATCH_ONE = re.compile(r"(?:batch[ _-]?size|\bbs|micro[_ ]batch\w*)[`'\"]?[^\n\d]{0,30}?(?:already|even|set to|"
+                        r"down to|reduced to|lowered to|\bto|=|:|\bof|\bis|为|设为|设置为|设成)"
+                        r"\s*[`'\"]?1\b(?!\.\d|\d)|"
+                        r"even (?:with|at) (?:a )?batch(?: size)? (?:of )?1\b", re.I)
+
+
+def _batch_facts(p: Parsed) -> None:
+    """A micro-batch of one (batch_of_one): activations scale with the batch and are then at their least, so memory
+    that still runs out is mostly the model state each rank holds. Read in the head and tail, as hints are."""
+    if _BATCH_ONE.search(p.brief):
+        p.facts.add("batch_of_one")
+
+
 def _build_facts(p: Parsed, text: str) -> None:
     """What the paste shows of the build against the card: a CUDA release of 10.x or older named beside a GPU of
     the Ampere generation or newer (the build has no kernel image for the card)."""
@@ -337,6 +352,7 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     _launch_facts(p, text)
     _rank_fit_facts(p)
     _spawn_facts(p, text)
+    _batch_facts(p)
     _model_facts(p, text)
     _collective_facts(p, text)
     _barrier_facts(p, text)
