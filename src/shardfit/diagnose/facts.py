@@ -19,6 +19,7 @@ from functools import cache
 from shardfit.diagnose.literals import Haystack, may_match, required_literals
 from shardfit.diagnose.parsed import LIBRARY_PATH, WRAPPER_TYPES, Parsed, match_frame
 from shardfit.diagnose.regex import Regex
+from shardfit.diagnose.setting import visible_counts
 
 SYMPTOM_PREFIX = "sym_"
 
@@ -101,6 +102,22 @@ def _library_kwarg_error(p: Parsed) -> bool:
         return False
     files = [m.group("file").replace("\\", "/") for line in p.lines[:e.line] if (m := match_frame(line))]
     return bool(files) and bool(LIBRARY_PATH.search(files[-1])) and any(not LIBRARY_PATH.search(f) for f in files)
+
+
+# CPython's message for a local read before any assignment reached it (Python/ceval.c, UNBOUNDLOCAL_ERROR_MSG: "local
+# variable '%s' referenced before assignment" before 3.11, "cannot access local variable '%s' where it is not
+# associated with a value" from 3.11)
+_UNBOUND = re.compile(r"UnboundLocalError|local variable '\w+' referenced before assignment|cannot access local "
+                      r"variable '\w+' where it is not associated with a value")
+
+
+def _unbound_in_library(p: Parsed) -> bool:
+    """A local read before assignment, and the innermost frame the paste shows is an installed library's: a code path
+    of that release that never set the variable (a branch its authors did not run), fixed by another release."""
+    if not _UNBOUND.search(p.text):
+        return False
+    files = [m.group("file").replace("\\", "/") for line in p.lines if (m := match_frame(line))]
+    return bool(files) and bool(LIBRARY_PATH.search(files[-1]))
 
 
 def _own_call(p: Parsed) -> bool:
@@ -258,10 +275,59 @@ def _collective_facts(p: Parsed, text: str) -> None:
         p.facts.add("nccl_early_weights")
     if max(s for s, _, _ in p.nccl_ops) >= 1000:
         p.facts.add("nccl_late_collective")
-    # rank 0 itself waiting, after the first steps, in a collective of gradient size (a million elements or more):
-    # rank 0 was training, not saving a checkpoint or preparing data while the others waited for it
-    if any(r == "0" and int(s) > 5 and int(n) >= 1_000_000 for r, s, n in _RANK_SEQ.findall(text)):
+    if _rank0_waits(_RANK_SEQ.findall(text)):
         p.facts.add("nccl_rank0_in_step")
+
+
+def _rank0_waits(timed_out: list[tuple[str, str, str]]) -> bool:
+    """Rank 0's own watchdog line, after the first steps, shows it waiting for the others (rank, SeqNum, NumelIn
+    per line): it was not the rank saving a checkpoint or preparing data. Either it waits in a collective of data
+    size (a thousand elements or more: gradients, activations, weights; a barrier is one element and
+    broadcast_object_list's size header one per rank, the collectives a save's late rank 0 enters), or it timed out
+    in the same collective (SeqNum) as another rank: both were in it, and the rank that never came is another."""
+    zero = [(int(s), int(n)) for r, s, n in timed_out if r == "0" and int(s) > 5]
+    others = {int(s) for r, s, _ in timed_out if r != "0"}
+    return any(n >= 1000 or s in others for s, n in zero)
+
+
+def _rank_fit_facts(p: Parsed) -> None:
+    """The launch starts no more processes per node than the GPUs it makes visible (nproc_per_node 4 beside a
+    CUDA_VISIBLE_DEVICES of four): each rank's local_rank is a valid device, so an invalid ordinal came from the
+    script's own device choice (a hard-coded cuda:N, a --gpu_id), not from the rank count."""
+    visible = visible_counts(p.brief)
+    if p.world_size and p.world_size > 1 and visible and p.world_size <= min(visible):
+        p.facts.add("ranks_fit_gpus")
+
+
+# a script that starts its own ranks, one process per GPU: torch.multiprocessing.spawn (torch/multiprocessing/spawn.py),
+# detectron2's launch() (detectron2/engine/launch.py: mp.spawn of num_gpus_per_machine workers; it logs "Process group
+# URL:" when init fails; its parser's --num-machines and --dist-url), torchvision's and pytorch/examples' recipes'
+# --multiprocessing-distributed (mp.spawn of one worker per GPU)
+_SPAWNS = re.compile(r"torch/multiprocessing/spawn\.py|\b(?:mp|multiprocessing)\.spawn\(|detectron2/engine/launch\.py|"
+                     r"^Process group URL: |--multiprocessing-distributed\b|--num[-_]machines\b|--dist[-_]url\b|"
+                     r"\bnum_machines=\d", re.M)
+
+
+def _spawn_facts(p: Parsed, text: str) -> None:
+    """The script starts its own ranks (spawns_ranks): started with `python script.py`, it is still one process per
+    GPU, not one process driving several (nn.DataParallel)."""
+    if _SPAWNS.search(text):
+        p.facts.add("spawns_ranks")
+
+
+# the micro-batch said to be one: a config echo or command line (per_device_train_batch_size=1, batch_size: 1) or the
+# reporter's words ("already set the batch size to 1", "even with batch size 1", "batch size 设为 1")
+_BATCH_ONE = re.compile(r"(?:batch[ _-]?size|\bbs|micro[_ ]batch\w*)[`'\"]?[^\n\d]{0,30}?(?:already|even|set to|"
+                        r"down to|reduced to|lowered to|\bto|=|:|\bof|\bis|为|设为|设置为|设成)"
+                        r"\s*[`'\"]?1\b(?!\.\d|\d)|"
+                        r"even (?:with|at) (?:a )?batch(?: size)? (?:of )?1\b", re.I)
+
+
+def _batch_facts(p: Parsed) -> None:
+    """A micro-batch of one (batch_of_one): activations scale with the batch and are then at their least, so memory
+    that still runs out is mostly the model state each rank holds. Read in the head and tail, as hints are."""
+    if _BATCH_ONE.search(p.brief):
+        p.facts.add("batch_of_one")
 
 
 def _build_facts(p: Parsed, text: str) -> None:
@@ -284,6 +350,9 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     text = p.text
     _pattern_facts(p, fact_patterns)
     _launch_facts(p, text)
+    _rank_fit_facts(p)
+    _spawn_facts(p, text)
+    _batch_facts(p)
     _model_facts(p, text)
     _collective_facts(p, text)
     _barrier_facts(p, text)
@@ -391,6 +460,8 @@ def _outcome_facts(p: Parsed) -> None:
         p.facts.add("library_kwarg_error")
     if _fault_outside_ext(p):
         p.facts.add("fault_outside_ext")
+    if _unbound_in_library(p):
+        p.facts.add("unbound_in_library")
     if p.cut_frames:
         p.facts.add("tb_cut")
     if p.exception:

@@ -7,7 +7,8 @@ command line, a config echo or an environment dump (transformers-cli env, accele
 the HF Trainer's "n_gpu" line) around the error, or name the setup in one sentence; this module reads those into a
 `Setting` (shown to the user) and into facts the rules in causes.yaml test:
 
-    plain_python          started with `python script.py`, no distributed launcher in sight
+    plain_python          started with `python script.py`, no distributed launcher in sight (nor a script that
+                          spawns its own ranks: facts.py's spawns_ranks)
     multi_gpu_visible     the process sees several GPUs (CUDA_VISIBLE_DEVICES, n_gpu, nvidia-smi, "8x A100")
     one_process_many_gpus one process drives several GPUs: nn.DataParallel (HF Trainer without a launcher)
     sharded               ZeRO-3 or FSDP shards the weights
@@ -149,10 +150,15 @@ def _strategy(facts: set[str], zero_stage: int | None, launcher: str | None) -> 
     return None
 
 
+def visible_counts(text: str) -> list[int]:
+    """The GPU counts the launch restricts the job to (each CUDA_VISIBLE_DEVICES list, DeepSpeed's --include)."""
+    return [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]
+
+
 def _rank_facts(text: str, facts: set[str], ranks_per_node: int | None) -> None:
     """Processes against GPUs: more ranks requested than the launch makes visible, or several processes found
     holding memory on the GPU that ran out (two ranks on one GPU, or every rank putting something on cuda:0)."""
-    visible = [len(m.group(1).split(",")) for m in _VISIBLE.finditer(text)]  # what the launch restricts it to
+    visible = visible_counts(text)
     if ranks_per_node and visible and ranks_per_node > min(visible):
         facts.add("ranks_exceed_gpus")
     holders = len(set(_GPU_HOLDERS.findall(text)))
@@ -172,12 +178,13 @@ def read_setting(text: str, facts: set[str], zero_stage: int | None, model_size_
     s.model = m.group(1).strip("'\"") if m else None
     s.gpus_visible = _gpus_visible(text, smi_rows)
     s.gpu_mem_gib = _gpu_mem(text)
-    if s.launcher == "python" and "multi_rank" not in facts:
+    if s.launcher == "python" and "multi_rank" not in facts and "spawns_ranks" not in facts:
         facts.add("plain_python")
     if s.gpus_visible and s.gpus_visible > 1:
         facts.add("multi_gpu_visible")
     n_gpu = [int(x) for x in _N_GPU.findall(text)]
-    if (n_gpu and max(n_gpu) > 1) or ("plain_python" in facts and "multi_gpu_visible" in facts):
+    if "spawns_ranks" not in facts and ((n_gpu and max(n_gpu) > 1) or
+                                        ("plain_python" in facts and "multi_gpu_visible" in facts)):
         facts.add("one_process_many_gpus")
     if "zero3" in facts or "fsdp" in facts:
         facts.add("sharded")
