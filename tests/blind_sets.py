@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, OPTIMIZERS, QUANT_BACKENDS
+from shardfit.plan.optimizer_kinds import OPTIMIZERS
+from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, QUANT_BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 # The collectors' fields of a row in the third and later sets (the first and MoE sets have fewer or other columns).
