@@ -45,7 +45,6 @@ from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 from shardfit.plan.optimizer_states import (
     foreach_temp_bytes,
     largest_trainable,
@@ -168,8 +167,9 @@ def frozen_audio_params(shape: ModelShape, w: Workload) -> int:
     return shape.audio.params() if not w.audio_trainable else 2 * shape.audio.out
 
 
-def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes for the whole model, before any sharding."""
+def state_bytes(shape: ModelShape, w: Workload, flat: bool = False) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for the whole model, before any sharding; the optimizer's over `flat`
+    tensors (FSDP1's flat parameters: plan/optimizer_states.py `model_state_bytes`)."""
     p, t = shape.params(), trainable_params(shape, w)
     if w.method == "full":
         # fp32 master weights, cast per layer on the fly by autocast/FSDP; or, pure 16-bit, the weights themselves
@@ -182,7 +182,7 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         weights = stored + (frozen - linear) * per_other + trainable_weight_bytes(shape, w)
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
-    return weights, trainable_weight_bytes(shape, w), model_state_bytes(shape, w, t)
+    return weights, trainable_weight_bytes(shape, w), model_state_bytes(shape, w, t, flat=flat)
 
 
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
@@ -373,11 +373,8 @@ def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
 def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> PerRank:
     """The model states one rank holds under `s`, and the buffers its engine adds around each block."""
     n = hw.world
-    weights, grads, optim = state_bytes(shape, w)
-    t_all = trainable_params(shape, w)
-    if s.sharded and w.runs_fsdp1 and OPTIMIZER_KINDS[w.optimizer].factored:  # flat: Adafactor's whole 2nd moment
-        optim = model_state_bytes(shape, w, t_all, flat=True)
-    largest = largest_trainable(shape, w)  # what a step that loops over tensors copies at once
+    weights, grads, optim = state_bytes(shape, w, flat=s.sharded and w.runs_fsdp1)  # FSDP1: flat parameters
+    t_all, largest = trainable_params(shape, w), largest_trainable(shape, w)
     low = compute_bytes(w)
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
