@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, OPTIMIZERS, QUANT_BACKENDS
+from shardfit.plan.optimizer_kinds import OPTIMIZERS
+from shardfit.plan.workload import ATTENTIONS, LORA_TARGETS, QUANT_BACKENDS
 from tests.helpers import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent

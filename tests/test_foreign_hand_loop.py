@@ -101,15 +101,34 @@ def test_bitsandbytes_8bit_adamw(tmp_path: Path) -> None:
     assert w.optimizer == "adamw8bit" and w.bnb_optimizer
 
 
-@pytest.mark.parametrize("opt", ["torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)",
-                                 "Adafactor(model.parameters())",
+@pytest.mark.parametrize("opt", ["torch.optim.NAdam(model.parameters(), lr=0.1)",
+                                 "torch.optim.RMSprop(model.parameters(), momentum=0.9)",
                                  "torch.optim.AdamW(model.parameters(), amsgrad=True)"])
 def test_an_unmodelled_optimizer_exits_2_unless_optimizer_is_given(tmp_path: Path, opt: str) -> None:
     body = f"from transformers.optimization import Adafactor\nopt = {opt}\n" + LOADER + LOOP
-    with pytest.raises(UserError, match=r"train.py:5: optim \w+.* is not modelled.*--optimizer adamw"):
+    with pytest.raises(UserError, match=r"train.py:5: optim \w+.* is not modelled.*--optimizer NAME \(one of "
+                                        r"adamw, adamw8bit, adafactor"):
         _job(tmp_path, body)
     job = _job(tmp_path, body, workload={"optimizer": "adamw"})
     assert job.workload.optimizer == "adamw" and any("--optimizer adamw in place of" in n for n in job.notes)
+
+
+@pytest.mark.parametrize(("opt", "planned", "fused"), [
+    ("torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)", "sgd_momentum", False),
+    ("torch.optim.SGD(model.parameters(), lr=0.1)", "sgd", False),
+    ("Adafactor(model.parameters())", "adafactor", False),
+    ("Adafactor(model.parameters(), beta1=0.9)", "adafactor_beta1", False),
+    ("torch.optim.Adafactor(model.parameters())", "adafactor_torch", False),
+    ("torch.optim.Adagrad(model.parameters(), foreach=False)", "adagrad", True),
+    ("bnb.optim.Lion8bit(model.parameters())", "lion8bit", True),
+    ("bnb.optim.AdEMAMix(model.parameters())", "ademamix", True)])
+def test_the_loop_s_optimizer_is_planned_as_its_library_builds_it(tmp_path: Path, opt: str, planned: str,
+                                                                  fused: bool) -> None:
+    """torch.optim's classes, transformers' Adafactor (fp32 states; beta1: a first moment), bitsandbytes' (fp32
+    32-bit states, stepped in place): each its own optimizer, no exit."""
+    body = f"import bitsandbytes as bnb\nfrom transformers.optimization import Adafactor\nopt = {opt}\n"
+    w = _job(tmp_path, body + LOADER + LOOP).workload
+    assert (w.optimizer, w.bnb_optimizer, w.fused_adamw) == (planned, opt.startswith("bnb."), fused)
 
 
 def test_an_optimizer_built_out_of_sight_exits_2(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_a_deepspeed_optimizer_section_overrides_the_tools_optim(tool: str, tmp_
     assert (job.workload.optimizer, job.workload.bnb_optimizer) == ("adamw", False)
     assert any("optimizer section" in n and "deepspeed_optim_sched" in n for n in job.notes)
     lamb = _job(tool, tmp_path, DS_LAMB)
-    assert lamb.workload.optimizer == "adamw" and any("type Lamb" in n for n in lamb.notes)
+    assert lamb.workload.optimizer == "lamb" and any("its Lamb (fp32 states)" in n for n in lamb.notes)
     plain = _job(tool, tmp_path, DS_PLAIN)
     assert (plain.workload.optimizer, plain.workload.bnb_optimizer) == ("adamw8bit", True)
     assert not any("optimizer section" in n for n in plain.notes)
@@ -58,26 +58,59 @@ NAMES = {
     "adamw_bnb_8bit": ("adamw8bit", True, None), "paged_adamw_32bit": ("adamw", True, None),
     "adamw_torch_8bit": ("adamw8bit", False, None), "ao_adamw_8bit": ("adamw8bit", False, None),
     "adamw_torch_4bit": ("adamw8bit", False, "over-estimate"), "ao_adamw_4bit": ("adamw8bit", False, "over-estimate"),
-    "lion_8bit": ("adamw8bit", False, "one state"), "paged_lion_8bit": ("adamw8bit", False, "one state"),
-    "lion_32bit": ("adamw", True, "one state"), "paged_lion_32bit": ("adamw", True, "one state"),
-    "rmsprop_bnb_8bit": ("adamw8bit", False, "one state"), "rmsprop_bnb_32bit": ("adamw", True, "one state"),
-    "rmsprop": ("adamw", False, "one state"),
-    "ademamix": ("adamw", True, "three states"), "ademamix_8bit": ("adamw8bit", False, "three states"),
-    "paged_ademamix_32bit": ("adamw", True, "three states"), "paged_ademamix_8bit": ("adamw8bit", False, "three"),
-    "adafactor": ("adamw", False, "not modelled"), "sgd": ("adamw", False, "not modelled"),
+    "lion_8bit": ("lion8bit", True, None), "paged_lion_8bit": ("lion8bit", True, None),
+    "lion_32bit": ("lion", True, None), "paged_lion_32bit": ("lion", True, None),
+    "rmsprop_bnb_8bit": ("rmsprop8bit", True, None), "rmsprop_bnb_32bit": ("rmsprop", True, None),
+    "rmsprop_bnb": ("rmsprop", True, None), "rmsprop": ("rmsprop", False, None),
+    "ademamix": ("ademamix", True, None), "ademamix_8bit": ("ademamix8bit", True, None),
+    "paged_ademamix_32bit": ("ademamix", True, None), "paged_ademamix_8bit": ("ademamix8bit", True, None),
+    "adafactor": ("adafactor", False, None), "sgd": ("sgd", False, None), "adagrad": ("adagrad", False, None),
+    "schedule_free_adamw": ("schedule_free_adamw", False, None),
+    "schedule_free_sgd": ("schedule_free_sgd", False, None),
+    "galore_adamw": ("adamw", False, "not modelled"), "lomo": ("adamw", False, "not modelled"),
+    "apollo_adamw": ("adamw", False, "not modelled"), "galore_adamw_8bit": ("adamw8bit", False, "not modelled"),
 }
+# torch's multi-tensor step on a GPU: the optimizers whose `fused_adamw` is off
+MULTI_TENSOR = {"adamw_torch", "rmsprop", "sgd", "adagrad", "schedule_free_adamw", "schedule_free_sgd"}
 
 
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_optimizer_names_plan_their_states_or_say_what_stands_in(name: str) -> None:
-    """Each name plans its own state bytes, or an AdamW of the same width with a note naming it (never silently):
-    torchao's low-bit AdamW is not fp32 AdamW, Lion keeps one state, AdEMAMix three."""
+    """Each name plans its own optimizer's states (plan/optimizer_kinds.py), or AdamW of the name's width with a
+    note naming it (never silently): GaLore, LOMO, APOLLO and torchao's 4-bit AdamW are not modelled."""
     planned, bnb, says = NAMES[name]
     notes: list[str] = []
     keys = optimizer_keys(name, "4.56.0", notes)
     assert (keys["optimizer"], keys["bnb_optimizer"]) == (planned, bnb)
     assert keys["torchao_optimizer"] == name.endswith(("torch_8bit", "ao_adamw_8bit"))  # its own full-width rule
+    assert keys["fused_adamw"] == (name not in MULTI_TENSOR)
     if says is None:
         assert notes == []
     else:
         assert len(notes) == 1 and name in notes[0] and says in notes[0]
+
+
+@pytest.mark.parametrize(("optim_args", "planned"), [(None, "sgd"), ("momentum=0.9,nesterov=True", "sgd_momentum"),
+                                                     ("momentum=0", "sgd"), ({"momentum": "0.9"}, "sgd_momentum")])
+def test_sgd_keeps_a_buffer_where_optim_args_give_it_momentum(optim_args: object, planned: str) -> None:
+    """The Trainer's `sgd` reads `momentum` from `optim_args` (trainer_optimizer.py `_get_sgd`)."""
+    assert optimizer_keys("sgd", "4.56.0", [], optim_args=optim_args)["optimizer"] == planned
+
+
+@pytest.mark.parametrize(("section", "planned", "fused"), [
+    ('{"type": "Adagrad"}', "adagrad", False), ('{"type": "Lion"}', "lion", False),
+    ('{"type": "SGD", "params": {"momentum": 0.9}}', "sgd_momentum", False),
+    ('{"type": "Adafactor"}', "adafactor_torch", False), ('{"type": "lamb"}', "lamb", False)])
+def test_a_deepspeed_section_of_another_type_plans_that_optimizer(section: str, planned: str, fused: bool,
+                                                                  tmp_path: Path) -> None:
+    """DeepSpeed builds its own (Adagrad, FusedLion, FusedLamb) or torch.optim's class by name; the plan steps it on
+    the fp32 partitions, with torch's default multi-tensor kernel (`fused_adamw` off)."""
+    job = _job("hf", tmp_path, '{"optimizer": ' + section + ', "zero_optimization": {"stage": 3}}')
+    assert (job.workload.optimizer, job.workload.fused_adamw, job.workload.bnb_optimizer) == (planned, fused, False)
+    assert any("optimizer section" in n and "(fp32 states)" in n for n in job.notes), job.notes
+
+
+def test_a_deepspeed_section_it_cannot_model_stands_in_as_adamw(tmp_path: Path) -> None:
+    """Muon (DeepSpeed's MuonWithAuxAdam) is not modelled: AdamW with fp32 moments, said."""
+    job = _job("hf", tmp_path, '{"optimizer": {"type": "Muon"}, "zero_optimization": {"stage": 2}}')
+    assert job.workload.optimizer == "adamw" and any("type Muon (not modelled" in n for n in job.notes)

@@ -13,7 +13,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from shardfit.plan.estimate import BNB_MIN_8BIT_SIZE, fp32_state_params, optimizer_state_bytes, state_bytes
+from shardfit.plan.estimate import state_bytes
+from shardfit.plan.optimizer_states import BNB_MIN_8BIT_SIZE, fp32_state_params, optimizer_state_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 

@@ -9,9 +9,10 @@ import pytest
 
 from shardfit.plan.adapters import lora_expert_params
 from shardfit.plan.deepspeed import ZeroSettings, zero_memory
-from shardfit.plan.estimate import estimate, fp32_state_params, optimizer_state_bytes, trainable_params
+from shardfit.plan.estimate import estimate, trainable_params
 from shardfit.plan.experts import routed_expert_params
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.optimizer_states import fp32_state_params, optimizer_state_bytes
 from shardfit.plan.pipeline import _part_gib, stage_breakdown
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload

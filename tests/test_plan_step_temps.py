@@ -13,8 +13,9 @@ import torch
 
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
-from shardfit.plan.estimate import estimate, foreach_temp_bytes
+from shardfit.plan.estimate import estimate
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.optimizer_states import foreach_temp_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from tests.helpers import ROOT

@@ -33,6 +33,7 @@ from shardfit.plan.media import (
     parse_image_size,
 )
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.optimizer_kinds import OPTIMIZERS
 from shardfit.plan.pipeline import LAYOUT_HEADER
 from shardfit.plan.plan import Alternative, Plan, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
@@ -40,7 +41,6 @@ from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import (
     ATTENTIONS,
     LOSSES,
-    OPTIMIZERS,
     QUANT_BACKENDS,
     Workload,
     for_target,

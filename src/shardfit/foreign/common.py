@@ -104,11 +104,27 @@ TORCHAO_8BIT = ("adamw_torch_8bit", "ao_adamw_8bit")
 TORCHAO_4BIT = ("adamw_torch_4bit", "ao_adamw_4bit")
 # bitsandbytes' optimizers beyond AdamW by the HF Trainer's names: their 32-bit states are fp32 whatever the weights.
 BNB_OTHERS = ("lion_", "paged_lion_", "ademamix", "paged_ademamix", "rmsprop_bnb")
+# The HF Trainer's other `optim` names (transformers' trainer_optimizer.py `_OPTIMIZER_HANDLERS`) by the planner's
+# optimizer (plan/optimizer_kinds.py): `adafactor` is transformers' Adafactor without beta1; `sgd`, `adagrad`,
+# `rmsprop` torch's with their defaults (no momentum, not centered); the rest bitsandbytes' (BNB_OTHERS) or
+# schedulefree's.
+NAMED = {"adafactor": "adafactor", "sgd": "sgd", "adagrad": "adagrad", "rmsprop": "rmsprop",
+         "lion_32bit": "lion", "paged_lion_32bit": "lion", "lion_8bit": "lion8bit", "paged_lion_8bit": "lion8bit",
+         "rmsprop_bnb": "rmsprop", "rmsprop_bnb_32bit": "rmsprop", "rmsprop_bnb_8bit": "rmsprop8bit",
+         "ademamix": "ademamix", "paged_ademamix_32bit": "ademamix", "ademamix_8bit": "ademamix8bit",
+         "paged_ademamix_8bit": "ademamix8bit", "schedule_free_adamw": "schedule_free_adamw",
+         "schedule_free_radam": "schedule_free_radam", "schedule_free_sgd": "schedule_free_sgd"}
+# torch optimizers the Trainer builds with their default multi-tensor step on a GPU (`foreach`, copies of each
+# param group: plan/optimizer_kinds.py `group_copies`), and schedulefree's (foreach by default).
+MULTI_TENSOR = ("adamw_torch", "adagrad", "rmsprop", "sgd", "schedule_free_adamw", "schedule_free_radam",
+                "schedule_free_sgd")
 
 
-def optimizer(name: str) -> str | None:
-    """adamw, adamw8bit, or None for an optimizer the planner does not model (paged AdamW counts as AdamW, from
-    bitsandbytes: `bitsandbytes_optimizer`; `optimizer_stand_in` says what such a one is planned as)."""
+def optimizer(name: str, optim_args: Any = None) -> str | None:
+    """The planner's optimizer (plan/optimizer_kinds.py) for the HF Trainer's `optim` = `name`, or None for one the
+    planner does not model (paged AdamW counts as AdamW, from bitsandbytes: `bitsandbytes_optimizer`;
+    `optimizer_stand_in` says what such a one is planned as). `optim_args` (the Trainer's `optim_args`, read by its
+    `sgd`): a non-zero `momentum` keeps a momentum buffer."""
     n = name.lower()
     if n in EIGHT_BIT_OPTIMIZERS or n in TORCHAO_8BIT:
         return "adamw8bit"
@@ -116,44 +132,56 @@ def optimizer(name: str) -> str | None:
         return None
     if n.startswith(("adamw", "paged_adamw")) or n == "adam":
         return "adamw"
+    if n == "sgd" and _optim_arg(optim_args, "momentum") not in (None, 0.0):
+        return "sgd_momentum"
+    return NAMED.get(n)
+
+
+def _optim_arg(optim_args: Any, key: str) -> float | None:
+    """A number of the Trainer's `optim_args` ("momentum=0.9,nesterov=True", or a mapping), None where it is not
+    given or not a number."""
+    pairs = optim_args.items() if isinstance(optim_args, dict) else (
+        p.split("=", 1) for p in str(optim_args or "").replace(" ", "").split(",") if "=" in p)
+    for k, v in pairs:
+        if str(k) == key:
+            try:
+                return float(v)
+            except (TypeError, ValueError):
+                return None
     return None
 
 
 def optimizer_stand_in(name: str) -> tuple[str, bool, str]:
-    """(optimizer, bnb_optimizer, note) the plan runs for `name`, an optimizer `optimizer` does not model: the
-    AdamW of the same state width, with a note naming the optimizer and which way its states differ."""
+    """(optimizer, bnb_optimizer, note) the plan runs for `name`, an optimizer `optimizer` does not model (GaLore,
+    LOMO, APOLLO, torchao's 4-bit AdamW, GrokAdamW, StableAdamW, an axolotl or other tool's own): AdamW, 8-bit where
+    the name says so, with a note naming the optimizer."""
     n = name.lower()
-    eight = "8bit" in n
-    planned, bnb = ("adamw8bit" if eight else "adamw"), n.startswith(BNB_OTHERS) and not eight
-    as_what = f"planned as {'8-bit ' if eight else ''}AdamW"
     if n in TORCHAO_4BIT:
         return "adamw8bit", False, (f"optim {name} (torchao's 4-bit AdamW: two 4-bit states and an fp32 scale per "
                                     "128, about 1.06 bytes per trained weight) is planned as 8-bit AdamW (2.03 "
                                     "bytes): an over-estimate of the optimizer states")
-    if "lion" in n or n.startswith("rmsprop"):
-        return planned, bnb, (f"optim {name} keeps one state per trained weight; {as_what}, two: an "
-                              "over-estimate of the optimizer states")
-    if "ademamix" in n:
-        return planned, bnb, (f"optim {name} keeps three states per trained weight; {as_what}, two: the "
-                              "optimizer states are under-estimated by one state (a third more)")
-    return "adamw", bnb, f"optim {name} is not modelled; planned as AdamW (two states per trained weight)"
+    if "8bit" in n:
+        return "adamw8bit", False, (f"optim {name} is not modelled; planned as 8-bit AdamW (two 8-bit states per "
+                                    "trained weight)")
+    return "adamw", False, f"optim {name} is not modelled; planned as AdamW (two states per trained weight)"
 
 
 def bitsandbytes_optimizer(name: str) -> bool:
-    """Whether the HF Trainer's `optim` = `name` is bitsandbytes' AdamW (its 8-bit ones, and the paged ones of
-    either width): the planner's `bnb_optimizer`, whose 32-bit states are fp32 whatever the weights' dtype. Paged
-    states live in CUDA managed memory (cudaMallocManaged), but only those of tensors of 100,000 elements or more
-    (bitsandbytes/optim/optimizer.py `get_state_buffer`); they are counted on the card as the others are."""
+    """Whether the HF Trainer's `optim` = `name` is one of bitsandbytes' optimizers (its AdamW in 8 bits, the paged
+    ones of either width, and Lion, RMSprop and AdEMAMix, BNB_OTHERS): the planner's `bnb_optimizer`, whose 32-bit
+    states are fp32 whatever the weights' dtype and whose 8-bit ones the Trainer keeps in 32 bits for an embedding.
+    Paged states live in CUDA managed memory (cudaMallocManaged), but only those of tensors of 100,000 elements or
+    more (bitsandbytes/optim/optimizer.py `get_state_buffer`); they are counted on the card as the others are."""
     n = name.lower()
-    return n in EIGHT_BIT_OPTIMIZERS or n.startswith("paged_adamw")
+    return n in EIGHT_BIT_OPTIMIZERS or n.startswith(("paged_adamw", *BNB_OTHERS))
 
 
 def multi_tensor_step(name: str) -> bool:
-    """Whether the optimizer the HF Trainer builds for `optim` = `name` steps with torch AdamW's multi-tensor kernel,
-    which allocates one copy of each param group (`adamw_torch`: torch's default kernel on a GPU); the fused kernels
-    (`adamw_torch_fused`, apex's), bitsandbytes' 8-bit and paged optimizers update each tensor in place (the
-    planner's `fused_adamw`)."""
-    return name.lower() == "adamw_torch"
+    """Whether the optimizer the HF Trainer builds for `optim` = `name` steps with one of torch's multi-tensor
+    kernels (MULTI_TENSOR: `adamw_torch`, torch's default kernel on a GPU, and the other torch optimizers), which
+    allocate copies of each param group; the fused kernels (`adamw_torch_fused`, apex's), bitsandbytes' 8-bit and
+    paged optimizers update each tensor in place (the planner's `fused_adamw`)."""
+    return name.lower() in MULTI_TENSOR
 
 
 # transformers' Trainer defaults `optim` to adamw_torch_fused from 4.54 (PR #37358) when torch is 2.8 or newer;
@@ -176,13 +204,14 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
                            "AdamW: one fp32 copy of what each GPU trains at the step)")
 
 
-def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str | None = None) -> dict[str, Any]:
+def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str | None = None,
+                   optim_args: Any = None) -> dict[str, Any]:
     """The Workload's `optimizer` and `fused_adamw` for a job whose optimizer setting is `given` (None when the
-    config names none: `default_optim` decides, and its note joins `notes`)."""
+    config names none: `default_optim` decides, and its note joins `notes`) with the Trainer's `optim_args`."""
     optim, assumed = default_optim(given, version, tool_default)
     if assumed:
         notes.append(assumed)
-    planned, bnb = optimizer(optim), bitsandbytes_optimizer(optim)
+    planned, bnb = optimizer(optim, optim_args), bitsandbytes_optimizer(optim)
     if planned is None:
         planned, bnb, note = optimizer_stand_in(optim)
         notes.append(note)

@@ -81,6 +81,26 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# An optimizer section's `type` by the planner's optimizer (plan/optimizer_kinds.py): DeepSpeed's own names, matched
+# in any case (runtime/config.py DEEPSPEED_OPTIMIZERS: FusedAdam or torch's AdamW, torch's Adagrad, FusedLamb,
+# FusedLion, mup's MuAdam/MuAdamW), and any other a class of torch.optim by its exact name
+# (runtime/engine.py `_configure_basic_optimizer`: `getattr(torch.optim, self.optimizer_name())`).
+DS_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "cpuadam": "adamw", "fusedadam": "adamw", "muadam": "adamw",
+                 "muadamw": "adamw", "adagrad": "adagrad", "lamb": "lamb", "lion": "lion"}
+TORCH_OPTIMIZERS = {"Adam": "adamw", "AdamW": "adamw", "SGD": "sgd", "RMSprop": "rmsprop",
+                    "Adafactor": "adafactor_torch"}
+
+
+def section_optimizer(kind: str, params: Any) -> str | None:
+    """The planner's optimizer for an optimizer section of type `kind` with `params` (SGD with a non-zero
+    `momentum` keeps a momentum buffer), or None for one it does not model (Muon, MuSGD, OneBitAdam, ...)."""
+    planned = DS_OPTIMIZERS.get(kind.lower()) or TORCH_OPTIMIZERS.get(kind)
+    momentum = params.get("momentum") if isinstance(params, dict) else None
+    if planned == "sgd" and isinstance(momentum, (int, float)) and momentum:
+        return "sgd_momentum"
+    return planned
+
+
 def _torch_adam_foreach(kind: Any, params: Any) -> bool:
     """Whether an Adam/AdamW section (`kind` its type) has params that make DeepSpeed build torch's AdamW instead
     of its FusedAdam (`torch_adam: true`, runtime/engine.py `_configure_basic_optimizer`) with torch's default
@@ -157,9 +177,7 @@ def read_deepspeed(config: dict[str, Any], where: str, hidden: int) -> DeepSpeed
     if get("bf16.enabled") is False and get("fp16.enabled") in (False, None):
         precision = "fp32"
     opt_type = get("optimizer.type")
-    optimizer = None
-    if opt_type is not None:
-        optimizer = "adamw" if str(opt_type).lower() in ("adam", "adamw", "cpuadam", "fusedadam") else None
+    optimizer = None if opt_type is None else section_optimizer(str(opt_type), get("optimizer.params"))
     job = DeepSpeedJob(zero, precision,
                        _maybe(get("train_micro_batch_size_per_gpu"), where, "train_micro_batch_size_per_gpu"),
                        _maybe(get("gradient_accumulation_steps"), where, "gradient_accumulation_steps"), optimizer,

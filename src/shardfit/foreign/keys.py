@@ -222,17 +222,20 @@ def deepspeed_builds_optimizer(job: ForeignJob, ds: DeepSpeedJob, where: str) ->
     """Plan the optimizer DeepSpeed builds when its JSON has an `optimizer` section: transformers then hands the
     optimizer to DeepSpeed whatever the tool's `optim` (transformers/integrations/deepspeed.py
     `deepspeed_optim_sched`: with `optimizer` in the config it builds a DummyOptim and DeepSpeed makes FusedAdam or
-    DeepSpeedCPUAdam, fp32 moments), so an 8-bit or bitsandbytes `optim` the tool names is never stepped. Said in a
-    note when the tool's own choice would have planned something else."""
+    DeepSpeedCPUAdam, fp32 moments; or the section's other type, plan/optimizer_kinds.py, on its fp32 partitions),
+    so an 8-bit or bitsandbytes `optim` the tool names is never stepped. Said in a note when the tool's own choice
+    would have planned something else. A torch optimizer DeepSpeed builds by name steps with its default
+    multi-tensor kernel on a GPU (`fused_adamw` off); its Adam: plan/deepspeed.py `step_copies`."""
     w = job.workload
     planned = ds.optimizer or "adamw"
     if w.optimizer != planned or w.bnb_optimizer:
-        kind = "its Adam (fp32 moments)" if ds.optimizer else f"type {ds.optimizer_type} (not modelled: planned as " \
-                                                               "AdamW with fp32 moments)"
+        kind = f"its {ds.optimizer_type} (fp32 states)" if ds.optimizer else \
+            f"type {ds.optimizer_type} (not modelled: planned as AdamW with fp32 moments)"
         job.notes.append(f"{where}: the DeepSpeed JSON has an optimizer section, so DeepSpeed builds the optimizer, "
                          f"{kind}, and the tool's optimizer setting is not used (transformers' "
                          "deepspeed_optim_sched); remove the section to run the tool's optimizer")
-    job.workload = replace(w, optimizer=planned, bnb_optimizer=False)
+    fused = w.fused_adamw if planned == "adamw" else False
+    job.workload = replace(w, optimizer=planned, bnb_optimizer=False, fused_adamw=fused)
 
 
 # Conversions the tables share beyond common.as_int / as_float.

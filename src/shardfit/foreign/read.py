@@ -280,7 +280,8 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
     w = Workload(method=opts.method or "full", precision=ds.precision or "bf16", seq_len=opts.seq or 2048,
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
                  loss=hf_loss(version, False), grad_accum=ds.grad_accum or 1,
-                 fused_adamw=not multi_tensor_step(optim))
+                 # a torch optimizer DeepSpeed builds by name other than Adam: its default multi-tensor step
+                 fused_adamw=not multi_tensor_step(optim) and ds.optimizer in (None, "adamw"))
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
                                          "{device: cpu}"},

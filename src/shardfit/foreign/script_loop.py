@@ -19,22 +19,33 @@ from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.keys import Source, use_deepspeed
 from shardfit.foreign.script_loads import called_name
+from shardfit.plan.optimizer_kinds import OPTIMIZERS
 from shardfit.plan.workload import Workload
 
 if TYPE_CHECKING:  # kbit.py reads script_ast.py, which reads this module
     from shardfit.foreign.kbit import Loaded
 
-# The optimizers the planner models, by class name: (optimizer, bitsandbytes' kernel). torch's Adam and AdamW keep
-# the same two fp32 states; bitsandbytes' 32-bit and paged ones step in place with fp32 states.
+# The optimizers the planner models, by class name: (the planner's optimizer, plan/optimizer_kinds.py; bitsandbytes'
+# kernel). torch's Adam and AdamW keep the same two states; bitsandbytes' 32-bit and paged ones step in place with
+# fp32 states; a class of bitsandbytes' module is its kernel whatever the name (`optimizer_kind` "bnb"). Adafactor is
+# torch's, transformers' where the script imports it from there (`_planned`); SGD with momentum keeps a buffer.
 MODELLED = {"AdamW": ("adamw", False), "Adam": ("adamw", False), "FusedAdam": ("adamw", False),
             "AdamW8bit": ("adamw8bit", True), "Adam8bit": ("adamw8bit", True), "PagedAdamW8bit": ("adamw8bit", True),
             "PagedAdam8bit": ("adamw8bit", True), "PagedAdamW": ("adamw", True), "PagedAdamW32bit": ("adamw", True),
-            "AdamW32bit": ("adamw", True), "Adam32bit": ("adamw", True)}
+            "AdamW32bit": ("adamw", True), "Adam32bit": ("adamw", True),
+            "SGD": ("sgd", False), "Adagrad": ("adagrad", False), "RMSprop": ("rmsprop", False),
+            "RMSprop32bit": ("rmsprop", True), "RMSprop8bit": ("rmsprop8bit", True),
+            "Adafactor": ("adafactor_torch", False), "Lion": ("lion", False), "Lion32bit": ("lion", True),
+            "PagedLion": ("lion", True), "PagedLion32bit": ("lion", True), "Lion8bit": ("lion8bit", True),
+            "PagedLion8bit": ("lion8bit", True), "AdEMAMix": ("ademamix", False), "AdEMAMix32bit": ("ademamix", True),
+            "PagedAdEMAMix": ("ademamix", True), "PagedAdEMAMix32bit": ("ademamix", True),
+            "AdEMAMix8bit": ("ademamix8bit", True), "PagedAdEMAMix8bit": ("ademamix8bit", True),
+            "FusedLamb": ("lamb", False), "LAMB": ("lamb", False), "LAMB32bit": ("lamb", True),
+            "AdamWScheduleFree": ("schedule_free_adamw", False), "RAdamScheduleFree": ("schedule_free_radam", False),
+            "SGDScheduleFree": ("schedule_free_sgd", False)}
 # Optimizers a loop may step that the planner does not model (beside any other class from an `optim` module).
-OTHERS = ("SGD", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS", "SparseAdam", "ASGD",
-          "Rprop", "Adafactor", "Lion", "Lion8bit", "PagedLion8bit", "SGD8bit", "RMSprop8bit", "AdEMAMix", "Muon",
-          "SophiaG", "Prodigy", "DAdaptAdam", "CAME", "Lamb", "LAMB", "Shampoo", "SOAP", "ScheduleFreeAdamW",
-          "AdamWScheduleFree")
+OTHERS = ("Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS", "SparseAdam", "ASGD", "Rprop", "SGD8bit", "Muon",
+          "SophiaG", "Prodigy", "DAdaptAdam", "CAME", "Lamb", "Shampoo", "SOAP", "ScheduleFreeAdamW", "LAMB8bit")
 # autocast's spellings (accelerate's `accelerator.autocast()` follows its Accelerator's mixed_precision instead).
 AUTOCAST = ("torch.autocast", "autocast", "torch.amp.autocast", "amp.autocast", "torch.cuda.amp.autocast",
             "cuda.amp.autocast")
@@ -57,6 +68,9 @@ class HandLoop:
     optimizer_at: str = ""
     optimizer_kind: str = ""  # "fused", "foreach", "for-loop", "bnb", "torchao", "deepspeed", or "computed"
     amsgrad: bool = False
+    # a keyword that adds a state the planner does not count: "momentum=0.9" or "centered=True" of RMSprop
+    extra_state: str = ""
+    planned: str = ""  # the planner's optimizer for the class and its keywords (`_planned`)
     amp: str | None = None  # bf16 or fp16 where autocast (or a GradScaler, Accelerator, FSDP policy) says it
     amp_said: str = ""
     amp_unread: str = ""  # an autocast whose dtype is computed: refused
@@ -313,6 +327,7 @@ def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], con
     module = text.rsplit(".", 1)[0] if "." in text else imports.get(cls, "")
     out.optimizer, out.optimizer_at = cls, f"{name}:{built.lineno}"
     out.amsgrad = _literal(_kw(built, "amsgrad"), constants) is True if _kw(built, "amsgrad") is not None else False
+    _planned(out, built, module, constants)
     if "torchao" in module or "ao." in f"{module}.":
         out.optimizer_kind = "torchao"
     elif "bnb" in module or "bitsandbytes" in module:
@@ -328,6 +343,30 @@ def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], con
         e_val = _literal(foreach, constants) if foreach is not None else None
         out.optimizer_kind = "fused" if f_val is True else "for-loop" if e_val is False and not fused else \
             "computed" if fused is not None and f_val is None else "foreach"
+
+
+def _planned(out: HandLoop, built: ast.Call, module: str, constants: dict[str, Any]) -> None:
+    """The planner's optimizer for the class the loop builds (MODELLED) and the keywords that change its states:
+    SGD's `momentum` (a literal 0 or none: no buffer; any other, or one computed: a buffer), transformers'
+    Adafactor (imported from transformers: fp32 states) with `beta1` (a first moment), RMSprop's `momentum` or
+    `centered` (a state the planner does not count: `extra_state`)."""
+    if out.optimizer not in MODELLED:
+        return
+    planned = MODELLED[out.optimizer][0]
+
+    def given(key: str) -> Any:  # the keyword's literal value; True where it is given but computed
+        node = _kw(built, key)
+        value = None if node is None else _literal(node, constants)
+        return value if node is None or value is not None else True
+
+    if planned == "sgd" and given("momentum") not in (None, 0, 0.0, False):
+        planned = "sgd_momentum"
+    if planned == "adafactor_torch" and "transformers" in module:
+        planned = "adafactor" if given("beta1") is None else "adafactor_beta1"
+    if planned == "rmsprop":
+        extra = [k for k in ("momentum", "centered") if given(k) not in (None, 0, 0.0, False)]
+        out.extra_state = ", ".join(f"{k}={ast.unparse(_kw(built, k))}" for k in extra)
+    out.planned = planned
 
 
 def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: str) -> None:
@@ -451,16 +490,17 @@ def refuse_unread(loop: HandLoop, source: str, batch: int | None, optimizer: str
         raise UserError(f"{loop.batch_at}: {loop.batch_said}, so the micro-batch of the hand-written training loop "
                         f"at {loop.at} is not known; pass --batch N (rows each rank's loop runs a step) to plan it.")
     if optimizer is None and (loop.optimizer is None or loop.optimizer_kind not in ("deepspeed",) and
-                              (loop.optimizer not in MODELLED or loop.amsgrad)):
+                              (loop.optimizer not in MODELLED or loop.amsgrad or loop.extra_state)):
         if loop.optimizer is None:
             raise UserError(f"{loop.optimizer_at or loop.at}: the optimizer the hand-written loop at {loop.at} steps "
-                            f"is built where shardfit cannot follow it; pass --optimizer adamw or adamw8bit as the "
-                            f"script builds it.")
-        what = f"{loop.optimizer}(amsgrad=True), a third state per weight" if loop.amsgrad else loop.optimizer
+                            f"is built where shardfit cannot follow it; pass --optimizer NAME (one of "
+                            f"{', '.join(OPTIMIZERS)}) as the script builds it.")
+        what = f"{loop.optimizer}(amsgrad=True), a third state per weight" if loop.amsgrad else \
+            f"{loop.optimizer}({loop.extra_state}), one more state per weight" if loop.extra_state else loop.optimizer
         raise UserError(f"{loop.optimizer_at}: optim {what} (the optimizer the hand-written loop at {loop.at} "
-                        f"steps) is not modelled: the planner counts AdamW/Adam (torch's fused, foreach or "
-                        f"for-loop step) and 8-bit AdamW (bitsandbytes, torchao). Step one of those in the script, "
-                        f"or pass --optimizer adamw to plan AdamW's two fp32 states per trained weight in its place.")
+                        f"steps) is not modelled: the planner counts {', '.join(sorted(MODELLED))} as their "
+                        f"libraries build them. Step one of those in the script, or pass --optimizer NAME (one of "
+                        f"{', '.join(OPTIMIZERS)}) to plan that one's states in its place.")
     if loop.amp_unread:
         raise UserError(f"{loop.amp_unread}: the hand-written loop's precision cannot be told from the code. Write "
                         f"the dtype literally (dtype=torch.bfloat16, or torch.float16) to plan it.")
@@ -481,7 +521,7 @@ def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str
     if loop.ckpt_said:
         changes["grad_ckpt"] = "full"
     if optimizer is None and loop.optimizer in MODELLED:
-        planned, bnb = MODELLED[loop.optimizer]
+        planned, bnb = loop.planned or MODELLED[loop.optimizer][0], MODELLED[loop.optimizer][1]
         changes.update(optimizer=planned, bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
                        torchao_optimizer=loop.optimizer_kind == "torchao",
                        fused_adamw=loop.optimizer_kind not in ("foreach", "computed"))

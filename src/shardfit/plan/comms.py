@@ -29,6 +29,7 @@ from shardfit.plan.dequant import quantized_linear_params
 from shardfit.plan.dispatch import GpuWork
 from shardfit.plan.estimate import state_bytes, trainable_params, trainable_weight_bytes
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.optimizer_states import step_bytes_per_param
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.weight_bytes import nf4_linear_bytes
@@ -39,7 +40,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 # write 12 bytes per fp32 parameter; 10 GB/s is a conservative share of one socket's DRAM bandwidth for the
 # foreach/for-loop kernels torch runs there (no DeepSpeed CPUAdam).
 HOST_ADAM_BYTES_PER_S = 10e9
-ADAM_BYTES_PER_PARAM = 28
+ADAM_BYTES_PER_PARAM = 28  # AdamW's: plan/optimizer_states.py `step_bytes_per_param` for the workload's optimizer
 FWD_SHARE = 1 / 3  # the forward pass's part of a micro-batch, for what overlaps with forward-only traffic
 
 
@@ -171,7 +172,7 @@ class Traffic:
 
 
 def _adam_on_gpu(shape: ModelShape, w: Workload, card: Card) -> float:
-    return trainable_params(shape, w) * ADAM_BYTES_PER_PARAM / card.hbm
+    return trainable_params(shape, w) * step_bytes_per_param(w) / card.hbm
 
 
 def _one_rank(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy, gpu: GpuWork) -> Traffic:
@@ -181,7 +182,7 @@ def _one_rank(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy
         trainable = trainable_params(shape, w)
         t.pcie_mb = 2 * param_bytes_stored(shape, w) / card.pcie
         t.micro = max(gpu.busy, t.pcie_mb)
-        t.pcie_step = trainable * 4.0 / card.pcie + trainable * ADAM_BYTES_PER_PARAM / HOST_ADAM_BYTES_PER_S
+        t.pcie_step = trainable * 4.0 / card.pcie + trainable * step_bytes_per_param(w) / HOST_ADAM_BYTES_PER_S
         t.optim_gpu = 0.0
     return t
 
@@ -233,7 +234,7 @@ def _fsdp(shape: ModelShape, w: Workload, card: Card, hw: Hardware, s: strategie
     if not per_micro_batch:
         t.comm_step = rs if exposed.reduce_scatter else max(0.0, rs - gpu.compute * (1 - FWD_SHARE))
     if s.offload:
-        t.pcie_step = (0.0 if per_micro_batch else grads_d2h) + t_params / n * ADAM_BYTES_PER_PARAM / \
+        t.pcie_step = (0.0 if per_micro_batch else grads_d2h) + t_params / n * step_bytes_per_param(w) / \
             HOST_ADAM_BYTES_PER_S
     else:
         t.optim_gpu = _adam_on_gpu(shape, w, card) / n

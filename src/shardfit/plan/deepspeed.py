@@ -35,7 +35,6 @@ from shardfit.plan.estimate import (
     Candidate,
     add_runtime_overhead,
     in_gib,
-    optimizer_state_bytes,
     planned_shape,
     state_bytes,
     trainable_params,
@@ -43,6 +42,7 @@ from shardfit.plan.estimate import (
 )
 from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.optimizer_states import kind_of, largest_trainable, optimizer_state_bytes
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -242,8 +242,9 @@ def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> Zero
         m = ZeroMemory(model_bytes, 0.0, block_grads)  # the whole model on every rank
     master = 4 * t / n  # fp32 masters of the trainable partition (DeepSpeed keeps them even for fp32 runs)
     # the optimizer steps those masters: flat partitions, so no 8-bit optimizer's small-tensor or per-parameter
-    # override rule applies (estimate.py `fp32_state_params` is not added here)
-    moments = optimizer_state_bytes(w, fp32_masters=True) * t / n
+    # override rule applies (optimizer_states.py `fp32_state_params` is not added here), and Adafactor sees vectors:
+    # its second moment is whole
+    moments = optimizer_state_bytes(w, fp32_masters=True, flat=True) * t / n
     m.states, m.grad_part = master + moments, low * t / n
     if z.offload_optimizer:
         _offload_optimizer(shape, w, n, z, m, master + moments)
@@ -259,7 +260,7 @@ def step_partition(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> f
     part = trainable_params(shape, w) / n
     if z.stage < 3:
         return part
-    return min(part, z.sub_group_size + _largest_trainable(shape, w) / n)
+    return min(part, z.sub_group_size + largest_trainable(shape, w) / n)
 
 
 def step_bytes(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,
@@ -276,25 +277,29 @@ def step_bytes(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroM
     `ds_optimizer` off: the HF Trainer's `adamw_torch`, multi-tensor on a GPU) then allocates
     `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one fp32 copy of the partition (torch/optim/adam.py
     `_multi_tensor_adam`), as does an optimizer section's torch AdamW (`torch_adam`); DeepSpeed's FusedAdam, torch's
-    fused kernel (`fused_adamw`) and 8-bit AdamW update in place."""
+    fused kernel (`fused_adamw`) and 8-bit AdamW update in place. Other optimizers: `step_copies`."""
     if z.offload_optimizer:
         return g_rest, 0.0
     p = step_partition(shape, w, n, z)
     low = compute_bytes(w)
-    foreach = z.torch_adam if z.ds_optimizer else w.multi_tensor_step
-    temp = 4 * p if foreach else 0.0
+    temp = 4 * p * step_copies(w, z)
     if z.stage == 3:
         return g_rest + 4 * p, max(temp, low * p)
     return 4 * p, max(temp, m.grad_part + low * p)
 
 
-def _largest_trainable(shape: ModelShape, w: Workload) -> int:
-    """Elements of the largest trainable parameter: the embedding or head of a full fine-tune (or its largest
-    linear weight), the largest adapter matrix of LoRA."""
-    linears = shape.linear_shapes()
-    if w.method != "full":
-        return w.lora_rank * max(max(i, o) for i, o in linears)
-    return max(shape.vocab * shape.hidden, *(i * o for i, o in linears))
+def step_copies(w: Workload, z: ZeroSettings) -> int:
+    """fp32 copies of the stepped partition the optimizer's step allocates at once: an optimizer section's Adam is
+    DeepSpeed's FusedAdam (none) or torch's foreach AdamW (`torch_adam`, one); a torch optimizer with a multi-tensor
+    kernel (plan/optimizer_kinds.py `group_copies`: the client's, or one DeepSpeed builds by name, such as Adagrad)
+    its group copies; one that loops over tensors (Adafactor) its `tensor_copies`, the flat partition being the one
+    tensor it steps; bitsandbytes' kernels and fused ones none."""
+    if z.ds_optimizer and w.optimizer == "adamw":
+        return int(z.torch_adam)
+    kind = kind_of(w)
+    if w.multi_tensor_step:
+        return kind.group_copies
+    return 0 if w.bnb_optimizer else kind.tensor_copies
 
 
 def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,
@@ -315,7 +320,7 @@ def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, 
         m.host += m.grad_part
         m.grad_part = 0.0
         return
-    largest = _largest_trainable(shape, w)
+    largest = largest_trainable(shape, w)
     m.host += low * t / n + low * largest
     m.staging = low * largest
     m.grad_part = 0.0  # the reduced gradient goes straight to the host's fp32 partition

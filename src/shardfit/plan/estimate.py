@@ -39,12 +39,18 @@ from shardfit.plan.activations import (
     reference_activation_bytes,
     reference_logits_bytes,
 )
-from shardfit.plan.adapters import adapts, lora_expert_params, lora_params, rank_of, saved_params
+from shardfit.plan.adapters import lora_expert_params, lora_params, saved_params
 from shardfit.plan.cards import card_of
 from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.optimizer_states import (
+    foreach_temp_bytes,
+    largest_trainable,
+    model_state_bytes,
+    optimizer_state_bytes,
+)
 from shardfit.plan.precision import (
     compute_bytes,
     expert_matmul_bytes,
@@ -161,8 +167,9 @@ def frozen_audio_params(shape: ModelShape, w: Workload) -> int:
     return shape.audio.params() if not w.audio_trainable else 2 * shape.audio.out
 
 
-def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes for the whole model, before any sharding."""
+def state_bytes(shape: ModelShape, w: Workload, flat: bool = False) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for the whole model, before any sharding; the optimizer's over `flat`
+    tensors (FSDP1's flat parameters: plan/optimizer_states.py `model_state_bytes`)."""
     p, t = shape.params(), trainable_params(shape, w)
     if w.method == "full":
         # fp32 master weights, cast per layer on the fly by autocast/FSDP; or, pure 16-bit, the weights themselves
@@ -175,87 +182,7 @@ def state_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
         weights = stored + (frozen - linear) * per_other + trainable_weight_bytes(shape, w)
         if quantized_head(shape, w):  # the LM head in 4-bit instead of the 16-bit copy counted with the rest
             weights += head_weight_bytes(shape, w) - shape.vocab * shape.hidden * per_other
-    grads = trainable_weight_bytes(shape, w)
-    wide = fp32_state_params(shape, w) * (full_width_state_bytes(w) - optimizer_state_bytes(w))
-    saved = saved_params(shape, w)  # torch AdamW's states of peft's trained copies: in the copies' own dtype
-    states = (t - saved) * optimizer_state_bytes(w) + saved * optimizer_state_bytes(w, weight_bytes=saved_copy_bytes(w))
-    return weights, grads, states + wide
-
-
-# bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each of the two states
-# (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`: blocksize 256, `absmax1` and `absmax2`).
-BNB_STATE_BLOCK = 256
-
-
-def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False, weight_bytes: int | None = None) -> float:
-    """Bytes of AdamW's two states per trainable weight. 8-bit AdamW (bitsandbytes'): one byte each and an fp32
-    absmax per BNB_STATE_BLOCK elements of each (tensors under its min_8bit_size, 4,096 elements, keep fp32 states:
-    norms and biases, not counted apart). torch's AdamW: the dtype of the weights it steps (torch/optim/adamw.py:
-    `torch.zeros_like(p)`): the trainable weights' own, or fp32 where the engine steps fp32 masters of them
-    (`fp32_masters`: DeepSpeed's ZeRO optimizer steps its fp32 partition whatever the weights' dtype, even for 16-bit
-    LoRA adapters). bitsandbytes' 32-bit AdamW (`paged_adamw_32bit`, `bnb_optimizer`): fp32 whatever the weight's
-    dtype (`Optimizer2State.init_state`: `get_state_buffer(p, dtype=torch.float32)` for optim_bits 32).
-    `weight_bytes`: the dtype of the weights stepped where it is not `trainable_bytes` (peft's trained copies,
-    `saved_copy_bytes`)."""
-    if w.optimizer == "adamw8bit":
-        return 2.0 * (1 + 4 / BNB_STATE_BLOCK)
-    return 2.0 * (4 if w.bnb_optimizer or fp32_masters else weight_bytes or trainable_bytes(w))
-
-
-# bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements than this (Optimizer2State's
-# `min_8bit_size` default; `init_state`: `if p.numel() < config["min_8bit_size"]: dtype = torch.float32`).
-BNB_MIN_8BIT_SIZE = 4096
-
-
-def fp32_state_embedding(w: Workload) -> bool:
-    """Whether bitsandbytes' 8-bit AdamW keeps fp32 states for a trained input embedding: under the HF Trainer (a
-    tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`), whose Trainer.create_optimizer registers every nn.Embedding
-    of the model for 32-bit states (GlobalOptimManager's `register_module_override` with `optim_bits` 32): a full
-    fine-tune's embedding, and peft's trained copy of it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an
-    nn.Embedding too). The untied head is an nn.Linear: 8-bit states. Not with FSDP1's flat parameters
-    (`flat_params`): the override is keyed by the embedding's own parameter, which no flat parameter is
-    (`fp32_state_params`); the one rule the estimate and a pipeline stage's parts (plan/pipeline.py `_part_gib`)
-    read."""
-    if w.optimizer != "adamw8bit" or not w.bnb_optimizer or w.flat_params:
-        return False
-    return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
-
-
-def full_width_state_bytes(w: Workload) -> float:
-    """Bytes of the two states of a tensor an 8-bit AdamW keeps full-width (`fp32_state_params`): fp32 under
-    bitsandbytes; torchao's in the parameter's own dtype (optim/adam.py `_new_buffer`: `torch.zeros_like(p)`)."""
-    return 2.0 * trainable_bytes(w) if w.torchao_optimizer else 8.0
-
-
-def fp32_state_params(shape: ModelShape, w: Workload) -> float:
-    """Trainable weights an 8-bit AdamW keeps two full-width states for (`full_width_state_bytes`, not
-    `optimizer_state_bytes`' 2.03): bitsandbytes' each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A and B
-    matrices of a small model's narrow layers; a full fine-tune's norm weights and biases where the hidden size is
-    under it), and the trained input embedding the HF Trainer registers for 32-bit states
-    (`fp32_state_embedding`); torchao's (`torchao_optimizer`) each under the same size or not a multiple of its
-    block (BNB_STATE_BLOCK, 256), judged on the whole tensor (under FSDP2 it judges each rank's shard: not
-    modelled). 0 for other optimizers, and with FSDP1's flat parameters (`flat_params`): the optimizer steps one
-    flat parameter per unit, never a small tensor, and the Trainer's override (keyed by the embedding's own
-    parameter) matches none; DeepSpeed's ZeRO steps flat fp32 partitions alike (plan/deepspeed.py never adds these).
-    """
-    if w.optimizer != "adamw8bit" or w.flat_params:
-        return 0.0
-
-    def wide(n: int) -> bool:
-        return n < BNB_MIN_8BIT_SIZE or (w.torchao_optimizer and n % BNB_STATE_BLOCK != 0)
-
-    embedding = shape.vocab * shape.hidden if fp32_state_embedding(w) else 0
-    if w.trains_adapters:
-        return float(embedding + shape.over_blocks(lambda moe: sum(
-            (r * i if wide(r * i) else 0) + (r * o if wide(r * o) else 0)
-            for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
-            for r in (rank_of(n, w),))))
-    if w.method != "full":
-        return 0.0
-    # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
-    # projection's output: full-width where the hidden size is.
-    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if wide(shape.hidden) else 0
-    return float(norms + embedding)
+    return weights, trainable_weight_bytes(shape, w), model_state_bytes(shape, w, t, flat=flat)
 
 
 def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
@@ -424,7 +351,7 @@ class PerRank:
     optimizer: float
     cpu: float = 0.0
     layers: int = 0
-    foreach: float = 0.0  # the multi-tensor AdamW's copy of what this rank steps (`foreach_temp_bytes`)
+    foreach: float = 0.0  # what the optimizer's step allocates on this rank (`foreach_temp_bytes`)
     fwd_temp: float = 0.0
     bwd_temp: float = 0.0
     persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
@@ -446,8 +373,8 @@ def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
 def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> PerRank:
     """The model states one rank holds under `s`, and the buffers its engine adds around each block."""
     n = hw.world
-    weights, grads, optim = state_bytes(shape, w)
-    t_all = trainable_params(shape, w)
+    weights, grads, optim = state_bytes(shape, w, flat=s.sharded and w.runs_fsdp1)  # FSDP1: flat parameters
+    t_all, largest = trainable_params(shape, w), largest_trainable(shape, w)
     low = compute_bytes(w)
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
@@ -486,7 +413,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
         r.bwd_temp = fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1 flattens them as under zero3
-        r.foreach = foreach_temp_bytes(t_all, w) / n
+        r.foreach = foreach_temp_bytes(t_all, w, largest) / n
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
@@ -500,7 +427,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
             r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
-        r.foreach = foreach_temp_bytes(t_all, w) / n
+        r.foreach = foreach_temp_bytes(t_all, w, largest) / n
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
             held = fsdp1_offload_grad_shard_bytes(shape, w, grads / n)
@@ -521,7 +448,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
                                                        div_g)
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
-        r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w)
+        r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w, largest)
     return r
 
 
@@ -532,14 +459,6 @@ def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
     if w.method == "full":
         return float(experts.per_block_params(shape) * trainable_bytes(w))
     return stored_linear_bytes(shape, w, True, experts_only=True)
-
-
-def foreach_temp_bytes(params: float, w: Workload) -> float:
-    """What torch AdamW's multi-tensor step (`foreach`, torch's default on a GPU, the HF Trainer's `adamw_torch`)
-    allocates over a param group of `params` plain tensors: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`,
-    one copy of the group in the states' dtype, alive until the update (torch/optim/adam.py `_multi_tensor_adam`).
-    The fused kernel (`fused_adamw`) and 8-bit AdamW (bitsandbytes, per tensor in place) allocate none."""
-    return params * trainable_bytes(w) if w.multi_tensor_step else 0.0
 
 
 def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float, float]:

@@ -34,8 +34,8 @@ def expert_states(shape: ModelShape, w: Workload, weight_bytes: float, train_byt
     `weight_bytes` per stored expert weight, `train_bytes` per gradient where they train (a full fine-tune), and
     `adapter_params` LoRA weights on them (`lora.experts`), trained at `train_bytes`. Each trained weight holds
     `state_bytes` of optimizer states, the same per-weight count the whole model's states were taken with
-    (plan/estimate.py `optimizer_state_bytes`), so what is moved out of the strategy's share is exactly what was
-    counted in it."""
+    (plan/optimizer_states.py `optimizer_state_bytes`), so what is moved out of the strategy's share is exactly what
+    was counted in it (Adafactor's factored rows and columns, a few bytes per expert row, stay in the share)."""
     e = routed_expert_params(shape)
     trains = w.method == "full"
     a = adapter_params * train_bytes

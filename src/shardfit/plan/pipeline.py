@@ -66,13 +66,12 @@ from shardfit.plan.estimate import (
     Candidate,
     check_not_negative,
     estimate,
-    fp32_state_embedding,
-    full_width_state_bytes,
-    optimizer_state_bytes,
     planned_workload,
 )
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
+from shardfit.plan.optimizer_states import fp32_state_embedding, full_width_state_bytes, optimizer_state_bytes
 from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, saved_copy_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
@@ -195,9 +194,10 @@ def balance(layers: int, fixed: Sequence[float], per_block: Sequence[float], mos
 def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False,
               saved: bool = False) -> tuple[float, float, float]:
     """(weights, grads, optimizer) GiB of `params` weights outside the blocks: trained ones as a full fine-tune
-    stores them, or peft's trained copy (`saved`) in the dtype the tool leaves it in (`saved_copy_bytes`) (AdamW's
-    two states; fp32 ones for a trained input `embedding` the HF Trainer keeps in 32 bits under an 8-bit AdamW,
-    plan/estimate.py `fp32_state_embedding`, as the stage's estimate counted it), frozen ones as stored."""
+    stores them, or peft's trained copy (`saved`) in the dtype the tool leaves it in (`saved_copy_bytes`) (the
+    optimizer's full-size states, plan/optimizer_states.py; full-width ones for a trained input `embedding` the HF
+    Trainer keeps in 32 bits under an 8-bit optimizer, `fp32_state_embedding`, as the stage's estimate counted it),
+    frozen ones as stored."""
     if not trained:
         return params * frozen_weight_bytes(w) / GIB, 0.0, 0.0
     t = saved_copy_bytes(w) if saved else trainable_bytes(w)
@@ -250,7 +250,7 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     stage_shape = dataclasses.replace(shape, layers=blocks)
     whole = estimate(stage_shape, w, stage_hardware(hw, dp), name)
     b = dataclasses.replace(whole.per_gpu_gib)
-    step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor AdamW's copy of what it steps
+    step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor step's copies of what it steps
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
@@ -274,9 +274,10 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
         b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params and not step_copy else 0.0
     for params, trained, embedding, copied in parts:
         wt, g, o = _part_gib(params, trained, w, embedding, copied)
-        # the multi-tensor AdamW's copy (estimate.py `foreach_temp_bytes`), in the trained weights' own dtype
+        # the multi-tensor step's copies (optimizer_states.py `foreach_temp_bytes`), in the trained weights' dtype
         stepped = saved_copy_bytes(w) if copied else trainable_bytes(w)
-        copy = params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
+        copies = OPTIMIZER_KINDS[w.optimizer].group_copies
+        copy = copies * params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
         b.weights -= wt / (dp if s.shards_params else 1)
         b.grads -= g / (dp if s.shards_grads else 1)
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)

@@ -14,6 +14,7 @@ from shardfit import method as methods
 from shardfit import objective as objectives
 from shardfit.config import Config
 from shardfit.kernels import delta_rule_kernel, mamba_kernel, widening_matmul_in_torch
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 
 # transformers' own causal-LM loss over every position (what the HF Trainer, LLaMA-Factory, axolotl and TRL run),
 # in three generations: see `Workload.loss`.
@@ -23,7 +24,6 @@ LOSSES = ("chunked", *FULL_LOSSES, "chunked_output")
 # The linear layers of a decoder block LoRA can target, in the order they run.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTIONS = ("sdpa", "flash", "eager")
-OPTIMIZERS = ("adamw", "adamw8bit")
 # What dequantizes QLoRA's 4-bit weights for each matmul: torchao's NF4Tensor in plain PyTorch ops (shardfit's own
 # QLoRA) or bitsandbytes' fused CUDA kernel (the HF Trainer, TRL, LLaMA-Factory, axolotl, unsloth): plan/dequant.py
 # `DEQUANT`.
@@ -41,6 +41,7 @@ class Workload:
     # none; full: each block keeps only its input; selective: also its attention kernel's and every other matmul's
     # outputs (torchtitan's op-level policy, models/checkpointing.py)
     grad_ckpt: str = "full"
+    # The optimizer's name in plan/optimizer_kinds.py `OPTIMIZER_KINDS` (OPTIMIZERS): its states and step copies.
     optimizer: str = "adamw"
     lora_rank: int = 8
     # chunked: shardfit's loss; full: the model's own loss over full logits (HF Trainer); full_shift: the same with
@@ -193,7 +194,7 @@ class Workload:
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
     bnb_optimizer: bool = False
     # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
-    # its full-width fallback differs (plan/estimate.py `fp32_state_params`).
+    # its full-width fallback differs (plan/optimizer_states.py `fp32_state_params`).
     torchao_optimizer: bool = False
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
@@ -224,7 +225,7 @@ class Workload:
     host_syncs: float = 0.0
     # AdamW's fused kernel, on plain tensors and FSDP2's DTensor shards alike (shardfit's runs, train/optim.py;
     # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
-    # default on a GPU, one copy of what it steps (plan/estimate.py `foreach_temp_bytes`).
+    # default on a GPU, one copy of what it steps (plan/optimizer_states.py `foreach_temp_bytes`).
     fused_adamw: bool = False
     # peft casts each fp32 adapter's input to fp32 first, which autocast casts back to 16 bits and keeps for the
     # adapter's backward: a 16-bit copy of the input of every adapted layer (peft's default; the HF Trainer, TRL,
@@ -284,9 +285,10 @@ class Workload:
 
     @property
     def multi_tensor_step(self) -> bool:
-        """AdamW stepped by torch's multi-tensor kernel (`foreach`, torch's default on a GPU), which allocates one
-        copy of what it steps (plan/estimate.py `foreach_temp_bytes`); the fused kernel and 8-bit AdamW do not."""
-        return self.optimizer == "adamw" and not self.fused_adamw
+        """The optimizer stepped by one of torch's multi-tensor kernels (`foreach`, torch's default on a GPU), which
+        allocate copies of what they step (plan/optimizer_states.py `foreach_temp_bytes`): AdamW, Adagrad, RMSprop
+        and schedule-free AdamW's; a fused kernel (`fused_adamw`), 8-bit and bitsandbytes' optimizers do not."""
+        return OPTIMIZER_KINDS[self.optimizer].group_copies > 0 and not self.fused_adamw
 
     @property
     def fp32_matmuls_tf32(self) -> bool:

@@ -1,0 +1,85 @@
+"""The optimizers the planner models, by what their step keeps and allocates: the one table every count of optimizer
+states reads (plan/optimizer_states.py), keyed by the planner's names (`Workload.optimizer`, `plan --optimizer`).
+
+Each entry was read from the class the tools build for it (torch/optim, transformers' Adafactor and Trainer's
+`get_optimizer_cls_and_kwargs`, bitsandbytes/optim, schedulefree): the states it creates per parameter on its first
+step and the tensors its default step path allocates on a GPU. The counters torch keeps per parameter (`step`, a
+0-dim tensor on the host unless capturable or fused; transformers' Adafactor `RMS`) are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each state
+# (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state` and `Optimizer1State.init_state`: blocksize 256).
+BNB_STATE_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """What one optimizer keeps per trained weight and allocates while it steps.
+
+    `states`: full-size states per trained weight. `width`: their dtype: "weight" (torch's `zeros_like(p)`, the
+    dtype of the weights stepped; fp32 under bitsandbytes' 32-bit kernels or an engine's fp32 masters), "fp32"
+    (whatever the weights: transformers' Adafactor upcasts each gradient first), "8bit" (bitsandbytes' blockwise
+    states: one byte and an fp32 absmax per BNB_STATE_BLOCK). `factored`: Adafactor's second moment kept as one row
+    and one column factor per matrix (the whole vector for a 1-D tensor), in `width`. `group_copies`: copies of the
+    param group, in the states' dtype, that torch's multi-tensor (foreach) step allocates at once (its default on
+    a GPU). `tensor_copies`: copies of one tensor, in the states' dtype, a step that loops over tensors allocates
+    (the largest trained tensor's bound it); `upcasts`: it also copies a 16-bit weight and its gradient to fp32
+    first."""
+
+    label: str
+    states: int
+    width: str = "weight"
+    factored: bool = False
+    group_copies: int = 0
+    tensor_copies: int = 0
+    upcasts: bool = False
+
+
+OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
+    # torch's Adam/AdamW: exp_avg, exp_avg_sq; foreach: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`
+    # (torch/optim/adam.py `_multi_tensor_adam`). bitsandbytes' 32-bit AdamW and torch's fused kernel: in place.
+    "adamw": OptimizerKind("AdamW", 2, group_copies=1),
+    # bitsandbytes' AdamW8bit (or torchao's): state1, state2 in uint8, absmax1, absmax2; one kernel per tensor.
+    "adamw8bit": OptimizerKind("8-bit AdamW", 2, "8bit"),
+    # transformers' Adafactor as the Trainer's `optim: adafactor` builds it (beta1 None, scale_parameter and
+    # relative_step False): exp_avg_sq_row and exp_avg_sq_col (`exp_avg_sq` for a vector) `.to(grad)` of the
+    # gradient already cast to fp32; one tensor at a time: `update = grad**2 + eps` and `_approx_sq_grad`'s
+    # full-size product exist together, beside fp32 copies of a 16-bit gradient and weight (`p_data_fp32`).
+    "adafactor": OptimizerKind("transformers' Adafactor", 0, "fp32", factored=True, tensor_copies=2, upcasts=True),
+    # ... with `beta1` set: `exp_avg`, a full fp32 first moment, too.
+    "adafactor_beta1": OptimizerKind("transformers' Adafactor with beta1", 1, "fp32", factored=True,
+                                     tensor_copies=2, upcasts=True),
+    # torch.optim.Adafactor: row_var and col_var (`variance` for a vector) as `p.grad.new_zeros`; foreach off by
+    # default (torch/optim/_adafactor.py passes foreach=None through), so one tensor at a time:
+    # `var_estimate = row_var @ col_var` (or `variance.clone()`).
+    "adafactor_torch": OptimizerKind("torch's Adafactor", 0, factored=True, tensor_copies=1),
+    # torch.optim.SGD: no state without momentum; `momentum_buffer` (a clone of the first gradient) with it. Its
+    # foreach step adds the scaled gradients in place (a copy only for weight decay, not counted).
+    "sgd": OptimizerKind("SGD", 0),
+    "sgd_momentum": OptimizerKind("SGD with momentum", 1),
+    # torch.optim.Adagrad: `sum`; foreach: `std = torch._foreach_sqrt(state_sums)` and
+    # `numerator = torch._foreach_mul(grads, minus_clr)` (torch/optim/adagrad.py `_multi_tensor_adagrad`).
+    "adagrad": OptimizerKind("Adagrad", 1, group_copies=2),
+    # torch.optim.RMSprop (momentum 0, not centered, the Trainer's defaults): `square_avg`; foreach:
+    # `avg = torch._foreach_sqrt(grouped_square_avgs)`. bitsandbytes' 32-bit RMSprop: one fp32 state, in place.
+    "rmsprop": OptimizerKind("RMSprop", 1, group_copies=1),
+    "rmsprop8bit": OptimizerKind("8-bit RMSprop", 1, "8bit"),
+    # bitsandbytes' Lion (Optimizer1State: state1), DeepSpeed's FusedLion (exp_avg): one state, in place.
+    "lion": OptimizerKind("Lion", 1),
+    "lion8bit": OptimizerKind("8-bit Lion", 1, "8bit"),
+    # bitsandbytes' AdEMAMix: state1 a double buffer (m1, m2), state2 (nu); 8-bit: absmax1 of (2, blocks) too.
+    "ademamix": OptimizerKind("AdEMAMix", 3),
+    "ademamix8bit": OptimizerKind("8-bit AdEMAMix", 3, "8bit"),
+    # DeepSpeed's FusedLamb: exp_avg and exp_avg_sq, in place.
+    "lamb": OptimizerKind("LAMB", 2),
+    # schedulefree's AdamWScheduleFree and RAdamScheduleFree: `z` (a clone of the weight) and `exp_avg_sq`;
+    # foreach by default: `denom = torch._foreach_div(exp_avg_sq, bias_correction2)`. SGDScheduleFree: `z`, in place.
+    "schedule_free_adamw": OptimizerKind("schedule-free AdamW", 2, group_copies=1),
+    "schedule_free_radam": OptimizerKind("schedule-free RAdam", 2, group_copies=1),
+    "schedule_free_sgd": OptimizerKind("schedule-free SGD", 1),
+}
+OPTIMIZERS = tuple(OPTIMIZER_KINDS)

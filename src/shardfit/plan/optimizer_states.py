@@ -1,0 +1,189 @@
+"""Bytes of the optimizer's states and of what its step allocates, for the optimizer the workload names
+(plan/optimizer_kinds.py `OPTIMIZER_KINDS`): the one count the estimate, ZeRO (plan/deepspeed.py), the pipeline's
+stages (plan/pipeline.py) and expert parallelism's share (plan/experts.py) read.
+
+Three layouts of the stepped tensors: plain tensors (one process, DDP, FSDP2's DTensor shards, which keep each
+weight's 2-D shape); FSDP1's flat parameters (each rank's shard of a unit is one 1-D tensor, and with
+use_orig_params its original parameters are 1-D views of it); DeepSpeed's flat fp32 partitions. On the flat ones an
+optimizer sees vectors only, so Adafactor keeps its whole second moment (`flat`), and bitsandbytes' small-tensor
+rules never apply.
+"""
+
+from __future__ import annotations
+
+from shardfit.plan.adapters import adapts, rank_of, saved_params
+from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.optimizer_kinds import BNB_STATE_BLOCK, OPTIMIZER_KINDS, OptimizerKind
+from shardfit.plan.precision import saved_copy_bytes, trainable_bytes
+from shardfit.plan.workload import Workload
+
+# bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements than this (Optimizer2State's
+# `min_8bit_size` default; `init_state`: `if p.numel() < config["min_8bit_size"]: dtype = torch.float32`).
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def kind_of(w: Workload) -> OptimizerKind:
+    """The optimizer `w` steps, as the table describes it."""
+    return OPTIMIZER_KINDS[w.optimizer]
+
+
+def state_width(w: Workload, *, fp32_masters: bool = False, weight_bytes: int | None = None) -> float:
+    """Bytes of one full-size state per trained weight: 8-bit blockwise (one byte and an fp32 absmax per
+    BNB_STATE_BLOCK), fp32 (the optimizer's own rule, bitsandbytes' 32-bit kernels `bnb_optimizer`:
+    `get_state_buffer(p, dtype=torch.float32)`, or an engine's fp32 masters `fp32_masters`: DeepSpeed's ZeRO steps
+    its fp32 partition whatever the weights' dtype, even for 16-bit LoRA adapters), else the dtype of the weights
+    stepped (torch's `zeros_like(p)`): `weight_bytes` where it is not `trainable_bytes` (peft's trained copies)."""
+    kind = kind_of(w)
+    if kind.width == "8bit":
+        return 1 + 4 / BNB_STATE_BLOCK
+    if kind.width == "fp32" or w.bnb_optimizer or fp32_masters:
+        return 4.0
+    return float(weight_bytes or trainable_bytes(w))
+
+
+def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False, weight_bytes: int | None = None,
+                          flat: bool = False) -> float:
+    """Bytes of the optimizer's full-size states per trainable weight (`state_width` each): AdamW's two, Lion's
+    one, AdEMAMix's three, none for SGD without momentum. Adafactor's factored second moment is not in it
+    (`factored_state_bytes`) unless the tensors are `flat` (DeepSpeed's partitions, FSDP1's flat parameters): a
+    vector's second moment is whole, one more state."""
+    kind = kind_of(w)
+    states = kind.states + (1 if kind.factored and flat else 0)
+    return states * state_width(w, fp32_masters=fp32_masters, weight_bytes=weight_bytes)
+
+
+def factored_elements(shape: ModelShape, w: Workload, trainable: int) -> float:
+    """Elements of Adafactor's factored second moment over every trained tensor kept in its shape: a row and a
+    column factor per matrix (per expert of a stacked 3-D weight: torch and transformers factor the last two
+    dimensions), the whole of every other trained weight (norms, biases; a tower's weights and the experts'
+    adapters too, an upper bound of a few bytes per row), of the model's `trainable` weights."""
+    matrices = _trained_matrices(shape, w)
+    return float(trainable - sum(i * o for i, o in matrices) + sum(i + o for i, o in matrices))
+
+
+def _trained_matrices(shape: ModelShape, w: Workload) -> list[tuple[int, int]]:
+    """(in, out) of each trained matrix the planner knows the shape of, each block's once per block: a full
+    fine-tune's (or freeze's trained blocks') linear weights, the input embedding and an untied head; LoRA's A
+    (rank x in) and B (out x rank) of each adapted dense layer, and peft's trained copies of the embedding or
+    head."""
+    out: list[tuple[int, int]] = []
+    matrix = (shape.hidden, shape.vocab)
+    if w.trains_adapters:
+        for n, kind in shape.block_kinds():
+            out += [m for name, i, o in shape.named_linears(kind)
+                    if adapts(name, w) and not name.startswith("expert_")
+                    for r in (rank_of(name, w),) for m in ((i, r), (r, o))] * n
+        return out + [matrix] * len(set(w.lora_saved))
+    if w.method == "freeze":
+        blocks = len(w.trained_blocks(shape.layers))
+        return [(i, o) for i, o in shape.linear_shapes()] * blocks
+    for n, kind in shape.block_kinds():
+        out += [(i, o) for _, i, o in shape.named_linears(kind)] * n
+    return out + [matrix] * (1 if shape.tied else 2)
+
+
+def factored_state_bytes(shape: ModelShape, w: Workload, trainable: int) -> float:
+    """Bytes of Adafactor's factored second moment over the model's `trainable` weights (0 for an optimizer that
+    does not factor): `factored_elements` in the states' width."""
+    if not kind_of(w).factored:
+        return 0.0
+    return factored_elements(shape, w, trainable) * state_width(w)
+
+
+def fp32_state_embedding(w: Workload) -> bool:
+    """Whether a bitsandbytes 8-bit optimizer keeps fp32 states for a trained input embedding: under the HF Trainer
+    (a tool's bitsandbytes 8-bit `optim`, `bnb_optimizer`), whose Trainer.create_optimizer registers every
+    nn.Embedding of the model for 32-bit states (GlobalOptimManager's `register_module_override` with `optim_bits`
+    32) for any bitsandbytes optimizer built with 8 bits: a full fine-tune's embedding, and peft's trained copy of
+    it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an nn.Embedding too). The untied head is an nn.Linear:
+    8-bit states. Not with FSDP1's flat parameters (`flat_params`): the override is keyed by the embedding's own
+    parameter, which no flat parameter is (`fp32_state_params`); the one rule the estimate and a pipeline stage's
+    parts (plan/pipeline.py `_part_gib`) read."""
+    if kind_of(w).width != "8bit" or not w.bnb_optimizer or w.flat_params:
+        return False
+    return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
+
+
+def full_width_state_bytes(w: Workload) -> float:
+    """Bytes of the states of a tensor an 8-bit optimizer keeps full-width (`fp32_state_params`): fp32 under
+    bitsandbytes; torchao's in the parameter's own dtype (optim/adam.py `_new_buffer`: `torch.zeros_like(p)`)."""
+    return kind_of(w).states * (trainable_bytes(w) if w.torchao_optimizer else 4.0)
+
+
+def fp32_state_params(shape: ModelShape, w: Workload) -> float:
+    """Trainable weights an 8-bit optimizer keeps full-width states for (`full_width_state_bytes`, not
+    `optimizer_state_bytes`' 1.016 per state): bitsandbytes' each tensor under BNB_MIN_8BIT_SIZE elements (LoRA A
+    and B matrices of a small model's narrow layers; a full fine-tune's norm weights and biases where the hidden
+    size is under it), and the trained input embedding the HF Trainer registers for 32-bit states
+    (`fp32_state_embedding`); torchao's (`torchao_optimizer`) each under the same size or not a multiple of its
+    block (BNB_STATE_BLOCK, 256), judged on the whole tensor (under FSDP2 it judges each rank's shard: not
+    modelled). 0 for other optimizers, and with FSDP1's flat parameters (`flat_params`): the optimizer steps one
+    flat parameter per unit, never a small tensor, and the Trainer's override (keyed by the embedding's own
+    parameter) matches none; DeepSpeed's ZeRO steps flat fp32 partitions alike (plan/deepspeed.py never adds these).
+    """
+    if kind_of(w).width != "8bit" or w.flat_params:
+        return 0.0
+
+    def wide(n: int) -> bool:
+        return n < BNB_MIN_8BIT_SIZE or (w.torchao_optimizer and n % BNB_STATE_BLOCK != 0)
+
+    embedding = shape.vocab * shape.hidden if fp32_state_embedding(w) else 0
+    if w.trains_adapters:
+        return float(embedding + shape.over_blocks(lambda moe: sum(
+            (r * i if wide(r * i) else 0) + (r * o if wide(r * o) else 0)
+            for n, i, o in shape.named_linears(moe) if adapts(n, w) and not n.startswith("expert_")
+            for r in (rank_of(n, w),))))
+    if w.method != "full":
+        return 0.0
+    # A block's weights outside its linear layers (norms, biases) are vectors no wider than the hidden size or a
+    # projection's output: full-width where the hidden size is.
+    norms = shape.over_blocks(shape.block_extra_params) + shape.hidden if wide(shape.hidden) else 0
+    return float(norms + embedding)
+
+
+def model_state_bytes(shape: ModelShape, w: Workload, trainable: int, *, flat: bool = False) -> float:
+    """The optimizer's states over the whole model's `trainable` weights, before any sharding: the full-size
+    states (peft's trained copies in their own dtype, torch's `zeros_like`), an 8-bit optimizer's full-width
+    tensors (`fp32_state_params`) and Adafactor's factored second moment (`factored_state_bytes`; whole on `flat`
+    tensors, where `optimizer_state_bytes` counts it)."""
+    saved = saved_params(shape, w)
+    wide = fp32_state_params(shape, w) * (full_width_state_bytes(w) - optimizer_state_bytes(w))
+    per, per_saved = (optimizer_state_bytes(w, flat=flat, weight_bytes=b)
+                      for b in (None, saved_copy_bytes(w)))
+    factored = 0.0 if flat else factored_state_bytes(shape, w, trainable)
+    return (trainable - saved) * per + saved * per_saved + wide + factored
+
+
+def largest_trainable(shape: ModelShape, w: Workload) -> int:
+    """Elements of the largest trainable parameter: the embedding or head of a full fine-tune (or its largest
+    linear weight), the largest adapter matrix of LoRA."""
+    linears = shape.linear_shapes()
+    if w.method != "full":
+        return w.lora_rank * max(max(i, o) for i, o in linears)
+    return max(shape.vocab * shape.hidden, *(i * o for i, o in linears))
+
+
+def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0) -> float:
+    """What the optimizer's step allocates over a param group of `params` plain tensors whose largest has `largest`
+    elements. torch's multi-tensor (`foreach`) kernels, their default on a GPU (`multi_tensor_step`): each of the
+    kind's `group_copies` a copy of the group in the states' dtype, alive until the update (AdamW's
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, torch/optim/adam.py `_multi_tensor_adam`). A step that
+    loops over tensors (`tensor_copies`: Adafactor's): copies of the largest tensor, and transformers' fp32 copies of
+    a 16-bit weight and its gradient. Fused kernels (`fused_adamw`) and bitsandbytes' (per tensor in place)
+    allocate none."""
+    kind = kind_of(w)
+    if w.multi_tensor_step:
+        return kind.group_copies * params * trainable_bytes(w)
+    if not kind.tensor_copies or w.bnb_optimizer:
+        return 0.0
+    upcast = 2 * 4 if kind.upcasts and trainable_bytes(w) < 4 else 0
+    return largest * (kind.tensor_copies * state_width(w) + upcast)
+
+
+def step_bytes_per_param(w: Workload) -> int:
+    """Bytes the optimizer's step reads and writes per trained weight, which sets its time at the memory bandwidth
+    (plan/comms.py): the fp32 weight read and written and its gradient read (12), each full-size state read and
+    written, and each per-tensor copy written and read, 8 bytes apiece as the fitted AdamW's 28 counts its two
+    (comms.py ADAM_BYTES_PER_PARAM, kept for 8-bit AdamW too); Adafactor's factors are a few bytes per row."""
+    kind = kind_of(w)
+    return 12 + 8 * (kind.states + kind.tensor_copies)

@@ -1,0 +1,152 @@
+"""The optimizers beyond AdamW (plan/optimizer_kinds.py): each one's planned states against what the real optimizer
+keeps after one step on a tiny model, their forms under ZeRO-3 and FSDP, and the CLI's choices."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers.optimization import Adafactor
+
+from shardfit.cli.main import build_parser
+from shardfit.plan.comms import ADAM_BYTES_PER_PARAM
+from shardfit.plan.deepspeed import ZeroSettings, step_bytes, zero_memory
+from shardfit.plan.estimate import estimate, per_rank, state_bytes, trainable_params
+from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.optimizer_kinds import OPTIMIZERS
+from shardfit.plan.optimizer_states import (
+    factored_elements,
+    foreach_temp_bytes,
+    largest_trainable,
+    step_bytes_per_param,
+)
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+from shardfit.strategy import get
+
+GIB = 2**30
+CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 500, "tie_word_embeddings": True}
+# The planner's optimizer -> the real one it stands for, built over a model's parameters.
+REAL = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-3),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "adafactor_torch": lambda ps: torch.optim.Adafactor(ps, lr=1e-3),
+    # as the HF Trainer's `optim: adafactor` builds it (trainer_optimizer.py `_get_adafactor`)
+    "adafactor": lambda ps: Adafactor(ps, lr=1e-3, scale_parameter=False, relative_step=False),
+    "adafactor_beta1": lambda ps: Adafactor(ps, lr=1e-3, scale_parameter=False, relative_step=False, beta1=0.9),
+}
+
+
+def _model_and_shape(dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    """A tiny Qwen2 (tied embedding, q/k/v biases) in `dtype`, and the plan's shape of it."""
+    config = Qwen2Config(**CONFIG)
+    folder = Path(tempfile.mkdtemp())
+    config.save_pretrained(folder)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(dtype), resolve_shape(str(folder))
+
+
+def _measured(model: torch.nn.Module, name: str) -> int:
+    """Bytes of the state tensors `name`'s real optimizer keeps after one step: every tensor in `optimizer.state`
+    but the 0-dim counters (`step`, transformers' `RMS`) torch keeps on the host."""
+    opt = REAL[name](list(model.parameters()))
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize(("dtype", "over"), [(torch.float32, {}), (torch.bfloat16, {"pure_16bit": True})])
+def test_planned_states_are_what_the_real_optimizer_keeps(name: str, dtype: torch.dtype, over: dict) -> None:
+    """A full fine-tune of the tiny model, fp32 masters or pure bf16: the plan's optimizer part is the bytes the
+    real optimizer holds after its first step (Adafactor: a row and a column per matrix, the whole of each vector;
+    transformers' in fp32 even for bf16 weights, torch's in the weights' dtype)."""
+    model, shape = _model_and_shape(dtype)
+    w = Workload(method="full", precision="bf16", optimizer=name, **over)
+    assert state_bytes(shape, w)[2] == _measured(model, name)
+
+
+def test_a_7b_full_fine_tune_with_adafactor_holds_kilobytes_per_row_not_8_bytes_per_weight() -> None:
+    """Llama-2-7B: Adafactor's factored states are a few MiB where AdamW's are 8 bytes a weight (50 GiB); SGD none,
+    Lion one state, AdEMAMix three."""
+    shape = resolve_shape("meta-llama/Llama-2-7b-hf")
+    full = Workload(method="full", precision="bf16", fused_adamw=True)
+    t = trainable_params(shape, full)
+    states = {n: state_bytes(shape, dataclasses.replace(full, optimizer=n))[2] for n in OPTIMIZERS}
+    assert states["adamw"] == 8 * t and states["sgd"] == 0 and states["lion"] == 4 * t
+    assert states["ademamix"] == 12 * t and states["adafactor_beta1"] == 4 * t + states["adafactor"]
+    assert 0 < states["adafactor"] < 0.001 * states["adamw"]
+    assert states["adafactor"] == 4 * factored_elements(shape, full, t)
+
+
+def test_zero3_partitions_are_flat_so_adafactor_keeps_its_whole_second_moment() -> None:
+    """DeepSpeed steps the client optimizer on its flat fp32 partition: Adafactor sees a vector, so one fp32 state
+    per weight beside the masters (not its factors), and transformers' per-tensor step copies the partition twice.
+    FSDP2 keeps each shard's 2-D shape (factored, 1/8 each); FSDP1's flat parameters are vectors like ZeRO's."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("8xH100", 1, None)
+    w = Workload(method="full", precision="bf16", optimizer="adafactor", fused_adamw=True)
+    t = trainable_params(shape, w)
+    z = ZeroSettings(stage=3)
+    m = zero_memory(shape, w, 8, z)
+    assert m.states == pytest.approx(4 * t / 8 + 4 * t / 8)
+    part = z.sub_group_size + largest_trainable(shape, w) / 8
+    assert step_bytes(shape, w, 8, z, m, 0.0)[1] == pytest.approx(2 * 4 * min(t / 8, part))
+    fsdp2 = per_rank(shape, w, hw, get("zero3"))
+    assert fsdp2.optimizer == pytest.approx(state_bytes(shape, w)[2] / 8)
+    assert fsdp2.optimizer < 0.01 * GIB
+    fsdp1 = per_rank(shape, dataclasses.replace(w, fsdp1=True), hw, get("zero3"))
+    assert fsdp1.optimizer == pytest.approx(4 * t / 8)
+
+
+def test_step_copies_follow_each_kernel() -> None:
+    """Multi-tensor steps: AdamW and RMSprop one copy of the group, Adagrad two (`std`, `numerator`), SGD none;
+    bitsandbytes' Lion none; transformers' Adafactor loops over tensors: two fp32 copies of the largest, two more
+    where the weights are 16-bit."""
+    params, largest = 1e6, 1e4
+    full = Workload(method="full", precision="bf16")
+    copies = {n: foreach_temp_bytes(params, dataclasses.replace(full, optimizer=n), largest) / (4 * params)
+              for n in ("adamw", "rmsprop", "adagrad", "sgd", "sgd_momentum")}
+    assert copies == {"adamw": 1, "rmsprop": 1, "adagrad": 2, "sgd": 0, "sgd_momentum": 0}
+    lion = dataclasses.replace(full, optimizer="lion", bnb_optimizer=True, fused_adamw=True)
+    assert foreach_temp_bytes(params, lion, largest) == 0
+    ada = dataclasses.replace(full, optimizer="adafactor", fused_adamw=True)
+    assert foreach_temp_bytes(params, ada, largest) == 2 * 4 * largest
+    assert foreach_temp_bytes(params, dataclasses.replace(ada, pure_16bit=True), largest) == 4 * 4 * largest
+
+
+def test_a_full_fine_tune_the_adamw_plan_does_not_fit_fits_with_adafactor() -> None:
+    """Llama-2-7B full fine-tune (fp32 masters) on one 80 GiB card: with AdamW's 50 GiB of states it does not
+    fit, with Adafactor's it does: its optimizer part is its factors and its step's two fp32 copies of the largest
+    tensor (the 32000 x 4096 embedding)."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("1xH100", 1, None)
+    w = Workload(method="full", precision="bf16", seq_len=512, fused_adamw=True)
+    assert not estimate(shape, w, hw, "single").fits
+    a = dataclasses.replace(w, optimizer="adafactor")
+    ada = estimate(shape, a, hw, "single")
+    copies = 2 * 4 * largest_trainable(shape, a)
+    assert ada.fits and ada.per_gpu_gib.optimizer == pytest.approx((state_bytes(shape, a)[2] + copies) / GIB)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_plan_takes_every_modelled_optimizer(name: str) -> None:
+    """`shardfit plan --optimizer` offers each optimizer the table models."""
+    args = build_parser().parse_args(["plan", "--model", "Qwen/Qwen2.5-0.5B", "--optimizer", name])
+    assert args.optimizer == name
+
+
+def test_the_step_s_time_reads_the_bytes_each_optimizer_touches() -> None:
+    """The step at the memory bandwidth (plan/comms.py): AdamW's fitted 28 bytes a weight (8-bit AdamW too); SGD
+    only the weight and its gradient, Lion one state more, AdEMAMix three, Adafactor its two per-tensor copies."""
+    per = {n: step_bytes_per_param(Workload(optimizer=n)) for n in ("adamw", "adamw8bit", "sgd", "lion", "ademamix",
+                                                                    "adafactor")}
+    assert per == {"adamw": ADAM_BYTES_PER_PARAM, "adamw8bit": 28, "sgd": 12, "lion": 20, "ademamix": 36,
+                   "adafactor": 28}
