@@ -71,6 +71,25 @@ def test_a_command_parses_as_under_the_full_parser(argv: list[str]) -> None:
     assert lazy["func"].__module__ == full["func"].__module__
 
 
+@pytest.mark.parametrize("argv", [["-h", "plan"], ["--help", "doctor"], ["--debug", "-h", "diagnose"], ["plan", "-h"],
+                                  ["--debug", "report", "--help"], ["--vers", "doctor"], ["plna"]])
+def test_help_and_errors_print_as_under_the_full_parser(argv: list[str]) -> None:
+    """`shardfit -h plan` prints the top-level help (argparse acts on -h where it meets it): every command's line,
+    as the full parser prints it; so do a command's own help and the refusals."""
+    import contextlib
+    import io
+
+    from shardfit.cli.main import build_parser
+
+    def printed(lazy: bool) -> tuple[str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            build_parser(argv if lazy else None).parse_args(argv)
+        return out.getvalue(), err.getvalue()
+
+    assert printed(lazy=True) == printed(lazy=False)
+
+
 def test_config_strategies_are_the_table() -> None:
     assert CHOICES["strategy"] == ("auto", *strategy.NAMES)
     assert {s.engine for s in strategy.TABLE} <= {"plain", "ddp", "fsdp2", "device_map"}  # parallelize's branches

@@ -30,3 +30,5 @@ def test_each_set_runs_through_the_one_runner_with_its_own_paths(name: str, monk
     assert title == bench.__doc__.split("\n\n")[0]
     assert bench.evaluate.__qualname__ == "set_runner.<locals>.evaluate"
     assert bench.evaluate.__module__ in ("plan_vs_blind3", name)
+    number = name.removeprefix("plan_vs_blind")  # each script reads its own set and writes its own results
+    assert (bench.SET.name, bench.OUT.name) == (f"published_blind{number}.yaml", f"plan_vs_blind{number}.json")

@@ -144,3 +144,29 @@ def test_a_causes_file_of_ones_own_is_read_and_checked_at_load(tmp_path: Path) -
     bad.write_text(base.format("zebra(unclosed"))
     with pytest.raises(UserError, match="cause mine.*bad re"):
         load_knowledge(bad)
+
+
+def test_loading_the_bundled_file_compiles_nothing() -> None:
+    """Every pattern of the bundled file is in the table: a fresh load compiles none of them (an ignored or stale
+    table would compile them all, answering the same, only slower)."""
+    from shardfit.diagnose import engine
+    from shardfit.diagnose.regex import Regex
+
+    k = engine._load.__wrapped__(str(engine.HERE / "causes.yaml"))
+    regexes = [i.value for c in k.causes for part in (c.signatures, c.context, c.veto, c.hints) for i in part
+               if isinstance(i.value, Regex)]
+    regexes += [p.pattern if isinstance(p, LineFilter) else p for p in k.facts.values()]
+    regexes += [c.quote for c in k.causes if c.quote is not None] + [rx for rx, _ in k.generic]
+    assert regexes and not [r for r in regexes if r._compiled is not None]
+    assert k == engine._load.__wrapped__(str(engine.HERE / "causes.yaml"))  # two loads compare equal
+
+
+@pytest.mark.parametrize("text", ["null", "[1, 2]", '{"2:x": "abc"}', '{"2:x": [""]}', '{"2:x": [3]}', "{not json"])
+def test_a_damaged_table_is_ignored(tmp_path: Path, text: str) -> None:
+    """A table of the wrong shape would hand a regex words it does not need (a string read as its letters) and skip
+    it wrongly: it is ignored whole, and every pattern is compiled and read at load."""
+    from shardfit.diagnose.regex import _table
+
+    bad = tmp_path / "literals.json"
+    bad.write_text(text)
+    assert _table.__wrapped__(bad) == {}

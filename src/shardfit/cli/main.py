@@ -66,9 +66,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def command_named(argv: Sequence[str]) -> str | None:
-    """The command `argv` runs: its first word that is not an option (shardfit's own options take no value), when
-    that is a command's name and the shell is not asking for completions."""
-    first = next((a for a in argv if not a.startswith("-")), None)
+    """The command `argv` runs: its first word, or the one after `--debug`, when that is a command's name and the
+    shell is not asking for completions. Any other option before it may print the top-level help (`-h plan`: argparse
+    acts on -h where it meets it) or name an abbreviation, which the full parser answers."""
+    words = list(argv[1:]) if argv[:1] == ["--debug"] else list(argv)
+    first = words[0] if words else None
     return first if first in COMMANDS and "_ARGCOMPLETE" not in os.environ else None
 
 

@@ -50,6 +50,12 @@ class Regex:
     def findall(self, text: str) -> list:
         return self.compiled().findall(text)
 
+    def __eq__(self, other: object) -> bool:  # as re.Pattern objects compare: two loads of one file are equal
+        return isinstance(other, Regex) and (self.pattern, self.flags) == (other.pattern, other.flags)
+
+    def __hash__(self) -> int:
+        return hash((self.pattern, self.flags))
+
     def __repr__(self) -> str:
         return f"Regex({self.pattern!r}, {self.flags})"
 
@@ -61,10 +67,15 @@ def key(pattern: str, flags: int) -> str:
 
 @cache
 def _table(path: Path = TABLE) -> dict[str, list[str] | None]:
+    """The bundled table, or an empty one where it is missing or damaged (that only costs the time it saves): a
+    value that is not a list of words would skip a regex it must not."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # a missing or damaged table only costs the time it saves
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
         return {}
+    ok = isinstance(table, dict) and all(
+        v is None or (isinstance(v, list) and v and all(isinstance(w, str) and w for w in v)) for v in table.values())
+    return table if ok else {}
 
 
 def regex(pattern: str, flags: int) -> Regex:
