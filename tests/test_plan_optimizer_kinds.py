@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.optimization import Adafactor
 
 from shardfit.cli.main import build_parser
@@ -21,8 +21,7 @@ from shardfit.plan.comms import ADAM_BYTES_PER_PARAM
 from shardfit.plan.deepspeed import ZeroSettings, step_bytes, step_copies, zero_memory
 from shardfit.plan.estimate import estimate, per_rank, state_bytes, trainable_params
 from shardfit.plan.hardware import parse_gpus
-from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS, OPTIMIZERS
-from shardfit.plan.pipeline import stage_breakdown
+from shardfit.plan.optimizer_kinds import OPTIMIZERS
 from shardfit.plan.optimizer_states import (
     factored_elements,
     foreach_temp_bytes,
@@ -30,6 +29,7 @@ from shardfit.plan.optimizer_states import (
     largest_trainable,
     step_bytes_per_param,
 )
+from shardfit.plan.pipeline import stage_breakdown
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.strategy import get
