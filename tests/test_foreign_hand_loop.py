@@ -102,7 +102,6 @@ def test_bitsandbytes_8bit_adamw(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("opt", ["torch.optim.NAdam(model.parameters(), lr=0.1)",
-                                 "torch.optim.RMSprop(model.parameters(), momentum=0.9)",
                                  "torch.optim.AdamW(model.parameters(), amsgrad=True)"])
 def test_an_unmodelled_optimizer_exits_2_unless_optimizer_is_given(tmp_path: Path, opt: str) -> None:
     body = f"from transformers.optimization import Adafactor\nopt = {opt}\n" + LOADER + LOOP
@@ -120,6 +119,9 @@ def test_an_unmodelled_optimizer_exits_2_unless_optimizer_is_given(tmp_path: Pat
     ("Adafactor(model.parameters(), beta1=0.9)", "adafactor_beta1", False),
     ("torch.optim.Adafactor(model.parameters())", "adafactor_torch", False),
     ("torch.optim.Adagrad(model.parameters(), foreach=False)", "adagrad", True),
+    ("torch.optim.RMSprop(model.parameters(), momentum=0.9)", "rmsprop_momentum", False),
+    ("torch.optim.RMSprop(model.parameters(), centered=True, momentum=m)", "rmsprop_centered_momentum", False),
+    ("bnb.optim.RMSprop32bit(model.parameters(), momentum=0.9)", "rmsprop", True),
     ("bnb.optim.Lion8bit(model.parameters())", "lion8bit", True),
     ("bnb.optim.AdEMAMix(model.parameters())", "ademamix", True)])
 def test_the_loop_s_optimizer_is_planned_as_its_library_builds_it(tmp_path: Path, opt: str, planned: str,

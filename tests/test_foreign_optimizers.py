@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardfit.foreign.common import optimizer_keys
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 
 DS_ADAM = '{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}'
 DS_LAMB = '{"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}}'
@@ -93,8 +95,61 @@ def test_optimizer_names_plan_their_states_or_say_what_stands_in(name: str) -> N
 @pytest.mark.parametrize(("optim_args", "planned"), [(None, "sgd"), ("momentum=0.9,nesterov=True", "sgd_momentum"),
                                                      ("momentum=0", "sgd"), ({"momentum": "0.9"}, "sgd_momentum")])
 def test_sgd_keeps_a_buffer_where_optim_args_give_it_momentum(optim_args: object, planned: str) -> None:
-    """The Trainer's `sgd` reads `momentum` from `optim_args` (trainer_optimizer.py `_get_sgd`)."""
-    assert optimizer_keys("sgd", "4.56.0", [], optim_args=optim_args)["optimizer"] == planned
+    """The Trainer's `sgd` reads `momentum` from `optim_args` from transformers 5.3 (trainer_optimizer.py
+    `_get_sgd`)."""
+    assert optimizer_keys("sgd", "5.3.0", [], optim_args=optim_args)["optimizer"] == planned
+
+
+@pytest.mark.parametrize(("optim", "optim_args", "planned"), [
+    ("sgd", "momentum=0.9", "sgd"), ("rmsprop", "momentum=0.9,centered=True", "rmsprop")])
+def test_optim_args_are_dropped_before_transformers_passes_them(optim: str, optim_args: str, planned: str) -> None:
+    """transformers 4.x and 5.0-5.2 build torch's SGD and RMSprop with the learning rate alone (optim_args ignored
+    until PR #44203, in 5.3): no momentum buffer, said in a note naming what is dropped."""
+    for version in ("4.56.0", "5.2.0"):
+        notes: list[str] = []
+        assert optimizer_keys(optim, version, notes, optim_args=optim_args)["optimizer"] == planned
+        assert len(notes) == 1 and "momentum" in notes[0] and "ignored" in notes[0] and "5.3" in notes[0]
+
+
+@pytest.mark.parametrize(("optim_args", "planned", "states"), [
+    (None, "rmsprop", 1), ("momentum=0.9", "rmsprop_momentum", 2), ("centered=True", "rmsprop_centered", 2),
+    ({"momentum": "0.9", "centered": "true"}, "rmsprop_centered_momentum", 3)])
+def test_rmsprop_plans_the_states_optim_args_give_it(optim_args: object, planned: str, states: int) -> None:
+    """transformers 5.3's `rmsprop` passes `momentum` and `centered` to torch's RMSprop: `momentum_buffer` and
+    `grad_avg` beside `square_avg`, counted as the real optimizer keeps them after a step."""
+    keys = optimizer_keys("rmsprop", "5.23.0", [], optim_args=optim_args)
+    assert keys["optimizer"] == planned and OPTIMIZER_KINDS[planned].states == states
+    kwargs = {"momentum": 0.9} if "momentum" in planned else {}
+    real = torch.optim.RMSprop([torch.nn.Parameter(torch.zeros(8))], centered="centered" in planned, **kwargs)
+    real.param_groups[0]["params"][0].grad = torch.ones(8)
+    real.step()
+    assert sum(1 for t in next(iter(real.state.values())).values() if t.dim() > 0) == states
+
+
+@pytest.mark.parametrize(("optim", "decay", "said"), [
+    ("sgd", 0.01, "adds one copy"), ("rmsprop", "0.1", "adds one copy"), ("sgd", None, "may add one copy"),
+    ("sgd", 0.0, None), ("adagrad", 0.1, None), ("adamw_torch", 0.1, None), ("rmsprop_bnb", 0.1, None)])
+def test_weight_decay_on_torch_sgd_or_rmsprop_is_said_to_copy_the_group(optim: str, decay: object,
+                                                                         said: str | None) -> None:
+    """torch's multi-tensor SGD and RMSprop add the decay into a copy of the gradients (measured: one more copy of
+    the group); the Workload carries no weight decay, so a note says it where the decay is non-zero or unknown."""
+    notes: list[str] = []
+    optimizer_keys(optim, "5.23.0", notes, weight_decay=decay)
+    if said is None:
+        assert not any("weight_decay" in n for n in notes), notes
+    else:
+        assert len(notes) == 1 and said in notes[0] and "not planned" in notes[0], notes
+
+
+@pytest.mark.parametrize(("optim", "sense", "fix"), [
+    ("lomo", "large over-estimate", "--optimizer sgd"), ("adalomo", "over-estimate", "--optimizer adafactor"),
+    ("galore_adamw", "over-estimate", "upper bound"), ("apollo_adamw_layerwise", "over-estimate", "upper bound"),
+    ("grokadamw", "under-estimate by one state", "--optimizer ademamix")])
+def test_a_stand_in_says_which_way_it_errs_and_what_to_pass(optim: str, sense: str, fix: str) -> None:
+    """What is still planned as AdamW says whether that over- or under-counts its states, and the closest plan."""
+    notes: list[str] = []
+    optimizer_keys(optim, "5.23.0", notes)
+    assert len(notes) == 1 and sense in notes[0] and fix in notes[0], notes
 
 
 @pytest.mark.parametrize(("section", "planned", "fused"), [

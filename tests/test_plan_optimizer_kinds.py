@@ -5,25 +5,31 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.optimization import Adafactor
 
 from shardfit.cli.main import build_parser
 from shardfit.plan.comms import ADAM_BYTES_PER_PARAM
-from shardfit.plan.deepspeed import ZeroSettings, step_bytes, zero_memory
+from shardfit.plan.deepspeed import ZeroSettings, step_bytes, step_copies, zero_memory
 from shardfit.plan.estimate import estimate, per_rank, state_bytes, trainable_params
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.optimizer_kinds import OPTIMIZERS
 from shardfit.plan.optimizer_states import (
     factored_elements,
     foreach_temp_bytes,
+    fsdp1_flat_piece,
     largest_trainable,
     step_bytes_per_param,
 )
+from shardfit.plan.pipeline import stage_breakdown
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.strategy import get
@@ -38,6 +44,9 @@ REAL = {
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-3),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "rmsprop_momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True),
+    "rmsprop_centered_momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True),
     "adafactor_torch": lambda ps: torch.optim.Adafactor(ps, lr=1e-3),
     # as the HF Trainer's `optim: adafactor` builds it (trainer_optimizer.py `_get_adafactor`)
     "adafactor": lambda ps: Adafactor(ps, lr=1e-3, scale_parameter=False, relative_step=False),
@@ -150,3 +159,81 @@ def test_the_step_s_time_reads_the_bytes_each_optimizer_touches() -> None:
                                                                     "adafactor")}
     assert per == {"adamw": ADAM_BYTES_PER_PARAM, "adamw8bit": 28, "sgd": 12, "lion": 20, "ademamix": 36,
                    "adafactor": 28}
+
+
+class _PeakAllocated(TorchDispatchMode):
+    """The most bytes of new storage the ops run under it hold at once (a storage counts until it is freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        for t in tree_flatten(out)[0]:
+            ptr = t.untyped_storage().data_ptr() if torch.is_tensor(t) else 0
+            if not ptr or ptr in given or ptr in self.seen:
+                continue
+            size = t.untyped_storage().nbytes()
+            self.seen.add(ptr)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t.untyped_storage(), self._free, ptr, size)
+        return out
+
+    def _free(self, ptr: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(ptr)
+
+
+def _step_peak(name: str, tensors: int, n: int = 100_000) -> int:
+    """Peak bytes `name`'s real optimizer allocates in its second step over `tensors` fp32 vectors of `n` elements
+    each (a ZeRO partition, FSDP1's flat parameters), beyond its states."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for _ in range(tensors)]
+    opt = REAL[name](params)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(n)
+        with _PeakAllocated() as tracked:
+            opt.step()
+    return tracked.peak
+
+
+@pytest.mark.parametrize("name", ["adafactor_torch", "adafactor", "adafactor_beta1"])
+def test_adafactor_on_flat_tensors_copies_as_the_real_step_does(name: str) -> None:
+    """On a vector torch's Adafactor keeps `grad_squared` beside `variance.clone()` and transformers' `grad**2` beside
+    `update`: two copies of a ZeRO partition, which DeepSpeed hands the optimizer one per step call. FSDP1's step
+    sees several flat tensors, and the previous one's `update` is still bound when the next one's are made: three."""
+    w = Workload(method="full", precision="bf16", optimizer=name, fused_adamw=True)
+    n = 100_000
+    assert step_copies(w, ZeroSettings(stage=2)) * 4 * n == pytest.approx(_step_peak(name, 1, n), rel=0.01)
+    assert foreach_temp_bytes(3 * n, w, n, flat=True) == pytest.approx(_step_peak(name, 3, n), rel=0.01)
+
+
+def test_fsdp1_adafactor_copies_the_largest_flat_piece_three_times() -> None:
+    """FSDP1 (flat parameters): each rank's step copies its largest flat piece (a unit's shard, or a parameter's
+    view of it, never more than the parameter) three times; FSDP2 keeps each shard's shape: one copy of 1/8 of the
+    largest tensor, factored."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("8xH100", 1, None)
+    w = Workload(method="full", precision="bf16", optimizer="adafactor_torch", fused_adamw=True)
+    piece = fsdp1_flat_piece(shape, w, 8)
+    assert piece == (shape.embed_params() + shape.hidden) / 8  # the root unit: the embedding and the head
+    fsdp1 = per_rank(shape, dataclasses.replace(w, fsdp1=True), hw, get("zero3"))
+    assert fsdp1.foreach == pytest.approx(3 * 4 * piece)
+    fsdp2 = per_rank(shape, w, hw, get("zero3"))
+    assert fsdp2.foreach == pytest.approx(4 * largest_trainable(shape, w) / 8)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adafactor_torch"])
+def test_a_middle_pipeline_stage_sizes_adafactor_s_copies_on_its_own_largest_weight(name: str) -> None:
+    """A pipeline's middle stage holds neither the embedding nor the head: Adafactor's per-tensor step copies the
+    stage's largest decoder weight (Llama-2-7B's MLP, 4096 x 11008), beside a few MiB of factored states; the
+    first stage the embedding (32000 x 4096)."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("4xH100", 1, None)
+    w = Workload(method="full", precision="bf16", optimizer=name, fused_adamw=True)
+    first, middle = (stage_breakdown(shape, w, hw, 4, s, 8).optimizer * GIB for s in (0, 1))
+    own = foreach_temp_bytes(0, w, shape.hidden * shape.intermediate)
+    assert 0 < middle - own < 0.01 * GIB
+    assert first - foreach_temp_bytes(0, w, shape.vocab * shape.hidden) == pytest.approx(middle - own, abs=0.01 * GIB)

@@ -17,6 +17,7 @@ from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
 from shardfit.plan.attention_layout import NO_SDPA_TYPES
+from shardfit.plan.optimizer_kinds import WEIGHT_DECAY_COPIES, rmsprop_kind
 
 # HF TrainingArguments that change nothing the planner counts (logging, saving, schedules, evaluation cadence,
 # data loading, hub and reporting). Whether and how the job evaluates while training counts (foreign/trainer_eval.py).
@@ -123,8 +124,9 @@ MULTI_TENSOR = ("adamw_torch", "adagrad", "rmsprop", "sgd", "schedule_free_adamw
 def optimizer(name: str, optim_args: Any = None) -> str | None:
     """The planner's optimizer (plan/optimizer_kinds.py) for the HF Trainer's `optim` = `name`, or None for one the
     planner does not model (paged AdamW counts as AdamW, from bitsandbytes: `bitsandbytes_optimizer`;
-    `optimizer_stand_in` says what such a one is planned as). `optim_args` (the Trainer's `optim_args`, read by its
-    `sgd`): a non-zero `momentum` keeps a momentum buffer."""
+    `optimizer_stand_in` says what such a one is planned as). `optim_args` (the Trainer's `optim_args`, as its
+    `sgd` and `rmsprop` read them, `torch_optim_args`): a non-zero `momentum` keeps a momentum buffer, RMSprop's
+    `centered` a gradient average."""
     n = name.lower()
     if n in EIGHT_BIT_OPTIMIZERS or n in TORCHAO_8BIT:
         return "adamw8bit"
@@ -132,38 +134,85 @@ def optimizer(name: str, optim_args: Any = None) -> str | None:
         return None
     if n.startswith(("adamw", "paged_adamw")) or n == "adam":
         return "adamw"
-    if n == "sgd" and _optim_arg(optim_args, "momentum") not in (None, 0.0):
+    momentum = _optim_arg(optim_args, "momentum") not in (None, 0.0)
+    if n == "sgd" and momentum:
         return "sgd_momentum"
+    if n == "rmsprop":
+        centered = str(_optim_value(optim_args, "centered")).lower() in ("true", "1", "yes")
+        return rmsprop_kind(momentum, centered)
     return NAMED.get(n)
 
 
-def _optim_arg(optim_args: Any, key: str) -> float | None:
-    """A number of the Trainer's `optim_args` ("momentum=0.9,nesterov=True", or a mapping), None where it is not
-    given or not a number."""
+# transformers' Trainer passes `optim_args` to torch's SGD, Adagrad and RMSprop from 5.3 (PR #44203,
+# trainer_optimizer.py `_get_sgd`, `_get_rmsprop`); 4.x and 5.0-5.2 build them with the learning rate alone.
+OPTIM_ARGS_SINCE = (5, 3)
+TORCH_OPTIM_ARGS = {"sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
+                    "adagrad": ("lr_decay", "weight_decay", "eps"),
+                    "rmsprop": ("momentum", "alpha", "eps", "weight_decay", "centered")}
+
+
+def torch_optim_args(name: str, optim_args: Any, version: str) -> tuple[Any, str | None]:
+    """The `optim_args` the HF Trainer of transformers `version` passes to the torch optimizer it builds for `optim`
+    = `name` (TORCH_OPTIM_ARGS: none before OPTIM_ARGS_SINCE), with a note naming those it drops."""
+    keys = TORCH_OPTIM_ARGS.get(name.lower())
+    if keys is None or major_minor(version) >= OPTIM_ARGS_SINCE:
+        return optim_args, None
+    dropped = [k for k in keys if _optim_value(optim_args, k) is not None]
+    if not dropped:
+        return None, None
+    return None, (f"optim_args {', '.join(dropped)} ignored: transformers {version} builds torch's {name} with the "
+                  "learning rate alone (it passes optim_args from 5.3, PR #44203); planned without them")
+
+
+def _optim_value(optim_args: Any, key: str) -> Any:
+    """The value of `key` in the Trainer's `optim_args` ("momentum=0.9,nesterov=True", or a mapping), or None."""
     pairs = optim_args.items() if isinstance(optim_args, dict) else (
         p.split("=", 1) for p in str(optim_args or "").replace(" ", "").split(",") if "=" in p)
-    for k, v in pairs:
-        if str(k) == key:
-            try:
-                return float(v)
-            except (TypeError, ValueError):
-                return None
-    return None
+    return next((v for k, v in pairs if str(k) == key), None)
+
+
+def _optim_arg(optim_args: Any, key: str) -> float | None:
+    """A number of the Trainer's `optim_args`, None where it is not given or not a number."""
+    try:
+        return float(_optim_value(optim_args, key))
+    except (TypeError, ValueError):
+        return None
+
+
+# What the AdamW stand-in gets wrong for each optimizer the planner does not model (by the start of its name), and
+# the plan closest to its states: transformers' trainer_optimizer.py builds them from galore_torch, apollo_torch,
+# lomo_optim, grokadamw and optimi.
+STAND_INS = {
+    "adalomo": ("an over-estimate: AdaLomo keeps a factored second moment, Adafactor's rows and columns, and updates "
+                "in backward", "--optimizer adafactor"),
+    "lomo": ("a large over-estimate: LOMO keeps no optimizer state and updates each weight in backward",
+             "--optimizer sgd"),
+    "galore": ("an over-estimate: GaLore keeps Adam's states of rank-r projections (r 128 by default) of its target "
+               "modules' gradients, full ones only for the rest", "no closer kind; the plan is an upper bound"),
+    "apollo": ("an over-estimate: APOLLO keeps Adam's states of rank-r projections (r 256, 1 for APOLLO-Mini) of "
+               "its target modules' gradients", "no closer kind; the plan is an upper bound"),
+    "grokadamw": ("an under-estimate by one state: GrokAdamW keeps an EMA of the gradient beside Adam's two",
+                  "--optimizer ademamix (three states)"),
+    "stable_adamw": ("near: optimi's StableAdamW keeps Adam's two states, and a Kahan compensation buffer in the "
+                     "weights' dtype for 16-bit weights", "--optimizer ademamix for an upper bound"),
+}
 
 
 def optimizer_stand_in(name: str) -> tuple[str, bool, str]:
     """(optimizer, bnb_optimizer, note) the plan runs for `name`, an optimizer `optimizer` does not model (GaLore,
     LOMO, APOLLO, torchao's 4-bit AdamW, GrokAdamW, StableAdamW, an axolotl or other tool's own): AdamW, 8-bit where
-    the name says so, with a note naming the optimizer."""
+    the name says so, with a note naming the optimizer, which way the estimate errs (STAND_INS) and what to pass
+    `shardfit plan` to plan the closest kind."""
     n = name.lower()
     if n in TORCHAO_4BIT:
         return "adamw8bit", False, (f"optim {name} (torchao's 4-bit AdamW: two 4-bit states and an fp32 scale per "
                                     "128, about 1.06 bytes per trained weight) is planned as 8-bit AdamW (2.03 "
                                     "bytes): an over-estimate of the optimizer states")
-    if "8bit" in n:
-        return "adamw8bit", False, (f"optim {name} is not modelled; planned as 8-bit AdamW (two 8-bit states per "
-                                    "trained weight)")
-    return "adamw", False, f"optim {name} is not modelled; planned as AdamW (two states per trained weight)"
+    planned, states = ("adamw8bit", "two 8-bit states") if "8bit" in n else ("adamw", "two states")
+    sense, fix = next((v for k, v in STAND_INS.items() if n.startswith(k)),
+                      ("its states are not known to shardfit", "--optimizer NAME for the closest kind"))
+    return planned, False, (f"optim {name} is not modelled; planned as {'8-bit ' if '8bit' in n else ''}AdamW "
+                            f"({states} per trained weight), {sense}; {fix}")
 
 
 def bitsandbytes_optimizer(name: str) -> bool:
@@ -205,18 +254,41 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
 
 
 def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str | None = None,
-                   optim_args: Any = None) -> dict[str, Any]:
+                   optim_args: Any = None, weight_decay: Any = 0.0) -> dict[str, Any]:
     """The Workload's `optimizer` and `fused_adamw` for a job whose optimizer setting is `given` (None when the
-    config names none: `default_optim` decides, and its note joins `notes`) with the Trainer's `optim_args`."""
+    config names none: `default_optim` decides, and its note joins `notes`) with the Trainer's `optim_args` (as
+    transformers `version` passes them, `torch_optim_args`) and `weight_decay` (None where the tool's default is
+    not known: `weight_decay_note`)."""
     optim, assumed = default_optim(given, version, tool_default)
     if assumed:
         notes.append(assumed)
+    optim_args, dropped = torch_optim_args(optim, optim_args, version)
     planned, bnb = optimizer(optim, optim_args), bitsandbytes_optimizer(optim)
+    notes += [n for n in (dropped, weight_decay_note(optim, planned, weight_decay)) if n]
     if planned is None:
         planned, bnb, note = optimizer_stand_in(optim)
         notes.append(note)
     return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb,
             "torchao_optimizer": optim.lower() in TORCHAO_8BIT}
+
+
+def weight_decay_note(optim: str, planned: str | None, weight_decay: Any) -> str | None:
+    """A note where torch's multi-tensor SGD or RMSprop (WEIGHT_DECAY_COPIES) steps with weight decay, which the
+    plan does not count: it first adds the decay into a copy of the gradients (`torch._foreach_add(grads, params,
+    alpha=weight_decay)`), one more copy of the decayed weights (measured: 1.0 of the group more). `weight_decay`
+    None: not given, where the tool's default is not known."""
+    if planned not in WEIGHT_DECAY_COPIES or not multi_tensor_step(optim):
+        return None
+    try:
+        decay = None if weight_decay is None else float(weight_decay)
+    except (TypeError, ValueError):
+        decay = None
+    if decay == 0.0:
+        return None
+    said = "weight_decay not given" if weight_decay is None else f"weight_decay {weight_decay}"
+    verb = "may add" if decay is None else "adds"
+    return (f"optim {optim} with {said}: torch's multi-tensor step {verb} one copy of what each GPU trains (the "
+            "gradients plus the decay, `torch._foreach_add(grads, params)`), not planned")
 
 
 TRUE_WORDS = ("true", "1", "yes", "y", "on")

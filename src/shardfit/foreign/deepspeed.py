@@ -22,6 +22,7 @@ from shardfit.plan.deepspeed import (
     SUB_GROUP,
     ZeroSettings,
 )
+from shardfit.plan.optimizer_kinds import rmsprop_kind
 
 # Keys that change nothing the planner counts (schedules, logging, clipping, checkpoint saving).
 NO_MEMORY_EFFECT = {
@@ -93,11 +94,15 @@ TORCH_OPTIMIZERS = {"Adam": "adamw", "AdamW": "adamw", "SGD": "sgd", "RMSprop": 
 
 def section_optimizer(kind: str, params: Any) -> str | None:
     """The planner's optimizer for an optimizer section of type `kind` with `params` (SGD with a non-zero
-    `momentum` keeps a momentum buffer), or None for one it does not model (Muon, MuSGD, OneBitAdam, ...)."""
+    `momentum` keeps a momentum buffer, as does RMSprop's, whose `centered` keeps a gradient average), or None for
+    one it does not model (Muon, MuSGD, OneBitAdam, ...)."""
     planned = DS_OPTIMIZERS.get(kind.lower()) or TORCH_OPTIMIZERS.get(kind)
-    momentum = params.get("momentum") if isinstance(params, dict) else None
-    if planned == "sgd" and isinstance(momentum, (int, float)) and momentum:
+    given = params if isinstance(params, dict) else {}
+    momentum = isinstance(given.get("momentum"), (int, float)) and bool(given["momentum"])
+    if planned == "sgd" and momentum:
         return "sgd_momentum"
+    if planned == "rmsprop":
+        return rmsprop_kind(momentum, given.get("centered") is True)
     return planned
 
 

@@ -19,7 +19,7 @@ from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.keys import Source, use_deepspeed
 from shardfit.foreign.script_loads import called_name
-from shardfit.plan.optimizer_kinds import OPTIMIZERS
+from shardfit.plan.optimizer_kinds import OPTIMIZERS, rmsprop_kind
 from shardfit.plan.workload import Workload
 
 if TYPE_CHECKING:  # kbit.py reads script_ast.py, which reads this module
@@ -68,8 +68,6 @@ class HandLoop:
     optimizer_at: str = ""
     optimizer_kind: str = ""  # "fused", "foreach", "for-loop", "bnb", "torchao", "deepspeed", or "computed"
     amsgrad: bool = False
-    # a keyword that adds a state the planner does not count: "momentum=0.9" or "centered=True" of RMSprop
-    extra_state: str = ""
     planned: str = ""  # the planner's optimizer for the class and its keywords (`_planned`)
     amp: str | None = None  # bf16 or fp16 where autocast (or a GradScaler, Accelerator, FSDP policy) says it
     amp_said: str = ""
@@ -348,8 +346,8 @@ def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], con
 def _planned(out: HandLoop, built: ast.Call, module: str, constants: dict[str, Any]) -> None:
     """The planner's optimizer for the class the loop builds (MODELLED) and the keywords that change its states:
     SGD's `momentum` (a literal 0 or none: no buffer; any other, or one computed: a buffer), transformers'
-    Adafactor (imported from transformers: fp32 states) with `beta1` (a first moment), RMSprop's `momentum` or
-    `centered` (a state the planner does not count: `extra_state`)."""
+    Adafactor (imported from transformers: fp32 states) with `beta1` (a first moment), RMSprop's `momentum` and
+    `centered` (a state each; one computed counts as given)."""
     if out.optimizer not in MODELLED:
         return
     planned = MODELLED[out.optimizer][0]
@@ -363,9 +361,8 @@ def _planned(out: HandLoop, built: ast.Call, module: str, constants: dict[str, A
         planned = "sgd_momentum"
     if planned == "adafactor_torch" and "transformers" in module:
         planned = "adafactor" if given("beta1") is None else "adafactor_beta1"
-    if planned == "rmsprop":
-        extra = [k for k in ("momentum", "centered") if given(k) not in (None, 0, 0.0, False)]
-        out.extra_state = ", ".join(f"{k}={ast.unparse(_kw(built, k))}" for k in extra)
+    if planned == "rmsprop" and not MODELLED[out.optimizer][1]:  # torch's: bitsandbytes' keeps one state
+        planned = rmsprop_kind(*(given(k) not in (None, 0, 0.0, False) for k in ("momentum", "centered")))
     out.planned = planned
 
 
@@ -490,13 +487,12 @@ def refuse_unread(loop: HandLoop, source: str, batch: int | None, optimizer: str
         raise UserError(f"{loop.batch_at}: {loop.batch_said}, so the micro-batch of the hand-written training loop "
                         f"at {loop.at} is not known; pass --batch N (rows each rank's loop runs a step) to plan it.")
     if optimizer is None and (loop.optimizer is None or loop.optimizer_kind not in ("deepspeed",) and
-                              (loop.optimizer not in MODELLED or loop.amsgrad or loop.extra_state)):
+                              (loop.optimizer not in MODELLED or loop.amsgrad)):
         if loop.optimizer is None:
             raise UserError(f"{loop.optimizer_at or loop.at}: the optimizer the hand-written loop at {loop.at} steps "
                             f"is built where shardfit cannot follow it; pass --optimizer NAME (one of "
                             f"{', '.join(OPTIMIZERS)}) as the script builds it.")
-        what = f"{loop.optimizer}(amsgrad=True), a third state per weight" if loop.amsgrad else \
-            f"{loop.optimizer}({loop.extra_state}), one more state per weight" if loop.extra_state else loop.optimizer
+        what = f"{loop.optimizer}(amsgrad=True), a third state per weight" if loop.amsgrad else loop.optimizer
         raise UserError(f"{loop.optimizer_at}: optim {what} (the optimizer the hand-written loop at {loop.at} "
                         f"steps) is not modelled: the planner counts {', '.join(sorted(MODELLED))} as their "
                         f"libraries build them. Step one of those in the script, or pass --optimizer NAME (one of "

@@ -292,14 +292,16 @@ def step_copies(w: Workload, z: ZeroSettings) -> int:
     """fp32 copies of the stepped partition the optimizer's step allocates at once: an optimizer section's Adam is
     DeepSpeed's FusedAdam (none) or torch's foreach AdamW (`torch_adam`, one); a torch optimizer with a multi-tensor
     kernel (plan/optimizer_kinds.py `group_copies`: the client's, or one DeepSpeed builds by name, such as Adagrad)
-    its group copies; one that loops over tensors (Adafactor) its `tensor_copies`, the flat partition being the one
-    tensor it steps; bitsandbytes' kernels and fused ones none."""
+    its group copies; one that loops over tensors (Adafactor) its `flat_copies`, the flat partition being the one
+    tensor each step call sees (stage_1_and_2.py and stage3.py `_optimizer_step` hand the optimizer one group's,
+    or one sub-group's, partition at a time, so no earlier tensor's `update` is still alive); bitsandbytes' kernels
+    and fused ones none."""
     if z.ds_optimizer and w.optimizer == "adamw":
         return int(z.torch_adam)
     kind = kind_of(w)
     if w.multi_tensor_step:
         return kind.group_copies
-    return 0 if w.bnb_optimizer else kind.tensor_copies
+    return 0 if w.bnb_optimizer else kind.flat_copies
 
 
 def _offload_optimizer(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory,

@@ -50,6 +50,7 @@ from shardfit.plan.optimizer_states import (
     largest_trainable,
     model_state_bytes,
     optimizer_state_bytes,
+    sharded_step_bytes,
 )
 from shardfit.plan.precision import (
     compute_bytes,
@@ -413,7 +414,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     elif s.sharded and not s.shards_params:  # zero2
         div_w, div_g, div_o = 1, n, n
         r.bwd_temp = fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1 flattens them as under zero3
-        r.foreach = foreach_temp_bytes(t_all, w, largest) / n
+        r.foreach = sharded_step_bytes(shape, w, t_all, n, flat=w.runs_fsdp1)
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
         # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
@@ -427,7 +428,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
             r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
-        r.foreach = foreach_temp_bytes(t_all, w, largest) / n
+        r.foreach = sharded_step_bytes(shape, w, t_all, n, flat=w.runs_fsdp1)
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
             held = fsdp1_offload_grad_shard_bytes(shape, w, grads / n)

@@ -27,8 +27,9 @@ class OptimizerKind:
     and one column factor per matrix (the whole vector for a 1-D tensor), in `width`. `group_copies`: copies of the
     param group, in the states' dtype, that torch's multi-tensor (foreach) step allocates at once (its default on
     a GPU). `tensor_copies`: copies of one tensor, in the states' dtype, a step that loops over tensors allocates
-    (the largest trained tensor's bound it); `upcasts`: it also copies a 16-bit weight and its gradient to fp32
-    first."""
+    (the largest trained tensor's bound it); `flat_copies`: what the same loop allocates for a 1-D tensor (ZeRO's
+    flat partitions, FSDP1's flat parameters), where Adafactor does not factor; `upcasts`: it also copies a 16-bit
+    weight and its gradient to fp32 first."""
 
     label: str
     states: int
@@ -36,6 +37,8 @@ class OptimizerKind:
     factored: bool = False
     group_copies: int = 0
     tensor_copies: int = 0
+    flat_copies: int = 0
+    several_flat_copies: int = 0
     upcasts: bool = False
 
 
@@ -48,17 +51,25 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     # transformers' Adafactor as the Trainer's `optim: adafactor` builds it (beta1 None, scale_parameter and
     # relative_step False): exp_avg_sq_row and exp_avg_sq_col (`exp_avg_sq` for a vector) `.to(grad)` of the
     # gradient already cast to fp32; one tensor at a time: `update = grad**2 + eps` and `_approx_sq_grad`'s
-    # full-size product exist together, beside fp32 copies of a 16-bit gradient and weight (`p_data_fp32`).
-    "adafactor": OptimizerKind("transformers' Adafactor", 0, "fp32", factored=True, tensor_copies=2, upcasts=True),
-    # ... with `beta1` set: `exp_avg`, a full fp32 first moment, too.
+    # full-size product exist together, beside fp32 copies of a 16-bit gradient and weight (`p_data_fp32`). A
+    # vector: `grad**2` and `update = grad**2 + eps`, then `exp_avg_sq.rsqrt()` beside that `update`; the last
+    # `update` stays bound into the next tensor's step.
+    "adafactor": OptimizerKind("transformers' Adafactor", 0, "fp32", factored=True, tensor_copies=2, flat_copies=2,
+                               several_flat_copies=3, upcasts=True),
+    # ... with `beta1` set: `exp_avg`, a full fp32 first moment, too; `update = exp_avg` at the end, so nothing of a
+    # tensor's step outlives it.
     "adafactor_beta1": OptimizerKind("transformers' Adafactor with beta1", 1, "fp32", factored=True,
-                                     tensor_copies=2, upcasts=True),
+                                     tensor_copies=2, flat_copies=2, several_flat_copies=2, upcasts=True),
     # torch.optim.Adafactor: row_var and col_var (`variance` for a vector) as `p.grad.new_zeros`; foreach off by
     # default (torch/optim/_adafactor.py passes foreach=None through), so one tensor at a time:
-    # `var_estimate = row_var @ col_var` (or `variance.clone()`).
-    "adafactor_torch": OptimizerKind("torch's Adafactor", 0, factored=True, tensor_copies=1),
+    # `var_estimate = row_var @ col_var`; a vector: `grad_squared = grad * grad` and `var_estimate =
+    # variance.clone()`, both alive until the update, and that `update` until the next tensor's is made.
+    "adafactor_torch": OptimizerKind("torch's Adafactor", 0, factored=True, tensor_copies=1, flat_copies=2,
+                                     several_flat_copies=3),
     # torch.optim.SGD: no state without momentum; `momentum_buffer` (a clone of the first gradient) with it. Its
-    # foreach step adds the scaled gradients in place (a copy only for weight decay, not counted).
+    # foreach step adds the scaled gradients in place. With weight decay it (and RMSprop's) first makes
+    # `grads = torch._foreach_add(grads, params, alpha=weight_decay)`, one more copy of the group: not counted,
+    # the Workload carries no weight decay (`WEIGHT_DECAY_COPIES` names them; the readers' note says it).
     "sgd": OptimizerKind("SGD", 0),
     "sgd_momentum": OptimizerKind("SGD with momentum", 1),
     # torch.optim.Adagrad: `sum`; foreach: `std = torch._foreach_sqrt(state_sums)` and
@@ -67,6 +78,11 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     # torch.optim.RMSprop (momentum 0, not centered, the Trainer's defaults): `square_avg`; foreach:
     # `avg = torch._foreach_sqrt(grouped_square_avgs)`. bitsandbytes' 32-bit RMSprop: one fp32 state, in place.
     "rmsprop": OptimizerKind("RMSprop", 1, group_copies=1),
+    # ... with momentum: `momentum_buffer` too; centered: `grad_avg` too, and its foreach step's one copy is
+    # `avg = torch._foreach_addcmul(grouped_square_avgs, grouped_grad_avgs, grouped_grad_avgs, value=-1)`.
+    "rmsprop_momentum": OptimizerKind("RMSprop with momentum", 2, group_copies=1),
+    "rmsprop_centered": OptimizerKind("centered RMSprop", 2, group_copies=1),
+    "rmsprop_centered_momentum": OptimizerKind("centered RMSprop with momentum", 3, group_copies=1),
     "rmsprop8bit": OptimizerKind("8-bit RMSprop", 1, "8bit"),
     # bitsandbytes' Lion (Optimizer1State: state1), DeepSpeed's FusedLion (exp_avg): one state, in place.
     "lion": OptimizerKind("Lion", 1),
@@ -83,3 +99,14 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     "schedule_free_sgd": OptimizerKind("schedule-free SGD", 1),
 }
 OPTIMIZERS = tuple(OPTIMIZER_KINDS)
+# The kinds whose multi-tensor step copies the group once more under weight decay (torch/optim/sgd.py
+# `_multi_tensor_sgd`, rmsprop.py `_multi_tensor_rmsprop`: `torch._foreach_add(grads, params, alpha=...)`); Adagrad's
+# copy of that kind is freed before its two copies are made (measured: two either way), AdamW decays in place.
+WEIGHT_DECAY_COPIES = ("sgd", "sgd_momentum", "rmsprop", "rmsprop_momentum", "rmsprop_centered",
+                       "rmsprop_centered_momentum")
+
+
+def rmsprop_kind(momentum: bool, centered: bool) -> str:
+    """The planner's optimizer for torch.optim.RMSprop built with a non-zero `momentum` and/or `centered`: each
+    adds a full state (`momentum_buffer`, `grad_avg`)."""
+    return "rmsprop" + ("_centered" if centered else "") + ("_momentum" if momentum else "")

@@ -154,30 +154,57 @@ def model_state_bytes(shape: ModelShape, w: Workload, trainable: int, *, flat: b
     return (trainable - saved) * per + saved * per_saved + wide + factored
 
 
-def largest_trainable(shape: ModelShape, w: Workload) -> int:
+def largest_trainable(shape: ModelShape, w: Workload, *, matrices: bool = True) -> int:
     """Elements of the largest trainable parameter: the embedding or head of a full fine-tune (or its largest
-    linear weight), the largest adapter matrix of LoRA."""
+    linear weight; only that where the tensors stepped hold neither matrix, `matrices` off: a pipeline's middle
+    stage), the largest adapter matrix of LoRA."""
     linears = shape.linear_shapes()
     if w.method != "full":
         return w.lora_rank * max(max(i, o) for i, o in linears)
-    return max(shape.vocab * shape.hidden, *(i * o for i, o in linears))
+    return max(shape.vocab * shape.hidden if matrices else 0, *(i * o for i, o in linears))
 
 
-def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0) -> float:
-    """What the optimizer's step allocates over a param group of `params` plain tensors whose largest has `largest`
+def fsdp1_flat_piece(shape: ModelShape, w: Workload, n: int, *, matrices: bool = True) -> float:
+    """Elements of the largest 1-D tensor FSDP1 hands the optimizer on each of `n` ranks: a unit's flat shard (the
+    root's embedding and head, unless `matrices` is off, or a block: 1/n of it), or with use_orig_params an original
+    parameter's view of that shard, never more than the parameter (`largest_trainable`: a LoRA matrix may lie
+    whole in one rank's shard)."""
+    largest = largest_trainable(shape, w, matrices=matrices)
+    if w.method != "full":
+        return float(largest)
+    root = shape.embed_params() + shape.hidden if matrices else 0
+    return min(float(largest), max(shape.layer_params(), root) / n)
+
+
+def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0, *, flat: bool = False) -> float:
+    """What the optimizer's step allocates over a param group of `params` tensors whose largest has `largest`
     elements. torch's multi-tensor (`foreach`) kernels, their default on a GPU (`multi_tensor_step`): each of the
     kind's `group_copies` a copy of the group in the states' dtype, alive until the update (AdamW's
     `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, torch/optim/adam.py `_multi_tensor_adam`). A step that
     loops over tensors (`tensor_copies`: Adafactor's): copies of the largest tensor, and transformers' fp32 copies of
-    a 16-bit weight and its gradient. Fused kernels (`fused_adamw`) and bitsandbytes' (per tensor in place)
-    allocate none."""
+    a 16-bit weight and its gradient. On `flat` tensors (FSDP1's, several in one step) its `several_flat_copies`
+    of the largest: the previous tensor's `update` stays bound until the next one's is made (measured: 3.0 copies
+    of each of several equal vectors, torch's and transformers' Adafactor alike; 2.0 with beta1). Fused
+    kernels (`fused_adamw`) and bitsandbytes' (per tensor in place) allocate none."""
     kind = kind_of(w)
     if w.multi_tensor_step:
         return kind.group_copies * params * trainable_bytes(w)
     if not kind.tensor_copies or w.bnb_optimizer:
         return 0.0
     upcast = 2 * 4 if kind.upcasts and trainable_bytes(w) < 4 else 0
-    return largest * (kind.tensor_copies * state_width(w) + upcast)
+    copies = kind.several_flat_copies if flat else kind.tensor_copies
+    return largest * (copies * state_width(w) + upcast)
+
+
+def sharded_step_bytes(shape: ModelShape, w: Workload, trainable: float, n: int, *, flat: bool,
+                       matrices: bool = True) -> float:
+    """What the optimizer's step allocates on each of `n` ranks that shard the model's `trainable` weights
+    (`foreach_temp_bytes`): 1/n of the multi-tensor copies, or copies of a rank's piece of the largest tensor
+    (`matrices`: as `largest_trainable`); FSDP1's `flat` tensors for a loop over tensors (Adafactor): copies of the
+    largest one (`fsdp1_flat_piece`)."""
+    if flat and kind_of(w).flat_copies and not w.multi_tensor_step:
+        return foreach_temp_bytes(trainable / n, w, fsdp1_flat_piece(shape, w, n, matrices=matrices), flat=True)
+    return foreach_temp_bytes(trainable, w, largest_trainable(shape, w, matrices=matrices)) / n
 
 
 def step_bytes_per_param(w: Workload) -> int:

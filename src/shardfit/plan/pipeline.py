@@ -67,11 +67,20 @@ from shardfit.plan.estimate import (
     check_not_negative,
     estimate,
     planned_workload,
+    trainable_params,
 )
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
-from shardfit.plan.optimizer_states import fp32_state_embedding, full_width_state_bytes, optimizer_state_bytes
+from shardfit.plan.optimizer_states import (
+    foreach_temp_bytes,
+    fp32_state_embedding,
+    full_width_state_bytes,
+    kind_of,
+    largest_trainable,
+    optimizer_state_bytes,
+    sharded_step_bytes,
+)
 from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, saved_copy_bytes, trainable_bytes
 from shardfit.plan.shapes import resolve_shape
@@ -281,12 +290,28 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
         b.weights -= wt / (dp if s.shards_params else 1)
         b.grads -= g / (dp if s.shards_grads else 1)
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)
+    if step_copy and not (first or last):
+        b.optimizer -= _loop_step_excess(stage_shape, w, s, dp) / GIB
     held_by_pipeline(b, w, s, dp)
     in_flight = min(stages - stage, w.grad_accum)
     held = activation_bytes(stage_shape, w, blocks, name) if w.grad_ckpt == "none" else \
         w.tokens * blocks * checkpointed_block_bytes_per_token(stage_shape, w, name)
     b.activations += (in_flight - 1) * held / GIB
     return b
+
+
+def _loop_step_excess(shape: ModelShape, w: Workload, s: strategies.Strategy, dp: int) -> float:
+    """Bytes the estimate of a middle stage (one holding neither the embedding nor the head) counts too many for a
+    step that loops over tensors (Adafactor: optimizer_states.py `foreach_temp_bytes`): its copies are of the
+    largest tensor the stage trains, a decoder block's largest weight, not the embedding the estimate's model has."""
+    if w.multi_tensor_step or not kind_of(w).tensor_copies or s.offload:
+        return 0.0
+    if s.sharded and dp > 1:
+        t = trainable_params(shape, w)
+        return (sharded_step_bytes(shape, w, t, dp, flat=w.runs_fsdp1)
+                - sharded_step_bytes(shape, w, t, dp, flat=w.runs_fsdp1, matrices=False))
+    return (foreach_temp_bytes(0, w, largest_trainable(shape, w))
+            - foreach_temp_bytes(0, w, largest_trainable(shape, w, matrices=False)))
 
 
 def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int, dp: int = 1,
