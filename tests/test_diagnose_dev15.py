@@ -109,3 +109,102 @@ def test_a_script_that_spawns_its_own_ranks_is_not_dataparallel() -> None:
     # the same GPUs with a plain script that spawns nothing is one process driving both
     plain = "CUDA_VISIBLE_DEVICES=0,1 python train.py --config-file cfg.yaml\nRuntimeError: training failed"
     assert "one_process_many_gpus" in analyze(plain).parsed.facts
+
+
+# Review of round 18: pastes in the libraries' own formats where those facts claimed too much.
+
+
+def test_every_rank_of_the_world_timing_out_in_one_collective_is_not_a_rank_that_never_came() -> None:
+    # both ranks of a two-rank launch time out at the same SeqNum: every rank entered it (a transport hang)
+    both = ("CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 train.py\n"
+            " 37%|###7      | 1120/3000 [20:11<33:52,  1.08s/it]\n"
+            + "\n".join(_watchdog(r, 4481, 8) for r in (0, 1)))
+    assert "nccl_rank0_in_step" not in analyze(both).parsed.facts
+    # four ranks launched, two of them in the collective: the others never came
+    assert "nccl_rank0_in_step" in analyze(both.replace("--nproc_per_node 2", "--nproc_per_node 4")).parsed.facts
+    # two nodes of two ranks: ranks 0 and 1 are half of the world
+    two_nodes = both.replace("--nproc_per_node 2", "--nnodes 2 --node_rank 0 --nproc_per_node 2")
+    assert "nccl_rank0_in_step" in analyze(two_nodes).parsed.facts
+
+
+UNBOUND_THEN_LAUNCHER = (
+    'Traceback (most recent call last):\n'
+    '  File "/home/u/proj/train.py", line 212, in <module>\n'
+    '    main()\n'
+    '  File "/home/u/proj/train.py", line 188, in main\n'
+    '    print(best_acc)\n'
+    "UnboundLocalError: cannot access local variable 'best_acc' where it is not associated with a value\n"
+    "[2025-03-01 10:00:01,123] torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: 1) "
+    "local_rank: 0 (pid: 4242) of binary: /usr/bin/python3\n"
+    'Traceback (most recent call last):\n'
+    '  File "/usr/local/bin/torchrun", line 8, in <module>\n'
+    '    sys.exit(main())\n'
+    '  File "/usr/local/lib/python3.11/dist-packages/torch/distributed/run.py", line 919, in main\n'
+    '    run(args)\n'
+    '  File "/usr/local/lib/python3.11/dist-packages/torch/distributed/launcher/api.py", line 270, in '
+    'launch_agent\n'
+    '    raise ChildFailedError(\n'
+    'torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n'
+    '============================================================\n'
+    'train.py FAILED\n')
+
+
+def test_a_users_own_unbound_local_under_torchrun_is_not_a_library_release() -> None:
+    # raised in train.py; the paste's last frame is the launcher's, in its own traceback
+    assert "unbound_in_library" not in analyze(UNBOUND_THEN_LAUNCHER).parsed.facts
+    # raised in a library's frame, the launcher's traceback after it changes nothing
+    lib = UNBOUND_THEN_LAUNCHER.replace(
+        '  File "/home/u/proj/train.py", line 188, in main\n',
+        '  File "/home/u/proj/train.py", line 188, in main\n    trainer.train()\n'
+        '  File "/usr/local/lib/python3.11/dist-packages/transformers/trainer.py", line 2401, in train\n')
+    assert "unbound_in_library" in analyze(lib).parsed.facts
+
+
+def _yaml_oom(eval_batch: int) -> str:
+    """LLaMA-Factory's yaml echo (train batch 8, a long cutoff), then out of memory in the training step."""
+    return ("### dataset\ncutoff_len: 8192\n### train\nper_device_train_batch_size: 8\n"
+            f"gradient_accumulation_steps: 2\nper_device_eval_batch_size: {eval_batch}\n"
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 7.83 GiB. GPU 0 has a total capacity of "
+            "79.15 GiB of which 3.10 GiB is free.\n")
+
+
+def test_an_evaluation_batch_of_one_is_not_the_training_micro_batch() -> None:
+    assert "batch_of_one" not in analyze(_yaml_oom(1)).parsed.facts
+    assert _cats(_yaml_oom(1))[0] == _cats(_yaml_oom(8))[0] == "oom_activation_not_sharded"
+    for other in ("--eval_batch_size 1", "test_batch_size=1", "inference batch size: 1", "val_batch_size: 1"):
+        assert "batch_of_one" not in analyze(f"{other}\nCUDA out of memory.").parsed.facts, other
+    # the training batch of one still reads, after an evaluation batch on the same line
+    assert "batch_of_one" in analyze("--per_device_eval_batch_size=4 --per_device_train_batch_size=1\n"
+                                     "CUDA out of memory.").parsed.facts
+
+
+def test_a_launchers_machine_count_or_a_dist_url_alone_spawns_no_ranks() -> None:
+    oom = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+           "79.15 GiB of which 1.10 GiB is free.\n")
+    accel = "accelerate launch --num_machines 1 --num_processes 1 --mixed_precision bf16 train.py\nn_gpu: 4\n" + oom
+    a = analyze(accel)
+    assert "spawns_ranks" not in a.parsed.facts and "one_process_many_gpus" in a.parsed.facts
+    # a DeiT / MAE style script takes --dist_url under torchrun; started with python it is one process
+    plain = ("CUDA_VISIBLE_DEVICES=0,1,2,3 python main.py --model vit_base --batch_size 64 --dist_url env://\n"
+             "ValueError: Error initializing torch.distributed using env:// rendezvous: environment variable RANK "
+             "expected, but not set\n")
+    assert "spawns_ranks" not in analyze(plain).parsed.facts
+    assert "one_process_many_gpus" in analyze(plain).parsed.facts
+    # with mp.spawn in the paste the same flag is a script that starts its own ranks
+    spawned = plain + '  File "/usr/lib/python3/dist-packages/torch/multiprocessing/spawn.py", line 69, in _wrap\n'
+    assert "spawns_ranks" in analyze(spawned).parsed.facts
+
+
+def test_a_second_node_fits_its_gpus_but_not_the_global_rank() -> None:
+    # nproc_per_node 4 of 4 visible on node 1 of 2: a script choosing the device by RANK reaches ordinals 4 to 7
+    log = ("CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nnodes=2 --node_rank=1 --nproc_per_node=4 "
+           "--master_addr=10.0.0.1 --master_port=29500 train.py\n"
+           '  File "/home/u/train.py", line 30, in main\n    torch.cuda.set_device(int(os.environ["RANK"]))\n'
+           "RuntimeError: CUDA error: invalid device ordinal\n")
+    assert "ranks_fit_gpus" not in analyze(log).parsed.facts
+    assert "ranks_fit_gpus" not in analyze(log.replace("--nnodes=2 --node_rank=1 ", "--nnodes=2 ")).parsed.facts
+    assert "ranks_fit_gpus" not in analyze(log.replace("--nnodes=2 ", "")).parsed.facts
+    assert "ranks_fit_gpus" in analyze(log.replace("--nnodes=2 --node_rank=1 ", "--nnodes=1 ")).parsed.facts
+    # a single node spelled out (torch.distributed.launch's --nnodes=1 --node_rank=0) is the whole world
+    one = log.replace("--nnodes=2 --node_rank=1 ", "--nnodes=1 --node_rank=0 ")
+    assert "ranks_fit_gpus" in analyze(one).parsed.facts

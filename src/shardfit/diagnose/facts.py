@@ -111,13 +111,35 @@ _UNBOUND = re.compile(r"UnboundLocalError|local variable '\w+' referenced before
                       r"variable '\w+' where it is not associated with a value")
 
 
+# what ends a search upwards for the frame that raised an error: the header or exception line of another traceback
+_TRACEBACK_EDGE = re.compile(r"Traceback \(most recent call last\)|^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b")
+RAISING_FRAME_LINES = 12  # a frame's source line, python 3.11's carets, rich's context lines lie between
+
+
+def _raising_frame(lines: list[str], at: int) -> str | None:
+    """The file of the frame just above the error line `lines[at]`: the innermost frame of the traceback that raised
+    it, or None where no frame of that traceback is shown (the error named in prose, above another traceback)."""
+    for line in reversed(lines[max(0, at - RAISING_FRAME_LINES):at]):
+        if ".py" in line and (m := match_frame(line)):
+            return m.group("file").replace("\\", "/")
+        if _TRACEBACK_EDGE.search(line):
+            return None
+    return None
+
+
 def _unbound_in_library(p: Parsed) -> bool:
-    """A local read before assignment, and the innermost frame the paste shows is an installed library's: a code path
-    of that release that never set the variable (a branch its authors did not run), fixed by another release."""
+    """A local read before assignment raised in an installed library's frame: a code path of that release that never
+    set the variable (a branch its authors did not run), fixed by another release. The frame is the innermost one of
+    the traceback the error ends, not the paste's last (a launcher's own traceback follows a rank's); where the error
+    is only named (a title, a sentence) and the paste's traceback is cut before its message, the cut traceback's
+    innermost frame in a library's code (parse.py, cut_frames) is where it was raised."""
     if not _UNBOUND.search(p.text):
         return False
-    files = [m.group("file").replace("\\", "/") for line in p.lines if (m := match_frame(line))]
-    return bool(files) and bool(LIBRARY_PATH.search(files[-1]))
+    raising = [_raising_frame(p.lines, i) for i, line in enumerate(p.lines) if _UNBOUND.search(line)]
+    shown = [f for f in raising if f is not None]
+    if shown:
+        return any(LIBRARY_PATH.search(f) for f in shown)
+    return bool(p.cut_frames)
 
 
 def _own_call(p: Parsed) -> bool:
@@ -275,43 +297,85 @@ def _collective_facts(p: Parsed, text: str) -> None:
         p.facts.add("nccl_early_weights")
     if max(s for s, _, _ in p.nccl_ops) >= 1000:
         p.facts.add("nccl_late_collective")
-    if _rank0_waits(_RANK_SEQ.findall(text)):
+    if _rank0_waits(_RANK_SEQ.findall(text), _world_of(p)):
         p.facts.add("nccl_rank0_in_step")
 
 
-def _rank0_waits(timed_out: list[tuple[str, str, str]]) -> bool:
+# a launch over several nodes: torchrun's --nnodes (N or MIN:MAX), DeepSpeed's --num_nodes, accelerate's
+# --num_machines, and a node's own rank (torchrun's --node_rank, accelerate's and detectron2's --machine_rank)
+_NODES = re.compile(r"--(?:nnodes|num[_-]nodes|num[_-]machines)[\s=]+(?:\d+:)?(\d+)")
+_NODE_RANK = re.compile(r"--(?:node|machine)[_-]rank[\s=]+(\d+)?")
+# torchrun's and DeepSpeed's fixed node count (not an elastic MIN:MAX range), which multiplies the processes per node;
+# accelerate's --num_processes is already the whole job's
+_FIXED_NODES = re.compile(r"--(?:nnodes|num[_-]nodes)[\s=]+(\d+)\b(?!:)")
+_TOTAL_PROCESSES = re.compile(r"--num[_-]processes|\bnum_processes\b")
+
+
+def _multi_node(text: str) -> bool:
+    """The launch spans several nodes, or names a node's rank without saying the nodes are one (a node count in a
+    shell variable): the ranks on this node are not the whole world. `--nnodes=1 --node_rank=0` is one node."""
+    counts = [int(n) for n in _NODES.findall(text)]
+    ranks = _NODE_RANK.findall(text)
+    if any(r and int(r) > 0 for r in ranks) or any(n > 1 for n in counts):
+        return True
+    return bool(ranks) and not counts
+
+
+def _world_of(p: Parsed) -> int | None:
+    """The whole job's rank count where the paste shows it: the launch's world size on one node, or its processes
+    per node times the nodes of a torchrun / DeepSpeed launch; None where the count is not shown."""
+    if not p.world_size:
+        return None
+    nodes = [int(n) for n in _FIXED_NODES.findall(p.text)]
+    if nodes and not _TOTAL_PROCESSES.search(p.text):
+        return p.world_size * max(nodes)
+    return None if _multi_node(p.text) else p.world_size
+
+
+def _rank0_waits(timed_out: list[tuple[str, str, str]], world: int | None = None) -> bool:
     """Rank 0's own watchdog line, after the first steps, shows it waiting for the others (rank, SeqNum, NumelIn
     per line): it was not the rank saving a checkpoint or preparing data. Either it waits in a collective of data
     size (a thousand elements or more: gradients, activations, weights; a barrier is one element and
     broadcast_object_list's size header one per rank, the collectives a save's late rank 0 enters), or it timed out
-    in the same collective (SeqNum) as another rank: both were in it, and the rank that never came is another."""
+    in the same collective (SeqNum) as another rank: both were in it, and the rank that never came is another. Not
+    when every rank of the `world` (where the paste shows it) timed out in that collective: all of them entered it
+    (a transport that hangs), no rank is missing."""
     zero = [(int(s), int(n)) for r, s, n in timed_out if r == "0" and int(s) > 5]
     others = {int(s) for r, s, _ in timed_out if r != "0"}
-    return any(n >= 1000 or s in others for s, n in zero)
+
+    def missing(seq: int) -> bool:
+        ranks = {int(r) for r, s, _ in timed_out if int(s) == seq}
+        return world is None or max(ranks) >= world or len(ranks) < world
+
+    return any(n >= 1000 or (s in others and missing(s)) for s, n in zero)
 
 
 def _rank_fit_facts(p: Parsed) -> None:
     """The launch starts no more processes per node than the GPUs it makes visible (nproc_per_node 4 beside a
     CUDA_VISIBLE_DEVICES of four): each rank's local_rank is a valid device, so an invalid ordinal came from the
-    script's own device choice (a hard-coded cuda:N, a --gpu_id), not from the rank count."""
+    script's own device choice (a hard-coded cuda:N, a --gpu_id), not from the rank count. Not on one node of
+    several: a script choosing its device by the global RANK reaches ordinals past the node's GPUs."""
     visible = visible_counts(p.brief)
-    if p.world_size and p.world_size > 1 and visible and p.world_size <= min(visible):
+    if p.world_size and p.world_size > 1 and visible and p.world_size <= min(visible) and not _multi_node(p.text):
         p.facts.add("ranks_fit_gpus")
 
 
 # a script that starts its own ranks, one process per GPU: torch.multiprocessing.spawn (torch/multiprocessing/spawn.py),
 # detectron2's launch() (detectron2/engine/launch.py: mp.spawn of num_gpus_per_machine workers; it logs "Process group
-# URL:" when init fails; its parser's --num-machines and --dist-url), torchvision's and pytorch/examples' recipes'
+# URL:" when init fails, and its Namespace echo holds num_machines=N), torchvision's and pytorch/examples' recipes'
 # --multiprocessing-distributed (mp.spawn of one worker per GPU)
 _SPAWNS = re.compile(r"torch/multiprocessing/spawn\.py|\b(?:mp|multiprocessing)\.spawn\(|detectron2/engine/launch\.py|"
-                     r"^Process group URL: |--multiprocessing-distributed\b|--num[-_]machines\b|--dist[-_]url\b|"
-                     r"\bnum_machines=\d", re.M)
+                     r"^Process group URL: |--multiprocessing-distributed\b|\bnum_machines=\d", re.M)
+# detectron2's command line (engine/defaults.py, default_argument_parser: --num-gpus per machine beside --num-machines,
+# --machine-rank or --dist-url on one line). Either flag alone is not a spawn: accelerate's launch takes
+# --num_machines, and DeiT / MAE style scripts take --dist_url when torchrun starts their ranks.
+_DETECTRON2_ARGS = re.compile(r"^(?=[^\n]*--num-gpus\b)[^\n]*--(?:num-machines|machine-rank|dist-url)\b", re.M)
 
 
 def _spawn_facts(p: Parsed, text: str) -> None:
     """The script starts its own ranks (spawns_ranks): started with `python script.py`, it is still one process per
     GPU, not one process driving several (nn.DataParallel)."""
-    if _SPAWNS.search(text):
+    if _SPAWNS.search(text) or _DETECTRON2_ARGS.search(text):
         p.facts.add("spawns_ranks")
 
 
@@ -321,13 +385,21 @@ _BATCH_ONE = re.compile(r"(?:batch[ _-]?size|\bbs|micro[_ ]batch\w*)[`'\"]?[^\n\
                         r"down to|reduced to|lowered to|\bto|=|:|\bof|\bis|为|设为|设置为|设成)"
                         r"\s*[`'\"]?1\b(?!\.\d|\d)|"
                         r"even (?:with|at) (?:a )?batch(?: size)? (?:of )?1\b", re.I)
+# a batch size that is not the training step's: evaluation, test, prediction, inference (per_device_eval_batch_size,
+# --test_batch_size, "inference batch size") and verl's forward-only log_prob micro-batches hold no gradients
+_NOT_TRAIN_BATCH = re.compile(r"(?<![a-z])(?:eval\w*|val(?:id\w*)?|test\w*|predict\w*|infer\w*|log_prob\w*|"
+                              r"generat\w*)[ _-]?$", re.I)
 
 
 def _batch_facts(p: Parsed) -> None:
     """A micro-batch of one (batch_of_one): activations scale with the batch and are then at their least, so memory
-    that still runs out is mostly the model state each rank holds. Read in the head and tail, as hints are."""
-    if _BATCH_ONE.search(p.brief):
-        p.facts.add("batch_of_one")
+    that still runs out is mostly the model state each rank holds. Read in the head and tail, as hints are; a batch
+    size of evaluation or inference says nothing of the training step's."""
+    for m in _BATCH_ONE.finditer(p.brief):
+        before = p.brief[max(0, m.start() - 40):m.start()].rsplit("\n", 1)[-1]
+        if not _NOT_TRAIN_BATCH.search(before):
+            p.facts.add("batch_of_one")
+            return
 
 
 def _build_facts(p: Parsed, text: str) -> None:
