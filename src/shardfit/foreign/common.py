@@ -96,9 +96,9 @@ def _eager_note(version: str, model_type: str, first: tuple[int, int] | None, un
 
 # The keys by which the tools name transformers' SDPA (the values that do), and the eager setting each takes
 # instead: a class without SDPA refuses it at load (`sdpa_refusal`).
-SDPA_KEYS = {"attn_implementation": (("sdpa",), "attn_implementation eager"),
+SDPA_KEYS = {"attn_implementation": (("sdpa",), "attn_implementation eager (or leave it unset: eager then)"),
              "attn_impl": (("sdpa",), "--attn_impl eager"),
-             "flash_attn": (("sdpa",), "flash_attn: disabled"),
+             "flash_attn": (("sdpa",), "flash_attn: disabled (LLaMA-Factory's eager attention)"),
              "sdp_attention": (("true", "1", "yes"), "attn_implementation: eager in place of sdp_attention")}
 
 

@@ -133,7 +133,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
         job.workload = dataclasses.replace(job.workload, attention=default_attention(
             version, shape_of(job.model).model_type, job.notes))
     elif job.workload.attention == "sdpa" and (named := named_sdpa(job.keys)) is not None:
-        refusal = sdpa_refusal(shape_of(job.model).model_type, f"{job.source}: '{named[0]}' {named[1]}", named[2],
+        refusal = sdpa_refusal(shape_of(job.model).model_type, f"{job.source}: '{named[0]}: {named[1]}'", named[2],
                                version)
         if refusal is not None:  # transformers refuses to load the class with SDPA
             raise UserError(refusal)
