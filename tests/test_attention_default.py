@@ -141,7 +141,7 @@ def test_the_version_table_follows_each_class_s_release(tmp_path: Path, model: s
 
 
 # The first release whose modeling file sets `_supports_sdpa = True`, read in the published wheels (the last release
-# before it set nothing or False); the classes that never set it (NO_SDPA_TYPES) attend eagerly under every release.
+# before it set nothing or False); the classes that never had it (sdpa_classes.py NO_SDPA) attend eagerly in every one.
 @pytest.mark.parametrize(("model_type", "before", "since"), [
     ("llama", "4.35.2", "4.36.0"), ("mistral", "4.36.2", "4.37.0"), ("mixtral", "4.36.2", "4.37.0"),
     ("phi", "4.38.2", "4.39.0"), ("stablelm", "4.38.2", "4.39.0"), ("gpt_neox", "4.41.2", "4.42.0"),
@@ -159,7 +159,7 @@ def test_each_class_attends_with_sdpa_from_its_release(model_type: str, before: 
 @pytest.mark.parametrize("model_type", ["gpt_neo", "gptj", "bloom", "codegen"])
 def test_classes_without_sdpa_attend_eagerly_under_every_release(model_type: str) -> None:
     from shardfit.foreign.common import default_attention
-    from shardfit.plan.attention_layout import runs_eager
+    from shardfit.plan.sdpa_classes import runs_eager
 
     assert {default_attention(v, model_type, []) for v in ("4.35.2", "4.50.3", "5.23.0")} == {"eager"}
     assert runs_eager(model_type, "sdpa") and runs_eager(model_type, "auto")

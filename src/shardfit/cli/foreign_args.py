@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 from shardfit.cli.args import positive_int
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
+from shardfit.foreign.common import transformers_version
 from shardfit.foreign.job import TOOLS
 from shardfit.foreign.read import SCRIPT_SETTABLE, JobOptions, launch_on, read_job
 from shardfit.method import NAMES as method_names
 from shardfit.plan.hardware import detect, parse_gpus
+from shardfit.plan.sdpa_classes import runs_eager
 from shardfit.plan.shapes import resolve_shape
 
 
@@ -54,4 +57,8 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
                         f"{job.nproc}x...).")
     launch_on(job, hw.gpus_per_node)
     named = getattr(args, "strategy", None)
-    return plan_job(job, resolve_shape(job.model), hw, None if named in (None, "all") else (named,))
+    # the job's class has SDPA or not as its transformers release says, not as the installed one does
+    shape = resolve_shape(job.model)
+    shape = dataclasses.replace(shape, eager_only=runs_eager(shape.model_type, "sdpa",
+                                                             args.transformers or transformers_version()))
+    return plan_job(job, shape, hw, None if named in (None, "all") else (named,))

@@ -37,6 +37,7 @@ from shardfit.plan.optimizer_kinds import OPTIMIZERS
 from shardfit.plan.pipeline import LAYOUT_HEADER
 from shardfit.plan.plan import Alternative, Plan, estimate_all, make_plan, recommend
 from shardfit.plan.render import format_table, plot
+from shardfit.plan.sdpa_classes import SDPA_FIX, sdpa_refusal
 from shardfit.plan.shapes import catalog, resolve_shape
 from shardfit.plan.workload import (
     ATTENTIONS,
@@ -704,6 +705,9 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
     if args.config:
         cfg = load_config(args.config, check_files=False)
         shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
+        if cfg.attn_implementation == "sdpa" and shape.eager_only:  # the rank's load refuses it (models/build.py)
+            raise UserError(f"{args.config}: " + str(sdpa_refusal(shape.model_type, "'attn_implementation: sdpa'",
+                                                                  SDPA_FIX)))
     elif args.model:  # the workload users of other tools run by default (MODEL_DEFAULT); the flags change it
         w = model_workload()
         shape, source = resolve_shape(args.model), args.model

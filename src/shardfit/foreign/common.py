@@ -16,8 +16,8 @@ import yaml
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
-from shardfit.plan.attention_layout import NO_SDPA_TYPES
 from shardfit.plan.optimizer_kinds import WEIGHT_DECAY_COPIES, rmsprop_kind
+from shardfit.plan.sdpa_classes import NO_SDPA, without_sdpa
 
 # HF TrainingArguments that change nothing the planner counts (logging, saving, schedules, evaluation cadence,
 # data loading, hub and reporting). Whether and how the job evaluates while training counts (foreign/trainer_eval.py).
@@ -59,39 +59,58 @@ def major_minor(version: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
 
 
-# transformers attends with torch's SDPA by default from 4.36 (with torch 2.1.1 or newer) for the classes that had
-# an SDPA path then (Llama, Falcon among them); before, a model not asked for flash-attention 2 attended eagerly,
-# keeping each head's fp32 softmax for the backward. Classes that gained SDPA later, by the first release whose
-# modeling file sets `_supports_sdpa = True` (read in the published wheels 4.36.2 to 4.50.3; Mistral and Mixtral:
-# transformers PR 28133, after 4.36.0; Phi-3's class said False until 4.45).
-SDPA_DEFAULT_SINCE = (4, 36)
-SDPA_SINCE = {"mistral": (4, 37), "mixtral": (4, 37), "phi": (4, 39), "stablelm": (4, 39), "gpt_neox": (4, 42),
-              "gpt2": (4, 42), "phi3": (4, 45), "opt": (4, 46), "persimmon": (4, 53)}
-# Releases in which a class that has SDPA still defaults to eager attention: Gemma2's 4.45 to 4.47 overrode
-# `_check_and_enable_sdpa` to swap the default SDPA for eager (its logit soft-capping); 4.48's attention interface
-# dropped the override.
+# Whether a class has SDPA under a release is plan/sdpa_classes.py's table (read in the published wheels), the one
+# the rank and the planner read. Releases in which a class that has SDPA still defaults to eager attention: Gemma2's
+# 4.45 to 4.47 overrode `_check_and_enable_sdpa` to swap the default SDPA for eager (its logit soft-capping); 4.48's
+# attention interface dropped the override.
 EAGER_DEFAULT = {"gemma2": ((4, 45), (4, 48))}
 
 
 def default_attention(version: str, model_type: str, notes: list[str]) -> str:
     """The planner's attention for a job that names none (or leaves it to transformers: LLaMA-Factory's `auto`)
-    under transformers `version` for a `model_type` model: `sdpa`, or `eager` before its class had SDPA (or in the
-    releases that defaulted it to eager), with a note saying so."""
-    if model_type in NO_SDPA_TYPES:  # eager under every version: the planner's own rule says it (runs_eager)
+    under transformers `version` for a `model_type` model: `sdpa`, or `eager` where its class has no SDPA in that
+    release (sdpa_classes.py `without_sdpa`: before it gained SDPA, or after it lost it) or the release defaulted it
+    to eager, with a note saying so."""
+    lacks = without_sdpa(model_type, version)
+    if lacks is not None:
+        notes.append(_eager_note(version, model_type, *lacks))
         return "eager"
-    since, at = SDPA_SINCE.get(model_type, SDPA_DEFAULT_SINCE), major_minor(version)
-    window = EAGER_DEFAULT.get(model_type)
+    window, at = EAGER_DEFAULT.get(model_type), major_minor(version)
     if window is not None and window[0] <= at < window[1]:
         notes.append(f"attention not set: transformers {version} defaults {model_type} models to eager attention "
                      f"({window[0][0]}.{window[0][1]} to {window[1][0]}.{window[1][1] - 1} do): planned with eager "
                      f"attention")
         return "eager"
-    if at >= since:
-        return "sdpa"
-    notes.append(f"attention not set: transformers {version} attends eagerly"
-                 f"{f' in {model_type} models' if model_type in SDPA_SINCE else ''} (SDPA is its default from "
-                 f"{since[0]}.{since[1]}): planned with eager attention")
-    return "eager"
+    return "sdpa"
+
+
+def _eager_note(version: str, model_type: str, first: tuple[int, int] | None, until: tuple[int, int] | None) -> str:
+    """The note for a job planned eager because its class has no SDPA under `version`, in [first, until)."""
+    if until is not None:
+        return (f"attention not set: transformers {version} attends eagerly"
+                f"{f' in {model_type} models' if model_type in NO_SDPA else ''} (SDPA is its default from "
+                f"{until[0]}.{until[1]}): planned with eager attention")
+    since = f"from {first[0]}.{first[1]} on; SDPA before" if first is not None else "in every release"
+    return (f"attention not set: transformers {version} attends eagerly in {model_type} models (its class has no "
+            f"SDPA, {since}): planned with eager attention")
+
+
+# The keys by which the tools name transformers' SDPA (the values that do), and the eager setting each takes
+# instead: a class without SDPA refuses it at load (`sdpa_refusal`).
+SDPA_KEYS = {"attn_implementation": (("sdpa",), "attn_implementation eager (or leave it unset: eager then)"),
+             "attn_impl": (("sdpa",), "--attn_impl eager"),
+             "flash_attn": (("sdpa",), "flash_attn: disabled (LLaMA-Factory's eager attention)"),
+             "sdp_attention": (("true", "1", "yes"), "attn_implementation: eager in place of sdp_attention")}
+
+
+def named_sdpa(keys: Mapping[str, str]) -> tuple[str, str, str] | None:
+    """(key, its value, the eager fix) of the key that names transformers' SDPA among a job's read `keys` (as
+    `record` files them: the value, then its effect in parentheses); None where none does."""
+    for key, (words, fix) in SDPA_KEYS.items():
+        value = keys.get(key, "").split(" (", 1)[0].strip()
+        if value.lower() in words:
+            return key, value, fix
+    return None
 
 
 # Attention implementations by the names the tools use, onto the planner's three memory behaviours.

@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     load_yaml,
     major_minor,
     multi_tensor_step,
+    named_sdpa,
     parse_json,
     read_text,
     transformers_version,
@@ -31,6 +32,7 @@ from shardfit.foreign.swift import read_swift
 from shardfit.foreign.targets import plan_all_linear
 from shardfit.plan.deepspeed import as_deepspeed_runs
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.sdpa_classes import sdpa_refusal
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.resolve.dims import ParallelDims
@@ -130,6 +132,11 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     if job.attention_unset and opts.workload.get("attention") is None:  # --attention says what the script runs
         job.workload = dataclasses.replace(job.workload, attention=default_attention(
             version, shape_of(job.model).model_type, job.notes))
+    elif job.workload.attention == "sdpa" and (named := named_sdpa(job.keys)) is not None:
+        refusal = sdpa_refusal(shape_of(job.model).model_type, f"{job.source}: '{named[0]}: {named[1]}'", named[2],
+                               version)
+        if refusal is not None:  # transformers refuses to load the class with SDPA
+            raise UserError(refusal)
     cast = as_deepspeed_runs(job.workload) if job.engine == "deepspeed" else job.workload
     if cast != job.workload:
         job.workload = cast

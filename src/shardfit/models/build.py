@@ -39,8 +39,9 @@ from shardfit.models.processor import vision_model_type
 from shardfit.models.quantize import quantize_blocks
 from shardfit.models.quantize_experts import quantize_experts_under_lora
 from shardfit.models.source import ModelSource, resolve_model
-from shardfit.plan.attention_layout import runs_eager, text_of
+from shardfit.plan.attention_layout import text_of
 from shardfit.plan.config_shape import require_sane_sizes
+from shardfit.plan.sdpa_classes import SDPA_FIX, runs_eager, sdpa_refusal
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 from shardfit.strategy import Strategy
 from shardfit.strategy import get as get_strategy
@@ -218,12 +219,11 @@ def attention_kernels(allow_cudnn: bool) -> contextlib.AbstractContextManager:
 
 def _attention(cfg: Config, config: Any) -> dict[str, Any]:
     """transformers' `attn_implementation` for `config`'s model: the config's, none for `auto` (transformers'
-    default), eager where the class has no SDPA (plan/attention_layout.py `runs_eager`, the planner's rule too)."""
-    model_type = getattr(text_of(config), "model_type", None)
+    default), eager where the class has no SDPA (plan/sdpa_classes.py `runs_eager`, the planner's rule too)."""
+    model_type = getattr(config, "model_type", None)  # the key AutoModelForCausalLM maps to the class it loads
     if runs_eager(model_type, cfg.attn_implementation):
         if cfg.attn_implementation == "sdpa":
-            raise UserError(f"'attn_implementation: sdpa': transformers' {model_type} class has no SDPA attention. "
-                            "Use attn_implementation: eager (or auto, which runs eager for it).")
+            raise UserError(sdpa_refusal(model_type, "'attn_implementation: sdpa'", SDPA_FIX))
         return {"attn_implementation": "eager"}
     return {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
 

@@ -61,20 +61,9 @@ RECURRENT_MODEL_TYPES = ("rwkv", "xlstm")
 BLOCK_NAME_KEYS: dict[str, tuple[str, str, dict[str, str]]] = {
     "gpt_neo": ("attention_layers", "window_size", {"global": "full_attention", "local": "sliding_attention"}),
 }
-# Families whose transformers class has no SDPA kernel (their modeling files never set `_supports_sdpa`, read in the
-# published wheels 4.36.2 to 4.55.4 and in 5.23): `auto` loads them with eager attention and `sdpa` does not load,
-# so the rank names eager and the planner plans both as eager.
-NO_SDPA_TYPES = ("gpt_neo", "gptj", "bloom", "codegen")
 # Families whose flash-attention class passes the kernel no window (GPTNeoFlashAttention2): their windowed blocks
 # attend to the whole row under flash, which the time model counts.
 FLASH_UNWINDOWED_TYPES = ("gpt_neo",)
-
-
-def runs_eager(model_type: Any, attention: str) -> bool:
-    """Whether a `model_type` model asked for `attention` (transformers' `attn_implementation`, `auto` included, or
-    the planner's `sdpa`) runs eager attention because its class has no SDPA: the one rule the rank
-    (models/build.py) and the planner (plan/estimate.py `planned_workload`) follow."""
-    return model_type in NO_SDPA_TYPES and attention in ("auto", "sdpa")
 
 
 def odd_setting(config: Any) -> str | None:

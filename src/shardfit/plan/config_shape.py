@@ -29,7 +29,6 @@ from shardfit.plan.attention_layout import (
     AttentionLayout,
     layout_of,
     odd_setting,
-    runs_eager,
     text_of,
 )
 from shardfit.plan.audio import AudioShape, audio_shape_of
@@ -45,6 +44,7 @@ from shardfit.plan.loaded_config import distinct_block_heads, loads_text_only, r
 from shardfit.plan.mamba_hybrid import mamba_hybrid_fields
 from shardfit.plan.media import VisionShape, has_tower, soft_token_tower_of, vision_shape_of
 from shardfit.plan.model_shape import MLA, BlockGroup, ModelShape
+from shardfit.plan.sdpa_classes import runs_eager
 from shardfit.plan.single_part import check_parts, part_groups, single_part_fields
 from shardfit.plan.token_mixers import block_groups
 
@@ -447,7 +447,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_groups=groups_of(attention, text, built, bool(deltanet), name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            eager_only=runs_eager(model_type, "sdpa"), flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
+            eager_only=runs_eager(cfg.get("model_type") or model_type, "sdpa"),  # the class the rank loads
+            flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
             **router_groups_of(model_type, get, experts),
             **norms_and_biases(model_type, get, text["hidden_size"], mlp_width(text)), **deltanet)

@@ -193,7 +193,7 @@ def planned_shape(shape: ModelShape, w: Workload) -> ModelShape:
 
 def planned_workload(shape: ModelShape, w: Workload) -> Workload:
     """The workload as the rank runs it: `sdpa` (transformers' default) is eager for a class without SDPA
-    (attention_layout.py `runs_eager`, the rule models/build.py loads by)."""
+    (sdpa_classes.py `runs_eager`, the rule models/build.py loads by)."""
     return replace(w, attention="eager") if shape.eager_only and w.attention == "sdpa" else w
 
 

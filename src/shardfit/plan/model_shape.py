@@ -118,7 +118,8 @@ class ModelShape:
     # the top-k logits; attention whose softmax also runs over a learned sink logit per head.
     clamped_swiglu: bool = False
     attention_sinks: bool = False
-    # A class without SDPA (plan/attention_layout.py `runs_eager`): `sdpa` (transformers' default) runs eager.
+    # A class without SDPA under the installed transformers (plan/sdpa_classes.py `runs_eager`; a foreign job's
+    # plan, under its --transformers): `sdpa` (transformers' default) runs eager.
     eager_only: bool = False
     # A flash-attention class that passes the kernel no window (FLASH_UNWINDOWED_TYPES): windows are whole rows there.
     flash_unwindowed: bool = False

@@ -18,6 +18,7 @@ from shardfit.plan.audio import AudioShape
 from shardfit.plan.config_shape import shape_from_config, tower_params
 from shardfit.plan.media import VisionShape
 from shardfit.plan.model_shape import MLA, ModelShape
+from shardfit.plan.sdpa_classes import runs_eager
 
 __all__ = ["MLA", "ModelShape", "catalog", "catalog_config", "hf_config", "resolve_shape", "tower_params"]
 
@@ -81,7 +82,8 @@ def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
     vision = VisionShape(**entry["vision"]) if entry.get("vision") else None
     audio = AudioShape(**entry["audio"]) if entry.get("audio") else None
     extra = entry.get("extra_params", tower_params(vision, audio))
-    return ModelShape(id=name, **dict(entry, vision=vision, audio=audio, extra_params=extra))
+    return ModelShape(id=name, **dict(entry, vision=vision, audio=audio, extra_params=extra),
+                      eager_only=runs_eager(entry.get("model_type"), "sdpa"))
 
 
 def _variants(name: str) -> list[str]:

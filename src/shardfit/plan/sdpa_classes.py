@@ -1,0 +1,99 @@
+"""Which transformers causal-LM classes attend with SDPA, release by release: the one table the rank
+(models/build.py `_attention`) and the planner (plan/config_shape.py, plan/shapes.py) read under the installed
+transformers, and the readers of other tools' jobs (foreign/common.py `default_attention`, foreign/read.py) under
+the job's `--transformers`. Torch-free: the installed release is read from the package's metadata.
+
+transformers attends with torch's SDPA by default from 4.36 for a class whose modeling file sets
+`_supports_sdpa = True`. A class that sets it False (or never sets it: PreTrainedModel's default is False) loads
+eager attention when the job names none, and refuses `attn_implementation="sdpa"` at load with a ValueError, in
+every release. Eager attention keeps each head's fp32 scores for the backward: memory that grows with the square
+of the row.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from typing import Any
+
+Release = tuple[int, int]
+# Before 4.36 no class attended with SDPA by default.
+SDPA_DEFAULT_SINCE: Release = (4, 36)
+# The releases [first, until) whose class (the one AutoModelForCausalLM maps a config's own model_type to) has no
+# SDPA: `first` None, every release of the class before `until`; `until` None, every release since, the newest
+# included. Read per class (`_supports_sdpa`, through its bases) in the modeling files of the published wheels, the
+# last patch of each minor release from 4.36.2 to 5.23.0 and the first patch of each release where one changed.
+# Gemma 2 had SDPA from its first release (4.42) to 5.20 and says False from 5.21 (VaultGemma too); GOT-OCR2 from
+# 4.49 to 4.53. gpt-oss (4.55), the Mamba and xLSTM classes, DeepSeek-V4 (5.8), MiMo-V2-Flash (5.13), the Granite
+# SWA classes (5.15), HY-V4 (5.17), Flint (5.21) and Inkling2 (5.23) never had it.
+NO_SDPA: dict[str, tuple[Release | None, Release | None]] = {
+    # never had SDPA
+    "big_bird": (None, None), "bigbird_pegasus": (None, None), "bloom": (None, None), "codegen": (None, None),
+    "cpmant": (None, None), "deepseek_v4": (None, None), "falcon_mamba": (None, None), "flint": (None, None),
+    "git": (None, None), "gpt_neo": (None, None), "gpt_neox_japanese": (None, None), "gpt_oss": (None, None),
+    "gptj": (None, None), "granite_swa": (None, None), "granitemoe_swa": (None, None), "hy_v4": (None, None),
+    "inkling2_text": (None, None), "mamba": (None, None), "mamba2": (None, None), "megatron-bert": (None, None),
+    "mimo_v2_flash": (None, None), "mpt": (None, None), "mvp": (None, None), "openai-gpt": (None, None),
+    "prophetnet": (None, None), "reformer": (None, None), "rembert": (None, None), "roformer": (None, None),
+    "rwkv": (None, None), "trocr": (None, None), "xglm": (None, None), "xlm": (None, None), "xlnet": (None, None),
+    "xlstm": (None, None),
+    # had SDPA, then lost it
+    "gemma2": ((5, 21), None), "vaultgemma": ((5, 21), None), "got_ocr2": ((4, 54), None),
+    # gained SDPA later (Mistral and Mixtral: transformers PR 28133, after 4.36.0)
+    "mistral": (None, (4, 37)), "mixtral": (None, (4, 37)), "stablelm": (None, (4, 39)), "phi": (None, (4, 39)),
+    "musicgen": (None, (4, 40)), "musicgen_melody": (None, (4, 40)), "bert": (None, (4, 41)),
+    "gpt_neox": (None, (4, 42)), "gpt2": (None, (4, 42)), "gpt-sw3": (None, (4, 42)), "mega": (None, (4, 42)),
+    "qdqbert": (None, (4, 42)), "speech_to_text_2": (None, (4, 42)), "xlm-prophetnet": (None, (4, 42)),
+    "phi3": (None, (4, 45)), "biogpt": (None, (4, 45)), "camembert": (None, (4, 45)), "mbart": (None, (4, 45)),
+    "roberta": (None, (4, 45)), "xlm-roberta": (None, (4, 45)), "xlm-roberta-xl": (None, (4, 45)),
+    "opt": (None, (4, 46)), "fuyu": (None, (4, 52)), "persimmon": (None, (4, 53)), "blenderbot": (None, (4, 53)),
+    "blenderbot-small": (None, (4, 53)), "marian": (None, (4, 53)), "pegasus": (None, (4, 53)),
+    "plbart": (None, (4, 53)), "modernbert-decoder": (None, (4, 56)), "bert-generation": (None, (5, 0)),
+    "data2vec-text": (None, (5, 0)), "electra": (None, (5, 0)), "ernie": (None, (5, 0)),
+    "roberta-prelayernorm": (None, (5, 0)), "roc_bert": (None, (5, 0)), "xmod": (None, (5, 0)),
+    "zamba": (None, (5, 10)), "ctrl": (None, (5, 13)), "recurrent_gemma": (None, (5, 13)),
+}
+
+# The eager setting shardfit's own config takes for such a class (and `auto`, which loads it eager).
+SDPA_FIX = "attn_implementation: eager (or auto, which runs eager for it)"
+
+
+def release_of(version: str | None) -> Release:
+    """(major, minor) of a transformers version; None: the installed one (a current release where none is)."""
+    if version is None:
+        try:
+            version = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            return (5, 0)
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
+
+
+def without_sdpa(model_type: Any, version: str | None = None) -> tuple[Release | None, Release | None] | None:
+    """The releases (NO_SDPA's window) around transformers `version` (None: the installed one) in which a
+    `model_type` model's class has no SDPA; None where it has SDPA there. Before 4.36, `(None, (4, 36))` for a
+    class the table does not hold."""
+    at = release_of(version)
+    window = NO_SDPA.get(model_type)
+    if window is not None and (window[0] is None or at >= window[0]) and (window[1] is None or at < window[1]):
+        return window
+    return (None, SDPA_DEFAULT_SINCE) if at < SDPA_DEFAULT_SINCE else None
+
+
+def runs_eager(model_type: Any, attention: str, version: str | None = None) -> bool:
+    """Whether a `model_type` model asked for `attention` (transformers' `attn_implementation`, `auto` included, or
+    the planner's `sdpa`) under transformers `version` (None: the installed one) runs eager attention because its
+    class has no SDPA: the one rule the rank (models/build.py) and the planner follow."""
+    return attention in ("auto", "sdpa") and without_sdpa(model_type, version) is not None
+
+
+def sdpa_refusal(model_type: Any, key: str, fix: str, version: str | None = None) -> str | None:
+    """What a job that names SDPA (`key`) for a `model_type` model says where transformers `version` (None: the
+    installed one) refuses it (its class has no SDPA: a ValueError at load), with `fix`, the eager setting; None
+    where the class has SDPA, and before 4.36, whose transformers took no `attn_implementation` (a tool's own SDPA
+    patch ran there)."""
+    if release_of(version) < SDPA_DEFAULT_SINCE or without_sdpa(model_type, version) is None:
+        return None
+    at = ".".join(map(str, release_of(version)))
+    return (f"{key}: transformers {at}'s {model_type} class has no SDPA attention (its modeling file sets "
+            f"_supports_sdpa = False), so loading it with sdpa fails. Use {fix}.")
