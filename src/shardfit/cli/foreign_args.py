@@ -60,5 +60,6 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
     # the job's class has SDPA or not as its transformers release says, not as the installed one does
     shape = resolve_shape(job.model)
     shape = dataclasses.replace(shape, eager_only=runs_eager(shape.model_type, "sdpa",
-                                                             args.transformers or transformers_version()))
+                                                             args.transformers or transformers_version(),
+                                                             text_type=shape.text_model_type))
     return plan_job(job, shape, hw, None if named in (None, "all") else (named,))

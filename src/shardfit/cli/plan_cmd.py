@@ -705,9 +705,10 @@ def _job_of(args: argparse.Namespace) -> tuple[Config | None, ModelShape, Worklo
     if args.config:
         cfg = load_config(args.config, check_files=False)
         shape, w, source = resolve_shape(cfg.model), workload_of(cfg), cfg.model
-        if cfg.attn_implementation == "sdpa" and shape.eager_only:  # the rank's load refuses it (models/build.py)
-            raise UserError(f"{args.config}: " + str(sdpa_refusal(shape.model_type, "'attn_implementation: sdpa'",
-                                                                  SDPA_FIX)))
+        # the rank's load refuses it (models/build.py `_attention`, the same rule)
+        if cfg.attn_implementation == "sdpa" and (refusal := sdpa_refusal(
+                shape.model_type, "'attn_implementation: sdpa'", SDPA_FIX, text_type=shape.text_model_type)):
+            raise UserError(f"{args.config}: {refusal}")
     elif args.model:  # the workload users of other tools run by default (MODEL_DEFAULT); the flags change it
         w = model_workload()
         shape, source = resolve_shape(args.model), args.model

@@ -135,7 +135,7 @@ def read_llamafactory(path: Path, version: str, nproc: int | None, shape_of: Any
     check_trainer_args(src, "LLaMA-Factory (its TrainingArguments are the HF Trainer's)", "")
     shape = shape_of(str(model))
     job = ForeignJob("llamafactory", src.where, str(model), Workload(), words=words(), nproc=nproc)
-    w = job.workload = _freeze(src, _workload(src, job, version), shape.layers)
+    w = job.workload = _own_kernel(src, job, _freeze(src, _workload(src, job, version), shape.layers), shape)
     w = job.workload = replace(w, **held_out_eval(src, share="val_size", data="eval_dataset", strategy_default=False,
                                                   batch_key="per_device_eval_batch_size", default_batch=8))
     job.reentrant_ckpt = w.grad_ckpt != "none" and src.flag("use_reentrant_gc", True)
@@ -253,6 +253,26 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
                     # additional_target's copies too, as the adapters
                     lora_saved_dtype="trainable",
                     **settings(src, KEYS, "field"))
+
+
+def _own_kernel(src: Source, job: ForeignJob, w: Workload, shape: ModelShape) -> Workload:
+    """The attention LLaMA-Factory picks itself for a model type (model_utils/attention.py
+    `configure_attn_implementation`), over `flash_attn`: from 0.9.4 (#9354) gpt-oss loads the
+    kernels-community/vllm-flash-attn3 kernel before `flash_attn` is read, so any value runs flash attention.
+    Gemma 2 under `auto` runs flash-attention 2 where flash-attn is installed and eager where not; the plan keeps
+    transformers' default and says so."""
+    attn = str(src.get("flash_attn", "auto")).lower()
+    if shape.model_type == "gpt_oss":
+        job.attention_unset = False
+        job.notes.append(f"{src.at('flash_attn')}: LLaMA-Factory 0.9.4 and later load gpt-oss with the "
+                         "kernels-community/vllm-flash-attn3 kernel whatever flash_attn says: planned with flash "
+                         "attention (an older checkout follows flash_attn)")
+        return replace(w, attention="flash")
+    if (shape.text_model_type or shape.model_type) == "gemma2" and attn == "auto":
+        job.notes.append(f"{src.at('flash_attn')}: LLaMA-Factory runs Gemma 2 with flash-attention 2 where flash-attn "
+                         "is installed and eager attention where not (never SDPA): planned as transformers "
+                         "attends; --attention flash or eager plans the one that runs")
+    return w
 
 
 def _saved(src: Source, job: ForeignJob, effects: dict[str, str], unplanned: set[str]) -> None:

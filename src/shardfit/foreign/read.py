@@ -130,11 +130,13 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
     job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
     if job.attention_unset and opts.workload.get("attention") is None:  # --attention says what the script runs
+        shape = shape_of(job.model)  # the text model's class picks the decoder's kernel
         job.workload = dataclasses.replace(job.workload, attention=default_attention(
-            version, shape_of(job.model).model_type, job.notes))
+            version, shape.text_model_type or shape.model_type, job.notes))
     elif job.workload.attention == "sdpa" and (named := named_sdpa(job.keys)) is not None:
-        refusal = sdpa_refusal(shape_of(job.model).model_type, f"{job.source}: '{named[0]}: {named[1]}'", named[2],
-                               version)
+        shape = shape_of(job.model)
+        refusal = sdpa_refusal(shape.model_type, f"{job.source}: '{named[0]}: {named[1]}'", named[2], version,
+                               text_type=shape.text_model_type)
         if refusal is not None:  # transformers refuses to load the class with SDPA
             raise UserError(refusal)
     cast = as_deepspeed_runs(job.workload) if job.engine == "deepspeed" else job.workload

@@ -219,12 +219,18 @@ def attention_kernels(allow_cudnn: bool) -> contextlib.AbstractContextManager:
 
 def _attention(cfg: Config, config: Any) -> dict[str, Any]:
     """transformers' `attn_implementation` for `config`'s model: the config's, none for `auto` (transformers'
-    default), eager where the class has no SDPA (plan/sdpa_classes.py `runs_eager`, the planner's rule too)."""
+    default), eager where the language model's class has no SDPA (plan/sdpa_classes.py `runs_eager`, the planner's
+    rule too); `sdpa` refused where the model's class or its text model's has none (transformers' load would)."""
     model_type = getattr(config, "model_type", None)  # the key AutoModelForCausalLM maps to the class it loads
-    if runs_eager(model_type, cfg.attn_implementation):
-        if cfg.attn_implementation == "sdpa":
-            raise UserError(sdpa_refusal(model_type, "'attn_implementation: sdpa'", SDPA_FIX))
+    text = text_of(config)
+    text_type = getattr(text, "model_type", None) if text is not config else None
+    if cfg.attn_implementation == "sdpa" and (refusal := sdpa_refusal(
+            model_type, "'attn_implementation: sdpa'", SDPA_FIX, text_type=text_type)) is not None:
+        raise UserError(refusal)
+    if runs_eager(model_type, cfg.attn_implementation, text_type=text_type) and text_type is None:
         return {"attn_implementation": "eager"}
+    # a composite's sub-models each check their own class under `auto` (transformers 5): an eager text model loads
+    # eager by itself, while its vision tower keeps SDPA
     return {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
 
 

@@ -427,6 +427,8 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
         experts = int(first_of(text, EXPERTS, 1) or 1)
         inter, expert, shared = expert_sizes(text, experts)
         model_type = text.get("model_type", cfg.get("model_type"))
+        # the built text config's own: a composite's text_config that names none gets its class's default type
+        text_type = getattr(text_of(built), "model_type", None) if built is not None else model_type
         attention = layout_of_built(cfg, built)
         moe_flags = moe_layer_flags(text, layers, experts, getter(text, built)("mlp_layer_types"))
         deltanet = linear_attention_of(cfg, name, text, moe_flags, built)
@@ -447,7 +449,9 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_groups=groups_of(attention, text, built, bool(deltanet), name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            eager_only=runs_eager(cfg.get("model_type") or model_type, "sdpa"),  # the class the rank loads
+            # the text model's class picks its kernel (a composite's own class only refuses `sdpa`)
+            eager_only=runs_eager(cfg.get("model_type") or model_type, "sdpa", text_type=text_type),
+            text_model_type=str(text_type or ""),
             flash_unwindowed=model_type in FLASH_UNWINDOWED_TYPES,
             shared_gate=bool(shared) and model_type in SHARED_GATE_TYPES, block_heads=block_heads_of(built, name),
             **router_groups_of(model_type, get, experts),

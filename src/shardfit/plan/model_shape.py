@@ -118,9 +118,12 @@ class ModelShape:
     # the top-k logits; attention whose softmax also runs over a learned sink logit per head.
     clamped_swiglu: bool = False
     attention_sinks: bool = False
-    # A class without SDPA under the installed transformers (plan/sdpa_classes.py `runs_eager`; a foreign job's
-    # plan, under its --transformers): `sdpa` (transformers' default) runs eager.
+    # A language model whose class has no SDPA under the installed transformers (plan/sdpa_classes.py `runs_eager`;
+    # a foreign job's plan, under its --transformers): `sdpa` (transformers' default) runs eager.
     eager_only: bool = False
+    # A composite's text config's model_type (PaliGemma 2's gemma2), whose class picks the decoder's kernel; empty:
+    # `model_type`'s own.
+    text_model_type: str = ""
     # A flash-attention class that passes the kernel no window (FLASH_UNWINDOWED_TYPES): windows are whole rows there.
     flash_unwindowed: bool = False
     # Qwen3-Next and Qwen3.5 (transformers' *GatedDeltaNet): `linear_layers` blocks mix tokens with Gated DeltaNet

@@ -22,6 +22,7 @@ from shardfit.plan import attention_layout as attention
 from shardfit.plan.loaded_config import distinct_block_heads
 from shardfit.plan.media import has_tower
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.sdpa_classes import runs_eager
 from shardfit.plan.single_part import SINGLE_PART_TYPES
 
 # Attention settings the Ulysses kernel stands in for: it runs SDPA over the whole row itself.
@@ -53,6 +54,9 @@ class DecoderFacts:
     # of the whole row, M-RoPE positions; `multimodal` stays True for a model it does not).
     split_vision: bool = False
     block_heads: tuple[int, ...] = ()
+    # The language model's class has no SDPA (plan/sdpa_classes.py `runs_eager`): its attention is its own code,
+    # which the Ulysses kernel cannot stand in for.
+    eager_only: bool = False
 
 
 def _prefix(n: int) -> str:
@@ -100,7 +104,9 @@ def check_model(n: int, facts: DecoderFacts, model: str) -> None:
            else "is a vision-language mixture of experts (each half splits; together they are untested)"
            if facts.multimodal and facts.experts
            else attention.refusal(facts.attention_kinds) if facts.partial_attention
-           else "uses multi-head latent attention" if facts.latent_attention else None)
+           else "uses multi-head latent attention" if facts.latent_attention
+           else "has no SDPA attention in its transformers class (its eager attention would see only each rank's "
+                "slice of the row)" if facts.eager_only else None)
     if why is not None:
         raise UserError(f"{_prefix(n)}: {model} {why}; this version splits the rows of decoders with full "
                         f"attention only (Llama, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, and {SPLIT_VISION_NAMES} on "
@@ -127,7 +133,8 @@ def facts_of_shape(shape: ModelShape) -> DecoderFacts:
     return DecoderFacts(heads=heads, kv_heads=shape.kv_heads, experts=shape.experts > 1,
                         multimodal=shape.multimodal, split_vision=split, block_heads=shape.block_heads,
                         partial_attention=shape.sliding_layers > 0 and shape.sliding_window > 0,
-                        attention_kinds=shape.attention_kinds, latent_attention=shape.mla is not None)
+                        attention_kinds=shape.attention_kinds, latent_attention=shape.mla is not None,
+                        eager_only=shape.eager_only)
 
 
 def facts_of_config(config: Any) -> DecoderFacts:
@@ -146,7 +153,10 @@ def facts_of_config(config: Any) -> DecoderFacts:
                         multimodal=has_tower(config), partial_attention=layout.partial, attention_kinds=layout.kinds,
                         latent_attention=bool(attention.block_counts(text, "kv_lora_rank")),
                         split_vision=getattr(config, "model_type", None) in SPLIT_VISION_TYPES,
-                        block_heads=distinct_block_heads(config))
+                        block_heads=distinct_block_heads(config),
+                        eager_only=runs_eager(getattr(config, "model_type", None), "sdpa",
+                                              text_type=getattr(text, "model_type", None) if text is not config
+                                              else None))
 
 
 def check_balancing(n: int, whole_row: bool, model: str) -> None:
