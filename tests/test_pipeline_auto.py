@@ -368,8 +368,9 @@ def test_the_catalogs_sliding_windows_are_the_built_models(model: str, family: s
     assert sequence.facts_of_shape(shape).partial_attention and sequence.facts_of_config(built).partial_attention
 
 
+# Gemma 2 is no case here since its class lost SDPA (transformers 5.21, plan/sdpa_classes.py): eager scores outgrow
+# these cards however its rows are split; Gemma 3's blocks alternate windows and full attention as Gemma 2's do.
 @pytest.mark.parametrize("model,seq,gpus", [("mistralai/Mistral-7B-v0.1", 65536, "8x24GB"),
-                                            ("google/gemma-2-9b", 32768, "8x24GB"),
                                             ("microsoft/Phi-3-mini-4k-instruct", 65536, "8x24GB"),
                                             ("google/gemma-3-1b-it", 98304, "8x24GB"),
                                             ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 8192, "8x32GB")])
