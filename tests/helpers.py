@@ -336,3 +336,10 @@ def saved_storage_bytes(model: torch.nn.Module, run: Callable[[torch.nn.Module],
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             run(module)
     return sum(kept.values())
+
+
+def likely_categories(log: str) -> list[str]:
+    """The categories `shardfit diagnose` ranks for a paste, best first (the diagnose tests' one reading of it)."""
+    from shardfit.diagnose.engine import analyze
+
+    return [x.category for x in analyze(log).likely]

@@ -9,11 +9,7 @@ import pytest
 
 from shardfit.diagnose.engine import analyze, generic_steps
 from tests.diagnose_real.evaluate import CONFIDENT
-
-
-def _cats(log: str) -> list[str]:
-    return [x.category for x in analyze(log).likely]
-
+from tests.helpers import likely_categories as _cats
 
 # torch >= 2.0's launcher passes --local-rank=N; a script that only parses --local_rank stops on every rank
 LOCAL_RANK = """usage: train_seg.py [-h] [--config CONFIG] [--local_rank LOCAL_RANK]

@@ -9,10 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shardfit.diagnose.engine import analyze
-
-
-def _cats(log: str) -> list[str]:
-    return [x.category for x in analyze(log).likely]
+from tests.helpers import likely_categories as _cats
 
 
 @pytest.mark.parametrize("log", [

@@ -7,12 +7,7 @@ source is cited in causes.yaml), not taken from a thread.
 
 from __future__ import annotations
 
-from shardfit.diagnose.engine import analyze
-
-
-def _cats(log: str) -> list[str]:
-    return [x.category for x in analyze(log).likely]
-
+from tests.helpers import likely_categories as _cats
 
 # torch/distributed/rendezvous.py asks TCPStore for libuv by default from torch 2.4 (USE_LIBUV defaults to "1");
 # TCPStore.cpp's TORCH_CHECK refuses on a build without it (the Windows wheels)

@@ -8,11 +8,7 @@ library's frame, and a script that spawns its own ranks. Each paste is made up i
 from __future__ import annotations
 
 from shardfit.diagnose.engine import analyze
-
-
-def _cats(log: str) -> list[str]:
-    return [x.category for x in analyze(log).likely]
-
+from tests.helpers import likely_categories as _cats
 
 # torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, _keep_alive_weak: a warning, after the node joined
 HEARTBEAT = (

@@ -16,16 +16,13 @@ from shardfit.diagnose.parse import parse
 from shardfit.errors import UserError
 from tests.diagnose_real.evaluate import evaluate, shorten, synthetic_cases
 from tests.diagnose_real.split import read_corpus
+from tests.helpers import likely_categories as _cats
 from tests.helpers import run_cli
 
 SHORT = read_corpus(Path(__file__).with_name("diagnose_short") / "cases.yaml")
 BARE_CPU = ("RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
             "cuda:0 and cpu!")
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB."
-
-
-def _cats(log: str) -> list[str]:
-    return [x.category for x in analyze(log).likely]
 
 
 @pytest.mark.parametrize("case", SHORT, ids=[f"{i}-{c['label']}" for i, c in enumerate(SHORT)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfit.diagnose.engine import analyze
+from tests.helpers import likely_categories as _cats
 
 LORA_STEP = "{'loss': 1.0874, 'grad_norm': 0.7011, 'learning_rate': 4.95e-05, 'epoch': 0.06}"
 PIP_UPGRADE = (
@@ -154,10 +154,6 @@ CASES = [
         "[rank1]:              ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
         "[rank1]: TypeError: WeightedLossTrainer.weighted_loss() missing 1 required positional argument: 'weights'")},
 ]
-
-
-def _cats(log: str) -> list[str]:
-    return [x.category for x in analyze(log).likely]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
