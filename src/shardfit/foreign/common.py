@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -17,7 +16,7 @@ from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
 from shardfit.plan.optimizer_kinds import WEIGHT_DECAY_COPIES, rmsprop_kind
-from shardfit.plan.sdpa_classes import NO_SDPA, without_sdpa
+from shardfit.plan.sdpa_classes import NO_SDPA, release_of, without_sdpa
 
 # HF TrainingArguments that change nothing the planner counts (logging, saving, schedules, evaluation cadence,
 # data loading, hub and reporting). Whether and how the job evaluates while training counts (foreign/trainer_eval.py).
@@ -54,9 +53,9 @@ def hf_loss(version: str, fused: bool) -> str:
 
 
 def major_minor(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string; an unreadable one counts as a current release."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
+    """(major, minor) of a version string; an unreadable one counts as a current release (the release table's own
+    reading, plan/sdpa_classes.py `release_of`)."""
+    return release_of(version)
 
 
 # Whether a class has SDPA under a release is plan/sdpa_classes.py's table (read in the published wheels), the one
