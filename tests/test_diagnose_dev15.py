@@ -172,6 +172,12 @@ def test_an_evaluation_batch_of_one_is_not_the_training_micro_batch() -> None:
     # the training batch of one still reads, after an evaluation batch on the same line
     assert "batch_of_one" in analyze("--per_device_eval_batch_size=4 --per_device_train_batch_size=1\n"
                                      "CUDA out of memory.").parsed.facts
+    # a command line's flag and its value apart (argparse takes both forms), not a bound in prose
+    for flag in ("--per_device_train_batch_size 1", "--micro_batch_size  1", "--train_batch_size\t1 --lr 2e-5"):
+        assert "batch_of_one" in analyze(f"{flag}\nCUDA out of memory.").parsed.facts, flag
+    for other in ("--per_device_eval_batch_size 1", "--per_device_train_batch_size 16", "batch size greater than 1",
+                  "--per_device_train_batch_size 1.5"):
+        assert "batch_of_one" not in analyze(f"{other}\nCUDA out of memory.").parsed.facts, other
 
 
 def test_a_launchers_machine_count_or_a_dist_url_alone_spawns_no_ranks() -> None:

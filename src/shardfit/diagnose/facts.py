@@ -384,7 +384,9 @@ def _spawn_facts(p: Parsed, text: str) -> None:
 _BATCH_ONE = re.compile(r"(?:batch[ _-]?size|\bbs|micro[_ ]batch\w*)[`'\"]?[^\n\d]{0,30}?(?:already|even|set to|"
                         r"down to|reduced to|lowered to|\bto|=|:|\bof|\bis|为|设为|设置为|设成)"
                         r"\s*[`'\"]?1\b(?!\.\d|\d)|"
-                        r"even (?:with|at) (?:a )?batch(?: size)? (?:of )?1\b", re.I)
+                        r"even (?:with|at) (?:a )?batch(?: size)? (?:of )?1\b|"
+                        # a command line's `--flag VALUE`: the value follows the key after blanks only
+                        r"(?<=[-_])(?:batch[_-]size|micro[_-]batch\w*)[ \t]+1\b(?!\.\d|\d)", re.I)
 # a batch size that is not the training step's: evaluation, test, prediction, inference (per_device_eval_batch_size,
 # --test_batch_size, "inference batch size") and verl's forward-only log_prob micro-batches hold no gradients
 _NOT_TRAIN_BATCH = re.compile(r"(?<![a-z])(?:eval\w*|val(?:id\w*)?|test\w*|predict\w*|infer\w*|log_prob\w*|"
