@@ -9,12 +9,11 @@ import re
 from shardfit.cli.args import positive_int
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
-from shardfit.foreign.common import transformers_version
 from shardfit.foreign.job import TOOLS
 from shardfit.foreign.read import SCRIPT_SETTABLE, JobOptions, launch_on, read_job
 from shardfit.method import NAMES as method_names
 from shardfit.plan.hardware import detect, parse_gpus
-from shardfit.plan.sdpa_classes import runs_eager
+from shardfit.plan.sdpa_classes import installed_transformers, runs_eager
 from shardfit.plan.shapes import resolve_shape
 
 
@@ -60,6 +59,6 @@ def foreign_plan(args: argparse.Namespace) -> ForeignPlan:
     # the job's class has SDPA or not as its transformers release says, not as the installed one does
     shape = resolve_shape(job.model)
     shape = dataclasses.replace(shape, eager_only=runs_eager(shape.model_type, "sdpa",
-                                                             args.transformers or transformers_version(),
+                                                             args.transformers or installed_transformers(),
                                                              text_type=shape.text_model_type))
     return plan_job(job, shape, hw, None if named in (None, "all") else (named,))

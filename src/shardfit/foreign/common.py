@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -35,27 +34,13 @@ TRAINER_NO_EFFECT = {
 }
 
 
-def transformers_version() -> str:
-    """The installed transformers (what the tool would run here), without importing it."""
-    try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return "5.0"
-
-
 def hf_loss(version: str, fused: bool) -> str:
     """The planner's loss for a run through transformers' own causal-LM loss at `version`: 4.46-4.48 copied the
     shifted fp32 logits (`full_shift`); before and after, `full`. A fused linear + cross-entropy kernel (Liger,
     Cut Cross-Entropy) never holds the full logits: closest is shardfit's chunked loss."""
     if fused:
         return "chunked"
-    return "full_shift" if major_minor(version) in ((4, 46), (4, 47), (4, 48)) else "full"
-
-
-def major_minor(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string; an unreadable one counts as a current release (the release table's own
-    reading, plan/sdpa_classes.py `release_of`)."""
-    return release_of(version)
+    return "full_shift" if release_of(version) in ((4, 46), (4, 47), (4, 48)) else "full"
 
 
 # Whether a class has SDPA under a release is plan/sdpa_classes.py's table (read in the published wheels), the one
@@ -74,7 +59,7 @@ def default_attention(version: str, model_type: str, notes: list[str]) -> str:
     if lacks is not None:
         notes.append(_eager_note(version, model_type, *lacks))
         return "eager"
-    window, at = EAGER_DEFAULT.get(model_type), major_minor(version)
+    window, at = EAGER_DEFAULT.get(model_type), release_of(version)
     if window is not None and window[0] <= at < window[1]:
         notes.append(f"attention not set: transformers {version} defaults {model_type} models to eager attention "
                      f"({window[0][0]}.{window[0][1]} to {window[1][0]}.{window[1][1] - 1} do): planned with eager "
@@ -173,7 +158,7 @@ def torch_optim_args(name: str, optim_args: Any, version: str) -> tuple[Any, str
     """The `optim_args` the HF Trainer of transformers `version` passes to the torch optimizer it builds for `optim`
     = `name` (TORCH_OPTIM_ARGS: none before OPTIM_ARGS_SINCE), with a note naming those it drops."""
     keys = TORCH_OPTIM_ARGS.get(name.lower())
-    if keys is None or major_minor(version) >= OPTIM_ARGS_SINCE:
+    if keys is None or release_of(version) >= OPTIM_ARGS_SINCE:
         return optim_args, None
     dropped = [k for k in keys if _optim_value(optim_args, k) is not None]
     if not dropped:
@@ -263,7 +248,7 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
         return str(given), None
     if tool_default is not None:
         return tool_default, f"optimizer not set: the tool's default {tool_default} (AdamW stepped in place)"
-    if major_minor(version) >= FUSED_DEFAULT_SINCE:
+    if release_of(version) >= FUSED_DEFAULT_SINCE:
         return "adamw_torch_fused", (f"optim not set: transformers {version} defaults to adamw_torch_fused with torch "
                                      ">= 2.8 (stepped in place; an older torch runs adamw_torch, whose multi-tensor "
                                      "step adds one fp32 copy of what each GPU trains)")
@@ -479,7 +464,7 @@ def trainer_fsdp1(cfg: Mapping[str, Any], version: str, where: str, notes: list[
     untied input embedding stays gathered in the root unit (the planner's `fsdp1`)."""
     given = cfg.get("version")
     if given is None:
-        run = 2 if major_minor(version) >= FSDP2_DEFAULT_SINCE else 1
+        run = 2 if release_of(version) >= FSDP2_DEFAULT_SINCE else 1
         notes.append(f"fsdp_config gives no version: transformers {version} runs FSDP{run} (set \"version\": "
                      f"{3 - run} in fsdp_config for FSDP{3 - run})")
         return run == 1

@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import major_minor
 from shardfit.foreign.keys import Source
 from shardfit.foreign.script_ast import ABSENT_DTYPE, UNSET_DTYPE, ScriptSettings
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.precision import experts_stay_16bit
+from shardfit.plan.sdpa_classes import release_of
 from shardfit.plan.workload import Workload
 
 # TRL's trainers that, for a 4-bit or 8-bit model, skip prepare_model_for_kbit_training and cast every trainable
@@ -58,7 +58,7 @@ def experts_left_fp32(shape: ModelShape, w: Workload, version: str) -> bool:
     the embeddings, norms and head back to the compute dtype does not reach: the stacks bitsandbytes leaves
     unquantized under transformers `version` (plan/precision.py `experts_stay_16bit`; foreign/read.py sets
     `fused_experts` from the same version after the reader)."""
-    return experts_stay_16bit(shape, dataclasses.replace(w, fused_experts=major_minor(version) >= (5, 0)))
+    return experts_stay_16bit(shape, dataclasses.replace(w, fused_experts=release_of(version) >= (5, 0)))
 
 
 def cast_back(w: Workload, shape: ModelShape, version: str, tool: str) -> tuple[Workload, str]:
@@ -110,7 +110,7 @@ def default_load(what: str, version: str, bnb_fp32: bool, spell: str = "--dtype 
     """A from_pretrained that gets no dtype, or None (`what` says why): transformers 5 takes it as "auto", the
     checkpoint's dtype (5.23 modeling_utils.py `from_pretrained`: `if dtype is None: dtype = "auto"`), transformers
     4 as torch's default dtype, fp32 (`_get_dtype`'s "set fp32 as the default dtype for BC")."""
-    if major_minor(version) >= (5, 0):
+    if release_of(version) >= (5, 0):
         return Loaded("auto", f"{what}; transformers {version} takes None as \"auto\" (4.x: fp32) and loads the "
                               f"model", bnb_fp32, spell, none=True)
     return Loaded("float32", f"{what}; transformers {version} takes None as torch's default, fp32 (5.x: \"auto\", "
@@ -222,7 +222,7 @@ def known_script_load(src: Source, name: str, version: str) -> Loaded | None:
     keys = KNOWN_LOADS.get(name)
     if keys is None:
         return None
-    spell = f"--{keys[0] if major_minor(version) >= (5, 0) else keys[1]} {{}}"
+    spell = f"--{keys[0] if release_of(version) >= (5, 0) else keys[1]} {{}}"
     key = next((k for k in keys if src.get(k) is not None), None)
     if key is None:
         null = next((k for k in keys if k in src), None)  # given null: ModelArguments' None, as its default
@@ -255,7 +255,7 @@ def trl_kbit(w: Workload, trainer: str | None, prepares: bool, shape: ModelShape
         return w, note + " (norms stay fp32, planned as the rest)"
     if trainer not in TRL_BF16_TRAINERS:
         return w, None
-    fp16_none = loaded is not None and loaded.none and major_minor(version) < (5, 0)
+    fp16_none = loaded is not None and loaded.none and release_of(version) < (5, 0)
     fp32_load = loaded is not None and loaded.dtype == "float32" and not fp16_none
     w = dataclasses.replace(w, frozen_fp32=prepares or fp32_load, adapters_16bit=True, lora_saved_dtype="trainable",
                             bnb_compute_fp32=w.bnb_compute_fp32 or loaded is not None and loaded.bnb_fp32)

@@ -14,12 +14,10 @@ from shardfit.foreign.common import (
     default_optim,
     hf_loss,
     load_yaml,
-    major_minor,
     multi_tensor_step,
     named_sdpa,
     parse_json,
     read_text,
-    transformers_version,
 )
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
@@ -32,7 +30,7 @@ from shardfit.foreign.swift import read_swift
 from shardfit.foreign.targets import plan_all_linear
 from shardfit.plan.deepspeed import as_deepspeed_runs
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.sdpa_classes import sdpa_refusal
+from shardfit.plan.sdpa_classes import installed_transformers, release_of, sdpa_refusal
 from shardfit.plan.shapes import ModelShape, resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.resolve.dims import ParallelDims
@@ -103,7 +101,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     if not path.is_file():
         raise UserError(f"--from {tool}: file not found: {file}. Give the tool's config file (or the shell script "
                         f"that runs it).")
-    version = opts.transformers or transformers_version()
+    version = opts.transformers or installed_transformers()
     def shape_of(model: str) -> ModelShape:  # --model names the model when the file's is not at hand
         return _shape_of(opts.model or model)
 
@@ -128,7 +126,7 @@ def read_job(tool: str, file: str, opts: JobOptions) -> ForeignJob:
     _script_flags(job, opts)
     # transformers 5 fuses every mixture's routed experts into 3-D weights, which bitsandbytes' 4-bit loading
     # leaves unquantized (plan/precision.py `experts_stay_16bit`); transformers 4 builds an nn.Linear per expert
-    job.workload = dataclasses.replace(job.workload, fused_experts=major_minor(version) >= (5, 0))
+    job.workload = dataclasses.replace(job.workload, fused_experts=release_of(version) >= (5, 0))
     if job.attention_unset and opts.workload.get("attention") is None:  # --attention says what the script runs
         shape = shape_of(job.model)  # the text model's class picks the decoder's kernel
         job.workload = dataclasses.replace(job.workload, attention=default_attention(

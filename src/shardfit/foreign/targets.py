@@ -14,9 +14,9 @@ import re
 
 from shardfit.config.targets import names_no_module, targets_fix, targets_problem, unmatched
 from shardfit.errors import UserError
-from shardfit.foreign.common import major_minor, transformers_version
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 from shardfit.plan.model_shape import ModelShape
+from shardfit.plan.sdpa_classes import installed_transformers, release_of
 from shardfit.plan.workload import LORA_TARGETS
 
 # The projection names the planner places on every model it lists (block_modules): an entry ending in one of them
@@ -41,7 +41,7 @@ def _block_prefixes(shape: ModelShape, version: str) -> tuple[str, ...]:
     of `model.layers` (Qwen2-VL) and `language_model.model.layers` (LLaVA-style), which the shape does not say."""
     if not shape.multimodal:
         return ("model.layers",)
-    if major_minor(version) >= (4, 52):
+    if release_of(version) >= (4, 52):
         return ("model.language_model.layers",)
     return ("model.layers", "language_model.model.layers")
 
@@ -59,7 +59,7 @@ def fused_experts(shape: ModelShape, version: str) -> bool:
     """Whether transformers `version` builds `shape`'s routed experts fused: one `experts` module per block holding
     3-D weights for all of them (`gate_up_proj`, `down_proj`), no module per expert. Every family from
     transformers 5; gpt-oss's and Llama 4's classes from their first release."""
-    return shape.moe and (major_minor(version) >= (5, 0) or shape.experts_always_fused)
+    return shape.moe and (release_of(version) >= (5, 0) or shape.experts_always_fused)
 
 
 # The model types whose transformers-4 expert names peft 0.21 rewrites onto transformers 5's fused weights
@@ -114,7 +114,7 @@ def block_modules(shape: ModelShape, version: str | None = None) -> dict[str, li
     `version` builds a module per expert; where it fuses them (`fused_experts`), no expert's own module but, for
     the families peft 0.21 rewrites (`peft_rewrite`), `mlp.experts.gate_proj`, `up_proj` and `down_proj`
     (Mixtral's `w1`, `w3`, `w2`): the names it moves onto the fused weights of every expert."""
-    version = version or transformers_version()
+    version = version or installed_transformers()
     prefixes = _block_prefixes(shape, version)
     parts = _attention(shape)
     mlp = [n for n in ("gate", "up", "down") if not (n == "gate" and shape.two_matrix)]
@@ -246,7 +246,7 @@ def plan_targets(job: ForeignJob, key: str, targets: str | list[str], shape: Mod
     lacks). A list entry that matches nothing beside others that do is skipped, as peft skips it, with a note.
     Targets the planner cannot place (names of modules it does not model, a pattern over other paths)
     leave the adapters on every linear layer, said in a note, and return "" (the key is then not modelled)."""
-    ver = version or transformers_version()
+    ver = version or installed_transformers()
     modules = block_modules(shape, ver)
     shown = targets if isinstance(targets, str) else ", ".join(targets)
     if isinstance(targets, str):

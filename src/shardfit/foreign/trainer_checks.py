@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardfit.errors import UserError
-from shardfit.foreign.common import FSDP2_DEFAULT_SINCE, STR_TO_BOOL_WORDS, TRUE_WORDS, major_minor
+from shardfit.foreign.common import FSDP2_DEFAULT_SINCE, STR_TO_BOOL_WORDS, TRUE_WORDS
 from shardfit.foreign.keys import Source
 from shardfit.foreign.trainer_eval import swift_val_data
+from shardfit.plan.sdpa_classes import release_of
 
 # FSDP options the Trainer's FSDP2 takes in `--fsdp`; the other sharding strategies are FSDP1's.
 FSDP2_STRATEGIES = ("full_shard", "shard_grad_op")
@@ -148,7 +149,7 @@ def check_fsdp2_options(fsdp: str, cfg: Mapping[str, Any], version: str, fsdp1: 
     unless fsdp_config's version is 1): a strategy other than full_shard / shard_grad_op in `--fsdp`
     (`_apply_legacy_fsdp_to_config`: "only available with FSDP1"), and a reshard_after_forward that is no
     boolean (`_process_fsdp_args` reads it with str_to_bool)."""
-    if fsdp1 or major_minor(version) < FSDP2_DEFAULT_SINCE:
+    if fsdp1 or release_of(version) < FSDP2_DEFAULT_SINCE:
         return
     for option in fsdp.lower().split():
         if option in FSDP1_ONLY:

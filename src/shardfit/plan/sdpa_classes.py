@@ -61,14 +61,19 @@ NO_SDPA: dict[str, tuple[Release | None, Release | None]] = {
 SDPA_FIX = "attn_implementation: eager (or auto, which runs eager for it)"
 
 
+def installed_transformers() -> str:
+    """The installed transformers' version, read without importing it; a current release where none is installed
+    (what a job would run on a machine set up today)."""
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "5.0"
+
+
 def release_of(version: str | None) -> Release:
-    """(major, minor) of a transformers version; None: the installed one (a current release where none is)."""
-    if version is None:
-        try:
-            version = metadata.version("transformers")
-        except metadata.PackageNotFoundError:
-            return (5, 0)
-    m = re.match(r"(\d+)\.(\d+)", version)
+    """(major, minor) of a transformers version; None: the installed one. An unreadable version counts as a
+    current release."""
+    m = re.match(r"(\d+)\.(\d+)", installed_transformers() if version is None else version)
     return (int(m.group(1)), int(m.group(2))) if m else (5, 0)
 
 
