@@ -351,8 +351,8 @@ def _rank0_waits(timed_out: list[tuple[str, str, str]], world: int | None = None
 
 
 # the reporter's words for a job over several machines ("2 machines with 5 gpus", "two nodes", "多机多卡")
-_NODES_SAID = re.compile(r"\b(?:[2-9]|[1-9]\d+|two|three|four|several|multiple)[ \t]+(?:machines|nodes|servers|hosts)\b|"
-                         r"\bmulti-?(?:node|machine)\b|多机|多节点|多台", re.I)
+_NODES_SAID = re.compile(r"\b(?:[2-9]|[1-9]\d+|two|three|four|several|multiple)[ \t]+"
+                         r"(?:machines|nodes|servers|hosts)\b|\bmulti-?(?:node|machine)\b|多机|多节点|多台", re.I)
 
 
 def _rank_fit_facts(p: Parsed) -> None:
