@@ -350,13 +350,22 @@ def _rank0_waits(timed_out: list[tuple[str, str, str]], world: int | None = None
     return any(n >= 1000 or (s in others and missing(s)) for s, n in zero)
 
 
+# the reporter's words for a job over several machines ("2 machines with 5 gpus", "two nodes", "多机多卡")
+_NODES_SAID = re.compile(r"\b(?:[2-9]|[1-9]\d+|two|three|four|several|multiple)[ \t]+"
+                         r"(?:machines|nodes|servers|hosts)\b|\bmulti-?(?:node|machine)\b|多机|多节点|多台", re.I)
+
+
 def _rank_fit_facts(p: Parsed) -> None:
     """The launch starts no more processes per node than the GPUs it makes visible (nproc_per_node 4 beside a
     CUDA_VISIBLE_DEVICES of four): each rank's local_rank is a valid device, so an invalid ordinal came from the
     script's own device choice (a hard-coded cuda:N, a --gpu_id), not from the rank count. Not on one node of
-    several: a script choosing its device by the global RANK reaches ordinals past the node's GPUs."""
+    several: a script choosing its device by the global RANK reaches ordinals past the node's GPUs (multi_node,
+    from the launch's flags or the reporter's words)."""
     visible = visible_counts(p.brief)
-    if p.world_size and p.world_size > 1 and visible and p.world_size <= min(visible) and not _multi_node(p.text):
+    several = _multi_node(p.text)
+    if several or _NODES_SAID.search(p.brief):
+        p.facts.add("multi_node")
+    if p.world_size and p.world_size > 1 and visible and p.world_size <= min(visible) and not several:
         p.facts.add("ranks_fit_gpus")
 
 

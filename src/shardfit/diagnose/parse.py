@@ -75,7 +75,8 @@ _SPACES = re.compile(r"[ \t\f\v\u00a0]+")
 # punctuation becomes ASCII, so the error quoted inside a non-English sentence reads like an English one.
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
 _CJK_EDGE = re.compile(rf"(?<=[{_CJK}])(?=[A-Za-z0-9'\"`_-])|(?<=[A-Za-z0-9'\"`_.)-])(?=[{_CJK}])")
-_FULLWIDTH = str.maketrans({"：": ": ", "，": ", ", "（": " (", "）": ") ", "；": "; ", "！": "! ", "？": "? "})
+_FULLWIDTH = str.maketrans({"：": ": ", "，": ", ", "（": " (", "）": ") ", "；": "; ", "！": "! ", "？": "? ",
+                            "＜": "<", "＞": ">", "＝": "="})
 _RANKED = re.compile(r"\[rank\d+\]|\[default\d+\]:|\[\d+,\d+\]<std|local_rank")
 _DEDUP_KEY = re.compile(r"[\d█▏▎▍▌▋▊▉#]+")
 

@@ -1,0 +1,94 @@
+"""Mechanisms found on the outsiders' batch 16 (dev data): two confident rules narrowed (an invalid device ordinal on
+a job over several machines, torch's JIT build of an extension DeepSpeed does not own), and bare messages the engine
+left unanswered (a dotted module missing from an installed library, pydantic 2 refusing the v1 API, DDP's forward cut
+at its reducer check, the linker finding no NCCL, cuDNN's frontend with no engine for a graph, a CUDA assert typed with
+full-width signs, the first GPU holding more memory than the others, a cut keyword TypeError of the old
+gradient-checkpointing API). Each paste is made up in the shape of the library's message (its source is cited in
+causes.yaml, facts.py or parse.py), not taken from a thread.
+"""
+
+from __future__ import annotations
+
+from shardfit.diagnose.engine import analyze
+from tests.helpers import likely_categories as _cats
+
+ORDINAL = "RuntimeError: CUDA error: invalid device ordinal\ntorch.cuda.set_device(rank)\n"
+
+
+def test_an_invalid_ordinal_over_several_machines_is_ranked_not_confident() -> None:
+    a = analyze("DDP over 2 machines with 5 GPUs each fails:\n" + ORDINAL)
+    assert "multi_node" in a.parsed.facts
+    assert a.answer != "confident"
+    assert a.likely[0].category == "more_ranks_than_gpus"  # still the check to run
+    # a launch over nodes shown by its flags reads the same
+    flags = analyze("torchrun --nnodes=2 --node_rank=1 --nproc_per_node=4 train.py\n" + ORDINAL)
+    assert "multi_node" in flags.parsed.facts and flags.answer != "confident"
+    # on one machine the ordinal keeps its confident reading
+    one = analyze(ORDINAL)
+    assert "multi_node" not in one.parsed.facts
+    assert one.answer == "confident" and one.likely[0].category == "more_ranks_than_gpus"
+
+
+def _ninja(name: str, extra: str = "") -> str:
+    return (f"{extra}ninja: build stopped: subcommand failed.\n"
+            "Traceback (most recent call last):\n"
+            '  File "/usr/lib/python3/site-packages/torch/utils/cpp_extension.py", line 1900, in _run_ninja_build\n'
+            "    subprocess.run(\n"
+            f"RuntimeError: Error building extension '{name}'\n")
+
+
+def test_a_project_kernel_build_is_not_a_confident_deepspeed_op() -> None:
+    own = analyze(_ninja("wkv_1024_bf16"))
+    assert own.answer != "confident"
+    assert own.likely[0].category == "env_deepspeed_op_build"  # a JIT build all the same: its toolchain check
+    assert analyze(_ninja("fused_adam")).answer == "confident"
+    # DeepSpeed in sight: its own name for an op is not needed
+    assert analyze(_ninja("my_op", "[INFO] DeepSpeed info: version=0.14.0\n")).answer == "confident"
+
+
+def test_a_submodule_missing_from_an_installed_library_is_a_version_question() -> None:
+    assert _cats("ModuleNotFoundError: No module named 'pytorch_lightning.lite'")[0] == "library_version_regression"
+    assert _cats("ModuleNotFoundError: No module named 'diffusers.models.cross_attention'")[0] == \
+        "library_version_regression"
+    # a project's own package (its parent is the user's) says nothing of versions
+    assert _cats("ModuleNotFoundError: No module named 'models.sync_batchnorm'") == []
+
+
+def test_pydantic_two_refusing_a_v1_validator_is_a_version_question() -> None:
+    paste = ("pydantic.errors.PydanticUserError: If you use `@root_validator` with pre=False (the default) you MUST "
+             "specify `skip_on_failure=True`. Note that `@root_validator` is deprecated and should be replaced with "
+             "`@model_validator`.")
+    assert _cats(paste)[0] == "library_version_regression"
+
+
+def test_ddp_forward_cut_at_its_reducer_check_is_unused_parameters() -> None:
+    paste = ('  File "/opt/conda/lib/python3.8/site-packages/mmengine/model/wrappers/distributed.py", line 161, in '
+             "_run_forward\n    results = self(**data, mode=mode)\n"
+             '  File "/opt/conda/lib/python3.8/site-packages/torch/nn/parallel/distributed.py", line 947, in forward\n'
+             "    if torch.is_grad_enabled() and self.reducer._rebuild_buckets():\n[...]\n")
+    assert _cats(paste)[0] == "ddp_unused_parameters"
+
+
+def test_the_linker_finding_no_nccl_is_the_nccl_install() -> None:
+    paste = ("/usr/bin/ld: cannot find -lnccl: No such file or directory\n"
+             "collect2: error: ld returned 1 exit status\nmake: *** [Makefile:277: train_gpt2cu] Error 1")
+    assert _cats(paste)[0] == "nccl_env_setup"
+
+
+def test_cudnn_frontend_without_an_engine_ranks_the_gpu_architecture() -> None:
+    assert _cats("[cudnn_frontend] Error: No execution plans support the graph.")[0] == "gpu_arch_unsupported"
+
+
+def test_a_cuda_assert_typed_with_full_width_signs_reads_as_the_ascii_one() -> None:
+    a = analyze("训练一会就出现 `Assertion srcIndex ＜ srcSelectDimSize failed.`")
+    assert a.likely and a.likely[0].category == "tokenizer_embedding_mismatch"
+
+
+def test_the_first_gpu_holding_more_memory_ranks_ranks_on_one_gpu() -> None:
+    paste = "The GPU load is unbalanced: the first GPU occupies much more memory than the others during training."
+    assert "more_ranks_than_gpus" in _cats(paste)[:3]
+
+
+def test_a_cut_set_gradient_checkpointing_type_error_is_the_old_api() -> None:
+    a = analyze("TypeError: QwenPreTrainedModel._set_gradient_checkpointing() got an unexpect")
+    assert a.answer == "confident" and a.likely[0].category == "gc_remote_code_old_api"
