@@ -14,6 +14,9 @@ from dataclasses import dataclass
 # bitsandbytes' blockwise 8-bit states: one fp32 absmax per block of this many elements, for each state
 # (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state` and `Optimizer1State.init_state`: blocksize 256).
 BNB_STATE_BLOCK = 256
+# Bytes of an element of each dtype an optimizer takes by torch's name (transformers' Trainer builds AnyPrecision
+# AdamW's with `getattr(torch, name)`): the floating-point ones a state can be kept in.
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,10 @@ class OptimizerKind:
     flat partitions, FSDP1's flat parameters), where Adafactor does not factor; `upcasts`: it also copies a 16-bit
     weight and its gradient to fp32 first. `previous_copies`: copies of the tensor stepped just before, in the
     states' dtype, that such a loop still holds while it makes the next one's (a local bound until the next
-    iteration rebinds it)."""
+    iteration rebinds it), and `previous_weight_copies` in the weights' dtype. `dtypes`: each state's own dtype
+    where the optimizer takes them as settings (torch's names, DTYPE_BYTES), as the tool builds it by default; a
+    workload's `optimizer_dtypes` gives the job's own; its step's copies are in the dtype of state
+    `copied_state`."""
 
     label: str
     states: int
@@ -43,6 +49,9 @@ class OptimizerKind:
     several_flat_copies: int = 0
     upcasts: bool = False
     previous_copies: int = 0
+    previous_weight_copies: int = 0
+    dtypes: tuple[str, ...] = ()
+    copied_state: int = 0
 
 
 OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
@@ -96,6 +105,20 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     # bitsandbytes' AdEMAMix: state1 a double buffer (m1, m2), state2 (nu); 8-bit: absmax1 of (2, blocks) too.
     "ademamix": OptimizerKind("AdEMAMix", 3),
     "ademamix8bit": OptimizerKind("8-bit AdEMAMix", 3, "8bit"),
+    # torchdistx's AnyPrecisionAdamW (transformers' `adamw_anyprecision`): exp_avg in `momentum_dtype`, exp_avg_sq in
+    # `variance_dtype`, both float32 as the Trainer builds it (`_get_adamw_anyprecision` reads optim_args;
+    # torchdistx's own default variance is bfloat16); one tensor at a time: `exp_avg_sq.sqrt()` and its quotient by
+    # the bias correction exist together, in the variance's dtype, and that `centered_variance` stays bound into the
+    # next tensor's step. On a flat partition, DeepSpeed's `step_copies` counts its two copies in fp32.
+    "adamw_anyprecision": OptimizerKind("AnyPrecision AdamW", 2, dtypes=("float32", "float32"), copied_state=1,
+                                        tensor_copies=2, flat_copies=2, several_flat_copies=3, previous_copies=1),
+    # ... with `use_kahan_summation`: `compensation` too, in `compensation_buffer_dtype` (the Trainer's default
+    # bfloat16); its `temp_buffer = p.detach().clone()`, a copy of the weight, stays bound into the next tensor's
+    # step.
+    "adamw_anyprecision_kahan": OptimizerKind("AnyPrecision AdamW with Kahan summation", 3,
+                                              dtypes=("float32", "float32", "bfloat16"), copied_state=1,
+                                              tensor_copies=2, flat_copies=2, several_flat_copies=3,
+                                              previous_copies=1, previous_weight_copies=1),
     # DeepSpeed's FusedLamb: exp_avg and exp_avg_sq, in place.
     "lamb": OptimizerKind("LAMB", 2),
     # schedulefree's AdamWScheduleFree and RAdamScheduleFree: `z` (a clone of the weight) and `exp_avg_sq`;
@@ -116,3 +139,9 @@ def rmsprop_kind(momentum: bool, centered: bool) -> str:
     """The planner's optimizer for torch.optim.RMSprop built with a non-zero `momentum` and/or `centered`: each
     adds a full state (`momentum_buffer`, `grad_avg`)."""
     return "rmsprop" + ("_centered" if centered else "") + ("_momentum" if momentum else "")
+
+
+def anyprecision_kind(kahan: bool) -> str:
+    """The planner's optimizer for torchdistx's AnyPrecisionAdamW, with `use_kahan_summation` on (`kahan`): its
+    compensation buffer is a third state."""
+    return "adamw_anyprecision_kahan" if kahan else "adamw_anyprecision"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from shardfit.plan.adapters import adapts, rank_of, saved_params
 from shardfit.plan.model_shape import Block, ModelShape
-from shardfit.plan.optimizer_kinds import BNB_STATE_BLOCK, OPTIMIZER_KINDS, OptimizerKind
+from shardfit.plan.optimizer_kinds import BNB_STATE_BLOCK, DTYPE_BYTES, OPTIMIZER_KINDS, OptimizerKind
 from shardfit.plan.precision import saved_copy_bytes, trainable_bytes
 from shardfit.plan.workload import Workload
 
@@ -27,13 +27,29 @@ def kind_of(w: Workload) -> OptimizerKind:
     return OPTIMIZER_KINDS[w.optimizer]
 
 
+def state_dtype_bytes(w: Workload) -> tuple[int, ...] | None:
+    """Bytes per element of each state of an optimizer that takes their dtypes as settings (the table's `dtypes`:
+    AnyPrecision AdamW's): the job's `optimizer_dtypes`, else the optimizer's own as the tool builds it; they hold
+    whatever the weights' or the masters' dtype. None for every other optimizer (one `state_width`)."""
+    kind = kind_of(w)
+    if not kind.dtypes:
+        return None
+    names = w.optimizer_dtypes or kind.dtypes
+    assert len(names) == kind.states, f"{w.optimizer} keeps {kind.states} states, not {len(names)}: {names}"
+    return tuple(DTYPE_BYTES[n] for n in names)
+
+
 def state_width(w: Workload, *, fp32_masters: bool = False, weight_bytes: int | None = None) -> float:
     """Bytes of one full-size state per trained weight: 8-bit blockwise (one byte and an fp32 absmax per
     BNB_STATE_BLOCK), fp32 (the optimizer's own rule, bitsandbytes' 32-bit kernels `bnb_optimizer`:
     `get_state_buffer(p, dtype=torch.float32)`, or an engine's fp32 masters `fp32_masters`: DeepSpeed's ZeRO steps
     its fp32 partition whatever the weights' dtype, even for 16-bit LoRA adapters), else the dtype of the weights
-    stepped (torch's `zeros_like(p)`): `weight_bytes` where it is not `trainable_bytes` (peft's trained copies)."""
+    stepped (torch's `zeros_like(p)`): `weight_bytes` where it is not `trainable_bytes` (peft's trained copies).
+    An optimizer with a dtype per state (`state_dtype_bytes`): their mean."""
     kind = kind_of(w)
+    each = state_dtype_bytes(w)
+    if each is not None:
+        return sum(each) / len(each)
     if kind.width == "8bit":
         return 1 + 4 / BNB_STATE_BLOCK
     if kind.width == "fp32" or w.bnb_optimizer or fp32_masters:
@@ -50,6 +66,16 @@ def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False, weight_byt
     kind = kind_of(w)
     states = kind.states + (1 if kind.factored and flat else 0)
     return states * state_width(w, fp32_masters=fp32_masters, weight_bytes=weight_bytes)
+
+
+def copy_width(w: Workload, weight_bytes: int | None = None) -> float:
+    """Bytes per element of the copies a step that loops over tensors makes (`tensor_copies`): of the state
+    `copied_state` where each has its own dtype (AnyPrecision AdamW's variance), else `state_width` of weights of
+    `weight_bytes`."""
+    each = state_dtype_bytes(w)
+    if each is not None:
+        return float(each[kind_of(w).copied_state])
+    return state_width(w, weight_bytes=weight_bytes)
 
 
 def factored_elements(shape: ModelShape, w: Workload, trainable: int) -> float:
@@ -221,7 +247,7 @@ def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0, *, flat
     elements. torch's multi-tensor (`foreach`) kernels, their default on a GPU (`multi_tensor_step`): each of the
     kind's `group_copies` a copy of the group in the states' dtype, alive until the update (AdamW's
     `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, torch/optim/adam.py `_multi_tensor_adam`). A step that
-    loops over tensors (`tensor_copies`: Adafactor's): `loop_copy_bytes` of the largest
+    loops over tensors (`tensor_copies`: Adafactor's, AnyPrecision AdamW's): `loop_copy_bytes` of the largest
     stepped after one of `before` elements. On `flat` tensors (FSDP1's, several in one step) its
     `several_flat_copies` of the largest: the previous tensor's `update` stays bound until the next one's is made
     (measured: 3.0 copies of each of several equal vectors, torch's and transformers' Adafactor alike; 2.0 with
@@ -234,21 +260,22 @@ def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0, *, flat
     if not flat:
         return loop_copy_bytes(w, largest, before)
     upcast = 2 * 4 if kind.upcasts and trainable_bytes(w) < 4 else 0
-    return largest * (kind.several_flat_copies * state_width(w) + upcast)
+    held = kind.previous_weight_copies * trainable_bytes(w)
+    return largest * (kind.several_flat_copies * copy_width(w) + upcast + held)
 
 
 def loop_copy_bytes(w: Workload, elements: float, before: float = 0.0, *, weight_bytes: int | None = None,
                     before_bytes: int | None = None) -> float:
     """What a step that loops over tensors holds while it steps one of `elements` elements right after one of
-    `before`: its `tensor_copies` of it (`state_width`), transformers' fp32 copies of a 16-bit weight and its
-    gradient (`upcasts`), and what it still holds of the one before (`previous_copies`).
+    `before`: its `tensor_copies` of it (`copy_width`), transformers' fp32 copies of a 16-bit weight and its
+    gradient (`upcasts`), and what it still holds of the one before (`previous_copies`, `previous_weight_copies`).
     `weight_bytes`, `before_bytes`: each tensor's own bytes per element where not `trainable_bytes` (peft's trained
     copies)."""
     kind, low = kind_of(w), trainable_bytes(w)
     now, then = weight_bytes or low, before_bytes or low
     upcast = 2 * 4 if kind.upcasts and now < 4 else 0
-    held = before * kind.previous_copies * state_width(w, weight_bytes=then)
-    return elements * (kind.tensor_copies * state_width(w, weight_bytes=now) + upcast) + held
+    held = before * (kind.previous_copies * copy_width(w, then) + kind.previous_weight_copies * then)
+    return elements * (kind.tensor_copies * copy_width(w, now) + upcast) + held
 
 
 def step_temp_bytes(shape: ModelShape, w: Workload, params: float, *, matrices: bool = True) -> float:
