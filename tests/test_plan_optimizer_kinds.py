@@ -32,6 +32,7 @@ from shardfit.plan.optimizer_states import (
     step_temp_bytes,
 )
 from shardfit.plan.pipeline import stage_breakdown
+from shardfit.plan.plan import alternatives, make_plan
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.strategy import get
@@ -341,3 +342,32 @@ def test_adafactor_steps_a_mixture_s_expert_stacks_whole(name: str) -> None:
     planned = per_rank(shape, w, parse_gpus("1xH100", 1, None), get("single")).foreach
     assert planned == pytest.approx(_loop_step_peak(name, _trainer_groups(model)), rel=0.02)
 
+
+@pytest.mark.parametrize(("optimizer", "offered"), [
+    ("adamw", "8-bit AdamW"), ("rmsprop", "8-bit RMSprop"), ("ademamix", "8-bit AdEMAMix"), ("lion", "8-bit Lion"),
+    ("rmsprop_momentum", None), ("adagrad", None)])
+def test_nothing_fits_offers_the_8bit_form_of_the_job_s_own_optimizer(optimizer: str, offered: str | None) -> None:
+    """A pure-bf16 Llama-2-7B full fine-tune on one 48 GB card fits with none of these optimizers' full-width states
+    (bitsandbytes' fp32 ones for Lion and AdEMAMix): bitsandbytes' 8-bit form of the job's own optimizer is offered
+    under its name where the table models one, and never another optimizer (RMSprop with momentum and Adagrad have
+    none: no optimizer change)."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("1x48GB", 1, None)
+    w = Workload(method="full", precision="bf16", seq_len=512, optimizer=optimizer, pure_16bit=True,
+                 bnb_optimizer=optimizer in ("lion", "ademamix"))
+    assert make_plan(shape, w, hw).recommended is None
+    changed = [a for a in alternatives(shape, w, hw) if "optimizer" in dict(a.changes)]
+    if offered is None:
+        assert changed == []
+    else:
+        assert [(a.what, dict(a.changes)["optimizer"]) for a in changed] == [(offered, optimizer + "8bit")]
+
+
+def test_a_qlora_job_is_offered_8bit_states_where_its_adapters_states_decide() -> None:
+    """Llama-2-70B QLoRA at rank 64 on every linear layer: 830M adapter weights keep 6 GiB of fp32 AdamW states
+    (1.6 in 8 bits), so on a 50 GB card 8-bit AdamW is what makes one GPU fit."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-70b-hf"), parse_gpus("1x50GB", 1, None)
+    w = Workload(method="qlora", precision="bf16", seq_len=2048, lora_rank=64, fused_adamw=True,
+                 lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    assert make_plan(shape, w, hw).recommended is None
+    eight = [a for a in alternatives(shape, w, hw) if dict(a.changes).get("optimizer") == "adamw8bit"]
+    assert [(a.what, a.strategy) for a in eight] == [("8-bit AdamW", "single")]

@@ -37,7 +37,8 @@ class OptimizerKind:
     iteration rebinds it), and `previous_weight_copies` in the weights' dtype. `dtypes`: each state's own dtype
     where the optimizer takes them as settings (torch's names, DTYPE_BYTES), as the tool builds it by default; a
     workload's `optimizer_dtypes` gives the job's own; its step's copies are in the dtype of state
-    `copied_state`."""
+    `copied_state`. `eight_bit`: bitsandbytes' 8-bit form of it, where the table models one (the recommender's
+    offer, plan/plan.py `alternatives`)."""
 
     label: str
     states: int
@@ -52,12 +53,13 @@ class OptimizerKind:
     previous_weight_copies: int = 0
     dtypes: tuple[str, ...] = ()
     copied_state: int = 0
+    eight_bit: str | None = None
 
 
 OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     # torch's Adam/AdamW: exp_avg, exp_avg_sq; foreach: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`
     # (torch/optim/adam.py `_multi_tensor_adam`). bitsandbytes' 32-bit AdamW and torch's fused kernel: in place.
-    "adamw": OptimizerKind("AdamW", 2, group_copies=1),
+    "adamw": OptimizerKind("AdamW", 2, group_copies=1, eight_bit="adamw8bit"),
     # bitsandbytes' AdamW8bit (or torchao's): state1, state2 in uint8, absmax1, absmax2; one kernel per tensor.
     "adamw8bit": OptimizerKind("8-bit AdamW", 2, "8bit"),
     # transformers' Adafactor as the Trainer's `optim: adafactor` builds it (beta1 None, scale_parameter and
@@ -92,7 +94,7 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     "adagrad": OptimizerKind("Adagrad", 1, group_copies=2),
     # torch.optim.RMSprop (momentum 0, not centered, the Trainer's defaults): `square_avg`; foreach:
     # `avg = torch._foreach_sqrt(grouped_square_avgs)`. bitsandbytes' 32-bit RMSprop: one fp32 state, in place.
-    "rmsprop": OptimizerKind("RMSprop", 1, group_copies=1),
+    "rmsprop": OptimizerKind("RMSprop", 1, group_copies=1, eight_bit="rmsprop8bit"),
     # ... with momentum: `momentum_buffer` too; centered: `grad_avg` too, and its foreach step's one copy is
     # `avg = torch._foreach_addcmul(grouped_square_avgs, grouped_grad_avgs, grouped_grad_avgs, value=-1)`.
     "rmsprop_momentum": OptimizerKind("RMSprop with momentum", 2, group_copies=1),
@@ -100,10 +102,10 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     "rmsprop_centered_momentum": OptimizerKind("centered RMSprop with momentum", 3, group_copies=1),
     "rmsprop8bit": OptimizerKind("8-bit RMSprop", 1, "8bit"),
     # bitsandbytes' Lion (Optimizer1State: state1), DeepSpeed's FusedLion (exp_avg): one state, in place.
-    "lion": OptimizerKind("Lion", 1),
+    "lion": OptimizerKind("Lion", 1, eight_bit="lion8bit"),
     "lion8bit": OptimizerKind("8-bit Lion", 1, "8bit"),
     # bitsandbytes' AdEMAMix: state1 a double buffer (m1, m2), state2 (nu); 8-bit: absmax1 of (2, blocks) too.
-    "ademamix": OptimizerKind("AdEMAMix", 3),
+    "ademamix": OptimizerKind("AdEMAMix", 3, eight_bit="ademamix8bit"),
     "ademamix8bit": OptimizerKind("8-bit AdEMAMix", 3, "8bit"),
     # torchdistx's AnyPrecisionAdamW (transformers' `adamw_anyprecision`): exp_avg in `momentum_dtype`, exp_avg_sq in
     # `variance_dtype`, both float32 as the Trainer builds it (`_get_adamw_anyprecision` reads optim_args;
