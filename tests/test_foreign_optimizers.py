@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardfit.errors import UserError
 from shardfit.foreign.common import optimizer_keys
+from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.read import JobOptions, read_job
+from shardfit.plan.estimate import per_rank, state_bytes, trainable_params
+from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
+from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.workload import Workload
+from shardfit.strategy import get
 
 DS_ADAM = '{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}'
 DS_LAMB = '{"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2}}'
@@ -169,3 +176,64 @@ def test_a_deepspeed_section_it_cannot_model_stands_in_as_adamw(tmp_path: Path) 
     """Muon (DeepSpeed's MuonWithAuxAdam) is not modelled: AdamW with fp32 moments, said."""
     job = _job("hf", tmp_path, '{"optimizer": {"type": "Muon"}, "zero_optimization": {"stage": 2}}')
     assert job.workload.optimizer == "adamw" and any("type Muon (not modelled" in n for n in job.notes)
+
+
+@pytest.mark.parametrize(("optim_args", "planned", "dtypes", "per_weight"), [
+    (None, "adamw_anyprecision", ("float32", "float32"), 8),
+    ("use_kahan_summation=True", "adamw_anyprecision_kahan", ("float32", "float32", "bfloat16"), 10),
+    ("use_kahan_summation=t,momentum_dtype=bfloat16,variance_dtype=bfloat16,compensation_buffer_dtype=bfloat16",
+     "adamw_anyprecision_kahan", ("bfloat16", "bfloat16", "bfloat16"), 6),
+    ({"variance_dtype": "float16"}, "adamw_anyprecision", ("float32", "float16"), 6),
+    ("compensation_buffer_dtype=float32", "adamw_anyprecision", ("float32", "float32"), 8)])
+def test_anyprecision_adamw_keeps_its_states_in_the_dtypes_optim_args_give(optim_args: object, planned: str,
+                                                                            dtypes: tuple, per_weight: int) -> None:
+    """transformers' Trainer builds torchdistx's AnyPrecisionAdamW with its momentum and variance in float32 unless
+    optim_args name other dtypes, and a compensation buffer (bfloat16 unless named) only with use_kahan_summation:
+    the plan's states per trained weight are those dtypes' bytes, for fp32 masters and pure bf16 weights alike."""
+    notes: list[str] = []
+    keys = optimizer_keys("adamw_anyprecision", "4.56.0", notes, optim_args=optim_args)
+    assert notes == [] and (keys["optimizer"], keys["optimizer_dtypes"]) == (planned, dtypes)
+    assert keys["fused_adamw"] and not keys["bnb_optimizer"]  # one tensor at a time, no multi-tensor kernel
+    shape = resolve_shape("meta-llama/Llama-2-7b-hf")
+    for over in ({}, {"pure_16bit": True}):
+        w = Workload(method="full", precision="bf16", optimizer=keys["optimizer"],
+                     optimizer_dtypes=keys["optimizer_dtypes"], fused_adamw=True, **over)
+        assert state_bytes(shape, w)[2] == per_weight * trainable_params(shape, w)
+
+
+def _hf_job(tmp_path: Path, optim_args: str) -> ForeignJob:
+    """An HF Trainer script's job: Llama-2-7B full fine-tune in bf16 on one GPU with `adamw_anyprecision`."""
+    path = tmp_path / "run.sh"
+    path.write_text("python train.py --model_name_or_path meta-llama/Llama-2-7b-hf --bf16 True --optim "
+                    f"adamw_anyprecision {optim_args} --max_seq_length 1024\n")
+    return read_job("hf", str(path), JobOptions(nproc=1))
+
+
+@pytest.mark.parametrize(("optim_args", "per_weight", "kept"), [
+    ("", 8, 0), ("--optim_args use_kahan_summation=True", 10, 4),
+    ("--optim_args momentum_dtype=bfloat16,variance_dtype=bfloat16", 4, 0)])
+def test_an_hf_job_with_adamw_anyprecision_plans_its_states_and_step(tmp_path: Path, optim_args: str,
+                                                                     per_weight: int, kept: int) -> None:
+    """A job naming `adamw_anyprecision` plans AnyPrecision AdamW's states in their own dtypes (not an fp32 AdamW
+    stand-in) and its per-tensor step: two copies of the head in the variance's dtype beside the last down
+    projection's `centered_variance` (and, with Kahan summation, its fp32 `temp_buffer`)."""
+    job = _hf_job(tmp_path, optim_args)
+    shape, w = resolve_shape("meta-llama/Llama-2-7b-hf"), job.workload
+    assert w.optimizer.startswith("adamw_anyprecision")
+    r = per_rank(shape, w, parse_gpus("1xH100", 1, None), get("single"))
+    assert r.optimizer == per_weight * trainable_params(shape, w)
+    variance = 2 if "variance_dtype=bfloat16" in optim_args else 4
+    head, down = shape.vocab * shape.hidden, shape.hidden * shape.intermediate
+    assert r.foreach == 2 * variance * head + down * (variance + kept)
+
+
+@pytest.mark.parametrize(("optim_args", "says"), [
+    ("momentum_dtype=bf16", "momentum_dtype=bf16"), ("use_kahan_summation=maybe", "strtobool"),
+    ("use_kahan_summation=True,compensation_buffer_dtype=int8", "compensation_buffer_dtype=int8")])
+def test_anyprecision_optim_args_the_trainer_refuses_are_a_user_error(tmp_path: Path, optim_args: str,
+                                                                      says: str) -> None:
+    """A dtype torch has no floating-point one by that name, or a word transformers' strtobool refuses: the
+    Trainer would fail on it, so the plan stops with exit 2 naming the file, the key and the fix."""
+    with pytest.raises(UserError, match=says) as raised:
+        _hf_job(tmp_path, f"--optim_args {optim_args}")
+    assert "run.sh" in str(raised.value) and raised.value.exit_code == 2

@@ -27,9 +27,12 @@ from shardfit.plan.optimizer_states import (
     foreach_temp_bytes,
     fsdp1_flat_piece,
     largest_trainable,
+    loop_copy_bytes,
     step_bytes_per_param,
+    step_temp_bytes,
 )
 from shardfit.plan.pipeline import stage_breakdown
+from shardfit.plan.plan import alternatives, make_plan
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.strategy import get
@@ -135,13 +138,14 @@ def test_step_copies_follow_each_kernel() -> None:
 def test_a_full_fine_tune_the_adamw_plan_does_not_fit_fits_with_adafactor() -> None:
     """Llama-2-7B full fine-tune (fp32 masters) on one 80 GiB card: with AdamW's 50 GiB of states it does not
     fit, with Adafactor's it does: its optimizer part is its factors and its step's two fp32 copies of the largest
-    tensor (the 32000 x 4096 embedding)."""
+    tensor (the 32000 x 4096 head), beside the `update` of the last block's down projection (4096 x 11008), the
+    matrix the Trainer's decay group steps just before it."""
     shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("1xH100", 1, None)
     w = Workload(method="full", precision="bf16", seq_len=512, fused_adamw=True)
     assert not estimate(shape, w, hw, "single").fits
     a = dataclasses.replace(w, optimizer="adafactor")
     ada = estimate(shape, a, hw, "single")
-    copies = 2 * 4 * largest_trainable(shape, a)
+    copies = 2 * 4 * largest_trainable(shape, a) + 4 * shape.hidden * shape.intermediate
     assert ada.fits and ada.per_gpu_gib.optimizer == pytest.approx((state_bytes(shape, a)[2] + copies) / GIB)
 
 
@@ -215,7 +219,7 @@ def test_adafactor_on_flat_tensors_copies_as_the_real_step_does(name: str) -> No
 def test_fsdp1_adafactor_copies_the_largest_flat_piece_three_times() -> None:
     """FSDP1 (flat parameters): each rank's step copies its largest flat piece (a unit's shard, or a parameter's
     view of it, never more than the parameter) three times; FSDP2 keeps each shard's shape: one copy of 1/8 of the
-    largest tensor, factored."""
+    largest tensor (the head), factored, beside the last down projection's 1/8 stepped before it."""
     shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("8xH100", 1, None)
     w = Workload(method="full", precision="bf16", optimizer="adafactor_torch", fused_adamw=True)
     piece = fsdp1_flat_piece(shape, w, 8)
@@ -223,17 +227,147 @@ def test_fsdp1_adafactor_copies_the_largest_flat_piece_three_times() -> None:
     fsdp1 = per_rank(shape, dataclasses.replace(w, fsdp1=True), hw, get("zero3"))
     assert fsdp1.foreach == pytest.approx(3 * 4 * piece)
     fsdp2 = per_rank(shape, w, hw, get("zero3"))
-    assert fsdp2.foreach == pytest.approx(4 * largest_trainable(shape, w) / 8)
+    assert fsdp2.foreach == pytest.approx(4 * (largest_trainable(shape, w) + shape.hidden * shape.intermediate) / 8)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "adafactor_torch"])
 def test_a_middle_pipeline_stage_sizes_adafactor_s_copies_on_its_own_largest_weight(name: str) -> None:
     """A pipeline's middle stage holds neither the embedding nor the head: Adafactor's per-tensor step copies the
-    stage's largest decoder weight (Llama-2-7B's MLP, 4096 x 11008), beside a few MiB of factored states; the
-    first stage the embedding (32000 x 4096)."""
+    stage's largest decoder weights (Llama-2-7B's MLP, 4096 x 11008, its up projection stepped right after its
+    gate), beside a few MiB of factored states; the first stage the whole model's most (the head's, 32000 x 4096,
+    after the last down projection: the end stages are not told apart, an over-estimate of the first by one
+    down projection's update)."""
     shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("4xH100", 1, None)
     w = Workload(method="full", precision="bf16", optimizer=name, fused_adamw=True)
     first, middle = (stage_breakdown(shape, w, hw, 4, s, 8).optimizer * GIB for s in (0, 1))
-    own = foreach_temp_bytes(0, w, shape.hidden * shape.intermediate)
+    mlp = shape.hidden * shape.intermediate
+    own = foreach_temp_bytes(0, w, mlp, before=mlp)
     assert 0 < middle - own < 0.01 * GIB
-    assert first - foreach_temp_bytes(0, w, shape.vocab * shape.hidden) == pytest.approx(middle - own, abs=0.01 * GIB)
+    whole = foreach_temp_bytes(0, w, shape.vocab * shape.hidden, before=mlp)
+    assert whole == step_temp_bytes(shape, w, 0)
+    assert first - whole == pytest.approx(middle - own, abs=0.01 * GIB)
+
+
+def _trainer_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The trained parameters in the HF Trainer's two param groups (Trainer.create_optimizer): matrices (decay) in
+    the model's order, then the norms and biases."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trained if p.dim() > 1]}, {"params": [p for p in trained if p.dim() <= 1]}]
+
+
+def _loop_step_peak(name: str, groups: list[dict[str, Any]]) -> int:
+    """Peak bytes `name`'s real optimizer allocates in its second step over `groups`, beyond its states."""
+    opt = REAL[name](groups)
+    params = [p for g in groups for p in g["params"]]
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with _PeakAllocated() as tracked:
+            opt.step()
+    return tracked.peak
+
+
+@pytest.mark.parametrize("name", ["adafactor_torch", "adafactor", "adafactor_beta1"])
+@pytest.mark.parametrize(("dtype", "over"), [(torch.float32, {}), (torch.bfloat16, {"pure_16bit": True})])
+def test_adafactor_on_a_model_s_own_tensors_peaks_as_the_real_step_does(name: str, dtype: torch.dtype,
+                                                                        over: dict) -> None:
+    """The tiny Qwen2's MLP weights (gate, up, down: 512 x 256 each, its largest) are stepped one after another:
+    torch's Adafactor still holds the previous one's `var_estimate` when it makes the next (2.0 copies, not 1.0),
+    transformers' its `update` beside the next one's two (3.0 fp32 copies, 5.0 with the 16-bit weights' upcasts);
+    with beta1 nothing of a tensor outlives its step (2.0)."""
+    model, shape = _model_and_shape(dtype)
+    w = Workload(method="full", precision="bf16", optimizer=name, fused_adamw=True, **over)
+    planned = per_rank(shape, w, parse_gpus("1xH100", 1, None), get("single")).foreach
+    assert planned == pytest.approx(_loop_step_peak(name, _trainer_groups(model)), rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["adafactor_torch", "adafactor", "adafactor_beta1"])
+@pytest.mark.parametrize("sizes", [[256, 2048, 1024, 256], [2048, 256, 256], [256, 256, 2048], [1024, 1024, 1024]])
+def test_adafactor_s_step_is_the_most_of_each_tensor_after_the_one_before(name: str, sizes: list[int]) -> None:
+    """Matrices of `sizes` rows (x 256) stepped in that order: the real step's peak is the most, over each tensor,
+    of its copies and those the step still holds of the one before (torch's: 1.5x the largest followed by one half
+    its size, 1.0x between small ones)."""
+    w = Workload(method="full", precision="bf16", optimizer=name, fused_adamw=True)
+    n = [rows * 256 for rows in sizes]
+    planned = max(loop_copy_bytes(w, x, before) for x, before in zip(n, [0, *n[:-1]], strict=True))
+    params = [torch.nn.Parameter(torch.zeros(rows, 256)) for rows in sizes]
+    assert planned == pytest.approx(_loop_step_peak(name, [{"params": params}]), rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["adafactor_torch", "adafactor"])
+def test_peft_s_trained_embedding_copy_sizes_adafactor_s_step(name: str) -> None:
+    """LoRA with peft's modules_to_save=["embed_tokens"]: the trained copy of the tiny Qwen2's embedding (500 x
+    256) is the largest trainable tensor, not an adapter matrix, and Adafactor's per-tensor step copies it as the
+    real step does."""
+    from peft import LoraConfig, get_peft_model
+
+    model, shape = _model_and_shape(torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                  modules_to_save=["embed_tokens"]))
+    w = Workload(method="lora", precision="bf16", lora_rank=8, lora_targets=("q", "v"), optimizer=name,
+                 fused_adamw=True, lora_saved=("embed",), lora_saved_dtype="trainable")
+    assert largest_trainable(shape, w) == CONFIG["vocab_size"] * CONFIG["hidden_size"]
+    planned = per_rank(shape, w, parse_gpus("1xH100", 1, None), get("single")).foreach
+    assert planned == pytest.approx(_loop_step_peak(name, _trainer_groups(peft_model)), rel=0.05)
+
+
+def test_largest_trainable_is_a_mixture_s_fused_expert_stack_and_freeze_s_block_weight() -> None:
+    """transformers 5 keeps a mixture's routed experts as two 3-D parameters per block (Mixtral's gate_up_proj:
+    experts x 2 intermediate x hidden), each one tensor to an optimizer (`fused_experts` off, transformers 4: an
+    expert's own, as the shape counts them); freeze trains its blocks' weights, not adapter matrices."""
+    mixtral = resolve_shape("mistralai/Mixtral-8x7B-v0.1")
+    full = Workload(method="full", precision="bf16", optimizer="adafactor_torch", fused_adamw=True)
+    assert largest_trainable(mixtral, full) == mixtral.experts * 2 * mixtral.expert_width * mixtral.hidden
+    per_expert = dataclasses.replace(full, fused_experts=False)
+    assert largest_trainable(mixtral, per_expert, matrices=False) == 2 * mixtral.expert_width * mixtral.hidden
+    llama = resolve_shape("meta-llama/Llama-2-7b-hf")
+    freeze = Workload(method="freeze", precision="bf16", optimizer="adafactor", fused_adamw=True)
+    assert largest_trainable(llama, freeze) == llama.hidden * llama.intermediate
+
+
+@pytest.mark.parametrize("name", ["adafactor_torch", "adafactor", "adafactor_beta1"])
+def test_adafactor_steps_a_mixture_s_expert_stacks_whole(name: str) -> None:
+    """A tiny Mixtral (4 experts): Adafactor's per-tensor step copies each fused expert stack whole (4 x 512 x 64,
+    then 4 x 64 x 256 right after it), as the real step does."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=True)
+    folder = Path(tempfile.mkdtemp())
+    config.save_pretrained(folder)
+    torch.manual_seed(0)
+    model, shape = AutoModelForCausalLM.from_config(config), resolve_shape(str(folder))
+    w = Workload(method="full", precision="bf16", optimizer=name, fused_adamw=True)
+    planned = per_rank(shape, w, parse_gpus("1xH100", 1, None), get("single")).foreach
+    assert planned == pytest.approx(_loop_step_peak(name, _trainer_groups(model)), rel=0.02)
+
+
+@pytest.mark.parametrize(("optimizer", "offered"), [
+    ("adamw", "8-bit AdamW"), ("rmsprop", "8-bit RMSprop"), ("ademamix", "8-bit AdEMAMix"), ("lion", "8-bit Lion"),
+    ("rmsprop_momentum", None), ("adagrad", None)])
+def test_nothing_fits_offers_the_8bit_form_of_the_job_s_own_optimizer(optimizer: str, offered: str | None) -> None:
+    """A pure-bf16 Llama-2-7B full fine-tune on one 48 GB card fits with none of these optimizers' full-width states
+    (bitsandbytes' fp32 ones for Lion and AdEMAMix): bitsandbytes' 8-bit form of the job's own optimizer is offered
+    under its name where the table models one, and never another optimizer (RMSprop with momentum and Adagrad have
+    none: no optimizer change)."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("1x48GB", 1, None)
+    w = Workload(method="full", precision="bf16", seq_len=512, optimizer=optimizer, pure_16bit=True,
+                 bnb_optimizer=optimizer in ("lion", "ademamix"))
+    assert make_plan(shape, w, hw).recommended is None
+    changed = [a for a in alternatives(shape, w, hw) if "optimizer" in dict(a.changes)]
+    if offered is None:
+        assert changed == []
+    else:
+        assert [(a.what, dict(a.changes)["optimizer"]) for a in changed] == [(offered, optimizer + "8bit")]
+
+
+def test_a_qlora_job_is_offered_8bit_states_where_its_adapters_states_decide() -> None:
+    """Llama-2-70B QLoRA at rank 64 on every linear layer: 830M adapter weights keep 6 GiB of fp32 AdamW states
+    (1.6 in 8 bits), so on a 50 GB card 8-bit AdamW is what makes one GPU fit."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-70b-hf"), parse_gpus("1x50GB", 1, None)
+    w = Workload(method="qlora", precision="bf16", seq_len=2048, lora_rank=64, fused_adamw=True,
+                 lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    assert make_plan(shape, w, hw).recommended is None
+    eight = [a for a in alternatives(shape, w, hw) if dict(a.changes).get("optimizer") == "adamw8bit"]
+    assert [(a.what, a.strategy) for a in eight] == [("8-bit AdamW", "single")]

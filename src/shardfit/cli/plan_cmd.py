@@ -581,6 +581,8 @@ def with_flags(w: Workload, args: argparse.Namespace) -> Workload:
                  "quant_backend": args.quant_backend, "expert_parallel": args.expert_parallel,
                  "float8": args.float8, "bnb_compute_fp32": args.bnb_compute_fp32,
                  "bnb_optimizer": args.bnb_optimizer}
+    if args.optimizer not in (None, w.optimizer):  # the dtypes of the job's own optimizer's states go with it
+        overrides["optimizer_dtypes"] = ()
     w = dataclasses.replace(w, **{k: v for k, v in overrides.items() if v is not None})
     tool = args.tool_autocast if args.tool_autocast is not None else names_a_tool(args) or None
     if tool is not None:

@@ -266,7 +266,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision, grad_ckpt="full" if gc in CHECKPOINT_WORDS or as_bool(gc)
                     else "none",
                     **optimizer_keys(src.get("optimizer"), version, job.notes, "adamw_torch_fused",
-                                    src.get("optim_args"), src.get("weight_decay", 0.0)),
+                                    src.get("optim_args"), src.get("weight_decay", 0.0), src.at("optim_args")),
                     loss=hf_loss(version, fused), attention=_attention(src, impl, flash, job),
                     quant_backend="bnb", quantize_fused_experts=src.flag("quantize_moe_experts"),
                     **settings(src, KEYS, "field"))

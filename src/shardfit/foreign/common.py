@@ -14,7 +14,7 @@ import yaml
 from shardfit.config.load import read_yaml
 from shardfit.errors import UserError
 from shardfit.foreign.job import ForeignJob
-from shardfit.plan.optimizer_kinds import WEIGHT_DECAY_COPIES, rmsprop_kind
+from shardfit.plan.optimizer_kinds import DTYPE_BYTES, WEIGHT_DECAY_COPIES, anyprecision_kind, rmsprop_kind
 from shardfit.plan.sdpa_classes import NO_SDPA, release_of, without_sdpa
 
 # HF TrainingArguments that change nothing the planner counts (logging, saving, schedules, evaluation cadence,
@@ -129,8 +129,11 @@ def optimizer(name: str, optim_args: Any = None) -> str | None:
     planner does not model (paged AdamW counts as AdamW, from bitsandbytes: `bitsandbytes_optimizer`;
     `optimizer_stand_in` says what such a one is planned as). `optim_args` (the Trainer's `optim_args`, as its
     `sgd` and `rmsprop` read them, `torch_optim_args`): a non-zero `momentum` keeps a momentum buffer, RMSprop's
-    `centered` a gradient average."""
+    `centered` a gradient average, AnyPrecision AdamW's `use_kahan_summation` a compensation buffer
+    (`anyprecision_settings`)."""
     n = name.lower()
+    if n == ANYPRECISION:
+        return anyprecision_settings(optim_args)[0]
     if n in EIGHT_BIT_OPTIMIZERS or n in TORCHAO_8BIT:
         return "adamw8bit"
     if n in TORCHAO_4BIT:
@@ -144,6 +147,35 @@ def optimizer(name: str, optim_args: Any = None) -> str | None:
         centered = str(_optim_value(optim_args, "centered")).lower() in ("true", "1", "yes")
         return rmsprop_kind(momentum, centered)
     return NAMED.get(n)
+
+
+# transformers' `optim` for torchdistx's AnyPrecisionAdamW, and the optim_args its Trainer reads for the states'
+# dtypes, with its defaults (trainer_optimizer.py `_get_adamw_anyprecision`, trainer.py's in 4.x alike): torch's
+# names, `getattr(torch, name)`. The compensation buffer exists only with `use_kahan_summation` (default False).
+ANYPRECISION = "adamw_anyprecision"
+ANYPRECISION_DTYPES = (("momentum_dtype", "float32"), ("variance_dtype", "float32"),
+                       ("compensation_buffer_dtype", "bfloat16"))
+
+
+def anyprecision_settings(optim_args: Any, where: str = "optim_args") -> tuple[str, tuple[str, ...]]:
+    """(planned optimizer, each state's dtype) of the AnyPrecision AdamW the HF Trainer builds from `optim_args`:
+    Kahan summation on (transformers' `strtobool` of `use_kahan_summation`) adds its compensation buffer. A value
+    the Trainer would refuse (a word strtobool does not take, a dtype torch has not: `getattr` fails) or one that
+    is no floating-point dtype is a UserError naming `where` (the job's file and line)."""
+    word = str(_optim_value(optim_args, "use_kahan_summation") or "False").strip().lower()
+    if word not in STR_TO_BOOL_WORDS:
+        raise UserError(f"{where}: optim_args use_kahan_summation={word}: transformers reads it with strtobool, "
+                        "which refuses that; give True or False.")
+    kahan = word in ("y", "yes", "t", "true", "on", "1")
+    dtypes = []
+    for key, default in ANYPRECISION_DTYPES[:3 if kahan else 2]:
+        value = str(_optim_value(optim_args, key) or default).strip()
+        if value not in DTYPE_BYTES:
+            raise UserError(f"{where}: optim_args {key}={value}: transformers builds AnyPrecision AdamW's state with "
+                            f"getattr(torch, '{value}'), not a floating-point dtype of torch's; give one of "
+                            "float32, bfloat16, float16 (torch's names).")
+        dtypes.append(value)
+    return anyprecision_kind(kahan), tuple(dtypes)
 
 
 # transformers' Trainer passes `optim_args` to torch's SGD, Adagrad and RMSprop from 5.3 (PR #44203,
@@ -257,22 +289,24 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
 
 
 def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str | None = None,
-                   optim_args: Any = None, weight_decay: Any = 0.0) -> dict[str, Any]:
-    """The Workload's `optimizer` and `fused_adamw` for a job whose optimizer setting is `given` (None when the
-    config names none: `default_optim` decides, and its note joins `notes`) with the Trainer's `optim_args` (as
-    transformers `version` passes them, `torch_optim_args`) and `weight_decay` (None where the tool's default is
-    not known: `weight_decay_note`)."""
+                   optim_args: Any = None, weight_decay: Any = 0.0, where: str = "optim_args") -> dict[str, Any]:
+    """The Workload's `optimizer`, `fused_adamw` and `optimizer_dtypes` for a job whose optimizer setting is
+    `given` (None when the config names none: `default_optim` decides, and its note joins `notes`) with the
+    Trainer's `optim_args` (as transformers `version` passes them, `torch_optim_args`; given at `where`, the file
+    and line an error names) and `weight_decay` (None where the tool's default is not known:
+    `weight_decay_note`)."""
     optim, assumed = default_optim(given, version, tool_default)
     if assumed:
         notes.append(assumed)
     optim_args, dropped = torch_optim_args(optim, optim_args, version)
+    dtypes = anyprecision_settings(optim_args, where)[1] if optim.lower() == ANYPRECISION else ()
     planned, bnb = optimizer(optim, optim_args), bitsandbytes_optimizer(optim)
     notes += [n for n in (dropped, weight_decay_note(optim, planned, weight_decay)) if n]
     if planned is None:
         planned, bnb, note = optimizer_stand_in(optim)
         notes.append(note)
     return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb,
-            "torchao_optimizer": optim.lower() in TORCHAO_8BIT}
+            "torchao_optimizer": optim.lower() in TORCHAO_8BIT, "optimizer_dtypes": dtypes}
 
 
 def weight_decay_note(optim: str, planned: str | None, weight_decay: Any) -> str | None:

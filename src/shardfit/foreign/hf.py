@@ -545,7 +545,8 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
                     grad_ckpt="full" if src.flag(ckpt_key(src), "true" if trl_config else "false")
                     else "none",
                     **optimizer_keys(src.get("optim"), version, [] if hand_loop else job.notes,
-                                    optim_args=src.get("optim_args"), weight_decay=src.get("weight_decay", 0.0)),
+                                    optim_args=src.get("optim_args"), weight_decay=src.get("weight_decay", 0.0),
+                                    where=src.at("optim_args")),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=_attention(src.get("attn_implementation"), job), frozen_fp32=q,
                     quant_backend="bnb",  # transformers' 4-bit loading is bitsandbytes'

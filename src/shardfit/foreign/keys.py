@@ -235,7 +235,7 @@ def deepspeed_builds_optimizer(job: ForeignJob, ds: DeepSpeedJob, where: str) ->
                          f"{kind}, and the tool's optimizer setting is not used (transformers' "
                          "deepspeed_optim_sched); remove the section to run the tool's optimizer")
     fused = w.fused_adamw if planned == "adamw" else False
-    job.workload = replace(w, optimizer=planned, bnb_optimizer=False, fused_adamw=fused)
+    job.workload = replace(w, optimizer=planned, bnb_optimizer=False, fused_adamw=fused, optimizer_dtypes=())
 
 
 # Conversions the tables share beyond common.as_int / as_float.

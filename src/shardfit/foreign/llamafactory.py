@@ -246,7 +246,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="none" if src.flag("disable_gradient_checkpointing") else "full",
                     **optimizer_keys(src.get("optim"), version, job.notes, optim_args=src.get("optim_args"),
-                                    weight_decay=src.get("weight_decay", 0.0)),
+                                    weight_decay=src.get("weight_decay", 0.0), where=src.at("optim_args")),
                     loss=hf_loss(version, src.flag("use_liger_kernel")), attention=ATTENTION[attn],
                     frozen_fp32=False, adapters_16bit=pure and methods.get(method).adapters, quant_backend="bnb",
                     # init_adapter casts every trainable weight to fp32 after get_peft_model unless pure_bf16:

@@ -518,11 +518,11 @@ def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str
         changes["grad_ckpt"] = "full"
     if optimizer is None and loop.optimizer in MODELLED:
         planned, bnb = loop.planned or MODELLED[loop.optimizer][0], MODELLED[loop.optimizer][1]
-        changes.update(optimizer=planned, bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
+        changes.update(optimizer=planned, optimizer_dtypes=(), bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
                        torchao_optimizer=loop.optimizer_kind == "torchao",
                        fused_adamw=loop.optimizer_kind not in ("foreach", "computed"))
     elif optimizer is None and loop.optimizer_kind == "deepspeed":
-        changes.update(optimizer="adamw", bnb_optimizer=False, fused_adamw=True)
+        changes.update(optimizer="adamw", optimizer_dtypes=(), bnb_optimizer=False, fused_adamw=True)
     else:
         changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False)
     _say_workload(loop, batch, optimizer, changes, notes)

@@ -324,7 +324,7 @@ def _workload(src: Source, job: ForeignJob, version: str) -> Workload:
     return Workload(method=method, precision=precision,
                     grad_ckpt="full" if src.flag("gradient_checkpointing", "true") else "none",
                     **optimizer_keys(src.get("optim"), version, job.notes, optim_args=src.get("optim_args"),
-                                    weight_decay=src.get("weight_decay")),
+                                    weight_decay=src.get("weight_decay"), where=src.at("optim_args")),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")), attention=ATTENTION[attn],
                     # --modules_to_save's copies stay as loaded, but fp16 trainables go to fp32 (swift's tuner
                     # prepare, after the adapters are made)

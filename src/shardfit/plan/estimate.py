@@ -46,11 +46,10 @@ from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.optimizer_states import (
-    foreach_temp_bytes,
-    largest_trainable,
     model_state_bytes,
     optimizer_state_bytes,
     sharded_step_bytes,
+    step_temp_bytes,
 )
 from shardfit.plan.precision import (
     compute_bytes,
@@ -352,7 +351,7 @@ class PerRank:
     optimizer: float
     cpu: float = 0.0
     layers: int = 0
-    foreach: float = 0.0  # what the optimizer's step allocates on this rank (`foreach_temp_bytes`)
+    foreach: float = 0.0  # what the optimizer's step allocates on this rank (`step_temp_bytes`)
     fwd_temp: float = 0.0
     bwd_temp: float = 0.0
     persistent_grads: bool = False  # DDP's gradient buckets live for the whole run
@@ -375,7 +374,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     """The model states one rank holds under `s`, and the buffers its engine adds around each block."""
     n = hw.world
     weights, grads, optim = state_bytes(shape, w, flat=s.sharded and w.runs_fsdp1)  # FSDP1: flat parameters
-    t_all, largest = trainable_params(shape, w), largest_trainable(shape, w)
+    t_all = trainable_params(shape, w)
     low = compute_bytes(w)
     # expert_parallel: the routed experts, 1/N of them on each rank and outside the strategy (plan/experts.py)
     ep = experts.applies(w, shape, s.engine, s.offload)
@@ -449,7 +448,7 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
                                                        div_g)
     r.weights += shape.audio.buffer_bytes() if shape.audio is not None else 0  # buffers are never sharded/offloaded
     if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
-        r.foreach = foreach_temp_bytes(r.grads / trainable_bytes(w), w, largest)
+        r.foreach = step_temp_bytes(shape, w, r.grads / trainable_bytes(w))
     return r
 
 

@@ -12,8 +12,8 @@ rules never apply.
 from __future__ import annotations
 
 from shardfit.plan.adapters import adapts, rank_of, saved_params
-from shardfit.plan.model_shape import ModelShape
-from shardfit.plan.optimizer_kinds import BNB_STATE_BLOCK, OPTIMIZER_KINDS, OptimizerKind
+from shardfit.plan.model_shape import Block, ModelShape
+from shardfit.plan.optimizer_kinds import BNB_STATE_BLOCK, DTYPE_BYTES, OPTIMIZER_KINDS, OptimizerKind
 from shardfit.plan.precision import saved_copy_bytes, trainable_bytes
 from shardfit.plan.workload import Workload
 
@@ -27,13 +27,29 @@ def kind_of(w: Workload) -> OptimizerKind:
     return OPTIMIZER_KINDS[w.optimizer]
 
 
+def state_dtype_bytes(w: Workload) -> tuple[int, ...] | None:
+    """Bytes per element of each state of an optimizer that takes their dtypes as settings (the table's `dtypes`:
+    AnyPrecision AdamW's): the job's `optimizer_dtypes`, else the optimizer's own as the tool builds it; they hold
+    whatever the weights' or the masters' dtype. None for every other optimizer (one `state_width`)."""
+    kind = kind_of(w)
+    if not kind.dtypes:
+        return None
+    names = w.optimizer_dtypes or kind.dtypes
+    assert len(names) == kind.states, f"{w.optimizer} keeps {kind.states} states, not {len(names)}: {names}"
+    return tuple(DTYPE_BYTES[n] for n in names)
+
+
 def state_width(w: Workload, *, fp32_masters: bool = False, weight_bytes: int | None = None) -> float:
     """Bytes of one full-size state per trained weight: 8-bit blockwise (one byte and an fp32 absmax per
     BNB_STATE_BLOCK), fp32 (the optimizer's own rule, bitsandbytes' 32-bit kernels `bnb_optimizer`:
     `get_state_buffer(p, dtype=torch.float32)`, or an engine's fp32 masters `fp32_masters`: DeepSpeed's ZeRO steps
     its fp32 partition whatever the weights' dtype, even for 16-bit LoRA adapters), else the dtype of the weights
-    stepped (torch's `zeros_like(p)`): `weight_bytes` where it is not `trainable_bytes` (peft's trained copies)."""
+    stepped (torch's `zeros_like(p)`): `weight_bytes` where it is not `trainable_bytes` (peft's trained copies).
+    An optimizer with a dtype per state (`state_dtype_bytes`): their mean."""
     kind = kind_of(w)
+    each = state_dtype_bytes(w)
+    if each is not None:
+        return sum(each) / len(each)
     if kind.width == "8bit":
         return 1 + 4 / BNB_STATE_BLOCK
     if kind.width == "fp32" or w.bnb_optimizer or fp32_masters:
@@ -50,6 +66,16 @@ def optimizer_state_bytes(w: Workload, *, fp32_masters: bool = False, weight_byt
     kind = kind_of(w)
     states = kind.states + (1 if kind.factored and flat else 0)
     return states * state_width(w, fp32_masters=fp32_masters, weight_bytes=weight_bytes)
+
+
+def copy_width(w: Workload, weight_bytes: int | None = None) -> float:
+    """Bytes per element of the copies a step that loops over tensors makes (`tensor_copies`): of the state
+    `copied_state` where each has its own dtype (AnyPrecision AdamW's variance), else `state_width` of weights of
+    `weight_bytes`."""
+    each = state_dtype_bytes(w)
+    if each is not None:
+        return float(each[kind_of(w).copied_state])
+    return state_width(w, weight_bytes=weight_bytes)
 
 
 def factored_elements(shape: ModelShape, w: Workload, trainable: int) -> float:
@@ -154,57 +180,124 @@ def model_state_bytes(shape: ModelShape, w: Workload, trainable: int, *, flat: b
     return (trainable - saved) * per + saved * per_saved + wide + factored
 
 
+def _block_tensors(shape: ModelShape, w: Workload, block: Block) -> list[int]:
+    """Elements of each matrix one decoder block of kind `block` trains, in the order the model registers them
+    (its mixer's, then its MLP's): a mixture's routed experts as the fused 3-D stacks transformers 5 keeps
+    (`fused_experts`: ModelShape.stored_weights, each stack one tensor, factored over its last two dimensions by
+    Adafactor), else one per expert."""
+    if w.fused_experts or shape.experts_always_fused:
+        return [r * c for _, r, c in shape.stored_weights(block)]
+    return [i * o for _, i, o in shape.named_linears(block)]
+
+
+def stepped_pairs(shape: ModelShape, w: Workload, *, matrices: bool = True) -> list[tuple[int, int, int, int]]:
+    """(elements, bytes per element) of each trained matrix a step that loops over tensors may peak at, followed by
+    those of the matrix it steps just before (0 for the first). The HF Trainer's param groups put every matrix in
+    the decay group and the norms and biases in the other, so matrices follow one another in the model's order:
+    a full fine-tune's embedding first, each block's weights (a block's first after the block before's last; the
+    first block's after the embedding), an untied head after the last block's last weight; `freeze` its trained
+    blocks' (of any kind: a bound). LoRA: two adapter matrices in a row (A, then B), none over the largest
+    (`lora_rank` times the widest layer), and peft's trained copies of the embedding (the first trained tensor;
+    the first adapter after it) and of the head (after the last adapter), in their own dtype (`saved_copy_bytes`).
+    `matrices` off (a pipeline's middle stage): neither the embedding, the head, nor their copies."""
+    low, matrix = trainable_bytes(w), shape.vocab * shape.hidden
+    if w.trains_adapters:
+        adapter = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
+        pairs = [(adapter, low, adapter, low)]
+        saved = set(w.lora_saved) if matrices else set()
+        copy = saved_copy_bytes(w)
+        if "embed" in saved:
+            pairs += [(matrix, copy, 0, low), (adapter, low, matrix, copy)]
+        if "head" in saved:
+            pairs.append((matrix, copy, adapter, low))
+        return pairs
+    blocks = [seq for _, kind in shape.block_kinds() if (seq := _block_tensors(shape, w, kind))]
+    last = max(seq[-1] for seq in blocks)
+    pairs = [(x, low, before, low) for seq in blocks for x, before in zip(seq, [last, *seq[:-1]], strict=True)]
+    if w.method != "full" or not matrices:
+        return pairs
+    pairs += [(matrix, low, 0, low)] + [(seq[0], low, matrix, low) for seq in blocks]
+    return pairs + ([] if shape.tied else [(matrix, low, last, low)])
+
+
 def largest_trainable(shape: ModelShape, w: Workload, *, matrices: bool = True) -> int:
-    """Elements of the largest trainable parameter: the embedding or head of a full fine-tune (or its largest
-    linear weight; only that where the tensors stepped hold neither matrix, `matrices` off: a pipeline's middle
-    stage), the largest adapter matrix of LoRA."""
-    linears = shape.linear_shapes()
-    if w.method != "full":
-        return w.lora_rank * max(max(i, o) for i, o in linears)
-    return max(shape.vocab * shape.hidden if matrices else 0, *(i * o for i, o in linears))
+    """Elements of the largest trainable parameter (`stepped_pairs`' tensors): the embedding or head of a full
+    fine-tune (or its largest block weight, a mixture's fused expert stack; only that where the tensors stepped
+    hold neither matrix, `matrices` off: a pipeline's middle stage), the largest trained block weight of `freeze`,
+    the largest adapter matrix of LoRA, or peft's trained copy of the embedding or head where the job trains one."""
+    return max(x for x, _, _, _ in stepped_pairs(shape, w, matrices=matrices))
 
 
 def fsdp1_flat_piece(shape: ModelShape, w: Workload, n: int, *, matrices: bool = True) -> float:
     """Elements of the largest 1-D tensor FSDP1 hands the optimizer on each of `n` ranks: a unit's flat shard (the
     root's embedding and head, unless `matrices` is off, or a block: 1/n of it), or with use_orig_params an original
-    parameter's view of that shard, never more than the parameter (`largest_trainable`: a LoRA matrix may lie
-    whole in one rank's shard)."""
+    parameter's view of that shard, never more than the parameter (`largest_trainable`). LoRA: an adapter matrix
+    may lie whole in one rank's shard; peft's trained copies lie in the root unit, 1/n each."""
+    if w.trains_adapters:
+        copy = shape.vocab * shape.hidden / n if matrices and set(w.lora_saved) else 0.0
+        return max(float(largest_trainable(shape, w, matrices=False)), copy)
     largest = largest_trainable(shape, w, matrices=matrices)
-    if w.method != "full":
-        return float(largest)
-    root = shape.embed_params() + shape.hidden if matrices else 0
+    root = shape.embed_params() + shape.hidden if matrices and w.method == "full" else 0
     return min(float(largest), max(shape.layer_params(), root) / n)
 
 
-def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0, *, flat: bool = False) -> float:
+def foreach_temp_bytes(params: float, w: Workload, largest: float = 0.0, *, flat: bool = False,
+                       before: float = 0.0) -> float:
     """What the optimizer's step allocates over a param group of `params` tensors whose largest has `largest`
     elements. torch's multi-tensor (`foreach`) kernels, their default on a GPU (`multi_tensor_step`): each of the
     kind's `group_copies` a copy of the group in the states' dtype, alive until the update (AdamW's
     `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, torch/optim/adam.py `_multi_tensor_adam`). A step that
-    loops over tensors (`tensor_copies`: Adafactor's): copies of the largest tensor, and transformers' fp32 copies of
-    a 16-bit weight and its gradient. On `flat` tensors (FSDP1's, several in one step) its `several_flat_copies`
-    of the largest: the previous tensor's `update` stays bound until the next one's is made (measured: 3.0 copies
-    of each of several equal vectors, torch's and transformers' Adafactor alike; 2.0 with beta1). Fused
-    kernels (`fused_adamw`) and bitsandbytes' (per tensor in place) allocate none."""
+    loops over tensors (`tensor_copies`: Adafactor's, AnyPrecision AdamW's): `loop_copy_bytes` of the largest
+    stepped after one of `before` elements. On `flat` tensors (FSDP1's, several in one step) its
+    `several_flat_copies` of the largest: the previous tensor's `update` stays bound until the next one's is made
+    (measured: 3.0 copies of each of several equal vectors, torch's and transformers' Adafactor alike; 2.0 with
+    beta1). Fused kernels (`fused_adamw`) and bitsandbytes' (per tensor in place) allocate none."""
     kind = kind_of(w)
     if w.multi_tensor_step:
         return kind.group_copies * params * trainable_bytes(w)
     if not kind.tensor_copies or w.bnb_optimizer:
         return 0.0
+    if not flat:
+        return loop_copy_bytes(w, largest, before)
     upcast = 2 * 4 if kind.upcasts and trainable_bytes(w) < 4 else 0
-    copies = kind.several_flat_copies if flat else kind.tensor_copies
-    return largest * (copies * state_width(w) + upcast)
+    held = kind.previous_weight_copies * trainable_bytes(w)
+    return largest * (kind.several_flat_copies * copy_width(w) + upcast + held)
+
+
+def loop_copy_bytes(w: Workload, elements: float, before: float = 0.0, *, weight_bytes: int | None = None,
+                    before_bytes: int | None = None) -> float:
+    """What a step that loops over tensors holds while it steps one of `elements` elements right after one of
+    `before`: its `tensor_copies` of it (`copy_width`), transformers' fp32 copies of a 16-bit weight and its
+    gradient (`upcasts`), and what it still holds of the one before (`previous_copies`, `previous_weight_copies`).
+    `weight_bytes`, `before_bytes`: each tensor's own bytes per element where not `trainable_bytes` (peft's trained
+    copies)."""
+    kind, low = kind_of(w), trainable_bytes(w)
+    now, then = weight_bytes or low, before_bytes or low
+    upcast = 2 * 4 if kind.upcasts and now < 4 else 0
+    held = before * (kind.previous_copies * copy_width(w, then) + kind.previous_weight_copies * then)
+    return elements * (kind.tensor_copies * copy_width(w, now) + upcast) + held
+
+
+def step_temp_bytes(shape: ModelShape, w: Workload, params: float, *, matrices: bool = True) -> float:
+    """What the optimizer's step allocates over `params` of the model's trained weights, before any sharding
+    (`foreach_temp_bytes`): a multi-tensor kernel's copies of them, or where the step loops over tensors its most
+    over the model's matrices one after another (`stepped_pairs`, `matrices` as there)."""
+    kind = kind_of(w)
+    if w.multi_tensor_step or not kind.tensor_copies or w.bnb_optimizer:
+        return foreach_temp_bytes(params, w)
+    return max(loop_copy_bytes(w, x, before, weight_bytes=b, before_bytes=before_b)
+               for x, b, before, before_b in stepped_pairs(shape, w, matrices=matrices))
 
 
 def sharded_step_bytes(shape: ModelShape, w: Workload, trainable: float, n: int, *, flat: bool,
                        matrices: bool = True) -> float:
-    """What the optimizer's step allocates on each of `n` ranks that shard the model's `trainable` weights
-    (`foreach_temp_bytes`): 1/n of the multi-tensor copies, or copies of a rank's piece of the largest tensor
-    (`matrices`: as `largest_trainable`); FSDP1's `flat` tensors for a loop over tensors (Adafactor): copies of the
-    largest one (`fsdp1_flat_piece`)."""
+    """What the optimizer's step allocates on each of `n` ranks that shard the model's `trainable` weights: 1/n of
+    the multi-tensor copies, or of a loop over tensors' copies (`step_temp_bytes`: FSDP2 shards each tensor, so a
+    rank steps 1/n of each); FSDP1's `flat` tensors for a loop over tensors (Adafactor): copies of the largest one
+    (`fsdp1_flat_piece`)."""
     if flat and kind_of(w).flat_copies and not w.multi_tensor_step:
         return foreach_temp_bytes(trainable / n, w, fsdp1_flat_piece(shape, w, n, matrices=matrices), flat=True)
-    return foreach_temp_bytes(trainable, w, largest_trainable(shape, w, matrices=matrices)) / n
+    return step_temp_bytes(shape, w, trainable, matrices=matrices) / n
 
 
 def step_bytes_per_param(w: Workload) -> int:

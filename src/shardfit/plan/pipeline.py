@@ -73,13 +73,12 @@ from shardfit.plan.hardware import Hardware
 from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 from shardfit.plan.optimizer_states import (
-    foreach_temp_bytes,
     fp32_state_embedding,
     full_width_state_bytes,
     kind_of,
-    largest_trainable,
     optimizer_state_bytes,
     sharded_step_bytes,
+    step_temp_bytes,
 )
 from shardfit.plan.plan import TIE, Plan, recommend
 from shardfit.plan.precision import compute_bytes, frozen_weight_bytes, saved_copy_bytes, trainable_bytes
@@ -302,7 +301,7 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
 
 def _loop_step_excess(shape: ModelShape, w: Workload, s: strategies.Strategy, dp: int) -> float:
     """Bytes the estimate of a middle stage (one holding neither the embedding nor the head) counts too many for a
-    step that loops over tensors (Adafactor: optimizer_states.py `foreach_temp_bytes`): its copies are of the
+    step that loops over tensors (Adafactor: optimizer_states.py `step_temp_bytes`): its copies are of the
     largest tensor the stage trains, a decoder block's largest weight, not the embedding the estimate's model has."""
     if w.multi_tensor_step or not kind_of(w).tensor_copies or s.offload:
         return 0.0
@@ -310,8 +309,7 @@ def _loop_step_excess(shape: ModelShape, w: Workload, s: strategies.Strategy, dp
         t = trainable_params(shape, w)
         return (sharded_step_bytes(shape, w, t, dp, flat=w.runs_fsdp1)
                 - sharded_step_bytes(shape, w, t, dp, flat=w.runs_fsdp1, matrices=False))
-    return (foreach_temp_bytes(0, w, largest_trainable(shape, w))
-            - foreach_temp_bytes(0, w, largest_trainable(shape, w, matrices=False)))
+    return step_temp_bytes(shape, w, 0) - step_temp_bytes(shape, w, 0, matrices=False)
 
 
 def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int, dp: int = 1,

@@ -23,6 +23,7 @@ from shardfit.plan.estimate import (
     trainable_params,
 )
 from shardfit.plan.hardware import Hardware, hardware_notes
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import reference_pass_s, step_time
@@ -229,8 +230,11 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
         tries.append(("LoRA instead of a full fine-tune", {"method": "lora"}, None))
     if w.method != "qlora":
         tries.append(("QLoRA: 4-bit frozen weights", {"method": "qlora"}, None))
-    if w.optimizer == "adamw" and w.method == "full":
-        tries.append(("8-bit AdamW", {"optimizer": "adamw8bit"}, None))
+    # bitsandbytes' 8-bit form of the job's own optimizer (never another optimizer: that would train something
+    # else), for adapters too: QLoRA's adapters on every linear layer of a 70B model at rank 64 keep GiBs of states.
+    eight_bit = OPTIMIZER_KINDS[w.optimizer].eight_bit
+    if eight_bit is not None:
+        tries.append((OPTIMIZER_KINDS[eight_bit].label, {"optimizer": eight_bit}, None))
     out = [a for what, changes, nodes in tries if (a := _fits_with(shape, w, hw, what, changes, nodes))]
     if not out:  # all of them at once, for a job no single change rescues (a full fine-tune on one GPU)
         lean = {"grad_ckpt": "full", "micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}

@@ -196,6 +196,10 @@ class Workload:
     # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
     # its full-width fallback differs (plan/optimizer_states.py `fp32_state_params`).
     torchao_optimizer: bool = False
+    # The dtype of each of the optimizer's states (torch's names) where the job's settings choose them: AnyPrecision
+    # AdamW's momentum_dtype, variance_dtype and, with Kahan summation, compensation_buffer_dtype (the HF Trainer's
+    # optim_args). Empty: the optimizer's own (plan/optimizer_kinds.py `dtypes`, else `width`).
+    optimizer_dtypes: tuple[str, ...] = ()
     # Vision-language models: images in each sample and each image's patch grid (rows and columns of 14-pixel
     # patches after the processor's resize, plan/media.py); the image tokens are counted within seq_len. A trainable
     # vision tower keeps its blocks' activations for backward; a frozen one (the default) keeps none.
