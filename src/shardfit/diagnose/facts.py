@@ -350,9 +350,20 @@ def _rank0_waits(timed_out: list[tuple[str, str, str]], world: int | None = None
     return any(n >= 1000 or (s in others and missing(s)) for s, n in zero)
 
 
-# the reporter's words for a job over several machines ("2 machines with 5 gpus", "two nodes", "多机多卡")
-_NODES_SAID = re.compile(r"\b(?:[2-9]|[1-9]\d+|two|three|four|several|multiple)[ \t]+"
-                         r"(?:machines|nodes|servers|hosts)\b|\bmulti-?(?:node|machine)\b|多机|多节点|多台", re.I)
+# the reporter's words for a job over several machines ("2 machines with 5 gpus", "multi-node", "多机多卡"). "Nodes"
+# alone is also a graph's vertices ("a graph with 2708 nodes") or a cluster's size ("our cluster has 3 nodes"), so
+# nodes count only beside GPUs or a launch: "2 nodes with 8 GPUs", "2 nodes x 8", "8 GPUs x 2 nodes", "on 2 nodes",
+# "2-node training"
+_NODE_COUNT = r"(?:[2-9]|[1-9]\d{1,2}|two|three|four|several|multiple)"
+_NODES_SAID = re.compile(
+    rf"\b{_NODE_COUNT}[ \t]+(?:machines|servers|hosts)\b|\bmulti-?(?:node|machine)\b|多机|多节点|多台|"
+    rf"\b{_NODE_COUNT}[ \t]+nodes?\b[ \t,]*(?:(?:with|of|and|x|×|\*)[ \t]*)?(?:\d+|two|four|eight)?[ \t]*"
+    r"(?:[\w-]+[ \t]+)?(?:gpus?|cards?|a100s?|h100s?|h800s?|a800s?)\b|"
+    rf"\b{_NODE_COUNT}[ \t]+nodes?[ \t]*(?:x|×|\*)[ \t]*\d|"
+    rf"\b(?:gpus?|cards?)[ \t]*(?:x|×|\*|,|each)[ \t]*{_NODE_COUNT}[ \t]+nodes\b|"
+    rf"\b(?:on|across|over|using|spanning|to)[ \t]+{_NODE_COUNT}[ \t]+nodes\b|"
+    rf"\b{_NODE_COUNT}[ \t-]+nodes?[ \t]+(?:training|jobs?|runs?|launch\w*|setups?|ddp|fsdp|deepspeed|fine-?tun\w*|"
+    r"pre-?train\w*)\b", re.I)
 
 
 def _rank_fit_facts(p: Parsed) -> None:
