@@ -408,9 +408,11 @@ _BATCH_ONE = re.compile(r"(?:batch[ _-]?size|\bbs|micro[_ ]batch\w*)[`'\"]?[^\n\
                         # a command line's `--flag VALUE`: the value follows the key after blanks only
                         r"(?<=[-_])(?:batch[_-]size|micro[_-]batch\w*)[ \t]+1\b(?!\.\d|\d)", re.I)
 # a batch size that is not the training step's: evaluation, test, prediction, inference (per_device_eval_batch_size,
-# --test_batch_size, "inference batch size") and verl's forward-only log_prob micro-batches hold no gradients
+# --test_batch_size, "inference batch size"), verl's forward-only log_prob micro-batches, generation and RL rollout
+# batches (--gen_batch_size, --rollout_batch_size) and an inference engine's ceiling (--max_batch_size) hold no
+# gradients
 _NOT_TRAIN_BATCH = re.compile(r"(?<![a-z])(?:eval\w*|val(?:id\w*)?|test\w*|predict\w*|infer\w*|log_prob\w*|"
-                              r"generat\w*)[ _-]?$", re.I)
+                              r"generat\w*|gen|rollout\w*|max)[ _-]?$", re.I)
 
 
 def _batch_facts(p: Parsed) -> None:
