@@ -159,6 +159,32 @@ def _own_call(p: Parsed) -> bool:
                 or _FRAMEWORK_CLASS.fullmatch(cls))
 
 
+# a code line calling the gradient-checkpointing hook (not the TypeError's "_set_gradient_checkpointing()", not its
+# definition); the receiver, where one is written, is the first group
+_GC_CALL = re.compile(r"^(?!\s*def\b)[^\n]*?(?:(\w+)\.)?_set_gradient_checkpointing\((?!\))")
+
+
+def _own_gc_call(p: Parsed) -> bool:
+    """The paste shows the user's own code calling `_set_gradient_checkpointing(...)`: the call's frame is a file no
+    library or model repository ships (transformers' gradient_checkpointing_enable calls it from modeling_utils.py,
+    a remote model's own code from transformers_modules/), or, shown without a frame, the call is on an object
+    other than `self` (a script's `model._set_gradient_checkpointing(model, value=True)`). The keyword it refuses
+    is then the script's, written for another transformers release, not the model code's old API."""
+    if "_set_gradient_checkpointing(" not in p.text:
+        return False
+    for i, line in enumerate(p.lines):
+        if not (m := _GC_CALL.match(line)):
+            continue
+        frame = match_frame(p.lines[i - 1]) if i else None
+        if frame is not None:
+            file = frame.group("file").replace("\\", "/")
+            if not LIBRARY_PATH.search(file) and "transformers_modules/" not in file:
+                return True
+        elif m.group(1) not in (None, "self"):
+            return True
+    return False
+
+
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 # the watchdog names the rank whose own work timed out (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, the
 # watchdog's "[Rank N] Watchdog caught collective operation timeout: WorkNCCL(...)"): that rank was in the collective
@@ -550,6 +576,8 @@ def _outcome_facts(p: Parsed) -> None:
         p.facts.add(f"exit{code}")
     for sig in p.signals:
         p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
+    if _own_gc_call(p):
+        p.facts.add("own_gc_call")
     if _own_call(p):
         p.facts.add("own_call")
     elif _library_kwarg_error(p):
