@@ -159,6 +159,32 @@ def _own_call(p: Parsed) -> bool:
                 or _FRAMEWORK_CLASS.fullmatch(cls))
 
 
+# a code line calling the gradient-checkpointing hook (not the TypeError's "_set_gradient_checkpointing()", not its
+# definition); the receiver, where one is written, is the first group
+_GC_CALL = re.compile(r"^(?!\s*def\b)[^\n]*?(?:(\w+)\.)?_set_gradient_checkpointing\((?!\))")
+
+
+def _own_gc_call(p: Parsed) -> bool:
+    """The paste shows the user's own code calling `_set_gradient_checkpointing(...)`: the call's frame is a file no
+    library or model repository ships (transformers' gradient_checkpointing_enable calls it from modeling_utils.py,
+    a remote model's own code from transformers_modules/), or, shown without a frame, the call is on an object
+    other than `self` (a script's `model._set_gradient_checkpointing(model, value=True)`). The keyword it refuses
+    is then the script's, written for another transformers release, not the model code's old API."""
+    if "_set_gradient_checkpointing(" not in p.text:
+        return False
+    for i, line in enumerate(p.lines):
+        if not (m := _GC_CALL.match(line)):
+            continue
+        frame = match_frame(p.lines[i - 1]) if i else None
+        if frame is not None:
+            file = frame.group("file").replace("\\", "/")
+            if not LIBRARY_PATH.search(file) and "transformers_modules/" not in file:
+                return True
+        elif m.group(1) not in (None, "self"):
+            return True
+    return False
+
+
 _SEQ = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 # the watchdog names the rank whose own work timed out (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, the
 # watchdog's "[Rank N] Watchdog caught collective operation timeout: WorkNCCL(...)"): that rank was in the collective
@@ -350,9 +376,20 @@ def _rank0_waits(timed_out: list[tuple[str, str, str]], world: int | None = None
     return any(n >= 1000 or (s in others and missing(s)) for s, n in zero)
 
 
-# the reporter's words for a job over several machines ("2 machines with 5 gpus", "two nodes", "多机多卡")
-_NODES_SAID = re.compile(r"\b(?:[2-9]|[1-9]\d+|two|three|four|several|multiple)[ \t]+"
-                         r"(?:machines|nodes|servers|hosts)\b|\bmulti-?(?:node|machine)\b|多机|多节点|多台", re.I)
+# the reporter's words for a job over several machines ("2 machines with 5 gpus", "multi-node", "多机多卡"). "Nodes"
+# alone is also a graph's vertices ("a graph with 2708 nodes") or a cluster's size ("our cluster has 3 nodes"), so
+# nodes count only beside GPUs or a launch: "2 nodes with 8 GPUs", "2 nodes x 8", "8 GPUs x 2 nodes", "on 2 nodes",
+# "2-node training"
+_NODE_COUNT = r"(?:[2-9]|[1-9]\d{1,2}|two|three|four|several|multiple)"
+_NODES_SAID = re.compile(
+    rf"\b{_NODE_COUNT}[ \t]+(?:machines|servers|hosts)\b|\bmulti-?(?:node|machine)\b|多机|多节点|多台|"
+    rf"\b{_NODE_COUNT}[ \t]+nodes?\b[ \t,]*(?:(?:with|of|and|x|×|\*)[ \t]*)?(?:\d+|two|four|eight)?[ \t]*"
+    r"(?:[\w-]+[ \t]+)?(?:gpus?|cards?|a100s?|h100s?|h800s?|a800s?)\b|"
+    rf"\b{_NODE_COUNT}[ \t]+nodes?[ \t]*(?:x|×|\*)[ \t]*\d|"
+    rf"\b(?:gpus?|cards?)[ \t]*(?:x|×|\*|,|each)[ \t]*{_NODE_COUNT}[ \t]+nodes\b|"
+    rf"\b(?:on|across|over|using|spanning|to)[ \t]+{_NODE_COUNT}[ \t]+nodes\b|"
+    rf"\b{_NODE_COUNT}[ \t-]+nodes?[ \t]+(?:training|jobs?|runs?|launch\w*|setups?|ddp|fsdp|deepspeed|fine-?tun\w*|"
+    r"pre-?train\w*)\b", re.I)
 
 
 def _rank_fit_facts(p: Parsed) -> None:
@@ -397,9 +434,11 @@ _BATCH_ONE = re.compile(r"(?:batch[ _-]?size|\bbs|micro[_ ]batch\w*)[`'\"]?[^\n\
                         # a command line's `--flag VALUE`: the value follows the key after blanks only
                         r"(?<=[-_])(?:batch[_-]size|micro[_-]batch\w*)[ \t]+1\b(?!\.\d|\d)", re.I)
 # a batch size that is not the training step's: evaluation, test, prediction, inference (per_device_eval_batch_size,
-# --test_batch_size, "inference batch size") and verl's forward-only log_prob micro-batches hold no gradients
+# --test_batch_size, "inference batch size"), verl's forward-only log_prob micro-batches, generation and RL rollout
+# batches (--gen_batch_size, --rollout_batch_size) and an inference engine's ceiling (--max_batch_size) hold no
+# gradients
 _NOT_TRAIN_BATCH = re.compile(r"(?<![a-z])(?:eval\w*|val(?:id\w*)?|test\w*|predict\w*|infer\w*|log_prob\w*|"
-                              r"generat\w*)[ _-]?$", re.I)
+                              r"generat\w*|gen|rollout\w*|max)[ _-]?$", re.I)
 
 
 def _batch_facts(p: Parsed) -> None:
@@ -537,6 +576,8 @@ def _outcome_facts(p: Parsed) -> None:
         p.facts.add(f"exit{code}")
     for sig in p.signals:
         p.facts.add("sig_" + re.sub(r"\W+", "_", sig.strip().lower()))
+    if _own_gc_call(p):
+        p.facts.add("own_gc_call")
     if _own_call(p):
         p.facts.add("own_call")
     elif _library_kwarg_error(p):
