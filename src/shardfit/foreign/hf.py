@@ -92,7 +92,8 @@ KEYS = key_table({
     "attn_implementation": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
     "fsdp_config": Key("FSDP1 or FSDP2, sharding"),
-    "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "model": Key("model"),
+    "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "optim_args": Key("{optimizer}"),
+    "model": Key("model"),
     # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
@@ -361,6 +362,8 @@ def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> S
         if k not in src:
             src.values[k] = v
             src.order.append(k)
+            if k in code.arg_at:
+                src.given_at[k] = code.arg_at[k]
     return code
 
 
@@ -544,8 +547,10 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
                     grad_ckpt="full" if src.flag(ckpt_key(src), "true" if trl_config else "false")
                     else "none",
+                    # a hand-written loop builds its own optimizer: the Trainer's optim_args reach nothing
                     **optimizer_keys(src.get("optim"), version, [] if hand_loop else job.notes,
-                                    optim_args=src.get("optim_args"), weight_decay=src.get("weight_decay", 0.0),
+                                    optim_args=None if hand_loop else src.get("optim_args"),
+                                    weight_decay=src.get("weight_decay", 0.0),
                                     where=src.at("optim_args")),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=_attention(src.get("attn_implementation"), job), frozen_fp32=q,

@@ -288,7 +288,8 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
                  loss=hf_loss(version, False), grad_accum=ds.grad_accum or 1,
                  # a torch optimizer DeepSpeed builds by name other than Adam: its default multi-tensor step
-                 fused_adamw=not multi_tensor_step(optim) and ds.optimizer in (None, "adamw"))
+                 fused_adamw=not multi_tensor_step(optim) and ds.optimizer in (None, "adamw"),
+                 no_8bit_form=ds.zero.ds_optimizer)
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
                                          "{device: cpu}"},
