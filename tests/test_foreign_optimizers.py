@@ -333,17 +333,20 @@ def test_a_deepspeed_optimizer_section_is_marked_for_no_8bit_offer(tmp_path: Pat
     assert not _job("hf", tmp_path, DS_PLAIN, "adamw_torch").workload.no_8bit_form
 
 
-@pytest.mark.parametrize(("tool", "optim", "setting"), [
-    ("hf", "adamw_torch", "--optim adamw_bnb_8bit"), ("hf", "rmsprop", "--optim rmsprop_bnb_8bit"),
-    ("llamafactory", "adamw_torch", "optim: adamw_8bit"), ("axolotl", "adamw_torch", "optimizer: adamw_bnb_8bit"),
-    ("swift", "lion_32bit", "--optim lion_8bit")])
-def test_a_from_job_s_8bit_offer_names_its_tool_s_own_setting(tmp_path: Path, tool: str, optim: str,
-                                                             setting: str) -> None:
-    """`plan --from`: the offer is the tool's own optim (which the plan would then read), never `--optimizer`,
-    which --from refuses."""
-    job = _job(tool, tmp_path, DS_PLAIN, optim)
-    job.nproc = 1
-    shape = resolve_shape(job.model)
-    fp = plan_job(job, shape, parse_gpus("1x46GB", 1, None))
-    offers = [a for a in fp.plan.alternatives or [] if "optimizer" in dict(a.changes)]
-    assert [a.how() for a in offers] == [setting]
+@pytest.mark.parametrize(("optim", "setting"), [
+    ("adamw_torch", "--optim adamw_bnb_8bit"), ("rmsprop", "--optim rmsprop_bnb_8bit"),
+    ("lion_32bit", "--optim lion_8bit"), ("galore_adamw", None), ("adam", None)])
+def test_a_from_job_s_8bit_offer_names_its_tool_s_own_setting(tmp_path: Path, optim: str,
+                                                             setting: str | None) -> None:
+    """`plan --from` a Llama-3-8B full fine-tune on 1x84GB: the 8-bit offer is the tool's own optim (which the plan
+    then reads), never `--optimizer`, which --from refuses; none for a stand-in or torch's Adam."""
+    (tmp_path / "run.sh").write_text("python train.py --model_name_or_path meta-llama/Meta-Llama-3-8B --bf16 True "
+                                     f"--optim {optim} --per_device_train_batch_size 1 --gradient_checkpointing True "
+                                     "--max_seq_length 512\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(nproc=1))
+    fp = plan_job(job, resolve_shape(job.model), parse_gpus("1x84GB", 1, None))
+    offers = [a.how() for a in fp.plan.alternatives or [] if "optimizer" in dict(a.changes)]
+    assert offers == ([setting] if setting else [])
+    said = fp.to_json()["alternatives"]
+    assert not [p for p in said if "--optimizer" in p]
+    assert len([p for p in said if setting and f"({setting}): " in p]) == (1 if setting else 0)

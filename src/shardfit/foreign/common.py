@@ -252,6 +252,18 @@ def optimizer_stand_in(name: str) -> tuple[str, bool, str]:
                             f"({states} per trained weight), {sense}; {fix}")
 
 
+# The HF Trainer's `optim` for bitsandbytes' 8-bit form of each optimizer the planner offers one of (plan/plan.py
+# `alternatives`), as the tools built on it take them.
+TRAINER_8BIT = {"adamw8bit": "adamw_bnb_8bit", "rmsprop8bit": "rmsprop_bnb_8bit", "lion8bit": "lion_8bit",
+                "ademamix8bit": "ademamix_8bit"}
+
+
+def eight_bit_words(form: str) -> dict[str, str]:
+    """A tool's words (foreign/job.py `Words.keys`) for each 8-bit optimizer the planner offers: `form` with the
+    Trainer's `optim` name in place of `{}` ("--optim {}")."""
+    return {k: form.format(v) for k, v in TRAINER_8BIT.items()}
+
+
 def bitsandbytes_optimizer(name: str) -> bool:
     """Whether the HF Trainer's `optim` = `name` is one of bitsandbytes' optimizers (its AdamW in 8 bits, the paged
     ones of either width, and Lion, RMSprop and AdEMAMix, BNB_OTHERS): the planner's `bnb_optimizer`, whose 32-bit

@@ -23,6 +23,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    eight_bit_words,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -121,10 +122,10 @@ _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-
 def words() -> Words:
     return Words(zero={"zero2": "--deepspeed ds_config_zero2.json", "zero3": "--deepspeed ds_config_zero3.json",
                        "zero3_offload": "--deepspeed ds_config_zero3_offload.json"},
-                 keys={"fused_loss": "--use_liger_kernel True",
+                 keys={**eight_bit_words("--optim {}"), "fused_loss": "--use_liger_kernel True",
                        "grad_ckpt": "--gradient_checkpointing True", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--model_max_length", "qlora": "--q_lora True "
-                       "(4-bit base weights)", "lora": "--use_lora True", "adamw8bit": "--optim adamw_bnb_8bit",
+                       "(4-bit base weights)", "lora": "--use_lora True",
                        "device_map": "device_map=None (or {'': int(os.environ['LOCAL_RANK'])}) in from_pretrained "
                        "when WORLD_SIZE > 1", "model_parallel": "one process (python, no torchrun) with "
                        "device_map='auto'", "reentrant": "--gradient_checkpointing_kwargs "

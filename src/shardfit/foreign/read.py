@@ -12,6 +12,7 @@ from shardfit.foreign.axolotl import read_axolotl
 from shardfit.foreign.common import (
     default_attention,
     default_optim,
+    eight_bit_words,
     hf_loss,
     load_yaml,
     multi_tensor_step,
@@ -294,7 +295,8 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
                                          "{device: cpu}"},
                   keys={"micro_batch": "train_micro_batch_size_per_gpu: 1 with gradient_accumulation_steps",
-                        "seq": "--seq", "grad_ckpt": "gradient checkpointing in the training script"})
+                        "seq": "--seq", "grad_ckpt": "gradient checkpointing in the training script",
+                        **eight_bit_words("optim=\"{}\" in the training script's TrainingArguments")})
     job = ForeignJob("deepspeed", str(path), opts.model, w, engine="deepspeed", zero=ds.zero, nproc=opts.nproc,
                      keys=ds.keys, not_modelled=ds.not_modelled, words=words)
     job.notes.append("gradient checkpointing assumed on (the training script decides; pass --grad-ckpt none to plan "

@@ -690,7 +690,9 @@ def loop_words(job: ForeignJob) -> None:
     job.words.keys.update({
         "micro_batch": "a smaller DataLoader batch_size with gradient accumulation in the loop",
         "grad_ckpt": "model.gradient_checkpointing_enable() before the loop",
-        "adamw8bit": "bitsandbytes.optim.AdamW8bit in place of the script's optimizer",
+        **{k: f"bitsandbytes.optim.{cls} in place of the script's optimizer" for k, cls in (
+            ("adamw8bit", "AdamW8bit"), ("rmsprop8bit", "RMSprop8bit"), ("lion8bit", "Lion8bit"),
+            ("ademamix8bit", "AdEMAMix8bit"))},
         "lora": "peft's get_peft_model(model, LoraConfig(...))",
         "fused_loss": "a fused linear cross-entropy (Liger's) in the loop's loss"})
     job.words.zero.update({z: f"deepspeed.initialize(..., config=\"ds_config_{z}.json\")"

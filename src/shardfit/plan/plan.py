@@ -178,6 +178,9 @@ class Alternative:
     total_gib: float
     unit: str = "GPU"  # what total_gib is per: a GPU, or a process on a CPU-only machine
     tokens_per_s: float | None = None  # the job's predicted rate with the change (set by `same_result`)
+    # the change as the setting of another tool's job (`plan --from`, foreign/asplanned.py `plan_job`), which the
+    # plan then reads from the job's file: what `how` says in place of `shardfit plan`'s flags
+    setting: str | None = None
 
     def how(self, style: str = "plan") -> str | None:
         """The change as `shardfit plan` flags (style "plan") or config overrides (style "config"); None when that
@@ -201,6 +204,8 @@ _FLAG = {"grad_ckpt": ("--grad-ckpt", "grad_ckpt"), "micro_batch": ("--batch", "
 
 
 def _flags(a: Alternative, style: str) -> str | None:
+    if a.setting is not None and style == "plan":
+        return a.setting
     parts = []
     if a.nodes is not None:
         parts.append(f"--nodes {a.nodes}" if style == "plan" else f"--nnodes {a.nodes}")
