@@ -94,6 +94,9 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     "sgd_momentum": OptimizerKind("SGD with momentum", 1),
     # torch.optim.Adagrad: `sum`; foreach: `std = torch._foreach_sqrt(state_sums)` and
     # `numerator = torch._foreach_mul(grads, minus_clr)` (torch/optim/adagrad.py `_multi_tensor_adagrad`).
+    # bitsandbytes' Adagrad8bit is not in the table, so no 8-bit form is offered: no tool's Trainer `optim` names it
+    # (an offer must be a setting of the job's own), and its one 8-bit state would be 8-bit RMSprop's count. Its
+    # Adam8bit neither: torch's Adam is planned as AdamW, a stand-in that gets no offer (Workload.no_8bit_form).
     "adagrad": OptimizerKind("Adagrad", 1, group_copies=2),
     # torch.optim.RMSprop (momentum 0, not centered, the Trainer's defaults): `square_avg`; foreach:
     # `avg = torch._foreach_sqrt(grouped_square_avgs)`. bitsandbytes' 32-bit RMSprop: one fp32 state, in place.
