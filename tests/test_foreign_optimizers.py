@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardfit.errors import UserError
+from shardfit.foreign.asplanned import plan_job
 from shardfit.foreign.common import optimizer_keys
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.read import JobOptions, read_job
@@ -237,3 +238,115 @@ def test_anyprecision_optim_args_the_trainer_refuses_are_a_user_error(tmp_path: 
     with pytest.raises(UserError, match=says) as raised:
         _hf_job(tmp_path, f"--optim_args {optim_args}")
     assert "run.sh" in str(raised.value) and raised.value.exit_code == 2
+
+
+def _script_job(tmp_path: Path, script: str, args: str = "") -> ForeignJob:
+    """The job of `python train.py ARGS` where train.py is `script`."""
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "run.sh").write_text(f"python train.py {args}\n")
+    return read_job("hf", str(tmp_path / "run.sh"), JobOptions(nproc=1))
+
+
+TRAINER_SCRIPT = ("from transformers import AutoModelForCausalLM, TrainingArguments, Trainer\n"
+                  "model = AutoModelForCausalLM.from_pretrained('meta-llama/Llama-2-7b-hf')\n"
+                  "args = TrainingArguments(output_dir='out', bf16=True, optim='{optim}',\n"
+                  "                         optim_args='{optim_args}')\n"
+                  "Trainer(model=model, args=args, train_dataset=ds).train()\n")
+
+
+@pytest.mark.parametrize(("optim", "optim_args", "planned", "dtypes"), [
+    ("adamw_anyprecision", "momentum_dtype=bfloat16,variance_dtype=bfloat16", "adamw_anyprecision",
+     ("bfloat16", "bfloat16")),
+    ("rmsprop", "momentum=0.9", "rmsprop_momentum", ())])
+def test_a_script_s_training_arguments_optim_args_are_read(tmp_path: Path, optim: str, optim_args: str,
+                                                          planned: str, dtypes: tuple) -> None:
+    """TrainingArguments(optim=..., optim_args=...) in the script: the Trainer builds the optimizer from them
+    (AnyPrecision AdamW's states in bf16, 4 bytes a weight; RMSprop's momentum buffer), so the plan does too."""
+    w = _script_job(tmp_path, TRAINER_SCRIPT.format(optim=optim, optim_args=optim_args)).workload
+    assert (w.optimizer, w.optimizer_dtypes) == (planned, dtypes)
+
+
+def test_a_script_s_optim_args_the_trainer_refuses_name_the_script_s_line(tmp_path: Path) -> None:
+    script = TRAINER_SCRIPT.format(optim="adamw_anyprecision", optim_args="variance_dtype=float8_e4m3fn")
+    with pytest.raises(UserError, match="variance_dtype=float8_e4m3fn") as raised:
+        _script_job(tmp_path, script)
+    assert "train.py:4" in str(raised.value) and raised.value.exit_code == 2
+
+
+@pytest.mark.parametrize("optim_args", ["use_kahan_summation=", "momentum_dtype=",
+                                        "use_kahan_summation=True,compensation_buffer_dtype="])
+def test_an_empty_anyprecision_optim_arg_is_a_user_error(optim_args: str) -> None:
+    """transformers refuses an empty value (strtobool(''), getattr(torch, '')): exit 2 naming the key, not the
+    default planned in its place."""
+    key = optim_args.rstrip("=").rsplit(",", 1)[-1]
+    with pytest.raises(UserError, match=key) as raised:
+        optimizer_keys("adamw_anyprecision", "4.56.0", [], optim_args=optim_args, where="run.sh:1")
+    assert raised.value.exit_code == 2
+
+
+LOOP = ("import torch\nfrom torchdistx.optimizers import AnyPrecisionAdamW\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "model = AutoModelForCausalLM.from_pretrained('meta-llama/Llama-2-7b-hf', torch_dtype=torch.bfloat16)\n"
+        "opt = {optimizer}\n"
+        "loader = torch.utils.data.DataLoader(ds, batch_size=1)\n"
+        "for batch in loader:\n    loss = model(**batch).loss\n    loss.backward()\n    opt.step()\n"
+        "    opt.zero_grad()\n")
+
+
+@pytest.mark.parametrize(("call", "planned", "dtypes"), [
+    ("AnyPrecisionAdamW(model.parameters(), lr=1e-5)", "adamw_anyprecision", ("float32", "bfloat16")),
+    ("AnyPrecisionAdamW(model.parameters(), momentum_dtype=torch.bfloat16, variance_dtype=torch.bfloat16)",
+     "adamw_anyprecision", ("bfloat16", "bfloat16")),
+    ("AnyPrecisionAdamW(model.parameters(), use_kahan_summation=True, compensation_buffer_dtype=torch.float32)",
+     "adamw_anyprecision_kahan", ("float32", "bfloat16", "float32"))])
+def test_a_hand_written_loop_s_anyprecision_adamw_plans_its_own_dtypes(tmp_path: Path, call: str, planned: str,
+                                                                       dtypes: tuple) -> None:
+    """torchdistx's AnyPrecisionAdamW built in the script: its keywords, else torchdistx's own defaults (variance
+    in bfloat16, unlike the Trainer's float32), stepped one tensor at a time."""
+    w = _script_job(tmp_path, LOOP.format(optimizer=call)).workload
+    assert (w.optimizer, w.optimizer_dtypes, w.fused_adamw) == (planned, dtypes, True)
+
+
+def test_a_hand_written_loop_s_computed_anyprecision_dtype_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="variance_dtype") as raised:
+        _script_job(tmp_path, LOOP.format(optimizer="AnyPrecisionAdamW(model.parameters(), variance_dtype=dt)"))
+    assert "train.py:5" in str(raised.value) and raised.value.exit_code == 2
+
+
+def test_a_hand_written_loop_ignores_optim_args_it_never_reads(tmp_path: Path) -> None:
+    """--optim / --optim_args on the command line of a script whose own loop builds torch's AdamW: nothing reads
+    them, so a value the Trainer would refuse is no error."""
+    job = _script_job(tmp_path, LOOP.format(optimizer="torch.optim.AdamW(model.parameters(), lr=1e-5)"),
+                      "--optim adamw_anyprecision --optim_args use_kahan_summation=maybe")
+    assert job.workload.optimizer == "adamw"
+
+
+@pytest.mark.parametrize(("optim", "marked"), [
+    ("galore_adamw", True), ("lomo", True), ("apollo_adamw", True), ("grokadamw", True), ("stable_adamw", True),
+    ("adam", True), ("adamw_torch", False), ("paged_adamw_32bit", False), ("lion_32bit", False)])
+def test_an_optimizer_planned_in_another_s_place_is_marked_for_no_8bit_offer(optim: str, marked: bool) -> None:
+    assert optimizer_keys(optim, "4.56.0", [])["no_8bit_form"] is marked
+
+
+def test_a_deepspeed_optimizer_section_is_marked_for_no_8bit_offer(tmp_path: Path) -> None:
+    assert _job("hf", tmp_path, DS_ADAM, "adamw_torch").workload.no_8bit_form
+    assert not _job("hf", tmp_path, DS_PLAIN, "adamw_torch").workload.no_8bit_form
+
+
+@pytest.mark.parametrize(("optim", "setting"), [
+    ("adamw_torch", "--optim adamw_bnb_8bit"), ("rmsprop", "--optim rmsprop_bnb_8bit"),
+    ("lion_32bit", "--optim lion_8bit"), ("galore_adamw", None), ("adam", None)])
+def test_a_from_job_s_8bit_offer_names_its_tool_s_own_setting(tmp_path: Path, optim: str,
+                                                             setting: str | None) -> None:
+    """`plan --from` a Llama-3-8B full fine-tune on 1x84GB: the 8-bit offer is the tool's own optim (which the plan
+    then reads), never `--optimizer`, which --from refuses; none for a stand-in or torch's Adam."""
+    (tmp_path / "run.sh").write_text("python train.py --model_name_or_path meta-llama/Meta-Llama-3-8B --bf16 True "
+                                     f"--optim {optim} --per_device_train_batch_size 1 --gradient_checkpointing True "
+                                     "--max_seq_length 512\n")
+    job = read_job("hf", str(tmp_path / "run.sh"), JobOptions(nproc=1))
+    fp = plan_job(job, resolve_shape(job.model), parse_gpus("1x84GB", 1, None))
+    offers = [a.how() for a in fp.plan.alternatives or [] if "optimizer" in dict(a.changes)]
+    assert offers == ([setting] if setting else [])
+    said = fp.to_json()["alternatives"]
+    assert not [p for p in said if "--optimizer" in p]
+    assert len([p for p in said if setting and f"({setting}): " in p]) == (1 if setting else 0)

@@ -371,3 +371,68 @@ def test_a_qlora_job_is_offered_8bit_states_where_its_adapters_states_decide() -
     assert make_plan(shape, w, hw).recommended is None
     eight = [a for a in alternatives(shape, w, hw) if dict(a.changes).get("optimizer") == "adamw8bit"]
     assert [(a.what, a.strategy) for a in eight] == [("8-bit AdamW", "single")]
+
+
+def _anyprecision_kahan_step(params: list[torch.nn.Parameter], state_dtype: torch.dtype) -> int:
+    """The most bytes the per-tensor ops of torchdistx's AnyPrecision AdamW step with Kahan summation hold at once
+    (optimizers/anyprecision_optimizer.py: `centered_variance`, then `temp_buffer = p.detach().clone()`), its states
+    in `state_dtype`, made before it as the optimizer's first step does."""
+    for p in params:
+        m, v, c = (torch.zeros_like(p, dtype=state_dtype) for _ in range(3))
+        m.mul_(0.9).add_(p.grad, alpha=0.1)
+        v.mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+        p._keep = (m, v, c)  # states outlive the step, as the optimizer's would
+    with _PeakAllocated() as tracked:
+        centered = temp = None
+        for p in params:
+            m, v, c = p._keep
+            centered = (v.sqrt() / 0.5).add_(1e-8)
+            c.addcdiv_(m, centered, value=-1e-3)
+            temp = p.detach().clone()
+            p.data.add_(c)
+            c.add_(temp.sub_(p.data))
+        del centered, temp
+    return tracked.peak
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_kahan_step_counts_the_weight_s_clone_beside_narrower_states(state_dtype: torch.dtype) -> None:
+    """fp32 weights, Kahan on: at `temp_buffer = p.clone()` the step holds the tensor's centered variance, its fp32
+    clone and the previous tensor's clone. With bf16 states that is the most (2048x256 after 256x256: 3,407,872
+    bytes, where two bf16 variance copies and the previous tensor's made 2,490,368); with fp32 states the two
+    variance copies beside the previous tensor's are."""
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[state_dtype]
+    w = Workload(method="full", precision="bf16", optimizer="adamw_anyprecision_kahan", fused_adamw=True,
+                 optimizer_dtypes=(name,) * 3)
+    small, big = torch.nn.Parameter(torch.zeros(256, 256)), torch.nn.Parameter(torch.zeros(2048, 256))
+    for p in (small, big):
+        p.grad = torch.randn_like(p)
+    measured = _anyprecision_kahan_step([small, big], state_dtype)
+    assert loop_copy_bytes(w, big.numel(), small.numel()) == pytest.approx(measured, rel=0.01)
+
+
+def test_the_8bit_offer_plans_what_the_trainer_s_8bit_optim_runs() -> None:
+    """Llama-3-8B full fine-tune, the Trainer's adamw_torch, 1x80GB: the offer of 8-bit AdamW is bitsandbytes' as
+    the Trainer builds it (`bnb_optimizer`: fp32 states for the embedding), 79.8 GiB, not 76.8 without them; it
+    then does not fit, so it is not offered, and the plan's flags say --bnb-optimizer where it is."""
+    shape, hw = resolve_shape("meta-llama/Meta-Llama-3-8B"), parse_gpus("1x80GB", 1, None)
+    w = Workload(method="full", precision="bf16", seq_len=512, micro_batch=1, grad_ckpt="full", tool_autocast=True)
+    real = estimate(shape, dataclasses.replace(w, optimizer="adamw8bit", bnb_optimizer=True), hw, "single")
+    offers = [a for a in alternatives(shape, w, hw) if "optimizer" in dict(a.changes)]
+    assert not real.fits and offers == []
+    roomy = parse_gpus("1x84GB", 1, None)
+    offer = next(a for a in alternatives(shape, w, roomy) if "optimizer" in dict(a.changes))
+    real = estimate(shape, dataclasses.replace(w, optimizer="adamw8bit", bnb_optimizer=True), roomy, offer.strategy)
+    assert offer.total_gib == pytest.approx(real.per_gpu_gib.total, abs=0.05)
+    assert offer.how() == "--optimizer adamw8bit --bnb-optimizer"
+
+
+def test_no_8bit_offer_for_an_optimizer_planned_in_another_s_place() -> None:
+    """A stand-in (GaLore planned as AdamW) or DeepSpeed's own optimizer (`no_8bit_form`): the recommender offers
+    no 8-bit form, which would train with another optimizer than the job's."""
+    shape, hw = resolve_shape("meta-llama/Llama-2-7b-hf"), parse_gpus("1x48GB", 1, None)
+    w = Workload(method="full", precision="bf16", seq_len=512, pure_16bit=True)
+    assert [dict(a.changes)["optimizer"] for a in alternatives(shape, w, hw) if "optimizer" in dict(a.changes)] \
+        == ["adamw8bit"]
+    marked = dataclasses.replace(w, no_8bit_form=True)
+    assert not [a for a in alternatives(shape, marked, hw) if "optimizer" in dict(a.changes)]

@@ -12,7 +12,7 @@ from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
 from shardfit.plan.estimate import GIB, Candidate, add_runtime_overhead, estimate
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.plan import Plan, make_plan
+from shardfit.plan.plan import Alternative, Plan, make_plan
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -132,10 +132,26 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
     w = job.workload
     configured = configured_estimate(job, shape, w, hw)
     plan = make_plan(shape, w.on_shardfits_engine(), hw, strategies or NAMES)
+    if plan.alternatives is not None:
+        plan.alternatives = _in_tool_words(job, plan.alternatives)
     fp = ForeignPlan(job, shape, hw, configured, plan)
     if not configured.fits:
         fp.would = what_would_fit(job, shape, w, hw, configured)
     return fp
+
+
+def _in_tool_words(job: ForeignJob, alternatives: list[Alternative]) -> list[Alternative]:
+    """The plan's alternatives for a `--from` job: an optimizer offered (bitsandbytes' 8-bit form) as the tool's own
+    setting (`Words`), since `plan --from` refuses --optimizer and reads the optimizer from the job's file; dropped
+    where the tool has no words for it."""
+    out = []
+    for a in alternatives:
+        changed = dict(a.changes).get("optimizer")
+        if changed is None:
+            out.append(a)
+        elif setting := job.words.say(str(changed), ""):
+            out.append(dataclasses.replace(a, setting=setting))
+    return out
 
 
 Try = tuple[str, Workload, ZeroSettings | None, str | None]

@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    eight_bit_words,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -140,11 +141,12 @@ def words() -> Words:
     return Words(zero={"zero2": "deepspeed: deepspeed_configs/zero2.json",
                        "zero3": "deepspeed: deepspeed_configs/zero3_bf16.json",
                        "zero3_offload": "deepspeed: deepspeed_configs/zero3_bf16_cpuoffload_all.json"},
-                 keys={"fused_loss": "plugins: [axolotl.integrations.liger.LigerPlugin] with "
+                 keys={**eight_bit_words("optimizer: {}"),
+                       "fused_loss": "plugins: [axolotl.integrations.liger.LigerPlugin] with "
                        "liger_fused_linear_cross_entropy: true",
                        "grad_ckpt": "gradient_checkpointing: true", "micro_batch": "micro_batch_size: 1 with "
                        "gradient_accumulation_steps", "seq": "sequence_len", "qlora": "adapter: qlora with "
-                       "load_in_4bit: true", "lora": "adapter: lora", "adamw8bit": "optimizer: adamw_bnb_8bit",
+                       "load_in_4bit: true", "lora": "adapter: lora",
                        "reentrant": "gradient_checkpointing_kwargs: {use_reentrant: false}",
                        "device_map": "drop device_map under accelerate launch"})
 

@@ -162,14 +162,16 @@ def anyprecision_settings(optim_args: Any, where: str = "optim_args") -> tuple[s
     Kahan summation on (transformers' `strtobool` of `use_kahan_summation`) adds its compensation buffer. A value
     the Trainer would refuse (a word strtobool does not take, a dtype torch has not: `getattr` fails) or one that
     is no floating-point dtype is a UserError naming `where` (the job's file and line)."""
-    word = str(_optim_value(optim_args, "use_kahan_summation") or "False").strip().lower()
+    given = _optim_value(optim_args, "use_kahan_summation")
+    word = str("False" if given is None else given).strip().lower()
     if word not in STR_TO_BOOL_WORDS:
         raise UserError(f"{where}: optim_args use_kahan_summation={word}: transformers reads it with strtobool, "
                         "which refuses that; give True or False.")
     kahan = word in ("y", "yes", "t", "true", "on", "1")
     dtypes = []
     for key, default in ANYPRECISION_DTYPES[:3 if kahan else 2]:
-        value = str(_optim_value(optim_args, key) or default).strip()
+        given = _optim_value(optim_args, key)
+        value = str(default if given is None else given).strip()
         if value not in DTYPE_BYTES:
             raise UserError(f"{where}: optim_args {key}={value}: transformers builds AnyPrecision AdamW's state with "
                             f"getattr(torch, '{value}'), not a floating-point dtype of torch's; give one of "
@@ -250,6 +252,18 @@ def optimizer_stand_in(name: str) -> tuple[str, bool, str]:
                             f"({states} per trained weight), {sense}; {fix}")
 
 
+# The HF Trainer's `optim` for bitsandbytes' 8-bit form of each optimizer the planner offers one of (plan/plan.py
+# `alternatives`), as the tools built on it take them.
+TRAINER_8BIT = {"adamw8bit": "adamw_bnb_8bit", "rmsprop8bit": "rmsprop_bnb_8bit", "lion8bit": "lion_8bit",
+                "ademamix8bit": "ademamix_8bit"}
+
+
+def eight_bit_words(form: str) -> dict[str, str]:
+    """A tool's words (foreign/job.py `Words.keys`) for each 8-bit optimizer the planner offers: `form` with the
+    Trainer's `optim` name in place of `{}` ("--optim {}")."""
+    return {k: form.format(v) for k, v in TRAINER_8BIT.items()}
+
+
 def bitsandbytes_optimizer(name: str) -> bool:
     """Whether the HF Trainer's `optim` = `name` is one of bitsandbytes' optimizers (its AdamW in 8 bits, the paged
     ones of either width, and Lion, RMSprop and AdEMAMix, BNB_OTHERS): the planner's `bnb_optimizer`, whose 32-bit
@@ -302,11 +316,14 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
     dtypes = anyprecision_settings(optim_args, where)[1] if optim.lower() == ANYPRECISION else ()
     planned, bnb = optimizer(optim, optim_args), bitsandbytes_optimizer(optim)
     notes += [n for n in (dropped, weight_decay_note(optim, planned, weight_decay)) if n]
+    # torch's Adam is planned as AdamW (the same two states): a stand-in too, whose 8-bit offer would be AdamW's
+    stand_in = planned is None or optim.lower() == "adam"
     if planned is None:
         planned, bnb, note = optimizer_stand_in(optim)
         notes.append(note)
     return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb,
-            "torchao_optimizer": optim.lower() in TORCHAO_8BIT, "optimizer_dtypes": dtypes}
+            "torchao_optimizer": optim.lower() in TORCHAO_8BIT, "optimizer_dtypes": dtypes,
+            "no_8bit_form": stand_in}
 
 
 def weight_decay_note(optim: str, planned: str | None, weight_decay: Any) -> str | None:

@@ -23,6 +23,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    eight_bit_words,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -92,7 +93,8 @@ KEYS = key_table({
     "attn_implementation": Key("attention {attention}"), "use_liger_kernel": Key("fused loss"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "device_map": Key("placement"),
     "fsdp_config": Key("FSDP1 or FSDP2, sharding"),
-    "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "model": Key("model"),
+    "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "optim_args": Key("{optimizer}"),
+    "model": Key("model"),
     # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
@@ -120,10 +122,10 @@ _DEVICE_MAP = re.compile(r"device_map\s*=\s*(\"[^\"]*\"|'[^']*'|\{[^}]*\}|[A-Za-
 def words() -> Words:
     return Words(zero={"zero2": "--deepspeed ds_config_zero2.json", "zero3": "--deepspeed ds_config_zero3.json",
                        "zero3_offload": "--deepspeed ds_config_zero3_offload.json"},
-                 keys={"fused_loss": "--use_liger_kernel True",
+                 keys={**eight_bit_words("--optim {}"), "fused_loss": "--use_liger_kernel True",
                        "grad_ckpt": "--gradient_checkpointing True", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--model_max_length", "qlora": "--q_lora True "
-                       "(4-bit base weights)", "lora": "--use_lora True", "adamw8bit": "--optim adamw_bnb_8bit",
+                       "(4-bit base weights)", "lora": "--use_lora True",
                        "device_map": "device_map=None (or {'': int(os.environ['LOCAL_RANK'])}) in from_pretrained "
                        "when WORLD_SIZE > 1", "model_parallel": "one process (python, no torchrun) with "
                        "device_map='auto'", "reentrant": "--gradient_checkpointing_kwargs "
@@ -361,6 +363,8 @@ def _script_settings(script: Path | None, src: Source, cmd: Command | None) -> S
         if k not in src:
             src.values[k] = v
             src.order.append(k)
+            if k in code.arg_at:
+                src.given_at[k] = code.arg_at[k]
     return code
 
 
@@ -544,8 +548,10 @@ def _workload(src: Source, job: ForeignJob, version: str, acc: Accelerate | None
     return Workload(method="qlora" if q else "lora" if lora else "full", precision=precision,
                     grad_ckpt="full" if src.flag(ckpt_key(src), "true" if trl_config else "false")
                     else "none",
+                    # a hand-written loop builds its own optimizer: the Trainer's optim_args reach nothing
                     **optimizer_keys(src.get("optim"), version, [] if hand_loop else job.notes,
-                                    optim_args=src.get("optim_args"), weight_decay=src.get("weight_decay", 0.0),
+                                    optim_args=None if hand_loop else src.get("optim_args"),
+                                    weight_decay=src.get("weight_decay", 0.0),
                                     where=src.at("optim_args")),
                     loss=hf_loss(version, src.flag("use_liger_kernel", "false")),
                     attention=_attention(src.get("attn_implementation"), job), frozen_fp32=q,

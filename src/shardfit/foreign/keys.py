@@ -65,6 +65,8 @@ class Source:
     lines: dict[str, int] = field(default_factory=dict)
     # keys a file of arguments sets to null, kept as None (arg_nulls.py `NULL_KEYS`), each with that file and line
     null_at: dict[str, str] = field(default_factory=dict)
+    # keys given in another file than `path` (a training script's TrainingArguments), each with that file and line
+    given_at: dict[str, str] = field(default_factory=dict)
 
     @property
     def where(self) -> str:
@@ -72,6 +74,8 @@ class Source:
 
     def at(self, key: str) -> str:
         """The file, and the line where the key is given when that is known: where an error about it points."""
+        if key in self.given_at:
+            return self.given_at[key]
         return f"{self.where}:{self.lines[key]}" if key in self.lines else self.where
 
     def __contains__(self, key: str) -> bool:
@@ -235,7 +239,8 @@ def deepspeed_builds_optimizer(job: ForeignJob, ds: DeepSpeedJob, where: str) ->
                          f"{kind}, and the tool's optimizer setting is not used (transformers' "
                          "deepspeed_optim_sched); remove the section to run the tool's optimizer")
     fused = w.fused_adamw if planned == "adamw" else False
-    job.workload = replace(w, optimizer=planned, bnb_optimizer=False, fused_adamw=fused, optimizer_dtypes=())
+    job.workload = replace(w, optimizer=planned, bnb_optimizer=False, fused_adamw=fused, optimizer_dtypes=(),
+                           no_8bit_form=True)
 
 
 # Conversions the tables share beyond common.as_int / as_float.

@@ -16,6 +16,7 @@ from shardfit.foreign.common import (
     TRAINER_NO_EFFECT,
     as_float,
     as_int,
+    eight_bit_words,
     hf_loss,
     lf_freeze_blocks,
     local_file,
@@ -114,11 +115,11 @@ ZERO_FILES = {"zero2": "examples/deepspeed/ds_z2_config.json", "zero3": "example
 
 def words() -> Words:
     return Words(zero={k: f"deepspeed: {v}" for k, v in ZERO_FILES.items()},
-                 keys={"fused_loss": "use_liger_kernel: true",
+                 keys={**eight_bit_words("optim: {}"), "fused_loss": "use_liger_kernel: true",
                        "grad_ckpt": "disable_gradient_checkpointing: false (remove the key)",
                        "micro_batch": "per_device_train_batch_size: 1 with gradient_accumulation_steps",
                        "seq": "cutoff_len", "qlora": "quantization_bit: 4", "lora": "finetuning_type: lora",
-                       "adamw8bit": "optim: adamw_8bit", "device_map": "(LLaMA-Factory places the model itself; do "
+                       "device_map": "(LLaMA-Factory places the model itself; do "
                        "not pass device_map under torchrun)", "launch": "FORCE_TORCHRUN=1 llamafactory-cli train",
                        "reentrant": "use_reentrant_gc: false"})
 

@@ -12,6 +12,7 @@ from shardfit.foreign.axolotl import read_axolotl
 from shardfit.foreign.common import (
     default_attention,
     default_optim,
+    eight_bit_words,
     hf_loss,
     load_yaml,
     multi_tensor_step,
@@ -288,12 +289,14 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                  micro_batch=opts.batch or ds.micro_batch or 1, grad_ckpt="full", optimizer=ds.optimizer or "adamw",
                  loss=hf_loss(version, False), grad_accum=ds.grad_accum or 1,
                  # a torch optimizer DeepSpeed builds by name other than Adam: its default multi-tensor step
-                 fused_adamw=not multi_tensor_step(optim) and ds.optimizer in (None, "adamw"))
+                 fused_adamw=not multi_tensor_step(optim) and ds.optimizer in (None, "adamw"),
+                 no_8bit_form=ds.zero.ds_optimizer)
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
                                          "{device: cpu}"},
                   keys={"micro_batch": "train_micro_batch_size_per_gpu: 1 with gradient_accumulation_steps",
-                        "seq": "--seq", "grad_ckpt": "gradient checkpointing in the training script"})
+                        "seq": "--seq", "grad_ckpt": "gradient checkpointing in the training script",
+                        **eight_bit_words("optim=\"{}\" in the training script's TrainingArguments")})
     job = ForeignJob("deepspeed", str(path), opts.model, w, engine="deepspeed", zero=ds.zero, nproc=opts.nproc,
                      keys=ds.keys, not_modelled=ds.not_modelled, words=words)
     job.notes.append("gradient checkpointing assumed on (the training script decides; pass --grad-ckpt none to plan "

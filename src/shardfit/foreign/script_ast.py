@@ -31,8 +31,8 @@ ARGUMENT_CLASSES = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig"
                     "KTOConfig", "RewardConfig", "GRPOConfig", "CPOConfig")
 # TrainingArguments keywords read, as the command line would spell them.
 TRAINING_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16",
-                 "fp16", "learning_rate", "num_train_epochs", "max_steps", "optim", "deepspeed", "output_dir",
-                 "max_seq_length", "max_length", "model_max_length", "warmup_ratio", "weight_decay",
+                 "fp16", "learning_rate", "num_train_epochs", "max_steps", "optim", "optim_args", "deepspeed",
+                 "output_dir", "max_seq_length", "max_length", "model_max_length", "warmup_ratio", "weight_decay",
                  "max_grad_norm", "seed", "save_steps", "logging_steps", "use_liger_kernel", "attn_implementation",
                  *("beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "rpo_alpha", "simpo_gamma",
                    "cpo_alpha", "desirable_weight", "undesirable_weight"))
@@ -54,6 +54,8 @@ class ScriptSettings:
     """What the script sets, as command-line arguments would say it (`args`), and where each came from."""
 
     args: dict[str, str] = field(default_factory=dict)
+    # the script and line of each TrainingArguments keyword read into `args`, where an error about it points
+    arg_at: dict[str, str] = field(default_factory=dict)
     found: list[str] = field(default_factory=list)  # "LoraConfig(r=16) at train.py:12", for the report's notes
     model: str | None = None  # from_pretrained("...")'s literal first argument
     trainer: str | None = None  # the TRL trainer class the script builds (TRAINERS), e.g. "DPOTrainer"
@@ -190,6 +192,7 @@ def read_script(path: Path, text: str) -> ScriptSettings:
         elif name in ARGUMENT_CLASSES or kind == "SFTTrainer" and _lends(node, found.trainer):
             keys = {k: v for k, v in known.items() if k in TRAINING_KEYS and not isinstance(v, (dict, list))}
             out.args.update({k: _as_arg(v) for k, v in keys.items()})
+            out.arg_at.update({k.arg: f"{path}:{k.value.lineno}" for k in node.keywords if k.arg in keys})
             if keys:
                 out.found.append(f"{name}({_shown(keys, tuple(keys))}) at {at}")
         elif kind in TRAINERS and out.trainer is None:

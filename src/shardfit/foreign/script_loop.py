@@ -19,7 +19,7 @@ from shardfit.foreign.common import SHARDING_STRATEGIES, fsdp_engine, local_file
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.keys import Source, use_deepspeed
 from shardfit.foreign.script_loads import called_name
-from shardfit.plan.optimizer_kinds import OPTIMIZERS, rmsprop_kind
+from shardfit.plan.optimizer_kinds import DTYPE_BYTES, OPTIMIZERS, anyprecision_kind, rmsprop_kind
 from shardfit.plan.workload import Workload
 
 if TYPE_CHECKING:  # kbit.py reads script_ast.py, which reads this module
@@ -42,7 +42,14 @@ MODELLED = {"AdamW": ("adamw", False), "Adam": ("adamw", False), "FusedAdam": ("
             "AdEMAMix8bit": ("ademamix8bit", True), "PagedAdEMAMix8bit": ("ademamix8bit", True),
             "FusedLamb": ("lamb", False), "LAMB": ("lamb", False), "LAMB32bit": ("lamb", True),
             "AdamWScheduleFree": ("schedule_free_adamw", False), "RAdamScheduleFree": ("schedule_free_radam", False),
-            "SGDScheduleFree": ("schedule_free_sgd", False)}
+            "SGDScheduleFree": ("schedule_free_sgd", False), "AnyPrecisionAdamW": ("adamw_anyprecision", False)}
+# Adam classes planned as AdamW (the same states): stand-ins, offered no 8-bit AdamW (Workload.no_8bit_form).
+ADAM_CLASSES = ("Adam", "Adam32bit")
+# torchdistx's AnyPrecisionAdamW keywords for its states' dtypes, with its own defaults (optimizers/
+# anyprecision_optimizer.py: the variance in bfloat16, where transformers' Trainer passes float32); the
+# compensation buffer only with `use_kahan_summation` (default False).
+ANYPRECISION_KEYWORDS = (("momentum_dtype", "float32"), ("variance_dtype", "bfloat16"),
+                         ("compensation_buffer_dtype", "bfloat16"))
 # Optimizers a loop may step that the planner does not model (beside any other class from an `optim` module).
 OTHERS = ("Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS", "SparseAdam", "ASGD", "Rprop", "SGD8bit", "Muon",
           "SophiaG", "Prodigy", "DAdaptAdam", "CAME", "Lamb", "Shampoo", "SOAP", "ScheduleFreeAdamW", "LAMB8bit")
@@ -66,9 +73,10 @@ class HandLoop:
     batch_at: str = ""  # the DataLoader (or the loop, where it iterates none shardfit can follow)
     optimizer: str | None = None  # the class the loop steps (AdamW, SGD, ...); None where it cannot be followed
     optimizer_at: str = ""
-    optimizer_kind: str = ""  # "fused", "foreach", "for-loop", "bnb", "torchao", "deepspeed", or "computed"
+    optimizer_kind: str = ""  # "fused", "foreach", "for-loop", "per-tensor", "bnb", "torchao", "deepspeed", "computed"
     amsgrad: bool = False
     planned: str = ""  # the planner's optimizer for the class and its keywords (`_planned`)
+    dtypes: tuple[str, ...] = ()  # its states' dtypes where the class takes them (AnyPrecisionAdamW's keywords)
     amp: str | None = None  # bf16 or fp16 where autocast (or a GradScaler, Accelerator, FSDP policy) says it
     amp_said: str = ""
     amp_unread: str = ""  # an autocast whose dtype is computed: refused
@@ -332,6 +340,8 @@ def _optimizer_kind(out: HandLoop, built: ast.Call, imports: dict[str, str], con
         out.optimizer_kind = "bnb"
     elif cls == "FusedAdam":
         out.optimizer_kind = "fused"
+    elif cls == "AnyPrecisionAdamW":
+        out.optimizer_kind = "per-tensor"
     else:
         fused, foreach = _kw(built, "fused"), _kw(built, "foreach")
         if fused is None and foreach is None and any(k.arg is None for k in built.keywords):
@@ -363,7 +373,26 @@ def _planned(out: HandLoop, built: ast.Call, module: str, constants: dict[str, A
         planned = "adafactor" if given("beta1") is None else "adafactor_beta1"
     if planned == "rmsprop" and not MODELLED[out.optimizer][1]:  # torch's: bitsandbytes' keeps one state
         planned = rmsprop_kind(*(given(k) not in (None, 0, 0.0, False) for k in ("momentum", "centered")))
+    if planned == "adamw_anyprecision":
+        kahan = given("use_kahan_summation") not in (None, 0, False)
+        planned = anyprecision_kind(kahan)
+        out.dtypes = tuple(_dtype_keyword(built, key, default, out.optimizer_at)
+                           for key, default in ANYPRECISION_KEYWORDS[:3 if kahan else 2])
     out.planned = planned
+
+
+def _dtype_keyword(built: ast.Call, key: str, default: str, at: str) -> str:
+    """torch's name of the dtype keyword `key` of the optimizer call `built` (`torch.bfloat16`, `bfloat16`),
+    `default` where the call does not give it; one that is no floating-point dtype, or computed, exits 2."""
+    node = _kw(built, key)
+    if node is None:
+        return default
+    name = ast.unparse(node).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise UserError(f"{at}: {called_name(built.func)}({key}={ast.unparse(node)}): the dtype of the optimizer's "
+                        f"state cannot be read as one of torch's floating-point dtypes; write it literally "
+                        f"({key}=torch.bfloat16, or torch.float32) to plan it.")
+    return name
 
 
 def _read_amp(out: HandLoop, tree: ast.Module, constants: dict[str, Any], name: str) -> None:
@@ -518,20 +547,24 @@ def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str
         changes["grad_ckpt"] = "full"
     if optimizer is None and loop.optimizer in MODELLED:
         planned, bnb = loop.planned or MODELLED[loop.optimizer][0], MODELLED[loop.optimizer][1]
-        changes.update(optimizer=planned, optimizer_dtypes=(), bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
+        changes.update(optimizer=planned, optimizer_dtypes=loop.dtypes,
+                       bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
                        torchao_optimizer=loop.optimizer_kind == "torchao",
-                       fused_adamw=loop.optimizer_kind not in ("foreach", "computed"))
+                       fused_adamw=loop.optimizer_kind not in ("foreach", "computed"),
+                       no_8bit_form=loop.optimizer in ADAM_CLASSES)
     elif optimizer is None and loop.optimizer_kind == "deepspeed":
-        changes.update(optimizer="adamw", optimizer_dtypes=(), bnb_optimizer=False, fused_adamw=True)
+        changes.update(optimizer="adamw", optimizer_dtypes=(), bnb_optimizer=False, fused_adamw=True,
+                       no_8bit_form=True)
     else:
-        changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False)
+        changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False, no_8bit_form=False)
     _say_workload(loop, batch, optimizer, changes, notes)
     return dataclasses.replace(w, **changes)
 
 
 _KERNELS = {"fused": "fused=True: stepped in place", "foreach": "torch's default foreach step on CUDA, one copy "
             "of what each GPU trains at the step", "for-loop": "foreach=False: stepped one tensor at a time, no copy "
-            "of the whole group", "bnb": "bitsandbytes: stepped in place", "torchao": "torchao: stepped in place",
+            "of the whole group", "per-tensor": "torchdistx: stepped one tensor at a time, its states in their own "
+            "dtypes", "bnb": "bitsandbytes: stepped in place", "torchao": "torchao: stepped in place",
             "computed": "fused= computed in the script: planned as torch's default foreach step, one copy of "
             "what each GPU trains (an upper bound; fused=True steps in place)"}
 
@@ -657,7 +690,9 @@ def loop_words(job: ForeignJob) -> None:
     job.words.keys.update({
         "micro_batch": "a smaller DataLoader batch_size with gradient accumulation in the loop",
         "grad_ckpt": "model.gradient_checkpointing_enable() before the loop",
-        "adamw8bit": "bitsandbytes.optim.AdamW8bit in place of the script's optimizer",
+        **{k: f"bitsandbytes.optim.{cls} in place of the script's optimizer" for k, cls in (
+            ("adamw8bit", "AdamW8bit"), ("rmsprop8bit", "RMSprop8bit"), ("lion8bit", "Lion8bit"),
+            ("ademamix8bit", "AdEMAMix8bit"))},
         "lora": "peft's get_peft_model(model, LoraConfig(...))",
         "fused_loss": "a fused linear cross-entropy (Liger's) in the loop's loss"})
     job.words.zero.update({z: f"deepspeed.initialize(..., config=\"ds_config_{z}.json\")"

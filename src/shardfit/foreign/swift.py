@@ -17,6 +17,7 @@ from shardfit.foreign.common import (
     as_bool,
     as_float,
     as_int,
+    eight_bit_words,
     flat_params_of,
     fsdp_engine,
     fsdp_settings,
@@ -141,10 +142,10 @@ PRECISIONS = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp
 
 def words() -> Words:
     return Words(zero={k: f"--deepspeed {k}" for k in ("zero2", "zero3", "zero3_offload", "zero2_offload")},
-                 keys={"fused_loss": "--use_liger_kernel true",
+                 keys={**eight_bit_words("--optim {}"), "fused_loss": "--use_liger_kernel true",
                        "grad_ckpt": "--gradient_checkpointing true", "micro_batch": "--per_device_train_batch_size 1 "
                        "with --gradient_accumulation_steps", "seq": "--max_length", "qlora": "--quant_bits 4 "
-                       "--quant_method bnb", "lora": "--tuner_type lora", "adamw8bit": "--optim adamw_8bit",
+                       "--quant_method bnb", "lora": "--tuner_type lora",
                        "device_map": "NPROC_PER_NODE=1 (one process over CUDA_VISIBLE_DEVICES) or drop "
                        "--device_map under NPROC_PER_NODE", "model_parallel": "no NPROC_PER_NODE, "
                        "CUDA_VISIBLE_DEVICES listing every GPU (ms-swift splits the model with device_map)",

@@ -34,7 +34,9 @@ class OptimizerKind:
     flat partitions, FSDP1's flat parameters), where Adafactor does not factor; `upcasts`: it also copies a 16-bit
     weight and its gradient to fp32 first. `previous_copies`: copies of the tensor stepped just before, in the
     states' dtype, that such a loop still holds while it makes the next one's (a local bound until the next
-    iteration rebinds it), and `previous_weight_copies` in the weights' dtype. `dtypes`: each state's own dtype
+    iteration rebinds it), and `previous_weight_copies` in the weights' dtype. `weight_clones`: copies of the
+    tensor stepped, in the weights' dtype, that such a loop makes once all but one of its `tensor_copies` are
+    freed, beside the previous tensor's `previous_weight_copies` still bound. `dtypes`: each state's own dtype
     where the optimizer takes them as settings (torch's names, DTYPE_BYTES), as the tool builds it by default; a
     workload's `optimizer_dtypes` gives the job's own; its step's copies are in the dtype of state
     `copied_state`. `eight_bit`: bitsandbytes' 8-bit form of it, where the table models one (the recommender's
@@ -51,6 +53,7 @@ class OptimizerKind:
     upcasts: bool = False
     previous_copies: int = 0
     previous_weight_copies: int = 0
+    weight_clones: int = 0
     dtypes: tuple[str, ...] = ()
     copied_state: int = 0
     eight_bit: str | None = None
@@ -91,6 +94,9 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     "sgd_momentum": OptimizerKind("SGD with momentum", 1),
     # torch.optim.Adagrad: `sum`; foreach: `std = torch._foreach_sqrt(state_sums)` and
     # `numerator = torch._foreach_mul(grads, minus_clr)` (torch/optim/adagrad.py `_multi_tensor_adagrad`).
+    # bitsandbytes' Adagrad8bit is not in the table, so no 8-bit form is offered: no tool's Trainer `optim` names it
+    # (an offer must be a setting of the job's own), and its one 8-bit state would be 8-bit RMSprop's count. Its
+    # Adam8bit neither: torch's Adam is planned as AdamW, a stand-in that gets no offer (Workload.no_8bit_form).
     "adagrad": OptimizerKind("Adagrad", 1, group_copies=2),
     # torch.optim.RMSprop (momentum 0, not centered, the Trainer's defaults): `square_avg`; foreach:
     # `avg = torch._foreach_sqrt(grouped_square_avgs)`. bitsandbytes' 32-bit RMSprop: one fp32 state, in place.
@@ -115,12 +121,15 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {
     "adamw_anyprecision": OptimizerKind("AnyPrecision AdamW", 2, dtypes=("float32", "float32"), copied_state=1,
                                         tensor_copies=2, flat_copies=2, several_flat_copies=3, previous_copies=1),
     # ... with `use_kahan_summation`: `compensation` too, in `compensation_buffer_dtype` (the Trainer's default
-    # bfloat16); its `temp_buffer = p.detach().clone()`, a copy of the weight, stays bound into the next tensor's
-    # step.
+    # bfloat16); its `temp_buffer = p.detach().clone()`, a copy of the weight, is made beside this tensor's
+    # `centered_variance` and the previous tensor's `temp_buffer`, which stays bound into the next tensor's step:
+    # the most where the variance is narrower than the weights (measured, fp32 weights and bf16 states: 6 bytes
+    # an element of a 2048x256 tensor and 4 of the 256x256 one stepped before it, where the two variance copies
+    # made 4 and 6).
     "adamw_anyprecision_kahan": OptimizerKind("AnyPrecision AdamW with Kahan summation", 3,
                                               dtypes=("float32", "float32", "bfloat16"), copied_state=1,
                                               tensor_copies=2, flat_copies=2, several_flat_copies=3,
-                                              previous_copies=1, previous_weight_copies=1),
+                                              previous_copies=1, previous_weight_copies=1, weight_clones=1),
     # DeepSpeed's FusedLamb: exp_avg and exp_avg_sq, in place.
     "lamb": OptimizerKind("LAMB", 2),
     # schedulefree's AdamWScheduleFree and RAdamScheduleFree: `z` (a clone of the weight) and `exp_avg_sq`;

@@ -268,14 +268,20 @@ def loop_copy_bytes(w: Workload, elements: float, before: float = 0.0, *, weight
                     before_bytes: int | None = None) -> float:
     """What a step that loops over tensors holds while it steps one of `elements` elements right after one of
     `before`: its `tensor_copies` of it (`copy_width`), transformers' fp32 copies of a 16-bit weight and its
-    gradient (`upcasts`), and what it still holds of the one before (`previous_copies`, `previous_weight_copies`).
-    `weight_bytes`, `before_bytes`: each tensor's own bytes per element where not `trainable_bytes` (peft's trained
-    copies)."""
+    gradient (`upcasts`), and what it still holds of the one before (`previous_copies`, `previous_weight_copies`);
+    or, where more, its `weight_clones` beside one of those copies and the previous tensor's weight copies (Kahan
+    summation's `temp_buffer`, which outweighs a variance copy narrower than the weights). `weight_bytes`,
+    `before_bytes`: each tensor's own bytes per element where not `trainable_bytes` (peft's trained copies)."""
     kind, low = kind_of(w), trainable_bytes(w)
     now, then = weight_bytes or low, before_bytes or low
     upcast = 2 * 4 if kind.upcasts and now < 4 else 0
     held = before * (kind.previous_copies * copy_width(w, then) + kind.previous_weight_copies * then)
-    return elements * (kind.tensor_copies * copy_width(w, now) + upcast) + held
+    copies = elements * (kind.tensor_copies * copy_width(w, now) + upcast) + held
+    if not kind.weight_clones:
+        return copies
+    cloned = elements * ((kind.tensor_copies - 1) * copy_width(w, now) + kind.weight_clones * now + upcast) + \
+        before * kind.previous_weight_copies * then
+    return max(copies, cloned)
 
 
 def step_temp_bytes(shape: ModelShape, w: Workload, params: float, *, matrices: bool = True) -> float:

@@ -178,6 +178,9 @@ class Alternative:
     total_gib: float
     unit: str = "GPU"  # what total_gib is per: a GPU, or a process on a CPU-only machine
     tokens_per_s: float | None = None  # the job's predicted rate with the change (set by `same_result`)
+    # the change as the setting of another tool's job (`plan --from`, foreign/asplanned.py `plan_job`), which the
+    # plan then reads from the job's file: what `how` says in place of `shardfit plan`'s flags
+    setting: str | None = None
 
     def how(self, style: str = "plan") -> str | None:
         """The change as `shardfit plan` flags (style "plan") or config overrides (style "config"); None when that
@@ -197,17 +200,19 @@ class Alternative:
 _FLAG = {"grad_ckpt": ("--grad-ckpt", "grad_ckpt"), "micro_batch": ("--batch", "micro_batch"),
          "grad_accum": ("--grad-accum", "grad_accum"), "seq_len": ("--seq", "max_seq_len"),
          "method": ("--method", "method"), "optimizer": ("--optimizer", None),
-         "sequence_parallel": ("--sequence-parallel", "sequence_parallel")}
+         "bnb_optimizer": ("--bnb-optimizer", None), "sequence_parallel": ("--sequence-parallel", "sequence_parallel")}
 
 
 def _flags(a: Alternative, style: str) -> str | None:
+    if a.setting is not None and style == "plan":
+        return a.setting
     parts = []
     if a.nodes is not None:
         parts.append(f"--nodes {a.nodes}" if style == "plan" else f"--nnodes {a.nodes}")
     for field_name, value in a.changes:
         flag, key = _FLAG[field_name]
         if style == "plan":
-            parts.append(f"{flag} {value}")
+            parts.append(flag if value is True else f"{flag} {value}")  # a store_true flag takes no value
         elif key is None or (field_name == "method" and value not in trainable_methods()):
             return None
         else:
@@ -232,9 +237,12 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
         tries.append(("QLoRA: 4-bit frozen weights", {"method": "qlora"}, None))
     # bitsandbytes' 8-bit form of the job's own optimizer (never another optimizer: that would train something
     # else), for adapters too: QLoRA's adapters on every linear layer of a 70B model at rank 64 keep GiBs of states.
-    eight_bit = OPTIMIZER_KINDS[w.optimizer].eight_bit
+    # A job a tool's Trainer runs (`tool_autocast`) gets bitsandbytes' kernels as its `optim` names them: the
+    # Trainer keeps the embedding's states in fp32 (`bnb_optimizer`, optimizer_states.py `fp32_state_embedding`).
+    eight_bit = None if w.no_8bit_form else OPTIMIZER_KINDS[w.optimizer].eight_bit
     if eight_bit is not None:
-        tries.append((OPTIMIZER_KINDS[eight_bit].label, {"optimizer": eight_bit}, None))
+        tries.append((OPTIMIZER_KINDS[eight_bit].label,
+                      {"optimizer": eight_bit, **({"bnb_optimizer": True} if w.tool_autocast else {})}, None))
     out = [a for what, changes, nodes in tries if (a := _fits_with(shape, w, hw, what, changes, nodes))]
     if not out:  # all of them at once, for a job no single change rescues (a full fine-tune on one GPU)
         lean = {"grad_ckpt": "full", "micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}

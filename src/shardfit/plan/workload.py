@@ -196,6 +196,11 @@ class Workload:
     # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
     # its full-width fallback differs (plan/optimizer_states.py `fp32_state_params`).
     torchao_optimizer: bool = False
+    # The planned `optimizer` is not what the job names but stands for it (foreign/common.py `optimizer_stand_in`:
+    # GaLore, LOMO, APOLLO, GrokAdamW, StableAdamW planned as AdamW; torch's Adam as AdamW), or DeepSpeed builds it
+    # from its JSON's optimizer section, which names no bitsandbytes kernel: the recommender offers no 8-bit form
+    # of it (plan/plan.py `alternatives`), which would train with another optimizer than the job's.
+    no_8bit_form: bool = False
     # The dtype of each of the optimizer's states (torch's names) where the job's settings choose them: AnyPrecision
     # AdamW's momentum_dtype, variance_dtype and, with Kahan summation, compensation_buffer_dtype (the HF Trainer's
     # optim_args). Empty: the optimizer's own (plan/optimizer_kinds.py `dtypes`, else `width`).
