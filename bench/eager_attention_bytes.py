@@ -16,6 +16,10 @@ them; they grow with L^2, the rest of a layer with L.
   with the rest).
 - compiled: inductor's count (`graph.count_bytes()`) of every scheduler node of the forward and backward graphs,
   the extern kernels (bmm, mm) included, under eager attention.
+- forward: one forward without gradients (a reference model's, and what checkpointing runs again), both ways.
+  Under checkpointing the compiled count does not follow the polynomial (the held-out shape is off by a sixth: the
+  partitioner's choice of what to save and recompute moves with the sizes), so the planner takes the compiled
+  forward once more instead; the eager counts show that rule exact (full + checkpointing less full = forward).
 
 On one layer, bytes = a*H*L^2 + m*L^2 + r*L + s*H*L + c + d*H (H heads, L tokens of a row, the other widths
 fixed): `a` per head and score, `m` per mask element (the mask is [rows, 1, L, L], broadcast over the heads), r and
@@ -40,9 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elementwise_bytes import (  # noqa: E402 - bench/ is not a package; its path is set above
     NO_TOUCH,
     ByteCounter,
+    _step,
     compiled_bytes,
     configure,
     eager_bytes,
+    forward_only,
     solve,
 )
 
@@ -88,15 +94,16 @@ class TrafficCounter(ByteCounter):
 
 
 def layer_bytes(arch: str, heads: int, tokens: int, method: str, ckpt: bool, attention: str, dtype: str,
-                by_op: dict | None = None) -> int:
-    """One decoder layer's traffic in a forward + backward of one row (2 layers less 1); `by_op`: filled with the
-    layer's score-sized bytes per op."""
+                by_op: dict | None = None, forward: bool = False) -> int:
+    """One decoder layer's traffic in a forward + backward of one row (2 layers less 1; `forward`: one forward
+    without gradients); `by_op`: filled with the layer's score-sized bytes per op."""
     counts = []
     for layers in (1, 2):
         ops: dict[str, int] = defaultdict(int)
         counter = type("Counter", (TrafficCounter,), {"tokens": tokens if by_op is not None else 0, "by_op": ops})
         counts.append(eager_bytes(arch, layers, shape_of(heads, tokens), method, ckpt, VOCAB, counter=counter,
-                                  attention=attention, dtype=DTYPES[dtype]))
+                                  step=forward_only if forward else _step, attention=attention,
+                                  dtype=DTYPES[dtype]))
         if by_op is not None:
             by_op[layers] = dict(ops)
     if by_op is not None:
@@ -117,19 +124,22 @@ def fit(count) -> dict:
             "held_out": {"measured": held, "predicted": predicted, "error": predicted / held - 1}}
 
 
-def measure_llama(recipe: str, dtype: str) -> dict:
-    """Llama's eager and SDPA layers, and eager less SDPA, each solved; the scores' bytes by op at HELD_OUT."""
+def measure_llama(recipe: str, dtype: str, forward: bool = False) -> dict:
+    """Llama's eager and SDPA layers, and eager less SDPA, each solved; the scores' bytes by op at HELD_OUT;
+    `forward`: also one forward without gradients, eager less SDPA (`forward_less_sdpa`)."""
     method, ckpt = RECIPES[recipe]
     cache: dict = {}
 
-    def layer(attention: str, heads: int, tokens: int) -> int:
-        key = (attention, heads, tokens)
+    def layer(attention: str, heads: int, tokens: int, fwd: bool = False) -> int:
+        key = (attention, heads, tokens, fwd)
         if key not in cache:
-            cache[key] = layer_bytes("llama", heads, tokens, method, ckpt, attention, dtype)
+            cache[key] = layer_bytes("llama", heads, tokens, method, ckpt, attention, dtype, forward=fwd)
         return cache[key]
 
     out = {side: fit(lambda h, t, side=side: layer(side, h, t)) for side in ("eager", "sdpa")}
     out["eager_less_sdpa"] = fit(lambda h, t: layer("eager", h, t) - layer("sdpa", h, t))
+    if forward:
+        out["forward_less_sdpa"] = fit(lambda h, t: layer("eager", h, t, True) - layer("sdpa", h, t, True))
     out["scores_by_op"] = scores_by_op("llama", method, ckpt, dtype)
     return out
 
@@ -145,20 +155,27 @@ def scores_by_op(arch: str, method: str, ckpt: bool, dtype: str) -> dict[str, fl
 def measure_gpt_oss(recipe: str) -> dict:
     """gpt-oss's eager layer (sinks, the row maximum, softmax in the scores' dtype) solved alone: it has no SDPA."""
     method, ckpt = RECIPES[recipe]
-    return {"eager": fit(lambda h, t: layer_bytes("gpt_oss", h, t, method, ckpt, "eager", "bf16")),
-            "scores_by_op": scores_by_op("gpt_oss", method, ckpt, "bf16")}
+    out = {"eager": fit(lambda h, t: layer_bytes("gpt_oss", h, t, method, ckpt, "eager", "bf16"))}
+    if not ckpt:
+        out["forward"] = fit(lambda h, t: layer_bytes("gpt_oss", h, t, method, ckpt, "eager", "bf16", forward=True))
+    out["scores_by_op"] = scores_by_op("gpt_oss", method, ckpt, "bf16")
+    return out
 
 
 def measure_compiled(recipe: str) -> dict:
-    """Llama's layer under torch.compile with eager attention, extern kernels included, solved alone."""
+    """Llama's layer under torch.compile with eager attention, extern kernels included, solved alone; without
+    checkpointing also one forward without gradients (`forward`, inductor's inference graph)."""
     method, ckpt = RECIPES[recipe]
 
-    def layer(heads: int, tokens: int) -> int:
+    def layer(heads: int, tokens: int, step=_step) -> int:
         one, two = (compiled_bytes("llama", n, shape_of(heads, tokens), method, ckpt, VOCAB, extern=True,
-                                   attention="eager") for n in (1, 2))
+                                   step=step, attention="eager") for n in (1, 2))
         return two - one
 
-    return {"eager": fit(layer)}
+    out = {"eager": fit(layer)}
+    if not ckpt:
+        out["forward"] = fit(lambda h, t: layer(h, t, forward_only))
+    return out
 
 
 def row(label: str, r: dict) -> str:
@@ -182,18 +199,23 @@ def main() -> None:
         for dtype in ("bf16", "fp32"):
             if dtype == "fp32" and recipe != "full":
                 continue
-            r = measure_llama(recipe, dtype)
+            r = measure_llama(recipe, dtype, forward=(recipe, dtype) == ("full", "bf16"))
             result["eager"][f"llama/{recipe}/{dtype}"] = r
-            for side in ("eager", "sdpa", "eager_less_sdpa"):
-                print(row(f"llama {recipe} {dtype} {side}", r[side]), flush=True)
+            for side in ("eager", "sdpa", "eager_less_sdpa", "forward_less_sdpa"):
+                if side in r:
+                    print(row(f"llama {recipe} {dtype} {side}", r[side]), flush=True)
     for recipe in ("full", "full+ckpt"):
         r = measure_gpt_oss(recipe)
         result["eager"][f"gpt_oss/{recipe}/bf16"] = r
-        print(row(f"gpt_oss {recipe} bf16 eager", r["eager"]), flush=True)
+        for side in ("eager", "forward"):
+            if side in r:
+                print(row(f"gpt_oss {recipe} bf16 {side}", r[side]), flush=True)
     for recipe in ("full", "full+ckpt"):
         r = measure_compiled(recipe)
         result["compiled"][f"llama/{recipe}/bf16"] = r
-        print(row(f"llama {recipe} bf16 compiled", r["eager"]), flush=True)
+        for side in ("eager", "forward"):
+            if side in r:
+                print(row(f"llama {recipe} bf16 compiled {side}", r[side]), flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
 

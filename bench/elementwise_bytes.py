@@ -105,29 +105,36 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
+def forward_only(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """One forward without gradients (a reference model's; what checkpointing's recomputation runs again)."""
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+
+
 def eager_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128, *,
-                counter: type[ByteCounter] = ByteCounter, **model_kw) -> int:
-    """Bytes of one eager forward + backward (the loss included) of one row of `shape`'s tokens, as `counter`
-    counts them; `model_kw` goes to `build` (attention, dtype)."""
+                counter: type[ByteCounter] = ByteCounter, step=_step, **model_kw) -> int:
+    """Bytes of one eager forward + backward (the loss included; `step` forward_only: the forward alone) of one row
+    of `shape`'s tokens, as `counter` counts them; `model_kw` goes to `build` (attention, dtype)."""
     model = build(arch, layers, shape, method, ckpt, vocab, **model_kw)
     ids = torch.randint(0, vocab, (1, shape[-1]))
-    _step(model, ids)  # warm-up: lazy initialisation stays out of the count
+    step(model, ids)  # warm-up: lazy initialisation stays out of the count
     model.zero_grad(set_to_none=True)
     with counter() as c:
-        _step(model, ids)
+        step(model, ids)
     return c.bytes
 
 
 def compiled_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128, *,
-                   extern: bool = False, **model_kw) -> int:
-    """Bytes inductor's generated kernels move in one compiled forward + backward, extern kernels (the matmuls and
-    the attention kernel it calls) left out, or with them (`extern`); `model_kw` goes to `build`."""
+                   extern: bool = False, step=_step, **model_kw) -> int:
+    """Bytes inductor's generated kernels move in one compiled forward + backward (`step` forward_only: the
+    forward alone, an inference graph), extern kernels (the matmuls and the attention kernel it calls) left out, or
+    with them (`extern`); `model_kw` goes to `build`."""
     torch._dynamo.reset()
     inductor_metrics.reset()
     model = build(arch, layers, shape, method, ckpt, vocab, **model_kw)
     ids = torch.randint(0, vocab, (1, shape[-1]))
     compiled = torch.compile(model)
-    _step(compiled, ids)  # compiles the forward now and the backward when backward runs
+    step(compiled, ids)  # compiles the forward now and the backward when backward runs
     total = 0
     for node, _ in inductor_metrics.nodes_num_elem:
         if extern or not isinstance(node, ExternKernelSchedulerNode):
