@@ -6,11 +6,11 @@ The recipe of one optimizer step, read top to bottom in `step_time`:
   (plan/flops.py) at the fraction of the card's peak that large-model training reaches (hardware FLOPs
   utilization, plan/cards.yaml), which already pays for an eager step's elementwise work (norms, activations,
   rotary, casts; attention's softmax inside SDPA's or flash's kernel); float8's matmuls at the FP8 rate and its
-  casts (plan/flops.py `float8_s`); QLoRA's dequantization of every 4-bit weight in every use, and eager
-  attention's heads x L x L scores written and read in memory (`eager_score_bytes`), as memory-bound traffic at
-  the memory bandwidth (plan/dequant.py); torch.compile's fusion credit and the floor of the kernels in turn
-  (below); beside it, the host's launches and the engine's Python (plan/dispatch.py), and DPO/KTO's reference
-  forward where it runs inside the micro-batch (`reference_work`);
+  casts (plan/flops.py `float8_s`); QLoRA's dequantization of every 4-bit weight in every use (plan/dequant.py)
+  and eager attention's heads x L x L scores written and read in memory (`eager_score_bytes`), as memory-bound
+  traffic at the memory bandwidth; torch.compile's fusion credit and the floor of the kernels in turn (below);
+  beside it, the host's launches and the engine's Python (plan/dispatch.py), and DPO/KTO's reference forward where
+  it runs inside the micro-batch (`reference_work`);
 - the engine's traffic around it (plan/comms.py `traffic`): its collectives and PCIe copies, overlapped with the
   compute as the engine overlaps them, and the optimizer step at the memory bandwidth (28 bytes per trainable
   parameter) or on the host;
@@ -184,9 +184,9 @@ def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Str
     """One forward without gradients over a micro-batch's rows, as the reference runs it (DPO and KTO): its FLOPs
     at the training utilization, QLoRA's dequantization of each weight once more and eager attention's forward
     scores (`eager_score_bytes`); on a GPU no faster than its matmuls plus those and its non-matmul bytes (the
-    frozen base's forward part, FWD_SHARE of a step without recomputation:
-    a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
-    (plan/dispatch.py `reference_dispatch_s`) with the forward's share of the engine's per-block work."""
+    frozen base's forward part, FWD_SHARE of a step without recomputation: a `freeze` workload without
+    checkpointing is that base, no adapters), and the host's launches (plan/dispatch.py `reference_dispatch_s`)
+    with the forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = quantized_linear_params(shape, w) * dequant_per_use(w)[2] / card.hbm
     scores = eager_scores_s(shape, w, card, forward_only=True)
