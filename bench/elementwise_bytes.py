@@ -36,7 +36,7 @@ from peft import LoraConfig, get_peft_model
 from torch._inductor.scheduler import ExternKernelSchedulerNode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "elementwise_bytes.json"
@@ -57,21 +57,30 @@ def widths(shape: tuple[int, ...]) -> list[int]:
     return [h, i, heads * hd, kv_heads * hd]
 
 
-def build(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128
-          ) -> torch.nn.Module:
+def build(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128, *,
+          attention: str = "sdpa", dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A `layers`-layer model of `arch` (llama, qwen2, gpt_oss) at `shape`'s widths, trained as `method` with or
+    without full checkpointing, attending with transformers' `attention` kernel, in `dtype`. gpt-oss (whose class
+    has no SDPA: eager only) gets 4 experts, every one active for every token, so that the experts' bytes do not
+    depend on the routing, and a sliding window of 8 on its windowed layers."""
     h, i, heads, kv_heads, hd, _ = shape
     torch.manual_seed(0)
     kw = dict(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads,
               head_dim=hd, num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=256,
-              attn_implementation="sdpa")
-    model = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
+              attn_implementation=attention)
+    if arch == "gpt_oss":
+        model = GptOssForCausalLM(GptOssConfig(**kw, num_local_experts=4, num_experts_per_tok=4, sliding_window=8))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method == "lora":
         if ckpt:
             model.enable_input_require_grads()
         model = get_peft_model(model, LoraConfig(r=8, target_modules=ALL_LINEAR, lora_dropout=0.0))
-    model.to(torch.bfloat16).train()
+    model.to(dtype).train()
     return model
 
 
@@ -96,29 +105,39 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-def eager_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128) -> int:
-    """Bytes of one eager forward + backward (the loss included) of one row of `shape`'s tokens."""
-    model = build(arch, layers, shape, method, ckpt, vocab)
+def forward_only(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """One forward without gradients (a reference model's; what checkpointing's recomputation runs again)."""
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+
+
+def eager_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128, *,
+                counter: type[ByteCounter] = ByteCounter, step=_step, **model_kw) -> int:
+    """Bytes of one eager forward + backward (the loss included; `step` forward_only: the forward alone) of one row
+    of `shape`'s tokens, as `counter` counts them; `model_kw` goes to `build` (attention, dtype)."""
+    model = build(arch, layers, shape, method, ckpt, vocab, **model_kw)
     ids = torch.randint(0, vocab, (1, shape[-1]))
-    _step(model, ids)  # warm-up: lazy initialisation stays out of the count
+    step(model, ids)  # warm-up: lazy initialisation stays out of the count
     model.zero_grad(set_to_none=True)
-    with ByteCounter() as c:
-        _step(model, ids)
+    with counter() as c:
+        step(model, ids)
     return c.bytes
 
 
-def compiled_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128
-                   ) -> int:
-    """Bytes inductor's generated kernels move in one compiled forward + backward, extern kernels left out."""
+def compiled_bytes(arch: str, layers: int, shape: tuple[int, ...], method: str, ckpt: bool, vocab: int = 128, *,
+                   extern: bool = False, step=_step, **model_kw) -> int:
+    """Bytes inductor's generated kernels move in one compiled forward + backward (`step` forward_only: the
+    forward alone, an inference graph), extern kernels (the matmuls and the attention kernel it calls) left out, or
+    with them (`extern`); `model_kw` goes to `build`."""
     torch._dynamo.reset()
     inductor_metrics.reset()
-    model = build(arch, layers, shape, method, ckpt, vocab)
+    model = build(arch, layers, shape, method, ckpt, vocab, **model_kw)
     ids = torch.randint(0, vocab, (1, shape[-1]))
     compiled = torch.compile(model)
-    _step(compiled, ids)  # compiles the forward now and the backward when backward runs
+    step(compiled, ids)  # compiles the forward now and the backward when backward runs
     total = 0
     for node, _ in inductor_metrics.nodes_num_elem:
-        if not isinstance(node, ExternKernelSchedulerNode):
+        if extern or not isinstance(node, ExternKernelSchedulerNode):
             total += node.get_read_write_buffers_sizes()
     return total
 
@@ -201,7 +220,8 @@ def qwen_check(result: dict) -> dict:
     return out
 
 
-def main() -> None:
+def configure() -> None:
+    """One thread, and inductor set to count the bytes of every graph it compiles."""
     torch.set_num_threads(1)
     torch._logging.set_logs(inductor_metrics=True)  # makes compile_fx call graph.count_bytes()
     # ...which it also logs, a page per graph: the records stop at their logger, the count still runs.
@@ -210,6 +230,10 @@ def main() -> None:
     # A cached graph skips the lowering that counts its bytes: compile every graph afresh.
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+
+
+def main() -> None:
+    configure()
     import peft
     import transformers
     result: dict = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,

@@ -5,11 +5,12 @@ The recipe of one optimizer step, read top to bottom in `step_time`:
 - one GPU's micro-batch (`micro_batch_work`): the forward + backward + recomputation FLOPs per token
   (plan/flops.py) at the fraction of the card's peak that large-model training reaches (hardware FLOPs
   utilization, plan/cards.yaml), which already pays for an eager step's elementwise work (norms, activations,
-  rotary, softmax, casts); float8's matmuls at the FP8 rate and its casts (plan/flops.py `float8_s`); QLoRA's
-  dequantization of every 4-bit weight in every use as memory-bound traffic at the memory bandwidth
-  (plan/dequant.py); torch.compile's fusion credit and the floor of the kernels in turn (below); beside it, the
-  host's launches and the engine's Python (plan/dispatch.py), and DPO/KTO's reference forward where it runs inside
-  the micro-batch (`reference_work`);
+  rotary, casts; attention's softmax inside SDPA's or flash's kernel); float8's matmuls at the FP8 rate and its
+  casts (plan/flops.py `float8_s`); QLoRA's dequantization of every 4-bit weight in every use (plan/dequant.py)
+  and eager attention's heads x L x L scores written and read in memory (`eager_score_bytes`), as memory-bound
+  traffic at the memory bandwidth; torch.compile's fusion credit and the floor of the kernels in turn (below);
+  beside it, the host's launches and the engine's Python (plan/dispatch.py), and DPO/KTO's reference forward where
+  it runs inside the micro-batch (`reference_work`);
 - the engine's traffic around it (plan/comms.py `traffic`): its collectives and PCIe copies, overlapped with the
   compute as the engine overlaps them, and the optimizer step at the memory bandwidth (28 bytes per trainable
   parameter) or on the host;
@@ -61,7 +62,14 @@ from shardfit.plan.dispatch import (
     reference_dispatch_s,
 )
 from shardfit.plan.estimate import planned_shape, planned_workload, with_loss_chunk
-from shardfit.plan.flops import float8_s, fp32_experts_s, reference_flops_per_token, step_flops_per_token
+from shardfit.plan.flops import (
+    backward_layers,
+    float8_s,
+    fp32_experts_s,
+    reference_flops_per_token,
+    softmax_groups,
+    step_flops_per_token,
+)
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
@@ -109,16 +117,17 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
 def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
     """The FLOPs at the training utilization (which holds the step's own elementwise work), the head gradient's
     fp32 matmul where it is one, bitsandbytes' fp32 routed experts (plan/flops.py `fp32_experts_s`), and QLoRA's
-    dequantization, which the runs behind that utilization did not do; the host's dispatch, and the waits for the
-    device that stall both."""
+    dequantization and eager attention's scores (`eager_score_bytes`), which the runs behind that utilization did
+    not do; the host's dispatch, and the waits for the device that stall both."""
     tokens = w.tokens
     flops = step_flops_per_token(shape, w, s.name) * tokens
     dequant = dequant_bytes(shape, w) / card.hbm
+    scores = eager_scores_s(shape, w, card)
     fp8 = float8_s(shape, w, card, card.matmul_eff)
     # The fp32 experts at the GEMM efficiency, not the step's utilization: only their matmuls change rate, and
     # hfu's share of non-matmul work would scale with the fp32/16-bit ratio (15x on an H100) if applied to them.
     fp32_experts = fp32_experts_s(shape, w, card, card.matmul_eff, s.name)
-    compute = flops / card.peak(w.precision) + dequant + head_gradient_s(shape, w, card, card.hfu) + fp8 + \
+    compute = flops / card.peak(w.precision) + dequant + scores + head_gradient_s(shape, w, card, card.hfu) + fp8 + \
         fp32_experts
     if w.compile:  # fused elementwise kernels: the bytes they no longer move
         compute -= fused_bytes_saved(shape, w) / card.hbm
@@ -130,7 +139,8 @@ def micro_batch_work(shape: ModelShape, w: Workload, card: Card, s: strategies.S
         matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + \
             head_gradient_s(shape, w, card, card.matmul_eff) + fp8 + fp32_experts
         side = "compiled" if w.compile else "eager"
-        compute = max(compute, matmuls + dequant + elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
+        compute = max(compute, matmuls + dequant + scores +
+                      elementwise_bytes_per_micro_batch(shape, w, side) / card.hbm)
     # On a GPU the host launches the ops while the device runs earlier ones: the slower of the two sets the pace.
     # On a CPU the ops run on the host itself, inside the measured rates.
     host = host_dispatch_s(shape, w, s.name) + engine_host_s(shape, w, s) if card.key != "cpu" else 0.0
@@ -172,21 +182,23 @@ def head_gradient_s(shape: ModelShape, w: Workload, card: Card, eff: float) -> f
 
 def reference_work(shape: ModelShape, w: Workload, card: Card, s: strategies.Strategy) -> GpuWork:
     """One forward without gradients over a micro-batch's rows, as the reference runs it (DPO and KTO): its FLOPs
-    at the training utilization, QLoRA's dequantization of each weight once more; on a GPU no faster than its
-    matmuls plus its non-matmul bytes (the frozen base's forward part, FWD_SHARE of a step without recomputation:
-    a `freeze` workload without checkpointing is that base, no adapters), and the host's launches
-    (plan/dispatch.py `reference_dispatch_s`) with the forward's share of the engine's per-block work."""
+    at the training utilization, QLoRA's dequantization of each weight once more and eager attention's forward
+    scores (`eager_score_bytes`); on a GPU no faster than its matmuls plus those and its non-matmul bytes (the
+    frozen base's forward part, FWD_SHARE of a step without recomputation: a `freeze` workload without
+    checkpointing is that base, no adapters), and the host's launches (plan/dispatch.py `reference_dispatch_s`)
+    with the forward's share of the engine's per-block work."""
     flops = reference_flops_per_token(shape, w) * w.tokens
     dequant = quantized_linear_params(shape, w) * dequant_per_use(w)[2] / card.hbm
+    scores = eager_scores_s(shape, w, card, forward_only=True)
     fp32_experts = fp32_experts_s(shape, w, card, card.matmul_eff, s.name, forward_only=True)  # GEMMs: as above
-    compute = flops / card.peak(w.precision) + dequant + fp32_experts
+    compute = flops / card.peak(w.precision) + dequant + scores + fp32_experts
     if card.key == "cpu":  # the measured CPU rate holds the ops; the host is the device
         return GpuWork(compute, 0.0)
     side = "compiled" if w.compile else "eager"
     base = replace(w, method="freeze", grad_ckpt="none")
     matmuls = flops / (card.dense_flops(w.precision) * card.matmul_eff) + fp32_experts
-    compute = max(compute, matmuls + dequant + FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side)
-                  / card.hbm)
+    compute = max(compute, matmuls + dequant + scores +
+                  FWD_SHARE * elementwise_bytes_per_micro_batch(shape, base, side) / card.hbm)
     return GpuWork(compute, reference_dispatch_s(shape, w, s.name) + FWD_SHARE * engine_host_s(shape, w, s),
                    host_sync_s(w, card, shape, forward_only=True, strategy=s.name))
 
@@ -277,3 +289,60 @@ def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
         return 0.0
     saved = elementwise_bytes_per_token(shape, w, "eager") - elementwise_bytes_per_token(shape, w, "compiled")
     return shape.layers * w.tokens * max(0.0, saved)
+
+
+# Bytes transformers' eager attention (eager_attention_forward) moves per head and query-key pair of the L x L
+# square it computes, as (a, m): `a` per head and score (QK^T's output, the scaling, the mask's add, the upcast to
+# fp32, softmax and the cast back, PV's read of the probabilities, the gradient of each; gpt-oss's `sinks`: the
+# sink's column joined, the row maximum subtracted, softmax in the scores' dtype), `m` per element of the
+# [rows, 1, L, L] mask in bf16, broadcast over the heads. Counted by bench/eager_attention_bytes.py (torch 2.13,
+# transformers 5.23; a tiny Llama, eager attention less SDPA; a tiny gpt-oss, which has no SDPA, alone; a held-out
+# shape exact; fp32 moves the same `a`; LoRA the same as full) into bench/results/eager_attention_bytes.json, keyed
+# by (sinks, full checkpointing). Checkpointing adds one forward's bytes (Llama 34 of 70, gpt-oss 28 of 68).
+# Compiled: inductor keeps QK^T and PV as extern bmm kernels and fuses the scaling, the mask (built in the kernel
+# from the positions: none read) and the softmax with its casts between them, 26 bytes a score; under checkpointing
+# its count is no polynomial in the sizes (what the partitioner saves moves with them), so there one compiled
+# forward (16) is added as eager's counts add one. gpt-oss was not counted compiled: it takes Llama's. SDPA and
+# flash keep the scores on chip, so neither ELEMENTWISE_BYTES (counted under SDPA) nor the training utilization
+# holds these bytes.
+EAGER_SCORE_BYTES: dict[tuple[bool, bool], dict[str, tuple[float, float]]] = {
+    (False, False): {"eager": (68.0, 2.0), "compiled": (26.0, 0.0)},
+    (False, True): {"eager": (100.0, 4.0), "compiled": (42.0, 0.0)},
+    (True, False): {"eager": (66.0, 2.0), "compiled": (26.0, 0.0)},
+    (True, True): {"eager": (92.0, 4.0), "compiled": (42.0, 0.0)},
+}
+
+
+def eager_score_bytes(shape: ModelShape, w: Workload, side: str, *, forward_only: bool = False) -> float:
+    """Bytes per micro-batch that eager attention's scores move, `side` eager or compiled; 0 under SDPA and flash.
+    Every softmax block (plan/flops.py `softmax_groups`: a window or chunk is a dense mask over the whole row
+    under eager) computes heads x row_len scores per token, at EAGER_SCORE_BYTES per head and score; the mask is
+    read again for each head (the add walks the heads outermost, and an 8k row's bf16 mask, 128 MiB, outgrows any
+    L2 cache), its elements in the compute dtype (fp32's twice bf16's bytes: `a` is the same in both, as fp32
+    saves the casts what its wider scores cost). The forward's share is what full checkpointing adds (one more
+    forward); the backward and recomputation run only in the blocks backward reaches, selective checkpointing
+    half-way (`by_checkpointing`). `forward_only`: one forward without gradients (the reference's). fp16 is
+    counted as bf16: on CUDA ATen fuses the upcast into the softmax for fp16 alone, which this count does not
+    take off."""
+    if w.attention != "eager":
+        return 0.0
+
+    def per_score(ckpt: bool) -> float:
+        a, m = EAGER_SCORE_BYTES[(bool(shape.attention_sinks), ckpt)][side]
+        return a + m * compute_bytes(w) / 2
+
+    scores = shape.heads * w.tokens * sum(n * p for n, p in softmax_groups(shape, w))
+    forward = per_score(True) - per_score(False)
+    if forward_only:
+        return scores * forward
+    back = backward_layers(shape, w) / shape.layers
+    return scores * (forward + back * (by_checkpointing(w, per_score) - forward))
+
+
+def eager_scores_s(shape: ModelShape, w: Workload, card: Card, *, forward_only: bool = False) -> float:
+    """Seconds per micro-batch of eager attention's scores (`eager_score_bytes`) at the card's memory bandwidth;
+    0 on a CPU, whose measured rate holds every op and whose bandwidth figure is generic."""
+    if card.key == "cpu":
+        return 0.0
+    side = "compiled" if w.compile else "eager"
+    return eager_score_bytes(shape, w, side, forward_only=forward_only) / card.hbm
