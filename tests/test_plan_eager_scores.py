@@ -12,6 +12,7 @@ import pytest
 from shardfit.plan import timing
 from shardfit.plan.cards import card_of
 from shardfit.plan.hardware import Hardware, parse_gpus
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, model_workload
 
@@ -158,3 +159,34 @@ def test_score_table_is_the_bench_result() -> None:
     fp32 = coef(eager["llama/full/fp32"]["eager_less_sdpa"])
     assert (fp32[0], fp32[1] / 2) == pytest.approx(counted[(False, False)], abs=0.01)
     assert coef(eager["llama/lora7+ckpt/bf16"]["eager_less_sdpa"]) == pytest.approx(counted[(False, True)], abs=0.01)
+
+
+GEMMA2 = resolve_shape("google/gemma-2-9b")
+GPT2 = ModelShape(id="gpt2", layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=12, vocab=50257,
+                  model_type="gpt2")
+
+
+def per_score(shape: ModelShape, **kw) -> float:
+    """Planned bytes per head and score of one 4096-token row, every block's whole square under eager."""
+    w = dataclasses.replace(model_workload(), method="lora", seq_len=4096, attention="eager", **kw)
+    return timing.eager_score_bytes(shape, w, "eager") / (shape.heads * shape.layers * w.tokens * w.row_len)
+
+
+def test_selective_checkpointing_recomputes_every_score_op_under_eager() -> None:
+    """shardfit's selective policy (models/checkpointing.py) saves mm/addmm and SDPA/flash outputs only: eager's
+    bmm, scaling, mask add, casts and softmax are all recomputed, so the scores move as much as under full
+    checkpointing (counted: selective = full), not half-way."""
+    assert per_score(LLAMA8, grad_ckpt="selective") == pytest.approx(per_score(LLAMA8, grad_ckpt="full"))
+
+
+def test_gemma2_softcapping_moves_more_than_llama() -> None:
+    """Gemma 2's eager attention softcaps the scores (div, tanh, mul and their gradients): counted 94 + 2 per head
+    and score without checkpointing, 138 + 4 with full, against Llama's 68 + 2 / 100 + 4."""
+    assert per_score(GEMMA2, grad_ckpt="none") == pytest.approx(96.0, rel=0.02)
+    assert per_score(GEMMA2, grad_ckpt="full") == pytest.approx(142.0, rel=0.02)
+
+
+def test_gpt2_eager_softmax_has_no_fp32_round_trip() -> None:
+    """GPT-2's eager_attention_forward softmaxes in the scores' dtype (no dtype=float32, no casts): counted 34 + 2
+    per head and score in bf16 without checkpointing, half of Llama's 68 + 2."""
+    assert per_score(GPT2, grad_ckpt="none") == pytest.approx(36.0, rel=0.02)
