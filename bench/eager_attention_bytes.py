@@ -1,6 +1,7 @@
 """Count the bytes eager attention's scores move, per head and query-key pair of the square it computes.
 
-    python bench/eager_attention_bytes.py   # prints the table, writes bench/results/eager_attention_bytes.json
+    python bench/eager_attention_bytes.py            # prints the table, writes bench/results/eager_attention_bytes.json
+    python bench/eager_attention_bytes.py --chains   # only the per-chain counts (CHAINS), merged into that file
 
 transformers' `eager_attention_forward` materialises each head's L x L scores: QK^T's output, the scaling, the
 additive mask, the softmax (Llama's: upcast to fp32, softmax, cast back; gpt-oss's: its sinks concatenated, the
@@ -26,7 +27,16 @@ fixed): `a` per head and score, `m` per mask element (the mask is [rows, 1, L, L
 s the part that grows with L, c and d the weights' (matmuls read them and write their gradients). Solved exactly
 from six (H, L) and checked on a seventh. Llama: eager attention less SDPA, both
 with this counter (SDPA's own L^2 coefficients are 0: its CPU flash kernel reads q, k, v and writes o); gpt-oss
-(no SDPA in any release): eager alone. plan/timing.py (EAGER_SCORE_BYTES) carries a and m.
+(no SDPA in any release): eager alone.
+
+Per chain (`chains` in the json): each family whose eager attention runs its own ops on the scores (CHAINS: Llama's
+upcast softmax; Gemma 2's logit softcapping; GPT-2's softmax in the scores' dtype; GPT-J's and CodeGen's `_attn`,
+which upcasts q and k so the scores are fp32 from QK^T on; BLOOM's baddbmm, which adds ALiBi and scales inside the
+matmul), eager alone (the L^2 coefficients under SDPA are 0, above), without checkpointing, with full and with
+shardfit's selective checkpointing (models/checkpointing.py, which keeps mm/addmm and the SDPA/flash kernels'
+outputs only, so none of eager's score ops), in bf16 and fp32, each with the score-sized bytes by op at HELD_OUT.
+`a_less_matmuls` is `a` less the score matmuls' share (bmm/baddbmm): plan/timing.py charges those matmuls as FLOPs
+at the training utilization already. plan/timing.py (EAGER_SCORE_BYTES) carries a_less_matmuls and m.
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ FIT = [(4, 40), (8, 40), (4, 56), (8, 56), (4, 72), (8, 72)]
 HELD_OUT = (6, 64)
 RECIPES = {"full": ("full", False), "full+ckpt": ("full", True), "lora7": ("lora", False), "lora7+ckpt": ("lora", True)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The attention op chains of plan/timing.py's EAGER_SCORE_BYTES and the transformers family counted for each
+# (CodeGen's `_attn` is GPT-J's line for line; gpt-oss's sinks are counted by `measure_gpt_oss`).
+CHAINS = {"llama": "llama", "softcap": "gemma2", "plain": "gpt2", "fp32_qk": "gptj", "alibi": "bloom"}
+CHECKPOINTING = ("none", "full", "selective")
+MATMUL_OPS = ("bmm", "baddbmm")
 
 
 def shape_of(heads: int, tokens: int) -> tuple[int, ...]:
@@ -178,6 +193,101 @@ def measure_compiled(recipe: str) -> dict:
     return out
 
 
+def build_chain(arch: str, layers: int, heads: int, ckpt: str, dtype: str) -> torch.nn.Module:
+    """A `layers`-layer model of transformers' `arch` at the fixed widths (GPT-2's family: hidden HIDDEN split over
+    `heads`), eager attention, no dropout, trained in full with shardfit's checkpointing `ckpt`."""
+    from transformers import (
+        BloomConfig,
+        BloomForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTJConfig,
+        GPTJForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from shardfit.models.checkpointing import enable_hf_checkpointing
+
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=layers, vocab_size=VOCAB, attn_implementation="eager")
+    gpt = dict(n_embd=HIDDEN, n_head=heads, n_layer=layers, n_positions=256, vocab_size=VOCAB,
+               attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager")
+    llama_kw = dict(common, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=heads,
+                    num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=256)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**llama_kw))
+    elif arch == "gemma2":  # every block global: the window's mask is the same dense square under eager
+        model = Gemma2ForCausalLM(Gemma2Config(**llama_kw, layer_types=["full_attention"] * layers))
+    elif arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(**gpt))
+    elif arch == "gptj":
+        model = GPTJForCausalLM(GPTJConfig(**gpt, rotary_dim=8))
+    elif arch == "bloom":
+        model = BloomForCausalLM(BloomConfig(hidden_size=HIDDEN, n_head=heads, n_layer=layers, vocab_size=VOCAB,
+                                             attention_dropout=0.0, hidden_dropout=0.0,
+                                             attn_implementation="eager"))
+    else:
+        raise ValueError(f"no chain model for {arch}")
+    if ckpt != "none":
+        enable_hf_checkpointing(model, selective=ckpt == "selective")
+    return model.to(DTYPES[dtype]).train()
+
+
+def chain_layer_bytes(arch: str, heads: int, tokens: int, ckpt: str, dtype: str, by_op: dict | None = None) -> int:
+    """One decoder layer's traffic (2 layers less 1) in a forward + backward of one row of `arch`; `by_op`: filled
+    with the layer's score-sized bytes per op."""
+    counts, ops_by_layers = [], []
+    for layers in (1, 2):
+        model = build_chain(arch, layers, heads, ckpt, dtype)
+        ids = torch.randint(0, VOCAB, (1, tokens))
+        _step(model, ids)  # warm-up: lazy initialisation stays out of the count
+        model.zero_grad(set_to_none=True)
+        ops: dict[str, int] = defaultdict(int)
+        counter = type("Counter", (TrafficCounter,), {"tokens": tokens if by_op is not None else 0, "by_op": ops})
+        with counter() as c:
+            _step(model, ids)
+        counts.append(c.bytes)
+        ops_by_layers.append(dict(ops))
+    if by_op is not None:
+        one, two = ops_by_layers
+        by_op.update({k: two.get(k, 0) - one.get(k, 0) for k in two})
+    return counts[1] - counts[0]
+
+
+def measure_chain(chain: str, ckpt: str, dtype: str) -> dict:
+    """CHAINS[chain]'s eager layer solved alone, its score-sized bytes by op at HELD_OUT (per head and score) and
+    `a` less the score matmuls' share (`a_less_matmuls`)."""
+    arch = CHAINS[chain]
+    out = {"model": arch, "eager": fit(lambda h, t: chain_layer_bytes(arch, h, t, ckpt, dtype))}
+    heads, tokens = HELD_OUT
+    ops: dict = {}
+    chain_layer_bytes(arch, heads, tokens, ckpt, dtype, by_op=ops)
+    out["scores_by_op"] = {k: v / (heads * tokens * tokens) for k, v in sorted(ops.items()) if v}
+    matmuls = sum(out["scores_by_op"].get(k, 0.0) for k in MATMUL_OPS)
+    out["a_less_matmuls"] = out["eager"]["coef"]["a"] - matmuls
+    return out
+
+
+def measure_chains() -> dict:
+    """Every chain under each checkpointing in bf16 and fp32 (selective in bf16 only: it matches full)."""
+    out = {}
+    for chain in CHAINS:
+        for ckpt in CHECKPOINTING:
+            for dtype in DTYPES:
+                if ckpt == "selective" and dtype != "bf16":
+                    continue
+                r = measure_chain(chain, ckpt, dtype)
+                out[f"{chain}/{ckpt}/{dtype}"] = r
+                c = r["eager"]["coef"]
+                print(f"{chain:8s} {ckpt:9s} {dtype}  a={c['a']:7.3f} m={c['m']:6.3f} "
+                      f"a-matmuls={r['a_less_matmuls']:7.3f} held-out {r['eager']['held_out']['error']:+.2%}",
+                      flush=True)
+    return out
+
+
 def row(label: str, r: dict) -> str:
     c, held = r["coef"], r["held_out"]["error"]
     return f"{label:34s} a={c['a']:7.3f} m={c['m']:6.3f} r={c['r']:9.2f} s={c['s']:8.2f} held-out {held:+.2%}"
@@ -185,6 +295,11 @@ def row(label: str, r: dict) -> str:
 
 def main() -> None:
     configure()
+    if "--chains" in sys.argv[1:]:
+        result = json.loads(OUT.read_text())
+        result["chains"] = measure_chains()
+        OUT.write_text(json.dumps(result, indent=2))
+        return
     import peft
     import transformers
     result: dict = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
@@ -216,6 +331,7 @@ def main() -> None:
         for side in ("eager", "forward"):
             if side in r:
                 print(row(f"llama {recipe} bf16 compiled {side}", r[side]), flush=True)
+    result["chains"] = measure_chains()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
 

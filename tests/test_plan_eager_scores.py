@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from shardfit.errors import UserError
 from shardfit.plan import timing
 from shardfit.plan.cards import card_of
+from shardfit.plan.config_shape import shape_from_config
+from shardfit.plan.flops import attention_flops_per_token, step_flops_per_token
 from shardfit.plan.hardware import Hardware, parse_gpus
+from shardfit.plan.model_shape import ModelShape
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload, model_workload
 
@@ -62,7 +66,7 @@ def test_gpt_oss_is_no_faster_for_running_eager() -> None:
     assert eager > timing.step_time(sdpa_kernel, lora(8192, "sdpa"), H200, "single").step_s
     w = lora(8192, "eager")
     # every block's whole square: the windowed half of the blocks is a dense mask over the row under eager
-    a, m = timing.EAGER_SCORE_BYTES[(True, True)]["eager"]
+    a, m = timing.EAGER_SCORE_BYTES[(timing.SINKS_CHAIN, True, "bf16")]["eager"]
     scores = GPT_OSS.heads * GPT_OSS.layers * w.tokens * 8192
     assert timing.eager_score_bytes(GPT_OSS, w, "eager") == pytest.approx(scores * (a + m))
 
@@ -88,20 +92,21 @@ def test_scores_time_is_their_bytes_at_the_memory_bandwidth(monkeypatch: pytest.
 
 
 def test_checkpointing_recomputes_the_forward_scores() -> None:
-    """Full checkpointing runs each block's forward again (its scores' bytes again); selective half-way; a
-    precision's mask is in its dtype (fp32: twice bf16's bytes per element); `freeze` runs the backward only
-    through the blocks it trains."""
+    """Full and selective checkpointing run each block's forward scores again (selective keeps no eager score op);
+    fp32 takes its own count (the mask's elements twice as wide); `freeze` runs the backward only through the
+    blocks it trains."""
     w = lora(8192, "eager")
-    a0, m0 = timing.EAGER_SCORE_BYTES[(False, False)]["eager"]
-    a1, m1 = timing.EAGER_SCORE_BYTES[(False, True)]["eager"]
+    a0, m0 = timing.EAGER_SCORE_BYTES[(timing.LLAMA_CHAIN, False, "bf16")]["eager"]
+    a1, m1 = timing.EAGER_SCORE_BYTES[(timing.LLAMA_CHAIN, True, "bf16")]["eager"]
     scores = LLAMA8.heads * LLAMA8.layers * w.tokens * 8192  # micro_batch rows of 8192 x 8192 each
     by = {ck: timing.eager_score_bytes(LLAMA8, dataclasses.replace(w, grad_ckpt=ck), "eager")
           for ck in ("none", "selective", "full")}
     assert by["none"] == pytest.approx(scores * (a0 + m0))
     assert by["full"] == pytest.approx(scores * (a1 + m1))
-    assert by["selective"] == pytest.approx((by["none"] + by["full"]) / 2)
+    assert by["selective"] == pytest.approx(by["full"])
     fp32 = dataclasses.replace(w, grad_ckpt="none", precision="fp32")
-    assert timing.eager_score_bytes(LLAMA8, fp32, "eager") == pytest.approx(scores * (a0 + 2 * m0))
+    a32, m32 = timing.EAGER_SCORE_BYTES[(timing.LLAMA_CHAIN, False, "fp32")]["eager"]
+    assert timing.eager_score_bytes(LLAMA8, fp32, "eager") == pytest.approx(scores * (a32 + m32))
     forward = timing.eager_score_bytes(LLAMA8, w, "eager", forward_only=True)
     assert forward == pytest.approx(scores * (a1 + m1 - a0 - m0))
     top_two = dataclasses.replace(w, method="freeze", grad_ckpt="none")
@@ -129,32 +134,121 @@ def test_compiled_scores_are_fewer_than_eager() -> None:
 
 
 def test_score_table_is_the_bench_result() -> None:
-    """EAGER_SCORE_BYTES carries bench/results/eager_attention_bytes.json's per-head and per-mask-element bytes:
-    a recount that changes them fails here until they are carried over. Llama's are eager attention less SDPA;
-    gpt-oss's its eager layer alone; compiled, Llama's for both, and under checkpointing the compiled count without
-    it plus one compiled forward (the direct count does not hold on a held-out shape), the rule the eager counts
-    follow exactly."""
+    """EAGER_SCORE_BYTES carries bench/results/eager_attention_bytes.json's per-head (less the score matmuls') and
+    per-mask-element bytes of each chain: a recount that changes them fails here until they are carried over.
+    gpt-oss's (counted in bf16 only) its eager layer less the matmuls, fp32 twice that; compiled, Llama's for every
+    chain less the matmuls (12 bytes, 16 under checkpointing: eager's count of the same bmm calls), under
+    checkpointing the compiled count without it plus one compiled forward, fp32 twice bf16's. Checkpointing, full
+    or selective, adds one forward's bytes: what a forward without gradients moves."""
     result = json.loads((BENCH / "results" / "eager_attention_bytes.json").read_text())
-    eager, compiled = result["eager"], result["compiled"]
+    chains, eager, compiled = result["chains"], result["eager"], result["compiled"]
+    counted = {}
+    for key, r in chains.items():
+        chain, ckpt, dtype = key.split("/")
+        if ckpt == "selective":
+            full = chains[f"{chain}/full/{dtype}"]
+            assert (r["a_less_matmuls"], r["eager"]["coef"]["m"]) == pytest.approx(
+                (full["a_less_matmuls"], full["eager"]["coef"]["m"]), abs=0.01), key
+            continue
+        counted[(chain, ckpt == "full", dtype)] = (r["a_less_matmuls"], r["eager"]["coef"]["m"])
+    for ckpt, recipe in ((False, "full"), (True, "full+ckpt")):
+        r = eager[f"gpt_oss/{recipe}/bf16"]
+        a, m = r["eager"]["coef"]["a"] - r["scores_by_op"]["bmm"], r["eager"]["coef"]["m"]
+        counted[(timing.SINKS_CHAIN, ckpt, "bf16")] = (a, m)
+        counted[(timing.SINKS_CHAIN, ckpt, "fp32")] = (2 * a, 2 * m)
+    assert set(counted) == set(timing.EAGER_SCORE_BYTES)
+    # the matmuls' share of the compiled step: the same bmm calls eager makes
+    bmm = {ck: chains[f"llama/{ck}/bf16"]["scores_by_op"]["bmm"] for ck in ("none", "full")}
+    once = compiled["llama/full/bf16"]["eager"]["coef"]["a"]
+    forward = compiled["llama/full/bf16"]["forward"]["coef"]["a"]
+    compiled_bf16 = {False: once - bmm["none"], True: once + forward - bmm["full"]}
+    for (chain, ckpt, dtype), sides in timing.EAGER_SCORE_BYTES.items():
+        assert sides["eager"] == pytest.approx(counted[(chain, ckpt, dtype)], abs=0.01), (chain, ckpt, dtype)
+        widen = 2 if dtype == "fp32" else 1
+        assert sides["compiled"] == pytest.approx((widen * compiled_bf16[ckpt], 0.0), abs=0.01), (chain, ckpt, dtype)
+    fwd = eager["llama/full/bf16"]["forward_less_sdpa"]["coef"]["a"]
+    assert chains["llama/full/bf16"]["eager"]["coef"]["a"] - chains["llama/none/bf16"]["eager"]["coef"]["a"] == \
+        pytest.approx(fwd, abs=0.01)
 
-    def coef(fit: dict) -> tuple[float, float]:
-        return fit["coef"]["a"], fit["coef"]["m"]
 
-    counted = {(False, False): coef(eager["llama/full/bf16"]["eager_less_sdpa"]),
-               (False, True): coef(eager["llama/full+ckpt/bf16"]["eager_less_sdpa"]),
-               (True, False): coef(eager["gpt_oss/full/bf16"]["eager"]),
-               (True, True): coef(eager["gpt_oss/full+ckpt/bf16"]["eager"])}
-    once, forward = coef(compiled["llama/full/bf16"]["eager"]), coef(compiled["llama/full/bf16"]["forward"])
-    for (sinks, ckpt), sides in timing.EAGER_SCORE_BYTES.items():
-        assert sides["eager"] == pytest.approx(counted[(sinks, ckpt)], abs=0.01), (sinks, ckpt)
-        again = tuple(x + y for x, y in zip(once, forward, strict=True)) if ckpt else once
-        assert sides["compiled"] == pytest.approx(again, abs=0.01), (sinks, ckpt)
-    # checkpointing adds one forward's bytes, eager: what a forward without gradients moves
-    for arch, key in (("llama", "forward_less_sdpa"), ("gpt_oss", "forward")):
-        with_ckpt, without = (counted[(arch == "gpt_oss", ck)] for ck in (True, False))
-        fwd = coef(eager[f"{arch}/full/bf16"][key])
-        assert fwd == pytest.approx(tuple(x - y for x, y in zip(with_ckpt, without, strict=True)), abs=0.01), arch
-    # fp32 moves as many bytes per score as bf16, its mask's elements twice as wide; LoRA as many as full
-    fp32 = coef(eager["llama/full/fp32"]["eager_less_sdpa"])
-    assert (fp32[0], fp32[1] / 2) == pytest.approx(counted[(False, False)], abs=0.01)
-    assert coef(eager["llama/lora7+ckpt/bf16"]["eager_less_sdpa"]) == pytest.approx(counted[(False, True)], abs=0.01)
+GEMMA2 = resolve_shape("google/gemma-2-9b")
+GPT2 = ModelShape(id="gpt2", layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=12, vocab=50257,
+                  model_type="gpt2")
+
+
+def per_score(shape: ModelShape, **kw) -> float:
+    """Planned bytes per head and score of one 4096-token row, every block's whole square under eager."""
+    w = dataclasses.replace(model_workload(), method="lora", seq_len=4096, attention="eager", **kw)
+    return timing.eager_score_bytes(shape, w, "eager") / (shape.heads * shape.layers * w.tokens * w.row_len)
+
+
+def test_selective_checkpointing_recomputes_every_score_op_under_eager() -> None:
+    """shardfit's selective policy (models/checkpointing.py) saves mm/addmm and SDPA/flash outputs only: eager's
+    bmm, scaling, mask add, casts and softmax are all recomputed, so the scores move as much as under full
+    checkpointing (counted: selective = full), not half-way."""
+    assert per_score(LLAMA8, grad_ckpt="selective") == pytest.approx(per_score(LLAMA8, grad_ckpt="full"))
+
+
+def test_gemma2_softcapping_moves_more_than_llama() -> None:
+    """Gemma 2's eager attention softcaps the scores (div, tanh, mul and their gradients): counted 94 + 2 per head
+    and score without checkpointing, 138 + 4 with full, against Llama's 68 + 2 / 100 + 4; charged less the score
+    matmuls' 12 and 16 (their FLOPs are in the utilization's term)."""
+    assert per_score(GEMMA2, grad_ckpt="none") == pytest.approx(94.0 - 12 + 2, rel=0.02)
+    assert per_score(GEMMA2, grad_ckpt="full") == pytest.approx(138.0 - 16 + 4, rel=0.02)
+    assert per_score(GEMMA2, grad_ckpt="none") > per_score(LLAMA8, grad_ckpt="none")
+
+
+def test_gpt2_eager_softmax_has_no_fp32_round_trip() -> None:
+    """GPT-2's eager_attention_forward softmaxes in the scores' dtype (no dtype=float32, no casts): counted 34 + 2
+    per head and score in bf16 without checkpointing, half of Llama's 68 + 2; charged less the score matmuls' 12.
+    fp32: twice as many (68 + 4), where Llama's casts make fp32 no dearer."""
+    assert per_score(GPT2, grad_ckpt="none") == pytest.approx(34.0 - 12 + 2, rel=0.02)
+    assert per_score(GPT2, grad_ckpt="none", precision="fp32") == pytest.approx(68.0 - 24 + 4, rel=0.02)
+
+
+def test_gptj_scores_are_fp32_from_qk() -> None:
+    """GPT-J's and CodeGen's `_attn` upcasts q and k, so QK^T writes fp32 scores and a div follows: counted
+    74 + 2 in bf16 (18 of them the matmuls'), more than Llama's."""
+    gptj = dataclasses.replace(GPT2, id="gptj", model_type="gptj")
+    assert per_score(gptj, grad_ckpt="none") == pytest.approx(74.0 - 18 + 2, rel=0.02)
+    assert timing.score_chain(dataclasses.replace(gptj, model_type="codegen")) == timing.FP32_QK_CHAIN
+
+
+def test_attention_dropout_adds_its_kernels_in_training() -> None:
+    """GPT-2's configs drop the attention probabilities (attn_pdrop 0.1): on CUDA native_dropout reads them and
+    writes them and a 1-byte mask, its backward reads the gradient and the mask and writes the gradient (5 bytes a
+    score each way in bf16, 9 in fp32), checkpointing runs the forward's again; none at p 0, nor under SDPA."""
+    dropped = dataclasses.replace(GPT2, attn_dropout=0.1)
+    assert per_score(dropped, grad_ckpt="none") - per_score(GPT2, grad_ckpt="none") == pytest.approx(10.0)
+    assert per_score(dropped, grad_ckpt="full") - per_score(GPT2, grad_ckpt="full") == pytest.approx(15.0)
+    assert per_score(dropped, grad_ckpt="none", precision="fp32") - \
+        per_score(GPT2, grad_ckpt="none", precision="fp32") == pytest.approx(18.0)
+    sdpa = dataclasses.replace(model_workload(), method="lora", seq_len=4096, attention="sdpa")
+    assert timing.eager_score_bytes(dropped, sdpa, "eager") == 0.0
+
+
+def test_selective_checkpointing_recomputes_eager_attention_matmuls() -> None:
+    """Selective checkpointing keeps every other mm/addmm and SDPA's or flash's output: under eager the two
+    attention matmuls (bmm) are recomputed too, once more their forward FLOPs; under SDPA not."""
+    def flops(attention: str, ckpt: str) -> float:
+        w = dataclasses.replace(model_workload(), method="lora", seq_len=4096, attention=attention, grad_ckpt=ckpt)
+        return step_flops_per_token(LLAMA8, w)
+
+    attn = attention_flops_per_token(LLAMA8, dataclasses.replace(model_workload(), seq_len=4096, attention="eager"))
+    eager_extra = flops("eager", "selective") - flops("eager", "none")
+    sdpa_extra = flops("sdpa", "selective") - flops("sdpa", "none")
+    assert eager_extra == pytest.approx(sdpa_extra + LLAMA8.layers * attn)
+
+
+def test_config_carries_the_attention_dropout() -> None:
+    """config.json's attention dropout reaches the shape: GPT-2's attn_pdrop (its class's 0.1 where the file has
+    none), attention_dropout elsewhere; a value that is no probability is the user's error, naming the key."""
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12, "vocab_size": 50257}
+    assert shape_from_config(gpt2, "gpt2").attn_dropout == pytest.approx(0.1)
+    assert shape_from_config({**gpt2, "attn_pdrop": 0.0}, "gpt2").attn_dropout == 0.0
+    llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "vocab_size": 100}
+    assert shape_from_config(llama, "tiny").attn_dropout == 0.0
+    assert shape_from_config({**llama, "attention_dropout": 0.05}, "tiny").attn_dropout == pytest.approx(0.05)
+    with pytest.raises(UserError, match="attention_dropout"):
+        shape_from_config({**llama, "attention_dropout": 1.5}, "tiny")

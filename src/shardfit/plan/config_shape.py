@@ -381,6 +381,23 @@ def getter(text: dict[str, Any], built: Any) -> Callable[[str], Any]:
     return get
 
 
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")  # GPT-2's family (GPT-J, CodeGen, GPT-Neo's attention_dropout)
+
+
+def attention_dropout_of(name: str, get: Callable[[str], Any]) -> float:
+    """The attention probabilities' dropout probability in training (the built class's value, its default where
+    the file has none: GPT-2's 0.1); a UserError naming the key when it is no probability."""
+    for key in ATTENTION_DROPOUT:
+        value = get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise UserError(f"{name}: config.json {key} is {value!r}; a dropout probability is a number from 0 "
+                            "up to (not including) 1: fix or remove the key.")
+        return float(value)
+    return 0.0
+
+
 def router_groups_of(model_type: str | None, get: Callable[[str], Any], experts: int) -> dict[str, int]:
     """ModelShape's `router_groups` and `router_topk_groups` of a GROUP_ROUTER_TYPES mixture ({} for any other):
     its n_group and topk_group, 1 each where the config leaves them out."""
@@ -449,6 +466,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_groups=groups_of(attention, text, built, bool(deltanet), name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
+            attn_dropout=attention_dropout_of(name, get),
             # the text model's class picks its kernel (a composite's own class only refuses `sdpa`)
             eager_only=runs_eager(cfg.get("model_type") or model_type, "sdpa", text_type=text_type),
             text_model_type=str(text_type or ""),

@@ -10,7 +10,7 @@ Compute, per token, from the layer widths (the matmuls' 2 FLOPs per multiply-add
   the scores, 2.5 times its forward (Dao, FlashAttention-2, sec. 3.1.2); backward stops below the first trainable
   layer (a `freeze` run of the last blocks does not reach the first ones);
 - recomputation: full checkpointing runs each block's forward again; selective checkpointing only the matmuls whose
-  outputs it does not keep (every other one, models/checkpointing.py).
+  outputs it does not keep (every other one, models/checkpointing.py), and eager attention's two (bmm, not kept).
 
 Under `float8: true` the converted linear layers run at the card's FP8 rate, plus torchao's casts to FP8
 (`float8_s`). The routed experts bitsandbytes leaves unquantized and peft upcasts to fp32 run at the card's fp32
@@ -211,7 +211,9 @@ def step_flops_per_token(shape: ModelShape, w: Workload, strategy: str = "single
     if w.grad_ckpt == "full":
         recompute = block_fwd
     elif w.grad_ckpt == "selective":
-        recompute = (lin + lora) / 2
+        # every other mm/addmm; eager attention's QK^T and PV are bmm, which the policy does not keep (it keeps the
+        # SDPA and flash kernels' outputs), so eager recomputes both
+        recompute = (lin + lora) / 2 + (attn if w.attention == "eager" else 0.0)
     else:
         recompute = 0.0
     layers_bwd = backward_layers(shape, w)

@@ -118,6 +118,9 @@ class ModelShape:
     # the top-k logits; attention whose softmax also runs over a learned sink logit per head.
     clamped_swiglu: bool = False
     attention_sinks: bool = False
+    # The attention probabilities' dropout in training (config.json's attention_dropout, GPT-2-era attn_pdrop; 0.1
+    # in their published configs): under eager its own kernels over the scores (plan/timing.py `eager_score_bytes`).
+    attn_dropout: float = 0.0
     # A language model whose class has no SDPA under the installed transformers (plan/sdpa_classes.py `runs_eager`;
     # a foreign job's plan, under its --transformers): `sdpa` (transformers' default) runs eager.
     eager_only: bool = False

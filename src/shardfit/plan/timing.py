@@ -291,52 +291,104 @@ def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
     return shape.layers * w.tokens * max(0.0, saved)
 
 
-# Bytes transformers' eager attention (eager_attention_forward) moves per head and query-key pair of the L x L
-# square it computes, as (a, m): `a` per head and score (QK^T's output, the scaling, the mask's add, the upcast to
-# fp32, softmax and the cast back, PV's read of the probabilities, the gradient of each; gpt-oss's `sinks`: the
-# sink's column joined, the row maximum subtracted, softmax in the scores' dtype), `m` per element of the
-# [rows, 1, L, L] mask in bf16, broadcast over the heads. Counted by bench/eager_attention_bytes.py (torch 2.13,
-# transformers 5.23; a tiny Llama, eager attention less SDPA; a tiny gpt-oss, which has no SDPA, alone; a held-out
-# shape exact; fp32 moves the same `a`; LoRA the same as full) into bench/results/eager_attention_bytes.json, keyed
-# by (sinks, full checkpointing). Checkpointing adds one forward's bytes (Llama 34 of 70, gpt-oss 28 of 68).
-# Compiled: inductor keeps QK^T and PV as extern bmm kernels and fuses the scaling, the mask (built in the kernel
-# from the positions: none read) and the softmax with its casts between them, 26 bytes a score; under checkpointing
-# its count is no polynomial in the sizes (what the partitioner saves moves with them), so there one compiled
-# forward (16) is added as eager's counts add one. gpt-oss was not counted compiled: it takes Llama's. SDPA and
-# flash keep the scores on chip, so neither ELEMENTWISE_BYTES (counted under SDPA) nor the training utilization
-# holds these bytes.
-EAGER_SCORE_BYTES: dict[tuple[bool, bool], dict[str, tuple[float, float]]] = {
-    (False, False): {"eager": (68.0, 2.0), "compiled": (26.0, 0.0)},
-    (False, True): {"eager": (100.0, 4.0), "compiled": (42.0, 0.0)},
-    (True, False): {"eager": (66.0, 2.0), "compiled": (26.0, 0.0)},
-    (True, True): {"eager": (92.0, 4.0), "compiled": (42.0, 0.0)},
+# The op chains transformers' eager attention runs on the L x L scores, which move different bytes: Llama's
+# eager_attention_forward (scaling, mask add, softmax upcast to fp32 and cast back; most families); gpt-oss's sinks
+# (the sink's column joined, the row maximum subtracted, softmax in the scores' dtype); Gemma 2's logit softcapping
+# (div, tanh, mul before the mask); GPT-2's softmax in the scores' dtype (no casts); GPT-J's and CodeGen's `_attn`
+# (q and k upcast: fp32 scores from QK^T on, then a div; GPT-Neo's is the same less the div); BLOOM's baddbmm (the
+# scaling and ALiBi inside the matmul, then Llama's softmax). Keyed by the family's model_type, the one place the
+# planner tells them apart; any other family runs Llama's chain.
+LLAMA_CHAIN, SINKS_CHAIN, SOFTCAP_CHAIN, PLAIN_CHAIN, FP32_QK_CHAIN, ALIBI_CHAIN = (
+    "llama", "sinks", "softcap", "plain", "fp32_qk", "alibi")
+SCORE_CHAIN_TYPES = {"gemma2": SOFTCAP_CHAIN, "gpt2": PLAIN_CHAIN, "gptj": FP32_QK_CHAIN, "codegen": FP32_QK_CHAIN,
+                     "gpt_neo": FP32_QK_CHAIN, "bloom": ALIBI_CHAIN}
+
+
+def score_chain(shape: ModelShape) -> str:
+    """The op chain `shape`'s eager attention runs on its scores (SCORE_CHAIN_TYPES; a composite's by its text
+    model's type, whose class runs the decoder)."""
+    if shape.attention_sinks:
+        return SINKS_CHAIN
+    return SCORE_CHAIN_TYPES.get(shape.text_model_type or shape.model_type, LLAMA_CHAIN)
+
+
+# Bytes eager attention's scores move per head and query-key pair of the L x L square it computes, as (a, m): `a`
+# per head and score (each op of the chain on the scores and its gradient), `m` per element of the [rows, 1, L, L]
+# mask in the compute dtype, broadcast over the heads; keyed by (chain, full checkpointing, dtype). Counted by
+# bench/eager_attention_bytes.py (torch 2.13, transformers 5.23; a tiny model of each chain's family, eager alone,
+# whose L^2 coefficients SDPA's kernel does not have; a held-out shape exact; LoRA the same as full) into
+# bench/results/eager_attention_bytes.json (`chains`; gpt-oss's bf16 under `eager`). Checkpointing adds one
+# forward's bytes. fp16 is counted as bf16 (on CUDA ATen fuses the upcast into the softmax for fp16 alone, which
+# this count does not take off). gpt-oss was not counted in fp32: twice its bf16 bytes, as the plain chain's, which
+# has no casts either.
+# Left out: the score matmuls' own bytes (QK^T's output, PV's read of the probabilities, their gradients': 12 of
+# Llama's 68 in bf16, `a_less_matmuls` in the json). Their FLOPs are in the step's FLOPs at the training
+# utilization, which already prices a matmul's reads and writes; charging them again here would count them twice.
+# Compiled (Llama counted, every chain takes it): inductor keeps QK^T and PV as extern bmm kernels and fuses the
+# scaling, the mask (built in the kernel from the positions: none read) and the softmax with its casts between
+# them: 26 bytes a score, 14 without the matmuls' 12; under checkpointing its count is no polynomial in the sizes,
+# so one compiled forward (16, 4 of them the matmuls') is added as eager's counts add one; fp32 twice bf16's (the
+# fused kernel reads and writes the same tensors, each twice as wide). SDPA and flash keep the scores on chip, so
+# neither ELEMENTWISE_BYTES (counted under SDPA) nor the training utilization holds these bytes.
+_COMPILED = {(False, "bf16"): (14.0, 0.0), (True, "bf16"): (26.0, 0.0), (False, "fp32"): (28.0, 0.0),
+             (True, "fp32"): (52.0, 0.0)}
+_EAGER = {
+    (LLAMA_CHAIN, False, "bf16"): (56.0, 2.0), (LLAMA_CHAIN, True, "bf16"): (84.0, 4.0),
+    (LLAMA_CHAIN, False, "fp32"): (44.0, 4.0), (LLAMA_CHAIN, True, "fp32"): (68.0, 8.0),
+    (SINKS_CHAIN, False, "bf16"): (54.0, 2.0), (SINKS_CHAIN, True, "bf16"): (76.0, 4.0),
+    (SINKS_CHAIN, False, "fp32"): (108.0, 4.0), (SINKS_CHAIN, True, "fp32"): (152.0, 8.0),
+    (SOFTCAP_CHAIN, False, "bf16"): (82.0, 2.0), (SOFTCAP_CHAIN, True, "bf16"): (122.0, 4.0),
+    (SOFTCAP_CHAIN, False, "fp32"): (96.0, 4.0), (SOFTCAP_CHAIN, True, "fp32"): (144.0, 8.0),
+    (PLAIN_CHAIN, False, "bf16"): (22.0, 2.0), (PLAIN_CHAIN, True, "bf16"): (34.0, 4.0),
+    (PLAIN_CHAIN, False, "fp32"): (44.0, 4.0), (PLAIN_CHAIN, True, "fp32"): (68.0, 8.0),
+    (FP32_QK_CHAIN, False, "bf16"): (56.0, 2.0), (FP32_QK_CHAIN, True, "bf16"): (86.0, 4.0),
+    (FP32_QK_CHAIN, False, "fp32"): (44.0, 4.0), (FP32_QK_CHAIN, True, "fp32"): (68.0, 8.0),
+    (ALIBI_CHAIN, False, "bf16"): (48.0, 2.0), (ALIBI_CHAIN, True, "bf16"): (72.0, 4.0),
+    (ALIBI_CHAIN, False, "fp32"): (28.0, 4.0), (ALIBI_CHAIN, True, "fp32"): (44.0, 8.0),
 }
+EAGER_SCORE_BYTES: dict[tuple[str, bool, str], dict[str, tuple[float, float]]] = {
+    key: {"eager": bytes_, "compiled": _COMPILED[key[1:]]} for key, bytes_ in _EAGER.items()}
+
+
+def dropout_bytes_per_score(w: Workload, p: float) -> tuple[float, float]:
+    """(forward, backward) bytes per head and score of attention dropout with probability `p` in training; (0, 0)
+    at p 0. From the CUDA kernels' reads and writes (aten native_dropout: the probabilities read, the dropped ones
+    written in the compute dtype and a 1-byte mask; native_dropout_backward: the gradient and the mask read, the
+    gradient written), not counted: a CPU runs dropout as other ops (bernoulli, mul, div) than a GPU does."""
+    if p <= 0:
+        return 0.0, 0.0
+    each = 2.0 * compute_bytes(w) + 1.0
+    return each, each
 
 
 def eager_score_bytes(shape: ModelShape, w: Workload, side: str, *, forward_only: bool = False) -> float:
     """Bytes per micro-batch that eager attention's scores move, `side` eager or compiled; 0 under SDPA and flash.
     Every softmax block (plan/flops.py `softmax_groups`: a window or chunk is a dense mask over the whole row
-    under eager) computes heads x row_len scores per token, at EAGER_SCORE_BYTES per head and score; the mask is
-    read again for each head (the add walks the heads outermost, and an 8k row's bf16 mask, 128 MiB, outgrows any
-    L2 cache), its elements in the compute dtype (fp32's twice bf16's bytes: `a` is the same in both, as fp32
-    saves the casts what its wider scores cost). The forward's share is what full checkpointing adds (one more
-    forward); the backward and recomputation run only in the blocks backward reaches, selective checkpointing
-    half-way (`by_checkpointing`). `forward_only`: one forward without gradients (the reference's). fp16 is
-    counted as bf16: on CUDA ATen fuses the upcast into the softmax for fp16 alone, which this count does not
-    take off."""
+    under eager) computes heads x row_len scores per token, at EAGER_SCORE_BYTES of its chain (`score_chain`) per
+    head and score; the mask is read again for each head (the add walks the heads outermost, and an 8k row's bf16
+    mask, 128 MiB, outgrows any L2 cache). The forward's share is what checkpointing adds (one more forward), full
+    and selective alike: shardfit's selective policy (models/checkpointing.py) keeps only mm/addmm and the SDPA and
+    flash kernels' outputs, so eager's bmm, scaling, mask add, casts and softmax are all recomputed. The backward
+    and recomputation run only in the blocks backward reaches. Attention dropout (`ModelShape.attn_dropout`) adds
+    its kernels' bytes under eager (`dropout_bytes_per_score`; inductor fuses it into the softmax kernel, not
+    counted); the reference's forward runs in training mode, so its dropout too. `forward_only`: one forward
+    without gradients (the reference's)."""
     if w.attention != "eager":
         return 0.0
+    chain, dtype = score_chain(shape), "fp32" if w.precision == "fp32" else "bf16"
+    drop_fwd, drop_bwd = dropout_bytes_per_score(w, shape.attn_dropout) if side == "eager" else (0.0, 0.0)
 
     def per_score(ckpt: bool) -> float:
-        a, m = EAGER_SCORE_BYTES[(bool(shape.attention_sinks), ckpt)][side]
-        return a + m * compute_bytes(w) / 2
+        a, m = EAGER_SCORE_BYTES[(chain, ckpt, dtype)][side]
+        return a + m + drop_fwd + drop_bwd + (drop_fwd if ckpt else 0.0)
 
     scores = shape.heads * w.tokens * sum(n * p for n, p in softmax_groups(shape, w))
     forward = per_score(True) - per_score(False)
     if forward_only:
         return scores * forward
     back = backward_layers(shape, w) / shape.layers
-    return scores * (forward + back * (by_checkpointing(w, per_score) - forward))
+    recomputes = w.grad_ckpt in ("full", "selective")
+    return scores * (forward + back * (per_score(recomputes) - forward))
 
 
 def eager_scores_s(shape: ModelShape, w: Workload, card: Card, *, forward_only: bool = False) -> float:
