@@ -195,14 +195,7 @@ class _PeakAllocated(TorchDispatchMode):
 def _step_peak(name: str, tensors: int, n: int = 100_000) -> int:
     """Peak bytes `name`'s real optimizer allocates in its second step over `tensors` fp32 vectors of `n` elements
     each (a ZeRO partition, FSDP1's flat parameters), beyond its states."""
-    params = [torch.nn.Parameter(torch.zeros(n)) for _ in range(tensors)]
-    opt = REAL[name](params)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn(n)
-        with _PeakAllocated() as tracked:
-            opt.step()
-    return tracked.peak
+    return _loop_step_peak(name, [{"params": [torch.nn.Parameter(torch.zeros(n)) for _ in range(tensors)]}])
 
 
 @pytest.mark.parametrize("name", ["adafactor_torch", "adafactor", "adafactor_beta1"])
