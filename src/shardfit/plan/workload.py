@@ -236,6 +236,18 @@ class Workload:
     # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
     # default on a GPU, one copy of what it steps (plan/optimizer_states.py `foreach_temp_bytes`).
     fused_adamw: bool = False
+    # How the optimizer walks the trainable tensors where it is not fused (`fused_adamw`): `foreach`, torch's
+    # multi-tensor ops (its default on a GPU since 2.0); `for_loop`, one tensor at a time (torch's foreach=False,
+    # its default before 2.0); `transformers`, transformers' own AdamW (the HF Trainer's `adamw_hf`, its default
+    # until mid 2023), a Python loop. Each launches its own ops once per step (plan/step_ops.py).
+    optimizer_loop: str = "foreach"
+    # Gradient clipping before each step (plan/step_ops.py): `foreach` (torch's default since 2.0), `per_tensor` (a
+    # norm and a multiply per gradient, torch 1.10-1.13), `per_tensor_sync` (the same, the host waiting for the
+    # device to decide whether to clip: torch before 1.10), `none`.
+    grad_clip: str = "foreach"
+    # zero_grad writes zeros into every gradient (set_to_none=False, torch's default before 2.0) instead of
+    # dropping them: a fill per gradient each step (plan/step_ops.py).
+    zero_grad_zeros: bool = False
     # peft casts each fp32 adapter's input to fp32 first, which autocast casts back to 16 bits and keeps for the
     # adapter's backward: a 16-bit copy of the input of every adapted layer (peft's default; the HF Trainer, TRL,
     # LLaMA-Factory). shardfit's own runs under autocast switch the cast off (models/adapters.py
