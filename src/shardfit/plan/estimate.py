@@ -104,6 +104,10 @@ class Breakdown:
     allocator_reserve: float = 0.0
     runtime_overhead: float = 0.0  # the CUDA context and NCCL's buffers: outside the allocator
     total: float = 0.0
+    # What a second stream's pool keeps reserved beyond the peak's tensors on a card with room (`stream_pool`):
+    # FSDP's gradient shards, made on its reduce-scatter stream, whose cached blocks the compute stream cannot
+    # reuse. Not in `total`: before a request fails the allocator frees every stream's cache and retries.
+    stream_pool: float = 0.0
 
 
 @dataclass
@@ -329,9 +333,12 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     w = with_loss_chunk(shape, planned_workload(shape, w), hw)
     s = strategies.get(strategy)
     rank = per_rank(shape, w, hw, s)
-    moments = step_moments(shape, w, strategy, rank)
+    candidates = step_candidates(shape, w, strategy, rank)
+    moments = {k: max(v, key=_tensors) for k, v in candidates.items()}
     phase = max(moments, key=lambda k: _tensors(moments[k]))
+    pool = stream_pool(candidates, moments[phase]) if grads_on_own_stream(shape, w, hw, s) else 0.0
     b = in_gib(moments[phase])
+    b.stream_pool = pool / GIB
     add_runtime_overhead(b, hw, strategy)
     at_eval = phase == "eval"
     fits, notes = _verdict(shape, w, hw, s, b, rank.cpu, at_eval)
@@ -531,6 +538,12 @@ def fsdp1_offload_grad_shard_bytes(shape: ModelShape, w: Workload, shards: float
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
     """The step at its three candidate peaks (bytes): the loss (forward), the worst moment of backward, and the
     optimizer step; and an evaluation while training where the job runs one (plan/evaluation.py)."""
+    return {k: max(v, key=_tensors) for k, v in step_candidates(shape, w, strategy, r).items()}
+
+
+def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, list[Breakdown]]:
+    """Every moment `step_moments` weighs (bytes), by phase: backward's three (the loss's gradient, the last
+    block's backward, the input embedding's gradient), one of each other phase, and an evaluation's worst."""
     tokens = w.tokens
     layers = r.layers
     g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
@@ -562,10 +575,10 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
         forward = max(forward, Breakdown(wr, g_fwd, opt, reference_activation_bytes(shape, w, strategy) + vision,
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     moments = {
-        "forward": forward,
+        "forward": [forward],
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
-        "backward": max(
+        "backward": [
             Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
                       logits_bytes(shape, w, strategy, "backward") + held,
                       fwd_temp + head_dequantize_bytes(shape, w)),
@@ -573,15 +586,39 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
                       bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
-                      bwd_temp + residual_grads),
-            key=_tensors),
-        "optimizer": Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0),
+                      bwd_temp + residual_grads)],
+        "optimizer": [Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0)],
     }
     if w.eval_batch:  # between steps: gradients freed by zero_grad(set_to_none), an engine's own buffers kept
         g_eval = r.grads if r.persistent_grads else 0.0
-        moments["eval"] = max((Breakdown(wr, g_eval, opt, a, lg, fwd_temp)
-                               for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)
+        moments["eval"] = [max((Breakdown(wr, g_eval, opt, a, lg, fwd_temp)
+                                for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)]
     return moments
+
+
+def grads_on_own_stream(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> bool:
+    """Whether the gradient column of every moment is FSDP's gradient shards, made on a stream of their own: a
+    sharded strategy's reduce-scatter output (FSDP1 `_reduce_grad` allocates `new_sharded_grad` under its
+    post-backward stream; FSDP2 `foreach_reduce` its reduce-scatter output under the reduce-scatter stream, "the GPU
+    sharded gradient is allocated in the RS stream"). Not under no_sync(), whose unsharded gradients autograd
+    makes on the compute stream (`no_sync_grad_bytes`), nor where expert parallelism keeps experts' gradients
+    outside FSDP (plan/experts.py)."""
+    if not s.sharded or hw.world < 2 or experts.applies(w, shape, s.engine, s.offload):
+        return False
+    return not (w.fsdp1_no_sync and w.grad_accum > 1)
+
+
+def stream_pool(candidates: dict[str, list[Breakdown]], peak: Breakdown) -> float:
+    """Bytes the gradient shards' own pool adds to a reading beyond `peak`'s tensors, on a card with room.
+
+    PyTorch's caching allocator serves a request only with a cached block of the request's stream
+    (c10/cuda/CUDACachingAllocator.cpp `get_free_block`: a block whose `stream` is not the request's is no match),
+    so the compute stream's pool and the reduce-scatter stream's pool each keep their own worst moment reserved:
+    the compute stream's most, at whichever moment (every `candidates` moment less its gradient shards), and the
+    shards' most. In one stream the shards would reuse the activations backward frees; here they cannot."""
+    every = [m for moments in candidates.values() for m in moments]
+    own = max(_tensors(m) - m.grads for m in every) + max(m.grads for m in every)
+    return max(0.0, own - _tensors(peak))
 
 
 def in_gib(b: Breakdown) -> Breakdown:
@@ -660,16 +697,17 @@ def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
 def peak_reading(b: Breakdown, gpu_gib: float, reading: str = "reserved") -> float:
     """What a run of breakdown `b` (GiB) reads at its peak on a card of `gpu_gib` when it succeeds: `allocated`
     torch.cuda.max_memory_allocated() (the tensors), `reserved` max_memory_reserved() (the tensors and the cache,
-    ALLOCATOR_CACHE of them) and `total` that and the runtime, as nvidia-smi shows the device. The cache is capped by
-    the card: before a request fails the allocator frees cached segments and retries, so a run near its card reads
-    what the card leaves after the runtime, never less than the verdict's reserve needs."""
+    ALLOCATOR_CACHE of them, and a second stream's pool, `stream_pool`) and `total` that and the runtime, as
+    nvidia-smi shows the device. The cache is capped by the card: before a request fails the allocator frees
+    cached segments and retries, so a run near its card reads what the card leaves after the runtime, never less
+    than the verdict's reserve needs."""
     if reading not in READINGS:
         raise ValueError(f"reading {reading!r}: one of {', '.join(READINGS)}")
     tensors = b.total - b.runtime_overhead - b.allocator_reserve
     if reading == "allocated":
         return tensors
     room = max(gpu_gib - b.runtime_overhead, tensors + b.allocator_reserve)
-    reserved = min(tensors * (1 + ALLOCATOR_CACHE), room)
+    reserved = min(tensors * (1 + ALLOCATOR_CACHE) + b.stream_pool, room)
     return reserved if reading == "reserved" else reserved + b.runtime_overhead
 
 
