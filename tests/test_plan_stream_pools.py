@@ -86,11 +86,15 @@ def test_one_stream_has_one_pool(gpus: str, strategy: str) -> None:
 
 def test_no_sync_keeps_autograd_gradients_on_the_compute_stream() -> None:
     """Under FSDP1's no_sync() the micro-batches before the last hold autograd's unsharded gradients, made on the
-    compute stream: the planner's gradient column is not the reduce-scatter pool there, so it counts none."""
+    compute stream: the planner's gradient column is not the reduce-scatter pool there, so it counts none of it
+    (the gathered weights' pool, less than the shards here, still counts)."""
     w = Workload(method="full", seq_len=1024, grad_ckpt="full", attention="flash", fsdp1=True, fsdp1_no_sync=True,
                  grad_accum=4)
-    b = estimate(resolve_shape("Qwen/Qwen2.5-0.5B"), w, parse_gpus("2xA100-80G"), "zero3").per_gpu_gib
-    assert b.stream_pool == 0
+    shape, hw = resolve_shape("Qwen/Qwen2.5-0.5B"), parse_gpus("2xA100-80G")
+    b = estimate(shape, w, hw, "zero3").per_gpu_gib
+    gathered = per_rank(shape, w, hw, strategies.get("zero3")).gathered / GIB
+    assert 0 < gathered < b.grads
+    assert b.stream_pool <= gathered + 1e-9
 
 
 def test_the_pool_is_capped_by_the_card() -> None:
@@ -101,3 +105,22 @@ def test_the_pool_is_capped_by_the_card() -> None:
     b.total = 30.0 + b.allocator_reserve + b.runtime_overhead
     assert peak_reading(b, 36.0, "total") == pytest.approx(36.0)
     assert peak_reading(b, 80.0, "total") == pytest.approx(30.0 * (1 + ALLOCATOR_CACHE) + 8.0 + 1.0)
+
+
+def test_fsdp1_gathers_into_its_unshard_streams_pool() -> None:
+    """FSDP1 all-gathers each unit into its padded unsharded flat parameter under its unshard stream
+    (_runtime_utils.py `_unshard`: `with ...stream(unshard_stream): handle.unshard()`). A checkpointed full fine-tune
+    peaks at the optimizer step, when nothing is gathered: the unshard pool still holds its most (the root unit and
+    two blocks, in the compute dtype) beside the compute stream's step. FSDP2 copies its gathered parameters out
+    on the compute stream: no such pool is counted for it."""
+    w = Workload(method="full", seq_len=4096, micro_batch=2, grad_ckpt="full", attention="flash", precision="bf16",
+                 pure_16bit=True, fsdp1=True)
+    shape, hw = resolve_shape(MODEL), parse_gpus("2xA100-80G")
+    c = estimate(shape, w, hw, "zero3")
+    peak, compute, shards = _pools(MODEL, w, "2xA100-80G", "zero3")
+    assert c.peak_phase == "optimizer" and compute + shards == pytest.approx(peak)  # the shards' pool adds nothing
+    gathered = (shape.embed_params() + shape.hidden + 2 * shape.layer_params()) * 2 / GIB
+    assert c.per_gpu_gib.stream_pool == pytest.approx(gathered, rel=1e-6)
+    fsdp2 = estimate(shape, Workload(method="full", seq_len=4096, micro_batch=2, grad_ckpt="full", attention="flash",
+                                     precision="bf16", pure_16bit=True), hw, "zero3")
+    assert fsdp2.peak_phase == "optimizer" and fsdp2.per_gpu_gib.stream_pool == 0

@@ -336,7 +336,8 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     candidates = step_candidates(shape, w, strategy, rank)
     moments = {k: max(v, key=_tensors) for k, v in candidates.items()}
     phase = max(moments, key=lambda k: _tensors(moments[k]))
-    pool = stream_pool(candidates, moments[phase]) if grads_on_own_stream(shape, w, hw, s) else 0.0
+    gathered = rank.gathered if hw.world > 1 else 0.0
+    pool = stream_pool(candidates, moments[phase], grads_on_own_stream(shape, w, hw, s), gathered)
     b = in_gib(moments[phase])
     b.stream_pool = pool / GIB
     add_runtime_overhead(b, hw, strategy)
@@ -367,6 +368,9 @@ class PerRank:
     held_grad_shards: float = 0.0
     grad_divisor: float = 1  # how many ways the gradients are split
     ranks: int = 1  # the processes an evaluation gathers its logits from
+    # FSDP1 FULL_SHARD: the most its unshard stream's pool holds (the gathered flat parameters), which that pool
+    # keeps reserved while nothing is gathered (`stream_pool`); 0 where the gathered weights are the compute's.
+    gathered: float = 0.0
 
 
 def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
@@ -428,8 +432,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
         if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.bwd_temp = (fsdp1_backward_weight_bytes(root_16, layer_16)
-                          + fsdp1_backward_grad_bytes(shape, w, layer_grads))
+            r.gathered = fsdp1_backward_weight_bytes(root_16, layer_16)
+            r.bwd_temp = r.gathered + fsdp1_backward_grad_bytes(shape, w, layer_grads)
         else:
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
@@ -608,16 +612,21 @@ def grads_on_own_stream(shape: ModelShape, w: Workload, hw: Hardware, s: strateg
     return not (w.fsdp1_no_sync and w.grad_accum > 1)
 
 
-def stream_pool(candidates: dict[str, list[Breakdown]], peak: Breakdown) -> float:
-    """Bytes the gradient shards' own pool adds to a reading beyond `peak`'s tensors, on a card with room.
+def stream_pool(candidates: dict[str, list[Breakdown]], peak: Breakdown, shards: bool, gathered: float) -> float:
+    """Bytes that other streams' pools add to a reading beyond `peak`'s tensors, on a card with room: the
+    gradient shards' (`shards`: every moment's gradient column is theirs) and FSDP1's unshard stream's, which holds
+    `gathered` at most.
 
     PyTorch's caching allocator serves a request only with a cached block of the request's stream
     (c10/cuda/CUDACachingAllocator.cpp `get_free_block`: a block whose `stream` is not the request's is no match),
-    so the compute stream's pool and the reduce-scatter stream's pool each keep their own worst moment reserved:
-    the compute stream's most, at whichever moment (every `candidates` moment less its gradient shards), and the
-    shards' most. In one stream the shards would reuse the activations backward frees; here they cannot."""
-    every = [m for moments in candidates.values() for m in moments]
-    own = max(_tensors(m) - m.grads for m in every) + max(m.grads for m in every)
+    so each stream's pool keeps its own worst moment reserved: the compute stream's most, at whichever moment
+    (every `candidates` moment less its gradient shards), and the shards' most. In one stream the shards would
+    reuse the activations backward frees; here they cannot. The gathered weights are in every moment's tensors but
+    the optimizer step's; there the unshard pool's blocks sit idle beside the step (counted there only: elsewhere
+    part of them is in use, so this is the least it adds)."""
+    every = [(m, gathered if phase == "optimizer" else 0.0) for phase, ms in candidates.items() for m in ms]
+    own = max(_tensors(m) - (m.grads if shards else 0.0) + idle for m, idle in every)
+    own += max(m.grads for m, _ in every) if shards else 0.0
     return max(0.0, own - _tensors(peak))
 
 
