@@ -18,6 +18,7 @@ from shardfit.models import gguf_cache
 from shardfit.models.build import build_model, load_tokenizer
 from shardfit.models.gguf_reads import GGUFReads
 from shardfit.models.source import resolve_model
+from tests.helpers import train_here, write_config
 from tests.test_model_cache import make_tiny_gguf
 
 
@@ -96,3 +97,15 @@ def test_a_scope_gives_the_reader_back_when_a_load_fails(tiny_gguf: Path) -> Non
     with pytest.raises(RuntimeError), GGUFReads().shared():
         raise RuntimeError("a load that fails")
     assert gguf.GGUFReader is original
+
+
+def test_a_run_on_a_gguf_file_parses_it_once(tiny_gguf: Path, tmp_path: Path, small_data: Path,
+                                             monkeypatch: pytest.MonkeyPatch, parses: list[str]) -> None:
+    """`shardfit train` on a .gguf file, its first run (an empty model cache): the tokenizer, the config, the
+    weights and the adapter's base name (the GGUF's metadata) all from one parse."""
+    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path / "cache"))
+    cfg = write_config(tmp_path / "run.yaml", model=str(tiny_gguf), data=str(small_data), method="lora",
+                       precision="fp32", max_seq_len=512, micro_batch=1, max_steps=1, save_steps=100,
+                       output_dir=str(tmp_path / "run"))
+    train_here(cfg)
+    assert parses == [str(tiny_gguf)]
