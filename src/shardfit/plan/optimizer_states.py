@@ -123,9 +123,10 @@ def fp32_state_embedding(w: Workload) -> bool:
     32) for any bitsandbytes optimizer built with 8 bits: a full fine-tune's embedding, and peft's trained copy of
     it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an nn.Embedding too). The untied head is an nn.Linear:
     8-bit states. Not with FSDP1's flat parameters (`flat_params`): the override is keyed by the embedding's own
-    parameter, which no flat parameter is (`fp32_state_params`); the one rule the estimate and a pipeline stage's
-    parts (plan/pipeline.py `_part_gib`) read."""
-    if kind_of(w).width != "8bit" or not w.bnb_optimizer or w.flat_params:
+    parameter, which no flat parameter is (`fp32_state_params`); nor where nothing registers it
+    (`embedding_override` off: a hand-written loop, axolotl's own param groups). The one rule the estimate and a
+    pipeline stage's parts (plan/pipeline.py `_part_gib`) read."""
+    if kind_of(w).width != "8bit" or not w.bnb_optimizer or w.flat_params or not w.embedding_override:
         return False
     return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
 
