@@ -200,6 +200,13 @@ class Workload:
     # axolotl's own param groups (embedding_lr, embedding_lr_scale, lr_groups), which register it only for
     # bitsandbytes' Adam8bit class, one no `optimizer` name builds.
     embedding_override: bool = True
+    # axolotl's own param groups (`embedding_lr`, `embedding_lr_scale` or `lr_groups` set: its OptimizerMixin's
+    # `create_optimizer_grouped_parameters`): the trained embedding and head (`embed_tokens`, `lm_head`, peft's
+    # trained copies) stepped in a group of their own after the decay group's matrices; `lr_groups` more groups,
+    # stepped last, of the matrices whose names hold a group's module names (plan/optimizer_states.py
+    # `stepped_pairs`, where a step that loops over tensors peaks).
+    embedding_group: bool = False
+    lr_groups: int = 0
     # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
     # its full-width fallback differs (plan/optimizer_states.py `fp32_state_params`).
     torchao_optimizer: bool = False
