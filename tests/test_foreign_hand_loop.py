@@ -337,3 +337,14 @@ def test_an_annotated_trainer_that_trains_is_the_trainers(tmp_path: Path) -> Non
     body = (OPT + LOADER + LOOP + "from transformers import Trainer\n"
             "trainer: Trainer = Trainer(model=model)\ntrainer.train()\n")
     assert not any("hand-written" in n for n in _job(tmp_path, body).notes)
+
+
+def test_the_plan_s_offers_for_a_loop_are_said_in_its_code(tmp_path: Path) -> None:
+    """A hand-written loop's 4-bit offer is its from_pretrained's BitsAndBytesConfig with peft, not the Trainer
+    scripts' --q_lora flag."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.plan.plan import Alternative
+
+    job = _job(tmp_path)
+    said = tool_alternative(job, Alternative("QLoRA", (("method", "qlora"),), None, "single", 4.0)).how()
+    assert said is not None and "BitsAndBytesConfig(load_in_4bit=True)" in said and "--q_lora" not in said

@@ -151,7 +151,8 @@ def words() -> Words:
                        "gradient_accumulation_steps", "seq": "sequence_len", "qlora": "adapter: qlora with "
                        "load_in_4bit: true", "lora": "adapter: lora",
                        "reentrant": "gradient_checkpointing_kwargs: {use_reentrant: false}",
-                       "device_map": "drop device_map under accelerate launch"})
+                       "device_map": "drop device_map under accelerate launch",
+                       "nodes": "num_machines: {} in the accelerate config (machine_rank per node)"})
 
 
 def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:

@@ -121,6 +121,8 @@ def words() -> Words:
                        "seq": "cutoff_len", "qlora": "quantization_bit: 4", "lora": "finetuning_type: lora",
                        "device_map": "(LLaMA-Factory places the model itself; do "
                        "not pass device_map under torchrun)", "launch": "FORCE_TORCHRUN=1 llamafactory-cli train",
+                       "nodes": "NNODES={} with NODE_RANK, MASTER_ADDR and MASTER_PORT on each node "
+                       "(FORCE_TORCHRUN=1 llamafactory-cli train)",
                        "reentrant": "use_reentrant_gc: false"})
 
 

@@ -713,6 +713,8 @@ def loop_words(job: ForeignJob) -> None:
             ("adamw8bit", "AdamW8bit"), ("rmsprop8bit", "RMSprop8bit"), ("lion8bit", "Lion8bit"),
             ("ademamix8bit", "AdEMAMix8bit"))},
         "lora": "peft's get_peft_model(model, LoraConfig(...))",
+        "qlora": "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) with peft's "
+                 "get_peft_model(model, LoraConfig(...))",
         "fused_loss": "a fused linear cross-entropy (Liger's) in the loop's loss"})
     job.words.zero.update({z: f"deepspeed.initialize(..., config=\"ds_config_{z}.json\")"
                            for z in ("zero2", "zero3", "zero3_offload")})
