@@ -236,3 +236,21 @@ def test_a_change_the_tool_has_no_setting_for_is_left_out_saying_why() -> None:
     assert selective.how() is None
     said = selective.phrase()
     assert said is not None and said.startswith("left out: selective checkpointing on") and "LLaMA-Factory" in said
+
+
+@pytest.mark.parametrize(("tool", "job", "seq", "batch"), [
+    ("llamafactory", "lf/qwen25_7b_qlora.yaml", "cutoff_len: 1024", "gradient_accumulation_steps 8"),
+    ("llamafactory", "lf_v1/full_deepspeed.yaml", "cutoff_len: 1024", "global_batch_size as it is (8 micro-batches"),
+    ("axolotl", "axolotl/llama31_8b_qlora.yml", "sequence_len: 1024", "gradient_accumulation_steps 8")])
+def test_yaml_tools_say_a_change_as_their_key_and_value(tool: str, job: str, seq: str, batch: str) -> None:
+    """A YAML job's change is its key with the value (`cutoff_len: 1024`); LLaMA-Factory v1 accumulates up to its
+    global_batch_size, which micro-batch 1 keeps."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    read = read_job(tool, str(JOBS / job), JobOptions(nproc=1))
+    shorter = tool_alternative(read, Alternative("shorter", (("seq_len", 1024),), None, "single", 1.0)).how()
+    assert shorter == seq
+    one = tool_alternative(read, Alternative("mb 1", (("micro_batch", 1), ("grad_accum", 8)), None, "single", 1.0))
+    assert batch in (one.how() or "")

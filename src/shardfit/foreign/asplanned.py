@@ -12,6 +12,7 @@ from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
 from shardfit.plan.estimate import GIB, Candidate, add_runtime_overhead, estimate
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 from shardfit.plan.plan import Alternative, Plan, eight_bit_offer, make_plan
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
@@ -179,8 +180,9 @@ def tool_alternative(job: ForeignJob, a: Alternative) -> Alternative:
     if not missing:
         return dataclasses.replace(a, setting=" + ".join(parts))
     tool = TOOL_NAMES[job.tool]
-    why = "; ".join(_NO_WORDS.get(m, f"{tool} has no setting for it that shardfit knows ({m})").format(tool=tool)
-                    for m in missing)
+    why = "; ".join(_NO_WORDS.get(m, f"{tool} has no setting for "
+                                     f"{OPTIMIZER_KINDS[m].label if m in OPTIMIZER_KINDS else m} that shardfit "
+                                     "knows").format(tool=tool) for m in missing)
     return dataclasses.replace(a, setting=None, left_out=why)
 
 
@@ -234,7 +236,8 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
         tries.append((say("grad_ckpt", "gradient checkpointing on"), dataclasses.replace(w, grad_ckpt="full"),
                       None, None))
     if w.micro_batch > 1:
-        tries.append((say("micro_batch", "micro-batch 1") + f" (1 x {w.micro_batch * w.grad_accum})",
+        tries.append((job.words.setting("micro_batch", w.micro_batch * w.grad_accum)
+                      or f"micro-batch 1 (1 x {w.micro_batch * w.grad_accum})",
                       dataclasses.replace(w, micro_batch=1, grad_accum=w.micro_batch * w.grad_accum), None, None))
     z = job.zero or ZeroSettings()
     if job.engine == "deepspeed" and z.stage < 3 or job.engine in ("ddp", "single"):

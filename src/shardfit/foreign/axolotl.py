@@ -148,7 +148,7 @@ def words() -> Words:
                        "fused_loss": "plugins: [axolotl.integrations.liger.LigerPlugin] with "
                        "liger_fused_linear_cross_entropy: true",
                        "grad_ckpt": "gradient_checkpointing: true", "micro_batch": "micro_batch_size: 1 with "
-                       "gradient_accumulation_steps", "seq": "sequence_len", "qlora": "adapter: qlora with "
+                       "gradient_accumulation_steps", "seq": "sequence_len: {}", "qlora": "adapter: qlora with "
                        "load_in_4bit: true", "lora": "adapter: lora",
                        "reentrant": "gradient_checkpointing_kwargs: {use_reentrant: false}",
                        "device_map": "drop device_map under accelerate launch",
