@@ -193,6 +193,20 @@ class Workload:
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
     bnb_optimizer: bool = False
+    # Whoever builds a bitsandbytes 8-bit optimizer registers the input embedding for 32-bit states
+    # (GlobalOptimManager's `register_module_override`; bitsandbytes keeps none on its own, optimizer.py
+    # `check_overrides`): the HF Trainer and the tools on it do (plan/optimizer_states.py `fp32_state_embedding`).
+    # False: nothing does, so the embedding's states are 8-bit too: a hand-written loop that never calls it, and
+    # axolotl's own param groups (embedding_lr, embedding_lr_scale, lr_groups), which register it only for
+    # bitsandbytes' Adam8bit class, one no `optimizer` name builds.
+    embedding_override: bool = True
+    # axolotl's own param groups (`embedding_lr`, `embedding_lr_scale` or `lr_groups` set: its OptimizerMixin's
+    # `create_optimizer_grouped_parameters`): the trained embedding and head (`embed_tokens`, `lm_head`, peft's
+    # trained copies) stepped in a group of their own after the decay group's matrices; `lr_groups` more groups,
+    # stepped last, of the matrices whose names hold a group's module names (plan/optimizer_states.py
+    # `stepped_pairs`, where a step that loops over tensors peaks).
+    embedding_group: bool = False
+    lr_groups: int = 0
     # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
     # its full-width fallback differs (plan/optimizer_states.py `fp32_state_params`).
     torchao_optimizer: bool = False
