@@ -111,8 +111,8 @@ def test_fsdp1_gathers_into_its_unshard_streams_pool() -> None:
     """FSDP1 all-gathers each unit into its padded unsharded flat parameter under its unshard stream
     (_runtime_utils.py `_unshard`: `with ...stream(unshard_stream): handle.unshard()`). A checkpointed full fine-tune
     peaks at the optimizer step, when nothing is gathered: the unshard pool still holds its most (the root unit and
-    two blocks, in the compute dtype) beside the compute stream's step. FSDP2 copies its gathered parameters out
-    on the compute stream: no such pool is counted for it."""
+    two blocks, in the compute dtype) beside the compute stream's step (FSDP2's all-gather pool:
+    `test_fsdp2_gathers_into_its_copy_in_streams_pool`)."""
     w = Workload(method="full", seq_len=4096, micro_batch=2, grad_ckpt="full", attention="flash", precision="bf16",
                  pure_16bit=True, fsdp1=True)
     shape, hw = resolve_shape(MODEL), parse_gpus("2xA100-80G")
@@ -121,6 +121,23 @@ def test_fsdp1_gathers_into_its_unshard_streams_pool() -> None:
     assert c.peak_phase == "optimizer" and compute + shards == pytest.approx(peak)  # the shards' pool adds nothing
     gathered = (shape.embed_params() + shape.hidden + 2 * shape.layer_params()) * 2 / GIB
     assert c.per_gpu_gib.stream_pool == pytest.approx(gathered, rel=1e-6)
-    fsdp2 = estimate(shape, Workload(method="full", seq_len=4096, micro_batch=2, grad_ckpt="full", attention="flash",
-                                     precision="bf16", pure_16bit=True), hw, "zero3")
-    assert fsdp2.peak_phase == "optimizer" and fsdp2.per_gpu_gib.stream_pool == 0
+
+
+def test_fsdp2_gathers_into_its_copy_in_streams_pool() -> None:
+    """FSDP2 copies each gathered parameter out on the compute stream, but the all-gather output it copies from is
+    allocated under its all-gather copy-in stream in forward and backward (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py `foreach_all_gather`: `with device_handle.stream(all_gather_copy_in_stream)` around
+    `all_gather_comm.allocate`; _fsdp_param_group.py `get_all_gather_streams`), and in forward one unit's output
+    is freed only after the next unit's copy-out (`wait_for_unshard`): two neighbours' buffers at once. At the
+    optimizer step that pool sits idle beside the compute stream's step: the most two neighbouring units hold, in
+    shardfit's layout (parallel/parallelize.py) the root's own weights, an untied input embedding, the blocks."""
+    w = Workload(method="full", seq_len=4096, micro_batch=2, grad_ckpt="full", attention="flash", precision="bf16",
+                 pure_16bit=True)
+    shape, hw = resolve_shape(MODEL), parse_gpus("2xA100-80G")
+    c = estimate(shape, w, hw, "zero3")
+    layer, emb = shape.layer_params() * 2, shape.vocab * shape.hidden * 2  # Mistral's embedding is untied
+    root = (shape.embed_params() + shape.hidden) * 2
+    assert not shape.tied and c.peak_phase == "optimizer"
+    assert c.per_gpu_gib.stream_pool == pytest.approx(max(root, emb + layer, 2 * layer) / GIB, rel=1e-6)
+    one = estimate(shape, w, parse_gpus("1xA100-80G"), "zero3").per_gpu_gib  # one rank gathers nothing
+    assert one.stream_pool == 0

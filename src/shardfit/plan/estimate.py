@@ -24,6 +24,7 @@ most what the card leaves.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 
 from shardfit import method as methods
 from shardfit import strategy as strategies
@@ -368,8 +369,9 @@ class PerRank:
     held_grad_shards: float = 0.0
     grad_divisor: float = 1  # how many ways the gradients are split
     ranks: int = 1  # the processes an evaluation gathers its logits from
-    # FSDP1 FULL_SHARD: the most its unshard stream's pool holds (the gathered flat parameters), which that pool
-    # keeps reserved while nothing is gathered (`stream_pool`); 0 where the gathered weights are the compute's.
+    # FSDP FULL_SHARD: the most the pool of the stream it gathers under holds (FSDP1's unshard stream: the gathered
+    # flat parameters; FSDP2's copy-in stream: its all-gather outputs), which that pool keeps reserved while
+    # nothing is gathered (`stream_pool`); 0 where nothing is gathered.
     gathered: float = 0.0
 
 
@@ -431,8 +433,8 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
+        r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
         if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.gathered = fsdp1_backward_weight_bytes(root_16, layer_16)
             r.bwd_temp = r.gathered + fsdp1_backward_grad_bytes(shape, w, layer_grads)
         else:
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
@@ -496,6 +498,23 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
         per_unit = (block_weight_bytes(shape, w) - fsdp1_bnb_quant_state_bytes(shape, w)) / n
     grads = (layer if w.method == "full" else trainable_params(shape, w) / shape.layers) * 4.0 / n
     return 2 * per_unit, grads
+
+
+def gathered_pool_bytes(w: Workload, root: float, embedding: float, layer: float) -> float:
+    """The most FULL_SHARD's gathered weights hold at once in the pool of the stream they are gathered under, in
+    bytes, from `root` (the root unit's weights, an untied input `embedding` among them) and `layer` (one block's).
+
+    FSDP1 (`runs_fsdp1`) gathers into its flat parameters under its unshard stream: `fsdp1_backward_weight_bytes`.
+    FSDP2 allocates each unit's all-gather output under its copy-in stream (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py `foreach_all_gather`, in forward and backward: _fsdp_param_group.py
+    `get_all_gather_streams`) and copies the parameters out on the compute stream; in forward a unit's output is
+    freed only after the next unit's copy-out (`wait_for_unshard`), so two neighbours' outputs coexist. The units
+    in forward order as shardfit wraps them (parallel/parallelize.py): the root's own weights, an untied input
+    embedding's unit, the blocks."""
+    if w.runs_fsdp1:
+        return fsdp1_backward_weight_bytes(root, layer)
+    units = [root - embedding, embedding, layer, layer] if embedding else [root, layer, layer]
+    return max(a + b for a, b in pairwise(units))
 
 
 def fsdp1_backward_weight_bytes(root: float, layer: float) -> float:
@@ -614,8 +633,8 @@ def grads_on_own_stream(shape: ModelShape, w: Workload, hw: Hardware, s: strateg
 
 def stream_pool(candidates: dict[str, list[Breakdown]], peak: Breakdown, shards: bool, gathered: float) -> float:
     """Bytes that other streams' pools add to a reading beyond `peak`'s tensors, on a card with room: the
-    gradient shards' (`shards`: every moment's gradient column is theirs) and FSDP1's unshard stream's, which holds
-    `gathered` at most.
+    gradient shards' (`shards`: every moment's gradient column is theirs) and the pool FSDP gathers into (FSDP1's
+    unshard stream, FSDP2's all-gather copy-in stream), which holds `gathered` at most.
 
     PyTorch's caching allocator serves a request only with a cached block of the request's stream
     (c10/cuda/CUDACachingAllocator.cpp `get_free_block`: a block whose `stream` is not the request's is no match),

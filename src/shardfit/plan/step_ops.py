@@ -48,7 +48,6 @@ OPTIMIZER_OPS: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
     "fused": ((0.0, 0.0, 0.0), (3.0, 0.0, 1.0)),
     "transformers": ((7.0, 2.0, 0.0), (2.0, 0.0, 0.0)),
 }
-OPTIMIZER_LOOPS = ("foreach", "for_loop", "transformers")
 # clip_grad_norm_'s kernels (per gradient, once) by path (`clip_per_tensor`, `clip_foreach`); the synchronising
 # path of torch before 1.10 launches as many (a comparison where the clamp is now) and waits once.
 CLIP_OPS: dict[str, tuple[float, float]] = {"none": (0.0, 0.0), "foreach": (0.0, 8.0), "per_tensor": (2.0, 6.0),
