@@ -242,3 +242,7 @@ def test_labels_past_a_text_classifiers_classes_are_no_tokenizer() -> None:
         "../aten/src/ATen/native/cuda/Loss.cu:250: nll_loss_forward_reduce_cuda_kernel_2d: block: [0,0,0], thread: "
         "[5,0,0] Assertion `t >= 0 && t < n_classes` failed.", "IndexError: Target 4 is out of bounds."))
 
+
+def test_a_product_beside_an_nccl_setting_keeps_its_stars() -> None:
+    text = analyze("export NCCL_BUFFSIZE=4*1024*1024 NCCL*P2P*DISABLE=1; MAX=NCCL_NCHANNELS*2").parsed.text
+    assert "NCCL_BUFFSIZE=4*1024*1024" in text and "NCCL_P2P_DISABLE=1" in text and "NCCL_NCHANNELS*2" in text
