@@ -190,3 +190,59 @@ def test_the_ram_of_a_setup_summary_is_no_symptom() -> None:
     summary = "Setup complete (32 CPUs, 251.5 GB RAM, 91.8/788.8 GB disk)\nworks with one GPU, fails with DDP"
     assert "sym_host_mem" not in analyze(summary).parsed.facts
     assert "sym_host_mem" in analyze("I have 32 GB VRAM and 32 GB RAM, and OOM at 3/9").parsed.facts
+
+
+# The review of round 20: pastes of other errors that share the new rules' words.
+
+def test_find_unused_refused_by_a_named_class_is_no_torch_1_0() -> None:
+    # Python names the class in the message from 3.10 on, and torch 1.0 ran on 3.7 at most: a class named there is
+    # no DDP of torch 1.0 (TrainingArguments' keyword is ddp_find_unused_parameters: the script's own slip)
+    for cls in ("TrainingArguments", "Trainer", "DistributedDataParallel"):
+        paste = f"TypeError: {cls}.__init__() got an unexpected keyword argument 'find_unused_parameters'"
+        assert analyze(paste).answer != "confident", paste
+        assert "library_version_regression" not in [f.category for f in analyze(paste).findings], paste
+
+
+def test_a_classifier_head_of_other_classes_is_no_vocabulary() -> None:
+    # an output layer of 10 classes loaded into one of 3 (or ImageNet's 1000 into 37): a classifier, no tokenizer
+    for ckpt, model in ((10, 3), (1000, 37)):
+        paste = _vocab("model.output_layer", ckpt, model, 512)
+        assert "vocab_rows_differ" not in analyze(paste).parsed.facts, paste
+        assert "tokenizer_embedding_mismatch" not in _cats(paste), paste
+
+
+def test_a_tied_head_sharded_over_ranks_that_do_not_divide_it_is_a_share() -> None:
+    # FSDP2 and DTensor shard rows by torch.chunk: ceil(151936 / 3) = 50646 rows on the first ranks, no vocabulary
+    for ckpt, model in ((50646, 151936), (151936, 50646), (25323, 151936)):
+        assert "vocab_rows_differ" not in analyze(_vocab("lm_head", ckpt, model, 896)).parsed.facts, (ckpt, model)
+
+
+_GATE = ('  File "/home/u/yolov5/utils/dataloaders.py", line 124, in create_dataloader\n'
+         "    with torch_distributed_zero_first(rank):  # init dataset *.cache only once if DDP\n"
+         '  File "/home/u/yolov5/utils/dataloaders.py", line 500, in __init__\n'
+         "    cache, exists = self.cache_labels(cache_path, prefix), False\n"
+         '  File "/home/u/yolov5/utils/dataloaders.py", line 600, in cache_labels\n'
+         "    for im_file, lb, shape, segments, nm_f, nf_f, ne_f, nc_f, msg in pbar:\nKeyboardInterrupt")
+
+
+def test_ctrl_c_inside_the_gate_body_is_no_rank_waiting() -> None:
+    # one GPU (rank -1) passes the gate without a barrier: a Ctrl-C while its own label cache is built waits for no one
+    paste = "$ python train.py --data coco.yaml --img 640\n^CTraceback (most recent call last):\n" + _GATE
+    assert "nccl_timeout_preprocessing" not in _cats(paste)
+
+
+def test_labels_past_a_text_classifiers_classes_are_no_tokenizer() -> None:
+    # a sequence classifier's labels past num_labels: its own data, although the paste speaks of a tokenizer
+    paste = ('model = AutoModelForSequenceClassification.from_pretrained("bert-base-uncased", num_labels=2)\n'
+             "encodings = tokenizer(texts, truncation=True, padding=True)\n"
+             "../aten/src/ATen/native/cuda/Loss.cu:250: nll_loss_forward_reduce_cuda_kernel_2d: block: [0,0,0], "
+             "thread: [5,0,0] Assertion `t >= 0 && t < n_classes` failed.")
+    assert "tokenizer_embedding_mismatch" not in _cats(paste)
+    assert "tokenizer_embedding_mismatch" not in _cats(paste.replace(
+        "../aten/src/ATen/native/cuda/Loss.cu:250: nll_loss_forward_reduce_cuda_kernel_2d: block: [0,0,0], thread: "
+        "[5,0,0] Assertion `t >= 0 && t < n_classes` failed.", "IndexError: Target 4 is out of bounds."))
+
+
+def test_a_product_beside_an_nccl_setting_keeps_its_stars() -> None:
+    text = analyze("export NCCL_BUFFSIZE=4*1024*1024 NCCL*P2P*DISABLE=1; MAX=NCCL_NCHANNELS*2").parsed.text
+    assert "NCCL_BUFFSIZE=4*1024*1024" in text and "NCCL_P2P_DISABLE=1" in text and "NCCL_NCHANNELS*2" in text

@@ -562,15 +562,24 @@ _VOCAB_ROWS = re.compile(r"size mismatch for [\w.]*(?:embed_tokens|wte|word_embe
                          r"shape in current model is torch\.Size\(\[(\d+), (\d+)\]\)")
 
 
+# the fewest rows of a vocabulary's table (word or subword): a head of fewer rows on both sides is a classifier's
+# classes (output_layer names both ChatGLM's and Megatron's head and many a classifier's)
+_VOCAB_MIN_ROWS = 10_000
+# the most ranks a sharded copy of a tied head is taken to come from (FSDP2, DTensor: torch.chunk's rows per rank)
+_MAX_SHARDS = 128
+
+
 def _vocab_facts(p: Parsed, text: str) -> None:
     """vocab_rows_differ: an embedding or head of the checkpoint has as wide rows as the model's but another number of
-    them: the vocabulary differs (a tokenizer or dictionary other than the checkpoint's, tokens added or a config's
-    vocab_size edited), where a whole share of the rows (a half, a quarter) is a sharded copy of a tied head."""
+    them, a vocabulary's many: the vocabulary differs (a tokenizer or dictionary other than the checkpoint's, tokens
+    added or a config's vocab_size edited), where a rank's share of the rows (a half; torch.chunk's ceil(rows / N) over
+    N ranks that do not divide them) is a sharded copy of a tied head."""
     for m in _VOCAB_ROWS.finditer(text):
         ckpt, width, model, model_width = (int(x) for x in m.groups())
-        if width != model_width or ckpt == model or not ckpt or not model:
+        small, large = sorted((ckpt, model))
+        if width != model_width or small == large or not small or large < _VOCAB_MIN_ROWS:
             continue
-        if max(ckpt, model) % min(ckpt, model):
+        if large % small and all(-(-large // n) != small for n in range(2, _MAX_SHARDS + 1)):
             p.facts.add("vocab_rows_differ")
             return
 

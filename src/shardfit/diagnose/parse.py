@@ -82,7 +82,9 @@ _FULLWIDTH = str.maketrans({"：": ": ", "，": ", ", "（": " (", "）": ") ", 
 # NCCL as _NCCL_ or *NCCL*. The setting's own spelling comes back, so the rules that name it match.
 _MD_NCCL_WORD = re.compile(r"(?<![\w*])[*_]{1,2}(NCCL\w*?)[*_]{1,2}(?![\w*])")
 _MD_NCCL_TOKEN = re.compile(r"[\w*=]*NCCL[\w*=]*")
-_MD_JOIN = re.compile(r"(?<=[A-Z0-9])\*(?=[A-Z0-9])")
+# every part of an NCCL setting's name starts with a letter (P2P, IB, DEBUG): a star before a digit is a product
+# beside it (NCCL_BUFFSIZE=4*1024*1024), kept
+_MD_JOIN = re.compile(r"(?<=[A-Z0-9])\*(?=[A-Z])")
 _MD_TAIL = re.compile(r"(?<=[A-Z0-9])\*(?==|$)")
 _RANKED = re.compile(r"\[rank\d+\]|\[default\d+\]:|\[\d+,\d+\]<std|local_rank")
 _DEDUP_KEY = re.compile(r"[\d█▏▎▍▌▋▊▉#]+")
