@@ -11,7 +11,6 @@ from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS
 from shardfit.plan.adapters import adapted_shapes, adapts, lora_params, rank_of
 from shardfit.plan.eager_scores import (
-    eager_no_grad_bytes_per_token,
     eager_peak_bytes_per_token,
     eager_saved_bytes_per_token,
 )
@@ -594,22 +593,38 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
     what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
-    also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`). Eager
-    attention's scores peak above their saved bytes in the one block alive at a time (the recomputed one, or the
-    last: plan/eager_scores.py `eager_peak_bytes_per_token`)."""
+    also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`). The block
+    alive at a time (recomputed, or the last) adds eager attention's peak above its saved scores
+    (`score_peak_bytes_per_token`)."""
     tokens = w.tokens
     cast = weight_cast_bytes(shape, w, strategy)
     copies = lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)
-    scores = eager_peak_bytes_per_token(shape, w, strategy)
+    scores = score_peak_bytes_per_token(shape, w, strategy)
     if w.grad_ckpt != "none":
-        # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
+        # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them;
+        # selective's kept outputs of the recomputed block are the very tensors its recomputation saves again.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        recomputed = largest_block_activation_bytes_per_token(shape, w, strategy) + scores
+        reused = kept - residual_bytes(w, strategy) * shape.hidden
+        recomputed = largest_block_activation_bytes_per_token(shape, w, strategy) + scores - reused
         return tokens * (layers * kept + recomputed + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
             copies + held_mask_bytes(w, strategy)
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     return tokens * (layers * per_block + (scores if layers else 0.0)) + layers * cast + \
         layers * copies * shape.moe_layers / shape.layers
+
+
+def score_peak_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """Eager attention's peak above its saved scores in one block (plan/eager_scores.py) less what the block saves
+    after its scores, none yet made at their forward peak nor left at their backward one: o_proj's input, the
+    second norm's, autocast's casts of the MLP's input and the MLP's tensors."""
+    peak = eager_peak_bytes_per_token(shape, w, strategy)
+    if not peak:
+        return 0.0
+    a, h = compute_bytes(w), shape.hidden
+    norm = 4 * h + 4 + (residual_bytes(w, strategy) * h if w.method == "full" else 0)
+    casts = 2 * a * h if casts_trainable_inputs(w, strategy) else 0
+    mlp = mlp_activation_bytes_per_token(shape, w, strategy)
+    return max(0.0, peak - a * shape.heads * shape.hd - norm - casts - mlp)
 
 
 def weight_cast_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
@@ -770,21 +785,3 @@ def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
         return features
     return features + clips * a.saved_bytes(w.audio_frames, low, checkpointed=w.grad_ckpt != "none",
                                             stem=not w.trains_adapters)
-
-
-def reference_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
-    """What the reference's forward (DPO/KTO with the adapters switched off) holds at once: it runs without
-    gradients, so nothing is saved for backward; one block's tensors exist at a time (at most what that block would
-    save with gradients), beside its input in the residual stream and the last block's output, which the
-    log-probabilities read (eager attention's scores at their peak without gradients, above their saved bytes).
-    The policy's own forward starts after it, so the two never add up."""
-    r = residual_bytes(w, strategy)
-    scores = eager_no_grad_bytes_per_token(shape, w, strategy)
-    return w.tokens * (largest_block_activation_bytes_per_token(shape, w, strategy) + scores + 2 * r * shape.hidden)
-
-
-def reference_logits_bytes(shape: ModelShape, w: Workload) -> float:
-    """The reference's log-probabilities: one chunk of labelled positions through the head at a time, its fp32
-    logits and their 16-bit source (train/preference.py `sequence_logps`), nothing kept for backward."""
-    c = compute_bytes(w)
-    return min(w.loss_chunk or LOSS_CHUNK_MAX_ROWS, w.tokens) * shape.vocab * (4 + (c if c < 4 else 0))
