@@ -210,3 +210,16 @@ def test_eager_host_time_counts_the_score_ops() -> None:
     assert dispatch.host_dispatch_s(LLAMA8, w) - dispatch.host_dispatch_s(LLAMA8, sdpa) == pytest.approx(
         LLAMA8.layers * (k * dispatch.DISPATCH_KERNEL_S + v * dispatch.DISPATCH_VIEW_S))
     assert k > 0
+
+
+def test_only_softmax_blocks_launch_score_ops() -> None:
+    """A hybrid launches eager's score ops in its softmax-attention blocks alone: Nemotron-H's attention parts, not
+    its Mamba and MLP parts."""
+    shape = ModelShape(id="hybrid", layers=10, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=100,
+                       single_part=True, mamba_layers=4, attention_layers=2)
+    assert eager_scores.softmax_blocks(shape) == 2
+    w = Workload(method="lora", seq_len=512, attention="eager", grad_ckpt="none")
+    sdpa = dataclasses.replace(w, attention="sdpa")
+    k, v = dispatch.eager_attention_ops(shape, w)
+    assert dispatch.host_dispatch_s(shape, w) - dispatch.host_dispatch_s(shape, sdpa) == pytest.approx(
+        2 * (k * dispatch.DISPATCH_KERNEL_S + v * dispatch.DISPATCH_VIEW_S))
