@@ -107,7 +107,10 @@ def _memory(shape: ModelShape, w: Workload, strategy: str) -> tuple[float, float
 
 def softmax_blocks(shape: ModelShape) -> int:
     """The blocks that attend with softmax over the sequence: all but Gated DeltaNet blocks and blocks whose Mamba
-    mixer is their only token mixer."""
+    mixer is their only token mixer; a `single_part` model's attention parts (Nemotron-H's) and uses of its shared
+    transformer block (Zamba's)."""
+    if shape.single_part:
+        return shape.attention_layers + shape.shared_uses
     return shape.layers - shape.linear_layers - (0 if shape.mamba_parallel else shape.mamba_mixers)
 
 
