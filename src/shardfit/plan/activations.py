@@ -616,11 +616,12 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 def score_peak_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
     """Eager attention's peak above its saved scores in one block (plan/eager_scores.py) less what the block saves
     after its scores, none yet made at their forward peak nor left at their backward one: o_proj's input, the
-    second norm's, autocast's casts of the MLP's input and the MLP's tensors."""
+    second norm's, autocast's casts of the MLP's input and the MLP's tensors (a `single_part` block: o_proj's
+    input alone)."""
     peak = eager_peak_bytes_per_token(shape, w, strategy)
-    if not peak:
-        return 0.0
     a, h = compute_bytes(w), shape.hidden
+    if not peak or shape.single_part:
+        return max(0.0, peak - a * shape.heads * shape.hd)
     norm = 4 * h + 4 + (residual_bytes(w, strategy) * h if w.method == "full" else 0)
     casts = 2 * a * h if casts_trainable_inputs(w, strategy) else 0
     mlp = mlp_activation_bytes_per_token(shape, w, strategy)
