@@ -101,6 +101,24 @@ def test_bitsandbytes_8bit_adamw(tmp_path: Path) -> None:
     assert w.optimizer == "adamw8bit" and w.bnb_optimizer
 
 
+OVERRIDE = ("mng = bnb.optim.GlobalOptimManager.get_instance()\n"
+            "mng.register_module_override(model.get_input_embeddings(), \"weight\", {\"optim_bits\": 32})\n")
+
+
+@pytest.mark.parametrize("override", ["", OVERRIDE])
+def test_a_loop_s_8bit_optimizer_keeps_the_embedding_in_8_bits_unless_it_registers_it(tmp_path: Path,
+                                                                                       override: str) -> None:
+    """bitsandbytes keeps 32-bit states for a parameter only where GlobalOptimManager was told so (optimizer.py
+    `check_overrides`): the HF Trainer registers every nn.Embedding, a hand-written loop only where the script calls
+    register_module_override (or override_config) itself; else the full fine-tune's embedding is stepped in 8 bits."""
+    from shardfit.plan.optimizer_states import fp32_state_embedding
+
+    opt = "import bitsandbytes as bnb\nopt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-5)\n"
+    w = _job(tmp_path, opt + override + LOADER + LOOP).workload
+    assert w.method == "full" and w.optimizer == "adamw8bit"
+    assert fp32_state_embedding(w) == bool(override)
+
+
 @pytest.mark.parametrize("opt", ["torch.optim.NAdam(model.parameters(), lr=0.1)",
                                  "torch.optim.AdamW(model.parameters(), amsgrad=True)"])
 def test_an_unmodelled_optimizer_exits_2_unless_optimizer_is_given(tmp_path: Path, opt: str) -> None:
@@ -319,3 +337,14 @@ def test_an_annotated_trainer_that_trains_is_the_trainers(tmp_path: Path) -> Non
     body = (OPT + LOADER + LOOP + "from transformers import Trainer\n"
             "trainer: Trainer = Trainer(model=model)\ntrainer.train()\n")
     assert not any("hand-written" in n for n in _job(tmp_path, body).notes)
+
+
+def test_the_plan_s_offers_for_a_loop_are_said_in_its_code(tmp_path: Path) -> None:
+    """A hand-written loop's 4-bit offer is its from_pretrained's BitsAndBytesConfig with peft, not the Trainer
+    scripts' --q_lora flag."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.plan.plan import Alternative
+
+    job = _job(tmp_path)
+    said = tool_alternative(job, Alternative("QLoRA", (("method", "qlora"),), None, "single", 4.0)).how()
+    assert said is not None and "BitsAndBytesConfig(load_in_4bit=True)" in said and "--q_lora" not in said

@@ -350,3 +350,50 @@ def test_a_from_job_s_8bit_offer_names_its_tool_s_own_setting(tmp_path: Path, op
     said = fp.to_json()["alternatives"]
     assert not [p for p in said if "--optimizer" in p]
     assert len([p for p in said if setting and f"({setting}): " in p]) == (1 if setting else 0)
+
+
+def _axolotl(tmp_path: Path, optim: str, extra: str) -> ForeignJob:
+    """An axolotl full fine-tune of Llama-3.1-8B (untied head) on one GPU with `optim` and `extra` keys."""
+    path = tmp_path / "groups.yml"
+    path.write_text("base_model: meta-llama/Llama-3.1-8B\nsequence_len: 1024\nmicro_batch_size: 1\nbf16: true\n"
+                    f"optimizer: {optim}\n{extra}")
+    return read_job("axolotl", str(path), JobOptions(nproc=1))
+
+
+GROUPS = {"embedding_lr_scale: 0.5\n": 0, "embedding_lr: 0.00001\n": 0,
+          "lr_groups:\n  - name: attn\n    modules: [self_attn]\n    lr: 0.00001\n": 1}
+
+
+@pytest.mark.parametrize("extra", sorted(GROUPS))
+def test_axolotl_s_own_param_groups_step_the_head_right_after_the_embedding(tmp_path: Path, extra: str) -> None:
+    """axolotl's OptimizerMixin puts embed_tokens and lm_head in a group of their own after the decay group's
+    matrices once embedding_lr, embedding_lr_scale or lr_groups is set: transformers' Adafactor then steps the
+    head while the embedding's update is still bound (two vocabulary-sized matrices in a row), where the Trainer's
+    groups step the embedding first and the head after the last block's down projection."""
+    from shardfit.plan.optimizer_states import step_temp_bytes
+    from shardfit.plan.shapes import resolve_shape
+
+    plain, grouped = _axolotl(tmp_path, "adafactor", ""), _axolotl(tmp_path, "adafactor", extra)
+    w = grouped.workload
+    assert w.embedding_group and w.lr_groups == GROUPS[extra] and not plain.workload.embedding_group
+    key = extra.split(":")[0]
+    assert key in grouped.keys and key not in grouped.not_modelled
+    shape = resolve_shape("meta-llama/Llama-3.1-8B")
+    matrix, down = shape.vocab * shape.hidden, shape.intermediate * shape.hidden
+    added = step_temp_bytes(shape, w, 0) - step_temp_bytes(shape, plain.workload, 0)
+    assert added == pytest.approx((matrix - down) * 4)  # one fp32 `update` of the embedding in place of down's
+
+
+def test_axolotl_s_own_param_groups_register_no_fp32_embedding_states(tmp_path: Path) -> None:
+    """axolotl's own create_optimizer registers the embedding for 32-bit states only for bitsandbytes' Adam8bit
+    class, which no `optimizer` name builds (adamw_bnb_8bit is its AdamW with optim_bits 8): the embedding's states
+    are 8-bit there, fp32 under the Trainer's create_optimizer."""
+    from shardfit.plan.optimizer_states import fp32_state_embedding
+
+    assert fp32_state_embedding(_axolotl(tmp_path, "adamw_bnb_8bit", "").workload)
+    assert not fp32_state_embedding(_axolotl(tmp_path, "adamw_bnb_8bit", "embedding_lr_scale: 0.5\n").workload)
+
+
+def test_axolotl_lr_groups_not_a_list_of_mappings_exits_2(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"groups.yml:\d+: 'lr_groups' is .*list of mappings"):
+        _axolotl(tmp_path, "adafactor", "lr_groups: attn\n")

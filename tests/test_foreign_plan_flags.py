@@ -166,3 +166,91 @@ def test_a_script_flag_the_file_says_is_refused_naming_its_key(tmp_path: Path,
     # another tool's default decides where its file is silent: refused, and worded so
     code, out, err = _plan(capsys, "--from", "llamafactory", LF_QLORA, "--gpus", "1x24GB", "--lora-rank", "64")
     assert (code, out) == (2, None) and "LLaMA-Factory's own default" in err
+
+
+def _full_8b(tmp_path: Path, optim: str = "adamw_torch") -> str:
+    """An HF Trainer command line: Llama-3-8B full fine-tune, 512 tokens, micro-batch 1, checkpointing on."""
+    f = tmp_path / "full.sh"
+    f.write_text("python train.py --model_name_or_path meta-llama/Meta-Llama-3-8B --bf16 True --optim "
+                 f"{optim} --per_device_train_batch_size 1 --gradient_checkpointing True --model_max_length 512 "
+                 "--output_dir out\n")
+    return str(f)
+
+
+def test_what_would_fit_offers_the_8bit_optimizer_the_plan_offers(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """The plan's offers and the job's "what would fit" follow one rule (plan.py `eight_bit_offer`): where the
+    plan offers bitsandbytes' 8-bit AdamW, the job's own lines offer it too, in the tool's words; for an optimizer
+    DeepSpeed builds from its JSON neither does."""
+    code, out, err = _plan(capsys, "--from", "hf", _full_8b(tmp_path), "--gpus", "1x84GB")
+    assert code == 3 and out is not None, err
+    offered = [a for a in out["alternatives"] if a.startswith("8-bit AdamW")]
+    assert len(offered) == 1 and "(--optim adamw_bnb_8bit)" in offered[0], out["alternatives"]
+    would = [x for x in out["from"]["what_would_fit"] if x.startswith("--optim adamw_bnb_8bit")]
+    assert len(would) == 1, out["from"]["what_would_fit"]
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}')
+    code, out, _ = _plan(capsys, "--from", "deepspeed", str(ds), "--model", "meta-llama/Meta-Llama-3-8B", "--seq",
+                         "512", "--gpus", "2x48GB")
+    assert out is not None and not [x for x in out["from"]["what_would_fit"] if "8bit" in x]
+    assert not [a for a in out.get("alternatives") or [] if "8-bit" in a]
+
+
+# `shardfit plan`'s own flags for the changes it offers: a --from job takes none of them (or, for a bare DeepSpeed
+# JSON, only --method and --seq, which its file cannot say).
+PLAN_FLAGS = ("--batch", "--grad-accum", "--grad-ckpt", "--seq ", "--method", "--optimizer", "--bnb-optimizer",
+              "--nodes")
+FROM_JOBS = [("llamafactory", "lf/llama3_8b_full_ds2.yaml", "1x80GB"),
+             ("axolotl", "axolotl/llama31_8b_qlora.yml", "1x20GB"), ("swift", "swift/qwen25_7b_lora_ddp.sh", "2x6GB"),
+             ("llamafactory", "lf_v1/full_deepspeed.yaml", "1x24GB")]
+
+
+@pytest.mark.parametrize(("tool", "job", "gpus"), FROM_JOBS)
+def test_every_offer_of_a_from_report_is_the_tool_s_setting_or_left_out(capsys: pytest.CaptureFixture, tool: str,
+                                                                       job: str, gpus: str) -> None:
+    """`plan --from` refuses shardfit's workload flags where the file says them, so its "nearest alternatives"
+    never print them: each is the tool's own setting (a YAML key, a CLI flag, its launch), or one line saying
+    that the tool has no such setting."""
+    code, out, err = _plan(capsys, "--from", tool, str(JOBS / job), "--gpus", gpus)
+    assert out is not None and out.get("alternatives"), err
+    for offer in out["alternatives"]:
+        assert offer.startswith("left out: ") or not any(f in offer for f in PLAN_FLAGS), offer
+
+
+def test_a_change_the_tool_has_no_setting_for_is_left_out_saying_why() -> None:
+    """The plan's alternatives in a tool's words: micro-batch and accumulation in its keys, checkpointing and
+    more nodes its own way; selective checkpointing, which none of the tools sets, left out with the reason."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    job = read_job("llamafactory", LF_QLORA, JobOptions())
+    batch = tool_alternative(job, Alternative("micro-batch 1 with grad_accum 8", (("micro_batch", 1),
+                                                                                 ("grad_accum", 8)), None, "single",
+                                              20.0))
+    assert batch.how() == "per_device_train_batch_size: 1 with gradient_accumulation_steps 8"
+    nodes = tool_alternative(job, Alternative("twice the GPUs", (), 2, "zero3", 20.0))
+    assert nodes.how() is not None and "NNODES=2" in nodes.how()
+    selective = tool_alternative(job, Alternative("selective checkpointing on", (("grad_ckpt", "selective"),),
+                                                  None, "single", 20.0))
+    assert selective.how() is None
+    said = selective.phrase()
+    assert said is not None and said.startswith("left out: selective checkpointing on") and "LLaMA-Factory" in said
+
+
+@pytest.mark.parametrize(("tool", "job", "seq", "batch"), [
+    ("llamafactory", "lf/qwen25_7b_qlora.yaml", "cutoff_len: 1024", "gradient_accumulation_steps 8"),
+    ("llamafactory", "lf_v1/full_deepspeed.yaml", "cutoff_len: 1024", "global_batch_size as it is (8 micro-batches"),
+    ("axolotl", "axolotl/llama31_8b_qlora.yml", "sequence_len: 1024", "gradient_accumulation_steps 8")])
+def test_yaml_tools_say_a_change_as_their_key_and_value(tool: str, job: str, seq: str, batch: str) -> None:
+    """A YAML job's change is its key with the value (`cutoff_len: 1024`); LLaMA-Factory v1 accumulates up to its
+    global_batch_size, which micro-batch 1 keeps."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    read = read_job(tool, str(JOBS / job), JobOptions(nproc=1))
+    shorter = tool_alternative(read, Alternative("shorter", (("seq_len", 1024),), None, "single", 1.0)).how()
+    assert shorter == seq
+    one = tool_alternative(read, Alternative("mb 1", (("micro_batch", 1), ("grad_accum", 8)), None, "single", 1.0))
+    assert batch in (one.how() or "")

@@ -12,11 +12,13 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.config import Config, LoraSettings
+from shardfit.plan.cards import card_of
 from shardfit.plan.dispatch import dispatch_ops_per_layer, engine_host_s, host_dispatch_s
 from shardfit.plan.flops import fp32_expert_flops
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.precision import autocast_launches, runs_autocast
 from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.step_ops import step_host_s
 from shardfit.plan.timing import step_time
 from shardfit.plan.workload import Workload, model_workload, workload_of
 from shardfit.resolve import DeviceFacts, resolve_job
@@ -47,13 +49,14 @@ def test_shardfit_s_launches_follow_the_memory_model_s_autocast(strategy: str) -
 def test_a_host_bound_fsdp_lora_step_of_shardfit_has_no_autocast_launches() -> None:
     """Qwen2.5-0.5B LoRA on 8 H100s at 512 tokens (host-bound, shardfit's `plan --model`): the zero3 row's
     launches are those of a run without autocast (its bf16 adapters on one GPU launch the same), fewer than ddp's,
-    and the step's host time is those and FSDP2's own."""
+    and the step's host time is those, FSDP2's own and the optimizer step's."""
     shape, hw = resolve_shape("Qwen/Qwen2.5-0.5B-Instruct"), parse_gpus("8xH100", 1, None)
     bare = host_dispatch_s(shape, dataclasses.replace(OWN, adapters_16bit=True))
     assert host_dispatch_s(shape, OWN, "zero3") == pytest.approx(bare)
     assert host_dispatch_s(shape, OWN, "ddp") > bare
     engine = engine_host_s(shape, OWN, strategies.get("zero3"))
-    assert step_time(shape, OWN, hw, "zero3").host_s == pytest.approx(bare + engine)
+    step_host = step_host_s(shape, OWN, card_of(hw))  # the optimizer step's own launches, once a step
+    assert step_time(shape, OWN, hw, "zero3").host_s == pytest.approx(bare + engine + step_host)
     assert not model_workload().tool_autocast
 
 

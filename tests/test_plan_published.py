@@ -124,3 +124,23 @@ def test_float8_pairs_are_runs_that_differ_only_in_float8() -> None:
     assert pairs[0]["published_ratio"] == 1.28 and pairs[0]["predicted_ratio"] == 1.2
     assert pairs[0]["ratio_error"] == round(1.2 / 1.28 - 1, 4)
     assert mod.float8_pairs([eager, fp8]) == []
+
+
+def test_gpt2_rows_are_planned_as_their_config_builds_them() -> None:
+    """transformers#9371's GPT-2 rows give their shape inline: each is what GPT-2's config.json (model_type gpt2,
+    attn_pdrop 0.1) builds through plan/config_shape.py, so they are planned with GPT-2's score chain, biases,
+    position embedding and attention dropout, not as a Llama of the same widths; and they ran the 2021 Trainer's
+    step (transformers' AdamW, clipping that waits on torch 1.7, zero_grad writing zeros)."""
+    from shardfit.plan.config_shape import shape_from_config
+
+    mod = load_bench()
+    src = yaml.safe_load(mod.THROUGHPUT.read_text())["sources"]["transformers-9371-gpt2-1gpu-vs-ddp"]
+    sizes = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20)}
+    for case in src["cases"]:
+        layers, hidden, heads = sizes[case["model"]]
+        cfg = {"model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads, "vocab_size": 50257,
+               "n_positions": 1024, "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}
+        built = shape_from_config(cfg, case["model"])
+        assert mod.throughput_shape({**src["defaults"], **case}) == built, case["model"]
+        w = mod.workload({**src["defaults"], **case}, case["seq"])
+        assert (w.optimizer_loop, w.grad_clip, w.zero_grad_zeros) == ("transformers", "per_tensor_sync", True)

@@ -6,7 +6,8 @@
     python -m tests.diagnose_real.evaluate docs             # the main table of docs/diagnose.md
 
 Each case is scored in three forms (VARIANTS): `full` (the log as collected), `tail` (its last 6 lines: the end of a
-traceback) and `line` (one line: the final exception "Type: message", else the last error-looking line). Per form:
+traceback) and `line` (one line: the final exception "Type: message", else the last line that states an error, as a
+user would copy it: never a reader's cut mark, an image, a code fence or a metric; see _error_line). Per form:
 
 - top-1 / top-3: the label is the first / among the first three of the ranked likely causes (the answer shown,
   confident or not), over cases with a known label;
@@ -35,7 +36,25 @@ from tests.diagnose_real.split import load_cases, read_corpus
 TESTS = Path(__file__).resolve().parent.parent
 CONFIDENT = 0.8
 VARIANTS = ("full", "tail", "line")
-_ERRORISH = re.compile(r"error|exception|fail|killed|timeout|timed out|signal|assert|nan\b|out of memory", re.I)
+_ERRORISH = re.compile(r"error|\berr\b|exception|fail|\bkill(s|ed)?\b|timeout|timed out|signal|assert|nan\b|"
+                       r"out of (\w+ )?memory|\bOOM\b|\bstuck\b|\bhang(s|ing)?\b|\bhung\b|报错|错误|失败|爆显存|"
+                       r"显存不[足够]|卡住|超时", re.I)
+# a line that states an error in a program's own format: an exception "Type: message" (anywhere in the line: a title
+# or a sentence quotes it), a CUDA, NCCL, loader or watchdog error, a failed assert, a signal
+_STATED = re.compile(r"(?:^|[^\w.])(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?:\(\w+\))?:|"
+                     r"^\W{0,3}(?i:error|fatal)\b\W|NCCL WARN|Watchdog caught|\bAssertion\b.*\bfailed|^Killed\b|"
+                     r"Segmentation fault|core dumped|CUDA error|(?i:out of memory|timed out)|\bSIG[A-Z]{3,}\b|"
+                     r"undefined symbol|No module named|cannot import name")
+_WARNING = re.compile(r"(?:^|[^\w.])(?:[A-Za-z_]\w*\.)*[A-Z]\w*Warning:")
+# lines nobody copies as the error: a reader's cut mark, an image, a bare code fence, punctuation only, a metric
+# ("Mean Projection Error: 1.33"); a traceback frame only names where
+_NOISE = re.compile(r"^(?:\[\.\.\.\]|\.\.\.|`{3}[\w-]*|!\[.*|<img\b.*|[\W_]*)$|\berror\W{0,3}[:=]\s*-?\d*\.\d",
+                    re.I)
+_FRAME_LINE = re.compile(r'^File "')
+# what a launcher or torch prints after the failure it reports: a rank's exit code (a signal's, -9, says more), the
+# others being stopped, the watchdog's standard caution; the error itself stands above them
+_AFTERMATH = re.compile(r"failed \(exitcode: \d+\)|ChildFailedError|closing signal SIG|Some NCCL operations have "
+                        r"failed or timed out|Killing subprocess")
 
 
 def synthetic_cases() -> list[dict]:
@@ -65,11 +84,19 @@ def shorten(log: str, variant: str) -> str:
 
 
 def _error_line(p: Parsed, lines: list[str]) -> str:
-    """The line of a parsed log that states its error: the final exception, else the last error-looking line."""
+    """The line of a parsed log a user would copy as its error: the final exception; else the last line stating an
+    error in a program's format, the last one naming a failure in words (a launcher's report of a rank's exit only
+    where nothing else does), the last warning, and with none of them the last line that is not a frame. Never a
+    cut mark, an image, a bare code fence or a metric."""
     if p.exception is not None:
         return str(p.exception)
-    errorish = [x for x in p.lines if _ERRORISH.search(x)]
-    return (errorish or p.lines or lines)[-1]
+    kept = [x for x in p.lines if not _NOISE.search(x)]
+    errors = [x for x in kept if not _AFTERMATH.search(x)]
+    for pattern, among in ((_STATED, errors), (_ERRORISH, errors), (_ERRORISH, kept), (_WARNING, kept)):
+        found = [x for x in among if pattern.search(x)]
+        if found:
+            return found[-1]
+    return ([x for x in kept if not _FRAME_LINE.match(x)] or kept or p.lines or lines)[-1]
 
 
 class Answer(NamedTuple):

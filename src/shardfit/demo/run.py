@@ -6,10 +6,14 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from shardfit.config import load_config
+from torch import nn
+
+from shardfit.config import Config, load_config
 from shardfit.demo.evaluate import accuracy, generate_answers, report
 from shardfit.models.build import build_model, load_tokenizer, weights_cached
+from shardfit.models.gguf_reads import GGUFReads
 from shardfit.models.source import resolve_model
 from shardfit.parallel.env import DistEnv
 from shardfit.parallel.job import job_of_rank
@@ -22,6 +26,19 @@ DEMO_DIR = Path(__file__).resolve().parent
 
 def demo_config_path() -> Path:
     return DEMO_DIR / "demo.yaml"
+
+
+def load_base(cfg: Config, experts: str | None) -> tuple[Any, nn.Module, bool | None]:
+    """The tokenizer and the model as training builds them (on the CPU), and whether the model cache held the
+    weights. The bundled model is a GGUF file: its config, tokenizer and weights are each read by their own
+    transformers loader, which parsed the whole file every time (three parses on a first run); here it is parsed
+    once for all three (models/gguf_reads.py)."""
+    cached = weights_cached(cfg)
+    reads = GGUFReads()
+    with reads.shared():
+        tok = load_tokenizer(resolve_model(cfg.model))
+        model = build_model(cfg, "single", weights=True, experts=experts)
+    return tok, model, cached
 
 
 def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | None = None) -> dict:
@@ -37,10 +54,10 @@ def run_demo(env: DistEnv, overrides: Sequence[str] = (), watchdog: Watchdog | N
     if env.is_main:
         print(f"shardfit demo: LoRA fine-tune of {cfg.model} on a record-extraction task "
               f"({sum(1 for _ in open(cfg.data))} train / {len(heldout)} held-out examples)")
-    t_load, cached = time.perf_counter(), weights_cached(cfg)
-    tok = load_tokenizer(resolve_model(cfg.model))
+    t_load = time.perf_counter()
     # The model as training builds it: its fresh LoRA adapters add nothing yet, so this is the base model's answer.
-    model = build_model(cfg, "single", weights=True, experts=job.experts).to(env.device)
+    tok, model, cached = load_base(cfg, job.experts)
+    model = model.to(env.device)
     load_s = round(time.perf_counter() - t_load, 2)
     before = generate_answers(model, tok, heldout, show=True, desc="base model answers") if env.is_main else []
     if env.is_main:

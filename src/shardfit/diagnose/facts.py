@@ -476,6 +476,7 @@ def gather_facts(p: Parsed, fact_patterns: dict[str, FactPattern]) -> None:
     _spawn_facts(p, text)
     _batch_facts(p)
     _model_facts(p, text)
+    _vocab_facts(p, text)
     _collective_facts(p, text)
     _barrier_facts(p, text)
     _build_facts(p, text)
@@ -552,6 +553,26 @@ def _model_facts(p: Parsed, text: str) -> None:
         p.model_size_b = max(sizes)
         if p.model_size_b >= 30:
             p.facts.add("big_model")
+
+
+# load_state_dict's size mismatch (torch/nn/modules/module.py, _load_from_state_dict: "size mismatch for {key}: copying
+# a param with shape {ckpt} from checkpoint, the shape in current model is {model}.") on an embedding or output head
+_VOCAB_ROWS = re.compile(r"size mismatch for [\w.]*(?:embed_tokens|wte|word_embeddings|lm_head|embed_out|output_layer)"
+                         r"\.weight: copying a param with shape torch\.Size\(\[(\d+), (\d+)\]\) from checkpoint, the "
+                         r"shape in current model is torch\.Size\(\[(\d+), (\d+)\]\)")
+
+
+def _vocab_facts(p: Parsed, text: str) -> None:
+    """vocab_rows_differ: an embedding or head of the checkpoint has as wide rows as the model's but another number of
+    them: the vocabulary differs (a tokenizer or dictionary other than the checkpoint's, tokens added or a config's
+    vocab_size edited), where a whole share of the rows (a half, a quarter) is a sharded copy of a tied head."""
+    for m in _VOCAB_ROWS.finditer(text):
+        ckpt, width, model, model_width = (int(x) for x in m.groups())
+        if width != model_width or ckpt == model or not ckpt or not model:
+            continue
+        if max(ckpt, model) % min(ckpt, model):
+            p.facts.add("vocab_rows_differ")
+            return
 
 
 def _progress_facts(p: Parsed) -> None:

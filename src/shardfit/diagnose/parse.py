@@ -77,6 +77,13 @@ _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
 _CJK_EDGE = re.compile(rf"(?<=[{_CJK}])(?=[A-Za-z0-9'\"`_-])|(?<=[A-Za-z0-9'\"`_.)-])(?=[{_CJK}])")
 _FULLWIDTH = str.maketrans({"：": ": ", "，": ", ", "（": " (", "）": ") ", "；": "; ", "！": "! ", "？": "? ",
                             "＜": "<", "＞": ">", "＝": "="})
+# An NCCL line copied from a rendered page whose markdown read the underscores of a setting as emphasis: the page shows
+# NCCL_P2P_DISABLE as NCCL*P2P*DISABLE (TORCH_NCCL_... as TORCH*NCCL*...), NCCL_DEBUG=INFO as NCCL*DEBUG*=INFO, a bare
+# NCCL as _NCCL_ or *NCCL*. The setting's own spelling comes back, so the rules that name it match.
+_MD_NCCL_WORD = re.compile(r"(?<![\w*])[*_]{1,2}(NCCL\w*?)[*_]{1,2}(?![\w*])")
+_MD_NCCL_TOKEN = re.compile(r"[\w*=]*NCCL[\w*=]*")
+_MD_JOIN = re.compile(r"(?<=[A-Z0-9])\*(?=[A-Z0-9])")
+_MD_TAIL = re.compile(r"(?<=[A-Z0-9])\*(?==|$)")
 _RANKED = re.compile(r"\[rank\d+\]|\[default\d+\]:|\[\d+,\d+\]<std|local_rank")
 _DEDUP_KEY = re.compile(r"[\d█▏▎▍▌▋▊▉#]+")
 
@@ -184,6 +191,8 @@ def normalise(text: str) -> list[str]:
                     break
                 line = stripped
             line = _BOX_TAIL.sub("", line)
+            if "NCCL" in line and ("*" in line or "_NCCL" in line):
+                line = _md_nccl(line)
             if not line.isascii():
                 line = _CJK_EDGE.sub(" ", line.translate(_FULLWIDTH))
             line = _SPACES.sub(" ", line).strip()
@@ -196,6 +205,12 @@ def normalise(text: str) -> list[str]:
                 index[key] = len(out)
                 out.append(line)
     return out
+
+
+def _md_nccl(line: str) -> str:
+    """`line` with the markdown emphasis taken out of its NCCL settings (see _MD_NCCL_WORD)."""
+    line = _MD_NCCL_WORD.sub(r"\1", line)
+    return _MD_NCCL_TOKEN.sub(lambda m: _MD_TAIL.sub("", _MD_JOIN.sub("_", m.group())), line)
 
 
 def _evidence(lines: list[str]) -> list[str]:

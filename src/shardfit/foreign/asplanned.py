@@ -12,7 +12,8 @@ from shardfit.foreign.job import ENGINE_STRATEGY, TOOL_NAMES, ForeignJob
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed
 from shardfit.plan.estimate import GIB, Candidate, add_runtime_overhead, estimate
 from shardfit.plan.hardware import Hardware
-from shardfit.plan.plan import Alternative, Plan, make_plan
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
+from shardfit.plan.plan import Alternative, Plan, eight_bit_offer, make_plan
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
@@ -134,6 +135,7 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
     plan = make_plan(shape, w.on_shardfits_engine(), hw, strategies or NAMES)
     if plan.alternatives is not None:
         plan.alternatives = _in_tool_words(job, plan.alternatives)
+    _tool_adjusted(job, plan)
     fp = ForeignPlan(job, shape, hw, configured, plan)
     if not configured.fits:
         fp.would = what_would_fit(job, shape, w, hw, configured)
@@ -141,17 +143,60 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
 
 
 def _in_tool_words(job: ForeignJob, alternatives: list[Alternative]) -> list[Alternative]:
-    """The plan's alternatives for a `--from` job: an optimizer offered (bitsandbytes' 8-bit form) as the tool's own
-    setting (`Words`), since `plan --from` refuses --optimizer and reads the optimizer from the job's file; dropped
-    where the tool has no words for it."""
-    out = []
-    for a in alternatives:
-        changed = dict(a.changes).get("optimizer")
-        if changed is None:
-            out.append(a)
-        elif setting := job.words.say(str(changed), ""):
-            out.append(dataclasses.replace(a, setting=setting))
-    return out
+    """The plan's alternatives for a `--from` job, each in the tool's words (`tool_alternative`)."""
+    return [tool_alternative(job, a) for a in alternatives]
+
+
+# Each workload change the plan offers (plan/plan.py `alternatives`, `same_result`) as a concept of the tools' words
+# (job.py `Words`), with the value it takes there; micro_batch takes grad_accum's value (it is always 1).
+_CONCEPTS = {"grad_ckpt": lambda v: ({"full": "grad_ckpt"}.get(str(v), str(v)), None),
+             "seq_len": lambda v: ("seq", v), "method": lambda v: (str(v), None),
+             "optimizer": lambda v: (str(v), None)}
+# Why a tool may have no words for a concept.
+_NO_WORDS = {"selective": "{tool} has no selective checkpointing (it checkpoints whole blocks or none)",
+             "nodes": "shardfit does not know {tool}'s own multi-node launch; plan --from ... --nodes N plans it"}
+
+
+def tool_alternative(job: ForeignJob, a: Alternative) -> Alternative:
+    """`a` as the job's tool spells it (`setting`), since `plan --from` reads the workload from the job's file and
+    refuses shardfit's flags for it; where the tool has no setting for a change, `left_out` says so."""
+    words, changes = job.words, dict(a.changes)
+    parts: list[str] = []
+    missing: list[str] = []
+
+    def put(concept: str, value: object = None) -> None:
+        said = words.setting(concept, value)
+        parts.append(said) if said else missing.append(concept)
+
+    if a.nodes is not None:
+        put("nodes", a.nodes)
+    for name, value in a.changes:
+        if name == "micro_batch":
+            put("micro_batch", changes.get("grad_accum"))
+        elif name in _CONCEPTS:
+            put(*_CONCEPTS[name](value))
+        elif name not in ("grad_accum", "bnb_optimizer"):  # said with micro_batch, and with the optimizer
+            missing.append(name)
+    if not missing:
+        return dataclasses.replace(a, setting=" + ".join(parts))
+    tool = TOOL_NAMES[job.tool]
+    why = "; ".join(_NO_WORDS.get(m, f"{tool} has no setting for "
+                                     f"{OPTIMIZER_KINDS[m].label if m in OPTIMIZER_KINDS else m} that shardfit "
+                                     "knows").format(tool=tool) for m in missing)
+    return dataclasses.replace(a, setting=None, left_out=why)
+
+
+def _tool_adjusted(job: ForeignJob, plan: Plan) -> None:
+    """The plan's adjusted recommendation (`same_result`) in the tool's words; where the tool has no setting for
+    it, left out and said among the alternatives."""
+    if plan.adjusted is None:
+        return
+    said = tool_alternative(job, plan.adjusted)
+    if said.left_out:
+        plan.adjusted = None
+        plan.alternatives = [said, *(plan.alternatives or [])]
+    else:
+        plan.adjusted = said
 
 
 Try = tuple[str, Workload, ZeroSettings | None, str | None]
@@ -191,7 +236,8 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
         tries.append((say("grad_ckpt", "gradient checkpointing on"), dataclasses.replace(w, grad_ckpt="full"),
                       None, None))
     if w.micro_batch > 1:
-        tries.append((say("micro_batch", "micro-batch 1") + f" (1 x {w.micro_batch * w.grad_accum})",
+        tries.append((job.words.setting("micro_batch", w.micro_batch * w.grad_accum)
+                      or f"micro-batch 1 (1 x {w.micro_batch * w.grad_accum})",
                       dataclasses.replace(w, micro_batch=1, grad_accum=w.micro_batch * w.grad_accum), None, None))
     z = job.zero or ZeroSettings()
     if job.engine == "deepspeed" and z.stage < 3 or job.engine in ("ddp", "single"):
@@ -200,8 +246,12 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
         tries.append((say("zero3_offload", "ZeRO-3 with CPU offload"),
                       w, dataclasses.replace(z, stage=3, offload_optimizer=True, offload_param=True), "deepspeed"))
     if w.seq_len > 512:
-        tries.append((f"{say('seq', 'sequence length')} {w.seq_len // 2}",
+        tries.append((job.words.setting("seq", w.seq_len // 2) or f"sequence length {w.seq_len // 2}",
                       dataclasses.replace(w, seq_len=w.seq_len // 2), None, None))
+    if (offer := eight_bit_offer(w)) is not None:  # the plan's own rule, in the tool's words where it has them
+        optimizer = str(offer[1]["optimizer"])
+        tries.append((say(optimizer, f"left out: {offer[0]} ({TOOL_NAMES[job.tool]} names no such optimizer)"),
+                      dataclasses.replace(w, **offer[1]), None, None))
     if w.method in ("full", "freeze"):
         tries.append((say("lora", "LoRA"), dataclasses.replace(w, method="lora"), None, None))
     if w.loss != "chunked":

@@ -99,6 +99,9 @@ KEYS = key_table({
     "expert_parallel_size": Key("expert parallel", field="expert_parallel", config="expert_parallel",
                                 read=if_set(as_int)),
     "liger_fused_linear_cross_entropy": Key("fused loss"), "cut_cross_entropy": Key("fused loss"),
+    # axolotl's own param groups: where a step that loops over tensors steps the embedding and head (`_groups`)
+    "embedding_lr": Key("embedding group, own param groups"),
+    "embedding_lr_scale": Key("embedding group, own param groups"), "lr_groups": Key("own param groups"),
     "deepspeed": Key("ZeRO settings"), "fsdp": Key("FSDP"), "fsdp_config": Key("FSDP"), "optimizer": Key("{optimizer}"),
     "ddp_find_unused_parameters": Key("DDP"), "bnb_4bit_quant_storage": Key("quantized storage"),
     "quantize_moe_experts": Key("routed experts in 4-bit, as planned"), "fsdp_version": Key("FSDP1 or FSDP2"),
@@ -145,10 +148,11 @@ def words() -> Words:
                        "fused_loss": "plugins: [axolotl.integrations.liger.LigerPlugin] with "
                        "liger_fused_linear_cross_entropy: true",
                        "grad_ckpt": "gradient_checkpointing: true", "micro_batch": "micro_batch_size: 1 with "
-                       "gradient_accumulation_steps", "seq": "sequence_len", "qlora": "adapter: qlora with "
+                       "gradient_accumulation_steps", "seq": "sequence_len: {}", "qlora": "adapter: qlora with "
                        "load_in_4bit: true", "lora": "adapter: lora",
                        "reentrant": "gradient_checkpointing_kwargs: {use_reentrant: false}",
-                       "device_map": "drop device_map under accelerate launch"})
+                       "device_map": "drop device_map under accelerate launch",
+                       "nodes": "num_machines: {} in the accelerate config (machine_rank per node)"})
 
 
 def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:
@@ -181,6 +185,7 @@ def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> 
     job.quant_storage = w.method == "qlora" and job.engine != "ddp"
     _kbit_dtypes(src, job, shape, version)
     _unplanned_savings(src, job)
+    _groups(src, job)
     job.data = _datasets(src, job)
     job.convert = _convert(src)
     default_epochs(job, src, KEYS, "axolotl")
@@ -367,6 +372,22 @@ def _unplanned_savings(src: Source, job: ForeignJob) -> None:
     if src.flag("tiled_mlp"):
         job.notes.append("tiled_mlp: axolotl runs each MLP over slices of the sequence; shardfit plans it whole (an "
                          "over-estimate of the MLP's activations at long sequences)")
+
+
+def _groups(src: Source, job: ForeignJob) -> None:
+    """axolotl's own param groups (its OptimizerMixin's `create_optimizer_grouped_parameters`), built in place of
+    the Trainer's once `embedding_lr`, `embedding_lr_scale` or `lr_groups` is set: the embedding and head in a
+    group of their own (`embedding_group`), one more group per `lr_groups` entry that names modules, and no 32-bit
+    override for the embedding's bitsandbytes states (its create_optimizer registers one only for the Adam8bit
+    class: `embedding_override` off)."""
+    if all(src.get(k) is None for k in ("embedding_lr", "embedding_lr_scale", "lr_groups")):
+        return
+    groups = src.get("lr_groups") or []
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise UserError(f"{src.at('lr_groups')}: 'lr_groups' is {groups!r}; axolotl takes a list of mappings, each "
+                        f"with name, modules (a list of module names) and lr.")
+    named = sum(1 for g in groups if g.get("modules"))
+    job.workload = dataclasses.replace(job.workload, embedding_group=True, lr_groups=named, embedding_override=False)
 
 
 def _fsdp_version(src: Source, job: ForeignJob) -> None:

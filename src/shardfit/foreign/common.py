@@ -258,6 +258,17 @@ TRAINER_8BIT = {"adamw8bit": "adamw_bnb_8bit", "rmsprop8bit": "rmsprop_bnb_8bit"
                 "ademamix8bit": "ademamix_8bit"}
 
 
+def nodes_words(launcher: str | None) -> str:
+    """How a command line's launcher starts its ranks on several nodes, `{}` the count, for the plan's
+    suggestions (job.py `Words`): torchrun's --nnodes (also where it names none), accelerate's --num_machines,
+    the DeepSpeed launcher's --num_nodes."""
+    if launcher == "accelerate":
+        return "accelerate launch --num_machines {} --machine_rank <node> --main_process_ip <first node>"
+    if launcher == "deepspeed":
+        return "deepspeed --num_nodes {} --hostfile HOSTFILE"
+    return "torchrun --nnodes {} --node_rank <node> --master_addr <first node>"
+
+
 def eight_bit_words(form: str) -> dict[str, str]:
     """A tool's words (foreign/job.py `Words.keys`) for each 8-bit optimizer the planner offers: `form` with the
     Trainer's `optim` name in place of `{}` ("--optim {}")."""

@@ -39,7 +39,7 @@ from shardfit.foreign.common import (
     trainer_fsdp1,
 )
 from shardfit.foreign.deepspeed import DeepSpeedJob
-from shardfit.foreign.hf_seq import ALL_SEQ_KEYS, seq_note, unread_seq_keys
+from shardfit.foreign.hf_seq import ALL_SEQ_KEYS, plan_words, seq_note, unread_seq_keys
 from shardfit.foreign.job import ForeignJob, ReferenceCopy, Words
 from shardfit.foreign.kbit import LOAD_DTYPE_KEYS, TRL_DTYPE_EFFECT, apply_load, job_load, load_keys, trl_kbit
 from shardfit.foreign.keys import (
@@ -176,6 +176,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
+    job.words.keys.update(plan_words(job.launcher, src))
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _job_workload(src, job, code, version, acc, batch, optimizer)
     loaded = job_load(src, code, version, program)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardfit.foreign.arg_nulls import SEQ_KEYS
+from shardfit.foreign.common import nodes_words
 from shardfit.foreign.keys import Source
 
 # Scripts whose own argument is the sequence length: transformers' examples/pytorch/language-modeling/run_clm.py
@@ -15,6 +16,14 @@ KNOWN_SEQ = {"run_clm.py": "block_size"}
 # Every such argument, read as a sequence length only for its own script (`unread_seq_keys`).
 SCRIPT_SEQ_KEYS = tuple(sorted(set(KNOWN_SEQ.values())))
 ALL_SEQ_KEYS = (*SEQ_KEYS, *SCRIPT_SEQ_KEYS)
+
+
+def plan_words(launcher: str | None, src: Source) -> dict[str, str]:
+    """How the command line sets its sequence length and nodes, for the plan's suggestions (job.py `Words`): the
+    length argument it gives (`--max_length`), else plan's --seq, which `plan --from hf` takes where the arguments
+    name none; its launcher's node count (common.py `nodes_words`)."""
+    key = next((k for k in ALL_SEQ_KEYS if k in src), None)
+    return {"seq": f"--{key}" if key else "--seq", "nodes": nodes_words(launcher)}
 
 
 def unread_seq_keys(src: Source, program: str) -> dict[str, str]:

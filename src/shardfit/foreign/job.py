@@ -30,6 +30,14 @@ class Words:
     def say(self, concept: str, default: str) -> str:
         return self.keys.get(concept) or self.zero.get(concept) or default
 
+    def setting(self, concept: str, value: object = None) -> str | None:
+        """The tool's setting for `concept` at `value`: its words with `value` in place of `{}`, or after them
+        (`cutoff_len 2048`); the words alone without a value. None where the tool has no words for it."""
+        said = self.keys.get(concept) or self.zero.get(concept)
+        if not said or value is None:
+            return said or None
+        return said.format(value) if "{}" in said else f"{said} {value}"
+
 
 @dataclass(frozen=True)
 class ReferenceCopy:

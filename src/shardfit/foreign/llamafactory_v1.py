@@ -107,7 +107,8 @@ def words() -> Words:
     return Words(zero={"zero2": ds + "ds_z2_config.json}", "zero3": "dist_config: {name: fsdp2}",
                        "zero3_offload": "dist_config: {name: fsdp2, offload_params: true}"},
                  keys={"grad_ckpt": "enable_activation_checkpointing: true (remove the key)",
-                       "micro_batch": "micro_batch_size: 1 with global_batch_size", "seq": "cutoff_len",
+                       "micro_batch": "micro_batch_size: 1, global_batch_size as it is ({} micro-batches a rank each "
+                       "step)", "seq": "cutoff_len: {}",
                        "qlora": "quant_config: {name: bnb, quantization_bit: 4}", "lora": "peft_config: {name: lora}",
                        "launch": "USE_V1=1 FORCE_TORCHRUN=1 llamafactory-cli sft"})
 

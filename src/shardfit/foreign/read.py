@@ -296,6 +296,8 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                                          "{device: cpu}"},
                   keys={"micro_batch": "train_micro_batch_size_per_gpu: 1 with gradient_accumulation_steps",
                         "seq": "--seq", "grad_ckpt": "gradient checkpointing in the training script",
+                        "lora": "--method lora", "qlora": "--method qlora",
+                        "nodes": "deepspeed --num_nodes {} --hostfile HOSTFILE",
                         **eight_bit_words("optim=\"{}\" in the training script's TrainingArguments")})
     job = ForeignJob("deepspeed", str(path), opts.model, w, engine="deepspeed", zero=ds.zero, nproc=opts.nproc,
                      keys=ds.keys, not_modelled=ds.not_modelled, words=words)

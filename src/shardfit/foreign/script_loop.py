@@ -88,6 +88,9 @@ class HandLoop:
     grad_accum: int = 1
     accum_said: str = ""
     syncs: list[str] = field(default_factory=list)  # .item() / print(...) in the loop: host waits each step
+    # where the script tells bitsandbytes' GlobalOptimManager to keep some weight's states in 32 bits
+    # (register_module_override, override_config), as the HF Trainer does for the embedding; "" where it never does
+    override_at: str = ""
     epochs: int | None = None
     epochs_at: str = ""
     # the script's module-level names bound once to a literal, for the wrappers' keywords read later (loop_engine)
@@ -159,6 +162,8 @@ def read_loop(tree: ast.Module, path: Path, constants: dict[str, Any], bases: di
     _read_accum(out, scope, tree, step, constants, name)
     out.syncs = [f"{name}:{c.lineno}" for c in ast.walk(scope) if isinstance(c, ast.Call) and
                  (_attr(c) == "item" or called_name(c.func) == "print")]
+    out.override_at = next((f"{name}:{c.lineno}" for c in ast.walk(tree) if isinstance(c, ast.Call) and
+                            _attr(c) in ("register_module_override", "override_config")), "")
     outer = [f for f in ast.walk(tree) if isinstance(f, ast.For) and f is not loop and loop in ast.walk(f)]
     if len(outer) == 1 and isinstance(outer[0].iter, ast.Call) and called_name(outer[0].iter.func) == "range" and \
             len(outer[0].iter.args) == 1 and isinstance(n := _literal(outer[0].iter.args[0], constants), int):
@@ -557,6 +562,9 @@ def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str
                        no_8bit_form=True)
     else:
         changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False, no_8bit_form=False)
+    # No Trainer registers the embedding for 32-bit states: only the script's own override keeps it from 8 bits
+    # (plan/optimizer_states.py `fp32_state_embedding`), an upper bound whatever weight it names.
+    changes["embedding_override"] = bool(loop.override_at)
     _say_workload(loop, batch, optimizer, changes, notes)
     return dataclasses.replace(w, **changes)
 
@@ -586,7 +594,9 @@ def _say_workload(loop: HandLoop, batch: int | None, optimizer: str | None, chan
         notes.append(f"the loop steps the DeepSpeed engine of deepspeed.initialize at {loop.optimizer_at}: the "
                      f"optimizer its JSON builds")
     else:
-        notes.append(f"optimizer: {loop.optimizer} at {loop.optimizer_at} ({_KERNELS[loop.optimizer_kind]})")
+        notes.append(f"optimizer: {loop.optimizer} at {loop.optimizer_at} ({_KERNELS[loop.optimizer_kind]})"
+                     + (_override_said(loop) if loop.optimizer_kind == "bnb" and "8bit" in changes["optimizer"]
+                        else ""))
     if loop.amp:
         notes.append(f"precision: {loop.amp_said} around the loop's forward (autocast over the weights as loaded)")
     elif changes["precision"] != "fp32":
@@ -594,6 +604,15 @@ def _say_workload(loop: HandLoop, batch: int | None, optimizer: str | None, chan
                      f"script's Accelerator applies")
     if loop.ckpt_said:
         notes.append(f"gradient checkpointing: {loop.ckpt_said}" + ("" if loop.reentrant else " (non-reentrant)"))
+
+
+def _override_said(loop: HandLoop) -> str:
+    """Where a loop's bitsandbytes 8-bit optimizer keeps 32-bit states beside the small tensors'."""
+    if loop.override_at:
+        return (f"; 32-bit states for the input embedding (a full fine-tune's) as the script's GlobalOptimManager "
+                f"override at {loop.override_at} asks, planned for the embedding whatever weight it names")
+    return ("; the input embedding's states in 8 bits too: the script registers no 32-bit override "
+            "(GlobalOptimManager.register_module_override), which the HF Trainer alone does for it")
 
 
 def hand_loop_job(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bool:
@@ -694,6 +713,8 @@ def loop_words(job: ForeignJob) -> None:
             ("adamw8bit", "AdamW8bit"), ("rmsprop8bit", "RMSprop8bit"), ("lion8bit", "Lion8bit"),
             ("ademamix8bit", "AdEMAMix8bit"))},
         "lora": "peft's get_peft_model(model, LoraConfig(...))",
+        "qlora": "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) with peft's "
+                 "get_peft_model(model, LoraConfig(...))",
         "fused_loss": "a fused linear cross-entropy (Liger's) in the loop's loss"})
     job.words.zero.update({z: f"deepspeed.initialize(..., config=\"ds_config_{z}.json\")"
                            for z in ("zero2", "zero3", "zero3_offload")})

@@ -149,7 +149,9 @@ def words() -> Words:
                        "device_map": "NPROC_PER_NODE=1 (one process over CUDA_VISIBLE_DEVICES) or drop "
                        "--device_map under NPROC_PER_NODE", "model_parallel": "no NPROC_PER_NODE, "
                        "CUDA_VISIBLE_DEVICES listing every GPU (ms-swift splits the model with device_map)",
-                       "talker": "ENABLE_AUDIO_OUTPUT=0", "ranks": "NPROC_PER_NODE with --deepspeed zero3",
+                       "talker": "ENABLE_AUDIO_OUTPUT=0",
+                       "nodes": "NNODES={} with NODE_RANK, MASTER_ADDR and NPROC_PER_NODE on each node",
+                       "ranks": "NPROC_PER_NODE with --deepspeed zero3",
                        "quant_storage": "--bnb_4bit_quant_storage bfloat16",
                        "reentrant": "--gradient_checkpointing_kwargs '{\"use_reentrant\": false}'"})
 

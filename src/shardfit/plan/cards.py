@@ -64,7 +64,9 @@ class Card:
 
 @cache
 def _table() -> dict[str, Any]:
-    return yaml.safe_load(Path(__file__).with_name("cards.yaml").read_text())
+    """The bundled cards, with libyaml's safe loader where PyYAML has it (as plan/shapes.py `catalog`)."""
+    return yaml.load(Path(__file__).with_name("cards.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader",
+                                                                                        yaml.SafeLoader))
 
 
 def card_of(hw: Hardware) -> Card:

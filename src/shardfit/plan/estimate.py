@@ -24,6 +24,7 @@ most what the card leaves.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 
 from shardfit import method as methods
 from shardfit import strategy as strategies
@@ -103,6 +104,10 @@ class Breakdown:
     allocator_reserve: float = 0.0
     runtime_overhead: float = 0.0  # the CUDA context and NCCL's buffers: outside the allocator
     total: float = 0.0
+    # What a second stream's pool keeps reserved beyond the peak's tensors on a card with room (`stream_pool`):
+    # FSDP's gradient shards, made on its reduce-scatter stream, whose cached blocks the compute stream cannot
+    # reuse. Not in `total`: before a request fails the allocator frees every stream's cache and retries.
+    stream_pool: float = 0.0
 
 
 @dataclass
@@ -328,9 +333,13 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     w = with_loss_chunk(shape, planned_workload(shape, w), hw)
     s = strategies.get(strategy)
     rank = per_rank(shape, w, hw, s)
-    moments = step_moments(shape, w, strategy, rank)
+    candidates = step_candidates(shape, w, strategy, rank)
+    moments = {k: max(v, key=_tensors) for k, v in candidates.items()}
     phase = max(moments, key=lambda k: _tensors(moments[k]))
+    gathered = rank.gathered if hw.world > 1 else 0.0
+    pool = stream_pool(candidates, moments[phase], grads_on_own_stream(shape, w, hw, s), gathered)
     b = in_gib(moments[phase])
+    b.stream_pool = pool / GIB
     add_runtime_overhead(b, hw, strategy)
     at_eval = phase == "eval"
     fits, notes = _verdict(shape, w, hw, s, b, rank.cpu, at_eval)
@@ -359,6 +368,10 @@ class PerRank:
     held_grad_shards: float = 0.0
     grad_divisor: float = 1  # how many ways the gradients are split
     ranks: int = 1  # the processes an evaluation gathers its logits from
+    # FSDP FULL_SHARD: the most the pool of the stream it gathers under holds (FSDP1's unshard stream: the gathered
+    # flat parameters; FSDP2's copy-in stream: its all-gather outputs), which that pool keeps reserved while
+    # nothing is gathered (`stream_pool`); 0 where nothing is gathered.
+    gathered: float = 0.0
 
 
 def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
@@ -419,9 +432,9 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
         # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
         r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
+        r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
         if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.bwd_temp = (fsdp1_backward_weight_bytes(root_16, layer_16)
-                          + fsdp1_backward_grad_bytes(shape, w, layer_grads))
+            r.bwd_temp = r.gathered + fsdp1_backward_grad_bytes(shape, w, layer_grads)
         else:
             # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
             # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
@@ -486,6 +499,23 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
     return 2 * per_unit, grads
 
 
+def gathered_pool_bytes(w: Workload, root: float, embedding: float, layer: float) -> float:
+    """The most FULL_SHARD's gathered weights hold at once in the pool of the stream they are gathered under, in
+    bytes, from `root` (the root unit's weights, an untied input `embedding` among them) and `layer` (one block's).
+
+    FSDP1 (`runs_fsdp1`) gathers into its flat parameters under its unshard stream: `fsdp1_backward_weight_bytes`.
+    FSDP2 allocates each unit's all-gather output under its copy-in stream (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py `foreach_all_gather`, in forward and backward: _fsdp_param_group.py
+    `get_all_gather_streams`) and copies the parameters out on the compute stream; in forward a unit's output is
+    freed only after the next unit's copy-out (`wait_for_unshard`), so two neighbours' outputs coexist. The units
+    in forward order as shardfit wraps them (parallel/parallelize.py): the root's own weights, an untied input
+    embedding's unit, the blocks."""
+    if w.runs_fsdp1:
+        return fsdp1_backward_weight_bytes(root, layer)
+    units = [root - embedding, embedding, layer, layer] if embedding else [root, layer, layer]
+    return max(a + b for a, b in pairwise(units))
+
+
 def fsdp1_backward_weight_bytes(root: float, layer: float) -> float:
     """The gathered weights FSDP1 (`runs_fsdp1`, FULL_SHARD) holds at its backward's worst moment, in bytes, from
     `root`, the root unit's unsharded flat parameter (embedding, final norm, head), and `layer`, one block's.
@@ -530,6 +560,12 @@ def fsdp1_offload_grad_shard_bytes(shape: ModelShape, w: Workload, shards: float
 def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, Breakdown]:
     """The step at its three candidate peaks (bytes): the loss (forward), the worst moment of backward, and the
     optimizer step; and an evaluation while training where the job runs one (plan/evaluation.py)."""
+    return {k: max(v, key=_tensors) for k, v in step_candidates(shape, w, strategy, r).items()}
+
+
+def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> dict[str, list[Breakdown]]:
+    """Every moment `step_moments` weighs (bytes), by phase: backward's three (the loss's gradient, the last
+    block's backward, the input embedding's gradient), one of each other phase, and an evaluation's worst."""
     tokens = w.tokens
     layers = r.layers
     g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
@@ -561,10 +597,10 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
         forward = max(forward, Breakdown(wr, g_fwd, opt, reference_activation_bytes(shape, w, strategy) + vision,
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     moments = {
-        "forward": forward,
+        "forward": [forward],
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
-        "backward": max(
+        "backward": [
             Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
                       logits_bytes(shape, w, strategy, "backward") + held,
                       fwd_temp + head_dequantize_bytes(shape, w)),
@@ -572,15 +608,44 @@ def step_moments(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> d
                       bwd_temp + residual_grads),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
-                      bwd_temp + residual_grads),
-            key=_tensors),
-        "optimizer": Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0),
+                      bwd_temp + residual_grads)],
+        "optimizer": [Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0)],
     }
     if w.eval_batch:  # between steps: gradients freed by zero_grad(set_to_none), an engine's own buffers kept
         g_eval = r.grads if r.persistent_grads else 0.0
-        moments["eval"] = max((Breakdown(wr, g_eval, opt, a, lg, fwd_temp)
-                               for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)
+        moments["eval"] = [max((Breakdown(wr, g_eval, opt, a, lg, fwd_temp)
+                                for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)]
     return moments
+
+
+def grads_on_own_stream(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> bool:
+    """Whether the gradient column of every moment is FSDP's gradient shards, made on a stream of their own: a
+    sharded strategy's reduce-scatter output (FSDP1 `_reduce_grad` allocates `new_sharded_grad` under its
+    post-backward stream; FSDP2 `foreach_reduce` its reduce-scatter output under the reduce-scatter stream, "the GPU
+    sharded gradient is allocated in the RS stream"). Not under no_sync(), whose unsharded gradients autograd
+    makes on the compute stream (`no_sync_grad_bytes`), nor where expert parallelism keeps experts' gradients
+    outside FSDP (plan/experts.py)."""
+    if not s.sharded or hw.world < 2 or experts.applies(w, shape, s.engine, s.offload):
+        return False
+    return not (w.fsdp1_no_sync and w.grad_accum > 1)
+
+
+def stream_pool(candidates: dict[str, list[Breakdown]], peak: Breakdown, shards: bool, gathered: float) -> float:
+    """Bytes that other streams' pools add to a reading beyond `peak`'s tensors, on a card with room: the
+    gradient shards' (`shards`: every moment's gradient column is theirs) and the pool FSDP gathers into (FSDP1's
+    unshard stream, FSDP2's all-gather copy-in stream), which holds `gathered` at most.
+
+    PyTorch's caching allocator serves a request only with a cached block of the request's stream
+    (c10/cuda/CUDACachingAllocator.cpp `get_free_block`: a block whose `stream` is not the request's is no match),
+    so each stream's pool keeps its own worst moment reserved: the compute stream's most, at whichever moment
+    (every `candidates` moment less its gradient shards), and the shards' most. In one stream the shards would
+    reuse the activations backward frees; here they cannot. The gathered weights are in every moment's tensors but
+    the optimizer step's; there the unshard pool's blocks sit idle beside the step (counted there only: elsewhere
+    part of them is in use, so this is the least it adds)."""
+    every = [(m, gathered if phase == "optimizer" else 0.0) for phase, ms in candidates.items() for m in ms]
+    own = max(_tensors(m) - (m.grads if shards else 0.0) + idle for m, idle in every)
+    own += max(m.grads for m, _ in every) if shards else 0.0
+    return max(0.0, own - _tensors(peak))
 
 
 def in_gib(b: Breakdown) -> Breakdown:
@@ -659,16 +724,17 @@ def add_runtime_overhead(b: Breakdown, hw: Hardware, strategy: str) -> None:
 def peak_reading(b: Breakdown, gpu_gib: float, reading: str = "reserved") -> float:
     """What a run of breakdown `b` (GiB) reads at its peak on a card of `gpu_gib` when it succeeds: `allocated`
     torch.cuda.max_memory_allocated() (the tensors), `reserved` max_memory_reserved() (the tensors and the cache,
-    ALLOCATOR_CACHE of them) and `total` that and the runtime, as nvidia-smi shows the device. The cache is capped by
-    the card: before a request fails the allocator frees cached segments and retries, so a run near its card reads
-    what the card leaves after the runtime, never less than the verdict's reserve needs."""
+    ALLOCATOR_CACHE of them, and a second stream's pool, `stream_pool`) and `total` that and the runtime, as
+    nvidia-smi shows the device. The cache is capped by the card: before a request fails the allocator frees
+    cached segments and retries, so a run near its card reads what the card leaves after the runtime, never less
+    than the verdict's reserve needs."""
     if reading not in READINGS:
         raise ValueError(f"reading {reading!r}: one of {', '.join(READINGS)}")
     tensors = b.total - b.runtime_overhead - b.allocator_reserve
     if reading == "allocated":
         return tensors
     room = max(gpu_gib - b.runtime_overhead, tensors + b.allocator_reserve)
-    reserved = min(tensors * (1 + ALLOCATOR_CACHE), room)
+    reserved = min(tensors * (1 + ALLOCATOR_CACHE) + b.stream_pool, room)
     return reserved if reading == "reserved" else reserved + b.runtime_overhead
 
 

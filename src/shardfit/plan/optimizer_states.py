@@ -123,9 +123,10 @@ def fp32_state_embedding(w: Workload) -> bool:
     32) for any bitsandbytes optimizer built with 8 bits: a full fine-tune's embedding, and peft's trained copy of
     it (`lora_saved` "embed": ModulesToSaveWrapper's copy is an nn.Embedding too). The untied head is an nn.Linear:
     8-bit states. Not with FSDP1's flat parameters (`flat_params`): the override is keyed by the embedding's own
-    parameter, which no flat parameter is (`fp32_state_params`); the one rule the estimate and a pipeline stage's
-    parts (plan/pipeline.py `_part_gib`) read."""
-    if kind_of(w).width != "8bit" or not w.bnb_optimizer or w.flat_params:
+    parameter, which no flat parameter is (`fp32_state_params`); nor where nothing registers it
+    (`embedding_override` off: a hand-written loop, axolotl's own param groups). The one rule the estimate and a
+    pipeline stage's parts (plan/pipeline.py `_part_gib`) read."""
+    if kind_of(w).width != "8bit" or not w.bnb_optimizer or w.flat_params or not w.embedding_override:
         return False
     return w.method == "full" or (w.trains_adapters and "embed" in w.lora_saved)
 
@@ -199,13 +200,16 @@ def stepped_pairs(shape: ModelShape, w: Workload, *, matrices: bool = True) -> l
     blocks' (of any kind: a bound). LoRA: two adapter matrices in a row (A, then B), none over the largest
     (`lora_rank` times the widest layer), and peft's trained copies of the embedding (the first trained tensor;
     the first adapter after it) and of the head (after the last adapter), in their own dtype (`saved_copy_bytes`).
-    `matrices` off (a pipeline's middle stage): neither the embedding, the head, nor their copies."""
+    axolotl's own groups (`embedding_group`, `lr_groups`): `_grouped_pairs`. `matrices` off (a pipeline's middle
+    stage): neither the embedding, the head, nor their copies."""
     low, matrix = trainable_bytes(w), shape.vocab * shape.hidden
     if w.trains_adapters:
         adapter = w.lora_rank * max(max(i, o) for i, o in shape.linear_shapes())
         pairs = [(adapter, low, adapter, low)]
         saved = set(w.lora_saved) if matrices else set()
         copy = saved_copy_bytes(w)
+        if w.embedding_group:
+            return pairs + _grouped_copies(saved, matrix, copy, adapter, low)
         if "embed" in saved:
             pairs += [(matrix, copy, 0, low), (adapter, low, matrix, copy)]
         if "head" in saved:
@@ -214,10 +218,45 @@ def stepped_pairs(shape: ModelShape, w: Workload, *, matrices: bool = True) -> l
     blocks = [seq for _, kind in shape.block_kinds() if (seq := _block_tensors(shape, w, kind))]
     last = max(seq[-1] for seq in blocks)
     pairs = [(x, low, before, low) for seq in blocks for x, before in zip(seq, [last, *seq[:-1]], strict=True)]
+    if w.embedding_group or w.lr_groups:
+        return pairs + _grouped_pairs(shape, w, blocks, matrices=matrices)
     if w.method != "full" or not matrices:
         return pairs
     pairs += [(matrix, low, 0, low)] + [(seq[0], low, matrix, low) for seq in blocks]
     return pairs + ([] if shape.tied else [(matrix, low, last, low)])
+
+
+def _grouped_pairs(shape: ModelShape, w: Workload, blocks: list[list[int]], *,
+                   matrices: bool) -> list[tuple[int, int, int, int]]:
+    """The pairs axolotl's own param groups add to the block matrices' (its OptimizerMixin's
+    `create_optimizer_grouped_parameters`, used once `embedding_lr`, `embedding_lr_scale` or `lr_groups` is set):
+    the decay group's matrices in the model's order; then the embedding and an untied head in a group of their
+    own (`embed_tokens`, `lm_head`), the embedding after the decay group's last matrix and the head right after
+    the embedding; then the norms' group; then each `lr_groups` group, whose matrices (named by module, which the
+    plan does not match) are bounded as any block matrix after any other. The tensor before a group's first is
+    the previous group's last, as transformers' Adafactor still holds it (one step() over every group; torch's
+    frees it between groups: a bound)."""
+    low, matrix = trainable_bytes(w), shape.vocab * shape.hidden
+    largest = max(max(seq) for seq in blocks)
+    last = largest if w.lr_groups else max(seq[-1] for seq in blocks)
+    pairs = [(largest, low, largest, low)] if w.lr_groups else []
+    if w.method != "full" or not matrices:
+        return pairs
+    pairs.append((matrix, low, last, low))
+    return pairs + ([] if shape.tied else [(matrix, low, matrix, low)])
+
+
+def _grouped_copies(saved: set[str], matrix: int, copy: int, adapter: int,
+                    low: int) -> list[tuple[int, int, int, int]]:
+    """peft's trained copies of the embedding and head (`saved`) in axolotl's embeddings group (`_grouped_pairs`:
+    every name ending modules_to_save.default.weight): stepped after the last adapter, the head's right after the
+    embedding's."""
+    pairs = []
+    if "embed" in saved:
+        pairs.append((matrix, copy, adapter, low))
+    if "head" in saved:
+        pairs.append((matrix, copy, *((matrix, copy) if "embed" in saved else (adapter, low))))
+    return pairs
 
 
 def largest_trainable(shape: ModelShape, w: Workload, *, matrices: bool = True) -> int:

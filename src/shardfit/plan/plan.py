@@ -181,15 +181,21 @@ class Alternative:
     # the change as the setting of another tool's job (`plan --from`, foreign/asplanned.py `plan_job`), which the
     # plan then reads from the job's file: what `how` says in place of `shardfit plan`'s flags
     setting: str | None = None
+    # ... or why that tool has no setting for it: the change is then said as left out, never as shardfit's flags
+    left_out: str | None = None
 
     def how(self, style: str = "plan") -> str | None:
         """The change as `shardfit plan` flags (style "plan") or config overrides (style "config"); None when that
-        command has no such setting."""
-        return _flags(self, style)
+        command has no such setting (or the job's tool has none, `left_out`)."""
+        return None if self.left_out else _flags(self, style)
 
     def phrase(self, style: str = "plan") -> str | None:
         """The change as the flags of `shardfit plan` (style "plan") or as config overrides for `train`/`check`
-        (style "config"); None when that command has no such setting."""
+        (style "config"); None when that command has no such setting; one line saying why where the job's tool
+        has none (`left_out`)."""
+        if self.left_out:
+            return f"left out: {self.what} ({self.strategy} at {self.total_gib:.1f} GiB per {self.unit}): " \
+                f"{self.left_out}"
         how = _flags(self, style)
         if how is None:
             return None
@@ -235,14 +241,8 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
         tries.append(("LoRA instead of a full fine-tune", {"method": "lora"}, None))
     if w.method != "qlora":
         tries.append(("QLoRA: 4-bit frozen weights", {"method": "qlora"}, None))
-    # bitsandbytes' 8-bit form of the job's own optimizer (never another optimizer: that would train something
-    # else), for adapters too: QLoRA's adapters on every linear layer of a 70B model at rank 64 keep GiBs of states.
-    # A job a tool's Trainer runs (`tool_autocast`) gets bitsandbytes' kernels as its `optim` names them: the
-    # Trainer keeps the embedding's states in fp32 (`bnb_optimizer`, optimizer_states.py `fp32_state_embedding`).
-    eight_bit = None if w.no_8bit_form else OPTIMIZER_KINDS[w.optimizer].eight_bit
-    if eight_bit is not None:
-        tries.append((OPTIMIZER_KINDS[eight_bit].label,
-                      {"optimizer": eight_bit, **({"bnb_optimizer": True} if w.tool_autocast else {})}, None))
+    if (offer := eight_bit_offer(w)) is not None:
+        tries.append((*offer, None))
     out = [a for what, changes, nodes in tries if (a := _fits_with(shape, w, hw, what, changes, nodes))]
     if not out:  # all of them at once, for a job no single change rescues (a full fine-tune on one GPU)
         lean = {"grad_ckpt": "full", "micro_batch": 1, "grad_accum": w.grad_accum * w.micro_batch}
@@ -261,6 +261,21 @@ def alternatives(shape: ModelShape, w: Workload, hw: Hardware) -> list[Alternati
             out.append(found)
             break
     return out
+
+
+def eight_bit_offer(w: Workload) -> tuple[str, dict[str, object]] | None:
+    """bitsandbytes' 8-bit form of the job's own optimizer, as its label and workload changes; the one rule
+    `alternatives` and a `--from` job's "what would fit" (foreign/asplanned.py `what_would_fit`) offer it by. Never
+    another optimizer (that would train something else), nor for a stand-in or an optimizer DeepSpeed builds from
+    its JSON (`no_8bit_form`); for adapters too: QLoRA's adapters on every linear layer of a 70B model at rank 64
+    keep GiBs of states. A job a tool's Trainer runs (`tool_autocast`) gets bitsandbytes' kernels as its `optim`
+    names them (`bnb_optimizer`: the Trainer keeps the embedding's states in fp32 where it registers them,
+    optimizer_states.py `fp32_state_embedding`). None where the table models no 8-bit form."""
+    eight_bit = None if w.no_8bit_form else OPTIMIZER_KINDS[w.optimizer].eight_bit
+    if eight_bit is None:
+        return None
+    return OPTIMIZER_KINDS[eight_bit].label, {"optimizer": eight_bit,
+                                              **({"bnb_optimizer": True} if w.tool_autocast else {})}
 
 
 def _fits_with(shape: ModelShape, w: Workload, hw: Hardware, what: str, changes: dict[str, object],

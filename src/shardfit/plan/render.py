@@ -94,7 +94,8 @@ def legend(plan: Plan) -> str:
             f"give back, {100 * ALLOCATOR_RESERVE:.1f} %): the least max_memory_reserved() it fits in; total = that + "
             "runtime (CUDA context, NCCL): the least device memory it fits in, which decides fits; "
             f"a run on a card with room reads more: max_memory_reserved() = tensors + {100 * ALLOCATOR_CACHE:.1f} % "
-            "(the allocator's cache), nvidia-smi that + runtime, at most the card; "
+            "(the allocator's cache) + the pools of FSDP's own streams (gradient shards, gathered weights; --json: "
+            "stream_pool), nvidia-smi that + runtime, at most the card; "
             "fits: n/a where these GPUs cannot run the strategy; "
             "step: one optimizer step, tokens/s: the whole job's (none for a row that cannot run), bound: what the "
             "step waits on (compute, host: launching ops, comm, pcie)")

@@ -25,7 +25,10 @@ __all__ = ["MLA", "ModelShape", "catalog", "catalog_config", "hf_config", "resol
 
 @cache
 def catalog() -> dict[str, dict[str, Any]]:
-    return yaml.safe_load((Path(__file__).with_name("catalog.yaml")).read_text())
+    """The bundled catalog, read with libyaml's safe loader where PyYAML has it: every `plan` and launch reads it,
+    and the C loader reads it several times faster, to the same plain data."""
+    return yaml.load((Path(__file__).with_name("catalog.yaml")).read_text(),
+                     Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def _read_config_json(path: Path, name: str) -> dict[str, Any]:

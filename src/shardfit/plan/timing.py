@@ -14,7 +14,9 @@ The recipe of one optimizer step, read top to bottom in `step_time`:
 - the engine's traffic around it (plan/comms.py `traffic`): its collectives and PCIe copies, overlapped with the
   compute as the engine overlaps them, and the optimizer step at the memory bandwidth (28 bytes per trainable
   parameter) or on the host;
-- sequence parallelism's and expert parallelism's all-to-alls, on the critical path of every micro-batch.
+- sequence parallelism's and expert parallelism's all-to-alls, on the critical path of every micro-batch;
+- once per step, the host's launches of the step itself (clipping, the optimizer, zero_grad: plan/step_ops.py),
+  overlapped with the optimizer's kernels, and the wait for the device where the release's clipping makes one.
 
 Three costs of the code itself, each a named term (docs/planning.md): the trained head's weight gradient where
 it is an fp32 matmul (`head_gradient_s`), a dense mask's whole square against the causal half of kernels that take
@@ -82,6 +84,7 @@ from shardfit.plan.flops import (
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.shapes import ModelShape
+from shardfit.plan.step_ops import step_host_s, step_sync_s
 from shardfit.plan.workload import Workload
 
 
@@ -112,12 +115,16 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     ulysses = ulysses_s(shape, w, card, hw)  # on the critical path: attention waits for it
     if experts.applies(w, shape, s.engine, s.offload):  # the experts wait for their tokens
         ulysses += experts.all_to_all_s(shape, w, card, hw, compute_bytes(w))
-    step = w.grad_accum * (t.micro + ulysses) + t.comm_step + t.pcie_step + t.optim_gpu
+    # The step's own launches (clipping, the optimizer, zero_grad: plan/step_ops.py) overlap its own kernels, once
+    # per step; a release whose clipping waits for the device adds that wait.
+    step_host = step_host_s(shape, w, card)
+    boundary = max(t.optim_gpu, step_host) + step_sync_s(w, card)
+    step = w.grad_accum * (t.micro + ulysses) + t.comm_step + t.pcie_step + boundary
     job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
     comm_total = w.grad_accum * (t.comm_mb + ulysses) + t.comm_step
     pcie_total = w.grad_accum * t.pcie_mb + t.pcie_step
     compute_total = w.grad_accum * gpu.compute + t.optim_gpu
-    host_total = w.grad_accum * gpu.host
+    host_total = w.grad_accum * gpu.host + step_host
     parts = (("compute", compute_total), ("host", host_total), ("comm", comm_total), ("pcie", pcie_total))
     bound = max(parts, key=lambda kv: kv[1])[0]
     return StepTime(step, job_tokens / step, bound, compute_total, comm_total, pcie_total, t.busy, host_total)

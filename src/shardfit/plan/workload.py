@@ -193,6 +193,20 @@ class Workload:
     # its 32-bit states are fp32 whatever the trainable weights' dtype (bitsandbytes/optim/optimizer.py
     # `Optimizer2State.init_state`), where torch's AdamW keeps them in the weights' own (16-bit adapters').
     bnb_optimizer: bool = False
+    # Whoever builds a bitsandbytes 8-bit optimizer registers the input embedding for 32-bit states
+    # (GlobalOptimManager's `register_module_override`; bitsandbytes keeps none on its own, optimizer.py
+    # `check_overrides`): the HF Trainer and the tools on it do (plan/optimizer_states.py `fp32_state_embedding`).
+    # False: nothing does, so the embedding's states are 8-bit too: a hand-written loop that never calls it, and
+    # axolotl's own param groups (embedding_lr, embedding_lr_scale, lr_groups), which register it only for
+    # bitsandbytes' Adam8bit class, one no `optimizer` name builds.
+    embedding_override: bool = True
+    # axolotl's own param groups (`embedding_lr`, `embedding_lr_scale` or `lr_groups` set: its OptimizerMixin's
+    # `create_optimizer_grouped_parameters`): the trained embedding and head (`embed_tokens`, `lm_head`, peft's
+    # trained copies) stepped in a group of their own after the decay group's matrices; `lr_groups` more groups,
+    # stepped last, of the matrices whose names hold a group's module names (plan/optimizer_states.py
+    # `stepped_pairs`, where a step that loops over tensors peaks).
+    embedding_group: bool = False
+    lr_groups: int = 0
     # 8-bit AdamW from torchao (transformers' adamw_torch_8bit, axolotl's ao_adamw_8bit) rather than bitsandbytes':
     # its full-width fallback differs (plan/optimizer_states.py `fp32_state_params`).
     torchao_optimizer: bool = False
@@ -236,6 +250,18 @@ class Workload:
     # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
     # default on a GPU, one copy of what it steps (plan/optimizer_states.py `foreach_temp_bytes`).
     fused_adamw: bool = False
+    # How the optimizer walks the trainable tensors where it is not fused (`fused_adamw`): `foreach`, torch's
+    # multi-tensor ops (its default on a GPU since 2.0); `for_loop`, one tensor at a time (torch's foreach=False,
+    # its default before 2.0); `transformers`, transformers' own AdamW (the HF Trainer's `adamw_hf`, its default
+    # until mid 2023), a Python loop. Each launches its own ops once per step (plan/step_ops.py).
+    optimizer_loop: str = "foreach"
+    # Gradient clipping before each step (plan/step_ops.py): `foreach` (torch's default since 2.0), `per_tensor` (a
+    # norm and a multiply per gradient, torch 1.10-1.13), `per_tensor_sync` (the same, the host waiting for the
+    # device to decide whether to clip: torch before 1.10), `none`.
+    grad_clip: str = "foreach"
+    # zero_grad writes zeros into every gradient (set_to_none=False, torch's default before 2.0) instead of
+    # dropping them: a fill per gradient each step (plan/step_ops.py).
+    zero_grad_zeros: bool = False
     # peft casts each fp32 adapter's input to fp32 first, which autocast casts back to 16 bits and keeps for the
     # adapter's backward: a 16-bit copy of the input of every adapted layer (peft's default; the HF Trainer, TRL,
     # LLaMA-Factory). shardfit's own runs under autocast switch the cast off (models/adapters.py

@@ -55,6 +55,7 @@ from shardfit.models.build import (
     weights_cached,
 )
 from shardfit.models.experts import aux_loss_of, moe_top_k, switch_form
+from shardfit.models.gguf_reads import GGUFReads
 from shardfit.models.processor import load_vision_processor, save_processor
 from shardfit.models.source import resolve_model
 from shardfit.parallel import allocator, faults, ulysses
@@ -178,6 +179,8 @@ class FineTune:
         self.longer: str | None = None  # the words for a longer schedule of a run in output_dir (rundir.claim)
         self.fit_s, self.fit_tokens, self.train_s = 0.0, 0, 0.0
         self.model_cache_hit: bool | None = None  # None: built by the caller, not GGUF, or the model cache is off
+        self.gguf = GGUFReads()  # a .gguf model parsed once for its tokenizer, config, weights and base's name
+        self.adapter_base: BaseRef | None = None  # the base an adapter names (set with the model)
         self.wd = watchdog or Watchdog(env, None)
         self.fault = faults.from_env()
         # The malloc this process runs on, fixed at its start (LD_PRELOAD): read from /proc once.
@@ -258,7 +261,8 @@ class FineTune:
         self.startup.mark("data read")
         source = resolve_model(self.cfg.model)
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
+            with self.gguf.shared():
+                self.tokenizer = load_tokenizer(source, self.cfg.trust_remote_code)
         self.vision = load_vision_processor(source, self.cfg, self.tokenizer)
         self.startup.mark("tokenizer")
         if preference:  # pairs are encoded afresh (the data cache keeps SFT examples)
@@ -269,7 +273,8 @@ class FineTune:
             train_ex, eval_ex = encoding.train, encoding.eval
             self.data_cache_hit = encoding.hit
         self.startup.mark("tokenise (cached)" if self.data_cache_hit else "tokenise")
-        built = self.model.config if self.model is not None else model_config(self.cfg, source, weights=False)
+        with self.gguf.shared():
+            built = self.model.config if self.model is not None else model_config(self.cfg, source, weights=False)
         self.carries_state = carries_state(built)
         self.n_images = sum(len(c.images) for c in split.train)
         self.n_clips = sum(len(c.audios) for c in split.train)
@@ -297,9 +302,14 @@ class FineTune:
     def _setup_model(self) -> None:
         """Build, preflight (fixes applied), then parallelize: checkpointing, compiled blocks, DDP or FSDP2."""
         cfg, env, s = self.cfg, self.env, self.strategy
-        if self.model is None:
-            self.model_cache_hit = weights_cached(cfg)
-            self.model = build_model(cfg, s, weights=True, experts=self.job.experts)
+        with self.gguf.shared():
+            if self.model is None:
+                self.model_cache_hit = weights_cached(cfg)
+                self.model = build_model(cfg, s, weights=True, experts=self.job.experts)
+            # read now: a GGUF's metadata names the base, from the parse the load made
+            self.adapter_base = base_for_adapter(cfg.model, self.run_dir) if methods.get(cfg.method).adapters \
+                else None
+        self.gguf.clear()
         if self.layout.sp > 1:  # every width through the all-to-all attention (parallel/ulysses.py)
             check_model(self.layout.sp, facts_of_config(self.model.config), cfg.model)
             ulysses.register()
@@ -712,7 +722,7 @@ class FineTune:
         lora = methods.get(self.cfg.method).adapters
         if self.experts_shard is not None:  # saved whole, as one process saves it (an adapter: its factors only)
             gather_experts(self.experts_shard, stacks=not lora)
-        base = base_for_adapter(self.cfg.model, self.run_dir) if lora else None
+        base = self.adapter_base
         stages = gather_stages(self.pipe, self.loss_module, lora) if self.pipe is not None else None
         out = save_final(self.loss_module, self.model, self.tokenizer, self.run_dir, self.env, is_lora=lora,
                          base_name=base.name if base is not None else None, stages=stages)
