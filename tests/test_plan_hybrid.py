@@ -25,7 +25,6 @@ from shardfit.plan.activations import (
     block_activation_bytes_per_token,
     deltanet_saved_bytes_per_token,
     recompute_cast_bytes_per_token,
-    reference_activation_bytes,
 )
 from shardfit.plan.adapters import lora_params
 from shardfit.plan.cards import card_of
@@ -35,6 +34,7 @@ from shardfit.plan.flops import attention_flops_per_token, delta_rule_flops_per_
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.model_shape import DELTA_CHUNK, ModelShape
 from shardfit.plan.plan import make_plan
+from shardfit.plan.reference_memory import reference_activation_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.timing import reference_work
 from shardfit.plan.workload import Workload

@@ -171,5 +171,6 @@ def test_a_whole_model_saves_what_the_plan_counts_per_mixture_block(family: str,
                  grad_ckpt="none")
     w = planned_workload(shape, dataclasses.replace(w, attention="eager")
                          if family == "gpt-oss" else w)
-    planned = (activation_bytes(shape, w, 2, "single") - activation_bytes(shape, w, 0, "single")) / 2 / w.tokens
+    # 4 less 2 blocks, as measured: the block alive at a time adds its eager scores' peak once, not per block
+    planned = (activation_bytes(shape, w, 4, "single") - activation_bytes(shape, w, 2, "single")) / 2 / w.tokens
     assert planned == pytest.approx(measured, rel=0.03)

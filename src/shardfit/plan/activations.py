@@ -10,6 +10,10 @@ from __future__ import annotations
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS
 from shardfit.plan.adapters import adapted_shapes, adapts, lora_params, rank_of
+from shardfit.plan.eager_scores import (
+    eager_peak_bytes_per_token,
+    eager_saved_bytes_per_token,
+)
 from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.model_shape import ATTENTION, DELTA_CHUNK, MAMBA, MOE, Block
 from shardfit.plan.precision import (
@@ -339,19 +343,12 @@ def softmax_attention_bytes_per_token(shape: ModelShape, w: Workload, strategy: 
     describes it)."""
     a = compute_bytes(w)
     q, kv = shape.heads * shape.hd, shape.kv_heads * shape.hd
-    if w.attention == "eager" and shape.attention_sinks:
-        # gpt-oss's eager attention: the softmax runs in the scores' dtype, which the additive mask sets (the
-        # residual stream's), over seq_len + 1 columns (the sink's), keeping its output, the int64 index of each
-        # row's max it subtracted first and, where that dtype is not the compute dtype, the probabilities' cast;
-        # q and k/v repeated to every head, and not the probabilities' product with v (its matmul keeps inputs).
-        r = residual_bytes(w, strategy)
-        attn = a * 3 * q + shape.heads * ((w.row_len + 1) * r + (w.row_len * a if r != a else 0) + 8)
-    elif w.attention == "eager":
-        # Eager attention keeps its fp32 softmax and the 16-bit probabilities (seq_len per head and token), and
-        # k/v repeated to every head for the matmuls, instead of SDPA's output and log-sum-exp (no s^2 scores).
-        # In fp32 the probabilities are the softmax's output itself (`.to(query.dtype)` returns it), kept once;
-        # over QLoRA's fp32 stream under autocast the PV matmul keeps autocast's 16-bit copy beside it.
-        attn = a * (2 * q + 2 * q) + shape.heads * w.row_len * (4 + (a if a != 4 else 0))
+    if w.attention == "eager":
+        # The chain's score-sized tensors (plan/eager_scores.py: the softmax's output, its cast, softcap's tanh,
+        # dropout's mask and output, gpt-oss's sink column), k/v repeated to every head for the matmuls, and q;
+        # gpt-oss keeps the int64 index of each row's max it subtracts, and no output copy (its matmul keeps inputs).
+        attn = a * (3 if shape.attention_sinks else 4) * q + (8 * shape.heads if shape.attention_sinks else 0) + \
+            eager_saved_bytes_per_token(shape, w, strategy)
     elif w.attention == "sdpa":
         # With a mask, SDPA converts it to an additive bias in the compute dtype per call and keeps it for its
         # backward (the row's width per token, every block: micro_batch x seq_len under static_shape), and
@@ -596,18 +593,39 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
     what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
-    also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`)."""
+    also keeps the 16-bit copy of every weight it cast until backward has used it (`weight_cast_bytes`). The block
+    alive at a time (recomputed, or the last) adds eager attention's peak above its saved scores
+    (`score_peak_bytes_per_token`)."""
     tokens = w.tokens
     cast = weight_cast_bytes(shape, w, strategy)
     copies = lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)
+    scores = score_peak_bytes_per_token(shape, w, strategy)
     if w.grad_ckpt != "none":
-        # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them.
+        # Checkpointed blocks keep nothing else, not even their weight casts: only the recomputed block has them;
+        # selective's kept outputs of the recomputed block are the very tensors its recomputation saves again.
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
-        recomputed = largest_block_activation_bytes_per_token(shape, w, strategy)
+        reused = kept - residual_bytes(w, strategy) * shape.hidden
+        recomputed = largest_block_activation_bytes_per_token(shape, w, strategy) + scores - reused
         return tokens * (layers * kept + recomputed + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
             copies + held_mask_bytes(w, strategy)
     per_block = block_activation_bytes_per_token(shape, w, strategy)
-    return tokens * layers * per_block + layers * cast + layers * copies * shape.moe_layers / shape.layers
+    return tokens * (layers * per_block + (scores if layers else 0.0)) + layers * cast + \
+        layers * copies * shape.moe_layers / shape.layers
+
+
+def score_peak_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """Eager attention's peak above its saved scores in one block (plan/eager_scores.py) less what the block saves
+    after its scores, none yet made at their forward peak nor left at their backward one: o_proj's input, the
+    second norm's, autocast's casts of the MLP's input and the MLP's tensors (a `single_part` block: o_proj's
+    input alone)."""
+    peak = eager_peak_bytes_per_token(shape, w, strategy)
+    a, h = compute_bytes(w), shape.hidden
+    if not peak or shape.single_part:
+        return max(0.0, peak - a * shape.heads * shape.hd)
+    norm = 4 * h + 4 + (residual_bytes(w, strategy) * h if w.method == "full" else 0)
+    casts = 2 * a * h if casts_trainable_inputs(w, strategy) else 0
+    mlp = mlp_activation_bytes_per_token(shape, w, strategy)
+    return max(0.0, peak - a * shape.heads * shape.hd - norm - casts - mlp)
 
 
 def weight_cast_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
@@ -768,19 +786,3 @@ def audio_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> flo
         return features
     return features + clips * a.saved_bytes(w.audio_frames, low, checkpointed=w.grad_ckpt != "none",
                                             stem=not w.trains_adapters)
-
-
-def reference_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
-    """What the reference's forward (DPO/KTO with the adapters switched off) holds at once: it runs without
-    gradients, so nothing is saved for backward; one block's tensors exist at a time (at most what that block would
-    save with gradients), beside its input in the residual stream and the last block's output, which the
-    log-probabilities read. The policy's own forward starts after it, so the two never add up."""
-    r = residual_bytes(w, strategy)
-    return w.tokens * (largest_block_activation_bytes_per_token(shape, w, strategy) + 2 * r * shape.hidden)
-
-
-def reference_logits_bytes(shape: ModelShape, w: Workload) -> float:
-    """The reference's log-probabilities: one chunk of labelled positions through the head at a time, its fp32
-    logits and their 16-bit source (train/preference.py `sequence_logps`), nothing kept for backward."""
-    c = compute_bytes(w)
-    return min(w.loss_chunk or LOSS_CHUNK_MAX_ROWS, w.tokens) * shape.vocab * (4 + (c if c < 4 else 0))

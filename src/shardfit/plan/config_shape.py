@@ -398,6 +398,18 @@ def attention_dropout_of(name: str, get: Callable[[str], Any]) -> float:
     return 0.0
 
 
+def softcap_of(name: str, get: Callable[[str], Any]) -> float:
+    """The attention logits' softcap (attn_logit_softcapping: the built class's value, its default where the file
+    has none, Gemma 2's 50; null: none); a UserError naming the key when it is no positive number."""
+    value = get("attn_logit_softcapping")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise UserError(f"{name}: config.json attn_logit_softcapping is {value!r}; a softcap is a positive number, "
+                        "or null for none: fix or remove the key.")
+    return float(value)
+
+
 def router_groups_of(model_type: str | None, get: Callable[[str], Any], experts: int) -> dict[str, int]:
     """ModelShape's `router_groups` and `router_topk_groups` of a GROUP_ROUTER_TYPES mixture ({} for any other):
     its n_group and topk_group, 1 each where the config leaves them out."""
@@ -466,7 +478,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_groups=groups_of(attention, text, built, bool(deltanet), name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            attn_dropout=attention_dropout_of(name, get),
+            attn_dropout=attention_dropout_of(name, get), attn_softcap=softcap_of(name, get),
             # the text model's class picks its kernel (a composite's own class only refuses `sdpa`)
             eager_only=runs_eager(cfg.get("model_type") or model_type, "sdpa", text_type=text_type),
             text_model_type=str(text_type or ""),

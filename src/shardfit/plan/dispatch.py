@@ -11,7 +11,9 @@ https://github.com/pytorch/pytorch/issues/41383), a view ~1 us (the C++ dispatch
 host and the GPU overlap, so a micro-batch takes max(GPU time, host time): the lower bound of that overlap, since a
 step that alternates small and large kernels waits on each in turn. Short sequences are host-bound, long ones
 compute-bound. torch.compile fuses the elementwise ops between two matmuls into one kernel, so a compiled block
-launches about two kernels per matmul and no views.
+launches about two kernels per matmul and no views. LAYER_OPS were counted under SDPA: eager attention launches
+its ops on the scores instead of SDPA's kernel (`eager_attention_ops`), recomputed under selective checkpointing
+as under full.
 
 The engine's own host work: DDP's reducer runs a hook per parameter as its gradient is ready; FSDP runs Python
 around every wrapped block (all-gather copy-in and copy-out, resharding, the reduce-scatter's copies; FSDP1 with
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from shardfit import strategy as strategies
 from shardfit.plan.cards import Card
 from shardfit.plan.dequant import LAYER_WEIGHTS, dequant_per_use, dequantized_weights_per_layer
+from shardfit.plan.eager_scores import eager_score_ops, softmax_blocks
 from shardfit.plan.flops import fp32_expert_mms, fp32_grouped_mm_calls
 from shardfit.plan.model_shape import DELTA_CHUNK
 from shardfit.plan.precision import autocast_launches
@@ -159,6 +162,9 @@ def host_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") ->
         kernels += shape.linear_layers * dk
         views += shape.linear_layers * dv
     kernels += fp32_expert_mms(shape, w, strategy)  # the fallbacks' mm per expert
+    ek, ev = eager_attention_ops(shape, w, strategy)
+    kernels += softmax_blocks(shape) * ek
+    views += softmax_blocks(shape) * ev
     if w.loss == "chunked" and w.loss_chunk:  # every position labelled: the most chunks a micro-batch can have
         extra = max(0, -(-w.tokens // w.loss_chunk) - 1)
         autocast = autocast_launches(w, strategy)
@@ -166,6 +172,28 @@ def host_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") ->
         kernels += extra * ck
         views += extra * cv
     return kernels * DISPATCH_KERNEL_S + views * DISPATCH_VIEW_S
+
+
+# The ops of SDPA's kernel in LAYER_OPS (counted under SDPA): one forward, one backward, and under checkpointing
+# one more forward (half of one under selective, whose half-way count takes half of full's recomputation).
+SDPA_KERNEL_OPS = {"none": 2.0, "full": 3.0, "selective": 2.5}
+
+
+def eager_attention_ops(shape: ModelShape, w: Workload, strategy: str = "single", *,
+                        forward_only: bool = False) -> tuple[float, float]:
+    """(kernels, views) eager attention adds to one softmax block of one micro-batch beyond the SDPA kernel
+    LAYER_OPS counted: its ops on the scores (plan/eager_scores.py EAGER_SCORE_OPS), forward and backward, and
+    the forward again under full and selective checkpointing alike (the selective policy keeps mm/addmm and the
+    SDPA/flash kernels' outputs only, so every eager score op is recomputed, as plan/timing.py `eager_score_bytes`
+    charges their bytes); `forward_only`: one forward (a reference's). 0 under SDPA and flash, and compiled (about
+    two kernels per matmul already)."""
+    if w.attention != "eager" or w.compile:
+        return 0.0, 0.0
+    fk, fv, bk, bv = eager_score_ops(shape, w, strategy)
+    if forward_only:
+        return fk - 1.0, float(fv)
+    forwards = 2 if w.grad_ckpt != "none" else 1
+    return forwards * fk + bk - SDPA_KERNEL_OPS[w.grad_ckpt], float(forwards * fv + bv)
 
 
 def delta_rule_chunk_ops(w: Workload, strategy: str = "single", *, forward_only: bool = False) -> tuple[float, float]:
@@ -212,8 +240,8 @@ def host_sync_s(w: Workload, card: Card, shape: ModelShape, *, forward_only: boo
 def reference_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
     """Seconds the host spends launching the reference's forward without gradients over one micro-batch (DPO and
     KTO with the adapters switched off): REFERENCE_LAYER_OPS per layer and REFERENCE_FIXED_OPS once, each 4-bit
-    weight's dequantization once more, and the forward of the torch Gated DeltaNet's chunk loop
-    (DELTA_CHUNK_OPS), under `strategy`."""
+    weight's dequantization once more, the forward of the torch Gated DeltaNet's chunk loop (DELTA_CHUNK_OPS) and
+    of eager attention's score ops (`eager_attention_ops`), under `strategy`."""
     autocast = autocast_launches(w, strategy)
     (k, v), (fk, fv) = REFERENCE_LAYER_OPS[autocast], REFERENCE_FIXED_OPS[autocast]
     dk, dv, _ = dequant_per_use(w)  # each 4-bit weight dequantized once more for the reference's forward
@@ -222,7 +250,10 @@ def reference_dispatch_s(shape: ModelShape, w: Workload, strategy: str = "single
     if w.compile:  # compiled blocks: about two kernels per matmul (8 per layer), no views
         k, v = 16, 0
     k_fallback = fp32_expert_mms(shape, w, strategy, forward_only=True)  # an mm per expert
-    ops = (shape.layers * k + fk + k_fallback) * DISPATCH_KERNEL_S + (shape.layers * v + fv) * DISPATCH_VIEW_S
+    ek, ev = eager_attention_ops(shape, w, strategy, forward_only=True)
+    k_fallback += softmax_blocks(shape) * ek
+    ops = (shape.layers * k + fk + k_fallback) * DISPATCH_KERNEL_S + \
+        (shape.layers * v + fv + softmax_blocks(shape) * ev) * DISPATCH_VIEW_S
     if shape.linear_layers and w.delta_rule == "torch":  # the fallback's chunk loop, forward only
         ck, cv = delta_rule_chunk_ops(w, strategy, forward_only=True)
         ops += shape.linear_layers * (ck * DISPATCH_KERNEL_S + cv * DISPATCH_VIEW_S)

@@ -37,8 +37,6 @@ from shardfit.plan.activations import (
     forward_activation_bytes,
     image_activation_bytes,
     logits_bytes,
-    reference_activation_bytes,
-    reference_logits_bytes,
 )
 from shardfit.plan.adapters import lora_expert_params, lora_params, saved_params
 from shardfit.plan.cards import card_of
@@ -61,6 +59,7 @@ from shardfit.plan.precision import (
     saved_copy_bytes,
     trainable_bytes,
 )
+from shardfit.plan.reference_memory import reference_activation_bytes, reference_logits_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.weight_bytes import (
     block_weight_bytes,

@@ -31,10 +31,9 @@ from shardfit.plan.activations import (
     audio_activation_bytes,
     image_activation_bytes,
     logits_bytes,
-    reference_activation_bytes,
-    reference_logits_bytes,
 )
 from shardfit.plan.precision import compute_bytes
+from shardfit.plan.reference_memory import reference_activation_bytes, reference_logits_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import FULL_LOSSES, Workload
 

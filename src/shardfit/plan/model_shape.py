@@ -121,6 +121,9 @@ class ModelShape:
     # The attention probabilities' dropout in training (config.json's attention_dropout, GPT-2-era attn_pdrop; 0.1
     # in their published configs): under eager its own kernels over the scores (plan/timing.py `eager_score_bytes`).
     attn_dropout: float = 0.0
+    # Attention logit softcapping (config.json's attn_logit_softcapping: Gemma 2's 50, null or absent for none):
+    # eager attention's scores then run through a tanh (plan/eager_scores.py `score_chain`).
+    attn_softcap: float = 0.0
     # A language model whose class has no SDPA under the installed transformers (plan/sdpa_classes.py `runs_eager`;
     # a foreign job's plan, under its --transformers): `sdpa` (transformers' default) runs eager.
     eager_only: bool = False

@@ -63,6 +63,15 @@ from shardfit.plan.dispatch import (
     host_sync_s,
     reference_dispatch_s,
 )
+from shardfit.plan.eager_scores import (
+    ALIBI_CHAIN,
+    FP32_QK_CHAIN,
+    LLAMA_CHAIN,
+    PLAIN_CHAIN,
+    SINKS_CHAIN,
+    SOFTCAP_CHAIN,
+    score_chain,
+)
 from shardfit.plan.estimate import planned_shape, planned_workload, with_loss_chunk
 from shardfit.plan.flops import (
     backward_layers,
@@ -298,27 +307,12 @@ def fused_bytes_saved(shape: ModelShape, w: Workload) -> float:
     return shape.layers * w.tokens * max(0.0, saved)
 
 
-# The op chains transformers' eager attention runs on the L x L scores, which move different bytes: Llama's
-# eager_attention_forward (scaling, mask add, softmax upcast to fp32 and cast back; most families); gpt-oss's sinks
-# (the sink's column joined, the row maximum subtracted, softmax in the scores' dtype); Gemma 2's logit softcapping
-# (div, tanh, mul before the mask); GPT-2's softmax in the scores' dtype (no casts); GPT-J's and CodeGen's `_attn`
-# (q and k upcast: fp32 scores from QK^T on, then a div; GPT-Neo's is the same less the div); BLOOM's baddbmm (the
-# scaling and ALiBi inside the matmul, then Llama's softmax). Keyed by the family's model_type, the one place the
-# planner tells them apart; any other family runs Llama's chain.
-LLAMA_CHAIN, SINKS_CHAIN, SOFTCAP_CHAIN, PLAIN_CHAIN, FP32_QK_CHAIN, ALIBI_CHAIN = (
-    "llama", "sinks", "softcap", "plain", "fp32_qk", "alibi")
-SCORE_CHAIN_TYPES = {"gemma2": SOFTCAP_CHAIN, "gpt2": PLAIN_CHAIN, "gptj": FP32_QK_CHAIN, "codegen": FP32_QK_CHAIN,
-                     "gpt_neo": FP32_QK_CHAIN, "bloom": ALIBI_CHAIN}
-
-
-def score_chain(shape: ModelShape) -> str:
-    """The op chain `shape`'s eager attention runs on its scores (SCORE_CHAIN_TYPES; a composite's by its text
-    model's type, whose class runs the decoder)."""
-    if shape.attention_sinks:
-        return SINKS_CHAIN
-    return SCORE_CHAIN_TYPES.get(shape.text_model_type or shape.model_type, LLAMA_CHAIN)
-
-
+# The op chains transformers' eager attention runs on the L x L scores (plan/eager_scores.py `score_chain`) move
+# different bytes: Llama's eager_attention_forward (scaling, mask add, softmax upcast to fp32 and cast back; most
+# families); gpt-oss's sinks (the sink's column joined, the row maximum subtracted, softmax in the scores' dtype);
+# Gemma 2's logit softcapping (div, tanh, mul before the mask); GPT-2's softmax in the scores' dtype (no casts);
+# GPT-J's and CodeGen's `_attn` (q and k upcast: fp32 scores from QK^T on, then a div; GPT-Neo's is the same less
+# the div); BLOOM's baddbmm (the scaling and ALiBi inside the matmul, then Llama's softmax).
 # Bytes eager attention's scores move per head and query-key pair of the L x L square it computes, as (a, m): `a`
 # per head and score (each op of the chain on the scores and its gradient), `m` per element of the [rows, 1, L, L]
 # mask in the compute dtype, broadcast over the heads; keyed by (chain, full checkpointing, dtype). Counted by
