@@ -176,7 +176,10 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
-    job.words.keys.update(plan_words(job.launcher, src))
+    job.words.keys.update(plan_words(job.launcher, src, launched is not None and bool(
+        launched.fsdp or launched.deepspeed or launched.deepspeed_file)))
+    if code.model_config:  # TRL's ModelConfig builds the LoRA: --use_lora and --q_lora are other scripts' flags
+        job.words.keys.update(lora="--use_peft", qlora="--use_peft --load_in_4bit")
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _job_workload(src, job, code, version, acc, batch, optimizer)
     loaded = job_load(src, code, version, program)

@@ -18,12 +18,12 @@ SCRIPT_SEQ_KEYS = tuple(sorted(set(KNOWN_SEQ.values())))
 ALL_SEQ_KEYS = (*SEQ_KEYS, *SCRIPT_SEQ_KEYS)
 
 
-def plan_words(launcher: str | None, src: Source) -> dict[str, str]:
+def plan_words(launcher: str | None, src: Source, plugin: bool = False) -> dict[str, str]:
     """How the command line sets its sequence length and nodes, for the plan's suggestions (job.py `Words`): the
     length argument it gives (`--max_length`), else plan's --seq, which `plan --from hf` takes where the arguments
-    name none; its launcher's node count (common.py `nodes_words`)."""
+    name none; its launcher's node count (common.py `nodes_words`; `plugin`: accelerate builds DeepSpeed or FSDP)."""
     key = next((k for k in ALL_SEQ_KEYS if k in src), None)
-    return {"seq": f"--{key}" if key else "--seq", "nodes": nodes_words(launcher)}
+    return {"seq": f"--{key}" if key else "--seq", "nodes": nodes_words(launcher, plugin)}
 
 
 def unread_seq_keys(src: Source, program: str) -> dict[str, str]:
