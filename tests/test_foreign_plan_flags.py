@@ -310,3 +310,12 @@ def test_trl_s_model_config_is_offered_lora_as_its_own_flags(tmp_path: Path, cap
     assert [s for s in out["alternatives"] if s.startswith("LoRA") and "(--use_peft)" in s], said
     assert [s for s in out["alternatives"] if s.startswith("QLoRA") and "(--use_peft --load_in_4bit)" in s], said
 
+
+def test_a_change_the_tool_cannot_make_is_never_stacked_into_an_offer(capsys: pytest.CaptureFixture) -> None:
+    """LLaMA-Factory v1 names no 8-bit optimizer: its "what would fit" may say so on a line of its own, but a
+    stack of changes that fits only with it is no offer the user can run."""
+    _, out, err = _plan(capsys, "--from", "llamafactory", str(JOBS / "lf_v1" / "full_deepspeed.yaml"), "--gpus",
+                        "1x12GB")
+    assert out is not None, err
+    stacked = [x for x in out["from"]["what_would_fit"] if " + " in x]
+    assert stacked and not [x for x in stacked if "left out" in x], stacked

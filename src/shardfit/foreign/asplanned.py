@@ -274,8 +274,8 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
             out.insert(0, f"{precompute}: {c.per_gpu_gib.total:.1f} GiB per GPU")
     if not out:  # no single change is enough: the workload changes together, in the order listed
         stacked, labels = w, []
-        for label, w2, z2, _ in tries:
-            if z2 is None and w2 != w:
+        for label, w2, z2, _ in tries:  # only changes the tool can make: a stack is one offer to run
+            if z2 is None and w2 != w and not label.startswith("left out: "):
                 stacked = dataclasses.replace(stacked, **{f.name: getattr(w2, f.name) for f in
                                                           dataclasses.fields(w2) if getattr(w2, f.name) !=
                                                           getattr(w, f.name)})
