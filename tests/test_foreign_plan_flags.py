@@ -319,3 +319,49 @@ def test_a_change_the_tool_cannot_make_is_never_stacked_into_an_offer(capsys: py
     assert out is not None, err
     stacked = [x for x in out["from"]["what_would_fit"] if " + " in x]
     assert stacked and not [x for x in stacked if "left out" in x], stacked
+
+
+@pytest.mark.parametrize(("key", "offer"), [("train_type", "--train_type lora"), ("sft_type", "--sft_type lora"),
+                                            ("tuner_type", "--tuner_type lora"), (None, "--tuner_type lora")])
+def test_swift_s_lora_offer_names_the_job_s_own_method_flag(tmp_path: Path, key: str | None, offer: str) -> None:
+    """ms-swift 3 has --train_type (--sft_type before it), ms-swift 4 --tuner_type; an argument its version lacks
+    stops it ("remaining_argv", modelscope/ms-swift#7823), so the offer keeps the name the job already gives."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    f = tmp_path / "full.sh"
+    method = f" --{key} full" if key else ""
+    f.write_text(f"CUDA_VISIBLE_DEVICES=0 swift sft --model Qwen/Qwen2.5-7B-Instruct{method} --torch_dtype "
+                 "bfloat16 --max_length 1024 --output_dir out\n")
+    job = read_job("swift", str(f), JobOptions())
+    assert tool_alternative(job, Alternative("LoRA", (("method", "lora"),), None, "single", 4.0)).how() == offer
+
+
+@pytest.mark.parametrize(("tool", "job", "said"), [
+    ("llamafactory", "lf/llama3_8b_full_ds2.yaml", "finetuning_type: lora with quantization_bit: 4"),
+    ("llamafactory", "lf_v1/full_deepspeed.yaml", "peft_config: {name: lora} with quant_config: {name: bnb"),
+    ("swift", "--train_type full", "--train_type lora --quant_bits 4 --quant_method bnb"),
+    ("hf", "python finetune.py", "--use_lora True --q_lora True")])
+def test_a_qlora_offer_to_a_full_fine_tune_also_makes_it_lora(tmp_path: Path, tool: str, job: str,
+                                                               said: str) -> None:
+    """4-bit frozen weights train only through adapters: LLaMA-Factory refuses quantization_bit without
+    finetuning_type lora ("Quantization is only compatible with the LoRA or OFT method"), ms-swift quantizes a
+    --train_type full run it cannot train, Qwen's finetune.py reads --q_lora only with --use_lora. The offer to a
+    full fine-tune says both."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    if tool in ("swift", "hf"):
+        f = tmp_path / "full.sh"
+        f.write_text(f"CUDA_VISIBLE_DEVICES=0 swift sft --model Qwen/Qwen2.5-7B-Instruct {job} --max_length 1024 "
+                     "--output_dir out\n" if tool == "swift" else
+                     f"{job} --model_name_or_path Qwen/Qwen2.5-7B-Instruct --bf16 True --output_dir out\n")
+        path = str(f)
+    else:
+        path = str(JOBS / job)
+    read = read_job(tool, path, JobOptions(nproc=1))
+    assert read.workload.method == "full"
+    how = tool_alternative(read, Alternative("QLoRA", (("method", "qlora"),), None, "single", 4.0)).how()
+    assert how is not None and said in how, how
