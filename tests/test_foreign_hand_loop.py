@@ -43,7 +43,7 @@ def test_the_example_is_read_as_its_loop_not_the_trainer(tmp_path: Path) -> None
     w = job.workload
     assert w.micro_batch == 4 and w.grad_accum == 1 and w.grad_ckpt == "none"
     assert "epochs" not in job.convert  # shardfit's own default, not the Trainer's 3
-    assert job.words.say("micro_batch", "").startswith("a smaller DataLoader batch_size")
+    assert job.words.say("micro_batch", "").startswith("DataLoader batch_size=1 with gradient accumulation")
 
 
 def test_a_trainer_script_with_a_loop_of_its_own_is_still_the_trainers(tmp_path: Path) -> None:
@@ -348,3 +348,14 @@ def test_the_plan_s_offers_for_a_loop_are_said_in_its_code(tmp_path: Path) -> No
     job = _job(tmp_path)
     said = tool_alternative(job, Alternative("QLoRA", (("method", "qlora"),), None, "single", 4.0)).how()
     assert said is not None and "BitsAndBytesConfig(load_in_4bit=True)" in said and "--q_lora" not in said
+
+
+def test_a_loop_s_micro_batch_offer_says_the_accumulation_it_needs(tmp_path: Path) -> None:
+    """Micro-batch 1 with the same global batch, as the loop's code: the count of micro-batches accumulated, not a
+    number trailing the sentence."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.plan.plan import Alternative
+
+    one = Alternative("micro-batch 1 with grad_accum 8", (("micro_batch", 1), ("grad_accum", 8)), None, "single", 4.0)
+    said = tool_alternative(_job(tmp_path), one).how()
+    assert said is not None and "batch_size=1" in said and "8 micro-batches" in said and not said.endswith(" 8"), said

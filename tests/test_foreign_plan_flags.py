@@ -254,3 +254,114 @@ def test_yaml_tools_say_a_change_as_their_key_and_value(tool: str, job: str, seq
     assert shorter == seq
     one = tool_alternative(read, Alternative("mb 1", (("micro_batch", 1), ("grad_accum", 8)), None, "single", 1.0))
     assert batch in (one.how() or "")
+
+
+@pytest.mark.parametrize(("tool", "job", "said"), [
+    ("hf", "accelerate", ["--multi_gpu", "--num_machines 2", "--num_processes 8", "--machine_rank <node>"]),
+    ("hf", "accelerate --use_fsdp", ["accelerate launch --num_machines 2", "--num_processes 8"]),
+    ("hf", "torchrun", ["torchrun --nnodes 2", "--nproc_per_node 4", "--node_rank <node>"]),
+    ("axolotl", "axolotl/llama31_8b_qlora.yml", ["num_machines: 2", "num_processes: 8", "machine_rank"])])
+def test_more_nodes_are_offered_with_the_launch_s_total_processes(tmp_path: Path, tool: str, job: str,
+                                                                   said: list[str]) -> None:
+    """accelerate's --num_processes (and num_processes in its config file, which axolotl's multi-node guide sets)
+    counts every machine's processes: each runs num_processes // num_machines (commands/launch.py
+    `prepare_multi_gpu_env`), so --num_machines 2 alone splits the same ranks over two nodes; without --multi_gpu
+    on a one-GPU node it starts no process group at all, but with DeepSpeed or FSDP from accelerate it would turn
+    them off. torchrun's --nproc_per_node is per node (default 1)."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    if tool == "hf":
+        path = tmp_path / "run.sh"
+        launch = f"{job.replace('accelerate', 'accelerate launch --num_processes 4')}" if job.startswith(
+            "accelerate") else "torchrun --nproc_per_node 4"
+        path.write_text(f"{launch} train.py --model_name_or_path meta-llama/Meta-Llama-3-8B --bf16 True "
+                        "--output_dir out\n")
+        job = str(path)
+    read = read_job(tool, str(JOBS / job), JobOptions(nproc=4))
+    twice = Alternative("twice the GPUs (2 nodes x 4)", (), 2, "zero3", 20.0)
+    how = tool_alternative(read, twice, per_node=4).how()
+    assert how is not None and all(s in how for s in said), how
+
+
+def test_a_from_report_s_more_nodes_offer_counts_the_processes(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """Through `plan --from`: `trl sft` runs under accelerate launch, on one 80 GB GPU a node."""
+    f = tmp_path / "trl.sh"
+    f.write_text("trl sft --model_name_or_path meta-llama/Meta-Llama-3-8B --dataset_name trl-lib/Capybara "
+                 "--per_device_train_batch_size 4 --max_length 4096 --output_dir out\n")
+    _, out, err = _plan(capsys, "--from", "hf", str(f), "--gpus", "1x80GB")
+    assert out is not None, err
+    nodes = [a for a in out["alternatives"] if a.startswith("twice the GPUs")]
+    assert len(nodes) == 1 and "--num_machines 2" in nodes[0] and "--num_processes 2" in nodes[0], nodes
+
+
+def test_trl_s_model_config_is_offered_lora_as_its_own_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """TRL's scripts build LoRA from ModelConfig's --use_peft (4-bit: --load_in_4bit beside it); --use_lora and
+    --q_lora are the Qwen-style scripts' own, which TRL's parser does not have."""
+    f = tmp_path / "trl.sh"
+    f.write_text("trl sft --model_name_or_path meta-llama/Meta-Llama-3-8B --dataset_name trl-lib/Capybara "
+                 "--per_device_train_batch_size 4 --max_length 4096 --output_dir out\n")
+    _, out, err = _plan(capsys, "--from", "hf", str(f), "--gpus", "1x80GB")
+    assert out is not None, err
+    said = out["alternatives"] + out["from"]["what_would_fit"]
+    assert not [s for s in said if "--use_lora" in s or "--q_lora" in s], said
+    assert [s for s in out["alternatives"] if s.startswith("LoRA") and "(--use_peft)" in s], said
+    assert [s for s in out["alternatives"] if s.startswith("QLoRA") and "(--use_peft --load_in_4bit)" in s], said
+
+
+def test_a_change_the_tool_cannot_make_is_never_stacked_into_an_offer(capsys: pytest.CaptureFixture) -> None:
+    """LLaMA-Factory v1 names no 8-bit optimizer: its "what would fit" may say so on a line of its own, but a
+    stack of changes that fits only with it is no offer the user can run."""
+    _, out, err = _plan(capsys, "--from", "llamafactory", str(JOBS / "lf_v1" / "full_deepspeed.yaml"), "--gpus",
+                        "1x12GB")
+    assert out is not None, err
+    stacked = [x for x in out["from"]["what_would_fit"] if " + " in x]
+    assert stacked and not [x for x in stacked if "left out" in x], stacked
+
+
+@pytest.mark.parametrize(("key", "offer"), [("train_type", "--train_type lora"), ("sft_type", "--sft_type lora"),
+                                            ("tuner_type", "--tuner_type lora"), (None, "--tuner_type lora")])
+def test_swift_s_lora_offer_names_the_job_s_own_method_flag(tmp_path: Path, key: str | None, offer: str) -> None:
+    """ms-swift 3 has --train_type (--sft_type before it), ms-swift 4 --tuner_type; an argument its version lacks
+    stops it ("remaining_argv", modelscope/ms-swift#7823), so the offer keeps the name the job already gives."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    f = tmp_path / "full.sh"
+    method = f" --{key} full" if key else ""
+    f.write_text(f"CUDA_VISIBLE_DEVICES=0 swift sft --model Qwen/Qwen2.5-7B-Instruct{method} --torch_dtype "
+                 "bfloat16 --max_length 1024 --output_dir out\n")
+    job = read_job("swift", str(f), JobOptions())
+    assert tool_alternative(job, Alternative("LoRA", (("method", "lora"),), None, "single", 4.0)).how() == offer
+
+
+@pytest.mark.parametrize(("tool", "job", "said"), [
+    ("llamafactory", "lf/llama3_8b_full_ds2.yaml", "finetuning_type: lora with quantization_bit: 4"),
+    ("llamafactory", "lf_v1/full_deepspeed.yaml", "peft_config: {name: lora} with quant_config: {name: bnb"),
+    ("swift", "--train_type full", "--train_type lora --quant_bits 4 --quant_method bnb"),
+    ("hf", "python finetune.py", "--use_lora True --q_lora True")])
+def test_a_qlora_offer_to_a_full_fine_tune_also_makes_it_lora(tmp_path: Path, tool: str, job: str,
+                                                               said: str) -> None:
+    """4-bit frozen weights train only through adapters: LLaMA-Factory refuses quantization_bit without
+    finetuning_type lora ("Quantization is only compatible with the LoRA or OFT method"), ms-swift quantizes a
+    --train_type full run it cannot train, Qwen's finetune.py reads --q_lora only with --use_lora. The offer to a
+    full fine-tune says both."""
+    from shardfit.foreign.asplanned import tool_alternative
+    from shardfit.foreign.read import JobOptions, read_job
+    from shardfit.plan.plan import Alternative
+
+    if tool in ("swift", "hf"):
+        f = tmp_path / "full.sh"
+        f.write_text(f"CUDA_VISIBLE_DEVICES=0 swift sft --model Qwen/Qwen2.5-7B-Instruct {job} --max_length 1024 "
+                     "--output_dir out\n" if tool == "swift" else
+                     f"{job} --model_name_or_path Qwen/Qwen2.5-7B-Instruct --bf16 True --output_dir out\n")
+        path = str(f)
+    else:
+        path = str(JOBS / job)
+    read = read_job(tool, path, JobOptions(nproc=1))
+    assert read.workload.method == "full"
+    how = tool_alternative(read, Alternative("QLoRA", (("method", "qlora"),), None, "single", 4.0)).how()
+    assert how is not None and said in how, how

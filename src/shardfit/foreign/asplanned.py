@@ -134,17 +134,18 @@ def plan_job(job: ForeignJob, shape: ModelShape, hw: Hardware,
     configured = configured_estimate(job, shape, w, hw)
     plan = make_plan(shape, w.on_shardfits_engine(), hw, strategies or NAMES)
     if plan.alternatives is not None:
-        plan.alternatives = _in_tool_words(job, plan.alternatives)
-    _tool_adjusted(job, plan)
+        plan.alternatives = _in_tool_words(job, plan.alternatives, hw.gpus_per_node)
+    _tool_adjusted(job, plan, hw.gpus_per_node)
     fp = ForeignPlan(job, shape, hw, configured, plan)
     if not configured.fits:
         fp.would = what_would_fit(job, shape, w, hw, configured)
     return fp
 
 
-def _in_tool_words(job: ForeignJob, alternatives: list[Alternative]) -> list[Alternative]:
-    """The plan's alternatives for a `--from` job, each in the tool's words (`tool_alternative`)."""
-    return [tool_alternative(job, a) for a in alternatives]
+def _in_tool_words(job: ForeignJob, alternatives: list[Alternative], per_node: int) -> list[Alternative]:
+    """The plan's alternatives for a `--from` job on nodes of `per_node` GPUs, each in the tool's words
+    (`tool_alternative`)."""
+    return [tool_alternative(job, a, per_node=per_node) for a in alternatives]
 
 
 # Each workload change the plan offers (plan/plan.py `alternatives`, `same_result`) as a concept of the tools' words
@@ -157,15 +158,16 @@ _NO_WORDS = {"selective": "{tool} has no selective checkpointing (it checkpoints
              "nodes": "shardfit does not know {tool}'s own multi-node launch; plan --from ... --nodes N plans it"}
 
 
-def tool_alternative(job: ForeignJob, a: Alternative) -> Alternative:
+def tool_alternative(job: ForeignJob, a: Alternative, *, per_node: int | None = None) -> Alternative:
     """`a` as the job's tool spells it (`setting`), since `plan --from` reads the workload from the job's file and
-    refuses shardfit's flags for it; where the tool has no setting for a change, `left_out` says so."""
+    refuses shardfit's flags for it; where the tool has no setting for a change, `left_out` says so. `per_node`:
+    the GPUs of a node, which a launch on more nodes counts its processes by."""
     words, changes = job.words, dict(a.changes)
     parts: list[str] = []
     missing: list[str] = []
 
     def put(concept: str, value: object = None) -> None:
-        said = words.setting(concept, value)
+        said = words.setting(concept, value, per_node)
         parts.append(said) if said else missing.append(concept)
 
     if a.nodes is not None:
@@ -186,12 +188,12 @@ def tool_alternative(job: ForeignJob, a: Alternative) -> Alternative:
     return dataclasses.replace(a, setting=None, left_out=why)
 
 
-def _tool_adjusted(job: ForeignJob, plan: Plan) -> None:
+def _tool_adjusted(job: ForeignJob, plan: Plan, per_node: int) -> None:
     """The plan's adjusted recommendation (`same_result`) in the tool's words; where the tool has no setting for
     it, left out and said among the alternatives."""
     if plan.adjusted is None:
         return
-    said = tool_alternative(job, plan.adjusted)
+    said = tool_alternative(job, plan.adjusted, per_node=per_node)
     if said.left_out:
         plan.adjusted = None
         plan.alternatives = [said, *(plan.alternatives or [])]
@@ -272,8 +274,8 @@ def what_would_fit(job: ForeignJob, shape: ModelShape, w: Workload, hw: Hardware
             out.insert(0, f"{precompute}: {c.per_gpu_gib.total:.1f} GiB per GPU")
     if not out:  # no single change is enough: the workload changes together, in the order listed
         stacked, labels = w, []
-        for label, w2, z2, _ in tries:
-            if z2 is None and w2 != w:
+        for label, w2, z2, _ in tries:  # only changes the tool can make: a stack is one offer to run
+            if z2 is None and w2 != w and not label.startswith("left out: "):
                 stacked = dataclasses.replace(stacked, **{f.name: getattr(w2, f.name) for f in
                                                           dataclasses.fields(w2) if getattr(w2, f.name) !=
                                                           getattr(w, f.name)})

@@ -152,7 +152,8 @@ def words() -> Words:
                        "load_in_4bit: true", "lora": "adapter: lora",
                        "reentrant": "gradient_checkpointing_kwargs: {use_reentrant: false}",
                        "device_map": "drop device_map under accelerate launch",
-                       "nodes": "num_machines: {} in the accelerate config (machine_rank per node)"})
+                       "nodes": "num_machines: {} and num_processes: {ranks} (every machine's GPUs together) in the "
+                       "accelerate config, machine_rank and main_process_ip on each machine"})
 
 
 def read_axolotl(path: Path, shape_of: Any, version: str, nproc: int | None) -> ForeignJob:

@@ -258,15 +258,21 @@ TRAINER_8BIT = {"adamw8bit": "adamw_bnb_8bit", "rmsprop8bit": "rmsprop_bnb_8bit"
                 "ademamix8bit": "ademamix_8bit"}
 
 
-def nodes_words(launcher: str | None) -> str:
-    """How a command line's launcher starts its ranks on several nodes, `{}` the count, for the plan's
-    suggestions (job.py `Words`): torchrun's --nnodes (also where it names none), accelerate's --num_machines,
-    the DeepSpeed launcher's --num_nodes."""
+def nodes_words(launcher: str | None, plugin: bool = False) -> str:
+    """How a command line's launcher starts its ranks on several nodes, `{}` the count and `{ranks}` every node's
+    processes together, for the plan's suggestions (job.py `Words`): torchrun's --nnodes with its per-node
+    --nproc_per_node (also where it names none; default 1), accelerate's --num_machines with --num_processes, the
+    total (each machine runs num_processes // num_machines, accelerate's commands/launch.py
+    `prepare_multi_gpu_env`), and --multi_gpu, which accelerate infers without a config only from the GPUs of
+    the machine it runs on; not where its config or flags build a DeepSpeed or FSDP `plugin`, which --multi_gpu
+    would turn off (`_validate_launch_command` reads the config's distributed type only where no such flag is
+    given). The DeepSpeed launcher's --num_nodes."""
     if launcher == "accelerate":
-        return "accelerate launch --num_machines {} --machine_rank <node> --main_process_ip <first node>"
+        return (f"accelerate launch{'' if plugin else ' --multi_gpu'} --num_machines {{}} --num_processes {{ranks}} "
+                "--machine_rank <node> --main_process_ip <first node> --main_process_port 29500")
     if launcher == "deepspeed":
         return "deepspeed --num_nodes {} --hostfile HOSTFILE"
-    return "torchrun --nnodes {} --node_rank <node> --master_addr <first node>"
+    return "torchrun --nnodes {} --nproc_per_node {per_node} --node_rank <node> --master_addr <first node>"
 
 
 def eight_bit_words(form: str) -> dict[str, str]:

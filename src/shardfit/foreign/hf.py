@@ -124,8 +124,9 @@ def words() -> Words:
                        "zero3_offload": "--deepspeed ds_config_zero3_offload.json"},
                  keys={**eight_bit_words("--optim {}"), "fused_loss": "--use_liger_kernel True",
                        "grad_ckpt": "--gradient_checkpointing True", "micro_batch": "--per_device_train_batch_size 1 "
-                       "with --gradient_accumulation_steps", "seq": "--model_max_length", "qlora": "--q_lora True "
-                       "(4-bit base weights)", "lora": "--use_lora True",
+                       "with --gradient_accumulation_steps", "seq": "--model_max_length", "lora": "--use_lora True",
+                       # Qwen's finetune.py quantizes only with --use_lora
+                       "qlora": "--use_lora True --q_lora True (4-bit base weights)",
                        "device_map": "device_map=None (or {'': int(os.environ['LOCAL_RANK'])}) in from_pretrained "
                        "when WORLD_SIZE > 1", "model_parallel": "one process (python, no torchrun) with "
                        "device_map='auto'", "reentrant": "--gradient_checkpointing_kwargs "
@@ -176,7 +177,7 @@ def read_hf(path: Path, shape_of: Any, version: str, nproc: int | None, model: s
                      nnodes=launched.nnodes if launched else cmd.nnodes if cmd else 1,
                      launcher=cmd.launcher if cmd else None)
     job.every_gpu = launched is not None and launched.every_gpu and job.nproc is None
-    job.words.keys.update(plan_words(job.launcher, src))
+    job.words.keys.update(plan_words(job.launcher, src, launched, code.model_config))
     job.notes += _assumptions(src, code) + trl_notes + (acc.notes if acc else [])
     w = job.workload = _job_workload(src, job, code, version, acc, batch, optimizer)
     loaded = job_load(src, code, version, program)

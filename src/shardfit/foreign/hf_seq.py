@@ -5,10 +5,14 @@ the one note that says what the plan took where nothing gives it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardfit.foreign.arg_nulls import SEQ_KEYS
 from shardfit.foreign.common import nodes_words
 from shardfit.foreign.keys import Source
+
+if TYPE_CHECKING:
+    from shardfit.foreign.accelerate import Accelerate
 
 # Scripts whose own argument is the sequence length: transformers' examples/pytorch/language-modeling/run_clm.py
 # cuts the concatenated text into blocks of `--block_size` tokens (capped at the tokenizer's model_max_length).
@@ -18,12 +22,17 @@ SCRIPT_SEQ_KEYS = tuple(sorted(set(KNOWN_SEQ.values())))
 ALL_SEQ_KEYS = (*SEQ_KEYS, *SCRIPT_SEQ_KEYS)
 
 
-def plan_words(launcher: str | None, src: Source) -> dict[str, str]:
-    """How the command line sets its sequence length and nodes, for the plan's suggestions (job.py `Words`): the
-    length argument it gives (`--max_length`), else plan's --seq, which `plan --from hf` takes where the arguments
-    name none; its launcher's node count (common.py `nodes_words`)."""
+def plan_words(launcher: str | None, src: Source, launched: Accelerate | None = None,
+               model_config: bool = False) -> dict[str, str]:
+    """How the command line sets its sequence length, nodes and LoRA, for the plan's suggestions (job.py `Words`):
+    the length argument it gives (`--max_length`), else plan's --seq, which `plan --from hf` takes where the
+    arguments name none; its launcher's node count (common.py `nodes_words`: whether the accelerate launch
+    `launched` builds DeepSpeed or FSDP); TRL's ModelConfig's --use_peft (and --load_in_4bit) where the script
+    parses it (`model_config`), as --use_lora and --q_lora are other scripts' flags, which TRL's parser lacks."""
     key = next((k for k in ALL_SEQ_KEYS if k in src), None)
-    return {"seq": f"--{key}" if key else "--seq", "nodes": nodes_words(launcher)}
+    plugin = launched is not None and bool(launched.fsdp or launched.deepspeed or launched.deepspeed_file)
+    peft = {"lora": "--use_peft", "qlora": "--use_peft --load_in_4bit"} if model_config else {}
+    return {"seq": f"--{key}" if key else "--seq", "nodes": nodes_words(launcher, plugin), **peft}
 
 
 def unread_seq_keys(src: Source, program: str) -> dict[str, str]:

@@ -30,12 +30,17 @@ class Words:
     def say(self, concept: str, default: str) -> str:
         return self.keys.get(concept) or self.zero.get(concept) or default
 
-    def setting(self, concept: str, value: object = None) -> str | None:
+    def setting(self, concept: str, value: object = None, per_node: int | None = None) -> str | None:
         """The tool's setting for `concept` at `value`: its words with `value` in place of `{}`, or after them
-        (`cutoff_len 2048`); the words alone without a value. None where the tool has no words for it."""
+        (`cutoff_len 2048`); the words alone without a value. A launch on `value` nodes of `per_node` GPUs each
+        also says `{per_node}` and `{ranks}` (every node's processes together), in words where `per_node` is not
+        known. None where the tool has no words for it."""
         said = self.keys.get(concept) or self.zero.get(concept)
         if not said or value is None:
             return said or None
+        said = said.replace("{per_node}", str(per_node) if per_node else "<GPUs of a node>").replace(
+            "{ranks}", str(value * per_node) if per_node and isinstance(value, int) else
+            f"<{value} x the GPUs of a node>")
         return said.format(value) if "{}" in said else f"{said} {value}"
 
 

@@ -118,7 +118,9 @@ def words() -> Words:
                  keys={**eight_bit_words("optim: {}"), "fused_loss": "use_liger_kernel: true",
                        "grad_ckpt": "disable_gradient_checkpointing: false (remove the key)",
                        "micro_batch": "per_device_train_batch_size: 1 with gradient_accumulation_steps",
-                       "seq": "cutoff_len: {}", "qlora": "quantization_bit: 4", "lora": "finetuning_type: lora",
+                       "seq": "cutoff_len: {}",
+                       # LLaMA-Factory quantizes only under LoRA or OFT (its parser refuses it otherwise)
+                       "qlora": "finetuning_type: lora with quantization_bit: 4", "lora": "finetuning_type: lora",
                        "device_map": "(LLaMA-Factory places the model itself; do "
                        "not pass device_map under torchrun)", "launch": "FORCE_TORCHRUN=1 llamafactory-cli train",
                        "nodes": "NNODES={} with NODE_RANK, MASTER_ADDR and MASTER_PORT on each node "

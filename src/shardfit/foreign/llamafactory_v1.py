@@ -109,7 +109,8 @@ def words() -> Words:
                  keys={"grad_ckpt": "enable_activation_checkpointing: true (remove the key)",
                        "micro_batch": "micro_batch_size: 1, global_batch_size as it is ({} micro-batches a rank each "
                        "step)", "seq": "cutoff_len: {}",
-                       "qlora": "quant_config: {name: bnb, quantization_bit: 4}", "lora": "peft_config: {name: lora}",
+                       "qlora": "peft_config: {name: lora} with quant_config: {name: bnb, quantization_bit: 4}",
+                       "lora": "peft_config: {name: lora}",
                        "launch": "USE_V1=1 FORCE_TORCHRUN=1 llamafactory-cli sft"})
 
 

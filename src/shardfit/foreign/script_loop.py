@@ -707,7 +707,7 @@ def loop_speed_note(loop: HandLoop) -> str:
 def loop_words(job: ForeignJob) -> None:
     """The changes the plan may suggest, spelled in the script's code rather than the Trainer's arguments."""
     job.words.keys.update({
-        "micro_batch": "a smaller DataLoader batch_size with gradient accumulation in the loop",
+        "micro_batch": "DataLoader batch_size=1 with gradient accumulation over {} micro-batches in the loop",
         "grad_ckpt": "model.gradient_checkpointing_enable() before the loop",
         **{k: f"bitsandbytes.optim.{cls} in place of the script's optimizer" for k, cls in (
             ("adamw8bit", "AdamW8bit"), ("rmsprop8bit", "RMSprop8bit"), ("lion8bit", "Lion8bit"),

@@ -144,8 +144,8 @@ def words() -> Words:
     return Words(zero={k: f"--deepspeed {k}" for k in ("zero2", "zero3", "zero3_offload", "zero2_offload")},
                  keys={**eight_bit_words("--optim {}"), "fused_loss": "--use_liger_kernel true",
                        "grad_ckpt": "--gradient_checkpointing true", "micro_batch": "--per_device_train_batch_size 1 "
-                       "with --gradient_accumulation_steps", "seq": "--max_length", "qlora": "--quant_bits 4 "
-                       "--quant_method bnb", "lora": "--tuner_type lora",
+                       "with --gradient_accumulation_steps", "seq": "--max_length", "qlora": "--tuner_type lora "
+                       "--quant_bits 4 --quant_method bnb", "lora": "--tuner_type lora",
                        "device_map": "NPROC_PER_NODE=1 (one process over CUDA_VISIBLE_DEVICES) or drop "
                        "--device_map under NPROC_PER_NODE", "model_parallel": "no NPROC_PER_NODE, "
                        "CUDA_VISIBLE_DEVICES listing every GPU (ms-swift splits the model with device_map)",
@@ -280,6 +280,8 @@ def _method(src: Source, job: ForeignJob) -> str:
     method = METHODS.get(train_type)
     if method is None:
         raise UserError(f"{src.where}: --{key} {train_type}: shardfit plans lora and full (and LoRA variants).")
+    # a LoRA offer in the name the job gives: an ms-swift without that argument stops on it (remaining_argv)
+    job.words.keys.update(lora=f"--{key} lora", qlora=f"--{key} lora --quant_bits 4 --quant_method bnb")
     bits = src.get("quant_bits")
     if bits is not None and method == "lora":
         method = "qlora"
