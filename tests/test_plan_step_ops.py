@@ -14,9 +14,9 @@ from shardfit.plan.comms import param_tensors
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S
 from shardfit.plan.estimate import trainable_params
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.optimizer_launches import STEP_LAUNCHES, TORCHAO_CALL_VIEWS, implementation
 from shardfit.plan.optimizer_states import step_bytes_per_param
 from shardfit.plan.shapes import ModelShape, resolve_shape
-from shardfit.plan.optimizer_launches import STEP_LAUNCHES, TORCHAO_CALL_VIEWS, implementation
 from shardfit.plan.step_ops import (
     CLIP_OPS,
     ZERO_GRAD_KERNELS,
