@@ -18,7 +18,11 @@ paths (one norm and one multiply per gradient, or foreach); zero_grad writing ze
 default before 2.0) or dropping the gradients. transformers' own AdamW (a Python loop over the parameters, removed
 from transformers since) is counted from the release that ran it: `--transformers-optimization` names that
 release's transformers/optimization.py (`pip download transformers==4.2.2 --no-deps`, unzipped); its AdamW class
-is compiled from that file alone, so the count is of the code that ran. plan/step_ops.py carries the figures.
+is compiled from that file alone, so the count is of the code that ran. torch's SGD, RMSprop and Adagrad by
+loop, transformers' and torch's Adafactor, each as the HF Trainer builds it. torchao's low-bit AdamW runs a
+compiled function per tensor (one fused kernel, counted from the graph inductor generates) whose call the host
+pays beyond the launch: timed (`host_op_us` `torchao_call_per_tensor`). plan/optimizer_launches.py carries the
+figures.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.optimization import Adafactor
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "optimizer_step_ops.json"
@@ -140,6 +145,14 @@ def optimizers(hf_path: Path | None) -> dict[str, Callable[[list], torch.optim.O
         out[f"torch_for_loop{tag}"] = lambda p, wd=wd: torch.optim.AdamW(p, lr=1e-3, weight_decay=wd, foreach=False)
         out[f"torch_foreach{tag}"] = lambda p, wd=wd: torch.optim.AdamW(p, lr=1e-3, weight_decay=wd, foreach=True)
         out[f"torch_fused{tag}"] = lambda p, wd=wd: torch.optim.AdamW(p, lr=1e-3, weight_decay=wd, fused=True)
+    # torch's other optimizers as the HF Trainer builds them (their defaults: no weight decay, SGD without momentum)
+    # by loop, and both Adafactors: transformers' as the Trainer builds it (`scale_parameter` and `relative_step`
+    # off), torch's (foreach off by default).
+    for name, cls in (("sgd", torch.optim.SGD), ("rmsprop", torch.optim.RMSprop), ("adagrad", torch.optim.Adagrad)):
+        for loop, foreach in (("for_loop", False), ("foreach", True)):
+            out[f"torch_{name}_{loop}"] = lambda p, cls=cls, foreach=foreach: cls(p, lr=1e-3, foreach=foreach)
+    out["transformers_adafactor"] = lambda p: Adafactor(p, lr=1e-3, scale_parameter=False, relative_step=False)
+    out["torch_adafactor"] = lambda p: torch.optim.Adafactor(p, lr=1e-3)
     if hf_path is not None:
         adamw = transformers_adamw(hf_path)
         out["transformers/no_decay"] = lambda p: adamw(p, lr=1e-3, weight_decay=0.0)
@@ -165,6 +178,29 @@ def host_op_us(rounds: int = 100_000) -> dict[str, float]:
     return out
 
 
+def single_param_adam_call_us(side: int = 4, tensors: int = 8, rounds: int = 30) -> float | None:
+    """Microseconds the host spends per tensor in torchao's low-bit AdamW step (where torchao is installed): it
+    calls a `torch.compile`d function once per tensor, whose guards and wrappers the host runs each time beyond
+    the kernel it launches. Timed on `side` x `side` tensors (below torchao's 4096 elements for 8-bit states, so
+    the fused kernel's own work is a few elements) after warm-up steps that compile it."""
+    import time
+
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        return None
+    params = [torch.nn.Parameter(torch.randn(side, side)) for _ in range(tensors)]
+    opt = AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for _ in range(5):
+        opt.step()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        opt.step()
+    return round((time.perf_counter() - start) / rounds / tensors * 1e6, 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--transformers-optimization", type=Path, default=None,
@@ -187,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['per_tensor_host']:5.2f} host; fixed: {r['fixed_kernel']:5.1f} kernels, "
               f"{r['fixed_view']:5.1f} views, {r['fixed_host']:5.1f} host", flush=True)
     result["host_op_us"] = host_op_us()
+    result["host_op_us"]["torchao_call_per_tensor"] = single_param_adam_call_us()
     print("host op microseconds:", result["host_op_us"])
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")

@@ -95,6 +95,20 @@ def test_torch_adamw_by_its_kernel(tmp_path: Path, kwargs: str, fused: bool, sai
     assert any(n.startswith("optimizer: AdamW at train.py:4") and said in n for n in job.notes), job.notes
 
 
+@pytest.mark.parametrize(("kwargs", "version", "loop"), [
+    ("", "5.23.0", "foreach"), ("", "4.20.0", "for_loop"), (", fused=True", "4.20.0", "fused"),
+    (", foreach=False", "5.23.0", "for_loop"),
+])
+def test_torch_adamw_steps_by_its_releases_loop(tmp_path: Path, kwargs: str, version: str, loop: str) -> None:
+    """The launches of a hand loop's torch AdamW: its keywords' loop, else torch's default of the release the job's
+    transformers came out with (one tensor at a time before torch 2.0), never the Trainer's default optim's."""
+    body = OPT.replace("lr=1e-5", f"lr=1e-5{kwargs}") + LOADER + LOOP
+    (tmp_path / "train.py").write_text(HEAD.format(dtype="torch.bfloat16") + body)
+    (tmp_path / "run.sh").write_text("python train.py\n")
+    w = read_job("hf", str(tmp_path / "run.sh"), JobOptions(transformers=version)).workload
+    assert w.optimizer_loop == loop
+
+
 def test_bitsandbytes_8bit_adamw(tmp_path: Path) -> None:
     opt = "import bitsandbytes as bnb\nopt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-5)\n"
     w = _job(tmp_path, opt + LOADER + LOOP.replace("4", "5")).workload

@@ -10,7 +10,7 @@ import torch
 
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import plan_job
-from shardfit.foreign.common import optimizer_keys
+from shardfit.foreign.common import default_optim, optimizer_keys
 from shardfit.foreign.job import ForeignJob
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.estimate import per_rank, state_bytes, trainable_params
@@ -397,3 +397,33 @@ def test_axolotl_s_own_param_groups_register_no_fp32_embedding_states(tmp_path: 
 def test_axolotl_lr_groups_not_a_list_of_mappings_exits_2(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"groups.yml:\d+: 'lr_groups' is .*list of mappings"):
         _axolotl(tmp_path, "adafactor", "lr_groups: attn\n")
+
+
+@pytest.mark.parametrize(("version", "optim"), [("4.20.1", "adamw_hf"), ("4.31.0", "adamw_hf"),
+                                                ("4.32.0", "adamw_torch"), ("4.53.0", "adamw_torch"),
+                                                ("4.54.0", "adamw_torch_fused")])
+def test_default_optim_follows_the_trainers_history(version: str, optim: str) -> None:
+    """The HF Trainer's default `optim`: adamw_hf (transformers' own AdamW, stepped in place) before 4.32
+    (transformers#25109), adamw_torch until 4.54, adamw_torch_fused since."""
+    keys = optimizer_keys(None, version, notes := [])
+    assert default_optim(None, version)[0] == optim and optim in notes[0]
+    assert keys["fused_adamw"] == (optim != "adamw_torch")
+
+
+@pytest.mark.parametrize(("version", "optim", "step"), [
+    ("4.10.0", None, ("transformers", "per_tensor_sync", True)),
+    ("4.20.0", "adamw_torch", ("for_loop", "per_tensor", True)),
+    ("4.30.0", "adamw_hf", ("transformers", "foreach", False)),
+    ("4.40.0", None, ("foreach", "foreach", False)),
+    ("4.40.0", "adamw_torch_fused", ("fused", "foreach", False)),
+    ("4.40.0", "paged_adamw_8bit", ("auto", "foreach", False)),
+    ("4.20.0", "adafactor", ("auto", "per_tensor", True)),
+])
+def test_a_jobs_step_runs_its_releases_loops(version: str, optim: str | None, step: tuple) -> None:
+    """The step's loop, clipping and zero_grad of a --from job: its optimizer's own loop, else torch's of the
+    release its transformers came out with (2.0 with 4.27, 1.10 with 4.12); torch's for-loop AdamW of torch 1.x
+    steps in place (no multi-tensor copy)."""
+    keys = optimizer_keys(optim, version, [])
+    assert (keys["optimizer_loop"], keys["grad_clip"], keys["zero_grad_zeros"]) == step
+    w = Workload(method="full", **{k: v for k, v in keys.items() if k != "no_8bit_form"})
+    assert w.multi_tensor_step == (step[0] == "foreach" and keys["optimizer"] == "adamw")

@@ -300,8 +300,40 @@ def multi_tensor_step(name: str) -> bool:
 
 
 # transformers' Trainer defaults `optim` to adamw_torch_fused from 4.54 (PR #37358) when torch is 2.8 or newer;
-# before, to adamw_torch. axolotl has defaulted to adamw_torch_fused since its PR #2293 (January 2025).
+# before, to adamw_torch from 4.32 (PR #25109: training_args.py `default_optim`, "adamw_hf" in 4.31.0 and
+# "adamw_torch" in 4.32.0), and to adamw_hf, transformers' own AdamW, before (the only AdamW its Trainer built before
+# `optim` came in 4.16). axolotl has defaulted to adamw_torch_fused since its PR #2293 (January 2025).
 FUSED_DEFAULT_SINCE = (4, 54)
+TORCH_ADAMW_DEFAULT_SINCE = (4, 32)
+# The torch a job ran where it names none: the one current when its transformers came out. torch 2.0 (March 2023)
+# with transformers 4.27, torch 1.10 (October 2021) with 4.12. Their defaults at the step (plan/step_ops.py): from
+# 2.0 the optimizers' multi-tensor ops on a GPU, clip_grad_norm_'s foreach path and zero_grad dropping the
+# gradients; before, one tensor at a time, a norm per gradient and zeros written; before 1.10 clipping also waited
+# for the device.
+TORCH_2_WITH = (4, 27)
+TORCH_1_10_WITH = (4, 12)
+# The Trainer's `optim` names whose step loop the name says (plan/optimizer_launches.py `implementation`): the
+# others of torch (TORCH_OPTIMS) run the torch release's default loop; the rest their own library's (`auto`).
+OPTIM_LOOPS = {"adamw_hf": "transformers", "adamw_torch_fused": "fused", "adamw_apex_fused": "fused",
+               "adamw_anyprecision": "for_loop"}
+TORCH_OPTIMS = ("adamw_torch", "adam", "sgd", "adagrad", "rmsprop")
+
+
+def step_keys(optim: str, version: str, notes: list[str] | None = None) -> dict[str, Any]:
+    """The Workload's `optimizer_loop`, `grad_clip` and `zero_grad_zeros` for a job whose Trainer builds `optim`
+    under transformers `version`, on the torch of that release (TORCH_2_WITH); a note joins `notes` where that
+    torch is older than 2.0."""
+    at = release_of(version)
+    loop, clip, zeros = ("foreach", "foreach", False) if at >= TORCH_2_WITH else \
+        ("for_loop", "per_tensor" if at >= TORCH_1_10_WITH else "per_tensor_sync", True)
+    n = optim.lower()
+    loop = OPTIM_LOOPS.get(n, loop if n in TORCH_OPTIMS else "auto")
+    if notes is not None and at < TORCH_2_WITH:
+        wait = "" if at >= TORCH_1_10_WITH else ", reading the norm back before it scales"
+        notes.append(f"transformers {version} came out before torch 2.0: planned on the torch of its day, whose "
+                     f"optimizers step one tensor at a time, whose clipping takes a norm per gradient{wait} and "
+                     "whose zero_grad writes zeros (host launches per tensor each step)")
+    return {"optimizer_loop": loop, "grad_clip": clip, "zero_grad_zeros": zeros}
 
 
 def default_optim(given: Any, version: str, tool_default: str | None = None) -> tuple[str, str | None]:
@@ -315,16 +347,19 @@ def default_optim(given: Any, version: str, tool_default: str | None = None) -> 
         return "adamw_torch_fused", (f"optim not set: transformers {version} defaults to adamw_torch_fused with torch "
                                      ">= 2.8 (stepped in place; an older torch runs adamw_torch, whose multi-tensor "
                                      "step adds one fp32 copy of what each GPU trains)")
+    if release_of(version) < TORCH_ADAMW_DEFAULT_SINCE:
+        return "adamw_hf", (f"optim not set: transformers {version} defaults to adamw_hf (transformers' own AdamW: "
+                            "a Python loop over the tensors, each stepped in place)")
     return "adamw_torch", (f"optim not set: transformers {version} defaults to adamw_torch (torch's multi-tensor "
                            "AdamW: one fp32 copy of what each GPU trains at the step)")
 
 
 def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str | None = None,
                    optim_args: Any = None, weight_decay: Any = 0.0, where: str = "optim_args") -> dict[str, Any]:
-    """The Workload's `optimizer`, `fused_adamw` and `optimizer_dtypes` for a job whose optimizer setting is
-    `given` (None when the config names none: `default_optim` decides, and its note joins `notes`) with the
-    Trainer's `optim_args` (as transformers `version` passes them, `torch_optim_args`; given at `where`, the file
-    and line an error names) and `weight_decay` (None where the tool's default is not known:
+    """The Workload's `optimizer`, `fused_adamw`, `optimizer_dtypes` and step loop (`step_keys`) for a job whose
+    optimizer setting is `given` (None when the config names none: `default_optim` decides, and its note joins
+    `notes`) with the Trainer's `optim_args` (as transformers `version` passes them, `torch_optim_args`; given at
+    `where`, the file and line an error names) and `weight_decay` (None where the tool's default is not known:
     `weight_decay_note`)."""
     optim, assumed = default_optim(given, version, tool_default)
     if assumed:
@@ -340,7 +375,7 @@ def optimizer_keys(given: Any, version: str, notes: list[str], tool_default: str
         notes.append(note)
     return {"optimizer": planned, "fused_adamw": not multi_tensor_step(optim), "bnb_optimizer": bnb,
             "torchao_optimizer": optim.lower() in TORCHAO_8BIT, "optimizer_dtypes": dtypes,
-            "no_8bit_form": stand_in}
+            "no_8bit_form": stand_in, **step_keys(optim, version, notes)}
 
 
 def weight_decay_note(optim: str, planned: str | None, weight_decay: Any) -> str | None:

@@ -19,6 +19,7 @@ from shardfit.foreign.common import (
     named_sdpa,
     parse_json,
     read_text,
+    step_keys,
 )
 from shardfit.foreign.deepspeed import read_deepspeed
 from shardfit.foreign.hf import read_hf
@@ -290,7 +291,7 @@ def _read_bare_deepspeed(path: Path, opts: JobOptions, version: str) -> ForeignJ
                  loss=hf_loss(version, False), grad_accum=ds.grad_accum or 1,
                  # a torch optimizer DeepSpeed builds by name other than Adam: its default multi-tensor step
                  fused_adamw=not multi_tensor_step(optim) and ds.optimizer in (None, "adamw"),
-                 no_8bit_form=ds.zero.ds_optimizer)
+                 no_8bit_form=ds.zero.ds_optimizer, **step_keys(optim, version))
     words = Words(zero={"zero2": "zero_optimization.stage: 2", "zero3": "zero_optimization.stage: 3",
                         "zero3_offload": "zero_optimization.stage: 3 with offload_optimizer and offload_param "
                                          "{device: cpu}"},

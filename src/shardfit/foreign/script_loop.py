@@ -541,6 +541,16 @@ def refuse_unread(loop: HandLoop, source: str, batch: int | None, optimizer: str
                         f"{loop.at} trains cannot be told. Keep one wrapper.")
 
 
+def _step_loop(loop: HandLoop, w: Workload) -> str:
+    """The Workload's `optimizer_loop` for the optimizer a hand-written loop builds: as its keywords say, torch's
+    default where they say none (one tensor at a time on the torch before 2.0 that `w`'s release ran, whose
+    zero_grad writes zeros: foreign/common.py `step_keys`); bitsandbytes' and torchao's their own (`auto`)."""
+    kind = loop.optimizer_kind
+    if kind == "foreach":
+        return "for_loop" if w.zero_grad_zeros else "foreach"
+    return {"fused": "fused", "for-loop": "for_loop", "per-tensor": "for_loop"}.get(kind, "auto")
+
+
 def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str | None, precision_from_launch: str,
                   notes: list[str]) -> Workload:
     """The workload of a hand-written loop: its micro-batch, accumulation, optimizer kernel, precision and
@@ -556,12 +566,13 @@ def loop_workload(w: Workload, loop: HandLoop, batch: int | None, optimizer: str
                        bnb_optimizer=bnb or loop.optimizer_kind == "bnb",
                        torchao_optimizer=loop.optimizer_kind == "torchao",
                        fused_adamw=loop.optimizer_kind not in ("foreach", "computed"),
-                       no_8bit_form=loop.optimizer in ADAM_CLASSES)
+                       no_8bit_form=loop.optimizer in ADAM_CLASSES, optimizer_loop=_step_loop(loop, w))
     elif optimizer is None and loop.optimizer_kind == "deepspeed":
         changes.update(optimizer="adamw", optimizer_dtypes=(), bnb_optimizer=False, fused_adamw=True,
-                       no_8bit_form=True)
+                       no_8bit_form=True, optimizer_loop="fused")
     else:
-        changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False, no_8bit_form=False)
+        changes.update(bnb_optimizer=False, torchao_optimizer=False, fused_adamw=False, no_8bit_form=False,
+                       optimizer_loop="auto")
     # No Trainer registers the embedding for 32-bit states: only the script's own override keeps it from 8 bits
     # (plan/optimizer_states.py `fp32_state_embedding`), an upper bound whatever weight it names.
     changes["embedding_override"] = bool(loop.override_at)

@@ -5,17 +5,18 @@ there.
 A micro-batch's launches are plan/dispatch.py's. The step's own are counted by bench/optimizer_step_ops.py (a
 TorchDispatchMode over a real step of tiny Llama models of 1 and 2 layers, the difference per parameter tensor; torch
 2.13) into bench/results/optimizer_step_ops.json, and each launch costs the host what dispatch.py's costs
-(DISPATCH_KERNEL_S, a view DISPATCH_VIEW_S). How many there are depends on the implementation, which changed with
-the releases:
-- the optimizer (`Workload.optimizer_loop`, `fused_adamw`): torch's AdamW walks the tensors one at a time
-  (`for_loop`: 8 kernels a tensor with weight decay, torch's default before 2.0 and `foreach=False` since) or in
-  multi-tensor ops (`foreach`: 11 launches a step whatever the tensors, torch's default on a GPU since 2.0), or runs
-  one fused kernel (`fused`: 3). transformers' own AdamW (`transformers`: the HF Trainer's `adamw_hf`, its default
-  until transformers#25109, Jul 2023) loops in Python: 7 kernels and 2 views a tensor without weight decay, the
-  Trainer's default (one more kernel and 2 more views with it), counted from the class of transformers 4.2.2's
-  optimization.py. torch's loops keep each tensor's step counter on the host: 2 ops a tensor there (the count and
-  its read), which launch no kernel: timed on the development machine's CPU at 1.8 and 0.1 us against a view's
-  0.6 us (`host_op_us`), so priced as views.
+(DISPATCH_KERNEL_S, a view DISPATCH_VIEW_S; a compiled function's call what the bench timed). How many there
+are depends on the implementation, which changed with the releases:
+- the optimizer: its implementation's launches (plan/optimizer_launches.py, `implementation`, from the optimizer,
+  its library and `Workload.optimizer_loop`). torch's AdamW walks the tensors one at a time (`for_loop`: 8 kernels
+  a tensor with weight decay, torch's default before 2.0 and `foreach=False` since) or in multi-tensor ops
+  (`foreach`: 11 launches a step whatever the tensors, torch's default on a GPU since 2.0), or runs one fused
+  kernel (`fused`: 3). transformers' own AdamW (`transformers`: the HF Trainer's `adamw_hf`, its default before
+  transformers 4.32, transformers#25109) loops in Python: 7 kernels and 2 views a tensor without weight decay.
+  bitsandbytes launches one kernel per tensor and waits for the device after each (since 0.39), torchao calls a
+  compiled function per tensor. torch's loops keep each tensor's step counter on the host: ops that launch no
+  kernel, timed on the development machine's CPU at 1.8 and 0.1 us against a view's 0.6 us (`host_op_us`), so
+  priced as views.
 - gradient clipping (`Workload.grad_clip`; clip_grad_norm_): a norm and a multiply per gradient and 6 ops over the
   norms (`per_tensor`), or 8 multi-tensor ops (`foreach`, the default since torch 2.0, pytorch#91846). Before
   torch 1.10 (pytorch#61042) it read `clip_coef < 1` back before multiplying (`per_tensor_sync`): the host waits
@@ -36,18 +37,10 @@ from shardfit.plan.adapters import adapts
 from shardfit.plan.cards import Card
 from shardfit.plan.comms import param_tensors
 from shardfit.plan.dispatch import DISPATCH_KERNEL_S, DISPATCH_VIEW_S, HOST_SYNC_S
+from shardfit.plan.optimizer_launches import launches
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
-# Ops of one AdamW step by loop (bench/optimizer_step_ops.py `optimizer/...`, weight decay on; `transformers`
-# without, as the HF Trainer's default weight_decay 0.0 ran it): (kernels, views, host ops) per trainable tensor
-# and (kernels, views, host ops) once.
-OPTIMIZER_OPS: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
-    "for_loop": ((8.0, 0.0, 2.0), (2.0, 0.0, 0.0)),
-    "foreach": ((0.0, 0.0, 2.0), (11.0, 1.0, 0.0)),
-    "fused": ((0.0, 0.0, 0.0), (3.0, 0.0, 1.0)),
-    "transformers": ((7.0, 2.0, 0.0), (2.0, 0.0, 0.0)),
-}
 # clip_grad_norm_'s kernels (per gradient, once) by path (`clip_per_tensor`, `clip_foreach`); the synchronising
 # path of torch before 1.10 launches as many (a comparison where the clamp is now) and waits once.
 CLIP_OPS: dict[str, tuple[float, float]] = {"none": (0.0, 0.0), "foreach": (0.0, 8.0), "per_tensor": (2.0, 6.0),
@@ -74,16 +67,12 @@ def trainable_tensors(shape: ModelShape, w: Workload) -> float:
     return shape.over_blocks(pairs) + len(set(w.lora_saved))
 
 
-def optimizer_loop(w: Workload) -> str:
-    """The loop that steps `w`'s tensors: fused where `fused_adamw` says, else the workload's `optimizer_loop`."""
-    return "fused" if w.fused_adamw else w.optimizer_loop
-
-
 def step_ops(shape: ModelShape, w: Workload) -> tuple[float, float, float]:
     """(kernels, views, host ops) the host dispatches once per optimizer step of `w`: clipping, the optimizer
-    (OPTIMIZER_OPS by `optimizer_loop`), zero_grad."""
+    (plan/optimizer_launches.py, by the implementation that steps it), zero_grad."""
     n = trainable_tensors(shape, w)
-    (pk, pv, ph), (fk, fv, fh) = OPTIMIZER_OPS[optimizer_loop(w)]
+    opt = launches(w)
+    (pk, pv, ph), (fk, fv, fh) = opt.per_tensor, opt.fixed
     ck, cf = CLIP_OPS[w.grad_clip]
     kernels = n * (pk + ck + ZERO_GRAD_KERNELS[w.zero_grad_zeros]) + fk + cf
     return kernels, n * pv + fv, n * ph + fh
@@ -95,10 +84,13 @@ def step_host_s(shape: ModelShape, w: Workload, card: Card) -> float:
     if card.key == "cpu":
         return 0.0
     kernels, views, host = step_ops(shape, w)
-    return kernels * DISPATCH_KERNEL_S + (views + host) * DISPATCH_VIEW_S
+    calls = trainable_tensors(shape, w) * launches(w).call_s_per_tensor
+    return kernels * DISPATCH_KERNEL_S + (views + host) * DISPATCH_VIEW_S + calls
 
 
-def step_sync_s(w: Workload, card: Card) -> float:
-    """Seconds the device idles at the step's own waits for it (clipping before torch 1.10: CLIP_SYNCS), each
-    HOST_SYNC_S; 0 on a CPU."""
-    return 0.0 if card.key == "cpu" else CLIP_SYNCS.get(w.grad_clip, 0) * HOST_SYNC_S
+def step_sync_s(shape: ModelShape, w: Workload, card: Card) -> float:
+    """Seconds the device idles at the step's own waits for it, each HOST_SYNC_S: clipping before torch 1.10
+    (CLIP_SYNCS) and an optimizer that waits after each tensor (bitsandbytes'); 0 on a CPU."""
+    if card.key == "cpu":
+        return 0.0
+    return (CLIP_SYNCS.get(w.grad_clip, 0) + trainable_tensors(shape, w) * launches(w).syncs_per_tensor) * HOST_SYNC_S

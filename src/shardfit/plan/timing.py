@@ -118,7 +118,7 @@ def step_time(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> St
     # The step's own launches (clipping, the optimizer, zero_grad: plan/step_ops.py) overlap its own kernels, once
     # per step; a release whose clipping waits for the device adds that wait.
     step_host = step_host_s(shape, w, card)
-    boundary = max(t.optim_gpu, step_host) + step_sync_s(w, card)
+    boundary = max(t.optim_gpu, step_host) + step_sync_s(shape, w, card)
     step = w.grad_accum * (t.micro + ulysses) + t.comm_step + t.pcie_step + boundary
     job_tokens = tokens * w.grad_accum * (t.ranks if s.multi_rank else 1)
     comm_total = w.grad_accum * (t.comm_mb + ulysses) + t.comm_step

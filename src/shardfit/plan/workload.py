@@ -250,11 +250,13 @@ class Workload:
     # a tool's `adamw_torch_fused`): it steps in place. False: the multi-tensor (foreach) kernel torch picks by
     # default on a GPU, one copy of what it steps (plan/optimizer_states.py `foreach_temp_bytes`).
     fused_adamw: bool = False
-    # How the optimizer walks the trainable tensors where it is not fused (`fused_adamw`): `foreach`, torch's
-    # multi-tensor ops (its default on a GPU since 2.0); `for_loop`, one tensor at a time (torch's foreach=False,
-    # its default before 2.0); `transformers`, transformers' own AdamW (the HF Trainer's `adamw_hf`, its default
-    # until mid 2023), a Python loop. Each launches its own ops once per step (plan/step_ops.py).
-    optimizer_loop: str = "foreach"
+    # How torch's optimizer walks the trainable tensors (the time model's decision, plan/optimizer_launches.py):
+    # `foreach`, multi-tensor ops (torch's default on a GPU since 2.0); `for_loop`, one tensor at a time (torch's
+    # foreach=False, its default before 2.0); `fused`, torch's fused kernel; `transformers`, transformers' own
+    # AdamW (the HF Trainer's `adamw_hf`, its default before 4.32), a Python loop; `auto`, as the optimizer
+    # decides (the fused kernel where `fused_adamw`, else foreach). Each launches its own ops once per step
+    # (plan/step_ops.py); a Python loop copies no param group (`multi_tensor_step`).
+    optimizer_loop: str = "auto"
     # Gradient clipping before each step (plan/step_ops.py): `foreach` (torch's default since 2.0), `per_tensor` (a
     # norm and a multiply per gradient, torch 1.10-1.13), `per_tensor_sync` (the same, the host waiting for the
     # device to decide whether to clip: torch before 1.10), `none`.
@@ -322,8 +324,10 @@ class Workload:
     def multi_tensor_step(self) -> bool:
         """The optimizer stepped by one of torch's multi-tensor kernels (`foreach`, torch's default on a GPU), which
         allocate copies of what they step (plan/optimizer_states.py `foreach_temp_bytes`): AdamW, Adagrad, RMSprop
-        and schedule-free AdamW's; a fused kernel (`fused_adamw`), 8-bit and bitsandbytes' optimizers do not."""
-        return OPTIMIZER_KINDS[self.optimizer].group_copies > 0 and not self.fused_adamw
+        and schedule-free AdamW's; a fused kernel (`fused_adamw`), 8-bit and bitsandbytes' optimizers do not, nor a
+        loop over the tensors one at a time or a fused kernel (`optimizer_loop`: torch before 2.0, adamw_hf)."""
+        in_place = self.optimizer_loop in ("for_loop", "transformers", "fused")
+        return OPTIMIZER_KINDS[self.optimizer].group_copies > 0 and not self.fused_adamw and not in_place
 
     @property
     def fp32_matmuls_tf32(self) -> bool:
