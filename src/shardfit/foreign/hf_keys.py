@@ -42,7 +42,8 @@ KEYS = key_table({
     "fsdp_config": Key("FSDP1 or FSDP2, sharding"),
     "ddp_find_unused_parameters": Key("DDP"), "optim": Key("{optimizer}"), "optim_args": Key("{optimizer}"),
     "model": Key("model"),
-    # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: `_convert`)
+    # carried over to the shardfit config (LoRA's rank and dropout default by whether LoRA trains: hf.py
+    # `_convert_keys`)
     "lora_alpha": Key(config="lora.alpha", read=as_int, default=16),
     "lora_dropout": Key(config="lora.dropout", read=as_float),
     **HF_TRAINER, **EVAL_KEYS,
