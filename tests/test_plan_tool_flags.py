@@ -1,6 +1,6 @@
 """`plan --model` with flags that name another tool's stack (peft's kbit preparation, bitsandbytes' kernels or
 optimizer) plans that tool's engine, autocast wherever it mixes precision, as `plan --from` plans the same run
-(cli/plan_cmd.py `names_a_tool`); `--tool-autocast` says so explicitly, and without such a flag the plan is of
+(cli/plan_args.py `names_a_tool`); `--tool-autocast` says so explicitly, and without such a flag the plan is of
 shardfit's runner (review s65, finding R3)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardfit.cli.main import build_parser, main
-from shardfit.cli.plan_cmd import with_flags
+from shardfit.cli.plan_args import with_flags
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.plan import make_plan

@@ -46,11 +46,11 @@ def test_the_from_section_of_plan_json_is_documented() -> None:
 
 
 def test_every_key_plan_adds_to_its_json_is_documented() -> None:
-    """The keys `plan --json` adds beside the plan's own (cli/plan_cmd.py `out[...] = ...`: the resumed run's
-    refusal, media, ...) are each named in docs/reference.md's plan JSON section."""
+    """The keys `plan --json` adds beside the plan's own (cli/plan_cmd.py and plan_job.py `out[...] = ...`: the
+    resumed run's refusal, media, ...) are each named in docs/reference.md's plan JSON section."""
     import re
 
-    source = (ROOT / "src" / "shardfit" / "cli" / "plan_cmd.py").read_text()
+    source = "".join(p.read_text() for p in sorted((ROOT / "src" / "shardfit" / "cli").glob("plan_*.py")))
     keys = set(re.findall(r'out\["(\w+)"\] = ', source))
     text = _reference_module().REFERENCE.read_text()
     section = text.split("## `shardfit plan --json`")[1].split("\n## ")[0]

@@ -62,7 +62,7 @@ class JobOptions:
     transformers: str | None = None
     gpus: Hardware | None = None  # --gpus: the GPUs a launcher that takes every visible one starts ranks on
     # `plan`'s --frozen-fp32 and --bnb-compute-fp32, for the tools whose training script, not the tool, prepares the
-    # model (hf, deepspeed: plan_cmd.py `FROM_SCRIPT_FLAGS`): what the script does that the file does not say
+    # model (hf, deepspeed: cli/plan_args.py `FROM_SCRIPT_FLAGS`): what the script does that the file does not say
     frozen_fp32: bool | None = None
     bnb_compute_fp32: bool | None = None
     # `plan`'s workload flags a script job's file may leave unsaid (SCRIPT_SETTABLE), by Workload field

@@ -67,9 +67,9 @@ class ScriptSettings:
     # TrlParser((ScriptArguments, SFTConfig, ModelConfig))), else its TRL trainer's (SFTTrainer: SFTConfig)
     trl_config: str | None = None
     # the script parses TRL's ModelConfig (TrlParser((..., ModelConfig)), get_peft_config): --use_peft,
-    # --load_in_4bit, --lora_r and --lora_alpha are TRL's, with TRL's defaults (hf.py `_trl_model_config`)
+    # --load_in_4bit, --lora_r and --lora_alpha are TRL's, with TRL's defaults (hf_args.py `trl_model_config`)
     model_config: bool = False
-    # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf.py `_trl_yaml`)
+    # the script parses its arguments with TRL's TrlParser, which reads `--config FILE.yaml` (hf_args.py `_trl_yaml`)
     trl_parser: bool = False
     # the dtype the from_pretrained(...) that loads the trained model (`load_at`, script_loads.py) spells
     # (`torch_dtype=torch.bfloat16`, `dtype="bfloat16"`), or UNSET_DTYPE where it passes none (or None):

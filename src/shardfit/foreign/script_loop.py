@@ -629,7 +629,7 @@ def _override_said(loop: HandLoop) -> str:
 def hand_loop_job(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bool:
     """What a hand-written loop's job runs beside its workload: the engine (`loop_engine`), DDP's
     find_unused_parameters, torch checkpointing's reentrancy, the tool's words for the plan's suggestions, and what
-    the planned speed assumes. False where the script's Accelerator decides the engine (hf.py `_engine`)."""
+    the planned speed assumes. False where the script's Accelerator decides the engine (hf_engine.py `plan_engine`)."""
     if loop.ckpt_said:
         job.reentrant_ckpt = loop.reentrant
     loop_words(job)
@@ -641,7 +641,7 @@ def loop_engine(job: ForeignJob, loop: HandLoop, src: Source, hidden: int) -> bo
     """How the loop's ranks share the model, by the wrapper it calls: DDP; FSDP2's fully_shard (full_shard unless
     reshard_after_forward=False; CPUOffloadPolicy: offload); FSDP1 by its sharding_strategy and cpu_offload (torch's
     use_orig_params=False: flat parameters); deepspeed.initialize by its JSON. Under several ranks with none of
-    them: planned as DDP, said. False where the script's Accelerator decides (accelerate's plugin, hf.py)."""
+    them: planned as DDP, said. False where the script's Accelerator decides (accelerate's plugin, hf_engine.py)."""
     job.find_unused = False
     if not loop.wraps:
         if loop.accelerator:

@@ -1,5 +1,5 @@
 """The `env:` section of a TrlParser YAML (`--config FILE.yaml`), which TrlParser exports into os.environ before it
-parses the arguments: read and checked as TrlParser would set it (hf.py `_trl_yaml`)."""
+parses the arguments: read and checked as TrlParser would set it (hf_args.py `_trl_yaml`)."""
 
 from __future__ import annotations
 
