@@ -87,7 +87,7 @@ class Plan:
                           "tokens": self.workload.tokens, "reference": self.workload.reference},
             "candidates": [c.to_json() for c in self.candidates],
             "recommended": self.recommended,
-            # The table's pick over whole rows; `plan CONFIG` may recommend another job (cli/plan_cmd.py).
+            # The table's pick over whole rows; `plan CONFIG` may recommend another job (cli/plan_job.py).
             "best_strategy": self.recommended,
             "reason": self.reason,
         }
