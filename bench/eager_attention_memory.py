@@ -27,7 +27,8 @@ attention launches beyond SDPA's kernel).
 
 A GPU runs attention dropout as ATen's fused native_dropout (a bool mask beside the output); a CPU runs it as a
 bernoulli mask in the scores' dtype. The count runs the CUDA path on the CPU: `torch.nn.functional.dropout` is
-replaced, for the count only, by native_dropout, which is what ATen's dropout calls on CUDA for 0 < p < 1.
+replaced, for the count only, by native_dropout, which is what ATen's dropout calls on CUDA for 0 < p < 1
+(shardfit/simulate/gpu_kernels.py `dropout_as_on_a_gpu`, which the simulated step runs under too).
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ import json
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from shardfit.simulate.gpu_kernels import dropout_as_on_a_gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -58,24 +61,6 @@ FAMILIES = {**CHAINS, "sinks": "gpt_oss"}
 PRECISIONS = ("bf16", "fp32", "amp")
 DROPOUTS = (0.0, 0.1)
 CHECKPOINTING = ("full", "selective")
-
-
-@contextlib.contextmanager
-def cuda_dropout() -> Iterator[None]:
-    """torch.nn.functional.dropout as ATen runs it on CUDA for 0 < p < 1 (native_dropout: a bool mask), for the
-    count only; p 0 or eval returns the input, as the functional does."""
-    original = torch.nn.functional.dropout
-
-    def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        if not training or p == 0:
-            return x
-        return torch.native_dropout(x, p, True)[0]
-
-    torch.nn.functional.dropout = dropout
-    try:
-        yield
-    finally:
-        torch.nn.functional.dropout = original
 
 
 def build(arch: str, layers: int, heads: int, precision: str, dropout: float, ckpt: str) -> torch.nn.Module:
@@ -187,7 +172,7 @@ def count(arch: str, heads: int, tokens: int, precision: str, dropout: float, ck
     and the ops that touch them."""
     model = build(arch, layers, heads, precision, dropout, ckpt)
     ids = torch.randint(0, VOCAB, (1, tokens))
-    with cuda_dropout():
+    with dropout_as_on_a_gpu():
         with autocast(precision):  # warm-up: lazy initialisation stays out of the count
             model(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)

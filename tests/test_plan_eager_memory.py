@@ -171,6 +171,19 @@ def test_softcap_chain_follows_the_config() -> None:
         shape_from_config({**GEMMA2, "attn_logit_softcapping": -1}, "g")
 
 
+def test_softcap_chain_only_where_the_class_applies_it() -> None:
+    """Gemma 3's attention never hands attn_logit_softcapping to its attention function (transformers'
+    Gemma3Attention keeps the value but passes no softcap), so a Gemma 3 config that sets it runs Llama's chain, and
+    a value there is no user error; VaultGemma's class applies it as Gemma 2's does (its class default 50)."""
+    gemma3 = {**GEMMA2, "model_type": "gemma3_text", "attn_logit_softcapping": 50.0}
+    shape = shape_from_config(gemma3, "g3")
+    assert shape.attn_softcap == 0.0
+    assert eager_scores.score_chain(shape) == eager_scores.LLAMA_CHAIN
+    assert shape_from_config({**gemma3, "attn_logit_softcapping": -1.0}, "g3").attn_softcap == 0.0
+    vault = shape_from_config({**GEMMA2, "model_type": "vaultgemma"}, "v")
+    assert eager_scores.score_chain(vault) == eager_scores.SOFTCAP_CHAIN
+
+
 def test_softcap_off_moves_and_keeps_what_llama_does() -> None:
     """A Gemma 2 without softcapping is planned as Llama's chain on both sides: its scores' bytes in the time model
     and what they keep in memory."""

@@ -226,3 +226,21 @@ def test_full_logits_loss_in_plan_and_simulation(capsys) -> None:
     ta, ts = a.total - a.runtime_overhead, s.total - s.runtime_overhead
     assert a.logits / ts > 0.8  # logits dominate this shape
     assert 0.95 * ts <= ta <= 1.15 * ts, (ta, ts)
+
+
+def test_simulated_attention_dropout_keeps_a_gpu_s_bool_mask(tmp_path: Path) -> None:
+    """A GPU runs dropout (0 < p < 1, not in place) as ATen's fused native_dropout, which keeps a 1-byte bool mask;
+    the CPU the simulation runs on keeps a mask in the input's dtype instead. GPT-2 with attn_pdrop 0.1, eager,
+    LoRA in bf16: the simulated step keeps the GPU's mask, as the analytic plan does (plan/eager_scores.py, measured
+    with native_dropout), and agrees with it within 3 % where the CPU's mask was 1 byte a score more."""
+    from shardfit.plan.config_shape import shape_from_config
+
+    cfg = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_head=8, n_layer=4,
+               vocab_size=512, n_positions=2048, attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = shape_from_config(cfg, str(tmp_path))
+    w = Workload(method="lora", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="none", lora_rank=8,
+                 attention="eager", fused_adamw=True)
+    hw = parse_gpus("1x80GB")
+    a, s = estimate(shape, w, hw, "single").per_gpu_gib, simulate(shape, w, hw, "single", str(tmp_path)).per_gpu_gib
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)

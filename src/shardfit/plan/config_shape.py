@@ -398,9 +398,17 @@ def attention_dropout_of(name: str, get: Callable[[str], Any]) -> float:
     return 0.0
 
 
-def softcap_of(name: str, get: Callable[[str], Any]) -> float:
+# The families whose attention hands attn_logit_softcapping to the attention function (transformers' Gemma 2,
+# VaultGemma, T5Gemma). Gemma 3's config has the key too, but Gemma3Attention passes no softcap: it never caps.
+SOFTCAP_TYPES = frozenset({"gemma2", "vaultgemma", "t5gemma", "t5_gemma_module"})
+
+
+def softcap_of(name: str, model_type: str | None, get: Callable[[str], Any]) -> float:
     """The attention logits' softcap (attn_logit_softcapping: the built class's value, its default where the file
-    has none, Gemma 2's 50; null: none); a UserError naming the key when it is no positive number."""
+    has none, Gemma 2's 50; null: none) of a SOFTCAP_TYPES family, 0 for any other (its class ignores the key); a
+    UserError naming the key when it is no positive number."""
+    if model_type not in SOFTCAP_TYPES:
+        return 0.0
     value = get("attn_logit_softcapping")
     if value is None:
         return 0.0
@@ -478,7 +486,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             attention_groups=groups_of(attention, text, built, bool(deltanet), name),
             every_expert=experts > 1 and model_type in EVERY_EXPERT_TYPES,
             clamped_swiglu=experts > 1 and model_type in GPT_OSS_TYPES, attention_sinks=model_type in GPT_OSS_TYPES,
-            attn_dropout=attention_dropout_of(name, get), attn_softcap=softcap_of(name, get),
+            attn_dropout=attention_dropout_of(name, get), attn_softcap=softcap_of(name, text_type or model_type, get),
             # the text model's class picks its kernel (a composite's own class only refuses `sdpa`)
             eager_only=runs_eager(cfg.get("model_type") or model_type, "sdpa", text_type=text_type),
             text_model_type=str(text_type or ""),

@@ -27,8 +27,9 @@ from shardfit.plan.workload import Workload
 
 LLAMA_CHAIN, SINKS_CHAIN, SOFTCAP_CHAIN, PLAIN_CHAIN, FP32_QK_CHAIN, ALIBI_CHAIN = (
     "llama", "sinks", "softcap", "plain", "fp32_qk", "alibi")
-# The families whose class runs its own chain, by model_type; any other runs Llama's. Gemma 2's softcapping (and
-# Gemma 3's, where its config sets it) follows the config's attn_logit_softcapping (`ModelShape.attn_softcap`).
+# The families whose class runs its own chain, by model_type; any other runs Llama's. Gemma 2's softcapping follows
+# the config's attn_logit_softcapping (`ModelShape.attn_softcap`, read for the families whose class applies it:
+# plan/config_shape.py SOFTCAP_TYPES; Gemma 3's class ignores the key).
 SCORE_CHAIN_TYPES = {"gpt2": PLAIN_CHAIN, "gptj": FP32_QK_CHAIN, "codegen": FP32_QK_CHAIN,
                      "gpt_neo": FP32_QK_CHAIN, "bloom": ALIBI_CHAIN}
 

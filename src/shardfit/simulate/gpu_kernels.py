@@ -8,6 +8,11 @@ memory-efficient kernel (it takes a v head width of its own; torch's `check_head
 saves q, k, v, the additive mask, the output and a log-sum-exp per head, as the flash kernel does for equal widths.
 Within `sdpa_as_on_a_gpu` that kernel runs in the simulation too: its fake-tensor rule and autograd formula are
 torch's own, so the step saves what the GPU's kernel saves.
+
+Dropout likewise: ATen's `dropout` runs the fused `native_dropout` on CUDA (0 < p < 1, not in place; its
+`is_fused_kernel_acceptable`), which keeps a 1-byte bool mask for backward, where the CPU multiplies by a noise
+tensor in the input's dtype and keeps that (2 or 4 bytes an element). Within `dropout_as_on_a_gpu` the simulation
+runs the fused op, so eager attention's dropout over the L x L scores keeps what a GPU keeps.
 """
 
 from __future__ import annotations
@@ -60,3 +65,22 @@ def memory_efficient_attention(query: torch.Tensor, key: torch.Tensor, value: to
     out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p,
                                                                 is_causal, scale=scale)
     return out[0]
+
+
+@contextlib.contextmanager
+def dropout_as_on_a_gpu() -> Iterator[None]:
+    """Within this scope, `torch.nn.functional.dropout` in training with 0 < p < 1, not in place, runs ATen's fused
+    native_dropout (a bool mask), as CUDA's dispatch does; any other call keeps torch's own path."""
+    functional = torch.nn.functional
+    plain = functional.dropout
+
+    def dispatch(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if training and not inplace and 0 < p < 1 and input.numel() > 0:
+            return torch.native_dropout(input, p, True)[0]
+        return plain(input, p, training, inplace)
+
+    functional.dropout = dispatch
+    try:
+        yield
+    finally:
+        functional.dropout = plain

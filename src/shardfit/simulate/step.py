@@ -42,7 +42,7 @@ from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, with_candidates
 from shardfit.plan.shapes import ModelShape, hf_config
 from shardfit.plan.workload import FULL_LOSSES, Workload
-from shardfit.simulate.gpu_kernels import sdpa_as_on_a_gpu
+from shardfit.simulate.gpu_kernels import dropout_as_on_a_gpu, sdpa_as_on_a_gpu
 from shardfit.simulate.tracker import (
     StepFSDPMemTracker,
     StepMemTracker,
@@ -330,7 +330,8 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                 batch = audio_batch(model, w, batch)
             amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
             real_indices = RealIndices() if images or audio else contextlib.nullcontext()
-            with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu(), sdpa_as_on_a_gpu():
+            with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu(), sdpa_as_on_a_gpu(), \
+                    dropout_as_on_a_gpu():
                 # torchao's NF4 all-gather asserts that its output aliases FSDP's buffer by data pointer, which
                 # fake tensors answer with a deprecation warning (the check itself holds in a real run).
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
