@@ -292,7 +292,9 @@ def test_qwen2_lora_over_two_stages(tmp_path: Path, tiny_qwen2: Path, small_data
     configs = [json.loads((r / "adapter" / "adapter_config.json").read_text()) for r in (single, pp)]
     assert sorted(configs[0]["target_modules"]) == sorted(configs[1]["target_modules"])
     for run in (single, pp):
-        r = run_cli("export", str(run), "--merge", env={"OMP_NUM_THREADS": "1"})
+        # fp32: export's default bf16 rounds two merges that agree to 1e-7 one ulp apart where a weight sits on a
+        # rounding boundary, which says nothing of the pipeline
+        r = run_cli("export", str(run), "--merge", "--dtype", "fp32", env={"OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-2000:]
     _same_weights(single / "model" / "model.safetensors", pp / "model" / "model.safetensors", 1e-5)
 
