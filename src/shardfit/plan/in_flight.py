@@ -38,12 +38,13 @@ def down_projection_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     - down's output, and for an adapted down (forward: the adapter runs to its end) the adapter's output and its
       scaled copy.
     A recomputed block (non-reentrant checkpointing stops once it has recomputed every saved tensor) peaks at
-    peft's cast, before the adapter's matmuls; its input is the checkpoint's kept one. For blocks of other kinds
-    (mixtures, latent attention, Mamba, Gated DeltaNet, a single-part block) but peft's fp32 copy: their
-    transients are not modelled."""
+    peft's cast, before the adapter's matmuls; its input is the checkpoint's kept one. A recomputed block without
+    that cast (a full fine-tune) was not seen to peak at its down projection: nothing is counted for it. Blocks of
+    other kinds (mixtures, latent attention, Mamba, Gated DeltaNet, a single-part block) count peft's fp32 copy
+    alone: their transients are not modelled."""
     cast = adapter_input_cast_bytes_per_token(shape, w, strategy)
     if shape.moe_layers or shape.mla is not None or shape.linear_layers or shape.mamba_mixers or \
-            shape.single_part:
+            shape.single_part or (recomputed and not cast):
         return cast
     a, r, h = compute_bytes(w), residual_bytes(w, strategy), shape.hidden
     held = 0 if r == 4 or recomputed else 2 * r * h
