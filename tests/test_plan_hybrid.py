@@ -24,7 +24,6 @@ from shardfit.plan.activations import (
     activation_bytes,
     block_activation_bytes_per_token,
     deltanet_saved_bytes_per_token,
-    recompute_cast_bytes_per_token,
 )
 from shardfit.plan.adapters import lora_params
 from shardfit.plan.cards import card_of
@@ -32,6 +31,7 @@ from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.dispatch import DELTA_CHUNK_OPS, DISPATCH_KERNEL_S, DISPATCH_VIEW_S, host_dispatch_s
 from shardfit.plan.flops import attention_flops_per_token, delta_rule_flops_per_token
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.in_flight import down_projection_bytes_per_token
 from shardfit.plan.model_shape import DELTA_CHUNK, ModelShape
 from shardfit.plan.plan import make_plan
 from shardfit.plan.reference_memory import reference_activation_bytes
@@ -178,8 +178,8 @@ def test_recomputed_block_is_the_gated_deltanet_block() -> None:
     assert shape.linear_layers == 3
     w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=1, grad_ckpt="full", lora_rank=8,
                  attention="flash", delta_rule="torch")
-    # No checkpointed block: only the recomputed one, and its transient adapter-input cast.
-    recomputed = activation_bytes(shape, w, 0) / 256 - recompute_cast_bytes_per_token(shape, w, "single")
+    # No checkpointed block: only the recomputed one, and what it holds at its down projection.
+    recomputed = activation_bytes(shape, w, 0) / 256 - down_projection_bytes_per_token(shape, w, "single", True)
     assert recomputed >= 0.97 * measured
     assert recomputed > block_activation_bytes_per_token(shape, w)
     assert reference_activation_bytes(shape, w, "single") / 256 - 2 * 2 * 256 == pytest.approx(recomputed)

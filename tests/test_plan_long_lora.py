@@ -17,9 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import shardfit.strategy as strategies
-from shardfit.plan.activations import checkpointed_block_bytes_per_token, logits_bytes, recompute_cast_bytes_per_token
+from shardfit.plan.activations import checkpointed_block_bytes_per_token, logits_bytes
 from shardfit.plan.estimate import _tensors, per_rank, step_moments
 from shardfit.plan.hardware import parse_gpus
+from shardfit.plan.in_flight import adapter_input_cast_bytes_per_token
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 from shardfit.simulate.step import attention_kernel
@@ -99,5 +100,5 @@ def test_the_recomputed_block_peaks_at_peft_s_fp32_cast() -> None:
     shape = replace(SHAPE, layers=1, vocab=512)
     traced = _traced(1, vocab=512, attention=attention_kernel(w))["backward"]["Total"]
     moments = step_moments(shape, w, "single", per_rank(shape, w, parse_gpus("1xA100-80G"), strategies.get("single")))
-    assert recompute_cast_bytes_per_token(shape, w, "single") == 4 * SHAPE.intermediate
+    assert adapter_input_cast_bytes_per_token(shape, w, "single") == 4 * SHAPE.intermediate
     assert _tensors(moments["backward"]) == pytest.approx(traced, rel=0.12)

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from shardfit import strategy as strategies
 from shardfit.config.support import LOSS_CHUNK_MAX_ROWS
-from shardfit.plan.adapters import adapted_shapes, adapts, lora_params, rank_of
+from shardfit.plan.adapters import adapts, lora_params, rank_of
 from shardfit.plan.eager_scores import (
     eager_peak_bytes_per_token,
     eager_saved_bytes_per_token,
+)
+from shardfit.plan.in_flight import (
+    all_to_all_bytes,
+    down_projection_bytes_per_token,
+    held_mask_bytes,
 )
 from shardfit.plan.media import vision_activation_bytes
 from shardfit.plan.model_shape import ATTENTION, DELTA_CHUNK, MAMBA, MOE, Block
@@ -606,7 +611,8 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
         reused = kept - residual_bytes(w, strategy) * shape.hidden
         recomputed = largest_block_activation_bytes_per_token(shape, w, strategy) + scores - reused
-        return tokens * (layers * kept + recomputed + recompute_cast_bytes_per_token(shape, w, strategy)) + cast + \
+        in_flight = down_projection_bytes_per_token(shape, w, strategy, recomputed=True)
+        return tokens * (layers * kept + recomputed + in_flight) + cast + \
             copies + held_mask_bytes(w, strategy)
     per_block = block_activation_bytes_per_token(shape, w, strategy)
     return tokens * (layers * per_block + (scores if layers else 0.0)) + layers * cast + \
@@ -640,33 +646,10 @@ def weight_cast_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
     return 2.0 * (shape.layer_params() - grouped)
 
 
-def recompute_cast_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
-    """The recomputed block's largest transient, per token, where peft casts each fp32 adapter's input to fp32
-    (`adapter_input_casts` under autocast): the fp32 copy of the widest adapted input (down_proj's, the MLP's
-    width), alive while the recomputation has made the rest of the block's saved tensors (peft/tuners/lora/layer.py
-    `Linear.forward`: `x = self._cast_input_dtype(x, lora_A.weight.dtype)`; autocast then keeps only its 16-bit
-    cast). Traced with MemTracker on an HF-style step (tests/test_plan_long_lora.py): the backward's peak is that
-    cast's op. 0 otherwise."""
-    if not (w.trains_adapters and casts_trainable_inputs(w, strategy)):
-        return 0.0
-    return 4.0 * max((i for i, _ in adapted_shapes(shape, w)), default=0)
-
-
-def held_mask_bytes(w: Workload, strategy: str) -> float:
-    """The mask transformers builds once per forward ([batch, seq, seq]: bool for SDPA, additive in the residual
-    dtype for eager; one row of micro_batch x seq_len under static_shape). Checkpointed blocks keep it as an input
-    until their backward; without checkpointing it is gone once the body returns (SDPA's per-block copies are
-    counted with the blocks)."""
-    if w.grad_ckpt == "none" or w.attention == "flash" or w.sequence_parallel > 1:  # Ulysses: a mask per block
-        return 0.0
-    rows = 1 if w.static_shape else w.rows
-    return rows * w.row_len**2 * (1 if w.attention == "sdpa" else residual_bytes(w, strategy))
-
-
 def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str,
                              phase: str = "forward") -> float:
-    """What the body holds when the loss runs (`phase` forward) or takes its gradient (backward), for one
-    micro-batch.
+    """What the body holds when the loss runs (`phase` forward) or takes its gradient (backward), or (`phase`
+    body) at its own forward peak before it returns, for one micro-batch.
 
     Blocks: everything they save, or what checkpointed blocks keep (`checkpointed_block_bytes_per_token`). After
     the last block: the final norm's fp32 input, its normalised value when the norm weight trains, its output (the
@@ -687,6 +670,12 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     # The last block's output itself is not kept: the final norm saves its fp32 upcast (the output itself when
     # the residual stream is fp32).
     head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
+    if phase == "body":
+        # Before the body returns: its embedding output (a variable of its forward), rotary cos/sin and the mask
+        # (`held_mask_bytes`), with the last block at its down projection (`down_projection_bytes_per_token`) or
+        # the final norm's upcast, normalised value and output.
+        norm = 4 * h + r * h + (r * h if norm_trains else 0)
+        head = r * h + shape.hd * 2 * 4 + max(down_projection_bytes_per_token(shape, w, strategy, False), norm)
     # Autocast caches only casts of leaf weights that require grad (a full fine-tune's masters); a frozen fp32
     # weight's cast (`loaded_fp32`) lives on as the matmul's saved tensor, which checkpointed blocks do not keep.
     held = w.method == "full" or w.grad_ckpt == "none"
@@ -698,18 +687,8 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
             shape.moe_layers / shape.layers
     if phase == "backward" and w.grad_ckpt != "none":
         cast = 0
-    return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy) + all_to_all_bytes(shape, w)
-
-
-def all_to_all_bytes(shape: ModelShape, w: Workload) -> float:
-    """Sequence parallelism's all-to-all buffers, one block's at a time: the send and receive copies of q, k and v
-    (k/v repeated to every head where the SP size does not divide them), counted at the forward's peak."""
-    n = w.sequence_parallel
-    if n == 1:
-        return 0.0
-    q = shape.heads * shape.hd
-    kv = shape.kv_heads * shape.hd if shape.kv_heads % n == 0 else q
-    return 2.0 * w.tokens * compute_bytes(w) * (q + 2 * kv)
+    return tokens * (layers * per_block + head) + cast + held_mask_bytes(w, strategy, phase == "body") + \
+        all_to_all_bytes(shape, w)
 
 
 def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase: str = "forward") -> float:

@@ -598,7 +598,10 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
         forward = max(forward, Breakdown(wr, g_fwd, opt, reference_activation_bytes(shape, w, strategy) + vision,
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     moments = {
-        "forward": [forward],
+        # Without checkpointing, long packed rows peak inside the body: its mask and the last block's down
+        # projection outweigh the loss's chunk.
+        "forward": [forward] + ([Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "body")
+                                           + vision, 0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else []),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": [
