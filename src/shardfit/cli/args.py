@@ -25,6 +25,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def token_count(text: str) -> int:
+    """A length in tokens, as an integer or in the context-window shorthand users write ("8k", "32K", "128k"),
+    where k is 1024 tokens: an "8k context" is 8,192 tokens in every model card and trainer config."""
+    stripped = text.strip()
+    per = 1024 if stripped[-1:] in ("k", "K") else 1
+    digits = stripped[:-1] if per > 1 else stripped
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer or a length like 8k, got {text!r}")
+    return positive_int(str(int(digits) * per))
+
+
 def non_negative_int(text: str) -> int:
     value = int(_number(text, int))
     if value < 0:

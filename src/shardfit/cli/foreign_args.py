@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import re
 
-from shardfit.cli.args import positive_int
+from shardfit.cli.args import positive_int, token_count
 from shardfit.errors import UserError
 from shardfit.foreign.asplanned import ForeignPlan, plan_job
 from shardfit.foreign.job import TOOLS
@@ -27,7 +27,7 @@ def add_from(p: argparse.ArgumentParser, model_flags: bool) -> None:
                    help="with --from: plan the loss of this transformers version (default: the installed one)")
     if model_flags:
         p.add_argument("--model", default=None, help="with --from: the model (needed for --from deepspeed)")
-        p.add_argument("--seq", type=positive_int, default=None, help="with --from: tokens per row")
+        p.add_argument("--seq", type=token_count, default=None, help="with --from: tokens per row")
         p.add_argument("--batch", type=positive_int, default=None, help="with --from: rows per rank")
         p.add_argument("--method", default=None, choices=method_names)
         p.add_argument("--grad-ckpt", default=None, choices=("none", "full", "selective"))

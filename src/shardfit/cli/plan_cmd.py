@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from shardfit.cli.args import positive_float, positive_int
+from shardfit.cli.args import positive_float, positive_int, token_count
 from shardfit.cli.foreign_args import add_from, foreign_plan
 from shardfit.cli.plan_args import add_media_flags, add_parallel_flags, add_tool_flags, check_from_flags, with_flags
 from shardfit.cli.plan_job import add_job, add_pipelines, split_alternative
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-mem", type=positive_float, default=None, metavar="GIB", help="host RAM per node, for offload")
     p.add_argument("--method", choices=METHODS, default=None)
     p.add_argument("--precision", choices=PRECISIONS, default=None)
-    p.add_argument("--seq", type=positive_int, default=None)
+    p.add_argument("--seq", type=token_count, default=None, help="tokens per row: 8192, or 8k (k = 1024)")
     p.add_argument("--batch", type=positive_int, default=None)
     p.add_argument("--grad-ckpt", choices=GRAD_CKPT, default=None,
                    help="none | full | selective (default: the config's; full with --model, as LLaMA-Factory, TRL and "
