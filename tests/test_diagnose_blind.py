@@ -47,7 +47,7 @@ def sentence() -> str:
 
 def test_the_blind_set_is_outside_the_other_corpora() -> None:
     blind = read_corpus(CASES)
-    # batch 18 is small (13): the sources of such threads are nearly used up; the docs pool it with the rest
+    # batch 18 is small (10): the sources of such threads are nearly used up; the docs pool it with the rest
     assert len(blind) >= 10 and all({"url", "repo", "label", "log"} <= set(c) for c in blind)
     assert len({c["url"] for c in blind}) == len(blind)
     for corpus in (ROOT / "tests" / "diagnose_real" / "cases.yaml", ROOT / "tests" / "diagnose_public" / "cases.yaml",
