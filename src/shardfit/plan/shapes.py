@@ -45,14 +45,32 @@ def _read_config_json(path: Path, name: str) -> dict[str, Any]:
 
 
 def local_config(model: str) -> dict[str, Any] | None:
-    """The config.json of `model` where it names one or a HF folder holding one (a UserError naming the file if it
-    is not a JSON object); None for anything else (a catalog id, a hub id)."""
+    """The config.json of `model` where it names one, a HF folder holding one, or a hub id whose config.json is in
+    the local Hugging Face cache (a UserError naming the file if it is not a JSON object); None for anything else
+    (a catalog id, a hub id never downloaded here)."""
     p = Path(model).expanduser()
     if p.is_file() and p.name.endswith(".json"):
         return _read_config_json(p, model)
     if p.is_dir() and (p / "config.json").is_file():
         return _read_config_json(p / "config.json", model)
-    return None
+    cached = cached_config_path(model)
+    return _read_config_json(cached, model) if cached is not None else None
+
+
+def cached_config_path(model: str) -> Path | None:
+    """The config.json of hub id `model` as an earlier download left it in the Hugging Face cache (HF_HUB_CACHE, or
+    HF_HOME/hub, or ~/.cache/huggingface/hub; the snapshot `refs/main` names), found by huggingface_hub without
+    touching the network; None where the id is not a hub id or nothing of it is cached. Only the JSON is read: a
+    cached model's code (auto_map) never runs here."""
+    if not model or model.startswith((".", "/", "~")) or model.endswith((".json", ".gguf")):
+        return None
+    from huggingface_hub import try_to_load_from_cache  # transformers' own dependency; imported where it is used
+
+    try:
+        found = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a valid repo id (huggingface_hub's HFValidationError)
+        return None
+    return Path(found) if isinstance(found, str) and Path(found).is_file() else None
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -71,7 +89,8 @@ def resolve_shape(model: str) -> ModelShape:
     close = [k for k in entries if stem and stem in k.lower()][:3] or \
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else " `shardfit plan --list-models` shows the catalog."
-    raise UserError(f"--model {model}: not a local folder/config.json and not in the bundled catalog.{hint}")
+    raise UserError(f"--model {model}: not a local folder/config.json, not in the local Hugging Face cache and not in "
+                    f"the bundled catalog.{hint}")
 
 
 def _from_entry(name: str, entry: dict[str, Any]) -> ModelShape:
