@@ -21,11 +21,13 @@ INEXACT = {
     "Qwen/Qwen2-VL-72B-Instruct": 0.000005, "Qwen/Qwen2.5-VL-3B-Instruct": 0.000449,
     "Qwen/Qwen2.5-VL-7B-Instruct": 0.000187, "Qwen/Qwen2.5-VL-32B-Instruct": 0.000042,
     "Qwen/Qwen2.5-VL-72B-Instruct": 0.000029,
-    # Not yet traced: the tower counts of Qwen3-VL and GLM-4.5V (built under the plan), Llama 4 Scout's (built
-    # over the plan: the plan is the short side).
+    # Not yet traced: the tower counts of Qwen3-VL and GLM-4.5V (built under the plan), Llama 4 Scout's and
+    # Maverick's (built over the plan by the same 0.87B, Maverick's share of its 401.6B the smaller: the plan is
+    # the short side, in what the two share, the vision tower and projector).
     "Qwen/Qwen3-VL-8B-Instruct": 0.001241, "Qwen/Qwen3-VL-30B-A3B-Instruct": 0.001260,
     "Qwen/Qwen3-VL-235B-A22B-Instruct": 0.000046, "zai-org/GLM-4.5V": 0.005940,
     "meta-llama/Llama-4-Scout-17B-16E-Instruct": 0.008091,
+    "meta-llama/Llama-4-Maverick-17B-128E-Instruct": 0.002176,
 }
 # Entries transformers cannot build from their config alone (the reason is the value).
 UNBUILT = {"Qwen/Qwen3-Omni-30B-A3B-Instruct": "transformers 5.23's talker config lacks "
