@@ -68,6 +68,20 @@ def test_every_kept_config_reads_as_its_built_model(model: str) -> None:
     assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
 
 
+@pytest.mark.parametrize("model", sorted(k for k, v in catalog().items() if "config" not in v and "twin" not in v))
+def test_every_compact_entry_builds_with_its_own_window(model: str) -> None:
+    """A compact entry is built from its family's class at the entry's window, not the class default (Mistral's
+    4096 on Mistral-Nemo, which has none; Gemma 3's 4096 on gemma-3-1b's 512; Phi-3's None on Phi-3 4k's 2047): the
+    rank refuses by the built config what the planner refuses by the shape."""
+    shape = resolve_shape(model)
+    built = hf_config(shape)
+    text = getattr(built, "text_config", built)
+    window = getattr(text, "sliding_window", None)
+    assert window == (shape.sliding_window or None), (model, window)
+    assert sequence.facts_of_shape(shape).partial_attention == sequence.facts_of_config(built).partial_attention
+    assert pipelines.facts_of_shape(shape).partial_attention == pipelines.facts_of_config(built).partial_attention
+
+
 SMALL = dict(num_hidden_layers=12, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256)
 # config.json files as their families publish them: the window, and the layout left to the class (Mistral-7B-v0.1,

@@ -184,8 +184,14 @@ def hf_config(shape: ModelShape) -> Any:
         kwargs["head_dim"] = shape.head_dim
     if shape.moe:
         kwargs.update(num_local_experts=shape.experts, num_experts_per_tok=shape.top_k)
-    if "attention_bias" in _declared_keys(cls):  # Llama's, GLM's, Gemma's default is no bias, not the entry's
+    declared = _declared_keys(cls)
+    if "attention_bias" in declared:  # Llama's, GLM's, Gemma's default is no bias, not the entry's
         kwargs["attention_bias"] = shape.attn_bias
+    if "sliding_window" in declared:
+        # The entry's window, not the class's default: MistralConfig's 4096 is no window of Mistral-Nemo's, Gemma 3's
+        # 4096 not gemma-3-1b's 512, and Phi3Config's None not Phi-3 4k's published 2047; the rank refuses layouts
+        # by the built config and the plan by the shape, which must agree.
+        kwargs["sliding_window"] = shape.sliding_window if shape.sliding_layers and shape.sliding_window else None
     if shape.vision is not None and ("-vl" in shape.id.lower() or shape.audio is not None):
         # M-RoPE splits each head's rotary half over time, height and width as Qwen does ([16, 24, 24] at 128).
         half = shape.hd // 2
