@@ -107,3 +107,21 @@ def test_one_gpu_failing_too_is_not_one_gpu_working(log: str) -> None:
 ])
 def test_one_gpu_working_in_words_is_still_read(log: str) -> None:
     assert "sym_single_gpu_ok" in _facts(log), log
+
+
+@pytest.mark.parametrize("log", [
+    "torchrun --nproc_per_node 2 train.py\nGPU 0: NVIDIA GeForce RTX 4090\nGPU 1: NVIDIA GeForce RTX 4090\n"
+    "[WARNING] gradient checkpointing makes each training step slower but saves memory\n"
+    "  5%|▌         | 50/1000 [00:50<15:50,  1.00s/it]\n{'loss': 1.23, 'learning_rate': 1e-4, 'epoch': 0.1}",
+    "deepspeed --num_gpus 2 train.py\n2x RTX 3090\n[INFO] throughput is low on first iteration due to warmup",
+])
+def test_a_library_s_log_line_about_speed_is_not_the_reporter_s_slowness(log: str) -> None:
+    """A warning or an info line of a healthy run that says "slower" is the library's remark, not a symptom."""
+    assert "sym_slow" not in _facts(log), log
+    assert "nccl_p2p_hang" not in _ranked(log), (log, _ranked(log))
+
+
+def test_a_model_on_the_cpu_while_loading_leaves_the_one_gpu_ranking() -> None:
+    """Only torch itself on the CPU explains one GPU in use; a model that sits there while loading does not."""
+    cats = _ranked("The model stays on cpu during loading, then only one GPU is used out of 4")
+    assert cats[:1] == ["dataparallel_accidental"], cats
