@@ -671,11 +671,13 @@ def forward_activation_bytes(shape: ModelShape, w: Workload, layers: int, strate
     # the residual stream is fp32).
     head = 4 * h + (r * h if norm_trains else 0) + loss_input * h + shape.hd * 2 * 4
     if phase == "body":
-        # Before the body returns: its embedding output (a variable of its forward), rotary cos/sin and the mask
+        # Before the body returns: its embedding output (a variable of its forward; in an fp32 residual stream the
+        # first norm's upcast is that very tensor, saved with the first block), rotary cos/sin and the mask
         # (`held_mask_bytes`), with the last block at its down projection (`down_projection_bytes_per_token`) or
         # the final norm's upcast, normalised value and output.
         norm = 4 * h + r * h + (r * h if norm_trains else 0)
-        head = r * h + shape.hd * 2 * 4 + max(down_projection_bytes_per_token(shape, w, strategy, False), norm)
+        embedded = 0 if r == 4 else r * h
+        head = embedded + shape.hd * 2 * 4 + max(down_projection_bytes_per_token(shape, w, strategy, False), norm)
     # Autocast caches only casts of leaf weights that require grad (a full fine-tune's masters); a frozen fp32
     # weight's cast (`loaded_fp32`) lives on as the matmul's saved tensor, which checkpointed blocks do not keep.
     held = w.method == "full" or w.grad_ckpt == "none"

@@ -32,7 +32,10 @@ def down_projection_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
       the decoder's loop: each a tensor of its own unless the residual stream is fp32, where the norms' upcasts
       are those very tensors and are saved anyway (a recomputed block's input is the checkpoint's kept one, and
       the fake-tensor step's recomputation peaks with no residual beside the tensors it saves);
-    - the MLP's input (the second norm's output, read by gate and up), unless the norm trains and saves it;
+    - the MLP's input (the second norm's output, read by gate and up, in the residual stream's dtype), unless a
+      trainable matmul saves it as it is: gate's and up's where autocast makes no 16-bit copy of their input
+      (`casts_trainable_inputs` off: a full fine-tune's 16-bit weights, adapters that read the base layer's input,
+      counted among the block's saved tensors);
     - the product of the activation and up, down's input, where peft's cast copy is what down's adapter saves
       instead, and that fp32 copy itself (`adapter_input_cast_bytes_per_token`);
     - down's output, and for an adapted down (forward: the adapter runs to its end) the adapter's output and its
@@ -48,7 +51,10 @@ def down_projection_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
         return cast
     a, r, h = compute_bytes(w), residual_bytes(w, strategy), shape.hidden
     held = 0 if r == 4 or recomputed else 2 * r * h
-    mlp_input = 0 if w.method == "full" else a * h
+    # A recomputed block's stays in the compute dtype: in an fp32 stream its fp32 MLP input is alive too, but the
+    # recomputed block's first norm then counts the checkpoint's kept input a second time (its upcast is that
+    # tensor), and the fake-tensor step agrees with the two left as they are (frozen fp32, full: 0.5% over).
+    mlp_input = ((a if recomputed else r) * h) if casts_trainable_inputs(w, strategy) else 0
     product = a * shape.intermediate if cast and adapts("down", w) else 0
     outputs = a * h * (3 if adapts("down", w) and w.trains_adapters and not recomputed else 1)
     return held + mlp_input + product + cast + outputs
