@@ -74,3 +74,20 @@ def test_an_axolotl_qlora_under_deepspeed_plans_16bit_frozen_weights() -> None:
     assert plain.workload.frozen_fp32 and job.engine == "deepspeed"
     assert not job.workload.frozen_fp32
     assert any("_cast_module_mixed_precision" in n for n in job.notes)
+
+
+def test_a_long_row_without_checkpointing_peaks_inside_the_body_under_deepspeed_too() -> None:
+    """A small-vocabulary Qwen2 LoRA on one 8192-token row without checkpointing: the body's own forward peak (its
+    mask, the last block at its down projection) outweighs the loss under DeepSpeed as under FSDP, so the
+    ZeRO-3 plan peaks there (plan/activations.py `forward_activation_bytes`, phase body)."""
+    from shardfit.plan.activations import forward_activation_bytes
+    from shardfit.plan.config_shape import shape_from_config
+
+    shape = shape_from_config({"model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 256,
+                               "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 512, "tie_word_embeddings": False}, "tiny-qwen2")
+    w = Workload(method="lora", precision="bf16", seq_len=8192, micro_batch=1, grad_ckpt="none")
+    body = forward_activation_bytes(shape, as_deepspeed_runs(w), shape.layers, "zero3", "body")
+    assert body > forward_activation_bytes(shape, as_deepspeed_runs(w), shape.layers, "zero3")
+    c = estimate_deepspeed(shape, w, parse_gpus("1xA100-80G"), ZeroSettings(stage=3))
+    assert c.peak_phase == "forward" and c.per_gpu_gib.activations == pytest.approx(body / 2**30, rel=1e-3)

@@ -181,6 +181,10 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
         z.offload_optimizer and z.stage < 3) else 0.0
     fwd = Breakdown(m.weights, held, m.states, forward_activation_bytes(shape, w, shape.layers, strategy),
                     logits_bytes(shape, w, strategy), m.fwd_temp)
+    if w.grad_ckpt == "none":  # long rows peak inside the body, as under the other engines (estimate.moments)
+        fwd = max(fwd, Breakdown(m.weights, held, m.states,
+                                 forward_activation_bytes(shape, w, shape.layers, strategy, "body"), 0.0, m.fwd_temp),
+                  key=_tensors)
     bwd = max(
         # the loss's gradient: backward has begun (ZeRO-1/2's bucket exists), nothing is reduced yet
         Breakdown(m.weights, held + (bucket if z.stage < 3 else 0.0), m.states,
