@@ -1,0 +1,97 @@
+"""A review of the OLDER symptom rules (before round 21), done the way round 21's review probed its own
+(tests/test_diagnose_symptoms_probes.py): pastes a user of a fine-tuning stack might write that share a rule's words
+but not its cause, and that got a wrong cause ranked first.
+
+Each probe failed before the rule it names was narrowed; each control keeps a right reading of the same rule. The
+pastes are made up in the shape such reports take (no corpus's text); the answers they must not get are the wrong
+causes the review saw.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardfit.diagnose.engine import analyze
+
+
+def _ranked(log: str) -> list[str]:
+    """The categories the paste's answer names, confident or not, best first."""
+    return [x.category for x in analyze(log).likely]
+
+
+def _facts(log: str) -> set[str]:
+    return analyze(log).parsed.facts
+
+
+_OOM = {"oom_full_replica_per_rank", "oom_activation_not_sharded", "shardfit_predicted_oom", "host_ram_oom"}
+
+
+# sym_oom: 显存 alone counted as an out-of-memory, and "GPU memory is maxed out" beside a display's trouble
+@pytest.mark.parametrize("log", [
+    "显存满了但是程序卡住不动",
+    "多卡训练时显存占满了，然后就卡死了，没有任何报错",
+    "My monitor flickers, GPU memory is maxed out",
+    "训练的时候显示器闪烁，显存也满了",
+])
+def test_a_full_gpu_memory_beside_a_hang_or_a_display_is_no_out_of_memory(log: str) -> None:
+    assert "sym_oom" not in _facts(log), log
+    assert not set(_ranked(log)[:1]) & _OOM, (log, _ranked(log))
+
+
+@pytest.mark.parametrize("log", [
+    "显存不足，程序卡住了",
+    "爆显存了",
+    "训练时显存满了然后报错",
+    "training crashes after 10 steps, GPU memory is completely full",
+])
+def test_gpu_memory_running_short_is_still_out_of_memory(log: str) -> None:
+    assert "sym_oom" in _facts(log), log
+
+
+# host_ram_oom: a scheduler's walltime kill read as the kernel's OOM killer
+@pytest.mark.parametrize("log", [
+    "srun: error: gpu-node07: task 0: Killed\n"
+    "slurmstepd: error: *** STEP 123456.0 ON gpu-node07 CANCELLED AT 2024-05-01T10:00:00 DUE TO TIME LIMIT ***",
+    "{'loss': 0.8123, 'learning_rate': 1.2e-05, 'epoch': 2.4}\n"
+    "slurmstepd: error: *** JOB 88211 ON node12 CANCELLED AT 2025-01-09T03:12:44 DUE TO TIME LIMIT ***\nKilled",
+    "the job was killed with -9 after hitting the walltime limit",
+])
+def test_a_scheduler_s_time_limit_is_no_host_oom(log: str) -> None:
+    assert "host_ram_oom" not in _ranked(log), (log, _ranked(log))
+
+
+def test_the_scheduler_s_cancel_line_alone_stays_unanswered() -> None:
+    assert _ranked("slurmstepd: error: *** JOB 123456 ON gpu-node07 CANCELLED AT 2024-05-01T10:00:00 DUE TO TIME "
+                   "LIMIT ***") == []
+
+
+@pytest.mark.parametrize("log", [
+    "Killed",
+    "torch.distributed.elastic.multiprocessing.api:failed (exitcode: -9) local_rank: 0 (pid: 4711) of binary: "
+    "/usr/bin/python",
+    "slurmstepd: error: Detected 1 oom-kill event(s) in StepId=123.0. Some of your processes may have been killed "
+    "by the cgroup out-of-memory handler.\nslurmstepd: error: *** JOB 123 ON node1 CANCELLED AT 2024-05-01T10:00:00 "
+    "***",
+])
+def test_a_kill_with_no_time_limit_or_with_an_oom_kill_named_stays_host_oom(log: str) -> None:
+    assert _ranked(log)[:1] == ["host_ram_oom"], (log, _ranked(log))
+
+
+# sym_one_gpu_used: one GPU by design (evaluation) or by the paste's own reason (CUDA_VISIBLE_DEVICES)
+@pytest.mark.parametrize("log", [
+    "only the first GPU is used during evaluation",
+    "[W] only 1 GPU is being used because CUDA_VISIBLE_DEVICES is set",
+    "During generation only one GPU is used, is that expected?",
+])
+def test_one_gpu_in_use_by_design_or_for_a_given_reason_is_not_the_launch(log: str) -> None:
+    cats = _ranked(log)
+    assert "dataparallel_accidental" not in cats and "more_ranks_than_gpus" not in cats, (log, cats)
+
+
+@pytest.mark.parametrize("log", [
+    "only the first GPU is used",
+    "I have 4 GPUs but only GPU 0 is used during training",
+    "只用了一张卡",
+])
+def test_one_gpu_in_use_while_training_still_ranks_the_launch(log: str) -> None:
+    assert _ranked(log)[:1] == ["dataparallel_accidental"], (log, _ranked(log))
