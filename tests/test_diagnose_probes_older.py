@@ -95,3 +95,39 @@ def test_one_gpu_in_use_by_design_or_for_a_given_reason_is_not_the_launch(log: s
 ])
 def test_one_gpu_in_use_while_training_still_ranks_the_launch(log: str) -> None:
     assert _ranked(log)[:1] == ["dataparallel_accidental"], (log, _ranked(log))
+
+
+# sym_host_mem: a line number 137, an environment dump's RAM size, the user's own Ctrl+C, a walltime in words
+@pytest.mark.parametrize("log", [
+    'Traceback (most recent call last):\n  File "train.py", line 137, in <module>\n    main()\n'
+    '  File "train.py", line 98, in main\n    text = example["text"]\nKeyError: \'text\'',
+    "System info: Ubuntu 22.04, RAM: 128 GB, 2x RTX 4090, torch 2.3.0\nTraceback (most recent call last):\n"
+    '  File "finetune.py", line 20, in <module>\n    from peft import LoraConfig\nModuleNotFoundError: No module '
+    "named 'peft'",
+    "I pressed Ctrl+C and the process got killed, how do I resume from the last checkpoint?",
+    "The process was killed after 10 hours, I think because of the time limit on our cluster",
+    "Training is killed at epoch 3 without any error, our scheduler has a 48h wall time",
+])
+def test_words_of_a_kill_or_of_ram_that_are_not_the_oom_killer_are_no_host_oom(log: str) -> None:
+    assert "host_ram_oom" not in _ranked(log)[:1], (log, _ranked(log))
+
+
+@pytest.mark.parametrize("log", [
+    "Process finished with exit code 137 (interrupted by signal 9: SIGKILL)",
+    "The container exited with code 137 while loading checkpoint shards",
+    "I have 32 GB VRAM and 16 GB RAM, and the process is killed at loading shards 3/9",
+    "Training is killed at epoch 3 without any error",
+])
+def test_an_exit_137_or_a_kill_beside_little_ram_stays_host_oom(log: str) -> None:
+    assert _ranked(log)[:1] == ["host_ram_oom"], (log, _ranked(log))
+
+
+# fp16_nan_loss: scikit-learn's refusal of NaN in its input is the data's
+def test_nan_in_a_library_s_input_check_is_not_a_half_precision_loss() -> None:
+    log = "ValueError: Input contains NaN, infinity or a value too large for dtype('float64')."
+    assert "fp16_nan_loss" not in _ranked(log), _ranked(log)
+
+
+def test_a_nan_loss_under_fp16_still_ranks_half_precision() -> None:
+    log = "--fp16 True\n{'loss': nan, 'learning_rate': 2e-05, 'epoch': 0.3}"
+    assert _ranked(log)[:1] == ["fp16_nan_loss"], _ranked(log)
