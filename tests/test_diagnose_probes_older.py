@@ -131,3 +131,40 @@ def test_nan_in_a_library_s_input_check_is_not_a_half_precision_loss() -> None:
 def test_a_nan_loss_under_fp16_still_ranks_half_precision() -> None:
     log = "--fp16 True\n{'loss': nan, 'learning_rate': 2e-05, 'epoch': 0.3}"
     assert _ranked(log)[:1] == ["fp16_nan_loss"], _ranked(log)
+
+
+# warnings a healthy run prints, above a plain error that is the paste's own
+@pytest.mark.parametrize(("log", "wrong"), [
+    ("torchrun --nproc_per_node 2 train.py\n[W reducer.cpp:1300] Warning: find_unused_parameters=True was specified "
+     "in DDP constructor, but did not find any unused parameters in the forward pass. This flag results in an extra "
+     "traversal of the autograd graph every iteration, which can adversely affect performance.\n"
+     "ValueError: Expected input batch_size (16) to match target batch_size (8).", "ddp_unused_parameters"),
+    ("torchrun --nproc_per_node 4 train.py\n`use_cache=True` is incompatible with gradient checkpointing. Setting "
+     "`use_cache=False`.\ntorch/utils/checkpoint.py:460: UserWarning: torch.utils.checkpoint: the use_reentrant "
+     "parameter should be passed explicitly.\nTypeError: forward() got an unexpected keyword argument 'labels'",
+     "gc_ddp_reentrant"),
+    ("deepspeed --num_gpus 2 train.py --deepspeed ds_z2.json\n[WARNING] cpu_adam cuda is missing or is incompatible "
+     "with installed torch, only cpu ops can be compiled!\nModuleNotFoundError: No module named 'wandb'",
+     "library_version_regression"),
+    ("llamafactory-cli train qwen_lora.yaml\n[WARNING|logging.py:314] None of the inputs have requires_grad=True. "
+     "Gradients will be None\nValueError: Template qwen2 does not exist.", "gc_inputs_no_grad"),
+    ("export NCCL_P2P_DISABLE=1\nexport NCCL_IB_DISABLE=1\npython train.py\nIndexError: list index out of range",
+     "nccl_p2p_hang"),
+])
+def test_a_healthy_run_s_warning_or_setting_above_a_plain_error_is_not_its_cause(log: str, wrong: str) -> None:
+    assert wrong not in _ranked(log), (log, _ranked(log))
+
+
+@pytest.mark.parametrize(("log", "right"), [
+    ("torchrun --nproc_per_node 2 train.py\nRuntimeError: Expected to have finished reduction in the prior iteration "
+     "before starting a new one. This error indicates that your module has parameters that were not used in "
+     "producing loss. You can enable unused parameter detection by passing the keyword argument "
+     "`find_unused_parameters=True`", "ddp_unused_parameters"),
+    ("llamafactory-cli train qwen_lora.yaml\n[WARNING|logging.py:314] None of the inputs have requires_grad=True. "
+     "Gradients will be None\nRuntimeError: element 0 of tensors does not require grad and does not have a "
+     "grad_fn", "gc_inputs_no_grad"),
+    ("2x RTX 4090, NCCL_P2P_DISABLE=1 makes it work\ntorchrun --nproc_per_node 2 train.py hangs at the first "
+     "all_reduce", "nccl_p2p_hang"),
+])
+def test_the_same_words_beside_their_own_failure_keep_their_cause(log: str, right: str) -> None:
+    assert right in _ranked(log)[:1], (log, _ranked(log))
