@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from shardfit.plan.loaded_config import loads_text_only, rank_config
 from shardfit.plan.shapes import catalog, hf_config, resolve_shape
 
 # Entries whose built model cannot match the plan exactly, with the reason and the error measured (built less
@@ -21,13 +22,8 @@ INEXACT = {
     "Qwen/Qwen2-VL-72B-Instruct": 0.000005, "Qwen/Qwen2.5-VL-3B-Instruct": 0.000449,
     "Qwen/Qwen2.5-VL-7B-Instruct": 0.000187, "Qwen/Qwen2.5-VL-32B-Instruct": 0.000042,
     "Qwen/Qwen2.5-VL-72B-Instruct": 0.000029,
-    # Not yet traced: the tower counts of Qwen3-VL and GLM-4.5V (built under the plan), Llama 4 Scout's and
-    # Maverick's (built over the plan by the same 0.87B, Maverick's share of its 401.6B the smaller: the plan is
-    # the short side, in what the two share, the vision tower and projector).
-    "Qwen/Qwen3-VL-8B-Instruct": 0.001241, "Qwen/Qwen3-VL-30B-A3B-Instruct": 0.001260,
-    "Qwen/Qwen3-VL-235B-A22B-Instruct": 0.000046, "zai-org/GLM-4.5V": 0.005940,
-    "meta-llama/Llama-4-Scout-17B-16E-Instruct": 0.008091,
-    "meta-llama/Llama-4-Maverick-17B-128E-Instruct": 0.002176,
+    # Not yet traced: GLM-4.5V's tower count (built under the plan).
+    "zai-org/GLM-4.5V": 0.005940,
 }
 # Entries transformers cannot build from their config alone (the reason is the value).
 UNBUILT = {"Qwen/Qwen3-Omni-30B-A3B-Instruct": "transformers 5.23's talker config lacks "
@@ -38,7 +34,13 @@ FAMILIES = {"mistralai/Mixtral-8x7B-v0.1": "mixtral", "THUDM/glm-4-9b-chat": "gl
 
 
 def _built_params(config: Any) -> int:
-    """The parameters of the model class the config names (its first `architectures`), else the causal LM."""
+    """The parameters of the model the rank builds: the causal LM of the text config where it loads the text model
+    only (Llama 4: AutoModelForCausalLM is Llama4ForCausalLM, no vision tower or projector), else the class the
+    config names (its first `architectures`), else the causal LM."""
+    if loads_text_only(getattr(config, "model_type", None)):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(rank_config(config))
+        return sum(p.numel() for p in model.parameters())
     arch = (getattr(config, "architectures", None) or [None])[0]
     with torch.device("meta"):
         model = getattr(transformers, arch)(config) if arch and hasattr(transformers, arch) \

@@ -508,7 +508,10 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
     towers = tower_params(vision, audio) if vision is not None or audio is not None else \
         (0 if text_only else other_tower_params(cfg))
     if vision is not None and is_qwen3_vision(cfg):
+        # Counted as the tower it is (LayerNorm, a plain GELU MLP): the `intermediate_size` its vision_config names
+        # made vision_shape_of read Qwen2.5-VL's gated MLP, a third more MLP weights than the built tower's.
         vision = dataclasses.replace(vision, gated=False)
+        towers = qwen3_tower_params(cfg, vision) + (audio.params() if audio else 0)
     elif vision is not None and is_qwen3_5_vision(cfg):
         vision = dataclasses.replace(vision, gated=False)
         towers = qwen3_5_tower_params(cfg, vision)
@@ -644,6 +647,19 @@ def is_qwen3_vision(cfg: dict[str, Any]) -> bool:
     """Qwen3-VL's tower (also Qwen3-Omni's): LayerNorm and a plain GELU MLP, where Qwen2.5-VL's is gated."""
     v = cfg.get("vision_config") or (cfg.get("thinker_config") or {}).get("vision_config") or {}
     return "deepstack_visual_indexes" in v
+
+
+def qwen3_tower_params(cfg: dict[str, Any], vision: VisionShape) -> int:
+    """Qwen3-VL's tower (transformers' Qwen3VLVisionModel, also Qwen3-Omni's): the blocks and merger `vision` counts,
+    the patch embedding's bias, the learned position embedding of `num_position_embeddings` positions and one
+    DeepStack merger per `deepstack_visual_indexes` entry (the merger's layout with its LayerNorm over the merged
+    width)."""
+    v = cfg.get("vision_config") or (cfg.get("thinker_config") or {}).get("vision_config") or {}
+    positions = int(v.get("num_position_embeddings") or 0)
+    merged = vision.dim * vision.merge * vision.merge
+    deepstack = len(v.get("deepstack_visual_indexes") or ())
+    merger = 2 * merged + merged * merged + merged + merged * vision.out + vision.out
+    return vision.params() + vision.dim + positions * vision.dim + deepstack * merger
 
 
 def is_qwen3_5_vision(cfg: dict[str, Any]) -> bool:
