@@ -592,9 +592,13 @@ def checkpointed_block_bytes_per_token(shape: ModelShape, w: Workload, strategy:
     return kept
 
 
-def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str = "single") -> float:
+def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str = "single",
+                     at_down_backward: bool = False) -> float:
     """Saved activations of `layers` blocks for one micro-batch, as backward finds them (the recomputed block of
-    checkpointing included).
+    checkpointing included, with its recomputation's transients `down_projection_bytes_per_token`), or
+    (`at_down_backward`) once the block alive (recomputed, or the last) has run its down projection's backward:
+    its recomputation's transients gone, and down's input too (`down_backward_bytes_per_token` counts the
+    gradients then alive).
 
     With checkpointing only each block's input stays (fp32 when autocast runs over fp32 master weights), with
     what selective checkpointing keeps besides, and one block is recomputed at a time during backward. Autocast
@@ -602,6 +606,8 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     alive at a time (recomputed, or the last) adds eager attention's peak above its saved scores
     (`score_peak_bytes_per_token`)."""
     tokens = w.tokens
+    # down's input, saved by down (or its adapter) until its backward has run
+    used = compute_bytes(w) * shape.intermediate if at_down_backward else 0.0
     cast = weight_cast_bytes(shape, w, strategy)
     copies = lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)
     scores = score_peak_bytes_per_token(shape, w, strategy)
@@ -611,11 +617,11 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
         kept = checkpointed_block_bytes_per_token(shape, w, strategy)
         reused = kept - residual_bytes(w, strategy) * shape.hidden
         recomputed = largest_block_activation_bytes_per_token(shape, w, strategy) + scores - reused
-        in_flight = down_projection_bytes_per_token(shape, w, strategy, recomputed=True)
-        return tokens * (layers * kept + recomputed + in_flight) + cast + \
+        in_flight = 0.0 if at_down_backward else down_projection_bytes_per_token(shape, w, strategy, recomputed=True)
+        return tokens * (layers * kept + recomputed + in_flight - used) + cast + \
             copies + held_mask_bytes(w, strategy)
     per_block = block_activation_bytes_per_token(shape, w, strategy)
-    return tokens * (layers * per_block + (scores if layers else 0.0)) + layers * cast + \
+    return tokens * (layers * per_block + (scores - used if layers else 0.0)) + layers * cast + \
         layers * copies * shape.moe_layers / shape.layers
 
 

@@ -44,6 +44,7 @@ from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.hardware import Hardware
+from shardfit.plan.in_flight import down_backward_bytes_per_token
 from shardfit.plan.optimizer_states import (
     model_state_bytes,
     optimizer_state_bytes,
@@ -580,6 +581,9 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
     if unsharded_grads:
         g_fwd = g_bwd_end = max(r.grads, unsharded_grads)
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
+    # (Under a sharded strategy its gathered weights and gradients at that moment are not modelled: its
+    # `bwd_temp` is the block's end, FSDP's worst, and that moment stands alone.)
+    down_bwd = 0.0 if strategies.get(strategy).sharded else down_backward_bytes_per_token(shape, w, strategy)
     # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
     # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
     # backward's gradients and the loss's buffers do not exist yet.
@@ -610,6 +614,10 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
                       fwd_temp + head_dequantize_bytes(shape, w)),
             Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
                       bwd_temp + residual_grads),
+            # The block alive at its down projection's backward: three MLP-wide gradients at once, with the
+            # residual stream's gradient (one tensor, where `residual_grads` takes a block's end with two).
+            *([Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy, at_down_backward=True) + vision,
+                         held, bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp + residual_grads)],

@@ -9,7 +9,7 @@ tests/test_simulate.py `test_peak_inside_the_body_agrees_with_simulate`)."""
 from __future__ import annotations
 
 from shardfit.plan.adapters import adapted_shapes, adapts
-from shardfit.plan.precision import casts_trainable_inputs, compute_bytes, residual_bytes
+from shardfit.plan.precision import casts_trainable_inputs, compute_bytes, linear_output_bytes, residual_bytes
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -58,6 +58,30 @@ def down_projection_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     product = a * shape.intermediate if cast and adapts("down", w) else 0
     outputs = a * h * (3 if adapts("down", w) and w.trains_adapters and not recomputed else 1)
     return held + mlp_input + product + cast + outputs
+
+
+def down_backward_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What a dense block's backward holds at its down projection beyond its saved tensors, per token (0 where
+    this moment is not modelled): the block's worst backward moment, with its gate, act and up still saved.
+
+    Three gradients as wide as the MLP at once: with an adapted down, the base layer's gradient of down's input,
+    the adapter's (after peft's fp32 copy of it is cast back) and their sum (autograd's input buffer adds the two
+    for the mul that made the product); otherwise (a full fine-tune, an unadapted down) the gradient of down's
+    input and, from it, those of act and up, made together by the product's mul. Each in the dtype of the
+    tensors they are gradients of (`linear_output_bytes`). Beside them the gradient of the residual stream
+    flowing into the block, one tensor in the residual stream's dtype (the block's output gradient, which its last
+    add hands to the MLP and to the residual path alike). Down's input itself is gone by then (its last reader,
+    the adapter's A or the trainable weight, has made its gradients): `activation_bytes` takes it off the saved
+    tensors at this moment.
+
+    Read from the fake-tensor step's live tensors at its peak (tiny Llama/Qwen2 blocks, checkpointed or not,
+    LoRA without peft's input cast and full fine-tunes: tests/test_simulate.py
+    `test_down_projection_backward_agrees_with_simulate`). Blocks of other kinds (mixtures, latent attention,
+    Mamba, Gated DeltaNet, a single-part block) and two-matrix MLPs: not modelled (0)."""
+    if shape.moe_layers or shape.mla is not None or shape.linear_layers or shape.mamba_mixers or \
+            shape.single_part or shape.two_matrix:
+        return 0.0
+    return 3 * linear_output_bytes(w, strategy) * shape.intermediate + residual_bytes(w, strategy) * shape.hidden
 
 
 def held_mask_bytes(w: Workload, strategy: str, in_body: bool = False) -> float:
