@@ -94,6 +94,14 @@ def test_a_cache_entry_that_cannot_be_listed_is_nothing_cached(hub: Path) -> Non
     assert cached_config_path("acme/odd") is None
 
 
+def test_a_cached_config_saying_a_bad_size_names_the_cached_file(hub: Path, capsys: pytest.CaptureFixture) -> None:
+    """The user named an id, not a file: an error about a key of the cached config.json says where that file is."""
+    path = _cache(hub, "acme/no-width", {k: v for k, v in LLAMA.items() if k != "hidden_size"})
+    assert main(["plan", "--model", "acme/no-width", "--gpus", "1x24GB"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden_size" in err and str(path) in err and "Hugging Face cache" in err
+
+
 def test_a_cached_config_that_is_a_link_to_its_blob_is_read(hub: Path) -> None:
     """The cache's real layout: snapshots/<revision>/config.json is a relative symlink into blobs/."""
     folder = hub / "models--acme--linked"

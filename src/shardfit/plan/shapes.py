@@ -86,6 +86,18 @@ def cached_config_path(model: str) -> Path | None:
     return Path(found) if isinstance(found, str) and Path(found).is_file() else None
 
 
+def _cached_shape(path: Path, model: str) -> ModelShape:
+    """The shape of hub id `model` from its cached config.json `path`; a UserError about a key in it also says where
+    that file is, since the user named an id and may not know the plan read the cache."""
+    try:
+        return shape_from_config(_read_config_json(path, model), model)
+    except UserError as e:
+        if str(path) in str(e):
+            raise
+        raise UserError(f"{e} (--model {model} was read from the Hugging Face cache: {path}; download the model "
+                        f"again, or pass a folder holding a corrected config.json)") from None
+
+
 def resolve_shape(model: str) -> ModelShape:
     """The shape of `model`: a catalog id, a config.json path, a HF folder, or a bundled GGUF model."""
     entries = catalog()
@@ -95,9 +107,12 @@ def resolve_shape(model: str) -> ModelShape:
     for variant in _variants(model.lower()):  # a base model and its -Instruct twin share one shape
         if variant in lower:
             return _from_entry(model if variant != model.lower() else lower[variant], entries[lower[variant]])
-    local = local_config(model)
+    local = _local_config_path(model)
     if local is not None:
-        return shape_from_config(local, model)
+        return shape_from_config(_read_config_json(local, model), model)
+    cached = cached_config_path(model)
+    if cached is not None:
+        return _cached_shape(cached, model)
     stem = model.lower().rsplit("/", 1)[-1]
     close = [k for k in entries if stem and stem in k.lower()][:3] or \
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
