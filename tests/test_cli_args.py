@@ -15,7 +15,7 @@ def test_a_length_reads_plain_or_in_k_of_1024(text: str, tokens: int) -> None:
     assert token_count(text) == tokens
 
 
-@pytest.mark.parametrize("text", ["8.5k", "k", "8kk", "-1k", "8 k", "eight", "1e4"])
+@pytest.mark.parametrize("text", ["8.5k", "k", "8kk", "-1k", "8 k", "eight", "1e4", "²k", "8²"])
 def test_a_length_that_is_not_a_whole_count_is_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="a length like 8k"):
         token_count(text)
