@@ -242,7 +242,7 @@ CLI_CASES: list[Case] = [
     ("chat --top-p 2", lambda ws: ["chat", str(ws / "model"), "--prompt", "hi", "--temperature", "1", "--top-p", "2"],
      2, "--top-p"),
     ("eval --max-seq-len 0", lambda ws: ["eval", str(ws / "model"), "--data", str(ws / "data.jsonl"), "--max-seq-len",
-                                         "0"], 2, "--max-seq-len must be at least 1"),
+                                         "0"], 2, "--max-seq-len: must be at least 1"),
     ("convert --out a folder", lambda ws: ["convert", "--from", "llamafactory", str(_raw(
         ws, "lf.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\n")), "--out", str(ws)], 2, "--out"),
     ("doctor --timeout nan", lambda ws: ["doctor", "--timeout", "nan"], 2, "--timeout must be positive"),

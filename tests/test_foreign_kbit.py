@@ -160,11 +160,17 @@ def test_trl_kto_version_named_as_released(tmp_path: Path) -> None:
     assert any("KTO since 1.4" in n for n in job.notes), job.notes
 
 
-def test_swift_dtype_follows_the_model_where_torch_dtype_is_unset(tmp_path: Path) -> None:
+def test_swift_dtype_follows_the_model_where_torch_dtype_is_unset(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """ms-swift takes an unset --torch_dtype from the model's config.json: a local fp16 model is planned in fp16
     (its 4-bit layers then compute in fp32); a catalog model, whose dtype shardfit does not record, in bf16 under a
-    note saying so."""
+    note saying so, unless its download is in the Hugging Face cache (an empty one here: the machine's own cache
+    must not decide this test; test_swift_dtype_of_a_catalog_model_is_read_from_its_cached_download)."""
     import json
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
     model = tmp_path / "llama2"
     model.mkdir()
@@ -181,6 +187,27 @@ def test_swift_dtype_follows_the_model_where_torch_dtype_is_unset(tmp_path: Path
     assert job.workload.precision == "bf16"
     assert any("catalog does not record" in n for n in job.notes), job.notes
 
+
+
+def test_swift_dtype_of_a_catalog_model_is_read_from_its_cached_download(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catalog id downloaded before: ms-swift reads the download's config.json, and so does the plan (its
+    torch_dtype float16 makes an fp16 job), the note naming where the dtype came from."""
+    import json
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = tmp_path / "hub" / "models--meta-llama--Llama-2-7b-hf" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0123abcd")
+    (snap / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float16"}))
+    (tmp_path / "run.sh").write_text(SWIFT.replace("Qwen/Qwen2.5-7B-Instruct", "meta-llama/Llama-2-7b-hf")
+                                     .format(flags=""))
+    job = read_job("swift", str(tmp_path / "run.sh"), JobOptions(transformers="5.23.0"))
+    assert job.workload.precision == "fp16"
+    assert any("config.json torch_dtype (float16)" in n for n in job.notes), job.notes
 
 def test_swift_refuses_a_torch_dtype_it_does_not_take(tmp_path: Path) -> None:
     (tmp_path / "run.sh").write_text(SWIFT.format(flags="--torch_dtype half8"))

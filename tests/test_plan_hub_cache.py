@@ -72,3 +72,43 @@ def test_nothing_cached_is_still_refused_with_a_hint(hub: Path) -> None:
 def test_what_is_not_a_hub_id_is_not_looked_up(hub: Path, model: str) -> None:
     _cache(hub, "acme/tiny-llama", LLAMA)
     assert cached_config_path(model) is None
+
+
+@pytest.mark.parametrize("model", ["a" * 5000, "~no-such-user-here/tiny-llama", "~no-such-user-here"])
+def test_an_id_no_path_lookup_can_take_ends_in_a_message(hub: Path, model: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """A name longer than the file system allows, or `~user` for no such user, makes pathlib raise (not return
+    False): the plan says the model is unknown instead of reporting a bug."""
+    assert main(["plan", "--model", model, "--gpus", "1x24GB"]) == 2
+    err = capsys.readouterr().err
+    assert "not in the bundled catalog" in err and "bug in shardfit" not in err
+
+
+def test_a_cache_entry_that_cannot_be_listed_is_nothing_cached(hub: Path) -> None:
+    """huggingface_hub lists `snapshots/` without guarding it: a file there (or one the user may not read) raises
+    OSError, which must read as nothing cached, not a traceback."""
+    folder = hub / "models--acme--odd"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("0123abcd")
+    (folder / "snapshots").write_text("not a folder")
+    assert cached_config_path("acme/odd") is None
+
+
+def test_a_cached_config_saying_a_bad_size_names_the_cached_file(hub: Path, capsys: pytest.CaptureFixture) -> None:
+    """The user named an id, not a file: an error about a key of the cached config.json says where that file is."""
+    path = _cache(hub, "acme/no-width", {k: v for k, v in LLAMA.items() if k != "hidden_size"})
+    assert main(["plan", "--model", "acme/no-width", "--gpus", "1x24GB"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden_size" in err and str(path) in err and "Hugging Face cache" in err
+
+
+def test_a_cached_config_that_is_a_link_to_its_blob_is_read(hub: Path) -> None:
+    """The cache's real layout: snapshots/<revision>/config.json is a relative symlink into blobs/."""
+    folder = hub / "models--acme--linked"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("0123abcd")
+    (folder / "blobs").mkdir()
+    (folder / "blobs" / "9f3c").write_text(json.dumps(LLAMA))
+    (folder / "snapshots" / "0123abcd").mkdir(parents=True)
+    (folder / "snapshots" / "0123abcd" / "config.json").symlink_to(Path("..") / ".." / "blobs" / "9f3c")
+    assert resolve_shape("acme/linked").hidden == 512

@@ -31,7 +31,7 @@ def token_count(text: str) -> int:
     stripped = text.strip()
     per = 1024 if stripped[-1:] in ("k", "K") else 1
     digits = stripped[:-1] if per > 1 else stripped
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):  # str.isdigit takes "²", which int() then refuses
         raise argparse.ArgumentTypeError(f"expected an integer or a length like 8k, got {text!r}")
     return positive_int(str(int(digits) * per))
 

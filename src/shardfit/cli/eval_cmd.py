@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardfit.cli.args import token_count
 from shardfit.cli.chat_cmd import add_sampling_args
 from shardfit.data.reader import read_rows
 from shardfit.errors import UserError
@@ -38,8 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-base", action="store_true", help="evaluate the tuned model only")
     p.add_argument("--no-generate", action="store_true", help="the loss only (no generation metrics)")
     p.add_argument("--limit", type=int, default=None, help="the first N rows only")
-    p.add_argument("--max-seq-len", type=int, default=None, help="tokens per example for the loss "
-                                                                 "(default: the run's max_seq_len, else 2048)")
+    p.add_argument("--max-seq-len", type=token_count, default=None,
+                   help="tokens per example for the loss: 2048, or 2k (k = 1024; default: the run's max_seq_len, "
+                        "else 2048)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the JSON here (default for a run: RUN_DIR/eval.json)")
     add_sampling_args(p, 64)
@@ -80,8 +82,6 @@ def _has_images(row: Any) -> bool:
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be at least 1, got {args.limit}.")
-    if args.max_seq_len is not None and args.max_seq_len < 1:  # 0 would read as "the run's own"
-        raise UserError(f"--max-seq-len must be at least 1, got {args.max_seq_len}.")
     if not Path(args.data).is_file():
         raise UserError(f"--data {args.data}: no such file.")
     # torch, transformers and peft: only once a model is actually used

@@ -293,8 +293,9 @@ def _method(src: Source, job: ForeignJob) -> str:
 def _precision(src: Source, job: ForeignJob) -> str:
     """The run's dtype: `--torch_dtype` (a UserError naming it for a value ms-swift's parser refuses), else, as
     ms-swift takes it, the model's config.json `torch_dtype` (float32 or none: bf16, as ms-swift picks on a GPU
-    with bf16) where the model is a local folder or config.json; the catalog records no dtype, so a catalog model
-    is planned in bf16 under a note saying so."""
+    with bf16) where the model is a local folder or config.json, or a download in the local Hugging Face cache
+    (plan/shapes.py `local_config`); the catalog records no dtype, so a catalog model never downloaded here is
+    planned in bf16 under a note saying so."""
     given = src.get("torch_dtype")
     if given is not None:
         precision = PRECISIONS.get(str(given).strip().lower())

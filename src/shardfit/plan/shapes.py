@@ -48,13 +48,24 @@ def local_config(model: str) -> dict[str, Any] | None:
     """The config.json of `model` where it names one, a HF folder holding one, or a hub id whose config.json is in
     the local Hugging Face cache (a UserError naming the file if it is not a JSON object); None for anything else
     (a catalog id, a hub id never downloaded here)."""
-    p = Path(model).expanduser()
-    if p.is_file() and p.name.endswith(".json"):
-        return _read_config_json(p, model)
-    if p.is_dir() and (p / "config.json").is_file():
-        return _read_config_json(p / "config.json", model)
-    cached = cached_config_path(model)
-    return _read_config_json(cached, model) if cached is not None else None
+    path = _local_config_path(model) or cached_config_path(model)
+    return _read_config_json(path, model) if path is not None else None
+
+
+def _local_config_path(model: str) -> Path | None:
+    """The config.json `model` names as a path: the file itself, or the one in the HF folder it names; None where it
+    names neither, including a string the OS cannot look up as a path (a name longer than the file system allows,
+    `~user` for no such user): such a --model is an id, and its lookup must end in a message, not a traceback."""
+    try:
+        p = Path(model).expanduser()
+    except RuntimeError:  # `~name/...` where no user `name` exists: no path of this machine
+        p = Path(model)
+    try:
+        if p.is_file() and p.name.endswith(".json"):
+            return p
+        return p / "config.json" if p.is_dir() and (p / "config.json").is_file() else None
+    except OSError:  # ENAMETOOLONG and kin: pathlib re-raises all but a missing file's errors
+        return None
 
 
 def cached_config_path(model: str) -> Path | None:
@@ -68,9 +79,23 @@ def cached_config_path(model: str) -> Path | None:
 
     try:
         found = try_to_load_from_cache(model, "config.json")
-    except ValueError:  # not a valid repo id (huggingface_hub's HFValidationError)
+    # ValueError: not a valid repo id (huggingface_hub's HFValidationError); OSError: a cache entry it cannot list
+    # (`snapshots` a file, no permission), which holds nothing a plan can use.
+    except (ValueError, OSError):
         return None
     return Path(found) if isinstance(found, str) and Path(found).is_file() else None
+
+
+def _cached_shape(path: Path, model: str) -> ModelShape:
+    """The shape of hub id `model` from its cached config.json `path`; a UserError about a key in it also says where
+    that file is, since the user named an id and may not know the plan read the cache."""
+    try:
+        return shape_from_config(_read_config_json(path, model), model)
+    except UserError as e:
+        if str(path) in str(e):
+            raise
+        raise UserError(f"{e} (--model {model} was read from the Hugging Face cache: {path}; download the model "
+                        f"again, or pass a folder holding a corrected config.json)") from None
 
 
 def resolve_shape(model: str) -> ModelShape:
@@ -82,9 +107,12 @@ def resolve_shape(model: str) -> ModelShape:
     for variant in _variants(model.lower()):  # a base model and its -Instruct twin share one shape
         if variant in lower:
             return _from_entry(model if variant != model.lower() else lower[variant], entries[lower[variant]])
-    local = local_config(model)
+    local = _local_config_path(model)
     if local is not None:
-        return shape_from_config(local, model)
+        return shape_from_config(_read_config_json(local, model), model)
+    cached = cached_config_path(model)
+    if cached is not None:
+        return _cached_shape(cached, model)
     stem = model.lower().rsplit("/", 1)[-1]
     close = [k for k in entries if stem and stem in k.lower()][:3] or \
         difflib.get_close_matches(model, list(entries), n=3, cutoff=0.5)
