@@ -91,3 +91,21 @@ def test_a_long_row_without_checkpointing_peaks_inside_the_body_under_deepspeed_
     assert body > forward_activation_bytes(shape, as_deepspeed_runs(w), shape.layers, "zero3")
     c = estimate_deepspeed(shape, w, parse_gpus("1xA100-80G"), ZeroSettings(stage=3))
     assert c.peak_phase == "forward" and c.per_gpu_gib.activations == pytest.approx(body / 2**30, rel=1e-3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_counts_the_images_as_the_other_engines_do(stage: int) -> None:
+    """Qwen2-VL-7B LoRA with four 448x448 images a row under ZeRO-2/3: the pixels and the frozen tower's outputs are
+    held through the step under DeepSpeed too (plan/activations.py `image_activation_bytes`), so its activations grow
+    by exactly that much over the same job without images."""
+    from shardfit.plan.activations import image_activation_bytes
+
+    shape = resolve_shape("Qwen/Qwen2-VL-7B-Instruct")
+    text = Workload(method="lora", precision="bf16", seq_len=4096, micro_batch=1, grad_ckpt="full")
+    images = dataclasses.replace(text, images=4, image_rows=32, image_cols=32)
+    strategy = "zero3" if stage == 3 else "zero2"
+    media = image_activation_bytes(shape, as_deepspeed_runs(images), strategy)
+    assert media > 2**20
+    hw, z = parse_gpus("8xA100-80G"), ZeroSettings(stage=stage)
+    without, with_images = (estimate_deepspeed(shape, job, hw, z).per_gpu_gib for job in (text, images))
+    assert with_images.activations - without.activations == pytest.approx(media / 2**30, abs=0.006)

@@ -28,7 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardfit.plan.activations import activation_bytes, forward_activation_bytes, logits_bytes
+from shardfit.plan.activations import (
+    activation_bytes,
+    audio_activation_bytes,
+    forward_activation_bytes,
+    image_activation_bytes,
+    logits_bytes,
+)
 from shardfit.plan.estimate import (
     GIB,
     Breakdown,
@@ -179,18 +185,23 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
     # (ZeRO-1/2 offload: the staging buffer above takes it.)
     head_grad = shape.vocab * shape.hidden * low if w.method == "full" and not (
         z.offload_optimizer and z.stage < 3) else 0.0
-    fwd = Breakdown(m.weights, held, m.states, forward_activation_bytes(shape, w, shape.layers, strategy),
+    # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
+    # reaches the towers, which it does last, as under the other engines (estimate.moments).
+    media = image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
+    fwd = Breakdown(m.weights, held, m.states, forward_activation_bytes(shape, w, shape.layers, strategy) + media,
                     logits_bytes(shape, w, strategy), m.fwd_temp)
     if w.grad_ckpt == "none":  # long rows peak inside the body, as under the other engines (estimate.moments)
         fwd = max(fwd, Breakdown(m.weights, held, m.states,
-                                 forward_activation_bytes(shape, w, shape.layers, strategy, "body"), 0.0, m.fwd_temp),
+                                 forward_activation_bytes(shape, w, shape.layers, strategy, "body") + media, 0.0,
+                                 m.fwd_temp),
                   key=_tensors)
     bwd = max(
         # the loss's gradient: backward has begun (ZeRO-1/2's bucket exists), nothing is reduced yet
         Breakdown(m.weights, held + (bucket if z.stage < 3 else 0.0), m.states,
-                  forward_activation_bytes(shape, w, shape.layers, strategy, "backward"),
+                  forward_activation_bytes(shape, w, shape.layers, strategy, "backward") + media,
                   logits_bytes(shape, w, strategy, "backward"), m.fwd_temp + head_grad),
-        Breakdown(m.weights, g_rest, m.states, activation_bytes(shape, w, shape.layers, strategy), 0.0, m.bwd_temp),
+        Breakdown(m.weights, g_rest, m.states, activation_bytes(shape, w, shape.layers, strategy) + media, 0.0,
+                  m.bwd_temp),
         key=_tensors)
     grads_at_step, adam_temp = step_bytes(shape, w, hw.world, z, m, g_rest)
     opt = Breakdown(m.weights, grads_at_step, m.states + adam_temp, 0.0, 0.0, 0.0)
