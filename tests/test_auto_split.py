@@ -138,8 +138,9 @@ def test_a_resume_keeps_a_recorded_split_and_pipeline(eight_24gb: None, tmp_path
     cfg = _run(piped)
     old, _ = resolve_job(_long_rows(pipeline_parallel=4), RTX, GPU)
     _record(piped, cfg, old)
+    assert (old.pipeline_parallel, old.sequence_parallel) == (4, 1)
     job, _ = decide_launch(_args(), cfg)
-    assert job is not None and (job.strategy, job.pipeline_parallel, job.sequence_parallel) == ("ddp", 4, 1)
+    assert job is not None and (job.strategy, job.pipeline_parallel, job.sequence_parallel) == (old.strategy, 4, 1)
     split = tmp_path / "split"
     cfg = _run(split)
     old, _ = resolve_job(cfg, RTX, GPU)
@@ -383,7 +384,8 @@ def test_a_rank_started_by_torchrun_resumes_as_train_launches(eight_24gb: None, 
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     job, plan = job_of_rank(cfg, DistEnv(3, 8, 3, torch.device("cpu"), "gloo"))
-    assert (job.strategy, job.pipeline_parallel, job.sequence_parallel) == ("ddp", 4, 1) and plan is not None
+    assert (old.pipeline_parallel, old.sequence_parallel) == (4, 1)
+    assert (job.strategy, job.pipeline_parallel, job.sequence_parallel) == (old.strategy, 4, 1) and plan is not None
     launched, _ = decide_launch(_args(8), cfg)
     assert launched == job
     assert _claims(tmp_path, cfg, job) == "ok"
@@ -501,7 +503,7 @@ def test_a_refused_resume_names_the_grad_accum_that_keeps_the_batch_anew(eight_2
     with pytest.raises(DoesNotFitError) as e:
         decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4))
     said = str(e.value).split("\n")[0]
-    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 15.5 GiB per GPU, 601 tokens/s)" \
+    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 16.6 GiB per GPU, 601 tokens/s)" \
         in said
     assert ("or --set grad_accum=2, which keeps the batch on the job resolved anew (zero3, sequence_parallel 4, "
             "pipeline_parallel 1: 17.9 GiB per GPU, 4,425 tokens/s)") in said
