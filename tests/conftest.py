@@ -28,6 +28,19 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(os.environ["SHARDFIT_MODEL_CACHE"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def empty_hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty Hugging Face hub cache for the whole session, in this process and the CLI runs it starts: `plan
+    --model` reads a config.json an earlier download left there (plan/shapes.py `cached_config_path`), so a test
+    must not see what this machine happens to hold."""
+    import huggingface_hub.constants
+
+    empty = tmp_path_factory.mktemp("hf-hub-cache")
+    os.environ["HF_HUB_CACHE"] = str(empty)
+    huggingface_hub.constants.HF_HUB_CACHE = str(empty)
+    return empty
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The SmolLM2 tokenizer (from the GGUF package) saved once as plain HF tokenizer files."""
