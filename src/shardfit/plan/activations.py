@@ -747,6 +747,12 @@ def logits_bytes(shape: ModelShape, w: Workload, strategy: str = "single", phase
     return b
 
 
+def media_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
+    """What one micro-batch's images and audio clips hold through the step (`image_activation_bytes` and
+    `audio_activation_bytes`): kept until backward reaches the towers, which it does last."""
+    return image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
+
+
 def image_activation_bytes(shape: ModelShape, w: Workload, strategy: str) -> float:
     """The images of one micro-batch through a vision-language model's tower (plan/media.py); 0 without images."""
     if shape.vision is None or w.images == 0:

@@ -30,10 +30,9 @@ from dataclasses import dataclass, replace
 
 from shardfit.plan.activations import (
     activation_bytes,
-    audio_activation_bytes,
     forward_activation_bytes,
-    image_activation_bytes,
     logits_bytes,
+    media_activation_bytes,
 )
 from shardfit.plan.estimate import (
     GIB,
@@ -187,7 +186,7 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
         z.offload_optimizer and z.stage < 3) else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
     # reaches the towers, which it does last, as under the other engines (estimate.moments).
-    media = image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
+    media = media_activation_bytes(shape, w, strategy)
     fwd = Breakdown(m.weights, held, m.states, forward_activation_bytes(shape, w, shape.layers, strategy) + media,
                     logits_bytes(shape, w, strategy), m.fwd_temp)
     if w.grad_ckpt == "none":  # long rows peak inside the body, as under the other engines (estimate.moments)

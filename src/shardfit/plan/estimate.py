@@ -33,10 +33,9 @@ from shardfit.errors import PlannerBug
 from shardfit.plan import experts, quant
 from shardfit.plan.activations import (
     activation_bytes,
-    audio_activation_bytes,
     forward_activation_bytes,
-    image_activation_bytes,
     logits_bytes,
+    media_activation_bytes,
 )
 from shardfit.plan.adapters import lora_expert_params, lora_params, saved_params
 from shardfit.plan.cards import card_of
@@ -594,7 +593,7 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
     # reaches the towers, which it does last.
-    vision = image_activation_bytes(shape, w, strategy) + audio_activation_bytes(shape, w, strategy)
+    vision = media_activation_bytes(shape, w, strategy)
     wr, opt, fwd_temp = r.weights, r.optimizer, r.fwd_temp
     forward = Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                         logits_bytes(shape, w, strategy), fwd_temp)

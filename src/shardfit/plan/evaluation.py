@@ -28,9 +28,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardfit.plan.activations import (
-    audio_activation_bytes,
-    image_activation_bytes,
     logits_bytes,
+    media_activation_bytes,
 )
 from shardfit.plan.precision import compute_bytes
 from shardfit.plan.reference_memory import reference_activation_bytes, reference_logits_bytes
@@ -87,8 +86,7 @@ def eval_parts(shape: ModelShape, w: Workload, strategy: str, ranks: int) -> lis
     if not w.eval_batch:
         return []
     we = eval_workload(w)
-    act = (reference_activation_bytes(shape, we, strategy) + image_activation_bytes(shape, we, strategy)
-           + audio_activation_bytes(shape, we, strategy))
+    act = reference_activation_bytes(shape, we, strategy) + media_activation_bytes(shape, we, strategy)
     k, _ = kept_steps(w, ranks)
     g = step_kept_bytes(shape, w, ranks)
     parts = [(act, eval_loss_bytes(shape, we, strategy) + max(0, k - 1) * g)]

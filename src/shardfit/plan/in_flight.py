@@ -14,6 +14,14 @@ from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
 
+def _dense_softmax_blocks(shape: ModelShape) -> bool:
+    """Whether every block is a dense softmax-attention block with a separate MLP, the only kind whose transients
+    were read from the fake-tensor step (not mixtures, latent attention, Mamba, Gated DeltaNet, a single-part
+    block)."""
+    return not (shape.moe_layers or shape.mla is not None or shape.linear_layers or shape.mamba_mixers or
+                shape.single_part)
+
+
 def adapter_input_cast_bytes_per_token(shape: ModelShape, w: Workload, strategy: str) -> float:
     """The fp32 copy of the widest adapted input (down_proj's, the MLP's width) peft makes where it casts each fp32
     adapter's input to fp32 (`adapter_input_casts` under autocast): alive until the adapter's forward returns
@@ -46,8 +54,7 @@ def down_projection_bytes_per_token(shape: ModelShape, w: Workload, strategy: st
     other kinds (mixtures, latent attention, Mamba, Gated DeltaNet, a single-part block) count peft's fp32 copy
     alone: their transients are not modelled."""
     cast = adapter_input_cast_bytes_per_token(shape, w, strategy)
-    if shape.moe_layers or shape.mla is not None or shape.linear_layers or shape.mamba_mixers or \
-            shape.single_part or (recomputed and not cast):
+    if not _dense_softmax_blocks(shape) or (recomputed and not cast):
         return cast
     a, r, h = compute_bytes(w), residual_bytes(w, strategy), shape.hidden
     held = 0 if r == 4 or recomputed else 2 * r * h
@@ -78,8 +85,7 @@ def down_backward_bytes_per_token(shape: ModelShape, w: Workload, strategy: str)
     LoRA without peft's input cast and full fine-tunes: tests/test_simulate.py
     `test_down_projection_backward_agrees_with_simulate`). Blocks of other kinds (mixtures, latent attention,
     Mamba, Gated DeltaNet, a single-part block) and two-matrix MLPs: not modelled (0)."""
-    if shape.moe_layers or shape.mla is not None or shape.linear_layers or shape.mamba_mixers or \
-            shape.single_part or shape.two_matrix:
+    if not _dense_softmax_blocks(shape) or shape.two_matrix:
         return 0.0
     return 3 * linear_output_bytes(w, strategy) * shape.intermediate + residual_bytes(w, strategy) * shape.hidden
 

@@ -51,9 +51,8 @@ from shardfit.config import Config
 from shardfit.errors import UserError
 from shardfit.plan.activations import (
     activation_bytes,
-    audio_activation_bytes,
     checkpointed_block_bytes_per_token,
-    image_activation_bytes,
+    media_activation_bytes,
 )
 from shardfit.plan.cards import card_of
 from shardfit.plan.comms import FWD_SHARE, stage_sync_s
@@ -266,8 +265,7 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     parts: list[tuple[int, bool, bool, bool]] = []
     if not first:  # the towers stay on the first stage, with the images' and clips' activations
         parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False, False))
-        b.activations -= (image_activation_bytes(stage_shape, w, name)
-                          + audio_activation_bytes(stage_shape, w, name)) / GIB
+        b.activations -= media_activation_bytes(stage_shape, w, name) / GIB
     if shape.tied:  # one matrix counted: the first stage's embedding, the last stage's copy of it as the head
         parts += [(matrix, trains_embedding, True, False)] if not first and not last else []
     else:
