@@ -343,3 +343,17 @@ def likely_categories(log: str) -> list[str]:
     from shardfit.diagnose.engine import analyze
 
     return [x.category for x in analyze(log).likely]
+
+
+def ranked_causes(log: str) -> list[str]:
+    """The categories `diagnose` names for a paste, confident or not, best first."""
+    from shardfit.diagnose.engine import analyze
+
+    return [x.category for x in analyze(log).likely]
+
+
+def parsed_facts(log: str) -> set[str]:
+    """The facts `diagnose` reads in a paste, before any rule weighs them."""
+    from shardfit.diagnose.engine import analyze
+
+    return analyze(log).parsed.facts

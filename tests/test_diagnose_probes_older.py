@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardfit.diagnose.engine import analyze
-
-
-def _ranked(log: str) -> list[str]:
-    """The categories the paste's answer names, confident or not, best first."""
-    return [x.category for x in analyze(log).likely]
-
-
-def _facts(log: str) -> set[str]:
-    return analyze(log).parsed.facts
-
+from tests.helpers import parsed_facts as _facts
+from tests.helpers import ranked_causes as _ranked
 
 _OOM = {"oom_full_replica_per_rank", "oom_activation_not_sharded", "shardfit_predicted_oom", "host_ram_oom"}
 
