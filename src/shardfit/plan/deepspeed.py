@@ -28,24 +28,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardfit.plan.activations import (
-    activation_bytes,
-    forward_activation_bytes,
-    logits_bytes,
-    media_activation_bytes,
-)
 from shardfit.plan.estimate import (
     GIB,
     Breakdown,
     Candidate,
+    GradientTimeline,
+    PerRank,
     add_runtime_overhead,
     in_gib,
     planned_shape,
+    planned_workload,
     state_bytes,
+    step_moments,
     trainable_params,
     trainable_weight_bytes,
+    with_loss_chunk,
 )
-from shardfit.plan.evaluation import eval_note, eval_parts
+from shardfit.plan.evaluation import eval_note
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.optimizer_states import kind_of, largest_trainable, optimizer_state_bytes
 from shardfit.plan.precision import compute_bytes
@@ -167,49 +166,16 @@ def as_deepspeed_runs(w: Workload) -> Workload:
 
 
 def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSettings) -> Candidate:
-    """Per-rank GPU peak of a DeepSpeed ZeRO job (and its host RAM per rank), at the step's three moments as in
-    `estimate.estimate`, with the weights as the engine casts them (`as_deepspeed_runs`)."""
-    w = as_deepspeed_runs(w)
+    """Per-rank GPU peak of a DeepSpeed ZeRO job (and its host RAM per rank), at the moments `estimate.estimate`
+    weighs, built by the same `step_candidates` from what the engine holds (`zero_rank`), with the weights as the
+    engine casts them (`as_deepspeed_runs`)."""
     shape = planned_shape(shape, w)
-    low = compute_bytes(w)
+    w = with_loss_chunk(shape, planned_workload(shape, as_deepspeed_runs(w)), hw)
     strategy = "zero3" if z.stage == 3 else "zero2"  # activations: 16-bit weights, no autocast
     m = zero_memory(shape, w, hw.world, z)
-    bucket = z.reduce_bucket_size * low * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
-    # ZeRO-3 allocates its reduce bucket and 16-bit gradient partition once, at start-up; ZeRO-1/2 make them in
-    # each backward and free them after the step (the partition stays through accumulation).
-    held = m.grad_part + bucket if z.stage == 3 else (m.grad_part if w.grad_accum > 1 else 0.0) + m.staging
-    g_rest = m.grad_part + bucket + m.staging
-    # A full fine-tune's head makes its whole 16-bit gradient while the loss's gradient is still alive (larger than
-    # the reduce bucket, so DeepSpeed reduces it on its own).
-    # (ZeRO-1/2 offload: the staging buffer above takes it.)
-    head_grad = shape.vocab * shape.hidden * low if w.method == "full" and not (
-        z.offload_optimizer and z.stage < 3) else 0.0
-    # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
-    # reaches the towers, which it does last, as under the other engines (estimate.moments).
-    media = media_activation_bytes(shape, w, strategy)
-    fwd = Breakdown(m.weights, held, m.states, forward_activation_bytes(shape, w, shape.layers, strategy) + media,
-                    logits_bytes(shape, w, strategy), m.fwd_temp)
-    if w.grad_ckpt == "none":  # long rows peak inside the body, as under the other engines (estimate.moments)
-        fwd = max(fwd, Breakdown(m.weights, held, m.states,
-                                 forward_activation_bytes(shape, w, shape.layers, strategy, "body") + media, 0.0,
-                                 m.fwd_temp),
-                  key=_tensors)
-    bwd = max(
-        # the loss's gradient: backward has begun (ZeRO-1/2's bucket exists), nothing is reduced yet
-        Breakdown(m.weights, held + (bucket if z.stage < 3 else 0.0), m.states,
-                  forward_activation_bytes(shape, w, shape.layers, strategy, "backward") + media,
-                  logits_bytes(shape, w, strategy, "backward"), m.fwd_temp + head_grad),
-        Breakdown(m.weights, g_rest, m.states, activation_bytes(shape, w, shape.layers, strategy) + media, 0.0,
-                  m.bwd_temp),
-        key=_tensors)
-    grads_at_step, adam_temp = step_bytes(shape, w, hw.world, z, m, g_rest)
-    opt = Breakdown(m.weights, grads_at_step, m.states + adam_temp, 0.0, 0.0, 0.0)
-    step_gib = _tensors(opt) / GIB  # (before the peak's breakdown is turned into GiB in place)
-    moments_by_phase = {"forward": fwd, "backward": bwd, "optimizer": opt}
-    if w.eval_batch:  # between steps: ZeRO-3's partition and bucket, ZeRO-1/2 offload's staging (plan/evaluation.py)
-        between = m.grad_part + bucket if z.stage == 3 else m.staging
-        moments_by_phase["eval"] = max((Breakdown(m.weights, between, m.states, a, lg, m.fwd_temp)
-                                        for a, lg in eval_parts(shape, w, strategy, hw.world)), key=_tensors)
+    rank = zero_rank(shape, w, hw.world, z, m)
+    moments_by_phase = step_moments(shape, w, strategy, rank)
+    step_gib = _tensors(moments_by_phase["optimizer"]) / GIB
     phase = max(moments_by_phase, key=lambda k: _tensors(moments_by_phase[k]))
     b = in_gib(moments_by_phase[phase])
     add_runtime_overhead(b, hw, strategy)
@@ -222,10 +188,32 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, hw: Hardware, z: ZeroSett
         fits = False
         notes += f"; host RAM too small for the offloaded states: {host_gib * hw.gpus_per_node:.0f} GiB per node"
     # Between steps (what a memory probe sees after engine.step()): the model, the states, what ZeRO-3 holds.
-    steady = (m.weights + m.states + held) / GIB
+    steady = (m.weights + m.states + rank.timeline.forward) / GIB
     return Candidate(z.strategy, fits, b, host_gib, estimator="analytic", notes=notes, peak_phase=phase,
                      extra={"between_steps_gib": steady, "host_optimizer_gib": m.host_optimizer / GIB,
                             "optimizer_step_gib": step_gib})
+
+
+def zero_rank(shape: ModelShape, w: Workload, n: int, z: ZeroSettings, m: ZeroMemory) -> PerRank:
+    """What one of `n` ranks holds under `z` as `step_candidates` weighs it: the model, the optimizer states and
+    the engine's temporaries (`zero_memory`), and its gradient buffers at each moment of the step.
+
+    ZeRO-3 allocates its reduce bucket and 16-bit gradient partition once, at start-up; ZeRO-1/2 make the bucket
+    when backward begins and free it after the step, and keep the partition through accumulation. A full
+    fine-tune's head makes its whole 16-bit gradient while the loss's gradient is still alive (larger than the
+    reduce bucket, so DeepSpeed reduces it on its own; under ZeRO-1/2 offload the staging buffer takes it)."""
+    low = compute_bytes(w)
+    bucket = z.reduce_bucket_size * low * (2 if z.overlap_comm else 1) if z.contiguous_gradients else 0
+    held = m.grad_part + bucket if z.stage == 3 else (m.grad_part if w.grad_accum > 1 else 0.0) + m.staging
+    rest = m.grad_part + bucket + m.staging
+    grads_at_step, step_temp = step_bytes(shape, w, n, z, m, rest)
+    between = m.grad_part + bucket if z.stage == 3 else m.staging
+    head_grad = shape.vocab * shape.hidden * low if w.method == "full" and not (
+        z.offload_optimizer and z.stage < 3) else 0.0
+    timeline = GradientTimeline(forward=held, loss=held + (bucket if z.stage < 3 else 0.0), blocks=rest, end=rest,
+                                step=grads_at_step, between=between)
+    return PerRank(m.weights, grads_at_step, m.states, cpu=m.host, layers=shape.layers, foreach=step_temp,
+                   fwd_temp=m.fwd_temp, bwd_temp=m.bwd_temp, ranks=n, timeline=timeline, loss_grad_temp=head_grad)
 
 
 def zero_memory(shape: ModelShape, w: Workload, n: int, z: ZeroSettings) -> ZeroMemory:

@@ -38,16 +38,24 @@ def quantized_linear_params(shape: ModelShape, w: Workload) -> int:
 EXPERT_LINEARS = 3
 
 
+def experts_are_linears(shape: ModelShape, w: Workload) -> bool:
+    """Whether a QLoRA's routed experts are each their own linear layers, quantized and dequantized one by one:
+    transformers 4's mixtures (an MLP module per expert, `fused_experts` False), whatever the backend; under
+    bitsandbytes also Llama 4's experts, which transformers unfuses into an MLP per expert for it
+    (quantizers/base.py MODULES_TO_PATCH_FOR_QUANTIZATION, SequentialLlama4TextExperts), and Lightning's plugin
+    over litgpt's mixtures (`bnb_precision`: an nn.Linear per expert). Fused stacks, 16-bit (`experts_stay_16bit`)
+    or quantized whole (shardfit's torchao path, axolotl's `quantize_fused_experts`), are one weight each."""
+    if not shape.moe:
+        return False
+    if w.bnb and (w.bnb_precision or shape.every_expert):
+        return True
+    return not (w.fused_experts or shape.experts_always_fused)
+
+
 def experts_each_linear(shape: ModelShape, w: Workload) -> bool:
     """Whether bitsandbytes QLoRA quantizes every routed expert as its own Linear4bit layers, each dequantized by
-    its own kernels in every use: transformers 4's mixtures (an MLP module per expert, `fused_experts` False),
-    Llama 4's experts, which transformers unfuses into an MLP per expert for bitsandbytes (quantizers/base.py
-    MODULES_TO_PATCH_FOR_QUANTIZATION, SequentialLlama4TextExperts), and Lightning's plugin over litgpt's mixtures
-    (`bnb_precision`: an nn.Linear per expert). Fused stacks, 16-bit (`experts_stay_16bit`) or quantized whole
-    (shardfit's torchao path, axolotl's `quantize_fused_experts`), are one weight each."""
-    if not (shape.moe and w.bnb):
-        return False
-    return w.bnb_precision or shape.every_expert or not (w.fused_experts or shape.experts_always_fused)
+    its own kernels in every use (`experts_are_linears` under bitsandbytes)."""
+    return w.bnb and experts_are_linears(shape, w)
 
 
 def experts_hit(shape: ModelShape, w: Workload) -> int:

@@ -39,6 +39,7 @@ from shardfit.plan.activations import (
 )
 from shardfit.plan.adapters import lora_expert_params, lora_params, saved_params
 from shardfit.plan.cards import card_of
+from shardfit.plan.dequant import experts_are_linears
 from shardfit.plan.evaluation import eval_note, eval_parts
 from shardfit.plan.flops import expert_weight_grad_stacks
 from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
@@ -208,9 +209,12 @@ def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -
     in forward and again in backward, one at a time."""
     if w.method != "qlora":
         return 0.0
-    # A fused expert stack dequantizes whole (models/quantize_experts.py): the largest NF4 weight of a mixture.
-    linears = [(i, o) for i, o in shape.linear_shapes() if quant.quantizable(o, i)] if w.bnb_precision else \
-        [(c, r) for name, r, c in nf4_weights(shape, w) if quant.quantizable(r, c)]
+    # A fused expert stack dequantizes whole (models/quantize_experts.py): the largest NF4 weight of a mixture;
+    # experts that are linear layers of their own, one expert's weight at a time (gate and up apart).
+    each = experts_are_linears(shape, w)
+    stored = [(c, r // (shape.experts * (2 if name == "expert_gate_up" else 1))
+               if each and name.startswith("expert_") else r) for name, r, c in nf4_weights(shape, w)]
+    linears = [(i, o) for i, o in (shape.linear_shapes() if w.bnb_precision else stored) if quant.quantizable(o, i)]
     if not linears:
         return 0.0
     i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
@@ -373,6 +377,44 @@ class PerRank:
     # flat parameters; FSDP2's copy-in stream: its all-gather outputs), which that pool keeps reserved while
     # nothing is gathered (`stream_pool`); 0 where nothing is gathered.
     gathered: float = 0.0
+    # An engine whose gradients live in buffers of its own (DeepSpeed ZeRO: plan/deepspeed.py) says what it holds
+    # at each moment; without one, `gradient_timeline` follows the gradient tensors.
+    timeline: GradientTimeline | None = None
+    loss_grad_temp: float = 0.0  # what the engine allocates besides when the loss's gradient is made
+
+
+@dataclass(frozen=True)
+class GradientTimeline:
+    """The gradient bytes one rank holds at each moment of the step `step_candidates` weighs."""
+
+    forward: float  # from the loss to backward's start
+    loss: float  # at the loss's gradient
+    blocks: float  # while the blocks run backward
+    end: float  # at the input embedding's gradient, the end of backward
+    step: float  # while the optimizer steps
+    between: float  # between steps, where an evaluation runs
+
+
+def gradient_timeline(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> GradientTimeline:
+    """The gradients' timeline of a strategy whose gradients are plain tensors (or DDP's buckets): `r.timeline`
+    where the engine gave one, else what the tensors make it. Gradients accumulate over micro-batches and DDP's
+    buckets live for the whole run; a full fine-tune's untied input embedding makes its gradient last, at the end
+    of backward."""
+    if r.timeline is not None:
+        return r.timeline
+    g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
+    embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
+    # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
+    # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
+    # block by block, so it holds no more); the optimizer step sees the shards alone.
+    # (never below nothing: an offloaded run holds no gradient on the GPU to take it from)
+    g_end = max(0.0, r.grads - embedding_grad / r.grad_divisor) + r.held_grad_shards
+    unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
+    if unsharded_grads:
+        g_fwd = g_end = max(r.grads, unsharded_grads)
+    # between steps: gradients freed by zero_grad(set_to_none), an engine's own buffers kept
+    between = r.grads if r.persistent_grads else 0.0
+    return GradientTimeline(g_fwd, g_fwd, g_fwd, g_end, r.grads, between)
 
 
 def gathered_block_bytes(shape: ModelShape, w: Workload) -> float:
@@ -569,16 +611,7 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
     block's backward, the input embedding's gradient), one of each other phase, and an evaluation's worst."""
     tokens = w.tokens
     layers = r.layers
-    g_fwd = r.grads if w.grad_accum > 1 or r.persistent_grads else 0.0
-    embedding_grad = shape.vocab * shape.hidden * 4 if w.method == "full" and not shape.tied else 0.0
-    # Under FSDP1's no_sync() the micro-batches before the optimizer step's hold every unsharded gradient instead,
-    # through their forward and their backward (the last micro-batch's reduce-scatters replace them by shards
-    # block by block, so it holds no more); the optimizer step sees the shards alone.
-    # (never below nothing: an offloaded run holds no gradient on the GPU to take it from)
-    g_bwd_end = max(0.0, r.grads - embedding_grad / r.grad_divisor) + r.held_grad_shards
-    unsharded_grads = no_sync_grad_bytes(shape, w, strategy)
-    if unsharded_grads:
-        g_fwd = g_bwd_end = max(r.grads, unsharded_grads)
+    g = gradient_timeline(shape, w, strategy, r)
     residual_grads = tokens * shape.hidden * 4 * 2  # the gradient of the residual stream flowing back, fp32
     # (Under a sharded strategy its gathered weights and gradients at that moment are not modelled: its
     # `bwd_temp` is the block's end, FSDP's worst, and that moment stands alone.)
@@ -595,36 +628,37 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
     # reaches the towers, which it does last.
     vision = media_activation_bytes(shape, w, strategy)
     wr, opt, fwd_temp = r.weights, r.optimizer, r.fwd_temp
-    forward = Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
+    forward = Breakdown(wr, g.forward, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                         logits_bytes(shape, w, strategy), fwd_temp)
     if w.reference == "adapters_off":  # the reference's forward runs first, on the same weights, saving nothing
-        forward = max(forward, Breakdown(wr, g_fwd, opt, reference_activation_bytes(shape, w, strategy) + vision,
+        forward = max(forward, Breakdown(wr, g.forward, opt, reference_activation_bytes(shape, w, strategy) + vision,
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     moments = {
         # Without checkpointing, long packed rows peak inside the body: its mask and the last block's down
         # projection outweigh the loss's chunk.
-        "forward": [forward] + ([Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "body")
-                                           + vision, 0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else []),
+        "forward": [forward] + ([Breakdown(wr, g.forward, opt,
+                                           forward_activation_bytes(shape, w, layers, strategy, "body") + vision,
+                                           0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else []),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": [
-            Breakdown(wr, g_fwd, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
+            Breakdown(wr, g.loss, opt, forward_activation_bytes(shape, w, layers, strategy, "backward") + vision,
                       logits_bytes(shape, w, strategy, "backward") + held,
-                      fwd_temp + head_dequantize_bytes(shape, w)),
-            Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
+                      fwd_temp + head_dequantize_bytes(shape, w) + r.loss_grad_temp),
+            Breakdown(wr, g.blocks, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
                       bwd_temp + residual_grads),
             # The block alive at its down projection's backward: three MLP-wide gradients at once, with the
             # residual stream's gradient (one tensor, where `residual_grads` takes a block's end with two).
-            *([Breakdown(wr, g_fwd, opt, activation_bytes(shape, w, layers, strategy, at_down_backward=True) + vision,
-                         held, bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
+            *([Breakdown(wr, g.blocks, opt,
+                         activation_bytes(shape, w, layers, strategy, at_down_backward=True) + vision, held,
+                         bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
             # The input embedding's gradient comes last, after the first block has released its activations.
-            Breakdown(wr, g_bwd_end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
+            Breakdown(wr, g.end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp + residual_grads)],
-        "optimizer": [Breakdown(wr, r.grads, opt + r.foreach, 0.0, held, 0.0)],
+        "optimizer": [Breakdown(wr, g.step, opt + r.foreach, 0.0, held, 0.0)],
     }
-    if w.eval_batch:  # between steps: gradients freed by zero_grad(set_to_none), an engine's own buffers kept
-        g_eval = r.grads if r.persistent_grads else 0.0
-        moments["eval"] = [max((Breakdown(wr, g_eval, opt, a, lg, fwd_temp)
+    if w.eval_batch:  # between steps
+        moments["eval"] = [max((Breakdown(wr, g.between, opt, a, lg, fwd_temp)
                                 for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)]
     return moments
 
