@@ -13,6 +13,7 @@ from shardfit.plan.estimate import GIB, dequantize_bytes, step_candidates
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.quant import dequantize_peak_bytes
 from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.weight_bytes import bnb_dequantize_bytes
 from shardfit.plan.workload import Workload
 
 Z3 = ZeroSettings(stage=3)
@@ -81,10 +82,21 @@ def test_logits_a_loop_keeps_count_under_deepspeed_too() -> None:
 def test_experts_of_their_own_dequantize_one_at_a_time(fused: bool) -> None:
     """Mixtral's experts as transformers 4 builds them (an MLP module per expert, `fused_experts` off) are each a
     4-bit linear layer, dequantized alone; transformers 5's fused stack (shardfit's torchao QLoRA quantizes it
-    whole) is dequantized whole: the eight experts' gate and up projections at once. The gradient of the layer's
-    input is made beside it: the input of w2 (down, 14,336 features) apart, of the gate/up stack (4,096) fused."""
+    whole) into one 16-bit value, an expert's gate and up projections at a time (models/quantize_experts.py). The
+    gradient of the layer's input is made beside it: the input of w2 (down, 14,336 features) apart, of the gate/up
+    stack (4,096) fused."""
     shape = resolve_shape("mistralai/Mixtral-8x7B-v0.1")
     w = Workload(method="qlora", precision="bf16", seq_len=512, micro_batch=1, grad_ckpt="full", fused_experts=fused)
     expert = 14336 * 4096
-    weight = dequantize_peak_bytes(expert * (16 if fused else 1), 2)
+    weight = 16 * expert * 2 + dequantize_peak_bytes(2 * expert, 2) if fused else dequantize_peak_bytes(expert, 2)
     assert dequantize_bytes(shape, w) == weight + w.tokens * (4096 if fused else 14336) * 2
+
+
+def test_lightning_s_experts_dequantize_gate_and_up_apart() -> None:
+    """Under Lightning's BitsandbytesPrecision every nn.Linear of litgpt's Mixtral is NF4, and each expert is a
+    LLaMAMLP with fc_1 (gate) and fc_2 (up) apart: the largest weight one dequantization writes is one expert's
+    14,336 x 4,096 projection (down, whose input is the wider), not the 28,672-row gate/up pair."""
+    shape = resolve_shape("mistralai/Mixtral-8x7B-v0.1")
+    w = Workload(method="qlora", precision="bf16", seq_len=512, micro_batch=1, grad_ckpt="full", bnb_precision=True,
+                 untied_head=True)
+    assert dequantize_bytes(shape, w) == bnb_dequantize_bytes(14336 * 4096, w) + w.tokens * 14336 * 2

@@ -36,9 +36,12 @@ def test_per_expert_linears_are_each_dequantized() -> None:
     # Lightning's plugin over litgpt's mixture: every linear 4-bit, the router too, and each expert its own
     lit = dataclasses.replace(TF4, bnb_precision=True, fused_experts=True)
     assert dequantized_weights_per_layer(shape, lit) == pytest.approx(5 + 3 * 128)
-    # shardfit's torchao QLoRA quantizes the fused stacks whole: the measured layer's count stands
+    # shardfit's torchao QLoRA quantizes the fused stacks whole and dequantizes each a slice of experts at a time
+    # (models/quantize_experts.py): q, k, v, o, then gate/up in 8 slices of 16 experts and down in 4 of 32; a dense
+    # model's layer keeps the measured count
     own = dataclasses.replace(TF4, quant_backend="torchao", fused_experts=True, frozen_fp32=False)
-    assert dequantized_weights_per_layer(shape, own) == LAYER_WEIGHTS
+    assert dequantized_weights_per_layer(shape, own) == 4 + 8 + 4
+    assert dequantized_weights_per_layer(resolve_shape("meta-llama/Llama-3.1-8B"), own) == LAYER_WEIGHTS
 
 
 def test_llama4_s_unfused_experts_are_each_dequantized() -> None:

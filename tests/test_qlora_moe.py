@@ -29,6 +29,7 @@ from shardfit.models.quantize import (
     to_nf4,
 )
 from shardfit.models.quantize_experts import quantize_experts_under_lora
+from shardfit.plan import quant
 from shardfit.plan.config_shape import shape_from_config
 from shardfit.plan.weight_bytes import linear_weight_bytes
 from shardfit.plan.workload import Workload
@@ -104,10 +105,15 @@ def test_meta_build_and_check_of_nf4_experts() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
-def test_lora_on_nf4_experts_is_lora_on_their_values(family: str, impl: str) -> None:
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_lora_on_nf4_experts_is_lora_on_their_values(family: str, impl: str, sliced: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """With LoRA on the experts (peft's parameter LoRA over the dequantization), each experts implementation
     computes what the same adapter computes on the dequantized weights stored densely; gradients reach the
-    adapters only, and a second forward adds the adapter once, not twice."""
+    adapters only, and a second forward adds the adapter once, not twice. `sliced`: each stack dequantized one
+    expert at a time (a slice budget under one expert), as a large mixture's stacks are."""
+    if sliced:
+        monkeypatch.setattr(quant, "SLICE_ELEMENTS", 1)
     quantized = _model(family)
     quantized.config._experts_implementation = impl
     quantize_blocks(quantized, torch.float32)  # the stacks' values, then the storage as build_model makes it:
@@ -124,6 +130,9 @@ def test_lora_on_nf4_experts_is_lora_on_their_values(family: str, impl: str) -> 
         dense.get_submodule(n).weight = torch.nn.Parameter(m.weight.get_original_weight(), requires_grad=False)
     a, b = (apply_lora(m, LoraSettings(rank=4, alpha=8)) for m in (quantized, dense))
     assert quantize_experts_under_lora(a, torch.float32) == 4 and len(quantized_experts(a)) == 4
+    stacks = [(tuple(getattr(a.get_submodule(path), name).shape), w.scaler_block_size)
+              for path, name, w in quantized_experts(a)]
+    assert all((quant.experts_per_slice(shape, sbs) < shape[0]) == sliced for shape, sbs in stacks)
     torch.manual_seed(1)
     for (na, pa), (nb, pb) in zip(*(((n, p) for n, p in m.named_parameters() if p.requires_grad) for m in (a, b)),
                                   strict=True):

@@ -1,5 +1,5 @@
 """QLoRA of a mixture of experts: the routed experts' fused 3-D weights stored in NF4 and dequantized, one expert
-stack at a time, when their module runs.
+stack at a time and each a slice of experts at a time, when their module runs.
 
 transformers 5 keeps a block's routed experts as fused 3-D parameters of one `experts` module (`gate_up_proj`,
 `down_proj`; [experts, out, in] or transposed), which every experts implementation (eager, batched_mm, grouped_mm)
@@ -27,21 +27,33 @@ from torch.nn.utils import parametrize
 
 from shardfit.models.experts import MoeParts, moe_parts
 from shardfit.models.nf4 import is_nf4, to_nf4
-from shardfit.plan.quant import quantizable
+from shardfit.plan.quant import experts_per_slice, quantizable
 
 log = logging.getLogger(__name__)
 
 
 class DequantizeExperts(nn.Module):
     """The parametrization of an NF4 expert stack: its values in the dtype it dequantizes to, as [experts, rows,
-    cols]. `expert_shape` is also how models/experts.py recognises a fused expert weight under it."""
+    cols]. `expert_shape` is also how models/experts.py recognises a fused expert weight under it.
+
+    torchao's dequantization holds about seven times its result at once (int64 codes of both nibbles, their
+    code-book values, the scaled halves: plan/quant.py `dequantize_peak_bytes`), which for a whole stack of 128
+    experts is gigabytes; the stack is dequantized a slice of whole experts at a time into its result
+    (`experts_per_slice`), the same values (a slice keeps its blocks' scales and factors)."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         super().__init__()
         self.expert_shape = tuple(shape)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w.get_original_weight().view(self.expert_shape)
+        experts, rows, cols = self.expert_shape
+        per = experts_per_slice(self.expert_shape, w.scaler_block_size)
+        if per >= experts:
+            return w.get_original_weight().view(self.expert_shape)
+        out = torch.empty(self.expert_shape, dtype=w.dtype, device=w.device)
+        for i, part in enumerate(torch.split(w, per * rows)):
+            out[i * per:(i + 1) * per] = part.get_original_weight().view(per, rows, cols)
+        return out
 
     def extra_repr(self) -> str:
         return f"nf4 {list(self.expert_shape)}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from shardfit.plan.model_shape import Block
 from shardfit.plan.precision import experts_stay_16bit, stored_nf4
+from shardfit.plan.quant import experts_per_slice, scaler_block_size
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.workload import Workload
 
@@ -58,6 +59,21 @@ def experts_each_linear(shape: ModelShape, w: Workload) -> bool:
     return w.bnb and experts_are_linears(shape, w)
 
 
+def torchao_expert_stacks(shape: ModelShape, w: Workload) -> bool:
+    """Whether a QLoRA stores the routed experts as fused NF4 stacks that models/quantize_experts.py dequantizes a
+    slice of experts at a time (shardfit's torchao path over transformers 5's fused experts)."""
+    return w.method == "qlora" and shape.moe and not w.bnb and not experts_are_linears(shape, w) \
+        and not experts_stay_16bit(shape, w)
+
+
+def stack_slices(shape: ModelShape, rows: int, cols: int) -> int:
+    """Dequantizations of one NF4 expert stack stored as [rows, cols] (all experts' rows): one per slice
+    (plan/quant.py `experts_per_slice`). Each slice's copy into the stack's value is one kernel more, 1 in 16 of
+    the slice's own, left out."""
+    per = experts_per_slice((shape.experts, rows // shape.experts, cols), scaler_block_size(rows * cols))
+    return shape.experts // per
+
+
 def experts_hit(shape: ModelShape, w: Workload) -> int:
     """Routed experts of one block that get tokens in a micro-batch, at most: every (token, expert) pair a
     different expert, up to all of them (a few thousand tokens at top-8 reach every one of 128)."""
@@ -70,15 +86,20 @@ def dequantized_weights_per_layer(shape: ModelShape, w: Workload) -> float:
     block's own 4-bit linears (`stored_nf4`: attention's or DeltaNet's projections, a shared expert's MLP and gate,
     a dense block's MLP), each one weight (the routed experts and the router none). Where every expert is its own
     Linear4bit layers (`experts_each_linear`): those linears and EXPERT_LINEARS per expert that gets tokens
-    (`experts_hit`), each dequantized on its own."""
+    (`experts_hit`), each dequantized on its own. Where the experts are torchao NF4 stacks
+    (`torchao_expert_stacks`): those linears and each stack's slices (`stack_slices`)."""
     each = experts_each_linear(shape, w)
-    if not (each or experts_stay_16bit(shape, w)):
+    sliced = torchao_expert_stacks(shape, w)
+    if not (each or sliced or experts_stay_16bit(shape, w)):
         return float(LAYER_WEIGHTS)
     hit = experts_hit(shape, w) if each else 0
 
     def per_block(moe: Block) -> float:
         own = sum(stored_nf4(n, shape, w) for n, _, _ in shape.named_linears(moe) if not n.startswith("expert_"))
         routed = any(n.startswith("expert_") for n, _, _ in shape.named_linears(moe))
+        if routed and sliced:
+            return float(own + sum(stack_slices(shape, r, c) for n, r, c in shape.stored_weights(moe)
+                                   if n.startswith("expert_")))
         return float(own + (EXPERT_LINEARS * hit if routed else 0))
 
     return shape.over_blocks(per_block) / shape.layers

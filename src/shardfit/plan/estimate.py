@@ -203,36 +203,46 @@ def planned_workload(shape: ModelShape, w: Workload) -> Workload:
 
 
 def dequantize_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:
-    """QLoRA in backward: the most one layer's dequantization holds (plan/quant.py), for the largest NF4 weight of a
-    block, and the gradient of that layer's input its LoRA branch has already made (autograd runs the adapter's
+    """QLoRA in backward: the most one layer's dequantization holds (plan/quant.py), over the NF4 weights of a
+    block, with the gradient of that layer's input its LoRA branch has already made (autograd runs the adapter's
     backward first: it was recorded after the base matmul). Each linear layer dequantizes its weight for its matmul
     in forward and again in backward, one at a time."""
     if w.method != "qlora":
         return 0.0
-    # A fused expert stack dequantizes whole (models/quantize_experts.py): the largest NF4 weight of a mixture;
-    # experts that are linear layers of their own, one expert's weight at a time (gate and up apart).
     each = experts_are_linears(shape, w)
-    stored = [(c, r // (shape.experts * (2 if name == "expert_gate_up" else 1))
-               if each and name.startswith("expert_") else r) for name, r, c in nf4_weights(shape, w)]
-    linears = [(i, o) for i, o in (shape.linear_shapes() if w.bnb_precision else stored) if quant.quantizable(o, i)]
-    if not linears:
+    # (in, out, the expert stack's [experts, rows, cols] where the weight is one)
+    weights: list[tuple[int, int, tuple[int, int, int] | None]] = []
+    for name, r, c in nf4_weights(shape, w):
+        if not name.startswith("expert_"):
+            weights.append((c, r, None))
+        elif each:  # experts that are linear layers of their own: one expert's weight, gate and up apart (litgpt's
+            # LLaMAMLP under Lightning's plugin, whose every linear is NF4, has fc_1 and fc_2 as transformers 4 has
+            # gate and up)
+            weights.append((c, r // (shape.experts * (2 if name == "expert_gate_up" else 1)), None))
+        else:  # a fused stack, dequantized a slice at a time into its whole value (models/quantize_experts.py)
+            weights.append((c, r, (shape.experts, r // shape.experts, c)))
+    weights = [(i, o, stack) for i, o, stack in weights if quant.quantizable(o, i)]
+    if not weights:
         return 0.0
-    i, o = max(linears, key=lambda io: (io[0] * io[1], io[0]))
     tokens = w.tokens
     grad_input = compute_bytes(w)
-    if w.bnb_precision:
-        held = bnb_dequantize_bytes(i * o, w)
-    elif w.bnb:  # bitsandbytes' one kernel writes the weight, no index tensors
-        held = float(i * o * bnb_dequantized_bytes(w, strategy))
+    if w.bnb and not w.bnb_precision and (w.bnb_compute_fp32 or (w.frozen_fp32 and runs_autocast(w, strategy))):
         # The fp32 stream's input gradient; or an fp32 compute dtype's: Linear4bit casts its input to the compute
         # dtype, so the input's gradient is made in fp32 (autograd casts it to the input's dtype, under autocast
         # too) before `.to()`'s backward casts it back: an fp32 copy beside the 16-bit one (measured with
         # MemTracker on bitsandbytes 0.50.2's CPU backend: +2 bytes per token x input feature).
-        if w.bnb_compute_fp32 or (w.frozen_fp32 and runs_autocast(w, strategy)):
-            grad_input = 4
-    else:
-        held = quant.dequantize_peak_bytes(i * o, compute_bytes(w))
-    return float(held + tokens * i * grad_input)
+        grad_input = 4
+
+    def held(i: int, o: int, stack: tuple[int, int, int] | None) -> float:
+        if w.bnb_precision:
+            return bnb_dequantize_bytes(i * o, w)
+        if w.bnb:  # bitsandbytes' one kernel writes the weight, no index tensors
+            return float(i * o * bnb_dequantized_bytes(w, strategy))
+        if stack is not None:
+            return float(quant.stack_dequantize_peak_bytes(stack, compute_bytes(w)))
+        return float(quant.dequantize_peak_bytes(i * o, compute_bytes(w)))
+
+    return max(held(i, o, stack) + tokens * i * grad_input for i, o, stack in weights)
 
 
 def expert_weight_grad_bytes(shape: ModelShape, w: Workload, strategy: str = "single") -> float:

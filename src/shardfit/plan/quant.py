@@ -75,6 +75,35 @@ def dequantize_peak_bytes(numel: int, dtype_bytes: int) -> int:
     return indices + values + scaled + max(result, half * dtype_bytes)
 
 
+# The most elements of an NF4 expert stack dequantized at once (models/quantize_experts.py): its transients, about
+# seven times the slice's values (`dequantize_peak_bytes`), stay under a gigabyte in 16 bits, in a handful of slices
+# for the stacks of today's mixtures (Qwen3-30B-A3B's gate/up: 8 slices of 16 experts).
+SLICE_ELEMENTS = 1 << 26
+
+
+def experts_per_slice(shape: tuple[int, ...], scaler_block: int) -> int:
+    """Experts of a stack of `shape` ([experts, rows, cols]) dequantized together: the most, up to SLICE_ELEMENTS
+    elements (the fewest where one expert is larger), in slices that split its codes, block scales and factors
+    evenly (torchao splits an NF4 weight only into equal row chunks of whole factor groups: BLOCK x `scaler_block`
+    elements); all of them where no smaller slice does."""
+    experts, rows, cols = shape
+    group = BLOCK * scaler_block
+    even = [per for per in range(1, experts + 1) if experts % per == 0 and (per * rows * cols) % group == 0]
+    under = [per for per in even if per * rows * cols <= SLICE_ELEMENTS]
+    return max(under) if under else min(even, default=experts)
+
+
+def stack_dequantize_peak_bytes(shape: tuple[int, ...], dtype_bytes: int) -> int:
+    """The most dequantizing a whole NF4 expert stack holds at once: its result, and the last slice's transients
+    beside it (`experts_per_slice`; a stack in one slice holds `dequantize_peak_bytes`)."""
+    experts, rows, cols = shape
+    numel = experts * rows * cols
+    per = experts_per_slice(shape, scaler_block_size(numel))
+    if per >= experts:
+        return dequantize_peak_bytes(numel, dtype_bytes)
+    return numel * dtype_bytes + dequantize_peak_bytes(per * rows * cols, dtype_bytes)
+
+
 def shard_problem(rows: int, cols: int, world: int) -> str | None:
     """Why an NF4 weight of rows x cols cannot be split into `world` equal row shards (FSDP2's dim-0 sharding, which
     torchao's NF4 supports only along whole factor groups), or None when it can."""
