@@ -83,9 +83,9 @@ def test_simulate_matches_real_zero3_step_on_two_ranks(tmp_path: Path, tiny_llam
 
 
 def _analytic_and_simulated(arch: str, strategy: str, w: object) -> tuple:
-    """The estimate and the fake-tensor step of `w` on a tiny 4-block model (zero3: 2 ranks)."""
+    """The estimate and the fake-tensor step of `w` on a tiny 4-block model (zero2, zero3: 2 ranks)."""
     shape = ModelShape(f"tiny-{arch}", 4, 256, 704, 8, 2, 4096, False, None)
-    hw = parse_gpus("2x80GB" if strategy == "zero3" else "1x80GB")
+    hw = parse_gpus("2x80GB" if strategy in ("zero2", "zero3") else "1x80GB")
     return estimate(shape, w, hw, strategy), simulate(shape, w, hw, strategy, None)
 
 
@@ -101,7 +101,7 @@ def _assert_columns_agree(ca: object, cs: object, total_rel: float) -> None:
 
 @pytest.mark.parametrize("attention", ["sdpa", "flash", "eager"])
 @pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["single", "zero3"])
+@pytest.mark.parametrize("strategy", ["single", "zero2", "zero3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, attention: str) -> None:
     """Both report the breakdown at the step's peak moment (here the loss, at the end of the forward pass): the
@@ -114,7 +114,8 @@ def test_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, at
 
 @pytest.mark.parametrize(("arch", "strategy", "method", "attention"), [
     ("llama", "single", "lora", "sdpa"), ("qwen2", "single", "full", "sdpa"), ("llama", "single", "full", "flash"),
-    ("qwen2", "single", "lora", "flash"), ("llama", "zero3", "lora", "sdpa"), ("qwen2", "zero3", "lora", "flash")])
+    ("qwen2", "single", "lora", "flash"), ("llama", "zero3", "lora", "sdpa"), ("qwen2", "zero3", "lora", "flash"),
+    ("llama", "zero2", "lora", "sdpa"), ("qwen2", "zero2", "full", "flash")])
 def test_checkpointed_analytic_agrees_with_simulate(arch: str, strategy: str, method: str, attention: str) -> None:
     """Checkpointed blocks, peak at the loss: the blocks' inputs, SDPA's mask kept for the recomputation, autocast's
     16-bit copies of fp32 adapters, the loss. Every column within 5%, on one process and under FSDP."""

@@ -391,6 +391,7 @@ class PerRank:
     # at each moment; without one, `gradient_timeline` follows the gradient tensors.
     timeline: GradientTimeline | None = None
     loss_grad_temp: float = 0.0  # what the engine allocates besides when the loss's gradient is made
+    freed_by_end: float = 0.0  # what `bwd_temp` holds that backward has freed by its end (zero2's gathered blocks)
 
 
 @dataclass(frozen=True)
@@ -476,8 +477,18 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         div_w = div_g = div_o = 1
         r.persistent_grads = s.engine == "ddp" and n > 1
     elif s.sharded and not s.shards_params:  # zero2
-        div_w, div_g, div_o = 1, n, n
-        r.bwd_temp = fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1 flattens them as under zero3
+        # FSDP2 (reshard_after_forward=False; FSDP1's SHARD_GRAD_OP alike) stores the weights sharded as zero3
+        # does, but keeps every unit's gathered copy, in the compute dtype, from its forward until its backward:
+        # from the loss into backward a rank holds its shards and the whole model gathered (measured with
+        # FSDPMemTracker, plan --simulate); the optimizer step sees the shards alone.
+        div_w, div_g, div_o = n, n, n
+        # (one rank gathers nothing: its shard is the whole model; it runs as single anyway, `not_applicable`)
+        gathered_model = root_16 + shape.layers * layer_16 if n > 1 else 0.0
+        # at the loss, the last block's all-gather buffer too, as under zero3; backward gathers nothing
+        r.fwd_temp = gathered_model + (layer_16 if n > 1 else 0.0)
+        r.bwd_temp = gathered_model + fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1: flat as zero3
+        r.freed_by_end = shape.layers * layer_16  # each block resharded after its backward
+        r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
         r.foreach = sharded_step_bytes(shape, w, t_all, n, flat=w.runs_fsdp1)
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
@@ -664,7 +675,7 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
                          bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g.end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
-                      bwd_temp + residual_grads)],
+                      bwd_temp - r.freed_by_end + residual_grads)],
         "optimizer": [Breakdown(wr, g.step, opt + r.foreach, 0.0, held, 0.0)],
     }
     if w.eval_batch:  # between steps
@@ -823,6 +834,8 @@ def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1, at_ev
         lowers = LOWERS[part]
         if s.shards_params or (s.sharded and part != "weights"):  # sharded already: more ranks share it
             lowers = lowers.replace("sharding (zero2/zero3)", "more GPUs").replace("sharding (zero3)", "more GPUs")
+        if s.sharded and not s.shards_params and part == "temporaries":  # zero2's gathered model (`per_rank`)
+            lowers = "zero3, which gathers one block at a time where zero2 keeps the whole model gathered"
         return f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB; largest part: {part} {gib:.1f} GiB (lowered by {lowers})"
     if s.engine == "plain" and hw.world > 1:
         return f"uses one {unit} only"

@@ -278,13 +278,18 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
         b.logits = 0.0
         # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
         b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params and not step_copy else 0.0
+    if s.sharded and not s.shards_params and not step_copy:
+        # zero2's gathered model (a temporary from forward into backward) holds the embedding and the head of the
+        # estimate's whole model: those another stage holds are gathered there
+        elsewhere = sum(params for params, _, _, copied in parts if params == matrix and not copied)
+        b.temporaries -= elsewhere * compute_bytes(w) / GIB
     for params, trained, embedding, copied in parts:
         wt, g, o = _part_gib(params, trained, w, embedding, copied)
         # the multi-tensor step's copies (optimizer_states.py `foreach_temp_bytes`), in the trained weights' dtype
         stepped = saved_copy_bytes(w) if copied else trainable_bytes(w)
         copies = OPTIMIZER_KINDS[w.optimizer].group_copies
         copy = copies * params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
-        b.weights -= wt / (dp if s.shards_params else 1)
+        b.weights -= wt / (dp if s.sharded else 1)  # FSDP2 stores zero2's weights sharded too
         b.grads -= g / (dp if s.shards_grads else 1)
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)
     if step_copy and not (first or last):
