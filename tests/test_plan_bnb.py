@@ -11,7 +11,8 @@ from shardfit.cli.main import main
 from shardfit.foreign.common import bitsandbytes_optimizer, optimizer_keys
 from shardfit.foreign.read import JobOptions, read_job
 from shardfit.plan.adapters import lora_params
-from shardfit.plan.estimate import dequantize_bytes, state_bytes
+from shardfit.plan.backward_temps import dequantize_bytes
+from shardfit.plan.estimate import state_bytes
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.workload import Workload
 

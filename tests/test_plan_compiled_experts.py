@@ -10,7 +10,8 @@ import dataclasses
 
 import pytest
 
-from shardfit.plan.estimate import estimate, expert_weight_grad_bytes
+from shardfit.plan.backward_temps import expert_weight_grad_bytes
+from shardfit.plan.estimate import estimate
 from shardfit.plan.flops import (
     expert_weight_grad_stacks,
     fp32_expert_flops,

@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
+from shardfit.plan.backward_temps import dequantize_bytes
 from shardfit.plan.deepspeed import ZeroSettings, estimate_deepspeed, zero_memory, zero_rank
-from shardfit.plan.estimate import GIB, dequantize_bytes, step_candidates
+from shardfit.plan.estimate import GIB, step_candidates
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.quant import dequantize_peak_bytes
 from shardfit.plan.shapes import resolve_shape

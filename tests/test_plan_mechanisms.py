@@ -10,11 +10,11 @@ import pytest
 
 from shardfit.plan import quant
 from shardfit.plan.activations import block_activation_bytes_per_token, logits_bytes
+from shardfit.plan.backward_temps import head_dequantize_bytes
 from shardfit.plan.comms import param_bytes_16, param_bytes_stored
 from shardfit.plan.estimate import (
     GIB,
     estimate,
-    head_dequantize_bytes,
     no_sync_grad_bytes,
     planned_shape,
     state_bytes,
