@@ -258,13 +258,15 @@ def test_fsdp1_full_fine_tune_backward_holds_a_blocks_gradient_twice(wrapping: d
 def test_fsdp1_shard_grad_op_flattens_a_blocks_gradient_too() -> None:
     """Under SHARD_GRAD_OP (zero2) FSDP1 still runs a unit through split's views of its flat parameter, so its
     backward holds a full fine-tune's block gradient twice as under FULL_SHARD; FSDP2's zero2 once. Both hold the
-    whole model gathered beside it (`per_rank`'s zero2: every unit's copy kept from its forward to its backward)."""
+    whole model gathered beside it (`per_rank`'s zero2: every unit's copy kept from its forward to its backward), and
+    the root unit's (head and final norm's) unsharded gradient."""
     shape, w, hw, _ = _case("full")
     s = strategies.get("zero2")
-    grads = shape.layer_params() * compute_bytes(w)
-    gathered = shape.params() * compute_bytes(w)
-    assert per_rank(shape, w, hw, s).bwd_temp == pytest.approx(gathered + grads)
-    assert per_rank(shape, dataclasses.replace(w, fsdp1=True), hw, s).bwd_temp == pytest.approx(gathered + 2 * grads)
+    low = compute_bytes(w)
+    grads = shape.layer_params() * low
+    held = shape.params() * low + (shape.vocab + 1) * shape.hidden * low
+    assert per_rank(shape, w, hw, s).bwd_temp == pytest.approx(held + grads)
+    assert per_rank(shape, dataclasses.replace(w, fsdp1=True), hw, s).bwd_temp == pytest.approx(held + 2 * grads)
 
 
 def _root_and_block(shape, w: Workload) -> tuple[float, float]:

@@ -386,32 +386,13 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
         div_w = div_g = div_o = 1
         r.persistent_grads = s.engine == "ddp" and n > 1
     elif s.sharded and not s.shards_params:  # zero2
-        # FSDP2 (reshard_after_forward=False; FSDP1's SHARD_GRAD_OP alike) stores the weights sharded as zero3
-        # does, but keeps every unit's gathered copy, in the compute dtype, from its forward until its backward:
-        # from the loss into backward a rank holds its shards and the whole model gathered (measured with
-        # FSDPMemTracker, plan --simulate); the optimizer step sees the shards alone.
         div_w, div_g, div_o = n, n, n
-        # (one rank gathers nothing: its shard is the whole model; it runs as single anyway, `not_applicable`)
-        gathered_model = root_16 + shape.layers * layer_16 if n > 1 else 0.0
-        # at the loss, the last block's all-gather buffer too, as under zero3; backward gathers nothing
-        r.fwd_temp = gathered_model + (layer_16 if n > 1 else 0.0)
-        r.bwd_temp = gathered_model + fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1: flat as zero3
-        r.freed_by_end = shape.layers * layer_16  # each block resharded after its backward
-        r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
-        r.foreach = sharded_step_bytes(shape, w, t_all, n, flat=w.runs_fsdp1)
+        _zero2_buffers(shape, w, n, r, root_16=root_16, own_embedding_16=own_embedding_16, layer_16=layer_16,
+                       layer_grads=layer_grads)
     elif s.sharded:  # zero3, zero3_offload
         div_w = div_g = div_o = n
-        # FSDP2 keeps the root unit (head, final norm) unsharded for the whole step, and the last block's
-        # all-gather buffer is still allocated at the loss (measured with FSDPMemTracker, plan --simulate). An
-        # untied input embedding is a unit of its own (parallel/parallelize.py), freed right after it runs.
-        r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
-        r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
-        if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
-            r.bwd_temp = r.gathered + fsdp1_backward_grad_bytes(shape, w, layer_grads)
-        else:
-            # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
-            # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
-            r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        _zero3_buffers(shape, w, r, root_16=root_16, own_embedding_16=own_embedding_16, layer_16=layer_16,
+                       layer_grads=layer_grads, embedding_in_root=embedding_in_root)
         r.foreach = sharded_step_bytes(shape, w, t_all, n, flat=w.runs_fsdp1)
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
@@ -435,6 +416,49 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if not s.sharded:  # plain tensors: one multi-tensor temporary over what this GPU trains
         r.foreach = step_temp_bytes(shape, w, r.grads / trainable_bytes(w))
     return r
+
+
+def _zero2_buffers(shape: ModelShape, w: Workload, n: int, r: PerRank, *, root_16: float, own_embedding_16: float,
+                   layer_16: float, layer_grads: float) -> None:
+    """zero2's buffers on `r` (bytes, in place). FSDP2 (reshard_after_forward=False; FSDP1's SHARD_GRAD_OP alike)
+    stores the weights sharded as zero3 does, but keeps every unit's gathered copy, in the compute dtype, from its
+    forward until its backward: from the loss into backward a rank holds its shards and the whole model gathered
+    (measured with FSDPMemTracker, plan --simulate); each block's copy is freed after its backward, and the
+    optimizer step sees the shards alone. One rank gathers nothing: its shard is the whole model (and it runs as
+    single anyway, `not_applicable`)."""
+    low = compute_bytes(w)
+    if n > 1:
+        # The units beside the blocks and the root stay gathered too: vision and audio towers, shared blocks,
+        # per-layer embeddings, learned positions.
+        outside = (shape.extra_params + shape.shared_params + shape.per_layer_model_params()
+                   + shape.positions * shape.hidden) * low
+        gathered_model = root_16 + shape.layers * layer_16 + outside
+        # at the loss, the last block's all-gather buffer too, as under zero3; backward gathers nothing
+        r.fwd_temp = gathered_model + layer_16
+        # A full fine-tune's root unit (head, final norm) makes its unsharded 16-bit gradient first and holds it
+        # through backward, as under zero3 (measured with plan --simulate).
+        head_grad = root_16 - own_embedding_16 if w.method == "full" else 0.0
+        r.bwd_temp = gathered_model + head_grad
+        r.freed_by_end = shape.layers * layer_16
+    r.bwd_temp += fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1 flattens them as under zero3
+    r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
+    r.foreach = sharded_step_bytes(shape, w, trainable_params(shape, w), n, flat=w.runs_fsdp1)
+
+
+def _zero3_buffers(shape: ModelShape, w: Workload, r: PerRank, *, root_16: float, own_embedding_16: float,
+                   layer_16: float, layer_grads: float, embedding_in_root: float) -> None:
+    """zero3's buffers on `r` (bytes, in place). FSDP2 keeps the root unit (head, final norm) unsharded for the whole
+    step, and the last block's all-gather buffer is still allocated at the loss (measured with FSDPMemTracker,
+    plan --simulate). An untied input embedding is a unit of its own (parallel/parallelize.py), freed right after
+    it runs."""
+    r.fwd_temp = root_16 - own_embedding_16 + layer_16 + embedding_in_root
+    r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
+    if w.runs_fsdp1:  # the root's flat parameter once, the current block's and the prefetched one's
+        r.bwd_temp = r.gathered + fsdp1_backward_grad_bytes(shape, w, layer_grads)
+    else:
+        # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
+        # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
+        r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
 
 
 def expert_block_bytes(shape: ModelShape, w: Workload) -> float:

@@ -279,9 +279,9 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
         # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
         b.temporaries -= matrix * compute_bytes(w) / GIB if s.shards_params and not step_copy else 0.0
     if s.sharded and not s.shards_params and not step_copy:
-        # zero2's gathered model (a temporary from forward into backward) holds the embedding and the head of the
-        # estimate's whole model: those another stage holds are gathered there
-        elsewhere = sum(params for params, _, _, copied in parts if params == matrix and not copied)
+        # zero2's gathered model (a temporary from forward into backward) holds the towers, the embedding and the
+        # head of the estimate's whole model: those another stage holds are gathered there
+        elsewhere = sum(params for params, _, _, copied in parts if not copied)
         b.temporaries -= elsewhere * compute_bytes(w) / GIB
     for params, trained, embedding, copied in parts:
         wt, g, o = _part_gib(params, trained, w, embedding, copied)
