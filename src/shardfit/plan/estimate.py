@@ -385,15 +385,15 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if s.engine in ("plain", "ddp"):
         div_w = div_g = div_o = 1
         r.persistent_grads = s.engine == "ddp" and n > 1
-    elif s.sharded and not s.shards_params:  # zero2
-        div_w, div_g, div_o = n, n, n
-        _zero2_buffers(shape, w, n, r, root_16=root_16, own_embedding_16=own_embedding_16, layer_16=layer_16,
-                       layer_grads=layer_grads)
-    elif s.sharded:  # zero3, zero3_offload
+    elif s.sharded:  # zero2, zero3, zero3_offload: FSDP stores all three sharded
         div_w = div_g = div_o = n
-        _zero3_buffers(shape, w, r, root_16=root_16, own_embedding_16=own_embedding_16, layer_16=layer_16,
-                       layer_grads=layer_grads, embedding_in_root=embedding_in_root)
         r.foreach = sharded_step_bytes(shape, w, t_all, n, flat=w.runs_fsdp1)
+        if s.shards_params:
+            _zero3_buffers(shape, w, r, root_16=root_16, own_embedding_16=own_embedding_16, layer_16=layer_16,
+                           layer_grads=layer_grads, embedding_in_root=embedding_in_root)
+        else:
+            _zero2_buffers(shape, w, n, r, root_16=root_16, own_embedding_16=own_embedding_16, layer_16=layer_16,
+                           layer_grads=layer_grads)
         if s.offload:
             r.cpu = weights / n + grads / n + optim / n
             held = fsdp1_offload_grad_shard_bytes(shape, w, grads / n)
@@ -442,7 +442,6 @@ def _zero2_buffers(shape: ModelShape, w: Workload, n: int, r: PerRank, *, root_1
         r.freed_by_end = shape.layers * layer_16
     r.bwd_temp += fsdp1_backward_grad_bytes(shape, w, layer_grads)  # FSDP1 flattens them as under zero3
     r.gathered = gathered_pool_bytes(w, root_16, own_embedding_16, layer_16)
-    r.foreach = sharded_step_bytes(shape, w, trainable_params(shape, w), n, flat=w.runs_fsdp1)
 
 
 def _zero3_buffers(shape: ModelShape, w: Workload, r: PerRank, *, root_16: float, own_embedding_16: float,
