@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from shardfit.parallel.env import DistEnv
 from shardfit.parallel.parallelize import micro_batch_sync, parallelize
 from shardfit.strategy import get as strategy_of
 from shardfit.train.evaluate import evaluate
-from tests.helpers import join_gloo
+from tests.helpers import gloo_group
 
 
 class CollectiveLoss(nn.Module):
@@ -39,17 +40,17 @@ def eval_rows(n: int) -> list[PackedRow]:
             for i in range(n)]
 
 
-def _join(rank: int, world: int, port: int) -> DistEnv:
-    join_gloo(rank, world, port, timeout_s=20)
-    return DistEnv(rank, world, 0, torch.device("cpu"), "gloo")
+@contextlib.contextmanager
+def _rank(rank: int, world: int, port: int) -> Iterator[DistEnv]:
+    with gloo_group(rank, world, port, timeout_s=20):
+        yield DistEnv(rank, world, 0, torch.device("cpu"), "gloo")
 
 
 def uneven_work_rank(rank: int, world: int, port: int, n_rows: int, micro_batch: int, out: str) -> None:
     """Two checks on one group. Agreement: the last rank has fewer training rows than the others (as with different
     data files per node) and every rank must refuse. Evaluation: `n_rows` rows on this rank's share, with a
     collective per forward; write the loss (identical on every rank) and the refusal."""
-    env = _join(rank, world, port)
-    try:
+    with _rank(rank, world, port) as env:
         try:
             require_same(env, {"train_rows": 60 if rank == world - 1 else 64, "steps": 8}, "the training work",
                          "Put the same data on every node.")
@@ -58,9 +59,6 @@ def uneven_work_rank(rank: int, world: int, port: int, n_rows: int, micro_batch:
             said = str(e)
         loss = evaluate(CollectiveLoss(), eval_rows(n_rows), micro_batch, 0, env, contextlib.nullcontext())
         Path(out, f"rank-{rank}.json").write_text(json.dumps({"loss": loss, "refused": said}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 class TinyLM(nn.Module):
@@ -98,8 +96,7 @@ class TinyLoss(nn.Module):
 def grad_sync_rank(rank: int, world: int, port: int, strategy: str, out: str) -> None:
     """One micro-batch that is not the optimizer step's, under `strategy` in bf16, on data that differs by rank;
     write each trainable parameter's local gradient after its backward (None where the rank holds none)."""
-    env = _join(rank, world, port)
-    try:
+    with _rank(rank, world, port) as env:
         torch.manual_seed(0)
         module = parallelize(TinyLoss(), strategy_of(strategy), device=env.device, world=world, precision="bf16")
         with micro_batch_sync(module, False):
@@ -111,6 +108,3 @@ def grad_sync_rank(rank: int, world: int, port: int, strategy: str, out: str) ->
                 g = g.to_local()
             grads[name] = None if g is None else g.float().flatten().tolist()
         Path(out, f"rank-{rank}.json").write_text(json.dumps(grads))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

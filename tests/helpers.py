@@ -90,14 +90,25 @@ def join_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None
 
 @contextlib.contextmanager
 def gloo_group(rank: int, world: int, port: int, timeout_s: float = 60.0) -> Iterator[None]:
-    """`join_gloo` for the length of the block, the group destroyed after it (also when the block raises)."""
+    """`join_gloo` for the length of the block, the group destroyed after it (also when the block raises). A block
+    that ends normally ends the process too, with exit code 0: what a rank reports it has written inside the block.
+
+    Why exit there: gloo's worker threads can still hold tensors when the interpreter finalizes, and freeing them
+    then aborts the process (SIGABRT, "terminate called without an active exception") after its work is done and
+    written, once in a few hundred runs on a loaded machine (pytorch/pytorch#179291 describes the race)."""
+    import torch.distributed as dist
+
     join_gloo(rank, world, port, timeout_s)
     try:
         yield
-    finally:
-        import torch.distributed as dist
-
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist.barrier()  # rank 0 hosts the store: no rank leaves while another may still need it
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_config(path: Path, **keys) -> Path:

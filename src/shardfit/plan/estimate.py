@@ -150,7 +150,16 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
         return lora_params(shape, w) + tower + saved_params(shape, w)
     if w.method == "freeze":
         return len(w.trained_blocks(shape.layers)) * shape.layer_params() + shape.hidden  # and the final norm
-    return shape.params() - frozen_audio_params(shape, w)
+    return shape.params() - frozen_audio_params(shape, w) - frozen_vision_params(shape, w)
+
+
+def frozen_vision_params(shape: ModelShape, w: Workload) -> int:
+    """The Qwen-style vision tower a full or freeze fine-tune leaves frozen under freeze_vision_tower, its merger
+    with it (models/adapters.py `_vision_trainable`): no gradient, no optimizer state. What the towers' count holds
+    beyond the audio tower, which `frozen_audio_params` answers for."""
+    if shape.vision is None or w.vision_trainable:
+        return 0
+    return shape.extra_params - (shape.audio.params() if shape.audio is not None else 0)
 
 
 def trainable_weight_bytes(shape: ModelShape, w: Workload) -> float:
