@@ -590,6 +590,7 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
     # reaches the towers, which it does last.
     vision = media_activation_bytes(shape, w, strategy)
     wr, opt, fwd_temp = r.weights, r.optimizer, r.fwd_temp
+    tied_pending, tied_sum = tied_gradient_sum(shape, w, strategy, r)
     forward = Breakdown(wr, g.forward, opt, forward_activation_bytes(shape, w, layers, strategy) + vision,
                         logits_bytes(shape, w, strategy), fwd_temp)
     if w.reference == "adapters_off":  # the reference's forward runs first, on the same weights, saving nothing
@@ -616,13 +617,30 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
                          bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g.end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
-                      bwd_temp - r.freed_by_end + residual_grads)],
+                      bwd_temp - r.freed_by_end + residual_grads),
+            # A tied head's gradient meets the embedding's once every block has run backward: the blocks' saved
+            # and temporary tensors are gone, the residual stream's gradient (one tensor) feeds the embedding.
+            *([Breakdown(wr, g.end - tied_pending, opt, vision, held, residual_grads / 2 + tied_sum)]
+              if tied_sum else [])],
         "optimizer": [Breakdown(wr, g.step, opt + r.foreach, 0.0, held, 0.0)],
     }
     if w.eval_batch:  # between steps
         moments["eval"] = [max((Breakdown(wr, g.between, opt, a, lg, fwd_temp)
                                 for a, lg in eval_parts(shape, w, strategy, r.ranks)), key=_tensors)]
     return moments
+
+
+def tied_gradient_sum(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -> tuple[float, float]:
+    """A full fine-tune of a model whose head shares the input embedding, at the embedding's gradient: (what the
+    shared weight's .grad does not hold yet, the temporaries). Autograd keeps the head's gradient in the weight's
+    input buffer from the loss on and, when the embedding's arrives at the end of backward, adds the two out of
+    place: three vocab x hidden gradients at once, the .grad made only after (unless an earlier micro-batch or
+    DDP's bucket holds it). On one process and under DDP; a sharded strategy's end of backward is its own
+    (`bwd_temp`), and a DeepSpeed engine's gradients follow its timeline."""
+    if w.method != "full" or not shape.tied or strategies.get(strategy).sharded or r.timeline is not None:
+        return 0.0, 0.0
+    one = shape.vocab * shape.hidden * trainable_bytes(w)
+    return (0.0 if w.grad_accum > 1 or r.persistent_grads else one), 3.0 * one
 
 
 def grads_on_own_stream(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strategy) -> bool:
