@@ -611,10 +611,11 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
             Breakdown(wr, g.blocks, opt, activation_bytes(shape, w, layers, strategy) + vision, held,
                       bwd_temp + residual_grads),
             # The block alive at its down projection's backward: three MLP-wide gradients at once, with the
-            # residual stream's gradient (one tensor, where `residual_grads` takes a block's end with two).
+            # residual stream's gradient (one tensor, where `residual_grads` takes a block's end with two). QLoRA's
+            # dequantized weight is gone by then: the base layer's matmul, its last reader, made its gradient.
             *([Breakdown(wr, g.blocks, opt,
                          activation_bytes(shape, w, layers, strategy, at_down_backward=True) + vision, held,
-                         bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
+                         r.bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g.end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp - r.freed_by_end + residual_grads),
