@@ -310,6 +310,7 @@ class PerRank:
     timeline: GradientTimeline | None = None
     loss_grad_temp: float = 0.0  # what the engine allocates besides when the loss's gradient is made
     freed_by_end: float = 0.0  # what `bwd_temp` holds that backward has freed by its end (zero2's gathered blocks)
+    start_temp: float = 0.0  # what the engine gathers at forward's start, before any activation exists (zero3)
 
 
 @dataclass(frozen=True)
@@ -467,6 +468,20 @@ def _zero3_buffers(shape: ModelShape, w: Workload, r: PerRank, *, root_16: float
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
         # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
         r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        # Backward resharded every unit: forward's start gathers them again, the root first (kept to the end of
+        # backward), then an untied embedding's unit, then the first block. FSDP2 frees an all-gather buffer only
+        # at the next unit's copy-out (`all_gather_state`), so each copy-out holds the unit's buffer and copy
+        # beside the previous unit's buffer (measured with plan --simulate).
+        root_own = root_16 - own_embedding_16
+        embedding_out = 2 * root_own + 2 * own_embedding_16 if own_embedding_16 else 0.0
+        first_block_out = root_own + (own_embedding_16 or root_own) + 2 * layer_16
+        r.start_temp = max(embedding_out, first_block_out)
+        if w.method != "full" and not w.lora_saved:
+            # A frozen root (LoRA, QLoRA, freeze) makes no gradient: it stays gathered once through the step,
+            # and the frozen input embedding, whose output needs no gradient, is not gathered again. A block's
+            # backward holds its copy, its all-gather buffer (freed at the next copy-out) and the prefetched
+            # block's buffer.
+            r.bwd_temp = root_16 - own_embedding_16 + 3 * layer_16 + layer_grads
 
 
 def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
@@ -598,10 +613,11 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     moments = {
         # Without checkpointing, long packed rows peak inside the body: its mask and the last block's down
-        # projection outweigh the loss's chunk.
+        # projection outweigh the loss's chunk. A sharded engine's gathering at forward's start stands alone.
         "forward": [forward] + ([Breakdown(wr, g.forward, opt,
                                            forward_activation_bytes(shape, w, layers, strategy, "body") + vision,
-                                           0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else []),
+                                           0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else [])
+                   + ([Breakdown(wr, g.forward, opt, vision, 0.0, r.start_temp)] if r.start_temp else []),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": [
