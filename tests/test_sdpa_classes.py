@@ -114,6 +114,18 @@ def test_the_planner_plans_them_eager(model: str) -> None:
     assert eager.activations > 2 * sdpa.activations
 
 
+def test_plan_simulates_them_eager(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`plan --simulate` measures the attention the rank runs: eager for a class without SDPA, as the analytic
+    rows plan it (it used to build the model with sdpa and stop on the refusal a config naming sdpa gets)."""
+    Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=16).save_pretrained(tmp_path)
+    code, printed, err = run_here(capsys, "plan", "--model", str(tmp_path), "--gpus", "1x24GB", "--method", "lora",
+                                  "--seq", "64", "--batch", "1", "--strategy", "single", "--simulate", "--json")
+    assert code == 0, err[-2000:]
+    out = json.loads(printed)
+    assert out["workload"]["attention"] == "eager" and out["candidates"][0]["estimator"] == "simulated"
+
+
 @pytest.mark.parametrize("model", ["openai/gpt-oss-20b", "google/gemma-2-9b"])
 def test_a_config_naming_sdpa_exits_2_with_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                    model: str) -> None:

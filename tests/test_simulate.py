@@ -315,3 +315,15 @@ def test_qloras_down_projection_holds_no_dequantized_weight() -> None:
     a, s = ca.per_gpu_gib, cs.per_gpu_gib
     assert ca.peak_phase == cs.peak_phase == "backward"
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.025)
+
+
+def test_pure_16bit_simulates_16_bit_weights_and_states() -> None:
+    """`--pure-16bit` (every weight, gradient and AdamW state in bf16): the fake-tensor step builds the model in
+    bf16, so its weights, gradients and optimizer states are the estimate's, not fp32 masters'."""
+    w = Workload(method="full", precision="bf16", pure_16bit=True, seq_len=256, micro_batch=2, grad_ckpt="full",
+                 lora_rank=8, attention="sdpa", fused_adamw=True)
+    ca, cs = _analytic_and_simulated("llama", "single", w)
+    a, s = ca.per_gpu_gib, cs.per_gpu_gib
+    for part in ("weights", "optimizer"):
+        assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.01), part
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)

@@ -37,7 +37,7 @@ from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
 from shardfit.models.quantize import nf4_to_empty
 from shardfit.parallel.parallelize import parallelize
-from shardfit.plan.estimate import Candidate, estimate, with_loss_chunk
+from shardfit.plan.estimate import Candidate, estimate, planned_workload, with_loss_chunk
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.plan import Plan, with_candidates
 from shardfit.plan.shapes import ModelShape, hf_config
@@ -125,6 +125,8 @@ def tools_recipe(model: torch.nn.Module, w: Workload, autocast: bool) -> None:
     fp32 (peft's k-bit training), or every frozen weight (a model loaded in fp32, `loaded_fp32`)."""
     if autocast and w.trains_adapters and not w.adapter_input_casts:
         skip_adapter_input_casts(model)
+    if w.pure_16bit:  # every weight, its gradient and its AdamW states in the compute dtype (no fp32 masters)
+        model.to(torch.float16 if w.precision == "fp16" else torch.bfloat16)
     if w.adapters_16bit and w.trains_adapters:
         low = torch.float16 if w.precision == "fp16" else torch.bfloat16  # 16-bit in an fp32 run too
         for p in model.parameters():
@@ -372,7 +374,9 @@ def _tracker(model: torch.nn.Module, module: torch.nn.Module, optimizer: torch.o
 def simulate_plan(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, source: str | None) -> Plan:
     """Replace the analytic candidates that can be simulated with measured ones; re-derive the recommendation.
     A strategy the hardware cannot run (a multi-rank one on one device) keeps its analytic row: measuring it would
-    only repeat `single`'s step."""
+    only repeat `single`'s step. The workload as the rank runs it, as the analytic rows had it (`sdpa` is eager for
+    a class without SDPA)."""
+    w = planned_workload(shape, w)
     cands = []
     for c in plan.candidates:
         if get_strategy(c.strategy).simulable and c.applies:
