@@ -14,8 +14,9 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
-from shardfit.plan.estimate import compute_bytes, fsdp1_backward_weight_bytes, gathered_block_bytes, per_rank
+from shardfit.plan.estimate import compute_bytes, gathered_block_bytes, per_rank
 from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
+from shardfit.plan.fsdp_buffers import fsdp1_backward_weight_bytes
 from shardfit.plan.hardware import parse_gpus
 from shardfit.plan.shapes import resolve_shape
 from shardfit.plan.weight_bytes import fsdp1_bnb_quant_state_bytes
