@@ -95,7 +95,7 @@ def gloo_group(rank: int, world: int, port: int, timeout_s: float = 60.0) -> Ite
 
     Why exit there: gloo's worker threads can still hold tensors when the interpreter finalizes, and freeing them
     then aborts the process (SIGABRT, "terminate called without an active exception") after its work is done and
-    written, once in a few hundred runs on a loaded machine (pytorch/pytorch#179291 describes the race)."""
+    written, now and then on a loaded machine (CI met it twice; pytorch/pytorch#179291 describes the race)."""
     import torch.distributed as dist
 
     join_gloo(rank, world, port, timeout_s)

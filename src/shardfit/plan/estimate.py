@@ -427,10 +427,6 @@ def per_rank(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     return r
 
 
-
-
-
-
 def expert_block_bytes(shape: ModelShape, w: Workload) -> float:
     """One mixture-of-experts block's routed experts as stored (`state_bytes` counts them so): a full fine-tune's
     fp32 masters (or pure 16-bit weights), else as `stored_linear_bytes` stores them (QLoRA's NF4 stacks, or the
@@ -464,10 +460,6 @@ def offload_staging_bytes(shape: ModelShape, w: Workload, n: int) -> tuple[float
         per_unit = (block_weight_bytes(shape, w) - fsdp1_bnb_quant_state_bytes(shape, w)) / n
     grads = (layer if w.method == "full" else trainable_params(shape, w) / shape.layers) * 4.0 / n
     return 2 * per_unit, grads
-
-
-
-
 
 
 def fsdp1_offload_grad_shard_bytes(shape: ModelShape, w: Workload, shards: float) -> float:

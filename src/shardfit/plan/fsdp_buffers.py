@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def zero2_buffers(shape: ModelShape, w: Workload, n: int, r: PerRank, *, root_16: float, own_embedding_16: float,
-                   layer_16: float, layer_grads: float) -> None:
+                  layer_16: float, layer_grads: float) -> None:
     """zero2's buffers on `r` (bytes, in place). FSDP2 (reshard_after_forward=False; FSDP1's SHARD_GRAD_OP alike)
     stores the weights sharded as zero3 does, but keeps every unit's gathered copy, in the compute dtype, from its
     forward until its backward: from the loss into backward a rank holds its shards and the whole model gathered
@@ -43,7 +43,7 @@ def zero2_buffers(shape: ModelShape, w: Workload, n: int, r: PerRank, *, root_16
 
 
 def zero3_buffers(shape: ModelShape, w: Workload, r: PerRank, *, root_16: float, own_embedding_16: float,
-                   layer_16: float, layer_grads: float, embedding_in_root: float) -> None:
+                  layer_16: float, layer_grads: float, embedding_in_root: float) -> None:
     """zero3's buffers on `r` (bytes, in place). FSDP2 keeps the root unit (head, final norm) unsharded for the whole
     step, and the last block's all-gather buffer is still allocated at the loss (measured with FSDPMemTracker,
     plan --simulate). An untied input embedding is a unit of its own (parallel/parallelize.py), freed right after

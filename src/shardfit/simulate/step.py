@@ -125,10 +125,10 @@ def tools_recipe(model: torch.nn.Module, w: Workload, autocast: bool) -> None:
     fp32 (peft's k-bit training), or every frozen weight (a model loaded in fp32, `loaded_fp32`)."""
     if autocast and w.trains_adapters and not w.adapter_input_casts:
         skip_adapter_input_casts(model)
+    low = torch.float16 if w.precision == "fp16" else torch.bfloat16
     if w.pure_16bit:  # every weight, its gradient and its AdamW states in the compute dtype (no fp32 masters)
-        model.to(torch.float16 if w.precision == "fp16" else torch.bfloat16)
-    if w.adapters_16bit and w.trains_adapters:
-        low = torch.float16 if w.precision == "fp16" else torch.bfloat16  # 16-bit in an fp32 run too
+        model.to(low)
+    if w.adapters_16bit and w.trains_adapters:  # 16-bit in an fp32 run too
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(low)
