@@ -201,7 +201,8 @@ def test_what_would_fit_offers_the_8bit_optimizer_the_plan_offers(tmp_path: Path
 PLAN_FLAGS = ("--batch", "--grad-accum", "--grad-ckpt", "--seq ", "--method", "--optimizer", "--bnb-optimizer",
               "--nodes")
 FROM_JOBS = [("llamafactory", "lf/llama3_8b_full_ds2.yaml", "1x80GB"),
-             ("axolotl", "axolotl/llama31_8b_qlora.yml", "1x20GB"), ("swift", "swift/qwen25_7b_lora_ddp.sh", "2x6GB"),
+             ("axolotl", "axolotl/llama31_8b_qlora.yml", "1x20GB"),
+             ("swift", "swift/qwen25_72b_lora_device_map.sh", "2x12GB"),
              ("llamafactory", "lf_v1/full_deepspeed.yaml", "1x24GB")]
 
 

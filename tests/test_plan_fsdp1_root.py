@@ -14,7 +14,7 @@ import pytest
 
 from shardfit import strategy as strategies
 from shardfit.plan.dispatch import ENGINE_HOST_S, by_checkpointing, engine_host_s
-from shardfit.plan.estimate import compute_bytes, per_rank
+from shardfit.plan.estimate import compute_bytes, gathered_block_bytes, per_rank
 from shardfit.plan.fsdp1_grads import fsdp1_backward_grad_bytes, mixes_frozen_and_adapters
 from shardfit.plan.fsdp_buffers import fsdp1_backward_weight_bytes
 from shardfit.plan.hardware import parse_gpus
@@ -189,15 +189,18 @@ def test_flat_params_runs_hold_the_embedding_in_the_root_in_forward(method: str)
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_fsdp1_backward_counts_the_root_once_and_two_blocks(method: str) -> None:
     """FSDP1's backward (`fsdp1` or `flat_params`) holds the root's flat parameter once and two blocks gathered,
-    beside one block's unsharded gradients: the head and final norm not a second time, as FSDP2's count has them
-    (and bitsandbytes' quant states, whole on every rank, in neither block). LoRA under `fsdp1_mixed_units`
-    (use_orig_params=True) holds its whole block's flat gradient twice instead (test_plan_fsdp1_orig_params.py)."""
+    beside one block's unsharded gradients: the head and final norm not a second time, as FSDP2's count of a full
+    fine-tune has them (and bitsandbytes' quant states, whole on every rank, in neither block). LoRA under
+    `fsdp1_mixed_units` (use_orig_params=True) holds its whole block's flat gradient twice instead
+    (test_plan_fsdp1_orig_params.py)."""
     keys = {"quant_backend": "bnb"} if method == "qlora" else {}
     shape, w, hw, s = _case(method, **keys)
     low = compute_bytes(w)
     root = (shape.embed_params() + shape.hidden) * low
     head = root - shape.vocab * shape.hidden * low
     fsdp2 = per_rank(shape, w, hw, s).bwd_temp
+    if method != "full":  # FSDP2's frozen root is gathered once (its head), beside three blocks
+        fsdp2 += root - (gathered_block_bytes(shape, w) - fsdp1_bnb_quant_state_bytes(shape, w))
     for fsdp1 in ({"fsdp1": True}, {"flat_params": True}):
         w1 = dataclasses.replace(w, **fsdp1)
         states = 2 * fsdp1_bnb_quant_state_bytes(shape, w1)  # bitsandbytes' quant states are never gathered

@@ -310,6 +310,7 @@ class PerRank:
     timeline: GradientTimeline | None = None
     loss_grad_temp: float = 0.0  # what the engine allocates besides when the loss's gradient is made
     freed_by_end: float = 0.0  # what `bwd_temp` holds that backward has freed by its end (zero2's gathered blocks)
+    start_temp: float = 0.0  # what the engine gathers at forward's start, before any activation exists (zero3)
 
 
 @dataclass(frozen=True)
@@ -521,10 +522,11 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
                                          reference_logits_bytes(shape, w), fwd_temp), key=_tensors)
     moments = {
         # Without checkpointing, long packed rows peak inside the body: its mask and the last block's down
-        # projection outweigh the loss's chunk.
+        # projection outweigh the loss's chunk. A sharded engine's gathering at forward's start stands alone.
         "forward": [forward] + ([Breakdown(wr, g.forward, opt,
                                            forward_activation_bytes(shape, w, layers, strategy, "body") + vision,
-                                           0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else []),
+                                           0.0, fwd_temp)] if w.grad_ckpt == "none" and layers else [])
+                   + ([Breakdown(wr, g.forward, opt, vision, 0.0, r.start_temp)] if r.start_temp else []),
         # Backward: the loss's gradient (a full loss only; the blocks are not recomputed yet), the last block's
         # backward (every activation saved, the recomputed block's included) and its end (every gradient made).
         "backward": [

@@ -1,5 +1,5 @@
 """The gathered weights and unsharded gradients a sharded strategy (FSDP2's zero2 and zero3, FSDP1 where a tool
-runs it) holds on one rank beside its shards, at the loss and in backward: what `per_rank` adds to a
+runs it) holds on one rank beside its shards, at forward's start, the loss and backward: what `per_rank` adds to a
 rank's model states (plan/estimate.py)."""
 
 from __future__ import annotations
@@ -56,6 +56,20 @@ def zero3_buffers(shape: ModelShape, w: Workload, r: PerRank, *, root_16: float,
         # In backward a block's all-gather buffer coexists with its unsharded copy and its unsharded
         # gradients; an untied embedding once (FSDP2 gathers its unit again for its gradient).
         r.bwd_temp = 2 * (root_16 + layer_16) + layer_grads - own_embedding_16
+        # Backward resharded every unit: forward's start gathers them again, the root first (kept to the end of
+        # backward), then an untied embedding's unit, then the first block. FSDP2 frees an all-gather buffer only
+        # at the next unit's copy-out (`all_gather_state`), so each copy-out holds the unit's buffer and copy
+        # beside the previous unit's buffer (measured with plan --simulate).
+        root_own = root_16 - own_embedding_16
+        embedding_out = 2 * root_own + 2 * own_embedding_16 if own_embedding_16 else 0.0
+        first_block_out = root_own + (own_embedding_16 or root_own) + 2 * layer_16
+        r.start_temp = max(embedding_out, first_block_out)
+        if w.method != "full" and not w.lora_saved:
+            # A frozen root (LoRA, QLoRA, freeze) makes no gradient: it stays gathered once through the step,
+            # and the frozen input embedding, whose output needs no gradient, is not gathered again. A block's
+            # backward holds its copy, its all-gather buffer (freed at the next copy-out) and the prefetched
+            # block's buffer.
+            r.bwd_temp = root_16 - own_embedding_16 + 3 * layer_16 + layer_grads
 
 
 def gathered_pool_bytes(w: Workload, root: float, embedding: float, layer: float) -> float:
