@@ -303,18 +303,20 @@ def test_down_projection_backward_agrees_with_simulate(extra: dict) -> None:
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.015)
 
 
-def test_qloras_down_projection_holds_no_dequantized_weight() -> None:
+@pytest.mark.parametrize(("seq", "batch", "casts"), [(4096, 1, False), (2048, 2, True)])
+def test_qloras_down_projection_holds_no_dequantized_weight(seq: int, batch: int, casts: bool) -> None:
     """QLoRA at its down projection's backward: the three MLP-wide gradients come after the base layer's matmul
-    has made its gradient and freed the dequantized weight, so that moment holds no dequantization (the block's
-    linear layers dequantize at moments of their own). Planned and simulated tensors within 2.5 % (6 % over with
-    the dequantization counted there too; what is left is the dequantization's transients at the block's own
-    moment)."""
-    w = Workload(method="qlora", precision="bf16", seq_len=4096, micro_batch=1, lora_rank=8, attention="sdpa",
-                 grad_ckpt="full", adapter_input_casts=False)
+    has made its gradient and freed the dequantized weight, so that moment holds no dequantization; the base
+    layer's dequantization comes just before, once the adapter has made its gradients and the recomputation's
+    transients and down's input are gone, so it is not counted over every activation of the block. Planned and
+    simulated tensors within 1.5 % (+1.9 % and +7.9 % with the dequantization over the whole block's
+    activations), with peft's input casts or without."""
+    w = Workload(method="qlora", precision="bf16", seq_len=seq, micro_batch=batch, lora_rank=8, attention="sdpa",
+                 grad_ckpt="full", adapter_input_casts=casts)
     ca, cs = _analytic_and_simulated("llama", "single", w)
     a, s = ca.per_gpu_gib, cs.per_gpu_gib
     assert ca.peak_phase == cs.peak_phase == "backward"
-    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.025)
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.015)
 
 
 def test_pure_16bit_simulates_16_bit_weights_and_states() -> None:

@@ -502,12 +502,17 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
     # (Under a sharded strategy its gathered weights and gradients at that moment are not modelled: its
     # `bwd_temp` is the block's end, FSDP's worst, and that moment stands alone.)
     down_bwd = 0.0 if strategies.get(strategy).sharded else down_backward_bytes_per_token(shape, w, strategy)
-    # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it), with
-    # every activation of its block still saved. The same dequantization in forward never peaks: at that moment
-    # backward's gradients and the loss's buffers do not exist yet.
+    # QLoRA: a linear layer's backward dequantizes its weight again (the gradient of its input needs it). The
+    # same dequantization in forward never peaks: at that moment backward's gradients and the loss's buffers do
+    # not exist yet. In a dense block the down projection's backward comes first: by then the recomputation's
+    # transients and down's input are gone (the adapter, recorded after the base matmul, made its gradients
+    # first), so its moment has the block's activations as they stand at down's backward; the other linears
+    # come later, with less saved (measured with plan --simulate). Elsewhere the block's every activation stays.
     # An expert stack's weight gradient comes at another moment of the block's backward than its linears'
     # dequantization: the larger of the two.
-    bwd_temp = r.bwd_temp + max(dequantize_bytes(shape, w, strategy), expert_weight_grad_bytes(shape, w, strategy))
+    dequant = dequantize_bytes(shape, w, strategy)
+    dense = bool(dequant and layers and down_backward_bytes_per_token(shape, w, strategy))
+    bwd_temp = r.bwd_temp + max(0.0 if dense else dequant, expert_weight_grad_bytes(shape, w, strategy))
     # The fp32 logits a loop keeps through backward and the optimizer step (`keeps_logits`, full losses only).
     held = tokens * shape.vocab * 4.0 if w.keeps_logits and w.loss in FULL_LOSSES else 0.0
     # The images' pixels and the clips' features (and trainable towers' saved activations) stay until backward
@@ -541,6 +546,10 @@ def step_candidates(shape: ModelShape, w: Workload, strategy: str, r: PerRank) -
             *([Breakdown(wr, g.blocks, opt,
                          activation_bytes(shape, w, layers, strategy, at_down_backward=True) + vision, held,
                          r.bwd_temp + tokens * down_bwd)] if down_bwd and layers else []),
+            # QLoRA's dequantized down weight, with the gradient of down's input its adapter made.
+            *([Breakdown(wr, g.blocks, opt,
+                         activation_bytes(shape, w, layers, strategy, at_down_backward=True) + vision, held,
+                         r.bwd_temp + dequant + residual_grads)] if dense else []),
             # The input embedding's gradient comes last, after the first block has released its activations.
             Breakdown(wr, g.end, opt, activation_bytes(shape, w, 1, strategy) + vision, held,
                       bwd_temp - r.freed_by_end + residual_grads),
