@@ -44,6 +44,7 @@ from shardfit.plan.fsdp1_grads import block_flat_grad_bytes, mixes_frozen_and_ad
 from shardfit.plan.fsdp_buffers import zero2_buffers, zero3_buffers
 from shardfit.plan.hardware import Hardware
 from shardfit.plan.in_flight import down_backward_bytes_per_token
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
 from shardfit.plan.optimizer_states import (
     model_state_bytes,
     optimizer_state_bytes,
@@ -635,7 +636,7 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     if shard_problem:
         fits, notes = False, f"QLoRA's 4-bit weights cannot be sharded over {n} GPUs: {shard_problem} (check: " \
                              "qlora_shard_layout)"
-    return fits, notes or _note(s, b, hw, w.expert_parallel, at_eval)
+    return fits, notes or _note(s, b, hw, w, at_eval)
 
 
 def not_applicable(s: strategies.Strategy, hw: Hardware) -> str | None:
@@ -699,11 +700,31 @@ def peak_reading(b: Breakdown, gpu_gib: float, reading: str = "reserved") -> flo
 
 
 # What lowers each part of the peak, for the note of a strategy that does not fit.
-LOWERS = {"weights": "sharding (zero3), LoRA or QLoRA", "grads": "sharding (zero2/zero3) or LoRA",
-          "optimizer": "sharding (zero2/zero3), LoRA or 8-bit AdamW",
-          "activations": "gradient checkpointing, a smaller micro-batch or shorter sequences",
-          "logits": "a smaller micro-batch or shorter sequences (the chunked loss)",
-          "temporaries": "a smaller micro-batch"}
+LOWERS = {"weights": ("sharding (zero3)", "LoRA", "QLoRA"), "grads": ("sharding (zero2/zero3)", "LoRA"),
+          "optimizer": ("sharding (zero2/zero3)", "LoRA", "8-bit AdamW"),
+          "activations": ("gradient checkpointing", "a smaller micro-batch", "shorter sequences"),
+          "logits": ("a smaller micro-batch", "shorter sequences (the chunked loss)"),
+          "temporaries": ("a smaller micro-batch",)}
+
+
+def lowers(part: str, w: Workload) -> str | None:
+    """What lowers `part` of the peak, less what the run already does: a LoRA run is not told to use LoRA, a
+    QLoRA run QLoRA, an 8-bit optimizer's 8-bit AdamW, a checkpointed run checkpointing, nor a micro-batch of
+    one a smaller one. None where nothing is left."""
+    done = {"LoRA"} if w.method != "full" else set()
+    if w.method == "qlora":
+        done.add("QLoRA")
+    if w.grad_ckpt == "full":
+        done.add("gradient checkpointing")
+    if w.micro_batch == 1:
+        done.add("a smaller micro-batch")
+    kind = OPTIMIZER_KINDS.get(w.optimizer)
+    if kind is None or kind.eight_bit is None:
+        done.add("8-bit AdamW")  # 8-bit already, or an optimizer without an 8-bit form
+    left = [x for x in LOWERS[part] if x not in done]
+    if not left:
+        return None
+    return left[0] if len(left) == 1 else f"{', '.join(left[:-1])} or {left[-1]}"
 
 
 def largest_part(b: Breakdown) -> tuple[str, float]:
@@ -711,7 +732,7 @@ def largest_part(b: Breakdown) -> tuple[str, float]:
     return max(((k, getattr(b, k)) for k in LOWERS), key=lambda kv: kv[1])
 
 
-def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1, at_eval: bool = False) -> str:
+def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, w: Workload, at_eval: bool = False) -> str:
     """Why a strategy does not fit and what lowers its largest part, or how much room it leaves. At an eval peak
     (`at_eval`) the evaluation's own note says what lowers it; the training's remedies would not."""
     cap = hw.gpu_mem_gib
@@ -719,18 +740,19 @@ def _note(s: strategies.Strategy, b: Breakdown, hw: Hardware, ep: int = 1, at_ev
     if b.total > cap:
         part, gib = largest_part(b)
         replica = f"full replica per {unit}: " if s.engine in ("plain", "ddp") else ""
-        if s.engine == "ddp" and ep > 1:  # expert_parallel: every weight but the routed experts' (1/ep of those)
+        if s.engine == "ddp" and (ep := w.expert_parallel) > 1:  # every weight but the routed experts' (1/ep)
             replica = f"replica with 1/{ep} of the experts per {unit}: "
         if part == "weights" and gib > cap:
             return f"{replica}weights alone need {gib:.0f} GiB of {cap:.0f} GiB"
         if at_eval and part not in ("weights", "grads", "optimizer"):
             return f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB at evaluation; largest part: {part} {gib:.1f} GiB"
-        lowers = LOWERS[part]
-        if s.shards_params or (s.sharded and part != "weights"):  # sharded already: more ranks share it
-            lowers = lowers.replace("sharding (zero2/zero3)", "more GPUs").replace("sharding (zero3)", "more GPUs")
+        fix = lowers(part, w)
+        if fix and (s.shards_params or (s.sharded and part != "weights")):  # sharded already: more ranks share it
+            fix = fix.replace("sharding (zero2/zero3)", "more GPUs").replace("sharding (zero3)", "more GPUs")
         if s.sharded and not s.shards_params and part == "temporaries":  # zero2's gathered model (`per_rank`)
-            lowers = "zero3, which gathers one block at a time where zero2 keeps the whole model gathered"
-        return f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB; largest part: {part} {gib:.1f} GiB (lowered by {lowers})"
+            fix = "zero3, which gathers one block at a time where zero2 keeps the whole model gathered"
+        said = f"{replica}{b.total:.1f} GiB of {cap:.0f} GiB; largest part: {part} {gib:.1f} GiB"
+        return f"{said} (lowered by {fix})" if fix else said
     if s.engine == "plain" and hw.world > 1:
         return f"uses one {unit} only"
     if s.offload:
