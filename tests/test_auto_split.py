@@ -262,23 +262,23 @@ def test_a_recorded_job_that_cannot_run_here_is_not_kept(eight_24gb: None, tmp_p
 def test_micro_batch_two_splits_only_where_faster_than_one_process_at_micro_batch_one(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """micro_batch 2 (grad_accum 4) of the long rows on 8 x 24 GB: no strategy fits a whole row of that batch, and
-    at micro-batch 1 only model_parallel's one process does (601 tokens/s). The split over 2 ranks (zero3_offload,
-    4,550) is weighed against that one process, with a reason that says so; `plan` recommends the same job on one
+    at micro-batch 1 only model_parallel's one process does (601 tokens/s). The split over 4 ranks (4,425) is
+    weighed against that one process, with a reason that says so; `plan` recommends the same job on one
     `recommended:` line. Where the split would not be faster, the smaller micro-batch stays the fix: exit 3."""
     from shardfit.resolve import decide
 
     job, _ = resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
-    assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("zero3_offload", 2, 8)
-    assert job.why[0].startswith("sequence_parallel auto -> 2: one 36,864-token row fits a GPU only under "
+    assert (job.strategy, job.sequence_parallel, job.nproc_per_node) == ("zero3", 4, 8)
+    assert job.why[0].startswith("sequence_parallel auto -> 4: one 36,864-token row fits a GPU only under "
                                  "model_parallel in one process at micro-batch 1 (601 tokens/s; micro_batch 2 ")
     cfg = _config_file(tmp_path, micro_batch=2, grad_accum=4)
     assert main(["plan", cfg, "--gpus", "8x24GB"]) == 0
     said = [x for x in capsys.readouterr().out.splitlines() if "recommended: " in x]
-    assert len(said) == 1 and said[0].startswith("recommended: zero3_offload with each row split over 2 GPUs")
+    assert len(said) == 1 and said[0].startswith("recommended: zero3 with each row split over 4 GPUs")
     assert said[0].endswith("with whole rows only model_parallel with micro-batch 1 with grad_accum 8 fits, "
                             "601 tokens/s")
     d = _plan(capsys, cfg, "--gpus", "8x24GB")
-    assert d["recommended"] == d["resolved"]["strategy"] == "zero3_offload" and d["resolved"]["sequence_parallel"] == 2
+    assert d["recommended"] == d["resolved"]["strategy"] == "zero3" and d["resolved"]["sequence_parallel"] == 4
     monkeypatch.setattr(decide, "TIE", 10.0)  # the split no faster than one process, within the time model
     with pytest.raises(DoesNotFitError) as e:
         resolve_job(_long_rows(micro_batch=2, grad_accum=4), RTX, GPU)
@@ -299,9 +299,9 @@ def test_a_switch_from_a_named_strategy_to_auto_is_not_undone(eight_24gb: None, 
 
 
 def test_a_kept_job_that_does_not_fit_is_refused_before_loading(host: dict[str, Hardware], tmp_path: Path) -> None:
-    """A run recorded on 2 x 24 GB as zero3 with rows split over both ranks (micro_batch 1 x grad_accum 8: 20.9
-    GiB, a global batch of 8), resumed at micro_batch 4 x grad_accum 2 (the same 8 examples a step): resolved anew
-    nothing fits, and the recorded job keeps the batch but is predicted at 50.5 of 24 GiB. The resume is refused
+    """A run recorded on 2 x 24 GB as zero3 with rows split over both ranks (micro_batch 1 x grad_accum 8: 21.4
+    GiB, a global batch of 8), resumed at micro_batch 2 x grad_accum 4 (the same 8 examples a step): resolved anew
+    nothing fits, and the recorded job keeps the batch but is predicted at 31.9 of 24 GiB. The resume is refused
     before anything loads (exit 3), naming the micro_batch and grad_accum that keep both; with them it resumes."""
     from shardfit.cli.train_cmd import decide_launch
 
@@ -311,21 +311,21 @@ def test_a_kept_job_that_does_not_fit_is_refused_before_loading(host: dict[str, 
     assert (old.strategy, old.sequence_parallel, old.dims.dp) == ("zero3", 2, 1)
     _record(tmp_path, cfg, old)
     with pytest.raises(DoesNotFitError) as e:
-        decide_launch(_args(), _run(tmp_path, micro_batch=4, grad_accum=2))
+        decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4))
     said = str(e.value)
-    assert e.value.exit_code == 3 and "predicted not to fit: 50.5 of 24 GiB per GPU" in said
-    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 20.9 GiB per GPU, 1,137 tokens" in said
+    assert e.value.exit_code == 3 and "predicted not to fit: 31.9 of 24 GiB per GPU" in said
+    assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 21.4 GiB per GPU, 1,137 tokens" in said
     assert "(resolved anew: no strategy fits this hardware). To keep" in said
     job, _ = decide_launch(_args(), _run(tmp_path, micro_batch=1, grad_accum=8))
     assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 2)
-    forced, _ = decide_launch(_args(), _run(tmp_path, micro_batch=4, grad_accum=2, force=True))
+    forced, _ = decide_launch(_args(), _run(tmp_path, micro_batch=2, grad_accum=4, force=True))
     assert forced is not None and forced.sequence_parallel == 2  # force: true starts it anyway, as for any job
 
 
 def test_a_refused_resume_offers_checkpointing_where_it_fits(host: dict[str, Hardware], tmp_path: Path) -> None:
     """The run recorded on 2 x 24 GB (zero3, rows split over both ranks, micro_batch 1 x grad_accum 8, every block
     checkpointed) resumed with grad_ckpt: none: no smaller micro_batch exists, but grad_ckpt: full keeps the batch
-    and the trained result and fits (20.9 GiB), so the refusal (exit 3) names it instead of only starting over;
+    and the trained result and fits (21.4 GiB), so the refusal (exit 3) names it instead of only starting over;
     with it the run resumes."""
     from shardfit.cli.train_cmd import decide_launch
 
@@ -338,7 +338,7 @@ def test_a_refused_resume_offers_checkpointing_where_it_fits(host: dict[str, Har
     said = str(e.value).split("\n")[0]
     assert e.value.exit_code == 3 and "No smaller micro_batch" not in said, said
     assert ("To keep the run, resume it with --set grad_ckpt=full (every block's activations recomputed in the "
-            "backward: the same micro_batch 1 x grad_accum 8 and trained result, 20.9 GiB per GPU") in said, said
+            "backward: the same micro_batch 1 x grad_accum 8 and trained result, 21.4 GiB per GPU") in said, said
     assert "start over there (or set force: true to start it anyway)." in said, said  # as every fit refusal ends
     job, _ = decide_launch(_args(), _run(tmp_path, grad_ckpt="full"))
     assert job is not None and job.kept_as_recorded is False and job.sequence_parallel == 2
@@ -346,8 +346,8 @@ def test_a_refused_resume_offers_checkpointing_where_it_fits(host: dict[str, Har
 
 def test_a_refused_resume_offers_checkpointing_with_a_smaller_micro_batch(host: dict[str, Hardware],
                                                                          tmp_path: Path) -> None:
-    """The same recorded run resumed at micro_batch 2 x grad_accum 4 with grad_ckpt: none (315 GiB a GPU):
-    neither micro_batch 1 alone nor grad_ckpt: full alone fits, both together do (20.9 GiB): the refusal (exit 3)
+    """The same recorded run resumed at micro_batch 2 x grad_accum 4 with grad_ckpt: none (316 GiB a GPU):
+    neither micro_batch 1 alone nor grad_ckpt: full alone fits, both together do (21.4 GiB): the refusal (exit 3)
     names that combined change, which then resumes, where it offered only to start over."""
     from shardfit.cli.train_cmd import decide_launch
 
@@ -360,7 +360,7 @@ def test_a_refused_resume_offers_checkpointing_with_a_smaller_micro_batch(host: 
     said = str(e.value).split("\n")[0]
     assert e.value.exit_code == 3 and "No smaller micro_batch" not in said, said
     assert ("To keep the run, resume it with --set grad_ckpt=full --set micro_batch=1 --set grad_accum=8 (every "
-            "block's activations recomputed in the backward, and the same 8 examples a step: 20.9 GiB per GPU") \
+            "block's activations recomputed in the backward, and the same 8 examples a step: 21.4 GiB per GPU") \
         in said, said
     job, _ = decide_launch(_args(), _run(tmp_path, micro_batch=1, grad_accum=8, grad_ckpt="full"))
     assert job is not None and job.sequence_parallel == 2
@@ -414,7 +414,7 @@ def test_plan_recommends_the_job_a_resumed_run_runs(capsys: pytest.CaptureFixtur
     ran = _run(split)
     old, _ = resolve_job(ran, two, GPU)
     _record(split, ran, old)
-    path = _config_file(tmp_path, output_dir=str(split), data=ran.data, micro_batch=4, grad_accum=2)
+    path = _config_file(tmp_path, output_dir=str(split), data=ran.data, micro_batch=2, grad_accum=4)
     d = _plan(capsys, path, "--gpus", "2x24GB")
     assert "--set micro_batch=1 --set grad_accum=8" in d["resume_refused"] and "resolved" not in d
 
@@ -493,8 +493,8 @@ def test_a_hand_edited_run_directory_is_exit_2_naming_the_file(eight_24gb: None,
 def test_a_refused_resume_names_the_grad_accum_that_keeps_the_batch_anew(eight_24gb: None, tmp_path: Path) -> None:
     """A run recorded as model_parallel (a global batch of 8) resumed at micro_batch 2 x grad_accum 4: the recorded
     job does not fit at micro_batch 2, and micro_batch 1 keeps it (601 tokens/s); the refusal also names
-    grad_accum 1, which keeps the batch on the job resolved anew (zero3_offload with rows split over 2, 4,549
-    tokens/s), and that resumes."""
+    grad_accum 2, which keeps the batch on the job resolved anew (zero3 with rows split over 4, 4,425 tokens/s),
+    and that resumes."""
     from shardfit.cli.train_cmd import decide_launch
 
     cfg = _run(tmp_path)
@@ -505,11 +505,11 @@ def test_a_refused_resume_names_the_grad_accum_that_keeps_the_batch_anew(eight_2
     said = str(e.value).split("\n")[0]
     assert "--set micro_batch=1 --set grad_accum=8 (the same 8 examples a step, 16.6 GiB per GPU, 601 tokens/s)" \
         in said
-    assert ("or --set grad_accum=1, which keeps the batch on the job resolved anew (zero3_offload, "
-            "sequence_parallel 2, pipeline_parallel 1: 23.1 GiB per GPU, 4,549 tokens/s)") in said
-    faster = _run(tmp_path, micro_batch=2, grad_accum=1)
+    assert ("or --set grad_accum=2, which keeps the batch on the job resolved anew (zero3, sequence_parallel 4, "
+            "pipeline_parallel 1: 16.9 GiB per GPU, 4,425 tokens/s)") in said
+    faster = _run(tmp_path, micro_batch=2, grad_accum=2)
     job, _ = decide_launch(_args(), faster)
-    assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3_offload", 2)
+    assert job is not None and (job.strategy, job.sequence_parallel) == ("zero3", 4)
     assert _claims(tmp_path, faster, job) == "ok"
 
 
@@ -556,7 +556,7 @@ def test_a_rank_refused_as_it_resolves_still_meets_the_others(host: dict[str, Ha
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ResumeDoesNotFit):
-        rank_job.agreed_job(_run(tmp_path, micro_batch=4, grad_accum=2), DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
+        rank_job.agreed_job(_run(tmp_path, micro_batch=2, grad_accum=4), DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
     assert agreed == [{"refused": "ResumeDoesNotFit (exit 3)"}]
     job, _ = rank_job.agreed_job(cfg, DistEnv(1, 2, 1, torch.device("cpu"), "gloo"))
     assert agreed[1] == job.decisions() and job.sequence_parallel == 2

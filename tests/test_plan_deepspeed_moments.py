@@ -55,15 +55,21 @@ def test_the_gradients_follow_the_engine_s_buffers(z: ZeroSettings) -> None:
 
 def test_a_deepspeed_qlora_dequantizes_in_backward() -> None:
     """A QLoRA under ZeRO-3: its backward dequantizes each 4-bit weight again, as under every engine (bitsandbytes'
-    Linear4bit does it whoever wraps the model), so the plan's backward holds that weight in 16 bits."""
+    Linear4bit does it whoever wraps the model), so the plan's backward holds that weight in 16 bits, at the down
+    projection's backward (the block's activations as they stand then), not over the whole block's."""
+    from shardfit.plan.activations import activation_bytes
+
     shape = resolve_shape("meta-llama/Llama-3.1-8B")
     w = Workload(method="qlora", precision="bf16", seq_len=1024, micro_batch=1, grad_ckpt="full",
                  quant_backend="bnb", loss="full")
     m = zero_memory(shape, w, 2, Z3)
-    blocks = step_candidates(shape, w, "zero3", zero_rank(shape, w, 2, Z3, m))["backward"][1]
+    r = zero_rank(shape, w, 2, Z3, m)
+    backward = step_candidates(shape, w, "zero3", r)["backward"]
     assert dequantize_bytes(shape, w, "zero3") > 14336 * 4096 * 2
-    assert blocks.temporaries == pytest.approx(m.bwd_temp + dequantize_bytes(shape, w, "zero3")
-                                               + w.tokens * shape.hidden * 8)
+    held = [b for b in backward if b.temporaries == pytest.approx(m.bwd_temp + dequantize_bytes(shape, w, "zero3")
+                                                                 + w.tokens * shape.hidden * 8)]
+    assert len(held) == 1
+    assert held[0].activations == pytest.approx(activation_bytes(shape, w, r.layers, "zero3", at_down_backward=True))
 
 
 def test_logits_a_loop_keeps_count_under_deepspeed_too() -> None:

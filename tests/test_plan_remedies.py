@@ -1,5 +1,6 @@
 """A strategy that does not fit names its largest part and what lowers it (plan/estimate.py `lowers`), never a
-setting the run already has: a LoRA run is not told to use LoRA, nor a checkpointed one checkpointing."""
+setting the run already has: a LoRA run is not told to use LoRA, nor a checkpointed one checkpointing; an 8-bit
+optimizer only as the job's own optimizer's 8-bit form, where it has one and can switch."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ BASE = Workload(method="full", precision="bf16", seq_len=2048, micro_batch=4, gr
     ({"method": "qlora"}, "weights", "sharding (zero3)"),
     ({}, "optimizer", "sharding (zero2/zero3), LoRA or 8-bit AdamW"),
     ({"optimizer": "adamw8bit"}, "optimizer", "sharding (zero2/zero3) or LoRA"),
+    ({"optimizer": "lion"}, "optimizer", "sharding (zero2/zero3), LoRA or 8-bit Lion"),
+    ({"optimizer": "adamw", "no_8bit_form": True}, "optimizer", "sharding (zero2/zero3) or LoRA"),
+    ({"optimizer": "sgd_momentum", "method": "lora"}, "optimizer", "sharding (zero2/zero3)"),
+    ({"method": "freeze"}, "grads", "sharding (zero2/zero3) or LoRA"),
+    ({}, "logits", "a smaller micro-batch or shorter sequences"),
+    ({"loss": "full"}, "logits", "a smaller micro-batch, shorter sequences or the chunked loss"),
+    ({"grad_ckpt": "selective"}, "activations", "gradient checkpointing, a smaller micro-batch or shorter sequences"),
     ({}, "activations", "gradient checkpointing, a smaller micro-batch or shorter sequences"),
     ({"grad_ckpt": "full", "micro_batch": 1}, "activations", "shorter sequences"),
     ({"micro_batch": 1}, "temporaries", None),

@@ -319,6 +319,19 @@ def test_qloras_down_projection_holds_no_dequantized_weight(seq: int, batch: int
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.015)
 
 
+@pytest.mark.parametrize(("strategy", "method"), [("zero3", "qlora"), ("zero3", "lora"), ("zero2", "lora")])
+def test_sharded_adapters_hold_the_down_projections_backward(strategy: str, method: str) -> None:
+    """LoRA and QLoRA under FSDP (2 ranks) at 2 x 2,048 tokens: the block's gathered weights beside the three
+    MLP-wide gradients of the down projection's backward are the step's peak, as on one card (planned 3 % to 5.5 %
+    under the simulation without that moment; within 1.5 % with it)."""
+    w = Workload(method=method, precision="bf16", seq_len=2048, micro_batch=2, lora_rank=8, attention="sdpa",
+                 grad_ckpt="full")
+    ca, cs = _analytic_and_simulated("llama", strategy, w)
+    a, s = ca.per_gpu_gib, cs.per_gpu_gib
+    assert ca.peak_phase == cs.peak_phase == "backward"
+    assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.015)
+
+
 def test_pure_16bit_simulates_16_bit_weights_and_states() -> None:
     """`--pure-16bit` (every weight, gradient and AdamW state in bf16): the fake-tensor step builds the model in
     bf16, so its weights, gradients and optimizer states are the estimate's, not fp32 masters'."""

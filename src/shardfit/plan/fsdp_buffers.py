@@ -64,8 +64,8 @@ def zero3_buffers(shape: ModelShape, w: Workload, r: PerRank, *, root_16: float,
         embedding_out = 2 * root_own + 2 * own_embedding_16 if own_embedding_16 else 0.0
         first_block_out = root_own + (own_embedding_16 or root_own) + 2 * layer_16
         r.start_temp = max(embedding_out, first_block_out)
-        if w.method != "full" and not w.lora_saved:
-            # A frozen root (LoRA, QLoRA, freeze) makes no gradient: it stays gathered once through the step,
+        if w.trains_adapters and not w.lora_saved:
+            # A frozen root (LoRA, QLoRA) makes no gradient: it stays gathered once through the step,
             # and the frozen input embedding, whose output needs no gradient, is not gathered again. A block's
             # backward holds its copy, its all-gather buffer (freed at the next copy-out) and the prefetched
             # block's buffer.

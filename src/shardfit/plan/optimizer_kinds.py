@@ -156,3 +156,10 @@ def anyprecision_kind(kahan: bool) -> str:
     """The planner's optimizer for torchdistx's AnyPrecisionAdamW, with `use_kahan_summation` on (`kahan`): its
     compensation buffer is a third state."""
     return "adamw_anyprecision_kahan" if kahan else "adamw_anyprecision"
+
+
+def eight_bit_form(optimizer: str, no_8bit_form: bool = False) -> str | None:
+    """The key of bitsandbytes' 8-bit form of `optimizer`; None where the table models none, or where the job
+    cannot switch (`no_8bit_form`: a stand-in, or an optimizer DeepSpeed builds from its JSON)."""
+    kind = OPTIMIZER_KINDS.get(optimizer)
+    return None if no_8bit_form or kind is None else kind.eight_bit

@@ -23,7 +23,7 @@ from shardfit.plan.estimate import (
     trainable_params,
 )
 from shardfit.plan.hardware import Hardware, hardware_notes
-from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS
+from shardfit.plan.optimizer_kinds import OPTIMIZER_KINDS, eight_bit_form
 from shardfit.plan.precision import experts_stay_16bit
 from shardfit.plan.shapes import ModelShape
 from shardfit.plan.timing import reference_pass_s, step_time
@@ -271,7 +271,7 @@ def eight_bit_offer(w: Workload) -> tuple[str, dict[str, object]] | None:
     keep GiBs of states. A job a tool's Trainer runs (`tool_autocast`) gets bitsandbytes' kernels as its `optim`
     names them (`bnb_optimizer`: the Trainer keeps the embedding's states in fp32 where it registers them,
     optimizer_states.py `fp32_state_embedding`). None where the table models no 8-bit form."""
-    eight_bit = None if w.no_8bit_form else OPTIMIZER_KINDS[w.optimizer].eight_bit
+    eight_bit = eight_bit_form(w.optimizer, w.no_8bit_form)
     if eight_bit is None:
         return None
     return OPTIMIZER_KINDS[eight_bit].label, {"optimizer": eight_bit,
