@@ -84,3 +84,16 @@ def test_plan_flag_refuses_a_split_under_a_preference_objective(flags: list[str]
     assert main(["plan", *flags, "--gpus", "8xH100", "--objective", "dpo"]) == 2
     assert "trains objective sft only in this version" in capsys.readouterr().err
     assert main(["plan", *flags, "--gpus", "8xH100"]) == 0
+
+
+def test_a_split_row_rules_out_the_one_process_strategies() -> None:
+    """check_layout refuses sequence_parallel under single and model_parallel, so the plan marks them n/a (never
+    "fits", never recommended) and names why; the multi-rank strategies keep their rows."""
+    shape, hw = resolve_shape("meta-llama/Llama-3.1-8B"), parse_gpus("8x24GB", 1, None)
+    w = dataclasses.replace(LONG, seq_len=65536, sequence_parallel=4)
+    for name in ("single", "model_parallel"):
+        c = estimate(shape, w, hw, name)
+        assert not c.applies and "sequence_parallel 4" in c.notes
+    assert all(estimate(shape, w, hw, name).applies for name in ("ddp", "zero2", "zero3", "zero3_offload"))
+    # without the split, model_parallel is a row like any other
+    assert estimate(shape, dataclasses.replace(w, sequence_parallel=1), hw, "model_parallel").applies

@@ -278,7 +278,7 @@ def estimate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str) -> Can
     at_eval = phase == "eval"
     fits, notes = _verdict(shape, w, hw, s, b, rank.cpu, at_eval)
     notes = "; ".join(n for n in (eval_note(shape, w, rank.ranks, at_eval), notes) if n)
-    not_here = not_applicable(s, hw)  # a row the hardware named cannot run at all says why instead
+    not_here = not_applicable(s, hw, w)  # a row the hardware or the job's split cannot run says why instead
     return Candidate(strategy, fits, b, rank.cpu / GIB, peak_phase=phase, notes=not_here or notes,
                      applies=not not_here)
 
@@ -642,14 +642,18 @@ def _verdict(shape: ModelShape, w: Workload, hw: Hardware, s: strategies.Strateg
     return fits, notes or _note(s, b, hw, w, at_eval)
 
 
-def not_applicable(s: strategies.Strategy, hw: Hardware) -> str | None:
+def not_applicable(s: strategies.Strategy, hw: Hardware, w: Workload | None = None) -> str | None:
     """Why the hardware named cannot run `s` at all, or None when it can. shardfit runs a multi-rank strategy in
     one process as `single` (parallel/env.py: one process is never a process group), and on a CPU there is no
-    device memory to offload from and no GPUs to split layers over."""
+    device memory to offload from and no GPUs to split layers over. A job whose rows are split over ranks (`w`'s
+    sequence_parallel) needs a multi-rank strategy (resolve/sequence.py `check_layout` refuses the others)."""
     cpu = hw.name == "cpu"
     if s.multi_rank and hw.world == 1:
         return (f"n/a on one {hw.unit}: needs several ranks (shardfit train --nproc N"
                 f"{'' if cpu else ' on N GPUs'}); one process runs it as single")
+    if w is not None and w.sequence_parallel > 1 and not s.multi_rank:
+        return (f"n/a with sequence_parallel {w.sequence_parallel}: a row split over ranks needs a multi-rank "
+                "strategy (ddp, zero2, zero3)")
     if cpu and s.offload:
         return "n/a on a CPU: there is no GPU memory to offload from (zero3 is the same without the copies)"
     if cpu and s.engine == "device_map":
