@@ -4,6 +4,7 @@ analytic estimate against the fake-tensor step, column by column."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -342,3 +343,51 @@ def test_pure_16bit_simulates_16_bit_weights_and_states() -> None:
     for part in ("weights", "optimizer"):
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.01), part
     assert a.total - a.runtime_overhead == pytest.approx(s.total - s.runtime_overhead, rel=0.03)
+
+
+@pytest.mark.parametrize("method", ["qlora", "lora"])
+def test_pure_16bit_keeps_a_qloras_weights_in_four_bits(method: str) -> None:
+    """torchtune's recipe (`pure_16bit`: every weight and state in bf16) on a QLoRA: the simulation casts the
+    model while it is still on the meta device, where Module.to would turn each NF4 weight into a plain bf16 one
+    (a 4-bit model measured as a 16-bit one); the weights stay those the estimate counts."""
+    w = Workload(method=method, precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="none", lora_rank=8,
+                 pure_16bit=True, fused_adamw=True)
+    ca, cs = _analytic_and_simulated("llama", "single", w)
+    assert cs.per_gpu_gib.weights == pytest.approx(ca.per_gpu_gib.weights, rel=0.02)
+    if method == "qlora":  # well under the 16-bit model's weights
+        lora = _analytic_and_simulated("llama", "single", dataclasses.replace(w, method="lora"))[1]
+        assert cs.per_gpu_gib.weights < 0.6 * lora.per_gpu_gib.weights
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"optimizer": "adamw8bit"}, "adamw8bit"), ({"sequence_parallel": 2}, "sequence_parallel"),
+    ({"expert_parallel": 2}, "expert_parallel"), ({"compile": True}, "torch.compile"), ({"float8": True}, "float8"),
+    ({"fsdp1": True}, "FSDP1"), ({"objective": "dpo"}, "dpo")])
+def test_a_setting_the_step_does_not_build_is_never_called_simulated(change: dict, named: str) -> None:
+    """The simulated step builds torch's AdamW over FSDP2 with SFT's loss and whole rows: a job with another
+    optimizer, split rows or experts, compiled or FP8 modules, FSDP1 or another objective would be measured as a
+    different job. simulate refuses it by name, and nothing is measured."""
+    shape = ModelShape("tiny-llama", 2, 64, 128, 4, 2, 4096, False, None)
+    w = dataclasses.replace(Workload(method="lora", seq_len=128, micro_batch=1), **change)
+    with pytest.raises(ValueError, match=named):
+        simulate(shape, w, parse_gpus("2x80GB"), "zero3", None)
+
+
+def test_plan_simulate_keeps_such_a_job_analytic_and_says_why(capsys) -> None:
+    assert main(["plan", "--model", "Qwen/Qwen2.5-0.5B", "--gpus", "1x24GB", "--method", "full", "--seq", "256",
+                 "--batch", "1", "--optimizer", "adamw8bit", "--strategy", "single", "--simulate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(c["estimator"] == "analytic" for c in out["candidates"])
+    assert any("--simulate cannot build adamw8bit" in n for n in out["notes"])
+
+
+def test_the_simulated_adapters_are_those_the_job_targets() -> None:
+    """LoRA on q and v only: the simulated step wraps those two projections (peft's target_modules), so its
+    trainable weights, gradients and AdamW states are the estimate's, well under all-linear's."""
+    qv = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="none", lora_rank=8,
+                  lora_targets=("q", "v"), fused_adamw=True)
+    shape = ModelShape("tiny-llama", 4, 256, 704, 8, 2, 4096, False, None)
+    hw = parse_gpus("1x80GB")
+    a, s = estimate(shape, qv, hw, "single").per_gpu_gib, simulate(shape, qv, hw, "single", None).per_gpu_gib
+    every = simulate(shape, dataclasses.replace(qv, lora_targets=None), hw, "single", None).per_gpu_gib
+    assert s.optimizer == pytest.approx(a.optimizer, rel=0.02) and s.optimizer < 0.5 * every.optimizer

@@ -11,6 +11,7 @@ real is allocated, so a 72B config runs on a laptop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -35,6 +36,7 @@ from shardfit.errors import UserError
 from shardfit.models.adapters import skip_adapter_input_casts
 from shardfit.models.anatomy import base_model, decoder_and_head, vision_body
 from shardfit.models.build import build_model
+from shardfit.models.nf4 import is_nf4
 from shardfit.models.quantize import nf4_to_empty
 from shardfit.parallel.parallelize import parallelize
 from shardfit.plan.estimate import Candidate, estimate, planned_workload, with_loss_chunk
@@ -113,8 +115,10 @@ def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
 def workload_config(w: Workload, model: str) -> Config:
     """The training config whose model `build_model` builds for workload `w` (kernel names as the simulation
     stands them in: see `attention_kernel`)."""
+    targets = [f"{t}_proj" for t in w.lora_targets] if w.lora_targets else "all-linear"
     return Config(model=model, method=w.method, precision=w.precision, grad_ckpt=w.grad_ckpt,
-                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank), attn_implementation=attention_kernel(w),
+                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank, targets=targets, experts=w.lora_experts),
+                  attn_implementation=attention_kernel(w),
                   freeze_vision_tower=not w.vision_trainable, freeze_audio_tower=not w.audio_trainable)
 
 
@@ -127,7 +131,14 @@ def tools_recipe(model: torch.nn.Module, w: Workload, autocast: bool) -> None:
         skip_adapter_input_casts(model)
     low = torch.float16 if w.precision == "fp16" else torch.bfloat16
     if w.pure_16bit:  # every weight, its gradient and its AdamW states in the compute dtype (no fp32 masters)
-        model.to(low)
+        # one tensor at a time: Module.to would turn a QLoRA's NF4 weights, still on the meta device here, into
+        # plain 16-bit ones (NF4Tensor's own `to` keeps its 4 bits only on a real device)
+        for p in model.parameters():
+            if p.is_floating_point() and not is_nf4(p):
+                p.data = p.data.to(low)
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(low)
     if w.adapters_16bit and w.trains_adapters:  # 16-bit in an fp32 run too
         for p in model.parameters():
             if p.requires_grad:
@@ -292,11 +303,30 @@ class ModelOwnLoss(torch.nn.Module):
         return loss, targets.numel()
 
 
+def unsimulated(w: Workload) -> str | None:
+    """The first setting of `w` that changes memory and that the simulated step does not build, or None. The step
+    builds torch's AdamW over FSDP2 (or one device) with SFT's loss, eager modules and 16-bit matmuls, every row
+    whole on its rank; a job that differs in one of these would be measured as another job and called simulated."""
+    if w.optimizer != "adamw" or w.bnb_optimizer or w.torchao_optimizer:
+        kernels = "bitsandbytes' " if w.bnb_optimizer else "torchao's " if w.torchao_optimizer else ""
+        return f"{kernels}{w.optimizer} (the simulated step builds torch's AdamW)"
+    for name, on in (("sequence_parallel", w.sequence_parallel > 1), ("expert_parallel", w.expert_parallel > 1),
+                     ("torch.compile", w.compile), ("float8", w.float8), ("FSDP1", w.fsdp1)):
+        if on:
+            return f"{name} (the simulated step runs without it)"
+    if w.objective != "sft":
+        return f"the {w.objective} objective (the simulated step runs SFT's loss)"
+    return None
+
+
 def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source: str | None = None) -> Candidate:
-    """Measure `strategy` with fake tensors: the breakdown at the step's peak moment."""
+    """Measure `strategy` with fake tensors: the breakdown at the step's peak moment. ValueError where the strategy
+    or a setting of `w` (`unsimulated`) is not one the step builds."""
     s = get_strategy(strategy)
     if not s.simulable:
         raise ValueError(f"--simulate cannot run {strategy}; it stays analytic")
+    if why := unsimulated(w):
+        raise ValueError(f"--simulate cannot build {why}; {strategy} stays analytic")
     world = hw.world if s.sharded else 1
     own_group = False
     if world > 1 and not dist.is_initialized():
@@ -377,6 +407,10 @@ def simulate_plan(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, sour
     only repeat `single`'s step. The workload as the rank runs it, as the analytic rows had it (`sdpa` is eager for
     a class without SDPA)."""
     w = planned_workload(shape, w)
+    if why := unsimulated(w):  # every row stays analytic, and the plan says why
+        log.warning("--simulate cannot build %s: the plan stays analytic", why)
+        return dataclasses.replace(plan, notes=[*plan.notes, f"--simulate cannot build {why}: every row stays "
+                                                             "analytic"])
     cands = []
     for c in plan.candidates:
         if get_strategy(c.strategy).simulable and c.applies:
