@@ -391,3 +391,12 @@ def test_the_simulated_adapters_are_those_the_job_targets() -> None:
     a, s = estimate(shape, qv, hw, "single").per_gpu_gib, simulate(shape, qv, hw, "single", None).per_gpu_gib
     every = simulate(shape, dataclasses.replace(qv, lora_targets=None), hw, "single", None).per_gpu_gib
     assert s.optimizer == pytest.approx(a.optimizer, rel=0.02) and s.optimizer < 0.5 * every.optimizer
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_an_fp16_run_is_simulated_under_fp16_autocast(method: str) -> None:
+    """fp16 weights under a bf16 autocast would promote the residual stream to fp32 (fp16 + bf16 is fp32): the
+    simulated step autocasts to the run's own dtype, and then every column is the estimate's."""
+    w = Workload(method=method, precision="fp16", seq_len=256, micro_batch=2, grad_ckpt="full", lora_rank=8,
+                 fused_adamw=True)
+    _assert_columns_agree(*_analytic_and_simulated("llama", "single", w), total_rel=0.02)

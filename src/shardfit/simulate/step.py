@@ -360,7 +360,9 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
                 batch = image_batch(model, vl.config, w)
             if audio:
                 batch = audio_batch(model, w, batch)
-            amp = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
+            # the run's own 16-bit dtype: bf16 autocast over fp16 weights would promote every residual add to fp32
+            low = torch.float16 if w.precision == "fp16" else torch.bfloat16
+            amp = functools.partial(torch.autocast, "cpu", dtype=low, enabled=autocast)
             real_indices = RealIndices() if images or audio else contextlib.nullcontext()
             with warnings.catch_warnings(), real_indices, grouped_mm_as_on_a_gpu(), sdpa_as_on_a_gpu(), \
                     dropout_as_on_a_gpu():
