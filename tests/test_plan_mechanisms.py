@@ -48,14 +48,15 @@ def test_pure_16bit_full_fine_tune_holds_eight_bytes_per_parameter() -> None:
 
 
 def test_lora_targets_and_dropout() -> None:
-    """q,v adapters are a fraction of all-linear ones; dropout keeps each adapter's input and mask."""
+    """q,v adapters are a fraction of all-linear ones; with dropout each adapter keeps its dropped 16-bit input and
+    bool mask instead of the 16-bit copy of its input peft's cast made (tests/test_plan_lora_targets.py)."""
     w = Workload(lora_rank=8)
     qv = replace(w, lora_targets=("q", "v"))
     q_out, kv_out = SHAPE.heads * SHAPE.hd, SHAPE.kv_heads * SHAPE.hd
     assert trainable_params(SHAPE, qv) == SHAPE.layers * 8 * (2 * SHAPE.hidden + q_out + kv_out)
     assert trainable_params(SHAPE, w) > 6 * trainable_params(SHAPE, qv)  # 20.9M against 3.4M
     dropped = block_activation_bytes_per_token(SHAPE, replace(qv, lora_dropout=0.1))
-    assert dropped - block_activation_bytes_per_token(SHAPE, qv) == 2 * (4 + 1) * SHAPE.hidden
+    assert dropped - block_activation_bytes_per_token(SHAPE, qv) == 2 * (2 + 1) * SHAPE.hidden - 2 * 2 * SHAPE.hidden
 
 
 def test_chunked_output_loss_and_kept_logits() -> None:

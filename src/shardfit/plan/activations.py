@@ -87,7 +87,9 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
             shape.layers
     a = compute_bytes(w)
     hidden_16 = 6 if casts_trainable_inputs(w, strategy) else 2
-    if hidden_16 == 6 and w.method != "full" and shape.moe_layers and not shape.every_expert:
+    if dense_adapters(shape, w):
+        hidden_16 = adapter_input_tensors(w, strategy)
+    elif hidden_16 == 6 and w.method != "full" and shape.moe_layers and not shape.every_expert:
         # Two of the four casts are of the dense MLP's input, for its gate and up adapters: a mixture's block with
         # grouped experts has no such MLP (they read the gathered copy `moe_saved_bytes_per_token` counts, in the
         # weights' dtype), so it makes two. Llama 4's experts are batched matmuls autocast casts the input of.
@@ -111,6 +113,41 @@ def block_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: s
         return 2 * residual_bytes(w, strategy) * h + 2 * 4 + a * (2 * h + q) + attn + 3 * a * mlp + lora + kept
     return norms + hidden_16 * a * h + attn + latent_attention_bytes_per_token(shape, w, strategy) + \
         mlp_activation_bytes_per_token(shape, w, strategy) + lora + kept
+
+
+def dense_adapters(shape: ModelShape, w: Workload) -> bool:
+    """A LoRA or QLoRA run over dense softmax-attention blocks with a gated MLP: the blocks whose saved inputs
+    `adapter_input_tensors` and `keeps_down_input` count by the adapted projections. (Mixtures, Mamba and Gated
+    DeltaNet blocks and single-part blocks keep the all-linear count.)"""
+    return w.trains_adapters and not (shape.moe_layers or shape.mamba_mixers or shape.linear_layers
+                                      or shape.single_part or shape.two_matrix)
+
+
+def adapter_input_tensors(w: Workload, strategy: str) -> int:
+    """How many hidden-size 16-bit tensors a LoRA block keeps for its adapters' inputs, by which projections are
+    adapted (`lora_targets`). A frozen linear keeps no input (autograd saves a matmul's input only for its weight's
+    gradient), so only the adapters keep them:
+    - without dropout or casts, each group's shared input once: the attention norm's output for q/k/v, the MLP
+      norm's for gate/up (o's input is the attention output SDPA keeps anyway);
+    - where peft casts the input to the fp32 adapter and autocast casts it back (`casts_trainable_inputs`), each
+      adapter keeps its own 16-bit copy instead, o's included;
+    - with dropout, each adapter keeps its dropped copy and mask (`lora_saved_bytes_per_token`) and none of these.
+    All-linear gives 2 and 6, the counts of the full block. Measured with saved-tensor hooks on a transformers
+    Llama block for each group of targets (tests/test_plan_lora_targets.py)."""
+    if w.lora_dropout > 0:
+        return 0
+    attention = sum(adapts(n, w) for n in ("q", "k", "v"))
+    mlp = sum(adapts(n, w) for n in ("gate", "up"))
+    if casts_trainable_inputs(w, strategy):
+        return attention + adapts("o", w) + mlp
+    return (attention > 0) + (mlp > 0)
+
+
+def keeps_down_input(shape: ModelShape, w: Workload) -> bool:
+    """Whether a block keeps down's input (the product of the activation and up) for its backward: a trained down
+    projection or its adapter (without dropout: with it the adapter keeps its dropped copy instead); under LoRA
+    on dense blocks nothing else reads it (`dense_adapters`)."""
+    return not dense_adapters(shape, w) or (adapts("down", w) and w.lora_dropout == 0)
 
 
 def bnb_kept_input_bytes_per_token(shape: ModelShape, w: Workload) -> float:
@@ -164,7 +201,10 @@ def lora_saved_bytes_per_token(shape: ModelShape, w: Workload, strategy: str, ki
                if adapts(name, w) and not name.startswith("expert_")]
     lora = len(adapted) * a * w.lora_rank
     if w.lora_dropout > 0:
-        dropped = a if runs_autocast(w, strategy) and not w.adapter_input_casts else trainable_bytes(w)
+        # Under autocast the adapter's matmul keeps a 16-bit input whether peft cast it to fp32 first (autocast
+        # casts the dropped fp32 copy back) or not; without autocast, the dropped copy in the adapter's dtype.
+        dropped = a if runs_autocast(w, strategy) and (dense_adapters(shape, w) or not w.adapter_input_casts) \
+            else trainable_bytes(w)
         lora += sum((dropped + 1) * i for i, _ in adapted)
     return lora
 
@@ -462,7 +502,8 @@ def mlp_activation_bytes_per_token(shape: ModelShape, w: Workload, strategy: str
     its adapter's autocast copy. Measured with saved-tensor hooks on a Llama block whose frozen linears return
     their input's dtype as Linear4bit does (tests/test_plan_qlora_stream.py): 14 bytes a width, not 8."""
     saved = 2 if shape.two_matrix else 4
-    dense = ((saved - 1) * linear_output_bytes(w, strategy) + compute_bytes(w)) * shape.intermediate
+    down_input = compute_bytes(w) if keeps_down_input(shape, w) else 0
+    dense = ((saved - 1) * linear_output_bytes(w, strategy) + down_input) * shape.intermediate
     return shape.over_blocks(lambda moe: moe_saved_bytes_per_token(shape, w, strategy) if moe else dense) / \
         shape.layers
 
@@ -607,7 +648,7 @@ def activation_bytes(shape: ModelShape, w: Workload, layers: int, strategy: str 
     (`score_peak_bytes_per_token`)."""
     tokens = w.tokens
     # down's input, saved by down (or its adapter) until its backward has run
-    used = compute_bytes(w) * shape.intermediate if at_down_backward else 0.0
+    used = compute_bytes(w) * shape.intermediate if at_down_backward and keeps_down_input(shape, w) else 0.0
     cast = weight_cast_bytes(shape, w, strategy)
     copies = lora_expert_copy_bytes(shape, w, strategy) + router_copy_bytes(shape, w, strategy)
     scores = score_peak_bytes_per_token(shape, w, strategy)

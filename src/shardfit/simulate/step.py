@@ -117,7 +117,8 @@ def workload_config(w: Workload, model: str) -> Config:
     stands them in: see `attention_kernel`)."""
     targets = [f"{t}_proj" for t in w.lora_targets] if w.lora_targets else "all-linear"
     return Config(model=model, method=w.method, precision=w.precision, grad_ckpt=w.grad_ckpt,
-                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank, targets=targets, experts=w.lora_experts),
+                  lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank, dropout=w.lora_dropout, targets=targets,
+                                    experts=w.lora_experts),
                   attn_implementation=attention_kernel(w),
                   freeze_vision_tower=not w.vision_trainable, freeze_audio_tower=not w.audio_trainable)
 
