@@ -23,7 +23,7 @@ VOCAB = 384
 SHAPE = ModelShape("tiny-llama", 2, 256, 704, 8, 2, VOCAB, False, 32)
 
 
-def _saved(layers: int, targets: list[str], casts: bool, dropout: float) -> int:
+def _saved(layers: int, targets: list[str], casts: bool, dropout: float, autocast: bool = True) -> int:
     config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
                          attn_implementation="sdpa")
@@ -33,9 +33,11 @@ def _saved(layers: int, targets: list[str], casts: bool, dropout: float) -> int:
                                            dropout=dropout))
     if not casts:
         skip_adapter_input_casts(model)
+    if not autocast:  # every weight and adapter in bf16, no autocast (torchtune's and litgpt's bf16-true)
+        model.to(torch.bfloat16)
     module = CausalLMLoss(model, all_labelled=True)
     ids = torch.randint(0, VOCAB, (2, 256))
-    with torch.autocast("cpu", dtype=torch.bfloat16), dropout_as_on_a_gpu():
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), dropout_as_on_a_gpu():
         return saved_tensor_bytes(module, lambda: module(ids, packed_positions(2, 256), ids))
 
 
@@ -52,6 +54,16 @@ def test_a_blocks_saved_inputs_follow_its_adapted_projections(targets: list[str]
                  lora_targets=tuple(targets), lora_dropout=dropout, adapter_input_casts=casts)
     predicted = activation_bytes(SHAPE, w, 2) - activation_bytes(SHAPE, w, 1)
     assert predicted == pytest.approx(per_block, rel=0.03)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+@pytest.mark.parametrize("targets", [["q", "v"], ["q", "k", "v", "o", "gate", "up", "down"]])
+def test_a_pure_bf16_blocks_saved_inputs(targets: list[str], dropout: float) -> None:
+    """Without autocast, weights and adapters all bf16 (`pure_16bit`): the same rule, the dropped copy in bf16."""
+    per_block = _saved(3, targets, True, dropout, autocast=False) - _saved(2, targets, True, dropout, autocast=False)
+    w = Workload(method="lora", precision="bf16", seq_len=256, micro_batch=2, grad_ckpt="none", lora_rank=8,
+                 lora_targets=tuple(targets), lora_dropout=dropout, pure_16bit=True, tool_autocast=False)
+    assert activation_bytes(SHAPE, w, 2) - activation_bytes(SHAPE, w, 1) == pytest.approx(per_block, rel=0.01)
 
 
 def test_q_and_v_alone_keep_less_than_every_projection() -> None:

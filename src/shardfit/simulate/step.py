@@ -308,7 +308,8 @@ def unsimulated(w: Workload) -> str | None:
     """The first setting of `w` that changes memory and that the simulated step does not build, or None. The step
     builds torch's AdamW over FSDP2 (or one device) with SFT's loss, eager modules and 16-bit matmuls, every row
     whole on its rank; a job that differs in one of these would be measured as another job and called simulated."""
-    if w.optimizer != "adamw" or w.bnb_optimizer or w.torchao_optimizer:
+    # (bitsandbytes' or torchao's 32-bit AdamW keeps the states torch's does: only the optimizer's name matters)
+    if w.optimizer != "adamw":
         kernels = "bitsandbytes' " if w.bnb_optimizer else "torchao's " if w.torchao_optimizer else ""
         return f"{kernels}{w.optimizer} (the simulated step builds torch's AdamW)"
     for name, on in (("sequence_parallel", w.sequence_parallel > 1), ("expert_parallel", w.expert_parallel > 1),
