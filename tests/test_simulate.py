@@ -362,7 +362,8 @@ def test_pure_16bit_keeps_a_qloras_weights_in_four_bits(method: str) -> None:
 @pytest.mark.parametrize(("change", "named"), [
     ({"optimizer": "adamw8bit"}, "adamw8bit"), ({"sequence_parallel": 2}, "sequence_parallel"),
     ({"expert_parallel": 2}, "expert_parallel"), ({"compile": True}, "torch.compile"), ({"float8": True}, "float8"),
-    ({"fsdp1": True}, "FSDP1"), ({"objective": "dpo"}, "dpo")])
+    ({"fsdp1": True}, "FSDP1"), ({"objective": "dpo"}, "dpo"),
+    ({"method": "qlora", "quant_backend": "bnb", "frozen_fp32": True}, "fp32 stream")])
 def test_a_setting_the_step_does_not_build_is_never_called_simulated(change: dict, named: str) -> None:
     """The simulated step builds torch's AdamW over FSDP2 with SFT's loss and whole rows: a job with another
     optimizer, split rows or experts, compiled or FP8 modules, FSDP1 or another objective would be measured as a
