@@ -1,5 +1,5 @@
 """What a LoRA block keeps for backward depends on which projections carry adapters: a frozen linear keeps no
-input, so only the adapters keep theirs (plan/activations.py `adapter_input_tensors`, `keeps_down_input`).
+input, so only the adapters keep theirs (plan/adapter_inputs.py `adapter_input_tensors`, `keeps_down_input`).
 Measured with saved-tensor hooks on a transformers Llama block, for groups of targets, with and without peft's
 fp32 input cast, with and without dropout (as a GPU runs it: a bool mask)."""
 
