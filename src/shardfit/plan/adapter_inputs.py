@@ -11,10 +11,10 @@ from shardfit.plan.workload import Workload
 
 def dense_adapters(shape: ModelShape, w: Workload) -> bool:
     """A LoRA or QLoRA run over dense softmax-attention blocks with a gated MLP: the blocks whose saved inputs
-    `adapter_input_tensors` and `keeps_down_input` count by the adapted projections. (Mixtures, Mamba and Gated
-    DeltaNet blocks and single-part blocks keep the all-linear count.)"""
+    `adapter_input_tensors` and `keeps_down_input` count by the adapted projections. (Mixtures, latent attention,
+    Mamba and Gated DeltaNet blocks and single-part blocks keep the all-linear count.)"""
     return w.trains_adapters and not (shape.moe_layers or shape.mamba_mixers or shape.linear_layers
-                                      or shape.single_part or shape.two_matrix)
+                                      or shape.single_part or shape.two_matrix or shape.mla is not None)
 
 
 def adapter_input_tensors(w: Workload, strategy: str) -> int:
@@ -42,3 +42,4 @@ def keeps_down_input(shape: ModelShape, w: Workload) -> bool:
     projection or its adapter (without dropout: with it the adapter keeps its dropped copy instead); under LoRA
     on dense blocks nothing else reads it (`dense_adapters`)."""
     return not dense_adapters(shape, w) or (adapts("down", w) and w.lora_dropout == 0)
+

@@ -112,11 +112,12 @@ def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
             p.data = p.data.float()
 
 
-def workload_config(w: Workload, model: str) -> Config:
+def workload_config(w: Workload, model: str, mixture: bool = False) -> Config:
     """The training config whose model `build_model` builds for workload `w` (kernel names as the simulation
     stands them in: see `attention_kernel`)."""
-    # every projection named is all-linear's choice (and the one a mixture's fused experts accept)
-    named = w.lora_targets and set(w.lora_targets) != set(LORA_TARGETS)
+    # a mixture's fused experts refuse a list of names: every projection named is all-linear's choice there (on
+    # other models all-linear would also adapt the linear_*, Mamba and per-layer projections a list leaves out)
+    named = w.lora_targets and not (mixture and set(w.lora_targets) == set(LORA_TARGETS))
     targets = [f"{t}_proj" for t in w.lora_targets] if named else "all-linear"
     return Config(model=model, method=w.method, precision=w.precision, grad_ckpt=w.grad_ckpt,
                   lora=LoraSettings(rank=w.lora_rank, alpha=2 * w.lora_rank, dropout=w.lora_dropout, targets=targets,
@@ -306,7 +307,7 @@ class ModelOwnLoss(torch.nn.Module):
         return loss, targets.numel()
 
 
-def unsimulated(w: Workload) -> str | None:
+def unsimulated(w: Workload, shape: ModelShape | None = None) -> str | None:
     """The first setting of `w` that changes memory and that the simulated step does not build, or None. The step
     builds torch's AdamW over FSDP2 (or one device) with SFT's loss, eager modules and 16-bit matmuls, every row
     whole on its rank; a job that differs in one of these would be measured as another job and called simulated."""
@@ -324,6 +325,10 @@ def unsimulated(w: Workload) -> str | None:
         # bitsandbytes' Linear4bit returns its input's dtype, fp32 over peft's fp32 stream (tests/test_plan_qlora_
         # stream.py); the step's NF4 layers return 16 bits under autocast
         return "bitsandbytes' 4-bit layers over an fp32 stream (the simulated step's NF4 layers return 16 bits)"
+    if w.method == "qlora" and w.quant_backend == "bnb" and (w.bnb_compute_fp32 or (shape and shape.moe_layers)):
+        # bitsandbytes leaves a mixture's expert stacks in 16 bits and dequantizes to fp32 under bnb_compute_fp32;
+        # the step stores every stack in torchao's NF4 and dequantizes to the compute dtype
+        return "bitsandbytes' QLoRA of this job (its experts or fp32 dequantization; the step builds torchao's NF4)"
     return None
 
 
@@ -333,7 +338,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
     s = get_strategy(strategy)
     if not s.simulable:
         raise ValueError(f"--simulate cannot run {strategy}; it stays analytic")
-    if why := unsimulated(w):
+    if why := unsimulated(w, shape):
         raise ValueError(f"--simulate cannot build {why}; {strategy} stays analytic")
     world = hw.world if s.sharded else 1
     own_group = False
@@ -343,7 +348,7 @@ def simulate(shape: ModelShape, w: Workload, hw: Hardware, strategy: str, source
     try:
         # The mesh is made outside fake mode: it holds real process groups.
         mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
-        cfg = workload_config(w, source or shape.id)
+        cfg = workload_config(w, source or shape.id, mixture=bool(shape.moe_layers))
         config = hf_config_for(shape, source)
         model = build_model(cfg, s, weights=False, config=config)
         vl = vision_body(model)  # its config holds the towers' (Qwen2.5-Omni's: the thinker's, not the top one)
@@ -417,7 +422,7 @@ def simulate_plan(plan: Plan, shape: ModelShape, w: Workload, hw: Hardware, sour
     only repeat `single`'s step. The workload as the rank runs it, as the analytic rows had it (`sdpa` is eager for
     a class without SDPA)."""
     w = planned_workload(shape, w)
-    if why := unsimulated(w):  # every row stays analytic, and the plan says why
+    if why := unsimulated(w, shape):  # every row stays analytic, and the plan says why
         log.warning("--simulate cannot build %s: the plan stays analytic", why)
         return dataclasses.replace(plan, notes=[*plan.notes, f"--simulate cannot build {why}: every row stays "
                                                              "analytic"])
