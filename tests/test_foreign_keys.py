@@ -349,6 +349,19 @@ def test_axolotl_convert_of_a_mixture_trains_the_experts_axolotl_trains(tmp_path
     assert to_config(job)["lora"].get("experts") is experts
 
 
+@pytest.mark.parametrize(("targets", "dropout"), [("[q_proj, gate_proj, up_proj, down_proj]", 0.0),
+                                                 ("[q_proj, v_proj]", 0.05)])
+def test_axolotl_convert_of_a_mixture_with_dropout_runs(tmp_path: Path, targets: str, dropout: float) -> None:
+    """A mixture's fused routed experts take adapters without dropout (peft's target_parameters), so a recipe whose
+    targets reach them converts with lora.dropout 0 and says so in the header (the way to keep the dropout
+    instead); where the experts get none (q/v), the dropout is kept."""
+    text = ("base_model: Qwen/Qwen3-30B-A3B\nadapter: lora\nlora_r: 16\nlora_dropout: 0.05\nsequence_len: 2048\n"
+            f"micro_batch_size: 2\nbf16: true\ngradient_checkpointing: true\nlora_target_modules: {targets}\n")
+    job = read_job("axolotl", _write(tmp_path, "moe.yml", text), JobOptions())
+    assert to_config(job)["lora"]["dropout"] == dropout
+    assert ("# lora.dropout 0.05 -> 0: " in to_yaml(job)) is (dropout == 0)
+
+
 def test_swift_target_regex_overrides_target_modules(tmp_path: Path) -> None:
     """ms-swift trains --target_regex's modules when both are given: planned and converted as the regex (the MLP's
     gate/up/down: 121M trainable on Qwen2.5-7B at rank 64), not as q/v (20M)."""

@@ -57,3 +57,14 @@ def test_full_fine_tune_without_load_balancing_is_warned(family: str, config: di
     freeze_modules(model, [router])
     assert aux_loss_rules(model, _cfg("full")) == []
     assert aux_loss_rules(_model("Qwen3-MoE"), _cfg("full")) == []
+
+
+def test_lora_dropout_on_fused_experts_is_refused_by_its_key() -> None:
+    """peft's adapters on fused expert weights (target_parameters) take no dropout: the refusal names
+    lora.dropout and both ways out, not lora.targets as peft's own message would; without the experts the
+    same dropout adapts the attention and trains."""
+    with pytest.raises(UserError, match=r"'lora.dropout': 0.1 .*lora.dropout: 0, or lora.experts: false"):
+        apply_lora(_model("Qwen3-MoE"), LoraSettings(rank=4, dropout=0.1))
+    model = apply_lora(_model("Qwen3-MoE"), LoraSettings(rank=4, dropout=0.1, experts=False))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and not any(".experts." in n for n in trained)

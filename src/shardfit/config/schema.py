@@ -37,7 +37,8 @@ def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
 class LoraSettings:
     rank: int = key(8, "rank r of the low-rank update", ge=1)
     alpha: int = key(16, "scale numerator: the update is multiplied by alpha / rank", gt=0)
-    dropout: float = key(0.0, "dropout on the adapter's input", ge=0, lt=1)
+    dropout: float = key(0.0, "dropout on the adapter's input; a mixture's routed experts take none (peft), so "
+                              "there it needs lora.experts false", ge=0, lt=1)
     targets: str | list[str] = key("all-linear", "modules that get adapters: all-linear (every linear layer of the "
                                                  "decoder blocks, not the output head) or a list of module names",
                                        nonempty=True)

@@ -13,7 +13,7 @@ from shardfit.errors import UserError
 from shardfit.foreign.job import TOOL_NAMES, ForeignJob
 from shardfit.foreign.keys import EPOCH_KEYS, fractional_epochs
 from shardfit.plan.adapters import adapts_experts
-from shardfit.plan.shapes import resolve_shape
+from shardfit.plan.shapes import ModelShape, resolve_shape
 
 ATTN = {"flash": "flash_attention_2", "eager": "eager", "sdpa": "auto"}
 
@@ -36,6 +36,10 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
         cfg["lora"] = lora
         if "experts" not in lora and _moe_without_expert_adapters(job):
             lora["experts"] = False  # shardfit's trainer would otherwise add every expert's adapters
+        if lora.get("dropout", 0) > 0 and lora.get("experts", True) and _mixture(job) is not None:
+            # the fused experts' adapters (peft's target_parameters) take no dropout: keeping which weights train
+            # matters more to the result than the regularizer, and the header says how to keep it instead
+            lora["dropout"] = 0.0
     cfg.update(extra)
     if cfg.get("sequence_parallel", 1) > 1:  # shardfit's Ulysses runs its own attention around SDPA
         cfg["attn_implementation"] = "auto"
@@ -60,11 +64,17 @@ def _moe_without_expert_adapters(job: ForeignJob) -> bool:
     """Whether the job's model is a mixture whose routed experts the tool's adapters do not reach as planned
     (plan/adapters.py `adapts_experts`), while shardfit's trainer adapts every expert weight whatever the targets
     unless `lora.experts` is false. A model not at hand: False (the converted config keeps shardfit's default)."""
+    shape = _mixture(job)
+    return shape is not None and not adapts_experts(shape, job.workload)
+
+
+def _mixture(job: ForeignJob) -> ModelShape | None:
+    """The job's model's shape where it is a mixture of experts; None for a dense model or one not at hand."""
     try:
         shape = resolve_shape(job.model)
     except UserError:
-        return False
-    return shape.moe and not adapts_experts(shape, job.workload)
+        return None
+    return shape if shape.moe else None
 
 
 def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
@@ -101,6 +111,10 @@ def comments(job: ForeignJob, cfg: dict[str, Any]) -> list[str]:
         out.append(f"micro_batch {job.workload.micro_batch} -> {cfg['micro_batch']} with grad_accum "
                    f"{job.workload.grad_accum} -> {cfg['grad_accum']}: shardfit's {job.workload.objective} needs two "
                    f"rows a micro-batch; the rows a step stay the same (one fewer for an odd count)")
+    if "lora" in cfg and cfg["lora"].get("dropout") == 0 and (asked := job.convert.get("lora", {}).get("dropout")):
+        out.append(f"lora.dropout {asked:g} -> 0: this mixture's fused routed experts take "
+                   "adapters without dropout (peft's target_parameters); lora.experts: false keeps the dropout "
+                   "and adapts the attention (and shared experts) only")
     if job.workload.lora_saved:
         out.append(f"{' and '.join(job.workload.lora_saved)} trained whole beside the adapters (peft's "
                    f"modules_to_save): not carried, shardfit trains the adapters only (the converted job needs "

@@ -48,6 +48,13 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings, *, exclude: str | Non
         routers = "|".join(re.escape(r) for r in parts.routers)
         exclude = f"({exclude})|({routers})" if exclude and routers else (exclude or routers or None)
         parameters = expert_target_parameters(parts) if lora.experts else None
+        if parameters and lora.dropout > 0:
+            # peft's adapters on the fused expert weights (target_parameters) have no dropout and refuse one; said
+            # here, since peft's own message would read as a wrong lora.targets
+            raise UserError(f"'lora.dropout': {lora.dropout} with lora.experts true: this mixture of experts keeps "
+                            "its routed experts as fused weights, whose adapters (peft's target_parameters) take "
+                            "no dropout. Set lora.dropout: 0, or lora.experts: false to adapt the attention and "
+                            "shared experts only.")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                         task_type="CAUSAL_LM", bias="none", exclude_modules=exclude,
                         modules_to_save=modules_to_save, target_parameters=parameters)
