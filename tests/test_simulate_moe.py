@@ -60,3 +60,27 @@ def test_moe_analytic_agrees_with_simulate(tmp_path: Path, family: str, method: 
         assert getattr(a, part) == pytest.approx(getattr(s, part), rel=0.05, abs=1e-4), part
     bound, why = ACTIVATIONS[family]
     assert a.activations == pytest.approx(s.activations, rel=bound), why
+
+
+def test_a_qlora_of_a_mixture_with_fp32_frozen_weights_is_simulated(tmp_path: Path) -> None:
+    """peft's k-bit preparation upcasts the frozen 16-bit weights outside the quantized layers; a mixture's NF4
+    expert stacks belong to no Linear but are quantized all the same, so they stay 4-bit (casting them was a
+    RuntimeError out of `plan --simulate`). The step's weights are then the estimate's."""
+    folder = tmp_path / "moe"
+    tiny_text_config("Qwen3-MoE").save_pretrained(folder)
+    shape = resolve_shape(str(folder))
+    w = Workload(method="qlora", precision="bf16", seq_len=128, micro_batch=1, grad_ckpt="none", lora_rank=8,
+                 frozen_fp32=True)
+    hw = parse_gpus("1x80GB")
+    a, s = estimate(shape, w, hw, "single").per_gpu_gib, simulate(shape, w, hw, "single", str(folder)).per_gpu_gib
+    assert s.weights == pytest.approx(a.weights, rel=0.05)
+
+
+def test_lora_dropout_on_the_routed_experts_stays_analytic(tmp_path: Path) -> None:
+    """transformers 5's fused experts take adapters only without dropout (peft's target_parameters): such a job
+    cannot be built, so simulate refuses it by name rather than measuring a job without the dropout."""
+    folder = tmp_path / "moe"
+    tiny_text_config("Qwen3-MoE").save_pretrained(folder)
+    w = Workload(method="lora", precision="bf16", seq_len=128, micro_batch=1, lora_rank=8, lora_dropout=0.1)
+    with pytest.raises(ValueError, match="LoRA dropout on the routed experts"):
+        simulate(resolve_shape(str(folder)), w, parse_gpus("1x80GB"), "single", str(folder))

@@ -108,6 +108,9 @@ def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
     quantized (embeddings, norms, head; the blocks' linear layers are) becomes fp32."""
     quantized = {id(m.weight) for m in decoder_and_head(model)[0].modules() if isinstance(m, torch.nn.Linear)}
     for p in model.parameters():
+        # a mixture's expert stacks are parameters of no Linear, quantized to NF4 all the same
+        if is_nf4(p.data):
+            continue
         if not p.requires_grad and id(p) not in quantized and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
 
@@ -147,9 +150,9 @@ def tools_recipe(model: torch.nn.Module, w: Workload, autocast: bool) -> None:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(low)
-    if w.loaded_fp32:  # the model loaded in fp32: every frozen weight, the blocks' linears too
+    if w.loaded_fp32:  # the model loaded in fp32: every frozen weight, the blocks' linears too (not 4-bit ones)
         for p in model.parameters():
-            if not p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
+            if not p.requires_grad and not is_nf4(p.data) and p.dtype in (torch.float16, torch.bfloat16):
                 p.data = p.data.float()
     elif w.frozen_fp32:
         upcast_frozen_outside_blocks(model)
@@ -325,6 +328,10 @@ def unsimulated(w: Workload, shape: ModelShape | None = None) -> str | None:
         # bitsandbytes' Linear4bit returns its input's dtype, fp32 over peft's fp32 stream (tests/test_plan_qlora_
         # stream.py); the step's NF4 layers return 16 bits under autocast
         return "bitsandbytes' 4-bit layers over an fp32 stream (the simulated step's NF4 layers return 16 bits)"
+    if w.trains_adapters and w.lora_experts and w.lora_dropout > 0 and shape and shape.moe_layers:
+        # transformers 5's fused expert stacks take adapters only through peft's target_parameters, which refuses
+        # dropout; the runs that had it (transformers 4's expert Linears) cannot be built from this transformers
+        return "LoRA dropout on the routed experts (peft's adapters on fused expert weights take none)"
     if w.method == "qlora" and w.quant_backend == "bnb" and (w.bnb_compute_fp32 or (shape and shape.moe_layers)):
         # bitsandbytes leaves a mixture's expert stacks in 16 bits and dequantizes to fp32 under bnb_compute_fp32;
         # the step stores every stack in torchao's NF4 and dequantizes to the compute dtype
