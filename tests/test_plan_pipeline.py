@@ -92,3 +92,26 @@ def test_plan_cli_shows_the_pipeline_and_refuses_more_stages_than_blocks(capsys:
     assert code == 2 and "4 x 16 stages" in err and "Traceback" not in err
     code, _, err = run_here(capsys, "plan", "--model", MODEL, "--gpus", "4x24GB", "--pipeline-parallel", "64")
     assert code == 2 and "32 decoder blocks" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("model", ["zai-org/GLM-4.5", "deepseek-ai/DeepSeek-V3"])
+@pytest.mark.parametrize(("stages", "per_rank"), [(4, 1), (8, 1), (8, 2)])
+def test_a_mixtures_dense_first_blocks_belong_to_the_stages_that_hold_them(model: str, stages: int,
+                                                                            per_rank: int) -> None:
+    """GLM-4.5's and DeepSeek-V3's first three blocks are dense. A stage of fewer blocks than that was planned as
+    three dense blocks and a negative number of expert blocks (an internal error out of `plan
+    --pipeline-parallel`); now each stage holds the dense blocks its range of blocks holds, three in all."""
+    from shardfit.plan.pipeline import blocks_shape, stage_blocks
+
+    shape = resolve_shape(model)
+    w = dataclasses.replace(workload_of(Config(model=model, data="d.jsonl", method="lora", max_seq_len=2048)),
+                            grad_ckpt="none")
+    pipe = plan_pipeline(shape, w, parse_gpus(f"{stages}x80GB"), stages // per_rank if per_rank > 1 else stages,
+                         per_rank=per_rank)
+    assert all(g > 0 for g in pipe.stage_gibs)
+    if per_rank == 1:
+        starts = [sum(pipe.cut[:s]) for s in range(stages)]
+        held = [stage_blocks(shape, s, b, f) for s, (b, f) in enumerate(zip(pipe.cut, starts, strict=True))]
+        assert sum(h.dense_layers for h in held) == shape.dense_layers == 3
+        assert all(h.moe_layers >= 0 for h in held)
+    assert blocks_shape(shape, [range(0, 2)]).dense_layers == 2 and blocks_shape(shape, [range(2, 9)]).dense_layers == 1

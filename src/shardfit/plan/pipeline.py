@@ -213,6 +213,20 @@ def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False,
     return params * t / GIB, params * t / GIB, params * states / GIB
 
 
+def blocks_shape(shape: ModelShape, held: Sequence[range]) -> ModelShape:
+    """The model of the decoder blocks in `held` (ranges of block indices): a mixture's dense blocks are the
+    model's first `dense_layers` (GLM-4.5's three, DeepSeek-V3's three), so only what holds those has them."""
+    dense = sum(len(range(max(r.start, 0), min(r.stop, shape.dense_layers))) for r in held)
+    return dataclasses.replace(shape, layers=sum(len(r) for r in held), dense_layers=dense)
+
+
+def stage_blocks(shape: ModelShape, stage: int, blocks: int, first: int | None) -> ModelShape:
+    """The model of a stage holding `blocks` blocks from block `first` on; where the cut is not known yet
+    (`first` None), the first stage's from block 0 and every other's past the dense blocks."""
+    start = (0 if stage == 0 else shape.dense_layers) if first is None else first
+    return blocks_shape(shape, [range(start, start + blocks)])
+
+
 def stage_hardware(hw: Hardware, dp: int) -> Hardware:
     """The `dp` GPUs of `hw` that hold one stage: neighbours on the job's mesh (resolve/dims.py puts the stages
     farthest apart), on one node where they fit."""
@@ -237,24 +251,25 @@ def held_by_pipeline(b: Breakdown, w: Workload, s: strategies.Strategy, dp: int)
 
 
 def stage_gib(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int, dp: int = 1,
-              strategy: str = "single") -> float:
-    """The peak (GiB, runtime overhead included) of stage `stage` of `stages` holding `blocks` decoder blocks, on
-    each of the `dp` GPUs of `hw` that hold it under `strategy` (`stage_breakdown`)."""
-    b = stage_breakdown(shape, w, hw, stages, stage, blocks, dp, strategy)
+              strategy: str = "single", first: int | None = None) -> float:
+    """The peak (GiB, runtime overhead included) of stage `stage` of `stages` holding `blocks` decoder blocks (from
+    block `first` on: `stage_blocks`), on each of the `dp` GPUs of `hw` that hold it under `strategy`
+    (`stage_breakdown`)."""
+    b = stage_breakdown(shape, w, hw, stages, stage, blocks, dp, strategy, first)
     check_not_negative(b, f"stage {stage} of {stages} ({blocks} blocks, {strategy})")
     tensors = sum((b.weights, b.grads, b.optimizer, b.activations, b.logits, b.temporaries))
     return tensors * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_GIB + (NCCL_GIB if stages * dp > 1 else 0.0)
 
 
 def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, stage: int, blocks: int,
-                    dp: int = 1, strategy: str = "single") -> Breakdown:
+                    dp: int = 1, strategy: str = "single", first: int | None = None) -> Breakdown:
     """The tensors (GiB) at the peak of stage `stage` of `stages` holding `blocks` decoder blocks, on each of the
     `dp` GPUs of `hw` that hold it under `strategy`: the strategy's estimate over those GPUs of a model of `blocks`
     blocks, less what other stages hold (sharded as the strategy shards it), plus what the pipeline keeps
     (`held_by_pipeline`) and the saved activations of the micro-batches 1F1B keeps in flight there."""
     name = strategy if dp > 1 else "single"
     s = strategies.get(name)
-    stage_shape = dataclasses.replace(shape, layers=blocks)
+    stage_shape = stage_blocks(shape, stage, blocks, first)
     whole = estimate(stage_shape, w, stage_hardware(hw, dp), name)
     b = dataclasses.replace(whole.per_gpu_gib)
     step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor step's copies of what it steps
@@ -362,7 +377,7 @@ def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per
         return _interleaved(shape, w, hw, stages, per_rank, schedule == "zero_bubble")
     name = strategy if dp > 1 else "single"
     cut = stage_cut(shape, w, hw, stages, dp, name)
-    gibs = [stage_gib(shape, w, hw, stages, s, b, dp, name) for s, b in enumerate(cut)]
+    gibs = [stage_gib(shape, w, hw, stages, s, b, dp, name, sum(cut[:s])) for s, b in enumerate(cut)]
     m = w.grad_accum
     per_micro, fixed = _micro_and_fixed(shape, w, hw)
     slots = m + stages - 1
@@ -372,7 +387,9 @@ def plan_pipeline(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per
     # The fullest stage's collectives over its dp ranks, prefetched under the compute: zero3's gathers under each
     # micro-batch, zero2's under the step's first forward; the reduction after the step's last backward, which
     # DDP's bucketed all-reduce overlaps.
-    gather, once, reduce = stage_sync_s(dataclasses.replace(shape, layers=max(cut)), w, stage_hardware(hw, dp), name)
+    fullest = cut.index(max(cut))
+    gather, once, reduce = stage_sync_s(stage_blocks(shape, fullest, max(cut), sum(cut[:fullest])), w,
+                                        stage_hardware(hw, dp), name)
     if s.engine == "ddp":
         reduce = max(0.0, reduce - per_micro * share * (1 - FWD_SHARE))
     slot = max(per_micro * share, gather)
@@ -414,7 +431,8 @@ def _interleaved(shape: ModelShape, w: Workload, hw: Hardware, stages: int, per_
     blocks = per_gpu[0]
     one_gpu = dataclasses.replace(hw, nodes=1, gpus_per_node=1)
     m = w.grad_accum
-    stage_shape = dataclasses.replace(shape, layers=blocks)
+    stage_shape = blocks_shape(shape, [range(sum(counts[:s]), sum(counts[:s + 1]))
+                                       for s in range(0, stages * per_rank, stages)])
     one = estimate(stage_shape, w, one_gpu, "single")  # the blocks, embedding, tower, head: one micro-batch
     # The first GPU: no output head (unless tied: it is the embedding), and the inputs the other chunks in flight
     # keep until their backward (every saved activation without checkpointing).
