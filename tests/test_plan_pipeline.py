@@ -115,3 +115,17 @@ def test_a_mixtures_dense_first_blocks_belong_to_the_stages_that_hold_them(model
         assert sum(h.dense_layers for h in held) == shape.dense_layers == 3
         assert all(h.moe_layers >= 0 for h in held)
     assert blocks_shape(shape, [range(0, 2)]).dense_layers == 2 and blocks_shape(shape, [range(2, 9)]).dense_layers == 1
+
+
+def test_a_stage_whose_peak_holds_no_gradients_keeps_none_of_the_heads() -> None:
+    """A full fine-tune's stage peaks at the whole model's loss of its one micro-batch, before any gradient exists;
+    the first stage's share then subtracted the untied head's gradients from none (an internal error out of
+    `plan --pipeline-parallel 2` on Llama-3-70B over 8 GPUs). It holds none of them, and no part is negative."""
+    from shardfit.plan.pipeline import stage_breakdown, stage_cut
+
+    shape = resolve_shape("meta-llama/Meta-Llama-3-70B")
+    w = workload_of(Config(model="meta-llama/Meta-Llama-3-70B", data="d.jsonl", method="full", max_seq_len=1024))
+    hw = parse_gpus("8xH100")
+    for blocks in (1, 2, *stage_cut(shape, w, hw, 2, 4, "zero2")):
+        b = stage_breakdown(shape, w, hw, 2, 0, blocks, 4, "zero2")
+        assert min(b.weights, b.grads, b.optimizer, b.activations, b.temporaries) >= 0 and b.grads == 0

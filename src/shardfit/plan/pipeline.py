@@ -273,6 +273,7 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     whole = estimate(stage_shape, w, stage_hardware(hw, dp), name)
     b = dataclasses.replace(whole.per_gpu_gib)
     step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor step's copies of what it steps
+    grads_held = b.grads > 0
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
@@ -305,7 +306,8 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
         copies = OPTIMIZER_KINDS[w.optimizer].group_copies
         copy = copies * params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
         b.weights -= wt / (dp if s.sharded else 1)  # FSDP2 stores zero2's weights sharded too
-        b.grads -= g / (dp if s.shards_grads else 1)
+        # a moment with no gradients yet (the loss of a step's only micro-batch) holds none of the part's either
+        b.grads -= g / (dp if s.shards_grads else 1) if grads_held else 0.0
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)
     if step_copy and not (first or last):
         b.optimizer -= _loop_step_excess(stage_shape, w, s, dp) / GIB
