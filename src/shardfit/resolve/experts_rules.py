@@ -82,7 +82,8 @@ def check_ep_model(n: int, experts: int, model: str, *, every_expert: bool = Fal
     if n == 1:
         return
     if experts <= 1:
-        raise UserError(f"{_prefix(n)}: {model} is a dense model (no routed experts to share out): {FIX}.")
+        raise UserError(f"{_prefix(n)}: {model} is a dense model (no routed experts to share out): set "
+                        "expert_parallel: 1.")
     if every_expert:
         raise UserError(f"{_prefix(n)}: {model} runs every token through every expert (Llama 4's experts), which "
                         f"expert parallelism would turn into sending every token everywhere: {FIX}.")
