@@ -129,3 +129,24 @@ def test_a_stage_whose_peak_holds_no_gradients_keeps_none_of_the_heads() -> None
     for blocks in (1, 2, *stage_cut(shape, w, hw, 2, 4, "zero2")):
         b = stage_breakdown(shape, w, hw, 2, 0, blocks, 4, "zero2")
         assert min(b.weights, b.grads, b.optimizer, b.activations, b.temporaries) >= 0 and b.grads == 0
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3.5-9B", "Qwen/Qwen3-Next-80B-A3B-Instruct",
+                                   "meta-llama/Llama-4-Maverick-17B-128E-Instruct", "google/gemma-3-12b-it"])
+def test_a_share_of_an_interleaved_model_holds_its_kinds_in_proportion(model: str) -> None:
+    """A hybrid's linear-attention or windowed blocks and Llama 4's interleaved dense blocks sit all through the
+    model: a stage was planned with the whole model's counts of them (Qwen3.5-9B's one-block stage: 24 linear
+    blocks, -3,747 GiB of activations, an internal error out of `plan`). A share holds each kind in proportion,
+    never more of one, or of any two, than its blocks."""
+    from shardfit.plan.pipeline import INTERLEAVED, blocks_shape
+
+    shape = resolve_shape(model)
+    for blocks in (1, 2, 5, shape.layers // 2, shape.layers):
+        part = blocks_shape(shape, [range(0, blocks)])
+        kinds = [getattr(part, k) for k in INTERLEAVED] + [g.blocks for g in part.attention_groups]
+        assert part.layers == blocks and all(0 <= k <= blocks for k in kinds) and 0 <= part.dense_layers <= blocks
+        assert part.mamba_layers + part.attention_layers <= blocks
+    assert blocks_shape(shape, [range(0, shape.layers)]) == shape
+    w = dataclasses.replace(workload_of(Config(model=model, data="d.jsonl", method="lora", max_seq_len=2048)),
+                            grad_ckpt="none")
+    assert all(g > 0 for g in plan_pipeline(shape, w, parse_gpus("8x80GB"), 8).stage_gibs)

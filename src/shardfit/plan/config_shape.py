@@ -479,7 +479,7 @@ def shape_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             tied=tied_of(cfg, text, built),
             experts=experts, top_k=int(first_of(text, TOP_K, 1) or 1) if experts > 1 else 1,
             moe_intermediate=expert, shared_intermediate=shared,
-            dense_layers=moe_flags.count(False) if experts > 1 else 0,
+            dense_layers=moe_flags.count(False) if experts > 1 else 0, dense_first=moe_flags == sorted(moe_flags),
             mla=mla_of(text), **biases_of(text, model_type, built),
             sliding_window=attention.span, sliding_layers=attention.blocks, attention_kinds=attention.kinds,
             attention_chunked=CHUNK in attention.kinds,

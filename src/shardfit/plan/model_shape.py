@@ -93,6 +93,9 @@ class ModelShape:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: int = 0
+    # whether those dense blocks come first (GLM-4.5's and DeepSeek-V3's first_k_dense_replace), not interleaved
+    # with the mixture's (Llama 4's interleave_moe_layer_step): which blocks a pipeline stage's share holds
+    dense_first: bool = True
     # config.json's model_type (a catalog entry states its published config's; "" where not known): which of peft's
     # transformers-5 rewrites of a mixture's LoRA targets applies (foreign/targets.py `peft_rewrite`), and peft's
     # default targets for a LoraConfig without any (`plan_peft_default`).

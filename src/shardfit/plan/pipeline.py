@@ -213,11 +213,29 @@ def _part_gib(params: int, trained: bool, w: Workload, embedding: bool = False,
     return params * t / GIB, params * t / GIB, params * states / GIB
 
 
+# The counts of a hybrid's interleaved kinds of block (plan/model_shape.py), which a share of the blocks holds in
+# proportion.
+INTERLEAVED = ("sliding_layers", "linear_layers", "linear_dense_layers", "mamba_layers", "attention_layers",
+               "mamba_mixers", "mamba_dense_mixers")
+
+
 def blocks_shape(shape: ModelShape, held: Sequence[range]) -> ModelShape:
-    """The model of the decoder blocks in `held` (ranges of block indices): a mixture's dense blocks are the
-    model's first `dense_layers` (GLM-4.5's three, DeepSeek-V3's three), so only what holds those has them."""
-    dense = sum(len(range(max(r.start, 0), min(r.stop, shape.dense_layers))) for r in held)
-    return dataclasses.replace(shape, layers=sum(len(r) for r in held), dense_layers=dense)
+    """The model of the decoder blocks in `held` (ranges of block indices). A mixture's dense blocks that come
+    first (GLM-4.5's three, DeepSeek-V3's three) are counted where the ranges hold them; interleaved kinds (Llama
+    4's dense blocks, a hybrid's linear-attention, Mamba and windowed blocks) in proportion, rounded down, so that
+    no kind, nor any sum of kinds the planner takes from the blocks, exceeds the share's blocks."""
+    blocks = sum(len(r) for r in held)
+
+    def share(count: int) -> int:
+        return count * blocks // shape.layers
+
+    hybrid = any(getattr(shape, k) for k in INTERLEAVED if k != "sliding_layers")
+    dense = sum(len(range(max(r.start, 0), min(r.stop, shape.dense_layers))) for r in held) \
+        if shape.dense_first and not hybrid else share(shape.dense_layers)
+    return dataclasses.replace(shape, layers=blocks, dense_layers=dense,
+                               attention_groups=tuple(dataclasses.replace(g, blocks=share(g.blocks))
+                                                      for g in shape.attention_groups),
+                               **{k: share(getattr(shape, k)) for k in INTERLEAVED})
 
 
 def stage_blocks(shape: ModelShape, stage: int, blocks: int, first: int | None) -> ModelShape:
@@ -273,23 +291,27 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     whole = estimate(stage_shape, w, stage_hardware(hw, dp), name)
     b = dataclasses.replace(whole.per_gpu_gib)
     step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor step's copies of what it steps
-    grads_held = b.grads > 0
+    # the gradients the moment holds: every one once the backward has ended (the step) or from earlier
+    # micro-batches; within the backward those it has reached, the head's first, the embedding's and towers' last
+    every_grad = step_copy or (w.grad_accum > 1 and b.grads > 0)
+    head_grads = every_grad or whole.peak_phase == "backward"
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
-    # (weights, trained, the input embedding, peft's trained copy): the parts another stage holds
-    parts: list[tuple[int, bool, bool, bool]] = []
+    # (weights, trained, the input embedding, peft's trained copy, gradients only at the backward's end): the parts
+    # another stage holds
+    parts: list[tuple[int, bool, bool, bool, bool]] = []
     if not first:  # the towers stay on the first stage, with the images' and clips' activations
-        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False, False))
+        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False, False, True))
         b.activations -= media_activation_bytes(stage_shape, w, name) / GIB
     if shape.tied:  # one matrix counted: the first stage's embedding, the last stage's copy of it as the head
-        parts += [(matrix, trains_embedding, True, False)] if not first and not last else []
+        parts += [(matrix, trains_embedding, True, False, False)] if not first and not last else []
     else:
-        parts += [(matrix, trains_embedding, True, False)] if not first else []
-        parts += [(matrix, trains_embedding, False, False)] if not last else []
+        parts += [(matrix, trains_embedding, True, False, True)] if not first else []
+        parts += [(matrix, trains_embedding, False, False, False)] if not last else []
     saved = w.lora_saved if w.trains_adapters else ()  # peft's trained copies: the embedding's first, the head's last
-    parts += [(matrix, True, True, True)] if "embed" in saved and not first else []
-    parts += [(matrix, True, False, True)] if "head" in saved and not last else []
+    parts += [(matrix, True, True, True, True)] if "embed" in saved and not first else []
+    parts += [(matrix, True, False, True, False)] if "head" in saved and not last else []
     if not last:  # the loss's buffers are the last stage's, and zero3's unsharded root (the head) too
         b.logits = 0.0
         # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
@@ -297,17 +319,16 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     if s.sharded and not s.shards_params and not step_copy:
         # zero2's gathered model (a temporary from forward into backward) holds the towers, the embedding and the
         # head of the estimate's whole model: those another stage holds are gathered there
-        elsewhere = sum(params for params, _, _, copied in parts if not copied)
+        elsewhere = sum(params for params, _, _, copied, _ in parts if not copied)
         b.temporaries -= elsewhere * compute_bytes(w) / GIB
-    for params, trained, embedding, copied in parts:
+    for params, trained, embedding, copied, late in parts:
         wt, g, o = _part_gib(params, trained, w, embedding, copied)
         # the multi-tensor step's copies (optimizer_states.py `foreach_temp_bytes`), in the trained weights' dtype
         stepped = saved_copy_bytes(w) if copied else trainable_bytes(w)
         copies = OPTIMIZER_KINDS[w.optimizer].group_copies
         copy = copies * params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
         b.weights -= wt / (dp if s.sharded else 1)  # FSDP2 stores zero2's weights sharded too
-        # a moment with no gradients yet (the loss of a step's only micro-batch) holds none of the part's either
-        b.grads -= g / (dp if s.shards_grads else 1) if grads_held else 0.0
+        b.grads -= g / (dp if s.shards_grads else 1) if (every_grad if late else head_grads) else 0.0
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)
     if step_copy and not (first or last):
         b.optimizer -= _loop_step_excess(stage_shape, w, s, dp) / GIB
