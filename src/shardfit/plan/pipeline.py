@@ -291,27 +291,26 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     whole = estimate(stage_shape, w, stage_hardware(hw, dp), name)
     b = dataclasses.replace(whole.per_gpu_gib)
     step_copy = whole.peak_phase == "optimizer"  # the peak holds the multi-tensor step's copies of what it steps
-    # the gradients the moment holds: every one once the backward has ended (the step) or from earlier
-    # micro-batches; within the backward those it has reached, the head's first, the embedding's and towers' last
-    every_grad = step_copy or (w.grad_accum > 1 and b.grads > 0)
-    head_grads = every_grad or whole.peak_phase == "backward"
+    # the parts' gradients the moment holds: every one at the step, and wherever earlier micro-batches' are held
+    # (accumulation) or any at the loss (DDP's buckets). Within a lone micro-batch's backward which ones is the
+    # estimate's, so none is taken off there: the stage errs high by what it has reached of them, never below zero
+    grads_held = step_copy or (b.grads > 0 and (w.grad_accum > 1 or whole.peak_phase == "forward"))
     first, last = stage == 0, stage == stages - 1
     trains_embedding = w.method == "full"
     matrix = shape.vocab * shape.hidden  # the input embedding's, and an untied head's, weights
-    # (weights, trained, the input embedding, peft's trained copy, gradients only at the backward's end): the parts
-    # another stage holds
-    parts: list[tuple[int, bool, bool, bool, bool]] = []
+    # (weights, trained, the input embedding, peft's trained copy): the parts another stage holds
+    parts: list[tuple[int, bool, bool, bool]] = []
     if not first:  # the towers stay on the first stage, with the images' and clips' activations
-        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False, False, True))
+        parts.append((shape.extra_params, w.vision_trainable and w.method == "full", False, False))
         b.activations -= media_activation_bytes(stage_shape, w, name) / GIB
     if shape.tied:  # one matrix counted: the first stage's embedding, the last stage's copy of it as the head
-        parts += [(matrix, trains_embedding, True, False, False)] if not first and not last else []
+        parts += [(matrix, trains_embedding, True, False)] if not first and not last else []
     else:
-        parts += [(matrix, trains_embedding, True, False, True)] if not first else []
-        parts += [(matrix, trains_embedding, False, False, False)] if not last else []
+        parts += [(matrix, trains_embedding, True, False)] if not first else []
+        parts += [(matrix, trains_embedding, False, False)] if not last else []
     saved = w.lora_saved if w.trains_adapters else ()  # peft's trained copies: the embedding's first, the head's last
-    parts += [(matrix, True, True, True, True)] if "embed" in saved and not first else []
-    parts += [(matrix, True, False, True, False)] if "head" in saved and not last else []
+    parts += [(matrix, True, True, True)] if "embed" in saved and not first else []
+    parts += [(matrix, True, False, True)] if "head" in saved and not last else []
     if not last:  # the loss's buffers are the last stage's, and zero3's unsharded root (the head) too
         b.logits = 0.0
         # the root's gathered head is a temporary of forward and backward; the optimizer step's peak has none
@@ -319,16 +318,16 @@ def stage_breakdown(shape: ModelShape, w: Workload, hw: Hardware, stages: int, s
     if s.sharded and not s.shards_params and not step_copy:
         # zero2's gathered model (a temporary from forward into backward) holds the towers, the embedding and the
         # head of the estimate's whole model: those another stage holds are gathered there
-        elsewhere = sum(params for params, _, _, copied, _ in parts if not copied)
+        elsewhere = sum(params for params, _, _, copied in parts if not copied)
         b.temporaries -= elsewhere * compute_bytes(w) / GIB
-    for params, trained, embedding, copied, late in parts:
+    for params, trained, embedding, copied in parts:
         wt, g, o = _part_gib(params, trained, w, embedding, copied)
         # the multi-tensor step's copies (optimizer_states.py `foreach_temp_bytes`), in the trained weights' dtype
         stepped = saved_copy_bytes(w) if copied else trainable_bytes(w)
         copies = OPTIMIZER_KINDS[w.optimizer].group_copies
         copy = copies * params * stepped / GIB if trained and step_copy and w.multi_tensor_step else 0.0
         b.weights -= wt / (dp if s.sharded else 1)  # FSDP2 stores zero2's weights sharded too
-        b.grads -= g / (dp if s.shards_grads else 1) if (every_grad if late else head_grads) else 0.0
+        b.grads -= g / (dp if s.shards_grads else 1) if grads_held else 0.0
         b.optimizer -= (o + copy) / (dp if s.shards_optimizer else 1)
     if step_copy and not (first or last):
         b.optimizer -= _loop_step_excess(stage_shape, w, s, dp) / GIB
@@ -362,10 +361,15 @@ def stage_cut(shape: ModelShape, w: Workload, hw: Hardware, stages: int, dp: int
     those peaks as even as they can be; where no cut fits, the one with the smallest largest peak."""
     if stages == 1:
         return [shape.layers]
-    ones = [stage_gib(shape, w, hw, stages, s, 1, dp, strategy) for s in range(stages)]
-    twos = [stage_gib(shape, w, hw, stages, s, 2, dp, strategy) for s in range(stages)]
+    # each stage read at two sizes: the first stage of a dense-first mixture past its dense blocks, so that its
+    # cost per block is an expert block's (read at one and two blocks it would be a dense block's)
+    at = [1] * stages
+    if blocks_shape(shape, [range(0, 2)]).dense_layers and shape.layers >= shape.dense_layers + stages + 1:
+        at[0] = shape.dense_layers + 1
+    ones = [stage_gib(shape, w, hw, stages, s, at[s], dp, strategy) for s in range(stages)]
+    twos = [stage_gib(shape, w, hw, stages, s, at[s] + 1, dp, strategy) for s in range(stages)]
     per_block = [b - a for a, b in zip(ones, twos, strict=True)]
-    fixed = [a - p for a, p in zip(ones, per_block, strict=True)]
+    fixed = [a - n * p for a, p, n in zip(ones, per_block, at, strict=True)]
     for most in range(-(-shape.layers // stages), shape.layers - stages + 2):
         blocks = balance(shape.layers, fixed, per_block, most)
         if max(f + b * p for f, b, p in zip(fixed, blocks, per_block, strict=True)) <= hw.gpu_mem_gib:
