@@ -34,9 +34,12 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     lora["rank"] = w.lora_rank
     if methods.get(w.method).adapters:
         cfg["lora"] = lora
-        if "experts" not in lora and _moe_without_expert_adapters(job):
-            lora["experts"] = False  # shardfit's trainer would otherwise add every expert's adapters
-        if lora.get("dropout", 0) > 0 and lora.get("experts", True) and _mixture(job) is not None:
+        mixture = _mixture(job)
+        if "experts" not in lora and mixture is not None and not adapts_experts(mixture, w):
+            # the tool's adapters reach no routed expert (plan/adapters.py `adapts_experts`), while shardfit's
+            # trainer would otherwise add every expert's adapters
+            lora["experts"] = False
+        if lora.get("dropout", 0) > 0 and lora.get("experts", True) and mixture is not None:
             # the fused experts' adapters (peft's target_parameters) take no dropout: keeping which weights train
             # matters more to the result than the regularizer, and the header says how to keep it instead
             lora["dropout"] = 0.0
@@ -60,16 +63,9 @@ def to_config(job: ForeignJob) -> dict[str, Any]:
     return cfg
 
 
-def _moe_without_expert_adapters(job: ForeignJob) -> bool:
-    """Whether the job's model is a mixture whose routed experts the tool's adapters do not reach as planned
-    (plan/adapters.py `adapts_experts`), while shardfit's trainer adapts every expert weight whatever the targets
-    unless `lora.experts` is false. A model not at hand: False (the converted config keeps shardfit's default)."""
-    shape = _mixture(job)
-    return shape is not None and not adapts_experts(shape, job.workload)
-
-
 def _mixture(job: ForeignJob) -> ModelShape | None:
-    """The job's model's shape where it is a mixture of experts; None for a dense model or one not at hand."""
+    """The job's model's shape where it is a mixture of experts; None for a dense model or one not at hand (the
+    converted config then keeps shardfit's defaults)."""
     try:
         shape = resolve_shape(job.model)
     except UserError:

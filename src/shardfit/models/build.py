@@ -242,14 +242,12 @@ def meta_model(config: Any, dtype: torch.dtype, cfg: Config) -> nn.Module:
             if cls is AutoModelForCausalLM:
                 return cls.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **attention)
             return cls._from_config(config, dtype=dtype, **attention)
-    except ImportError as e:
-        if attention.get("attn_implementation") == "flash_attention_2":  # the key asked for a missing package
+    except Exception as e:  # noqa: BLE001 - a config that cannot build a model (zero heads, ...) is bad input
+        if isinstance(e, ImportError) and attention.get("attn_implementation") == "flash_attention_2":
+            # the key asked for a package this Python lacks: the config itself is good
             raise UserError("'attn_implementation': flash_attention_2 needs the flash-attn package, which this "
                             "Python cannot import (a CUDA build: pip install flash-attn on the machine that trains); "
                             "or set attn_implementation: auto (SDPA).") from None
-        raise UserError(f"'model': {cfg.model}: its config.json does not build a model: {type(e).__name__}: {e}") \
-            from None
-    except Exception as e:  # noqa: BLE001 - a config that cannot build a model (zero heads, ...) is bad input
         raise UserError(f"'model': {cfg.model}: its config.json does not build a model: {type(e).__name__}: {e}") \
             from None
 

@@ -42,4 +42,3 @@ def keeps_down_input(shape: ModelShape, w: Workload) -> bool:
     projection or its adapter (without dropout: with it the adapter keeps its dropped copy instead); under LoRA
     on dense blocks nothing else reads it (`dense_adapters`)."""
     return not dense_adapters(shape, w) or (adapts("down", w) and w.lora_dropout == 0)
-

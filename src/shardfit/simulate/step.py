@@ -108,10 +108,9 @@ def upcast_frozen_outside_blocks(model: torch.nn.Module) -> None:
     quantized (embeddings, norms, head; the blocks' linear layers are) becomes fp32."""
     quantized = {id(m.weight) for m in decoder_and_head(model)[0].modules() if isinstance(m, torch.nn.Linear)}
     for p in model.parameters():
-        # a mixture's expert stacks are parameters of no Linear, quantized to NF4 all the same
-        if is_nf4(p.data):
-            continue
-        if not p.requires_grad and id(p) not in quantized and p.dtype in (torch.float16, torch.bfloat16):
+        # (a mixture's expert stacks are parameters of no Linear, quantized to NF4 all the same)
+        if not p.requires_grad and id(p) not in quantized and not is_nf4(p.data) and \
+                p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
 
 
